@@ -1,0 +1,26 @@
+# Two entry points for a fresh machine (see README): `make demo` and `make test`.
+# Both build their own virtual environment; torch is pinned to the CPU wheel that installs offline
+# here (an unpinned torch would pull a multi-GB CUDA build).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+
+.PHONY: demo test clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/planner plan models/gpt.py --gpus 2 --size tiny -o plan.json
+	$(VENV)/bin/planner run plan.json --steps 10
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) plan.json plan.run.json
