@@ -1,0 +1,82 @@
+"""Per-block costs: the plain numbers every later step (solve, simulate, plan, report) works on.
+
+Pure module: pydantic only, never torch. Profiling (``planner.profile``) fills these in; the
+solver and simulator read them. They round-trip through JSON as part of ``plan.json``.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class BlockCost(BaseModel):
+    """What one block (a group of graph nodes, usually one module) costs per microbatch.
+
+    Blocks are in execution (topological) order; a stage is a contiguous range of blocks.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(description="Module FQN of the block, e.g. 'layers.3' or 'tok_embeddings'; unique.")
+    first_node: str = Field(description="Name of the block's first graph node.")
+    last_node: str = Field(description="Name of the block's last graph node.")
+    fwd_s: float = Field(ge=0, description="Forward time of one microbatch, seconds.")
+    bwd_s: float = Field(ge=0, description="Backward time of one microbatch, seconds.")
+    params: int = Field(ge=0, description="Parameters first used in this block (shared ones counted once).")
+    param_bytes: int = Field(ge=0, description="Bytes of those parameters.")
+    activation_bytes: int = Field(ge=0, description="Bytes saved for backward by one microbatch.")
+    cut_bytes: int = Field(
+        ge=0, description="Bytes crossing a stage boundary placed right after this block, per microbatch, one way."
+    )
+    cut_tensors: int = Field(ge=0, description="Number of tensors crossing that boundary.")
+    cut_legal: bool = Field(description="Whether a stage boundary may be placed right after this block.")
+    is_layer: bool = Field(description="One of the model's repeated layers (child of a ModuleList/Sequential/ModuleDict).")
+
+
+class LinkCost(BaseModel):
+    """Cost of one point-to-point message between neighbouring pipeline ranks.
+
+    A message costs ``latency_s + nbytes / bandwidth_Bps``. On this project's CPU machines the fixed
+    part dominates: ~1-3 ms per (stage, microbatch) action inside a gloo pipelining schedule (see
+    shared/REFERENCES.md), far above gloo's raw 0.2-0.4 ms round trip.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(description="Short description, e.g. 'gloo-cpu'.")
+    latency_s: float = Field(ge=0, description="Fixed cost per message, seconds.")
+    bandwidth_Bps: float = Field(gt=0, description="Sustained bandwidth, bytes per second.")
+
+    def send_s(self, nbytes: int) -> float:
+        """Seconds to send one message of ``nbytes``.
+
+        Args:
+            nbytes: message size in bytes.
+
+        Returns:
+            ``latency_s + nbytes / bandwidth_Bps``.
+        """
+        return self.latency_s + nbytes / self.bandwidth_Bps
+
+
+# Measured on this project's machines (shared/REFERENCES.md): ~1-3 ms fixed cost per
+# (stage, microbatch) action inside a torch.distributed.pipelining schedule on gloo; loopback
+# bandwidth for the small tensors involved is a few GB/s.
+GLOO_CPU_LINK = LinkCost(name="gloo-cpu", latency_s=1.5e-3, bandwidth_Bps=2.0e9)
+# NVLink-class intra-node link for nccl (H100 SXM: 450 GB/s per direction; small-message latency ~10 us).
+NCCL_NVLINK_LINK = LinkCost(name="nccl-nvlink", latency_s=10e-6, bandwidth_Bps=300e9)
+
+
+class OptimizerSpec(BaseModel):
+    """Which optimizer the run uses and so how much state it keeps per parameter byte."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(default="adamw", description="'adamw' or 'sgd'.")
+    lr: float = Field(default=1e-3, gt=0)
+    grad_clip: float | None = Field(default=1.0, description="Max global gradient norm; None disables clipping.")
+
+    @property
+    def state_factor(self) -> int:
+        """Optimizer state bytes per parameter byte (AdamW keeps exp_avg and exp_avg_sq: 2)."""
+        return {"adamw": 2, "sgd": 0}[self.name]

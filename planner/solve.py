@@ -1,0 +1,647 @@
+"""Exact pipeline partition solver and the baselines it is compared against.
+
+Pure module: never imports torch. A partition splits the blocks (in execution order) into
+contiguous, non-empty stages, one per rank, cutting only after blocks whose ``cut_legal`` is True.
+
+``solve`` is exact: a dynamic programme over (stage index, end block) minimises the bottleneck
+stage cost (the slowest stage bounds the steady-state throughput of GPipe and 1F1B alike,
+Narayanan et al. 2021 Eq. 1), as PipeDream and Alpa do, subject to a per-stage memory limit. A
+second pass breaks ties deterministically. The baselines reproduce what torchtitan / Megatron
+(equal layer counts) and DeepSpeed (``partition_method="parameters"``) would pick, evaluated on the
+same costs so the report can compare them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from planner.costs import BlockCost, LinkCost, OptimizerSpec
+from planner.errors import InfeasibleError
+from planner.schedules import action_order, peak_in_flight
+from planner.simulate import StageTimes
+
+# Relative tolerance under which two bottlenecks / cost sums count as equal (float sums in a
+# different order differ in the last bits; exact ties must not depend on that).
+_REL_EPS = 1e-9
+
+
+class Partition(BaseModel):
+    """A split of the blocks into contiguous stages."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    starts: tuple[int, ...] = Field(
+        description="First block of each stage; starts[0] == 0, strictly increasing. Stage k is "
+        "blocks[starts[k]:starts[k+1]], the last stage runs to the end."
+    )
+    bottleneck_s: float = Field(description="Max over stages of stage_cost, seconds per microbatch.")
+
+    @field_validator("starts")
+    @classmethod
+    def _check_starts(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if not v or v[0] != 0 or any(b <= a for a, b in zip(v, v[1:])):
+            raise ValueError(f"starts={v} is invalid; expected starts[0] == 0 and strictly increasing.")
+        return v
+
+
+# ---------------------------------------------------------------------------------------------
+# Costs of one stage
+# ---------------------------------------------------------------------------------------------
+
+
+def _boundary_send_s(blocks: Sequence[BlockCost], start: int, end: int, link: LinkCost) -> float:
+    """Seconds a stage [start, end) spends on the messages of one microbatch in one direction.
+
+    The boundary after block ``c - 1`` carries ``blocks[c - 1].cut_bytes`` per microbatch forward
+    (activation) and the same size backward (its gradient); a rank receives at its start boundary
+    (unless first) and sends at its end boundary (unless last).
+    """
+    s = 0.0
+    if start > 0:
+        s += link.send_s(blocks[start - 1].cut_bytes)
+    if end < len(blocks):
+        s += link.send_s(blocks[end - 1].cut_bytes)
+    return s
+
+
+def _stage_times_one(blocks: Sequence[BlockCost], start: int, end: int, link: LinkCost) -> StageTimes:
+    comm = _boundary_send_s(blocks, start, end, link)
+    part = blocks[start:end]
+    return StageTimes(
+        fwd_s=sum(b.fwd_s for b in part),
+        bwd_s=sum(b.bwd_s for b in part),
+        comm_fwd_s=comm,
+        comm_bwd_s=comm,  # gradients cross the same boundaries with the same sizes
+    )
+
+
+def _bounds(starts: Sequence[int], n: int) -> list[tuple[int, int]]:
+    ends = list(starts[1:]) + [n]
+    return list(zip(starts, ends))
+
+
+def _check_starts(blocks: Sequence[BlockCost], starts: Sequence[int]) -> None:
+    """Raise InfeasibleError unless ``starts`` is a valid partition of ``blocks`` on legal cuts."""
+    n = len(blocks)
+    if n == 0:
+        raise InfeasibleError("blocks is empty; expected at least one block; profile a non-empty model.")
+    if not starts or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= n:
+        raise InfeasibleError(
+            f"starts={tuple(starts)} is invalid for {n} blocks; expected starts[0] == 0, strictly "
+            f"increasing, all < {n}; give one start index per non-empty stage."
+        )
+    for c in starts[1:]:
+        if not blocks[c - 1].cut_legal:
+            raise InfeasibleError(
+                f"a stage starts at block {c} ('{blocks[c].name}') but cutting after block "
+                f"'{blocks[c - 1].name}' is not legal; expected cuts only after blocks with cut_legal; "
+                "move the cut to a legal position."
+            )
+
+
+def stage_times(blocks: Sequence[BlockCost], starts: Sequence[int], link: LinkCost) -> list[StageTimes]:
+    """Per-stage, per-microbatch times of a partition, communication included.
+
+    For a rank, ``comm_fwd_s = link.send_s(bytes in)`` (unless first) ``+ link.send_s(bytes out)``
+    (unless last); ``comm_bwd_s`` is the same (gradients go the other way with the same sizes).
+
+    Args:
+        blocks: per-block costs in execution order.
+        starts: first block of each stage (see ``Partition.starts``).
+        link: cost of one message between neighbouring ranks.
+
+    Returns:
+        One ``StageTimes`` per stage.
+
+    Raises:
+        InfeasibleError: ``starts`` is not a valid partition on legal cuts.
+    """
+    _check_starts(blocks, starts)
+    return [_stage_times_one(blocks, s, e, link) for s, e in _bounds(starts, len(blocks))]
+
+
+def stage_cost(st: StageTimes) -> float:
+    """Seconds one microbatch occupies a stage: ``fwd_s + bwd_s + comm_fwd_s + comm_bwd_s``.
+
+    Args:
+        st: the stage's times.
+
+    Returns:
+        The stage's total time per microbatch; the largest one bounds the pipeline's throughput.
+    """
+    return st.fwd_s + st.bwd_s + st.comm_fwd_s + st.comm_bwd_s
+
+
+def stage_memory_bytes(
+    blocks: Sequence[BlockCost], start: int, end: int, in_flight: int, optimizer: OptimizerSpec
+) -> int:
+    """Peak memory of the stage holding ``blocks[start:end]``.
+
+    Formula (bytes)::
+
+        P * (2 + optimizer.state_factor)        # params + grads (same size) + optimizer state
+        + in_flight * A                         # activations saved for backward, per live microbatch
+        + 2 * cut_in + 2 * cut_out              # receive/send buffers: activation + its gradient
+
+    with ``P`` = sum of ``param_bytes``, ``A`` = sum of ``activation_bytes``, ``cut_in`` =
+    ``blocks[start - 1].cut_bytes`` (0 for the first stage), ``cut_out`` = ``blocks[end - 1].cut_bytes``
+    (0 for the last stage). ``in_flight`` is the stage's peak number of microbatches with forward
+    done and backward pending under the schedule (``planner.schedules.peak_in_flight``).
+
+    Args:
+        blocks: per-block costs in execution order.
+        start: first block of the stage.
+        end: one past the stage's last block.
+        in_flight: peak live microbatches on this stage.
+        optimizer: the optimizer (decides the state bytes per parameter byte).
+
+    Returns:
+        The stage's memory estimate in bytes.
+
+    Raises:
+        InfeasibleError: an empty or out-of-range block range.
+    """
+    n = len(blocks)
+    if not 0 <= start < end <= n:
+        raise InfeasibleError(
+            f"block range [{start}, {end}) is invalid for {n} blocks; expected 0 <= start < end <= {n}."
+        )
+    part = blocks[start:end]
+    p_bytes = sum(b.param_bytes for b in part)
+    a_bytes = sum(b.activation_bytes for b in part)
+    cut_in = blocks[start - 1].cut_bytes if start > 0 else 0
+    cut_out = blocks[end - 1].cut_bytes if end < n else 0
+    return p_bytes * (2 + optimizer.state_factor) + in_flight * a_bytes + 2 * cut_in + 2 * cut_out
+
+
+def in_flight_per_stage(schedule: str, n_stages: int, n_microbatches: int) -> list[int]:
+    """Peak live microbatches of every stage under a schedule (GPipe: m; 1F1B: min(m, p - i)).
+
+    Args:
+        schedule: "gpipe" or "1f1b".
+        n_stages: number of stages p.
+        n_microbatches: microbatches per step m.
+
+    Returns:
+        One count per stage index.
+
+    Raises:
+        InfeasibleError: the schedule cannot run with these numbers (see ``action_order``).
+    """
+    return [peak_in_flight(o) for o in action_order(schedule, n_stages, n_microbatches)]
+
+
+def stage_memories(
+    blocks: Sequence[BlockCost],
+    starts: Sequence[int],
+    *,
+    schedule: str,
+    n_microbatches: int,
+    optimizer: OptimizerSpec = OptimizerSpec(),
+) -> list[int]:
+    """Memory estimate of every stage of a partition (see ``stage_memory_bytes``).
+
+    Args:
+        blocks: per-block costs in execution order.
+        starts: first block of each stage.
+        schedule: "gpipe" or "1f1b".
+        n_microbatches: microbatches per step.
+        optimizer: the optimizer.
+
+    Returns:
+        Bytes per stage.
+
+    Raises:
+        InfeasibleError: invalid ``starts`` or schedule request.
+    """
+    _check_starts(blocks, starts)
+    infl = in_flight_per_stage(schedule, len(starts), n_microbatches)
+    return [
+        stage_memory_bytes(blocks, s, e, infl[k], optimizer) for k, (s, e) in enumerate(_bounds(starts, len(blocks)))
+    ]
+
+
+def evaluate(blocks: Sequence[BlockCost], starts: Sequence[int], link: LinkCost) -> Partition:
+    """The bottleneck of a given split.
+
+    Args:
+        blocks: per-block costs in execution order.
+        starts: first block of each stage.
+        link: cost of one message between neighbouring ranks.
+
+    Returns:
+        The partition with its ``bottleneck_s`` (max stage_cost, communication included).
+
+    Raises:
+        InfeasibleError: ``starts`` is not a valid partition on legal cuts.
+    """
+    times = stage_times(blocks, starts, link)
+    return Partition(starts=tuple(starts), bottleneck_s=max(stage_cost(t) for t in times))
+
+
+# ---------------------------------------------------------------------------------------------
+# The dynamic programme
+# ---------------------------------------------------------------------------------------------
+
+Allowed = Callable[[int, int, int], bool]  # (start, end, stage index) -> stage may be placed
+
+
+def _tol(x: float) -> float:
+    return _REL_EPS * max(1.0, abs(x))
+
+
+def _dp_partition(
+    n: int,
+    n_stages: int,
+    legal_cut: Sequence[bool],
+    primary: Sequence[Sequence[float]],
+    secondary: Sequence[Sequence[float]],
+    allowed: Allowed,
+    latest: bool = False,
+) -> tuple[int, ...] | None:
+    """Exact partition of ``n`` items into ``n_stages`` contiguous non-empty stages.
+
+    Minimises max ``primary[s][e]`` over stages; among partitions within ``_REL_EPS`` of that optimum,
+    minimises the sum of ``secondary[s][e]``; among those, returns the lexicographically smallest
+    starts (largest with ``latest``). O(p n^2).
+
+    Args:
+        n: number of items.
+        n_stages: number of stages p.
+        legal_cut: ``legal_cut[c]`` says a stage may start at item c (1 <= c < n).
+        primary: stage cost matrix for the bottleneck, ``primary[s][e]`` for items [s, e).
+        secondary: stage cost matrix for the tie-break sum.
+        allowed: whether a stage [s, e) may be placed at stage index k (memory limit).
+        latest: pick the lexicographically largest starts instead (earlier stages as full as possible).
+
+    Returns:
+        The starts, or None when no partition satisfies ``allowed``.
+    """
+    p = n_stages
+    inf = math.inf
+
+    def ends(k: int, s: int) -> range:
+        # Stage k must leave at least one item for each later stage; the last stage ends at n.
+        if k == p - 1:
+            return range(n, n + 1)
+        return range(s + 1, n - (p - 1 - k) + 1)
+
+    def ok_end(k: int, e: int) -> bool:
+        return k == p - 1 or legal_cut[e]
+
+    # Pass 1: best[e] = smallest bottleneck covering [0, e) with stages 0..k.
+    best = [inf] * (n + 1)
+    for e in ends(0, 0):
+        if ok_end(0, e) and allowed(0, e, 0):
+            best[e] = primary[0][e]
+    for k in range(1, p):
+        cur = [inf] * (n + 1)
+        for s in range(k, n):
+            if best[s] == inf:
+                continue
+            bs = best[s]
+            row = primary[s]
+            for e in ends(k, s):
+                if not ok_end(k, e):
+                    continue
+                v = row[e] if row[e] > bs else bs
+                if v < cur[e] and allowed(s, e, k):
+                    cur[e] = v
+        best = cur
+    opt = best[n]
+    if opt == inf:
+        return None
+    thr = opt + _tol(opt)
+
+    # Pass 2: suffix DP. suf[k][s] = least sum of secondary covering [s, n) with stages k..p-1,
+    # every stage's primary within the optimum bottleneck.
+    suf: list[list[float]] = [[inf] * (n + 1) for _ in range(p + 1)]
+    suf[p][n] = 0.0
+    for k in range(p - 1, -1, -1):
+        starts_k = range(0, 1) if k == 0 else range(k, n)
+        for s in starts_k:
+            if k > 0 and not legal_cut[s]:
+                continue
+            m = inf
+            for e in ends(k, s):
+                nxt = suf[k + 1][e]
+                if nxt == inf or not ok_end(k, e) or primary[s][e] > thr:
+                    continue
+                v = secondary[s][e] + nxt
+                if v < m and allowed(s, e, k):
+                    m = v
+            suf[k][s] = m
+    # Forward reconstruction: the smallest (largest with ``latest``) next start achieving the minimum
+    # sum gives the lexicographically smallest (largest) starts.
+    starts = [0]
+    s = 0
+    for k in range(p - 1):
+        target = suf[k][s]
+        for e in reversed(ends(k, s)) if latest else ends(k, s):
+            nxt = suf[k + 1][e]
+            if nxt == inf or not ok_end(k, e) or primary[s][e] > thr or not allowed(s, e, k):
+                continue
+            if secondary[s][e] + nxt <= target + _tol(target):
+                starts.append(e)
+                s = e
+                break
+        else:  # pragma: no cover - pass 2 guarantees a continuation exists
+            raise RuntimeError("partition DP reconstruction failed (planner bug)")
+    return tuple(starts)
+
+
+def _legal_cuts(blocks: Sequence[BlockCost]) -> list[bool]:
+    """``legal[c]``: a stage may start at block c, i.e. a cut after block c-1 is legal (1 <= c < n)."""
+    n = len(blocks)
+    return [False] + [blocks[c - 1].cut_legal for c in range(1, n)] + [False]
+
+
+def _cost_matrix(blocks: Sequence[BlockCost], link: LinkCost) -> list[list[float]]:
+    """``m[s][e]`` = stage_cost of a stage [s, e), from prefix sums (O(n^2))."""
+    n = len(blocks)
+    pre = [0.0]
+    for b in blocks:
+        pre.append(pre[-1] + b.fwd_s + b.bwd_s)
+    # comm_fwd + comm_bwd = 2 * (send in + send out)
+    send_in = [0.0] + [2 * link.send_s(blocks[s - 1].cut_bytes) for s in range(1, n)]
+    send_out = [0.0] + [2 * link.send_s(blocks[e - 1].cut_bytes) for e in range(1, n)] + [0.0]
+    mat = [[math.inf] * (n + 1) for _ in range(n + 1)]
+    for s in range(n):
+        for e in range(s + 1, n + 1):
+            mat[s][e] = (pre[e] - pre[s]) + send_in[s] + send_out[e]
+    return mat
+
+
+def _check_counts(blocks: Sequence[BlockCost], n_stages: int) -> None:
+    n = len(blocks)
+    if n == 0:
+        raise InfeasibleError("blocks is empty; expected at least one block; profile a non-empty model.")
+    if n_stages < 1:
+        raise InfeasibleError(f"n_stages={n_stages} is invalid; expected >= 1; use at least one stage.")
+    if n_stages > n:
+        raise InfeasibleError(
+            f"n_stages={n_stages} exceeds the number of blocks ({n}); expected at most one stage per "
+            f"block; use n_stages <= {n} or split the model into finer blocks."
+        )
+    n_legal = sum(_legal_cuts(blocks))
+    if n_legal < n_stages - 1:
+        raise InfeasibleError(
+            f"n_stages={n_stages} needs {n_stages - 1} cuts but the model has only {n_legal} legal cut "
+            f"positions; expected n_stages <= {n_legal + 1}; use fewer stages or make more block "
+            "boundaries cuttable."
+        )
+
+
+class _MemoryModel:
+    """Memory check of stage [s, e) at stage index k, in integer arithmetic from prefix sums."""
+
+    def __init__(self, blocks: Sequence[BlockCost], optimizer: OptimizerSpec, limit: int) -> None:
+        n = len(blocks)
+        self.n = n
+        self.limit = limit
+        self.factor = 2 + optimizer.state_factor
+        self.pre_p = [0]
+        self.pre_a = [0]
+        for b in blocks:
+            self.pre_p.append(self.pre_p[-1] + b.param_bytes)
+            self.pre_a.append(self.pre_a[-1] + b.activation_bytes)
+        self.buf_in = [0] + [2 * blocks[s - 1].cut_bytes for s in range(1, n)]
+        self.buf_out = [0] + [2 * blocks[e - 1].cut_bytes for e in range(1, n)] + [0]
+
+    def bytes(self, s: int, e: int, in_flight: int) -> int:
+        # Same formula as stage_memory_bytes.
+        return (
+            (self.pre_p[e] - self.pre_p[s]) * self.factor
+            + in_flight * (self.pre_a[e] - self.pre_a[s])
+            + self.buf_in[s]
+            + self.buf_out[e]
+        )
+
+    def fits(self, s: int, e: int, in_flight: int) -> bool:
+        return self.bytes(s, e, in_flight) <= self.limit
+
+
+def _any_fit(blocks: Sequence[BlockCost], mem: _MemoryModel, infl: Sequence[int]) -> bool:
+    """Whether some partition into ``len(infl)`` stages fits memory (bitset reachability, O(p n) ORs)."""
+    n = len(blocks)
+    legal = _legal_cuts(blocks)
+    q = len(infl)
+    masks: dict[int, list[int]] = {}
+    reach = 1  # bit s set: some prefix partition ends at s
+    for k in range(q):
+        t = infl[k]
+        if t not in masks:
+            rows = []
+            for s in range(n):
+                bits = 0
+                for e in range(s + 1, n + 1):
+                    if (e == n or legal[e]) and mem.fits(s, e, t):
+                        bits |= 1 << e
+                rows.append(bits)
+            masks[t] = rows
+        new = 0
+        s_bits = reach
+        while s_bits:
+            low = s_bits & -s_bits
+            s = low.bit_length() - 1
+            if s < n:
+                new |= masks[t][s]
+            s_bits ^= low
+        if k < q - 1:
+            new &= ~(1 << n)  # only the last stage may end at n
+        reach = new
+        if not reach:
+            return False
+    return bool(reach >> n & 1)
+
+
+def _memory_error(
+    blocks: Sequence[BlockCost],
+    n_stages: int,
+    schedule: str,
+    n_microbatches: int,
+    mem: _MemoryModel,
+) -> InfeasibleError:
+    """Build the error for a memory limit nothing fits, naming the smallest stage count that would."""
+    n = len(blocks)
+    n_legal = sum(_legal_cuts(blocks))
+    limit = mem.limit
+    skipped_1f1b = False
+    for q in range(n_stages + 1, min(n, n_legal + 1) + 1):
+        if schedule == "1f1b" and n_microbatches < q:
+            skipped_1f1b = True  # torch's Schedule1F1B needs n_microbatches >= n_stages
+            continue
+        if _any_fit(blocks, mem, in_flight_per_stage(schedule, q, n_microbatches)):
+            return InfeasibleError(
+                f"memory_limit_bytes={limit} is too small for {n_stages} stages: no partition fits; "
+                f"expected every stage's memory <= the limit; the smallest stage count that fits is {q}: "
+                f"use n_stages={q} or raise the limit."
+            )
+    # Even the finest splits fail: name a block that cannot fit on its own with the fewest live
+    # microbatches its stage can have. GPipe holds m everywhere; under 1F1B the last stage holds 1,
+    # but block 0 is always on stage 0, which holds min(m, p) >= min(m, n_stages) (Narayanan 2021).
+    for j in range(n):
+        if schedule == "gpipe":
+            min_live = n_microbatches
+        else:
+            min_live = min(n_microbatches, n_stages) if j == 0 else 1
+        need = mem.bytes(j, j + 1, min_live)
+        if need > limit:
+            return InfeasibleError(
+                f"block '{blocks[j].name}' alone needs {need} bytes (params, grads, optimizer state, "
+                f"{min_live} microbatch(es) of activations and boundary buffers) but "
+                f"memory_limit_bytes={limit}; expected at least {need}; raise the limit, use a lighter "
+                "optimizer or smaller microbatches."
+            )
+    more = " (1F1B also needs n_microbatches >= n_stages; raise n_microbatches)" if skipped_1f1b else ""
+    return InfeasibleError(
+        f"memory_limit_bytes={limit} is too small: no partition into {n_stages} to {min(n, n_legal + 1)} "
+        f"stages fits{more}; expected every stage's memory <= the limit; raise the limit or make more "
+        "block boundaries cuttable."
+    )
+
+
+def solve(
+    blocks: Sequence[BlockCost],
+    n_stages: int,
+    link: LinkCost,
+    *,
+    schedule: str = "1f1b",
+    n_microbatches: int,
+    optimizer: OptimizerSpec = OptimizerSpec(),
+    memory_limit_bytes: int | None = None,
+) -> Partition:
+    """The partition with the smallest bottleneck stage cost (exact).
+
+    Minimises max stage_cost over all contiguous partitions into exactly ``n_stages`` non-empty
+    stages on legal cuts, with every stage's ``stage_memory_bytes`` (using the peak in-flight count
+    of that stage index under ``schedule``) at most ``memory_limit_bytes`` when given. Ties (within
+    a relative 1e-9) go to the least total stage cost (less communication), then to the
+    lexicographically smallest starts.
+
+    Args:
+        blocks: per-block costs in execution order.
+        n_stages: number of pipeline stages (= ranks).
+        link: cost of one message between neighbouring ranks.
+        schedule: "gpipe" or "1f1b"; decides the in-flight microbatches per stage.
+        n_microbatches: microbatches per step.
+        optimizer: the optimizer (state bytes per parameter byte).
+        memory_limit_bytes: per-rank memory limit, or None for no limit.
+
+    Returns:
+        The optimal partition.
+
+    Raises:
+        InfeasibleError: n_stages > number of blocks, too few legal cuts, a schedule request torch
+            refuses, or no partition fits the memory limit (the message names the smallest stage
+            count that would fit, or the block that cannot fit alone).
+    """
+    _check_counts(blocks, n_stages)
+    infl = in_flight_per_stage(schedule, n_stages, n_microbatches)
+    n = len(blocks)
+    cost = _cost_matrix(blocks, link)
+    mem: _MemoryModel | None = None
+    if memory_limit_bytes is None:
+        allowed: Allowed = lambda s, e, k: True  # noqa: E731
+    else:
+        mem = _MemoryModel(blocks, optimizer, memory_limit_bytes)
+        model = mem
+        allowed = lambda s, e, k: model.fits(s, e, infl[k])  # noqa: E731
+    starts = _dp_partition(n, n_stages, _legal_cuts(blocks), cost, cost, allowed)
+    if starts is None:
+        assert mem is not None  # without a memory limit _check_counts guarantees a partition
+        raise _memory_error(blocks, n_stages, schedule, n_microbatches, mem)
+    return evaluate(blocks, starts, link)
+
+
+# ---------------------------------------------------------------------------------------------
+# Baselines
+# ---------------------------------------------------------------------------------------------
+
+
+def uniform_layers(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -> Partition:
+    """Equal numbers of layers per stage: the torchtitan / Megatron default split.
+
+    The ``is_layer`` blocks are dealt out in order, ``L // p`` per stage and one extra to each of the
+    first ``L % p`` stages (torchtitan gives the remainder to the earliest stages). Non-layer blocks
+    before the first layer join stage 0, those after the last layer join the last stage, and those
+    between layers stay with the preceding layer, so stage k > 0 starts exactly at its first layer.
+    If that start is not a legal cut, it moves to the nearest legal start that keeps the stages
+    non-empty and increasing (the earlier one on a tie).
+
+    Args:
+        blocks: per-block costs in execution order.
+        n_stages: number of stages p.
+        link: cost of one message between neighbouring ranks.
+
+    Returns:
+        The split with its bottleneck evaluated on the real stage costs (communication included).
+
+    Raises:
+        InfeasibleError: fewer layers than stages, too few blocks or legal cuts.
+    """
+    _check_counts(blocks, n_stages)
+    n = len(blocks)
+    layers = [i for i, b in enumerate(blocks) if b.is_layer]
+    if len(layers) < n_stages:
+        raise InfeasibleError(
+            f"the model has {len(layers)} layer blocks but n_stages={n_stages}; expected at least one "
+            "layer per stage for an equal-layer split; use fewer stages."
+        )
+    per, extra = divmod(len(layers), n_stages)
+    legal = _legal_cuts(blocks)
+    starts = [0]
+    first_layer = 0
+    for k in range(1, n_stages):
+        first_layer += per + (1 if k - 1 < extra else 0)
+        target = layers[first_layer]
+        hi = n - (n_stages - k)  # leave one block for each later stage
+        chosen = None
+        for d in range(n):
+            for c in (target - d, target + d):
+                if starts[-1] < c <= hi and legal[c]:
+                    chosen = c
+                    break
+            if chosen is not None:
+                break
+        if chosen is None:
+            raise InfeasibleError(
+                f"no legal cut is left for stage {k} of the equal-layer split; expected a cuttable "
+                "boundary between the previous stage and the end; use fewer stages."
+            )
+        starts.append(chosen)
+    return evaluate(blocks, starts, link)
+
+
+def param_balanced(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -> Partition:
+    """Minimise the largest per-stage parameter count: DeepSpeed ``partition_method="parameters"``.
+
+    DeepSpeed's ``partition_balanced`` minimises the max part weight over per-layer parameter
+    counts; this solves the same objective exactly with the partition DP, on legal cuts only, with
+    non-empty stages. Among equal optima it picks the lexicographically largest starts, i.e. the
+    earlier stages as full as possible, as DeepSpeed's greedy ``_lprobe`` does (it bisects each part
+    up to the bottleneck); DeepSpeed's own bisection is approximate (eps) and may allow empty parts.
+
+    Args:
+        blocks: per-block costs in execution order.
+        n_stages: number of stages p.
+        link: cost of one message between neighbouring ranks.
+
+    Returns:
+        The split with its bottleneck evaluated on the real stage costs (communication included).
+
+    Raises:
+        InfeasibleError: too few blocks or legal cuts.
+    """
+    _check_counts(blocks, n_stages)
+    n = len(blocks)
+    pre = [0]
+    for b in blocks:
+        pre.append(pre[-1] + b.params)
+    params = [[float(pre[e] - pre[s]) if e > s else math.inf for e in range(n + 1)] for s in range(n + 1)]
+    starts = _dp_partition(n, n_stages, _legal_cuts(blocks), params, params, lambda s, e, k: True, latest=True)
+    assert starts is not None  # _check_counts guarantees a partition without memory limits
+    return evaluate(blocks, starts, link)

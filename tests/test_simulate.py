@@ -1,0 +1,124 @@
+"""Pure-tier tests of planner.simulate (and planner.schedules without torch)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from planner.errors import InfeasibleError
+from planner.schedules import SCHEDULES, action_order, peak_in_flight
+from planner.simulate import StageTimes, simulate
+
+
+def _equal(p: int, f: float, b: float) -> list[StageTimes]:
+    return [StageTimes(fwd_s=f, bwd_s=b, comm_fwd_s=0.0, comm_bwd_s=0.0)] * p
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("m", [5, 6, 8, 11])
+def test_equal_stages_match_megatron_formula(schedule: str, p: int, m: int) -> None:
+    # Narayanan et al. 2021 Eq. 1: (m + p - 1)(t_f + t_b); GPipe §2.3 bubble (p-1)/(m+p-1).
+    res = simulate(_equal(p, 1.0, 2.0), schedule, m)
+    assert res.step_time_s == (m + p - 1) * 3.0
+    assert res.bubble_fraction == (p - 1) / (m + p - 1)
+    assert res.busy_s == [m * 3.0] * p
+    assert len(res.events) == 2 * m * p
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_one_stage(schedule: str) -> None:
+    res = simulate(_equal(1, 1.5, 2.5), schedule, 7)
+    assert res.step_time_s == 7 * 4.0
+    assert res.bubble_fraction == 0.0
+    assert res.peak_in_flight == [7 if schedule == "gpipe" else 1]
+
+
+def _unbalanced() -> list[StageTimes]:
+    return [
+        StageTimes(fwd_s=1.0, bwd_s=2.0, comm_fwd_s=0.5, comm_bwd_s=0.0),
+        StageTimes(fwd_s=2.0, bwd_s=3.0, comm_fwd_s=0.0, comm_bwd_s=0.0),
+    ]
+
+
+def test_unbalanced_1f1b_by_hand() -> None:
+    # rank0: F0[0,1.5] F1[1.5,3] B0[6.5,8.5] F2[8.5,10] B1[11.5,13.5] B2[16.5,18.5]
+    # rank1: F0[1.5,3.5] B0[3.5,6.5] F1[6.5,8.5] B1[8.5,11.5] F2[11.5,13.5] B2[13.5,16.5]
+    res = simulate(_unbalanced(), "1f1b", 3)
+    assert res.step_time_s == 18.5
+    assert res.busy_s == [10.5, 15.0]
+    assert res.bubble_fraction == (37.0 - 25.5) / 37.0
+    assert res.peak_in_flight == [2, 1]
+    by_key = {(e.rank, e.kind, e.microbatch): (e.start_s, e.end_s) for e in res.events}
+    assert by_key[(0, "B", 0)] == (6.5, 8.5)
+    assert by_key[(0, "F", 2)] == (8.5, 10.0)
+    assert by_key[(0, "B", 1)] == (11.5, 13.5)
+    assert by_key[(1, "F", 1)] == (6.5, 8.5)
+    assert by_key[(1, "F", 2)] == (11.5, 13.5)
+    assert by_key[(1, "B", 2)] == (13.5, 16.5)
+
+
+def test_unbalanced_gpipe_by_hand() -> None:
+    # rank1 forwards end at 7.5, then B0[7.5,10.5] B1[10.5,13.5] B2[13.5,16.5];
+    # rank0 backwards B0[10.5,12.5] B1[13.5,15.5] B2[16.5,18.5].
+    res = simulate(_unbalanced(), "gpipe", 3)
+    assert res.step_time_s == 18.5
+    assert res.peak_in_flight == [3, 3]
+    by_key = {(e.rank, e.kind, e.microbatch): (e.start_s, e.end_s) for e in res.events}
+    assert by_key[(1, "B", 0)] == (7.5, 10.5)
+    assert by_key[(0, "B", 1)] == (13.5, 15.5)
+
+
+def test_rejects_bad_requests() -> None:
+    with pytest.raises(InfeasibleError, match="n_microbatches >= n_stages"):
+        simulate(_equal(4, 1.0, 1.0), "1f1b", 3)
+    with pytest.raises(InfeasibleError, match="not supported"):
+        simulate(_equal(2, 1.0, 1.0), "zb-v", 4)
+    with pytest.raises(InfeasibleError, match="stages is empty"):
+        simulate([], "gpipe", 4)
+
+
+def test_schedule_orders_pure() -> None:
+    assert action_order("1f1b", 3, 4)[0] == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)]
+    assert action_order("1f1b", 3, 4)[2] == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)]
+    assert [peak_in_flight(o) for o in action_order("1f1b", 4, 6)] == [4, 3, 2, 1]
+    assert [peak_in_flight(o) for o in action_order("gpipe", 4, 3)] == [3, 3, 3, 3]
+
+
+times = st.one_of(st.integers(0, 4).map(float), st.floats(0.0, 3.0, allow_nan=False))
+stage_times_st = st.builds(StageTimes, fwd_s=times, bwd_s=times, comm_fwd_s=times, comm_bwd_s=times)
+
+
+@settings(max_examples=150, deadline=None)
+@given(stages=st.lists(stage_times_st, min_size=1, max_size=5), m=st.integers(1, 8), schedule=st.sampled_from(SCHEDULES))
+def test_simulation_bounds(stages: list[StageTimes], m: int, schedule: str) -> None:
+    p = len(stages)
+    assume(schedule == "gpipe" or m >= p)
+    res = simulate(stages, schedule, m)
+    tol = 1e-9 * max(1.0, res.step_time_s)
+    assert res.step_time_s + tol >= max(res.busy_s)
+    # One microbatch's chain: forward down every stage, then backward up every stage.
+    chain = sum(s.fwd_s + s.comm_fwd_s + s.bwd_s + s.comm_bwd_s for s in stages)
+    assert res.step_time_s + tol >= chain
+    assert res.peak_in_flight == [peak_in_flight(o) for o in action_order(schedule, p, m)]
+    assert 0.0 <= res.bubble_fraction <= 1.0 or res.step_time_s == 0.0
+    # Each rank runs its actions in the schedule's order, never two at once.
+    for rank in range(p):
+        evs = sorted((e for e in res.events if e.rank == rank), key=lambda e: (e.start_s, e.end_s))
+        for a, b in zip(evs, evs[1:]):
+            assert a.end_s <= b.start_s + tol
+
+
+@settings(max_examples=100, deadline=None)
+@given(stage=stage_times_st, p=st.integers(1, 5), extra=st.integers(0, 5))
+def test_gpipe_equals_1f1b_on_equal_stages(stage: StageTimes, p: int, extra: int) -> None:
+    # REFERENCES.md: 1F1B has the same bubble as GPipe; with equal stages both take (m+p-1)(t_f+t_b).
+    m = p + extra
+    g = simulate([stage] * p, "gpipe", m)
+    o = simulate([stage] * p, "1f1b", m)
+    assert math.isclose(g.step_time_s, o.step_time_s, rel_tol=1e-9, abs_tol=1e-12)
+    per_mb = stage.fwd_s + stage.comm_fwd_s + stage.bwd_s + stage.comm_bwd_s
+    assert math.isclose(g.step_time_s, (m + p - 1) * per_mb, rel_tol=1e-9, abs_tol=1e-12)
