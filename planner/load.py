@@ -1,0 +1,209 @@
+"""Loading a model file that follows the model-file contract (DESIGN.md).
+
+Required: ``build_model(**config) -> nn.Module`` and
+``make_batch(batch_size, **config) -> (inputs tuple, target)``.
+Optional: ``loss_fn(output, target)``, ``train_batches(batch_size, **config)``, ``SIZES``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import json
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from planner.errors import ModelFileError
+
+Batch = tuple[tuple, torch.Tensor]
+
+
+def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the last dimension (the contract's default ``loss_fn``)."""
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+def parse_overrides(pairs: Iterable[str]) -> dict[str, Any]:
+    """Parse ``--set key=value`` pairs; values are JSON when they parse as JSON, else strings.
+
+    Args:
+        pairs: strings of the form ``key=value``.
+
+    Returns:
+        The overrides as a dict.
+
+    Raises:
+        ModelFileError: for a pair without ``=`` or with an empty key.
+    """
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ModelFileError(f"--set {pair!r}: expected key=value, e.g. --set n_layers=8")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw
+    return out
+
+
+@dataclass
+class ModelFile:
+    """A loaded model file with its resolved configuration.
+
+    Attributes:
+        path: absolute path of the file.
+        module: the imported Python module.
+        size: the SIZES entry used, or None for the file's own defaults.
+        config: the configuration passed to every contract function.
+    """
+
+    path: Path
+    module: ModuleType
+    size: str | None
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def build(self, seed: int = 0) -> nn.Module:
+        """Build the model with the torch RNG seeded, so every process builds the same weights.
+
+        Raises:
+            ModelFileError: when ``build_model`` raises.
+        """
+        torch.manual_seed(seed)
+        return self._call("build_model", self.module.build_model, **self.config)
+
+    def batch(self, batch_size: int, seed: int = 0) -> Batch:
+        """One example batch from ``make_batch`` (seeded).
+
+        Raises:
+            ModelFileError: when ``make_batch`` raises or returns the wrong shape of thing.
+        """
+        torch.manual_seed(seed)
+        out = self._call("make_batch", self.module.make_batch, batch_size, **self.config)
+        return _check_batch(out, "make_batch", self.path)
+
+    @property
+    def loss_fn(self) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+        """The file's ``loss_fn`` or the default cross-entropy."""
+        return getattr(self.module, "loss_fn", None) or default_loss
+
+    def train_batches(self, batch_size: int, seed: int = 0) -> Iterator[Batch]:
+        """The file's training stream, or fresh ``make_batch`` batches from a seeded RNG.
+
+        Raises:
+            ModelFileError: when ``train_batches`` raises or yields the wrong shape of thing.
+        """
+        fn = getattr(self.module, "train_batches", None)
+        if fn is None:
+            return self._make_batch_stream(batch_size, seed)
+        torch.manual_seed(seed)
+        stream = self._call("train_batches", fn, batch_size, **self.config)
+        return (_check_batch(b, "train_batches", self.path) for b in stream)
+
+    def _make_batch_stream(self, batch_size: int, seed: int) -> Iterator[Batch]:
+        step = 0
+        while True:
+            yield self.batch(batch_size, seed=seed + step)
+            step += 1
+
+    def _call(self, name: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except FileNotFoundError as e:
+            raise ModelFileError(f"{self.path.name}: {name}() could not open a file: {e}") from e
+        except TypeError as e:
+            raise ModelFileError(
+                f"{self.path.name}: {name}() rejected the config {self.config}: {e}; "
+                "check --size/--set against the file's SIZES"
+            ) from e
+        except Exception as e:
+            where = _user_frame(e, self.path)
+            raise ModelFileError(f"{self.path.name}: {name}() raised {type(e).__name__}: {e}{where}") from e
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 (first 16 hex digits) of the file's text, to notice edits between plan and run."""
+        return hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
+
+
+def _user_frame(e: BaseException, path: Path) -> str:
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename).resolve() == path]
+    return f" (at {path.name}:{frames[-1].lineno})" if frames else ""
+
+
+def _check_batch(out: Any, name: str, path: Path) -> Batch:
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], tuple)):
+        raise ModelFileError(
+            f"{path.name}: {name}() must return (inputs_tuple, target), got {type(out).__name__}; "
+            "e.g. return (tokens,), targets"
+        )
+    return out
+
+
+def load_model_file(path: str | Path, size: str | None = None, overrides: dict[str, Any] | None = None) -> ModelFile:
+    """Import a model file and resolve its configuration.
+
+    Args:
+        path: the model file (any Python file that follows the contract).
+        size: a key of the file's ``SIZES``; None uses the file's own defaults.
+        overrides: config entries to replace or add (``--set key=value``).
+
+    Returns:
+        The loaded ModelFile.
+
+    Raises:
+        ModelFileError: missing file, import failure, missing contract functions, unknown size or
+            unknown config key.
+    """
+    p = Path(path).expanduser().resolve()
+    if not p.is_file():
+        raise ModelFileError(f"model file {path} does not exist; give the path of a .py file with build_model and make_batch")
+    name = "planner_model_" + hashlib.sha256(str(p).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(name, p)
+    if spec is None or spec.loader is None:
+        raise ModelFileError(f"{path} is not an importable Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        sys.modules.pop(name, None)
+        raise ModelFileError(f"importing {path} failed: {type(e).__name__}: {e}{_user_frame(e, p)}") from e
+    missing = [f for f in ("build_model", "make_batch") if not callable(getattr(module, f, None))]
+    if missing:
+        raise ModelFileError(
+            f"{path} does not define {' and '.join(missing)}; a model file needs "
+            "build_model(**config) -> nn.Module and make_batch(batch_size, **config) -> (inputs, target)"
+        )
+    sizes: dict[str, dict] = getattr(module, "SIZES", None) or {}
+    if size is not None and size not in sizes:
+        known = ", ".join(sizes) or "none (the file has no SIZES)"
+        raise ModelFileError(f"size {size!r} is not in {p.name}'s SIZES; known sizes: {known}")
+    config = dict(sizes[size]) if size is not None else {}
+    for key, value in (overrides or {}).items():
+        if key not in _known_keys(module, sizes):
+            known = ", ".join(sorted(_known_keys(module, sizes))) or "none"
+            raise ModelFileError(f"--set {key}: {p.name} has no config key {key!r}; known keys: {known}")
+        config[key] = value
+    return ModelFile(p, module, size, config)
+
+
+def _known_keys(module: ModuleType, sizes: dict[str, dict]) -> set[str]:
+    keys = {k for cfg in sizes.values() for k in cfg}
+    for fn_name in ("build_model", "make_batch", "train_batches"):
+        fn = getattr(module, fn_name, None)
+        if fn is None:
+            continue
+        for param in inspect.signature(fn).parameters.values():
+            if param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD) and param.name != "batch_size":
+                keys.add(param.name)
+    return keys

@@ -1,0 +1,203 @@
+"""Measured profiling: per-block forward/backward time and memory on this machine's device.
+
+Each block of a graph-traced model is cut out as its own module (the same code that builds
+pipeline stages, ``planner.trace.build_stage_module``) and timed on its real inputs, which come
+from running the blocks before it. The last block includes the loss, as the last pipeline stage
+does. Timing: warm-up runs, then repeats, median (robust to the noise of shared CPUs).
+
+Memory per block: parameter bytes (each parameter counted in the first block that reads it) and
+the bytes autograd saves for backward during the block's forward, observed with
+``torch.autograd.graph.saved_tensors_hooks`` (parameters excluded: they are counted once already).
+
+Everything runs on the traced model's private copy, so the caller's model is never changed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+from tqdm import tqdm
+
+from planner.costs import BlockCost
+from planner.trace import TracedModel, build_stage_module
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+def _as_tuple(value: Any) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _grad_inputs(values: tuple) -> tuple:
+    """Detach block inputs and let float tensors require grad, as a pipeline stage receives them."""
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            v = v.detach()
+            if v.is_floating_point():
+                v.requires_grad_(True)
+        out.append(v)
+    return tuple(out)
+
+
+def _sync(values: tuple) -> None:
+    """Wait for queued GPU work so wall-clock timing measures it (a no-op on CPU)."""
+    if any(isinstance(v, torch.Tensor) and v.is_cuda for v in values):
+        torch.cuda.synchronize()
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return (s.data_ptr(), s.nbytes())
+
+
+def _backward_roots(out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Outputs that need a gradient, and a gradient of ones for each."""
+    roots = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    return roots, [torch.ones_like(t) for t in roots]
+
+
+def profile_blocks(
+    traced: TracedModel,
+    inputs: tuple,
+    target: torch.Tensor,
+    loss_fn: LossFn,
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    threads: int | None = None,
+    progress: bool = True,
+) -> list[BlockCost]:
+    """Measure every block of a traced model on one microbatch.
+
+    Args:
+        traced: the model, traced on a microbatch of the same shape as ``inputs``.
+        inputs: positional inputs of one microbatch.
+        target: the microbatch's target (the last block includes the loss).
+        loss_fn: ``loss_fn(output, target) -> scalar``.
+        warmup: untimed runs per block before measuring.
+        repeats: timed runs per block; the median is kept.
+        threads: intra-op threads while measuring (match the threads a rank will have); None
+            keeps the current setting.
+        progress: show a progress bar.
+
+    Returns:
+        One BlockCost per block, in block order.
+    """
+    if traced.gm is None:
+        from planner.profile_modules import profile_module_blocks
+
+        return profile_module_blocks(traced, inputs, target, loss_fn, warmup=warmup, repeats=repeats,
+                                     threads=threads, progress=progress)
+    old_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _profile_graph(traced, inputs, target, loss_fn, warmup, repeats, progress)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _profile_graph(
+    traced: TracedModel, inputs: tuple, target: torch.Tensor, loss_fn: LossFn, warmup: int, repeats: int, progress: bool
+) -> list[BlockCost]:
+    n = len(traced.blocks)
+    traced.model.train()
+    param_storages = {_storage_key(p) for p in traced.model.parameters()}
+    claimed: set[int] = set()
+    costs: list[BlockCost] = []
+    current = tuple(inputs)
+    bar = tqdm(total=n * (warmup + repeats), desc="profiling blocks", unit="run", disable=None if progress else True, leave=False)
+    for k, block in enumerate(traced.blocks):
+        module = build_stage_module(traced, k, k + 1)
+        last = k == n - 1
+
+        def forward(args: tuple) -> Any:
+            out = module(*args)
+            return loss_fn(out, target) if last else out
+
+        fwd_times: list[float] = []
+        bwd_times: list[float] = []
+        saved_bytes = 0
+        for r in range(warmup + repeats):
+            args = _grad_inputs(current)
+            _sync(args)
+            seen: set[tuple[int, int]] = set()
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                key = _storage_key(t)
+                if key not in param_storages:
+                    seen.add(key)
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                t0 = time.perf_counter()
+                out = forward(args)
+                _sync(args)
+                t1 = time.perf_counter()
+            roots, grads = _backward_roots(out)
+            t2 = time.perf_counter()
+            if roots:
+                torch.autograd.backward(roots, grads)
+            _sync(args)
+            t3 = time.perf_counter()
+            if r >= warmup:
+                fwd_times.append(t1 - t0)
+                bwd_times.append(t3 - t2)
+                saved_bytes = sum(size for _, size in seen)
+            bar.update(1)
+        with torch.no_grad():
+            current = _as_tuple(module(*current)) if not last else current
+        params = [p for p in _block_parameters(traced, k) if id(p) not in claimed]
+        claimed.update(id(p) for p in params)
+        cut = traced.cuts[k] if not last else None
+        costs.append(
+            BlockCost(
+                name=block.name,
+                first_node=block.nodes[0],
+                last_node=block.nodes[-1],
+                fwd_s=statistics.median(fwd_times),
+                bwd_s=statistics.median(bwd_times),
+                params=sum(p.numel() for p in params),
+                param_bytes=sum(p.numel() * p.element_size() for p in params),
+                activation_bytes=saved_bytes,
+                cut_bytes=cut.nbytes if cut else 0,
+                cut_tensors=len(cut.tensors) if cut else 0,
+                cut_legal=cut.legal if cut else False,
+                is_layer=block.is_layer,
+            )
+        )
+    bar.close()
+    traced.model.zero_grad(set_to_none=True)
+    return costs
+
+
+def _block_parameters(traced: TracedModel, k: int) -> list[nn.Parameter]:
+    """Parameters read by block k's nodes (call_module targets and get_attr parameters)."""
+    gm = traced.gm
+    assert gm is not None
+    nodes = {n.name: n for n in gm.graph.nodes}
+    found: dict[int, nn.Parameter] = {}
+    for name in traced.blocks[k].nodes:
+        node = nodes[name]
+        if node.op == "call_module":
+            for p in gm.get_submodule(node.target).parameters():
+                found.setdefault(id(p), p)
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr":
+                value = _get_attr(gm, arg.target)
+                if isinstance(value, nn.Parameter):
+                    found.setdefault(id(value), value)
+    return list(found.values())
+
+
+def _get_attr(root: nn.Module, target: str) -> Any:
+    value: Any = root
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
