@@ -1,0 +1,128 @@
+"""The ``planner`` command: parse options, call the library, print. Nothing else lives here.
+
+    planner plan MODEL.py --gpus N     trace, profile, solve; write plan.json; print balance tables
+    planner run PLAN.json              launch one process per stage and train with the planned schedule
+    planner report PLAN.json           print the balance tables of a saved plan
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from planner.errors import PlannerError
+
+
+def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn PlannerError into one line on stderr and exit status 2 (never a traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except PlannerError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+def main() -> None:
+    """Plan and run pipeline-parallel training for a PyTorch model file.
+
+    A model file is plain Python defining build_model(**config) and make_batch(batch_size, **config);
+    optionally loss_fn, train_batches and SIZES (see README).
+    """
+
+
+@main.command("plan")
+@click.argument("model_file", type=click.Path(dir_okay=False))
+@click.option("--gpus", "-g", type=click.IntRange(min=1), required=True, help="Number of pipeline stages (one rank each).")
+@click.option("--size", "-s", default=None, help="Named config from the model file's SIZES (default: the file's own defaults).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override one config entry (repeatable); VALUE is JSON or a string.")
+@click.option("--batch-size", "-b", type=click.IntRange(min=1), default=32, show_default=True, help="Samples per training step (global batch).")
+@click.option("--microbatches", "-m", type=click.IntRange(min=1), default=None, help="Microbatches per step [default: 2 x gpus, at most the batch size].")
+@click.option("--schedule", type=click.Choice(["1f1b", "gpipe"]), default="1f1b", show_default=True, help="Pipeline schedule (torch.distributed.pipelining).")
+@click.option("--method", type=click.Choice(["optimal", "uniform", "params"]), default="optimal", show_default=True,
+              help="Partition the plan uses: the exact solver, equal layer counts (torchtitan/Megatron), or parameter-balanced (DeepSpeed). The others are shown for comparison.")
+@click.option("--memory-limit", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GIB", help="Per-rank memory limit in GiB; the solver never exceeds it.")
+@click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True, help="Optimizer of the run (its state counts in memory).")
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=1e-3, show_default=True, help="Learning rate of the run.")
+@click.option("--grad-clip", type=click.FloatRange(min=0), default=1.0, show_default=True, help="Max global gradient norm (0 disables).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads per rank, for profiling and the run [default: cores // gpus].")
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Timed runs per block (median kept).")
+@click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed runs per block before timing.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for the model's weights and the example batch.")
+@click.option("--output", "-o", type=click.Path(dir_okay=False), default="plan.json", show_default=True, help="Where to write the plan.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars and no tables.")
+@_user_errors
+def plan_cmd(model_file: str, gpus: int, size: str | None, overrides: tuple[str, ...], batch_size: int,
+             microbatches: int | None, schedule: str, method: str, memory_limit: float | None, optimizer: str,
+             lr: float, grad_clip: float, threads: int | None, repeats: int, warmup: int, seed: int,
+             output: str, quiet: bool) -> None:
+    """Trace and profile MODEL_FILE, split it into balanced stages, write the plan and print the balance report."""
+    from planner.api import make_plan
+    from planner.costs import OptimizerSpec
+    from planner.load import parse_overrides
+    from planner.report import render
+
+    out = Path(output)
+    if out.parent and not out.parent.exists():
+        raise PlannerError(f"--output {output}: folder {out.parent} does not exist")
+    plan = make_plan(
+        model_file, gpus, size=size, overrides=parse_overrides(overrides), batch_size=batch_size,
+        microbatches=microbatches, schedule=schedule, method=method,
+        memory_limit_bytes=int(memory_limit * 2**30) if memory_limit else None,
+        optimizer=OptimizerSpec(name=optimizer, lr=lr, grad_clip=grad_clip or None),
+        seed=seed, warmup=warmup, repeats=repeats, threads=threads, plan_dir=out.parent, progress=not quiet,
+    )
+    plan.save(out)
+    if not quiet:
+        click.echo(render(plan))
+    click.echo(f"\nwrote {out}")
+
+
+@main.command("run")
+@click.argument("plan_file", type=click.Path(dir_okay=False))
+@click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True, help="Training steps to run.")
+@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True, help="Number of machines (torchrun-style rendezvous).")
+@click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="Rendezvous address for multi-node runs [default: localhost and a free port].")
+@click.option("--rdzv-id", default=None, help="Rendezvous id shared by all machines of one run.")
+@click.option("--output", "-o", type=click.Path(dir_okay=False), default=None, help="Where to write the run report [default: PLAN's name with .run.json].")
+@_user_errors
+def run_cmd(plan_file: str, steps: int, nnodes: int, rdzv_endpoint: str | None, rdzv_id: str | None, output: str | None) -> None:
+    """Train with PLAN_FILE: one process per stage, the planned split points and schedule."""
+    from planner.plan import Plan
+    from planner.run import run_plan
+
+    plan = Plan.load(plan_file)
+    result = run_plan(plan, plan_file, steps, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+    out = Path(output) if output else Path(plan_file).with_suffix(".run.json")
+    result.save(out)
+    click.echo(
+        f"median step {result.median_step_time_s * 1e3:.1f} ms measured vs {plan.prediction.step_time_s * 1e3:.1f} ms "
+        f"predicted; final loss {result.losses[-1]:.4f}; wrote {out}"
+    )
+
+
+@main.command("report")
+@click.argument("plan_file", type=click.Path(dir_okay=False))
+@_user_errors
+def report_cmd(plan_file: str) -> None:
+    """Print the balance tables of a saved plan."""
+    from planner.plan import Plan
+    from planner.report import render
+
+    click.echo(render(Plan.load(plan_file)))
+
+
+if __name__ == "__main__":
+    main()

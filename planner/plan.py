@@ -1,0 +1,188 @@
+"""plan.json: the versioned, validated document ``planner plan`` writes and ``planner run`` reads.
+
+Pure module: pydantic only, never torch. A plan round-trips through its JSON text exactly
+(``Plan.from_json(plan.to_json()) == plan``; tested).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from planner.costs import BlockCost, LinkCost, OptimizerSpec
+from planner.errors import PlanFileError
+
+PLAN_VERSION = 1
+Schedule = Literal["gpipe", "1f1b"]
+Method = Literal["optimal", "uniform", "params"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelRef(_Frozen):
+    """Which model the plan is for, and how it was captured."""
+
+    path: str = Field(description="Model file, absolute or relative to the plan file's folder.")
+    size: str | None = Field(description="SIZES entry, or None for the file's defaults.")
+    config: dict = Field(description="Config passed to build_model/make_batch (size + --set overrides).")
+    file_digest: str = Field(description="SHA-256 prefix of the model file's text when planned.")
+    fingerprint: str = Field(description="Hash of the traced structure: blocks, graph nodes, parameter shapes.")
+    trace_method: Literal["fx", "export", "modules"]
+    trace_failures: list[tuple[str, str]] = Field(default_factory=list, description="Tracers tried first, and why they failed.")
+    seed: int = 0
+
+
+class ProfileInfo(_Frozen):
+    """Where and how the costs were measured."""
+
+    device: str
+    backend: Literal["gloo", "nccl"]
+    threads: int = Field(ge=1, description="Intra-op threads per rank while profiling (as in the run).")
+    torch_version: str
+    hostname: str
+    warmup: int
+    repeats: int
+
+
+class StagePlan(_Frozen):
+    """One pipeline stage: a contiguous range of blocks on one rank, and what it is predicted to cost."""
+
+    index: int = Field(ge=0)
+    start: int = Field(ge=0, description="First block index.")
+    end: int = Field(description="One past the last block index.")
+    first_block: str = Field(description="FQN of the first block.")
+    last_block: str = Field(description="FQN of the last block.")
+    split_node: str | None = Field(description="Graph node after which this stage ends (None for the last stage).")
+    params: int
+    fwd_s: float = Field(description="Forward compute per microbatch.")
+    bwd_s: float = Field(description="Backward compute per microbatch.")
+    comm_s: float = Field(description="Send/receive time per microbatch (forward + backward).")
+    time_s: float = Field(description="fwd + bwd + comm per microbatch.")
+    activation_bytes: int = Field(description="Saved activations per microbatch.")
+    in_flight: int = Field(description="Peak microbatches holding activations under the schedule.")
+    memory_bytes: int = Field(description="Predicted peak: params, grads, optimizer state, in-flight activations, buffers.")
+
+
+class Prediction(_Frozen):
+    """Predicted figures for one partition under the plan's schedule."""
+
+    starts: tuple[int, ...]
+    stage_time_s: tuple[float, ...]
+    bottleneck_s: float
+    step_time_s: float
+    bubble_fraction: float
+    imbalance: float = Field(description="Slowest stage time / mean stage time (1.0 = perfectly balanced).")
+    max_memory_bytes: int
+
+
+class Plan(_Frozen):
+    """A complete pipeline plan."""
+
+    version: int = PLAN_VERSION
+    created: str
+    model: ModelRef
+    profile: ProfileInfo
+    link: LinkCost
+    optimizer: OptimizerSpec
+    method: Method
+    schedule: Schedule
+    n_stages: int = Field(ge=1)
+    batch_size: int = Field(ge=1)
+    n_microbatches: int = Field(ge=1)
+    blocks: list[BlockCost]
+    stages: list[StagePlan]
+    prediction: Prediction
+    baselines: dict[str, Prediction] = Field(description="The same costs split by other methods, for comparison.")
+
+    @property
+    def microbatch_size(self) -> int:
+        """Samples per microbatch."""
+        return self.batch_size // self.n_microbatches
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Plan":
+        if self.batch_size % self.n_microbatches:
+            raise ValueError(f"batch_size {self.batch_size} is not divisible by n_microbatches {self.n_microbatches}")
+        if len(self.stages) != self.n_stages:
+            raise ValueError(f"n_stages is {self.n_stages} but {len(self.stages)} stages are listed")
+        expected = 0
+        for i, stage in enumerate(self.stages):
+            if stage.index != i or stage.start != expected or stage.end <= stage.start:
+                raise ValueError(f"stage {i} covers blocks [{stage.start}, {stage.end}); stages must be contiguous from 0")
+            if not (self.blocks[stage.start].name == stage.first_block and self.blocks[stage.end - 1].name == stage.last_block):
+                raise ValueError(f"stage {i}'s block names do not match the block list")
+            expected = stage.end
+        if expected != len(self.blocks):
+            raise ValueError(f"stages cover {expected} of {len(self.blocks)} blocks")
+        return self
+
+    def to_json(self) -> str:
+        """The plan as indented JSON text."""
+        return self.model_dump_json(indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "plan") -> "Plan":
+        """Parse and validate a plan's JSON text.
+
+        Args:
+            text: the JSON text.
+            source: name used in error messages (usually the file path).
+
+        Returns:
+            The plan.
+
+        Raises:
+            PlanFileError: not JSON, another version, or fails validation.
+        """
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanFileError(f"{source} is not JSON ({e}); write it with `planner plan ... -o {source}`") from e
+        if not isinstance(raw, dict):
+            raise PlanFileError(f"{source} is not a plan (expected a JSON object)")
+        version = raw.get("version")
+        if version != PLAN_VERSION:
+            raise PlanFileError(
+                f"{source} is plan format version {version!r}; this planner reads version {PLAN_VERSION}; "
+                "re-run `planner plan` to make a new one"
+            )
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+            raise PlanFileError(
+                f"{source} is not a valid plan: {where}: {first['msg']} ({e.error_count()} problem(s)); "
+                "re-run `planner plan` to make a new one"
+            ) from e
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan to ``path`` (via a temporary file, so a failure never leaves half a plan)."""
+        p = Path(path)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(p)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        """Read and validate a plan file.
+
+        Raises:
+            PlanFileError: missing, unreadable, malformed or of another version.
+        """
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise PlanFileError(f"cannot read plan {path}: {e.strerror}; make one with `planner plan MODEL.py -o {path}`") from e
+        return cls.from_json(text, str(path))
+
+    def model_path(self, plan_path: str | Path) -> Path:
+        """The model file, resolving a relative path against the plan file's folder."""
+        p = Path(self.model.path)
+        return p if p.is_absolute() else (Path(plan_path).resolve().parent / p)

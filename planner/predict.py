@@ -1,0 +1,74 @@
+"""Predicted figures for a partition: per-stage times and memory, step time, bubble, imbalance.
+
+Pure module (no torch): combines the solver's stage costs with the schedule simulator. Both the
+chosen plan and the baselines go through this one function, so the report compares like with like.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from planner.costs import BlockCost, LinkCost, OptimizerSpec
+from planner.plan import Prediction, StagePlan
+from planner.simulate import simulate
+from planner.solve import stage_cost, stage_memory_bytes, stage_times
+
+
+def predict(
+    blocks: Sequence[BlockCost],
+    starts: Sequence[int],
+    link: LinkCost,
+    schedule: str,
+    n_microbatches: int,
+    optimizer: OptimizerSpec,
+) -> tuple[list[StagePlan], Prediction]:
+    """Predict what a partition costs under a schedule.
+
+    Args:
+        blocks: per-block costs, in execution order.
+        starts: first block of each stage (starts[0] == 0).
+        link: cost of one message between neighbouring ranks.
+        schedule: "gpipe" or "1f1b".
+        n_microbatches: microbatches per step.
+        optimizer: decides the optimizer-state bytes per parameter byte.
+
+    Returns:
+        The stages (with predicted time and memory each) and the step-level prediction.
+    """
+    n = len(blocks)
+    ends = list(starts[1:]) + [n]
+    times = stage_times(blocks, starts, link)
+    sim = simulate(times, schedule, n_microbatches)
+    stages: list[StagePlan] = []
+    for i, (a, b) in enumerate(zip(starts, ends)):
+        st = times[i]
+        stages.append(
+            StagePlan(
+                index=i,
+                start=a,
+                end=b,
+                first_block=blocks[a].name,
+                last_block=blocks[b - 1].name,
+                split_node=blocks[b - 1].last_node if b < n else None,
+                params=sum(x.params for x in blocks[a:b]),
+                fwd_s=st.fwd_s,
+                bwd_s=st.bwd_s,
+                comm_s=st.comm_fwd_s + st.comm_bwd_s,
+                time_s=stage_cost(st),
+                activation_bytes=sum(x.activation_bytes for x in blocks[a:b]),
+                in_flight=sim.peak_in_flight[i],
+                memory_bytes=stage_memory_bytes(blocks, a, b, sim.peak_in_flight[i], optimizer),
+            )
+        )
+    stage_time = tuple(s.time_s for s in stages)
+    mean = sum(stage_time) / len(stage_time)
+    prediction = Prediction(
+        starts=tuple(starts),
+        stage_time_s=stage_time,
+        bottleneck_s=max(stage_time),
+        step_time_s=sim.step_time_s,
+        bubble_fraction=sim.bubble_fraction,
+        imbalance=max(stage_time) / mean if mean > 0 else 1.0,
+        max_memory_bytes=max(s.memory_bytes for s in stages),
+    )
+    return stages, prediction

@@ -1,0 +1,52 @@
+"""Hand-made plans for the pure tests (no torch, no profiling): exact numbers, known answers."""
+
+from __future__ import annotations
+
+from planner.costs import BlockCost, LinkCost, OptimizerSpec
+from planner.plan import ModelRef, Plan, ProfileInfo
+from planner.predict import predict
+from planner.solve import param_balanced, solve, uniform_layers
+
+MB = 2**20
+# A link with no fixed cost and 1 MB/ms, so comm times are easy to check by hand.
+LINK = LinkCost(name="test-link", latency_s=0.0, bandwidth_Bps=MB * 1000.0)
+
+
+def block(name: str, fwd_ms: float, bwd_ms: float, params: int, *, layer: bool = True, act_mb: int = 1, cut_mb: int = 1) -> BlockCost:
+    """A block with times in ms and sizes in MB (fp32 parameters)."""
+    return BlockCost(
+        name=name, first_node=f"{name}_first", last_node=f"{name}_last",
+        fwd_s=fwd_ms / 1e3, bwd_s=bwd_ms / 1e3, params=params, param_bytes=4 * params,
+        activation_bytes=act_mb * MB, cut_bytes=cut_mb * MB, cut_tensors=1, cut_legal=True, is_layer=layer,
+    )
+
+
+def big_head_blocks() -> list[BlockCost]:
+    """An embedding, four equal layers and an output layer as costly as 2.5 layers (large vocabulary)."""
+    return (
+        [block("embed", 1, 1, 1000, layer=False)]
+        + [block(f"layers.{i}", 10, 20, 5000) for i in range(4)]
+        + [block("output", 25, 50, 8000, layer=False)]
+    )
+
+
+def make_plan(blocks: list[BlockCost], n_stages: int = 2, schedule: str = "1f1b", m: int = 4, method: str = "optimal") -> Plan:
+    """Assemble a Plan exactly as planner.api does, from given block costs."""
+    opt = OptimizerSpec()
+    parts = {
+        "optimal": solve(blocks, n_stages, LINK, schedule=schedule, n_microbatches=m, optimizer=opt),
+        "uniform": uniform_layers(blocks, n_stages, LINK),
+        "params": param_balanced(blocks, n_stages, LINK),
+    }
+    preds = {k: predict(blocks, p.starts, LINK, schedule, m, opt) for k, p in parts.items()}
+    stages, prediction = preds[method]
+    return Plan(
+        created="2026-11-21T00:00:00+00:00",
+        model=ModelRef(path="models/example.py", size="tiny", config={"n_layers": 4}, file_digest="0" * 16,
+                       fingerprint="f" * 16, trace_method="fx", trace_failures=[], seed=0),
+        profile=ProfileInfo(device="cpu", backend="gloo", threads=1, torch_version="2.13.0", hostname="test",
+                            warmup=2, repeats=5),
+        link=LINK, optimizer=opt, method=method, schedule=schedule, n_stages=n_stages, batch_size=4 * m,
+        n_microbatches=m, blocks=blocks, stages=stages, prediction=prediction,
+        baselines={k: p for k, (_, p) in preds.items() if k != method},
+    )

@@ -1,0 +1,81 @@
+"""Tier 1 (pure): plan.json round-trips, and bad plans give one clear error each."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from plan_factory import big_head_blocks, make_plan
+
+from planner.errors import PlanFileError
+from planner.plan import PLAN_VERSION, Plan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_round_trip_text_and_file(tmp_path: Path) -> None:
+    plan = make_plan(big_head_blocks())
+    assert Plan.from_json(plan.to_json()) == plan
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == plan
+    assert not (tmp_path / "plan.json.tmp").exists()
+
+
+def test_plan_records_what_the_issue_asks_for() -> None:
+    plan = make_plan(big_head_blocks())
+    raw = json.loads(plan.to_json())
+    assert raw["version"] == PLAN_VERSION
+    assert raw["model"]["fingerprint"] and raw["model"]["config"] == {"n_layers": 4}
+    assert raw["profile"]["device"] == "cpu" and raw["profile"]["backend"] == "gloo"
+    assert [s["split_node"] for s in raw["stages"]] == ["layers.2_last", None]
+    assert [(s["first_block"], s["last_block"]) for s in raw["stages"]] == [("embed", "layers.2"), ("layers.3", "output")]
+    assert set(raw["baselines"]) == {"uniform", "params"}
+    assert raw["prediction"]["step_time_s"] == pytest.approx(0.522)
+
+
+def test_not_json(tmp_path: Path) -> None:
+    (tmp_path / "p.json").write_text("{not json")
+    with pytest.raises(PlanFileError, match="is not JSON"):
+        Plan.load(tmp_path / "p.json")
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(PlanFileError, match="cannot read plan .*planner plan"):
+        Plan.load(tmp_path / "nope.json")
+
+
+def test_other_version() -> None:
+    raw = json.loads(make_plan(big_head_blocks()).to_json())
+    raw["version"] = 99
+    with pytest.raises(PlanFileError, match="version 99.*reads version 1"):
+        Plan.from_json(json.dumps(raw))
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda r: r.pop("stages"), "stages: Field required"),
+        (lambda r: r.update(n_microbatches=3), "not divisible"),
+        (lambda r: r["stages"][1].update(start=5), "contiguous"),
+        (lambda r: r.update(schedule="zigzag"), "schedule"),
+        (lambda r: r.update(extra_field=1), "extra_field"),
+        (lambda r: r["stages"][0].update(first_block="layers.9"), "block names"),
+    ],
+)
+def test_invalid_plans(edit, message: str) -> None:  # type: ignore[no-untyped-def]
+    raw = json.loads(make_plan(big_head_blocks()).to_json())
+    edit(raw)
+    with pytest.raises(PlanFileError, match=message):
+        Plan.from_json(json.dumps(raw))
+
+
+def test_pure_modules_import_no_torch() -> None:
+    code = (
+        "import sys; import planner.plan, planner.report, planner.predict, planner.solve, "
+        "planner.simulate, planner.schedules, planner.costs, planner.errors; "
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
