@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from planner.costs import GLOO_CPU_LINK, NCCL_NVLINK_LINK, LinkCost, OptimizerSpec
+from planner.costs import GLOO_CPU_LINK, BlockCost, NCCL_NVLINK_LINK, LinkCost, OptimizerSpec
 from planner.errors import InfeasibleError
 from planner.load import load_model_file
 from planner.plan import ModelRef, Plan, ProfileInfo
@@ -25,6 +25,13 @@ from planner.solve import param_balanced, solve, uniform_layers
 from planner.trace import trace_model
 
 METHODS = ("optimal", "uniform", "params")
+
+
+def _layers_or_all(blocks: list[BlockCost]) -> list[BlockCost]:
+    """Blocks for the uniform-layer baseline: a model without repeated layers counts every block."""
+    if any(b.is_layer for b in blocks):
+        return blocks
+    return [b.model_copy(update={"is_layer": True}) for b in blocks]
 
 
 def default_threads(n_stages: int) -> int:
@@ -105,18 +112,26 @@ def make_plan(
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
     target = target.to(device)
     traced = trace_model(model, inputs)
+    if gpus > len(traced.blocks):
+        names = [b.name for b in traced.blocks]
+        shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+        raise InfeasibleError(f"--gpus {gpus}: the model has only {len(names)} blocks ({shown}); use at most {len(names)}")
     blocks = profile_blocks(traced, inputs, target, mf.loss_fn, warmup=warmup, repeats=repeats,
                             threads=threads if not use_cuda else None, progress=progress)
-    if gpus > len(blocks):
-        raise InfeasibleError(f"--gpus {gpus}: the model has only {len(blocks)} blocks ({', '.join(b.name for b in blocks[:6])}...); use at most {len(blocks)}")
 
-    common: dict[str, Any] = dict(schedule=schedule, n_microbatches=m, optimizer=optimizer)
-    partitions = {
-        "optimal": solve(blocks, gpus, link, memory_limit_bytes=memory_limit_bytes, **common),
-        "uniform": uniform_layers(blocks, gpus, link),
-        "params": param_balanced(blocks, gpus, link),
+    solvers = {
+        "optimal": lambda: solve(blocks, gpus, link, schedule=schedule, n_microbatches=m, optimizer=optimizer,
+                                 memory_limit_bytes=memory_limit_bytes),
+        "uniform": lambda: uniform_layers(_layers_or_all(blocks), gpus, link),
+        "params": lambda: param_balanced(blocks, gpus, link),
     }
-    predictions = {name: predict(blocks, p.starts, link, schedule, m, optimizer) for name, p in partitions.items()}
+    predictions = {method: predict(blocks, solvers[method]().starts, link, schedule, m, optimizer)}
+    for name, solver in solvers.items():
+        if name != method:
+            try:  # a baseline that cannot split this model is left out of the comparison, not fatal
+                predictions[name] = predict(blocks, solver().starts, link, schedule, m, optimizer)
+            except InfeasibleError:
+                pass
     stages, prediction = predictions[method]
     model_file: Path = mf.path
     if plan_dir is not None:

@@ -45,6 +45,16 @@ def _grad_inputs(values: tuple) -> tuple:
     return tuple(out)
 
 
+def _needs_non_leaf(forward: Callable[[tuple], Any], args: tuple) -> bool:
+    try:
+        forward(args)
+    except RuntimeError as e:
+        if "leaf Variable that requires grad" in str(e):
+            return True
+        raise
+    return False
+
+
 def _sync(values: tuple) -> None:
     """Wait for queued GPU work so wall-clock timing measures it (a no-op on CPU)."""
     if any(isinstance(v, torch.Tensor) and v.is_cuda for v in values):
@@ -114,12 +124,21 @@ def _profile_graph(
     current = tuple(inputs)
     bar = tqdm(total=n * (warmup + repeats), desc="profiling blocks", unit="run", disable=None if progress else True, leave=False)
     for k, block in enumerate(traced.blocks):
-        module = build_stage_module(traced, k, k + 1)
+        module = build_stage_module(traced, k, k + 1, check_cuts=False)
         last = k == n - 1
 
         def forward(args: tuple) -> Any:
             out = module(*args)
             return loss_fn(out, target) if last else out
+
+        # A block that starts with an in-place op (a ReLU(inplace=True) right after a batch norm)
+        # cannot take a leaf input; inside a stage it never has to (such cuts are illegal), so
+        # profile it on a non-leaf copy.
+        if _needs_non_leaf(forward, _grad_inputs(current)):
+            plain = forward
+
+            def forward(args: tuple) -> Any:  # noqa: F811 - deliberate wrapper
+                return plain(tuple(a.clone() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args))
 
         fwd_times: list[float] = []
         bwd_times: list[float] = []

@@ -292,6 +292,18 @@ def block_key(root: nn.Module, paths: list[str], ancestors: set[str]) -> tuple[s
     return None, False  # root-level (or wrapper-level) operation: joins the block before it
 
 
+def _modifies_input(gm: fx.GraphModule, user: fx.Node, value: fx.Node) -> bool:
+    """Whether ``user`` changes ``value`` in place (ReLU(inplace=True), x.add_(...), F.relu(x, inplace=True))."""
+    if not user.args or user.args[0] is not value:
+        return False
+    if user.kwargs.get("inplace") is True:
+        return True
+    if user.op == "call_module":
+        return getattr(gm.get_submodule(str(user.target)), "inplace", False) is True
+    name = user.target if user.op == "call_method" else getattr(user.target, "__name__", "")
+    return isinstance(name, str) and (name.endswith("_") and not name.endswith("__") or name.startswith("__i"))
+
+
 def _analyse_graph(
     gm: fx.GraphModule, model: nn.Module, method: str, failures: list[tuple[str, str]], values: dict[str, ValueInfo]
 ) -> TracedModel:
@@ -343,6 +355,7 @@ def _analyse_graph(
             graph.edges[src, dst].setdefault("values", []).append(n.name)
             last_use[n.name] = max(last_use.get(n.name, src), dst)
     order = {n.name: i for i, n in enumerate(nodes)}
+    by_name = {n.name: n for n in nodes}
     cuts: list[Cut] = []
     for k in range(len(blocks) - 1):
         live = [name for name, end in last_use.items() if block_of[name] <= k < end]
@@ -350,9 +363,14 @@ def _analyse_graph(
         tensors = tuple(v for v in live if values.get(v, ValueInfo("opaque")).kind == "tensor")
         consts = tuple(v for v in live if values.get(v, ValueInfo("opaque")).kind == "const")
         opaque = [v for v in live if v not in tensors and v not in consts]
+        inplace = [u.name for v in tensors for u in by_name[v].users if block_of.get(u.name, -1) > k and _modifies_input(gm, u, by_name[v])]
         reason = ""
         if opaque:
             reason = f"non-tensor value(s) {', '.join(opaque[:3])} cross this boundary"
+        elif inplace:
+            # A pipeline stage receives its inputs as leaf tensors that require grad; autograd
+            # refuses in-place operations on those.
+            reason = f"{inplace[0]} modifies a received tensor in place"
         elif not tensors:
             reason = "nothing crosses this boundary"
         nbytes = sum(values[v].nbytes for v in tensors)
@@ -360,7 +378,7 @@ def _analyse_graph(
     return TracedModel(gm, model, method, failures, blocks, cuts, values, graph, block_of)
 
 
-def build_stage_module(traced: TracedModel, start: int, end: int) -> fx.GraphModule:
+def build_stage_module(traced: TracedModel, start: int, end: int, *, check_cuts: bool = True) -> fx.GraphModule:
     """Build the module that runs ``blocks[start:end]`` of a traced model.
 
     Its positional inputs are the tensors crossing the cut before ``start`` (the model's own inputs
@@ -373,6 +391,8 @@ def build_stage_module(traced: TracedModel, start: int, end: int) -> fx.GraphMod
         traced: a graph-traced model (method "fx" or "export").
         start: first block of the stage.
         end: one past the last block of the stage.
+        check_cuts: refuse illegal cuts at either end (profiling turns this off to time single
+            blocks; non-tensor values must still be constants or tensors).
 
     Returns:
         The stage as an ``fx.GraphModule``.
@@ -391,7 +411,7 @@ def build_stage_module(traced: TracedModel, start: int, end: int) -> fx.GraphMod
     if not 0 <= start < end <= n:
         raise TraceError(f"stage block range [{start}, {end}) is not within the model's {n} blocks")
     for k in (start - 1, end - 1):
-        if 0 <= k < n - 1 and not traced.cuts[k].legal:
+        if check_cuts and 0 <= k < n - 1 and not traced.cuts[k].legal:
             raise TraceError(f"cannot cut after block {traced.blocks[k].name}: {traced.cuts[k].reason}")
     graph = fx.Graph()
     env: dict[str, Any] = {}

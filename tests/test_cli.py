@@ -1,0 +1,102 @@
+"""Tier 2: the `planner` command end to end on tiny models (plan, report) and its error handling."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cli import main
+from planner.plan import Plan
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "models"
+FAST = ["--repeats", "1", "--warmup", "0", "-q"]
+
+
+def invoke(*args: str) -> "CliRunner.invoke":  # type: ignore[name-defined]
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+@pytest.mark.parametrize("model", ["gpt", "encoder_lm", "resnet50", "shakespeare", "toy"])
+def test_plan_every_model(model: str, tmp_path: Path) -> None:
+    gpus = "1" if model == "toy" else "2"
+    out = tmp_path / "plan.json"
+    result = invoke("plan", str(MODELS / f"{model}.py"), "--gpus", gpus, "--size", "tiny", "-b", "8", "-o", str(out), *FAST)
+    assert result.exit_code == 0, result.output
+    plan = Plan.load(out)
+    assert plan.n_stages == int(gpus) and plan.model.trace_method == "fx"
+    assert plan.stages[-1].end == len(plan.blocks)
+    assert f"wrote {out}" in result.output
+
+
+def test_plan_prints_report_and_report_reprints_it(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    result = invoke("plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "-b", "8", "-o", str(out), "--repeats", "1", "--warmup", "0")
+    assert result.exit_code == 0, result.output
+    assert "planner (exact) *" in result.output and "uniform layers (torchtitan/Megatron)" in result.output
+    report = invoke("report", str(out))
+    assert report.exit_code == 0
+    assert "planner (exact) *" in report.output
+    assert report.output.strip() in result.output
+
+
+def test_plan_options_reach_the_plan(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    result = invoke("plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "--set", "n_layers=2",
+                    "-b", "12", "-m", "3", "--schedule", "gpipe", "--method", "uniform", "--optimizer", "sgd",
+                    "--lr", "0.1", "--grad-clip", "0", "--seed", "3", "-o", str(out), *FAST)
+    assert result.exit_code == 0, result.output
+    plan = Plan.load(out)
+    assert plan.model.config["n_layers"] == 2 and [b.name for b in plan.blocks].count("layers.1") == 1
+    assert (plan.batch_size, plan.n_microbatches, plan.schedule, plan.method) == (12, 3, "gpipe", "uniform")
+    assert (plan.optimizer.name, plan.optimizer.lr, plan.optimizer.grad_clip, plan.model.seed) == ("sgd", 0.1, None, 3)
+    # The model path is stored absolute when the plan lives elsewhere, so the plan still works after cd.
+    assert Path(plan.model.path).is_absolute()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["plan", "nope.py", "--gpus", "2"], "model file nope.py does not exist"),
+        (["plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "huge"], "size 'huge' is not in gpt.py's SIZES; known sizes: tiny"),
+        (["plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "--set", "n_layer=3"], "no config key 'n_layer'"),
+        (["plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "--set", "oops"], "expected key=value"),
+        (["plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "-b", "10", "-m", "4"], "does not split into 4 equal microbatches"),
+        (["plan", str(MODELS / "toy.py"), "--gpus", "9", "--size", "tiny", "-b", "18"], "the model has only 3 blocks (net1, relu, net2); use at most 3"),
+        (["plan", str(MODELS / "gpt.py"), "--gpus", "4", "--size", "tiny", "-b", "8", "-m", "2"], "1F1B"),
+        (["report", "missing.json"], "cannot read plan missing.json"),
+    ],
+)
+def test_user_mistakes_are_one_line_errors(args: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, args + (["-o", "p.json", *FAST] if args[0] == "plan" else []))
+    assert result.exit_code == 2, result.output
+    assert message in result.output, result.output
+    assert "Traceback" not in result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1
+
+
+def test_report_rejects_a_damaged_plan(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    assert invoke("plan", str(MODELS / "toy.py"), "--gpus", "2", "--size", "tiny", "-b", "4", "-o", str(out), *FAST).exit_code == 0
+    raw = json.loads(out.read_text())
+    raw["stages"][0]["end"] = 0
+    out.write_text(json.dumps(raw))
+    result = CliRunner().invoke(main, ["report", str(out)])
+    assert result.exit_code == 2 and "is not a valid plan" in result.output
+
+
+def test_help_explains_every_option() -> None:
+    import click
+
+    for name, command in main.commands.items():
+        result = invoke(name, "--help")
+        assert result.exit_code == 0 and command.help
+        for param in command.params:
+            if isinstance(param, click.Option):
+                assert param.help, f"planner {name} {param.opts[0]} has no help text"
+                assert param.opts[0] in result.output
