@@ -1,0 +1,124 @@
+"""What the launcher, the workers and the in-process loop share: rebuilding the planned model,
+checking it is the model the plan was made for, the optimizer and the global-norm clipping.
+
+Every process rebuilds the model from the model file with the plan's seed and config, so every
+rank holds the same initial weights without sending any (and the unsplit reference does too).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from planner.errors import PlanFileError, PlannerError
+from planner.load import ModelFile, load_model_file
+from planner.plan import Plan
+from planner.trace import TracedModel, trace_model
+
+
+def load_plan_model(plan: Plan, plan_path: str | Path) -> ModelFile:
+    """Load the plan's model file with exactly the config the plan was made with.
+
+    Raises:
+        ModelFileError: the model file is missing or broken.
+    """
+    mf = load_model_file(plan.model_path(plan_path), plan.model.size)
+    mf.config = dict(plan.model.config)
+    return mf
+
+
+def check_runnable(plan: Plan) -> None:
+    """Reject plans the runner cannot execute, before any tracing or process.
+
+    Raises:
+        PlannerError: traced by module boundaries, unknown optimizer, or a 1F1B plan with fewer
+            microbatches than stages.
+    """
+    if plan.model.trace_method == "modules":
+        why = "; ".join(f"{m}: {r}" for m, r in plan.model.trace_failures) or "no reason recorded"
+        raise PlannerError(
+            "this plan's model was traced by module boundaries, but the runner needs a graph-traced "
+            f"model (fx or export) to cut into stages; tracing failed with: {why}; make the model "
+            "traceable (no data-dependent control flow in forward) and re-run `planner plan`"
+        )
+    if plan.optimizer.name not in ("adamw", "sgd"):
+        raise PlannerError(f"optimizer {plan.optimizer.name!r} in the plan is not supported; expected 'adamw' or 'sgd'; "
+                           "edit plan.optimizer.name or re-run `planner plan`")
+    # torch's Schedule1F1B.__init__ raises ValueError when n_microbatches < num_stages.
+    if plan.n_stages > 1 and plan.schedule == "1f1b" and plan.n_microbatches < plan.n_stages:
+        raise PlannerError(
+            f"n_microbatches={plan.n_microbatches} is too small for schedule '1f1b' with {plan.n_stages} stages; "
+            f"torch's Schedule1F1B needs n_microbatches >= n_stages; re-plan with at least {plan.n_stages} "
+            "microbatches or schedule 'gpipe'"
+        )
+
+
+def trace_for_plan(plan: Plan, mf: ModelFile, model: nn.Module) -> TracedModel:
+    """Trace ``model`` the way the planner did and check it is the structure the plan was made for.
+
+    Raises:
+        PlanFileError: the traced fingerprint differs from the plan's.
+        TraceError: the plan's tracer no longer works on the model.
+    """
+    inputs, _ = mf.batch(plan.microbatch_size, seed=plan.model.seed)
+    traced = trace_model(model, inputs, methods=(plan.model.trace_method,))
+    if traced.fingerprint != plan.model.fingerprint:
+        raise PlanFileError(
+            f"plan was made for a different model structure (fingerprint {plan.model.fingerprint}, "
+            f"the file now gives {traced.fingerprint}); re-run `planner plan`"
+        )
+    # Tracing ran the (private copy of the) model forward in train mode, which moves batch-norm
+    # running statistics; start training from the freshly built buffers like the unsplit model.
+    fresh = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, buf in traced.gm.named_buffers():
+            if name in fresh and fresh[name].shape == buf.shape:
+                buf.copy_(fresh[name])
+    return traced
+
+
+def make_optimizer(params: Iterable[nn.Parameter], plan: Plan) -> torch.optim.Optimizer:
+    """The plan's optimizer with torch's defaults for everything the plan does not say."""
+    params = list(params)
+    if plan.optimizer.name == "sgd":
+        return torch.optim.SGD(params, lr=plan.optimizer.lr)
+    return torch.optim.AdamW(params, lr=plan.optimizer.lr)
+
+
+def local_sq_norm(params: Iterable[nn.Parameter]) -> torch.Tensor:
+    """Sum of squared gradient entries over ``params`` (float64 scalar; 0 when none has a grad)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.nn.utils.get_total_norm(grads).to(torch.float64) ** 2
+
+
+def clip_to_global_norm(
+    params: list[nn.Parameter], max_norm: float | None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> float:
+    """Clip by the norm of the WHOLE model's gradient, as ``clip_grad_norm_`` on the unsplit model would.
+
+    Each stage only holds its own gradients, so the squared norms are summed over the pipeline
+    group first (``reduce``: an all-reduce(SUM); None in a single process).
+
+    Returns:
+        The global gradient norm before clipping.
+    """
+    sq = local_sq_norm(params)
+    if reduce is not None:
+        sq = reduce(sq)
+    total = math.sqrt(float(sq))
+    if max_norm is not None:
+        device = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(total, dtype=torch.float32, device=device))
+    return total
+
+
+def step_line(step: int, steps: int, loss: float, seconds: float) -> str:
+    """The progress line printed after every step."""
+    width = len(str(steps))
+    return f"step {step:>{width}}/{steps}  loss {loss:.4f}  {seconds * 1e3:.1f} ms"

@@ -1,0 +1,253 @@
+"""``planner run``: check a plan against its model, then train it.
+
+A 1-stage plan trains in this process (``planner.run.single``). Otherwise one process per stage
+is started the way ``torchrun`` starts them: ``torch.distributed.launcher.api.elastic_launch``
+with a c10d rendezvous (multi-node through ``nnodes`` / ``rdzv_endpoint`` / ``rdzv_id``, exactly
+torchrun's flags), ``max_restarts=0`` and ``spawn``. Each worker runs
+``planner.run.worker.run_worker``; their return values come back as ``{rank: value}``.
+
+Everything a user can get wrong is checked here, in the parent, before any process starts:
+the model file loads, the plan's tracer still works, the traced fingerprint is the plan's, every
+stage range can be cut, no parameter is shared by two stages, and nccl has a GPU per local rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from planner.errors import PlannerError
+from planner.plan import Plan
+from planner.run.common import check_runnable, load_plan_model, trace_for_plan
+from planner.run.result import RunResult
+from planner.run.single import train_model_file
+from planner.trace import TracedModel, build_stage_module
+
+_NOISY_LOGGERS = (
+    "torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run", "torch.multiprocessing",
+)
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)  # flushed: worker processes write to the same terminal
+
+
+def _free_port() -> int:
+    """A TCP port that is free right now on localhost (for the single-node rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _quiet_elastic() -> Iterator[None]:
+    """Silence elastic's per-run INFO/WARNING chatter (run ids, SIGTERM notices, failure dumps).
+
+    Its module loggers set their own levels, so each is set explicitly and restored afterwards.
+    Worker failures are not lost: they come back as records and are raised as one error.
+    """
+    saved: dict[str, int] = {}
+    manager = logging.Logger.manager
+    for name in list(manager.loggerDict):
+        if name.startswith(_NOISY_LOGGERS):
+            logger = logging.getLogger(name)
+            saved[name] = logger.level
+            logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _check_stages(plan: Plan, traced: TracedModel) -> None:
+    """Build every stage once (catches illegal cuts) and reject parameters shared across stages.
+
+    A parameter used by two stages (tied embedding and output weights) would exist once per
+    rank and get two different gradients and updates: the run would silently diverge from the
+    unsplit model.
+    """
+    owner: dict[int, tuple[int, str]] = {}
+    for s in plan.stages:
+        module = build_stage_module(traced, s.start, s.end)
+        for name, p in module.named_parameters(remove_duplicate=False):
+            seen = owner.setdefault(id(p), (s.index, name))
+            if seen[0] != s.index:
+                raise PlannerError(
+                    f"parameter {name} of stage {s.index} is the same tensor as {seen[1]} of stage {seen[0]} "
+                    "(tied weights); "
+                    "the runner keeps each parameter on one rank; re-plan with both users in one stage "
+                    "or untie the weights"
+                )
+
+
+def _check_devices(plan: Plan, nproc_per_node: int) -> None:
+    if plan.profile.backend != "nccl":
+        return
+    have = torch.cuda.device_count()
+    if have < nproc_per_node:
+        raise PlannerError(
+            f"the plan uses backend nccl with {nproc_per_node} ranks on this node but {have} CUDA device(s) "
+            "are visible; nccl needs one GPU per rank: run on a machine with enough GPUs, spread the "
+            "ranks over more nodes (--nnodes), or re-plan for CPU with backend gloo"
+        )
+
+
+def _worker_error(error_dir: Path, fallback: BaseException) -> Exception:
+    """The earliest worker failure record as one error (later ones are usually its echo)."""
+    records = []
+    for f in error_dir.glob("rank*.json"):
+        with contextlib.suppress(OSError, json.JSONDecodeError):
+            records.append(json.loads(f.read_text()))
+    if not records:
+        return RuntimeError(f"a pipeline worker died without reporting an error ({' '.join(str(fallback).split())[:300]})")
+    first = min(records, key=lambda r: r["time"])
+    msg = f"rank {first['rank']} failed: {first['message']}"
+    if first["planner_error"]:
+        return PlannerError(msg)
+    return RuntimeError(f"{msg} ({first['type']}); worker traceback:\n{first['traceback']}")
+
+
+def run_plan(
+    plan: Plan,
+    plan_path: str | Path,
+    steps: int,
+    *,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str | None = None,
+    echo: bool = True,
+    print_fn: Callable[[str], None] = _print,
+) -> RunResult:
+    """Train ``plan`` for ``steps`` steps: in this process for one stage, else one process per stage.
+
+    Args:
+        plan: the plan to run.
+        plan_path: the plan's file (relative model paths resolve against its folder).
+        steps: optimizer steps (>= 1).
+        nnodes: nodes taking part (torchrun ``--nnodes``); each starts n_stages / nnodes ranks.
+        rdzv_endpoint: ``host:port`` of the c10d rendezvous (torchrun ``--rdzv-endpoint``);
+            default: a free port on localhost (single node only).
+        rdzv_id: rendezvous id, the same on every node (torchrun ``--rdzv-id``); default derived
+            from the plan's fingerprint.
+        echo: print one line per step (from the last rank) and a start line.
+        print_fn: where this process's lines go (worker lines go to the inherited stdout).
+
+    Returns:
+        The measured run.
+
+    Raises:
+        PlannerError: the plan does not fit the model, the machine or the request (checked before
+            any process starts), or a worker failed with a user error.
+        RuntimeError: a worker failed otherwise; the message is the worker's error.
+    """
+    if steps < 1:
+        raise PlannerError(f"steps={steps}: expected at least 1 training step; pass --steps 1 or more")
+    check_runnable(plan)
+    n = plan.n_stages
+    if nnodes < 1 or n % nnodes:
+        raise PlannerError(f"{n} stages cannot be spread evenly over {nnodes} node(s); use an --nnodes that divides {n}")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise PlannerError(f"a run on {nnodes} nodes needs --rdzv-endpoint HOST:PORT reachable from every node")
+    nproc = n // nnodes
+    _check_devices(plan, nproc if n > 1 else 0)
+    mf = load_plan_model(plan, plan_path)
+    traced = trace_for_plan(plan, mf, mf.build(plan.model.seed))
+    _check_stages(plan, traced)
+    del traced
+    if n == 1:
+        if echo:
+            print_fn(f"training 1 stage in this process ({plan.batch_size} samples/step, "
+                     f"{plan.n_microbatches} microbatch(es), {plan.profile.threads} thread(s))")
+        return train_model_file(plan, mf, steps, n_microbatches=plan.n_microbatches, echo=echo, print_fn=print_fn)
+    return _launch(plan, plan_path, steps, nnodes, nproc, rdzv_endpoint, rdzv_id, echo, print_fn)
+
+
+def _launch(
+    plan: Plan, plan_path: str | Path, steps: int, nnodes: int, nproc: int,
+    rdzv_endpoint: str | None, rdzv_id: str | None, echo: bool, print_fn: Callable[[str], None],
+) -> RunResult:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from planner.run.worker import run_worker
+
+    n = plan.n_stages
+    endpoint = rdzv_endpoint or f"localhost:{_free_port()}"
+    if echo:
+        print_fn(f"launching {n} stages ({nproc} per node, {plan.schedule}, {plan.n_microbatches} microbatches, "
+                 f"backend {plan.profile.backend}, {plan.profile.threads} thread(s) each)")
+    with tempfile.TemporaryDirectory(prefix="planner-run-") as tmp:
+        error_dir = Path(tmp) / "errors"
+        error_dir.mkdir()
+        config = LaunchConfig(
+            min_nodes=nnodes,
+            max_nodes=nnodes,
+            nproc_per_node=nproc,
+            run_id=rdzv_id or f"planner-{plan.model.fingerprint}",
+            rdzv_backend="c10d",
+            rdzv_endpoint=endpoint,
+            max_restarts=0,
+            start_method="spawn",
+            monitor_interval=0.1,
+            logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp) / "logs")),
+        )
+        args = (plan.to_json(), str(plan_path), steps, echo, str(error_dir))
+        # OMP_NUM_THREADS reaches the workers through the agent; without it each rank's OpenMP
+        # pool would size itself to every core and the ranks would oversubscribe the machine.
+        with _quiet_elastic(), _env(OMP_NUM_THREADS=str(plan.profile.threads)):
+            try:
+                outputs = elastic_launch(config, run_worker)(*args)
+            except ChildFailedError as e:
+                raise _worker_error(error_dir, e) from None
+    return _gather(plan, steps, outputs)
+
+
+def _gather(plan: Plan, steps: int, outputs: dict[int, dict]) -> RunResult:
+    """One RunResult from the workers' ``{rank: measurements}`` (this node's ranks only)."""
+    ranks = [outputs[r] for r in sorted(outputs)]
+    last = outputs.get(plan.n_stages - 1)
+    rank_times = [r["times"] for r in ranks]
+    step_times = [max(ts[i] for ts in rank_times) for i in range(steps)]
+    return RunResult(
+        plan_fingerprint=plan.model.fingerprint,
+        mode="pipeline",
+        schedule=plan.schedule,
+        n_stages=plan.n_stages,
+        n_microbatches=plan.n_microbatches,
+        batch_size=plan.batch_size,
+        backend=plan.profile.backend,
+        steps=steps,
+        threads=[r["threads"] for r in ranks],
+        losses=last["losses"] if last else [],
+        grad_norms=ranks[0]["grad_norms"],
+        grad_clip=plan.optimizer.grad_clip,
+        step_times_s=step_times,
+        rank_step_times_s=rank_times,
+        median_step_s=RunResult.median_after_warmup(step_times),
+        peak_rss_bytes=[r["peak_rss_bytes"] for r in ranks],
+        predicted_step_s=plan.prediction.step_time_s,
+    )

@@ -1,0 +1,115 @@
+"""Training in this process, without a pipeline: the 1-stage plan, and the unsplit reference that
+a pipelined run must match (DESIGN.md "Runner": same loss and gradients as the unsplit model).
+
+The model is the user's own ``nn.Module`` from ``build_model`` (not the traced graph), built with
+the plan's seed, trained on the same data stream, with the same optimizer and clipping as the
+pipeline. With ``n_microbatches > 1`` the batch is split the way the pipeline schedule splits it
+(``torch.tensor_split`` on dim 0) and gradients are accumulated with weight 1/m, which is what
+``PipelineScheduleSingle(scale_grads=True)`` does; for a mean-reduced loss that equals one
+full-batch step.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from planner.load import ModelFile
+from planner.plan import Plan
+from planner.run.common import clip_to_global_norm, load_plan_model, make_optimizer, step_line
+from planner.run.result import RunResult
+
+
+def _chunks(value: Any, m: int) -> list[Any]:
+    """Split a tensor on dim 0 into m pieces; anything else is given to every piece unchanged."""
+    if isinstance(value, torch.Tensor):
+        return list(torch.tensor_split(value, m, dim=0))
+    return [value] * m
+
+
+def train_model_file(
+    plan: Plan, mf: ModelFile, steps: int, *, n_microbatches: int = 1, echo: bool = True,
+    print_fn: Callable[[str], None] = print,
+) -> RunResult:
+    """Train ``mf``'s unsplit model for ``steps`` steps in this process with the plan's settings.
+
+    Args:
+        plan: batch size, optimizer, seed and threads come from here (its stages are ignored).
+        mf: the loaded model file, with the plan's config.
+        steps: optimizer steps to take.
+        n_microbatches: gradient-accumulation microbatches per step (1: one full-batch pass).
+        echo: print one progress line per step.
+        print_fn: where progress lines go.
+
+    Returns:
+        The measured run (mode "local", one rank).
+    """
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(plan.profile.threads)
+    try:
+        model = mf.build(plan.model.seed)
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = make_optimizer(params, plan)
+        batches = mf.train_batches(plan.batch_size, seed=plan.model.seed)
+        loss_fn = mf.loss_fn
+        losses: list[float] = []
+        norms: list[float] = []
+        times: list[float] = []
+        for step in range(1, steps + 1):
+            inputs, target = next(batches)
+            t0 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            split_inputs = [_chunks(x, n_microbatches) for x in inputs]
+            split_target = _chunks(target, n_microbatches)
+            mb_losses = []
+            for i in range(n_microbatches):
+                loss = loss_fn(model(*(xs[i] for xs in split_inputs)), split_target[i])
+                (loss / n_microbatches).backward()
+                mb_losses.append(loss.detach())
+            norms.append(clip_to_global_norm(params, plan.optimizer.grad_clip))
+            optimizer.step()
+            times.append(time.perf_counter() - t0)
+            losses.append(float(torch.stack(mb_losses).mean()))
+            if echo:
+                print_fn(step_line(step, steps, losses[-1], times[-1]))
+    finally:
+        torch.set_num_threads(old_threads)
+    return RunResult(
+        plan_fingerprint=plan.model.fingerprint,
+        mode="local",
+        schedule=plan.schedule,
+        n_stages=1,
+        n_microbatches=n_microbatches,
+        batch_size=plan.batch_size,
+        backend="none",
+        steps=steps,
+        threads=[plan.profile.threads],
+        losses=losses,
+        grad_norms=norms,
+        grad_clip=plan.optimizer.grad_clip,
+        step_times_s=times,
+        rank_step_times_s=[times],
+        median_step_s=RunResult.median_after_warmup(times),
+        peak_rss_bytes=[resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024],
+        predicted_step_s=plan.prediction.step_time_s,
+    )
+
+
+def train_reference(plan: Plan, plan_path: str | Path, steps: int, *, echo: bool = False) -> RunResult:
+    """The unsplit model trained on full batches in this process: what a pipelined run must match.
+
+    Args:
+        plan: the plan whose model, seed, data, optimizer and clipping to use.
+        plan_path: the plan file (relative model paths resolve against its folder).
+        steps: optimizer steps.
+        echo: print one progress line per step.
+
+    Returns:
+        The measured run (mode "local", ``n_microbatches`` 1).
+    """
+    return train_model_file(plan, load_plan_model(plan, plan_path), steps, n_microbatches=1, echo=echo)
