@@ -107,9 +107,10 @@ def run_cmd(plan_file: str, steps: int, nnodes: int, rdzv_endpoint: str | None, 
     result = run_plan(plan, plan_file, steps, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
     out = Path(output) if output else Path(plan_file).with_suffix(".run.json")
     result.save(out)
+    loss = f"; final loss {result.losses[-1]:.4f}" if result.losses else ""  # only the last stage's node has losses
     click.echo(
-        f"median step {result.median_step_time_s * 1e3:.1f} ms measured vs {plan.prediction.step_time_s * 1e3:.1f} ms "
-        f"predicted; final loss {result.losses[-1]:.4f}; wrote {out}"
+        f"median step {result.median_step_s * 1e3:.1f} ms measured vs {plan.prediction.step_time_s * 1e3:.1f} ms "
+        f"predicted{loss}; wrote {out}"
     )
 
 

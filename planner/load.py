@@ -107,7 +107,19 @@ class ModelFile:
             return self._make_batch_stream(batch_size, seed)
         torch.manual_seed(seed)
         stream = self._call("train_batches", fn, batch_size, **self.config)
-        return (_check_batch(b, "train_batches", self.path) for b in stream)
+        return self._checked_stream(iter(stream))
+
+    def _checked_stream(self, stream: Iterator[Any]) -> Iterator[Batch]:
+        """Yield from a train_batches stream, turning its errors into one-line ModelFileErrors."""
+        while True:
+            try:
+                batch = next(stream)
+            except StopIteration:
+                return
+            except Exception as e:
+                where = _user_frame(e, self.path)
+                raise ModelFileError(f"{self.path.name}: train_batches() raised {type(e).__name__}: {e}{where}") from e
+            yield _check_batch(batch, "train_batches", self.path)
 
     def _make_batch_stream(self, batch_size: int, seed: int) -> Iterator[Batch]:
         step = 0

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from planner.costs import BlockCost, LinkCost, OptimizerSpec
-from planner.plan import Prediction, StagePlan
+from planner.errors import InfeasibleError
+from planner.plan import Plan, Prediction, StagePlan
 from planner.simulate import simulate
 from planner.solve import stage_cost, stage_memory_bytes, stage_times
 
@@ -72,3 +73,29 @@ def predict(
         max_memory_bytes=max(s.memory_bytes for s in stages),
     )
     return stages, prediction
+
+
+def with_method(plan: Plan, method: str) -> Plan:
+    """The same plan (same costs, schedule, batch) split by another of its compared methods.
+
+    Used to run a baseline split side by side with the planned one on identical costs.
+
+    Args:
+        plan: a plan whose ``baselines`` include ``method``.
+        method: "optimal", "uniform" or "params".
+
+    Returns:
+        A plan whose stages are ``method``'s split; the former choice moves to ``baselines``.
+
+    Raises:
+        InfeasibleError: when the plan has no figures for ``method``.
+    """
+    if method == plan.method:
+        return plan
+    if method not in plan.baselines:
+        raise InfeasibleError(f"the plan has no '{method}' split to switch to; it compares {', '.join(plan.baselines) or 'nothing'}")
+    stages, prediction = predict(plan.blocks, plan.baselines[method].starts, plan.link, plan.schedule,
+                                 plan.n_microbatches, plan.optimizer)
+    baselines = {k: v for k, v in plan.baselines.items() if k != method}
+    baselines[plan.method] = plan.prediction
+    return plan.model_copy(update={"method": method, "stages": stages, "prediction": prediction, "baselines": baselines})

@@ -210,8 +210,16 @@ def _record_values(gm: fx.GraphModule, inputs: tuple) -> dict[str, ValueInfo]:
             values[n.name] = _describe(out)
             return out
 
-    with torch.no_grad():
-        Recorder(gm).run(*inputs)
+    # Put the buffers back afterwards, so recording moves no batch-norm statistics. (Switching to
+    # eval mode instead is not possible: torch.export's modules refuse .eval().)
+    saved = {name: buf.clone() for name, buf in gm.named_buffers()}
+    try:
+        with torch.no_grad():
+            Recorder(gm).run(*inputs)
+    finally:
+        with torch.no_grad():
+            for name, buf in gm.named_buffers():
+                buf.copy_(saved[name])
     return values
 
 
@@ -378,6 +386,15 @@ def _analyse_graph(
     return TracedModel(gm, model, method, failures, blocks, cuts, values, graph, block_of)
 
 
+def _impure(node: fx.Node) -> bool:
+    if node.is_impure():
+        return True
+    if node.kwargs.get("inplace") is True:
+        return True
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+
+
 def build_stage_module(traced: TracedModel, start: int, end: int, *, check_cuts: bool = True) -> fx.GraphModule:
     """Build the module that runs ``blocks[start:end]`` of a traced model.
 
@@ -451,8 +468,9 @@ def build_stage_module(traced: TracedModel, start: int, end: int, *, check_cuts:
         outs = tuple(lookup(nodes[name]) for name in live)
         graph.output(outs[0] if len(outs) == 1 else outs)
     stage = fx.GraphModule(gm, graph, f"stage_{start}_{end}")
-    # Shape reads whose consumers went to other stages are dead here; drop them.
-    stage.graph.eliminate_dead_code()
+    # Shape reads whose consumers went to other stages are dead here; drop them. fx treats method
+    # calls as pure, so keep in-place ones (y.mul_(2), masked_fill_) whose result goes unused.
+    stage.graph.eliminate_dead_code(is_impure_node=_impure)
     stage.graph.lint()
     stage.recompile()
     return stage

@@ -39,3 +39,14 @@ def test_render_names_chosen_method_and_figures() -> None:
     assert "uniform layers (torchtitan/Megatron) *" in text
     assert "predicted step 612.00 ms, bubble 34.3%, imbalance 1.363" in text
     assert "schedule 1f1b, batch 16 = 4 microbatches of 4; 6 blocks" in text
+
+
+def test_with_method_switches_to_a_baseline_split() -> None:
+    from planner.predict import with_method
+
+    plan = make_plan(big_head_blocks())
+    uniform = with_method(plan, "uniform")
+    assert uniform.method == "uniform" and uniform.prediction == plan.baselines["uniform"]
+    assert [s.end for s in uniform.stages] == [3, 6]
+    assert uniform.baselines["optimal"] == plan.prediction
+    assert uniform == make_plan(big_head_blocks(), method="uniform").model_copy(update={"baselines": uniform.baselines})

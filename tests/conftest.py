@@ -1,0 +1,35 @@
+"""Shared test helpers: the repository root on sys.path and paths to model files."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `pytest` run without `python -m` or an editable install
+    sys.path.insert(0, str(ROOT))
+
+MODELS_DIR = ROOT / "models"
+FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
+
+
+@pytest.fixture
+def fixture_path():
+    """Path of a model file in tests/fixtures, by stem: ``fixture_path("skip")``."""
+    return lambda stem: FIXTURES_DIR / f"{stem}.py"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tier-4 tests (marker ``cuda``) where no GPU is present."""
+    if not any(item.get_closest_marker("cuda") for item in items):
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device on this machine")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)

@@ -1,0 +1,242 @@
+"""Tier 2 (CPU torch): measured per-block costs.
+
+Timing is checked with blocks that sleep a known time (tests/fixtures/delay.py): sleeping is
+wall-clock exact up to scheduler noise, whatever the CPU, so the tolerance covers only noise.
+Bytes are checked exactly against hand computation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from planner.costs import BlockCost
+from planner.load import load_model_file
+from planner.profile import profile_blocks
+from planner.trace import trace_model
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+TOL_S = 0.008  # +-8 ms around 10..60 ms sleeps: generous for a loaded 2-core machine
+FWD_MS, BWD_MS = (20, 40, 60), (10, 20, 30)
+B, D = 4, 16
+
+
+def _profile(traced, inputs, target, loss_fn, **kw):
+    kw.setdefault("warmup", 0)
+    kw.setdefault("repeats", 1)
+    return profile_blocks(traced, inputs, target, loss_fn, progress=False, **kw)
+
+
+def _delay(modules: bool):
+    mf = load_model_file(FIXTURES / "delay.py", "tiny", {"modules": modules, "d": D})
+    model = mf.build()
+    inputs, target = mf.batch(B)
+    return mf, model, inputs, target, trace_model(model, inputs)
+
+
+# --- timing ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("modules", [False, True], ids=["graph", "modules"])
+def test_sleeping_blocks_give_known_times(modules):
+    mf, _, inputs, target, traced = _delay(modules)
+    assert traced.method == ("modules" if modules else "fx")
+    costs = _profile(traced, inputs, target, mf.loss_fn, warmup=1, repeats=3)
+    assert [c.name for c in costs] == ["layers.0", "layers.1", "layers.2"]
+    for c, f, b in zip(costs, FWD_MS, BWD_MS):
+        assert c.fwd_s == pytest.approx(f / 1e3, abs=TOL_S), (c.name, c.fwd_s)
+        assert c.bwd_s == pytest.approx(b / 1e3, abs=TOL_S), (c.name, c.bwd_s)
+    # sleeping is a lower bound: no block can be measured faster than it slept
+    for c, f, b in zip(costs, FWD_MS, BWD_MS):
+        assert c.fwd_s >= f / 1e3 - 1e-3 and c.bwd_s >= b / 1e3 - 1e-3
+
+
+# --- bytes -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("modules", [False, True], ids=["graph", "modules"])
+def test_delay_blocks_bytes_exact(modules):
+    mf, _, inputs, target, traced = _delay(modules)
+    costs = _profile(traced, inputs, target, mf.loss_fn)
+    # each block: y = x * w with w (D,) a parameter; autograd saves x (B, D) for w's gradient and
+    # w for x's gradient (a parameter: counted in param_bytes, not as an activation).
+    assert [c.params for c in costs] == [D] * 3
+    assert [c.param_bytes for c in costs] == [D * 4] * 3
+    assert [c.activation_bytes for c in costs[:2]] == [B * D * 4] * 2
+    assert [c.cut_bytes for c in costs] == [B * D * 4, B * D * 4, 0]
+    assert [c.cut_tensors for c in costs] == [1, 1, 0]
+    assert [c.cut_legal for c in costs] == [True, True, False]
+    assert all(c.is_layer for c in costs)
+
+
+def test_graph_profiler_counts_the_loss_in_the_last_block():
+    # The last block includes the loss, as the last stage does: ((out - target) ** 2).mean() saves
+    # out - target (B, D) on top of the block's own input.
+    mf, _, inputs, target, traced = _delay(False)
+    costs = _profile(traced, inputs, target, mf.loss_fn)
+    assert costs[-1].activation_bytes == 2 * B * D * 4
+
+
+class Tied(nn.Module):
+    """emb -> two linears -> head whose weight is emb's (tied, as in GPT-2)."""
+
+    def __init__(self, vocab=11, d=6):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList([nn.Linear(d, d), nn.Linear(d, d, bias=False)])
+        self.head = nn.Linear(d, vocab)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def test_param_bytes_exact_with_shared_parameters():
+    vocab, d = 11, 6
+    model = Tied(vocab, d)
+    x = torch.randint(0, vocab, (3, 5))
+    y = torch.randint(0, vocab, (3, 5))
+    traced = trace_model(model, (x,))
+    assert [b.name for b in traced.blocks] == ["emb", "layers.0", "layers.1", "head"]
+    loss = lambda out, t: nn.functional.cross_entropy(out.reshape(-1, vocab), t.reshape(-1))  # noqa: E731
+    costs = _profile(traced, (x,), y, loss)
+    # the tied weight is counted once, in the first block that uses it (emb); head keeps its bias
+    assert [c.params for c in costs] == [vocab * d, d * d + d, d * d, vocab]
+    assert [c.param_bytes for c in costs] == [4 * vocab * d, 4 * (d * d + d), 4 * d * d, 4 * vocab]
+    assert sum(c.params for c in costs) == sum(p.numel() for p in model.parameters())
+    assert [c.cut_bytes for c in costs] == [3 * 5 * d * 4] * 3 + [0]
+
+
+@pytest.mark.parametrize("name", ["gpt", "resnet50"])
+def test_every_parameter_counted_once_on_shipped_models(name):
+    mf = load_model_file(ROOT / "models" / f"{name}.py", "tiny")
+    model = mf.build()
+    inputs, target = mf.batch(2)
+    costs = _profile(trace_model(model, inputs), inputs, target, mf.loss_fn)
+    assert sum(c.params for c in costs) == sum(p.numel() for p in model.parameters())
+    assert sum(c.param_bytes for c in costs) == 4 * sum(p.numel() for p in model.parameters())
+    assert all(isinstance(c, BlockCost) and c.fwd_s > 0 and c.bwd_s >= 0 for c in costs)
+    assert all(c.activation_bytes > 0 for c in costs if c.is_layer)
+
+
+def test_gpt_costs_exact_structure():
+    mf = load_model_file(ROOT / "models" / "gpt.py", "tiny")
+    model = mf.build()
+    inputs, target = mf.batch(2)
+    traced = trace_model(model, inputs)
+    costs = _profile(traced, inputs, target, mf.loss_fn)
+    b, t, d, vocab, ffn = 2, 32, 64, 512, 256
+    assert [c.name for c in costs] == [b.name for b in traced.blocks]
+    assert [c.cut_bytes for c in costs] == [b * t * d * 4] * 6 + [0]
+    layer = 2 * (3 * d * d + 3 * d + d * d + d) + ffn * d + ffn + d * ffn + d + 3 * 2 * d  # 2 attn, ffn, 3 norms
+    assert [c.params for c in costs] == [vocab * d] + [layer] * 4 + [2 * d, d * vocab + vocab]
+    assert [c.is_layer for c in costs] == [False, True, True, True, True, False, False]
+    assert [(c.first_node, c.last_node) for c in costs][0] == (traced.blocks[0].nodes[0], traced.blocks[0].nodes[-1])
+
+
+def test_single_block_activation_bytes_by_hand():
+    """y = relu(x * w): mul saves x (w is a parameter), relu saves its output; both (B, N) float32."""
+
+    class Scale(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.w = nn.Parameter(torch.full((n,), 2.0))
+
+        def forward(self, x):
+            return torch.relu(x * self.w)
+
+    class Net(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.layers = nn.ModuleList([Scale(n), Scale(n), Scale(n)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    batch, n = 5, 7
+    x, y = torch.randn(batch, n), torch.randn(batch, n)
+    traced = trace_model(Net(n), (x,))
+    costs = _profile(traced, (x,), y, lambda out, t: (out * 1.0).sum())
+    assert [c.activation_bytes for c in costs[:2]] == [2 * batch * n * 4] * 2
+    assert [c.param_bytes for c in costs] == [n * 4] * 3
+
+
+# --- the user's model stays untouched ----------------------------------------------------------
+
+
+def _snapshot(model):
+    return (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        {n: p.requires_grad for n, p in model.named_parameters()},
+        [m.training for m in model.modules()],
+    )
+
+
+def _assert_unchanged(model, snap):
+    state, flags, training = snap
+    now = model.state_dict()
+    assert now.keys() == state.keys()
+    for k in state:
+        assert torch.equal(now[k], state[k]), k
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+    assert all(p.grad is None for p in model.parameters())
+    assert [m.training for m in model.modules()] == training
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_profiling_leaves_resnet_unchanged(train):
+    mf = load_model_file(ROOT / "models" / "resnet50.py", "tiny")
+    model = mf.build().train(train)
+    inputs, target = mf.batch(2)
+    snap = _snapshot(model)
+    running = model.bn1.running_mean.clone()
+    traced = trace_model(model, inputs)
+    _profile(traced, inputs, target, mf.loss_fn, warmup=1, repeats=1)
+    _assert_unchanged(model, snap)
+    assert torch.equal(model.bn1.running_mean, running)
+    assert int(model.bn1.num_batches_tracked) == 0
+    # the private copy did run in train mode (its batch norm statistics moved)
+    assert not torch.equal(traced.model.bn1.running_mean, running)
+
+
+def test_profiling_leaves_frozen_parameters_frozen():
+    mf = load_model_file(ROOT / "models" / "gpt.py", "tiny")
+    model = mf.build()
+    model.tok_embeddings.weight.requires_grad_(False)
+    inputs, target = mf.batch(2)
+    snap = _snapshot(model)
+    _profile(trace_model(model, inputs), inputs, target, mf.loss_fn)
+    _assert_unchanged(model, snap)
+
+
+def test_modules_profiler_leaves_model_unchanged():
+    mf = load_model_file(FIXTURES / "data_dependent.py", "tiny")
+    model = mf.build().eval()
+    inputs, target = mf.batch(4)
+    snap = _snapshot(model)
+    traced = trace_model(model, inputs)
+    assert traced.method == "modules"
+    costs = _profile(traced, inputs, target, mf.loss_fn)
+    _assert_unchanged(model, snap)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in traced.model.modules())
+    assert all(p.grad is None for p in traced.model.parameters())
+    d = 8
+    assert [c.params for c in costs] == [d * d + d] * 4 + [3 * d + 3]
+    assert [c.cut_bytes for c in costs] == [4 * d * 4] * 4 + [0]
+
+
+def test_threads_setting_is_restored():
+    mf, _, inputs, target, traced = _delay(False)
+    before = torch.get_num_threads()
+    _profile(traced, inputs, target, mf.loss_fn, threads=1)
+    assert torch.get_num_threads() == before
