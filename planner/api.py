@@ -117,7 +117,7 @@ def make_plan(
         shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
         raise InfeasibleError(f"--gpus {gpus}: the model has only {len(names)} blocks ({shown}); use at most {len(names)}")
     blocks = profile_blocks(traced, inputs, target, mf.loss_fn, warmup=warmup, repeats=repeats,
-                            threads=threads if not use_cuda else None, progress=progress)
+                            threads=threads if not use_cuda else None, progress=progress, optimizer=optimizer)
 
     solvers = {
         "optimal": lambda: solve(blocks, gpus, link, schedule=schedule, n_microbatches=m, optimizer=optimizer,

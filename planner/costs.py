@@ -25,6 +25,9 @@ class BlockCost(BaseModel):
     params: int = Field(ge=0, description="Parameters first used in this block (shared ones counted once).")
     param_bytes: int = Field(ge=0, description="Bytes of those parameters.")
     activation_bytes: int = Field(ge=0, description="Bytes saved for backward by one microbatch.")
+    opt_s: float = Field(
+        default=0.0, ge=0, description="Optimizer step over this block's parameters, seconds (once per step, not per microbatch)."
+    )
     cut_bytes: int = Field(
         ge=0, description="Bytes crossing a stage boundary placed right after this block, per microbatch, one way."
     )

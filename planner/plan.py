@@ -63,6 +63,7 @@ class StagePlan(_Frozen):
     bwd_s: float = Field(description="Backward compute per microbatch.")
     comm_s: float = Field(description="Send/receive time per microbatch (forward + backward).")
     time_s: float = Field(description="fwd + bwd + comm per microbatch.")
+    opt_s: float = Field(default=0.0, description="Optimizer step over the stage's parameters, once per training step.")
     activation_bytes: int = Field(description="Saved activations per microbatch.")
     in_flight: int = Field(description="Peak microbatches holding activations under the schedule.")
     memory_bytes: int = Field(description="Predicted peak: params, grads, optimizer state, in-flight activations, buffers.")
@@ -74,7 +75,8 @@ class Prediction(_Frozen):
     starts: tuple[int, ...]
     stage_time_s: tuple[float, ...]
     bottleneck_s: float
-    step_time_s: float
+    pipeline_time_s: float = Field(description="Makespan of the schedule's forward/backward actions.")
+    step_time_s: float = Field(description="Pipeline makespan plus the optimizer step and gradient-norm all-reduce after it.")
     bubble_fraction: float
     imbalance: float = Field(description="Slowest stage time / mean stage time (1.0 = perfectly balanced).")
     max_memory_bytes: int

@@ -6,6 +6,7 @@ chosen plan and the baselines go through this one function, so the report compar
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from planner.costs import BlockCost, LinkCost, OptimizerSpec
@@ -56,18 +57,29 @@ def predict(
                 bwd_s=st.bwd_s,
                 comm_s=st.comm_fwd_s + st.comm_bwd_s,
                 time_s=stage_cost(st),
+                opt_s=sum(x.opt_s for x in blocks[a:b]),
                 activation_bytes=sum(x.activation_bytes for x in blocks[a:b]),
                 in_flight=sim.peak_in_flight[i],
                 memory_bytes=stage_memory_bytes(blocks, a, b, sim.peak_in_flight[i], optimizer),
             )
         )
+    # After its last backward each rank clips (one scalar all-reduce over the pipeline group: a
+    # reduce and a broadcast, ~2 log2(p) messages) and steps its optimizer; the step ends when the
+    # slowest rank is done. Under 1F1B and GPipe stage 0 finishes its backwards last.
+    finish = [0.0] * len(stages)
+    for event in sim.events:
+        finish[event.rank] = max(finish[event.rank], event.end_s)
+    p = len(stages)
+    allreduce_s = 2 * math.ceil(math.log2(p)) * link.latency_s if p > 1 else 0.0
+    step_s = max(f + s.opt_s for f, s in zip(finish, stages)) + allreduce_s
     stage_time = tuple(s.time_s for s in stages)
     mean = sum(stage_time) / len(stage_time)
     prediction = Prediction(
         starts=tuple(starts),
         stage_time_s=stage_time,
         bottleneck_s=max(stage_time),
-        step_time_s=sim.step_time_s,
+        pipeline_time_s=sim.step_time_s,
+        step_time_s=step_s,
         bubble_fraction=sim.bubble_fraction,
         imbalance=max(stage_time) / mean if mean > 0 else 1.0,
         max_memory_bytes=max(s.memory_bytes for s in stages),

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from tqdm import tqdm
 
-from planner.costs import BlockCost
+from planner.costs import BlockCost, OptimizerSpec
 from planner.trace import TracedModel, build_stage_module
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -82,6 +82,7 @@ def profile_blocks(
     repeats: int = 5,
     threads: int | None = None,
     progress: bool = True,
+    optimizer: OptimizerSpec | None = None,
 ) -> list[BlockCost]:
     """Measure every block of a traced model on one microbatch.
 
@@ -95,6 +96,8 @@ def profile_blocks(
         threads: intra-op threads while measuring (match the threads a rank will have); None
             keeps the current setting.
         progress: show a progress bar.
+        optimizer: the run's optimizer; its step over each block's parameters is timed too
+            (AdamW over a large output layer is several percent of a CPU step). None skips it.
 
     Returns:
         One BlockCost per block, in block order.
@@ -102,15 +105,67 @@ def profile_blocks(
     if traced.gm is None:
         from planner.profile_modules import profile_module_blocks
 
-        return profile_module_blocks(traced, inputs, target, loss_fn, warmup=warmup, repeats=repeats,
-                                     threads=threads, progress=progress)
+        costs = profile_module_blocks(traced, inputs, target, loss_fn, warmup=warmup, repeats=repeats,
+                                      threads=threads, progress=progress)
+        params = [list(traced.model.get_submodule(c.name).parameters()) for c in costs]
+    else:
+        old_threads = torch.get_num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        try:
+            costs = _profile_graph(traced, inputs, target, loss_fn, warmup, repeats, progress)
+        finally:
+            torch.set_num_threads(old_threads)
+        params = [_block_parameters(traced, k) for k in range(len(costs))]
+    if optimizer is None:
+        return costs
     old_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        return _profile_graph(traced, inputs, target, loss_fn, warmup, repeats, progress)
+        claimed: set[int] = set()
+        timed = []
+        for cost, ps in zip(costs, params):
+            own = [p for p in ps if id(p) not in claimed]  # shared parameters step once, in their first block
+            claimed.update(id(p) for p in own)
+            timed.append(cost.model_copy(update={"opt_s": time_optimizer_step(own, optimizer, warmup, repeats)}))
+        return timed
     finally:
         torch.set_num_threads(old_threads)
+
+
+def time_optimizer_step(params: list[torch.Tensor], optimizer: OptimizerSpec, warmup: int = 1, repeats: int = 3) -> float:
+    """Median time of one optimizer step over copies of ``params`` with random gradients.
+
+    Args:
+        params: the parameters one block owns (left untouched: copies are stepped).
+        optimizer: which optimizer and learning rate.
+        warmup: untimed steps (AdamW allocates its state on the first).
+        repeats: timed steps.
+
+    Returns:
+        Seconds per step (0.0 when there are no parameters).
+    """
+    trainable = [p for p in params if p.requires_grad]
+    if not trainable:
+        return 0.0
+    copies = [p.detach().clone().requires_grad_(True) for p in trainable]
+    for c in copies:
+        c.grad = torch.randn_like(c)
+    opt: torch.optim.Optimizer
+    if optimizer.name == "sgd":
+        opt = torch.optim.SGD(copies, lr=optimizer.lr)
+    else:
+        opt = torch.optim.AdamW(copies, lr=optimizer.lr)
+    times = []
+    for r in range(max(1, warmup) + repeats):
+        _sync(tuple(copies))
+        t0 = time.perf_counter()
+        opt.step()
+        _sync(tuple(copies))
+        if r >= max(1, warmup):
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _profile_graph(

@@ -64,6 +64,7 @@ def make_plan(
     times = tuple(st.time_s for st in stages)
     prediction = Prediction(
         starts=tuple(starts), stage_time_s=times, bottleneck_s=max(times),
+        pipeline_time_s=max(times) * (n_microbatches + len(starts) - 1),
         step_time_s=max(times) * (n_microbatches + len(starts) - 1), bubble_fraction=0.3,
         imbalance=max(times) * len(times) / sum(times), max_memory_bytes=1 << 20,
     )
