@@ -115,6 +115,8 @@ def render(plan: Plan) -> str:
         f"{plan.microbatch_size}; {len(plan.blocks)} blocks; link {plan.link.name} "
         f"({plan.link.latency_s * 1e3:.2f} ms + bytes / {plan.link.bandwidth_Bps / 1e9:.1f} GB/s)"
     )
+    if m.trace_failures:
+        head += "\n" + "\n".join(f"  {method} could not trace it: {reason}" for method, reason in m.trace_failures)
     summary = (
         f"predicted step {_ms(plan.prediction.step_time_s)} ms, bubble {100 * plan.prediction.bubble_fraction:.1f}%, "
         f"imbalance {plan.prediction.imbalance:.3f} (slowest / mean stage)"

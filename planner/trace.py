@@ -22,10 +22,17 @@ because a pipeline runs with fixed microbatch shapes anyway (``PipelineStage`` i
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
+import io
+import logging
+import sysconfig
+import traceback
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import networkx as nx
@@ -145,13 +152,35 @@ def _trace_fx(model: nn.Module, inputs: tuple) -> fx.GraphModule:
 
 
 def _trace_export(model: nn.Module, inputs: tuple) -> fx.GraphModule:
-    ep = torch.export.export(model, inputs, strict=False)
+    # A failing export logs warnings and prints the partial graph; the planner reports the reason
+    # in one line instead, so keep that noise off the user's terminal.
+    loggers = [logging.getLogger(name) for name in ("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export", "torch._export")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = torch.export.export(model, inputs, strict=False)
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
     return ep.module()
 
 
+_NOT_USER_CODE = tuple(
+    str(Path(p).resolve()) for p in (Path(torch.__file__).parent, Path(__file__).parent, sysconfig.get_paths()["stdlib"])
+)
+
+
 def _short_reason(e: BaseException) -> str:
+    """One line: the exception, shortened, and the model-code line that triggered it."""
     text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:300]}"
+    if len(text) > 200:
+        text = text[:200] + "..."
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not str(Path(f.filename).resolve()).startswith(_NOT_USER_CODE)]
+    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno}: {frames[-1].line})" if frames else ""
+    return f"{type(e).__name__}: {text}{where}"
 
 
 def trace_model(
