@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from planner.costs import BlockCost, LinkCost, OptimizerSpec
 from planner.errors import PlanFileError
+from planner.jsonfile import write_atomic
 
 PLAN_VERSION = 1
 Schedule = Literal["gpipe", "1f1b"]
@@ -165,10 +166,7 @@ class Plan(_Frozen):
 
     def save(self, path: str | Path) -> None:
         """Write the plan to ``path`` (via a temporary file, so a failure never leaves half a plan)."""
-        p = Path(path)
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(p)
+        write_atomic(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":

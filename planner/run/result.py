@@ -12,6 +12,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from planner.errors import PlanFileError
+from planner.jsonfile import write_atomic
 
 RUN_VERSION = 1
 
@@ -59,10 +60,7 @@ class RunResult(BaseModel):
 
     def save(self, path: str | Path) -> None:
         """Write run.json to ``path`` (via a temporary file, so a failure never leaves half a file)."""
-        p = Path(path)
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(p)
+        write_atomic(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> "RunResult":
