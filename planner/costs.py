@@ -25,6 +25,17 @@ class BlockCost(BaseModel):
     params: int = Field(ge=0, description="Parameters first used in this block (shared ones counted once).")
     param_bytes: int = Field(ge=0, description="Bytes of those parameters.")
     activation_bytes: int = Field(ge=0, description="Bytes saved for backward by one microbatch.")
+    bwd_input_s: float = Field(
+        default=0.0, ge=0, description="Backward w.r.t. the block's inputs only (I of F/I/W), seconds; 0 if not profiled."
+    )
+    bwd_weight_s: float = Field(
+        default=0.0, ge=0, description="Backward w.r.t. the block's weights only (W of F/I/W), seconds; 0 if not profiled."
+    )
+    recompute_s: float = Field(
+        default=0.0, ge=0, description="Extra forward the block costs in backward under activation checkpointing, seconds."
+    )
+    flops_fwd: float = Field(default=0.0, ge=0, description="Forward FLOPs per microbatch (torch.utils.flop_counter); 0 if not counted.")
+    flops_bwd: float = Field(default=0.0, ge=0, description="Backward FLOPs per microbatch; 0 if not counted.")
     opt_s: float = Field(
         default=0.0, ge=0, description="Optimizer step over this block's parameters, seconds (once per step, not per microbatch)."
     )
@@ -79,7 +90,21 @@ class OptimizerSpec(BaseModel):
     lr: float = Field(default=1e-3, gt=0)
     grad_clip: float | None = Field(default=1.0, description="Max global gradient norm; None disables clipping.")
 
-    @property
-    def state_factor(self) -> int:
-        """Optimizer state bytes per parameter byte (AdamW keeps exp_avg and exp_avg_sq: 2)."""
-        return {"adamw": 2, "sgd": 0}[self.name]
+    def state_bytes(self, params: int, param_bytes: int) -> int:
+        """Bytes of optimizer state for ``params`` parameters that take ``param_bytes`` bytes.
+
+        AdamW keeps two fp32 moments per parameter (8 B); when the parameters themselves are
+        narrower than fp32 (bf16/fp16 mixed precision) the optimizer also keeps an fp32 master copy
+        (4 B) — the 2 + 2 + 12 bytes per parameter of ZeRO (Rajbhandari et al. 2020, §3.1). Plain
+        SGD (no momentum) keeps nothing, but a master copy with narrow parameters.
+
+        Args:
+            params: number of parameters.
+            param_bytes: their bytes as stored in the model.
+
+        Returns:
+            Optimizer-state bytes.
+        """
+        master = 4 * params if param_bytes < 4 * params else 0
+        moments = 8 * params if self.name == "adamw" else 0
+        return master + moments

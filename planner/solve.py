@@ -142,11 +142,11 @@ def stage_memory_bytes(
 
     Formula (bytes)::
 
-        P * (2 + optimizer.state_factor)        # params + grads (same size) + optimizer state
+        2 * P + optimizer.state_bytes(N, P)     # params + grads (same size) + optimizer state
         + in_flight * A                         # activations saved for backward, per live microbatch
         + 2 * cut_in + 2 * cut_out              # receive/send buffers: activation + its gradient
 
-    with ``P`` = sum of ``param_bytes``, ``A`` = sum of ``activation_bytes``, ``cut_in`` =
+    with ``P`` = sum of ``param_bytes``, ``N`` = sum of ``params``, ``A`` = sum of ``activation_bytes``, ``cut_in`` =
     ``blocks[start - 1].cut_bytes`` (0 for the first stage), ``cut_out`` = ``blocks[end - 1].cut_bytes``
     (0 for the last stage). ``in_flight`` is the stage's peak number of microbatches with forward
     done and backward pending under the schedule (``planner.schedules.peak_in_flight``).
@@ -174,7 +174,8 @@ def stage_memory_bytes(
     a_bytes = sum(b.activation_bytes for b in part)
     cut_in = blocks[start - 1].cut_bytes if start > 0 else 0
     cut_out = blocks[end - 1].cut_bytes if end < n else 0
-    return p_bytes * (2 + optimizer.state_factor) + in_flight * a_bytes + 2 * cut_in + 2 * cut_out
+    n_params = sum(b.params for b in part)
+    return 2 * p_bytes + optimizer.state_bytes(n_params, p_bytes) + in_flight * a_bytes + 2 * cut_in + 2 * cut_out
 
 
 def in_flight_per_stage(schedule: str, n_stages: int, n_microbatches: int) -> list[int]:
@@ -402,19 +403,23 @@ class _MemoryModel:
         n = len(blocks)
         self.n = n
         self.limit = limit
-        self.factor = 2 + optimizer.state_factor
+        self.optimizer = optimizer
         self.pre_p = [0]
+        self.pre_n = [0]
         self.pre_a = [0]
         for b in blocks:
             self.pre_p.append(self.pre_p[-1] + b.param_bytes)
+            self.pre_n.append(self.pre_n[-1] + b.params)
             self.pre_a.append(self.pre_a[-1] + b.activation_bytes)
         self.buf_in = [0] + [2 * blocks[s - 1].cut_bytes for s in range(1, n)]
         self.buf_out = [0] + [2 * blocks[e - 1].cut_bytes for e in range(1, n)] + [0]
 
     def bytes(self, s: int, e: int, in_flight: int) -> int:
         # Same formula as stage_memory_bytes.
+        p_bytes = self.pre_p[e] - self.pre_p[s]
         return (
-            (self.pre_p[e] - self.pre_p[s]) * self.factor
+            2 * p_bytes
+            + self.optimizer.state_bytes(self.pre_n[e] - self.pre_n[s], p_bytes)
             + in_flight * (self.pre_a[e] - self.pre_a[s])
             + self.buf_in[s]
             + self.buf_out[e]

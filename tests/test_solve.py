@@ -242,11 +242,19 @@ def test_memory_uses_in_flight_of_each_stage() -> None:
 
 
 def test_stage_memory_formula() -> None:
-    blocks = [blk(0, 1.0, param_bytes=10, act=3, cut=7), blk(1, 1.0, param_bytes=20, act=5, cut=11), blk(2, 1.0, cut=13)]
-    # adamw: (10+20) * (2 + 2) + 4 * (3+5) + 2*0 (first) + 2*11 (out)
-    assert stage_memory_bytes(blocks, 0, 2, 4, OptimizerSpec()) == 120 + 32 + 22
-    # middle/last stage [1,3): 20 * 2 + 1 * 5 + 2*7 in + 0 out (last)
-    assert stage_memory_bytes(blocks, 1, 3, 1, SGD) == 40 + 5 + 14
+    blocks = [blk(0, 1.0, params=10, param_bytes=40, act=3, cut=7), blk(1, 1.0, params=20, param_bytes=80, act=5, cut=11), blk(2, 1.0, cut=13)]
+    # adamw, fp32: (40+80) * 2 (weights + grads) + 30 * 8 (two fp32 moments) + 4 * (3+5) + 2*0 (first) + 2*11 (out)
+    assert stage_memory_bytes(blocks, 0, 2, 4, OptimizerSpec()) == 240 + 240 + 32 + 22
+    # middle/last stage [1,3) with SGD: 80 * 2 + 1 * 5 + 2*7 in + 0 out (last)
+    assert stage_memory_bytes(blocks, 1, 3, 1, SGD) == 160 + 5 + 14
+
+
+def test_stage_memory_mixed_precision_keeps_fp32_master() -> None:
+    # bf16 parameters (2 B each): weights 2 + grads 2 + fp32 master 4 + two fp32 moments 8 = 16 B per
+    # parameter, ZeRO's "2 + 2 + 12".
+    blocks = [blk(0, 1.0, params=1000, param_bytes=2000), blk(1, 1.0)]
+    assert stage_memory_bytes(blocks, 0, 1, 0, OptimizerSpec()) == 16 * 1000
+    assert stage_memory_bytes(blocks, 0, 1, 0, SGD) == 8 * 1000
 
 
 # ---------------------------------------------------------------------------------------------
