@@ -5,6 +5,31 @@ pipeline stages, ``planner.trace.build_stage_module``) and timed on its real inp
 from running the blocks before it. The last block includes the loss, as the last pipeline stage
 does. Timing: warm-up runs, then repeats, median (robust to the noise of shared CPUs).
 
+Backward split (zero-bubble schedules run them apart, so the solver needs both): besides the full
+backward B (``torch.autograd.backward``, what GPipe/1F1B run) each block's backward is timed as
+torch.distributed.pipelining runs it under ``backward_one_chunk(full_backward=False)`` and
+``backward_weight_one_chunk``: I = ``stage_backward_input`` (gradients of the block's inputs only;
+it keeps the graph alive and notes where the weight paths branch off), then W =
+``stage_backward_weight`` (the weight gradients from those saved branch points). Calling torch's
+own functions means the measured split includes what torch's split really costs (graph walks,
+hooks, the branch nodes run twice), not an idealised one. Special cases, as torch has them:
+
+- block 0 receives the user's data, which needs no gradient (a pipeline's first stage does too):
+  torch skips I for the first stage and runs the *full* backward as its W (``stage_backward``,
+  ``backward_weight_one_chunk`` with ``stage_index == 0``), so I = 0 and W = that full backward.
+  Block 0's B is measured with such inputs too (no gradient of the data is ever computed in a
+  pipeline). A later block none of whose inputs needs a gradient (only integer tensors cross into
+  it) is timed the same way; torch itself would run I and then a W that finds no weight paths and
+  computes no weight gradients for such a stage;
+- a block without trainable parameters has W = 0 (nothing to run).
+
+Recompute (activation checkpointing): ``recompute_s`` is *measured*, not copied from the forward:
+the block runs under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` and its forward
+function is timed the second time it is called, which is the recomputation inside backward. With
+torch's default early stop the recomputation ends at the last saved tensor, so ops after it (a
+residual add, a trailing sleep in the test fixtures) are not re-run: recompute ≤ forward. Dropout's
+RNG-state restore is included.
+
 Memory per block: parameter bytes (each parameter counted in the first block that reads it) and
 the bytes autograd saves for backward during the block's forward, observed with
 ``torch.autograd.graph.saved_tensors_hooks`` (parameters excluded: they are counted once already).
@@ -21,6 +46,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from planner.costs import BlockCost, OptimizerSpec
@@ -33,13 +59,17 @@ def _as_tuple(value: Any) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
 
-def _grad_inputs(values: tuple) -> tuple:
-    """Detach block inputs and let float tensors require grad, as a pipeline stage receives them."""
+def _grad_inputs(values: tuple, grad: bool = True) -> tuple:
+    """Detach block inputs and let float tensors require grad, as a pipeline stage receives them.
+
+    ``grad=False`` for the first block: a pipeline's first stage gets the user's data, which needs
+    no gradient.
+    """
     out = []
     for v in values:
         if isinstance(v, torch.Tensor):
             v = v.detach()
-            if v.is_floating_point():
+            if grad and v.is_floating_point():
                 v.requires_grad_(True)
         out.append(v)
     return tuple(out)
@@ -70,6 +100,85 @@ def _backward_roots(out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Outputs that need a gradient, and a gradient of ones for each."""
     roots = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
     return roots, [torch.ones_like(t) for t in roots]
+
+
+def time_input_weight(forward: Callable[[tuple], Any], args: tuple, weights: list[torch.Tensor]) -> tuple[float, float]:
+    """One forward (untimed), then backward as zero-bubble schedules run it: I, then W.
+
+    Uses torch.distributed.pipelining's own ``stage_backward_input`` / ``stage_backward_weight``
+    (as ``PipelineStage.backward_one_chunk(full_backward=False)`` and
+    ``backward_weight_one_chunk`` call them). When no input needs a gradient, torch runs no I and a
+    full ``stage_backward`` as W (its first-stage path); without trainable weights W = 0.
+
+    Args:
+        forward: ``forward(args)`` -> the block's output (or the loss, for the last block).
+        args: the block's inputs, already detached / requiring grad as a stage receives them.
+        weights: the block's parameters.
+
+    Returns:
+        ``(I, W)`` in seconds.
+    """
+    # imported here: torch.distributed.pipelining takes ~1 s to import, and planning from a plan
+    # file or reporting never needs it
+    from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
+
+    trainable = [w for w in weights if w.requires_grad]
+    grad_in = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    if not trainable and not grad_in:
+        return 0.0, 0.0
+    out = forward(args)
+    roots, grads = _backward_roots(out)
+    if not roots:
+        return 0.0, 0.0
+    # stage_backward_input detaches the outputs in place, which torch refuses for views (a stage
+    # whose output is a view fails under zero-bubble schedules); a clone costs one copy backward.
+    roots = [t.clone() if t._is_view() else t for t in roots]
+    _sync(args)
+    t0 = time.perf_counter()
+    if not grad_in:
+        stage_backward(roots, grads, list(args))
+        _sync(args)
+        return 0.0, time.perf_counter() - t0
+    _, groups = stage_backward_input(roots, grads, list(args), iter(trainable))
+    _sync(args)
+    t1 = time.perf_counter()
+    if not trainable:
+        return t1 - t0, 0.0
+    stage_backward_weight(iter(trainable), groups)
+    _sync(args)
+    return t1 - t0, time.perf_counter() - t1
+
+
+def time_recompute(forward: Callable[[tuple], Any], args: tuple) -> float:
+    """Seconds the forward takes when activation checkpointing re-runs it inside backward.
+
+    The block runs under non-reentrant ``torch.utils.checkpoint`` (torch's defaults: early stop,
+    RNG state preserved); its function is timed on each call and the second call is the
+    recomputation. 0.0 when backward never needs it (nothing saved, nothing requires grad).
+
+    Args:
+        forward: ``forward(args)`` -> the block's output (or the loss, for the last block).
+        args: the block's inputs as a stage receives them.
+
+    Returns:
+        Recompute seconds.
+    """
+    calls: list[float] = []
+
+    def timed(*a: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return forward(a)
+        finally:  # early stop ends the recomputation with an exception: still one call
+            _sync(a)
+            calls.append(time.perf_counter() - t0)
+
+    out = checkpoint(timed, *args, use_reentrant=False)
+    roots, grads = _backward_roots(out)
+    if roots:
+        torch.autograd.backward(roots, grads)
+    _sync(args)
+    return calls[1] if len(calls) > 1 else 0.0
 
 
 def profile_blocks(
@@ -189,17 +298,22 @@ def _profile_graph(
         # A block that starts with an in-place op (a ReLU(inplace=True) right after a batch norm)
         # cannot take a leaf input; inside a stage it never has to (such cuts are illegal), so
         # profile it on a non-leaf copy.
-        if _needs_non_leaf(forward, _grad_inputs(current)):
+        grad = k > 0  # the first block gets the user's data, which needs no gradient
+        if _needs_non_leaf(forward, _grad_inputs(current, grad)):
             plain = forward
 
             def forward(args: tuple) -> Any:  # noqa: F811 - deliberate wrapper
                 return plain(tuple(a.clone() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args))
 
+        weights = list(module.parameters())
         fwd_times: list[float] = []
         bwd_times: list[float] = []
+        input_times: list[float] = []
+        weight_times: list[float] = []
+        recompute_times: list[float] = []
         saved_bytes = 0
         for r in range(warmup + repeats):
-            args = _grad_inputs(current)
+            args = _grad_inputs(current, grad)
             _sync(args)
             seen: set[tuple[int, int]] = set()
 
@@ -220,9 +334,16 @@ def _profile_graph(
                 torch.autograd.backward(roots, grads)
             _sync(args)
             t3 = time.perf_counter()
+            del out, roots, grads
+            # separate runs on fresh inputs: I/W as zero-bubble schedules run them, and the recompute
+            bwd_input, bwd_weight = time_input_weight(forward, _grad_inputs(current, grad), weights)
+            recompute = time_recompute(forward, _grad_inputs(current, grad))
             if r >= warmup:
                 fwd_times.append(t1 - t0)
                 bwd_times.append(t3 - t2)
+                input_times.append(bwd_input)
+                weight_times.append(bwd_weight)
+                recompute_times.append(recompute)
                 saved_bytes = sum(size for _, size in seen)
             bar.update(1)
         with torch.no_grad():
@@ -237,6 +358,9 @@ def _profile_graph(
                 last_node=block.nodes[-1],
                 fwd_s=statistics.median(fwd_times),
                 bwd_s=statistics.median(bwd_times),
+                bwd_input_s=statistics.median(input_times),
+                bwd_weight_s=statistics.median(weight_times),
+                recompute_s=statistics.median(recompute_times),
                 params=sum(p.numel() for p in params),
                 param_bytes=sum(p.numel() * p.element_size() for p in params),
                 activation_bytes=saved_bytes,
