@@ -65,6 +65,7 @@ class StagePlan(_Frozen):
     comm_s: float = Field(description="Send/receive time per microbatch (forward + backward).")
     time_s: float = Field(description="fwd + bwd + comm per microbatch.")
     opt_s: float = Field(default=0.0, description="Optimizer step over the stage's parameters, once per training step.")
+    recompute: bool = Field(default=False, description="The stage recomputes its activations in backward (activation checkpointing).")
     activation_bytes: int = Field(description="Saved activations per microbatch.")
     in_flight: int = Field(description="Peak microbatches holding activations under the schedule.")
     memory_bytes: int = Field(description="Predicted peak: params, grads, optimizer state, in-flight activations, buffers.")
@@ -74,6 +75,7 @@ class Prediction(_Frozen):
     """Predicted figures for one partition under the plan's schedule."""
 
     starts: tuple[int, ...]
+    recompute: tuple[bool, ...] = Field(default=(), description="Per stage: activation checkpointing (empty: none).")
     stage_time_s: tuple[float, ...]
     bottleneck_s: float
     pipeline_time_s: float = Field(description="Makespan of the schedule's forward/backward actions.")

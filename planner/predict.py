@@ -23,6 +23,7 @@ def predict(
     schedule: str,
     n_microbatches: int,
     optimizer: OptimizerSpec,
+    recompute: Sequence[bool] = (),
 ) -> tuple[list[StagePlan], Prediction]:
     """Predict what a partition costs under a schedule.
 
@@ -33,13 +34,15 @@ def predict(
         schedule: "gpipe" or "1f1b".
         n_microbatches: microbatches per step.
         optimizer: decides the optimizer-state bytes per parameter byte.
+        recompute: per stage, activation checkpointing (empty: no stage recomputes).
 
     Returns:
         The stages (with predicted time and memory each) and the step-level prediction.
     """
     n = len(blocks)
     ends = list(starts[1:]) + [n]
-    times = stage_times(blocks, starts, link)
+    flags = list(recompute) or [False] * len(starts)
+    times = stage_times(blocks, starts, link, flags)
     sim = simulate(times, schedule, n_microbatches)
     stages: list[StagePlan] = []
     for i, (a, b) in enumerate(zip(starts, ends)):
@@ -58,9 +61,10 @@ def predict(
                 comm_s=st.comm_fwd_s + st.comm_bwd_s,
                 time_s=stage_cost(st),
                 opt_s=sum(x.opt_s for x in blocks[a:b]),
+                recompute=flags[i],
                 activation_bytes=sum(x.activation_bytes for x in blocks[a:b]),
                 in_flight=sim.peak_in_flight[i],
-                memory_bytes=stage_memory_bytes(blocks, a, b, sim.peak_in_flight[i], optimizer),
+                memory_bytes=stage_memory_bytes(blocks, a, b, sim.peak_in_flight[i], optimizer, flags[i], n_microbatches),
             )
         )
     # After its last backward each rank clips (one scalar all-reduce over the pipeline group: a
@@ -76,6 +80,7 @@ def predict(
     mean = sum(stage_time) / len(stage_time)
     prediction = Prediction(
         starts=tuple(starts),
+        recompute=tuple(flags) if any(flags) else (),
         stage_time_s=stage_time,
         bottleneck_s=max(stage_time),
         pipeline_time_s=sim.step_time_s,
@@ -106,8 +111,9 @@ def with_method(plan: Plan, method: str) -> Plan:
         return plan
     if method not in plan.baselines:
         raise InfeasibleError(f"the plan has no '{method}' split to switch to; it compares {', '.join(plan.baselines) or 'nothing'}")
-    stages, prediction = predict(plan.blocks, plan.baselines[method].starts, plan.link, plan.schedule,
-                                 plan.n_microbatches, plan.optimizer)
+    base = plan.baselines[method]
+    stages, prediction = predict(plan.blocks, base.starts, plan.link, plan.schedule, plan.n_microbatches,
+                                 plan.optimizer, base.recompute)
     baselines = {k: v for k, v in plan.baselines.items() if k != method}
     baselines[plan.method] = plan.prediction
     return plan.model_copy(update={"method": method, "stages": stages, "prediction": prediction, "baselines": baselines})

@@ -44,6 +44,8 @@ def stage_table(plan: Plan) -> str:
     rows = []
     for s in plan.stages:
         blocks = s.first_block if s.end - s.start == 1 else f"{s.first_block} .. {s.last_block}"
+        if s.recompute:
+            blocks += " [recompute]"
         rows.append(
             [
                 s.index,

@@ -38,6 +38,9 @@ class Partition(BaseModel):
         "blocks[starts[k]:starts[k+1]], the last stage runs to the end."
     )
     bottleneck_s: float = Field(description="Max over stages of stage_cost, seconds per microbatch.")
+    recompute: tuple[bool, ...] = Field(
+        default=(), description="Per stage: whether it recomputes its activations in backward (empty = none does)."
+    )
 
     @field_validator("starts")
     @classmethod
@@ -67,12 +70,19 @@ def _boundary_send_s(blocks: Sequence[BlockCost], start: int, end: int, link: Li
     return s
 
 
-def _stage_times_one(blocks: Sequence[BlockCost], start: int, end: int, link: LinkCost) -> StageTimes:
+def recompute_s(block: BlockCost) -> float:
+    """Extra backward time of a block whose stage recomputes activations (measured by the profiler:
+    the forward again, up to the last tensor it saves — torch's checkpoint stops early there)."""
+    return block.recompute_s
+
+
+def _stage_times_one(blocks: Sequence[BlockCost], start: int, end: int, link: LinkCost, recompute: bool = False) -> StageTimes:
     comm = _boundary_send_s(blocks, start, end, link)
     part = blocks[start:end]
     return StageTimes(
         fwd_s=sum(b.fwd_s for b in part),
-        bwd_s=sum(b.bwd_s for b in part),
+        # Activation checkpointing re-runs the stage's forward inside its backward (Chen et al. 2016).
+        bwd_s=sum(b.bwd_s for b in part) + (sum(recompute_s(b) for b in part) if recompute else 0.0),
         comm_fwd_s=comm,
         comm_bwd_s=comm,  # gradients cross the same boundaries with the same sizes
     )
@@ -102,7 +112,9 @@ def _check_starts(blocks: Sequence[BlockCost], starts: Sequence[int]) -> None:
             )
 
 
-def stage_times(blocks: Sequence[BlockCost], starts: Sequence[int], link: LinkCost) -> list[StageTimes]:
+def stage_times(
+    blocks: Sequence[BlockCost], starts: Sequence[int], link: LinkCost, recompute: Sequence[bool] = ()
+) -> list[StageTimes]:
     """Per-stage, per-microbatch times of a partition, communication included.
 
     For a rank, ``comm_fwd_s = link.send_s(bytes in)`` (unless first) ``+ link.send_s(bytes out)``
@@ -112,6 +124,8 @@ def stage_times(blocks: Sequence[BlockCost], starts: Sequence[int], link: LinkCo
         blocks: per-block costs in execution order.
         starts: first block of each stage (see ``Partition.starts``).
         link: cost of one message between neighbouring ranks.
+        recompute: per stage, whether it recomputes activations (adds the forward again to its
+            backward); empty means no stage does.
 
     Returns:
         One ``StageTimes`` per stage.
@@ -120,7 +134,8 @@ def stage_times(blocks: Sequence[BlockCost], starts: Sequence[int], link: LinkCo
         InfeasibleError: ``starts`` is not a valid partition on legal cuts.
     """
     _check_starts(blocks, starts)
-    return [_stage_times_one(blocks, s, e, link) for s, e in _bounds(starts, len(blocks))]
+    flags = list(recompute) or [False] * len(starts)
+    return [_stage_times_one(blocks, s, e, link, r) for (s, e), r in zip(_bounds(starts, len(blocks)), flags)]
 
 
 def stage_cost(st: StageTimes) -> float:
@@ -136,7 +151,13 @@ def stage_cost(st: StageTimes) -> float:
 
 
 def stage_memory_bytes(
-    blocks: Sequence[BlockCost], start: int, end: int, in_flight: int, optimizer: OptimizerSpec
+    blocks: Sequence[BlockCost],
+    start: int,
+    end: int,
+    in_flight: int,
+    optimizer: OptimizerSpec,
+    recompute: bool = False,
+    n_microbatches: int = 1,
 ) -> int:
     """Peak memory of the stage holding ``blocks[start:end]``.
 
@@ -144,12 +165,18 @@ def stage_memory_bytes(
 
         2 * P + optimizer.state_bytes(N, P)     # params + grads (same size) + optimizer state
         + in_flight * A                         # activations saved for backward, per live microbatch
-        + 2 * cut_in + 2 * cut_out              # receive/send buffers: activation + its gradient
+        + m * (cut_in + cut_out)                # receive buffers: one per microbatch for the
+                                                # activation in and for the gradient coming back
 
     with ``P`` = sum of ``param_bytes``, ``N`` = sum of ``params``, ``A`` = sum of ``activation_bytes``, ``cut_in`` =
     ``blocks[start - 1].cut_bytes`` (0 for the first stage), ``cut_out`` = ``blocks[end - 1].cut_bytes``
-    (0 for the last stage). ``in_flight`` is the stage's peak number of microbatches with forward
+    (0 for the last stage), ``m`` = ``n_microbatches`` (torch's ``PipelineStage`` allocates its
+    receive buffers per microbatch, measured with MemTracker). ``in_flight`` is the stage's peak number of microbatches with forward
     done and backward pending under the schedule (``planner.schedules.peak_in_flight``).
+
+    With ``recompute`` the stage keeps only its input per live microbatch and rebuilds one
+    microbatch's activations at a time in backward: ``in_flight * A`` becomes
+    ``in_flight * cut_in + A`` (activation checkpointing of the whole stage, Chen et al. 2016).
 
     Args:
         blocks: per-block costs in execution order.
@@ -157,6 +184,8 @@ def stage_memory_bytes(
         end: one past the stage's last block.
         in_flight: peak live microbatches on this stage.
         optimizer: the optimizer (decides the state bytes per parameter byte).
+        recompute: whether the stage recomputes its activations in backward.
+        n_microbatches: microbatches per step (receive buffers are per microbatch).
 
     Returns:
         The stage's memory estimate in bytes.
@@ -175,7 +204,8 @@ def stage_memory_bytes(
     cut_in = blocks[start - 1].cut_bytes if start > 0 else 0
     cut_out = blocks[end - 1].cut_bytes if end < n else 0
     n_params = sum(b.params for b in part)
-    return 2 * p_bytes + optimizer.state_bytes(n_params, p_bytes) + in_flight * a_bytes + 2 * cut_in + 2 * cut_out
+    live = in_flight * cut_in + a_bytes if recompute else in_flight * a_bytes
+    return 2 * p_bytes + optimizer.state_bytes(n_params, p_bytes) + live + n_microbatches * (cut_in + cut_out)
 
 
 def in_flight_per_stage(schedule: str, n_stages: int, n_microbatches: int) -> list[int]:
@@ -202,6 +232,7 @@ def stage_memories(
     schedule: str,
     n_microbatches: int,
     optimizer: OptimizerSpec = OptimizerSpec(),
+    recompute: Sequence[bool] = (),
 ) -> list[int]:
     """Memory estimate of every stage of a partition (see ``stage_memory_bytes``).
 
@@ -220,12 +251,14 @@ def stage_memories(
     """
     _check_starts(blocks, starts)
     infl = in_flight_per_stage(schedule, len(starts), n_microbatches)
+    flags = list(recompute) or [False] * len(starts)
     return [
-        stage_memory_bytes(blocks, s, e, infl[k], optimizer) for k, (s, e) in enumerate(_bounds(starts, len(blocks)))
+        stage_memory_bytes(blocks, s, e, infl[k], optimizer, flags[k], n_microbatches)
+        for k, (s, e) in enumerate(_bounds(starts, len(blocks)))
     ]
 
 
-def evaluate(blocks: Sequence[BlockCost], starts: Sequence[int], link: LinkCost) -> Partition:
+def evaluate(blocks: Sequence[BlockCost], starts: Sequence[int], link: LinkCost, recompute: Sequence[bool] = ()) -> Partition:
     """The bottleneck of a given split.
 
     Args:
@@ -239,8 +272,9 @@ def evaluate(blocks: Sequence[BlockCost], starts: Sequence[int], link: LinkCost)
     Raises:
         InfeasibleError: ``starts`` is not a valid partition on legal cuts.
     """
-    times = stage_times(blocks, starts, link)
-    return Partition(starts=tuple(starts), bottleneck_s=max(stage_cost(t) for t in times))
+    times = stage_times(blocks, starts, link, recompute)
+    flags = tuple(recompute) if any(recompute) else ()
+    return Partition(starts=tuple(starts), bottleneck_s=max(stage_cost(t) for t in times), recompute=flags)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,6 +282,7 @@ def evaluate(blocks: Sequence[BlockCost], starts: Sequence[int], link: LinkCost)
 # ---------------------------------------------------------------------------------------------
 
 Allowed = Callable[[int, int, int], bool]  # (start, end, stage index) -> stage may be placed
+StageCost = Callable[[int, int, int], float]  # (start, end, stage index) -> cost (inf: not allowed)
 
 
 def _tol(x: float) -> float:
@@ -258,8 +293,8 @@ def _dp_partition(
     n: int,
     n_stages: int,
     legal_cut: Sequence[bool],
-    primary: Sequence[Sequence[float]],
-    secondary: Sequence[Sequence[float]],
+    primary: StageCost,
+    secondary: StageCost,
     allowed: Allowed,
     latest: bool = False,
 ) -> tuple[int, ...] | None:
@@ -273,8 +308,8 @@ def _dp_partition(
         n: number of items.
         n_stages: number of stages p.
         legal_cut: ``legal_cut[c]`` says a stage may start at item c (1 <= c < n).
-        primary: stage cost matrix for the bottleneck, ``primary[s][e]`` for items [s, e).
-        secondary: stage cost matrix for the tie-break sum.
+        primary: stage cost for the bottleneck, ``primary(s, e, k)`` for items [s, e) as stage k.
+        secondary: stage cost for the tie-break sum.
         allowed: whether a stage [s, e) may be placed at stage index k (memory limit).
         latest: pick the lexicographically largest starts instead (earlier stages as full as possible).
 
@@ -297,18 +332,18 @@ def _dp_partition(
     best = [inf] * (n + 1)
     for e in ends(0, 0):
         if ok_end(0, e) and allowed(0, e, 0):
-            best[e] = primary[0][e]
+            best[e] = primary(0, e, 0)
     for k in range(1, p):
         cur = [inf] * (n + 1)
         for s in range(k, n):
             if best[s] == inf:
                 continue
             bs = best[s]
-            row = primary[s]
             for e in ends(k, s):
                 if not ok_end(k, e):
                     continue
-                v = row[e] if row[e] > bs else bs
+                c = primary(s, e, k)
+                v = c if c > bs else bs
                 if v < cur[e] and allowed(s, e, k):
                     cur[e] = v
         best = cur
@@ -329,9 +364,9 @@ def _dp_partition(
             m = inf
             for e in ends(k, s):
                 nxt = suf[k + 1][e]
-                if nxt == inf or not ok_end(k, e) or primary[s][e] > thr:
+                if nxt == inf or not ok_end(k, e) or primary(s, e, k) > thr:
                     continue
-                v = secondary[s][e] + nxt
+                v = secondary(s, e, k) + nxt
                 if v < m and allowed(s, e, k):
                     m = v
             suf[k][s] = m
@@ -343,9 +378,9 @@ def _dp_partition(
         target = suf[k][s]
         for e in reversed(ends(k, s)) if latest else ends(k, s):
             nxt = suf[k + 1][e]
-            if nxt == inf or not ok_end(k, e) or primary[s][e] > thr or not allowed(s, e, k):
+            if nxt == inf or not ok_end(k, e) or primary(s, e, k) > thr or not allowed(s, e, k):
                 continue
-            if secondary[s][e] + nxt <= target + _tol(target):
+            if secondary(s, e, k) + nxt <= target + _tol(target):
                 starts.append(e)
                 s = e
                 break
@@ -399,10 +434,13 @@ def _check_counts(blocks: Sequence[BlockCost], n_stages: int) -> None:
 class _MemoryModel:
     """Memory check of stage [s, e) at stage index k, in integer arithmetic from prefix sums."""
 
-    def __init__(self, blocks: Sequence[BlockCost], optimizer: OptimizerSpec, limit: int) -> None:
+    def __init__(
+        self, blocks: Sequence[BlockCost], optimizer: OptimizerSpec, limit: float, recompute: str = "never", n_microbatches: int = 1
+    ) -> None:
         n = len(blocks)
         self.n = n
         self.limit = limit
+        self.recompute = recompute
         self.optimizer = optimizer
         self.pre_p = [0]
         self.pre_n = [0]
@@ -411,22 +449,27 @@ class _MemoryModel:
             self.pre_p.append(self.pre_p[-1] + b.param_bytes)
             self.pre_n.append(self.pre_n[-1] + b.params)
             self.pre_a.append(self.pre_a[-1] + b.activation_bytes)
-        self.buf_in = [0] + [2 * blocks[s - 1].cut_bytes for s in range(1, n)]
-        self.buf_out = [0] + [2 * blocks[e - 1].cut_bytes for e in range(1, n)] + [0]
+        self.cut_in = [0] + [blocks[s - 1].cut_bytes for s in range(1, n)]
+        self.buf_in = [n_microbatches * c for c in self.cut_in]
+        self.buf_out = [0] + [n_microbatches * blocks[e - 1].cut_bytes for e in range(1, n)] + [0]
 
-    def bytes(self, s: int, e: int, in_flight: int) -> int:
+    def bytes(self, s: int, e: int, in_flight: int, recompute: bool = False) -> int:
         # Same formula as stage_memory_bytes.
         p_bytes = self.pre_p[e] - self.pre_p[s]
-        return (
-            2 * p_bytes
-            + self.optimizer.state_bytes(self.pre_n[e] - self.pre_n[s], p_bytes)
-            + in_flight * (self.pre_a[e] - self.pre_a[s])
-            + self.buf_in[s]
-            + self.buf_out[e]
-        )
+        acts = self.pre_a[e] - self.pre_a[s]
+        live = in_flight * self.cut_in[s] + acts if recompute else in_flight * acts
+        return 2 * p_bytes + self.optimizer.state_bytes(self.pre_n[e] - self.pre_n[s], p_bytes) + live + self.buf_in[s] + self.buf_out[e]
+
+    def choice(self, s: int, e: int, in_flight: int) -> bool | None:
+        """Whether the stage recomputes (False: no, True: yes), or None when it cannot fit either way."""
+        if self.recompute != "always" and self.bytes(s, e, in_flight) <= self.limit:
+            return False
+        if self.recompute != "never" and self.bytes(s, e, in_flight, True) <= self.limit:
+            return True
+        return None
 
     def fits(self, s: int, e: int, in_flight: int) -> bool:
-        return self.bytes(s, e, in_flight) <= self.limit
+        return self.choice(s, e, in_flight) is not None
 
 
 def _any_fit(blocks: Sequence[BlockCost], mem: _MemoryModel, infl: Sequence[int]) -> bool:
@@ -518,6 +561,7 @@ def solve(
     n_microbatches: int,
     optimizer: OptimizerSpec = OptimizerSpec(),
     memory_limit_bytes: int | None = None,
+    recompute: str = "auto",
 ) -> Partition:
     """The partition with the smallest bottleneck stage cost (exact).
 
@@ -535,31 +579,49 @@ def solve(
         n_microbatches: microbatches per step.
         optimizer: the optimizer (state bytes per parameter byte).
         memory_limit_bytes: per-rank memory limit, or None for no limit.
+        recompute: activation checkpointing per stage: "never", "always", or "auto" — a stage
+            recomputes only when it would not fit the memory limit otherwise (it then pays its
+            forward once more in backward). The choice is part of the exact search: each stage's
+            cost is the cheaper option that fits.
 
     Returns:
-        The optimal partition.
+        The optimal partition (with its per-stage recompute flags).
 
     Raises:
         InfeasibleError: n_stages > number of blocks, too few legal cuts, a schedule request torch
             refuses, or no partition fits the memory limit (the message names the smallest stage
             count that would fit, or the block that cannot fit alone).
     """
+    if recompute not in ("never", "auto", "always"):
+        raise InfeasibleError(f"recompute={recompute!r}; expected 'never', 'auto' or 'always'")
     _check_counts(blocks, n_stages)
     infl = in_flight_per_stage(schedule, n_stages, n_microbatches)
     n = len(blocks)
-    cost = _cost_matrix(blocks, link)
-    mem: _MemoryModel | None = None
-    if memory_limit_bytes is None:
-        allowed: Allowed = lambda s, e, k: True  # noqa: E731
-    else:
-        mem = _MemoryModel(blocks, optimizer, memory_limit_bytes)
-        model = mem
-        allowed = lambda s, e, k: model.fits(s, e, infl[k])  # noqa: E731
+    plain = _cost_matrix(blocks, link)
+    pre_r = [0.0]
+    for b in blocks:
+        pre_r.append(pre_r[-1] + recompute_s(b))
+    limit = memory_limit_bytes if memory_limit_bytes is not None else math.inf
+    # Without a limit "auto" never needs to recompute.
+    mode = recompute if memory_limit_bytes is not None or recompute == "always" else "never"
+    mem = _MemoryModel(blocks, optimizer, limit, mode, n_microbatches)
+
+    def choice(s: int, e: int, k: int) -> bool | None:
+        return mem.choice(s, e, infl[k])
+
+    def cost(s: int, e: int, k: int) -> float:
+        c = choice(s, e, k)
+        if c is None:
+            return math.inf
+        return plain[s][e] + (pre_r[e] - pre_r[s] if c else 0.0)
+
+    allowed: Allowed = lambda s, e, k: choice(s, e, k) is not None  # noqa: E731
     starts = _dp_partition(n, n_stages, _legal_cuts(blocks), cost, cost, allowed)
     if starts is None:
-        assert mem is not None  # without a memory limit _check_counts guarantees a partition
         raise _memory_error(blocks, n_stages, schedule, n_microbatches, mem)
-    return evaluate(blocks, starts, link)
+    bounds = _bounds(starts, n)
+    flags = [bool(choice(s, e, k)) for k, (s, e) in enumerate(bounds)]
+    return evaluate(blocks, starts, link, flags)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -647,6 +709,7 @@ def param_balanced(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -
     for b in blocks:
         pre.append(pre[-1] + b.params)
     params = [[float(pre[e] - pre[s]) if e > s else math.inf for e in range(n + 1)] for s in range(n + 1)]
-    starts = _dp_partition(n, n_stages, _legal_cuts(blocks), params, params, lambda s, e, k: True, latest=True)
+    cost: StageCost = lambda s, e, k: params[s][e]  # noqa: E731
+    starts = _dp_partition(n, n_stages, _legal_cuts(blocks), cost, cost, lambda s, e, k: True, latest=True)
     assert starts is not None  # _check_counts guarantees a partition without memory limits
     return evaluate(blocks, starts, link)

@@ -77,22 +77,31 @@ def brute(
     m: int,
     optimizer: OptimizerSpec,
     limit: int | None,
+    recompute: str = "never",
 ) -> list[tuple[tuple[int, ...], float, float]]:
-    """Every feasible partition as (starts, bottleneck, sum of stage costs)."""
+    """Every feasible partition as (starts, bottleneck, sum of stage costs).
+
+    Each stage takes the cheapest option that fits: without recomputation unless ``recompute`` is
+    "always" or it does not fit; with recomputation when allowed ("auto", "always") and it fits.
+    """
     n = len(blocks)
     if p > n or (schedule == "1f1b" and m < p):
         return []
     infl = [peak_in_flight(o) for o in action_order(schedule, p, m)]
     cuts = [c for c in range(1, n) if blocks[c - 1].cut_legal]
+    cap = math.inf if limit is None else limit
     out = []
     for combo in itertools.combinations(cuts, p - 1):
         starts = (0, *combo)
-        costs = [stage_cost(t) for t in stage_times(blocks, starts, link)]
         ends = list(starts[1:]) + [n]
-        if limit is not None and any(
-            stage_memory_bytes(blocks, s, e, infl[k], optimizer) > limit for k, (s, e) in enumerate(zip(starts, ends))
-        ):
+        flags = []
+        for k, (s, e) in enumerate(zip(starts, ends)):
+            options = {"never": [False], "auto": [False, True], "always": [True]}[recompute]
+            fit = [r for r in options if stage_memory_bytes(blocks, s, e, infl[k], optimizer, r, m) <= cap]
+            flags.append(fit[0] if fit else None)
+        if None in flags:
             continue
+        costs = [stage_cost(t) for t in stage_times(blocks, starts, link, flags)]
         out.append((starts, max(costs), sum(costs)))
     return out
 
@@ -126,37 +135,41 @@ def instances(draw: st.DrawFn) -> tuple[list[BlockCost], int, LinkCost, str, int
     m = draw(st.integers(1, 10))
     optimizer = draw(st.sampled_from([SGD, OptimizerSpec()]))
     limit = draw(st.one_of(st.none(), st.integers(0, 4000)))
-    return blocks, p, link, schedule, m, optimizer, limit
+    recompute = draw(st.sampled_from(["never", "auto", "always"]))
+    return blocks, p, link, schedule, m, optimizer, limit, recompute
 
 
 @settings(max_examples=200, deadline=None)
 @given(inst=instances())
 def test_solve_matches_brute_force(inst: tuple[list[BlockCost], int, LinkCost, str, int, OptimizerSpec, int | None]) -> None:
-    blocks, p, link, schedule, m, optimizer, limit = inst
-    feasible = brute(blocks, p, link, schedule, m, optimizer, limit)
+    blocks, p, link, schedule, m, optimizer, limit, recompute = inst
+    feasible = brute(blocks, p, link, schedule, m, optimizer, limit, recompute)
     if not feasible:
         with pytest.raises(InfeasibleError) as err:
-            solve(blocks, p, link, schedule=schedule, n_microbatches=m, optimizer=optimizer, memory_limit_bytes=limit)
+            solve(blocks, p, link, schedule=schedule, n_microbatches=m, optimizer=optimizer, memory_limit_bytes=limit,
+                  recompute=recompute)
         msg = str(err.value)
         if "smallest stage count that fits is" in msg:
             q = int(msg.split("smallest stage count that fits is ")[1].split(":")[0])
-            assert q > p and brute(blocks, q, link, schedule, m, optimizer, limit)
+            assert q > p and brute(blocks, q, link, schedule, m, optimizer, limit, recompute)
             for smaller in range(p + 1, q):
                 if schedule == "gpipe" or m >= smaller:
-                    assert not brute(blocks, smaller, link, schedule, m, optimizer, limit)
+                    assert not brute(blocks, smaller, link, schedule, m, optimizer, limit, recompute)
         return
-    part = solve(blocks, p, link, schedule=schedule, n_microbatches=m, optimizer=optimizer, memory_limit_bytes=limit)
+    part = solve(blocks, p, link, schedule=schedule, n_microbatches=m, optimizer=optimizer, memory_limit_bytes=limit,
+                 recompute=recompute)
     opt = min(b for _, b, _ in feasible)
     assert math.isclose(part.bottleneck_s, opt, rel_tol=1e-9, abs_tol=1e-12)
     optimal = [(s, b, c) for s, b, c in feasible if b <= opt + 1e-9 * max(1.0, opt)]
     assert part.starts in [s for s, _, _ in optimal]
     best_sum = min(c for _, _, c in optimal)
-    ours_sum = sum(stage_cost(t) for t in stage_times(blocks, part.starts, link))
+    ours_sum = sum(stage_cost(t) for t in stage_times(blocks, part.starts, link, part.recompute))
     assert math.isclose(ours_sum, best_sum, rel_tol=1e-9, abs_tol=1e-12)
     tied = sorted(s for s, _, c in optimal if c <= best_sum + 1e-9 * max(1.0, best_sum))
     assert part.starts == tied[0]
     if limit is not None:
-        assert max(stage_memories(blocks, part.starts, schedule=schedule, n_microbatches=m, optimizer=optimizer)) <= limit
+        assert max(stage_memories(blocks, part.starts, schedule=schedule, n_microbatches=m, optimizer=optimizer,
+                                  recompute=part.recompute)) <= limit
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,20 +246,41 @@ def test_memory_limit_forces_split_and_names_stage_count() -> None:
 def test_memory_uses_in_flight_of_each_stage() -> None:
     # 100 activation bytes per block and microbatch; 1F1B, p=2, m=4: stage 0 holds 2, stage 1 holds 1.
     blocks = times([1, 1, 1, 1], act=100)
-    part = solve(blocks, 2, FREE, n_microbatches=4, schedule="1f1b", memory_limit_bytes=350)
+    part = solve(blocks, 2, FREE, n_microbatches=4, schedule="1f1b", memory_limit_bytes=350, recompute="never")
     assert part == Partition(starts=(0, 1), bottleneck_s=3.0)  # (0,2) would need 400 on stage 0
     assert stage_memories(blocks, part.starts, schedule="1f1b", n_microbatches=4) == [200, 300]
     # GPipe keeps all 4 microbatches on every stage: even one block needs 400.
     with pytest.raises(InfeasibleError, match="alone needs 400 bytes"):
-        solve(blocks, 2, FREE, n_microbatches=4, schedule="gpipe", memory_limit_bytes=350)
+        solve(blocks, 2, FREE, n_microbatches=4, schedule="gpipe", memory_limit_bytes=350, recompute="never")
+
+
+def test_recompute_auto_makes_a_plan_fit() -> None:
+    # GPipe, p=2, m=4, 100 activation bytes per block and microbatch, 10-byte cuts. Without
+    # recomputation one block alone holds 4 x 100 = 400 > 300. Recomputing, a stage keeps its
+    # 10-byte input per live microbatch plus one microbatch's activations: stage [0,2) needs
+    # 0 + 200 + 4*10 (receive buffers, one per microbatch) = 240, stage [2,4) 4*10 + 200 + 4*10 = 280.
+    blocks = [b.model_copy(update={"recompute_s": b.fwd_s}) for b in times([1, 1, 1, 1], act=100, cut=10)]
+    part = solve(blocks, 2, FREE, n_microbatches=4, schedule="gpipe", memory_limit_bytes=300)
+    assert part.starts == (0, 2) and part.recompute == (True, True)
+    # 2 blocks x (forward 1 + forward again in backward 1) + the 10-byte boundary each way at 1 B/s.
+    assert part.bottleneck_s == 4.0 + 20.0
+    assert stage_memories(blocks, part.starts, schedule="gpipe", n_microbatches=4, recompute=part.recompute) == [240, 280]
+    # Only the stage that does not fit recomputes: 1F1B keeps 2 microbatches on stage 0, 1 on stage 1.
+    part = solve(blocks, 2, FREE, n_microbatches=4, schedule="1f1b", memory_limit_bytes=300)
+    assert part.starts == (0, 2) and part.recompute == (True, False)
+    # Without a limit nothing recomputes; "always" recomputes everywhere.
+    assert solve(blocks, 2, FREE, n_microbatches=4).recompute == ()
+    assert solve(blocks, 2, FREE, n_microbatches=4, recompute="always").recompute == (True, True)
 
 
 def test_stage_memory_formula() -> None:
     blocks = [blk(0, 1.0, params=10, param_bytes=40, act=3, cut=7), blk(1, 1.0, params=20, param_bytes=80, act=5, cut=11), blk(2, 1.0, cut=13)]
-    # adamw, fp32: (40+80) * 2 (weights + grads) + 30 * 8 (two fp32 moments) + 4 * (3+5) + 2*0 (first) + 2*11 (out)
-    assert stage_memory_bytes(blocks, 0, 2, 4, OptimizerSpec()) == 240 + 240 + 32 + 22
-    # middle/last stage [1,3) with SGD: 80 * 2 + 1 * 5 + 2*7 in + 0 out (last)
-    assert stage_memory_bytes(blocks, 1, 3, 1, SGD) == 160 + 5 + 14
+    # adamw, fp32: (40+80) * 2 (weights + grads) + 30 * 8 (two fp32 moments) + 4 * (3+5)
+    # + m * (0 in (first) + 11 out) receive buffers, one per microbatch
+    assert stage_memory_bytes(blocks, 0, 2, 4, OptimizerSpec()) == 240 + 240 + 32 + 11
+    assert stage_memory_bytes(blocks, 0, 2, 4, OptimizerSpec(), n_microbatches=8) == 240 + 240 + 32 + 88
+    # middle/last stage [1,3) with SGD: 80 * 2 + 1 * 5 + 7 in + 0 out (last)
+    assert stage_memory_bytes(blocks, 1, 3, 1, SGD) == 160 + 5 + 7
 
 
 def test_stage_memory_mixed_precision_keeps_fp32_master() -> None:
