@@ -22,7 +22,8 @@ from planner.errors import PlanFileError, PlannerError  # noqa: E402
 from planner.load import load_model_file  # noqa: E402
 from planner.plan import ModelRef, Plan, Prediction, ProfileInfo, StagePlan  # noqa: E402
 from planner.run import RunResult, run_plan, train_reference  # noqa: E402
-from planner.trace import trace_model  # noqa: E402
+from planner.run.result import MEMORY_CATEGORIES, MemoryMeasure, StageMeasure  # noqa: E402
+from planner.trace import build_stage_module, trace_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
@@ -209,18 +210,77 @@ def test_worker_error_comes_back_as_one_message(tmp_path: Path) -> None:
 
 
 def test_run_result_round_trips_without_torch(tmp_path: Path) -> None:
+    cats = {c: 1000 + k for k, c in enumerate(MEMORY_CATEGORIES)} | {"Total": 7021}
+    memory = MemoryMeasure(source="memtracker", step=2, peak_bytes=7021, peak_by_category=cats, end_by_category=cats)
+    stages = [
+        StageMeasure(stage=i, first_block=f"b{i}", last_block=f"b{i}", fwd_s=0.01, bwd_s=0.02, loss_s=0.001 * i,
+                     p2p_s=0.003, reduce_s=0.0004, clip_s=0.0005, optimizer_s=0.006, step_s=0.1,
+                     fwd_times_s=[[0.01, 0.011], [0.01, 0.012]], bwd_times_s=[[0.02, 0.021], [0.02, 0.022]],
+                     memory=memory if i else None)
+        for i in range(2)
+    ]
     result = RunResult(
-        plan_fingerprint="f" * 16, mode="pipeline", schedule="1f1b", n_stages=2, n_microbatches=4, batch_size=8,
-        backend="gloo", steps=2, threads=[1, 1], losses=[2.0, 1.5], grad_norms=[3.0, 2.0], grad_clip=1.0,
-        step_times_s=[0.2, 0.1], rank_step_times_s=[[0.2, 0.1], [0.19, 0.1]], median_step_s=0.1,
-        peak_rss_bytes=[1 << 28, 1 << 28], predicted_step_s=0.09,
+        plan_fingerprint="f" * 16, plan_path="/tmp/plan.json", mode="pipeline", schedule="1f1b", n_stages=2,
+        n_microbatches=4, batch_size=8, backend="gloo", steps=2, threads=[1, 1], losses=[2.0, 1.5],
+        grad_norms=[3.0, 2.0], grad_clip=1.0, step_times_s=[0.2, 0.1], rank_step_times_s=[[0.2, 0.1], [0.19, 0.1]],
+        median_step_s=0.1, peak_rss_bytes=[1 << 28, 1 << 28], predicted_step_s=0.09, memory_step=2, timed_steps=[1],
+        stages=stages,
     )
     path = tmp_path / "run.json"
     result.save(path)
     assert RunResult.load(path) == result
-    assert json.loads(path.read_text())["losses"] == [2.0, 1.5]
+    raw = json.loads(path.read_text())
+    assert raw["losses"] == [2.0, 1.5] and raw["stages"][1]["memory"]["end_by_category"]["Gradient"] == 1002
     code = "import sys; import planner.run.result; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    path.write_text(path.read_text().replace('"version": 2', '"version": 1'))
+    with pytest.raises(PlanFileError, match="not a version-2 run result"):
+        RunResult.load(path)
+
+
+@pytest.mark.multiprocess
+def test_pipeline_run_measures_every_stage(tmp_path: Path) -> None:
+    """Per-stage compute, optimizer and p2p times, and memory by category, from a real 2-rank run."""
+    from planner.compare import compare_table
+
+    steps, m = 3, 4
+    plan = make_plan(MODELS / "gpt.py", [0, 3], schedule="1f1b", n_microbatches=m)
+    path = saved(plan, tmp_path)
+    got = run_plan(plan, path, steps, echo=False)
+    # Step 1 pays for the schedule's set-up, step 3 ran under the memory tracker: medians use step 2.
+    assert got.memory_step == steps and got.timed_steps == [2]
+    assert got.median_step_s == got.step_times_s[1] and got.plan_path == str(path.resolve())
+
+    mf = load_model_file(MODELS / "gpt.py", "tiny")
+    traced = trace_model(mf.build(0), mf.batch(plan.microbatch_size, seed=0)[0])
+    assert [s.stage for s in got.stages] == [0, 1]
+    for s, st in zip(got.stages, plan.stages):
+        assert (s.first_block, s.last_block) == (st.first_block, st.last_block)
+        assert [len(row) for row in s.fwd_times_s] == [m] * steps and [len(row) for row in s.bwd_times_s] == [m] * steps
+        assert all(t > 0 for row in s.fwd_times_s + s.bwd_times_s for t in row)
+        assert s.fwd_s > 0 and s.bwd_s > 0 and s.optimizer_s > 0 and s.p2p_s > 0 and s.reduce_s > 0
+        assert s.clip_s >= s.reduce_s and s.step_s >= m * (s.fwd_s + s.bwd_s) * 0.5
+        assert (s.loss_s > 0) == (st.index == 1)  # only the last stage computes the loss
+        params = list(build_stage_module(traced, st.start, st.end).parameters())
+        numel = sum(p.numel() for p in params)
+        mem = s.memory
+        assert mem is not None and mem.source == "memtracker" and mem.step == steps
+        assert set(mem.peak_by_category) == set(mem.end_by_category) == {*MEMORY_CATEGORIES, "Total"}
+        # fp32: exactly 4 bytes per parameter, and after the step a gradient for every one.
+        assert mem.end_by_category["Parameter"] == mem.peak_by_category["Parameter"] == 4 * numel
+        assert mem.end_by_category["Gradient"] == 4 * numel
+        # AdamW: two fp32 moments per parameter + one fp32 ``step`` scalar per parameter tensor.
+        assert mem.end_by_category["Optstate"] == 8 * numel + 4 * len(params)
+        # Receive buffers, one per microbatch: activations into stage 1, their gradients into stage 0.
+        assert mem.end_by_category["Other"] == m * traced.cuts[2].nbytes
+        assert mem.peak_by_category["Activation"] > 0
+        assert mem.peak_bytes == mem.peak_by_category["Total"] >= mem.end_by_category["Total"]
+
+    again = tmp_path / "run.json"
+    got.save(again)
+    assert RunResult.load(again) == got
+    table = compare_table(plan, got)
+    assert "tok_embeddings .. layers.1" in table and "\nstep " in table
 
 
 @pytest.mark.cuda

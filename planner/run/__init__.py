@@ -4,7 +4,9 @@
   process for a 1-stage plan).
 - ``worker``: one rank: its ``PipelineStage``, the plan's schedule, global-norm clipping.
 - ``single``: the unsplit model in this process (1-stage plans; the equivalence reference).
-- ``result``: ``RunResult``, the run.json written next to the plan.
+- ``measure``: per-microbatch forward/backward timers around the stage inside the real schedule,
+  point-to-point wait time, and memory by category (torch's MemTracker) on one step.
+- ``result``: ``RunResult`` (with a ``StageMeasure`` per stage), the run.json written next to the plan.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import torch
 from planner.errors import PlannerError
 from planner.plan import Plan
 from planner.run.common import check_runnable, load_plan_model, trace_for_plan
-from planner.run.result import RunResult
+from planner.run.result import RunResult, StageMeasure, timed_steps
 from planner.run.single import train_model_file
 from planner.trace import TracedModel, build_stage_module
 
@@ -181,7 +181,8 @@ def run_plan(
         if echo:
             print_fn(f"training 1 stage in this process ({plan.batch_size} samples/step, "
                      f"{plan.n_microbatches} microbatch(es), {plan.profile.threads} thread(s))")
-        return train_model_file(plan, mf, steps, n_microbatches=plan.n_microbatches, echo=echo, print_fn=print_fn)
+        return train_model_file(plan, mf, steps, n_microbatches=plan.n_microbatches, echo=echo, print_fn=print_fn,
+                                plan_path=plan_path)
     return _launch(plan, plan_path, steps, nnodes, nproc, rdzv_endpoint, rdzv_id, echo, print_fn)
 
 
@@ -223,17 +224,20 @@ def _launch(
                 outputs = elastic_launch(config, run_worker)(*args)
             except ChildFailedError as e:
                 raise _worker_error(error_dir, e) from None
-    return _gather(plan, steps, outputs)
+    return _gather(plan, steps, outputs, plan_path)
 
 
-def _gather(plan: Plan, steps: int, outputs: dict[int, dict]) -> RunResult:
+def _gather(plan: Plan, steps: int, outputs: dict[int, dict], plan_path: str | Path | None = None) -> RunResult:
     """One RunResult from the workers' ``{rank: measurements}`` (this node's ranks only)."""
     ranks = [outputs[r] for r in sorted(outputs)]
     last = outputs.get(plan.n_stages - 1)
     rank_times = [r["times"] for r in ranks]
     step_times = [max(ts[i] for ts in rank_times) for i in range(steps)]
+    memory_step = ranks[0]["memory_step"]
+    timed = timed_steps(steps, memory_step)
     return RunResult(
         plan_fingerprint=plan.model.fingerprint,
+        plan_path=str(Path(plan_path).resolve()) if plan_path is not None else None,
         mode="pipeline",
         schedule=plan.schedule,
         n_stages=plan.n_stages,
@@ -247,7 +251,10 @@ def _gather(plan: Plan, steps: int, outputs: dict[int, dict]) -> RunResult:
         grad_clip=plan.optimizer.grad_clip,
         step_times_s=step_times,
         rank_step_times_s=rank_times,
-        median_step_s=RunResult.median_after_warmup(step_times),
+        median_step_s=RunResult.median_of(step_times, timed),
         peak_rss_bytes=[r["peak_rss_bytes"] for r in ranks],
         predicted_step_s=plan.prediction.step_time_s,
+        memory_step=memory_step,
+        timed_steps=timed,
+        stages=[StageMeasure.model_validate(r["measure"]) for r in ranks],
     )

@@ -14,7 +14,79 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from planner.errors import PlanFileError
 from planner.jsonfile import write_atomic
 
-RUN_VERSION = 1
+# 2: per-stage measurements (``stages``); ``median_step_s`` leaves out the memory-tracked step too.
+RUN_VERSION = 2
+
+# MemTracker's categories (torch.distributed._tools.mem_tracker._MemRefType values) plus "Total".
+MEMORY_CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
+
+
+class MemoryMeasure(BaseModel):
+    """Tensor memory of one rank during one training step, by what the tensors are.
+
+    Tracked with ``torch.distributed._tools.mem_tracker.MemTracker`` (a TorchDispatchMode that sees
+    every tensor the step allocates, on any device, CPU included) around one step after the first,
+    so that the optimizer state already exists. Categories: Parameter, Buffer, Gradient, Activation
+    (made in forward), Temp (made in backward: activation gradients), Optstate (AdamW moments and
+    per-parameter ``step`` scalars, plus the optimizer's temporaries), Other (the stage's
+    point-to-point receive buffers: one per microbatch and boundary tensor, activations and
+    gradients). Allocator overhead and anything outside torch tensors is not counted.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    source: str = Field(description="'memtracker' (torch.distributed._tools.mem_tracker.MemTracker).")
+    step: int = Field(description="The (1-based) training step that was tracked.")
+    peak_bytes: int = Field(description="Peak total tensor bytes during the step.")
+    peak_by_category: dict[str, int] = Field(description="Bytes per category at the moment of the peak.")
+    end_by_category: dict[str, int] = Field(
+        description="Bytes per category right after optimizer.step(): parameters, gradients and optimizer state in full."
+    )
+
+
+class StageMeasure(BaseModel):
+    """What one stage (one rank) measured inside the real schedule, medians over the timed steps.
+
+    ``fwd_s`` is ``PipelineStage.forward_one_chunk`` (the stage's forward on one microbatch, from
+    already-received buffers; the receive wait and the send are outside it) plus, on the last
+    stage, the loss, as the profiler counts it in the last block. ``bwd_s`` is
+    ``backward_one_chunk`` (+ ``backward_weight_one_chunk`` when a schedule splits it): the
+    autograd backward of one microbatch from already-received output gradients; on the last stage
+    it starts at the loss. ``p2p_s`` is everything the schedule spends posting and waiting on
+    point-to-point operations in one step: transfer time *and* the bubble (waiting for the
+    neighbour to produce), which cannot be told apart on the receiving side.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    stage: int = Field(description="Stage index (= pipeline rank).")
+    first_block: str = Field(description="FQN of the stage's first block.")
+    last_block: str = Field(description="FQN of the stage's last block.")
+    fwd_s: float = Field(description="Median forward per microbatch (incl. the loss on the last stage).")
+    bwd_s: float = Field(description="Median backward per microbatch.")
+    loss_s: float = Field(description="Median loss computation per microbatch (last stage; included in fwd_s).")
+    p2p_s: float = Field(description="Median per step: posting + waiting on sends/receives (includes bubble idle time).")
+    reduce_s: float = Field(description="Median per step: the gradient-norm all-reduce over the pipeline group.")
+    clip_s: float = Field(description="Median per step: local norm + all-reduce + scaling the gradients.")
+    optimizer_s: float = Field(description="Median per step: optimizer.step().")
+    step_s: float = Field(description="Median per step: this rank's step wall time.")
+    fwd_times_s: list[list[float]] = Field(description="[step][microbatch] forward times, every step.")
+    bwd_times_s: list[list[float]] = Field(description="[step][microbatch] backward times, every step.")
+    memory: MemoryMeasure | None = Field(default=None, description="Tensor memory by category (None: not tracked).")
+
+
+def timed_steps(steps: int, memory_step: int | None) -> list[int]:
+    """The (1-based) steps whose times count in medians.
+
+    The first step pays for the schedule's set-up (warm-up vote, receive buffers) and the
+    memory-tracked step runs every op through a Python dispatch mode (~25x slower), so both are
+    left out, as long as any step remains; otherwise the untracked steps, otherwise all.
+    """
+    every = list(range(1, steps + 1))
+    for keep in ([s for s in every if s != 1 and s != memory_step], [s for s in every if s != memory_step]):
+        if keep:
+            return keep
+    return every
 
 
 class RunResult(BaseModel):
@@ -25,13 +97,15 @@ class RunResult(BaseModel):
     the point-to-point waits of the bubble), the global-norm all-reduce and clipping, and the
     optimizer. Fetching the batch is outside it. No barrier is added, so ranks drift by up to a
     pipeline fill; the global-norm all-reduce re-aligns them every step. The first step also pays
-    for the schedule's set-up (warm-up vote, receive buffers), so ``median_step_s`` leaves it out.
+    for the schedule's set-up (warm-up vote, receive buffers) and one later step (``memory_step``)
+    runs under the memory tracker, so medians are over ``timed_steps`` only.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     version: int = RUN_VERSION
     plan_fingerprint: str = Field(description="plan.model.fingerprint of the plan that was run.")
+    plan_path: str | None = Field(default=None, description="The plan file that was run (absolute path when recorded).")
     mode: str = Field(description="'pipeline' (one process per stage) or 'local' (this process, no pipeline).")
     schedule: str
     n_stages: int
@@ -45,14 +119,17 @@ class RunResult(BaseModel):
     grad_clip: float | None = Field(description="Max global norm the gradients were clipped to (None: no clipping).")
     step_times_s: list[float] = Field(description="Per step: the slowest rank's step wall time.")
     rank_step_times_s: list[list[float]] = Field(description="[rank][step] step wall time of each rank.")
-    median_step_s: float = Field(description="Median of step_times_s after the first (warm-up) step.")
+    median_step_s: float = Field(description="Median of step_times_s over timed_steps.")
     peak_rss_bytes: list[int] = Field(description="Per rank: peak resident memory of the process (ru_maxrss).")
     predicted_step_s: float | None = Field(default=None, description="The plan's predicted step time, for comparison.")
+    memory_step: int | None = Field(default=None, description="The step run under the memory tracker (None: none).")
+    timed_steps: list[int] = Field(default_factory=list, description="1-based steps the medians are taken over.")
+    stages: list[StageMeasure] = Field(default_factory=list, description="Per stage (rank) measurements, stage 0 first.")
 
     @staticmethod
-    def median_after_warmup(times: list[float]) -> float:
-        """Median of ``times[1:]`` (the first step pays for shape inference); ``times[0]`` if alone."""
-        return statistics.median(times[1:] if len(times) > 1 else times)
+    def median_of(times: list[float], steps: list[int]) -> float:
+        """Median of ``times`` (one per step) over the 1-based ``steps``."""
+        return statistics.median(times[s - 1] for s in steps)
 
     def to_json(self) -> str:
         """The result as indented JSON text."""

@@ -11,6 +11,7 @@ full-batch step.
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import time
 from pathlib import Path
@@ -21,7 +22,8 @@ import torch
 from planner.load import ModelFile
 from planner.plan import Plan
 from planner.run.common import clip_to_global_norm, load_plan_model, make_optimizer, step_line
-from planner.run.result import RunResult
+from planner.run.measure import MemoryProbe, StageProbe, summarize
+from planner.run.result import RunResult, StageMeasure, timed_steps
 
 
 def _chunks(value: Any, m: int) -> list[Any]:
@@ -33,7 +35,7 @@ def _chunks(value: Any, m: int) -> list[Any]:
 
 def train_model_file(
     plan: Plan, mf: ModelFile, steps: int, *, n_microbatches: int = 1, echo: bool = True,
-    print_fn: Callable[[str], None] = print,
+    print_fn: Callable[[str], None] = print, track_memory: bool = True, plan_path: str | Path | None = None,
 ) -> RunResult:
     """Train ``mf``'s unsplit model for ``steps`` steps in this process with the plan's settings.
 
@@ -44,6 +46,8 @@ def train_model_file(
         n_microbatches: gradient-accumulation microbatches per step (1: one full-batch pass).
         echo: print one progress line per step.
         print_fn: where progress lines go.
+        track_memory: run the last step (of two or more) under the memory tracker.
+        plan_path: the plan file, recorded in the result.
 
     Returns:
         The measured run (mode "local", one rank).
@@ -57,30 +61,56 @@ def train_model_file(
         optimizer = make_optimizer(params, plan)
         batches = mf.train_batches(plan.batch_size, seed=plan.model.seed)
         loss_fn = mf.loss_fn
+        memory_step = steps if track_memory and steps >= 2 else None
+        probe, memory = StageProbe(), MemoryProbe(torch.device("cpu"))
         losses: list[float] = []
         norms: list[float] = []
         times: list[float] = []
+        clip_times: list[float] = []
+        opt_times: list[float] = []
         for step in range(1, steps + 1):
             inputs, target = next(batches)
-            t0 = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            split_inputs = [_chunks(x, n_microbatches) for x in inputs]
-            split_target = _chunks(target, n_microbatches)
-            mb_losses = []
-            for i in range(n_microbatches):
-                loss = loss_fn(model(*(xs[i] for xs in split_inputs)), split_target[i])
-                (loss / n_microbatches).backward()
-                mb_losses.append(loss.detach())
-            norms.append(clip_to_global_norm(params, plan.optimizer.grad_clip))
-            optimizer.step()
-            times.append(time.perf_counter() - t0)
+            probe.begin_step()
+            tracked = memory.step(step, probe, model, optimizer, []) if step == memory_step else None
+            with tracked if tracked is not None else contextlib.nullcontext() as done:
+                t0 = time.perf_counter()
+                optimizer.zero_grad(set_to_none=True)
+                split_inputs = [_chunks(x, n_microbatches) for x in inputs]
+                split_target = _chunks(target, n_microbatches)
+                mb_losses = []
+                for i in range(n_microbatches):
+                    if probe.memory is not None:
+                        probe.memory.reset_mod_stats()  # see StageProbe: one root forward per microbatch
+                    ta = time.perf_counter()
+                    out = model(*(xs[i] for xs in split_inputs))
+                    tb = time.perf_counter()
+                    loss = loss_fn(out, split_target[i])
+                    tc = time.perf_counter()
+                    (loss / n_microbatches).backward()
+                    td = time.perf_counter()
+                    probe.add_fwd(i, tc - ta)
+                    probe.add_loss(i, tc - tb)
+                    probe.add_bwd(i, td - tc)
+                    mb_losses.append(loss.detach())
+                t1 = time.perf_counter()
+                norms.append(clip_to_global_norm(params, plan.optimizer.grad_clip))
+                t2 = time.perf_counter()
+                optimizer.step()
+                t3 = time.perf_counter()
+                if done is not None:
+                    done()
+            times.append(t3 - t0)
+            clip_times.append(t2 - t1)
+            opt_times.append(t3 - t2)
             losses.append(float(torch.stack(mb_losses).mean()))
             if echo:
                 print_fn(step_line(step, steps, losses[-1], times[-1]))
     finally:
         torch.set_num_threads(old_threads)
+    timed = timed_steps(steps, memory_step)
     return RunResult(
         plan_fingerprint=plan.model.fingerprint,
+        plan_path=str(Path(plan_path).resolve()) if plan_path is not None else None,
         mode="local",
         schedule=plan.schedule,
         n_stages=1,
@@ -94,9 +124,15 @@ def train_model_file(
         grad_clip=plan.optimizer.grad_clip,
         step_times_s=times,
         rank_step_times_s=[times],
-        median_step_s=RunResult.median_after_warmup(times),
+        median_step_s=RunResult.median_of(times, timed),
         peak_rss_bytes=[resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024],
         predicted_step_s=plan.prediction.step_time_s,
+        memory_step=memory_step,
+        timed_steps=timed,
+        stages=[StageMeasure.model_validate(summarize(
+            stage=0, first_block=plan.blocks[0].name, last_block=plan.blocks[-1].name, probe=probe, steps=timed,
+            times=times, clip=clip_times, reduce=[0.0] * steps, opt=opt_times, memory=memory.result,
+        ))],
     )
 
 
@@ -112,4 +148,5 @@ def train_reference(plan: Plan, plan_path: str | Path, steps: int, *, echo: bool
     Returns:
         The measured run (mode "local", ``n_microbatches`` 1).
     """
-    return train_model_file(plan, load_plan_model(plan, plan_path), steps, n_microbatches=1, echo=echo)
+    return train_model_file(plan, load_plan_model(plan, plan_path), steps, n_microbatches=1, echo=echo,
+                            track_memory=False, plan_path=plan_path)

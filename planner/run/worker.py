@@ -15,6 +15,7 @@ the launcher turns the earliest record into one error message.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -37,6 +38,8 @@ from planner.run.common import (
     step_line,
     trace_for_plan,
 )
+from planner.run.measure import MemoryProbe, StageProbe, recv_buffers, summarize
+from planner.run.result import timed_steps
 from planner.trace import TracedModel, build_stage_module
 
 
@@ -156,33 +159,60 @@ def _train_rank(plan: Plan, plan_path: str, steps: int, echo: bool, rank: int, w
     schedule = schedule_cls(stage, n_microbatches=plan.n_microbatches, loss_fn=mf.loss_fn, scale_grads=True)
     is_first, is_last = rank == 0, rank == world - 1
 
+    reduce_times: list[float] = []
+
     def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
         t = t.to(device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t.cpu()
+        t = t.cpu()
+        reduce_times.append(time.perf_counter() - t0)
+        return t
 
+    # One step after the first (the last one) runs under the memory tracker: optimizer state and
+    # receive buffers exist by then. It is ~25x slower, so the medians leave it out.
+    memory_step = steps if steps >= 2 else None
+    probe, memory = StageProbe(), MemoryProbe(device)
     batches = mf.train_batches(plan.batch_size, seed=plan.model.seed)
     losses: list[float] = []
     norms: list[float] = []
     times: list[float] = []
-    for step in range(1, steps + 1):
-        inputs, target = next(batches)  # every rank draws, so all ranks stay on the same step
-        t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        mb_losses: list[torch.Tensor] = []
-        if is_first:
-            schedule.step(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs), return_outputs=False)
-        elif is_last:
-            schedule.step(target=target.to(device), losses=mb_losses, return_outputs=False)
-        else:
-            schedule.step(return_outputs=False)
-        norms.append(clip_to_global_norm(params, plan.optimizer.grad_clip, all_reduce_sum))
-        optimizer.step()
-        times.append(time.perf_counter() - t0)
-        if is_last:
-            losses.append(float(torch.stack([l.detach() for l in mb_losses]).mean()))
-            if echo:
-                print(step_line(step, steps, losses[-1], times[-1]), flush=True)
+    clip_times: list[float] = []
+    opt_times: list[float] = []
+    with probe.installed(stage, schedule):
+        for step in range(1, steps + 1):
+            inputs, target = next(batches)  # every rank draws, so all ranks stay on the same step
+            tracked = memory.step(step, probe, module, optimizer, recv_buffers(stage)) if step == memory_step else None
+            probe.begin_step()
+            with tracked if tracked is not None else contextlib.nullcontext() as done:
+                t0 = time.perf_counter()
+                optimizer.zero_grad(set_to_none=True)
+                mb_losses: list[torch.Tensor] = []
+                if is_first:
+                    schedule.step(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs), return_outputs=False)
+                elif is_last:
+                    schedule.step(target=target.to(device), losses=mb_losses, return_outputs=False)
+                else:
+                    schedule.step(return_outputs=False)
+                t1 = time.perf_counter()
+                norms.append(clip_to_global_norm(params, plan.optimizer.grad_clip, all_reduce_sum))
+                t2 = time.perf_counter()
+                optimizer.step()
+                t3 = time.perf_counter()
+                if done is not None:
+                    done()
+            times.append(t3 - t0)
+            clip_times.append(t2 - t1)
+            opt_times.append(t3 - t2)
+            if is_last:
+                losses.append(float(torch.stack([l.detach() for l in mb_losses]).mean()))
+                if echo:
+                    print(step_line(step, steps, losses[-1], times[-1]), flush=True)
+    measure = summarize(
+        stage=rank, first_block=stage_plan.first_block, last_block=stage_plan.last_block, probe=probe,
+        steps=timed_steps(steps, memory_step), times=times, clip=clip_times, reduce=reduce_times, opt=opt_times,
+        memory=memory.result,
+    )
     return {
         "rank": rank,
         "losses": losses,
@@ -190,6 +220,8 @@ def _train_rank(plan: Plan, plan_path: str, steps: int, echo: bool, rank: int, w
         "times": times,
         "threads": torch.get_num_threads(),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "memory_step": memory_step,
+        "measure": measure,
     }
 
 

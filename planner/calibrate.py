@@ -1,0 +1,265 @@
+"""Calibration loop: correct the profiled costs with what a real run of the plan measured.
+
+Pure module (pydantic, no torch). ``calibrate(plan, run)`` compares the plan's per-stage
+predictions with the run's per-stage measurements (``planner.run.result.StageMeasure``):
+
+1. Compute: per stage, ``fwd_factor = measured fwd / predicted fwd`` and the same for backward
+   and the optimizer step (1.0 where the plan predicted 0).
+2. Link: with the compute corrected, the only unknown left in the step model
+   (``planner.predict.predict``: the simulated schedule makespan + optimizer + clip all-reduce) is
+   the fixed per-message cost. The simulated step time is continuous and non-decreasing in
+   ``latency_s`` (every action duration is, and a makespan is a max of sums of them), so the
+   latency at which it equals the measured median step is found by bisection.
+3. Global factor: if even zero latency predicts a slower step than measured (compute was
+   over-estimated across the board, e.g. the profiler's isolated blocks are slower than the fused
+   run), the latency stays 0 and one factor ``global_factor`` on every block time closes the gap,
+   again by bisection. Otherwise it is 1.
+
+``apply_calibration(blocks, link, cal)`` scales each block's times by the factors of the stage
+that contained it *in the measured run* (``cal.starts``) times ``global_factor`` and sets the
+fitted latency. Blocks keep their factors when the solver moves them to other stages: a block's
+factor is a property of the block as measured, not of its new stage. Applied to the measured
+split, the calibrated costs re-predict the measured step time (tested to 1e-6).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from planner.compare import check_run_matches
+from planner.costs import BlockCost, LinkCost
+from planner.errors import PlanFileError
+from planner.jsonfile import write_atomic
+from planner.plan import Plan
+from planner.predict import predict
+from planner.run.result import RunResult
+
+CALIBRATION_VERSION = 1
+_BISECT_STEPS = 200  # halves the bracket to far below float resolution
+
+
+class StageCalibration(BaseModel):
+    """Correction factors of one stage of the measured run."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    stage: int
+    first_block: str = Field(description="FQN of the stage's first block in the measured run.")
+    last_block: str = Field(description="FQN of the stage's last block in the measured run.")
+    fwd_factor: float = Field(gt=0, description="Measured / predicted forward per microbatch.")
+    bwd_factor: float = Field(gt=0, description="Measured / predicted backward per microbatch.")
+    opt_factor: float = Field(gt=0, description="Measured / predicted optimizer step.")
+
+
+class Calibration(BaseModel):
+    """What one measured run says about the plan's costs; apply with ``apply_calibration``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    version: int = CALIBRATION_VERSION
+    plan_fingerprint: str = Field(description="Model fingerprint of the plan that was run.")
+    microbatch_size: int = Field(ge=1, description="Samples per microbatch of that plan (block costs are per microbatch).")
+    starts: tuple[int, ...] = Field(description="First block of each stage of the measured run.")
+    stages: list[StageCalibration]
+    latency_s: float = Field(ge=0, description="Fitted fixed cost per point-to-point message, seconds.")
+    bandwidth_Bps: float = Field(gt=0, description="Link bandwidth (kept from the plan, not fitted).")
+    global_factor: float = Field(gt=0, description="Extra factor on every block time (1 unless zero latency over-predicts).")
+    measured_step_s: float = Field(description="The run's median step time.")
+    predicted_step_s: float = Field(description="The plan's step prediction before calibration.")
+    calibrated_step_s: float = Field(description="Re-prediction of the measured split with the calibrated costs.")
+
+    def to_json(self) -> str:
+        """The calibration as indented JSON text."""
+        return self.model_dump_json(indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "calibration") -> "Calibration":
+        """Parse and validate a calibration's JSON text.
+
+        Raises:
+            PlanFileError: not JSON, another version, or invalid.
+        """
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanFileError(f"{source} is not JSON ({e}); make it again from the run") from e
+        if not isinstance(raw, dict) or raw.get("version") != CALIBRATION_VERSION:
+            raise PlanFileError(f"{source} is not a version-{CALIBRATION_VERSION} calibration; make it again from the run")
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+            raise PlanFileError(f"{source} is not a valid calibration: {where}: {first['msg']}") from e
+
+    def save(self, path: str | Path) -> None:
+        """Write the calibration to ``path`` atomically."""
+        write_atomic(path, self.to_json())
+
+
+def _ratio(measured: float, predicted: float) -> float:
+    return measured / predicted if predicted > 0 and measured > 0 else 1.0
+
+
+def _scale_block(b: BlockCost, s: StageCalibration, g: float) -> BlockCost:
+    f, w = s.fwd_factor * g, s.bwd_factor * g
+    return b.model_copy(update={
+        "fwd_s": b.fwd_s * f,
+        "bwd_s": b.bwd_s * w,
+        "bwd_input_s": b.bwd_input_s * w,
+        "bwd_weight_s": b.bwd_weight_s * w,
+        "recompute_s": b.recompute_s * f,  # recomputation is a forward
+        "opt_s": b.opt_s * s.opt_factor * g,
+    })
+
+
+def apply_calibration(
+    blocks: Sequence[BlockCost], link: LinkCost, cal: Calibration, starts: Sequence[int] | None = None
+) -> tuple[list[BlockCost], LinkCost]:
+    """Calibrated copies of ``blocks`` and ``link``.
+
+    Each block's times are multiplied by the factors of the stage that contained it in the
+    measured run (and by ``cal.global_factor``); those factors stay with the block when a new
+    partition puts it in another stage. The link gets the fitted latency.
+
+    Args:
+        blocks: per-block costs of the same model (same block names, in order).
+        link: the link to calibrate (its bandwidth is kept).
+        cal: the calibration.
+        starts: the measured run's stage starts (default ``cal.starts``).
+
+    Returns:
+        The calibrated blocks and link.
+
+    Raises:
+        PlanFileError: the blocks are not the ones the calibration was measured on.
+    """
+    starts = tuple(cal.starts if starts is None else starts)
+    n = len(blocks)
+    if len(starts) != len(cal.stages) or not starts or starts[0] != 0 or starts[-1] >= n:
+        raise PlanFileError(
+            f"starts {starts} do not fit the calibration's {len(cal.stages)} stage(s) over {n} blocks; "
+            "calibrate with a run of a plan for this model"
+        )
+    ends = list(starts[1:]) + [n]
+    out: list[BlockCost] = []
+    for s, a, b in zip(cal.stages, starts, ends):
+        if (blocks[a].name, blocks[b - 1].name) != (s.first_block, s.last_block):
+            raise PlanFileError(
+                f"calibration stage {s.stage} covered {s.first_block} .. {s.last_block}, but blocks {a}..{b - 1} are "
+                f"{blocks[a].name} .. {blocks[b - 1].name}; the model's blocks changed since the run: "
+                "run the new plan and calibrate from that run"
+            )
+        out.extend(_scale_block(x, s, cal.global_factor) for x in blocks[a:b])
+    name = link.name if link.name.endswith("+calibrated") else f"{link.name}+calibrated"
+    return out, link.model_copy(update={"name": name, "latency_s": cal.latency_s})
+
+
+def _bisect_up(f: Callable[[float], float], target: float, lo: float, hi: float) -> float:
+    """The x in [lo, hi] where the non-decreasing ``f`` reaches ``target`` (f(lo) <= target <= f(hi))."""
+    for _ in range(_BISECT_STEPS):
+        mid = 0.5 * (lo + hi)
+        if mid in (lo, hi):
+            break
+        if f(mid) < target:
+            lo = mid
+        else:
+            hi = mid
+    return hi if abs(f(hi) - target) <= abs(f(lo) - target) else lo
+
+
+def calibrate(plan: Plan, run: RunResult) -> Calibration:
+    """Fit compute factors per stage, the link latency and a global factor to a measured run.
+
+    Args:
+        plan: the plan that was run.
+        run: its run.json, with per-stage measurements.
+
+    Returns:
+        The calibration; ``calibrated_step_s`` is the re-prediction of the measured split.
+
+    Raises:
+        PlanFileError: the run is not of this plan, or has no step time.
+    """
+    check_run_matches(plan, run)
+    measured = run.median_step_s
+    if measured <= 0:
+        raise PlanFileError("the run's median step time is 0; re-run `planner run` with more steps")
+    starts = tuple(s.start for s in plan.stages)
+    stages = [
+        StageCalibration(
+            stage=s.index, first_block=s.first_block, last_block=s.last_block,
+            fwd_factor=_ratio(m.fwd_s, s.fwd_s), bwd_factor=_ratio(m.bwd_s, s.bwd_s),
+            opt_factor=_ratio(m.optimizer_s, s.opt_s),
+        )
+        for s, m in zip(plan.stages, run.stages)
+    ]
+
+    def make(latency: float, g: float) -> Calibration:
+        return Calibration(
+            plan_fingerprint=plan.model.fingerprint, microbatch_size=plan.microbatch_size, starts=starts,
+            stages=stages, latency_s=latency, bandwidth_Bps=plan.link.bandwidth_Bps, global_factor=g,
+            measured_step_s=measured, predicted_step_s=plan.prediction.step_time_s, calibrated_step_s=0.0,
+        )
+
+    def step(latency: float, g: float) -> float:
+        blocks, link = apply_calibration(plan.blocks, plan.link, make(latency, g))
+        return predict(blocks, starts, link, plan.schedule, plan.n_microbatches, plan.optimizer)[1].step_time_s
+
+    latency, g = 0.0, 1.0
+    floor = step(0.0, 1.0)
+    if floor > measured or plan.n_stages == 1:
+        # Compute alone (no fixed message cost) is already slower than the run, or there are no
+        # messages to fit: one factor on all compute takes up the difference.
+        if plan.n_stages == 1:
+            latency = plan.link.latency_s
+        hi = 2.0
+        while step(latency, hi) < measured and hi < 1e6:
+            hi *= 2
+        g = _bisect_up(lambda x: step(latency, x), measured, 1e-9, hi)
+    else:
+        hi = max(plan.link.latency_s, 1e-6)
+        while step(hi, 1.0) < measured and hi < 1e3:
+            hi *= 2
+        latency = _bisect_up(lambda x: step(x, 1.0), measured, 0.0, hi)
+    return make(latency, g).model_copy(update={"calibrated_step_s": step(latency, g)})
+
+
+def plan_path_of_run(run: RunResult, run_path: str | Path) -> Path:
+    """The plan file a run was made from: ``run.plan_path`` if recorded and present, else the
+    sibling ``X.json`` of ``X.run.json`` (``planner run``'s default output name).
+
+    Raises:
+        PlanFileError: neither exists.
+    """
+    candidates = []
+    if run.plan_path:
+        candidates.append(Path(run.plan_path))
+    rp = Path(run_path)
+    if rp.name.endswith(".run.json"):
+        candidates.append(rp.with_name(rp.name[: -len(".run.json")] + ".json"))
+    for c in candidates:
+        if c.is_file():
+            return c
+    tried = ", ".join(str(c) for c in candidates) or "nothing recorded"
+    raise PlanFileError(f"cannot find the plan {run_path} was a run of (tried {tried}); pass the plan file explicitly")
+
+
+def load_calibration(run_path: str | Path, plan_path: str | Path | None = None) -> tuple[Plan, Calibration]:
+    """Calibrate from files: a run.json and the plan it ran (found via ``plan_path_of_run`` if not given).
+
+    Returns:
+        The plan that was run (its ``blocks`` are the costs the factors were fitted against, so a
+        re-plan of the same model and microbatch size should scale those rather than re-profile)
+        and the calibration.
+
+    Raises:
+        PlanFileError: a file is missing or invalid, or the run is not of the plan.
+    """
+    run = RunResult.load(run_path)
+    plan = Plan.load(plan_path if plan_path is not None else plan_path_of_run(run, run_path))
+    return plan, calibrate(plan, run)

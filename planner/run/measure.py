@@ -1,0 +1,280 @@
+"""Measuring a stage inside the real schedule: per-microbatch compute, point-to-point waits, memory.
+
+``StageProbe`` wraps the methods the schedule calls on *this* rank's ``PipelineStage`` and
+schedule instances (nothing global but two module functions of
+``torch.distributed.pipelining.schedules``, patched only inside a worker process and restored):
+
+- ``stage.forward_one_chunk``: the stage module's forward on one microbatch. The schedule waits
+  for the receive *before* calling it and posts the send *after*, so neither is inside; inside
+  are mapping the receive buffers to inputs, the forward, and caching outputs for backward.
+- ``schedule._maybe_compute_loss``: the loss of one microbatch (last stage only), added to that
+  microbatch's forward, because the profiler counts the loss in the last block's forward.
+- ``stage.backward_one_chunk`` (+ ``backward_weight_one_chunk`` for schedules that split the
+  weight gradient): autograd backward of one microbatch from the already-received output
+  gradient (on the last stage from the loss); the gradient receive and send are outside.
+- ``schedules._batch_p2p`` and ``schedules._wait_batch_p2p``: posting and waiting on every
+  send/receive of the schedule. The time is transfer plus waiting for the neighbour (bubble).
+
+``MemoryProbe`` runs one step under ``torch.distributed._tools.mem_tracker.MemTracker``, which
+works on any device (CPU included): it is a TorchDispatchMode that labels every tensor storage as
+parameter, buffer, gradient, activation, temp (made in backward), optimizer state or other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from typing import Any, Callable, Iterator
+
+import torch
+
+_perf = time.perf_counter
+
+
+class StageProbe:
+    """Per-step, per-microbatch timers around one rank's stage and schedule.
+
+    Call ``begin_step()`` before each ``schedule.step``; ``fwd_times()`` / ``bwd_times()`` then give
+    ``[step][microbatch]`` seconds and ``p2p_times()`` one total per step.
+    """
+
+    def __init__(self) -> None:
+        self._fwd: list[dict[int, float]] = []
+        self._bwd: list[dict[int, float]] = []
+        self._loss: list[dict[int, float]] = []
+        self._p2p: list[float] = []
+        self.memory: Any = None  # a MemTracker while one step is tracked (see MemoryProbe)
+
+    def begin_step(self) -> None:
+        """Start collecting a new step's figures."""
+        self._fwd.append(defaultdict(float))
+        self._bwd.append(defaultdict(float))
+        self._loss.append(defaultdict(float))
+        self._p2p.append(0.0)
+
+    def _add(self, table: list[dict[int, float]], mb: int, seconds: float) -> None:
+        if table:
+            table[-1][mb] += seconds
+
+    def add_p2p(self, seconds: float) -> None:
+        """Count ``seconds`` of point-to-point posting/waiting in the current step."""
+        if self._p2p:
+            self._p2p[-1] += seconds
+
+    @contextlib.contextmanager
+    def installed(self, stage: Any, schedule: Any) -> Iterator["StageProbe"]:
+        """Wrap ``stage``'s and ``schedule``'s per-microbatch methods (instance attributes) while inside."""
+        from torch.distributed.pipelining import schedules as sched_mod
+
+        probe = self
+        fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
+        bwd_w = getattr(stage, "backward_weight_one_chunk", None)
+        loss = schedule._maybe_compute_loss
+        batch_p2p, wait_p2p = sched_mod._batch_p2p, sched_mod._wait_batch_p2p
+
+        def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            if probe.memory is not None:
+                # MemTracker refuses a second root-module forward in one context ("multiple
+                # iterative calls"); microbatches are exactly that. Its per-module statistics are
+                # not used, only the global categories, so they are cleared per microbatch.
+                probe.memory.reset_mod_stats()
+            t0 = _perf()
+            out = fwd(fwd_chunk_id, *args, **kwargs)
+            probe._add(probe._fwd, fwd_chunk_id, _perf() - t0)
+            return out
+
+        def backward_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            t0 = _perf()
+            out = bwd(bwd_chunk_id, *args, **kwargs)
+            probe._add(probe._bwd, bwd_chunk_id, _perf() - t0)
+            return out
+
+        def backward_weight_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            t0 = _perf()
+            out = bwd_w(bwd_chunk_id, *args, **kwargs)
+            probe._add(probe._bwd, bwd_chunk_id, _perf() - t0)
+            return out
+
+        def maybe_compute_loss(stage_: Any, output: Any, target_mbs: Any, mb_index: int, *args: Any, **kwargs: Any) -> Any:
+            t0 = _perf()
+            out = loss(stage_, output, target_mbs, mb_index, *args, **kwargs)
+            if stage_.is_last:
+                probe._add(probe._loss, mb_index, _perf() - t0)
+            return out
+
+        def timed_batch_p2p(*args: Any, **kwargs: Any) -> Any:
+            t0 = _perf()
+            out = batch_p2p(*args, **kwargs)
+            probe.add_p2p(_perf() - t0)
+            return out
+
+        def timed_wait_p2p(*args: Any, **kwargs: Any) -> Any:
+            t0 = _perf()
+            out = wait_p2p(*args, **kwargs)
+            probe.add_p2p(_perf() - t0)
+            return out
+
+        stage.forward_one_chunk = forward_one_chunk
+        stage.backward_one_chunk = backward_one_chunk
+        if bwd_w is not None:
+            stage.backward_weight_one_chunk = backward_weight_one_chunk
+        schedule._maybe_compute_loss = maybe_compute_loss
+        sched_mod._batch_p2p, sched_mod._wait_batch_p2p = timed_batch_p2p, timed_wait_p2p
+        try:
+            yield self
+        finally:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                stage.__dict__.pop(name, None)
+            schedule.__dict__.pop("_maybe_compute_loss", None)
+            sched_mod._batch_p2p, sched_mod._wait_batch_p2p = batch_p2p, wait_p2p
+
+    # Direct recording, for the in-process loop (no PipelineStage).
+    def add_fwd(self, mb: int, seconds: float) -> None:
+        """Count ``seconds`` of forward (loss included) for microbatch ``mb`` of the current step."""
+        self._add(self._fwd, mb, seconds)
+
+    def add_bwd(self, mb: int, seconds: float) -> None:
+        """Count ``seconds`` of backward for microbatch ``mb`` of the current step."""
+        self._add(self._bwd, mb, seconds)
+
+    def add_loss(self, mb: int, seconds: float) -> None:
+        """Count ``seconds`` of loss for microbatch ``mb`` (also add them with ``add_fwd``)."""
+        self._add(self._loss, mb, seconds)
+
+    @staticmethod
+    def _rows(table: list[dict[int, float]]) -> list[list[float]]:
+        return [[row[k] for k in sorted(row)] for row in table]
+
+    def fwd_times(self) -> list[list[float]]:
+        """``[step][microbatch]`` forward seconds, the loss included on the last stage."""
+        return [[f + loss.get(k, 0.0) for k, f in sorted(fwd.items())] for fwd, loss in zip(self._fwd, self._loss)]
+
+    def bwd_times(self) -> list[list[float]]:
+        """``[step][microbatch]`` backward seconds."""
+        return self._rows(self._bwd)
+
+    def loss_times(self) -> list[list[float]]:
+        """``[step][microbatch]`` loss seconds (empty rows off the last stage)."""
+        return self._rows(self._loss)
+
+    def p2p_times(self) -> list[float]:
+        """Per step: seconds spent posting and waiting on point-to-point operations."""
+        return list(self._p2p)
+
+
+def _category(key: Any) -> str:
+    return str(getattr(key, "value", key))
+
+
+def _by_category(snapshot: dict, device: torch.device) -> dict[str, int]:
+    """One device's bytes per category from a MemTracker snapshot (all categories, 0 if absent)."""
+    from planner.run.result import MEMORY_CATEGORIES
+
+    dev = next((d for d in snapshot if torch.device(d) == device), None)
+    raw = {_category(k): int(v) for k, v in snapshot[dev].items()} if dev is not None else {}
+    out = {c: raw.get(c, 0) for c in MEMORY_CATEGORIES}
+    out["Total"] = raw.get("Total", sum(out.values()))
+    return out
+
+
+def recv_buffers(stage: Any) -> list[torch.Tensor]:
+    """The stage's preallocated point-to-point receive buffers (activations and gradients).
+
+    ``PipelineStage`` allocates one per microbatch and boundary tensor at its first step and keeps
+    them; the memory tracker does not see them being made (first step), so they are registered.
+    """
+    out: list[torch.Tensor] = []
+    for table in (getattr(stage, "args_recv_info", {}), getattr(stage, "grad_recv_info", {})):
+        for infos in table.values():
+            for info in infos if isinstance(infos, tuple) else (infos,):
+                buf = getattr(info, "buffer", None)
+                if isinstance(buf, torch.Tensor):
+                    out.append(buf)
+    return out
+
+
+class MemoryProbe:
+    """Track one training step's tensor memory by category with torch's MemTracker."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.result: dict | None = None
+
+    @contextlib.contextmanager
+    def step(self, step: int, probe: StageProbe, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             extra: list[torch.Tensor]) -> Iterator[Callable[[], None]]:
+        """Run the body under a MemTracker; call the yielded ``done()`` right after ``optimizer.step()``.
+
+        ``module`` and ``optimizer`` (their parameters, gradients and state, made before this step)
+        are registered first; ``extra`` tensors (receive buffers) count as "Other".
+        """
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        tracker.track_external(module, optimizer, *extra)
+        end: dict = {}
+
+        def done() -> None:
+            end.update(tracker.get_tracker_snapshot("current"))
+
+        probe.memory = tracker
+        try:
+            with tracker:
+                yield done
+        finally:
+            probe.memory = None
+        peak = _by_category(tracker.get_tracker_snapshot("peak"), self.device)
+        self.result = {
+            "source": "memtracker",
+            "step": step,
+            "peak_bytes": peak["Total"],
+            "peak_by_category": peak,
+            "end_by_category": _by_category(end, self.device),
+        }
+
+
+def summarize(
+    *, stage: int, first_block: str, last_block: str, probe: StageProbe, steps: list[int],
+    times: list[float], clip: list[float], reduce: list[float], opt: list[float], memory: dict | None,
+) -> dict:
+    """A ``StageMeasure``'s fields (plain data, so it pickles back to the launcher) from one rank's timers.
+
+    Args:
+        stage: the stage index.
+        first_block: FQN of its first block.
+        last_block: FQN of its last block.
+        probe: its microbatch timers.
+        steps: the 1-based steps the medians are over (``planner.run.result.timed_steps``).
+        times: per step, the rank's step wall time.
+        clip: per step, norm + all-reduce + clipping.
+        reduce: per step, the all-reduce alone.
+        opt: per step, ``optimizer.step()``.
+        memory: ``MemoryProbe.result`` or None.
+    """
+    import statistics
+
+    def per_mb(rows: list[list[float]]) -> float:
+        vals = [t for s in steps for t in rows[s - 1]]
+        return statistics.median(vals) if vals else 0.0
+
+    def per_step(vals: list[float]) -> float:
+        return statistics.median(vals[s - 1] for s in steps) if vals else 0.0
+
+    fwd, bwd = probe.fwd_times(), probe.bwd_times()
+    return {
+        "stage": stage,
+        "first_block": first_block,
+        "last_block": last_block,
+        "fwd_s": per_mb(fwd),
+        "bwd_s": per_mb(bwd),
+        "loss_s": per_mb(probe.loss_times()),
+        "p2p_s": per_step(probe.p2p_times()),
+        "reduce_s": per_step(reduce),
+        "clip_s": per_step(clip),
+        "optimizer_s": per_step(opt),
+        "step_s": per_step(times),
+        "fwd_times_s": fwd,
+        "bwd_times_s": bwd,
+        "memory": memory,
+    }

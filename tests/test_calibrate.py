@@ -1,0 +1,136 @@
+"""Tier 1 (pure): the calibration loop on hand-made plans and synthetic runs with known answers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from plan_factory import LINK, big_head_blocks, make_plan
+
+from planner.calibrate import Calibration, apply_calibration, calibrate, load_calibration
+from planner.errors import PlanFileError
+from planner.plan import Plan
+from planner.predict import predict
+from planner.run.result import RunResult, StageMeasure
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def blocks_with_opt() -> list:
+    # Give every block an optimizer time, so the optimizer factor is exercised too.
+    return [b.model_copy(update={"opt_s": 1e-3 * (k + 1)}) for k, b in enumerate(big_head_blocks())]
+
+
+def synthetic_run(plan: Plan, factor: float, step_s: float) -> RunResult:
+    """A run whose per-stage compute is exactly ``factor`` x the plan's, with the given step time."""
+    stages = [
+        StageMeasure(
+            stage=s.index, first_block=s.first_block, last_block=s.last_block, fwd_s=factor * s.fwd_s,
+            bwd_s=factor * s.bwd_s, loss_s=0.0, p2p_s=0.0, reduce_s=0.0, clip_s=0.0, optimizer_s=factor * s.opt_s,
+            step_s=step_s, fwd_times_s=[], bwd_times_s=[],
+        )
+        for s in plan.stages
+    ]
+    return RunResult(
+        plan_fingerprint=plan.model.fingerprint, mode="pipeline", schedule=plan.schedule, n_stages=plan.n_stages,
+        n_microbatches=plan.n_microbatches, batch_size=plan.batch_size, backend="gloo", steps=2, threads=[1] * plan.n_stages,
+        losses=[1.0, 1.0], grad_norms=[1.0, 1.0], grad_clip=1.0, step_times_s=[step_s, step_s],
+        rank_step_times_s=[[step_s, step_s]] * plan.n_stages, median_step_s=step_s, peak_rss_bytes=[1] * plan.n_stages,
+        timed_steps=[2], stages=stages,
+    )
+
+
+def repredict(plan: Plan, cal: Calibration, starts: tuple[int, ...] | None = None) -> float:
+    blocks, link = apply_calibration(plan.blocks, plan.link, cal)
+    starts = starts or cal.starts
+    return predict(blocks, starts, link, plan.schedule, plan.n_microbatches, plan.optimizer)[1].step_time_s
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_uniformly_slower_run_gives_its_factor_and_reproduces_the_step(schedule: str) -> None:
+    plan = make_plan(blocks_with_opt(), schedule=schedule)
+    measured = 1.2 * plan.prediction.step_time_s
+    cal = calibrate(plan, synthetic_run(plan, 1.2, measured))
+    for s in cal.stages:
+        assert (s.fwd_factor, s.bwd_factor, s.opt_factor) == pytest.approx((1.2, 1.2, 1.2), rel=1e-12)
+    # Compute x1.2 alone leaves the messages (1 MB at 1 MB/ms, zero latency) at their planned
+    # cost, so the remaining 20% of the communication is taken up by a fitted latency.
+    assert cal.latency_s > 0 and cal.global_factor == 1.0
+    assert cal.calibrated_step_s == pytest.approx(measured, rel=1e-6)
+    assert repredict(plan, cal) == pytest.approx(measured, rel=1e-6)
+
+
+def test_latency_fit_recovers_a_known_latency() -> None:
+    plan = make_plan(blocks_with_opt())
+    assert plan.link.latency_s == 0.0
+    true_link = LINK.model_copy(update={"latency_s": 0.7e-3})
+    starts = tuple(s.start for s in plan.stages)
+    measured = predict(plan.blocks, starts, true_link, plan.schedule, plan.n_microbatches, plan.optimizer)[1].step_time_s
+    cal = calibrate(plan, synthetic_run(plan, 1.0, measured))
+    assert cal.latency_s == pytest.approx(0.7e-3, rel=1e-9)
+    assert cal.global_factor == 1.0
+    assert all((s.fwd_factor, s.bwd_factor, s.opt_factor) == (1.0, 1.0, 1.0) for s in cal.stages)
+
+
+def test_run_faster_than_compute_alone_fits_a_global_factor() -> None:
+    plan = make_plan(blocks_with_opt())
+    measured = 0.5 * plan.prediction.step_time_s  # below what the compute alone predicts
+    cal = calibrate(plan, synthetic_run(plan, 1.0, measured))
+    assert cal.latency_s == 0.0
+    assert 0 < cal.global_factor < 0.5
+    assert repredict(plan, cal) == pytest.approx(measured, rel=1e-6)
+
+
+def test_block_factors_follow_the_blocks_into_a_new_split() -> None:
+    plan = make_plan(blocks_with_opt())  # stages: embed..layers.2 | layers.3..output
+    run = synthetic_run(plan, 1.0, plan.prediction.step_time_s)
+    slow_head = run.stages[1].model_copy(update={"fwd_s": 2 * run.stages[1].fwd_s, "bwd_s": 3 * run.stages[1].bwd_s})
+    cal = calibrate(plan, run.model_copy(update={"stages": [run.stages[0], slow_head]}))
+    blocks, link = apply_calibration(plan.blocks, plan.link, cal)
+    g = cal.global_factor
+    for old, new in zip(plan.blocks, blocks):
+        in_head_stage = old.name in ("layers.3", "output")
+        assert new.fwd_s == pytest.approx(old.fwd_s * (2 if in_head_stage else 1) * g, rel=1e-12)
+        assert new.bwd_s == pytest.approx(old.bwd_s * (3 if in_head_stage else 1) * g, rel=1e-12)
+        assert new.opt_s == pytest.approx(old.opt_s * g, rel=1e-12)
+        assert (new.name, new.param_bytes, new.cut_bytes) == (old.name, old.param_bytes, old.cut_bytes)
+    assert link.latency_s == cal.latency_s and link.bandwidth_Bps == plan.link.bandwidth_Bps
+    assert link.name == "test-link+calibrated"
+    # On another split the same blocks keep those factors: layers.3 stays 2x/3x wherever it goes.
+    other = predict(blocks, (0, 3), link, plan.schedule, plan.n_microbatches, plan.optimizer)[0]
+    assert other[1].fwd_s == pytest.approx(blocks[3].fwd_s + blocks[4].fwd_s + blocks[5].fwd_s, rel=1e-12)
+    assert blocks[4].fwd_s == pytest.approx(2 * g * plan.blocks[4].fwd_s, rel=1e-12)
+
+
+def test_calibration_round_trips_and_refuses_other_blocks(tmp_path: Path) -> None:
+    plan = make_plan(blocks_with_opt())
+    cal = calibrate(plan, synthetic_run(plan, 1.2, 1.2 * plan.prediction.step_time_s))
+    assert Calibration.from_json(cal.to_json()) == cal
+    cal.save(tmp_path / "cal.json")
+    assert Calibration.from_json((tmp_path / "cal.json").read_text()) == cal
+    renamed = [b.model_copy(update={"name": "x"}) if k == 0 else b for k, b in enumerate(plan.blocks)]
+    with pytest.raises(PlanFileError, match="calibration stage 0 covered embed .. layers.2, but blocks 0..3 are x .. layers.2"):
+        apply_calibration(renamed, plan.link, cal)
+    with pytest.raises(PlanFileError, match="not a version-1 calibration"):
+        Calibration.from_json("{}")
+
+
+def test_load_calibration_finds_the_plan_next_to_the_run(tmp_path: Path) -> None:
+    plan = make_plan(blocks_with_opt())
+    plan.save(tmp_path / "p.json")
+    run = synthetic_run(plan, 1.2, 1.2 * plan.prediction.step_time_s)
+    run.save(tmp_path / "p.run.json")
+    assert load_calibration(tmp_path / "p.run.json") == (plan, calibrate(plan, run))
+    run.save(tmp_path / "elsewhere.json")
+    with pytest.raises(PlanFileError, match="cannot find the plan"):
+        load_calibration(tmp_path / "elsewhere.json")
+    recorded = run.model_copy(update={"plan_path": str(tmp_path / "p.json")})
+    recorded.save(tmp_path / "elsewhere.json")
+    assert load_calibration(tmp_path / "elsewhere.json")[1].stages == calibrate(plan, run).stages
+
+
+def test_compare_and_calibrate_import_no_torch() -> None:
+    code = "import sys, planner.compare, planner.calibrate; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

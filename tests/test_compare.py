@@ -1,0 +1,78 @@
+"""Tier 1 (pure): predicted-vs-measured tables on a hand-made plan and a hand-made run, exact."""
+
+from __future__ import annotations
+
+import pytest
+from plan_factory import MB, big_head_blocks, make_plan
+
+from planner.compare import compare_table, step_error
+from planner.errors import PlanFileError
+from planner.plan import Plan
+from planner.run.result import MemoryMeasure, RunResult, StageMeasure
+
+
+def stage_measure(plan: Plan, i: int, fwd_ms: float, bwd_ms: float, opt_ms: float, mem_mb: float | None) -> StageMeasure:
+    s = plan.stages[i]
+    memory = None
+    if mem_mb is not None:
+        cats = {"Parameter": 0, "Total": int(mem_mb * MB)}
+        memory = MemoryMeasure(source="memtracker", step=3, peak_bytes=int(mem_mb * MB), peak_by_category=cats,
+                               end_by_category=cats)
+    return StageMeasure(
+        stage=i, first_block=s.first_block, last_block=s.last_block, fwd_s=fwd_ms / 1e3, bwd_s=bwd_ms / 1e3,
+        loss_s=0.0, p2p_s=0.0, reduce_s=0.0, clip_s=0.0, optimizer_s=opt_ms / 1e3, step_s=0.5,
+        fwd_times_s=[[fwd_ms / 1e3]], bwd_times_s=[[bwd_ms / 1e3]], memory=memory,
+    )
+
+
+def make_run(plan: Plan, stages: list[StageMeasure], step_ms: float) -> RunResult:
+    return RunResult(
+        plan_fingerprint=plan.model.fingerprint, mode="pipeline", schedule=plan.schedule, n_stages=plan.n_stages,
+        n_microbatches=plan.n_microbatches, batch_size=plan.batch_size, backend="gloo", steps=3, threads=[1, 1],
+        losses=[1.0] * 3, grad_norms=[1.0] * 3, grad_clip=1.0, step_times_s=[1.0, step_ms / 1e3, 2.0],
+        rank_step_times_s=[[1.0, step_ms / 1e3, 2.0]] * 2, median_step_s=step_ms / 1e3, peak_rss_bytes=[1, 1],
+        memory_step=3, timed_steps=[2], stages=stages,
+    )
+
+
+# Predicted (see test_report): stage 0 = embed + layers.0-2: fwd 31, bwd 61 ms, memory
+# 16k x 16 B + 2 x 4 MB + 4 microbatches x 1 MB = 12.24 MB; stage 1 = layers.3 + output: fwd 35, bwd 70 ms,
+# 13k x 16 B + 1 x 2 MB + 4 x 1 MB = 6.198 MB (+3.3% against 6 MB measured); no optimizer time
+# profiled (0 planned against 2 ms measured is -100%; 0 against 0 has no error); step 522 ms.
+# Stage 0 tracked no memory ("-").
+EXPECTED = """\
+  stage  blocks              fwd ms plan    run    err     bwd ms plan    run    err     opt ms plan    run    err      mem MB plan    run    err
+-------  ------------------  -------------  -----  ------  -------------  -----  ------  -------------  -----  -------  -------------  -----  -----
+      0  embed .. layers.2   31.00          24.80  +25.0%  61.00          61.00  +0.0%   0.00           2.00   -100.0%  12.24          -      -
+      1  layers.3 .. output  35.00          50.00  -30.0%  70.00          87.50  -20.0%  0.00           0.00   -        6.20           6.00   +3.3%
+
+      plan ms    run ms    err
+----  ---------  --------  ------
+step  522.00     580.00    -10.0%"""
+
+
+def test_compare_table_exact() -> None:
+    plan = make_plan(big_head_blocks())
+    # fwd: 31 planned vs 24.8 measured = +25%; 35 vs 50 = -30%; bwd 70 vs 87.5 = -20%.
+    run = make_run(plan, [stage_measure(plan, 0, 24.8, 61, 2, None), stage_measure(plan, 1, 50, 87.5, 0, 6)], 580)
+    assert plan.prediction.step_time_s == pytest.approx(0.522)
+    assert compare_table(plan, run) == EXPECTED
+
+
+def test_step_error() -> None:
+    plan = make_plan(big_head_blocks())
+    run = make_run(plan, [stage_measure(plan, i, 1, 1, 1, 1) for i in range(2)], 580)
+    assert step_error(plan, run) == pytest.approx((522 - 580) / 580, rel=1e-12)
+
+
+def test_run_of_another_split_is_refused() -> None:
+    plan = make_plan(big_head_blocks())
+    uniform = make_plan(big_head_blocks(), method="uniform")
+    run = make_run(uniform, [stage_measure(uniform, i, 1, 1, 1, 1) for i in range(2)], 580)
+    with pytest.raises(PlanFileError, match=r"stage 0 of the run covers embed \.\. layers\.1, the plan's covers embed \.\. layers\.2"):
+        compare_table(plan, run)
+    other = run.model_copy(update={"plan_fingerprint": "0" * 16})
+    with pytest.raises(PlanFileError, match="fingerprint 0000000000000000"):
+        step_error(plan, other)
+    with pytest.raises(PlanFileError, match="measurements for 0 stage"):
+        compare_table(plan, make_run(plan, [], 580))
