@@ -1,0 +1,262 @@
+"""Hardware the planner can estimate costs for without having it: a table of accelerators.
+
+Pure module: pydantic only, never torch (the analytical estimator ``planner.estimate`` and the CPU
+calibration ``planner.calibrate_cpu`` are the torch side).
+
+A ``HardwareSpec`` holds what a roofline model needs (Williams, Waterman & Patterson, "Roofline: an
+insightful visual performance model", CACM 2009): peak dense FLOP/s per dtype, memory bandwidth,
+and how much of each a real kernel reaches (efficiency factors), plus memory capacity and the
+links between ranks. ``planner.estimate`` turns FLOPs and bytes per operator into seconds with it:
+``max(flops / (peak[dtype] * matmul_efficiency), bytes / (memory_Bps * memory_efficiency))``.
+
+Numbers are the vendors' *dense* peaks (datasheets quote "with sparsity" figures, twice as large,
+which training never reaches). Link bandwidths are per direction, for one peer: a pipeline stage
+talks to one neighbour at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from planner.costs import LinkCost
+from planner.errors import PlannerError
+
+DTYPES = ("fp32", "tf32", "bf16", "fp16")
+DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
+"""Bytes per element a parameter/activation takes in each planning dtype (tf32 stores fp32)."""
+
+
+class HardwareError(PlannerError):
+    """Unknown hardware name, or a dtype the hardware does not support."""
+
+
+class HardwareSpec(BaseModel):
+    """One device type: peak compute, memory, links and the efficiency a real kernel reaches."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(description="Short name, e.g. 'h100' or 'cpu-myhost-1t'.")
+    kind: Literal["gpu", "cpu"] = Field(default="gpu", description="Accelerator or this machine's CPU.")
+    peak_flops: dict[str, float] = Field(
+        description="Peak dense FLOP/s per dtype ('fp32', 'tf32', 'bf16', 'fp16'); a missing key means unsupported."
+    )
+    memory_Bps: float = Field(gt=0, description="Peak memory (HBM/GDDR/DRAM) bandwidth, bytes/s.")
+    memory_bytes: int = Field(gt=0, description="Memory capacity, bytes.")
+    intra_node_Bps: float = Field(gt=0, description="Link bandwidth to a peer in the same node, bytes/s, one direction.")
+    intra_node_latency_s: float = Field(ge=0, description="Small-message latency to a peer in the same node, s.")
+    inter_node_Bps: float = Field(gt=0, description="Network bandwidth per device to another node, bytes/s, one direction.")
+    inter_node_latency_s: float = Field(ge=0, description="Small-message latency to another node, s.")
+    matmul_efficiency: float = Field(
+        default=0.65, gt=0, le=1,
+        description="Fraction of peak FLOP/s large GEMMs sustain (cuBLAS on big bf16 GEMMs: ~0.6-0.75).",
+    )
+    memory_efficiency: float = Field(
+        default=0.8, gt=0, le=1, description="Fraction of peak bandwidth streaming kernels sustain (~0.8 on HBM)."
+    )
+    link_efficiency: float = Field(default=0.7, gt=0, le=1, description="Fraction of link bandwidth p2p sends reach.")
+    op_overhead_s: float = Field(
+        default=5e-6, ge=0,
+        description="Fixed cost per operator (eager dispatch + kernel launch). On a GPU (async launch) it hides "
+        "behind longer kernels: an op costs max(overhead, roofline). On a CPU it adds: overhead + roofline.",
+    )
+    source: str = Field(default="", description="Where the numbers come from.")
+
+    def peak(self, dtype: str) -> float:
+        """Peak dense FLOP/s for ``dtype``.
+
+        Args:
+            dtype: one of ``DTYPES``.
+
+        Returns:
+            FLOP/s.
+
+        Raises:
+            HardwareError: when the device has no such dtype (V100 has no bf16 tensor cores).
+        """
+        if dtype not in self.peak_flops:
+            raise HardwareError(
+                f"dtype {dtype!r} is not supported on {self.name} (it has {', '.join(self.peak_flops)}); "
+                f"choose one of those with --dtype"
+            )
+        return self.peak_flops[dtype]
+
+    @property
+    def async_launch(self) -> bool:
+        """Whether operator overhead overlaps device work (GPUs queue kernels; a CPU runs them inline)."""
+        return self.kind == "gpu"
+
+
+_GB = 1e9
+# Memory capacities: vendors' "80 GB" of HBM/GDDR is 80 GiB of chips (stacks come in powers of
+# two); the driver keeps a few hundred MiB, which a memory limit for the solver should leave.
+_GiB = 1024**3
+_T = 1e12
+
+# Typical links of the platforms these devices ship in. Datasheets give intra-node links; the
+# inter-node figure is the usual NIC per GPU of the reference platform (DGX/HGX or the cloud
+# instance named), not a property of the chip. Latencies are NCCL-level small-message p2p
+# latencies (a few microseconds over NVLink, ~10-20 us over InfiniBand/RoCE, more over TCP/EFA).
+_NDR_IB = 400e9 / 8  # ConnectX-7 NDR InfiniBand, 400 Gb/s per GPU (DGX H100/H200 reference design)
+_HDR_IB = 200e9 / 8  # ConnectX-6 HDR InfiniBand, 200 Gb/s per GPU (DGX A100 reference design)
+_EDR_IB = 100e9 / 8  # EDR InfiniBand, 100 Gb/s (DGX-1 / DGX-2 era)
+_CLOUD_100G = 100e9 / 8  # 100 Gb/s instance networking (AWS g5/g6/g6e, GCP g2 upper tiers), shared per node
+_PCIE4_X16 = 32e9  # PCIe 4.0 x16: 64 GB/s bidirectional = 32 GB/s per direction (no NVLink on these cards)
+
+GPUS: dict[str, HardwareSpec] = {
+    # NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column): FP32 67 TFLOPS; TF32 Tensor Core
+    # 989 TFLOPS with sparsity (494.5 dense); BF16/FP16 Tensor Core 1,979 with sparsity (989.5
+    # dense); 80 GB HBM3 at 3.35 TB/s; NVLink 900 GB/s total (450 GB/s per direction).
+    "h100": HardwareSpec(
+        name="h100",
+        peak_flops={"fp32": 67 * _T, "tf32": 494.5 * _T, "bf16": 989.5 * _T, "fp16": 989.5 * _T},
+        memory_Bps=3.35e12, memory_bytes=80 * _GiB,
+        intra_node_Bps=450 * _GB, intra_node_latency_s=10e-6, inter_node_Bps=_NDR_IB, inter_node_latency_s=20e-6,
+        source="NVIDIA H100 Tensor Core GPU datasheet, H100 SXM",
+    ),
+    # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): same compute as H100 SXM (FP32 67 TFLOPS,
+    # TF32 989 / BF16 1,979 / FP16 1,979 TFLOPS with sparsity); 141 GB HBM3e at 4.8 TB/s;
+    # NVLink 900 GB/s.
+    "h200": HardwareSpec(
+        name="h200",
+        peak_flops={"fp32": 67 * _T, "tf32": 494.5 * _T, "bf16": 989.5 * _T, "fp16": 989.5 * _T},
+        memory_Bps=4.8e12, memory_bytes=141 * _GiB,
+        intra_node_Bps=450 * _GB, intra_node_latency_s=10e-6, inter_node_Bps=_NDR_IB, inter_node_latency_s=20e-6,
+        source="NVIDIA H200 Tensor Core GPU datasheet, H200 SXM",
+    ),
+    # NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM): FP32 19.5 TFLOPS; TF32 156 (312
+    # sparse); BF16/FP16 312 (624 sparse); 80 GB HBM2e at 2,039 GB/s; NVLink 600 GB/s total.
+    "a100-80g": HardwareSpec(
+        name="a100-80g",
+        peak_flops={"fp32": 19.5 * _T, "tf32": 156 * _T, "bf16": 312 * _T, "fp16": 312 * _T},
+        memory_Bps=2.039e12, memory_bytes=80 * _GiB,
+        intra_node_Bps=300 * _GB, intra_node_latency_s=10e-6, inter_node_Bps=_HDR_IB, inter_node_latency_s=20e-6,
+        source="NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM",
+    ),
+    # Same datasheet, A100 40GB SXM: same compute; 40 GB HBM2 at 1,555 GB/s; NVLink 600 GB/s.
+    "a100-40g": HardwareSpec(
+        name="a100-40g",
+        peak_flops={"fp32": 19.5 * _T, "tf32": 156 * _T, "bf16": 312 * _T, "fp16": 312 * _T},
+        memory_Bps=1.555e12, memory_bytes=40 * _GiB,
+        intra_node_Bps=300 * _GB, intra_node_latency_s=10e-6, inter_node_Bps=_HDR_IB, inter_node_latency_s=20e-6,
+        source="NVIDIA A100 Tensor Core GPU datasheet, A100 40GB SXM",
+    ),
+    # NVIDIA L4 Tensor Core GPU datasheet: FP32 30.3 TFLOPS; TF32 120 (sparse; 60 dense);
+    # BF16/FP16 242 (sparse; 121 dense); 24 GB GDDR6 at 300 GB/s; PCIe Gen4 x16 64 GB/s, no NVLink.
+    # Inter-node: AWS g6 / GCP g2 instance networking (up to 100 Gb/s).
+    "l4": HardwareSpec(
+        name="l4",
+        peak_flops={"fp32": 30.3 * _T, "tf32": 60 * _T, "bf16": 121 * _T, "fp16": 121 * _T},
+        memory_Bps=300 * _GB, memory_bytes=24 * _GiB,
+        intra_node_Bps=_PCIE4_X16, intra_node_latency_s=20e-6, inter_node_Bps=_CLOUD_100G, inter_node_latency_s=50e-6,
+        matmul_efficiency=0.6,
+        source="NVIDIA L4 Tensor Core GPU datasheet",
+    ),
+    # NVIDIA L40S GPU datasheet: FP32 91.6 TFLOPS; TF32 183 (366 sparse); BF16/FP16 362.05
+    # (733 sparse); 48 GB GDDR6 at 864 GB/s; PCIe Gen4 x16 64 GB/s, no NVLink.
+    # Inter-node: AWS g6e instance networking (up to 100 Gb/s on the mid sizes).
+    "l40s": HardwareSpec(
+        name="l40s",
+        peak_flops={"fp32": 91.6 * _T, "tf32": 183 * _T, "bf16": 362.05 * _T, "fp16": 362.05 * _T},
+        memory_Bps=864 * _GB, memory_bytes=48 * _GiB,
+        intra_node_Bps=_PCIE4_X16, intra_node_latency_s=20e-6, inter_node_Bps=_CLOUD_100G, inter_node_latency_s=50e-6,
+        matmul_efficiency=0.6,
+        source="NVIDIA L40S GPU datasheet",
+    ),
+    # AWS EC2 G5's A10G. NVIDIA publishes no A10G datasheet; compute is taken from the NVIDIA A10
+    # Tensor Core GPU datasheet (FP32 31.2 TFLOPS; TF32 62.5 (125 sparse); BF16/FP16 125 (250
+    # sparse)); AWS G5 page: 24 GB GDDR6 per GPU; 600 GB/s (A10 datasheet). The A10G runs at lower
+    # clocks than the A10, so its real tensor throughput is lower: matmul_efficiency is set to 0.5.
+    # PCIe Gen4, no NVLink; g5 networking up to 100 Gb/s.
+    "a10g": HardwareSpec(
+        name="a10g",
+        peak_flops={"fp32": 31.2 * _T, "tf32": 62.5 * _T, "bf16": 125 * _T, "fp16": 125 * _T},
+        memory_Bps=600 * _GB, memory_bytes=24 * _GiB,
+        intra_node_Bps=_PCIE4_X16, intra_node_latency_s=20e-6, inter_node_Bps=_CLOUD_100G, inter_node_latency_s=50e-6,
+        matmul_efficiency=0.5,
+        source="NVIDIA A10 Tensor Core GPU datasheet (A10G: AWS EC2 G5 instance page)",
+    ),
+    # NVIDIA V100 Tensor Core GPU datasheet (V100 SXM2 32GB): FP32 15.7 TFLOPS; FP16 Tensor Core
+    # 125 TFLOPS; no TF32 and no BF16 (Volta has neither); 32 GB HBM2 at 900 GB/s; NVLink 300 GB/s
+    # total (150 GB/s per direction). Inter-node: DGX-1/DGX-2 EDR InfiniBand, 100 Gb/s.
+    "v100": HardwareSpec(
+        name="v100",
+        peak_flops={"fp32": 15.7 * _T, "fp16": 125 * _T},
+        memory_Bps=900 * _GB, memory_bytes=32 * _GiB,
+        intra_node_Bps=150 * _GB, intra_node_latency_s=10e-6, inter_node_Bps=_EDR_IB, inter_node_latency_s=20e-6,
+        matmul_efficiency=0.6,
+        source="NVIDIA V100 Tensor Core GPU datasheet, V100 SXM2 32GB",
+    ),
+    # AMD Instinct MI300X accelerator data sheet: FP32 (matrix) 163.4 TFLOPS; TF32 653.7 TFLOPS;
+    # BF16/FP16 1,307.4 TFLOPS dense (2,614.9 with sparsity); 192 GB HBM3 at 5.3 TB/s; 7 AMD
+    # Infinity Fabric links, 896 GB/s aggregate = 128 GB/s per link, i.e. 64 GB/s per direction
+    # to one peer in the fully connected 8-GPU platform. Inter-node: 400 Gb/s NIC per GPU.
+    # ROCm GEMMs reach a smaller fraction of peak than cuBLAS: matmul_efficiency 0.5.
+    "mi300x": HardwareSpec(
+        name="mi300x",
+        peak_flops={"fp32": 163.4 * _T, "tf32": 653.7 * _T, "bf16": 1307.4 * _T, "fp16": 1307.4 * _T},
+        memory_Bps=5.3e12, memory_bytes=192 * _GiB,
+        intra_node_Bps=64 * _GB, intra_node_latency_s=10e-6, inter_node_Bps=_NDR_IB, inter_node_latency_s=20e-6,
+        matmul_efficiency=0.5,
+        source="AMD Instinct MI300X accelerator data sheet",
+    ),
+}
+
+
+def get_hardware(name: str) -> HardwareSpec:
+    """The table entry for a device name (case-insensitive; 'H100', 'a100_80g' work too).
+
+    Args:
+        name: a key of ``GPUS``.
+
+    Returns:
+        Its ``HardwareSpec``.
+
+    Raises:
+        HardwareError: for an unknown name; the message lists the known ones.
+    """
+    key = name.strip().lower().replace("_", "-")
+    if key in GPUS:
+        return GPUS[key]
+    raise HardwareError(
+        f"unknown hardware {name!r}: expected one of {', '.join(GPUS)} "
+        "(or 'cpu' for this machine, measured by planner.calibrate_cpu)"
+    )
+
+
+def link_cost(hw: HardwareSpec, intra_node: bool = True) -> LinkCost:
+    """The cost of one p2p message between neighbouring ranks on ``hw``.
+
+    Bandwidth is the link's per-direction peak times ``link_efficiency`` (NCCL p2p reaches ~70% of
+    NVLink's 450 GB/s per direction on H100, ~300 GB/s, as ``planner.costs.NCCL_NVLINK_LINK``).
+
+    Args:
+        hw: the device.
+        intra_node: both ranks in one node (NVLink/PCIe) or in different nodes (network).
+
+    Returns:
+        A ``LinkCost`` for the solver and simulator.
+    """
+    if intra_node:
+        return LinkCost(name=f"{hw.name}-intra", latency_s=hw.intra_node_latency_s,
+                        bandwidth_Bps=hw.intra_node_Bps * hw.link_efficiency)
+    return LinkCost(name=f"{hw.name}-inter", latency_s=hw.inter_node_latency_s,
+                    bandwidth_Bps=hw.inter_node_Bps * hw.link_efficiency)
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element in a planning dtype.
+
+    Args:
+        dtype: one of ``DTYPES``.
+
+    Returns:
+        4 for fp32/tf32, 2 for bf16/fp16.
+
+    Raises:
+        HardwareError: for an unknown dtype.
+    """
+    if dtype not in DTYPE_BYTES:
+        raise HardwareError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    return DTYPE_BYTES[dtype]

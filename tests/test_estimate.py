@@ -1,0 +1,194 @@
+"""Tier 2 (CPU torch): analytical per-block costs (planner.estimate) and CPU calibration.
+
+FLOPs and times are checked exactly on a Linear block under hand-made hardware where either
+compute or memory dominates; the meta path is checked to allocate nothing; the calibrated CPU
+model is checked only loosely against measurement (the accurate comparison is
+bench/analytical_vs_measured.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from planner.calibrate_cpu import calibrated_cpu
+from planner.costs import OptimizerSpec
+from planner.errors import PlannerError
+from planner.estimate import estimate_blocks, optimizer_step_seconds
+from planner.hardware import HardwareSpec, get_hardware
+from planner.load import load_model_file
+from planner.profile import profile_blocks
+from planner.trace import trace_model
+
+ROOT = Path(__file__).resolve().parent.parent
+B, T, IN, OUT = 8, 128, 1024, 4096
+MM = 2 * B * T * IN * OUT  # forward FLOPs of Linear(IN, OUT) on (B, T, IN)
+
+
+def _spec(kind: str = "gpu", **kw) -> HardwareSpec:
+    base = dict(name="test", kind=kind, peak_flops={"fp32": 1e9, "bf16": 1e9}, memory_Bps=1e20, memory_bytes=2**40,
+                intra_node_Bps=1e9, intra_node_latency_s=0, inter_node_Bps=1e9, inter_node_latency_s=0,
+                matmul_efficiency=1.0, memory_efficiency=1.0, op_overhead_s=0.0)
+    base.update(kw)
+    return HardwareSpec(**base)
+
+
+def _linear_model(device: str = "meta"):
+    with torch.device(device):
+        model = nn.Sequential(nn.Linear(IN, OUT), nn.Linear(OUT, 8))
+    x = torch.empty(B, T, IN, device=device)
+    target = torch.empty(B, T, 8, device=device)
+    return model, (x,), target
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def _estimate(hw: HardwareSpec, dtype: str = "fp32", device: str = "meta", **kw):
+    model, inputs, target = _linear_model(device)
+    traced = trace_model(model, inputs)
+    return estimate_blocks(traced, inputs, target, _mse, hw, dtype, progress=False, **kw)
+
+
+def test_linear_flops_and_compute_bound_time_are_exact() -> None:
+    c = _estimate(_spec())[0]
+    assert c.name == "0"
+    assert c.flops_fwd == MM and c.flops_bwd == 2 * MM  # dX and dW: one GEMM each
+    assert c.fwd_s == pytest.approx(MM / 1e9, rel=1e-9)
+    assert c.bwd_s == pytest.approx(2 * MM / 1e9, rel=1e-9)
+    assert c.bwd_input_s == pytest.approx(MM / 1e9, rel=1e-9)  # dX = dY W
+    assert c.bwd_weight_s == pytest.approx(MM / 1e9, rel=1e-9)  # dW = dY^T X (+ bias sum, free here)
+    assert c.recompute_s == c.fwd_s
+    assert c.params == IN * OUT + OUT and c.param_bytes == 4 * c.params
+    assert c.activation_bytes == 4 * B * T * IN  # addmm saves its input; the weight is a parameter
+    assert c.cut_bytes == 4 * B * T * OUT and c.cut_tensors == 1 and c.cut_legal
+
+
+def test_linear_memory_bound_time_is_exact_and_scales_with_dtype() -> None:
+    hw = _spec(kind="cpu", peak_flops={"fp32": 1e30, "bf16": 1e30}, memory_Bps=1e9)
+    # forward = one addmm: reads bias, input and weight, writes the output (views move nothing)
+    elements = OUT + B * T * IN + OUT * IN + B * T * OUT
+    c32 = _estimate(hw, "fp32")[0]
+    c16 = _estimate(hw, "bf16")[0]
+    assert c32.fwd_s == pytest.approx(4 * elements / 1e9, rel=1e-9)
+    assert c16.fwd_s == pytest.approx(2 * elements / 1e9, rel=1e-9)
+    assert c16.flops_fwd == c32.flops_fwd
+    assert c16.param_bytes == c32.param_bytes // 2 and c16.activation_bytes == c32.activation_bytes // 2
+    assert c16.cut_bytes == c32.cut_bytes // 2
+
+
+def test_operator_overhead_adds_on_cpu_and_hides_on_gpu() -> None:
+    gpu = _estimate(_spec(op_overhead_s=100.0))[0]
+    cpu = _estimate(_spec(kind="cpu", op_overhead_s=100.0))[0]
+    assert gpu.fwd_s == pytest.approx(100.0)  # max(overhead, 8.6 s of GEMM) for the one data-moving op
+    assert cpu.fwd_s == pytest.approx(MM / 1e9 + 4 * 100.0)  # view, t, addmm, view: each adds overhead
+
+
+def test_real_model_gives_the_meta_estimate_and_stays_untouched() -> None:
+    torch.manual_seed(0)
+    model, inputs, target = _linear_model("cpu")
+    before = copy.deepcopy(model.state_dict())
+    traced = trace_model(model, inputs)
+    real = estimate_blocks(traced, inputs, target, _mse, get_hardware("h100"), "bf16", progress=False)
+    meta = _estimate(get_hardware("h100"), "bf16")
+    assert real == meta
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.dtype == torch.float32 and p.grad is None for p in traced.model.parameters())
+
+
+def test_fwd_flops_equal_flop_counter_mode_and_split_adds_up() -> None:
+    mf = load_model_file(ROOT / "models" / "gpt.py", "tiny")
+    with torch.device("meta"):
+        model = mf.build()
+    inputs, target = mf.batch(2)
+    inputs, target = tuple(x.to("meta") for x in inputs), target.to("meta")
+    traced = trace_model(model, inputs)
+    costs = estimate_blocks(traced, inputs, target, mf.loss_fn, get_hardware("a100-80g"), "bf16", progress=False)
+    with FlopCounterMode(display=False) as counter:
+        mf.loss_fn(traced.model(*inputs), target)
+    assert sum(c.flops_fwd for c in costs) == counter.get_total_flops()
+    for c in costs:
+        assert c.bwd_input_s + c.bwd_weight_s == pytest.approx(c.bwd_s)
+        assert c.bwd_input_s >= 0 and c.bwd_weight_s >= 0
+        assert c.flops_bwd >= 2 * c.flops_fwd * 0.99  # attention recomputes scores in backward
+    assert costs[0].name == "tok_embeddings" and costs[0].bwd_input_s == 0.0  # token ids need no gradient
+    layers = [c for c in costs if c.is_layer]
+    assert len(layers) == 4 and all(c == layers[0].model_copy(update={"name": c.name, "first_node": c.first_node,
+                                                                       "last_node": c.last_node}) for c in layers)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs /proc")
+def test_meta_estimate_of_a_tutorial_gpt_allocates_nothing() -> None:
+    mf = load_model_file(ROOT / "models" / "gpt.py", "tutorial")  # 43.9 M params: 176 MB in fp32
+    with torch.device("meta"):
+        model = mf.build()
+    inputs, target = mf.batch(4)
+    inputs, target = tuple(x.to("meta") for x in inputs), target.to("meta")
+    traced = trace_model(model, inputs)
+    rss = _rss_bytes()
+    costs = estimate_blocks(traced, inputs, target, mf.loss_fn, get_hardware("h100"), "bf16", OptimizerSpec(), progress=False)
+    assert _rss_bytes() - rss < 60 * 2**20
+    assert all(p.device.type == "meta" for p in traced.model.parameters())
+    assert sum(c.params for c in costs) == 43_883_280
+    assert sum(c.param_bytes for c in costs) == 2 * 43_883_280
+    assert all(c.opt_s > 0 for c in costs if c.params)
+
+
+def test_errors_name_the_fix() -> None:
+    with pytest.raises(PlannerError, match="bf16.*v100"):
+        _estimate(get_hardware("v100"), "bf16")
+    with pytest.raises(PlannerError, match="--dtype"):
+        _estimate(get_hardware("h100"), "fp8")
+
+
+def test_optimizer_formula() -> None:
+    hw = _spec(memory_Bps=1e9)
+    adamw, sgd = OptimizerSpec(), OptimizerSpec(name="sgd")
+    assert optimizer_step_seconds(1000, 4000, 2, hw, adamw) == pytest.approx(84 * 1000 / 1e9)
+    assert optimizer_step_seconds(1000, 4000, 2, hw, sgd) == pytest.approx(12 * 1000 / 1e9)
+    # bf16 with an fp32 master copy: the fp32 step plus the two casts (6 B each way)
+    assert optimizer_step_seconds(1000, 2000, 2, hw, adamw) == pytest.approx((84 + 12) * 1000 / 1e9)
+    assert optimizer_step_seconds(0, 0, 0, hw, adamw) == 0.0
+
+
+def test_calibration_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "cpu.json"
+    spec = calibrated_cpu(1, path=path)
+    assert spec.kind == "cpu" and spec.name.endswith("-1t") and spec.peak("fp32") > 1e8
+    assert spec.memory_Bps > 1e8 and 0 < spec.op_overhead_s < 1e-3
+
+    def boom(threads: int) -> HardwareSpec:
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr("planner.calibrate_cpu.measure_cpu", boom)
+    assert calibrated_cpu(1, path=path) == spec
+    with pytest.raises(AssertionError):
+        calibrated_cpu(1, path=path, refresh=True)
+
+
+def test_calibrated_cpu_estimate_roughly_matches_measurement(tmp_path: Path) -> None:
+    hw = calibrated_cpu(1, path=tmp_path / "cpu.json")
+    mf = load_model_file(ROOT / "models" / "gpt.py", "tiny")
+    torch.manual_seed(0)
+    model = mf.build()
+    inputs, target = mf.batch(8)
+    traced = trace_model(model, inputs)
+    measured = profile_blocks(traced, inputs, target, mf.loss_fn, warmup=1, repeats=3, threads=1, progress=False)
+    estimated = estimate_blocks(traced, inputs, target, mf.loss_fn, hw, "fp32", progress=False)
+    m = sum(c.fwd_s + c.bwd_s for c in measured)
+    e = sum(c.fwd_s + c.bwd_s for c in estimated)
+    assert m / 3 < e < 3 * m, (m, e)
+    assert [c.param_bytes for c in estimated] == [c.param_bytes for c in measured]
+    assert [c.cut_bytes for c in estimated] == [c.cut_bytes for c in measured]

@@ -1,0 +1,80 @@
+"""Tier 1 (pure): the hardware table, lookups, links, and that the module imports no torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.costs import LinkCost
+from planner.errors import PlannerError
+from planner.hardware import DTYPES, GPUS, HardwareSpec, dtype_bytes, get_hardware, link_cost
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIRED = {"h100", "h200", "a100-80g", "a100-40g", "l4", "l40s", "a10g", "v100", "mi300x"}
+
+
+def test_table_has_the_required_devices_with_sane_numbers() -> None:
+    assert REQUIRED <= set(GPUS)
+    assert len({hw.name for hw in GPUS.values()}) == len(GPUS)
+    for key, hw in GPUS.items():
+        assert hw.name == key and hw.kind == "gpu" and hw.source
+        assert set(hw.peak_flops) <= set(DTYPES)
+        assert {"fp32", "fp16"} <= set(hw.peak_flops), key
+        assert all(v > 0 for v in hw.peak_flops.values())
+        # tensor-core dtypes are never slower than plain fp32
+        assert all(hw.peak_flops[d] >= hw.peak_flops["fp32"] for d in hw.peak_flops)
+        assert hw.memory_Bps > 0 and hw.memory_bytes >= 16 * 2**30
+        assert hw.intra_node_Bps >= hw.inter_node_Bps > 0
+        assert 0 < hw.matmul_efficiency <= 1 and 0 < hw.memory_efficiency <= 1
+
+
+def test_dtypes_every_device_supports() -> None:
+    for key in REQUIRED - {"v100"}:  # Ampere and later, and CDNA3, have bf16 and tf32
+        assert {"fp32", "tf32", "bf16", "fp16"} <= set(GPUS[key].peak_flops), key
+    assert "bf16" not in GPUS["v100"].peak_flops  # Volta has no bf16
+    with pytest.raises(PlannerError, match="bf16.*v100.*fp32, fp16"):
+        GPUS["v100"].peak("bf16")
+
+
+def test_datasheet_numbers() -> None:
+    h100 = get_hardware("h100")
+    assert h100.peak("bf16") == pytest.approx(989.5e12)  # dense, not the 1979 "with sparsity"
+    assert h100.memory_Bps == pytest.approx(3.35e12)
+    assert get_hardware("a100-80g").memory_Bps > get_hardware("a100-40g").memory_Bps
+    assert get_hardware("h200").peak("bf16") == h100.peak("bf16")
+
+
+def test_lookup_is_forgiving_and_unknown_names_list_the_known_ones() -> None:
+    assert get_hardware("H100") is GPUS["h100"]
+    assert get_hardware("a100_80g") is GPUS["a100-80g"]
+    with pytest.raises(PlannerError) as e:
+        get_hardware("h800")
+    for name in GPUS:
+        assert name in str(e.value)
+
+
+def test_link_cost() -> None:
+    h100 = get_hardware("h100")
+    intra, inter = link_cost(h100, intra_node=True), link_cost(h100, intra_node=False)
+    assert isinstance(intra, LinkCost)
+    assert intra.bandwidth_Bps == pytest.approx(450e9 * h100.link_efficiency)
+    assert inter.bandwidth_Bps < intra.bandwidth_Bps and inter.latency_s >= intra.latency_s
+    assert intra.send_s(1 << 20) < inter.send_s(1 << 20)
+
+
+def test_spec_is_frozen_and_round_trips() -> None:
+    hw = get_hardware("l4")
+    assert HardwareSpec.model_validate_json(hw.model_dump_json()) == hw
+    with pytest.raises(Exception):
+        hw.memory_Bps = 1.0  # type: ignore[misc]
+    assert dtype_bytes("bf16") == 2 and dtype_bytes("tf32") == 4
+    with pytest.raises(PlannerError):
+        dtype_bytes("fp8")
+
+
+def test_hardware_imports_no_torch() -> None:
+    code = "import sys, planner.hardware; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
