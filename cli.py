@@ -53,7 +53,19 @@ def main() -> None:
 @click.option("--schedule", type=click.Choice(["1f1b", "gpipe"]), default="1f1b", show_default=True, help="Pipeline schedule (torch.distributed.pipelining).")
 @click.option("--method", type=click.Choice(["optimal", "uniform", "params"]), default="optimal", show_default=True,
               help="Partition the plan uses: the exact solver, equal layer counts (torchtitan/Megatron), or parameter-balanced (DeepSpeed). The others are shown for comparison.")
-@click.option("--memory-limit", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GIB", help="Per-rank memory limit in GiB; the solver never exceeds it.")
+@click.option("--memory-limit", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GIB",
+              help="Per-rank memory limit in GiB; the solver never exceeds it [default: the GPU's memory when known, else none].")
+@click.option("--recompute", type=click.Choice(["auto", "never", "always"]), default="auto", show_default=True,
+              help="Activation checkpointing per stage: only where a stage would not fit otherwise, never, or everywhere.")
+@click.option("--gpu-type", default=None, metavar="NAME",
+              help="Plan for hardware that is not here (h100, h200, a100-80g, a100-40g, l4, l40s, a10g, v100, mi300x; "
+                   "'cpu' = this machine's calibrated CPU): build the model on the meta device and estimate its costs "
+                   "with the roofline model instead of measuring them.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="Parameter/activation dtype for --gpu-type estimates [default: bf16 on GPUs, fp32 on cpu].")
+@click.option("--multi-node", is_flag=True, help="With --gpu-type: neighbouring stages talk over the inter-node network, not NVLink.")
+@click.option("--calibrate", "calibrate_run", type=click.Path(dir_okay=False), default=None, metavar="RUN.json",
+              help="Correct the costs with the measurements of an earlier `planner run` of this model (its plan is found next to the run).")
 @click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True, help="Optimizer of the run (its state counts in memory).")
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=1e-3, show_default=True, help="Learning rate of the run.")
 @click.option("--grad-clip", type=click.FloatRange(min=0), default=1.0, show_default=True, help="Max global gradient norm (0 disables).")
@@ -65,7 +77,8 @@ def main() -> None:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars and no tables.")
 @_user_errors
 def plan_cmd(model_file: str, gpus: int, size: str | None, overrides: tuple[str, ...], batch_size: int,
-             microbatches: int | None, schedule: str, method: str, memory_limit: float | None, optimizer: str,
+             microbatches: int | None, schedule: str, method: str, memory_limit: float | None, recompute: str,
+             gpu_type: str | None, dtype: str | None, multi_node: bool, calibrate_run: str | None, optimizer: str,
              lr: float, grad_clip: float, threads: int | None, repeats: int, warmup: int, seed: int,
              output: str, quiet: bool) -> None:
     """Trace and profile MODEL_FILE, split it into balanced stages, write the plan and print the balance report."""
@@ -77,10 +90,16 @@ def plan_cmd(model_file: str, gpus: int, size: str | None, overrides: tuple[str,
     out = Path(output)
     if out.parent and not out.parent.exists():
         raise PlannerError(f"--output {output}: folder {out.parent} does not exist")
+    calibrate_from = None
+    if calibrate_run:
+        from planner.calibrate import load_calibration
+
+        calibrate_from = load_calibration(calibrate_run)
     plan = make_plan(
         model_file, gpus, size=size, overrides=parse_overrides(overrides), batch_size=batch_size,
         microbatches=microbatches, schedule=schedule, method=method,
-        memory_limit_bytes=int(memory_limit * 2**30) if memory_limit else None,
+        memory_limit_bytes=int(memory_limit * 2**30) if memory_limit else None, recompute=recompute,
+        gpu_type=gpu_type, dtype=dtype, multi_node=multi_node, calibrate_from=calibrate_from,
         optimizer=OptimizerSpec(name=optimizer, lr=lr, grad_clip=grad_clip or None),
         seed=seed, warmup=warmup, repeats=repeats, threads=threads, plan_dir=out.parent, progress=not quiet,
     )
@@ -116,13 +135,21 @@ def run_cmd(plan_file: str, steps: int, nnodes: int, rdzv_endpoint: str | None, 
 
 @main.command("report")
 @click.argument("plan_file", type=click.Path(dir_okay=False))
+@click.option("--measured", "run_file", type=click.Path(dir_okay=False), default=None, metavar="RUN.json",
+              help="A run.json of this plan (`planner run`): add predicted-vs-measured tables with the error in %.")
 @_user_errors
-def report_cmd(plan_file: str) -> None:
-    """Print the balance tables of a saved plan."""
+def report_cmd(plan_file: str, run_file: str | None) -> None:
+    """Print the balance tables of a saved plan (and, with --measured, how a run of it compared)."""
     from planner.plan import Plan
     from planner.report import render
 
-    click.echo(render(Plan.load(plan_file)))
+    plan = Plan.load(plan_file)
+    click.echo(render(plan))
+    if run_file:
+        from planner.compare import compare_table
+        from planner.run.result import RunResult
+
+        click.echo("\npredicted vs measured (err = (plan - run) / run)\n" + compare_table(plan, RunResult.load(run_file)))
 
 
 if __name__ == "__main__":

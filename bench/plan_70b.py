@@ -111,7 +111,9 @@ def _param_bytes(plan: dict) -> float:
 
 
 def hand_stage_bytes(plan: dict, stage: dict, eager: bool) -> int | None:
-    """The doc's hand formula (16 B/param, in_flight x A, 2 cut_in + 2 cut_out) for the plan's split."""
+    """The doc's hand formula for the plan's split: 16 B/param, in_flight x A (or, for a stage that
+    recomputes, in_flight x its input + one microbatch's A), and one receive buffer per microbatch
+    for each boundary (torch's PipelineStage allocates them up front, per microbatch)."""
     if _param_bytes(plan) != 2:
         return None  # the hand formulas are for bf16 (docs/plan_70b.md)
     cfg = plan["model"]["config"]
@@ -125,8 +127,10 @@ def hand_stage_bytes(plan: dict, stage: dict, eager: bool) -> int | None:
         n_params += hand[0]
         act += hand[2] if eager else hand[1]
     cut = 2 * mb * cfg["seq_len"] * cfg["dim"]
-    cuts = (stage["start"] > 0) + (stage["end"] < len(blocks))
-    return 16 * n_params + stage["in_flight"] * act + 2 * cut * cuts
+    cut_in = cut if stage["start"] > 0 else 0
+    cut_out = cut if stage["end"] < len(blocks) else 0
+    live = stage["in_flight"] * cut_in + act if stage.get("recompute") else stage["in_flight"] * act
+    return 16 * n_params + live + plan["n_microbatches"] * (cut_in + cut_out)
 
 
 def _gib(v: int | None) -> str:

@@ -48,6 +48,11 @@ class ProfileInfo(_Frozen):
     hostname: str
     warmup: int
     repeats: int
+    source: Literal["measured", "estimated"] = Field(
+        default="measured", description="Costs measured on this machine, or estimated by the roofline model."
+    )
+    hardware: str | None = Field(default=None, description="Hardware the estimate is for (--gpu-type), None when measured.")
+    dtype: str = Field(default="fp32", description="Parameter and activation dtype the costs are for.")
 
 
 class StagePlan(_Frozen):
