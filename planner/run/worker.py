@@ -27,6 +27,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 import torch.distributed as dist
 
 from planner.errors import PlannerError
@@ -78,6 +79,19 @@ class ContiguousBoundary(torch.nn.Module):
         if isinstance(out, tuple):
             return tuple(o.contiguous() if isinstance(o, torch.Tensor) else o for o in out)
         return out
+
+
+class Recomputed(torch.nn.Module):
+    """Run a stage under activation checkpointing: keep only its inputs per microbatch and rebuild
+    its activations during backward (the plan's ``recompute`` flag; non-reentrant
+    ``torch.utils.checkpoint``, which also works when the stage's inputs need no grad)."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: object) -> object:
+        return torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=False)
 
 
 def _as_tuple(value: object) -> tuple:
@@ -143,7 +157,8 @@ def _train_rank(plan: Plan, plan_path: str, steps: int, echo: bool, rank: int, w
     mf = load_plan_model(plan, plan_path)
     traced = trace_for_plan(plan, mf, mf.build(plan.model.seed))
     stage_plan = plan.stages[rank]
-    module = ContiguousBoundary(build_stage_module(traced, stage_plan.start, stage_plan.end))
+    stage_module = build_stage_module(traced, stage_plan.start, stage_plan.end)
+    module = ContiguousBoundary(Recomputed(stage_module) if stage_plan.recompute else stage_module)
     example_in, example_out = _example_io(traced, stage_plan.start, module, mf.batch(plan.microbatch_size, seed=plan.model.seed)[0])
     del traced  # the other stages' parameters are only referenced from here
     module.to(device)
