@@ -100,3 +100,64 @@ def test_help_explains_every_option() -> None:
             if isinstance(param, click.Option):
                 assert param.help, f"planner {name} {param.opts[0]} has no help text"
                 assert param.opts[0] in result.output
+
+
+def test_plan_for_a_gpu_that_is_not_here(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    result = invoke("plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "-b", "8",
+                    "--gpu-type", "h100", "--dtype", "bf16", "-o", str(out), "-q")
+    assert result.exit_code == 0, result.output
+    plan = Plan.load(out)
+    assert (plan.profile.source, plan.profile.hardware, plan.profile.dtype, plan.profile.backend) == ("estimated", "h100", "bf16", "nccl")
+    # bf16: 2 bytes per parameter and per boundary value (microbatch 8 / 4 = 2 x seq 32 x dim 64)
+    assert sum(b.param_bytes for b in plan.blocks) == 2 * sum(b.params for b in plan.blocks)
+    assert plan.blocks[0].cut_bytes == 2 * 32 * 64 * 2
+    assert all(b.fwd_s > 0 and b.flops_fwd > 0 for b in plan.blocks if b.is_layer)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--dtype", "bf16"], "--dtype applies to estimated costs only; add --gpu-type"),
+        (["--gpu-type", "h900"], "h900"),
+        (["--gpu-type", "v100", "--dtype", "bf16"], "bf16"),
+    ],
+)
+def test_hardware_mistakes_are_one_line_errors(args: list[str], message: str, tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "-b", "8",
+                                       "-o", str(tmp_path / "p.json"), *FAST, *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_report_measured_needs_a_run_file(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    assert invoke("plan", str(MODELS / "toy.py"), "--gpus", "2", "--size", "tiny", "-b", "4", "-o", str(out), *FAST).exit_code == 0
+    result = CliRunner().invoke(main, ["report", str(out), "--measured", str(tmp_path / "nope.run.json")])
+    assert result.exit_code == 2 and "cannot read run result" in result.output
+
+
+@pytest.mark.multiprocess
+def test_plan_run_report_calibrate_loop(tmp_path: Path) -> None:
+    plan_path, run_path = tmp_path / "plan.json", tmp_path / "plan.run.json"
+    assert invoke("plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "-b", "8", "-o", str(plan_path), *FAST).exit_code == 0
+    result = invoke("run", str(plan_path), "--steps", "4")
+    assert result.exit_code == 0, result.output
+    assert "measured vs" in result.output and run_path.exists()
+    report = invoke("report", str(plan_path), "--measured", str(run_path))
+    assert report.exit_code == 0, report.output
+    assert "predicted vs measured" in report.output and "step" in report.output
+    calibrated = tmp_path / "calibrated.json"
+    result = invoke("plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "-b", "8", "-o", str(calibrated),
+                    "--calibrate", str(run_path), *FAST)
+    assert result.exit_code == 0, result.output
+    from planner.run.result import RunResult
+
+    from planner.predict import predict
+
+    run, old, new = RunResult.load(run_path), Plan.load(plan_path), Plan.load(calibrated)
+    # Re-planned on the costs the run was measured against, corrected by it, the measured split
+    # now predicts the measured step time.
+    assert new.link.name.endswith("+calibrated")
+    _, again = predict(new.blocks, old.prediction.starts, new.link, old.schedule, old.n_microbatches, old.optimizer)
+    assert again.step_time_s == pytest.approx(run.median_step_s, rel=0.02)
