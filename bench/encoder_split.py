@@ -59,7 +59,7 @@ def main() -> None:
             for name, plan in plans.items():
                 print(f"round {r + 1}/{args.rounds}: {name}", flush=True)
                 result = run_plan(plan, paths[name], args.steps)
-                measured[name].extend(result.step_times_s[1:])
+                measured[name].extend(result.step_times_s[i - 1] for i in result.timed_steps)
                 losses[name] = result.losses
 
     rows = []

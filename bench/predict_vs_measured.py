@@ -28,11 +28,12 @@ from tabulate import tabulate  # noqa: E402
 from planner.api import make_plan  # noqa: E402
 from planner.run import run_plan  # noqa: E402
 
+GPT_MID = {"dim": 128, "n_layers": 8, "n_heads": 4, "ffn_dim": 512, "vocab_size": 8000, "seq_len": 64}
 # (model file, size, overrides, gpus, batch size, microbatches): sizes where a stage computes for
 # at least ~20 ms per microbatch on one thread, so fixed per-message costs do not dominate.
 CASES = [
-    ("gpt.py", "tiny", {"dim": 256, "n_layers": 8, "n_heads": 8, "ffn_dim": 1024, "vocab_size": 8000, "seq_len": 128}, 2, 32, 4),
-    ("gpt.py", "tiny", {"dim": 256, "n_layers": 8, "n_heads": 8, "ffn_dim": 1024, "vocab_size": 8000, "seq_len": 128}, 4, 32, 8),
+    ("gpt.py", "tiny", GPT_MID, 2, 16, 4),
+    ("gpt.py", "tiny", GPT_MID, 4, 16, 4),
     ("encoder_lm.py", "bigvocab", {}, 2, 16, 4),
     ("encoder_lm.py", "bigvocab", {}, 4, 16, 4),
 ]
@@ -47,7 +48,10 @@ def main() -> None:
     args = parser.parse_args()
     cases = CASES[:1] if args.quick else CASES
     steps = 3 if args.quick else args.steps
-    rows = []
+    rows: list[list] = []
+    mem_rows: list[list] = []
+    compute_rows: list[list] = []
+    mem_errors: list[float] = []
     errors: dict[str, list[float]] = {s: [] for s in SCHEDULES}
     with tempfile.TemporaryDirectory() as tmp:
         for model, size, overrides, gpus, batch, m in cases:
@@ -58,11 +62,22 @@ def main() -> None:
                 plan.save(path)
                 print(f"{model} {size} {overrides or ''} p={gpus} {schedule}", flush=True)
                 result = run_plan(plan, path, steps, echo=False)
-                measured = statistics.median(result.step_times_s[1:])
+                measured = result.median_step_s  # over the timed steps: not the first, not the memory-tracked one
                 predicted = plan.prediction.step_time_s
                 err = 100 * (predicted - measured) / measured
                 errors[schedule].append(abs(err))
                 slowest = max(s.fwd_s + s.bwd_s for s in plan.stages)
+                for st, meas in zip(plan.stages, result.stages):
+                    if meas.memory is not None:
+                        mem_err = 100 * (st.memory_bytes - meas.memory.peak_bytes) / meas.memory.peak_bytes
+                        mem_errors.append(abs(mem_err))
+                        mem_rows.append([f"{model} {size}", gpus, schedule, st.index, f"{st.memory_bytes / 2**20:.1f}",
+                                         f"{meas.memory.peak_bytes / 2**20:.1f}", f"{mem_err:+.1f}%"])
+                    fwd_err = 100 * (st.fwd_s - meas.fwd_s) / meas.fwd_s
+                    bwd_err = 100 * (st.bwd_s - meas.bwd_s) / meas.bwd_s
+                    compute_rows.append([f"{model} {size}", gpus, schedule, st.index, f"{st.fwd_s * 1e3:.1f}",
+                                         f"{meas.fwd_s * 1e3:.1f}", f"{fwd_err:+.1f}%", f"{st.bwd_s * 1e3:.1f}",
+                                         f"{meas.bwd_s * 1e3:.1f}", f"{bwd_err:+.1f}%"])
                 rows.append([
                     f"{model} {size}" + (" (custom)" if overrides else ""), gpus, schedule, f"{batch}/{m}",
                     "+".join(str(s.end - s.start) for s in plan.stages), f"{slowest * 1e3:.1f}",
@@ -70,17 +85,39 @@ def main() -> None:
                 ])
     table = tabulate(rows, headers=["model", "ranks", "schedule", "batch/mb", "split", "slowest stage compute ms/mb",
                                     "predicted step ms", "measured step ms", "error"], tablefmt="github", disable_numparse=True)
+    mem_table = tabulate(mem_rows, headers=["model", "ranks", "schedule", "stage", "predicted MB", "measured peak MB (MemTracker)", "error"],
+                         tablefmt="github", disable_numparse=True)
+    compute_table = tabulate(compute_rows, headers=["model", "ranks", "schedule", "stage", "pred fwd ms/mb", "run fwd", "err",
+                                                    "pred bwd ms/mb", "run bwd", "err"], tablefmt="github", disable_numparse=True)
     mae = "\n".join(f"- {s}: mean absolute error {statistics.mean(v):.1f}% over {len(v)} cases" for s, v in errors.items() if v)
     text = f"""# Predicted vs measured step time on this machine
 
 Written by `bench/predict_vs_measured.py` on {dt.date.today().isoformat()} ({platform.node()}, {os.cpu_count()} cores,
 torch {torch.__version__}, gloo, one process per rank, cores // ranks threads each). Each row plans the case
-(measured per-block profile), then trains it for {steps} steps; measured = median step after the first.
+(measured per-block profile), then trains it for {steps} steps; measured = median over the timed steps
+(not the first, which sets the schedule up, nor the one run under the memory tracker).
 The custom GPT size: {CASES[0][2]}.
 
 {table}
 
 {mae}
+
+## Compute per stage inside the pipeline
+
+Predicted per-microbatch forward/backward compute of each stage (sum of its profiled blocks) against
+the stage's own `forward_one_chunk` / `backward_one_chunk` time measured inside the running schedule
+(medians; communication waits excluded on both sides).
+
+{compute_table}
+
+## Peak memory per rank
+
+Predicted stage memory against the peak that `torch.distributed._tools.mem_tracker.MemTracker` saw
+during one tracked step (parameters, gradients, optimizer state, activations, buffers, temporaries).
+
+{mem_table}
+
+Mean absolute memory error: {statistics.mean(mem_errors) if mem_errors else float('nan'):.1f}% over {len(mem_errors)} ranks.
 """
     args.out.write_text(text)
     print(text)

@@ -78,7 +78,8 @@ def _measured_costs(mf: ModelFile, gpus: int, microbatch: int, seed: int, optimi
     traced = trace_model(model, inputs)
     _check_gpus(gpus, traced)
     info = ProfileInfo(device=str(device), backend="nccl" if use_cuda else "gloo", threads=threads,
-                       torch_version=torch.__version__, hostname=socket.gethostname(), warmup=warmup, repeats=repeats)
+                       torch_version=torch.__version__, hostname=socket.gethostname(), warmup=warmup, repeats=repeats,
+                       cores=None if use_cuda else os.cpu_count())
     if reuse is not None and (reuse.microbatch_size, reuse.profile.threads, reuse.profile.device, reuse.optimizer,
                               reuse.profile.source) == (microbatch, threads, str(device), optimizer, "measured"):
         # A calibration was fitted against exactly these costs; re-profiling would only add fresh noise.
@@ -108,7 +109,7 @@ def _estimated_costs(mf: ModelFile, gpus: int, microbatch: int, seed: int, optim
     info = ProfileInfo(device="cpu" if on_cpu else "cuda", backend="gloo" if on_cpu else "nccl",
                        threads=threads if on_cpu else 1, torch_version=torch.__version__,
                        hostname=socket.gethostname(), warmup=0, repeats=0, source="estimated",
-                       hardware=hw.name, dtype=dtype)
+                       hardware=hw.name, dtype=dtype, cores=os.cpu_count() if on_cpu else None)
     link = GLOO_CPU_LINK if on_cpu else link_cost(hw, intra_node=not multi_node)
     return _Costs(traced, blocks, link, info, None if on_cpu else int(hw.memory_bytes * GPU_MEMORY_HEADROOM))
 
@@ -217,6 +218,8 @@ def make_plan(
             )
         blocks, link = apply_calibration(blocks, link, calibrate_from[1])
     limit = memory_limit_bytes if memory_limit_bytes is not None else costs.memory_bytes
+    # CPU ranks share this machine's cores: more busy ranks than cores / threads slow each other.
+    slots = costs.profile.cores / costs.profile.threads if costs.profile.cores else None
 
     solvers = {
         "optimal": lambda: solve(blocks, gpus, link, schedule=schedule, n_microbatches=m, optimizer=optimizer,
@@ -232,7 +235,7 @@ def make_plan(
             if name == method:
                 raise
             continue  # a baseline that cannot split this model is left out of the comparison
-        predictions[name] = predict(blocks, part.starts, link, schedule, m, optimizer, part.recompute)
+        predictions[name] = predict(blocks, part.starts, link, schedule, m, optimizer, part.recompute, slots)
     stages, prediction = predictions[method]
     return Plan(
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -35,7 +35,7 @@ from planner.costs import BlockCost, LinkCost
 from planner.errors import PlanFileError
 from planner.jsonfile import write_atomic
 from planner.plan import Plan
-from planner.predict import predict
+from planner.predict import plan_slots, predict
 from planner.run.result import RunResult
 
 CALIBRATION_VERSION = 1
@@ -208,7 +208,9 @@ def calibrate(plan: Plan, run: RunResult) -> Calibration:
 
     def step(latency: float, g: float) -> float:
         blocks, link = apply_calibration(plan.blocks, plan.link, make(latency, g))
-        return predict(blocks, starts, link, plan.schedule, plan.n_microbatches, plan.optimizer)[1].step_time_s
+        recompute = [st.recompute for st in plan.stages]
+        return predict(blocks, starts, link, plan.schedule, plan.n_microbatches, plan.optimizer, recompute,
+                       plan_slots(plan))[1].step_time_s
 
     latency, g = 0.0, 1.0
     floor = step(0.0, 1.0)

@@ -53,6 +53,9 @@ class ProfileInfo(_Frozen):
     )
     hardware: str | None = Field(default=None, description="Hardware the estimate is for (--gpu-type), None when measured.")
     dtype: str = Field(default="fp32", description="Parameter and activation dtype the costs are for.")
+    cores: int | None = Field(
+        default=None, description="CPU cores the ranks share (CPU plans); None when every rank has its own GPU."
+    )
 
 
 class StagePlan(_Frozen):

@@ -24,6 +24,7 @@ def predict(
     n_microbatches: int,
     optimizer: OptimizerSpec,
     recompute: Sequence[bool] = (),
+    slots: float | None = None,
 ) -> tuple[list[StagePlan], Prediction]:
     """Predict what a partition costs under a schedule.
 
@@ -35,6 +36,8 @@ def predict(
         n_microbatches: microbatches per step.
         optimizer: decides the optimizer-state bytes per parameter byte.
         recompute: per stage, activation checkpointing (empty: no stage recomputes).
+        slots: ranks that can compute at once (CPU ranks sharing cores: cores / threads per
+            rank); None when each rank has its own device. See ``planner.simulate.simulate``.
 
     Returns:
         The stages (with predicted time and memory each) and the step-level prediction.
@@ -43,7 +46,7 @@ def predict(
     ends = list(starts[1:]) + [n]
     flags = list(recompute) or [False] * len(starts)
     times = stage_times(blocks, starts, link, flags)
-    sim = simulate(times, schedule, n_microbatches)
+    sim = simulate(times, schedule, n_microbatches, slots)
     stages: list[StagePlan] = []
     for i, (a, b) in enumerate(zip(starts, ends)):
         st = times[i]
@@ -92,6 +95,12 @@ def predict(
     return stages, prediction
 
 
+def plan_slots(plan: Plan) -> float | None:
+    """How many of a plan's ranks can compute at once: cores / threads for CPU plans, else None."""
+    cores = plan.profile.cores
+    return cores / plan.profile.threads if cores else None
+
+
 def with_method(plan: Plan, method: str) -> Plan:
     """The same plan (same costs, schedule, batch) split by another of its compared methods.
 
@@ -113,7 +122,7 @@ def with_method(plan: Plan, method: str) -> Plan:
         raise InfeasibleError(f"the plan has no '{method}' split to switch to; it compares {', '.join(plan.baselines) or 'nothing'}")
     base = plan.baselines[method]
     stages, prediction = predict(plan.blocks, base.starts, plan.link, plan.schedule, plan.n_microbatches,
-                                 plan.optimizer, base.recompute)
+                                 plan.optimizer, base.recompute, plan_slots(plan))
     baselines = {k: v for k, v in plan.baselines.items() if k != method}
     baselines[plan.method] = plan.prediction
     return plan.model_copy(update={"method": method, "stages": stages, "prediction": prediction, "baselines": baselines})

@@ -65,13 +65,17 @@ def _duration(st: StageTimes, kind: str) -> float:
     return st.fwd_s + st.comm_fwd_s if kind == "F" else st.bwd_s + st.comm_bwd_s
 
 
-def simulate(stages: Sequence[StageTimes], schedule: str, n_microbatches: int) -> SimResult:
+def simulate(stages: Sequence[StageTimes], schedule: str, n_microbatches: int, slots: float | None = None) -> SimResult:
     """Simulate one training step of a pipeline with one stage per rank.
 
     Args:
         stages: per-stage times, stage 0 first; one rank per stage.
         schedule: "gpipe" or "1f1b" (see ``planner.schedules``).
         n_microbatches: microbatches per step.
+        slots: how many ranks can compute at full speed at once: None (every rank has its own
+            device) or, for CPU ranks sharing a machine, cores / threads per rank. With fewer
+            slots than busy ranks, the busy ranks share the processors equally (processor
+            sharing), as the OS scheduler time-slices the processes.
 
     Returns:
         The step's makespan, bubble fraction, per-rank busy time and peak in-flight count, and
@@ -85,6 +89,8 @@ def simulate(stages: Sequence[StageTimes], schedule: str, n_microbatches: int) -
     if p == 0:
         raise InfeasibleError("stages is empty; expected at least one stage; pass one StageTimes per stage.")
     orders = action_order(schedule, p, n_microbatches)
+    if slots is not None and slots < p:
+        return _simulate_shared(stages, orders, slots)
 
     end: dict[tuple[str, int, int], float] = {}  # (kind, stage, microbatch) -> end time
     next_idx = [0] * p
@@ -134,3 +140,52 @@ def simulate(stages: Sequence[StageTimes], schedule: str, n_microbatches: int) -
         peak_in_flight=[peak_in_flight(o) for o in orders],
         events=events,
     )
+
+
+def _deps(kind: str, rank: int, mb: int, p: int) -> list[tuple[str, int, int]]:
+    """The actions (kind, stage, microbatch) that must end before this one may start."""
+    if kind == "F":
+        return [("F", rank - 1, mb)] if rank > 0 else []
+    return [("F", rank, mb)] + ([("B", rank + 1, mb)] if rank < p - 1 else [])
+
+
+def _simulate_shared(stages: Sequence[StageTimes], orders: list[list[tuple[str, int]]], slots: float) -> SimResult:
+    """The step when ranks share ``slots`` processors: every running action progresses at rate
+    ``min(1, slots / running)`` (a fluid processor-sharing model of the OS scheduler)."""
+    p = len(stages)
+    end: dict[tuple[str, int, int], float] = {}
+    next_idx = [0] * p
+    running: dict[int, list] = {}  # rank -> [kind, microbatch, start, work left]
+    busy = [0.0] * p
+    events: list[Event] = []
+    now = 0.0
+    while running or any(next_idx[r] < len(orders[r]) for r in range(p)):
+        for rank in range(p):
+            if rank in running or next_idx[rank] >= len(orders[rank]):
+                continue
+            kind, mb = orders[rank][next_idx[rank]]
+            if all(d in end for d in _deps(kind, rank, mb, p)):
+                running[rank] = [kind, mb, now, _duration(stages[rank], kind)]
+                next_idx[rank] += 1
+        if not running:
+            stuck = {r: orders[r][next_idx[r]] for r in range(p) if next_idx[r] < len(orders[r])}
+            raise RuntimeError(f"pipeline simulation deadlocked; next actions per rank: {stuck} (planner bug)")
+        rate = min(1.0, slots / len(running))
+        step = min(r[3] for r in running.values()) / rate
+        now += step
+        for rank in list(running):
+            kind, mb, start, left = running[rank]
+            left -= step * rate
+            if left <= 1e-12 * max(1.0, now):
+                dur = _duration(stages[rank], kind)
+                end[(kind, rank, mb)] = now
+                busy[rank] += dur
+                events.append(Event(rank=rank, kind=kind, microbatch=mb, start_s=start, end_s=now))
+                del running[rank]
+            else:
+                running[rank][3] = left
+    capacity = p * now
+    bubble = max(0.0, (capacity - sum(busy)) / capacity) if capacity > 0 else 0.0
+    events.sort(key=lambda e: (e.start_s, e.rank))
+    return SimResult(step_time_s=now, bubble_fraction=bubble, busy_s=busy,
+                     peak_in_flight=[peak_in_flight(o) for o in orders], events=events)

@@ -122,3 +122,36 @@ def test_gpipe_equals_1f1b_on_equal_stages(stage: StageTimes, p: int, extra: int
     assert math.isclose(g.step_time_s, o.step_time_s, rel_tol=1e-9, abs_tol=1e-12)
     per_mb = stage.fwd_s + stage.comm_fwd_s + stage.bwd_s + stage.comm_bwd_s
     assert math.isclose(g.step_time_s, (m + p - 1) * per_mb, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def test_shared_processors_slow_busy_ranks_down() -> None:
+    # Two equal stages on ONE processor (slots=1): whenever both ranks are busy each runs at half
+    # speed. GPipe p=2, m=2, f=1, b=2, no comm: 2 ranks x 2 microbatches x 3 s = 12 s of work on one
+    # processor, which is never idle (some action is always ready), so the step takes exactly 12 s.
+    st = [StageTimes(fwd_s=1.0, bwd_s=2.0, comm_fwd_s=0.0, comm_bwd_s=0.0)] * 2
+    shared = simulate(st, "gpipe", 2, slots=1)
+    assert shared.step_time_s == pytest.approx(12.0)
+    # With a processor per rank the textbook (m + p - 1)(f + b) = 9 s holds.
+    assert simulate(st, "gpipe", 2).step_time_s == pytest.approx(9.0)
+    assert simulate(st, "gpipe", 2, slots=2).step_time_s == pytest.approx(9.0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    p=st.integers(1, 5),
+    m=st.integers(1, 6),
+    f=st.integers(1, 5),
+    b=st.integers(1, 5),
+    slots=st.sampled_from([1.0, 1.5, 2.0]),
+)
+def test_shared_step_bounded_by_work_and_by_dedicated(p: int, m: int, f: int, b: int, slots: float) -> None:
+    st_ = [StageTimes(fwd_s=float(f), bwd_s=float(b), comm_fwd_s=0.0, comm_bwd_s=0.0)] * p
+    for schedule in ("gpipe", "1f1b"):
+        if schedule == "1f1b" and m < p:
+            continue
+        dedicated = simulate(st_, schedule, m).step_time_s
+        shared = simulate(st_, schedule, m, slots=slots).step_time_s
+        work = p * m * (f + b)
+        assert shared >= dedicated - 1e-9  # sharing never speeds anything up
+        assert shared >= work / min(slots, p) - 1e-9  # the processors cannot do more than slots x time
+        assert shared <= dedicated * max(1.0, p / slots) + 1e-9  # nor slow anything by more than p / slots
