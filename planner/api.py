@@ -209,7 +209,9 @@ def make_plan(
     else:
         costs = _measured_costs(mf, gpus, batch_size // m, seed, optimizer, threads, warmup, repeats, progress,
                                 calibrate_from[0] if calibrate_from else None)
-    blocks, link = costs.blocks, costs.link
+    link = costs.link
+    # The last stage keeps the model's output per live microbatch until backward (memory model).
+    blocks = costs.blocks[:-1] + [costs.blocks[-1].model_copy(update={"output_bytes": costs.traced.output_bytes})]
     if calibrate_from is not None:
         if calibrate_from[1].plan_fingerprint != costs.traced.fingerprint:
             raise PlanFileError(

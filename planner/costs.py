@@ -43,6 +43,9 @@ class BlockCost(BaseModel):
         ge=0, description="Bytes crossing a stage boundary placed right after this block, per microbatch, one way."
     )
     cut_tensors: int = Field(ge=0, description="Number of tensors crossing that boundary.")
+    output_bytes: int = Field(
+        default=0, ge=0, description="Last block only: bytes of the model's output per microbatch (the last stage keeps it until backward)."
+    )
     cut_legal: bool = Field(description="Whether a stage boundary may be placed right after this block.")
     is_layer: bool = Field(description="One of the model's repeated layers (child of a ModuleList/Sequential/ModuleDict).")
 
@@ -108,3 +111,19 @@ class OptimizerSpec(BaseModel):
         master = 4 * params if param_bytes < 4 * params else 0
         moments = 8 * params if self.name == "adamw" else 0
         return master + moments
+
+    def step_temp_bytes(self, params: int) -> int:
+        """Temporary bytes one optimizer step allocates on top of its state.
+
+        torch's default (foreach) AdamW builds the denominator ``sqrt(exp_avg_sq) / bc + eps`` as a
+        new fp32 tensor list and one more intermediate of the same size: 2 x 4 B per parameter,
+        as measured with MemTracker on CPU runs (docs/predict_vs_measured.md). Plain SGD updates in
+        place.
+
+        Args:
+            params: number of parameters stepped.
+
+        Returns:
+            Bytes.
+        """
+        return 8 * params if self.name == "adamw" else 0

@@ -163,16 +163,22 @@ def stage_memory_bytes(
 
     Formula (bytes)::
 
-        2 * P + optimizer.state_bytes(N, P)     # params + grads (same size) + optimizer state
-        + in_flight * A                         # activations saved for backward, per live microbatch
-        + m * (cut_in + cut_out)                # receive buffers: one per microbatch for the
-                                                # activation in and for the gradient coming back
+        static   = 2 * P + optimizer.state_bytes(N, P)      # weights + grads, optimizer state
+        buffers  = m * (cut_in + cut_out)                   # receive buffers, one per microbatch each way
+        pipeline = in_flight * (A + out) + out              # saved activations and the cached stage
+                                                            # output per live microbatch, + its gradient
+        step     = optimizer.step_temp_bytes(N)             # optimizer temporaries (after backward)
+        peak     = static + buffers + max(pipeline, step)
 
-    with ``P`` = sum of ``param_bytes``, ``N`` = sum of ``params``, ``A`` = sum of ``activation_bytes``, ``cut_in`` =
-    ``blocks[start - 1].cut_bytes`` (0 for the first stage), ``cut_out`` = ``blocks[end - 1].cut_bytes``
-    (0 for the last stage), ``m`` = ``n_microbatches`` (torch's ``PipelineStage`` allocates its
-    receive buffers per microbatch, measured with MemTracker). ``in_flight`` is the stage's peak number of microbatches with forward
-    done and backward pending under the schedule (``planner.schedules.peak_in_flight``).
+    with ``P`` = sum of ``param_bytes``, ``N`` = sum of ``params``, ``A`` = sum of
+    ``activation_bytes``, ``cut_in`` = ``blocks[start - 1].cut_bytes`` (0 for the first stage),
+    ``cut_out`` = ``blocks[end - 1].cut_bytes`` (0 for the last stage), ``out`` = the stage's output
+    per microbatch (``cut_out``; the model output ``output_bytes`` for the last stage), which
+    torch's ``PipelineStage`` keeps until that microbatch's backward, ``m`` = ``n_microbatches``
+    (``PipelineStage`` allocates its receive buffers per microbatch, up front). ``in_flight`` is the
+    stage's peak number of microbatches with forward done and backward pending under the schedule
+    (``planner.schedules.peak_in_flight``). Each term was checked against MemTracker's categories
+    on CPU runs (docs/predict_vs_measured.md).
 
     With ``recompute`` the stage keeps only its input per live microbatch and rebuilds one
     microbatch's activations at a time in backward: ``in_flight * A`` becomes
@@ -200,12 +206,24 @@ def stage_memory_bytes(
         )
     part = blocks[start:end]
     p_bytes = sum(b.param_bytes for b in part)
+    n_params = sum(b.params for b in part)
     a_bytes = sum(b.activation_bytes for b in part)
     cut_in = blocks[start - 1].cut_bytes if start > 0 else 0
     cut_out = blocks[end - 1].cut_bytes if end < n else 0
-    n_params = sum(b.params for b in part)
-    live = in_flight * cut_in + a_bytes if recompute else in_flight * a_bytes
-    return 2 * p_bytes + optimizer.state_bytes(n_params, p_bytes) + live + n_microbatches * (cut_in + cut_out)
+    out = cut_out if end < n else blocks[-1].output_bytes
+    return _peak(p_bytes, n_params, a_bytes, cut_in, cut_out, out, in_flight, optimizer, recompute, n_microbatches)
+
+
+def _peak(p_bytes: int, n_params: int, a_bytes: int, cut_in: int, cut_out: int, out: int, in_flight: int,
+          optimizer: OptimizerSpec, recompute: bool, n_microbatches: int) -> int:
+    """The formula of ``stage_memory_bytes`` on sums (shared with the solver's fast memory model)."""
+    static = 2 * p_bytes + optimizer.state_bytes(n_params, p_bytes)
+    buffers = n_microbatches * (cut_in + cut_out)
+    if recompute:
+        pipeline = in_flight * (cut_in + out) + a_bytes + out
+    else:
+        pipeline = in_flight * (a_bytes + out) + out
+    return static + buffers + max(pipeline, optimizer.step_temp_bytes(n_params))
 
 
 def in_flight_per_stage(schedule: str, n_stages: int, n_microbatches: int) -> list[int]:
@@ -442,6 +460,7 @@ class _MemoryModel:
         self.limit = limit
         self.recompute = recompute
         self.optimizer = optimizer
+        self.m = n_microbatches
         self.pre_p = [0]
         self.pre_n = [0]
         self.pre_a = [0]
@@ -450,15 +469,13 @@ class _MemoryModel:
             self.pre_n.append(self.pre_n[-1] + b.params)
             self.pre_a.append(self.pre_a[-1] + b.activation_bytes)
         self.cut_in = [0] + [blocks[s - 1].cut_bytes for s in range(1, n)]
-        self.buf_in = [n_microbatches * c for c in self.cut_in]
-        self.buf_out = [0] + [n_microbatches * blocks[e - 1].cut_bytes for e in range(1, n)] + [0]
+        self.cut_out = [0] + [blocks[e - 1].cut_bytes for e in range(1, n)] + [0]
+        self.out = self.cut_out[:n] + [blocks[-1].output_bytes]
 
     def bytes(self, s: int, e: int, in_flight: int, recompute: bool = False) -> int:
         # Same formula as stage_memory_bytes.
-        p_bytes = self.pre_p[e] - self.pre_p[s]
-        acts = self.pre_a[e] - self.pre_a[s]
-        live = in_flight * self.cut_in[s] + acts if recompute else in_flight * acts
-        return 2 * p_bytes + self.optimizer.state_bytes(self.pre_n[e] - self.pre_n[s], p_bytes) + live + self.buf_in[s] + self.buf_out[e]
+        return _peak(self.pre_p[e] - self.pre_p[s], self.pre_n[e] - self.pre_n[s], self.pre_a[e] - self.pre_a[s],
+                     self.cut_in[s], self.cut_out[e], self.out[e], in_flight, self.optimizer, recompute, self.m)
 
     def choice(self, s: int, e: int, in_flight: int) -> bool | None:
         """Whether the stage recomputes (False: no, True: yes), or None when it cannot fit either way."""

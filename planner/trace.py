@@ -112,6 +112,16 @@ class TracedModel:
     block_of: dict[str, int] = field(default_factory=dict)
 
     @property
+    def output_bytes(self) -> int:
+        """Bytes of the tensors the model returns for the example microbatch (0 if unknown)."""
+        if self.gm is None:
+            last = self.values.get(self.blocks[-1].name)
+            return last.nbytes if last and last.kind == "tensor" else 0
+        out = next(node for node in self.gm.graph.nodes if node.op == "output")
+        names = {a.name for a in pytree.tree_leaves(out.args) if isinstance(a, fx.Node)}
+        return sum(self.values[n].nbytes for n in names if n in self.values and self.values[n].kind == "tensor")
+
+    @property
     def fingerprint(self) -> str:
         """A hash of the model's structure: blocks, their nodes and operators, parameter shapes.
 

@@ -111,5 +111,8 @@ def trace_module_boundaries(model: nn.Module, inputs: tuple, failures: list[tupl
             cuts.append(Cut(k, (name,), (), values[name].nbytes, False, reason))
             continue
         cuts.append(Cut(k, (name,), (), values[name].nbytes, True))
+    last = _first_tensor(calls[-1][2])
+    if last is not None:
+        values[calls[-1][0]] = ValueInfo("tensor", last.numel() * last.element_size())
     block_of = {b.name: i for i, b in enumerate(blocks)}
     return TracedModel(None, model, "modules", list(failures), blocks, cuts, values, block_of=block_of)

@@ -20,7 +20,7 @@ def invoke(*args: str) -> "CliRunner.invoke":  # type: ignore[name-defined]
     return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
 
-@pytest.mark.parametrize("model", ["gpt", "encoder_lm", "resnet50", "shakespeare", "toy"])
+@pytest.mark.parametrize("model", ["gpt", "encoder_lm", "resnet50", "shakespeare", "toy", "llama"])
 def test_plan_every_model(model: str, tmp_path: Path) -> None:
     gpus = "1" if model == "toy" else "2"
     out = tmp_path / "plan.json"

@@ -36,14 +36,14 @@ def make_run(plan: Plan, stages: list[StageMeasure], step_ms: float) -> RunResul
 
 
 # Predicted (see test_report): stage 0 = embed + layers.0-2: fwd 31, bwd 61 ms, memory
-# 16k x 16 B + 2 x 4 MB + 4 microbatches x 1 MB = 12.24 MB; stage 1 = layers.3 + output: fwd 35, bwd 70 ms,
+# 16k x 16 B + 2 x (4 MB + 1 MB output) + 1 MB + 4 microbatches x 1 MB = 15.24 MB; stage 1 = layers.3 + output: fwd 35, bwd 70 ms,
 # 13k x 16 B + 1 x 2 MB + 4 x 1 MB = 6.198 MB (+3.3% against 6 MB measured); no optimizer time
 # profiled (0 planned against 2 ms measured is -100%; 0 against 0 has no error); step 522 ms.
 # Stage 0 tracked no memory ("-").
 EXPECTED = """\
   stage  blocks              fwd ms plan    run    err     bwd ms plan    run    err     opt ms plan    run    err      mem MB plan    run    err
 -------  ------------------  -------------  -----  ------  -------------  -----  ------  -------------  -----  -------  -------------  -----  -----
-      0  embed .. layers.2   31.00          24.80  +25.0%  61.00          61.00  +0.0%   0.00           2.00   -100.0%  12.24          -      -
+      0  embed .. layers.2   31.00          24.80  +25.0%  61.00          61.00  +0.0%   0.00           2.00   -100.0%  15.24          -      -
       1  layers.3 .. output  35.00          50.00  -30.0%  70.00          87.50  -20.0%  0.00           0.00   -        6.20           6.00   +3.3%
 
       plan ms    run ms    err

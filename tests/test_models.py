@@ -8,7 +8,7 @@ import torch
 import torch.fx
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
-MODEL_NAMES = ["gpt", "encoder_lm", "resnet50", "shakespeare", "toy"]
+MODEL_NAMES = ["gpt", "encoder_lm", "resnet50", "shakespeare", "toy", "llama"]
 
 
 def load_model_file(name):

@@ -75,7 +75,8 @@ def test_invalid_plans(edit, message: str) -> None:  # type: ignore[no-untyped-d
 def test_pure_modules_import_no_torch() -> None:
     code = (
         "import sys; import planner.plan, planner.report, planner.predict, planner.solve, "
-        "planner.simulate, planner.schedules, planner.costs, planner.errors; "
+        "planner.simulate, planner.schedules, planner.costs, planner.errors, planner.hardware, planner.compare, "
+        "planner.calibrate, planner.jsonfile, planner.run.result; "
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

@@ -9,23 +9,23 @@ from planner.report import render, stage_table, summary_table
 EXPECTED_STAGES = """\
   stage  blocks (n)              params    fwd ms    bwd ms    comm ms    total ms    act MB/mb    in flight    memory MB    of slowest
 -------  ----------------------  --------  --------  --------  ---------  ----------  -----------  -----------  -----------  ------------
-      0  embed .. layers.2 (4)   16.00k    31.00     61.00     2.00       94.00       4.0          2            12.2         88%
+      0  embed .. layers.2 (4)   16.00k    31.00     61.00     2.00       94.00       4.0          2            15.2         88%
       1  layers.3 .. output (2)  13.00k    35.00     70.00     2.00       107.00      2.0          1            6.2          100%"""
 
 EXPECTED_SUMMARY = """\
 partition                             blocks per stage    slowest ms/mb    step ms    bubble    imbalance    max mem MB    step vs plan
 ------------------------------------  ------------------  ---------------  ---------  --------  -----------  ------------  --------------
-planner (exact) *                     4+2                 107.00           522.00     23.0%     1.065        12.2          1.000x
-uniform layers (torchtitan/Megatron)  3+3                 137.00           612.00     34.3%     1.363        10.2          1.172x
-parameter-balanced (DeepSpeed)        4+2                 107.00           522.00     23.0%     1.065        12.2          1.000x"""
+planner (exact) *                     4+2                 107.00           522.00     23.0%     1.065        15.2          1.000x
+uniform layers (torchtitan/Megatron)  3+3                 137.00           612.00     34.3%     1.363        13.2          1.172x
+parameter-balanced (DeepSpeed)        4+2                 107.00           522.00     23.0%     1.065        15.2          1.000x"""
 
 
 def test_stage_table_exact() -> None:
     # By hand: stage 0 = embed (1+1 ms) + 3 layers (10+20 ms each) + one 1 MB boundary at 1 MB/ms
     # each way = 31 + 61 + 2 = 94 ms; stage 1 = layer (10+20) + head (25+50) + 2 = 107 ms.
     # Memory of stage 0: 16k fp32 params x (weights + grads + 2 AdamW moments) = 0.24 MB,
-    # + 2 in-flight microbatches (1F1B, stage 0 of 2) x 4 MB + 4 microbatches x 1 MB receive
-    # buffers (the gradient coming back) = 12.2 MB.
+    # + 2 in-flight microbatches (1F1B, stage 0 of 2) x (4 MB saved + 1 MB cached output) + 1 MB
+    # output gradient + 4 microbatches x 1 MB receive buffers (the gradient coming back) = 15.2 MB.
     assert stage_table(make_plan(big_head_blocks())) == EXPECTED_STAGES
 
 

@@ -257,14 +257,15 @@ def test_memory_uses_in_flight_of_each_stage() -> None:
 def test_recompute_auto_makes_a_plan_fit() -> None:
     # GPipe, p=2, m=4, 100 activation bytes per block and microbatch, 10-byte cuts. Without
     # recomputation one block alone holds 4 x 100 = 400 > 300. Recomputing, a stage keeps its
-    # 10-byte input per live microbatch plus one microbatch's activations: stage [0,2) needs
-    # 0 + 200 + 4*10 (receive buffers, one per microbatch) = 240, stage [2,4) 4*10 + 200 + 4*10 = 280.
+    # 10-byte input and its 10-byte cached output per live microbatch plus one microbatch's
+    # activations: stage [0,2) needs 4*(0+10) + 200 + 10 (output grad) + 4*10 (receive buffers) = 290,
+    # stage [2,4) 4*(10+0) + 200 + 0 + 4*10 = 280.
     blocks = [b.model_copy(update={"recompute_s": b.fwd_s}) for b in times([1, 1, 1, 1], act=100, cut=10)]
     part = solve(blocks, 2, FREE, n_microbatches=4, schedule="gpipe", memory_limit_bytes=300)
     assert part.starts == (0, 2) and part.recompute == (True, True)
     # 2 blocks x (forward 1 + forward again in backward 1) + the 10-byte boundary each way at 1 B/s.
     assert part.bottleneck_s == 4.0 + 20.0
-    assert stage_memories(blocks, part.starts, schedule="gpipe", n_microbatches=4, recompute=part.recompute) == [240, 280]
+    assert stage_memories(blocks, part.starts, schedule="gpipe", n_microbatches=4, recompute=part.recompute) == [290, 280]
     # Only the stage that does not fit recomputes: 1F1B keeps 2 microbatches on stage 0, 1 on stage 1.
     part = solve(blocks, 2, FREE, n_microbatches=4, schedule="1f1b", memory_limit_bytes=300)
     assert part.starts == (0, 2) and part.recompute == (True, False)
@@ -275,19 +276,25 @@ def test_recompute_auto_makes_a_plan_fit() -> None:
 
 def test_stage_memory_formula() -> None:
     blocks = [blk(0, 1.0, params=10, param_bytes=40, act=3, cut=7), blk(1, 1.0, params=20, param_bytes=80, act=5, cut=11), blk(2, 1.0, cut=13)]
-    # adamw, fp32: (40+80) * 2 (weights + grads) + 30 * 8 (two fp32 moments) + 4 * (3+5)
-    # + m * (0 in (first) + 11 out) receive buffers, one per microbatch
-    assert stage_memory_bytes(blocks, 0, 2, 4, OptimizerSpec()) == 240 + 240 + 32 + 11
-    assert stage_memory_bytes(blocks, 0, 2, 4, OptimizerSpec(), n_microbatches=8) == 240 + 240 + 32 + 88
-    # middle/last stage [1,3) with SGD: 80 * 2 + 1 * 5 + 7 in + 0 out (last)
-    assert stage_memory_bytes(blocks, 1, 3, 1, SGD) == 160 + 5 + 7
+    # adamw, fp32, stage [0,2), 4 in flight, m = 1:
+    #   static   = (40+80) * 2 (weights + grads) + 30 * 8 (two fp32 moments)  = 480
+    #   buffers  = m * (0 in (first stage) + 11 out)                          = 11
+    #   pipeline = 4 * ((3+5) activations + 11 cached output) + 11 its grad   = 87
+    #   step     = 30 * 8 (AdamW's two fp32 temporaries)                      = 240
+    assert stage_memory_bytes(blocks, 0, 2, 4, OptimizerSpec()) == 480 + 11 + max(87, 240)
+    assert stage_memory_bytes(blocks, 0, 2, 4, OptimizerSpec(), n_microbatches=8) == 480 + 88 + max(87, 240)
+    # last stage [1,3) with SGD (no state, no temporaries), 1 in flight: 80 * 2 + 7 in + 1 * 5
+    assert stage_memory_bytes(blocks, 1, 3, 1, SGD) == 160 + 7 + 5
+    # the last stage keeps the model output per live microbatch (output_bytes of the last block)
+    with_output = blocks[:2] + [blocks[2].model_copy(update={"output_bytes": 100})]
+    assert stage_memory_bytes(with_output, 1, 3, 2, SGD) == 160 + 7 + 2 * (5 + 100) + 100
 
 
 def test_stage_memory_mixed_precision_keeps_fp32_master() -> None:
     # bf16 parameters (2 B each): weights 2 + grads 2 + fp32 master 4 + two fp32 moments 8 = 16 B per
-    # parameter, ZeRO's "2 + 2 + 12".
+    # parameter, ZeRO's "2 + 2 + 12"; AdamW's step adds two fp32 temporaries (8 B).
     blocks = [blk(0, 1.0, params=1000, param_bytes=2000), blk(1, 1.0)]
-    assert stage_memory_bytes(blocks, 0, 1, 0, OptimizerSpec()) == 16 * 1000
+    assert stage_memory_bytes(blocks, 0, 1, 0, OptimizerSpec()) == 16 * 1000 + 8 * 1000
     assert stage_memory_bytes(blocks, 0, 1, 0, SGD) == 8 * 1000
 
 
