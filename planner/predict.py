@@ -70,15 +70,13 @@ def predict(
                 memory_bytes=stage_memory_bytes(blocks, a, b, sim.peak_in_flight[i], optimizer, flags[i], n_microbatches),
             )
         )
-    # After its last backward each rank clips (one scalar all-reduce over the pipeline group: a
-    # reduce and a broadcast, ~2 log2(p) messages) and steps its optimizer; the step ends when the
-    # slowest rank is done. Under 1F1B and GPipe stage 0 finishes its backwards last.
-    finish = [0.0] * len(stages)
-    for event in sim.events:
-        finish[event.rank] = max(finish[event.rank], event.end_s)
+    # After its last backward each rank joins the gradient-norm all-reduce for clipping (one
+    # scalar over the pipeline group: a reduce and a broadcast, ~2 log2(p) messages), which waits
+    # for the last rank to finish its backwards (stage 0 under GPipe and 1F1B); only then does
+    # every rank step its optimizer. The step ends when the slowest optimizer is done.
     p = len(stages)
     allreduce_s = 2 * math.ceil(math.log2(p)) * link.latency_s if p > 1 else 0.0
-    step_s = max(f + s.opt_s for f, s in zip(finish, stages)) + allreduce_s
+    step_s = sim.step_time_s + allreduce_s + max(s.opt_s for s in stages)
     stage_time = tuple(s.time_s for s in stages)
     mean = sum(stage_time) / len(stage_time)
     prediction = Prediction(
