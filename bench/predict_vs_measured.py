@@ -26,6 +26,7 @@ import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 from planner.api import make_plan  # noqa: E402
+from planner.calibrate import calibrate  # noqa: E402
 from planner.run import run_plan  # noqa: E402
 
 GPT_MID = {"dim": 128, "n_layers": 8, "n_heads": 4, "ffn_dim": 512, "vocab_size": 8000, "seq_len": 64}
@@ -52,7 +53,9 @@ def main() -> None:
     mem_rows: list[list] = []
     compute_rows: list[list] = []
     mem_errors: list[float] = []
+    cal_rows: list[list] = []
     errors: dict[str, list[float]] = {s: [] for s in SCHEDULES}
+    cal_errors: dict[str, list[float]] = {s: [] for s in SCHEDULES}
     with tempfile.TemporaryDirectory() as tmp:
         for model, size, overrides, gpus, batch, m in cases:
             for schedule in SCHEDULES:
@@ -66,6 +69,19 @@ def main() -> None:
                 predicted = plan.prediction.step_time_s
                 err = 100 * (predicted - measured) / measured
                 errors[schedule].append(abs(err))
+                # The calibration loop: fit to this run, plan again, and check on a second, fresh run.
+                cal = calibrate(plan, result)
+                plan2 = make_plan(ROOT / "models" / model, gpus, size=size, overrides=overrides, batch_size=batch,
+                                  microbatches=m, schedule=schedule, plan_dir=tmp, progress=False, calibrate_from=(plan, cal))
+                path2 = Path(tmp) / "plan2.json"
+                plan2.save(path2)
+                result2 = run_plan(plan2, path2, steps, echo=False)
+                err2 = 100 * (plan2.prediction.step_time_s - result2.median_step_s) / result2.median_step_s
+                cal_errors[schedule].append(abs(err2))
+                cal_rows.append([f"{model} {size}" + (" (custom)" if overrides else ""), gpus, schedule,
+                                 f"{cal.latency_s * 1e3:.2f}", f"{cal.global_factor:.3f}",
+                                 "+".join(str(s.end - s.start) for s in plan2.stages),
+                                 f"{plan2.prediction.step_time_s * 1e3:.1f}", f"{result2.median_step_s * 1e3:.1f}", f"{err2:+.1f}%"])
                 slowest = max(s.fwd_s + s.bwd_s for s in plan.stages)
                 for st, meas in zip(plan.stages, result.stages):
                     if meas.memory is not None:
@@ -85,6 +101,10 @@ def main() -> None:
                 ])
     table = tabulate(rows, headers=["model", "ranks", "schedule", "batch/mb", "split", "slowest stage compute ms/mb",
                                     "predicted step ms", "measured step ms", "error"], tablefmt="github", disable_numparse=True)
+    cal_table = tabulate(cal_rows, headers=["model", "ranks", "schedule", "fitted ms/message", "global factor", "split",
+                                            "predicted step ms", "measured step ms (2nd run)", "error"],
+                         tablefmt="github", disable_numparse=True)
+    cal_mae = "\n".join(f"- {s}: mean absolute error {statistics.mean(v):.1f}% over {len(v)} cases" for s, v in cal_errors.items() if v)
     mem_table = tabulate(mem_rows, headers=["model", "ranks", "schedule", "stage", "predicted MB", "measured peak MB (MemTracker)", "error"],
                          tablefmt="github", disable_numparse=True)
     compute_table = tabulate(compute_rows, headers=["model", "ranks", "schedule", "stage", "pred fwd ms/mb", "run fwd", "err",
@@ -101,6 +121,16 @@ The custom GPT size: {CASES[0][2]}.
 {table}
 
 {mae}
+
+## After calibration (`planner plan --calibrate run.json`)
+
+Each case's first run is fed back: per-stage compute factors and the per-message latency are fitted
+to it (`planner/calibrate.py`), the case is planned again with the corrected costs, and that plan is
+checked against a second, fresh run.
+
+{cal_table}
+
+{cal_mae}
 
 ## Compute per stage inside the pipeline
 
