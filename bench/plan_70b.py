@@ -111,9 +111,10 @@ def _param_bytes(plan: dict) -> float:
 
 
 def hand_stage_bytes(plan: dict, stage: dict, eager: bool) -> int | None:
-    """The doc's hand formula for the plan's split: 16 B/param, in_flight x A (or, for a stage that
-    recomputes, in_flight x its input + one microbatch's A), and one receive buffer per microbatch
-    for each boundary (torch's PipelineStage allocates them up front, per microbatch)."""
+    """The doc's hand formula for the plan's split: 16 B/param, one receive buffer per microbatch for
+    each boundary (torch's PipelineStage allocates them up front), and the larger of the pipeline's
+    live memory — in_flight x (A + the cached stage output) + the output's gradient (a recomputing
+    stage keeps its input instead of A, plus one microbatch's A) — and AdamW's step temporaries."""
     if _param_bytes(plan) != 2:
         return None  # the hand formulas are for bf16 (docs/plan_70b.md)
     cfg = plan["model"]["config"]
@@ -129,8 +130,13 @@ def hand_stage_bytes(plan: dict, stage: dict, eager: bool) -> int | None:
     cut = 2 * mb * cfg["seq_len"] * cfg["dim"]
     cut_in = cut if stage["start"] > 0 else 0
     cut_out = cut if stage["end"] < len(blocks) else 0
-    live = stage["in_flight"] * cut_in + act if stage.get("recompute") else stage["in_flight"] * act
-    return 16 * n_params + live + plan["n_microbatches"] * (cut_in + cut_out)
+    # The stage's output per live microbatch (PipelineStage caches it until backward) and its
+    # gradient: the hidden state, or the bf16 logits (seq x vocab) on the last stage.
+    out = cut_out if stage["end"] < len(blocks) else 2 * mb * cfg["seq_len"] * cfg["vocab_size"]
+    f = stage["in_flight"]
+    pipeline = f * (cut_in + out) + act + out if stage.get("recompute") else f * (act + out) + out
+    adamw_temps = 8 * n_params  # torch's foreach AdamW: two fp32 temporaries per parameter in the step
+    return 16 * n_params + plan["n_microbatches"] * (cut_in + cut_out) + max(pipeline, adamw_temps)
 
 
 def _gib(v: int | None) -> str:

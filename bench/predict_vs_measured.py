@@ -122,6 +122,10 @@ The custom GPT size: {CASES[0][2]}.
 
 {mae}
 
+See the "What dominates the error" notes kept in this document's history (docs/predict_vs_measured.md,
+first written 2026-11-22) when reading new figures: the fixed per-microbatch cost of the pipelining
+runtime and core sharing with more ranks than cores.
+
 ## After calibration (`planner plan --calibrate run.json`)
 
 Each case's first run is fed back: per-stage compute factors and the per-message latency are fitted
