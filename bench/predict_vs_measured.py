@@ -122,9 +122,7 @@ The custom GPT size: {CASES[0][2]}.
 
 {mae}
 
-See the "What dominates the error" notes kept in this document's history (docs/predict_vs_measured.md,
-first written 2026-11-22) when reading new figures: the fixed per-microbatch cost of the pipelining
-runtime and core sharing with more ranks than cores.
+Analysis of these figures: docs/prediction_accuracy.md.
 
 ## After calibration (`planner plan --calibrate run.json`)
 
