@@ -24,16 +24,15 @@ split, the calibrated costs re-predict the measured step time (tested to 1e-6).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from planner.compare import check_run_matches
 from planner.costs import BlockCost, LinkCost
 from planner.errors import PlanFileError
-from planner.jsonfile import write_atomic
+from planner.jsonfile import parse_versioned, write_atomic
 from planner.plan import Plan
 from planner.predict import plan_slots, predict
 from planner.run.result import RunResult
@@ -83,18 +82,7 @@ class Calibration(BaseModel):
         Raises:
             PlanFileError: not JSON, another version, or invalid.
         """
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PlanFileError(f"{source} is not JSON ({e}); make it again from the run") from e
-        if not isinstance(raw, dict) or raw.get("version") != CALIBRATION_VERSION:
-            raise PlanFileError(f"{source} is not a version-{CALIBRATION_VERSION} calibration; make it again from the run")
-        try:
-            return cls.model_validate(raw)
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-            raise PlanFileError(f"{source} is not a valid calibration: {where}: {first['msg']}") from e
+        return parse_versioned(text, cls, CALIBRATION_VERSION, source, "calibration", "make it again from the run")
 
     def save(self, path: str | Path) -> None:
         """Write the calibration to ``path`` atomically."""

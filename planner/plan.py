@@ -6,15 +6,13 @@ Pure module: pydantic only, never torch. A plan round-trips through its JSON tex
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from planner.costs import BlockCost, LinkCost, OptimizerSpec
-from planner.errors import PlanFileError
-from planner.jsonfile import write_atomic
+from planner.jsonfile import parse_versioned, read_text, write_atomic
 
 PLAN_VERSION = 1
 Schedule = Literal["gpipe", "1f1b"]
@@ -152,27 +150,7 @@ class Plan(_Frozen):
         Raises:
             PlanFileError: not JSON, another version, or fails validation.
         """
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PlanFileError(f"{source} is not JSON ({e}); write it with `planner plan ... -o {source}`") from e
-        if not isinstance(raw, dict):
-            raise PlanFileError(f"{source} is not a plan (expected a JSON object)")
-        version = raw.get("version")
-        if version != PLAN_VERSION:
-            raise PlanFileError(
-                f"{source} is plan format version {version!r}; this planner reads version {PLAN_VERSION}; "
-                "re-run `planner plan` to make a new one"
-            )
-        try:
-            return cls.model_validate(raw)
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-            raise PlanFileError(
-                f"{source} is not a valid plan: {where}: {first['msg']} ({e.error_count()} problem(s)); "
-                "re-run `planner plan` to make a new one"
-            ) from e
+        return parse_versioned(text, cls, PLAN_VERSION, source, "plan", "re-run `planner plan` to make a new one")
 
     def save(self, path: str | Path) -> None:
         """Write the plan to ``path`` (via a temporary file, so a failure never leaves half a plan)."""
@@ -185,11 +163,7 @@ class Plan(_Frozen):
         Raises:
             PlanFileError: missing, unreadable, malformed or of another version.
         """
-        p = Path(path)
-        try:
-            text = p.read_text()
-        except OSError as e:
-            raise PlanFileError(f"cannot read plan {path}: {e.strerror}; make one with `planner plan MODEL.py -o {path}`") from e
+        text = read_text(path, "plan", f"make one with `planner plan MODEL.py -o {path}`")
         return cls.from_json(text, str(path))
 
     def model_path(self, plan_path: str | Path) -> Path:

@@ -113,7 +113,7 @@ def test_calibration_round_trips_and_refuses_other_blocks(tmp_path: Path) -> Non
     renamed = [b.model_copy(update={"name": "x"}) if k == 0 else b for k, b in enumerate(plan.blocks)]
     with pytest.raises(PlanFileError, match="calibration stage 0 covered embed .. layers.2, but blocks 0..3 are x .. layers.2"):
         apply_calibration(renamed, plan.link, cal)
-    with pytest.raises(PlanFileError, match="not a version-1 calibration"):
+    with pytest.raises(PlanFileError, match="calibration format version None; this planner reads version 1"):
         Calibration.from_json("{}")
 
 

@@ -234,7 +234,7 @@ def test_run_result_round_trips_without_torch(tmp_path: Path) -> None:
     code = "import sys; import planner.run.result; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
     path.write_text(path.read_text().replace('"version": 2', '"version": 1'))
-    with pytest.raises(PlanFileError, match="not a version-2 run result"):
+    with pytest.raises(PlanFileError, match="run result format version 1; this planner reads version 2"):
         RunResult.load(path)
 
 

@@ -5,14 +5,12 @@ Pure module: pydantic only, never torch (``planner report`` reads it next to pla
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from planner.errors import PlanFileError
-from planner.jsonfile import write_atomic
+from planner.jsonfile import parse_versioned, read_text, write_atomic
 
 # 2: per-stage measurements (``stages``); ``median_step_s`` leaves out the memory-tracked step too.
 RUN_VERSION = 2
@@ -146,17 +144,5 @@ class RunResult(BaseModel):
         Raises:
             PlanFileError: missing, not JSON, or not a run result of this version.
         """
-        try:
-            raw = json.loads(Path(path).read_text())
-        except OSError as e:
-            raise PlanFileError(f"cannot read run result {path}: {e.strerror}; write one with `planner run PLAN -o {path}`") from e
-        except json.JSONDecodeError as e:
-            raise PlanFileError(f"{path} is not JSON ({e}); write it with `planner run PLAN -o {path}`") from e
-        if not isinstance(raw, dict) or raw.get("version") != RUN_VERSION:
-            raise PlanFileError(f"{path} is not a version-{RUN_VERSION} run result; re-run `planner run` to make a new one")
-        try:
-            return cls.model_validate(raw)
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-            raise PlanFileError(f"{path} is not a valid run result: {where}: {first['msg']}; re-run `planner run`") from e
+        fix = f"write one with `planner run PLAN -o {path}`"
+        return parse_versioned(read_text(path, "run result", fix), cls, RUN_VERSION, str(path), "run result", fix)
