@@ -88,7 +88,7 @@ def plan_cmd(model_file: str, gpus: int, size: str | None, overrides: tuple[str,
     from planner.report import render
 
     out = Path(output)
-    if out.parent and not out.parent.exists():
+    if not out.parent.is_dir():
         raise PlannerError(f"--output {output}: folder {out.parent} does not exist")
     calibrate_from = None
     if calibrate_run:
@@ -123,8 +123,10 @@ def run_cmd(plan_file: str, steps: int, nnodes: int, rdzv_endpoint: str | None, 
     from planner.run import run_plan
 
     plan = Plan.load(plan_file)
-    result = run_plan(plan, plan_file, steps, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
     out = Path(output) if output else Path(plan_file).with_suffix(".run.json")
+    if not out.parent.is_dir():  # checked before training, so no run's figures are lost
+        raise PlannerError(f"--output {out}: folder {out.parent} does not exist")
+    result = run_plan(plan, plan_file, steps, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
     result.save(out)
     loss = f"; final loss {result.losses[-1]:.4f}" if result.losses else ""  # only the last stage's node has losses
     click.echo(

@@ -20,7 +20,7 @@ from planner.calibrate import Calibration, apply_calibration
 from planner.costs import GLOO_CPU_LINK, NCCL_NVLINK_LINK, BlockCost, LinkCost, OptimizerSpec
 from planner.errors import InfeasibleError, PlanFileError
 from planner.hardware import HardwareSpec, get_hardware, link_cost
-from planner.load import ModelFile, load_model_file
+from planner.load import ModelFile, check_forward, load_model_file
 from planner.plan import ModelRef, Plan, ProfileInfo
 from planner.predict import predict
 from planner.schedules import SCHEDULES
@@ -75,6 +75,7 @@ def _measured_costs(mf: ModelFile, gpus: int, microbatch: int, seed: int, optimi
     model = mf.build(seed=seed).to(device)
     inputs, target = mf.batch(microbatch, seed=seed)
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
+    check_forward(mf, model, inputs, target.to(device))
     traced = trace_model(model, inputs)
     _check_gpus(gpus, traced)
     info = ProfileInfo(device=str(device), backend="nccl" if use_cuda else "gloo", threads=threads,
@@ -87,7 +88,7 @@ def _measured_costs(mf: ModelFile, gpus: int, microbatch: int, seed: int, optimi
     else:
         blocks = profile_blocks(traced, inputs, target.to(device), mf.loss_fn, warmup=warmup, repeats=repeats,
                                 threads=None if use_cuda else threads, progress=progress, optimizer=optimizer)
-    capacity = torch.cuda.get_device_properties(device).total_memory if use_cuda else None
+    capacity = int(torch.cuda.get_device_properties(device).total_memory * GPU_MEMORY_HEADROOM) if use_cuda else None
     return _Costs(traced, blocks, NCCL_NVLINK_LINK if use_cuda else GLOO_CPU_LINK, info, capacity)
 
 
@@ -102,6 +103,7 @@ def _estimated_costs(mf: ModelFile, gpus: int, microbatch: int, seed: int, optim
     inputs, target = mf.batch(microbatch, seed=seed)
     inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
     target = target.to("meta")
+    check_forward(mf, model, inputs, target)
     traced = trace_model(model, inputs)
     _check_gpus(gpus, traced)
     blocks = estimate_blocks(traced, inputs, target, mf.loss_fn, hw, dtype=dtype, optimizer=optimizer, progress=progress)
@@ -192,6 +194,8 @@ def make_plan(
         )
     if dtype is not None and dtype not in DTYPES:
         raise InfeasibleError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    if multi_node and gpu_type is None:
+        raise InfeasibleError("--multi-node applies to estimated costs only; add --gpu-type (measured plans use this machine's link)")
     if dtype is not None and gpu_type is None:
         raise InfeasibleError("--dtype applies to estimated costs only; add --gpu-type (measured costs use the model's own dtype)")
     optimizer = optimizer or OptimizerSpec()
@@ -218,6 +222,11 @@ def make_plan(
                 f"the calibration was measured on a model with fingerprint {calibrate_from[1].plan_fingerprint}, "
                 f"this one is {costs.traced.fingerprint}; calibrate from a run of a plan of this model"
             )
+        if calibrate_from[1].microbatch_size != batch_size // m:
+            raise PlanFileError(
+                f"the calibration was measured with microbatches of {calibrate_from[1].microbatch_size}, this plan uses "
+                f"{batch_size // m}; its factors would not carry over: calibrate from a run with the same -b/-m"
+            )
         blocks, link = apply_calibration(blocks, link, calibrate_from[1])
     limit = memory_limit_bytes if memory_limit_bytes is not None else costs.memory_bytes
     # CPU ranks share this machine's cores: more busy ranks than cores / threads slow each other.
@@ -239,6 +248,14 @@ def make_plan(
             continue  # a baseline that cannot split this model is left out of the comparison
         predictions[name] = predict(blocks, part.starts, link, schedule, m, optimizer, part.recompute, slots)
     stages, prediction = predictions[method]
+    if limit is not None and prediction.max_memory_bytes > limit:
+        # The baselines split by layer or parameter counts and know nothing of memory.
+        worst = max(stages, key=lambda st: st.memory_bytes)
+        raise InfeasibleError(
+            f"the {method} split needs {worst.memory_bytes / 2**30:.2f} GiB on stage {worst.index} "
+            f"({worst.first_block} .. {worst.last_block}), over the {limit / 2**30:.2f} GiB limit; "
+            "use --method optimal (it recomputes activations where needed) or raise --memory-limit"
+        )
     return Plan(
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         model=ModelRef(

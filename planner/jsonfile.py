@@ -19,11 +19,17 @@ def write_atomic(path: str | Path, text: str) -> None:
     Args:
         path: destination file.
         text: the whole content.
+
+    Raises:
+        PlanFileError: the file cannot be written (missing folder, no permission, disk full).
     """
     p = Path(path)
     tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(p)
+    try:
+        tmp.write_text(text)
+        tmp.replace(p)
+    except OSError as e:
+        raise PlanFileError(f"cannot write {path}: {e.strerror}; choose a writable path with -o") from e
 
 
 def parse_versioned(text: str, model: type[M], version: int, source: str, what: str, fix: str) -> M:

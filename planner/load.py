@@ -79,7 +79,10 @@ class ModelFile:
             ModelFileError: when ``build_model`` raises.
         """
         torch.manual_seed(seed)
-        return self._call("build_model", self.module.build_model, **self.config)
+        model = self._call("build_model", self.module.build_model, **self.config)
+        if not isinstance(model, nn.Module):
+            raise ModelFileError(f"{self.path.name}: build_model() returned {type(model).__name__}; expected a torch.nn.Module")
+        return model
 
     def batch(self, batch_size: int, seed: int = 0) -> Batch:
         """One example batch from ``make_batch`` (seeded).
@@ -111,14 +114,19 @@ class ModelFile:
 
     def _checked_stream(self, stream: Iterator[Any]) -> Iterator[Batch]:
         """Yield from a train_batches stream, turning its errors into one-line ModelFileErrors."""
+        count = 0
         while True:
             try:
                 batch = next(stream)
             except StopIteration:
-                return
+                raise ModelFileError(
+                    f"{self.path.name}: train_batches() ended after {count} batch(es); planner run takes one "
+                    "batch per step: make the stream cycle over its data"
+                ) from None
             except Exception as e:
                 where = _user_frame(e, self.path)
                 raise ModelFileError(f"{self.path.name}: train_batches() raised {type(e).__name__}: {e}{where}") from e
+            count += 1
             yield _check_batch(batch, "train_batches", self.path)
 
     def _make_batch_stream(self, batch_size: int, seed: int) -> Iterator[Batch]:
@@ -133,6 +141,8 @@ class ModelFile:
         except FileNotFoundError as e:
             raise ModelFileError(f"{self.path.name}: {name}() could not open a file: {e}") from e
         except TypeError as e:
+            if name not in ("build_model", "make_batch", "train_batches"):
+                raise ModelFileError(f"{self.path.name}: {name}() raised TypeError: {e}{_user_frame(e, self.path)}") from e
             raise ModelFileError(
                 f"{self.path.name}: {name}() rejected the config {self.config}: {e}; "
                 "check --size/--set against the file's SIZES"
@@ -153,12 +163,43 @@ def _user_frame(e: BaseException, path: Path) -> str:
 
 
 def _check_batch(out: Any, name: str, path: Path) -> Batch:
-    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], tuple)):
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], tuple) and isinstance(out[1], torch.Tensor)):
         raise ModelFileError(
-            f"{path.name}: {name}() must return (inputs_tuple, target), got {type(out).__name__}; "
+            f"{path.name}: {name}() must return (inputs_tuple, target_tensor), got {_shape_of(out)}; "
             "e.g. return (tokens,), targets"
         )
     return out
+
+
+def _shape_of(out: Any) -> str:
+    if isinstance(out, tuple):
+        return "(" + ", ".join(type(x).__name__ for x in out) + ")"
+    return type(out).__name__
+
+
+def check_forward(mf: ModelFile, model: nn.Module, inputs: tuple, target: torch.Tensor) -> None:
+    """Run the model and ``loss_fn`` once on the example batch, so a mistake in the model file shows
+    as one clear error here instead of deep inside profiling.
+
+    Args:
+        mf: the model file.
+        model: a model built from it (a private copy: this runs forward in eval mode, no grad).
+        inputs: the example microbatch's inputs.
+        target: its target.
+
+    Raises:
+        ModelFileError: the forward or the loss fails, or the loss is not a scalar tensor.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = mf._call("forward", model, *inputs)
+            loss = mf._call("loss_fn", mf.loss_fn, out, target)
+    finally:
+        model.train(was_training)
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+        raise ModelFileError(f"{mf.path.name}: loss_fn() returned {_shape_of(loss) if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}; expected a scalar tensor (a mean over the batch)")
 
 
 def load_model_file(path: str | Path, size: str | None = None, overrides: dict[str, Any] | None = None) -> ModelFile:

@@ -123,8 +123,11 @@ class Plan(_Frozen):
             raise ValueError(f"n_stages is {self.n_stages} but {len(self.stages)} stages are listed")
         expected = 0
         for i, stage in enumerate(self.stages):
-            if stage.index != i or stage.start != expected or stage.end <= stage.start:
-                raise ValueError(f"stage {i} covers blocks [{stage.start}, {stage.end}); stages must be contiguous from 0")
+            if stage.index != i or stage.start != expected or stage.end <= stage.start or stage.end > len(self.blocks):
+                raise ValueError(
+                    f"stage {i} covers blocks [{stage.start}, {stage.end}); stages must be contiguous from 0 "
+                    f"within the {len(self.blocks)} blocks"
+                )
             if not (self.blocks[stage.start].name == stage.first_block and self.blocks[stage.end - 1].name == stage.last_block):
                 raise ValueError(f"stage {i}'s block names do not match the block list")
             expected = stage.end

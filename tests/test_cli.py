@@ -146,7 +146,8 @@ def test_plan_run_report_calibrate_loop(tmp_path: Path) -> None:
     assert "measured vs" in result.output and run_path.exists()
     report = invoke("report", str(plan_path), "--measured", str(run_path))
     assert report.exit_code == 0, report.output
-    assert "predicted vs measured" in report.output and "step" in report.output
+    assert "predicted vs measured" in report.output
+    assert any(line.startswith("step ") and line.rstrip().endswith("%") for line in report.output.splitlines())
     calibrated = tmp_path / "calibrated.json"
     result = invoke("plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "-b", "8", "-o", str(calibrated),
                     "--calibrate", str(run_path), *FAST)
@@ -159,5 +160,66 @@ def test_plan_run_report_calibrate_loop(tmp_path: Path) -> None:
     # Re-planned on the costs the run was measured against, corrected by it, the measured split
     # now predicts the measured step time.
     assert new.link.name.endswith("+calibrated")
-    _, again = predict(new.blocks, old.prediction.starts, new.link, old.schedule, old.n_microbatches, old.optimizer)
+    from planner.predict import plan_slots
+
+    _, again = predict(new.blocks, old.prediction.starts, new.link, old.schedule, old.n_microbatches, old.optimizer,
+                       (), plan_slots(new))
     assert again.step_time_s == pytest.approx(run.median_step_s, rel=0.02)
+
+
+def _write_model(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "user_model.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "def build_model(**config):\n    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))\n\n" + body
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        # a target the default cross-entropy cannot use: named, with the file's line
+        ("def make_batch(batch_size, **config):\n    return (torch.randn(batch_size, 4),), torch.randn(batch_size, 7)\n",
+         "user_model.py: loss_fn() raised"),
+        ("def make_batch(batch_size, **config):\n    return (torch.randn(batch_size, 4),), [1, 2]\n",
+         "must return (inputs_tuple, target_tensor), got (tuple, list)"),
+        ("def make_batch(batch_size, **config):\n    return (torch.randn(batch_size, 5),), torch.zeros(batch_size, dtype=torch.long)\n",
+         "user_model.py: forward() raised RuntimeError"),
+        ("def make_batch(batch_size, **config):\n    return (torch.randn(batch_size, 4),), torch.zeros(batch_size, dtype=torch.long)\n"
+         "def loss_fn(output, target):\n    return output.sum(dim=1)\n",
+         "loss_fn() returned (2,); expected a scalar tensor"),  # microbatch 8 / 4 = 2
+    ],
+)
+def test_model_file_mistakes_found_before_profiling(body: str, message: str, tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["plan", str(_write_model(tmp_path, body)), "--gpus", "2", "-b", "8",
+                                       "-o", str(tmp_path / "p.json"), *FAST])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_unwritable_output_is_one_line(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["plan", str(MODELS / "toy.py"), "--gpus", "2", "--size", "tiny", "-b", "4",
+                                       "-o", str(tmp_path / "missing" / "p.json"), *FAST])
+    assert result.exit_code == 2 and "folder" in result.output and "does not exist" in result.output
+    plan = tmp_path / "plan.json"
+    assert invoke("plan", str(MODELS / "toy.py"), "--gpus", "2", "--size", "tiny", "-b", "4", "-o", str(plan), *FAST).exit_code == 0
+    result = CliRunner().invoke(main, ["run", str(plan), "-o", str(tmp_path / "missing" / "r.json")])
+    assert result.exit_code == 2 and "does not exist" in result.output  # refused before any training
+
+
+def test_plan_with_a_stage_past_the_last_block_is_rejected(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    assert invoke("plan", str(MODELS / "toy.py"), "--gpus", "2", "--size", "tiny", "-b", "4", "-o", str(out), *FAST).exit_code == 0
+    raw = json.loads(out.read_text())
+    raw["stages"][1]["end"] = 99
+    out.write_text(json.dumps(raw))
+    result = CliRunner().invoke(main, ["report", str(out)])
+    assert result.exit_code == 2 and "within the 3 blocks" in result.output
+
+
+def test_baseline_over_the_memory_limit_is_refused(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "-b", "8",
+                                       "--method", "uniform", "--memory-limit", "0.001", "-o", str(tmp_path / "p.json"), *FAST])
+    assert result.exit_code == 2, result.output
+    assert "the uniform split needs" in result.output and "use --method optimal" in result.output

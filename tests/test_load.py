@@ -231,8 +231,8 @@ def test_file_missing_both_functions(tmp_path):
     "ret, kind",
     [
         ("torch.randn(batch_size, 4)", "Tensor"),
-        ("(torch.randn(batch_size, 4), torch.randn(batch_size, 4))", "tuple"),  # inputs not a tuple
-        ("((torch.randn(batch_size, 4),),)", "tuple"),  # no target
+        ("(torch.randn(batch_size, 4), torch.randn(batch_size, 4))", "(Tensor, Tensor)"),  # inputs not a tuple
+        ("((torch.randn(batch_size, 4),),)", "(tuple)"),  # no target
         ("[(torch.randn(batch_size, 4),), torch.randn(batch_size, 4)]", "list"),
     ],
 )
@@ -256,7 +256,7 @@ def test_make_batch_returning_wrong_shape(tmp_path, ret, kind):
         mf.batch(2)
     msg = str(e.value)
     assert "badbatch.py" in msg and "make_batch()" in msg
-    assert "(inputs_tuple, target)" in msg and f"got {kind}" in msg
+    assert "(inputs_tuple, target_tensor)" in msg and f"got {kind}" in msg
 
 
 def test_build_model_type_error_on_bad_config(tmp_path):
@@ -350,3 +350,21 @@ def test_default_train_batches_are_fresh_make_batch_batches(tmp_path):
 
 def test_model_file_errors_are_planner_errors():
     assert issubclass(ModelFileError, PlannerError) and issubclass(ModelFileError, ValueError)
+
+
+
+def test_a_stream_that_ends_is_a_one_line_error(tmp_path: Path) -> None:
+    from planner.errors import ModelFileError
+    from planner.load import load_model_file
+
+    path = tmp_path / "short.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n"
+        "def build_model(**c):\n    return nn.Linear(2, 2)\n"
+        "def make_batch(b, **c):\n    return (torch.randn(b, 2),), torch.zeros(b, dtype=torch.long)\n"
+        "def train_batches(b, **c):\n    for _ in range(2):\n        yield make_batch(b)\n"
+    )
+    stream = load_model_file(path).train_batches(4)
+    next(stream), next(stream)
+    with pytest.raises(ModelFileError, match="train_batches\\(\\) ended after 2 batch\\(es\\)"):
+        next(stream)

@@ -38,6 +38,11 @@ def check_runnable(plan: Plan) -> None:
         PlannerError: traced by module boundaries, unknown optimizer, or a 1F1B plan with fewer
             microbatches than stages.
     """
+    if plan.profile.source == "estimated" and plan.profile.device != "cpu":
+        raise PlannerError(
+            f"this plan's costs were estimated for {plan.profile.hardware} ({plan.profile.dtype}), a GPU that is not "
+            "here; to train, plan on the machine that runs it (without --gpu-type) and run that plan"
+        )
     if plan.model.trace_method == "modules":
         why = "; ".join(f"{m}: {r}" for m, r in plan.model.trace_failures) or "no reason recorded"
         raise PlannerError(
