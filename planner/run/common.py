@@ -123,7 +123,16 @@ def clip_to_global_norm(
     return total
 
 
-def step_line(step: int, steps: int, loss: float, seconds: float) -> str:
-    """The progress line printed after every step."""
+def step_line(step: int, steps: int, loss: float, seconds: float, note: str = "") -> str:
+    """The progress line printed after every step (``note`` explains an untypical step)."""
     width = len(str(steps))
-    return f"step {step:>{width}}/{steps}  loss {loss:.4f}  {seconds * 1e3:.1f} ms"
+    return f"step {step:>{width}}/{steps}  loss {loss:.4f}  {seconds * 1e3:.1f} ms" + (f"  ({note})" if note else "")
+
+
+def step_note(step: int, memory_step: int | None) -> str:
+    """Why a step's time is not typical: the first sets the schedule up, one runs under MemTracker."""
+    if step == memory_step:
+        return "memory tracked, not timed"
+    if step == 1:
+        return "set-up, not timed"
+    return ""

@@ -22,6 +22,7 @@ import torch
 from planner.load import ModelFile
 from planner.plan import Plan
 from planner.run.common import clip_to_global_norm, load_plan_model, make_optimizer, step_line
+from planner.run.common import step_note as _note
 from planner.run.measure import MemoryProbe, StageProbe, summarize
 from planner.run.result import RunResult, StageMeasure, timed_steps
 
@@ -104,7 +105,7 @@ def train_model_file(
             opt_times.append(t3 - t2)
             losses.append(float(torch.stack(mb_losses).mean()))
             if echo:
-                print_fn(step_line(step, steps, losses[-1], times[-1]))
+                print_fn(step_line(step, steps, losses[-1], times[-1], _note(step, memory_step)))
     finally:
         torch.set_num_threads(old_threads)
     timed = timed_steps(steps, memory_step)

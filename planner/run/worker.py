@@ -37,6 +37,7 @@ from planner.run.common import (
     load_plan_model,
     make_optimizer,
     step_line,
+    step_note as _note,
     trace_for_plan,
 )
 from planner.run.measure import MemoryProbe, StageProbe, recv_buffers, summarize
@@ -222,7 +223,7 @@ def _train_rank(plan: Plan, plan_path: str, steps: int, echo: bool, rank: int, w
             if is_last:
                 losses.append(float(torch.stack([l.detach() for l in mb_losses]).mean()))
                 if echo:
-                    print(step_line(step, steps, losses[-1], times[-1]), flush=True)
+                    print(step_line(step, steps, losses[-1], times[-1], _note(step, memory_step)), flush=True)
     measure = summarize(
         stage=rank, first_block=stage_plan.first_block, last_block=stage_plan.last_block, probe=probe,
         steps=timed_steps(steps, memory_step), times=times, clip=clip_times, reduce=reduce_times, opt=opt_times,
