@@ -50,7 +50,7 @@ from tqdm import tqdm
 from planner.costs import BlockCost, OptimizerSpec
 from planner.errors import PlannerError, TraceError
 from planner.hardware import DTYPES, HardwareSpec, dtype_bytes
-from planner.profile import _backward_roots, _block_parameters, _grad_inputs, _needs_non_leaf
+from planner.profile import _backward_roots, _grad_inputs, _needs_non_leaf
 from planner.trace import TracedModel, build_stage_module
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -385,7 +385,8 @@ def _run_block(
         with mode.phase(bwd):
             torch.autograd.backward(roots, grads)
     outputs = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in _as_flat_outputs(out)) if not last else ()
-    del out, roots, grads, keep
+    del out, roots, grads
+    keep.clear()  # release the saved tensors held for their storage ids
 
     # I of F/I/W: a fresh forward (charged to nothing), then gradients w.r.t. the inputs only.
     inputs = _grad_inputs(args)
@@ -497,7 +498,7 @@ def estimate_blocks(
     traced.model.train()
     current = _meta_inputs(tuple(inputs), tdtype)
     target = _meta_like(target.detach(), tdtype)
-    claimed: set[int] = set()
+    owned = traced.owned_parameters()
     costs: list[BlockCost] = []
     bar = tqdm(traced.blocks, desc="estimating blocks", unit="block", disable=None if progress else True, leave=False)
     for k, block in enumerate(bar):
@@ -516,8 +517,7 @@ def estimate_blocks(
                                  _meta_like(target, torch.float32), loss_fn, hw, dtype, torch.float32, width)
             except RuntimeError as e:
                 raise _meta_error(block.name, e) from e
-        params = [p for p in _block_parameters(traced, k) if id(p) not in claimed]
-        claimed.update(id(p) for p in params)
+        params = owned[k]
         n_params = sum(p.numel() for p in params)
         param_bytes = sum(p.numel() * (width if p.is_floating_point() else p.element_size()) for p in params)
         cut = traced.cuts[k] if not last else None

@@ -44,7 +44,6 @@ import time
 from typing import Any, Callable
 
 import torch
-from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
@@ -216,7 +215,6 @@ def profile_blocks(
 
         costs = profile_module_blocks(traced, inputs, target, loss_fn, warmup=warmup, repeats=repeats,
                                       threads=threads, progress=progress)
-        params = [list(traced.model.get_submodule(c.name).parameters()) for c in costs]
     else:
         old_threads = torch.get_num_threads()
         if threads:
@@ -225,7 +223,6 @@ def profile_blocks(
             costs = _profile_graph(traced, inputs, target, loss_fn, warmup, repeats, progress)
         finally:
             torch.set_num_threads(old_threads)
-        params = [_block_parameters(traced, k) for k in range(len(costs))]
     if optimizer is None:
         return costs
     old_threads = torch.get_num_threads()
@@ -236,12 +233,7 @@ def profile_blocks(
         # parameter, gradient and moment through memory once, so its time is proportional to the
         # parameters a stage holds. Timing blocks one by one would measure cache-resident steps
         # (2x too fast for the encoder LM's 12 M-parameter stage here).
-        owned: list[list[torch.Tensor]] = []
-        claimed: set[int] = set()
-        for ps in params:
-            own = [p for p in ps if id(p) not in claimed]  # shared parameters step once, in their first block
-            claimed.update(id(p) for p in own)
-            owned.append(own)
+        owned = traced.owned_parameters()  # shared parameters step once, in their first block
         total_params = sum(p.numel() for own in owned for p in own if p.requires_grad)
         total_s = time_optimizer_step([p for own in owned for p in own], optimizer, warmup, repeats)
         per_param = total_s / total_params if total_params else 0.0
@@ -291,7 +283,7 @@ def _profile_graph(
     n = len(traced.blocks)
     traced.model.train()
     param_storages = {_storage_key(p) for p in traced.model.parameters()}
-    claimed: set[int] = set()
+    owned = traced.owned_parameters()
     costs: list[BlockCost] = []
     current = tuple(inputs)
     bar = tqdm(total=n * (warmup + repeats), desc="profiling blocks", unit="run", disable=None if progress else True, leave=False)
@@ -356,8 +348,7 @@ def _profile_graph(
             bar.update(1)
         with torch.no_grad():
             current = _as_tuple(module(*current)) if not last else current
-        params = [p for p in _block_parameters(traced, k) if id(p) not in claimed]
-        claimed.update(id(p) for p in params)
+        params = owned[k]
         cut = traced.cuts[k] if not last else None
         costs.append(
             BlockCost(
@@ -381,29 +372,3 @@ def _profile_graph(
     bar.close()
     traced.model.zero_grad(set_to_none=True)
     return costs
-
-
-def _block_parameters(traced: TracedModel, k: int) -> list[nn.Parameter]:
-    """Parameters read by block k's nodes (call_module targets and get_attr parameters)."""
-    gm = traced.gm
-    assert gm is not None
-    nodes = {n.name: n for n in gm.graph.nodes}
-    found: dict[int, nn.Parameter] = {}
-    for name in traced.blocks[k].nodes:
-        node = nodes[name]
-        if node.op == "call_module":
-            for p in gm.get_submodule(node.target).parameters():
-                found.setdefault(id(p), p)
-        for arg in node.all_input_nodes:
-            if arg.op == "get_attr":
-                value = _get_attr(gm, arg.target)
-                if isinstance(value, nn.Parameter):
-                    found.setdefault(id(value), value)
-    return list(found.values())
-
-
-def _get_attr(root: nn.Module, target: str) -> Any:
-    value: Any = root
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value

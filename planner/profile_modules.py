@@ -152,10 +152,9 @@ def profile_module_blocks(
         model.zero_grad(set_to_none=True)
         torch.set_num_threads(old_threads)
     costs = []
-    claimed: set[int] = set()
+    owned = traced.owned_parameters()
     for i, name in enumerate(names):
-        params = [p for p in model.get_submodule(name).parameters() if id(p) not in claimed]
-        claimed.update(id(p) for p in params)
+        params = owned[i]
         cut = traced.cuts[i] if i < n - 1 else None
         costs.append(
             BlockCost(

@@ -111,6 +111,43 @@ class TracedModel:
     block_graph: nx.DiGraph = field(default_factory=nx.DiGraph)
     block_of: dict[str, int] = field(default_factory=dict)
 
+    def owned_parameters(self) -> list[list[nn.Parameter]]:
+        """Per block, the parameters it owns: those it reads that no earlier block read.
+
+        A shared (tied) parameter is owned by the first block that uses it, so parameter counts,
+        bytes and optimizer work add up over blocks without counting it twice.
+
+        Returns:
+            One list per block, in block order.
+        """
+        claimed: set[int] = set()
+        owned: list[list[nn.Parameter]] = []
+        for k in range(len(self.blocks)):
+            own = [p for p in self._block_parameters(k) if id(p) not in claimed]
+            claimed.update(id(p) for p in own)
+            owned.append(own)
+        return owned
+
+    def _block_parameters(self, k: int) -> list[nn.Parameter]:
+        """Parameters read by block k: its module's, or those its nodes read (call_module targets
+        and get_attr parameters)."""
+        if self.gm is None:
+            return list(self.model.get_submodule(self.blocks[k].name).parameters())
+        gm = self.gm
+        nodes = {n.name: n for n in gm.graph.nodes}
+        found: dict[int, nn.Parameter] = {}
+        for name in self.blocks[k].nodes:
+            node = nodes[name]
+            if node.op == "call_module":
+                for p in gm.get_submodule(str(node.target)).parameters():
+                    found.setdefault(id(p), p)
+            for arg in node.all_input_nodes:
+                if arg.op == "get_attr":
+                    value = _get_attr(gm, str(arg.target))
+                    if isinstance(value, nn.Parameter):
+                        found.setdefault(id(value), value)
+        return list(found.values())
+
     @property
     def output_bytes(self) -> int:
         """Bytes of the tensors the model returns for the example microbatch (0 if unknown)."""
@@ -138,6 +175,13 @@ class TracedModel:
         for name, p in self.model.named_parameters():
             h.update(f"{name}{tuple(p.shape)}{p.dtype};".encode())
         return h.hexdigest()[:16]
+
+
+def _get_attr(root: nn.Module, target: str) -> Any:
+    value: Any = root
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def _target_name(target: Any) -> str:
