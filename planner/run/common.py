@@ -8,6 +8,7 @@ rank holds the same initial weights without sending any (and the unsplit referen
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -121,6 +122,30 @@ def clip_to_global_norm(
         device = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(total, dtype=torch.float32, device=device))
     return total
+
+
+def clip_and_step(
+    params: list[nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    max_norm: float | None,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[float, float, float]:
+    """End a training step: clip to the global norm (``clip_to_global_norm``), then step the optimizer.
+
+    Returns:
+        (global norm before clipping, seconds clipping took, seconds the optimizer step took).
+    """
+    t0 = time.perf_counter()
+    norm = clip_to_global_norm(params, max_norm, reduce)
+    t1 = time.perf_counter()
+    optimizer.step()
+    return norm, t1 - t0, time.perf_counter() - t1
+
+
+def memory_step_of(steps: int) -> int | None:
+    """The step run under the memory tracker: the last one, when there are at least 2 (by then the
+    optimizer state and the receive buffers exist; the first step sets the schedule up)."""
+    return steps if steps >= 2 else None
 
 
 def step_line(step: int, steps: int, loss: float, seconds: float, note: str = "") -> str:

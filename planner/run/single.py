@@ -21,7 +21,7 @@ import torch
 
 from planner.load import ModelFile
 from planner.plan import Plan
-from planner.run.common import clip_to_global_norm, load_plan_model, make_optimizer, step_line
+from planner.run.common import clip_and_step, load_plan_model, make_optimizer, memory_step_of, step_line
 from planner.run.common import step_note as _note
 from planner.run.measure import MemoryProbe, StageProbe, summarize
 from planner.run.result import RunResult, StageMeasure, timed_steps
@@ -62,7 +62,7 @@ def train_model_file(
         optimizer = make_optimizer(params, plan)
         batches = mf.train_batches(plan.batch_size, seed=plan.model.seed)
         loss_fn = mf.loss_fn
-        memory_step = steps if track_memory and steps >= 2 else None
+        memory_step = memory_step_of(steps) if track_memory else None
         probe, memory = StageProbe(), MemoryProbe(torch.device("cpu"))
         losses: list[float] = []
         norms: list[float] = []
@@ -93,16 +93,14 @@ def train_model_file(
                     probe.add_loss(i, tc - tb)
                     probe.add_bwd(i, td - tc)
                     mb_losses.append(loss.detach())
+                norm, clip_s, opt_s = clip_and_step(params, optimizer, plan.optimizer.grad_clip)
                 t1 = time.perf_counter()
-                norms.append(clip_to_global_norm(params, plan.optimizer.grad_clip))
-                t2 = time.perf_counter()
-                optimizer.step()
-                t3 = time.perf_counter()
                 if done is not None:
                     done()
-            times.append(t3 - t0)
-            clip_times.append(t2 - t1)
-            opt_times.append(t3 - t2)
+            times.append(t1 - t0)
+            norms.append(norm)
+            clip_times.append(clip_s)
+            opt_times.append(opt_s)
             losses.append(float(torch.stack(mb_losses).mean()))
             if echo:
                 print_fn(step_line(step, steps, losses[-1], times[-1], _note(step, memory_step)))

@@ -33,9 +33,10 @@ import torch.distributed as dist
 from planner.errors import PlannerError
 from planner.plan import Plan
 from planner.run.common import (
-    clip_to_global_norm,
+    clip_and_step,
     load_plan_model,
     make_optimizer,
+    memory_step_of,
     step_line,
     step_note as _note,
     trace_for_plan,
@@ -187,7 +188,7 @@ def _train_rank(plan: Plan, plan_path: str, steps: int, echo: bool, rank: int, w
 
     # One step after the first (the last one) runs under the memory tracker: optimizer state and
     # receive buffers exist by then. It is ~25x slower, so the medians leave it out.
-    memory_step = steps if steps >= 2 else None
+    memory_step = memory_step_of(steps)
     probe, memory = StageProbe(), MemoryProbe(device)
     batches = mf.train_batches(plan.batch_size, seed=plan.model.seed)
     losses: list[float] = []
@@ -210,16 +211,14 @@ def _train_rank(plan: Plan, plan_path: str, steps: int, echo: bool, rank: int, w
                     schedule.step(target=target.to(device), losses=mb_losses, return_outputs=False)
                 else:
                     schedule.step(return_outputs=False)
+                norm, clip_s, opt_s = clip_and_step(params, optimizer, plan.optimizer.grad_clip, all_reduce_sum)
                 t1 = time.perf_counter()
-                norms.append(clip_to_global_norm(params, plan.optimizer.grad_clip, all_reduce_sum))
-                t2 = time.perf_counter()
-                optimizer.step()
-                t3 = time.perf_counter()
                 if done is not None:
                     done()
-            times.append(t3 - t0)
-            clip_times.append(t2 - t1)
-            opt_times.append(t3 - t2)
+            times.append(t1 - t0)
+            norms.append(norm)
+            clip_times.append(clip_s)
+            opt_times.append(opt_s)
             if is_last:
                 losses.append(float(torch.stack([l.detach() for l in mb_losses]).mean()))
                 if echo:
