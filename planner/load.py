@@ -124,8 +124,7 @@ class ModelFile:
                     "batch per step: make the stream cycle over its data"
                 ) from None
             except Exception as e:
-                where = _user_frame(e, self.path)
-                raise ModelFileError(f"{self.path.name}: train_batches() raised {type(e).__name__}: {e}{where}") from e
+                raise self._raised("train_batches", e) from e
             count += 1
             yield _check_batch(batch, "train_batches", self.path)
 
@@ -142,14 +141,17 @@ class ModelFile:
             raise ModelFileError(f"{self.path.name}: {name}() could not open a file: {e}") from e
         except TypeError as e:
             if name not in ("build_model", "make_batch", "train_batches"):
-                raise ModelFileError(f"{self.path.name}: {name}() raised TypeError: {e}{_user_frame(e, self.path)}") from e
+                raise self._raised(name, e) from e
             raise ModelFileError(
                 f"{self.path.name}: {name}() rejected the config {self.config}: {e}; "
                 "check --size/--set against the file's SIZES"
             ) from e
         except Exception as e:
-            where = _user_frame(e, self.path)
-            raise ModelFileError(f"{self.path.name}: {name}() raised {type(e).__name__}: {e}{where}") from e
+            raise self._raised(name, e) from e
+
+    def _raised(self, name: str, e: Exception) -> ModelFileError:
+        """The one-line error for an exception the model file's ``name`` raised, with its line."""
+        return ModelFileError(f"{self.path.name}: {name}() raised {type(e).__name__}: {e}{_user_frame(e, self.path)}")
 
     @property
     def digest(self) -> str:
