@@ -13,7 +13,7 @@ from planner.costs import BlockCost, LinkCost, OptimizerSpec
 from planner.errors import InfeasibleError
 from planner.plan import Plan, Prediction, StagePlan
 from planner.simulate import simulate
-from planner.solve import stage_cost, stage_memory_bytes, stage_times
+from planner.solve import compact_flags, recompute_flags, stage_cost, stage_memory_bytes, stage_times
 
 
 def predict(
@@ -44,7 +44,7 @@ def predict(
     """
     n = len(blocks)
     ends = list(starts[1:]) + [n]
-    flags = list(recompute) or [False] * len(starts)
+    flags = recompute_flags(recompute, len(starts))
     times = stage_times(blocks, starts, link, flags)
     sim = simulate(times, schedule, n_microbatches, slots)
     stages: list[StagePlan] = []
@@ -81,7 +81,7 @@ def predict(
     mean = sum(stage_time) / len(stage_time)
     prediction = Prediction(
         starts=tuple(starts),
-        recompute=tuple(flags) if any(flags) else (),
+        recompute=compact_flags(flags),
         stage_time_s=stage_time,
         bottleneck_s=max(stage_time),
         pipeline_time_s=sim.step_time_s,

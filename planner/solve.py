@@ -70,6 +70,16 @@ def _boundary_send_s(blocks: Sequence[BlockCost], start: int, end: int, link: Li
     return s
 
 
+def recompute_flags(recompute: Sequence[bool], n_stages: int) -> list[bool]:
+    """Per-stage recompute flags, with the empty sequence meaning "no stage recomputes"."""
+    return list(recompute) or [False] * n_stages
+
+
+def compact_flags(flags: Sequence[bool]) -> tuple[bool, ...]:
+    """The flags as plans store them: empty when no stage recomputes."""
+    return tuple(flags) if any(flags) else ()
+
+
 def recompute_s(block: BlockCost) -> float:
     """Extra backward time of a block whose stage recomputes activations (measured by the profiler:
     the forward again, up to the last tensor it saves — torch's checkpoint stops early there)."""
@@ -134,7 +144,7 @@ def stage_times(
         InfeasibleError: ``starts`` is not a valid partition on legal cuts.
     """
     _check_starts(blocks, starts)
-    flags = list(recompute) or [False] * len(starts)
+    flags = recompute_flags(recompute, len(starts))
     return [_stage_times_one(blocks, s, e, link, r) for (s, e), r in zip(_bounds(starts, len(blocks)), flags)]
 
 
@@ -269,7 +279,7 @@ def stage_memories(
     """
     _check_starts(blocks, starts)
     infl = in_flight_per_stage(schedule, len(starts), n_microbatches)
-    flags = list(recompute) or [False] * len(starts)
+    flags = recompute_flags(recompute, len(starts))
     return [
         stage_memory_bytes(blocks, s, e, infl[k], optimizer, flags[k], n_microbatches)
         for k, (s, e) in enumerate(_bounds(starts, len(blocks)))
@@ -291,7 +301,7 @@ def evaluate(blocks: Sequence[BlockCost], starts: Sequence[int], link: LinkCost,
         InfeasibleError: ``starts`` is not a valid partition on legal cuts.
     """
     times = stage_times(blocks, starts, link, recompute)
-    flags = tuple(recompute) if any(recompute) else ()
+    flags = compact_flags(recompute)
     return Partition(starts=tuple(starts), bottleneck_s=max(stage_cost(t) for t in times), recompute=flags)
 
 
