@@ -107,10 +107,7 @@ def simulate(stages: Sequence[StageTimes], schedule: str, n_microbatches: int, s
             # which ranks are advanced does not change the result.
             while next_idx[rank] < len(orders[rank]):
                 kind, mb = orders[rank][next_idx[rank]]
-                if kind == "F":
-                    deps = [("F", rank - 1, mb)] if rank > 0 else []
-                else:
-                    deps = [("F", rank, mb)] + ([("B", rank + 1, mb)] if rank < p - 1 else [])
+                deps = _deps(kind, rank, mb, p)
                 if any(d not in end for d in deps):
                     break
                 start = max([free_at[rank]] + [end[d] for d in deps])
