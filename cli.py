@@ -83,16 +83,16 @@ def plan_cmd(model_file: str, gpus: int, size: str | None, overrides: tuple[str,
              output: str, quiet: bool) -> None:
     """Trace and profile MODEL_FILE, split it into balanced stages, write the plan and print the balance report."""
     from planner.api import make_plan
-    from planner.costs import OptimizerSpec
-    from planner.load import parse_overrides
-    from planner.report import render
+    from planner.schema.costs import OptimizerSpec
+    from planner.capture.load import parse_overrides
+    from planner.report.tables import render
 
     out = Path(output)
     if not out.parent.is_dir():
         raise PlannerError(f"--output {output}: folder {out.parent} does not exist")
     calibrate_from = None
     if calibrate_run:
-        from planner.calibrate import load_calibration
+        from planner.core.calibrate import load_calibration
 
         calibrate_from = load_calibration(calibrate_run)
     plan = make_plan(
@@ -119,7 +119,7 @@ def plan_cmd(model_file: str, gpus: int, size: str | None, overrides: tuple[str,
 @_user_errors
 def run_cmd(plan_file: str, steps: int, nnodes: int, rdzv_endpoint: str | None, rdzv_id: str | None, output: str | None) -> None:
     """Train with PLAN_FILE: one process per stage, the planned split points and schedule."""
-    from planner.plan import Plan
+    from planner.schema.plan import Plan
     from planner.run import run_plan
 
     plan = Plan.load(plan_file)
@@ -142,14 +142,14 @@ def run_cmd(plan_file: str, steps: int, nnodes: int, rdzv_endpoint: str | None, 
 @_user_errors
 def report_cmd(plan_file: str, run_file: str | None) -> None:
     """Print the balance tables of a saved plan (and, with --measured, how a run of it compared)."""
-    from planner.plan import Plan
-    from planner.report import render
+    from planner.schema.plan import Plan
+    from planner.report.tables import render
 
     plan = Plan.load(plan_file)
     click.echo(render(plan))
     if run_file:
-        from planner.compare import compare_table
-        from planner.run.result import RunResult
+        from planner.report.compare import compare_table
+        from planner.schema.result import RunResult
 
         click.echo("\npredicted vs measured (err = (plan - run) / run)\n" + compare_table(plan, RunResult.load(run_file)))
 

@@ -1,8 +1,8 @@
 """Analytical (roofline) block costs against measured ones, on this machine's CPU.
 
-For each model and size: ``planner.profile.profile_blocks`` measures every block (threads=1,
-median of repeats) and ``planner.estimate.estimate_blocks`` predicts it from FLOPs and bytes on
-``planner.calibrate_cpu.calibrated_cpu(threads=1)`` — the same estimator that plans for GPUs that
+For each model and size: ``planner.costs.measure.profile_blocks`` measures every block (threads=1,
+median of repeats) and ``planner.costs.estimate.estimate_blocks`` predicts it from FLOPs and bytes on
+``planner.costs.cpu.calibrated_cpu(threads=1)`` — the same estimator that plans for GPUs that
 are not here, pointed at the one that is. Writes per-block and per-model errors to
 docs/analytical_vs_measured.md. Run it on a quiet machine (other processes skew both the
 calibration and the measurement).
@@ -26,12 +26,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-from planner.calibrate_cpu import calibrated_cpu  # noqa: E402
-from planner.costs import OptimizerSpec  # noqa: E402
-from planner.estimate import estimate_blocks  # noqa: E402
-from planner.load import load_model_file  # noqa: E402
-from planner.profile import profile_blocks  # noqa: E402
-from planner.trace import trace_model  # noqa: E402
+from planner.costs.cpu import calibrated_cpu  # noqa: E402
+from planner.schema.costs import OptimizerSpec  # noqa: E402
+from planner.costs.estimate import estimate_blocks  # noqa: E402
+from planner.capture.load import load_model_file  # noqa: E402
+from planner.costs.measure import profile_blocks  # noqa: E402
+from planner.capture.trace import trace_model  # noqa: E402
 
 # (model file, size, overrides, microbatch size)
 CASES = [
@@ -101,11 +101,11 @@ def main() -> None:
         f"{platform.processor() or platform.machine()}, torch {torch.__version__}; 1 intra-op thread; "
         f"measured: warm-up {args.warmup}, median of {args.repeats}.",
         "",
-        f"Calibrated CPU (`planner.calibrate_cpu`): {hw.peak('fp32') / 1e9:.1f} GFLOP/s fp32 matmul, "
+        f"Calibrated CPU (`planner.costs.cpu`): {hw.peak('fp32') / 1e9:.1f} GFLOP/s fp32 matmul, "
         f"{hw.memory_Bps / 1e9:.1f} GB/s memory, {hw.op_overhead_s * 1e6:.2f} us per operator.",
         "",
-        "Estimated = `planner.estimate.estimate_blocks` (per-operator roofline + operator overhead, fp32); "
-        "measured = `planner.profile.profile_blocks`. err = (estimated - measured) / measured. "
+        "Estimated = `planner.costs.estimate.estimate_blocks` (per-operator roofline + operator overhead, fp32); "
+        "measured = `planner.costs.measure.profile_blocks`. err = (estimated - measured) / measured. "
         "'abs block err' = sum over blocks of |est - meas| of fwd+bwd, over the measured total.",
         "",
         "## Per model (forward + backward of all blocks, one microbatch; optimizer step)",

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 from planner.api import make_plan  # noqa: E402
-from planner.predict import with_method  # noqa: E402
+from planner.core.predict import with_method  # noqa: E402
 from planner.run import run_plan  # noqa: E402
 
 

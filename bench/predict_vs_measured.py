@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 from planner.api import make_plan  # noqa: E402
-from planner.calibrate import calibrate  # noqa: E402
+from planner.core.calibrate import calibrate  # noqa: E402
 from planner.run import run_plan  # noqa: E402
 
 GPT_MID = {"dim": 128, "n_layers": 8, "n_heads": 4, "ffn_dim": 512, "vocab_size": 8000, "seq_len": 64}

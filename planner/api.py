@@ -16,16 +16,16 @@ from typing import Any
 
 import torch
 
-from planner.calibrate import Calibration, apply_calibration
-from planner.costs import GLOO_CPU_LINK, NCCL_NVLINK_LINK, BlockCost, LinkCost, OptimizerSpec
+from planner.core.calibrate import Calibration, apply_calibration
+from planner.schema.costs import GLOO_CPU_LINK, NCCL_NVLINK_LINK, BlockCost, LinkCost, OptimizerSpec
 from planner.errors import InfeasibleError, PlanFileError
-from planner.hardware import HardwareSpec, get_hardware, link_cost
-from planner.load import ModelFile, check_forward, load_model_file
-from planner.plan import ModelRef, Plan, ProfileInfo
-from planner.predict import predict
-from planner.schedules import SCHEDULES
-from planner.solve import param_balanced, solve, uniform_layers
-from planner.trace import TracedModel, trace_model
+from planner.core.hardware import HardwareSpec, get_hardware, link_cost
+from planner.capture.load import ModelFile, check_forward, load_model_file
+from planner.schema.plan import ModelRef, Plan, ProfileInfo
+from planner.core.predict import predict
+from planner.core.schedules import SCHEDULES
+from planner.core.solve import param_balanced, solve, uniform_layers
+from planner.capture.trace import TracedModel, trace_model
 
 METHODS = ("optimal", "uniform", "params")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -68,7 +68,7 @@ def _measured_costs(mf: ModelFile, gpus: int, microbatch: int, seed: int, optimi
                     threads: int, warmup: int, repeats: int, progress: bool,
                     reuse: Plan | None) -> _Costs:
     """Trace and profile on this machine's device (a CUDA GPU when there is one, else the CPU)."""
-    from planner.profile import profile_blocks
+    from planner.costs.measure import profile_blocks
 
     use_cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
@@ -95,7 +95,7 @@ def _measured_costs(mf: ModelFile, gpus: int, microbatch: int, seed: int, optimi
 def _estimated_costs(mf: ModelFile, gpus: int, microbatch: int, seed: int, optimizer: OptimizerSpec,
                      hw: HardwareSpec, dtype: str, threads: int, multi_node: bool, progress: bool) -> _Costs:
     """Build the model on the meta device (no weights allocated) and estimate its costs on ``hw``."""
-    from planner.estimate import estimate_blocks
+    from planner.costs.estimate import estimate_blocks
 
     with torch.device("meta"):
         model = mf.build(seed=seed)
@@ -168,7 +168,7 @@ def make_plan(
             measured costs use the model's own dtype.
         multi_node: estimated plans: ranks talk over the inter-node network, not NVLink.
         calibrate_from: an earlier plan of this model and the calibration fitted to a run of it
-            (``planner.calibrate.load_calibration``); its factors and link latency correct the
+            (``planner.core.calibrate.load_calibration``); its factors and link latency correct the
             costs before solving (applied to that plan's own costs when they match this request).
         plan_dir: folder the plan will be written to (the model path is stored relative to it).
         progress: show progress bars.
@@ -203,7 +203,7 @@ def make_plan(
     mf = load_model_file(model_path, size, overrides)
     if gpu_type is not None:
         if gpu_type == "cpu":
-            from planner.calibrate_cpu import calibrated_cpu
+            from planner.costs.cpu import calibrated_cpu
 
             hw = calibrated_cpu(threads)
         else:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from planner.costs import BlockCost, LinkCost, OptimizerSpec
-from planner.plan import ModelRef, Plan, ProfileInfo
-from planner.predict import predict
-from planner.solve import param_balanced, solve, uniform_layers
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
+from planner.schema.plan import ModelRef, Plan, ProfileInfo
+from planner.core.predict import predict
+from planner.core.solve import param_balanced, solve, uniform_layers
 
 MB = 2**20
 # A link with no fixed cost and 1 MB/ms, so comm times are easy to check by hand.

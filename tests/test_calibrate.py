@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from plan_factory import LINK, big_head_blocks, make_plan
 
-from planner.calibrate import Calibration, apply_calibration, calibrate, load_calibration
+from planner.core.calibrate import Calibration, apply_calibration, calibrate, load_calibration
 from planner.errors import PlanFileError
-from planner.plan import Plan
-from planner.predict import predict
-from planner.run.result import RunResult, StageMeasure
+from planner.schema.plan import Plan
+from planner.core.predict import predict
+from planner.schema.result import RunResult, StageMeasure
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -132,5 +132,5 @@ def test_load_calibration_finds_the_plan_next_to_the_run(tmp_path: Path) -> None
 
 
 def test_compare_and_calibrate_import_no_torch() -> None:
-    code = "import sys, planner.compare, planner.calibrate; assert 'torch' not in sys.modules"
+    code = "import sys, planner.report.compare, planner.core.calibrate; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

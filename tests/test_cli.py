@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli import main
-from planner.plan import Plan
+from planner.schema.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
@@ -152,15 +152,15 @@ def test_plan_run_report_calibrate_loop(tmp_path: Path) -> None:
     result = invoke("plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "-b", "8", "-o", str(calibrated),
                     "--calibrate", str(run_path), *FAST)
     assert result.exit_code == 0, result.output
-    from planner.run.result import RunResult
+    from planner.schema.result import RunResult
 
-    from planner.predict import predict
+    from planner.core.predict import predict
 
     run, old, new = RunResult.load(run_path), Plan.load(plan_path), Plan.load(calibrated)
     # Re-planned on the costs the run was measured against, corrected by it, the measured split
     # now predicts the measured step time.
     assert new.link.name.endswith("+calibrated")
-    from planner.predict import plan_slots
+    from planner.core.predict import plan_slots
 
     _, again = predict(new.blocks, old.prediction.starts, new.link, old.schedule, old.n_microbatches, old.optimizer,
                        (), plan_slots(new))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from plan_factory import MB, big_head_blocks, make_plan
 
-from planner.compare import compare_table, step_error
+from planner.report.compare import compare_table, step_error
 from planner.errors import PlanFileError
-from planner.plan import Plan
-from planner.run.result import MemoryMeasure, RunResult, StageMeasure
+from planner.schema.plan import Plan
+from planner.schema.result import MemoryMeasure, RunResult, StageMeasure
 
 
 def stage_measure(plan: Plan, i: int, fwd_ms: float, bwd_ms: float, opt_ms: float, mem_mb: float | None) -> StageMeasure:

@@ -1,4 +1,4 @@
-"""Tier 2 (CPU torch): analytical per-block costs (planner.estimate) and CPU calibration.
+"""Tier 2 (CPU torch): analytical per-block costs (planner.costs.estimate) and CPU calibration.
 
 FLOPs and times are checked exactly on a Linear block under hand-made hardware where either
 compute or memory dominates; the meta path is checked to allocate nothing; the calibrated CPU
@@ -17,14 +17,14 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from planner.calibrate_cpu import calibrated_cpu
-from planner.costs import OptimizerSpec
+from planner.costs.cpu import calibrated_cpu
+from planner.schema.costs import OptimizerSpec
 from planner.errors import PlannerError
-from planner.estimate import estimate_blocks, optimizer_step_seconds
-from planner.hardware import HardwareSpec, get_hardware
-from planner.load import load_model_file
-from planner.profile import profile_blocks
-from planner.trace import trace_model
+from planner.costs.estimate import estimate_blocks, optimizer_step_seconds
+from planner.core.hardware import HardwareSpec, get_hardware
+from planner.capture.load import load_model_file
+from planner.costs.measure import profile_blocks
+from planner.capture.trace import trace_model
 
 ROOT = Path(__file__).resolve().parent.parent
 B, T, IN, OUT = 8, 128, 1024, 4096
@@ -172,7 +172,7 @@ def test_calibration_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     def boom(threads: int) -> HardwareSpec:
         raise AssertionError("measured again")
 
-    monkeypatch.setattr("planner.calibrate_cpu.measure_cpu", boom)
+    monkeypatch.setattr("planner.costs.cpu.measure_cpu", boom)
     assert calibrated_cpu(1, path=path) == spec
     with pytest.raises(AssertionError):
         calibrated_cpu(1, path=path, refresh=True)

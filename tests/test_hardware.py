@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from planner.costs import LinkCost
+from planner.schema.costs import LinkCost
 from planner.errors import PlannerError
-from planner.hardware import DTYPES, GPUS, HardwareSpec, dtype_bytes, get_hardware, link_cost
+from planner.core.hardware import DTYPES, GPUS, HardwareSpec, dtype_bytes, get_hardware, link_cost
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = {"h100", "h200", "a100-80g", "a100-40g", "l4", "l40s", "a10g", "v100", "mi300x"}
@@ -76,5 +76,5 @@ def test_spec_is_frozen_and_round_trips() -> None:
 
 
 def test_hardware_imports_no_torch() -> None:
-    code = "import sys, planner.hardware; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))"
+    code = "import sys, planner.core.hardware; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from planner.api import make_plan
-from planner.load import load_model_file
-from planner.plan import Plan
-from planner.trace import build_stage_module, trace_model
+from planner.capture.load import load_model_file
+from planner.schema.plan import Plan
+from planner.capture.trace import build_stage_module, trace_model
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 HF_STYLE = FIXTURES / "hf_style.py"

@@ -162,7 +162,7 @@ _META_TRACE = textwrap.dedent(
     import importlib.util, json, resource, sys, time
     import torch
     sys.path.insert(0, {root!r})
-    from planner.trace import trace_model
+    from planner.capture.trace import trace_model
 
     spec = importlib.util.spec_from_file_location("llama", {path!r})
     llama = importlib.util.module_from_spec(spec)

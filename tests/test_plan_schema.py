@@ -11,7 +11,7 @@ import pytest
 from plan_factory import big_head_blocks, make_plan
 
 from planner.errors import PlanFileError
-from planner.plan import PLAN_VERSION, Plan
+from planner.schema.plan import PLAN_VERSION, Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,9 +74,9 @@ def test_invalid_plans(edit, message: str) -> None:  # type: ignore[no-untyped-d
 
 def test_pure_modules_import_no_torch() -> None:
     code = (
-        "import sys; import planner.plan, planner.report, planner.predict, planner.solve, "
-        "planner.simulate, planner.schedules, planner.costs, planner.errors, planner.hardware, planner.compare, "
-        "planner.calibrate, planner.jsonfile, planner.run.result; "
+        "import sys; import planner.schema.plan, planner.report.tables, planner.core.predict, planner.core.solve, "
+        "planner.core.simulate, planner.core.schedules, planner.schema.costs, planner.errors, planner.core.hardware, planner.report.compare, "
+        "planner.core.calibrate, planner.schema.jsonfile, planner.schema.result; "
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

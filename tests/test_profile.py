@@ -18,10 +18,10 @@ import torch.fx
 from torch import nn
 from torch.nn import functional as F
 
-from planner.costs import BlockCost
-from planner.load import load_model_file
-from planner.profile import profile_blocks
-from planner.trace import trace_model
+from planner.schema.costs import BlockCost
+from planner.capture.load import load_model_file
+from planner.costs.measure import profile_blocks
+from planner.capture.trace import trace_model
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from plan_factory import big_head_blocks, make_plan
 
-from planner.report import render, stage_table, summary_table
+from planner.report.tables import render, stage_table, summary_table
 
 EXPECTED_STAGES = """\
   stage  blocks (n)              params    fwd ms    bwd ms    comm ms    total ms    act MB/mb    in flight    memory MB    of slowest
@@ -43,7 +43,7 @@ def test_render_names_chosen_method_and_figures() -> None:
 
 
 def test_with_method_switches_to_a_baseline_split() -> None:
-    from planner.predict import with_method
+    from planner.core.predict import with_method
 
     plan = make_plan(big_head_blocks())
     uniform = with_method(plan, "uniform")

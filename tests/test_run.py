@@ -17,13 +17,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from planner.costs import GLOO_CPU_LINK, BlockCost, OptimizerSpec  # noqa: E402
+from planner.schema.costs import GLOO_CPU_LINK, BlockCost, OptimizerSpec  # noqa: E402
 from planner.errors import PlanFileError, PlannerError  # noqa: E402
-from planner.load import load_model_file  # noqa: E402
-from planner.plan import ModelRef, Plan, Prediction, ProfileInfo, StagePlan  # noqa: E402
+from planner.capture.load import load_model_file  # noqa: E402
+from planner.schema.plan import ModelRef, Plan, Prediction, ProfileInfo, StagePlan  # noqa: E402
 from planner.run import RunResult, run_plan, train_reference  # noqa: E402
-from planner.run.result import MEMORY_CATEGORIES, MemoryMeasure, StageMeasure  # noqa: E402
-from planner.trace import build_stage_module, trace_model  # noqa: E402
+from planner.schema.result import MEMORY_CATEGORIES, MemoryMeasure, StageMeasure  # noqa: E402
+from planner.capture.trace import build_stage_module, trace_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
@@ -231,7 +231,7 @@ def test_run_result_round_trips_without_torch(tmp_path: Path) -> None:
     assert RunResult.load(path) == result
     raw = json.loads(path.read_text())
     assert raw["losses"] == [2.0, 1.5] and raw["stages"][1]["memory"]["end_by_category"]["Gradient"] == 1002
-    code = "import sys; import planner.run.result; assert 'torch' not in sys.modules"
+    code = "import sys; import planner.schema.result; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
     path.write_text(path.read_text().replace('"version": 2', '"version": 1'))
     with pytest.raises(PlanFileError, match="run result format version 1; this planner reads version 2"):
@@ -241,7 +241,7 @@ def test_run_result_round_trips_without_torch(tmp_path: Path) -> None:
 @pytest.mark.multiprocess
 def test_pipeline_run_measures_every_stage(tmp_path: Path) -> None:
     """Per-stage compute, optimizer and p2p times, and memory by category, from a real 2-rank run."""
-    from planner.compare import compare_table
+    from planner.report.compare import compare_table
 
     steps, m = 3, 4
     plan = make_plan(MODELS / "gpt.py", [0, 3], schedule="1f1b", n_microbatches=m)

@@ -1,4 +1,4 @@
-"""Tier-2 test: ``planner.schedules.action_order`` matches what torch's schedules execute.
+"""Tier-2 test: ``planner.core.schedules.action_order`` matches what torch's schedules execute.
 
 Runs the real ``ScheduleGPipe`` / ``Schedule1F1B._step_microbatches`` of the installed torch with a
 mocked stage whose communication ops are empty, and records the order of
@@ -18,7 +18,7 @@ from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops  
 from torch.distributed.pipelining.stage import PipelineStage  # noqa: E402
 
 from planner.errors import InfeasibleError  # noqa: E402
-from planner.schedules import action_order, peak_in_flight  # noqa: E402
+from planner.core.schedules import action_order, peak_in_flight  # noqa: E402
 
 TORCH_CLASSES = {"gpipe": tsched.ScheduleGPipe, "1f1b": tsched.Schedule1F1B}
 CASES = [(p, m) for p in range(1, 6) for m in range(1, 10)]

@@ -1,4 +1,4 @@
-"""Pure-tier tests of planner.simulate (and planner.schedules without torch)."""
+"""Pure-tier tests of planner.core.simulate (and planner.core.schedules without torch)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from planner.errors import InfeasibleError
-from planner.schedules import SCHEDULES, action_order, peak_in_flight
-from planner.simulate import StageTimes, simulate
+from planner.core.schedules import SCHEDULES, action_order, peak_in_flight
+from planner.core.simulate import StageTimes, simulate
 
 
 def _equal(p: int, f: float, b: float) -> list[StageTimes]:

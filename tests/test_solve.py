@@ -1,4 +1,4 @@
-"""Pure-tier tests of planner.solve: exactness against brute force, hand cases, baselines, purity."""
+"""Pure-tier tests of planner.core.solve: exactness against brute force, hand cases, baselines, purity."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.costs import BlockCost, LinkCost, OptimizerSpec
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 from planner.errors import InfeasibleError
-from planner.schedules import SCHEDULES, action_order, peak_in_flight
-from planner.solve import (
+from planner.core.schedules import SCHEDULES, action_order, peak_in_flight
+from planner.core.solve import (
     Partition,
     evaluate,
     param_balanced,
@@ -356,6 +356,6 @@ def test_large_instance_is_fast() -> None:
 
 
 def test_pure_modules_do_not_import_torch() -> None:
-    code = "import planner.solve, planner.simulate, planner.schedules, planner.costs, sys; assert 'torch' not in sys.modules"
+    code = "import planner.core.solve, planner.core.simulate, planner.core.schedules, planner.schema.costs, sys; assert 'torch' not in sys.modules"
     res = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.errors import PlannerError, TraceError
-from planner.load import load_model_file
-from planner.trace import TracedModel, build_stage_module, trace_model
+from planner.capture.load import load_model_file
+from planner.capture.trace import TracedModel, build_stage_module, trace_model
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from planner.run.result import RunResult
+from planner.schema.result import RunResult
 
 __all__ = ["RunResult", "run_plan", "train_reference"]
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy, so that reading a run.json (``planner.run.result``, e.g. from the report) never imports torch.
+    # Lazy, so that reading a run.json (``planner.schema.result``, e.g. from the report) never imports torch.
     if name == "run_plan":
         from planner.run.launch import run_plan
 

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from planner.errors import PlanFileError, PlannerError
-from planner.load import ModelFile, load_model_file
-from planner.plan import Plan
-from planner.trace import TracedModel, trace_model
+from planner.capture.load import ModelFile, load_model_file
+from planner.schema.plan import Plan
+from planner.capture.trace import TracedModel, trace_model
 
 
 def load_plan_model(plan: Plan, plan_path: str | Path) -> ModelFile:

@@ -25,11 +25,11 @@ from typing import Callable, Iterator
 import torch
 
 from planner.errors import PlannerError
-from planner.plan import Plan
+from planner.schema.plan import Plan
 from planner.run.common import check_runnable, load_plan_model, trace_for_plan
-from planner.run.result import RunResult, StageMeasure, timed_steps
+from planner.schema.result import RunResult, StageMeasure, timed_steps
 from planner.run.single import train_model_file
-from planner.trace import TracedModel, build_stage_module
+from planner.capture.trace import TracedModel, build_stage_module
 
 _NOISY_LOGGERS = (
     "torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run", "torch.multiprocessing",

@@ -169,7 +169,7 @@ def _category(key: Any) -> str:
 
 def _by_category(snapshot: dict, device: torch.device) -> dict[str, int]:
     """One device's bytes per category from a MemTracker snapshot (all categories, 0 if absent)."""
-    from planner.run.result import MEMORY_CATEGORIES
+    from planner.schema.result import MEMORY_CATEGORIES
 
     dev = next((d for d in snapshot if torch.device(d) == device), None)
     raw = {_category(k): int(v) for k, v in snapshot[dev].items()} if dev is not None else {}
@@ -245,7 +245,7 @@ def summarize(
         first_block: FQN of its first block.
         last_block: FQN of its last block.
         probe: its microbatch timers.
-        steps: the 1-based steps the medians are over (``planner.run.result.timed_steps``).
+        steps: the 1-based steps the medians are over (``planner.schema.result.timed_steps``).
         times: per step, the rank's step wall time.
         clip: per step, norm + all-reduce + clipping.
         reduce: per step, the all-reduce alone.

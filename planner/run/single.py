@@ -19,12 +19,12 @@ from typing import Any, Callable
 
 import torch
 
-from planner.load import ModelFile
-from planner.plan import Plan
+from planner.capture.load import ModelFile
+from planner.schema.plan import Plan
 from planner.run.common import clip_and_step, load_plan_model, make_optimizer, memory_step_of, step_line
 from planner.run.common import step_note as _note
 from planner.run.measure import MemoryProbe, StageProbe, summarize
-from planner.run.result import RunResult, StageMeasure, timed_steps
+from planner.schema.result import RunResult, StageMeasure, timed_steps
 
 
 def _chunks(value: Any, m: int) -> list[Any]:

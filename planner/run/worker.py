@@ -31,7 +31,7 @@ import torch.utils.checkpoint
 import torch.distributed as dist
 
 from planner.errors import PlannerError
-from planner.plan import Plan
+from planner.schema.plan import Plan
 from planner.run.common import (
     clip_and_step,
     load_plan_model,
@@ -42,8 +42,8 @@ from planner.run.common import (
     trace_for_plan,
 )
 from planner.run.measure import MemoryProbe, StageProbe, recv_buffers, summarize
-from planner.run.result import timed_steps
-from planner.trace import TracedModel, build_stage_module
+from planner.schema.result import timed_steps
+from planner.capture.trace import TracedModel, build_stage_module
 
 
 class _ContiguousGrad(torch.autograd.Function):

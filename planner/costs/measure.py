@@ -1,7 +1,7 @@
 """Measured profiling: per-block forward/backward time and memory on this machine's device.
 
 Each block of a graph-traced model is cut out as its own module (the same code that builds
-pipeline stages, ``planner.trace.build_stage_module``) and timed on its real inputs, which come
+pipeline stages, ``planner.capture.trace.build_stage_module``) and timed on its real inputs, which come
 from running the blocks before it. The last block includes the loss, as the last pipeline stage
 does. Timing: warm-up runs, then repeats, median (robust to the noise of shared CPUs).
 
@@ -48,8 +48,8 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-from planner.costs import BlockCost, OptimizerSpec
-from planner.trace import TracedModel, build_stage_module
+from planner.schema.costs import BlockCost, OptimizerSpec
+from planner.capture.trace import TracedModel, build_stage_module
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -211,7 +211,7 @@ def profile_blocks(
         One BlockCost per block, in block order.
     """
     if traced.gm is None:
-        from planner.profile_modules import profile_module_blocks
+        from planner.costs.measure_modules import profile_module_blocks
 
         costs = profile_module_blocks(traced, inputs, target, loss_fn, warmup=warmup, repeats=repeats,
                                       threads=threads, progress=progress)

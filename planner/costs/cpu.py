@@ -1,7 +1,7 @@
 """This machine's CPU as a ``HardwareSpec``: a few seconds of micro-benchmarks, cached per machine.
 
-With it, ``planner.estimate.estimate_blocks`` can be run for the CPU the planner measures on, and
-the analytical model checked against ``planner.profile.profile_blocks`` (bench/analytical_vs_measured.py).
+With it, ``planner.costs.estimate.estimate_blocks`` can be run for the CPU the planner measures on, and
+the analytical model checked against ``planner.costs.measure.profile_blocks`` (bench/analytical_vs_measured.py).
 
 Measured, at ``threads`` intra-op threads, median of repeats:
 
@@ -10,7 +10,7 @@ Measured, at ``threads`` intra-op threads, median of repeats:
 - memory bandwidth: copying a 64 MiB tensor (read + write = 128 MiB moved), larger than the caches;
 - operator overhead: a tiny two-layer MLP with layer norm trained forward and backward, whose
   arithmetic is negligible, divided by the aten operators it dispatches (counted the way
-  ``planner.estimate.Roofline`` counts them). It is the eager cost of one operator inside
+  ``planner.costs.estimate.Roofline`` counts them). It is the eager cost of one operator inside
   autograd-recording code — Python module calls, dispatch, allocation — which dominates small
   blocks on a CPU.
 
@@ -31,10 +31,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from planner.costs import GLOO_CPU_LINK
+from planner.schema.costs import GLOO_CPU_LINK
 from planner.errors import PlannerError
-from planner.hardware import HardwareSpec
-from planner.jsonfile import write_atomic
+from planner.core.hardware import HardwareSpec
+from planner.schema.jsonfile import write_atomic
 
 DEFAULT_CACHE = Path("~/.cache/planner/cpu.json")
 
@@ -72,7 +72,7 @@ def _memory_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 5) -> float:
 
 
 def _op_overhead(repeats: int = 7) -> float:
-    from planner.estimate import Roofline, Tally  # estimate imports hardware only; no cycle
+    from planner.costs.estimate import Roofline, Tally  # estimate imports hardware only; no cycle
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 16), nn.LayerNorm(16))
@@ -123,7 +123,7 @@ def measure_cpu(threads: int) -> HardwareSpec:
         peak_flops={"fp32": flops},
         memory_Bps=bandwidth,
         memory_bytes=_memory_capacity(),
-        # Ranks on one CPU machine talk through gloo over loopback (planner.costs.GLOO_CPU_LINK);
+        # Ranks on one CPU machine talk through gloo over loopback (planner.schema.costs.GLOO_CPU_LINK);
         # there is no second node.
         intra_node_Bps=GLOO_CPU_LINK.bandwidth_Bps,
         intra_node_latency_s=GLOO_CPU_LINK.latency_s,
@@ -133,7 +133,7 @@ def measure_cpu(threads: int) -> HardwareSpec:
         memory_efficiency=1.0,
         link_efficiency=1.0,
         op_overhead_s=overhead,
-        source=f"planner.calibrate_cpu on {host}, {threads} thread(s), torch {torch.__version__}",
+        source=f"planner.costs.cpu on {host}, {threads} thread(s), torch {torch.__version__}",
     )
 
 

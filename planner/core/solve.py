@@ -18,10 +18,10 @@ from collections.abc import Callable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from planner.costs import BlockCost, LinkCost, OptimizerSpec
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 from planner.errors import InfeasibleError
-from planner.schedules import action_order, peak_in_flight
-from planner.simulate import StageTimes
+from planner.core.schedules import action_order, peak_in_flight
+from planner.core.simulate import StageTimes
 
 # Relative tolerance under which two bottlenecks / cost sums count as equal (float sums in a
 # different order differ in the last bits; exact ties must not depend on that).
@@ -187,7 +187,7 @@ def stage_memory_bytes(
     torch's ``PipelineStage`` keeps until that microbatch's backward, ``m`` = ``n_microbatches``
     (``PipelineStage`` allocates its receive buffers per microbatch, up front). ``in_flight`` is the
     stage's peak number of microbatches with forward done and backward pending under the schedule
-    (``planner.schedules.peak_in_flight``). Each term was checked against MemTracker's categories
+    (``planner.core.schedules.peak_in_flight``). Each term was checked against MemTracker's categories
     on CPU runs (docs/predict_vs_measured.md).
 
     With ``recompute`` the stage keeps only its input per live microbatch and rebuilds one

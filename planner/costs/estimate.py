@@ -1,7 +1,7 @@
 """Analytical per-block costs for hardware that is not here: FLOPs and bytes → roofline time.
 
 DESIGN.md "Costs / Estimated". Each block of a graph-traced model is cut out as its own module
-(``planner.trace.build_stage_module``, as ``planner.profile`` does) and run forward and backward
+(``planner.capture.trace.build_stage_module``, as ``planner.costs.measure`` does) and run forward and backward
 on the ``meta`` device, where operators compute shapes but no data. A ``TorchDispatchMode``
 (``Roofline``) sees every aten operator and charges it
 
@@ -29,7 +29,7 @@ bias sums, accumulation); that is what ``torch.distributed.pipelining._backward
 which ``stage_backward_weight`` runs later from the saved intermediate gradients. A block whose
 inputs need no gradient (the embedding) has I = 0 and W = B.
 
-Everything is per microbatch, like ``planner.profile``; the last block includes the loss.
+Everything is per microbatch, like ``planner.costs.measure``; the last block includes the loss.
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from tqdm import tqdm
 
-from planner.costs import BlockCost, OptimizerSpec
+from planner.schema.costs import BlockCost, OptimizerSpec
 from planner.errors import PlannerError, TraceError
-from planner.hardware import DTYPES, HardwareSpec, dtype_bytes
-from planner.profile import _backward_roots, _grad_inputs, _needs_non_leaf
-from planner.trace import TracedModel, build_stage_module
+from planner.core.hardware import DTYPES, HardwareSpec, dtype_bytes
+from planner.costs.measure import _backward_roots, _grad_inputs, _needs_non_leaf
+from planner.capture.trace import TracedModel, build_stage_module
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 aten = torch.ops.aten
@@ -467,7 +467,7 @@ def estimate_blocks(
         inputs: positional inputs of one microbatch (meta or real).
         target: the microbatch's target (the last block includes the loss).
         loss_fn: ``loss_fn(output, target) -> scalar``.
-        hw: the hardware (``planner.hardware.get_hardware`` or ``calibrated_cpu``).
+        hw: the hardware (``planner.core.hardware.get_hardware`` or ``calibrated_cpu``).
         dtype: planning dtype of parameters and activations: "bf16", "fp16", "fp32", or "tf32"
             (fp32 storage, matmuls at the TF32 peak). Floating parameters, buffers and
             activations crossing blocks are cast to it.

@@ -1,7 +1,7 @@
 """Pure discrete-event simulation of one pipeline-parallel training step.
 
 Pure module: never imports torch. One stage per rank; each rank runs its actions strictly in the
-order ``planner.schedules.action_order`` gives (the order torch's schedule executes), one at a time.
+order ``planner.core.schedules.action_order`` gives (the order torch's schedule executes), one at a time.
 
 Timing model, per stage ``i`` and microbatch ``mb``:
 
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.errors import InfeasibleError
-from planner.schedules import action_order, peak_in_flight
+from planner.core.schedules import action_order, peak_in_flight
 
 
 class StageTimes(BaseModel):
@@ -70,7 +70,7 @@ def simulate(stages: Sequence[StageTimes], schedule: str, n_microbatches: int, s
 
     Args:
         stages: per-stage times, stage 0 first; one rank per stage.
-        schedule: "gpipe" or "1f1b" (see ``planner.schedules``).
+        schedule: "gpipe" or "1f1b" (see ``planner.core.schedules``).
         n_microbatches: microbatches per step.
         slots: how many ranks can compute at full speed at once: None (every rank has its own
             device) or, for CPU ranks sharing a machine, cores / threads per rank. With fewer

@@ -1,12 +1,12 @@
 """Hardware the planner can estimate costs for without having it: a table of accelerators.
 
-Pure module: pydantic only, never torch (the analytical estimator ``planner.estimate`` and the CPU
-calibration ``planner.calibrate_cpu`` are the torch side).
+Pure module: pydantic only, never torch (the analytical estimator ``planner.costs.estimate`` and the CPU
+calibration ``planner.costs.cpu`` are the torch side).
 
 A ``HardwareSpec`` holds what a roofline model needs (Williams, Waterman & Patterson, "Roofline: an
 insightful visual performance model", CACM 2009): peak dense FLOP/s per dtype, memory bandwidth,
 and how much of each a real kernel reaches (efficiency factors), plus memory capacity and the
-links between ranks. ``planner.estimate`` turns FLOPs and bytes per operator into seconds with it:
+links between ranks. ``planner.costs.estimate`` turns FLOPs and bytes per operator into seconds with it:
 ``max(flops / (peak[dtype] * matmul_efficiency), bytes / (memory_Bps * memory_efficiency))``.
 
 Numbers are the vendors' *dense* peaks (datasheets quote "with sparsity" figures, twice as large,
@@ -20,7 +20,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.costs import LinkCost
+from planner.schema.costs import LinkCost
 from planner.errors import PlannerError
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16")
@@ -221,7 +221,7 @@ def get_hardware(name: str) -> HardwareSpec:
         return GPUS[key]
     raise HardwareError(
         f"unknown hardware {name!r}: expected one of {', '.join(GPUS)} "
-        "(or 'cpu' for this machine, measured by planner.calibrate_cpu)"
+        "(or 'cpu' for this machine, measured by planner.costs.cpu)"
     )
 
 
@@ -229,7 +229,7 @@ def link_cost(hw: HardwareSpec, intra_node: bool = True) -> LinkCost:
     """The cost of one p2p message between neighbouring ranks on ``hw``.
 
     Bandwidth is the link's per-direction peak times ``link_efficiency`` (NCCL p2p reaches ~70% of
-    NVLink's 450 GB/s per direction on H100, ~300 GB/s, as ``planner.costs.NCCL_NVLINK_LINK``).
+    NVLink's 450 GB/s per direction on H100, ~300 GB/s, as ``planner.schema.costs.NCCL_NVLINK_LINK``).
 
     Args:
         hw: the device.

@@ -11,8 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from planner.costs import BlockCost, LinkCost, OptimizerSpec
-from planner.jsonfile import parse_versioned, read_text, write_atomic
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
+from planner.schema.jsonfile import parse_versioned, read_text, write_atomic
 
 PLAN_VERSION = 1
 Schedule = Literal["gpipe", "1f1b"]

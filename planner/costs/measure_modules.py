@@ -11,9 +11,9 @@ The whole model runs forward and backward; hooks note when each block starts and
 - backward split (I, W) and recompute: there is no graph to cut a block out of, but each block is a
   module, so its inputs (positional and keyword) are captured with a forward pre-hook during the
   first whole-model run, and afterwards the block is called alone on them and timed with the same
-  functions as the graph profiler (``planner.profile.time_input_weight``: torch.distributed
+  functions as the graph profiler (``planner.costs.measure.time_input_weight``: torch.distributed
   .pipelining's own ``stage_backward_input`` / ``stage_backward_weight``; and
-  ``planner.profile.time_recompute``). Inputs of block 0 need no gradient (a first stage gets the
+  ``planner.costs.measure.time_recompute``). Inputs of block 0 need no gradient (a first stage gets the
   user's data), so I = 0 and W = its full backward there, as torch runs a first stage; later
   blocks' float inputs require grad, as a stage receives them; keyword tensors never do (torch
   sends no gradient for them). The last block includes the loss when its output is the model's
@@ -35,9 +35,9 @@ import torch
 from torch.utils import _pytree as pytree
 from tqdm import tqdm
 
-from planner.costs import BlockCost
-from planner.profile import _grad_inputs, _needs_non_leaf, time_input_weight, time_recompute
-from planner.trace import TracedModel
+from planner.schema.costs import BlockCost
+from planner.costs.measure import _grad_inputs, _needs_non_leaf, time_input_weight, time_recompute
+from planner.capture.trace import TracedModel
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -198,7 +198,7 @@ def _split_block(
         out = module(*a, **kwargs)
         return loss_fn(out, target) if with_loss else out
 
-    # as in planner.profile: a block starting with an in-place op cannot take a leaf input
+    # as in planner.costs.measure: a block starting with an in-place op cannot take a leaf input
     if _needs_non_leaf(forward, _grad_inputs(args, not first)):
         plain = forward
 

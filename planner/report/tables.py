@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from planner.plan import Plan, Prediction
+from planner.schema.plan import Plan, Prediction
 
 METHOD_TITLES = {
     "optimal": "planner (exact)",

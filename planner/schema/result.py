@@ -10,7 +10,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.jsonfile import parse_versioned, read_text, write_atomic
+from planner.errors import PlanFileError
+from planner.schema.jsonfile import parse_versioned, read_text, write_atomic
+from planner.schema.plan import Plan
 
 # 2: per-stage measurements (``stages``); ``median_step_s`` leaves out the memory-tracked step too.
 RUN_VERSION = 2
@@ -146,3 +148,28 @@ class RunResult(BaseModel):
         """
         fix = f"write one with `planner run PLAN -o {path}`"
         return parse_versioned(read_text(path, "run result", fix), cls, RUN_VERSION, str(path), "run result", fix)
+
+
+def check_run_matches(plan: Plan, run: RunResult) -> None:
+    """Raise unless ``run`` is a run of ``plan``'s model and split, with per-stage measurements.
+
+    Raises:
+        PlanFileError: another model, another number of stages, stages that start at other
+            blocks, or a run.json without per-stage measurements.
+    """
+    if run.plan_fingerprint != plan.model.fingerprint:
+        raise PlanFileError(
+            f"the run was of a model with fingerprint {run.plan_fingerprint}, the plan is for {plan.model.fingerprint}; "
+            "compare a plan with the run.json `planner run` wrote for it"
+        )
+    if len(run.stages) != plan.n_stages:
+        raise PlanFileError(
+            f"the run has measurements for {len(run.stages)} stage(s), the plan has {plan.n_stages}; "
+            "re-run the plan with `planner run PLAN` (on one node, so every rank reports)"
+        )
+    for s, m in zip(plan.stages, run.stages):
+        if (m.first_block, m.last_block) != (s.first_block, s.last_block):
+            raise PlanFileError(
+                f"stage {s.index} of the run covers {m.first_block} .. {m.last_block}, the plan's covers "
+                f"{s.first_block} .. {s.last_block}; compare a plan with a run of that same plan"
+            )

@@ -263,7 +263,7 @@ def trace_model(
     for method in methods:
         if method == "modules":
             try:
-                from planner.trace_modules import trace_module_boundaries
+                from planner.capture.modules import trace_module_boundaries
 
                 return trace_module_boundaries(private, inputs, failures)
             except TraceError as e:

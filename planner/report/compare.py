@@ -10,33 +10,8 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from planner.errors import PlanFileError
-from planner.plan import Plan
-from planner.run.result import RunResult
-
-
-def check_run_matches(plan: Plan, run: RunResult) -> None:
-    """Raise unless ``run`` is a run of ``plan``'s model and split, with per-stage measurements.
-
-    Raises:
-        PlanFileError: another model, another number of stages, stages that start at other
-            blocks, or a run.json without per-stage measurements.
-    """
-    if run.plan_fingerprint != plan.model.fingerprint:
-        raise PlanFileError(
-            f"the run was of a model with fingerprint {run.plan_fingerprint}, the plan is for {plan.model.fingerprint}; "
-            "compare a plan with the run.json `planner run` wrote for it"
-        )
-    if len(run.stages) != plan.n_stages:
-        raise PlanFileError(
-            f"the run has measurements for {len(run.stages)} stage(s), the plan has {plan.n_stages}; "
-            "re-run the plan with `planner run PLAN` (on one node, so every rank reports)"
-        )
-    for s, m in zip(plan.stages, run.stages):
-        if (m.first_block, m.last_block) != (s.first_block, s.last_block):
-            raise PlanFileError(
-                f"stage {s.index} of the run covers {m.first_block} .. {m.last_block}, the plan's covers "
-                f"{s.first_block} .. {s.last_block}; compare a plan with a run of that same plan"
-            )
+from planner.schema.plan import Plan
+from planner.schema.result import RunResult, check_run_matches
 
 
 def _err(predicted: float, measured: float) -> float | None:

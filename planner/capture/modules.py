@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from planner.errors import TraceError
-from planner.trace import CONTAINERS, Block, Cut, TracedModel, ValueInfo, _is_layer
+from planner.capture.trace import CONTAINERS, Block, Cut, TracedModel, ValueInfo, _is_layer
 
 
 def block_modules(model: nn.Module) -> dict[str, tuple[nn.Module, bool]]:

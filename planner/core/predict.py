@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from planner.costs import BlockCost, LinkCost, OptimizerSpec
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 from planner.errors import InfeasibleError
-from planner.plan import Plan, Prediction, StagePlan
-from planner.simulate import simulate
-from planner.solve import compact_flags, recompute_flags, stage_cost, stage_memory_bytes, stage_times
+from planner.schema.plan import Plan, Prediction, StagePlan
+from planner.core.simulate import simulate
+from planner.core.solve import compact_flags, recompute_flags, stage_cost, stage_memory_bytes, stage_times
 
 
 def predict(
@@ -37,7 +37,7 @@ def predict(
         optimizer: decides the optimizer-state bytes per parameter byte.
         recompute: per stage, activation checkpointing (empty: no stage recomputes).
         slots: ranks that can compute at once (CPU ranks sharing cores: cores / threads per
-            rank); None when each rank has its own device. See ``planner.simulate.simulate``.
+            rank); None when each rank has its own device. See ``planner.core.simulate.simulate``.
 
     Returns:
         The stages (with predicted time and memory each) and the step-level prediction.

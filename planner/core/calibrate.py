@@ -1,12 +1,12 @@
 """Calibration loop: correct the profiled costs with what a real run of the plan measured.
 
 Pure module (pydantic, no torch). ``calibrate(plan, run)`` compares the plan's per-stage
-predictions with the run's per-stage measurements (``planner.run.result.StageMeasure``):
+predictions with the run's per-stage measurements (``planner.schema.result.StageMeasure``):
 
 1. Compute: per stage, ``fwd_factor = measured fwd / predicted fwd`` and the same for backward
    and the optimizer step (1.0 where the plan predicted 0).
 2. Link: with the compute corrected, the only unknown left in the step model
-   (``planner.predict.predict``: the simulated schedule makespan + optimizer + clip all-reduce) is
+   (``planner.core.predict.predict``: the simulated schedule makespan + optimizer + clip all-reduce) is
    the fixed per-message cost. The simulated step time is continuous and non-decreasing in
    ``latency_s`` (every action duration is, and a makespan is a max of sums of them), so the
    latency at which it equals the measured median step is found by bisection.
@@ -29,13 +29,12 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.compare import check_run_matches
-from planner.costs import BlockCost, LinkCost
+from planner.schema.costs import BlockCost, LinkCost
 from planner.errors import PlanFileError
-from planner.jsonfile import parse_versioned, write_atomic
-from planner.plan import Plan
-from planner.predict import plan_slots, predict
-from planner.run.result import RunResult
+from planner.schema.jsonfile import parse_versioned, write_atomic
+from planner.schema.plan import Plan
+from planner.core.predict import plan_slots, predict
+from planner.schema.result import RunResult, check_run_matches
 
 CALIBRATION_VERSION = 1
 _BISECT_STEPS = 200  # halves the bracket to far below float resolution

@@ -1,6 +1,6 @@
 """Per-block costs: the plain numbers every later step (solve, simulate, plan, report) works on.
 
-Pure module: pydantic only, never torch. Profiling (``planner.profile``) fills these in; the
+Pure module: pydantic only, never torch. Profiling (``planner.costs.measure``) fills these in; the
 solver and simulator read them. They round-trip through JSON as part of ``plan.json``.
 """
 

@@ -1,0 +1,8 @@
+"""The data every step exchanges: block costs, requests, plan.json and run.json (pure).
+
+Owns: ``costs`` (BlockCost, LinkCost, OptimizerSpec), ``request`` (PlanRequest, RunRequest: every
+option of ``planner plan`` / ``planner run``, validated once), ``plan`` (the plan document),
+``result`` (the run document) and ``jsonfile`` (atomic writes, versioned parsing).
+
+May import: ``planner.errors``, pydantic. Never torch, never another planner package.
+"""
