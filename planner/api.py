@@ -25,7 +25,8 @@ from planner.schema.plan import ModelRef, Plan, ProfileInfo
 from planner.core.predict import predict
 from planner.core.schedules import SCHEDULES
 from planner.core.solve import param_balanced, solve, uniform_layers
-from planner.capture.trace import TracedModel, trace_model
+from planner.capture.blocks import TracedModel
+from planner.capture.trace import trace_model
 
 METHODS = ("optimal", "uniform", "params")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

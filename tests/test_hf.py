@@ -16,7 +16,8 @@ import torch
 from planner.api import make_plan
 from planner.capture.load import load_model_file
 from planner.schema.plan import Plan
-from planner.capture.trace import build_stage_module, trace_model
+from planner.capture.stage import build_stage_module
+from planner.capture.trace import trace_model
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 HF_STYLE = FIXTURES / "hf_style.py"

@@ -23,7 +23,8 @@ from planner.capture.load import load_model_file  # noqa: E402
 from planner.schema.plan import ModelRef, Plan, Prediction, ProfileInfo, StagePlan  # noqa: E402
 from planner.run import RunResult, run_plan, train_reference  # noqa: E402
 from planner.schema.result import MEMORY_CATEGORIES, MemoryMeasure, StageMeasure  # noqa: E402
-from planner.capture.trace import build_stage_module, trace_model  # noqa: E402
+from planner.capture.stage import build_stage_module  # noqa: E402
+from planner.capture.trace import trace_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"

@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 
 from planner.errors import PlannerError, TraceError
 from planner.capture.load import load_model_file
-from planner.capture.trace import TracedModel, build_stage_module, trace_model
+from planner.capture.blocks import GraphTrace, ModuleTrace, TracedModel
+from planner.capture.stage import build_stage_module
+from planner.capture.trace import trace_model
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -76,7 +78,7 @@ def legal_starts(traced: TracedModel) -> list[int]:
 def test_shipped_models_trace_with_fx_and_expected_blocks(name):
     model, inputs, _, traced = shipped(name)
     assert traced.method == "fx" and traced.failures == []
-    assert traced.gm is not None
+    assert isinstance(traced, GraphTrace)
     assert [(b.name, b.is_layer) for b in traced.blocks] == EXPECTED_BLOCKS[name]
     assert len(traced.cuts) == len(traced.blocks) - 1
     assert [c.after for c in traced.cuts] == list(range(len(traced.blocks) - 1))
@@ -306,7 +308,7 @@ def test_trace_does_not_modify_the_model(name):
 
 def test_data_dependent_control_flow_falls_back_to_module_boundaries():
     model, inputs, _, traced = fixture("data_dependent")
-    assert traced.method == "modules" and traced.gm is None
+    assert traced.method == "modules" and isinstance(traced, ModuleTrace)
     assert [m for m, _ in traced.failures] == ["fx", "export"]
     assert "control flow" in traced.failures[0][1]
     assert "data-dependent" in traced.failures[1][1]

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
+from planner.capture.blocks import CONTAINERS, Block, Cut, ModuleTrace, ValueInfo, is_layer
 from planner.errors import TraceError
-from planner.capture.trace import CONTAINERS, Block, Cut, TracedModel, ValueInfo, _is_layer
+from planner.torch_compat import pytree
 
 
 def block_modules(model: nn.Module) -> dict[str, tuple[nn.Module, bool]]:
@@ -37,7 +37,7 @@ def block_modules(model: nn.Module) -> dict[str, tuple[nn.Module, bool]]:
         for name, child in module.named_children():
             fqn = f"{prefix}.{name}" if prefix else name
             if isinstance(module, CONTAINERS):
-                found[fqn] = (child, _is_layer(module, child))
+                found[fqn] = (child, is_layer(module, child))
             elif isinstance(child, CONTAINERS) or _has_container(child):
                 visit(fqn, child)  # e.g. HF's `transformer` wrapper around `h`: look inside
             else:
@@ -58,7 +58,7 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
     return None
 
 
-def trace_module_boundaries(model: nn.Module, inputs: tuple, failures: list[tuple[str, str]]) -> TracedModel:
+def trace_module_boundaries(model: nn.Module, inputs: tuple[Any, ...], failures: list[tuple[str, str]]) -> ModuleTrace:
     """Observe the model's block modules during one forward pass (no grad).
 
     Args:
@@ -67,7 +67,7 @@ def trace_module_boundaries(model: nn.Module, inputs: tuple, failures: list[tupl
         failures: why the graph tracers failed (kept on the result for reports and errors).
 
     Returns:
-        A TracedModel with ``gm=None`` and ``method="modules"``.
+        A ModuleTrace (``method="modules"``).
 
     Raises:
         TraceError: when the model has no block modules or its forward pass fails.
@@ -114,5 +114,4 @@ def trace_module_boundaries(model: nn.Module, inputs: tuple, failures: list[tupl
     last = _first_tensor(calls[-1][2])
     if last is not None:
         values[calls[-1][0]] = ValueInfo("tensor", last.numel() * last.element_size())
-    block_of = {b.name: i for i, b in enumerate(blocks)}
-    return TracedModel(None, model, "modules", list(failures), blocks, cuts, values, block_of=block_of)
+    return ModuleTrace(model, "modules", list(failures), blocks, cuts, values)

@@ -51,7 +51,8 @@ from planner.schema.costs import BlockCost, OptimizerSpec
 from planner.errors import PlannerError, TraceError
 from planner.core.hardware import DTYPES, HardwareSpec, dtype_bytes
 from planner.costs.measure import _backward_roots, _grad_inputs, _needs_non_leaf
-from planner.capture.trace import TracedModel, build_stage_module
+from planner.capture.blocks import GraphTrace, TracedModel
+from planner.capture.stage import build_stage_module
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 aten = torch.ops.aten
@@ -487,7 +488,7 @@ def estimate_blocks(
     if dtype not in DTYPES:
         raise PlannerError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
     hw.peak(dtype)  # unsupported dtype: one clear error before any work
-    if traced.gm is None:
+    if not isinstance(traced, GraphTrace):
         raise TraceError(
             "analytical estimation needs a graph, but this model was traced by module boundaries "
             f"({'; '.join(r for _, r in traced.failures)}); make it traceable by torch.fx or torch.export"

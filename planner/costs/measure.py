@@ -49,7 +49,8 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from planner.schema.costs import BlockCost, OptimizerSpec
-from planner.capture.trace import TracedModel, build_stage_module
+from planner.capture.blocks import GraphTrace, ModuleTrace, TracedModel
+from planner.capture.stage import build_stage_module
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -210,7 +211,7 @@ def profile_blocks(
     Returns:
         One BlockCost per block, in block order.
     """
-    if traced.gm is None:
+    if isinstance(traced, ModuleTrace):
         from planner.costs.measure_modules import profile_module_blocks
 
         costs = profile_module_blocks(traced, inputs, target, loss_fn, warmup=warmup, repeats=repeats,

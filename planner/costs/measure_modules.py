@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from planner.schema.costs import BlockCost
 from planner.costs.measure import _grad_inputs, _needs_non_leaf, time_input_weight, time_recompute
-from planner.capture.trace import TracedModel
+from planner.capture.blocks import TracedModel
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 

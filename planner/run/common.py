@@ -18,7 +18,8 @@ from torch import nn
 from planner.errors import PlanFileError, PlannerError
 from planner.capture.load import ModelFile, load_model_file
 from planner.schema.plan import Plan
-from planner.capture.trace import TracedModel, trace_model
+from planner.capture.blocks import GraphTrace
+from planner.capture.trace import trace_model
 
 
 def load_plan_model(plan: Plan, plan_path: str | Path) -> ModelFile:
@@ -63,7 +64,7 @@ def check_runnable(plan: Plan) -> None:
         )
 
 
-def trace_for_plan(plan: Plan, mf: ModelFile, model: nn.Module) -> TracedModel:
+def trace_for_plan(plan: Plan, mf: ModelFile, model: nn.Module) -> GraphTrace:
     """Trace ``model`` the way the planner did and check it is the structure the plan was made for.
 
     Raises:
@@ -72,6 +73,8 @@ def trace_for_plan(plan: Plan, mf: ModelFile, model: nn.Module) -> TracedModel:
     """
     inputs, _ = mf.batch(plan.microbatch_size, seed=plan.model.seed)
     traced = trace_model(model, inputs, methods=(plan.model.trace_method,))
+    if not isinstance(traced, GraphTrace):  # check_runnable refuses module-boundary plans first
+        raise PlanFileError("the runner needs a graph-traced model; re-run `planner plan`")
     if traced.fingerprint != plan.model.fingerprint:
         raise PlanFileError(
             f"plan was made for a different model structure (fingerprint {plan.model.fingerprint}, "

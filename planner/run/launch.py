@@ -29,7 +29,8 @@ from planner.schema.plan import Plan
 from planner.run.common import check_runnable, load_plan_model, trace_for_plan
 from planner.schema.result import RunResult, StageMeasure, timed_steps
 from planner.run.single import train_model_file
-from planner.capture.trace import TracedModel, build_stage_module
+from planner.capture.blocks import TracedModel
+from planner.capture.stage import build_stage_module
 
 _NOISY_LOGGERS = (
     "torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run", "torch.multiprocessing",

@@ -43,7 +43,8 @@ from planner.run.common import (
 )
 from planner.run.measure import MemoryProbe, StageProbe, recv_buffers, summarize
 from planner.schema.result import timed_steps
-from planner.capture.trace import TracedModel, build_stage_module
+from planner.capture.blocks import GraphTrace
+from planner.capture.stage import build_stage_module
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -100,7 +101,7 @@ def _as_tuple(value: object) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
 
-def _example_io(traced: TracedModel, start: int, stage: torch.nn.Module, inputs: tuple) -> tuple[tuple, tuple]:
+def _example_io(traced: GraphTrace, start: int, stage: torch.nn.Module, inputs: tuple) -> tuple[tuple, tuple]:
     """Real example inputs and outputs of one stage, for ``PipelineStage``'s static mode.
 
     Without them ``PipelineStage`` infers shapes at the first step by running every stage on

@@ -1,0 +1,246 @@
+"""The trace types: blocks, cuts, and the two kinds of traced model.
+
+A *block* is the unit the planner places on a stage: a run of graph nodes that belong to one module
+(a child of a ``ModuleList``/``Sequential``/``ModuleDict``, or another top-level child such as the
+embedding or the head). A *cut* after block k is the boundary a stage may end at.
+
+Two kinds of trace, dispatched by type:
+
+- ``GraphTrace``: torch.fx or torch.export captured a graph; stages are cut out of it
+  (``planner.capture.stage``), and the networkx ``block_graph`` says which values flow between
+  which blocks (cut liveness is read off it).
+- ``ModuleTrace``: no graph, only module boundaries observed with hooks; good for costs and
+  tables, not for cutting stages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx as fx
+from torch import nn
+
+from planner.torch_compat import pytree
+
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    """What a graph node (or a block, in a module trace) produced on the example microbatch.
+
+    Attributes:
+        kind: "tensor", "const" (a bakeable Python constant) or "opaque" (anything else).
+        nbytes: bytes of the tensor(s); 0 for constants.
+        const: the constant's value when kind == "const".
+    """
+
+    kind: str
+    nbytes: int = 0
+    const: Any = None
+
+
+@dataclass(frozen=True)
+class Block:
+    """A contiguous run of graph nodes that the planner treats as one unit."""
+
+    name: str
+    nodes: tuple[str, ...]
+    is_layer: bool
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The boundary after block ``after``: what crosses it and whether a stage may end there."""
+
+    after: int
+    tensors: tuple[str, ...]
+    consts: tuple[str, ...]
+    nbytes: int
+    legal: bool
+    reason: str = ""
+
+
+def is_layer(container: nn.Module, child: nn.Module) -> bool:
+    """A container child is a repeated *layer* when its type is the most common among its siblings.
+
+    In the Pipe tutorial's ``Sequential(Encoder, TransformerEncoderLayer x N, Decoder)`` the encoder
+    layers are layers and the embedding/decoder wrappers are not, which is what the uniform-layer
+    baseline (torchtitan, Megatron) counts.
+
+    Args:
+        container: a ``ModuleList``/``Sequential``/``ModuleDict``.
+        child: one of its children.
+
+    Returns:
+        Whether ``child`` is one of the repeated layers.
+    """
+    kinds = Counter(type(c) for c in container.children())
+    top = max(kinds.values())
+    return kinds[type(child)] == top and top >= 2
+
+
+@dataclass
+class TracedModel:
+    """What both kinds of trace share: the private model copy, its blocks and their cuts.
+
+    Attributes:
+        model: the private copy of the model that was traced (never the caller's object).
+        method: "fx", "export" or "modules".
+        failures: (method, reason) for every tracer that was tried and failed, in order.
+        blocks: blocks in execution order.
+        cuts: ``cuts[k]`` is the boundary after ``blocks[k]`` (len(blocks) - 1 of them).
+        values: what each node (graph) or block (modules) produced on the example microbatch.
+    """
+
+    model: nn.Module
+    method: str
+    failures: list[tuple[str, str]]
+    blocks: list[Block]
+    cuts: list[Cut]
+    values: dict[str, ValueInfo] = field(default_factory=dict)
+
+    def owned_parameters(self) -> list[list[nn.Parameter]]:
+        """Per block, the parameters it owns: those it reads that no earlier block read.
+
+        A shared (tied) parameter is owned by the first block that uses it, so parameter counts,
+        bytes and optimizer work add up over blocks without counting it twice.
+
+        Returns:
+            One list per block, in block order.
+        """
+        claimed: set[int] = set()
+        owned: list[list[nn.Parameter]] = []
+        for k in range(len(self.blocks)):
+            own = [p for p in self.block_parameters(k) if id(p) not in claimed]
+            claimed.update(id(p) for p in own)
+            owned.append(own)
+        return owned
+
+    def block_parameters(self, k: int) -> list[nn.Parameter]:
+        """Parameters block k reads (each once)."""
+        raise NotImplementedError
+
+    @property
+    def output_bytes(self) -> int:
+        """Bytes of the tensors the model returns for the example microbatch (0 if unknown)."""
+        raise NotImplementedError
+
+    def _hash_structure(self, h: Any) -> None:
+        """Add what only this kind of trace knows to the fingerprint."""
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of the model's structure: blocks, their nodes and operators, parameter shapes.
+
+        Two builds of the same model code and config give the same fingerprint; a change to the
+        architecture or the config changes it. Weights and the example data do not enter it.
+        """
+        h = hashlib.sha256()
+        h.update(self.method.encode())
+        for block in self.blocks:
+            h.update(f"[{block.name}|{block.is_layer}]".encode())
+        self._hash_structure(h)
+        for name, p in self.model.named_parameters():
+            h.update(f"{name}{tuple(p.shape)}{p.dtype};".encode())
+        return h.hexdigest()[:16]
+
+
+@dataclass(kw_only=True)
+class GraphTrace(TracedModel):
+    """A model captured as a graph (fx or export), split into blocks with their cut points.
+
+    Attributes:
+        gm: the traced graph module (owns the private model's modules and parameters).
+        block_graph: networkx DAG of blocks; edge (i, j) carries in ``values`` the names of the
+            nodes block i produces and block j reads. A value is live across cut k when it is on
+            an edge (i, j) with i <= k < j (``live_across``).
+        block_of: graph node name -> block index (placeholders: 0, the output: the last block).
+    """
+
+    gm: fx.GraphModule
+    block_graph: nx.DiGraph
+    block_of: dict[str, int]
+
+    def live_across(self, k: int) -> set[str]:
+        """Names of the values produced at or before block k and read after it."""
+        return {v for i, j, vals in self.block_graph.edges(data="values") if i <= k < j for v in vals}
+
+    def block_parameters(self, k: int) -> list[nn.Parameter]:
+        """Parameters read by block k: call_module targets' and get_attr parameters."""
+        gm = self.gm
+        nodes = {n.name: n for n in gm.graph.nodes}
+        found: dict[int, nn.Parameter] = {}
+        for name in self.blocks[k].nodes:
+            node = nodes[name]
+            if node.op == "call_module":
+                for p in gm.get_submodule(str(node.target)).parameters():
+                    found.setdefault(id(p), p)
+            for arg in node.all_input_nodes:
+                if arg.op == "get_attr":
+                    value = get_attr(gm, str(arg.target))
+                    if isinstance(value, nn.Parameter):
+                        found.setdefault(id(value), value)
+        return list(found.values())
+
+    @property
+    def output_bytes(self) -> int:
+        """Bytes of the tensors the model returns for the example microbatch."""
+        out = next(node for node in self.gm.graph.nodes if node.op == "output")
+        names = {a.name for a in pytree.tree_leaves(out.args) if isinstance(a, fx.Node)}
+        return sum(self.values[n].nbytes for n in names if n in self.values and self.values[n].kind == "tensor")
+
+    def _hash_structure(self, h: Any) -> None:
+        for node in self.gm.graph.nodes:
+            h.update(f"{node.name}:{node.op}:{_target_name(node.target)};".encode())
+
+
+@dataclass
+class ModuleTrace(TracedModel):
+    """A model observed at its module boundaries (no graph): blocks are modules, by FQN."""
+
+    def block_parameters(self, k: int) -> list[nn.Parameter]:
+        """The parameters of block k's module."""
+        return list(self.model.get_submodule(self.blocks[k].name).parameters())
+
+    @property
+    def output_bytes(self) -> int:
+        """Bytes of the last block's first output tensor (0 if it returned none)."""
+        last = self.values.get(self.blocks[-1].name)
+        return last.nbytes if last and last.kind == "tensor" else 0
+
+
+def get_attr(root: nn.Module, target: str) -> Any:
+    """The attribute at dotted path ``target`` below ``root`` (a get_attr node's value)."""
+    value: Any = root
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _target_name(target: Any) -> str:
+    """A stable text for a node target (no memory addresses)."""
+    if isinstance(target, str):
+        return target
+    module = getattr(target, "__module__", None) or ""
+    return f"{module}.{getattr(target, '__qualname__', getattr(target, '__name__', type(target).__name__))}"
+
+
+def describe(value: Any) -> ValueInfo:
+    """What kind of value a node produced: a tensor (with its bytes), a bakeable constant, or opaque."""
+    if isinstance(value, torch.Tensor):
+        return ValueInfo("tensor", value.numel() * value.element_size())
+    if isinstance(value, _CONST_TYPES):
+        return ValueInfo("const", 0, value)
+    if isinstance(value, (tuple, list)) and all(isinstance(v, _CONST_TYPES) for v in value):
+        return ValueInfo("const", 0, value)
+    return ValueInfo("opaque")
+
+
+# Python values that may cross a cut by being baked into the later stage as constants.
+_CONST_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size)

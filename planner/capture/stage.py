@@ -1,0 +1,120 @@
+"""Cutting a pipeline stage out of a graph trace: the module that runs blocks [start, end).
+
+The same code builds the stages ``planner run`` trains and the single blocks the profiler and the
+estimator time, so what is measured is what runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+
+from planner.capture.blocks import GraphTrace, TracedModel
+from planner.errors import TraceError
+from planner.torch_compat import exported_out_spec, pytree
+
+
+def _impure(node: fx.Node) -> bool:
+    """fx treats method calls as pure; in-place ones (y.mul_(2), masked_fill_) must survive dead-code removal."""
+    if node.is_impure():
+        return True
+    if node.kwargs.get("inplace") is True:
+        return True
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+
+
+def build_stage_module(traced: TracedModel, start: int, end: int, *, check_cuts: bool = True) -> fx.GraphModule:
+    """Build the module that runs ``blocks[start:end]`` of a traced model.
+
+    Its positional inputs are the tensors crossing the cut before ``start`` (the model's own inputs
+    for ``start == 0``), in graph order; it returns the tensors crossing the cut after ``end - 1``
+    (a single tensor when only one crosses), or the model's output for the last stage. Values that
+    merely pass through the stage (skip connections) are returned unchanged. Parameters and
+    submodules are shared with ``traced.gm``, not copied.
+
+    Args:
+        traced: a graph trace (method "fx" or "export").
+        start: first block of the stage.
+        end: one past the last block of the stage.
+        check_cuts: refuse illegal cuts at either end (profiling turns this off to time single
+            blocks; non-tensor values must still be constants or tensors).
+
+    Returns:
+        The stage as an ``fx.GraphModule``.
+
+    Raises:
+        TraceError: when the model was traced by module boundaries (no graph), the range is empty,
+            or a cut at either end is not legal.
+    """
+    if not isinstance(traced, GraphTrace):
+        raise TraceError(
+            f"this model was traced by module boundaries ({'; '.join(r for _, r in traced.failures)}), "
+            "so there is no graph to cut into stages; make it traceable by torch.fx or torch.export"
+        )
+    n = len(traced.blocks)
+    if not 0 <= start < end <= n:
+        raise TraceError(f"stage block range [{start}, {end}) is not within the model's {n} blocks")
+    for k in (start - 1, end - 1):
+        if check_cuts and 0 <= k < n - 1 and not traced.cuts[k].legal:
+            raise TraceError(f"cannot cut after block {traced.blocks[k].name}: {traced.cuts[k].reason}")
+    graph = fx.Graph()
+    lookup = _copier(traced, graph, start, end)
+    for i in range(start, end):
+        for name in traced.blocks[i].nodes:
+            lookup.env[name] = graph.node_copy(lookup.nodes[name], lookup)
+    graph.output(_stage_output(traced, lookup, end))
+    stage = fx.GraphModule(traced.gm, graph, f"stage_{start}_{end}")
+    # Shape reads whose consumers went to other stages are dead here; drop them.
+    stage.graph.eliminate_dead_code(is_impure_node=_impure)
+    stage.graph.lint()
+    stage.recompile()
+    return stage
+
+
+class _Lookup:
+    """Maps an original node to its copy in the stage graph, copying get_attr nodes on first use."""
+
+    def __init__(self, traced: GraphTrace, graph: fx.Graph, start: int, end: int) -> None:
+        self.graph = graph
+        self.start, self.end = start, end
+        self.env: dict[str, Any] = {}
+        self.nodes = {node.name: node for node in traced.gm.graph.nodes}
+
+    def __call__(self, a: fx.Node) -> Any:
+        if a.name not in self.env:
+            src = self.nodes[a.name]
+            if src.op != "get_attr":
+                raise TraceError(f"value {a.name} is needed in blocks [{self.start}, {self.end}) but not available there")
+            self.env[a.name] = self.graph.node_copy(src, self)
+        return self.env[a.name]
+
+
+def _copier(traced: GraphTrace, graph: fx.Graph, start: int, end: int) -> _Lookup:
+    """The lookup with the stage's inputs in place: the model's placeholders, or the cut's values."""
+    lookup = _Lookup(traced, graph, start, end)
+    if start == 0:
+        for node in traced.gm.graph.nodes:
+            if node.op == "placeholder":
+                lookup.env[node.name] = graph.node_copy(node, lookup)
+    else:
+        cut = traced.cuts[start - 1]
+        for name in cut.tensors:
+            lookup.env[name] = graph.placeholder(name)
+        for name in cut.consts:
+            lookup.env[name] = traced.values[name].const
+    return lookup
+
+
+def _stage_output(traced: GraphTrace, lookup: _Lookup, end: int) -> Any:
+    """The model's output for the last stage (in its own structure), else the tensors crossing the cut."""
+    if end == len(traced.blocks):
+        out = next(node for node in traced.gm.graph.nodes if node.op == "output")
+        result = fx.node.map_arg(out.args[0], lookup)
+        spec = exported_out_spec(traced.gm)
+        if spec is not None:  # torch.export flattens outputs; give the last stage the model's own structure
+            result = pytree.tree_unflatten(list(result), spec)  # type: ignore[arg-type]
+        return result
+    outs = tuple(lookup(lookup.nodes[name]) for name in traced.cuts[end - 1].tensors)
+    return outs[0] if len(outs) == 1 else outs

@@ -1,0 +1,153 @@
+"""What the user asked for: every option of ``planner plan`` and ``planner run``, validated once.
+
+Pure module: pydantic only, never torch. The CLI builds a request from its options and the
+library takes nothing else, so a test, a notebook and the command line make the same plan from
+the same request. Bad values become one ``PlannerError`` line that names the command-line option.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, ClassVar, Literal, TypeVar, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from planner.errors import PlannerError
+from planner.schema.costs import OptimizerSpec
+
+Schedule = Literal["gpipe", "1f1b"]
+Method = Literal["optimal", "uniform", "params"]
+Recompute = Literal["auto", "never", "always"]
+Dtype = Literal["bf16", "fp16", "fp32"]
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+METHODS: tuple[str, ...] = get_args(Method)
+RECOMPUTE: tuple[str, ...] = get_args(Recompute)
+DTYPES: tuple[str, ...] = get_args(Dtype)
+
+R = TypeVar("R", bound="_Request")
+
+
+class _Request(BaseModel):
+    """Frozen, no unknown fields, and ``build`` turning validation errors into one line."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # field -> the command-line option a user typed, for messages
+    OPTIONS: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def build(cls: type[R], **values: Any) -> R:
+        """Validate ``values`` into a request.
+
+        Args:
+            values: the fields (see the class).
+
+        Returns:
+            The request.
+
+        Raises:
+            PlannerError: a value out of range or of the wrong kind, naming its option.
+        """
+        try:
+            return cls(**values)
+        except ValidationError as e:
+            first = e.errors()[0]
+            field = str(first["loc"][0]) if first["loc"] else ""
+            option = cls.OPTIONS.get(field, field.replace("_", "-"))
+            given = values.get(field, first.get("input"))
+            msg = str(first["msg"]).removeprefix("Value error, ")
+            where = f"{option} {given}: " if option else ""
+            raise PlannerError(f"{where}{msg}") from None
+
+
+def _finite(value: float | None, option: str) -> None:
+    if value is not None and not math.isfinite(value):
+        raise ValueError(f"{option} must be a finite number")
+
+
+class PlanRequest(_Request):
+    """Every option of ``planner plan`` (see ``planner plan --help``)."""
+
+    OPTIONS: ClassVar[dict[str, str]] = {
+        "model_file": "MODEL_FILE", "gpus": "--gpus", "size": "--size", "overrides": "--set",
+        "batch_size": "--batch-size", "microbatches": "--microbatches", "schedule": "--schedule",
+        "method": "--method", "memory_limit_gib": "--memory-limit", "recompute": "--recompute",
+        "gpu_type": "--gpu-type", "dtype": "--dtype", "multi_node": "--multi-node",
+        "calibrate_run": "--calibrate", "optimizer": "--optimizer", "threads": "--threads",
+        "repeats": "--repeats", "warmup": "--warmup", "seed": "--seed", "output": "--output",
+    }
+
+    model_file: Path = Field(description="The model file (build_model, make_batch; see README).")
+    gpus: int = Field(ge=1, description="Pipeline stages, one rank each.")
+    size: str | None = Field(default=None, description="A key of the file's SIZES (None: its defaults).")
+    overrides: dict[str, Any] = Field(default_factory=dict, description="Config entries to replace (--set).")
+    batch_size: int = Field(default=32, ge=1, description="Samples per training step.")
+    microbatches: int | None = Field(default=None, ge=1, description="Microbatches per step (None: 2 x gpus, at most the batch).")
+    schedule: Schedule = "1f1b"
+    method: Method = Field(default="optimal", description="The split the plan uses; the others are compared.")
+    memory_limit_gib: float | None = Field(default=None, gt=0, description="Per-rank limit (None: the GPU's capacity when known).")
+    recompute: Recompute = Field(default="auto", description="Activation checkpointing per stage.")
+    gpu_type: str | None = Field(default=None, description="Estimate for this hardware instead of measuring here.")
+    dtype: Dtype | None = Field(default=None, description="Dtype of --gpu-type estimates (None: bf16 on GPUs, fp32 on cpu).")
+    multi_node: bool = Field(default=False, description="Estimated plans: stages talk over the inter-node network.")
+    calibrate_run: Path | None = Field(default=None, description="A run.json whose measurements correct the costs.")
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    threads: int | None = Field(default=None, ge=1, description="CPU threads per rank (None: cores // gpus).")
+    repeats: int = Field(default=5, ge=1, description="Timed runs per block.")
+    warmup: int = Field(default=2, ge=0, description="Untimed runs per block.")
+    seed: int = Field(default=0, description="Seed for weights and the example batch.")
+    output: Path = Field(default=Path("plan.json"), description="Where the plan is written.")
+    progress: bool = Field(default=True, description="Show progress bars.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PlanRequest:
+        _finite(self.memory_limit_gib, "--memory-limit")
+        m = self.n_microbatches
+        if self.batch_size % m:
+            raise ValueError(
+                f"batch size {self.batch_size} does not split into {m} equal microbatches; "
+                f"choose --batch-size as a multiple of --microbatches (e.g. --batch-size {m * max(1, self.batch_size // m)})"
+            )
+        if self.multi_node and self.gpu_type is None:
+            raise ValueError("--multi-node applies to estimated costs only; add --gpu-type (measured plans use this machine's link)")
+        if self.dtype is not None and self.gpu_type is None:
+            raise ValueError("--dtype applies to estimated costs only; add --gpu-type (measured costs use the model's own dtype)")
+        return self
+
+    @property
+    def n_microbatches(self) -> int:
+        """Microbatches per step: as given, else 2 x gpus capped at the batch size."""
+        return self.microbatches if self.microbatches is not None else min(self.batch_size, 2 * self.gpus)
+
+    @property
+    def microbatch_size(self) -> int:
+        """Samples per microbatch."""
+        return self.batch_size // self.n_microbatches
+
+    @property
+    def memory_limit_bytes(self) -> int | None:
+        """``--memory-limit`` in bytes (None: not given)."""
+        return int(self.memory_limit_gib * 2**30) if self.memory_limit_gib is not None else None
+
+
+class RunRequest(_Request):
+    """Every option of ``planner run`` (see ``planner run --help``)."""
+
+    OPTIONS: ClassVar[dict[str, str]] = {
+        "plan_file": "PLAN_FILE", "steps": "--steps", "nnodes": "--nnodes", "rdzv_endpoint": "--rdzv-endpoint",
+        "rdzv_id": "--rdzv-id", "output": "--output",
+    }
+
+    plan_file: Path = Field(description="The plan to train (relative model paths resolve against its folder).")
+    steps: int = Field(default=20, ge=1, description="Optimizer steps.")
+    nnodes: int = Field(default=1, ge=1, description="Machines taking part (torchrun's --nnodes).")
+    rdzv_endpoint: str | None = Field(default=None, description="host:port of the rendezvous (None: localhost, a free port).")
+    rdzv_id: str | None = Field(default=None, description="Rendezvous id shared by every machine (None: from the plan).")
+    output: Path | None = Field(default=None, description="Where run.json goes (None: PLAN's name with .run.json).")
+    echo: bool = Field(default=True, description="Print one line per step.")
+
+    @property
+    def result_path(self) -> Path:
+        """Where the run report is written."""
+        return self.output if self.output is not None else self.plan_file.with_suffix(".run.json")
