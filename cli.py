@@ -15,6 +15,8 @@ from typing import Any, Callable
 import click
 
 from planner.errors import PlannerError
+from planner.schema.costs import OPTIMIZERS
+from planner.schema.request import DTYPES, METHODS, RECOMPUTE, SCHEDULES
 
 
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -50,23 +52,23 @@ def main() -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override one config entry (repeatable); VALUE is JSON or a string.")
 @click.option("--batch-size", "-b", type=click.IntRange(min=1), default=32, show_default=True, help="Samples per training step (global batch).")
 @click.option("--microbatches", "-m", type=click.IntRange(min=1), default=None, help="Microbatches per step [default: 2 x gpus, at most the batch size].")
-@click.option("--schedule", type=click.Choice(["1f1b", "gpipe"]), default="1f1b", show_default=True, help="Pipeline schedule (torch.distributed.pipelining).")
-@click.option("--method", type=click.Choice(["optimal", "uniform", "params"]), default="optimal", show_default=True,
+@click.option("--schedule", type=click.Choice(list(SCHEDULES)), default="1f1b", show_default=True, help="Pipeline schedule (torch.distributed.pipelining).")
+@click.option("--method", type=click.Choice(list(METHODS)), default="optimal", show_default=True,
               help="Partition the plan uses: the exact solver, equal layer counts (torchtitan/Megatron), or parameter-balanced (DeepSpeed). The others are shown for comparison.")
 @click.option("--memory-limit", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GIB",
               help="Per-rank memory limit in GiB; the solver never exceeds it [default: the GPU's memory when known, else none].")
-@click.option("--recompute", type=click.Choice(["auto", "never", "always"]), default="auto", show_default=True,
+@click.option("--recompute", type=click.Choice(list(RECOMPUTE)), default="auto", show_default=True,
               help="Activation checkpointing per stage: only where a stage would not fit otherwise, never, or everywhere.")
 @click.option("--gpu-type", default=None, metavar="NAME",
               help="Plan for hardware that is not here (h100, h200, a100-80g, a100-40g, l4, l40s, a10g, v100, mi300x; "
                    "'cpu' = this machine's calibrated CPU): build the model on the meta device and estimate its costs "
                    "with the roofline model instead of measuring them.")
-@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
               help="Parameter/activation dtype for --gpu-type estimates [default: bf16 on GPUs, fp32 on cpu].")
 @click.option("--multi-node", is_flag=True, help="With --gpu-type: neighbouring stages talk over the inter-node network, not NVLink.")
 @click.option("--calibrate", "calibrate_run", type=click.Path(dir_okay=False), default=None, metavar="RUN.json",
               help="Correct the costs with the measurements of an earlier `planner run` of this model (its plan is found next to the run).")
-@click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True, help="Optimizer of the run (its state counts in memory).")
+@click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), default="adamw", show_default=True, help="Optimizer of the run (its state counts in memory).")
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=1e-3, show_default=True, help="Learning rate of the run.")
 @click.option("--grad-clip", type=click.FloatRange(min=0), default=1.0, show_default=True, help="Max global gradient norm (0 disables).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads per rank, for profiling and the run [default: cores // gpus].")
@@ -83,30 +85,25 @@ def plan_cmd(model_file: str, gpus: int, size: str | None, overrides: tuple[str,
              output: str, quiet: bool) -> None:
     """Trace and profile MODEL_FILE, split it into balanced stages, write the plan and print the balance report."""
     from planner.api import make_plan
-    from planner.schema.costs import OptimizerSpec
     from planner.capture.load import parse_overrides
     from planner.report.tables import render
+    from planner.schema.costs import OptimizerSpec
+    from planner.schema.request import PlanRequest
 
-    out = Path(output)
-    if not out.parent.is_dir():
-        raise PlannerError(f"--output {output}: folder {out.parent} does not exist")
-    calibrate_from = None
-    if calibrate_run:
-        from planner.core.calibrate import load_calibration
-
-        calibrate_from = load_calibration(calibrate_run)
-    plan = make_plan(
-        model_file, gpus, size=size, overrides=parse_overrides(overrides), batch_size=batch_size,
-        microbatches=microbatches, schedule=schedule, method=method,
-        memory_limit_bytes=int(memory_limit * 2**30) if memory_limit else None, recompute=recompute,
-        gpu_type=gpu_type, dtype=dtype, multi_node=multi_node, calibrate_from=calibrate_from,
-        optimizer=OptimizerSpec(name=optimizer, lr=lr, grad_clip=grad_clip or None),
-        seed=seed, warmup=warmup, repeats=repeats, threads=threads, plan_dir=out.parent, progress=not quiet,
+    request = PlanRequest.build(
+        model_file=model_file, gpus=gpus, size=size, overrides=parse_overrides(overrides), batch_size=batch_size,
+        microbatches=microbatches, schedule=schedule, method=method, memory_limit_gib=memory_limit,
+        recompute=recompute, gpu_type=gpu_type, dtype=dtype, multi_node=multi_node, calibrate_run=calibrate_run,
+        optimizer=OptimizerSpec(name=optimizer, lr=lr, grad_clip=grad_clip or None), threads=threads,
+        repeats=repeats, warmup=warmup, seed=seed, output=output, progress=not quiet,
     )
-    plan.save(out)
+    if not request.output.parent.is_dir():
+        raise PlannerError(f"--output {output}: folder {request.output.parent} does not exist")
+    plan = make_plan(request)
+    plan.save(request.output)
     if not quiet:
         click.echo(render(plan))
-    click.echo(f"\nwrote {out}")
+    click.echo(f"\nwrote {request.output}")
 
 
 @main.command("run")
@@ -119,14 +116,17 @@ def plan_cmd(model_file: str, gpus: int, size: str | None, overrides: tuple[str,
 @_user_errors
 def run_cmd(plan_file: str, steps: int, nnodes: int, rdzv_endpoint: str | None, rdzv_id: str | None, output: str | None) -> None:
     """Train with PLAN_FILE: one process per stage, the planned split points and schedule."""
-    from planner.schema.plan import Plan
     from planner.run import run_plan
+    from planner.schema.plan import Plan
+    from planner.schema.request import RunRequest
 
-    plan = Plan.load(plan_file)
-    out = Path(output) if output else Path(plan_file).with_suffix(".run.json")
+    request = RunRequest.build(plan_file=plan_file, steps=steps, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
+                               rdzv_id=rdzv_id, output=output)
+    plan = Plan.load(request.plan_file)
+    out = request.result_path
     if not out.parent.is_dir():  # checked before training, so no run's figures are lost
         raise PlannerError(f"--output {out}: folder {out.parent} does not exist")
-    result = run_plan(plan, plan_file, steps, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+    result = run_plan(plan, request)
     result.save(out)
     loss = f"; final loss {result.losses[-1]:.4f}" if result.losses else ""  # only the last stage's node has losses
     click.echo(

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
+from planner.core.assemble import assemble_plan
+from planner.schema.costs import BlockCost, LinkCost
 from planner.schema.plan import ModelRef, Plan, ProfileInfo
-from planner.core.predict import predict
-from planner.core.solve import param_balanced, solve, uniform_layers
+from planner.schema.request import PlanRequest
 
 MB = 2**20
 # A link with no fixed cost and 1 MB/ms, so comm times are easy to check by hand.
@@ -31,22 +31,14 @@ def big_head_blocks() -> list[BlockCost]:
 
 
 def make_plan(blocks: list[BlockCost], n_stages: int = 2, schedule: str = "1f1b", m: int = 4, method: str = "optimal") -> Plan:
-    """Assemble a Plan exactly as planner.api does, from given block costs."""
-    opt = OptimizerSpec()
-    parts = {
-        "optimal": solve(blocks, n_stages, LINK, schedule=schedule, n_microbatches=m, optimizer=opt),
-        "uniform": uniform_layers(blocks, n_stages, LINK),
-        "params": param_balanced(blocks, n_stages, LINK),
-    }
-    preds = {k: predict(blocks, p.starts, LINK, schedule, m, opt) for k, p in parts.items()}
-    stages, prediction = preds[method]
-    return Plan(
-        created="2026-11-21T00:00:00+00:00",
+    """Assemble a Plan from given block costs with the same code ``planner plan`` uses."""
+    request = PlanRequest.build(model_file="models/example.py", gpus=n_stages, schedule=schedule, method=method,
+                                batch_size=4 * m, microbatches=m)
+    return assemble_plan(
+        request, blocks, LINK,
         model=ModelRef(path="models/example.py", size="tiny", config={"n_layers": 4}, file_digest="0" * 16,
                        fingerprint="f" * 16, trace_method="fx", trace_failures=[], seed=0),
         profile=ProfileInfo(device="cpu", backend="gloo", threads=1, torch_version="2.13.0", hostname="test",
                             warmup=2, repeats=5),
-        link=LINK, optimizer=opt, method=method, schedule=schedule, n_stages=n_stages, batch_size=4 * m,
-        n_microbatches=m, blocks=blocks, stages=stages, prediction=prediction,
-        baselines={k: p for k, (_, p) in preds.items() if k != method},
+        memory_limit_bytes=None, created="2026-11-21T00:00:00+00:00",
     )

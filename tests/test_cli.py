@@ -160,10 +160,10 @@ def test_plan_run_report_calibrate_loop(tmp_path: Path) -> None:
     # Re-planned on the costs the run was measured against, corrected by it, the measured split
     # now predicts the measured step time.
     assert new.link.name.endswith("+calibrated")
-    from planner.core.predict import plan_slots
+    from planner.core.predict import slots_of
 
     _, again = predict(new.blocks, old.prediction.starts, new.link, old.schedule, old.n_microbatches, old.optimizer,
-                       (), plan_slots(new))
+                       (), slots_of(new.profile))
     assert again.step_time_s == pytest.approx(run.median_step_s, rel=0.02)
 
 

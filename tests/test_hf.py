@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from planner.api import make_plan
+from planner.schema.request import PlanRequest
 from planner.capture.load import load_model_file
 from planner.schema.plan import Plan
 from planner.capture.stage import build_stage_module
@@ -36,7 +37,8 @@ GPT2_BLOCKS = (
 
 
 def _quick_plan(path: Path, size: str, gpus: int = 2, method: str = "optimal"):
-    return make_plan(path, gpus, size=size, batch_size=4, warmup=0, repeats=1, progress=False, method=method)
+    return make_plan(PlanRequest.build(model_file=path, gpus=gpus, size=size, batch_size=4, warmup=0, repeats=1,
+                                       progress=False, method=method))
 
 
 def _check_tiling(plan: Plan) -> None:

@@ -33,7 +33,7 @@ from planner.schema.costs import BlockCost, LinkCost
 from planner.errors import PlanFileError
 from planner.schema.jsonfile import parse_versioned, write_atomic
 from planner.schema.plan import Plan
-from planner.core.predict import plan_slots, predict
+from planner.core.predict import predict, slots_of
 from planner.schema.result import RunResult, check_run_matches
 
 CALIBRATION_VERSION = 1
@@ -197,7 +197,7 @@ def calibrate(plan: Plan, run: RunResult) -> Calibration:
         blocks, link = apply_calibration(plan.blocks, plan.link, make(latency, g))
         recompute = [st.recompute for st in plan.stages]
         return predict(blocks, starts, link, plan.schedule, plan.n_microbatches, plan.optimizer, recompute,
-                       plan_slots(plan))[1].step_time_s
+                       slots_of(plan.profile))[1].step_time_s
 
     latency, g = 0.0, 1.0
     floor = step(0.0, 1.0)

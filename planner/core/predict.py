@@ -11,9 +11,10 @@ from collections.abc import Sequence
 
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 from planner.errors import InfeasibleError
-from planner.schema.plan import Plan, Prediction, StagePlan
+from planner.schema.plan import Plan, Prediction, ProfileInfo, StagePlan
+from planner.core.schedules import action_order, peak_in_flight
 from planner.core.simulate import simulate
-from planner.core.solve import compact_flags, recompute_flags, stage_cost, stage_memory_bytes, stage_times
+from planner.core.solve import compact_flags, recompute_flags, stage_costs, stage_memory_bytes, stage_time_parts
 
 
 def predict(
@@ -42,34 +43,16 @@ def predict(
     Returns:
         The stages (with predicted time and memory each) and the step-level prediction.
     """
-    n = len(blocks)
-    ends = list(starts[1:]) + [n]
+    stage_costs(blocks, starts, link, recompute)  # validates the split (legal cuts, non-empty stages)
     flags = recompute_flags(recompute, len(starts))
-    times = stage_times(blocks, starts, link, flags)
-    sim = simulate(times, schedule, n_microbatches, slots)
-    stages: list[StagePlan] = []
-    for i, (a, b) in enumerate(zip(starts, ends)):
-        st = times[i]
-        stages.append(
-            StagePlan(
-                index=i,
-                start=a,
-                end=b,
-                first_block=blocks[a].name,
-                last_block=blocks[b - 1].name,
-                split_node=blocks[b - 1].last_node if b < n else None,
-                params=sum(x.params for x in blocks[a:b]),
-                fwd_s=st.fwd_s,
-                bwd_s=st.bwd_s,
-                comm_s=st.comm_fwd_s + st.comm_bwd_s,
-                time_s=stage_cost(st),
-                opt_s=sum(x.opt_s for x in blocks[a:b]),
-                recompute=flags[i],
-                activation_bytes=sum(x.activation_bytes for x in blocks[a:b]),
-                in_flight=sim.peak_in_flight[i],
-                memory_bytes=stage_memory_bytes(blocks, a, b, sim.peak_in_flight[i], optimizer, flags[i], n_microbatches),
-            )
-        )
+    in_flight = [peak_in_flight(o) for o in action_order(schedule, len(starts), n_microbatches)]
+    ends = list(starts[1:]) + [len(blocks)]
+    stages = [
+        stage_plan(blocks, i, a, b, link, flags[i], in_flight[i], optimizer, n_microbatches)
+        for i, (a, b) in enumerate(zip(starts, ends))
+    ]
+    # Each action carries its messages: a forward sends/receives activations, a backward their gradients.
+    sim = simulate([(s.fwd_s + s.comm_s / 2, s.bwd_s + s.comm_s / 2) for s in stages], schedule, n_microbatches, slots)
     # After its last backward each rank joins the gradient-norm all-reduce for clipping (one
     # scalar over the pipeline group: a reduce and a broadcast, ~2 log2(p) messages), which waits
     # for the last rank to finish its backwards (stage 0 under GPipe and 1F1B); only then does
@@ -93,10 +76,56 @@ def predict(
     return stages, prediction
 
 
-def plan_slots(plan: Plan) -> float | None:
-    """How many of a plan's ranks can compute at once: cores / threads for CPU plans, else None."""
-    cores = plan.profile.cores
-    return cores / plan.profile.threads if cores else None
+def slots_of(profile: ProfileInfo) -> float | None:
+    """How many ranks can compute at once: cores / threads for CPU plans, else None (one device each)."""
+    return profile.cores / profile.threads if profile.cores else None
+
+
+def optimizer_cost(block: BlockCost) -> float:
+    """The block's share of the optimizer step; 0 when it was not timed (None)."""
+    return block.opt_s if block.opt_s is not None else 0.0
+
+
+def stage_plan(
+    blocks: Sequence[BlockCost], index: int, start: int, end: int, link: LinkCost, recompute: bool, in_flight: int,
+    optimizer: OptimizerSpec, n_microbatches: int,
+) -> StagePlan:
+    """One stage's predicted figures: times per microbatch, optimizer step, activations and peak memory.
+
+    Args:
+        blocks: per-block costs in execution order.
+        index: the stage's index.
+        start: its first block.
+        end: one past its last block.
+        link: cost of one message between neighbouring ranks.
+        recompute: whether it recomputes its activations in backward.
+        in_flight: its peak live microbatches under the schedule.
+        optimizer: the optimizer (state bytes).
+        n_microbatches: microbatches per step (receive buffers).
+
+    Returns:
+        The stage.
+    """
+    fwd, bwd, comm = stage_time_parts(blocks, start, end, link, recompute)
+    part = blocks[start:end]
+    return StagePlan(
+        index=index,
+        start=start,
+        end=end,
+        first_block=blocks[start].name,
+        last_block=blocks[end - 1].name,
+        split_node=blocks[end - 1].last_node if end < len(blocks) else None,
+        params=sum(x.params for x in part),
+        fwd_s=fwd,
+        bwd_s=bwd,
+        comm_s=2 * comm,
+        time_s=fwd + bwd + comm + comm,
+        opt_s=sum(optimizer_cost(x) for x in part),
+        recompute=recompute,
+        activation_bytes=sum(x.activation_bytes for x in part),
+        in_flight=in_flight,
+        memory_bytes=stage_memory_bytes(blocks, start, end, in_flight, optimizer, recompute, n_microbatches),
+    )
 
 
 def with_method(plan: Plan, method: str) -> Plan:
@@ -120,7 +149,7 @@ def with_method(plan: Plan, method: str) -> Plan:
         raise InfeasibleError(f"the plan has no '{method}' split to switch to; it compares {', '.join(plan.baselines) or 'nothing'}")
     base = plan.baselines[method]
     stages, prediction = predict(plan.blocks, base.starts, plan.link, plan.schedule, plan.n_microbatches,
-                                 plan.optimizer, base.recompute, plan_slots(plan))
+                                 plan.optimizer, base.recompute, slots_of(plan.profile))
     baselines = {k: v for k, v in plan.baselines.items() if k != method}
     baselines[plan.method] = plan.prediction
     return plan.model_copy(update={"method": method, "stages": stages, "prediction": prediction, "baselines": baselines})

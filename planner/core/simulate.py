@@ -5,8 +5,9 @@ order ``planner.core.schedules.action_order`` gives (the order torch's schedule 
 
 Timing model, per stage ``i`` and microbatch ``mb``:
 
-* ``F(i, mb)`` occupies rank ``i`` for ``fwd_s + comm_fwd_s`` and may start once ``F(i-1, mb)`` ended.
-* ``B(i, mb)`` occupies rank ``i`` for ``bwd_s + comm_bwd_s`` and may start once ``F(i, mb)`` ended
+* ``F(i, mb)`` occupies rank ``i`` for its forward duration (compute + its messages) and may start
+  once ``F(i-1, mb)`` ended.
+* ``B(i, mb)`` occupies rank ``i`` for its backward duration and may start once ``F(i, mb)`` ended
   and, unless ``i`` is the last stage, ``B(i+1, mb)`` ended.
 
 Communication time is folded into the action that performs it (torch's single-stage schedules wait
@@ -25,15 +26,8 @@ from planner.errors import InfeasibleError
 from planner.core.schedules import action_order, peak_in_flight
 
 
-class StageTimes(BaseModel):
-    """Per-microbatch times of one stage, seconds."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    fwd_s: float = Field(ge=0, description="Forward compute of one microbatch.")
-    bwd_s: float = Field(ge=0, description="Backward compute of one microbatch.")
-    comm_fwd_s: float = Field(ge=0, description="Receiving the input and sending the output of one forward.")
-    comm_bwd_s: float = Field(ge=0, description="Receiving the output gradient and sending the input gradient.")
+Durations = tuple[float, float]
+"""Seconds one forward action and one backward action occupy a rank, messages included."""
 
 
 class Event(BaseModel):
@@ -60,16 +54,17 @@ class SimResult(BaseModel):
     events: list[Event] = Field(description="Every action, sorted by start time then rank.")
 
 
-def _duration(st: StageTimes, kind: str) -> float:
+def _duration(st: Durations, kind: str) -> float:
     """Seconds one action of ``kind`` occupies its rank (communication included)."""
-    return st.fwd_s + st.comm_fwd_s if kind == "F" else st.bwd_s + st.comm_bwd_s
+    return st[0] if kind == "F" else st[1]
 
 
-def simulate(stages: Sequence[StageTimes], schedule: str, n_microbatches: int, slots: float | None = None) -> SimResult:
+def simulate(stages: Sequence[Durations], schedule: str, n_microbatches: int, slots: float | None = None) -> SimResult:
     """Simulate one training step of a pipeline with one stage per rank.
 
     Args:
-        stages: per-stage times, stage 0 first; one rank per stage.
+        stages: per stage, stage 0 first (one rank each), the seconds ``(F, B)`` one forward
+            and one backward action occupy its rank, messages included.
         schedule: "gpipe" or "1f1b" (see ``planner.core.schedules``).
         n_microbatches: microbatches per step.
         slots: how many ranks can compute at full speed at once: None (every rank has its own
@@ -87,7 +82,7 @@ def simulate(stages: Sequence[StageTimes], schedule: str, n_microbatches: int, s
     """
     p = len(stages)
     if p == 0:
-        raise InfeasibleError("stages is empty; expected at least one stage; pass one StageTimes per stage.")
+        raise InfeasibleError("stages is empty; expected at least one stage; pass one (F, B) duration pair per stage.")
     orders = action_order(schedule, p, n_microbatches)
     if slots is not None and slots < p:
         return _simulate_shared(stages, orders, slots)
@@ -146,7 +141,7 @@ def _deps(kind: str, rank: int, mb: int, p: int) -> list[tuple[str, int, int]]:
     return [("F", rank, mb)] + ([("B", rank + 1, mb)] if rank < p - 1 else [])
 
 
-def _simulate_shared(stages: Sequence[StageTimes], orders: list[list[tuple[str, int]]], slots: float) -> SimResult:
+def _simulate_shared(stages: Sequence[Durations], orders: list[list[tuple[str, int]]], slots: float) -> SimResult:
     """The step when ranks share ``slots`` processors: every running action progresses at rate
     ``min(1, slots / running)`` (a fluid processor-sharing model of the OS scheduler)."""
     p = len(stages)

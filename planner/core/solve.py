@@ -21,7 +21,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 from planner.errors import InfeasibleError
 from planner.core.schedules import action_order, peak_in_flight
-from planner.core.simulate import StageTimes
 
 # Relative tolerance under which two bottlenecks / cost sums count as equal (float sums in a
 # different order differ in the last bits; exact ties must not depend on that).
@@ -37,7 +36,7 @@ class Partition(BaseModel):
         description="First block of each stage; starts[0] == 0, strictly increasing. Stage k is "
         "blocks[starts[k]:starts[k+1]], the last stage runs to the end."
     )
-    bottleneck_s: float = Field(description="Max over stages of stage_cost, seconds per microbatch.")
+    bottleneck_s: float = Field(description="Max over stages of the stage cost (``stage_costs``), seconds per microbatch.")
     recompute: tuple[bool, ...] = Field(
         default=(), description="Per stage: whether it recomputes its activations in backward (empty = none does)."
     )
@@ -80,22 +79,39 @@ def compact_flags(flags: Sequence[bool]) -> tuple[bool, ...]:
     return tuple(flags) if any(flags) else ()
 
 
-def recompute_s(block: BlockCost) -> float:
-    """Extra backward time of a block whose stage recomputes activations (measured by the profiler:
-    the forward again, up to the last tensor it saves — torch's checkpoint stops early there)."""
-    return block.recompute_s
+def recompute_cost(block: BlockCost) -> float:
+    """Extra backward time of a block whose stage recomputes its activations.
+
+    The profiler measures it (the forward again, up to the last tensor it saves: torch's checkpoint
+    stops early there). When it is unknown (None: not measured) the block's whole forward is
+    charged, the most a recomputation can cost.
+    """
+    return block.recompute_s if block.recompute_s is not None else block.fwd_s
 
 
-def _stage_times_one(blocks: Sequence[BlockCost], start: int, end: int, link: LinkCost, recompute: bool = False) -> StageTimes:
-    comm = _boundary_send_s(blocks, start, end, link)
+def stage_time_parts(
+    blocks: Sequence[BlockCost], start: int, end: int, link: LinkCost, recompute: bool = False
+) -> tuple[float, float, float]:
+    """Forward, backward and per-direction message seconds of the stage ``blocks[start:end]``, per microbatch.
+
+    The message time is paid once in forward (activations) and once in backward (their gradients,
+    the same sizes). Activation checkpointing re-runs the stage's forward inside its backward
+    (Chen et al. 2016), so a recomputing stage's backward includes ``recompute_cost``.
+
+    Args:
+        blocks: per-block costs in execution order.
+        start: first block of the stage.
+        end: one past its last block.
+        link: cost of one message between neighbouring ranks.
+        recompute: whether the stage recomputes its activations.
+
+    Returns:
+        ``(fwd_s, bwd_s, comm_s)``, ``comm_s`` for one direction.
+    """
     part = blocks[start:end]
-    return StageTimes(
-        fwd_s=sum(b.fwd_s for b in part),
-        # Activation checkpointing re-runs the stage's forward inside its backward (Chen et al. 2016).
-        bwd_s=sum(b.bwd_s for b in part) + (sum(recompute_s(b) for b in part) if recompute else 0.0),
-        comm_fwd_s=comm,
-        comm_bwd_s=comm,  # gradients cross the same boundaries with the same sizes
-    )
+    fwd = sum(b.fwd_s for b in part)
+    bwd = sum(b.bwd_s for b in part) + (sum(recompute_cost(b) for b in part) if recompute else 0.0)
+    return fwd, bwd, _boundary_send_s(blocks, start, end, link)
 
 
 def _bounds(starts: Sequence[int], n: int) -> list[tuple[int, int]]:
@@ -122,42 +138,32 @@ def _check_starts(blocks: Sequence[BlockCost], starts: Sequence[int]) -> None:
             )
 
 
-def stage_times(
+def stage_costs(
     blocks: Sequence[BlockCost], starts: Sequence[int], link: LinkCost, recompute: Sequence[bool] = ()
-) -> list[StageTimes]:
-    """Per-stage, per-microbatch times of a partition, communication included.
+) -> list[float]:
+    """Seconds one microbatch occupies each stage: forward + backward + its messages both ways.
 
-    For a rank, ``comm_fwd_s = link.send_s(bytes in)`` (unless first) ``+ link.send_s(bytes out)``
-    (unless last); ``comm_bwd_s`` is the same (gradients go the other way with the same sizes).
+    The largest one bounds the pipeline's throughput (Narayanan et al. 2021, Eq. 1).
 
     Args:
         blocks: per-block costs in execution order.
         starts: first block of each stage (see ``Partition.starts``).
         link: cost of one message between neighbouring ranks.
-        recompute: per stage, whether it recomputes activations (adds the forward again to its
-            backward); empty means no stage does.
+        recompute: per stage, whether it recomputes activations; empty means no stage does.
 
     Returns:
-        One ``StageTimes`` per stage.
+        One cost per stage.
 
     Raises:
         InfeasibleError: ``starts`` is not a valid partition on legal cuts.
     """
     _check_starts(blocks, starts)
     flags = recompute_flags(recompute, len(starts))
-    return [_stage_times_one(blocks, s, e, link, r) for (s, e), r in zip(_bounds(starts, len(blocks)), flags)]
-
-
-def stage_cost(st: StageTimes) -> float:
-    """Seconds one microbatch occupies a stage: ``fwd_s + bwd_s + comm_fwd_s + comm_bwd_s``.
-
-    Args:
-        st: the stage's times.
-
-    Returns:
-        The stage's total time per microbatch; the largest one bounds the pipeline's throughput.
-    """
-    return st.fwd_s + st.bwd_s + st.comm_fwd_s + st.comm_bwd_s
+    costs = []
+    for (s, e), r in zip(_bounds(starts, len(blocks)), flags):
+        fwd, bwd, comm = stage_time_parts(blocks, s, e, link, r)
+        costs.append(fwd + bwd + comm + comm)
+    return costs
 
 
 def stage_memory_bytes(
@@ -287,7 +293,7 @@ def stage_memories(
 
 
 def evaluate(blocks: Sequence[BlockCost], starts: Sequence[int], link: LinkCost, recompute: Sequence[bool] = ()) -> Partition:
-    """The bottleneck of a given split.
+    """The bottleneck of a given split (max of ``stage_costs``).
 
     Args:
         blocks: per-block costs in execution order.
@@ -295,14 +301,13 @@ def evaluate(blocks: Sequence[BlockCost], starts: Sequence[int], link: LinkCost,
         link: cost of one message between neighbouring ranks.
 
     Returns:
-        The partition with its ``bottleneck_s`` (max stage_cost, communication included).
+        The partition with its ``bottleneck_s`` (max stage cost, communication included).
 
     Raises:
         InfeasibleError: ``starts`` is not a valid partition on legal cuts.
     """
-    times = stage_times(blocks, starts, link, recompute)
-    flags = compact_flags(recompute)
-    return Partition(starts=tuple(starts), bottleneck_s=max(stage_cost(t) for t in times), recompute=flags)
+    costs = stage_costs(blocks, starts, link, recompute)
+    return Partition(starts=tuple(starts), bottleneck_s=max(costs), recompute=compact_flags(recompute))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -592,7 +597,7 @@ def solve(
 ) -> Partition:
     """The partition with the smallest bottleneck stage cost (exact).
 
-    Minimises max stage_cost over all contiguous partitions into exactly ``n_stages`` non-empty
+    Minimises max stage cost over all contiguous partitions into exactly ``n_stages`` non-empty
     stages on legal cuts, with every stage's ``stage_memory_bytes`` (using the peak in-flight count
     of that stage index under ``schedule``) at most ``memory_limit_bytes`` when given. Ties (within
     a relative 1e-9) go to the least total stage cost (less communication), then to the
@@ -627,7 +632,7 @@ def solve(
     plain = _cost_matrix(blocks, link)
     pre_r = [0.0]
     for b in blocks:
-        pre_r.append(pre_r[-1] + recompute_s(b))
+        pre_r.append(pre_r[-1] + recompute_cost(b))
     limit = memory_limit_bytes if memory_limit_bytes is not None else math.inf
     # Without a limit "auto" never needs to recompute.
     mode = recompute if memory_limit_bytes is not None or recompute == "always" else "never"

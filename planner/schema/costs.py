@@ -6,7 +6,12 @@ solver and simulator read them. They round-trip through JSON as part of ``plan.j
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 from pydantic import BaseModel, ConfigDict, Field
+
+OptimizerName = Literal["adamw", "sgd"]
+OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
 
 
 class BlockCost(BaseModel):
@@ -89,7 +94,7 @@ class OptimizerSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str = Field(default="adamw", description="'adamw' or 'sgd'.")
+    name: OptimizerName = Field(default="adamw", description="'adamw' or 'sgd'.")
     lr: float = Field(default=1e-3, gt=0)
     grad_clip: float | None = Field(default=1.0, description="Max global gradient norm; None disables clipping.")
 

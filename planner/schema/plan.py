@@ -13,10 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 from planner.schema.jsonfile import parse_versioned, read_text, write_atomic
+from planner.schema.request import Method, Schedule
 
 PLAN_VERSION = 1
-Schedule = Literal["gpipe", "1f1b"]
-Method = Literal["optimal", "uniform", "params"]
 
 
 class _Frozen(BaseModel):
