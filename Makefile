@@ -1,4 +1,4 @@
-# Two entry points for a fresh machine (see README): `make demo` and `make test`.
+# Two entry points for a fresh machine (see README): `make demo` and `make test` (lint, types, tests).
 # Both build their own virtual environment; torch is pinned to the CPU wheel that installs offline
 # here (an unpinned torch would pull a multi-GB CUDA build).
 PYTHON ?= python3
@@ -20,6 +20,10 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/planner run plan.json --steps 10
 
 test: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --strict planner/core planner/schema planner/report planner/errors.py
 	$(PY) -m pytest -q
 
 clean:

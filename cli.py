@@ -87,14 +87,13 @@ def plan_cmd(model_file: str, gpus: int, size: str | None, overrides: tuple[str,
     from planner.api import make_plan
     from planner.capture.load import parse_overrides
     from planner.report.tables import render
-    from planner.schema.costs import OptimizerSpec
     from planner.schema.request import PlanRequest
 
     request = PlanRequest.build(
         model_file=model_file, gpus=gpus, size=size, overrides=parse_overrides(overrides), batch_size=batch_size,
         microbatches=microbatches, schedule=schedule, method=method, memory_limit_gib=memory_limit,
         recompute=recompute, gpu_type=gpu_type, dtype=dtype, multi_node=multi_node, calibrate_run=calibrate_run,
-        optimizer=OptimizerSpec(name=optimizer, lr=lr, grad_clip=grad_clip or None), threads=threads,
+        optimizer={"name": optimizer, "lr": lr, "grad_clip": grad_clip or None}, threads=threads,
         repeats=repeats, warmup=warmup, seed=seed, output=output, progress=not quiet,
     )
     if not request.output.parent.is_dir():

@@ -10,7 +10,7 @@ Runs, as a subprocess,
 
 and measures its wall time and peak resident memory (``os.wait4``'s rusage of that child: the
 ``ru_maxrss`` that ``/usr/bin/time -v`` reports). Planning a 70B model must not allocate its
-weights (DESIGN.md, Costs), so the peak RSS should be a few hundred MB, not the 141 GB of bf16
+weights (docs/architecture.md, "Costs"), so the peak RSS should be a few hundred MB, not the 141 GB of bf16
 weights. It then reads the plan and replaces the section between the markers in the doc with the
 timing, the per-stage table (blocks, parameters, activations per microbatch, in flight, predicted
 memory) and the hand calculation of docs/plan_70b.md for the same split, side by side.

@@ -70,13 +70,3 @@ def test_invalid_plans(edit, message: str) -> None:  # type: ignore[no-untyped-d
     edit(raw)
     with pytest.raises(PlanFileError, match=message):
         Plan.from_json(json.dumps(raw))
-
-
-def test_pure_modules_import_no_torch() -> None:
-    code = (
-        "import sys; import planner.schema.plan, planner.report.tables, planner.core.predict, planner.core.solve, "
-        "planner.core.simulate, planner.core.schedules, planner.schema.costs, planner.errors, planner.core.hardware, planner.report.compare, "
-        "planner.core.calibrate, planner.schema.jsonfile, planner.schema.result; "
-        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))"
-    )
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

@@ -358,3 +358,14 @@ def test_pure_modules_do_not_import_torch() -> None:
     code = "import planner.core.solve, planner.core.simulate, planner.core.schedules, planner.schema.costs, sys; assert 'torch' not in sys.modules"
     res = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+
+
+def test_unknown_recompute_cost_is_charged_as_the_whole_forward() -> None:
+    # recompute_s None (not measured): a recomputing stage pays its blocks' forward again in backward.
+    blocks = times([1, 1, 1, 1], act=100, cut=10)
+    assert all(b.recompute_s is None for b in blocks)
+    always = solve(blocks, 2, FREE, n_microbatches=4, recompute="always")
+    never = solve(blocks, 2, FREE, n_microbatches=4, recompute="never")
+    assert always.recompute == (True, True)
+    fwd = sum(b.fwd_s for b in blocks[: always.starts[1]])
+    assert always.bottleneck_s == pytest.approx(never.bottleneck_s + fwd)

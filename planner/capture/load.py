@@ -1,4 +1,4 @@
-"""Loading a model file that follows the model-file contract (DESIGN.md).
+"""Loading a model file that follows the model-file contract (README.md, docs/architecture.md).
 
 Required: ``build_model(**config) -> nn.Module`` and
 ``make_batch(batch_size, **config) -> (inputs tuple, target)``.

@@ -92,15 +92,19 @@ def _ratio(measured: float, predicted: float) -> float:
     return measured / predicted if predicted > 0 and measured > 0 else 1.0
 
 
+def _scaled(x: float | None, factor: float) -> float | None:
+    return None if x is None else x * factor  # unknown stays unknown
+
+
 def _scale_block(b: BlockCost, s: StageCalibration, g: float) -> BlockCost:
     f, w = s.fwd_factor * g, s.bwd_factor * g
     return b.model_copy(update={
         "fwd_s": b.fwd_s * f,
         "bwd_s": b.bwd_s * w,
-        "bwd_input_s": b.bwd_input_s * w,
-        "bwd_weight_s": b.bwd_weight_s * w,
-        "recompute_s": b.recompute_s * f,  # recomputation is a forward
-        "opt_s": b.opt_s * s.opt_factor * g,
+        "bwd_input_s": _scaled(b.bwd_input_s, w),
+        "bwd_weight_s": _scaled(b.bwd_weight_s, w),
+        "recompute_s": _scaled(b.recompute_s, f),  # recomputation is a forward
+        "opt_s": _scaled(b.opt_s, s.opt_factor * g),
     })
 
 

@@ -19,6 +19,7 @@ reproduces Megatron's step time ``(m + p - 1)(t_f + t_b)`` (Narayanan et al. 202
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -147,7 +148,7 @@ def _simulate_shared(stages: Sequence[Durations], orders: list[list[tuple[str, i
     p = len(stages)
     end: dict[tuple[str, int, int], float] = {}
     next_idx = [0] * p
-    running: dict[int, list] = {}  # rank -> [kind, microbatch, start, work left]
+    running: dict[int, list[Any]] = {}  # rank -> [kind, microbatch, start, work left]
     busy = [0.0] * p
     events: list[Event] = []
     now = 0.0

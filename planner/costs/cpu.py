@@ -34,7 +34,9 @@ from torch import nn
 from planner.schema.costs import GLOO_CPU_LINK
 from planner.errors import PlannerError
 from planner.core.hardware import HardwareSpec
+from planner.costs.estimate import Roofline, Tally
 from planner.schema.jsonfile import write_atomic
+from planner.threads import torch_threads
 
 DEFAULT_CACHE = Path("~/.cache/planner/cpu.json")
 
@@ -72,7 +74,6 @@ def _memory_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 5) -> float:
 
 
 def _op_overhead(repeats: int = 7) -> float:
-    from planner.costs.estimate import Roofline, Tally  # estimate imports hardware only; no cycle
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 16), nn.LayerNorm(16))
@@ -108,14 +109,10 @@ def measure_cpu(threads: int) -> HardwareSpec:
     """
     if threads < 1:
         raise PlannerError(f"threads {threads}: need at least 1")
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         flops = _matmul_flops()
         bandwidth = _memory_bandwidth()
         overhead = _op_overhead()
-    finally:
-        torch.set_num_threads(old)
     host = socket.gethostname()
     return HardwareSpec(
         name=f"cpu-{host}-{threads}t",

@@ -1,6 +1,6 @@
 """Analytical per-block costs for hardware that is not here: FLOPs and bytes → roofline time.
 
-DESIGN.md "Costs / Estimated". Each block of a graph-traced model is cut out as its own module
+Costs for hardware that is not here (docs/architecture.md, "Costs"). Each block of a graph-traced model is cut out as its own module
 (``planner.capture.trace.build_stage_module``, as ``planner.costs.measure`` does) and run forward and backward
 on the ``meta`` device, where operators compute shapes but no data. A ``TorchDispatchMode``
 (``Roofline``) sees every aten operator and charges it
@@ -42,17 +42,17 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from tqdm import tqdm
 
-from planner.schema.costs import BlockCost, OptimizerSpec
-from planner.errors import PlannerError, TraceError
-from planner.core.hardware import DTYPES, HardwareSpec, dtype_bytes
-from planner.costs.measure import _backward_roots, _grad_inputs, _needs_non_leaf
 from planner.capture.blocks import GraphTrace, TracedModel
 from planner.capture.stage import build_stage_module
+from planner.core.hardware import DTYPES, HardwareSpec, dtype_bytes
+from planner.costs.blocks import block_cost
+from planner.costs.timing import backward_roots, grad_inputs, leaf_safe
+from planner.errors import PlannerError, TraceError
+from planner.schema.costs import BlockCost, OptimizerSpec
+from planner.torch_compat import TorchDispatchMode, pytree, storage_id, swapped_sdpa
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 aten = torch.ops.aten
@@ -284,11 +284,10 @@ def _fused_attention(roof: "Roofline") -> Iterator[None]:
     inside a leaf module keeps the unfused estimate, which over-counts bytes only.
     """
     _ACTIVE.append(roof)
-    F.scaled_dot_product_attention = _sdpa
     try:
-        yield
+        with swapped_sdpa(_sdpa):
+            yield
     finally:
-        F.scaled_dot_product_attention = _ORIGINAL_SDPA
         _ACTIVE.pop()
 
 
@@ -332,11 +331,6 @@ def _block_state(stage: torch.fx.GraphModule, dtype: torch.dtype) -> dict[str, t
     return state
 
 
-def _storage_id(t: torch.Tensor) -> int:
-    # Meta storages have no address (data_ptr is 0); the storage object's C pointer identifies it.
-    return t.untyped_storage()._cdata
-
-
 @dataclass
 class _BlockRun:
     fwd: Tally
@@ -351,24 +345,20 @@ def _run_block(
     hw: HardwareSpec, dtype: str, tdtype: torch.dtype, float_bytes: int | None,
 ) -> _BlockRun:
     state = _block_state(stage, tdtype)
-    param_storages = {_storage_id(t) for t in state.values()}
+    param_storages = {storage_id(t) for t in state.values()}
 
-    def forward(a: tuple) -> Any:
+    def run(a: tuple[Any, ...]) -> Any:
         out = functional_call(stage, state, a, tie_weights=True, strict=False)
         return loss_fn(out, target) if last else out
 
-    if _needs_non_leaf(forward, _grad_inputs(args)):  # a block starting with an in-place op
-        plain = forward
-
-        def forward(a: tuple) -> Any:  # noqa: F811 - deliberate wrapper
-            return plain(tuple(x.clone() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in a))
+    forward = leaf_safe(run, grad_inputs(args))  # a block starting with an in-place op
 
     mode = Roofline(hw, dtype, float_bytes)
     saved: dict[int, int] = {}
     keep: list[torch.Tensor] = []  # keep saved tensors alive so storage ids stay unique
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        sid = _storage_id(t)
+        sid = storage_id(t)
         if sid not in param_storages and sid not in saved:
             nbytes = t.untyped_storage().nbytes()
             if float_bytes is not None and t.is_floating_point():
@@ -377,11 +367,11 @@ def _run_block(
             keep.append(t)
         return t
 
-    inputs = _grad_inputs(args)
+    inputs = grad_inputs(args)
     fwd, bwd, bwd_input = Tally(), Tally(), Tally()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode.phase(fwd):
         out = forward(inputs)
-    roots, grads = _backward_roots(out)
+    roots, grads = backward_roots(out)
     if roots:
         with mode.phase(bwd):
             torch.autograd.backward(roots, grads)
@@ -390,12 +380,12 @@ def _run_block(
     keep.clear()  # release the saved tensors held for their storage ids
 
     # I of F/I/W: a fresh forward (charged to nothing), then gradients w.r.t. the inputs only.
-    inputs = _grad_inputs(args)
+    inputs = grad_inputs(args)
     wanted = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
     if wanted:
         with mode.phase(Tally()):
             out = forward(inputs)
-        roots, grads = _backward_roots(out)
+        roots, grads = backward_roots(out)
         if roots:
             with mode.phase(bwd_input):
                 torch.autograd.grad(roots, wanted, grads, allow_unused=True)
@@ -518,39 +508,31 @@ def estimate_blocks(
                                  _meta_like(target, torch.float32), loss_fn, hw, dtype, torch.float32, width)
             except RuntimeError as e:
                 raise _meta_error(block.name, e) from e
-        params = owned[k]
-        n_params = sum(p.numel() for p in params)
-        param_bytes = sum(p.numel() * (width if p.is_floating_point() else p.element_size()) for p in params)
-        cut = traced.cuts[k] if not last else None
-        out_bytes = sum(t.numel() * (width if t.is_floating_point() else t.element_size())
-                        for t in run.outputs if isinstance(t, torch.Tensor))
-        bwd_input_s = min(run.bwd_input.seconds, run.bwd.seconds)
-        costs.append(
-            BlockCost(
-                name=block.name,
-                first_node=block.nodes[0],
-                last_node=block.nodes[-1],
-                fwd_s=run.fwd.seconds,
-                bwd_s=run.bwd.seconds,
-                bwd_input_s=bwd_input_s,
-                bwd_weight_s=run.bwd.seconds - bwd_input_s,
-                recompute_s=run.fwd.seconds,
-                flops_fwd=run.fwd.flops,
-                flops_bwd=run.bwd.flops,
-                opt_s=optimizer_step_seconds(n_params, param_bytes, sum(1 for p in params if p.requires_grad), hw, optimizer)
-                if optimizer is not None else 0.0,
-                params=n_params,
-                param_bytes=param_bytes,
-                activation_bytes=run.saved_bytes,
-                cut_bytes=out_bytes if cut else 0,
-                cut_tensors=len(cut.tensors) if cut else 0,
-                cut_legal=cut.legal if cut else False,
-                is_layer=block.is_layer,
-            )
-        )
+        costs.append(_block_cost(traced, k, owned[k], run, hw, width, optimizer))
         current = tuple(_meta_like(t, tdtype) if isinstance(t, torch.Tensor) else t for t in run.outputs)
     bar.close()
     return costs
+
+
+def _block_cost(
+    traced: TracedModel, k: int, params: list[torch.nn.Parameter], run: _BlockRun, hw: HardwareSpec, width: int,
+    optimizer: OptimizerSpec | None,
+) -> BlockCost:
+    """Block k's record from its roofline run: W = B - I, recompute = the forward, sizes in the planning dtype."""
+    n_params = sum(p.numel() for p in params)
+    param_bytes = sum(p.numel() * (width if p.is_floating_point() else p.element_size()) for p in params)
+    out_bytes = sum(t.numel() * (width if t.is_floating_point() else t.element_size())
+                    for t in run.outputs if isinstance(t, torch.Tensor))
+    bwd_input_s = min(run.bwd_input.seconds, run.bwd.seconds)
+    opt_s = None
+    if optimizer is not None:
+        opt_s = optimizer_step_seconds(n_params, param_bytes, sum(1 for p in params if p.requires_grad), hw, optimizer)
+    return block_cost(
+        traced, k, params, fwd_s=run.fwd.seconds, bwd_s=run.bwd.seconds, bwd_input_s=bwd_input_s,
+        bwd_weight_s=run.bwd.seconds - bwd_input_s, recompute_s=run.fwd.seconds, flops_fwd=run.fwd.flops,
+        flops_bwd=run.bwd.flops, opt_s=opt_s, activation_bytes=run.saved_bytes, float_bytes=width,
+        cut_bytes=out_bytes,
+    )
 
 
 def _meta_error(block: str, e: Exception) -> PlannerError:

@@ -11,15 +11,17 @@ The whole model runs forward and backward; hooks note when each block starts and
 - backward split (I, W) and recompute: there is no graph to cut a block out of, but each block is a
   module, so its inputs (positional and keyword) are captured with a forward pre-hook during the
   first whole-model run, and afterwards the block is called alone on them and timed with the same
-  functions as the graph profiler (``planner.costs.measure.time_input_weight``: torch.distributed
+  functions as the graph profiler (``planner.costs.timing.time_input_weight``: torch.distributed
   .pipelining's own ``stage_backward_input`` / ``stage_backward_weight``; and
-  ``planner.costs.measure.time_recompute``). Inputs of block 0 need no gradient (a first stage gets the
+  ``planner.costs.timing.time_recompute``). Inputs of block 0 need no gradient (a first stage gets the
   user's data), so I = 0 and W = its full backward there, as torch runs a first stage; later
   blocks' float inputs require grad, as a stage receives them; keyword tensors never do (torch
   sends no gradient for them). The last block includes the loss when its output is the model's
   output; when root-level operations follow it, it is timed with a gradient of ones on its own
   output, so those operations and the loss are in its B but not in its I/W. A block the model
-  never called gets I = W = recompute = 0.
+  never called, or that cannot run alone on its captured inputs (state passed in keyword
+  arguments, such as Hugging Face's DynamicCache, keeps tensors of the whole-model graph), gets
+  I = W = recompute = None: unknown, and the solver charges its whole forward for a recompute.
 
 Root-level operations between blocks are not attributed to any block; for models that need this
 fallback they are a few element-wise operations.
@@ -29,40 +31,99 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 from tqdm import tqdm
 
+from planner.capture.blocks import ModuleTrace
+from planner.costs.blocks import block_cost
+from planner.costs.timing import grad_inputs, leaf_safe, time_input_weight, time_recompute
 from planner.schema.costs import BlockCost
-from planner.costs.measure import _grad_inputs, _needs_non_leaf, time_input_weight, time_recompute
-from planner.capture.blocks import TracedModel
+from planner.torch_compat import pytree
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
+class _Observer:
+    """Hooks on every block module: forward start/end, when its output gradient is ready, saved bytes."""
+
+    def __init__(self, traced: ModuleTrace) -> None:
+        self.names = [b.name for b in traced.blocks]
+        self.n = len(self.names)
+        self.param_ids = {id(p) for p in traced.model.parameters()}
+        self.inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}  # first call's (args, kwargs)
+        self.capture = True
+        self.last_out: Any = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new whole-model run."""
+        self.fwd = [0.0] * self.n
+        self.start: dict[int, float] = {}
+        self.grad_ready: dict[int, float] = {}
+        self.hooked: set[int] = set()
+        self.saved: list[set[tuple[int, int]]] = [set() for _ in range(self.n)]
+        self.block: int | None = None
+
+    def pre(self, i: int, args: Any, kwargs: Any) -> None:
+        if self.capture and i not in self.inputs:  # copies: root ops may change them in place
+            self.inputs[i] = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
+        self.block = i
+        self.start[i] = time.perf_counter()
+
+    def post(self, i: int, out: Any) -> None:
+        self.fwd[i] = time.perf_counter() - self.start[i]
+        self.block = None
+        if self.capture and i == self.n - 1:
+            self.last_out = out
+        leaf = next((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if leaf is not None and i not in self.hooked:
+            self.hooked.add(i)
+            leaf.register_hook(lambda g, i=i: self.grad_ready.__setitem__(i, time.perf_counter()))
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.block is not None and id(t) not in self.param_ids:
+            self.saved[self.block].add((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+        return t
+
+    @contextmanager
+    def installed(self, model: torch.nn.Module) -> Iterator[None]:
+        """The forward pre- and post-hooks on every block module, removed on exit."""
+        handles = []
+        for i, name in enumerate(self.names):
+            module = model.get_submodule(name)
+            handles.append(module.register_forward_pre_hook(
+                lambda mod, args, kwargs, i=i: self.pre(i, args, kwargs), with_kwargs=True))
+            handles.append(module.register_forward_hook(lambda mod, args, out, i=i: self.post(i, out)))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+
 def profile_module_blocks(
-    traced: TracedModel,
-    inputs: tuple,
+    traced: ModuleTrace,
+    inputs: tuple[Any, ...],
     target: torch.Tensor,
     loss_fn: LossFn,
     *,
     warmup: int = 2,
     repeats: int = 5,
-    threads: int | None = None,
     progress: bool = True,
 ) -> list[BlockCost]:
     """Measure each block of a module-boundary trace during whole-model forward/backward runs.
 
     Args:
-        traced: a TracedModel with ``method == "modules"``.
+        traced: a module trace.
         inputs: positional inputs of one microbatch.
         target: the microbatch's target.
         loss_fn: ``loss_fn(output, target) -> scalar``.
         warmup: untimed whole-model runs.
         repeats: timed runs; medians are kept.
-        threads: intra-op threads while measuring; None keeps the current setting.
         progress: show a progress bar.
 
     Returns:
@@ -70,153 +131,85 @@ def profile_module_blocks(
     """
     model = traced.model
     model.train()
-    names = [b.name for b in traced.blocks]
-    index = {name: i for i, name in enumerate(names)}
-    n = len(names)
-    param_ids = {id(p) for p in model.parameters()}
+    obs = _Observer(traced)
+    n = obs.n
     fwd: list[list[float]] = [[] for _ in range(n)]
     bwd: list[list[float]] = [[] for _ in range(n)]
     saved = [0] * n
-    state: dict[str, Any] = {}
-    handles = []
-    for name in names:
-        module = model.get_submodule(name)
-
-        def pre(mod: Any, args: Any, kwargs: Any, name: str = name) -> None:
-            i = index[name]
-            if state["capture"] and i not in state["inputs"]:  # copies: root ops may change them in place
-                state["inputs"][i] = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
-            state["block"] = i
-            state.setdefault("start", {})[name] = time.perf_counter()
-
-        def post(mod: Any, args: Any, out: Any, name: str = name) -> None:
-            i = index[name]
-            state["fwd"][i] = time.perf_counter() - state["start"][name]
-            state["block"] = None
-            if state["capture"] and i == n - 1:
-                state["last_out"] = out
-            leaf = next((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad), None)
-            if leaf is not None and i not in state["hooked"]:
-                state["hooked"].add(i)
-                leaf.register_hook(lambda g, i=i: state["grad_ready"].__setitem__(i, time.perf_counter()))
-
-        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(module.register_forward_hook(post))
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        i = state.get("block")
-        if i is not None and id(t) not in param_ids:
-            state["saved"][i].add((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
-        return t
-
-    old_threads = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    state.update(inputs={}, capture=True, last_out=None)
     ends_model = False
     try:
-        for r in tqdm(range(warmup + repeats), desc="profiling model", disable=None if progress else True, leave=False):
-            state.update(fwd=[0.0] * n, grad_ready={}, hooked=set(), saved=[set() for _ in range(n)], block=None)
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                output = model(*inputs)
-                loss = loss_fn(output, target)
-            if state["capture"]:
-                ends_model = state["last_out"] is output
-                state.update(capture=False, last_out=None)
-            del output
-            t_start = time.perf_counter()
-            loss.backward()
-            t_end = time.perf_counter()
-            model.zero_grad(set_to_none=True)
-            if r < warmup:
-                continue
-            ready = state["grad_ready"]
-            for i in range(n):
-                fwd[i].append(state["fwd"][i])
-                begin = ready.get(i, t_start) if i < n - 1 else t_start
-                end = ready.get(i - 1, t_end) if i > 0 else t_end
-                bwd[i].append(max(0.0, end - begin))
-                saved[i] = sum(size for _, size in state["saved"][i])
-        for h in handles:  # the isolated runs below must not trigger the timing hooks
-            h.remove()
-        handles.clear()
+        with obs.installed(model):
+            for r in tqdm(range(warmup + repeats), desc="profiling model", disable=None if progress else True, leave=False):
+                obs.reset()
+                with torch.autograd.graph.saved_tensors_hooks(obs.pack, lambda t: t):
+                    output = model(*inputs)
+                    loss = loss_fn(output, target)
+                if obs.capture:
+                    ends_model = obs.last_out is output
+                    obs.capture, obs.last_out = False, None
+                del output
+                t_start = time.perf_counter()
+                loss.backward()
+                t_end = time.perf_counter()
+                model.zero_grad(set_to_none=True)
+                if r < warmup:
+                    continue
+                for i in range(n):
+                    fwd[i].append(obs.fwd[i])
+                    begin = obs.grad_ready.get(i, t_start) if i < n - 1 else t_start
+                    end = obs.grad_ready.get(i - 1, t_end) if i > 0 else t_end
+                    bwd[i].append(max(0.0, end - begin))
+                    saved[i] = sum(size for _, size in obs.saved[i])
+        # the isolated runs below run with the timing hooks removed
+        names = tqdm(obs.names, desc="profiling I/W", disable=None if progress else True, leave=False)
         split = [
-            _split_block(model.get_submodule(name), state["inputs"].get(i), i == 0, loss_fn, target,
+            _split_block(model.get_submodule(name), obs.inputs.get(i), i == 0, loss_fn, target,
                          i == n - 1 and ends_model, warmup, repeats)
-            for i, name in enumerate(tqdm(names, desc="profiling I/W", disable=None if progress else True, leave=False))
+            for i, name in enumerate(names)
         ]
     finally:
-        for h in handles:
-            h.remove()
-        state.clear()
         model.zero_grad(set_to_none=True)
-        torch.set_num_threads(old_threads)
-    costs = []
     owned = traced.owned_parameters()
-    for i, name in enumerate(names):
-        params = owned[i]
-        cut = traced.cuts[i] if i < n - 1 else None
-        costs.append(
-            BlockCost(
-                name=name,
-                first_node=name,
-                last_node=name,
-                fwd_s=statistics.median(fwd[i]),
-                bwd_s=statistics.median(bwd[i]),
-                bwd_input_s=split[i][0],
-                bwd_weight_s=split[i][1],
-                recompute_s=split[i][2],
-                params=sum(p.numel() for p in params),
-                param_bytes=sum(p.numel() * p.element_size() for p in params),
-                activation_bytes=saved[i],
-                cut_bytes=cut.nbytes if cut else 0,
-                cut_tensors=len(cut.tensors) if cut else 0,
-                cut_legal=cut.legal if cut else False,
-                is_layer=traced.blocks[i].is_layer,
-            )
-        )
-    return costs
+    return [
+        block_cost(traced, i, owned[i], fwd_s=statistics.median(fwd[i]), bwd_s=statistics.median(bwd[i]),
+                   bwd_input_s=split[i][0], bwd_weight_s=split[i][1], recompute_s=split[i][2],
+                   activation_bytes=saved[i])
+        for i in range(n)
+    ]
 
 
 def _split_block(
     module: torch.nn.Module,
-    captured: tuple[tuple, dict] | None,
+    captured: tuple[tuple[Any, ...], dict[str, Any]] | None,
     first: bool,
     loss_fn: LossFn,
     target: torch.Tensor,
     with_loss: bool,
     warmup: int,
     repeats: int,
-) -> tuple[float, float, float]:
-    """Median (I, W, recompute) seconds of one block called alone on its captured inputs."""
+) -> tuple[float | None, float | None, float | None]:
+    """Median (I, W, recompute) seconds of one block called alone on its captured inputs (None: unknown)."""
     if captured is None:  # the model never called this block
-        return 0.0, 0.0, 0.0
+        return None, None, None
     args, kwargs = captured
     kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), kwargs)
 
-    def forward(a: tuple) -> Any:
+    def run(a: tuple[Any, ...]) -> Any:
         out = module(*a, **kwargs)
         return loss_fn(out, target) if with_loss else out
 
-    # as in planner.costs.measure: a block starting with an in-place op cannot take a leaf input
-    if _needs_non_leaf(forward, _grad_inputs(args, not first)):
-        plain = forward
-
-        def forward(a: tuple) -> Any:  # noqa: F811 - deliberate wrapper
-            return plain(tuple(x.clone() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in a))
-
     weights = list(module.parameters())
     runs = []
-    for r in range(warmup + repeats):
-        try:
-            i_s, w_s = time_input_weight(forward, _grad_inputs(args, not first), weights)
-            rec = time_recompute(forward, _grad_inputs(args, not first))
-        except RuntimeError:
-            # Some blocks cannot run alone on their captured inputs: state passed in keyword
-            # arguments (Hugging Face's DynamicCache) keeps tensors of the whole-model graph. Their
-            # I/W split and recompute time stay unknown (0); forward and backward are still measured.
-            return 0.0, 0.0, 0.0
-        if r >= warmup:
-            runs.append((i_s, w_s, rec))
+    try:
+        forward = leaf_safe(run, grad_inputs(args, not first))
+        for r in range(warmup + repeats):
+            i_s, w_s = time_input_weight(forward, grad_inputs(args, not first), weights)
+            rec = time_recompute(forward, grad_inputs(args, not first))
+            if r >= warmup:
+                runs.append((i_s, w_s, rec))
+    except RuntimeError:
+        # The block cannot run alone on its captured inputs (keyword state of the whole-model graph):
+        # its I/W split and recompute time stay unknown; forward and backward are still measured.
+        return None, None, None
     return (statistics.median(x[0] for x in runs), statistics.median(x[1] for x in runs),
             statistics.median(x[2] for x in runs))

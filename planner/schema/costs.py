@@ -30,19 +30,22 @@ class BlockCost(BaseModel):
     params: int = Field(ge=0, description="Parameters first used in this block (shared ones counted once).")
     param_bytes: int = Field(ge=0, description="Bytes of those parameters.")
     activation_bytes: int = Field(ge=0, description="Bytes saved for backward by one microbatch.")
-    bwd_input_s: float = Field(
-        default=0.0, ge=0, description="Backward w.r.t. the block's inputs only (I of F/I/W), seconds; 0 if not profiled."
+    bwd_input_s: float | None = Field(
+        default=None, ge=0, description="Backward w.r.t. the block's inputs only (I of F/I/W), seconds; None if not measured."
     )
-    bwd_weight_s: float = Field(
-        default=0.0, ge=0, description="Backward w.r.t. the block's weights only (W of F/I/W), seconds; 0 if not profiled."
+    bwd_weight_s: float | None = Field(
+        default=None, ge=0, description="Backward w.r.t. the block's weights only (W of F/I/W), seconds; None if not measured."
     )
-    recompute_s: float = Field(
-        default=0.0, ge=0, description="Extra forward the block costs in backward under activation checkpointing, seconds."
+    recompute_s: float | None = Field(
+        default=None, ge=0,
+        description="Extra forward the block costs in backward under activation checkpointing, seconds; None if not "
+        "measured (the solver then charges the whole forward).",
     )
-    flops_fwd: float = Field(default=0.0, ge=0, description="Forward FLOPs per microbatch (torch.utils.flop_counter); 0 if not counted.")
-    flops_bwd: float = Field(default=0.0, ge=0, description="Backward FLOPs per microbatch; 0 if not counted.")
-    opt_s: float = Field(
-        default=0.0, ge=0, description="Optimizer step over this block's parameters, seconds (once per step, not per microbatch)."
+    flops_fwd: float | None = Field(default=None, ge=0, description="Forward FLOPs per microbatch (torch.utils.flop_counter); None if not counted.")
+    flops_bwd: float | None = Field(default=None, ge=0, description="Backward FLOPs per microbatch; None if not counted.")
+    opt_s: float | None = Field(
+        default=None, ge=0,
+        description="Optimizer step over this block's parameters, seconds (once per step, not per microbatch); None if not timed.",
     )
     cut_bytes: int = Field(
         ge=0, description="Bytes crossing a stage boundary placed right after this block, per microbatch, one way."
@@ -60,7 +63,7 @@ class LinkCost(BaseModel):
 
     A message costs ``latency_s + nbytes / bandwidth_Bps``. On this project's CPU machines the fixed
     part dominates: ~1-3 ms per (stage, microbatch) action inside a gloo pipelining schedule (see
-    shared/REFERENCES.md), far above gloo's raw 0.2-0.4 ms round trip.
+    docs/predict_vs_measured.md, where calibration fits it), far above gloo's raw 0.2-0.4 ms round trip.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -81,7 +84,7 @@ class LinkCost(BaseModel):
         return self.latency_s + nbytes / self.bandwidth_Bps
 
 
-# Measured on this project's machines (shared/REFERENCES.md): ~1-3 ms fixed cost per
+# Measured on this project's machines (docs/predict_vs_measured.md): ~1-3 ms fixed cost per
 # (stage, microbatch) action inside a torch.distributed.pipelining schedule on gloo; loopback
 # bandwidth for the small tensors involved is a few GB/s.
 GLOO_CPU_LINK = LinkCost(name="gloo-cpu", latency_s=1.5e-3, bandwidth_Bps=2.0e9)
@@ -95,8 +98,10 @@ class OptimizerSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: OptimizerName = Field(default="adamw", description="'adamw' or 'sgd'.")
-    lr: float = Field(default=1e-3, gt=0)
-    grad_clip: float | None = Field(default=1.0, description="Max global gradient norm; None disables clipping.")
+    lr: float = Field(default=1e-3, gt=0, allow_inf_nan=False, description="Learning rate.")
+    grad_clip: float | None = Field(
+        default=1.0, gt=0, allow_inf_nan=False, description="Max global gradient norm; None disables clipping."
+    )
 
     def state_bytes(self, params: int, param_bytes: int) -> int:
         """Bytes of optimizer state for ``params`` parameters that take ``param_bytes`` bytes.

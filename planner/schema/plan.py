@@ -7,7 +7,7 @@ Pure module: pydantic only, never torch. A plan round-trips through its JSON tex
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -27,7 +27,7 @@ class ModelRef(_Frozen):
 
     path: str = Field(description="Model file, absolute or relative to the plan file's folder.")
     size: str | None = Field(description="SIZES entry, or None for the file's defaults.")
-    config: dict = Field(description="Config passed to build_model/make_batch (size + --set overrides).")
+    config: dict[str, Any] = Field(description="Config passed to build_model/make_batch (size + --set overrides).")
     file_digest: str = Field(description="SHA-256 prefix of the model file's text when planned.")
     fingerprint: str = Field(description="Hash of the traced structure: blocks, graph nodes, parameter shapes.")
     trace_method: Literal["fx", "export", "modules"]

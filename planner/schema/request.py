@@ -53,9 +53,10 @@ class _Request(BaseModel):
             return cls(**values)
         except ValidationError as e:
             first = e.errors()[0]
-            field = str(first["loc"][0]) if first["loc"] else ""
+            loc = [str(part) for part in first["loc"]]
+            field = loc[-1] if len(loc) > 1 and loc[0] == "optimizer" else (loc[0] if loc else "")
             option = cls.OPTIONS.get(field, field.replace("_", "-"))
-            given = values.get(field, first.get("input"))
+            given = first.get("input") if len(loc) > 1 else values.get(field, first.get("input"))
             msg = str(first["msg"]).removeprefix("Value error, ")
             where = f"{option} {given}: " if option else ""
             raise PlannerError(f"{where}{msg}") from None
@@ -76,6 +77,7 @@ class PlanRequest(_Request):
         "gpu_type": "--gpu-type", "dtype": "--dtype", "multi_node": "--multi-node",
         "calibrate_run": "--calibrate", "optimizer": "--optimizer", "threads": "--threads",
         "repeats": "--repeats", "warmup": "--warmup", "seed": "--seed", "output": "--output",
+        "name": "--optimizer", "lr": "--lr", "grad_clip": "--grad-clip",
     }
 
     model_file: Path = Field(description="The model file (build_model, make_batch; see README).")

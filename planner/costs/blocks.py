@@ -1,0 +1,81 @@
+"""The one builder from raw measurements to ``BlockCost``, for every way of getting costs.
+
+The measured graph profiler, the module-boundary profiler and the roofline estimator each produce
+times and bytes; what a block *is* (its name, nodes, parameters, the cut after it, whether it is a
+repeated layer) comes from the trace, and is filled in here, once.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from planner.capture.blocks import TracedModel
+from planner.schema.costs import BlockCost
+
+
+def block_cost(
+    traced: TracedModel,
+    k: int,
+    params: list[nn.Parameter],
+    *,
+    fwd_s: float,
+    bwd_s: float,
+    activation_bytes: int,
+    bwd_input_s: float | None = None,
+    bwd_weight_s: float | None = None,
+    recompute_s: float | None = None,
+    flops_fwd: float | None = None,
+    flops_bwd: float | None = None,
+    opt_s: float | None = None,
+    float_bytes: int | None = None,
+    cut_bytes: int | None = None,
+) -> BlockCost:
+    """The cost record of block ``k`` of ``traced``.
+
+    Args:
+        traced: the captured model.
+        k: the block's index.
+        params: the parameters the block owns (``TracedModel.owned_parameters()[k]``).
+        fwd_s: forward seconds per microbatch.
+        bwd_s: backward seconds per microbatch.
+        activation_bytes: bytes saved for backward by one microbatch.
+        bwd_input_s: I of F/I/W; None when not measured.
+        bwd_weight_s: W of F/I/W; None when not measured.
+        recompute_s: extra forward under activation checkpointing; None when not measured.
+        flops_fwd: forward FLOPs; None when not counted.
+        flops_bwd: backward FLOPs; None when not counted.
+        opt_s: the block's share of the optimizer step; None when not timed.
+        float_bytes: bytes per floating-point parameter element in the planning dtype (estimates
+            for another dtype); None counts the parameters as they are.
+        cut_bytes: bytes crossing the cut after the block when they differ from the trace's
+            (estimates in another dtype); None takes the trace's.
+
+    Returns:
+        The block's costs.
+    """
+    block = traced.blocks[k]
+    cut = traced.cuts[k] if k < len(traced.cuts) else None
+
+    def width(p: nn.Parameter) -> int:
+        return float_bytes if float_bytes is not None and p.is_floating_point() else p.element_size()
+
+    return BlockCost(
+        name=block.name,
+        first_node=block.nodes[0],
+        last_node=block.nodes[-1],
+        fwd_s=fwd_s,
+        bwd_s=bwd_s,
+        bwd_input_s=bwd_input_s,
+        bwd_weight_s=bwd_weight_s,
+        recompute_s=recompute_s,
+        flops_fwd=flops_fwd,
+        flops_bwd=flops_bwd,
+        opt_s=opt_s,
+        params=sum(p.numel() for p in params),
+        param_bytes=sum(p.numel() * width(p) for p in params),
+        activation_bytes=activation_bytes,
+        cut_bytes=0 if cut is None else (cut.nbytes if cut_bytes is None else cut_bytes),
+        cut_tensors=len(cut.tensors) if cut else 0,
+        cut_legal=cut.legal if cut else False,
+        is_layer=block.is_layer,
+    )

@@ -1,0 +1,192 @@
+"""The timers both profilers share: how a block's inputs arrive, I/W backward, recompute, optimizer step.
+
+A pipeline stage receives its inputs as detached tensors that require grad (``grad_inputs``); the
+first stage gets the user's data, which needs none. A block that starts with an in-place operation
+(a ReLU(inplace=True) right after a batch norm) cannot take such a leaf input; inside a pipeline it
+never has to (the tracer makes such cuts illegal), so it is timed on a non-leaf copy
+(``leaf_safe``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from planner.schema.costs import OptimizerSpec
+from planner.torch_compat import is_view, pipelining_backward, pytree
+
+Forward = Callable[[tuple[Any, ...]], Any]
+
+
+def grad_inputs(values: tuple[Any, ...], grad: bool = True) -> tuple[Any, ...]:
+    """Detach block inputs and let float tensors require grad, as a pipeline stage receives them.
+
+    Args:
+        values: the block's inputs.
+        grad: False for the first block: a pipeline's first stage gets the user's data, which
+            needs no gradient.
+
+    Returns:
+        The inputs as the stage would receive them.
+    """
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            v = v.detach()
+            if grad and v.is_floating_point():
+                v.requires_grad_(True)
+        out.append(v)
+    return tuple(out)
+
+
+def leaf_safe(forward: Forward, args: tuple[Any, ...]) -> Forward:
+    """``forward``, or a wrapper that clones its grad-requiring inputs when it modifies a leaf in place.
+
+    Args:
+        forward: ``forward(args)`` -> the block's output.
+        args: example inputs as ``grad_inputs`` makes them (one trial forward runs on them).
+
+    Returns:
+        A forward that accepts leaf inputs.
+
+    Raises:
+        RuntimeError: the trial forward fails for another reason.
+    """
+    try:
+        forward(args)
+    except RuntimeError as e:
+        if "leaf Variable that requires grad" not in str(e):
+            raise
+
+        def cloned(a: tuple[Any, ...]) -> Any:
+            return forward(tuple(x.clone() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in a))
+
+        return cloned
+    return forward
+
+
+def sync(values: tuple[Any, ...]) -> None:
+    """Wait for queued GPU work so wall-clock timing measures it (a no-op on CPU)."""
+    if any(isinstance(v, torch.Tensor) and v.is_cuda for v in values):
+        torch.cuda.synchronize()
+
+
+def backward_roots(out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Outputs that need a gradient, and a gradient of ones for each."""
+    roots = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    return roots, [torch.ones_like(t) for t in roots]
+
+
+def time_input_weight(forward: Forward, args: tuple[Any, ...], weights: Sequence[torch.Tensor]) -> tuple[float, float]:
+    """One forward (untimed), then backward as zero-bubble schedules run it: I, then W.
+
+    Uses torch.distributed.pipelining's own ``stage_backward_input`` / ``stage_backward_weight``
+    (as ``PipelineStage.backward_one_chunk(full_backward=False)`` and
+    ``backward_weight_one_chunk`` call them). When no input needs a gradient, torch runs no I and a
+    full ``stage_backward`` as W (its first-stage path); without trainable weights W = 0.
+
+    Args:
+        forward: ``forward(args)`` -> the block's output (or the loss, for the last block).
+        args: the block's inputs, already detached / requiring grad as a stage receives them.
+        weights: the block's parameters.
+
+    Returns:
+        ``(I, W)`` in seconds.
+    """
+    stage_backward, stage_backward_input, stage_backward_weight = pipelining_backward()
+    trainable = [w for w in weights if w.requires_grad]
+    grad_in = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    if not trainable and not grad_in:
+        return 0.0, 0.0
+    out = forward(args)
+    roots, grads = backward_roots(out)
+    if not roots:
+        return 0.0, 0.0
+    # stage_backward_input detaches the outputs in place, which torch refuses for views (a stage
+    # whose output is a view fails under zero-bubble schedules); a clone costs one copy backward.
+    roots = [t.clone() if is_view(t) else t for t in roots]
+    sync(args)
+    t0 = time.perf_counter()
+    if not grad_in:
+        stage_backward(roots, grads, list(args))
+        sync(args)
+        return 0.0, time.perf_counter() - t0
+    _, groups = stage_backward_input(roots, grads, list(args), iter(trainable))
+    sync(args)
+    t1 = time.perf_counter()
+    if not trainable:
+        return t1 - t0, 0.0
+    stage_backward_weight(iter(trainable), groups)
+    sync(args)
+    return t1 - t0, time.perf_counter() - t1
+
+
+def time_recompute(forward: Forward, args: tuple[Any, ...]) -> float:
+    """Seconds the forward takes when activation checkpointing re-runs it inside backward.
+
+    The block runs under non-reentrant ``torch.utils.checkpoint`` (torch's defaults: early stop,
+    RNG state preserved); its function is timed on each call and the second call is the
+    recomputation. 0.0 when backward never needs it (nothing saved, nothing requires grad).
+
+    Args:
+        forward: ``forward(args)`` -> the block's output (or the loss, for the last block).
+        args: the block's inputs as a stage receives them.
+
+    Returns:
+        Recompute seconds.
+    """
+    calls: list[float] = []
+
+    def timed(*a: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return forward(a)
+        finally:  # early stop ends the recomputation with an exception: still one call
+            sync(a)
+            calls.append(time.perf_counter() - t0)
+
+    out = checkpoint(timed, *args, use_reentrant=False)
+    roots, grads = backward_roots(out)
+    if roots:
+        torch.autograd.backward(roots, grads)
+    sync(args)
+    return calls[1] if len(calls) > 1 else 0.0
+
+
+def time_optimizer_step(params: list[torch.Tensor], optimizer: OptimizerSpec, warmup: int = 1, repeats: int = 3) -> float:
+    """Median time of one optimizer step over copies of ``params`` with random gradients.
+
+    Args:
+        params: the parameters one block owns (left untouched: copies are stepped).
+        optimizer: which optimizer and learning rate.
+        warmup: untimed steps (AdamW allocates its state on the first).
+        repeats: timed steps.
+
+    Returns:
+        Seconds per step (0.0 when there are no parameters).
+    """
+    trainable = [p for p in params if p.requires_grad]
+    if not trainable:
+        return 0.0
+    copies = [p.detach().clone().requires_grad_(True) for p in trainable]
+    for c in copies:
+        c.grad = torch.randn_like(c)
+    opt: torch.optim.Optimizer
+    if optimizer.name == "sgd":
+        opt = torch.optim.SGD(copies, lr=optimizer.lr)
+    else:
+        opt = torch.optim.AdamW(copies, lr=optimizer.lr)
+    times = []
+    for r in range(max(1, warmup) + repeats):
+        sync(tuple(copies))
+        t0 = time.perf_counter()
+        opt.step()
+        sync(tuple(copies))
+        if r >= max(1, warmup):
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
