@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import functools
 import sys
-from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -141,8 +141,8 @@ def run_cmd(plan_file: str, steps: int, nnodes: int, rdzv_endpoint: str | None, 
 @_user_errors
 def report_cmd(plan_file: str, run_file: str | None) -> None:
     """Print the balance tables of a saved plan (and, with --measured, how a run of it compared)."""
-    from planner.schema.plan import Plan
     from planner.report.tables import render
+    from planner.schema.plan import Plan
 
     plan = Plan.load(plan_file)
     click.echo(render(plan))

@@ -26,12 +26,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-from planner.costs.cpu import calibrated_cpu  # noqa: E402
-from planner.schema.costs import OptimizerSpec  # noqa: E402
-from planner.costs.estimate import estimate_blocks  # noqa: E402
 from planner.capture.load import load_model_file  # noqa: E402
-from planner.costs.measure import profile_blocks  # noqa: E402
 from planner.capture.trace import trace_model  # noqa: E402
+from planner.costs.cpu import calibrated_cpu  # noqa: E402
+from planner.costs.estimate import estimate_blocks  # noqa: E402
+from planner.costs.measure import profile_blocks  # noqa: E402
+from planner.schema.costs import OptimizerSpec  # noqa: E402
 
 # (model file, size, overrides, microbatch size)
 CASES = [

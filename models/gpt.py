@@ -37,8 +37,8 @@ sequences from a fixed random "successor" rule (with probability 0.9 the next
 token is ``perm[token]``, otherwise uniform), targets = the next token.
 """
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.nn as nn

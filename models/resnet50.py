@@ -31,7 +31,7 @@ mean colour (per channel) and spatial pattern; images are that plus noise.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn

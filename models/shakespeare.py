@@ -31,9 +31,9 @@ random (seeded) windows (B, block_size) with targets shifted by one.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.nn as nn

@@ -18,7 +18,7 @@ fixed random linear "teacher" (seeded from ``seed``) plus 0.1 noise.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn

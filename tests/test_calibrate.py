@@ -10,9 +10,9 @@ import pytest
 from plan_factory import LINK, big_head_blocks, make_plan
 
 from planner.core.calibrate import Calibration, apply_calibration, calibrate, load_calibration
+from planner.core.predict import predict
 from planner.errors import PlanFileError
 from planner.schema.plan import Plan
-from planner.core.predict import predict
 from planner.schema.result import RunResult, StageMeasure
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,7 +16,7 @@ MODELS = ROOT / "models"
 FAST = ["--repeats", "1", "--warmup", "0", "-q"]
 
 
-def invoke(*args: str) -> "CliRunner.invoke":  # type: ignore[name-defined]
+def invoke(*args: str) -> CliRunner.invoke:  # type: ignore[name-defined]
     return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
 
@@ -152,9 +152,8 @@ def test_plan_run_report_calibrate_loop(tmp_path: Path) -> None:
     result = invoke("plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "-b", "8", "-o", str(calibrated),
                     "--calibrate", str(run_path), *FAST)
     assert result.exit_code == 0, result.output
-    from planner.schema.result import RunResult
-
     from planner.core.predict import predict
+    from planner.schema.result import RunResult
 
     run, old, new = RunResult.load(run_path), Plan.load(plan_path), Plan.load(calibrated)
     # Re-planned on the costs the run was measured against, corrected by it, the measured split

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from plan_factory import MB, big_head_blocks, make_plan
 
-from planner.report.compare import compare_table, step_error
 from planner.errors import PlanFileError
+from planner.report.compare import compare_table, step_error
 from planner.schema.plan import Plan
 from planner.schema.result import MemoryMeasure, RunResult, StageMeasure
 

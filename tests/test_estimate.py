@@ -17,14 +17,14 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from planner.costs.cpu import calibrated_cpu
-from planner.schema.costs import OptimizerSpec
-from planner.errors import PlannerError
-from planner.costs.estimate import estimate_blocks, optimizer_step_seconds
-from planner.core.hardware import HardwareSpec, get_hardware
 from planner.capture.load import load_model_file
-from planner.costs.measure import profile_blocks
 from planner.capture.trace import trace_model
+from planner.core.hardware import HardwareSpec, get_hardware
+from planner.costs.cpu import calibrated_cpu
+from planner.costs.estimate import estimate_blocks, optimizer_step_seconds
+from planner.costs.measure import profile_blocks
+from planner.errors import PlannerError
+from planner.schema.costs import OptimizerSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 B, T, IN, OUT = 8, 128, 1024, 4096

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from planner.api import make_plan
-from planner.schema.request import PlanRequest
 from planner.capture.load import load_model_file
-from planner.schema.plan import Plan
 from planner.capture.stage import build_stage_module
 from planner.capture.trace import trace_model
+from planner.schema.plan import Plan
+from planner.schema.request import PlanRequest
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 HF_STYLE = FIXTURES / "hf_style.py"

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from planner.errors import ModelFileError, PlannerError
 from planner.capture.load import ModelFile, default_loss, load_model_file, parse_overrides
+from planner.errors import ModelFileError, PlannerError
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ["gpt", "encoder_lm", "resnet50", "shakespeare", "toy"]
@@ -354,8 +354,8 @@ def test_model_file_errors_are_planner_errors():
 
 
 def test_a_stream_that_ends_is_a_one_line_error(tmp_path: Path) -> None:
-    from planner.errors import ModelFileError
     from planner.capture.load import load_model_file
+    from planner.errors import ModelFileError
 
     path = tmp_path / "short.py"
     path.write_text(

@@ -197,7 +197,7 @@ def test_gpt_structure():
     model = mf.build_model(**mf.SIZES["tiny"])
     assert isinstance(model.layers, torch.nn.ModuleDict)
     assert len(model.layers) == mf.SIZES["tiny"]["n_layers"]
-    assert all(isinstance(l, torch.nn.TransformerDecoderLayer) for l in model.layers.values())
+    assert all(isinstance(layer, torch.nn.TransformerDecoderLayer) for layer in model.layers.values())
 
 
 @pytest.mark.parametrize("name", ["encoder_lm", "shakespeare"])

@@ -18,10 +18,10 @@ import torch.fx
 from torch import nn
 from torch.nn import functional as F
 
-from planner.schema.costs import BlockCost
 from planner.capture.load import load_model_file
-from planner.costs.measure import profile_blocks
 from planner.capture.trace import trace_model
+from planner.costs.measure import profile_blocks
+from planner.schema.costs import BlockCost
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

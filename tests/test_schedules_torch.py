@@ -17,8 +17,8 @@ from torch.distributed.pipelining import schedules as tsched  # noqa: E402
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops  # noqa: E402
 from torch.distributed.pipelining.stage import PipelineStage  # noqa: E402
 
-from planner.errors import InfeasibleError  # noqa: E402
 from planner.core.schedules import action_order, peak_in_flight  # noqa: E402
+from planner.errors import InfeasibleError  # noqa: E402
 
 TORCH_CLASSES = {"gpipe": tsched.ScheduleGPipe, "1f1b": tsched.Schedule1F1B}
 CASES = [(p, m) for p in range(1, 6) for m in range(1, 10)]

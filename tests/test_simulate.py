@@ -8,9 +8,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from planner.errors import InfeasibleError
 from planner.core.schedules import SCHEDULES, action_order, peak_in_flight
 from planner.core.simulate import Durations, simulate
+from planner.errors import InfeasibleError
 
 
 def _equal(p: int, f: float, b: float) -> list[Durations]:

@@ -13,20 +13,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
-from planner.errors import InfeasibleError
 from planner.core.schedules import SCHEDULES, action_order, peak_in_flight
 from planner.core.solve import (
     Partition,
     evaluate,
     param_balanced,
     solve,
+    stage_costs,
     stage_memories,
     stage_memory_bytes,
-    stage_costs,
     stage_time_parts,
     uniform_layers,
 )
+from planner.errors import InfeasibleError
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 
 FREE = LinkCost(name="free", latency_s=0.0, bandwidth_Bps=1.0)  # with cut_bytes=0: no communication
 SGD = OptimizerSpec(name="sgd")

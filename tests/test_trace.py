@@ -14,11 +14,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.errors import PlannerError, TraceError
-from planner.capture.load import load_model_file
 from planner.capture.blocks import GraphTrace, ModuleTrace, TracedModel
+from planner.capture.load import load_model_file
 from planner.capture.stage import build_stage_module
 from planner.capture.trace import trace_model
+from planner.errors import PlannerError, TraceError
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -38,7 +38,7 @@ EXPECTED_BLOCKS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load(path: str, size: str = "tiny", batch: int = 2, **overrides):
     """(model in eval mode, inputs, target, traced) for a model file; cached per module run."""
     mf = load_model_file(path, size, overrides or None)

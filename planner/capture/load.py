@@ -13,10 +13,11 @@ import inspect
 import json
 import sys
 import traceback
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F

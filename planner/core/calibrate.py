@@ -29,11 +29,11 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.schema.costs import BlockCost, LinkCost
+from planner.core.predict import predict, slots_of
 from planner.errors import PlanFileError
+from planner.schema.costs import BlockCost, LinkCost
 from planner.schema.jsonfile import parse_versioned, write_atomic
 from planner.schema.plan import Plan
-from planner.core.predict import predict, slots_of
 from planner.schema.result import RunResult, check_run_matches
 
 CALIBRATION_VERSION = 1
@@ -75,7 +75,7 @@ class Calibration(BaseModel):
         return self.model_dump_json(indent=2) + "\n"
 
     @classmethod
-    def from_json(cls, text: str, source: str = "calibration") -> "Calibration":
+    def from_json(cls, text: str, source: str = "calibration") -> Calibration:
         """Parse and validate a calibration's JSON text.
 
         Raises:

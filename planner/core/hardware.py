@@ -20,8 +20,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.schema.costs import LinkCost
 from planner.errors import PlannerError
+from planner.schema.costs import LinkCost
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16")
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}

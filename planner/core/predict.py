@@ -9,12 +9,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
-from planner.errors import InfeasibleError
-from planner.schema.plan import Plan, Prediction, ProfileInfo, StagePlan
 from planner.core.schedules import action_order, peak_in_flight
 from planner.core.simulate import simulate
 from planner.core.solve import compact_flags, recompute_flags, stage_costs, stage_memory_bytes, stage_time_parts
+from planner.errors import InfeasibleError
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
+from planner.schema.plan import Plan, Prediction, ProfileInfo, StagePlan
 
 
 def predict(

@@ -23,9 +23,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.errors import InfeasibleError
 from planner.core.schedules import action_order, peak_in_flight
-
+from planner.errors import InfeasibleError
 
 Durations = tuple[float, float]
 """Seconds one forward action and one backward action occupy a rank, messages included."""

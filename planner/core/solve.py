@@ -18,9 +18,11 @@ from collections.abc import Callable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
-from planner.errors import InfeasibleError
 from planner.core.schedules import action_order, peak_in_flight
+from planner.errors import InfeasibleError
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
+
+DEFAULT_OPTIMIZER = OptimizerSpec()  # frozen, so one shared default is safe
 
 # Relative tolerance under which two bottlenecks / cost sums count as equal (float sums in a
 # different order differ in the last bits; exact ties must not depend on that).
@@ -265,7 +267,7 @@ def stage_memories(
     *,
     schedule: str,
     n_microbatches: int,
-    optimizer: OptimizerSpec = OptimizerSpec(),
+    optimizer: OptimizerSpec = DEFAULT_OPTIMIZER,
     recompute: Sequence[bool] = (),
 ) -> list[int]:
     """Memory estimate of every stage of a partition (see ``stage_memory_bytes``).
@@ -591,7 +593,7 @@ def solve(
     *,
     schedule: str = "1f1b",
     n_microbatches: int,
-    optimizer: OptimizerSpec = OptimizerSpec(),
+    optimizer: OptimizerSpec = DEFAULT_OPTIMIZER,
     memory_limit_bytes: int | None = None,
     recompute: str = "auto",
 ) -> Partition:

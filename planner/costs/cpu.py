@@ -25,16 +25,16 @@ import os
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
 
-from planner.schema.costs import GLOO_CPU_LINK
-from planner.errors import PlannerError
 from planner.core.hardware import HardwareSpec
 from planner.costs.estimate import Roofline, Tally
+from planner.errors import PlannerError
+from planner.schema.costs import GLOO_CPU_LINK
 from planner.schema.jsonfile import write_atomic
 from planner.threads import torch_threads
 
@@ -63,7 +63,7 @@ def _matmul_flops(repeats: int = 3) -> float:
     for m, k, n, ta, tb in _GEMMS:
         a = torch.randn(k, m).t() if ta else torch.randn(m, k)
         b = torch.randn(n, k).t() if tb else torch.randn(k, n)
-        rates.append(2 * m * k * n / _median_time(lambda: torch.mm(a, b), 1, repeats))
+        rates.append(2 * m * k * n / _median_time(lambda a=a, b=b: torch.mm(a, b), 1, repeats))
     return statistics.median(rates)
 
 

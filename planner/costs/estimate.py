@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -235,7 +236,7 @@ class _FusedAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, roof: "Roofline", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(ctx: Any, roof: Roofline, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
         o = q.new_empty((*q.shape[:-1], v.shape[-1]))
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
@@ -255,7 +256,7 @@ class _FusedAttention(torch.autograd.Function):
 
 
 _ORIGINAL_SDPA = F.scaled_dot_product_attention
-_ACTIVE: list["Roofline"] = []  # the Roofline whose phase is running (innermost last)
+_ACTIVE: list[Roofline] = []  # the Roofline whose phase is running (innermost last)
 
 
 def _sdpa(*args: Any, **kwargs: Any) -> Any:
@@ -271,7 +272,7 @@ def _sdpa(*args: Any, **kwargs: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _fused_attention(roof: "Roofline") -> Iterator[None]:
+def _fused_attention(roof: Roofline) -> Iterator[None]:
     """Route scaled-dot-product attention to ``_FusedAttention`` where a fused kernel runs.
 
     GPUs have a fused kernel for every case here (FlashAttention; memory-efficient attention for

@@ -115,7 +115,7 @@ class Plan(_Frozen):
         return self.batch_size // self.n_microbatches
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Plan":
+    def _consistent(self) -> Plan:
         if self.batch_size % self.n_microbatches:
             raise ValueError(f"batch_size {self.batch_size} is not divisible by n_microbatches {self.n_microbatches}")
         if len(self.stages) != self.n_stages:
@@ -139,7 +139,7 @@ class Plan(_Frozen):
         return self.model_dump_json(indent=2) + "\n"
 
     @classmethod
-    def from_json(cls, text: str, source: str = "plan") -> "Plan":
+    def from_json(cls, text: str, source: str = "plan") -> Plan:
         """Parse and validate a plan's JSON text.
 
         Args:
@@ -159,7 +159,7 @@ class Plan(_Frozen):
         write_atomic(path, self.to_json())
 
     @classmethod
-    def load(cls, path: str | Path) -> "Plan":
+    def load(cls, path: str | Path) -> Plan:
         """Read and validate a plan file.
 
         Raises:

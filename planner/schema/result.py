@@ -140,7 +140,7 @@ class RunResult(BaseModel):
         write_atomic(path, self.to_json())
 
     @classmethod
-    def load(cls, path: str | Path) -> "RunResult":
+    def load(cls, path: str | Path) -> RunResult:
         """Read and validate a run.json.
 
         Raises:
