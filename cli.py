@@ -1,8 +1,8 @@
 """The ``planner`` command: parse options, call the library, print. Nothing else lives here.
 
-    planner plan MODEL.py --gpus N     trace, profile, solve; write plan.json; print balance tables
-    planner run PLAN.json              launch one process per stage and train with the planned schedule
-    planner report PLAN.json           print the balance tables of a saved plan
+planner plan MODEL.py --gpus N     trace, profile, solve; write plan.json; print balance tables
+planner run PLAN.json              launch one process per stage and train with the planned schedule
+planner report PLAN.json           print the balance tables of a saved plan
 """
 
 from __future__ import annotations
@@ -47,42 +47,160 @@ def main() -> None:
 
 @main.command("plan")
 @click.argument("model_file", type=click.Path(dir_okay=False))
-@click.option("--gpus", "-g", type=click.IntRange(min=1), required=True, help="Number of pipeline stages (one rank each).")
-@click.option("--size", "-s", default=None, help="Named config from the model file's SIZES (default: the file's own defaults).")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override one config entry (repeatable); VALUE is JSON or a string.")
-@click.option("--batch-size", "-b", type=click.IntRange(min=1), default=32, show_default=True, help="Samples per training step (global batch).")
-@click.option("--microbatches", "-m", type=click.IntRange(min=1), default=None, help="Microbatches per step [default: 2 x gpus, at most the batch size].")
-@click.option("--schedule", type=click.Choice(list(SCHEDULES)), default="1f1b", show_default=True, help="Pipeline schedule (torch.distributed.pipelining).")
-@click.option("--method", type=click.Choice(list(METHODS)), default="optimal", show_default=True,
-              help="Partition the plan uses: the exact solver, equal layer counts (torchtitan/Megatron), or parameter-balanced (DeepSpeed). The others are shown for comparison.")
-@click.option("--memory-limit", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GIB",
-              help="Per-rank memory limit in GiB; the solver never exceeds it [default: the GPU's memory when known, else none].")
-@click.option("--recompute", type=click.Choice(list(RECOMPUTE)), default="auto", show_default=True,
-              help="Activation checkpointing per stage: only where a stage would not fit otherwise, never, or everywhere.")
-@click.option("--gpu-type", default=None, metavar="NAME",
-              help="Plan for hardware that is not here (h100, h200, a100-80g, a100-40g, l4, l40s, a10g, v100, mi300x; "
-                   "'cpu' = this machine's calibrated CPU): build the model on the meta device and estimate its costs "
-                   "with the roofline model instead of measuring them.")
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
-              help="Parameter/activation dtype for --gpu-type estimates [default: bf16 on GPUs, fp32 on cpu].")
-@click.option("--multi-node", is_flag=True, help="With --gpu-type: neighbouring stages talk over the inter-node network, not NVLink.")
-@click.option("--calibrate", "calibrate_run", type=click.Path(dir_okay=False), default=None, metavar="RUN.json",
-              help="Correct the costs with the measurements of an earlier `planner run` of this model (its plan is found next to the run).")
-@click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), default="adamw", show_default=True, help="Optimizer of the run (its state counts in memory).")
-@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=1e-3, show_default=True, help="Learning rate of the run.")
-@click.option("--grad-clip", type=click.FloatRange(min=0), default=1.0, show_default=True, help="Max global gradient norm (0 disables).")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads per rank, for profiling and the run [default: cores // gpus].")
-@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Timed runs per block (median kept).")
-@click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed runs per block before timing.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed for the model's weights and the example batch.")
-@click.option("--output", "-o", type=click.Path(dir_okay=False), default="plan.json", show_default=True, help="Where to write the plan.")
+@click.option(
+    "--gpus", "-g", type=click.IntRange(min=1), required=True, help="Number of pipeline stages (one rank each)."
+)
+@click.option(
+    "--size", "-s", default=None, help="Named config from the model file's SIZES (default: the file's own defaults)."
+)
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override one config entry (repeatable); VALUE is JSON or a string.",
+)
+@click.option(
+    "--batch-size",
+    "-b",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="Samples per training step (global batch).",
+)
+@click.option(
+    "--microbatches",
+    "-m",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Microbatches per step [default: 2 x gpus, at most the batch size].",
+)
+@click.option(
+    "--schedule",
+    type=click.Choice(list(SCHEDULES)),
+    default="1f1b",
+    show_default=True,
+    help="Pipeline schedule (torch.distributed.pipelining).",
+)
+@click.option(
+    "--method",
+    type=click.Choice(list(METHODS)),
+    default="optimal",
+    show_default=True,
+    help="Partition the plan uses: the exact solver, equal layer counts (torchtitan/Megatron), or parameter-balanced (DeepSpeed). The others are shown for comparison.",
+)
+@click.option(
+    "--memory-limit",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    metavar="GIB",
+    help="Per-rank memory limit in GiB; the solver never exceeds it [default: the GPU's memory when known, else none].",
+)
+@click.option(
+    "--recompute",
+    type=click.Choice(list(RECOMPUTE)),
+    default="auto",
+    show_default=True,
+    help="Activation checkpointing per stage: only where a stage would not fit otherwise, never, or everywhere.",
+)
+@click.option(
+    "--gpu-type",
+    default=None,
+    metavar="NAME",
+    help="Plan for hardware that is not here (h100, h200, a100-80g, a100-40g, l4, l40s, a10g, v100, mi300x; "
+    "'cpu' = this machine's calibrated CPU): build the model on the meta device and estimate its costs "
+    "with the roofline model instead of measuring them.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(list(DTYPES)),
+    default=None,
+    help="Parameter/activation dtype for --gpu-type estimates [default: bf16 on GPUs, fp32 on cpu].",
+)
+@click.option(
+    "--multi-node",
+    is_flag=True,
+    help="With --gpu-type: neighbouring stages talk over the inter-node network, not NVLink.",
+)
+@click.option(
+    "--calibrate",
+    "calibrate_run",
+    type=click.Path(dir_okay=False),
+    default=None,
+    metavar="RUN.json",
+    help="Correct the costs with the measurements of an earlier `planner run` of this model (its plan is found next to the run).",
+)
+@click.option(
+    "--optimizer",
+    type=click.Choice(list(OPTIMIZERS)),
+    default="adamw",
+    show_default=True,
+    help="Optimizer of the run (its state counts in memory).",
+)
+@click.option(
+    "--lr",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1e-3,
+    show_default=True,
+    help="Learning rate of the run.",
+)
+@click.option(
+    "--grad-clip",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    show_default=True,
+    help="Max global gradient norm (0 disables).",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="CPU threads per rank, for profiling and the run [default: cores // gpus].",
+)
+@click.option(
+    "--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Timed runs per block (median kept)."
+)
+@click.option(
+    "--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed runs per block before timing."
+)
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seed for the model's weights and the example batch."
+)
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(dir_okay=False),
+    default="plan.json",
+    show_default=True,
+    help="Where to write the plan.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars and no tables.")
 @_user_errors
-def plan_cmd(model_file: str, gpus: int, size: str | None, overrides: tuple[str, ...], batch_size: int,
-             microbatches: int | None, schedule: str, method: str, memory_limit: float | None, recompute: str,
-             gpu_type: str | None, dtype: str | None, multi_node: bool, calibrate_run: str | None, optimizer: str,
-             lr: float, grad_clip: float, threads: int | None, repeats: int, warmup: int, seed: int,
-             output: str, quiet: bool) -> None:
+def plan_cmd(
+    model_file: str,
+    gpus: int,
+    size: str | None,
+    overrides: tuple[str, ...],
+    batch_size: int,
+    microbatches: int | None,
+    schedule: str,
+    method: str,
+    memory_limit: float | None,
+    recompute: str,
+    gpu_type: str | None,
+    dtype: str | None,
+    multi_node: bool,
+    calibrate_run: str | None,
+    optimizer: str,
+    lr: float,
+    grad_clip: float,
+    threads: int | None,
+    repeats: int,
+    warmup: int,
+    seed: int,
+    output: str,
+    quiet: bool,
+) -> None:
     """Trace and profile MODEL_FILE, split it into balanced stages, write the plan and print the balance report."""
     from planner.api import make_plan
     from planner.capture.load import parse_overrides
@@ -90,11 +208,27 @@ def plan_cmd(model_file: str, gpus: int, size: str | None, overrides: tuple[str,
     from planner.schema.request import PlanRequest
 
     request = PlanRequest.build(
-        model_file=model_file, gpus=gpus, size=size, overrides=parse_overrides(overrides), batch_size=batch_size,
-        microbatches=microbatches, schedule=schedule, method=method, memory_limit_gib=memory_limit,
-        recompute=recompute, gpu_type=gpu_type, dtype=dtype, multi_node=multi_node, calibrate_run=calibrate_run,
-        optimizer={"name": optimizer, "lr": lr, "grad_clip": grad_clip or None}, threads=threads,
-        repeats=repeats, warmup=warmup, seed=seed, output=output, progress=not quiet,
+        model_file=model_file,
+        gpus=gpus,
+        size=size,
+        overrides=parse_overrides(overrides),
+        batch_size=batch_size,
+        microbatches=microbatches,
+        schedule=schedule,
+        method=method,
+        memory_limit_gib=memory_limit,
+        recompute=recompute,
+        gpu_type=gpu_type,
+        dtype=dtype,
+        multi_node=multi_node,
+        calibrate_run=calibrate_run,
+        optimizer={"name": optimizer, "lr": lr, "grad_clip": grad_clip or None},
+        threads=threads,
+        repeats=repeats,
+        warmup=warmup,
+        seed=seed,
+        output=output,
+        progress=not quiet,
     )
     if not request.output.parent.is_dir():
         raise PlannerError(f"--output {output}: folder {request.output.parent} does not exist")
@@ -108,19 +242,39 @@ def plan_cmd(model_file: str, gpus: int, size: str | None, overrides: tuple[str,
 @main.command("run")
 @click.argument("plan_file", type=click.Path(dir_okay=False))
 @click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True, help="Training steps to run.")
-@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True, help="Number of machines (torchrun-style rendezvous).")
-@click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="Rendezvous address for multi-node runs [default: localhost and a free port].")
+@click.option(
+    "--nnodes",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Number of machines (torchrun-style rendezvous).",
+)
+@click.option(
+    "--rdzv-endpoint",
+    default=None,
+    metavar="HOST:PORT",
+    help="Rendezvous address for multi-node runs [default: localhost and a free port].",
+)
 @click.option("--rdzv-id", default=None, help="Rendezvous id shared by all machines of one run.")
-@click.option("--output", "-o", type=click.Path(dir_okay=False), default=None, help="Where to write the run report [default: PLAN's name with .run.json].")
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Where to write the run report [default: PLAN's name with .run.json].",
+)
 @_user_errors
-def run_cmd(plan_file: str, steps: int, nnodes: int, rdzv_endpoint: str | None, rdzv_id: str | None, output: str | None) -> None:
+def run_cmd(
+    plan_file: str, steps: int, nnodes: int, rdzv_endpoint: str | None, rdzv_id: str | None, output: str | None
+) -> None:
     """Train with PLAN_FILE: one process per stage, the planned split points and schedule."""
     from planner.run import run_plan
     from planner.schema.plan import Plan
     from planner.schema.request import RunRequest
 
-    request = RunRequest.build(plan_file=plan_file, steps=steps, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
-                               rdzv_id=rdzv_id, output=output)
+    request = RunRequest.build(
+        plan_file=plan_file, steps=steps, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, output=output
+    )
     plan = Plan.load(request.plan_file)
     out = request.result_path
     if not out.parent.is_dir():  # checked before training, so no run's figures are lost
@@ -136,8 +290,14 @@ def run_cmd(plan_file: str, steps: int, nnodes: int, rdzv_endpoint: str | None, 
 
 @main.command("report")
 @click.argument("plan_file", type=click.Path(dir_okay=False))
-@click.option("--measured", "run_file", type=click.Path(dir_okay=False), default=None, metavar="RUN.json",
-              help="A run.json of this plan (`planner run`): add predicted-vs-measured tables with the error in %.")
+@click.option(
+    "--measured",
+    "run_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    metavar="RUN.json",
+    help="A run.json of this plan (`planner run`): add predicted-vs-measured tables with the error in %.",
+)
 @_user_errors
 def report_cmd(plan_file: str, run_file: str | None) -> None:
     """Print the balance tables of a saved plan (and, with --measured, how a run of it compared)."""
@@ -150,7 +310,9 @@ def report_cmd(plan_file: str, run_file: str | None) -> None:
         from planner.report.compare import compare_table
         from planner.schema.result import RunResult
 
-        click.echo("\npredicted vs measured (err = (plan - run) / run)\n" + compare_table(plan, RunResult.load(run_file)))
+        click.echo(
+            "\npredicted vs measured (err = (plan - run) / run)\n" + compare_table(plan, RunResult.load(run_file))
+        )
 
 
 if __name__ == "__main__":

@@ -121,7 +121,7 @@ def hand_stage_bytes(plan: dict, stage: dict, eager: bool) -> int | None:
     mb = plan["batch_size"] // plan["n_microbatches"]
     blocks = plan["blocks"]
     n_params = act = 0
-    for b in blocks[stage["start"]:stage["end"]]:
+    for b in blocks[stage["start"] : stage["end"]]:
         hand = _hand_block(b["name"], cfg, mb)
         if hand is None:
             return None
@@ -148,20 +148,26 @@ def render(plan: dict, cmd_text: str, wall: float, rss: int) -> str:
     stages = plan["stages"]
     pred = plan["prediction"]
     lines = [
-        (f"Run {_dt.datetime.now().astimezone().isoformat(timespec='seconds')} on {os.uname().nodename} "
-         f"({os.cpu_count()} cores), torch {plan['profile'].get('torch_version', '?')}:"),
+        (
+            f"Run {_dt.datetime.now().astimezone().isoformat(timespec='seconds')} on {os.uname().nodename} "
+            f"({os.cpu_count()} cores), torch {plan['profile'].get('torch_version', '?')}:"
+        ),
         "",
         "```",
         cmd_text,
         "```",
         "",
         f"- wall time of `planner plan`: **{wall:.1f} s**; peak RSS: **{rss / 2**20:,.0f} MiB**",
-        (f"- trace method {plan['model']['trace_method']}; {len(plan['blocks'])} blocks; "
-         f"schedule {plan['schedule']}, {plan['n_microbatches']} microbatches of "
-         f"{plan['batch_size'] // plan['n_microbatches']}; split method {plan['method']}"),
-        (f"- predicted step {pred['step_time_s']:.3f} s, bubble {pred['bubble_fraction']:.1%}, "
-         f"imbalance {pred['imbalance']:.3f}, max memory {pred['max_memory_bytes'] / GIB:.2f} GiB "
-         f"({sum(s['memory_bytes'] > H100_USABLE for s in stages)} of {len(stages)} stages above 79.6 GiB)"),
+        (
+            f"- trace method {plan['model']['trace_method']}; {len(plan['blocks'])} blocks; "
+            f"schedule {plan['schedule']}, {plan['n_microbatches']} microbatches of "
+            f"{plan['batch_size'] // plan['n_microbatches']}; split method {plan['method']}"
+        ),
+        (
+            f"- predicted step {pred['step_time_s']:.3f} s, bubble {pred['bubble_fraction']:.1%}, "
+            f"imbalance {pred['imbalance']:.3f}, max memory {pred['max_memory_bytes'] / GIB:.2f} GiB "
+            f"({sum(s['memory_bytes'] > H100_USABLE for s in stages)} of {len(stages)} stages above 79.6 GiB)"
+        ),
         "",
         "| stage | blocks | params | act GiB/mb | in flight | planner GiB | hand GiB (fused A) | hand GiB (eager A) | planner / hand (fused) |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -180,8 +186,10 @@ def render(plan: dict, cmd_text: str, wall: float, rss: int) -> str:
         if hand and _param_bytes(plan) == 2:
             lines += [
                 "",
-                (f"Per layer: planner {layer['params']:,} params, {layer['activation_bytes']:,} B saved per microbatch, "
-                 f"cut {layer['cut_bytes']:,} B; hand {hand[0]:,} params, {hand[1]:,} B (fused) / {hand[2]:,} B (eager)."),
+                (
+                    f"Per layer: planner {layer['params']:,} params, {layer['activation_bytes']:,} B saved per microbatch, "
+                    f"cut {layer['cut_bytes']:,} B; hand {hand[0]:,} params, {hand[1]:,} B (fused) / {hand[2]:,} B (eager)."
+                ),
             ]
     return "\n".join(lines)
 
@@ -203,7 +211,9 @@ def main() -> None:
     ap.add_argument("--model", default="models/llama.py")
     ap.add_argument("--size", default="70b")
     ap.add_argument("--gpus", type=int, default=64)
-    ap.add_argument("--gpu-type", default="h100", help="passed to planner plan; 'none' leaves it out (profile on this machine)")
+    ap.add_argument(
+        "--gpu-type", default="h100", help="passed to planner plan; 'none' leaves it out (profile on this machine)"
+    )
     ap.add_argument("--dtype", default="bf16", help="passed to planner plan; 'none' leaves it out")
     ap.add_argument("-b", "--batch-size", type=int, default=64)
     ap.add_argument("-m", "--microbatches", type=int, default=64)
@@ -218,14 +228,30 @@ def main() -> None:
     check_options([o for o in extra if o.startswith("--")])
     with tempfile.TemporaryDirectory() as tmp:
         plan_path = Path(tmp) / "plan.json"
-        argv = ["plan", args.model, "--size", args.size, "--gpus", str(args.gpus), *extra,
-                "-b", str(args.batch_size), "-m", str(args.microbatches), "-q", "-o", str(plan_path)]
+        argv = [
+            "plan",
+            args.model,
+            "--size",
+            args.size,
+            "--gpus",
+            str(args.gpus),
+            *extra,
+            "-b",
+            str(args.batch_size),
+            "-m",
+            str(args.microbatches),
+            "-q",
+            "-o",
+            str(plan_path),
+        ]
         cmd_text = "planner " + " ".join(argv[:-2])
         print(f"running: {cmd_text}", flush=True)
         code, wall, rss, out, err = run_timed([*planner_cmd(), *argv], args.timeout)
         if code != 0:
             why = (err.strip() or out.strip()).splitlines()[-1:] or ["(no output)"]
-            sys.exit(f"error: planner plan exited with {code} after {wall:.1f} s (peak RSS {rss / 2**20:,.0f} MiB): {why[0]}")
+            sys.exit(
+                f"error: planner plan exited with {code} after {wall:.1f} s (peak RSS {rss / 2**20:,.0f} MiB): {why[0]}"
+            )
         plan = json.loads(plan_path.read_text())
     body = render(plan, cmd_text, wall, rss)
     write_section(Path(args.doc), body)

@@ -48,6 +48,7 @@ Sizes:
   seq_len 64, dropout 0 (20,632,832 params) -- CPU-runnable; the output
   layer dominates compute (fwd+bwd of batch 4 ~0.4 s on one core).
 """
+
 from __future__ import annotations
 
 import math
@@ -73,8 +74,7 @@ class PositionalEncoding(nn.Module):
         self.dropout = nn.Dropout(p=dropout)
         pe = torch.zeros(max_len, d_model)
         position = torch.arange(0, max_len, dtype=torch.float).unsqueeze(1)
-        div_term = torch.exp(torch.arange(0, d_model, 2).float()
-                             * (-math.log(10000.0) / d_model))
+        div_term = torch.exp(torch.arange(0, d_model, 2).float() * (-math.log(10000.0) / d_model))
         pe[:, 0::2] = torch.sin(position * div_term)
         pe[:, 1::2] = torch.cos(position * div_term)
         self.register_buffer("pe", pe.unsqueeze(0))  # (1, max_len, d_model)
@@ -86,8 +86,7 @@ class PositionalEncoding(nn.Module):
 
 
 class Encoder(nn.Module):
-    def __init__(self, ntoken: int, ninp: int, dropout: float = 0.5,
-                 max_len: int = 5000):
+    def __init__(self, ntoken: int, ninp: int, dropout: float = 0.5, max_len: int = 5000):
         super().__init__()
         self.pos_encoder = PositionalEncoding(ninp, dropout, max_len)
         self.encoder = nn.Embedding(ntoken, ninp)
@@ -119,30 +118,32 @@ class Decoder(nn.Module):
 
 
 SIZES: dict[str, dict] = {
-    "tiny": dict(ntokens=1000, emsize=64, nhid=128, nlayers=4, nhead=4,
-                 dropout=0.0, seq_len=32),
-    "tutorial": dict(ntokens=28782, emsize=4096, nhid=4096, nlayers=12, nhead=16,
-                     dropout=0.2, seq_len=35),
-    "bigvocab": dict(ntokens=32000, emsize=256, nhid=512, nlayers=8, nhead=4,
-                     dropout=0.0, seq_len=64),
+    "tiny": dict(ntokens=1000, emsize=64, nhid=128, nlayers=4, nhead=4, dropout=0.0, seq_len=32),
+    "tutorial": dict(ntokens=28782, emsize=4096, nhid=4096, nlayers=12, nhead=16, dropout=0.2, seq_len=35),
+    "bigvocab": dict(ntokens=32000, emsize=256, nhid=512, nlayers=8, nhead=4, dropout=0.0, seq_len=64),
 }
 SIZES["paper"] = dict(SIZES["tutorial"])
 
 
-def build_model(ntokens: int = 28782, emsize: int = 4096, nhid: int = 4096,
-                nlayers: int = 12, nhead: int = 16, dropout: float = 0.2,
-                seq_len: int = 35, **_ignored) -> nn.Module:
+def build_model(
+    ntokens: int = 28782,
+    emsize: int = 4096,
+    nhid: int = 4096,
+    nlayers: int = 12,
+    nhead: int = 16,
+    dropout: float = 0.2,
+    seq_len: int = 35,
+    **_ignored,
+) -> nn.Module:
     max_len = max(5000, int(seq_len))
     module_list: list[nn.Module] = [Encoder(ntokens, emsize, dropout, max_len)]
     for _ in range(nlayers):
-        module_list.append(nn.TransformerEncoderLayer(
-            emsize, nhead, nhid, dropout, batch_first=True))
+        module_list.append(nn.TransformerEncoderLayer(emsize, nhead, nhid, dropout, batch_first=True))
     module_list.append(Decoder(ntokens, emsize))
     return nn.Sequential(*module_list)
 
 
-def make_batch(batch_size: int, ntokens: int = 28782, seq_len: int = 35,
-               **_ignored) -> tuple[tuple, torch.Tensor]:
+def make_batch(batch_size: int, ntokens: int = 28782, seq_len: int = 35, **_ignored) -> tuple[tuple, torch.Tensor]:
     x = torch.randint(0, ntokens, (batch_size, seq_len))
     y = torch.randint(0, ntokens, (batch_size, seq_len))
     return (x,), y
@@ -155,10 +156,8 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------
 # data: torchtext-free basic_english tokenizer + vocab
 # --------------------------------------------------------------------------
-_PATTERNS = [r"\'", r"\"", r"\.", r"<br \/>", r",", r"\(", r"\)", r"\!", r"\?",
-             r"\;", r"\:", r"\s+"]
-_REPLACEMENTS = [" '  ", "", " . ", " ", " , ", " ( ", " ) ", " ! ", " ? ", " ",
-                 " ", " "]
+_PATTERNS = [r"\'", r"\"", r"\.", r"<br \/>", r",", r"\(", r"\)", r"\!", r"\?", r"\;", r"\:", r"\s+"]
+_REPLACEMENTS = [" '  ", "", " . ", " ", " , ", " ( ", " ) ", " ! ", " ? ", " ", " ", " "]
 _PATTERNS_DICT = [(re.compile(p), r) for p, r in zip(_PATTERNS, _REPLACEMENTS)]
 
 
@@ -202,9 +201,9 @@ def load_token_ids(data_path: str | None = None, ntokens: int = 28782) -> torch.
     return _load_ids(str(path), int(ntokens), path.stat().st_mtime)
 
 
-def train_batches(batch_size: int, ntokens: int = 28782, seq_len: int = 35,
-                  data_path: str | None = None, seed: int = 0,
-                  **_ignored) -> Iterator[tuple[tuple, torch.Tensor]]:
+def train_batches(
+    batch_size: int, ntokens: int = 28782, seq_len: int = 35, data_path: str | None = None, seed: int = 0, **_ignored
+) -> Iterator[tuple[tuple, torch.Tensor]]:
     """Tutorial-style batchify + bptt windows over ``data_path``, forever.
 
     ``seed`` rotates the start offset of the stream (seed 0 = tutorial order).
@@ -212,14 +211,15 @@ def train_batches(batch_size: int, ntokens: int = 28782, seq_len: int = 35,
     ids = load_token_ids(data_path, ntokens)
     ncol = ids.numel() // batch_size
     if ncol < seq_len + 1:
-        raise ValueError(f"encoder_lm: data too small for batch {batch_size} "
-                         f"x seq_len {seq_len} ({ids.numel()} tokens)")
+        raise ValueError(
+            f"encoder_lm: data too small for batch {batch_size} x seq_len {seq_len} ({ids.numel()} tokens)"
+        )
     data = ids[: ncol * batch_size].view(batch_size, ncol)
     starts = list(range(0, ncol - seq_len, seq_len))
     shift = int(seed) % len(starts)
     starts = starts[shift:] + starts[:shift]
     while True:
         for i in starts:
-            x = data[:, i: i + seq_len].clone()
-            y = data[:, i + 1: i + 1 + seq_len].clone()
+            x = data[:, i : i + seq_len].clone()
+            y = data[:, i + 1 : i + 1 + seq_len].clone()
             yield (x,), y

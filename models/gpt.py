@@ -82,23 +82,26 @@ class Transformer(nn.Module):
 
 
 SIZES: dict[str, dict] = {
-    "tiny": dict(dim=64, n_layers=4, n_heads=4, vocab_size=512, seq_len=32,
-                 ffn_dim=256, dropout=0.0),
-    "tutorial": dict(dim=512, n_layers=8, n_heads=8, vocab_size=10000,
-                     seq_len=500, ffn_dim=2048, dropout=0.1),
+    "tiny": dict(dim=64, n_layers=4, n_heads=4, vocab_size=512, seq_len=32, ffn_dim=256, dropout=0.0),
+    "tutorial": dict(dim=512, n_layers=8, n_heads=8, vocab_size=10000, seq_len=500, ffn_dim=2048, dropout=0.1),
 }
 
 
-def build_model(dim: int = 512, n_layers: int = 8, n_heads: int = 8,
-                vocab_size: int = 10000, dropout: float = 0.1,
-                ffn_dim: int = 2048, **_ignored) -> nn.Module:
-    return Transformer(ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads,
-                                 vocab_size=vocab_size, dropout=dropout,
-                                 ffn_dim=ffn_dim))
+def build_model(
+    dim: int = 512,
+    n_layers: int = 8,
+    n_heads: int = 8,
+    vocab_size: int = 10000,
+    dropout: float = 0.1,
+    ffn_dim: int = 2048,
+    **_ignored,
+) -> nn.Module:
+    return Transformer(
+        ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, vocab_size=vocab_size, dropout=dropout, ffn_dim=ffn_dim)
+    )
 
 
-def make_batch(batch_size: int, vocab_size: int = 10000, seq_len: int = 500,
-               **_ignored) -> tuple[tuple, torch.Tensor]:
+def make_batch(batch_size: int, vocab_size: int = 10000, seq_len: int = 500, **_ignored) -> tuple[tuple, torch.Tensor]:
     x = torch.randint(0, vocab_size, (batch_size, seq_len))
     y = torch.randint(0, vocab_size, (batch_size, seq_len))
     return (x,), y
@@ -108,8 +111,9 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
-def train_batches(batch_size: int, vocab_size: int = 10000, seq_len: int = 500,
-                  seed: int = 0, **_ignored) -> Iterator[tuple[tuple, torch.Tensor]]:
+def train_batches(
+    batch_size: int, vocab_size: int = 10000, seq_len: int = 500, seed: int = 0, **_ignored
+) -> Iterator[tuple[tuple, torch.Tensor]]:
     """Infinite deterministic stream from a fixed random successor rule."""
     g = torch.Generator().manual_seed(int(seed))
     perm = torch.randperm(vocab_size, generator=g)

@@ -143,8 +143,11 @@ class Attention(nn.Module):
         # SDPA wants (b, heads, s, head_dim); enable_gqa shares each kv head among
         # n_heads / n_kv_heads query heads without copying k and v.
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads,
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            enable_gqa=self.n_kv_heads != self.n_heads,
         )
         return self.wo(out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
 
@@ -200,25 +203,52 @@ class Transformer(nn.Module):
 _LLAMA3 = dict(vocab_size=128256, ffn_dim_multiplier=1.3, rope_theta=500000.0, seq_len=8192)
 
 SIZES: dict[str, dict] = {
-    "tiny": dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_dim_multiplier=1.0,
-                 multiple_of=32, rope_theta=10000.0, seq_len=32),
+    "tiny": dict(
+        dim=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=512,
+        ffn_dim_multiplier=1.0,
+        multiple_of=32,
+        rope_theta=10000.0,
+        seq_len=32,
+    ),
     "8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, multiple_of=1024, **_LLAMA3),
     "70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, multiple_of=4096, **_LLAMA3),
 }
 
 
-def build_model(dim: int = 64, n_layers: int = 4, n_heads: int = 4, n_kv_heads: int | None = 2,
-                vocab_size: int = 512, ffn_dim_multiplier: float | None = 1.0, multiple_of: int = 32,
-                rope_theta: float = 10000.0, seq_len: int = 32, norm_eps: float = 1e-5,
-                **_ignored) -> nn.Module:
-    return Transformer(ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                                 vocab_size=vocab_size, multiple_of=multiple_of,
-                                 ffn_dim_multiplier=ffn_dim_multiplier, norm_eps=norm_eps,
-                                 rope_theta=rope_theta, seq_len=seq_len))
+def build_model(
+    dim: int = 64,
+    n_layers: int = 4,
+    n_heads: int = 4,
+    n_kv_heads: int | None = 2,
+    vocab_size: int = 512,
+    ffn_dim_multiplier: float | None = 1.0,
+    multiple_of: int = 32,
+    rope_theta: float = 10000.0,
+    seq_len: int = 32,
+    norm_eps: float = 1e-5,
+    **_ignored,
+) -> nn.Module:
+    return Transformer(
+        ModelArgs(
+            dim=dim,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            vocab_size=vocab_size,
+            multiple_of=multiple_of,
+            ffn_dim_multiplier=ffn_dim_multiplier,
+            norm_eps=norm_eps,
+            rope_theta=rope_theta,
+            seq_len=seq_len,
+        )
+    )
 
 
-def make_batch(batch_size: int, vocab_size: int = 512, seq_len: int = 32,
-               **_ignored) -> tuple[tuple, torch.Tensor]:
+def make_batch(batch_size: int, vocab_size: int = 512, seq_len: int = 32, **_ignored) -> tuple[tuple, torch.Tensor]:
     """Random tokens and their next-token targets (one extra token drawn, then shifted)."""
     seq = torch.randint(0, vocab_size, (batch_size, seq_len + 1))
     return (seq[:, :-1].contiguous(),), seq[:, 1:].contiguous()
@@ -228,8 +258,9 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
-def train_batches(batch_size: int, vocab_size: int = 512, seq_len: int = 32,
-                  seed: int = 0, **_ignored) -> Iterator[tuple[tuple, torch.Tensor]]:
+def train_batches(
+    batch_size: int, vocab_size: int = 512, seq_len: int = 32, seed: int = 0, **_ignored
+) -> Iterator[tuple[tuple, torch.Tensor]]:
     """Infinite deterministic stream from a fixed random successor rule (as models/gpt.py)."""
     g = torch.Generator().manual_seed(int(seed))
     perm = torch.randperm(vocab_size, generator=g)

@@ -29,6 +29,7 @@ Data: ``make_batch`` = random normal images (B, 3, H, W) + random labels (B,).
 ``train_batches`` = learnable synthetic data: each class has a fixed random
 mean colour (per channel) and spatial pattern; images are that plus noise.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -47,8 +48,7 @@ def _norm(kind: str, channels: int) -> nn.Module:
 
 
 def conv3x3(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
-    return nn.Conv2d(in_planes, out_planes, kernel_size=3, stride=stride,
-                     padding=1, bias=False)
+    return nn.Conv2d(in_planes, out_planes, kernel_size=3, stride=stride, padding=1, bias=False)
 
 
 def conv1x1(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
@@ -58,8 +58,9 @@ def conv1x1(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
 class Bottleneck(nn.Module):
     expansion = 4
 
-    def __init__(self, inplanes: int, planes: int, stride: int = 1,
-                 downsample: nn.Module | None = None, norm: str = "batch"):
+    def __init__(
+        self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None, norm: str = "batch"
+    ):
         super().__init__()
         self.conv1 = conv1x1(inplanes, planes)
         self.bn1 = _norm(norm, planes)
@@ -83,8 +84,7 @@ class Bottleneck(nn.Module):
 
 
 class ResNet(nn.Module):
-    def __init__(self, layers=(3, 4, 6, 3), width: int = 64,
-                 num_classes: int = 1000, norm: str = "batch"):
+    def __init__(self, layers=(3, 4, 6, 3), width: int = 64, num_classes: int = 1000, norm: str = "batch"):
         super().__init__()
         self.norm = norm
         self.inplanes = width
@@ -136,13 +136,13 @@ SIZES: dict[str, dict] = {
 }
 
 
-def build_model(width: int = 64, num_classes: int = 1000, norm: str = "batch",
-                **_ignored) -> nn.Module:
+def build_model(width: int = 64, num_classes: int = 1000, norm: str = "batch", **_ignored) -> nn.Module:
     return ResNet((3, 4, 6, 3), width=width, num_classes=num_classes, norm=norm)
 
 
-def make_batch(batch_size: int, num_classes: int = 1000, image_size: int = 224,
-               **_ignored) -> tuple[tuple, torch.Tensor]:
+def make_batch(
+    batch_size: int, num_classes: int = 1000, image_size: int = 224, **_ignored
+) -> tuple[tuple, torch.Tensor]:
     x = torch.randn(batch_size, 3, image_size, image_size)
     y = torch.randint(0, num_classes, (batch_size,))
     return (x,), y
@@ -152,9 +152,9 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output, target)
 
 
-def train_batches(batch_size: int, num_classes: int = 1000, image_size: int = 224,
-                  seed: int = 0, noise: float = 1.0,
-                  **_ignored) -> Iterator[tuple[tuple, torch.Tensor]]:
+def train_batches(
+    batch_size: int, num_classes: int = 1000, image_size: int = 224, seed: int = 0, noise: float = 1.0, **_ignored
+) -> Iterator[tuple[tuple, torch.Tensor]]:
     """Infinite deterministic stream of class-conditional synthetic images."""
     g = torch.Generator().manual_seed(int(seed))
     colours = torch.randn(num_classes, 3, 1, 1, generator=g)
@@ -162,6 +162,5 @@ def train_batches(batch_size: int, num_classes: int = 1000, image_size: int = 22
     while True:
         y = torch.randint(0, num_classes, (batch_size,), generator=g)
         pat = F.interpolate(patterns[y], size=(image_size, image_size), mode="nearest")
-        x = colours[y] + 0.5 * pat + noise * torch.randn(
-            batch_size, 3, image_size, image_size, generator=g)
+        x = colours[y] + 0.5 * pat + noise * torch.randn(batch_size, 3, image_size, image_size, generator=g)
         yield (x,), y

@@ -29,6 +29,7 @@ Data: ``data_path`` (default ``data/shakespeare.txt`` next to this file, a
 public-domain selection of sonnets and speeches).  ``train_batches`` yields
 random (seeded) windows (B, block_size) with targets shifted by one.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -81,11 +82,9 @@ class Head(nn.Module):
 
 
 class MultiHeadAttention(nn.Module):
-    def __init__(self, n_embd: int, num_heads: int, head_size: int,
-                 block_size: int, dropout: float):
+    def __init__(self, n_embd: int, num_heads: int, head_size: int, block_size: int, dropout: float):
         super().__init__()
-        self.heads = nn.ModuleList(
-            [Head(n_embd, head_size, block_size, dropout) for _ in range(num_heads)])
+        self.heads = nn.ModuleList([Head(n_embd, head_size, block_size, dropout) for _ in range(num_heads)])
         self.proj = nn.Linear(head_size * num_heads, n_embd)
         self.dropout = nn.Dropout(dropout)
 
@@ -124,13 +123,19 @@ class Block(nn.Module):
 
 
 class GPTLanguageModel(nn.Module):
-    def __init__(self, vocab_size: int = 65, n_embd: int = 384, n_head: int = 6,
-                 n_layer: int = 6, block_size: int = 256, dropout: float = 0.2):
+    def __init__(
+        self,
+        vocab_size: int = 65,
+        n_embd: int = 384,
+        n_head: int = 6,
+        n_layer: int = 6,
+        block_size: int = 256,
+        dropout: float = 0.2,
+    ):
         super().__init__()
         self.token_embedding_table = nn.Embedding(vocab_size, n_embd)
         self.position_embedding_table = nn.Embedding(block_size, n_embd)
-        self.blocks = nn.Sequential(
-            *[Block(n_embd, n_head, block_size, dropout) for _ in range(n_layer)])
+        self.blocks = nn.Sequential(*[Block(n_embd, n_head, block_size, dropout) for _ in range(n_layer)])
         self.ln_f = nn.LayerNorm(n_embd)
         self.lm_head = nn.Linear(n_embd, vocab_size)
         self.apply(self._init_weights)
@@ -155,21 +160,24 @@ class GPTLanguageModel(nn.Module):
 
 
 SIZES: dict[str, dict] = {
-    "tiny": dict(vocab_size=65, n_embd=64, n_head=4, n_layer=4, block_size=32,
-                 dropout=0.0),
-    "tutorial": dict(vocab_size=65, n_embd=384, n_head=6, n_layer=6, block_size=256,
-                     dropout=0.2),
+    "tiny": dict(vocab_size=65, n_embd=64, n_head=4, n_layer=4, block_size=32, dropout=0.0),
+    "tutorial": dict(vocab_size=65, n_embd=384, n_head=6, n_layer=6, block_size=256, dropout=0.2),
 }
 
 
-def build_model(vocab_size: int = 65, n_embd: int = 384, n_head: int = 6,
-                n_layer: int = 6, block_size: int = 256, dropout: float = 0.2,
-                **_ignored) -> nn.Module:
+def build_model(
+    vocab_size: int = 65,
+    n_embd: int = 384,
+    n_head: int = 6,
+    n_layer: int = 6,
+    block_size: int = 256,
+    dropout: float = 0.2,
+    **_ignored,
+) -> nn.Module:
     return GPTLanguageModel(vocab_size, n_embd, n_head, n_layer, block_size, dropout)
 
 
-def make_batch(batch_size: int, vocab_size: int = 65, block_size: int = 256,
-               **_ignored) -> tuple[tuple, torch.Tensor]:
+def make_batch(batch_size: int, vocab_size: int = 65, block_size: int = 256, **_ignored) -> tuple[tuple, torch.Tensor]:
     x = torch.randint(0, vocab_size, (batch_size, block_size))
     y = torch.randint(0, vocab_size, (batch_size, block_size))
     return (x,), y
@@ -193,16 +201,22 @@ def load_data(data_path: str | None = None) -> torch.Tensor:
     return _load(str(path), path.stat().st_mtime)
 
 
-def train_batches(batch_size: int, block_size: int = 256, vocab_size: int = 65,
-                  data_path: str | None = None, seed: int = 0,
-                  **_ignored) -> Iterator[tuple[tuple, torch.Tensor]]:
+def train_batches(
+    batch_size: int,
+    block_size: int = 256,
+    vocab_size: int = 65,
+    data_path: str | None = None,
+    seed: int = 0,
+    **_ignored,
+) -> Iterator[tuple[tuple, torch.Tensor]]:
     """Infinite stream of random windows (seeded by ``seed``), as in get_batch."""
     data = load_data(data_path)
     if vocab_size < len(CHARS):
         data = data.clamp(max=vocab_size - 1)
     if data.numel() <= block_size + 1:
-        raise ValueError(f"shakespeare: data has {data.numel()} chars, need more "
-                         f"than block_size + 1 = {block_size + 1}")
+        raise ValueError(
+            f"shakespeare: data has {data.numel()} chars, need more than block_size + 1 = {block_size + 1}"
+        )
     g = torch.Generator().manual_seed(int(seed))
     offs = torch.arange(block_size)
     while True:

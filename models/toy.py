@@ -16,6 +16,7 @@ Data: ``make_batch`` = randn inputs (B, in) and randn targets (B, out) as in
 the tutorial.  ``train_batches`` = a learnable regression: targets from a
 fixed random linear "teacher" (seeded from ``seed``) plus 0.1 noise.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -42,13 +43,11 @@ SIZES: dict[str, dict] = {
 }
 
 
-def build_model(in_features: int = 10, hidden: int = 10, out_features: int = 5,
-                **_ignored) -> nn.Module:
+def build_model(in_features: int = 10, hidden: int = 10, out_features: int = 5, **_ignored) -> nn.Module:
     return ToyModel(in_features, hidden, out_features)
 
 
-def make_batch(batch_size: int, in_features: int = 10, out_features: int = 5,
-               **_ignored) -> tuple[tuple, torch.Tensor]:
+def make_batch(batch_size: int, in_features: int = 10, out_features: int = 5, **_ignored) -> tuple[tuple, torch.Tensor]:
     x = torch.randn(batch_size, in_features)
     y = torch.randn(batch_size, out_features)
     return (x,), y
@@ -58,11 +57,12 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output, target)  # mean reduction
 
 
-def train_batches(batch_size: int, in_features: int = 10, out_features: int = 5,
-                  seed: int = 0, **_ignored) -> Iterator[tuple[tuple, torch.Tensor]]:
+def train_batches(
+    batch_size: int, in_features: int = 10, out_features: int = 5, seed: int = 0, **_ignored
+) -> Iterator[tuple[tuple, torch.Tensor]]:
     """Infinite deterministic regression stream from a fixed linear teacher."""
     g = torch.Generator().manual_seed(int(seed))
-    w = torch.randn(in_features, out_features, generator=g) / in_features ** 0.5
+    w = torch.randn(in_features, out_features, generator=g) / in_features**0.5
     b = torch.randn(out_features, generator=g)
     while True:
         x = torch.randn(batch_size, in_features, generator=g)

@@ -82,19 +82,28 @@ def make_plan(request: PlanRequest) -> Plan:
         blocks, link = apply_calibration(blocks, link, calibration[1])
     limit = request.memory_limit_bytes if request.memory_limit_bytes is not None else costs.memory_bytes
     return assemble_plan(
-        request, blocks, link, model=model_ref(mf, costs.traced, request), profile=costs.profile,
-        memory_limit_bytes=limit, created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        request,
+        blocks,
+        link,
+        model=model_ref(mf, costs.traced, request),
+        profile=costs.profile,
+        memory_limit_bytes=limit,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     )
 
 
-def _traced(mf: ModelFile, model: torch.nn.Module, inputs: tuple[object, ...], target: torch.Tensor, gpus: int) -> TracedModel:
+def _traced(
+    mf: ModelFile, model: torch.nn.Module, inputs: tuple[object, ...], target: torch.Tensor, gpus: int
+) -> TracedModel:
     """Check the model file's forward and loss once, trace the model, check it has enough blocks."""
     check_forward(mf, model, inputs, target)
     traced = trace_model(model, inputs)
     if gpus > len(traced.blocks):
         names = [b.name for b in traced.blocks]
         shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
-        raise InfeasibleError(f"--gpus {gpus}: the model has only {len(names)} blocks ({shown}); use at most {len(names)}")
+        raise InfeasibleError(
+            f"--gpus {gpus}: the model has only {len(names)} blocks ({shown}); use at most {len(names)}"
+        )
     return traced
 
 
@@ -125,17 +134,35 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
     target = target.to(device)
     traced = _traced(mf, model, inputs, target, request.gpus)
-    info = ProfileInfo(device=str(device), backend="nccl" if use_cuda else "gloo", threads=threads,
-                       torch_version=torch.__version__, hostname=socket.gethostname(), warmup=request.warmup,
-                       repeats=request.repeats, cores=None if use_cuda else os.cpu_count())
+    info = ProfileInfo(
+        device=str(device),
+        backend="nccl" if use_cuda else "gloo",
+        threads=threads,
+        torch_version=torch.__version__,
+        hostname=socket.gethostname(),
+        warmup=request.warmup,
+        repeats=request.repeats,
+        cores=None if use_cuda else os.cpu_count(),
+    )
     same = (request.microbatch_size, threads, str(device), request.optimizer, "measured")
-    if reuse is not None and (reuse.microbatch_size, reuse.profile.threads, reuse.profile.device, reuse.optimizer,
-                              reuse.profile.source) == same:
+    if (
+        reuse is not None
+        and (reuse.microbatch_size, reuse.profile.threads, reuse.profile.device, reuse.optimizer, reuse.profile.source)
+        == same
+    ):
         blocks = list(reuse.blocks)
     else:
-        blocks = profile_blocks(traced, inputs, target, mf.loss_fn, warmup=request.warmup, repeats=request.repeats,
-                                threads=None if use_cuda else threads, progress=request.progress,
-                                optimizer=request.optimizer)
+        blocks = profile_blocks(
+            traced,
+            inputs,
+            target,
+            mf.loss_fn,
+            warmup=request.warmup,
+            repeats=request.repeats,
+            threads=None if use_cuda else threads,
+            progress=request.progress,
+            optimizer=request.optimizer,
+        )
     capacity = int(torch.cuda.get_device_properties(device).total_memory * GPU_MEMORY_HEADROOM) if use_cuda else None
     link = NCCL_NVLINK_LINK if use_cuda else GLOO_CPU_LINK
     return Costs(traced, _with_output(blocks, traced), link, info, capacity)
@@ -173,12 +200,22 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
     inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
     target = target.to("meta")
     traced = _traced(mf, model, inputs, target, request.gpus)
-    blocks = estimate_blocks(traced, inputs, target, mf.loss_fn, hw, dtype=dtype, optimizer=request.optimizer,
-                             progress=request.progress)
-    info = ProfileInfo(device="cpu" if on_cpu else "cuda", backend="gloo" if on_cpu else "nccl",
-                       threads=threads if on_cpu else 1, torch_version=torch.__version__,
-                       hostname=socket.gethostname(), warmup=0, repeats=0, source="estimated",
-                       hardware=hw.name, dtype=dtype, cores=os.cpu_count() if on_cpu else None)
+    blocks = estimate_blocks(
+        traced, inputs, target, mf.loss_fn, hw, dtype=dtype, optimizer=request.optimizer, progress=request.progress
+    )
+    info = ProfileInfo(
+        device="cpu" if on_cpu else "cuda",
+        backend="gloo" if on_cpu else "nccl",
+        threads=threads if on_cpu else 1,
+        torch_version=torch.__version__,
+        hostname=socket.gethostname(),
+        warmup=0,
+        repeats=0,
+        source="estimated",
+        hardware=hw.name,
+        dtype=dtype,
+        cores=os.cpu_count() if on_cpu else None,
+    )
     link = GLOO_CPU_LINK if on_cpu else link_cost(hw, intra_node=not request.multi_node)
     capacity = None if on_cpu else int(hw.memory_bytes * GPU_MEMORY_HEADROOM)
     return Costs(traced, _with_output(blocks, traced), link, info, capacity)

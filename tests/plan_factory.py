@@ -12,12 +12,23 @@ MB = 2**20
 LINK = LinkCost(name="test-link", latency_s=0.0, bandwidth_Bps=MB * 1000.0)
 
 
-def block(name: str, fwd_ms: float, bwd_ms: float, params: int, *, layer: bool = True, act_mb: int = 1, cut_mb: int = 1) -> BlockCost:
+def block(
+    name: str, fwd_ms: float, bwd_ms: float, params: int, *, layer: bool = True, act_mb: int = 1, cut_mb: int = 1
+) -> BlockCost:
     """A block with times in ms and sizes in MB (fp32 parameters)."""
     return BlockCost(
-        name=name, first_node=f"{name}_first", last_node=f"{name}_last",
-        fwd_s=fwd_ms / 1e3, bwd_s=bwd_ms / 1e3, params=params, param_bytes=4 * params,
-        activation_bytes=act_mb * MB, cut_bytes=cut_mb * MB, cut_tensors=1, cut_legal=True, is_layer=layer,
+        name=name,
+        first_node=f"{name}_first",
+        last_node=f"{name}_last",
+        fwd_s=fwd_ms / 1e3,
+        bwd_s=bwd_ms / 1e3,
+        params=params,
+        param_bytes=4 * params,
+        activation_bytes=act_mb * MB,
+        cut_bytes=cut_mb * MB,
+        cut_tensors=1,
+        cut_legal=True,
+        is_layer=layer,
     )
 
 
@@ -30,15 +41,35 @@ def big_head_blocks() -> list[BlockCost]:
     )
 
 
-def make_plan(blocks: list[BlockCost], n_stages: int = 2, schedule: str = "1f1b", m: int = 4, method: str = "optimal") -> Plan:
+def make_plan(
+    blocks: list[BlockCost], n_stages: int = 2, schedule: str = "1f1b", m: int = 4, method: str = "optimal"
+) -> Plan:
     """Assemble a Plan from given block costs with the same code ``planner plan`` uses."""
-    request = PlanRequest.build(model_file="models/example.py", gpus=n_stages, schedule=schedule, method=method,
-                                batch_size=4 * m, microbatches=m)
+    request = PlanRequest.build(
+        model_file="models/example.py",
+        gpus=n_stages,
+        schedule=schedule,
+        method=method,
+        batch_size=4 * m,
+        microbatches=m,
+    )
     return assemble_plan(
-        request, blocks, LINK,
-        model=ModelRef(path="models/example.py", size="tiny", config={"n_layers": 4}, file_digest="0" * 16,
-                       fingerprint="f" * 16, trace_method="fx", trace_failures=[], seed=0),
-        profile=ProfileInfo(device="cpu", backend="gloo", threads=1, torch_version="2.13.0", hostname="test",
-                            warmup=2, repeats=5),
-        memory_limit_bytes=None, created="2026-11-21T00:00:00+00:00",
+        request,
+        blocks,
+        LINK,
+        model=ModelRef(
+            path="models/example.py",
+            size="tiny",
+            config={"n_layers": 4},
+            file_digest="0" * 16,
+            fingerprint="f" * 16,
+            trace_method="fx",
+            trace_failures=[],
+            seed=0,
+        ),
+        profile=ProfileInfo(
+            device="cpu", backend="gloo", threads=1, torch_version="2.13.0", hostname="test", warmup=2, repeats=5
+        ),
+        memory_limit_bytes=None,
+        created="2026-11-21T00:00:00+00:00",
     )

@@ -27,18 +27,41 @@ def synthetic_run(plan: Plan, factor: float, step_s: float) -> RunResult:
     """A run whose per-stage compute is exactly ``factor`` x the plan's, with the given step time."""
     stages = [
         StageMeasure(
-            stage=s.index, first_block=s.first_block, last_block=s.last_block, fwd_s=factor * s.fwd_s,
-            bwd_s=factor * s.bwd_s, loss_s=0.0, p2p_s=0.0, reduce_s=0.0, clip_s=0.0, optimizer_s=factor * s.opt_s,
-            step_s=step_s, fwd_times_s=[], bwd_times_s=[],
+            stage=s.index,
+            first_block=s.first_block,
+            last_block=s.last_block,
+            fwd_s=factor * s.fwd_s,
+            bwd_s=factor * s.bwd_s,
+            loss_s=0.0,
+            p2p_s=0.0,
+            reduce_s=0.0,
+            clip_s=0.0,
+            optimizer_s=factor * s.opt_s,
+            step_s=step_s,
+            fwd_times_s=[],
+            bwd_times_s=[],
         )
         for s in plan.stages
     ]
     return RunResult(
-        plan_fingerprint=plan.model.fingerprint, mode="pipeline", schedule=plan.schedule, n_stages=plan.n_stages,
-        n_microbatches=plan.n_microbatches, batch_size=plan.batch_size, backend="gloo", steps=2, threads=[1] * plan.n_stages,
-        losses=[1.0, 1.0], grad_norms=[1.0, 1.0], grad_clip=1.0, step_times_s=[step_s, step_s],
-        rank_step_times_s=[[step_s, step_s]] * plan.n_stages, median_step_s=step_s, peak_rss_bytes=[1] * plan.n_stages,
-        timed_steps=[2], stages=stages,
+        plan_fingerprint=plan.model.fingerprint,
+        mode="pipeline",
+        schedule=plan.schedule,
+        n_stages=plan.n_stages,
+        n_microbatches=plan.n_microbatches,
+        batch_size=plan.batch_size,
+        backend="gloo",
+        steps=2,
+        threads=[1] * plan.n_stages,
+        losses=[1.0, 1.0],
+        grad_norms=[1.0, 1.0],
+        grad_clip=1.0,
+        step_times_s=[step_s, step_s],
+        rank_step_times_s=[[step_s, step_s]] * plan.n_stages,
+        median_step_s=step_s,
+        peak_rss_bytes=[1] * plan.n_stages,
+        timed_steps=[2],
+        stages=stages,
     )
 
 
@@ -67,7 +90,9 @@ def test_latency_fit_recovers_a_known_latency() -> None:
     assert plan.link.latency_s == 0.0
     true_link = LINK.model_copy(update={"latency_s": 0.7e-3})
     starts = tuple(s.start for s in plan.stages)
-    measured = predict(plan.blocks, starts, true_link, plan.schedule, plan.n_microbatches, plan.optimizer)[1].step_time_s
+    measured = predict(plan.blocks, starts, true_link, plan.schedule, plan.n_microbatches, plan.optimizer)[
+        1
+    ].step_time_s
     cal = calibrate(plan, synthetic_run(plan, 1.0, measured))
     assert cal.latency_s == pytest.approx(0.7e-3, rel=1e-9)
     assert cal.global_factor == 1.0
@@ -111,7 +136,9 @@ def test_calibration_round_trips_and_refuses_other_blocks(tmp_path: Path) -> Non
     cal.save(tmp_path / "cal.json")
     assert Calibration.from_json((tmp_path / "cal.json").read_text()) == cal
     renamed = [b.model_copy(update={"name": "x"}) if k == 0 else b for k, b in enumerate(plan.blocks)]
-    with pytest.raises(PlanFileError, match="calibration stage 0 covered embed .. layers.2, but blocks 0..3 are x .. layers.2"):
+    with pytest.raises(
+        PlanFileError, match="calibration stage 0 covered embed .. layers.2, but blocks 0..3 are x .. layers.2"
+    ):
         apply_calibration(renamed, plan.link, cal)
     with pytest.raises(PlanFileError, match="calibration format version None; this planner reads version 1"):
         Calibration.from_json("{}")

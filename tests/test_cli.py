@@ -24,7 +24,9 @@ def invoke(*args: str) -> CliRunner.invoke:  # type: ignore[name-defined]
 def test_plan_every_model(model: str, tmp_path: Path) -> None:
     gpus = "1" if model == "toy" else "2"
     out = tmp_path / "plan.json"
-    result = invoke("plan", str(MODELS / f"{model}.py"), "--gpus", gpus, "--size", "tiny", "-b", "8", "-o", str(out), *FAST)
+    result = invoke(
+        "plan", str(MODELS / f"{model}.py"), "--gpus", gpus, "--size", "tiny", "-b", "8", "-o", str(out), *FAST
+    )
     assert result.exit_code == 0, result.output
     plan = Plan.load(out)
     assert plan.n_stages == int(gpus) and plan.model.trace_method == "fx"
@@ -34,7 +36,22 @@ def test_plan_every_model(model: str, tmp_path: Path) -> None:
 
 def test_plan_prints_report_and_report_reprints_it(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
-    result = invoke("plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "-b", "8", "-o", str(out), "--repeats", "1", "--warmup", "0")
+    result = invoke(
+        "plan",
+        str(MODELS / "gpt.py"),
+        "--gpus",
+        "2",
+        "--size",
+        "tiny",
+        "-b",
+        "8",
+        "-o",
+        str(out),
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+    )
     assert result.exit_code == 0, result.output
     assert "planner (exact) *" in result.output and "uniform layers (torchtitan/Megatron)" in result.output
     report = invoke("report", str(out))
@@ -45,9 +62,35 @@ def test_plan_prints_report_and_report_reprints_it(tmp_path: Path) -> None:
 
 def test_plan_options_reach_the_plan(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
-    result = invoke("plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "--set", "n_layers=2",
-                    "-b", "12", "-m", "3", "--schedule", "gpipe", "--method", "uniform", "--optimizer", "sgd",
-                    "--lr", "0.1", "--grad-clip", "0", "--seed", "3", "-o", str(out), *FAST)
+    result = invoke(
+        "plan",
+        str(MODELS / "gpt.py"),
+        "--gpus",
+        "2",
+        "--size",
+        "tiny",
+        "--set",
+        "n_layers=2",
+        "-b",
+        "12",
+        "-m",
+        "3",
+        "--schedule",
+        "gpipe",
+        "--method",
+        "uniform",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.1",
+        "--grad-clip",
+        "0",
+        "--seed",
+        "3",
+        "-o",
+        str(out),
+        *FAST,
+    )
     assert result.exit_code == 0, result.output
     plan = Plan.load(out)
     assert plan.model.config["n_layers"] == 2 and [b.name for b in plan.blocks].count("layers.1") == 1
@@ -61,16 +104,30 @@ def test_plan_options_reach_the_plan(tmp_path: Path) -> None:
     "args, message",
     [
         (["plan", "nope.py", "--gpus", "2"], "model file nope.py does not exist"),
-        (["plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "huge"], "size 'huge' is not in gpt.py's SIZES; known sizes: tiny"),
-        (["plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "--set", "n_layer=3"], "no config key 'n_layer'"),
+        (
+            ["plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "huge"],
+            "size 'huge' is not in gpt.py's SIZES; known sizes: tiny",
+        ),
+        (
+            ["plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "--set", "n_layer=3"],
+            "no config key 'n_layer'",
+        ),
         (["plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "--set", "oops"], "expected key=value"),
-        (["plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "-b", "10", "-m", "4"], "does not split into 4 equal microbatches"),
-        (["plan", str(MODELS / "toy.py"), "--gpus", "9", "--size", "tiny", "-b", "18"], "the model has only 3 blocks (net1, relu, net2); use at most 3"),
+        (
+            ["plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "-b", "10", "-m", "4"],
+            "does not split into 4 equal microbatches",
+        ),
+        (
+            ["plan", str(MODELS / "toy.py"), "--gpus", "9", "--size", "tiny", "-b", "18"],
+            "the model has only 3 blocks (net1, relu, net2); use at most 3",
+        ),
         (["plan", str(MODELS / "gpt.py"), "--gpus", "4", "--size", "tiny", "-b", "8", "-m", "2"], "1F1B"),
         (["report", "missing.json"], "cannot read plan missing.json"),
     ],
 )
-def test_user_mistakes_are_one_line_errors(args: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_user_mistakes_are_one_line_errors(
+    args: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(main, args + (["-o", "p.json", *FAST] if args[0] == "plan" else []))
     assert result.exit_code == 2, result.output
@@ -82,7 +139,12 @@ def test_user_mistakes_are_one_line_errors(args: list[str], message: str, tmp_pa
 
 def test_report_rejects_a_damaged_plan(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
-    assert invoke("plan", str(MODELS / "toy.py"), "--gpus", "2", "--size", "tiny", "-b", "4", "-o", str(out), *FAST).exit_code == 0
+    assert (
+        invoke(
+            "plan", str(MODELS / "toy.py"), "--gpus", "2", "--size", "tiny", "-b", "4", "-o", str(out), *FAST
+        ).exit_code
+        == 0
+    )
     raw = json.loads(out.read_text())
     raw["stages"][0]["end"] = 0
     out.write_text(json.dumps(raw))
@@ -104,11 +166,31 @@ def test_help_explains_every_option() -> None:
 
 def test_plan_for_a_gpu_that_is_not_here(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
-    result = invoke("plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "-b", "8",
-                    "--gpu-type", "h100", "--dtype", "bf16", "-o", str(out), "-q")
+    result = invoke(
+        "plan",
+        str(MODELS / "gpt.py"),
+        "--gpus",
+        "2",
+        "--size",
+        "tiny",
+        "-b",
+        "8",
+        "--gpu-type",
+        "h100",
+        "--dtype",
+        "bf16",
+        "-o",
+        str(out),
+        "-q",
+    )
     assert result.exit_code == 0, result.output
     plan = Plan.load(out)
-    assert (plan.profile.source, plan.profile.hardware, plan.profile.dtype, plan.profile.backend) == ("estimated", "h100", "bf16", "nccl")
+    assert (plan.profile.source, plan.profile.hardware, plan.profile.dtype, plan.profile.backend) == (
+        "estimated",
+        "h100",
+        "bf16",
+        "nccl",
+    )
     # bf16: 2 bytes per parameter and per boundary value (microbatch 8 / 4 = 2 x seq 32 x dim 64)
     assert sum(b.param_bytes for b in plan.blocks) == 2 * sum(b.params for b in plan.blocks)
     assert plan.blocks[0].cut_bytes == 2 * 32 * 64 * 2
@@ -124,15 +206,35 @@ def test_plan_for_a_gpu_that_is_not_here(tmp_path: Path) -> None:
     ],
 )
 def test_hardware_mistakes_are_one_line_errors(args: list[str], message: str, tmp_path: Path) -> None:
-    result = CliRunner().invoke(main, ["plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "-b", "8",
-                                       "-o", str(tmp_path / "p.json"), *FAST, *args])
+    result = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            str(MODELS / "gpt.py"),
+            "--gpus",
+            "2",
+            "--size",
+            "tiny",
+            "-b",
+            "8",
+            "-o",
+            str(tmp_path / "p.json"),
+            *FAST,
+            *args,
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
 
 
 def test_report_measured_needs_a_run_file(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
-    assert invoke("plan", str(MODELS / "toy.py"), "--gpus", "2", "--size", "tiny", "-b", "4", "-o", str(out), *FAST).exit_code == 0
+    assert (
+        invoke(
+            "plan", str(MODELS / "toy.py"), "--gpus", "2", "--size", "tiny", "-b", "4", "-o", str(out), *FAST
+        ).exit_code
+        == 0
+    )
     result = CliRunner().invoke(main, ["report", str(out), "--measured", str(tmp_path / "nope.run.json")])
     assert result.exit_code == 2 and "cannot read run result" in result.output
 
@@ -140,7 +242,12 @@ def test_report_measured_needs_a_run_file(tmp_path: Path) -> None:
 @pytest.mark.multiprocess
 def test_plan_run_report_calibrate_loop(tmp_path: Path) -> None:
     plan_path, run_path = tmp_path / "plan.json", tmp_path / "plan.run.json"
-    assert invoke("plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "-b", "8", "-o", str(plan_path), *FAST).exit_code == 0
+    assert (
+        invoke(
+            "plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "-b", "8", "-o", str(plan_path), *FAST
+        ).exit_code
+        == 0
+    )
     result = invoke("run", str(plan_path), "--steps", "4")
     assert result.exit_code == 0, result.output
     assert "measured vs" in result.output and run_path.exists()
@@ -149,8 +256,21 @@ def test_plan_run_report_calibrate_loop(tmp_path: Path) -> None:
     assert "predicted vs measured" in report.output
     assert any(line.startswith("step ") and line.rstrip().endswith("%") for line in report.output.splitlines())
     calibrated = tmp_path / "calibrated.json"
-    result = invoke("plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "-b", "8", "-o", str(calibrated),
-                    "--calibrate", str(run_path), *FAST)
+    result = invoke(
+        "plan",
+        str(MODELS / "gpt.py"),
+        "--gpus",
+        "2",
+        "--size",
+        "tiny",
+        "-b",
+        "8",
+        "-o",
+        str(calibrated),
+        "--calibrate",
+        str(run_path),
+        *FAST,
+    )
     assert result.exit_code == 0, result.output
     from planner.core.predict import predict
     from planner.schema.result import RunResult
@@ -161,8 +281,16 @@ def test_plan_run_report_calibrate_loop(tmp_path: Path) -> None:
     assert new.link.name.endswith("+calibrated")
     from planner.core.predict import slots_of
 
-    _, again = predict(new.blocks, old.prediction.starts, new.link, old.schedule, old.n_microbatches, old.optimizer,
-                       (), slots_of(new.profile))
+    _, again = predict(
+        new.blocks,
+        old.prediction.starts,
+        new.link,
+        old.schedule,
+        old.n_microbatches,
+        old.optimizer,
+        (),
+        slots_of(new.profile),
+    )
     assert again.step_time_s == pytest.approx(run.median_step_s, rel=0.02)
 
 
@@ -179,37 +307,71 @@ def _write_model(tmp_path: Path, body: str) -> Path:
     "body, message",
     [
         # a target the default cross-entropy cannot use: named, with the file's line
-        ("def make_batch(batch_size, **config):\n    return (torch.randn(batch_size, 4),), torch.randn(batch_size, 7)\n",
-         "user_model.py: loss_fn() raised"),
-        ("def make_batch(batch_size, **config):\n    return (torch.randn(batch_size, 4),), [1, 2]\n",
-         "must return (inputs_tuple, target_tensor), got (tuple, list)"),
-        ("def make_batch(batch_size, **config):\n    return (torch.randn(batch_size, 5),), torch.zeros(batch_size, dtype=torch.long)\n",
-         "user_model.py: forward() raised RuntimeError"),
-        ("def make_batch(batch_size, **config):\n    return (torch.randn(batch_size, 4),), torch.zeros(batch_size, dtype=torch.long)\n"
-         "def loss_fn(output, target):\n    return output.sum(dim=1)\n",
-         "loss_fn() returned (2,); expected a scalar tensor"),  # microbatch 8 / 4 = 2
+        (
+            "def make_batch(batch_size, **config):\n    return (torch.randn(batch_size, 4),), torch.randn(batch_size, 7)\n",
+            "user_model.py: loss_fn() raised",
+        ),
+        (
+            "def make_batch(batch_size, **config):\n    return (torch.randn(batch_size, 4),), [1, 2]\n",
+            "must return (inputs_tuple, target_tensor), got (tuple, list)",
+        ),
+        (
+            "def make_batch(batch_size, **config):\n    return (torch.randn(batch_size, 5),), torch.zeros(batch_size, dtype=torch.long)\n",
+            "user_model.py: forward() raised RuntimeError",
+        ),
+        (
+            "def make_batch(batch_size, **config):\n    return (torch.randn(batch_size, 4),), torch.zeros(batch_size, dtype=torch.long)\n"
+            "def loss_fn(output, target):\n    return output.sum(dim=1)\n",
+            "loss_fn() returned (2,); expected a scalar tensor",
+        ),  # microbatch 8 / 4 = 2
     ],
 )
 def test_model_file_mistakes_found_before_profiling(body: str, message: str, tmp_path: Path) -> None:
-    result = CliRunner().invoke(main, ["plan", str(_write_model(tmp_path, body)), "--gpus", "2", "-b", "8",
-                                       "-o", str(tmp_path / "p.json"), *FAST])
+    result = CliRunner().invoke(
+        main,
+        ["plan", str(_write_model(tmp_path, body)), "--gpus", "2", "-b", "8", "-o", str(tmp_path / "p.json"), *FAST],
+    )
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
 
 
 def test_unwritable_output_is_one_line(tmp_path: Path) -> None:
-    result = CliRunner().invoke(main, ["plan", str(MODELS / "toy.py"), "--gpus", "2", "--size", "tiny", "-b", "4",
-                                       "-o", str(tmp_path / "missing" / "p.json"), *FAST])
+    result = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            str(MODELS / "toy.py"),
+            "--gpus",
+            "2",
+            "--size",
+            "tiny",
+            "-b",
+            "4",
+            "-o",
+            str(tmp_path / "missing" / "p.json"),
+            *FAST,
+        ],
+    )
     assert result.exit_code == 2 and "folder" in result.output and "does not exist" in result.output
     plan = tmp_path / "plan.json"
-    assert invoke("plan", str(MODELS / "toy.py"), "--gpus", "2", "--size", "tiny", "-b", "4", "-o", str(plan), *FAST).exit_code == 0
+    assert (
+        invoke(
+            "plan", str(MODELS / "toy.py"), "--gpus", "2", "--size", "tiny", "-b", "4", "-o", str(plan), *FAST
+        ).exit_code
+        == 0
+    )
     result = CliRunner().invoke(main, ["run", str(plan), "-o", str(tmp_path / "missing" / "r.json")])
     assert result.exit_code == 2 and "does not exist" in result.output  # refused before any training
 
 
 def test_plan_with_a_stage_past_the_last_block_is_rejected(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
-    assert invoke("plan", str(MODELS / "toy.py"), "--gpus", "2", "--size", "tiny", "-b", "4", "-o", str(out), *FAST).exit_code == 0
+    assert (
+        invoke(
+            "plan", str(MODELS / "toy.py"), "--gpus", "2", "--size", "tiny", "-b", "4", "-o", str(out), *FAST
+        ).exit_code
+        == 0
+    )
     raw = json.loads(out.read_text())
     raw["stages"][1]["end"] = 99
     out.write_text(json.dumps(raw))
@@ -218,7 +380,25 @@ def test_plan_with_a_stage_past_the_last_block_is_rejected(tmp_path: Path) -> No
 
 
 def test_baseline_over_the_memory_limit_is_refused(tmp_path: Path) -> None:
-    result = CliRunner().invoke(main, ["plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "-b", "8",
-                                       "--method", "uniform", "--memory-limit", "0.001", "-o", str(tmp_path / "p.json"), *FAST])
+    result = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            str(MODELS / "gpt.py"),
+            "--gpus",
+            "2",
+            "--size",
+            "tiny",
+            "-b",
+            "8",
+            "--method",
+            "uniform",
+            "--memory-limit",
+            "0.001",
+            "-o",
+            str(tmp_path / "p.json"),
+            *FAST,
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert "the uniform split needs" in result.output and "use --method optimal" in result.output

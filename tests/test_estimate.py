@@ -32,9 +32,20 @@ MM = 2 * B * T * IN * OUT  # forward FLOPs of Linear(IN, OUT) on (B, T, IN)
 
 
 def _spec(kind: str = "gpu", **kw) -> HardwareSpec:
-    base = dict(name="test", kind=kind, peak_flops={"fp32": 1e9, "bf16": 1e9}, memory_Bps=1e20, memory_bytes=2**40,
-                intra_node_Bps=1e9, intra_node_latency_s=0, inter_node_Bps=1e9, inter_node_latency_s=0,
-                matmul_efficiency=1.0, memory_efficiency=1.0, op_overhead_s=0.0)
+    base = dict(
+        name="test",
+        kind=kind,
+        peak_flops={"fp32": 1e9, "bf16": 1e9},
+        memory_Bps=1e20,
+        memory_bytes=2**40,
+        intra_node_Bps=1e9,
+        intra_node_latency_s=0,
+        inter_node_Bps=1e9,
+        inter_node_latency_s=0,
+        matmul_efficiency=1.0,
+        memory_efficiency=1.0,
+        op_overhead_s=0.0,
+    )
     base.update(kw)
     return HardwareSpec(**base)
 
@@ -120,8 +131,10 @@ def test_fwd_flops_equal_flop_counter_mode_and_split_adds_up() -> None:
         assert c.flops_bwd >= 2 * c.flops_fwd * 0.99  # attention recomputes scores in backward
     assert costs[0].name == "tok_embeddings" and costs[0].bwd_input_s == 0.0  # token ids need no gradient
     layers = [c for c in costs if c.is_layer]
-    assert len(layers) == 4 and all(c == layers[0].model_copy(update={"name": c.name, "first_node": c.first_node,
-                                                                       "last_node": c.last_node}) for c in layers)
+    assert len(layers) == 4 and all(
+        c == layers[0].model_copy(update={"name": c.name, "first_node": c.first_node, "last_node": c.last_node})
+        for c in layers
+    )
 
 
 def _rss_bytes() -> int:
@@ -138,7 +151,9 @@ def test_meta_estimate_of_a_tutorial_gpt_allocates_nothing() -> None:
     inputs, target = tuple(x.to("meta") for x in inputs), target.to("meta")
     traced = trace_model(model, inputs)
     rss = _rss_bytes()
-    costs = estimate_blocks(traced, inputs, target, mf.loss_fn, get_hardware("h100"), "bf16", OptimizerSpec(), progress=False)
+    costs = estimate_blocks(
+        traced, inputs, target, mf.loss_fn, get_hardware("h100"), "bf16", OptimizerSpec(), progress=False
+    )
     assert _rss_bytes() - rss < 60 * 2**20
     assert all(p.device.type == "meta" for p in traced.model.parameters())
     assert sum(c.params for c in costs) == 43_883_280

@@ -37,8 +37,11 @@ GPT2_BLOCKS = (
 
 
 def _quick_plan(path: Path, size: str, gpus: int = 2, method: str = "optimal"):
-    return make_plan(PlanRequest.build(model_file=path, gpus=gpus, size=size, batch_size=4, warmup=0, repeats=1,
-                                       progress=False, method=method))
+    return make_plan(
+        PlanRequest.build(
+            model_file=path, gpus=gpus, size=size, batch_size=4, warmup=0, repeats=1, progress=False, method=method
+        )
+    )
 
 
 def _check_tiling(plan: Plan) -> None:
@@ -58,7 +61,7 @@ def _check_optimal(plan: Plan) -> None:
 
 
 def _layers_per_stage(plan: Plan) -> list[int]:
-    return [sum(b.is_layer for b in plan.blocks[s.start:s.end]) for s in plan.stages]
+    return [sum(b.is_layer for b in plan.blocks[s.start : s.end]) for s in plan.stages]
 
 
 # --- (a) HF-style hand-written model -----------------------------------------------------------
@@ -99,8 +102,23 @@ def test_hf_style_cli_plan(tmp_path):
     import cli
 
     out = tmp_path / "plan.json"
-    args = ["plan", str(HF_STYLE), "--size", "tiny", "--gpus", "2", "--batch-size", "4",
-            "--repeats", "1", "--warmup", "0", "-o", str(out), "-q"]
+    args = [
+        "plan",
+        str(HF_STYLE),
+        "--size",
+        "tiny",
+        "--gpus",
+        "2",
+        "--batch-size",
+        "4",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "-o",
+        str(out),
+        "-q",
+    ]
     result = CliRunner().invoke(cli.main, args)
     assert result.exit_code == 0, result.output + repr(result.exception)
     assert f"wrote {out}" in result.output
@@ -116,8 +134,23 @@ def test_cli_plan_error_is_one_line(tmp_path):
 
     import cli
 
-    args = ["plan", str(FIXTURES / "no_children.py"), "--size", "tiny", "--gpus", "2", "--batch-size", "4",
-            "--repeats", "1", "--warmup", "0", "-o", str(tmp_path / "plan.json"), "-q"]
+    args = [
+        "plan",
+        str(FIXTURES / "no_children.py"),
+        "--size",
+        "tiny",
+        "--gpus",
+        "2",
+        "--batch-size",
+        "4",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "-o",
+        str(tmp_path / "plan.json"),
+        "-q",
+    ]
     result = CliRunner().invoke(cli.main, args)
     assert result.exit_code == 2
     lines = [line for line in result.output.splitlines() if line.startswith("error:")]

@@ -56,7 +56,9 @@ def _imports(name: str, tree: ast.Module) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names)
     return found
@@ -122,7 +124,12 @@ def _code_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef, source: list[str]) -
     """Lines of code in a function: not blank, not a comment, not its docstring."""
     skip: set[int] = set()
     body = fn.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+    if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
         skip.update(range(body[0].lineno, (body[0].end_lineno or body[0].lineno) + 1))
     count = 0
     for lineno in range(fn.lineno, (fn.end_lineno or fn.lineno) + 1):
@@ -146,8 +153,14 @@ def test_no_function_longer_than_80_lines() -> None:
 
 def test_code_and_docs_cite_nothing_outside_the_repository() -> None:
     hits = []
-    for path in [*PLANNER.rglob("*.py"), *(ROOT / "docs").rglob("*.md"), *(ROOT / "tests").rglob("*.py"),
-                 *(ROOT / "bench").rglob("*.py"), ROOT / "README.md", ROOT / "cli.py"]:
+    for path in [
+        *PLANNER.rglob("*.py"),
+        *(ROOT / "docs").rglob("*.md"),
+        *(ROOT / "tests").rglob("*.py"),
+        *(ROOT / "bench").rglob("*.py"),
+        ROOT / "README.md",
+        ROOT / "cli.py",
+    ]:
         text = path.read_text()
         for needle in ("DESIGN.md", "REFERENCES.md", "../shared"):
             if needle in text and path != Path(__file__):

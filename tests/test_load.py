@@ -106,8 +106,17 @@ def test_size_on_a_file_without_sizes(tmp_path):
 
 def test_parse_overrides_json_and_strings():
     got = parse_overrides(
-        ["n_layers=8", "dropout=0.1", "flag=true", "name=gpt", "shape=[1, 2]", "none=null", "empty=", "eq=a=b",
-         " key =3"]
+        [
+            "n_layers=8",
+            "dropout=0.1",
+            "flag=true",
+            "name=gpt",
+            "shape=[1, 2]",
+            "none=null",
+            "empty=",
+            "eq=a=b",
+            " key =3",
+        ]
     )
     assert got == {
         "n_layers": 8,
@@ -350,7 +359,6 @@ def test_default_train_batches_are_fresh_make_batch_batches(tmp_path):
 
 def test_model_file_errors_are_planner_errors():
     assert issubclass(ModelFileError, PlannerError) and issubclass(ModelFileError, ValueError)
-
 
 
 def test_a_stream_that_ends_is_a_one_line_error(tmp_path: Path) -> None:

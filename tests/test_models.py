@@ -1,4 +1,5 @@
 """Tests for the model files in ``models/`` (loaded by path, as the planner does)."""
+
 import importlib.util
 import math
 from pathlib import Path
@@ -28,8 +29,7 @@ def mf(request):
 def _loss(mf, out, target):
     if hasattr(mf, "loss_fn"):
         return mf.loss_fn(out, target)
-    return torch.nn.functional.cross_entropy(
-        out.reshape(-1, out.shape[-1]), target.reshape(-1))
+    return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
 
 def _count(module):
@@ -209,7 +209,7 @@ def test_missing_data_path_raises(name, tmp_path):
 
 
 def test_custom_data_path(tmp_path):
-    text = ("To be, or not to be: that is the question.\n" * 200)
+    text = "To be, or not to be: that is the question.\n" * 200
     p = tmp_path / "t.txt"
     p.write_text(text)
     for name in ("encoder_lm", "shakespeare"):
@@ -220,9 +220,25 @@ def test_custom_data_path(tmp_path):
 
 def test_basic_english_tokenizer():
     mf = load_model_file("encoder_lm")
-    assert mf.basic_english("Hello, World! (It's) \"fine\"; ok: yes? a.b<br />c") == [
-        "hello", ",", "world", "!", "(", "it", "'", "s", ")", "fine", "ok", "yes", "?",
-        "a", ".", "b", "c"]
+    assert mf.basic_english('Hello, World! (It\'s) "fine"; ok: yes? a.b<br />c') == [
+        "hello",
+        ",",
+        "world",
+        "!",
+        "(",
+        "it",
+        "'",
+        "s",
+        ")",
+        "fine",
+        "ok",
+        "yes",
+        "?",
+        "a",
+        ".",
+        "b",
+        "c",
+    ]
     vocab = mf.build_vocab(["b", "a", "b", "c", "b", "a"], 3)
     assert vocab == {"<unk>": 0, "b": 1, "a": 2}
 

@@ -29,7 +29,10 @@ def test_plan_records_what_the_issue_asks_for() -> None:
     assert raw["model"]["fingerprint"] and raw["model"]["config"] == {"n_layers": 4}
     assert raw["profile"]["device"] == "cpu" and raw["profile"]["backend"] == "gloo"
     assert [s["split_node"] for s in raw["stages"]] == ["layers.2_last", None]
-    assert [(s["first_block"], s["last_block"]) for s in raw["stages"]] == [("embed", "layers.2"), ("layers.3", "output")]
+    assert [(s["first_block"], s["last_block"]) for s in raw["stages"]] == [
+        ("embed", "layers.2"),
+        ("layers.3", "output"),
+    ]
     assert set(raw["baselines"]) == {"uniform", "params"}
     assert raw["prediction"]["step_time_s"] == pytest.approx(0.522)
 

@@ -74,7 +74,11 @@ def test_matches_torch_schedule_ir(schedule: str, p: int, m: int) -> None:
             # no warm-up). Only the IR/visualizer is affected; execution (_step_microbatches, checked
             # above) runs F0..F(m-1), which is what action_order returns.
             continue
-        theirs = [(kinds[a.computation_type], a.microbatch_index) for a in actions if a is not None and a.computation_type in kinds]
+        theirs = [
+            (kinds[a.computation_type], a.microbatch_index)
+            for a in actions
+            if a is not None and a.computation_type in kinds
+        ]
         assert action_order(schedule, p, m)[rank] == theirs
 
 

@@ -82,8 +82,26 @@ def test_rejects_bad_requests() -> None:
 
 
 def test_schedule_orders_pure() -> None:
-    assert action_order("1f1b", 3, 4)[0] == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)]
-    assert action_order("1f1b", 3, 4)[2] == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)]
+    assert action_order("1f1b", 3, 4)[0] == [
+        ("F", 0),
+        ("F", 1),
+        ("F", 2),
+        ("B", 0),
+        ("F", 3),
+        ("B", 1),
+        ("B", 2),
+        ("B", 3),
+    ]
+    assert action_order("1f1b", 3, 4)[2] == [
+        ("F", 0),
+        ("B", 0),
+        ("F", 1),
+        ("B", 1),
+        ("F", 2),
+        ("B", 2),
+        ("F", 3),
+        ("B", 3),
+    ]
     assert [peak_in_flight(o) for o in action_order("1f1b", 4, 6)] == [4, 3, 2, 1]
     assert [peak_in_flight(o) for o in action_order("gpipe", 4, 3)] == [3, 3, 3, 3]
 
@@ -93,7 +111,9 @@ stage_times_st = st.tuples(times, times)
 
 
 @settings(max_examples=150, deadline=None)
-@given(stages=st.lists(stage_times_st, min_size=1, max_size=5), m=st.integers(1, 8), schedule=st.sampled_from(SCHEDULES))
+@given(
+    stages=st.lists(stage_times_st, min_size=1, max_size=5), m=st.integers(1, 8), schedule=st.sampled_from(SCHEDULES)
+)
 def test_simulation_bounds(stages: list[Durations], m: int, schedule: str) -> None:
     p = len(stages)
     assume(schedule == "gpipe" or m >= p)

@@ -130,7 +130,11 @@ def instances(draw: st.DrawFn) -> tuple[list[BlockCost], int, LinkCost, str, int
         for i in range(n)
     ]
     p = draw(st.integers(1, n))
-    link = LinkCost(name="l", latency_s=draw(st.sampled_from([0.0, 0.25, 1.0])), bandwidth_Bps=draw(st.sampled_from([10.0, 100.0, 1000.0])))
+    link = LinkCost(
+        name="l",
+        latency_s=draw(st.sampled_from([0.0, 0.25, 1.0])),
+        bandwidth_Bps=draw(st.sampled_from([10.0, 100.0, 1000.0])),
+    )
     schedule = draw(st.sampled_from(SCHEDULES))
     m = draw(st.integers(1, 10))
     optimizer = draw(st.sampled_from([SGD, OptimizerSpec()]))
@@ -141,13 +145,23 @@ def instances(draw: st.DrawFn) -> tuple[list[BlockCost], int, LinkCost, str, int
 
 @settings(max_examples=200, deadline=None)
 @given(inst=instances())
-def test_solve_matches_brute_force(inst: tuple[list[BlockCost], int, LinkCost, str, int, OptimizerSpec, int | None]) -> None:
+def test_solve_matches_brute_force(
+    inst: tuple[list[BlockCost], int, LinkCost, str, int, OptimizerSpec, int | None],
+) -> None:
     blocks, p, link, schedule, m, optimizer, limit, recompute = inst
     feasible = brute(blocks, p, link, schedule, m, optimizer, limit, recompute)
     if not feasible:
         with pytest.raises(InfeasibleError) as err:
-            solve(blocks, p, link, schedule=schedule, n_microbatches=m, optimizer=optimizer, memory_limit_bytes=limit,
-                  recompute=recompute)
+            solve(
+                blocks,
+                p,
+                link,
+                schedule=schedule,
+                n_microbatches=m,
+                optimizer=optimizer,
+                memory_limit_bytes=limit,
+                recompute=recompute,
+            )
         msg = str(err.value)
         if "smallest stage count that fits is" in msg:
             q = int(msg.split("smallest stage count that fits is ")[1].split(":")[0])
@@ -156,8 +170,16 @@ def test_solve_matches_brute_force(inst: tuple[list[BlockCost], int, LinkCost, s
                 if schedule == "gpipe" or m >= smaller:
                     assert not brute(blocks, smaller, link, schedule, m, optimizer, limit, recompute)
         return
-    part = solve(blocks, p, link, schedule=schedule, n_microbatches=m, optimizer=optimizer, memory_limit_bytes=limit,
-                 recompute=recompute)
+    part = solve(
+        blocks,
+        p,
+        link,
+        schedule=schedule,
+        n_microbatches=m,
+        optimizer=optimizer,
+        memory_limit_bytes=limit,
+        recompute=recompute,
+    )
     opt = min(b for _, b, _ in feasible)
     assert math.isclose(part.bottleneck_s, opt, rel_tol=1e-9, abs_tol=1e-12)
     optimal = [(s, b, c) for s, b, c in feasible if b <= opt + 1e-9 * max(1.0, opt)]
@@ -168,8 +190,19 @@ def test_solve_matches_brute_force(inst: tuple[list[BlockCost], int, LinkCost, s
     tied = sorted(s for s, _, c in optimal if c <= best_sum + 1e-9 * max(1.0, best_sum))
     assert part.starts == tied[0]
     if limit is not None:
-        assert max(stage_memories(blocks, part.starts, schedule=schedule, n_microbatches=m, optimizer=optimizer,
-                                  recompute=part.recompute)) <= limit
+        assert (
+            max(
+                stage_memories(
+                    blocks,
+                    part.starts,
+                    schedule=schedule,
+                    n_microbatches=m,
+                    optimizer=optimizer,
+                    recompute=part.recompute,
+                )
+            )
+            <= limit
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,7 +297,10 @@ def test_recompute_auto_makes_a_plan_fit() -> None:
     assert part.starts == (0, 2) and part.recompute == (True, True)
     # 2 blocks x (forward 1 + forward again in backward 1) + the 10-byte boundary each way at 1 B/s.
     assert part.bottleneck_s == 4.0 + 20.0
-    assert stage_memories(blocks, part.starts, schedule="gpipe", n_microbatches=4, recompute=part.recompute) == [290, 280]
+    assert stage_memories(blocks, part.starts, schedule="gpipe", n_microbatches=4, recompute=part.recompute) == [
+        290,
+        280,
+    ]
     # Only the stage that does not fit recomputes: 1F1B keeps 2 microbatches on stage 0, 1 on stage 1.
     part = solve(blocks, 2, FREE, n_microbatches=4, schedule="1f1b", memory_limit_bytes=300)
     assert part.starts == (0, 2) and part.recompute == (True, False)
@@ -274,7 +310,11 @@ def test_recompute_auto_makes_a_plan_fit() -> None:
 
 
 def test_stage_memory_formula() -> None:
-    blocks = [blk(0, 1.0, params=10, param_bytes=40, act=3, cut=7), blk(1, 1.0, params=20, param_bytes=80, act=5, cut=11), blk(2, 1.0, cut=13)]
+    blocks = [
+        blk(0, 1.0, params=10, param_bytes=40, act=3, cut=7),
+        blk(1, 1.0, params=20, param_bytes=80, act=5, cut=11),
+        blk(2, 1.0, cut=13),
+    ]
     # adamw, fp32, stage [0,2), 4 in flight, m = 1:
     #   static   = (40+80) * 2 (weights + grads) + 30 * 8 (two fp32 moments)  = 480
     #   buffers  = m * (0 in (first stage) + 11 out)                          = 11
@@ -356,7 +396,9 @@ def test_large_instance_is_fast() -> None:
 
 def test_pure_modules_do_not_import_torch() -> None:
     code = "import planner.core.solve, planner.core.simulate, planner.core.schedules, planner.schema.costs, sys; assert 'torch' not in sys.modules"
-    res = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True
+    )
     assert res.returncode == 0, res.stderr
 
 

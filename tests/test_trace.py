@@ -25,7 +25,9 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 MODELS = ["gpt", "encoder_lm", "resnet50", "shakespeare", "toy"]
 
 EXPECTED_BLOCKS = {
-    "gpt": [("tok_embeddings", False)] + [(f"layers.{i}", True) for i in range(4)] + [("norm", False), ("output", False)],
+    "gpt": [("tok_embeddings", False)]
+    + [(f"layers.{i}", True) for i in range(4)]
+    + [("norm", False), ("output", False)],
     # nn.Sequential(Encoder, TransformerEncoderLayer x 4, Decoder): only the repeated type is a layer
     "encoder_lm": [("0", False), ("1", True), ("2", True), ("3", True), ("4", True), ("5", False)],
     "resnet50": [("conv1", False), ("bn1", False), ("relu", False), ("maxpool", False)]
@@ -314,7 +316,11 @@ def test_data_dependent_control_flow_falls_back_to_module_boundaries():
     assert "data-dependent" in traced.failures[1][1]
     assert all("\n" not in reason for _, reason in traced.failures)
     assert [(b.name, b.is_layer) for b in traced.blocks] == [
-        ("inp", False), ("layers.0", True), ("layers.1", True), ("layers.2", True), ("head", False)
+        ("inp", False),
+        ("layers.0", True),
+        ("layers.1", True),
+        ("layers.2", True),
+        ("head", False),
     ]
     assert all(c.legal for c in traced.cuts)
     B, d = inputs[0].shape
@@ -361,10 +367,20 @@ def test_methods_argument_restricts_the_chain():
 def test_shape_control_flow_is_traced_by_export():
     model, inputs, _, traced = fixture("shape_branch")
     assert traced.method == "export"
-    assert traced.failures == [("fx", "TraceError: symbolically traced variables cannot be used as inputs to control flow "
-                                      "(at shape_branch.py:14: if h.shape[1] > 4:  # static under export (fixed example shape), a Proxy under fx)")]
+    assert traced.failures == [
+        (
+            "fx",
+            "TraceError: symbolically traced variables cannot be used as inputs to control flow "
+            "(at shape_branch.py:15: if h.shape[1] > 4:  # static under export (fixed example shape), a Proxy under fx)",
+        )
+    ]
     assert [(b.name, b.is_layer) for b in traced.blocks] == [
-        ("inp", False), ("layers.0", True), ("layers.1", True), ("layers.2", True), ("norm", False), ("head", False)
+        ("inp", False),
+        ("layers.0", True),
+        ("layers.1", True),
+        ("layers.2", True),
+        ("norm", False),
+        ("head", False),
     ]
     assert all(c.legal and len(c.tensors) == 1 for c in traced.cuts)
 

@@ -82,7 +82,9 @@ class ModelFile:
         torch.manual_seed(seed)
         model = self._call("build_model", self.module.build_model, **self.config)
         if not isinstance(model, nn.Module):
-            raise ModelFileError(f"{self.path.name}: build_model() returned {type(model).__name__}; expected a torch.nn.Module")
+            raise ModelFileError(
+                f"{self.path.name}: build_model() returned {type(model).__name__}; expected a torch.nn.Module"
+            )
         return model
 
     def batch(self, batch_size: int, seed: int = 0) -> Batch:
@@ -166,7 +168,9 @@ def _user_frame(e: BaseException, path: Path) -> str:
 
 
 def _check_batch(out: Any, name: str, path: Path) -> Batch:
-    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], tuple) and isinstance(out[1], torch.Tensor)):
+    if not (
+        isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], tuple) and isinstance(out[1], torch.Tensor)
+    ):
         raise ModelFileError(
             f"{path.name}: {name}() must return (inputs_tuple, target_tensor), got {_shape_of(out)}; "
             "e.g. return (tokens,), targets"
@@ -202,7 +206,9 @@ def check_forward(mf: ModelFile, model: nn.Module, inputs: tuple, target: torch.
     finally:
         model.train(was_training)
     if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-        raise ModelFileError(f"{mf.path.name}: loss_fn() returned {_shape_of(loss) if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}; expected a scalar tensor (a mean over the batch)")
+        raise ModelFileError(
+            f"{mf.path.name}: loss_fn() returned {_shape_of(loss) if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}; expected a scalar tensor (a mean over the batch)"
+        )
 
 
 def load_model_file(path: str | Path, size: str | None = None, overrides: dict[str, Any] | None = None) -> ModelFile:
@@ -222,7 +228,9 @@ def load_model_file(path: str | Path, size: str | None = None, overrides: dict[s
     """
     p = Path(path).expanduser().resolve()
     if not p.is_file():
-        raise ModelFileError(f"model file {path} does not exist; give the path of a .py file with build_model and make_batch")
+        raise ModelFileError(
+            f"model file {path} does not exist; give the path of a .py file with build_model and make_batch"
+        )
     name = "planner_model_" + hashlib.sha256(str(p).encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(name, p)
     if spec is None or spec.loader is None:

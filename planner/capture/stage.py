@@ -86,7 +86,9 @@ class _Lookup:
         if a.name not in self.env:
             src = self.nodes[a.name]
             if src.op != "get_attr":
-                raise TraceError(f"value {a.name} is needed in blocks [{self.start}, {self.end}) but not available there")
+                raise TraceError(
+                    f"value {a.name} is needed in blocks [{self.start}, {self.end}) but not available there"
+                )
             self.env[a.name] = self.graph.node_copy(src, self)
         return self.env[a.name]
 

@@ -27,7 +27,8 @@ from planner.errors import TraceError
 TRACERS: dict[str, Callable[[nn.Module, tuple[Any, ...]], fx.GraphModule]] = {"fx": trace_fx, "export": trace_export}
 
 _NOT_USER_CODE = tuple(
-    str(Path(p).resolve()) for p in (Path(torch.__file__).parent, Path(__file__).parents[1], sysconfig.get_paths()["stdlib"])
+    str(Path(p).resolve())
+    for p in (Path(torch.__file__).parent, Path(__file__).parents[1], sysconfig.get_paths()["stdlib"])
 )
 
 
@@ -37,7 +38,9 @@ def short_reason(e: BaseException) -> str:
     if len(text) > 200:
         text = text[:200] + "..."
     frames = [
-        f for f in traceback.extract_tb(e.__traceback__) if not str(Path(f.filename).resolve()).startswith(_NOT_USER_CODE)
+        f
+        for f in traceback.extract_tb(e.__traceback__)
+        if not str(Path(f.filename).resolve()).startswith(_NOT_USER_CODE)
     ]
     where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno}: {frames[-1].line})" if frames else ""
     return f"{type(e).__name__}: {text}{where}"

@@ -25,7 +25,11 @@ def layers_or_all(blocks: Sequence[BlockCost]) -> list[BlockCost]:
 
 
 def compare_methods(
-    request: PlanRequest, blocks: Sequence[BlockCost], link: LinkCost, memory_limit_bytes: int | None, slots: float | None
+    request: PlanRequest,
+    blocks: Sequence[BlockCost],
+    link: LinkCost,
+    memory_limit_bytes: int | None,
+    slots: float | None,
 ) -> dict[str, tuple[list[StagePlan], Prediction]]:
     """Every partition method's stages and prediction on the same costs.
 
@@ -45,8 +49,14 @@ def compare_methods(
     m = request.n_microbatches
     solvers: dict[str, Callable[[], Partition]] = {
         "optimal": lambda: solve(
-            blocks, request.gpus, link, schedule=request.schedule, n_microbatches=m, optimizer=request.optimizer,
-            memory_limit_bytes=memory_limit_bytes, recompute=request.recompute,
+            blocks,
+            request.gpus,
+            link,
+            schedule=request.schedule,
+            n_microbatches=m,
+            optimizer=request.optimizer,
+            memory_limit_bytes=memory_limit_bytes,
+            recompute=request.recompute,
         ),
         "uniform": lambda: uniform_layers(layers_or_all(blocks), request.gpus, link),
         "params": lambda: param_balanced(blocks, request.gpus, link),

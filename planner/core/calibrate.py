@@ -60,12 +60,16 @@ class Calibration(BaseModel):
 
     version: int = CALIBRATION_VERSION
     plan_fingerprint: str = Field(description="Model fingerprint of the plan that was run.")
-    microbatch_size: int = Field(ge=1, description="Samples per microbatch of that plan (block costs are per microbatch).")
+    microbatch_size: int = Field(
+        ge=1, description="Samples per microbatch of that plan (block costs are per microbatch)."
+    )
     starts: tuple[int, ...] = Field(description="First block of each stage of the measured run.")
     stages: list[StageCalibration]
     latency_s: float = Field(ge=0, description="Fitted fixed cost per point-to-point message, seconds.")
     bandwidth_Bps: float = Field(gt=0, description="Link bandwidth (kept from the plan, not fitted).")
-    global_factor: float = Field(gt=0, description="Extra factor on every block time (1 unless zero latency over-predicts).")
+    global_factor: float = Field(
+        gt=0, description="Extra factor on every block time (1 unless zero latency over-predicts)."
+    )
     measured_step_s: float = Field(description="The run's median step time.")
     predicted_step_s: float = Field(description="The plan's step prediction before calibration.")
     calibrated_step_s: float = Field(description="Re-prediction of the measured split with the calibrated costs.")
@@ -98,14 +102,16 @@ def _scaled(x: float | None, factor: float) -> float | None:
 
 def _scale_block(b: BlockCost, s: StageCalibration, g: float) -> BlockCost:
     f, w = s.fwd_factor * g, s.bwd_factor * g
-    return b.model_copy(update={
-        "fwd_s": b.fwd_s * f,
-        "bwd_s": b.bwd_s * w,
-        "bwd_input_s": _scaled(b.bwd_input_s, w),
-        "bwd_weight_s": _scaled(b.bwd_weight_s, w),
-        "recompute_s": _scaled(b.recompute_s, f),  # recomputation is a forward
-        "opt_s": _scaled(b.opt_s, s.opt_factor * g),
-    })
+    return b.model_copy(
+        update={
+            "fwd_s": b.fwd_s * f,
+            "bwd_s": b.bwd_s * w,
+            "bwd_input_s": _scaled(b.bwd_input_s, w),
+            "bwd_weight_s": _scaled(b.bwd_weight_s, w),
+            "recompute_s": _scaled(b.recompute_s, f),  # recomputation is a forward
+            "opt_s": _scaled(b.opt_s, s.opt_factor * g),
+        }
+    )
 
 
 def apply_calibration(
@@ -183,8 +189,11 @@ def calibrate(plan: Plan, run: RunResult) -> Calibration:
     starts = tuple(s.start for s in plan.stages)
     stages = [
         StageCalibration(
-            stage=s.index, first_block=s.first_block, last_block=s.last_block,
-            fwd_factor=_ratio(m.fwd_s, s.fwd_s), bwd_factor=_ratio(m.bwd_s, s.bwd_s),
+            stage=s.index,
+            first_block=s.first_block,
+            last_block=s.last_block,
+            fwd_factor=_ratio(m.fwd_s, s.fwd_s),
+            bwd_factor=_ratio(m.bwd_s, s.bwd_s),
             opt_factor=_ratio(m.optimizer_s, s.opt_s),
         )
         for s, m in zip(plan.stages, run.stages)
@@ -192,16 +201,24 @@ def calibrate(plan: Plan, run: RunResult) -> Calibration:
 
     def make(latency: float, g: float) -> Calibration:
         return Calibration(
-            plan_fingerprint=plan.model.fingerprint, microbatch_size=plan.microbatch_size, starts=starts,
-            stages=stages, latency_s=latency, bandwidth_Bps=plan.link.bandwidth_Bps, global_factor=g,
-            measured_step_s=measured, predicted_step_s=plan.prediction.step_time_s, calibrated_step_s=0.0,
+            plan_fingerprint=plan.model.fingerprint,
+            microbatch_size=plan.microbatch_size,
+            starts=starts,
+            stages=stages,
+            latency_s=latency,
+            bandwidth_Bps=plan.link.bandwidth_Bps,
+            global_factor=g,
+            measured_step_s=measured,
+            predicted_step_s=plan.prediction.step_time_s,
+            calibrated_step_s=0.0,
         )
 
     def step(latency: float, g: float) -> float:
         blocks, link = apply_calibration(plan.blocks, plan.link, make(latency, g))
         recompute = [st.recompute for st in plan.stages]
-        return predict(blocks, starts, link, plan.schedule, plan.n_microbatches, plan.optimizer, recompute,
-                       slots_of(plan.profile))[1].step_time_s
+        return predict(
+            blocks, starts, link, plan.schedule, plan.n_microbatches, plan.optimizer, recompute, slots_of(plan.profile)
+        )[1].step_time_s
 
     latency, g = 0.0, 1.0
     floor = step(0.0, 1.0)

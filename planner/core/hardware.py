@@ -44,12 +44,18 @@ class HardwareSpec(BaseModel):
     )
     memory_Bps: float = Field(gt=0, description="Peak memory (HBM/GDDR/DRAM) bandwidth, bytes/s.")
     memory_bytes: int = Field(gt=0, description="Memory capacity, bytes.")
-    intra_node_Bps: float = Field(gt=0, description="Link bandwidth to a peer in the same node, bytes/s, one direction.")
+    intra_node_Bps: float = Field(
+        gt=0, description="Link bandwidth to a peer in the same node, bytes/s, one direction."
+    )
     intra_node_latency_s: float = Field(ge=0, description="Small-message latency to a peer in the same node, s.")
-    inter_node_Bps: float = Field(gt=0, description="Network bandwidth per device to another node, bytes/s, one direction.")
+    inter_node_Bps: float = Field(
+        gt=0, description="Network bandwidth per device to another node, bytes/s, one direction."
+    )
     inter_node_latency_s: float = Field(ge=0, description="Small-message latency to another node, s.")
     matmul_efficiency: float = Field(
-        default=0.65, gt=0, le=1,
+        default=0.65,
+        gt=0,
+        le=1,
         description="Fraction of peak FLOP/s large GEMMs sustain (cuBLAS on big bf16 GEMMs: ~0.6-0.75).",
     )
     memory_efficiency: float = Field(
@@ -57,7 +63,8 @@ class HardwareSpec(BaseModel):
     )
     link_efficiency: float = Field(default=0.7, gt=0, le=1, description="Fraction of link bandwidth p2p sends reach.")
     op_overhead_s: float = Field(
-        default=5e-6, ge=0,
+        default=5e-6,
+        ge=0,
         description="Fixed cost per operator (eager dispatch + kernel launch). On a GPU (async launch) it hides "
         "behind longer kernels: an op costs max(overhead, roofline). On a CPU it adds: overhead + roofline.",
     )
@@ -111,8 +118,12 @@ GPUS: dict[str, HardwareSpec] = {
     "h100": HardwareSpec(
         name="h100",
         peak_flops={"fp32": 67 * _T, "tf32": 494.5 * _T, "bf16": 989.5 * _T, "fp16": 989.5 * _T},
-        memory_Bps=3.35e12, memory_bytes=80 * _GiB,
-        intra_node_Bps=450 * _GB, intra_node_latency_s=10e-6, inter_node_Bps=_NDR_IB, inter_node_latency_s=20e-6,
+        memory_Bps=3.35e12,
+        memory_bytes=80 * _GiB,
+        intra_node_Bps=450 * _GB,
+        intra_node_latency_s=10e-6,
+        inter_node_Bps=_NDR_IB,
+        inter_node_latency_s=20e-6,
         source="NVIDIA H100 Tensor Core GPU datasheet, H100 SXM",
     ),
     # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): same compute as H100 SXM (FP32 67 TFLOPS,
@@ -121,8 +132,12 @@ GPUS: dict[str, HardwareSpec] = {
     "h200": HardwareSpec(
         name="h200",
         peak_flops={"fp32": 67 * _T, "tf32": 494.5 * _T, "bf16": 989.5 * _T, "fp16": 989.5 * _T},
-        memory_Bps=4.8e12, memory_bytes=141 * _GiB,
-        intra_node_Bps=450 * _GB, intra_node_latency_s=10e-6, inter_node_Bps=_NDR_IB, inter_node_latency_s=20e-6,
+        memory_Bps=4.8e12,
+        memory_bytes=141 * _GiB,
+        intra_node_Bps=450 * _GB,
+        intra_node_latency_s=10e-6,
+        inter_node_Bps=_NDR_IB,
+        inter_node_latency_s=20e-6,
         source="NVIDIA H200 Tensor Core GPU datasheet, H200 SXM",
     ),
     # NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM): FP32 19.5 TFLOPS; TF32 156 (312
@@ -130,16 +145,24 @@ GPUS: dict[str, HardwareSpec] = {
     "a100-80g": HardwareSpec(
         name="a100-80g",
         peak_flops={"fp32": 19.5 * _T, "tf32": 156 * _T, "bf16": 312 * _T, "fp16": 312 * _T},
-        memory_Bps=2.039e12, memory_bytes=80 * _GiB,
-        intra_node_Bps=300 * _GB, intra_node_latency_s=10e-6, inter_node_Bps=_HDR_IB, inter_node_latency_s=20e-6,
+        memory_Bps=2.039e12,
+        memory_bytes=80 * _GiB,
+        intra_node_Bps=300 * _GB,
+        intra_node_latency_s=10e-6,
+        inter_node_Bps=_HDR_IB,
+        inter_node_latency_s=20e-6,
         source="NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM",
     ),
     # Same datasheet, A100 40GB SXM: same compute; 40 GB HBM2 at 1,555 GB/s; NVLink 600 GB/s.
     "a100-40g": HardwareSpec(
         name="a100-40g",
         peak_flops={"fp32": 19.5 * _T, "tf32": 156 * _T, "bf16": 312 * _T, "fp16": 312 * _T},
-        memory_Bps=1.555e12, memory_bytes=40 * _GiB,
-        intra_node_Bps=300 * _GB, intra_node_latency_s=10e-6, inter_node_Bps=_HDR_IB, inter_node_latency_s=20e-6,
+        memory_Bps=1.555e12,
+        memory_bytes=40 * _GiB,
+        intra_node_Bps=300 * _GB,
+        intra_node_latency_s=10e-6,
+        inter_node_Bps=_HDR_IB,
+        inter_node_latency_s=20e-6,
         source="NVIDIA A100 Tensor Core GPU datasheet, A100 40GB SXM",
     ),
     # NVIDIA L4 Tensor Core GPU datasheet: FP32 30.3 TFLOPS; TF32 120 (sparse; 60 dense);
@@ -148,8 +171,12 @@ GPUS: dict[str, HardwareSpec] = {
     "l4": HardwareSpec(
         name="l4",
         peak_flops={"fp32": 30.3 * _T, "tf32": 60 * _T, "bf16": 121 * _T, "fp16": 121 * _T},
-        memory_Bps=300 * _GB, memory_bytes=24 * _GiB,
-        intra_node_Bps=_PCIE4_X16, intra_node_latency_s=20e-6, inter_node_Bps=_CLOUD_100G, inter_node_latency_s=50e-6,
+        memory_Bps=300 * _GB,
+        memory_bytes=24 * _GiB,
+        intra_node_Bps=_PCIE4_X16,
+        intra_node_latency_s=20e-6,
+        inter_node_Bps=_CLOUD_100G,
+        inter_node_latency_s=50e-6,
         matmul_efficiency=0.6,
         source="NVIDIA L4 Tensor Core GPU datasheet",
     ),
@@ -159,8 +186,12 @@ GPUS: dict[str, HardwareSpec] = {
     "l40s": HardwareSpec(
         name="l40s",
         peak_flops={"fp32": 91.6 * _T, "tf32": 183 * _T, "bf16": 362.05 * _T, "fp16": 362.05 * _T},
-        memory_Bps=864 * _GB, memory_bytes=48 * _GiB,
-        intra_node_Bps=_PCIE4_X16, intra_node_latency_s=20e-6, inter_node_Bps=_CLOUD_100G, inter_node_latency_s=50e-6,
+        memory_Bps=864 * _GB,
+        memory_bytes=48 * _GiB,
+        intra_node_Bps=_PCIE4_X16,
+        intra_node_latency_s=20e-6,
+        inter_node_Bps=_CLOUD_100G,
+        inter_node_latency_s=50e-6,
         matmul_efficiency=0.6,
         source="NVIDIA L40S GPU datasheet",
     ),
@@ -172,8 +203,12 @@ GPUS: dict[str, HardwareSpec] = {
     "a10g": HardwareSpec(
         name="a10g",
         peak_flops={"fp32": 31.2 * _T, "tf32": 62.5 * _T, "bf16": 125 * _T, "fp16": 125 * _T},
-        memory_Bps=600 * _GB, memory_bytes=24 * _GiB,
-        intra_node_Bps=_PCIE4_X16, intra_node_latency_s=20e-6, inter_node_Bps=_CLOUD_100G, inter_node_latency_s=50e-6,
+        memory_Bps=600 * _GB,
+        memory_bytes=24 * _GiB,
+        intra_node_Bps=_PCIE4_X16,
+        intra_node_latency_s=20e-6,
+        inter_node_Bps=_CLOUD_100G,
+        inter_node_latency_s=50e-6,
         matmul_efficiency=0.5,
         source="NVIDIA A10 Tensor Core GPU datasheet (A10G: AWS EC2 G5 instance page)",
     ),
@@ -183,8 +218,12 @@ GPUS: dict[str, HardwareSpec] = {
     "v100": HardwareSpec(
         name="v100",
         peak_flops={"fp32": 15.7 * _T, "fp16": 125 * _T},
-        memory_Bps=900 * _GB, memory_bytes=32 * _GiB,
-        intra_node_Bps=150 * _GB, intra_node_latency_s=10e-6, inter_node_Bps=_EDR_IB, inter_node_latency_s=20e-6,
+        memory_Bps=900 * _GB,
+        memory_bytes=32 * _GiB,
+        intra_node_Bps=150 * _GB,
+        intra_node_latency_s=10e-6,
+        inter_node_Bps=_EDR_IB,
+        inter_node_latency_s=20e-6,
         matmul_efficiency=0.6,
         source="NVIDIA V100 Tensor Core GPU datasheet, V100 SXM2 32GB",
     ),
@@ -196,8 +235,12 @@ GPUS: dict[str, HardwareSpec] = {
     "mi300x": HardwareSpec(
         name="mi300x",
         peak_flops={"fp32": 163.4 * _T, "tf32": 653.7 * _T, "bf16": 1307.4 * _T, "fp16": 1307.4 * _T},
-        memory_Bps=5.3e12, memory_bytes=192 * _GiB,
-        intra_node_Bps=64 * _GB, intra_node_latency_s=10e-6, inter_node_Bps=_NDR_IB, inter_node_latency_s=20e-6,
+        memory_Bps=5.3e12,
+        memory_bytes=192 * _GiB,
+        intra_node_Bps=64 * _GB,
+        intra_node_latency_s=10e-6,
+        inter_node_Bps=_NDR_IB,
+        inter_node_latency_s=20e-6,
         matmul_efficiency=0.5,
         source="AMD Instinct MI300X accelerator data sheet",
     ),
@@ -239,10 +282,14 @@ def link_cost(hw: HardwareSpec, intra_node: bool = True) -> LinkCost:
         A ``LinkCost`` for the solver and simulator.
     """
     if intra_node:
-        return LinkCost(name=f"{hw.name}-intra", latency_s=hw.intra_node_latency_s,
-                        bandwidth_Bps=hw.intra_node_Bps * hw.link_efficiency)
-    return LinkCost(name=f"{hw.name}-inter", latency_s=hw.inter_node_latency_s,
-                    bandwidth_Bps=hw.inter_node_Bps * hw.link_efficiency)
+        return LinkCost(
+            name=f"{hw.name}-intra",
+            latency_s=hw.intra_node_latency_s,
+            bandwidth_Bps=hw.intra_node_Bps * hw.link_efficiency,
+        )
+    return LinkCost(
+        name=f"{hw.name}-inter", latency_s=hw.inter_node_latency_s, bandwidth_Bps=hw.inter_node_Bps * hw.link_efficiency
+    )
 
 
 def dtype_bytes(dtype: str) -> int:

@@ -87,8 +87,15 @@ def optimizer_cost(block: BlockCost) -> float:
 
 
 def stage_plan(
-    blocks: Sequence[BlockCost], index: int, start: int, end: int, link: LinkCost, recompute: bool, in_flight: int,
-    optimizer: OptimizerSpec, n_microbatches: int,
+    blocks: Sequence[BlockCost],
+    index: int,
+    start: int,
+    end: int,
+    link: LinkCost,
+    recompute: bool,
+    in_flight: int,
+    optimizer: OptimizerSpec,
+    n_microbatches: int,
 ) -> StagePlan:
     """One stage's predicted figures: times per microbatch, optimizer step, activations and peak memory.
 
@@ -146,10 +153,22 @@ def with_method(plan: Plan, method: str) -> Plan:
     if method == plan.method:
         return plan
     if method not in plan.baselines:
-        raise InfeasibleError(f"the plan has no '{method}' split to switch to; it compares {', '.join(plan.baselines) or 'nothing'}")
+        raise InfeasibleError(
+            f"the plan has no '{method}' split to switch to; it compares {', '.join(plan.baselines) or 'nothing'}"
+        )
     base = plan.baselines[method]
-    stages, prediction = predict(plan.blocks, base.starts, plan.link, plan.schedule, plan.n_microbatches,
-                                 plan.optimizer, base.recompute, slots_of(plan.profile))
+    stages, prediction = predict(
+        plan.blocks,
+        base.starts,
+        plan.link,
+        plan.schedule,
+        plan.n_microbatches,
+        plan.optimizer,
+        base.recompute,
+        slots_of(plan.profile),
+    )
     baselines = {k: v for k, v in plan.baselines.items() if k != method}
     baselines[plan.method] = plan.prediction
-    return plan.model_copy(update={"method": method, "stages": stages, "prediction": prediction, "baselines": baselines})
+    return plan.model_copy(
+        update={"method": method, "stages": stages, "prediction": prediction, "baselines": baselines}
+    )

@@ -22,8 +22,7 @@ def _check_args(schedule: str, n_stages: int, n_microbatches: int) -> None:
     """Reject requests torch's schedules cannot run (see ``action_order``)."""
     if schedule not in SCHEDULES:
         raise InfeasibleError(
-            f"schedule {schedule!r} is not supported; expected one of {', '.join(SCHEDULES)}; "
-            "pick one of those."
+            f"schedule {schedule!r} is not supported; expected one of {', '.join(SCHEDULES)}; pick one of those."
         )
     if n_stages < 1:
         raise InfeasibleError(f"n_stages={n_stages} is invalid; expected >= 1; use at least one stage.")

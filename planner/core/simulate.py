@@ -179,5 +179,10 @@ def _simulate_shared(stages: Sequence[Durations], orders: list[list[tuple[str, i
     capacity = p * now
     bubble = max(0.0, (capacity - sum(busy)) / capacity) if capacity > 0 else 0.0
     events.sort(key=lambda e: (e.start_s, e.rank))
-    return SimResult(step_time_s=now, bubble_fraction=bubble, busy_s=busy,
-                     peak_in_flight=[peak_in_flight(o) for o in orders], events=events)
+    return SimResult(
+        step_time_s=now,
+        bubble_fraction=bubble,
+        busy_s=busy,
+        peak_in_flight=[peak_in_flight(o) for o in orders],
+        events=events,
+    )

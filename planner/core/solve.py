@@ -38,7 +38,9 @@ class Partition(BaseModel):
         description="First block of each stage; starts[0] == 0, strictly increasing. Stage k is "
         "blocks[starts[k]:starts[k+1]], the last stage runs to the end."
     )
-    bottleneck_s: float = Field(description="Max over stages of the stage cost (``stage_costs``), seconds per microbatch.")
+    bottleneck_s: float = Field(
+        description="Max over stages of the stage cost (``stage_costs``), seconds per microbatch."
+    )
     recompute: tuple[bool, ...] = Field(
         default=(), description="Per stage: whether it recomputes its activations in backward (empty = none does)."
     )
@@ -232,8 +234,18 @@ def stage_memory_bytes(
     return _peak(p_bytes, n_params, a_bytes, cut_in, cut_out, out, in_flight, optimizer, recompute, n_microbatches)
 
 
-def _peak(p_bytes: int, n_params: int, a_bytes: int, cut_in: int, cut_out: int, out: int, in_flight: int,
-          optimizer: OptimizerSpec, recompute: bool, n_microbatches: int) -> int:
+def _peak(
+    p_bytes: int,
+    n_params: int,
+    a_bytes: int,
+    cut_in: int,
+    cut_out: int,
+    out: int,
+    in_flight: int,
+    optimizer: OptimizerSpec,
+    recompute: bool,
+    n_microbatches: int,
+) -> int:
     """The formula of ``stage_memory_bytes`` on sums (shared with the solver's fast memory model)."""
     static = 2 * p_bytes + optimizer.state_bytes(n_params, p_bytes)
     buffers = n_microbatches * (cut_in + cut_out)
@@ -294,7 +306,9 @@ def stage_memories(
     ]
 
 
-def evaluate(blocks: Sequence[BlockCost], starts: Sequence[int], link: LinkCost, recompute: Sequence[bool] = ()) -> Partition:
+def evaluate(
+    blocks: Sequence[BlockCost], starts: Sequence[int], link: LinkCost, recompute: Sequence[bool] = ()
+) -> Partition:
     """The bottleneck of a given split (max of ``stage_costs``).
 
     Args:
@@ -470,7 +484,12 @@ class _MemoryModel:
     """Memory check of stage [s, e) at stage index k, in integer arithmetic from prefix sums."""
 
     def __init__(
-        self, blocks: Sequence[BlockCost], optimizer: OptimizerSpec, limit: float, recompute: str = "never", n_microbatches: int = 1
+        self,
+        blocks: Sequence[BlockCost],
+        optimizer: OptimizerSpec,
+        limit: float,
+        recompute: str = "never",
+        n_microbatches: int = 1,
     ) -> None:
         n = len(blocks)
         self.n = n
@@ -491,8 +510,18 @@ class _MemoryModel:
 
     def bytes(self, s: int, e: int, in_flight: int, recompute: bool = False) -> int:
         # Same formula as stage_memory_bytes.
-        return _peak(self.pre_p[e] - self.pre_p[s], self.pre_n[e] - self.pre_n[s], self.pre_a[e] - self.pre_a[s],
-                     self.cut_in[s], self.cut_out[e], self.out[e], in_flight, self.optimizer, recompute, self.m)
+        return _peak(
+            self.pre_p[e] - self.pre_p[s],
+            self.pre_n[e] - self.pre_n[s],
+            self.pre_a[e] - self.pre_a[s],
+            self.cut_in[s],
+            self.cut_out[e],
+            self.out[e],
+            in_flight,
+            self.optimizer,
+            recompute,
+            self.m,
+        )
 
     def choice(self, s: int, e: int, in_flight: int) -> bool | None:
         """Whether the stage recomputes (False: no, True: yes), or None when it cannot fit either way."""

@@ -20,6 +20,7 @@ Efficiencies are 1.0: the peaks *are* sustained figures. The cache (JSON, defaul
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -54,8 +55,13 @@ def _median_time(fn: Callable[[], object], warmup: int, repeats: int) -> float:
 
 # (m, k, n, transpose a, transpose b): the square 1024^3 GEMM plus the shapes of transformer
 # layers at CPU sizes (tokens x dim x 4dim, its transposes as backward runs them, a vocabulary head).
-_GEMMS = ((1024, 1024, 1024, False, False), (256, 256, 1024, False, True), (1024, 256, 256, True, False),
-          (512, 512, 2048, False, False), (256, 256, 8192, False, False))
+_GEMMS = (
+    (1024, 1024, 1024, False, False),
+    (256, 256, 1024, False, True),
+    (1024, 256, 256, True, False),
+    (512, 512, 2048, False, False),
+    (256, 256, 8192, False, False),
+)
 
 
 def _matmul_flops(repeats: int = 3) -> float:
@@ -63,7 +69,7 @@ def _matmul_flops(repeats: int = 3) -> float:
     for m, k, n, ta, tb in _GEMMS:
         a = torch.randn(k, m).t() if ta else torch.randn(m, k)
         b = torch.randn(n, k).t() if tb else torch.randn(k, n)
-        rates.append(2 * m * k * n / _median_time(lambda a=a, b=b: torch.mm(a, b), 1, repeats))
+        rates.append(2 * m * k * n / _median_time(functools.partial(torch.mm, a, b), 1, repeats))
     return statistics.median(rates)
 
 
@@ -82,8 +88,17 @@ def _op_overhead(repeats: int = 7) -> float:
     def step() -> None:
         model(x).sum().backward()
 
-    spec = HardwareSpec(name="count", kind="cpu", peak_flops={"fp32": 1e12}, memory_Bps=1e12, memory_bytes=1,
-                        intra_node_Bps=1, intra_node_latency_s=0, inter_node_Bps=1, inter_node_latency_s=0)
+    spec = HardwareSpec(
+        name="count",
+        kind="cpu",
+        peak_flops={"fp32": 1e12},
+        memory_Bps=1e12,
+        memory_bytes=1,
+        intra_node_Bps=1,
+        intra_node_latency_s=0,
+        inter_node_Bps=1,
+        inter_node_latency_s=0,
+    )
     mode = Roofline(spec, "fp32")
     with mode.phase(Tally()) as tally:
         step()

@@ -63,18 +63,45 @@ TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bflo
 # Operators that move no data: views and aliases (RuntimeEstimator's _VIEW_OPS, plus the
 # schema-level ``is_view`` test below for the rest).
 _NO_BYTES = {
-    aten._unsafe_view, aten.detach, aten.lift_fresh, aten.alias, aten.view, aten.t, aten.transpose,
-    aten.expand, aten.permute, aten.select, aten.slice, aten.squeeze, aten.unsqueeze, aten.as_strided,
-    aten.split, aten.split_with_sizes, aten.unbind, aten.chunk, aten.diagonal, aten.unfold,
+    aten._unsafe_view,
+    aten.detach,
+    aten.lift_fresh,
+    aten.alias,
+    aten.view,
+    aten.t,
+    aten.transpose,
+    aten.expand,
+    aten.permute,
+    aten.select,
+    aten.slice,
+    aten.squeeze,
+    aten.unsqueeze,
+    aten.as_strided,
+    aten.split,
+    aten.split_with_sizes,
+    aten.unbind,
+    aten.chunk,
+    aten.diagonal,
+    aten.unfold,
 }
 # Allocations without initialisation write nothing and launch nothing.
 _FREE = {aten.empty, aten.empty_like, aten.new_empty, aten.empty_strided, aten.new_empty_strided}
 # Queries of tensor metadata that _FlopCounterMode leaves alone (they matter for subclasses only).
 _METADATA_OPS = {
-    aten.sym_is_contiguous.default, aten.is_contiguous.default, aten.is_contiguous.memory_format,
-    aten.is_strides_like_format.default, aten.is_non_overlapping_and_dense.default, aten.size.default,
-    aten.sym_size.default, aten.stride.default, aten.sym_stride.default, aten.storage_offset.default,
-    aten.sym_storage_offset.default, aten.numel.default, aten.sym_numel.default, aten.dim.default,
+    aten.sym_is_contiguous.default,
+    aten.is_contiguous.default,
+    aten.is_contiguous.memory_format,
+    aten.is_strides_like_format.default,
+    aten.is_non_overlapping_and_dense.default,
+    aten.size.default,
+    aten.sym_size.default,
+    aten.stride.default,
+    aten.sym_stride.default,
+    aten.storage_offset.default,
+    aten.sym_storage_offset.default,
+    aten.numel.default,
+    aten.sym_numel.default,
+    aten.dim.default,
     torch.ops.prim.layout.default,
 }
 
@@ -217,12 +244,21 @@ class Roofline(TorchDispatchMode):
         self._add(Tally(flops, nbytes, seconds, 1))
 
 
-_SDPA_SIGNATURE = inspect.Signature([
-    inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
-    for name, default in (("query", inspect.Parameter.empty), ("key", inspect.Parameter.empty),
-                          ("value", inspect.Parameter.empty), ("attn_mask", None), ("dropout_p", 0.0),
-                          ("is_causal", False), ("scale", None), ("enable_gqa", False))
-])
+_SDPA_SIGNATURE = inspect.Signature(
+    [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
+        for name, default in (
+            ("query", inspect.Parameter.empty),
+            ("key", inspect.Parameter.empty),
+            ("value", inspect.Parameter.empty),
+            ("attn_mask", None),
+            ("dropout_p", 0.0),
+            ("is_causal", False),
+            ("scale", None),
+            ("enable_gqa", False),
+        )
+    ]
+)
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -236,12 +272,16 @@ class _FusedAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, roof: Roofline, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        ctx: Any, roof: Roofline, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         o = q.new_empty((*q.shape[:-1], v.shape[-1]))
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        roof.charge_fused(sdpa_flop_count(q.shape, k.shape, v.shape),
-                          [q, k, v, o, lse] + ([mask] if mask is not None else []), q.dtype)
+        roof.charge_fused(
+            sdpa_flop_count(q.shape, k.shape, v.shape),
+            [q, k, v, o, lse] + ([mask] if mask is not None else []),
+            q.dtype,
+        )
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.roof = roof
         return o
@@ -250,8 +290,9 @@ class _FusedAttention(torch.autograd.Function):
     def backward(ctx: Any, do: torch.Tensor) -> tuple:  # type: ignore[override]
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        ctx.roof.charge_fused(sdpa_backward_flop_count(do.shape, q.shape, k.shape, v.shape),
-                              [q, k, v, o, lse, do, dq, dk, dv], q.dtype)
+        ctx.roof.charge_fused(
+            sdpa_backward_flop_count(do.shape, q.shape, k.shape, v.shape), [q, k, v, o, lse, do, dq, dk, dv], q.dtype
+        )
         return None, dq, dk, dv, None
 
 
@@ -342,8 +383,15 @@ class _BlockRun:
 
 
 def _run_block(
-    stage: torch.fx.GraphModule, args: tuple, last: bool, target: torch.Tensor, loss_fn: LossFn,
-    hw: HardwareSpec, dtype: str, tdtype: torch.dtype, float_bytes: int | None,
+    stage: torch.fx.GraphModule,
+    args: tuple,
+    last: bool,
+    target: torch.Tensor,
+    loss_fn: LossFn,
+    hw: HardwareSpec,
+    dtype: str,
+    tdtype: torch.dtype,
+    float_bytes: int | None,
 ) -> _BlockRun:
     state = _block_state(stage, tdtype)
     param_storages = {storage_id(t) for t in state.values()}
@@ -397,8 +445,9 @@ def _as_flat_outputs(out: Any) -> tuple:
     return out if isinstance(out, tuple) else (out,)
 
 
-def optimizer_step_seconds(params: int, param_bytes: int, n_tensors: int, hw: HardwareSpec,
-                           optimizer: OptimizerSpec) -> float:
+def optimizer_step_seconds(
+    params: int, param_bytes: int, n_tensors: int, hw: HardwareSpec, optimizer: OptimizerSpec
+) -> float:
     """Optimizer step over ``params`` parameters: memory-bound passes, counted pass by pass.
 
     ``torch.optim.AdamW``'s default implementation (for-each on a GPU, a per-tensor loop on a
@@ -505,8 +554,17 @@ def estimate_blocks(
             # Model code that makes fp32 tensors of its own (``torch.arange(n).float()``) cannot
             # mix with cast weights; run the block in fp32 and count floating bytes at ``width``.
             try:
-                run = _run_block(stage, _meta_inputs(current, torch.float32), last,
-                                 _meta_like(target, torch.float32), loss_fn, hw, dtype, torch.float32, width)
+                run = _run_block(
+                    stage,
+                    _meta_inputs(current, torch.float32),
+                    last,
+                    _meta_like(target, torch.float32),
+                    loss_fn,
+                    hw,
+                    dtype,
+                    torch.float32,
+                    width,
+                )
             except RuntimeError as e:
                 raise _meta_error(block.name, e) from e
         costs.append(_block_cost(traced, k, owned[k], run, hw, width, optimizer))
@@ -516,22 +574,40 @@ def estimate_blocks(
 
 
 def _block_cost(
-    traced: TracedModel, k: int, params: list[torch.nn.Parameter], run: _BlockRun, hw: HardwareSpec, width: int,
+    traced: TracedModel,
+    k: int,
+    params: list[torch.nn.Parameter],
+    run: _BlockRun,
+    hw: HardwareSpec,
+    width: int,
     optimizer: OptimizerSpec | None,
 ) -> BlockCost:
     """Block k's record from its roofline run: W = B - I, recompute = the forward, sizes in the planning dtype."""
     n_params = sum(p.numel() for p in params)
     param_bytes = sum(p.numel() * (width if p.is_floating_point() else p.element_size()) for p in params)
-    out_bytes = sum(t.numel() * (width if t.is_floating_point() else t.element_size())
-                    for t in run.outputs if isinstance(t, torch.Tensor))
+    out_bytes = sum(
+        t.numel() * (width if t.is_floating_point() else t.element_size())
+        for t in run.outputs
+        if isinstance(t, torch.Tensor)
+    )
     bwd_input_s = min(run.bwd_input.seconds, run.bwd.seconds)
     opt_s = None
     if optimizer is not None:
         opt_s = optimizer_step_seconds(n_params, param_bytes, sum(1 for p in params if p.requires_grad), hw, optimizer)
     return block_cost(
-        traced, k, params, fwd_s=run.fwd.seconds, bwd_s=run.bwd.seconds, bwd_input_s=bwd_input_s,
-        bwd_weight_s=run.bwd.seconds - bwd_input_s, recompute_s=run.fwd.seconds, flops_fwd=run.fwd.flops,
-        flops_bwd=run.bwd.flops, opt_s=opt_s, activation_bytes=run.saved_bytes, float_bytes=width,
+        traced,
+        k,
+        params,
+        fwd_s=run.fwd.seconds,
+        bwd_s=run.bwd.seconds,
+        bwd_input_s=bwd_input_s,
+        bwd_weight_s=run.bwd.seconds - bwd_input_s,
+        recompute_s=run.fwd.seconds,
+        flops_fwd=run.fwd.flops,
+        flops_bwd=run.bwd.flops,
+        opt_s=opt_s,
+        activation_bytes=run.saved_bytes,
+        float_bytes=width,
         cut_bytes=out_bytes,
     )
 

@@ -101,8 +101,9 @@ def profile_blocks(
         if isinstance(traced, ModuleTrace):
             from planner.costs.measure_modules import profile_module_blocks
 
-            costs = profile_module_blocks(traced, inputs, target, loss_fn, warmup=warmup, repeats=repeats,
-                                          progress=progress)
+            costs = profile_module_blocks(
+                traced, inputs, target, loss_fn, warmup=warmup, repeats=repeats, progress=progress
+            )
         else:
             assert isinstance(traced, GraphTrace)
             costs = _profile_graph(traced, inputs, target, loss_fn, warmup, repeats, progress)
@@ -142,7 +143,9 @@ class _Timings:
     saved_bytes: int = 0
 
 
-def _time_once(forward: Callable[[tuple[Any, ...]], Any], args: tuple[Any, ...], param_storages: set[tuple[int, int]]) -> tuple[float, float, int]:
+def _time_once(
+    forward: Callable[[tuple[Any, ...]], Any], args: tuple[Any, ...], param_storages: set[tuple[int, int]]
+) -> tuple[float, float, int]:
     """One forward and one full backward: (forward s, backward s, bytes saved for backward)."""
     seen: set[tuple[int, int]] = set()
 
@@ -168,8 +171,14 @@ def _time_once(forward: Callable[[tuple[Any, ...]], Any], args: tuple[Any, ...],
 
 
 def _time_block(
-    forward: Callable[[tuple[Any, ...]], Any], current: tuple[Any, ...], grad: bool, weights: list[torch.nn.Parameter],
-    param_storages: set[tuple[int, int]], warmup: int, repeats: int, bar: Any,
+    forward: Callable[[tuple[Any, ...]], Any],
+    current: tuple[Any, ...],
+    grad: bool,
+    weights: list[torch.nn.Parameter],
+    param_storages: set[tuple[int, int]],
+    warmup: int,
+    repeats: int,
+    bar: Any,
 ) -> _Timings:
     """Warm-up and timed repeats of one block: a full F+B, then I/W and the recompute on fresh inputs."""
     t = _Timings()
@@ -189,7 +198,12 @@ def _time_block(
 
 
 def _profile_graph(
-    traced: GraphTrace, inputs: tuple[Any, ...], target: torch.Tensor, loss_fn: LossFn, warmup: int, repeats: int,
+    traced: GraphTrace,
+    inputs: tuple[Any, ...],
+    target: torch.Tensor,
+    loss_fn: LossFn,
+    warmup: int,
+    repeats: int,
     progress: bool,
 ) -> list[BlockCost]:
     """Cut every block out on its own and time it on the real outputs of the blocks before it."""
@@ -199,8 +213,13 @@ def _profile_graph(
     owned = traced.owned_parameters()
     costs: list[BlockCost] = []
     current = tuple(inputs)
-    bar = tqdm(total=n * (warmup + repeats), desc="profiling blocks", unit="run", disable=None if progress else True,
-               leave=False)
+    bar = tqdm(
+        total=n * (warmup + repeats),
+        desc="profiling blocks",
+        unit="run",
+        disable=None if progress else True,
+        leave=False,
+    )
     for k in range(n):
         module = build_stage_module(traced, k, k + 1, check_cuts=False)
         last = k == n - 1
@@ -216,11 +235,19 @@ def _profile_graph(
             with torch.no_grad():
                 out = module(*current)
             current = out if isinstance(out, tuple) else (out,)
-        costs.append(block_cost(
-            traced, k, owned[k], fwd_s=statistics.median(t.fwd), bwd_s=statistics.median(t.bwd),
-            bwd_input_s=statistics.median(t.bwd_input), bwd_weight_s=statistics.median(t.bwd_weight),
-            recompute_s=statistics.median(t.recompute), activation_bytes=t.saved_bytes,
-        ))
+        costs.append(
+            block_cost(
+                traced,
+                k,
+                owned[k],
+                fwd_s=statistics.median(t.fwd),
+                bwd_s=statistics.median(t.bwd),
+                bwd_input_s=statistics.median(t.bwd_input),
+                bwd_weight_s=statistics.median(t.bwd_weight),
+                recompute_s=statistics.median(t.recompute),
+                activation_bytes=t.saved_bytes,
+            )
+        )
     bar.close()
     traced.model.zero_grad(set_to_none=True)
     return costs

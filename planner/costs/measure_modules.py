@@ -95,8 +95,11 @@ class _Observer:
         handles = []
         for i, name in enumerate(self.names):
             module = model.get_submodule(name)
-            handles.append(module.register_forward_pre_hook(
-                lambda mod, args, kwargs, i=i: self.pre(i, args, kwargs), with_kwargs=True))
+            handles.append(
+                module.register_forward_pre_hook(
+                    lambda mod, args, kwargs, i=i: self.pre(i, args, kwargs), with_kwargs=True
+                )
+            )
             handles.append(module.register_forward_hook(lambda mod, args, out, i=i: self.post(i, out)))
         try:
             yield
@@ -139,7 +142,9 @@ def profile_module_blocks(
     ends_model = False
     try:
         with obs.installed(model):
-            for r in tqdm(range(warmup + repeats), desc="profiling model", disable=None if progress else True, leave=False):
+            for r in tqdm(
+                range(warmup + repeats), desc="profiling model", disable=None if progress else True, leave=False
+            ):
                 obs.reset()
                 with torch.autograd.graph.saved_tensors_hooks(obs.pack, lambda t: t):
                     output = model(*inputs)
@@ -163,17 +168,33 @@ def profile_module_blocks(
         # the isolated runs below run with the timing hooks removed
         names = tqdm(obs.names, desc="profiling I/W", disable=None if progress else True, leave=False)
         split = [
-            _split_block(model.get_submodule(name), obs.inputs.get(i), i == 0, loss_fn, target,
-                         i == n - 1 and ends_model, warmup, repeats)
+            _split_block(
+                model.get_submodule(name),
+                obs.inputs.get(i),
+                i == 0,
+                loss_fn,
+                target,
+                i == n - 1 and ends_model,
+                warmup,
+                repeats,
+            )
             for i, name in enumerate(names)
         ]
     finally:
         model.zero_grad(set_to_none=True)
     owned = traced.owned_parameters()
     return [
-        block_cost(traced, i, owned[i], fwd_s=statistics.median(fwd[i]), bwd_s=statistics.median(bwd[i]),
-                   bwd_input_s=split[i][0], bwd_weight_s=split[i][1], recompute_s=split[i][2],
-                   activation_bytes=saved[i])
+        block_cost(
+            traced,
+            i,
+            owned[i],
+            fwd_s=statistics.median(fwd[i]),
+            bwd_s=statistics.median(bwd[i]),
+            bwd_input_s=split[i][0],
+            bwd_weight_s=split[i][1],
+            recompute_s=split[i][2],
+            activation_bytes=saved[i],
+        )
         for i in range(n)
     ]
 
@@ -211,5 +232,8 @@ def _split_block(
         # The block cannot run alone on its captured inputs (keyword state of the whole-model graph):
         # its I/W split and recompute time stay unknown; forward and backward are still measured.
         return None, None, None
-    return (statistics.median(x[0] for x in runs), statistics.median(x[1] for x in runs),
-            statistics.median(x[2] for x in runs))
+    return (
+        statistics.median(x[0] for x in runs),
+        statistics.median(x[1] for x in runs),
+        statistics.median(x[2] for x in runs),
+    )

@@ -158,7 +158,9 @@ def time_recompute(forward: Forward, args: tuple[Any, ...]) -> float:
     return calls[1] if len(calls) > 1 else 0.0
 
 
-def time_optimizer_step(params: list[torch.Tensor], optimizer: OptimizerSpec, warmup: int = 1, repeats: int = 3) -> float:
+def time_optimizer_step(
+    params: list[torch.Tensor], optimizer: OptimizerSpec, warmup: int = 1, repeats: int = 3
+) -> float:
     """Median time of one optimizer step over copies of ``params`` with random gradients.
 
     Args:

@@ -72,19 +72,46 @@ def compare_table(plan: Plan, run: RunResult) -> str:
     for s, m in zip(plan.stages, run.stages):
         blocks = s.first_block if s.end - s.start == 1 else f"{s.first_block} .. {s.last_block}"
         mem = m.memory.peak_bytes if m.memory is not None else None
-        rows.append([
-            s.index, blocks,
-            _ms(s.fwd_s), _ms(m.fwd_s), _pct(_err(s.fwd_s, m.fwd_s)),
-            _ms(s.bwd_s), _ms(m.bwd_s), _pct(_err(s.bwd_s, m.bwd_s)),
-            _ms(s.opt_s), _ms(m.optimizer_s), _pct(_err(s.opt_s, m.optimizer_s)),
-            _mb(s.memory_bytes), "-" if mem is None else _mb(mem), "-" if mem is None else _pct(_err(s.memory_bytes, mem)),
-        ])
-    headers = ["stage", "blocks", "fwd ms plan", "run", "err", "bwd ms plan", "run", "err",
-               "opt ms plan", "run", "err", "mem MB plan", "run", "err"]
+        rows.append(
+            [
+                s.index,
+                blocks,
+                _ms(s.fwd_s),
+                _ms(m.fwd_s),
+                _pct(_err(s.fwd_s, m.fwd_s)),
+                _ms(s.bwd_s),
+                _ms(m.bwd_s),
+                _pct(_err(s.bwd_s, m.bwd_s)),
+                _ms(s.opt_s),
+                _ms(m.optimizer_s),
+                _pct(_err(s.opt_s, m.optimizer_s)),
+                _mb(s.memory_bytes),
+                "-" if mem is None else _mb(mem),
+                "-" if mem is None else _pct(_err(s.memory_bytes, mem)),
+            ]
+        )
+    headers = [
+        "stage",
+        "blocks",
+        "fwd ms plan",
+        "run",
+        "err",
+        "bwd ms plan",
+        "run",
+        "err",
+        "opt ms plan",
+        "run",
+        "err",
+        "mem MB plan",
+        "run",
+        "err",
+    ]
     stages = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True, colalign=("right", "left"))
     predicted, measured = plan.prediction.step_time_s, run.median_step_s
     summary = tabulate(
         [["step", _ms(predicted), _ms(measured), _pct(_err(predicted, measured))]],
-        headers=["", "plan ms", "run ms", "err"], tablefmt="simple", disable_numparse=True,
+        headers=["", "plan ms", "run ms", "err"],
+        tablefmt="simple",
+        disable_numparse=True,
     )
     return f"{stages}\n\n{summary}"

@@ -61,7 +61,19 @@ def stage_table(plan: Plan) -> str:
                 f"{100 * s.time_s / bottleneck:.0f}%" if bottleneck > 0 else "-",
             ]
         )
-    headers = ["stage", "blocks (n)", "params", "fwd ms", "bwd ms", "comm ms", "total ms", "act MB/mb", "in flight", "memory MB", "of slowest"]
+    headers = [
+        "stage",
+        "blocks (n)",
+        "params",
+        "fwd ms",
+        "bwd ms",
+        "comm ms",
+        "total ms",
+        "act MB/mb",
+        "in flight",
+        "memory MB",
+        "of slowest",
+    ]
     return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True, colalign=("right", "left"))
 
 
@@ -96,7 +108,16 @@ def summary_table(plan: Plan) -> str:
                 f"{pred.step_time_s / chosen.step_time_s:.3f}x",
             ]
         )
-    headers = ["partition", "blocks per stage", "slowest ms/mb", "step ms", "bubble", "imbalance", "max mem MB", "step vs plan"]
+    headers = [
+        "partition",
+        "blocks per stage",
+        "slowest ms/mb",
+        "step ms",
+        "bubble",
+        "imbalance",
+        "max mem MB",
+        "step vs plan",
+    ]
     return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
 
 

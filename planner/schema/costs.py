@@ -31,20 +31,30 @@ class BlockCost(BaseModel):
     param_bytes: int = Field(ge=0, description="Bytes of those parameters.")
     activation_bytes: int = Field(ge=0, description="Bytes saved for backward by one microbatch.")
     bwd_input_s: float | None = Field(
-        default=None, ge=0, description="Backward w.r.t. the block's inputs only (I of F/I/W), seconds; None if not measured."
+        default=None,
+        ge=0,
+        description="Backward w.r.t. the block's inputs only (I of F/I/W), seconds; None if not measured.",
     )
     bwd_weight_s: float | None = Field(
-        default=None, ge=0, description="Backward w.r.t. the block's weights only (W of F/I/W), seconds; None if not measured."
+        default=None,
+        ge=0,
+        description="Backward w.r.t. the block's weights only (W of F/I/W), seconds; None if not measured.",
     )
     recompute_s: float | None = Field(
-        default=None, ge=0,
+        default=None,
+        ge=0,
         description="Extra forward the block costs in backward under activation checkpointing, seconds; None if not "
         "measured (the solver then charges the whole forward).",
     )
-    flops_fwd: float | None = Field(default=None, ge=0, description="Forward FLOPs per microbatch (torch.utils.flop_counter); None if not counted.")
-    flops_bwd: float | None = Field(default=None, ge=0, description="Backward FLOPs per microbatch; None if not counted.")
+    flops_fwd: float | None = Field(
+        default=None, ge=0, description="Forward FLOPs per microbatch (torch.utils.flop_counter); None if not counted."
+    )
+    flops_bwd: float | None = Field(
+        default=None, ge=0, description="Backward FLOPs per microbatch; None if not counted."
+    )
     opt_s: float | None = Field(
-        default=None, ge=0,
+        default=None,
+        ge=0,
         description="Optimizer step over this block's parameters, seconds (once per step, not per microbatch); None if not timed.",
     )
     cut_bytes: int = Field(
@@ -52,10 +62,14 @@ class BlockCost(BaseModel):
     )
     cut_tensors: int = Field(ge=0, description="Number of tensors crossing that boundary.")
     output_bytes: int = Field(
-        default=0, ge=0, description="Last block only: bytes of the model's output per microbatch (the last stage keeps it until backward)."
+        default=0,
+        ge=0,
+        description="Last block only: bytes of the model's output per microbatch (the last stage keeps it until backward).",
     )
     cut_legal: bool = Field(description="Whether a stage boundary may be placed right after this block.")
-    is_layer: bool = Field(description="One of the model's repeated layers (child of a ModuleList/Sequential/ModuleDict).")
+    is_layer: bool = Field(
+        description="One of the model's repeated layers (child of a ModuleList/Sequential/ModuleDict)."
+    )
 
 
 class LinkCost(BaseModel):

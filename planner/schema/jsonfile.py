@@ -64,7 +64,9 @@ def parse_versioned(text: str, model: type[M], version: int, source: str, what: 
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        raise PlanFileError(f"{source} is not a valid {what}: {where}: {first['msg']} ({e.error_count()} problem(s)); {fix}") from e
+        raise PlanFileError(
+            f"{source} is not a valid {what}: {where}: {first['msg']} ({e.error_count()} problem(s)); {fix}"
+        ) from e
 
 
 def read_text(path: str | Path, what: str, fix: str) -> str:

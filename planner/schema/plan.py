@@ -31,7 +31,9 @@ class ModelRef(_Frozen):
     file_digest: str = Field(description="SHA-256 prefix of the model file's text when planned.")
     fingerprint: str = Field(description="Hash of the traced structure: blocks, graph nodes, parameter shapes.")
     trace_method: Literal["fx", "export", "modules"]
-    trace_failures: list[tuple[str, str]] = Field(default_factory=list, description="Tracers tried first, and why they failed.")
+    trace_failures: list[tuple[str, str]] = Field(
+        default_factory=list, description="Tracers tried first, and why they failed."
+    )
     seed: int = 0
 
 
@@ -48,7 +50,9 @@ class ProfileInfo(_Frozen):
     source: Literal["measured", "estimated"] = Field(
         default="measured", description="Costs measured on this machine, or estimated by the roofline model."
     )
-    hardware: str | None = Field(default=None, description="Hardware the estimate is for (--gpu-type), None when measured.")
+    hardware: str | None = Field(
+        default=None, description="Hardware the estimate is for (--gpu-type), None when measured."
+    )
     dtype: str = Field(default="fp32", description="Parameter and activation dtype the costs are for.")
     cores: int | None = Field(
         default=None, description="CPU cores the ranks share (CPU plans); None when every rank has its own GPU."
@@ -70,10 +74,14 @@ class StagePlan(_Frozen):
     comm_s: float = Field(description="Send/receive time per microbatch (forward + backward).")
     time_s: float = Field(description="fwd + bwd + comm per microbatch.")
     opt_s: float = Field(default=0.0, description="Optimizer step over the stage's parameters, once per training step.")
-    recompute: bool = Field(default=False, description="The stage recomputes its activations in backward (activation checkpointing).")
+    recompute: bool = Field(
+        default=False, description="The stage recomputes its activations in backward (activation checkpointing)."
+    )
     activation_bytes: int = Field(description="Saved activations per microbatch.")
     in_flight: int = Field(description="Peak microbatches holding activations under the schedule.")
-    memory_bytes: int = Field(description="Predicted peak: params, grads, optimizer state, in-flight activations, buffers.")
+    memory_bytes: int = Field(
+        description="Predicted peak: params, grads, optimizer state, in-flight activations, buffers."
+    )
 
 
 class Prediction(_Frozen):
@@ -84,7 +92,9 @@ class Prediction(_Frozen):
     stage_time_s: tuple[float, ...]
     bottleneck_s: float
     pipeline_time_s: float = Field(description="Makespan of the schedule's forward/backward actions.")
-    step_time_s: float = Field(description="Pipeline makespan plus the optimizer step and gradient-norm all-reduce after it.")
+    step_time_s: float = Field(
+        description="Pipeline makespan plus the optimizer step and gradient-norm all-reduce after it."
+    )
     bubble_fraction: float
     imbalance: float = Field(description="Slowest stage time / mean stage time (1.0 = perfectly balanced).")
     max_memory_bytes: int
@@ -127,7 +137,10 @@ class Plan(_Frozen):
                     f"stage {i} covers blocks [{stage.start}, {stage.end}); stages must be contiguous from 0 "
                     f"within the {len(self.blocks)} blocks"
                 )
-            if not (self.blocks[stage.start].name == stage.first_block and self.blocks[stage.end - 1].name == stage.last_block):
+            if not (
+                self.blocks[stage.start].name == stage.first_block
+                and self.blocks[stage.end - 1].name == stage.last_block
+            ):
                 raise ValueError(f"stage {i}'s block names do not match the block list")
             expected = stage.end
         if expected != len(self.blocks):

@@ -71,13 +71,29 @@ class PlanRequest(_Request):
     """Every option of ``planner plan`` (see ``planner plan --help``)."""
 
     OPTIONS: ClassVar[dict[str, str]] = {
-        "model_file": "MODEL_FILE", "gpus": "--gpus", "size": "--size", "overrides": "--set",
-        "batch_size": "--batch-size", "microbatches": "--microbatches", "schedule": "--schedule",
-        "method": "--method", "memory_limit_gib": "--memory-limit", "recompute": "--recompute",
-        "gpu_type": "--gpu-type", "dtype": "--dtype", "multi_node": "--multi-node",
-        "calibrate_run": "--calibrate", "optimizer": "--optimizer", "threads": "--threads",
-        "repeats": "--repeats", "warmup": "--warmup", "seed": "--seed", "output": "--output",
-        "name": "--optimizer", "lr": "--lr", "grad_clip": "--grad-clip",
+        "model_file": "MODEL_FILE",
+        "gpus": "--gpus",
+        "size": "--size",
+        "overrides": "--set",
+        "batch_size": "--batch-size",
+        "microbatches": "--microbatches",
+        "schedule": "--schedule",
+        "method": "--method",
+        "memory_limit_gib": "--memory-limit",
+        "recompute": "--recompute",
+        "gpu_type": "--gpu-type",
+        "dtype": "--dtype",
+        "multi_node": "--multi-node",
+        "calibrate_run": "--calibrate",
+        "optimizer": "--optimizer",
+        "threads": "--threads",
+        "repeats": "--repeats",
+        "warmup": "--warmup",
+        "seed": "--seed",
+        "output": "--output",
+        "name": "--optimizer",
+        "lr": "--lr",
+        "grad_clip": "--grad-clip",
     }
 
     model_file: Path = Field(description="The model file (build_model, make_batch; see README).")
@@ -85,13 +101,19 @@ class PlanRequest(_Request):
     size: str | None = Field(default=None, description="A key of the file's SIZES (None: its defaults).")
     overrides: dict[str, Any] = Field(default_factory=dict, description="Config entries to replace (--set).")
     batch_size: int = Field(default=32, ge=1, description="Samples per training step.")
-    microbatches: int | None = Field(default=None, ge=1, description="Microbatches per step (None: 2 x gpus, at most the batch).")
+    microbatches: int | None = Field(
+        default=None, ge=1, description="Microbatches per step (None: 2 x gpus, at most the batch)."
+    )
     schedule: Schedule = "1f1b"
     method: Method = Field(default="optimal", description="The split the plan uses; the others are compared.")
-    memory_limit_gib: float | None = Field(default=None, gt=0, description="Per-rank limit (None: the GPU's capacity when known).")
+    memory_limit_gib: float | None = Field(
+        default=None, gt=0, description="Per-rank limit (None: the GPU's capacity when known)."
+    )
     recompute: Recompute = Field(default="auto", description="Activation checkpointing per stage.")
     gpu_type: str | None = Field(default=None, description="Estimate for this hardware instead of measuring here.")
-    dtype: Dtype | None = Field(default=None, description="Dtype of --gpu-type estimates (None: bf16 on GPUs, fp32 on cpu).")
+    dtype: Dtype | None = Field(
+        default=None, description="Dtype of --gpu-type estimates (None: bf16 on GPUs, fp32 on cpu)."
+    )
     multi_node: bool = Field(default=False, description="Estimated plans: stages talk over the inter-node network.")
     calibrate_run: Path | None = Field(default=None, description="A run.json whose measurements correct the costs.")
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
@@ -112,9 +134,13 @@ class PlanRequest(_Request):
                 f"choose --batch-size as a multiple of --microbatches (e.g. --batch-size {m * max(1, self.batch_size // m)})"
             )
         if self.multi_node and self.gpu_type is None:
-            raise ValueError("--multi-node applies to estimated costs only; add --gpu-type (measured plans use this machine's link)")
+            raise ValueError(
+                "--multi-node applies to estimated costs only; add --gpu-type (measured plans use this machine's link)"
+            )
         if self.dtype is not None and self.gpu_type is None:
-            raise ValueError("--dtype applies to estimated costs only; add --gpu-type (measured costs use the model's own dtype)")
+            raise ValueError(
+                "--dtype applies to estimated costs only; add --gpu-type (measured costs use the model's own dtype)"
+            )
         return self
 
     @property
@@ -137,15 +163,23 @@ class RunRequest(_Request):
     """Every option of ``planner run`` (see ``planner run --help``)."""
 
     OPTIONS: ClassVar[dict[str, str]] = {
-        "plan_file": "PLAN_FILE", "steps": "--steps", "nnodes": "--nnodes", "rdzv_endpoint": "--rdzv-endpoint",
-        "rdzv_id": "--rdzv-id", "output": "--output",
+        "plan_file": "PLAN_FILE",
+        "steps": "--steps",
+        "nnodes": "--nnodes",
+        "rdzv_endpoint": "--rdzv-endpoint",
+        "rdzv_id": "--rdzv-id",
+        "output": "--output",
     }
 
     plan_file: Path = Field(description="The plan to train (relative model paths resolve against its folder).")
     steps: int = Field(default=20, ge=1, description="Optimizer steps.")
     nnodes: int = Field(default=1, ge=1, description="Machines taking part (torchrun's --nnodes).")
-    rdzv_endpoint: str | None = Field(default=None, description="host:port of the rendezvous (None: localhost, a free port).")
-    rdzv_id: str | None = Field(default=None, description="Rendezvous id shared by every machine (None: from the plan).")
+    rdzv_endpoint: str | None = Field(
+        default=None, description="host:port of the rendezvous (None: localhost, a free port)."
+    )
+    rdzv_id: str | None = Field(
+        default=None, description="Rendezvous id shared by every machine (None: from the plan)."
+    )
     output: Path | None = Field(default=None, description="Where run.json goes (None: PLAN's name with .run.json).")
     echo: bool = Field(default=True, description="Print one line per step.")
 

@@ -65,7 +65,9 @@ class StageMeasure(BaseModel):
     fwd_s: float = Field(description="Median forward per microbatch (incl. the loss on the last stage).")
     bwd_s: float = Field(description="Median backward per microbatch.")
     loss_s: float = Field(description="Median loss computation per microbatch (last stage; included in fwd_s).")
-    p2p_s: float = Field(description="Median per step: posting + waiting on sends/receives (includes bubble idle time).")
+    p2p_s: float = Field(
+        description="Median per step: posting + waiting on sends/receives (includes bubble idle time)."
+    )
     reduce_s: float = Field(description="Median per step: the gradient-norm all-reduce over the pipeline group.")
     clip_s: float = Field(description="Median per step: local norm + all-reduce + scaling the gradients.")
     optimizer_s: float = Field(description="Median per step: optimizer.step().")
@@ -124,7 +126,9 @@ class RunResult(BaseModel):
     predicted_step_s: float | None = Field(default=None, description="The plan's predicted step time, for comparison.")
     memory_step: int | None = Field(default=None, description="The step run under the memory tracker (None: none).")
     timed_steps: list[int] = Field(default_factory=list, description="1-based steps the medians are taken over.")
-    stages: list[StageMeasure] = Field(default_factory=list, description="Per stage (rank) measurements, stage 0 first.")
+    stages: list[StageMeasure] = Field(
+        default_factory=list, description="Per stage (rank) measurements, stage 0 first."
+    )
 
     @staticmethod
     def median_of(times: list[float], steps: list[int]) -> float:
