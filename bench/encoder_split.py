@@ -29,6 +29,7 @@ from tabulate import tabulate  # noqa: E402
 from planner.api import make_plan  # noqa: E402
 from planner.core.predict import with_method  # noqa: E402
 from planner.run import run_plan  # noqa: E402
+from planner.schema.request import PlanRequest, RunRequest  # noqa: E402
 
 
 def main() -> None:
@@ -46,8 +47,17 @@ def main() -> None:
 
     model = ROOT / "models" / "encoder_lm.py"
     with tempfile.TemporaryDirectory() as tmp:
-        planned = make_plan(model, args.gpus, size=args.size, batch_size=args.batch_size,
-                            microbatches=args.microbatches, schedule=args.schedule, plan_dir=tmp)
+        planned = make_plan(
+            PlanRequest.build(
+                model_file=model,
+                gpus=args.gpus,
+                size=args.size,
+                batch_size=args.batch_size,
+                microbatches=args.microbatches,
+                schedule=args.schedule,
+                output=Path(tmp) / "plan.json",
+            )
+        )
         plans = {"planner (exact)": planned, "uniform layers": with_method(planned, "uniform")}
         paths = {}
         for name, plan in plans.items():
@@ -58,7 +68,7 @@ def main() -> None:
         for r in range(args.rounds):
             for name, plan in plans.items():
                 print(f"round {r + 1}/{args.rounds}: {name}", flush=True)
-                result = run_plan(plan, paths[name], args.steps)
+                result = run_plan(plan, RunRequest(plan_file=paths[name], steps=args.steps))
                 measured[name].extend(result.step_times_s[i - 1] for i in result.timed_steps)
                 losses[name] = result.losses
 
@@ -68,15 +78,33 @@ def main() -> None:
     for name, plan in plans.items():
         ends = [s.end - s.start for s in plan.stages]
         med = statistics.median(measured[name])
-        rows.append([
-            name, "+".join(map(str, ends)), f"{plan.prediction.bottleneck_s * 1e3:.1f}",
-            f"{plan.prediction.step_time_s * 1e3:.1f}", f"{med * 1e3:.1f}",
-            f"{100 * (plan.prediction.step_time_s - med) / med:+.1f}%",
-            f"{plan.prediction.step_time_s / base_pred:.3f}", f"{med / base_meas:.3f}",
-        ])
-    table = tabulate(rows, headers=["split", "blocks per stage", "pred slowest ms/mb", "pred step ms",
-                                    "measured step ms (median)", "pred error", "pred vs planned", "measured vs planned"],
-                     tablefmt="github", disable_numparse=True)
+        rows.append(
+            [
+                name,
+                "+".join(map(str, ends)),
+                f"{plan.prediction.bottleneck_s * 1e3:.1f}",
+                f"{plan.prediction.step_time_s * 1e3:.1f}",
+                f"{med * 1e3:.1f}",
+                f"{100 * (plan.prediction.step_time_s - med) / med:+.1f}%",
+                f"{plan.prediction.step_time_s / base_pred:.3f}",
+                f"{med / base_meas:.3f}",
+            ]
+        )
+    table = tabulate(
+        rows,
+        headers=[
+            "split",
+            "blocks per stage",
+            "pred slowest ms/mb",
+            "pred step ms",
+            "measured step ms (median)",
+            "pred error",
+            "pred vs planned",
+            "measured vs planned",
+        ],
+        tablefmt="github",
+        disable_numparse=True,
+    )
     same_loss = all(abs(a - b) <= 1e-4 * max(1.0, abs(a)) for a, b in zip(*losses.values()))
     text = f"""# Planned vs uniform-layer split: encoder-stack LM (`{args.size}`), {args.gpus} stages
 

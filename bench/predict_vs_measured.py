@@ -28,6 +28,7 @@ from tabulate import tabulate  # noqa: E402
 from planner.api import make_plan  # noqa: E402
 from planner.core.calibrate import calibrate  # noqa: E402
 from planner.run import run_plan  # noqa: E402
+from planner.schema.request import PlanRequest, RunRequest  # noqa: E402
 
 GPT_MID = {"dim": 128, "n_layers": 8, "n_heads": 4, "ffn_dim": 512, "vocab_size": 8000, "seq_len": 64}
 # (model file, size, overrides, gpus, batch size, microbatches): sizes where a stage computes for
@@ -59,57 +60,155 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for model, size, overrides, gpus, batch, m in cases:
             for schedule in SCHEDULES:
-                plan = make_plan(ROOT / "models" / model, gpus, size=size, overrides=overrides, batch_size=batch,
-                                 microbatches=m, schedule=schedule, plan_dir=tmp, progress=False)
                 path = Path(tmp) / "plan.json"
+                request = PlanRequest.build(
+                    model_file=ROOT / "models" / model,
+                    gpus=gpus,
+                    size=size,
+                    overrides=overrides or {},
+                    batch_size=batch,
+                    microbatches=m,
+                    schedule=schedule,
+                    output=path,
+                    progress=False,
+                )
+                plan = make_plan(request)
                 plan.save(path)
                 print(f"{model} {size} {overrides or ''} p={gpus} {schedule}", flush=True)
-                result = run_plan(plan, path, steps, echo=False)
+                result = run_plan(plan, RunRequest(plan_file=path, steps=steps, echo=False))
                 measured = result.median_step_s  # over the timed steps: not the first, not the memory-tracked one
                 predicted = plan.prediction.step_time_s
                 err = 100 * (predicted - measured) / measured
                 errors[schedule].append(abs(err))
                 # The calibration loop: fit to this run, plan again, and check on a second, fresh run.
-                cal = calibrate(plan, result)
-                plan2 = make_plan(ROOT / "models" / model, gpus, size=size, overrides=overrides, batch_size=batch,
-                                  microbatches=m, schedule=schedule, plan_dir=tmp, progress=False, calibrate_from=(plan, cal))
+                run_path = Path(tmp) / "plan.run.json"
+                result.save(run_path)  # --calibrate reads the run and finds its plan next to it
+                cal = calibrate(plan, result)  # the same fit make_plan applies, for the table
+                plan2 = make_plan(request.model_copy(update={"calibrate_run": run_path}))
                 path2 = Path(tmp) / "plan2.json"
                 plan2.save(path2)
-                result2 = run_plan(plan2, path2, steps, echo=False)
+                result2 = run_plan(plan2, RunRequest(plan_file=path2, steps=steps, echo=False))
                 err2 = 100 * (plan2.prediction.step_time_s - result2.median_step_s) / result2.median_step_s
                 cal_errors[schedule].append(abs(err2))
-                cal_rows.append([f"{model} {size}" + (" (custom)" if overrides else ""), gpus, schedule,
-                                 f"{cal.latency_s * 1e3:.2f}", f"{cal.global_factor:.3f}",
-                                 "+".join(str(s.end - s.start) for s in plan2.stages),
-                                 f"{plan2.prediction.step_time_s * 1e3:.1f}", f"{result2.median_step_s * 1e3:.1f}", f"{err2:+.1f}%"])
+                cal_rows.append(
+                    [
+                        f"{model} {size}" + (" (custom)" if overrides else ""),
+                        gpus,
+                        schedule,
+                        f"{cal.latency_s * 1e3:.2f}",
+                        f"{cal.global_factor:.3f}",
+                        "+".join(str(s.end - s.start) for s in plan2.stages),
+                        f"{plan2.prediction.step_time_s * 1e3:.1f}",
+                        f"{result2.median_step_s * 1e3:.1f}",
+                        f"{err2:+.1f}%",
+                    ]
+                )
                 slowest = max(s.fwd_s + s.bwd_s for s in plan.stages)
                 for st, meas in zip(plan.stages, result.stages):
                     if meas.memory is not None:
                         mem_err = 100 * (st.memory_bytes - meas.memory.peak_bytes) / meas.memory.peak_bytes
                         mem_errors.append(abs(mem_err))
-                        mem_rows.append([f"{model} {size}", gpus, schedule, st.index, f"{st.memory_bytes / 2**20:.1f}",
-                                         f"{meas.memory.peak_bytes / 2**20:.1f}", f"{mem_err:+.1f}%"])
+                        mem_rows.append(
+                            [
+                                f"{model} {size}",
+                                gpus,
+                                schedule,
+                                st.index,
+                                f"{st.memory_bytes / 2**20:.1f}",
+                                f"{meas.memory.peak_bytes / 2**20:.1f}",
+                                f"{mem_err:+.1f}%",
+                            ]
+                        )
                     fwd_err = 100 * (st.fwd_s - meas.fwd_s) / meas.fwd_s
                     bwd_err = 100 * (st.bwd_s - meas.bwd_s) / meas.bwd_s
-                    compute_rows.append([f"{model} {size}", gpus, schedule, st.index, f"{st.fwd_s * 1e3:.1f}",
-                                         f"{meas.fwd_s * 1e3:.1f}", f"{fwd_err:+.1f}%", f"{st.bwd_s * 1e3:.1f}",
-                                         f"{meas.bwd_s * 1e3:.1f}", f"{bwd_err:+.1f}%"])
-                rows.append([
-                    f"{model} {size}" + (" (custom)" if overrides else ""), gpus, schedule, f"{batch}/{m}",
-                    "+".join(str(s.end - s.start) for s in plan.stages), f"{slowest * 1e3:.1f}",
-                    f"{predicted * 1e3:.1f}", f"{measured * 1e3:.1f}", f"{err:+.1f}%",
-                ])
-    table = tabulate(rows, headers=["model", "ranks", "schedule", "batch/mb", "split", "slowest stage compute ms/mb",
-                                    "predicted step ms", "measured step ms", "error"], tablefmt="github", disable_numparse=True)
-    cal_table = tabulate(cal_rows, headers=["model", "ranks", "schedule", "fitted ms/message", "global factor", "split",
-                                            "predicted step ms", "measured step ms (2nd run)", "error"],
-                         tablefmt="github", disable_numparse=True)
-    cal_mae = "\n".join(f"- {s}: mean absolute error {statistics.mean(v):.1f}% over {len(v)} cases" for s, v in cal_errors.items() if v)
-    mem_table = tabulate(mem_rows, headers=["model", "ranks", "schedule", "stage", "predicted MB", "measured peak MB (MemTracker)", "error"],
-                         tablefmt="github", disable_numparse=True)
-    compute_table = tabulate(compute_rows, headers=["model", "ranks", "schedule", "stage", "pred fwd ms/mb", "run fwd", "err",
-                                                    "pred bwd ms/mb", "run bwd", "err"], tablefmt="github", disable_numparse=True)
-    mae = "\n".join(f"- {s}: mean absolute error {statistics.mean(v):.1f}% over {len(v)} cases" for s, v in errors.items() if v)
+                    compute_rows.append(
+                        [
+                            f"{model} {size}",
+                            gpus,
+                            schedule,
+                            st.index,
+                            f"{st.fwd_s * 1e3:.1f}",
+                            f"{meas.fwd_s * 1e3:.1f}",
+                            f"{fwd_err:+.1f}%",
+                            f"{st.bwd_s * 1e3:.1f}",
+                            f"{meas.bwd_s * 1e3:.1f}",
+                            f"{bwd_err:+.1f}%",
+                        ]
+                    )
+                rows.append(
+                    [
+                        f"{model} {size}" + (" (custom)" if overrides else ""),
+                        gpus,
+                        schedule,
+                        f"{batch}/{m}",
+                        "+".join(str(s.end - s.start) for s in plan.stages),
+                        f"{slowest * 1e3:.1f}",
+                        f"{predicted * 1e3:.1f}",
+                        f"{measured * 1e3:.1f}",
+                        f"{err:+.1f}%",
+                    ]
+                )
+    table = tabulate(
+        rows,
+        headers=[
+            "model",
+            "ranks",
+            "schedule",
+            "batch/mb",
+            "split",
+            "slowest stage compute ms/mb",
+            "predicted step ms",
+            "measured step ms",
+            "error",
+        ],
+        tablefmt="github",
+        disable_numparse=True,
+    )
+    cal_table = tabulate(
+        cal_rows,
+        headers=[
+            "model",
+            "ranks",
+            "schedule",
+            "fitted ms/message",
+            "global factor",
+            "split",
+            "predicted step ms",
+            "measured step ms (2nd run)",
+            "error",
+        ],
+        tablefmt="github",
+        disable_numparse=True,
+    )
+    cal_mae = "\n".join(
+        f"- {s}: mean absolute error {statistics.mean(v):.1f}% over {len(v)} cases" for s, v in cal_errors.items() if v
+    )
+    mem_table = tabulate(
+        mem_rows,
+        headers=["model", "ranks", "schedule", "stage", "predicted MB", "measured peak MB (MemTracker)", "error"],
+        tablefmt="github",
+        disable_numparse=True,
+    )
+    compute_table = tabulate(
+        compute_rows,
+        headers=[
+            "model",
+            "ranks",
+            "schedule",
+            "stage",
+            "pred fwd ms/mb",
+            "run fwd",
+            "err",
+            "pred bwd ms/mb",
+            "run bwd",
+            "err",
+        ],
+        tablefmt="github",
+        disable_numparse=True,
+    )
+    mae = "\n".join(
+        f"- {s}: mean absolute error {statistics.mean(v):.1f}% over {len(v)} cases" for s, v in errors.items() if v
+    )
     text = f"""# Predicted vs measured step time on this machine
 
 Written by `bench/predict_vs_measured.py` on {dt.date.today().isoformat()} ({platform.node()}, {os.cpu_count()} cores,
@@ -149,7 +248,7 @@ during one tracked step (parameters, gradients, optimizer state, activations, bu
 
 {mem_table}
 
-Mean absolute memory error: {statistics.mean(mem_errors) if mem_errors else float('nan'):.1f}% over {len(mem_errors)} ranks.
+Mean absolute memory error: {statistics.mean(mem_errors) if mem_errors else float("nan"):.1f}% over {len(mem_errors)} ranks.
 """
     args.out.write_text(text)
     print(text)

@@ -17,14 +17,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from planner.schema.costs import GLOO_CPU_LINK, BlockCost, OptimizerSpec  # noqa: E402
-from planner.errors import PlanFileError, PlannerError  # noqa: E402
 from planner.capture.load import load_model_file  # noqa: E402
-from planner.schema.plan import ModelRef, Plan, Prediction, ProfileInfo, StagePlan  # noqa: E402
-from planner.run import RunResult, run_plan, train_reference  # noqa: E402
-from planner.schema.result import MEMORY_CATEGORIES, MemoryMeasure, StageMeasure  # noqa: E402
 from planner.capture.stage import build_stage_module  # noqa: E402
 from planner.capture.trace import trace_model  # noqa: E402
+from planner.errors import PlanFileError, PlannerError  # noqa: E402
+from planner.run import RunResult, run_plan, train_reference  # noqa: E402
+from planner.schema.costs import GLOO_CPU_LINK, BlockCost, OptimizerSpec  # noqa: E402
+from planner.schema.plan import ModelRef, Plan, Prediction, ProfileInfo, StagePlan  # noqa: E402
+from planner.schema.request import RunRequest  # noqa: E402
+from planner.schema.result import MEMORY_CATEGORIES, MemoryMeasure, StageMeasure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
@@ -33,9 +34,18 @@ REL = 1e-4
 
 
 def make_plan(
-    model_path: Path, starts: list[int], *, size: str | None = "tiny", schedule: str = "gpipe",
-    batch_size: int = 8, n_microbatches: int = 4, grad_clip: float | None = 1.0, optimizer: str = "adamw",
-    lr: float = 1e-3, backend: str = "gloo", seed: int = 0,
+    model_path: Path,
+    starts: list[int],
+    *,
+    size: str | None = "tiny",
+    schedule: str = "gpipe",
+    batch_size: int = 8,
+    n_microbatches: int = 4,
+    grad_clip: float | None = 1.0,
+    optimizer: str = "adamw",
+    lr: float = 1e-3,
+    backend: str = "gloo",
+    seed: int = 0,
 ) -> Plan:
     """A valid Plan for ``model_path`` whose stages start at the blocks in ``starts``."""
     mf = load_model_file(model_path, size)
@@ -44,8 +54,14 @@ def make_plan(
     n = len(traced.blocks)
     blocks = [
         BlockCost(
-            name=b.name, first_node=b.nodes[0], last_node=b.nodes[-1], fwd_s=1e-3, bwd_s=2e-3, params=1000,
-            param_bytes=4000, activation_bytes=10_000,
+            name=b.name,
+            first_node=b.nodes[0],
+            last_node=b.nodes[-1],
+            fwd_s=1e-3,
+            bwd_s=2e-3,
+            params=1000,
+            param_bytes=4000,
+            activation_bytes=10_000,
             cut_bytes=traced.cuts[k].nbytes if k < n - 1 else 0,
             cut_tensors=len(traced.cuts[k].tensors) if k < n - 1 else 0,
             cut_legal=traced.cuts[k].legal if k < n - 1 else False,
@@ -56,30 +72,66 @@ def make_plan(
     bounds = [*starts, n]
     stages = [
         StagePlan(
-            index=i, start=s, end=e, first_block=blocks[s].name, last_block=blocks[e - 1].name,
-            split_node=blocks[e - 1].last_node if e < n else None, params=1000 * (e - s),
-            fwd_s=1e-3 * (e - s), bwd_s=2e-3 * (e - s), comm_s=3e-3, time_s=3e-3 * (e - s) + 3e-3,
-            activation_bytes=10_000 * (e - s), in_flight=n_microbatches, memory_bytes=1 << 20,
+            index=i,
+            start=s,
+            end=e,
+            first_block=blocks[s].name,
+            last_block=blocks[e - 1].name,
+            split_node=blocks[e - 1].last_node if e < n else None,
+            params=1000 * (e - s),
+            fwd_s=1e-3 * (e - s),
+            bwd_s=2e-3 * (e - s),
+            comm_s=3e-3,
+            time_s=3e-3 * (e - s) + 3e-3,
+            activation_bytes=10_000 * (e - s),
+            in_flight=n_microbatches,
+            memory_bytes=1 << 20,
         )
         for i, (s, e) in enumerate(zip(bounds, bounds[1:]))
     ]
     times = tuple(st.time_s for st in stages)
     prediction = Prediction(
-        starts=tuple(starts), stage_time_s=times, bottleneck_s=max(times),
+        starts=tuple(starts),
+        stage_time_s=times,
+        bottleneck_s=max(times),
         pipeline_time_s=max(times) * (n_microbatches + len(starts) - 1),
-        step_time_s=max(times) * (n_microbatches + len(starts) - 1), bubble_fraction=0.3,
-        imbalance=max(times) * len(times) / sum(times), max_memory_bytes=1 << 20,
+        step_time_s=max(times) * (n_microbatches + len(starts) - 1),
+        bubble_fraction=0.3,
+        imbalance=max(times) * len(times) / sum(times),
+        max_memory_bytes=1 << 20,
     )
     return Plan(
         created="2026-11-21T00:00:00+00:00",
-        model=ModelRef(path=str(model_path), size=size, config=dict(mf.config), file_digest=mf.digest,
-                       fingerprint=traced.fingerprint, trace_method=traced.method,
-                       trace_failures=list(traced.failures), seed=seed),
-        profile=ProfileInfo(device="cpu", backend=backend, threads=1, torch_version=torch.__version__,
-                            hostname="test", warmup=0, repeats=1),
-        link=GLOO_CPU_LINK, optimizer=OptimizerSpec(name=optimizer, lr=lr, grad_clip=grad_clip), method="optimal",
-        schedule=schedule, n_stages=len(starts), batch_size=batch_size, n_microbatches=n_microbatches,
-        blocks=blocks, stages=stages, prediction=prediction, baselines={},
+        model=ModelRef(
+            path=str(model_path),
+            size=size,
+            config=dict(mf.config),
+            file_digest=mf.digest,
+            fingerprint=traced.fingerprint,
+            trace_method=traced.method,
+            trace_failures=list(traced.failures),
+            seed=seed,
+        ),
+        profile=ProfileInfo(
+            device="cpu",
+            backend=backend,
+            threads=1,
+            torch_version=torch.__version__,
+            hostname="test",
+            warmup=0,
+            repeats=1,
+        ),
+        link=GLOO_CPU_LINK,
+        optimizer=OptimizerSpec(name=optimizer, lr=lr, grad_clip=grad_clip),
+        method="optimal",
+        schedule=schedule,
+        n_stages=len(starts),
+        batch_size=batch_size,
+        n_microbatches=n_microbatches,
+        blocks=blocks,
+        stages=stages,
+        prediction=prediction,
+        baselines={},
     )
 
 
@@ -123,7 +175,13 @@ CASES = [
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("model", "starts", "schedule", "m", "optimizer", "clip"), CASES)
 def test_pipeline_matches_unsplit_model(
-    model: Path, starts: list[int], schedule: str, m: int, optimizer: str, clip: float, tmp_path: Path,
+    model: Path,
+    starts: list[int],
+    schedule: str,
+    m: int,
+    optimizer: str,
+    clip: float,
+    tmp_path: Path,
     capfd: pytest.CaptureFixture,
 ) -> None:
     steps = 3
@@ -131,7 +189,7 @@ def test_pipeline_matches_unsplit_model(
     plan = make_plan(model, starts, schedule=schedule, n_microbatches=m, optimizer=optimizer, lr=lr, grad_clip=clip)
     path = saved(plan, tmp_path)
     t0 = time.perf_counter()
-    got = run_plan(plan, path, steps)
+    got = run_plan(plan, RunRequest(plan_file=path, steps=steps))
     elapsed = time.perf_counter() - t0
     out = capfd.readouterr().out
     want = train_reference(plan, path, steps)
@@ -159,37 +217,44 @@ def test_pipeline_matches_unsplit_model(
 def test_fingerprint_mismatch_raises_before_launch(tmp_path: Path, no_launch: None) -> None:
     plan = make_plan(MODELS / "gpt.py", [0, 3])
     edited = plan.model_copy(update={"model": plan.model.model_copy(update={"fingerprint": "0123456789abcdef"})})
-    with pytest.raises(PlanFileError, match=r"different model structure \(fingerprint 0123456789abcdef, the file now gives "
-                                            + plan.model.fingerprint):
-        run_plan(edited, saved(edited, tmp_path), 2)
+    with pytest.raises(
+        PlanFileError,
+        match=r"different model structure \(fingerprint 0123456789abcdef, the file now gives " + plan.model.fingerprint,
+    ):
+        run_plan(edited, RunRequest(plan_file=saved(edited, tmp_path), steps=2))
 
 
 def test_module_boundary_plan_is_rejected(tmp_path: Path, no_launch: None) -> None:
     plan = make_plan(MODELS / "gpt.py", [0, 3])
     reason = "TraceError: data-dependent control flow in forward"
-    edited = plan.model_copy(update={"model": plan.model.model_copy(
-        update={"trace_method": "modules", "trace_failures": [("fx", reason), ("export", reason)]})})
+    edited = plan.model_copy(
+        update={
+            "model": plan.model.model_copy(
+                update={"trace_method": "modules", "trace_failures": [("fx", reason), ("export", reason)]}
+            )
+        }
+    )
     with pytest.raises(PlannerError, match="needs a graph-traced model.*data-dependent control flow"):
-        run_plan(edited, saved(edited, tmp_path), 2)
+        run_plan(edited, RunRequest(plan_file=saved(edited, tmp_path), steps=2))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has the GPUs nccl needs")
 def test_nccl_without_gpus_is_rejected(tmp_path: Path, no_launch: None) -> None:
     plan = make_plan(MODELS / "gpt.py", [0, 3], backend="nccl")
     with pytest.raises(PlannerError, match="nccl needs one GPU per rank"):
-        run_plan(plan, saved(plan, tmp_path), 2)
+        run_plan(plan, RunRequest(plan_file=saved(plan, tmp_path), steps=2))
 
 
 def test_1f1b_with_too_few_microbatches_is_rejected(tmp_path: Path, no_launch: None) -> None:
     plan = make_plan(MODELS / "gpt.py", [0, 2, 4, 5], schedule="1f1b", n_microbatches=2)
     with pytest.raises(PlannerError, match="n_microbatches >= n_stages"):
-        run_plan(plan, saved(plan, tmp_path), 2)
+        run_plan(plan, RunRequest(plan_file=saved(plan, tmp_path), steps=2))
 
 
 def test_one_stage_plan_trains_in_process(tmp_path: Path, no_launch: None, capsys: pytest.CaptureFixture) -> None:
     plan = make_plan(MODELS / "shakespeare.py", [0], n_microbatches=2, grad_clip=0.5)
     path = saved(plan, tmp_path)
-    got = run_plan(plan, path, 3)
+    got = run_plan(plan, RunRequest(plan_file=path, steps=3))
     want = train_reference(plan, path, 3)
     assert got.mode == "local" and got.n_stages == 1 and got.n_microbatches == 2
     # Two accumulated microbatches give the full-batch step.
@@ -206,25 +271,55 @@ def test_worker_error_comes_back_as_one_message(tmp_path: Path) -> None:
     model = tmp_path / "broken.py"
     model.write_text(src)
     plan = make_plan(model, [0, 2], n_microbatches=2, batch_size=4)
-    with pytest.raises(PlannerError, match=r"^rank \d failed: broken.py: train_batches\(\) raised ValueError: no data today"):
-        run_plan(plan, saved(plan, tmp_path), 2, echo=False)
+    with pytest.raises(
+        PlannerError, match=r"^rank \d failed: broken.py: train_batches\(\) raised ValueError: no data today"
+    ):
+        run_plan(plan, RunRequest(plan_file=saved(plan, tmp_path), steps=2, echo=False))
 
 
 def test_run_result_round_trips_without_torch(tmp_path: Path) -> None:
     cats = {c: 1000 + k for k, c in enumerate(MEMORY_CATEGORIES)} | {"Total": 7021}
     memory = MemoryMeasure(source="memtracker", step=2, peak_bytes=7021, peak_by_category=cats, end_by_category=cats)
     stages = [
-        StageMeasure(stage=i, first_block=f"b{i}", last_block=f"b{i}", fwd_s=0.01, bwd_s=0.02, loss_s=0.001 * i,
-                     p2p_s=0.003, reduce_s=0.0004, clip_s=0.0005, optimizer_s=0.006, step_s=0.1,
-                     fwd_times_s=[[0.01, 0.011], [0.01, 0.012]], bwd_times_s=[[0.02, 0.021], [0.02, 0.022]],
-                     memory=memory if i else None)
+        StageMeasure(
+            stage=i,
+            first_block=f"b{i}",
+            last_block=f"b{i}",
+            fwd_s=0.01,
+            bwd_s=0.02,
+            loss_s=0.001 * i,
+            p2p_s=0.003,
+            reduce_s=0.0004,
+            clip_s=0.0005,
+            optimizer_s=0.006,
+            step_s=0.1,
+            fwd_times_s=[[0.01, 0.011], [0.01, 0.012]],
+            bwd_times_s=[[0.02, 0.021], [0.02, 0.022]],
+            memory=memory if i else None,
+        )
         for i in range(2)
     ]
     result = RunResult(
-        plan_fingerprint="f" * 16, plan_path="/tmp/plan.json", mode="pipeline", schedule="1f1b", n_stages=2,
-        n_microbatches=4, batch_size=8, backend="gloo", steps=2, threads=[1, 1], losses=[2.0, 1.5],
-        grad_norms=[3.0, 2.0], grad_clip=1.0, step_times_s=[0.2, 0.1], rank_step_times_s=[[0.2, 0.1], [0.19, 0.1]],
-        median_step_s=0.1, peak_rss_bytes=[1 << 28, 1 << 28], predicted_step_s=0.09, memory_step=2, timed_steps=[1],
+        plan_fingerprint="f" * 16,
+        plan_path="/tmp/plan.json",
+        mode="pipeline",
+        schedule="1f1b",
+        n_stages=2,
+        n_microbatches=4,
+        batch_size=8,
+        backend="gloo",
+        steps=2,
+        threads=[1, 1],
+        losses=[2.0, 1.5],
+        grad_norms=[3.0, 2.0],
+        grad_clip=1.0,
+        step_times_s=[0.2, 0.1],
+        rank_step_times_s=[[0.2, 0.1], [0.19, 0.1]],
+        median_step_s=0.1,
+        peak_rss_bytes=[1 << 28, 1 << 28],
+        predicted_step_s=0.09,
+        memory_step=2,
+        timed_steps=[1],
         stages=stages,
     )
     path = tmp_path / "run.json"
@@ -247,7 +342,7 @@ def test_pipeline_run_measures_every_stage(tmp_path: Path) -> None:
     steps, m = 3, 4
     plan = make_plan(MODELS / "gpt.py", [0, 3], schedule="1f1b", n_microbatches=m)
     path = saved(plan, tmp_path)
-    got = run_plan(plan, path, steps, echo=False)
+    got = run_plan(plan, RunRequest(plan_file=path, steps=steps, echo=False))
     # Step 1 pays for the schedule's set-up, step 3 ran under the memory tracker: medians use step 2.
     assert got.memory_step == steps and got.timed_steps == [2]
     assert got.median_step_s == got.step_times_s[1] and got.plan_path == str(path.resolve())
@@ -289,13 +384,13 @@ def test_pipeline_run_measures_every_stage(tmp_path: Path) -> None:
 def test_nccl_pipeline_matches_unsplit_model(tmp_path: Path) -> None:
     plan = make_plan(MODELS / "gpt.py", [0, 3], schedule="1f1b", backend="nccl", grad_clip=0.5)
     path = saved(plan, tmp_path)
-    got = run_plan(plan, path, 3)
+    got = run_plan(plan, RunRequest(plan_file=path, steps=3))
     want = train_reference(plan, path, 3)  # on CPU: cuda and CPU kernels differ in the last bits
     for g, w in zip(got.losses, want.losses):
         assert g == pytest.approx(w, rel=1e-3)
 
 
-TIED = '''
+TIED = """
 import torch
 from torch import nn
 
@@ -323,43 +418,62 @@ def build_model(vocab=16, d=8, **_):
 
 def make_batch(batch_size, vocab=16, **_):
     return (torch.randint(0, vocab, (batch_size, 4)),), torch.randint(0, vocab, (batch_size, 4))
-'''
+"""
 
 
 def test_weights_tied_across_stages_are_rejected(tmp_path: Path, no_launch: None) -> None:
     model = tmp_path / "tied.py"
     model.write_text(TIED)
     plan = make_plan(model, [0, 2])
-    with pytest.raises(PlannerError, match=r"head.weight of stage 1 is the same tensor as emb.weight of stage 0 \(tied weights\)"):
-        run_plan(plan, saved(plan, tmp_path), 2)
+    with pytest.raises(
+        PlannerError, match=r"head.weight of stage 1 is the same tensor as emb.weight of stage 0 \(tied weights\)"
+    ):
+        run_plan(plan, RunRequest(plan_file=saved(plan, tmp_path), steps=2))
 
 
 def test_nodes_must_divide_stages(tmp_path: Path, no_launch: None) -> None:
     plan = make_plan(MODELS / "gpt.py", [0, 2, 4])
     path = saved(plan, tmp_path)
     with pytest.raises(PlannerError, match="3 stages cannot be spread evenly over 2 node"):
-        run_plan(plan, path, 2, nnodes=2, rdzv_endpoint="localhost:29400")
+        run_plan(plan, RunRequest(plan_file=path, steps=2, nnodes=2, rdzv_endpoint="localhost:29400"))
     plan2 = make_plan(MODELS / "gpt.py", [0, 3])
     with pytest.raises(PlannerError, match="needs --rdzv-endpoint"):
-        run_plan(plan2, saved(plan2, tmp_path), 2, nnodes=2)
+        run_plan(plan2, RunRequest(plan_file=saved(plan2, tmp_path), steps=2, nnodes=2))
 
 
 @pytest.mark.multiprocess
 def test_recomputing_stage_matches_unsplit_model(tmp_path: Path) -> None:
     # Activation checkpointing of a stage (the plan's recompute flag) changes memory, not results.
-    plan = make_plan(MODELS / "gpt.py", [0, 3], schedule="1f1b", n_microbatches=4, optimizer="sgd", lr=0.5, grad_clip=0.5)
+    plan = make_plan(
+        MODELS / "gpt.py", [0, 3], schedule="1f1b", n_microbatches=4, optimizer="sgd", lr=0.5, grad_clip=0.5
+    )
     stages = [plan.stages[0].model_copy(update={"recompute": True}), plan.stages[1]]
     plan = plan.model_copy(update={"stages": stages})
     path = saved(plan, tmp_path)
-    got = run_plan(plan, path, 3, echo=False)
+    got = run_plan(plan, RunRequest(plan_file=path, steps=3, echo=False))
     want = train_reference(plan, path, 3)
     assert_close(got.losses, want.losses, "loss")
     assert_close(got.grad_norms, want.grad_norms, "grad norm")
     # Recomputing, stage 0 keeps only its inputs (token ids) per microbatch: its activation peak is
     # one microbatch's worth instead of 1F1B's two in flight.
     plain_plan = plan.model_copy(update={"stages": [stages[0].model_copy(update={"recompute": False}), stages[1]]})
-    plain = run_plan(plain_plan, saved(plain_plan, tmp_path), 3, echo=False)
+    plain = run_plan(plain_plan, RunRequest(plan_file=saved(plain_plan, tmp_path), steps=3, echo=False))
     assert_close(plain.losses, got.losses, "loss")
     with_recompute, without = got.stages[0].memory, plain.stages[0].memory
     assert with_recompute is not None and without is not None
     assert with_recompute.peak_by_category["Activation"] < 0.75 * without.peak_by_category["Activation"]
+
+
+def test_a_model_file_edited_since_planning_is_named_in_a_warning(tmp_path: Path) -> None:
+    model = tmp_path / "gpt.py"
+    model.write_text((MODELS / "gpt.py").read_text())
+    plan = make_plan(model, [0])  # one stage: trains in this process, fast
+    path = saved(plan, tmp_path)
+    lines: list[str] = []
+    run_plan(plan, RunRequest(plan_file=path, steps=1, echo=False), print_fn=lines.append)
+    assert not any("changed since it was planned" in line for line in lines)
+    model.write_text(model.read_text() + "\n# edited after planning\n")
+    lines.clear()
+    run_plan(plan, RunRequest(plan_file=path, steps=1, echo=False), print_fn=lines.append)
+    warnings = [line for line in lines if "changed since it was planned" in line]
+    assert len(warnings) == 1 and str(model) in warnings[0] and plan.model.file_digest in warnings[0]

@@ -1,4 +1,4 @@
-"""The runner: train a plan on real processes with torch.distributed.pipelining (DESIGN.md "Runner").
+"""The runner: train a plan on real processes with torch.distributed.pipelining (docs/architecture.md).
 
 - ``launch``: checks in the parent, then one process per stage via ``elastic_launch`` (or this
   process for a 1-stage plan).

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
-from planner.errors import PlanFileError, PlannerError
-from planner.capture.load import ModelFile, load_model_file
-from planner.schema.plan import Plan
 from planner.capture.blocks import GraphTrace
+from planner.capture.load import ModelFile, load_model_file
 from planner.capture.trace import trace_model
+from planner.errors import PlanFileError, PlannerError
+from planner.schema.plan import Plan
 
 
 def load_plan_model(plan: Plan, plan_path: str | Path) -> ModelFile:
@@ -37,7 +37,7 @@ def check_runnable(plan: Plan) -> None:
     """Reject plans the runner cannot execute, before any tracing or process.
 
     Raises:
-        PlannerError: traced by module boundaries, unknown optimizer, or a 1F1B plan with fewer
+        PlannerError: traced by module boundaries, or a 1F1B plan with fewer
             microbatches than stages.
     """
     if plan.profile.source == "estimated" and plan.profile.device != "cpu":
@@ -52,9 +52,6 @@ def check_runnable(plan: Plan) -> None:
             f"model (fx or export) to cut into stages; tracing failed with: {why}; make the model "
             "traceable (no data-dependent control flow in forward) and re-run `planner plan`"
         )
-    if plan.optimizer.name not in ("adamw", "sgd"):
-        raise PlannerError(f"optimizer {plan.optimizer.name!r} in the plan is not supported; expected 'adamw' or 'sgd'; "
-                           "edit plan.optimizer.name or re-run `planner plan`")
     # torch's Schedule1F1B.__init__ raises ValueError when n_microbatches < num_stages.
     if plan.n_stages > 1 and plan.schedule == "1f1b" and plan.n_microbatches < plan.n_stages:
         raise PlannerError(

@@ -19,21 +19,25 @@ import logging
 import os
 import socket
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
-from planner.errors import PlannerError
-from planner.schema.plan import Plan
-from planner.run.common import check_runnable, load_plan_model, trace_for_plan
-from planner.schema.result import RunResult, StageMeasure, timed_steps
-from planner.run.single import train_model_file
 from planner.capture.blocks import TracedModel
 from planner.capture.stage import build_stage_module
+from planner.errors import PlannerError
+from planner.run.common import check_runnable, load_plan_model, trace_for_plan
+from planner.run.single import train_model_file
+from planner.schema.plan import Plan
+from planner.schema.request import RunRequest
+from planner.schema.result import RunResult, StageMeasure, timed_steps
 
 _NOISY_LOGGERS = (
-    "torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run", "torch.multiprocessing",
+    "torch.distributed.elastic",
+    "torch.distributed.launcher",
+    "torch.distributed.run",
+    "torch.multiprocessing",
 )
 
 
@@ -123,7 +127,9 @@ def _worker_error(error_dir: Path, fallback: BaseException) -> Exception:
         with contextlib.suppress(OSError, json.JSONDecodeError):
             records.append(json.loads(f.read_text()))
     if not records:
-        return RuntimeError(f"a pipeline worker died without reporting an error ({' '.join(str(fallback).split())[:300]})")
+        return RuntimeError(
+            f"a pipeline worker died without reporting an error ({' '.join(str(fallback).split())[:300]})"
+        )
     first = min(records, key=lambda r: r["time"])
     msg = f"rank {first['rank']} failed: {first['message']}"
     if first["planner_error"]:
@@ -131,29 +137,16 @@ def _worker_error(error_dir: Path, fallback: BaseException) -> Exception:
     return RuntimeError(f"{msg} ({first['type']}); worker traceback:\n{first['traceback']}")
 
 
-def run_plan(
-    plan: Plan,
-    plan_path: str | Path,
-    steps: int,
-    *,
-    nnodes: int = 1,
-    rdzv_endpoint: str | None = None,
-    rdzv_id: str | None = None,
-    echo: bool = True,
-    print_fn: Callable[[str], None] = _print,
-) -> RunResult:
+def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None] = _print) -> RunResult:
     """Train ``plan`` for ``steps`` steps: in this process for one stage, else one process per stage.
 
     Args:
         plan: the plan to run.
-        plan_path: the plan's file (relative model paths resolve against its folder).
-        steps: optimizer steps (>= 1).
-        nnodes: nodes taking part (torchrun ``--nnodes``); each starts n_stages / nnodes ranks.
-        rdzv_endpoint: ``host:port`` of the c10d rendezvous (torchrun ``--rdzv-endpoint``);
-            default: a free port on localhost (single node only).
-        rdzv_id: rendezvous id, the same on every node (torchrun ``--rdzv-id``); default derived
-            from the plan's fingerprint.
-        echo: print one line per step (from the last rank) and a start line.
+        request: ``planner run``'s options: the plan's file (relative model paths resolve against
+            its folder), steps, nodes (torchrun ``--nnodes``; each starts n_stages / nnodes ranks),
+            the c10d rendezvous ``host:port`` (default: a free port on localhost, single node
+            only) and id (default derived from the plan's fingerprint), and whether to print one
+            line per step (from the last rank) and a start line.
         print_fn: where this process's lines go (worker lines go to the inherited stdout).
 
     Returns:
@@ -164,32 +157,49 @@ def run_plan(
             any process starts), or a worker failed with a user error.
         RuntimeError: a worker failed otherwise; the message is the worker's error.
     """
-    if steps < 1:
-        raise PlannerError(f"steps={steps}: expected at least 1 training step; pass --steps 1 or more")
+    plan_path, steps, nnodes, echo = request.plan_file, request.steps, request.nnodes, request.echo
+    rdzv_endpoint, rdzv_id = request.rdzv_endpoint, request.rdzv_id
     check_runnable(plan)
     n = plan.n_stages
     if nnodes < 1 or n % nnodes:
-        raise PlannerError(f"{n} stages cannot be spread evenly over {nnodes} node(s); use an --nnodes that divides {n}")
+        raise PlannerError(
+            f"{n} stages cannot be spread evenly over {nnodes} node(s); use an --nnodes that divides {n}"
+        )
     if nnodes > 1 and not rdzv_endpoint:
         raise PlannerError(f"a run on {nnodes} nodes needs --rdzv-endpoint HOST:PORT reachable from every node")
     nproc = n // nnodes
     _check_devices(plan, nproc if n > 1 else 0)
     mf = load_plan_model(plan, plan_path)
+    if mf.digest != plan.model.file_digest:
+        print_fn(
+            f"warning: {mf.path} changed since it was planned (digest {plan.model.file_digest} -> {mf.digest}); "
+            "the run uses the file as it is now (re-run `planner plan` if the change matters)"
+        )
     traced = trace_for_plan(plan, mf, mf.build(plan.model.seed))
     _check_stages(plan, traced)
     del traced
     if n == 1:
         if echo:
-            print_fn(f"training 1 stage in this process ({plan.batch_size} samples/step, "
-                     f"{plan.n_microbatches} microbatch(es), {plan.profile.threads} thread(s))")
-        return train_model_file(plan, mf, steps, n_microbatches=plan.n_microbatches, echo=echo, print_fn=print_fn,
-                                plan_path=plan_path)
+            print_fn(
+                f"training 1 stage in this process ({plan.batch_size} samples/step, "
+                f"{plan.n_microbatches} microbatch(es), {plan.profile.threads} thread(s))"
+            )
+        return train_model_file(
+            plan, mf, steps, n_microbatches=plan.n_microbatches, echo=echo, print_fn=print_fn, plan_path=plan_path
+        )
     return _launch(plan, plan_path, steps, nnodes, nproc, rdzv_endpoint, rdzv_id, echo, print_fn)
 
 
 def _launch(
-    plan: Plan, plan_path: str | Path, steps: int, nnodes: int, nproc: int,
-    rdzv_endpoint: str | None, rdzv_id: str | None, echo: bool, print_fn: Callable[[str], None],
+    plan: Plan,
+    plan_path: str | Path,
+    steps: int,
+    nnodes: int,
+    nproc: int,
+    rdzv_endpoint: str | None,
+    rdzv_id: str | None,
+    echo: bool,
+    print_fn: Callable[[str], None],
 ) -> RunResult:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -200,8 +210,10 @@ def _launch(
     n = plan.n_stages
     endpoint = rdzv_endpoint or f"localhost:{_free_port()}"
     if echo:
-        print_fn(f"launching {n} stages ({nproc} per node, {plan.schedule}, {plan.n_microbatches} microbatches, "
-                 f"backend {plan.profile.backend}, {plan.profile.threads} thread(s) each)")
+        print_fn(
+            f"launching {n} stages ({nproc} per node, {plan.schedule}, {plan.n_microbatches} microbatches, "
+            f"backend {plan.profile.backend}, {plan.profile.threads} thread(s) each)"
+        )
     with tempfile.TemporaryDirectory(prefix="planner-run-") as tmp:
         error_dir = Path(tmp) / "errors"
         error_dir.mkdir()

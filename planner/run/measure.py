@@ -2,20 +2,21 @@
 
 ``StageProbe`` wraps the methods the schedule calls on *this* rank's ``PipelineStage`` and
 schedule instances (nothing global but two module functions of
-``torch.distributed.pipelining.schedules``, patched only inside a worker process and restored):
+``torch.distributed.pipelining.schedules``, wrapped only inside a worker process and restored):
 
 - ``stage.forward_one_chunk``: the stage module's forward on one microbatch. The schedule waits
   for the receive *before* calling it and posts the send *after*, so neither is inside; inside
   are mapping the receive buffers to inputs, the forward, and caching outputs for backward.
-- ``schedule._maybe_compute_loss``: the loss of one microbatch (last stage only), added to that
-  microbatch's forward, because the profiler counts the loss in the last block's forward.
+- the schedule's loss of one microbatch (last stage only), added to that microbatch's forward,
+  because the profiler counts the loss in the last block's forward.
 - ``stage.backward_one_chunk`` (+ ``backward_weight_one_chunk`` for schedules that split the
   weight gradient): autograd backward of one microbatch from the already-received output
   gradient (on the last stage from the loss); the gradient receive and send are outside.
-- ``schedules._batch_p2p`` and ``schedules._wait_batch_p2p``: posting and waiting on every
-  send/receive of the schedule. The time is transfer plus waiting for the neighbour (bubble).
+- posting and waiting on every send/receive of the schedule. The time is transfer plus waiting for
+  the neighbour (bubble). The loss and point-to-point timers wrap private torch functions, so they
+  live in ``planner.torch_compat.timed_schedule``.
 
-``MemoryProbe`` runs one step under ``torch.distributed._tools.mem_tracker.MemTracker``, which
+``MemoryProbe`` runs one step under torch's ``MemTracker`` (``planner.torch_compat.memory_tracker``), which
 works on any device (CPU included): it is a TorchDispatchMode that labels every tensor storage as
 parameter, buffer, gradient, activation, temp (made in backward), optimizer state or other.
 """
@@ -25,9 +26,12 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
+
+from planner.torch_compat import memory_tracker, timed_schedule
 
 _perf = time.perf_counter
 
@@ -63,15 +67,12 @@ class StageProbe:
             self._p2p[-1] += seconds
 
     @contextlib.contextmanager
-    def installed(self, stage: Any, schedule: Any) -> Iterator["StageProbe"]:
-        """Wrap ``stage``'s and ``schedule``'s per-microbatch methods (instance attributes) while inside."""
-        from torch.distributed.pipelining import schedules as sched_mod
-
+    def installed(self, stage: Any, schedule: Any) -> Iterator[StageProbe]:
+        """Wrap ``stage``'s per-microbatch methods (instance attributes) and time the schedule's loss
+        and point-to-point operations (``planner.torch_compat.timed_schedule``) while inside."""
         probe = self
         fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
         bwd_w = getattr(stage, "backward_weight_one_chunk", None)
-        loss = schedule._maybe_compute_loss
-        batch_p2p, wait_p2p = sched_mod._batch_p2p, sched_mod._wait_batch_p2p
 
         def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             if probe.memory is not None:
@@ -84,50 +85,29 @@ class StageProbe:
             probe._add(probe._fwd, fwd_chunk_id, _perf() - t0)
             return out
 
-        def backward_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            t0 = _perf()
-            out = bwd(bwd_chunk_id, *args, **kwargs)
-            probe._add(probe._bwd, bwd_chunk_id, _perf() - t0)
-            return out
+        def timed_backward(method: Callable[..., Any]) -> Callable[..., Any]:
+            def backward(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+                t0 = _perf()
+                out = method(bwd_chunk_id, *args, **kwargs)
+                probe._add(probe._bwd, bwd_chunk_id, _perf() - t0)
+                return out
 
-        def backward_weight_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            t0 = _perf()
-            out = bwd_w(bwd_chunk_id, *args, **kwargs)
-            probe._add(probe._bwd, bwd_chunk_id, _perf() - t0)
-            return out
+            return backward
 
-        def maybe_compute_loss(stage_: Any, output: Any, target_mbs: Any, mb_index: int, *args: Any, **kwargs: Any) -> Any:
-            t0 = _perf()
-            out = loss(stage_, output, target_mbs, mb_index, *args, **kwargs)
+        def on_loss(stage_: Any, mb_index: int, seconds: float) -> None:
             if stage_.is_last:
-                probe._add(probe._loss, mb_index, _perf() - t0)
-            return out
-
-        def timed_batch_p2p(*args: Any, **kwargs: Any) -> Any:
-            t0 = _perf()
-            out = batch_p2p(*args, **kwargs)
-            probe.add_p2p(_perf() - t0)
-            return out
-
-        def timed_wait_p2p(*args: Any, **kwargs: Any) -> Any:
-            t0 = _perf()
-            out = wait_p2p(*args, **kwargs)
-            probe.add_p2p(_perf() - t0)
-            return out
+                probe._add(probe._loss, mb_index, seconds)
 
         stage.forward_one_chunk = forward_one_chunk
-        stage.backward_one_chunk = backward_one_chunk
+        stage.backward_one_chunk = timed_backward(bwd)
         if bwd_w is not None:
-            stage.backward_weight_one_chunk = backward_weight_one_chunk
-        schedule._maybe_compute_loss = maybe_compute_loss
-        sched_mod._batch_p2p, sched_mod._wait_batch_p2p = timed_batch_p2p, timed_wait_p2p
+            stage.backward_weight_one_chunk = timed_backward(bwd_w)
         try:
-            yield self
+            with timed_schedule(schedule, on_loss, probe.add_p2p):
+                yield self
         finally:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 stage.__dict__.pop(name, None)
-            schedule.__dict__.pop("_maybe_compute_loss", None)
-            sched_mod._batch_p2p, sched_mod._wait_batch_p2p = batch_p2p, wait_p2p
 
     # Direct recording, for the in-process loop (no PipelineStage).
     def add_fwd(self, mb: int, seconds: float) -> None:
@@ -202,16 +182,20 @@ class MemoryProbe:
         self.result: dict | None = None
 
     @contextlib.contextmanager
-    def step(self, step: int, probe: StageProbe, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             extra: list[torch.Tensor]) -> Iterator[Callable[[], None]]:
+    def step(
+        self,
+        step: int,
+        probe: StageProbe,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        extra: list[torch.Tensor],
+    ) -> Iterator[Callable[[], None]]:
         """Run the body under a MemTracker; call the yielded ``done()`` right after ``optimizer.step()``.
 
         ``module`` and ``optimizer`` (their parameters, gradients and state, made before this step)
         are registered first; ``extra`` tensors (receive buffers) count as "Other".
         """
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        tracker = MemTracker()
+        tracker = memory_tracker()
         tracker.track_external(module, optimizer, *extra)
         end: dict = {}
 
@@ -235,8 +219,17 @@ class MemoryProbe:
 
 
 def summarize(
-    *, stage: int, first_block: str, last_block: str, probe: StageProbe, steps: list[int],
-    times: list[float], clip: list[float], reduce: list[float], opt: list[float], memory: dict | None,
+    *,
+    stage: int,
+    first_block: str,
+    last_block: str,
+    probe: StageProbe,
+    steps: list[int],
+    times: list[float],
+    clip: list[float],
+    reduce: list[float],
+    opt: list[float],
+    memory: dict | None,
 ) -> dict:
     """A ``StageMeasure``'s fields (plain data, so it pickles back to the launcher) from one rank's timers.
 

@@ -1,5 +1,5 @@
 """Training in this process, without a pipeline: the 1-stage plan, and the unsplit reference that
-a pipelined run must match (DESIGN.md "Runner": same loss and gradients as the unsplit model).
+a pipelined run must match (the same loss and gradients as the unsplit model, docs/architecture.md).
 
 The model is the user's own ``nn.Module`` from ``build_model`` (not the traced graph), built with
 the plan's seed, trained on the same data stream, with the same optimizer and clipping as the
@@ -14,17 +14,19 @@ from __future__ import annotations
 import contextlib
 import resource
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from planner.capture.load import ModelFile
-from planner.schema.plan import Plan
 from planner.run.common import clip_and_step, load_plan_model, make_optimizer, memory_step_of, step_line
 from planner.run.common import step_note as _note
 from planner.run.measure import MemoryProbe, StageProbe, summarize
+from planner.schema.plan import Plan
 from planner.schema.result import RunResult, StageMeasure, timed_steps
+from planner.threads import torch_threads
 
 
 def _chunks(value: Any, m: int) -> list[Any]:
@@ -34,9 +36,41 @@ def _chunks(value: Any, m: int) -> list[Any]:
     return [value] * m
 
 
+def _microbatch(
+    model: torch.nn.Module,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    inputs: list[Any],
+    target: torch.Tensor,
+    i: int,
+    n_microbatches: int,
+    probe: StageProbe,
+) -> torch.Tensor:
+    """Forward, loss and backward of microbatch ``i``, timed into ``probe``; its gradient weighs 1/m."""
+    if probe.memory is not None:
+        probe.memory.reset_mod_stats()  # see StageProbe: one root forward per microbatch
+    ta = time.perf_counter()
+    out = model(*inputs)
+    tb = time.perf_counter()
+    loss = loss_fn(out, target)
+    tc = time.perf_counter()
+    (loss / n_microbatches).backward()
+    td = time.perf_counter()
+    probe.add_fwd(i, tc - ta)
+    probe.add_loss(i, tc - tb)
+    probe.add_bwd(i, td - tc)
+    return loss.detach()
+
+
 def train_model_file(
-    plan: Plan, mf: ModelFile, steps: int, *, n_microbatches: int = 1, echo: bool = True,
-    print_fn: Callable[[str], None] = print, track_memory: bool = True, plan_path: str | Path | None = None,
+    plan: Plan,
+    mf: ModelFile,
+    steps: int,
+    *,
+    n_microbatches: int = 1,
+    echo: bool = True,
+    print_fn: Callable[[str], None] = print,
+    track_memory: bool = True,
+    plan_path: str | Path | None = None,
 ) -> RunResult:
     """Train ``mf``'s unsplit model for ``steps`` steps in this process with the plan's settings.
 
@@ -53,9 +87,7 @@ def train_model_file(
     Returns:
         The measured run (mode "local", one rank).
     """
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(plan.profile.threads)
-    try:
+    with torch_threads(plan.profile.threads):
         model = mf.build(plan.model.seed)
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
@@ -78,21 +110,12 @@ def train_model_file(
                 optimizer.zero_grad(set_to_none=True)
                 split_inputs = [_chunks(x, n_microbatches) for x in inputs]
                 split_target = _chunks(target, n_microbatches)
-                mb_losses = []
-                for i in range(n_microbatches):
-                    if probe.memory is not None:
-                        probe.memory.reset_mod_stats()  # see StageProbe: one root forward per microbatch
-                    ta = time.perf_counter()
-                    out = model(*(xs[i] for xs in split_inputs))
-                    tb = time.perf_counter()
-                    loss = loss_fn(out, split_target[i])
-                    tc = time.perf_counter()
-                    (loss / n_microbatches).backward()
-                    td = time.perf_counter()
-                    probe.add_fwd(i, tc - ta)
-                    probe.add_loss(i, tc - tb)
-                    probe.add_bwd(i, td - tc)
-                    mb_losses.append(loss.detach())
+                mb_losses = [
+                    _microbatch(
+                        model, loss_fn, [xs[i] for xs in split_inputs], split_target[i], i, n_microbatches, probe
+                    )
+                    for i in range(n_microbatches)
+                ]
                 norm, clip_s, opt_s = clip_and_step(params, optimizer, plan.optimizer.grad_clip)
                 t1 = time.perf_counter()
                 if done is not None:
@@ -104,8 +127,38 @@ def train_model_file(
             losses.append(float(torch.stack(mb_losses).mean()))
             if echo:
                 print_fn(step_line(step, steps, losses[-1], times[-1], _note(step, memory_step)))
-    finally:
-        torch.set_num_threads(old_threads)
+    return _local_result(
+        plan,
+        plan_path,
+        n_microbatches,
+        steps,
+        memory_step,
+        probe,
+        memory.result,
+        losses=losses,
+        norms=norms,
+        times=times,
+        clip=clip_times,
+        opt=opt_times,
+    )
+
+
+def _local_result(
+    plan: Plan,
+    plan_path: str | Path | None,
+    n_microbatches: int,
+    steps: int,
+    memory_step: int | None,
+    probe: StageProbe,
+    memory_result: dict[str, Any] | None,
+    *,
+    losses: list[float],
+    norms: list[float],
+    times: list[float],
+    clip: list[float],
+    opt: list[float],
+) -> RunResult:
+    """The run report of an in-process run: one rank that holds the whole model."""
     timed = timed_steps(steps, memory_step)
     return RunResult(
         plan_fingerprint=plan.model.fingerprint,
@@ -128,10 +181,22 @@ def train_model_file(
         predicted_step_s=plan.prediction.step_time_s,
         memory_step=memory_step,
         timed_steps=timed,
-        stages=[StageMeasure.model_validate(summarize(
-            stage=0, first_block=plan.blocks[0].name, last_block=plan.blocks[-1].name, probe=probe, steps=timed,
-            times=times, clip=clip_times, reduce=[0.0] * steps, opt=opt_times, memory=memory.result,
-        ))],
+        stages=[
+            StageMeasure.model_validate(
+                summarize(
+                    stage=0,
+                    first_block=plan.blocks[0].name,
+                    last_block=plan.blocks[-1].name,
+                    probe=probe,
+                    steps=timed,
+                    times=times,
+                    clip=clip,
+                    reduce=[0.0] * steps,
+                    opt=opt,
+                    memory=memory_result,
+                )
+            )
+        ],
     )
 
 
@@ -147,5 +212,12 @@ def train_reference(plan: Plan, plan_path: str | Path, steps: int, *, echo: bool
     Returns:
         The measured run (mode "local", ``n_microbatches`` 1).
     """
-    return train_model_file(plan, load_plan_model(plan, plan_path), steps, n_microbatches=1, echo=echo,
-                            track_memory=False, plan_path=plan_path)
+    return train_model_file(
+        plan,
+        load_plan_model(plan, plan_path),
+        steps,
+        n_microbatches=1,
+        echo=echo,
+        track_memory=False,
+        plan_path=plan_path,
+    )

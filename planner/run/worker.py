@@ -25,26 +25,30 @@ import time
 import traceback
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
-import torch.utils.checkpoint
 import torch.distributed as dist
+import torch.utils.checkpoint
 
+from planner.capture.blocks import GraphTrace
+from planner.capture.load import ModelFile
+from planner.capture.stage import build_stage_module
 from planner.errors import PlannerError
-from planner.schema.plan import Plan
 from planner.run.common import (
     clip_and_step,
     load_plan_model,
     make_optimizer,
     memory_step_of,
     step_line,
-    step_note as _note,
     trace_for_plan,
 )
+from planner.run.common import (
+    step_note as _note,
+)
 from planner.run.measure import MemoryProbe, StageProbe, recv_buffers, summarize
+from planner.schema.plan import Plan
 from planner.schema.result import timed_steps
-from planner.capture.blocks import GraphTrace
-from planner.capture.stage import build_stage_module
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -73,9 +77,7 @@ class ContiguousBoundary(torch.nn.Module):
         self.module = module
 
     def forward(self, *args: object) -> object:
-        args = tuple(
-            _ContiguousGrad.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args
-        )
+        args = tuple(_ContiguousGrad.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
         out = self.module(*args)
         if isinstance(out, torch.Tensor):
             return out.contiguous()
@@ -137,8 +139,10 @@ def _train(plan: Plan, plan_path: str, steps: int, echo: bool) -> dict:
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     if world != plan.n_stages:
-        raise PlannerError(f"{world} processes joined the run but the plan has {plan.n_stages} stages; "
-                           "start n_stages / nnodes processes on every node")
+        raise PlannerError(
+            f"{world} processes joined the run but the plan has {plan.n_stages} stages; "
+            "start n_stages / nnodes processes on every node"
+        )
     torch.set_num_threads(plan.profile.threads)
     backend = plan.profile.backend
     if backend == "nccl":
@@ -154,27 +158,44 @@ def _train(plan: Plan, plan_path: str, steps: int, echo: bool) -> dict:
         dist.destroy_process_group()
 
 
-def _train_rank(plan: Plan, plan_path: str, steps: int, echo: bool, rank: int, world: int, device: torch.device) -> dict:
+def _build_stage(
+    plan: Plan, mf: ModelFile, rank: int, world: int, device: torch.device
+) -> tuple[torch.nn.Module, list[torch.nn.Parameter], torch.optim.Optimizer, Any, Any]:
+    """This rank's stage module, its trainable parameters, optimizer, its PipelineStage and the plan's schedule."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    mf = load_plan_model(plan, plan_path)
     traced = trace_for_plan(plan, mf, mf.build(plan.model.seed))
     stage_plan = plan.stages[rank]
     stage_module = build_stage_module(traced, stage_plan.start, stage_plan.end)
     module = ContiguousBoundary(Recomputed(stage_module) if stage_plan.recompute else stage_module)
-    example_in, example_out = _example_io(traced, stage_plan.start, module, mf.batch(plan.microbatch_size, seed=plan.model.seed)[0])
+    example_in, example_out = _example_io(
+        traced, stage_plan.start, module, mf.batch(plan.microbatch_size, seed=plan.model.seed)[0]
+    )
     del traced  # the other stages' parameters are only referenced from here
     module.to(device)
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, plan)
     stage = PipelineStage(
-        module, stage_index=rank, num_stages=world, device=device,
-        input_args=tuple(t.to(device) for t in example_in), output_args=tuple(t.to(device) for t in example_out),
+        module,
+        stage_index=rank,
+        num_stages=world,
+        device=device,
+        input_args=tuple(t.to(device) for t in example_in),
+        output_args=tuple(t.to(device) for t in example_out),
     )
     schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[plan.schedule]
     # scale_grads=True: each microbatch's gradient is divided by n_microbatches, so with a
     # mean-reduced loss the accumulated gradient is the full-batch gradient.
     schedule = schedule_cls(stage, n_microbatches=plan.n_microbatches, loss_fn=mf.loss_fn, scale_grads=True)
+    return module, params, optimizer, stage, schedule
+
+
+def _train_rank(
+    plan: Plan, plan_path: str, steps: int, echo: bool, rank: int, world: int, device: torch.device
+) -> dict:
+    mf = load_plan_model(plan, plan_path)
+    module, params, optimizer, stage, schedule = _build_stage(plan, mf, rank, world, device)
+    stage_plan = plan.stages[rank]
     is_first, is_last = rank == 0, rank == world - 1
 
     reduce_times: list[float] = []
@@ -207,7 +228,9 @@ def _train_rank(plan: Plan, plan_path: str, steps: int, echo: bool, rank: int, w
                 optimizer.zero_grad(set_to_none=True)
                 mb_losses: list[torch.Tensor] = []
                 if is_first:
-                    schedule.step(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs), return_outputs=False)
+                    schedule.step(
+                        *(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs), return_outputs=False
+                    )
                 elif is_last:
                     schedule.step(target=target.to(device), losses=mb_losses, return_outputs=False)
                 else:
@@ -221,12 +244,19 @@ def _train_rank(plan: Plan, plan_path: str, steps: int, echo: bool, rank: int, w
             clip_times.append(clip_s)
             opt_times.append(opt_s)
             if is_last:
-                losses.append(float(torch.stack([l.detach() for l in mb_losses]).mean()))
+                losses.append(float(torch.stack([loss.detach() for loss in mb_losses]).mean()))
                 if echo:
                     print(step_line(step, steps, losses[-1], times[-1], _note(step, memory_step)), flush=True)
     measure = summarize(
-        stage=rank, first_block=stage_plan.first_block, last_block=stage_plan.last_block, probe=probe,
-        steps=timed_steps(steps, memory_step), times=times, clip=clip_times, reduce=reduce_times, opt=opt_times,
+        stage=rank,
+        first_block=stage_plan.first_block,
+        last_block=stage_plan.last_block,
+        probe=probe,
+        steps=timed_steps(steps, memory_step),
+        times=times,
+        clip=clip_times,
+        reduce=reduce_times,
+        opt=opt_times,
         memory=memory.result,
     )
     return {
