@@ -8,6 +8,7 @@ numbers. The fingerprint and block names come from tracing the model exactly as 
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from planner.capture.stage import build_stage_module  # noqa: E402
 from planner.capture.trace import trace_model  # noqa: E402
 from planner.errors import PlanFileError, PlannerError  # noqa: E402
 from planner.run import RunResult, run_plan, train_reference  # noqa: E402
+from planner.run.loop import RankResult, run_result  # noqa: E402
 from planner.schema.costs import GLOO_CPU_LINK, BlockCost, OptimizerSpec  # noqa: E402
 from planner.schema.plan import ModelRef, Plan, Prediction, ProfileInfo, StagePlan  # noqa: E402
 from planner.schema.request import RunRequest  # noqa: E402
@@ -477,3 +479,52 @@ def test_a_model_file_edited_since_planning_is_named_in_a_warning(tmp_path: Path
     run_plan(plan, RunRequest(plan_file=path, steps=1, echo=False), print_fn=lines.append)
     warnings = [line for line in lines if "changed since it was planned" in line]
     assert len(warnings) == 1 and str(model) in warnings[0] and plan.model.file_digest in warnings[0]
+
+
+def _rank(rank: int, times: tuple[float, ...], losses: tuple[float, ...] = ()) -> RankResult:
+    measure = StageMeasure(
+        stage=rank,
+        first_block=f"b{rank}",
+        last_block=f"b{rank}",
+        fwd_s=0.01,
+        bwd_s=0.02,
+        loss_s=0.0,
+        p2p_s=0.003,
+        reduce_s=0.0,
+        clip_s=0.0,
+        optimizer_s=0.006,
+        step_s=0.1,
+        fwd_times_s=[[0.01]] * len(times),
+        bwd_times_s=[[0.02]] * len(times),
+    )
+    return RankResult(
+        rank=rank,
+        losses=losses,
+        grad_norms=(3.0, 2.0, 1.0),
+        times=times,
+        threads=1,
+        peak_rss_bytes=1 << 28,
+        memory_step=3,
+        measure=measure,
+    )
+
+
+def test_run_result_is_assembled_from_rank_results(tmp_path: Path) -> None:
+    plan = make_plan(MODELS / "gpt.py", [0, 3])
+    ranks = [_rank(1, (0.5, 0.2, 0.9), losses=(2.0, 1.5, 1.2)), _rank(0, (0.6, 0.1, 0.8))]
+    # A worker's result travels back to the launcher pickled.
+    assert pickle.loads(pickle.dumps(ranks[0])) == ranks[0]
+    got = run_result(plan, ranks, mode="pipeline", plan_path=tmp_path / "plan.json")
+    assert got.mode == "pipeline" and got.n_stages == 2 and got.backend == "gloo" and got.n_microbatches == 4
+    assert got.step_times_s == [0.6, 0.2, 0.9]  # the slowest rank, step by step
+    assert got.rank_step_times_s == [[0.6, 0.1, 0.8], [0.5, 0.2, 0.9]]  # ordered by rank
+    assert got.losses == [2.0, 1.5, 1.2] and got.grad_norms == [3.0, 2.0, 1.0]
+    assert got.timed_steps == [2] and got.median_step_s == 0.2 and got.memory_step == 3
+    assert [s.stage for s in got.stages] == [0, 1] and got.plan_path == str((tmp_path / "plan.json").resolve())
+    # This node ran only the first rank (multi-node): no losses here.
+    assert run_result(plan, ranks[1:], mode="pipeline").losses == []
+    local = run_result(plan, [_rank(0, (0.3, 0.2, 0.4), losses=(2.0, 1.0, 0.5))], mode="local", n_microbatches=1)
+    assert local.mode == "local" and local.n_stages == 1 and local.backend == "none" and local.n_microbatches == 1
+    assert local.losses == [2.0, 1.0, 0.5] and local.step_times_s == [0.3, 0.2, 0.4] and local.plan_path is None
+    with pytest.raises(ValueError, match="at least one rank"):
+        run_result(plan, [], mode="pipeline")

@@ -25,6 +25,13 @@ from planner.schema.plan import Plan
 def load_plan_model(plan: Plan, plan_path: str | Path) -> ModelFile:
     """Load the plan's model file with exactly the config the plan was made with.
 
+    Args:
+        plan: the plan whose model file, size and config to use.
+        plan_path: the plan file (a relative model path resolves against its folder).
+
+    Returns:
+        The loaded model file, its config replaced by the plan's.
+
     Raises:
         ModelFileError: the model file is missing or broken.
     """
@@ -35,6 +42,9 @@ def load_plan_model(plan: Plan, plan_path: str | Path) -> ModelFile:
 
 def check_runnable(plan: Plan) -> None:
     """Reject plans the runner cannot execute, before any tracing or process.
+
+    Args:
+        plan: the plan to check.
 
     Raises:
         PlannerError: traced by module boundaries, or a 1F1B plan with fewer
@@ -64,6 +74,14 @@ def check_runnable(plan: Plan) -> None:
 def trace_for_plan(plan: Plan, mf: ModelFile, model: nn.Module) -> GraphTrace:
     """Trace ``model`` the way the planner did and check it is the structure the plan was made for.
 
+    Args:
+        plan: the plan (microbatch size, seed, tracer, fingerprint).
+        mf: the plan's model file (for the example microbatch).
+        model: the model freshly built from ``mf`` with the plan's seed.
+
+    Returns:
+        The graph trace, its buffers reset to the freshly built model's.
+
     Raises:
         PlanFileError: the traced fingerprint differs from the plan's.
         TraceError: the plan's tracer no longer works on the model.
@@ -88,7 +106,15 @@ def trace_for_plan(plan: Plan, mf: ModelFile, model: nn.Module) -> GraphTrace:
 
 
 def make_optimizer(params: Iterable[nn.Parameter], plan: Plan) -> torch.optim.Optimizer:
-    """The plan's optimizer with torch's defaults for everything the plan does not say."""
+    """The plan's optimizer with torch's defaults for everything the plan does not say.
+
+    Args:
+        params: the parameters to optimize.
+        plan: the plan whose optimizer name and learning rate to use.
+
+    Returns:
+        ``torch.optim.SGD`` or ``torch.optim.AdamW``.
+    """
     params = list(params)
     if plan.optimizer.name == "sgd":
         return torch.optim.SGD(params, lr=plan.optimizer.lr)
@@ -96,7 +122,14 @@ def make_optimizer(params: Iterable[nn.Parameter], plan: Plan) -> torch.optim.Op
 
 
 def local_sq_norm(params: Iterable[nn.Parameter]) -> torch.Tensor:
-    """Sum of squared gradient entries over ``params`` (float64 scalar; 0 when none has a grad)."""
+    """Sum of squared gradient entries over ``params``.
+
+    Args:
+        params: parameters, with or without a gradient.
+
+    Returns:
+        A float64 scalar tensor; 0 when no parameter has a gradient.
+    """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float64)
@@ -109,7 +142,12 @@ def clip_to_global_norm(
     """Clip by the norm of the WHOLE model's gradient, as ``clip_grad_norm_`` on the unsplit model would.
 
     Each stage only holds its own gradients, so the squared norms are summed over the pipeline
-    group first (``reduce``: an all-reduce(SUM); None in a single process).
+    group first.
+
+    Args:
+        params: this rank's trainable parameters; their gradients are scaled in place.
+        max_norm: the global norm to clip to (None: measure only).
+        reduce: sums a tensor over the pipeline group (an all-reduce(SUM)); None in one process.
 
     Returns:
         The global gradient norm before clipping.
@@ -132,6 +170,12 @@ def clip_and_step(
 ) -> tuple[float, float, float]:
     """End a training step: clip to the global norm (``clip_to_global_norm``), then step the optimizer.
 
+    Args:
+        params: this rank's trainable parameters.
+        optimizer: their optimizer.
+        max_norm: the global norm to clip to (None: no clipping).
+        reduce: sums a tensor over the pipeline group; None in one process.
+
     Returns:
         (global norm before clipping, seconds clipping took, seconds the optimizer step took).
     """
@@ -142,20 +186,57 @@ def clip_and_step(
     return norm, t1 - t0, time.perf_counter() - t1
 
 
+def print_flushed(line: str) -> None:
+    """Print ``line`` and flush it: worker processes and the launcher write to the same terminal.
+
+    Args:
+        line: the text, without a newline.
+    """
+    print(line, flush=True)
+
+
 def memory_step_of(steps: int) -> int | None:
-    """The step run under the memory tracker: the last one, when there are at least 2 (by then the
-    optimizer state and the receive buffers exist; the first step sets the schedule up)."""
+    """The step run under the memory tracker.
+
+    The last one, when there are at least 2: by then the optimizer state and the receive buffers
+    exist (the first step sets the schedule up). It runs ~25x slower, so medians leave it out.
+
+    Args:
+        steps: the run's optimizer steps.
+
+    Returns:
+        The 1-based step, or None when the run is too short to track one.
+    """
     return steps if steps >= 2 else None
 
 
 def step_line(step: int, steps: int, loss: float, seconds: float, note: str = "") -> str:
-    """The progress line printed after every step (``note`` explains an untypical step)."""
+    """The progress line printed after every step.
+
+    Args:
+        step: the 1-based step.
+        steps: the run's steps (sets the width of the counter).
+        loss: the step's mean microbatch loss.
+        seconds: the step's wall time.
+        note: why the step's time is untypical ("" when it is not).
+
+    Returns:
+        e.g. ``step  2/20  loss 4.0069  12.3 ms``.
+    """
     width = len(str(steps))
     return f"step {step:>{width}}/{steps}  loss {loss:.4f}  {seconds * 1e3:.1f} ms" + (f"  ({note})" if note else "")
 
 
 def step_note(step: int, memory_step: int | None) -> str:
-    """Why a step's time is not typical: the first sets the schedule up, one runs under MemTracker."""
+    """Why a step's time is not typical: the first sets the schedule up, one runs under MemTracker.
+
+    Args:
+        step: the 1-based step.
+        memory_step: the memory-tracked step (None: none).
+
+    Returns:
+        The note for ``step_line`` ("" for a typical step).
+    """
     if step == memory_step:
         return "memory tracked, not timed"
     if step == 1:

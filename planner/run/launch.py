@@ -4,7 +4,8 @@ A 1-stage plan trains in this process (``planner.run.single``). Otherwise one pr
 is started the way ``torchrun`` starts them: ``torch.distributed.launcher.api.elastic_launch``
 with a c10d rendezvous (multi-node through ``nnodes`` / ``rdzv_endpoint`` / ``rdzv_id``, exactly
 torchrun's flags), ``max_restarts=0`` and ``spawn``. Each worker runs
-``planner.run.worker.run_worker``; their return values come back as ``{rank: value}``.
+``planner.run.worker.run_worker``, which returns that rank's ``RankResult``; they come back as
+``{rank: result}`` and ``planner.run.loop.run_result`` makes the run's record of them.
 
 Everything a user can get wrong is checked here, in the parent, before any process starts:
 the model file loads, the plan's tracer still works, the traced fingerprint is the plan's, every
@@ -27,11 +28,12 @@ import torch
 from planner.capture.blocks import TracedModel
 from planner.capture.stage import build_stage_module
 from planner.errors import PlannerError
-from planner.run.common import check_runnable, load_plan_model, trace_for_plan
+from planner.run.common import check_runnable, load_plan_model, print_flushed, trace_for_plan
+from planner.run.loop import run_result
 from planner.run.single import train_model_file
 from planner.schema.plan import Plan
 from planner.schema.request import RunRequest
-from planner.schema.result import RunResult, StageMeasure, timed_steps
+from planner.schema.result import RunResult
 
 _NOISY_LOGGERS = (
     "torch.distributed.elastic",
@@ -39,10 +41,6 @@ _NOISY_LOGGERS = (
     "torch.distributed.run",
     "torch.multiprocessing",
 )
-
-
-def _print(line: str) -> None:
-    print(line, flush=True)  # flushed: worker processes write to the same terminal
 
 
 def _free_port() -> int:
@@ -75,6 +73,7 @@ def _quiet_elastic() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _env(**values: str) -> Iterator[None]:
+    """Set environment variables inside the block (workers inherit them), restore them afterwards."""
     old = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
@@ -109,6 +108,7 @@ def _check_stages(plan: Plan, traced: TracedModel) -> None:
 
 
 def _check_devices(plan: Plan, nproc_per_node: int) -> None:
+    """nccl needs one visible GPU per rank on this node (gloo runs anywhere)."""
     if plan.profile.backend != "nccl":
         return
     have = torch.cuda.device_count()
@@ -137,8 +137,8 @@ def _worker_error(error_dir: Path, fallback: BaseException) -> Exception:
     return RuntimeError(f"{msg} ({first['type']}); worker traceback:\n{first['traceback']}")
 
 
-def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None] = _print) -> RunResult:
-    """Train ``plan`` for ``steps`` steps: in this process for one stage, else one process per stage.
+def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None] = print_flushed) -> RunResult:
+    """Train ``plan`` for ``request.steps`` steps: in this process for one stage, else one process per stage.
 
     Args:
         plan: the plan to run.
@@ -157,15 +157,14 @@ def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None]
             any process starts), or a worker failed with a user error.
         RuntimeError: a worker failed otherwise; the message is the worker's error.
     """
-    plan_path, steps, nnodes, echo = request.plan_file, request.steps, request.nnodes, request.echo
-    rdzv_endpoint, rdzv_id = request.rdzv_endpoint, request.rdzv_id
+    plan_path, nnodes = request.plan_file, request.nnodes
     check_runnable(plan)
     n = plan.n_stages
     if nnodes < 1 or n % nnodes:
         raise PlannerError(
             f"{n} stages cannot be spread evenly over {nnodes} node(s); use an --nnodes that divides {n}"
         )
-    if nnodes > 1 and not rdzv_endpoint:
+    if nnodes > 1 and not request.rdzv_endpoint:
         raise PlannerError(f"a run on {nnodes} nodes needs --rdzv-endpoint HOST:PORT reachable from every node")
     nproc = n // nnodes
     _check_devices(plan, nproc if n > 1 else 0)
@@ -179,37 +178,34 @@ def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None]
     _check_stages(plan, traced)
     del traced
     if n == 1:
-        if echo:
+        if request.echo:
             print_fn(
                 f"training 1 stage in this process ({plan.batch_size} samples/step, "
                 f"{plan.n_microbatches} microbatch(es), {plan.profile.threads} thread(s))"
             )
         return train_model_file(
-            plan, mf, steps, n_microbatches=plan.n_microbatches, echo=echo, print_fn=print_fn, plan_path=plan_path
+            plan,
+            mf,
+            request.steps,
+            n_microbatches=plan.n_microbatches,
+            echo=request.echo,
+            print_fn=print_fn,
+            plan_path=plan_path,
         )
-    return _launch(plan, plan_path, steps, nnodes, nproc, rdzv_endpoint, rdzv_id, echo, print_fn)
+    return _launch(plan, request, nproc, print_fn)
 
 
-def _launch(
-    plan: Plan,
-    plan_path: str | Path,
-    steps: int,
-    nnodes: int,
-    nproc: int,
-    rdzv_endpoint: str | None,
-    rdzv_id: str | None,
-    echo: bool,
-    print_fn: Callable[[str], None],
-) -> RunResult:
+def _launch(plan: Plan, request: RunRequest, nproc: int, print_fn: Callable[[str], None]) -> RunResult:
+    """Start ``nproc`` workers on this node (torchrun-style), wait for all, gather this node's ranks."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from planner.run.worker import run_worker
 
-    n = plan.n_stages
-    endpoint = rdzv_endpoint or f"localhost:{_free_port()}"
-    if echo:
+    n, nnodes = plan.n_stages, request.nnodes
+    endpoint = request.rdzv_endpoint or f"localhost:{_free_port()}"
+    if request.echo:
         print_fn(
             f"launching {n} stages ({nproc} per node, {plan.schedule}, {plan.n_microbatches} microbatches, "
             f"backend {plan.profile.backend}, {plan.profile.threads} thread(s) each)"
@@ -221,7 +217,7 @@ def _launch(
             min_nodes=nnodes,
             max_nodes=nnodes,
             nproc_per_node=nproc,
-            run_id=rdzv_id or f"planner-{plan.model.fingerprint}",
+            run_id=request.rdzv_id or f"planner-{plan.model.fingerprint}",
             rdzv_backend="c10d",
             rdzv_endpoint=endpoint,
             max_restarts=0,
@@ -229,7 +225,7 @@ def _launch(
             monitor_interval=0.1,
             logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp) / "logs")),
         )
-        args = (plan.to_json(), str(plan_path), steps, echo, str(error_dir))
+        args = (plan.to_json(), str(request.plan_file), request.steps, request.echo, str(error_dir))
         # OMP_NUM_THREADS reaches the workers through the agent; without it each rank's OpenMP
         # pool would size itself to every core and the ranks would oversubscribe the machine.
         with _quiet_elastic(), _env(OMP_NUM_THREADS=str(plan.profile.threads)):
@@ -237,37 +233,4 @@ def _launch(
                 outputs = elastic_launch(config, run_worker)(*args)
             except ChildFailedError as e:
                 raise _worker_error(error_dir, e) from None
-    return _gather(plan, steps, outputs, plan_path)
-
-
-def _gather(plan: Plan, steps: int, outputs: dict[int, dict], plan_path: str | Path | None = None) -> RunResult:
-    """One RunResult from the workers' ``{rank: measurements}`` (this node's ranks only)."""
-    ranks = [outputs[r] for r in sorted(outputs)]
-    last = outputs.get(plan.n_stages - 1)
-    rank_times = [r["times"] for r in ranks]
-    step_times = [max(ts[i] for ts in rank_times) for i in range(steps)]
-    memory_step = ranks[0]["memory_step"]
-    timed = timed_steps(steps, memory_step)
-    return RunResult(
-        plan_fingerprint=plan.model.fingerprint,
-        plan_path=str(Path(plan_path).resolve()) if plan_path is not None else None,
-        mode="pipeline",
-        schedule=plan.schedule,
-        n_stages=plan.n_stages,
-        n_microbatches=plan.n_microbatches,
-        batch_size=plan.batch_size,
-        backend=plan.profile.backend,
-        steps=steps,
-        threads=[r["threads"] for r in ranks],
-        losses=last["losses"] if last else [],
-        grad_norms=ranks[0]["grad_norms"],
-        grad_clip=plan.optimizer.grad_clip,
-        step_times_s=step_times,
-        rank_step_times_s=rank_times,
-        median_step_s=RunResult.median_of(step_times, timed),
-        peak_rss_bytes=[r["peak_rss_bytes"] for r in ranks],
-        predicted_step_s=plan.prediction.step_time_s,
-        memory_step=memory_step,
-        timed_steps=timed,
-        stages=[StageMeasure.model_validate(r["measure"]) for r in ranks],
-    )
+    return run_result(plan, list(outputs.values()), mode="pipeline", plan_path=request.plan_file)

@@ -24,6 +24,7 @@ parameter, buffer, gradient, activation, temp (made in backward), optimizer stat
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from planner.schema.result import MEMORY_CATEGORIES, MemoryMeasure, StageMeasure
 from planner.torch_compat import memory_tracker, timed_schedule
 
 _perf = time.perf_counter
@@ -69,7 +71,15 @@ class StageProbe:
     @contextlib.contextmanager
     def installed(self, stage: Any, schedule: Any) -> Iterator[StageProbe]:
         """Wrap ``stage``'s per-microbatch methods (instance attributes) and time the schedule's loss
-        and point-to-point operations (``planner.torch_compat.timed_schedule``) while inside."""
+        and point-to-point operations (``planner.torch_compat.timed_schedule``) while inside.
+
+        Args:
+            stage: this rank's ``PipelineStage``.
+            schedule: the schedule that drives it.
+
+        Yields:
+            This probe, recording every step begun inside.
+        """
         probe = self
         fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
         bwd_w = getattr(stage, "backward_weight_one_chunk", None)
@@ -149,8 +159,6 @@ def _category(key: Any) -> str:
 
 def _by_category(snapshot: dict, device: torch.device) -> dict[str, int]:
     """One device's bytes per category from a MemTracker snapshot (all categories, 0 if absent)."""
-    from planner.schema.result import MEMORY_CATEGORIES
-
     dev = next((d for d in snapshot if torch.device(d) == device), None)
     raw = {_category(k): int(v) for k, v in snapshot[dev].items()} if dev is not None else {}
     out = {c: raw.get(c, 0) for c in MEMORY_CATEGORIES}
@@ -163,6 +171,12 @@ def recv_buffers(stage: Any) -> list[torch.Tensor]:
 
     ``PipelineStage`` allocates one per microbatch and boundary tensor at its first step and keeps
     them; the memory tracker does not see them being made (first step), so they are registered.
+
+    Args:
+        stage: a ``PipelineStage`` (after its first step).
+
+    Returns:
+        The buffers (empty before the first step).
     """
     out: list[torch.Tensor] = []
     for table in (getattr(stage, "args_recv_info", {}), getattr(stage, "grad_recv_info", {})):
@@ -179,7 +193,7 @@ class MemoryProbe:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.result: dict | None = None
+        self.result: MemoryMeasure | None = None  # set when the tracked step ends
 
     @contextlib.contextmanager
     def step(
@@ -193,7 +207,18 @@ class MemoryProbe:
         """Run the body under a MemTracker; call the yielded ``done()`` right after ``optimizer.step()``.
 
         ``module`` and ``optimizer`` (their parameters, gradients and state, made before this step)
-        are registered first; ``extra`` tensors (receive buffers) count as "Other".
+        are registered first; ``extra`` tensors (receive buffers) count as "Other". The result is
+        in ``self.result`` once the body ends.
+
+        Args:
+            step: the 1-based step being tracked (recorded in the result).
+            probe: the stage's timers; they clear the tracker's per-module statistics per microbatch.
+            module: this rank's module.
+            optimizer: its optimizer.
+            extra: tensors made before this step that the tracker cannot see being made.
+
+        Yields:
+            ``done``: records the end-of-step snapshot.
         """
         tracker = memory_tracker()
         tracker.track_external(module, optimizer, *extra)
@@ -209,13 +234,13 @@ class MemoryProbe:
         finally:
             probe.memory = None
         peak = _by_category(tracker.get_tracker_snapshot("peak"), self.device)
-        self.result = {
-            "source": "memtracker",
-            "step": step,
-            "peak_bytes": peak["Total"],
-            "peak_by_category": peak,
-            "end_by_category": _by_category(end, self.device),
-        }
+        self.result = MemoryMeasure(
+            source="memtracker",
+            step=step,
+            peak_bytes=peak["Total"],
+            peak_by_category=peak,
+            end_by_category=_by_category(end, self.device),
+        )
 
 
 def summarize(
@@ -229,9 +254,9 @@ def summarize(
     clip: list[float],
     reduce: list[float],
     opt: list[float],
-    memory: dict | None,
-) -> dict:
-    """A ``StageMeasure``'s fields (plain data, so it pickles back to the launcher) from one rank's timers.
+    memory: MemoryMeasure | None,
+) -> StageMeasure:
+    """One rank's ``StageMeasure``: medians of its timers over the timed steps.
 
     Args:
         stage: the stage index.
@@ -244,8 +269,10 @@ def summarize(
         reduce: per step, the all-reduce alone.
         opt: per step, ``optimizer.step()``.
         memory: ``MemoryProbe.result`` or None.
+
+    Returns:
+        The stage's measurements (every step's microbatch times, medians over ``steps``).
     """
-    import statistics
 
     def per_mb(rows: list[list[float]]) -> float:
         vals = [t for s in steps for t in rows[s - 1]]
@@ -255,19 +282,19 @@ def summarize(
         return statistics.median(vals[s - 1] for s in steps) if vals else 0.0
 
     fwd, bwd = probe.fwd_times(), probe.bwd_times()
-    return {
-        "stage": stage,
-        "first_block": first_block,
-        "last_block": last_block,
-        "fwd_s": per_mb(fwd),
-        "bwd_s": per_mb(bwd),
-        "loss_s": per_mb(probe.loss_times()),
-        "p2p_s": per_step(probe.p2p_times()),
-        "reduce_s": per_step(reduce),
-        "clip_s": per_step(clip),
-        "optimizer_s": per_step(opt),
-        "step_s": per_step(times),
-        "fwd_times_s": fwd,
-        "bwd_times_s": bwd,
-        "memory": memory,
-    }
+    return StageMeasure(
+        stage=stage,
+        first_block=first_block,
+        last_block=last_block,
+        fwd_s=per_mb(fwd),
+        bwd_s=per_mb(bwd),
+        loss_s=per_mb(probe.loss_times()),
+        p2p_s=per_step(probe.p2p_times()),
+        reduce_s=per_step(reduce),
+        clip_s=per_step(clip),
+        optimizer_s=per_step(opt),
+        step_s=per_step(times),
+        fwd_times_s=fwd,
+        bwd_times_s=bwd,
+        memory=memory,
+    )

@@ -11,21 +11,19 @@ full-batch step.
 
 from __future__ import annotations
 
-import contextlib
-import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from planner.capture.load import ModelFile
-from planner.run.common import clip_and_step, load_plan_model, make_optimizer, memory_step_of, step_line
-from planner.run.common import step_note as _note
-from planner.run.measure import MemoryProbe, StageProbe, summarize
+from planner.run.common import load_plan_model, make_optimizer
+from planner.run.loop import RankModel, RankResult, run_result, train_steps
+from planner.run.measure import StageProbe
 from planner.schema.plan import Plan
-from planner.schema.result import RunResult, StageMeasure, timed_steps
+from planner.schema.result import RunResult
 from planner.threads import torch_threads
 
 
@@ -87,6 +85,36 @@ def train_model_file(
     Returns:
         The measured run (mode "local", one rank).
     """
+    rank = train_local(
+        plan, mf, steps, n_microbatches=n_microbatches, echo=echo, print_fn=print_fn, track_memory=track_memory
+    )
+    return run_result(plan, [rank], mode="local", plan_path=plan_path, n_microbatches=n_microbatches)
+
+
+def train_local(
+    plan: Plan,
+    mf: ModelFile,
+    steps: int,
+    *,
+    n_microbatches: int = 1,
+    echo: bool = True,
+    print_fn: Callable[[str], None] = print,
+    track_memory: bool = True,
+) -> RankResult:
+    """The in-process run as rank 0 of one: the whole model, gradients accumulated over microbatches.
+
+    Args:
+        plan: batch size, optimizer, seed and threads come from here (its stages are ignored).
+        mf: the loaded model file, with the plan's config.
+        steps: optimizer steps to take.
+        n_microbatches: gradient-accumulation microbatches per step (1: one full-batch pass).
+        echo: print one progress line per step.
+        print_fn: where progress lines go.
+        track_memory: run the last step (of two or more) under the memory tracker.
+
+    Returns:
+        This process's figures (rank 0, holding every block).
+    """
     with torch_threads(plan.profile.threads):
         model = mf.build(plan.model.seed)
         model.train()
@@ -94,110 +122,36 @@ def train_model_file(
         optimizer = make_optimizer(params, plan)
         batches = mf.train_batches(plan.batch_size, seed=plan.model.seed)
         loss_fn = mf.loss_fn
-        memory_step = memory_step_of(steps) if track_memory else None
-        probe, memory = StageProbe(), MemoryProbe(torch.device("cpu"))
-        losses: list[float] = []
-        norms: list[float] = []
-        times: list[float] = []
-        clip_times: list[float] = []
-        opt_times: list[float] = []
-        for step in range(1, steps + 1):
-            inputs, target = next(batches)
-            probe.begin_step()
-            tracked = memory.step(step, probe, model, optimizer, []) if step == memory_step else None
-            with tracked if tracked is not None else contextlib.nullcontext() as done:
-                t0 = time.perf_counter()
-                optimizer.zero_grad(set_to_none=True)
-                split_inputs = [_chunks(x, n_microbatches) for x in inputs]
-                split_target = _chunks(target, n_microbatches)
-                mb_losses = [
-                    _microbatch(
-                        model, loss_fn, [xs[i] for xs in split_inputs], split_target[i], i, n_microbatches, probe
-                    )
-                    for i in range(n_microbatches)
-                ]
-                norm, clip_s, opt_s = clip_and_step(params, optimizer, plan.optimizer.grad_clip)
-                t1 = time.perf_counter()
-                if done is not None:
-                    done()
-            times.append(t1 - t0)
-            norms.append(norm)
-            clip_times.append(clip_s)
-            opt_times.append(opt_s)
-            losses.append(float(torch.stack(mb_losses).mean()))
-            if echo:
-                print_fn(step_line(step, steps, losses[-1], times[-1], _note(step, memory_step)))
-    return _local_result(
-        plan,
-        plan_path,
-        n_microbatches,
-        steps,
-        memory_step,
-        probe,
-        memory.result,
-        losses=losses,
-        norms=norms,
-        times=times,
-        clip=clip_times,
-        opt=opt_times,
-    )
+        probe = StageProbe()
 
+        def run_microbatches(inputs: Sequence[Any], target: torch.Tensor) -> list[torch.Tensor]:
+            split_inputs = [_chunks(x, n_microbatches) for x in inputs]
+            split_target = _chunks(target, n_microbatches)
+            return [
+                _microbatch(model, loss_fn, [xs[i] for xs in split_inputs], split_target[i], i, n_microbatches, probe)
+                for i in range(n_microbatches)
+            ]
 
-def _local_result(
-    plan: Plan,
-    plan_path: str | Path | None,
-    n_microbatches: int,
-    steps: int,
-    memory_step: int | None,
-    probe: StageProbe,
-    memory_result: dict[str, Any] | None,
-    *,
-    losses: list[float],
-    norms: list[float],
-    times: list[float],
-    clip: list[float],
-    opt: list[float],
-) -> RunResult:
-    """The run report of an in-process run: one rank that holds the whole model."""
-    timed = timed_steps(steps, memory_step)
-    return RunResult(
-        plan_fingerprint=plan.model.fingerprint,
-        plan_path=str(Path(plan_path).resolve()) if plan_path is not None else None,
-        mode="local",
-        schedule=plan.schedule,
-        n_stages=1,
-        n_microbatches=n_microbatches,
-        batch_size=plan.batch_size,
-        backend="none",
-        steps=steps,
-        threads=[plan.profile.threads],
-        losses=losses,
-        grad_norms=norms,
-        grad_clip=plan.optimizer.grad_clip,
-        step_times_s=times,
-        rank_step_times_s=[times],
-        median_step_s=RunResult.median_of(times, timed),
-        peak_rss_bytes=[resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024],
-        predicted_step_s=plan.prediction.step_time_s,
-        memory_step=memory_step,
-        timed_steps=timed,
-        stages=[
-            StageMeasure.model_validate(
-                summarize(
-                    stage=0,
-                    first_block=plan.blocks[0].name,
-                    last_block=plan.blocks[-1].name,
-                    probe=probe,
-                    steps=timed,
-                    times=times,
-                    clip=clip,
-                    reduce=[0.0] * steps,
-                    opt=opt,
-                    memory=memory_result,
-                )
-            )
-        ],
-    )
+        rank = RankModel(
+            rank=0,
+            first_block=plan.blocks[0].name,
+            last_block=plan.blocks[-1].name,
+            module=model,
+            params=params,
+            optimizer=optimizer,
+            device=torch.device("cpu"),
+            run_microbatches=run_microbatches,
+        )
+        return train_steps(
+            rank,
+            batches,
+            steps,
+            max_norm=plan.optimizer.grad_clip,
+            probe=probe,
+            track_memory=track_memory,
+            echo=echo,
+            print_fn=print_fn,
+        )
 
 
 def train_reference(plan: Plan, plan_path: str | Path, steps: int, *, echo: bool = False) -> RunResult:

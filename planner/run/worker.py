@@ -15,15 +15,14 @@ the launcher turns the earliest record into one error message.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import resource
 import sys
 import time
 import traceback
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,20 +34,10 @@ from planner.capture.blocks import GraphTrace
 from planner.capture.load import ModelFile
 from planner.capture.stage import build_stage_module
 from planner.errors import PlannerError
-from planner.run.common import (
-    clip_and_step,
-    load_plan_model,
-    make_optimizer,
-    memory_step_of,
-    step_line,
-    trace_for_plan,
-)
-from planner.run.common import (
-    step_note as _note,
-)
-from planner.run.measure import MemoryProbe, StageProbe, recv_buffers, summarize
+from planner.run.common import load_plan_model, make_optimizer, print_flushed, trace_for_plan
+from planner.run.loop import RankModel, RankResult, train_steps
+from planner.run.measure import StageProbe, recv_buffers
 from planner.schema.plan import Plan
-from planner.schema.result import timed_steps
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -134,7 +123,8 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", module=r"torch\.distributed\..*")
 
 
-def _train(plan: Plan, plan_path: str, steps: int, echo: bool) -> dict:
+def _train(plan: Plan, plan_path: str, steps: int, echo: bool) -> RankResult:
+    """Join the process group torchrun-style (from the environment), train this rank, leave the group."""
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -192,86 +182,58 @@ def _build_stage(
 
 def _train_rank(
     plan: Plan, plan_path: str, steps: int, echo: bool, rank: int, world: int, device: torch.device
-) -> dict:
+) -> RankResult:
+    """Build this rank's stage and schedule and train it with the one training loop."""
     mf = load_plan_model(plan, plan_path)
     module, params, optimizer, stage, schedule = _build_stage(plan, mf, rank, world, device)
     stage_plan = plan.stages[rank]
     is_first, is_last = rank == 0, rank == world - 1
 
-    reduce_times: list[float] = []
-
     def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-        t0 = time.perf_counter()
-        t = t.to(device)
+        t = t.to(device)  # nccl reduces device tensors only
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        t = t.cpu()
-        reduce_times.append(time.perf_counter() - t0)
-        return t
+        return t.cpu()
 
-    # One step after the first (the last one) runs under the memory tracker: optimizer state and
-    # receive buffers exist by then. It is ~25x slower, so the medians leave it out.
-    memory_step = memory_step_of(steps)
-    probe, memory = StageProbe(), MemoryProbe(device)
-    batches = mf.train_batches(plan.batch_size, seed=plan.model.seed)
-    losses: list[float] = []
-    norms: list[float] = []
-    times: list[float] = []
-    clip_times: list[float] = []
-    opt_times: list[float] = []
-    with probe.installed(stage, schedule):
-        for step in range(1, steps + 1):
-            inputs, target = next(batches)  # every rank draws, so all ranks stay on the same step
-            tracked = memory.step(step, probe, module, optimizer, recv_buffers(stage)) if step == memory_step else None
-            probe.begin_step()
-            with tracked if tracked is not None else contextlib.nullcontext() as done:
-                t0 = time.perf_counter()
-                optimizer.zero_grad(set_to_none=True)
-                mb_losses: list[torch.Tensor] = []
-                if is_first:
-                    schedule.step(
-                        *(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs), return_outputs=False
-                    )
-                elif is_last:
-                    schedule.step(target=target.to(device), losses=mb_losses, return_outputs=False)
-                else:
-                    schedule.step(return_outputs=False)
-                norm, clip_s, opt_s = clip_and_step(params, optimizer, plan.optimizer.grad_clip, all_reduce_sum)
-                t1 = time.perf_counter()
-                if done is not None:
-                    done()
-            times.append(t1 - t0)
-            norms.append(norm)
-            clip_times.append(clip_s)
-            opt_times.append(opt_s)
-            if is_last:
-                losses.append(float(torch.stack([loss.detach() for loss in mb_losses]).mean()))
-                if echo:
-                    print(step_line(step, steps, losses[-1], times[-1], _note(step, memory_step)), flush=True)
-    measure = summarize(
-        stage=rank,
+    def run_microbatches(inputs: Sequence[Any], target: torch.Tensor) -> list[torch.Tensor] | None:
+        # rank 0 feeds the inputs, the last rank the target; the middle ranks only relay.
+        if is_first:
+            schedule.step(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs), return_outputs=False)
+            return None
+        if is_last:
+            mb_losses: list[torch.Tensor] = []
+            schedule.step(target=target.to(device), losses=mb_losses, return_outputs=False)
+            return mb_losses
+        schedule.step(return_outputs=False)
+        return None
+
+    model = RankModel(
+        rank=rank,
         first_block=stage_plan.first_block,
         last_block=stage_plan.last_block,
-        probe=probe,
-        steps=timed_steps(steps, memory_step),
-        times=times,
-        clip=clip_times,
-        reduce=reduce_times,
-        opt=opt_times,
-        memory=memory.result,
+        module=module,
+        params=params,
+        optimizer=optimizer,
+        device=device,
+        run_microbatches=run_microbatches,
+        reduce=all_reduce_sum,
+        # the receive buffers exist from the first step on; read them when the tracked step starts
+        extra_tensors=lambda: recv_buffers(stage),
     )
-    return {
-        "rank": rank,
-        "losses": losses,
-        "grad_norms": norms,
-        "times": times,
-        "threads": torch.get_num_threads(),
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "memory_step": memory_step,
-        "measure": measure,
-    }
+    probe = StageProbe()
+    batches = mf.train_batches(plan.batch_size, seed=plan.model.seed)
+    with probe.installed(stage, schedule):
+        return train_steps(
+            model,
+            batches,
+            steps,
+            max_norm=plan.optimizer.grad_clip,
+            probe=probe,
+            echo=echo,  # only the last rank has losses to print
+            print_fn=print_flushed,
+        )
 
 
-def run_worker(plan_json: str, plan_path: str, steps: int, echo: bool, error_dir: str) -> dict:
+def run_worker(plan_json: str, plan_path: str, steps: int, echo: bool, error_dir: str) -> RankResult:
     """Entry point of one worker process (top level, so ``spawn`` can pickle it).
 
     Args:
@@ -283,6 +245,9 @@ def run_worker(plan_json: str, plan_path: str, steps: int, echo: bool, error_dir
 
     Returns:
         This rank's measurements (losses only on the last rank).
+
+    Raises:
+        SystemExit: any failure, after writing its record to ``error_dir``.
     """
     _quiet()
     try:
