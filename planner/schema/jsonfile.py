@@ -2,34 +2,97 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import stat
+import sys
+import tempfile
 from pathlib import Path
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from planner.errors import PlanFileError
+from planner.schema.outputs import unsafe_target
 
 M = TypeVar("M", bound=BaseModel)
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where the system allows."""
+    try:  # Linux ≥ 4.7: reading it here leaves no window in which other threads see another umask
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _new_mode(path: Path) -> int:
+    """Permissions for the file about to replace ``path``: the old file's, or what a plain open would give.
+
+    ``mkstemp`` creates 0600 files; without this a plan would become unreadable to the group.
+    """
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return 0o666 & ~_umask()
+
+
+def _sync_folder(folder: Path) -> None:
+    """Make the rename itself durable; best effort (some file systems cannot fsync a folder)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def write_atomic(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file, so a failure never leaves half a file.
 
+    The text goes to a uniquely named temporary file in the same folder (``.NAME.XXXX.tmp``), is
+    fsynced, then renamed over ``path``: readers see the old file or the new one, never a mix. On
+    any failure, an interrupt included, the temporary file is removed and the old file is intact.
+    A symbolic link or anything that is not a regular file (a folder, ``/dev/null``, a fifo) is
+    refused, even when the caller did not run ``outputs.check_output`` first.
+
     Args:
         path: destination file.
-        text: the whole content.
+        text: the whole content, written as UTF-8.
 
     Raises:
-        PlanFileError: the file cannot be written (missing folder, no permission, disk full).
+        PlanFileError: the destination is a link or not a regular file, or the file cannot be
+            written (missing folder, no permission, disk full).
     """
     p = Path(path)
-    tmp = p.with_name(p.name + ".tmp")
+    reason = unsafe_target(p)
+    if reason is not None:
+        raise PlanFileError(f"cannot write {path}: it {reason}; choose a writable path with -o")
+    data = text.encode("utf-8")
+    tmp: str | None = None
     try:
-        tmp.write_text(text)
-        tmp.replace(p)
-    except OSError as e:
-        raise PlanFileError(f"cannot write {path}: {e.strerror}; choose a writable path with -o") from e
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), _new_mode(p))
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+        tmp = None  # renamed: nothing left to clean up
+    except BaseException as e:  # an interrupt too: never leave a temporary file behind
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise PlanFileError(f"cannot write {path}: {e.strerror or e}; choose a writable path with -o") from e
+        raise
+    _sync_folder(p.parent)
 
 
 def parse_versioned(text: str, model: type[M], version: int, source: str, what: str, fix: str) -> M:
@@ -47,12 +110,18 @@ def parse_versioned(text: str, model: type[M], version: int, source: str, what: 
         The validated document.
 
     Raises:
-        PlanFileError: not JSON, another version, or invalid — naming the first problem.
+        PlanFileError: not JSON (or nested too deeply, or an integer too long, to read), another
+            version, or invalid — naming the first problem.
     """
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
         raise PlanFileError(f"{source} is not JSON ({e}); {fix}") from e
+    except RecursionError as e:  # json's decoder recurses once per nesting level
+        raise PlanFileError(f"{source} is not a {what}: its JSON is nested too deeply to read; {fix}") from e
+    except ValueError as e:  # int() refuses integers past sys.get_int_max_str_digits() (4300 by default)
+        digits = sys.get_int_max_str_digits()
+        raise PlanFileError(f"{source} is not a {what}: it holds an integer of more than {digits} digits; {fix}") from e
     if not isinstance(raw, dict):
         raise PlanFileError(f"{source} is not a {what} (expected a JSON object); {fix}")
     if raw.get("version") != version:
@@ -63,7 +132,8 @@ def parse_versioned(text: str, model: type[M], version: int, source: str, what: 
         return model.model_validate(raw)
     except ValidationError as e:
         first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        # A key from the file may hold a line break: quote such keys so the message stays one line.
+        where = ".".join(str(p) if str(p).isprintable() else repr(p) for p in first["loc"]) or "(top level)"
         raise PlanFileError(
             f"{source} is not a valid {what}: {where}: {first['msg']} ({e.error_count()} problem(s)); {fix}"
         ) from e
@@ -81,9 +151,15 @@ def read_text(path: str | Path, what: str, fix: str) -> str:
         The file's text.
 
     Raises:
-        PlanFileError: the file cannot be read.
+        PlanFileError: the file cannot be read, or is not UTF-8 text.
     """
     try:
-        return Path(path).read_text()
+        return Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise PlanFileError(f"cannot read {what} {path}: {e.strerror}; {fix}") from e
+    except UnicodeDecodeError as e:  # the planner writes UTF-8: this is not one of its documents
+        raise PlanFileError(
+            f"{path} is not a {what}: byte {e.start} is not UTF-8 text ({e.object[e.start : e.start + 1]!r}); {fix}"
+        ) from e
+    except ValueError as e:  # a NUL character in the path: the OS cannot even look it up
+        raise PlanFileError(f"cannot read {what} {path!r}: {e}; {fix}") from e
