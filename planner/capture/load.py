@@ -11,9 +11,10 @@ import hashlib
 import importlib.util
 import inspect
 import json
+import math
 import sys
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -43,7 +44,8 @@ def parse_overrides(pairs: Iterable[str]) -> dict[str, Any]:
         The overrides as a dict.
 
     Raises:
-        ModelFileError: for a pair without ``=`` or with an empty key.
+        ModelFileError: for a pair without ``=`` or with an empty key, or a JSON value too deeply
+            nested or with too long an integer to read.
     """
     out: dict[str, Any] = {}
     for pair in pairs:
@@ -54,7 +56,23 @@ def parse_overrides(pairs: Iterable[str]) -> dict[str, Any]:
             out[key.strip()] = json.loads(raw)
         except json.JSONDecodeError:
             out[key.strip()] = raw
+        except RecursionError as e:  # json's decoder recurses once per [ or {
+            raise ModelFileError(
+                f"--set {_shown_key(key.strip())}: the value is nested too deeply to read; give a flatter value"
+            ) from e
+        except ValueError as e:  # int() refuses integers past sys.get_int_max_str_digits() (4300 by default)
+            raise ModelFileError(
+                f"--set {_shown_key(key.strip())}: the value has an integer of more than "
+                f"{sys.get_int_max_str_digits()} digits; give a smaller number"
+            ) from e
     return out
+
+
+def _shown_key(key: object) -> str:
+    """A --set key as messages show it: as typed, or quoted when a line break or another control
+    character in it would break the one-line message."""
+    text = str(key)
+    return text if text.isprintable() else repr(text)
 
 
 @dataclass
@@ -156,6 +174,27 @@ class ModelFile:
         """The one-line error for an exception the model file's ``name`` raised, with its line."""
         return ModelFileError(f"{self.path.name}: {name}() raised {type(e).__name__}: {e}{_user_frame(e, self.path)}")
 
+    def part_digests(self) -> dict[str, str]:
+        """A short hash of the source of each contract function the file defines, and of ``SIZES``.
+
+        Stored in the plan, so that ``planner run`` can say *what* changed in a model file since
+        planning (``loss_fn``, say), not only that the file changed.
+
+        Returns:
+            name -> SHA-256 prefix; functions whose source cannot be read are left out.
+        """
+        out: dict[str, str] = {}
+        for name in ("build_model", "make_batch", "loss_fn", "train_batches", "SIZES"):
+            value = getattr(self.module, name, None)
+            if value is None:
+                continue
+            try:
+                text = repr(value) if name == "SIZES" else inspect.getsource(value)
+            except (OSError, TypeError):
+                continue
+            out[name] = hashlib.sha256(text.encode()).hexdigest()[:16]
+        return out
+
     @property
     def digest(self) -> str:
         """SHA-256 (first 16 hex digits) of the file's text, to notice edits between plan and run."""
@@ -211,6 +250,77 @@ def check_forward(mf: ModelFile, model: nn.Module, inputs: tuple, target: torch.
         )
 
 
+def _batch_dim_sizes(batch: Batch) -> set[int]:
+    inputs, target = batch
+    return {int(t.shape[0]) for t in (*inputs, target) if isinstance(t, torch.Tensor) and t.dim() >= 1}
+
+
+def check_batch_contract(
+    mf: ModelFile, model: nn.Module, microbatch_size: int, seed: int, device: torch.device
+) -> None:
+    """Check the two promises a pipeline relies on, on two microbatches of example data.
+
+    1. ``make_batch(n)`` returns tensors whose first dimension is ``n``: the schedule splits the
+       batch into microbatches along dim 0, so a file that ignores ``batch_size`` would be
+       profiled on the wrong batch.
+    2. ``loss_fn`` is a mean over the batch: the pipeline averages the microbatch losses, which
+       equals the batch loss only then. The loss of the two-microbatch batch is compared with the
+       mean of its halves' losses (eval mode and no grad, so dropout cannot blur the comparison).
+
+    Args:
+        mf: the model file.
+        model: a model built from it (a private copy; run in eval mode and restored).
+        microbatch_size: samples per microbatch of the plan.
+        seed: seed of the example data.
+        device: where ``model`` lives.
+
+    Raises:
+        ModelFileError: a batch of the wrong size, a non-finite loss, or a loss that is not a mean.
+    """
+    n = 2 * microbatch_size
+    inputs, target = mf.batch(n, seed=seed)
+    sizes = _batch_dim_sizes((inputs, target))
+    if sizes != {n}:
+        raise ModelFileError(
+            f"{mf.path.name}: make_batch({n}) returned tensors whose first dimension is {sorted(sizes)}, not {n}; "
+            "the pipeline splits batches along dim 0: make make_batch honour batch_size (batch first)"
+        )
+    inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
+    target = target.to(device)
+    halves = [
+        (
+            tuple(
+                x[i * microbatch_size : (i + 1) * microbatch_size] if isinstance(x, torch.Tensor) else x for x in inputs
+            ),
+            target[i * microbatch_size : (i + 1) * microbatch_size],
+        )
+        for i in range(2)
+    ]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            full = float(mf._call("loss_fn", mf.loss_fn, mf._call("forward", model, *inputs), target))
+            parts = [float(mf._call("loss_fn", mf.loss_fn, mf._call("forward", model, *x), y)) for x, y in halves]
+    finally:
+        model.train(was_training)
+    if not all(math.isfinite(v) for v in (full, *parts)):
+        raise ModelFileError(
+            f"{mf.path.name}: loss_fn() is {full} on the example batch (microbatches: {parts[0]}, {parts[1]}); "
+            "check the model's initialisation and the loss"
+        )
+    mean = (parts[0] + parts[1]) / 2
+    if abs(full - mean) <= 1e-3 * max(abs(full), abs(mean)) + 1e-7:
+        return
+    summed = abs(full - 2 * mean) <= 1e-3 * max(abs(full), abs(mean)) + 1e-7
+    why = "sums over the batch instead of averaging" if summed else "is not a mean over the batch"
+    raise ModelFileError(
+        f"{mf.path.name}: loss_fn() {why}: {full:.6g} on {n} samples but {parts[0]:.6g} and {parts[1]:.6g} on its two "
+        "halves; the pipeline averages microbatch losses, which equals the batch loss only for a mean: "
+        "use reduction='mean' (the contract's default cross-entropy does)"
+    )
+
+
 def load_model_file(path: str | Path, size: str | None = None, overrides: dict[str, Any] | None = None) -> ModelFile:
     """Import a model file and resolve its configuration.
 
@@ -223,10 +333,16 @@ def load_model_file(path: str | Path, size: str | None = None, overrides: dict[s
         The loaded ModelFile.
 
     Raises:
-        ModelFileError: missing file, import failure, missing contract functions, unknown size or
+        ModelFileError: missing or unresolvable path, import failure (``sys.exit()`` included),
+            missing contract functions, SIZES that is not a dict of config dicts, unknown size or
             unknown config key.
     """
-    p = Path(path).expanduser().resolve()
+    try:
+        p = Path(path).expanduser().resolve()
+    except (RuntimeError, ValueError, OSError) as e:  # an unknown ~user, a symlink loop, a NUL in the path
+        raise ModelFileError(
+            f"model file {path} cannot be found ({e}); give the path of a .py file with build_model and make_batch"
+        ) from e
     if not p.is_file():
         raise ModelFileError(
             f"model file {path} does not exist; give the path of a .py file with build_model and make_batch"
@@ -239,6 +355,12 @@ def load_model_file(path: str | Path, size: str | None = None, overrides: dict[s
     sys.modules[name] = module  # dataclasses and pickling look the module up by name
     try:
         spec.loader.exec_module(module)
+    except SystemExit as e:  # a script's sys.exit() must not end the planner (KeyboardInterrupt still does)
+        sys.modules.pop(name, None)
+        raise ModelFileError(
+            f"importing {path} failed: it called sys.exit({e.code!r}){_user_frame(e, p)}; a model file must not exit "
+            'when imported: put script code under `if __name__ == "__main__":`'
+        ) from e
     except Exception as e:
         sys.modules.pop(name, None)
         raise ModelFileError(f"importing {path} failed: {type(e).__name__}: {e}{_user_frame(e, p)}") from e
@@ -248,7 +370,7 @@ def load_model_file(path: str | Path, size: str | None = None, overrides: dict[s
             f"{path} does not define {' and '.join(missing)}; a model file needs "
             "build_model(**config) -> nn.Module and make_batch(batch_size, **config) -> (inputs, target)"
         )
-    sizes: dict[str, dict] = getattr(module, "SIZES", None) or {}
+    sizes = _sizes(module, p)
     if size is not None and size not in sizes:
         known = ", ".join(sizes) or "none (the file has no SIZES)"
         raise ModelFileError(f"size {size!r} is not in {p.name}'s SIZES; known sizes: {known}")
@@ -256,18 +378,50 @@ def load_model_file(path: str | Path, size: str | None = None, overrides: dict[s
     for key, value in (overrides or {}).items():
         if key not in _known_keys(module, sizes):
             known = ", ".join(sorted(_known_keys(module, sizes))) or "none"
-            raise ModelFileError(f"--set {key}: {p.name} has no config key {key!r}; known keys: {known}")
+            raise ModelFileError(f"--set {_shown_key(key)}: {p.name} has no config key {key!r}; known keys: {known}")
         config[key] = value
     return ModelFile(p, module, size, config)
 
 
-def _known_keys(module: ModuleType, sizes: dict[str, dict]) -> set[str]:
+def _sizes(module: ModuleType, path: Path) -> Mapping[str, Mapping[str, Any]]:
+    """The file's ``SIZES``, checked to be named config dicts with string keys (absent or None: no sizes).
+
+    Raises:
+        ModelFileError: SIZES of another shape (a list, a dict of non-dicts, non-string names), which
+            would otherwise fail later as a TypeError deep inside the lookup.
+    """
+    sizes = getattr(module, "SIZES", None)
+    if sizes is None:
+        return {}
+    example = 'e.g. SIZES = {"tiny": {"n_layers": 2}, "big": {"n_layers": 24}}'
+    if not isinstance(sizes, Mapping):
+        raise ModelFileError(
+            f"{path.name}: SIZES has type {type(sizes).__name__}; it must be a dict of named configs, {example}"
+        )
+    for key, cfg in sizes.items():
+        if not isinstance(key, str):
+            problem = f"SIZES has the name {key!r}, which is not a string"
+        elif not isinstance(cfg, Mapping):
+            problem = f"SIZES[{key!r}] has type {type(cfg).__name__}, not a dict of config entries"
+        elif not all(isinstance(k, str) for k in cfg):
+            problem = f"SIZES[{key!r}] has a config key that is not a string"
+        else:
+            continue
+        raise ModelFileError(f"{path.name}: {problem}; {example}")
+    return sizes
+
+
+def _known_keys(module: ModuleType, sizes: Mapping[str, Mapping[str, Any]]) -> set[str]:
     keys = {k for cfg in sizes.values() for k in cfg}
     for fn_name in ("build_model", "make_batch", "train_batches"):
         fn = getattr(module, fn_name, None)
         if fn is None:
             continue
-        for param in inspect.signature(fn).parameters.values():
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):  # not callable, or a builtin without a signature: it names no keys
+            continue
+        for param in params:
             if param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD) and param.name != "batch_size":
                 keys.add(param.name)
     return keys

@@ -166,7 +166,7 @@ def calibrated_cpu(threads: int = 1, path: str | Path | None = None, refresh: bo
     if cache.exists():
         try:
             entries = json.loads(cache.read_text())
-        except (OSError, json.JSONDecodeError):
+        except (OSError, ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             entries = {}  # a damaged cache is re-measured, not fatal
     if not refresh and key in entries:
         try:
