@@ -8,6 +8,7 @@ planner report PLAN.json           print the balance tables of a saved plan
 from __future__ import annotations
 
 import functools
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -16,33 +17,82 @@ import click
 
 from planner.errors import PlannerError
 from planner.schema.costs import OPTIMIZERS
+from planner.schema.outputs import check_output
+from planner.schema.plan import Plan
 from planner.schema.request import DTYPES, METHODS, RECOMPUTE, SCHEDULES
 
 
+class _Terminated(BaseException):
+    """SIGTERM arrived (a scheduler or ``kill`` stopping the command)."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn PlannerError into one line on stderr and exit status 2 (never a traceback)."""
+    """One line on stderr for every way a command can end badly, never a traceback (unless --debug).
+
+    PlannerError (a user mistake): its message, exit 2. Ctrl-C: "interrupted", exit 130. SIGTERM:
+    "terminated", exit 143. Anything else is a bug in the planner: one line naming it, exit 1.
+    Outputs are written atomically, so none of these leaves a half-written file behind.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        debug = bool((click.get_current_context().find_root().obj or {}).get("debug"))
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
         try:
             return fn(*args, **kwargs)
         except PlannerError as e:
+            if debug:
+                raise
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
+        except _Terminated:
+            click.echo("terminated", err=True)
+            sys.exit(143)
+        except Exception as e:
+            if debug:
+                raise
+            text = " ".join(str(e).split())[:300]
+            click.echo(
+                f"error: internal error ({type(e).__name__}: {text}); re-run with --debug for the traceback", err=True
+            )
+            sys.exit(1)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
     return wrapper
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-def main() -> None:
+@click.option("--debug", is_flag=True, help="Show the full traceback of an error instead of one line.")
+@click.pass_context
+def main(ctx: click.Context, debug: bool) -> None:
     """Plan and run pipeline-parallel training for a PyTorch model file.
 
     A model file is plain Python defining build_model(**config) and make_batch(batch_size, **config);
     optionally loss_fn, train_batches and SIZES (see README).
     """
+    ctx.obj = {"debug": debug}
+
+
+def _load_plan(path: str) -> Plan:
+    """Load a plan and recompute its figures from its blocks, saying on stderr what a hand edit had changed."""
+    from planner.core.predict import refresh
+
+    plan, notes = refresh(Plan.load(path))
+    if notes:
+        click.echo(
+            f"note: {path} was edited by hand or written by another version ({'; '.join(notes)}); "
+            "using figures recomputed from its blocks",
+            err=True,
+        )
+    return plan
 
 
 @main.command("plan")
@@ -73,7 +123,7 @@ def main() -> None:
     "-m",
     type=click.IntRange(min=1),
     default=None,
-    help="Microbatches per step [default: 2 x gpus, at most the batch size].",
+    help="Microbatches per step; must divide the batch, and 1f1b needs at least one per stage [default: the smallest divisor of the batch size that is >= 2 x gpus, else >= gpus].",
 )
 @click.option(
     "--schedule",
@@ -230,8 +280,7 @@ def plan_cmd(
         output=output,
         progress=not quiet,
     )
-    if not request.output.parent.is_dir():
-        raise PlannerError(f"--output {output}: folder {request.output.parent} does not exist")
+    check_output(request.output, "plan")  # before profiling: a model file or a link is never overwritten
     plan = make_plan(request)
     plan.save(request.output)
     if not quiet:
@@ -269,16 +318,13 @@ def run_cmd(
 ) -> None:
     """Train with PLAN_FILE: one process per stage, the planned split points and schedule."""
     from planner.run import run_plan
-    from planner.schema.plan import Plan
     from planner.schema.request import RunRequest
 
     request = RunRequest.build(
         plan_file=plan_file, steps=steps, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, output=output
     )
-    plan = Plan.load(request.plan_file)
-    out = request.result_path
-    if not out.parent.is_dir():  # checked before training, so no run's figures are lost
-        raise PlannerError(f"--output {out}: folder {out.parent} does not exist")
+    plan = _load_plan(str(request.plan_file))
+    out = check_output(request.result_path, "run result")  # before training, so no run's figures are lost
     result = run_plan(plan, request)
     result.save(out)
     loss = f"; final loss {result.losses[-1]:.4f}" if result.losses else ""  # only the last stage's node has losses
@@ -302,9 +348,8 @@ def run_cmd(
 def report_cmd(plan_file: str, run_file: str | None) -> None:
     """Print the balance tables of a saved plan (and, with --measured, how a run of it compared)."""
     from planner.report.tables import render
-    from planner.schema.plan import Plan
 
-    plan = Plan.load(plan_file)
+    plan = _load_plan(plan_file)
     click.echo(render(plan))
     if run_file:
         from planner.report.compare import compare_table

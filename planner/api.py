@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from planner.capture.blocks import TracedModel
-from planner.capture.load import ModelFile, check_forward, load_model_file
+from planner.capture.load import ModelFile, check_batch_contract, check_forward, load_model_file
 from planner.capture.trace import trace_model
 from planner.core.assemble import assemble_plan
 from planner.core.calibrate import Calibration, apply_calibration, load_calibration
@@ -134,6 +134,7 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
     target = target.to(device)
     traced = _traced(mf, model, inputs, target, request.gpus)
+    check_batch_contract(mf, model, request.microbatch_size, request.seed, device)
     info = ProfileInfo(
         device=str(device),
         backend="nccl" if use_cuda else "gloo",
@@ -247,6 +248,7 @@ def model_ref(mf: ModelFile, traced: TracedModel, request: PlanRequest) -> Model
         size=mf.size,
         config=mf.config,
         file_digest=mf.digest,
+        part_digests=mf.part_digests(),
         fingerprint=traced.fingerprint,
         trace_method=traced.method,  # type: ignore[arg-type]
         trace_failures=traced.failures,

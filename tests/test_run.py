@@ -109,6 +109,7 @@ def make_plan(
             size=size,
             config=dict(mf.config),
             file_digest=mf.digest,
+            part_digests=mf.part_digests(),
             fingerprint=traced.fingerprint,
             trace_method=traced.method,
             trace_failures=list(traced.failures),
@@ -440,7 +441,7 @@ def test_nodes_must_divide_stages(tmp_path: Path, no_launch: None) -> None:
         run_plan(plan, RunRequest(plan_file=path, steps=2, nnodes=2, rdzv_endpoint="localhost:29400"))
     plan2 = make_plan(MODELS / "gpt.py", [0, 3])
     with pytest.raises(PlannerError, match="needs --rdzv-endpoint"):
-        run_plan(plan2, RunRequest(plan_file=saved(plan2, tmp_path), steps=2, nnodes=2))
+        RunRequest.build(plan_file=saved(plan2, tmp_path), steps=2, nnodes=2)  # refused before any plan is read
 
 
 @pytest.mark.multiprocess
@@ -479,6 +480,15 @@ def test_a_model_file_edited_since_planning_is_named_in_a_warning(tmp_path: Path
     run_plan(plan, RunRequest(plan_file=path, steps=1, echo=False), print_fn=lines.append)
     warnings = [line for line in lines if "changed since it was planned" in line]
     assert len(warnings) == 1 and str(model) in warnings[0] and plan.model.file_digest in warnings[0]
+    assert "its text changed" in warnings[0]  # a comment: no contract function changed
+    model.write_text(
+        model.read_text() + "\n\ndef loss_fn(output, target):\n"
+        "    return torch.nn.functional.cross_entropy(output.flatten(0, 1), target.flatten()) * 2\n"
+    )
+    lines.clear()
+    run_plan(plan, RunRequest(plan_file=path, steps=1, echo=False), print_fn=lines.append)
+    warnings = [line for line in lines if "changed since it was planned" in line]
+    assert len(warnings) == 1 and "(loss_fn changed;" in warnings[0], warnings
 
 
 def _rank(rank: int, times: tuple[float, ...], losses: tuple[float, ...] = ()) -> RankResult:

@@ -198,6 +198,8 @@ class GraphTrace(TracedModel):
     def _hash_structure(self, h: Any) -> None:
         for node in self.gm.graph.nodes:
             h.update(f"{node.name}:{node.op}:{_target_name(node.target)};".encode())
+            if node.op == "call_module":  # the module's class: ReLU -> GELU keeps the node's name
+                h.update(type(self.gm.get_submodule(str(node.target))).__qualname__.encode())
 
 
 @dataclass

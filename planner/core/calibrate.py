@@ -256,7 +256,10 @@ def plan_path_of_run(run: RunResult, run_path: str | Path) -> Path:
         if c.is_file():
             return c
     tried = ", ".join(str(c) for c in candidates) or "nothing recorded"
-    raise PlanFileError(f"cannot find the plan {run_path} was a run of (tried {tried}); pass the plan file explicitly")
+    raise PlanFileError(
+        f"cannot find the plan {run_path} was a run of (tried {tried}); put the plan back where it was run from, "
+        "or next to the run report as PLAN.json beside PLAN.run.json"
+    )
 
 
 def load_calibration(run_path: str | Path, plan_path: str | Path | None = None) -> tuple[Plan, Calibration]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from pydantic import BaseModel
+
 from planner.core.schedules import action_order, peak_in_flight
 from planner.core.simulate import simulate
 from planner.core.solve import compact_flags, recompute_flags, stage_costs, stage_memory_bytes, stage_time_parts
@@ -172,3 +174,59 @@ def with_method(plan: Plan, method: str) -> Plan:
     return plan.model_copy(
         update={"method": method, "stages": stages, "prediction": prediction, "baselines": baselines}
     )
+
+
+def _same(a: object, b: object) -> bool:
+    """Equal, with floats compared to a relative 1e-9 (JSON round trips keep them exact; this only
+    forgives the last bit)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-9 * max(1.0, abs(a), abs(b))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _differences(stored: BaseModel, fresh: BaseModel) -> list[str]:
+    return [name for name in type(stored).model_fields if not _same(getattr(stored, name), getattr(fresh, name))]
+
+
+def refresh(plan: Plan) -> tuple[Plan, list[str]]:
+    """The plan with every figure recomputed from its blocks, and what a hand edit had changed.
+
+    ``plan.json`` is a text file users may edit: moving a stage boundary, changing a block's cost
+    or the schedule. The stage and step figures are derived from the blocks, the link, the split
+    and the schedule, so they are recomputed here; a figure that differs from the stored one means
+    the file was edited (or made by another version), and is named.
+
+    Args:
+        plan: a loaded plan.
+
+    Returns:
+        The plan with recomputed stages, prediction and baselines, and one line per stage or
+        prediction whose stored figures differed (empty when the file is consistent).
+
+    Raises:
+        InfeasibleError: the edited split or schedule cannot be evaluated (an illegal cut, too few
+            microbatches for 1F1B).
+    """
+    starts = [s.start for s in plan.stages]
+    flags = [s.recompute for s in plan.stages]
+    slots = slots_of(plan.profile)
+    args = (plan.link, plan.schedule, plan.n_microbatches, plan.optimizer)
+    stages, prediction = predict(plan.blocks, starts, *args, flags, slots)
+    notes = []
+    for old, new in zip(plan.stages, stages):
+        changed = _differences(old, new)
+        if changed:
+            notes.append(f"stage {old.index}: {', '.join(changed)} did not match its blocks")
+    changed = _differences(plan.prediction, prediction)
+    if changed:
+        notes.append(f"prediction: {', '.join(changed)} did not match the stages")
+    baselines = {}
+    for name, base in plan.baselines.items():
+        fresh = predict(plan.blocks, base.starts, *args, base.recompute, slots)[1]
+        if _differences(base, fresh):
+            notes.append(f"baseline {name}: figures did not match its split")
+        baselines[name] = fresh
+    update = {"stages": stages, "prediction": prediction, "baselines": baselines}
+    return plan.model_copy(update=update), notes

@@ -25,17 +25,15 @@ def _check_args(schedule: str, n_stages: int, n_microbatches: int) -> None:
             f"schedule {schedule!r} is not supported; expected one of {', '.join(SCHEDULES)}; pick one of those."
         )
     if n_stages < 1:
-        raise InfeasibleError(f"n_stages={n_stages} is invalid; expected >= 1; use at least one stage.")
+        raise InfeasibleError(f"--gpus {n_stages}: need at least one stage; use --gpus 1 or more")
     if n_microbatches < 1:
-        raise InfeasibleError(
-            f"n_microbatches={n_microbatches} is invalid; expected >= 1; use at least one microbatch."
-        )
+        raise InfeasibleError(f"--microbatches {n_microbatches}: need at least one microbatch; use -m 1 or more")
     # torch's Schedule1F1B.__init__ raises ValueError when n_microbatches < num_stages.
     if schedule == "1f1b" and n_microbatches < n_stages:
         raise InfeasibleError(
-            f"n_microbatches={n_microbatches} is too small for schedule '1f1b' with {n_stages} stages; "
-            f"torch's Schedule1F1B requires n_microbatches >= n_stages; use at least {n_stages} "
-            "microbatches, fewer stages, or schedule 'gpipe'."
+            f"--microbatches {n_microbatches} is too small for --schedule 1f1b with {n_stages} stages: "
+            f"torch's Schedule1F1B needs at least one microbatch per stage; use -m {n_stages} or more, "
+            "fewer --gpus, or --schedule gpipe"
         )
 
 

@@ -465,18 +465,17 @@ def _check_counts(blocks: Sequence[BlockCost], n_stages: int) -> None:
     if n == 0:
         raise InfeasibleError("blocks is empty; expected at least one block; profile a non-empty model.")
     if n_stages < 1:
-        raise InfeasibleError(f"n_stages={n_stages} is invalid; expected >= 1; use at least one stage.")
+        raise InfeasibleError(f"--gpus {n_stages}: need at least one stage; use --gpus 1 or more")
     if n_stages > n:
         raise InfeasibleError(
-            f"n_stages={n_stages} exceeds the number of blocks ({n}); expected at most one stage per "
-            f"block; use n_stages <= {n} or split the model into finer blocks."
+            f"--gpus {n_stages} is more than the model's {n} blocks (at most one stage per block); "
+            f"use --gpus {n} or fewer, or split the model into finer blocks"
         )
     n_legal = sum(_legal_cuts(blocks))
     if n_legal < n_stages - 1:
         raise InfeasibleError(
-            f"n_stages={n_stages} needs {n_stages - 1} cuts but the model has only {n_legal} legal cut "
-            f"positions; expected n_stages <= {n_legal + 1}; use fewer stages or make more block "
-            "boundaries cuttable."
+            f"--gpus {n_stages} needs {n_stages - 1} cuts but the model has only {n_legal} legal cut "
+            f"positions; use --gpus {n_legal + 1} or fewer, or make more block boundaries cuttable"
         )
 
 
@@ -587,9 +586,8 @@ def _memory_error(
             continue
         if _any_fit(blocks, mem, in_flight_per_stage(schedule, q, n_microbatches)):
             return InfeasibleError(
-                f"memory_limit_bytes={limit} is too small for {n_stages} stages: no partition fits; "
-                f"expected every stage's memory <= the limit; the smallest stage count that fits is {q}: "
-                f"use n_stages={q} or raise the limit."
+                f"--memory-limit {_gib(limit)} is too small for {n_stages} stages: no split fits; "
+                f"the smallest stage count that fits is {q}: use --gpus {q} or raise --memory-limit"
             )
     # Even the finest splits fail: name a block that cannot fit on its own with the fewest live
     # microbatches its stage can have. GPipe holds m everywhere; under 1F1B the last stage holds 1,
@@ -602,17 +600,20 @@ def _memory_error(
         need = mem.bytes(j, j + 1, min_live)
         if need > limit:
             return InfeasibleError(
-                f"block '{blocks[j].name}' alone needs {need} bytes (params, grads, optimizer state, "
-                f"{min_live} microbatch(es) of activations and boundary buffers) but "
-                f"memory_limit_bytes={limit}; expected at least {need}; raise the limit, use a lighter "
-                "optimizer or smaller microbatches."
+                f"block '{blocks[j].name}' alone needs {need} bytes ({_gib(need)}: params, grads, optimizer "
+                f"state, {min_live} microbatch(es) of activations and boundary buffers) but --memory-limit is "
+                f"{_gib(limit)}; raise --memory-limit, use a lighter --optimizer or smaller microbatches (more -m)"
             )
-    more = " (1F1B also needs n_microbatches >= n_stages; raise n_microbatches)" if skipped_1f1b else ""
+    more = " (1F1B also needs at least one microbatch per stage: raise -m)" if skipped_1f1b else ""
     return InfeasibleError(
-        f"memory_limit_bytes={limit} is too small: no partition into {n_stages} to {min(n, n_legal + 1)} "
-        f"stages fits{more}; expected every stage's memory <= the limit; raise the limit or make more "
-        "block boundaries cuttable."
+        f"--memory-limit {_gib(limit)} is too small: no split into {n_stages} to {min(n, n_legal + 1)} "
+        f"stages fits{more}; raise --memory-limit or make more block boundaries cuttable"
     )
+
+
+def _gib(nbytes: float) -> str:
+    """Bytes as the GiB figure ``--memory-limit`` takes."""
+    return f"{nbytes / 2**30:.3g} GiB"
 
 
 def solve(
@@ -718,7 +719,7 @@ def uniform_layers(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -
     layers = [i for i, b in enumerate(blocks) if b.is_layer]
     if len(layers) < n_stages:
         raise InfeasibleError(
-            f"the model has {len(layers)} layer blocks but n_stages={n_stages}; expected at least one "
+            f"the model has {len(layers)} layer blocks but --gpus is {n_stages}; expected at least one "
             "layer per stage for an equal-layer split; use fewer stages."
         )
     per, extra = divmod(len(layers), n_stages)

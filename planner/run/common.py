@@ -71,6 +71,29 @@ def check_runnable(plan: Plan) -> None:
         )
 
 
+def check_blocks(plan: Plan, traced: GraphTrace) -> None:
+    """The plan's blocks are the traced model's, name for name and node for node.
+
+    The fingerprint covers the model; this covers the plan file, whose block list a user may edit
+    (a renamed or reordered block would put other layers on a stage than the report shows).
+
+    Raises:
+        PlanFileError: the first block that differs, named.
+    """
+    mine = [(b.name, b.first_node, b.last_node) for b in plan.blocks]
+    theirs = [(b.name, b.nodes[0], b.nodes[-1]) for b in traced.blocks]
+    if len(mine) != len(theirs):
+        raise PlanFileError(
+            f"the plan lists {len(mine)} blocks but the model traces into {len(theirs)}; re-run `planner plan`"
+        )
+    for k, (a, b) in enumerate(zip(mine, theirs)):
+        if a != b:
+            raise PlanFileError(
+                f"block {k} of the plan is {a[0]!r} (nodes {a[1]} .. {a[2]}) but the model's block {k} is "
+                f"{b[0]!r} (nodes {b[1]} .. {b[2]}); the plan was edited or is for another model: re-run `planner plan`"
+            )
+
+
 def trace_for_plan(plan: Plan, mf: ModelFile, model: nn.Module) -> GraphTrace:
     """Trace ``model`` the way the planner did and check it is the structure the plan was made for.
 
@@ -95,6 +118,7 @@ def trace_for_plan(plan: Plan, mf: ModelFile, model: nn.Module) -> GraphTrace:
             f"plan was made for a different model structure (fingerprint {plan.model.fingerprint}, "
             f"the file now gives {traced.fingerprint}); re-run `planner plan`"
         )
+    check_blocks(plan, traced)
     # Tracing ran the (private copy of the) model forward in train mode, which moves batch-norm
     # running statistics; start training from the freshly built buffers like the unsplit model.
     fresh = dict(model.named_buffers())

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from planner.capture.blocks import TracedModel
+from planner.capture.load import ModelFile
 from planner.capture.stage import build_stage_module
 from planner.errors import PlannerError
 from planner.run.common import check_runnable, load_plan_model, print_flushed, trace_for_plan
@@ -137,6 +138,31 @@ def _worker_error(error_dir: Path, fallback: BaseException) -> Exception:
     return RuntimeError(f"{msg} ({first['type']}); worker traceback:\n{first['traceback']}")
 
 
+def _check_endpoint(request: RunRequest) -> None:
+    """A rendezvous host that does not resolve is one line now, not a hang or a traceback later."""
+    host = request.rdzv_host
+    if host is None:
+        return
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError:
+        raise PlannerError(
+            f"--rdzv-endpoint {request.rdzv_endpoint}: host {host!r} cannot be resolved; "
+            "give a host name or address every node can reach"
+        ) from None
+
+
+def changed_file_warning(plan: Plan, mf: ModelFile) -> str:
+    """One line naming a model file edited since planning, and which of its contract parts changed."""
+    old, new = plan.model.part_digests, mf.part_digests()
+    parts = sorted(name for name in set(old) | set(new) if old.get(name) != new.get(name))
+    what = f"{', '.join(parts)} changed" if parts and old else "its text changed"
+    return (
+        f"warning: {mf.path} changed since it was planned ({what}; digest {plan.model.file_digest} -> {mf.digest}); "
+        "the run uses the file as it is now (re-run `planner plan` if the change matters)"
+    )
+
+
 def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None] = print_flushed) -> RunResult:
     """Train ``plan`` for ``request.steps`` steps: in this process for one stage, else one process per stage.
 
@@ -164,16 +190,12 @@ def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None]
         raise PlannerError(
             f"{n} stages cannot be spread evenly over {nnodes} node(s); use an --nnodes that divides {n}"
         )
-    if nnodes > 1 and not request.rdzv_endpoint:
-        raise PlannerError(f"a run on {nnodes} nodes needs --rdzv-endpoint HOST:PORT reachable from every node")
+    _check_endpoint(request)
     nproc = n // nnodes
     _check_devices(plan, nproc if n > 1 else 0)
     mf = load_plan_model(plan, plan_path)
     if mf.digest != plan.model.file_digest:
-        print_fn(
-            f"warning: {mf.path} changed since it was planned (digest {plan.model.file_digest} -> {mf.digest}); "
-            "the run uses the file as it is now (re-run `planner plan` if the change matters)"
-        )
+        print_fn(changed_file_warning(plan, mf))
     traced = trace_for_plan(plan, mf, mf.build(plan.model.seed))
     _check_stages(plan, traced)
     del traced

@@ -15,6 +15,7 @@ ranks of a run into the run.json record.
 from __future__ import annotations
 
 import contextlib
+import math
 import resource
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -25,6 +26,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from planner.errors import PlannerError
 from planner.run.common import clip_and_step, memory_step_of, step_line, step_note
 from planner.run.measure import MemoryProbe, StageProbe, summarize
 from planner.schema.plan import Plan
@@ -169,6 +171,7 @@ def train_steps(
             t1 = time.perf_counter()
             if done is not None:
                 done()  # the end-of-step snapshot: gradients and optimizer state in full
+        _stop_if_not_finite(step, mb_losses, norm)
         rec.times.append(t1 - t0)
         rec.norms.append(norm)
         rec.clip.append(clip_s)
@@ -178,6 +181,28 @@ def train_steps(
             if echo:
                 print_fn(step_line(step, steps, rec.losses[-1], rec.times[-1], step_note(step, memory_step)))
     return _rank_result(rank, probe, rec, memory_step, memory.result)
+
+
+def _stop_if_not_finite(step: int, mb_losses: list[torch.Tensor] | None, norm: float) -> None:
+    """Stop the run at the first NaN or infinite loss or gradient norm, naming the step.
+
+    Training on would only spread the NaN into every weight. Checked after the step, so every rank
+    has passed the gradient-norm all-reduce and stops at the same step: the last rank names the
+    loss, the others the norm (which the NaN reaches through the all-reduce).
+
+    Raises:
+        PlannerError: the loss or the global gradient norm is not finite.
+    """
+    losses = [float(loss) for loss in mb_losses or []]
+    bad = next((v for v in losses if not math.isfinite(v)), None)
+    what = (
+        f"the loss is {bad}" if bad is not None else (f"the gradient norm is {norm}" if not math.isfinite(norm) else "")
+    )
+    if what:
+        raise PlannerError(
+            f"step {step}: {what}; training stopped (lower the plan's learning rate (--lr), keep --grad-clip on, "
+            "or check the data and the model for values that overflow)"
+        )
 
 
 def _rank_result(

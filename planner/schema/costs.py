@@ -25,8 +25,8 @@ class BlockCost(BaseModel):
     name: str = Field(description="Module FQN of the block, e.g. 'layers.3' or 'tok_embeddings'; unique.")
     first_node: str = Field(description="Name of the block's first graph node.")
     last_node: str = Field(description="Name of the block's last graph node.")
-    fwd_s: float = Field(ge=0, description="Forward time of one microbatch, seconds.")
-    bwd_s: float = Field(ge=0, description="Backward time of one microbatch, seconds.")
+    fwd_s: float = Field(ge=0, allow_inf_nan=False, description="Forward time of one microbatch, seconds.")
+    bwd_s: float = Field(ge=0, allow_inf_nan=False, description="Backward time of one microbatch, seconds.")
     params: int = Field(ge=0, description="Parameters first used in this block (shared ones counted once).")
     param_bytes: int = Field(ge=0, description="Bytes of those parameters.")
     activation_bytes: int = Field(ge=0, description="Bytes saved for backward by one microbatch.")
@@ -47,10 +47,13 @@ class BlockCost(BaseModel):
         "measured (the solver then charges the whole forward).",
     )
     flops_fwd: float | None = Field(
-        default=None, ge=0, description="Forward FLOPs per microbatch (torch.utils.flop_counter); None if not counted."
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
+        description="Forward FLOPs per microbatch (torch.utils.flop_counter); None if not counted.",
     )
     flops_bwd: float | None = Field(
-        default=None, ge=0, description="Backward FLOPs per microbatch; None if not counted."
+        default=None, ge=0, allow_inf_nan=False, description="Backward FLOPs per microbatch; None if not counted."
     )
     opt_s: float | None = Field(
         default=None,

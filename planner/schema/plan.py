@@ -29,6 +29,10 @@ class ModelRef(_Frozen):
     size: str | None = Field(description="SIZES entry, or None for the file's defaults.")
     config: dict[str, Any] = Field(description="Config passed to build_model/make_batch (size + --set overrides).")
     file_digest: str = Field(description="SHA-256 prefix of the model file's text when planned.")
+    part_digests: dict[str, str] = Field(
+        default_factory=dict,
+        description="SHA-256 prefix of each contract function's source (and of SIZES), to name what changed.",
+    )
     fingerprint: str = Field(description="Hash of the traced structure: blocks, graph nodes, parameter shapes.")
     trace_method: Literal["fx", "export", "modules"]
     trace_failures: list[tuple[str, str]] = Field(
@@ -64,23 +68,30 @@ class StagePlan(_Frozen):
 
     index: int = Field(ge=0)
     start: int = Field(ge=0, description="First block index.")
-    end: int = Field(description="One past the last block index.")
+    end: int = Field(ge=1, description="One past the last block index.")
     first_block: str = Field(description="FQN of the first block.")
     last_block: str = Field(description="FQN of the last block.")
     split_node: str | None = Field(description="Graph node after which this stage ends (None for the last stage).")
-    params: int
-    fwd_s: float = Field(description="Forward compute per microbatch.")
-    bwd_s: float = Field(description="Backward compute per microbatch.")
-    comm_s: float = Field(description="Send/receive time per microbatch (forward + backward).")
-    time_s: float = Field(description="fwd + bwd + comm per microbatch.")
-    opt_s: float = Field(default=0.0, description="Optimizer step over the stage's parameters, once per training step.")
+    params: int = Field(ge=0)
+    fwd_s: float = Field(ge=0, allow_inf_nan=False, description="Forward compute per microbatch.")
+    bwd_s: float = Field(ge=0, allow_inf_nan=False, description="Backward compute per microbatch.")
+    comm_s: float = Field(
+        ge=0, allow_inf_nan=False, description="Send/receive time per microbatch (forward + backward)."
+    )
+    time_s: float = Field(ge=0, allow_inf_nan=False, description="fwd + bwd + comm per microbatch.")
+    opt_s: float = Field(
+        default=0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Optimizer step over the stage's parameters, once per training step.",
+    )
     recompute: bool = Field(
         default=False, description="The stage recomputes its activations in backward (activation checkpointing)."
     )
-    activation_bytes: int = Field(description="Saved activations per microbatch.")
-    in_flight: int = Field(description="Peak microbatches holding activations under the schedule.")
+    activation_bytes: int = Field(ge=0, description="Saved activations per microbatch.")
+    in_flight: int = Field(ge=1, description="Peak microbatches holding activations under the schedule.")
     memory_bytes: int = Field(
-        description="Predicted peak: params, grads, optimizer state, in-flight activations, buffers."
+        ge=0, description="Predicted peak: params, grads, optimizer state, in-flight activations, buffers."
     )
 
 
@@ -90,14 +101,20 @@ class Prediction(_Frozen):
     starts: tuple[int, ...]
     recompute: tuple[bool, ...] = Field(default=(), description="Per stage: activation checkpointing (empty: none).")
     stage_time_s: tuple[float, ...]
-    bottleneck_s: float
-    pipeline_time_s: float = Field(description="Makespan of the schedule's forward/backward actions.")
-    step_time_s: float = Field(
-        description="Pipeline makespan plus the optimizer step and gradient-norm all-reduce after it."
+    bottleneck_s: float = Field(ge=0, allow_inf_nan=False)
+    pipeline_time_s: float = Field(
+        ge=0, allow_inf_nan=False, description="Makespan of the schedule's forward/backward actions."
     )
-    bubble_fraction: float
-    imbalance: float = Field(description="Slowest stage time / mean stage time (1.0 = perfectly balanced).")
-    max_memory_bytes: int
+    step_time_s: float = Field(
+        ge=0,
+        allow_inf_nan=False,
+        description="Pipeline makespan plus the optimizer step and gradient-norm all-reduce after it.",
+    )
+    bubble_fraction: float = Field(ge=0, le=1)
+    imbalance: float = Field(
+        ge=0, allow_inf_nan=False, description="Slowest stage time / mean stage time (1.0 = perfectly balanced)."
+    )
+    max_memory_bytes: int = Field(ge=0)
 
 
 class Plan(_Frozen):

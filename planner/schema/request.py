@@ -49,6 +49,14 @@ class _Request(BaseModel):
         Raises:
             PlannerError: a value out of range or of the wrong kind, naming its option.
         """
+        for name, value in values.items():
+            # str() refuses integers past sys.get_int_max_str_digits() (4300 digits), so no
+            # message, ours or a validator's, could show one: refuse it here, by its option.
+            if isinstance(value, int) and abs(value).bit_length() > 4096:
+                option = cls.OPTIONS.get(name, name.replace("_", "-"))
+                raise PlannerError(
+                    f"{option}: a number of over 1000 digits is out of range; give one that fits in 64 bits"
+                )
         try:
             return cls(**values)
         except ValidationError as e:
@@ -58,13 +66,16 @@ class _Request(BaseModel):
             option = cls.OPTIONS.get(field, field.replace("_", "-"))
             given = first.get("input") if len(loc) > 1 else values.get(field, first.get("input"))
             msg = str(first["msg"]).removeprefix("Value error, ")
-            where = f"{option} {given}: " if option else ""
-            raise PlannerError(f"{where}{msg}") from None
-
-
-def _finite(value: float | None, option: str) -> None:
-    if value is not None and not math.isfinite(value):
-        raise ValueError(f"{option} must be a finite number")
+            try:
+                # the "input" of a missing field is every other value: show none
+                shown = "" if first["type"] == "missing" else f" {given}"
+                where = f"{option}{shown}: " if option else ""
+            except ValueError:  # a nested integer too long for str() (e.g. in the optimizer dict)
+                where = f"{option} (a number too long to show): "
+            # A value (ours or quoted by a validator) may hold a line break: escape such characters,
+            # so the message stays the one line the CLI prints.
+            message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in f"{where}{msg}")
+            raise PlannerError(message) from None
 
 
 class PlanRequest(_Request):
@@ -100,14 +111,20 @@ class PlanRequest(_Request):
     gpus: int = Field(ge=1, description="Pipeline stages, one rank each.")
     size: str | None = Field(default=None, description="A key of the file's SIZES (None: its defaults).")
     overrides: dict[str, Any] = Field(default_factory=dict, description="Config entries to replace (--set).")
-    batch_size: int = Field(default=32, ge=1, description="Samples per training step.")
+    # bounded so the default microbatch count (a divisor search up to sqrt(batch)) stays instant
+    batch_size: int = Field(default=32, ge=1, le=10**9, description="Samples per training step.")
     microbatches: int | None = Field(
-        default=None, ge=1, description="Microbatches per step (None: 2 x gpus, at most the batch)."
+        default=None, ge=1, description="Microbatches per step (None: the smallest divisor of the batch >= 2 x gpus)."
     )
     schedule: Schedule = "1f1b"
     method: Method = Field(default="optimal", description="The split the plan uses; the others are compared.")
     memory_limit_gib: float | None = Field(
-        default=None, gt=0, description="Per-rank limit (None: the GPU's capacity when known)."
+        # 2**30 GiB (an exbibyte) is far past any device and keeps the limit a finite byte count
+        default=None,
+        gt=0,
+        le=2**30,
+        allow_inf_nan=False,
+        description="Per-rank limit in GiB (None: the GPU's capacity when known).",
     )
     recompute: Recompute = Field(default="auto", description="Activation checkpointing per stage.")
     gpu_type: str | None = Field(default=None, description="Estimate for this hardware instead of measuring here.")
@@ -120,18 +137,25 @@ class PlanRequest(_Request):
     threads: int | None = Field(default=None, ge=1, description="CPU threads per rank (None: cores // gpus).")
     repeats: int = Field(default=5, ge=1, description="Timed runs per block.")
     warmup: int = Field(default=2, ge=0, description="Untimed runs per block.")
-    seed: int = Field(default=0, description="Seed for weights and the example batch.")
+    # torch.manual_seed takes a 64-bit seed and the run adds the step number to it: keep it below 2**63.
+    seed: int = Field(default=0, ge=0, le=2**63 - 1, description="Seed for weights and the example batch.")
     output: Path = Field(default=Path("plan.json"), description="Where the plan is written.")
     progress: bool = Field(default=True, description="Show progress bars.")
 
     @model_validator(mode="after")
     def _consistent(self) -> PlanRequest:
-        _finite(self.memory_limit_gib, "--memory-limit")
         m = self.n_microbatches
         if self.batch_size % m:
             raise ValueError(
                 f"batch size {self.batch_size} does not split into {m} equal microbatches; "
                 f"choose --batch-size as a multiple of --microbatches (e.g. --batch-size {m * max(1, self.batch_size // m)})"
+            )
+        if self.schedule == "1f1b" and m < self.gpus:
+            # torch's Schedule1F1B refuses fewer microbatches than stages; say so before any profiling.
+            raise ValueError(
+                f"--microbatches {m} is too small for --schedule 1f1b with {self.gpus} stages: torch's "
+                f"Schedule1F1B needs at least one microbatch per stage; use -m {self.gpus} or more "
+                f"(a divisor of --batch-size {self.batch_size}), fewer --gpus, or --schedule gpipe"
             )
         if self.multi_node and self.gpu_type is None:
             raise ValueError(
@@ -145,8 +169,10 @@ class PlanRequest(_Request):
 
     @property
     def n_microbatches(self) -> int:
-        """Microbatches per step: as given, else 2 x gpus capped at the batch size."""
-        return self.microbatches if self.microbatches is not None else min(self.batch_size, 2 * self.gpus)
+        """Microbatches per step: as given, else a default that divides the batch (``default_microbatches``)."""
+        if self.microbatches is not None:
+            return self.microbatches
+        return default_microbatches(self.batch_size, self.gpus)
 
     @property
     def microbatch_size(self) -> int:
@@ -157,6 +183,29 @@ class PlanRequest(_Request):
     def memory_limit_bytes(self) -> int | None:
         """``--memory-limit`` in bytes (None: not given)."""
         return int(self.memory_limit_gib * 2**30) if self.memory_limit_gib is not None else None
+
+
+def default_microbatches(batch_size: int, gpus: int) -> int:
+    """The microbatch count when none is given: one that divides the batch and keeps the bubble small.
+
+    The smallest divisor of ``batch_size`` that is at least 2 x gpus (the bubble of GPipe and 1F1B
+    is (p - 1) / (m + p - 1), so m = 2p keeps it near a third); else the smallest divisor that is at
+    least ``gpus`` (what 1F1B needs); else the whole batch, one sample per microbatch.
+
+    Args:
+        batch_size: samples per step.
+        gpus: pipeline stages.
+
+    Returns:
+        The microbatch count.
+    """
+    small = [d for d in range(1, math.isqrt(batch_size) + 1) if batch_size % d == 0]  # O(sqrt(batch))
+    divisors = sorted({*small, *(batch_size // d for d in small)})
+    for floor in (2 * gpus, gpus):
+        fits = [d for d in divisors if d >= floor]
+        if fits:
+            return fits[0]
+    return batch_size
 
 
 class RunRequest(_Request):
@@ -182,6 +231,24 @@ class RunRequest(_Request):
     )
     output: Path | None = Field(default=None, description="Where run.json goes (None: PLAN's name with .run.json).")
     echo: bool = Field(default=True, description="Print one line per step.")
+
+    @model_validator(mode="after")
+    def _endpoint(self) -> RunRequest:
+        if self.rdzv_endpoint is not None:
+            host, sep, port = self.rdzv_endpoint.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+                raise ValueError(
+                    f"--rdzv-endpoint {self.rdzv_endpoint}: expected HOST:PORT with a port number 0-65535, "
+                    "e.g. --rdzv-endpoint node0:29500"
+                )
+        if self.nnodes > 1 and self.rdzv_endpoint is None:
+            raise ValueError(f"a run on {self.nnodes} nodes needs --rdzv-endpoint HOST:PORT reachable from every node")
+        return self
+
+    @property
+    def rdzv_host(self) -> str | None:
+        """The rendezvous host (None: this machine, a free port)."""
+        return self.rdzv_endpoint.rpartition(":")[0].strip("[]") if self.rdzv_endpoint else None
 
     @property
     def result_path(self) -> Path:

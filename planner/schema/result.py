@@ -5,6 +5,7 @@ Pure module: pydantic only, never torch (``planner report`` reads it next to pla
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 
@@ -150,8 +151,24 @@ class RunResult(BaseModel):
         Raises:
             PlanFileError: missing, not JSON, or not a run result of this version.
         """
-        fix = f"write one with `planner run PLAN -o {path}`"
-        return parse_versioned(read_text(path, "run result", fix), cls, RUN_VERSION, str(path), "run result", fix)
+        fix = "give the run report `planner run PLAN` wrote (PLAN.run.json next to the plan, or its -o)"
+        text = read_text(path, "run result", fix)
+        if _looks_like_plan(text):
+            stem = Path(path).with_suffix("")
+            raise PlanFileError(
+                f"{path} is a plan, not a run report; train it with `planner run {path}` and give the run report "
+                f"it writes ({stem}.run.json)"
+            )
+        return parse_versioned(text, cls, RUN_VERSION, str(path), "run result", fix)
+
+
+def _looks_like_plan(text: str) -> bool:
+    """Whether a document is a plan.json (to answer "a plan was given where a run report belongs")."""
+    try:
+        raw = json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(raw, dict) and {"model", "blocks", "stages", "prediction"} <= raw.keys()
 
 
 def check_run_matches(plan: Plan, run: RunResult) -> None:

@@ -1,0 +1,131 @@
+"""Tier 2: the model-file contract is enforced at plan time, before any profiling.
+
+A loss that sums instead of averaging, or a make_batch that ignores batch_size, would give a
+pipeline that silently differs from the unsplit model; both are refused with the reason.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TOY = (ROOT / "models" / "toy.py").read_text()
+
+
+def _plan(model: Path, tmp_path: Path, *extra: str) -> tuple[int, str]:
+    out = tmp_path / "plan.json"
+    args = [
+        "plan",
+        str(model),
+        "--gpus",
+        "2",
+        "-b",
+        "8",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "-q",
+        "-o",
+        str(out),
+        *extra,
+    ]
+    result = CliRunner().invoke(main, args)
+    return result.exit_code, result.output
+
+
+def _variant(tmp_path: Path, old: str, new: str) -> Path:
+    assert old in TOY
+    path = tmp_path / "model.py"
+    path.write_text(TOY.replace(old, new))
+    return path
+
+
+def test_a_summed_loss_is_refused_with_the_reason(tmp_path: Path) -> None:
+    model = _variant(
+        tmp_path, "return F.mse_loss(output, target)", "return F.mse_loss(output, target, reduction='sum')"
+    )
+    code, out = _plan(model, tmp_path)
+    assert code == 2
+    assert "loss_fn() sums over the batch instead of averaging" in out and "reduction='mean'" in out
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_a_loss_that_is_no_mean_is_refused(tmp_path: Path) -> None:
+    # the mean of the first sample only: not a mean over the batch
+    model = _variant(tmp_path, "return F.mse_loss(output, target)", "return F.mse_loss(output[:1], target[:1])")
+    code, out = _plan(model, tmp_path)
+    assert code == 2 and "loss_fn() is not a mean over the batch" in out
+
+
+def test_make_batch_that_ignores_batch_size_is_refused(tmp_path: Path) -> None:
+    model = _variant(
+        tmp_path, "def make_batch(batch_size: int,", "def make_batch(batch_size_ignored: int, batch_size: int = 3,"
+    )
+    code, out = _plan(model, tmp_path)
+    assert code == 2
+    assert "make_batch(4) returned tensors whose first dimension is [3], not 4" in out
+
+
+@pytest.mark.parametrize("model", ["gpt", "encoder_lm", "resnet50", "shakespeare", "toy", "llama"])
+def test_the_shipped_models_keep_the_contract(model: str, tmp_path: Path) -> None:
+    import torch
+
+    from planner.capture.load import check_batch_contract, load_model_file
+
+    mf = load_model_file(ROOT / "models" / f"{model}.py", "tiny")
+    check_batch_contract(mf, mf.build(0), 2, 0, torch.device("cpu"))  # raises if not
+
+
+@pytest.mark.parametrize("gpus", ["1", "2"])
+def test_a_nan_loss_stops_the_run_naming_the_step(tmp_path: Path, gpus: str) -> None:
+    # the data stream turns to NaN at its second batch (make_batch, used at plan time, stays clean)
+    model = _variant(
+        tmp_path,
+        "        yield (x,), y\n",
+        "        yield (x,), y\n        x = x * float('nan')\n        yield (x,), y\n",
+    )
+    out = tmp_path / "plan.json"
+    planned = CliRunner().invoke(
+        main, ["plan", str(model), "--gpus", gpus, "-b", "8", "--repeats", "1", "--warmup", "0", "-q", "-o", str(out)]
+    )
+    assert planned.exit_code == 0, planned.output
+    result = CliRunner().invoke(main, ["run", str(out), "--steps", "4"])
+    assert result.exit_code == 2, result.output
+    assert (
+        "step 2: the loss is nan; training stopped" in result.output
+        or "step 2: the gradient norm is nan" in result.output
+    )
+
+
+@pytest.mark.parametrize(("sig", "code", "word"), [("SIGTERM", 143, "terminated"), ("SIGINT", 130, "interrupted")])
+def test_a_signal_during_planning_ends_with_one_line(tmp_path: Path, sig: str, code: int, word: str) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    model = _variant(
+        tmp_path,
+        "    x = torch.randn(batch_size, in_features)",
+        "    import time; time.sleep(60)\n    x = torch.randn(batch_size, in_features)",
+    )
+    out = tmp_path / "plan.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from cli import main; main()", "plan", str(model), "--gpus", "2", "-o", str(out)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(4)  # imports torch, then sleeps in make_batch
+    proc.send_signal(getattr(signal, sig))
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == code, err
+    assert err.strip().splitlines()[-1] == word and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.py"]  # nothing written, nothing left behind

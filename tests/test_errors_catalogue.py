@@ -1,0 +1,566 @@
+"""Every mistake gets one clear line: a catalogue of bad inputs, their messages and exit codes.
+
+Each case runs the real ``planner`` command (click's test runner, in this process) on a small
+model file or plan made for it, and must end with its expected exit code, one error line that
+contains the expected words, and no traceback. The whole catalogue is written to
+``docs/errors.md``; this test fails when that page no longer matches the code
+(``PLANNER_UPDATE_DOCS=1 pytest tests/test_errors_catalogue.py`` rewrites it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "errors.md"
+TOY = (ROOT / "models" / "toy.py").read_text()
+FAST = ["--repeats", "1", "--warmup", "0", "-q"]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad input: the command line (``{d}`` is the scratch folder), what it must answer."""
+
+    group: str
+    what: str
+    args: str
+    code: int
+    expect: str
+    setup: Callable[[Path], None] | None = None
+
+
+def _toy(d: Path, name: str = "model.py", old: str = "", new: str = "") -> Path:
+    assert not old or old in TOY, old
+    path = d / name
+    path.write_text(TOY.replace(old, new) if old else TOY)
+    return path
+
+
+def _variant(old: str, new: str, name: str = "bad.py") -> Callable[[Path], None]:
+    return lambda d: None if _toy(d, name, old, new) else None
+
+
+def _text(name: str, text: str) -> Callable[[Path], None]:
+    return lambda d: None if (d / name).write_text(text) else None
+
+
+def _edit_plan(edit: Callable[[dict], None], name: str = "edited.json") -> Callable[[Path], None]:
+    def setup(d: Path) -> None:
+        raw = json.loads((d / "plan.json").read_text())
+        edit(raw)
+        (d / name).write_text(json.dumps(raw))
+
+    return setup
+
+
+def _rename_block(raw: dict) -> None:
+    # renamed consistently in the plan file, so only the model can tell
+    raw["blocks"][0]["name"] = "renamed"
+    raw["stages"][0]["first_block"] = "renamed"
+    if raw["stages"][0]["end"] == 1:
+        raw["stages"][0]["last_block"] = "renamed"
+
+
+def _move_boundary(raw: dict) -> None:
+    cut = 2 if raw["stages"][0]["end"] == 1 else 1  # the other legal boundary of the 3-block toy model
+    raw["stages"][0]["end"] = cut
+    raw["stages"][0]["last_block"] = raw["blocks"][cut - 1]["name"]
+    raw["stages"][1]["start"] = cut
+    raw["stages"][1]["first_block"] = raw["blocks"][cut]["name"]
+
+
+def _estimated(raw: dict) -> None:
+    raw["profile"].update(source="estimated", device="cuda", backend="nccl", hardware="h100", dtype="bf16")
+
+
+M = "{d}/model.py"
+PLAN = ["plan", M, "--gpus", "2", "-b", "8", *FAST, "-o", "{d}/out.json"]
+P = " ".join(PLAN)
+
+CASES: list[Case] = [
+    # --- the model file ---------------------------------------------------------------------------
+    Case("model file", "model file missing", "plan {d}/nope.py --gpus 2", 2, "does not exist"),
+    Case(
+        "model file", "syntax error", "plan {d}/bad.py --gpus 2", 2, "importing", _text("bad.py", "def build_model(:\n")
+    ),
+    Case(
+        "model file",
+        "raises at import",
+        "plan {d}/bad.py --gpus 2",
+        2,
+        "ValueError: boom",
+        _text("bad.py", "raise ValueError('boom')\n"),
+    ),
+    Case(
+        "model file",
+        "sys.exit(3) at import",
+        "plan {d}/bad.py --gpus 2",
+        2,
+        "exit",
+        _text("bad.py", "import sys\nsys.exit(3)\n"),
+    ),
+    Case(
+        "model file",
+        "no build_model",
+        "plan {d}/bad.py --gpus 2",
+        2,
+        "does not define build_model",
+        _variant("def build_model(", "def build_model_renamed("),
+    ),
+    Case(
+        "model file",
+        "no make_batch",
+        "plan {d}/bad.py --gpus 2",
+        2,
+        "does not define make_batch",
+        _variant("def make_batch(", "def make_batch_renamed("),
+    ),
+    Case(
+        "model file",
+        "build_model returns no module",
+        "plan {d}/bad.py --gpus 2",
+        2,
+        "expected a torch.nn.Module",
+        _variant("    return ToyModel(in_features, hidden, out_features)", "    return 42"),
+    ),
+    Case(
+        "model file",
+        "build_model raises",
+        "plan {d}/bad.py --gpus 2",
+        2,
+        "build_model() raised RuntimeError",
+        _variant("    return ToyModel(in_features, hidden, out_features)", "    raise RuntimeError('no weights')"),
+    ),
+    Case(
+        "model file",
+        "make_batch returns the wrong shape",
+        "plan {d}/bad.py --gpus 2",
+        2,
+        "must return (inputs_tuple, target_tensor)",
+        _variant("    return (x,), y", "    return x, y"),
+    ),
+    Case(
+        "model file",
+        "make_batch raises",
+        "plan {d}/bad.py --gpus 2",
+        2,
+        "make_batch() raised",
+        _variant(
+            "    x = torch.randn(batch_size, in_features)",
+            "    x = torch.randn(batch_size, in_features) / undefined_name",
+        ),
+    ),
+    Case(
+        "model file",
+        "forward raises",
+        "plan {d}/bad.py --gpus 2",
+        2,
+        "forward() raised",
+        _variant("        return self.net2(self.relu(self.net1(x)))", "        return self.net2(x.t())"),
+    ),
+    Case(
+        "model file",
+        "loss_fn raises",
+        "plan {d}/bad.py --gpus 2",
+        2,
+        "loss_fn() raised",
+        _variant("    return F.mse_loss(output, target)", "    return F.mse_loss(output, target[:, :1].t())"),
+    ),
+    Case(
+        "model file",
+        "loss_fn returns no scalar",
+        "plan {d}/bad.py --gpus 2",
+        2,
+        "expected a scalar tensor",
+        _variant("    return F.mse_loss(output, target)", "    return (output - target) ** 2"),
+    ),
+    Case(
+        "model file",
+        "loss sums instead of averaging",
+        "plan {d}/bad.py --gpus 2 -b 8",
+        2,
+        "sums over the batch",
+        _variant("    return F.mse_loss(output, target)", "    return F.mse_loss(output, target, reduction='sum')"),
+    ),
+    Case(
+        "model file",
+        "loss is not a mean over the batch",
+        "plan {d}/bad.py --gpus 2 -b 8",
+        2,
+        "is not a mean over the batch",
+        _variant("    return F.mse_loss(output, target)", "    return F.mse_loss(output[:1], target[:1])"),
+    ),
+    Case(
+        "model file",
+        "make_batch ignores batch_size",
+        "plan {d}/bad.py --gpus 2 -b 8",
+        2,
+        "first dimension is [3], not 4",
+        _variant(
+            "    x = torch.randn(batch_size, in_features)\n    y = torch.randn(batch_size, out_features)",
+            "    x = torch.randn(3, in_features)\n    y = torch.randn(3, out_features)",
+        ),
+    ),
+    Case(
+        "model file",
+        "SIZES is a list",
+        "plan {d}/bad.py --gpus 2 --size tiny",
+        2,
+        "SIZES",
+        _variant("SIZES: dict[str, dict] = {", "SIZES = [1, 2]\n_UNUSED: dict[str, dict] = {"),
+    ),
+    Case("model file", "unknown --size", "plan {d}/model.py --gpus 2 --size huge", 2, "known sizes: tiny, wide"),
+    Case(
+        "model file",
+        "--set of an unknown key",
+        "plan {d}/model.py --gpus 2 --set depth=3",
+        2,
+        "has no config key 'depth'",
+    ),
+    Case("model file", "--set without =", "plan {d}/model.py --gpus 2 --set depth", 2, "expected key=value"),
+    Case("model file", "--set with an empty key", "plan {d}/model.py --gpus 2 --set =3", 2, "expected key=value"),
+    Case(
+        "model file",
+        "--set a value build_model rejects",
+        'plan {d}/model.py --gpus 2 --set hidden="x"',
+        2,
+        "rejected the config",
+    ),
+    # --- options of planner plan ------------------------------------------------------------------
+    Case("plan options", "--gpus 0", "plan {d}/model.py --gpus 0", 2, "--gpus"),
+    Case(
+        "plan options",
+        "more stages than blocks",
+        "plan {d}/model.py --gpus 5 -b 10 -m 5",
+        2,
+        "the model has only 3 blocks",
+    ),
+    Case("plan options", "--batch-size 0", "plan {d}/model.py --gpus 2 -b 0", 2, "--batch-size"),
+    Case(
+        "plan options",
+        "batch not divisible by --microbatches",
+        "plan {d}/model.py --gpus 2 -b 30 -m 4",
+        2,
+        "does not split into 4 equal microbatches",
+    ),
+    Case(
+        "plan options",
+        "1F1B with fewer microbatches than stages",
+        "plan {d}/model.py --gpus 3 -b 8 -m 2",
+        2,
+        "needs at least one microbatch per stage",
+    ),
+    Case("plan options", "unknown --schedule", "plan {d}/model.py --gpus 2 --schedule zb", 2, "--schedule"),
+    Case("plan options", "unknown --method", "plan {d}/model.py --gpus 2 --method best", 2, "--method"),
+    Case("plan options", "--memory-limit 0", "plan {d}/model.py --gpus 2 --memory-limit 0", 2, "--memory-limit"),
+    Case("plan options", "--memory-limit nan", "plan {d}/model.py --gpus 2 --memory-limit nan", 2, "--memory-limit"),
+    Case(
+        "plan options",
+        "--memory-limit nothing fits",
+        "plan {d}/model.py --gpus 2 -b 8 --memory-limit 0.0000001 " + " ".join(FAST),
+        2,
+        "alone needs",
+    ),
+    Case("plan options", "unknown --recompute", "plan {d}/model.py --gpus 2 --recompute sometimes", 2, "--recompute"),
+    Case("plan options", "unknown --gpu-type", "plan {d}/model.py --gpus 2 --gpu-type h1000", 2, "h1000"),
+    Case(
+        "plan options",
+        "--dtype without --gpu-type",
+        "plan {d}/model.py --gpus 2 --dtype bf16",
+        2,
+        "--dtype applies to estimated costs only",
+    ),
+    Case(
+        "plan options",
+        "--multi-node without --gpu-type",
+        "plan {d}/model.py --gpus 2 --multi-node",
+        2,
+        "--multi-node applies to estimated costs only",
+    ),
+    Case(
+        "plan options",
+        "a dtype the GPU lacks",
+        "plan {d}/model.py --gpus 2 --gpu-type v100 --dtype bf16",
+        2,
+        "not supported on v100",
+    ),
+    Case("plan options", "--lr 0", "plan {d}/model.py --gpus 2 --lr 0", 2, "--lr"),
+    Case(
+        "plan options",
+        "--lr nan",
+        "plan {d}/model.py --gpus 2 --lr nan",
+        2,
+        "--lr nan: Input should be a finite number",
+    ),
+    Case(
+        "plan options",
+        "--lr inf",
+        "plan {d}/model.py --gpus 2 --lr inf",
+        2,
+        "--lr inf: Input should be a finite number",
+    ),
+    Case("plan options", "--grad-clip -1", "plan {d}/model.py --gpus 2 --grad-clip -1", 2, "--grad-clip"),
+    Case("plan options", "--grad-clip nan", "plan {d}/model.py --gpus 2 --grad-clip nan", 2, "--grad-clip"),
+    Case("plan options", "--threads 0", "plan {d}/model.py --gpus 2 --threads 0", 2, "--threads"),
+    Case("plan options", "--repeats 0", "plan {d}/model.py --gpus 2 --repeats 0", 2, "--repeats"),
+    Case("plan options", "--warmup -1", "plan {d}/model.py --gpus 2 --warmup -1", 2, "--warmup"),
+    Case("plan options", "--seed -1", "plan {d}/model.py --gpus 2 --seed -1", 2, "--seed"),
+    Case(
+        "plan options", "--seed of 24 digits", "plan {d}/model.py --gpus 2 --seed 100000000000000000000000", 2, "--seed"
+    ),
+    Case("plan options", "unknown --optimizer", "plan {d}/model.py --gpus 2 --optimizer lion", 2, "--optimizer"),
+    Case(
+        "plan options",
+        "--calibrate a missing run",
+        "plan {d}/model.py --gpus 2 --calibrate {d}/nope.run.json",
+        2,
+        "cannot read run result",
+    ),
+    Case(
+        "plan options",
+        "--calibrate a plan",
+        "plan {d}/model.py --gpus 2 --calibrate {d}/plan.json",
+        2,
+        "is a plan, not a run report",
+    ),
+    Case(
+        "plan options",
+        "--calibrate a run of another model",
+        "plan {d}/other.py --gpus 1 -b 8 --calibrate {d}/one.run.json " + " ".join(FAST),
+        2,
+        "the calibration was measured on a model with fingerprint",
+        _variant("        self.relu = nn.ReLU()", "        self.relu = nn.GELU()", "other.py"),
+    ),
+    # --- outputs ----------------------------------------------------------------------------------
+    Case(
+        "outputs",
+        "-o into a missing folder",
+        "plan {d}/model.py --gpus 2 -o {d}/missing/plan.json",
+        2,
+        "does not exist",
+    ),
+    Case(
+        "outputs",
+        "plan -o onto the model file",
+        "plan {d}/model.py --gpus 2 -o {d}/model.py",
+        2,
+        "holds something that is not a plan",
+    ),
+    Case("outputs", "run -o onto the plan", "run {d}/plan.json -o {d}/plan.json", 2, "holds a plan, not a run result"),
+    Case(
+        "outputs",
+        "-o onto a symbolic link",
+        "plan {d}/model.py --gpus 2 -o {d}/link.json",
+        2,
+        "is a symbolic link",
+        lambda d: None if (d / "link.json").symlink_to(d / "plan.json") else None,
+    ),
+    Case("outputs", "-o onto a device", "plan {d}/model.py --gpus 2 -o /dev/null", 2, "not a regular file"),
+    Case("outputs", "-o onto a folder", "plan {d}/model.py --gpus 2 -o {d}", 2, "is a directory"),
+    # --- plan files given to run and report --------------------------------------------------------
+    Case("plan files", "run a missing plan", "run {d}/nope.json", 2, "cannot read plan"),
+    Case(
+        "plan files", "run a file that is not JSON", "run {d}/junk.json", 2, "is not JSON", _text("junk.json", "plan?")
+    ),
+    Case(
+        "plan files", "run a JSON list", "run {d}/list.json", 2, "expected a JSON object", _text("list.json", "[1, 2]")
+    ),
+    Case(
+        "plan files",
+        "run a plan of another version",
+        "run {d}/v9.json",
+        2,
+        "this planner reads version 1",
+        _text("v9.json", '{"version": 9}'),
+    ),
+    Case("plan files", "run a run report", "run {d}/one.run.json", 2, "format version 2"),
+    Case(
+        "plan files",
+        "a negative stage time",
+        "report {d}/neg.json",
+        2,
+        "greater than or equal to 0",
+        _edit_plan(lambda raw: raw["stages"][0].update(fwd_s=-1.0), "neg.json"),
+    ),
+    Case(
+        "plan files",
+        "stages that do not tile the blocks",
+        "report {d}/gap.json",
+        2,
+        "stages must be contiguous",
+        _edit_plan(lambda raw: raw["stages"][1].update(start=raw["stages"][0]["end"] + 1), "gap.json"),
+    ),
+    Case(
+        "plan files",
+        "a renamed block",
+        "run {d}/renamed.json --steps 1",
+        2,
+        "block 0 of the plan is 'renamed'",
+        _edit_plan(_rename_block, "renamed.json"),
+    ),
+    Case(
+        "plan files",
+        "a stage boundary moved by hand (figures recomputed)",
+        "report {d}/moved.json",
+        0,
+        "was edited by hand or written by another version",
+        _edit_plan(_move_boundary, "moved.json"),
+    ),
+    Case(
+        "plan files",
+        "an estimated GPU plan run on CPU",
+        "run {d}/gpu.json --steps 1",
+        2,
+        "a GPU that is not here",
+        _edit_plan(_estimated, "gpu.json"),
+    ),
+    Case(
+        "plan files",
+        "the model file of a plan is gone",
+        "run {d}/moved/plan.json --steps 1",
+        2,
+        "does not exist",
+        lambda d: (d / "moved").mkdir() or shutil.copy(d / "gone.json", d / "moved" / "plan.json") and None,
+    ),
+    Case("plan files", "report a missing plan", "report {d}/nope.json", 2, "cannot read plan"),
+    Case(
+        "plan files",
+        "report --measured a plan",
+        "report {d}/plan.json --measured {d}/plan.json",
+        2,
+        "is a plan, not a run report",
+    ),
+    Case(
+        "plan files",
+        "report --measured a run of another split",
+        "report {d}/plan.json --measured {d}/one.run.json",
+        2,
+        "the run has measurements for 1 stage(s), the plan has 2",
+    ),
+    # --- options of planner run -------------------------------------------------------------------
+    Case("run options", "--steps 0", "run {d}/plan.json --steps 0", 2, "--steps"),
+    Case("run options", "--nnodes 0", "run {d}/plan.json --nnodes 0", 2, "--nnodes"),
+    Case(
+        "run options", "several nodes without an endpoint", "run {d}/plan.json --nnodes 2", 2, "needs --rdzv-endpoint"
+    ),
+    Case(
+        "run options",
+        "stages not divisible by nodes",
+        "run {d}/three.json --nnodes 2 --rdzv-endpoint localhost:29555",
+        2,
+        "3 stages cannot be spread evenly over 2 node(s)",
+    ),
+    Case(
+        "run options",
+        "--rdzv-endpoint without a port",
+        "run {d}/plan.json --rdzv-endpoint notahost:abc",
+        2,
+        "expected HOST:PORT with a port number",
+    ),
+    Case(
+        "run options",
+        "--rdzv-endpoint of an unknown host",
+        "run {d}/plan.json --rdzv-endpoint nosuchhost.invalid:29500",
+        2,
+        "cannot be resolved",
+    ),
+    Case("run options", "-o into a missing folder", "run {d}/plan.json -o {d}/missing/run.json", 2, "does not exist"),
+    # --- while training ---------------------------------------------------------------------------
+    Case(
+        "training", "the data stream ends", "run {d}/ends.json --steps 3", 2, "train_batches() ended after 1 batch(es)"
+    ),
+    Case("training", "a NaN loss", "run {d}/nan.json --steps 3", 2, "step 2: the loss is nan; training stopped"),
+]
+
+
+def _make_plan(d: Path, model: Path, out: str, *args: str) -> None:
+    result = CliRunner().invoke(main, ["plan", str(model), "-b", "8", *FAST, "-o", str(d / out), *args])
+    assert result.exit_code == 0, result.output
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model file, plans of it, a run report, and the model files the training cases need."""
+    d = tmp_path_factory.mktemp("errors")
+    model = _toy(d)
+    # equal layer counts: a 2+1 split whatever the timings, so the messages below never change
+    _make_plan(d, model, "plan.json", "--gpus", "2", "--schedule", "gpipe", "--method", "uniform")
+    _make_plan(d, model, "three.json", "--gpus", "3", "--schedule", "gpipe")
+    _make_plan(d, model, "one.json", "--gpus", "1")
+    result = CliRunner().invoke(main, ["run", str(d / "one.json"), "--steps", "2"])
+    assert result.exit_code == 0, result.output
+    gone = _toy(d, "gone.py")
+    _make_plan(d, gone, "gone.json", "--gpus", "1")
+    gone.unlink()
+    ends = _toy(d, "ends.py", "    while True:\n", "    for _ in range(1):\n")
+    _make_plan(d, ends, "ends.json", "--gpus", "1")
+    nan = _toy(
+        d,
+        "nan.py",
+        "        yield (x,), y\n",
+        "        yield (x,), y\n        x = x * float('nan')\n        yield (x,), y\n",
+    )
+    _make_plan(d, nan, "nan.json", "--gpus", "1")
+    return d
+
+
+def _run(case: Case, d: Path) -> tuple[int, str, str]:
+    if case.setup is not None:
+        case.setup(d)
+    args = [a.replace("{d}", str(d)) for a in case.args.split()]
+    result = CliRunner().invoke(main, args)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def _error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith(("error:", "Error:", "note:", "warning:"))]
+    return errors[-1] if errors else (lines[-1] if lines else "")
+
+
+def test_every_mistake_gets_one_clear_line(scratch: Path) -> None:
+    assert len(CASES) >= 60
+    rows = []
+    failures = []
+    for case in CASES:
+        code, stdout, stderr = _run(case, scratch)
+        line = _error_line(stderr)
+        ok = (
+            code == case.code
+            and case.expect in stderr
+            and "Traceback" not in stdout + stderr
+            and (case.code == 0 or line.lower().startswith("error:"))
+        )
+        if not ok:
+            failures.append(f"{case.what}: exit {code}, stderr {stderr.strip()[-400:]!r}")
+        shown = line.replace(str(scratch), "<dir>")
+        rows.append(
+            f"| {case.group} | {case.what} | `{case.args.replace('{d}', '<dir>')}` | {code} | {shown.replace('|', '/')} |"
+        )
+    assert not failures, "\n".join(failures)
+    text = (
+        "# Every mistake, its message and its exit code\n\n"
+        "Written by `tests/test_errors_catalogue.py`, which runs each bad input through the real `planner` "
+        "command and fails when a message or exit code here no longer matches the code "
+        "(`PLANNER_UPDATE_DOCS=1 pytest tests/test_errors_catalogue.py` rewrites this page). Exit codes: "
+        "2 a usage or input mistake, 1 a bug in the planner (none below), 130 Ctrl-C, 143 SIGTERM, 0 accepted. "
+        "`--debug` shows the full traceback instead of the one line. `<dir>` is the folder of the files each case "
+        "made; `model.py` is a copy of `models/toy.py`.\n\n"
+        f"{len(CASES)} cases.\n\n"
+        "| kind | mistake | command | exit | what the user reads |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
+    )
+    if os.environ.get("PLANNER_UPDATE_DOCS"):
+        DOC.write_text(text)
+    assert DOC.exists() and DOC.read_text() == text, (
+        "docs/errors.md is out of date: PLANNER_UPDATE_DOCS=1 pytest tests/test_errors_catalogue.py"
+    )
