@@ -65,9 +65,9 @@ def check_runnable(plan: Plan) -> None:
     # torch's Schedule1F1B.__init__ raises ValueError when n_microbatches < num_stages.
     if plan.n_stages > 1 and plan.schedule == "1f1b" and plan.n_microbatches < plan.n_stages:
         raise PlannerError(
-            f"n_microbatches={plan.n_microbatches} is too small for schedule '1f1b' with {plan.n_stages} stages; "
-            f"torch's Schedule1F1B needs n_microbatches >= n_stages; re-plan with at least {plan.n_stages} "
-            "microbatches or schedule 'gpipe'"
+            f"the plan has {plan.n_microbatches} microbatches, too few for schedule 1f1b with {plan.n_stages} stages "
+            f"(torch's Schedule1F1B needs at least one per stage); re-plan with -m {plan.n_stages} or more, "
+            "or --schedule gpipe"
         )
 
 
