@@ -193,7 +193,7 @@ def _stop_if_not_finite(step: int, mb_losses: list[torch.Tensor] | None, norm: f
     Raises:
         PlannerError: the loss or the global gradient norm is not finite.
     """
-    losses = [float(loss) for loss in mb_losses or []]
+    losses = [float(loss.detach()) for loss in mb_losses or []]
     bad = next((v for v in losses if not math.isfinite(v)), None)
     what = (
         f"the loss is {bad}" if bad is not None else (f"the gradient norm is {norm}" if not math.isfinite(norm) else "")
