@@ -162,7 +162,7 @@ def test_code_and_docs_cite_nothing_outside_the_repository() -> None:
         ROOT / "cli.py",
     ]:
         text = path.read_text()
-        for needle in ("DESIGN.md", "REFERENCES.md", "../shared"):
+        for needle in ("DESIGN.md", "REFERENCES.md", "../" + "shared"):  # spelled apart so this file does not cite it
             if needle in text and path != Path(__file__):
                 hits.append(f"{path.relative_to(ROOT)}: {needle}")
     assert not hits, hits
