@@ -22,6 +22,7 @@ from planner.capture.trace import trace_model
 from planner.core.assemble import assemble_plan
 from planner.core.calibrate import Calibration, apply_calibration, load_calibration
 from planner.core.hardware import HardwareSpec, get_hardware, link_cost
+from planner.core.schedules import check_schedule
 from planner.errors import InfeasibleError, PlanFileError
 from planner.schema.costs import GLOO_CPU_LINK, NCCL_NVLINK_LINK, BlockCost, LinkCost
 from planner.schema.plan import ModelRef, Plan, ProfileInfo
@@ -69,6 +70,7 @@ def make_plan(request: PlanRequest) -> Plan:
         PlannerError: for any bad input (model file, sizes, unknown hardware, impossible split or
             memory limit, a calibration of another model).
     """
+    check_schedule(request.schedule, request.gpus, request.n_microbatches)  # before any model is built
     threads = request.threads or default_threads(request.gpus)
     mf = load_model_file(request.model_file, request.size, request.overrides)
     calibration = load_calibration(request.calibrate_run) if request.calibrate_run else None

@@ -250,7 +250,7 @@ def test_nccl_without_gpus_is_rejected(tmp_path: Path, no_launch: None) -> None:
 
 def test_1f1b_with_too_few_microbatches_is_rejected(tmp_path: Path, no_launch: None) -> None:
     plan = make_plan(MODELS / "gpt.py", [0, 2, 4, 5], schedule="1f1b", n_microbatches=2)
-    with pytest.raises(PlannerError, match="too few for schedule 1f1b with 4 stages"):
+    with pytest.raises(PlannerError, match="--microbatches 2 is too small for --schedule 1f1b with 4 stages"):
         run_plan(plan, RunRequest(plan_file=saved(plan, tmp_path), steps=2))
 
 

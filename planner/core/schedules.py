@@ -18,8 +18,13 @@ Action = tuple[str, int]
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
 
 
-def _check_args(schedule: str, n_stages: int, n_microbatches: int) -> None:
-    """Reject requests torch's schedules cannot run (see ``action_order``)."""
+def check_schedule(schedule: str, n_stages: int, n_microbatches: int) -> None:
+    """Reject requests torch's schedules cannot run: the one place this rule lives (the planner checks it
+    before profiling, the runner before launching, ``action_order`` always).
+
+    Raises:
+        InfeasibleError: unknown schedule, p < 1, m < 1, or 1F1B with m < p (torch refuses it).
+    """
     if schedule not in SCHEDULES:
         raise InfeasibleError(
             f"schedule {schedule!r} is not supported; expected one of {', '.join(SCHEDULES)}; pick one of those."
@@ -58,7 +63,7 @@ def action_order(schedule: str, n_stages: int, n_microbatches: int) -> list[list
     Raises:
         InfeasibleError: unknown schedule, p < 1, m < 1, or 1F1B with m < p (torch refuses it).
     """
-    _check_args(schedule, n_stages, n_microbatches)
+    check_schedule(schedule, n_stages, n_microbatches)
     m = n_microbatches
     orders: list[list[Action]] = []
     for stage in range(n_stages):

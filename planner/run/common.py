@@ -18,6 +18,7 @@ from torch import nn
 from planner.capture.blocks import GraphTrace
 from planner.capture.load import ModelFile, load_model_file
 from planner.capture.trace import trace_model
+from planner.core.schedules import check_schedule
 from planner.errors import PlanFileError, PlannerError
 from planner.schema.plan import Plan
 
@@ -62,13 +63,8 @@ def check_runnable(plan: Plan) -> None:
             f"model (fx or export) to cut into stages; tracing failed with: {why}; make the model "
             "traceable (no data-dependent control flow in forward) and re-run `planner plan`"
         )
-    # torch's Schedule1F1B.__init__ raises ValueError when n_microbatches < num_stages.
-    if plan.n_stages > 1 and plan.schedule == "1f1b" and plan.n_microbatches < plan.n_stages:
-        raise PlannerError(
-            f"the plan has {plan.n_microbatches} microbatches, too few for schedule 1f1b with {plan.n_stages} stages "
-            f"(torch's Schedule1F1B needs at least one per stage); re-plan with -m {plan.n_stages} or more, "
-            "or --schedule gpipe"
-        )
+    if plan.n_stages > 1:
+        check_schedule(plan.schedule, plan.n_stages, plan.n_microbatches)  # torch's own constructor refuses these
 
 
 def check_blocks(plan: Plan, traced: GraphTrace) -> None:

@@ -186,7 +186,7 @@ def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None]
     plan_path, nnodes = request.plan_file, request.nnodes
     check_runnable(plan)
     n = plan.n_stages
-    if nnodes < 1 or n % nnodes:
+    if n % nnodes:  # RunRequest keeps nnodes >= 1
         raise PlannerError(
             f"{n} stages cannot be spread evenly over {nnodes} node(s); use an --nnodes that divides {n}"
         )

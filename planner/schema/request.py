@@ -150,13 +150,6 @@ class PlanRequest(_Request):
                 f"batch size {self.batch_size} does not split into {m} equal microbatches; "
                 f"choose --batch-size as a multiple of --microbatches (e.g. --batch-size {m * max(1, self.batch_size // m)})"
             )
-        if self.schedule == "1f1b" and m < self.gpus:
-            # torch's Schedule1F1B refuses fewer microbatches than stages; say so before any profiling.
-            raise ValueError(
-                f"--microbatches {m} is too small for --schedule 1f1b with {self.gpus} stages: torch's "
-                f"Schedule1F1B needs at least one microbatch per stage; use -m {self.gpus} or more "
-                f"(a divisor of --batch-size {self.batch_size}), fewer --gpus, or --schedule gpipe"
-            )
         if self.multi_node and self.gpu_type is None:
             raise ValueError(
                 "--multi-node applies to estimated costs only; add --gpu-type (measured plans use this machine's link)"
