@@ -3,7 +3,10 @@
 Runs the real ``ScheduleGPipe`` / ``Schedule1F1B._step_microbatches`` of the installed torch with a
 mocked stage whose communication ops are empty, and records the order of
 ``forward_one_chunk`` / ``backward_one_chunk`` calls. Also checks torch's own schedule IR
-(``_get_pipeline_order`` via ``_schedule_visualizer.get_schedule_ops``) with its idle slots removed.
+(``_get_pipeline_order`` via ``_schedule_visualizer.get_schedule_ops``) with its idle slots removed,
+and, for the schedules with several stages per rank, the ``pipeline_order`` their constructors
+compute (which ``_PipelineScheduleRuntime`` executes in order), including which requests their
+constructors refuse.
 """
 
 from __future__ import annotations
@@ -17,7 +20,14 @@ from torch.distributed.pipelining import schedules as tsched  # noqa: E402
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops  # noqa: E402
 from torch.distributed.pipelining.stage import PipelineStage  # noqa: E402
 
-from planner.core.schedules import action_order, peak_in_flight  # noqa: E402
+from planner.core.schedules import (  # noqa: E402
+    SCHEDULES,
+    TORCH_NAMES,
+    action_order,
+    in_flight_per_stage,
+    stage_ranks,
+    stages_per_rank_options,
+)
 from planner.errors import InfeasibleError  # noqa: E402
 
 TORCH_CLASSES = {"gpipe": tsched.ScheduleGPipe, "1f1b": tsched.Schedule1F1B}
@@ -59,7 +69,13 @@ def test_matches_torch_step_microbatches(schedule: str, p: int, m: int) -> None:
     ours = action_order(schedule, p, m)
     assert len(ours) == p
     for i in range(p):
-        assert ours[i] == _torch_executed_order(schedule, p, i, m), (schedule, p, m, i)
+        assert [(a.kind, a.microbatch) for a in ours[i]] == _torch_executed_order(schedule, p, i, m), (
+            schedule,
+            p,
+            m,
+            i,
+        )
+        assert all(a.stage == i for a in ours[i])
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -79,12 +95,64 @@ def test_matches_torch_schedule_ir(schedule: str, p: int, m: int) -> None:
             for a in actions
             if a is not None and a.computation_type in kinds
         ]
-        assert action_order(schedule, p, m)[rank] == theirs
+        assert [(a.kind, a.microbatch) for a in action_order(schedule, p, m)[rank]] == theirs
 
 
 @pytest.mark.parametrize(("p", "m"), [(p, m) for p, m in CASES if m >= p])
 def test_peak_in_flight_closed_forms(p: int, m: int) -> None:
-    for i, order in enumerate(action_order("1f1b", p, m)):
-        assert peak_in_flight(order) == min(m, p - i)
-    for order in action_order("gpipe", p, m):
-        assert peak_in_flight(order) == m
+    assert in_flight_per_stage("1f1b", p, m) == [min(m, p - i) for i in range(p)]
+    assert in_flight_per_stage("gpipe", p, m) == [m] * p
+
+
+_KINDS = {
+    tsched.FORWARD: "F",
+    tsched.FULL_BACKWARD: "B",
+    tsched.BACKWARD_INPUT: "I",
+    tsched.BACKWARD_WEIGHT: "W",
+}
+
+
+def _torch_pipeline_order(schedule: str, p: int, m: int, v: int) -> tuple[list[list[tuple[int, str, int]]], list[int]]:
+    """torch's compute actions per rank (idle slots dropped, DualPipeV's overlapped F&B as its two
+    sub-actions) and its stage -> rank map, from the class's own constructor on mocked stages."""
+    cls = tsched.get_schedule_class(TORCH_NAMES[schedule])
+    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage.group_rank = 0
+    stage.group_size = p
+    stage.submod = None
+    stage.num_stages = p * v
+    sched = cls([stage] * v, m)
+    orders = []
+    for rank in range(p):
+        acts: list[tuple[int, str, int]] = []
+        for a in sched.pipeline_order[rank]:
+            if a is None:
+                continue
+            subs = a.sub_actions if a.computation_type == tsched.OVERLAP_F_B else (a,)
+            acts += [(x.stage_index, _KINDS[x.computation_type], x.microbatch_index) for x in subs]
+        orders.append(acts)
+    return orders, [sched.stage_index_to_group_rank[s] for s in range(p * v)]
+
+
+MULTI_CASES = [
+    (schedule, p, m, v)
+    for schedule in SCHEDULES
+    if schedule not in ("gpipe", "1f1b")
+    for p in range(1, 5)
+    for m in range(1, 11)
+    for v in stages_per_rank_options(schedule, 3)
+]
+
+
+@pytest.mark.parametrize(("schedule", "p", "m", "v"), MULTI_CASES)
+def test_multi_stage_orders_match_torch(schedule: str, p: int, m: int, v: int) -> None:
+    try:
+        theirs, ranks = _torch_pipeline_order(schedule, p, m, v)
+    except ValueError:
+        # torch's constructor refuses it: so must we, with our one-line message
+        with pytest.raises(InfeasibleError):
+            action_order(schedule, p, m, v)
+        return
+    ours = action_order(schedule, p, m, v)
+    assert [[(a.stage, a.kind, a.microbatch) for a in order] for order in ours] == theirs
+    assert stage_ranks(schedule, p, v) == ranks

@@ -8,16 +8,38 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from planner.core.schedules import SCHEDULES, action_order, peak_in_flight
-from planner.core.simulate import Durations, simulate
+from planner.core.schedules import (
+    SCHEDULES,
+    Action,
+    action_order,
+    check_schedule,
+    in_flight_per_stage,
+    peak_in_flight,
+    peak_live_bytes,
+    stage_ranks,
+    stages_per_rank_options,
+)
+from planner.core.simulate import Durations, StageTimes, simulate
 from planner.errors import InfeasibleError
+
+SINGLE = ("gpipe", "1f1b")
+LOOPED = ("interleaved-1f1b", "looped-bfs")
+SPLIT = ("interleaved-zb", "zbv", "dualpipev")
 
 
 def _equal(p: int, f: float, b: float) -> list[Durations]:
     return [(f, b)] * p
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+def _runnable(schedule: str, p: int, m: int, v: int) -> bool:
+    try:
+        check_schedule(schedule, p, m, v)
+    except InfeasibleError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("schedule", SINGLE)
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("m", [5, 6, 8, 11])
 def test_equal_stages_match_megatron_formula(schedule: str, p: int, m: int) -> None:
@@ -29,12 +51,60 @@ def test_equal_stages_match_megatron_formula(schedule: str, p: int, m: int) -> N
     assert len(res.events) == 2 * m * p
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", LOOPED)
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("v", [1, 2, 3])
+@pytest.mark.parametrize("extra", [0, 1, 3, 7])
+def test_equal_stages_match_interleaved_formula(schedule: str, p: int, v: int, extra: int) -> None:
+    # Narayanan et al. 2021 §2.2.2: with v stages per rank of t_f + t_b each, the step takes
+    # (m v + p - 1)(t_f + t_b): the bubble (p - 1)(t_f + t_b) is 1/v of one-stage-per-rank 1F1B's
+    # (p - 1) v (t_f + t_b). It holds for m >= p (fewer microbatches cannot fill the loop).
+    m = p + extra
+    assume_runnable = _runnable(schedule, p, m, v)
+    if not assume_runnable:
+        pytest.skip("torch refuses this microbatch count")
+    res = simulate(_equal(p * v, 1.0, 2.0), schedule, m, stages_per_rank=v)
+    assert res.step_time_s == (m * v + p - 1) * 3.0
+    assert res.bubble_fraction == (p - 1) / (m * v + p - 1)
+    assert len(res.events) == 2 * m * p * v
+
+
+@pytest.mark.parametrize("schedule", SPLIT)
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("extra", [0, 1, 4])
+def test_zero_bubble_when_f_equals_i_equals_w(schedule: str, p: int, extra: int) -> None:
+    # Qi et al. 2023: with F = I = W the zero-bubble schedules fill every slot after the first
+    # forwards reach the last rank, so each rank idles only the (p - 1) F that precede its first
+    # action on the way down (ZB-V's bubble (p - 1)(T_F + T_B - 2 T_W) is 0 beyond that fill).
+    v = stages_per_rank_options(schedule, 2)[-1]
+    m = 2 * p + extra
+    if not _runnable(schedule, p, m, v):
+        pytest.skip("torch refuses this microbatch count")
+    res = simulate([StageTimes(1.0, 2.0, 1.0, 1.0)] * (p * v), schedule, m, stages_per_rank=v)
+    assert res.step_time_s == m * v * 3.0 + (p - 1) * 1.0
+    assert max(res.bubble_s) == (p - 1) * 1.0
+    # every action of the split: F, I and W per microbatch and stage (DualPipeV runs some full B)
+    kinds = {e.kind for e in res.events}
+    assert {"F", "W"} <= kinds
+
+
+def test_zbv_beats_1f1b_on_the_same_work() -> None:
+    # Same total work per rank (two half-size stages vs one): ZB-V's bubble (p - 1) F vs 1F1B's (p - 1)(F + B).
+    p, m = 4, 8
+    one = simulate([(2.0, 4.0)] * p, "1f1b", m)
+    zbv = simulate([StageTimes(1.0, 2.0, 1.0, 1.0)] * (2 * p), "zbv", m, stages_per_rank=2)
+    assert one.step_time_s == (m + p - 1) * 6.0
+    assert zbv.step_time_s == m * 6.0 + (p - 1) * 1.0
+    assert zbv.step_time_s < one.step_time_s
+
+
+@pytest.mark.parametrize("schedule", SINGLE)
 def test_one_stage(schedule: str) -> None:
     res = simulate(_equal(1, 1.5, 2.5), schedule, 7)
     assert res.step_time_s == 7 * 4.0
     assert res.bubble_fraction == 0.0
     assert res.peak_in_flight == [7 if schedule == "gpipe" else 1]
+    assert res.bubble_s == [0.0]
 
 
 def _unbalanced() -> list[Durations]:
@@ -79,10 +149,22 @@ def test_rejects_bad_requests() -> None:
         simulate(_equal(2, 1.0, 1.0), "zb-v", 4)
     with pytest.raises(InfeasibleError, match="stages is empty"):
         simulate([], "gpipe", 4)
+    with pytest.raises(InfeasibleError, match="exactly 2 stages on every rank"):
+        simulate(_equal(2, 1.0, 1.0), "zbv", 4)
+    with pytest.raises(InfeasibleError, match="do not split into 2 stages per rank"):
+        simulate(_equal(3, 1.0, 1.0), "interleaved-1f1b", 4, stages_per_rank=2)
+    with pytest.raises(InfeasibleError, match="dualpipev on 2 ranks"):
+        simulate(_equal(4, 1.0, 1.0), "dualpipev", 3, stages_per_rank=2)
+    with pytest.raises(InfeasibleError, match="multiple of its number of rounds"):
+        simulate(_equal(4, 1.0, 1.0), "interleaved-1f1b", 5, stages_per_rank=2)
+
+
+def _kinds(order: list[Action]) -> list[tuple[str, int]]:
+    return [(a.kind, a.microbatch) for a in order]
 
 
 def test_schedule_orders_pure() -> None:
-    assert action_order("1f1b", 3, 4)[0] == [
+    assert _kinds(action_order("1f1b", 3, 4)[0]) == [
         ("F", 0),
         ("F", 1),
         ("F", 2),
@@ -92,7 +174,7 @@ def test_schedule_orders_pure() -> None:
         ("B", 2),
         ("B", 3),
     ]
-    assert action_order("1f1b", 3, 4)[2] == [
+    assert _kinds(action_order("1f1b", 3, 4)[2]) == [
         ("F", 0),
         ("B", 0),
         ("F", 1),
@@ -102,32 +184,85 @@ def test_schedule_orders_pure() -> None:
         ("F", 3),
         ("B", 3),
     ]
-    assert [peak_in_flight(o) for o in action_order("1f1b", 4, 6)] == [4, 3, 2, 1]
-    assert [peak_in_flight(o) for o in action_order("gpipe", 4, 3)] == [3, 3, 3, 3]
+    assert in_flight_per_stage("1f1b", 4, 6) == [4, 3, 2, 1]
+    assert in_flight_per_stage("gpipe", 4, 3) == [3, 3, 3, 3]
+    # Interleaved 1F1B, 2 ranks x 2 stages, 4 microbatches (torch's ScheduleInterleaved1F1B, checked
+    # against torch in test_schedules_torch): rank 0 holds stages 0 and 2.
+    assert [f"{a.stage}{a.kind}{a.microbatch}" for a in action_order("interleaved-1f1b", 2, 4, 2)[0]] == (
+        "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3".split()
+    )
+
+
+def test_placements() -> None:
+    assert stage_ranks("1f1b", 4, 1) == [0, 1, 2, 3]
+    assert stage_ranks("interleaved-1f1b", 2, 3) == [0, 1, 0, 1, 0, 1]
+    assert stage_ranks("zbv", 3, 2) == [0, 1, 2, 2, 1, 0]
+    assert stage_ranks("dualpipev", 2, 2) == [0, 1, 1, 0]
+    with pytest.raises(InfeasibleError, match="one stage per rank"):
+        stage_ranks("gpipe", 2, 2)
+
+
+def test_peak_live_bytes_of_a_rank_with_two_stages() -> None:
+    # rank 0 of interleaved 1F1B (above): stage 0 holds 10 bytes per live microbatch, stage 2 holds 1.
+    order = action_order("interleaved-1f1b", 2, 4, 2)[0]
+    assert peak_in_flight(order) == {0: 4, 2: 2}
+    # after 0F0 0F1 2F0 2F1 0F2: 3 x 10 + 2 x 1; then 2B0 0F3: 4 x 10 + 1 = 41 is the peak
+    assert peak_live_bytes(order, {0: 10, 2: 1}) == 41
+    assert peak_live_bytes(order, {0: 10, 2: 1}) < 4 * 10 + 2 * 1  # less than the sum of the stage peaks
 
 
 times = st.one_of(st.integers(0, 4).map(float), st.floats(0.0, 3.0, allow_nan=False))
 stage_times_st = st.tuples(times, times)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
-    stages=st.lists(stage_times_st, min_size=1, max_size=5), m=st.integers(1, 8), schedule=st.sampled_from(SCHEDULES)
+    p=st.integers(1, 4),
+    v=st.integers(1, 3),
+    m=st.integers(1, 9),
+    schedule=st.sampled_from(SCHEDULES),
+    data=st.data(),
 )
-def test_simulation_bounds(stages: list[Durations], m: int, schedule: str) -> None:
-    p = len(stages)
-    assume(schedule == "gpipe" or m >= p)
-    res = simulate(stages, schedule, m)
+def test_simulation_bounds(p: int, v: int, m: int, schedule: str, data: st.DataObject) -> None:
+    v = v if v in stages_per_rank_options(schedule, 3) else stages_per_rank_options(schedule, 3)[0]
+    assume(_runnable(schedule, p, m, v))
+    stages = data.draw(st.lists(st.tuples(times, times, times), min_size=p * v, max_size=p * v))
+    timed = [StageTimes(f, i + w, i, w) for f, i, w in stages]
+    res = simulate(timed, schedule, m, stages_per_rank=v)
     tol = 1e-9 * max(1.0, res.step_time_s)
     assert res.step_time_s + tol >= max(res.busy_s)
-    # One microbatch's chain: forward down every stage, then backward up every stage.
-    chain = sum(f + b for f, b in stages)
+    # One microbatch's chain: forward down every stage, then the input gradient back up every stage.
+    split = schedule in SPLIT
+    chain = sum(t.f + (t.i if split and t.i is not None else t.b) for t in timed)
     assert res.step_time_s + tol >= chain
-    assert res.peak_in_flight == [peak_in_flight(o) for o in action_order(schedule, p, m)]
+    assert res.peak_in_flight == in_flight_per_stage(schedule, p, m, v)
     assert 0.0 <= res.bubble_fraction <= 1.0  # 0 when every time is 0 (no capacity to waste)
+    ranks = stage_ranks(schedule, p, v)
+    # every (stage, microbatch) runs its forward once and its whole backward once, on its own rank
+    for s in range(p * v):
+        mine = [e for e in res.events if e.stage == s]
+        assert all(e.rank == ranks[s] for e in mine)
+        assert sorted(e.microbatch for e in mine if e.kind == "F") == list(range(m))
+        full = sorted(e.microbatch for e in mine if e.kind == "B")
+        inp = sorted(e.microbatch for e in mine if e.kind == "I")
+        wgt = sorted(e.microbatch for e in mine if e.kind == "W")
+        assert sorted(full + inp) == list(range(m)) and inp == wgt
+    # dependencies: a forward after the previous stage's, an input gradient after the next stage's
+    end = {(e.kind, e.stage, e.microbatch): e.end_s for e in res.events}
+    for e in res.events:
+        if e.kind == "F" and e.stage > 0:
+            assert e.start_s + tol >= end[("F", e.stage - 1, e.microbatch)]
+        if e.kind in ("B", "I") and e.stage < p * v - 1:
+            nxt = end.get(("B", e.stage + 1, e.microbatch), end.get(("I", e.stage + 1, e.microbatch)))
+            assert nxt is not None and e.start_s + tol >= nxt
     # Each rank runs its actions in the schedule's order, never two at once.
     for rank in range(p):
-        evs = sorted((e for e in res.events if e.rank == rank), key=lambda e: (e.start_s, e.end_s))
+        evs = [e for e in res.events if e.rank == rank]
+        expected = [(a.stage, a.kind, a.microbatch) for a in action_order(schedule, p, m, v)[rank]]
+        assert [
+            (e.stage, e.kind, e.microbatch) for e in sorted(evs, key=lambda e: (e.start_s, e.end_s))
+        ] == expected or all(e.end_s == e.start_s for e in evs)
+        evs = sorted(evs, key=lambda e: (e.start_s, e.end_s))
         for a, b in zip(evs, evs[1:]):
             assert a.end_s <= b.start_s + tol
 

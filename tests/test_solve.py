@@ -6,18 +6,22 @@ import itertools
 import math
 import subprocess
 import sys
-import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.core.schedules import SCHEDULES, action_order, peak_in_flight
+from planner.core import solve as solve_mod
 from planner.core.solve import (
     Partition,
     evaluate,
+    in_flight_per_stage,
     param_balanced,
+    recompute_cost,
     solve,
     stage_costs,
     stage_memories,
@@ -30,6 +34,7 @@ from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 
 FREE = LinkCost(name="free", latency_s=0.0, bandwidth_Bps=1.0)  # with cut_bytes=0: no communication
 SGD = OptimizerSpec(name="sgd")
+SCHEDULES = ("gpipe", "1f1b")  # the single-stage-per-rank schedules solve derives in-flight counts for
 
 
 def blk(
@@ -78,6 +83,7 @@ def brute(
     optimizer: OptimizerSpec,
     limit: int | None,
     recompute: str = "never",
+    in_flight: Sequence[int] | None = None,
 ) -> list[tuple[tuple[int, ...], float, float]]:
     """Every feasible partition as (starts, bottleneck, sum of stage costs).
 
@@ -85,9 +91,9 @@ def brute(
     "always" or it does not fit; with recomputation when allowed ("auto", "always") and it fits.
     """
     n = len(blocks)
-    if p > n or (schedule == "1f1b" and m < p):
+    if p > n or (in_flight is None and schedule == "1f1b" and m < p):
         return []
-    infl = [peak_in_flight(o) for o in action_order(schedule, p, m)]
+    infl = in_flight_per_stage(schedule, p, m) if in_flight is None else list(in_flight)
     cuts = [c for c in range(1, n) if blocks[c - 1].cut_legal]
     cap = math.inf if limit is None else limit
     out = []
@@ -114,7 +120,9 @@ time_st = st.integers(0, 500).map(lambda x: x / 100)
 
 
 @st.composite
-def instances(draw: st.DrawFn) -> tuple[list[BlockCost], int, LinkCost, str, int, OptimizerSpec, int | None]:
+def instances(
+    draw: st.DrawFn,
+) -> tuple[list[BlockCost], int, LinkCost, str, int, OptimizerSpec, int | None, str]:
     n = draw(st.integers(1, 9))
     blocks = [
         blk(
@@ -146,7 +154,7 @@ def instances(draw: st.DrawFn) -> tuple[list[BlockCost], int, LinkCost, str, int
 @settings(max_examples=200, deadline=None)
 @given(inst=instances())
 def test_solve_matches_brute_force(
-    inst: tuple[list[BlockCost], int, LinkCost, str, int, OptimizerSpec, int | None],
+    inst: tuple[list[BlockCost], int, LinkCost, str, int, OptimizerSpec, int | None, str],
 ) -> None:
     blocks, p, link, schedule, m, optimizer, limit, recompute = inst
     feasible = brute(blocks, p, link, schedule, m, optimizer, limit, recompute)
@@ -203,6 +211,531 @@ def test_solve_matches_brute_force(
             )
             <= limit
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# The O(p n^2) reference: the solver as it was before the candidate-stage search, verbatim
+# ---------------------------------------------------------------------------------------------
+
+_Allowed = Callable[[int, int, int], bool]  # (start, end, stage index) -> stage may be placed
+_StageCost = Callable[[int, int, int], float]  # (start, end, stage index) -> cost (inf: not allowed)
+_REL_EPS = 1e-9
+
+
+def _tol(x: float) -> float:
+    return _REL_EPS * max(1.0, abs(x))
+
+
+def _reference_dp(
+    n: int,
+    n_stages: int,
+    legal_cut: Sequence[bool],
+    primary: _StageCost,
+    secondary: _StageCost,
+    allowed: _Allowed,
+    latest: bool = False,
+) -> tuple[int, ...] | None:
+    """Exact partition of ``n`` items into ``n_stages`` contiguous non-empty stages, O(p n^2).
+
+    Minimises max ``primary[s][e]`` over stages; among partitions within ``_REL_EPS`` of that optimum,
+    minimises the sum of ``secondary[s][e]``; among those, returns the lexicographically smallest
+    starts (largest with ``latest``).
+    """
+    p = n_stages
+    inf = math.inf
+
+    def ends(k: int, s: int) -> range:
+        # Stage k must leave at least one item for each later stage; the last stage ends at n.
+        if k == p - 1:
+            return range(n, n + 1)
+        return range(s + 1, n - (p - 1 - k) + 1)
+
+    def ok_end(k: int, e: int) -> bool:
+        return k == p - 1 or legal_cut[e]
+
+    # Pass 1: best[e] = smallest bottleneck covering [0, e) with stages 0..k.
+    best = [inf] * (n + 1)
+    for e in ends(0, 0):
+        if ok_end(0, e) and allowed(0, e, 0):
+            best[e] = primary(0, e, 0)
+    for k in range(1, p):
+        cur = [inf] * (n + 1)
+        for s in range(k, n):
+            if best[s] == inf:
+                continue
+            bs = best[s]
+            for e in ends(k, s):
+                if not ok_end(k, e):
+                    continue
+                c = primary(s, e, k)
+                v = c if c > bs else bs
+                if v < cur[e] and allowed(s, e, k):
+                    cur[e] = v
+        best = cur
+    opt = best[n]
+    if opt == inf:
+        return None
+    thr = opt + _tol(opt)
+
+    # Pass 2: suffix DP. suf[k][s] = least sum of secondary covering [s, n) with stages k..p-1,
+    # every stage's primary within the optimum bottleneck.
+    suf: list[list[float]] = [[inf] * (n + 1) for _ in range(p + 1)]
+    suf[p][n] = 0.0
+    for k in range(p - 1, -1, -1):
+        starts_k = range(0, 1) if k == 0 else range(k, n)
+        for s in starts_k:
+            if k > 0 and not legal_cut[s]:
+                continue
+            m = inf
+            for e in ends(k, s):
+                nxt = suf[k + 1][e]
+                if nxt == inf or not ok_end(k, e) or primary(s, e, k) > thr:
+                    continue
+                v = secondary(s, e, k) + nxt
+                if v < m and allowed(s, e, k):
+                    m = v
+            suf[k][s] = m
+    # Forward reconstruction: the smallest (largest with ``latest``) next start achieving the minimum
+    # sum gives the lexicographically smallest (largest) starts.
+    starts = [0]
+    s = 0
+    for k in range(p - 1):
+        target = suf[k][s]
+        for e in reversed(ends(k, s)) if latest else ends(k, s):
+            nxt = suf[k + 1][e]
+            if nxt == inf or not ok_end(k, e) or primary(s, e, k) > thr or not allowed(s, e, k):
+                continue
+            if secondary(s, e, k) + nxt <= target + _tol(target):
+                starts.append(e)
+                s = e
+                break
+        else:
+            raise RuntimeError("partition DP reconstruction failed (planner bug)")
+    return tuple(starts)
+
+
+def _reference_cost_matrix(blocks: Sequence[BlockCost], link: LinkCost) -> list[list[float]]:
+    n = len(blocks)
+    pre = [0.0]
+    for b in blocks:
+        pre.append(pre[-1] + b.fwd_s + b.bwd_s)
+    send_in = [0.0] + [2 * link.send_s(blocks[s - 1].cut_bytes) for s in range(1, n)]
+    send_out = [0.0] + [2 * link.send_s(blocks[e - 1].cut_bytes) for e in range(1, n)] + [0.0]
+    mat = [[math.inf] * (n + 1) for _ in range(n + 1)]
+    for s in range(n):
+        for e in range(s + 1, n + 1):
+            mat[s][e] = (pre[e] - pre[s]) + send_in[s] + send_out[e]
+    return mat
+
+
+def _reference_any_fit(blocks: Sequence[BlockCost], mem: solve_mod._MemoryModel, infl: Sequence[int]) -> bool:
+    n = len(blocks)
+    legal = solve_mod._legal_cuts(blocks)
+    q = len(infl)
+    masks: dict[int, list[int]] = {}
+    reach = 1  # bit s set: some prefix partition ends at s
+    for k in range(q):
+        t = infl[k]
+        if t not in masks:
+            rows = []
+            for s in range(n):
+                bits = 0
+                for e in range(s + 1, n + 1):
+                    if (e == n or legal[e]) and mem.fits(s, e, t):
+                        bits |= 1 << e
+                rows.append(bits)
+            masks[t] = rows
+        new = 0
+        s_bits = reach
+        while s_bits:
+            low = s_bits & -s_bits
+            s = low.bit_length() - 1
+            if s < n:
+                new |= masks[t][s]
+            s_bits ^= low
+        if k < q - 1:
+            new &= ~(1 << n)  # only the last stage may end at n
+        reach = new
+        if not reach:
+            return False
+    return bool(reach >> n & 1)
+
+
+def _reference_memory_error(
+    blocks: Sequence[BlockCost],
+    n_stages: int,
+    schedule: str,
+    n_microbatches: int,
+    mem: solve_mod._MemoryModel,
+    in_flight: Sequence[int] | None,
+) -> InfeasibleError:
+    n = len(blocks)
+    n_legal = sum(solve_mod._legal_cuts(blocks))
+    limit = mem.limit
+    gib = solve_mod._gib
+    skipped_1f1b = False
+    for q in range(n_stages + 1, min(n, n_legal + 1) + 1) if in_flight is None else ():
+        if schedule == "1f1b" and n_microbatches < q:
+            skipped_1f1b = True
+            continue
+        if _reference_any_fit(blocks, mem, in_flight_per_stage(schedule, q, n_microbatches)):
+            return InfeasibleError(
+                f"--memory-limit {gib(limit)} is too small for {n_stages} stages: no split fits; "
+                f"the smallest stage count that fits is {q}: use --gpus {q} or raise --memory-limit"
+            )
+    for j in range(n):
+        if in_flight is not None:  # the new keyword: the stages block j can be on
+            min_live = min(in_flight[k] for k in range(n_stages) if k <= j and n - j >= n_stages - k)
+        elif schedule == "gpipe":
+            min_live = n_microbatches
+        else:
+            min_live = min(n_microbatches, n_stages) if j == 0 else 1
+        need = mem.bytes(j, j + 1, min_live)
+        if need > limit:
+            return InfeasibleError(
+                f"block '{blocks[j].name}' alone needs {need} bytes ({gib(need)}: params, grads, optimizer "
+                f"state, {min_live} microbatch(es) of activations and boundary buffers) but --memory-limit is "
+                f"{gib(limit)}; raise --memory-limit, use a lighter --optimizer or smaller microbatches (more -m)"
+            )
+    if in_flight is not None:
+        return InfeasibleError(
+            f"--memory-limit {gib(limit)} is too small: no split into {n_stages} stages fits with "
+            f"{list(in_flight)} microbatches in flight per stage; raise --memory-limit, use more stages or "
+            "make more block boundaries cuttable"
+        )
+    more = " (1F1B also needs at least one microbatch per stage: raise -m)" if skipped_1f1b else ""
+    return InfeasibleError(
+        f"--memory-limit {gib(limit)} is too small: no split into {n_stages} to {min(n, n_legal + 1)} "
+        f"stages fits{more}; raise --memory-limit or make more block boundaries cuttable"
+    )
+
+
+def _reference_solve(
+    blocks: Sequence[BlockCost],
+    n_stages: int,
+    link: LinkCost,
+    *,
+    schedule: str = "1f1b",
+    n_microbatches: int,
+    optimizer: OptimizerSpec = solve_mod.DEFAULT_OPTIMIZER,
+    memory_limit_bytes: int | None = None,
+    recompute: str = "auto",
+    in_flight: Sequence[int] | None = None,
+) -> Partition:
+    """``solve`` on the O(p n^2) programme (the ``in_flight`` keyword wired in as ``solve`` does)."""
+    if recompute not in ("never", "auto", "always"):
+        raise InfeasibleError(f"recompute={recompute!r}; expected 'never', 'auto' or 'always'")
+    solve_mod._check_counts(blocks, n_stages)
+    if in_flight is None:
+        infl = in_flight_per_stage(schedule, n_stages, n_microbatches)
+    else:
+        infl = solve_mod._check_in_flight(in_flight, n_stages, n_microbatches)
+    n = len(blocks)
+    plain = _reference_cost_matrix(blocks, link)
+    pre_r = [0.0]
+    for b in blocks:
+        pre_r.append(pre_r[-1] + recompute_cost(b))
+    limit = memory_limit_bytes if memory_limit_bytes is not None else math.inf
+    mode = recompute if memory_limit_bytes is not None or recompute == "always" else "never"
+    mem = solve_mod._MemoryModel(blocks, optimizer, limit, mode, n_microbatches)
+
+    def choice(s: int, e: int, k: int) -> bool | None:
+        return mem.choice(s, e, infl[k])
+
+    def cost(s: int, e: int, k: int) -> float:
+        c = choice(s, e, k)
+        if c is None:
+            return math.inf
+        return plain[s][e] + (pre_r[e] - pre_r[s] if c else 0.0)
+
+    allowed: _Allowed = lambda s, e, k: choice(s, e, k) is not None  # noqa: E731
+    starts = _reference_dp(n, n_stages, solve_mod._legal_cuts(blocks), cost, cost, allowed)
+    if starts is None:
+        raise _reference_memory_error(
+            blocks, n_stages, schedule, n_microbatches, mem, None if in_flight is None else infl
+        )
+    bounds = solve_mod._bounds(starts, n)
+    flags = [bool(choice(s, e, k)) for k, (s, e) in enumerate(bounds)]
+    return evaluate(blocks, starts, link, flags)
+
+
+def _reference_param_balanced(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -> Partition:
+    solve_mod._check_counts(blocks, n_stages)
+    n = len(blocks)
+    pre = [0]
+    for b in blocks:
+        pre.append(pre[-1] + b.params)
+    params = [[float(pre[e] - pre[s]) if e > s else math.inf for e in range(n + 1)] for s in range(n + 1)]
+    cost: _StageCost = lambda s, e, k: params[s][e]  # noqa: E731
+    starts = _reference_dp(n, n_stages, solve_mod._legal_cuts(blocks), cost, cost, lambda s, e, k: True, latest=True)
+    assert starts is not None
+    return evaluate(blocks, starts, link)
+
+
+def outcome(fn: Callable[..., Partition], *args: object, **kw: object) -> Partition | tuple[str, str]:
+    """The partition, or the error's type and message: what two solvers must agree on."""
+    try:
+        return fn(*args, **kw)
+    except (InfeasibleError, RuntimeError) as err:
+        return type(err).__name__, str(err)
+
+
+# ---------------------------------------------------------------------------------------------
+# The candidate-stage search against the O(p n^2) reference
+# ---------------------------------------------------------------------------------------------
+
+Request = tuple[list[BlockCost], int, LinkCost, dict[str, Any]]
+
+
+@st.composite
+def requests(draw: st.DrawFn, ties: bool) -> Request:
+    """A random ``solve`` request, keyword arguments included.
+
+    With ``ties`` every time and message cost is a small integer, so many partitions share the
+    bottleneck and the sum and the tie-breaks decide; otherwise costs are free floats, where the two
+    solvers must agree to the last bit of every sum they compare.
+    """
+    n = draw(st.integers(1, 11))
+    secs = st.integers(0, 3).map(float) if ties else st.floats(0.0, 5.0, allow_nan=False, allow_infinity=False)
+    blocks = [
+        BlockCost(
+            name=f"b{i}",
+            first_node=f"n{i}a",
+            last_node=f"n{i}b",
+            fwd_s=draw(secs),
+            bwd_s=draw(secs),
+            recompute_s=draw(st.one_of(st.none(), secs)),
+            params=draw(st.integers(0, 50)),
+            param_bytes=draw(st.integers(0, 200)),
+            activation_bytes=draw(st.integers(0, 100)),
+            cut_bytes=draw(st.integers(0, 3) if ties else st.integers(0, 100)),
+            cut_tensors=1,
+            output_bytes=draw(st.integers(0, 100)) if i == n - 1 else 0,
+            cut_legal=draw(st.booleans()) or draw(st.booleans()),  # 75 % legal
+            is_layer=True,
+        )
+        for i in range(n)
+    ]
+    p = draw(st.integers(1, n))
+    if ties:
+        link = LinkCost(name="l", latency_s=float(draw(st.integers(0, 2))), bandwidth_Bps=1.0)
+    else:
+        link = LinkCost(
+            name="l",
+            latency_s=draw(st.sampled_from([0.0, 0.013, 0.25, 1.0])),
+            bandwidth_Bps=draw(st.sampled_from([7.3, 10.0, 100.0, 1000.0])),
+        )
+    m = draw(st.integers(1, 10))
+    kw: dict[str, Any] = {
+        "schedule": draw(st.sampled_from(SCHEDULES)),
+        "n_microbatches": m,
+        "optimizer": draw(st.sampled_from([SGD, OptimizerSpec()])),
+        "memory_limit_bytes": draw(st.one_of(st.none(), st.integers(0, 4000))),
+        "recompute": draw(st.sampled_from(["never", "auto", "always"])),
+    }
+    if draw(st.integers(0, 3)) == 0:  # explicit counts, as a schedule with several stages per rank gives
+        kw["in_flight"] = draw(st.lists(st.integers(0, 6), min_size=p, max_size=p))
+    return blocks, p, link, kw
+
+
+@settings(max_examples=400, deadline=None)
+@given(req=requests(ties=False))
+def test_solve_matches_reference_dp(req: Request) -> None:
+    blocks, p, link, kw = req
+    assert repr(outcome(solve, blocks, p, link, **kw)) == repr(outcome(_reference_solve, blocks, p, link, **kw))
+
+
+@settings(max_examples=400, deadline=None)
+@given(req=requests(ties=True))
+def test_solve_matches_reference_dp_with_ties(req: Request) -> None:
+    blocks, p, link, kw = req
+    assert repr(outcome(solve, blocks, p, link, **kw)) == repr(outcome(_reference_solve, blocks, p, link, **kw))
+
+
+@settings(max_examples=150, deadline=None)
+@given(req=requests(ties=True))
+def test_solve_with_in_flight_matches_brute_force(req: Request) -> None:
+    blocks, p, link, kw = req
+    infl = kw.get("in_flight") or [kw["n_microbatches"]] * p
+    kw = {**kw, "in_flight": infl}
+    args = (kw["schedule"], kw["n_microbatches"], kw["optimizer"], kw["memory_limit_bytes"], kw["recompute"])
+    feasible = brute(blocks, p, link, *args, in_flight=infl)
+    if not feasible:
+        with pytest.raises(InfeasibleError):
+            solve(blocks, p, link, **kw)
+        return
+    part = solve(blocks, p, link, **kw)
+    opt = min(b for _, b, _ in feasible)
+    optimal = [(s, c) for s, b, c in feasible if b <= opt + 1e-9 * max(1.0, opt)]
+    best_sum = min(c for _, c in optimal)  # integer costs: ties are exact, so the tolerance changes nothing
+    assert part.starts == min(s for s, c in optimal if c <= best_sum + 1e-9 * max(1.0, best_sum))
+
+
+@pytest.mark.parametrize("field", ["recompute_s", "bwd_input_s", "bwd_weight_s", "opt_s"])
+def test_infinite_costs_are_refused_by_the_schema(field: str) -> None:
+    # The solver's windows rely on finite costs: the schema never lets an infinite one in.
+    with pytest.raises(ValueError):
+        BlockCost.model_validate({**blk(0, 1.0).model_dump(), field: math.inf})
+    with pytest.raises(ValueError):
+        LinkCost(name="l", latency_s=math.inf, bandwidth_Bps=10.0)
+
+
+@st.composite
+def param_instances(draw: st.DrawFn) -> tuple[list[BlockCost], int]:
+    n = draw(st.integers(1, 11))
+    params = st.integers(0, 3) if draw(st.booleans()) else st.integers(0, 10**15)
+    blocks = [blk(i, 1.0, params=draw(params), legal=draw(st.booleans()) or draw(st.booleans())) for i in range(n)]
+    return blocks, draw(st.integers(1, n))
+
+
+@settings(max_examples=300, deadline=None)
+@given(inst=param_instances())
+def test_param_balanced_matches_reference_dp_and_brute_force(inst: tuple[list[BlockCost], int]) -> None:
+    blocks, p = inst
+    ours = outcome(param_balanced, blocks, p, FREE)
+    assert repr(ours) == repr(outcome(_reference_param_balanced, blocks, p, FREE))
+    n = len(blocks)
+    cuts = [c for c in range(1, n) if blocks[c - 1].cut_legal]
+    splits = [(0, *combo) for combo in itertools.combinations(cuts, p - 1)]
+    if not splits:
+        assert isinstance(ours, tuple)
+        return
+    assert isinstance(ours, Partition)
+
+    def worst(starts: tuple[int, ...]) -> float:
+        ends = list(starts[1:]) + [n]
+        return max(float(sum(b.params for b in blocks[s:e])) for s, e in zip(starts, ends))
+
+    opt = min(worst(s) for s in splits)
+    # every split has the same total, so the least-sum tie-break is moot: the largest starts win
+    assert ours.starts == max(s for s in splits if worst(s) <= opt + 1e-9 * max(1.0, opt))
+
+
+@st.composite
+def memory_instances(draw: st.DrawFn) -> tuple[list[BlockCost], int, int, OptimizerSpec, str, list[int]]:
+    """Blocks whose byte counts may be huge (beyond int64 once multiplied), a limit and counts."""
+    n = draw(st.integers(1, 7))
+    scale = draw(st.sampled_from([1, 2**40, 2**62]))
+    bytes_st = st.integers(0, 200).map(lambda x: x * scale)
+    blocks = [
+        BlockCost(
+            name=f"b{i}",
+            first_node=f"n{i}a",
+            last_node=f"n{i}b",
+            fwd_s=1.0,
+            bwd_s=1.0,
+            params=draw(st.integers(0, 50)) * scale,
+            param_bytes=draw(bytes_st),
+            activation_bytes=draw(bytes_st),
+            cut_bytes=draw(bytes_st),
+            cut_tensors=1,
+            output_bytes=draw(bytes_st),
+            cut_legal=True,
+            is_layer=True,
+        )
+        for i in range(n)
+    ]
+    limit = draw(st.integers(-5, 6000)) * scale
+    infl = draw(st.lists(st.integers(0, 9), min_size=1, max_size=4))
+    return (
+        blocks,
+        limit,
+        draw(st.integers(1, 9)),
+        draw(st.sampled_from([SGD, OptimizerSpec()])),
+        draw(st.sampled_from(["never", "auto", "always"])),
+        infl,
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(inst=memory_instances())
+def test_vector_memory_check_matches_scalar(
+    inst: tuple[list[BlockCost], int, int, OptimizerSpec, str, list[int]],
+) -> None:
+    # The search turns each stage's fit into in-flight thresholds on arrays (int64, or Python
+    # integers past int64) and bounds the fitting ends per start; both must agree with _MemoryModel
+    # (stage_memory_bytes) for every stage and count, including fp32-master flips that make memory
+    # shrink as a stage grows.
+    blocks, limit, m, optimizer, mode, infl = inst
+    n = len(blocks)
+    mem = solve_mod._MemoryModel(blocks, optimizer, limit, mode, m)
+    link = LinkCost(name="l", latency_s=0.0, bandwidth_Bps=1.0)
+    arrays = solve_mod._Arrays(blocks, link, mem, mode, infl)
+    pairs = [(s, e) for s in range(n) for e in range(s + 1, n + 1)]
+    s_arr = np.array([s for s, _ in pairs], dtype=np.int64)
+    e_arr = np.array([e for _, e in pairs], dtype=np.int64)
+    t0, t1 = arrays.fit_limits(s_arr, e_arr)
+    last = dict(zip(arrays.starts.tolist(), arrays.last_fit(min(infl)).tolist()))
+    for i, (s, e) in enumerate(pairs):
+        for t in set(infl):
+            want = mem.choice(s, e, t)
+            got = False if t <= t0[i] else True if t <= t1[i] else None
+            assert got == want, (s, e, t)
+            if want is not None:
+                assert e <= last[s], (s, e, t)
+
+
+def test_in_flight_keyword() -> None:
+    # 100 activation bytes per block and microbatch, as test_memory_uses_in_flight_of_each_stage.
+    blocks = times([1, 1, 1, 1], act=100)
+    kw: dict[str, Any] = {"n_microbatches": 4, "memory_limit_bytes": 350, "recompute": "never"}
+    derived = solve(blocks, 2, FREE, schedule="1f1b", **kw)
+    assert solve(blocks, 2, FREE, schedule="1f1b", in_flight=[2, 1], **kw) == derived
+    # counts reversed: now the last stage holds 2 and must be the short one
+    assert solve(blocks, 2, FREE, in_flight=[1, 2], **kw).starts == (0, 3)
+    # the counts replace the schedule's, so its own checks do not apply (1F1B would need m >= 3)
+    assert solve(blocks, 3, FREE, schedule="1f1b", n_microbatches=1, in_flight=[1, 1, 1]).starts == (0, 1, 2)
+    with pytest.raises(InfeasibleError, match="in_flight has 3 entries for 2 stages"):
+        solve(blocks, 2, FREE, n_microbatches=4, in_flight=[1, 1, 1])
+    with pytest.raises(InfeasibleError, match="expected whole numbers >= 0"):
+        solve(blocks, 2, FREE, n_microbatches=4, in_flight=[1, -1])
+    with pytest.raises(InfeasibleError, match="need at least one microbatch"):
+        solve(blocks, 2, FREE, n_microbatches=0, in_flight=[1, 1])
+    # Nothing fits: no search over other stage counts (the counts are the caller's); the message names
+    # a block with the fewest live microbatches any stage it can be on holds, or says the split fails.
+    with pytest.raises(InfeasibleError, match=r"block 'b0' alone needs 400 bytes .* 4 microbatch\(es\)"):
+        solve(blocks, 2, FREE, in_flight=[4, 2], **kw)
+    with pytest.raises(InfeasibleError, match=r"no split into 2 stages fits with \[3, 3\] microbatches in flight"):
+        solve(blocks, 2, FREE, n_microbatches=4, memory_limit_bytes=399, recompute="never", in_flight=[3, 3])
+
+
+def test_memory_error_search_matches_reference() -> None:
+    # The smallest-stage-count search (GPipe: one count per layer, 1F1B: up to m) and its fallbacks.
+    link = LinkCost(name="l", latency_s=1e-3, bandwidth_Bps=1e9)
+    rng = np.random.default_rng(7)
+    blocks = [
+        blk(i, float(rng.uniform(0.5, 1.5)), 0.01, param_bytes=int(rng.integers(50, 150)), act=20, cut=8)
+        for i in range(40)
+    ]
+    for schedule, m, limit in [
+        ("gpipe", 4, 900),
+        ("gpipe", 4, 300),
+        ("gpipe", 4, 10),
+        ("1f1b", 12, 900),
+        ("1f1b", 6, 900),
+        ("1f1b", 12, 10),
+    ]:
+        kw: dict[str, Any] = {"schedule": schedule, "n_microbatches": m, "memory_limit_bytes": limit}
+        ours = outcome(solve, blocks, 3, link, optimizer=SGD, **kw)
+        assert isinstance(ours, tuple)
+        assert ours == outcome(_reference_solve, blocks, 3, link, optimizer=SGD, **kw)
+
+
+def test_2000_blocks_64_stages_complete() -> None:
+    # The scale the search is built for (timings: bench/solver_scaling.py, docs/solver_scaling.md).
+    rng = np.random.default_rng(0)
+    link = LinkCost(name="l", latency_s=1e-4, bandwidth_Bps=1e10)
+    blocks = [
+        blk(i, float(f), float(2 * f), param_bytes=10**6, act=10**5, cut=4096, legal=bool(i % 5))
+        for i, f in enumerate(rng.uniform(0.5, 1.5, 2000) * 1e-3)
+    ]
+    free = solve(blocks, 64, link, n_microbatches=64)
+    assert len(free.starts) == 64
+    limited = solve(blocks, 64, link, n_microbatches=64, memory_limit_bytes=2 * 10**8, recompute="never")
+    assert max(stage_memories(blocks, limited.starts, schedule="1f1b", n_microbatches=64)) <= 2 * 10**8
+    assert limited.bottleneck_s >= free.bottleneck_s
+    with pytest.raises(InfeasibleError, match="smallest stage count that fits is"):
+        solve(blocks, 64, link, n_microbatches=64, memory_limit_bytes=10**8, schedule="gpipe", recompute="never")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,16 +915,13 @@ def test_param_balanced() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_large_instance_is_fast() -> None:
+def test_large_instance() -> None:
     link = LinkCost(name="l", latency_s=1e-3, bandwidth_Bps=1e9)
     blocks = [blk(i, 0.001 * (1 + i % 7), 0.002, param_bytes=1000, act=500, cut=4096) for i in range(90)]
-    t0 = time.perf_counter()
     part = solve(blocks, 64, link, n_microbatches=64, memory_limit_bytes=10**6)
-    assert time.perf_counter() - t0 < 3.0
     assert len(part.starts) == 64
-    t0 = time.perf_counter()
-    solve(blocks, 30, link, n_microbatches=64, memory_limit_bytes=10**6)
-    assert time.perf_counter() - t0 < 3.0
+    assert part == _reference_solve(blocks, 64, link, n_microbatches=64, memory_limit_bytes=10**6)
+    assert len(solve(blocks, 30, link, n_microbatches=64, memory_limit_bytes=10**6).starts) == 30
 
 
 def test_pure_modules_do_not_import_torch() -> None:

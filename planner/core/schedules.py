@@ -1,114 +1,455 @@
-"""Pure action orders of the single-stage pipeline schedules the planner supports.
+"""Pure action lists of every pipeline schedule of torch 2.13, and where each stage lives.
 
-Pure module: never imports torch. The orders reproduce, action for action, what
-``torch.distributed.pipelining.ScheduleGPipe`` and ``Schedule1F1B`` execute in their
-``_step_microbatches`` (torch 2.13), so that simulation and memory accounting describe the run
-that actually happens. ``tests/test_schedules_torch.py`` checks this against torch itself.
+Pure module: never imports torch. For each schedule this module reproduces, action for action, the
+compute actions a rank executes in one training step:
+
+* ``gpipe`` / ``1f1b``: what ``ScheduleGPipe`` / ``Schedule1F1B._step_microbatches`` run (one stage
+  per rank);
+* ``interleaved-1f1b``, ``looped-bfs``, ``interleaved-zb``, ``zbv``, ``dualpipev``: the
+  ``pipeline_order`` that ``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``,
+  ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` compute
+  in ``_calculate_single_rank_operations`` (torch's ``_PipelineScheduleRuntime`` runs those compute
+  actions in that order and only inserts communication between them), with the idle slots
+  (``None``) left out.
+
+DualPipeV's ``OVERLAP_F_B`` action is listed as its two sub-actions, forward first: torch 2.13
+runs them one after the other (``_PipelineScheduleRuntime._step_microbatches``) unless a custom
+overlap function is registered, which the planner does not do.
+
+``tests/test_schedules_torch.py`` checks every list against the installed torch.
+
+Action kinds: ``F`` forward, ``B`` full backward, ``I`` backward for the inputs only, ``W``
+backward for the weights only (the zero-bubble split; Qi et al. 2023, arXiv:2401.10241).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Literal, NamedTuple
 
 from planner.errors import InfeasibleError
+from planner.schema.request import SCHEDULES, TORCH_NAMES, schedule_name
 
-Action = tuple[str, int]
-"""One compute action: ("F" or "B", microbatch index)."""
+__all__ = ["SCHEDULES", "TORCH_NAMES", "Action", "action_order", "check_schedule", "schedule_name", "stage_ranks"]
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+SPLIT_BACKWARD: frozenset[str] = frozenset({"interleaved-zb", "zbv", "dualpipev"})
+"""Schedules whose actions split the backward into I and W."""
+
+Placement = Literal["single", "loop", "v"]
 
 
-def check_schedule(schedule: str, n_stages: int, n_microbatches: int) -> None:
-    """Reject requests torch's schedules cannot run: the one place this rule lives (the planner checks it
-    before profiling, the runner before launching, ``action_order`` always).
+class Action(NamedTuple):
+    """One compute action of a rank."""
+
+    stage: int
+    kind: str  # "F", "B", "I" or "W"
+    microbatch: int
+
+
+def placement(schedule: str) -> Placement:
+    """How a schedule places stages on ranks: one each, looped (stage s on rank s mod p) or V-shaped."""
+    if schedule in ("gpipe", "1f1b"):
+        return "single"
+    if schedule in ("zbv", "dualpipev"):
+        return "v"
+    return "loop"
+
+
+def stages_per_rank_options(schedule: str, max_v: int) -> list[int]:
+    """The stage counts per rank a schedule can run with, up to ``max_v``."""
+    style = placement(schedule)
+    if style == "single":
+        return [1]
+    if style == "v":
+        return [2] if max_v >= 2 else []
+    return list(range(1, max_v + 1))
+
+
+def stage_ranks(schedule: str, n_ranks: int, stages_per_rank: int) -> list[int]:
+    """The rank of every stage (index = stage).
+
+    Looped placement puts stage s on rank s mod p (Megatron's interleaving; torch's default
+    ``stage_index_to_group_rank``); the V placement of ZB-V and DualPipeV puts stages r and
+    2p - 1 - r on rank r (torch's ``generate_stage_to_rank_mapping(style="v")``).
 
     Raises:
-        InfeasibleError: unknown schedule, p < 1, m < 1, or 1F1B with m < p (torch refuses it).
+        InfeasibleError: a stage count per rank the schedule cannot run (see ``check_schedule``).
+    """
+    check_placement(schedule, n_ranks, stages_per_rank)
+    n = n_ranks * stages_per_rank
+    if placement(schedule) == "v":
+        return [s if s < n_ranks else n - 1 - s for s in range(n)]
+    return [s % n_ranks for s in range(n)]
+
+
+def check_placement(schedule: str, n_ranks: int, stages_per_rank: int) -> None:
+    """Refuse a stage count per rank the schedule's torch class refuses.
+
+    Raises:
+        InfeasibleError: unknown schedule, p < 1, v < 1, v != 1 for GPipe/1F1B, v != 2 for ZB-V/DualPipeV.
     """
     if schedule not in SCHEDULES:
         raise InfeasibleError(
             f"schedule {schedule!r} is not supported; expected one of {', '.join(SCHEDULES)}; pick one of those."
         )
-    if n_stages < 1:
-        raise InfeasibleError(f"--gpus {n_stages}: need at least one stage; use --gpus 1 or more")
-    if n_microbatches < 1:
-        raise InfeasibleError(f"--microbatches {n_microbatches}: need at least one microbatch; use -m 1 or more")
-    # torch's Schedule1F1B.__init__ raises ValueError when n_microbatches < num_stages.
-    if schedule == "1f1b" and n_microbatches < n_stages:
+    if n_ranks < 1:
+        raise InfeasibleError(f"--gpus {n_ranks}: need at least one stage; use --gpus 1 or more")
+    if stages_per_rank < 1:
+        raise InfeasibleError(f"--stages-per-rank {stages_per_rank}: need at least one; use 1 or more")
+    style = placement(schedule)
+    if style == "single" and stages_per_rank != 1:
         raise InfeasibleError(
-            f"--microbatches {n_microbatches} is too small for --schedule 1f1b with {n_stages} stages: "
-            f"torch's Schedule1F1B needs at least one microbatch per stage; use -m {n_stages} or more, "
-            "fewer --gpus, or --schedule gpipe"
+            f"--stages-per-rank {stages_per_rank} does not work with --schedule {schedule} (one stage per rank); "
+            "use --stages-per-rank 1, or --schedule interleaved-1f1b / looped-bfs / interleaved-zb for several"
+        )
+    if style == "v" and stages_per_rank != 2:
+        raise InfeasibleError(
+            f"--stages-per-rank {stages_per_rank} does not work with --schedule {schedule}: its V shape puts "
+            "exactly 2 stages on every rank; use --stages-per-rank 2"
         )
 
 
-def action_order(schedule: str, n_stages: int, n_microbatches: int) -> list[list[Action]]:
-    """Per-rank order of forward/backward actions of one training step (one stage per rank).
+def check_schedule(schedule: str, n_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> None:
+    """Reject requests torch's schedules cannot run: the one place this rule lives (the planner checks it
+    before profiling, the runner before launching, ``action_order`` always).
+
+    Args:
+        schedule: one of ``SCHEDULES``.
+        n_ranks: pipeline ranks p.
+        n_microbatches: microbatches per step m.
+        stages_per_rank: stages on every rank v.
+
+    Raises:
+        InfeasibleError: unknown schedule, p < 1, m < 1, a stage count per rank the schedule cannot
+            run, or a microbatch count its torch class refuses in ``__init__``: 1F1B needs m >= p,
+            DualPipeV m >= 2p, the interleaved ones m a multiple of max(1, m // p) (torch's
+            "number of rounds").
+    """
+    check_placement(schedule, n_ranks, stages_per_rank)
+    m, p = n_microbatches, n_ranks
+    if m < 1:
+        raise InfeasibleError(f"--microbatches {m}: need at least one microbatch; use -m 1 or more")
+    # torch's Schedule1F1B.__init__ raises ValueError when n_microbatches < num_stages.
+    if schedule == "1f1b" and m < p:
+        raise InfeasibleError(
+            f"--microbatches {m} is too small for --schedule 1f1b with {p} stages: "
+            f"torch's Schedule1F1B needs at least one microbatch per stage; use -m {p} or more, "
+            "fewer --gpus, or --schedule gpipe"
+        )
+    if schedule == "dualpipev" and m < 2 * p:
+        raise InfeasibleError(
+            f"--microbatches {m} is too small for --schedule dualpipev on {p} ranks: torch's ScheduleDualPipeV "
+            f"needs at least one microbatch per stage ({2 * p} stages); use -m {2 * p} or more, or --schedule zbv"
+        )
+    if schedule in ("interleaved-1f1b", "interleaved-zb"):
+        rounds = max(1, m // p)
+        if m % rounds:
+            raise InfeasibleError(
+                f"--microbatches {m} does not work with --schedule {schedule} on {p} ranks: torch needs m to be a "
+                f"multiple of its number of rounds max(1, m // p) = {rounds}; use -m {rounds * p} or another "
+                f"multiple of {p}"
+            )
+
+
+def action_order(schedule: str, n_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> list[list[Action]]:
+    """Per-rank order of the compute actions of one training step.
 
     GPipe (``ScheduleGPipe._step_microbatches``): every rank runs F0..F(m-1), then B0..B(m-1).
 
     1F1B (``Schedule1F1B._step_microbatches``): stage ``i`` (0-based) first runs
     ``w = min(m, p - i)`` warm-up forwards, then alternates "1B1F" (B first) until all forwards
-    are issued, then drains the remaining backwards. This equals Megatron's 1F1B order
-    (Narayanan et al. 2021 §2.2.1): p-1-i warm-up forwards followed by F/B pairs.
+    are issued, then drains the remaining backwards (Narayanan et al. 2021 §2.2.1).
+
+    The others follow their torch class's ``_calculate_single_rank_operations`` (see the module
+    docstring); the functions below name the class they copy.
 
     Args:
-        schedule: "gpipe" or "1f1b".
-        n_stages: number of pipeline stages p (= ranks).
-        n_microbatches: number of microbatches m per step.
+        schedule: one of ``SCHEDULES``.
+        n_ranks: pipeline ranks p.
+        n_microbatches: microbatches per step m.
+        stages_per_rank: stages on every rank v (1 for GPipe/1F1B, 2 for ZB-V/DualPipeV).
 
     Returns:
-        ``orders[i]`` is the list of ``(kind, microbatch)`` actions rank ``i`` runs, in order.
+        ``orders[r]`` is the list of actions rank ``r`` runs, in order. Stage indices are global
+        (0 .. p*v - 1); ``stage_ranks`` says which rank holds each.
 
     Raises:
-        InfeasibleError: unknown schedule, p < 1, m < 1, or 1F1B with m < p (torch refuses it).
+        InfeasibleError: a request torch would refuse (see ``check_schedule``).
     """
-    check_schedule(schedule, n_stages, n_microbatches)
-    m = n_microbatches
-    orders: list[list[Action]] = []
-    for stage in range(n_stages):
-        if schedule == "gpipe":
-            order: list[Action] = [("F", mb) for mb in range(m)] + [("B", mb) for mb in range(m)]
+    check_schedule(schedule, n_ranks, n_microbatches, stages_per_rank)
+    p, m, v = n_ranks, n_microbatches, stages_per_rank
+    build: dict[str, Callable[[int], list[Action]]] = {
+        "gpipe": lambda r: _gpipe(r, m),
+        "1f1b": lambda r: _one_f_one_b(r, p, m),
+        "looped-bfs": lambda r: _looped_bfs(r, p, m, v),
+        "interleaved-1f1b": lambda r: _interleaved(r, p, m, v, zero_bubble=False),
+        "interleaved-zb": lambda r: _interleaved(r, p, m, v, zero_bubble=True),
+        "zbv": lambda r: _zbv(r, p, m),
+        "dualpipev": lambda r: _dualpipev(r, p, m),
+    }
+    return [build[schedule](r) for r in range(p)]
+
+
+def _gpipe(rank: int, m: int) -> list[Action]:
+    return [Action(rank, "F", mb) for mb in range(m)] + [Action(rank, "B", mb) for mb in range(m)]
+
+
+def _one_f_one_b(rank: int, p: int, m: int) -> list[Action]:
+    warmup = min(m, p - rank)
+    order = [Action(rank, "F", mb) for mb in range(warmup)]
+    fwd, bwd = warmup, 0
+    # "1B1F" steady state exactly as torch: B first, then F while forwards remain.
+    while True:
+        order.append(Action(rank, "B", bwd))
+        bwd += 1
+        if fwd == m:
+            break
+        order.append(Action(rank, "F", fwd))
+        fwd += 1
+    order.extend(Action(rank, "B", mb) for mb in range(bwd, m))
+    return order
+
+
+def _looped_bfs(rank: int, p: int, m: int, v: int) -> list[Action]:
+    """``ScheduleLoopedBFS``: every local stage's forwards in stage order, then the backwards of the
+    local stages in reverse, each over the microbatches in reverse."""
+    local = range(rank, p * v, p)
+    order = [Action(s, "F", mb) for s in local for mb in range(m)]
+    order += [Action(s, "B", mb) for s in reversed(local) for mb in reversed(range(m))]
+    return order
+
+
+def _interleaved(rank: int, p: int, m: int, v: int, *, zero_bubble: bool) -> list[Action]:
+    """``ScheduleInterleaved1F1B`` (``zero_bubble=False``) and ``ScheduleInterleavedZeroBubble``: the
+    warm-up count of ``_get_warmup_ops`` and the phases of ``_get_1f1b_rank_ops``."""
+    rounds = max(1, m // p)
+    per_round = m // rounds
+    factor = 1 if zero_bubble else 2
+    warmup = min((v - 1) * per_round + factor * (p - 1 - rank), m * v)
+    total = m * v  # forwards of this rank = backwards of this rank
+    fwd_bwd = total - warmup
+
+    def fwd_stage(step: int) -> int:
+        return ((step // per_round) % v) * p + rank
+
+    def bwd_stage(step: int) -> int:
+        return (v - 1 - ((step - warmup) // per_round) % v) * p + rank
+
+    next_mb: dict[tuple[str, int], int] = defaultdict(int)
+
+    def act(stage: int, kind: str) -> Action:
+        mb = next_mb[(kind, stage)]
+        next_mb[(kind, stage)] = mb + 1
+        return Action(stage, kind, mb)
+
+    back = "I" if zero_bubble else "B"
+    order: list[Action] = []
+    backward_ops: list[int] = []
+    weights_done = 0
+    n_1f1b = rank  # zero bubble: the first ``rank`` backwards of the steady state keep W waiting
+
+    def maybe_weight(op: int) -> None:
+        nonlocal weights_done
+        if zero_bubble and op - warmup >= n_1f1b:
+            order.append(act(bwd_stage(backward_ops[weights_done]), "W"))
+            weights_done += 1
+
+    for op in range(warmup + fwd_bwd + warmup):
+        if op < warmup:
+            order.append(act(fwd_stage(op), "F"))
+        elif op < warmup + fwd_bwd:
+            order.append(act(fwd_stage(op), "F"))
+            order.append(act(bwd_stage(op), back))
+            backward_ops.append(op)
+            maybe_weight(op)
         else:
-            warmup = min(m, n_stages - stage)
-            order = [("F", mb) for mb in range(warmup)]
-            fwd, bwd = warmup, 0
-            # "1B1F" steady state exactly as torch: B first, then F while forwards remain.
-            while True:
-                order.append(("B", bwd))
-                bwd += 1
-                if fwd == m:
-                    break
-                order.append(("F", fwd))
-                fwd += 1
-            order.extend(("B", mb) for mb in range(bwd, m))
-        orders.append(order)
-    return orders
+            order.append(act(bwd_stage(op), back))
+            backward_ops.append(op)
+            maybe_weight(op)
+    while zero_bubble and weights_done < len(backward_ops):
+        order.append(act(bwd_stage(backward_ops[weights_done]), "W"))
+        weights_done += 1
+    return order
 
 
-def peak_in_flight(order_for_rank: Sequence[Action]) -> int:
-    """Peak number of microbatches whose forward ran on this rank and backward has not yet.
+def _zbv(rank: int, p: int, m: int) -> list[Action]:
+    """``ScheduleZBVZeroBubble._calculate_single_rank_operations`` (microbatches >= m dropped, as torch does)."""
+    n_micro = max(2 * p - 1, m)
+    c0, c1 = rank, 2 * p - 1 - rank
+    f0 = f1 = b0 = b1 = 0
+    order: list[Action] = []
+    for _ in range(2 * (p - rank) - 1):
+        order.append(Action(c0, "F", f0))
+        f0 += 1
+    for _ in range(rank):
+        order += [Action(c1, "F", f1), Action(c0, "F", f0 + 0)]
+        f1 += 1
+        f0 += 1
+    for _ in range(p - rank):
+        order += [Action(c1, "F", f1), Action(c1, "I", b1), Action(c1, "W", b1)]
+        f1 += 1
+        b1 += 1
+    while f1 < f0 or f0 < n_micro:
+        if f0 < n_micro:
+            order.append(Action(c0, "F", f0))
+            f0 += 1
+        order += [Action(c0, "I", b0), Action(c0, "W", b0)]
+        b0 += 1
+        order += [Action(c1, "F", f1), Action(c1, "I", b1), Action(c1, "W", b1)]
+        f1 += 1
+        b1 += 1
+    w0, w1 = b0, b1
+    for _ in range(rank):
+        order += [Action(c0, "I", b0), Action(c1, "I", b1)]
+        b0 += 1
+        b1 += 1
+    for _ in range(p - rank):
+        order += [Action(c0, "I", b0), Action(c0, "W", w0)]
+        b0 += 1
+        w0 += 1
+    while w1 < b1:
+        order.append(Action(c1, "W", w1))
+        w1 += 1
+    while w0 < b0:
+        order.append(Action(c0, "W", w0))
+        w0 += 1
+    return [a for a in order if a.microbatch < m]
 
-    This is how many microbatches' activations the rank holds at once (GPipe: m on every stage;
-    1F1B: min(m, p - i) on stage i, Narayanan et al. 2021).
+
+def _dualpipev(rank: int, p: int, m: int) -> list[Action]:
+    """``ScheduleDualPipeV._calculate_single_rank_operations``, each overlapped F&B as F then B."""
+    s0, s1 = rank, 2 * p - 1 - rank
+    counters: dict[tuple[int, str], int] = defaultdict(int)
+    weights: list[tuple[int, int]] = []
+    order: list[Action] = []
+
+    def add(stage: int, kind: str) -> None:
+        # A full backward uses (and advances) the I counter and the W counter, as torch does.
+        key = (stage, "I" if kind == "B" else kind)
+        mb = counters[key]
+        order.append(Action(stage, kind, mb))
+        if kind == "B":
+            counters[(stage, "I")] += 1
+            counters[(stage, "W")] += 1
+        else:
+            if kind == "I":
+                weights.append((stage, mb))
+            counters[key] = mb + 1
+
+    def overlap(f_stage: int, b_stage: int) -> None:
+        order.append(Action(f_stage, "F", counters[(f_stage, "F")]))
+        order.append(Action(b_stage, "B", counters[(b_stage, "I")]))
+        counters[(f_stage, "F")] += 1
+        counters[(b_stage, "I")] += 1
+        counters[(b_stage, "W")] += 1
+
+    def pending_weight() -> None:
+        if weights:
+            stage, mb = weights.pop(0)
+            order.append(Action(stage, "W", mb))
+            counters[(stage, "W")] += 1
+
+    for _ in range((p - rank - 1) * 2):
+        add(s0, "F")
+    for _ in range(rank + 1):
+        add(s0, "F")
+        add(s1, "F")
+    for _ in range(p - rank - 1):
+        add(s1, "I")
+        pending_weight()
+        add(s1, "F")
+    for i in range(m - 2 * p + rank + 1):
+        if i == 0 and rank == p - 1:
+            add(s0, "F")
+            add(s1, "B")
+        else:
+            overlap(s0, s1)
+        overlap(s1, s0)
+    for _ in range(p - rank - 1):
+        add(s1, "B")
+        overlap(s1, s0)
+    zero_bubble = False
+    steps6 = rank + 1
+    for i in range(steps6):
+        if i == steps6 // 2 and rank % 2 == 1:
+            zero_bubble = True
+        add(s1, "I" if zero_bubble else "B")
+        if i == steps6 // 2 and rank % 2 == 0:
+            zero_bubble = True
+        add(s0, "I" if zero_bubble else "B")
+    for _ in range(p - rank - 1):
+        pending_weight()
+        add(s0, "I" if zero_bubble else "B")
+    for _ in range(rank + 1):
+        pending_weight()
+    return order
+
+
+def peak_in_flight(order_for_rank: Sequence[Action]) -> dict[int, int]:
+    """Peak number of microbatches holding activations on each stage of a rank.
+
+    A microbatch holds its activations on a stage from its forward until its backward has
+    finished with them: the full backward ``B``, or for a split backward the weight part ``W``
+    (torch keeps the tensors the weight gradient needs until then). This is how many
+    microbatches' activations the stage holds at once (GPipe: m on every stage; 1F1B:
+    min(m, p - i) on stage i, Narayanan et al. 2021).
 
     Args:
         order_for_rank: one rank's action order, as returned by ``action_order``.
 
     Returns:
-        The maximum, over prefixes of the order, of (#F - #B).
+        stage -> the maximum, over prefixes of the order, of its live microbatches.
 
     Raises:
-        ValueError: an action kind other than "F" or "B".
+        ValueError: an action kind other than F, B, I or W.
+    """
+    live: dict[int, int] = defaultdict(int)
+    peak: dict[int, int] = defaultdict(int)
+    for a in order_for_rank:
+        if a.kind == "F":
+            live[a.stage] += 1
+            peak[a.stage] = max(peak[a.stage], live[a.stage])
+        elif a.kind in ("B", "W"):
+            live[a.stage] -= 1
+        elif a.kind != "I":
+            raise ValueError(f"action kind {a.kind!r} is invalid; expected 'F', 'B', 'I' or 'W'.")
+    return dict(peak)
+
+
+def peak_live_bytes(order_for_rank: Sequence[Action], bytes_per_microbatch: dict[int, int]) -> int:
+    """Peak activation bytes a rank holds: the most, over prefixes of its order, of the sum over its
+    stages of live microbatches x that stage's bytes per microbatch.
+
+    With several stages per rank the stages' peaks need not coincide, so this is at most (and often
+    less than) the sum of the per-stage peaks.
+
+    Args:
+        order_for_rank: one rank's action order.
+        bytes_per_microbatch: stage -> bytes one live microbatch holds on it.
+
+    Returns:
+        Peak bytes.
     """
     live = 0
     peak = 0
-    for kind, _mb in order_for_rank:
-        if kind == "F":
-            live += 1
+    for a in order_for_rank:
+        if a.kind == "F":
+            live += bytes_per_microbatch.get(a.stage, 0)
             peak = max(peak, live)
-        elif kind == "B":
-            live -= 1
-        else:
-            raise ValueError(f"action kind {kind!r} is invalid; expected 'F' or 'B'.")
+        elif a.kind in ("B", "W"):
+            live -= bytes_per_microbatch.get(a.stage, 0)
     return peak
+
+
+def in_flight_per_stage(schedule: str, n_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> list[int]:
+    """Peak live microbatches of every stage (index = global stage) under a schedule.
+
+    Raises:
+        InfeasibleError: the schedule cannot run with these numbers (see ``check_schedule``).
+    """
+    out = [0] * (n_ranks * stages_per_rank)
+    for order in action_order(schedule, n_ranks, n_microbatches, stages_per_rank):
+        for stage, peak in peak_in_flight(order).items():
+            out[stage] = peak
+    return [max(1, x) for x in out]

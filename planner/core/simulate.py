@@ -1,33 +1,61 @@
-"""Pure discrete-event simulation of one pipeline-parallel training step.
+"""Pure discrete-event simulation of one pipeline-parallel training step, for every schedule.
 
-Pure module: never imports torch. One stage per rank; each rank runs its actions strictly in the
-order ``planner.core.schedules.action_order`` gives (the order torch's schedule executes), one at a time.
+Pure module: never imports torch. Each rank runs its compute actions strictly in the order
+``planner.core.schedules.action_order`` gives (the order torch's schedule executes), one at a time;
+a rank may hold several stages (interleaved, looped and V-shaped schedules).
 
-Timing model, per stage ``i`` and microbatch ``mb``:
+Timing model, per stage ``s`` and microbatch ``mb`` (S stages in all):
 
-* ``F(i, mb)`` occupies rank ``i`` for its forward duration (compute + its messages) and may start
-  once ``F(i-1, mb)`` ended.
-* ``B(i, mb)`` occupies rank ``i`` for its backward duration and may start once ``F(i, mb)`` ended
-  and, unless ``i`` is the last stage, ``B(i+1, mb)`` ended.
+* ``F(s, mb)`` may start once ``F(s-1, mb)`` ended.
+* the input gradient, ``B(s, mb)`` or ``I(s, mb)``, may start once ``F(s, mb)`` ended and, unless
+  ``s`` is the last stage, the input gradient of stage ``s+1`` for ``mb`` (its ``B`` or ``I``) ended.
+* ``W(s, mb)`` (the weight gradient of a split backward) may start once ``I(s, mb)`` ended.
 
-Communication time is folded into the action that performs it (torch's single-stage schedules wait
-on their receives and sends inside the action), so a dependency is met the instant its producer ends.
-An action starts at ``max(rank free, dependencies met)``. With equal stages and no communication this
-reproduces Megatron's step time ``(m + p - 1)(t_f + t_b)`` (Narayanan et al. 2021, Eq. 1).
+Communication time is folded into the action that performs it (a forward carries its activation
+messages, a backward their gradients), so a dependency is met the instant its producer ends. An
+action starts at ``max(rank free, dependencies met)``. With equal stages and no communication this
+reproduces Megatron's step time ``(m + p - 1)(t_f + t_b)`` for GPipe and 1F1B (Narayanan et al.
+2021, Eq. 1) and the interleaved schedule's ``(m + (p - 1)/v)(t_f + t_b)`` with v stages per rank
+(ibid. §2.2.2); ZB-V reaches a zero bubble when F = I = W (Qi et al. 2023).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.core.schedules import action_order, peak_in_flight
+from planner.core.schedules import Action, action_order, in_flight_per_stage, stage_ranks
 from planner.errors import InfeasibleError
 
+
+class StageTimes(NamedTuple):
+    """Seconds one action of a stage occupies its rank, messages included.
+
+    ``i`` and ``w`` are the two halves of a split backward (zero-bubble schedules); None when
+    unknown, in which case each is half of ``b`` (the input and weight gradients of a linear
+    layer cost the same FLOPs).
+    """
+
+    f: float
+    b: float
+    i: float | None = None
+    w: float | None = None
+
+    def of(self, kind: str) -> float:
+        """Seconds of an action of ``kind`` ("F", "B", "I" or "W")."""
+        if kind == "F":
+            return self.f
+        if kind == "B":
+            return self.b
+        if kind == "I":
+            return self.i if self.i is not None else self.b / 2
+        return self.w if self.w is not None else self.b / 2
+
+
 Durations = tuple[float, float]
-"""Seconds one forward action and one backward action occupy a rank, messages included."""
+"""(F, B) seconds of a stage: accepted wherever ``StageTimes`` is, for schedules without a split backward."""
 
 
 class Event(BaseModel):
@@ -36,7 +64,8 @@ class Event(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     rank: int
-    kind: str = Field(description="'F' or 'B'.")
+    stage: int = Field(default=-1, description="Global stage index (-1: not recorded).")
+    kind: str = Field(description="'F', 'B', 'I' or 'W'.")
     microbatch: int
     start_s: float
     end_s: float
@@ -50,50 +79,108 @@ class SimResult(BaseModel):
     step_time_s: float = Field(description="Makespan of one step.")
     bubble_fraction: float = Field(description="1 - total busy time / (n_ranks * makespan).")
     busy_s: list[float] = Field(description="Busy time per rank.")
-    peak_in_flight: list[int] = Field(description="Peak microbatches with F done and B pending, per rank.")
+    bubble_s: list[float] = Field(default_factory=list, description="Idle time per rank within the makespan.")
+    peak_in_flight: list[int] = Field(description="Peak microbatches holding activations, per stage.")
     events: list[Event] = Field(description="Every action, sorted by start time then rank.")
 
 
-def _duration(st: Durations, kind: str) -> float:
-    """Seconds one action of ``kind`` occupies its rank (communication included)."""
-    return st[0] if kind == "F" else st[1]
-
-
-def simulate(stages: Sequence[Durations], schedule: str, n_microbatches: int, slots: float | None = None) -> SimResult:
-    """Simulate one training step of a pipeline with one stage per rank.
+def simulate(
+    stages: Sequence[StageTimes | Durations],
+    schedule: str,
+    n_microbatches: int,
+    slots: float | None = None,
+    stages_per_rank: int = 1,
+) -> SimResult:
+    """Simulate one training step of a pipeline.
 
     Args:
-        stages: per stage, stage 0 first (one rank each), the seconds ``(F, B)`` one forward
-            and one backward action occupy its rank, messages included.
-        schedule: "gpipe" or "1f1b" (see ``planner.core.schedules``).
+        stages: per stage, stage 0 first, the seconds its actions occupy its rank, messages
+            included (``StageTimes`` or an ``(F, B)`` pair).
+        schedule: one of ``planner.core.schedules.SCHEDULES``.
         n_microbatches: microbatches per step.
         slots: how many ranks can compute at full speed at once: None (every rank has its own
             device) or, for CPU ranks sharing a machine, cores / threads per rank. With fewer
             slots than busy ranks, the busy ranks share the processors equally (processor
             sharing), as the OS scheduler time-slices the processes.
+        stages_per_rank: stages on every rank (``len(stages)`` must be a multiple of it).
 
     Returns:
-        The step's makespan, bubble fraction, per-rank busy time and peak in-flight count, and
-        every event.
+        The step's makespan, bubble fraction, per-rank busy and idle time, per-stage peak
+        in-flight count, and every event.
 
     Raises:
-        InfeasibleError: no stages, or a schedule/microbatch request torch would refuse.
+        InfeasibleError: no stages, a stage count that is not ranks x stages_per_rank, or a
+            schedule/microbatch request torch would refuse.
         RuntimeError: the action orders deadlock (a bug in the schedule orders, never user input).
     """
-    p = len(stages)
-    if p == 0:
+    if not stages:
         raise InfeasibleError("stages is empty; expected at least one stage; pass one (F, B) duration pair per stage.")
-    orders = action_order(schedule, p, n_microbatches)
+    if stages_per_rank < 1 or len(stages) % stages_per_rank:
+        raise InfeasibleError(
+            f"{len(stages)} stages do not split into {stages_per_rank} stages per rank; "
+            "give ranks x stages-per-rank stages"
+        )
+    times = [st if isinstance(st, StageTimes) else StageTimes(*st) for st in stages]
+    p = len(times) // stages_per_rank
+    orders = action_order(schedule, p, n_microbatches, stages_per_rank)
+    rank_of = stage_ranks(schedule, p, stages_per_rank)
     if slots is not None and slots < p:
-        return _simulate_shared(stages, orders, slots)
+        events, busy, makespan = _run_shared(times, orders, slots)
+    else:
+        events, busy, makespan = _run(times, orders)
+    # idle / capacity rather than 1 - busy / capacity: for integer-valued times both numerator and
+    # denominator are exact, so equal stages give exactly (p-1)/(m+p-1) (GPipe paper §2.3).
+    capacity = p * makespan
+    bubble = max(0.0, (capacity - sum(busy)) / capacity) if capacity > 0 else 0.0
+    events.sort(key=lambda e: (e.start_s, e.rank))
+    assert all(rank_of[e.stage] == e.rank for e in events), "action on a rank that does not hold its stage"
+    return SimResult(
+        step_time_s=makespan,
+        bubble_fraction=bubble,
+        busy_s=busy,
+        bubble_s=[makespan - b for b in busy],
+        peak_in_flight=in_flight_per_stage(schedule, p, n_microbatches, stages_per_rank),
+        events=events,
+    )
 
-    end: dict[tuple[str, int, int], float] = {}  # (kind, stage, microbatch) -> end time
+
+Key = tuple[str, int, int]  # ("F" | "G", stage, microbatch); "G": the input gradient (B or I) is done
+
+
+def _deps(a: Action, n_stages: int) -> list[Key]:
+    """The producers that must end before action ``a`` may start."""
+    if a.kind == "F":
+        return [("F", a.stage - 1, a.microbatch)] if a.stage > 0 else []
+    if a.kind == "W":
+        return [("G", a.stage, a.microbatch)]
+    deps: list[Key] = [("F", a.stage, a.microbatch)]
+    if a.stage < n_stages - 1:
+        deps.append(("G", a.stage + 1, a.microbatch))
+    return deps
+
+
+def _produces(a: Action) -> Key | None:
+    if a.kind == "F":
+        return ("F", a.stage, a.microbatch)
+    if a.kind in ("B", "I"):
+        return ("G", a.stage, a.microbatch)
+    return None
+
+
+def _stuck(orders: list[list[Action]], next_idx: list[int]) -> RuntimeError:
+    stuck = {r: orders[r][next_idx[r]] for r in range(len(orders)) if next_idx[r] < len(orders[r])}
+    return RuntimeError(f"pipeline simulation deadlocked; next actions per rank: {stuck} (planner bug)")
+
+
+def _run(times: list[StageTimes], orders: list[list[Action]]) -> tuple[list[Event], list[float], float]:
+    """Every rank has its own processor."""
+    p, n_stages = len(orders), len(times)
+    end: dict[Key, float] = {}
     next_idx = [0] * p
     free_at = [0.0] * p
     busy = [0.0] * p
     events: list[Event] = []
     remaining = sum(len(o) for o in orders)
-
     while remaining:
         progressed = False
         for rank in range(p):
@@ -101,53 +188,38 @@ def simulate(stages: Sequence[Durations], schedule: str, n_microbatches: int, sl
             # only on its producers' end times and this rank's previous action, so the order in
             # which ranks are advanced does not change the result.
             while next_idx[rank] < len(orders[rank]):
-                kind, mb = orders[rank][next_idx[rank]]
-                deps = _deps(kind, rank, mb, p)
+                a = orders[rank][next_idx[rank]]
+                deps = _deps(a, n_stages)
                 if any(d not in end for d in deps):
                     break
                 start = max([free_at[rank]] + [end[d] for d in deps])
-                dur = _duration(stages[rank], kind)
+                dur = times[a.stage].of(a.kind)
                 finish = start + dur
-                end[(kind, rank, mb)] = finish
+                key = _produces(a)
+                if key is not None:
+                    end[key] = finish
                 free_at[rank] = finish
                 busy[rank] += dur
-                events.append(Event(rank=rank, kind=kind, microbatch=mb, start_s=start, end_s=finish))
+                events.append(
+                    Event(rank=rank, stage=a.stage, kind=a.kind, microbatch=a.microbatch, start_s=start, end_s=finish)
+                )
                 next_idx[rank] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = {r: orders[r][next_idx[r]] for r in range(p) if next_idx[r] < len(orders[r])}
-            raise RuntimeError(f"pipeline simulation deadlocked; next actions per rank: {stuck} (planner bug)")
-
-    makespan = max(free_at)
-    # idle / capacity rather than 1 - busy / capacity: for integer-valued times both numerator and
-    # denominator are exact, so equal stages give exactly (p-1)/(m+p-1) (GPipe paper §2.3).
-    capacity = p * makespan
-    bubble = (capacity - sum(busy)) / capacity if capacity > 0 else 0.0
-    events.sort(key=lambda e: (e.start_s, e.rank))
-    return SimResult(
-        step_time_s=makespan,
-        bubble_fraction=bubble,
-        busy_s=busy,
-        peak_in_flight=[peak_in_flight(o) for o in orders],
-        events=events,
-    )
+            raise _stuck(orders, next_idx)
+    return events, busy, max(free_at)
 
 
-def _deps(kind: str, rank: int, mb: int, p: int) -> list[tuple[str, int, int]]:
-    """The actions (kind, stage, microbatch) that must end before this one may start."""
-    if kind == "F":
-        return [("F", rank - 1, mb)] if rank > 0 else []
-    return [("F", rank, mb)] + ([("B", rank + 1, mb)] if rank < p - 1 else [])
-
-
-def _simulate_shared(stages: Sequence[Durations], orders: list[list[tuple[str, int]]], slots: float) -> SimResult:
-    """The step when ranks share ``slots`` processors: every running action progresses at rate
+def _run_shared(
+    times: list[StageTimes], orders: list[list[Action]], slots: float
+) -> tuple[list[Event], list[float], float]:
+    """Ranks share ``slots`` processors: every running action progresses at rate
     ``min(1, slots / running)`` (a fluid processor-sharing model of the OS scheduler)."""
-    p = len(stages)
-    end: dict[tuple[str, int, int], float] = {}
+    p, n_stages = len(orders), len(times)
+    end: dict[Key, float] = {}
     next_idx = [0] * p
-    running: dict[int, list[Any]] = {}  # rank -> [kind, microbatch, start, work left]
+    running: dict[int, list[Any]] = {}  # rank -> [action, start, work left]
     busy = [0.0] * p
     events: list[Event] = []
     now = 0.0
@@ -155,34 +227,27 @@ def _simulate_shared(stages: Sequence[Durations], orders: list[list[tuple[str, i
         for rank in range(p):
             if rank in running or next_idx[rank] >= len(orders[rank]):
                 continue
-            kind, mb = orders[rank][next_idx[rank]]
-            if all(d in end for d in _deps(kind, rank, mb, p)):
-                running[rank] = [kind, mb, now, _duration(stages[rank], kind)]
+            a = orders[rank][next_idx[rank]]
+            if all(d in end for d in _deps(a, n_stages)):
+                running[rank] = [a, now, times[a.stage].of(a.kind)]
                 next_idx[rank] += 1
         if not running:
-            stuck = {r: orders[r][next_idx[r]] for r in range(p) if next_idx[r] < len(orders[r])}
-            raise RuntimeError(f"pipeline simulation deadlocked; next actions per rank: {stuck} (planner bug)")
+            raise _stuck(orders, next_idx)
         rate = min(1.0, slots / len(running))
-        step = min(r[3] for r in running.values()) / rate
+        step = min(r[2] for r in running.values()) / rate
         now += step
         for rank in list(running):
-            kind, mb, start, left = running[rank]
+            a, start, left = running[rank]
             left -= step * rate
             if left <= 1e-12 * max(1.0, now):
-                dur = _duration(stages[rank], kind)
-                end[(kind, rank, mb)] = now
-                busy[rank] += dur
-                events.append(Event(rank=rank, kind=kind, microbatch=mb, start_s=start, end_s=now))
+                key = _produces(a)
+                if key is not None:
+                    end[key] = now
+                busy[rank] += times[a.stage].of(a.kind)
+                events.append(
+                    Event(rank=rank, stage=a.stage, kind=a.kind, microbatch=a.microbatch, start_s=start, end_s=now)
+                )
                 del running[rank]
             else:
-                running[rank][3] = left
-    capacity = p * now
-    bubble = max(0.0, (capacity - sum(busy)) / capacity) if capacity > 0 else 0.0
-    events.sort(key=lambda e: (e.start_s, e.rank))
-    return SimResult(
-        step_time_s=now,
-        bubble_fraction=bubble,
-        busy_s=busy,
-        peak_in_flight=[peak_in_flight(o) for o in orders],
-        events=events,
-    )
+                running[rank][2] = left
+    return events, busy, now

@@ -33,16 +33,19 @@ class BlockCost(BaseModel):
     bwd_input_s: float | None = Field(
         default=None,
         ge=0,
+        allow_inf_nan=False,
         description="Backward w.r.t. the block's inputs only (I of F/I/W), seconds; None if not measured.",
     )
     bwd_weight_s: float | None = Field(
         default=None,
         ge=0,
+        allow_inf_nan=False,
         description="Backward w.r.t. the block's weights only (W of F/I/W), seconds; None if not measured.",
     )
     recompute_s: float | None = Field(
         default=None,
         ge=0,
+        allow_inf_nan=False,
         description="Extra forward the block costs in backward under activation checkpointing, seconds; None if not "
         "measured (the solver then charges the whole forward).",
     )
@@ -58,6 +61,7 @@ class BlockCost(BaseModel):
     opt_s: float | None = Field(
         default=None,
         ge=0,
+        allow_inf_nan=False,
         description="Optimizer step over this block's parameters, seconds (once per step, not per microbatch); None if not timed.",
     )
     cut_bytes: int = Field(
@@ -86,8 +90,8 @@ class LinkCost(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str = Field(description="Short description, e.g. 'gloo-cpu'.")
-    latency_s: float = Field(ge=0, description="Fixed cost per message, seconds.")
-    bandwidth_Bps: float = Field(gt=0, description="Sustained bandwidth, bytes per second.")
+    latency_s: float = Field(ge=0, allow_inf_nan=False, description="Fixed cost per message, seconds.")
+    bandwidth_Bps: float = Field(gt=0, allow_inf_nan=False, description="Sustained bandwidth, bytes per second.")
 
     def send_s(self, nbytes: int) -> float:
         """Seconds to send one message of ``nbytes``.
