@@ -80,6 +80,21 @@ def memory_tracker() -> Any:
     return MemTracker()
 
 
+def forget_root_module(tracker: Any, *modules: Any) -> None:
+    """Let ``MemTracker`` see ``module`` called at the top level once more in the same context.
+
+    MemTracker refuses a second root-level forward of a module it already tracks ("multiple
+    iterative calls"); pipeline microbatches are exactly that. ``reset_mod_stats`` clears every
+    module's statistics, which breaks the backward hooks of *other* stages of the same rank whose
+    microbatches are still in flight (their modules are looked up in backward); so only this root
+    module's entry is dropped (its private ``memory_tracking`` table). Only the global categories
+    are read from the tracker, never the per-module statistics.
+    """
+    for module in modules:
+        if module is not None:
+            tracker.memory_tracking.pop(module, None)
+
+
 @contextlib.contextmanager
 def swapped_sdpa(replacement: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
     """Replace ``F.scaled_dot_product_attention`` process-wide inside the block.

@@ -21,7 +21,9 @@ torch = pytest.importorskip("torch")
 from planner.capture.load import load_model_file  # noqa: E402
 from planner.capture.stage import build_stage_module  # noqa: E402
 from planner.capture.trace import trace_model  # noqa: E402
+from planner.core.schedules import action_order, stage_ranks  # noqa: E402
 from planner.errors import PlanFileError, PlannerError  # noqa: E402
+from planner.report.compare import measured_events  # noqa: E402
 from planner.run import RunResult, run_plan, train_reference  # noqa: E402
 from planner.run.loop import RankResult, run_result  # noqa: E402
 from planner.schema.costs import GLOO_CPU_LINK, BlockCost, OptimizerSpec  # noqa: E402
@@ -48,8 +50,10 @@ def make_plan(
     lr: float = 1e-3,
     backend: str = "gloo",
     seed: int = 0,
+    stages_per_rank: int = 1,
 ) -> Plan:
-    """A valid Plan for ``model_path`` whose stages start at the blocks in ``starts``."""
+    """A valid Plan for ``model_path`` whose stages start at the blocks in ``starts`` (placed on ranks
+    as ``schedule`` places ``stages_per_rank`` stages per rank)."""
     mf = load_model_file(model_path, size)
     inputs, _ = mf.batch(batch_size // n_microbatches, seed=seed)
     traced = trace_model(mf.build(seed), inputs)
@@ -72,9 +76,12 @@ def make_plan(
         for k, b in enumerate(traced.blocks)
     ]
     bounds = [*starts, n]
+    n_ranks = len(starts) // stages_per_rank
+    ranks = stage_ranks(schedule, n_ranks, stages_per_rank)
     stages = [
         StagePlan(
             index=i,
+            rank=ranks[i],
             start=s,
             end=e,
             first_block=blocks[s].name,
@@ -129,6 +136,7 @@ def make_plan(
         method="optimal",
         schedule=schedule,
         n_stages=len(starts),
+        n_ranks=n_ranks,
         batch_size=batch_size,
         n_microbatches=n_microbatches,
         blocks=blocks,
@@ -161,22 +169,35 @@ def assert_close(got: list[float], want: list[float], what: str) -> None:
         assert g == pytest.approx(w, rel=REL), f"{what}[{i}]: pipeline {g} vs unsplit {w}"
 
 
-# (model file, stage starts, schedule, n_microbatches, optimizer, grad_clip). Clip thresholds sit
+# (model file, stage starts, schedule, n_microbatches, optimizer, grad_clip, stages per rank). Clip thresholds sit
 # below every step's global norm for these models, so clipping happens in every step. SGD makes
 # the clipping visible in the losses (AdamW nearly cancels a uniform gradient scale).
 CASES = [
-    pytest.param(MODELS / "gpt.py", [0, 3], "gpipe", 4, "sgd", 0.5, id="gpt-2stages-gpipe"),
-    pytest.param(MODELS / "gpt.py", [0, 2, 4, 5], "1f1b", 4, "adamw", 0.5, id="gpt-4stages-1f1b-adamw"),
-    pytest.param(MODELS / "shakespeare.py", [0, 4], "1f1b", 2, "sgd", 0.5, id="shakespeare-2stages-1f1b"),
+    pytest.param(MODELS / "gpt.py", [0, 3], "gpipe", 4, "sgd", 0.5, 1, id="gpt-2stages-gpipe"),
+    pytest.param(MODELS / "gpt.py", [0, 2, 4, 5], "1f1b", 4, "adamw", 0.5, 1, id="gpt-4stages-1f1b-adamw"),
+    pytest.param(MODELS / "shakespeare.py", [0, 4], "1f1b", 2, "sgd", 0.5, 1, id="shakespeare-2stages-1f1b"),
     # cut after block 0 sends the token embeddings AND the integer position ids (torch.arange)
-    pytest.param(MODELS / "shakespeare.py", [0, 1, 3, 6], "gpipe", 2, "sgd", 0.5, id="shakespeare-4stages-gpipe"),
+    pytest.param(MODELS / "shakespeare.py", [0, 1, 3, 6], "gpipe", 2, "sgd", 0.5, 1, id="shakespeare-4stages-gpipe"),
     # two tensors cross every middle cut; the middle stage passes the skip tensor through unchanged
-    pytest.param(FIXTURES / "skip.py", [0, 2, 4], "1f1b", 4, "sgd", 0.05, id="skip-3stages-1f1b"),
+    pytest.param(FIXTURES / "skip.py", [0, 2, 4], "1f1b", 4, "sgd", 0.05, 1, id="skip-3stages-1f1b"),
+    # every schedule with several stages per rank, 2 ranks x 2 stages (looped placement: rank 0 runs
+    # stages 0 and 2; V placement: rank 0 runs stages 0 and 3 and computes the loss)
+    pytest.param(MODELS / "gpt.py", [0, 2, 4, 5], "interleaved-1f1b", 4, "sgd", 0.5, 2, id="gpt-2x2-interleaved-1f1b"),
+    pytest.param(MODELS / "gpt.py", [0, 2, 4, 5], "looped-bfs", 4, "sgd", 0.5, 2, id="gpt-2x2-looped-bfs"),
+    pytest.param(MODELS / "gpt.py", [0, 2, 4, 5], "interleaved-zb", 4, "sgd", 0.5, 2, id="gpt-2x2-interleaved-zb"),
+    pytest.param(MODELS / "gpt.py", [0, 2, 4, 5], "zbv", 4, "adamw", 0.5, 2, id="gpt-2x2-zbv-adamw"),
+    pytest.param(
+        MODELS / "shakespeare.py", [0, 1, 3, 6], "dualpipev", 4, "sgd", 0.5, 2, id="shakespeare-2x2-dualpipev"
+    ),
+    # every stage output is a view (torch's input-only backward fails on those unless copied)
+    pytest.param(FIXTURES / "view_out.py", [0, 1, 3, 4], "zbv", 4, "sgd", 0.05, 2, id="view-out-2x2-zbv"),
+    # one stage per rank under a multi-stage schedule class
+    pytest.param(MODELS / "gpt.py", [0, 3], "interleaved-zb", 2, "sgd", 0.5, 1, id="gpt-2x1-interleaved-zb"),
 ]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("model", "starts", "schedule", "m", "optimizer", "clip"), CASES)
+@pytest.mark.parametrize(("model", "starts", "schedule", "m", "optimizer", "clip", "v"), CASES)
 def test_pipeline_matches_unsplit_model(
     model: Path,
     starts: list[int],
@@ -184,12 +205,22 @@ def test_pipeline_matches_unsplit_model(
     m: int,
     optimizer: str,
     clip: float,
+    v: int,
     tmp_path: Path,
     capfd: pytest.CaptureFixture,
 ) -> None:
     steps = 3
     lr = 0.5 if optimizer == "sgd" else 1e-3
-    plan = make_plan(model, starts, schedule=schedule, n_microbatches=m, optimizer=optimizer, lr=lr, grad_clip=clip)
+    plan = make_plan(
+        model,
+        starts,
+        schedule=schedule,
+        n_microbatches=m,
+        optimizer=optimizer,
+        lr=lr,
+        grad_clip=clip,
+        stages_per_rank=v,
+    )
     path = saved(plan, tmp_path)
     t0 = time.perf_counter()
     got = run_plan(plan, RunRequest(plan_file=path, steps=steps))
@@ -209,8 +240,23 @@ def test_pipeline_matches_unsplit_model(
         assert unclipped.losses[1] != pytest.approx(want.losses[1], rel=10 * REL), "clipping changed nothing"
 
     assert len(got.step_times_s) == steps and all(t > 0 for t in got.step_times_s)
-    assert [len(ts) for ts in got.rank_step_times_s] == [steps] * len(starts)
-    assert got.threads == [1] * len(starts)
+    n_ranks = len(starts) // v
+    assert [len(ts) for ts in got.rank_step_times_s] == [steps] * n_ranks
+    assert got.threads == [1] * n_ranks
+    # every stage measured, on the rank the plan placed it, with its actions of one step timed
+    assert [(st.stage, st.rank if st.rank is not None else st.stage) for st in got.stages] == [
+        (s.index, s.rank) for s in plan.stages
+    ]
+    for st in got.stages:
+        kinds = [k for k, *_ in st.timeline]
+        assert kinds.count("F") == m and kinds.count("B") + kinds.count("I") == m, (st.stage, kinds)
+        assert kinds.count("I") == kinds.count("W")
+    # the measured timeline has every action of the step, each on its rank, in the schedule's order
+    events = measured_events(plan, got)
+    orders = action_order(schedule, n_ranks, m, v)
+    for rank, order in enumerate(orders):
+        ran = [(e.stage, e.microbatch) for e in events if e.rank == rank]
+        assert ran == [(a.stage, a.microbatch) for a in order], rank
     assert all(b > 10 * 2**20 for b in got.peak_rss_bytes)
     assert out.count("\nstep ") + out.startswith("step ") == steps
     assert f"step {steps}/{steps}  loss {got.losses[-1]:.4f}" in out
@@ -437,7 +483,7 @@ def test_weights_tied_across_stages_are_rejected(tmp_path: Path, no_launch: None
 def test_nodes_must_divide_stages(tmp_path: Path, no_launch: None) -> None:
     plan = make_plan(MODELS / "gpt.py", [0, 2, 4])
     path = saved(plan, tmp_path)
-    with pytest.raises(PlannerError, match="3 stages cannot be spread evenly over 2 node"):
+    with pytest.raises(PlannerError, match="3 ranks cannot be spread evenly over 2 node"):
         run_plan(plan, RunRequest(plan_file=path, steps=2, nnodes=2, rdzv_endpoint="localhost:29400"))
     plan2 = make_plan(MODELS / "gpt.py", [0, 3])
     with pytest.raises(PlannerError, match="needs --rdzv-endpoint"):
@@ -491,22 +537,9 @@ def test_a_model_file_edited_since_planning_is_named_in_a_warning(tmp_path: Path
     assert len(warnings) == 1 and "(loss_fn changed;" in warnings[0], warnings
 
 
-def _rank(rank: int, times: tuple[float, ...], losses: tuple[float, ...] = ()) -> RankResult:
-    measure = StageMeasure(
-        stage=rank,
-        first_block=f"b{rank}",
-        last_block=f"b{rank}",
-        fwd_s=0.01,
-        bwd_s=0.02,
-        loss_s=0.0,
-        p2p_s=0.003,
-        reduce_s=0.0,
-        clip_s=0.0,
-        optimizer_s=0.006,
-        step_s=0.1,
-        fwd_times_s=[[0.01]] * len(times),
-        bwd_times_s=[[0.02]] * len(times),
-    )
+def _rank(
+    rank: int, times: tuple[float, ...], losses: tuple[float, ...] = (), stages: tuple[int, ...] | None = None
+) -> RankResult:
     return RankResult(
         rank=rank,
         losses=losses,
@@ -515,7 +548,25 @@ def _rank(rank: int, times: tuple[float, ...], losses: tuple[float, ...] = ()) -
         threads=1,
         peak_rss_bytes=1 << 28,
         memory_step=3,
-        measure=measure,
+        measures=tuple(_measure(s, len(times)) for s in (stages if stages is not None else (rank,))),
+    )
+
+
+def _measure(stage: int, steps: int) -> StageMeasure:
+    return StageMeasure(
+        stage=stage,
+        first_block=f"b{stage}",
+        last_block=f"b{stage}",
+        fwd_s=0.01,
+        bwd_s=0.02,
+        loss_s=0.0,
+        p2p_s=0.003,
+        reduce_s=0.0,
+        clip_s=0.0,
+        optimizer_s=0.006,
+        step_s=0.1,
+        fwd_times_s=[[0.01]] * steps,
+        bwd_times_s=[[0.02]] * steps,
     )
 
 
@@ -538,3 +589,17 @@ def test_run_result_is_assembled_from_rank_results(tmp_path: Path) -> None:
     assert local.losses == [2.0, 1.0, 0.5] and local.step_times_s == [0.3, 0.2, 0.4] and local.plan_path is None
     with pytest.raises(ValueError, match="at least one rank"):
         run_result(plan, [], mode="pipeline")
+
+
+def test_run_result_of_a_v_placement_takes_losses_from_rank_0() -> None:
+    # ZB-V on 2 ranks: rank 0 runs stages 0 and 3 (the last: it computes the loss), rank 1 stages 1 and 2.
+    plan = make_plan(MODELS / "gpt.py", [0, 2, 4, 5], schedule="zbv", stages_per_rank=2)
+    assert [s.rank for s in plan.stages] == [0, 1, 1, 0] and plan.n_ranks == 2 and plan.stages_per_rank == 2
+    ranks = [
+        _rank(1, (0.5, 0.2, 0.9), stages=(1, 2)),
+        _rank(0, (0.6, 0.1, 0.8), losses=(2.0, 1.5, 1.2), stages=(0, 3)),
+    ]
+    got = run_result(plan, ranks, mode="pipeline")
+    assert got.losses == [2.0, 1.5, 1.2] and got.n_stages == 4
+    assert [s.stage for s in got.stages] == [0, 1, 2, 3]
+    assert got.rank_step_times_s == [[0.6, 0.1, 0.8], [0.5, 0.2, 0.9]]

@@ -18,7 +18,7 @@ from torch import nn
 from planner.capture.blocks import GraphTrace
 from planner.capture.load import ModelFile, load_model_file
 from planner.capture.trace import trace_model
-from planner.core.schedules import check_schedule
+from planner.core.schedules import check_schedule, stage_ranks
 from planner.errors import PlanFileError, PlannerError
 from planner.schema.plan import Plan
 
@@ -63,8 +63,15 @@ def check_runnable(plan: Plan) -> None:
             f"model (fx or export) to cut into stages; tracing failed with: {why}; make the model "
             "traceable (no data-dependent control flow in forward) and re-run `planner plan`"
         )
-    if plan.n_stages > 1:
-        check_schedule(plan.schedule, plan.n_stages, plan.n_microbatches)  # torch's own constructor refuses these
+    if plan.n_ranks > 1:
+        # torch's own constructors refuse these
+        check_schedule(plan.schedule, plan.n_ranks, plan.n_microbatches, plan.stages_per_rank)
+        expected = stage_ranks(plan.schedule, plan.n_ranks, plan.stages_per_rank)
+        if [s.rank for s in plan.stages] != expected:
+            raise PlanFileError(
+                f"the plan places its stages on ranks {[s.rank for s in plan.stages]}, but {plan.schedule} with "
+                f"{plan.stages_per_rank} stages per rank runs them on {expected}; re-run `planner plan`"
+            )
 
 
 def check_blocks(plan: Plan, traced: GraphTrace) -> None:

@@ -169,7 +169,7 @@ def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None]
     Args:
         plan: the plan to run.
         request: ``planner run``'s options: the plan's file (relative model paths resolve against
-            its folder), steps, nodes (torchrun ``--nnodes``; each starts n_stages / nnodes ranks),
+            its folder), steps, nodes (torchrun ``--nnodes``; each starts n_ranks / nnodes ranks),
             the c10d rendezvous ``host:port`` (default: a free port on localhost, single node
             only) and id (default derived from the plan's fingerprint), and whether to print one
             line per step (from the last rank) and a start line.
@@ -185,11 +185,9 @@ def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None]
     """
     plan_path, nnodes = request.plan_file, request.nnodes
     check_runnable(plan)
-    n = plan.n_stages
+    n = plan.n_ranks
     if n % nnodes:  # RunRequest keeps nnodes >= 1
-        raise PlannerError(
-            f"{n} stages cannot be spread evenly over {nnodes} node(s); use an --nnodes that divides {n}"
-        )
+        raise PlannerError(f"{n} ranks cannot be spread evenly over {nnodes} node(s); use an --nnodes that divides {n}")
     _check_endpoint(request)
     nproc = n // nnodes
     _check_devices(plan, nproc if n > 1 else 0)
@@ -225,11 +223,12 @@ def _launch(plan: Plan, request: RunRequest, nproc: int, print_fn: Callable[[str
 
     from planner.run.worker import run_worker
 
-    n, nnodes = plan.n_stages, request.nnodes
+    n, nnodes = plan.n_ranks, request.nnodes
     endpoint = request.rdzv_endpoint or f"localhost:{_free_port()}"
     if request.echo:
         print_fn(
-            f"launching {n} stages ({nproc} per node, {plan.schedule}, {plan.n_microbatches} microbatches, "
+            f"launching {n} ranks ({nproc} per node, {plan.n_stages} stages, {plan.schedule}, "
+            f"{plan.n_microbatches} microbatches, "
             f"backend {plan.profile.backend}, {plan.profile.threads} thread(s) each)"
         )
     with tempfile.TemporaryDirectory(prefix="planner-run-") as tmp:

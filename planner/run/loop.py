@@ -50,7 +50,7 @@ class RankResult:
         threads: torch's intra-op threads on this rank.
         peak_rss_bytes: the process's peak resident memory (ru_maxrss).
         memory_step: the step run under the memory tracker (None: none).
-        measure: per-microbatch and per-step timers and memory of this rank's stage.
+        measures: per-microbatch and per-step timers and memory of each stage this rank ran.
     """
 
     rank: int
@@ -60,7 +60,7 @@ class RankResult:
     threads: int
     peak_rss_bytes: int
     memory_step: int | None
-    measure: StageMeasure
+    measures: tuple[StageMeasure, ...]
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,8 @@ class RankModel:
 
     Attributes:
         rank: the pipeline rank (0 in this process).
-        first_block: FQN of the first block this rank holds.
-        last_block: FQN of the last block this rank holds.
+        stages: (stage index, its first block's FQN, its last block's FQN) of every stage this rank
+            runs, in the order of ``probes`` given to ``train_steps``.
         module: the module the memory tracker registers (parameters, buffers).
         params: the trainable parameters: clipped and stepped.
         optimizer: their optimizer.
@@ -82,8 +82,7 @@ class RankModel:
     """
 
     rank: int
-    first_block: str
-    last_block: str
+    stages: list[tuple[int, str, str]]
     module: nn.Module
     params: list[nn.Parameter]
     optimizer: torch.optim.Optimizer
@@ -126,7 +125,7 @@ def train_steps(
     steps: int,
     *,
     max_norm: float | None,
-    probe: StageProbe,
+    probes: Sequence[StageProbe],
     track_memory: bool = True,
     echo: bool = False,
     print_fn: Callable[[str], None] = print,
@@ -142,7 +141,8 @@ def train_steps(
         batches: the plan's data stream; one full batch is drawn per step on every rank.
         steps: optimizer steps.
         max_norm: the global gradient norm to clip to (None: no clipping).
-        probe: the microbatch timers ``rank.run_microbatches`` records into.
+        probes: the microbatch timers of the rank's stages (as ``rank.stages``), which
+            ``rank.run_microbatches`` records into.
         track_memory: run the last step (of two or more) under the memory tracker.
         echo: print one line per step (on ranks that compute the loss).
         print_fn: where those lines go.
@@ -159,9 +159,12 @@ def train_steps(
     reduce = _timed_reduce(rank.reduce, rec.reduce)
     for step in range(1, steps + 1):
         inputs, target = next(batches)  # every rank draws, so all ranks stay on the same step
-        probe.begin_step()
+        for probe in probes:
+            probe.begin_step()
         tracked = (
-            memory.step(step, probe, rank.module, rank.optimizer, rank.extra_tensors()) if step == memory_step else None
+            memory.step(step, probes, rank.module, rank.optimizer, rank.extra_tensors())
+            if step == memory_step
+            else None
         )
         with tracked if tracked is not None else contextlib.nullcontext() as done:
             t0 = time.perf_counter()
@@ -180,7 +183,7 @@ def train_steps(
             rec.losses.append(float(torch.stack([loss.detach() for loss in mb_losses]).mean()))
             if echo:
                 print_fn(step_line(step, steps, rec.losses[-1], rec.times[-1], step_note(step, memory_step)))
-    return _rank_result(rank, probe, rec, memory_step, memory.result)
+    return _rank_result(rank, probes, rec, memory_step, memory.result)
 
 
 def _stop_if_not_finite(step: int, mb_losses: list[torch.Tensor] | None, norm: float) -> None:
@@ -206,21 +209,26 @@ def _stop_if_not_finite(step: int, mb_losses: list[torch.Tensor] | None, norm: f
 
 
 def _rank_result(
-    rank: RankModel, probe: StageProbe, rec: _Record, memory_step: int | None, memory: MemoryMeasure | None
+    rank: RankModel, probes: Sequence[StageProbe], rec: _Record, memory_step: int | None, memory: MemoryMeasure | None
 ) -> RankResult:
-    """One rank's figures once its steps are done."""
+    """One rank's figures once its steps are done (one measure per stage; the per-step figures are the rank's)."""
     steps = len(rec.times)
-    measure = summarize(
-        stage=rank.rank,
-        first_block=rank.first_block,
-        last_block=rank.last_block,
-        probe=probe,
-        steps=timed_steps(steps, memory_step),
-        times=rec.times,
-        clip=rec.clip,
-        reduce=rec.reduce if rank.reduce is not None else [0.0] * steps,
-        opt=rec.opt,
-        memory=memory,
+    several = len(rank.stages) > 1
+    measures = tuple(
+        summarize(
+            stage=index,
+            first_block=first,
+            last_block=last,
+            probe=probe,
+            steps=timed_steps(steps, memory_step),
+            times=rec.times,
+            clip=rec.clip,
+            reduce=rec.reduce if rank.reduce is not None else [0.0] * steps,
+            opt=rec.opt,
+            memory=memory,
+            rank=rank.rank if several or index != rank.rank else None,
+        )
+        for (index, first, last), probe in zip(rank.stages, probes)
     )
     return RankResult(
         rank=rank.rank,
@@ -230,7 +238,7 @@ def _rank_result(
         threads=torch.get_num_threads(),
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         memory_step=memory_step,
-        measure=measure,
+        measures=measures,
     )
 
 
@@ -264,7 +272,8 @@ def run_result(
     ranks = sorted(ranks, key=lambda r: r.rank)
     pipeline = mode == "pipeline"
     n_stages = plan.n_stages if pipeline else 1
-    last = next((r for r in ranks if r.rank == n_stages - 1), None)
+    # the rank that holds the last stage computes the loss (rank 0 under a V placement)
+    last = next((r for r in ranks if any(m.stage == n_stages - 1 for m in r.measures)), None)
     steps = len(ranks[0].times)
     step_times = [max(r.times[i] for r in ranks) for i in range(steps)]
     memory_step = ranks[0].memory_step
@@ -290,5 +299,5 @@ def run_result(
         predicted_step_s=plan.prediction.step_time_s,
         memory_step=memory_step,
         timed_steps=timed,
-        stages=[r.measure for r in ranks],
+        stages=sorted((m for r in ranks for m in r.measures), key=lambda m: m.stage),
     )

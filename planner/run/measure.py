@@ -27,29 +27,34 @@ import contextlib
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from planner.schema.result import MEMORY_CATEGORIES, MemoryMeasure, StageMeasure
-from planner.torch_compat import memory_tracker, timed_schedule
+from planner.torch_compat import forget_root_module, memory_tracker, timed_schedule
 
 _perf = time.perf_counter
 
 
 class StageProbe:
-    """Per-step, per-microbatch timers around one rank's stage and schedule.
+    """Per-step, per-microbatch timers around one stage (and, on a rank's first stage, its schedule).
 
     Call ``begin_step()`` before each ``schedule.step``; ``fwd_times()`` / ``bwd_times()`` then give
-    ``[step][microbatch]`` seconds and ``p2p_times()`` one total per step.
+    ``[step][microbatch]`` seconds and ``p2p_times()`` one total per step. Every action is also kept
+    as ``(kind, microbatch, start, end)`` in wall-clock seconds (``time.time``, comparable between the
+    ranks of one machine) for the measured timeline.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stage_index: int = 0) -> None:
+        self.stage_index = stage_index
         self._fwd: list[dict[int, float]] = []
         self._bwd: list[dict[int, float]] = []
         self._loss: list[dict[int, float]] = []
         self._p2p: list[float] = []
+        self._events: list[list[tuple[str, int, float, float]]] = []
+        self._step_start: list[float] = []
         self.memory: Any = None  # a MemTracker while one step is tracked (see MemoryProbe)
 
     def begin_step(self) -> None:
@@ -58,66 +63,83 @@ class StageProbe:
         self._bwd.append(defaultdict(float))
         self._loss.append(defaultdict(float))
         self._p2p.append(0.0)
+        self._events.append([])
+        self._step_start.append(time.time())
 
     def _add(self, table: list[dict[int, float]], mb: int, seconds: float) -> None:
         if table:
             table[-1][mb] += seconds
+
+    def _event(self, kind: str, mb: int, start: float, end: float) -> None:
+        if self._events:
+            self._events[-1].append((kind, mb, start, end))
 
     def add_p2p(self, seconds: float) -> None:
         """Count ``seconds`` of point-to-point posting/waiting in the current step."""
         if self._p2p:
             self._p2p[-1] += seconds
 
+    def events(self, step: int) -> list[tuple[str, int, float, float]]:
+        """The actions of 1-based ``step``: (kind, microbatch, wall-clock start, end)."""
+        return list(self._events[step - 1]) if 0 < step <= len(self._events) else []
+
+    def step_start(self, step: int) -> float:
+        """Wall-clock time at which 1-based ``step`` began on this rank."""
+        return self._step_start[step - 1]
+
     @contextlib.contextmanager
     def installed(self, stage: Any, schedule: Any) -> Iterator[StageProbe]:
-        """Wrap ``stage``'s per-microbatch methods (instance attributes) and time the schedule's loss
-        and point-to-point operations (``planner.torch_compat.timed_schedule``) while inside.
-
-        Args:
-            stage: this rank's ``PipelineStage``.
-            schedule: the schedule that drives it.
+        """Wrap ``stage``'s per-microbatch methods and time ``schedule``'s loss and point-to-point
+        operations while inside (one stage per rank; see ``probes_installed``).
 
         Yields:
             This probe, recording every step begun inside.
         """
+        with probes_installed([(stage, self)], schedule):
+            yield self
+
+    def wrap(self, stage: Any) -> None:
+        """Replace ``stage``'s per-microbatch methods (instance attributes) by timed ones."""
         probe = self
         fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
         bwd_w = getattr(stage, "backward_weight_one_chunk", None)
 
         def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             if probe.memory is not None:
-                # MemTracker refuses a second root-module forward in one context ("multiple
-                # iterative calls"); microbatches are exactly that. Its per-module statistics are
-                # not used, only the global categories, so they are cleared per microbatch.
-                probe.memory.reset_mod_stats()
-            t0 = _perf()
+                # MemTracker refuses a second root-module forward in one context; microbatches are
+                # exactly that (see forget_root_module).
+                # (the runner's boundary wrapper calls the stage module without hooks, so the module
+                # inside it is the root the tracker sees)
+                forget_root_module(probe.memory, stage.submod, getattr(stage.submod, "module", None))
+            w0, t0 = time.time(), _perf()
             out = fwd(fwd_chunk_id, *args, **kwargs)
-            probe._add(probe._fwd, fwd_chunk_id, _perf() - t0)
+            dt = _perf() - t0
+            probe._add(probe._fwd, fwd_chunk_id, dt)
+            probe._event("F", fwd_chunk_id, w0, w0 + dt)
             return out
 
-        def timed_backward(method: Callable[..., Any]) -> Callable[..., Any]:
+        def timed_backward(method: Callable[..., Any], weight: bool) -> Callable[..., Any]:
             def backward(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-                t0 = _perf()
+                w0, t0 = time.time(), _perf()
                 out = method(bwd_chunk_id, *args, **kwargs)
-                probe._add(probe._bwd, bwd_chunk_id, _perf() - t0)
+                dt = _perf() - t0
+                probe._add(probe._bwd, bwd_chunk_id, dt)
+                kind = "W" if weight else ("B" if kwargs.get("full_backward", True) else "I")
+                probe._event(kind, bwd_chunk_id, w0, w0 + dt)
                 return out
 
             return backward
 
-        def on_loss(stage_: Any, mb_index: int, seconds: float) -> None:
-            if stage_.is_last:
-                probe._add(probe._loss, mb_index, seconds)
-
         stage.forward_one_chunk = forward_one_chunk
-        stage.backward_one_chunk = timed_backward(bwd)
+        stage.backward_one_chunk = timed_backward(bwd, weight=False)
         if bwd_w is not None:
-            stage.backward_weight_one_chunk = timed_backward(bwd_w)
-        try:
-            with timed_schedule(schedule, on_loss, probe.add_p2p):
-                yield self
-        finally:
-            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                stage.__dict__.pop(name, None)
+            stage.backward_weight_one_chunk = timed_backward(bwd_w, weight=True)
+
+    @staticmethod
+    def unwrap(stage: Any) -> None:
+        """Restore ``stage``'s own methods."""
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            stage.__dict__.pop(name, None)
 
     # Direct recording, for the in-process loop (no PipelineStage).
     def add_fwd(self, mb: int, seconds: float) -> None:
@@ -151,6 +173,34 @@ class StageProbe:
     def p2p_times(self) -> list[float]:
         """Per step: seconds spent posting and waiting on point-to-point operations."""
         return list(self._p2p)
+
+
+@contextlib.contextmanager
+def probes_installed(pairs: Sequence[tuple[Any, StageProbe]], schedule: Any) -> Iterator[None]:
+    """Time every stage of this rank into its own probe, and the schedule's loss (into the probe of the
+    stage that computes it) and point-to-point operations (into the first probe: they are the
+    rank's, shared by its stages) while inside (``planner.torch_compat.timed_schedule``).
+
+    Args:
+        pairs: (``PipelineStage``, its probe) for every stage this rank runs.
+        schedule: the schedule that drives them.
+    """
+    by_index = {probe.stage_index: probe for _, probe in pairs}
+    first = pairs[0][1]
+
+    def on_loss(stage_: Any, mb_index: int, seconds: float) -> None:
+        if stage_.is_last:
+            probe = by_index.get(getattr(stage_, "stage_index", first.stage_index), first)
+            probe._add(probe._loss, mb_index, seconds)
+
+    for stage, probe in pairs:
+        probe.wrap(stage)
+    try:
+        with timed_schedule(schedule, on_loss, first.add_p2p):
+            yield
+    finally:
+        for stage, _ in pairs:
+            StageProbe.unwrap(stage)
 
 
 def _category(key: Any) -> str:
@@ -199,7 +249,7 @@ class MemoryProbe:
     def step(
         self,
         step: int,
-        probe: StageProbe,
+        probes: Sequence[StageProbe],
         module: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         extra: list[torch.Tensor],
@@ -212,7 +262,7 @@ class MemoryProbe:
 
         Args:
             step: the 1-based step being tracked (recorded in the result).
-            probe: the stage's timers; they clear the tracker's per-module statistics per microbatch.
+            probes: the rank's stage timers; they clear the tracker's per-module statistics per microbatch.
             module: this rank's module.
             optimizer: its optimizer.
             extra: tensors made before this step that the tracker cannot see being made.
@@ -227,12 +277,14 @@ class MemoryProbe:
         def done() -> None:
             end.update(tracker.get_tracker_snapshot("current"))
 
-        probe.memory = tracker
+        for probe in probes:
+            probe.memory = tracker
         try:
             with tracker:
                 yield done
         finally:
-            probe.memory = None
+            for probe in probes:
+                probe.memory = None
         peak = _by_category(tracker.get_tracker_snapshot("peak"), self.device)
         self.result = MemoryMeasure(
             source="memtracker",
@@ -255,6 +307,7 @@ def summarize(
     reduce: list[float],
     opt: list[float],
     memory: MemoryMeasure | None,
+    rank: int | None = None,
 ) -> StageMeasure:
     """One rank's ``StageMeasure``: medians of its timers over the timed steps.
 
@@ -269,6 +322,7 @@ def summarize(
         reduce: per step, the all-reduce alone.
         opt: per step, ``optimizer.step()``.
         memory: ``MemoryProbe.result`` or None.
+        rank: the rank that ran the stage (None: stage = rank).
 
     Returns:
         The stage's measurements (every step's microbatch times, medians over ``steps``).
@@ -282,8 +336,16 @@ def summarize(
         return statistics.median(vals[s - 1] for s in steps) if vals else 0.0
 
     fwd, bwd = probe.fwd_times(), probe.bwd_times()
+    shown = steps[-1] if steps else None  # the timeline shows the last timed step
+    origin = probe.step_start(shown) if shown is not None and shown <= len(fwd) else None
+    timeline = (
+        [(k, mb, a - origin, b - origin) for k, mb, a, b in probe.events(shown)]
+        if shown is not None and origin is not None
+        else []
+    )
     return StageMeasure(
         stage=stage,
+        rank=rank,
         first_block=first_block,
         last_block=last_block,
         fwd_s=per_mb(fwd),
@@ -297,4 +359,6 @@ def summarize(
         fwd_times_s=fwd,
         bwd_times_s=bwd,
         memory=memory,
+        timeline=timeline,
+        timeline_origin=origin,
     )

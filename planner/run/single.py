@@ -134,8 +134,7 @@ def train_local(
 
         rank = RankModel(
             rank=0,
-            first_block=plan.blocks[0].name,
-            last_block=plan.blocks[-1].name,
+            stages=[(0, plan.blocks[0].name, plan.blocks[-1].name)],
             module=model,
             params=params,
             optimizer=optimizer,
@@ -147,7 +146,7 @@ def train_local(
             batches,
             steps,
             max_norm=plan.optimizer.grad_clip,
-            probe=probe,
+            probes=[probe],
             track_memory=track_memory,
             echo=echo,
             print_fn=print_fn,

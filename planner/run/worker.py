@@ -1,12 +1,15 @@
 """One pipeline rank: the function ``elastic_launch`` starts in every worker process.
 
-Rank r runs stage r of the plan as a ``torch.distributed.pipelining.PipelineStage`` under the
-plan's schedule (``ScheduleGPipe`` / ``Schedule1F1B``). Every rank rebuilds the whole model from
-the model file with the plan's seed, traces it the same way the planner did and keeps only its
-own stage (``build_stage_module`` shares parameters with the trace, so the rest is freed).
+Rank r runs the plan's stages placed on it (one, or several for interleaved, looped and V-shaped
+schedules) as ``torch.distributed.pipelining.PipelineStage`` objects under torch's own class for
+the plan's schedule (``get_schedule_class``: ``ScheduleGPipe`` / ``Schedule1F1B`` with one stage,
+``PipelineScheduleMulti`` subclasses with a list). Every rank rebuilds the whole model from the
+model file with the plan's seed, traces it the same way the planner did and keeps only its own
+stages (``build_stage_module`` shares parameters with the trace, so the rest is freed).
 
-Every rank iterates the same data stream so the ranks agree on the step count; rank 0 feeds the
-inputs, the last rank the target, the middle ranks call ``step()`` with nothing.
+Every rank iterates the same data stream so the ranks agree on the step count; the rank holding
+stage 0 feeds the inputs, the rank holding the last stage the target (under a V placement both
+are rank 0), the others call ``step()`` with nothing.
 
 A failure is written as a short JSON record to ``error_dir/rank<R>.json`` and the process exits
 with status 1 (``SystemExit``, so neither torch.multiprocessing nor elastic prints a traceback);
@@ -33,11 +36,14 @@ import torch.utils.checkpoint
 from planner.capture.blocks import GraphTrace
 from planner.capture.load import ModelFile
 from planner.capture.stage import build_stage_module
+from planner.core.schedules import placement
 from planner.errors import PlannerError
 from planner.run.common import load_plan_model, make_optimizer, print_flushed, trace_for_plan
 from planner.run.loop import RankModel, RankResult, train_steps
-from planner.run.measure import StageProbe, recv_buffers
+from planner.run.measure import StageProbe, probes_installed, recv_buffers
 from planner.schema.plan import Plan
+from planner.schema.request import TORCH_NAMES
+from planner.torch_compat import is_view
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -65,14 +71,30 @@ class ContiguousBoundary(torch.nn.Module):
         super().__init__()
         self.module = module
 
+    def __call__(self, *args: object) -> object:
+        # Called without nn.Module's hooks, on purpose: the stage's inputs are leaf tensors (the
+        # receive buffers), and a module-level grad hook on a leaf breaks ``autograd.grad``, which the
+        # zero-bubble schedules' input-only backward uses ("A leaf node was passed to
+        # _will_engine_execute_node"); MemTracker installs such hooks on every module it sees called.
+        # This wrapper has no hooks of its own; the stage module inside is called normally and
+        # receives non-leaf tensors (``_ContiguousGrad``'s outputs).
+        return self.forward(*args)
+
     def forward(self, *args: object) -> object:
         args = tuple(_ContiguousGrad.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
         out = self.module(*args)
         if isinstance(out, torch.Tensor):
-            return out.contiguous()
+            return _owned(out)
         if isinstance(out, tuple):
-            return tuple(o.contiguous() if isinstance(o, torch.Tensor) else o for o in out)
+            return tuple(_owned(o) if isinstance(o, torch.Tensor) else o for o in out)
         return out
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous and, if it is a view, copied into its own storage: torch 2.13's input-only
+    backward (``stage_backward_input``, zero-bubble schedules) fails on a stage output that is a view."""
+    t = t.contiguous()
+    return t.clone() if is_view(t) else t
 
 
 class Recomputed(torch.nn.Module):
@@ -128,10 +150,10 @@ def _train(plan: Plan, plan_path: str, steps: int, echo: bool) -> RankResult:
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
-    if world != plan.n_stages:
+    if world != plan.n_ranks:
         raise PlannerError(
-            f"{world} processes joined the run but the plan has {plan.n_stages} stages; "
-            "start n_stages / nnodes processes on every node"
+            f"{world} processes joined the run but the plan has {plan.n_ranks} ranks; "
+            "start n_ranks / nnodes processes on every node"
         )
     torch.set_num_threads(plan.profile.threads)
     backend = plan.profile.backend
@@ -143,51 +165,58 @@ def _train(plan: Plan, plan_path: str, steps: int, echo: bool) -> RankResult:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     try:
-        return _train_rank(plan, plan_path, steps, echo, rank, world, device)
+        return _train_rank(plan, plan_path, steps, echo, rank, device)
     finally:
         dist.destroy_process_group()
 
 
-def _build_stage(
-    plan: Plan, mf: ModelFile, rank: int, world: int, device: torch.device
-) -> tuple[torch.nn.Module, list[torch.nn.Parameter], torch.optim.Optimizer, Any, Any]:
-    """This rank's stage module, its trainable parameters, optimizer, its PipelineStage and the plan's schedule."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+def _build_stages(
+    plan: Plan, mf: ModelFile, rank: int, device: torch.device
+) -> tuple[list[torch.nn.Module], list[torch.nn.Parameter], torch.optim.Optimizer, list[Any], Any]:
+    """This rank's stage modules, their trainable parameters, one optimizer over them, their
+    ``PipelineStage`` objects and the plan's schedule (torch's own class for it)."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
 
     traced = trace_for_plan(plan, mf, mf.build(plan.model.seed))
-    stage_plan = plan.stages[rank]
-    stage_module = build_stage_module(traced, stage_plan.start, stage_plan.end)
-    module = ContiguousBoundary(Recomputed(stage_module) if stage_plan.recompute else stage_module)
-    example_in, example_out = _example_io(
-        traced, stage_plan.start, module, mf.batch(plan.microbatch_size, seed=plan.model.seed)[0]
-    )
+    example = mf.batch(plan.microbatch_size, seed=plan.model.seed)[0]
+    modules: list[torch.nn.Module] = []
+    stages: list[Any] = []
+    for stage_plan in plan.stages_of(rank):
+        stage_module = build_stage_module(traced, stage_plan.start, stage_plan.end)
+        module = ContiguousBoundary(Recomputed(stage_module) if stage_plan.recompute else stage_module)
+        example_in, example_out = _example_io(traced, stage_plan.start, module, example)
+        module.to(device)
+        modules.append(module)
+        stages.append(
+            PipelineStage(
+                module,
+                stage_index=stage_plan.index,
+                num_stages=plan.n_stages,
+                device=device,
+                input_args=tuple(t.to(device) for t in example_in),
+                output_args=tuple(t.to(device) for t in example_out),
+            )
+        )
     del traced  # the other stages' parameters are only referenced from here
-    module.to(device)
-    params = [p for p in module.parameters() if p.requires_grad]
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, plan)
-    stage = PipelineStage(
-        module,
-        stage_index=rank,
-        num_stages=world,
-        device=device,
-        input_args=tuple(t.to(device) for t in example_in),
-        output_args=tuple(t.to(device) for t in example_out),
-    )
-    schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[plan.schedule]
+    schedule_cls = get_schedule_class(TORCH_NAMES[plan.schedule])
     # scale_grads=True: each microbatch's gradient is divided by n_microbatches, so with a
-    # mean-reduced loss the accumulated gradient is the full-batch gradient.
-    schedule = schedule_cls(stage, n_microbatches=plan.n_microbatches, loss_fn=mf.loss_fn, scale_grads=True)
-    return module, params, optimizer, stage, schedule
+    # mean-reduced loss the accumulated gradient is the full-batch gradient. GPipe and 1F1B take
+    # their one stage; the others (PipelineScheduleMulti) a list, even of one.
+    target = stages[0] if placement(plan.schedule) == "single" else stages
+    schedule = schedule_cls(target, n_microbatches=plan.n_microbatches, loss_fn=mf.loss_fn, scale_grads=True)
+    return modules, params, optimizer, stages, schedule
 
 
-def _train_rank(
-    plan: Plan, plan_path: str, steps: int, echo: bool, rank: int, world: int, device: torch.device
-) -> RankResult:
-    """Build this rank's stage and schedule and train it with the one training loop."""
+def _train_rank(plan: Plan, plan_path: str, steps: int, echo: bool, rank: int, device: torch.device) -> RankResult:
+    """Build this rank's stages and schedule and train them with the one training loop."""
     mf = load_plan_model(plan, plan_path)
-    module, params, optimizer, stage, schedule = _build_stage(plan, mf, rank, world, device)
-    stage_plan = plan.stages[rank]
-    is_first, is_last = rank == 0, rank == world - 1
+    modules, params, optimizer, stages, schedule = _build_stages(plan, mf, rank, device)
+    mine = plan.stages_of(rank)
+    feeds = any(s.index == 0 for s in mine)  # holds the first stage: gives the inputs
+    scores = any(s.index == plan.n_stages - 1 for s in mine)  # holds the last stage: the target and loss
 
     def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
         t = t.to(device)  # nccl reduces device tensors only
@@ -195,40 +224,38 @@ def _train_rank(
         return t.cpu()
 
     def run_microbatches(inputs: Sequence[Any], target: torch.Tensor) -> list[torch.Tensor] | None:
-        # rank 0 feeds the inputs, the last rank the target; the middle ranks only relay.
-        if is_first:
-            schedule.step(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs), return_outputs=False)
-            return None
-        if is_last:
-            mb_losses: list[torch.Tensor] = []
-            schedule.step(target=target.to(device), losses=mb_losses, return_outputs=False)
+        # the first stage's rank feeds the inputs, the last stage's rank the target (one rank may
+        # hold both: V placements); the others only relay.
+        args = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs) if feeds else ()
+        mb_losses: list[torch.Tensor] = []
+        if scores:
+            schedule.step(*args, target=target.to(device), losses=mb_losses, return_outputs=False)
             return mb_losses
-        schedule.step(return_outputs=False)
+        schedule.step(*args, return_outputs=False)
         return None
 
     model = RankModel(
         rank=rank,
-        first_block=stage_plan.first_block,
-        last_block=stage_plan.last_block,
-        module=module,
+        stages=[(s.index, s.first_block, s.last_block) for s in mine],
+        module=torch.nn.ModuleList(modules),
         params=params,
         optimizer=optimizer,
         device=device,
         run_microbatches=run_microbatches,
         reduce=all_reduce_sum,
         # the receive buffers exist from the first step on; read them when the tracked step starts
-        extra_tensors=lambda: recv_buffers(stage),
+        extra_tensors=lambda: [b for st in stages for b in recv_buffers(st)],
     )
-    probe = StageProbe()
+    probes = [StageProbe(s.index) for s in mine]
     batches = mf.train_batches(plan.batch_size, seed=plan.model.seed)
-    with probe.installed(stage, schedule):
+    with probes_installed(list(zip(stages, probes)), schedule):
         return train_steps(
             model,
             batches,
             steps,
             max_norm=plan.optimizer.grad_clip,
-            probe=probe,
-            echo=echo,  # only the last rank has losses to print
+            probes=probes,
+            echo=echo and scores,  # only the rank with the last stage has losses to print
             print_fn=print_flushed,
         )
 

@@ -60,7 +60,10 @@ class StageMeasure(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    stage: int = Field(description="Stage index (= pipeline rank).")
+    stage: int = Field(description="Stage index.")
+    rank: int | None = Field(
+        default=None, description="The rank that ran it (None: stage = rank). Per-step figures are the rank's."
+    )
     first_block: str = Field(description="FQN of the stage's first block.")
     last_block: str = Field(description="FQN of the stage's last block.")
     fwd_s: float = Field(description="Median forward per microbatch (incl. the loss on the last stage).")
@@ -76,6 +79,14 @@ class StageMeasure(BaseModel):
     fwd_times_s: list[list[float]] = Field(description="[step][microbatch] forward times, every step.")
     bwd_times_s: list[list[float]] = Field(description="[step][microbatch] backward times, every step.")
     memory: MemoryMeasure | None = Field(default=None, description="Tensor memory by category (None: not tracked).")
+    timeline: list[tuple[str, int, float, float]] = Field(
+        default_factory=list,
+        description="One timed step's actions of this stage: (kind F/B/I/W, microbatch, start, end) in seconds "
+        "after timeline_origin.",
+    )
+    timeline_origin: float | None = Field(
+        default=None, description="Wall-clock time (time.time) the timeline's step began on this rank."
+    )
 
 
 def timed_steps(steps: int, memory_step: int | None) -> list[int]:
