@@ -19,7 +19,27 @@ from planner.errors import PlannerError
 from planner.schema.costs import OPTIMIZERS
 from planner.schema.outputs import check_output
 from planner.schema.plan import Plan
-from planner.schema.request import DTYPES, METHODS, RECOMPUTE, SCHEDULES
+from planner.schema.request import DTYPES, METHODS, RECOMPUTE, SCHEDULES, TORCH_NAMES
+
+
+class _CountOrAuto(click.ParamType):
+    """A positive integer, or "auto" (returned as None: the search chooses)."""
+
+    name = "N|auto"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int | None:
+        if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+            return None
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is neither a whole number nor 'auto'", param, ctx)
+        if number < 1:
+            self.fail(f"{number} is not a positive number; give 1 or more, or 'auto'", param, ctx)
+        return number
+
+
+COUNT_OR_AUTO = _CountOrAuto()
 
 
 class _Terminated(BaseException):
@@ -98,7 +118,11 @@ def _load_plan(path: str) -> Plan:
 @main.command("plan")
 @click.argument("model_file", type=click.Path(dir_okay=False))
 @click.option(
-    "--gpus", "-g", type=click.IntRange(min=1), required=True, help="Number of pipeline stages (one rank each)."
+    "--gpus",
+    "-g",
+    type=click.IntRange(min=1),
+    required=True,
+    help="Number of pipeline ranks (processes, one device each); each runs --stages-per-rank stages.",
 )
 @click.option(
     "--size", "-s", default=None, help="Named config from the model file's SIZES (default: the file's own defaults)."
@@ -121,16 +145,30 @@ def _load_plan(path: str) -> Plan:
 @click.option(
     "--microbatches",
     "-m",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Microbatches per step; must divide the batch, and 1f1b needs at least one per stage [default: the smallest divisor of the batch size that is >= 2 x gpus, else >= gpus].",
+    type=COUNT_OR_AUTO,
+    default="auto",
+    show_default=True,
+    help="Microbatches per step, or 'auto': the search tries the divisors of the batch up to 8 per rank "
+    "(costs are profiled at the smallest divisor >= 2 x gpus and rescaled). A number must divide the batch; "
+    "1f1b needs at least one per rank, dualpipev two.",
 )
 @click.option(
     "--schedule",
-    type=click.Choice(list(SCHEDULES)),
-    default="1f1b",
+    default="auto",
     show_default=True,
-    help="Pipeline schedule (torch.distributed.pipelining).",
+    metavar="NAME",
+    help=f"Pipeline schedule of torch.distributed.pipelining: {', '.join(SCHEDULES)}, or 'auto' (the search "
+    f"picks the fastest that fits). torch's class names work too ({', '.join(TORCH_NAMES.values())}).",
+)
+@click.option(
+    "--stages-per-rank",
+    "-v",
+    type=COUNT_OR_AUTO,
+    default="auto",
+    show_default=True,
+    help="Pipeline stages on every rank, or 'auto'. gpipe and 1f1b run 1; zbv and dualpipev 2 (V-shaped: "
+    "rank r holds stages r and 2p-1-r); interleaved-1f1b, looped-bfs and interleaved-zb any (looped: "
+    "stage s on rank s mod p; auto tries 1 to 4).",
 )
 @click.option(
     "--method",
@@ -234,6 +272,7 @@ def plan_cmd(
     batch_size: int,
     microbatches: int | None,
     schedule: str,
+    stages_per_rank: int | None,
     method: str,
     memory_limit: float | None,
     recompute: str,
@@ -264,7 +303,8 @@ def plan_cmd(
         overrides=parse_overrides(overrides),
         batch_size=batch_size,
         microbatches=microbatches,
-        schedule=schedule,
+        schedule=schedule.strip().lower() if schedule.strip().lower() == "auto" else schedule,
+        stages_per_rank=stages_per_rank,
         method=method,
         memory_limit_gib=memory_limit,
         recompute=recompute,
@@ -342,22 +382,67 @@ def run_cmd(
     type=click.Path(dir_okay=False),
     default=None,
     metavar="RUN.json",
-    help="A run.json of this plan (`planner run`): add predicted-vs-measured tables with the error in %.",
+    help="A run.json of this plan (`planner run`): add predicted-vs-measured tables with the error in %, "
+    "and the measured step under the predicted one in --timeline / --trace.",
+)
+@click.option(
+    "--timeline",
+    type=click.Path(dir_okay=False),
+    default=None,
+    metavar="IMAGE",
+    help="Draw one step as a picture (.png, .svg or .pdf): a row per rank, forward / backward / input- and "
+    "weight-gradient actions coloured and numbered by microbatch, idle time (the bubble) left blank.",
+)
+@click.option(
+    "--trace",
+    type=click.Path(dir_okay=False),
+    default=None,
+    metavar="TRACE.json",
+    help="Write one step as Chrome / Perfetto trace events (open in chrome://tracing or ui.perfetto.dev).",
 )
 @_user_errors
-def report_cmd(plan_file: str, run_file: str | None) -> None:
+def report_cmd(plan_file: str, run_file: str | None, timeline: str | None, trace: str | None) -> None:
     """Print the balance tables of a saved plan (and, with --measured, how a run of it compared)."""
     from planner.report.tables import render
 
     plan = _load_plan(plan_file)
-    click.echo(render(plan))
+    outputs = []
+    if timeline:
+        outputs.append(check_output(timeline, "timeline", "--timeline"))
+    if trace:
+        outputs.append(check_output(trace, "trace", "--trace"))
+    run = None
     if run_file:
-        from planner.report.compare import compare_table
         from planner.schema.result import RunResult
 
-        click.echo(
-            "\npredicted vs measured (err = (plan - run) / run)\n" + compare_table(plan, RunResult.load(run_file))
-        )
+        run = RunResult.load(run_file)
+    click.echo(render(plan))
+    if run is not None:
+        from planner.report.compare import compare_table
+
+        click.echo("\npredicted vs measured (err = (plan - run) / run)\n" + compare_table(plan, run))
+    if outputs:
+        _write_pictures(plan, run, timeline, trace)
+
+
+def _write_pictures(plan: Plan, run: Any, timeline: str | None, trace: str | None) -> None:
+    """The predicted (and measured) step as a timeline picture and as trace events."""
+    from planner.core.predict import simulate_plan
+    from planner.report.compare import measured_events
+    from planner.report.timeline import chrome_trace, timeline_figure, write_trace
+
+    predicted = simulate_plan(plan).events
+    measured = measured_events(plan, run) if run is not None else None
+    if run is not None and not measured:
+        click.echo("note: the run recorded no per-action times (run 2 or more steps); only the prediction is drawn")
+        measured = None
+    title = f"{plan.schedule}, {plan.n_ranks} ranks x {plan.stages_per_rank} stage(s), m={plan.n_microbatches}"
+    if timeline:
+        timeline_figure(predicted, plan.n_ranks, timeline, measured=measured, title=title)
+        click.echo(f"wrote {timeline}")
+    if trace:
+        write_trace(trace, chrome_trace(predicted, measured=measured, name=title))
+        click.echo(f"wrote {trace}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,11 +23,13 @@ from planner.capture.trace import trace_model
 from planner.core.assemble import assemble_plan
 from planner.core.calibrate import Calibration, apply_calibration, load_calibration
 from planner.core.hardware import HardwareSpec, get_hardware, link_cost
-from planner.core.schedules import check_schedule
+from planner.core.schedules import check_placement, check_schedule, stages_per_rank_options
+from planner.costs.scaling import fixed_fraction, measured_time_at
 from planner.errors import InfeasibleError, PlanFileError
 from planner.schema.costs import GLOO_CPU_LINK, NCCL_NVLINK_LINK, BlockCost, LinkCost
 from planner.schema.plan import ModelRef, Plan, ProfileInfo
 from planner.schema.request import PlanRequest
+from planner.threads import torch_threads
 
 # Share of a GPU's memory the solver may plan for: the CUDA context, the caching allocator's
 # fragmentation and NCCL buffers take the rest (~1-2 GiB and a few percent on an 80 GB card).
@@ -70,10 +73,15 @@ def make_plan(request: PlanRequest) -> Plan:
         PlannerError: for any bad input (model file, sizes, unknown hardware, impossible split or
             memory limit, a calibration of another model).
     """
-    check_schedule(request.schedule, request.gpus, request.n_microbatches)  # before any model is built
+    check_request(request)  # before any model is built
     threads = request.threads or default_threads(request.gpus)
     mf = load_model_file(request.model_file, request.size, request.overrides)
     calibration = load_calibration(request.calibrate_run) if request.calibrate_run else None
+    if calibration is not None and request.microbatches is None:
+        # Calibration factors hold for the microbatch size they were measured at: keep the run's count.
+        size = calibration[1].microbatch_size
+        if size > 0 and request.batch_size % size == 0:
+            request = request.model_copy(update={"microbatches": request.batch_size // size})
     if request.gpu_type is not None:
         costs = estimated_costs(mf, request, threads)
     else:
@@ -92,6 +100,34 @@ def make_plan(request: PlanRequest) -> Plan:
         memory_limit_bytes=limit,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     )
+
+
+def check_request(request: PlanRequest) -> None:
+    """Refuse, before any model is built, a schedule / microbatch / stages-per-rank request that
+    torch's schedule classes refuse whatever the split (only when all three are given: otherwise
+    the search tries what can run).
+
+    Raises:
+        InfeasibleError: the schedule cannot run with these numbers.
+    """
+    if request.schedule == "auto":
+        return
+    v = request.stages_per_rank
+    if v is not None:
+        check_placement(request.schedule, request.gpus, v)
+    if request.microbatches is not None:
+        options = [v] if v is not None else stages_per_rank_options(request.schedule, 2) or [1]
+        check_schedule(request.schedule, request.gpus, request.microbatches, options[-1])
+
+
+def _scaling(request: PlanRequest, time_at: Callable[[int], float]) -> dict[str, float | int]:
+    """The ``ProfileInfo`` fields that scale costs to other microbatch counts: the profiled size, and
+    the fixed share fitted only when the search tries other counts (``--microbatches auto``)."""
+    size = request.microbatch_size
+    if request.microbatches is not None:
+        return {"fixed_fraction": 0.0, "min_microbatch_size": size, "microbatch_size": size}
+    fraction, smallest = fixed_fraction(time_at, size)
+    return {"fixed_fraction": fraction, "min_microbatch_size": smallest, "microbatch_size": size}
 
 
 def _traced(
@@ -168,6 +204,18 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
         )
     capacity = int(torch.cuda.get_device_properties(device).total_memory * GPU_MEMORY_HEADROOM) if use_cuda else None
     link = NCCL_NVLINK_LINK if use_cuda else GLOO_CPU_LINK
+    if reuse is not None and blocks == list(reuse.blocks):
+        scaling: dict[str, float | int] = {
+            "fixed_fraction": reuse.profile.fixed_fraction,
+            "min_microbatch_size": reuse.profile.min_microbatch_size,
+            "microbatch_size": request.microbatch_size,
+        }
+    else:
+        # timed at the rank's thread count, as the blocks were (more threads time erratically on shared cores)
+        with torch_threads(None if use_cuda else threads):
+            time_at = measured_time_at(mf, model, request.seed, device, max(3, request.repeats), request.warmup)
+            scaling = _scaling(request, time_at)
+    info = info.model_copy(update=scaling)
     return Costs(traced, _with_output(blocks, traced), link, info, capacity)
 
 
@@ -221,6 +269,19 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
     )
     link = GLOO_CPU_LINK if on_cpu else link_cost(hw, intra_node=not request.multi_node)
     capacity = None if on_cpu else int(hw.memory_bytes * GPU_MEMORY_HEADROOM)
+
+    def estimated_time_at(size: int) -> float:
+        if size == request.microbatch_size:
+            return sum(b.fwd_s + b.bwd_s for b in blocks)
+        x, y = mf.batch(size, seed=request.seed)
+        x = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in x)
+        other = trace_model(model, x)
+        est = estimate_blocks(
+            other, x, y.to("meta"), mf.loss_fn, hw, dtype=dtype, optimizer=request.optimizer, progress=False
+        )
+        return sum(b.fwd_s + b.bwd_s for b in est)
+
+    info = info.model_copy(update=_scaling(request, estimated_time_at))
     return Costs(traced, _with_output(blocks, traced), link, info, capacity)
 
 

@@ -42,7 +42,12 @@ def big_head_blocks() -> list[BlockCost]:
 
 
 def make_plan(
-    blocks: list[BlockCost], n_stages: int = 2, schedule: str = "1f1b", m: int = 4, method: str = "optimal"
+    blocks: list[BlockCost],
+    n_stages: int = 2,
+    schedule: str = "1f1b",
+    m: int = 4,
+    method: str = "optimal",
+    memory_limit_bytes: int | None = None,
 ) -> Plan:
     """Assemble a Plan from given block costs with the same code ``planner plan`` uses."""
     request = PlanRequest.build(
@@ -70,6 +75,6 @@ def make_plan(
         profile=ProfileInfo(
             device="cpu", backend="gloo", threads=1, torch_version="2.13.0", hostname="test", warmup=2, repeats=5
         ),
-        memory_limit_bytes=None,
+        memory_limit_bytes=memory_limit_bytes,
         created="2026-11-21T00:00:00+00:00",
     )

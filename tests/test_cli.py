@@ -29,7 +29,7 @@ def test_plan_every_model(model: str, tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     plan = Plan.load(out)
-    assert plan.n_stages == int(gpus) and plan.model.trace_method == "fx"
+    assert plan.n_ranks == int(gpus) and plan.model.trace_method == "fx"
     assert plan.stages[-1].end == len(plan.blocks)
     assert f"wrote {out}" in result.output
 
@@ -53,10 +53,10 @@ def test_plan_prints_report_and_report_reprints_it(tmp_path: Path) -> None:
         "0",
     )
     assert result.exit_code == 0, result.output
-    assert "planner (exact) *" in result.output and "uniform layers (torchtitan/Megatron)" in result.output
+    assert "planner (searched) *" in result.output and "uniform layers (torchtitan/Megatron)" in result.output
     report = invoke("report", str(out))
     assert report.exit_code == 0
-    assert "planner (exact) *" in report.output
+    assert "planner (searched) *" in report.output
     assert report.output.strip() in result.output
 
 
@@ -121,7 +121,65 @@ def test_plan_options_reach_the_plan(tmp_path: Path) -> None:
             ["plan", str(MODELS / "toy.py"), "--gpus", "9", "--size", "tiny", "-b", "18"],
             "the model has only 3 blocks (net1, relu, net2); use at most 3",
         ),
-        (["plan", str(MODELS / "gpt.py"), "--gpus", "4", "--size", "tiny", "-b", "8", "-m", "2"], "1F1B"),
+        (
+            [
+                "plan",
+                str(MODELS / "gpt.py"),
+                "--gpus",
+                "4",
+                "--size",
+                "tiny",
+                "-b",
+                "8",
+                "-m",
+                "2",
+                "--schedule",
+                "1f1b",
+            ],
+            "1F1B",
+        ),
+        (
+            ["plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "--schedule", "zbv", "-v", "3"],
+            "exactly 2 stages on every rank",
+        ),
+        (
+            ["plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "--schedule", "pipedream"],
+            "--schedule pipedream: not a pipeline schedule",
+        ),
+        (
+            [
+                "plan",
+                str(MODELS / "gpt.py"),
+                "--gpus",
+                "2",
+                "--size",
+                "tiny",
+                "-b",
+                "8",
+                "-m",
+                "3",
+                "--schedule",
+                "dualpipev",
+            ],
+            "does not split into 3 equal microbatches",
+        ),
+        (
+            [
+                "plan",
+                str(MODELS / "gpt.py"),
+                "--gpus",
+                "2",
+                "--size",
+                "tiny",
+                "-b",
+                "8",
+                "-m",
+                "2",
+                "--schedule",
+                "DualPipeV",
+            ],
+            "needs at least one microbatch per stage (4 stages)",
+        ),
         (["report", "missing.json"], "cannot read plan missing.json"),
     ],
 )
@@ -135,6 +193,14 @@ def test_user_mistakes_are_one_line_errors(
     assert "Traceback" not in result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1
+
+
+@pytest.mark.parametrize(("option", "value"), [("-m", "two"), ("-m", "0"), ("--stages-per-rank", "-1")])
+def test_count_or_auto_options_refuse_other_values(option: str, value: str) -> None:
+    result = CliRunner().invoke(main, ["plan", str(MODELS / "gpt.py"), "--gpus", "2", option, value])
+    assert result.exit_code == 2
+    assert "is neither a whole number nor 'auto'" in result.output or "is not a positive number" in result.output
+    assert "Traceback" not in result.output
 
 
 def test_report_rejects_a_damaged_plan(tmp_path: Path) -> None:
@@ -191,9 +257,9 @@ def test_plan_for_a_gpu_that_is_not_here(tmp_path: Path) -> None:
         "bf16",
         "nccl",
     )
-    # bf16: 2 bytes per parameter and per boundary value (microbatch 8 / 4 = 2 x seq 32 x dim 64)
+    # bf16: 2 bytes per parameter and per boundary value (the chosen microbatch x seq 32 x dim 64)
     assert sum(b.param_bytes for b in plan.blocks) == 2 * sum(b.params for b in plan.blocks)
-    assert plan.blocks[0].cut_bytes == 2 * 32 * 64 * 2
+    assert plan.blocks[0].cut_bytes == plan.microbatch_size * 32 * 64 * 2
     assert all(b.fwd_s > 0 and b.flops_fwd > 0 for b in plan.blocks if b.is_layer)
 
 
@@ -255,6 +321,18 @@ def test_plan_run_report_calibrate_loop(tmp_path: Path) -> None:
     assert report.exit_code == 0, report.output
     assert "predicted vs measured" in report.output
     assert any(line.startswith("step ") and line.rstrip().endswith("%") for line in report.output.splitlines())
+    # the predicted step drawn over the one the run recorded, and as trace events
+    png, trace = tmp_path / "step.png", tmp_path / "step.trace.json"
+    drawn = invoke("report", str(plan_path), "--measured", str(run_path), "--timeline", str(png), "--trace", str(trace))
+    assert drawn.exit_code == 0, drawn.output
+    assert png.read_bytes().startswith(b"\x89PNG")
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1}  # predicted and measured
+    # an existing picture may be replaced; a model file may not
+    again = invoke("report", str(plan_path), "--timeline", str(png))
+    assert again.exit_code == 0, again.output
+    refused = invoke("report", str(plan_path), "--timeline", str(MODELS / "gpt.py"))
+    assert refused.exit_code == 2 and "not a picture" in refused.output
     calibrated = tmp_path / "calibrated.json"
     result = invoke(
         "plan",
@@ -290,6 +368,7 @@ def test_plan_run_report_calibrate_loop(tmp_path: Path) -> None:
         old.optimizer,
         (),
         slots_of(new.profile),
+        old.stages_per_rank,
     )
     assert again.step_time_s == pytest.approx(run.median_step_s, rel=0.02)
 

@@ -71,3 +71,25 @@ def test_invalid_plans(edit, message: str) -> None:  # type: ignore[no-untyped-d
     edit(raw)
     with pytest.raises(PlanFileError, match=message):
         Plan.from_json(json.dumps(raw))
+
+
+def test_plans_written_before_stages_could_share_a_rank_still_load() -> None:
+    plan = make_plan(big_head_blocks())
+    raw = json.loads(plan.to_json())
+    for key in ("n_ranks", "memory_limit_bytes", "search", "choice"):
+        del raw[key]
+    for stage in raw["stages"]:
+        del stage["rank"], stage["bwd_input_s"], stage["bwd_weight_s"]
+    old = Plan.from_json(json.dumps(raw))
+    assert old.n_ranks == old.n_stages == 2 and [s.rank for s in old.stages] == [0, 1]
+    assert old.stages_per_rank == 1 and old.search == [] and old.memory_limit_bytes is None
+
+
+def test_stage_placement_is_checked() -> None:
+    raw = json.loads(make_plan(big_head_blocks()).to_json())
+    raw["stages"][1]["rank"] = 0  # both stages on rank 0 of 2: rank 1 would have nothing to run
+    with pytest.raises(PlanFileError, match="every one of the 2 ranks must run 1 stage\\(s\\)"):
+        Plan.from_json(json.dumps(raw))
+    raw["n_ranks"] = 3
+    with pytest.raises(PlanFileError, match="do not spread evenly over 3 ranks"):
+        Plan.from_json(json.dumps(raw))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from plan_factory import big_head_blocks, make_plan
+from plan_factory import MB, big_head_blocks, make_plan
 
 from planner.report.tables import render, stage_table, summary_table
 
@@ -13,11 +13,11 @@ EXPECTED_STAGES = """\
       1  layers.3 .. output (2)  13.00k    35.00     70.00     2.00       107.00      2.0          1            6.2          100%"""
 
 EXPECTED_SUMMARY = """\
-partition                             blocks per stage    slowest ms/mb    step ms    bubble    imbalance    max mem MB    step vs plan
-------------------------------------  ------------------  ---------------  ---------  --------  -----------  ------------  --------------
-planner (exact) *                     4+2                 107.00           522.00     23.0%     1.065        15.2          1.000x
-uniform layers (torchtitan/Megatron)  3+3                 137.00           612.00     34.3%     1.363        13.2          1.172x
-parameter-balanced (DeepSpeed)        4+2                 107.00           522.00     23.0%     1.065        15.2          1.000x"""
+partition                             blocks per stage    slowest ms/mb    step ms    bubble    imbalance    max mem MB    fits    step vs plan
+------------------------------------  ------------------  ---------------  ---------  --------  -----------  ------------  ------  --------------
+planner (searched) *                  4+2                 107.00           522.00     23.0%     1.065        15.2          yes     1.000x
+uniform layers (torchtitan/Megatron)  3+3                 137.00           612.00     34.3%     1.363        13.2          yes     1.172x
+parameter-balanced (DeepSpeed)        4+2                 107.00           522.00     23.0%     1.065        15.2          yes     1.000x"""
 
 
 def test_stage_table_exact() -> None:
@@ -33,6 +33,19 @@ def test_summary_table_exact() -> None:
     # The uniform split (3 layer-blocks each side) leaves the big head with a full half of the
     # layers: 45 + 90 + 2 = 137 ms on the slowest stage, against 107 ms for the exact plan.
     assert summary_table(make_plan(big_head_blocks())) == EXPECTED_SUMMARY
+
+
+def test_baselines_over_the_memory_limit_are_marked_not_faster() -> None:
+    # With a 12 MB limit the exact plan recomputes stage 0 (11.2 MB, 589 ms); the parameter-balanced
+    # split is faster on paper (522 ms) but needs 15.2 MB: the report says so instead of "0.886x".
+    plan = make_plan(big_head_blocks(), memory_limit_bytes=12 * MB)
+    text = summary_table(plan)
+    rows = {line.split("  ")[0]: line for line in text.splitlines()}
+    assert "fits 12.0 MB" in text.splitlines()[0]
+    assert "NO: needs 1.27x the limit  (cannot run)" in rows["parameter-balanced (DeepSpeed)"]
+    assert "NO: needs 1.10x the limit  (cannot run)" in rows["uniform layers (torchtitan/Megatron)"]
+    assert rows["planner (searched) *"].rstrip().endswith("yes                        1.000x")
+    assert plan.prediction.max_memory_bytes <= 12 * MB < plan.baselines["params"].max_memory_bytes
 
 
 def test_render_names_chosen_method_and_figures() -> None:

@@ -10,11 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from planner.core.predict import predict, slots_of
-from planner.core.solve import Partition, param_balanced, solve, uniform_layers
+from planner.core.search import Choice, search
+from planner.core.solve import Partition, param_balanced, uniform_layers
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost
 from planner.schema.plan import ModelRef, Plan, Prediction, ProfileInfo, StagePlan
 from planner.schema.request import PlanRequest
+
+SEARCH_ROWS = 12
+"""Candidates of the joint search the plan keeps (best first) for the report."""
 
 
 def layers_or_all(blocks: Sequence[BlockCost]) -> list[BlockCost]:
@@ -25,19 +29,17 @@ def layers_or_all(blocks: Sequence[BlockCost]) -> list[BlockCost]:
 
 
 def compare_methods(
+    chosen: Choice,
     request: PlanRequest,
-    blocks: Sequence[BlockCost],
     link: LinkCost,
-    memory_limit_bytes: int | None,
     slots: float | None,
 ) -> dict[str, tuple[list[StagePlan], Prediction]]:
-    """Every partition method's stages and prediction on the same costs.
+    """Every partition method's stages and prediction on the same costs, schedule and placement.
 
     Args:
-        request: schedule, microbatches, optimizer, recompute policy, the method the plan uses.
-        blocks: per-block costs in execution order.
+        chosen: the searched combination (schedule, microbatches, stages per rank, the optimal split).
+        request: the method the plan uses and the optimizer.
         link: cost of one message between neighbouring ranks.
-        memory_limit_bytes: the limit the exact solver respects (None: none).
         slots: ranks that can compute at once (``slots_of``), None when each has its own device.
 
     Returns:
@@ -46,22 +48,13 @@ def compare_methods(
     Raises:
         InfeasibleError: the requested method cannot split the model.
     """
-    m = request.n_microbatches
+    blocks = chosen.blocks
+    n_stages = len(chosen.stages)
     solvers: dict[str, Callable[[], Partition]] = {
-        "optimal": lambda: solve(
-            blocks,
-            request.gpus,
-            link,
-            schedule=request.schedule,
-            n_microbatches=m,
-            optimizer=request.optimizer,
-            memory_limit_bytes=memory_limit_bytes,
-            recompute=request.recompute,
-        ),
-        "uniform": lambda: uniform_layers(layers_or_all(blocks), request.gpus, link),
-        "params": lambda: param_balanced(blocks, request.gpus, link),
+        "uniform": lambda: uniform_layers(layers_or_all(blocks), n_stages, link),
+        "params": lambda: param_balanced(blocks, n_stages, link),
     }
-    out: dict[str, tuple[list[StagePlan], Prediction]] = {}
+    out: dict[str, tuple[list[StagePlan], Prediction]] = {"optimal": (chosen.stages, chosen.prediction)}
     for name, solver in solvers.items():
         try:
             split = solver()
@@ -69,21 +62,32 @@ def compare_methods(
             if name == request.method:
                 raise
             continue  # a baseline that cannot split this model is left out of the comparison
-        out[name] = predict(blocks, split.starts, link, request.schedule, m, request.optimizer, split.recompute, slots)
+        out[name] = predict(
+            blocks,
+            split.starts,
+            link,
+            chosen.schedule,
+            chosen.n_microbatches,
+            request.optimizer,
+            split.recompute,
+            slots,
+            chosen.stages_per_rank,
+        )
     return out
 
 
-def _check_memory(method: str, stages: list[StagePlan], limit: int | None) -> None:
+def _check_memory(method: str, prediction: Prediction, stages: list[StagePlan], limit: int | None) -> None:
     """The baselines split by layer or parameter counts and know nothing of memory: refuse one that does not fit."""
-    if limit is None:
+    if limit is None or prediction.max_memory_bytes <= limit:
         return
-    worst = max(stages, key=lambda st: st.memory_bytes)
-    if worst.memory_bytes > limit:
-        raise InfeasibleError(
-            f"the {method} split needs {worst.memory_bytes / 2**30:.2f} GiB on stage {worst.index} "
-            f"({worst.first_block} .. {worst.last_block}), over the {limit / 2**30:.2f} GiB limit; "
-            "use --method optimal (it recomputes activations where needed) or raise --memory-limit"
-        )
+    ranks = list(prediction.rank_memory_bytes) or [s.memory_bytes for s in stages]
+    worst = max(range(len(ranks)), key=lambda r: ranks[r])
+    held = [s for s in stages if s.rank == worst]
+    raise InfeasibleError(
+        f"the {method} split needs {ranks[worst] / 2**30:.2f} GiB on rank {worst} "
+        f"({held[0].first_block} .. {held[-1].last_block}), over the {limit / 2**30:.2f} GiB limit; "
+        "use --method optimal (it recomputes activations where needed) or raise --memory-limit"
+    )
 
 
 def assemble_plan(
@@ -96,14 +100,16 @@ def assemble_plan(
     memory_limit_bytes: int | None,
     created: str,
 ) -> Plan:
-    """The plan for ``request`` on these costs: the requested split, with the others for comparison.
+    """The plan for ``request`` on these costs: the searched schedule and split, with the others for comparison.
 
     Args:
         request: what the user asked for.
-        blocks: per-block costs in execution order (the last block's ``output_bytes`` filled in).
+        blocks: per-block costs in execution order at ``profile.microbatch_size`` (else at
+            ``request.microbatch_size``; the last block's ``output_bytes`` filled in).
         link: cost of one message between neighbouring ranks.
         model: which model the costs are of.
-        profile: where and how the costs were measured or estimated.
+        profile: where and how the costs were measured or estimated (``fixed_fraction`` scales
+            them to other microbatch sizes).
         memory_limit_bytes: per-rank limit (the request's, else the device's capacity; None: none).
         created: timestamp recorded in the plan.
 
@@ -113,9 +119,37 @@ def assemble_plan(
     Raises:
         InfeasibleError: the requested split is impossible or does not fit the memory limit.
     """
-    predictions = compare_methods(request, blocks, link, memory_limit_bytes, slots_of(profile))
+    slots = slots_of(profile)
+
+    def run_search(limit: int | None) -> tuple[Choice, list[Choice], str]:
+        return search(
+            blocks,
+            link,
+            n_ranks=request.gpus,
+            batch_size=request.batch_size,
+            size0=profile.microbatch_size or request.microbatch_size,
+            fixed_fraction=profile.fixed_fraction,
+            min_microbatch_size=profile.min_microbatch_size,
+            schedule=request.schedule,
+            n_microbatches=request.microbatches,
+            stages_per_rank=request.stages_per_rank,
+            optimizer=request.optimizer,
+            memory_limit_bytes=limit,
+            recompute=request.recompute,
+            slots=slots,
+        )
+
+    try:
+        chosen, ranked, note = run_search(memory_limit_bytes)
+    except InfeasibleError:
+        if request.method == "optimal" or memory_limit_bytes is None:
+            raise
+        # A baseline split ignores memory anyway: pick the schedule without the limit, then say
+        # (below) how far over the limit the requested split is.
+        chosen, ranked, note = run_search(None)
+    predictions = compare_methods(chosen, request, link, slots)
     stages, prediction = predictions[request.method]
-    _check_memory(request.method, stages, memory_limit_bytes)
+    _check_memory(request.method, prediction, stages, memory_limit_bytes)
     return Plan(
         created=created,
         model=model,
@@ -123,12 +157,16 @@ def assemble_plan(
         link=link,
         optimizer=request.optimizer,
         method=request.method,
-        schedule=request.schedule,
-        n_stages=request.gpus,
+        schedule=chosen.schedule,  # type: ignore[arg-type]  # a member of SCHEDULES
+        n_stages=len(stages),
+        n_ranks=request.gpus,
         batch_size=request.batch_size,
-        n_microbatches=request.n_microbatches,
-        blocks=list(blocks),
+        n_microbatches=chosen.n_microbatches,
+        blocks=chosen.blocks,
         stages=stages,
         prediction=prediction,
         baselines={name: pred for name, (_, pred) in predictions.items() if name != request.method},
+        memory_limit_bytes=memory_limit_bytes,
+        search=[c.row() for c in ranked[:SEARCH_ROWS]],
+        choice=note,
     )

@@ -187,6 +187,9 @@ def calibrate(plan: Plan, run: RunResult) -> Calibration:
     if measured <= 0:
         raise PlanFileError("the run's median step time is 0; re-run `planner run` with more steps")
     starts = tuple(s.start for s in plan.stages)
+    # The optimizer steps all of a rank's stages at once: its measured time is the rank's (on every
+    # stage of the rank), so the factor compares it with the rank's predicted total.
+    rank_opt = {r: sum(s.opt_s for s in plan.stages_of(r)) for r in range(plan.n_ranks)}
     stages = [
         StageCalibration(
             stage=s.index,
@@ -194,7 +197,7 @@ def calibrate(plan: Plan, run: RunResult) -> Calibration:
             last_block=s.last_block,
             fwd_factor=_ratio(m.fwd_s, s.fwd_s),
             bwd_factor=_ratio(m.bwd_s, s.bwd_s),
-            opt_factor=_ratio(m.optimizer_s, s.opt_s),
+            opt_factor=_ratio(m.optimizer_s, rank_opt[s.rank] if plan.stages_per_rank > 1 else s.opt_s),
         )
         for s, m in zip(plan.stages, run.stages)
     ]
@@ -217,15 +220,23 @@ def calibrate(plan: Plan, run: RunResult) -> Calibration:
         blocks, link = apply_calibration(plan.blocks, plan.link, make(latency, g))
         recompute = [st.recompute for st in plan.stages]
         return predict(
-            blocks, starts, link, plan.schedule, plan.n_microbatches, plan.optimizer, recompute, slots_of(plan.profile)
+            blocks,
+            starts,
+            link,
+            plan.schedule,
+            plan.n_microbatches,
+            plan.optimizer,
+            recompute,
+            slots_of(plan.profile),
+            plan.stages_per_rank,
         )[1].step_time_s
 
     latency, g = 0.0, 1.0
     floor = step(0.0, 1.0)
-    if floor > measured or plan.n_stages == 1:
+    if floor > measured or plan.n_ranks == 1:
         # Compute alone (no fixed message cost) is already slower than the run, or there are no
         # messages to fit: one factor on all compute takes up the difference.
-        if plan.n_stages == 1:
+        if plan.n_ranks == 1:
             latency = plan.link.latency_s
         hi = 2.0
         while step(latency, hi) < measured and hi < 1e6:

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel
 
-from planner.core.schedules import action_order, peak_in_flight
-from planner.core.simulate import simulate
+from planner.core.schedules import Action, action_order, in_flight_per_stage, peak_live_bytes, stage_ranks
+from planner.core.simulate import SimResult, StageTimes, simulate
 from planner.core.solve import compact_flags, recompute_flags, stage_costs, stage_memory_bytes, stage_time_parts
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
@@ -28,40 +28,51 @@ def predict(
     optimizer: OptimizerSpec,
     recompute: Sequence[bool] = (),
     slots: float | None = None,
+    stages_per_rank: int = 1,
 ) -> tuple[list[StagePlan], Prediction]:
     """Predict what a partition costs under a schedule.
 
     Args:
         blocks: per-block costs, in execution order.
-        starts: first block of each stage (starts[0] == 0).
+        starts: first block of each stage (starts[0] == 0); ranks x ``stages_per_rank`` stages.
         link: cost of one message between neighbouring ranks.
-        schedule: "gpipe" or "1f1b".
+        schedule: one of ``planner.core.schedules.SCHEDULES``.
         n_microbatches: microbatches per step.
         optimizer: decides the optimizer-state bytes per parameter byte.
         recompute: per stage, activation checkpointing (empty: no stage recomputes).
         slots: ranks that can compute at once (CPU ranks sharing cores: cores / threads per
             rank); None when each rank has its own device. See ``planner.core.simulate.simulate``.
+        stages_per_rank: stages on every rank (looped or V placement, as the schedule places them).
 
     Returns:
         The stages (with predicted time and memory each) and the step-level prediction.
+
+    Raises:
+        InfeasibleError: an invalid split, or a schedule request torch would refuse.
     """
     stage_costs(blocks, starts, link, recompute)  # validates the split (legal cuts, non-empty stages)
-    flags = recompute_flags(recompute, len(starts))
-    in_flight = [peak_in_flight(o) for o in action_order(schedule, len(starts), n_microbatches)]
+    n = len(starts)
+    if n % stages_per_rank:
+        raise InfeasibleError(f"{n} stages do not spread evenly over ranks with {stages_per_rank} stages each")
+    p = n // stages_per_rank
+    rank_of = stage_ranks(schedule, p, stages_per_rank)
+    flags = recompute_flags(recompute, n)
+    orders = action_order(schedule, p, n_microbatches, stages_per_rank)
+    in_flight = in_flight_per_stage(schedule, p, n_microbatches, stages_per_rank)
     ends = list(starts[1:]) + [len(blocks)]
     stages = [
-        stage_plan(blocks, i, a, b, link, flags[i], in_flight[i], optimizer, n_microbatches)
+        stage_plan(blocks, i, a, b, link, flags[i], in_flight[i], optimizer, n_microbatches, rank_of)
         for i, (a, b) in enumerate(zip(starts, ends))
     ]
-    # Each action carries its messages: a forward sends/receives activations, a backward their gradients.
-    sim = simulate([(s.fwd_s + s.comm_s / 2, s.bwd_s + s.comm_s / 2) for s in stages], schedule, n_microbatches, slots)
+    sim = simulate(stage_times(stages), schedule, n_microbatches, slots, stages_per_rank)
     # After its last backward each rank joins the gradient-norm all-reduce for clipping (one
     # scalar over the pipeline group: a reduce and a broadcast, ~2 log2(p) messages), which waits
-    # for the last rank to finish its backwards (stage 0 under GPipe and 1F1B); only then does
-    # every rank step its optimizer. The step ends when the slowest optimizer is done.
-    p = len(stages)
+    # for the last rank to finish its backwards; only then does every rank step its optimizer
+    # (over all of its stages). The step ends when the slowest optimizer is done.
     allreduce_s = 2 * math.ceil(math.log2(p)) * link.latency_s if p > 1 else 0.0
-    step_s = sim.step_time_s + allreduce_s + max(s.opt_s for s in stages)
+    rank_opt = [sum(s.opt_s for s in stages if s.rank == r) for r in range(p)]
+    step_s = sim.step_time_s + allreduce_s + max(rank_opt)
+    rank_memory = [rank_memory_bytes(blocks, stages, orders[r], r, optimizer, n_microbatches) for r in range(p)]
     stage_time = tuple(s.time_s for s in stages)
     mean = sum(stage_time) / len(stage_time)
     prediction = Prediction(
@@ -71,11 +82,89 @@ def predict(
         bottleneck_s=max(stage_time),
         pipeline_time_s=sim.step_time_s,
         step_time_s=step_s,
-        bubble_fraction=sim.bubble_fraction,
+        bubble_fraction=min(1.0, sim.bubble_fraction),
         imbalance=max(stage_time) / mean if mean > 0 else 1.0,
-        max_memory_bytes=max(s.memory_bytes for s in stages),
+        max_memory_bytes=max(rank_memory),
+        rank_memory_bytes=tuple(rank_memory) if stages_per_rank > 1 else (),
     )
     return stages, prediction
+
+
+def stage_times(stages: Sequence[StagePlan]) -> list[StageTimes]:
+    """What each stage's actions occupy its rank in the simulator.
+
+    Each action carries its messages: a forward sends/receives activations, a backward (its input
+    part when split) their gradients.
+    """
+    return [
+        StageTimes(
+            s.fwd_s + s.comm_s / 2,
+            s.bwd_s + s.comm_s / 2,
+            None if s.bwd_input_s is None else s.bwd_input_s + s.comm_s / 2,
+            s.bwd_weight_s,
+        )
+        for s in stages
+    ]
+
+
+def simulate_plan(plan: Plan) -> SimResult:
+    """The predicted timeline of one step of ``plan`` (its forward/backward actions; the optimizer
+    step that follows is not drawn).
+
+    Raises:
+        InfeasibleError: the plan's schedule cannot run its numbers (a hand-edited file).
+    """
+    return simulate(
+        stage_times(plan.stages), plan.schedule, plan.n_microbatches, slots_of(plan.profile), plan.stages_per_rank
+    )
+
+
+def rank_memory_bytes(
+    blocks: Sequence[BlockCost],
+    stages: Sequence[StagePlan],
+    order: Sequence[Action],
+    rank: int,
+    optimizer: OptimizerSpec,
+    n_microbatches: int,
+) -> int:
+    """Peak memory of one rank over all the stages it runs.
+
+    The formula of ``planner.core.solve.stage_memory_bytes`` summed over the rank's stages, except
+    that the activations are the peak of their sum over the rank's action order
+    (``peak_live_bytes``): with several stages per rank, each stage's own peak comes at a different
+    time. With one stage per rank it equals ``stage_memory_bytes``.
+
+    Args:
+        blocks: per-block costs.
+        stages: every stage of the plan (``rank`` set).
+        order: this rank's action order.
+        rank: the rank.
+        optimizer: the optimizer (state and step temporaries).
+        n_microbatches: microbatches per step (receive buffers).
+
+    Returns:
+        Bytes.
+    """
+    n = len(blocks)
+    static = 0
+    live_per_mb: dict[int, int] = {}
+    once = 0  # held once per stage: the output's gradient, one recomputed microbatch's activations
+    step = 0
+    for st in stages:
+        if st.rank != rank:
+            continue
+        part = blocks[st.start : st.end]
+        p_bytes = sum(b.param_bytes for b in part)
+        n_params = sum(b.params for b in part)
+        a_bytes = sum(b.activation_bytes for b in part)
+        cut_in = blocks[st.start - 1].cut_bytes if st.start > 0 else 0
+        cut_out = blocks[st.end - 1].cut_bytes if st.end < n else 0
+        out = cut_out if st.end < n else blocks[-1].output_bytes
+        static += 2 * p_bytes + optimizer.state_bytes(n_params, p_bytes) + n_microbatches * (cut_in + cut_out)
+        live_per_mb[st.index] = (cut_in + out) if st.recompute else (a_bytes + out)
+        once += out + (a_bytes if st.recompute else 0)
+        step += optimizer.step_temp_bytes(n_params)
+    return static + max(peak_live_bytes(order, live_per_mb) + once, step)
 
 
 def slots_of(profile: ProfileInfo) -> float | None:
@@ -98,6 +187,7 @@ def stage_plan(
     in_flight: int,
     optimizer: OptimizerSpec,
     n_microbatches: int,
+    rank_of: Sequence[int] | None = None,
 ) -> StagePlan:
     """One stage's predicted figures: times per microbatch, optimizer step, activations and peak memory.
 
@@ -111,14 +201,28 @@ def stage_plan(
         in_flight: its peak live microbatches under the schedule.
         optimizer: the optimizer (state bytes).
         n_microbatches: microbatches per step (receive buffers).
+        rank_of: the rank of every stage (None: stage i on rank i). A boundary between two
+            stages on the same rank (the turn of a V) carries no message.
 
     Returns:
         The stage.
     """
-    fwd, bwd, comm = stage_time_parts(blocks, start, end, link, recompute)
+    fwd, bwd, _ = stage_time_parts(blocks, start, end, link, recompute)
+
+    def crosses(other: int) -> bool:
+        return rank_of is None or rank_of[other] != rank_of[index]
+
+    comm = 0.0
+    if start > 0 and crosses(index - 1):
+        comm += link.send_s(blocks[start - 1].cut_bytes)
+    if end < len(blocks) and crosses(index + 1):
+        comm += link.send_s(blocks[end - 1].cut_bytes)
     part = blocks[start:end]
+    split = all(x.bwd_input_s is not None and x.bwd_weight_s is not None for x in part)
+    extra = bwd - sum(x.bwd_s for x in part)  # recomputation, paid in the input-gradient pass
     return StagePlan(
         index=index,
+        rank=rank_of[index] if rank_of is not None else index,
         start=start,
         end=end,
         first_block=blocks[start].name,
@@ -134,6 +238,8 @@ def stage_plan(
         activation_bytes=sum(x.activation_bytes for x in part),
         in_flight=in_flight,
         memory_bytes=stage_memory_bytes(blocks, start, end, in_flight, optimizer, recompute, n_microbatches),
+        bwd_input_s=sum(x.bwd_input_s or 0.0 for x in part) + extra if split else None,
+        bwd_weight_s=sum(x.bwd_weight_s or 0.0 for x in part) if split else None,
     )
 
 
@@ -168,6 +274,7 @@ def with_method(plan: Plan, method: str) -> Plan:
         plan.optimizer,
         base.recompute,
         slots_of(plan.profile),
+        plan.stages_per_rank,
     )
     baselines = {k: v for k, v in plan.baselines.items() if k != method}
     baselines[plan.method] = plan.prediction
@@ -213,7 +320,8 @@ def refresh(plan: Plan) -> tuple[Plan, list[str]]:
     flags = [s.recompute for s in plan.stages]
     slots = slots_of(plan.profile)
     args = (plan.link, plan.schedule, plan.n_microbatches, plan.optimizer)
-    stages, prediction = predict(plan.blocks, starts, *args, flags, slots)
+    v = plan.stages_per_rank
+    stages, prediction = predict(plan.blocks, starts, *args, flags, slots, v)
     notes = []
     for old, new in zip(plan.stages, stages):
         changed = _differences(old, new)
@@ -224,7 +332,7 @@ def refresh(plan: Plan) -> tuple[Plan, list[str]]:
         notes.append(f"prediction: {', '.join(changed)} did not match the stages")
     baselines = {}
     for name, base in plan.baselines.items():
-        fresh = predict(plan.blocks, base.starts, *args, base.recompute, slots)[1]
+        fresh = predict(plan.blocks, base.starts, *args, base.recompute, slots, v)[1]
         if _differences(base, fresh):
             notes.append(f"baseline {name}: figures did not match its split")
         baselines[name] = fresh

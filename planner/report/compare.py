@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
+from planner.core.simulate import Event
 from planner.errors import PlanFileError
 from planner.schema.plan import Plan
 from planner.schema.result import RunResult, check_run_matches
@@ -69,12 +70,16 @@ def compare_table(plan: Plan, run: RunResult) -> str:
     """
     check_run_matches(plan, run)
     rows = []
+    several = plan.stages_per_rank > 1
     for s, m in zip(plan.stages, run.stages):
         blocks = s.first_block if s.end - s.start == 1 else f"{s.first_block} .. {s.last_block}"
         mem = m.memory.peak_bytes if m.memory is not None else None
+        # With several stages per rank the optimizer and the memory are the rank's (all its stages).
+        opt_s = sum(x.opt_s for x in plan.stages_of(s.rank)) if several else s.opt_s
+        mem_plan = plan.prediction.rank_memory_bytes[s.rank] if several else s.memory_bytes
         rows.append(
             [
-                s.index,
+                f"{s.index} (rank {s.rank})" if several else s.index,
                 blocks,
                 _ms(s.fwd_s),
                 _ms(m.fwd_s),
@@ -82,12 +87,12 @@ def compare_table(plan: Plan, run: RunResult) -> str:
                 _ms(s.bwd_s),
                 _ms(m.bwd_s),
                 _pct(_err(s.bwd_s, m.bwd_s)),
-                _ms(s.opt_s),
+                _ms(opt_s),
                 _ms(m.optimizer_s),
-                _pct(_err(s.opt_s, m.optimizer_s)),
-                _mb(s.memory_bytes),
+                _pct(_err(opt_s, m.optimizer_s)),
+                _mb(mem_plan),
                 "-" if mem is None else _mb(mem),
-                "-" if mem is None else _pct(_err(s.memory_bytes, mem)),
+                "-" if mem is None else _pct(_err(mem_plan, mem)),
             ]
         )
     headers = [
@@ -114,4 +119,43 @@ def compare_table(plan: Plan, run: RunResult) -> str:
         tablefmt="simple",
         disable_numparse=True,
     )
-    return f"{stages}\n\n{summary}"
+    note = "\n(opt and mem are per rank: all of the rank's stages)" if several else ""
+    return f"{stages}{note}\n\n{summary}"
+
+
+def measured_events(plan: Plan, run: RunResult) -> list[Event]:
+    """The run's recorded actions of one step (``StageMeasure.timeline``) as timeline events.
+
+    Each rank recorded its own stages' actions in wall-clock time; the earliest step start over the
+    ranks is time 0 (the ranks of one machine share its clock; on several nodes the clocks may
+    differ by their offset).
+
+    Args:
+        plan: the plan that was run (which rank ran each stage).
+        run: its run.json.
+
+    Returns:
+        The events, sorted by start (empty when the run recorded none: a run of under 2 steps).
+
+    Raises:
+        PlanFileError: the run is not of this plan.
+    """
+    check_run_matches(plan, run)
+    origins = [m.timeline_origin for m in run.stages if m.timeline_origin is not None and m.timeline]
+    if not origins:
+        return []
+    zero = min(origins)
+    events = [
+        Event(
+            rank=plan.stages[m.stage].rank,
+            stage=m.stage,
+            kind=kind,
+            microbatch=mb,
+            start_s=m.timeline_origin - zero + start,
+            end_s=m.timeline_origin - zero + end,
+        )
+        for m in run.stages
+        if m.timeline_origin is not None
+        for kind, mb, start, end in m.timeline
+    ]
+    return sorted(events, key=lambda e: (e.start_s, e.rank))

@@ -10,7 +10,7 @@ from tabulate import tabulate
 from planner.schema.plan import Plan, Prediction
 
 METHOD_TITLES = {
-    "optimal": "planner (exact)",
+    "optimal": "planner (searched)",
     "uniform": "uniform layers (torchtitan/Megatron)",
     "params": "parameter-balanced (DeepSpeed)",
 }
@@ -42,13 +42,14 @@ def stage_table(plan: Plan) -> str:
     """
     bottleneck = plan.prediction.bottleneck_s
     rows = []
+    several = plan.stages_per_rank > 1
     for s in plan.stages:
         blocks = s.first_block if s.end - s.start == 1 else f"{s.first_block} .. {s.last_block}"
         if s.recompute:
             blocks += " [recompute]"
         rows.append(
             [
-                s.index,
+                f"{s.index} (rank {s.rank})" if several else str(s.index),
                 f"{blocks} ({s.end - s.start})",
                 _count(s.params),
                 _ms(s.fwd_s),
@@ -78,8 +79,7 @@ def stage_table(plan: Plan) -> str:
 
 
 def _split_text(pred: Prediction, n_blocks: int) -> str:
-    ends = list(pred.starts[1:]) + [n_blocks]
-    return "+".join(str(b - a) for a, b in zip(pred.starts, ends))
+    return _split_text_of(pred.starts, n_blocks)
 
 
 def summary_table(plan: Plan) -> str:
@@ -93,9 +93,11 @@ def summary_table(plan: Plan) -> str:
     """
     rows = []
     chosen = plan.prediction
+    limit = plan.memory_limit_bytes
     entries = [(plan.method, chosen)] + [(k, v) for k, v in plan.baselines.items() if k != plan.method]
     for method, pred in entries:
         marker = " *" if method == plan.method else ""
+        fits = limit is None or pred.max_memory_bytes <= limit
         rows.append(
             [
                 METHOD_TITLES.get(method, method) + marker,
@@ -105,7 +107,8 @@ def summary_table(plan: Plan) -> str:
                 f"{100 * pred.bubble_fraction:.1f}%",
                 f"{pred.imbalance:.3f}",
                 _mb(pred.max_memory_bytes),
-                f"{pred.step_time_s / chosen.step_time_s:.3f}x",
+                "yes" if fits or limit is None else f"NO: needs {pred.max_memory_bytes / limit:.2f}x the limit",
+                f"{pred.step_time_s / chosen.step_time_s:.3f}x" if fits else "(cannot run)",
             ]
         )
     headers = [
@@ -116,9 +119,49 @@ def summary_table(plan: Plan) -> str:
         "bubble",
         "imbalance",
         "max mem MB",
+        "fits" if limit is None else f"fits {_mb(limit)} MB",
         "step vs plan",
     ]
     return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+
+
+def search_table(plan: Plan) -> str:
+    """The best candidates of the joint search (schedule, microbatches, stages per rank, split).
+
+    Args:
+        plan: the plan.
+
+    Returns:
+        The table as text (empty when no search ran).
+    """
+    if not plan.search:
+        return ""
+    rows = []
+    for c in plan.search:
+        chosen = (c.schedule, c.n_microbatches, c.stages_per_rank) == (
+            plan.schedule,
+            plan.n_microbatches,
+            plan.stages_per_rank,
+        )
+        rows.append(
+            [
+                c.schedule + (" *" if chosen else ""),
+                c.n_microbatches,
+                c.stages_per_rank,
+                _split_text_of(c.starts, len(plan.blocks)),
+                _ms(c.step_time_s),
+                f"{100 * c.bubble_fraction:.1f}%",
+                _mb(c.max_memory_bytes),
+                "yes" if c.fits else "no",
+            ]
+        )
+    headers = ["schedule", "m", "stages/rank", "blocks per stage", "step ms", "bubble", "max mem MB", "fits"]
+    return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+
+
+def _split_text_of(starts: tuple[int, ...], n_blocks: int) -> str:
+    ends = list(starts[1:]) + [n_blocks]
+    return "+".join(str(b - a) for a, b in zip(starts, ends))
 
 
 def render(plan: Plan) -> str:
@@ -132,9 +175,11 @@ def render(plan: Plan) -> str:
     """
     m = plan.model
     head = (
-        f"{m.path} (size {m.size or 'default'}; traced by {m.trace_method}) on {plan.n_stages} x "
+        f"{m.path} (size {m.size or 'default'}; traced by {m.trace_method}) on {plan.n_ranks} x "
         f"{plan.profile.device}/{plan.profile.backend}, {plan.profile.threads} thread(s) per rank\n"
-        f"schedule {plan.schedule}, batch {plan.batch_size} = {plan.n_microbatches} microbatches of "
+        f"schedule {plan.schedule}"
+        + (f" with {plan.stages_per_rank} stages per rank ({plan.n_stages} stages)" if plan.stages_per_rank > 1 else "")
+        + f", batch {plan.batch_size} = {plan.n_microbatches} microbatches of "
         f"{plan.microbatch_size}; {len(plan.blocks)} blocks; link {plan.link.name} "
         f"({plan.link.latency_s * 1e3:.2f} ms + bytes / {plan.link.bandwidth_Bps / 1e9:.1f} GB/s)"
     )
@@ -144,4 +189,10 @@ def render(plan: Plan) -> str:
         f"predicted step {_ms(plan.prediction.step_time_s)} ms, bubble {100 * plan.prediction.bubble_fraction:.1f}%, "
         f"imbalance {plan.prediction.imbalance:.3f} (slowest / mean stage)"
     )
-    return "\n\n".join([head, stage_table(plan), summary_table(plan), summary])
+    if plan.choice:
+        summary += f"\nchosen: {plan.choice}"
+    parts = [head, stage_table(plan), summary_table(plan)]
+    search = search_table(plan)
+    if search:
+        parts.append("joint search (best candidates; * = the plan):\n" + search)
+    return "\n\n".join([*parts, summary])

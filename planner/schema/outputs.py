@@ -20,21 +20,28 @@ from typing import Literal
 
 from planner.errors import PlanFileError
 
-OutputKind = Literal["plan", "run result", "calibration"]
+OutputKind = Literal["plan", "run result", "calibration", "trace", "timeline"]
 
 # The top-level keys that identify each document the planner writes (all must be present). They
 # are disjoint enough that no document matches two kinds: a plan has no plan_fingerprint, a run
 # report and a calibration differ in step_times_s / latency_s.
-SIGNATURES: dict[OutputKind, frozenset[str]] = {
+SIGNATURES: dict[str, frozenset[str]] = {
     "plan": frozenset({"version", "model", "stages", "blocks"}),
     "run result": frozenset({"plan_fingerprint", "stages", "step_times_s"}),
     "calibration": frozenset({"plan_fingerprint", "latency_s", "global_factor"}),
+    "trace": frozenset({"traceEvents"}),
 }
 EXAMPLE_NAMES: dict[OutputKind, str] = {
     "plan": "plan.json",
     "run result": "run.json",
     "calibration": "calibration.json",
+    "trace": "trace.json",
+    "timeline": "timeline.png",
 }
+
+# The first bytes of the pictures ``planner report --timeline`` writes (PNG, PDF, SVG): an earlier
+# picture may be replaced, any other file may not.
+IMAGE_MAGIC = (b"\x89PNG\r\n\x1a\n", b"%PDF", b"<?xml", b"<svg")
 
 # A destination larger than this is not read to identify it: no planner document comes near it.
 MAX_SNIFF_BYTES = 64 * 2**20
@@ -108,7 +115,7 @@ def document_kind(raw: object) -> OutputKind | None:
     keys = set(raw)
     for kind, signature in SIGNATURES.items():
         if signature <= keys:
-            return kind
+            return kind  # type: ignore[return-value]  # SIGNATURES' keys are OutputKinds
     return None
 
 
@@ -191,6 +198,17 @@ def _check_existing(path: str | Path, p: Path, st: os.stat_result, kind: OutputK
         )
     if not stat.S_ISREG(st.st_mode):
         raise PlanFileError(f"{where} is {file_type_name(st.st_mode)}, not a regular file; {fix_name}")
+    if kind == "timeline":
+        try:
+            with open(p, "rb") as f:
+                head = f.read(16)
+        except OSError as e:
+            raise PlanFileError(f"{where} cannot be read to check it holds a picture ({e.strerror}); {fix_name}") from e
+        if head and not head.startswith(IMAGE_MAGIC):
+            raise PlanFileError(f"{where} holds something that is not a picture; {fix_name}")
+        if not os.access(p, os.W_OK):
+            raise PlanFileError(f"{where} is read-only; make it writable (chmod u+w {path}) or {fix_name}")
+        return
     try:
         found, hint = _what_it_holds(p, st.st_size)
     except OSError as e:

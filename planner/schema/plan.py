@@ -61,12 +61,30 @@ class ProfileInfo(_Frozen):
     cores: int | None = Field(
         default=None, description="CPU cores the ranks share (CPU plans); None when every rank has its own GPU."
     )
+    fixed_fraction: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="Share of a microbatch's time that does not shrink with its size (fitted at two sizes; "
+        "scales the costs to other microbatch counts).",
+    )
+    min_microbatch_size: int = Field(
+        default=1, ge=1, description="Smallest microbatch the model ran when profiled (the search stays at or above)."
+    )
+    microbatch_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="Samples per microbatch the costs were profiled or estimated at (the plan's blocks are "
+        "rescaled from it to the plan's microbatch); None: the plan's own.",
+    )
 
 
 class StagePlan(_Frozen):
     """One pipeline stage: a contiguous range of blocks on one rank, and what it is predicted to cost."""
 
     index: int = Field(ge=0)
+    rank: int = Field(ge=0, description="The rank that runs this stage (several stages per rank: looped or V).")
     start: int = Field(ge=0, description="First block index.")
     end: int = Field(ge=1, description="One past the last block index.")
     first_block: str = Field(description="FQN of the first block.")
@@ -93,6 +111,12 @@ class StagePlan(_Frozen):
     memory_bytes: int = Field(
         ge=0, description="Predicted peak: params, grads, optimizer state, in-flight activations, buffers."
     )
+    bwd_input_s: float | None = Field(
+        default=None, ge=0, allow_inf_nan=False, description="Input-gradient part of bwd_s (split backward)."
+    )
+    bwd_weight_s: float | None = Field(
+        default=None, ge=0, allow_inf_nan=False, description="Weight-gradient part of bwd_s (split backward)."
+    )
 
 
 class Prediction(_Frozen):
@@ -114,7 +138,21 @@ class Prediction(_Frozen):
     imbalance: float = Field(
         ge=0, allow_inf_nan=False, description="Slowest stage time / mean stage time (1.0 = perfectly balanced)."
     )
+    max_memory_bytes: int = Field(ge=0, description="The most any rank needs.")
+    rank_memory_bytes: tuple[int, ...] = Field(default=(), description="Predicted peak per rank (empty: per stage).")
+
+
+class Candidate(_Frozen):
+    """One point of the joint search: a schedule, microbatch count and stages per rank with its best split."""
+
+    schedule: Schedule
+    n_microbatches: int = Field(ge=1)
+    stages_per_rank: int = Field(ge=1)
+    starts: tuple[int, ...]
+    step_time_s: float = Field(ge=0, allow_inf_nan=False)
+    bubble_fraction: float = Field(ge=0, le=1)
     max_memory_bytes: int = Field(ge=0)
+    fits: bool = Field(description="The most any rank needs is within the memory limit.")
 
 
 class Plan(_Frozen):
@@ -128,18 +166,45 @@ class Plan(_Frozen):
     optimizer: OptimizerSpec
     method: Method
     schedule: Schedule
-    n_stages: int = Field(ge=1)
+    n_stages: int = Field(ge=1, description="Pipeline stages (n_ranks x stages per rank).")
+    n_ranks: int = Field(ge=1, description="Processes of the pipeline (--gpus).")
     batch_size: int = Field(ge=1)
     n_microbatches: int = Field(ge=1)
     blocks: list[BlockCost]
     stages: list[StagePlan]
     prediction: Prediction
     baselines: dict[str, Prediction] = Field(description="The same costs split by other methods, for comparison.")
+    memory_limit_bytes: int | None = Field(default=None, ge=0, description="Per-rank limit planned for (None: none).")
+    search: list[Candidate] = Field(
+        default_factory=list, description="The best candidates of the joint search, best first (empty: none ran)."
+    )
+    choice: str = Field(default="", description="Why this schedule, microbatch count and stages per rank.")
 
     @property
     def microbatch_size(self) -> int:
         """Samples per microbatch."""
         return self.batch_size // self.n_microbatches
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Stages every rank runs."""
+        return self.n_stages // self.n_ranks
+
+    def stages_of(self, rank: int) -> list[StagePlan]:
+        """The stages ``rank`` runs, in stage order."""
+        return [s for s in self.stages if s.rank == rank]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_stage_per_rank_by_default(cls, data: Any) -> Any:
+        # Plans written before stages could share a rank have one stage per rank: fill that in.
+        if isinstance(data, dict) and "n_ranks" not in data and isinstance(data.get("stages"), list):
+            data = {**data, "n_ranks": data.get("n_stages")}
+            data["stages"] = [
+                {**st, "rank": st.get("index", i)} if isinstance(st, dict) and "rank" not in st else st
+                for i, st in enumerate(data["stages"])
+            ]
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> Plan:
@@ -147,6 +212,14 @@ class Plan(_Frozen):
             raise ValueError(f"batch_size {self.batch_size} is not divisible by n_microbatches {self.n_microbatches}")
         if len(self.stages) != self.n_stages:
             raise ValueError(f"n_stages is {self.n_stages} but {len(self.stages)} stages are listed")
+        if self.n_stages % self.n_ranks:
+            raise ValueError(f"{self.n_stages} stages do not spread evenly over {self.n_ranks} ranks")
+        held = [sum(1 for s in self.stages if s.rank == r) for r in range(self.n_ranks)]
+        if any(h != self.stages_per_rank for h in held) or any(s.rank >= self.n_ranks for s in self.stages):
+            raise ValueError(
+                f"every one of the {self.n_ranks} ranks must run {self.stages_per_rank} stage(s); "
+                f"the stages' ranks are {[s.rank for s in self.stages]}"
+            )
         expected = 0
         for i, stage in enumerate(self.stages):
             if stage.index != i or stage.start != expected or stage.end <= stage.start or stage.end > len(self.blocks):

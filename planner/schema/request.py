@@ -16,11 +16,47 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from planner.errors import PlannerError
 from planner.schema.costs import OptimizerSpec
 
-Schedule = Literal["gpipe", "1f1b"]
+Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev"]
 Method = Literal["optimal", "uniform", "params"]
 Recompute = Literal["auto", "never", "always"]
 Dtype = Literal["bf16", "fp16", "fp32"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
+"""The planner's schedule names (``--schedule``), in the order the search tries them."""
+
+TORCH_NAMES: dict[str, str] = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved-1f1b": "Interleaved1F1B",
+    "looped-bfs": "LoopedBFS",
+    "interleaved-zb": "InterleavedZeroBubble",
+    "zbv": "ZBVZeroBubble",
+    "dualpipev": "DualPipeV",
+}
+"""Our name -> the name ``torch.distributed.pipelining.get_schedule_class`` takes."""
+
+
+def schedule_name(name: str) -> str:
+    """Our name for a schedule given by our name or torch's class name (case-insensitive).
+
+    Args:
+        name: e.g. ``interleaved-1f1b``, ``Interleaved1F1B`` or ``ScheduleInterleaved1F1B``.
+
+    Returns:
+        The planner's name (a member of ``SCHEDULES``).
+
+    Raises:
+        ValueError: not a schedule torch 2.13 provides.
+    """
+    key = name.strip().lower().removeprefix("schedule")
+    for ours, theirs in TORCH_NAMES.items():
+        if key in (ours, theirs.lower()):
+            return ours
+    raise ValueError(
+        f"not a pipeline schedule; expected one of {', '.join(SCHEDULES)}, auto "
+        f"(or torch's names: {', '.join(TORCH_NAMES.values())})"
+    )
+
+
 METHODS: tuple[str, ...] = get_args(Method)
 RECOMPUTE: tuple[str, ...] = get_args(Recompute)
 DTYPES: tuple[str, ...] = get_args(Dtype)
@@ -89,6 +125,7 @@ class PlanRequest(_Request):
         "batch_size": "--batch-size",
         "microbatches": "--microbatches",
         "schedule": "--schedule",
+        "stages_per_rank": "--stages-per-rank",
         "method": "--method",
         "memory_limit_gib": "--memory-limit",
         "recompute": "--recompute",
@@ -108,15 +145,18 @@ class PlanRequest(_Request):
     }
 
     model_file: Path = Field(description="The model file (build_model, make_batch; see README).")
-    gpus: int = Field(ge=1, description="Pipeline stages, one rank each.")
+    gpus: int = Field(ge=1, description="Pipeline ranks (processes, one device each).")
     size: str | None = Field(default=None, description="A key of the file's SIZES (None: its defaults).")
     overrides: dict[str, Any] = Field(default_factory=dict, description="Config entries to replace (--set).")
     # bounded so the default microbatch count (a divisor search up to sqrt(batch)) stays instant
     batch_size: int = Field(default=32, ge=1, le=10**9, description="Samples per training step.")
     microbatches: int | None = Field(
-        default=None, ge=1, description="Microbatches per step (None: the smallest divisor of the batch >= 2 x gpus)."
+        default=None, ge=1, description="Microbatches per step (None: auto, the search picks a divisor of the batch)."
     )
-    schedule: Schedule = "1f1b"
+    schedule: Schedule | Literal["auto"] = Field(default="auto", description="Pipeline schedule (auto: searched).")
+    stages_per_rank: int | None = Field(
+        default=None, ge=1, le=64, description="Stages on every rank (None: auto, as the schedule allows)."
+    )
     method: Method = Field(default="optimal", description="The split the plan uses; the others are compared.")
     memory_limit_gib: float | None = Field(
         # 2**30 GiB (an exbibyte) is far past any device and keeps the limit a finite byte count
@@ -142,6 +182,17 @@ class PlanRequest(_Request):
     output: Path = Field(default=Path("plan.json"), description="Where the plan is written.")
     progress: bool = Field(default=True, description="Show progress bars.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _schedule_names(cls, data: Any) -> Any:
+        # torch's class names are accepted too: --schedule Interleaved1F1B
+        if isinstance(data, dict) and isinstance(data.get("schedule"), str) and data["schedule"] != "auto":
+            try:
+                data = {**data, "schedule": schedule_name(data["schedule"])}
+            except ValueError as e:
+                raise ValueError(f"--schedule {data['schedule']}: {e}") from None
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> PlanRequest:
         m = self.n_microbatches
@@ -162,7 +213,10 @@ class PlanRequest(_Request):
 
     @property
     def n_microbatches(self) -> int:
-        """Microbatches per step: as given, else a default that divides the batch (``default_microbatches``)."""
+        """Microbatches per step: as given, else a default that divides the batch (``default_microbatches``).
+
+        With ``--microbatches auto`` this is the count the costs are profiled at; the search then
+        tries the other divisors of the batch with rescaled costs."""
         if self.microbatches is not None:
             return self.microbatches
         return default_microbatches(self.batch_size, self.gpus)

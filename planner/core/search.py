@@ -1,0 +1,386 @@
+"""The joint search: schedule x microbatches x stages per rank x split, least predicted step time.
+
+Pure module: never imports torch. For every combination the user left open (``--schedule auto``,
+``--microbatches auto``, ``--stages-per-rank auto``) the exact solver splits the blocks into
+ranks x stages-per-rank stages under the memory limit, with each stage's in-flight microbatches
+taken from its place in that schedule; the simulator then times the step (``predict``). The
+candidate with the least predicted step that fits wins; its split is then polished against the
+simulated step itself (``refine``), since the bottleneck the solver minimises is not all of a step
+(warm-up and drain, messages, the optimizer).
+
+Costs are profiled at one microbatch size; other microbatch counts use ``blocks_at``, which scales
+times by an affine model fitted when profiling (``ProfileInfo.fixed_fraction``: the part of a
+microbatch's time that does not shrink with its size, e.g. kernel launches and per-op overhead)
+and byte counts linearly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from planner.core.predict import predict
+from planner.core.schedules import check_schedule, in_flight_per_stage, stages_per_rank_options
+from planner.core.solve import Partition, solve
+from planner.errors import InfeasibleError
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
+from planner.schema.plan import Candidate, Prediction, StagePlan
+from planner.schema.request import SCHEDULES
+
+MAX_AUTO_STAGES_PER_RANK = 4
+"""``--stages-per-rank auto`` tries 1 .. this many (more stages per rank add messages for less bubble)."""
+
+MAX_AUTO_MICROBATCHES_PER_RANK = 8
+"""``--microbatches auto`` tries the divisors of the batch up to this many per rank (the bubble of
+1F1B at m = 8p is already 1/9 of the ideal step, and smaller microbatches run less efficiently)."""
+
+TIE = 1e-3
+"""Predicted steps within this relative difference count as equal (the cost model is not that precise)."""
+
+REFINE_EVALUATIONS = 120
+"""At most this many neighbouring splits are simulated when polishing the winner against the simulated step."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One evaluated combination: its split, stages and prediction."""
+
+    schedule: str
+    n_microbatches: int
+    stages_per_rank: int
+    blocks: list[BlockCost]
+    stages: list[StagePlan]
+    prediction: Prediction
+    fits: bool
+
+    def row(self) -> Candidate:
+        """The candidate as the plan records it."""
+        return Candidate(
+            schedule=self.schedule,  # type: ignore[arg-type]  # a member of SCHEDULES
+            n_microbatches=self.n_microbatches,
+            stages_per_rank=self.stages_per_rank,
+            starts=self.prediction.starts,
+            step_time_s=self.prediction.step_time_s,
+            bubble_fraction=self.prediction.bubble_fraction,
+            max_memory_bytes=self.prediction.max_memory_bytes,
+            fits=self.fits,
+        )
+
+
+def blocks_at(blocks: Sequence[BlockCost], size0: int, size: int, fixed_fraction: float) -> list[BlockCost]:
+    """The block costs profiled at microbatch size ``size0``, rescaled to microbatch size ``size``.
+
+    Times follow ``t(size) = t(size0) * (f + (1 - f) * size / size0)`` with ``f = fixed_fraction``;
+    activation, boundary and output bytes and FLOPs scale with ``size / size0``; parameters and the
+    optimizer step do not depend on the microbatch.
+
+    Args:
+        blocks: per-block costs at ``size0``.
+        size0: the microbatch size they were profiled at.
+        size: the microbatch size wanted.
+        fixed_fraction: the share of a microbatch's time that does not scale with its size (0..1).
+
+    Returns:
+        The rescaled blocks (the same objects when ``size == size0``).
+    """
+    if size == size0:
+        return list(blocks)
+    r = size / size0
+    t = fixed_fraction + (1.0 - fixed_fraction) * r
+
+    def scaled(x: float | None) -> float | None:
+        return None if x is None else x * t
+
+    out = []
+    for b in blocks:
+        out.append(
+            b.model_copy(
+                update={
+                    "fwd_s": b.fwd_s * t,
+                    "bwd_s": b.bwd_s * t,
+                    "bwd_input_s": scaled(b.bwd_input_s),
+                    "bwd_weight_s": scaled(b.bwd_weight_s),
+                    "recompute_s": scaled(b.recompute_s),
+                    "flops_fwd": None if b.flops_fwd is None else b.flops_fwd * r,
+                    "flops_bwd": None if b.flops_bwd is None else b.flops_bwd * r,
+                    "activation_bytes": round(b.activation_bytes * r),
+                    "cut_bytes": round(b.cut_bytes * r),
+                    "output_bytes": round(b.output_bytes * r),
+                }
+            )
+        )
+    return out
+
+
+def microbatch_options(batch_size: int, n_ranks: int, fixed: int | None, min_size: int = 1) -> list[int]:
+    """The microbatch counts the search tries: ``fixed`` alone, or the divisors of the batch up to
+    ``MAX_AUTO_MICROBATCHES_PER_RANK`` per rank whose microbatches hold at least ``min_size``
+    samples (the smallest the model ran when profiled)."""
+    if fixed is not None:
+        return [fixed]
+    cap = MAX_AUTO_MICROBATCHES_PER_RANK * n_ranks
+    return [d for d in range(1, min(batch_size, cap) + 1) if batch_size % d == 0 and batch_size // d >= min_size]
+
+
+def _max_stages_per_rank(blocks: Sequence[BlockCost], n_ranks: int) -> int:
+    legal = sum(1 for b in blocks[:-1] if b.cut_legal)
+    return max(1, min(MAX_AUTO_STAGES_PER_RANK, (legal + 1) // n_ranks))
+
+
+def evaluate_choice(
+    blocks: Sequence[BlockCost],
+    link: LinkCost,
+    schedule: str,
+    n_ranks: int,
+    n_microbatches: int,
+    stages_per_rank: int,
+    *,
+    optimizer: OptimizerSpec,
+    memory_limit_bytes: int | None,
+    recompute: str,
+    slots: float | None,
+    split: Partition | None = None,
+) -> Choice:
+    """Solve (unless ``split`` is given) and predict one combination.
+
+    The solver gets each stage's in-flight count from its place in the schedule and, with several
+    stages per rank, a per-stage share ``limit / v`` of the memory limit (a rank's stages together
+    then fit); the prediction's per-rank peak decides ``fits``.
+
+    Raises:
+        InfeasibleError: the schedule refuses these numbers, or no split fits.
+    """
+    check_schedule(schedule, n_ranks, n_microbatches, stages_per_rank)
+    v = stages_per_rank
+    if split is None:
+        try:
+            split = solve(
+                blocks,
+                n_ranks * v,
+                link,
+                schedule=schedule,
+                n_microbatches=n_microbatches,
+                optimizer=optimizer,
+                memory_limit_bytes=None if memory_limit_bytes is None else memory_limit_bytes // v,
+                recompute=recompute,
+                in_flight=in_flight_per_stage(schedule, n_ranks, n_microbatches, v),
+            )
+        except InfeasibleError as e:
+            if v == 1:
+                raise
+            # the solver counts stages, which the user asked for as --gpus x --stages-per-rank
+            raise InfeasibleError(
+                f"{schedule} with {v} stages per rank needs {n_ranks * v} stages: {e}".replace(
+                    f"--gpus {n_ranks * v}", f"{n_ranks * v} stages"
+                )
+            ) from None
+    stages, prediction = predict(
+        blocks, split.starts, link, schedule, n_microbatches, optimizer, split.recompute, slots, v
+    )
+    fits = memory_limit_bytes is None or prediction.max_memory_bytes <= memory_limit_bytes
+    return Choice(schedule, n_microbatches, v, list(blocks), stages, prediction, fits)
+
+
+def search(
+    blocks: Sequence[BlockCost],
+    link: LinkCost,
+    *,
+    n_ranks: int,
+    batch_size: int,
+    size0: int,
+    fixed_fraction: float,
+    min_microbatch_size: int = 1,
+    schedule: str,
+    n_microbatches: int | None,
+    stages_per_rank: int | None,
+    optimizer: OptimizerSpec,
+    memory_limit_bytes: int | None,
+    recompute: str,
+    slots: float | None,
+) -> tuple[Choice, list[Choice], str]:
+    """Every open combination, solved and simulated; the fastest that fits, polished.
+
+    Args:
+        blocks: per-block costs at microbatch size ``size0``.
+        link: cost of one message between neighbouring ranks.
+        n_ranks: pipeline ranks (--gpus).
+        batch_size: samples per step.
+        size0: the microbatch size the costs were profiled at.
+        fixed_fraction: see ``blocks_at``.
+        min_microbatch_size: the smallest microbatch the model ran (auto counts stay at or above it).
+        schedule: a schedule name, or "auto" for all of them.
+        n_microbatches: a count, or None for the divisors of the batch (``microbatch_options``).
+        stages_per_rank: a count, or None for what each schedule allows (up to ``MAX_AUTO_STAGES_PER_RANK``).
+        optimizer: the optimizer.
+        memory_limit_bytes: per-rank limit (None: none).
+        recompute: activation checkpointing policy ("auto", "never", "always").
+        slots: ranks that can compute at once (see ``predict``).
+
+    Returns:
+        The chosen combination, every evaluated one (fastest first, those that fit before those
+        that do not) and one line saying why the choice won.
+
+    Raises:
+        InfeasibleError: nothing the user asked for can run or fit; when everything was fixed,
+            the schedule's or solver's own message.
+    """
+    schedules = list(SCHEDULES) if schedule == "auto" else [schedule]
+    if n_ranks == 1 and schedule == "auto":
+        schedules = ["gpipe"]  # one rank runs its stage alone: every schedule is gradient accumulation
+    ms = microbatch_options(batch_size, n_ranks, n_microbatches, min(min_microbatch_size, size0))
+    cache: dict[int, list[BlockCost]] = {}
+    results: list[Choice] = []
+    errors: list[InfeasibleError] = []
+    for name in schedules:
+        vs = (
+            [stages_per_rank]
+            if stages_per_rank is not None
+            else stages_per_rank_options(name, _max_stages_per_rank(blocks, n_ranks))
+        )
+        for v in vs:
+            for m in ms:
+                if m not in cache:
+                    cache[m] = blocks_at(blocks, size0, batch_size // m, fixed_fraction)
+                try:
+                    results.append(
+                        evaluate_choice(
+                            cache[m],
+                            link,
+                            name,
+                            n_ranks,
+                            m,
+                            v,
+                            optimizer=optimizer,
+                            memory_limit_bytes=memory_limit_bytes,
+                            recompute=recompute,
+                            slots=slots,
+                        )
+                    )
+                except InfeasibleError as e:
+                    errors.append(e)
+    fitting = [c for c in results if c.fits]
+    if not fitting:
+        if results:
+            worst = min(results, key=lambda c: c.prediction.max_memory_bytes)
+            raise InfeasibleError(
+                f"no schedule, microbatch count and split fits the memory limit: the least needs "
+                f"{worst.prediction.max_memory_bytes / 2**30:.2f} GiB per rank ({worst.schedule}, m={worst.n_microbatches}); "
+                "raise --memory-limit, use more --gpus or --recompute auto"
+            )
+        raise errors[0] if errors else InfeasibleError("nothing to search: no schedule was given")
+    fastest = min(c.prediction.step_time_s for c in fitting)
+    # Within TIE of the fastest the steps are equal for every purpose: take the least memory, then
+    # the earlier schedule in SCHEDULES (the simpler), as the stable sort keeps them.
+    best = min(
+        (c for c in fitting if c.prediction.step_time_s <= fastest * (1 + TIE)),
+        key=lambda c: c.prediction.max_memory_bytes,
+    )
+    ranked = (
+        [best]
+        + sorted((c for c in fitting if c is not best), key=lambda c: c.prediction.step_time_s)
+        + sorted((c for c in results if not c.fits), key=lambda c: c.prediction.step_time_s)
+    )
+    polished = refine(
+        best, link, optimizer=optimizer, memory_limit_bytes=memory_limit_bytes, slots=slots, n_ranks=n_ranks
+    )
+    open_parts = [
+        label
+        for label, is_open in (
+            ("schedule", schedule == "auto"),
+            ("microbatches", n_microbatches is None),
+            ("stages per rank", stages_per_rank is None),
+        )
+        if is_open
+    ]
+    note = _why(polished, best, ranked, open_parts)
+    # the list shows the winner as it will run: with its polished split
+    return polished, [polished if c is best else c for c in ranked], note
+
+
+def _why(chosen: Choice, unpolished: Choice, ranked: Sequence[Choice], open_parts: Sequence[str]) -> str:
+    """One line: what won, by how much over the runner-up, and what polishing the split gained."""
+    what = f"{chosen.schedule}, m={chosen.n_microbatches}" + (
+        f", {chosen.stages_per_rank} stages per rank" if chosen.stages_per_rank > 1 else ""
+    )
+    line = f"{what}: predicted step {chosen.prediction.step_time_s * 1e3:.3g} ms"
+    others = [c for c in ranked if c.fits and c is not unpolished]
+    if open_parts and others:
+        nxt = others[0]
+        gain = nxt.prediction.step_time_s / unpolished.prediction.step_time_s - 1
+        runner_up = (
+            f"{nxt.schedule}, m={nxt.n_microbatches}"
+            f"{', v=' + str(nxt.stages_per_rank) if nxt.stages_per_rank > 1 else ''}"
+        )
+        if gain < TIE:
+            line += f", tied with {runner_up} (kept: less memory, or the simpler schedule)"
+        else:
+            line += f", {gain:.1%} faster than the next best ({runner_up})"
+        line += f"; {len(ranked)} candidates searched over {', '.join(open_parts)}"
+    if chosen.prediction.starts != unpolished.prediction.starts:
+        gain = 1 - chosen.prediction.step_time_s / unpolished.prediction.step_time_s
+        line += f"; moving cuts against the simulated step saved {gain:.1%} over the least-bottleneck split"
+    return line
+
+
+def refine(
+    choice: Choice,
+    link: LinkCost,
+    *,
+    optimizer: OptimizerSpec,
+    memory_limit_bytes: int | None,
+    slots: float | None,
+    n_ranks: int,
+) -> Choice:
+    """Polish a split against the simulated step: move one cut by one legal position at a time, keeping
+    each move that shortens the predicted step and still fits (first improvement, cuts in order,
+    until a whole pass finds none or ``REFINE_EVALUATIONS`` splits were simulated).
+
+    The solver minimises the slowest stage, which bounds the steady state; the step also has the
+    warm-up and drain, where earlier and later stages weigh differently, messages and the optimizer.
+    Starting from the exact least-bottleneck split, this only ever accepts a split the simulator
+    predicts to be faster, so the result is never slower than ``choice``.
+
+    Returns:
+        The polished choice (``choice`` itself when no move helps).
+    """
+    blocks = choice.blocks
+    n = len(blocks)
+    best = choice
+    flags = tuple(choice.prediction.recompute)
+    budget = REFINE_EVALUATIONS
+    improved = True
+    while improved and budget > 0:
+        improved = False
+        for k in range(1, len(best.prediction.starts)):
+            for step in (-1, 1):
+                starts = list(best.prediction.starts)
+                c = starts[k] + step
+                hi = starts[k + 1] if k + 1 < len(starts) else n
+                if not starts[k - 1] < c < hi or not blocks[c - 1].cut_legal or budget <= 0:
+                    continue
+                budget -= 1
+                trial = Partition(starts=tuple(starts[:k] + [c] + starts[k + 1 :]), bottleneck_s=0.0, recompute=flags)
+                try:
+                    cand = evaluate_choice(
+                        blocks,
+                        link,
+                        best.schedule,
+                        n_ranks,
+                        best.n_microbatches,
+                        best.stages_per_rank,
+                        optimizer=optimizer,
+                        memory_limit_bytes=memory_limit_bytes,
+                        recompute="never",
+                        slots=slots,
+                        split=trial,
+                    )
+                except InfeasibleError:
+                    continue
+                # a strict improvement beyond float noise, so the descent cannot cycle
+                if cand.fits and cand.prediction.step_time_s < best.prediction.step_time_s * (1 - 1e-9):
+                    best = cand
+                    improved = True
+    return best
+
+
+__all__ = ["Choice", "blocks_at", "evaluate_choice", "microbatch_options", "refine", "search"]

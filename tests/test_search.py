@@ -1,0 +1,163 @@
+"""Pure-tier tests of the joint search (planner.core.search) and per-rank memory (planner.core.predict)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from plan_factory import LINK, MB, big_head_blocks, block, make_plan
+
+from planner.core.predict import predict
+from planner.core.schedules import SCHEDULES, placement
+from planner.core.search import TIE, blocks_at, evaluate_choice, microbatch_options, refine, search
+from planner.core.solve import stage_memories
+from planner.errors import InfeasibleError
+from planner.schema.costs import BlockCost, OptimizerSpec
+
+ADAMW = OptimizerSpec()
+
+
+def _search(blocks: list[BlockCost], **kw: object) -> tuple:
+    args: dict[str, object] = dict(
+        n_ranks=2,
+        batch_size=16,
+        size0=4,
+        fixed_fraction=0.0,
+        schedule="auto",
+        n_microbatches=None,
+        stages_per_rank=None,
+        optimizer=ADAMW,
+        memory_limit_bytes=None,
+        recompute="auto",
+        slots=None,
+    )
+    args.update(kw)
+    return search(blocks, LINK, **args)  # type: ignore[arg-type]
+
+
+def test_blocks_at_scales_times_affinely_and_bytes_linearly() -> None:
+    b = big_head_blocks()[1].model_copy(update={"bwd_input_s": 0.012, "bwd_weight_s": 0.008, "recompute_s": 0.01})
+    (half,) = blocks_at([b], 8, 4, fixed_fraction=0.25)
+    # t(4) = t(8) * (0.25 + 0.75 * 4 / 8) = 0.625 t(8)
+    assert half.fwd_s == pytest.approx(0.625 * b.fwd_s) and half.bwd_s == pytest.approx(0.625 * b.bwd_s)
+    assert half.bwd_input_s == pytest.approx(0.625 * 0.012) and half.recompute_s == pytest.approx(0.625 * 0.01)
+    assert half.activation_bytes == b.activation_bytes // 2 and half.cut_bytes == b.cut_bytes // 2
+    assert (half.params, half.param_bytes, half.opt_s) == (b.params, b.param_bytes, b.opt_s)
+    assert blocks_at([b], 8, 8, 0.5) == [b]
+
+
+def test_microbatch_options() -> None:
+    assert microbatch_options(16, 2, None) == [1, 2, 4, 8, 16]
+    assert microbatch_options(64, 2, None) == [1, 2, 4, 8, 16]  # at most 8 per rank
+    assert microbatch_options(16, 2, None, min_size=4) == [1, 2, 4]  # never below the smallest that ran
+    assert microbatch_options(16, 2, 4) == [4]
+
+
+def test_search_returns_the_fastest_candidate_that_fits() -> None:
+    blocks = big_head_blocks() + [block(f"extra.{i}", 10, 20, 5000) for i in range(4)]
+    chosen, ranked, note = _search(blocks)
+    fitting = [c for c in ranked if c.fits]
+    assert ranked[0] is chosen
+    assert chosen.prediction.step_time_s <= min(c.prediction.step_time_s for c in fitting) * (1 + TIE)
+    assert chosen.fits
+    tried = {(c.schedule, c.n_microbatches, c.stages_per_rank) for c in ranked}
+    assert {s for s, _, _ in tried} == set(SCHEDULES)  # every schedule was tried
+    assert {v for s, _, v in tried if placement(s) == "v"} == {2}
+    assert {v for s, _, v in tried if placement(s) == "single"} == {1}
+    assert chosen.schedule in note and f"m={chosen.n_microbatches}" in note
+
+
+def test_a_tie_goes_to_the_candidate_with_less_memory() -> None:
+    # Two equal stages, m = 4: GPipe and 1F1B take the same time, 1F1B holds fewer microbatches.
+    # (All of the backward is input gradient, so splitting off W gains the zero-bubble ones nothing.)
+    blocks = [
+        block(f"layers.{i}", 10, 20, 1000, act_mb=8).model_copy(update={"bwd_input_s": 0.02, "bwd_weight_s": 0.0})
+        for i in range(4)
+    ]
+    chosen, ranked, note = _search(blocks, n_microbatches=4, stages_per_rank=1)
+    fastest = min(c.prediction.step_time_s for c in ranked)
+    tied = [c for c in ranked if c.prediction.step_time_s <= fastest * (1 + TIE)]
+    assert {"gpipe", "1f1b"} <= {c.schedule for c in tied}
+    assert chosen.prediction.max_memory_bytes == min(c.prediction.max_memory_bytes for c in tied)
+    assert chosen.schedule != "gpipe" and "tied with" in note
+
+
+def test_search_with_everything_fixed_evaluates_one_candidate() -> None:
+    chosen, ranked, _ = _search(big_head_blocks(), schedule="1f1b", n_microbatches=4, stages_per_rank=1)
+    assert len(ranked) == 1 and (chosen.schedule, chosen.n_microbatches, chosen.stages_per_rank) == ("1f1b", 4, 1)
+    # the same split and figures as planning 1F1B at m = 4 directly
+    plan = make_plan(big_head_blocks())
+    assert chosen.prediction == plan.prediction
+
+
+def test_search_on_one_rank_is_plain_gradient_accumulation() -> None:
+    chosen, ranked, _ = _search(big_head_blocks(), n_ranks=1)
+    assert {c.schedule for c in ranked} == {"gpipe"}
+
+
+def test_search_respects_the_memory_limit_and_says_when_nothing_fits() -> None:
+    blocks = big_head_blocks()
+    free, _, _ = _search(blocks)
+    limit = int(free.prediction.max_memory_bytes * 0.9)
+    limited, ranked, _ = _search(blocks, memory_limit_bytes=limit)
+    assert limited.prediction.max_memory_bytes <= limit
+    assert all(c.prediction.max_memory_bytes <= limit for c in ranked if c.fits)
+    with pytest.raises(InfeasibleError, match="memory"):
+        _search(blocks, memory_limit_bytes=1 * MB, recompute="never")
+
+
+def test_refine_only_accepts_a_faster_split_that_fits() -> None:
+    blocks = [block(f"b{i}", 1 + (i % 3), 2 + (i % 5), 100) for i in range(12)]
+    start = evaluate_choice(
+        blocks, LINK, "1f1b", 3, 6, 1, optimizer=ADAMW, memory_limit_bytes=None, recompute="never", slots=None
+    )
+    polished = refine(start, LINK, optimizer=ADAMW, memory_limit_bytes=None, slots=None, n_ranks=3)
+    assert polished.prediction.step_time_s <= start.prediction.step_time_s
+    # a local optimum: no single-cut move improves it further
+    again = refine(polished, LINK, optimizer=ADAMW, memory_limit_bytes=None, slots=None, n_ranks=3)
+    assert again.prediction == polished.prediction
+
+
+blocks_st = st.lists(
+    st.tuples(st.integers(1, 9), st.integers(1, 9), st.integers(0, 5), st.integers(0, 3), st.integers(1, 3)),
+    min_size=4,
+    max_size=9,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(raw=blocks_st, m=st.integers(1, 6))
+def test_rank_memory_equals_stage_memory_with_one_stage_per_rank(raw: list, m: int) -> None:
+    blocks = [block(f"b{i}", f, b, p * 1000, act_mb=a, cut_mb=c) for i, (f, b, p, a, c) in enumerate(raw)]
+    starts = [0, len(blocks) // 2]
+    for schedule in ("gpipe", "1f1b"):
+        if schedule == "1f1b" and m < 2:
+            continue
+        stages, pred = predict(blocks, starts, LINK, schedule, m, ADAMW)
+        per_stage = stage_memories(blocks, starts, schedule=schedule, n_microbatches=m, optimizer=ADAMW)
+        assert [s.memory_bytes for s in stages] == per_stage
+        assert pred.max_memory_bytes == max(per_stage)
+
+
+@settings(max_examples=60, deadline=None)
+@given(raw=blocks_st, m=st.integers(2, 6))
+def test_rank_memory_with_two_stages_is_at_most_the_sum_of_their_peaks(raw: list, m: int) -> None:
+    blocks = [block(f"b{i}", f, b, p * 1000, act_mb=a, cut_mb=c) for i, (f, b, p, a, c) in enumerate(raw)]
+    n = len(blocks)
+    starts = [0, n // 4, n // 2, 3 * n // 4]
+    if len(set(starts)) < 4 or 0 in starts[1:]:
+        return
+    for schedule in ("interleaved-1f1b", "looped-bfs", "zbv"):
+        try:
+            stages, pred = predict(blocks, starts, LINK, schedule, m, ADAMW, stages_per_rank=2)
+        except InfeasibleError:
+            continue
+        for r, mem in enumerate(pred.rank_memory_bytes):
+            mine = [s.memory_bytes for s in stages if s.rank == r]
+            # the rank holds both stages' weights, and at the moment either stage peaks, at least that
+            # stage's activations: no less than either stage alone, no more than both peaks at once
+            assert max(mine) <= mem <= sum(mine)
+        assert pred.max_memory_bytes == max(pred.rank_memory_bytes)
+        assert math.isfinite(pred.step_time_s)
