@@ -237,49 +237,27 @@ def search(
             if stages_per_rank is not None
             else stages_per_rank_options(name, _max_stages_per_rank(blocks, n_ranks))
         )
-        for v in vs:
-            for m in ms:
-                if m not in cache:
-                    cache[m] = blocks_at(blocks, size0, batch_size // m, fixed_fraction)
-                try:
-                    results.append(
-                        evaluate_choice(
-                            cache[m],
-                            link,
-                            name,
-                            n_ranks,
-                            m,
-                            v,
-                            optimizer=optimizer,
-                            memory_limit_bytes=memory_limit_bytes,
-                            recompute=recompute,
-                            slots=slots,
-                        )
+        for v, m in ((v, m) for v in vs for m in ms):
+            if m not in cache:
+                cache[m] = blocks_at(blocks, size0, batch_size // m, fixed_fraction)
+            try:
+                results.append(
+                    evaluate_choice(
+                        cache[m],
+                        link,
+                        name,
+                        n_ranks,
+                        m,
+                        v,
+                        optimizer=optimizer,
+                        memory_limit_bytes=memory_limit_bytes,
+                        recompute=recompute,
+                        slots=slots,
                     )
-                except InfeasibleError as e:
-                    errors.append(e)
-    fitting = [c for c in results if c.fits]
-    if not fitting:
-        if results:
-            worst = min(results, key=lambda c: c.prediction.max_memory_bytes)
-            raise InfeasibleError(
-                f"no schedule, microbatch count and split fits the memory limit: the least needs "
-                f"{worst.prediction.max_memory_bytes / 2**30:.2f} GiB per rank ({worst.schedule}, m={worst.n_microbatches}); "
-                "raise --memory-limit, use more --gpus or --recompute auto"
-            )
-        raise errors[0] if errors else InfeasibleError("nothing to search: no schedule was given")
-    fastest = min(c.prediction.step_time_s for c in fitting)
-    # Within TIE of the fastest the steps are equal for every purpose: take the least memory, then
-    # the earlier schedule in SCHEDULES (the simpler), as the stable sort keeps them.
-    best = min(
-        (c for c in fitting if c.prediction.step_time_s <= fastest * (1 + TIE)),
-        key=lambda c: c.prediction.max_memory_bytes,
-    )
-    ranked = (
-        [best]
-        + sorted((c for c in fitting if c is not best), key=lambda c: c.prediction.step_time_s)
-        + sorted((c for c in results if not c.fits), key=lambda c: c.prediction.step_time_s)
-    )
+                )
+            except InfeasibleError as e:
+                errors.append(e)
+    best, ranked = _rank(results, errors)
     polished = refine(
         best, link, optimizer=optimizer, memory_limit_bytes=memory_limit_bytes, slots=slots, n_ranks=n_ranks
     )
@@ -295,6 +273,39 @@ def search(
     note = _why(polished, best, ranked, open_parts)
     # the list shows the winner as it will run: with its polished split
     return polished, [polished if c is best else c for c in ranked], note
+
+
+def _rank(results: Sequence[Choice], errors: Sequence[InfeasibleError]) -> tuple[Choice, list[Choice]]:
+    """The winner and every candidate, winner first, then those that fit by step time, then the rest.
+
+    Within ``TIE`` of the fastest the steps are equal for every purpose: the winner is the one with
+    the least memory among them, then the earlier schedule in ``SCHEDULES`` (the simpler).
+
+    Raises:
+        InfeasibleError: nothing fits (naming the least any candidate needs), or nothing could be
+            evaluated (the first candidate's own reason).
+    """
+    fitting = [c for c in results if c.fits]
+    if not fitting:
+        if results:
+            least = min(results, key=lambda c: c.prediction.max_memory_bytes)
+            raise InfeasibleError(
+                f"no schedule, microbatch count and split fits the memory limit: the least needs "
+                f"{least.prediction.max_memory_bytes / 2**30:.2f} GiB per rank ({least.schedule}, "
+                f"m={least.n_microbatches}); raise --memory-limit, use more --gpus or --recompute auto"
+            )
+        raise errors[0] if errors else InfeasibleError("nothing to search: no schedule was given")
+    fastest = min(c.prediction.step_time_s for c in fitting)
+    best = min(
+        (c for c in fitting if c.prediction.step_time_s <= fastest * (1 + TIE)),
+        key=lambda c: c.prediction.max_memory_bytes,
+    )
+    ranked = (
+        [best]
+        + sorted((c for c in fitting if c is not best), key=lambda c: c.prediction.step_time_s)
+        + sorted((c for c in results if not c.fits), key=lambda c: c.prediction.step_time_s)
+    )
+    return best, ranked
 
 
 def _why(chosen: Choice, unpolished: Choice, ranked: Sequence[Choice], open_parts: Sequence[str]) -> str:

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,16 +27,16 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from planner.core.simulate import Event
-from planner.errors import PlanFileError, PlannerError
-from planner.schema.jsonfile import _new_mode, _sync_folder, write_atomic
-from planner.schema.outputs import unsafe_target
+from planner.errors import PlannerError
+from planner.schema.jsonfile import write_atomic
 
 COLOURS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868"}
 """Forward, full backward, input-gradient and weight-gradient actions (any other kind is grey)."""
 
 NAMES = {"F": "forward", "B": "backward", "I": "backward (inputs)", "W": "backward (weights)"}
 
-IMAGE_FORMATS = ("png", "svg", "pdf", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
+IMAGE_FORMATS = ("png", "svg", "pdf")
+"""What ``--timeline`` writes (and what ``check_output`` recognises as an earlier picture to replace)."""
 """Suffixes ``--timeline`` writes: matplotlib's Agg canvas formats that are pictures (not raw
 pixel dumps, not PGF, which needs LaTeX)."""
 
@@ -199,38 +197,10 @@ def _image_format(path: Path) -> str:
     if fmt not in IMAGE_FORMATS or fmt not in writable:
         shown = f"a .{fmt}" if fmt else "a suffix-less"
         raise PlannerError(
-            f"--timeline {path}: cannot write {shown} picture; end the name in .png, .svg or .pdf "
-            f"(also {', '.join('.' + f for f in IMAGE_FORMATS[3:] if f in writable)}), e.g. --timeline step.png"
+            f"--timeline {path}: cannot write {shown} picture; end the name in .png, .svg or .pdf, "
+            "e.g. --timeline step.png"
         )
     return fmt
-
-
-def _save_atomic(fig: Figure, path: Path, fmt: str) -> None:
-    """Render ``fig`` to a temporary file beside ``path``, fsync it, rename it over ``path``.
-
-    The approach of ``planner.schema.jsonfile.write_atomic``, for bytes: the old file (or none) or
-    the new one, never half a picture; the temporary file is removed on any failure.
-    """
-    reason = unsafe_target(path)
-    if reason is not None:
-        raise PlannerError(f"--timeline {path}: cannot write it: it {reason}; choose another file")
-    tmp: str | None = None
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), _new_mode(path))
-            fig.savefig(f, format=fmt, dpi=DPI)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None  # renamed: nothing left to clean up
-    except BaseException as e:  # an interrupt too: never leave a temporary file behind
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise PlannerError(f"--timeline {path}: cannot write it: {e.strerror or e}; choose a writable path") from e
-        raise
-    _sync_folder(path.parent)
 
 
 def timeline_figure(
@@ -259,7 +229,7 @@ def timeline_figure(
     p = Path(path)
     fmt = _image_format(p)
     fig = build_figure(predicted, n_ranks, measured=measured, title=title)
-    _save_atomic(fig, p, fmt)
+    write_atomic(p, lambda f: fig.savefig(f, format=fmt, dpi=DPI), option="--timeline")
 
 
 def _trace_process(pid: int, panel: str, events: Sequence[Event], several: bool) -> list[dict[str, Any]]:
@@ -326,8 +296,4 @@ def write_trace(path: str | Path, trace: dict[str, Any]) -> None:
         PlannerError: the destination is a link, folder or device, or cannot be written (naming
             ``--trace``).
     """
-    try:
-        write_atomic(path, json.dumps(trace) + "\n")
-    except PlanFileError as e:  # its advice names -o; here the option is --trace
-        message = str(e).removesuffix("; choose a writable path with -o")
-        raise PlannerError(f"--trace {path}: {message}; choose a writable path") from e
+    write_atomic(path, json.dumps(trace) + "\n", option="--trace")

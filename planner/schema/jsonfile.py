@@ -8,8 +8,9 @@ import os
 import stat
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -53,7 +54,7 @@ def _sync_folder(folder: Path) -> None:
             os.close(fd)
 
 
-def write_atomic(path: str | Path, text: str) -> None:
+def write_atomic(path: str | Path, content: str | Callable[[BinaryIO], None], option: str = "-o") -> None:
     """Write ``text`` to ``path`` through a temporary file, so a failure never leaves half a file.
 
     The text goes to a uniquely named temporary file in the same folder (``.NAME.XXXX.tmp``), is
@@ -64,7 +65,9 @@ def write_atomic(path: str | Path, text: str) -> None:
 
     Args:
         path: destination file.
-        text: the whole content, written as UTF-8.
+        content: the whole text (written as UTF-8), or a function that writes the bytes to the
+            open binary file it is given (a picture's renderer).
+        option: the command-line option that named ``path``, for messages.
 
     Raises:
         PlanFileError: the destination is a link or not a regular file, or the file cannot be
@@ -73,14 +76,16 @@ def write_atomic(path: str | Path, text: str) -> None:
     p = Path(path)
     reason = unsafe_target(p)
     if reason is not None:
-        raise PlanFileError(f"cannot write {path}: it {reason}; choose a writable path with -o")
-    data = text.encode("utf-8")
+        raise PlanFileError(f"cannot write {path}: it {reason}; choose a writable path with {option}")
     tmp: str | None = None
     try:
         fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), _new_mode(p))
-            f.write(data)
+            if isinstance(content, str):
+                f.write(content.encode("utf-8"))
+            else:
+                content(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, p)
@@ -90,7 +95,7 @@ def write_atomic(path: str | Path, text: str) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
         if isinstance(e, OSError):
-            raise PlanFileError(f"cannot write {path}: {e.strerror or e}; choose a writable path with -o") from e
+            raise PlanFileError(f"cannot write {path}: {e.strerror or e}; choose a writable path with {option}") from e
         raise
     _sync_folder(p.parent)
 
