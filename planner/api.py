@@ -277,7 +277,7 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
         x = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in x)
         other = trace_model(model, x)
         est = estimate_blocks(
-            other, x, y.to("meta"), mf.loss_fn, hw, dtype=dtype, optimizer=request.optimizer, progress=False
+            other, x, y.to("meta"), mf.loss_fn, hw, dtype=dtype, optimizer=request.optimizer, progress=request.progress
         )
         return sum(b.fwd_s + b.bwd_s for b in est)
 
