@@ -161,3 +161,14 @@ def test_rank_memory_with_two_stages_is_at_most_the_sum_of_their_peaks(raw: list
             assert max(mine) <= mem <= sum(mine)
         assert pred.max_memory_bytes == max(pred.rank_memory_bytes)
         assert math.isfinite(pred.step_time_s)
+
+
+def test_the_first_stage_runs_its_whole_backward_as_w() -> None:
+    # torch 2.13's PipelineStage skips I on the first stage and runs the full backward as its W.
+    blocks = [
+        block(f"layers.{i}", 10, 20, 1000).model_copy(update={"bwd_input_s": 0.012, "bwd_weight_s": 0.008})
+        for i in range(4)
+    ]
+    stages, _ = predict(blocks, [0, 2], LINK, "interleaved-zb", 4, ADAMW)
+    assert (stages[0].bwd_input_s, stages[0].bwd_weight_s) == (0.0, stages[0].bwd_s)
+    assert stages[1].bwd_input_s == pytest.approx(0.024) and stages[1].bwd_weight_s == pytest.approx(0.016)

@@ -238,8 +238,10 @@ def stage_plan(
         activation_bytes=sum(x.activation_bytes for x in part),
         in_flight=in_flight,
         memory_bytes=stage_memory_bytes(blocks, start, end, in_flight, optimizer, recompute, n_microbatches),
-        bwd_input_s=sum(x.bwd_input_s or 0.0 for x in part) + extra if split else None,
-        bwd_weight_s=sum(x.bwd_weight_s or 0.0 for x in part) if split else None,
+        # torch 2.13 never runs I on the first stage (its inputs need no gradient): its W is the
+        # whole backward (PipelineStage.backward_weight_one_chunk with stage_index 0)
+        bwd_input_s=(0.0 if index == 0 else sum(x.bwd_input_s or 0.0 for x in part) + extra) if split else None,
+        bwd_weight_s=(bwd if index == 0 else sum(x.bwd_weight_s or 0.0 for x in part)) if split else None,
     )
 
 
