@@ -191,5 +191,7 @@ def test_trace_errors_name_the_option(tmp_path: Path) -> None:
     with pytest.raises(PlannerError, match="--trace: the run recorded no actions"):
         chrome_trace(_zbv(), measured=[])
     (tmp_path / "dir.json").mkdir()
-    with pytest.raises(PlannerError, match=r"cannot write .*dir\.json: it is a folder.*; choose a writable path with --trace$"):
+    with pytest.raises(
+        PlannerError, match=r"cannot write .*dir\.json: it is a folder.*; choose a writable path with --trace$"
+    ):
         write_trace(tmp_path / "dir.json", chrome_trace(_zbv()))
