@@ -303,7 +303,7 @@ def plan_cmd(
         overrides=parse_overrides(overrides),
         batch_size=batch_size,
         microbatches=microbatches,
-        schedule=schedule.strip().lower() if schedule.strip().lower() == "auto" else schedule,
+        schedule=schedule,
         stages_per_rank=stages_per_rank,
         method=method,
         memory_limit_gib=memory_limit,

@@ -116,8 +116,9 @@ def check_request(request: PlanRequest) -> None:
     if v is not None:
         check_placement(request.schedule, request.gpus, v)
     if request.microbatches is not None:
-        options = [v] if v is not None else stages_per_rank_options(request.schedule, 2) or [1]
-        check_schedule(request.schedule, request.gpus, request.microbatches, options[-1])
+        # the microbatch rules do not depend on v: any count the schedule runs with will do
+        v = v if v is not None else stages_per_rank_options(request.schedule, 2)[-1]
+        check_schedule(request.schedule, request.gpus, request.microbatches, v)
 
 
 def _scaling(request: PlanRequest, time_at: Callable[[int], float]) -> dict[str, float | int]:
@@ -190,6 +191,11 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
         == same
     ):
         blocks = list(reuse.blocks)
+        scaling: dict[str, float | int] = {
+            "fixed_fraction": reuse.profile.fixed_fraction,
+            "min_microbatch_size": reuse.profile.min_microbatch_size,
+            "microbatch_size": request.microbatch_size,
+        }
     else:
         blocks = profile_blocks(
             traced,
@@ -202,19 +208,12 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
             progress=request.progress,
             optimizer=request.optimizer,
         )
-    capacity = int(torch.cuda.get_device_properties(device).total_memory * GPU_MEMORY_HEADROOM) if use_cuda else None
-    link = NCCL_NVLINK_LINK if use_cuda else GLOO_CPU_LINK
-    if reuse is not None and blocks == list(reuse.blocks):
-        scaling: dict[str, float | int] = {
-            "fixed_fraction": reuse.profile.fixed_fraction,
-            "min_microbatch_size": reuse.profile.min_microbatch_size,
-            "microbatch_size": request.microbatch_size,
-        }
-    else:
         # timed at the rank's thread count, as the blocks were (more threads time erratically on shared cores)
         with torch_threads(None if use_cuda else threads):
             time_at = measured_time_at(mf, model, request.seed, device, max(3, request.repeats), request.warmup)
             scaling = _scaling(request, time_at)
+    capacity = int(torch.cuda.get_device_properties(device).total_memory * GPU_MEMORY_HEADROOM) if use_cuda else None
+    link = NCCL_NVLINK_LINK if use_cuda else GLOO_CPU_LINK
     info = info.model_copy(update=scaling)
     return Costs(traced, _with_output(blocks, traced), link, info, capacity)
 

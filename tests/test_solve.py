@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.core import solve as solve_mod
+from planner.core.schedules import in_flight_per_stage
 from planner.core.solve import (
     Partition,
     evaluate,
-    in_flight_per_stage,
     param_balanced,
     recompute_cost,
     solve,

@@ -11,9 +11,16 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel
 
-from planner.core.schedules import Action, action_order, in_flight_per_stage, peak_live_bytes, stage_ranks
+from planner.core.schedules import Action, action_order, in_flight_of, peak_live_bytes, stage_ranks
 from planner.core.simulate import SimResult, StageTimes, simulate
-from planner.core.solve import compact_flags, recompute_flags, stage_costs, stage_memory_bytes, stage_time_parts
+from planner.core.solve import (
+    compact_flags,
+    recompute_flags,
+    stage_costs,
+    stage_memory_bytes,
+    stage_memory_parts,
+    stage_time_parts,
+)
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 from planner.schema.plan import Plan, Prediction, ProfileInfo, StagePlan
@@ -58,7 +65,7 @@ def predict(
     rank_of = stage_ranks(schedule, p, stages_per_rank)
     flags = recompute_flags(recompute, n)
     orders = action_order(schedule, p, n_microbatches, stages_per_rank)
-    in_flight = in_flight_per_stage(schedule, p, n_microbatches, stages_per_rank)
+    in_flight = in_flight_of(orders, n)
     ends = list(starts[1:]) + [len(blocks)]
     stages = [
         stage_plan(blocks, i, a, b, link, flags[i], in_flight[i], optimizer, n_microbatches, rank_of)
@@ -82,7 +89,7 @@ def predict(
         bottleneck_s=max(stage_time),
         pipeline_time_s=sim.step_time_s,
         step_time_s=step_s,
-        bubble_fraction=min(1.0, sim.bubble_fraction),
+        bubble_fraction=sim.bubble_fraction,
         imbalance=max(stage_time) / mean if mean > 0 else 1.0,
         max_memory_bytes=max(rank_memory),
         rank_memory_bytes=tuple(rank_memory) if stages_per_rank > 1 else (),
@@ -129,7 +136,7 @@ def rank_memory_bytes(
 ) -> int:
     """Peak memory of one rank over all the stages it runs.
 
-    The formula of ``planner.core.solve.stage_memory_bytes`` summed over the rank's stages, except
+    The terms of ``planner.core.solve.stage_memory_parts`` summed over the rank's stages, except
     that the activations are the peak of their sum over the rank's action order
     (``peak_live_bytes``): with several stages per rank, each stage's own peak comes at a different
     time. With one stage per rank it equals ``stage_memory_bytes``.
@@ -145,26 +152,17 @@ def rank_memory_bytes(
     Returns:
         Bytes.
     """
-    n = len(blocks)
-    static = 0
+    fixed = once = step = 0
     live_per_mb: dict[int, int] = {}
-    once = 0  # held once per stage: the output's gradient, one recomputed microbatch's activations
-    step = 0
     for st in stages:
         if st.rank != rank:
             continue
-        part = blocks[st.start : st.end]
-        p_bytes = sum(b.param_bytes for b in part)
-        n_params = sum(b.params for b in part)
-        a_bytes = sum(b.activation_bytes for b in part)
-        cut_in = blocks[st.start - 1].cut_bytes if st.start > 0 else 0
-        cut_out = blocks[st.end - 1].cut_bytes if st.end < n else 0
-        out = cut_out if st.end < n else blocks[-1].output_bytes
-        static += 2 * p_bytes + optimizer.state_bytes(n_params, p_bytes) + n_microbatches * (cut_in + cut_out)
-        live_per_mb[st.index] = (cut_in + out) if st.recompute else (a_bytes + out)
-        once += out + (a_bytes if st.recompute else 0)
-        step += optimizer.step_temp_bytes(n_params)
-    return static + max(peak_live_bytes(order, live_per_mb) + once, step)
+        parts = stage_memory_parts(blocks, st.start, st.end, optimizer, st.recompute, n_microbatches)
+        fixed += parts.fixed
+        live_per_mb[st.index] = parts.per_microbatch
+        once += parts.once
+        step += parts.step
+    return fixed + max(peak_live_bytes(order, live_per_mb) + once, step)
 
 
 def slots_of(profile: ProfileInfo) -> float | None:

@@ -448,8 +448,14 @@ def in_flight_per_stage(schedule: str, n_ranks: int, n_microbatches: int, stages
     Raises:
         InfeasibleError: the schedule cannot run with these numbers (see ``check_schedule``).
     """
-    out = [0] * (n_ranks * stages_per_rank)
-    for order in action_order(schedule, n_ranks, n_microbatches, stages_per_rank):
+    return in_flight_of(action_order(schedule, n_ranks, n_microbatches, stages_per_rank), n_ranks * stages_per_rank)
+
+
+def in_flight_of(orders: Sequence[Sequence[Action]], n_stages: int) -> list[int]:
+    """Peak live microbatches of every stage from the ranks' action orders (``action_order``), for a
+    caller that has the orders already (at least 1 each: a stage always holds the microbatch it runs)."""
+    out = [0] * n_stages
+    for order in orders:
         for stage, peak in peak_in_flight(order).items():
             out[stage] = peak
     return [max(1, x) for x in out]

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.core.schedules import Action, action_order, in_flight_per_stage, stage_ranks
+from planner.core.schedules import Action, action_order, in_flight_of
 from planner.errors import InfeasibleError
 
 
@@ -123,7 +123,6 @@ def simulate(
     times = [st if isinstance(st, StageTimes) else StageTimes(*st) for st in stages]
     p = len(times) // stages_per_rank
     orders = action_order(schedule, p, n_microbatches, stages_per_rank)
-    rank_of = stage_ranks(schedule, p, stages_per_rank)
     if slots is not None and slots < p:
         events, busy, makespan = _run_shared(times, orders, slots)
     else:
@@ -133,13 +132,12 @@ def simulate(
     capacity = p * makespan
     bubble = max(0.0, (capacity - sum(busy)) / capacity) if capacity > 0 else 0.0
     events.sort(key=lambda e: (e.start_s, e.rank))
-    assert all(rank_of[e.stage] == e.rank for e in events), "action on a rank that does not hold its stage"
     return SimResult(
         step_time_s=makespan,
         bubble_fraction=bubble,
         busy_s=busy,
         bubble_s=[makespan - b for b in busy],
-        peak_in_flight=in_flight_per_stage(schedule, p, n_microbatches, stages_per_rank),
+        peak_in_flight=in_flight_of(orders, len(times)),
         events=events,
     )
 

@@ -42,13 +42,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from planner.core.schedules import in_flight_per_stage as _in_flight
+from planner.core.schedules import in_flight_per_stage
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 
@@ -249,6 +249,39 @@ def stage_memory_bytes(
     Raises:
         InfeasibleError: an empty or out-of-range block range.
     """
+    return stage_memory_parts(blocks, start, end, optimizer, recompute, n_microbatches).peak(in_flight)
+
+
+class MemoryParts(NamedTuple):
+    """A stage's memory as the terms of ``stage_memory_bytes``, so that a rank running several stages
+    can add them up (``planner.core.predict.rank_memory_bytes``).
+
+    At ``t`` live microbatches the stage holds ``fixed + max(t * per_microbatch + once, step)``.
+    """
+
+    fixed: int  # static + buffers: weights, gradients, optimizer state, receive buffers
+    per_microbatch: int  # per live microbatch: saved activations (the input when recomputing) + cached output
+    once: int  # the output's gradient (+ the one microbatch's activations a recomputing stage rebuilds)
+    step: int  # optimizer temporaries (after backward)
+
+    def peak(self, in_flight: int) -> int:
+        """The stage's peak bytes with ``in_flight`` live microbatches."""
+        return self.fixed + max(in_flight * self.per_microbatch + self.once, self.step)
+
+
+def stage_memory_parts(
+    blocks: Sequence[BlockCost],
+    start: int,
+    end: int,
+    optimizer: OptimizerSpec,
+    recompute: bool = False,
+    n_microbatches: int = 1,
+) -> MemoryParts:
+    """The terms of ``stage_memory_bytes`` for the stage ``blocks[start:end]`` (see there).
+
+    Raises:
+        InfeasibleError: an empty or out-of-range block range.
+    """
     n = len(blocks)
     if not 0 <= start < end <= n:
         raise InfeasibleError(
@@ -261,46 +294,27 @@ def stage_memory_bytes(
     cut_in = blocks[start - 1].cut_bytes if start > 0 else 0
     cut_out = blocks[end - 1].cut_bytes if end < n else 0
     out = cut_out if end < n else blocks[-1].output_bytes
-    return _peak(p_bytes, n_params, a_bytes, cut_in, cut_out, out, in_flight, optimizer, recompute, n_microbatches)
+    return _parts(p_bytes, n_params, a_bytes, cut_in, cut_out, out, optimizer, recompute, n_microbatches)
 
 
-def _peak(
+def _parts(
     p_bytes: int,
     n_params: int,
     a_bytes: int,
     cut_in: int,
     cut_out: int,
     out: int,
-    in_flight: int,
     optimizer: OptimizerSpec,
     recompute: bool,
     n_microbatches: int,
-) -> int:
+) -> MemoryParts:
     """The formula of ``stage_memory_bytes`` on sums (shared with the solver's fast memory model)."""
-    static = 2 * p_bytes + optimizer.state_bytes(n_params, p_bytes)
-    buffers = n_microbatches * (cut_in + cut_out)
-    if recompute:
-        pipeline = in_flight * (cut_in + out) + a_bytes + out
-    else:
-        pipeline = in_flight * (a_bytes + out) + out
-    return static + buffers + max(pipeline, optimizer.step_temp_bytes(n_params))
-
-
-def in_flight_per_stage(schedule: str, n_stages: int, n_microbatches: int) -> list[int]:
-    """Peak live microbatches of every stage under a schedule (GPipe: m; 1F1B: min(m, p - i)).
-
-    Args:
-        schedule: "gpipe" or "1f1b".
-        n_stages: number of stages p.
-        n_microbatches: microbatches per step m.
-
-    Returns:
-        One count per stage index.
-
-    Raises:
-        InfeasibleError: the schedule cannot run with these numbers (see ``action_order``).
-    """
-    return _in_flight(schedule, n_stages, n_microbatches)
+    return MemoryParts(
+        fixed=2 * p_bytes + optimizer.state_bytes(n_params, p_bytes) + n_microbatches * (cut_in + cut_out),
+        per_microbatch=(cut_in + out) if recompute else (a_bytes + out),
+        once=out + (a_bytes if recompute else 0),
+        step=optimizer.step_temp_bytes(n_params),
+    )
 
 
 def stage_memories(
@@ -427,18 +441,17 @@ class _MemoryModel:
 
     def bytes(self, s: int, e: int, in_flight: int, recompute: bool = False) -> int:
         # Same formula as stage_memory_bytes.
-        return _peak(
+        return _parts(
             self.pre_p[e] - self.pre_p[s],
             self.pre_n[e] - self.pre_n[s],
             self.pre_a[e] - self.pre_a[s],
             self.cut_in[s],
             self.cut_out[e],
             self.out[e],
-            in_flight,
             self.optimizer,
             recompute,
             self.m,
-        )
+        ).peak(in_flight)
 
     def choice(self, s: int, e: int, in_flight: int) -> bool | None:
         """Whether the stage recomputes (False: no, True: yes), or None when it cannot fit either way."""
@@ -853,7 +866,7 @@ class _Arrays:
 
     def _fit_bound(self, s: IntArray, e: IntArray, t: int) -> AnyIntArray:
         """A lower bound of the stage's bytes at ``t`` or more live microbatches, either way it can
-        run, that never decreases as the stage grows (``e`` up): ``_peak`` without the optimizer's
+        run, that never decreases as the stage grows (``e`` up): ``_parts`` without the optimizer's
         fp32 master copy and the outgoing boundary's terms (the parts that can shrink)."""
         p_b = self.pre_p[e] - self.pre_p[s]
         n_p = self.pre_n[e] - self.pre_n[s]
@@ -886,7 +899,7 @@ class _Arrays:
         recomputation, -1 when it does not fit even with none, ``big`` when it always fits; -1 for an
         option the recompute mode rules out.
 
-        ``_peak``'s bytes are ``K + max(t * X + Y, step)``: they fit ``limit`` iff ``K + step`` and
+        ``MemoryParts.peak`` is ``K + max(t * X + Y, step)``: they fit ``limit`` iff ``K + step`` and
         ``K + Y`` do and ``t <= (limit - K - Y) // X``.
         """
         no = np.full(len(s), -1, dtype=np.int64)

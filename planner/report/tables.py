@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from planner.schema.plan import Plan, Prediction
+from planner.schema.plan import Plan
 
 METHOD_TITLES = {
     "optimal": "planner (searched)",
@@ -78,10 +78,6 @@ def stage_table(plan: Plan) -> str:
     return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True, colalign=("right", "left"))
 
 
-def _split_text(pred: Prediction, n_blocks: int) -> str:
-    return _split_text_of(pred.starts, n_blocks)
-
-
 def summary_table(plan: Plan) -> str:
     """The plan's predicted figures beside the baselines' on the same costs.
 
@@ -101,7 +97,7 @@ def summary_table(plan: Plan) -> str:
         rows.append(
             [
                 METHOD_TITLES.get(method, method) + marker,
-                _split_text(pred, len(plan.blocks)),
+                _split_text(pred.starts, len(plan.blocks)),
                 _ms(pred.bottleneck_s),
                 _ms(pred.step_time_s),
                 f"{100 * pred.bubble_fraction:.1f}%",
@@ -148,7 +144,7 @@ def search_table(plan: Plan) -> str:
                 c.schedule + (" *" if chosen else ""),
                 c.n_microbatches,
                 c.stages_per_rank,
-                _split_text_of(c.starts, len(plan.blocks)),
+                _split_text(c.starts, len(plan.blocks)),
                 _ms(c.step_time_s),
                 f"{100 * c.bubble_fraction:.1f}%",
                 _mb(c.max_memory_bytes),
@@ -159,7 +155,8 @@ def search_table(plan: Plan) -> str:
     return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
 
 
-def _split_text_of(starts: tuple[int, ...], n_blocks: int) -> str:
+def _split_text(starts: tuple[int, ...], n_blocks: int) -> str:
+    """Blocks per stage, e.g. "4+3"."""
     ends = list(starts[1:]) + [n_blocks]
     return "+".join(str(b - a) for a, b in zip(starts, ends))
 

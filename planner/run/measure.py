@@ -87,17 +87,6 @@ class StageProbe:
         """Wall-clock time at which 1-based ``step`` began on this rank."""
         return self._step_start[step - 1]
 
-    @contextlib.contextmanager
-    def installed(self, stage: Any, schedule: Any) -> Iterator[StageProbe]:
-        """Wrap ``stage``'s per-microbatch methods and time ``schedule``'s loss and point-to-point
-        operations while inside (one stage per rank; see ``probes_installed``).
-
-        Yields:
-            This probe, recording every step begun inside.
-        """
-        with probes_installed([(stage, self)], schedule):
-            yield self
-
     def wrap(self, stage: Any) -> None:
         """Replace ``stage``'s per-microbatch methods (instance attributes) by timed ones."""
         probe = self

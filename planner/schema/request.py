@@ -185,12 +185,14 @@ class PlanRequest(_Request):
     @model_validator(mode="before")
     @classmethod
     def _schedule_names(cls, data: Any) -> Any:
-        # torch's class names are accepted too: --schedule Interleaved1F1B
-        if isinstance(data, dict) and isinstance(data.get("schedule"), str) and data["schedule"] != "auto":
+        # torch's class names are accepted too (--schedule Interleaved1F1B), and any case of "auto"
+        if isinstance(data, dict) and isinstance(data.get("schedule"), str):
+            given = data["schedule"]
             try:
-                data = {**data, "schedule": schedule_name(data["schedule"])}
+                name = "auto" if given.strip().lower() == "auto" else schedule_name(given)
             except ValueError as e:
-                raise ValueError(f"--schedule {data['schedule']}: {e}") from None
+                raise ValueError(f"--schedule {given}: {e}") from None
+            data = {**data, "schedule": name}
         return data
 
     @model_validator(mode="after")
