@@ -12,7 +12,7 @@ import datetime as _dt
 import os
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,12 +22,13 @@ from planner.capture.load import ModelFile, check_batch_contract, check_forward,
 from planner.capture.trace import trace_model
 from planner.core.assemble import assemble_plan
 from planner.core.calibrate import Calibration, apply_calibration, load_calibration
-from planner.core.hardware import HardwareSpec, get_hardware, link_cost
+from planner.core.hardware import HardwareSpec, dtype_bytes, get_hardware, link_cost
 from planner.core.schedules import check_placement, check_schedule, stages_per_rank_options
+from planner.costs.blocks import ties_of
 from planner.costs.scaling import fixed_fraction, measured_time_at
 from planner.errors import InfeasibleError, PlanFileError
 from planner.schema.costs import GLOO_CPU_LINK, NCCL_NVLINK_LINK, BlockCost, LinkCost
-from planner.schema.plan import ModelRef, Plan, ProfileInfo
+from planner.schema.plan import ModelRef, Plan, ProfileInfo, Tie
 from planner.schema.request import PlanRequest
 from planner.threads import torch_threads
 
@@ -51,6 +52,7 @@ class Costs:
         link: cost of one message between neighbouring ranks.
         profile: where and how the costs were measured or estimated.
         memory_bytes: the device capacity the solver plans for, when known.
+        ties: parameters several blocks read (tied weights).
     """
 
     traced: TracedModel
@@ -58,6 +60,7 @@ class Costs:
     link: LinkCost
     profile: ProfileInfo
     memory_bytes: int | None
+    ties: list[Tie] = field(default_factory=list)
 
 
 def make_plan(request: PlanRequest) -> Plan:
@@ -99,6 +102,7 @@ def make_plan(request: PlanRequest) -> Plan:
         profile=costs.profile,
         memory_limit_bytes=limit,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        ties=costs.ties,
     )
 
 
@@ -215,7 +219,7 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
     capacity = int(torch.cuda.get_device_properties(device).total_memory * GPU_MEMORY_HEADROOM) if use_cuda else None
     link = NCCL_NVLINK_LINK if use_cuda else GLOO_CPU_LINK
     info = info.model_copy(update=scaling)
-    return Costs(traced, _with_output(blocks, traced), link, info, capacity)
+    return Costs(traced, _with_output(blocks, traced), link, info, capacity, ties_of(traced))
 
 
 def _hardware(gpu_type: str, threads: int) -> HardwareSpec:
@@ -281,7 +285,7 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
         return sum(b.fwd_s + b.bwd_s for b in est)
 
     info = info.model_copy(update=_scaling(request, estimated_time_at))
-    return Costs(traced, _with_output(blocks, traced), link, info, capacity)
+    return Costs(traced, _with_output(blocks, traced), link, info, capacity, ties_of(traced, dtype_bytes(dtype)))
 
 
 def check_calibration(cal: Calibration, traced: TracedModel, microbatch_size: int) -> None:

@@ -22,6 +22,7 @@ from planner.capture.load import load_model_file  # noqa: E402
 from planner.capture.stage import build_stage_module  # noqa: E402
 from planner.capture.trace import trace_model  # noqa: E402
 from planner.core.schedules import action_order, stage_ranks  # noqa: E402
+from planner.costs.blocks import ties_of  # noqa: E402
 from planner.errors import PlanFileError, PlannerError  # noqa: E402
 from planner.report.compare import measured_events  # noqa: E402
 from planner.run import RunResult, run_plan, train_reference  # noqa: E402
@@ -35,6 +36,13 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 REL = 1e-4
+HF = MODELS / "hf"
+try:
+    import transformers  # noqa: F401
+
+    NEEDS_HF = pytest.mark.skipif(False, reason="")
+except ImportError:  # the dev extra installs it
+    NEEDS_HF = pytest.mark.skip(reason="needs transformers (pip install -e .[dev])")
 
 
 def make_plan(
@@ -51,6 +59,7 @@ def make_plan(
     backend: str = "gloo",
     seed: int = 0,
     stages_per_rank: int = 1,
+    record_ties: bool = True,
 ) -> Plan:
     """A valid Plan for ``model_path`` whose stages start at the blocks in ``starts`` (placed on ranks
     as ``schedule`` places ``stages_per_rank`` stages per rank)."""
@@ -143,6 +152,7 @@ def make_plan(
         stages=stages,
         prediction=prediction,
         baselines={},
+        ties=ties_of(traced) if record_ties else [],
     )
 
 
@@ -193,6 +203,19 @@ CASES = [
     pytest.param(FIXTURES / "view_out.py", [0, 1, 3, 4], "zbv", 4, "sgd", 0.05, 2, id="view-out-2x2-zbv"),
     # one stage per rank under a multi-stage schedule class
     pytest.param(MODELS / "gpt.py", [0, 3], "interleaved-zb", 2, "sgd", 0.5, 1, id="gpt-2x1-interleaved-zb"),
+    # tied input embedding and head: a copy on each rank, gradients summed across them
+    pytest.param(FIXTURES / "tied.py", [0, 2], "1f1b", 4, "sgd", 0.05, 1, id="tied-2stages-1f1b"),
+    pytest.param(
+        FIXTURES / "tied.py", [0, 1, 2, 3], "interleaved-1f1b", 4, "adamw", 0.05, 2, id="tied-2x2-interleaved"
+    ),
+    # V placement: embedding (stage 0) and head (stage 3) on rank 0 share the one parameter
+    pytest.param(FIXTURES / "tied.py", [0, 1, 2, 3], "zbv", 4, "sgd", 0.05, 2, id="tied-2x2-zbv-one-rank"),
+    # Hugging Face models as they are: ModelOutput results, keyword inputs with a padding mask, ties
+    pytest.param(HF / "gpt2.py", [0, 5], "gpipe", 4, "adamw", 0.5, 1, marks=NEEDS_HF, id="hf-gpt2-tied-2stages-gpipe"),
+    pytest.param(
+        HF / "llama.py", [0, 2, 5, 7], "interleaved-1f1b", 4, "adamw", 0.5, 2, marks=NEEDS_HF, id="hf-llama-2x2-kwargs"
+    ),
+    pytest.param(HF / "bert_mlm.py", [0, 3], "1f1b", 4, "adamw", 0.5, 1, marks=NEEDS_HF, id="hf-bert-mlm-tied-1f1b"),
 ]
 
 
@@ -439,43 +462,12 @@ def test_nccl_pipeline_matches_unsplit_model(tmp_path: Path) -> None:
         assert g == pytest.approx(w, rel=1e-3)
 
 
-TIED = """
-import torch
-from torch import nn
-
-SIZES = {"tiny": dict(vocab=16, d=8)}
-
-
-class Tied(nn.Module):
-    def __init__(self, vocab=16, d=8):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.emb.weight  # tied input and output embeddings
-
-    def forward(self, x):
-        h = self.emb(x)
-        for layer in self.layers:
-            h = torch.tanh(layer(h))
-        return self.head(h)
-
-
-def build_model(vocab=16, d=8, **_):
-    return Tied(vocab, d)
-
-
-def make_batch(batch_size, vocab=16, **_):
-    return (torch.randint(0, vocab, (batch_size, 4)),), torch.randint(0, vocab, (batch_size, 4))
-"""
-
-
-def test_weights_tied_across_stages_are_rejected(tmp_path: Path, no_launch: None) -> None:
-    model = tmp_path / "tied.py"
-    model.write_text(TIED)
-    plan = make_plan(model, [0, 2])
+def test_a_tie_the_plan_does_not_record_is_refused_naming_both_parameters(tmp_path: Path, no_launch: None) -> None:
+    plan = make_plan(FIXTURES / "tied.py", [0, 2], record_ties=False)  # as plans made before ties were served
     with pytest.raises(
-        PlannerError, match=r"head.weight of stage 1 is the same tensor as emb.weight of stage 0 \(tied weights\)"
+        PlanFileError,
+        match=r"parameter emb.weight \(also named head.weight\) is read by emb on stage 0 and by head on stage 1 "
+        r"\(tied weights\), but the plan records no such tie",
     ):
         run_plan(plan, RunRequest(plan_file=saved(plan, tmp_path), steps=2))
 

@@ -85,6 +85,22 @@ def is_layer(container: nn.Module, child: nn.Module) -> bool:
     return kinds[type(child)] == top and top >= 2
 
 
+@dataclass(frozen=True)
+class TiedParameter:
+    """One parameter that several blocks read.
+
+    Attributes:
+        param: the parameter (in the traced model).
+        names: every name the model gives it (``named_parameters(remove_duplicate=False)``), the
+            owning module's first.
+        blocks: indices of the blocks that read it, ascending; the first owns it.
+    """
+
+    param: nn.Parameter
+    names: tuple[str, ...]
+    blocks: tuple[int, ...]
+
+
 @dataclass
 class TracedModel:
     """What both kinds of trace share: the private model copy, its blocks and their cuts.
@@ -121,6 +137,30 @@ class TracedModel:
             claimed.update(id(p) for p in own)
             owned.append(own)
         return owned
+
+    def tied_parameters(self) -> list[TiedParameter]:
+        """The parameters more than one block reads (tied input embedding and output head, say).
+
+        Returns:
+            One entry per such parameter, ordered by the first block that reads it (every process
+            that traces the same model gets the same list, so ranks can agree on groups by it).
+        """
+        readers: dict[int, list[int]] = {}
+        found: dict[int, nn.Parameter] = {}
+        for k in range(len(self.blocks)):
+            for p in self.block_parameters(k):
+                readers.setdefault(id(p), []).append(k)
+                found[id(p)] = p
+        aliases: dict[int, list[str]] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        ties = []
+        for pid, blocks in readers.items():
+            if len(blocks) > 1:
+                p = found[pid]
+                names = aliases.get(pid) or [f"<parameter of {self.blocks[blocks[0]].name}>"]
+                ties.append(TiedParameter(p, tuple(names), tuple(blocks)))
+        return sorted(ties, key=lambda t: (t.blocks, t.names))
 
     def block_parameters(self, k: int) -> list[nn.Parameter]:
         """Parameters block k reads (each once)."""

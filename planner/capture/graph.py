@@ -24,6 +24,7 @@ import contextlib
 import io
 import logging
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import networkx as nx
@@ -81,15 +82,22 @@ def record_values(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> dict[str, Valu
             values[n.name] = describe(out)
             return out
 
-    saved = {name: buf.clone() for name, buf in gm.named_buffers()}
+    with buffers_restored(gm), torch.no_grad():
+        Recorder(gm).run(*inputs)
+    return values
+
+
+@contextlib.contextmanager
+def buffers_restored(module: nn.Module) -> Iterator[None]:
+    """Put ``module``'s buffers back as they were when the block ends (batch-norm statistics that
+    an example forward moved). Used instead of ``.eval()``, which torch.export's modules refuse."""
+    saved = {name: buf.clone() for name, buf in module.named_buffers()}
     try:
-        with torch.no_grad():
-            Recorder(gm).run(*inputs)
+        yield
     finally:
         with torch.no_grad():
-            for name, buf in gm.named_buffers():
+            for name, buf in module.named_buffers():
                 buf.copy_(saved[name])
-    return values
 
 
 def analyse_graph(

@@ -1,8 +1,14 @@
 """Loading a model file that follows the model-file contract (README.md, docs/architecture.md).
 
 Required: ``build_model(**config) -> nn.Module`` and
-``make_batch(batch_size, **config) -> (inputs tuple, target)``.
+``make_batch(batch_size, **config) -> (inputs, target)``, the inputs a tuple of positional
+arguments or a dict of keyword arguments (``{"input_ids": ..., "attention_mask": ...}``, as Hugging
+Face models are called).
 Optional: ``loss_fn(output, target)``, ``train_batches(batch_size, **config)``, ``SIZES``.
+
+Models as users bring them are taken as they are (``prepare_model``, ``model_output``): a Hugging
+Face model trains without its KV cache, and a ``ModelOutput`` (or any dict) result reaches
+``loss_fn`` as its ``logits``.
 """
 
 from __future__ import annotations
@@ -27,6 +33,52 @@ from torch import nn
 from planner.errors import ModelFileError
 
 Batch = tuple[tuple, torch.Tensor]
+
+
+def model_output(out: Any) -> Any:
+    """What ``loss_fn`` receives for a model's result: a dict-like result (a Hugging Face
+    ``ModelOutput`` is an ordered dict) gives its ``logits``, or its first entry when it has none;
+    anything else is passed on as it is.
+
+    Works on the values of a run and on the graph nodes of a trace alike, so the last pipeline
+    stage returns exactly what the unsplit model's loss sees.
+
+    Args:
+        out: the model's forward result.
+
+    Returns:
+        The logits (or first entry) of a dict-like result, else ``out``.
+    """
+    if isinstance(out, Mapping) and out:
+        return out["logits"] if "logits" in out else next(iter(out.values()))
+    return out
+
+
+def prepare_model(model: nn.Module) -> nn.Module:
+    """Switch off what a model does for inference only, in place: a Hugging Face model's KV cache.
+
+    A ``transformers`` model returns its key/value cache by default (``config.use_cache``); training
+    never reads it, and the cache object is neither a tensor nor traceable by torch.export.
+
+    Args:
+        model: the model ``build_model`` returned.
+
+    Returns:
+        The same model.
+    """
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "use_cache", None) is True:
+        config.use_cache = False
+    return model
+
+
+def forward_parameters(model: nn.Module) -> list[inspect.Parameter]:
+    """The parameters of ``model.forward`` that can be given by position, in order."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C-implemented forward has no signature to read
+        return []
+    return [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -90,6 +142,8 @@ class ModelFile:
     module: ModuleType
     size: str | None
     config: dict[str, Any] = field(default_factory=dict)
+    # forward()'s positional parameters, read at the first build: keyword batches are bound to them
+    _forward: list[inspect.Parameter] | None = field(default=None, repr=False)
 
     def build(self, seed: int = 0) -> nn.Module:
         """Build the model with the torch RNG seeded, so every process builds the same weights.
@@ -103,7 +157,9 @@ class ModelFile:
             raise ModelFileError(
                 f"{self.path.name}: build_model() returned {type(model).__name__}; expected a torch.nn.Module"
             )
-        return model
+        if self._forward is None:
+            self._forward = forward_parameters(model)
+        return prepare_model(model)
 
     def batch(self, batch_size: int, seed: int = 0) -> Batch:
         """One example batch from ``make_batch`` (seeded).
@@ -113,12 +169,52 @@ class ModelFile:
         """
         torch.manual_seed(seed)
         out = self._call("make_batch", self.module.make_batch, batch_size, **self.config)
-        return _check_batch(out, "make_batch", self.path)
+        return self._positional(_check_batch(out, "make_batch", self.path), "make_batch")
+
+    def _positional(self, batch: tuple[Any, torch.Tensor], name: str) -> Batch:
+        """A batch with keyword inputs turned into positional ones, bound to ``forward``'s parameters
+        by name; parameters skipped before the last one given get their defaults (None, mostly).
+
+        The planner calls the model, traces it and feeds its first stage positionally; binding here,
+        once, keeps every one of those paths the same.
+
+        Raises:
+            ModelFileError: a name ``forward`` has no positional parameter for, or a skipped
+                parameter without a default.
+        """
+        inputs, target = batch
+        if isinstance(inputs, tuple):
+            return inputs, target
+        if self._forward is None:
+            with torch.device("meta"):  # only the signature is wanted: no weights are allocated
+                self.build()
+        params = self._forward or []
+        names = [p.name for p in params]
+        unknown = [k for k in inputs if k not in names]
+        if unknown:
+            raise ModelFileError(
+                f"{self.path.name}: {name}() gives keyword input(s) {', '.join(map(repr, unknown))} that the model's "
+                f"forward() cannot take by position (its parameters: {', '.join(names) or 'none'})"
+            )
+        last = max(names.index(k) for k in inputs)
+        missing = [p.name for p in params[:last] if p.name not in inputs and p.default is inspect.Parameter.empty]
+        if missing:
+            raise ModelFileError(
+                f"{self.path.name}: {name}() gives {', '.join(inputs)} but not {', '.join(missing)}, which forward() "
+                "needs before them; give it too"
+            )
+        args = tuple(inputs[p.name] if p.name in inputs else p.default for p in params[: last + 1])
+        return args, target
 
     @property
     def loss_fn(self) -> Callable[[Any, torch.Tensor], torch.Tensor]:
-        """The file's ``loss_fn`` or the default cross-entropy."""
-        return getattr(self.module, "loss_fn", None) or default_loss
+        """The file's ``loss_fn`` (or the default cross-entropy), given ``model_output(output)``."""
+        user = getattr(self.module, "loss_fn", None) or default_loss
+
+        def loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+            return user(model_output(output), target)
+
+        return loss
 
     def train_batches(self, batch_size: int, seed: int = 0) -> Iterator[Batch]:
         """The file's training stream, or fresh ``make_batch`` batches from a seeded RNG.
@@ -147,7 +243,7 @@ class ModelFile:
             except Exception as e:
                 raise self._raised("train_batches", e) from e
             count += 1
-            yield _check_batch(batch, "train_batches", self.path)
+            yield self._positional(_check_batch(batch, "train_batches", self.path), "train_batches")
 
     def _make_batch_stream(self, batch_size: int, seed: int) -> Iterator[Batch]:
         step = 0
@@ -206,15 +302,21 @@ def _user_frame(e: BaseException, path: Path) -> str:
     return f" (at {path.name}:{frames[-1].lineno})" if frames else ""
 
 
-def _check_batch(out: Any, name: str, path: Path) -> Batch:
+def _check_batch(out: Any, name: str, path: Path) -> tuple[Any, torch.Tensor]:
+    keyword = isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], Mapping)
+    if keyword and not all(isinstance(k, str) for k in out[0]):
+        raise ModelFileError(f"{path.name}: {name}() returned a dict of inputs whose keys are not all names")
     if not (
-        isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], tuple) and isinstance(out[1], torch.Tensor)
+        isinstance(out, tuple)
+        and len(out) == 2
+        and (isinstance(out[0], tuple) or keyword)
+        and isinstance(out[1], torch.Tensor)
     ):
         raise ModelFileError(
-            f"{path.name}: {name}() must return (inputs_tuple, target_tensor), got {_shape_of(out)}; "
-            "e.g. return (tokens,), targets"
+            f"{path.name}: {name}() must return (inputs, target_tensor) with the inputs a tuple or a dict of keyword "
+            f"inputs, got {_shape_of(out)}; e.g. return (tokens,), targets"
         )
-    return out
+    return (dict(out[0]) if keyword else out[0]), out[1]
 
 
 def _shape_of(out: Any) -> str:

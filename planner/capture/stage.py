@@ -6,11 +6,14 @@ estimator time, so what is measured is what runs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from planner.capture.blocks import GraphTrace, TracedModel
+from planner.capture.load import model_output
 from planner.errors import TraceError
 from planner.torch_compat import exported_out_spec, pytree
 
@@ -28,9 +31,11 @@ def _impure(node: fx.Node) -> bool:
 def build_stage_module(traced: TracedModel, start: int, end: int, *, check_cuts: bool = True) -> fx.GraphModule:
     """Build the module that runs ``blocks[start:end]`` of a traced model.
 
-    Its positional inputs are the tensors crossing the cut before ``start`` (the model's own inputs
-    for ``start == 0``), in graph order; it returns the tensors crossing the cut after ``end - 1``
-    (a single tensor when only one crosses), or the model's output for the last stage. Values that
+    Its positional inputs are the tensors crossing the cut before ``start`` (for ``start == 0`` the
+    model's own tensor inputs: ``stage_inputs``; non-tensor inputs such as a None are baked in), in
+    graph order; it returns the tensors crossing the cut after ``end - 1`` (a single tensor when only
+    one crosses), or for the last stage the model's output as ``loss_fn`` receives it
+    (``model_output``: the logits of a Hugging Face ``ModelOutput``). Values that
     merely pass through the stage (skip connections) are returned unchanged. Parameters and
     submodules are shared with ``traced.gm``, not copied.
 
@@ -98,7 +103,12 @@ def _copier(traced: GraphTrace, graph: fx.Graph, start: int, end: int) -> _Looku
     lookup = _Lookup(traced, graph, start, end)
     if start == 0:
         for node in traced.gm.graph.nodes:
-            if node.op == "placeholder":
+            if node.op != "placeholder":
+                continue
+            info = traced.values.get(node.name)
+            if info is not None and info.kind == "const":
+                lookup.env[node.name] = info.const  # a None or a flag: fixed for the run, as shapes are
+            else:
                 lookup.env[node.name] = graph.node_copy(node, lookup)
     else:
         cut = traced.cuts[start - 1]
@@ -117,6 +127,12 @@ def _stage_output(traced: GraphTrace, lookup: _Lookup, end: int) -> Any:
         spec = exported_out_spec(traced.gm)
         if spec is not None:  # torch.export flattens outputs; give the last stage the model's own structure
             result = pytree.tree_unflatten(list(result), spec)  # type: ignore[arg-type]
-        return result
+        return model_output(result)
     outs = tuple(lookup(lookup.nodes[name]) for name in traced.cuts[end - 1].tensors)
     return outs[0] if len(outs) == 1 else outs
+
+
+def stage_inputs(inputs: Sequence[Any]) -> tuple[Any, ...]:
+    """What the first stage takes of the model's positional inputs: the tensors, in order (the
+    non-tensor ones are baked into it by ``build_stage_module``)."""
+    return tuple(x for x in inputs if isinstance(x, torch.Tensor))

@@ -14,11 +14,58 @@ from planner.core.search import Choice, search
 from planner.core.solve import Partition, param_balanced, uniform_layers
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost
-from planner.schema.plan import ModelRef, Plan, Prediction, ProfileInfo, StagePlan
+from planner.schema.plan import ModelRef, Plan, Prediction, ProfileInfo, StagePlan, Tie
 from planner.schema.request import PlanRequest
 
 SEARCH_ROWS = 12
 """Candidates of the joint search the plan keeps (best first) for the report."""
+
+
+def with_tied_copies(blocks: Sequence[BlockCost], ties: Sequence[Tie]) -> list[BlockCost]:
+    """Charge every later reader of a tied parameter a copy of it: its elements, bytes (so its
+    gradient and optimizer state too, through the memory model) and its share of the optimizer step.
+
+    A stage that holds a later reader but not the owner keeps its own copy (the runner sums the
+    copies' gradients). When owner and reader share a stage the copy is charged all the same: the
+    solver costs blocks independently of the split, so the memory of such a stage is over-estimated
+    by one copy, never under-estimated. Blocks that already carry copies are returned as they are.
+
+    Args:
+        blocks: per-block costs, each parameter counted once (in the block that first reads it).
+        ties: the model's tied parameters.
+
+    Returns:
+        The blocks with the copies charged.
+    """
+    if not ties or any(b.tied_params for b in blocks):
+        return list(blocks)
+    index = {b.name: k for k, b in enumerate(blocks)}
+    extra_params = [0] * len(blocks)
+    extra_bytes = [0] * len(blocks)
+    extra_opt = [0.0] * len(blocks)
+    for tie in ties:
+        owner = blocks[index[tie.blocks[0]]]
+        # the owner's optimizer time per element, for the copy's share of the step
+        per_param = (owner.opt_s or 0.0) / owner.params if owner.params else 0.0
+        for name in tie.blocks[1:]:
+            k = index[name]
+            extra_params[k] += tie.params
+            extra_bytes[k] += tie.param_bytes
+            extra_opt[k] += per_param * tie.params
+    out = []
+    for k, b in enumerate(blocks):
+        if not extra_params[k]:
+            out.append(b)
+            continue
+        update: dict[str, object] = {
+            "params": b.params + extra_params[k],
+            "param_bytes": b.param_bytes + extra_bytes[k],
+            "tied_params": extra_params[k],
+        }
+        if b.opt_s is not None:
+            update["opt_s"] = b.opt_s + extra_opt[k]
+        out.append(b.model_copy(update=update))
+    return out
 
 
 def layers_or_all(blocks: Sequence[BlockCost]) -> list[BlockCost]:
@@ -99,6 +146,7 @@ def assemble_plan(
     profile: ProfileInfo,
     memory_limit_bytes: int | None,
     created: str,
+    ties: Sequence[Tie] = (),
 ) -> Plan:
     """The plan for ``request`` on these costs: the searched schedule and split, with the others for comparison.
 
@@ -112,6 +160,8 @@ def assemble_plan(
             them to other microbatch sizes).
         memory_limit_bytes: per-rank limit (the request's, else the device's capacity; None: none).
         created: timestamp recorded in the plan.
+        ties: parameters several blocks read; their later readers are charged a copy
+            (``with_tied_copies``) and the plan records them for the runner.
 
     Returns:
         The plan.
@@ -120,6 +170,7 @@ def assemble_plan(
         InfeasibleError: the requested split is impossible or does not fit the memory limit.
     """
     slots = slots_of(profile)
+    blocks = with_tied_copies(blocks, ties)
 
     def run_search(limit: int | None) -> tuple[Choice, list[Choice], str]:
         return search(
@@ -169,4 +220,5 @@ def assemble_plan(
         memory_limit_bytes=memory_limit_bytes,
         search=[c.row() for c in ranked[:SEARCH_ROWS]],
         choice=note,
+        ties=list(ties),
     )

@@ -11,6 +11,7 @@ from torch import nn
 
 from planner.capture.blocks import TracedModel
 from planner.schema.costs import BlockCost
+from planner.schema.plan import Tie
 
 
 def block_cost(
@@ -79,3 +80,28 @@ def block_cost(
         cut_legal=cut.legal if cut else False,
         is_layer=block.is_layer,
     )
+
+
+def ties_of(traced: TracedModel, float_bytes: int | None = None) -> list[Tie]:
+    """The plan's record of every parameter several blocks read (``TracedModel.tied_parameters``).
+
+    Args:
+        traced: the captured model.
+        float_bytes: bytes per floating-point element in the planning dtype; None: as stored.
+
+    Returns:
+        One ``Tie`` per shared parameter, ordered by the first block that reads it.
+    """
+    ties = []
+    for tie in traced.tied_parameters():
+        p = tie.param
+        width = float_bytes if float_bytes is not None and p.is_floating_point() else p.element_size()
+        ties.append(
+            Tie(
+                names=tie.names,
+                blocks=tuple(traced.blocks[k].name for k in tie.blocks),
+                params=p.numel(),
+                param_bytes=p.numel() * width,
+            )
+        )
+    return ties

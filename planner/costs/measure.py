@@ -49,7 +49,7 @@ import torch
 from tqdm import tqdm
 
 from planner.capture.blocks import GraphTrace, ModuleTrace, TracedModel
-from planner.capture.stage import build_stage_module
+from planner.capture.stage import build_stage_module, stage_inputs
 from planner.costs.blocks import block_cost
 from planner.costs.timing import (
     backward_roots,
@@ -212,7 +212,7 @@ def _profile_graph(
     param_storages = {_storage_key(p) for p in traced.model.parameters()}
     owned = traced.owned_parameters()
     costs: list[BlockCost] = []
-    current = tuple(inputs)
+    current = stage_inputs(inputs)  # what the first stage takes: the tensors
     bar = tqdm(
         total=n * (warmup + repeats),
         desc="profiling blocks",

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from planner.capture.blocks import GraphTrace
+from planner.capture.blocks import GraphTrace, TiedParameter
 from planner.capture.load import ModelFile, load_model_file
 from planner.capture.trace import trace_model
 from planner.core.schedules import check_schedule, stage_ranks
@@ -132,17 +132,70 @@ def trace_for_plan(plan: Plan, mf: ModelFile, model: nn.Module) -> GraphTrace:
     return traced
 
 
-def make_optimizer(params: Iterable[nn.Parameter], plan: Plan) -> torch.optim.Optimizer:
+def check_ties(plan: Plan, traced: GraphTrace) -> list[TiedParameter]:
+    """The traced model's tied parameters, checked against the ties the plan records.
+
+    Args:
+        plan: the plan.
+        traced: the model traced for it.
+
+    Returns:
+        ``traced.tied_parameters()`` (the same list, in the same order, on every rank).
+
+    Raises:
+        PlanFileError: a parameter several stages read that the plan does not record (a plan made
+            before ties were served, or edited), named by both its names.
+    """
+    ties = traced.tied_parameters()
+    recorded = {(t.names, t.blocks) for t in plan.ties}
+    for tie in ties:
+        blocks = tuple(traced.blocks[k].name for k in tie.blocks)
+        stages = sorted({s.index for s in plan.stages for k in tie.blocks if s.start <= k < s.end})
+        if (tie.names, blocks) not in recorded and len(stages) > 1:
+            also = f" (also named {', '.join(tie.names[1:])})" if len(tie.names) > 1 else ""
+            raise PlanFileError(
+                f"parameter {tie.names[0]}{also} is read by {blocks[0]} on stage {stages[0]} and by {blocks[-1]} on "
+                f"stage {stages[-1]} (tied weights), but the plan records no such tie, so its copies would drift "
+                "apart; re-run `planner plan` (it records ties, and the runner keeps the copies equal)"
+            )
+    return ties
+
+
+def tie_groups(plan: Plan, ties: list[TiedParameter]) -> list[tuple[TiedParameter, list[int]]]:
+    """For each tie, the ranks holding a copy of its parameter, the owner's rank first.
+
+    Args:
+        plan: the plan (which stage runs which blocks, on which rank).
+        ties: ``check_ties(plan, traced)``.
+
+    Returns:
+        (tie, ranks) per tie; ranks has one entry when every reader sits on one rank (one copy).
+    """
+    out = []
+    for tie in ties:
+        ranks: list[int] = []
+        for k in tie.blocks:
+            rank = next(s.rank for s in plan.stages if s.start <= k < s.end)
+            if rank not in ranks:
+                ranks.append(rank)
+        out.append((tie, ranks))
+    return out
+
+
+def make_optimizer(params: Iterable[nn.Parameter], plan: Plan) -> torch.optim.Optimizer | None:
     """The plan's optimizer with torch's defaults for everything the plan does not say.
 
     Args:
-        params: the parameters to optimize.
+        params: the parameters to optimize (duplicates are dropped: stages on one rank share a tied one).
         plan: the plan whose optimizer name and learning rate to use.
 
     Returns:
-        ``torch.optim.SGD`` or ``torch.optim.AdamW``.
+        ``torch.optim.SGD`` or ``torch.optim.AdamW``; None when there is nothing to optimize (a
+        stage of parameter-free blocks, a ReLU say, still runs: it only relays activations).
     """
-    params = list(params)
+    params = list({id(p): p for p in params}.values())
+    if not params:
+        return None
     if plan.optimizer.name == "sgd":
         return torch.optim.SGD(params, lr=plan.optimizer.lr)
     return torch.optim.AdamW(params, lr=plan.optimizer.lr)
@@ -164,7 +217,10 @@ def local_sq_norm(params: Iterable[nn.Parameter]) -> torch.Tensor:
 
 
 def clip_to_global_norm(
-    params: list[nn.Parameter], max_norm: float | None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    params: list[nn.Parameter],
+    max_norm: float | None,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    counted: list[nn.Parameter] | None = None,
 ) -> float:
     """Clip by the norm of the WHOLE model's gradient, as ``clip_grad_norm_`` on the unsplit model would.
 
@@ -175,11 +231,13 @@ def clip_to_global_norm(
         params: this rank's trainable parameters; their gradients are scaled in place.
         max_norm: the global norm to clip to (None: measure only).
         reduce: sums a tensor over the pipeline group (an all-reduce(SUM)); None in one process.
+        counted: the parameters whose gradients enter the norm (None: all of ``params``); a tied
+            parameter's copies on other ranks are left out, so the model counts it once.
 
     Returns:
         The global gradient norm before clipping.
     """
-    sq = local_sq_norm(params)
+    sq = local_sq_norm(params if counted is None else counted)
     if reduce is not None:
         sq = reduce(sq)
     total = math.sqrt(float(sq))
@@ -191,25 +249,28 @@ def clip_to_global_norm(
 
 def clip_and_step(
     params: list[nn.Parameter],
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     max_norm: float | None,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    counted: list[nn.Parameter] | None = None,
 ) -> tuple[float, float, float]:
     """End a training step: clip to the global norm (``clip_to_global_norm``), then step the optimizer.
 
     Args:
         params: this rank's trainable parameters.
-        optimizer: their optimizer.
+        optimizer: their optimizer (None: the rank has no parameters; it still joins the all-reduce).
         max_norm: the global norm to clip to (None: no clipping).
         reduce: sums a tensor over the pipeline group; None in one process.
+        counted: the parameters whose gradients enter the norm (None: all of ``params``).
 
     Returns:
         (global norm before clipping, seconds clipping took, seconds the optimizer step took).
     """
     t0 = time.perf_counter()
-    norm = clip_to_global_norm(params, max_norm, reduce)
+    norm = clip_to_global_norm(params, max_norm, reduce, counted)
     t1 = time.perf_counter()
-    optimizer.step()
+    if optimizer is not None:
+        optimizer.step()
     return norm, t1 - t0, time.perf_counter() - t1
 
 

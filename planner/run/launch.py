@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from planner.capture.blocks import TracedModel
+from planner.capture.blocks import GraphTrace
 from planner.capture.load import ModelFile
 from planner.capture.stage import build_stage_module
 from planner.errors import PlannerError
-from planner.run.common import check_runnable, load_plan_model, print_flushed, trace_for_plan
+from planner.run.common import check_runnable, check_ties, load_plan_model, print_flushed, trace_for_plan
 from planner.run.loop import run_result
 from planner.run.single import train_model_file
 from planner.schema.plan import Plan
@@ -87,25 +87,17 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _check_stages(plan: Plan, traced: TracedModel) -> None:
-    """Build every stage once (catches illegal cuts) and reject parameters shared across stages.
+def _check_stages(plan: Plan, traced: GraphTrace) -> None:
+    """Build every stage once (catches illegal cuts) and check the plan records every parameter
+    that several stages read (tied weights), before any rank starts.
 
-    A parameter used by two stages (tied embedding and output weights) would exist once per
-    rank and get two different gradients and updates: the run would silently diverge from the
-    unsplit model.
+    Raises:
+        TraceError: a stage cannot be cut out of the model.
+        PlanFileError: a tie the plan does not record (``check_ties``).
     """
-    owner: dict[int, tuple[int, str]] = {}
     for s in plan.stages:
-        module = build_stage_module(traced, s.start, s.end)
-        for name, p in module.named_parameters(remove_duplicate=False):
-            seen = owner.setdefault(id(p), (s.index, name))
-            if seen[0] != s.index:
-                raise PlannerError(
-                    f"parameter {name} of stage {s.index} is the same tensor as {seen[1]} of stage {seen[0]} "
-                    "(tied weights); "
-                    "the runner keeps each parameter on one rank; re-plan with both users in one stage "
-                    "or untie the weights"
-                )
+        build_stage_module(traced, s.start, s.end)
+    check_ties(plan, traced)
 
 
 def _check_devices(plan: Plan, nproc_per_node: int) -> None:

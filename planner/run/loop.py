@@ -72,24 +72,31 @@ class RankModel:
         stages: (stage index, its first block's FQN, its last block's FQN) of every stage this rank
             runs, in the order of ``probes`` given to ``train_steps``.
         module: the module the memory tracker registers (parameters, buffers).
-        params: the trainable parameters: clipped and stepped.
-        optimizer: their optimizer.
+        params: the trainable parameters: clipped and stepped (each once).
+        optimizer: their optimizer (None: the rank holds no parameters).
         device: where the module lives (the memory tracker's device).
         run_microbatches: runs forward and backward of every microbatch of one step.
         reduce: sums the squared gradient norm over the pipeline group (None: one process).
         extra_tensors: tensors made before the tracked step that the tracker must count
             ("Other"); called only when that step starts.
+        finish_grads: after the microbatches, turns the accumulated gradients into the step's
+            (a pipeline rank averages over microbatches and sums tied copies over ranks; None:
+            they already are).
+        counted: the parameters whose gradients enter the global norm (None: all of ``params``;
+            a tied parameter's copies count on the owner's rank only).
     """
 
     rank: int
     stages: list[tuple[int, str, str]]
     module: nn.Module
     params: list[nn.Parameter]
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None
     device: torch.device
     run_microbatches: MicrobatchFn
     reduce: ReduceFn | None = None
     extra_tensors: Callable[[], list[torch.Tensor]] = list
+    finish_grads: Callable[[], None] | None = None
+    counted: list[nn.Parameter] | None = None
 
 
 @dataclass
@@ -168,9 +175,12 @@ def train_steps(
         )
         with tracked if tracked is not None else contextlib.nullcontext() as done:
             t0 = time.perf_counter()
-            rank.optimizer.zero_grad(set_to_none=True)
+            if rank.optimizer is not None:
+                rank.optimizer.zero_grad(set_to_none=True)
             mb_losses = rank.run_microbatches(inputs, target)
-            norm, clip_s, opt_s = clip_and_step(rank.params, rank.optimizer, max_norm, reduce)
+            if rank.finish_grads is not None:
+                rank.finish_grads()
+            norm, clip_s, opt_s = clip_and_step(rank.params, rank.optimizer, max_norm, reduce, rank.counted)
             t1 = time.perf_counter()
             if done is not None:
                 done()  # the end-of-step snapshot: gradients and optimizer state in full

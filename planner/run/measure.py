@@ -240,7 +240,7 @@ class MemoryProbe:
         step: int,
         probes: Sequence[StageProbe],
         module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         extra: list[torch.Tensor],
     ) -> Iterator[Callable[[], None]]:
         """Run the body under a MemTracker; call the yielded ``done()`` right after ``optimizer.step()``.
@@ -253,14 +253,14 @@ class MemoryProbe:
             step: the 1-based step being tracked (recorded in the result).
             probes: the rank's stage timers; they clear the tracker's per-module statistics per microbatch.
             module: this rank's module.
-            optimizer: its optimizer.
+            optimizer: its optimizer (None: the rank has no parameters).
             extra: tensors made before this step that the tracker cannot see being made.
 
         Yields:
             ``done``: records the end-of-step snapshot.
         """
         tracker = memory_tracker()
-        tracker.track_external(module, optimizer, *extra)
+        tracker.track_external(module, *([optimizer] if optimizer is not None else []), *extra)
         end: dict = {}
 
         def done() -> None:

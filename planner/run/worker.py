@@ -25,7 +25,8 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +34,20 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
-from planner.capture.blocks import GraphTrace
+from planner.capture.blocks import GraphTrace, TiedParameter
+from planner.capture.graph import buffers_restored
 from planner.capture.load import ModelFile
-from planner.capture.stage import build_stage_module
+from planner.capture.stage import build_stage_module, stage_inputs
 from planner.core.schedules import placement
 from planner.errors import PlannerError
-from planner.run.common import load_plan_model, make_optimizer, print_flushed, trace_for_plan
+from planner.run.common import (
+    check_ties,
+    load_plan_model,
+    make_optimizer,
+    print_flushed,
+    tie_groups,
+    trace_for_plan,
+)
 from planner.run.loop import RankModel, RankResult, train_steps
 from planner.run.measure import StageProbe, probes_installed, recv_buffers
 from planner.schema.plan import Plan
@@ -123,19 +132,15 @@ def _example_io(traced: GraphTrace, start: int, stage: torch.nn.Module, inputs: 
     range". So each rank runs the blocks before its stage once on the example microbatch (with
     autograd on, so ``requires_grad`` of every boundary tensor is what training will see).
     """
-    # eval(): same shapes and dtypes, but batch norm does not update its running statistics.
-    traced.gm.eval()
-    stage.eval()
-    try:
-        with torch.enable_grad():
-            x = tuple(inputs)
-            if start > 0:
-                prefix = build_stage_module(traced, 0, start)
-                x = tuple(t.detach().contiguous().requires_grad_(t.requires_grad) for t in _as_tuple(prefix(*x)))
-            y = _as_tuple(stage(*x))
-    finally:
-        traced.gm.train()
-        stage.train()
+    # Same shapes and dtypes as training. torch.export's modules refuse .eval(), so train mode stays
+    # on: the buffers are put back (batch norm's running statistics) and the RNG too (dropout), so
+    # training starts exactly where the unsplit model's does.
+    with buffers_restored(traced.gm), torch.random.fork_rng(devices=[]), torch.enable_grad():
+        x = stage_inputs(inputs)
+        if start > 0:
+            prefix = build_stage_module(traced, 0, start)
+            x = tuple(t.detach().contiguous().requires_grad_(t.requires_grad) for t in _as_tuple(prefix(*x)))
+        y = _as_tuple(stage(*x))
     return x, tuple(t.detach().requires_grad_(t.requires_grad) for t in y)
 
 
@@ -170,15 +175,66 @@ def _train(plan: Plan, plan_path: str, steps: int, echo: bool) -> RankResult:
         dist.destroy_process_group()
 
 
-def _build_stages(
-    plan: Plan, mf: ModelFile, rank: int, device: torch.device
-) -> tuple[list[torch.nn.Module], list[torch.nn.Parameter], torch.optim.Optimizer, list[Any], Any]:
+@dataclass
+class _RankStages:
+    """What ``_build_stages`` makes for one rank."""
+
+    modules: list[torch.nn.Module]
+    params: list[torch.nn.Parameter]  # trainable, each once (stages on one rank may share a tied one)
+    optimizer: torch.optim.Optimizer | None
+    stages: list[Any]  # PipelineStage
+    schedule: Any
+    finish_grads: Callable[[], None]
+    counted: list[torch.nn.Parameter] | None
+
+
+def _grad_finisher(
+    plan: Plan, ties: list[TiedParameter], rank: int, params: list[torch.nn.Parameter]
+) -> tuple[Callable[[], None], set[int]]:
+    """What turns the microbatches' accumulated gradients into the step's, and the tied copies this
+    rank must leave out of the global norm.
+
+    1. Every gradient is divided by the microbatch count, once per parameter. (torch's
+       ``scale_grads=True`` divides per stage, so a tied parameter that two stages on one rank share
+       would be divided twice.) With a mean-reduced loss this gives the full-batch gradient.
+    2. Each tied parameter's gradient is summed over the ranks holding a copy, so every copy takes
+       the same step. Every rank creates every group, in the same order (``dist.new_group`` is
+       collective over the whole world), and joins the all-reduce of the groups it is in.
+    """
+    mine: list[tuple[torch.nn.Parameter, Any]] = []
+    not_counted: set[int] = set()
+    for tie, ranks in tie_groups(plan, ties):
+        if len(ranks) < 2:
+            continue  # one rank holds every reader: its stages share the one parameter
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine.append((tie.param, group))
+            if rank != ranks[0]:
+                not_counted.add(id(tie.param))
+    scale = 1.0 / plan.n_microbatches
+
+    def finish() -> None:
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        for param, group in mine:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
+
+    return finish, not_counted
+
+
+def _build_stages(plan: Plan, mf: ModelFile, rank: int, device: torch.device) -> _RankStages:
     """This rank's stage modules, their trainable parameters, one optimizer over them, their
-    ``PipelineStage`` objects and the plan's schedule (torch's own class for it)."""
+    ``PipelineStage`` objects, the plan's schedule (torch's own class for it) and what finishes
+    a step's gradients (``_grad_finisher``)."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     traced = trace_for_plan(plan, mf, mf.build(plan.model.seed))
+    ties = check_ties(plan, traced)
     example = mf.batch(plan.microbatch_size, seed=plan.model.seed)[0]
     modules: list[torch.nn.Module] = []
     stages: list[Any] = []
@@ -199,21 +255,24 @@ def _build_stages(
             )
         )
     del traced  # the other stages' parameters are only referenced from here
-    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    params = list({id(p): p for m in modules for p in m.parameters() if p.requires_grad}.values())
     optimizer = make_optimizer(params, plan)
+    finish, not_counted = _grad_finisher(plan, ties, rank, params)
+    del ties
+    counted = [p for p in params if id(p) not in not_counted] if not_counted else None
     schedule_cls = get_schedule_class(TORCH_NAMES[plan.schedule])
-    # scale_grads=True: each microbatch's gradient is divided by n_microbatches, so with a
-    # mean-reduced loss the accumulated gradient is the full-batch gradient. GPipe and 1F1B take
-    # their one stage; the others (PipelineScheduleMulti) a list, even of one.
+    # scale_grads=False: ``finish`` averages the gradients over microbatches, once per parameter.
+    # GPipe and 1F1B take their one stage; the others (PipelineScheduleMulti) a list, even of one.
     target = stages[0] if placement(plan.schedule) == "single" else stages
-    schedule = schedule_cls(target, n_microbatches=plan.n_microbatches, loss_fn=mf.loss_fn, scale_grads=True)
-    return modules, params, optimizer, stages, schedule
+    schedule = schedule_cls(target, n_microbatches=plan.n_microbatches, loss_fn=mf.loss_fn, scale_grads=False)
+    return _RankStages(modules, params, optimizer, stages, schedule, finish, counted)
 
 
 def _train_rank(plan: Plan, plan_path: str, steps: int, echo: bool, rank: int, device: torch.device) -> RankResult:
     """Build this rank's stages and schedule and train them with the one training loop."""
     mf = load_plan_model(plan, plan_path)
-    modules, params, optimizer, stages, schedule = _build_stages(plan, mf, rank, device)
+    built = _build_stages(plan, mf, rank, device)
+    stages, schedule = built.stages, built.schedule
     mine = plan.stages_of(rank)
     feeds = any(s.index == 0 for s in mine)  # holds the first stage: gives the inputs
     scores = any(s.index == plan.n_stages - 1 for s in mine)  # holds the last stage: the target and loss
@@ -226,7 +285,7 @@ def _train_rank(plan: Plan, plan_path: str, steps: int, echo: bool, rank: int, d
     def run_microbatches(inputs: Sequence[Any], target: torch.Tensor) -> list[torch.Tensor] | None:
         # the first stage's rank feeds the inputs, the last stage's rank the target (one rank may
         # hold both: V placements); the others only relay.
-        args = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs) if feeds else ()
+        args = tuple(x.to(device) for x in stage_inputs(inputs)) if feeds else ()
         mb_losses: list[torch.Tensor] = []
         if scores:
             schedule.step(*args, target=target.to(device), losses=mb_losses, return_outputs=False)
@@ -237,12 +296,14 @@ def _train_rank(plan: Plan, plan_path: str, steps: int, echo: bool, rank: int, d
     model = RankModel(
         rank=rank,
         stages=[(s.index, s.first_block, s.last_block) for s in mine],
-        module=torch.nn.ModuleList(modules),
-        params=params,
-        optimizer=optimizer,
+        module=torch.nn.ModuleList(built.modules),
+        params=built.params,
+        optimizer=built.optimizer,
         device=device,
         run_microbatches=run_microbatches,
         reduce=all_reduce_sum,
+        finish_grads=built.finish_grads,
+        counted=built.counted,
         # the receive buffers exist from the first step on; read them when the tracked step starts
         extra_tensors=lambda: [b for st in stages for b in recv_buffers(st)],
     )

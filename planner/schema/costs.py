@@ -27,8 +27,15 @@ class BlockCost(BaseModel):
     last_node: str = Field(description="Name of the block's last graph node.")
     fwd_s: float = Field(ge=0, allow_inf_nan=False, description="Forward time of one microbatch, seconds.")
     bwd_s: float = Field(ge=0, allow_inf_nan=False, description="Backward time of one microbatch, seconds.")
-    params: int = Field(ge=0, description="Parameters first used in this block (shared ones counted once).")
+    params: int = Field(
+        ge=0,
+        description="Parameters the block's stage holds for it: those first used in this block, plus a copy of each "
+        "tied parameter an earlier block owns (tied_params of them).",
+    )
     param_bytes: int = Field(ge=0, description="Bytes of those parameters.")
+    tied_params: int = Field(
+        default=0, ge=0, description="Of params, the copies of tied parameters that an earlier block owns."
+    )
     activation_bytes: int = Field(ge=0, description="Bytes saved for backward by one microbatch.")
     bwd_input_s: float | None = Field(
         default=None,

@@ -72,6 +72,11 @@ class ProfileInfo(_Frozen):
     min_microbatch_size: int = Field(
         default=1, ge=1, description="Smallest microbatch the model ran when profiled (the search stays at or above)."
     )
+    tokens_per_sample: int | None = Field(
+        default=None,
+        ge=1,
+        description="Tokens in one sample (the sequence length of token-id inputs), for tokens/s; None: not a token model.",
+    )
     microbatch_size: int | None = Field(
         default=None,
         ge=1,
@@ -155,6 +160,21 @@ class Candidate(_Frozen):
     fits: bool = Field(description="The most any rank needs is within the memory limit.")
 
 
+class Tie(_Frozen):
+    """A parameter several blocks read (a tied input embedding and output head, say).
+
+    Every stage holding one of those blocks holds a copy (its memory counts it; the block that owns
+    it, the first reader, carries its parameter count). The runner sums the copies' gradients across
+    their ranks before clipping and the optimizer step, so the copies stay identical, as Megatron's
+    embedding group and DeepSpeed's ``TiedLayerSpec`` do.
+    """
+
+    names: tuple[str, ...] = Field(min_length=1, description="Every name the model gives the parameter.")
+    blocks: tuple[str, ...] = Field(min_length=2, description="The blocks that read it; the first owns it.")
+    params: int = Field(ge=0, description="Elements of the parameter.")
+    param_bytes: int = Field(ge=0, description="Bytes of one copy in the planning dtype.")
+
+
 class Plan(_Frozen):
     """A complete pipeline plan."""
 
@@ -162,7 +182,15 @@ class Plan(_Frozen):
     created: str
     model: ModelRef
     profile: ProfileInfo
-    link: LinkCost
+    link: LinkCost = Field(
+        description="The link between neighbouring ranks (on one node, when inter_node_link is set)."
+    )
+    inter_node_link: LinkCost | None = Field(
+        default=None, description="The link between ranks on different nodes (None: every boundary uses link)."
+    )
+    gpus_per_node: int | None = Field(
+        default=None, ge=1, description="Ranks per node, rank r on node r // gpus_per_node (with inter_node_link)."
+    )
     optimizer: OptimizerSpec
     method: Method
     schedule: Schedule
@@ -179,6 +207,13 @@ class Plan(_Frozen):
         default_factory=list, description="The best candidates of the joint search, best first (empty: none ran)."
     )
     choice: str = Field(default="", description="Why this schedule, microbatch count and stages per rank.")
+    ties: list[Tie] = Field(default_factory=list, description="Parameters several blocks read (tied weights).")
+
+    def tie_stages(self, tie: Tie) -> list[int]:
+        """The stages holding a copy of ``tie``'s parameter, ascending (the first holds the owner)."""
+        index = {b.name: k for k, b in enumerate(self.blocks)}
+        wanted = {index[name] for name in tie.blocks}
+        return [s.index for s in self.stages if any(s.start <= k < s.end for k in wanted)]
 
     @property
     def microbatch_size(self) -> int:
@@ -235,6 +270,11 @@ class Plan(_Frozen):
             expected = stage.end
         if expected != len(self.blocks):
             raise ValueError(f"stages cover {expected} of {len(self.blocks)} blocks")
+        names = {b.name for b in self.blocks}
+        for tie in self.ties:
+            unknown = [b for b in tie.blocks if b not in names]
+            if unknown:
+                raise ValueError(f"tied parameter {tie.names[0]} names block(s) {unknown} that the plan does not have")
         return self
 
     def to_json(self) -> str:
