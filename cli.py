@@ -206,9 +206,17 @@ def _load_plan(path: str) -> Plan:
     help="Parameter/activation dtype for --gpu-type estimates [default: bf16 on GPUs, fp32 on cpu].",
 )
 @click.option(
+    "--gpus-per-node",
+    type=int,
+    default=None,
+    metavar="N",
+    help="With --gpu-type: GPUs per node. Ranks fill nodes in order (rank r on node r // N), so only "
+    "boundaries between stages on different nodes use the inter-node network [default: 8].",
+)
+@click.option(
     "--multi-node",
     is_flag=True,
-    help="With --gpu-type: neighbouring stages talk over the inter-node network, not NVLink.",
+    help="With --gpu-type: every boundary crosses nodes (the same as --gpus-per-node 1).",
 )
 @click.option(
     "--calibrate",
@@ -278,6 +286,7 @@ def plan_cmd(
     recompute: str,
     gpu_type: str | None,
     dtype: str | None,
+    gpus_per_node: int | None,
     multi_node: bool,
     calibrate_run: str | None,
     optimizer: str,
@@ -311,6 +320,7 @@ def plan_cmd(
         gpu_type=gpu_type,
         dtype=dtype,
         multi_node=multi_node,
+        gpus_per_node=gpus_per_node,
         calibrate_run=calibrate_run,
         optimizer={"name": optimizer, "lr": lr, "grad_clip": grad_clip or None},
         threads=threads,

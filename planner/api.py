@@ -17,12 +17,14 @@ from pathlib import Path
 
 import torch
 
-from planner.capture.blocks import TracedModel
-from planner.capture.load import ModelFile, check_batch_contract, check_forward, load_model_file
+from planner.capture.blocks import ModuleTrace, TracedModel
+from planner.capture.load import ModelFile, check_batch_contract, check_batch_size, check_forward, load_model_file
+from planner.capture.stage import stage_module, trace_root
 from planner.capture.trace import trace_model
 from planner.core.assemble import assemble_plan
 from planner.core.calibrate import Calibration, apply_calibration, load_calibration
-from planner.core.hardware import HardwareSpec, dtype_bytes, get_hardware, link_cost
+from planner.core.hardware import HardwareSpec, dtype_bytes, get_hardware, node_links
+from planner.core.predict import with_links
 from planner.core.schedules import check_placement, check_schedule, stages_per_rank_options
 from planner.costs.blocks import ties_of
 from planner.costs.scaling import fixed_fraction, measured_time_at
@@ -94,7 +96,7 @@ def make_plan(request: PlanRequest) -> Plan:
         check_calibration(calibration[1], costs.traced, request.microbatch_size)
         blocks, link = apply_calibration(blocks, link, calibration[1])
     limit = request.memory_limit_bytes if request.memory_limit_bytes is not None else costs.memory_bytes
-    return assemble_plan(
+    plan = assemble_plan(
         request,
         blocks,
         link,
@@ -104,6 +106,73 @@ def make_plan(request: PlanRequest) -> Plan:
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         ties=costs.ties,
     )
+    plan = traced_as_run(plan, mf, costs.traced, request)
+    return with_links(plan, link)  # a multi-node plan records both links and the ranks per node
+
+
+def traced_as_run(plan: Plan, mf: ModelFile, traced: TracedModel, request: PlanRequest) -> Plan:
+    """The plan with the model's structure as ``planner run`` will trace it: at the plan's
+    microbatch size, which the search may have changed from the profiled one.
+
+    torch.export bakes sizes into the graph and specialises a dimension of 1, so the graph at one
+    sample per microbatch can have other nodes than at eight; the runner traces at the plan's size
+    and checks the fingerprint and every block's first and last node against the plan.
+
+    Args:
+        plan: the assembled plan.
+        mf: its model file.
+        traced: the model as profiled (at ``request.microbatch_size``).
+        request: the plan request.
+
+    Returns:
+        The plan, its fingerprint, block nodes and split nodes those of the trace at its size.
+
+    Raises:
+        InfeasibleError: the model traces into other blocks at the plan's microbatch size.
+    """
+    if plan.microbatch_size == request.microbatch_size:
+        return plan
+    params = list(traced.model.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    inputs, _ = mf.batch(plan.microbatch_size, seed=request.seed)
+    inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
+    at_run = trace_model(traced.model, inputs, methods=(traced.method,))
+    if at_run.fingerprint == traced.fingerprint and [b.nodes for b in at_run.blocks] == [
+        b.nodes for b in traced.blocks
+    ]:
+        return plan
+    names = [b.name for b in at_run.blocks]
+    if names != [b.name for b in plan.blocks]:
+        raise InfeasibleError(
+            f"the model traces into other blocks with microbatches of {plan.microbatch_size} samples (the search's "
+            f"choice, m={plan.n_microbatches}) than with {request.microbatch_size} (profiled); give "
+            f"--microbatches {request.n_microbatches} to plan at the profiled size"
+        )
+    blocks = [
+        b.model_copy(update={"first_node": t.nodes[0], "last_node": t.nodes[-1]})
+        for b, t in zip(plan.blocks, at_run.blocks)
+    ]
+    stages = [
+        s.model_copy(update={"split_node": blocks[s.end - 1].last_node if s.end < len(blocks) else None})
+        for s in plan.stages
+    ]
+    model = plan.model.model_copy(update={"fingerprint": at_run.fingerprint})
+    return plan.model_copy(update={"model": model, "blocks": blocks, "stages": stages})
+
+
+def tokens_per_sample(inputs: object) -> int | None:
+    """Tokens in one sample, for tokens/s: the sequence length when the first input (positional, or
+    keyword) is a batch of token ids (an integer tensor of shape (batch, seq)); None otherwise."""
+    values = list(inputs.values()) if isinstance(inputs, dict) else list(inputs) if isinstance(inputs, tuple) else []
+    first = values[0] if values else None
+    if (
+        isinstance(first, torch.Tensor)
+        and first.dim() == 2
+        and not first.is_floating_point()
+        and not first.is_complex()
+    ):
+        return int(first.shape[1])
+    return None
 
 
 def check_request(request: PlanRequest) -> None:
@@ -136,11 +205,27 @@ def _scaling(request: PlanRequest, time_at: Callable[[int], float]) -> dict[str,
 
 
 def _traced(
-    mf: ModelFile, model: torch.nn.Module, inputs: tuple[object, ...], target: torch.Tensor, gpus: int
+    mf: ModelFile,
+    model: torch.nn.Module,
+    inputs: tuple[object, ...],
+    target: torch.Tensor,
+    gpus: int,
+    *,
+    on_meta: bool = False,
 ) -> TracedModel:
-    """Check the model file's forward and loss once, trace the model, check it has enough blocks."""
-    check_forward(mf, model, inputs, target)
+    """Check the model file's forward and loss once, trace the model, check it has enough blocks.
+
+    On the meta device the forward is checked on the traced graph, not the model: model code may
+    read data in an eager forward (transformers' mask code calls ``.item()``), which meta tensors
+    have none of; the graph holds no such reads (the tracers refuse them).
+    """
+    if not on_meta:
+        check_forward(mf, model, inputs, target)
     traced = trace_model(model, inputs)
+    if on_meta:
+        check_forward(mf, trace_root(traced), inputs, target)
+    if isinstance(traced, ModuleTrace):
+        stage_module(traced, 0, len(traced.blocks))  # every plan runs: refuse blocks that are no chain, saying why
     if gpus > len(traced.blocks):
         names = [b.name for b in traced.blocks]
         shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
@@ -187,6 +272,7 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
         warmup=request.warmup,
         repeats=request.repeats,
         cores=None if use_cuda else os.cpu_count(),
+        tokens_per_sample=tokens_per_sample(inputs),
     )
     same = (request.microbatch_size, threads, str(device), request.optimizer, "measured")
     if (
@@ -250,10 +336,11 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
     with torch.device("meta"):
         model = mf.build(seed=request.seed)
     model = model.to(TORCH_DTYPES[dtype])
+    check_batch_size(mf, 2 * request.microbatch_size, request.seed)  # the rest of the contract needs real data
     inputs, target = mf.batch(request.microbatch_size, seed=request.seed)
     inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
     target = target.to("meta")
-    traced = _traced(mf, model, inputs, target, request.gpus)
+    traced = _traced(mf, model, inputs, target, request.gpus, on_meta=True)
     blocks = estimate_blocks(
         traced, inputs, target, mf.loss_fn, hw, dtype=dtype, optimizer=request.optimizer, progress=request.progress
     )
@@ -269,8 +356,10 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
         hardware=hw.name,
         dtype=dtype,
         cores=os.cpu_count() if on_cpu else None,
+        tokens_per_sample=tokens_per_sample(inputs),
     )
-    link = GLOO_CPU_LINK if on_cpu else link_cost(hw, intra_node=not request.multi_node)
+    # ranks fill nodes in order: only boundaries between nodes take the inter-node network
+    link = GLOO_CPU_LINK if on_cpu else node_links(hw, request.gpus, request.ranks_per_node)
     capacity = None if on_cpu else int(hw.memory_bytes * GPU_MEMORY_HEADROOM)
 
     def estimated_time_at(size: int) -> float:

@@ -207,3 +207,121 @@ def test_calibrated_cpu_estimate_roughly_matches_measurement(tmp_path: Path) -> 
     assert m / 3 < e < 3 * m, (m, e)
     assert [c.param_bytes for c in estimated] == [c.param_bytes for c in measured]
     assert [c.cut_bytes for c in estimated] == [c.cut_bytes for c in measured]
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU cost model: causal attention, the attention output layout, GEMM efficiency by shape
+# ---------------------------------------------------------------------------------------------
+
+HEADS, HEAD_DIM = 4, 32
+HID = HEADS * HEAD_DIM
+
+
+class _Attention(nn.Module):
+    """Self-attention on the input as q, k and v, in the usual (b, s, a, d) -> (b, a, s, d) layout."""
+
+    def __init__(self, causal: bool) -> None:
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q = x.view(b, s, HEADS, HEAD_DIM).transpose(1, 2)
+        o = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=self.causal)
+        return o.transpose(1, 2).reshape(b, s, h)
+
+
+def _attention_costs(hw: HardwareSpec, causal: bool, tracer: str = "fx"):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(HID, HID), _Attention(causal), nn.Linear(HID, HID))
+    x = torch.empty(B, T, HID, device="meta")
+    traced = trace_model(model, (x,), methods=(tracer,))
+    return estimate_blocks(traced, (x,), torch.empty(B, T, HID, device="meta"), _mse, hw, "fp32", progress=False)
+
+
+def test_attention_in_an_exported_graph_is_charged_as_the_fused_kernel() -> None:
+    # torch.export records the aten operator, not the Python function fx sees; both are the fused
+    # kernel's cost (the unfused math would save S x S scores and probabilities per head)
+    hw = get_hardware("h100")
+    for causal in (False, True):
+        fx_costs, export_costs = _attention_costs(hw, causal, "fx"), _attention_costs(hw, causal, "export")
+        assert export_costs[1].activation_bytes == fx_costs[1].activation_bytes
+        assert export_costs[1].flops_fwd == fx_costs[1].flops_fwd
+        assert export_costs[1].fwd_s == pytest.approx(fx_costs[1].fwd_s, rel=1e-9)
+        assert export_costs[1].activation_bytes < B * HEADS * T * T * 4  # no score matrix is kept
+
+
+def test_causal_attention_is_charged_half_its_flops_forward_and_backward() -> None:
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    shape = (B, HEADS, T, HEAD_DIM)
+    full_f, full_b = sdpa_flop_count(shape, shape, shape), sdpa_backward_flop_count(shape, shape, shape, shape)
+    hw = _spec(attention_fwd_efficiency=0.5, attention_bwd_efficiency=0.25)
+    plain, causal = _attention_costs(hw, False)[1], _attention_costs(hw, True)[1]
+    assert plain.flops_fwd == full_f and causal.flops_fwd == full_f / 2
+    assert plain.flops_bwd == full_b and causal.flops_bwd == full_b / 2
+    # compute-bound (memory is free): the kernel's own efficiency, per direction
+    assert causal.fwd_s == pytest.approx(full_f / 2 / (1e9 * 0.5), rel=1e-9)
+    assert causal.bwd_s == pytest.approx(full_b / 2 / (1e9 * 0.25), rel=1e-9)
+
+
+def test_attention_output_layout_makes_the_transpose_reshape_a_view(monkeypatch: pytest.MonkeyPatch) -> None:
+    from planner.costs import estimate
+    from planner.costs.estimate import _attention_output
+
+    q = torch.empty(B, T, HEADS, HEAD_DIM, device="meta").transpose(1, 2)
+    o = _attention_output(q, HEAD_DIM)
+    assert o.shape == q.shape and o.transpose(1, 2).is_contiguous()  # (b, s, a, d) in memory, as the kernels
+    contiguous_q = torch.empty(B, HEADS, T, HEAD_DIM, device="meta")
+    assert _attention_output(contiguous_q, 16).is_contiguous()  # follows the query's own layout
+    # memory-bound: the attention block moves q, k, v (one tensor read three times), o and the fp32
+    # log-sum-exp; the transpose + reshape after it is a view and moves nothing
+    hw = _spec(peak_flops={"fp32": 1e30, "bf16": 1e30}, memory_Bps=1.0)
+    expected = 4 * B * T * HID * 4 + 4 * B * HEADS * T
+    assert _attention_costs(hw, True)[1].fwd_s == pytest.approx(expected, rel=1e-9)
+    # an output laid out (b, a, s, d), as before, costs one more read and write of it in the reshape
+    monkeypatch.setattr(estimate, "_attention_output", lambda q, d: q.new_empty((*q.shape[:-1], d)))
+    assert _attention_costs(hw, True)[1].fwd_s == pytest.approx(expected + 2 * 4 * B * T * HID, rel=1e-9)
+
+
+def test_gemm_efficiency_follows_the_smallest_dimension() -> None:
+    hw = _spec(matmul_efficiency=0.8, gemm_half_dim=128.0)
+    c = _estimate(hw)[0]  # Linear(1024, 4096) on 1024 tokens: (1024 x 1024) @ (1024 x 4096), d = 1024
+    assert c.fwd_s == pytest.approx(MM / (1e9 * 0.8 * 1024 / (1024 + 128)), rel=1e-9)
+    # dX = dY W: (1024 x 4096) @ (4096 x 1024); dW = dY^T X: (4096 x 1024) @ (1024 x 1024): d = 1024 both
+    assert c.bwd_s == pytest.approx(2 * MM / (1e9 * 0.8 * 1024 / (1024 + 128)), rel=1e-9)
+    small = _estimate(hw)[1]  # Linear(4096, 8): a skinny GEMM, d = 8
+    assert small.fwd_s == pytest.approx(2 * B * T * OUT * 8 / (1e9 * 0.8 * 8 / (8 + 128)), rel=1e-9)
+
+
+def test_tokens_per_sample_is_the_sequence_length_of_token_ids() -> None:
+    from planner.api import tokens_per_sample
+
+    ids = torch.zeros(4, 512, dtype=torch.long, device="meta")
+    assert tokens_per_sample((ids,)) == 512
+    assert tokens_per_sample({"input_ids": ids, "attention_mask": ids}) == 512  # keyword inputs
+    assert tokens_per_sample((torch.empty(4, 512),)) is None  # features, not token ids
+    assert tokens_per_sample((torch.zeros(4, 8, 8, dtype=torch.long),)) is None
+    assert tokens_per_sample(()) is None
+
+
+def test_identical_layers_are_estimated_once_with_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    import planner.costs.estimate as estimate
+
+    mf = load_model_file(ROOT / "models" / "llama.py", "tiny")
+    with torch.device("meta"):
+        model = mf.build()
+    inputs, target = mf.batch(2)
+    inputs = tuple(x.to("meta") for x in inputs)
+    traced = trace_model(model, inputs)
+    hw = get_hardware("h100")
+    runs: list[int] = []
+    original = estimate._run_block
+    monkeypatch.setattr(estimate, "_run_block", lambda *a, **k: runs.append(1) or original(*a, **k))
+    shared = estimate_blocks(traced, inputs, target.to("meta"), mf.loss_fn, hw, "bf16", progress=False)
+    layers = sum(b.is_layer for b in traced.blocks)
+    assert layers >= 2 and len(runs) == len(traced.blocks) - layers + 1  # the layers ran once between them
+    keys = iter(range(10**6))
+    monkeypatch.setattr(estimate, "structure_key", lambda *a: str(next(keys)))  # every block on its own
+    alone = estimate_blocks(traced, inputs, target.to("meta"), mf.loss_fn, hw, "bf16", progress=False)
+    assert shared == alone

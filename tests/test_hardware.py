@@ -79,3 +79,58 @@ def test_spec_is_frozen_and_round_trips() -> None:
 def test_hardware_imports_no_torch() -> None:
     code = "import sys, planner.core.hardware; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+# Capacity as torch.cuda.get_device_properties().total_memory reports it, in GiB (docs/gpu_costs.md),
+# and the datasheet's nominal figure it must stay under.
+CUDA_GIB = {
+    "h100": (79.19, 80),
+    "h200": (139.8, 141),
+    "a100-80g": (79.15, 80),
+    "a100-40g": (39.59, 40),
+    "l4": (22.49, 24),
+    "l40s": (44.52, 48),
+    "a10g": (22.06, 24),
+    "v100": (31.75, 32),
+    "mi300x": (191.98, 192),
+}
+
+
+def test_capacities_are_what_cuda_reports_so_the_default_limit_fits_the_card() -> None:
+    assert set(CUDA_GIB) == set(GPUS)
+    for key, (gib, nominal) in CUDA_GIB.items():
+        hw = GPUS[key]
+        assert hw.memory_bytes / 2**30 == pytest.approx(gib, abs=0.005), key
+        assert hw.memory_bytes % 2**20 == 0 and hw.memory_bytes < nominal * 2**30, key
+
+
+def test_gemm_efficiency_is_a_saturating_curve_in_the_smallest_dimension() -> None:
+    h100 = get_hardware("h100")
+    e, half = h100.matmul_efficiency, h100.gemm_half_dim
+    assert half == 128.0
+    assert h100.gemm_efficiency(8192, 8192, 8192) == pytest.approx(e * 8192 / (8192 + 128))
+    assert h100.gemm_efficiency(8192, 1024, 8192) == pytest.approx(e * 1024 / 1152)  # skinny: the GQA k/v projections
+    assert h100.gemm_efficiency(128, 8192, 8192) == pytest.approx(e / 2)
+    effs = [h100.gemm_efficiency(d, 4096, 4096) for d in (16, 64, 256, 1024, 4096, 16384)]
+    assert effs == sorted(effs) and effs[-1] < e
+    flat = h100.model_copy(update={"gemm_half_dim": 0.0})  # the CPU model: one figure for every GEMM
+    assert flat.gemm_efficiency(1, 1, 1) == flat.gemm_efficiency(10**5, 10**5, 10**5) == e
+
+
+def test_attention_efficiency_by_kernel_and_direction() -> None:
+    h100, a100 = get_hardware("h100"), get_hardware("a100-80g")
+    assert h100.attention_kernel and a100.attention_kernel == "FlashAttention-2"
+    assert h100.attention_efficiency(backward=False) == 0.60 and h100.attention_efficiency(backward=True) == 0.45
+    for hw in GPUS.values():  # backward kernels reach less of peak than forward ones (FA2, FA3 papers)
+        assert hw.attention_efficiency(backward=True) <= hw.attention_efficiency(backward=False) <= 1
+    bare = h100.model_copy(update={"attention_fwd_efficiency": None, "attention_bwd_efficiency": None})
+    assert (
+        bare.attention_efficiency(backward=False) == bare.attention_efficiency(backward=True) == h100.matmul_efficiency
+    )
+
+
+def test_specs_written_before_the_efficiency_table_still_load() -> None:
+    # the CPU calibration cache stores HardwareSpec JSON: entries without the new fields must load
+    old = {k: v for k, v in get_hardware("h100").model_dump().items() if not k.startswith(("gemm_", "attention_"))}
+    hw = HardwareSpec.model_validate(old)
+    assert hw.gemm_half_dim == 0.0 and hw.attention_efficiency(backward=True) == hw.matmul_efficiency

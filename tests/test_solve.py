@@ -314,13 +314,17 @@ def _reference_dp(
     return tuple(starts)
 
 
-def _reference_cost_matrix(blocks: Sequence[BlockCost], link: LinkCost) -> list[list[float]]:
+def _reference_cost_matrix(
+    blocks: Sequence[BlockCost], link: LinkCost, link_out: LinkCost | None = None
+) -> list[list[float]]:
+    """Stage costs ``[s][e]`` with messages in over ``link`` and out over ``link_out`` (default: the same)."""
     n = len(blocks)
+    out = link_out or link
     pre = [0.0]
     for b in blocks:
         pre.append(pre[-1] + b.fwd_s + b.bwd_s)
     send_in = [0.0] + [2 * link.send_s(blocks[s - 1].cut_bytes) for s in range(1, n)]
-    send_out = [0.0] + [2 * link.send_s(blocks[e - 1].cut_bytes) for e in range(1, n)] + [0.0]
+    send_out = [0.0] + [2 * out.send_s(blocks[e - 1].cut_bytes) for e in range(1, n)] + [0.0]
     mat = [[math.inf] * (n + 1) for _ in range(n + 1)]
     for s in range(n):
         for e in range(s + 1, n + 1):
@@ -413,7 +417,7 @@ def _reference_memory_error(
 def _reference_solve(
     blocks: Sequence[BlockCost],
     n_stages: int,
-    link: LinkCost,
+    link: LinkCost | Sequence[LinkCost],
     *,
     schedule: str = "1f1b",
     n_microbatches: int,
@@ -431,7 +435,10 @@ def _reference_solve(
     else:
         infl = solve_mod._check_in_flight(in_flight, n_stages, n_microbatches)
     n = len(blocks)
-    plain = _reference_cost_matrix(blocks, link)
+    # stage k's messages go in over boundary k - 1's link and out over boundary k's
+    links = solve_mod.boundary_links(link, n_stages, schedule)
+    edge = [links[0] if links else FREE, *links, links[-1] if links else FREE]
+    plains = [_reference_cost_matrix(blocks, edge[k], edge[k + 1]) for k in range(n_stages)]
     pre_r = [0.0]
     for b in blocks:
         pre_r.append(pre_r[-1] + recompute_cost(b))
@@ -446,7 +453,7 @@ def _reference_solve(
         c = choice(s, e, k)
         if c is None:
             return math.inf
-        return plain[s][e] + (pre_r[e] - pre_r[s] if c else 0.0)
+        return plains[k][s][e] + (pre_r[e] - pre_r[s] if c else 0.0)
 
     allowed: _Allowed = lambda s, e, k: choice(s, e, k) is not None  # noqa: E731
     starts = _reference_dp(n, n_stages, solve_mod._legal_cuts(blocks), cost, cost, allowed)
@@ -456,7 +463,7 @@ def _reference_solve(
         )
     bounds = solve_mod._bounds(starts, n)
     flags = [bool(choice(s, e, k)) for k, (s, e) in enumerate(bounds)]
-    return evaluate(blocks, starts, link, flags)
+    return evaluate(blocks, starts, link, flags, schedule)
 
 
 def _reference_param_balanced(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -> Partition:
@@ -941,3 +948,91 @@ def test_unknown_recompute_cost_is_charged_as_the_whole_forward() -> None:
     assert always.recompute == (True, True)
     fwd = sum(b.fwd_s for b in blocks[: always.starts[1]])
     assert always.bottleneck_s == pytest.approx(never.bottleneck_s + fwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# A link per boundary (ranks on several nodes): against the reference and brute force
+# ---------------------------------------------------------------------------------------------
+
+
+@st.composite
+def mixed_requests(draw: st.DrawFn, ties: bool) -> Request:
+    """A ``requests`` instance whose boundaries each take one of two links (intra- and inter-node)."""
+    blocks, p, link, kw = draw(requests(ties=ties))
+    if ties:
+        slow = LinkCost(name="inter", latency_s=float(draw(st.integers(0, 3))), bandwidth_Bps=0.5)
+    else:
+        slow = LinkCost(name="inter", latency_s=draw(st.sampled_from([0.0, 0.02, 0.5, 2.0])), bandwidth_Bps=3.7)
+    links = [slow if draw(st.booleans()) else link for _ in range(p - 1)]
+    return blocks, p, links, kw  # type: ignore[return-value]
+
+
+@settings(max_examples=300, deadline=None)
+@given(req=mixed_requests(ties=False))
+def test_solve_with_a_link_per_boundary_matches_reference_dp(req: Request) -> None:
+    blocks, p, links, kw = req
+    assert repr(outcome(solve, blocks, p, links, **kw)) == repr(outcome(_reference_solve, blocks, p, links, **kw))
+
+
+@settings(max_examples=300, deadline=None)
+@given(req=mixed_requests(ties=True))
+def test_solve_with_a_link_per_boundary_matches_brute_force(req: Request) -> None:
+    blocks, p, links, kw = req
+    infl = kw.get("in_flight") or [kw["n_microbatches"]] * p
+    kw = {**kw, "in_flight": infl}
+    args = (kw["schedule"], kw["n_microbatches"], kw["optimizer"], kw["memory_limit_bytes"], kw["recompute"])
+    feasible = brute(blocks, p, links, *args, in_flight=infl)  # type: ignore[arg-type]
+    if not feasible:
+        with pytest.raises(InfeasibleError):
+            solve(blocks, p, links, **kw)
+        return
+    part = solve(blocks, p, links, **kw)
+    opt = min(b for _, b, _ in feasible)
+    assert part.bottleneck_s == pytest.approx(opt, rel=1e-9, abs=1e-12)
+    optimal = [(s, c) for s, b, c in feasible if b <= opt + 1e-9 * max(1.0, opt)]
+    best_sum = min(c for _, c in optimal)
+    assert part.starts == min(s for s, c in optimal if c <= best_sum + 1e-9 * max(1.0, best_sum))
+
+
+@settings(max_examples=150, deadline=None)
+@given(req=requests(ties=False))
+def test_one_link_per_boundary_gives_the_single_link_result(req: Request) -> None:
+    blocks, p, link, kw = req
+    assert repr(outcome(solve, blocks, p, [link] * (p - 1), **kw)) == repr(outcome(solve, blocks, p, link, **kw))
+
+
+INTRA = LinkCost(name="intra", latency_s=1e-5, bandwidth_Bps=3e11)
+INTER = LinkCost(name="inter", latency_s=2e-5, bandwidth_Bps=3.5e10)
+
+
+def _nodes(gpus_per_node: int, n_ranks: int) -> solve_mod.NodeLinks:
+    return solve_mod.NodeLinks(**INTRA.model_dump(), inter=INTER, gpus_per_node=gpus_per_node, n_ranks=n_ranks)
+
+
+def test_node_links_follow_the_schedules_placement() -> None:
+    i, x = INTRA, INTER
+    four = _nodes(2, 4)  # ranks 0, 1 on node 0; 2, 3 on node 1
+    assert solve_mod.boundary_links(four, 4, "1f1b") == [i, x, i]
+    # looped: stage s on rank s mod 4, so the wrap from rank 3 back to rank 0 crosses nodes too
+    assert solve_mod.boundary_links(four, 8, "interleaved-1f1b") == [i, x, i, x, i, x, i]
+    assert solve_mod.boundary_links(four, 8, None) == [i, x, i, x, i, x, i]
+    # V: rank r holds stages r and 7 - r; the turn on rank 3 stays on node 1
+    assert solve_mod.boundary_links(four, 8, "zbv") == [i, x, i, i, i, x, i]
+    assert solve_mod.boundary_links(_nodes(8, 4), 4, "gpipe") == [i, i, i]  # one node
+    assert solve_mod.boundary_links(_nodes(1, 4), 4, "gpipe") == [x, x, x]  # --multi-node: every rank its own node
+    assert solve_mod.boundary_links(_nodes(8, 64), 64, "1f1b").count(x) == 7  # 64 H100 = 8 nodes
+    with pytest.raises(InfeasibleError, match="2 links for 4 stages"):
+        solve_mod.boundary_links([i, x], 4)
+
+
+def test_solve_with_node_links_equals_solve_with_their_boundary_list() -> None:
+    blocks = times([1.0, 2.0, 1.5, 1.0, 2.5, 0.5, 1.0, 1.0], b=1.0, cut=10**9)
+    for schedule, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 2)):
+        links = _nodes(2, 4)
+        infl = in_flight_per_stage(schedule, 4, 8, v)
+        want = solve(blocks, 4 * v, solve_mod.boundary_links(links, 4 * v, schedule), in_flight=infl, n_microbatches=8)
+        got = solve(blocks, 4 * v, links, schedule=schedule, in_flight=infl, n_microbatches=8)
+        assert got == want
+        # the inter-node boundaries are the slow ones: their stages pay more for the same bytes
+        costs = stage_costs(blocks, got.starts, links, schedule=schedule)
+        assert max(costs) == got.bottleneck_s

@@ -7,7 +7,10 @@ A ``HardwareSpec`` holds what a roofline model needs (Williams, Waterman & Patte
 insightful visual performance model", CACM 2009): peak dense FLOP/s per dtype, memory bandwidth,
 and how much of each a real kernel reaches (efficiency factors), plus memory capacity and the
 links between ranks. ``planner.costs.estimate`` turns FLOPs and bytes per operator into seconds with it:
-``max(flops / (peak[dtype] * matmul_efficiency), bytes / (memory_Bps * memory_efficiency))``.
+``max(flops / (peak[dtype] * efficiency), bytes / (memory_Bps * memory_efficiency))``, where the
+efficiency depends on the operation's class: a GEMM's on its shape (``gemm_efficiency``), fused
+attention's on the kernel and direction (``attention_efficiency``). docs/gpu_costs.md gives every
+number with its source.
 
 Numbers are the vendors' *dense* peaks (datasheets quote "with sparsity" figures, twice as large,
 which training never reaches). Link bandwidths are per direction, for one peer: a pipeline stage
@@ -58,6 +61,26 @@ class HardwareSpec(BaseModel):
         le=1,
         description="Fraction of peak FLOP/s large GEMMs sustain (cuBLAS on big bf16 GEMMs: ~0.6-0.75).",
     )
+    gemm_half_dim: float = Field(
+        default=0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="GEMM shape curve: a GEMM whose smallest dimension is d reaches "
+        "matmul_efficiency * d / (d + gemm_half_dim) of peak (0: every GEMM reaches matmul_efficiency).",
+    )
+    attention_kernel: str = Field(default="", description="The fused attention kernel the attention figures are for.")
+    attention_fwd_efficiency: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="Fraction of peak fused attention's forward reaches (None: matmul_efficiency).",
+    )
+    attention_bwd_efficiency: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="Fraction of peak fused attention's backward reaches (None: the forward's).",
+    )
     memory_efficiency: float = Field(
         default=0.8, gt=0, le=1, description="Fraction of peak bandwidth streaming kernels sustain (~0.8 on HBM)."
     )
@@ -89,6 +112,41 @@ class HardwareSpec(BaseModel):
             )
         return self.peak_flops[dtype]
 
+    def gemm_efficiency(self, m: int, n: int, k: int) -> float:
+        """Fraction of peak a GEMM of ``(m x k) @ (k x n)`` sustains.
+
+        ``matmul_efficiency * d / (d + gemm_half_dim)`` with ``d = min(m, n, k)``: large square GEMMs
+        approach ``matmul_efficiency`` (the measured best-shape ceiling, MAMF); a dimension near one
+        thread-block tile (128 on A100/H100) wastes much of the tile and of the waves over the SMs,
+        so small and skinny GEMMs reach much less (NVIDIA, "Matrix Multiplication Background User's
+        Guide": tile and wave quantization). Whether the GEMM is memory-bound is decided by the
+        roofline separately (bytes / bandwidth), not here.
+
+        Args:
+            m: rows of the output (batch dimensions folded in).
+            n: columns of the output.
+            k: the reduced dimension.
+
+        Returns:
+            A fraction in (0, matmul_efficiency].
+        """
+        d = max(1, min(m, n, k))
+        return self.matmul_efficiency * d / (d + self.gemm_half_dim)
+
+    def attention_efficiency(self, backward: bool) -> float:
+        """Fraction of peak the fused attention kernel (``attention_kernel``) sustains.
+
+        Args:
+            backward: the backward kernel (dQ, dK, dV with the scores recomputed) instead of the forward.
+
+        Returns:
+            The fraction (the GEMM ceiling when the table has no attention figure).
+        """
+        fwd = self.attention_fwd_efficiency if self.attention_fwd_efficiency is not None else self.matmul_efficiency
+        if backward and self.attention_bwd_efficiency is not None:
+            return self.attention_bwd_efficiency
+        return fwd
+
     @property
     def async_launch(self) -> bool:
         """Whether operator overhead overlaps device work (GPUs queue kernels; a CPU runs them inline)."""
@@ -96,10 +154,16 @@ class HardwareSpec(BaseModel):
 
 
 _GB = 1e9
-# Memory capacities: vendors' "80 GB" of HBM/GDDR is 80 GiB of chips (stacks come in powers of
-# two); the driver keeps a few hundred MiB, which a memory limit for the solver should leave.
-_GiB = 1024**3
+# Memory capacities are what CUDA reports, ``torch.cuda.get_device_properties(i).total_memory``
+# (cudaDeviceProp.totalGlobalMem), not the datasheet's "80 GB": the driver keeps a share of the
+# chips for itself (ECC, its own reservations), so an "80 GB" H100 shows 79.2 GiB and a "24 GB" L4
+# 22.5 GiB. The default limit (95 % of this) then never exceeds what an allocator can get.
+# The figures are printed device properties (MiB); docs/gpu_costs.md lists where each comes from.
+_MiB = 1024**2
 _T = 1e12
+# The GEMM shape curve's half-saturation dimension: one 128-wide thread-block tile of cuBLAS /
+# CUTLASS on Ampere and Hopper (docs/gpu_costs.md).
+_TILE = 128.0
 
 # Typical links of the platforms these devices ship in. Datasheets give intra-node links; the
 # inter-node figure is the usual NIC per GPU of the reference platform (DGX/HGX or the cloud
@@ -119,11 +183,16 @@ GPUS: dict[str, HardwareSpec] = {
         name="h100",
         peak_flops={"fp32": 67 * _T, "tf32": 494.5 * _T, "bf16": 989.5 * _T, "fp16": 989.5 * _T},
         memory_Bps=3.35e12,
-        memory_bytes=80 * _GiB,
+        memory_bytes=81_089 * _MiB,  # 79.2 GiB as CUDA reports it (torch 2.7, CUDA 12.8)
         intra_node_Bps=450 * _GB,
         intra_node_latency_s=10e-6,
         inter_node_Bps=_NDR_IB,
         inter_node_latency_s=20e-6,
+        matmul_efficiency=0.75,
+        gemm_half_dim=_TILE,
+        attention_kernel="FlashAttention-3 / cuDNN",
+        attention_fwd_efficiency=0.60,
+        attention_bwd_efficiency=0.45,
         source="NVIDIA H100 Tensor Core GPU datasheet, H100 SXM",
     ),
     # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): same compute as H100 SXM (FP32 67 TFLOPS,
@@ -133,11 +202,16 @@ GPUS: dict[str, HardwareSpec] = {
         name="h200",
         peak_flops={"fp32": 67 * _T, "tf32": 494.5 * _T, "bf16": 989.5 * _T, "fp16": 989.5 * _T},
         memory_Bps=4.8e12,
-        memory_bytes=141 * _GiB,
+        memory_bytes=143_156 * _MiB,  # 139.8 GiB as CUDA reports it
         intra_node_Bps=450 * _GB,
         intra_node_latency_s=10e-6,
         inter_node_Bps=_NDR_IB,
         inter_node_latency_s=20e-6,
+        matmul_efficiency=0.75,
+        gemm_half_dim=_TILE,
+        attention_kernel="FlashAttention-3 / cuDNN",
+        attention_fwd_efficiency=0.60,
+        attention_bwd_efficiency=0.45,
         source="NVIDIA H200 Tensor Core GPU datasheet, H200 SXM",
     ),
     # NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM): FP32 19.5 TFLOPS; TF32 156 (312
@@ -146,11 +220,16 @@ GPUS: dict[str, HardwareSpec] = {
         name="a100-80g",
         peak_flops={"fp32": 19.5 * _T, "tf32": 156 * _T, "bf16": 312 * _T, "fp16": 312 * _T},
         memory_Bps=2.039e12,
-        memory_bytes=80 * _GiB,
+        memory_bytes=81_050 * _MiB,  # 79.2 GiB as CUDA reports it
         intra_node_Bps=300 * _GB,
         intra_node_latency_s=10e-6,
         inter_node_Bps=_HDR_IB,
         inter_node_latency_s=20e-6,
+        matmul_efficiency=0.80,
+        gemm_half_dim=_TILE,
+        attention_kernel="FlashAttention-2",
+        attention_fwd_efficiency=0.60,
+        attention_bwd_efficiency=0.50,
         source="NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM",
     ),
     # Same datasheet, A100 40GB SXM: same compute; 40 GB HBM2 at 1,555 GB/s; NVLink 600 GB/s.
@@ -158,11 +237,16 @@ GPUS: dict[str, HardwareSpec] = {
         name="a100-40g",
         peak_flops={"fp32": 19.5 * _T, "tf32": 156 * _T, "bf16": 312 * _T, "fp16": 312 * _T},
         memory_Bps=1.555e12,
-        memory_bytes=40 * _GiB,
+        memory_bytes=40_536 * _MiB,  # 39.6 GiB as CUDA reports it
         intra_node_Bps=300 * _GB,
         intra_node_latency_s=10e-6,
         inter_node_Bps=_HDR_IB,
         inter_node_latency_s=20e-6,
+        matmul_efficiency=0.80,
+        gemm_half_dim=_TILE,
+        attention_kernel="FlashAttention-2",
+        attention_fwd_efficiency=0.60,
+        attention_bwd_efficiency=0.50,
         source="NVIDIA A100 Tensor Core GPU datasheet, A100 40GB SXM",
     ),
     # NVIDIA L4 Tensor Core GPU datasheet: FP32 30.3 TFLOPS; TF32 120 (sparse; 60 dense);
@@ -172,12 +256,16 @@ GPUS: dict[str, HardwareSpec] = {
         name="l4",
         peak_flops={"fp32": 30.3 * _T, "tf32": 60 * _T, "bf16": 121 * _T, "fp16": 121 * _T},
         memory_Bps=300 * _GB,
-        memory_bytes=24 * _GiB,
+        memory_bytes=23_034 * _MiB,  # 22.5 GiB as CUDA reports it
         intra_node_Bps=_PCIE4_X16,
         intra_node_latency_s=20e-6,
         inter_node_Bps=_CLOUD_100G,
         inter_node_latency_s=50e-6,
         matmul_efficiency=0.6,
+        gemm_half_dim=_TILE,
+        attention_kernel="FlashAttention-2",
+        attention_fwd_efficiency=0.45,
+        attention_bwd_efficiency=0.35,
         source="NVIDIA L4 Tensor Core GPU datasheet",
     ),
     # NVIDIA L40S GPU datasheet: FP32 91.6 TFLOPS; TF32 183 (366 sparse); BF16/FP16 362.05
@@ -187,12 +275,16 @@ GPUS: dict[str, HardwareSpec] = {
         name="l40s",
         peak_flops={"fp32": 91.6 * _T, "tf32": 183 * _T, "bf16": 362.05 * _T, "fp16": 362.05 * _T},
         memory_Bps=864 * _GB,
-        memory_bytes=48 * _GiB,
+        memory_bytes=45_589 * _MiB,  # 44.5 GiB as CUDA reports it
         intra_node_Bps=_PCIE4_X16,
         intra_node_latency_s=20e-6,
         inter_node_Bps=_CLOUD_100G,
         inter_node_latency_s=50e-6,
         matmul_efficiency=0.6,
+        gemm_half_dim=_TILE,
+        attention_kernel="FlashAttention-2",
+        attention_fwd_efficiency=0.45,
+        attention_bwd_efficiency=0.35,
         source="NVIDIA L40S GPU datasheet",
     ),
     # AWS EC2 G5's A10G. NVIDIA publishes no A10G datasheet; compute is taken from the NVIDIA A10
@@ -204,12 +296,16 @@ GPUS: dict[str, HardwareSpec] = {
         name="a10g",
         peak_flops={"fp32": 31.2 * _T, "tf32": 62.5 * _T, "bf16": 125 * _T, "fp16": 125 * _T},
         memory_Bps=600 * _GB,
-        memory_bytes=24 * _GiB,
+        memory_bytes=22_587 * _MiB,  # 22.1 GiB as CUDA reports it
         intra_node_Bps=_PCIE4_X16,
         intra_node_latency_s=20e-6,
         inter_node_Bps=_CLOUD_100G,
         inter_node_latency_s=50e-6,
         matmul_efficiency=0.5,
+        gemm_half_dim=_TILE,
+        attention_kernel="FlashAttention-2",
+        attention_fwd_efficiency=0.40,
+        attention_bwd_efficiency=0.30,
         source="NVIDIA A10 Tensor Core GPU datasheet (A10G: AWS EC2 G5 instance page)",
     ),
     # NVIDIA V100 Tensor Core GPU datasheet (V100 SXM2 32GB): FP32 15.7 TFLOPS; FP16 Tensor Core
@@ -219,29 +315,37 @@ GPUS: dict[str, HardwareSpec] = {
         name="v100",
         peak_flops={"fp32": 15.7 * _T, "fp16": 125 * _T},
         memory_Bps=900 * _GB,
-        memory_bytes=32 * _GiB,
+        memory_bytes=32_510 * _MiB,  # 31.7 GiB as CUDA reports it
         intra_node_Bps=150 * _GB,
         intra_node_latency_s=10e-6,
         inter_node_Bps=_EDR_IB,
         inter_node_latency_s=20e-6,
         matmul_efficiency=0.6,
+        gemm_half_dim=_TILE,
+        attention_kernel="memory-efficient attention (xFormers / PyTorch)",
+        attention_fwd_efficiency=0.35,
+        attention_bwd_efficiency=0.25,
         source="NVIDIA V100 Tensor Core GPU datasheet, V100 SXM2 32GB",
     ),
     # AMD Instinct MI300X accelerator data sheet: FP32 (matrix) 163.4 TFLOPS; TF32 653.7 TFLOPS;
     # BF16/FP16 1,307.4 TFLOPS dense (2,614.9 with sparsity); 192 GB HBM3 at 5.3 TB/s; 7 AMD
     # Infinity Fabric links, 896 GB/s aggregate = 128 GB/s per link, i.e. 64 GB/s per direction
     # to one peer in the fully connected 8-GPU platform. Inter-node: 400 Gb/s NIC per GPU.
-    # ROCm GEMMs reach a smaller fraction of peak than cuBLAS: matmul_efficiency 0.5.
+    # ROCm GEMMs reach a smaller fraction of peak than cuBLAS (MAMF 60 %): matmul_efficiency 0.55.
     "mi300x": HardwareSpec(
         name="mi300x",
         peak_flops={"fp32": 163.4 * _T, "tf32": 653.7 * _T, "bf16": 1307.4 * _T, "fp16": 1307.4 * _T},
         memory_Bps=5.3e12,
-        memory_bytes=192 * _GiB,
+        memory_bytes=196_592 * _MiB,  # 192.0 GiB as ROCm reports it (less 16 MiB)
         intra_node_Bps=64 * _GB,
         intra_node_latency_s=10e-6,
         inter_node_Bps=_NDR_IB,
         inter_node_latency_s=20e-6,
-        matmul_efficiency=0.5,
+        matmul_efficiency=0.55,
+        gemm_half_dim=_TILE,
+        attention_kernel="CK FlashAttention-2 (ROCm)",
+        attention_fwd_efficiency=0.35,
+        attention_bwd_efficiency=0.25,
         source="AMD Instinct MI300X accelerator data sheet",
     ),
 }
@@ -307,3 +411,25 @@ def dtype_bytes(dtype: str) -> int:
     if dtype not in DTYPE_BYTES:
         raise HardwareError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     return DTYPE_BYTES[dtype]
+
+
+def node_links(hw: HardwareSpec, n_ranks: int, gpus_per_node: int) -> LinkCost:
+    """The links of ``n_ranks`` pipeline ranks on nodes of ``gpus_per_node`` devices of ``hw``.
+
+    Args:
+        hw: the device.
+        n_ranks: pipeline ranks (--gpus).
+        gpus_per_node: devices per node (rank r on node r // gpus_per_node).
+
+    Returns:
+        A ``planner.core.solve.NodeLinks``: the intra-node link, and the inter-node one for the
+        boundaries between nodes (the solver and ``predict`` place them per schedule).
+    """
+    from planner.core.solve import NodeLinks  # solve is the heavier module; the table loads without it
+
+    return NodeLinks(
+        **link_cost(hw, intra_node=True).model_dump(),
+        inter=link_cost(hw, intra_node=False),
+        gpus_per_node=gpus_per_node,
+        n_ranks=n_ranks,
+    )

@@ -14,6 +14,9 @@ from pydantic import BaseModel
 from planner.core.schedules import Action, action_order, in_flight_of, peak_live_bytes, stage_ranks
 from planner.core.simulate import SimResult, StageTimes, simulate
 from planner.core.solve import (
+    Links,
+    NodeLinks,
+    boundary_links,
     compact_flags,
     recompute_flags,
     stage_costs,
@@ -29,7 +32,7 @@ from planner.schema.plan import Plan, Prediction, ProfileInfo, StagePlan
 def predict(
     blocks: Sequence[BlockCost],
     starts: Sequence[int],
-    link: LinkCost,
+    link: Links,
     schedule: str,
     n_microbatches: int,
     optimizer: OptimizerSpec,
@@ -42,7 +45,8 @@ def predict(
     Args:
         blocks: per-block costs, in execution order.
         starts: first block of each stage (starts[0] == 0); ranks x ``stages_per_rank`` stages.
-        link: cost of one message between neighbouring ranks.
+        link: cost of one message between neighbouring ranks, or per boundary (a ``NodeLinks`` is
+            placed with the schedule: ``planner.core.solve.boundary_links``).
         schedule: one of ``planner.core.schedules.SCHEDULES``.
         n_microbatches: microbatches per step.
         optimizer: decides the optimizer-state bytes per parameter byte.
@@ -57,26 +61,40 @@ def predict(
     Raises:
         InfeasibleError: an invalid split, or a schedule request torch would refuse.
     """
-    stage_costs(blocks, starts, link, recompute)  # validates the split (legal cuts, non-empty stages)
     n = len(starts)
     if n % stages_per_rank:
         raise InfeasibleError(f"{n} stages do not spread evenly over ranks with {stages_per_rank} stages each")
     p = n // stages_per_rank
     rank_of = stage_ranks(schedule, p, stages_per_rank)
+    stage_costs(blocks, starts, link, recompute, schedule)  # validates the split (legal cuts, non-empty stages)
+    links = boundary_links(link, n, schedule)
     flags = recompute_flags(recompute, n)
     orders = action_order(schedule, p, n_microbatches, stages_per_rank)
     in_flight = in_flight_of(orders, n)
     ends = list(starts[1:]) + [len(blocks)]
     stages = [
-        stage_plan(blocks, i, a, b, link, flags[i], in_flight[i], optimizer, n_microbatches, rank_of)
+        stage_plan(
+            blocks,
+            i,
+            a,
+            b,
+            links[i - 1] if i else (links[0] if links else _single(link)),
+            flags[i],
+            in_flight[i],
+            optimizer,
+            n_microbatches,
+            rank_of,
+            links[i] if i < len(links) else None,
+        )
         for i, (a, b) in enumerate(zip(starts, ends))
     ]
     sim = simulate(stage_times(stages), schedule, n_microbatches, slots, stages_per_rank)
     # After its last backward each rank joins the gradient-norm all-reduce for clipping (one
     # scalar over the pipeline group: a reduce and a broadcast, ~2 log2(p) messages), which waits
     # for the last rank to finish its backwards; only then does every rank step its optimizer
-    # (over all of its stages). The step ends when the slowest optimizer is done.
-    allreduce_s = 2 * math.ceil(math.log2(p)) * link.latency_s if p > 1 else 0.0
+    # (over all of its stages). The step ends when the slowest optimizer is done. Over several
+    # nodes its messages pay the slowest link's latency.
+    allreduce_s = 2 * math.ceil(math.log2(p)) * max(x.latency_s for x in links) if p > 1 else 0.0
     rank_opt = [sum(s.opt_s for s in stages if s.rank == r) for r in range(p)]
     step_s = sim.step_time_s + allreduce_s + max(rank_opt)
     rank_memory = [rank_memory_bytes(blocks, stages, orders[r], r, optimizer, n_microbatches) for r in range(p)]
@@ -95,6 +113,47 @@ def predict(
         rank_memory_bytes=tuple(rank_memory) if stages_per_rank > 1 else (),
     )
     return stages, prediction
+
+
+def _single(link: Links) -> LinkCost:
+    """A lone stage's link (it sends nothing)."""
+    if isinstance(link, LinkCost):
+        return link
+    return LinkCost(name="none", latency_s=0.0, bandwidth_Bps=1.0)
+
+
+def plan_links(plan: Plan) -> LinkCost:
+    """The links ``plan`` was made with: a ``NodeLinks`` when it records ranks per node and the
+    inter-node link, else its one link.
+
+    Args:
+        plan: a plan.
+
+    Returns:
+        What ``predict`` takes as ``link`` to redo the plan's figures.
+    """
+    if plan.inter_node_link is None or plan.gpus_per_node is None:
+        return plan.link
+    return NodeLinks(
+        **plan.link.model_dump(), inter=plan.inter_node_link, gpus_per_node=plan.gpus_per_node, n_ranks=plan.n_ranks
+    )
+
+
+def with_links(plan: Plan, link: LinkCost) -> Plan:
+    """``plan`` recording the links it was made with (see ``plan_links``): a ``NodeLinks`` is stored
+    as its intra-node link, the inter-node link and the ranks per node.
+
+    Args:
+        plan: a plan assembled with ``link``.
+        link: the link or ``NodeLinks`` given to the solver.
+
+    Returns:
+        The plan with ``link``, ``inter_node_link`` and ``gpus_per_node`` set.
+    """
+    if not isinstance(link, NodeLinks):
+        return plan.model_copy(update={"link": link})
+    update = {"link": link.intra(), "inter_node_link": link.inter, "gpus_per_node": link.gpus_per_node}
+    return plan.model_copy(update=update)
 
 
 def stage_times(stages: Sequence[StagePlan]) -> list[StageTimes]:
@@ -186,6 +245,7 @@ def stage_plan(
     optimizer: OptimizerSpec,
     n_microbatches: int,
     rank_of: Sequence[int] | None = None,
+    link_out: LinkCost | None = None,
 ) -> StagePlan:
     """One stage's predicted figures: times per microbatch, optimizer step, activations and peak memory.
 
@@ -194,18 +254,20 @@ def stage_plan(
         index: the stage's index.
         start: its first block.
         end: one past its last block.
-        link: cost of one message between neighbouring ranks.
+        link: cost of one message over the stage's start boundary (and its end one, unless ``link_out``).
         recompute: whether it recomputes its activations in backward.
         in_flight: its peak live microbatches under the schedule.
         optimizer: the optimizer (state bytes).
         n_microbatches: microbatches per step (receive buffers).
         rank_of: the rank of every stage (None: stage i on rank i). A boundary between two
             stages on the same rank (the turn of a V) carries no message.
+        link_out: cost of one message over its end boundary (None: ``link``).
 
     Returns:
         The stage.
     """
     fwd, bwd, _ = stage_time_parts(blocks, start, end, link, recompute)
+    out_link = link_out or link
 
     def crosses(other: int) -> bool:
         return rank_of is None or rank_of[other] != rank_of[index]
@@ -214,7 +276,7 @@ def stage_plan(
     if start > 0 and crosses(index - 1):
         comm += link.send_s(blocks[start - 1].cut_bytes)
     if end < len(blocks) and crosses(index + 1):
-        comm += link.send_s(blocks[end - 1].cut_bytes)
+        comm += out_link.send_s(blocks[end - 1].cut_bytes)
     part = blocks[start:end]
     split = all(x.bwd_input_s is not None and x.bwd_weight_s is not None for x in part)
     extra = bwd - sum(x.bwd_s for x in part)  # recomputation, paid in the input-gradient pass
@@ -268,7 +330,7 @@ def with_method(plan: Plan, method: str) -> Plan:
     stages, prediction = predict(
         plan.blocks,
         base.starts,
-        plan.link,
+        plan_links(plan),
         plan.schedule,
         plan.n_microbatches,
         plan.optimizer,
@@ -319,7 +381,7 @@ def refresh(plan: Plan) -> tuple[Plan, list[str]]:
     starts = [s.start for s in plan.stages]
     flags = [s.recompute for s in plan.stages]
     slots = slots_of(plan.profile)
-    args = (plan.link, plan.schedule, plan.n_microbatches, plan.optimizer)
+    args = (plan_links(plan), plan.schedule, plan.n_microbatches, plan.optimizer)
     v = plan.stages_per_rank
     stages, prediction = predict(plan.blocks, starts, *args, flags, slots, v)
     notes = []

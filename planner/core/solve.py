@@ -11,7 +11,11 @@ cost, then lexicographically smallest starts). It is the dynamic programme over 
 block) of PipeDream, computed on candidate stages only (see ``_exact_partition``):
 
 * A stage ``[s, e)`` costs ``(pre[e] - pre[s]) + send_in[s] + send_out[e]`` (+ its recomputation),
-  so its cost without the per-end message term is non-decreasing in ``e``; a stage whose lower bound
+  so its cost without the per-end message term is non-decreasing in ``e``. With a link per
+  boundary (ranks on several nodes, ``NodeLinks``) the message terms depend on the stage index k
+  through the links of boundaries k - 1 and k: each stage index takes one of a few cost rows
+  (``_Arrays.variant``; at most four with an intra- and an inter-node link), and the bound above
+  uses the cheapest link; a stage whose lower bound
   exceeds a cap on the bottleneck can never be part of a partition under that cap. The same holds
   for a lower bound of its memory. Each start therefore has a window of candidate ends, found by
   binary search, and the programme only looks at those pairs; each stage index only at the starts
@@ -48,7 +52,7 @@ import numpy as np
 from numpy.typing import NDArray
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from planner.core.schedules import in_flight_per_stage
+from planner.core.schedules import in_flight_per_stage, stage_ranks
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 
@@ -84,22 +88,101 @@ class Partition(BaseModel):
 
 
 # ---------------------------------------------------------------------------------------------
+# Links between stages
+# ---------------------------------------------------------------------------------------------
+
+
+class NodeLinks(LinkCost):
+    """The links of a pipeline whose ranks fill several nodes: its own fields are the intra-node link,
+    ``inter`` the inter-node one.
+
+    Ranks are placed on nodes consecutively (rank r on node ``r // gpus_per_node``, as torchrun
+    numbers them); stage i runs on the rank its schedule places it on
+    (``planner.core.schedules.stage_ranks``), and the boundary between stages i and i + 1 uses
+    ``inter`` when their ranks are on different nodes (the looped wrap from the last rank back to
+    rank 0 included). Being a ``LinkCost``, it passes through code that knows one link only; the
+    solver and ``predict`` resolve it per boundary (``boundary_links``).
+    """
+
+    inter: LinkCost = Field(description="The link between ranks on different nodes.")
+    gpus_per_node: int = Field(ge=1, description="Ranks per node.")
+    n_ranks: int = Field(ge=1, description="Ranks of the pipeline (--gpus).")
+
+    def intra(self) -> LinkCost:
+        """The intra-node link as a plain ``LinkCost``."""
+        return LinkCost(name=self.name, latency_s=self.latency_s, bandwidth_Bps=self.bandwidth_Bps)
+
+
+Links = LinkCost | Sequence[LinkCost]
+"""One link for every boundary, or one per boundary (stage i to i + 1), or a ``NodeLinks``."""
+
+
+def boundary_links(link: Links, n_stages: int, schedule: str | None = None) -> list[LinkCost]:
+    """The link of every boundary between consecutive stages (``n_stages - 1`` of them).
+
+    Args:
+        link: one link for all, a list with one per boundary, or a ``NodeLinks``.
+        n_stages: stages of the pipeline.
+        schedule: decides where a ``NodeLinks``' stages run (None: stage i on rank i mod ranks,
+            the looped placement, which is also every one-stage-per-rank schedule's).
+
+    Returns:
+        The links, boundary by boundary.
+
+    Raises:
+        InfeasibleError: a list of the wrong length, or stages that do not spread over the ranks.
+    """
+    if isinstance(link, NodeLinks):
+        p = link.n_ranks
+        if n_stages % p:
+            raise InfeasibleError(f"{n_stages} stages do not spread evenly over the {p} ranks of the links")
+        ranks = stage_ranks(schedule, p, n_stages // p) if schedule is not None else [i % p for i in range(n_stages)]
+        nodes = [r // link.gpus_per_node for r in ranks]
+        intra = link.intra()
+        return [link.inter if a != b else intra for a, b in zip(nodes, nodes[1:])]
+    if isinstance(link, LinkCost):
+        return [link] * (n_stages - 1)
+    links = list(link)
+    if len(links) != n_stages - 1:
+        raise InfeasibleError(f"{len(links)} links for {n_stages} stages; expected one per boundary ({n_stages - 1})")
+    return links
+
+
+def _around(links: Sequence[LinkCost], k: int, default: LinkCost) -> tuple[LinkCost, LinkCost]:
+    """The links at stage k's start and end boundaries (the other one where it has none)."""
+    into = links[k - 1] if k > 0 else (links[0] if links else default)
+    out = links[k] if k < len(links) else into
+    return into, out
+
+
+def _default_link(link: Links) -> LinkCost:
+    """A link for a lone stage (it sends nothing, any will do)."""
+    if isinstance(link, LinkCost):
+        return link
+    links = list(link)
+    return links[0] if links else LinkCost(name="none", latency_s=0.0, bandwidth_Bps=1.0)
+
+
+# ---------------------------------------------------------------------------------------------
 # Costs of one stage
 # ---------------------------------------------------------------------------------------------
 
 
-def _boundary_send_s(blocks: Sequence[BlockCost], start: int, end: int, link: LinkCost) -> float:
+def _boundary_send_s(
+    blocks: Sequence[BlockCost], start: int, end: int, link: LinkCost, link_out: LinkCost | None = None
+) -> float:
     """Seconds a stage [start, end) spends on the messages of one microbatch in one direction.
 
     The boundary after block ``c - 1`` carries ``blocks[c - 1].cut_bytes`` per microbatch forward
     (activation) and the same size backward (its gradient); a rank receives at its start boundary
-    (unless first) and sends at its end boundary (unless last).
+    (unless first, over ``link``) and sends at its end boundary (unless last, over ``link_out``,
+    by default ``link``).
     """
     s = 0.0
     if start > 0:
         s += link.send_s(blocks[start - 1].cut_bytes)
     if end < len(blocks):
-        s += link.send_s(blocks[end - 1].cut_bytes)
+        s += (link_out or link).send_s(blocks[end - 1].cut_bytes)
     return s
 
 
@@ -124,7 +207,12 @@ def recompute_cost(block: BlockCost) -> float:
 
 
 def stage_time_parts(
-    blocks: Sequence[BlockCost], start: int, end: int, link: LinkCost, recompute: bool = False
+    blocks: Sequence[BlockCost],
+    start: int,
+    end: int,
+    link: LinkCost,
+    recompute: bool = False,
+    link_out: LinkCost | None = None,
 ) -> tuple[float, float, float]:
     """Forward, backward and per-direction message seconds of the stage ``blocks[start:end]``, per microbatch.
 
@@ -136,8 +224,9 @@ def stage_time_parts(
         blocks: per-block costs in execution order.
         start: first block of the stage.
         end: one past its last block.
-        link: cost of one message between neighbouring ranks.
+        link: cost of one message over the stage's start boundary (and its end one, unless ``link_out``).
         recompute: whether the stage recomputes its activations.
+        link_out: cost of one message over its end boundary (None: ``link``).
 
     Returns:
         ``(fwd_s, bwd_s, comm_s)``, ``comm_s`` for one direction.
@@ -145,7 +234,7 @@ def stage_time_parts(
     part = blocks[start:end]
     fwd = sum(b.fwd_s for b in part)
     bwd = sum(b.bwd_s for b in part) + (sum(recompute_cost(b) for b in part) if recompute else 0.0)
-    return fwd, bwd, _boundary_send_s(blocks, start, end, link)
+    return fwd, bwd, _boundary_send_s(blocks, start, end, link, link_out)
 
 
 def _bounds(starts: Sequence[int], n: int) -> list[tuple[int, int]]:
@@ -173,7 +262,11 @@ def _check_starts(blocks: Sequence[BlockCost], starts: Sequence[int]) -> None:
 
 
 def stage_costs(
-    blocks: Sequence[BlockCost], starts: Sequence[int], link: LinkCost, recompute: Sequence[bool] = ()
+    blocks: Sequence[BlockCost],
+    starts: Sequence[int],
+    link: Links,
+    recompute: Sequence[bool] = (),
+    schedule: str | None = None,
 ) -> list[float]:
     """Seconds one microbatch occupies each stage: forward + backward + its messages both ways.
 
@@ -182,8 +275,9 @@ def stage_costs(
     Args:
         blocks: per-block costs in execution order.
         starts: first block of each stage (see ``Partition.starts``).
-        link: cost of one message between neighbouring ranks.
+        link: cost of one message between neighbouring ranks, or per boundary (``boundary_links``).
         recompute: per stage, whether it recomputes activations; empty means no stage does.
+        schedule: places the stages of a ``NodeLinks`` on ranks (None: looped placement).
 
     Returns:
         One cost per stage.
@@ -193,9 +287,11 @@ def stage_costs(
     """
     _check_starts(blocks, starts)
     flags = recompute_flags(recompute, len(starts))
+    links = boundary_links(link, len(starts), schedule)
     costs = []
-    for (s, e), r in zip(_bounds(starts, len(blocks)), flags):
-        fwd, bwd, comm = stage_time_parts(blocks, s, e, link, r)
+    for k, ((s, e), r) in enumerate(zip(_bounds(starts, len(blocks)), flags)):
+        into, out = _around(links, k, _default_link(link))
+        fwd, bwd, comm = stage_time_parts(blocks, s, e, into, r, out)
         costs.append(fwd + bwd + comm + comm)
     return costs
 
@@ -351,14 +447,20 @@ def stage_memories(
 
 
 def evaluate(
-    blocks: Sequence[BlockCost], starts: Sequence[int], link: LinkCost, recompute: Sequence[bool] = ()
+    blocks: Sequence[BlockCost],
+    starts: Sequence[int],
+    link: Links,
+    recompute: Sequence[bool] = (),
+    schedule: str | None = None,
 ) -> Partition:
     """The bottleneck of a given split (max of ``stage_costs``).
 
     Args:
         blocks: per-block costs in execution order.
         starts: first block of each stage.
-        link: cost of one message between neighbouring ranks.
+        link: cost of one message between neighbouring ranks, or per boundary.
+        recompute: per stage, whether it recomputes activations.
+        schedule: places the stages of a ``NodeLinks`` on ranks (None: looped placement).
 
     Returns:
         The partition with its ``bottleneck_s`` (max stage cost, communication included).
@@ -366,7 +468,7 @@ def evaluate(
     Raises:
         InfeasibleError: ``starts`` is not a valid partition on legal cuts.
     """
-    costs = stage_costs(blocks, starts, link, recompute)
+    costs = stage_costs(blocks, starts, link, recompute, schedule)
     return Partition(starts=tuple(starts), bottleneck_s=max(costs), recompute=compact_flags(recompute))
 
 
@@ -573,6 +675,7 @@ class _Stages:
         by_end: bool = False,
     ) -> None:
         self.n = n
+        # c0, c1: one row per cost variant (the links around the stage, ``_Arrays.variant``)
         self.s, self.e, self.c0, self.c1, self.t0, self.t1 = s, e, c0, c1, t0, t1
         self.complete = complete
         self.t_span = t_span
@@ -590,27 +693,27 @@ class _Stages:
             self._fixed = c0
         elif int(t0.max()) < t_lo and int(t1.min()) >= t_hi:
             self._fixed = c1
-        self._cached: tuple[int, FloatArray] | None = None
-        self._capped: tuple[int, FloatArray] | None = None
+        self._cached: tuple[tuple[int, int], FloatArray] | None = None
+        self._capped: tuple[tuple[int, int], FloatArray] | None = None
 
-    def cost(self, t: int, lo: int = 0, up: int | None = None) -> FloatArray:
-        """Cost of stages ``lo:up`` when they hold ``t`` live microbatches (inf: they do not fit)."""
+    def cost(self, t: int, v: int = 0, lo: int = 0, up: int | None = None) -> FloatArray:
+        """Cost of stages ``lo:up`` in variant ``v`` when they hold ``t`` live microbatches (inf: they do not fit)."""
         if self._fixed is not None:
-            return self._fixed[lo:up]
-        if self._cached is not None and self._cached[0] == t:
+            return self._fixed[v, lo:up]
+        if self._cached is not None and self._cached[0] == (t, v):
             return self._cached[1][lo:up]
-        c0, c1, t0, t1 = self.c0[lo:up], self.c1[lo:up], self.t0[lo:up], self.t1[lo:up]
+        c0, c1, t0, t1 = self.c0[v, lo:up], self.c1[v, lo:up], self.t0[lo:up], self.t1[lo:up]
         out: FloatArray = np.where(t <= t0, c0, np.where(t <= t1, c1, math.inf))
         if lo == 0 and up is None:  # a whole row: GPipe asks for the same t at every stage index
-            self._cached = (t, out)
+            self._cached = ((t, v), out)
         return out
 
-    def capped(self, t: int, thr: float) -> FloatArray:
-        """``cost(t)`` with every stage costing more than ``thr`` set to inf (NaN stays NaN, as
+    def capped(self, t: int, v: int, thr: float) -> FloatArray:
+        """``cost(t, v)`` with every stage costing more than ``thr`` set to inf (NaN stays NaN, as
         ``cost > thr`` is false for it in the reference)."""
-        key = -1 if self._fixed is not None else t
+        key = (-1 if self._fixed is not None else t, v)
         if self._capped is None or self._capped[0] != key:
-            cost = self.cost(t)
+            cost = self.cost(t, v)
             self._capped = (key, np.where(cost > thr, math.inf, cost))
         return self._capped[1]
 
@@ -624,7 +727,7 @@ class _Stages:
         key = self.e.astype(np.uint16) if self.n < 2**16 else self.e
         order = np.argsort(key, kind="stable")
         if self._fixed is not None:  # only the cost matters, one gather instead of four
-            cost = self._fixed[order]
+            cost = self._fixed[:, order]
             t_any = np.zeros(1, dtype=np.int64)
             band = (self.reach, self.back)
             return _Stages(
@@ -634,8 +737,8 @@ class _Stages:
             self.n,
             self.s[order],
             self.e[order],
-            self.c0[order],
-            self.c1[order],
+            self.c0[:, order],
+            self.c1[:, order],
             self.t0[order],
             self.t1[order],
             self.complete,
@@ -645,7 +748,7 @@ class _Stages:
         )
 
 
-def _bottleneck(stages: _Stages, n: int, p: int, in_flight: Sequence[int]) -> float:
+def _bottleneck(stages: _Stages, n: int, p: int, in_flight: Sequence[int], variant: Sequence[int]) -> float:
     """Pass 1: the least bottleneck over partitions made of ``stages`` (inf: none).
 
     ``best[e]`` is the least bottleneck covering blocks ``[0, e)`` with stages 0..k; stage k's row is
@@ -657,7 +760,7 @@ def _bottleneck(stages: _Stages, n: int, p: int, in_flight: Sequence[int]) -> fl
     best = np.full(n + 1, inf)
     lo, up = 0, int(stages.s_ptr[1])  # the stages starting at block 0
     ends = stages.e[lo:up]
-    first = stages.cost(in_flight[0])[lo:up]
+    first = stages.cost(in_flight[0], variant[0])[lo:up]
     keep = ends == n if p == 1 else ends <= n - (p - 1)
     best[ends[keep]] = first[keep]
     if p == 1:
@@ -668,7 +771,7 @@ def _bottleneck(stages: _Stages, n: int, p: int, in_flight: Sequence[int]) -> fl
     table = stages.by_end()
     reach, back = stages.reach, stages.back
     for k in range(1, p):
-        cost = table.cost(in_flight[k])
+        cost = table.cost(in_flight[k], variant[k])
         # Stage k ends where stage k + 1 can start (n for the last): other rows cannot complete.
         e_lo, e_hi = (
             (n, n) if k == p - 1 else (max(k + 1, int(back[p - 1 - k])), min(int(reach[k + 1]), n - (p - 1 - k)))
@@ -686,7 +789,9 @@ def _bottleneck(stages: _Stages, n: int, p: int, in_flight: Sequence[int]) -> fl
     return float(best[n])
 
 
-def _tie_break(stages: _Stages, n: int, p: int, in_flight: Sequence[int], thr: float, latest: bool) -> tuple[int, ...]:
+def _tie_break(
+    stages: _Stages, n: int, p: int, in_flight: Sequence[int], variant: Sequence[int], thr: float, latest: bool
+) -> tuple[int, ...]:
     """Pass 2 and reconstruction: among partitions with every stage cost <= ``thr``, the least sum of
     stage costs, then the lexicographically smallest starts (largest with ``latest``).
 
@@ -711,7 +816,7 @@ def _tie_break(stages: _Stages, n: int, p: int, in_flight: Sequence[int], thr: f
         # The reference skips an end with suf[k + 1][e] == inf or a cost above thr; both give an inf
         # sum here (inf + x, x + inf), which never wins either. Ends that leave too few blocks for the
         # later stages have suf[k + 1][e] == inf, so they need no test of their own.
-        v = stages.capped(in_flight[k], thr)[lo:up] + suf[k + 1][e_all[lo:up]]
+        v = stages.capped(in_flight[k], variant[k], thr)[lo:up] + suf[k + 1][e_all[lo:up]]
         seg = stages.seg[(stages.seg >= lo) & (stages.seg < up)]
         mins = np.fmin.reduceat(v, seg - lo)  # NaN sums never win (the reference's `v < m`)
         mins[np.isnan(mins)] = inf
@@ -724,7 +829,7 @@ def _tie_break(stages: _Stages, n: int, p: int, in_flight: Sequence[int], thr: f
         lo, up = int(stages.s_ptr[s]), int(stages.s_ptr[s + 1])
         t = in_flight[k]
         ends = e_all[lo:up]
-        cost = stages.cost(t, lo, up)
+        cost = stages.cost(t, variant[k], lo, up)
         nxt = suf[k + 1][ends]
         ok = (nxt != inf) & (ends <= n - (p - 1 - k)) & ~(cost > thr) & stages.allowed(t, lo, up)
         ok &= cost + nxt <= bound
@@ -743,6 +848,7 @@ def _exact_partition(
     candidates: Callable[[float], _Stages],
     first_cap: float,
     latest: bool = False,
+    variant: Sequence[int] | None = None,
 ) -> tuple[int, ...] | None:
     """Exact partition of ``n`` items into ``p`` contiguous non-empty stages on candidate stages.
 
@@ -765,14 +871,16 @@ def _exact_partition(
         candidates: the candidate stages under a cap on the stage cost (``math.inf``: no cap).
         first_cap: the first cap to try (any value; a good guess saves a pass).
         latest: pick the lexicographically largest starts instead (earlier stages as full as possible).
+        variant: the cost row of each stage index (None: row 0 for all).
 
     Returns:
         The starts, or None when no partition fits.
     """
+    rows = list(variant) if variant is not None else [0] * p
     cap = first_cap
     while True:
         stages = candidates(cap)
-        opt = _bottleneck(stages, n, p, in_flight)
+        opt = _bottleneck(stages, n, p, in_flight, rows)
         if opt <= cap or stages.complete:
             break
         if opt < math.inf:
@@ -782,7 +890,7 @@ def _exact_partition(
     if opt == math.inf:
         return None
     thr = opt + _tol(opt)
-    return _tie_break(candidates(thr), n, p, in_flight, thr, latest)
+    return _tie_break(candidates(thr), n, p, in_flight, rows, thr, latest)
 
 
 class _Arrays:
@@ -791,12 +899,16 @@ class _Arrays:
     Costs are built exactly as a stage-by-stage evaluation builds them (prefix sums accumulated in
     Python in block order; per stage ``((pre[e] - pre[s]) + send_in[s]) + send_out[e]``, plus
     ``pre_r[e] - pre_r[s]`` when it recomputes), so the vectorised search compares the same floats.
+
+    With a link per boundary, ``send_in`` and ``send_out`` have one row per distinct link, and stage
+    index k costs ``variant[k]``'s row of the candidate costs: the pair (link into stage k, link out
+    of it). One link gives one row, the arrays of the single-link search.
     """
 
     def __init__(
         self,
         blocks: Sequence[BlockCost],
-        link: LinkCost,
+        link: Links,
         mem: _MemoryModel,
         mode: str,
         in_flight: Sequence[int],
@@ -810,15 +922,26 @@ class _Arrays:
         for b in blocks:
             pre.append(pre[-1] + b.fwd_s + b.bwd_s)
             pre_r.append(pre_r[-1] + recompute_cost(b))
-        # comm_fwd + comm_bwd = 2 * (send in + send out)
-        send_in = [0.0] + [2 * link.send_s(blocks[s - 1].cut_bytes) for s in range(1, n)]
-        send_out = [0.0] + [2 * link.send_s(blocks[e - 1].cut_bytes) for e in range(1, n)] + [0.0]
         self.p = len(in_flight)
+        links = boundary_links(link, self.p)
+        distinct: list[LinkCost] = []
+        for one in links or [_default_link(link)]:
+            if one not in distinct:
+                distinct.append(one)
+        ids = [distinct.index(one) for one in links]
+        pairs = [(ids[k - 1] if k else (ids[0] if ids else 0), ids[k] if k < len(ids) else 0) for k in range(self.p)]
+        pairs = [(a, a if k == self.p - 1 else b) for k, (a, b) in enumerate(pairs)]  # the last stage sends nothing
+        self.pairs = list(dict.fromkeys(pairs))
+        self.variant = [self.pairs.index(pair) for pair in pairs]
+        # comm_fwd + comm_bwd = 2 * (send in + send out)
+        send_in = [[0.0] + [2 * one.send_s(blocks[s - 1].cut_bytes) for s in range(1, n)] for one in distinct]
+        send_out = [[0.0] + [2 * one.send_s(blocks[e - 1].cut_bytes) for e in range(1, n)] + [0.0] for one in distinct]
         self.pre_list = pre
         self.pre = np.array(pre)
         self.pre_r = np.array(pre_r)
         self.send_in = np.array(send_in)
         self.send_out = np.array(send_out)
+        self.send_in_min = self.send_in.min(axis=0)  # the cheapest link: bounds every stage index's cost
         # An infinite latency or recompute_s makes some costs inf or NaN, which the cost windows
         # cannot bound; such inputs search every stage that fits (still exact, just slower).
         self.finite = bool(
@@ -937,7 +1060,9 @@ class _Arrays:
             last_cheap = np.full_like(self.starts, n)
         else:
             # The cost without its per-end message and recomputation never decreases with e.
-            last_cheap = _last_true(self.starts, n, lambda s, e: ((self.pre[e] - self.pre[s]) + self.send_in[s]) <= cap)
+            last_cheap = _last_true(
+                self.starts, n, lambda s, e: ((self.pre[e] - self.pre[s]) + self.send_in_min[s]) <= cap
+            )
         last = np.minimum(last_fit, last_cheap)
         pre = self.pre_list
 
@@ -947,7 +1072,8 @@ class _Arrays:
         band = _band(n, self.p, self.starts, last, short)
         s, e = _banded_pairs(n, self.p, self.starts, last, self.end_ok, *band)
         with np.errstate(invalid="ignore"):  # inf - inf of an infinite recompute_s: NaN, as the reference gets
-            c0 = ((self.pre[e] - self.pre[s]) + self.send_in[s]) + self.send_out[e]
+            base = self.pre[e] - self.pre[s]
+            c0 = np.stack([(base + self.send_in[a][s]) + self.send_out[b][e] for a, b in self.pairs])
             c1 = c0 + (self.pre_r[e] - self.pre_r[s]) if self.mode != "never" else c0
         t0, t1 = self.fit_limits(s, e)
         complete = bool((last_cheap >= last_fit).all())
@@ -1105,7 +1231,7 @@ def _check_in_flight(in_flight: Sequence[int], n_stages: int, n_microbatches: in
 def solve(
     blocks: Sequence[BlockCost],
     n_stages: int,
-    link: LinkCost,
+    link: Links,
     *,
     schedule: str = "1f1b",
     n_microbatches: int,
@@ -1129,9 +1255,10 @@ def solve(
     Args:
         blocks: per-block costs in execution order.
         n_stages: number of pipeline stages.
-        link: cost of one message between neighbouring ranks.
+        link: cost of one message between neighbouring ranks: one for all, one per boundary, or a
+            ``NodeLinks`` (``boundary_links``).
         schedule: "gpipe" or "1f1b"; decides the in-flight microbatches per stage (unless
-            ``in_flight`` is given).
+            ``in_flight`` is given), and where a ``NodeLinks``' stages run (any schedule).
         n_microbatches: microbatches per step.
         optimizer: the optimizer (state bytes per parameter byte).
         memory_limit_bytes: per-stage memory limit, or None for no limit.
@@ -1164,7 +1291,7 @@ def solve(
     # Without a limit "auto" never needs to recompute.
     mode = recompute if memory_limit_bytes is not None or recompute == "always" else "never"
     mem = _MemoryModel(blocks, optimizer, limit, mode, n_microbatches)
-    arrays = _Arrays(blocks, link, mem, mode, infl)
+    arrays = _Arrays(blocks, boundary_links(link, n_stages, schedule), mem, mode, infl)
     # First cap: the average stage plus the largest block and messages, about where the optimum is
     # when memory does not bind (any value is correct; a close one saves a pass).
     with_r = mode == "always"
@@ -1172,13 +1299,13 @@ def solve(
         total = float(arrays.pre[n] + (arrays.pre_r[n] if with_r else 0.0))
         largest = float(np.max(np.diff(arrays.pre) + (np.diff(arrays.pre_r) if with_r else 0.0)))
         first_cap = total / n_stages + largest + float(np.max(arrays.send_in) + np.max(arrays.send_out))
-    starts = _exact_partition(n, n_stages, infl, arrays.candidates, first_cap)
+    starts = _exact_partition(n, n_stages, infl, arrays.candidates, first_cap, variant=arrays.variant)
     if starts is None:
         given = None if in_flight is None else infl
         raise _memory_error(blocks, n_stages, schedule, n_microbatches, mem, arrays, given)
     bounds = _bounds(starts, n)
     flags = [bool(mem.choice(s, e, infl[k])) for k, (s, e) in enumerate(bounds)]
-    return evaluate(blocks, starts, link, flags)
+    return evaluate(blocks, starts, link, flags, schedule)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1282,7 +1409,8 @@ def param_balanced(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -
         c = params(s, e)
         ones = np.ones(len(s), dtype=np.int64)
         # Parameters have no memory check: every stage "fits" (t0 >= the one in-flight count, 0).
-        return _Stages(n, s, e, c, c, ones, -ones, bool((last == n).all()), (0, 0), band)
+        row = c[np.newaxis, :]
+        return _Stages(n, s, e, row, row, ones, -ones, bool((last == n).all()), (0, 0), band)
 
     first_cap = pre[-1] / n_stages + max(b.params for b in blocks)
     starts = _exact_partition(n, n_stages, [0] * n_stages, candidates, first_cap, latest=True)

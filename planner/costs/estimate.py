@@ -5,9 +5,12 @@ Costs for hardware that is not here (docs/architecture.md, "Costs"). Each block 
 on the ``meta`` device, where operators compute shapes but no data. A ``TorchDispatchMode``
 (``Roofline``) sees every aten operator and charges it
 
-    max(flops / (peak[dtype] * matmul_efficiency), bytes / (memory_Bps * memory_efficiency))
+    max(flops / (peak[dtype] * efficiency), bytes / (memory_Bps * memory_efficiency))
 
-plus a fixed per-operator overhead (``HardwareSpec.op_overhead_s``: added on a CPU, which runs
+where the efficiency is the operation class's (docs/gpu_costs.md): a GEMM's follows its shape
+(``HardwareSpec.gemm_efficiency``: small or skinny GEMMs reach less of peak), fused attention's is
+its kernel's forward or backward figure (``HardwareSpec.attention_efficiency``), anything else
+with FLOPs (convolutions) takes ``matmul_efficiency``. Plus a fixed per-operator overhead (``HardwareSpec.op_overhead_s``: added on a CPU, which runs
 kernels inline; hidden behind longer kernels on a GPU, which queues them). This is the
 per-operator roofline of ``torch.distributed._tools.runtime_estimator.RuntimeEstimator``'s
 "operator-level-cost-model" mode (which itself follows inductor's scheduler): FLOPs from
@@ -47,7 +50,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from tqdm import tqdm
 
 from planner.capture.blocks import GraphTrace, TracedModel
-from planner.capture.stage import build_stage_module
+from planner.capture.stage import build_stage_module, stage_inputs
 from planner.core.hardware import DTYPES, HardwareSpec, dtype_bytes
 from planner.costs.blocks import block_cost
 from planner.costs.timing import backward_roots, grad_inputs, leaf_safe
@@ -87,6 +90,8 @@ _NO_BYTES = {
 # Allocations without initialisation write nothing and launch nothing.
 _FREE = {aten.empty, aten.empty_like, aten.new_empty, aten.empty_strided, aten.new_empty_strided}
 # Queries of tensor metadata that _FlopCounterMode leaves alone (they matter for subclasses only).
+# GEMMs, whose efficiency follows their shape (``_gemm_dims``).
+_GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
 _METADATA_OPS = {
     aten.sym_is_contiguous.default,
     aten.is_contiguous.default,
@@ -196,11 +201,11 @@ class Roofline(TorchDispatchMode):
         self._charge(func, args, kwargs, out)
         return out
 
-    def charge_fused(self, flops: float, tensors: list[torch.Tensor], dtype: torch.dtype) -> None:
-        """Charge one fused kernel (attention) that reads and writes ``tensors``."""
+    def charge_fused(self, flops: float, tensors: list[torch.Tensor], dtype: torch.dtype, efficiency: float) -> None:
+        """Charge one fused kernel (attention) that reads and writes ``tensors`` at ``efficiency`` of peak."""
         nbytes = sum(tensor_bytes(t, self.float_bytes) for t in tensors)
         hw = self.hw
-        roof = max(flops / (self._peak(dtype) * hw.matmul_efficiency), nbytes / (hw.memory_Bps * hw.memory_efficiency))
+        roof = max(flops / (self._peak(dtype) * efficiency), nbytes / (hw.memory_Bps * hw.memory_efficiency))
         seconds = max(roof, hw.op_overhead_s) if hw.async_launch else roof + hw.op_overhead_s
         self._add(Tally(float(flops), nbytes, seconds, 1))
 
@@ -234,7 +239,11 @@ class Roofline(TorchDispatchMode):
                 float_dtype = t.dtype
                 break
         hw = self.hw
-        compute = flops / (self._peak(float_dtype) * hw.matmul_efficiency) if flops else 0.0
+        if flops and packet in _GEMMS:
+            efficiency = hw.gemm_efficiency(*_gemm_dims(packet, args))
+        else:
+            efficiency = hw.matmul_efficiency
+        compute = flops / (self._peak(float_dtype) * efficiency) if flops else 0.0
         memory = nbytes / (hw.memory_Bps * hw.memory_efficiency)
         roof = max(compute, memory)
         if hw.async_launch:
@@ -242,6 +251,13 @@ class Roofline(TorchDispatchMode):
         else:
             seconds = roof + hw.op_overhead_s
         self._add(Tally(flops, nbytes, seconds, 1))
+
+
+def _gemm_dims(packet: Any, args: tuple) -> tuple[int, int, int]:
+    """``(m, n, k)`` of a GEMM operator's ``(m x k) @ (k x n)``, batch dimensions folded into m."""
+    a, b = (args[1], args[2]) if packet in (aten.addmm, aten.baddbmm) else (args[0], args[1])
+    batch = int(a.shape[0]) if a.dim() == 3 else 1
+    return batch * int(a.shape[-2]), int(b.shape[-1]), int(a.shape[-1])
 
 
 _SDPA_SIGNATURE = inspect.Signature(
@@ -268,22 +284,45 @@ class _FusedAttention(torch.autograd.Function):
     probabilities materialised, S x S each, and saved for backward). A GPU runs FlashAttention /
     memory-efficient attention instead (Dao et al. 2022): it reads Q, K, V, writes O and the
     log-sum-exp, saves only those, and recomputes the scores in backward. Its FLOPs are
-    ``torch.utils.flop_counter``'s sdpa formulas (backward includes the recomputation).
+    ``torch.utils.flop_counter``'s sdpa formulas (backward includes the recomputation), at the
+    kernel's own efficiency (``HardwareSpec.attention_efficiency``).
+
+    Causal attention (``is_causal=True``) is charged half of those FLOPs, forward and backward:
+    the flash kernels skip the key blocks above the diagonal (FlashAttention-2 / -3 and cuDNN), and
+    their own benchmarks count causal attention as half the FLOPs (``flops(..., causal)`` in
+    flash-attn's benchmarks). ``torch.utils.flop_counter`` charges the full count whatever
+    ``is_causal`` says. An explicit ``attn_mask`` is charged in full: on the meta device a mask
+    has no values, so a causal one cannot be told from any other.
+
+    The output follows the query's layout, as the kernels allocate it (``empty_like`` of the query
+    seen as (batch, seq, heads, dim), FlashAttention's ``mha_fwd``): a query that is a transposed
+    view of a (batch, seq, heads, dim) projection gets an output whose ``transpose(1, 2)`` is
+    contiguous, so the usual ``o.transpose(1, 2).reshape(b, s, h)`` after attention is a view and
+    charges no copy, as on a GPU.
     """
 
     @staticmethod
     def forward(
-        ctx: Any, roof: Roofline, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+        ctx: Any,
+        roof: Roofline,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        causal: bool,
     ) -> torch.Tensor:
-        o = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        o = _attention_output(q, v.shape[-1])
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        share = 0.5 if causal else 1.0
         roof.charge_fused(
-            sdpa_flop_count(q.shape, k.shape, v.shape),
+            share * sdpa_flop_count(q.shape, k.shape, v.shape),
             [q, k, v, o, lse] + ([mask] if mask is not None else []),
             q.dtype,
+            roof.hw.attention_efficiency(backward=False),
         )
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.roof = roof
+        ctx.share = share
         return o
 
     @staticmethod
@@ -291,9 +330,21 @@ class _FusedAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         ctx.roof.charge_fused(
-            sdpa_backward_flop_count(do.shape, q.shape, k.shape, v.shape), [q, k, v, o, lse, do, dq, dk, dv], q.dtype
+            ctx.share * sdpa_backward_flop_count(do.shape, q.shape, k.shape, v.shape),
+            [q, k, v, o, lse, do, dq, dk, dv],
+            q.dtype,
+            ctx.roof.hw.attention_efficiency(backward=True),
         )
-        return None, dq, dk, dv, None
+        return None, dq, dk, dv, None, None
+
+
+def _attention_output(q: torch.Tensor, dim_v: int) -> torch.Tensor:
+    """The fused kernel's output for query ``q`` (b, a, s, d): laid out as (b, s, a, d) when the
+    query is (a transposed view of a contiguous (b, s, a, d)), else as (b, a, s, d)."""
+    b, a, s, _ = q.shape
+    if q.transpose(1, 2).is_contiguous():
+        return q.new_empty((b, s, a, dim_v)).transpose(1, 2)
+    return q.new_empty((b, a, s, dim_v))
 
 
 _ORIGINAL_SDPA = F.scaled_dot_product_attention
@@ -308,7 +359,7 @@ def _sdpa(*args: Any, **kwargs: Any) -> Any:
         q, k, v = a["query"], a["key"], a["value"]
         fused = roof.hw.async_launch or not a.get("dropout_p", 0.0)
         if fused and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.shape[1] % k.shape[1] == 0:
-            return _FusedAttention.apply(roof, q, k, v, a.get("attn_mask"))
+            return _FusedAttention.apply(roof, q, k, v, a.get("attn_mask"), bool(a.get("is_causal", False)))
     return _ORIGINAL_SDPA(*args, **kwargs)
 
 
@@ -334,10 +385,15 @@ def _fused_attention(roof: Roofline) -> Iterator[None]:
 
 
 def _fuse_attention_nodes(stage: torch.fx.GraphModule) -> None:
-    """Point the stage's attention calls at ``_sdpa`` (the stage is this module's private copy)."""
+    """Point the stage's attention calls at ``_sdpa`` (the stage is this module's private copy):
+    fx graphs call ``F.scaled_dot_product_attention``, torch.export graphs the aten operator
+    (same parameters), which would otherwise decompose into the unfused math on the meta device."""
     changed = False
     for node in stage.graph.nodes:
-        if node.op == "call_function" and node.target is _ORIGINAL_SDPA:
+        if node.op == "call_function" and node.target in (
+            _ORIGINAL_SDPA,
+            torch.ops.aten.scaled_dot_product_attention.default,
+        ):
             node.target = _sdpa
             changed = True
     if changed:
@@ -537,15 +593,24 @@ def estimate_blocks(
     width = dtype_bytes(dtype)
     n = len(traced.blocks)
     traced.model.train()
-    current = _meta_inputs(tuple(inputs), tdtype)
+    current = _meta_inputs(stage_inputs(inputs), tdtype)  # the first stage takes the tensors
     target = _meta_like(target.detach(), tdtype)
     owned = traced.owned_parameters()
     costs: list[BlockCost] = []
+    # The estimate is a function of the block's operations and shapes only: the 80 identical layers
+    # of a Llama-70B are estimated once (the roofline is re-run only for a block not seen before).
+    seen: dict[str, _BlockRun] = {}
     bar = tqdm(traced.blocks, desc="estimating blocks", unit="block", disable=None if progress else True, leave=False)
     for k, block in enumerate(bar):
         stage = build_stage_module(traced, k, k + 1, check_cuts=False)
         _fuse_attention_nodes(stage)
         last = k == n - 1
+        key = structure_key(stage, current, last)
+        if key in seen:
+            run = seen[key]
+            costs.append(_block_cost(traced, k, owned[k], run, hw, width, optimizer))
+            current = tuple(_meta_like(t, tdtype) if isinstance(t, torch.Tensor) else t for t in run.outputs)
+            continue
         try:
             run = _run_block(stage, current, last, target, loss_fn, hw, dtype, tdtype, None)
         except RuntimeError as first:
@@ -567,10 +632,60 @@ def estimate_blocks(
                 )
             except RuntimeError as e:
                 raise _meta_error(block.name, e) from e
+        seen[key] = run
         costs.append(_block_cost(traced, k, owned[k], run, hw, width, optimizer))
         current = tuple(_meta_like(t, tdtype) if isinstance(t, torch.Tensor) else t for t in run.outputs)
     bar.close()
     return costs
+
+
+def structure_key(stage: torch.fx.GraphModule, inputs: tuple, last: bool) -> str:
+    """What a block's estimate depends on: its operations in order (arguments as positions or
+    constants), the shapes and dtypes of its parameters, buffers and inputs, and whether it ends
+    the model (the loss). Node and parameter *names* are left out, so identical layers share a key.
+
+    Args:
+        stage: the block as a module (``build_stage_module``).
+        inputs: its inputs.
+        last: whether it is the model's last block.
+
+    Returns:
+        The key (text).
+    """
+    ids: dict[str, int] = {}
+
+    def show(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"T{tuple(value.shape)}{value.dtype}{value.requires_grad}"
+        if isinstance(value, torch.nn.Module):
+            state = [(tuple(t.shape), t.dtype, t.requires_grad) for t in (*value.parameters(), *value.buffers())]
+            return f"M{value!r}{state}"
+        return repr(value)
+
+    parts = []
+    for i, node in enumerate(stage.graph.nodes):
+        ids[node.name] = i
+        args = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: f"%{ids[a.name]}")  # type: ignore[arg-type,return-value]
+        if node.op == "placeholder":
+            target = ""  # its name is the value it receives: only its position counts
+        elif node.op == "get_attr":
+            target = show(_attr(stage, str(node.target)))
+        elif node.op == "call_module":
+            target = show(stage.get_submodule(str(node.target)))
+        else:
+            target = (
+                node.target if isinstance(node.target, str) else getattr(node.target, "__qualname__", repr(node.target))
+            )
+            target = f"{getattr(node.target, '__module__', '')}.{target}"
+        parts.append(f"{node.op}|{target}|{args!r}")
+    return repr((parts, [show(x) for x in inputs], last))
+
+
+def _attr(root: torch.nn.Module, target: str) -> Any:
+    value: Any = root
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def _block_cost(

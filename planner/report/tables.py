@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from planner.schema.plan import Plan
+from planner.report.throughput import throughput_line
+from planner.schema.plan import Plan, Tie
 
 METHOD_TITLES = {
     "optimal": "planner (searched)",
@@ -161,6 +162,28 @@ def _split_text(starts: tuple[int, ...], n_blocks: int) -> str:
     return "+".join(str(b - a) for a, b in zip(starts, ends))
 
 
+def tie_line(plan: Plan, tie: Tie) -> str:
+    """One line on a tied parameter: its names, size and the stages holding a copy.
+
+    Args:
+        plan: the plan.
+        tie: one of ``plan.ties``.
+
+    Returns:
+        e.g. ``  tied: transformer.wte.weight = lm_head.weight (32.77k params), a copy on stages 0 and 1
+        (ranks 0, 1: gradients summed)``.
+    """
+    stages = plan.tie_stages(tie)
+    ranks = sorted({plan.stages[i].rank for i in stages})
+    where = " and ".join(", ".join(str(i) for i in stages).rsplit(", ", 1))
+    if len(ranks) > 1:
+        sync = f"ranks {', '.join(map(str, ranks))}: gradients summed"
+    else:
+        sync = f"one parameter on rank {ranks[0]}"
+    held = f"a copy on stages {where} ({sync})" if len(stages) > 1 else f"held by stage {stages[0]}"
+    return f"  tied: {' = '.join(tie.names)} ({_count(tie.params)} params), {held}"
+
+
 def render(plan: Plan) -> str:
     """The full report: a header, the stage table and the summary table.
 
@@ -180,11 +203,19 @@ def render(plan: Plan) -> str:
         f"{plan.microbatch_size}; {len(plan.blocks)} blocks; link {plan.link.name} "
         f"({plan.link.latency_s * 1e3:.2f} ms + bytes / {plan.link.bandwidth_Bps / 1e9:.1f} GB/s)"
     )
+    inter = plan.inter_node_link
+    if inter is not None and plan.gpus_per_node is not None and plan.n_ranks > plan.gpus_per_node:
+        head += (
+            f"; {plan.gpus_per_node} GPUs per node: boundaries between nodes use {inter.name} "
+            f"({inter.latency_s * 1e3:.3f} ms + bytes / {inter.bandwidth_Bps / 1e9:.1f} GB/s)"
+        )
     if m.trace_failures:
         head += "\n" + "\n".join(f"  {method} could not trace it: {reason}" for method, reason in m.trace_failures)
+    for tie in plan.ties:
+        head += "\n" + tie_line(plan, tie)
     summary = (
         f"predicted step {_ms(plan.prediction.step_time_s)} ms, bubble {100 * plan.prediction.bubble_fraction:.1f}%, "
-        f"imbalance {plan.prediction.imbalance:.3f} (slowest / mean stage)"
+        f"imbalance {plan.prediction.imbalance:.3f} (slowest / mean stage)\n{throughput_line(plan)}"
     )
     if plan.choice:
         summary += f"\nchosen: {plan.choice}"

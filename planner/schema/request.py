@@ -57,6 +57,9 @@ def schedule_name(name: str) -> str:
     )
 
 
+DEFAULT_GPUS_PER_NODE = 8
+"""Ranks per node of estimated GPU plans (an HGX/DGX node holds 8 GPUs)."""
+
 METHODS: tuple[str, ...] = get_args(Method)
 RECOMPUTE: tuple[str, ...] = get_args(Recompute)
 DTYPES: tuple[str, ...] = get_args(Dtype)
@@ -132,6 +135,7 @@ class PlanRequest(_Request):
         "gpu_type": "--gpu-type",
         "dtype": "--dtype",
         "multi_node": "--multi-node",
+        "gpus_per_node": "--gpus-per-node",
         "calibrate_run": "--calibrate",
         "optimizer": "--optimizer",
         "threads": "--threads",
@@ -171,7 +175,16 @@ class PlanRequest(_Request):
     dtype: Dtype | None = Field(
         default=None, description="Dtype of --gpu-type estimates (None: bf16 on GPUs, fp32 on cpu)."
     )
-    multi_node: bool = Field(default=False, description="Estimated plans: stages talk over the inter-node network.")
+    multi_node: bool = Field(
+        default=False, description="Estimated plans: every boundary crosses nodes (an alias of gpus_per_node 1)."
+    )
+    gpus_per_node: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="Estimated plans: ranks per node, rank r on node r // N; only boundaries between nodes use the "
+        f"inter-node network (None: {DEFAULT_GPUS_PER_NODE}, or 1 with --multi-node).",
+    )
     calibrate_run: Path | None = Field(default=None, description="A run.json whose measurements correct the costs.")
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     threads: int | None = Field(default=None, ge=1, description="CPU threads per rank (None: cores // gpus).")
@@ -207,6 +220,12 @@ class PlanRequest(_Request):
             raise ValueError(
                 "--multi-node applies to estimated costs only; add --gpu-type (measured plans use this machine's link)"
             )
+        if self.gpus_per_node is not None and self.gpu_type is None:
+            raise ValueError(
+                "--gpus-per-node applies to estimated costs only; add --gpu-type (measured plans use this machine's link)"
+            )
+        if self.multi_node and self.gpus_per_node not in (None, 1):
+            raise ValueError("--multi-node means --gpus-per-node 1 (every boundary crosses nodes); give one of the two")
         if self.dtype is not None and self.gpu_type is None:
             raise ValueError(
                 "--dtype applies to estimated costs only; add --gpu-type (measured costs use the model's own dtype)"
@@ -227,6 +246,13 @@ class PlanRequest(_Request):
     def microbatch_size(self) -> int:
         """Samples per microbatch."""
         return self.batch_size // self.n_microbatches
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks per node for estimated plans: ``--gpus-per-node``, 1 with ``--multi-node``, else 8."""
+        if self.gpus_per_node is not None:
+            return self.gpus_per_node
+        return 1 if self.multi_node else DEFAULT_GPUS_PER_NODE
 
     @property
     def memory_limit_bytes(self) -> int | None:
