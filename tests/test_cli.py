@@ -392,7 +392,7 @@ def _write_model(tmp_path: Path, body: str) -> Path:
         ),
         (
             "def make_batch(batch_size, **config):\n    return (torch.randn(batch_size, 4),), [1, 2]\n",
-            "must return (inputs_tuple, target_tensor), got (tuple, list)",
+            "must return (inputs, target_tensor) with the inputs a tuple or a dict of keyword inputs, got (tuple, list)",
         ),
         (
             "def make_batch(batch_size, **config):\n    return (torch.randn(batch_size, 5),), torch.zeros(batch_size, dtype=torch.long)\n",

@@ -72,13 +72,78 @@ def test_make_batch_that_ignores_batch_size_is_refused(tmp_path: Path) -> None:
     assert "make_batch(4) returned tensors whose first dimension is [3], not 4" in out
 
 
-@pytest.mark.parametrize("model", ["gpt", "encoder_lm", "resnet50", "shakespeare", "toy", "llama"])
-def test_the_shipped_models_keep_the_contract(model: str, tmp_path: Path) -> None:
+def test_make_batch_that_ignores_batch_size_is_refused_for_estimates_too(tmp_path: Path) -> None:
+    model = _variant(
+        tmp_path, "def make_batch(batch_size: int,", "def make_batch(batch_size_ignored: int, batch_size: int = 3,"
+    )
+    code, out = _plan(model, tmp_path, "--gpu-type", "h100")
+    assert code == 2
+    assert "make_batch(4) returned tensors whose first dimension is [3], not 4" in out
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_a_training_stream_of_another_batch_size_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
+    model = tmp_path / "model.py"
+    model.write_text(TOY)
+    code, out = _plan(model, tmp_path)
+    assert code == 0, out
+    model.write_text(
+        TOY.replace(
+            "x = torch.randn(batch_size, in_features, generator=g)",
+            "x = torch.randn(batch_size // 2, in_features, generator=g)",
+        ).replace(
+            "y = x @ w + b + 0.1 * torch.randn(batch_size, out_features, generator=g)",
+            "y = x @ w + b + 0.1 * torch.randn(batch_size // 2, out_features, generator=g)",
+        )
+    )
+    result = CliRunner().invoke(main, ["run", str(tmp_path / "plan.json"), "--steps", "2"])
+    assert result.exit_code == 2, result.output
+    line = "train_batches(8) yields input 0 of shape [4, 10] float32 but the plan was made for shape [8, 10] float32"
+    assert line in result.output
+    assert "launching" not in result.output and "Traceback" not in result.output
+
+
+def test_keyword_batches_are_bound_to_forward_by_name(tmp_path: Path) -> None:
+    from planner.capture.load import load_model_file
+
+    model = tmp_path / "kw.py"
+    model.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.lin = nn.Linear(4, 4)\n"
+        "    def forward(self, x, scale=None, mask=None):\n        return self.lin(x) * mask\n"
+        "def build_model(**_):\n    return M()\n"
+        "def make_batch(batch_size, key='mask', **_):\n"
+        "    return {'x': torch.randn(batch_size, 4), key: torch.ones(batch_size, 4)}, torch.randn(batch_size, 4)\n"
+        "SIZES = {'ok': {'key': 'mask'}, 'bad': {'key': 'masks'}}\n"
+    )
+    inputs, _ = load_model_file(model, "ok").batch(2)
+    assert [type(x).__name__ for x in inputs] == ["Tensor", "NoneType", "Tensor"]  # scale took its default
+    with pytest.raises(Exception, match=r"keyword input\(s\) 'masks' that the model's forward\(\) cannot take"):
+        load_model_file(model, "bad").batch(2)
+
+
+HF_FILES = [
+    ("hf/gpt2", "tiny"),
+    ("hf/llama", "tiny"),
+    ("hf/llama", "tiny-tied"),
+    ("hf/qwen", "tiny"),
+    ("hf/bert_mlm", "tiny"),
+]
+
+
+@pytest.mark.parametrize(
+    ("model", "size"),
+    [(m, "tiny") for m in ["gpt", "encoder_lm", "resnet50", "shakespeare", "toy", "llama"]] + HF_FILES,
+)
+def test_the_shipped_models_keep_the_contract(model: str, size: str, tmp_path: Path) -> None:
     import torch
 
     from planner.capture.load import check_batch_contract, load_model_file
 
-    mf = load_model_file(ROOT / "models" / f"{model}.py", "tiny")
+    if model.startswith("hf/"):
+        pytest.importorskip("transformers")
+    mf = load_model_file(ROOT / "models" / f"{model}.py", size)
     check_batch_contract(mf, mf.build(0), 2, 0, torch.device("cpu"))  # raises if not
 
 

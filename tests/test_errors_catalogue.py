@@ -146,7 +146,7 @@ CASES: list[Case] = [
         "make_batch returns the wrong shape",
         "plan {d}/bad.py --gpus 2",
         2,
-        "must return (inputs_tuple, target_tensor)",
+        "must return (inputs, target_tensor) with the inputs a tuple or a dict",
         _variant("    return (x,), y", "    return x, y"),
     ),
     Case(

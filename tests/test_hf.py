@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from planner.api import make_plan
 from planner.capture.load import load_model_file
 from planner.capture.stage import build_stage_module
 from planner.capture.trace import trace_model
+from planner.errors import TraceError
 from planner.schema.plan import Plan
 from planner.schema.request import PlanRequest
 
@@ -83,50 +83,28 @@ def test_hf_style_model_falls_back_to_module_boundaries():
     assert traced.cuts[0].nbytes == 2 * 8 * 32 * 4
 
 
-def test_hf_style_make_plan():
-    plan = _quick_plan(HF_STYLE, "tiny")
-    assert plan.model.trace_method == "modules"
-    assert [m for m, _ in plan.model.trace_failures] == ["fx", "export"]
-    assert [(b.name, b.is_layer) for b in plan.blocks] == HF_STYLE_BLOCKS
-    assert plan.n_stages == 2 and len(plan.stages) == 2
-    _check_optimal(plan)
-    assert Plan.from_json(plan.to_json()) == plan
-    assert set(plan.baselines) == {"uniform", "params"}
-    # equal layer counts: embed + 2 layers | 2 layers + norm + head
-    assert plan.baselines["uniform"].starts == (0, 3)
+def test_hf_style_blocks_are_no_chain_so_make_plan_refuses_with_the_reason():
+    # the layers take the attention mask besides the hidden states: no chain of stages can run them
+    mf = load_model_file(HF_STYLE, "tiny")
+    traced = trace_model(mf.build(), mf.batch(2)[0])
+    assert traced.chain_reason == "model.layers.0 takes 2 tensors; a chain block takes only the previous block's output"
+    with pytest.raises(TraceError, match=r"its blocks cannot run as a chain of stages: model.layers.0 takes 2 tensors"):
+        _quick_plan(HF_STYLE, "tiny")
 
 
-def test_hf_style_cli_plan(tmp_path):
+def test_hf_style_cli_plan_is_refused_in_one_line(tmp_path):
     from click.testing import CliRunner
 
     import cli
 
     out = tmp_path / "plan.json"
-    args = [
-        "plan",
-        str(HF_STYLE),
-        "--size",
-        "tiny",
-        "--gpus",
-        "2",
-        "--batch-size",
-        "4",
-        "--repeats",
-        "1",
-        "--warmup",
-        "0",
-        "-o",
-        str(out),
-        "-q",
-    ]
-    result = CliRunner().invoke(cli.main, args)
-    assert result.exit_code == 0, result.output + repr(result.exception)
-    assert f"wrote {out}" in result.output
-    data = json.loads(out.read_text())
-    assert data["model"]["trace_method"] == "modules"
-    plan = Plan.load(out)
-    assert [b.name for b in plan.blocks] == [n for n, _ in HF_STYLE_BLOCKS]
-    _check_optimal(plan)
+    args = ["plan", str(HF_STYLE), "--size", "tiny", "--gpus", "2", "--batch-size", "4", "--repeats", "1"]
+    result = CliRunner().invoke(cli.main, [*args, "--warmup", "0", "-o", str(out), "-q"])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: this model was traced by module boundaries (fx: ")
+    assert "make its blocks a chain" in lines[0]
+    assert not out.exists()
 
 
 def test_cli_plan_error_is_one_line(tmp_path):
@@ -167,32 +145,37 @@ def transformers():
     return pytest.importorskip("transformers")
 
 
-def test_raw_gpt2_is_planned_by_module_boundaries(transformers):
+def test_raw_gpt2_is_traced_by_export_with_its_kv_cache_off(transformers):
+    # as a user brings it: GPT2LMHeadModel returns a ModelOutput and, by default, a KV cache that
+    # torch.export cannot flatten; the planner switches the cache off and takes the logits
     mf = load_model_file(HF_GPT2, "tiny")
-    model = mf.build()
-    assert isinstance(model, transformers.GPT2LMHeadModel)
+    model = mf.build().eval()
+    assert isinstance(model, transformers.GPT2LMHeadModel) and model.config.use_cache is False
     inputs, _ = mf.batch(2)
     traced = trace_model(model, inputs)
-    assert traced.method == "modules"
-    assert [m for m, _ in traced.failures] == ["fx", "export"]
+    assert traced.method == "export" and [m for m, _ in traced.failures] == ["fx"]
     assert [(b.name, b.is_layer) for b in traced.blocks] == GPT2_BLOCKS
-    # wte's and wpe's outputs are added at wrapper level before drop: those two cuts are not
-    # a single tensor handed from block to block; from drop on they are
-    assert [c.legal for c in traced.cuts] == [False, False] + [True] * 6
-    assert "does not take transformer.wte's output" in traced.cuts[0].reason
-    assert traced.cuts[3].nbytes == 2 * 16 * 64 * 4
+    assert all(c.legal for c in traced.cuts)
+    [tie] = traced.tied_parameters()
+    assert tie.names == ("transformer.wte.weight", "lm_head.weight") and tie.blocks == (0, 8)
+    expected = model(*inputs).logits.detach()
+    with torch.no_grad():
+        args = inputs
+        for a, b in zip([0, 4], [4, 9]):
+            out = build_stage_module(traced, a, b)(*args)
+            args = out if isinstance(out, tuple) else (out,)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
 
 
-def test_raw_gpt2_make_plan_splits_the_layers(transformers):
-    plan = _quick_plan(HF_GPT2, "tiny", method="uniform")
-    assert plan.model.trace_method == "modules"
-    assert [b.name for b in plan.blocks] == [n for n, _ in GPT2_BLOCKS]
-    assert len(plan.stages) == 2
-    assert _layers_per_stage(plan) == [2, 2]
-    assert plan.stages[0].last_block == "transformer.h.1" and plan.stages[1].first_block == "transformer.h.2"
-    _check_tiling(plan)
-    assert "optimal" in plan.baselines
-    assert plan.baselines["optimal"].step_time_s <= plan.prediction.step_time_s * (1 + 1e-9)
+def test_raw_gpt2_make_plan_records_the_tie(transformers):
+    plan = _quick_plan(HF_GPT2, "tiny")
+    assert plan.model.trace_method == "export"
+    _check_optimal(plan)
+    [tie] = plan.ties
+    assert tie.blocks == ("transformer.wte", "lm_head") and tie.params == 256 * 64
+    assert plan.tie_stages(tie) == [0, 1]
+    head = plan.blocks[-1]
+    assert head.tied_params == tie.params and head.params == tie.params  # the head's stage holds a copy
 
 
 def test_wrapped_gpt2_is_traced_by_export_and_stages_reproduce_it(transformers):

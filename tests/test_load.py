@@ -79,12 +79,25 @@ def test_default_loss_is_cross_entropy_over_last_dim():
     expected = torch.nn.functional.cross_entropy(out.reshape(-1, 2), target.reshape(-1))
     assert torch.equal(default_loss(out, target), expected)
     mf = load_model_file(ROOT / "models" / "toy.py")
-    assert mf.loss_fn is mf.module.loss_fn  # the file's own loss_fn wins
+    y, t = torch.randn(3, 5), torch.randn(3, 5)
+    assert torch.equal(mf.loss_fn(y, t), torch.nn.functional.mse_loss(y, t))  # the file's own loss_fn wins
 
 
 def test_file_without_loss_fn_gets_default(tmp_path):
     mf = load_model_file(write(tmp_path, "m.py", GOOD))
-    assert mf.loss_fn is default_loss
+    out, target = torch.randn(2, 3, 7), torch.randint(0, 7, (2, 3))
+    assert torch.equal(mf.loss_fn(out, target), default_loss(out, target))
+
+
+def test_a_dict_like_result_reaches_loss_fn_as_its_logits(tmp_path):
+    from collections import OrderedDict
+
+    mf = load_model_file(write(tmp_path, "m.py", GOOD))
+    logits, target = torch.randn(2, 3, 7), torch.randint(0, 7, (2, 3))
+    want = default_loss(logits, target)
+    # a Hugging Face ModelOutput is an OrderedDict: logits by name, else the first entry
+    assert torch.equal(mf.loss_fn(OrderedDict(loss=None, logits=logits), target), want)
+    assert torch.equal(mf.loss_fn({"last_hidden_state": logits}, target), want)
 
 
 # --- sizes and --set --------------------------------------------------------------------------
@@ -265,7 +278,7 @@ def test_make_batch_returning_wrong_shape(tmp_path, ret, kind):
         mf.batch(2)
     msg = str(e.value)
     assert "badbatch.py" in msg and "make_batch()" in msg
-    assert "(inputs_tuple, target_tensor)" in msg and f"got {kind}" in msg
+    assert "(inputs, target_tensor) with the inputs a tuple or a dict of keyword inputs" in msg and f"got {kind}" in msg
 
 
 def test_build_model_type_error_on_bad_config(tmp_path):

@@ -23,7 +23,7 @@ from planner.capture.stage import build_stage_module  # noqa: E402
 from planner.capture.trace import trace_model  # noqa: E402
 from planner.core.schedules import action_order, stage_ranks  # noqa: E402
 from planner.costs.blocks import ties_of  # noqa: E402
-from planner.errors import PlanFileError, PlannerError  # noqa: E402
+from planner.errors import PlanFileError, PlannerError, TraceError  # noqa: E402
 from planner.report.compare import measured_events  # noqa: E402
 from planner.run import RunResult, run_plan, train_reference  # noqa: E402
 from planner.run.loop import RankResult, run_result  # noqa: E402
@@ -210,6 +210,10 @@ CASES = [
     ),
     # V placement: embedding (stage 0) and head (stage 3) on rank 0 share the one parameter
     pytest.param(FIXTURES / "tied.py", [0, 1, 2, 3], "zbv", 4, "sgd", 0.05, 2, id="tied-2x2-zbv-one-rank"),
+    # a stage with no parameters (the toy's ReLU) only relays activations: no optimizer on its rank
+    pytest.param(MODELS / "toy.py", [0, 1, 2], "1f1b", 4, "sgd", 0.05, 1, id="toy-3stages-parameterless-middle"),
+    # no tracer follows its data-dependent layers: stages are chains of its block modules
+    pytest.param(FIXTURES / "guarded.py", [0, 3], "1f1b", 4, "adamw", 0.05, 1, id="module-chain-2stages-1f1b"),
     # Hugging Face models as they are: ModelOutput results, keyword inputs with a padding mask, ties
     pytest.param(HF / "gpt2.py", [0, 5], "gpipe", 4, "adamw", 0.5, 1, marks=NEEDS_HF, id="hf-gpt2-tied-2stages-gpipe"),
     pytest.param(
@@ -296,18 +300,14 @@ def test_fingerprint_mismatch_raises_before_launch(tmp_path: Path, no_launch: No
         run_plan(edited, RunRequest(plan_file=saved(edited, tmp_path), steps=2))
 
 
-def test_module_boundary_plan_is_rejected(tmp_path: Path, no_launch: None) -> None:
-    plan = make_plan(MODELS / "gpt.py", [0, 3])
-    reason = "TraceError: data-dependent control flow in forward"
-    edited = plan.model_copy(
-        update={
-            "model": plan.model.model_copy(
-                update={"trace_method": "modules", "trace_failures": [("fx", reason), ("export", reason)]}
-            )
-        }
-    )
-    with pytest.raises(PlannerError, match="needs a graph-traced model.*data-dependent control flow"):
-        run_plan(edited, RunRequest(plan_file=saved(edited, tmp_path), steps=2))
+def test_a_module_boundary_plan_whose_blocks_are_no_chain_is_refused_before_launch(
+    tmp_path: Path, no_launch: None
+) -> None:
+    # `planner plan` refuses such a model; a plan file made another way (or before) is refused here
+    plan = make_plan(FIXTURES / "hf_style.py", [0, 3], batch_size=4, n_microbatches=2)
+    assert plan.model.trace_method == "modules"
+    with pytest.raises(TraceError, match="cannot run as a chain of stages: model.layers.0 takes 2 tensors"):
+        run_plan(plan, RunRequest(plan_file=saved(plan, tmp_path), steps=2))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has the GPUs nccl needs")

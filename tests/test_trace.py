@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from planner.capture.blocks import GraphTrace, ModuleTrace, TracedModel
 from planner.capture.load import load_model_file
-from planner.capture.stage import build_stage_module
+from planner.capture.stage import build_stage_module, stage_module
 from planner.capture.trace import trace_model
 from planner.errors import PlannerError, TraceError
 
@@ -325,8 +325,40 @@ def test_data_dependent_control_flow_falls_back_to_module_boundaries():
     assert all(c.legal for c in traced.cuts)
     B, d = inputs[0].shape
     assert [c.nbytes for c in traced.cuts] == [B * d * 4] * 4
-    with pytest.raises(TraceError, match="module boundaries"):
+    with pytest.raises(TraceError, match="module-boundary trace has no graph to cut"):
         build_stage_module(traced, 0, 2)
+    # its blocks are a chain: stages call them one after another and give the model's output
+    assert traced.chain_reason == ""
+    torch.manual_seed(0)
+    want = model(*inputs)
+    with torch.no_grad():
+        h = stage_module(traced, 0, 2)(*inputs)
+        got = stage_module(traced, 2, 5)(h)
+    torch.testing.assert_close(got, want.detach(), rtol=0, atol=0)
+
+
+def test_work_between_blocks_is_no_chain():
+    # a model that scales the hidden state between its layers: stages made of its blocks alone
+    # would drop that, so the module-boundary trace says it is no chain
+    import torch.nn as nn
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x) * 2
+            if x.sum() > 0:  # keeps fx and export out
+                return x
+            return -x
+
+    traced = trace_model(Scaled(), (torch.randn(2, 4),))
+    assert traced.method == "modules"
+    assert traced.chain_reason == "layers.1 does not take layers.0's output as it is (the model changes it in between)"
+    with pytest.raises(TraceError, match="cannot run as a chain of stages: layers.1 does not take"):
+        stage_module(traced, 0, 1)
 
 
 def test_modules_fallback_does_not_modify_the_model():

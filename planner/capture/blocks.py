@@ -242,9 +242,37 @@ class GraphTrace(TracedModel):
                 h.update(type(self.gm.get_submodule(str(node.target))).__qualname__.encode())
 
 
+@dataclass(frozen=True)
+class BlockCall:
+    """How a module-boundary block was called: its arguments with the one tensor that flows from
+    block to block marked, everything else constants.
+
+    Attributes:
+        args: positional arguments; ``CHAINED`` at the slot of the flowing tensor.
+        kwargs: keyword arguments (constants).
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+CHAINED = "<the tensor flowing from block to block>"
+
+
 @dataclass
 class ModuleTrace(TracedModel):
-    """A model observed at its module boundaries (no graph): blocks are modules, by FQN."""
+    """A model observed at its module boundaries (no graph): blocks are modules, by FQN.
+
+    Attributes:
+        calls: per block, how to call it in a chain (empty when the model is no chain).
+        first_input: which of the model's tensor inputs the first block takes.
+        chain_reason: why the blocks cannot be run as a chain ("" when they can): a block that
+            takes another tensor besides the flowing one, work done between blocks, ...
+    """
+
+    calls: list[BlockCall] = field(default_factory=list)
+    first_input: int = 0
+    chain_reason: str = ""
 
     def block_parameters(self, k: int) -> list[nn.Parameter]:
         """The parameters of block k's module."""

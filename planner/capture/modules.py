@@ -6,8 +6,12 @@ children of the model's containers (and its other top-level children), in the or
 and a cut after block k is legal when the tensor block k returns is the very tensor block k+1
 receives first — the dataflow a pipeline stage needs, checked on a real forward pass.
 
-Plans made this way are good for costs and balance tables; the runner needs a graph to build
-stages and says so.
+A pipeline stage is then a chain of block modules (``ChainStage``): each called with the previous
+one's output tensor and the constants it was called with. That is the model only when the model
+*is* such a chain, which the trace checks by identity on the real forward pass: the first block
+takes one of the model's inputs, each next block takes the very tensor the previous one returned
+(no view, no work in between) and no other tensor, and the model returns the last block's output.
+Otherwise ``chain_reason`` says why, and ``planner plan`` refuses such a model with that reason.
 """
 
 from __future__ import annotations
@@ -17,7 +21,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from planner.capture.blocks import CONTAINERS, Block, Cut, ModuleTrace, ValueInfo, is_layer
+from planner.capture.blocks import (
+    CHAINED,
+    CONTAINERS,
+    Block,
+    BlockCall,
+    Cut,
+    ModuleTrace,
+    ValueInfo,
+    describe,
+    is_layer,
+)
+from planner.capture.load import model_output
 from planner.errors import TraceError
 from planner.torch_compat import pytree
 
@@ -76,17 +91,19 @@ def trace_module_boundaries(model: nn.Module, inputs: tuple[Any, ...], failures:
     if not candidates:
         raise TraceError(f"{type(model).__name__} has no child modules to use as pipeline blocks")
     calls: list[tuple[str, Any, Any]] = []
+    times: dict[str, int] = {}
     handles = []
     for fqn, (module, _) in candidates.items():
 
         def hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any, fqn: str = fqn) -> None:
-            if all(c[0] != fqn for c in calls):  # a module called twice (shared weights) counts once
+            times[fqn] = times.get(fqn, 0) + 1
+            if times[fqn] == 1:  # a module called twice (shared weights) counts once
                 calls.append((fqn, (args, kwargs), out))
 
         handles.append(module.register_forward_hook(hook, with_kwargs=True))
     try:
         with torch.no_grad():
-            model(*inputs)
+            result = model(*inputs)
     except Exception as e:
         raise TraceError(f"forward pass of {type(model).__name__} failed: {type(e).__name__}: {e}") from e
     finally:
@@ -114,4 +131,72 @@ def trace_module_boundaries(model: nn.Module, inputs: tuple[Any, ...], failures:
     last = _first_tensor(calls[-1][2])
     if last is not None:
         values[calls[-1][0]] = ValueInfo("tensor", last.numel() * last.element_size())
-    return ModuleTrace(model, "modules", list(failures), blocks, cuts, values)
+    twice = [fqn for fqn, n in times.items() if n > 1]
+    if twice:
+        chain: list[BlockCall] = []
+        first_input, reason = 0, f"{twice[0]} is called {times[twice[0]]} times in one forward"
+    else:
+        chain, first_input, reason = _chain(calls, inputs, model_output(result), candidates)
+    return ModuleTrace(model, "modules", list(failures), blocks, cuts, values, chain, first_input, reason)
+
+
+def _chain(
+    calls: list[tuple[str, Any, Any]], inputs: tuple[Any, ...], result: Any, candidates: dict[str, Any]
+) -> tuple[list[BlockCall], int, str]:
+    """How to run the blocks as a chain, and which tensor input the first takes; or why they are no chain."""
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    out: list[BlockCall] = []
+    first_input = 0
+    flowing: torch.Tensor | None = None
+    for k, (fqn, (args, kwargs), returned) in enumerate(calls):
+        leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        if len(leaves) != 1 or len(slots) != 1:
+            return [], 0, f"{fqn} takes {len(leaves)} tensors; a chain block takes only the previous block's output"
+        x = args[slots[0]]
+        if k == 0:
+            matches = [i for i, t in enumerate(tensors) if t is x]
+            if not matches:
+                return [], 0, f"{fqn}, the first block, does not take one of the model's inputs as it is"
+            first_input = matches[0]
+        elif x is not flowing:
+            return [], 0, f"{fqn} does not take {calls[k - 1][0]}'s output as it is (the model changes it in between)"
+        bad = [a for a in pytree.tree_leaves((args, kwargs)) if a is not x and describe(a).kind != "const"]
+        if bad:
+            return [], 0, f"{fqn} takes a {type(bad[0]).__name__} argument that cannot be fixed for the run"
+        out.append(BlockCall(tuple(CHAINED if i == slots[0] else a for i, a in enumerate(args)), dict(kwargs)))
+        flowing = _first_tensor(returned)
+        if flowing is None:
+            return [], 0, f"{fqn} returns no tensor"
+    if result is not flowing:
+        return [], 0, f"the model does more with {calls[-1][0]}'s output before returning it"
+    ran = {fqn for fqn, _, _ in calls}
+    skipped = [
+        fqn for fqn in candidates if fqn not in ran and any(p.requires_grad for p in candidates[fqn][0].parameters())
+    ]
+    if skipped:
+        return [], 0, f"{skipped[0]} has parameters but never ran in forward"
+    return out, first_input, ""
+
+
+class ChainStage(nn.Module):
+    """A pipeline stage of a module-boundary trace: blocks [start, end) called one after another.
+
+    Args:
+        traced: the module-boundary trace (its ``calls`` set: ``chain_reason`` empty).
+        start: first block.
+        end: one past the last block.
+    """
+
+    def __init__(self, traced: ModuleTrace, start: int, end: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(traced.model.get_submodule(b.name) for b in traced.blocks[start:end])
+        self.calls = traced.calls[start:end]
+        self.take = traced.first_input if start == 0 else 0
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        x = inputs[self.take]
+        for block, call in zip(self.blocks, self.calls):
+            out = block(*(x if a is CHAINED else a for a in call.args), **call.kwargs)
+            x = _first_tensor(out)  # type: ignore[assignment]  # the trace saw a tensor here
+        return x

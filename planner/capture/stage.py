@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch import nn
 
-from planner.capture.blocks import GraphTrace, TracedModel
+from planner.capture.blocks import GraphTrace, ModuleTrace, TracedModel
 from planner.capture.load import model_output
 from planner.errors import TraceError
 from planner.torch_compat import exported_out_spec, pytree
@@ -26,6 +27,33 @@ def _impure(node: fx.Node) -> bool:
         return True
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+
+
+def trace_root(traced: TracedModel) -> nn.Module:
+    """The module whose parameters and buffers the stages share: the graph, or the model itself."""
+    return traced.gm if isinstance(traced, GraphTrace) else traced.model
+
+
+def stage_module(traced: TracedModel, start: int, end: int) -> nn.Module:
+    """The module a pipeline stage runs for blocks [start, end) of any trace: cut from the graph
+    (``build_stage_module``), or for a module-boundary trace a ``ChainStage`` calling the block
+    modules one after another.
+
+    Args:
+        traced: the trace.
+        start: first block of the stage.
+        end: one past the last block.
+
+    Returns:
+        The stage module (parameters shared with the trace).
+
+    Raises:
+        TraceError: a module-boundary trace whose blocks are no chain (the reason named), an empty
+            range, or an illegal cut.
+    """
+    if isinstance(traced, ModuleTrace):
+        return _chain_stage(traced, start, end)
+    return build_stage_module(traced, start, end)
 
 
 def build_stage_module(traced: TracedModel, start: int, end: int, *, check_cuts: bool = True) -> fx.GraphModule:
@@ -50,14 +78,11 @@ def build_stage_module(traced: TracedModel, start: int, end: int, *, check_cuts:
         The stage as an ``fx.GraphModule``.
 
     Raises:
-        TraceError: when the model was traced by module boundaries (no graph), the range is empty,
-            or a cut at either end is not legal.
+        TraceError: when the model was traced by module boundaries (no graph: ``stage_module``
+            builds those stages), the range is empty, or a cut at either end is not legal.
     """
     if not isinstance(traced, GraphTrace):
-        raise TraceError(
-            f"this model was traced by module boundaries ({'; '.join(r for _, r in traced.failures)}), "
-            "so there is no graph to cut into stages; make it traceable by torch.fx or torch.export"
-        )
+        raise TraceError("a module-boundary trace has no graph to cut; its stages are chains of blocks (stage_module)")
     n = len(traced.blocks)
     if not 0 <= start < end <= n:
         raise TraceError(f"stage block range [{start}, {end}) is not within the model's {n} blocks")
@@ -76,6 +101,21 @@ def build_stage_module(traced: TracedModel, start: int, end: int, *, check_cuts:
     stage.graph.lint()
     stage.recompile()
     return stage
+
+
+def _chain_stage(traced: ModuleTrace, start: int, end: int) -> nn.Module:
+    from planner.capture.modules import ChainStage
+
+    if traced.chain_reason or not traced.calls:
+        why = "; ".join(f"{m}: {r}" for m, r in traced.failures)
+        raise TraceError(
+            f"this model was traced by module boundaries ({why}) and its blocks cannot run as a chain of stages: "
+            f"{traced.chain_reason or 'no calls were recorded'}; make forward traceable by torch.fx or torch.export "
+            "(no data-dependent control flow), or make its blocks a chain (each takes only the previous one's output)"
+        )
+    if not 0 <= start < end <= len(traced.blocks):
+        raise TraceError(f"stage block range [{start}, {end}) is not within the model's {len(traced.blocks)} blocks")
+    return ChainStage(traced, start, end)
 
 
 class _Lookup:

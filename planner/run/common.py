@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from planner.capture.blocks import GraphTrace, TiedParameter
+from planner.capture.blocks import TiedParameter, TracedModel
 from planner.capture.load import ModelFile, load_model_file
+from planner.capture.stage import trace_root
 from planner.capture.trace import trace_model
 from planner.core.schedules import check_schedule, stage_ranks
 from planner.errors import PlanFileError, PlannerError
@@ -56,13 +57,6 @@ def check_runnable(plan: Plan) -> None:
             f"this plan's costs were estimated for {plan.profile.hardware} ({plan.profile.dtype}), a GPU that is not "
             "here; to train, plan on the machine that runs it (without --gpu-type) and run that plan"
         )
-    if plan.model.trace_method == "modules":
-        why = "; ".join(f"{m}: {r}" for m, r in plan.model.trace_failures) or "no reason recorded"
-        raise PlannerError(
-            "this plan's model was traced by module boundaries, but the runner needs a graph-traced "
-            f"model (fx or export) to cut into stages; tracing failed with: {why}; make the model "
-            "traceable (no data-dependent control flow in forward) and re-run `planner plan`"
-        )
     if plan.n_ranks > 1:
         # torch's own constructors refuse these
         check_schedule(plan.schedule, plan.n_ranks, plan.n_microbatches, plan.stages_per_rank)
@@ -74,7 +68,7 @@ def check_runnable(plan: Plan) -> None:
             )
 
 
-def check_blocks(plan: Plan, traced: GraphTrace) -> None:
+def check_blocks(plan: Plan, traced: TracedModel) -> None:
     """The plan's blocks are the traced model's, name for name and node for node.
 
     The fingerprint covers the model; this covers the plan file, whose block list a user may edit
@@ -97,7 +91,7 @@ def check_blocks(plan: Plan, traced: GraphTrace) -> None:
             )
 
 
-def trace_for_plan(plan: Plan, mf: ModelFile, model: nn.Module) -> GraphTrace:
+def trace_for_plan(plan: Plan, mf: ModelFile, model: nn.Module) -> TracedModel:
     """Trace ``model`` the way the planner did and check it is the structure the plan was made for.
 
     Args:
@@ -106,7 +100,8 @@ def trace_for_plan(plan: Plan, mf: ModelFile, model: nn.Module) -> GraphTrace:
         model: the model freshly built from ``mf`` with the plan's seed.
 
     Returns:
-        The graph trace, its buffers reset to the freshly built model's.
+        The trace (a graph, or module boundaries whose stages are chains of blocks), its buffers
+        reset to the freshly built model's.
 
     Raises:
         PlanFileError: the traced fingerprint differs from the plan's.
@@ -114,8 +109,6 @@ def trace_for_plan(plan: Plan, mf: ModelFile, model: nn.Module) -> GraphTrace:
     """
     inputs, _ = mf.batch(plan.microbatch_size, seed=plan.model.seed)
     traced = trace_model(model, inputs, methods=(plan.model.trace_method,))
-    if not isinstance(traced, GraphTrace):  # check_runnable refuses module-boundary plans first
-        raise PlanFileError("the runner needs a graph-traced model; re-run `planner plan`")
     if traced.fingerprint != plan.model.fingerprint:
         raise PlanFileError(
             f"plan was made for a different model structure (fingerprint {plan.model.fingerprint}, "
@@ -126,13 +119,13 @@ def trace_for_plan(plan: Plan, mf: ModelFile, model: nn.Module) -> GraphTrace:
     # running statistics; start training from the freshly built buffers like the unsplit model.
     fresh = dict(model.named_buffers())
     with torch.no_grad():
-        for name, buf in traced.gm.named_buffers():
+        for name, buf in trace_root(traced).named_buffers():
             if name in fresh and fresh[name].shape == buf.shape:
                 buf.copy_(fresh[name])
     return traced
 
 
-def check_ties(plan: Plan, traced: GraphTrace) -> list[TiedParameter]:
+def check_ties(plan: Plan, traced: TracedModel) -> list[TiedParameter]:
     """The traced model's tied parameters, checked against the ties the plan records.
 
     Args:

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from planner.capture.blocks import GraphTrace
-from planner.capture.load import ModelFile
-from planner.capture.stage import build_stage_module
+from planner.capture.blocks import TracedModel
+from planner.capture.load import ModelFile, check_train_batch
+from planner.capture.stage import stage_module
 from planner.errors import PlannerError
 from planner.run.common import check_runnable, check_ties, load_plan_model, print_flushed, trace_for_plan
 from planner.run.loop import run_result
@@ -87,7 +87,7 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _check_stages(plan: Plan, traced: GraphTrace) -> None:
+def _check_stages(plan: Plan, traced: TracedModel) -> None:
     """Build every stage once (catches illegal cuts) and check the plan records every parameter
     that several stages read (tied weights), before any rank starts.
 
@@ -96,7 +96,7 @@ def _check_stages(plan: Plan, traced: GraphTrace) -> None:
         PlanFileError: a tie the plan does not record (``check_ties``).
     """
     for s in plan.stages:
-        build_stage_module(traced, s.start, s.end)
+        stage_module(traced, s.start, s.end)
     check_ties(plan, traced)
 
 
@@ -189,6 +189,7 @@ def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None]
     traced = trace_for_plan(plan, mf, mf.build(plan.model.seed))
     _check_stages(plan, traced)
     del traced
+    check_train_batch(mf, plan.batch_size, plan.model.seed)
     if n == 1:
         if request.echo:
             print_fn(

@@ -34,10 +34,10 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
-from planner.capture.blocks import GraphTrace, TiedParameter
+from planner.capture.blocks import TiedParameter, TracedModel
 from planner.capture.graph import buffers_restored
 from planner.capture.load import ModelFile
-from planner.capture.stage import build_stage_module, stage_inputs
+from planner.capture.stage import stage_inputs, stage_module, trace_root
 from planner.core.schedules import placement
 from planner.errors import PlannerError
 from planner.run.common import (
@@ -123,7 +123,7 @@ def _as_tuple(value: object) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
 
-def _example_io(traced: GraphTrace, start: int, stage: torch.nn.Module, inputs: tuple) -> tuple[tuple, tuple]:
+def _example_io(traced: TracedModel, start: int, stage: torch.nn.Module, inputs: tuple) -> tuple[tuple, tuple]:
     """Real example inputs and outputs of one stage, for ``PipelineStage``'s static mode.
 
     Without them ``PipelineStage`` infers shapes at the first step by running every stage on
@@ -135,10 +135,10 @@ def _example_io(traced: GraphTrace, start: int, stage: torch.nn.Module, inputs: 
     # Same shapes and dtypes as training. torch.export's modules refuse .eval(), so train mode stays
     # on: the buffers are put back (batch norm's running statistics) and the RNG too (dropout), so
     # training starts exactly where the unsplit model's does.
-    with buffers_restored(traced.gm), torch.random.fork_rng(devices=[]), torch.enable_grad():
+    with buffers_restored(trace_root(traced)), torch.random.fork_rng(devices=[]), torch.enable_grad():
         x = stage_inputs(inputs)
         if start > 0:
-            prefix = build_stage_module(traced, 0, start)
+            prefix = stage_module(traced, 0, start)
             x = tuple(t.detach().contiguous().requires_grad_(t.requires_grad) for t in _as_tuple(prefix(*x)))
         y = _as_tuple(stage(*x))
     return x, tuple(t.detach().requires_grad_(t.requires_grad) for t in y)
@@ -239,8 +239,8 @@ def _build_stages(plan: Plan, mf: ModelFile, rank: int, device: torch.device) ->
     modules: list[torch.nn.Module] = []
     stages: list[Any] = []
     for stage_plan in plan.stages_of(rank):
-        stage_module = build_stage_module(traced, stage_plan.start, stage_plan.end)
-        module = ContiguousBoundary(Recomputed(stage_module) if stage_plan.recompute else stage_module)
+        built_module = stage_module(traced, stage_plan.start, stage_plan.end)
+        module = ContiguousBoundary(Recomputed(built_module) if stage_plan.recompute else built_module)
         example_in, example_out = _example_io(traced, stage_plan.start, module, example)
         module.to(device)
         modules.append(module)
