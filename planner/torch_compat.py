@@ -17,6 +17,8 @@ When torch changes one of these, this is the only file to mend; the tests that e
 - ``torch.distributed._tools.mem_tracker.MemTracker``: memory by category (tests/test_run.py).
 - ``torch.nn.functional.scaled_dot_product_attention`` swapped for the duration of an estimate, to
   charge attention as the fused kernel a GPU runs (tests/test_estimate.py).
+- Python's own ``multiprocessing.forkserver._forkserver._stop``: a fresh forkserver per launch, so
+  the ranks print where the launcher's stdout is now (tests/test_run.py reads their step lines).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ __all__ = [
     "memory_tracker",
     "pipelining_backward",
     "pytree",
+    "stop_forkserver",
     "storage_id",
     "swapped_sdpa",
     "timed_schedule",
@@ -155,3 +158,15 @@ def timed_schedule(
     finally:
         schedule.__dict__.pop("_maybe_compute_loss", None)
         sched_mod._batch_p2p, sched_mod._wait_batch_p2p = batch_p2p, wait_p2p
+
+
+def stop_forkserver() -> None:
+    """Stop multiprocessing's forkserver (Python's private ``ForkServer._stop``), so the next launch
+    starts a fresh one. Its workers inherit the server's stdout and stderr, not the launcher's: a
+    server kept from an earlier launch would print to where stdout went then (a test's capture, a
+    closed pipe). A Python without the method keeps its server."""
+    import multiprocessing.forkserver
+
+    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
+    if callable(stop):
+        stop()

@@ -83,11 +83,89 @@ def _estimated(raw: dict) -> None:
     raw["profile"].update(source="estimated", device="cuda", backend="nccl", hardware="h100", dtype="bf16")
 
 
+def _half_stream(d: Path) -> None:
+    """A copy of the plan whose model file's train_batches yields half the planned batch."""
+    _toy(
+        d,
+        "stream.py",
+        "x = torch.randn(batch_size, in_features, generator=g)",
+        "x = torch.randn(batch_size // 2, in_features, generator=g)",
+    )
+    text = (
+        (d / "stream.py")
+        .read_text()
+        .replace(
+            "0.1 * torch.randn(batch_size, out_features, generator=g)",
+            "0.1 * torch.randn(batch_size // 2, out_features, generator=g)",
+        )
+    )
+    (d / "stream.py").write_text(text)
+    raw = json.loads((d / "plan.json").read_text())
+    raw["model"]["path"] = str(d / "stream.py")
+    (d / "stream.json").write_text(json.dumps(raw))
+
+
+NO_CHAIN = """
+import torch
+from torch import nn
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, h, mask):
+        return self.lin(h) * mask
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(3))
+
+    def forward(self, x):
+        mask = (x > 0).float()
+        if mask.sum() > 0:  # data-dependent: neither fx nor export follows it
+            mask = mask + 1
+        for layer in self.layers:
+            x = layer(x, mask)
+        return x
+
+
+def build_model(**_):
+    return Model()
+
+
+def make_batch(batch_size, **_):
+    return (torch.randn(batch_size, 4),), torch.randn(batch_size, 4)
+
+
+def loss_fn(out, target):
+    return ((out - target) ** 2).mean()
+"""
+
 M = "{d}/model.py"
 PLAN = ["plan", M, "--gpus", "2", "-b", "8", *FAST, "-o", "{d}/out.json"]
 P = " ".join(PLAN)
 
 CASES: list[Case] = [
+    Case(
+        "model file",
+        "no tracer follows it and its blocks are no chain",
+        "plan {d}/nochain.py --gpus 2 -b 8",
+        2,
+        "cannot run as a chain of stages: layers.0 takes 2 tensors",
+        _text("nochain.py", NO_CHAIN),
+    ),
+    Case(
+        "model file",
+        "train_batches yields another batch size than planned",
+        "run {d}/stream.json --steps 1",
+        2,
+        "train_batches(8) yields input 0 of shape [4, 10] float32 but the plan was made for shape [8, 10] float32",
+        _half_stream,
+    ),
     # --- the model file ---------------------------------------------------------------------------
     Case("model file", "model file missing", "plan {d}/nope.py --gpus 2", 2, "does not exist"),
     Case(

@@ -337,8 +337,10 @@ def test_one_stage_plan_trains_in_process(tmp_path: Path, no_launch: None, capsy
 
 @pytest.mark.multiprocess
 def test_worker_error_comes_back_as_one_message(tmp_path: Path) -> None:
+    # the first batch is good (the parent checks it before launching), the second fails on the ranks
     src = (MODELS / "toy.py").read_text() + (
-        "\n\ndef train_batches(batch_size, **config):\n    raise ValueError('no data today')\n"
+        "\n\ndef train_batches(batch_size, **config):\n    yield make_batch(batch_size)\n"
+        "    raise ValueError('no data today')\n"
     )
     model = tmp_path / "broken.py"
     model.write_text(src)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -35,6 +36,7 @@ from planner.run.single import train_model_file
 from planner.schema.plan import Plan
 from planner.schema.request import RunRequest
 from planner.schema.result import RunResult
+from planner.torch_compat import stop_forkserver
 
 _NOISY_LOGGERS = (
     "torch.distributed.elastic",
@@ -216,6 +218,7 @@ def _launch(plan: Plan, request: RunRequest, nproc: int, print_fn: Callable[[str
 
     from planner.run.worker import run_worker
 
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed.pipelining", "planner.run.worker"])
     n, nnodes = plan.n_ranks, request.nnodes
     endpoint = request.rdzv_endpoint or f"localhost:{_free_port()}"
     if request.echo:
@@ -235,7 +238,10 @@ def _launch(plan: Plan, request: RunRequest, nproc: int, print_fn: Callable[[str
             rdzv_backend="c10d",
             rdzv_endpoint=endpoint,
             max_restarts=0,
-            start_method="spawn",
+            # Workers fork from a server process that has imported torch and the worker once, instead
+            # of each importing them afresh (about 2 s of CPU per rank). The server is started
+            # fresh by this process, not forked from it, so no thread or CUDA state is inherited.
+            start_method="forkserver",
             monitor_interval=0.1,
             logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp) / "logs")),
         )
@@ -247,4 +253,6 @@ def _launch(plan: Plan, request: RunRequest, nproc: int, print_fn: Callable[[str
                 outputs = elastic_launch(config, run_worker)(*args)
             except ChildFailedError as e:
                 raise _worker_error(error_dir, e) from None
+            finally:
+                stop_forkserver()  # the next launch's workers print where stdout is then
     return run_result(plan, list(outputs.values()), mode="pipeline", plan_path=request.plan_file)
