@@ -33,11 +33,14 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's planner
+from planner.core.hardware import get_hardware  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN = "<!-- BEGIN planner-prediction (written by bench/plan_70b.py) -->"
 END = "<!-- END planner-prediction -->"
 GIB = 2**30
-H100_USABLE = 81559 * 2**20  # what an H100-80GB reports to CUDA
+H100_USABLE = get_hardware("h100").memory_bytes  # what an H100-80GB reports to CUDA (docs/gpu_costs.md)
 
 
 def planner_cmd() -> list[str]:
@@ -166,7 +169,8 @@ def render(plan: dict, cmd_text: str, wall: float, rss: int) -> str:
         (
             f"- predicted step {pred['step_time_s']:.3f} s, bubble {pred['bubble_fraction']:.1%}, "
             f"imbalance {pred['imbalance']:.3f}, max memory {pred['max_memory_bytes'] / GIB:.2f} GiB "
-            f"({sum(s['memory_bytes'] > H100_USABLE for s in stages)} of {len(stages)} stages above 79.6 GiB)"
+            f"({sum(s['memory_bytes'] > H100_USABLE for s in stages)} of {len(stages)} stages above "
+            f"{H100_USABLE / GIB:.1f} GiB, the H100's capacity)"
         ),
         "",
         "| stage | blocks | params | act GiB/mb | in flight | planner GiB | hand GiB (fused A) | hand GiB (eager A) | planner / hand (fused) |",
