@@ -61,6 +61,17 @@ def _check_optimal(plan: Plan) -> None:
         assert plan.prediction.step_time_s <= baseline.step_time_s * (1 + 1e-9), name
 
 
+def _run_stages(traced, starts: list[int], inputs: tuple) -> torch.Tensor:
+    """The model's output computed stage after stage, the stages starting at the blocks in ``starts``."""
+    bounds = [*starts, len(traced.blocks)]
+    args = inputs
+    with torch.no_grad():
+        for a, b in zip(bounds, bounds[1:]):
+            out = build_stage_module(traced, a, b)(*args)
+            args = out if isinstance(out, tuple) else (out,)
+    return out
+
+
 def _layers_per_stage(plan: Plan) -> list[int]:
     return [sum(b.is_layer for b in plan.blocks[s.start : s.end]) for s in plan.stages]
 
@@ -160,12 +171,7 @@ def test_raw_gpt2_is_traced_by_export_with_its_kv_cache_off(transformers):
     [tie] = traced.tied_parameters()
     assert tie.names == ("transformer.wte.weight", "lm_head.weight") and tie.blocks == (0, 8)
     expected = model(*inputs).logits.detach()
-    with torch.no_grad():
-        args = inputs
-        for a, b in zip([0, 4], [4, 9]):
-            out = build_stage_module(traced, a, b)(*args)
-            args = out if isinstance(out, tuple) else (out,)
-    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(_run_stages(traced, [0, 4], inputs), expected, rtol=0, atol=1e-6)
 
 
 def test_raw_gpt2_make_plan_records_the_tie(transformers):
@@ -190,15 +196,8 @@ def test_wrapped_gpt2_is_traced_by_export_and_stages_reproduce_it(transformers):
     assert all(c.legal for c in traced.cuts)
     expected = model(*inputs).detach()
     assert expected.shape == (2, 16, 256)
-    n = len(traced.blocks)
-    with torch.no_grad():
-        for starts in ([0, 3, 5], list(range(n)), [0, 7]):
-            bounds = starts + [n]
-            args = inputs
-            for a, b in zip(bounds, bounds[1:]):
-                out = build_stage_module(traced, a, b)(*args)
-                args = out if isinstance(out, tuple) else (out,)
-            torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    for starts in ([0, 3, 5], list(range(len(traced.blocks))), [0, 7]):
+        torch.testing.assert_close(_run_stages(traced, starts, inputs), expected, rtol=0, atol=1e-6)
 
 
 def test_wrapped_gpt2_make_plan(transformers):
