@@ -46,6 +46,11 @@ def short_reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}{where}"
 
 
+def _from_transformers(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face transformers model (its class comes from the package)."""
+    return any(c.__module__.split(".", 1)[0] == "transformers" for c in type(model).__mro__)
+
+
 def trace_model(
     model: nn.Module, inputs: tuple[Any, ...], methods: tuple[str, ...] = ("fx", "export", "modules")
 ) -> TracedModel:
@@ -69,6 +74,16 @@ def trace_model(
     private = copy.deepcopy(model)
     failures: list[tuple[str, str]] = []
     for method in methods:
+        if method == "fx" and len(methods) > 1 and _from_transformers(model):
+            # fx cannot follow a transformers model's forward (it fails with "co_varnames is too
+            # small", which tells a user nothing); say why in words and go on to torch.export
+            failures.append(
+                (
+                    "fx",
+                    f"{type(model).__name__} is a transformers model, whose forward fx does not follow; torch.export does",
+                )
+            )
+            continue
         if method == "modules":
             try:
                 return trace_module_boundaries(private, inputs, failures)
