@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from cli import main
@@ -121,6 +122,29 @@ def test_keyword_batches_are_bound_to_forward_by_name(tmp_path: Path) -> None:
     assert [type(x).__name__ for x in inputs] == ["Tensor", "NoneType", "Tensor"]  # scale took its default
     with pytest.raises(Exception, match=r"keyword input\(s\) 'masks' that the model's forward\(\) cannot take"):
         load_model_file(model, "bad").batch(2)
+
+
+def test_binding_a_keyword_stream_does_not_reseed_it(tmp_path: Path) -> None:
+    # the first keyword batch of a stream reads forward()'s signature from a meta build; the
+    # build's seeding must not reach the stream, which draws from the global RNG
+    from planner.capture.load import load_model_file
+
+    model = tmp_path / "kwstream.py"
+    model.write_text(
+        "import torch\nfrom torch import nn\n"
+        "def build_model(**_):\n    return nn.Linear(4, 4)\n"
+        "def make_batch(batch_size, **_):\n    return {'input': torch.randn(batch_size, 4)}, torch.randn(batch_size, 4)\n"
+        "def train_batches(batch_size, **_):\n    while True:\n        yield make_batch(batch_size)\n"
+    )
+    unbound = load_model_file(model)
+    stream = unbound.train_batches(2, seed=3)
+    first_unbound = [next(stream)[0][0] for _ in range(3)]
+    built = load_model_file(model)
+    built.build()  # the signature is known before the stream starts
+    stream = built.train_batches(2, seed=3)
+    first_built = [next(stream)[0][0] for _ in range(3)]
+    for a, b in zip(first_unbound, first_built):
+        assert torch.equal(a, b)
 
 
 HF_FILES = [

@@ -187,7 +187,9 @@ class ModelFile:
         if isinstance(inputs, tuple):
             return inputs, target
         if self._forward is None:
-            with torch.device("meta"):  # only the signature is wanted: no weights are allocated
+            # only the signature is wanted: no weights are allocated, and build()'s reseeding must
+            # not reach the caller's RNG (a train_batches stream drawing from it, say)
+            with torch.device("meta"), torch.random.fork_rng(devices=[]):
                 self.build()
         params = self._forward or []
         names = [p.name for p in params]
