@@ -49,7 +49,7 @@ from torch.func import functional_call
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from tqdm import tqdm
 
-from planner.capture.blocks import GraphTrace, TracedModel
+from planner.capture.blocks import GraphTrace, TracedModel, get_attr
 from planner.capture.stage import build_stage_module, stage_inputs
 from planner.core.hardware import DTYPES, HardwareSpec, dtype_bytes
 from planner.costs.blocks import block_cost
@@ -669,7 +669,7 @@ def structure_key(stage: torch.fx.GraphModule, inputs: tuple, last: bool) -> str
         if node.op == "placeholder":
             target = ""  # its name is the value it receives: only its position counts
         elif node.op == "get_attr":
-            target = show(_attr(stage, str(node.target)))
+            target = show(get_attr(stage, str(node.target)))
         elif node.op == "call_module":
             target = show(stage.get_submodule(str(node.target)))
         else:
@@ -679,13 +679,6 @@ def structure_key(stage: torch.fx.GraphModule, inputs: tuple, last: bool) -> str
             target = f"{getattr(node.target, '__module__', '')}.{target}"
         parts.append(f"{node.op}|{target}|{args!r}")
     return repr((parts, [show(x) for x in inputs], last))
-
-
-def _attr(root: torch.nn.Module, target: str) -> Any:
-    value: Any = root
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def _block_cost(

@@ -143,7 +143,7 @@ def check_ties(plan: Plan, traced: TracedModel) -> list[TiedParameter]:
     recorded = {(t.names, t.blocks) for t in plan.ties}
     for tie in ties:
         blocks = tuple(traced.blocks[k].name for k in tie.blocks)
-        stages = sorted({s.index for s in plan.stages for k in tie.blocks if s.start <= k < s.end})
+        stages = plan.stages_reading(tie.blocks)
         if (tie.names, blocks) not in recorded and len(stages) > 1:
             also = f" (also named {', '.join(tie.names[1:])})" if len(tie.names) > 1 else ""
             raise PlanFileError(
@@ -164,29 +164,22 @@ def tie_groups(plan: Plan, ties: list[TiedParameter]) -> list[tuple[TiedParamete
     Returns:
         (tie, ranks) per tie; ranks has one entry when every reader sits on one rank (one copy).
     """
-    out = []
-    for tie in ties:
-        ranks: list[int] = []
-        for k in tie.blocks:
-            rank = next(s.rank for s in plan.stages if s.start <= k < s.end)
-            if rank not in ranks:
-                ranks.append(rank)
-        out.append((tie, ranks))
-    return out
+    # stages in order, so the owner's (the first reader's) rank comes first
+    return [(tie, list(dict.fromkeys(plan.stages[i].rank for i in plan.stages_reading(tie.blocks)))) for tie in ties]
 
 
 def make_optimizer(params: Iterable[nn.Parameter], plan: Plan) -> torch.optim.Optimizer | None:
     """The plan's optimizer with torch's defaults for everything the plan does not say.
 
     Args:
-        params: the parameters to optimize (duplicates are dropped: stages on one rank share a tied one).
+        params: the parameters to optimize, each once.
         plan: the plan whose optimizer name and learning rate to use.
 
     Returns:
         ``torch.optim.SGD`` or ``torch.optim.AdamW``; None when there is nothing to optimize (a
         stage of parameter-free blocks, a ReLU say, still runs: it only relays activations).
     """
-    params = list({id(p): p for p in params}.values())
+    params = list(params)
     if not params:
         return None
     if plan.optimizer.name == "sgd":

@@ -6,6 +6,7 @@ Pure module: pydantic only, never torch. A plan round-trips through its JSON tex
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -163,8 +164,8 @@ class Candidate(_Frozen):
 class Tie(_Frozen):
     """A parameter several blocks read (a tied input embedding and output head, say).
 
-    Every stage holding one of those blocks holds a copy (its memory counts it; the block that owns
-    it, the first reader, carries its parameter count). The runner sums the copies' gradients across
+    Every stage holding one of those blocks holds a copy: the first reader owns the parameter, and
+    each later reader's ``BlockCost`` counts a copy (``tied_params``), so the stage's memory does. The runner sums the copies' gradients across
     their ranks before clipping and the optimizer step, so the copies stay identical, as Megatron's
     embedding group and DeepSpeed's ``TiedLayerSpec`` do.
     """
@@ -209,11 +210,15 @@ class Plan(_Frozen):
     choice: str = Field(default="", description="Why this schedule, microbatch count and stages per rank.")
     ties: list[Tie] = Field(default_factory=list, description="Parameters several blocks read (tied weights).")
 
+    def stages_reading(self, blocks: Iterable[int]) -> list[int]:
+        """The stages that hold any of ``blocks`` (block indices), ascending."""
+        wanted = set(blocks)
+        return [s.index for s in self.stages if any(s.start <= k < s.end for k in wanted)]
+
     def tie_stages(self, tie: Tie) -> list[int]:
         """The stages holding a copy of ``tie``'s parameter, ascending (the first holds the owner)."""
         index = {b.name: k for k, b in enumerate(self.blocks)}
-        wanted = {index[name] for name in tie.blocks}
-        return [s.index for s in self.stages if any(s.start <= k < s.end for k in wanted)]
+        return self.stages_reading(index[name] for name in tie.blocks)
 
     @property
     def microbatch_size(self) -> int:
