@@ -28,3 +28,26 @@ class PlanFileError(PlannerError):
 
 class InfeasibleError(PlannerError):
     """No partition satisfies the request (too few legal cuts, memory limit, batch not divisible)."""
+
+
+class DataError(PlannerError):
+    """A data file given with ``--data`` is missing, empty, too short for one batch, or does not suit the model."""
+
+
+class RunFailed(PlannerError):
+    """A ``planner run`` stopped before its last step: a rank died, hung, or was interrupted.
+
+    The message names the rank, what happened to it (exit code or signal) and the step; the run's
+    record (run.json) is still written with the steps completed.
+
+    Attributes:
+        result: the run's record of the steps completed (a ``RunResult``; None: no step completed
+            or no rank could report).
+        exit_code: the status the CLI exits with: 130 after Ctrl-C (SIGINT), 143 after SIGTERM,
+            1 for any other failure.
+    """
+
+    def __init__(self, message: str, *, result: object | None = None, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.result = result
+        self.exit_code = exit_code
