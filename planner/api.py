@@ -82,11 +82,9 @@ def make_plan(request: PlanRequest) -> Plan:
     threads = request.threads or default_threads(request.gpus)
     mf = load_model_file(request.model_file, request.size, request.overrides)
     calibration = load_calibration(request.calibrate_run) if request.calibrate_run else None
-    if calibration is not None and request.microbatches is None:
-        # Calibration factors hold for the microbatch size they were measured at: keep the run's count.
-        size = calibration[1].microbatch_size
-        if size > 0 and request.batch_size % size == 0:
-            request = request.model_copy(update={"microbatches": request.batch_size // size})
+    if calibration is not None:
+        check_levers(calibration[0], request)
+        request = calibrated_request(request, calibration[0], calibration[1].microbatch_size)
     if request.gpu_type is not None:
         costs = estimated_costs(mf, request, threads)
     else:
@@ -106,8 +104,65 @@ def make_plan(request: PlanRequest) -> Plan:
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         ties=costs.ties,
     )
+    plan = plan.model_copy(update={"compile": request.compile})  # the runner compiles as the plan says
     plan = traced_as_run(plan, mf, costs.traced, request)
     return with_links(plan, link)  # a multi-node plan records both links and the ranks per node
+
+
+def calibrated_request(request: PlanRequest, run_plan: Plan, size: int) -> PlanRequest:
+    """The request as a calibration can serve it: factors hold for the layout and microbatch size
+    they were measured at, so ``--dp auto`` keeps the run's replica count (when it divides the
+    ranks and the batch) and ``--microbatches auto`` the run's microbatch size.
+
+    Args:
+        request: the plan request.
+        run_plan: the plan the calibrating run trained.
+        size: the run's samples per microbatch (of one replica).
+
+    Returns:
+        The request, with ``dp`` and ``microbatches`` pinned where they were auto and the run's fit.
+    """
+    update: dict[str, object] = {}
+    dp = request.dp
+    if dp == "auto" and request.gpus % run_plan.dp == 0 and request.batch_size % run_plan.dp == 0:
+        dp = update["dp"] = run_plan.dp
+    replica_batch = request.batch_size // (dp if isinstance(dp, int) else 1)
+    if request.microbatches is None and size > 0 and replica_batch % size == 0:
+        update["microbatches"] = replica_batch // size
+    return request.model_copy(update=update) if update else request
+
+
+def levers_text(autocast: str | None, compile: bool) -> str:
+    """The speed levers in words, for messages: e.g. "autocast bf16, compiled" or "fp32, eager".
+
+    Args:
+        autocast: the autocast dtype, or None.
+        compile: whether the stages are compiled.
+
+    Returns:
+        The text.
+    """
+    return f"{f'autocast {autocast}' if autocast else 'fp32'}, {'compiled' if compile else 'eager'}"
+
+
+def check_levers(run_plan: Plan, request: PlanRequest) -> None:
+    """Refuse a calibration measured under other speed levers (autocast, compile) than the request's:
+    its per-stage factors correct costs that were measured another way.
+
+    Args:
+        run_plan: the plan the calibrating run trained.
+        request: the plan request.
+
+    Raises:
+        PlanFileError: the levers differ.
+    """
+    had = (run_plan.profile.autocast, run_plan.compile)
+    asked = (request.autocast, request.compile)
+    if had != asked:
+        raise PlanFileError(
+            f"--calibrate: the run trained a plan made {levers_text(*had)}, this plan asks for {levers_text(*asked)}; "
+            "its factors would not carry over: calibrate from a run of a plan made with the same --dtype and --compile"
+        )
 
 
 def traced_as_run(plan: Plan, mf: ModelFile, traced: TracedModel, request: PlanRequest) -> Plan:
@@ -146,7 +201,9 @@ def traced_as_run(plan: Plan, mf: ModelFile, traced: TracedModel, request: PlanR
         raise InfeasibleError(
             f"the model traces into other blocks with microbatches of {plan.microbatch_size} samples (the search's "
             f"choice, m={plan.n_microbatches}) than with {request.microbatch_size} (profiled); give "
-            f"--microbatches {request.n_microbatches} to plan at the profiled size"
+            f"--microbatches {request.n_microbatches}"
+            + (f" --dp {request.profile_dp}" if request.dp != request.profile_dp else "")
+            + " to plan at the profiled size"
         )
     blocks = [
         b.model_copy(update={"first_node": t.nodes[0], "last_node": t.nodes[-1]})
@@ -177,28 +234,30 @@ def tokens_per_sample(inputs: object) -> int | None:
 
 def check_request(request: PlanRequest) -> None:
     """Refuse, before any model is built, a schedule / microbatch / stages-per-rank request that
-    torch's schedule classes refuse whatever the split (only when all three are given: otherwise
-    the search tries what can run).
+    torch's schedule classes refuse whatever the split (only when all three are given, and the
+    replica count: otherwise the search tries what can run).
 
     Raises:
         InfeasibleError: the schedule cannot run with these numbers.
     """
-    if request.schedule == "auto":
+    if request.schedule == "auto" or request.dp == "auto":
         return
+    pp = request.gpus // request.dp  # pipeline ranks of one replica
     v = request.stages_per_rank
     if v is not None:
-        check_placement(request.schedule, request.gpus, v)
+        check_placement(request.schedule, pp, v)
     if request.microbatches is not None:
         # the microbatch rules do not depend on v: any count the schedule runs with will do
         v = v if v is not None else stages_per_rank_options(request.schedule, 2)[-1]
-        check_schedule(request.schedule, request.gpus, request.microbatches, v)
+        check_schedule(request.schedule, pp, request.microbatches, v)
 
 
 def _scaling(request: PlanRequest, time_at: Callable[[int], float]) -> dict[str, float | int]:
     """The ``ProfileInfo`` fields that scale costs to other microbatch counts: the profiled size, and
-    the fixed share fitted only when the search tries other counts (``--microbatches auto``)."""
+    the fixed share fitted only when the search tries other sizes (``--microbatches auto``, or
+    ``--dp auto``: each replica count has its own microbatch size)."""
     size = request.microbatch_size
-    if request.microbatches is not None:
+    if request.microbatches is not None and request.dp != "auto":
         return {"fixed_fraction": 0.0, "min_microbatch_size": size, "microbatch_size": size}
     fraction, smallest = fixed_fraction(time_at, size)
     return {"fixed_fraction": fraction, "min_microbatch_size": smallest, "microbatch_size": size}
@@ -209,7 +268,7 @@ def _traced(
     model: torch.nn.Module,
     inputs: tuple[object, ...],
     target: torch.Tensor,
-    gpus: int,
+    request: PlanRequest,
     *,
     on_meta: bool = False,
 ) -> TracedModel:
@@ -226,42 +285,61 @@ def _traced(
         check_forward(mf, trace_root(traced), inputs, target)
     if isinstance(traced, ModuleTrace):
         stage_module(traced, 0, len(traced.blocks))  # every plan runs: refuse blocks that are no chain, saying why
-    if gpus > len(traced.blocks):
+    pp = request.min_pipeline_ranks  # the fewest pipeline ranks a replica count tried gives
+    if pp > len(traced.blocks):
         names = [b.name for b in traced.blocks]
         shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+        if request.dp == 1:
+            raise InfeasibleError(
+                f"--gpus {pp}: the model has only {len(names)} blocks ({shown}); use at most {len(names)}"
+            )
         raise InfeasibleError(
-            f"--gpus {gpus}: the model has only {len(names)} blocks ({shown}); use at most {len(names)}"
+            f"--gpus {request.gpus} --dp {request.dp}: {pp} pipeline ranks per replica, but the model has only "
+            f"{len(names)} blocks ({shown}); use at most {len(names)} per replica (more replicas: a larger --dp)"
         )
     return traced
 
 
 def _with_output(blocks: list[BlockCost], traced: TracedModel) -> list[BlockCost]:
-    """The last stage keeps the model's output per live microbatch until backward (memory model)."""
+    """The last stage keeps the model's output per live microbatch until backward (memory model):
+    its bytes as the profile measured them (under autocast), else as traced."""
+    if blocks[-1].output_bytes:
+        return blocks
     return blocks[:-1] + [blocks[-1].model_copy(update={"output_bytes": traced.output_bytes})]
 
 
 def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Plan | None) -> Costs:
     """Trace and profile on this machine's device (a CUDA GPU when there is one, else the CPU).
 
+    Under ``--dtype bf16|fp16`` every block is profiled under ``torch.autocast`` (parameters stay
+    fp32; ``ProfileInfo.autocast`` records it), under ``--compile`` as ``torch.compile`` of it.
+
     Args:
         mf: the loaded model file.
-        request: the plan request (microbatch size, seed, optimizer, warmup, repeats, progress).
+        request: the plan request (microbatch size, seed, optimizer, warmup, repeats, progress,
+            autocast, compile).
         threads: CPU threads per rank.
         reuse: the plan a calibration was fitted to: its block costs are reused when they were
             measured under the same conditions (re-profiling would only add fresh noise).
 
     Returns:
         The costs.
+
+    Raises:
+        PlannerError: the device cannot autocast in the requested dtype.
     """
-    from planner.costs.measure import profile_blocks
+    from planner.costs.levers import check_autocast
+    from planner.costs.measure import profile_model
 
     use_cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+    if request.autocast is not None:
+        check_autocast(device, request.autocast)  # before the model is built
     model = mf.build(seed=request.seed).to(device)
     inputs, target = mf.batch(request.microbatch_size, seed=request.seed)
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
     target = target.to(device)
-    traced = _traced(mf, model, inputs, target, request.gpus)
+    traced = _traced(mf, model, inputs, target, request)
     check_batch_contract(mf, model, request.microbatch_size, request.seed, device)
     info = ProfileInfo(
         device=str(device),
@@ -273,21 +351,33 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
         repeats=request.repeats,
         cores=None if use_cuda else os.cpu_count(),
         tokens_per_sample=tokens_per_sample(inputs),
+        autocast=request.autocast,
     )
-    same = (request.microbatch_size, threads, str(device), request.optimizer, "measured")
+    same = (request.microbatch_size, threads, str(device), request.optimizer, "measured", request.autocast)
     if (
         reuse is not None
-        and (reuse.microbatch_size, reuse.profile.threads, reuse.profile.device, reuse.optimizer, reuse.profile.source)
+        and reuse.compile == request.compile
+        and (
+            reuse.microbatch_size,
+            reuse.profile.threads,
+            reuse.profile.device,
+            reuse.optimizer,
+            reuse.profile.source,
+            reuse.profile.autocast,
+        )
         == same
     ):
         blocks = list(reuse.blocks)
+        info = info.model_copy(
+            update={"compile_failures": reuse.profile.compile_failures, "compile_s": reuse.profile.compile_s}
+        )
         scaling: dict[str, float | int] = {
             "fixed_fraction": reuse.profile.fixed_fraction,
             "min_microbatch_size": reuse.profile.min_microbatch_size,
             "microbatch_size": request.microbatch_size,
         }
     else:
-        blocks = profile_blocks(
+        profile = profile_model(
             traced,
             inputs,
             target,
@@ -297,10 +387,19 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
             threads=None if use_cuda else threads,
             progress=request.progress,
             optimizer=request.optimizer,
+            autocast=request.autocast,
+            compile=request.compile,
         )
+        blocks = profile.costs
+        if request.compile:
+            info = info.model_copy(
+                update={"compile_failures": profile.compile_failures, "compile_s": round(profile.compile_s, 3)}
+            )
         # timed at the rank's thread count, as the blocks were (more threads time erratically on shared cores)
         with torch_threads(None if use_cuda else threads):
-            time_at = measured_time_at(mf, model, request.seed, device, max(3, request.repeats), request.warmup)
+            time_at = measured_time_at(
+                mf, model, request.seed, device, max(3, request.repeats), request.warmup, request.autocast
+            )
             scaling = _scaling(request, time_at)
     capacity = int(torch.cuda.get_device_properties(device).total_memory * GPU_MEMORY_HEADROOM) if use_cuda else None
     link = NCCL_NVLINK_LINK if use_cuda else GLOO_CPU_LINK
@@ -340,7 +439,7 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
     inputs, target = mf.batch(request.microbatch_size, seed=request.seed)
     inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
     target = target.to("meta")
-    traced = _traced(mf, model, inputs, target, request.gpus, on_meta=True)
+    traced = _traced(mf, model, inputs, target, request, on_meta=True)
     blocks = estimate_blocks(
         traced, inputs, target, mf.loss_fn, hw, dtype=dtype, optimizer=request.optimizer, progress=request.progress
     )
@@ -358,8 +457,9 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
         cores=os.cpu_count() if on_cpu else None,
         tokens_per_sample=tokens_per_sample(inputs),
     )
-    # ranks fill nodes in order: only boundaries between nodes take the inter-node network
-    link = GLOO_CPU_LINK if on_cpu else node_links(hw, request.gpus, request.ranks_per_node)
+    # ranks fill nodes in order: only boundaries between nodes take the inter-node network (the
+    # search places the links for each replica count: planner.core.data_parallel.layout_links)
+    link = GLOO_CPU_LINK if on_cpu else node_links(hw, request.gpus // request.profile_dp, request.ranks_per_node)
     capacity = None if on_cpu else int(hw.memory_bytes * GPU_MEMORY_HEADROOM)
 
     def estimated_time_at(size: int) -> float:

@@ -266,7 +266,6 @@ def test_plan_for_a_gpu_that_is_not_here(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--dtype", "bf16"], "--dtype applies to estimated costs only; add --gpu-type"),
         (["--gpu-type", "h900"], "h900"),
         (["--gpu-type", "v100", "--dtype", "bf16"], "bf16"),
     ],

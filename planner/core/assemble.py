@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from planner.core.data_parallel import layout_links
 from planner.core.predict import predict, slots_of
 from planner.core.search import Choice, search
 from planner.core.solve import Partition, param_balanced, uniform_layers
@@ -81,12 +82,14 @@ def compare_methods(
     link: LinkCost,
     slots: float | None,
 ) -> dict[str, tuple[list[StagePlan], Prediction]]:
-    """Every partition method's stages and prediction on the same costs, schedule and placement.
+    """Every partition method's stages and prediction on the same costs, schedule and placement
+    (and the same data-parallel replicas and mode).
 
     Args:
-        chosen: the searched combination (schedule, microbatches, stages per rank, the optimal split).
+        chosen: the searched combination (schedule, microbatches, stages per rank, replicas, the
+            optimal split).
         request: the method the plan uses and the optimizer.
-        link: cost of one message between neighbouring ranks.
+        link: cost of one message between neighbouring ranks (or a ``NodeLinks``).
         slots: ranks that can compute at once (``slots_of``), None when each has its own device.
 
     Returns:
@@ -97,6 +100,10 @@ def compare_methods(
     """
     blocks = chosen.blocks
     n_stages = len(chosen.stages)
+    # the links of this replica count's pipeline (a NodeLinks is placed for its ranks and replicas)
+    placed = layout_links(link, n_stages // chosen.stages_per_rank, chosen.dp)
+    assert isinstance(placed, LinkCost)  # a link (or NodeLinks) in, the same kind out
+    link = placed
     solvers: dict[str, Callable[[], Partition]] = {
         "uniform": lambda: uniform_layers(layers_or_all(blocks), n_stages, link),
         "params": lambda: param_balanced(blocks, n_stages, link),
@@ -119,8 +126,34 @@ def compare_methods(
             split.recompute,
             slots,
             chosen.stages_per_rank,
+            chosen.dp,
+            chosen.dp_mode,
         )
     return out
+
+
+def search_rows(ranked: Sequence[Choice], rows: int = SEARCH_ROWS) -> list[Choice]:
+    """The candidates the plan keeps for the report: the best ``rows``, with the best candidate of
+    every replica count among them (so a searched ``--dp`` shows what each count reached).
+
+    Args:
+        ranked: every candidate, best first.
+        rows: how many to keep (at least one per replica count, when there are more counts).
+
+    Returns:
+        The kept candidates, in ranked order.
+    """
+    firsts: dict[int, int] = {}
+    for i, c in enumerate(ranked):
+        firsts.setdefault(c.dp, i)
+    wanted = set(firsts.values())
+    kept = set(range(min(rows, len(ranked))))
+    for i in sorted(range(len(ranked)), reverse=True):  # drop the worst rows that no count needs
+        if len(kept | wanted) <= rows:
+            break
+        if i in kept and i not in wanted:
+            kept.discard(i)
+    return [ranked[i] for i in sorted(kept | wanted)]
 
 
 def _check_memory(method: str, prediction: Prediction, stages: list[StagePlan], limit: int | None) -> None:
@@ -151,10 +184,10 @@ def assemble_plan(
     """The plan for ``request`` on these costs: the searched schedule and split, with the others for comparison.
 
     Args:
-        request: what the user asked for.
+        request: what the user asked for (``gpus`` ranks in all, ``dp`` replicas or auto).
         blocks: per-block costs in execution order at ``profile.microbatch_size`` (else at
             ``request.microbatch_size``; the last block's ``output_bytes`` filled in).
-        link: cost of one message between neighbouring ranks.
+        link: cost of one message between neighbouring ranks (or a ``NodeLinks``).
         model: which model the costs are of.
         profile: where and how the costs were measured or estimated (``fixed_fraction`` scales
             them to other microbatch sizes).
@@ -188,6 +221,8 @@ def assemble_plan(
             memory_limit_bytes=limit,
             recompute=request.recompute,
             slots=slots,
+            replicas=request.dp_options,
+            dp_mode=request.dp_mode,
         )
 
     try:
@@ -210,7 +245,9 @@ def assemble_plan(
         method=request.method,
         schedule=chosen.schedule,  # type: ignore[arg-type]  # a member of SCHEDULES
         n_stages=len(stages),
-        n_ranks=request.gpus,
+        n_ranks=request.gpus // chosen.dp,
+        dp=chosen.dp,
+        dp_mode=chosen.dp_mode,  # type: ignore[arg-type]  # "ddp" or "fsdp"
         batch_size=request.batch_size,
         n_microbatches=chosen.n_microbatches,
         blocks=chosen.blocks,
@@ -218,7 +255,7 @@ def assemble_plan(
         prediction=prediction,
         baselines={name: pred for name, (_, pred) in predictions.items() if name != request.method},
         memory_limit_bytes=memory_limit_bytes,
-        search=[c.row() for c in ranked[:SEARCH_ROWS]],
+        search=[c.row() for c in search_rows(ranked)],
         choice=note,
         ties=list(ties),
     )

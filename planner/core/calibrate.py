@@ -29,7 +29,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.core.predict import predict, slots_of
+from planner.core.data_parallel import check_run_replicas
+from planner.core.predict import predict_plan
 from planner.errors import PlanFileError
 from planner.schema.costs import BlockCost, LinkCost
 from planner.schema.jsonfile import parse_versioned, write_atomic
@@ -183,6 +184,7 @@ def calibrate(plan: Plan, run: RunResult) -> Calibration:
         PlanFileError: the run is not of this plan, or has no step time.
     """
     check_run_matches(plan, run)
+    check_run_replicas(plan, run)
     measured = run.median_step_s
     if measured <= 0:
         raise PlanFileError("the run's median step time is 0; re-run `planner run` with more steps")
@@ -217,26 +219,19 @@ def calibrate(plan: Plan, run: RunResult) -> Calibration:
         )
 
     def step(latency: float, g: float) -> float:
+        # the run's stages are replica 0's (every replica runs the same ones); the measured step
+        # includes the gradient reduction over the replicas, as the prediction does
         blocks, link = apply_calibration(plan.blocks, plan.link, make(latency, g))
         recompute = [st.recompute for st in plan.stages]
-        return predict(
-            blocks,
-            starts,
-            link,
-            plan.schedule,
-            plan.n_microbatches,
-            plan.optimizer,
-            recompute,
-            slots_of(plan.profile),
-            plan.stages_per_rank,
-        )[1].step_time_s
+        return predict_plan(plan, starts, recompute, blocks=blocks, link=link)[1].step_time_s
 
     latency, g = 0.0, 1.0
     floor = step(0.0, 1.0)
-    if floor > measured or plan.n_ranks == 1:
+    alone = plan.n_ranks == 1 and plan.dp == 1  # no message at all: neither a stage boundary nor a reduction
+    if floor > measured or alone:
         # Compute alone (no fixed message cost) is already slower than the run, or there are no
         # messages to fit: one factor on all compute takes up the difference.
-        if plan.n_ranks == 1:
+        if alone:
             latency = plan.link.latency_s
         hi = 2.0
         while step(latency, hi) < measured and hi < 1e6:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel
 
+from planner.core.data_parallel import dp_group_links, layout_links, rank_reduce_s, replica_slots, shard_of
 from planner.core.schedules import Action, action_order, in_flight_of, peak_live_bytes, stage_ranks
 from planner.core.simulate import SimResult, StageTimes, simulate
 from planner.core.solve import (
@@ -39,8 +40,14 @@ def predict(
     recompute: Sequence[bool] = (),
     slots: float | None = None,
     stages_per_rank: int = 1,
+    dp: int = 1,
+    dp_mode: str = "ddp",
 ) -> tuple[list[StagePlan], Prediction]:
-    """Predict what a partition costs under a schedule.
+    """Predict what a partition costs under a schedule, run by ``dp`` data-parallel replicas.
+
+    Every figure is one replica's pipeline (the replicas run the same one on their own samples),
+    plus, once per step after the pipeline, the reduction of each rank's gradients over its
+    replicas (``planner.core.data_parallel``); FSDP shards memory and the optimizer step.
 
     Args:
         blocks: per-block costs, in execution order.
@@ -51,9 +58,12 @@ def predict(
         n_microbatches: microbatches per step.
         optimizer: decides the optimizer-state bytes per parameter byte.
         recompute: per stage, activation checkpointing (empty: no stage recomputes).
-        slots: ranks that can compute at once (CPU ranks sharing cores: cores / threads per
-            rank); None when each rank has its own device. See ``planner.core.simulate.simulate``.
+        slots: ranks of all replicas that can compute at once (CPU ranks sharing cores: cores /
+            threads per rank; each replica gets ``slots / dp``); None when each rank has its own
+            device. See ``planner.core.simulate.simulate``.
         stages_per_rank: stages on every rank (looped or V placement, as the schedule places them).
+        dp: data-parallel replicas of the pipeline (``planner.schema.plan.Plan``'s mesh).
+        dp_mode: "ddp" or "fsdp" (sharded memory and optimizer step; the same traffic).
 
     Returns:
         The stages (with predicted time and memory each) and the step-level prediction.
@@ -65,6 +75,8 @@ def predict(
     if n % stages_per_rank:
         raise InfeasibleError(f"{n} stages do not spread evenly over ranks with {stages_per_rank} stages each")
     p = n // stages_per_rank
+    shard = shard_of(dp, dp_mode)
+    link = layout_links(link, p, dp)
     rank_of = stage_ranks(schedule, p, stages_per_rank)
     stage_costs(blocks, starts, link, recompute, schedule)  # validates the split (legal cuts, non-empty stages)
     links = boundary_links(link, n, schedule)
@@ -85,19 +97,28 @@ def predict(
             n_microbatches,
             rank_of,
             links[i] if i < len(links) else None,
+            shard,
         )
         for i, (a, b) in enumerate(zip(starts, ends))
     ]
-    sim = simulate(stage_times(stages), schedule, n_microbatches, slots, stages_per_rank)
-    # After its last backward each rank joins the gradient-norm all-reduce for clipping (one
-    # scalar over the pipeline group: a reduce and a broadcast, ~2 log2(p) messages), which waits
-    # for the last rank to finish its backwards; only then does every rank step its optimizer
-    # (over all of its stages). The step ends when the slowest optimizer is done. Over several
-    # nodes its messages pay the slowest link's latency.
-    allreduce_s = 2 * math.ceil(math.log2(p)) * max(x.latency_s for x in links) if p > 1 else 0.0
+    sim = simulate(stage_times(stages), schedule, n_microbatches, replica_slots(slots, dp), stages_per_rank)
+    # Once its last backward is done each rank reduces its gradients over its replicas (DDP's
+    # all-reduce, FSDP's all-gather + reduce-scatter: planner.core.data_parallel), charged after the
+    # pipeline as if not overlapped with it (conservative: DDP's buckets do overlap the last
+    # backwards); the clipping norm needs the reduced gradients, so it waits for the slowest rank.
+    dp_links = dp_group_links(link, p, dp)
+    dp_reduce_s = max(rank_reduce_s(blocks, stages, dp_links, dp, dp_mode)) if dp > 1 else 0.0
+    # Then each rank joins the gradient-norm all-reduce for clipping (one scalar: a reduce and a
+    # broadcast, ~2 log2(group) messages) over the pipeline group, or over every rank when FSDP
+    # shards the gradients; only then does every rank step its optimizer (over all of its stages).
+    # The step ends when the slowest optimizer is done. Over several nodes its messages pay the
+    # slowest link's latency.
+    group = p * dp if shard > 1 else p
+    latency = max([x.latency_s for x in links] + ([x.latency_s for x in dp_links] if shard > 1 else []), default=0.0)
+    allreduce_s = 2 * math.ceil(math.log2(group)) * latency if group > 1 else 0.0
     rank_opt = [sum(s.opt_s for s in stages if s.rank == r) for r in range(p)]
-    step_s = sim.step_time_s + allreduce_s + max(rank_opt)
-    rank_memory = [rank_memory_bytes(blocks, stages, orders[r], r, optimizer, n_microbatches) for r in range(p)]
+    step_s = sim.step_time_s + dp_reduce_s + allreduce_s + max(rank_opt)
+    rank_memory = [rank_memory_bytes(blocks, stages, orders[r], r, optimizer, n_microbatches, shard) for r in range(p)]
     stage_time = tuple(s.time_s for s in stages)
     mean = sum(stage_time) / len(stage_time)
     prediction = Prediction(
@@ -111,6 +132,7 @@ def predict(
         imbalance=max(stage_time) / mean if mean > 0 else 1.0,
         max_memory_bytes=max(rank_memory),
         rank_memory_bytes=tuple(rank_memory) if stages_per_rank > 1 else (),
+        dp_reduce_s=dp_reduce_s,
     )
     return stages, prediction
 
@@ -124,7 +146,7 @@ def _single(link: Links) -> LinkCost:
 
 def plan_links(plan: Plan) -> LinkCost:
     """The links ``plan`` was made with: a ``NodeLinks`` when it records ranks per node and the
-    inter-node link, else its one link.
+    inter-node link (placed for its ``dp`` replicas), else its one link.
 
     Args:
         plan: a plan.
@@ -135,7 +157,50 @@ def plan_links(plan: Plan) -> LinkCost:
     if plan.inter_node_link is None or plan.gpus_per_node is None:
         return plan.link
     return NodeLinks(
-        **plan.link.model_dump(), inter=plan.inter_node_link, gpus_per_node=plan.gpus_per_node, n_ranks=plan.n_ranks
+        **plan.link.model_dump(),
+        inter=plan.inter_node_link,
+        gpus_per_node=plan.gpus_per_node,
+        n_ranks=plan.n_ranks,
+        replicas=plan.dp,
+    )
+
+
+def predict_plan(
+    plan: Plan,
+    starts: Sequence[int],
+    recompute: Sequence[bool] = (),
+    *,
+    blocks: Sequence[BlockCost] | None = None,
+    link: LinkCost | None = None,
+) -> tuple[list[StagePlan], Prediction]:
+    """``predict`` a split of ``plan`` under everything else the plan fixes: its links, schedule,
+    microbatches, optimizer, stages per rank, CPU sharing and data-parallel layout.
+
+    Args:
+        plan: the plan.
+        starts: first block of each stage.
+        recompute: per stage, activation checkpointing (empty: none).
+        blocks: other costs for the same blocks (calibrated, say; None: the plan's).
+        link: another link (None: ``plan_links(plan)``).
+
+    Returns:
+        The stages and the prediction.
+
+    Raises:
+        InfeasibleError: the split or the schedule cannot be evaluated.
+    """
+    return predict(
+        plan.blocks if blocks is None else blocks,
+        starts,
+        plan_links(plan) if link is None else link,
+        plan.schedule,
+        plan.n_microbatches,
+        plan.optimizer,
+        recompute,
+        slots_of(plan.profile),
+        plan.stages_per_rank,
+        plan.dp,
+        plan.dp_mode,
     )
 
 
@@ -174,15 +239,14 @@ def stage_times(stages: Sequence[StagePlan]) -> list[StageTimes]:
 
 
 def simulate_plan(plan: Plan) -> SimResult:
-    """The predicted timeline of one step of ``plan`` (its forward/backward actions; the optimizer
-    step that follows is not drawn).
+    """The predicted timeline of one step of one replica of ``plan`` (its forward/backward actions;
+    the gradient reduction and optimizer step that follow are not drawn).
 
     Raises:
         InfeasibleError: the plan's schedule cannot run its numbers (a hand-edited file).
     """
-    return simulate(
-        stage_times(plan.stages), plan.schedule, plan.n_microbatches, slots_of(plan.profile), plan.stages_per_rank
-    )
+    slots = replica_slots(slots_of(plan.profile), plan.dp)
+    return simulate(stage_times(plan.stages), plan.schedule, plan.n_microbatches, slots, plan.stages_per_rank)
 
 
 def rank_memory_bytes(
@@ -192,6 +256,7 @@ def rank_memory_bytes(
     rank: int,
     optimizer: OptimizerSpec,
     n_microbatches: int,
+    shard: int = 1,
 ) -> int:
     """Peak memory of one rank over all the stages it runs.
 
@@ -207,6 +272,7 @@ def rank_memory_bytes(
         rank: the rank.
         optimizer: the optimizer (state and step temporaries).
         n_microbatches: microbatches per step (receive buffers).
+        shard: FSDP replicas the stages' state is sharded over (1: none).
 
     Returns:
         Bytes.
@@ -216,7 +282,7 @@ def rank_memory_bytes(
     for st in stages:
         if st.rank != rank:
             continue
-        parts = stage_memory_parts(blocks, st.start, st.end, optimizer, st.recompute, n_microbatches)
+        parts = stage_memory_parts(blocks, st.start, st.end, optimizer, st.recompute, n_microbatches, shard)
         fixed += parts.fixed
         live_per_mb[st.index] = parts.per_microbatch
         once += parts.once
@@ -225,7 +291,8 @@ def rank_memory_bytes(
 
 
 def slots_of(profile: ProfileInfo) -> float | None:
-    """How many ranks can compute at once: cores / threads for CPU plans, else None (one device each)."""
+    """How many ranks (of all replicas) can compute at once: cores / threads for CPU plans, else None
+    (one device each)."""
     return profile.cores / profile.threads if profile.cores else None
 
 
@@ -246,6 +313,7 @@ def stage_plan(
     n_microbatches: int,
     rank_of: Sequence[int] | None = None,
     link_out: LinkCost | None = None,
+    shard: int = 1,
 ) -> StagePlan:
     """One stage's predicted figures: times per microbatch, optimizer step, activations and peak memory.
 
@@ -262,6 +330,8 @@ def stage_plan(
         rank_of: the rank of every stage (None: stage i on rank i). A boundary between two
             stages on the same rank (the turn of a V) carries no message.
         link_out: cost of one message over its end boundary (None: ``link``).
+        shard: FSDP replicas its state is sharded over (1: none): a share of the memory, and of
+            the optimizer step (each rank steps its shard only).
 
     Returns:
         The stage.
@@ -293,11 +363,11 @@ def stage_plan(
         bwd_s=bwd,
         comm_s=2 * comm,
         time_s=fwd + bwd + comm + comm,
-        opt_s=sum(optimizer_cost(x) for x in part),
+        opt_s=sum(optimizer_cost(x) for x in part) / shard,
         recompute=recompute,
         activation_bytes=sum(x.activation_bytes for x in part),
         in_flight=in_flight,
-        memory_bytes=stage_memory_bytes(blocks, start, end, in_flight, optimizer, recompute, n_microbatches),
+        memory_bytes=stage_memory_bytes(blocks, start, end, in_flight, optimizer, recompute, n_microbatches, shard),
         # torch 2.13 never runs I on the first stage (its inputs need no gradient): its W is the
         # whole backward (PipelineStage.backward_weight_one_chunk with stage_index 0)
         bwd_input_s=(0.0 if index == 0 else sum(x.bwd_input_s or 0.0 for x in part) + extra) if split else None,
@@ -327,17 +397,7 @@ def with_method(plan: Plan, method: str) -> Plan:
             f"the plan has no '{method}' split to switch to; it compares {', '.join(plan.baselines) or 'nothing'}"
         )
     base = plan.baselines[method]
-    stages, prediction = predict(
-        plan.blocks,
-        base.starts,
-        plan_links(plan),
-        plan.schedule,
-        plan.n_microbatches,
-        plan.optimizer,
-        base.recompute,
-        slots_of(plan.profile),
-        plan.stages_per_rank,
-    )
+    stages, prediction = predict_plan(plan, base.starts, base.recompute)
     baselines = {k: v for k, v in plan.baselines.items() if k != method}
     baselines[plan.method] = plan.prediction
     return plan.model_copy(
@@ -380,10 +440,7 @@ def refresh(plan: Plan) -> tuple[Plan, list[str]]:
     """
     starts = [s.start for s in plan.stages]
     flags = [s.recompute for s in plan.stages]
-    slots = slots_of(plan.profile)
-    args = (plan_links(plan), plan.schedule, plan.n_microbatches, plan.optimizer)
-    v = plan.stages_per_rank
-    stages, prediction = predict(plan.blocks, starts, *args, flags, slots, v)
+    stages, prediction = predict_plan(plan, starts, flags)
     notes = []
     for old, new in zip(plan.stages, stages):
         changed = _differences(old, new)
@@ -394,7 +451,7 @@ def refresh(plan: Plan) -> tuple[Plan, list[str]]:
         notes.append(f"prediction: {', '.join(changed)} did not match the stages")
     baselines = {}
     for name, base in plan.baselines.items():
-        fresh = predict(plan.blocks, base.starts, *args, base.recompute, slots, v)[1]
+        fresh = predict_plan(plan, base.starts, base.recompute)[1]
         if _differences(base, fresh):
             notes.append(f"baseline {name}: figures did not match its split")
         baselines[name] = fresh

@@ -12,6 +12,13 @@ Costs are profiled at one microbatch size; other microbatch counts use ``blocks_
 times by an affine model fitted when profiling (``ProfileInfo.fixed_fraction``: the part of a
 microbatch's time that does not shrink with its size, e.g. kernel launches and per-op overhead)
 and byte counts linearly.
+
+Data parallelism (``--dp``): with dp replicas the ranks hold dp copies of a pipeline of
+ranks / dp ranks, each running its batch / dp samples, so a candidate's microbatches hold
+batch / (dp x m) samples (never fewer than the smallest the model ran when profiled); the
+gradient reduction and FSDP's sharded memory enter through ``predict``. ``--dp auto`` adds the
+replica count to the combinations searched; ``--dp-mode auto`` takes DDP where a candidate fits,
+else FSDP.
 """
 
 from __future__ import annotations
@@ -19,11 +26,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from planner.core.data_parallel import layout_links, shard_of
 from planner.core.predict import predict
-from planner.core.schedules import check_schedule, in_flight_per_stage, stages_per_rank_options
-from planner.core.solve import Partition, solve
+from planner.core.schedules import SPLIT_BACKWARD, check_schedule, in_flight_per_stage, stages_per_rank_options
+from planner.core.solve import Links, Partition, solve
 from planner.errors import InfeasibleError
-from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
+from planner.schema.costs import BlockCost, OptimizerSpec
 from planner.schema.plan import Candidate, Prediction, StagePlan
 from planner.schema.request import SCHEDULES
 
@@ -52,6 +60,8 @@ class Choice:
     stages: list[StagePlan]
     prediction: Prediction
     fits: bool
+    dp: int = 1
+    dp_mode: str = "ddp"
 
     def row(self) -> Candidate:
         """The candidate as the plan records it."""
@@ -59,6 +69,8 @@ class Choice:
             schedule=self.schedule,  # type: ignore[arg-type]  # a member of SCHEDULES
             n_microbatches=self.n_microbatches,
             stages_per_rank=self.stages_per_rank,
+            dp=self.dp,
+            dp_mode=self.dp_mode,  # type: ignore[arg-type]  # "ddp" or "fsdp"
             starts=self.prediction.starts,
             step_time_s=self.prediction.step_time_s,
             bubble_fraction=self.prediction.bubble_fraction,
@@ -129,7 +141,7 @@ def _max_stages_per_rank(blocks: Sequence[BlockCost], n_ranks: int) -> int:
 
 def evaluate_choice(
     blocks: Sequence[BlockCost],
-    link: LinkCost,
+    link: Links,
     schedule: str,
     n_ranks: int,
     n_microbatches: int,
@@ -140,18 +152,24 @@ def evaluate_choice(
     recompute: str,
     slots: float | None,
     split: Partition | None = None,
+    dp: int = 1,
+    dp_mode: str = "ddp",
 ) -> Choice:
     """Solve (unless ``split`` is given) and predict one combination.
 
     The solver gets each stage's in-flight count from its place in the schedule and, with several
     stages per rank, a per-stage share ``limit / v`` of the memory limit (a rank's stages together
-    then fit); the prediction's per-rank peak decides ``fits``.
+    then fit); the prediction's per-rank peak decides ``fits``. ``n_ranks`` is one replica's
+    pipeline ranks; ``blocks`` are costed at its microbatch size; ``dp`` replicas reduce gradients
+    by ``dp_mode`` ("ddp" or "fsdp"), and FSDP's shards are what the memory limit holds.
 
     Raises:
         InfeasibleError: the schedule refuses these numbers, or no split fits.
     """
     check_schedule(schedule, n_ranks, n_microbatches, stages_per_rank)
     v = stages_per_rank
+    shard = shard_of(dp, dp_mode)
+    link = layout_links(link, n_ranks, dp)
     if split is None:
         try:
             split = solve(
@@ -164,6 +182,7 @@ def evaluate_choice(
                 memory_limit_bytes=None if memory_limit_bytes is None else memory_limit_bytes // v,
                 recompute=recompute,
                 in_flight=in_flight_per_stage(schedule, n_ranks, n_microbatches, v),
+                shard=shard,
             )
         except InfeasibleError as e:
             if v == 1:
@@ -175,15 +194,203 @@ def evaluate_choice(
                 )
             ) from None
     stages, prediction = predict(
-        blocks, split.starts, link, schedule, n_microbatches, optimizer, split.recompute, slots, v
+        blocks, split.starts, link, schedule, n_microbatches, optimizer, split.recompute, slots, v, dp, dp_mode
     )
     fits = memory_limit_bytes is None or prediction.max_memory_bytes <= memory_limit_bytes
-    return Choice(schedule, n_microbatches, v, list(blocks), stages, prediction, fits)
+    mode = "fsdp" if shard > 1 else "ddp"  # one replica is recorded as ddp, whatever was asked
+    return Choice(schedule, n_microbatches, v, list(blocks), stages, prediction, fits, dp, mode)
+
+
+def evaluate_modes(
+    blocks: Sequence[BlockCost],
+    link: Links,
+    schedule: str,
+    n_ranks: int,
+    n_microbatches: int,
+    stages_per_rank: int,
+    *,
+    dp: int,
+    dp_mode: str,
+    optimizer: OptimizerSpec,
+    memory_limit_bytes: int | None,
+    recompute: str,
+    slots: float | None,
+) -> Choice:
+    """``evaluate_choice`` under a data-parallel mode that may be "auto": DDP when that fits the
+    memory limit, else FSDP when that does (when neither fits, the one needing less memory).
+
+    Args:
+        blocks: per-block costs at this combination's microbatch size.
+        link: the links (placed for this layout by ``evaluate_choice``).
+        schedule: the schedule.
+        n_ranks: pipeline ranks of one replica.
+        n_microbatches: microbatches per step of a replica.
+        stages_per_rank: stages on every rank.
+        dp: replicas.
+        dp_mode: "ddp", "fsdp" or "auto" (with one replica, always ddp).
+        optimizer: the optimizer.
+        memory_limit_bytes: per-rank limit (None: none).
+        recompute: activation checkpointing policy.
+        slots: ranks (of all replicas) that can compute at once.
+
+    Returns:
+        The evaluated combination, its ``dp_mode`` the one chosen.
+
+    Raises:
+        InfeasibleError: no mode can split the model within the limit (FSDP's reason, the mode
+            needing less memory for optimizer state).
+    """
+
+    def attempt(mode: str) -> Choice:
+        return evaluate_choice(
+            blocks,
+            link,
+            schedule,
+            n_ranks,
+            n_microbatches,
+            stages_per_rank,
+            optimizer=optimizer,
+            memory_limit_bytes=memory_limit_bytes,
+            recompute=recompute,
+            slots=slots,
+            dp=dp,
+            dp_mode=mode,
+        )
+
+    if dp > 1 and schedule in SPLIT_BACKWARD:
+        # torch 2.13's FSDP2 does not follow these schedules' split backward (weight gradients by
+        # autograd.grad, past its hooks): the runner cannot shard them, so they are planned with DDP.
+        if dp_mode == "fsdp":
+            raise InfeasibleError(
+                f"--dp-mode fsdp cannot run --schedule {schedule} (torch's FSDP2 does not follow its split "
+                "backward); use --dp-mode ddp or another schedule"
+            )
+        return attempt("ddp")
+    if dp == 1 or dp_mode != "auto":
+        return attempt("ddp" if dp_mode == "auto" else dp_mode)
+    ddp: Choice | None = None
+    try:
+        ddp = attempt("ddp")
+        if ddp.fits:
+            return ddp
+    except InfeasibleError:
+        pass
+    try:
+        fsdp = attempt("fsdp")
+    except InfeasibleError:
+        if ddp is None:
+            raise
+        return ddp
+    if fsdp.fits or ddp is None:
+        return fsdp
+    return min((ddp, fsdp), key=lambda c: c.prediction.max_memory_bytes)
+
+
+def replica_microbatches(batch_size: int, dp: int, n_ranks: int, fixed: int | None, min_size: int) -> list[int]:
+    """The microbatch counts one replica's pipeline may run with ``dp`` replicas.
+
+    Each replica runs ``batch_size / dp`` samples: ``microbatch_options`` of that batch, and with
+    more than one replica only counts that divide it into microbatches of at least ``min_size``
+    samples (a fixed ``--microbatches`` included: costs are not extrapolated below the smallest
+    microbatch the model ran).
+
+    Args:
+        batch_size: the global batch.
+        dp: replicas.
+        n_ranks: pipeline ranks of a replica.
+        fixed: the given microbatch count (None: auto).
+        min_size: the smallest microbatch allowed.
+
+    Returns:
+        The counts, ascending (empty: this replica count cannot run).
+    """
+    if batch_size % dp:
+        return []
+    replica = batch_size // dp
+    counts = microbatch_options(replica, n_ranks, fixed, min_size)
+    if dp > 1:
+        counts = [m for m in counts if replica % m == 0 and replica // m >= min_size]
+    return counts
+
+
+@dataclass(frozen=True)
+class _Space:
+    """What the search is asked to cover (the options left open are None or "auto")."""
+
+    schedule: str
+    n_microbatches: int | None
+    stages_per_rank: int | None
+    replicas: tuple[int, ...]
+    dp_mode: str
+
+
+def _evaluate_all(
+    blocks: Sequence[BlockCost],
+    link: Links,
+    space: _Space,
+    *,
+    n_ranks: int,
+    batch_size: int,
+    size0: int,
+    fixed_fraction: float,
+    floor: int,
+    optimizer: OptimizerSpec,
+    memory_limit_bytes: int | None,
+    recompute: str,
+    slots: float | None,
+) -> tuple[list[Choice], list[InfeasibleError]]:
+    """Every combination of ``space``, replica counts outermost (ascending: the simpler first)."""
+    cache: dict[int, list[BlockCost]] = {}  # costs by microbatch size
+    results: list[Choice] = []
+    errors: list[InfeasibleError] = []
+    for dp in space.replicas:
+        pp = n_ranks // dp
+        ms = replica_microbatches(batch_size, dp, pp, space.n_microbatches, floor)
+        if not ms:
+            errors.append(
+                InfeasibleError(
+                    f"--dp {dp}: the batch of {batch_size} does not split into {dp} replicas of microbatches of "
+                    f"at least {floor} sample(s) (the smallest the model ran when profiled)"
+                )
+            )
+            continue
+        schedules = list(SCHEDULES) if space.schedule == "auto" else [space.schedule]
+        if pp == 1 and space.schedule == "auto":
+            schedules = ["gpipe"]  # one rank runs its stage alone: every schedule is gradient accumulation
+        for name in schedules:
+            vs = (
+                [space.stages_per_rank]
+                if space.stages_per_rank is not None
+                else stages_per_rank_options(name, _max_stages_per_rank(blocks, pp))
+            )
+            for v, m in ((v, m) for v in vs for m in ms):
+                size = batch_size // (dp * m)
+                if size not in cache:
+                    cache[size] = blocks_at(blocks, size0, size, fixed_fraction)
+                try:
+                    choice = evaluate_modes(
+                        cache[size],
+                        link,
+                        name,
+                        pp,
+                        m,
+                        v,
+                        dp=dp,
+                        dp_mode=space.dp_mode,
+                        optimizer=optimizer,
+                        memory_limit_bytes=memory_limit_bytes,
+                        recompute=recompute,
+                        slots=slots,
+                    )
+                    results.append(choice)
+                except InfeasibleError as e:
+                    errors.append(e)
+    return results, errors
 
 
 def search(
     blocks: Sequence[BlockCost],
-    link: LinkCost,
+    link: Links,
     *,
     n_ranks: int,
     batch_size: int,
@@ -197,24 +404,32 @@ def search(
     memory_limit_bytes: int | None,
     recompute: str,
     slots: float | None,
+    replicas: Sequence[int] = (1,),
+    dp_mode: str = "ddp",
 ) -> tuple[Choice, list[Choice], str]:
     """Every open combination, solved and simulated; the fastest that fits, polished.
 
     Args:
         blocks: per-block costs at microbatch size ``size0``.
-        link: cost of one message between neighbouring ranks.
-        n_ranks: pipeline ranks (--gpus).
-        batch_size: samples per step.
+        link: cost of one message between neighbouring ranks (or a ``NodeLinks``).
+        n_ranks: ranks in all (--gpus): each replica count dp in ``replicas`` gives a pipeline of
+            n_ranks / dp ranks.
+        batch_size: samples per step (the global batch, split evenly over the replicas).
         size0: the microbatch size the costs were profiled at.
         fixed_fraction: see ``blocks_at``.
-        min_microbatch_size: the smallest microbatch the model ran (auto counts stay at or above it).
+        min_microbatch_size: the smallest microbatch the model ran (auto counts, and every count
+            with several replicas, stay at or above it).
         schedule: a schedule name, or "auto" for all of them.
-        n_microbatches: a count, or None for the divisors of the batch (``microbatch_options``).
+        n_microbatches: a count per replica, or None for the divisors of the replica's batch
+            (``microbatch_options``).
         stages_per_rank: a count, or None for what each schedule allows (up to ``MAX_AUTO_STAGES_PER_RANK``).
         optimizer: the optimizer.
         memory_limit_bytes: per-rank limit (None: none).
         recompute: activation checkpointing policy ("auto", "never", "always").
-        slots: ranks that can compute at once (see ``predict``).
+        slots: ranks (of all replicas) that can compute at once (see ``predict``).
+        replicas: the data-parallel replica counts to try (each must divide ``n_ranks``); (1,):
+            one pipeline on every rank.
+        dp_mode: "ddp", "fsdp" or "auto" (``evaluate_modes``).
 
     Returns:
         The chosen combination, every evaluated one (fastest first, those that fit before those
@@ -224,42 +439,32 @@ def search(
         InfeasibleError: nothing the user asked for can run or fit; when everything was fixed,
             the schedule's or solver's own message.
     """
-    schedules = list(SCHEDULES) if schedule == "auto" else [schedule]
-    if n_ranks == 1 and schedule == "auto":
-        schedules = ["gpipe"]  # one rank runs its stage alone: every schedule is gradient accumulation
-    ms = microbatch_options(batch_size, n_ranks, n_microbatches, min(min_microbatch_size, size0))
-    cache: dict[int, list[BlockCost]] = {}
-    results: list[Choice] = []
-    errors: list[InfeasibleError] = []
-    for name in schedules:
-        vs = (
-            [stages_per_rank]
-            if stages_per_rank is not None
-            else stages_per_rank_options(name, _max_stages_per_rank(blocks, n_ranks))
-        )
-        for v, m in ((v, m) for v in vs for m in ms):
-            if m not in cache:
-                cache[m] = blocks_at(blocks, size0, batch_size // m, fixed_fraction)
-            try:
-                results.append(
-                    evaluate_choice(
-                        cache[m],
-                        link,
-                        name,
-                        n_ranks,
-                        m,
-                        v,
-                        optimizer=optimizer,
-                        memory_limit_bytes=memory_limit_bytes,
-                        recompute=recompute,
-                        slots=slots,
-                    )
-                )
-            except InfeasibleError as e:
-                errors.append(e)
+    bad = [dp for dp in replicas if dp < 1 or n_ranks % dp]
+    if bad or not replicas:
+        raise InfeasibleError(f"replica counts {list(replicas)} must be divisors of the {n_ranks} ranks")
+    space = _Space(schedule, n_microbatches, stages_per_rank, tuple(sorted(set(replicas))), dp_mode)
+    results, errors = _evaluate_all(
+        blocks,
+        link,
+        space,
+        n_ranks=n_ranks,
+        batch_size=batch_size,
+        size0=size0,
+        fixed_fraction=fixed_fraction,
+        floor=min(min_microbatch_size, size0),
+        optimizer=optimizer,
+        memory_limit_bytes=memory_limit_bytes,
+        recompute=recompute,
+        slots=slots,
+    )
     best, ranked = _rank(results, errors)
     polished = refine(
-        best, link, optimizer=optimizer, memory_limit_bytes=memory_limit_bytes, slots=slots, n_ranks=n_ranks
+        best,
+        link,
+        optimizer=optimizer,
+        memory_limit_bytes=memory_limit_bytes,
+        slots=slots,
+        n_ranks=n_ranks // best.dp,
     )
     open_parts = [
         label
@@ -267,10 +472,11 @@ def search(
             ("schedule", schedule == "auto"),
             ("microbatches", n_microbatches is None),
             ("stages per rank", stages_per_rank is None),
+            ("data-parallel replicas", len(space.replicas) > 1),
         )
         if is_open
     ]
-    note = _why(polished, best, ranked, open_parts)
+    note = _why(polished, best, ranked, open_parts, show_dp=len(space.replicas) > 1 or best.dp > 1)
     # the list shows the winner as it will run: with its polished split
     return polished, [polished if c is best else c for c in ranked], note
 
@@ -279,7 +485,9 @@ def _rank(results: Sequence[Choice], errors: Sequence[InfeasibleError]) -> tuple
     """The winner and every candidate, winner first, then those that fit by step time, then the rest.
 
     Within ``TIE`` of the fastest the steps are equal for every purpose: the winner is the one with
-    the least memory among them, then the earlier schedule in ``SCHEDULES`` (the simpler).
+    the least memory among them, then the one with fewer data-parallel replicas (the simpler: fewer
+    processes to a pipeline's batch, no gradient reduction), then the earlier schedule in
+    ``SCHEDULES`` (the simpler; candidates come in that order within a replica count).
 
     Raises:
         InfeasibleError: nothing fits (naming the least any candidate needs), or nothing could be
@@ -289,16 +497,17 @@ def _rank(results: Sequence[Choice], errors: Sequence[InfeasibleError]) -> tuple
     if not fitting:
         if results:
             least = min(results, key=lambda c: c.prediction.max_memory_bytes)
+            replicas = f", dp={least.dp} ({least.dp_mode})" if least.dp > 1 else ""
             raise InfeasibleError(
                 f"no schedule, microbatch count and split fits the memory limit: the least needs "
                 f"{least.prediction.max_memory_bytes / 2**30:.2f} GiB per rank ({least.schedule}, "
-                f"m={least.n_microbatches}); raise --memory-limit, use more --gpus or --recompute auto"
+                f"m={least.n_microbatches}{replicas}); raise --memory-limit, use more --gpus or --recompute auto"
             )
         raise errors[0] if errors else InfeasibleError("nothing to search: no schedule was given")
     fastest = min(c.prediction.step_time_s for c in fitting)
     best = min(
         (c for c in fitting if c.prediction.step_time_s <= fastest * (1 + TIE)),
-        key=lambda c: c.prediction.max_memory_bytes,
+        key=lambda c: (c.prediction.max_memory_bytes, c.dp),
     )
     ranked = (
         [best]
@@ -308,11 +517,24 @@ def _rank(results: Sequence[Choice], errors: Sequence[InfeasibleError]) -> tuple
     return best, ranked
 
 
-def _why(chosen: Choice, unpolished: Choice, ranked: Sequence[Choice], open_parts: Sequence[str]) -> str:
+def _replicas_text(c: Choice) -> str:
+    """ ", dp=2 (ddp)": a candidate's replicas, for the line on why the choice won."""
+    return f", dp={c.dp} ({c.dp_mode})"
+
+
+def _why(
+    chosen: Choice,
+    unpolished: Choice,
+    ranked: Sequence[Choice],
+    open_parts: Sequence[str],
+    *,
+    show_dp: bool = False,
+) -> str:
     """One line: what won, by how much over the runner-up, and what polishing the split gained."""
     what = f"{chosen.schedule}, m={chosen.n_microbatches}" + (
         f", {chosen.stages_per_rank} stages per rank" if chosen.stages_per_rank > 1 else ""
     )
+    what += _replicas_text(chosen) if show_dp else ""
     line = f"{what}: predicted step {chosen.prediction.step_time_s * 1e3:.3g} ms"
     others = [c for c in ranked if c.fits and c is not unpolished]
     if open_parts and others:
@@ -321,9 +543,13 @@ def _why(chosen: Choice, unpolished: Choice, ranked: Sequence[Choice], open_part
         runner_up = (
             f"{nxt.schedule}, m={nxt.n_microbatches}"
             f"{', v=' + str(nxt.stages_per_rank) if nxt.stages_per_rank > 1 else ''}"
+            f"{_replicas_text(nxt) if show_dp else ''}"
         )
         if gain < TIE:
-            line += f", tied with {runner_up} (kept: less memory, or the simpler schedule)"
+            searched_dp = "data-parallel replicas" in open_parts
+            kept = "less memory, fewer replicas, or" if searched_dp else "less memory, or"
+            kept += " the simpler schedule"
+            line += f", tied with {runner_up} (kept: {kept})"
         else:
             line += f", {gain:.1%} faster than the next best ({runner_up})"
         line += f"; {len(ranked)} candidates searched over {', '.join(open_parts)}"
@@ -335,7 +561,7 @@ def _why(chosen: Choice, unpolished: Choice, ranked: Sequence[Choice], open_part
 
 def refine(
     choice: Choice,
-    link: LinkCost,
+    link: Links,
     *,
     optimizer: OptimizerSpec,
     memory_limit_bytes: int | None,
@@ -349,7 +575,8 @@ def refine(
     The solver minimises the slowest stage, which bounds the steady state; the step also has the
     warm-up and drain, where earlier and later stages weigh differently, messages and the optimizer.
     Starting from the exact least-bottleneck split, this only ever accepts a split the simulator
-    predicts to be faster, so the result is never slower than ``choice``.
+    predicts to be faster, so the result is never slower than ``choice``. ``n_ranks`` is the
+    choice's pipeline ranks (one replica's); its replicas and their mode are kept.
 
     Returns:
         The polished choice (``choice`` itself when no move helps).
@@ -384,6 +611,8 @@ def refine(
                         recompute="never",
                         slots=slots,
                         split=trial,
+                        dp=best.dp,
+                        dp_mode=best.dp_mode,
                     )
                 except InfeasibleError:
                     continue
@@ -394,4 +623,13 @@ def refine(
     return best
 
 
-__all__ = ["Choice", "blocks_at", "evaluate_choice", "microbatch_options", "refine", "search"]
+__all__ = [
+    "Choice",
+    "blocks_at",
+    "evaluate_choice",
+    "evaluate_modes",
+    "microbatch_options",
+    "refine",
+    "replica_microbatches",
+    "search",
+]

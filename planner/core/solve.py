@@ -96,17 +96,30 @@ class NodeLinks(LinkCost):
     """The links of a pipeline whose ranks fill several nodes: its own fields are the intra-node link,
     ``inter`` the inter-node one.
 
-    Ranks are placed on nodes consecutively (rank r on node ``r // gpus_per_node``, as torchrun
-    numbers them); stage i runs on the rank its schedule places it on
+    Ranks are placed on nodes consecutively (global rank g on node ``g // gpus_per_node``, as
+    torchrun numbers them); stage i runs on the rank its schedule places it on
     (``planner.core.schedules.stage_ranks``), and the boundary between stages i and i + 1 uses
     ``inter`` when their ranks are on different nodes (the looped wrap from the last rank back to
-    rank 0 included). Being a ``LinkCost``, it passes through code that knows one link only; the
-    solver and ``predict`` resolve it per boundary (``boundary_links``).
+    rank 0 included). With ``replicas`` data-parallel copies of the pipeline, replica k's pipeline
+    rank r is global rank ``k * n_ranks + r`` (``planner.schema.plan.Plan``): a boundary uses
+    ``inter`` when it crosses nodes in any replica (the replicas wait for each other at the gradient
+    reduction, so the slowest sets the step). Being a ``LinkCost``, it passes through code that knows
+    one link only; the solver and ``predict`` resolve it per boundary (``boundary_links``).
     """
 
     inter: LinkCost = Field(description="The link between ranks on different nodes.")
     gpus_per_node: int = Field(ge=1, description="Ranks per node.")
-    n_ranks: int = Field(ge=1, description="Ranks of the pipeline (--gpus).")
+    n_ranks: int = Field(ge=1, description="Ranks of one replica's pipeline (--gpus / dp).")
+    replicas: int = Field(default=1, ge=1, description="Data-parallel replicas of the pipeline (dp).")
+
+    def node_of(self, replica: int, pp_rank: int) -> int:
+        """The node that pipeline rank ``pp_rank`` of replica ``replica`` runs on."""
+        return (replica * self.n_ranks + pp_rank) // self.gpus_per_node
+
+    def crosses(self, a: int, b: int) -> bool:
+        """Whether pipeline ranks ``a`` and ``b`` are on different nodes in any replica."""
+        # replica k + gpus_per_node is replica k shifted by n_ranks whole nodes: the pattern repeats
+        return any(self.node_of(k, a) != self.node_of(k, b) for k in range(min(self.replicas, self.gpus_per_node)))
 
     def intra(self) -> LinkCost:
         """The intra-node link as a plain ``LinkCost``."""
@@ -137,9 +150,8 @@ def boundary_links(link: Links, n_stages: int, schedule: str | None = None) -> l
         if n_stages % p:
             raise InfeasibleError(f"{n_stages} stages do not spread evenly over the {p} ranks of the links")
         ranks = stage_ranks(schedule, p, n_stages // p) if schedule is not None else [i % p for i in range(n_stages)]
-        nodes = [r // link.gpus_per_node for r in ranks]
         intra = link.intra()
-        return [link.inter if a != b else intra for a, b in zip(nodes, nodes[1:])]
+        return [link.inter if link.crosses(a, b) else intra for a, b in zip(ranks, ranks[1:])]
     if isinstance(link, LinkCost):
         return [link] * (n_stages - 1)
     links = list(link)
@@ -304,6 +316,7 @@ def stage_memory_bytes(
     optimizer: OptimizerSpec,
     recompute: bool = False,
     n_microbatches: int = 1,
+    shard: int = 1,
 ) -> int:
     """Peak memory of the stage holding ``blocks[start:end]``.
 
@@ -330,6 +343,19 @@ def stage_memory_bytes(
     microbatch's activations at a time in backward: ``in_flight * A`` becomes
     ``in_flight * cut_in + A`` (activation checkpointing of the whole stage, Chen et al. 2016).
 
+    Sharded over ``shard`` > 1 data-parallel replicas (FSDP2 ``fully_shard`` of the stage with
+    ``reshard_after_forward=False``), each rank keeps a 1/shard share of the weights, gradients,
+    optimizer state and step temporaries, and holds the whole stage's parameters and their
+    gradients unsharded while the pipeline runs (gathered at the first forward, reduce-scattered
+    and freed after the last backward, before the optimizer step)::
+
+        static   = ceil((2 * P + optimizer.state_bytes(N, P)) / shard)
+        pipeline = in_flight * (A + out) + out + 2 * P     # + the unsharded parameters and gradients
+        step     = ceil(optimizer.step_temp_bytes(N) / shard)
+
+    DDP replicas (``shard`` 1) hold the whole stage, as one pipeline does: its gradient buckets are
+    views of the gradients (``gradient_as_bucket_view=True``), no second copy.
+
     Args:
         blocks: per-block costs in execution order.
         start: first block of the stage.
@@ -338,6 +364,7 @@ def stage_memory_bytes(
         optimizer: the optimizer (decides the state bytes per parameter byte).
         recompute: whether the stage recomputes its activations in backward.
         n_microbatches: microbatches per step (receive buffers are per microbatch).
+        shard: FSDP replicas the stage's state is sharded over (1: not sharded, DDP or one replica).
 
     Returns:
         The stage's memory estimate in bytes.
@@ -345,7 +372,7 @@ def stage_memory_bytes(
     Raises:
         InfeasibleError: an empty or out-of-range block range.
     """
-    return stage_memory_parts(blocks, start, end, optimizer, recompute, n_microbatches).peak(in_flight)
+    return stage_memory_parts(blocks, start, end, optimizer, recompute, n_microbatches, shard).peak(in_flight)
 
 
 class MemoryParts(NamedTuple):
@@ -355,9 +382,10 @@ class MemoryParts(NamedTuple):
     At ``t`` live microbatches the stage holds ``fixed + max(t * per_microbatch + once, step)``.
     """
 
-    fixed: int  # static + buffers: weights, gradients, optimizer state, receive buffers
+    fixed: int  # static + buffers: weights, gradients, optimizer state (sharded: a share), receive buffers
     per_microbatch: int  # per live microbatch: saved activations (the input when recomputing) + cached output
-    once: int  # the output's gradient (+ the one microbatch's activations a recomputing stage rebuilds)
+    once: int  # the output's gradient (+ the one microbatch's activations a recomputing stage rebuilds;
+    # + the unsharded parameters and gradients of a sharded stage)
     step: int  # optimizer temporaries (after backward)
 
     def peak(self, in_flight: int) -> int:
@@ -372,6 +400,7 @@ def stage_memory_parts(
     optimizer: OptimizerSpec,
     recompute: bool = False,
     n_microbatches: int = 1,
+    shard: int = 1,
 ) -> MemoryParts:
     """The terms of ``stage_memory_bytes`` for the stage ``blocks[start:end]`` (see there).
 
@@ -390,7 +419,13 @@ def stage_memory_parts(
     cut_in = blocks[start - 1].cut_bytes if start > 0 else 0
     cut_out = blocks[end - 1].cut_bytes if end < n else 0
     out = cut_out if end < n else blocks[-1].output_bytes
-    return _parts(p_bytes, n_params, a_bytes, cut_in, cut_out, out, optimizer, recompute, n_microbatches)
+    return _parts(p_bytes, n_params, a_bytes, cut_in, cut_out, out, optimizer, recompute, n_microbatches, shard)
+
+
+def _ceil_div(x: Any, d: int) -> Any:
+    """``ceil(x / d)`` in integers, for Python ints and integer numpy arrays alike (FSDP pads every
+    parameter to a multiple of the shard count, so a share is rounded up)."""
+    return -((-x) // d)
 
 
 def _parts(
@@ -403,8 +438,17 @@ def _parts(
     optimizer: OptimizerSpec,
     recompute: bool,
     n_microbatches: int,
+    shard: int = 1,
 ) -> MemoryParts:
     """The formula of ``stage_memory_bytes`` on sums (shared with the solver's fast memory model)."""
+    if shard > 1:
+        return MemoryParts(
+            fixed=_ceil_div(2 * p_bytes + optimizer.state_bytes(n_params, p_bytes), shard)
+            + n_microbatches * (cut_in + cut_out),
+            per_microbatch=(cut_in + out) if recompute else (a_bytes + out),
+            once=out + (a_bytes if recompute else 0) + 2 * p_bytes,
+            step=_ceil_div(optimizer.step_temp_bytes(n_params), shard),
+        )
     return MemoryParts(
         fixed=2 * p_bytes + optimizer.state_bytes(n_params, p_bytes) + n_microbatches * (cut_in + cut_out),
         per_microbatch=(cut_in + out) if recompute else (a_bytes + out),
@@ -523,6 +567,7 @@ class _MemoryModel:
         limit: float,
         recompute: str = "never",
         n_microbatches: int = 1,
+        shard: int = 1,
     ) -> None:
         n = len(blocks)
         self.n = n
@@ -530,6 +575,7 @@ class _MemoryModel:
         self.recompute = recompute
         self.optimizer = optimizer
         self.m = n_microbatches
+        self.shard = shard
         self.pre_p = [0]
         self.pre_n = [0]
         self.pre_a = [0]
@@ -553,6 +599,7 @@ class _MemoryModel:
             self.optimizer,
             recompute,
             self.m,
+            self.shard,
         ).peak(in_flight)
 
     def choice(self, s: int, e: int, in_flight: int) -> bool | None:
@@ -1004,6 +1051,11 @@ class _Arrays:
             pipeline = rebuilt
         else:
             pipeline = np.minimum(plain, rebuilt)
+        d = self.mem.shard
+        if d > 1:  # the sharded state (rounded down: still a lower bound) and the unsharded copies
+            sharded: AnyIntArray = (2 * p_b + per_param) // d + self.mem.m * cin
+            bound: AnyIntArray = sharded + np.maximum(pipeline + 2 * p_b, per_param // d)
+            return bound
         out: AnyIntArray = 2 * p_b + per_param + self.mem.m * cin + np.maximum(pipeline, per_param)
         return out
 
@@ -1039,9 +1091,17 @@ class _Arrays:
         master = np.where(p_b < 4 * n_p, 4 * n_p, 0 * n_p)
         moments = 8 * n_p if self.adamw else 0 * n_p
         step = moments
-        head = self.limit - (2 * p_b + master + moments + self.mem.m * (cin + cout))
+        static = 2 * p_b + master + moments
+        unsharded = 0 * p_b
+        d = self.mem.shard
+        if d > 1:  # _parts with shard: a share of the static bytes and step, the whole stage while it runs
+            static, step, unsharded = _ceil_div(static, d), _ceil_div(step, d), 2 * p_b
+        head = self.limit - (static + self.mem.m * (cin + cout))
         limits = []
-        for option, (x, y) in (("never", (a_b + out, out)), ("always", (cin + out, a_b + out))):
+        for option, (x, y) in (
+            ("never", (a_b + out, out + unsharded)),
+            ("always", (cin + out, a_b + out + unsharded)),
+        ):
             if self.mode not in (option, "auto"):
                 limits.append(no)
                 continue
@@ -1239,6 +1299,7 @@ def solve(
     memory_limit_bytes: int | None = None,
     recompute: str = "auto",
     in_flight: Sequence[int] | None = None,
+    shard: int = 1,
 ) -> Partition:
     """The partition with the smallest bottleneck stage cost (exact).
 
@@ -1269,6 +1330,7 @@ def solve(
         in_flight: peak live microbatches of each stage (one per stage), replacing the counts
             derived from ``schedule`` (for schedules with several stages per rank, whose counts
             ``planner.core.schedules.in_flight_per_stage`` gives per global stage).
+        shard: FSDP replicas every stage's state is sharded over (``stage_memory_bytes``; 1: none).
 
     Returns:
         The optimal partition (with its per-stage recompute flags).
@@ -1290,7 +1352,7 @@ def solve(
     limit = memory_limit_bytes if memory_limit_bytes is not None else math.inf
     # Without a limit "auto" never needs to recompute.
     mode = recompute if memory_limit_bytes is not None or recompute == "always" else "never"
-    mem = _MemoryModel(blocks, optimizer, limit, mode, n_microbatches)
+    mem = _MemoryModel(blocks, optimizer, limit, mode, n_microbatches, shard)
     arrays = _Arrays(blocks, boundary_links(link, n_stages, schedule), mem, mode, infl)
     # First cap: the average stage plus the largest block and messages, about where the optimum is
     # when memory does not bind (any value is correct; a close one saves a pass).

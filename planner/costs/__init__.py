@@ -4,7 +4,8 @@ Owns: ``blocks`` (the one builder from raw figures to ``BlockCost``), ``timing``
 shared by both profilers: I/W split, recompute, optimizer step), ``measure`` (graph traces: each
 block cut out and timed), ``measure_modules`` (module-boundary traces: hooks on a whole-model
 run), ``estimate`` (roofline over aten operators on the meta device), ``cpu`` (this CPU as a
-``HardwareSpec``, micro-benchmarked and cached).
+``HardwareSpec``, micro-benchmarked and cached), ``levers`` (the speed levers the profilers apply:
+``torch.autocast`` regions and ``torch.compile`` settings).
 
 May import: ``planner.errors``, ``planner.schema``, ``planner.core`` (the hardware table),
 ``planner.capture``, ``planner.threads``, ``planner.torch_compat``, torch.

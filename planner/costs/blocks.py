@@ -7,11 +7,32 @@ repeated layer) comes from the trace, and is filled in here, once.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from torch import nn
 
 from planner.capture.blocks import TracedModel
 from planner.schema.costs import BlockCost
 from planner.schema.plan import Tie
+
+
+@dataclass
+class Profile:
+    """What profiling measured: the block costs, and what compiling the blocks did.
+
+    Attributes:
+        costs: one BlockCost per block, in block order.
+        compile_failures: (block name, why) for every block ``torch.compile`` failed on; those
+            blocks were timed eagerly.
+        compile_s: seconds the untimed first runs of the compiled blocks took beyond ordinary
+            runs (compilation, mostly); 0.0 without compile.
+        shared: blocks that took an identical earlier block's compiled measurement.
+    """
+
+    costs: list[BlockCost]
+    compile_failures: list[tuple[str, str]] = field(default_factory=list)
+    compile_s: float = 0.0
+    shared: int = 0
 
 
 def block_cost(
@@ -49,7 +70,7 @@ def block_cost(
         float_bytes: bytes per floating-point parameter element in the planning dtype (estimates
             for another dtype); None counts the parameters as they are.
         cut_bytes: bytes crossing the cut after the block when they differ from the trace's
-            (estimates in another dtype); None takes the trace's.
+            (estimates in another dtype, measurements under autocast); None takes the trace's.
 
     Returns:
         The block's costs.

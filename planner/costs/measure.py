@@ -34,11 +34,22 @@ Memory per block: parameter bytes (each parameter counted in the first block tha
 the bytes autograd saves for backward during the block's forward, observed with
 ``torch.autograd.graph.saved_tensors_hooks`` (parameters excluded: they are counted once already).
 
+Speed levers (``planner.costs.levers``): under ``autocast`` every forward (and the last block's
+loss) runs in a ``torch.autocast`` region, backward outside it; the saved bytes, the bytes crossing
+each cut and the model's output are measured as autocast makes them. With ``compile`` each block is
+timed as ``torch.compile(block_module)`` (the loss stays eager, as a pipeline computes it outside
+the stage module); the first, untimed run compiles, and a block whose compilation fails is timed
+eagerly and named in ``Profile.compile_failures``. Blocks identical in operations, shapes and
+dtypes (``planner.costs.estimate.structure_key``, the roofline's dedupe) share one compiled
+measurement, so the 4 layers of a GPT compile once (compiling costs seconds per block; timing
+costs milliseconds, so without compile every block is still measured on its own).
+
 Everything runs on the traced model's private copy, so the caller's model is never changed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -50,7 +61,15 @@ from tqdm import tqdm
 
 from planner.capture.blocks import GraphTrace, ModuleTrace, TracedModel
 from planner.capture.stage import build_stage_module, stage_inputs
-from planner.costs.blocks import block_cost
+from planner.costs.blocks import Profile, block_cost
+from planner.costs.levers import (
+    autocast_context,
+    compile_module,
+    compile_settings,
+    device_type_of,
+    failure_reason,
+    tensor_bytes,
+)
 from planner.costs.timing import (
     backward_roots,
     grad_inputs,
@@ -77,8 +96,10 @@ def profile_blocks(
     threads: int | None = None,
     progress: bool = True,
     optimizer: OptimizerSpec | None = None,
+    autocast: str | None = None,
+    compile: bool = False,
 ) -> list[BlockCost]:
-    """Measure every block of a traced model on one microbatch.
+    """Measure every block of a traced model on one microbatch (``profile_model``'s costs).
 
     Args:
         traced: the model, traced on a microbatch of the same shape as ``inputs``.
@@ -93,23 +114,86 @@ def profile_blocks(
         optimizer: the run's optimizer; its step over each block's parameters is timed too
             (AdamW over a large output layer is several percent of a CPU step). None leaves
             ``opt_s`` unknown.
+        autocast: "bf16" or "fp16": forwards run under ``torch.autocast``; None: as the model is.
+        compile: time each block as ``torch.compile(block_module)``.
 
     Returns:
         One BlockCost per block, in block order.
     """
-    with torch_threads(threads):
+    return profile_model(
+        traced,
+        inputs,
+        target,
+        loss_fn,
+        warmup=warmup,
+        repeats=repeats,
+        threads=threads,
+        progress=progress,
+        optimizer=optimizer,
+        autocast=autocast,
+        compile=compile,
+    ).costs
+
+
+def profile_model(
+    traced: TracedModel,
+    inputs: tuple[Any, ...],
+    target: torch.Tensor,
+    loss_fn: LossFn,
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    threads: int | None = None,
+    progress: bool = True,
+    optimizer: OptimizerSpec | None = None,
+    autocast: str | None = None,
+    compile: bool = False,
+) -> Profile:
+    """Measure every block of a traced model on one microbatch, under the speed levers asked for.
+
+    Args:
+        traced: the model, traced on a microbatch of the same shape as ``inputs``.
+        inputs: positional inputs of one microbatch.
+        target: the microbatch's target (the last block includes the loss).
+        loss_fn: ``loss_fn(output, target) -> scalar``.
+        warmup: untimed runs per block before measuring (at least 1 with ``compile``: the
+            compiling run is never timed).
+        repeats: timed runs per block; the median is kept.
+        threads: intra-op threads while measuring; None keeps the current setting.
+        progress: show a progress bar.
+        optimizer: the run's optimizer (its step is timed over all parameters and shared out by
+            parameter count); None leaves ``opt_s`` unknown.
+        autocast: "bf16" or "fp16": forwards run under ``torch.autocast`` on the model's device
+            (check it with ``planner.costs.levers.check_autocast`` first); None: no autocast.
+        compile: time each block as ``torch.compile(block_module)``.
+
+    Returns:
+        The costs, the blocks compile failed on, and the compile time.
+    """
+    if compile:
+        warmup = max(1, warmup)
+    settings = compile_settings() if compile else contextlib.nullcontext()
+    with torch_threads(threads), settings:
         if isinstance(traced, ModuleTrace):
             from planner.costs.measure_modules import profile_module_blocks
 
-            costs = profile_module_blocks(
-                traced, inputs, target, loss_fn, warmup=warmup, repeats=repeats, progress=progress
+            profile = profile_module_blocks(
+                traced,
+                inputs,
+                target,
+                loss_fn,
+                warmup=warmup,
+                repeats=repeats,
+                progress=progress,
+                autocast=autocast,
+                compile=compile,
             )
         else:
             assert isinstance(traced, GraphTrace)
-            costs = _profile_graph(traced, inputs, target, loss_fn, warmup, repeats, progress)
-        if optimizer is None:
-            return costs
-        return _with_optimizer_shares(traced, costs, optimizer, warmup, repeats)
+            profile = _profile_graph(traced, inputs, target, loss_fn, warmup, repeats, progress, autocast, compile)
+        if optimizer is not None:
+            profile.costs = _with_optimizer_shares(traced, profile.costs, optimizer, warmup, repeats)
+        return profile
 
 
 def _with_optimizer_shares(
@@ -133,7 +217,8 @@ def _with_optimizer_shares(
 
 @dataclass
 class _Timings:
-    """The repeats of one block: forward, backward, I, W, recompute, and the saved bytes."""
+    """The repeats of one block: forward, backward, I, W, recompute, the saved bytes, and the wall
+    time of the untimed warm-up runs against the timed ones (what compiling cost)."""
 
     fwd: list[float] = field(default_factory=list)
     bwd: list[float] = field(default_factory=list)
@@ -141,6 +226,8 @@ class _Timings:
     bwd_weight: list[float] = field(default_factory=list)
     recompute: list[float] = field(default_factory=list)
     saved_bytes: int = 0
+    warm_s: float = 0.0
+    rounds_s: list[float] = field(default_factory=list)
 
 
 def _time_once(
@@ -183,6 +270,7 @@ def _time_block(
     """Warm-up and timed repeats of one block: a full F+B, then I/W and the recompute on fresh inputs."""
     t = _Timings()
     for r in range(warmup + repeats):
+        start = time.perf_counter()
         fwd, bwd, saved = _time_once(forward, grad_inputs(current, grad), param_storages)
         bwd_input, bwd_weight = time_input_weight(forward, grad_inputs(current, grad), weights)
         recompute = time_recompute(forward, grad_inputs(current, grad))
@@ -193,8 +281,82 @@ def _time_block(
             t.bwd_weight.append(bwd_weight)
             t.recompute.append(recompute)
             t.saved_bytes = saved
+            t.rounds_s.append(time.perf_counter() - start)
+        else:
+            t.warm_s += time.perf_counter() - start
         bar.update(1)
     return t
+
+
+class _BlockTimer:
+    """Times the blocks of one graph profile under its levers: autocast around every forward; with
+    compile, each block compiled (identical blocks sharing one measurement), eager where that fails."""
+
+    def __init__(
+        self,
+        traced: GraphTrace,
+        target: torch.Tensor,
+        loss_fn: LossFn,
+        warmup: int,
+        repeats: int,
+        device_type: str,
+        autocast: str | None,
+        compile: bool,
+        bar: Any,
+    ) -> None:
+        self.target, self.loss_fn, self.warmup, self.repeats = target, loss_fn, warmup, repeats
+        self.device_type, self.autocast, self.compile, self.bar = device_type, autocast, compile, bar
+        self.param_storages = {_storage_key(p) for p in traced.model.parameters()}
+        self.profile = Profile(costs=[])
+        self.shared: dict[str, _Timings] = {}  # structure key -> the compiled measurement identical blocks share
+        self.failed: dict[str, str] = {}  # structure key -> why torch.compile failed on such a block
+
+    def forward_of(self, call: Callable[..., Any], last: bool) -> Callable[[tuple[Any, ...]], Any]:
+        """``call`` as a block's forward: under autocast, with the loss after it for the last block."""
+
+        def run(args: tuple[Any, ...]) -> Any:
+            with autocast_context(self.device_type, self.autocast):
+                out = call(*args)
+                return self.loss_fn(out, self.target) if last else out
+
+        return run
+
+    def time(
+        self, name: str, module: torch.fx.GraphModule, current: tuple[Any, ...], last: bool, grad: bool
+    ) -> _Timings:
+        """Block ``name`` timed on its inputs ``current`` (``grad``: they require grad, as a later
+        stage's do): compiled when asked and possible, else eagerly."""
+        from planner.costs.estimate import structure_key
+
+        key = structure_key(module, grad_inputs(current, grad), last) if self.compile else ""
+        if key in self.shared:
+            self.profile.shared += 1
+            self.bar.update(self.warmup + self.repeats)
+            return self.shared[key]
+        if self.compile and key not in self.failed:
+            done = self.bar.n
+            try:
+                t = self.shared[key] = self._timed(module, compile_module(module), current, last, grad)
+                # what the untimed runs took beyond ordinary runs: compiling (and recompiling for I/W)
+                self.profile.compile_s += max(0.0, t.warm_s - self.warmup * statistics.median(t.rounds_s))
+                return t
+            except Exception as e:  # noqa: BLE001 - torch.compile fails in many ways; eager is the fallback
+                self.failed[key] = failure_reason(e)
+                self.bar.n = done  # the eager runs below count again
+        if self.compile:
+            self.profile.compile_failures.append((name, self.failed[key]))
+        return self._timed(module, module, current, last, grad)
+
+    def _timed(
+        self, module: torch.nn.Module, call: Callable[..., Any], current: tuple[Any, ...], last: bool, grad: bool
+    ) -> _Timings:
+        start = time.perf_counter()
+        forward = leaf_safe(self.forward_of(call, last), grad_inputs(current, grad))
+        trial_s = time.perf_counter() - start  # a first call: it compiles the forward of a compiled block
+        weights = list(module.parameters())
+        t = _time_block(forward, current, grad, weights, self.param_storages, self.warmup, self.repeats, self.bar)
+        t.warm_s += trial_s
+        return t
 
 
 def _profile_graph(
@@ -205,52 +367,55 @@ def _profile_graph(
     warmup: int,
     repeats: int,
     progress: bool,
-) -> list[BlockCost]:
+    autocast: str | None,
+    compile: bool,
+) -> Profile:
     """Cut every block out on its own and time it on the real outputs of the blocks before it."""
     n = len(traced.blocks)
     traced.model.train()
-    param_storages = {_storage_key(p) for p in traced.model.parameters()}
+    device_type = device_type_of(traced.model, inputs)
     owned = traced.owned_parameters()
-    costs: list[BlockCost] = []
     current = stage_inputs(inputs)  # what the first stage takes: the tensors
     bar = tqdm(
         total=n * (warmup + repeats),
-        desc="profiling blocks",
+        desc="profiling blocks" + (" (compiling)" if compile else ""),
         unit="run",
         disable=None if progress else True,
         leave=False,
     )
+    timer = _BlockTimer(traced, target, loss_fn, warmup, repeats, device_type, autocast, compile, bar)
     for k in range(n):
         module = build_stage_module(traced, k, k + 1, check_cuts=False)
         last = k == n - 1
-
-        def run(args: tuple[Any, ...], module: torch.nn.Module = module, last: bool = last) -> Any:
-            out = module(*args)
-            return loss_fn(out, target) if last else out
-
-        grad = k > 0  # the first block gets the user's data, which needs no gradient
-        forward = leaf_safe(run, grad_inputs(current, grad))
-        t = _time_block(forward, current, grad, list(module.parameters()), param_storages, warmup, repeats, bar)
-        if not last:
-            with torch.no_grad():
+        # the first block gets the user's data, which needs no gradient
+        t = timer.time(traced.blocks[k].name, module, current, last, grad=k > 0)
+        # what the next block receives: the outputs as the forward (under autocast) makes them
+        out_bytes = None
+        if not last or autocast is not None:
+            with torch.no_grad(), autocast_context(device_type, autocast):
                 out = module(*current)
-            current = out if isinstance(out, tuple) else (out,)
-        costs.append(
-            block_cost(
-                traced,
-                k,
-                owned[k],
-                fwd_s=statistics.median(t.fwd),
-                bwd_s=statistics.median(t.bwd),
-                bwd_input_s=statistics.median(t.bwd_input),
-                bwd_weight_s=statistics.median(t.bwd_weight),
-                recompute_s=statistics.median(t.recompute),
-                activation_bytes=t.saved_bytes,
-            )
+            if autocast is not None:
+                out_bytes = tensor_bytes(out)
+            if not last:
+                current = out if isinstance(out, tuple) else (out,)
+        costs = block_cost(
+            traced,
+            k,
+            owned[k],
+            fwd_s=statistics.median(t.fwd),
+            bwd_s=statistics.median(t.bwd),
+            bwd_input_s=statistics.median(t.bwd_input),
+            bwd_weight_s=statistics.median(t.bwd_weight),
+            recompute_s=statistics.median(t.recompute),
+            activation_bytes=t.saved_bytes,
+            cut_bytes=None if last else out_bytes,
         )
+        if last and out_bytes is not None:  # the model's output the last stage keeps until backward
+            costs = costs.model_copy(update={"output_bytes": out_bytes})
+        timer.profile.costs.append(costs)
     bar.close()
     traced.model.zero_grad(set_to_none=True)
-    return costs
+    return timer.profile
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:

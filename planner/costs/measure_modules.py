@@ -25,6 +25,12 @@ The whole model runs forward and backward; hooks note when each block starts and
 
 Root-level operations between blocks are not attributed to any block; for models that need this
 fallback they are a few element-wise operations.
+
+Speed levers (``planner.costs.levers``): under autocast the whole-model forward and the loss run in a
+``torch.autocast`` region, and each block's output bytes (the cut after it) are observed as autocast
+makes them. With compile each block module's ``forward`` is replaced by ``torch.compile`` of it for
+the duration (the hooks stay eager, around it); a compile failure during a forward names its block,
+which runs eagerly from then on; one in backward cannot be told apart, and all blocks run eagerly.
 """
 
 from __future__ import annotations
@@ -33,15 +39,16 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from planner.capture.blocks import ModuleTrace
-from planner.costs.blocks import block_cost
+from planner.costs.blocks import Profile, block_cost
+from planner.costs.levers import autocast_context, compile_module, device_type_of, failure_reason, tensor_bytes
 from planner.costs.timing import grad_inputs, leaf_safe, time_input_weight, time_recompute
-from planner.schema.costs import BlockCost
 from planner.torch_compat import pytree
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -57,6 +64,7 @@ class _Observer:
         self.inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}  # first call's (args, kwargs)
         self.capture = True
         self.last_out: Any = None
+        self.out_bytes: dict[int, int] = {}  # first call's output bytes (the cut after the block)
         self.reset()
 
     def reset(self) -> None:
@@ -79,6 +87,8 @@ class _Observer:
         self.block = None
         if self.capture and i == self.n - 1:
             self.last_out = out
+        if self.capture and i not in self.out_bytes:
+            self.out_bytes[i] = tensor_bytes(out)
         leaf = next((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad), None)
         if leaf is not None and i not in self.hooked:
             self.hooked.add(i)
@@ -117,7 +127,9 @@ def profile_module_blocks(
     warmup: int = 2,
     repeats: int = 5,
     progress: bool = True,
-) -> list[BlockCost]:
+    autocast: str | None = None,
+    compile: bool = False,
+) -> Profile:
     """Measure each block of a module-boundary trace during whole-model forward/backward runs.
 
     Args:
@@ -125,78 +137,144 @@ def profile_module_blocks(
         inputs: positional inputs of one microbatch.
         target: the microbatch's target.
         loss_fn: ``loss_fn(output, target) -> scalar``.
-        warmup: untimed whole-model runs.
+        warmup: untimed whole-model runs (at least 1 with ``compile``: the compiling run).
         repeats: timed runs; medians are kept.
         progress: show a progress bar.
+        autocast: "bf16" or "fp16": forwards and the loss run under ``torch.autocast``; None: none.
+        compile: run each block module's forward as ``torch.compile`` of it.
 
     Returns:
-        One BlockCost per block, in block order.
+        The costs (one BlockCost per block, in block order) and what compiling did.
     """
     model = traced.model
     model.train()
-    obs = _Observer(traced)
-    n = obs.n
-    fwd: list[list[float]] = [[] for _ in range(n)]
-    bwd: list[list[float]] = [[] for _ in range(n)]
-    saved = [0] * n
-    ends_model = False
-    try:
-        with obs.installed(model):
-            for r in tqdm(
-                range(warmup + repeats), desc="profiling model", disable=None if progress else True, leave=False
-            ):
-                obs.reset()
-                with torch.autograd.graph.saved_tensors_hooks(obs.pack, lambda t: t):
-                    output = model(*inputs)
-                    loss = loss_fn(output, target)
-                if obs.capture:
-                    ends_model = obs.last_out is output
-                    obs.capture, obs.last_out = False, None
-                del output
-                t_start = time.perf_counter()
-                loss.backward()
-                t_end = time.perf_counter()
-                model.zero_grad(set_to_none=True)
-                if r < warmup:
-                    continue
-                for i in range(n):
-                    fwd[i].append(obs.fwd[i])
-                    begin = obs.grad_ready.get(i, t_start) if i < n - 1 else t_start
-                    end = obs.grad_ready.get(i - 1, t_end) if i > 0 else t_end
-                    bwd[i].append(max(0.0, end - begin))
-                    saved[i] = sum(size for _, size in obs.saved[i])
-        # the isolated runs below run with the timing hooks removed
-        names = tqdm(obs.names, desc="profiling I/W", disable=None if progress else True, leave=False)
-        split = [
-            _split_block(
-                model.get_submodule(name),
-                obs.inputs.get(i),
-                i == 0,
-                loss_fn,
-                target,
-                i == n - 1 and ends_model,
-                warmup,
-                repeats,
-            )
-            for i, name in enumerate(names)
-        ]
-    finally:
-        model.zero_grad(set_to_none=True)
+    names = [b.name for b in traced.blocks]
+    compiled = {i: compile_module(model.get_submodule(name).forward) for i, name in enumerate(names)} if compile else {}
+    warmup = max(1, warmup) if compile else warmup
+    failures: list[tuple[str, str]] = []
+    while True:
+        obs = _Observer(traced)
+        try:
+            with _forwards(model, names, compiled):
+                runs = _observed_runs(model, obs, inputs, target, loss_fn, warmup, repeats, progress, autocast)
+                # the isolated runs below run with the timing hooks removed
+                bar = tqdm(names, desc="profiling I/W", disable=None if progress else True, leave=False)
+                split = [
+                    _split_block(
+                        model.get_submodule(name),
+                        obs.inputs.get(i),
+                        i == 0,
+                        loss_fn,
+                        target,
+                        i == len(names) - 1 and runs.ends_model,
+                        warmup,
+                        repeats,
+                        autocast,
+                    )
+                    for i, name in enumerate(bar)
+                ]
+            break
+        except Exception as e:  # noqa: BLE001 - torch.compile fails in many ways; eager is the fallback
+            if not compiled:
+                raise
+            # a failure inside a block's forward names it; one in backward could be any block's
+            failing = [obs.block] if obs.block in compiled else sorted(compiled)
+            failures += [(names[i], failure_reason(e)) for i in failing]
+            for i in failing:
+                del compiled[i]
+        finally:
+            model.zero_grad(set_to_none=True)
     owned = traced.owned_parameters()
-    return [
+    n = len(names)
+    costs = [
         block_cost(
             traced,
             i,
             owned[i],
-            fwd_s=statistics.median(fwd[i]),
-            bwd_s=statistics.median(bwd[i]),
+            fwd_s=statistics.median(runs.fwd[i]),
+            bwd_s=statistics.median(runs.bwd[i]),
             bwd_input_s=split[i][0],
             bwd_weight_s=split[i][1],
             recompute_s=split[i][2],
-            activation_bytes=saved[i],
+            activation_bytes=runs.saved[i],
+            cut_bytes=obs.out_bytes.get(i) if autocast is not None and i < n - 1 else None,
         )
         for i in range(n)
     ]
+    if autocast is not None:  # the model's output the last stage keeps, as autocast makes it
+        costs[-1] = costs[-1].model_copy(update={"output_bytes": runs.output_bytes})
+    return Profile(costs=costs, compile_failures=failures, compile_s=runs.compile_s if compiled else 0.0)
+
+
+@contextmanager
+def _forwards(model: torch.nn.Module, names: list[str], compiled: dict[int, Callable[..., Any]]) -> Iterator[None]:
+    """Each block in ``compiled`` runs its compiled forward inside the block, its own afterwards."""
+    for i, fn in compiled.items():
+        model.get_submodule(names[i]).forward = fn  # an instance attribute shadows the class's forward
+    try:
+        yield
+    finally:
+        for i in compiled:
+            del model.get_submodule(names[i]).forward
+
+
+@dataclass
+class _Runs:
+    """What the whole-model runs measured, per block: forward and backward times, saved bytes."""
+
+    fwd: list[list[float]]
+    bwd: list[list[float]]
+    saved: list[int]
+    ends_model: bool = False
+    output_bytes: int = 0
+    compile_s: float = 0.0
+
+
+def _observed_runs(
+    model: torch.nn.Module,
+    obs: _Observer,
+    inputs: tuple[Any, ...],
+    target: torch.Tensor,
+    loss_fn: LossFn,
+    warmup: int,
+    repeats: int,
+    progress: bool,
+    autocast: str | None,
+) -> _Runs:
+    """Whole-model forward/backward runs with ``obs``'s hooks installed; the first ``warmup`` untimed."""
+    n = obs.n
+    runs = _Runs(fwd=[[] for _ in range(n)], bwd=[[] for _ in range(n)], saved=[0] * n)
+    device_type = device_type_of(model, inputs)
+    warm_s, round_s = 0.0, []
+    with obs.installed(model):
+        for r in tqdm(range(warmup + repeats), desc="profiling model", disable=None if progress else True, leave=False):
+            obs.reset()
+            start = time.perf_counter()
+            with torch.autograd.graph.saved_tensors_hooks(obs.pack, lambda t: t):
+                with autocast_context(device_type, autocast):
+                    output = model(*inputs)
+                    loss = loss_fn(output, target)
+            if obs.capture:
+                runs.ends_model = obs.last_out is output
+                runs.output_bytes = tensor_bytes(output)
+                obs.capture, obs.last_out = False, None
+            del output
+            t_start = time.perf_counter()
+            loss.backward()
+            t_end = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            if r < warmup:
+                warm_s += t_end - start
+                continue
+            round_s.append(t_end - start)
+            for i in range(n):
+                runs.fwd[i].append(obs.fwd[i])
+                begin = obs.grad_ready.get(i, t_start) if i < n - 1 else t_start
+                end = obs.grad_ready.get(i - 1, t_end) if i > 0 else t_end
+                runs.bwd[i].append(max(0.0, end - begin))
+                runs.saved[i] = sum(size for _, size in obs.saved[i])
+    runs.compile_s = max(0.0, warm_s - warmup * statistics.median(round_s))
+    return runs
 
 
 def _split_block(
@@ -208,16 +286,19 @@ def _split_block(
     with_loss: bool,
     warmup: int,
     repeats: int,
+    autocast: str | None = None,
 ) -> tuple[float | None, float | None, float | None]:
     """Median (I, W, recompute) seconds of one block called alone on its captured inputs (None: unknown)."""
     if captured is None:  # the model never called this block
         return None, None, None
     args, kwargs = captured
     kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), kwargs)
+    device_type = device_type_of(module, (args, kwargs))
 
     def run(a: tuple[Any, ...]) -> Any:
-        out = module(*a, **kwargs)
-        return loss_fn(out, target) if with_loss else out
+        with autocast_context(device_type, autocast):
+            out = module(*a, **kwargs)
+            return loss_fn(out, target) if with_loss else out
 
     weights = list(module.parameters())
     runs = []

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from planner.capture.load import ModelFile
+from planner.costs.levers import autocast_context
 
 
 def fixed_fraction(time_at: Callable[[int], float], size0: int) -> tuple[float, int]:
@@ -54,9 +55,19 @@ def fixed_fraction(time_at: Callable[[int], float], size0: int) -> tuple[float, 
 
 
 def measured_time_at(
-    mf: ModelFile, model: torch.nn.Module, seed: int, device: torch.device, repeats: int, warmup: int
+    mf: ModelFile,
+    model: torch.nn.Module,
+    seed: int,
+    device: torch.device,
+    repeats: int,
+    warmup: int,
+    autocast: str | None = None,
 ) -> Callable[[int], float]:
     """A ``time_at`` that runs the model's forward, loss and backward on this machine.
+
+    The model runs eagerly even for a compiled plan: compiling the whole model twice more (once per
+    microbatch size) would cost more than the blocks' own compilation, and only the ratio of the
+    two times is used.
 
     Args:
         mf: the model file (its batch and loss functions).
@@ -65,6 +76,8 @@ def measured_time_at(
         device: where the model lives.
         repeats: timed runs (median kept).
         warmup: untimed runs first.
+        autocast: "bf16" or "fp16": forward and loss under ``torch.autocast``, as the blocks were
+            profiled; None: none.
 
     Returns:
         seconds of one forward + backward of a microbatch of the given size.
@@ -79,7 +92,8 @@ def measured_time_at(
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            loss = mf.loss_fn(model(*args), tgt)
+            with autocast_context(device.type, autocast):
+                loss = mf.loss_fn(model(*args), tgt)
             loss.backward()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)

@@ -3,12 +3,16 @@
 Pure module (tabulate, no torch). Reads a Plan and the RunResult of running it; nothing is
 re-measured. Errors are ``(predicted - measured) / measured``: negative means the plan
 under-predicted (the run was slower or bigger than planned).
+
+A plan of several data-parallel replicas is compared on replica 0, whose ranks report the stages
+(every replica runs the same ones); its step is the job's, the gradient reduction included.
 """
 
 from __future__ import annotations
 
 from tabulate import tabulate
 
+from planner.core.data_parallel import check_run_replicas
 from planner.core.simulate import Event
 from planner.errors import PlanFileError
 from planner.schema.plan import Plan
@@ -46,6 +50,7 @@ def step_error(plan: Plan, run: RunResult) -> float:
     """
     if run.plan_fingerprint != plan.model.fingerprint:
         check_run_matches(plan, run)
+    check_run_replicas(plan, run)
     if run.median_step_s <= 0:
         raise PlanFileError("the run's median step time is 0; re-run `planner run` with more steps")
     return (plan.prediction.step_time_s - run.median_step_s) / run.median_step_s
@@ -56,7 +61,8 @@ def compare_table(plan: Plan, run: RunResult) -> str:
     peak memory, with errors; then predicted vs measured step time.
 
     Measured memory is the tracked tensor peak (``StageMeasure.memory.peak_bytes``); "-" when the
-    run tracked none (a 1-step run).
+    run tracked none (a 1-step run). With data-parallel replicas the stages are replica 0's and the
+    predicted gradient reduction is shown under the step (the run times it inside its step).
 
     Args:
         plan: the plan that was run.
@@ -69,6 +75,7 @@ def compare_table(plan: Plan, run: RunResult) -> str:
         PlanFileError: the run is not of this plan (see ``check_run_matches``).
     """
     check_run_matches(plan, run)
+    check_run_replicas(plan, run)
     rows = []
     several = plan.stages_per_rank > 1
     for s, m in zip(plan.stages, run.stages):
@@ -113,8 +120,11 @@ def compare_table(plan: Plan, run: RunResult) -> str:
     ]
     stages = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True, colalign=("right", "left"))
     predicted, measured = plan.prediction.step_time_s, run.median_step_s
+    steps = [["step", _ms(predicted), _ms(measured), _pct(_err(predicted, measured))]]
+    if plan.dp > 1:
+        steps.append([f"  of which {plan.dp_mode} reduction", _ms(plan.prediction.dp_reduce_s), "-", "-"])
     summary = tabulate(
-        [["step", _ms(predicted), _ms(measured), _pct(_err(predicted, measured))]],
+        steps,
         headers=["", "plan ms", "run ms", "err"],
         tablefmt="simple",
         disable_numparse=True,
@@ -141,6 +151,7 @@ def measured_events(plan: Plan, run: RunResult) -> list[Event]:
         PlanFileError: the run is not of this plan.
     """
     check_run_matches(plan, run)
+    check_run_replicas(plan, run)
     origins = [m.timeline_origin for m in run.stages if m.timeline_origin is not None and m.timeline]
     if not origins:
         return []

@@ -1,12 +1,16 @@
 """Balance report: the tables ``planner plan`` and ``planner report`` print.
 
-Pure module (tabulate, no torch). Everything shown is read from the plan; nothing is recomputed.
+Pure module (tabulate, no torch). Everything shown is read from the plan; nothing is recomputed,
+except the link a data-parallel group reduces over (``planner.core.data_parallel``). Tables are
+per pipeline (one replica's); a plan of several replicas adds a layout line.
 """
 
 from __future__ import annotations
 
 from tabulate import tabulate
 
+from planner.core.data_parallel import dp_group_links
+from planner.core.predict import plan_links
 from planner.report.throughput import throughput_line
 from planner.schema.plan import Plan, Tie
 
@@ -123,7 +127,8 @@ def summary_table(plan: Plan) -> str:
 
 
 def search_table(plan: Plan) -> str:
-    """The best candidates of the joint search (schedule, microbatches, stages per rank, split).
+    """The best candidates of the joint search (schedule, microbatches, stages per rank, split),
+    with a column of data-parallel replicas when the search tried several counts.
 
     Args:
         plan: the plan.
@@ -133,26 +138,31 @@ def search_table(plan: Plan) -> str:
     """
     if not plan.search:
         return ""
+    with_dp = len({c.dp for c in plan.search}) > 1
     rows = []
     for c in plan.search:
-        chosen = (c.schedule, c.n_microbatches, c.stages_per_rank) == (
+        chosen = (c.schedule, c.n_microbatches, c.stages_per_rank, c.dp, c.dp_mode) == (
             plan.schedule,
             plan.n_microbatches,
             plan.stages_per_rank,
+            plan.dp,
+            plan.dp_mode,
         )
-        rows.append(
-            [
-                c.schedule + (" *" if chosen else ""),
-                c.n_microbatches,
-                c.stages_per_rank,
-                _split_text(c.starts, len(plan.blocks)),
-                _ms(c.step_time_s),
-                f"{100 * c.bubble_fraction:.1f}%",
-                _mb(c.max_memory_bytes),
-                "yes" if c.fits else "no",
-            ]
-        )
-    headers = ["schedule", "m", "stages/rank", "blocks per stage", "step ms", "bubble", "max mem MB", "fits"]
+        row: list[object] = [c.schedule + (" *" if chosen else "")]
+        if with_dp:
+            row.append(f"{c.dp} ({c.dp_mode})" if c.dp > 1 else "1")
+        row += [
+            c.n_microbatches,
+            c.stages_per_rank,
+            _split_text(c.starts, len(plan.blocks)),
+            _ms(c.step_time_s),
+            f"{100 * c.bubble_fraction:.1f}%",
+            _mb(c.max_memory_bytes),
+            "yes" if c.fits else "no",
+        ]
+        rows.append(row)
+    headers = ["schedule", *(["dp"] if with_dp else []), "m", "stages/rank", "blocks per stage", "step ms"]
+    headers += ["bubble", "max mem MB", "fits"]
     return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
 
 
@@ -184,6 +194,48 @@ def tie_line(plan: Plan, tie: Tie) -> str:
     return f"  tied: {' = '.join(tie.names)} ({_count(tie.params)} params), {held}"
 
 
+def _ranks_text(first: int, last: int) -> str:
+    return f"rank {first}" if first == last else f"ranks {first}-{last}"
+
+
+def layout_line(plan: Plan) -> str:
+    """One line on the (dp, pp) mesh of a plan with data-parallel replicas: which global ranks
+    each replica holds and how gradients are reduced.
+
+    Args:
+        plan: the plan.
+
+    Returns:
+        e.g. ``layout: 2 replicas x 2 stages (dp x pp) on 4 ranks; replica 0 = ranks 0-1, replica 1
+        = ranks 2-3; gradients reduced by DDP (all-reduce 0.84 ms/step)``; empty with one replica.
+    """
+    if plan.dp == 1:
+        return ""
+    p = plan.n_ranks
+    if plan.stages_per_rank == 1:
+        pipeline = f"{p} stage{'s' if p > 1 else ''}"
+    else:
+        pipeline = f"{p} rank{'s' if p > 1 else ''} of {plan.stages_per_rank} stages"
+    shown = list(range(plan.dp)) if plan.dp <= 4 else [0, 1, plan.dp - 1]
+    replicas = [f"replica {k} = {_ranks_text(plan.global_rank(k, 0), plan.global_rank(k, p - 1))}" for k in shown]
+    if plan.dp > 4:
+        replicas.insert(2, "...")
+    reduce_ms = f"{plan.prediction.dp_reduce_s * 1e3:.2f} ms/step"
+    if plan.dp_mode == "fsdp":
+        how = (
+            f"FSDP (parameters, gradients and optimizer state sharded {plan.dp} ways; all-gather + "
+            f"reduce-scatter {reduce_ms})"
+        )
+    else:
+        how = f"DDP (all-reduce {reduce_ms})"
+    links = sorted({x.name for x in dp_group_links(plan_links(plan), p, plan.dp)})
+    over = f" over {', '.join(links)}" if links and links != [plan.link.name] else ""
+    return (
+        f"layout: {plan.dp} replicas x {pipeline} (dp x pp) on {plan.world_size} ranks; {', '.join(replicas)}; "
+        f"gradients reduced by {how}{over}"
+    )
+
+
 def render(plan: Plan) -> str:
     """The full report: a header, the stage table and the summary table.
 
@@ -194,28 +246,37 @@ def render(plan: Plan) -> str:
         The report text.
     """
     m = plan.model
+    replicas = f"{plan.dp} replicas x " if plan.dp > 1 else ""
     head = (
-        f"{m.path} (size {m.size or 'default'}; traced by {m.trace_method}) on {plan.n_ranks} x "
+        f"{m.path} (size {m.size or 'default'}; traced by {m.trace_method}) on {plan.world_size} x "
         f"{plan.profile.device}/{plan.profile.backend}, {plan.profile.threads} thread(s) per rank\n"
         f"schedule {plan.schedule}"
         + (f" with {plan.stages_per_rank} stages per rank ({plan.n_stages} stages)" if plan.stages_per_rank > 1 else "")
-        + f", batch {plan.batch_size} = {plan.n_microbatches} microbatches of "
+        + f", batch {plan.batch_size} = {replicas}{plan.n_microbatches} microbatches of "
         f"{plan.microbatch_size}; {len(plan.blocks)} blocks; link {plan.link.name} "
         f"({plan.link.latency_s * 1e3:.2f} ms + bytes / {plan.link.bandwidth_Bps / 1e9:.1f} GB/s)"
     )
     inter = plan.inter_node_link
-    if inter is not None and plan.gpus_per_node is not None and plan.n_ranks > plan.gpus_per_node:
+    if inter is not None and plan.gpus_per_node is not None and plan.world_size > plan.gpus_per_node:
         head += (
             f"; {plan.gpus_per_node} GPUs per node: boundaries between nodes use {inter.name} "
             f"({inter.latency_s * 1e3:.3f} ms + bytes / {inter.bandwidth_Bps / 1e9:.1f} GB/s)"
         )
+    if plan.dp > 1:
+        head += "\n" + layout_line(plan)
     if m.trace_failures:
         head += "\n" + "\n".join(f"  {method} could not trace it: {reason}" for method, reason in m.trace_failures)
     for tie in plan.ties:
         head += "\n" + tie_line(plan, tie)
+    reduction = (
+        f" ({_ms(plan.prediction.dp_reduce_s)} ms of it reducing gradients over {plan.dp} replicas)"
+        if plan.dp > 1
+        else ""
+    )
     summary = (
-        f"predicted step {_ms(plan.prediction.step_time_s)} ms, bubble {100 * plan.prediction.bubble_fraction:.1f}%, "
-        f"imbalance {plan.prediction.imbalance:.3f} (slowest / mean stage)\n{throughput_line(plan)}"
+        f"predicted step {_ms(plan.prediction.step_time_s)} ms{reduction}, bubble "
+        f"{100 * plan.prediction.bubble_fraction:.1f}%, imbalance {plan.prediction.imbalance:.3f} (slowest / mean "
+        f"stage)\n{throughput_line(plan)}"
     )
     if plan.choice:
         summary += f"\nchosen: {plan.choice}"

@@ -6,6 +6,9 @@ step time times the devices' peak. The model's FLOPs are the blocks' counted one
 (``torch.utils.flop_counter``, causal attention at half, see ``planner.costs.estimate``), so a
 published MFU that counts causal attention in full (torchtitan, llm-foundry) reads a few points
 higher for the same speed (docs/gpu_costs.md).
+
+With data-parallel replicas every figure is the whole job's: the global batch per step over the
+``world_size`` devices (a replica's blocks and microbatches times ``dp``).
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ class Throughput:
     """What a plan's predicted step amounts to.
 
     Attributes:
-        samples_per_s: samples per second over the whole pipeline.
+        samples_per_s: samples per second over all replicas (the global batch per step).
         tokens_per_s: tokens per second (None: the plan does not know the tokens per sample).
-        tokens_per_s_per_gpu: ``tokens_per_s`` over the pipeline's ranks.
-        model_flops: the model's FLOPs per step, forward and backward, no recomputation (None:
-            some block's FLOPs were not counted).
+        tokens_per_s_per_gpu: ``tokens_per_s`` over every rank (``world_size``).
+        model_flops: the model's FLOPs per step over all replicas, forward and backward, no
+            recomputation (None: some block's FLOPs were not counted).
         peak_flops: the peak dense FLOP/s of one device in the plan's dtype (None: not known).
         mfu: model FLOPs utilisation of the predicted step.
         busy_mfu: the same over the time the ranks compute (the step without its bubble:
@@ -74,13 +77,14 @@ def throughput(plan: Plan, peak: float | None = None) -> Throughput:
     samples = plan.batch_size / step if step > 0 else 0.0
     tokens = plan.profile.tokens_per_sample
     tokens_s = samples * tokens if tokens is not None else None
-    per_gpu = tokens_s / plan.n_ranks if tokens_s is not None else None
+    per_gpu = tokens_s / plan.world_size if tokens_s is not None else None
     counted = [b.flops_fwd + b.flops_bwd for b in plan.blocks if b.flops_fwd is not None and b.flops_bwd is not None]
-    flops = sum(counted) * plan.n_microbatches if len(counted) == len(plan.blocks) else None
+    # the blocks are one microbatch of one replica: every replica runs n_microbatches of them
+    flops = sum(counted) * plan.n_microbatches * plan.dp if len(counted) == len(plan.blocks) else None
     peak = peak if peak is not None else peak_flops(plan)
     mfu = busy = None
     if flops is not None and peak:
-        capacity = plan.n_ranks * peak
+        capacity = plan.world_size * peak
         mfu = flops / (step * capacity) if step > 0 else None
         busy_s = pred.pipeline_time_s * (1.0 - pred.bubble_fraction)
         busy = flops / (busy_s * capacity) if busy_s > 0 else None

@@ -14,8 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 from planner.schema.jsonfile import parse_versioned, read_text, write_atomic
-from planner.schema.request import Method, Schedule
+from planner.schema.request import DpMode, Method, Schedule
 
+# Still 1: the data-parallel fields (``dp``, ``dp_mode``, ``Prediction.dp_reduce_s``, ``Candidate.dp``)
+# have defaults that mean what a plan without them meant (one pipeline on every rank), so plans
+# written before them load unchanged; a planner that predates them refuses a plan that has them
+# (extra fields are forbidden), rather than running it as one pipeline.
 PLAN_VERSION = 1
 
 
@@ -58,7 +62,30 @@ class ProfileInfo(_Frozen):
     hardware: str | None = Field(
         default=None, description="Hardware the estimate is for (--gpu-type), None when measured."
     )
-    dtype: str = Field(default="fp32", description="Parameter and activation dtype the costs are for.")
+    dtype: str = Field(
+        default="fp32",
+        description="Parameter dtype the costs are for; estimates (--gpu-type --dtype) also cost activations in it. "
+        "Measured plans keep the model's fp32 here, also under autocast.",
+    )
+    autocast: Literal["bf16", "fp16"] | None = Field(
+        default=None,
+        description="Measured under torch.autocast in this dtype (--dtype bf16|fp16 without --gpu-type): parameters, "
+        "gradients and optimizer state in dtype (autocast's master weights), activations and the bytes crossing a cut "
+        "as autocast made them. The runner runs each stage's forward (and the last stage's loss) under "
+        "torch.autocast(device.type, dtype=...). None: no autocast (estimates never set it).",
+    )
+    compile_failures: list[tuple[str, str]] = Field(
+        default_factory=list,
+        description="(block, why) for each block torch.compile failed on while profiling (--compile): "
+        "it was profiled eagerly.",
+    )
+    compile_s: float | None = Field(
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
+        description="Seconds compiling took while profiling (the untimed first runs beyond ordinary runs); "
+        "None: the blocks were not compiled.",
+    )
     cores: int | None = Field(
         default=None, description="CPU cores the ranks share (CPU plans); None when every rank has its own GPU."
     )
@@ -90,7 +117,11 @@ class StagePlan(_Frozen):
     """One pipeline stage: a contiguous range of blocks on one rank, and what it is predicted to cost."""
 
     index: int = Field(ge=0)
-    rank: int = Field(ge=0, description="The rank that runs this stage (several stages per rank: looped or V).")
+    rank: int = Field(
+        ge=0,
+        description="The pipeline rank that runs this stage (several stages per rank: looped or V); in every "
+        "replica (global rank = replica x n_ranks + rank).",
+    )
     start: int = Field(ge=0, description="First block index.")
     end: int = Field(ge=1, description="One past the last block index.")
     first_block: str = Field(description="FQN of the first block.")
@@ -107,7 +138,7 @@ class StagePlan(_Frozen):
         default=0.0,
         ge=0,
         allow_inf_nan=False,
-        description="Optimizer step over the stage's parameters, once per training step.",
+        description="Optimizer step over the stage's parameters (its 1/dp shard under FSDP), once per training step.",
     )
     recompute: bool = Field(
         default=False, description="The stage recomputes its activations in backward (activation checkpointing)."
@@ -138,7 +169,8 @@ class Prediction(_Frozen):
     step_time_s: float = Field(
         ge=0,
         allow_inf_nan=False,
-        description="Pipeline makespan plus the optimizer step and gradient-norm all-reduce after it.",
+        description="Pipeline makespan plus, after it, the data-parallel gradient reduction (dp_reduce_s), the "
+        "gradient-norm all-reduce and the optimizer step.",
     )
     bubble_fraction: float = Field(ge=0, le=1)
     imbalance: float = Field(
@@ -146,6 +178,13 @@ class Prediction(_Frozen):
     )
     max_memory_bytes: int = Field(ge=0, description="The most any rank needs.")
     rank_memory_bytes: tuple[int, ...] = Field(default=(), description="Predicted peak per rank (empty: per stage).")
+    dp_reduce_s: float = Field(
+        default=0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Gradient reduction over the data-parallel replicas once per step (DDP all-reduce, or FSDP "
+        "all-gather + reduce-scatter), the slowest pipeline rank's; included in step_time_s (0: one replica).",
+    )
 
 
 class Candidate(_Frozen):
@@ -154,6 +193,8 @@ class Candidate(_Frozen):
     schedule: Schedule
     n_microbatches: int = Field(ge=1)
     stages_per_rank: int = Field(ge=1)
+    dp: int = Field(default=1, ge=1, description="Data-parallel replicas of the pipeline.")
+    dp_mode: DpMode = Field(default="ddp", description="How the replicas reduce gradients (ddp or fsdp).")
     starts: tuple[int, ...]
     step_time_s: float = Field(ge=0, allow_inf_nan=False)
     bubble_fraction: float = Field(ge=0, le=1)
@@ -177,7 +218,17 @@ class Tie(_Frozen):
 
 
 class Plan(_Frozen):
-    """A complete pipeline plan."""
+    """A complete plan: one pipeline of ``n_ranks`` ranks, run as ``dp`` data-parallel replicas.
+
+    Ranks form a 2-D (dp, pp) mesh of ``world_size = dp x n_ranks`` processes, laid out as torch's
+    ``DeviceMesh`` and torchtitan lay it out: ``torch.arange(world_size).view(dp, n_ranks)`` with
+    ``mesh_dim_names=("dp", "pp")``, i.e. global rank = replica x n_ranks + pipeline rank. A replica's
+    pipeline ranks are consecutive (its stage-to-stage messages stay on one node where they can); the
+    replicas of one pipeline rank are ``n_ranks`` global ranks apart and reduce that rank's gradients
+    (``dp_mode``). Everything per stage (``stages``, ``StagePlan.rank``, memory) is one replica's,
+    the same on every replica; each replica reads its own ``replica_batch_size`` samples per step in
+    ``n_microbatches`` microbatches of ``microbatch_size``.
+    """
 
     version: int = PLAN_VERSION
     created: str
@@ -190,15 +241,29 @@ class Plan(_Frozen):
         default=None, description="The link between ranks on different nodes (None: every boundary uses link)."
     )
     gpus_per_node: int | None = Field(
-        default=None, ge=1, description="Ranks per node, rank r on node r // gpus_per_node (with inter_node_link)."
+        default=None,
+        ge=1,
+        description="Ranks per node, global rank g on node g // gpus_per_node (with inter_node_link).",
     )
     optimizer: OptimizerSpec
     method: Method
     schedule: Schedule
     n_stages: int = Field(ge=1, description="Pipeline stages (n_ranks x stages per rank).")
-    n_ranks: int = Field(ge=1, description="Processes of the pipeline (--gpus).")
-    batch_size: int = Field(ge=1)
-    n_microbatches: int = Field(ge=1)
+    n_ranks: int = Field(ge=1, description="Pipeline ranks of one replica (--gpus / dp); world_size in all.")
+    dp: int = Field(
+        default=1,
+        ge=1,
+        description="Data-parallel replicas of the pipeline, each on its own n_ranks ranks, each reading "
+        "batch_size / dp samples per step (1: one pipeline on every rank).",
+    )
+    dp_mode: DpMode = Field(
+        default="ddp",
+        description="How the replicas reduce gradients: ddp (DistributedDataParallel, all-reduce; every replica "
+        "holds its stages whole) or fsdp (fully_shard per stage: parameters, gradients and optimizer state "
+        "sharded over the replicas). Always ddp with one replica.",
+    )
+    batch_size: int = Field(ge=1, description="Samples per step over all replicas (the global batch).")
+    n_microbatches: int = Field(ge=1, description="Microbatches per step of each replica's pipeline.")
     blocks: list[BlockCost]
     stages: list[StagePlan]
     prediction: Prediction
@@ -209,6 +274,12 @@ class Plan(_Frozen):
     )
     choice: str = Field(default="", description="Why this schedule, microbatch count and stages per rank.")
     ties: list[Tie] = Field(default_factory=list, description="Parameters several blocks read (tied weights).")
+    compile: bool = Field(
+        default=False,
+        description="Train with torch.compile (--compile): the runner compiles each stage module whole, with "
+        "torch._functorch.config.donated_buffer=False (pipelining's split backward retains the graph). Measured "
+        "costs are the compiled blocks'; estimates do not model compilation.",
+    )
 
     def stages_reading(self, blocks: Iterable[int]) -> list[int]:
         """The stages that hold any of ``blocks`` (block indices), ascending."""
@@ -222,8 +293,70 @@ class Plan(_Frozen):
 
     @property
     def microbatch_size(self) -> int:
-        """Samples per microbatch."""
-        return self.batch_size // self.n_microbatches
+        """Samples per microbatch of one replica's pipeline: ``batch_size // (dp * n_microbatches)``."""
+        return self.batch_size // (self.dp * self.n_microbatches)
+
+    @property
+    def replica_batch_size(self) -> int:
+        """Samples per step each replica reads: ``batch_size // dp``."""
+        return self.batch_size // self.dp
+
+    @property
+    def world_size(self) -> int:
+        """Processes in all: ``n_ranks * dp``."""
+        return self.n_ranks * self.dp
+
+    def global_rank(self, replica: int, pp_rank: int) -> int:
+        """The global rank of pipeline rank ``pp_rank`` of replica ``replica`` (``replica * n_ranks + pp_rank``).
+
+        Args:
+            replica: the data-parallel index, 0 .. dp - 1.
+            pp_rank: the pipeline rank, 0 .. n_ranks - 1.
+
+        Returns:
+            The rank in ``0 .. world_size - 1``.
+
+        Raises:
+            ValueError: either index is out of range.
+        """
+        if not 0 <= replica < self.dp or not 0 <= pp_rank < self.n_ranks:
+            raise ValueError(
+                f"replica {replica}, pipeline rank {pp_rank} is outside the plan's {self.dp} x {self.n_ranks} mesh"
+            )
+        return replica * self.n_ranks + pp_rank
+
+    def replica_of(self, global_rank: int) -> int:
+        """The replica (data-parallel index) a global rank belongs to.
+
+        Args:
+            global_rank: a rank in ``0 .. world_size - 1``.
+
+        Returns:
+            ``global_rank // n_ranks``.
+
+        Raises:
+            ValueError: the rank is outside ``0 .. world_size - 1``.
+        """
+        return self._split_rank(global_rank)[0]
+
+    def pp_rank_of(self, global_rank: int) -> int:
+        """The pipeline rank (``StagePlan.rank``) a global rank runs.
+
+        Args:
+            global_rank: a rank in ``0 .. world_size - 1``.
+
+        Returns:
+            ``global_rank % n_ranks``.
+
+        Raises:
+            ValueError: the rank is outside ``0 .. world_size - 1``.
+        """
+        return self._split_rank(global_rank)[1]
+
+    def _split_rank(self, global_rank: int) -> tuple[int, int]:
+        if not 0 <= global_rank < self.world_size:
+            raise ValueError(f"rank {global_rank} is outside the plan's {self.world_size} ranks")
+        return divmod(global_rank, self.n_ranks)
 
     @property
     def stages_per_rank(self) -> int:
@@ -248,8 +381,11 @@ class Plan(_Frozen):
 
     @model_validator(mode="after")
     def _consistent(self) -> Plan:
-        if self.batch_size % self.n_microbatches:
-            raise ValueError(f"batch_size {self.batch_size} is not divisible by n_microbatches {self.n_microbatches}")
+        if self.batch_size % (self.dp * self.n_microbatches):
+            split = f"dp {self.dp} x n_microbatches" if self.dp > 1 else "n_microbatches"
+            raise ValueError(f"batch_size {self.batch_size} is not divisible by {split} {self.n_microbatches}")
+        if self.dp == 1 and self.dp_mode != "ddp":
+            raise ValueError(f"dp_mode is {self.dp_mode} with one replica; a plan of one replica records ddp")
         if len(self.stages) != self.n_stages:
             raise ValueError(f"n_stages is {self.n_stages} but {len(self.stages)} stages are listed")
         if self.n_stages % self.n_ranks:

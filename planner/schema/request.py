@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from planner.errors import PlannerError
 from planner.schema.costs import OptimizerSpec
@@ -20,6 +20,10 @@ Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleav
 Method = Literal["optimal", "uniform", "params"]
 Recompute = Literal["auto", "never", "always"]
 Dtype = Literal["bf16", "fp16", "fp32"]
+DpMode = Literal["ddp", "fsdp"]
+"""How data-parallel replicas reduce their gradients: DDP (all-reduce; every replica holds the whole
+stage) or FSDP2 ``fully_shard`` per stage (parameters, gradients and optimizer state sharded)."""
+DP_MODES: tuple[str, ...] = get_args(DpMode)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 """The planner's schedule names (``--schedule``), in the order the search tries them."""
 
@@ -123,6 +127,8 @@ class PlanRequest(_Request):
     OPTIONS: ClassVar[dict[str, str]] = {
         "model_file": "MODEL_FILE",
         "gpus": "--gpus",
+        "dp": "--dp",
+        "dp_mode": "--dp-mode",
         "size": "--size",
         "overrides": "--set",
         "batch_size": "--batch-size",
@@ -134,6 +140,7 @@ class PlanRequest(_Request):
         "recompute": "--recompute",
         "gpu_type": "--gpu-type",
         "dtype": "--dtype",
+        "compile": "--compile",
         "multi_node": "--multi-node",
         "gpus_per_node": "--gpus-per-node",
         "calibrate_run": "--calibrate",
@@ -149,7 +156,17 @@ class PlanRequest(_Request):
     }
 
     model_file: Path = Field(description="The model file (build_model, make_batch; see README).")
-    gpus: int = Field(ge=1, description="Pipeline ranks (processes, one device each).")
+    gpus: int = Field(ge=1, description="Ranks in all (processes, one device each): dp replicas x pp pipeline ranks.")
+    dp: int | Literal["auto"] = Field(
+        default=1,
+        description="Data-parallel replicas of the pipeline (--gpus / dp pipeline ranks each, the global batch "
+        "split evenly over them), or auto: the search tries every divisor of --gpus that splits the batch.",
+    )
+    dp_mode: DpMode | Literal["auto"] = Field(
+        default="auto",
+        description="How replicas reduce gradients: ddp (all-reduce), fsdp (fully_shard per stage: parameters, "
+        "gradients and optimizer state sharded over the replicas), or auto: ddp where it fits, else fsdp.",
+    )
     size: str | None = Field(default=None, description="A key of the file's SIZES (None: its defaults).")
     overrides: dict[str, Any] = Field(default_factory=dict, description="Config entries to replace (--set).")
     # bounded so the default microbatch count (a divisor search up to sqrt(batch)) stays instant
@@ -173,7 +190,13 @@ class PlanRequest(_Request):
     recompute: Recompute = Field(default="auto", description="Activation checkpointing per stage.")
     gpu_type: str | None = Field(default=None, description="Estimate for this hardware instead of measuring here.")
     dtype: Dtype | None = Field(
-        default=None, description="Dtype of --gpu-type estimates (None: bf16 on GPUs, fp32 on cpu)."
+        default=None,
+        description="Measured costs: the autocast dtype (bf16, fp16: torch.autocast, parameters stay fp32; fp32 or "
+        "None: no autocast). --gpu-type estimates: the parameter and activation dtype (None: bf16 on GPUs, fp32 on cpu).",
+    )
+    compile: bool = Field(
+        default=False,
+        description="Train with torch.compile: measured costs time each block compiled; estimates do not model it.",
     )
     multi_node: bool = Field(
         default=False, description="Estimated plans: every boundary crosses nodes (an alias of gpus_per_node 1)."
@@ -182,7 +205,7 @@ class PlanRequest(_Request):
         default=None,
         ge=1,
         le=1024,
-        description="Estimated plans: ranks per node, rank r on node r // N; only boundaries between nodes use the "
+        description="Estimated plans: ranks per node, global rank g on node g // N; only boundaries between nodes use the "
         f"inter-node network (None: {DEFAULT_GPUS_PER_NODE}, or 1 with --multi-node).",
     )
     calibrate_run: Path | None = Field(default=None, description="A run.json whose measurements correct the costs.")
@@ -208,8 +231,56 @@ class PlanRequest(_Request):
             data = {**data, "schedule": name}
         return data
 
+    @field_validator("dp", mode="before")
+    @classmethod
+    def _dp_count(cls, value: Any) -> Any:
+        # "auto" in any case, a whole number (also as text, from a notebook or a config file), nothing else
+        if isinstance(value, str):
+            text = value.strip().lower()
+            if text == "auto":
+                return "auto"
+            if not text.lstrip("+-").isdigit():
+                raise ValueError("expected a whole number of data-parallel replicas (1 or more) or 'auto'")
+            value = int(text)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError("expected a whole number of data-parallel replicas (1 or more) or 'auto'")
+        if value < 1:
+            raise ValueError("need at least one replica: give 1 (one pipeline on every rank) or more, or 'auto'")
+        return value
+
+    @field_validator("dp_mode", mode="before")
+    @classmethod
+    def _dp_mode_name(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
+
+    def _check_replicas(self) -> None:
+        """Refuse a replica count that does not divide the ranks or the batch (before any model is built)."""
+        if self.dp == "auto":
+            return
+        if self.gpus % self.dp:
+            # listing the divisors of an absurd rank count would take long (O(sqrt)): name the rule then
+            options = ", ".join(str(k) for k in divisors(self.gpus)) if self.gpus <= 2**40 else "a divisor of it"
+            raise ValueError(
+                f"--dp {self.dp} does not divide --gpus {self.gpus} (the ranks form dp replicas x pp pipeline "
+                f"ranks); give --dp as one of {options}, or auto"
+            )
+        if self.batch_size % self.dp:
+            raise ValueError(
+                f"batch size {self.batch_size} does not split into {self.dp} equal replica batches; choose "
+                f"--batch-size as a multiple of --dp (e.g. --batch-size {self.dp * max(1, self.batch_size // self.dp)})"
+            )
+
     @model_validator(mode="after")
     def _consistent(self) -> PlanRequest:
+        self._check_replicas()
+        d = self.profile_dp
+        if d > 1 and self.microbatches is not None and (self.batch_size // d) % self.microbatches:
+            m = self.microbatches
+            raise ValueError(
+                f"batch size {self.batch_size} does not split into {d} replicas x {m} equal microbatches "
+                f"(each replica's {self.batch_size // d} samples into {m}); choose --batch-size as a multiple of "
+                f"--dp x --microbatches (e.g. --batch-size {d * m * max(1, self.batch_size // (d * m))})"
+            )
         m = self.n_microbatches
         if self.batch_size % m:
             raise ValueError(
@@ -226,26 +297,53 @@ class PlanRequest(_Request):
             )
         if self.multi_node and self.gpus_per_node not in (None, 1):
             raise ValueError("--multi-node means --gpus-per-node 1 (every boundary crosses nodes); give one of the two")
-        if self.dtype is not None and self.gpu_type is None:
-            raise ValueError(
-                "--dtype applies to estimated costs only; add --gpu-type (measured costs use the model's own dtype)"
-            )
         return self
+
+    @property
+    def autocast(self) -> Literal["bf16", "fp16"] | None:
+        """The autocast dtype measured costs are profiled under: ``--dtype`` bf16 or fp16 without
+        ``--gpu-type``; None otherwise (fp32, or an estimate, whose ``--dtype`` is its own dtype)."""
+        if self.gpu_type is None and self.dtype in ("bf16", "fp16"):
+            return "bf16" if self.dtype == "bf16" else "fp16"
+        return None
 
     @property
     def n_microbatches(self) -> int:
         """Microbatches per step: as given, else a default that divides the batch (``default_microbatches``).
 
         With ``--microbatches auto`` this is the count the costs are profiled at; the search then
-        tries the other divisors of the batch with rescaled costs."""
+        tries the other divisors of the batch with rescaled costs. Counts are per replica: with
+        ``--dp K`` each of the K pipelines runs this many microbatches of its batch / K samples."""
         if self.microbatches is not None:
             return self.microbatches
-        return default_microbatches(self.batch_size, self.gpus)
+        d = self.profile_dp
+        return default_microbatches(self.batch_size // d, self.gpus // d)
 
     @property
     def microbatch_size(self) -> int:
-        """Samples per microbatch."""
-        return self.batch_size // self.n_microbatches
+        """Samples per microbatch (of one replica's pipeline): the size the costs are profiled at."""
+        return self.batch_size // (self.profile_dp * self.n_microbatches)
+
+    @property
+    def profile_dp(self) -> int:
+        """The replica count the costs are profiled for: ``--dp`` when given, 1 with ``--dp auto``
+        (the search rescales the costs to the microbatches of the other replica counts)."""
+        return self.dp if isinstance(self.dp, int) else 1
+
+    @property
+    def dp_options(self) -> list[int]:
+        """The replica counts the search tries: ``--dp`` alone, or with ``--dp auto`` every divisor of
+        ``--gpus`` that splits the batch into equal replica batches (and each of those into
+        ``--microbatches``, when given), ascending."""
+        if isinstance(self.dp, int):
+            return [self.dp]
+        # k must divide both the ranks and batch / m: the divisors of their gcd (batch <= 1e9: fast)
+        return divisors(math.gcd(self.gpus, self.batch_size // (self.microbatches or 1)))
+
+    @property
+    def min_pipeline_ranks(self) -> int:
+        """The fewest pipeline ranks any replica count tried has (``--gpus`` / the largest of ``dp_options``)."""
+        return self.gpus // max(self.dp_options)
 
     @property
     def ranks_per_node(self) -> int:
@@ -258,6 +356,19 @@ class PlanRequest(_Request):
     def memory_limit_bytes(self) -> int | None:
         """``--memory-limit`` in bytes (None: not given)."""
         return int(self.memory_limit_gib * 2**30) if self.memory_limit_gib is not None else None
+
+
+def divisors(n: int) -> list[int]:
+    """Every divisor of ``n`` (>= 1), ascending, in O(sqrt(n)).
+
+    Args:
+        n: a positive whole number.
+
+    Returns:
+        The divisors, 1 and ``n`` included.
+    """
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 def default_microbatches(batch_size: int, gpus: int) -> int:
@@ -292,7 +403,19 @@ class RunRequest(_Request):
         "nnodes": "--nnodes",
         "rdzv_endpoint": "--rdzv-endpoint",
         "rdzv_id": "--rdzv-id",
+        "node_rank": "--node-rank",
         "output": "--output",
+        "timeout_s": "--timeout",
+        "data": "--data",
+        "tokenizer": "--tokenizer",
+        "eval_every": "--eval-every",
+        "eval_batches": "--eval-batches",
+        "checkpoint_dir": "--checkpoint-dir",
+        "checkpoint_every": "--checkpoint-every",
+        "save_checkpoints": "--no-checkpoint",
+        "resume": "--resume",
+        "warmup": "--warmup",
+        "lr_decay": "--lr-decay",
     }
 
     plan_file: Path = Field(description="The plan to train (relative model paths resolve against its folder).")
@@ -304,8 +427,41 @@ class RunRequest(_Request):
     rdzv_id: str | None = Field(
         default=None, description="Rendezvous id shared by every machine (None: from the plan)."
     )
+    node_rank: int | None = Field(
+        default=None,
+        ge=0,
+        description="This machine's index, 0..nnodes-1, for a static rendezvous (None: c10d assigns ranks).",
+    )
     output: Path | None = Field(default=None, description="Where run.json goes (None: PLAN's name with .run.json).")
     echo: bool = Field(default=True, description="Print one line per step.")
+    timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        le=86400,
+        description="Seconds a rank may wait on another (a collective, a send, the rendezvous) before the run stops.",
+    )
+    data: Path | None = Field(
+        default=None, description="A text file or a folder of .txt files (None: the model file's own batches)."
+    )
+    tokenizer: Literal["char", "byte", "word"] = Field(default="char", description="How --data text becomes token ids.")
+    eval_every: int = Field(
+        default=0, ge=0, description="Evaluate on the held-out split of --data every N steps (0: only at the end)."
+    )
+    eval_batches: int = Field(
+        default=0, ge=0, description="Held-out batches per evaluation (0: the whole held-out split)."
+    )
+    checkpoint_dir: Path | None = Field(
+        default=None, description="Where checkpoints go (None: PLAN's name with .ckpt, next to the plan)."
+    )
+    checkpoint_every: int = Field(
+        default=0, ge=0, description="Save a checkpoint every N steps (0: only the final one, after the last step)."
+    )
+    save_checkpoints: bool = Field(default=True, description="Write checkpoints (False: --no-checkpoint).")
+    resume: bool = Field(default=False, description="Continue from the newest checkpoint in the checkpoint folder.")
+    warmup: int = Field(default=0, ge=0, description="Steps of linear learning-rate warm-up from 0.")
+    lr_decay: Literal["constant", "linear", "cosine"] = Field(
+        default="constant", description="The learning rate after the warm-up: constant, or decaying to 0 at --steps."
+    )
 
     @model_validator(mode="after")
     def _endpoint(self) -> RunRequest:
@@ -318,12 +474,25 @@ class RunRequest(_Request):
                 )
         if self.nnodes > 1 and self.rdzv_endpoint is None:
             raise ValueError(f"a run on {self.nnodes} nodes needs --rdzv-endpoint HOST:PORT reachable from every node")
+        if self.node_rank is not None and self.node_rank >= self.nnodes:
+            raise ValueError(
+                f"--node-rank {self.node_rank} is not a node of --nnodes {self.nnodes} (0..{self.nnodes - 1})"
+            )
+        if not self.save_checkpoints and (self.checkpoint_every or self.checkpoint_dir is not None):
+            raise ValueError("--no-checkpoint writes no checkpoints: drop --checkpoint-every / --checkpoint-dir")
+        if self.eval_every and self.data is None:
+            raise ValueError("--eval-every evaluates the held-out split of --data: give --data PATH too")
         return self
 
     @property
     def rdzv_host(self) -> str | None:
         """The rendezvous host (None: this machine, a free port)."""
         return self.rdzv_endpoint.rpartition(":")[0].strip("[]") if self.rdzv_endpoint else None
+
+    @property
+    def checkpoint_root(self) -> Path:
+        """The folder checkpoints go to and are resumed from."""
+        return self.checkpoint_dir if self.checkpoint_dir is not None else self.plan_file.with_suffix(".ckpt")
 
     @property
     def result_path(self) -> Path:

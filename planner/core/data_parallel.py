@@ -1,0 +1,197 @@
+"""Data parallelism over pipeline replicas: the links and time of the gradient reduction.
+
+Pure module: never imports torch. A plan of ``dp`` replicas runs ``dp`` copies of one pipeline of
+``n_ranks`` ranks on a (dp, pp) mesh, global rank = replica x n_ranks + pipeline rank
+(``torch.arange(world).view(dp, pp)``, as torch's ``DeviceMesh`` and torchtitan lay it out; see
+``planner.schema.plan.Plan``). Each replica runs the pipeline on its batch / dp samples; once per
+step the replicas of every pipeline rank reduce that rank's gradients over their own group:
+
+* DDP: a ring all-reduce, ``2 (dp - 1) / dp x bytes`` over the group's link;
+* FSDP (``fully_shard`` per stage, ``reshard_after_forward=False``): an all-gather of the
+  parameters (at the first forward) and a reduce-scatter of the gradients (after the last
+  backward), ``(dp - 1) / dp x bytes`` each.
+
+Each transfer is charged as one message of that volume (``latency + volume / bandwidth``) added to
+the step after the pipeline: the runner's reduction does overlap the last backwards and FSDP's
+gather the first forwards, so this is conservative. The memory side (FSDP's shards) lives with the
+rest of the memory model, ``planner.core.solve.stage_memory_bytes`` (``shard``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from planner.core.solve import Links, NodeLinks
+from planner.errors import InfeasibleError, PlanFileError
+from planner.schema.costs import BlockCost, LinkCost
+from planner.schema.plan import Plan, StagePlan
+from planner.schema.result import RunResult
+
+
+def shard_of(dp: int, dp_mode: str) -> int:
+    """Replicas a stage's parameters, gradients and optimizer state are sharded over: ``dp`` under
+    FSDP, 1 under DDP (every replica holds the whole stage).
+
+    Args:
+        dp: data-parallel replicas.
+        dp_mode: "ddp" or "fsdp".
+
+    Returns:
+        The shard count.
+
+    Raises:
+        InfeasibleError: an unknown mode.
+    """
+    if dp_mode not in ("ddp", "fsdp"):
+        raise InfeasibleError(f"dp_mode {dp_mode!r}; expected 'ddp' or 'fsdp'")
+    return dp if dp_mode == "fsdp" else 1
+
+
+def layout_links(link: Links, n_ranks: int, dp: int) -> Links:
+    """The links of one replica's pipeline of ``n_ranks`` ranks among ``dp`` replicas.
+
+    Args:
+        link: one link, one per boundary, or a ``NodeLinks`` (its ``n_ranks`` and ``replicas`` are
+            replaced: a boundary uses the inter-node link when it crosses nodes in any replica).
+        n_ranks: pipeline ranks of a replica.
+        dp: replicas.
+
+    Returns:
+        What ``predict`` and the solver take as ``link`` for this layout (``link`` itself unless a
+        ``NodeLinks``).
+    """
+    if isinstance(link, NodeLinks):
+        if (link.n_ranks, link.replicas) == (n_ranks, dp):
+            return link
+        return link.model_copy(update={"n_ranks": n_ranks, "replicas": dp})
+    return link
+
+
+def dp_group_links(link: Links, n_ranks: int, dp: int) -> list[LinkCost]:
+    """The link each pipeline rank's replicas reduce their gradients over.
+
+    Pipeline rank r's replicas are global ranks ``r, r + n_ranks, ..., r + (dp - 1) n_ranks``; with
+    ranks on nodes of ``gpus_per_node`` (a ``NodeLinks``) the group uses the intra-node link when
+    all of them are on one node, else the inter-node link (the ring's slowest hop sets its pace).
+    Plans with one link (CPU / gloo, measured GPU plans) reduce over that link; a list of links per
+    boundary reduces over its first.
+
+    Args:
+        link: the plan's link(s).
+        n_ranks: pipeline ranks of a replica.
+        dp: replicas.
+
+    Returns:
+        One link per pipeline rank.
+    """
+    if isinstance(link, NodeLinks):
+        g = link.gpus_per_node
+        intra = link.intra()
+        return [intra if len({(k * n_ranks + r) // g for k in range(dp)}) == 1 else link.inter for r in range(n_ranks)]
+    one = link if isinstance(link, LinkCost) else next(iter(link), None)
+    if one is None:  # a lone stage's empty list of boundary links: nothing to time it by
+        one = LinkCost(name="none", latency_s=0.0, bandwidth_Bps=1.0)
+    return [one] * n_ranks
+
+
+def _transfer_s(volume: float, link: LinkCost) -> float:
+    """One message of ``volume`` bytes (a collective's per-rank traffic) over ``link``."""
+    return link.latency_s + volume / link.bandwidth_Bps
+
+
+def grad_reduce_s(nbytes: int, dp: int, dp_mode: str, link: LinkCost) -> float:
+    """Seconds one pipeline rank spends reducing ``nbytes`` of gradients over its ``dp`` replicas.
+
+    DDP: ring all-reduce, ``latency + 2 (dp - 1) / dp x nbytes / bandwidth``. FSDP: all-gather of the
+    parameters plus reduce-scatter of the gradients, ``latency + (dp - 1) / dp x nbytes / bandwidth``
+    each. 0 with one replica.
+
+    Args:
+        nbytes: the rank's parameter (= gradient) bytes, tied copies included.
+        dp: replicas.
+        dp_mode: "ddp" or "fsdp".
+        link: the group's link (``dp_group_links``).
+
+    Returns:
+        Seconds per step.
+
+    Raises:
+        InfeasibleError: an unknown mode.
+    """
+    shard_of(dp, dp_mode)  # validates the mode
+    if dp <= 1:
+        return 0.0
+    share = (dp - 1) / dp * nbytes
+    if dp_mode == "ddp":
+        return _transfer_s(2 * share, link)
+    return 2 * _transfer_s(share, link)
+
+
+def rank_reduce_s(
+    blocks: Sequence[BlockCost],
+    stages: Sequence[StagePlan],
+    links: Sequence[LinkCost],
+    dp: int,
+    dp_mode: str,
+) -> list[float]:
+    """The gradient reduction of every pipeline rank (over all of its stages' parameters).
+
+    Args:
+        blocks: per-block costs (``param_bytes``, tied copies charged).
+        stages: the pipeline's stages (``rank`` set).
+        links: each rank's group link (``dp_group_links``).
+        dp: replicas.
+        dp_mode: "ddp" or "fsdp".
+
+    Returns:
+        Seconds per rank.
+    """
+    held = [0] * len(links)
+    for st in stages:
+        held[st.rank] += sum(b.param_bytes for b in blocks[st.start : st.end])
+    return [grad_reduce_s(nbytes, dp, dp_mode, link) for nbytes, link in zip(held, links)]
+
+
+def replica_slots(slots: float | None, dp: int) -> float | None:
+    """Ranks of one replica that can compute at once when ``dp`` replicas share the processors.
+
+    CPU ranks share the machine's cores (``planner.core.predict.slots_of``): dp replicas running
+    side by side leave each pipeline 1/dp of them. None (one device per rank) stays None.
+
+    Args:
+        slots: ranks of all replicas that can compute at once (None: no sharing).
+        dp: replicas.
+
+    Returns:
+        ``slots / dp``, or None.
+    """
+    return None if slots is None else slots / dp
+
+
+def check_run_replicas(plan: Plan, run: RunResult) -> None:
+    """Refuse a run with another number of data-parallel replicas than ``plan`` (its per-stage
+    figures are replica 0's, its step includes the reduction over its own replicas).
+
+    Args:
+        plan: a plan.
+        run: a run report said to be of it.
+
+    Raises:
+        PlanFileError: the replica counts differ.
+    """
+    if run.replicas != plan.dp:
+        raise PlanFileError(
+            f"the run trained {run.replicas} data-parallel replica(s), the plan has {plan.dp}; compare a plan "
+            "with a run of that same plan"
+        )
+
+
+__all__ = [
+    "check_run_replicas",
+    "dp_group_links",
+    "grad_reduce_s",
+    "layout_links",
+    "rank_reduce_s",
+    "replica_slots",
+    "shard_of",
+]
