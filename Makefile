@@ -27,4 +27,4 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf $(VENV) plan.json plan.run.json
+	rm -rf $(VENV) plan.json plan.run.json plan.ckpt

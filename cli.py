@@ -19,7 +19,7 @@ from planner.errors import PlannerError
 from planner.schema.costs import OPTIMIZERS
 from planner.schema.outputs import check_output
 from planner.schema.plan import Plan
-from planner.schema.request import DTYPES, METHODS, RECOMPUTE, SCHEDULES, TORCH_NAMES
+from planner.schema.request import DP_MODES, DTYPES, METHODS, RECOMPUTE, SCHEDULES, TORCH_NAMES
 
 
 class _CountOrAuto(click.ParamType):
@@ -42,6 +42,25 @@ class _CountOrAuto(click.ParamType):
 COUNT_OR_AUTO = _CountOrAuto()
 
 
+class _ReplicasOrAuto(click.ParamType):
+    """``--dp``: a whole number or "auto", passed on as given; ``PlanRequest`` checks it (so a bad
+    count is one line naming the values that divide --gpus)."""
+
+    name = "K|auto"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int | str:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip()
+        try:
+            return int(text)
+        except ValueError:
+            return text  # "auto", or a mistake PlanRequest names
+
+
+REPLICAS_OR_AUTO = _ReplicasOrAuto()
+
+
 class _Terminated(BaseException):
     """SIGTERM arrived (a scheduler or ``kill`` stopping the command)."""
 
@@ -53,10 +72,13 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """One line on stderr for every way a command can end badly, never a traceback (unless --debug).
 
-    PlannerError (a user mistake): its message, exit 2. Ctrl-C: "interrupted", exit 130. SIGTERM:
-    "terminated", exit 143. Anything else is a bug in the planner: one line naming it, exit 1.
-    Outputs are written atomically, so none of these leaves a half-written file behind.
+    PlannerError (a user mistake): its message, exit 2. RunFailed (a run whose ranks started and
+    stopped early): its message, exit with its code (1; 130 / 143 when interrupted). Ctrl-C:
+    "interrupted", exit 130. SIGTERM: "terminated", exit 143. Anything else is a bug in the
+    planner: one line naming it, exit 1. Outputs are written atomically, so none of these leaves a
+    half-written file behind.
     """
+    from planner.errors import RunFailed
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -64,6 +86,12 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
         try:
             return fn(*args, **kwargs)
+        except RunFailed as e:
+            if debug:
+                raise
+            # Ctrl-C and SIGTERM are what the user asked for, not errors: "interrupted at step 6"
+            click.echo(f"{'error: ' if e.exit_code == 1 else ''}{e}", err=True)
+            sys.exit(e.exit_code)
         except PlannerError as e:
             if debug:
                 raise
@@ -122,7 +150,29 @@ def _load_plan(path: str) -> Plan:
     "-g",
     type=click.IntRange(min=1),
     required=True,
-    help="Number of pipeline ranks (processes, one device each); each runs --stages-per-rank stages.",
+    help="Total number of ranks (processes, one device each) = dp x pp: --dp replicas of a pipeline of "
+    "--gpus / --dp ranks (all of them one pipeline with the default --dp 1); each pipeline rank runs "
+    "--stages-per-rank stages.",
+)
+@click.option(
+    "--dp",
+    type=REPLICAS_OR_AUTO,
+    default="1",
+    show_default=True,
+    help="Data-parallel replicas of the pipeline: K divides --gpus into K pipelines of --gpus / K ranks "
+    "(global rank = replica x pp + pipeline rank), each reading --batch-size / K samples per step, their "
+    "gradients reduced once per step (--dp-mode). 'auto': the search tries every divisor of --gpus that "
+    "splits the batch and keeps the fastest plan that fits (ties: less memory, then fewer replicas).",
+)
+@click.option(
+    "--dp-mode",
+    type=click.Choice(["auto", *DP_MODES], case_sensitive=False),
+    default="auto",
+    show_default=True,
+    help="How the replicas reduce gradients: ddp (DistributedDataParallel: an all-reduce; every replica holds "
+    "its stages whole), fsdp (fully_shard per stage: parameters, gradients and optimizer state sharded over the "
+    "replicas, gathered while the pipeline runs), or 'auto': ddp where it fits the memory limit, else fsdp. "
+    "Ignored with one replica.",
 )
 @click.option(
     "--size", "-s", default=None, help="Named config from the model file's SIZES (default: the file's own defaults)."
@@ -140,7 +190,7 @@ def _load_plan(path: str) -> Plan:
     type=click.IntRange(min=1),
     default=32,
     show_default=True,
-    help="Samples per training step (global batch).",
+    help="Samples per training step (global batch; each of the --dp replicas reads an equal share).",
 )
 @click.option(
     "--microbatches",
@@ -148,9 +198,9 @@ def _load_plan(path: str) -> Plan:
     type=COUNT_OR_AUTO,
     default="auto",
     show_default=True,
-    help="Microbatches per step, or 'auto': the search tries the divisors of the batch up to 8 per rank "
-    "(costs are profiled at the smallest divisor >= 2 x gpus and rescaled). A number must divide the batch; "
-    "1f1b needs at least one per rank, dualpipev two.",
+    help="Microbatches per step of each replica's pipeline, or 'auto': the search tries the divisors of the "
+    "replica's batch up to 8 per pipeline rank (costs are profiled at the smallest divisor >= 2 x pipeline ranks "
+    "and rescaled). A number must divide the replica's batch; 1f1b needs at least one per rank, dualpipev two.",
 )
 @click.option(
     "--schedule",
@@ -182,7 +232,8 @@ def _load_plan(path: str) -> Plan:
     type=click.FloatRange(min=0, min_open=True),
     default=None,
     metavar="GIB",
-    help="Per-rank memory limit in GiB; the solver never exceeds it [default: the GPU's memory when known, else none].",
+    help="Per-rank (per process, every replica alike) memory limit in GiB; the solver never exceeds it "
+    "[default: the GPU's memory when known, else none].",
 )
 @click.option(
     "--recompute",
@@ -203,15 +254,26 @@ def _load_plan(path: str) -> Plan:
     "--dtype",
     type=click.Choice(list(DTYPES)),
     default=None,
-    help="Parameter/activation dtype for --gpu-type estimates [default: bf16 on GPUs, fp32 on cpu].",
+    help="Measured costs: profile every block under torch.autocast in bf16 or fp16 (parameters, gradients and "
+    "optimizer state stay fp32; the run trains the same way) [default: fp32, no autocast]. With --gpu-type: the "
+    "parameter/activation dtype of the estimate [default: bf16 on GPUs, fp32 on cpu].",
+)
+@click.option(
+    "--compile",
+    "compile_",
+    is_flag=True,
+    help="Train with torch.compile: profile each block as torch.compile(block) (the first, untimed run compiles: "
+    "seconds per distinct block; identical layers share one) and have the run compile each stage. With --gpu-type "
+    "the estimate does not model compilation.",
 )
 @click.option(
     "--gpus-per-node",
     type=int,
     default=None,
     metavar="N",
-    help="With --gpu-type: GPUs per node. Ranks fill nodes in order (rank r on node r // N), so only "
-    "boundaries between stages on different nodes use the inter-node network [default: 8].",
+    help="With --gpu-type: GPUs per node. Ranks fill nodes in order (global rank g on node g // N, replica "
+    "by replica), so only boundaries between stages on different nodes, and replica groups spanning nodes, "
+    "use the inter-node network [default: 8].",
 )
 @click.option(
     "--multi-node",
@@ -251,7 +313,7 @@ def _load_plan(path: str) -> Plan:
     "--threads",
     type=click.IntRange(min=1),
     default=None,
-    help="CPU threads per rank, for profiling and the run [default: cores // gpus].",
+    help="CPU threads per rank, for profiling and the run [default: cores // gpus, all replicas' ranks].",
 )
 @click.option(
     "--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Timed runs per block (median kept)."
@@ -275,6 +337,8 @@ def _load_plan(path: str) -> Plan:
 def plan_cmd(
     model_file: str,
     gpus: int,
+    dp: int | str,
+    dp_mode: str,
     size: str | None,
     overrides: tuple[str, ...],
     batch_size: int,
@@ -286,6 +350,7 @@ def plan_cmd(
     recompute: str,
     gpu_type: str | None,
     dtype: str | None,
+    compile_: bool,
     gpus_per_node: int | None,
     multi_node: bool,
     calibrate_run: str | None,
@@ -308,6 +373,8 @@ def plan_cmd(
     request = PlanRequest.build(
         model_file=model_file,
         gpus=gpus,
+        dp=dp,
+        dp_mode=dp_mode,
         size=size,
         overrides=parse_overrides(overrides),
         batch_size=batch_size,
@@ -319,6 +386,7 @@ def plan_cmd(
         recompute=recompute,
         gpu_type=gpu_type,
         dtype=dtype,
+        compile=compile_,
         multi_node=multi_node,
         gpus_per_node=gpus_per_node,
         calibrate_run=calibrate_run,
@@ -333,9 +401,122 @@ def plan_cmd(
     check_output(request.output, "plan")  # before profiling: a model file or a link is never overwritten
     plan = make_plan(request)
     plan.save(request.output)
+    header, notes = _lever_lines(plan)
     if not quiet:
-        click.echo(render(plan))
+        first, _, rest = render(plan).partition("\n")
+        click.echo("\n".join([first + header, *notes, rest]))
+    else:
+        for note in notes:
+            click.echo(note)
     click.echo(f"\nwrote {request.output}")
+
+
+def _lever_lines(plan: Plan) -> tuple[str, list[str]]:
+    """The speed levers of a plan for its report: what the first line gains (", autocast bf16,
+    compiled") and the notes under it (compile time, blocks compile failed on, an estimate that
+    does not model compile)."""
+    header = (f", autocast {plan.profile.autocast}" if plan.profile.autocast else "") + (
+        ", compiled" if plan.compile else ""
+    )
+    notes = []
+    if plan.compile and plan.profile.source == "estimated":
+        notes.append(
+            "note: --compile is not modelled by the --gpu-type estimate (no speed-up assumed); the run compiles each stage"
+        )
+    elif plan.compile and plan.profile.compile_s is not None:
+        notes.append(f"compiling the blocks took {plan.profile.compile_s:.1f} s (the untimed first runs)")
+    failures = plan.profile.compile_failures
+    if failures:
+        names = ", ".join(name for name, _ in failures)
+        notes.append(f"torch.compile failed on {names}: profiled eagerly ({failures[0][1]})")
+    return header, notes
+
+
+def _training_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``planner run``'s options for data, evaluation, the learning-rate schedule and checkpoints."""
+    options = [
+        click.option(
+            "--data",
+            type=click.Path(),
+            default=None,
+            metavar="PATH",
+            help="Train on this text (a .txt file, or a folder of them read in name order) instead of the model "
+            "file's own batches; token-id language models only (see docs/data.md). The last 10% is held out.",
+        ),
+        click.option(
+            "--tokenizer",
+            type=click.Choice(["char", "byte", "word"]),
+            default="char",
+            show_default=True,
+            help="How --data becomes token ids: characters, UTF-8 bytes, or words (vocabulary from the training "
+            "split, capped at the model's vocabulary size).",
+        ),
+        click.option(
+            "--eval-every",
+            type=click.IntRange(min=0),
+            default=0,
+            show_default=True,
+            metavar="N",
+            help="Evaluate loss and perplexity on the held-out part of --data every N steps (0: after the last step only).",
+        ),
+        click.option(
+            "--eval-batches",
+            type=click.IntRange(min=0),
+            default=0,
+            show_default=True,
+            metavar="N",
+            help="Held-out batches per evaluation (0: all of them).",
+        ),
+        click.option(
+            "--warmup",
+            type=click.IntRange(min=0),
+            default=0,
+            show_default=True,
+            metavar="STEPS",
+            help="Linear learning-rate warm-up from 0 to the plan's rate over the first STEPS steps.",
+        ),
+        click.option(
+            "--lr-decay",
+            type=click.Choice(["constant", "linear", "cosine"]),
+            default="constant",
+            show_default=True,
+            help="The learning rate after the warm-up: constant, or decaying to 0 at the last step (--steps).",
+        ),
+        click.option(
+            "--checkpoint-dir",
+            type=click.Path(file_okay=False),
+            default=None,
+            metavar="DIR",
+            help="Where checkpoints go, one folder per step (torch.distributed.checkpoint) "
+            "[default: PLAN's name with .ckpt]. On several nodes, a folder every node shares.",
+        ),
+        click.option(
+            "--checkpoint-every",
+            type=click.IntRange(min=0),
+            default=0,
+            show_default=True,
+            metavar="N",
+            help="Also save a checkpoint every N steps (0: only the final one). A save that crashes never damages "
+            "the last complete checkpoint.",
+        ),
+        click.option(
+            "--no-checkpoint",
+            "save_checkpoints",
+            is_flag=True,
+            flag_value=False,
+            default=True,
+            help="Write no checkpoint, not even the final weights.",
+        ),
+        click.option(
+            "--resume",
+            is_flag=True,
+            help="Continue from the newest complete checkpoint in the checkpoint folder: weights, optimizer, "
+            "learning-rate schedule, data position and RNG; --steps is the run's last step, counted from the start.",
+        ),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
 
 
 @main.command("run")
@@ -352,9 +533,28 @@ def plan_cmd(
     "--rdzv-endpoint",
     default=None,
     metavar="HOST:PORT",
-    help="Rendezvous address for multi-node runs [default: localhost and a free port].",
+    help="Rendezvous address of a multi-node run, the same on every node; the node on that host keeps the "
+    "rendezvous store there [default: localhost, on a free port the store picks itself].",
 )
 @click.option("--rdzv-id", default=None, help="Rendezvous id shared by all machines of one run.")
+@click.option(
+    "--node-rank",
+    type=click.IntRange(min=0),
+    default=None,
+    metavar="K",
+    help="This machine's index (0 to --nnodes - 1), as torchrun's --node-rank: a static rendezvous where node 0 "
+    "hosts the store at --rdzv-endpoint [default: the c10d rendezvous assigns the nodes' order].",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0, min_open=True, max=86400),
+    default=300,
+    show_default=True,
+    metavar="SECONDS",
+    help="How long a rank may wait on another (a send, a receive, a collective, the rendezvous) before the run "
+    "stops: a hung or stopped rank is named and the run ends instead of waiting forever.",
+)
 @click.option(
     "--output",
     "-o",
@@ -362,26 +562,109 @@ def plan_cmd(
     default=None,
     help="Where to write the run report [default: PLAN's name with .run.json].",
 )
+@_training_options
 @_user_errors
 def run_cmd(
-    plan_file: str, steps: int, nnodes: int, rdzv_endpoint: str | None, rdzv_id: str | None, output: str | None
+    plan_file: str,
+    steps: int,
+    nnodes: int,
+    rdzv_endpoint: str | None,
+    rdzv_id: str | None,
+    node_rank: int | None,
+    timeout_s: float,
+    output: str | None,
+    **training: Any,
 ) -> None:
-    """Train with PLAN_FILE: one process per stage, the planned split points and schedule."""
-    from planner.run import run_plan
+    """Train with PLAN_FILE: one process per stage, the planned split points and schedule.
+
+    The final weights are saved as a checkpoint (PLAN's name with .ckpt, or --checkpoint-dir);
+    `planner export-weights PLAN_FILE -o model.pt` turns one into the unsplit model's state dict.
+    """
+    from planner.errors import RunFailed
+    from planner.run import RunResult, run_plan
     from planner.schema.request import RunRequest
 
     request = RunRequest.build(
-        plan_file=plan_file, steps=steps, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, output=output
+        plan_file=plan_file,
+        steps=steps,
+        nnodes=nnodes,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_id=rdzv_id,
+        node_rank=node_rank,
+        timeout_s=timeout_s,
+        output=output,
+        **training,
     )
     plan = _load_plan(str(request.plan_file))
     out = check_output(request.result_path, "run result")  # before training, so no run's figures are lost
-    result = run_plan(plan, request)
+    try:
+        result = run_plan(plan, request)
+    except RunFailed as e:
+        # The steps completed are kept: run.json is written with the status and the cause.
+        if not isinstance(e.result, RunResult):
+            raise
+        e.result.save(out)
+        if (click.get_current_context().find_root().obj or {}).get("debug"):
+            raise
+        click.echo(f"{'error: ' if e.exit_code == 1 else ''}{e}", err=True)
+        click.echo(f"wrote {out} ({e.result.steps} step(s) completed)", err=True)
+        sys.exit(e.exit_code)
     result.save(out)
     loss = f"; final loss {result.losses[-1]:.4f}" if result.losses else ""  # only the last stage's node has losses
     click.echo(
         f"median step {result.median_step_s * 1e3:.1f} ms measured vs {plan.prediction.step_time_s * 1e3:.1f} ms "
         f"predicted{loss}; wrote {out}"
     )
+    click.echo(_run_figures(result))
+
+
+def _run_figures(result: Any) -> str:
+    """One line of a finished run's throughput and peak memory per rank (the figures run.json holds)."""
+    parts = []
+    if result.samples_per_s:
+        tokens = f", {result.tokens_per_s:,.0f} tokens/s" if result.tokens_per_s else ""
+        parts.append(f"throughput {result.samples_per_s:,.1f} samples/s{tokens}")
+    peaks = result.peak_device_bytes or result.peak_rss_bytes
+    what = "device memory" if result.peak_device_bytes else "resident memory"
+    if peaks:
+        parts.append(f"peak {what} per rank: {', '.join(f'{b / 2**20:,.0f} MiB' for b in peaks)}")
+    if result.evals:
+        last = result.evals[-1]
+        parts.append(f"held-out loss {last.loss:.4f}, perplexity {last.perplexity:.2f} (step {last.step})")
+    return "; ".join(parts)
+
+
+@main.command("export-weights")
+@click.argument("plan_file", type=click.Path(dir_okay=False))
+@click.option(
+    "--checkpoint",
+    type=click.Path(file_okay=False),
+    default=None,
+    metavar="DIR",
+    help="A checkpoint folder (step_NNNNNNNN) or a run's checkpoint folder, whose newest is used "
+    "[default: PLAN's name with .ckpt].",
+)
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(dir_okay=False),
+    required=True,
+    help="Where to write the state dict (load it with model.load_state_dict(torch.load(PATH))).",
+)
+@_user_errors
+def export_weights_cmd(plan_file: str, checkpoint: str | None, output: str) -> None:
+    """Write the unsplit model's weights from a checkpoint of PLAN_FILE's run.
+
+    The result is the state dict of the model that the model file's build_model gives (every
+    parameter and persistent buffer, under the model's own names), saved with torch.save.
+    """
+    from pathlib import Path
+
+    from planner.run.checkpoint import save_weights
+
+    out = check_output(output, "weights")
+    path, step = save_weights(Path(plan_file), Path(checkpoint) if checkpoint else None, Path(out))
+    click.echo(f"wrote {out}: the weights after step {step} ({path})")
 
 
 @main.command("report")

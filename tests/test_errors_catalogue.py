@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,6 +145,34 @@ def make_batch(batch_size, **_):
 def loss_fn(out, target):
     return ((out - target) ** 2).mean()
 """
+
+HELD_PORT = 29561
+_HELD: list[socket.socket] = []  # kept open until the tests end
+
+
+def _hold_port(port: int) -> None:
+    """Listen on ``port`` as another program would (if something already does, it is held anyway)."""
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        _HELD.append(s)
+    except OSError:
+        s.close()
+
+
+def _striking(d: Path, signame: str, name: str) -> None:
+    """NAME.py, a copy of the toy model whose rank 1 sends itself ``signame`` as it draws the batch
+    of step 3 (RANK is set in the workers only), and NAME.json, its 2-rank plan."""
+    text = TOY.replace("import torch\n", "import os\nimport signal\n\nimport torch\n", 1).replace(
+        "    while True:\n",
+        "    step = 0\n    while True:\n        step += 1\n"
+        f"        if os.environ.get('RANK') == '1' and step == 3:\n            os.kill(os.getpid(), signal.{signame})\n",
+        1,
+    )
+    (d / f"{name}.py").write_text(text)
+    _make_plan(d, d / f"{name}.py", f"{name}.json", "--gpus", "2", "--schedule", "gpipe", "--method", "uniform")
+
 
 M = "{d}/model.py"
 PLAN = ["plan", M, "--gpus", "2", "-b", "8", *FAST, "-o", "{d}/out.json"]
@@ -373,11 +402,27 @@ CASES: list[Case] = [
     Case("plan options", "unknown --recompute", "plan {d}/model.py --gpus 2 --recompute sometimes", 2, "--recompute"),
     Case("plan options", "unknown --gpu-type", "plan {d}/model.py --gpus 2 --gpu-type h1000", 2, "h1000"),
     Case(
-        "plan options",
-        "--dtype without --gpu-type",
-        "plan {d}/model.py --gpus 2 --dtype bf16",
+        "run options",
+        "--eval-every without --data",
+        "run {d}/plan.json --eval-every 2",
         2,
-        "--dtype applies to estimated costs only",
+        "--eval-every evaluates the held-out split of --data",
+    ),
+    Case("run options", "--resume with nothing to resume", "run {d}/plan.json --resume", 2, "no complete checkpoint"),
+    Case(
+        "run options",
+        "--data that does not exist",
+        "run {d}/plan.json --data {d}/no-such-corpus.txt",
+        2,
+        "no-such-corpus.txt",
+    ),
+    Case("run options", "--data for a model without token ids", "run {d}/plan.json --data {d}/model.py", 2, "token"),
+    Case(
+        "run options",
+        "export-weights without a checkpoint",
+        "export-weights {d}/plan.json -o {d}/w.pt",
+        2,
+        "no complete checkpoint",
     ),
     Case(
         "plan options",
@@ -574,7 +619,46 @@ CASES: list[Case] = [
         "cannot be resolved",
     ),
     Case("run options", "-o into a missing folder", "run {d}/plan.json -o {d}/missing/run.json", 2, "does not exist"),
+    Case("run options", "--timeout 0", "run {d}/plan.json --timeout 0", 2, "--timeout"),
+    Case(
+        "run options",
+        "--node-rank outside --nnodes",
+        "run {d}/plan.json --nnodes 2 --rdzv-endpoint localhost:29555 --node-rank 2",
+        2,
+        "--node-rank 2 is not a node of --nnodes 2",
+    ),
+    Case(
+        "run options",
+        "--rdzv-endpoint port 0 on several nodes",
+        "run {d}/plan.json --nnodes 2 --rdzv-endpoint localhost:0",
+        2,
+        "port 0 lets the store pick any free port",
+    ),
+    Case(
+        "run options",
+        "--rdzv-endpoint on a port another program (or run) holds",
+        f"run {{d}}/plan.json --rdzv-endpoint localhost:{HELD_PORT}",
+        2,
+        f"port {HELD_PORT} on this machine is in use",
+        lambda d: _hold_port(HELD_PORT),
+    ),
     # --- while training ---------------------------------------------------------------------------
+    Case(
+        "training",
+        "a rank is killed (SIGKILL, the out-of-memory killer)",
+        "run {d}/killed.json --steps 5 -o {d}/killed.run.json",
+        1,
+        "rank 1 was killed by SIGKILL at step 3",
+        lambda d: _striking(d, "SIGKILL", "killed"),
+    ),
+    Case(
+        "training",
+        "a rank stops responding (SIGSTOP, a hang)",
+        "run {d}/stopped.json --steps 5 --timeout 5 -o {d}/stopped.run.json",
+        1,
+        "rank 1 stopped responding: no progress for 5 s at step 3 (--timeout 5)",
+        lambda d: _striking(d, "SIGSTOP", "stopped"),
+    ),
     Case(
         "training", "the data stream ends", "run {d}/ends.json --steps 3", 2, "train_batches() ended after 1 batch(es)"
     ),
@@ -652,7 +736,8 @@ def test_every_mistake_gets_one_clear_line(scratch: Path) -> None:
         "Written by `tests/test_errors_catalogue.py`, which runs each bad input through the real `planner` "
         "command and fails when a message or exit code here no longer matches the code "
         "(`PLANNER_UPDATE_DOCS=1 pytest tests/test_errors_catalogue.py` rewrites this page). Exit codes: "
-        "2 a usage or input mistake, 1 a bug in the planner (none below), 130 Ctrl-C, 143 SIGTERM, 0 accepted. "
+        "2 a usage or input mistake, 1 a run that stopped after its ranks started (a rank killed or hung; run.json "
+        "keeps the steps completed) or a bug in the planner (none below), 130 Ctrl-C, 143 SIGTERM, 0 accepted. "
         "`--debug` shows the full traceback instead of the one line. `<dir>` is the folder of the files each case "
         "made; `model.py` is a copy of `models/toy.py`.\n\n"
         f"{len(CASES)} cases.\n\n"

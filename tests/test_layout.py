@@ -28,7 +28,8 @@ ALLOWED: dict[str, set[str]] = {
     "threads": set(),
     "capture": {"errors", "schema", "torch_compat", "threads"},
     "costs": {"errors", "schema", "core", "capture", "torch_compat", "threads"},
-    "run": {"errors", "schema", "core", "capture", "torch_compat", "threads"},
+    "data": {"errors"},
+    "run": {"errors", "schema", "core", "capture", "data", "torch_compat", "threads"},
     "api": {"errors", "schema", "core", "capture", "costs", "torch_compat", "threads"},
 }
 PURE = ("errors", "schema", "core", "report")

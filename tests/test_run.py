@@ -18,24 +18,21 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from run_factory import MODELS, REL, ROOT, assert_close, make_plan, saved  # noqa: E402
+
 from planner.capture.load import load_model_file  # noqa: E402
 from planner.capture.stage import build_stage_module  # noqa: E402
 from planner.capture.trace import trace_model  # noqa: E402
-from planner.core.schedules import action_order, stage_ranks  # noqa: E402
-from planner.costs.blocks import ties_of  # noqa: E402
+from planner.core.schedules import action_order  # noqa: E402
 from planner.errors import PlanFileError, PlannerError, TraceError  # noqa: E402
 from planner.report.compare import measured_events  # noqa: E402
 from planner.run import RunResult, run_plan, train_reference  # noqa: E402
 from planner.run.loop import RankResult, run_result  # noqa: E402
-from planner.schema.costs import GLOO_CPU_LINK, BlockCost, OptimizerSpec  # noqa: E402
-from planner.schema.plan import ModelRef, Plan, Prediction, ProfileInfo, StagePlan  # noqa: E402
+from planner.schema.costs import OptimizerSpec  # noqa: E402
 from planner.schema.request import RunRequest  # noqa: E402
 from planner.schema.result import MEMORY_CATEGORIES, MemoryMeasure, StageMeasure  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-MODELS = ROOT / "models"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-REL = 1e-4
 HF = MODELS / "hf"
 try:
     import transformers  # noqa: F401
@@ -43,123 +40,6 @@ try:
     NEEDS_HF = pytest.mark.skipif(False, reason="")
 except ImportError:  # the dev extra installs it
     NEEDS_HF = pytest.mark.skip(reason="needs transformers (pip install -e .[dev])")
-
-
-def make_plan(
-    model_path: Path,
-    starts: list[int],
-    *,
-    size: str | None = "tiny",
-    schedule: str = "gpipe",
-    batch_size: int = 8,
-    n_microbatches: int = 4,
-    grad_clip: float | None = 1.0,
-    optimizer: str = "adamw",
-    lr: float = 1e-3,
-    backend: str = "gloo",
-    seed: int = 0,
-    stages_per_rank: int = 1,
-    record_ties: bool = True,
-) -> Plan:
-    """A valid Plan for ``model_path`` whose stages start at the blocks in ``starts`` (placed on ranks
-    as ``schedule`` places ``stages_per_rank`` stages per rank)."""
-    mf = load_model_file(model_path, size)
-    inputs, _ = mf.batch(batch_size // n_microbatches, seed=seed)
-    traced = trace_model(mf.build(seed), inputs)
-    n = len(traced.blocks)
-    blocks = [
-        BlockCost(
-            name=b.name,
-            first_node=b.nodes[0],
-            last_node=b.nodes[-1],
-            fwd_s=1e-3,
-            bwd_s=2e-3,
-            params=1000,
-            param_bytes=4000,
-            activation_bytes=10_000,
-            cut_bytes=traced.cuts[k].nbytes if k < n - 1 else 0,
-            cut_tensors=len(traced.cuts[k].tensors) if k < n - 1 else 0,
-            cut_legal=traced.cuts[k].legal if k < n - 1 else False,
-            is_layer=b.is_layer,
-        )
-        for k, b in enumerate(traced.blocks)
-    ]
-    bounds = [*starts, n]
-    n_ranks = len(starts) // stages_per_rank
-    ranks = stage_ranks(schedule, n_ranks, stages_per_rank)
-    stages = [
-        StagePlan(
-            index=i,
-            rank=ranks[i],
-            start=s,
-            end=e,
-            first_block=blocks[s].name,
-            last_block=blocks[e - 1].name,
-            split_node=blocks[e - 1].last_node if e < n else None,
-            params=1000 * (e - s),
-            fwd_s=1e-3 * (e - s),
-            bwd_s=2e-3 * (e - s),
-            comm_s=3e-3,
-            time_s=3e-3 * (e - s) + 3e-3,
-            activation_bytes=10_000 * (e - s),
-            in_flight=n_microbatches,
-            memory_bytes=1 << 20,
-        )
-        for i, (s, e) in enumerate(zip(bounds, bounds[1:]))
-    ]
-    times = tuple(st.time_s for st in stages)
-    prediction = Prediction(
-        starts=tuple(starts),
-        stage_time_s=times,
-        bottleneck_s=max(times),
-        pipeline_time_s=max(times) * (n_microbatches + len(starts) - 1),
-        step_time_s=max(times) * (n_microbatches + len(starts) - 1),
-        bubble_fraction=0.3,
-        imbalance=max(times) * len(times) / sum(times),
-        max_memory_bytes=1 << 20,
-    )
-    return Plan(
-        created="2026-11-21T00:00:00+00:00",
-        model=ModelRef(
-            path=str(model_path),
-            size=size,
-            config=dict(mf.config),
-            file_digest=mf.digest,
-            part_digests=mf.part_digests(),
-            fingerprint=traced.fingerprint,
-            trace_method=traced.method,
-            trace_failures=list(traced.failures),
-            seed=seed,
-        ),
-        profile=ProfileInfo(
-            device="cpu",
-            backend=backend,
-            threads=1,
-            torch_version=torch.__version__,
-            hostname="test",
-            warmup=0,
-            repeats=1,
-        ),
-        link=GLOO_CPU_LINK,
-        optimizer=OptimizerSpec(name=optimizer, lr=lr, grad_clip=grad_clip),
-        method="optimal",
-        schedule=schedule,
-        n_stages=len(starts),
-        n_ranks=n_ranks,
-        batch_size=batch_size,
-        n_microbatches=n_microbatches,
-        blocks=blocks,
-        stages=stages,
-        prediction=prediction,
-        baselines={},
-        ties=ties_of(traced) if record_ties else [],
-    )
-
-
-def saved(plan: Plan, tmp_path: Path) -> Path:
-    path = tmp_path / "plan.json"
-    plan.save(path)
-    return path
 
 
 @pytest.fixture
@@ -171,12 +51,6 @@ def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("elastic_launch was called")
 
     monkeypatch.setattr(launcher, "elastic_launch", refuse)
-
-
-def assert_close(got: list[float], want: list[float], what: str) -> None:
-    assert len(got) == len(want), what
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert g == pytest.approx(w, rel=REL), f"{what}[{i}]: pipeline {g} vs unsplit {w}"
 
 
 # (model file, stage starts, schedule, n_microbatches, optimizer, grad_clip, stages per rank). Clip thresholds sit

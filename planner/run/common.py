@@ -11,6 +11,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,7 +20,7 @@ from planner.capture.blocks import TiedParameter, TracedModel
 from planner.capture.load import ModelFile, load_model_file
 from planner.capture.stage import trace_root
 from planner.capture.trace import trace_model
-from planner.core.schedules import check_schedule, stage_ranks
+from planner.core.schedules import SPLIT_BACKWARD, check_schedule, stage_ranks
 from planner.errors import PlanFileError, PlannerError
 from planner.schema.plan import Plan
 
@@ -56,6 +57,11 @@ def check_runnable(plan: Plan) -> None:
         raise PlannerError(
             f"this plan's costs were estimated for {plan.profile.hardware} ({plan.profile.dtype}), a GPU that is not "
             "here; to train, plan on the machine that runs it (without --gpu-type) and run that plan"
+        )
+    if plan.dp > 1 and plan.dp_mode == "fsdp" and plan.schedule in SPLIT_BACKWARD:
+        raise PlanFileError(
+            f"the plan shards {plan.dp} replicas with FSDP under --schedule {plan.schedule}, whose split backward "
+            "torch 2.13's FSDP2 does not follow; re-plan with --dp-mode ddp or another schedule"
         )
     if plan.n_ranks > 1:
         # torch's own constructors refuse these
@@ -187,6 +193,35 @@ def make_optimizer(params: Iterable[nn.Parameter], plan: Plan) -> torch.optim.Op
     return torch.optim.AdamW(params, lr=plan.optimizer.lr)
 
 
+def make_scheduler(optimizer: torch.optim.Optimizer | None, steps: int, warmup: int, decay: str) -> Any | None:
+    """The learning-rate schedule of ``planner run`` (``--warmup``, ``--lr-decay``), stepped once per step.
+
+    Args:
+        optimizer: the rank's optimizer (None: nothing to schedule).
+        steps: the run's last step (a cosine or linear decay reaches 0 there).
+        warmup: steps of linear warm-up from 0 to the plan's rate (0: none).
+        decay: "constant", "linear" or "cosine" after the warm-up.
+
+    Returns:
+        A ``torch.optim.lr_scheduler.LambdaLR``, or None for a constant rate without warm-up
+        (or no optimizer).
+    """
+    if optimizer is None or (warmup == 0 and decay == "constant"):
+        return None
+
+    def factor(step: int) -> float:
+        # ``step`` counts the optimizer steps taken: 0 for the first step's rate.
+        if step < warmup:
+            return (step + 1) / warmup
+        if decay == "constant":
+            return 1.0
+        left = max(steps - warmup, 1)
+        done = min(step - warmup, left) / left
+        return 1.0 - done if decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * done))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 def local_sq_norm(params: Iterable[nn.Parameter]) -> torch.Tensor:
     """Sum of squared gradient entries over ``params``.
 
@@ -196,10 +231,18 @@ def local_sq_norm(params: Iterable[nn.Parameter]) -> torch.Tensor:
     Returns:
         A float64 scalar tensor; 0 when no parameter has a gradient.
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    # A sharded (FSDP) gradient counts its local shard; the caller sums over every rank.
+    grads = [_local(p.grad) for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float64)
     return torch.nn.utils.get_total_norm(grads).to(torch.float64) ** 2
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor, else the tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def clip_to_global_norm(

@@ -1,11 +1,18 @@
 """``planner run``: check a plan against its model, then train it.
 
 A 1-stage plan trains in this process (``planner.run.single``). Otherwise one process per stage
-is started the way ``torchrun`` starts them: ``torch.distributed.launcher.api.elastic_launch``
-with a c10d rendezvous (multi-node through ``nnodes`` / ``rdzv_endpoint`` / ``rdzv_id``, exactly
-torchrun's flags), ``max_restarts=0`` and ``spawn``. Each worker runs
-``planner.run.worker.run_worker``, which returns that rank's ``RankResult``; they come back as
-``{rank: result}`` and ``planner.run.loop.run_result`` makes the run's record of them.
+is started the way ``torchrun`` starts them: torch elastic's ``LocalElasticAgent`` (what
+``elastic_launch`` runs) with ``max_restarts=0``, ``forkserver`` and torchrun's rendezvous: c10d on
+``localhost:0`` by default (the store binds a free port itself, as ``torchrun --standalone``),
+multi-node through ``nnodes`` / ``rdzv_endpoint`` / ``rdzv_id``, or static with ``node_rank``
+(torchrun's ``--node-rank``). Each worker runs ``planner.run.worker.run_worker``, which returns that
+rank's ``RankResult``; they come back as ``{rank: result}`` and ``planner.run.loop.run_result``
+makes the run's record of them.
+
+A run that stops early (a rank killed, hung or failing, Ctrl-C, SIGTERM) ends within seconds of
+the fault, or ``--timeout`` for a hung rank: ``_Watch`` kills a worker that cannot stop by itself.
+It raises ``RunFailed`` with one line naming the cause (``planner.run.faults``) and the run's
+record of the steps every rank completed.
 
 Everything a user can get wrong is checked here, in the parent, before any process starts:
 the model file loads, the plan's tracer still works, the traced fingerprint is the plan's, every
@@ -15,24 +22,46 @@ stage range can be cut, no parameter is shared by two stages, and nccl has a GPU
 from __future__ import annotations
 
 import contextlib
-import json
+import dataclasses
+import datetime
 import logging
+import math
 import multiprocessing
 import os
+import pickle
+import signal
 import socket
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator
+from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerSpec
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousTimeoutError,
+)
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from planner.capture.blocks import TracedModel
 from planner.capture.load import ModelFile, check_train_batch
 from planner.capture.stage import stage_module
-from planner.errors import PlannerError
+from planner.errors import PlannerError, RunFailed
 from planner.run.common import check_runnable, check_ties, load_plan_model, print_flushed, trace_for_plan
-from planner.run.loop import run_result
-from planner.run.single import train_model_file
+from planner.run.faults import WorkerTraceback, diagnose, read_records
+from planner.run.loop import RankResult, run_result
+from planner.run.preflight import check_checkpoint_dir, check_data, check_resume
 from planner.schema.plan import Plan
 from planner.schema.request import RunRequest
 from planner.schema.result import RunResult
@@ -45,12 +74,9 @@ _NOISY_LOGGERS = (
     "torch.multiprocessing",
 )
 
-
-def _free_port() -> int:
-    """A TCP port that is free right now on localhost (for the single-node rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
+# How long the ranks may take to stop once the run has failed (write their records, leave the
+# process group) before they are killed; also the agent's wait after SIGINT / SIGTERM.
+_GRACE_S = 10
 
 
 @contextlib.contextmanager
@@ -115,35 +141,137 @@ def _check_devices(plan: Plan, nproc_per_node: int) -> None:
         )
 
 
-def _worker_error(error_dir: Path, fallback: BaseException) -> Exception:
-    """The earliest worker failure record as one error (later ones are usually its echo)."""
-    records = []
-    for f in error_dir.glob("rank*.json"):
-        with contextlib.suppress(OSError, json.JSONDecodeError):
-            records.append(json.loads(f.read_text()))
-    if not records:
-        return RuntimeError(
-            f"a pipeline worker died without reporting an error ({' '.join(str(fallback).split())[:300]})"
-        )
-    first = min(records, key=lambda r: r["time"])
-    msg = f"rank {first['rank']} failed: {first['message']}"
-    if first["planner_error"]:
-        return PlannerError(msg)
-    return RuntimeError(f"{msg} ({first['type']}); worker traceback:\n{first['traceback']}")
-
-
 def _check_endpoint(request: RunRequest) -> None:
-    """A rendezvous host that does not resolve is one line now, not a hang or a traceback later."""
-    host = request.rdzv_host
-    if host is None:
+    """A rendezvous endpoint that cannot work is one line now, not a hang or a traceback later.
+
+    Without ``--rdzv-endpoint`` the store binds a free port itself: nothing to check. Otherwise:
+    the host must resolve; a port on this machine that this node would host the store on must be
+    free (another program, or another run, may hold it); and a store hosted elsewhere must answer
+    as one within ``--timeout`` (torch's store client waits forever on a program that accepts the
+    connection but never answers).
+
+    Raises:
+        PlannerError: the host does not resolve, the port is taken, nothing answers within
+            ``--timeout``, or what answers is not a rendezvous store.
+    """
+    host, endpoint = request.rdzv_host, request.rdzv_endpoint
+    if host is None or endpoint is None:
         return
     try:
-        socket.getaddrinfo(host, None)
+        addresses = {str(info[4][0]) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
     except OSError:
         raise PlannerError(
-            f"--rdzv-endpoint {request.rdzv_endpoint}: host {host!r} cannot be resolved; "
+            f"--rdzv-endpoint {endpoint}: host {host!r} cannot be resolved; "
             "give a host name or address every node can reach"
         ) from None
+    port = int(endpoint.rpartition(":")[2])
+    if port == 0:
+        if request.nnodes > 1:
+            raise PlannerError(
+                f"--rdzv-endpoint {endpoint}: port 0 lets the store pick any free port, which the other nodes "
+                "cannot know; give a fixed port, the same on every node"
+            )
+        return
+    # c10d: whichever node runs on the endpoint's host hosts the store; static: node 0 does.
+    may_host = request.node_rank in (None, 0)
+    if may_host and any(_is_this_machine(a) for a in addresses):
+        if _port_free(port):
+            return
+        if request.nnodes == 1 or request.node_rank == 0:
+            raise PlannerError(
+                f"--rdzv-endpoint {endpoint}: port {port} on this machine is in use (by another program, or "
+                "another planner run); choose a free port, or leave --rdzv-endpoint out to get one"
+            )
+        # held: by another node of this run on this machine, or by a stranger (checked below)
+    _wait_for_store(host, port, request)
+
+
+def _is_this_machine(address: str) -> bool:
+    """Whether ``address`` is one of this machine's (only those can be bound)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((address, 0))
+        except OSError:
+            return False
+    return True
+
+
+def _port_free(port: int) -> bool:
+    """Whether a server could listen on ``port`` on every address of this machine (as the store does).
+
+    ``SO_REUSEADDR`` as the store sets it: a port left in TIME_WAIT by an earlier run counts as free.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def _wait_for_store(host: str, port: int, request: RunRequest) -> None:
+    """Wait up to ``--timeout`` for HOST:PORT to accept connections (another node may start later),
+    then check that what answers is a rendezvous store.
+
+    Raises:
+        PlannerError: nothing accepted a connection within ``--timeout``, or a program that is not a
+            store did.
+    """
+    endpoint, seconds = request.rdzv_endpoint, f"{request.timeout_s:g}"
+    deadline = time.monotonic() + request.timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                break
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise PlannerError(
+                    f"--rdzv-endpoint {endpoint}: nothing answered there within {seconds} s (--timeout {seconds}); "
+                    "start the first node's `planner run` with the same --rdzv-endpoint, and check that "
+                    f"{host} is reachable from this machine"
+                ) from None
+            time.sleep(0.5)
+    if not _answers_as_store(host, port, min(request.timeout_s, 10.0)):
+        raise PlannerError(
+            f"--rdzv-endpoint {endpoint}: the program listening there is not a rendezvous store (another "
+            "program holds the port); choose a free port, the same on every node"
+        )
+
+
+def _answers_as_store(host: str, port: int, seconds: float) -> bool:
+    """Whether a torch store client connects to HOST:PORT within ``seconds``.
+
+    The client runs in a daemon thread that is left behind when it hangs (on a program that accepts
+    the connection and never answers, it waits forever whatever its timeout). Its retry warnings
+    (C++ logging, straight to stderr) are muted meanwhile.
+    """
+    answered = threading.Event()
+
+    def connect() -> None:
+        with contextlib.suppress(Exception):
+            torch.distributed.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=seconds))
+            answered.set()
+
+    thread = threading.Thread(target=connect, name="planner-store-probe", daemon=True)
+    with _stderr_muted():
+        thread.start()
+        thread.join(seconds + 1)
+    return answered.is_set()
+
+
+@contextlib.contextmanager
+def _stderr_muted() -> Iterator[None]:
+    """Send this process's file descriptor 2 to /dev/null inside the block (C++ logging writes there)."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def changed_file_warning(plan: Plan, mf: ModelFile) -> str:
@@ -164,22 +292,25 @@ def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None]
         plan: the plan to run.
         request: ``planner run``'s options: the plan's file (relative model paths resolve against
             its folder), steps, nodes (torchrun ``--nnodes``; each starts n_ranks / nnodes ranks),
-            the c10d rendezvous ``host:port`` (default: a free port on localhost, single node
-            only) and id (default derived from the plan's fingerprint), and whether to print one
-            line per step (from the last rank) and a start line.
+            the rendezvous ``host:port`` (default: localhost, a port the store picks, single node
+            only), id (default derived from the plan's fingerprint) and node rank (a static
+            rendezvous, as torchrun's ``--node-rank``), ``--timeout`` (every wait on another rank
+            or node), and whether to print one line per step (from the last rank) and a start line.
         print_fn: where this process's lines go (worker lines go to the inherited stdout).
 
     Returns:
         The measured run.
 
     Raises:
-        PlannerError: the plan does not fit the model, the machine or the request (checked before
-            any process starts), or a worker failed with a user error.
-        RuntimeError: a worker failed otherwise; the message is the worker's error.
+        PlannerError: the plan does not fit the model, the machine or the request, or the
+            rendezvous endpoint cannot work (checked before any process starts).
+        RunFailed: the ranks started and the run stopped early (a rank failed, was killed or hung;
+            Ctrl-C; SIGTERM): one line naming the cause, the exit code, and the run's record of
+            the steps completed (``result``).
     """
     plan_path, nnodes = request.plan_file, request.nnodes
     check_runnable(plan)
-    n = plan.n_ranks
+    n = plan.world_size  # dp replicas x n_ranks pipeline ranks
     if n % nnodes:  # RunRequest keeps nnodes >= 1
         raise PlannerError(f"{n} ranks cannot be spread evenly over {nnodes} node(s); use an --nnodes that divides {n}")
     _check_endpoint(request)
@@ -190,69 +321,367 @@ def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None]
         print_fn(changed_file_warning(plan, mf))
     traced = trace_for_plan(plan, mf, mf.build(plan.model.seed))
     _check_stages(plan, traced)
-    del traced
     check_train_batch(mf, plan.batch_size, plan.model.seed)
+    check_resume(plan, request)
+    check_checkpoint_dir(request)
+    check_data(plan, request, mf, traced, print_fn)
+    del traced
     if n == 1:
         if request.echo:
             print_fn(
                 f"training 1 stage in this process ({plan.batch_size} samples/step, "
                 f"{plan.n_microbatches} microbatch(es), {plan.profile.threads} thread(s))"
             )
-        return train_model_file(
-            plan,
-            mf,
-            request.steps,
-            n_microbatches=plan.n_microbatches,
-            echo=request.echo,
-            print_fn=print_fn,
-            plan_path=plan_path,
-        )
+        from planner.run.worker import train_in_process
+
+        rank = train_in_process(plan, request)
+        return run_result(plan, [rank], mode="local", plan_path=plan_path)
     return _launch(plan, request, nproc, print_fn)
 
 
 def _launch(plan: Plan, request: RunRequest, nproc: int, print_fn: Callable[[str], None]) -> RunResult:
-    """Start ``nproc`` workers on this node (torchrun-style), wait for all, gather this node's ranks."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    """Start ``nproc`` workers on this node (torchrun-style), wait for all, gather this node's ranks.
 
+    Raises:
+        PlannerError: the rendezvous could not be formed (before any rank started).
+        RunFailed: the ranks started and the run stopped early; its ``result`` holds the steps
+            this node's ranks completed.
+    """
     from planner.run.worker import run_worker
 
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed.pipelining", "planner.run.worker"])
-    n, nnodes = plan.n_ranks, request.nnodes
-    endpoint = request.rdzv_endpoint or f"localhost:{_free_port()}"
     if request.echo:
         print_fn(
-            f"launching {n} ranks ({nproc} per node, {plan.n_stages} stages, {plan.schedule}, "
+            f"launching {plan.world_size} ranks ({nproc} per node, {plan.n_stages} stages, {plan.schedule}, "
             f"{plan.n_microbatches} microbatches, "
             f"backend {plan.profile.backend}, {plan.profile.threads} thread(s) each)"
         )
+    params, master_addr, master_port = _rendezvous_parameters(plan, request)
     with tempfile.TemporaryDirectory(prefix="planner-run-") as tmp:
         error_dir = Path(tmp) / "errors"
         error_dir.mkdir()
-        config = LaunchConfig(
-            min_nodes=nnodes,
-            max_nodes=nnodes,
-            nproc_per_node=nproc,
-            run_id=request.rdzv_id or f"planner-{plan.model.fingerprint}",
-            rdzv_backend="c10d",
-            rdzv_endpoint=endpoint,
-            max_restarts=0,
-            # Workers fork from a server process that has imported torch and the worker once, instead
-            # of each importing them afresh (about 2 s of CPU per rank). The server is started
-            # fresh by this process, not forked from it, so no thread or CUDA state is inherited.
-            start_method="forkserver",
-            monitor_interval=0.1,
-            logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp) / "logs")),
-        )
-        args = (plan.to_json(), str(request.plan_file), request.steps, request.echo, str(error_dir))
+        watch = _Watch(error_dir)
         # OMP_NUM_THREADS reaches the workers through the agent; without it each rank's OpenMP
         # pool would size itself to every core and the ranks would oversubscribe the machine.
-        with _quiet_elastic(), _env(OMP_NUM_THREADS=str(plan.profile.threads)):
+        with _quiet_elastic(), _env(OMP_NUM_THREADS=str(plan.profile.threads)), _signal_handlers_kept():
             try:
-                outputs = elastic_launch(config, run_worker)(*args)
-            except ChildFailedError as e:
-                raise _worker_error(error_dir, e) from None
+                spec = WorkerSpec(
+                    role="planner",
+                    local_world_size=nproc,
+                    entrypoint=run_worker,
+                    args=(plan.to_json(), request.model_dump_json(), str(error_dir)),
+                    rdzv_handler=_FixedNodes(_rendezvous_handler(params, request)),
+                    max_restarts=0,
+                    monitor_interval=0.1,
+                    master_addr=master_addr,
+                    master_port=master_port,
+                )
+                agent = _Agent(
+                    watch,
+                    spec=spec,
+                    logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp) / "logs")),
+                    # Workers fork from a server process that has imported torch and the worker once,
+                    # instead of each importing them afresh (about 2 s of CPU per rank). The server is
+                    # started fresh by this process, not forked from it, so no thread or CUDA state is
+                    # inherited.
+                    start_method="forkserver",
+                    # after Ctrl-C / SIGTERM, how long the ranks may take to write their records
+                    shutdown_timeout=_GRACE_S,
+                )
+                values, parent_signal = _run_agent(agent, spec, watch, request, params)
             finally:
+                exit_codes = watch.finish()
                 stop_forkserver()  # the next launch's workers print where stdout is then
-    return run_result(plan, list(outputs.values()), mode="pipeline", plan_path=request.plan_file)
+        if values is not None:
+            return run_result(plan, list(values.values()), mode="pipeline", plan_path=request.plan_file)
+        error, cause = _failure(plan, request, error_dir, exit_codes, watch.hung, parent_signal)
+    raise error from cause
+
+
+def _rendezvous_parameters(plan: Plan, request: RunRequest) -> tuple[RendezvousParameters, str | None, int | None]:
+    """torchrun's rendezvous for this request, and the store address the workers use when it is fixed.
+
+    Every wait in it (joining, each store operation) is bounded by ``--timeout``.
+    """
+    run_id = request.rdzv_id or f"planner-{plan.model.fingerprint}"
+    nodes = request.nnodes
+    seconds = max(1, math.ceil(request.timeout_s))
+    if request.node_rank is not None and request.rdzv_endpoint is not None:
+        # torchrun --node-rank: a static rendezvous; node 0 hosts the store at the endpoint.
+        host, _, port = request.rdzv_endpoint.rpartition(":")
+        params = RendezvousParameters(
+            "static", request.rdzv_endpoint, run_id, nodes, nodes, rank=request.node_rank, timeout=seconds
+        )
+        return params, host.strip("[]"), int(port)
+    # c10d, as torchrun --standalone when no endpoint is given: on port 0 the store binds a free
+    # port itself, and the workers learn it from the rendezvous (nothing can take it in between).
+    endpoint = request.rdzv_endpoint or "localhost:0"
+    params = RendezvousParameters(
+        "c10d", endpoint, run_id, nodes, nodes, join_timeout=seconds, read_timeout=min(seconds, 60)
+    )
+    return params, None, None
+
+
+def _rendezvous_handler(params: RendezvousParameters, request: RunRequest) -> RendezvousHandler:
+    """The rendezvous handler (for c10d this connects to, or hosts, its store).
+
+    Raises:
+        PlannerError: the store cannot be reached or hosted.
+    """
+    try:
+        return rdzv_registry.get_rendezvous_handler(params)
+    except Exception as e:  # noqa: BLE001 - torch raises several kinds; all mean the endpoint failed
+        raise _rendezvous_error(request, params, e) from None
+
+
+def _rendezvous_error(request: RunRequest, params: RendezvousParameters, error: BaseException) -> PlannerError:
+    """One line for a rendezvous that could not be formed (``error``: what torch raised)."""
+    where = f"--rdzv-endpoint {params.endpoint}" if request.rdzv_endpoint else "the rendezvous on this machine"
+    seconds = f"{request.timeout_s:g}"
+    if isinstance(error, RendezvousTimeoutError):
+        return PlannerError(
+            f"{where}: the {request.nnodes} nodes of the run did not all join rendezvous {params.run_id!r} within "
+            f"{seconds} s (--timeout {seconds}); start `planner run` with the same --nnodes, --rdzv-endpoint and "
+            "--rdzv-id on every node"
+        )
+    if isinstance(error, (RendezvousClosedError, RendezvousGracefulExitError)):
+        return PlannerError(
+            f"{where}: rendezvous {params.run_id!r} belongs to a run that already has its {request.nnodes} node(s) "
+            "(or has ended); give this run its own --rdzv-id or --rdzv-endpoint"
+        )
+    reason = " ".join(str(error).split())[:200]
+    return PlannerError(f"{where}: the rendezvous failed ({type(error).__name__}: {reason})")
+
+
+def _run_agent(
+    agent: _Agent, spec: WorkerSpec, watch: _Watch, request: RunRequest, params: RendezvousParameters
+) -> tuple[dict[int, Any] | None, str | None]:
+    """Run the agent until its workers end.
+
+    Returns:
+        The workers' results by global rank (None: the run failed), and the signal that
+        interrupted this process (None: none).
+
+    Raises:
+        PlannerError: the rendezvous could not be formed.
+    """
+    try:
+        result = agent.run()
+    except SignalException as e:
+        # The agent has stopped the workers with the same signal. As elastic_launch, leave the
+        # rendezvous open: a node that was interrupted may join it again.
+        return None, e.sigval.name
+    except (RendezvousError, torch.distributed.DistError, TimeoutError) as e:
+        spec.rdzv_handler.shutdown()
+        if not watch.pids:  # no worker started: the nodes never met (or their store failed)
+            raise _rendezvous_error(request, params, e) from None
+        raise
+    spec.rdzv_handler.shutdown()
+    if result is None:  # elastic swallows RendezvousGracefulExitError: the rendezvous had no room
+        raise _rendezvous_error(request, params, RendezvousGracefulExitError())
+    return (None, None) if result.is_failed() else (dict(result.return_values), None)
+
+
+def _failure(
+    plan: Plan,
+    request: RunRequest,
+    error_dir: Path,
+    exit_codes: dict[int, int | None],
+    hung: set[int],
+    parent_signal: str | None,
+) -> tuple[RunFailed, WorkerTraceback | None]:
+    """The error a failed run raises: one line naming the cause, the run's record of the steps
+    completed, and the failing worker's traceback to chain under it (``--debug`` shows it)."""
+    ranks: list[RankResult] = []
+    for path in sorted(error_dir.glob("rank*.partial.pkl")):
+        with contextlib.suppress(OSError, pickle.UnpicklingError, EOFError, AttributeError):
+            ranks.append(pickle.loads(path.read_bytes()))  # written by our own workers, in our temp folder
+    ranks = [r for r in ranks if isinstance(r, RankResult) and r.times]
+    # A rank stopped just after a step's figures were kept, before it counted the step as done:
+    # its figures say how far it got, so the line and run.json agree on the steps completed.
+    completed = {r.rank: r.first_step - 1 + len(r.times) for r in ranks}
+    records = {
+        rank: dataclasses.replace(rec, done=max(rec.done, completed.get(rank, 0)))
+        for rank, rec in read_records(error_dir).items()
+    }
+    diagnosis = diagnose(records, exit_codes, timeout_s=request.timeout_s, hung=hung, parent_signal=parent_signal)
+    result = None
+    if ranks:  # run_result cuts every rank to the fewest steps any completed
+        result = run_result(plan, ranks, mode="pipeline", plan_path=request.plan_file).model_copy(
+            update={"status": diagnosis.status, "stopped": diagnosis.message}
+        )
+    cause = WorkerTraceback(diagnosis.traceback) if diagnosis.traceback else None
+    return RunFailed(diagnosis.message, result=result, exit_code=diagnosis.exit_code), cause
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """Put this process's signal handlers back after the block.
+
+    When the workers start, elastic installs handlers that raise ``SignalException`` for SIGTERM,
+    SIGINT, SIGHUP and SIGQUIT (its ``PContext.start``) and never removes them: a later Ctrl-C
+    would raise that instead of ``KeyboardInterrupt``.
+    """
+    if threading.current_thread() is not threading.main_thread():  # elastic installs none there
+        yield
+        return
+    signums = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    saved = {s: signal.getsignal(s) for s in signums}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            if handler is not None:
+                signal.signal(s, handler)
+
+
+class _FixedNodes(RendezvousHandler):
+    """A rendezvous handler that never reports nodes waiting to join.
+
+    elastic's agent restarts every worker of a healthy run when a node waits to join its
+    rendezvous (to scale up). A planner run has a fixed set of nodes: another ``planner run``
+    started on the same endpoint and id must not restart this one, but wait and give up after
+    ``--timeout``.
+    """
+
+    def __init__(self, inner: RendezvousHandler) -> None:
+        self._inner = inner
+
+    def get_backend(self) -> str:
+        return self._inner.get_backend()
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self._inner.use_agent_store
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        return self._inner.next_rendezvous()
+
+    def is_closed(self) -> bool:
+        return self._inner.is_closed()
+
+    def set_closed(self) -> None:
+        self._inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+    def get_run_id(self) -> str:
+        return self._inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        return self._inner.shutdown()
+
+
+class _Watch:
+    """This node's worker processes, watched from a thread while they run (Linux: ``/proc``).
+
+    When a worker fails, elastic stops the others with SIGTERM and waits up to 30 s for each before
+    SIGKILL. A stopped process (SIGSTOP, a debugger) cannot act on SIGTERM, and one blocked in a
+    C++ call (a hung collective) only when the call returns: either would hold the run for those
+    30 s. So once the run is failing (a worker wrote its failure record, or a worker is gone), the
+    watch kills a stopped worker at once, and any worker still running ``_GRACE_S`` after the
+    first record. Both are remembered as ranks that stopped responding (``hung``).
+
+    It also keeps each worker's ``multiprocessing`` process object: the workers are children of
+    the forkserver, so that object is the only place their exit codes reach this process.
+
+    Attributes:
+        error_dir: where the workers write their failure records.
+        pids: global rank -> pid of this node's workers.
+        processes: global rank -> the worker's process object.
+        hung: the ranks the watch killed.
+    """
+
+    def __init__(self, error_dir: Path) -> None:
+        self.error_dir = error_dir
+        self.pids: dict[int, int] = {}
+        self.processes: dict[int, BaseProcess] = {}
+        self.hung: set[int] = set()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="planner-watch", daemon=True)
+
+    def start(self, pids: dict[int, int]) -> None:
+        """Watch these workers (global rank -> pid); called by the agent right after starting them."""
+        # active_children() polls only children that are not running (none of these yet): called
+        # here, in the agent's thread, it cannot race the agent reading their exit statuses.
+        children = {p.pid: p for p in multiprocessing.active_children()}
+        self.pids = dict(pids)
+        self.processes = {rank: children[pid] for rank, pid in pids.items() if pid in children}
+        if not self._thread.is_alive():
+            self._thread.start()
+
+    def _watch(self) -> None:
+        failed_at: float | None = None
+        while not self._done.wait(0.1):
+            states = {rank: _process_state(pid) for rank, pid in self.pids.items()}
+            if failed_at is None and any(self.error_dir.glob("rank*.json")):
+                failed_at = time.monotonic()
+            gone = any(state in (None, "Z") for state in states.values())
+            late = failed_at is not None and time.monotonic() - failed_at > _GRACE_S
+            for rank, state in states.items():
+                stopped = state in ("T", "t") and (failed_at is not None or gone)
+                if stopped or (late and state not in (None, "Z")):
+                    _kill(self.pids[rank])
+                    self.hung.add(rank)
+
+    def settle(self, seconds: float) -> None:
+        """Wait up to ``seconds`` until every worker has written its record or is gone."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if all(
+                (self.error_dir / f"rank{rank}.json").exists() or _process_state(pid) in (None, "Z")
+                for rank, pid in self.pids.items()
+            ):
+                return
+            time.sleep(0.05)
+
+    def finish(self) -> dict[int, int | None]:
+        """Stop watching, kill any worker still running (the agent itself was interrupted), and
+        return every worker's exit code (negative: the signal that ended it; None: unknown)."""
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        for pid in self.pids.values():
+            if _process_state(pid) not in (None, "Z"):
+                _kill(pid)
+        codes: dict[int, int | None] = dict.fromkeys(self.pids)
+        for rank, process in self.processes.items():
+            process.join(_GRACE_S)
+            codes[rank] = process.exitcode
+        return codes
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter of a process (R, S, D, T, Z, ...) from /proc; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]  # after the name, which may hold spaces
+    except (OSError, IndexError):
+        return None
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+class _Agent(LocalElasticAgent):
+    """elastic's local agent, telling the watch which workers it started."""
+
+    def __init__(self, watch: _Watch, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._watch = watch
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        pids = super()._start_workers(worker_group)  # local rank -> pid
+        self._watch.start({w.global_rank: pids[w.local_rank] for w in worker_group.workers})
+        return pids
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        # A terminal's Ctrl-C (or a scheduler's SIGTERM to the process group) reaches the workers
+        # as well as this process, which then sends them the signal again. A second signal while a
+        # worker writes its failure record would lose the record (and its completed steps): let
+        # the workers end on their own first, briefly.
+        self._watch.settle(1.0)
+        super()._shutdown(death_sig, timeout)

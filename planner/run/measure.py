@@ -38,6 +38,15 @@ from planner.torch_compat import forget_root_module, memory_tracker, timed_sched
 _perf = time.perf_counter
 
 
+def _wrapped(module: Any) -> list[Any]:
+    """A stage module and every module it wraps (``.module`` of DDP, the boundary, recomputation):
+    whichever of them the tracker saw called as its root."""
+    chain = [module]
+    while isinstance(getattr(chain[-1], "module", None), torch.nn.Module) and len(chain) < 8:
+        chain.append(chain[-1].module)
+    return chain
+
+
 class StageProbe:
     """Per-step, per-microbatch timers around one stage (and, on a rank's first stage, its schedule).
 
@@ -65,6 +74,12 @@ class StageProbe:
         self._p2p.append(0.0)
         self._events.append([])
         self._step_start.append(time.time())
+
+    def discard_step(self) -> None:
+        """Drop the figures collected since the last ``begin_step`` (an evaluation between steps)."""
+        for table in (self._fwd, self._bwd, self._loss, self._p2p, self._events, self._step_start):
+            if table:
+                table.pop()
 
     def _add(self, table: list[dict[int, float]], mb: int, seconds: float) -> None:
         if table:
@@ -99,7 +114,7 @@ class StageProbe:
                 # exactly that (see forget_root_module).
                 # (the runner's boundary wrapper calls the stage module without hooks, so the module
                 # inside it is the root the tracker sees)
-                forget_root_module(probe.memory, stage.submod, getattr(stage.submod, "module", None))
+                forget_root_module(probe.memory, *_wrapped(stage.submod))
             w0, t0 = time.time(), _perf()
             out = fwd(fwd_chunk_id, *args, **kwargs)
             dt = _perf() - t0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +43,16 @@ def _microbatch(
     i: int,
     n_microbatches: int,
     probe: StageProbe,
+    autocast: Any,
 ) -> torch.Tensor:
     """Forward, loss and backward of microbatch ``i``, timed into ``probe``; its gradient weighs 1/m."""
     if probe.memory is not None:
         probe.memory.reset_mod_stats()  # see StageProbe: one root forward per microbatch
     ta = time.perf_counter()
-    out = model(*inputs)
-    tb = time.perf_counter()
-    loss = loss_fn(out, target)
+    with autocast:  # the plan's --dtype (a no-op context without it), as the pipeline's stages run
+        out = model(*inputs)
+        tb = time.perf_counter()
+        loss = loss_fn(out, target)
     tc = time.perf_counter()
     (loss / n_microbatches).backward()
     td = time.perf_counter()
@@ -123,12 +126,20 @@ def train_local(
         batches = mf.train_batches(plan.batch_size, seed=plan.model.seed)
         loss_fn = mf.loss_fn
         probe = StageProbe()
+        lever = plan.profile.autocast
+        cast = (
+            torch.autocast("cpu", dtype=torch.bfloat16 if lever == "bf16" else torch.float16)
+            if lever
+            else nullcontext()
+        )
 
         def run_microbatches(inputs: Sequence[Any], target: torch.Tensor) -> list[torch.Tensor]:
             split_inputs = [_chunks(x, n_microbatches) for x in inputs]
             split_target = _chunks(target, n_microbatches)
             return [
-                _microbatch(model, loss_fn, [xs[i] for xs in split_inputs], split_target[i], i, n_microbatches, probe)
+                _microbatch(
+                    model, loss_fn, [xs[i] for xs in split_inputs], split_target[i], i, n_microbatches, probe, cast
+                )
                 for i in range(n_microbatches)
             ]
 

@@ -20,7 +20,7 @@ from typing import Literal
 
 from planner.errors import PlanFileError
 
-OutputKind = Literal["plan", "run result", "calibration", "trace", "timeline"]
+OutputKind = Literal["plan", "run result", "calibration", "trace", "timeline", "weights"]
 
 # The top-level keys that identify each document the planner writes (all must be present). They
 # are disjoint enough that no document matches two kinds: a plan has no plan_fingerprint, a run

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -103,6 +104,17 @@ def timed_steps(steps: int, memory_step: int | None) -> list[int]:
     return every
 
 
+class EvalMeasure(BaseModel):
+    """One evaluation on the held-out split of ``--data``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    step: int = Field(description="The training step after which it ran.")
+    loss: float = Field(description="Mean loss over the held-out batches.")
+    perplexity: float = Field(description="exp(loss) (for a mean token cross-entropy).")
+    batches: int = Field(description="Held-out batches evaluated.")
+
+
 class RunResult(BaseModel):
     """Measured figures of one training run of a plan.
 
@@ -141,6 +153,19 @@ class RunResult(BaseModel):
     stages: list[StageMeasure] = Field(
         default_factory=list, description="Per stage (rank) measurements, stage 0 first."
     )
+    status: Literal["completed", "failed", "interrupted"] = Field(
+        default="completed", description="How the run ended: every step done, a failure, or Ctrl-C / SIGTERM."
+    )
+    stopped: str | None = Field(default=None, description="Why the run stopped early (None: it completed).")
+    first_step: int = Field(default=1, ge=1, description="The step the run started at (> 1: resumed).")
+    replicas: int = Field(default=1, ge=1, description="Data-parallel replicas of the pipeline.")
+    samples_per_s: float | None = Field(default=None, description="Global batch / median step time.")
+    tokens_per_s: float | None = Field(default=None, description="Tokens per second (None: not a token model).")
+    peak_device_bytes: list[int] = Field(
+        default_factory=list, description="Per rank: peak allocated device memory (CUDA only; empty on CPU)."
+    )
+    evals: list[EvalMeasure] = Field(default_factory=list, description="Held-out evaluations (--data).")
+    checkpoints: list[str] = Field(default_factory=list, description="Checkpoint folders written by this run.")
 
     @staticmethod
     def median_of(times: list[float], steps: list[int]) -> float:

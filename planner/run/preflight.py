@@ -1,0 +1,119 @@
+"""``planner run``'s options checked in the parent before any rank starts, so that a mistake in
+them is one line now instead of a failure on every rank after a minute of set-up.
+
+- ``--resume``: a complete checkpoint exists, was written for this model, and stopped before
+  ``--steps``.
+- ``--data``: the text can be read and suits the model (``planner.data.TextBatches`` built once
+  here: the same checks and the same vocabulary every rank will build).
+- the checkpoint folder can be written.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from planner.capture.blocks import TracedModel
+from planner.capture.graph import buffers_restored
+from planner.capture.load import ModelFile, model_output
+from planner.capture.stage import stage_inputs, stage_module, trace_root
+from planner.errors import DataError, PlannerError
+from planner.run.checkpoint import checkpoint_meta, latest_checkpoint
+from planner.schema.plan import Plan
+from planner.schema.request import RunRequest
+
+
+def check_resume(plan: Plan, request: RunRequest) -> int:
+    """The step a ``--resume`` run continues after (0: not resuming).
+
+    Raises:
+        PlannerError: no complete checkpoint, one written for another model, or one at or past
+            ``--steps``.
+    """
+    if not request.resume:
+        return 0
+    root = request.checkpoint_root
+    found = latest_checkpoint(root)
+    if found is None:
+        raise PlannerError(
+            f"--resume: no complete checkpoint in {root}; give the --checkpoint-dir of the run to continue "
+            "(a save that crashed leaves only a .partial folder, which is never resumed from)"
+        )
+    meta = checkpoint_meta(found)
+    if meta.get("plan_fingerprint") not in (None, plan.model.fingerprint):
+        raise PlannerError(
+            f"--resume: {found} was written by a run of another model (fingerprint {meta['plan_fingerprint']}, "
+            f"this plan's is {plan.model.fingerprint}); resume with the plan of that run"
+        )
+    step = int(meta["step"])
+    if step >= request.steps:
+        raise PlannerError(
+            f"--resume: {found} is already at step {step}, and --steps {request.steps} is the run's last step "
+            f"(counted from the start); give --steps above {step} to train on"
+        )
+    return step
+
+
+def check_checkpoint_dir(request: RunRequest) -> None:
+    """The checkpoint folder can be created and written (checked before training, so no run's weights are lost).
+
+    Raises:
+        PlannerError: it is a file, or cannot be created or written.
+    """
+    if not request.save_checkpoints:
+        return
+    root = request.checkpoint_root
+    if root.exists() and not root.is_dir():
+        raise PlannerError(f"checkpoint folder {root} is a file; give --checkpoint-dir a folder")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PlannerError(
+            f"cannot create checkpoint folder {root}: {e.strerror or e}; pick another --checkpoint-dir"
+        ) from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise PlannerError(f"checkpoint folder {root} is not writable; pick another --checkpoint-dir")
+
+
+def vocab_size_of(traced: TracedModel, mf: ModelFile, plan: Plan) -> int:
+    """The model's vocabulary: the last dimension of its output on one example microbatch (as every
+    rank computes it, so the parent's vocabulary is theirs)."""
+    example = mf.batch(plan.microbatch_size, seed=plan.model.seed)[0]
+    # the forward must leave no trace: batch norm's running statistics and the RNG are put back
+    with buffers_restored(trace_root(traced)), torch.random.fork_rng(devices=[]), torch.no_grad():
+        out = stage_module(traced, 0, len(traced.blocks))(*stage_inputs(example))
+    first = out[0] if isinstance(out, tuple) else model_output(out)
+    return int(first.shape[-1])
+
+
+def check_data(
+    plan: Plan, request: RunRequest, mf: ModelFile, traced: TracedModel, print_fn: Callable[[str], None]
+) -> None:
+    """Read ``--data`` once as the ranks will, so a bad file or an unsuitable model is one line now.
+
+    Prints the stream's one-line description (corpus, tokenizer, vocabulary, tokens, steps per epoch).
+
+    Raises:
+        DataError: the text cannot be read, is too short, or the model takes no token ids.
+    """
+    if request.data is None:
+        return
+    if not request.data.exists():  # before the model is asked anything: the likelier mistake
+        raise DataError(f"--data {request.data}: no such file or folder; give a .txt file or a folder of them")
+    from planner.data import TextBatches
+
+    vocab_file: Path | None = request.checkpoint_root / "vocab.json" if request.save_checkpoints else None
+    stream = TextBatches(
+        request.data,
+        example=mf.batch(plan.microbatch_size, seed=plan.model.seed),
+        vocab_size=vocab_size_of(traced, mf, plan),
+        global_rows=plan.batch_size,
+        replicas=plan.dp,
+        tokenizer=request.tokenizer,
+        vocab_file=vocab_file,
+    )
+    if request.echo:
+        print_fn(stream.describe())
