@@ -441,7 +441,7 @@ def _training_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             default=None,
             metavar="PATH",
             help="Train on this text (a .txt file, or a folder of them read in name order) instead of the model "
-            "file's own batches; token-id language models only (see docs/data.md). The last 10% is held out.",
+            "file's own batches; token-id language models only (see docs/data.md). The end is held out (--eval-fraction).",
         ),
         click.option(
             "--tokenizer",
@@ -458,6 +458,13 @@ def _training_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             show_default=True,
             metavar="N",
             help="Evaluate loss and perplexity on the held-out part of --data every N steps (0: after the last step only).",
+        ),
+        click.option(
+            "--eval-fraction",
+            type=click.FloatRange(min=0, max=1, min_open=True, max_open=True),
+            default=0.1,
+            show_default=True,
+            help="The share of --data held out for evaluation (its last tokens); the rest trains.",
         ),
         click.option(
             "--eval-batches",

@@ -43,8 +43,9 @@ class RunFailed(PlannerError):
     Attributes:
         result: the run's record of the steps completed (a ``RunResult``; None: no step completed
             or no rank could report).
-        exit_code: the status the CLI exits with: 130 after Ctrl-C (SIGINT), 143 after SIGTERM,
-            1 for any other failure.
+        exit_code: the status the CLI exits with: 2 when a rank stopped on a user error (a NaN
+            loss, a data stream that fails), 130 after Ctrl-C (SIGINT), 143 after SIGTERM, 1 for
+            any other failure.
     """
 
     def __init__(self, message: str, *, result: object | None = None, exit_code: int = 1) -> None:

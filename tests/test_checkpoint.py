@@ -209,7 +209,7 @@ def test_two_replicas_match_one_process_on_the_full_batch(
 def test_data_run_evaluates_and_resumes_where_it_stopped(tmp_path: Path) -> None:
     plan = make_plan(MODELS / "shakespeare.py", [0, 3], schedule="1f1b", batch_size=4, n_microbatches=2)
     path = saved(plan, tmp_path)
-    common = dict(plan_file=path, data=None, tokenizer="char", eval_every=2, eval_batches=2, echo=False)
+    common = dict(plan_file=path, tokenizer="char", eval_every=2, eval_batches=2, eval_fraction=0.2, echo=False)
     data = MODELS / "data" / "shakespeare.txt"
     whole = run_plan(plan, RunRequest(**{**common, "data": data, "steps": 4, "checkpoint_dir": tmp_path / "a"}))
     assert [(e.step, e.batches) for e in whole.evals] == [(2, 2), (4, 2)]

@@ -68,7 +68,7 @@ def test_a_user_error_is_the_cause_over_the_ranks_that_failed_because_it_left() 
     }
     got = diagnose(records, {0: 1, 1: 1}, timeout_s=300)
     assert got.message == "rank 1 failed: model.py: train_batches() raised ValueError: no data (at step 5)"
-    assert got.exit_code == 1 and got.traceback == "tb"
+    assert got.exit_code == 2 and got.traceback == "tb"  # a user error, as in one process
 
 
 def test_a_nan_stop_is_reported_as_its_message() -> None:

@@ -90,6 +90,26 @@ def checkpoint_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
+def checkpoint_step(path: Path, fingerprint: str, fix: str) -> int:
+    """The step of a checkpoint, checked to be of the model with ``fingerprint``.
+
+    Args:
+        path: a checkpoint folder.
+        fingerprint: the plan's ``model.fingerprint``.
+        fix: what the user should do instead, ending the message.
+
+    Raises:
+        PlannerError: not a checkpoint of ``planner run``, or one of another model.
+    """
+    meta = checkpoint_meta(path)
+    if meta.get("plan_fingerprint") not in (None, fingerprint):
+        raise PlannerError(
+            f"{path} was written by a run of another model (fingerprint {meta['plan_fingerprint']}, the plan's "
+            f"is {fingerprint}); {fix}"
+        )
+    return int(meta["step"])
+
+
 def model_names(model: nn.Module) -> dict[int, list[str]]:
     """Every name the unsplit model gives each of its state tensors, by tensor identity.
 
@@ -337,12 +357,7 @@ def save_weights(plan_file: Path, checkpoint: Path | None, out: Path) -> tuple[P
             f"no complete checkpoint in {root}; give a folder `planner run` wrote (--checkpoint-dir), "
             "or one of its step_NNNNNNNN folders"
         )
-    meta = checkpoint_meta(path)
-    if meta.get("plan_fingerprint") not in (None, plan.model.fingerprint):
-        raise PlannerError(
-            f"{path} was written by a run of another model (fingerprint {meta['plan_fingerprint']}, the plan's "
-            f"is {plan.model.fingerprint}); give the plan that run used"
-        )
+    step = checkpoint_step(path, plan.model.fingerprint, "give the plan that run used")
     model = load_plan_model(plan, plan_file).build(plan.model.seed)
     state = export_weights(path, model)
     tmp = out.with_name(f".{out.name}.tmp")
@@ -352,4 +367,4 @@ def save_weights(plan_file: Path, checkpoint: Path | None, out: Path) -> tuple[P
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise PlannerError(f"cannot write {out}: {e.strerror or e}") from None
-    return path, int(meta["step"])
+    return path, step

@@ -117,7 +117,8 @@ class Diagnosis:
     Attributes:
         message: one line naming the cause: the rank, what happened to it, the step.
         status: the run's status in run.json: "failed", or "interrupted" (Ctrl-C, SIGTERM).
-        exit_code: what the command exits with: 1, 130 after SIGINT, 143 after SIGTERM.
+        exit_code: what the command exits with: 2 for a user error on a rank (as a mistake caught
+            in the parent), 130 after SIGINT, 143 after SIGTERM, else 1.
         traceback: the failing worker's traceback, when it wrote one (for ``--debug``).
     """
 
@@ -223,7 +224,7 @@ def diagnose(
         return Diagnosis(
             f"rank {first.rank} failed: {first.message}{'' if said else f' ({first.where})'}",
             "failed",
-            1,
+            2,  # a user error (a NaN loss, a broken data stream): exit 2, as in one process
             first.traceback,
         )
     seconds = f"{timeout_s:g}"

@@ -21,7 +21,7 @@ from planner.capture.graph import buffers_restored
 from planner.capture.load import ModelFile, model_output
 from planner.capture.stage import stage_inputs, stage_module, trace_root
 from planner.errors import DataError, PlannerError
-from planner.run.checkpoint import checkpoint_meta, latest_checkpoint
+from planner.run.checkpoint import checkpoint_step, latest_checkpoint
 from planner.schema.plan import Plan
 from planner.schema.request import RunRequest
 
@@ -42,13 +42,7 @@ def check_resume(plan: Plan, request: RunRequest) -> int:
             f"--resume: no complete checkpoint in {root}; give the --checkpoint-dir of the run to continue "
             "(a save that crashed leaves only a .partial folder, which is never resumed from)"
         )
-    meta = checkpoint_meta(found)
-    if meta.get("plan_fingerprint") not in (None, plan.model.fingerprint):
-        raise PlannerError(
-            f"--resume: {found} was written by a run of another model (fingerprint {meta['plan_fingerprint']}, "
-            f"this plan's is {plan.model.fingerprint}); resume with the plan of that run"
-        )
-    step = int(meta["step"])
+    step = checkpoint_step(found, plan.model.fingerprint, "resume with the plan of that run")
     if step >= request.steps:
         raise PlannerError(
             f"--resume: {found} is already at step {step}, and --steps {request.steps} is the run's last step "
@@ -113,6 +107,7 @@ def check_data(
         global_rows=plan.batch_size,
         replicas=plan.dp,
         tokenizer=request.tokenizer,
+        eval_fraction=request.eval_fraction,
         vocab_file=vocab_file,
     )
     if request.echo:

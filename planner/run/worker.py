@@ -543,6 +543,7 @@ def _text_stream(plan: Plan, request: RunRequest, mf: ModelFile, mesh: _Mesh, vo
         replica=mesh.replica,
         replicas=plan.dp,
         tokenizer=request.tokenizer,
+        eval_fraction=request.eval_fraction,
         vocab_file=vocab_file,
     )
 

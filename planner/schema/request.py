@@ -410,6 +410,7 @@ class RunRequest(_Request):
         "tokenizer": "--tokenizer",
         "eval_every": "--eval-every",
         "eval_batches": "--eval-batches",
+        "eval_fraction": "--eval-fraction",
         "checkpoint_dir": "--checkpoint-dir",
         "checkpoint_every": "--checkpoint-every",
         "save_checkpoints": "--no-checkpoint",
@@ -446,6 +447,9 @@ class RunRequest(_Request):
     tokenizer: Literal["char", "byte", "word"] = Field(default="char", description="How --data text becomes token ids.")
     eval_every: int = Field(
         default=0, ge=0, description="Evaluate on the held-out split of --data every N steps (0: only at the end)."
+    )
+    eval_fraction: float = Field(
+        default=0.1, gt=0, lt=1, description="The share of --data's tokens held out for evaluation (the end of it)."
     )
     eval_batches: int = Field(
         default=0, ge=0, description="Held-out batches per evaluation (0: the whole held-out split)."
