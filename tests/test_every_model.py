@@ -1,5 +1,5 @@
 """Tier 3: every plan runs. Each model file in models/ and models/hf/ is planned at 2, 3 and 4
-ranks, as a user would (`planner plan`, the joint search on), and each plan trains for 2 steps
+ranks (ours also at 4 ranks with the replicas searched: --dp auto), as a user would (`planner plan`, the joint search on), and each plan trains for 2 steps
 (`planner run`); or `planner plan` refuses it in one line. A failure at run time is a defect:
 whatever the planner accepts, the runner must run.
 """
@@ -27,16 +27,26 @@ def test_the_lists_cover_every_shipped_model_file() -> None:
     assert {"gpt2.py", "llama.py", "qwen.py", "bert_mlm.py"} <= set(HF)
 
 
+# (gpus, dp): one pipeline at 2, 3 and 4 ranks, and 4 ranks where the search also chooses the
+# replicas (and DDP or FSDP). The Hugging Face files, slower to trace, skip the 3-rank pipeline.
+LAYOUTS = [(2, "1"), (3, "1"), (4, "1"), (4, "auto")]
+CASES = [
+    pytest.param(f, size, batch, gpus, dp, id=f"{f}-{gpus}{'-dp' if dp != '1' else ''}")
+    for f, size, batch in FILES
+    for gpus, dp in LAYOUTS
+    if not (f.startswith("models/hf/") and (gpus == 3 or dp != "1"))
+]
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("gpus", [2, 3, 4])
-@pytest.mark.parametrize(("model", "size", "batch"), FILES, ids=[f for f, _, _ in FILES])
+@pytest.mark.parametrize(("model", "size", "batch", "gpus", "dp"), CASES)
 def test_every_plan_runs_or_is_refused_at_plan_time(
-    model: str, size: str, batch: int, gpus: int, tmp_path: Path
+    model: str, size: str, batch: int, gpus: int, dp: str, tmp_path: Path
 ) -> None:
     if model.startswith("models/hf/"):
         pytest.importorskip("transformers")
     plan_file = tmp_path / "plan.json"
-    args = ["plan", str(ROOT / model), "--size", size, "--gpus", str(gpus), "-b", str(batch)]
+    args = ["plan", str(ROOT / model), "--size", size, "--gpus", str(gpus), "--dp", dp, "-b", str(batch)]
     planned = CliRunner().invoke(main, [*args, "--repeats", "1", "--warmup", "0", "-q", "-o", str(plan_file)])
     if planned.exit_code != 0:
         # a refusal is one line naming why, and leaves no plan behind
@@ -45,9 +55,9 @@ def test_every_plan_runs_or_is_refused_at_plan_time(
         assert not plan_file.exists()
         return
     plan = Plan.load(plan_file)
-    assert plan.n_ranks == gpus
+    assert plan.world_size == gpus
     run_file = tmp_path / "run.json"
-    ran = CliRunner().invoke(main, ["run", str(plan_file), "--steps", "2", "-o", str(run_file)])
+    ran = CliRunner().invoke(main, ["run", str(plan_file), "--steps", "2", "--no-checkpoint", "-o", str(run_file)])
     assert ran.exit_code == 0, f"{model} at {gpus} ranks ({plan.schedule}, m={plan.n_microbatches}): {ran.output}"
     result = RunResult.load(run_file)
     assert len(result.losses) == 2 and all(loss == loss for loss in result.losses)  # finite, not NaN

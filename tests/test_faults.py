@@ -357,9 +357,9 @@ def test_a_stopped_rank_is_named_within_the_timeout(faulty_plan: Path, tmp_path:
 def test_ctrl_c_stops_every_rank_and_exits_130(faulty_plan: Path, tmp_path: Path) -> None:
     out = tmp_path / "run.json"
     mark = tmp_path / "fault"
-    ended = run_cli(
-        str(faulty_plan), "--steps", "8", "-o", str(out), "--no-checkpoint", fault="SIGINT@group:0:5", mark=mark
-    )
+    ckpt = tmp_path / "ckpt"
+    every = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"]
+    ended = run_cli(str(faulty_plan), "--steps", "8", "-o", str(out), *every, fault="SIGINT@group:0:5", mark=mark)
     assert ended.code == 130 and ended.gone_s < 60, ended.stderr
     run = _run_json(out)
     # Rank 0 strikes as it begins step 5; rank 1 may not have finished step 4 yet.
@@ -367,6 +367,13 @@ def test_ctrl_c_stops_every_rank_and_exits_130(faulty_plan: Path, tmp_path: Path
     assert done in (3, 4) and (run["status"], run["stopped"]) == ("interrupted", ended.lines[0])
     assert ended.lines[0] in (f"interrupted at step {done + 1}", f"interrupted after step {done}")
     assert ended.lines[1:] == [f"wrote {out} ({done} step(s) completed)"]
+    # The last checkpoint is intact: it loads into the unsplit model.
+    weights = tmp_path / "w.pt"
+    exported = CliRunner().invoke(
+        main, ["export-weights", str(faulty_plan), "--checkpoint", str(ckpt), "-o", str(weights)]
+    )
+    assert exported.exit_code == 0, exported.output
+    assert f"the weights after step {2 * (done // 2)}" in exported.output and weights.is_file()
 
 
 @pytest.mark.multiprocess
