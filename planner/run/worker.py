@@ -88,9 +88,10 @@ class ContiguousBoundary(torch.nn.Module):
     transposed view (attention), so without this a GPT split fails on the first backward send.
     """
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, *, hooks: bool = False):
         super().__init__()
         self.module = module
+        self.hooks = hooks
 
     def __call__(self, *args: object) -> object:
         # Called without nn.Module's hooks, on purpose: the stage's inputs are leaf tensors (the
@@ -99,6 +100,10 @@ class ContiguousBoundary(torch.nn.Module):
         # _will_engine_execute_node"); MemTracker installs such hooks on every module it sees called.
         # This wrapper has no hooks of its own; the stage module inside is called normally and
         # receives non-leaf tensors (``_ContiguousGrad``'s outputs).
+        # Under FSDP (never with those schedules) the wrapper is the sharded module, whose hooks
+        # gather the parameters: there it is called with them.
+        if self.hooks:
+            return super().__call__(*args)
         return self.forward(*args)
 
     def forward(self, *args: object) -> object:
@@ -464,10 +469,15 @@ def _build_stages(plan: Plan, mf: ModelFile, mesh: _Mesh, device: torch.device, 
                 )
             from torch.distributed.fsdp import fully_shard
 
-            # Parameters stay gathered from forward to backward: each microbatch's backward would
-            # otherwise gather them again.
-            fully_shard(inner, mesh=mesh.dp_mesh, reshard_after_forward=False)
-        _speed_levers(plan, module, inner, device)
+            _speed_levers(plan, module, inner, device)  # compiled before sharding, as torchtitan does
+            # The boundary wrapper itself is sharded, so that torch's PipelineStage sees an FSDP
+            # module: it then syncs gradients only after the last microbatch's backward instead of
+            # reduce-scattering every microbatch's. Parameters stay gathered from forward to
+            # backward: each microbatch's backward would otherwise gather them again.
+            module.hooks = True
+            fully_shard(module, mesh=mesh.dp_mesh, reshard_after_forward=False)
+        else:
+            _speed_levers(plan, module, inner, device)
         submod: torch.nn.Module = module
         if ddp and not manual and len(shared) < len(trainable):
             if shared:  # a tied parameter another DDP of this rank already reduces
