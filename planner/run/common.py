@@ -7,6 +7,7 @@ rank holds the same initial weights without sending any (and the unsplit referen
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -232,17 +233,36 @@ def local_sq_norm(params: Iterable[nn.Parameter]) -> torch.Tensor:
         A float64 scalar tensor; 0 when no parameter has a gradient.
     """
     # A sharded (FSDP) gradient counts its local shard; the caller sums over every rank.
-    grads = [_local(p.grad) for p in params if p.grad is not None]
+    grads = [local_part(p.grad) for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float64)
     return torch.nn.utils.get_total_norm(grads).to(torch.float64) ** 2
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: the local shard of a DTensor, else the tensor."""
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor (FSDP), else the tensor."""
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""The plan's ``profile.autocast`` -> the dtype ``torch.autocast`` computes in."""
+
+
+def autocast_region(plan: Plan, device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """A fresh region of the plan's autocast (``--dtype`` on measured costs), or one that changes nothing.
+
+    Args:
+        plan: the plan (``profile.autocast``: "bf16", "fp16" or None).
+        device_type: where the region computes ("cpu", "cuda").
+
+    Returns:
+        A new context manager per call, as the profile opened one per block run.
+    """
+    if plan.profile.autocast is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=AUTOCAST_DTYPES[plan.profile.autocast])
 
 
 def clip_to_global_norm(

@@ -11,16 +11,16 @@ full-batch step.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from planner.capture.load import ModelFile
-from planner.run.common import load_plan_model, make_optimizer
+from planner.run.common import autocast_region, load_plan_model, make_optimizer
 from planner.run.loop import RankModel, RankResult, run_result, train_steps
 from planner.run.measure import StageProbe
 from planner.schema.plan import Plan
@@ -43,13 +43,13 @@ def _microbatch(
     i: int,
     n_microbatches: int,
     probe: StageProbe,
-    autocast: Any,
+    autocast: Callable[[], Any],
 ) -> torch.Tensor:
     """Forward, loss and backward of microbatch ``i``, timed into ``probe``; its gradient weighs 1/m."""
     if probe.memory is not None:
         probe.memory.reset_mod_stats()  # see StageProbe: one root forward per microbatch
     ta = time.perf_counter()
-    with autocast:  # the plan's --dtype (a no-op context without it), as the pipeline's stages run
+    with autocast():  # a fresh region of the plan's --dtype per microbatch (a no-op without one)
         out = model(*inputs)
         tb = time.perf_counter()
         loss = loss_fn(out, target)
@@ -126,12 +126,7 @@ def train_local(
         batches = mf.train_batches(plan.batch_size, seed=plan.model.seed)
         loss_fn = mf.loss_fn
         probe = StageProbe()
-        lever = plan.profile.autocast
-        cast = (
-            torch.autocast("cpu", dtype=torch.bfloat16 if lever == "bf16" else torch.float16)
-            if lever
-            else nullcontext()
-        )
+        cast = functools.partial(autocast_region, plan, "cpu")  # the plan's --dtype, as the stages run
 
         def run_microbatches(inputs: Sequence[Any], target: torch.Tensor) -> list[torch.Tensor]:
             split_inputs = [_chunks(x, n_microbatches) for x in inputs]

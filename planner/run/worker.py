@@ -18,7 +18,6 @@ the launcher turns the earliest record into one error message.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -51,8 +50,10 @@ from planner.core.schedules import SPLIT_BACKWARD, placement
 from planner.errors import PlannerError
 from planner.run.checkpoint import RankState, latest_checkpoint, load_checkpoint, model_names, save_checkpoint
 from planner.run.common import (
+    autocast_region,
     check_ties,
     load_plan_model,
+    local_part,
     make_optimizer,
     make_scheduler,
     print_flushed,
@@ -141,16 +142,13 @@ class Autocast(torch.nn.Module):
     stay fp32, the matmuls and what they save run in the lower precision, as the profile measured.
     A fresh autocast region per call, so its weight casts are per microbatch, as profiled."""
 
-    def __init__(self, module: torch.nn.Module, device_type: str, dtype: torch.dtype):
+    def __init__(self, module: torch.nn.Module, plan: Plan, device_type: str):
         super().__init__()
-        self.module, self.device_type, self.dtype = module, device_type, dtype
+        self.module, self.plan, self.device_type = module, plan, device_type
 
     def forward(self, *args: object) -> object:
-        with torch.autocast(self.device_type, dtype=self.dtype):
+        with autocast_region(self.plan, self.device_type):
             return self.module(*args)
-
-
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def autocast_loss(
@@ -159,10 +157,9 @@ def autocast_loss(
     """The model file's loss under the plan's autocast, as the profile timed the last block (unchanged without)."""
     if plan.profile.autocast is None:
         return loss_fn
-    dtype = AUTOCAST_DTYPES[plan.profile.autocast]
 
     def loss(output: Any, target: Any) -> torch.Tensor:
-        with torch.autocast(device.type, dtype=dtype):
+        with autocast_region(plan, device.type):
             return loss_fn(output, target)
 
     return loss
@@ -180,15 +177,8 @@ def _speed_levers(plan: Plan, module: ContiguousBoundary, inner: torch.nn.Module
         functorch_config.donated_buffer = False
         run = torch.compile(inner)  # type: ignore[assignment]
     if plan.profile.autocast is not None:
-        run = Autocast(run, device.type, AUTOCAST_DTYPES[plan.profile.autocast])
+        run = Autocast(run, plan, device.type)
     module.module = run
-
-
-def _levers_autocast(plan: Plan, device: torch.device) -> Any:
-    """The plan's autocast region (a no-op context without one)."""
-    if plan.profile.autocast is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=AUTOCAST_DTYPES[plan.profile.autocast])
 
 
 def _as_tuple(value: object) -> tuple:
@@ -361,7 +351,7 @@ def _grad_finisher(
         for param, group in mine:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(_local(param.grad), op=dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(local_part(param.grad), op=dist.ReduceOp.SUM, group=group)
 
     return finish, not_counted
 
@@ -384,13 +374,6 @@ def _average(params: list[torch.nn.Parameter], group: Any, replicas: int) -> Non
             flat.div_(replicas)
             for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(reduced)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: the local shard of a DTensor (FSDP), else the tensor."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _state_names(stage: torch.nn.Module, root: torch.nn.Module, aliases: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -449,7 +432,7 @@ def _build_stages(plan: Plan, mf: ModelFile, mesh: _Mesh, device: torch.device, 
         module = ContiguousBoundary(inner)
         # under the plan's autocast, so the examples (and the receive buffers made from them) have
         # the dtypes that will cross the cut
-        with _levers_autocast(plan, device):
+        with autocast_region(plan, device.type):
             cut.append((stage_plan, built, inner, module, *_example_io(traced, stage_plan.start, module, example)))
     vocab = vocab_size_of(traced, mf, plan) if want_vocab else None
     # Zero-bubble schedules compute weight gradients with autograd.grad, past DDP's hooks, so there
