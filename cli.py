@@ -700,8 +700,14 @@ def export_weights_cmd(plan_file: str, checkpoint: str | None, output: str) -> N
     metavar="TRACE.json",
     help="Write one step as Chrome / Perfetto trace events (open in chrome://tracing or ui.perfetto.dev).",
 )
+@click.option(
+    "--blocks",
+    is_flag=True,
+    help="With --measured: also compare every block's profiled forward and backward with its time inside the "
+    "running stage (run.json's per-block times), and each stage's time outside its blocks.",
+)
 @_user_errors
-def report_cmd(plan_file: str, run_file: str | None, timeline: str | None, trace: str | None) -> None:
+def report_cmd(plan_file: str, run_file: str | None, timeline: str | None, trace: str | None, blocks: bool) -> None:
     """Print the balance tables of a saved plan (and, with --measured, how a run of it compared)."""
     from planner.report.tables import render
 
@@ -721,6 +727,12 @@ def report_cmd(plan_file: str, run_file: str | None, timeline: str | None, trace
         from planner.report.compare import compare_table
 
         click.echo("\npredicted vs measured (err = (plan - run) / run)\n" + compare_table(plan, run))
+        if blocks:
+            from planner.report.compare import compare_blocks_table
+
+            click.echo("\nevery block, profiled vs inside the pipeline\n" + compare_blocks_table(plan, run))
+    elif blocks:
+        raise click.UsageError("--blocks compares with a run: give it one with --measured RUN.json")
     if outputs:
         _write_pictures(plan, run, timeline, trace)
 

@@ -22,14 +22,14 @@ from planner.capture.load import ModelFile, check_batch_contract, check_batch_si
 from planner.capture.stage import stage_module, trace_root
 from planner.capture.trace import trace_model
 from planner.core.assemble import assemble_plan
-from planner.core.calibrate import Calibration, apply_calibration, load_calibration
+from planner.core.calibrate import Calibration, apply_calibration, changes, load_calibration
 from planner.core.hardware import HardwareSpec, dtype_bytes, get_hardware, node_links
 from planner.core.predict import with_links
 from planner.core.schedules import check_placement, check_schedule, stages_per_rank_options
 from planner.costs.blocks import ties_of
 from planner.costs.scaling import fixed_fraction, measured_time_at
 from planner.errors import InfeasibleError, PlanFileError
-from planner.schema.costs import GLOO_CPU_LINK, NCCL_NVLINK_LINK, BlockCost, LinkCost
+from planner.schema.costs import GLOO_CPU_LINK, NCCL_NVLINK_LINK, BlockCost, LinkCost, StepTempRule
 from planner.schema.plan import ModelRef, Plan, ProfileInfo, Tie
 from planner.schema.request import PlanRequest
 from planner.threads import torch_threads
@@ -63,6 +63,7 @@ class Costs:
     profile: ProfileInfo
     memory_bytes: int | None
     ties: list[Tie] = field(default_factory=list)
+    step_temp_rule: StepTempRule | None = None  # measured: how a stage's optimizer temporaries combine
 
 
 def make_plan(request: PlanRequest) -> Plan:
@@ -89,6 +90,9 @@ def make_plan(request: PlanRequest) -> Plan:
         costs = estimated_costs(mf, request, threads)
     else:
         costs = measured_costs(mf, request, threads, calibration[0] if calibration else None)
+    if costs.step_temp_rule is not None:  # how this machine's optimizer step combines its temporaries
+        optimizer = request.optimizer.model_copy(update={"step_temp_rule": costs.step_temp_rule})
+        request = request.model_copy(update={"optimizer": optimizer})
     blocks, link = costs.blocks, costs.link
     if calibration is not None:
         check_calibration(calibration[1], costs.traced, request.microbatch_size)
@@ -105,6 +109,8 @@ def make_plan(request: PlanRequest) -> Plan:
         ties=costs.ties,
     )
     plan = plan.model_copy(update={"compile": request.compile})  # the runner compiles as the plan says
+    if calibration is not None:
+        plan = plan.model_copy(update={"calibration": changes(calibration[1])})
     plan = traced_as_run(plan, mf, costs.traced, request)
     return with_links(plan, link)  # a multi-node plan records both links and the ranks per node
 
@@ -354,6 +360,7 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
         autocast=request.autocast,
     )
     same = (request.microbatch_size, threads, str(device), request.optimizer, "measured", request.autocast)
+    rule: StepTempRule | None = None
     if (
         reuse is not None
         and reuse.compile == request.compile
@@ -361,13 +368,15 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
             reuse.microbatch_size,
             reuse.profile.threads,
             reuse.profile.device,
-            reuse.optimizer,
+            # the measured temporaries rule is the reused plan's, not something the user asked for
+            reuse.optimizer.model_copy(update={"step_temp_rule": request.optimizer.step_temp_rule}),
             reuse.profile.source,
             reuse.profile.autocast,
         )
         == same
     ):
         blocks = list(reuse.blocks)
+        rule = reuse.optimizer.step_temp_rule
         info = info.model_copy(
             update={"compile_failures": reuse.profile.compile_failures, "compile_s": reuse.profile.compile_s}
         )
@@ -391,6 +400,7 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
             compile=request.compile,
         )
         blocks = profile.costs
+        rule = profile.step_temp_rule
         if request.compile:
             info = info.model_copy(
                 update={"compile_failures": profile.compile_failures, "compile_s": round(profile.compile_s, 3)}
@@ -404,7 +414,7 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
     capacity = int(torch.cuda.get_device_properties(device).total_memory * GPU_MEMORY_HEADROOM) if use_cuda else None
     link = NCCL_NVLINK_LINK if use_cuda else GLOO_CPU_LINK
     info = info.model_copy(update=scaling)
-    return Costs(traced, _with_output(blocks, traced), link, info, capacity, ties_of(traced))
+    return Costs(traced, _with_output(blocks, traced), link, info, capacity, ties_of(traced), rule)
 
 
 def _hardware(gpu_type: str, threads: int) -> HardwareSpec:

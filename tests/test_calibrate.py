@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from plan_factory import LINK, big_head_blocks, make_plan
 
-from planner.core.calibrate import Calibration, apply_calibration, calibrate, load_calibration
+from planner.core.calibrate import Calibration, apply_calibration, calibrate, changes, load_calibration
 from planner.core.predict import predict
 from planner.errors import PlanFileError
 from planner.schema.plan import Plan
-from planner.schema.result import RunResult, StageMeasure
+from planner.schema.result import BlockMeasure, RunResult, StageMeasure
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -136,10 +136,13 @@ def test_calibration_round_trips_and_refuses_other_blocks(tmp_path: Path) -> Non
     cal.save(tmp_path / "cal.json")
     assert Calibration.from_json((tmp_path / "cal.json").read_text()) == cal
     renamed = [b.model_copy(update={"name": "x"}) if k == 0 else b for k, b in enumerate(plan.blocks)]
+    with pytest.raises(PlanFileError, match=r"the calibration's blocks are not this model's \(e.g. embed\)"):
+        apply_calibration(renamed, plan.link, cal)
+    by_stage = cal.model_copy(update={"blocks": []})  # an older calibration: by stage only
     with pytest.raises(
         PlanFileError, match="calibration stage 0 covered embed .. layers.2, but blocks 0..3 are x .. layers.2"
     ):
-        apply_calibration(renamed, plan.link, cal)
+        apply_calibration(renamed, plan.link, by_stage)
     with pytest.raises(PlanFileError, match="calibration format version None; this planner reads version 1"):
         Calibration.from_json("{}")
 
@@ -161,3 +164,53 @@ def test_load_calibration_finds_the_plan_next_to_the_run(tmp_path: Path) -> None
 def test_compare_and_calibrate_import_no_torch() -> None:
     code = "import sys, planner.report.compare, planner.core.calibrate; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def _run_with_block_times(plan: Plan, fwd: list[float], bwd: list[float], step_s: float) -> RunResult:
+    """A run whose blocks took ``fwd[k]`` / ``bwd[k]`` inside their stages (stage times their sums)."""
+    run = synthetic_run(plan, 1.0, step_s)
+    stages = []
+    for st, m in zip(plan.stages, run.stages):
+        part = range(st.start, st.end)
+        blocks = [BlockMeasure(name=plan.blocks[k].name, fwd_s=fwd[k], bwd_s=bwd[k]) for k in part]
+        update = {"blocks": blocks, "fwd_s": sum(fwd[k] for k in part), "bwd_s": sum(bwd[k] for k in part)}
+        stages.append(m.model_copy(update=update))
+    return run.model_copy(update={"stages": stages})
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_one_run_of_one_split_predicts_every_other_split_exactly(seed: int) -> None:
+    """Blocks timed inside the run carry their own factors: any split's stage compute is then the
+    sum of the blocks' true times (by-stage factors cannot do this when blocks differ)."""
+    import random
+
+    rnd = random.Random(seed)
+    plan = make_plan(blocks_with_opt())
+    n = len(plan.blocks)
+    true_fwd = [b.fwd_s * rnd.uniform(0.6, 1.6) for b in plan.blocks]
+    true_bwd = [b.bwd_s * rnd.uniform(0.6, 1.6) for b in plan.blocks]
+    cal = calibrate(plan, _run_with_block_times(plan, true_fwd, true_bwd, 2 * plan.prediction.step_time_s))
+    assert cal.global_factor == 1.0 and all(b.measured_in_block for b in cal.blocks)
+    blocks, link = apply_calibration(plan.blocks, plan.link, cal)
+    by_stage, _ = apply_calibration(plan.blocks, plan.link, cal.model_copy(update={"blocks": []}))
+    worse = 0
+    for cut in range(1, n):
+        stages = predict(blocks, (0, cut), link, plan.schedule, plan.n_microbatches, plan.optimizer)[0]
+        old = predict(by_stage, (0, cut), link, plan.schedule, plan.n_microbatches, plan.optimizer)[0]
+        for st, o in zip(stages, old):
+            fwd, bwd = sum(true_fwd[st.start : st.end]), sum(true_bwd[st.start : st.end])
+            assert (st.fwd_s, st.bwd_s) == pytest.approx((fwd, bwd), rel=1e-12)
+            worse += abs(o.fwd_s - fwd) > 1e-9 * fwd
+    assert worse > 0  # the stage factors miss somewhere: the per-block ones are what carries over
+    lines = changes(cal)
+    assert lines[0] == f"{n} blocks ({n} timed inside their stage, the rest by their stage's factors)"
+    assert lines[1].startswith("forward x") and "most: " in lines[1]
+    assert Calibration.from_json(cal.to_json()) == cal
+
+
+def test_a_run_without_block_times_gives_each_block_its_stage_factors() -> None:
+    plan = make_plan(blocks_with_opt())
+    cal = calibrate(plan, synthetic_run(plan, 1.3, 1.3 * plan.prediction.step_time_s))
+    assert [b.name for b in cal.blocks] == [b.name for b in plan.blocks]
+    assert not any(b.measured_in_block for b in cal.blocks)
+    assert {b.fwd_factor for b in cal.blocks} == {s.fwd_factor for s in cal.stages}

@@ -305,6 +305,11 @@ def test_pipeline_run_measures_every_stage(tmp_path: Path) -> None:
         assert s.fwd_s > 0 and s.bwd_s > 0 and s.optimizer_s > 0 and s.p2p_s > 0 and s.reduce_s > 0
         assert s.clip_s >= s.reduce_s and s.step_s >= m * (s.fwd_s + s.bwd_s) * 0.5
         assert (s.loss_s > 0) == (st.index == 1)  # only the last stage computes the loss
+        # every block timed where it ran: the stage's blocks in order, their times within the stage's
+        assert [b.name for b in s.blocks] == [b.name for b in plan.blocks[st.start : st.end]]
+        assert all(b.fwd_s > 0 and b.bwd_s > 0 for b in s.blocks)
+        assert s.fwd_overhead_s >= 0 and s.bwd_overhead_s >= 0
+        assert sum(b.fwd_s for b in s.blocks) < 1.5 * s.fwd_s and sum(b.bwd_s for b in s.blocks) < 1.5 * s.bwd_s
         params = list(build_stage_module(traced, st.start, st.end).parameters())
         numel = sum(p.numel() for p in params)
         mem = s.memory

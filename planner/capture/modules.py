@@ -32,6 +32,7 @@ from planner.capture.blocks import (
     describe,
     is_layer,
 )
+from planner.capture.clock import BlockClock
 from planner.capture.load import model_output
 from planner.errors import TraceError
 from planner.torch_compat import pytree
@@ -186,17 +187,24 @@ class ChainStage(nn.Module):
         traced: the module-boundary trace (its ``calls`` set: ``chain_reason`` empty).
         start: first block.
         end: one past the last block.
+        clock: mark the input and every block's output for this clock (``planner.capture.clock``).
     """
 
-    def __init__(self, traced: ModuleTrace, start: int, end: int) -> None:
+    def __init__(self, traced: ModuleTrace, start: int, end: int, clock: BlockClock | None = None) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(traced.model.get_submodule(b.name) for b in traced.blocks[start:end])
         self.calls = traced.calls[start:end]
         self.take = traced.first_input if start == 0 else 0
+        self.start = start
+        self.clock = clock
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         x = inputs[self.take]
-        for block, call in zip(self.blocks, self.calls):
+        if self.clock is not None:
+            (x,) = self.clock.mark(self.start - 1, x)
+        for k, (block, call) in enumerate(zip(self.blocks, self.calls), self.start):
             out = block(*(x if a is CHAINED else a for a in call.args), **call.kwargs)
             x = _first_tensor(out)  # type: ignore[assignment]  # the trace saw a tensor here
+            if self.clock is not None:
+                (x,) = self.clock.mark(k, x)
         return x

@@ -6,6 +6,7 @@ estimator time, so what is measured is what runs.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch.fx as fx
 from torch import nn
 
 from planner.capture.blocks import GraphTrace, ModuleTrace, TracedModel
+from planner.capture.clock import BlockClock
 from planner.capture.load import model_output
 from planner.errors import TraceError
 from planner.torch_compat import exported_out_spec, pytree
@@ -22,6 +24,8 @@ from planner.torch_compat import exported_out_spec, pytree
 def _impure(node: fx.Node) -> bool:
     """fx treats method calls as pure; in-place ones (y.mul_(2), masked_fill_) must survive dead-code removal."""
     if node.is_impure():
+        return True
+    if isinstance(getattr(node.target, "__self__", None), BlockClock):  # a mark: it times, it is never dead
         return True
     if node.kwargs.get("inplace") is True:
         return True
@@ -34,7 +38,7 @@ def trace_root(traced: TracedModel) -> nn.Module:
     return traced.gm if isinstance(traced, GraphTrace) else traced.model
 
 
-def stage_module(traced: TracedModel, start: int, end: int) -> nn.Module:
+def stage_module(traced: TracedModel, start: int, end: int, clock: BlockClock | None = None) -> nn.Module:
     """The module a pipeline stage runs for blocks [start, end) of any trace: cut from the graph
     (``build_stage_module``), or for a module-boundary trace a ``ChainStage`` calling the block
     modules one after another.
@@ -43,6 +47,7 @@ def stage_module(traced: TracedModel, start: int, end: int) -> nn.Module:
         traced: the trace.
         start: first block of the stage.
         end: one past the last block.
+        clock: time every block of the stage where it runs (``planner.capture.clock``); None: no marks.
 
     Returns:
         The stage module (parameters shared with the trace).
@@ -52,11 +57,13 @@ def stage_module(traced: TracedModel, start: int, end: int) -> nn.Module:
             range, or an illegal cut.
     """
     if isinstance(traced, ModuleTrace):
-        return _chain_stage(traced, start, end)
-    return build_stage_module(traced, start, end)
+        return _chain_stage(traced, start, end, clock)
+    return build_stage_module(traced, start, end, clock=clock)
 
 
-def build_stage_module(traced: TracedModel, start: int, end: int, *, check_cuts: bool = True) -> fx.GraphModule:
+def build_stage_module(
+    traced: TracedModel, start: int, end: int, *, check_cuts: bool = True, clock: BlockClock | None = None
+) -> fx.GraphModule:
     """Build the module that runs ``blocks[start:end]`` of a traced model.
 
     Its positional inputs are the tensors crossing the cut before ``start`` (for ``start == 0`` the
@@ -73,6 +80,8 @@ def build_stage_module(traced: TracedModel, start: int, end: int, *, check_cuts:
         end: one past the last block of the stage.
         check_cuts: refuse illegal cuts at either end (profiling turns this off to time single
             blocks; non-tensor values must still be constants or tensors).
+        clock: mark the stage's inputs and every block boundary up to its output for this clock
+            (``planner.capture.clock``); None: no marks.
 
     Returns:
         The stage as an ``fx.GraphModule``.
@@ -91,9 +100,13 @@ def build_stage_module(traced: TracedModel, start: int, end: int, *, check_cuts:
             raise TraceError(f"cannot cut after block {traced.blocks[k].name}: {traced.cuts[k].reason}")
     graph = fx.Graph()
     lookup = _copier(traced, graph, start, end)
+    if clock is not None:
+        _mark(graph, lookup, clock, start - 1, _boundary_values(traced, start - 1))
     for i in range(start, end):
         for name in traced.blocks[i].nodes:
             lookup.env[name] = graph.node_copy(lookup.nodes[name], lookup)
+        if clock is not None:
+            _mark(graph, lookup, clock, i, _boundary_values(traced, i))
     graph.output(_stage_output(traced, lookup, end))
     stage = fx.GraphModule(traced.gm, graph, f"stage_{start}_{end}")
     # Shape reads whose consumers went to other stages are dead here; drop them.
@@ -103,7 +116,33 @@ def build_stage_module(traced: TracedModel, start: int, end: int, *, check_cuts:
     return stage
 
 
-def _chain_stage(traced: ModuleTrace, start: int, end: int) -> nn.Module:
+def _boundary_values(traced: GraphTrace, k: int) -> list[str]:
+    """Names of the values crossing the boundary after block ``k``: the model's inputs for k = -1,
+    the output's values for the last block."""
+    if k < 0:
+        return [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    if k < len(traced.cuts):
+        return list(traced.cuts[k].tensors)
+    out = next(node for node in traced.gm.graph.nodes if node.op == "output")
+    names: list[str] = []
+
+    def note(node: fx.Node) -> fx.Node:
+        names.append(node.name)
+        return node
+
+    fx.node.map_arg(out.args[0], note)
+    return list(dict.fromkeys(names))
+
+
+def _mark(graph: fx.Graph, lookup: _Lookup, clock: BlockClock, k: int, names: Sequence[str]) -> None:
+    """Route the values ``names`` through ``clock.mark(k, ...)``; later nodes use the marked ones."""
+    names = [name for name in names if isinstance(lookup.env.get(name), fx.Node)]
+    marked = graph.call_function(clock.mark, (k, *(lookup.env[name] for name in names)))
+    for j, name in enumerate(names):
+        lookup.env[name] = graph.call_function(operator.getitem, (marked, j))
+
+
+def _chain_stage(traced: ModuleTrace, start: int, end: int, clock: BlockClock | None = None) -> nn.Module:
     from planner.capture.modules import ChainStage
 
     if traced.chain_reason or not traced.calls:
@@ -115,7 +154,7 @@ def _chain_stage(traced: ModuleTrace, start: int, end: int) -> nn.Module:
         )
     if not 0 <= start < end <= len(traced.blocks):
         raise TraceError(f"stage block range [{start}, {end}) is not within the model's {len(traced.blocks)} blocks")
-    return ChainStage(traced, start, end)
+    return ChainStage(traced, start, end, clock)
 
 
 class _Lookup:

@@ -1,25 +1,28 @@
 """Calibration loop: correct the profiled costs with what a real run of the plan measured.
 
-Pure module (pydantic, no torch). ``calibrate(plan, run)`` compares the plan's per-stage
-predictions with the run's per-stage measurements (``planner.schema.result.StageMeasure``):
+Pure module (pydantic, no torch). ``calibrate(plan, run)`` compares the plan's predictions with the
+run's measurements (``planner.schema.result.StageMeasure``):
 
-1. Compute: per stage, ``fwd_factor = measured fwd / predicted fwd`` and the same for backward
-   and the optimizer step (1.0 where the plan predicted 0).
-2. Link: with the compute corrected, the only unknown left in the step model
-   (``planner.core.predict.predict``: the simulated schedule makespan + optimizer + clip all-reduce) is
-   the fixed per-message cost. The simulated step time is continuous and non-decreasing in
+1. Compute, per block: the run times every block inside its stage (``StageMeasure.blocks``, from
+   the marks of ``planner.capture.clock``), so each block gets its own ``fwd_factor = measured fwd /
+   profiled fwd`` and the same for backward. A block's factor is a property of the block, not of
+   the stage it ran in, so it holds under any other split: one run of one split corrects every
+   split (``docs/cost_accuracy.md`` measures that). The optimizer's factor is its stage's (the run
+   times the optimizer per rank). A run without per-block times (a compiled plan, an older run)
+   gives each block its stage's factors. Per stage the factors are kept too (``stages``).
+2. Link: with the compute corrected, the unknown left in the step model
+   (``planner.core.predict.predict``: the simulated schedule makespan + gradient passes +
+   optimizer + clip all-reduce) is the fixed cost per message, which also takes in the runtime's
+   bookkeeping around each action. The simulated step time is continuous and non-decreasing in
    ``latency_s`` (every action duration is, and a makespan is a max of sums of them), so the
    latency at which it equals the measured median step is found by bisection.
 3. Global factor: if even zero latency predicts a slower step than measured (compute was
-   over-estimated across the board, e.g. the profiler's isolated blocks are slower than the fused
-   run), the latency stays 0 and one factor ``global_factor`` on every block time closes the gap,
-   again by bisection. Otherwise it is 1.
+   over-estimated across the board), the latency stays 0 and one factor ``global_factor`` on every
+   block time closes the gap, again by bisection. Otherwise it is 1.
 
-``apply_calibration(blocks, link, cal)`` scales each block's times by the factors of the stage
-that contained it *in the measured run* (``cal.starts``) times ``global_factor`` and sets the
-fitted latency. Blocks keep their factors when the solver moves them to other stages: a block's
-factor is a property of the block as measured, not of its new stage. Applied to the measured
-split, the calibrated costs re-predict the measured step time (tested to 1e-6).
+``apply_calibration(blocks, link, cal)`` scales each block by its own factors (looked up by name)
+times ``global_factor`` and sets the fitted latency. Applied to the measured split, the calibrated
+costs re-predict the measured step time (tested to 1e-6). ``changes(cal)`` says what it changed.
 """
 
 from __future__ import annotations
@@ -54,6 +57,21 @@ class StageCalibration(BaseModel):
     opt_factor: float = Field(gt=0, description="Measured / predicted optimizer step.")
 
 
+class BlockCalibration(BaseModel):
+    """Correction factors of one block, measured where it ran in the pipeline."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(description="The block's FQN.")
+    fwd_factor: float = Field(gt=0, description="Measured / profiled forward per microbatch.")
+    bwd_factor: float = Field(gt=0, description="Measured / profiled backward per microbatch.")
+    opt_factor: float = Field(gt=0, description="Its stage's measured / predicted optimizer step.")
+    measured_in_block: bool = Field(
+        description="True: the block was timed on its own inside its stage (run.json's per-block times); False: "
+        "the run timed only whole stages and the block took its stage's factors."
+    )
+
+
 class Calibration(BaseModel):
     """What one measured run says about the plan's costs; apply with ``apply_calibration``."""
 
@@ -66,6 +84,11 @@ class Calibration(BaseModel):
     )
     starts: tuple[int, ...] = Field(description="First block of each stage of the measured run.")
     stages: list[StageCalibration]
+    blocks: list[BlockCalibration] = Field(
+        default_factory=list,
+        description="Per block, its own factors (empty: a calibration of an older version, by stage only). A block "
+        "keeps them under any split: they are what makes one run of one split correct every other split.",
+    )
     latency_s: float = Field(ge=0, description="Fitted fixed cost per point-to-point message, seconds.")
     bandwidth_Bps: float = Field(gt=0, description="Link bandwidth (kept from the plan, not fitted).")
     global_factor: float = Field(
@@ -101,8 +124,8 @@ def _scaled(x: float | None, factor: float) -> float | None:
     return None if x is None else x * factor  # unknown stays unknown
 
 
-def _scale_block(b: BlockCost, s: StageCalibration, g: float) -> BlockCost:
-    f, w = s.fwd_factor * g, s.bwd_factor * g
+def _scale_block(b: BlockCost, s: StageCalibration | BlockCalibration, g: float) -> BlockCost:
+    f, w, o = s.fwd_factor * g, s.bwd_factor * g, s.opt_factor * g
     return b.model_copy(
         update={
             "fwd_s": b.fwd_s * f,
@@ -110,9 +133,45 @@ def _scale_block(b: BlockCost, s: StageCalibration, g: float) -> BlockCost:
             "bwd_input_s": _scaled(b.bwd_input_s, w),
             "bwd_weight_s": _scaled(b.bwd_weight_s, w),
             "recompute_s": _scaled(b.recompute_s, f),  # recomputation is a forward
-            "opt_s": _scaled(b.opt_s, s.opt_factor * g),
+            "opt_s": _scaled(b.opt_s, o),
+            "grad_s": _scaled(b.grad_s, o),  # passes over the same parameters' gradients
         }
     )
+
+
+def _block_factors(plan: Plan, run: RunResult, stages: Sequence[StageCalibration]) -> list[BlockCalibration]:
+    """Every block's factors: its own where the run timed it inside its stage, else its stage's.
+
+    The run's per-block times (``StageMeasure.blocks``) count the last block's loss as the profile
+    does (forward and backward), so the two compare like with like.
+    """
+    out = []
+    for st, m, sc in zip(plan.stages, run.stages, stages):
+        part = plan.blocks[st.start : st.end]
+        timed = [x.name for x in m.blocks] == [b.name for b in part]
+        for k, b in enumerate(part):
+            if timed:
+                mb = m.blocks[k]
+                out.append(
+                    BlockCalibration(
+                        name=b.name,
+                        fwd_factor=_ratio(mb.fwd_s, b.fwd_s),
+                        bwd_factor=_ratio(mb.bwd_s, b.bwd_s),
+                        opt_factor=sc.opt_factor,
+                        measured_in_block=True,
+                    )
+                )
+            else:
+                out.append(
+                    BlockCalibration(
+                        name=b.name,
+                        fwd_factor=sc.fwd_factor,
+                        bwd_factor=sc.bwd_factor,
+                        opt_factor=sc.opt_factor,
+                        measured_in_block=False,
+                    )
+                )
+    return out
 
 
 def apply_calibration(
@@ -136,6 +195,8 @@ def apply_calibration(
     Raises:
         PlanFileError: the blocks are not the ones the calibration was measured on.
     """
+    if cal.blocks and starts is None:
+        return _apply_by_block(blocks, link, cal)
     starts = tuple(cal.starts if starts is None else starts)
     n = len(blocks)
     if len(starts) != len(cal.stages) or not starts or starts[0] != 0 or starts[-1] >= n:
@@ -153,8 +214,25 @@ def apply_calibration(
                 "run the new plan and calibrate from that run"
             )
         out.extend(_scale_block(x, s, cal.global_factor) for x in blocks[a:b])
+    return out, _calibrated_link(link, cal)
+
+
+def _calibrated_link(link: LinkCost, cal: Calibration) -> LinkCost:
     name = link.name if link.name.endswith("+calibrated") else f"{link.name}+calibrated"
-    return out, link.model_copy(update={"name": name, "latency_s": cal.latency_s})
+    return link.model_copy(update={"name": name, "latency_s": cal.latency_s})
+
+
+def _apply_by_block(blocks: Sequence[BlockCost], link: LinkCost, cal: Calibration) -> tuple[list[BlockCost], LinkCost]:
+    """``apply_calibration`` with every block's own factors, looked up by name."""
+    factors = {b.name: b for b in cal.blocks}
+    names = [b.name for b in blocks]
+    if set(names) != set(factors):
+        missing = sorted(set(factors) - set(names))[:3] or sorted(set(names) - set(factors))[:3]
+        raise PlanFileError(
+            f"the calibration's blocks are not this model's (e.g. {', '.join(missing)}); the model's blocks changed "
+            "since the run: run the new plan and calibrate from that run"
+        )
+    return [_scale_block(b, factors[b.name], cal.global_factor) for b in blocks], _calibrated_link(link, cal)
 
 
 def _bisect_up(f: Callable[[float], float], target: float, lo: float, hi: float) -> float:
@@ -203,6 +281,7 @@ def calibrate(plan: Plan, run: RunResult) -> Calibration:
         )
         for s, m in zip(plan.stages, run.stages)
     ]
+    blocks = _block_factors(plan, run, stages)
 
     def make(latency: float, g: float) -> Calibration:
         return Calibration(
@@ -210,6 +289,7 @@ def calibrate(plan: Plan, run: RunResult) -> Calibration:
             microbatch_size=plan.microbatch_size,
             starts=starts,
             stages=stages,
+            blocks=blocks,
             latency_s=latency,
             bandwidth_Bps=plan.link.bandwidth_Bps,
             global_factor=g,
@@ -282,3 +362,37 @@ def load_calibration(run_path: str | Path, plan_path: str | Path | None = None) 
     run = RunResult.load(run_path)
     plan = Plan.load(plan_path if plan_path is not None else plan_path_of_run(run, run_path))
     return plan, calibrate(plan, run)
+
+
+def changes(cal: Calibration) -> list[str]:
+    """What applying ``cal`` changes, one line each (the plan records them; the report prints them).
+
+    Args:
+        cal: the calibration.
+
+    Returns:
+        Lines naming the spread of the block factors, the blocks moved most, the fitted latency and
+        the global factor.
+    """
+    rows = cal.blocks or []
+    out = []
+    if rows:
+        timed = sum(b.measured_in_block for b in rows)
+        out.append(f"{len(rows)} blocks ({timed} timed inside their stage, the rest by their stage's factors)")
+        for what in ("fwd", "bwd"):
+            vals = sorted(getattr(b, f"{what}_factor") for b in rows)
+            worst = max(rows, key=lambda b: abs(getattr(b, f"{what}_factor") - 1.0))
+            out.append(
+                f"{'forward' if what == 'fwd' else 'backward'} x{vals[0]:.3f} .. x{vals[-1]:.3f} "
+                f"(median x{vals[len(vals) // 2]:.3f}; most: {worst.name} x{getattr(worst, f'{what}_factor'):.3f})"
+            )
+        opt = sorted({round(b.opt_factor, 3) for b in rows})
+        out.append("optimizer and gradient passes " + ", ".join(f"x{v:.3f}" for v in opt) + " (per stage run)")
+    out.append(f"link latency {cal.latency_s * 1e3:.3f} ms per message (fitted to the measured step)")
+    if cal.global_factor != 1.0:
+        out.append(f"every block time x{cal.global_factor:.4f} (zero latency over-predicted the step)")
+    out.append(
+        f"the run: step {cal.measured_step_s * 1e3:.1f} ms measured, {cal.predicted_step_s * 1e3:.1f} ms predicted, "
+        f"{cal.calibrated_step_s * 1e3:.1f} ms re-predicted calibrated"
+    )
+    return out

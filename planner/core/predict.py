@@ -116,7 +116,8 @@ def predict(
     group = p * dp if shard > 1 else p
     latency = max([x.latency_s for x in links] + ([x.latency_s for x in dp_links] if shard > 1 else []), default=0.0)
     allreduce_s = 2 * math.ceil(math.log2(group)) * latency if group > 1 else 0.0
-    rank_opt = [sum(s.opt_s for s in stages if s.rank == r) for r in range(p)]
+    # before the optimizer each rank averages and clips its gradients: passes over all of them
+    rank_opt = [sum(s.opt_s + s.grad_s for s in stages if s.rank == r) for r in range(p)]
     step_s = sim.step_time_s + dp_reduce_s + allreduce_s + max(rank_opt)
     rank_memory = [rank_memory_bytes(blocks, stages, orders[r], r, optimizer, n_microbatches, shard) for r in range(p)]
     stage_time = tuple(s.time_s for s in stages)
@@ -364,6 +365,7 @@ def stage_plan(
         comm_s=2 * comm,
         time_s=fwd + bwd + comm + comm,
         opt_s=sum(optimizer_cost(x) for x in part) / shard,
+        grad_s=sum(x.grad_s or 0.0 for x in part) / shard,
         recompute=recompute,
         activation_bytes=sum(x.activation_bytes for x in part),
         in_flight=in_flight,

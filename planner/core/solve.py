@@ -326,7 +326,7 @@ def stage_memory_bytes(
         buffers  = m * (cut_in + cut_out)                   # receive buffers, one per microbatch each way
         pipeline = in_flight * (A + out) + out              # saved activations and the cached stage
                                                             # output per live microbatch, + its gradient
-        step     = optimizer.step_temp_bytes(N)             # optimizer temporaries (after backward)
+        step     = T                                        # optimizer temporaries (after backward)
         peak     = static + buffers + max(pipeline, step)
 
     with ``P`` = sum of ``param_bytes``, ``N`` = sum of ``params``, ``A`` = sum of
@@ -337,7 +337,10 @@ def stage_memory_bytes(
     (``PipelineStage`` allocates its receive buffers per microbatch, up front). ``in_flight`` is the
     stage's peak number of microbatches with forward done and backward pending under the schedule
     (``planner.core.schedules.peak_in_flight``). Each term was checked against MemTracker's categories
-    on CPU runs (docs/predict_vs_measured.md).
+    on CPU runs (docs/predict_vs_measured.md). ``T``, the step's temporaries, is measured when every
+    block of the stage has ``opt_temp_bytes``: their maximum or their sum, by
+    ``optimizer.step_temp_rule`` (a per-tensor optimizer holds one tensor's temporaries at a time, a
+    foreach one all of them); else ``optimizer.step_temp_bytes(N)``.
 
     With ``recompute`` the stage keeps only its input per live microbatch and rebuilds one
     microbatch's activations at a time in backward: ``in_flight * A`` becomes
@@ -351,7 +354,7 @@ def stage_memory_bytes(
 
         static   = ceil((2 * P + optimizer.state_bytes(N, P)) / shard)
         pipeline = in_flight * (A + out) + out + 2 * P     # + the unsharded parameters and gradients
-        step     = ceil(optimizer.step_temp_bytes(N) / shard)
+        step     = ceil(T / shard)
 
     DDP replicas (``shard`` 1) hold the whole stage, as one pipeline does: its gradient buckets are
     views of the gradients (``gradient_as_bucket_view=True``), no second copy.
@@ -419,7 +422,11 @@ def stage_memory_parts(
     cut_in = blocks[start - 1].cut_bytes if start > 0 else 0
     cut_out = blocks[end - 1].cut_bytes if end < n else 0
     out = cut_out if end < n else blocks[-1].output_bytes
-    return _parts(p_bytes, n_params, a_bytes, cut_in, cut_out, out, optimizer, recompute, n_microbatches, shard)
+    temps = [b.opt_temp_bytes for b in part]
+    step_temp = optimizer.combine_step_temps([t for t in temps if t is not None]) if None not in temps else None
+    return _parts(
+        p_bytes, n_params, a_bytes, cut_in, cut_out, out, optimizer, recompute, n_microbatches, shard, step_temp
+    )
 
 
 def _ceil_div(x: Any, d: int) -> Any:
@@ -439,21 +446,24 @@ def _parts(
     recompute: bool,
     n_microbatches: int,
     shard: int = 1,
+    step_temp: int | None = None,
 ) -> MemoryParts:
-    """The formula of ``stage_memory_bytes`` on sums (shared with the solver's fast memory model)."""
+    """The formula of ``stage_memory_bytes`` on sums (shared with the solver's fast memory model);
+    ``step_temp``: the stage's measured step temporaries (None: ``optimizer.step_temp_bytes``)."""
+    step = optimizer.step_temp_bytes(n_params) if step_temp is None else step_temp
     if shard > 1:
         return MemoryParts(
             fixed=_ceil_div(2 * p_bytes + optimizer.state_bytes(n_params, p_bytes), shard)
             + n_microbatches * (cut_in + cut_out),
             per_microbatch=(cut_in + out) if recompute else (a_bytes + out),
             once=out + (a_bytes if recompute else 0) + 2 * p_bytes,
-            step=_ceil_div(optimizer.step_temp_bytes(n_params), shard),
+            step=_ceil_div(step, shard),
         )
     return MemoryParts(
         fixed=2 * p_bytes + optimizer.state_bytes(n_params, p_bytes) + n_microbatches * (cut_in + cut_out),
         per_microbatch=(cut_in + out) if recompute else (a_bytes + out),
         once=out + (a_bytes if recompute else 0),
-        step=optimizer.step_temp_bytes(n_params),
+        step=step,
     )
 
 
@@ -557,6 +567,37 @@ def _check_counts(blocks: Sequence[BlockCost], n_stages: int) -> None:
         )
 
 
+class _StepTemps:
+    """The measured optimizer-step temporaries of any block range in O(1) (``stage_memory_parts``'s
+    ``T``): a prefix count of the blocks without ``opt_temp_bytes``, prefix sums for the "sum" rule
+    and a sparse table of range maxima for "max" (``table[j][i]`` = max of blocks ``i .. i + 2^j - 1``).
+    """
+
+    def __init__(self, blocks: Sequence[BlockCost], optimizer: OptimizerSpec) -> None:
+        self.rule = optimizer.step_temp_rule
+        values = [b.opt_temp_bytes or 0 for b in blocks]
+        self.pre_missing = [0]
+        self.pre_sum = [0]
+        for b, v in zip(blocks, values):
+            self.pre_missing.append(self.pre_missing[-1] + (b.opt_temp_bytes is None))
+            self.pre_sum.append(self.pre_sum[-1] + v)
+        self.table = [values]
+        while 2 ** len(self.table) <= len(values):
+            row, half = self.table[-1], 2 ** (len(self.table) - 1)
+            self.table.append([max(row[i], row[i + half]) for i in range(len(row) - half)])
+        self.all_measured = self.pre_missing[-1] == 0
+        self.none_measured = self.pre_missing[-1] == len(blocks)
+
+    def of(self, s: int, e: int) -> int | None:
+        """``T`` of the stage ``[s, e)`` (``s < e``): None when some block of it was not measured."""
+        if self.pre_missing[e] != self.pre_missing[s]:
+            return None
+        if self.rule == "sum":
+            return self.pre_sum[e] - self.pre_sum[s]
+        j = (e - s).bit_length() - 1
+        return max(self.table[j][s], self.table[j][e - (1 << j)])
+
+
 class _MemoryModel:
     """Memory check of stage [s, e) at stage index k, in integer arithmetic from prefix sums."""
 
@@ -586,6 +627,7 @@ class _MemoryModel:
         self.cut_in = [0] + [blocks[s - 1].cut_bytes for s in range(1, n)]
         self.cut_out = [0] + [blocks[e - 1].cut_bytes for e in range(1, n)] + [0]
         self.out = self.cut_out[:n] + [blocks[-1].output_bytes]
+        self.temps = _StepTemps(blocks, optimizer)
 
     def bytes(self, s: int, e: int, in_flight: int, recompute: bool = False) -> int:
         # Same formula as stage_memory_bytes.
@@ -600,6 +642,7 @@ class _MemoryModel:
             recompute,
             self.m,
             self.shard,
+            self.temps.of(s, e),
         ).peak(in_flight)
 
     def choice(self, s: int, e: int, in_flight: int) -> bool | None:
@@ -1021,7 +1064,9 @@ class _Arrays:
         pre_p, pre_n, pre_a = mem.pre_p[n], mem.pre_n[n], mem.pre_a[n]
         cmax = max([0, *mem.cut_in, *mem.cut_out, *mem.out])
         # Every byte count the fit test forms stays below this (generous) bound, in magnitude.
-        bound = 4 * (2 * pre_p + 16 * pre_n + 2 * (mem.m + 1) * cmax + (self.big + 1) * (pre_a + 2 * cmax)) + 16
+        temps = mem.temps
+        static = 2 * pre_p + 16 * pre_n + temps.pre_sum[n]  # weights, grads, state, step temporaries
+        bound = 4 * (static + 2 * (mem.m + 1) * cmax + (self.big + 1) * (pre_a + 2 * cmax)) + 16
         dtype: Any = np.int64 if bound < 2**62 else object
         self.pre_p = np.array(mem.pre_p, dtype=dtype)
         self.pre_n = np.array(mem.pre_n, dtype=dtype)
@@ -1029,10 +1074,53 @@ class _Arrays:
         self.cut_in = np.array(mem.cut_in, dtype=dtype)
         self.cut_out = np.array(mem.cut_out, dtype=dtype)
         self.out = np.array(mem.out, dtype=dtype)
+        # the measured step temporaries (_StepTemps as arrays)
+        self.temp_rule = temps.rule
+        self.temps_all, self.temps_none = temps.all_measured, temps.none_measured
+        self.pre_missing = np.array(temps.pre_missing, dtype=np.int64)
+        self.pre_temp = np.array(temps.pre_sum, dtype=dtype)
+        self.temp_table = [np.array(row, dtype=dtype) for row in temps.table]
+        self.log2 = np.array([0, 0] + [k.bit_length() - 1 for k in range(2, n + 1)], dtype=np.int64)
         # A limit above every possible byte count fits the same as that bound; one below zero fits
         # nothing, like -1. Clamping keeps the arithmetic in range.
         self.limit = max(-1, min(math.floor(mem.limit), bound))
         self.adamw = mem.optimizer.name == "adamw"
+
+    def _measured_temps(self, s: IntArray, e: IntArray) -> AnyIntArray:
+        """Per stage ``[s, e)``, ``_StepTemps.of`` with the unmeasured blocks counted as 0 (0 when ``e <= s``)."""
+        if self.temp_rule == "sum":
+            total: AnyIntArray = self.pre_temp[e] - self.pre_temp[s]
+            return total
+        length = np.maximum(e - s, 1)
+        j = self.log2[length]
+        most = 0 * self.pre_temp[s]
+        for level in np.unique(j).tolist():  # at most log2(n) + 1 levels
+            row = self.temp_table[level]
+            at = j == level
+            lo, hi = s[at], np.maximum(e[at] - (1 << level), 0)
+            most[at] = np.maximum(row[np.minimum(lo, len(row) - 1)], row[np.minimum(hi, len(row) - 1)])
+        out: AnyIntArray = np.where(e > s, most, 0 * most)
+        return out
+
+    def _step_temps(self, s: IntArray, e: IntArray, n_p: AnyIntArray) -> AnyIntArray:
+        """Per stage, ``T`` of ``stage_memory_parts``: measured where all its blocks were, else the fallback."""
+        fallback = 8 * n_p if self.adamw else 0 * n_p
+        if self.temps_none:
+            return fallback
+        step: AnyIntArray = np.where(self.pre_missing[e] == self.pre_missing[s], self._measured_temps(s, e), fallback)
+        return step
+
+    def _step_floor(self, s: IntArray, e: IntArray, n_p: AnyIntArray) -> AnyIntArray:
+        """A lower bound of ``_step_temps`` that never decreases as ``e`` grows: exact when every
+        block or none was measured; with some measured, the smaller of the two (each grows with ``e``)."""
+        fallback = 8 * n_p if self.adamw else 0 * n_p
+        if self.temps_none:
+            return fallback
+        measured = self._measured_temps(s, e)
+        if self.temps_all:
+            return measured
+        floor: AnyIntArray = np.minimum(measured, fallback)
+        return floor
 
     def _fit_bound(self, s: IntArray, e: IntArray, t: int) -> AnyIntArray:
         """A lower bound of the stage's bytes at ``t`` or more live microbatches, either way it can
@@ -1043,6 +1131,7 @@ class _Arrays:
         a_b = self.pre_a[e] - self.pre_a[s]
         cin = self.cut_in[s]
         per_param = 8 * n_p if self.adamw else 0 * n_p
+        step = self._step_floor(s, e, n_p)
         plain = t * a_b
         rebuilt = t * cin + a_b
         if self.mode == "never":
@@ -1054,9 +1143,9 @@ class _Arrays:
         d = self.mem.shard
         if d > 1:  # the sharded state (rounded down: still a lower bound) and the unsharded copies
             sharded: AnyIntArray = (2 * p_b + per_param) // d + self.mem.m * cin
-            bound: AnyIntArray = sharded + np.maximum(pipeline + 2 * p_b, per_param // d)
+            bound: AnyIntArray = sharded + np.maximum(pipeline + 2 * p_b, step // d)
             return bound
-        out: AnyIntArray = 2 * p_b + per_param + self.mem.m * cin + np.maximum(pipeline, per_param)
+        out: AnyIntArray = 2 * p_b + per_param + self.mem.m * cin + np.maximum(pipeline, step)
         return out
 
     def last_fit(self, t_floor: int) -> IntArray:
@@ -1087,10 +1176,10 @@ class _Arrays:
         cin, cout, out = self.cut_in[s], self.cut_out[e], self.out[e]
         # Mirrors OptimizerSpec.state_bytes / step_temp_bytes on arrays (test_solve checks the two agree):
         # an fp32 master copy when the parameters are narrower than fp32, AdamW's two moments and
-        # its two step temporaries.
+        # its step temporaries (measured, or two per parameter).
         master = np.where(p_b < 4 * n_p, 4 * n_p, 0 * n_p)
         moments = 8 * n_p if self.adamw else 0 * n_p
-        step = moments
+        step = self._step_temps(s, e, n_p)
         static = 2 * p_b + master + moments
         unsharded = 0 * p_b
         d = self.mem.shard

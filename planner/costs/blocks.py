@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from planner.capture.blocks import TracedModel
-from planner.schema.costs import BlockCost
+from planner.schema.costs import BlockCost, StepTempRule
 from planner.schema.plan import Tie
 
 
@@ -27,11 +27,15 @@ class Profile:
         compile_s: seconds the untimed first runs of the compiled blocks took beyond ordinary
             runs (compilation, mostly); 0.0 without compile.
         shared: blocks that took an identical earlier block's compiled measurement.
+        step_temp_rule: how a stage's optimizer-step temporaries combine its blocks' ("max": per
+            tensor, as torch's CPU AdamW; "sum": over all, as a for-each step), from one step
+            over all parameters; None when the optimizer was not timed.
     """
 
     costs: list[BlockCost]
     compile_failures: list[tuple[str, str]] = field(default_factory=list)
     compile_s: float = 0.0
+    step_temp_rule: StepTempRule | None = None
     shared: int = 0
 
 
@@ -49,6 +53,7 @@ def block_cost(
     flops_fwd: float | None = None,
     flops_bwd: float | None = None,
     opt_s: float | None = None,
+    grad_s: float | None = None,
     float_bytes: int | None = None,
     cut_bytes: int | None = None,
 ) -> BlockCost:
@@ -67,6 +72,7 @@ def block_cost(
         flops_fwd: forward FLOPs; None when not counted.
         flops_bwd: backward FLOPs; None when not counted.
         opt_s: the block's share of the optimizer step; None when not timed.
+        grad_s: the passes over the block's gradients before the optimizer; None when not timed.
         float_bytes: bytes per floating-point parameter element in the planning dtype (estimates
             for another dtype); None counts the parameters as they are.
         cut_bytes: bytes crossing the cut after the block when they differ from the trace's
@@ -93,6 +99,7 @@ def block_cost(
         flops_fwd=flops_fwd,
         flops_bwd=flops_bwd,
         opt_s=opt_s,
+        grad_s=grad_s,
         params=sum(p.numel() for p in params),
         param_bytes=sum(p.numel() * width(p) for p in params),
         activation_bytes=activation_bytes,

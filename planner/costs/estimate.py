@@ -543,6 +543,31 @@ def optimizer_step_seconds(
     return params * per_param / (hw.memory_Bps * hw.memory_efficiency) + overhead
 
 
+def grad_pass_seconds(params: int, param_bytes: int, n_tensors: int, hw: HardwareSpec, clip: bool) -> float:
+    """The runner's passes over a block's gradients before its optimizer step, counted as memory traffic.
+
+    Averaging over the microbatches (``grad.mul_``: read and write, 2g), the clipping norm (read, g)
+    and, when clipping, the scale (2g), with g the gradient bytes (= the parameter bytes); on a CPU
+    each tensor also pays the per-operator overhead of each pass.
+
+    Args:
+        params: number of parameters.
+        param_bytes: their bytes (gradients have the same size).
+        n_tensors: number of parameter tensors.
+        hw: the hardware.
+        clip: whether the run clips.
+
+    Returns:
+        Seconds per step.
+    """
+    if params == 0:
+        return 0.0
+    passes = 5 if clip else 3
+    ops = 3 if clip else 2
+    overhead = 0.0 if hw.async_launch else n_tensors * ops * hw.op_overhead_s
+    return passes * param_bytes / (hw.memory_Bps * hw.memory_efficiency) + overhead
+
+
 def estimate_blocks(
     traced: TracedModel,
     inputs: tuple,
@@ -699,9 +724,11 @@ def _block_cost(
         if isinstance(t, torch.Tensor)
     )
     bwd_input_s = min(run.bwd_input.seconds, run.bwd.seconds)
-    opt_s = None
+    opt_s = grad_s = None
     if optimizer is not None:
-        opt_s = optimizer_step_seconds(n_params, param_bytes, sum(1 for p in params if p.requires_grad), hw, optimizer)
+        n_tensors = sum(1 for p in params if p.requires_grad)
+        opt_s = optimizer_step_seconds(n_params, param_bytes, n_tensors, hw, optimizer)
+        grad_s = grad_pass_seconds(n_params, param_bytes, n_tensors, hw, optimizer.grad_clip is not None)
     return block_cost(
         traced,
         k,
@@ -714,6 +741,7 @@ def _block_cost(
         flops_fwd=run.fwd.flops,
         flops_bwd=run.bwd.flops,
         opt_s=opt_s,
+        grad_s=grad_s,
         activation_bytes=run.saved_bytes,
         float_bytes=width,
         cut_bytes=out_bytes,

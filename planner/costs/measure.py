@@ -62,6 +62,7 @@ from tqdm import tqdm
 from planner.capture.blocks import GraphTrace, ModuleTrace, TracedModel
 from planner.capture.stage import build_stage_module, stage_inputs
 from planner.costs.blocks import Profile, block_cost
+from planner.costs.context import apply_in_context, time_grad_passes, time_in_context, with_grad_passes
 from planner.costs.levers import (
     autocast_context,
     compile_module,
@@ -71,15 +72,16 @@ from planner.costs.levers import (
     tensor_bytes,
 )
 from planner.costs.timing import (
+    OptimizerSteps,
     backward_roots,
     grad_inputs,
     leaf_safe,
     sync,
     time_input_weight,
-    time_optimizer_step,
+    time_optimizer_steps,
     time_recompute,
 )
-from planner.schema.costs import BlockCost, OptimizerSpec
+from planner.schema.costs import BlockCost, OptimizerSpec, StepTempRule
 from planner.threads import torch_threads
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -148,6 +150,7 @@ def profile_model(
     optimizer: OptimizerSpec | None = None,
     autocast: str | None = None,
     compile: bool = False,
+    in_context: bool = True,
 ) -> Profile:
     """Measure every block of a traced model on one microbatch, under the speed levers asked for.
 
@@ -166,6 +169,9 @@ def profile_model(
         autocast: "bf16" or "fp16": forwards run under ``torch.autocast`` on the model's device
             (check it with ``planner.costs.levers.check_autocast`` first); None: no autocast.
         compile: time each block as ``torch.compile(block_module)``.
+        in_context: take each block's forward and backward from the whole model run as one stage
+            (``planner.costs.context``), as the plan does; False keeps the isolated timings (the
+            bench compares the two).
 
     Returns:
         The costs, the blocks compile failed on, and the compile time.
@@ -191,28 +197,59 @@ def profile_model(
         else:
             assert isinstance(traced, GraphTrace)
             profile = _profile_graph(traced, inputs, target, loss_fn, warmup, repeats, progress, autocast, compile)
+            if in_context and not compile:  # marks would break a compiled graph: compiled blocks keep theirs
+                ctx = time_in_context(
+                    traced,
+                    inputs,
+                    target,
+                    loss_fn,
+                    warmup=warmup,
+                    repeats=repeats,
+                    device_type=device_type_of(traced.model, inputs),
+                    autocast=autocast,
+                )
+                profile.costs = apply_in_context(profile.costs, ctx)
         if optimizer is not None:
-            profile.costs = _with_optimizer_shares(traced, profile.costs, optimizer, warmup, repeats)
+            clip = optimizer.grad_clip is not None
+            grad_s = time_grad_passes(traced.owned_parameters(), clip, warmup=max(1, warmup), repeats=repeats)
+            profile.costs = with_grad_passes(profile.costs, grad_s)
+            profile.costs, profile.step_temp_rule = _with_optimizer_shares(
+                traced, profile.costs, optimizer, warmup, repeats
+            )
         return profile
 
 
 def _with_optimizer_shares(
     traced: TracedModel, costs: list[BlockCost], optimizer: OptimizerSpec, warmup: int, repeats: int
-) -> list[BlockCost]:
-    """Each block's share of one optimizer step over ALL parameters, shared out by parameter count.
+) -> tuple[list[BlockCost], StepTempRule]:
+    """Each block's optimizer step, timed on its own parameters, and the step's temporaries.
 
-    The optimizer streams every parameter, gradient and moment through memory once, so its time is
-    proportional to the parameters a stage holds. Timing blocks one by one would measure
-    cache-resident steps (2x too fast for the encoder LM's 12 M-parameter stage here).
+    The step's cost is not proportional to the parameters: on CPU torch's AdamW runs per tensor and
+    a large tensor's temporaries are fresh allocations that page-fault, so each block is timed on
+    its own tensors, in a round-robin over all blocks (``time_optimizer_steps``: every block's step
+    runs after the others' data went through the caches, as in a stage stepping many parameters;
+    timing one block alone would measure cache-resident steps, 2x too fast for the encoder LM's
+    12 M-parameter stage here). ``opt_temp_bytes``: the temporaries of the block's step, with the
+    copies of the tied parameters it reads; how a stage's combine: the rule returned with them.
     """
-    owned = traced.owned_parameters()  # shared parameters step once, in their first block
-    total_params = sum(p.numel() for own in owned for p in own if p.requires_grad)
-    total_s = time_optimizer_step([p for own in owned for p in own], optimizer, warmup, repeats)
-    per_param = total_s / total_params if total_params else 0.0
-    return [
-        cost.model_copy(update={"opt_s": per_param * sum(p.numel() for p in own if p.requires_grad)})
-        for cost, own in zip(costs, owned)
+    steps = _optimizer_steps(traced, optimizer, warmup, repeats)
+    out = [
+        cost.model_copy(update={"opt_s": opt_s, "opt_temp_bytes": temp})
+        for cost, opt_s, temp in zip(costs, steps.seconds, steps.temp_bytes)
     ]
+    return out, steps.temp_rule
+
+
+def _optimizer_steps(traced: TracedModel, optimizer: OptimizerSpec, warmup: int, repeats: int) -> OptimizerSteps:
+    """The blocks' optimizer steps (``time_optimizer_steps``): each block steps the parameters it owns
+    (shared parameters step once, in their first block); the temporaries of a block that reads a tied
+    parameter an earlier block owns include those of its stage's copy of it."""
+    owned = traced.owned_parameters()
+    tied = []
+    for k, own in enumerate(owned):
+        mine = {id(p) for p in own}
+        tied.append([p for p in traced.block_parameters(k) if id(p) not in mine])
+    return time_optimizer_steps(owned, optimizer, warmup, repeats, tied)
 
 
 @dataclass

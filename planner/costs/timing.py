@@ -12,12 +12,13 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from planner.schema.costs import OptimizerSpec
+from planner.schema.costs import OptimizerSpec, StepTempRule
 from planner.torch_compat import is_view, pipelining_backward, pytree
 
 Forward = Callable[[tuple[Any, ...]], Any]
@@ -192,3 +193,136 @@ def time_optimizer_step(
         if r >= max(1, warmup):
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+@dataclass
+class OptimizerSteps:
+    """One optimizer step per group of parameters (a block's), timed and its temporaries measured.
+
+    Attributes:
+        seconds: per group, the median step time (0.0 for a group without trainable parameters).
+        temp_bytes: per group, the peak bytes its step allocated above what existed before it
+            (parameters, gradients, optimizer state): the step's temporaries.
+        all_temp_bytes: the temporaries of one step over every group's parameters together.
+    """
+
+    seconds: list[float]
+    temp_bytes: list[int]
+    all_temp_bytes: int
+
+    @property
+    def temp_rule(self) -> StepTempRule:
+        """How the groups' temporaries combine into those of one step over several groups: "max"
+        when the all-parameter step's are nearer the largest group's (a per-tensor optimizer, whose
+        temporaries live one tensor at a time), else "sum" (a foreach optimizer)."""
+        most, total = max(self.temp_bytes, default=0), sum(self.temp_bytes)
+        return "max" if abs(self.all_temp_bytes - most) <= abs(self.all_temp_bytes - total) else "sum"
+
+
+def _make_optimizer(params: list[torch.Tensor], optimizer: OptimizerSpec) -> torch.optim.Optimizer:
+    if optimizer.name == "sgd":
+        return torch.optim.SGD(params, lr=optimizer.lr)
+    return torch.optim.AdamW(params, lr=optimizer.lr)
+
+
+def _scratch_copies(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of the trainable ``params``, each with a random gradient (the originals stay untouched)."""
+    copies = [p.detach().clone().requires_grad_(True) for p in params if p.requires_grad]
+    for c in copies:
+        c.grad = torch.randn_like(c)
+    return copies
+
+
+def measure_step_temps(opt: torch.optim.Optimizer) -> int:
+    """Peak bytes one ``opt.step()`` allocates above what existed before it (its temporaries).
+
+    Observed with torch's ``MemTracker`` (a dispatch mode that follows every tensor storage ops
+    create until it is freed), with the parameters, their gradients and the optimizer's state
+    registered first, so only what the step itself allocates counts. Call it after a first step
+    (AdamW allocates its state there). The parameters are stepped.
+
+    Args:
+        opt: an optimizer whose parameters all have gradients.
+
+    Returns:
+        Bytes (0 for an optimizer without parameters).
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if not params:
+        return 0
+    tracker = MemTracker()
+    tracker.track_external(opt, *params, *[p.grad for p in params if p.grad is not None])
+    total = "Total"  # mem_tracker._TOTAL_KEY
+    before = {dev: snap[total] for dev, snap in tracker.get_tracker_snapshot("current").items()}
+    with tracker:
+        opt.step()
+    peak = tracker.get_tracker_snapshot("peak")
+    return max([0] + [snap[total] - before.get(dev, 0) for dev, snap in peak.items()])
+
+
+def time_optimizer_steps(
+    groups: Sequence[Sequence[torch.Tensor]],
+    optimizer: OptimizerSpec,
+    warmup: int = 1,
+    repeats: int = 3,
+    tied: Sequence[Sequence[torch.Tensor]] = (),
+) -> OptimizerSteps:
+    """Time one optimizer step per group in a round-robin, and measure each step's temporaries.
+
+    Each group (a block's parameters) gets its own optimizer over copies of its trainable
+    parameters with random gradients. A round steps group 0, 1, ..., n-1 in order and times each
+    step, so every step runs after the other groups' data went through the caches, as in a stage
+    that steps many parameters (a group timed alone would be cache-resident, and too fast). Warm-up
+    rounds come first (AdamW allocates its state on the first step); the median over the timed
+    rounds is kept. One more, untimed round measures each step's temporaries (``measure_step_temps``),
+    then one step over all groups' copies together (sharing their state) measures the
+    temporaries of the whole, which decides ``OptimizerSteps.temp_rule``.
+
+    Args:
+        groups: per group, the parameters (left untouched: copies are stepped).
+        optimizer: which optimizer and learning rate.
+        warmup: untimed rounds (at least 1).
+        repeats: timed rounds.
+        tied: per group (or empty), parameters the group's stage also steps a copy of without
+            owning them (tied weights an earlier group owns): counted in its temporaries only.
+
+    Returns:
+        Per-group seconds and temporary bytes, and the all-parameter temporaries.
+    """
+    copies = [_scratch_copies(g) for g in groups]
+    opts = [_make_optimizer(c, optimizer) if c else None for c in copies]
+    times: list[list[float]] = [[] for _ in groups]
+    for r in range(max(1, warmup) + repeats):
+        for k, opt in enumerate(opts):
+            if opt is None:
+                continue
+            sync(tuple(copies[k]))
+            t0 = time.perf_counter()
+            opt.step()
+            sync(tuple(copies[k]))
+            if r >= max(1, warmup):
+                times[k].append(time.perf_counter() - t0)
+    temps = []
+    for k, opt in enumerate(opts):
+        extra = _scratch_copies(tied[k]) if k < len(tied) else []
+        if extra:  # the group's copies (sharing their state) and copies of the tied parameters
+            with_tied = _make_optimizer(copies[k] + extra, optimizer)
+            if opt is not None:
+                with_tied.state.update({c: opt.state[c] for c in copies[k] if c in opt.state})
+            with_tied.step()  # allocates the tied copies' state
+            temps.append(measure_step_temps(with_tied))
+        else:
+            temps.append(measure_step_temps(opt) if opt is not None else 0)
+    every = [c for group in copies for c in group]
+    whole = 0
+    if every:
+        together = _make_optimizer(every, optimizer)
+        for opt in opts:
+            if opt is not None:
+                together.state.update(opt.state)
+        whole = measure_step_temps(together)
+    return OptimizerSteps(
+        seconds=[statistics.median(t) if t else 0.0 for t in times], temp_bytes=temps, all_temp_bytes=whole
+    )

@@ -121,6 +121,11 @@ def compare_table(plan: Plan, run: RunResult) -> str:
     stages = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True, colalign=("right", "left"))
     predicted, measured = plan.prediction.step_time_s, run.median_step_s
     steps = [["step", _ms(predicted), _ms(measured), _pct(_err(predicted, measured))]]
+    loss_plan, loss_run = plan.blocks[-1].loss_s, run.stages[-1].loss_s
+    if loss_plan is not None and plan.stages[-1].end == len(plan.blocks):
+        steps.append(
+            ["  loss per microbatch (last stage)", _ms(loss_plan), _ms(loss_run), _pct(_err(loss_plan, loss_run))]
+        )
     if plan.dp > 1:
         steps.append([f"  of which {plan.dp_mode} reduction", _ms(plan.prediction.dp_reduce_s), "-", "-"])
     summary = tabulate(
@@ -170,3 +175,48 @@ def measured_events(plan: Plan, run: RunResult) -> list[Event]:
         for kind, mb, start, end in m.timeline
     ]
     return sorted(events, key=lambda e: (e.start_s, e.rank))
+
+
+def compare_blocks_table(plan: Plan, run: RunResult) -> str:
+    """Per block: its profiled forward and backward against its time inside the running stage
+    (``StageMeasure.blocks``), then per stage the time its actions spent outside every block.
+
+    Args:
+        plan: the plan that was run.
+        run: its run.json.
+
+    Returns:
+        The tables as text, or one line saying the run timed no blocks (a compiled plan, an older run).
+
+    Raises:
+        PlanFileError: the run is not of this plan.
+    """
+    check_run_matches(plan, run)
+    check_run_replicas(plan, run)
+    rows = []
+    for s, m in zip(plan.stages, run.stages):
+        for b, mb in zip(plan.blocks[s.start : s.end], m.blocks):
+            rows.append(
+                [
+                    s.index,
+                    b.name,
+                    _ms(b.fwd_s),
+                    _ms(mb.fwd_s),
+                    _pct(_err(b.fwd_s, mb.fwd_s)),
+                    _ms(b.bwd_s),
+                    _ms(mb.bwd_s),
+                    _pct(_err(b.bwd_s, mb.bwd_s)),
+                ]
+            )
+    if not rows:
+        return "(the run timed no blocks: a compiled plan, or a run.json written before per-block times)"
+    headers = ["stage", "block", "fwd ms plan", "run", "err", "bwd ms plan", "run", "err"]
+    table = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True, colalign=("right", "left"))
+    over = [[m.stage, _ms(m.fwd_overhead_s), _ms(m.bwd_overhead_s)] for m in run.stages if m.blocks]
+    outside = tabulate(
+        over,
+        headers=["stage", "fwd ms outside blocks", "bwd ms outside blocks"],
+        tablefmt="simple",
+        disable_numparse=True,
+    )
+    return f"{table}\n\nper action, the runtime's time around the stage's blocks\n{outside}"

@@ -280,6 +280,8 @@ def render(plan: Plan) -> str:
     )
     if plan.choice:
         summary += f"\nchosen: {plan.choice}"
+    if plan.calibration:
+        summary += "\ncalibrated: " + "\n  ".join(plan.calibration)
     parts = [head, stage_table(plan), summary_table(plan)]
     search = search_table(plan)
     if search:

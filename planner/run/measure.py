@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from planner.schema.result import MEMORY_CATEGORIES, MemoryMeasure, StageMeasure
+from planner.capture.clock import BlockClock
+from planner.schema.result import MEMORY_CATEGORIES, BlockMeasure, MemoryMeasure, StageMeasure
 from planner.torch_compat import forget_root_module, memory_tracker, timed_schedule
 
 _perf = time.perf_counter
@@ -56,8 +57,10 @@ class StageProbe:
     ranks of one machine) for the measured timeline.
     """
 
-    def __init__(self, stage_index: int = 0) -> None:
+    def __init__(self, stage_index: int = 0, clock: BlockClock | None = None, block_names: Sequence[str] = ()) -> None:
         self.stage_index = stage_index
+        self.clock = clock  # the stage module's block marks (None: blocks not timed)
+        self.block_names = tuple(block_names)  # the clock's blocks, in order
         self._fwd: list[dict[int, float]] = []
         self._bwd: list[dict[int, float]] = []
         self._loss: list[dict[int, float]] = []
@@ -74,9 +77,13 @@ class StageProbe:
         self._p2p.append(0.0)
         self._events.append([])
         self._step_start.append(time.time())
+        if self.clock is not None:
+            self.clock.step = len(self._fwd)
 
     def discard_step(self) -> None:
         """Drop the figures collected since the last ``begin_step`` (an evaluation between steps)."""
+        if self.clock is not None:
+            self.clock.discard(len(self._fwd))
         for table in (self._fwd, self._bwd, self._loss, self._p2p, self._events, self._step_start):
             if table:
                 table.pop()
@@ -116,7 +123,8 @@ class StageProbe:
                 # inside it is the root the tracker sees)
                 forget_root_module(probe.memory, *_wrapped(stage.submod))
             w0, t0 = time.time(), _perf()
-            out = fwd(fwd_chunk_id, *args, **kwargs)
+            with probe.action("F", fwd_chunk_id):
+                out = fwd(fwd_chunk_id, *args, **kwargs)
             dt = _perf() - t0
             probe._add(probe._fwd, fwd_chunk_id, dt)
             probe._event("F", fwd_chunk_id, w0, w0 + dt)
@@ -124,11 +132,12 @@ class StageProbe:
 
         def timed_backward(method: Callable[..., Any], weight: bool) -> Callable[..., Any]:
             def backward(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+                kind = "W" if weight else ("B" if kwargs.get("full_backward", True) else "I")
                 w0, t0 = time.time(), _perf()
-                out = method(bwd_chunk_id, *args, **kwargs)
+                with probe.action(kind, bwd_chunk_id):
+                    out = method(bwd_chunk_id, *args, **kwargs)
                 dt = _perf() - t0
                 probe._add(probe._bwd, bwd_chunk_id, dt)
-                kind = "W" if weight else ("B" if kwargs.get("full_backward", True) else "I")
                 probe._event(kind, bwd_chunk_id, w0, w0 + dt)
                 return out
 
@@ -138,6 +147,18 @@ class StageProbe:
         stage.backward_one_chunk = timed_backward(bwd, weight=False)
         if bwd_w is not None:
             stage.backward_weight_one_chunk = timed_backward(bwd_w, weight=True)
+
+    @contextlib.contextmanager
+    def action(self, kind: str, mb: int) -> Iterator[None]:
+        """Bracket one action for the block clock (nothing without one)."""
+        if self.clock is None:
+            yield
+            return
+        self.clock.begin(kind, mb)
+        try:
+            yield
+        finally:
+            self.clock.finish()
 
     @staticmethod
     def unwrap(stage: Any) -> None:
@@ -340,6 +361,8 @@ def summarize(
         return statistics.median(vals[s - 1] for s in steps) if vals else 0.0
 
     fwd, bwd = probe.fwd_times(), probe.bwd_times()
+    loss_s = per_mb(probe.loss_times())
+    blocks, fwd_over, bwd_over = _block_measures(probe.clock, probe.block_names, steps, loss_s)
     shown = steps[-1] if steps else None  # the timeline shows the last timed step
     origin = probe.step_start(shown) if shown is not None and shown <= len(fwd) else None
     timeline = (
@@ -354,7 +377,7 @@ def summarize(
         last_block=last_block,
         fwd_s=per_mb(fwd),
         bwd_s=per_mb(bwd),
-        loss_s=per_mb(probe.loss_times()),
+        loss_s=loss_s,
         p2p_s=per_step(probe.p2p_times()),
         reduce_s=per_step(reduce),
         clip_s=per_step(clip),
@@ -363,6 +386,24 @@ def summarize(
         fwd_times_s=fwd,
         bwd_times_s=bwd,
         memory=memory,
+        blocks=blocks,
+        fwd_overhead_s=fwd_over,
+        bwd_overhead_s=bwd_over,
         timeline=timeline,
         timeline_origin=origin,
     )
+
+
+def _block_measures(
+    clock: BlockClock | None, names: Sequence[str], steps: list[int], loss: float
+) -> tuple[list[BlockMeasure], float, float]:
+    """Per-block medians from the stage's clock over ``steps``, and the actions' overheads."""
+    if clock is None or len(names) != clock.end - clock.start:
+        return [], 0.0, 0.0
+    fwd, fwd_over = clock.medians(("F",), steps)
+    bwd, bwd_over = clock.medians(("B", "I"), steps)
+    if not any(fwd):  # no action was marked (a compiled stage, a schedule that bypasses the module)
+        return [], 0.0, 0.0
+    if clock.loss_in_last:  # the loss's forward (outside forward_one_chunk), in the last block as profiled
+        fwd[-1] += loss
+    return [BlockMeasure(name=n, fwd_s=f, bwd_s=b) for n, f, b in zip(names, fwd, bwd)], fwd_over, bwd_over

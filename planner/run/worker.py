@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from planner.capture.blocks import TiedParameter, TracedModel
+from planner.capture.clock import BlockClock
 from planner.capture.graph import buffers_restored
 from planner.capture.load import ModelFile
 from planner.capture.stage import stage_inputs, stage_module, trace_root
@@ -300,6 +301,7 @@ class _RankStages:
     counted: list[torch.nn.Parameter] | None
     tensors: dict[str, torch.Tensor]  # the unsplit model's name -> this rank's tensor (checkpoints)
     vocab_size: int | None  # the model's output width (sizes --data's vocabulary; None: not asked)
+    clocks: list[BlockClock | None]  # per stage, the marks that time its blocks (None: compiled)
 
 
 def _grad_finisher(
@@ -426,8 +428,14 @@ def _build_stages(plan: Plan, mf: ModelFile, mesh: _Mesh, device: torch.device, 
     # Every stage's example input and output first: FSDP shards the modules of the trace in place,
     # after which the trace's other cuts (the prefix that makes a later stage's example) cannot run.
     cut = []
+    clocks: list[BlockClock | None] = []
     for stage_plan in plan.stages_of(mesh.pp_rank):
-        built = stage_module(traced, stage_plan.start, stage_plan.end)
+        # every block timed where it runs (planner.capture.clock); a compiled stage would break its
+        # graph at each mark, so it is timed per stage only
+        last = stage_plan.end == len(plan.blocks)
+        clock = None if plan.compile else BlockClock(stage_plan.start, stage_plan.end, loss_in_last=last)
+        clocks.append(clock)
+        built = stage_module(traced, stage_plan.start, stage_plan.end, clock)
         inner = Recomputed(built) if stage_plan.recompute else built
         module = ContiguousBoundary(inner)
         # under the plan's autocast, so the examples (and the receive buffers made from them) have
@@ -496,7 +504,7 @@ def _build_stages(plan: Plan, mf: ModelFile, mesh: _Mesh, device: torch.device, 
     target = stages[0] if placement(plan.schedule) == "single" else stages
     loss_fn = autocast_loss(mf.loss_fn, plan, device)
     schedule = schedule_cls(target, n_microbatches=plan.n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    return _RankStages(modules, params, optimizer, stages, schedule, finish, counted, tensors, vocab)
+    return _RankStages(modules, params, optimizer, stages, schedule, finish, counted, tensors, vocab, clocks)
 
 
 def _replica_rows(value: Any, replica: int, replicas: int) -> Any:
@@ -576,7 +584,10 @@ class _RankRun:
         self.text = _text_stream(plan, request, self.mf, mesh, built.vocab_size) if built.vocab_size else None
         self.scheduler = make_scheduler(built.optimizer, request.steps, request.warmup, request.lr_decay)
         self.state = RankState(mesh.rank, built.tensors, built.optimizer, self.scheduler, self.text, device)
-        self.probes = [StageProbe(s.index) for s in self.mine]
+        self.probes = [
+            StageProbe(s.index, clock, [b.name for b in plan.blocks[s.start : s.end]])
+            for s, clock in zip(self.mine, built.clocks)
+        ]
         self.evals: list[tuple[int, float, int]] = []
         self.written: list[str] = []
 

@@ -6,12 +6,14 @@ solver and simulator read them. They round-trip through JSON as part of ``plan.j
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
 OptimizerName = Literal["adamw", "sgd"]
 OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
+StepTempRule = Literal["max", "sum"]
 
 
 class BlockCost(BaseModel):
@@ -71,6 +73,22 @@ class BlockCost(BaseModel):
         allow_inf_nan=False,
         description="Optimizer step over this block's parameters, seconds (once per step, not per microbatch); None if not timed.",
     )
+    opt_temp_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="Peak temporary bytes one optimizer step over this block's parameters allocates above the "
+        "parameters, gradients and optimizer state (measured; including the copies of tied parameters its stage "
+        "steps); a stage's combine by OptimizerSpec.step_temp_rule. None if not measured (the memory model then "
+        "charges OptimizerSpec.step_temp_bytes).",
+    )
+    grad_s: float | None = Field(
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
+        description="Per step, the passes over this block's gradients before the optimizer: averaging the "
+        "accumulated gradients over the microbatches, the clipping norm and the clipping scale, seconds; None if "
+        "not timed.",
+    )
     cut_bytes: int = Field(
         ge=0, description="Bytes crossing a stage boundary placed right after this block, per microbatch, one way."
     )
@@ -79,6 +97,13 @@ class BlockCost(BaseModel):
         default=0,
         ge=0,
         description="Last block only: bytes of the model's output per microbatch (the last stage keeps it until backward).",
+    )
+    loss_s: float | None = Field(
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
+        description="Last block only: the loss's forward per microbatch, seconds, included in fwd_s (its backward "
+        "is in bwd_s), as a pipeline's last stage computes it; None if not measured apart.",
     )
     cut_legal: bool = Field(description="Whether a stage boundary may be placed right after this block.")
     is_layer: bool = Field(
@@ -130,6 +155,26 @@ class OptimizerSpec(BaseModel):
     grad_clip: float | None = Field(
         default=1.0, gt=0, allow_inf_nan=False, description="Max global gradient norm; None disables clipping."
     )
+    step_temp_rule: StepTempRule = Field(
+        default="sum",
+        description="How the measured step temporaries of a stage's blocks (BlockCost.opt_temp_bytes) combine into "
+        "the stage's: 'max' when the optimizer steps one tensor at a time (torch's per-tensor AdamW on CPU: only the "
+        "temporaries of the tensor being stepped are alive), 'sum' when it steps all together (foreach, as on "
+        "CUDA). The profiler decides it from one step over all parameters (planner.costs.timing.OptimizerSteps."
+        "temp_rule): the rule whose figure is nearer that step's temporaries. 'sum' (never below the truth) when "
+        "not measured.",
+    )
+
+    def combine_step_temps(self, temps: Sequence[int]) -> int:
+        """The temporaries of one step over several blocks from theirs (``step_temp_rule``).
+
+        Args:
+            temps: the blocks' ``opt_temp_bytes``.
+
+        Returns:
+            Bytes: their maximum or their sum (0 for none).
+        """
+        return max(temps, default=0) if self.step_temp_rule == "max" else sum(temps)
 
     def state_bytes(self, params: int, param_bytes: int) -> int:
         """Bytes of optimizer state for ``params`` parameters that take ``param_bytes`` bytes.
@@ -153,10 +198,11 @@ class OptimizerSpec(BaseModel):
     def step_temp_bytes(self, params: int) -> int:
         """Temporary bytes one optimizer step allocates on top of its state.
 
-        torch's default (foreach) AdamW builds the denominator ``sqrt(exp_avg_sq) / bc + eps`` as a
-        new fp32 tensor list and one more intermediate of the same size: 2 x 4 B per parameter,
-        as measured with MemTracker on CPU runs (docs/predict_vs_measured.md). Plain SGD updates in
-        place.
+        The fallback when the blocks' temporaries were not measured (``BlockCost.opt_temp_bytes``):
+        AdamW builds the denominator ``sqrt(exp_avg_sq) / bc + eps`` as a new fp32 tensor and one
+        more intermediate of the same size: 2 x 4 B per parameter, all of them at once under a
+        foreach implementation (CUDA); torch's per-tensor AdamW on CPU holds them for one tensor at
+        a time (then this over-estimates). Plain SGD updates in place.
 
         Args:
             params: number of parameters stepped.

@@ -140,6 +140,13 @@ class StagePlan(_Frozen):
         allow_inf_nan=False,
         description="Optimizer step over the stage's parameters (its 1/dp shard under FSDP), once per training step.",
     )
+    grad_s: float = Field(
+        default=0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Per training step, before the optimizer: averaging the stage's accumulated gradients over the "
+        "microbatches, their clipping norm and the clipping scale (a 1/dp shard under FSDP).",
+    )
     recompute: bool = Field(
         default=False, description="The stage recomputes its activations in backward (activation checkpointing)."
     )
@@ -273,6 +280,10 @@ class Plan(_Frozen):
         default_factory=list, description="The best candidates of the joint search, best first (empty: none ran)."
     )
     choice: str = Field(default="", description="Why this schedule, microbatch count and stages per rank.")
+    calibration: list[str] = Field(
+        default_factory=list,
+        description="What --calibrate changed in the profiled costs, one line each (empty: not calibrated).",
+    )
     ties: list[Tie] = Field(default_factory=list, description="Parameters several blocks read (tied weights).")
     compile: bool = Field(
         default=False,

@@ -46,6 +46,21 @@ class MemoryMeasure(BaseModel):
     )
 
 
+class BlockMeasure(BaseModel):
+    """One block's times inside the running stage (``planner.capture.clock``), medians per microbatch."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(description="The block's FQN.")
+    fwd_s: float = Field(
+        description="Median forward per microbatch; the model's last block includes the loss, as the profile does."
+    )
+    bwd_s: float = Field(
+        description="Median backward per microbatch (input gradients only under a schedule that splits the "
+        "weight gradients off); the model's last block includes the loss's backward, as the profile does."
+    )
+
+
 class StageMeasure(BaseModel):
     """What one stage (one rank) measured inside the real schedule, medians over the timed steps.
 
@@ -80,6 +95,19 @@ class StageMeasure(BaseModel):
     fwd_times_s: list[list[float]] = Field(description="[step][microbatch] forward times, every step.")
     bwd_times_s: list[list[float]] = Field(description="[step][microbatch] backward times, every step.")
     memory: MemoryMeasure | None = Field(default=None, description="Tensor memory by category (None: not tracked).")
+    blocks: list[BlockMeasure] = Field(
+        default_factory=list, description="Every block of the stage timed where it ran (empty: not timed)."
+    )
+    fwd_overhead_s: float = Field(
+        default=0.0,
+        description="Median per forward action: time outside every block (the runtime's bookkeeping; the loss "
+        "is apart, in loss_s).",
+    )
+    bwd_overhead_s: float = Field(
+        default=0.0,
+        description="Median per backward action: time outside every block (the runtime's bookkeeping; weight "
+        "gradients computed apart are not counted).",
+    )
     timeline: list[tuple[str, int, float, float]] = Field(
         default_factory=list,
         description="One timed step's actions of this stage: (kind F/B/I/W, microbatch, start, end) in seconds "

@@ -1,0 +1,190 @@
+"""Block times measured in context: the whole model run as one stage, every block timed where it runs.
+
+A block timed alone (``planner.costs.measure``) is not a block inside a stage. Measured on this
+project's CPU machines (docs/cost_accuracy.md), the isolated backward of a wide MLP block was 1.3 to
+1.7 times its backward inside the pipeline: alone, the block's weight gradients are made anew and
+the I/W and recompute timings between repeats churn the allocator, so large buffers come back as
+fresh pages that fault on first touch; inside a stage the gradients accumulate over the step's
+microbatches into buffers that already exist, and the blocks run back to back on warm caches.
+
+So the forward and backward of every block are measured the way a stage runs them: the model is
+cut as one stage holding every block (``planner.capture.stage.build_stage_module``) with a
+``BlockClock`` mark at every block boundary (``planner.capture.clock``), and runs forward, loss and
+backward repeatedly, its gradients accumulating as over a step's microbatches. The loss is timed
+apart (forward, and its backward: from the start of backward to the last block's mark), and added
+to the last block's forward and backward, where a pipeline's last stage spends it. The isolated
+measurements keep what only they can give (I/W, recompute, saved bytes); ``apply_in_context`` rescales I
+and W by the block's in-context/isolated backward ratio and the recompute by the forward ratio.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from planner.capture.blocks import GraphTrace
+from planner.capture.clock import BlockClock
+from planner.capture.stage import build_stage_module, stage_inputs
+from planner.costs.levers import autocast_context
+from planner.costs.timing import backward_roots, sync
+from planner.schema.costs import BlockCost
+
+_perf = time.perf_counter
+
+
+@dataclass
+class InContext:
+    """Per-block medians of the whole-model runs (seconds per microbatch), the loss apart."""
+
+    fwd: list[float]
+    bwd: list[float]
+    loss_fwd: float
+    loss_bwd: float
+
+
+def time_in_context(
+    traced: GraphTrace,
+    inputs: tuple[Any, ...],
+    target: torch.Tensor,
+    loss_fn: Any,
+    *,
+    warmup: int,
+    repeats: int,
+    device_type: str,
+    autocast: str | None,
+) -> InContext:
+    """Run the whole model as one stage, forward, loss and backward, ``warmup + repeats`` times.
+
+    Args:
+        traced: the graph trace (blocks in order).
+        inputs: one microbatch's positional inputs.
+        target: its target.
+        loss_fn: ``loss_fn(output, target) -> scalar``.
+        warmup: untimed runs.
+        repeats: timed runs (medians kept).
+        device_type: "cpu" or "cuda" (autocast).
+        autocast: the plan's autocast dtype, or None.
+
+    Returns:
+        The per-block and loss medians.
+    """
+    n = len(traced.blocks)
+    clock = BlockClock(0, n, loss_in_last=True)
+    module = build_stage_module(traced, 0, n, check_cuts=False, clock=clock)
+    args = stage_inputs(inputs)  # a first stage's inputs: the user's data, no gradient
+    loss_f: list[float] = []
+    loss_b: list[float] = []
+    for r in range(warmup + repeats):
+        clock.step = r
+        clock.begin("F")
+        with autocast_context(device_type, autocast):
+            out = module(*args)
+            sync(args)
+            t0 = _perf()
+            loss = loss_fn(out, target)
+            sync(args)
+            t1 = _perf()
+        clock.finish()
+        roots, grads = backward_roots(loss)
+        clock.begin("B")
+        if roots:
+            torch.autograd.backward(roots, grads)
+        sync(args)
+        clock.finish()
+        action = clock.actions[-1]
+        if r >= warmup:
+            loss_f.append(t1 - t0)
+            # the loss's backward runs first, before the last block's mark fires
+            last = dict(action.marks).get(n - 1)
+            loss_b.append((last - action.begin) if last is not None else 0.0)
+            # (the clock counts it in the last block's backward already: loss_in_last)
+    traced.model.zero_grad(set_to_none=True)
+    timed = range(warmup, warmup + repeats)
+    fwd, _ = clock.medians(("F",), timed)
+    bwd, _ = clock.medians(("B",), timed)
+    return InContext(fwd, bwd, statistics.median(loss_f), statistics.median(loss_b))
+
+
+def apply_in_context(costs: list[BlockCost], ctx: InContext) -> list[BlockCost]:
+    """The isolated costs with the in-context forward and backward (see the module docstring).
+
+    Args:
+        costs: one isolated BlockCost per block.
+        ctx: the in-context medians of the same blocks.
+
+    Returns:
+        The costs with in-context times; the last block's include the loss (``loss_s``: its forward).
+    """
+    out = []
+    last = len(costs) - 1
+    for k, (c, f, b) in enumerate(zip(costs, ctx.fwd, ctx.bwd)):
+        if k == last:  # the clock counted the loss's backward in the last block's already
+            f += ctx.loss_fwd
+        rf = f / c.fwd_s if c.fwd_s > 0 else 1.0
+        rb = b / c.bwd_s if c.bwd_s > 0 else 1.0
+        update: dict[str, Any] = {
+            "fwd_s": f,
+            "bwd_s": b,
+            "bwd_input_s": None if c.bwd_input_s is None else c.bwd_input_s * rb,
+            "bwd_weight_s": None if c.bwd_weight_s is None else c.bwd_weight_s * rb,
+            "recompute_s": None if c.recompute_s is None else c.recompute_s * rf,
+        }
+        if k == last:
+            update["loss_s"] = ctx.loss_fwd
+        out.append(c.model_copy(update=update))
+    return out
+
+
+def time_grad_passes(
+    owned: list[list[torch.nn.Parameter]], clip: bool, *, warmup: int = 1, repeats: int = 3
+) -> list[float]:
+    """Per block, the seconds of the passes a rank makes over its gradients before the optimizer.
+
+    The runner (``planner.run``) averages the gradients accumulated over the microbatches
+    (``grad.mul_(1 / m)``), computes their norm for clipping (``torch.nn.utils.get_total_norm``) and,
+    with clipping on, scales them (``clip_grads_with_norm_``). Each pass streams every gradient
+    through memory, so a stage's cost is the sum of its blocks'. The blocks are timed in turn,
+    round after round, on copies of their gradients, so each block's passes run after the others'
+    data went through the caches, as in a stage with many parameters.
+
+    Args:
+        owned: per block, the parameters it owns.
+        clip: whether the run clips (the plan's optimizer has ``grad_clip``).
+        warmup: untimed rounds.
+        repeats: timed rounds (median kept).
+
+    Returns:
+        Seconds per block (0.0 for a block without trainable parameters).
+    """
+    copies = [[p.detach().clone().requires_grad_(True) for p in own if p.requires_grad] for own in owned]
+    for group in copies:
+        for c in group:
+            c.grad = torch.randn_like(c)
+    times: list[list[float]] = [[] for _ in copies]
+    for r in range(warmup + repeats):
+        for k, group in enumerate(copies):
+            if not group:
+                continue
+            grads = [c.grad for c in group if c.grad is not None]
+            sync(tuple(grads))
+            t0 = _perf()
+            for g in grads:
+                g.mul_(0.5)
+            norm = torch.nn.utils.get_total_norm(grads)
+            if clip:
+                torch.nn.utils.clip_grads_with_norm_(group, 1.0, norm)
+            sync(tuple(grads))
+            if r >= warmup:
+                times[k].append(_perf() - t0)
+            for g in grads:  # keep the values from shrinking to zero over the rounds
+                g.mul_(2.0)
+    return [statistics.median(t) if t else 0.0 for t in times]
+
+
+def with_grad_passes(costs: list[BlockCost], seconds: list[float]) -> list[BlockCost]:
+    """The costs with ``grad_s`` set from ``time_grad_passes``."""
+    return [c.model_copy(update={"grad_s": s}) for c, s in zip(costs, seconds)]

@@ -1,0 +1,133 @@
+"""Tier 2 (CPU torch): per-block times from the marks a stage carries (planner.capture.clock).
+
+Checked with blocks that sleep a known time forward and backward (tests/fixtures/delay.py), so the
+expected per-block times are known whatever the CPU; and with a real model, that the marks change
+neither the values nor the gradients.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from planner.capture.clock import BlockClock
+from planner.capture.load import load_model_file
+from planner.capture.stage import stage_inputs, stage_module
+from planner.capture.trace import trace_model
+from planner.costs.context import time_in_context
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FWD_MS, BWD_MS = (20, 40, 60), (10, 20, 30)
+TOL_S = 0.008
+
+
+def _delay(modules: bool):
+    mf = load_model_file(FIXTURES / "delay.py", "tiny", {"modules": modules, "d": 16})
+    inputs, target = mf.batch(4)
+    return mf, inputs, target, trace_model(mf.build(), inputs)
+
+
+def _run(module, clock: BlockClock, args, loss_fn=None, target=None, grad_out=True) -> None:
+    clock.begin("F")
+    out = module(*args)
+    clock.finish()
+    clock.begin("B")
+    if loss_fn is not None:
+        loss_fn(out, target).backward()
+    else:
+        roots = out if isinstance(out, tuple) else (out,)
+        torch.autograd.backward(list(roots), [torch.ones_like(r) for r in roots])
+    clock.finish()
+
+
+@pytest.mark.parametrize("modules", [False, True], ids=["graph", "modules"])
+def test_marks_time_every_block_of_a_whole_model_stage(modules: bool) -> None:
+    mf, inputs, target, traced = _delay(modules)
+    clock = BlockClock(0, 3, loss_in_last=True)
+    module = stage_module(traced, 0, 3, clock)
+    for step in range(3):
+        clock.step = step
+        _run(module, clock, stage_inputs(inputs), mf.loss_fn, target)
+    fwd, fwd_over = clock.medians(("F",), steps=[1, 2])
+    bwd, bwd_over = clock.medians(("B",), steps=[1, 2])
+    for got, ms in zip(fwd, FWD_MS):
+        assert got == pytest.approx(ms / 1e3, abs=TOL_S)
+        assert got >= ms / 1e3 - 1e-4  # a sleep is a lower bound
+    for got, ms in zip(bwd, BWD_MS):
+        assert got == pytest.approx(ms / 1e3, abs=TOL_S)
+        assert got >= ms / 1e3 - 1e-4
+    assert 0 <= fwd_over < 3e-3 and 0 <= bwd_over < 3e-3
+    times, _ = clock.block_times(("F",), steps=[2])
+    assert [len(t) for t in times] == [1, 1, 1]  # one action of step 2 per block
+
+
+def test_a_middle_stage_times_its_first_block_through_the_input_mark() -> None:
+    """A later stage's inputs need gradients: its first block's backward ends at the input mark."""
+    mf, inputs, _, traced = _delay(False)
+    head = stage_module(traced, 0, 1)
+    with torch.no_grad():
+        x = head(*stage_inputs(inputs))
+    clock = BlockClock(1, 3)
+    module = stage_module(traced, 1, 3, clock)
+    for step in range(2):
+        clock.step = step
+        _run(module, clock, (x.detach().requires_grad_(True),))
+    (f1, f2), _ = clock.medians(("F",), steps=[1])
+    (b1, b2), over = clock.medians(("B",), steps=[1])
+    assert f1 == pytest.approx(0.040, abs=TOL_S) and f2 == pytest.approx(0.060, abs=TOL_S)
+    assert b1 == pytest.approx(0.020, abs=TOL_S) and b2 == pytest.approx(0.030, abs=TOL_S)
+    assert over < 3e-3
+    clock.discard(1)
+    assert clock.block_times(("B",), steps=[1]) == ([[], []], [])
+
+
+def test_marks_change_neither_values_nor_gradients() -> None:
+    """Same outputs and gradients with and without marks, including an in-place op after a mark."""
+    mf = load_model_file(ROOT / "models" / "gpt.py", "tiny")
+    inputs, target = mf.batch(2, seed=0)
+    grads = []
+    outs = []
+    for marked in (False, True):
+        torch.manual_seed(0)
+        traced = trace_model(mf.build(0), inputs)
+        n = len(traced.blocks)
+        clock = BlockClock(0, n, loss_in_last=True) if marked else None
+        module = stage_module(traced, 0, n, clock)
+        if clock is not None:
+            clock.begin("F")
+        out = module(*stage_inputs(inputs))
+        loss = mf.loss_fn(out, target)
+        loss.backward()
+        outs.append(out.detach())
+        grads.append({k: p.grad.clone() for k, p in module.named_parameters() if p.grad is not None})
+    assert torch.equal(outs[0], outs[1])
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for k in grads[0]:
+        assert torch.equal(grads[0][k], grads[1][k]), k
+
+
+def test_an_in_place_op_on_a_marked_value_keeps_its_gradient() -> None:
+    clock = BlockClock(0, 2)
+    x = torch.randn(5, requires_grad=True)
+    clock.begin("F")
+    (y,) = clock.mark(0, x * 2)
+    y.add_(1.0)
+    torch.relu_(y)
+    clock.finish()
+    y.sum().backward()
+    assert x.grad is not None
+    assert torch.equal(x.grad, 2.0 * ((x.detach() * 2 + 1) > 0).float())
+
+
+def test_in_context_profile_counts_the_loss_in_the_last_block() -> None:
+    mf, inputs, target, traced = _delay(False)
+    ctx = time_in_context(traced, inputs, target, mf.loss_fn, warmup=1, repeats=2, device_type="cpu", autocast=None)
+    for got, ms in zip(ctx.fwd, FWD_MS):
+        assert got == pytest.approx(ms / 1e3, abs=TOL_S)
+    for got, ms in zip(ctx.bwd, BWD_MS):
+        assert got == pytest.approx(ms / 1e3, abs=TOL_S)
+    assert 0 <= ctx.loss_fwd < 2e-3 and 0 <= ctx.loss_bwd < 2e-3
+    assert all(p.grad is None for p in traced.model.parameters())  # left as found
