@@ -302,6 +302,8 @@ def test_report_measured_needs_a_run_file(tmp_path: Path) -> None:
     )
     result = CliRunner().invoke(main, ["report", str(out), "--measured", str(tmp_path / "nope.run.json")])
     assert result.exit_code == 2 and "cannot read run result" in result.output
+    blocks = CliRunner().invoke(main, ["report", str(out), "--blocks"])
+    assert blocks.exit_code == 2 and "--blocks compares with a run" in blocks.output
 
 
 @pytest.mark.multiprocess
@@ -316,9 +318,10 @@ def test_plan_run_report_calibrate_loop(tmp_path: Path) -> None:
     result = invoke("run", str(plan_path), "--steps", "4")
     assert result.exit_code == 0, result.output
     assert "measured vs" in result.output and run_path.exists()
-    report = invoke("report", str(plan_path), "--measured", str(run_path))
+    report = invoke("report", str(plan_path), "--measured", str(run_path), "--blocks")
     assert report.exit_code == 0, report.output
     assert "predicted vs measured" in report.output
+    assert "every block, profiled vs inside the pipeline" in report.output and " layers.0 " in report.output
     assert any(line.startswith("step ") and line.rstrip().endswith("%") for line in report.output.splitlines())
     # the predicted step drawn over the one the run recorded, and as trace events
     png, trace = tmp_path / "step.png", tmp_path / "step.trace.json"
@@ -349,6 +352,7 @@ def test_plan_run_report_calibrate_loop(tmp_path: Path) -> None:
         *FAST,
     )
     assert result.exit_code == 0, result.output
+    assert "calibrated: " in result.output and "timed inside their stage" in result.output
     from planner.core.predict import predict
     from planner.schema.result import RunResult
 

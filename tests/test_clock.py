@@ -131,3 +131,14 @@ def test_in_context_profile_counts_the_loss_in_the_last_block() -> None:
         assert got == pytest.approx(ms / 1e3, abs=TOL_S)
     assert 0 <= ctx.loss_fwd < 2e-3 and 0 <= ctx.loss_bwd < 2e-3
     assert all(p.grad is None for p in traced.model.parameters())  # left as found
+
+
+def test_a_mark_keeps_which_values_require_grad() -> None:
+    """A constant crossing a cut (rotary cos/sin) must not come out requiring grad: the stage would
+    then send a gradient for it that the neighbour never receives (gloo aborts on the mismatch)."""
+    clock = BlockClock(0, 1)
+    x = torch.randn(3, requires_grad=True)
+    const, ids = torch.randn(3), torch.arange(3)
+    out = clock.mark(0, x * 1, const, ids, None)
+    assert [getattr(v, "requires_grad", None) for v in out] == [True, False, False, None]
+    assert out[1] is const and out[2] is ids

@@ -6,9 +6,9 @@ import pytest
 from plan_factory import MB, big_head_blocks, make_plan
 
 from planner.errors import PlanFileError
-from planner.report.compare import compare_table, step_error
+from planner.report.compare import compare_blocks_table, compare_table, step_error
 from planner.schema.plan import Plan
-from planner.schema.result import MemoryMeasure, RunResult, StageMeasure
+from planner.schema.result import BlockMeasure, MemoryMeasure, RunResult, StageMeasure
 
 
 def stage_measure(
@@ -106,3 +106,27 @@ def test_run_of_another_split_is_refused() -> None:
         step_error(plan, other)
     with pytest.raises(PlanFileError, match="measurements for 0 stage"):
         compare_table(plan, make_run(plan, [], 580))
+
+
+def test_compare_blocks_table_exact() -> None:
+    """Every block's profiled time beside its time inside the pipeline, and the time outside the blocks."""
+    plan = make_plan(big_head_blocks())  # blocks embed 1/1 ms, layers.0-3 10/20 ms, output 25/50 ms
+    run = make_run(plan, [stage_measure(plan, 0, 35, 65, 0, None), stage_measure(plan, 1, 36, 72, 0, None)], 580)
+    timed = [
+        [BlockMeasure(name="embed", fwd_s=0.002, bwd_s=0.001)]
+        + [BlockMeasure(name=f"layers.{k}", fwd_s=0.011, bwd_s=0.02) for k in range(3)],
+        [BlockMeasure(name="layers.3", fwd_s=0.008, bwd_s=0.025), BlockMeasure(name="output", fwd_s=0.025, bwd_s=0.04)],
+    ]
+    stages = [
+        m.model_copy(update={"blocks": b, "fwd_overhead_s": 0.0005, "bwd_overhead_s": 0.00125})
+        for m, b in zip(run.stages, timed)
+    ]
+    table = compare_blocks_table(plan, run.model_copy(update={"stages": stages}))
+    lines = table.splitlines()
+    assert lines[0].split() == ["stage", "block", "fwd", "ms", "plan", "run", "err", "bwd", "ms", "plan", "run", "err"]
+    assert lines[2].split() == ["0", "embed", "1.00", "2.00", "-50.0%", "1.00", "1.00", "+0.0%"]
+    assert lines[3].split() == ["0", "layers.0", "10.00", "11.00", "-9.1%", "20.00", "20.00", "+0.0%"]
+    assert lines[6].split() == ["1", "layers.3", "10.00", "8.00", "+25.0%", "20.00", "25.00", "-20.0%"]
+    assert lines[7].split() == ["1", "output", "25.00", "25.00", "+0.0%", "50.00", "40.00", "+25.0%"]
+    assert lines[-2].split() == ["0", "0.50", "1.25"] and lines[-1].split() == ["1", "0.50", "1.25"]
+    assert compare_blocks_table(plan, run).startswith("(the run timed no blocks")

@@ -55,22 +55,29 @@ class BlockClock:
         loss_in_last: the stage ends the model, and the loss's backward runs inside its backward
             actions: the last block's backward then starts with the action, as the profiler counts
             the loss in the last block.
+        cuda: the stage runs on a GPU: every mark synchronizes first (this serializes the
+            stage's kernels at block boundaries, a small cost next to a block's work).
     """
 
-    def __init__(self, start: int, end: int, loss_in_last: bool = False) -> None:
+    def __init__(self, start: int, end: int, loss_in_last: bool = False, cuda: bool = False) -> None:
         self.start, self.end = start, end
         self.loss_in_last = loss_in_last
+        self.cuda = cuda  # wait for the GPU at every mark, so a mark times work done, not work queued
         self.actions: list[ActionMarks] = []
         self.step = 0  # the caller's step number, recorded with each action
         self._open: ActionMarks | None = None
 
     def begin(self, kind: str, microbatch: int = 0) -> None:
         """Start an action: marks until ``finish()`` belong to it."""
+        if self.cuda:
+            torch.cuda.synchronize()
         self._open = ActionMarks(kind, microbatch, self.step, _perf())
 
     def finish(self) -> None:
         """Close the current action."""
         if self._open is not None:
+            if self.cuda:
+                torch.cuda.synchronize()
             self._open.end = _perf()
             self.actions.append(self._open)
             self._open = None
@@ -83,14 +90,19 @@ class BlockClock:
     def note(self, k: int) -> None:
         """Record mark ``k`` (called by the marks themselves)."""
         if self._open is not None:
+            if self.cuda:
+                torch.cuda.synchronize()
             self._open.marks.append((k, _perf()))
 
     def mark(self, k: int, *values: Any) -> tuple[Any, ...]:
-        """Pass ``values`` on unchanged, marking boundary ``k`` forward and, through the float tensors
-        among them, backward."""
-        tensors = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        """Pass ``values`` on unchanged, marking boundary ``k`` forward and, through the tensors among
+        them that require grad, backward."""
+        # only tensors that require grad pass through the mark: another would come out requiring
+        # grad too (every output of a function with a differentiable input is differentiable), and
+        # a stage would then send gradients its neighbour does not expect
+        tensors = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.requires_grad]
         self.note(k)
-        if not tensors or not torch.is_grad_enabled() or not any(values[i].requires_grad for i in tensors):
+        if not tensors or not torch.is_grad_enabled():
             return values
         marked = _Mark.apply(self, k, *(values[i] for i in tensors))
         out = list(values)

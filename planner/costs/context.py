@@ -73,7 +73,7 @@ def time_in_context(
         The per-block and loss medians.
     """
     n = len(traced.blocks)
-    clock = BlockClock(0, n, loss_in_last=True)
+    clock = BlockClock(0, n, loss_in_last=True, cuda=device_type == "cuda")
     module = build_stage_module(traced, 0, n, check_cuts=False, clock=clock)
     args = stage_inputs(inputs)  # a first stage's inputs: the user's data, no gradient
     loss_f: list[float] = []

@@ -433,7 +433,8 @@ def _build_stages(plan: Plan, mf: ModelFile, mesh: _Mesh, device: torch.device, 
         # every block timed where it runs (planner.capture.clock); a compiled stage would break its
         # graph at each mark, so it is timed per stage only
         last = stage_plan.end == len(plan.blocks)
-        clock = None if plan.compile else BlockClock(stage_plan.start, stage_plan.end, loss_in_last=last)
+        cuda = device.type == "cuda"
+        clock = None if plan.compile else BlockClock(stage_plan.start, stage_plan.end, last, cuda)
         clocks.append(clock)
         built = stage_module(traced, stage_plan.start, stage_plan.end, clock)
         inner = Recomputed(built) if stage_plan.recompute else built
