@@ -34,6 +34,11 @@ from planner.costs.timing import backward_roots, sync
 from planner.schema.costs import BlockCost
 
 _perf = time.perf_counter
+# A stage waits for its neighbour between actions, and the first blocks after a wait run slower (the
+# core idled; caches and predictors went cold): measured on this project's CPU, the first block of
+# a 0.4 ms-per-block model took about twice its back-to-back time after a 5 ms wait. The profile
+# waits this long before each action, as a pipeline's ranks do.
+_WAIT_S = 2e-3
 
 
 @dataclass
@@ -80,6 +85,7 @@ def time_in_context(
     loss_b: list[float] = []
     for r in range(warmup + repeats):
         clock.step = r
+        time.sleep(_WAIT_S)  # as a stage waits for its neighbour before each action
         clock.begin("F")
         with autocast_context(device_type, autocast):
             out = module(*args)
@@ -90,6 +96,7 @@ def time_in_context(
             t1 = _perf()
         clock.finish()
         roots, grads = backward_roots(loss)
+        time.sleep(_WAIT_S)
         clock.begin("B")
         if roots:
             torch.autograd.backward(roots, grads)
