@@ -310,20 +310,3 @@ def test_shared_step_bounded_by_work_and_by_dedicated(p: int, m: int, f: int, b:
         assert shared >= dedicated - 1e-9  # sharing never speeds anything up
         assert shared >= work / min(slots, p) - 1e-9  # the processors cannot do more than slots x time
         assert shared <= dedicated * max(1.0, p / slots) + 1e-9  # nor slow anything by more than p / slots
-
-
-def test_ranks_sharing_cores_wait_out_messages_without_a_processor() -> None:
-    """Two ranks on one processor: compute is shared, a message's wait is not.
-
-    F = 3 (1 of it a message), B = 5 (1 a message), GPipe, m = 1, slots = 1. Rank 0 computes F0
-    alone (2 s) then waits 1 s; rank 1 computes 2, waits 1 (t = 6); its B computes 4, waits 1
-    (t = 11); rank 0's B computes 4 and waits 1: t = 16, exactly the unshared makespan, since the
-    two ranks never compute at once. Without the message share (all compute) it is the same here;
-    with both ranks computing at once the messages stretch no longer."""
-    st = [StageTimes(3.0, 5.0, msg=1.0), StageTimes(3.0, 5.0, msg=1.0)]
-    assert simulate(st, "gpipe", 1, slots=1).step_time_s == pytest.approx(16.0)
-    # m = 2: F1 on rank 0 computes while rank 1 computes F0: 2 compute-seconds each at half speed
-    shared = simulate(st, "gpipe", 2, slots=1).step_time_s
-    all_compute = simulate([StageTimes(3.0, 5.0), StageTimes(3.0, 5.0)], "gpipe", 2, slots=1).step_time_s
-    assert shared < all_compute
-    assert shared >= simulate(st, "gpipe", 2).step_time_s  # never faster than a processor per rank

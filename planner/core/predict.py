@@ -226,8 +226,7 @@ def stage_times(stages: Sequence[StagePlan]) -> list[StageTimes]:
     """What each stage's actions occupy its rank in the simulator.
 
     Each action carries its messages: a forward sends/receives activations, a backward (its input
-    part when split) their gradients; ``msg`` says how much of it is messages, which ranks sharing
-    a CPU wait out without taking a processor from each other.
+    part when split) their gradients.
     """
     return [
         StageTimes(
@@ -235,7 +234,6 @@ def stage_times(stages: Sequence[StagePlan]) -> list[StageTimes]:
             s.bwd_s + s.comm_s / 2,
             None if s.bwd_input_s is None else s.bwd_input_s + s.comm_s / 2,
             s.bwd_weight_s,
-            s.comm_s / 2,
         )
         for s in stages
     ]

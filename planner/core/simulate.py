@@ -42,12 +42,6 @@ class StageTimes(NamedTuple):
     b: float
     i: float | None = None
     w: float | None = None
-    msg: float = 0.0  # of f, b and i: the messages' share, spent waiting on a link, not computing
-
-    def compute(self, kind: str) -> float:
-        """Seconds of an action of ``kind`` that need a processor (all but its messages)."""
-        total = self.of(kind)
-        return total if kind == "W" else max(0.0, total - self.msg)
 
     def of(self, kind: str) -> float:
         """Seconds of an action of ``kind`` ("F", "B", "I" or "W")."""
@@ -218,14 +212,12 @@ def _run(times: list[StageTimes], orders: list[list[Action]]) -> tuple[list[Even
 def _run_shared(
     times: list[StageTimes], orders: list[list[Action]], slots: float
 ) -> tuple[list[Event], list[float], float]:
-    """Ranks share ``slots`` processors: every computing action progresses at rate
-    ``min(1, slots / computing)`` (a fluid processor-sharing model of the OS scheduler). An
-    action computes first, then waits out its messages (``StageTimes.msg``) at full rate: a rank
-    waiting on a link takes no processor from the others."""
+    """Ranks share ``slots`` processors: every running action progresses at rate
+    ``min(1, slots / running)`` (a fluid processor-sharing model of the OS scheduler)."""
     p, n_stages = len(orders), len(times)
     end: dict[Key, float] = {}
     next_idx = [0] * p
-    running: dict[int, list[Any]] = {}  # rank -> [action, start, compute left, message left]
+    running: dict[int, list[Any]] = {}  # rank -> [action, start, work left]
     busy = [0.0] * p
     events: list[Event] = []
     now = 0.0
@@ -235,24 +227,17 @@ def _run_shared(
                 continue
             a = orders[rank][next_idx[rank]]
             if all(d in end for d in _deps(a, n_stages)):
-                work = times[a.stage].compute(a.kind)
-                running[rank] = [a, now, work, times[a.stage].of(a.kind) - work]
+                running[rank] = [a, now, times[a.stage].of(a.kind)]
                 next_idx[rank] += 1
         if not running:
             raise _stuck(orders, next_idx)
-        computing = sum(1 for r in running.values() if r[2] > 0)
-        rate = min(1.0, slots / computing) if computing else 1.0
-        step = min(r[2] / rate if r[2] > 0 else r[3] for r in running.values())
+        rate = min(1.0, slots / len(running))
+        step = min(r[2] for r in running.values()) / rate
         now += step
         for rank in list(running):
-            a, start, left, wait = running[rank]
-            if left > 0:
-                left = max(0.0, left - step * rate)
-                if left <= 1e-12 * max(1.0, now):
-                    left = 0.0
-            else:
-                wait -= step
-            if left == 0.0 and wait <= 1e-12 * max(1.0, now):
+            a, start, left = running[rank]
+            left -= step * rate
+            if left <= 1e-12 * max(1.0, now):
                 key = _produces(a)
                 if key is not None:
                     end[key] = now
@@ -262,5 +247,5 @@ def _run_shared(
                 )
                 del running[rank]
             else:
-                running[rank][2:] = [left, wait]
+                running[rank][2] = left
     return events, busy, now
