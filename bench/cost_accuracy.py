@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from seed_systems import background_cpu  # noqa: E402  (bench/ is on sys.path: this script's folder)
 from tabulate import tabulate  # noqa: E402
 
 from planner.capture.load import load_model_file  # noqa: E402
@@ -1003,24 +1004,6 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     return f"{platform.node()}: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
-
-
-def background_cpu(seconds: float = 2.0) -> float:
-    """Share of the machine's CPU other processes used over `seconds` while this script idles."""
-
-    def jiffies() -> tuple[int, int]:
-        """Busy and total jiffies since boot."""
-        with open("/proc/stat") as f:
-            values = [int(v) for v in f.readline().split()[1:9]]
-        return sum(values) - values[3] - values[4], sum(values)
-
-    try:
-        busy0, total0 = jiffies()
-        time.sleep(seconds)
-        busy1, total1 = jiffies()
-    except OSError:
-        return math.nan
-    return (busy1 - busy0) / max(1, total1 - total0)
 
 
 def source_of(model: ModelSpec) -> str:

@@ -270,3 +270,28 @@ def test_tied_copies_count_in_temporaries() -> None:
     steps = time_optimizer_steps([[emb], [head_bias]], OptimizerSpec(), warmup=1, repeats=1, tied=[[], [emb]])
     assert steps.temp_bytes[1] >= 2 * emb.numel() * 4  # the stage steps its own copy of the tied weight
     assert steps.seconds[1] > 0
+
+
+def test_gradient_passes_are_timed_per_block() -> None:
+    """The runner's passes over each block's gradients (average, clip norm, clip), on copies."""
+    from planner.costs.context import time_grad_passes
+
+    big, small = torch.nn.Parameter(torch.randn(512, 512)), torch.nn.Parameter(torch.randn(8))
+    frozen = torch.nn.Parameter(torch.randn(64), requires_grad=False)
+    times = time_grad_passes([[big], [], [small], [frozen]], clip=True, warmup=1, repeats=3)
+    assert times[0] > 0 and times[2] > 0 and times[1] == 0.0 and times[3] == 0.0
+    assert big.grad is None and small.grad is None  # copies were stepped, the parameters left alone
+
+
+def test_gradient_passes_estimate_counts_bytes() -> None:
+    """Averaging (read + write), the norm (read) and the clip (read + write): 5 passes of the gradient
+    bytes, 3 without clipping, at the memory bandwidth the hardware gets; on a GPU no per-op cost."""
+    from planner.core.hardware import get_hardware
+    from planner.costs.estimate import grad_pass_seconds
+
+    hw = get_hardware("h100")
+    bw = hw.memory_Bps * hw.memory_efficiency
+    assert hw.async_launch
+    assert grad_pass_seconds(10**6, 4 * 10**6, 3, hw, clip=True) == 5 * 4e6 / bw
+    assert grad_pass_seconds(10**6, 4 * 10**6, 3, hw, clip=False) == 3 * 4e6 / bw
+    assert grad_pass_seconds(0, 0, 0, hw, clip=True) == 0.0
