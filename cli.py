@@ -711,6 +711,8 @@ def report_cmd(plan_file: str, run_file: str | None, timeline: str | None, trace
     """Print the balance tables of a saved plan (and, with --measured, how a run of it compared)."""
     from planner.report.tables import render
 
+    if blocks and not run_file:
+        raise PlannerError("--blocks compares with a run: give it one with --measured RUN.json")
     plan = _load_plan(plan_file)
     outputs = []
     if timeline:
@@ -731,8 +733,6 @@ def report_cmd(plan_file: str, run_file: str | None, timeline: str | None, trace
             from planner.report.compare import compare_blocks_table
 
             click.echo("\nevery block, profiled vs inside the pipeline\n" + compare_blocks_table(plan, run))
-    elif blocks:
-        raise click.UsageError("--blocks compares with a run: give it one with --measured RUN.json")
     if outputs:
         _write_pictures(plan, run, timeline, trace)
 

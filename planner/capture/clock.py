@@ -131,7 +131,7 @@ class BlockClock:
                 continue
             at = dict(a.marks)  # a mark noted twice (never, in a well-formed stage) keeps its last time
             if a.kind == "F":
-                per = _forward_blocks(at, a, self.start, n)
+                per = _forward_blocks(at, self.start, n)
             else:
                 per = _backward_blocks(at, a, self.start, n, self.loss_in_last)
             if per is None:
@@ -147,7 +147,7 @@ class BlockClock:
         return [statistics.median(t) if t else 0.0 for t in times], statistics.median(overhead) if overhead else 0.0
 
 
-def _forward_blocks(at: dict[int, float], a: ActionMarks, start: int, n: int) -> list[float] | None:
+def _forward_blocks(at: dict[int, float], start: int, n: int) -> list[float] | None:
     """Block k's forward runs from mark k - 1 to mark k (the input mark is noted first thing)."""
     if any(start - 1 + j not in at for j in range(n + 1)):
         return None

@@ -64,7 +64,7 @@ from planner.run.common import (
 from planner.run.loop import Progress, RankModel, RankResult, train_steps
 from planner.run.measure import StageProbe, probes_installed, recv_buffers
 from planner.run.preflight import vocab_size_of
-from planner.schema.plan import Plan
+from planner.schema.plan import Plan, StagePlan
 from planner.schema.request import TORCH_NAMES, RunRequest
 from planner.torch_compat import is_view
 
@@ -404,6 +404,14 @@ def _aliases(model: torch.nn.Module) -> dict[str, list[str]]:
     return out
 
 
+def _block_clock(plan: Plan, stage: StagePlan, device: torch.device) -> BlockClock | None:
+    """The marks that time every block of ``stage`` where it runs (``planner.capture.clock``); None
+    for a compiled plan, whose graph each mark would break (it is timed per stage only)."""
+    if plan.compile:
+        return None
+    return BlockClock(stage.start, stage.end, stage.end == len(plan.blocks), device.type == "cuda")
+
+
 def _build_stages(plan: Plan, mf: ModelFile, mesh: _Mesh, device: torch.device, want_vocab: bool) -> _RankStages:
     """This rank's stage modules (wrapped for the plan's data parallelism), their trainable
     parameters, one optimizer over them, their ``PipelineStage`` objects, the plan's schedule
@@ -430,11 +438,7 @@ def _build_stages(plan: Plan, mf: ModelFile, mesh: _Mesh, device: torch.device, 
     cut = []
     clocks: list[BlockClock | None] = []
     for stage_plan in plan.stages_of(mesh.pp_rank):
-        # every block timed where it runs (planner.capture.clock); a compiled stage would break its
-        # graph at each mark, so it is timed per stage only
-        last = stage_plan.end == len(plan.blocks)
-        cuda = device.type == "cuda"
-        clock = None if plan.compile else BlockClock(stage_plan.start, stage_plan.end, last, cuda)
+        clock = _block_clock(plan, stage_plan, device)
         clocks.append(clock)
         built = stage_module(traced, stage_plan.start, stage_plan.end, clock)
         inner = Recomputed(built) if stage_plan.recompute else built
