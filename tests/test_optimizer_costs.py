@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from plan_factory import assert_fit_limits_agree
 
 from planner.core import solve as solve_mod
 from planner.core.schedules import in_flight_per_stage
@@ -169,15 +170,7 @@ def test_fast_memory_path_matches_stage_memory_parts(
         bound = arrays._fit_bound(s_arr, e_arr, t)
         for i, (s, e) in enumerate(pairs):
             assert bound[i] <= min(mem.bytes(s, e, t, r) for r in options), (s, e, t)
-    t0, t1 = arrays.fit_limits(s_arr, e_arr)
-    last = dict(zip(arrays.starts.tolist(), arrays.last_fit(min(infl)).tolist()))
-    for i, (s, e) in enumerate(pairs):
-        for t in set(infl):
-            want_choice = mem.choice(s, e, t)
-            got = False if t <= t0[i] else True if t <= t1[i] else None
-            assert got == want_choice, (s, e, t)
-            if want_choice is not None:
-                assert e <= last[s], (s, e, t)
+    assert_fit_limits_agree(mem, arrays, pairs, infl)
 
 
 def _brute_bottleneck(blocks: list[BlockCost], p: int, optimizer: OptimizerSpec, limit: int, m: int) -> float | None:
@@ -274,7 +267,7 @@ def test_tied_copies_count_in_temporaries() -> None:
 
 def test_gradient_passes_are_timed_per_block() -> None:
     """The runner's passes over each block's gradients (average, clip norm, clip), on copies."""
-    from planner.costs.context import time_grad_passes
+    from planner.costs.timing import time_grad_passes
 
     big, small = torch.nn.Parameter(torch.randn(512, 512)), torch.nn.Parameter(torch.randn(8))
     frozen = torch.nn.Parameter(torch.randn(64), requires_grad=False)

@@ -62,7 +62,7 @@ from tqdm import tqdm
 from planner.capture.blocks import GraphTrace, ModuleTrace, TracedModel
 from planner.capture.stage import build_stage_module, stage_inputs
 from planner.costs.blocks import Profile, block_cost
-from planner.costs.context import apply_in_context, time_grad_passes, time_in_context, with_grad_passes
+from planner.costs.context import apply_in_context, time_in_context
 from planner.costs.levers import (
     autocast_context,
     compile_module,
@@ -77,6 +77,7 @@ from planner.costs.timing import (
     grad_inputs,
     leaf_safe,
     sync,
+    time_grad_passes,
     time_input_weight,
     time_optimizer_steps,
     time_recompute,
@@ -210,9 +211,6 @@ def profile_model(
                 )
                 profile.costs = apply_in_context(profile.costs, ctx)
         if optimizer is not None:
-            clip = optimizer.grad_clip is not None
-            grad_s = time_grad_passes(traced.owned_parameters(), clip, warmup=max(1, warmup), repeats=repeats)
-            profile.costs = with_grad_passes(profile.costs, grad_s)
             profile.costs, profile.step_temp_rule = _with_optimizer_shares(
                 traced, profile.costs, optimizer, warmup, repeats
             )
@@ -222,7 +220,8 @@ def profile_model(
 def _with_optimizer_shares(
     traced: TracedModel, costs: list[BlockCost], optimizer: OptimizerSpec, warmup: int, repeats: int
 ) -> tuple[list[BlockCost], StepTempRule]:
-    """Each block's optimizer step, timed on its own parameters, and the step's temporaries.
+    """Each block's optimizer step, timed on its own parameters, the step's temporaries, and the
+    passes over its gradients before the step (``time_grad_passes``).
 
     The step's cost is not proportional to the parameters: on CPU torch's AdamW runs per tensor and
     a large tensor's temporaries are fresh allocations that page-fault, so each block is timed on
@@ -233,9 +232,12 @@ def _with_optimizer_shares(
     copies of the tied parameters it reads; how a stage's combine: the rule returned with them.
     """
     steps = _optimizer_steps(traced, optimizer, warmup, repeats)
+    # and the passes over the same parameters' gradients that come before the step (grad_s)
+    clip = optimizer.grad_clip is not None
+    grad_s = time_grad_passes(traced.owned_parameters(), clip, max(1, warmup), repeats)
     out = [
-        cost.model_copy(update={"opt_s": opt_s, "opt_temp_bytes": temp})
-        for cost, opt_s, temp in zip(costs, steps.seconds, steps.temp_bytes)
+        cost.model_copy(update={"opt_s": opt_s, "opt_temp_bytes": temp, "grad_s": g})
+        for cost, opt_s, temp, g in zip(costs, steps.seconds, steps.temp_bytes, grad_s)
     ]
     return out, steps.temp_rule
 

@@ -159,42 +159,6 @@ def time_recompute(forward: Forward, args: tuple[Any, ...]) -> float:
     return calls[1] if len(calls) > 1 else 0.0
 
 
-def time_optimizer_step(
-    params: list[torch.Tensor], optimizer: OptimizerSpec, warmup: int = 1, repeats: int = 3
-) -> float:
-    """Median time of one optimizer step over copies of ``params`` with random gradients.
-
-    Args:
-        params: the parameters one block owns (left untouched: copies are stepped).
-        optimizer: which optimizer and learning rate.
-        warmup: untimed steps (AdamW allocates its state on the first).
-        repeats: timed steps.
-
-    Returns:
-        Seconds per step (0.0 when there are no parameters).
-    """
-    trainable = [p for p in params if p.requires_grad]
-    if not trainable:
-        return 0.0
-    copies = [p.detach().clone().requires_grad_(True) for p in trainable]
-    for c in copies:
-        c.grad = torch.randn_like(c)
-    opt: torch.optim.Optimizer
-    if optimizer.name == "sgd":
-        opt = torch.optim.SGD(copies, lr=optimizer.lr)
-    else:
-        opt = torch.optim.AdamW(copies, lr=optimizer.lr)
-    times = []
-    for r in range(max(1, warmup) + repeats):
-        sync(tuple(copies))
-        t0 = time.perf_counter()
-        opt.step()
-        sync(tuple(copies))
-        if r >= max(1, warmup):
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 @dataclass
 class OptimizerSteps:
     """One optimizer step per group of parameters (a block's), timed and its temporaries measured.
@@ -326,3 +290,46 @@ def time_optimizer_steps(
     return OptimizerSteps(
         seconds=[statistics.median(t) if t else 0.0 for t in times], temp_bytes=temps, all_temp_bytes=whole
     )
+
+
+def time_grad_passes(
+    groups: Sequence[Sequence[torch.Tensor]], clip: bool, warmup: int = 1, repeats: int = 3
+) -> list[float]:
+    """Per group, the seconds of the passes a rank makes over its gradients before the optimizer.
+
+    The runner (``planner.run``) averages the gradients accumulated over the microbatches
+    (``grad.mul_(1 / m)``), computes their norm for clipping (``torch.nn.utils.get_total_norm``) and,
+    with clipping on, scales them (``clip_grads_with_norm_``). Each pass streams every gradient
+    through memory, so a stage's cost is the sum of its blocks'. The groups are timed in turn,
+    round after round, on copies of their gradients (``_scratch_copies``), so each group's passes
+    run after the others' data went through the caches, as in ``time_optimizer_steps``.
+
+    Args:
+        groups: per group (a block's parameters), the parameters (left untouched).
+        clip: whether the run clips (the plan's optimizer has ``grad_clip``).
+        warmup: untimed rounds.
+        repeats: timed rounds (median kept).
+
+    Returns:
+        Seconds per group (0.0 for a group without trainable parameters).
+    """
+    copies = [_scratch_copies(g) for g in groups]
+    times: list[list[float]] = [[] for _ in copies]
+    for r in range(warmup + repeats):
+        for k, group in enumerate(copies):
+            if not group:
+                continue
+            grads = [c.grad for c in group if c.grad is not None]
+            sync(tuple(grads))
+            t0 = time.perf_counter()
+            for g in grads:
+                g.mul_(0.5)
+            norm = torch.nn.utils.get_total_norm(grads)
+            if clip:
+                torch.nn.utils.clip_grads_with_norm_(group, 1.0, norm)
+            sync(tuple(grads))
+            if r >= warmup:
+                times[k].append(time.perf_counter() - t0)
+            for g in grads:  # keep the values from shrinking to zero over the rounds
+                g.mul_(2.0)
+    return [statistics.median(t) if t else 0.0 for t in times]
