@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from planner.core.assemble import assemble_plan
 from planner.schema.costs import BlockCost, LinkCost
 from planner.schema.plan import ModelRef, Plan, ProfileInfo
@@ -78,3 +80,21 @@ def make_plan(
         memory_limit_bytes=memory_limit_bytes,
         created="2026-11-21T00:00:00+00:00",
     )
+
+
+def assert_fit_limits_agree(mem: Any, arrays: Any, pairs: list[tuple[int, int]], infl: list[int]) -> None:
+    """The solver's vectorised fit thresholds and fitting-end bounds (``solve._Arrays``) agree with its
+    scalar memory check (``solve._MemoryModel.choice``) for every stage ``pairs`` and in-flight count."""
+    import numpy as np
+
+    s_arr = np.array([s for s, _ in pairs], dtype=np.int64)
+    e_arr = np.array([e for _, e in pairs], dtype=np.int64)
+    t0, t1 = arrays.fit_limits(s_arr, e_arr)
+    last = dict(zip(arrays.starts.tolist(), arrays.last_fit(min(infl)).tolist()))
+    for i, (s, e) in enumerate(pairs):
+        for t in set(infl):
+            want = mem.choice(s, e, t)
+            got = False if t <= t0[i] else True if t <= t1[i] else None
+            assert got == want, (s, e, t)
+            if want is not None:
+                assert e <= last[s], (s, e, t)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from plan_factory import assert_fit_limits_agree
 
 from planner.core import solve as solve_mod
 from planner.core.schedules import in_flight_per_stage
@@ -669,17 +670,7 @@ def test_vector_memory_check_matches_scalar(
     link = LinkCost(name="l", latency_s=0.0, bandwidth_Bps=1.0)
     arrays = solve_mod._Arrays(blocks, link, mem, mode, infl)
     pairs = [(s, e) for s in range(n) for e in range(s + 1, n + 1)]
-    s_arr = np.array([s for s, _ in pairs], dtype=np.int64)
-    e_arr = np.array([e for _, e in pairs], dtype=np.int64)
-    t0, t1 = arrays.fit_limits(s_arr, e_arr)
-    last = dict(zip(arrays.starts.tolist(), arrays.last_fit(min(infl)).tolist()))
-    for i, (s, e) in enumerate(pairs):
-        for t in set(infl):
-            want = mem.choice(s, e, t)
-            got = False if t <= t0[i] else True if t <= t1[i] else None
-            assert got == want, (s, e, t)
-            if want is not None:
-                assert e <= last[s], (s, e, t)
+    assert_fit_limits_agree(mem, arrays, pairs, infl)
 
 
 def test_in_flight_keyword() -> None:

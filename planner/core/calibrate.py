@@ -151,26 +151,14 @@ def _block_factors(plan: Plan, run: RunResult, stages: Sequence[StageCalibration
         timed = [x.name for x in m.blocks] == [b.name for b in part]
         for k, b in enumerate(part):
             if timed:
-                mb = m.blocks[k]
-                out.append(
-                    BlockCalibration(
-                        name=b.name,
-                        fwd_factor=_ratio(mb.fwd_s, b.fwd_s),
-                        bwd_factor=_ratio(mb.bwd_s, b.bwd_s),
-                        opt_factor=sc.opt_factor,
-                        measured_in_block=True,
-                    )
-                )
+                fwd, bwd = _ratio(m.blocks[k].fwd_s, b.fwd_s), _ratio(m.blocks[k].bwd_s, b.bwd_s)
             else:
-                out.append(
-                    BlockCalibration(
-                        name=b.name,
-                        fwd_factor=sc.fwd_factor,
-                        bwd_factor=sc.bwd_factor,
-                        opt_factor=sc.opt_factor,
-                        measured_in_block=False,
-                    )
+                fwd, bwd = sc.fwd_factor, sc.bwd_factor
+            out.append(
+                BlockCalibration(
+                    name=b.name, fwd_factor=fwd, bwd_factor=bwd, opt_factor=sc.opt_factor, measured_in_block=timed
                 )
+            )
     return out
 
 
