@@ -129,7 +129,7 @@ def test_in_context_profile_counts_the_loss_in_the_last_block() -> None:
         assert got == pytest.approx(ms / 1e3, abs=TOL_S)
     for got, ms in zip(ctx.bwd, BWD_MS):
         assert got == pytest.approx(ms / 1e3, abs=TOL_S)
-    assert 0 <= ctx.loss_fwd < 2e-3 and 0 <= ctx.loss_bwd < 2e-3
+    assert 0 <= ctx.loss_fwd < 2e-3
     assert all(p.grad is None for p in traced.model.parameters())  # left as found
 
 

@@ -44,12 +44,12 @@ _WAIT_S = 2e-3
 
 @dataclass
 class InContext:
-    """Per-block medians of the whole-model runs (seconds per microbatch), the loss apart."""
+    """Per-block medians of the whole-model runs (seconds per microbatch), and the loss's forward apart
+    (its backward is inside the last block's, as the clock counts it)."""
 
     fwd: list[float]
     bwd: list[float]
     loss_fwd: float
-    loss_bwd: float
 
 
 def time_in_context(
@@ -83,7 +83,6 @@ def time_in_context(
     module = build_stage_module(traced, 0, n, check_cuts=False, clock=clock)
     args = stage_inputs(inputs)  # a first stage's inputs: the user's data, no gradient
     loss_f: list[float] = []
-    loss_b: list[float] = []
     for r in range(warmup + repeats):
         clock.step = r
         time.sleep(_WAIT_S)  # as a stage waits for its neighbour before each action
@@ -103,18 +102,13 @@ def time_in_context(
             torch.autograd.backward(roots, grads)
         sync(args)
         clock.finish()
-        action = clock.actions[-1]
         if r >= warmup:
-            loss_f.append(t1 - t0)
-            # the loss's backward runs first, before the last block's mark fires (the clock counts it
-            # in the last block's backward already: loss_in_last; kept apart here for InContext)
-            last = dict(action.marks).get(n - 1)
-            loss_b.append((last - action.begin) if last is not None else 0.0)
+            loss_f.append(t1 - t0)  # its backward is in the last block's (the clock's loss_in_last)
     traced.model.zero_grad(set_to_none=True)
     timed = range(warmup, warmup + repeats)
     fwd, _ = clock.medians(("F",), timed)
     bwd, _ = clock.medians(("B",), timed)
-    return InContext(fwd, bwd, statistics.median(loss_f), statistics.median(loss_b))
+    return InContext(fwd, bwd, statistics.median(loss_f))
 
 
 def apply_in_context(costs: list[BlockCost], ctx: InContext) -> list[BlockCost]:
