@@ -310,3 +310,34 @@ def test_shared_step_bounded_by_work_and_by_dedicated(p: int, m: int, f: int, b:
         assert shared >= dedicated - 1e-9  # sharing never speeds anything up
         assert shared >= work / min(slots, p) - 1e-9  # the processors cannot do more than slots x time
         assert shared <= dedicated * max(1.0, p / slots) + 1e-9  # nor slow anything by more than p / slots
+
+
+def test_ranks_sharing_a_processor_compete_for_compute_not_for_waits() -> None:
+    """Two ranks on one processor, GPipe, m = 2; F = 3 s (1 of it a wait), B = 5 s (1 a wait).
+
+    By hand: rank 0 computes F0 alone (t = 2) and waits (t = 3); F1 on rank 0 and F0 on rank 1
+    then compute 2 s each at half speed (t = 7) and wait (t = 8); rank 1 computes F1 alone (t = 10,
+    wait to 11) and B0 alone (t = 15, 16); B0 on rank 0 and B1 on rank 1 compute 4 s each at half
+    speed (t = 24, wait to 25); rank 0's B1 alone: 29, wait to 30. With the waits counted as
+    compute (msg = 0) every overlap stretches them too: 32 s."""
+    waits = [StageTimes(3.0, 5.0, msg=1.0), StageTimes(3.0, 5.0, msg=1.0)]
+    assert simulate(waits, "gpipe", 2, slots=1).step_time_s == pytest.approx(30.0)
+    assert simulate([StageTimes(3.0, 5.0)] * 2, "gpipe", 2, slots=1).step_time_s == pytest.approx(32.0)
+    # with a processor per rank the waits change nothing: the plain makespan, (m + p - 1)(F + B)
+    assert simulate(waits, "gpipe", 2).step_time_s == pytest.approx(24.0)
+    assert simulate(waits, "gpipe", 2, slots=2).step_time_s == pytest.approx(24.0)
+
+
+def test_a_link_cpu_share_sets_the_wait_of_each_action() -> None:
+    """``stage_times`` splits each action's message time by the link's ``cpu_share``."""
+    from planner.core.predict import stage_times
+    from planner.schema.plan import StagePlan
+
+    st = StagePlan(
+        index=0, rank=0, start=0, end=1, first_block="a", last_block="a", split_node=None, params=1,
+        fwd_s=1.0, bwd_s=2.0, comm_s=0.5, time_s=3.5, opt_s=0.0, recompute=False, activation_bytes=0,
+        in_flight=1, memory_bytes=0,
+    )  # fmt: skip
+    assert stage_times([st])[0] == StageTimes(1.25, 2.25, None, None, 0.0)
+    assert stage_times([st], cpu_share=0.6)[0].msg == pytest.approx(0.1)
+    assert stage_times([st], cpu_share=0.0)[0].msg == pytest.approx(0.25)

@@ -101,7 +101,9 @@ def predict(
         )
         for i, (a, b) in enumerate(zip(starts, ends))
     ]
-    sim = simulate(stage_times(stages), schedule, n_microbatches, replica_slots(slots, dp), stages_per_rank)
+    sim = simulate(
+        stage_times(stages, _cpu_share(link)), schedule, n_microbatches, replica_slots(slots, dp), stages_per_rank
+    )
     # Once its last backward is done each rank reduces its gradients over its replicas (DDP's
     # all-reduce, FSDP's all-gather + reduce-scatter: planner.core.data_parallel), charged after the
     # pipeline as if not overlapped with it (conservative: DDP's buckets do overlap the last
@@ -222,11 +224,27 @@ def with_links(plan: Plan, link: LinkCost) -> Plan:
     return plan.model_copy(update=update)
 
 
-def stage_times(stages: Sequence[StagePlan]) -> list[StageTimes]:
+def _cpu_share(link: Links) -> float:
+    """The links' ``cpu_share`` (the first one's when there are several: one machine's runtime)."""
+    if isinstance(link, LinkCost):
+        return link.cpu_share
+    links = list(link)
+    return links[0].cpu_share if links else 1.0
+
+
+def stage_times(stages: Sequence[StagePlan], cpu_share: float = 1.0) -> list[StageTimes]:
     """What each stage's actions occupy its rank in the simulator.
 
     Each action carries its messages: a forward sends/receives activations, a backward (its input
-    part when split) their gradients.
+    part when split) their gradients. Of that message time, ``1 - cpu_share`` is waiting
+    (``StageTimes.msg``), which ranks sharing processors do not compete for.
+
+    Args:
+        stages: the stages.
+        cpu_share: the link's ``LinkCost.cpu_share``.
+
+    Returns:
+        One ``StageTimes`` per stage.
     """
     return [
         StageTimes(
@@ -234,6 +252,7 @@ def stage_times(stages: Sequence[StagePlan]) -> list[StageTimes]:
             s.bwd_s + s.comm_s / 2,
             None if s.bwd_input_s is None else s.bwd_input_s + s.comm_s / 2,
             s.bwd_weight_s,
+            s.comm_s / 2 * (1.0 - cpu_share),
         )
         for s in stages
     ]
@@ -247,7 +266,8 @@ def simulate_plan(plan: Plan) -> SimResult:
         InfeasibleError: the plan's schedule cannot run its numbers (a hand-edited file).
     """
     slots = replica_slots(slots_of(plan.profile), plan.dp)
-    return simulate(stage_times(plan.stages), plan.schedule, plan.n_microbatches, slots, plan.stages_per_rank)
+    times = stage_times(plan.stages, plan.link.cpu_share)
+    return simulate(times, plan.schedule, plan.n_microbatches, slots, plan.stages_per_rank)
 
 
 def rank_memory_bytes(

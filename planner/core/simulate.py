@@ -42,6 +42,12 @@ class StageTimes(NamedTuple):
     b: float
     i: float | None = None
     w: float | None = None
+    msg: float = 0.0  # of f, b and i: message time spent waiting, not computing (LinkCost.cpu_share)
+
+    def compute(self, kind: str) -> float:
+        """Seconds of an action of ``kind`` that need a processor (all but its messages)."""
+        total = self.of(kind)
+        return total if kind == "W" else max(0.0, total - self.msg)
 
     def of(self, kind: str) -> float:
         """Seconds of an action of ``kind`` ("F", "B", "I" or "W")."""
@@ -101,7 +107,8 @@ def simulate(
         slots: how many ranks can compute at full speed at once: None (every rank has its own
             device) or, for CPU ranks sharing a machine, cores / threads per rank. With fewer
             slots than busy ranks, the busy ranks share the processors equally (processor
-            sharing), as the OS scheduler time-slices the processes.
+            sharing), as the OS scheduler time-slices the processes; the message part of an
+            action that only waits (``StageTimes.msg``) runs at full speed, taking no processor.
         stages_per_rank: stages on every rank (``len(stages)`` must be a multiple of it).
 
     Returns:
@@ -212,12 +219,14 @@ def _run(times: list[StageTimes], orders: list[list[Action]]) -> tuple[list[Even
 def _run_shared(
     times: list[StageTimes], orders: list[list[Action]], slots: float
 ) -> tuple[list[Event], list[float], float]:
-    """Ranks share ``slots`` processors: every running action progresses at rate
-    ``min(1, slots / running)`` (a fluid processor-sharing model of the OS scheduler)."""
+    """Ranks share ``slots`` processors: every computing action progresses at rate
+    ``min(1, slots / computing)`` (a fluid processor-sharing model of the OS scheduler). An
+    action computes first, then waits out its messages (``StageTimes.msg``) at full rate: a rank
+    waiting on a link takes no processor from the others."""
     p, n_stages = len(orders), len(times)
     end: dict[Key, float] = {}
     next_idx = [0] * p
-    running: dict[int, list[Any]] = {}  # rank -> [action, start, work left]
+    running: dict[int, list[Any]] = {}  # rank -> [action, start, compute left, message left]
     busy = [0.0] * p
     events: list[Event] = []
     now = 0.0
@@ -227,17 +236,24 @@ def _run_shared(
                 continue
             a = orders[rank][next_idx[rank]]
             if all(d in end for d in _deps(a, n_stages)):
-                running[rank] = [a, now, times[a.stage].of(a.kind)]
+                work = times[a.stage].compute(a.kind)
+                running[rank] = [a, now, work, times[a.stage].of(a.kind) - work]
                 next_idx[rank] += 1
         if not running:
             raise _stuck(orders, next_idx)
-        rate = min(1.0, slots / len(running))
-        step = min(r[2] for r in running.values()) / rate
+        computing = sum(1 for r in running.values() if r[2] > 0)
+        rate = min(1.0, slots / computing) if computing else 1.0
+        step = min(r[2] / rate if r[2] > 0 else r[3] for r in running.values())
         now += step
         for rank in list(running):
-            a, start, left = running[rank]
-            left -= step * rate
-            if left <= 1e-12 * max(1.0, now):
+            a, start, left, wait = running[rank]
+            if left > 0:
+                left = max(0.0, left - step * rate)
+                if left <= 1e-12 * max(1.0, now):
+                    left = 0.0
+            else:
+                wait -= step
+            if left == 0.0 and wait <= 1e-12 * max(1.0, now):
                 key = _produces(a)
                 if key is not None:
                     end[key] = now
@@ -247,5 +263,5 @@ def _run_shared(
                 )
                 del running[rank]
             else:
-                running[rank][2] = left
+                running[rank][2:] = [left, wait]
     return events, busy, now

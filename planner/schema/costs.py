@@ -124,6 +124,15 @@ class LinkCost(BaseModel):
     name: str = Field(description="Short description, e.g. 'gloo-cpu'.")
     latency_s: float = Field(ge=0, allow_inf_nan=False, description="Fixed cost per message, seconds.")
     bandwidth_Bps: float = Field(gt=0, allow_inf_nan=False, description="Sustained bandwidth, bytes per second.")
+    cpu_share: float = Field(
+        default=1.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="Share of a message's time its rank spends computing, the rest waiting. It matters only where "
+        "ranks share processors (CPU ranks, more than cores / threads): the simulator then shares that part, and "
+        "the wait takes no processor from the others (planner.core.simulate). 1: all of it computes.",
+    )
 
     def send_s(self, nbytes: int) -> float:
         """Seconds to send one message of ``nbytes``.
@@ -139,8 +148,11 @@ class LinkCost(BaseModel):
 
 # Measured on this project's machines (docs/predict_vs_measured.md): ~1-3 ms fixed cost per
 # (stage, microbatch) action inside a torch.distributed.pipelining schedule on gloo; loopback
-# bandwidth for the small tensors involved is a few GB/s.
-GLOO_CPU_LINK = LinkCost(name="gloo-cpu", latency_s=1.5e-3, bandwidth_Bps=2.0e9)
+# bandwidth for the small tensors involved is a few GB/s. Of that time 60 % is processor work that
+# ranks sharing cores compete for: over 99 bench runs re-predicted on their own profiles (4 ranks on
+# 2 cores), all of it as processor work over-predicted the step by 8 %, none of it under-predicted
+# by 11 %, 60 % left no bias (docs/prediction_accuracy.md, "Messages on shared cores").
+GLOO_CPU_LINK = LinkCost(name="gloo-cpu", latency_s=1.5e-3, bandwidth_Bps=2.0e9, cpu_share=0.6)
 # NVLink-class intra-node link for nccl (H100 SXM: 450 GB/s per direction; small-message latency ~10 us).
 NCCL_NVLINK_LINK = LinkCost(name="nccl-nvlink", latency_s=10e-6, bandwidth_Bps=300e9)
 
