@@ -55,6 +55,16 @@ def test_render_names_chosen_method_and_figures() -> None:
     assert "schedule 1f1b, batch 16 = 4 microbatches of 4; 6 blocks" in text
 
 
+def test_render_says_when_ranks_share_cores() -> None:
+    """Four CPU ranks on two cores, one thread each: the header says what takes turns on the cores."""
+    plan = make_plan(big_head_blocks())
+    assert "share" not in render(plan).splitlines()[1]  # the profile records no core count
+    shared = plan.model_copy(update={"profile": plan.profile.model_copy(update={"cores": 1})})
+    share = f"{plan.link.cpu_share:.0%}"
+    assert f"; ranks share 1 core: compute and {share} of each message's time take turns on them" in render(shared)
+    assert "share" not in render(plan.model_copy(update={"profile": plan.profile.model_copy(update={"cores": 2})}))
+
+
 def test_with_method_switches_to_a_baseline_split() -> None:
     from planner.core.predict import with_method
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from planner.core.data_parallel import dp_group_links
-from planner.core.predict import plan_links
+from planner.core.predict import plan_links, slots_of
 from planner.report.throughput import throughput_line
 from planner.schema.plan import Plan, Tie
 
@@ -34,6 +34,11 @@ def _count(n: int) -> str:
         if n >= size:
             return f"{n / size:.2f}{unit}"
     return str(n)
+
+
+def _count_of(n: int | None, noun: str) -> str:
+    """``n`` and the noun, plural unless one: "1 core", "2 cores"."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def stage_table(plan: Plan) -> str:
@@ -256,6 +261,12 @@ def render(plan: Plan) -> str:
         f"{plan.microbatch_size}; {len(plan.blocks)} blocks; link {plan.link.name} "
         f"({plan.link.latency_s * 1e3:.2f} ms + bytes / {plan.link.bandwidth_Bps / 1e9:.1f} GB/s)"
     )
+    slots = slots_of(plan.profile)
+    if slots is not None and slots < plan.world_size and plan.n_ranks > 1:
+        head += (
+            f"; ranks share {_count_of(plan.profile.cores, 'core')}: compute and {plan.link.cpu_share:.0%} of each message's "
+            "time take turns on them"
+        )
     inter = plan.inter_node_link
     if inter is not None and plan.gpus_per_node is not None and plan.world_size > plan.gpus_per_node:
         head += (
