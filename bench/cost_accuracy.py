@@ -49,7 +49,7 @@ from tabulate import tabulate  # noqa: E402
 
 from planner.capture.load import load_model_file  # noqa: E402
 from planner.core.calibrate import apply_calibration, calibrate  # noqa: E402
-from planner.core.predict import predict_plan, refresh  # noqa: E402
+from planner.core.predict import predict_plan, refresh, simulate_plan, stage_times  # noqa: E402
 from planner.errors import PlannerError  # noqa: E402
 from planner.schema.plan import Plan  # noqa: E402
 from planner.schema.result import RunResult  # noqa: E402
@@ -347,12 +347,36 @@ class CaseErrors:
     memory: list[float | None] = field(default_factory=list)
 
 
+def shared_compute(plan: Plan) -> list[float]:
+    """Per stage, fwd + bwd per microbatch as the simulator stretches them when ranks share cores.
+
+    With more ranks than cores (4 ranks on 2 cores, one thread each) a rank's actions run slower
+    while others compute; the simulator models that (processor sharing), and the run's action times
+    include it. Each stage's forward and backward are scaled by the mean stretch of its simulated F
+    and B actions (duration / unshared duration); without sharing this is ``fwd_s + bwd_s``.
+    """
+    sim = simulate_plan(plan)
+    unshared = stage_times(plan.stages, plan.link.cpu_share)
+    out = []
+    for i, st in enumerate(plan.stages):
+
+        def stretch(kind: str, i: int = i) -> float:
+            # the action's processor part (all but its wait, StageTimes.msg) is what sharing stretches
+            wait = unshared[i].msg
+            alone = unshared[i].of(kind) - wait
+            d = [e.end_s - e.start_s - wait for e in sim.events if e.stage == i and e.kind == kind]
+            return statistics.mean(d) / alone if d and alone > 0 else 1.0
+
+        out.append(st.fwd_s * stretch("F") + st.bwd_s * stretch("B"))
+    return out
+
+
 def case_errors(case: Case) -> CaseErrors:
-    """Step, per-stage compute and per-stage memory errors of a finished case."""
+    """Step, per-stage compute (as shared cores stretch it) and per-stage memory errors of a finished case."""
     assert case.plan is not None and case.run is not None
     out = CaseErrors(rel(case.plan.prediction.step_time_s, case.run.median_step_s))
-    for st, m in zip(case.plan.stages, case.run.stages):
-        out.compute.append(rel(st.fwd_s + st.bwd_s, m.fwd_s + m.bwd_s))
+    for st, shared, m in zip(case.plan.stages, shared_compute(case.plan), case.run.stages):
+        out.compute.append(rel(shared, m.fwd_s + m.bwd_s))
         out.memory.append(rel(st.memory_bytes, m.memory.peak_bytes if m.memory else None))
     return out
 
@@ -1044,7 +1068,10 @@ M = 2 x ranks microbatches (every stage holds at least 2) of {args.mb_samples} s
   steps: not the first, which sets the schedule up, nor the one run under the memory tracker).
 - Per-stage compute: the stage's `fwd_s + bwd_s` per microbatch (sum of its profiled blocks) against the
   run's per-stage medians of `forward_one_chunk` + `backward_one_chunk` (the loss included on the last
-  stage on both sides; communication waits excluded on both sides).
+  stage on both sides; communication waits excluded on both sides). With more ranks than cores the
+  plan's figure is stretched as the simulator shares the cores (the mean stretch of the stage's
+  simulated actions), since the run's action times include the waits for a core; the per-stage table
+  below shows the plan's unshared figures.
 - Optimizer: the stage's `opt_s` against the run's `optimizer_s` per step.
 - Memory: the stage's `memory_bytes` against the peak MemTracker saw in one tracked step.
 

@@ -1,0 +1,355 @@
+"""Predicted vs measured under this machine's noise: every case planned and run N times, alternating.
+
+`bench/cost_accuracy.py` compares one profile with one run. On this machine one measurement moves by
+about 16 % on its own (docs/machine_noise.md), so two independent draws differ by about 19 % in mean
+absolute terms and a single comparison cannot show a 7 % error, however exact the model. This
+script repeats each comparison: N rounds, and in every round each case (model, ranks, schedule) is
+planned afresh (`planner plan`: a new profile) and run (`planner run`), the cases taking turns so
+that the machine's slow drift falls on all of them alike. Per case it reports the mean prediction
+against the mean measurement (the error of the means, whose noise falls as 1 / sqrt(N)), every
+draw's own error, and the noise left in the error of the means (two standard errors). Writes
+docs/repeated_accuracy.md.
+
+    .venv/bin/python bench/repeated_accuracy.py                     # every model, 2 ranks, gpipe + 1f1b, 3 rounds
+    .venv/bin/python bench/repeated_accuracy.py --repeats 5 --models gpt mlp_stack --ranks 2 4
+    .venv/bin/python bench/repeated_accuracy.py --keep              # keep every plan and run (for bench/runtime_link.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
+
+from cost_accuracy import (  # noqa: E402
+    DASH,
+    ModelSpec,
+    background_cpu,
+    discover,
+    machine,
+    make_case,
+    mean_abs,
+    ms,
+    pct,
+    plan_split,
+    rel,
+    run_case,
+    shared_compute,
+    table,
+)
+
+from planner.schema.plan import Plan  # noqa: E402
+from planner.schema.result import RunResult  # noqa: E402
+
+SCRIPT = "bench/repeated_accuracy.py"
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "repeated_accuracy.md"
+
+
+@dataclass
+class Draw:
+    """One round of one case: the plan's figures and the run's."""
+
+    split: str
+    predicted_s: float
+    measured_s: float
+    stage_plan_s: list[float]  # per stage: fwd + bwd per microbatch, as planned
+    stage_shared_s: list[float]  # the same, stretched as the simulator shares cores between ranks
+    stage_run_s: list[float]  # per stage: forward_one_chunk + backward_one_chunk medians
+    stage_blocks_s: list[float]  # per stage: the run's block times (outside-block runtime work left out)
+
+
+@dataclass
+class Repeated:
+    """Every round of one (model, ranks, schedule)."""
+
+    model: ModelSpec
+    ranks: int
+    schedule: str
+    draws: list[Draw] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        """The case in words."""
+        return f"{self.model.name} p={self.ranks} {self.schedule}"
+
+    def modal(self) -> list[Draw]:
+        """The draws whose plan chose the most common split (stage figures compare only among them)."""
+        if not self.draws:
+            return []
+        split = Counter(d.split for d in self.draws).most_common(1)[0][0]
+        return [d for d in self.draws if d.split == split]
+
+
+def draw_of(plan: Plan, run: RunResult) -> Draw:
+    """One finished round's figures."""
+    blocks = [sum(b.fwd_s + b.bwd_s for b in m.blocks) if m.blocks else math.nan for m in run.stages]
+    return Draw(
+        split=plan_split(plan),
+        predicted_s=plan.prediction.step_time_s,
+        measured_s=run.median_step_s,
+        stage_plan_s=[s.fwd_s + s.bwd_s for s in plan.stages],
+        stage_shared_s=shared_compute(plan),
+        stage_run_s=[m.fwd_s + m.bwd_s for m in run.stages],
+        stage_blocks_s=blocks,
+    )
+
+
+def from_kept(folder: Path, args: argparse.Namespace) -> list[Repeated]:
+    """The rounds of an earlier sweep, read back from its kept folder (``--keep``), nothing run."""
+    found: dict[tuple[str, int, str], Repeated] = {}
+    for run_path in sorted(folder.glob("*_r*.run.json"), key=lambda p: p.name):
+        stem = run_path.name[: -len(".run.json")]
+        head, _, k = stem.rpartition("_r")
+        name, p, schedule = head.rsplit("_", 2)
+        if not k.isdigit() or not p.startswith("p") or schedule not in args.schedules or int(p[1:]) not in args.ranks:
+            continue
+        plan, run = Plan.load(run_path.with_name(stem + ".json")), RunResult.load(run_path)
+        key = (name, int(p[1:]), schedule)
+        if key not in found:
+            model = ModelSpec(name.replace("hf_", "hf/", 1), Path(plan.model.path), plan.model.size)
+            found[key] = Repeated(model, key[1], schedule)
+        found[key].draws.append(draw_of(plan, run))
+    return list(found.values())
+
+
+def sweep(work: Path, specs: Sequence[ModelSpec], args: argparse.Namespace) -> list[Repeated]:
+    """N rounds over every case, the cases taking turns within each round."""
+    results = [Repeated(m, r, s) for m in specs if not m.skip for r in args.ranks for s in args.schedules]
+    total = len(results) * args.repeats
+    done = 0
+    for k in range(args.repeats):
+        for res in results:
+            case = make_case(work, res.model, res.ranks, res.schedule, tag=f"_r{k + 1}")
+            run_case(case, args.steps, args.timeout)
+            done += 1
+            if case.error:
+                res.errors.append(case.error)
+                print(f"[{done}/{total}] {res.label} round {k + 1}: FAILED: {case.error}", flush=True)
+                continue
+            assert case.plan is not None and case.run is not None
+            d = draw_of(case.plan, case.run)
+            res.draws.append(d)
+            e = pct(rel(d.predicted_s, d.measured_s))
+            print(f"[{done}/{total}] {res.label} round {k + 1}: {d.split}, {e} ({case.seconds:.0f} s)", flush=True)
+    return results
+
+
+def mean_sd(xs: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    return statistics.mean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def error_of_means(pred: Sequence[float], meas: Sequence[float]) -> float | None:
+    """(mean predicted - mean measured) / mean measured, in %."""
+    return rel(statistics.mean(pred), statistics.mean(meas)) if pred and meas else None
+
+
+def noise_of(pred: Sequence[float], meas: Sequence[float]) -> float | None:
+    """Two standard errors of the error of the means, in % (from the draws' own spread)."""
+    n = len(pred)
+    if n < 2:
+        return None
+    (mp, sp), (mm, sm) = mean_sd(pred), mean_sd(meas)
+    return 200 * math.sqrt((sp / mp) ** 2 + (sm / mm) ** 2) / math.sqrt(n)
+
+
+def stage_errors(res: Repeated, field_name: str, planned: str = "stage_shared_s") -> list[float | None]:
+    """Per stage, the error of the means of the planned compute (``planned``) against ``field_name`` of the run."""
+    draws = res.modal()
+    if not draws:
+        return []
+    out: list[float | None] = []
+    for i in range(len(draws[0].stage_plan_s)):
+        plan = [getattr(d, planned)[i] for d in draws]
+        run = [getattr(d, field_name)[i] for d in draws]
+        out.append(None if any(math.isnan(x) for x in run) else error_of_means(plan, run))
+    return out
+
+
+def case_rows(results: Sequence[Repeated]) -> list[list[str]]:
+    """One row per case."""
+    rows = []
+    for r in results:
+        if not r.draws:
+            rows.append([r.model.name, str(r.ranks), r.schedule, "0", DASH, DASH, DASH, DASH, DASH, DASH, DASH])
+            continue
+        pred, meas = [d.predicted_s for d in r.draws], [d.measured_s for d in r.draws]
+        (mp, sp), (mm, sm) = mean_sd(pred), mean_sd(meas)
+        noise = noise_of(pred, meas)
+        rows.append(
+            [
+                r.model.name,
+                str(r.ranks),
+                r.schedule,
+                str(len(r.draws)),
+                " / ".join(sorted(set(d.split for d in r.draws))),
+                f"{ms(mp)} ± {100 * sp / mp:.0f}%",
+                f"{ms(mm)} ± {100 * sm / mm:.0f}%",
+                pct(error_of_means(pred, meas)),
+                DASH if noise is None else f"±{noise:.1f}%",
+                ", ".join(pct(rel(p, m)) for p, m in zip(pred, meas)),
+                pct(mean_abs(stage_errors(r, "stage_run_s"))).lstrip("+"),
+            ]
+        )
+    return rows
+
+
+HEADERS = (
+    "model",
+    "ranks",
+    "schedule",
+    "rounds",
+    "split(s)",
+    "predicted ms (mean ± sd)",
+    "measured ms (mean ± sd)",
+    "error of the means",
+    "its noise (2 SE)",
+    "each round's error",
+    "stage compute, error of the means (mean abs)",
+)
+
+
+@dataclass
+class Summary:
+    """The page's figures over the cases (the toy model apart: its blocks take microseconds)."""
+
+    lines: list[str]
+    rows: list[list[str]]
+
+
+def summarize(results: Sequence[Repeated]) -> Summary:
+    """Mean abs error of the means, each round's, the noise left, and per-stage compute both ways."""
+    real = [r for r in results if r.draws and r.model.name != "toy"]
+    means = [error_of_means([d.predicted_s for d in r.draws], [d.measured_s for d in r.draws]) for r in real]
+    single = [rel(d.predicted_s, d.measured_s) for r in real for d in r.draws]
+    noise = [noise_of([d.predicted_s for d in r.draws], [d.measured_s for d in r.draws]) for r in real]
+    action = [e for r in real for e in stage_errors(r, "stage_run_s")]
+    unshared = [e for r in real if r.ranks > 2 for e in stage_errors(r, "stage_run_s", "stage_plan_s")]
+    shared = [e for r in real if r.ranks > 2 for e in stage_errors(r, "stage_run_s")]
+    blocks = [e for r in real for e in stage_errors(r, "stage_blocks_s")]
+    signed = [e for e in means if e is not None]
+
+    def fig(xs: Sequence[float | None]) -> str:
+        m = mean_abs(xs)
+        return DASH if m is None else f"{m:.1f}%"
+
+    rows = [
+        ["step, error of the means, mean abs", fig(means), "<= 7%", str(len(signed))],
+        ["step, error of the means, max abs", fig([max((abs(x) for x in signed), default=None)]), "<= 12%", ""],
+        ["step, error of the means, mean signed", pct(statistics.mean(signed)) if signed else DASH, "", ""],
+        ["step, each round alone, mean abs", fig(single), "", str(len(single))],
+        ["noise left in an error of the means (2 SE), mean", fig(noise), "", ""],
+        ["per-stage compute per action, error of the means, mean abs", fig(action), "<= 10%", str(len(action))],
+        ["per-stage compute in the blocks, error of the means, mean abs", fig(blocks), "", str(len(blocks))],
+        ["per-stage compute per action, over 2 ranks, simulated sharing", fig(shared), "", str(len(shared))],
+        ["the same, planned unshared fwd_s + bwd_s", fig(unshared), "", str(len(unshared))],
+    ]
+    lines = [f"{a}: {b}" + (f" (target {c})" if c else "") for a, b, c, _ in rows]
+    return Summary(lines, rows)
+
+
+def when(seconds: float, load: str) -> str:
+    """How long the sweep took and how busy the machine was (nothing when re-read from a kept folder)."""
+    if math.isnan(seconds):
+        return ", from the plans and runs of an earlier sweep (`--from`)"
+    return f" in {seconds / 60:.1f} minutes; other processes used {load} of the CPU just before / after it"
+
+
+def page(args: argparse.Namespace, results: Sequence[Repeated], seconds: float, busy: tuple[float, float]) -> str:
+    """The markdown page."""
+    summary = summarize(results)
+    load = " / ".join("?" if math.isnan(b) else f"{100 * b:.0f}%" for b in busy)
+    failed = [f"{r.label}: {len(r.errors)} round(s) failed ({r.errors[0]})" for r in results if r.errors]
+    return f"""# Cost model accuracy under the machine's noise: repeated, alternating rounds
+
+Written by `{SCRIPT}` on {dt.date.today().isoformat()} ({machine()}){when(seconds, load)}. Rerun with
+`.venv/bin/python {SCRIPT}` (`--help` for the options).
+
+**What was run.** {args.repeats} rounds; in each, every case below was planned afresh (`planner plan`, a
+new in-context profile, uncalibrated) and run (`planner run --steps {args.steps}`), the cases taking
+turns, as `bench/cost_accuracy.py` does once (same batch, microbatches and seed). The split may differ
+between rounds when the profiles do: every split chosen is listed.
+
+**Figures.** Errors are (predicted - measured) / measured. The error of the means compares the mean of
+the rounds' predicted steps with the mean of their measured steps; its noise (two standard errors,
+from the spread of the rounds' predictions and measurements) is what it may still owe to the machine.
+Per-stage compute, per action: the plan's `fwd_s + bwd_s` per microbatch against the run's
+`forward_one_chunk + backward_one_chunk` medians; in the blocks: against the run's own block times
+inside those actions, leaving out the runtime's work outside the blocks, which the plan charges with the
+link's cost per message, not with the stage. Stage figures use the rounds that chose the most common split.
+The toy model (blocks of microseconds: its step is the link's cost per message) is in the table but not in the summary.
+
+## Per case
+
+{table(case_rows(results), HEADERS)}
+
+## Summary (toy model aside)
+
+{table(summary.rows, ["figure", "measured", "target", "n"])}
+{"" if not failed else chr(10) + "Failed rounds: " + "; ".join(failed) + chr(10)}
+(what the figures say: docs/prediction_accuracy.md)
+"""
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=None, help="model names or file stems (default: all)")
+    parser.add_argument("--ranks", nargs="+", type=int, default=[2], help="pipeline ranks (default: 2)")
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], help="schedules (default: gpipe 1f1b)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over every case (default 3)")
+    parser.add_argument("--steps", type=int, default=8, help="steps per run (default 8)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per command before it is stopped")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary folder (its path is printed)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the page to write")
+    parser.add_argument(
+        "--from", dest="kept", type=Path, default=None, help="write the page from a kept folder, running nothing"
+    )
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.steps < 3:
+        parser.error("--repeats must be >= 1 and --steps >= 3")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the rounds and write the page."""
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    if args.kept is not None:
+        results = from_kept(args.kept, args)
+        args.out.write_text(page(args, results, math.nan, (math.nan, math.nan)))
+        print("\n".join(summarize(results).lines))
+        print(f"wrote {args.out} from {args.kept}")
+        return 0
+    busy_before = background_cpu()
+    work = Path(tempfile.mkdtemp(prefix="repeated_accuracy_"))
+    try:
+        specs = discover(work, args.models, bench_size=False)
+        results = sweep(work, specs, args)
+        text = page(args, results, time.perf_counter() - t0, (busy_before, background_cpu()))
+    finally:
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print("\n".join(summarize(results).lines))
+    print(f"wrote {args.out}; {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
