@@ -148,17 +148,18 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     store = f"file://{Path(args.dir) / 'store'}"
-    dist.init_process_group("gloo", init_method=store, rank=args.rank, world_size=args.ranks)
+    ranks = args.ranks[0]  # a worker is launched with its pipeline's one rank count
+    dist.init_process_group("gloo", init_method=store, rank=args.rank, world_size=ranks)
     try:
         out = []
         for cols in SIZES:
             alone = (0.0, 0.0)
-            for r in range(args.ranks):  # one rank at a time: the module alone, not sharing the cores
+            for r in range(ranks):  # one rank at a time: the module alone, not sharing the cores
                 dist.barrier()
                 if r == args.rank:
                     alone = module_alone(cols)
             for schedule in SCHEDULES:
-                run = pipeline_steps(args.rank, args.ranks, schedule, args.microbatches, cols, args.steps)
+                run = pipeline_steps(args.rank, ranks, schedule, args.microbatches, cols, args.steps)
                 out.append({"schedule": schedule, "cols": cols, "fwd_s": alone[0], "bwd_s": alone[1], **run})
     finally:
         dist.destroy_process_group()
