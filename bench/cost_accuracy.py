@@ -190,9 +190,12 @@ def execute(argv: Sequence[str], cwd: Path, timeout_s: float) -> str:
     return f"exit {proc.returncode}: {last_line(err, out) or 'nothing printed'}"
 
 
+PLAN_OPTIONS: list[str] = []  # more `planner plan` options for every case (bench/repeated_accuracy.py --plan-repeats)
+
+
 def plan_argv(case: Case, *extra: str) -> list[str]:
     """`planner plan` for a case."""
-    words = ["plan", str(case.model.path), "--gpus", str(case.ranks), "--schedule", case.schedule]
+    words = ["plan", str(case.model.path), "--gpus", str(case.ranks), "--schedule", case.schedule, *PLAN_OPTIONS]
     words += ["-b", str(case.batch), "-m", str(case.microbatches), "--seed", SEED, "-q", "-o", str(case.plan_path)]
     return [PLANNER, *words, *(["--size", case.model.size] if case.model.size else []), *extra]
 

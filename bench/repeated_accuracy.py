@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
 
+import cost_accuracy  # noqa: E402
 from cost_accuracy import (  # noqa: E402
     DASH,
     ModelSpec,
@@ -278,6 +279,11 @@ def summarize(results: Sequence[Repeated]) -> Summary:
     return Summary(lines, rows, headers)
 
 
+def plan_options() -> str:
+    """The extra `planner plan` options of the sweep, as typed (nothing for the defaults)."""
+    return "".join(" " + w for w in cost_accuracy.PLAN_OPTIONS)
+
+
 def when(seconds: float, load: str) -> str:
     """How long the sweep took and how busy the machine was (nothing when re-read from a kept folder)."""
     if math.isnan(seconds):
@@ -295,8 +301,8 @@ def page(args: argparse.Namespace, results: Sequence[Repeated], seconds: float, 
 Written by `{SCRIPT}` on {dt.date.today().isoformat()} ({machine()}){when(seconds, load)}. Rerun with
 `.venv/bin/python {SCRIPT}` (`--help` for the options).
 
-**What was run.** {args.repeats} rounds; in each, every case below was planned afresh (`planner plan`, a
-new in-context profile, uncalibrated) and run (`planner run --steps {args.steps}`), the cases taking
+**What was run.** {args.repeats} rounds; in each, every case below was planned afresh (`planner plan{plan_options()}`,
+a new in-context profile, uncalibrated) and run (`planner run --steps {args.steps}`), the cases taking
 turns, as `bench/cost_accuracy.py` does once (same batch, microbatches and seed). The split may differ
 between rounds when the profiles do: every split chosen is listed.
 
@@ -329,6 +335,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], help="schedules (default: gpipe 1f1b)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds over every case (default 3)")
     parser.add_argument("--steps", type=int, default=8, help="steps per run (default 8)")
+    parser.add_argument(
+        "--plan-repeats", type=int, default=None, help="`planner plan --repeats N` (timed runs per block; default 5)"
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per command before it is stopped")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (its path is printed)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the page to write")
@@ -351,6 +360,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join(summarize(results).lines))
         print(f"wrote {args.out} from {args.kept}")
         return 0
+    if args.plan_repeats is not None:
+        cost_accuracy.PLAN_OPTIONS[:] = ["--repeats", str(args.plan_repeats)]
     busy_before = background_cpu()
     work = Path(tempfile.mkdtemp(prefix="repeated_accuracy_"))
     try:
