@@ -279,6 +279,20 @@ def summarize(results: Sequence[Repeated]) -> Summary:
     return Summary(lines, rows, headers)
 
 
+def rerun_options(args: argparse.Namespace) -> str:
+    """The sweep's options that differ from the defaults, as typed."""
+    words = []
+    if args.ranks != [2]:
+        words += ["--ranks", *map(str, args.ranks)]
+    if args.repeats != 3:
+        words += ["--repeats", str(args.repeats)]
+    if args.steps != 8:
+        words += ["--steps", str(args.steps)]
+    if args.plan_repeats is not None:
+        words += ["--plan-repeats", str(args.plan_repeats)]
+    return "".join(" " + w for w in words)
+
+
 def plan_options() -> str:
     """The extra `planner plan` options of the sweep, as typed (nothing for the defaults)."""
     return "".join(" " + w for w in cost_accuracy.PLAN_OPTIONS)
@@ -299,7 +313,7 @@ def page(args: argparse.Namespace, results: Sequence[Repeated], seconds: float, 
     return f"""# Cost model accuracy under the machine's noise: repeated, alternating rounds
 
 Written by `{SCRIPT}` on {dt.date.today().isoformat()} ({machine()}){when(seconds, load)}. Rerun with
-`.venv/bin/python {SCRIPT}` (`--help` for the options).
+`.venv/bin/python {SCRIPT}{rerun_options(args)}` (`--help` for the options).
 
 **What was run.** {args.repeats} rounds; in each, every case below was planned afresh (`planner plan{plan_options()}`,
 a new in-context profile, uncalibrated) and run (`planner run --steps {args.steps}`), the cases taking
