@@ -316,7 +316,12 @@ def _load_plan(path: str) -> Plan:
     help="CPU threads per rank, for profiling and the run [default: cores // gpus, all replicas' ranks].",
 )
 @click.option(
-    "--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Timed runs per block (median kept)."
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=5,
+    show_default=True,
+    help="Timed runs per block (median kept). On a busy or noisy machine use 20 or more: the default times a "
+    "small model for a fraction of a second (docs/prediction_accuracy.md).",
 )
 @click.option(
     "--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed runs per block before timing."
