@@ -97,3 +97,14 @@ def test_request_option_and_its_alias() -> None:
         PlanRequest.build(model_file="m.py", gpus=2, gpus_per_node=2)
     with pytest.raises(PlannerError, match="--gpus-per-node 0"):
         PlanRequest.build(**base, gpus_per_node=0)
+
+
+def test_intra_node_link_keeps_every_link_field() -> None:
+    """A plan stores a ``NodeLinks``' intra-node link as a plain ``LinkCost``: nothing of it is lost."""
+    from planner.core.solve import NodeLinks
+    from planner.schema.costs import LinkCost
+
+    intra = LinkCost(name="cpu", latency_s=1e-3, bandwidth_Bps=2e9, cpu_share=0.6)
+    inter = LinkCost(name="net", latency_s=2e-5, bandwidth_Bps=5e10)
+    links = NodeLinks(**intra.model_dump(), inter=inter, gpus_per_node=2, n_ranks=4)
+    assert links.intra() == intra and type(links.intra()) is LinkCost

@@ -122,8 +122,8 @@ class NodeLinks(LinkCost):
         return any(self.node_of(k, a) != self.node_of(k, b) for k in range(min(self.replicas, self.gpus_per_node)))
 
     def intra(self) -> LinkCost:
-        """The intra-node link as a plain ``LinkCost``."""
-        return LinkCost(name=self.name, latency_s=self.latency_s, bandwidth_Bps=self.bandwidth_Bps)
+        """The intra-node link as a plain ``LinkCost`` (every ``LinkCost`` field of this one)."""
+        return LinkCost(**{name: getattr(self, name) for name in LinkCost.model_fields})
 
 
 Links = LinkCost | Sequence[LinkCost]
