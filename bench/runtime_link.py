@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from cost_accuracy import machine, table  # noqa: E402  (bench/ is on sys.path: this script's folder)
 
 from planner.core.predict import predict, predict_plan  # noqa: E402
 from planner.errors import PlannerError  # noqa: E402
@@ -318,13 +319,6 @@ def rel(predicted: float, measured: float) -> float:
     return 100 * (predicted - measured) / measured
 
 
-def table(rows: list[list[str]], headers: Sequence[str]) -> str:
-    """A GitHub markdown table."""
-    from tabulate import tabulate
-
-    return tabulate(rows, headers=list(headers), tablefmt="github", disable_numparse=True)
-
-
 def floor_rows(samples: Sequence[Sample], links: dict[tuple[int, str], LinkCost]) -> list[list[str]]:
     """One row per measured (ranks, schedule, size)."""
     rows = []
@@ -383,8 +377,6 @@ def page(
     args: argparse.Namespace, samples: Sequence[Sample], links: dict, pairs: Sequence[Paired], seconds: float
 ) -> str:
     """The markdown page."""
-    from cost_accuracy import machine
-
     floor = table(
         floor_rows(samples, links),
         [
@@ -483,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     pairs = paired(args.runs, links)
     args.out.write_text(page(args, samples, links, pairs, time.perf_counter() - t0))
-    print(json.dumps([asdict(s) for s in samples]) if os.environ.get("RUNTIME_LINK_DUMP") else f"wrote {args.out}")
+    print(f"wrote {args.out}")
     return 0
 
 

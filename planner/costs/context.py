@@ -4,9 +4,8 @@ A block timed alone (``planner.costs.measure``) is not a block inside a stage: a
 weight gradients are made anew and the I/W and recompute timings between repeats churn the
 allocator, so large buffers come back as fresh pages that fault on first touch; inside a stage the
 gradients accumulate over the step's microbatches into buffers that already exist, and the blocks
-run back to back. Over the 402 blocks of docs/cost_accuracy.md the isolated profile was 9.4 %
-(forward) and 6.9 % (backward) below the blocks' times inside the pipeline, time-weighted; in
-context 4.9 % and 3.9 %.
+run back to back. docs/cost_accuracy.md sizes the gap, time-weighted over every block, for the
+isolated profile and for this one ("Where profile and pipeline diverge").
 
 So the forward and backward of every block are measured the way a stage runs them: the model is
 cut as one stage holding every block (``planner.capture.stage.build_stage_module``) with a
