@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ from tabulate import tabulate  # noqa: E402
 
 from planner.capture.load import load_model_file  # noqa: E402
 from planner.core.calibrate import apply_calibration, calibrate  # noqa: E402
-from planner.core.predict import predict_plan, refresh, simulate_plan, stage_times  # noqa: E402
+from planner.core.predict import block_times_in_stages, predict_plan, refresh, simulate_plan, stage_times  # noqa: E402
 from planner.errors import PlannerError  # noqa: E402
 from planner.schema.plan import Plan  # noqa: E402
 from planner.schema.result import RunResult  # noqa: E402
@@ -462,6 +462,11 @@ def summary(cases: Sequence[Case], cross: Sequence[CrossSplit]) -> tuple[str, li
 BLOCK_CSV_HEADERS = ["model", "ranks", "schedule", "stage", "block", "has_loss", "profiled_fwd_ms"]
 BLOCK_CSV_HEADERS += ["pipeline_fwd_ms", "fwd_ratio", "profiled_bwd_ms", "pipeline_bwd_ms", "bwd_ratio"]
 BLOCK_CSV_HEADERS += ["isolated_fwd_ms", "fwd_ratio_isolated", "isolated_bwd_ms", "bwd_ratio_isolated"]
+BLOCK_CSV_HEADERS += ["fwd_where", "bwd_where", "fwd_cold_ms", "bwd_cold_ms"]
+# where a block runs in its stage, forward and backward (the block_positions table)
+WAITS = "starts its stage's action after a message"
+MODEL_END = "the model's first (fwd) / last (bwd) block"
+INSIDE = "follows another block"
 
 
 @dataclass(frozen=True)
@@ -477,6 +482,10 @@ class BlockPair:
     pipeline_bwd: float
     isolated_fwd: float | None = None  # timed alone (None: no isolated profile)
     isolated_bwd: float | None = None
+    fwd_where: str = INSIDE  # WAITS, MODEL_END or INSIDE
+    bwd_where: str = INSIDE
+    fwd_cold: float = 0.0  # of profiled_fwd: the cold start the plan adds where the block waits
+    bwd_cold: float = 0.0
 
 
 def ratio(a: float, b: float) -> float | None:
@@ -490,25 +499,33 @@ def fmt_ratio(x: float | None) -> str:
 
 
 def block_pairs(case: Case) -> list[BlockPair]:
-    """Every block the run timed, next to its profiled cost (and its isolated one, where there is one)."""
+    """Every block the run timed, next to its profiled cost (and its isolated one, where there is one),
+    with where it runs in its stage."""
     assert case.plan is not None and case.run is not None
-    profiled = {b.name: b for b in case.plan.blocks}
+    plan = case.plan
+    # where the plan's split has a block start an action after a message, its cold start is added
+    planned = block_times_in_stages(plan.blocks, plan.stages)
+    index = {b.name: k for k, b in enumerate(plan.blocks)}
     alone = case.isolated or {}
-    return [
-        BlockPair(
-            m.stage,
-            tb.name,
-            pb.loss_s is not None,
-            pb.fwd_s,
-            tb.fwd_s,
-            pb.bwd_s,
-            tb.bwd_s,
-            *alone.get(tb.name, (None, None)),
-        )
-        for m in case.run.stages
-        for tb in getattr(m, "blocks", None) or []
-        if (pb := profiled.get(tb.name)) is not None
-    ]
+    ranks = [st.rank for st in plan.stages]
+    out = []
+    for i, (st, m) in enumerate(zip(plan.stages, case.run.stages)):
+        waits_in = i > 0 and ranks[i - 1] != st.rank  # its forward waits for activations
+        waits_out = i + 1 < len(ranks) and ranks[i + 1] != st.rank  # its backward for their gradient
+        for tb in getattr(m, "blocks", None) or []:
+            k = index.get(tb.name)
+            if k is None:
+                continue
+            b, (f, w) = plan.blocks[k], planned[k]
+            iso_f, iso_b = alone.get(tb.name, (None, None))
+            fwd_where = MODEL_END if k == 0 else WAITS if k == st.start and waits_in else INSIDE
+            last = k == len(plan.blocks) - 1
+            bwd_where = MODEL_END if last else WAITS if k == st.end - 1 and waits_out else INSIDE
+            pair = BlockPair(m.stage, tb.name, b.loss_s is not None, f, tb.fwd_s, w, tb.bwd_s, iso_f, iso_b)
+            out.append(
+                replace(pair, fwd_where=fwd_where, bwd_where=bwd_where, fwd_cold=f - b.fwd_s, bwd_cold=w - b.bwd_s)
+            )
+    return out
 
 
 def ms4(seconds: float | None) -> str:
@@ -528,6 +545,7 @@ def csv_rows(case: Case, pairs: Sequence[BlockPair]) -> list[list[str]]:
             + [ms4(p.profiled_bwd), ms4(p.pipeline_bwd), fmt_ratio(ratio(p.pipeline_bwd, p.profiled_bwd))]
             + [ms4(p.isolated_fwd), "" if iso_fwd is None else fmt_ratio(iso_fwd)]
             + [ms4(p.isolated_bwd), "" if iso_bwd is None else fmt_ratio(iso_bwd)]
+            + [p.fwd_where, p.bwd_where, ms4(p.fwd_cold), ms4(p.bwd_cold)]
         )
     return rows
 
@@ -577,9 +595,33 @@ def block_summary(case: Case, pairs: Sequence[BlockPair]) -> list[str]:
     ]
 
 
+def block_positions(pairs: Sequence[BlockPair], ranks: int) -> list[list[str]]:
+    """Rows of the by-position table at ``ranks``: per side and position, time-weighted in-pipeline /
+    profiled, with the plan's cold starts and without them."""
+    rows = []
+    for side in ("fwd", "bwd"):
+        for where in (WAITS, MODEL_END, INSIDE):
+            group = [p for p in pairs if getattr(p, f"{side}_where") == where]
+            if not group:
+                continue
+            run = sum(getattr(p, f"pipeline_{side}") for p in group)
+            with_cold = sum(getattr(p, f"profiled_{side}") for p in group)
+            cold = sum(getattr(p, f"{side}_cold") for p in group)
+            rows.append(
+                [str(ranks), side, where, str(len(group)), f"{1e3 * run:.1f}", fmt_ratio(ratio(run, with_cold))]
+                + [fmt_ratio(ratio(run, with_cold - cold)), f"{1e3 * cold / len(group):.3f}"]
+            )
+    return rows
+
+
+POSITION_HEADERS = ["ranks", "side", "the block", "blocks", "in-pipeline ms (sum)", "pipeline/plan"]
+POSITION_HEADERS += ["pipeline/plan without cold starts", "cold start ms per block (mean)"]
+
+
 def block_section(cases: Sequence[Case], csv_path: Path) -> str:
     """Table 3 (one row per case with block times) and the per-block CSV next to the doc."""
     all_rows, summary_rows, without = [], [], []
+    by_ranks: dict[int, list[BlockPair]] = {}
     for c in ok_cases(cases):
         pairs = block_pairs(c)
         if not pairs:
@@ -587,6 +629,8 @@ def block_section(cases: Sequence[Case], csv_path: Path) -> str:
             continue
         all_rows += csv_rows(c, pairs)
         summary_rows.append(block_summary(c, pairs))
+        if c.model.name != "toy":  # blocks of microseconds: their ratios are the clock's resolution
+            by_ranks.setdefault(c.ranks, []).extend(pairs)
     with csv_path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(BLOCK_CSV_HEADERS)
@@ -597,6 +641,15 @@ def block_section(cases: Sequence[Case], csv_path: Path) -> str:
         headers += [f"{side} pipeline/isolated (mean)", f"{side} pipeline/isolated (time-weighted)"]
     headers += ["fwd overhead ms/action", "bwd overhead ms/action", "loss run ms/mb (fwd)", "loss profiled ms/mb (fwd)"]
     text = table(summary_rows, headers) if summary_rows else "(no run.json held per-block times)"
+    positions = [row for r in sorted(by_ranks) for row in block_positions(by_ranks[r], r)]
+    if positions:
+        text += (
+            "\n\nBy where a block runs in its stage (toy model aside), time-weighted: a block that starts its "
+            "stage's forward after receiving activations, or its backward after receiving their gradient, "
+            "runs cold, and the plan adds its measured cold start (`BlockCost.fwd_cold_s`, `bwd_cold_s`); "
+            "the model's first block's forward and its last block's backward (with the loss) follow other "
+            "work and never wait.\n\n" + table(positions, POSITION_HEADERS)
+        )
     if without:
         text += f"\n\nNo per-block times in the run.json of: {', '.join(without)}."
     failed = sorted({f"{c.model.name} p={c.ranks}: {c.isolated_error}" for c in ok_cases(cases) if c.isolated_error})

@@ -178,18 +178,31 @@ def _run_with_block_times(plan: Plan, fwd: list[float], bwd: list[float], step_s
     return run.model_copy(update={"stages": stages})
 
 
+@pytest.mark.parametrize("cold", [False, True], ids=["warm", "cold-starts"])
 @pytest.mark.parametrize("seed", range(5))
-def test_one_run_of_one_split_predicts_every_other_split_exactly(seed: int) -> None:
+def test_one_run_of_one_split_predicts_every_other_split_exactly(seed: int, cold: bool) -> None:
     """Blocks timed inside the run carry their own factors: any split's stage compute is then the
-    sum of the blocks' true times (by-stage factors cannot do this when blocks differ)."""
+    sum of the blocks' true times (by-stage factors cannot do this when blocks differ). With cold
+    starts, the run's boundary blocks ran cold, and the factor carries to both of a block's times."""
     import random
 
     rnd = random.Random(seed)
-    plan = make_plan(blocks_with_opt())
+    base = blocks_with_opt()
+    if cold:
+        base = [b.model_copy(update={"fwd_cold_s": 0.3 * b.fwd_s, "bwd_cold_s": 0.2 * b.bwd_s}) for b in base]
+    plan = make_plan(base)
     n = len(plan.blocks)
-    true_fwd = [b.fwd_s * rnd.uniform(0.6, 1.6) for b in plan.blocks]
-    true_bwd = [b.bwd_s * rnd.uniform(0.6, 1.6) for b in plan.blocks]
-    cal = calibrate(plan, _run_with_block_times(plan, true_fwd, true_bwd, 2 * plan.prediction.step_time_s))
+    factor_f = [rnd.uniform(0.6, 1.6) for _ in plan.blocks]
+    factor_b = [rnd.uniform(0.6, 1.6) for _ in plan.blocks]
+    true_fwd = [b.fwd_s * f for b, f in zip(plan.blocks, factor_f)]
+    true_bwd = [b.bwd_s * f for b, f in zip(plan.blocks, factor_b)]
+    ran_fwd, ran_bwd = list(true_fwd), list(true_bwd)
+    for st in plan.stages:  # what the run's blocks took where they ran: cold at a receiving boundary
+        if st.index > 0:
+            ran_fwd[st.start] += (plan.blocks[st.start].fwd_cold_s or 0.0) * factor_f[st.start]
+        if st.index < plan.n_stages - 1:
+            ran_bwd[st.end - 1] += (plan.blocks[st.end - 1].bwd_cold_s or 0.0) * factor_b[st.end - 1]
+    cal = calibrate(plan, _run_with_block_times(plan, ran_fwd, ran_bwd, 2 * plan.prediction.step_time_s))
     assert cal.global_factor == 1.0 and all(b.measured_in_block for b in cal.blocks)
     blocks, link = apply_calibration(plan.blocks, plan.link, cal)
     by_stage, _ = apply_calibration(plan.blocks, plan.link, cal.model_copy(update={"blocks": []}))
@@ -199,6 +212,10 @@ def test_one_run_of_one_split_predicts_every_other_split_exactly(seed: int) -> N
         old = predict(by_stage, (0, cut), link, plan.schedule, plan.n_microbatches, plan.optimizer)[0]
         for st, o in zip(stages, old):
             fwd, bwd = sum(true_fwd[st.start : st.end]), sum(true_bwd[st.start : st.end])
+            if st.index == 1:
+                fwd += (plan.blocks[cut].fwd_cold_s or 0.0) * factor_f[cut]
+            else:
+                bwd += (plan.blocks[cut - 1].bwd_cold_s or 0.0) * factor_b[cut - 1]
             assert (st.fwd_s, st.bwd_s) == pytest.approx((fwd, bwd), rel=1e-12)
             worse += abs(o.fwd_s - fwd) > 1e-9 * fwd
     assert worse > 0  # the stage factors miss somewhere: the per-block ones are what carries over

@@ -64,6 +64,30 @@ def test_marks_time_every_block_of_a_whole_model_stage(modules: bool) -> None:
     assert [len(t) for t in times] == [1, 1, 1]  # one action of step 2 per block
 
 
+@pytest.mark.parametrize("first", [0, 1], ids=["whole-model", "middle-stage"])
+def test_a_pause_at_every_mark_is_counted_in_no_block(first: int) -> None:
+    """With ``pause_s`` every block runs after a sleep; the blocks and the overhead still read their own times."""
+    mf, inputs, target, traced = _delay(False)
+    pause = 0.025  # longer than any block's tolerance: a block that kept it would be off by it
+    clock = BlockClock(first, 3, loss_in_last=True, pause_s=pause)
+    module = stage_module(traced, first, 3, clock)
+    if first:
+        with torch.no_grad():
+            x = stage_module(traced, 0, first)(*stage_inputs(inputs))
+        args: tuple[torch.Tensor, ...] = (x.detach().requires_grad_(True),)
+    else:
+        args = stage_inputs(inputs)
+    for step in range(4):
+        clock.step = step
+        _run(module, clock, args, mf.loss_fn, target)
+    fwd, fwd_over = clock.medians(("F",), steps=[1, 2, 3])
+    bwd, bwd_over = clock.medians(("B",), steps=[1, 2, 3])
+    assert fwd == pytest.approx([ms / 1e3 for ms in FWD_MS[first:]], abs=TOL_S)
+    assert bwd == pytest.approx([ms / 1e3 for ms in BWD_MS[first:]], abs=TOL_S)
+    assert 0 <= fwd_over < 3e-3 and 0 <= bwd_over < 3e-3
+    assert clock.actions[-1].paused >= pause * (3 - first)  # it did sleep, at every mark it passed
+
+
 def test_a_middle_stage_times_its_first_block_through_the_input_mark() -> None:
     """A later stage's inputs need gradients: its first block's backward ends at the input mark."""
     mf, inputs, _, traced = _delay(False)

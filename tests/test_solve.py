@@ -49,8 +49,12 @@ def blk(
     cut: int = 0,
     legal: bool = True,
     layer: bool = True,
+    fc: float | None = None,
+    bc: float | None = None,
 ) -> BlockCost:
     return BlockCost(
+        fwd_cold_s=fc,
+        bwd_cold_s=bc,
         name=f"b{i}",
         first_node=f"n{i}a",
         last_node=f"n{i}b",
@@ -135,6 +139,8 @@ def instances(
             act=draw(st.integers(0, 100)),
             cut=draw(st.integers(0, 100)),
             legal=draw(st.booleans()) or draw(st.booleans()),  # 75 % legal
+            fc=draw(st.one_of(st.none(), time_st)),  # cold starts, measured or not
+            bc=draw(st.one_of(st.none(), time_st)),
         )
         for i in range(n)
     ]
@@ -324,8 +330,14 @@ def _reference_cost_matrix(
     pre = [0.0]
     for b in blocks:
         pre.append(pre[-1] + b.fwd_s + b.bwd_s)
-    send_in = [0.0] + [2 * link.send_s(blocks[s - 1].cut_bytes) for s in range(1, n)]
-    send_out = [0.0] + [2 * out.send_s(blocks[e - 1].cut_bytes) for e in range(1, n)] + [0.0]
+    # the receiver of a boundary starts cold: the first block's forward after it, the last block's
+    # backward before it
+    send_in = [0.0] + [2 * link.send_s(blocks[s - 1].cut_bytes) + (blocks[s].fwd_cold_s or 0.0) for s in range(1, n)]
+    send_out = (
+        [0.0]
+        + [2 * out.send_s(blocks[e - 1].cut_bytes) + (blocks[e - 1].bwd_cold_s or 0.0) for e in range(1, n)]
+        + [0.0]
+    )
     mat = [[math.inf] * (n + 1) for _ in range(n + 1)]
     for s in range(n):
         for e in range(s + 1, n + 1):
@@ -1027,3 +1039,35 @@ def test_solve_with_node_links_equals_solve_with_their_boundary_list() -> None:
         # the inter-node boundaries are the slow ones: their stages pay more for the same bytes
         costs = stage_costs(blocks, got.starts, links, schedule=schedule)
         assert max(costs) == got.bottleneck_s
+
+
+def test_a_cold_start_is_charged_to_the_stage_that_waits_and_moves_the_split() -> None:
+    """Blocks of 3, 1, 1, 3 s balance as 2 + 2 at 4 s a stage; when the third block starts 1.5 s
+    slower after a wait, a stage starting there costs 5.5 s and the 1 + 3 split (5 s) wins."""
+    warm = times([3.0, 1.0, 1.0, 3.0])
+    assert solve(warm, 2, FREE, schedule="gpipe", n_microbatches=2, optimizer=SGD).starts == (0, 2)
+    cold = [blk(i, t, fc=1.5 if i == 2 else 0.0, bc=0.0) for i, t in enumerate([3.0, 1.0, 1.0, 3.0])]
+    assert stage_costs(cold, (0, 2), FREE) == [4.0, 5.5]
+    part = solve(cold, 2, FREE, schedule="gpipe", n_microbatches=2, optimizer=SGD)
+    assert part.starts == (0, 1) and part.bottleneck_s == 5.0
+    # only the receiving end pays: the first stage's forward and the last stage's backward never wait
+    edges = [blk(i, 1.0, 1.0, fc=0.5, bc=0.25) for i in range(3)]
+    assert stage_time_parts(edges, 0, 1, FREE)[:2] == (1.0, 1.25)  # waits for its gradient
+    assert stage_time_parts(edges, 1, 2, FREE)[:2] == (1.5, 1.25)  # waits both ways
+    assert stage_time_parts(edges, 2, 3, FREE)[:2] == (1.5, 1.0)  # waits for its activations
+    assert stage_time_parts(edges, 1, 2, FREE, wait_in=False, wait_out=False)[:2] == (1.0, 1.0)  # a V's turn
+
+
+def test_stage_plans_charge_cold_starts_only_across_ranks() -> None:
+    """Under ZB-V the stages either side of the V's turn run on one rank: nothing is received there,
+    so neither starts cold; every boundary between ranks charges its receiver."""
+    from planner.core.predict import predict
+
+    blocks = [blk(i, 1.0, 1.0, fc=0.5, bc=0.25) for i in range(4)]
+    stages, _ = predict(blocks, (0, 1, 2, 3), FREE, "zbv", 4, SGD, stages_per_rank=2)
+    assert [s.rank for s in stages] == [0, 1, 1, 0]
+    assert [s.fwd_s for s in stages] == [1.0, 1.5, 1.0, 1.5]  # stage 2 follows stage 1 on rank 1
+    assert [s.bwd_s for s in stages] == [1.25, 1.0, 1.25, 1.0]  # stage 1's gradient comes from rank 1 itself
+    looped, _ = predict(blocks, (0, 1, 2, 3), FREE, "1f1b", 4, SGD)
+    assert [s.fwd_s for s in looped] == [1.0, 1.5, 1.5, 1.5]
+    assert [s.bwd_s for s in looped] == [1.25, 1.25, 1.25, 1.0]

@@ -19,6 +19,10 @@ The caller brackets each action (one forward or one backward of one microbatch) 
 runtime's bookkeeping, the loss's backward on the last stage). The marks cost a few microseconds
 each. Weight gradients computed apart from the input gradients (the W of zero-bubble schedules)
 pass no mark; their actions count as overhead only.
+
+With ``pause_s`` the clock sleeps at every mark, after noting it, and counts the sleep in no block:
+each block then starts after a wait, as the first block of a stage's action does after a receive.
+The profile uses it to time every block cold (``planner.costs.context``).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class ActionMarks:
     begin: float
     end: float = 0.0
     marks: list[tuple[int, float]] = field(default_factory=list)
+    paused: float = 0.0  # seconds slept at the marks (``BlockClock.pause_s``), in no block
 
 
 class BlockClock:
@@ -57,12 +62,17 @@ class BlockClock:
             the loss in the last block.
         cuda: the stage runs on a GPU: every mark synchronizes first (this serializes the
             stage's kernels at block boundaries, a small cost next to a block's work).
+        pause_s: seconds to sleep at every mark (0: none), counted in no block: every block then
+            runs after a wait (see the module docstring).
     """
 
-    def __init__(self, start: int, end: int, loss_in_last: bool = False, cuda: bool = False) -> None:
+    def __init__(
+        self, start: int, end: int, loss_in_last: bool = False, cuda: bool = False, pause_s: float = 0.0
+    ) -> None:
         self.start, self.end = start, end
         self.loss_in_last = loss_in_last
         self.cuda = cuda  # wait for the GPU at every mark, so a mark times work done, not work queued
+        self.pause_s = pause_s
         self.actions: list[ActionMarks] = []
         self.step = 0  # the caller's step number, recorded with each action
         self._open: ActionMarks | None = None
@@ -88,11 +98,17 @@ class BlockClock:
         self._open = None
 
     def note(self, k: int) -> None:
-        """Record mark ``k`` (called by the marks themselves)."""
+        """Record mark ``k`` (called by the marks themselves), then pause ``pause_s``."""
         if self._open is not None:
             if self.cuda:
                 torch.cuda.synchronize()
-            self._open.marks.append((k, _perf()))
+            # a mark's time is when the blocks before it were done; the block after it starts once
+            # the pause is over, so the pause is moved out of it (every time after this shifts back)
+            self._open.marks.append((k, _perf() - self._open.paused))
+            if self.pause_s > 0:
+                t = _perf()
+                time.sleep(self.pause_s)
+                self._open.paused += _perf() - t
 
     def mark(self, k: int, *values: Any) -> tuple[Any, ...]:
         """Pass ``values`` on unchanged, marking boundary ``k`` forward and, through the tensors among
@@ -138,7 +154,7 @@ class BlockClock:
                 continue
             for j, t in enumerate(per):
                 times[j].append(t)
-            overhead.append((a.end - a.begin) - sum(per))
+            overhead.append((a.end - a.paused - a.begin) - sum(per))
         return times, overhead
 
     def medians(self, kinds: tuple[str, ...], steps: Collection[int] | None = None) -> tuple[list[float], float]:
@@ -162,7 +178,7 @@ def _backward_blocks(
     the loss's backward is counted in it."""
     if any(start + j not in at for j in range(n)):
         return None
-    first_end = at.get(start - 1, a.end)
+    first_end = at.get(start - 1, a.end - a.paused)
     ends = [at[start + j - 1] if j > 0 else first_end for j in range(n)]
     begins = [at[start + j] for j in range(n)]
     if loss_in_last:

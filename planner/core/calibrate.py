@@ -33,7 +33,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.core.data_parallel import check_run_replicas
-from planner.core.predict import predict_plan
+from planner.core.predict import block_times_in_stages, predict_plan
 from planner.errors import PlanFileError
 from planner.schema.costs import BlockCost, LinkCost
 from planner.schema.jsonfile import parse_versioned, write_atomic
@@ -133,6 +133,8 @@ def _scale_block(b: BlockCost, s: StageCalibration | BlockCalibration, g: float)
             "bwd_input_s": _scaled(b.bwd_input_s, w),
             "bwd_weight_s": _scaled(b.bwd_weight_s, w),
             "recompute_s": _scaled(b.recompute_s, f),  # recomputation is a forward
+            "fwd_cold_s": _scaled(b.fwd_cold_s, f),
+            "bwd_cold_s": _scaled(b.bwd_cold_s, w),
             "opt_s": _scaled(b.opt_s, o),
             "grad_s": _scaled(b.grad_s, o),  # passes over the same parameters' gradients
         }
@@ -143,15 +145,20 @@ def _block_factors(plan: Plan, run: RunResult, stages: Sequence[StageCalibration
     """Every block's factors: its own where the run timed it inside its stage, else its stage's.
 
     The run's per-block times (``StageMeasure.blocks``) count the last block's loss as the profile
-    does (forward and backward), so the two compare like with like.
+    does (forward and backward), so the two compare like with like; and the first block of a stage
+    that receives its activations from another rank ran cold, as did the last block of one that
+    receives its gradient, so those are compared with the block's time plus its cold start (a
+    factor then carries to a split where the block runs warm inside a stage).
     """
     out = []
+    planned = block_times_in_stages(plan.blocks, plan.stages)
     for st, m, sc in zip(plan.stages, run.stages, stages):
         part = plan.blocks[st.start : st.end]
         timed = [x.name for x in m.blocks] == [b.name for b in part]
         for k, b in enumerate(part):
             if timed:
-                fwd, bwd = _ratio(m.blocks[k].fwd_s, b.fwd_s), _ratio(m.blocks[k].bwd_s, b.bwd_s)
+                f_planned, b_planned = planned[st.start + k]
+                fwd, bwd = _ratio(m.blocks[k].fwd_s, f_planned), _ratio(m.blocks[k].bwd_s, b_planned)
             else:
                 fwd, bwd = sc.fwd_factor, sc.bwd_factor
             out.append(

@@ -18,6 +18,8 @@ from planner.core.solve import (
     Links,
     NodeLinks,
     boundary_links,
+    cold_in,
+    cold_out,
     compact_flags,
     recompute_flags,
     stage_costs,
@@ -357,11 +359,20 @@ def stage_plan(
     Returns:
         The stage.
     """
-    fwd, bwd, _ = stage_time_parts(blocks, start, end, link, recompute)
-    out_link = link_out or link
 
     def crosses(other: int) -> bool:
         return rank_of is None or rank_of[other] != rank_of[index]
+
+    fwd, bwd, _ = stage_time_parts(
+        blocks,
+        start,
+        end,
+        link,
+        recompute,
+        wait_in=start > 0 and crosses(index - 1),
+        wait_out=end < len(blocks) and crosses(index + 1),
+    )
+    out_link = link_out or link
 
     comm = 0.0
     if start > 0 and crosses(index - 1):
@@ -370,7 +381,7 @@ def stage_plan(
         comm += out_link.send_s(blocks[end - 1].cut_bytes)
     part = blocks[start:end]
     split = all(x.bwd_input_s is not None and x.bwd_weight_s is not None for x in part)
-    extra = bwd - sum(x.bwd_s for x in part)  # recomputation, paid in the input-gradient pass
+    extra = bwd - sum(x.bwd_s for x in part)  # recomputation and a cold start, paid in the input-gradient pass
     return StagePlan(
         index=index,
         rank=rank_of[index] if rank_of is not None else index,
@@ -395,6 +406,29 @@ def stage_plan(
         bwd_input_s=(0.0 if index == 0 else sum(x.bwd_input_s or 0.0 for x in part) + extra) if split else None,
         bwd_weight_s=(bwd if index == 0 else sum(x.bwd_weight_s or 0.0 for x in part)) if split else None,
     )
+
+
+def block_times_in_stages(blocks: Sequence[BlockCost], stages: Sequence[StagePlan]) -> list[tuple[float, float]]:
+    """Every block's forward and backward seconds where ``stages`` run it: its own, plus its cold
+    start where it begins a stage's action after a message from another rank (``cold_in``,
+    ``cold_out``). What a run's per-block times (``StageMeasure.blocks``) compare with.
+
+    Args:
+        blocks: per-block costs in execution order.
+        stages: the stages (start, end and rank of each), in order.
+
+    Returns:
+        ``(fwd_s, bwd_s)`` per block, in block order.
+    """
+    out = [(b.fwd_s, b.bwd_s) for b in blocks]
+    for i, st in enumerate(stages):
+        if i > 0 and stages[i - 1].rank != st.rank:
+            f, b = out[st.start]
+            out[st.start] = (f + cold_in(blocks, st.start), b)
+        if i + 1 < len(stages) and stages[i + 1].rank != st.rank:
+            f, b = out[st.end - 1]
+            out[st.end - 1] = (f, b + cold_out(blocks, st.end))
+    return out
 
 
 def with_method(plan: Plan, method: str) -> Plan:

@@ -11,6 +11,8 @@ cost, then lexicographically smallest starts). It is the dynamic programme over 
 block) of PipeDream, computed on candidate stages only (see ``_exact_partition``):
 
 * A stage ``[s, e)`` costs ``(pre[e] - pre[s]) + send_in[s] + send_out[e]`` (+ its recomputation),
+  where a boundary's terms hold its messages both ways and the cold start of the block that waits
+  for them (``cold_in``, ``cold_out``),
   so its cost without the per-end message term is non-decreasing in ``e``. With a link per
   boundary (ranks on several nodes, ``NodeLinks``) the message terms depend on the stage index k
   through the links of boundaries k - 1 and k: each stage index takes one of a few cost rows
@@ -225,12 +227,17 @@ def stage_time_parts(
     link: LinkCost,
     recompute: bool = False,
     link_out: LinkCost | None = None,
+    *,
+    wait_in: bool = True,
+    wait_out: bool = True,
 ) -> tuple[float, float, float]:
     """Forward, backward and per-direction message seconds of the stage ``blocks[start:end]``, per microbatch.
 
     The message time is paid once in forward (activations) and once in backward (their gradients,
     the same sizes). Activation checkpointing re-runs the stage's forward inside its backward
-    (Chen et al. 2016), so a recomputing stage's backward includes ``recompute_cost``.
+    (Chen et al. 2016), so a recomputing stage's backward includes ``recompute_cost``. A stage that
+    waits for its activations starts its forward cold, and one that waits for their gradient its
+    backward: ``cold_in`` and ``cold_out`` are added.
 
     Args:
         blocks: per-block costs in execution order.
@@ -239,14 +246,32 @@ def stage_time_parts(
         link: cost of one message over the stage's start boundary (and its end one, unless ``link_out``).
         recompute: whether the stage recomputes its activations.
         link_out: cost of one message over its end boundary (None: ``link``).
+        wait_in: the stage receives its activations from another rank (False: the stage before
+            runs on the same rank, the turn of a V, and nothing is waited for).
+        wait_out: the same for the gradients it receives from the stage after it.
 
     Returns:
         ``(fwd_s, bwd_s, comm_s)``, ``comm_s`` for one direction.
     """
     part = blocks[start:end]
-    fwd = sum(b.fwd_s for b in part)
+    fwd = sum(b.fwd_s for b in part) + (cold_in(blocks, start) if wait_in else 0.0)
     bwd = sum(b.bwd_s for b in part) + (sum(recompute_cost(b) for b in part) if recompute else 0.0)
+    bwd += cold_out(blocks, end) if wait_out else 0.0
     return fwd, bwd, _boundary_send_s(blocks, start, end, link, link_out)
+
+
+def cold_in(blocks: Sequence[BlockCost], start: int) -> float:
+    """Seconds the stage starting at block ``start`` loses to a cold start of its forward: its first
+    block's ``fwd_cold_s`` after waiting for the activations it receives (none for the first stage,
+    which waits for nothing; 0 when not measured)."""
+    return (blocks[start].fwd_cold_s or 0.0) if start > 0 else 0.0
+
+
+def cold_out(blocks: Sequence[BlockCost], end: int) -> float:
+    """Seconds the stage ending before block ``end`` loses to a cold start of its backward: its last
+    block's ``bwd_cold_s`` after waiting for the gradient it receives (none for the last stage,
+    whose backward follows its own forward and loss; 0 when not measured)."""
+    return (blocks[end - 1].bwd_cold_s or 0.0) if end < len(blocks) else 0.0
 
 
 def _bounds(starts: Sequence[int], n: int) -> list[tuple[int, int]]:
@@ -1023,9 +1048,15 @@ class _Arrays:
         pairs = [(a, a if k == self.p - 1 else b) for k, (a, b) in enumerate(pairs)]  # the last stage sends nothing
         self.pairs = list(dict.fromkeys(pairs))
         self.variant = [self.pairs.index(pair) for pair in pairs]
-        # comm_fwd + comm_bwd = 2 * (send in + send out)
-        send_in = [[0.0] + [2 * one.send_s(blocks[s - 1].cut_bytes) for s in range(1, n)] for one in distinct]
-        send_out = [[0.0] + [2 * one.send_s(blocks[e - 1].cut_bytes) for e in range(1, n)] + [0.0] for one in distinct]
+        # comm_fwd + comm_bwd = 2 * (send in + send out); a boundary's receiver also starts cold
+        send_in = [
+            [0.0] + [2 * one.send_s(blocks[s - 1].cut_bytes) + cold_in(blocks, s) for s in range(1, n)]
+            for one in distinct
+        ]
+        send_out = [
+            [0.0] + [2 * one.send_s(blocks[e - 1].cut_bytes) + cold_out(blocks, e) for e in range(1, n)] + [0.0]
+            for one in distinct
+        ]
         self.pre_list = pre
         self.pre = np.array(pre)
         self.pre_r = np.array(pre_r)

@@ -15,6 +15,20 @@ apart (forward, and its backward: from the start of backward to the last block's
 to the last block's forward and backward, where a pipeline's last stage spends it. The isolated
 measurements keep what only they can give (I/W, recompute, saved bytes); ``apply_in_context`` rescales I
 and W by the block's in-context/isolated backward ratio and the recompute by the forward ratio.
+
+A block that starts an action after a wait runs slower than one that follows another block: the
+core idled, and caches and branch predictors went cold. In a pipeline that is the first block of a
+stage's forward, which waits for its activations, and the last block of its backward, which waits
+for their gradient; the first stage's forwards and the last stage's backwards follow other work
+and do not wait. In docs/cost_accuracy.md (402 blocks, 2 ranks, a profile that waited before each
+of the whole model's actions), blocks inside a stage ran within 1.3 % of the profile; a stage's
+first block's forward was 12 % slower there and its last block's backward 12 % slower, while the
+model's first block's forward and last block's backward, which never wait in a pipeline, were 32 %
+and 17 % faster. So the whole model runs in two kinds of passes, taking turns so that the machine's
+drift touches both alike: warm passes, back to back, give every block's time inside a stage; cold
+passes wait ``_WAIT_S`` before every block (the clock's ``pause_s``), and a block's cold penalty
+(``BlockCost.fwd_cold_s``, ``bwd_cold_s``) is how much slower it ran there. The solver charges it
+to the block that starts a stage's action after a receive (``planner.core.solve.stage_time_parts``).
 """
 
 from __future__ import annotations
@@ -34,21 +48,24 @@ from planner.costs.timing import backward_roots, sync
 from planner.schema.costs import BlockCost
 
 _perf = time.perf_counter
-# A stage waits for its neighbour between actions, and the first blocks after a wait run slower (the
-# core idled; caches and predictors went cold): measured on this project's CPU, the first block of
-# a 0.4 ms-per-block model took about twice its back-to-back time after a 5 ms wait. The profile
-# waits this long before each action, as a pipeline's ranks do.
+# How long a cold pass waits before each block: a stage waits for its neighbour about this long or
+# more (measured on this project's CPU, the first block of a 0.4 ms-per-block model took about
+# twice its back-to-back time after a 5 ms wait).
 _WAIT_S = 2e-3
 
 
 @dataclass
 class InContext:
-    """Per-block medians of the whole-model runs (seconds per microbatch), and the loss's forward apart
-    (its backward is inside the last block's, as the clock counts it)."""
+    """Per-block medians of the whole-model warm passes (seconds per microbatch), the loss's forward
+    apart (its backward is inside the last block's, as the clock counts it), and per block how much
+    slower its forward and backward ran after a wait (the cold passes' medians less the warm ones,
+    at least 0)."""
 
     fwd: list[float]
     bwd: list[float]
     loss_fwd: float
+    fwd_cold: list[float]
+    bwd_cold: list[float]
 
 
 def time_in_context(
@@ -62,52 +79,83 @@ def time_in_context(
     device_type: str,
     autocast: str | None,
 ) -> InContext:
-    """Run the whole model as one stage, forward, loss and backward, ``warmup + repeats`` times.
+    """Run the whole model as one stage, forward, loss and backward, ``warmup + repeats`` times warm
+    and as many times cold, taking turns (see the module docstring).
 
     Args:
         traced: the graph trace (blocks in order).
         inputs: one microbatch's positional inputs.
         target: its target.
         loss_fn: ``loss_fn(output, target) -> scalar``.
-        warmup: untimed runs.
-        repeats: timed runs (medians kept).
+        warmup: untimed runs of each kind.
+        repeats: timed runs of each kind (medians kept).
         device_type: "cpu" or "cuda" (autocast).
         autocast: the plan's autocast dtype, or None.
 
     Returns:
-        The per-block and loss medians.
+        The per-block and loss medians, and the per-block cold penalties.
     """
     n = len(traced.blocks)
-    clock = BlockClock(0, n, loss_in_last=True, cuda=device_type == "cuda")
-    module = build_stage_module(traced, 0, n, check_cuts=False, clock=clock)
+    cuda = device_type == "cuda"
+    warm = BlockClock(0, n, loss_in_last=True, cuda=cuda)
+    cold = BlockClock(0, n, loss_in_last=True, cuda=cuda, pause_s=_WAIT_S)
+    # two stage modules over the same blocks: the same parameters, gradients accumulating in both
+    modules = [(build_stage_module(traced, 0, n, check_cuts=False, clock=c), c) for c in (warm, cold)]
     args = stage_inputs(inputs)  # a first stage's inputs: the user's data, no gradient
     loss_f: list[float] = []
     for r in range(warmup + repeats):
-        clock.step = r
-        time.sleep(_WAIT_S)  # as a stage waits for its neighbour before each action
-        clock.begin("F")
-        with autocast_context(device_type, autocast):
-            out = module(*args)
-            sync(args)
-            t0 = _perf()
-            loss = loss_fn(out, target)
-            sync(args)
-            t1 = _perf()
-        clock.finish()
-        roots, grads = backward_roots(loss)
-        time.sleep(_WAIT_S)
-        clock.begin("B")
-        if roots:
-            torch.autograd.backward(roots, grads)
-        sync(args)
-        clock.finish()
-        if r >= warmup:
-            loss_f.append(t1 - t0)  # its backward is in the last block's (the clock's loss_in_last)
+        for module, clock in modules:
+            clock.step = r
+            loss_s = _one_pass(module, clock, args, target, loss_fn, device_type, autocast)
+            if r >= warmup and clock is warm:
+                loss_f.append(loss_s)  # its backward is in the last block's (the clock's loss_in_last)
     traced.model.zero_grad(set_to_none=True)
     timed = range(warmup, warmup + repeats)
-    fwd, _ = clock.medians(("F",), timed)
-    bwd, _ = clock.medians(("B",), timed)
-    return InContext(fwd, bwd, statistics.median(loss_f))
+    fwd, _ = warm.medians(("F",), timed)
+    bwd, _ = warm.medians(("B",), timed)
+    fwd_c, _ = cold.medians(("F",), timed)
+    bwd_c, _ = cold.medians(("B",), timed)
+    return InContext(
+        fwd,
+        bwd,
+        statistics.median(loss_f),
+        [max(0.0, c - w) for c, w in zip(fwd_c, fwd)],
+        [max(0.0, c - w) for c, w in zip(bwd_c, bwd)],
+    )
+
+
+def _one_pass(
+    module: torch.nn.Module,
+    clock: BlockClock,
+    args: tuple[Any, ...],
+    target: torch.Tensor,
+    loss_fn: Any,
+    device_type: str,
+    autocast: str | None,
+) -> float:
+    """One forward, loss and backward of the whole-model stage; the loss's forward seconds.
+
+    A cold clock (``pause_s``) waits before each action too, so that the model's first block's
+    forward and the loss's backward start cold like every other block.
+    """
+    time.sleep(clock.pause_s)
+    clock.begin("F")
+    with autocast_context(device_type, autocast):
+        out = module(*args)
+        sync(args)
+        t0 = _perf()
+        loss = loss_fn(out, target)
+        sync(args)
+        t1 = _perf()
+    clock.finish()
+    roots, grads = backward_roots(loss)
+    time.sleep(clock.pause_s)
+    clock.begin("B")
+    if roots:
+        torch.autograd.backward(roots, grads)
+    sync(args)
+    clock.finish()
+    return t1 - t0
 
 
 def apply_in_context(costs: list[BlockCost], ctx: InContext) -> list[BlockCost]:
@@ -118,7 +166,8 @@ def apply_in_context(costs: list[BlockCost], ctx: InContext) -> list[BlockCost]:
         ctx: the in-context medians of the same blocks.
 
     Returns:
-        The costs with in-context times; the last block's include the loss (``loss_s``: its forward).
+        The costs with in-context times and cold penalties; the last block's include the loss
+        (``loss_s``: its forward).
     """
     out = []
     last = len(costs) - 1
@@ -136,5 +185,6 @@ def apply_in_context(costs: list[BlockCost], ctx: InContext) -> list[BlockCost]:
         }
         if k == last:
             update["loss_s"] = ctx.loss_fwd
+        update["fwd_cold_s"], update["bwd_cold_s"] = ctx.fwd_cold[k], ctx.bwd_cold[k]
         out.append(c.model_copy(update=update))
     return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from planner.core.data_parallel import check_run_replicas
+from planner.core.predict import block_times_in_stages
 from planner.core.simulate import Event
 from planner.errors import PlanFileError
 from planner.schema.plan import Plan
@@ -178,8 +179,10 @@ def measured_events(plan: Plan, run: RunResult) -> list[Event]:
 
 
 def compare_blocks_table(plan: Plan, run: RunResult) -> str:
-    """Per block: its profiled forward and backward against its time inside the running stage
-    (``StageMeasure.blocks``), then per stage the time its actions spent outside every block.
+    """Per block: its profiled forward and backward (with its cold start where it begins a stage's
+    action after a message: ``planner.core.predict.block_times_in_stages``) against its time inside
+    the running stage (``StageMeasure.blocks``), then per stage the time its actions spent outside
+    every block.
 
     Args:
         plan: the plan that was run.
@@ -194,18 +197,20 @@ def compare_blocks_table(plan: Plan, run: RunResult) -> str:
     check_run_matches(plan, run)
     check_run_replicas(plan, run)
     rows = []
+    planned = block_times_in_stages(plan.blocks, plan.stages)  # a stage's receiving blocks start cold
     for s, m in zip(plan.stages, run.stages):
-        for b, mb in zip(plan.blocks[s.start : s.end], m.blocks):
+        for k, mb in zip(range(s.start, s.end), m.blocks):
+            f, b = planned[k]
             rows.append(
                 [
                     s.index,
-                    b.name,
-                    _ms(b.fwd_s),
+                    plan.blocks[k].name,
+                    _ms(f),
                     _ms(mb.fwd_s),
-                    _pct(_err(b.fwd_s, mb.fwd_s)),
-                    _ms(b.bwd_s),
+                    _pct(_err(f, mb.fwd_s)),
+                    _ms(b),
                     _ms(mb.bwd_s),
-                    _pct(_err(b.bwd_s, mb.bwd_s)),
+                    _pct(_err(b, mb.bwd_s)),
                 ]
             )
     if not rows:

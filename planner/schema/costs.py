@@ -58,6 +58,20 @@ class BlockCost(BaseModel):
         description="Extra forward the block costs in backward under activation checkpointing, seconds; None if not "
         "measured (the solver then charges the whole forward).",
     )
+    fwd_cold_s: float | None = Field(
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
+        description="Extra forward seconds when the block starts a stage's forward after waiting for the "
+        "activations it receives (the first block of every stage but the first); None if not measured (0).",
+    )
+    bwd_cold_s: float | None = Field(
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
+        description="Extra backward seconds when the block starts a stage's backward after waiting for the "
+        "gradient it receives (the last block of every stage but the last); None if not measured (0).",
+    )
     flops_fwd: float | None = Field(
         default=None,
         ge=0,
