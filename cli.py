@@ -320,8 +320,9 @@ def _load_plan(path: str) -> Plan:
     type=click.IntRange(min=1),
     default=5,
     show_default=True,
-    help="Timed runs per block (median kept). On a busy or noisy machine use 20 or more: the default times a "
-    "small model for a fraction of a second (docs/prediction_accuracy.md).",
+    help="Timed runs per block (median kept); the whole model also runs this many times warm and as many cold "
+    "(a wait before every block, for the cold starts after a message). On a busy or noisy machine use 20 or more: "
+    "the default times a small model for a fraction of a second (docs/prediction_accuracy.md).",
 )
 @click.option(
     "--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed runs per block before timing."

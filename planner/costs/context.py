@@ -26,7 +26,7 @@ first block's forward was 12 % slower there and its last block's backward 12 % s
 model's first block's forward and last block's backward, which never wait in a pipeline, were 32 %
 and 17 % faster. So the whole model runs in two kinds of passes, taking turns so that the machine's
 drift touches both alike: warm passes, back to back, give every block's time inside a stage; cold
-passes wait ``_WAIT_S`` before every block (the clock's ``pause_s``), and a block's cold penalty
+passes wait ``_WAIT_S`` (1 ms) before every block (the clock's ``pause_s``), and a block's cold penalty
 (``BlockCost.fwd_cold_s``, ``bwd_cold_s``) is how much slower it ran there. The solver charges it
 to the block that starts a stage's action after a receive (``planner.core.solve.stage_time_parts``).
 """
@@ -48,10 +48,13 @@ from planner.costs.timing import backward_roots, sync
 from planner.schema.costs import BlockCost
 
 _perf = time.perf_counter
-# How long a cold pass waits before each block: a stage waits for its neighbour about this long or
-# more (measured on this project's CPU, the first block of a 0.4 ms-per-block model took about
-# twice its back-to-back time after a 5 ms wait).
-_WAIT_S = 2e-3
+# How long a cold pass waits before each block. The penalty grows with the wait (on this project's
+# CPU, the tiny GPT's blocks ran 5 %, 11 %, 14 % and 43 % slower after 0.25, 1, 2 and 5 ms); a
+# stage in a balanced pipeline waits about a message's cost (the CPU link charges 1.5 ms) or less.
+# Over two bench sweeps (docs/cost_accuracy.md), the blocks that start a stage's action after a
+# receive ran on average about 2/3 of the 2 ms penalty slower than the blocks inside it, which is
+# about what a 1 ms wait gives.
+_WAIT_S = 1e-3
 
 
 @dataclass
