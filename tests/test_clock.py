@@ -155,6 +155,25 @@ def test_in_context_profile_counts_the_loss_in_the_last_block() -> None:
         assert got == pytest.approx(ms / 1e3, abs=TOL_S)
     assert 0 <= ctx.loss_fwd < 2e-3
     assert all(p.grad is None for p in traced.model.parameters())  # left as found
+    # sleeps run as fast after a wait as back to back: no cold start, and the pauses counted nowhere
+    assert max(ctx.fwd_cold + ctx.bwd_cold) < TOL_S
+
+
+def test_in_context_profile_measures_each_blocks_cold_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks that sleep a known extra time when they start after a wait: the warm passes read
+    their back-to-back times, the cold passes' paired differences their cold starts."""
+    # the fixture calls a gap of 3 ms a wait, far above the Python between two blocks; the cold
+    # passes here wait longer than that
+    monkeypatch.setattr("planner.costs.context._WAIT_S", 6e-3)
+    cold_ms = (15, 25, 35)
+    mf = load_model_file(FIXTURES / "delay.py", "tiny", {"cold_ms": cold_ms})
+    inputs, target = mf.batch(4)
+    traced = trace_model(mf.build(), inputs)
+    ctx = time_in_context(traced, inputs, target, mf.loss_fn, warmup=1, repeats=3, device_type="cpu", autocast=None)
+    assert ctx.fwd == pytest.approx([ms / 1e3 for ms in FWD_MS], abs=TOL_S)
+    assert ctx.bwd == pytest.approx([ms / 1e3 for ms in BWD_MS], abs=TOL_S)
+    assert ctx.fwd_cold == pytest.approx([ms / 1e3 for ms in cold_ms], abs=TOL_S)
+    assert ctx.bwd_cold == pytest.approx([ms / 1e3 for ms in cold_ms], abs=TOL_S)
 
 
 def test_a_mark_keeps_which_values_require_grad() -> None:

@@ -61,8 +61,7 @@ _WAIT_S = 1e-3
 class InContext:
     """Per-block medians of the whole-model warm passes (seconds per microbatch), the loss's forward
     apart (its backward is inside the last block's, as the clock counts it), and per block how much
-    slower its forward and backward ran after a wait (the cold passes' medians less the warm ones,
-    at least 0)."""
+    slower its forward and backward ran after a wait (``_penalties``)."""
 
     fwd: list[float]
     bwd: list[float]
@@ -116,15 +115,30 @@ def time_in_context(
     timed = range(warmup, warmup + repeats)
     fwd, _ = warm.medians(("F",), timed)
     bwd, _ = warm.medians(("B",), timed)
-    fwd_c, _ = cold.medians(("F",), timed)
-    bwd_c, _ = cold.medians(("B",), timed)
     return InContext(
         fwd,
         bwd,
         statistics.median(loss_f),
-        [max(0.0, c - w) for c, w in zip(fwd_c, fwd)],
-        [max(0.0, c - w) for c, w in zip(bwd_c, bwd)],
+        _penalties(warm, cold, ("F",), timed),
+        _penalties(warm, cold, ("B",), timed),
     )
+
+
+def _penalties(warm: BlockClock, cold: BlockClock, kinds: tuple[str, ...], steps: range) -> list[float]:
+    """Per block, the median over repeats of its cold time less its warm time in the same repeat
+    (at least 0).
+
+    The two passes of a repeat run back to back, so the machine's drift, which moves a long
+    block's time by far more than a cold start, cancels from each difference; a difference of
+    the two medians would keep it (the heavy block of bench/models/heavy_middle.py, 9-15 ms,
+    read anything from 0 to 1.6 ms that way)."""
+    w_times, _ = warm.block_times(kinds, steps)
+    c_times, _ = cold.block_times(kinds, steps)
+    out = []
+    for w, c in zip(w_times, c_times):
+        diffs = [x - y for x, y in zip(c, w)] if len(w) == len(c) else []
+        out.append(max(0.0, statistics.median(diffs)) if diffs else 0.0)
+    return out
 
 
 def _one_pass(
@@ -141,7 +155,8 @@ def _one_pass(
     A cold clock (``pause_s``) waits before each action too, so that the model's first block's
     forward and the loss's backward start cold like every other block.
     """
-    time.sleep(clock.pause_s)
+    if clock.pause_s:
+        time.sleep(clock.pause_s)
     clock.begin("F")
     with autocast_context(device_type, autocast):
         out = module(*args)
@@ -152,7 +167,8 @@ def _one_pass(
         t1 = _perf()
     clock.finish()
     roots, grads = backward_roots(loss)
-    time.sleep(clock.pause_s)
+    if clock.pause_s:
+        time.sleep(clock.pause_s)
     clock.begin("B")
     if roots:
         torch.autograd.backward(roots, grads)
