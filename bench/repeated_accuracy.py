@@ -70,6 +70,7 @@ class Draw:
     stage_run_s: list[float]  # per stage: forward_one_chunk + backward_one_chunk medians
     stage_blocks_s: list[float]  # per stage: the run's block times (outside-block runtime work left out)
     warm_s: float = math.nan  # the same plan re-predicted without its blocks' cold starts (paired: same run)
+    own_blocks_s: float = math.nan  # the plan re-predicted with the run's own block times (NaN: none timed)
 
 
 @dataclass
@@ -107,7 +108,24 @@ def draw_of(plan: Plan, run: RunResult) -> Draw:
         stage_run_s=[m.fwd_s + m.bwd_s for m in run.stages],
         stage_blocks_s=blocks,
         warm_s=without_cold_starts(plan),
+        own_blocks_s=with_run_blocks(plan, run),
     )
+
+
+def with_run_blocks(plan: Plan, run: RunResult) -> float:
+    """``plan``'s step re-predicted with every block's forward and backward as the run timed them
+    inside its stage (its cold starts and, in the last block, the loss included): what is left of
+    the error is the schedule, message and optimizer model's, the profile's noise taken out. NaN
+    when the run timed no blocks."""
+    timed = {b.name: b for m in run.stages for b in m.blocks}
+    if any(b.name not in timed for b in plan.blocks):
+        return math.nan
+    update = {"fwd_cold_s": None, "bwd_cold_s": None}
+    own = [
+        b.model_copy(update={**update, "fwd_s": timed[b.name].fwd_s, "bwd_s": timed[b.name].bwd_s}) for b in plan.blocks
+    ]
+    starts = [s.start for s in plan.stages]
+    return predict_plan(plan, starts, plan.prediction.recompute, blocks=own)[1].step_time_s
 
 
 def without_cold_starts(plan: Plan) -> float:
@@ -246,6 +264,17 @@ class Summary:
     headers: list[str]
 
 
+def paired_errors(real: Sequence[Repeated], field_name: str) -> list[float | None]:
+    """Per case, the error of the means of a re-prediction (``Draw.warm_s``, ``own_blocks_s``)
+    against the same runs; None where a round has none (NaN: a kept sweep from before it)."""
+    out: list[float | None] = []
+    for r in real:
+        again = [getattr(d, field_name) for d in r.draws]
+        ok = all(math.isfinite(x) for x in again)
+        out.append(error_of_means(again, [d.measured_s for d in r.draws]) if ok else None)
+    return out
+
+
 def _figures(real: Sequence[Repeated]) -> list[str]:
     """One column of the summary: the figures over ``real`` (cases that ran, toy apart)."""
 
@@ -258,12 +287,8 @@ def _figures(real: Sequence[Repeated]) -> list[str]:
     signed = [e for e in means if e is not None]
     # the same plans and runs, the plans re-predicted without cold starts (kept sweeps older than
     # cold starts have none to take away: NaN, a dash)
-    warm = [
-        error_of_means([d.warm_s for d in r.draws], [d.measured_s for d in r.draws])
-        if all(math.isfinite(d.warm_s) for d in r.draws)
-        else None
-        for r in real
-    ]
+    warm = paired_errors(real, "warm_s")
+    own = paired_errors(real, "own_blocks_s")
     return [
         fig(means),
         fig([max((abs(x) for x in signed), default=None)]),
@@ -275,6 +300,8 @@ def _figures(real: Sequence[Repeated]) -> list[str]:
         fig([e for r in real for e in stage_errors(r, "stage_blocks_s")]),
         fig(warm),
         pct(statistics.mean(w)) if (w := [e for e in warm if e is not None]) else DASH,
+        fig(own),
+        pct(statistics.mean(o)) if (o := [e for e in own if e is not None]) else DASH,
         str(len(signed)),
     ]
 
@@ -289,6 +316,8 @@ SUMMARY_ROWS = (
     ("the same, the plan's unshared fwd_s + bwd_s", ""),
     ("per-stage compute in the blocks only, error of the means, mean abs", ""),
     ("step, error of the means, the same plans without cold starts, mean abs", ""),
+    ("the same, mean signed", ""),
+    ("step, error of the means, the plans with the run's own block times, mean abs", ""),
     ("the same, mean signed", ""),
     ("cases", ""),
 )
@@ -355,7 +384,9 @@ inside those actions, leaving out the runtime's work outside the blocks, which t
 link's cost per message, not with the stage. Stage figures use the rounds that chose the most common split.
 "Without cold starts": the same plans re-predicted as if no block started cold after a message
 (`BlockCost.fwd_cold_s`, `bwd_cold_s` taken away), against the same runs, so the comparison owes nothing
-to the machine's noise.
+to the machine's noise. "With the run's own block times": each plan re-predicted with every block's
+forward and backward as its run timed them inside the stage, so that what is left is the error of the
+schedule, message and optimizer model alone.
 The toy model (blocks of microseconds: its step is the link's cost per message) is in the table but not in the summary.
 
 ## Per case
