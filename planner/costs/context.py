@@ -20,8 +20,9 @@ A block that starts an action after a wait runs slower than one that follows ano
 core idled, and caches and branch predictors went cold. In a pipeline that is the first block of a
 stage's forward, which waits for its activations, and the last block of its backward, which waits
 for their gradient; the first stage's forwards and the last stage's backwards follow other work
-and do not wait. In docs/cost_accuracy.md (402 blocks, 2 ranks, a profile that waited before each
-of the whole model's actions), blocks inside a stage ran within 1.3 % of the profile; a stage's
+and do not wait. In the last bench sweep before cold starts were timed (402 blocks, 2 ranks, a
+profile that waited before each of the whole model's actions; docs/prediction_accuracy.md, "Cold
+starts at a stage's boundaries"), blocks inside a stage ran within 1.3 % of the profile; a stage's
 first block's forward was 12 % slower there and its last block's backward 12 % slower, while the
 model's first block's forward and last block's backward, which never wait in a pipeline, were 32 %
 and 17 % faster. So the whole model runs in two kinds of passes, taking turns so that the machine's
@@ -51,8 +52,8 @@ _perf = time.perf_counter
 # How long a cold pass waits before each block. The penalty grows with the wait (on this project's
 # CPU, the tiny GPT's blocks ran 5 %, 11 %, 14 % and 43 % slower after 0.25, 1, 2 and 5 ms); a
 # stage in a balanced pipeline waits about a message's cost (the CPU link charges 1.5 ms) or less.
-# Over two bench sweeps (docs/cost_accuracy.md), the blocks that start a stage's action after a
-# receive ran on average about 2/3 of the 2 ms penalty slower than the blocks inside it, which is
+# Over two bench sweeps (docs/prediction_accuracy.md), the blocks that start a stage's action after
+# a receive ran on average about 2/3 of the 2 ms penalty slower than the blocks inside it, which is
 # about what a 1 ms wait gives.
 _WAIT_S = 1e-3
 
