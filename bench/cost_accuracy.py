@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +49,14 @@ from tabulate import tabulate  # noqa: E402
 
 from planner.capture.load import load_model_file  # noqa: E402
 from planner.core.calibrate import apply_calibration, calibrate  # noqa: E402
-from planner.core.predict import block_times_in_stages, predict_plan, refresh, simulate_plan, stage_times  # noqa: E402
+from planner.core.predict import (  # noqa: E402
+    block_times_in_stages,
+    predict_plan,
+    refresh,
+    simulate_plan,
+    stage_times,
+    stage_waits,
+)
 from planner.errors import PlannerError  # noqa: E402
 from planner.schema.plan import Plan  # noqa: E402
 from planner.schema.result import RunResult  # noqa: E402
@@ -507,11 +514,9 @@ def block_pairs(case: Case) -> list[BlockPair]:
     planned = block_times_in_stages(plan.blocks, plan.stages)
     index = {b.name: k for k, b in enumerate(plan.blocks)}
     alone = case.isolated or {}
-    ranks = [st.rank for st in plan.stages]
     out = []
     for i, (st, m) in enumerate(zip(plan.stages, case.run.stages)):
-        waits_in = i > 0 and ranks[i - 1] != st.rank  # its forward waits for activations
-        waits_out = i + 1 < len(ranks) and ranks[i + 1] != st.rank  # its backward for their gradient
+        waits_in, waits_out = stage_waits(plan.stages, i)
         for tb in getattr(m, "blocks", None) or []:
             k = index.get(tb.name)
             if k is None:
@@ -521,9 +526,22 @@ def block_pairs(case: Case) -> list[BlockPair]:
             fwd_where = MODEL_END if k == 0 else WAITS if k == st.start and waits_in else INSIDE
             last = k == len(plan.blocks) - 1
             bwd_where = MODEL_END if last else WAITS if k == st.end - 1 and waits_out else INSIDE
-            pair = BlockPair(m.stage, tb.name, b.loss_s is not None, f, tb.fwd_s, w, tb.bwd_s, iso_f, iso_b)
             out.append(
-                replace(pair, fwd_where=fwd_where, bwd_where=bwd_where, fwd_cold=f - b.fwd_s, bwd_cold=w - b.bwd_s)
+                BlockPair(
+                    stage=m.stage,
+                    name=tb.name,
+                    has_loss=b.loss_s is not None,
+                    profiled_fwd=f,
+                    pipeline_fwd=tb.fwd_s,
+                    profiled_bwd=w,
+                    pipeline_bwd=tb.bwd_s,
+                    isolated_fwd=iso_f,
+                    isolated_bwd=iso_b,
+                    fwd_where=fwd_where,
+                    bwd_where=bwd_where,
+                    fwd_cold=f - b.fwd_s,
+                    bwd_cold=w - b.bwd_s,
+                )
             )
     return out
 

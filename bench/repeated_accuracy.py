@@ -51,6 +51,7 @@ from cost_accuracy import (  # noqa: E402
 )
 
 from planner.core.predict import predict_plan  # noqa: E402
+from planner.schema.costs import BlockCost  # noqa: E402
 from planner.schema.plan import Plan  # noqa: E402
 from planner.schema.result import RunResult  # noqa: E402
 
@@ -120,12 +121,9 @@ def with_run_blocks(plan: Plan, run: RunResult) -> float:
     timed = {b.name: b for m in run.stages for b in m.blocks}
     if any(b.name not in timed for b in plan.blocks):
         return math.nan
-    update = {"fwd_cold_s": None, "bwd_cold_s": None}
-    own = [
-        b.model_copy(update={**update, "fwd_s": timed[b.name].fwd_s, "bwd_s": timed[b.name].bwd_s}) for b in plan.blocks
-    ]
-    starts = [s.start for s in plan.stages]
-    return predict_plan(plan, starts, plan.prediction.recompute, blocks=own)[1].step_time_s
+    return step_with(
+        plan, [b.model_copy(update={"fwd_s": timed[b.name].fwd_s, "bwd_s": timed[b.name].bwd_s}) for b in plan.blocks]
+    )
 
 
 def without_cold_starts(plan: Plan) -> float:
@@ -134,7 +132,13 @@ def without_cold_starts(plan: Plan) -> float:
     NaN for a plan made before cold starts were timed."""
     if all(b.fwd_cold_s is None and b.bwd_cold_s is None for b in plan.blocks):
         return math.nan
-    warm = [b.model_copy(update={"fwd_cold_s": None, "bwd_cold_s": None}) for b in plan.blocks]
+    return step_with(plan, plan.blocks)
+
+
+def step_with(plan: Plan, blocks: Sequence[BlockCost]) -> float:
+    """``plan``'s split and everything else it fixes, re-predicted with ``blocks`` taken without
+    cold starts (a run's own block times hold theirs already)."""
+    warm = [b.model_copy(update={"fwd_cold_s": None, "bwd_cold_s": None}) for b in blocks]
     starts = [s.start for s in plan.stages]
     return predict_plan(plan, starts, plan.prediction.recompute, blocks=warm)[1].step_time_s
 

@@ -422,13 +422,24 @@ def block_times_in_stages(blocks: Sequence[BlockCost], stages: Sequence[StagePla
     """
     out = [(b.fwd_s, b.bwd_s) for b in blocks]
     for i, st in enumerate(stages):
-        if i > 0 and stages[i - 1].rank != st.rank:
+        wait_in, wait_out = stage_waits(stages, i)
+        if wait_in:
             f, b = out[st.start]
             out[st.start] = (f + cold_in(blocks, st.start), b)
-        if i + 1 < len(stages) and stages[i + 1].rank != st.rank:
+        if wait_out:
             f, b = out[st.end - 1]
             out[st.end - 1] = (f, b + cold_out(blocks, st.end))
     return out
+
+
+def stage_waits(stages: Sequence[StagePlan], i: int) -> tuple[bool, bool]:
+    """Whether stage ``i`` waits for a message from another rank: for its activations (it is not
+    the first stage, and the stage before runs elsewhere), and for their gradient (the same with
+    the stage after it). The turn of a V joins two stages on one rank: nothing is waited for."""
+    return (
+        i > 0 and stages[i - 1].rank != stages[i].rank,
+        i + 1 < len(stages) and stages[i + 1].rank != stages[i].rank,
+    )
 
 
 def with_method(plan: Plan, method: str) -> Plan:
