@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from plan_factory import assert_fit_limits_agree
 
@@ -112,7 +112,7 @@ def brute(
             flags.append(fit[0] if fit else None)
         if None in flags:
             continue
-        costs = stage_costs(blocks, starts, link, flags)
+        costs = stage_costs(blocks, starts, link, flags, schedule)
         out.append((starts, max(costs), sum(costs)))
     return out
 
@@ -322,9 +322,14 @@ def _reference_dp(
 
 
 def _reference_cost_matrix(
-    blocks: Sequence[BlockCost], link: LinkCost, link_out: LinkCost | None = None
+    blocks: Sequence[BlockCost],
+    link: LinkCost,
+    link_out: LinkCost | None = None,
+    cross_in: bool = True,
+    cross_out: bool = True,
 ) -> list[list[float]]:
-    """Stage costs ``[s][e]`` with messages in over ``link`` and out over ``link_out`` (default: the same)."""
+    """Stage costs ``[s][e]`` with messages in over ``link`` and out over ``link_out`` (default: the
+    same); a boundary inside one rank (``cross_in`` / ``cross_out`` False) costs nothing."""
     n = len(blocks)
     out = link_out or link
     pre = [0.0]
@@ -332,10 +337,16 @@ def _reference_cost_matrix(
         pre.append(pre[-1] + b.fwd_s + b.bwd_s)
     # the receiver of a boundary starts cold: the first block's forward after it, the last block's
     # backward before it
-    send_in = [0.0] + [2 * link.send_s(blocks[s - 1].cut_bytes) + (blocks[s].fwd_cold_s or 0.0) for s in range(1, n)]
+    send_in = [0.0] + [
+        2 * link.send_s(blocks[s - 1].cut_bytes) + (blocks[s].fwd_cold_s or 0.0) if cross_in else 0.0
+        for s in range(1, n)
+    ]
     send_out = (
         [0.0]
-        + [2 * out.send_s(blocks[e - 1].cut_bytes) + (blocks[e - 1].bwd_cold_s or 0.0) for e in range(1, n)]
+        + [
+            2 * out.send_s(blocks[e - 1].cut_bytes) + (blocks[e - 1].bwd_cold_s or 0.0) if cross_out else 0.0
+            for e in range(1, n)
+        ]
         + [0.0]
     )
     mat = [[math.inf] * (n + 1) for _ in range(n + 1)]
@@ -451,7 +462,8 @@ def _reference_solve(
     # stage k's messages go in over boundary k - 1's link and out over boundary k's
     links = solve_mod.boundary_links(link, n_stages, schedule)
     edge = [links[0] if links else FREE, *links, links[-1] if links else FREE]
-    plains = [_reference_cost_matrix(blocks, edge[k], edge[k + 1]) for k in range(n_stages)]
+    crosses = [True, *solve_mod.boundary_crosses(n_stages, schedule), True]
+    plains = [_reference_cost_matrix(blocks, edge[k], edge[k + 1], crosses[k], crosses[k + 1]) for k in range(n_stages)]
     pre_r = [0.0]
     for b in blocks:
         pre_r.append(pre_r[-1] + recompute_cost(b))
@@ -555,6 +567,8 @@ def requests(draw: st.DrawFn, ties: bool) -> Request:
     }
     if draw(st.integers(0, 3)) == 0:  # explicit counts, as a schedule with several stages per rank gives
         kw["in_flight"] = draw(st.lists(st.integers(0, 6), min_size=p, max_size=p))
+        if p % 2 == 0 and draw(st.booleans()):  # a V: the turn between stages p/2 - 1 and p/2 stays on one rank
+            kw["schedule"] = draw(st.sampled_from(["zbv", "dualpipev"]))
     return blocks, p, link, kw
 
 
@@ -1056,6 +1070,53 @@ def test_a_cold_start_is_charged_to_the_stage_that_waits_and_moves_the_split() -
     assert stage_time_parts(edges, 1, 2, FREE)[:2] == (1.5, 1.25)  # waits both ways
     assert stage_time_parts(edges, 2, 3, FREE)[:2] == (1.5, 1.0)  # waits for its activations
     assert stage_time_parts(edges, 1, 2, FREE, wait_in=False, wait_out=False)[:2] == (1.0, 1.0)  # a V's turn
+
+
+def test_the_turn_of_a_v_costs_the_solver_what_it_costs_the_prediction() -> None:
+    """ZB-V runs stages 1 and 2 of 4 on rank 1: that boundary sends nothing and nobody waits on it.
+    The solver's stage costs charge it neither a message nor a cold start, as the prediction's stage
+    plans do; under 1F1B every boundary joins two ranks and pays both."""
+    from planner.core.predict import predict
+
+    link = LinkCost(name="l", latency_s=0.5, bandwidth_Bps=1e9)  # 0.5 s a message (no bytes cross)
+    blocks = [blk(i, 1.0, 1.0, fc=0.25, bc=0.125) for i in range(4)]
+    # stage = fwd (+ 0.25 cold if it receives activations) + bwd (+ 0.125 cold if it receives a
+    # gradient) + 2 x 0.5 per boundary it sends or receives over
+    assert stage_costs(blocks, (0, 1, 2, 3), link, schedule="1f1b") == [3.125, 4.375, 4.375, 3.25]
+    assert stage_costs(blocks, (0, 1, 2, 3), link, schedule="zbv") == [3.125, 3.25, 3.125, 3.25]
+    assert solve_mod.boundary_crosses(4, "zbv") == [True, False, True]
+    assert solve_mod.boundary_crosses(2, "interleaved-1f1b", stages_per_rank=2) == [False]  # one rank runs both
+    for schedule, v in (("1f1b", 1), ("zbv", 2)):
+        stages, _ = predict(blocks, (0, 1, 2, 3), link, schedule, 4, SGD, stages_per_rank=v)
+        planned = [s.time_s for s in stages]  # fwd + bwd + comm_s (both directions)
+        assert planned == stage_costs(blocks, (0, 1, 2, 3), link, schedule=schedule)
+        part = solve(blocks, 4, link, schedule=schedule, in_flight=[1] * 4, n_microbatches=4, optimizer=SGD)
+        assert part.bottleneck_s == max(planned)
+
+
+@settings(max_examples=150, deadline=None)
+@given(inst=instances(), v_schedule=st.sampled_from(["zbv", "dualpipev"]))
+def test_solve_under_a_v_matches_brute_force(
+    inst: tuple[list[BlockCost], int, LinkCost, str, int, OptimizerSpec, int | None, str], v_schedule: str
+) -> None:
+    """With the turn of the V free of messages and cold starts, the search still finds brute force's
+    optimum (least total cost among the tied, then the smallest starts)."""
+    blocks, p, link, _, m, optimizer, limit, recompute = inst
+    assume(p % 2 == 0)
+    infl = [m] * p
+    feasible = brute(blocks, p, link, v_schedule, m, optimizer, limit, recompute, in_flight=infl)
+    kw: dict[str, Any] = {"schedule": v_schedule, "n_microbatches": m, "optimizer": optimizer}
+    kw |= {"memory_limit_bytes": limit, "recompute": recompute, "in_flight": infl}
+    if not feasible:
+        with pytest.raises(InfeasibleError):
+            solve(blocks, p, link, **kw)
+        return
+    part = solve(blocks, p, link, **kw)
+    opt = min(b for _, b, _ in feasible)
+    assert math.isclose(part.bottleneck_s, opt, rel_tol=1e-9, abs_tol=1e-12)
+    optimal = [(s, c) for s, b, c in feasible if b <= opt + 1e-9 * max(1.0, opt)]
+    best_sum = min(c for _, c in optimal)
+    assert part.starts == min(s for s, c in optimal if c <= best_sum + 1e-9 * max(1.0, best_sum))
 
 
 def test_stage_plans_charge_cold_starts_only_across_ranks() -> None:

@@ -183,6 +183,7 @@ def evaluate_choice(
                 recompute=recompute,
                 in_flight=in_flight_per_stage(schedule, n_ranks, n_microbatches, v),
                 shard=shard,
+                stages_per_rank=v,
             )
         except InfeasibleError as e:
             if v == 1:

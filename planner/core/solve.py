@@ -54,7 +54,7 @@ import numpy as np
 from numpy.typing import NDArray
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from planner.core.schedules import in_flight_per_stage, stage_ranks
+from planner.core.schedules import in_flight_per_stage, placement, stage_ranks
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 
@@ -162,6 +162,31 @@ def boundary_links(link: Links, n_stages: int, schedule: str | None = None) -> l
     return links
 
 
+def boundary_crosses(n_stages: int, schedule: str | None = None, stages_per_rank: int | None = None) -> list[bool]:
+    """Whether each boundary between consecutive stages joins two ranks (``n_stages - 1`` flags).
+
+    A boundary inside one rank (the turn of a V, where stages p - 1 and p share rank p - 1, or every
+    boundary when one rank runs all the stages) sends nothing over a link, and its receiver waits
+    for nothing, so no message and no cold start are charged there; ``planner.core.predict`` places
+    the stages the same way (``stage_ranks``).
+
+    Args:
+        n_stages: stages of the pipeline.
+        schedule: decides the placement (None: every boundary joins two ranks).
+        stages_per_rank: stages on each rank (None: 2 under a V placement, the only count it runs;
+            else 1, one rank per stage).
+
+    Returns:
+        One flag per boundary, True where it joins two ranks.
+    """
+    v = stages_per_rank or (2 if schedule is not None and placement(schedule) == "v" else 1)
+    if schedule is None or n_stages < 2 or v == 1 or n_stages % v:
+        # one rank per stage; or not a layout the schedule runs, which the schedule checks refuse
+        return [True] * max(n_stages - 1, 0)
+    ranks = stage_ranks(schedule, n_stages // v, v)
+    return [a != b for a, b in zip(ranks, ranks[1:])]
+
+
 def _around(links: Sequence[LinkCost], k: int, default: LinkCost) -> tuple[LinkCost, LinkCost]:
     """The links at stage k's start and end boundaries (the other one where it has none)."""
     into = links[k - 1] if k > 0 else (links[0] if links else default)
@@ -183,19 +208,26 @@ def _default_link(link: Links) -> LinkCost:
 
 
 def _boundary_send_s(
-    blocks: Sequence[BlockCost], start: int, end: int, link: LinkCost, link_out: LinkCost | None = None
+    blocks: Sequence[BlockCost],
+    start: int,
+    end: int,
+    link: LinkCost,
+    link_out: LinkCost | None = None,
+    *,
+    cross_in: bool = True,
+    cross_out: bool = True,
 ) -> float:
     """Seconds a stage [start, end) spends on the messages of one microbatch in one direction.
 
     The boundary after block ``c - 1`` carries ``blocks[c - 1].cut_bytes`` per microbatch forward
     (activation) and the same size backward (its gradient); a rank receives at its start boundary
     (unless first, over ``link``) and sends at its end boundary (unless last, over ``link_out``,
-    by default ``link``).
+    by default ``link``); a boundary inside one rank (``cross_in`` / ``cross_out`` False) sends nothing.
     """
     s = 0.0
-    if start > 0:
+    if start > 0 and cross_in:
         s += link.send_s(blocks[start - 1].cut_bytes)
-    if end < len(blocks):
+    if end < len(blocks) and cross_out:
         s += (link_out or link).send_s(blocks[end - 1].cut_bytes)
     return s
 
@@ -247,7 +279,7 @@ def stage_time_parts(
         recompute: whether the stage recomputes its activations.
         link_out: cost of one message over its end boundary (None: ``link``).
         wait_in: the stage receives its activations from another rank (False: the stage before
-            runs on the same rank, the turn of a V, and nothing is waited for).
+            runs on the same rank, the turn of a V: nothing is sent or waited for).
         wait_out: the same for the gradients it receives from the stage after it.
 
     Returns:
@@ -257,7 +289,7 @@ def stage_time_parts(
     fwd = sum(b.fwd_s for b in part) + (cold_in(blocks, start) if wait_in else 0.0)
     bwd = sum(b.bwd_s for b in part) + (sum(recompute_cost(b) for b in part) if recompute else 0.0)
     bwd += cold_out(blocks, end) if wait_out else 0.0
-    return fwd, bwd, _boundary_send_s(blocks, start, end, link, link_out)
+    return fwd, bwd, _boundary_send_s(blocks, start, end, link, link_out, cross_in=wait_in, cross_out=wait_out)
 
 
 def cold_in(blocks: Sequence[BlockCost], start: int) -> float:
@@ -304,6 +336,7 @@ def stage_costs(
     link: Links,
     recompute: Sequence[bool] = (),
     schedule: str | None = None,
+    stages_per_rank: int | None = None,
 ) -> list[float]:
     """Seconds one microbatch occupies each stage: forward + backward + its messages both ways.
 
@@ -314,7 +347,9 @@ def stage_costs(
         starts: first block of each stage (see ``Partition.starts``).
         link: cost of one message between neighbouring ranks, or per boundary (``boundary_links``).
         recompute: per stage, whether it recomputes activations; empty means no stage does.
-        schedule: places the stages of a ``NodeLinks`` on ranks (None: looped placement).
+        schedule: places the stages on ranks: which boundaries cross ranks (``boundary_crosses``)
+            and where a ``NodeLinks``' stages run (None: one rank per stage, looped placement).
+        stages_per_rank: stages on each rank (None: ``boundary_crosses``' default).
 
     Returns:
         One cost per stage.
@@ -325,10 +360,11 @@ def stage_costs(
     _check_starts(blocks, starts)
     flags = recompute_flags(recompute, len(starts))
     links = boundary_links(link, len(starts), schedule)
+    crosses = [True, *boundary_crosses(len(starts), schedule, stages_per_rank), True]  # padded: first and last
     costs = []
     for k, ((s, e), r) in enumerate(zip(_bounds(starts, len(blocks)), flags)):
         into, out = _around(links, k, _default_link(link))
-        fwd, bwd, comm = stage_time_parts(blocks, s, e, into, r, out)
+        fwd, bwd, comm = stage_time_parts(blocks, s, e, into, r, out, wait_in=crosses[k], wait_out=crosses[k + 1])
         costs.append(fwd + bwd + comm + comm)
     return costs
 
@@ -531,6 +567,7 @@ def evaluate(
     link: Links,
     recompute: Sequence[bool] = (),
     schedule: str | None = None,
+    stages_per_rank: int | None = None,
 ) -> Partition:
     """The bottleneck of a given split (max of ``stage_costs``).
 
@@ -539,7 +576,8 @@ def evaluate(
         starts: first block of each stage.
         link: cost of one message between neighbouring ranks, or per boundary.
         recompute: per stage, whether it recomputes activations.
-        schedule: places the stages of a ``NodeLinks`` on ranks (None: looped placement).
+        schedule: places the stages on ranks (``stage_costs``; None: one rank per stage).
+        stages_per_rank: stages on each rank (None: ``boundary_crosses``' default).
 
     Returns:
         The partition with its ``bottleneck_s`` (max stage cost, communication included).
@@ -547,7 +585,7 @@ def evaluate(
     Raises:
         InfeasibleError: ``starts`` is not a valid partition on legal cuts.
     """
-    costs = stage_costs(blocks, starts, link, recompute, schedule)
+    costs = stage_costs(blocks, starts, link, recompute, schedule, stages_per_rank)
     return Partition(starts=tuple(starts), bottleneck_s=max(costs), recompute=compact_flags(recompute))
 
 
@@ -1017,7 +1055,8 @@ class _Arrays:
 
     With a link per boundary, ``send_in`` and ``send_out`` have one row per distinct link, and stage
     index k costs ``variant[k]``'s row of the candidate costs: the pair (link into stage k, link out
-    of it). One link gives one row, the arrays of the single-link search.
+    of it). One link gives one row, the arrays of the single-link search. A boundary inside one rank
+    (``crosses`` False: a V's turn) has a row of its own, of zeros: no message, no cold start.
     """
 
     def __init__(
@@ -1027,6 +1066,7 @@ class _Arrays:
         mem: _MemoryModel,
         mode: str,
         in_flight: Sequence[int],
+        crosses: Sequence[bool] | None = None,
     ) -> None:
         n = len(blocks)
         self.n = n
@@ -1043,7 +1083,9 @@ class _Arrays:
         for one in links or [_default_link(link)]:
             if one not in distinct:
                 distinct.append(one)
-        ids = [distinct.index(one) for one in links]
+        within = len(distinct)  # the row of a boundary inside one rank
+        crossing = list(crosses) if crosses is not None else [True] * len(links)
+        ids = [distinct.index(one) if c else within for one, c in zip(links, crossing, strict=True)]
         pairs = [(ids[k - 1] if k else (ids[0] if ids else 0), ids[k] if k < len(ids) else 0) for k in range(self.p)]
         pairs = [(a, a if k == self.p - 1 else b) for k, (a, b) in enumerate(pairs)]  # the last stage sends nothing
         self.pairs = list(dict.fromkeys(pairs))
@@ -1057,6 +1099,9 @@ class _Arrays:
             [0.0] + [2 * one.send_s(blocks[e - 1].cut_bytes) + cold_out(blocks, e) for e in range(1, n)] + [0.0]
             for one in distinct
         ]
+        if within in ids:
+            send_in.append([0.0] * n)
+            send_out.append([0.0] * (n + 1))
         self.pre_list = pre
         self.pre = np.array(pre)
         self.pre_r = np.array(pre_r)
@@ -1420,6 +1465,7 @@ def solve(
     recompute: str = "auto",
     in_flight: Sequence[int] | None = None,
     shard: int = 1,
+    stages_per_rank: int | None = None,
 ) -> Partition:
     """The partition with the smallest bottleneck stage cost (exact).
 
@@ -1439,7 +1485,8 @@ def solve(
         link: cost of one message between neighbouring ranks: one for all, one per boundary, or a
             ``NodeLinks`` (``boundary_links``).
         schedule: "gpipe" or "1f1b"; decides the in-flight microbatches per stage (unless
-            ``in_flight`` is given), and where a ``NodeLinks``' stages run (any schedule).
+            ``in_flight`` is given); any schedule places the stages on ranks: where a ``NodeLinks``'
+            stages run and which boundaries stay inside one rank.
         n_microbatches: microbatches per step.
         optimizer: the optimizer (state bytes per parameter byte).
         memory_limit_bytes: per-stage memory limit, or None for no limit.
@@ -1451,6 +1498,8 @@ def solve(
             derived from ``schedule`` (for schedules with several stages per rank, whose counts
             ``planner.core.schedules.in_flight_per_stage`` gives per global stage).
         shard: FSDP replicas every stage's state is sharded over (``stage_memory_bytes``; 1: none).
+        stages_per_rank: stages on each rank, which with ``schedule`` says which boundaries join
+            two ranks and pay a message and a cold start (``boundary_crosses``; None: its default).
 
     Returns:
         The optimal partition (with its per-stage recompute flags).
@@ -1473,7 +1522,8 @@ def solve(
     # Without a limit "auto" never needs to recompute.
     mode = recompute if memory_limit_bytes is not None or recompute == "always" else "never"
     mem = _MemoryModel(blocks, optimizer, limit, mode, n_microbatches, shard)
-    arrays = _Arrays(blocks, boundary_links(link, n_stages, schedule), mem, mode, infl)
+    crosses = boundary_crosses(n_stages, schedule, stages_per_rank)
+    arrays = _Arrays(blocks, boundary_links(link, n_stages, schedule), mem, mode, infl, crosses)
     # First cap: the average stage plus the largest block and messages, about where the optimum is
     # when memory does not bind (any value is correct; a close one saves a pass).
     with_r = mode == "always"
@@ -1487,7 +1537,7 @@ def solve(
         raise _memory_error(blocks, n_stages, schedule, n_microbatches, mem, arrays, given)
     bounds = _bounds(starts, n)
     flags = [bool(mem.choice(s, e, infl[k])) for k, (s, e) in enumerate(bounds)]
-    return evaluate(blocks, starts, link, flags, schedule)
+    return evaluate(blocks, starts, link, flags, schedule, stages_per_rank)
 
 
 # ---------------------------------------------------------------------------------------------
