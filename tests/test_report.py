@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from plan_factory import MB, big_head_blocks, make_plan
+from plan_factory import MB, big_head_blocks, block, make_plan
 
 from planner.report.tables import render, stage_table, summary_table
 
@@ -63,6 +63,26 @@ def test_render_says_when_ranks_share_cores() -> None:
     share = f"{plan.link.cpu_share:.0%}"
     assert f"; ranks share 1 core: compute and {share} of each message's time take turns on them" in render(shared)
     assert "share" not in render(plan.model_copy(update={"profile": plan.profile.model_copy(update={"cores": 2})}))
+
+
+def test_render_cautions_when_stages_compute_less_than_a_message_costs() -> None:
+    """The CPU link's fixed 1.5 ms per message was fitted to stages of milliseconds: a plan whose
+    stages compute less per action is told it is predicted too slow, and how to fix it; stages of
+    tens of ms, a calibrated link or another link get no such line."""
+    from planner.schema.costs import GLOO_CPU_LINK
+
+    tiny = make_plan([block(f"b{i}", 0.25, 0.5, 10) for i in range(4)])  # 0.5 + 1.0 ms per stage
+    on_cpu = tiny.model_copy(update={"link": GLOO_CPU_LINK})
+    assert (
+        "note: the stages compute 0.75 ms per forward or backward on average, less than the 1.50 ms each "
+        "message is charged" in render(on_cpu)
+    )
+    assert "--calibrate RUN.json" in render(on_cpu)
+    assert "note: the stages compute" not in render(tiny)  # the test link: not the CPU default
+    calibrated = GLOO_CPU_LINK.model_copy(update={"name": "gloo-cpu+calibrated"})
+    assert "note: the stages compute" not in render(tiny.model_copy(update={"link": calibrated}))
+    big = make_plan(big_head_blocks()).model_copy(update={"link": GLOO_CPU_LINK})
+    assert "note: the stages compute" not in render(big)
 
 
 def test_with_method_switches_to_a_baseline_split() -> None:

@@ -12,6 +12,7 @@ from tabulate import tabulate
 from planner.core.data_parallel import dp_group_links
 from planner.core.predict import plan_links, slots_of
 from planner.report.throughput import throughput_line
+from planner.schema.costs import GLOO_CPU_LINK
 from planner.schema.plan import Plan, Tie
 
 METHOD_TITLES = {
@@ -241,6 +242,34 @@ def layout_line(plan: Plan) -> str:
     )
 
 
+def small_stages_line(plan: Plan) -> str | None:
+    """A caution for stages that compute less per action than one message's fixed cost on the
+    uncalibrated CPU link, or None.
+
+    ``GLOO_CPU_LINK``'s latency was fitted to runs of stages computing milliseconds per action; it
+    carries costs that shrink with the stage (cold starts, the runtime's work around an action), so
+    stages of microseconds are predicted too slow: the repository's toy model by about 2x
+    (docs/runtime_link.md). A calibrated plan's link is fitted to its own run and gets no caution.
+
+    Args:
+        plan: the plan.
+
+    Returns:
+        The line, or None when the stages are large enough or the link is not the CPU default.
+    """
+    if plan.link.name != GLOO_CPU_LINK.name or plan.n_stages < 2:
+        return None
+    per_action = sum(s.fwd_s + s.bwd_s for s in plan.stages) / (2 * plan.n_stages)
+    if per_action >= plan.link.latency_s:
+        return None
+    return (
+        f"note: the stages compute {_ms(per_action)} ms per forward or backward on average, less than the "
+        f"{_ms(plan.link.latency_s)} ms each message is charged; that cost was fitted to CPU runs of stages "
+        "computing milliseconds and predicts stages this small too slow (the toy model: about 2x). "
+        "Run the plan, then re-plan with --calibrate RUN.json to fit it to this model."
+    )
+
+
 def render(plan: Plan) -> str:
     """The full report: a header, the stage table and the summary table.
 
@@ -293,6 +322,9 @@ def render(plan: Plan) -> str:
         summary += f"\nchosen: {plan.choice}"
     if plan.calibration:
         summary += "\ncalibrated: " + "\n  ".join(plan.calibration)
+    small = small_stages_line(plan)
+    if small:
+        summary += "\n" + small
     parts = [head, stage_table(plan), summary_table(plan)]
     search = search_table(plan)
     if search:
