@@ -1047,7 +1047,8 @@ def test_solve_with_node_links_equals_solve_with_their_boundary_list() -> None:
     for schedule, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 2)):
         links = _nodes(2, 4)
         infl = in_flight_per_stage(schedule, 4, 8, v)
-        want = solve(blocks, 4 * v, solve_mod.boundary_links(links, 4 * v, schedule), in_flight=infl, n_microbatches=8)
+        listed = solve_mod.boundary_links(links, 4 * v, schedule)
+        want = solve(blocks, 4 * v, listed, schedule=schedule, in_flight=infl, n_microbatches=8)
         got = solve(blocks, 4 * v, links, schedule=schedule, in_flight=infl, n_microbatches=8)
         assert got == want
         # the inter-node boundaries are the slow ones: their stages pay more for the same bytes
