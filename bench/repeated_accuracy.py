@@ -13,6 +13,7 @@ docs/repeated_accuracy.md.
     .venv/bin/python bench/repeated_accuracy.py                     # every model, 2 ranks, gpipe + 1f1b, 3 rounds
     .venv/bin/python bench/repeated_accuracy.py --repeats 5 --models gpt mlp_stack --ranks 2 4
     .venv/bin/python bench/repeated_accuracy.py --keep              # keep every plan and run (for bench/runtime_link.py)
+    .venv/bin/python bench/repeated_accuracy.py --from DIR1 DIR2    # one page from kept sweeps, their rounds pooled
 """
 
 from __future__ import annotations
@@ -143,10 +144,16 @@ def step_with(plan: Plan, blocks: Sequence[BlockCost]) -> float:
     return predict_plan(plan, starts, plan.prediction.recompute, blocks=warm)[1].step_time_s
 
 
-def from_kept(folder: Path, args: argparse.Namespace) -> list[Repeated]:
-    """The rounds of an earlier sweep, read back from its kept folder (``--keep``), nothing run."""
+def from_kept(folders: Sequence[Path], args: argparse.Namespace) -> list[Repeated]:
+    """The rounds of earlier sweeps, read back from their kept folders (``--keep``), nothing run.
+
+    Several folders pool their rounds case by case, so that sweeps run at different times (each a
+    few rounds) add up to the many rounds the machine's noise asks for; they must come from the
+    same cost model for their means to mean anything.
+    """
     found: dict[tuple[str, int, str], Repeated] = {}
-    for run_path in sorted(folder.glob("*_r*.run.json"), key=lambda p: p.name):
+    paths = [p for folder in folders for p in sorted(folder.glob("*_r*.run.json"), key=lambda p: p.name)]
+    for run_path in paths:
         stem = run_path.name[: -len(".run.json")]
         head, _, k = stem.rpartition("_r")
         name, p, schedule = head.rsplit("_", 2)
@@ -420,7 +427,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (its path is printed)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the page to write")
     parser.add_argument(
-        "--from", dest="kept", type=Path, default=None, help="write the page from a kept folder, running nothing"
+        "--from",
+        dest="kept",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="write the page from kept folders (their rounds pooled), running nothing",
     )
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.steps < 3:
@@ -436,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = from_kept(args.kept, args)
         args.out.write_text(page(args, results, math.nan, (math.nan, math.nan)))
         print("\n".join(summarize(results).lines))
-        print(f"wrote {args.out} from {args.kept}")
+        print(f"wrote {args.out} from {', '.join(map(str, args.kept))}")
         return 0
     if args.plan_repeats is not None:
         cost_accuracy.PLAN_OPTIONS[:] = ["--repeats", str(args.plan_repeats)]
