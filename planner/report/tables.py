@@ -248,8 +248,9 @@ def small_stages_line(plan: Plan) -> str | None:
 
     ``GLOO_CPU_LINK``'s latency was fitted to runs of stages computing milliseconds per action; it
     carries costs that shrink with the stage (cold starts, the runtime's work around an action), so
-    stages of microseconds are predicted too slow: the repository's toy model by about 2x
-    (docs/runtime_link.md). A calibrated plan's link is fitted to its own run and gets no caution.
+    smaller stages are predicted too slow: the encoder LM at 4 ranks (about 1 ms per action) by about
+    10 %, the repository's toy model (0.2 ms) by 70-300 % (docs/prediction_accuracy.md). A calibrated
+    plan's link is fitted to its own run and gets no caution.
 
     Args:
         plan: the plan.
@@ -265,8 +266,9 @@ def small_stages_line(plan: Plan) -> str | None:
     return (
         f"note: the stages compute {_ms(per_action)} ms per forward or backward on average, less than the "
         f"{_ms(plan.link.latency_s)} ms each message is charged; that cost was fitted to CPU runs of stages "
-        "computing milliseconds and predicts stages this small too slow (the toy model: about 2x). "
-        "Run the plan, then re-plan with --calibrate RUN.json to fit it to this model."
+        "computing milliseconds, and steps of smaller stages are predicted too long (about +10 % at 1 ms per "
+        "action, 2x and more at 0.2 ms). Run the plan, then re-plan with --calibrate RUN.json to fit it to "
+        "this model."
     )
 
 
