@@ -363,22 +363,16 @@ def stage_plan(
     def crosses(other: int) -> bool:
         return rank_of is None or rank_of[other] != rank_of[index]
 
-    fwd, bwd, _ = stage_time_parts(
+    fwd, bwd, comm = stage_time_parts(
         blocks,
         start,
         end,
         link,
         recompute,
+        link_out,
         wait_in=start > 0 and crosses(index - 1),
         wait_out=end < len(blocks) and crosses(index + 1),
     )
-    out_link = link_out or link
-
-    comm = 0.0
-    if start > 0 and crosses(index - 1):
-        comm += link.send_s(blocks[start - 1].cut_bytes)
-    if end < len(blocks) and crosses(index + 1):
-        comm += out_link.send_s(blocks[end - 1].cut_bytes)
     part = blocks[start:end]
     split = all(x.bwd_input_s is not None and x.bwd_weight_s is not None for x in part)
     extra = bwd - sum(x.bwd_s for x in part)  # recomputation and a cold start, paid in the input-gradient pass
