@@ -994,6 +994,18 @@ def _cross_split(ctx: Context, model: ModelSpec, out: CrossSplit) -> CrossSplit:
     return out
 
 
+def run_pair(ctx: Context, paths: Sequence[Path], tag: str) -> tuple[list[RunResult], str]:
+    """`planner run` each plan file once, in order (one alternating pair, runs tagged ``tag``):
+    the runs that finished, and the first error ("" when all did)."""
+    runs: list[RunResult] = []
+    for path in paths:
+        run, error = run_plan_file(path, run_path_of(path, tag), ctx.steps, ctx.timeout_s)
+        if run is None:
+            return runs, error
+        runs.append(run)
+    return runs, ""
+
+
 def cross_pairs(ctx: Context, a: Case, starts: Sequence[int], b_path: Path, out: CrossSplit) -> None:
     """Run A then B, `ctx.pairs` times; each pair calibrates on its own A run and predicts B.
 
@@ -1004,15 +1016,11 @@ def cross_pairs(ctx: Context, a: Case, starts: Sequence[int], b_path: Path, out:
     assert a.plan is not None
     recompute = [s.recompute for s in a.plan.stages]
     for i in range(1, ctx.pairs + 1):
-        run_a, error = run_plan_file(a.plan_path, run_path_of(a.plan_path, f"cross{i}"), ctx.steps, ctx.timeout_s)
-        run_b, error = (
-            (None, error)
-            if run_a is None
-            else run_plan_file(b_path, run_path_of(b_path, f"cross{i}"), ctx.steps, ctx.timeout_s)
-        )
-        if run_a is None or run_b is None:
+        runs, error = run_pair(ctx, (a.plan_path, b_path), f"cross{i}")
+        if error:
             out.error = f"pair {i}: {error}"
             return
+        run_a, run_b = runs
         blocks, link = apply_calibration(a.plan.blocks, a.plan.link, calibrate(a.plan, run_a))
         predicted = predict_plan(a.plan, starts, recompute, blocks=blocks, link=link)[1].step_time_s
         out.pairs.append((predicted, run_b.median_step_s))
@@ -1123,12 +1131,12 @@ def _split_choice(ctx: Context, model: ModelSpec, out: SplitChoice) -> SplitChoi
     b_path = ctx.work / f"{model.name.replace('/', '_')}_choice_b.json"
     with_starts(a.plan, starts).save(b_path)
     for i in range(1, ctx.pairs + 1):
-        for path, runs in ((a.plan_path, out.a_runs), (b_path, out.b_runs)):
-            run, error = run_plan_file(path, run_path_of(path, f"pair{i}"), ctx.steps, ctx.timeout_s)
-            if run is None:
-                out.error = f"pair {i}: {error}"
-                return out
-            runs.append(run.median_step_s)
+        runs, error = run_pair(ctx, (a.plan_path, b_path), f"pair{i}")
+        for run, times in zip(runs, (out.a_runs, out.b_runs)):
+            times.append(run.median_step_s)
+        if error:
+            out.error = f"pair {i}: {error}"
+            return out
         print(f"split choice {model.name}: pair {i}: A {ms(out.a_runs[-1])} ms, B {ms(out.b_runs[-1])} ms", flush=True)
     return out
 

@@ -592,16 +592,24 @@ def test_solve_with_in_flight_matches_brute_force(req: Request) -> None:
     blocks, p, link, kw = req
     infl = kw.get("in_flight") or [kw["n_microbatches"]] * p
     kw = {**kw, "in_flight": infl}
+    _solve_as_brute_force(blocks, p, link, kw)
+
+
+def _solve_as_brute_force(blocks: list[BlockCost], p: int, link: LinkCost, kw: dict[str, Any]) -> None:
+    """``solve`` with explicit ``in_flight`` against ``brute``: it refuses exactly when nothing fits,
+    else finds the optimal bottleneck and picks the least total cost among the splits that reach it,
+    then the smallest starts."""
     args = (kw["schedule"], kw["n_microbatches"], kw["optimizer"], kw["memory_limit_bytes"], kw["recompute"])
-    feasible = brute(blocks, p, link, *args, in_flight=infl)
+    feasible = brute(blocks, p, link, *args, in_flight=kw["in_flight"])
     if not feasible:
         with pytest.raises(InfeasibleError):
             solve(blocks, p, link, **kw)
         return
     part = solve(blocks, p, link, **kw)
     opt = min(b for _, b, _ in feasible)
+    assert math.isclose(part.bottleneck_s, opt, rel_tol=1e-9, abs_tol=1e-12)
     optimal = [(s, c) for s, b, c in feasible if b <= opt + 1e-9 * max(1.0, opt)]
-    best_sum = min(c for _, c in optimal)  # integer costs: ties are exact, so the tolerance changes nothing
+    best_sum = min(c for _, c in optimal)  # costs on a grid: ties are exact, so the tolerance changes nothing
     assert part.starts == min(s for s, c in optimal if c <= best_sum + 1e-9 * max(1.0, best_sum))
 
 
@@ -1104,20 +1112,9 @@ def test_solve_under_a_v_matches_brute_force(
     optimum (least total cost among the tied, then the smallest starts)."""
     blocks, p, link, _, m, optimizer, limit, recompute = inst
     assume(p % 2 == 0)
-    infl = [m] * p
-    feasible = brute(blocks, p, link, v_schedule, m, optimizer, limit, recompute, in_flight=infl)
     kw: dict[str, Any] = {"schedule": v_schedule, "n_microbatches": m, "optimizer": optimizer}
-    kw |= {"memory_limit_bytes": limit, "recompute": recompute, "in_flight": infl}
-    if not feasible:
-        with pytest.raises(InfeasibleError):
-            solve(blocks, p, link, **kw)
-        return
-    part = solve(blocks, p, link, **kw)
-    opt = min(b for _, b, _ in feasible)
-    assert math.isclose(part.bottleneck_s, opt, rel_tol=1e-9, abs_tol=1e-12)
-    optimal = [(s, c) for s, b, c in feasible if b <= opt + 1e-9 * max(1.0, opt)]
-    best_sum = min(c for _, c in optimal)
-    assert part.starts == min(s for s, c in optimal if c <= best_sum + 1e-9 * max(1.0, best_sum))
+    kw |= {"memory_limit_bytes": limit, "recompute": recompute, "in_flight": [m] * p}
+    _solve_as_brute_force(blocks, p, link, kw)
 
 
 def test_stage_plans_charge_cold_starts_only_across_ranks() -> None:
