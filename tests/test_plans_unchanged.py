@@ -1,0 +1,214 @@
+"""Tier 1 (pure) and tier 2 (CPU torch): refactoring the planner leaves every plan bit-for-bit as it was.
+
+``tests/fixtures/plan_digests.json`` holds, for 400 random planning problems (through
+``assemble_plan``) and for every shipped model file planned for a GPU that is not here (through
+``make_plan`` with the roofline estimator, so nothing is timed and the costs are deterministic),
+the SHA-256 of the plan's JSON with the fields that name the moment or the machine blanked. A
+change that moves any figure of any plan, a chosen split, a candidate row or a word of the choice
+line, fails here.
+
+The digests were written by the planner of commit 49a15bd, before the solver file was split and the
+search's inputs were named. A change that is meant to alter plans rewrites them, and says so in its
+commit: ``python tests/test_plans_unchanged.py --write``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from planner.core.assemble import assemble_plan
+from planner.core.hardware import get_hardware, node_links
+from planner.errors import InfeasibleError
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
+from planner.schema.plan import ModelRef, Plan, ProfileInfo
+from planner.schema.request import PlanRequest
+
+ROOT = Path(__file__).resolve().parents[1]
+DIGESTS = Path(__file__).resolve().parent / "fixtures" / "plan_digests.json"
+MB = 2**20
+N_PROBLEMS = 400
+REF = ModelRef(path="m.py", size=None, config={}, file_digest="0" * 16, fingerprint="f" * 16, trace_method="fx", seed=0)
+
+# Shipped model files planned for absent GPUs: (file, size, --gpus, extra options).
+SHIPPED: list[tuple[str, str | None, int, dict[str, Any]]] = [
+    ("models/gpt.py", "tiny", 4, {}),
+    ("models/gpt.py", "tiny", 8, {"dp": "auto", "gpus_per_node": 4}),
+    ("models/encoder_lm.py", None, 2, {}),
+    ("models/resnet50.py", None, 4, {"batch_size": 64}),
+    ("models/shakespeare.py", None, 2, {}),
+    ("models/toy.py", None, 2, {}),
+    ("models/llama.py", "tiny", 4, {"schedule": "interleaved-1f1b"}),
+    ("models/llama.py", "70b", 64, {"batch_size": 64}),
+    ("models/hf/gpt2.py", None, 2, {}),
+]
+
+
+def digest(plan: Plan) -> str:
+    """SHA-256 of the plan's JSON, without the fields that change with the clock or the machine."""
+    data = plan.model_dump(mode="json")
+    data["created"] = ""
+    data["profile"]["hostname"] = ""
+    data["profile"]["torch_version"] = ""
+    data["model"]["path"] = Path(data["model"]["path"]).name
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _block(rng: random.Random, i: int, n: int) -> BlockCost:
+    params = rng.randint(0, 6) * 200_000
+    split = rng.random() < 0.5
+    bwd = rng.randint(1, 80) / 1e3
+    return BlockCost(
+        name=f"b{i}",
+        first_node=f"b{i}_first",
+        last_node=f"b{i}_last",
+        fwd_s=rng.randint(1, 40) / 1e3,
+        bwd_s=bwd,
+        bwd_input_s=bwd * rng.choice([0.4, 0.5, 0.6]) if split else None,
+        bwd_weight_s=bwd * rng.choice([0.4, 0.5]) if split else None,
+        recompute_s=rng.choice([None, rng.randint(1, 40) / 1e3]),
+        fwd_cold_s=rng.choice([None, 0.0, rng.randint(0, 4) / 1e3]),
+        bwd_cold_s=rng.choice([None, 0.0, rng.randint(0, 4) / 1e3]),
+        params=params,
+        param_bytes=4 * params,
+        activation_bytes=rng.randint(0, 8) * MB,
+        cut_bytes=rng.randint(1, 4) * MB,
+        cut_tensors=rng.randint(1, 2),
+        output_bytes=rng.randint(1, 4) * MB,
+        cut_legal=rng.random() < 0.85 or i == 0,
+        is_layer=0 < i < n - 1,
+        opt_s=rng.choice([None, rng.randint(0, 3) / 1e3]),
+        opt_temp_bytes=rng.choice([None, 8 * params]),
+        grad_s=rng.choice([None, rng.randint(0, 2) / 1e3]),
+        loss_s=rng.randint(0, 2) / 1e3 if i == n - 1 else None,
+    )
+
+
+def problem(seed: int) -> tuple[PlanRequest, list[BlockCost], LinkCost, ProfileInfo, int | None]:
+    """A random planning problem: blocks, every option the search takes, a CPU or a GPU cluster."""
+    rng = random.Random(seed)
+    n = rng.randint(3, 12)
+    blocks = [_block(rng, i, n) for i in range(n)]
+    legal = sum(b.cut_legal for b in blocks[:-1]) + 1
+    pp = rng.randint(1, min(4, legal))
+    dp: int | str = rng.choice([1, 1, 1, 2, 4, "auto"])
+    gpus = pp * (dp if isinstance(dp, int) else rng.choice([1, 2]))
+    m_fixed = rng.choice([None, None, None, gpus, 2 * gpus])
+    batch = rng.choice([8, 12, 16, 24, 32]) * (m_fixed or 1) * (dp if isinstance(dp, int) else 2)
+    request = PlanRequest.build(
+        model_file="m.py",
+        gpus=gpus,
+        dp=dp,
+        dp_mode=rng.choice(["auto", "ddp", "fsdp"]),
+        batch_size=batch,
+        microbatches=m_fixed,
+        schedule=rng.choice(
+            ["auto", "auto", "1f1b", "gpipe", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev"]
+        ),
+        method=rng.choice(["optimal", "optimal", "optimal", "uniform", "params"]),
+        recompute=rng.choice(["auto", "never", "always"]),
+        optimizer=OptimizerSpec(name=rng.choice(["adamw", "sgd"]), grad_clip=rng.choice([None, 1.0])),
+    )
+    gpu = rng.random() < 0.4
+    base = ProfileInfo(
+        device="cuda" if gpu else "cpu",
+        backend="nccl" if gpu else "gloo",
+        threads=1,
+        torch_version="2.13.0",
+        hostname="t",
+        warmup=0,
+        repeats=0,
+        cores=None if gpu else rng.choice([None, 2, 8]),
+    )
+    link: LinkCost
+    if gpu:
+        link = node_links(get_hardware(rng.choice(["h100", "a100-80g"])), gpus, rng.choice([1, 2, 8]))
+    else:
+        link = LinkCost(name="l", latency_s=rng.choice([0.0, 1e-3]), bandwidth_Bps=rng.choice([1e9, 1e10]))
+    size0 = request.microbatch_size
+    profile = base.model_copy(
+        update={
+            "fixed_fraction": rng.choice([0.0, 0.2]),
+            "microbatch_size": size0,
+            "min_microbatch_size": max(1, size0 // 2),
+        }
+    )
+    limit = rng.choice([None, None, 64 * MB, 256 * MB])
+    return request, blocks, link, profile, limit
+
+
+def problem_digest(seed: int) -> str:
+    """The digest of problem ``seed``'s plan, or of its error's text."""
+    request, blocks, link, profile, limit = problem(seed)
+    try:
+        plan = assemble_plan(request, blocks, link, model=REF, profile=profile, memory_limit_bytes=limit, created="t")
+    except InfeasibleError as e:
+        return "error: " + hashlib.sha256(str(e).encode()).hexdigest()
+    return digest(plan)
+
+
+def shipped_key(case: tuple[str, str | None, int, dict[str, Any]]) -> str:
+    path, size, gpus, extra = case
+    return f"{path} --size {size} --gpus {gpus} " + " ".join(f"{k}={v}" for k, v in sorted(extra.items()))
+
+
+def shipped_digest(case: tuple[str, str | None, int, dict[str, Any]]) -> str:
+    """The digest of a shipped model's plan for absent H100s (estimated costs: deterministic)."""
+    from planner.api import make_plan
+
+    path, size, gpus, extra = case
+    request = PlanRequest.build(model_file=str(ROOT / path), size=size, gpus=gpus, gpu_type="h100", **extra)
+    try:
+        return digest(make_plan(request))
+    except InfeasibleError as e:
+        return "error: " + hashlib.sha256(str(e).encode()).hexdigest()
+
+
+def _expected() -> dict[str, dict[str, str]]:
+    return json.loads(DIGESTS.read_text())
+
+
+def test_random_problems_plan_as_before() -> None:
+    expected = _expected()["problems"]
+    assert len(expected) == N_PROBLEMS
+    changed = [seed for seed in range(N_PROBLEMS) if problem_digest(seed) != expected[str(seed)]]
+    assert not changed, f"{len(changed)} of {N_PROBLEMS} plans changed, seeds {changed[:20]}"
+
+
+def test_random_problems_cover_the_search() -> None:
+    """The 400 problems reach every kind of answer the digests are meant to pin."""
+    expected = _expected()["problems"]
+    errors = sum(v.startswith("error") for v in expected.values())
+    assert 20 <= errors <= N_PROBLEMS - 250  # infeasible problems are pinned too, but most plan
+    requests = [problem(seed)[0] for seed in range(N_PROBLEMS)]
+    assert {r.schedule for r in requests} >= {"auto", "1f1b", "gpipe", "interleaved-1f1b", "interleaved-zb", "zbv"}
+    assert {r.method for r in requests} == {"optimal", "uniform", "params"}
+    assert any(r.dp == "auto" for r in requests) and any(r.dp == 2 for r in requests)
+
+
+@pytest.mark.parametrize("case", SHIPPED, ids=shipped_key)
+def test_shipped_models_plan_as_before(case: tuple[str, str | None, int, dict[str, Any]]) -> None:
+    assert shipped_digest(case) == _expected()["shipped"][shipped_key(case)]
+
+
+def write() -> None:
+    """Rewrite the digests from the planner as it is now."""
+    data = {
+        "problems": {str(seed): problem_digest(seed) for seed in range(N_PROBLEMS)},
+        "shipped": {shipped_key(case): shipped_digest(case) for case in SHIPPED},
+    }
+    DIGESTS.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {DIGESTS}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write"]:
+        sys.exit("usage: python tests/test_plans_unchanged.py --write")
+    write()
