@@ -39,7 +39,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from planner.core.solve import Partition, solve, stage_memories  # noqa: E402
+from planner.core.solve import solve  # noqa: E402
+from planner.core.stage_model import Partition, stage_memories  # noqa: E402
 from planner.errors import InfeasibleError  # noqa: E402
 from planner.schema.costs import NCCL_NVLINK_LINK, BlockCost  # noqa: E402
 

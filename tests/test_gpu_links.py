@@ -8,8 +8,8 @@ from plan_factory import block
 
 from planner.core.assemble import assemble_plan
 from planner.core.hardware import get_hardware, link_cost, node_links
+from planner.core.links import NodeLinks
 from planner.core.predict import plan_links, predict, refresh, with_links
-from planner.core.solve import NodeLinks
 from planner.errors import PlannerError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 from planner.schema.plan import ModelRef, Plan, ProfileInfo
@@ -101,7 +101,7 @@ def test_request_option_and_its_alias() -> None:
 
 def test_intra_node_link_keeps_every_link_field() -> None:
     """A plan stores a ``NodeLinks``' intra-node link as a plain ``LinkCost``: nothing of it is lost."""
-    from planner.core.solve import NodeLinks
+    from planner.core.links import NodeLinks
     from planner.schema.costs import LinkCost
 
     intra = LinkCost(name="cpu", latency_s=1e-3, bandwidth_Bps=2e9, cpu_share=0.6)

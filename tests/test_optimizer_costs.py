@@ -19,7 +19,8 @@ from plan_factory import assert_fit_limits_agree
 
 from planner.core import solve as solve_mod
 from planner.core.schedules import in_flight_per_stage
-from planner.core.solve import solve, stage_memories, stage_memory_bytes, stage_memory_parts
+from planner.core.solve import solve
+from planner.core.stage_model import stage_memories, stage_memory_bytes, stage_memory_parts
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 from planner.schema.plan import Plan

@@ -12,7 +12,7 @@ from plan_factory import LINK, MB, big_head_blocks, block, make_plan
 from planner.core.predict import predict
 from planner.core.schedules import SCHEDULES, placement
 from planner.core.search import TIE, blocks_at, evaluate_choice, microbatch_options, refine, search
-from planner.core.solve import stage_memories
+from planner.core.stage_model import stage_memories
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, OptimizerSpec
 

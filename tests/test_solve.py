@@ -17,18 +17,19 @@ from hypothesis import strategies as st
 from plan_factory import assert_fit_limits_agree
 
 from planner.core import solve as solve_mod
+from planner.core import solve_engine, stage_model
+from planner.core.baselines import param_balanced, uniform_layers
+from planner.core.links import NodeLinks, boundary_crosses, boundary_links
 from planner.core.schedules import in_flight_per_stage
-from planner.core.solve import (
+from planner.core.solve import solve
+from planner.core.stage_model import (
     Partition,
     evaluate,
-    param_balanced,
     recompute_cost,
-    solve,
     stage_costs,
     stage_memories,
     stage_memory_bytes,
     stage_time_parts,
-    uniform_layers,
 )
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
@@ -358,7 +359,7 @@ def _reference_cost_matrix(
 
 def _reference_any_fit(blocks: Sequence[BlockCost], mem: solve_mod._MemoryModel, infl: Sequence[int]) -> bool:
     n = len(blocks)
-    legal = solve_mod._legal_cuts(blocks)
+    legal = solve_engine.legal_starts(blocks)
     q = len(infl)
     masks: dict[int, list[int]] = {}
     reach = 1  # bit s set: some prefix partition ends at s
@@ -398,7 +399,7 @@ def _reference_memory_error(
     in_flight: Sequence[int] | None,
 ) -> InfeasibleError:
     n = len(blocks)
-    n_legal = sum(solve_mod._legal_cuts(blocks))
+    n_legal = sum(solve_engine.legal_starts(blocks))
     limit = mem.limit
     gib = solve_mod._gib
     skipped_1f1b = False
@@ -445,7 +446,7 @@ def _reference_solve(
     *,
     schedule: str = "1f1b",
     n_microbatches: int,
-    optimizer: OptimizerSpec = solve_mod.DEFAULT_OPTIMIZER,
+    optimizer: OptimizerSpec = stage_model.DEFAULT_OPTIMIZER,
     memory_limit_bytes: int | None = None,
     recompute: str = "auto",
     in_flight: Sequence[int] | None = None,
@@ -453,16 +454,16 @@ def _reference_solve(
     """``solve`` on the O(p n^2) programme (the ``in_flight`` keyword wired in as ``solve`` does)."""
     if recompute not in ("never", "auto", "always"):
         raise InfeasibleError(f"recompute={recompute!r}; expected 'never', 'auto' or 'always'")
-    solve_mod._check_counts(blocks, n_stages)
+    solve_engine.check_counts(blocks, n_stages)
     if in_flight is None:
         infl = in_flight_per_stage(schedule, n_stages, n_microbatches)
     else:
         infl = solve_mod._check_in_flight(in_flight, n_stages, n_microbatches)
     n = len(blocks)
     # stage k's messages go in over boundary k - 1's link and out over boundary k's
-    links = solve_mod.boundary_links(link, n_stages, schedule)
+    links = boundary_links(link, n_stages, schedule)
     edge = [links[0] if links else FREE, *links, links[-1] if links else FREE]
-    crosses = [True, *solve_mod.boundary_crosses(n_stages, schedule), True]
+    crosses = [True, *boundary_crosses(n_stages, schedule), True]
     plains = [_reference_cost_matrix(blocks, edge[k], edge[k + 1], crosses[k], crosses[k + 1]) for k in range(n_stages)]
     pre_r = [0.0]
     for b in blocks:
@@ -481,25 +482,27 @@ def _reference_solve(
         return plains[k][s][e] + (pre_r[e] - pre_r[s] if c else 0.0)
 
     allowed: _Allowed = lambda s, e, k: choice(s, e, k) is not None  # noqa: E731
-    starts = _reference_dp(n, n_stages, solve_mod._legal_cuts(blocks), cost, cost, allowed)
+    starts = _reference_dp(n, n_stages, solve_engine.legal_starts(blocks), cost, cost, allowed)
     if starts is None:
         raise _reference_memory_error(
             blocks, n_stages, schedule, n_microbatches, mem, None if in_flight is None else infl
         )
-    bounds = solve_mod._bounds(starts, n)
+    bounds = stage_model.stage_bounds(starts, n)
     flags = [bool(choice(s, e, k)) for k, (s, e) in enumerate(bounds)]
     return evaluate(blocks, starts, link, flags, schedule)
 
 
 def _reference_param_balanced(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -> Partition:
-    solve_mod._check_counts(blocks, n_stages)
+    solve_engine.check_counts(blocks, n_stages)
     n = len(blocks)
     pre = [0]
     for b in blocks:
         pre.append(pre[-1] + b.params)
     params = [[float(pre[e] - pre[s]) if e > s else math.inf for e in range(n + 1)] for s in range(n + 1)]
     cost: _StageCost = lambda s, e, k: params[s][e]  # noqa: E731
-    starts = _reference_dp(n, n_stages, solve_mod._legal_cuts(blocks), cost, cost, lambda s, e, k: True, latest=True)
+    starts = _reference_dp(
+        n, n_stages, solve_engine.legal_starts(blocks), cost, cost, lambda s, e, k: True, latest=True
+    )
     assert starts is not None
     return evaluate(blocks, starts, link)
 
@@ -1030,24 +1033,24 @@ INTRA = LinkCost(name="intra", latency_s=1e-5, bandwidth_Bps=3e11)
 INTER = LinkCost(name="inter", latency_s=2e-5, bandwidth_Bps=3.5e10)
 
 
-def _nodes(gpus_per_node: int, n_ranks: int) -> solve_mod.NodeLinks:
-    return solve_mod.NodeLinks(**INTRA.model_dump(), inter=INTER, gpus_per_node=gpus_per_node, n_ranks=n_ranks)
+def _nodes(gpus_per_node: int, n_ranks: int) -> NodeLinks:
+    return NodeLinks(**INTRA.model_dump(), inter=INTER, gpus_per_node=gpus_per_node, n_ranks=n_ranks)
 
 
 def test_node_links_follow_the_schedules_placement() -> None:
     i, x = INTRA, INTER
     four = _nodes(2, 4)  # ranks 0, 1 on node 0; 2, 3 on node 1
-    assert solve_mod.boundary_links(four, 4, "1f1b") == [i, x, i]
+    assert boundary_links(four, 4, "1f1b") == [i, x, i]
     # looped: stage s on rank s mod 4, so the wrap from rank 3 back to rank 0 crosses nodes too
-    assert solve_mod.boundary_links(four, 8, "interleaved-1f1b") == [i, x, i, x, i, x, i]
-    assert solve_mod.boundary_links(four, 8, None) == [i, x, i, x, i, x, i]
+    assert boundary_links(four, 8, "interleaved-1f1b") == [i, x, i, x, i, x, i]
+    assert boundary_links(four, 8, None) == [i, x, i, x, i, x, i]
     # V: rank r holds stages r and 7 - r; the turn on rank 3 stays on node 1
-    assert solve_mod.boundary_links(four, 8, "zbv") == [i, x, i, i, i, x, i]
-    assert solve_mod.boundary_links(_nodes(8, 4), 4, "gpipe") == [i, i, i]  # one node
-    assert solve_mod.boundary_links(_nodes(1, 4), 4, "gpipe") == [x, x, x]  # --multi-node: every rank its own node
-    assert solve_mod.boundary_links(_nodes(8, 64), 64, "1f1b").count(x) == 7  # 64 H100 = 8 nodes
+    assert boundary_links(four, 8, "zbv") == [i, x, i, i, i, x, i]
+    assert boundary_links(_nodes(8, 4), 4, "gpipe") == [i, i, i]  # one node
+    assert boundary_links(_nodes(1, 4), 4, "gpipe") == [x, x, x]  # --multi-node: every rank its own node
+    assert boundary_links(_nodes(8, 64), 64, "1f1b").count(x) == 7  # 64 H100 = 8 nodes
     with pytest.raises(InfeasibleError, match="2 links for 4 stages"):
-        solve_mod.boundary_links([i, x], 4)
+        boundary_links([i, x], 4)
 
 
 def test_solve_with_node_links_equals_solve_with_their_boundary_list() -> None:
@@ -1055,7 +1058,7 @@ def test_solve_with_node_links_equals_solve_with_their_boundary_list() -> None:
     for schedule, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 2)):
         links = _nodes(2, 4)
         infl = in_flight_per_stage(schedule, 4, 8, v)
-        listed = solve_mod.boundary_links(links, 4 * v, schedule)
+        listed = boundary_links(links, 4 * v, schedule)
         want = solve(blocks, 4 * v, listed, schedule=schedule, in_flight=infl, n_microbatches=8)
         got = solve(blocks, 4 * v, links, schedule=schedule, in_flight=infl, n_microbatches=8)
         assert got == want
@@ -1093,8 +1096,8 @@ def test_the_turn_of_a_v_costs_the_solver_what_it_costs_the_prediction() -> None
     # gradient) + 2 x 0.5 per boundary it sends or receives over
     assert stage_costs(blocks, (0, 1, 2, 3), link, schedule="1f1b") == [3.125, 4.375, 4.375, 3.25]
     assert stage_costs(blocks, (0, 1, 2, 3), link, schedule="zbv") == [3.125, 3.25, 3.125, 3.25]
-    assert solve_mod.boundary_crosses(4, "zbv") == [True, False, True]
-    assert solve_mod.boundary_crosses(2, "interleaved-1f1b", stages_per_rank=2) == [False]  # one rank runs both
+    assert boundary_crosses(4, "zbv") == [True, False, True]
+    assert boundary_crosses(2, "interleaved-1f1b", stages_per_rank=2) == [False]  # one rank runs both
     for schedule, v in (("1f1b", 1), ("zbv", 2)):
         stages, _ = predict(blocks, (0, 1, 2, 3), link, schedule, 4, SGD, stages_per_rank=v)
         planned = [s.time_s for s in stages]  # fwd + bwd + comm_s (both directions)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from planner.core.baselines import param_balanced, uniform_layers
 from planner.core.data_parallel import layout_links
 from planner.core.predict import predict, slots_of
 from planner.core.search import Choice, search
-from planner.core.solve import Partition, param_balanced, uniform_layers
+from planner.core.stage_model import Partition
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost
 from planner.schema.plan import ModelRef, Plan, Prediction, ProfileInfo, StagePlan, Tie

@@ -14,14 +14,14 @@ step the replicas of every pipeline rank reduce that rank's gradients over their
 Each transfer is charged as one message of that volume (``latency + volume / bandwidth``) added to
 the step after the pipeline: the runner's reduction does overlap the last backwards and FSDP's
 gather the first forwards, so this is conservative. The memory side (FSDP's shards) lives with the
-rest of the memory model, ``planner.core.solve.stage_memory_bytes`` (``shard``).
+rest of the memory model, ``planner.core.stage_model.stage_memory_bytes`` (``shard``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from planner.core.solve import Links, NodeLinks
+from planner.core.links import Links, NodeLinks
 from planner.errors import InfeasibleError, PlanFileError
 from planner.schema.costs import BlockCost, LinkCost
 from planner.schema.plan import Plan, StagePlan

@@ -23,6 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from planner.core.links import NodeLinks
 from planner.errors import PlannerError
 from planner.schema.costs import LinkCost
 
@@ -422,10 +423,9 @@ def node_links(hw: HardwareSpec, n_ranks: int, gpus_per_node: int) -> LinkCost:
         gpus_per_node: devices per node (rank r on node r // gpus_per_node).
 
     Returns:
-        A ``planner.core.solve.NodeLinks``: the intra-node link, and the inter-node one for the
+        A ``planner.core.links.NodeLinks``: the intra-node link, and the inter-node one for the
         boundaries between nodes (the solver and ``predict`` place them per schedule).
     """
-    from planner.core.solve import NodeLinks  # solve is the heavier module; the table loads without it
 
     return NodeLinks(
         **link_cost(hw, intra_node=True).model_dump(),

@@ -12,12 +12,10 @@ from collections.abc import Sequence
 from pydantic import BaseModel
 
 from planner.core.data_parallel import dp_group_links, layout_links, rank_reduce_s, replica_slots, shard_of
+from planner.core.links import Links, NodeLinks, boundary_links
 from planner.core.schedules import Action, action_order, in_flight_of, peak_live_bytes, stage_ranks
 from planner.core.simulate import SimResult, StageTimes, simulate
-from planner.core.solve import (
-    Links,
-    NodeLinks,
-    boundary_links,
+from planner.core.stage_model import (
     cold_in,
     cold_out,
     compact_flags,
@@ -55,7 +53,7 @@ def predict(
         blocks: per-block costs, in execution order.
         starts: first block of each stage (starts[0] == 0); ranks x ``stages_per_rank`` stages.
         link: cost of one message between neighbouring ranks, or per boundary (a ``NodeLinks`` is
-            placed with the schedule: ``planner.core.solve.boundary_links``).
+            placed with the schedule: ``planner.core.links.boundary_links``).
         schedule: one of ``planner.core.schedules.SCHEDULES``.
         n_microbatches: microbatches per step.
         optimizer: decides the optimizer-state bytes per parameter byte.
@@ -283,7 +281,7 @@ def rank_memory_bytes(
 ) -> int:
     """Peak memory of one rank over all the stages it runs.
 
-    The terms of ``planner.core.solve.stage_memory_parts`` summed over the rank's stages, except
+    The terms of ``planner.core.stage_model.stage_memory_parts`` summed over the rank's stages, except
     that the activations are the peak of their sum over the rank's action order
     (``peak_live_bytes``): with several stages per rank, each stage's own peak comes at a different
     time. With one stage per rank it equals ``stage_memory_bytes``.

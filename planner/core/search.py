@@ -27,9 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.core.data_parallel import layout_links, shard_of
+from planner.core.links import Links
 from planner.core.predict import predict
 from planner.core.schedules import SPLIT_BACKWARD, check_schedule, in_flight_per_stage, stages_per_rank_options
-from planner.core.solve import Links, Partition, solve
+from planner.core.solve import solve
+from planner.core.stage_model import Partition
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, OptimizerSpec
 from planner.schema.plan import Candidate, Prediction, StagePlan

@@ -1,0 +1,134 @@
+"""The splits other tools would choose, evaluated on the planner's own costs.
+
+Pure module (numpy, no torch). ``uniform_layers`` is torchtitan's and Megatron's default (equal
+layer counts per stage), ``param_balanced`` DeepSpeed's ``partition_method="parameters"``; each is
+costed by ``planner.core.stage_model.evaluate``, so the report can set them beside the plan.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from planner.core.solve_engine import (
+    BoolArray,
+    FloatArray,
+    IntArray,
+    Stages,
+    banded_pairs,
+    check_counts,
+    exact_partition,
+    last_true,
+    legal_starts,
+    stage_bands,
+)
+from planner.core.stage_model import Partition, evaluate
+from planner.errors import InfeasibleError
+from planner.schema.costs import BlockCost, LinkCost
+
+
+def uniform_layers(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -> Partition:
+    """Equal numbers of layers per stage: the torchtitan / Megatron default split.
+
+    The ``is_layer`` blocks are dealt out in order, ``L // p`` per stage and one extra to each of the
+    first ``L % p`` stages (torchtitan gives the remainder to the earliest stages). Non-layer blocks
+    before the first layer join stage 0, those after the last layer join the last stage, and those
+    between layers stay with the preceding layer, so stage k > 0 starts exactly at its first layer.
+    If that start is not a legal cut, it moves to the nearest legal start that keeps the stages
+    non-empty and increasing (the earlier one on a tie).
+
+    Args:
+        blocks: per-block costs in execution order.
+        n_stages: number of stages p.
+        link: cost of one message between neighbouring ranks.
+
+    Returns:
+        The split with its bottleneck evaluated on the real stage costs (communication included).
+
+    Raises:
+        InfeasibleError: fewer layers than stages, too few blocks or legal cuts.
+    """
+    check_counts(blocks, n_stages)
+    n = len(blocks)
+    layers = [i for i, b in enumerate(blocks) if b.is_layer]
+    if len(layers) < n_stages:
+        raise InfeasibleError(
+            f"the model has {len(layers)} layer blocks but --gpus is {n_stages}; expected at least one "
+            "layer per stage for an equal-layer split; use fewer stages."
+        )
+    per, extra = divmod(len(layers), n_stages)
+    legal = legal_starts(blocks)
+    starts = [0]
+    first_layer = 0
+    for k in range(1, n_stages):
+        first_layer += per + (1 if k - 1 < extra else 0)
+        target = layers[first_layer]
+        hi = n - (n_stages - k)  # leave one block for each later stage
+        chosen = None
+        for d in range(n):
+            for c in (target - d, target + d):
+                if starts[-1] < c <= hi and legal[c]:
+                    chosen = c
+                    break
+            if chosen is not None:
+                break
+        if chosen is None:
+            raise InfeasibleError(
+                f"no legal cut is left for stage {k} of the equal-layer split; expected a cuttable "
+                "boundary between the previous stage and the end; use fewer stages."
+            )
+        starts.append(chosen)
+    return evaluate(blocks, starts, link)
+
+
+def param_balanced(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -> Partition:
+    """Minimise the largest per-stage parameter count: DeepSpeed ``partition_method="parameters"``.
+
+    DeepSpeed's ``partition_balanced`` minimises the max part weight over per-layer parameter
+    counts; this solves the same objective exactly with the partition DP, on legal cuts only, with
+    non-empty stages. Among equal optima it picks the lexicographically largest starts, i.e. the
+    earlier stages as full as possible, as DeepSpeed's greedy ``_lprobe`` does (it bisects each part
+    up to the bottleneck); DeepSpeed's own bisection is approximate (eps) and may allow empty parts.
+
+    Args:
+        blocks: per-block costs in execution order.
+        n_stages: number of stages p.
+        link: cost of one message between neighbouring ranks.
+
+    Returns:
+        The split with its bottleneck evaluated on the real stage costs (communication included).
+
+    Raises:
+        InfeasibleError: too few blocks or legal cuts.
+    """
+    check_counts(blocks, n_stages)
+    n = len(blocks)
+    pre = [0]
+    for b in blocks:
+        pre.append(pre[-1] + b.params)
+    counts = np.array(pre, dtype=np.int64 if pre[-1] < 2**62 else object)
+    legal = legal_starts(blocks)
+    first: IntArray = np.array([0] + [c for c in range(1, n) if legal[c]], dtype=np.int64)
+    end_ok: BoolArray = np.array(legal[:n] + [True])
+
+    def params(s: IntArray, e: IntArray) -> FloatArray:
+        # float(pre[e] - pre[s]): the exact integer difference, rounded once
+        out: FloatArray = np.asarray(counts[e] - counts[s]).astype(np.float64)
+        return out
+
+    def candidates(cap: float) -> Stages:
+        last = np.full_like(first, n) if cap == math.inf else last_true(first, n, lambda s, e: params(s, e) <= cap)
+        band = stage_bands(n, n_stages, first, last, lambda s, e: float(pre[e] - pre[s]) <= cap)
+        s, e = banded_pairs(n, n_stages, first, last, end_ok, *band)
+        c = params(s, e)
+        ones = np.ones(len(s), dtype=np.int64)
+        # Parameters have no memory check: every stage "fits" (t0 >= the one in-flight count, 0).
+        row = c[np.newaxis, :]
+        return Stages(n, s, e, row, row, ones, -ones, bool((last == n).all()), (0, 0), band)
+
+    first_cap = pre[-1] / n_stages + max(b.params for b in blocks)
+    starts = exact_partition(n, n_stages, [0] * n_stages, candidates, first_cap, latest=True)
+    assert starts is not None  # check_counts guarantees a partition without memory limits
+    return evaluate(blocks, starts, link)

@@ -1,0 +1,430 @@
+"""The stage cost and memory model: what one stage of a split costs per microbatch and holds.
+
+Pure module (no torch). A stage is a run ``blocks[start:end]`` of the blocks in execution order.
+Its time per microbatch is its blocks' forward and backward, its recomputation, the cold starts of
+the blocks that wait for a message, and one message per boundary per direction
+(``stage_time_parts``, ``stage_costs``); its memory is weights, gradients, optimizer state, receive
+buffers and the in-flight microbatches' activations (``stage_memory_bytes``). The exact solver
+(``planner.core.solve``), the baselines (``planner.core.baselines``), the prediction
+(``planner.core.predict``) and the search all cost stages here, so they agree to the last bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from planner.core.links import Links, boundary_crosses, boundary_links, default_link, links_around
+from planner.core.schedules import in_flight_per_stage
+from planner.errors import InfeasibleError
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
+
+DEFAULT_OPTIMIZER = OptimizerSpec()  # frozen, so one shared default is safe
+
+
+class Partition(BaseModel):
+    """A split of the blocks into contiguous stages."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    starts: tuple[int, ...] = Field(
+        description="First block of each stage; starts[0] == 0, strictly increasing. Stage k is "
+        "blocks[starts[k]:starts[k+1]], the last stage runs to the end."
+    )
+    bottleneck_s: float = Field(
+        description="Max over stages of the stage cost (``stage_costs``), seconds per microbatch."
+    )
+    recompute: tuple[bool, ...] = Field(
+        default=(), description="Per stage: whether it recomputes its activations in backward (empty = none does)."
+    )
+
+    @field_validator("starts")
+    @classmethod
+    def check_starts(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if not v or v[0] != 0 or any(b <= a for a, b in zip(v, v[1:])):
+            raise ValueError(f"starts={v} is invalid; expected starts[0] == 0 and strictly increasing.")
+        return v
+
+
+def _boundary_send_s(
+    blocks: Sequence[BlockCost],
+    start: int,
+    end: int,
+    link: LinkCost,
+    link_out: LinkCost | None = None,
+    *,
+    cross_in: bool = True,
+    cross_out: bool = True,
+) -> float:
+    """Seconds a stage [start, end) spends on the messages of one microbatch in one direction.
+
+    The boundary after block ``c - 1`` carries ``blocks[c - 1].cut_bytes`` per microbatch forward
+    (activation) and the same size backward (its gradient); a rank receives at its start boundary
+    (unless first, over ``link``) and sends at its end boundary (unless last, over ``link_out``,
+    by default ``link``); a boundary inside one rank (``cross_in`` / ``cross_out`` False) sends nothing.
+    """
+    s = 0.0
+    if start > 0 and cross_in:
+        s += link.send_s(blocks[start - 1].cut_bytes)
+    if end < len(blocks) and cross_out:
+        s += (link_out or link).send_s(blocks[end - 1].cut_bytes)
+    return s
+
+
+def recompute_flags(recompute: Sequence[bool], n_stages: int) -> list[bool]:
+    """Per-stage recompute flags, with the empty sequence meaning "no stage recomputes"."""
+    return list(recompute) or [False] * n_stages
+
+
+def compact_flags(flags: Sequence[bool]) -> tuple[bool, ...]:
+    """The flags as plans store them: empty when no stage recomputes."""
+    return tuple(flags) if any(flags) else ()
+
+
+def recompute_cost(block: BlockCost) -> float:
+    """Extra backward time of a block whose stage recomputes its activations.
+
+    The profiler measures it (the forward again, up to the last tensor it saves: torch's checkpoint
+    stops early there). When it is unknown (None: not measured) the block's whole forward is
+    charged, the most a recomputation can cost.
+    """
+    return block.recompute_s if block.recompute_s is not None else block.fwd_s
+
+
+def stage_time_parts(
+    blocks: Sequence[BlockCost],
+    start: int,
+    end: int,
+    link: LinkCost,
+    recompute: bool = False,
+    link_out: LinkCost | None = None,
+    *,
+    wait_in: bool = True,
+    wait_out: bool = True,
+) -> tuple[float, float, float]:
+    """Forward, backward and per-direction message seconds of the stage ``blocks[start:end]``, per microbatch.
+
+    The message time is paid once in forward (activations) and once in backward (their gradients,
+    the same sizes). Activation checkpointing re-runs the stage's forward inside its backward
+    (Chen et al. 2016), so a recomputing stage's backward includes ``recompute_cost``. A stage that
+    waits for its activations starts its forward cold, and one that waits for their gradient its
+    backward: ``cold_in`` and ``cold_out`` are added.
+
+    Args:
+        blocks: per-block costs in execution order.
+        start: first block of the stage.
+        end: one past its last block.
+        link: cost of one message over the stage's start boundary (and its end one, unless ``link_out``).
+        recompute: whether the stage recomputes its activations.
+        link_out: cost of one message over its end boundary (None: ``link``).
+        wait_in: the stage receives its activations from another rank (False: the stage before
+            runs on the same rank, the turn of a V: nothing is sent or waited for).
+        wait_out: the same for the gradients it receives from the stage after it.
+
+    Returns:
+        ``(fwd_s, bwd_s, comm_s)``, ``comm_s`` for one direction.
+    """
+    part = blocks[start:end]
+    fwd = sum(b.fwd_s for b in part) + (cold_in(blocks, start) if wait_in else 0.0)
+    bwd = sum(b.bwd_s for b in part) + (sum(recompute_cost(b) for b in part) if recompute else 0.0)
+    bwd += cold_out(blocks, end) if wait_out else 0.0
+    return fwd, bwd, _boundary_send_s(blocks, start, end, link, link_out, cross_in=wait_in, cross_out=wait_out)
+
+
+def cold_in(blocks: Sequence[BlockCost], start: int) -> float:
+    """Seconds the stage starting at block ``start`` loses to a cold start of its forward: its first
+    block's ``fwd_cold_s`` after waiting for the activations it receives (none for the first stage,
+    which waits for nothing; 0 when not measured)."""
+    return (blocks[start].fwd_cold_s or 0.0) if start > 0 else 0.0
+
+
+def cold_out(blocks: Sequence[BlockCost], end: int) -> float:
+    """Seconds the stage ending before block ``end`` loses to a cold start of its backward: its last
+    block's ``bwd_cold_s`` after waiting for the gradient it receives (none for the last stage,
+    whose backward follows its own forward and loss; 0 when not measured)."""
+    return (blocks[end - 1].bwd_cold_s or 0.0) if end < len(blocks) else 0.0
+
+
+def stage_bounds(starts: Sequence[int], n: int) -> list[tuple[int, int]]:
+    ends = list(starts[1:]) + [n]
+    return list(zip(starts, ends))
+
+
+def check_starts(blocks: Sequence[BlockCost], starts: Sequence[int]) -> None:
+    """Raise InfeasibleError unless ``starts`` is a valid partition of ``blocks`` on legal cuts."""
+    n = len(blocks)
+    if n == 0:
+        raise InfeasibleError("blocks is empty; expected at least one block; profile a non-empty model.")
+    if not starts or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= n:
+        raise InfeasibleError(
+            f"starts={tuple(starts)} is invalid for {n} blocks; expected starts[0] == 0, strictly "
+            f"increasing, all < {n}; give one start index per non-empty stage."
+        )
+    for c in starts[1:]:
+        if not blocks[c - 1].cut_legal:
+            raise InfeasibleError(
+                f"a stage starts at block {c} ('{blocks[c].name}') but cutting after block "
+                f"'{blocks[c - 1].name}' is not legal; expected cuts only after blocks with cut_legal; "
+                "move the cut to a legal position."
+            )
+
+
+def stage_costs(
+    blocks: Sequence[BlockCost],
+    starts: Sequence[int],
+    link: Links,
+    recompute: Sequence[bool] = (),
+    schedule: str | None = None,
+    stages_per_rank: int | None = None,
+) -> list[float]:
+    """Seconds one microbatch occupies each stage: forward + backward + its messages both ways.
+
+    The largest one bounds the pipeline's throughput (Narayanan et al. 2021, Eq. 1).
+
+    Args:
+        blocks: per-block costs in execution order.
+        starts: first block of each stage (see ``Partition.starts``).
+        link: cost of one message between neighbouring ranks, or per boundary (``boundary_links``).
+        recompute: per stage, whether it recomputes activations; empty means no stage does.
+        schedule: places the stages on ranks: which boundaries cross ranks (``boundary_crosses``)
+            and where a ``NodeLinks``' stages run (None: one rank per stage, looped placement).
+        stages_per_rank: stages on each rank (None: ``boundary_crosses``' default).
+
+    Returns:
+        One cost per stage.
+
+    Raises:
+        InfeasibleError: ``starts`` is not a valid partition on legal cuts.
+    """
+    check_starts(blocks, starts)
+    flags = recompute_flags(recompute, len(starts))
+    links = boundary_links(link, len(starts), schedule)
+    crosses = [True, *boundary_crosses(len(starts), schedule, stages_per_rank), True]  # padded: first and last
+    costs = []
+    for k, ((s, e), r) in enumerate(zip(stage_bounds(starts, len(blocks)), flags)):
+        into, out = links_around(links, k, default_link(link))
+        fwd, bwd, comm = stage_time_parts(blocks, s, e, into, r, out, wait_in=crosses[k], wait_out=crosses[k + 1])
+        costs.append(fwd + bwd + comm + comm)
+    return costs
+
+
+def stage_memory_bytes(
+    blocks: Sequence[BlockCost],
+    start: int,
+    end: int,
+    in_flight: int,
+    optimizer: OptimizerSpec,
+    recompute: bool = False,
+    n_microbatches: int = 1,
+    shard: int = 1,
+) -> int:
+    """Peak memory of the stage holding ``blocks[start:end]``.
+
+    Formula (bytes)::
+
+        static   = 2 * P + optimizer.state_bytes(N, P)      # weights + grads, optimizer state
+        buffers  = m * (cut_in + cut_out)                   # receive buffers, one per microbatch each way
+        pipeline = in_flight * (A + out) + out              # saved activations and the cached stage
+                                                            # output per live microbatch, + its gradient
+        step     = T                                        # optimizer temporaries (after backward)
+        peak     = static + buffers + max(pipeline, step)
+
+    with ``P`` = sum of ``param_bytes``, ``N`` = sum of ``params``, ``A`` = sum of
+    ``activation_bytes``, ``cut_in`` = ``blocks[start - 1].cut_bytes`` (0 for the first stage),
+    ``cut_out`` = ``blocks[end - 1].cut_bytes`` (0 for the last stage), ``out`` = the stage's output
+    per microbatch (``cut_out``; the model output ``output_bytes`` for the last stage), which
+    torch's ``PipelineStage`` keeps until that microbatch's backward, ``m`` = ``n_microbatches``
+    (``PipelineStage`` allocates its receive buffers per microbatch, up front). ``in_flight`` is the
+    stage's peak number of microbatches with forward done and backward pending under the schedule
+    (``planner.core.schedules.peak_in_flight``). Each term was checked against MemTracker's categories
+    on CPU runs (docs/predict_vs_measured.md). ``T``, the step's temporaries, is measured when every
+    block of the stage has ``opt_temp_bytes``: their maximum or their sum, by
+    ``optimizer.step_temp_rule`` (a per-tensor optimizer holds one tensor's temporaries at a time, a
+    foreach one all of them); else ``optimizer.step_temp_bytes(N)``.
+
+    With ``recompute`` the stage keeps only its input per live microbatch and rebuilds one
+    microbatch's activations at a time in backward: ``in_flight * A`` becomes
+    ``in_flight * cut_in + A`` (activation checkpointing of the whole stage, Chen et al. 2016).
+
+    Sharded over ``shard`` > 1 data-parallel replicas (FSDP2 ``fully_shard`` of the stage with
+    ``reshard_after_forward=False``), each rank keeps a 1/shard share of the weights, gradients,
+    optimizer state and step temporaries, and holds the whole stage's parameters and their
+    gradients unsharded while the pipeline runs (gathered at the first forward, reduce-scattered
+    and freed after the last backward, before the optimizer step)::
+
+        static   = ceil((2 * P + optimizer.state_bytes(N, P)) / shard)
+        pipeline = in_flight * (A + out) + out + 2 * P     # + the unsharded parameters and gradients
+        step     = ceil(T / shard)
+
+    DDP replicas (``shard`` 1) hold the whole stage, as one pipeline does: its gradient buckets are
+    views of the gradients (``gradient_as_bucket_view=True``), no second copy.
+
+    Args:
+        blocks: per-block costs in execution order.
+        start: first block of the stage.
+        end: one past the stage's last block.
+        in_flight: peak live microbatches on this stage.
+        optimizer: the optimizer (decides the state bytes per parameter byte).
+        recompute: whether the stage recomputes its activations in backward.
+        n_microbatches: microbatches per step (receive buffers are per microbatch).
+        shard: FSDP replicas the stage's state is sharded over (1: not sharded, DDP or one replica).
+
+    Returns:
+        The stage's memory estimate in bytes.
+
+    Raises:
+        InfeasibleError: an empty or out-of-range block range.
+    """
+    return stage_memory_parts(blocks, start, end, optimizer, recompute, n_microbatches, shard).peak(in_flight)
+
+
+class MemoryParts(NamedTuple):
+    """A stage's memory as the terms of ``stage_memory_bytes``, so that a rank running several stages
+    can add them up (``planner.core.predict.rank_memory_bytes``).
+
+    At ``t`` live microbatches the stage holds ``fixed + max(t * per_microbatch + once, step)``.
+    """
+
+    fixed: int  # static + buffers: weights, gradients, optimizer state (sharded: a share), receive buffers
+    per_microbatch: int  # per live microbatch: saved activations (the input when recomputing) + cached output
+    once: int  # the output's gradient (+ the one microbatch's activations a recomputing stage rebuilds;
+    # + the unsharded parameters and gradients of a sharded stage)
+    step: int  # optimizer temporaries (after backward)
+
+    def peak(self, in_flight: int) -> int:
+        """The stage's peak bytes with ``in_flight`` live microbatches."""
+        return self.fixed + max(in_flight * self.per_microbatch + self.once, self.step)
+
+
+def stage_memory_parts(
+    blocks: Sequence[BlockCost],
+    start: int,
+    end: int,
+    optimizer: OptimizerSpec,
+    recompute: bool = False,
+    n_microbatches: int = 1,
+    shard: int = 1,
+) -> MemoryParts:
+    """The terms of ``stage_memory_bytes`` for the stage ``blocks[start:end]`` (see there).
+
+    Raises:
+        InfeasibleError: an empty or out-of-range block range.
+    """
+    n = len(blocks)
+    if not 0 <= start < end <= n:
+        raise InfeasibleError(
+            f"block range [{start}, {end}) is invalid for {n} blocks; expected 0 <= start < end <= {n}."
+        )
+    part = blocks[start:end]
+    p_bytes = sum(b.param_bytes for b in part)
+    n_params = sum(b.params for b in part)
+    a_bytes = sum(b.activation_bytes for b in part)
+    cut_in = blocks[start - 1].cut_bytes if start > 0 else 0
+    cut_out = blocks[end - 1].cut_bytes if end < n else 0
+    out = cut_out if end < n else blocks[-1].output_bytes
+    temps = [b.opt_temp_bytes for b in part]
+    step_temp = optimizer.combine_step_temps([t for t in temps if t is not None]) if None not in temps else None
+    return parts_from_sums(
+        p_bytes, n_params, a_bytes, cut_in, cut_out, out, optimizer, recompute, n_microbatches, shard, step_temp
+    )
+
+
+def ceil_div(x: Any, d: int) -> Any:
+    """``ceil(x / d)`` in integers, for Python ints and integer numpy arrays alike (FSDP pads every
+    parameter to a multiple of the shard count, so a share is rounded up)."""
+    return -((-x) // d)
+
+
+def parts_from_sums(
+    p_bytes: int,
+    n_params: int,
+    a_bytes: int,
+    cut_in: int,
+    cut_out: int,
+    out: int,
+    optimizer: OptimizerSpec,
+    recompute: bool,
+    n_microbatches: int,
+    shard: int = 1,
+    step_temp: int | None = None,
+) -> MemoryParts:
+    """The formula of ``stage_memory_bytes`` on sums (shared with the solver's fast memory model);
+    ``step_temp``: the stage's measured step temporaries (None: ``optimizer.step_temp_bytes``)."""
+    step = optimizer.step_temp_bytes(n_params) if step_temp is None else step_temp
+    if shard > 1:
+        return MemoryParts(
+            fixed=ceil_div(2 * p_bytes + optimizer.state_bytes(n_params, p_bytes), shard)
+            + n_microbatches * (cut_in + cut_out),
+            per_microbatch=(cut_in + out) if recompute else (a_bytes + out),
+            once=out + (a_bytes if recompute else 0) + 2 * p_bytes,
+            step=ceil_div(step, shard),
+        )
+    return MemoryParts(
+        fixed=2 * p_bytes + optimizer.state_bytes(n_params, p_bytes) + n_microbatches * (cut_in + cut_out),
+        per_microbatch=(cut_in + out) if recompute else (a_bytes + out),
+        once=out + (a_bytes if recompute else 0),
+        step=step,
+    )
+
+
+def stage_memories(
+    blocks: Sequence[BlockCost],
+    starts: Sequence[int],
+    *,
+    schedule: str,
+    n_microbatches: int,
+    optimizer: OptimizerSpec = DEFAULT_OPTIMIZER,
+    recompute: Sequence[bool] = (),
+) -> list[int]:
+    """Memory estimate of every stage of a partition (see ``stage_memory_bytes``).
+
+    Args:
+        blocks: per-block costs in execution order.
+        starts: first block of each stage.
+        schedule: "gpipe" or "1f1b".
+        n_microbatches: microbatches per step.
+        optimizer: the optimizer.
+
+    Returns:
+        Bytes per stage.
+
+    Raises:
+        InfeasibleError: invalid ``starts`` or schedule request.
+    """
+    check_starts(blocks, starts)
+    infl = in_flight_per_stage(schedule, len(starts), n_microbatches)
+    flags = recompute_flags(recompute, len(starts))
+    return [
+        stage_memory_bytes(blocks, s, e, infl[k], optimizer, flags[k], n_microbatches)
+        for k, (s, e) in enumerate(stage_bounds(starts, len(blocks)))
+    ]
+
+
+def evaluate(
+    blocks: Sequence[BlockCost],
+    starts: Sequence[int],
+    link: Links,
+    recompute: Sequence[bool] = (),
+    schedule: str | None = None,
+    stages_per_rank: int | None = None,
+) -> Partition:
+    """The bottleneck of a given split (max of ``stage_costs``).
+
+    Args:
+        blocks: per-block costs in execution order.
+        starts: first block of each stage.
+        link: cost of one message between neighbouring ranks, or per boundary.
+        recompute: per stage, whether it recomputes activations.
+        schedule: places the stages on ranks (``stage_costs``; None: one rank per stage).
+        stages_per_rank: stages on each rank (None: ``boundary_crosses``' default).
+
+    Returns:
+        The partition with its ``bottleneck_s`` (max stage cost, communication included).
+
+    Raises:
+        InfeasibleError: ``starts`` is not a valid partition on legal cuts.
+    """
+    costs = stage_costs(blocks, starts, link, recompute, schedule, stages_per_rank)
+    return Partition(starts=tuple(starts), bottleneck_s=max(costs), recompute=compact_flags(recompute))
