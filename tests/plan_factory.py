@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from planner.core.assemble import assemble_plan
-from planner.schema.costs import BlockCost, LinkCost
-from planner.schema.plan import ModelRef, Plan, ProfileInfo
+from planner.core.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
+from planner.core.links import Links
+from planner.core.predict import predict
+from planner.core.schedules import placement
+from planner.core.search import Choice, search
+from planner.core.solve import solve
+from planner.core.stage_model import Partition
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
+from planner.schema.plan import ModelRef, Plan, Prediction, ProfileInfo, StagePlan
 from planner.schema.request import PlanRequest
 
 MB = 2**20
 # A link with no fixed cost and 1 MB/ms, so comm times are easy to check by hand.
 LINK = LinkCost(name="test-link", latency_s=0.0, bandwidth_Bps=MB * 1000.0)
+ADAMW = OptimizerSpec()
 
 
 def block(
@@ -98,3 +107,78 @@ def assert_fit_limits_agree(mem: Any, arrays: Any, pairs: list[tuple[int, int]],
             assert got == want, (s, e, t)
             if want is not None:
                 assert e <= last[s], (s, e, t)
+
+
+def layout_of(
+    schedule: str, n_stages: int, n_microbatches: int, stages_per_rank: int | None = None, shard: int = 1
+) -> Layout:
+    """The layout of ``n_stages`` stages under ``schedule`` (stages per rank: 2 under a V, else 1,
+    unless given), sharded over ``shard`` FSDP replicas."""
+    v = stages_per_rank or (2 if placement(schedule) == "v" else 1)
+    return Layout.of_stages(schedule, n_stages, n_microbatches, v, dp=shard, dp_mode="fsdp" if shard > 1 else "ddp")
+
+
+def solved(
+    blocks: Sequence[BlockCost],
+    n_stages: int,
+    link: Links,
+    *,
+    schedule: str = "1f1b",
+    n_microbatches: int,
+    optimizer: OptimizerSpec = ADAMW,
+    memory_limit_bytes: int | None = None,
+    recompute: str = "auto",
+    in_flight: Sequence[int] | None = None,
+    shard: int = 1,
+    stages_per_rank: int | None = None,
+) -> Partition:
+    """``solve`` for ``n_stages`` stages, its layout and constraints spelled as keywords."""
+    layout = layout_of(schedule, n_stages, n_microbatches, stages_per_rank, shard)
+    return solve(blocks, link, layout, Constraints(optimizer, memory_limit_bytes, recompute), in_flight)
+
+
+def predicted(
+    blocks: Sequence[BlockCost],
+    starts: Sequence[int],
+    link: Links,
+    schedule: str,
+    n_microbatches: int,
+    optimizer: OptimizerSpec,
+    recompute: Sequence[bool] = (),
+    slots: float | None = None,
+    stages_per_rank: int = 1,
+    dp: int = 1,
+    dp_mode: str = "ddp",
+) -> tuple[list[StagePlan], Prediction]:
+    """``predict`` for a split of ``len(starts)`` stages, its layout spelled as arguments."""
+    layout = Layout.of_stages(schedule, len(starts), n_microbatches, stages_per_rank, dp, dp_mode)
+    return predict(blocks, starts, link, layout, optimizer, recompute, slots)
+
+
+def searched(
+    blocks: Sequence[BlockCost],
+    link: Links = LINK,
+    *,
+    n_ranks: int,
+    batch_size: int,
+    size0: int,
+    fixed_fraction: float = 0.0,
+    min_microbatch_size: int = 1,
+    schedule: str = "auto",
+    n_microbatches: int | None = None,
+    stages_per_rank: int | None = None,
+    optimizer: OptimizerSpec = ADAMW,
+    memory_limit_bytes: int | None = None,
+    recompute: str = "auto",
+    slots: float | None = None,
+    replicas: Sequence[int] = (1,),
+    dp_mode: str = "ddp",
+) -> tuple[Choice, list[Choice], str]:
+    """``search`` over ``n_ranks`` ranks in all, its cluster, space, constraints and scaling spelled as keywords."""
+    return search(
+        blocks,
+        Cluster(n_ranks, link, slots),
+        SearchSpace(batch_size, schedule, n_microbatches, stages_per_rank, tuple(replicas), dp_mode),
+        Constraints(optimizer, memory_limit_bytes, recompute),
+        Scaling(size0, fixed_fraction, min_microbatch_size),
+    )

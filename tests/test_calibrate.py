@@ -7,10 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from plan_factory import LINK, big_head_blocks, make_plan
+from plan_factory import LINK, big_head_blocks, make_plan, predicted
 
 from planner.core.calibrate import Calibration, apply_calibration, calibrate, changes, load_calibration
-from planner.core.predict import predict
 from planner.errors import PlanFileError
 from planner.schema.plan import Plan
 from planner.schema.result import BlockMeasure, RunResult, StageMeasure
@@ -68,7 +67,7 @@ def synthetic_run(plan: Plan, factor: float, step_s: float) -> RunResult:
 def repredict(plan: Plan, cal: Calibration, starts: tuple[int, ...] | None = None) -> float:
     blocks, link = apply_calibration(plan.blocks, plan.link, cal)
     starts = starts or cal.starts
-    return predict(blocks, starts, link, plan.schedule, plan.n_microbatches, plan.optimizer)[1].step_time_s
+    return predicted(blocks, starts, link, plan.schedule, plan.n_microbatches, plan.optimizer)[1].step_time_s
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -90,7 +89,7 @@ def test_latency_fit_recovers_a_known_latency() -> None:
     assert plan.link.latency_s == 0.0
     true_link = LINK.model_copy(update={"latency_s": 0.7e-3})
     starts = tuple(s.start for s in plan.stages)
-    measured = predict(plan.blocks, starts, true_link, plan.schedule, plan.n_microbatches, plan.optimizer)[
+    measured = predicted(plan.blocks, starts, true_link, plan.schedule, plan.n_microbatches, plan.optimizer)[
         1
     ].step_time_s
     cal = calibrate(plan, synthetic_run(plan, 1.0, measured))
@@ -124,7 +123,7 @@ def test_block_factors_follow_the_blocks_into_a_new_split() -> None:
     assert link.latency_s == cal.latency_s and link.bandwidth_Bps == plan.link.bandwidth_Bps
     assert link.name == "test-link+calibrated"
     # On another split the same blocks keep those factors: layers.3 stays 2x/3x wherever it goes.
-    other = predict(blocks, (0, 3), link, plan.schedule, plan.n_microbatches, plan.optimizer)[0]
+    other = predicted(blocks, (0, 3), link, plan.schedule, plan.n_microbatches, plan.optimizer)[0]
     assert other[1].fwd_s == pytest.approx(blocks[3].fwd_s + blocks[4].fwd_s + blocks[5].fwd_s, rel=1e-12)
     assert blocks[4].fwd_s == pytest.approx(2 * g * plan.blocks[4].fwd_s, rel=1e-12)
 
@@ -208,8 +207,8 @@ def test_one_run_of_one_split_predicts_every_other_split_exactly(seed: int, cold
     by_stage, _ = apply_calibration(plan.blocks, plan.link, cal.model_copy(update={"blocks": []}))
     worse = 0
     for cut in range(1, n):
-        stages = predict(blocks, (0, cut), link, plan.schedule, plan.n_microbatches, plan.optimizer)[0]
-        old = predict(by_stage, (0, cut), link, plan.schedule, plan.n_microbatches, plan.optimizer)[0]
+        stages = predicted(blocks, (0, cut), link, plan.schedule, plan.n_microbatches, plan.optimizer)[0]
+        old = predicted(by_stage, (0, cut), link, plan.schedule, plan.n_microbatches, plan.optimizer)[0]
         for st, o in zip(stages, old):
             fwd, bwd = sum(true_fwd[st.start : st.end]), sum(true_bwd[st.start : st.end])
             if st.index == 1:

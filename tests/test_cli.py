@@ -352,7 +352,6 @@ def test_plan_run_report_calibrate_loop(tmp_path: Path) -> None:
         *FAST,
     )
     assert result.exit_code == 0, result.output
-    from planner.core.predict import predict
     from planner.schema.result import RunResult
 
     run, old, new = RunResult.load(run_path), Plan.load(plan_path), Plan.load(calibrated)
@@ -362,19 +361,10 @@ def test_plan_run_report_calibrate_loop(tmp_path: Path) -> None:
     # Re-planned on the costs the run was measured against, corrected by it, the measured split
     # now predicts the measured step time.
     assert new.link.name.endswith("+calibrated")
-    from planner.core.predict import slots_of
+    from planner.core.predict import plan_layout, predict, slots_of
 
-    _, again = predict(
-        new.blocks,
-        old.prediction.starts,
-        new.link,
-        old.schedule,
-        old.n_microbatches,
-        old.optimizer,
-        (),
-        slots_of(new.profile),
-        old.stages_per_rank,
-    )
+    layout = plan_layout(old)
+    _, again = predict(new.blocks, old.prediction.starts, new.link, layout, old.optimizer, (), slots_of(new.profile))
     assert again.step_time_s == pytest.approx(run.median_step_s, rel=0.02)
 
 

@@ -15,15 +15,14 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from plan_factory import LINK, MB, block
+from plan_factory import LINK, MB, block, predicted, searched
 
 from cli import main
 from planner.core.assemble import assemble_plan
 from planner.core.data_parallel import dp_group_links, grad_reduce_s, layout_links, rank_reduce_s
 from planner.core.hardware import get_hardware, link_cost, node_links
 from planner.core.links import NodeLinks, boundary_links
-from planner.core.predict import plan_links, predict, refresh, stage_times, with_links, with_method
-from planner.core.search import search
+from planner.core.predict import plan_links, refresh, stage_times, with_links, with_method
 from planner.core.simulate import simulate
 from planner.core.stage_model import stage_memory_bytes
 from planner.errors import InfeasibleError, PlanFileError, PlannerError
@@ -328,18 +327,18 @@ def _search(blocks: list[BlockCost], **kw: object):  # type: ignore[no-untyped-d
     }
     args.update(kw)
     link = args.pop("link", LINK)
-    return search(blocks, link, **args)  # type: ignore[arg-type]
+    return searched(blocks, link, **args)  # type: ignore[arg-type]
 
 
 def _best_of(ranked: list, dp: int) -> float:  # type: ignore[type-arg]
-    return min(c.prediction.step_time_s for c in ranked if c.dp == dp and c.fits)
+    return min(c.prediction.step_time_s for c in ranked if c.layout.dp == dp and c.fits)
 
 
 def test_auto_replicas_win_for_a_small_model_with_a_large_batch() -> None:
     # 8 cheap layers of 1000 parameters, 64 samples on 4 GPUs: a pipeline pays its bubble, four
     # replicas of the whole model pay none and reduce 32 kB each.
     chosen, ranked, note = _search([block(f"layers.{i}", 4, 8, 1000) for i in range(8)])
-    assert chosen.dp == 4 and chosen.dp_mode == "ddp" and chosen.fits
+    assert chosen.layout.dp == 4 and chosen.layout.dp_mode == "ddp" and chosen.fits
     assert chosen.prediction.step_time_s < _best_of(ranked, 2) < _best_of(ranked, 1)
     assert chosen.prediction.dp_reduce_s == pytest.approx(2 * 3 / 4 * 8 * 4000 / (MB * 1000.0), rel=1e-12)
     assert "dp=4 (ddp)" in note and "data-parallel replicas" in note
@@ -349,7 +348,7 @@ def test_auto_replicas_lose_when_the_gradients_are_large() -> None:
     # 16 MiB of parameters a layer: a replica of the whole model reduces 128 MiB over a 1 GB/s-class
     # link (~190 ms), far more than the pipeline's bubble.
     chosen, ranked, note = _search([block(f"layers.{i}", 4, 8, 4 * MB) for i in range(8)])
-    assert chosen.dp == 1 and chosen.prediction.dp_reduce_s == 0.0
+    assert chosen.layout.dp == 1 and chosen.prediction.dp_reduce_s == 0.0
     assert chosen.prediction.step_time_s < _best_of(ranked, 2) < _best_of(ranked, 4)
     assert "dp=1 (ddp)" in note
 
@@ -361,10 +360,10 @@ def test_auto_replicas_lose_when_a_whole_replica_does_not_fit() -> None:
     # of 2 replicas holds 4 layers (DDP 40 MiB, FSDP 16 + 16 unsharded = 32 MiB), of 4 replicas 8.
     fast = LinkCost(name="fast", latency_s=0.0, bandwidth_Bps=1e15)
     blocks = [block(f"layers.{i}", 4, 8, MB // 2, act_mb=0, cut_mb=0) for i in range(8)]
-    assert _search(blocks, link=fast)[0].dp == 4
+    assert _search(blocks, link=fast)[0].layout.dp == 4
     chosen, ranked, _ = _search(blocks, link=fast, memory_limit_bytes=30 * MB, recompute="never")
-    assert chosen.dp == 1 and chosen.prediction.max_memory_bytes <= 30 * MB
-    assert {c.dp for c in ranked if c.fits} == {1}
+    assert chosen.layout.dp == 1 and chosen.prediction.max_memory_bytes <= 30 * MB
+    assert {c.layout.dp for c in ranked if c.fits} == {1}
 
 
 def test_dp_mode_auto_shards_only_where_ddp_does_not_fit() -> None:
@@ -374,9 +373,9 @@ def test_dp_mode_auto_shards_only_where_ddp_does_not_fit() -> None:
     blocks = [block(f"layers.{i}", 4, 8, MB, act_mb=0) for i in range(4)]
     fixed = {"replicas": (4,), "schedule": "gpipe", "n_microbatches": 1, "recompute": "never"}
     free = _search(blocks, **fixed)[0]
-    assert free.dp_mode == "ddp"  # no limit: DDP fits
+    assert free.layout.dp_mode == "ddp"  # no limit: DDP fits
     chosen = _search(blocks, memory_limit_bytes=60 * MB, **fixed)[0]
-    assert chosen.dp_mode == "fsdp" and chosen.prediction.max_memory_bytes == 48 * MB
+    assert chosen.layout.dp_mode == "fsdp" and chosen.prediction.max_memory_bytes == 48 * MB
     assert free.prediction.max_memory_bytes == 96 * MB
     with pytest.raises(InfeasibleError):
         _search(blocks, memory_limit_bytes=60 * MB, **{**fixed, "dp_mode": "ddp"})
@@ -385,10 +384,10 @@ def test_dp_mode_auto_shards_only_where_ddp_does_not_fit() -> None:
 def test_replicas_whose_microbatches_would_be_smaller_than_profiled_are_not_candidates() -> None:
     # profiled at 4 samples, never run below 2: 64 / (4 replicas x m) >= 2 allows m <= 8 only
     _, ranked, _ = _search(_layers(8, 1000), size0=4, min_microbatch_size=2)
-    assert {c.dp for c in ranked} == {1, 2, 4}
-    assert all(64 // (c.dp * c.n_microbatches) >= 2 for c in ranked)
+    assert {c.layout.dp for c in ranked} == {1, 2, 4}
+    assert all(64 // (c.layout.dp * c.layout.n_microbatches) >= 2 for c in ranked)
     _, fixed, _ = _search(_layers(8, 1000), n_microbatches=16, size0=4, min_microbatch_size=4)
-    assert {c.dp for c in fixed} == {1}  # 64 / (2 x 16) = 2 samples: below the 4 profiled
+    assert {c.layout.dp for c in fixed} == {1}  # 64 / (2 x 16) = 2 samples: below the 4 profiled
 
 
 def test_a_searched_plan_lists_every_replica_count_and_a_dp_column() -> None:
@@ -700,7 +699,7 @@ def test_one_replica_changes_nothing(
     # predict without the data-parallel arguments is predict with one replica
     starts = list(pred.starts)
     args = (default.blocks, starts, link, default.schedule, default.n_microbatches, ADAMW, pred.recompute, None, v)
-    assert predict(*args) == predict(*args, 1, "fsdp") == predict(*args, 1, "ddp")
+    assert predicted(*args) == predicted(*args, 1, "fsdp") == predicted(*args, 1, "ddp")
 
 
 # ------------------------------------------------------------------------------------------------

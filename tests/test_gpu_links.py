@@ -4,12 +4,12 @@ inter-node link, in the solver, the prediction and the plan file."""
 from __future__ import annotations
 
 import pytest
-from plan_factory import block
+from plan_factory import block, predicted
 
 from planner.core.assemble import assemble_plan
 from planner.core.hardware import get_hardware, link_cost, node_links
 from planner.core.links import NodeLinks
-from planner.core.predict import plan_links, predict, refresh, with_links
+from planner.core.predict import plan_links, refresh, with_links
 from planner.errors import PlannerError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 from planner.schema.plan import ModelRef, Plan, ProfileInfo
@@ -63,7 +63,7 @@ def test_only_the_boundary_between_nodes_pays_the_inter_node_link() -> None:
     plan = _plan(node_links(H100, 4, 2))  # ranks 0, 1 on node 0; 2, 3 on node 1
     mb = 64 * 2**20
     starts = [s.start for s in plan.stages]
-    stages, _ = predict(plan.blocks, starts, plan_links(plan), "1f1b", 8, OptimizerSpec())
+    stages, _ = predicted(plan.blocks, starts, plan_links(plan), "1f1b", 8, OptimizerSpec())
     # per microbatch, both ways; the middle boundary (stage 1 -> 2) is the only one between nodes
     assert stages[0].comm_s == pytest.approx(2 * INTRA.send_s(mb))
     assert stages[1].comm_s == pytest.approx(2 * (INTRA.send_s(mb) + INTER.send_s(mb)))

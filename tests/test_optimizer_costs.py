@@ -15,11 +15,10 @@ import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from plan_factory import assert_fit_limits_agree
+from plan_factory import assert_fit_limits_agree, solved
 
 from planner.core import solve as solve_mod
 from planner.core.schedules import in_flight_per_stage
-from planner.core.solve import solve
 from planner.core.stage_model import stage_memories, stage_memory_bytes, stage_memory_parts
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
@@ -209,7 +208,7 @@ def test_solver_respects_measured_temporaries(
     m = 4
     want = _brute_bottleneck(blocks, p, optimizer, limit, m)
     try:
-        part = solve(
+        part = solved(
             blocks,
             p,
             FREE,

@@ -7,11 +7,11 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from plan_factory import LINK, MB, big_head_blocks, block, make_plan
+from plan_factory import LINK, MB, big_head_blocks, block, make_plan, predicted, searched
 
-from planner.core.predict import predict
+from planner.core.inputs import Cluster, Constraints, Layout
 from planner.core.schedules import SCHEDULES, placement
-from planner.core.search import TIE, blocks_at, evaluate_choice, microbatch_options, refine, search
+from planner.core.search import TIE, blocks_at, evaluate_choice, microbatch_options, refine
 from planner.core.stage_model import stage_memories
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, OptimizerSpec
@@ -34,7 +34,7 @@ def _search(blocks: list[BlockCost], **kw: object) -> tuple:
         slots=None,
     )
     args.update(kw)
-    return search(blocks, LINK, **args)  # type: ignore[arg-type]
+    return searched(blocks, LINK, **args)  # type: ignore[arg-type]
 
 
 def test_blocks_at_scales_times_affinely_and_bytes_linearly() -> None:
@@ -62,11 +62,11 @@ def test_search_returns_the_fastest_candidate_that_fits() -> None:
     assert ranked[0] is chosen
     assert chosen.prediction.step_time_s <= min(c.prediction.step_time_s for c in fitting) * (1 + TIE)
     assert chosen.fits
-    tried = {(c.schedule, c.n_microbatches, c.stages_per_rank) for c in ranked}
+    tried = {(c.layout.schedule, c.layout.n_microbatches, c.layout.stages_per_rank) for c in ranked}
     assert {s for s, _, _ in tried} == set(SCHEDULES)  # every schedule was tried
     assert {v for s, _, v in tried if placement(s) == "v"} == {2}
     assert {v for s, _, v in tried if placement(s) == "single"} == {1}
-    assert chosen.schedule in note and f"m={chosen.n_microbatches}" in note
+    assert chosen.layout.schedule in note and f"m={chosen.layout.n_microbatches}" in note
 
 
 def test_a_tie_goes_to_the_candidate_with_less_memory() -> None:
@@ -79,14 +79,18 @@ def test_a_tie_goes_to_the_candidate_with_less_memory() -> None:
     chosen, ranked, note = _search(blocks, n_microbatches=4, stages_per_rank=1)
     fastest = min(c.prediction.step_time_s for c in ranked)
     tied = [c for c in ranked if c.prediction.step_time_s <= fastest * (1 + TIE)]
-    assert {"gpipe", "1f1b"} <= {c.schedule for c in tied}
+    assert {"gpipe", "1f1b"} <= {c.layout.schedule for c in tied}
     assert chosen.prediction.max_memory_bytes == min(c.prediction.max_memory_bytes for c in tied)
-    assert chosen.schedule != "gpipe" and "tied with" in note
+    assert chosen.layout.schedule != "gpipe" and "tied with" in note
 
 
 def test_search_with_everything_fixed_evaluates_one_candidate() -> None:
     chosen, ranked, _ = _search(big_head_blocks(), schedule="1f1b", n_microbatches=4, stages_per_rank=1)
-    assert len(ranked) == 1 and (chosen.schedule, chosen.n_microbatches, chosen.stages_per_rank) == ("1f1b", 4, 1)
+    assert len(ranked) == 1 and (
+        chosen.layout.schedule,
+        chosen.layout.n_microbatches,
+        chosen.layout.stages_per_rank,
+    ) == ("1f1b", 4, 1)
     # the same split and figures as planning 1F1B at m = 4 directly
     plan = make_plan(big_head_blocks())
     assert chosen.prediction == plan.prediction
@@ -94,7 +98,7 @@ def test_search_with_everything_fixed_evaluates_one_candidate() -> None:
 
 def test_search_on_one_rank_is_plain_gradient_accumulation() -> None:
     chosen, ranked, _ = _search(big_head_blocks(), n_ranks=1)
-    assert {c.schedule for c in ranked} == {"gpipe"}
+    assert {c.layout.schedule for c in ranked} == {"gpipe"}
 
 
 def test_search_respects_the_memory_limit_and_says_when_nothing_fits() -> None:
@@ -110,13 +114,12 @@ def test_search_respects_the_memory_limit_and_says_when_nothing_fits() -> None:
 
 def test_refine_only_accepts_a_faster_split_that_fits() -> None:
     blocks = [block(f"b{i}", 1 + (i % 3), 2 + (i % 5), 100) for i in range(12)]
-    start = evaluate_choice(
-        blocks, LINK, "1f1b", 3, 6, 1, optimizer=ADAMW, memory_limit_bytes=None, recompute="never", slots=None
-    )
-    polished = refine(start, LINK, optimizer=ADAMW, memory_limit_bytes=None, slots=None, n_ranks=3)
+    cluster, constraints = Cluster(3, LINK), Constraints(ADAMW, None, "never")
+    start = evaluate_choice(blocks, cluster, Layout("1f1b", 3, 6), constraints)
+    polished = refine(start, cluster, constraints)
     assert polished.prediction.step_time_s <= start.prediction.step_time_s
     # a local optimum: no single-cut move improves it further
-    again = refine(polished, LINK, optimizer=ADAMW, memory_limit_bytes=None, slots=None, n_ranks=3)
+    again = refine(polished, cluster, constraints)
     assert again.prediction == polished.prediction
 
 
@@ -135,7 +138,7 @@ def test_rank_memory_equals_stage_memory_with_one_stage_per_rank(raw: list, m: i
     for schedule in ("gpipe", "1f1b"):
         if schedule == "1f1b" and m < 2:
             continue
-        stages, pred = predict(blocks, starts, LINK, schedule, m, ADAMW)
+        stages, pred = predicted(blocks, starts, LINK, schedule, m, ADAMW)
         per_stage = stage_memories(blocks, starts, schedule=schedule, n_microbatches=m, optimizer=ADAMW)
         assert [s.memory_bytes for s in stages] == per_stage
         assert pred.max_memory_bytes == max(per_stage)
@@ -151,7 +154,7 @@ def test_rank_memory_with_two_stages_is_at_most_the_sum_of_their_peaks(raw: list
         return
     for schedule in ("interleaved-1f1b", "looped-bfs", "zbv"):
         try:
-            stages, pred = predict(blocks, starts, LINK, schedule, m, ADAMW, stages_per_rank=2)
+            stages, pred = predicted(blocks, starts, LINK, schedule, m, ADAMW, stages_per_rank=2)
         except InfeasibleError:
             continue
         for r, mem in enumerate(pred.rank_memory_bytes):
@@ -169,6 +172,6 @@ def test_the_first_stage_runs_its_whole_backward_as_w() -> None:
         block(f"layers.{i}", 10, 20, 1000).model_copy(update={"bwd_input_s": 0.012, "bwd_weight_s": 0.008})
         for i in range(4)
     ]
-    stages, _ = predict(blocks, [0, 2], LINK, "interleaved-zb", 4, ADAMW)
+    stages, _ = predicted(blocks, [0, 2], LINK, "interleaved-zb", 4, ADAMW)
     assert (stages[0].bwd_input_s, stages[0].bwd_weight_s) == (0.0, stages[0].bwd_s)
     assert stages[1].bwd_input_s == pytest.approx(0.024) and stages[1].bwd_weight_s == pytest.approx(0.016)

@@ -14,14 +14,13 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from plan_factory import assert_fit_limits_agree
+from plan_factory import assert_fit_limits_agree, predicted, solved
 
 from planner.core import solve as solve_mod
 from planner.core import solve_engine, stage_model
 from planner.core.baselines import param_balanced, uniform_layers
 from planner.core.links import NodeLinks, boundary_crosses, boundary_links
 from planner.core.schedules import in_flight_per_stage
-from planner.core.solve import solve
 from planner.core.stage_model import (
     Partition,
     evaluate,
@@ -168,7 +167,7 @@ def test_solve_matches_brute_force(
     feasible = brute(blocks, p, link, schedule, m, optimizer, limit, recompute)
     if not feasible:
         with pytest.raises(InfeasibleError) as err:
-            solve(
+            solved(
                 blocks,
                 p,
                 link,
@@ -186,7 +185,7 @@ def test_solve_matches_brute_force(
                 if schedule == "gpipe" or m >= smaller:
                     assert not brute(blocks, smaller, link, schedule, m, optimizer, limit, recompute)
         return
-    part = solve(
+    part = solved(
         blocks,
         p,
         link,
@@ -579,14 +578,14 @@ def requests(draw: st.DrawFn, ties: bool) -> Request:
 @given(req=requests(ties=False))
 def test_solve_matches_reference_dp(req: Request) -> None:
     blocks, p, link, kw = req
-    assert repr(outcome(solve, blocks, p, link, **kw)) == repr(outcome(_reference_solve, blocks, p, link, **kw))
+    assert repr(outcome(solved, blocks, p, link, **kw)) == repr(outcome(_reference_solve, blocks, p, link, **kw))
 
 
 @settings(max_examples=400, deadline=None)
 @given(req=requests(ties=True))
 def test_solve_matches_reference_dp_with_ties(req: Request) -> None:
     blocks, p, link, kw = req
-    assert repr(outcome(solve, blocks, p, link, **kw)) == repr(outcome(_reference_solve, blocks, p, link, **kw))
+    assert repr(outcome(solved, blocks, p, link, **kw)) == repr(outcome(_reference_solve, blocks, p, link, **kw))
 
 
 @settings(max_examples=150, deadline=None)
@@ -606,9 +605,9 @@ def _solve_as_brute_force(blocks: list[BlockCost], p: int, link: LinkCost, kw: d
     feasible = brute(blocks, p, link, *args, in_flight=kw["in_flight"])
     if not feasible:
         with pytest.raises(InfeasibleError):
-            solve(blocks, p, link, **kw)
+            solved(blocks, p, link, **kw)
         return
-    part = solve(blocks, p, link, **kw)
+    part = solved(blocks, p, link, **kw)
     opt = min(b for _, b, _ in feasible)
     assert math.isclose(part.bottleneck_s, opt, rel_tol=1e-9, abs_tol=1e-12)
     optimal = [(s, c) for s, b, c in feasible if b <= opt + 1e-9 * max(1.0, opt)]
@@ -714,24 +713,24 @@ def test_in_flight_keyword() -> None:
     # 100 activation bytes per block and microbatch, as test_memory_uses_in_flight_of_each_stage.
     blocks = times([1, 1, 1, 1], act=100)
     kw: dict[str, Any] = {"n_microbatches": 4, "memory_limit_bytes": 350, "recompute": "never"}
-    derived = solve(blocks, 2, FREE, schedule="1f1b", **kw)
-    assert solve(blocks, 2, FREE, schedule="1f1b", in_flight=[2, 1], **kw) == derived
+    derived = solved(blocks, 2, FREE, schedule="1f1b", **kw)
+    assert solved(blocks, 2, FREE, schedule="1f1b", in_flight=[2, 1], **kw) == derived
     # counts reversed: now the last stage holds 2 and must be the short one
-    assert solve(blocks, 2, FREE, in_flight=[1, 2], **kw).starts == (0, 3)
+    assert solved(blocks, 2, FREE, in_flight=[1, 2], **kw).starts == (0, 3)
     # the counts replace the schedule's, so its own checks do not apply (1F1B would need m >= 3)
-    assert solve(blocks, 3, FREE, schedule="1f1b", n_microbatches=1, in_flight=[1, 1, 1]).starts == (0, 1, 2)
+    assert solved(blocks, 3, FREE, schedule="1f1b", n_microbatches=1, in_flight=[1, 1, 1]).starts == (0, 1, 2)
     with pytest.raises(InfeasibleError, match="in_flight has 3 entries for 2 stages"):
-        solve(blocks, 2, FREE, n_microbatches=4, in_flight=[1, 1, 1])
+        solved(blocks, 2, FREE, n_microbatches=4, in_flight=[1, 1, 1])
     with pytest.raises(InfeasibleError, match="expected whole numbers >= 0"):
-        solve(blocks, 2, FREE, n_microbatches=4, in_flight=[1, -1])
+        solved(blocks, 2, FREE, n_microbatches=4, in_flight=[1, -1])
     with pytest.raises(InfeasibleError, match="need at least one microbatch"):
-        solve(blocks, 2, FREE, n_microbatches=0, in_flight=[1, 1])
+        solved(blocks, 2, FREE, n_microbatches=0, in_flight=[1, 1])
     # Nothing fits: no search over other stage counts (the counts are the caller's); the message names
     # a block with the fewest live microbatches any stage it can be on holds, or says the split fails.
     with pytest.raises(InfeasibleError, match=r"block 'b0' alone needs 400 bytes .* 4 microbatch\(es\)"):
-        solve(blocks, 2, FREE, in_flight=[4, 2], **kw)
+        solved(blocks, 2, FREE, in_flight=[4, 2], **kw)
     with pytest.raises(InfeasibleError, match=r"no split into 2 stages fits with \[3, 3\] microbatches in flight"):
-        solve(blocks, 2, FREE, n_microbatches=4, memory_limit_bytes=399, recompute="never", in_flight=[3, 3])
+        solved(blocks, 2, FREE, n_microbatches=4, memory_limit_bytes=399, recompute="never", in_flight=[3, 3])
 
 
 def test_memory_error_search_matches_reference() -> None:
@@ -751,7 +750,7 @@ def test_memory_error_search_matches_reference() -> None:
         ("1f1b", 12, 10),
     ]:
         kw: dict[str, Any] = {"schedule": schedule, "n_microbatches": m, "memory_limit_bytes": limit}
-        ours = outcome(solve, blocks, 3, link, optimizer=SGD, **kw)
+        ours = outcome(solved, blocks, 3, link, optimizer=SGD, **kw)
         assert isinstance(ours, tuple)
         assert ours == outcome(_reference_solve, blocks, 3, link, optimizer=SGD, **kw)
 
@@ -764,13 +763,13 @@ def test_2000_blocks_64_stages_complete() -> None:
         blk(i, float(f), float(2 * f), param_bytes=10**6, act=10**5, cut=4096, legal=bool(i % 5))
         for i, f in enumerate(rng.uniform(0.5, 1.5, 2000) * 1e-3)
     ]
-    free = solve(blocks, 64, link, n_microbatches=64)
+    free = solved(blocks, 64, link, n_microbatches=64)
     assert len(free.starts) == 64
-    limited = solve(blocks, 64, link, n_microbatches=64, memory_limit_bytes=2 * 10**8, recompute="never")
+    limited = solved(blocks, 64, link, n_microbatches=64, memory_limit_bytes=2 * 10**8, recompute="never")
     assert max(stage_memories(blocks, limited.starts, schedule="1f1b", n_microbatches=64)) <= 2 * 10**8
     assert limited.bottleneck_s >= free.bottleneck_s
     with pytest.raises(InfeasibleError, match="smallest stage count that fits is"):
-        solve(blocks, 64, link, n_microbatches=64, memory_limit_bytes=10**8, schedule="gpipe", recompute="never")
+        solved(blocks, 64, link, n_microbatches=64, memory_limit_bytes=10**8, schedule="gpipe", recompute="never")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -779,16 +778,16 @@ def test_2000_blocks_64_stages_complete() -> None:
 
 
 def test_even_split() -> None:
-    assert solve(times([1, 1, 1, 1]), 2, FREE, n_microbatches=4) == Partition(starts=(0, 2), bottleneck_s=2.0)
+    assert solved(times([1, 1, 1, 1]), 2, FREE, n_microbatches=4) == Partition(starts=(0, 2), bottleneck_s=2.0)
 
 
 def test_heavy_first_block() -> None:
-    assert solve(times([4, 1, 1, 1, 1]), 2, FREE, n_microbatches=4) == Partition(starts=(0, 1), bottleneck_s=4.0)
+    assert solved(times([4, 1, 1, 1, 1]), 2, FREE, n_microbatches=4) == Partition(starts=(0, 1), bottleneck_s=4.0)
 
 
 def test_equal_bottleneck_prefers_smallest_starts() -> None:
     # (0,1): max(1, 3) = 3; (0,2): max(3, 1) = 3; same total -> lexicographically smallest.
-    assert solve(times([1, 2, 1]), 2, FREE, n_microbatches=2).starts == (0, 1)
+    assert solved(times([1, 2, 1]), 2, FREE, n_microbatches=2).starts == (0, 1)
 
 
 def test_equal_bottleneck_prefers_less_communication() -> None:
@@ -796,7 +795,7 @@ def test_equal_bottleneck_prefers_less_communication() -> None:
     link = LinkCost(name="slow", latency_s=0.0, bandwidth_Bps=10.0)
     blocks = [blk(0, 4.0, cut=1), blk(1, 1.0, cut=5), blk(2, 1.0, cut=1), blk(3, 1.0, cut=0)]
     # (0,1,2): 4.2, 2.2, 3.0 (sum 9.4); (0,1,3): 4.2, 2.4, 1.2 (sum 7.8): same bottleneck 4.2.
-    part = solve(blocks, 3, link, n_microbatches=4)
+    part = solved(blocks, 3, link, n_microbatches=4)
     assert part.starts == (0, 1, 3)
     assert math.isclose(part.bottleneck_s, 4.2)
     assert [round(c, 12) for c in stage_costs(blocks, (0, 1, 3), link)] == [4.2, 2.4, 1.2]
@@ -808,7 +807,7 @@ def test_big_head_beats_uniform_layers() -> None:
     blocks = [blk(0, 1.0, layer=False)] + [blk(i, 1.0) for i in range(1, 9)] + [blk(9, 4.0, layer=False)]
     uni = uniform_layers(blocks, 2, FREE)
     assert uni == Partition(starts=(0, 5), bottleneck_s=8.0)  # 1 + 4 layers | 4 layers + head
-    best = solve(blocks, 2, FREE, n_microbatches=8)
+    best = solved(blocks, 2, FREE, n_microbatches=8)
     # (0,6): 6 | 7 and (0,7): 7 | 6 tie at 7 with equal sums -> smallest starts.
     assert best == Partition(starts=(0, 6), bottleneck_s=7.0)
 
@@ -816,7 +815,7 @@ def test_big_head_beats_uniform_layers() -> None:
 def test_illegal_cut_forces_other_split() -> None:
     blocks = times([1, 1, 1, 1])
     blocks[1] = blk(1, 1.0, legal=False)  # no cut between b1 and b2
-    assert solve(blocks, 2, FREE, n_microbatches=2) == Partition(starts=(0, 1), bottleneck_s=3.0)
+    assert solved(blocks, 2, FREE, n_microbatches=2) == Partition(starts=(0, 1), bottleneck_s=3.0)
     with pytest.raises(InfeasibleError, match="not legal"):
         evaluate(blocks, (0, 2), FREE)
 
@@ -824,34 +823,34 @@ def test_illegal_cut_forces_other_split() -> None:
 def test_too_few_legal_cuts_or_blocks() -> None:
     blocks = [blk(0, 1.0, legal=False), blk(1, 1.0, legal=False), blk(2, 1.0)]
     with pytest.raises(InfeasibleError, match="only 0 legal cut"):
-        solve(blocks, 2, FREE, n_microbatches=2)
+        solved(blocks, 2, FREE, n_microbatches=2)
     with pytest.raises(InfeasibleError, match="is more than the model's 3 blocks"):
-        solve(blocks, 4, FREE, n_microbatches=4)
+        solved(blocks, 4, FREE, n_microbatches=4)
     with pytest.raises(InfeasibleError, match="needs at least one microbatch per stage"):
-        solve(times([1, 1, 1]), 3, FREE, n_microbatches=2, schedule="1f1b")
+        solved(times([1, 1, 1]), 3, FREE, n_microbatches=2, schedule="1f1b")
 
 
 def test_memory_limit_forces_split_and_names_stage_count() -> None:
     # sgd: params + grads = 2 * 100 = 200 bytes per block; limit 400 -> at most 2 blocks per stage.
     blocks = times([3, 1, 1, 1], param_bytes=100)
-    assert solve(blocks, 2, FREE, n_microbatches=1, schedule="gpipe", optimizer=SGD).starts == (0, 1)
-    limited = solve(blocks, 2, FREE, n_microbatches=1, schedule="gpipe", optimizer=SGD, memory_limit_bytes=400)
+    assert solved(blocks, 2, FREE, n_microbatches=1, schedule="gpipe", optimizer=SGD).starts == (0, 1)
+    limited = solved(blocks, 2, FREE, n_microbatches=1, schedule="gpipe", optimizer=SGD, memory_limit_bytes=400)
     assert limited == Partition(starts=(0, 2), bottleneck_s=4.0)
     with pytest.raises(InfeasibleError, match="smallest stage count that fits is 2"):
-        solve(blocks, 1, FREE, n_microbatches=1, schedule="gpipe", optimizer=SGD, memory_limit_bytes=400)
+        solved(blocks, 1, FREE, n_microbatches=1, schedule="gpipe", optimizer=SGD, memory_limit_bytes=400)
     with pytest.raises(InfeasibleError, match="block 'b0' alone needs 200 bytes"):
-        solve(blocks, 1, FREE, n_microbatches=1, schedule="gpipe", optimizer=SGD, memory_limit_bytes=150)
+        solved(blocks, 1, FREE, n_microbatches=1, schedule="gpipe", optimizer=SGD, memory_limit_bytes=150)
 
 
 def test_memory_uses_in_flight_of_each_stage() -> None:
     # 100 activation bytes per block and microbatch; 1F1B, p=2, m=4: stage 0 holds 2, stage 1 holds 1.
     blocks = times([1, 1, 1, 1], act=100)
-    part = solve(blocks, 2, FREE, n_microbatches=4, schedule="1f1b", memory_limit_bytes=350, recompute="never")
+    part = solved(blocks, 2, FREE, n_microbatches=4, schedule="1f1b", memory_limit_bytes=350, recompute="never")
     assert part == Partition(starts=(0, 1), bottleneck_s=3.0)  # (0,2) would need 400 on stage 0
     assert stage_memories(blocks, part.starts, schedule="1f1b", n_microbatches=4) == [200, 300]
     # GPipe keeps all 4 microbatches on every stage: even one block needs 400.
     with pytest.raises(InfeasibleError, match="alone needs 400 bytes"):
-        solve(blocks, 2, FREE, n_microbatches=4, schedule="gpipe", memory_limit_bytes=350, recompute="never")
+        solved(blocks, 2, FREE, n_microbatches=4, schedule="gpipe", memory_limit_bytes=350, recompute="never")
 
 
 def test_recompute_auto_makes_a_plan_fit() -> None:
@@ -861,7 +860,7 @@ def test_recompute_auto_makes_a_plan_fit() -> None:
     # activations: stage [0,2) needs 4*(0+10) + 200 + 10 (output grad) + 4*10 (receive buffers) = 290,
     # stage [2,4) 4*(10+0) + 200 + 0 + 4*10 = 280.
     blocks = [b.model_copy(update={"recompute_s": b.fwd_s}) for b in times([1, 1, 1, 1], act=100, cut=10)]
-    part = solve(blocks, 2, FREE, n_microbatches=4, schedule="gpipe", memory_limit_bytes=300)
+    part = solved(blocks, 2, FREE, n_microbatches=4, schedule="gpipe", memory_limit_bytes=300)
     assert part.starts == (0, 2) and part.recompute == (True, True)
     # 2 blocks x (forward 1 + forward again in backward 1) + the 10-byte boundary each way at 1 B/s.
     assert part.bottleneck_s == 4.0 + 20.0
@@ -870,11 +869,11 @@ def test_recompute_auto_makes_a_plan_fit() -> None:
         280,
     ]
     # Only the stage that does not fit recomputes: 1F1B keeps 2 microbatches on stage 0, 1 on stage 1.
-    part = solve(blocks, 2, FREE, n_microbatches=4, schedule="1f1b", memory_limit_bytes=300)
+    part = solved(blocks, 2, FREE, n_microbatches=4, schedule="1f1b", memory_limit_bytes=300)
     assert part.starts == (0, 2) and part.recompute == (True, False)
     # Without a limit nothing recomputes; "always" recomputes everywhere.
-    assert solve(blocks, 2, FREE, n_microbatches=4).recompute == ()
-    assert solve(blocks, 2, FREE, n_microbatches=4, recompute="always").recompute == (True, True)
+    assert solved(blocks, 2, FREE, n_microbatches=4).recompute == ()
+    assert solved(blocks, 2, FREE, n_microbatches=4, recompute="always").recompute == (True, True)
 
 
 def test_stage_memory_formula() -> None:
@@ -953,10 +952,10 @@ def test_param_balanced() -> None:
 def test_large_instance() -> None:
     link = LinkCost(name="l", latency_s=1e-3, bandwidth_Bps=1e9)
     blocks = [blk(i, 0.001 * (1 + i % 7), 0.002, param_bytes=1000, act=500, cut=4096) for i in range(90)]
-    part = solve(blocks, 64, link, n_microbatches=64, memory_limit_bytes=10**6)
+    part = solved(blocks, 64, link, n_microbatches=64, memory_limit_bytes=10**6)
     assert len(part.starts) == 64
     assert part == _reference_solve(blocks, 64, link, n_microbatches=64, memory_limit_bytes=10**6)
-    assert len(solve(blocks, 30, link, n_microbatches=64, memory_limit_bytes=10**6).starts) == 30
+    assert len(solved(blocks, 30, link, n_microbatches=64, memory_limit_bytes=10**6).starts) == 30
 
 
 def test_pure_modules_do_not_import_torch() -> None:
@@ -971,8 +970,8 @@ def test_unknown_recompute_cost_is_charged_as_the_whole_forward() -> None:
     # recompute_s None (not measured): a recomputing stage pays its blocks' forward again in backward.
     blocks = times([1, 1, 1, 1], act=100, cut=10)
     assert all(b.recompute_s is None for b in blocks)
-    always = solve(blocks, 2, FREE, n_microbatches=4, recompute="always")
-    never = solve(blocks, 2, FREE, n_microbatches=4, recompute="never")
+    always = solved(blocks, 2, FREE, n_microbatches=4, recompute="always")
+    never = solved(blocks, 2, FREE, n_microbatches=4, recompute="never")
     assert always.recompute == (True, True)
     fwd = sum(b.fwd_s for b in blocks[: always.starts[1]])
     assert always.bottleneck_s == pytest.approx(never.bottleneck_s + fwd)
@@ -999,7 +998,7 @@ def mixed_requests(draw: st.DrawFn, ties: bool) -> Request:
 @given(req=mixed_requests(ties=False))
 def test_solve_with_a_link_per_boundary_matches_reference_dp(req: Request) -> None:
     blocks, p, links, kw = req
-    assert repr(outcome(solve, blocks, p, links, **kw)) == repr(outcome(_reference_solve, blocks, p, links, **kw))
+    assert repr(outcome(solved, blocks, p, links, **kw)) == repr(outcome(_reference_solve, blocks, p, links, **kw))
 
 
 @settings(max_examples=300, deadline=None)
@@ -1012,9 +1011,9 @@ def test_solve_with_a_link_per_boundary_matches_brute_force(req: Request) -> Non
     feasible = brute(blocks, p, links, *args, in_flight=infl)  # type: ignore[arg-type]
     if not feasible:
         with pytest.raises(InfeasibleError):
-            solve(blocks, p, links, **kw)
+            solved(blocks, p, links, **kw)
         return
-    part = solve(blocks, p, links, **kw)
+    part = solved(blocks, p, links, **kw)
     opt = min(b for _, b, _ in feasible)
     assert part.bottleneck_s == pytest.approx(opt, rel=1e-9, abs=1e-12)
     optimal = [(s, c) for s, b, c in feasible if b <= opt + 1e-9 * max(1.0, opt)]
@@ -1026,7 +1025,7 @@ def test_solve_with_a_link_per_boundary_matches_brute_force(req: Request) -> Non
 @given(req=requests(ties=False))
 def test_one_link_per_boundary_gives_the_single_link_result(req: Request) -> None:
     blocks, p, link, kw = req
-    assert repr(outcome(solve, blocks, p, [link] * (p - 1), **kw)) == repr(outcome(solve, blocks, p, link, **kw))
+    assert repr(outcome(solved, blocks, p, [link] * (p - 1), **kw)) == repr(outcome(solved, blocks, p, link, **kw))
 
 
 INTRA = LinkCost(name="intra", latency_s=1e-5, bandwidth_Bps=3e11)
@@ -1059,8 +1058,8 @@ def test_solve_with_node_links_equals_solve_with_their_boundary_list() -> None:
         links = _nodes(2, 4)
         infl = in_flight_per_stage(schedule, 4, 8, v)
         listed = boundary_links(links, 4 * v, schedule)
-        want = solve(blocks, 4 * v, listed, schedule=schedule, in_flight=infl, n_microbatches=8)
-        got = solve(blocks, 4 * v, links, schedule=schedule, in_flight=infl, n_microbatches=8)
+        want = solved(blocks, 4 * v, listed, schedule=schedule, in_flight=infl, n_microbatches=8)
+        got = solved(blocks, 4 * v, links, schedule=schedule, in_flight=infl, n_microbatches=8)
         assert got == want
         # the inter-node boundaries are the slow ones: their stages pay more for the same bytes
         costs = stage_costs(blocks, got.starts, links, schedule=schedule)
@@ -1071,10 +1070,10 @@ def test_a_cold_start_is_charged_to_the_stage_that_waits_and_moves_the_split() -
     """Blocks of 3, 1, 1, 3 s balance as 2 + 2 at 4 s a stage; when the third block starts 1.5 s
     slower after a wait, a stage starting there costs 5.5 s and the 1 + 3 split (5 s) wins."""
     warm = times([3.0, 1.0, 1.0, 3.0])
-    assert solve(warm, 2, FREE, schedule="gpipe", n_microbatches=2, optimizer=SGD).starts == (0, 2)
+    assert solved(warm, 2, FREE, schedule="gpipe", n_microbatches=2, optimizer=SGD).starts == (0, 2)
     cold = [blk(i, t, fc=1.5 if i == 2 else 0.0, bc=0.0) for i, t in enumerate([3.0, 1.0, 1.0, 3.0])]
     assert stage_costs(cold, (0, 2), FREE) == [4.0, 5.5]
-    part = solve(cold, 2, FREE, schedule="gpipe", n_microbatches=2, optimizer=SGD)
+    part = solved(cold, 2, FREE, schedule="gpipe", n_microbatches=2, optimizer=SGD)
     assert part.starts == (0, 1) and part.bottleneck_s == 5.0
     # only the receiving end pays: the first stage's forward and the last stage's backward never wait
     edges = [blk(i, 1.0, 1.0, fc=0.5, bc=0.25) for i in range(3)]
@@ -1088,7 +1087,6 @@ def test_the_turn_of_a_v_costs_the_solver_what_it_costs_the_prediction() -> None
     """ZB-V runs stages 1 and 2 of 4 on rank 1: that boundary sends nothing and nobody waits on it.
     The solver's stage costs charge it neither a message nor a cold start, as the prediction's stage
     plans do; under 1F1B every boundary joins two ranks and pays both."""
-    from planner.core.predict import predict
 
     link = LinkCost(name="l", latency_s=0.5, bandwidth_Bps=1e9)  # 0.5 s a message (no bytes cross)
     blocks = [blk(i, 1.0, 1.0, fc=0.25, bc=0.125) for i in range(4)]
@@ -1099,10 +1097,10 @@ def test_the_turn_of_a_v_costs_the_solver_what_it_costs_the_prediction() -> None
     assert boundary_crosses(4, "zbv") == [True, False, True]
     assert boundary_crosses(2, "interleaved-1f1b", stages_per_rank=2) == [False]  # one rank runs both
     for schedule, v in (("1f1b", 1), ("zbv", 2)):
-        stages, _ = predict(blocks, (0, 1, 2, 3), link, schedule, 4, SGD, stages_per_rank=v)
+        stages, _ = predicted(blocks, (0, 1, 2, 3), link, schedule, 4, SGD, stages_per_rank=v)
         planned = [s.time_s for s in stages]  # fwd + bwd + comm_s (both directions)
         assert planned == stage_costs(blocks, (0, 1, 2, 3), link, schedule=schedule)
-        part = solve(blocks, 4, link, schedule=schedule, in_flight=[1] * 4, n_microbatches=4, optimizer=SGD)
+        part = solved(blocks, 4, link, schedule=schedule, in_flight=[1] * 4, n_microbatches=4, optimizer=SGD)
         assert part.bottleneck_s == max(planned)
 
 
@@ -1123,13 +1121,12 @@ def test_solve_under_a_v_matches_brute_force(
 def test_stage_plans_charge_cold_starts_only_across_ranks() -> None:
     """Under ZB-V the stages either side of the V's turn run on one rank: nothing is received there,
     so neither starts cold; every boundary between ranks charges its receiver."""
-    from planner.core.predict import predict
 
     blocks = [blk(i, 1.0, 1.0, fc=0.5, bc=0.25) for i in range(4)]
-    stages, _ = predict(blocks, (0, 1, 2, 3), FREE, "zbv", 4, SGD, stages_per_rank=2)
+    stages, _ = predicted(blocks, (0, 1, 2, 3), FREE, "zbv", 4, SGD, stages_per_rank=2)
     assert [s.rank for s in stages] == [0, 1, 1, 0]
     assert [s.fwd_s for s in stages] == [1.0, 1.5, 1.0, 1.5]  # stage 2 follows stage 1 on rank 1
     assert [s.bwd_s for s in stages] == [1.25, 1.0, 1.25, 1.0]  # stage 1's gradient comes from rank 1 itself
-    looped, _ = predict(blocks, (0, 1, 2, 3), FREE, "1f1b", 4, SGD)
+    looped, _ = predicted(blocks, (0, 1, 2, 3), FREE, "1f1b", 4, SGD)
     assert [s.fwd_s for s in looped] == [1.0, 1.5, 1.5, 1.5]
     assert [s.bwd_s for s in looped] == [1.25, 1.25, 1.25, 1.0]

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 from planner.core.baselines import param_balanced, uniform_layers
 from planner.core.data_parallel import layout_links
+from planner.core.inputs import Cluster, Constraints, Scaling, SearchSpace
 from planner.core.predict import predict, slots_of
 from planner.core.search import Choice, search
 from planner.core.stage_model import Partition
@@ -99,10 +100,10 @@ def compare_methods(
     Raises:
         InfeasibleError: the requested method cannot split the model.
     """
-    blocks = chosen.blocks
-    n_stages = len(chosen.stages)
+    blocks, layout = chosen.blocks, chosen.layout
+    n_stages = layout.n_stages
     # the links of this replica count's pipeline (a NodeLinks is placed for its ranks and replicas)
-    placed = layout_links(link, n_stages // chosen.stages_per_rank, chosen.dp)
+    placed = layout_links(link, layout.pp, layout.dp)
     assert isinstance(placed, LinkCost)  # a link (or NodeLinks) in, the same kind out
     link = placed
     solvers: dict[str, Callable[[], Partition]] = {
@@ -117,19 +118,7 @@ def compare_methods(
             if name == request.method:
                 raise
             continue  # a baseline that cannot split this model is left out of the comparison
-        out[name] = predict(
-            blocks,
-            split.starts,
-            link,
-            chosen.schedule,
-            chosen.n_microbatches,
-            request.optimizer,
-            split.recompute,
-            slots,
-            chosen.stages_per_rank,
-            chosen.dp,
-            chosen.dp_mode,
-        )
+        out[name] = predict(blocks, split.starts, link, layout, request.optimizer, split.recompute, slots)
     return out
 
 
@@ -146,7 +135,7 @@ def search_rows(ranked: Sequence[Choice], rows: int = SEARCH_ROWS) -> list[Choic
     """
     firsts: dict[int, int] = {}
     for i, c in enumerate(ranked):
-        firsts.setdefault(c.dp, i)
+        firsts.setdefault(c.layout.dp, i)
     wanted = set(firsts.values())
     kept = set(range(min(rows, len(ranked))))
     for i in sorted(range(len(ranked)), reverse=True):  # drop the worst rows that no count needs
@@ -205,26 +194,21 @@ def assemble_plan(
     """
     slots = slots_of(profile)
     blocks = with_tied_copies(blocks, ties)
+    cluster = Cluster(request.gpus, link, slots)
+    space = SearchSpace(
+        request.batch_size,
+        request.schedule,
+        request.microbatches,
+        request.stages_per_rank,
+        tuple(request.dp_options),
+        request.dp_mode,
+    )
+    scaling = Scaling(
+        profile.microbatch_size or request.microbatch_size, profile.fixed_fraction, profile.min_microbatch_size
+    )
 
     def run_search(limit: int | None) -> tuple[Choice, list[Choice], str]:
-        return search(
-            blocks,
-            link,
-            n_ranks=request.gpus,
-            batch_size=request.batch_size,
-            size0=profile.microbatch_size or request.microbatch_size,
-            fixed_fraction=profile.fixed_fraction,
-            min_microbatch_size=profile.min_microbatch_size,
-            schedule=request.schedule,
-            n_microbatches=request.microbatches,
-            stages_per_rank=request.stages_per_rank,
-            optimizer=request.optimizer,
-            memory_limit_bytes=limit,
-            recompute=request.recompute,
-            slots=slots,
-            replicas=request.dp_options,
-            dp_mode=request.dp_mode,
-        )
+        return search(blocks, cluster, space, Constraints(request.optimizer, limit, request.recompute), scaling)
 
     try:
         chosen, ranked, note = run_search(memory_limit_bytes)
@@ -244,13 +228,13 @@ def assemble_plan(
         link=link,
         optimizer=request.optimizer,
         method=request.method,
-        schedule=chosen.schedule,  # type: ignore[arg-type]  # a member of SCHEDULES
+        schedule=chosen.layout.schedule,  # type: ignore[arg-type]  # a member of SCHEDULES
         n_stages=len(stages),
-        n_ranks=request.gpus // chosen.dp,
-        dp=chosen.dp,
-        dp_mode=chosen.dp_mode,  # type: ignore[arg-type]  # "ddp" or "fsdp"
+        n_ranks=chosen.layout.pp,
+        dp=chosen.layout.dp,
+        dp_mode=chosen.layout.dp_mode,  # type: ignore[arg-type]  # "ddp" or "fsdp"
         batch_size=request.batch_size,
-        n_microbatches=chosen.n_microbatches,
+        n_microbatches=chosen.layout.n_microbatches,
         blocks=chosen.blocks,
         stages=stages,
         prediction=prediction,

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from planner.core.data_parallel import dp_group_links, layout_links, rank_reduce_s, replica_slots, shard_of
-from planner.core.links import Links, NodeLinks, boundary_links
+from planner.core.data_parallel import dp_group_links, layout_links, rank_reduce_s, replica_slots
+from planner.core.inputs import Layout
+from planner.core.links import Links, NodeLinks, boundary_links, default_link, links_around
 from planner.core.schedules import Action, action_order, in_flight_of, peak_live_bytes, stage_ranks
 from planner.core.simulate import SimResult, StageTimes, simulate
 from planner.core.stage_model import (
@@ -34,16 +36,12 @@ def predict(
     blocks: Sequence[BlockCost],
     starts: Sequence[int],
     link: Links,
-    schedule: str,
-    n_microbatches: int,
+    layout: Layout,
     optimizer: OptimizerSpec,
     recompute: Sequence[bool] = (),
     slots: float | None = None,
-    stages_per_rank: int = 1,
-    dp: int = 1,
-    dp_mode: str = "ddp",
 ) -> tuple[list[StagePlan], Prediction]:
-    """Predict what a partition costs under a schedule, run by ``dp`` data-parallel replicas.
+    """Predict what a partition costs under a layout: its schedule, run by ``layout.dp`` replicas.
 
     Every figure is one replica's pipeline (the replicas run the same one on their own samples),
     plus, once per step after the pipeline, the reduction of each rank's gradients over its
@@ -51,19 +49,17 @@ def predict(
 
     Args:
         blocks: per-block costs, in execution order.
-        starts: first block of each stage (starts[0] == 0); ranks x ``stages_per_rank`` stages.
+        starts: first block of each stage (starts[0] == 0); ``layout.n_stages`` of them.
         link: cost of one message between neighbouring ranks, or per boundary (a ``NodeLinks`` is
             placed with the schedule: ``planner.core.links.boundary_links``).
-        schedule: one of ``planner.core.schedules.SCHEDULES``.
-        n_microbatches: microbatches per step.
+        layout: the schedule, pipeline ranks, microbatches per step, stages per rank (looped or V
+            placement, as the schedule places them), replicas and their mode ("ddp" or "fsdp":
+            sharded memory and optimizer step, the same traffic).
         optimizer: decides the optimizer-state bytes per parameter byte.
         recompute: per stage, activation checkpointing (empty: no stage recomputes).
         slots: ranks of all replicas that can compute at once (CPU ranks sharing cores: cores /
             threads per rank; each replica gets ``slots / dp``); None when each rank has its own
             device. See ``planner.core.simulate.simulate``.
-        stages_per_rank: stages on every rank (looped or V placement, as the schedule places them).
-        dp: data-parallel replicas of the pipeline (``planner.schema.plan.Plan``'s mesh).
-        dp_mode: "ddp" or "fsdp" (sharded memory and optimizer step; the same traffic).
 
     Returns:
         The stages (with predicted time and memory each) and the step-level prediction.
@@ -72,49 +68,42 @@ def predict(
         InfeasibleError: an invalid split, or a schedule request torch would refuse.
     """
     n = len(starts)
-    if n % stages_per_rank:
-        raise InfeasibleError(f"{n} stages do not spread evenly over ranks with {stages_per_rank} stages each")
-    p = n // stages_per_rank
-    shard = shard_of(dp, dp_mode)
+    if n % layout.stages_per_rank:
+        raise InfeasibleError(f"{n} stages do not spread evenly over ranks with {layout.stages_per_rank} stages each")
+    if n != layout.n_stages:
+        raise InfeasibleError(f"{n} stages for a layout of {layout.pp} ranks x {layout.stages_per_rank} stage(s)")
+    schedule, p, n_microbatches, dp = layout.schedule, layout.pp, layout.n_microbatches, layout.dp
+    context = _StageContext(optimizer, n_microbatches, layout.shard, stage_ranks(schedule, p, layout.stages_per_rank))
     link = layout_links(link, p, dp)
-    rank_of = stage_ranks(schedule, p, stages_per_rank)
     stage_costs(blocks, starts, link, recompute, schedule)  # validates the split (legal cuts, non-empty stages)
     links = boundary_links(link, n, schedule)
     flags = recompute_flags(recompute, n)
-    orders = action_order(schedule, p, n_microbatches, stages_per_rank)
+    orders = action_order(schedule, p, n_microbatches, layout.stages_per_rank)
     in_flight = in_flight_of(orders, n)
     ends = list(starts[1:]) + [len(blocks)]
     stages = [
-        stage_plan(
-            blocks,
-            i,
-            a,
-            b,
-            links[i - 1] if i else (links[0] if links else _single(link)),
-            flags[i],
-            in_flight[i],
-            optimizer,
-            n_microbatches,
-            rank_of,
-            links[i] if i < len(links) else None,
-            shard,
-        )
+        _stage_plan(blocks, i, (a, b), links_around(links, i, default_link(link)), flags[i], in_flight[i], context)
         for i, (a, b) in enumerate(zip(starts, ends))
     ]
     sim = simulate(
-        stage_times(stages, _cpu_share(link)), schedule, n_microbatches, replica_slots(slots, dp), stages_per_rank
+        stage_times(stages, _cpu_share(link)),
+        schedule,
+        n_microbatches,
+        replica_slots(slots, dp),
+        layout.stages_per_rank,
     )
     # Once its last backward is done each rank reduces its gradients over its replicas (DDP's
     # all-reduce, FSDP's all-gather + reduce-scatter: planner.core.data_parallel), charged after the
     # pipeline as if not overlapped with it (conservative: DDP's buckets do overlap the last
     # backwards); the clipping norm needs the reduced gradients, so it waits for the slowest rank.
     dp_links = dp_group_links(link, p, dp)
-    dp_reduce_s = max(rank_reduce_s(blocks, stages, dp_links, dp, dp_mode)) if dp > 1 else 0.0
+    dp_reduce_s = max(rank_reduce_s(blocks, stages, dp_links, dp, layout.dp_mode)) if dp > 1 else 0.0
     # Then each rank joins the gradient-norm all-reduce for clipping (one scalar: a reduce and a
     # broadcast, ~2 log2(group) messages) over the pipeline group, or over every rank when FSDP
     # shards the gradients; only then does every rank step its optimizer (over all of its stages).
     # The step ends when the slowest optimizer is done. Over several nodes its messages pay the
     # slowest link's latency.
+    shard = context.shard
     group = p * dp if shard > 1 else p
     latency = max([x.latency_s for x in links] + ([x.latency_s for x in dp_links] if shard > 1 else []), default=0.0)
     allreduce_s = 2 * math.ceil(math.log2(group)) * latency if group > 1 else 0.0
@@ -134,17 +123,10 @@ def predict(
         bubble_fraction=sim.bubble_fraction,
         imbalance=max(stage_time) / mean if mean > 0 else 1.0,
         max_memory_bytes=max(rank_memory),
-        rank_memory_bytes=tuple(rank_memory) if stages_per_rank > 1 else (),
+        rank_memory_bytes=tuple(rank_memory) if layout.stages_per_rank > 1 else (),
         dp_reduce_s=dp_reduce_s,
     )
     return stages, prediction
-
-
-def _single(link: Links) -> LinkCost:
-    """A lone stage's link (it sends nothing)."""
-    if isinstance(link, LinkCost):
-        return link
-    return LinkCost(name="none", latency_s=0.0, bandwidth_Bps=1.0)
 
 
 def plan_links(plan: Plan) -> LinkCost:
@@ -196,15 +178,16 @@ def predict_plan(
         plan.blocks if blocks is None else blocks,
         starts,
         plan_links(plan) if link is None else link,
-        plan.schedule,
-        plan.n_microbatches,
+        plan_layout(plan),
         plan.optimizer,
         recompute,
         slots_of(plan.profile),
-        plan.stages_per_rank,
-        plan.dp,
-        plan.dp_mode,
     )
+
+
+def plan_layout(plan: Plan) -> Layout:
+    """The layout a plan runs: its schedule, pipeline ranks, microbatches, stages per rank, replicas."""
+    return Layout(plan.schedule, plan.n_ranks, plan.n_microbatches, plan.stages_per_rank, plan.dp, plan.dp_mode)
 
 
 def with_links(plan: Plan, link: LinkCost) -> Plan:
@@ -322,52 +305,55 @@ def optimizer_cost(block: BlockCost) -> float:
     return block.opt_s if block.opt_s is not None else 0.0
 
 
-def stage_plan(
+@dataclass(frozen=True)
+class _StageContext:
+    """What every stage of one prediction shares: the optimizer (state bytes), the microbatches per
+    step (receive buffers), the FSDP replicas its state is sharded over (1: none; a share of the
+    memory and of the optimizer step) and the rank of every stage (a boundary between two stages on
+    the same rank, the turn of a V, carries no message)."""
+
+    optimizer: OptimizerSpec
+    n_microbatches: int
+    shard: int
+    rank_of: Sequence[int]
+
+
+def _stage_plan(
     blocks: Sequence[BlockCost],
     index: int,
-    start: int,
-    end: int,
-    link: LinkCost,
+    bounds: tuple[int, int],
+    links: tuple[LinkCost, LinkCost],
     recompute: bool,
     in_flight: int,
-    optimizer: OptimizerSpec,
-    n_microbatches: int,
-    rank_of: Sequence[int] | None = None,
-    link_out: LinkCost | None = None,
-    shard: int = 1,
+    context: _StageContext,
 ) -> StagePlan:
     """One stage's predicted figures: times per microbatch, optimizer step, activations and peak memory.
 
     Args:
         blocks: per-block costs in execution order.
         index: the stage's index.
-        start: its first block.
-        end: one past its last block.
-        link: cost of one message over the stage's start boundary (and its end one, unless ``link_out``).
+        bounds: its first block and one past its last.
+        links: the cost of one message over its start boundary and over its end boundary.
         recompute: whether it recomputes its activations in backward.
         in_flight: its peak live microbatches under the schedule.
-        optimizer: the optimizer (state bytes).
-        n_microbatches: microbatches per step (receive buffers).
-        rank_of: the rank of every stage (None: stage i on rank i). A boundary between two
-            stages on the same rank (the turn of a V) carries no message.
-        link_out: cost of one message over its end boundary (None: ``link``).
-        shard: FSDP replicas its state is sharded over (1: none): a share of the memory, and of
-            the optimizer step (each rank steps its shard only).
+        context: what the prediction's stages share.
 
     Returns:
         The stage.
     """
+    start, end = bounds
+    rank_of, shard, optimizer = context.rank_of, context.shard, context.optimizer
 
     def crosses(other: int) -> bool:
-        return rank_of is None or rank_of[other] != rank_of[index]
+        return rank_of[other] != rank_of[index]
 
     fwd, bwd, comm = stage_time_parts(
         blocks,
         start,
         end,
-        link,
+        links[0],
         recompute,
-        link_out,
+        links[1],
         wait_in=start > 0 and crosses(index - 1),
         wait_out=end < len(blocks) and crosses(index + 1),
     )
@@ -376,7 +362,7 @@ def stage_plan(
     extra = bwd - sum(x.bwd_s for x in part)  # recomputation and a cold start, paid in the input-gradient pass
     return StagePlan(
         index=index,
-        rank=rank_of[index] if rank_of is not None else index,
+        rank=rank_of[index],
         start=start,
         end=end,
         first_block=blocks[start].name,
@@ -392,7 +378,9 @@ def stage_plan(
         recompute=recompute,
         activation_bytes=sum(x.activation_bytes for x in part),
         in_flight=in_flight,
-        memory_bytes=stage_memory_bytes(blocks, start, end, in_flight, optimizer, recompute, n_microbatches, shard),
+        memory_bytes=stage_memory_bytes(
+            blocks, start, end, in_flight, optimizer, recompute, context.n_microbatches, shard
+        ),
         # torch 2.13 never runs I on the first stage (its inputs need no gradient): its W is the
         # whole backward (PipelineStage.backward_weight_one_chunk with stage_index 0)
         bwd_input_s=(0.0 if index == 0 else sum(x.bwd_input_s or 0.0 for x in part) + extra) if split else None,

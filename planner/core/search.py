@@ -24,16 +24,16 @@ else FSDP.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from planner.core.data_parallel import layout_links, shard_of
-from planner.core.links import Links
+from planner.core.data_parallel import layout_links
+from planner.core.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
 from planner.core.predict import predict
 from planner.core.schedules import SPLIT_BACKWARD, check_schedule, in_flight_per_stage, stages_per_rank_options
 from planner.core.solve import solve
 from planner.core.stage_model import Partition
 from planner.errors import InfeasibleError
-from planner.schema.costs import BlockCost, OptimizerSpec
+from planner.schema.costs import BlockCost
 from planner.schema.plan import Candidate, Prediction, StagePlan
 from planner.schema.request import SCHEDULES
 
@@ -53,26 +53,24 @@ REFINE_EVALUATIONS = 120
 
 @dataclass(frozen=True)
 class Choice:
-    """One evaluated combination: its split, stages and prediction."""
+    """One evaluated combination: its layout, its blocks at the layout's microbatch size, its split's
+    stages and prediction, and whether it fits the memory limit."""
 
-    schedule: str
-    n_microbatches: int
-    stages_per_rank: int
+    layout: Layout
     blocks: list[BlockCost]
     stages: list[StagePlan]
     prediction: Prediction
     fits: bool
-    dp: int = 1
-    dp_mode: str = "ddp"
 
     def row(self) -> Candidate:
         """The candidate as the plan records it."""
+        layout = self.layout
         return Candidate(
-            schedule=self.schedule,  # type: ignore[arg-type]  # a member of SCHEDULES
-            n_microbatches=self.n_microbatches,
-            stages_per_rank=self.stages_per_rank,
-            dp=self.dp,
-            dp_mode=self.dp_mode,  # type: ignore[arg-type]  # "ddp" or "fsdp"
+            schedule=layout.schedule,  # type: ignore[arg-type]  # a member of SCHEDULES
+            n_microbatches=layout.n_microbatches,
+            stages_per_rank=layout.stages_per_rank,
+            dp=layout.dp,
+            dp_mode=layout.dp_mode,  # type: ignore[arg-type]  # "ddp" or "fsdp"
             starts=self.prediction.starts,
             step_time_s=self.prediction.step_time_s,
             bubble_fraction=self.prediction.bubble_fraction,
@@ -143,98 +141,67 @@ def _max_stages_per_rank(blocks: Sequence[BlockCost], n_ranks: int) -> int:
 
 def evaluate_choice(
     blocks: Sequence[BlockCost],
-    link: Links,
-    schedule: str,
-    n_ranks: int,
-    n_microbatches: int,
-    stages_per_rank: int,
-    *,
-    optimizer: OptimizerSpec,
-    memory_limit_bytes: int | None,
-    recompute: str,
-    slots: float | None,
+    cluster: Cluster,
+    layout: Layout,
+    constraints: Constraints,
     split: Partition | None = None,
-    dp: int = 1,
-    dp_mode: str = "ddp",
 ) -> Choice:
-    """Solve (unless ``split`` is given) and predict one combination.
+    """Solve (unless ``split`` is given) and predict one layout.
 
     The solver gets each stage's in-flight count from its place in the schedule and, with several
     stages per rank, a per-stage share ``limit / v`` of the memory limit (a rank's stages together
-    then fit); the prediction's per-rank peak decides ``fits``. ``n_ranks`` is one replica's
-    pipeline ranks; ``blocks`` are costed at its microbatch size; ``dp`` replicas reduce gradients
-    by ``dp_mode`` ("ddp" or "fsdp"), and FSDP's shards are what the memory limit holds.
+    then fit); the prediction's per-rank peak decides ``fits``. ``blocks`` are costed at the
+    layout's microbatch size; its ``dp`` replicas reduce gradients by its ``dp_mode`` ("ddp" or
+    "fsdp"), and FSDP's shards are what the memory limit holds.
+
+    Args:
+        blocks: per-block costs at the layout's microbatch size.
+        cluster: the links (placed here for the layout's replicas) and the ranks that compute at once.
+        layout: the schedule, pipeline ranks, microbatches, stages per rank, replicas and their mode.
+        constraints: the optimizer, the per-rank memory limit and the recompute policy.
+        split: a split to predict as it is (None: the solver's).
+
+    Returns:
+        The evaluated layout.
 
     Raises:
         InfeasibleError: the schedule refuses these numbers, or no split fits.
     """
-    check_schedule(schedule, n_ranks, n_microbatches, stages_per_rank)
-    v = stages_per_rank
-    shard = shard_of(dp, dp_mode)
-    link = layout_links(link, n_ranks, dp)
+    pp, v = layout.pp, layout.stages_per_rank
+    check_schedule(layout.schedule, pp, layout.n_microbatches, v)
+    limit = constraints.memory_limit_bytes
+    link = layout_links(cluster.link, pp, layout.dp)
     if split is None:
+        per_stage = replace(constraints, memory_limit_bytes=None if limit is None else limit // v)
         try:
-            split = solve(
-                blocks,
-                n_ranks * v,
-                link,
-                schedule=schedule,
-                n_microbatches=n_microbatches,
-                optimizer=optimizer,
-                memory_limit_bytes=None if memory_limit_bytes is None else memory_limit_bytes // v,
-                recompute=recompute,
-                in_flight=in_flight_per_stage(schedule, n_ranks, n_microbatches, v),
-                shard=shard,
-                stages_per_rank=v,
-            )
+            in_flight = in_flight_per_stage(layout.schedule, pp, layout.n_microbatches, v)
+            split = solve(blocks, link, layout, per_stage, in_flight)
         except InfeasibleError as e:
             if v == 1:
                 raise
             # the solver counts stages, which the user asked for as --gpus x --stages-per-rank
             raise InfeasibleError(
-                f"{schedule} with {v} stages per rank needs {n_ranks * v} stages: {e}".replace(
-                    f"--gpus {n_ranks * v}", f"{n_ranks * v} stages"
+                f"{layout.schedule} with {v} stages per rank needs {pp * v} stages: {e}".replace(
+                    f"--gpus {pp * v}", f"{pp * v} stages"
                 )
             ) from None
     stages, prediction = predict(
-        blocks, split.starts, link, schedule, n_microbatches, optimizer, split.recompute, slots, v, dp, dp_mode
+        blocks, split.starts, link, layout, constraints.optimizer, split.recompute, cluster.slots
     )
-    fits = memory_limit_bytes is None or prediction.max_memory_bytes <= memory_limit_bytes
-    mode = "fsdp" if shard > 1 else "ddp"  # one replica is recorded as ddp, whatever was asked
-    return Choice(schedule, n_microbatches, v, list(blocks), stages, prediction, fits, dp, mode)
+    fits = limit is None or prediction.max_memory_bytes <= limit
+    mode = "fsdp" if layout.shard > 1 else "ddp"  # one replica is recorded as ddp, whatever was asked
+    return Choice(replace(layout, dp_mode=mode), list(blocks), stages, prediction, fits)
 
 
-def evaluate_modes(
-    blocks: Sequence[BlockCost],
-    link: Links,
-    schedule: str,
-    n_ranks: int,
-    n_microbatches: int,
-    stages_per_rank: int,
-    *,
-    dp: int,
-    dp_mode: str,
-    optimizer: OptimizerSpec,
-    memory_limit_bytes: int | None,
-    recompute: str,
-    slots: float | None,
-) -> Choice:
+def evaluate_modes(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout, constraints: Constraints) -> Choice:
     """``evaluate_choice`` under a data-parallel mode that may be "auto": DDP when that fits the
     memory limit, else FSDP when that does (when neither fits, the one needing less memory).
 
     Args:
-        blocks: per-block costs at this combination's microbatch size.
-        link: the links (placed for this layout by ``evaluate_choice``).
-        schedule: the schedule.
-        n_ranks: pipeline ranks of one replica.
-        n_microbatches: microbatches per step of a replica.
-        stages_per_rank: stages on every rank.
-        dp: replicas.
-        dp_mode: "ddp", "fsdp" or "auto" (with one replica, always ddp).
-        optimizer: the optimizer.
-        memory_limit_bytes: per-rank limit (None: none).
-        recompute: activation checkpointing policy.
-        slots: ranks (of all replicas) that can compute at once.
+        blocks: per-block costs at the layout's microbatch size.
+        cluster: the links and the ranks that compute at once.
+        layout: the layout; its ``dp_mode`` "ddp", "fsdp" or "auto" (with one replica, always ddp).
+        constraints: the optimizer, the per-rank memory limit and the recompute policy.
 
     Returns:
         The evaluated combination, its ``dp_mode`` the one chosen.
@@ -245,21 +212,9 @@ def evaluate_modes(
     """
 
     def attempt(mode: str) -> Choice:
-        return evaluate_choice(
-            blocks,
-            link,
-            schedule,
-            n_ranks,
-            n_microbatches,
-            stages_per_rank,
-            optimizer=optimizer,
-            memory_limit_bytes=memory_limit_bytes,
-            recompute=recompute,
-            slots=slots,
-            dp=dp,
-            dp_mode=mode,
-        )
+        return evaluate_choice(blocks, cluster, replace(layout, dp_mode=mode), constraints)
 
+    dp, dp_mode, schedule = layout.dp, layout.dp_mode, layout.schedule
     if dp > 1 and schedule in SPLIT_BACKWARD:
         # torch 2.13's FSDP2 does not follow these schedules' split backward (weight gradients by
         # autograd.grad, past its hooks): the runner cannot shard them, so they are planned with DDP.
@@ -316,123 +271,70 @@ def replica_microbatches(batch_size: int, dp: int, n_ranks: int, fixed: int | No
     return counts
 
 
-@dataclass(frozen=True)
-class _Space:
-    """What the search is asked to cover (the options left open are None or "auto")."""
-
-    schedule: str
-    n_microbatches: int | None
-    stages_per_rank: int | None
-    replicas: tuple[int, ...]
-    dp_mode: str
+def _layouts(blocks: Sequence[BlockCost], space: SearchSpace, pp: int, dp: int, ms: Sequence[int]) -> list[Layout]:
+    """Every layout of ``space`` with ``dp`` replicas of ``pp`` ranks and these microbatch counts,
+    schedules in ``SCHEDULES``' order."""
+    schedules = list(SCHEDULES) if space.schedule == "auto" else [space.schedule]
+    if pp == 1 and space.schedule == "auto":
+        schedules = ["gpipe"]  # one rank runs its stage alone: every schedule is gradient accumulation
+    out = []
+    for name in schedules:
+        vs = (
+            [space.stages_per_rank]
+            if space.stages_per_rank is not None
+            else stages_per_rank_options(name, _max_stages_per_rank(blocks, pp))
+        )
+        out += [Layout(name, pp, m, v, dp, space.dp_mode) for v in vs for m in ms]
+    return out
 
 
 def _evaluate_all(
-    blocks: Sequence[BlockCost],
-    link: Links,
-    space: _Space,
-    *,
-    n_ranks: int,
-    batch_size: int,
-    size0: int,
-    fixed_fraction: float,
-    floor: int,
-    optimizer: OptimizerSpec,
-    memory_limit_bytes: int | None,
-    recompute: str,
-    slots: float | None,
+    blocks: Sequence[BlockCost], cluster: Cluster, space: SearchSpace, constraints: Constraints, scaling: Scaling
 ) -> tuple[list[Choice], list[InfeasibleError]]:
-    """Every combination of ``space``, replica counts outermost (ascending: the simpler first)."""
+    """Every layout of ``space``, replica counts outermost (ascending: the simpler first)."""
     cache: dict[int, list[BlockCost]] = {}  # costs by microbatch size
     results: list[Choice] = []
     errors: list[InfeasibleError] = []
+    floor = min(scaling.min_size, scaling.size0)
     for dp in space.replicas:
-        pp = n_ranks // dp
-        ms = replica_microbatches(batch_size, dp, pp, space.n_microbatches, floor)
+        pp = cluster.world_size // dp
+        ms = replica_microbatches(space.batch_size, dp, pp, space.n_microbatches, floor)
         if not ms:
             errors.append(
                 InfeasibleError(
-                    f"--dp {dp}: the batch of {batch_size} does not split into {dp} replicas of microbatches of "
-                    f"at least {floor} sample(s) (the smallest the model ran when profiled)"
+                    f"--dp {dp}: the batch of {space.batch_size} does not split into {dp} replicas of microbatches "
+                    f"of at least {floor} sample(s) (the smallest the model ran when profiled)"
                 )
             )
             continue
-        schedules = list(SCHEDULES) if space.schedule == "auto" else [space.schedule]
-        if pp == 1 and space.schedule == "auto":
-            schedules = ["gpipe"]  # one rank runs its stage alone: every schedule is gradient accumulation
-        for name in schedules:
-            vs = (
-                [space.stages_per_rank]
-                if space.stages_per_rank is not None
-                else stages_per_rank_options(name, _max_stages_per_rank(blocks, pp))
-            )
-            for v, m in ((v, m) for v in vs for m in ms):
-                size = batch_size // (dp * m)
-                if size not in cache:
-                    cache[size] = blocks_at(blocks, size0, size, fixed_fraction)
-                try:
-                    choice = evaluate_modes(
-                        cache[size],
-                        link,
-                        name,
-                        pp,
-                        m,
-                        v,
-                        dp=dp,
-                        dp_mode=space.dp_mode,
-                        optimizer=optimizer,
-                        memory_limit_bytes=memory_limit_bytes,
-                        recompute=recompute,
-                        slots=slots,
-                    )
-                    results.append(choice)
-                except InfeasibleError as e:
-                    errors.append(e)
+        for layout in _layouts(blocks, space, pp, dp, ms):
+            size = space.batch_size // (dp * layout.n_microbatches)
+            if size not in cache:
+                cache[size] = blocks_at(blocks, scaling.size0, size, scaling.fixed_fraction)
+            try:
+                results.append(evaluate_modes(cache[size], cluster, layout, constraints))
+            except InfeasibleError as e:
+                errors.append(e)
     return results, errors
 
 
 def search(
-    blocks: Sequence[BlockCost],
-    link: Links,
-    *,
-    n_ranks: int,
-    batch_size: int,
-    size0: int,
-    fixed_fraction: float,
-    min_microbatch_size: int = 1,
-    schedule: str,
-    n_microbatches: int | None,
-    stages_per_rank: int | None,
-    optimizer: OptimizerSpec,
-    memory_limit_bytes: int | None,
-    recompute: str,
-    slots: float | None,
-    replicas: Sequence[int] = (1,),
-    dp_mode: str = "ddp",
+    blocks: Sequence[BlockCost], cluster: Cluster, space: SearchSpace, constraints: Constraints, scaling: Scaling
 ) -> tuple[Choice, list[Choice], str]:
     """Every open combination, solved and simulated; the fastest that fits, polished.
 
     Args:
-        blocks: per-block costs at microbatch size ``size0``.
-        link: cost of one message between neighbouring ranks (or a ``NodeLinks``).
-        n_ranks: ranks in all (--gpus): each replica count dp in ``replicas`` gives a pipeline of
-            n_ranks / dp ranks.
-        batch_size: samples per step (the global batch, split evenly over the replicas).
-        size0: the microbatch size the costs were profiled at.
-        fixed_fraction: see ``blocks_at``.
-        min_microbatch_size: the smallest microbatch the model ran (auto counts, and every count
-            with several replicas, stay at or above it).
-        schedule: a schedule name, or "auto" for all of them.
-        n_microbatches: a count per replica, or None for the divisors of the replica's batch
-            (``microbatch_options``).
-        stages_per_rank: a count, or None for what each schedule allows (up to ``MAX_AUTO_STAGES_PER_RANK``).
-        optimizer: the optimizer.
-        memory_limit_bytes: per-rank limit (None: none).
-        recompute: activation checkpointing policy ("auto", "never", "always").
-        slots: ranks (of all replicas) that can compute at once (see ``predict``).
-        replicas: the data-parallel replica counts to try (each must divide ``n_ranks``); (1,):
-            one pipeline on every rank.
-        dp_mode: "ddp", "fsdp" or "auto" (``evaluate_modes``).
+        blocks: per-block costs at microbatch size ``scaling.size0``.
+        cluster: every rank (``world_size``: each replica count dp in ``space.replicas`` gives a
+            pipeline of world_size / dp ranks), the links between them (a ``NodeLinks`` is placed
+            for each layout) and the ranks that compute at once.
+        space: the batch and what is open: schedule, microbatches per replica (None: the divisors
+            of the replica's batch, ``microbatch_options``), stages per rank (None: what each
+            schedule allows, up to ``MAX_AUTO_STAGES_PER_RANK``), replica counts, data-parallel mode.
+        constraints: the optimizer, the per-rank memory limit and the recompute policy.
+        scaling: how the costs carry over to other microbatch sizes (``blocks_at``); auto counts,
+            and every count with several replicas, stay at or above the smallest microbatch the
+            model ran.
 
     Returns:
         The chosen combination, every evaluated one (fastest first, those that fit before those
@@ -442,44 +344,25 @@ def search(
         InfeasibleError: nothing the user asked for can run or fit; when everything was fixed,
             the schedule's or solver's own message.
     """
-    bad = [dp for dp in replicas if dp < 1 or n_ranks % dp]
+    replicas = space.replicas
+    bad = [dp for dp in replicas if dp < 1 or cluster.world_size % dp]
     if bad or not replicas:
-        raise InfeasibleError(f"replica counts {list(replicas)} must be divisors of the {n_ranks} ranks")
-    space = _Space(schedule, n_microbatches, stages_per_rank, tuple(sorted(set(replicas))), dp_mode)
-    results, errors = _evaluate_all(
-        blocks,
-        link,
-        space,
-        n_ranks=n_ranks,
-        batch_size=batch_size,
-        size0=size0,
-        fixed_fraction=fixed_fraction,
-        floor=min(min_microbatch_size, size0),
-        optimizer=optimizer,
-        memory_limit_bytes=memory_limit_bytes,
-        recompute=recompute,
-        slots=slots,
-    )
+        raise InfeasibleError(f"replica counts {list(replicas)} must be divisors of the {cluster.world_size} ranks")
+    space = replace(space, replicas=tuple(sorted(set(replicas))))
+    results, errors = _evaluate_all(blocks, cluster, space, constraints, scaling)
     best, ranked = _rank(results, errors)
-    polished = refine(
-        best,
-        link,
-        optimizer=optimizer,
-        memory_limit_bytes=memory_limit_bytes,
-        slots=slots,
-        n_ranks=n_ranks // best.dp,
-    )
+    polished = refine(best, cluster, constraints)
     open_parts = [
         label
         for label, is_open in (
-            ("schedule", schedule == "auto"),
-            ("microbatches", n_microbatches is None),
-            ("stages per rank", stages_per_rank is None),
+            ("schedule", space.schedule == "auto"),
+            ("microbatches", space.n_microbatches is None),
+            ("stages per rank", space.stages_per_rank is None),
             ("data-parallel replicas", len(space.replicas) > 1),
         )
         if is_open
     ]
-    note = _why(polished, best, ranked, open_parts, show_dp=len(space.replicas) > 1 or best.dp > 1)
+    note = _why(polished, best, ranked, open_parts, show_dp=len(space.replicas) > 1 or best.layout.dp > 1)
     # the list shows the winner as it will run: with its polished split
     return polished, [polished if c is best else c for c in ranked], note
 
@@ -500,17 +383,18 @@ def _rank(results: Sequence[Choice], errors: Sequence[InfeasibleError]) -> tuple
     if not fitting:
         if results:
             least = min(results, key=lambda c: c.prediction.max_memory_bytes)
-            replicas = f", dp={least.dp} ({least.dp_mode})" if least.dp > 1 else ""
+            lay = least.layout
+            replicas = f", dp={lay.dp} ({lay.dp_mode})" if lay.dp > 1 else ""
             raise InfeasibleError(
                 f"no schedule, microbatch count and split fits the memory limit: the least needs "
-                f"{least.prediction.max_memory_bytes / 2**30:.2f} GiB per rank ({least.schedule}, "
-                f"m={least.n_microbatches}{replicas}); raise --memory-limit, use more --gpus or --recompute auto"
+                f"{least.prediction.max_memory_bytes / 2**30:.2f} GiB per rank ({lay.schedule}, "
+                f"m={lay.n_microbatches}{replicas}); raise --memory-limit, use more --gpus or --recompute auto"
             )
         raise errors[0] if errors else InfeasibleError("nothing to search: no schedule was given")
     fastest = min(c.prediction.step_time_s for c in fitting)
     best = min(
         (c for c in fitting if c.prediction.step_time_s <= fastest * (1 + TIE)),
-        key=lambda c: (c.prediction.max_memory_bytes, c.dp),
+        key=lambda c: (c.prediction.max_memory_bytes, c.layout.dp),
     )
     ranked = (
         [best]
@@ -522,7 +406,7 @@ def _rank(results: Sequence[Choice], errors: Sequence[InfeasibleError]) -> tuple
 
 def _replicas_text(c: Choice) -> str:
     """ ", dp=2 (ddp)": a candidate's replicas, for the line on why the choice won."""
-    return f", dp={c.dp} ({c.dp_mode})"
+    return f", dp={c.layout.dp} ({c.layout.dp_mode})"
 
 
 def _why(
@@ -534,8 +418,9 @@ def _why(
     show_dp: bool = False,
 ) -> str:
     """One line: what won, by how much over the runner-up, and what polishing the split gained."""
-    what = f"{chosen.schedule}, m={chosen.n_microbatches}" + (
-        f", {chosen.stages_per_rank} stages per rank" if chosen.stages_per_rank > 1 else ""
+    lay = chosen.layout
+    what = f"{lay.schedule}, m={lay.n_microbatches}" + (
+        f", {lay.stages_per_rank} stages per rank" if lay.stages_per_rank > 1 else ""
     )
     what += _replicas_text(chosen) if show_dp else ""
     line = f"{what}: predicted step {chosen.prediction.step_time_s * 1e3:.3g} ms"
@@ -544,8 +429,8 @@ def _why(
         nxt = others[0]
         gain = nxt.prediction.step_time_s / unpolished.prediction.step_time_s - 1
         runner_up = (
-            f"{nxt.schedule}, m={nxt.n_microbatches}"
-            f"{', v=' + str(nxt.stages_per_rank) if nxt.stages_per_rank > 1 else ''}"
+            f"{nxt.layout.schedule}, m={nxt.layout.n_microbatches}"
+            f"{', v=' + str(nxt.layout.stages_per_rank) if nxt.layout.stages_per_rank > 1 else ''}"
             f"{_replicas_text(nxt) if show_dp else ''}"
         )
         if gain < TIE:
@@ -562,15 +447,7 @@ def _why(
     return line
 
 
-def refine(
-    choice: Choice,
-    link: Links,
-    *,
-    optimizer: OptimizerSpec,
-    memory_limit_bytes: int | None,
-    slots: float | None,
-    n_ranks: int,
-) -> Choice:
+def refine(choice: Choice, cluster: Cluster, constraints: Constraints) -> Choice:
     """Polish a split against the simulated step: move one cut by one legal position at a time, keeping
     each move that shortens the predicted step and still fits (first improvement, cuts in order,
     until a whole pass finds none or ``REFINE_EVALUATIONS`` splits were simulated).
@@ -578,8 +455,8 @@ def refine(
     The solver minimises the slowest stage, which bounds the steady state; the step also has the
     warm-up and drain, where earlier and later stages weigh differently, messages and the optimizer.
     Starting from the exact least-bottleneck split, this only ever accepts a split the simulator
-    predicts to be faster, so the result is never slower than ``choice``. ``n_ranks`` is the
-    choice's pipeline ranks (one replica's); its replicas and their mode are kept.
+    predicts to be faster, so the result is never slower than ``choice``. Its layout (replicas and
+    their mode included) is kept, and so are its stages' recompute flags.
 
     Returns:
         The polished choice (``choice`` itself when no move helps).
@@ -602,21 +479,7 @@ def refine(
                 budget -= 1
                 trial = Partition(starts=tuple(starts[:k] + [c] + starts[k + 1 :]), bottleneck_s=0.0, recompute=flags)
                 try:
-                    cand = evaluate_choice(
-                        blocks,
-                        link,
-                        best.schedule,
-                        n_ranks,
-                        best.n_microbatches,
-                        best.stages_per_rank,
-                        optimizer=optimizer,
-                        memory_limit_bytes=memory_limit_bytes,
-                        recompute="never",
-                        slots=slots,
-                        split=trial,
-                        dp=best.dp,
-                        dp_mode=best.dp_mode,
-                    )
+                    cand = evaluate_choice(blocks, cluster, best.layout, constraints, trial)
                 except InfeasibleError:
                     continue
                 # a strict improvement beyond float noise, so the descent cannot cycle

@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from planner.core.inputs import NO_CONSTRAINTS, Constraints, Layout
 from planner.core.links import Links, boundary_crosses, boundary_links, default_link
 from planner.core.schedules import in_flight_per_stage
 from planner.core.solve_engine import (
@@ -69,7 +70,6 @@ from planner.core.solve_engine import (
     stage_bands,
 )
 from planner.core.stage_model import (
-    DEFAULT_OPTIMIZER,
     Partition,
     ceil_div,
     cold_in,
@@ -582,25 +582,18 @@ def _check_in_flight(in_flight: Sequence[int], n_stages: int, n_microbatches: in
 
 def solve(
     blocks: Sequence[BlockCost],
-    n_stages: int,
     link: Links,
-    *,
-    schedule: str = "1f1b",
-    n_microbatches: int,
-    optimizer: OptimizerSpec = DEFAULT_OPTIMIZER,
-    memory_limit_bytes: int | None = None,
-    recompute: str = "auto",
+    layout: Layout,
+    constraints: Constraints = NO_CONSTRAINTS,
     in_flight: Sequence[int] | None = None,
-    shard: int = 1,
-    stages_per_rank: int | None = None,
 ) -> Partition:
     """The partition with the smallest bottleneck stage cost (exact).
 
-    Minimises max stage cost over all contiguous partitions into exactly ``n_stages`` non-empty
-    stages on legal cuts, with every stage's ``stage_memory_bytes`` (using the peak in-flight count
-    of that stage index under ``schedule``, or ``in_flight``) at most ``memory_limit_bytes`` when
-    given. Ties (within a relative 1e-9) go to the least total stage cost (less communication), then
-    to the lexicographically smallest starts.
+    Minimises max stage cost over all contiguous partitions into exactly ``layout.n_stages``
+    non-empty stages on legal cuts, with every stage's ``stage_memory_bytes`` (using the peak
+    in-flight count of that stage under the layout's schedule, or ``in_flight``) at most
+    ``constraints.memory_limit_bytes`` when given. Ties (within a relative 1e-9) go to the least
+    total stage cost (less communication), then to the lexicographically smallest starts.
 
     The search is the O(p n^2) dynamic programme restricted to candidate stages (those whose cost
     and memory lower bounds allow them under the optimum) and vectorised; see ``exact_partition``
@@ -608,48 +601,44 @@ def solve(
 
     Args:
         blocks: per-block costs in execution order.
-        n_stages: number of pipeline stages.
         link: cost of one message between neighbouring ranks: one for all, one per boundary, or a
             ``NodeLinks`` (``boundary_links``).
-        schedule: "gpipe" or "1f1b"; decides the in-flight microbatches per stage (unless
-            ``in_flight`` is given); any schedule places the stages on ranks: where a ``NodeLinks``'
-            stages run and which boundaries stay inside one rank.
-        n_microbatches: microbatches per step.
-        optimizer: the optimizer (state bytes per parameter byte).
-        memory_limit_bytes: per-stage memory limit, or None for no limit.
-        recompute: activation checkpointing per stage: "never", "always", or "auto" — a stage
-            recomputes only when it would not fit the memory limit otherwise (it then pays its
+        layout: the stages to cut (``n_stages``), the schedule that decides each stage's in-flight
+            microbatches and where it runs (which boundaries stay inside one rank and cost no
+            message or cold start: ``boundary_crosses``), the microbatches per step (receive
+            buffers), and the FSDP replicas every stage's state is sharded over (``shard``).
+        constraints: the optimizer (state bytes per parameter byte), the memory limit of one
+            stage (None: none) and the recompute policy: "never", "always", or "auto" (a stage
+            recomputes only when it would not fit the memory limit otherwise, and then pays its
             forward once more in backward). The choice is part of the exact search: each stage's
             cost is the cheaper option that fits.
         in_flight: peak live microbatches of each stage (one per stage), replacing the counts
-            derived from ``schedule`` (for schedules with several stages per rank, whose counts
-            ``planner.core.schedules.in_flight_per_stage`` gives per global stage).
-        shard: FSDP replicas every stage's state is sharded over (``stage_memory_bytes``; 1: none).
-        stages_per_rank: stages on each rank, which with ``schedule`` says which boundaries join
-            two ranks and pay a message and a cold start (``boundary_crosses``; None: its default).
+            the schedule gives (``planner.core.schedules.in_flight_per_stage``).
 
     Returns:
         The optimal partition (with its per-stage recompute flags).
 
     Raises:
-        InfeasibleError: n_stages > number of blocks, too few legal cuts, a schedule request torch
+        InfeasibleError: more stages than blocks, too few legal cuts, a schedule request torch
             refuses, ``in_flight`` of the wrong length or with negative counts (or with fewer than
-            one microbatch), or no partition fits the memory limit (the message names the smallest stage count that would fit, or the
-            block that cannot fit alone).
+            one microbatch), or no partition fits the memory limit (the message names the smallest
+            stage count that would fit, or the block that cannot fit alone).
     """
+    recompute, memory_limit_bytes = constraints.recompute, constraints.memory_limit_bytes
     if recompute not in ("never", "auto", "always"):
         raise InfeasibleError(f"recompute={recompute!r}; expected 'never', 'auto' or 'always'")
+    schedule, n_stages, n_microbatches = layout.schedule, layout.n_stages, layout.n_microbatches
     check_counts(blocks, n_stages)
     if in_flight is None:
-        infl = in_flight_per_stage(schedule, n_stages, n_microbatches)
+        infl = in_flight_per_stage(schedule, layout.pp, n_microbatches, layout.stages_per_rank)
     else:
         infl = _check_in_flight(in_flight, n_stages, n_microbatches)
     n = len(blocks)
     limit = memory_limit_bytes if memory_limit_bytes is not None else math.inf
     # Without a limit "auto" never needs to recompute.
     mode = recompute if memory_limit_bytes is not None or recompute == "always" else "never"
-    mem = _MemoryModel(blocks, optimizer, limit, mode, n_microbatches, shard)
-    crosses = boundary_crosses(n_stages, schedule, stages_per_rank)
+    mem = _MemoryModel(blocks, constraints.optimizer, limit, mode, n_microbatches, layout.shard)
+    crosses = boundary_crosses(n_stages, schedule, layout.stages_per_rank)
     arrays = _Arrays(blocks, boundary_links(link, n_stages, schedule), mem, mode, infl, crosses)
     # First cap: the average stage plus the largest block and messages, about where the optimum is
     # when memory does not bind (any value is correct; a close one saves a pass).
@@ -664,4 +653,4 @@ def solve(
         raise _memory_error(blocks, n_stages, schedule, n_microbatches, mem, arrays, given)
     bounds = stage_bounds(starts, n)
     flags = [bool(mem.choice(s, e, infl[k])) for k, (s, e) in enumerate(bounds)]
-    return evaluate(blocks, starts, link, flags, schedule, stages_per_rank)
+    return evaluate(blocks, starts, link, flags, schedule, layout.stages_per_rank)

@@ -1,0 +1,166 @@
+"""The records that travel together into the solver, the prediction and the search.
+
+Pure module (no torch). Each is small and frozen, and names one thing a caller decides once:
+
+- ``Cluster``: the ranks a plan may use: how many in all (``world_size``, ``--gpus``), the links
+  between them (one ``LinkCost``, or a ``NodeLinks`` that knows the ranks per node) and how many
+  can compute at once (CPU ranks sharing cores).
+- ``Layout``: one way to run a step on them: ``dp`` replicas of a ``pp``-rank pipeline under a
+  schedule, with its microbatches and stages per rank. ``world_size = dp * pp``; ``pp`` is what a
+  plan records as ``Plan.n_ranks`` (the ranks of one replica's pipeline).
+- ``Constraints``: what every split must respect: the optimizer's state, the memory limit per rank
+  and the activation-checkpointing policy.
+- ``Scaling``: how the profiled block costs carry over to other microbatch sizes.
+- ``SearchSpace``: what the joint search is asked to cover (None or "auto" where it is open).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.core.data_parallel import shard_of
+from planner.core.links import Links, NodeLinks
+from planner.errors import InfeasibleError
+from planner.schema.costs import OptimizerSpec
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The ranks a plan may use.
+
+    Attributes:
+        world_size: every rank, of all replicas (``--gpus``).
+        link: the cost of one message between neighbouring ranks, one per boundary, or a
+            ``NodeLinks`` (an intra- and an inter-node link, and the ranks per node).
+        slots: ranks that can compute at once (CPU ranks sharing cores: cores / threads per rank);
+            None when every rank has its own device.
+    """
+
+    world_size: int
+    link: Links
+    slots: float | None = None
+
+    @property
+    def ranks_per_node(self) -> int | None:
+        """Ranks per node when the links know it (a ``NodeLinks``), else None (one node, or unknown)."""
+        return self.link.gpus_per_node if isinstance(self.link, NodeLinks) else None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run a step: ``dp`` replicas of a ``pp``-rank pipeline.
+
+    Attributes:
+        schedule: one of ``planner.core.schedules.SCHEDULES``.
+        pp: pipeline ranks of one replica (``Plan.n_ranks``).
+        n_microbatches: microbatches per step of one replica.
+        stages_per_rank: stages on every pipeline rank.
+        dp: data-parallel replicas of the pipeline.
+        dp_mode: how the replicas reduce gradients: "ddp", "fsdp", or "auto" before the search
+            decides (``planner.core.search.evaluate_modes``).
+    """
+
+    schedule: str
+    pp: int
+    n_microbatches: int
+    stages_per_rank: int = 1
+    dp: int = 1
+    dp_mode: str = "ddp"
+
+    @property
+    def world_size(self) -> int:
+        """Every rank of the layout: ``dp * pp``."""
+        return self.dp * self.pp
+
+    @property
+    def n_stages(self) -> int:
+        """Stages of one replica's pipeline: ``pp * stages_per_rank``."""
+        return self.pp * self.stages_per_rank
+
+    @property
+    def shard(self) -> int:
+        """Replicas a stage's parameters, gradients and optimizer state are sharded over: ``dp``
+        under FSDP, 1 under DDP (every replica holds the whole stage).
+
+        Raises:
+            InfeasibleError: ``dp_mode`` is not "ddp" or "fsdp" (an "auto" not yet decided).
+        """
+        return shard_of(self.dp, self.dp_mode)
+
+    @classmethod
+    def of_stages(
+        cls,
+        schedule: str,
+        n_stages: int,
+        n_microbatches: int,
+        stages_per_rank: int = 1,
+        dp: int = 1,
+        dp_mode: str = "ddp",
+    ) -> Layout:
+        """The layout that runs ``n_stages`` stages, ``stages_per_rank`` on each pipeline rank.
+
+        Raises:
+            InfeasibleError: the stages do not spread evenly over the ranks.
+        """
+        if stages_per_rank < 1 or n_stages % stages_per_rank:
+            raise InfeasibleError(
+                f"{n_stages} stages do not spread evenly over ranks with {stages_per_rank} stages each"
+            )
+        return cls(schedule, n_stages // stages_per_rank, n_microbatches, stages_per_rank, dp, dp_mode)
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What every split must respect.
+
+    Attributes:
+        optimizer: the optimizer (its state bytes per parameter, its step's temporaries).
+        memory_limit_bytes: per-rank limit (None: none).
+        recompute: activation checkpointing per stage: "auto" (only where a stage would not fit
+            otherwise), "never" or "always".
+    """
+
+    optimizer: OptimizerSpec = OptimizerSpec()
+    memory_limit_bytes: int | None = None
+    recompute: str = "auto"
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """How block costs profiled at one microbatch size carry over to others
+    (``planner.core.search.blocks_at``).
+
+    Attributes:
+        size0: the microbatch size the costs were profiled at (samples).
+        fixed_fraction: the share of a block's time that does not scale with the microbatch size.
+        min_size: the smallest microbatch the model ran; costs are not extrapolated below it.
+    """
+
+    size0: int
+    fixed_fraction: float = 0.0
+    min_size: int = 1
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the joint search is asked to cover (an option left open is None or "auto").
+
+    Attributes:
+        batch_size: samples per step, the global batch (split evenly over the replicas).
+        schedule: a schedule name, or "auto" for all of them.
+        n_microbatches: microbatches per replica, or None for the divisors of the replica's batch.
+        stages_per_rank: stages per rank, or None for what each schedule allows.
+        replicas: the data-parallel replica counts to try (each divides the world size).
+        dp_mode: "ddp", "fsdp" or "auto".
+    """
+
+    batch_size: int
+    schedule: str = "auto"
+    n_microbatches: int | None = None
+    stages_per_rank: int | None = None
+    replicas: tuple[int, ...] = (1,)
+    dp_mode: str = "ddp"
+
+
+NO_CONSTRAINTS = Constraints()
+"""AdamW, no memory limit, recomputation only where needed (so never): the default of the solver."""
