@@ -6,7 +6,7 @@ import pytest
 from plan_factory import MB, big_head_blocks, make_plan
 
 from planner.errors import PlanFileError
-from planner.report.compare import compare_blocks_table, compare_table, step_error
+from planner.report.compare import compare_blocks_table, compare_table
 from planner.schema.plan import Plan
 from planner.schema.result import BlockMeasure, MemoryMeasure, RunResult, StageMeasure
 
@@ -87,12 +87,6 @@ def test_compare_table_exact() -> None:
     assert compare_table(plan, run) == EXPECTED
 
 
-def test_step_error() -> None:
-    plan = make_plan(big_head_blocks())
-    run = make_run(plan, [stage_measure(plan, i, 1, 1, 1, 1) for i in range(2)], 580)
-    assert step_error(plan, run) == pytest.approx((522 - 580) / 580, rel=1e-12)
-
-
 def test_run_of_another_split_is_refused() -> None:
     plan = make_plan(big_head_blocks())
     uniform = make_plan(big_head_blocks(), method="uniform")
@@ -103,7 +97,7 @@ def test_run_of_another_split_is_refused() -> None:
         compare_table(plan, run)
     other = run.model_copy(update={"plan_fingerprint": "0" * 16})
     with pytest.raises(PlanFileError, match="fingerprint 0000000000000000"):
-        step_error(plan, other)
+        compare_table(plan, other)
     with pytest.raises(PlanFileError, match="measurements for 0 stage"):
         compare_table(plan, make_run(plan, [], 580))
 

@@ -383,7 +383,7 @@ def stage_memories(
     Args:
         blocks: per-block costs in execution order.
         starts: first block of each stage.
-        schedule: "gpipe" or "1f1b".
+        schedule: one of ``planner.core.schedules.SCHEDULES`` with one stage per rank (its in-flight counts).
         n_microbatches: microbatches per step.
         optimizer: the optimizer.
 

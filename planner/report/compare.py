@@ -15,7 +15,6 @@ from tabulate import tabulate
 from planner.core.data_parallel import check_run_replicas
 from planner.core.predict import block_times_in_stages
 from planner.core.simulate import Event
-from planner.errors import PlanFileError
 from planner.schema.plan import Plan
 from planner.schema.result import RunResult, check_run_matches
 
@@ -34,27 +33,6 @@ def _ms(seconds: float) -> str:
 
 def _mb(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f}"
-
-
-def step_error(plan: Plan, run: RunResult) -> float:
-    """Relative error of the predicted step time: ``(predicted - measured) / measured``.
-
-    Args:
-        plan: the plan that was run.
-        run: its measured run (``median_step_s``).
-
-    Returns:
-        The signed relative error (0.1 = predicted 10% too slow).
-
-    Raises:
-        PlanFileError: the run is not of this plan's model, or measured no time.
-    """
-    if run.plan_fingerprint != plan.model.fingerprint:
-        check_run_matches(plan, run)
-    check_run_replicas(plan, run)
-    if run.median_step_s <= 0:
-        raise PlanFileError("the run's median step time is 0; re-run `planner run` with more steps")
-    return (plan.prediction.step_time_s - run.median_step_s) / run.median_step_s
 
 
 def compare_table(plan: Plan, run: RunResult) -> str:
