@@ -82,37 +82,49 @@ def make_plan(request: PlanRequest) -> Plan:
     check_request(request)  # before any model is built
     threads = request.threads or default_threads(request.gpus)
     mf = load_model_file(request.model_file, request.size, request.overrides)
-    calibration = load_calibration(request.calibrate_run) if request.calibrate_run else None
-    if calibration is not None:
-        check_levers(calibration[0], request)
-        request = calibrated_request(request, calibration[0], calibration[1].microbatch_size)
+    source = load_calibration(request.calibrate_run) if request.calibrate_run else None
+    if source is not None:
+        check_levers(source.plan, request)
+        request = calibrated_request(request, source.plan, source.fit.microbatch_size)
     if request.gpu_type is not None:
         costs = estimated_costs(mf, request, threads)
     else:
-        costs = measured_costs(mf, request, threads, calibration[0] if calibration else None)
-    if costs.step_temp_rule is not None:  # how this machine's optimizer step combines its temporaries
-        optimizer = request.optimizer.model_copy(update={"step_temp_rule": costs.step_temp_rule})
-        request = request.model_copy(update={"optimizer": optimizer})
+        costs = measured_costs(mf, request, threads, source.plan if source else None)
     blocks, link = costs.blocks, costs.link
-    if calibration is not None:
-        check_calibration(calibration[1], costs.traced, request.microbatch_size)
-        blocks, link = apply_calibration(blocks, link, calibration[1])
-    limit = request.memory_limit_bytes if request.memory_limit_bytes is not None else costs.memory_bytes
+    if source is not None:
+        check_calibration(source.fit, costs.traced, request.microbatch_size)
+        blocks, link = apply_calibration(blocks, link, source.fit)
     plan = assemble_plan(
-        request,
+        with_step_temp_rule(request, costs.step_temp_rule),
         blocks,
         link,
         model=model_ref(mf, costs.traced, request),
         profile=costs.profile,
-        memory_limit_bytes=limit,
+        memory_limit_bytes=request.memory_limit_bytes if request.memory_limit_bytes is not None else costs.memory_bytes,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         ties=costs.ties,
+        calibration=changes(source.fit) if source is not None else (),
     )
-    plan = plan.model_copy(update={"compile": request.compile})  # the runner compiles as the plan says
-    if calibration is not None:
-        plan = plan.model_copy(update={"calibration": changes(calibration[1])})
+    # Two facts only known once the search has chosen: the graph at the chosen microbatch size,
+    # which the runner traces (torch needed, so not in the pure assembly), and the links as placed.
     plan = traced_as_run(plan, mf, costs.traced, request)
     return with_links(plan, link)  # a multi-node plan records both links and the ranks per node
+
+
+def with_step_temp_rule(request: PlanRequest, rule: StepTempRule | None) -> PlanRequest:
+    """The request with the optimizer's step temporaries combined as measured on this machine
+    (``OptimizerSpec.step_temp_rule``; None: as the request says, for estimated costs).
+
+    Args:
+        request: the plan request.
+        rule: how the profiled optimizer step combined its temporaries.
+
+    Returns:
+        The request, its optimizer's rule replaced when one was measured.
+    """
+    if rule is None:
+        return request
+    return request.model_copy(update={"optimizer": request.optimizer.model_copy(update={"step_temp_rule": rule})})
 
 
 def calibrated_request(request: PlanRequest, run_plan: Plan, size: int) -> PlanRequest:

@@ -170,6 +170,7 @@ def assemble_plan(
     memory_limit_bytes: int | None,
     created: str,
     ties: Sequence[Tie] = (),
+    calibration: Sequence[str] = (),
 ) -> Plan:
     """The plan for ``request`` on these costs: the searched schedule and split, with the others for comparison.
 
@@ -185,6 +186,8 @@ def assemble_plan(
         created: timestamp recorded in the plan.
         ties: parameters several blocks read; their later readers are charged a copy
             (``with_tied_copies``) and the plan records them for the runner.
+        calibration: what a calibration changed in the costs, one line each (``--calibrate``;
+            ``planner.core.calibrate.changes``), recorded for the report.
 
     Returns:
         The plan.
@@ -243,4 +246,6 @@ def assemble_plan(
         search=[c.row() for c in search_rows(ranked)],
         choice=note,
         ties=list(ties),
+        compile=request.compile,  # the runner compiles as the plan says
+        calibration=list(calibration),
     )

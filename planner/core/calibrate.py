@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -343,20 +344,26 @@ def plan_path_of_run(run: RunResult, run_path: str | Path) -> Path:
     )
 
 
-def load_calibration(run_path: str | Path, plan_path: str | Path | None = None) -> tuple[Plan, Calibration]:
+class RunCalibration(NamedTuple):
+    """A calibration with the plan whose run it was fitted to."""
+
+    plan: Plan  # its ``blocks`` are the costs the factors were fitted against, so a re-plan of the
+    # same model and microbatch size scales those rather than re-profile
+    fit: Calibration
+
+
+def load_calibration(run_path: str | Path, plan_path: str | Path | None = None) -> RunCalibration:
     """Calibrate from files: a run.json and the plan it ran (found via ``plan_path_of_run`` if not given).
 
     Returns:
-        The plan that was run (its ``blocks`` are the costs the factors were fitted against, so a
-        re-plan of the same model and microbatch size should scale those rather than re-profile)
-        and the calibration.
+        The plan that was run and the calibration fitted to its run.
 
     Raises:
         PlanFileError: a file is missing or invalid, or the run is not of the plan.
     """
     run = RunResult.load(run_path)
     plan = Plan.load(plan_path if plan_path is not None else plan_path_of_run(run, run_path))
-    return plan, calibrate(plan, run)
+    return RunCalibration(plan, calibrate(plan, run))
 
 
 def changes(cal: Calibration) -> list[str]:
