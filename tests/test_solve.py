@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -14,10 +15,9 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from plan_factory import assert_fit_limits_agree, predicted, solved
+from plan_factory import ADAMW, assert_fit_limits_agree, predicted, solved
 
 from planner.core import solve as solve_mod
-from planner.core import solve_engine, stage_model
 from planner.core.baselines import param_balanced, uniform_layers
 from planner.core.links import NodeLinks, boundary_crosses, boundary_links
 from planner.core.schedules import in_flight_per_stage
@@ -356,86 +356,25 @@ def _reference_cost_matrix(
     return mat
 
 
-def _reference_any_fit(blocks: Sequence[BlockCost], mem: solve_mod._MemoryModel, infl: Sequence[int]) -> bool:
-    n = len(blocks)
-    legal = solve_engine.legal_starts(blocks)
-    q = len(infl)
-    masks: dict[int, list[int]] = {}
-    reach = 1  # bit s set: some prefix partition ends at s
-    for k in range(q):
-        t = infl[k]
-        if t not in masks:
-            rows = []
-            for s in range(n):
-                bits = 0
-                for e in range(s + 1, n + 1):
-                    if (e == n or legal[e]) and mem.fits(s, e, t):
-                        bits |= 1 << e
-                rows.append(bits)
-            masks[t] = rows
-        new = 0
-        s_bits = reach
-        while s_bits:
-            low = s_bits & -s_bits
-            s = low.bit_length() - 1
-            if s < n:
-                new |= masks[t][s]
-            s_bits ^= low
-        if k < q - 1:
-            new &= ~(1 << n)  # only the last stage may end at n
-        reach = new
-        if not reach:
+def _legal_starts(blocks: Sequence[BlockCost]) -> list[bool]:
+    """``legal[c]``: a stage may start at block c (a cut after block c - 1 is legal), 1 <= c < n."""
+    return [False] + [b.cut_legal for b in blocks[:-1]] + [False]
+
+
+def _reference_choice(
+    blocks: Sequence[BlockCost], optimizer: OptimizerSpec, limit: float, mode: str, m: int
+) -> Callable[[int, int, int], bool | None]:
+    """Whether stage [s, e) holding t live microbatches recomputes (True) or not (False), or cannot
+    fit either way (None), from the public memory formula ``stage_memory_bytes``."""
+
+    def choice(s: int, e: int, t: int) -> bool | None:
+        if mode != "always" and stage_memory_bytes(blocks, s, e, t, optimizer, False, m) <= limit:
             return False
-    return bool(reach >> n & 1)
+        if mode != "never" and stage_memory_bytes(blocks, s, e, t, optimizer, True, m) <= limit:
+            return True
+        return None
 
-
-def _reference_memory_error(
-    blocks: Sequence[BlockCost],
-    n_stages: int,
-    schedule: str,
-    n_microbatches: int,
-    mem: solve_mod._MemoryModel,
-    in_flight: Sequence[int] | None,
-) -> InfeasibleError:
-    n = len(blocks)
-    n_legal = sum(solve_engine.legal_starts(blocks))
-    limit = mem.limit
-    gib = solve_mod._gib
-    skipped_1f1b = False
-    for q in range(n_stages + 1, min(n, n_legal + 1) + 1) if in_flight is None else ():
-        if schedule == "1f1b" and n_microbatches < q:
-            skipped_1f1b = True
-            continue
-        if _reference_any_fit(blocks, mem, in_flight_per_stage(schedule, q, n_microbatches)):
-            return InfeasibleError(
-                f"--memory-limit {gib(limit)} is too small for {n_stages} stages: no split fits; "
-                f"the smallest stage count that fits is {q}: use --gpus {q} or raise --memory-limit"
-            )
-    for j in range(n):
-        if in_flight is not None:  # the new keyword: the stages block j can be on
-            min_live = min(in_flight[k] for k in range(n_stages) if k <= j and n - j >= n_stages - k)
-        elif schedule == "gpipe":
-            min_live = n_microbatches
-        else:
-            min_live = min(n_microbatches, n_stages) if j == 0 else 1
-        need = mem.bytes(j, j + 1, min_live)
-        if need > limit:
-            return InfeasibleError(
-                f"block '{blocks[j].name}' alone needs {need} bytes ({gib(need)}: params, grads, optimizer "
-                f"state, {min_live} microbatch(es) of activations and boundary buffers) but --memory-limit is "
-                f"{gib(limit)}; raise --memory-limit, use a lighter --optimizer or smaller microbatches (more -m)"
-            )
-    if in_flight is not None:
-        return InfeasibleError(
-            f"--memory-limit {gib(limit)} is too small: no split into {n_stages} stages fits with "
-            f"{list(in_flight)} microbatches in flight per stage; raise --memory-limit, use more stages or "
-            "make more block boundaries cuttable"
-        )
-    more = " (1F1B also needs at least one microbatch per stage: raise -m)" if skipped_1f1b else ""
-    return InfeasibleError(
-        f"--memory-limit {gib(limit)} is too small: no split into {n_stages} to {min(n, n_legal + 1)} "
-        f"stages fits{more}; raise --memory-limit or make more block boundaries cuttable"
-    )
+    return choice
 
 
 def _reference_solve(
@@ -445,19 +384,18 @@ def _reference_solve(
     *,
     schedule: str = "1f1b",
     n_microbatches: int,
-    optimizer: OptimizerSpec = stage_model.DEFAULT_OPTIMIZER,
+    optimizer: OptimizerSpec = ADAMW,
     memory_limit_bytes: int | None = None,
     recompute: str = "auto",
     in_flight: Sequence[int] | None = None,
-) -> Partition:
-    """``solve`` on the O(p n^2) programme (the ``in_flight`` keyword wired in as ``solve`` does)."""
-    if recompute not in ("never", "auto", "always"):
-        raise InfeasibleError(f"recompute={recompute!r}; expected 'never', 'auto' or 'always'")
-    solve_engine.check_counts(blocks, n_stages)
-    if in_flight is None:
-        infl = in_flight_per_stage(schedule, n_stages, n_microbatches)
-    else:
-        infl = solve_mod._check_in_flight(in_flight, n_stages, n_microbatches)
+) -> Partition | None:
+    """The exact split on the O(p n^2) programme, each stage's memory by ``stage_memory_bytes``:
+    None when no split fits the memory limit.
+
+    Raises:
+        InfeasibleError: the schedule refuses these numbers (its own check, ``in_flight_per_stage``).
+    """
+    infl = list(in_flight) if in_flight is not None else in_flight_per_stage(schedule, n_stages, n_microbatches)
     n = len(blocks)
     # stage k's messages go in over boundary k - 1's link and out over boundary k's
     links = boundary_links(link, n_stages, schedule)
@@ -469,10 +407,10 @@ def _reference_solve(
         pre_r.append(pre_r[-1] + recompute_cost(b))
     limit = memory_limit_bytes if memory_limit_bytes is not None else math.inf
     mode = recompute if memory_limit_bytes is not None or recompute == "always" else "never"
-    mem = solve_mod._MemoryModel(blocks, optimizer, limit, mode, n_microbatches)
+    fit = _reference_choice(blocks, optimizer, limit, mode, n_microbatches)
 
     def choice(s: int, e: int, k: int) -> bool | None:
-        return mem.choice(s, e, infl[k])
+        return fit(s, e, infl[k])
 
     def cost(s: int, e: int, k: int) -> float:
         c = choice(s, e, k)
@@ -481,27 +419,63 @@ def _reference_solve(
         return plains[k][s][e] + (pre_r[e] - pre_r[s] if c else 0.0)
 
     allowed: _Allowed = lambda s, e, k: choice(s, e, k) is not None  # noqa: E731
-    starts = _reference_dp(n, n_stages, solve_engine.legal_starts(blocks), cost, cost, allowed)
+    starts = _reference_dp(n, n_stages, _legal_starts(blocks), cost, cost, allowed)
     if starts is None:
-        raise _reference_memory_error(
-            blocks, n_stages, schedule, n_microbatches, mem, None if in_flight is None else infl
-        )
-    bounds = stage_model.stage_bounds(starts, n)
-    flags = [bool(choice(s, e, k)) for k, (s, e) in enumerate(bounds)]
+        return None
+    ends = [*starts[1:], n]
+    flags = [bool(choice(s, e, k)) for k, (s, e) in enumerate(zip(starts, ends))]
     return evaluate(blocks, starts, link, flags, schedule)
 
 
+def _too_few_cuts(blocks: Sequence[BlockCost], n_stages: int) -> bool:
+    return n_stages > len(blocks) or sum(_legal_starts(blocks)) < n_stages - 1
+
+
+def assert_agrees_with_reference(
+    blocks: Sequence[BlockCost], p: int, link: LinkCost | Sequence[LinkCost], kw: dict[str, Any]
+) -> None:
+    """``solve`` returns the reference's very partition, and refuses exactly what the reference
+    cannot split. When nothing fits and the message names the smallest stage count that would,
+    the reference splits the model into that many stages and into none of the counts between."""
+    ours = outcome(solved, blocks, p, link, **kw)
+    if _too_few_cuts(blocks, p):
+        assert isinstance(ours, tuple) and ours[0] == "InfeasibleError", ours
+        return
+    try:
+        ref = _reference_solve(blocks, p, link, **kw)
+    except InfeasibleError as e:  # the schedule refuses the numbers: both say so in its words
+        assert ours == ("InfeasibleError", str(e))
+        return
+    if ref is not None:
+        assert repr(ours) == repr(ref)
+        return
+    assert isinstance(ours, tuple) and ours[0] == "InfeasibleError", ours
+    assert "--memory-limit" in ours[1]
+    named = re.search(r"the smallest stage count that fits is (\d+)", ours[1])
+    if named is None:
+        return
+    q = int(named.group(1))
+    assert kw.get("in_flight") is None and p < q and not _too_few_cuts(blocks, q)
+    assert _reference_solve(blocks, q, FREE, **kw) is not None
+    for r in range(p + 1, q):
+        if _too_few_cuts(blocks, r):
+            continue
+        try:
+            assert _reference_solve(blocks, r, FREE, **kw) is None
+        except InfeasibleError:
+            continue  # the schedule refuses r stages (1F1B: fewer microbatches than stages)
+
+
 def _reference_param_balanced(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -> Partition:
-    solve_engine.check_counts(blocks, n_stages)
+    if _too_few_cuts(blocks, n_stages):
+        raise InfeasibleError("too few blocks or legal cuts")
     n = len(blocks)
     pre = [0]
     for b in blocks:
         pre.append(pre[-1] + b.params)
     params = [[float(pre[e] - pre[s]) if e > s else math.inf for e in range(n + 1)] for s in range(n + 1)]
     cost: _StageCost = lambda s, e, k: params[s][e]  # noqa: E731
-    starts = _reference_dp(
-        n, n_stages, solve_engine.legal_starts(blocks), cost, cost, lambda s, e, k: True, latest=True
-    )
+    starts = _reference_dp(n, n_stages, _legal_starts(blocks), cost, cost, lambda s, e, k: True, latest=True)
     assert starts is not None
     return evaluate(blocks, starts, link)
 
@@ -578,14 +552,14 @@ def requests(draw: st.DrawFn, ties: bool) -> Request:
 @given(req=requests(ties=False))
 def test_solve_matches_reference_dp(req: Request) -> None:
     blocks, p, link, kw = req
-    assert repr(outcome(solved, blocks, p, link, **kw)) == repr(outcome(_reference_solve, blocks, p, link, **kw))
+    assert_agrees_with_reference(blocks, p, link, kw)
 
 
 @settings(max_examples=400, deadline=None)
 @given(req=requests(ties=True))
 def test_solve_matches_reference_dp_with_ties(req: Request) -> None:
     blocks, p, link, kw = req
-    assert repr(outcome(solved, blocks, p, link, **kw)) == repr(outcome(_reference_solve, blocks, p, link, **kw))
+    assert_agrees_with_reference(blocks, p, link, kw)
 
 
 @settings(max_examples=150, deadline=None)
@@ -637,7 +611,10 @@ def param_instances(draw: st.DrawFn) -> tuple[list[BlockCost], int]:
 def test_param_balanced_matches_reference_dp_and_brute_force(inst: tuple[list[BlockCost], int]) -> None:
     blocks, p = inst
     ours = outcome(param_balanced, blocks, p, FREE)
-    assert repr(ours) == repr(outcome(_reference_param_balanced, blocks, p, FREE))
+    if _too_few_cuts(blocks, p):
+        assert isinstance(ours, tuple) and ours[0] == "InfeasibleError"
+    else:
+        assert repr(ours) == repr(_reference_param_balanced(blocks, p, FREE))
     n = len(blocks)
     cuts = [c for c in range(1, n) if blocks[c - 1].cut_legal]
     splits = [(0, *combo) for combo in itertools.combinations(cuts, p - 1)]
@@ -750,9 +727,9 @@ def test_memory_error_search_matches_reference() -> None:
         ("1f1b", 12, 10),
     ]:
         kw: dict[str, Any] = {"schedule": schedule, "n_microbatches": m, "memory_limit_bytes": limit}
-        ours = outcome(solved, blocks, 3, link, optimizer=SGD, **kw)
-        assert isinstance(ours, tuple)
-        assert ours == outcome(_reference_solve, blocks, 3, link, optimizer=SGD, **kw)
+        kw["optimizer"] = SGD
+        assert isinstance(outcome(solved, blocks, 3, link, **kw), tuple)  # nothing fits
+        assert_agrees_with_reference(blocks, 3, link, kw)
 
 
 def test_2000_blocks_64_stages_complete() -> None:
@@ -998,7 +975,7 @@ def mixed_requests(draw: st.DrawFn, ties: bool) -> Request:
 @given(req=mixed_requests(ties=False))
 def test_solve_with_a_link_per_boundary_matches_reference_dp(req: Request) -> None:
     blocks, p, links, kw = req
-    assert repr(outcome(solved, blocks, p, links, **kw)) == repr(outcome(_reference_solve, blocks, p, links, **kw))
+    assert_agrees_with_reference(blocks, p, links, kw)
 
 
 @settings(max_examples=300, deadline=None)
