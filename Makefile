@@ -1,4 +1,5 @@
 # Two entry points for a fresh machine (see README): `make demo` and `make test` (lint, types, tests).
+# `make check` is the inner loop: lint, types and the tests that need no second process and run fast.
 # Both build their own virtual environment; torch is pinned to the CPU wheel that installs offline
 # here (an unpinned torch would pull a multi-GB CUDA build).
 PYTHON ?= python3
@@ -6,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test clean
+.PHONY: demo test check lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,12 +20,17 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/planner plan models/gpt.py --gpus 2 --size tiny -o plan.json
 	$(VENV)/bin/planner run plan.json --steps 10
 
-test: $(VENV)/.installed
+lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy --strict planner/core planner/schema planner/report planner/errors.py
+
+test: lint
 	$(PY) -m pytest -q
+
+check: lint
+	$(PY) -m pytest -q -m "not multiprocess and not slow" -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) plan.json plan.run.json plan.ckpt

@@ -21,7 +21,7 @@ from planner.capture.blocks import ModuleTrace, TracedModel
 from planner.capture.load import ModelFile, check_batch_contract, check_batch_size, check_forward, load_model_file
 from planner.capture.stage import stage_module, trace_root
 from planner.capture.trace import trace_model
-from planner.core.assemble import assemble_plan
+from planner.core.assemble import Origin, assemble_plan
 from planner.core.calibrate import Calibration, apply_calibration, changes, load_calibration
 from planner.core.hardware import HardwareSpec, dtype_bytes, get_hardware, node_links
 from planner.core.predict import with_links
@@ -98,12 +98,14 @@ def make_plan(request: PlanRequest) -> Plan:
         with_step_temp_rule(request, costs.step_temp_rule),
         blocks,
         link,
-        model=model_ref(mf, costs.traced, request),
-        profile=costs.profile,
+        Origin(
+            model_ref(mf, costs.traced, request),
+            costs.profile,
+            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            calibration=changes(source.fit) if source is not None else (),
+        ),
         memory_limit_bytes=request.memory_limit_bytes if request.memory_limit_bytes is not None else costs.memory_bytes,
-        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         ties=costs.ties,
-        calibration=changes(source.fit) if source is not None else (),
     )
     # Two facts only known once the search has chosen: the graph at the chosen microbatch size,
     # which the runner traces (torch needed, so not in the pure assembly), and the links as placed.

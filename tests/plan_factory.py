@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from planner.core.assemble import assemble_plan
+from planner.core.assemble import Origin, assemble_plan
 from planner.core.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
 from planner.core.links import Links
 from planner.core.predict import predict
@@ -73,21 +73,23 @@ def make_plan(
         request,
         blocks,
         LINK,
-        model=ModelRef(
-            path="models/example.py",
-            size="tiny",
-            config={"n_layers": 4},
-            file_digest="0" * 16,
-            fingerprint="f" * 16,
-            trace_method="fx",
-            trace_failures=[],
-            seed=0,
-        ),
-        profile=ProfileInfo(
-            device="cpu", backend="gloo", threads=1, torch_version="2.13.0", hostname="test", warmup=2, repeats=5
+        Origin(
+            ModelRef(
+                path="models/example.py",
+                size="tiny",
+                config={"n_layers": 4},
+                file_digest="0" * 16,
+                fingerprint="f" * 16,
+                trace_method="fx",
+                trace_failures=[],
+                seed=0,
+            ),
+            ProfileInfo(
+                device="cpu", backend="gloo", threads=1, torch_version="2.13.0", hostname="test", warmup=2, repeats=5
+            ),
+            "2026-11-21T00:00:00+00:00",
         ),
         memory_limit_bytes=memory_limit_bytes,
-        created="2026-11-21T00:00:00+00:00",
     )
 
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from plan_factory import LINK, MB, block, predicted, searched
 
 from cli import main
-from planner.core.assemble import assemble_plan
+from planner.core.assemble import Origin, assemble_plan
 from planner.core.data_parallel import dp_group_links, grad_reduce_s, layout_links, rank_reduce_s
 from planner.core.hardware import get_hardware, link_cost, node_links
 from planner.core.links import NodeLinks, boundary_links
@@ -72,7 +72,7 @@ def _plan(
         update={"microbatch_size": request.microbatch_size, "min_microbatch_size": request.microbatch_size}
     )
     plan = assemble_plan(
-        request, blocks, link, model=REF, profile=profile, memory_limit_bytes=limit, created="2026-11-21T00:00:00+00:00"
+        request, blocks, link, Origin(REF, profile, "2026-11-21T00:00:00+00:00"), memory_limit_bytes=limit
     )
     return with_links(plan, link)
 
@@ -180,9 +180,7 @@ def test_tied_copies_are_sharded_like_other_parameters() -> None:
     tie = Tie(names=("a.w", "c.w"), blocks=("a", "c"), params=QUARTER, param_bytes=MB)
     request = PlanRequest.build(model_file="m.py", gpus=4, dp=2, dp_mode="fsdp", batch_size=16, microbatches=2)
     profile = CPU.model_copy(update={"microbatch_size": request.microbatch_size})
-    plan = assemble_plan(
-        request, blocks, LINK, model=REF, profile=profile, memory_limit_bytes=None, created="t", ties=[tie]
-    )
+    plan = assemble_plan(request, blocks, LINK, Origin(REF, profile, "t"), memory_limit_bytes=None, ties=[tie])
     # stage [c] holds a copy: 2 MiB of parameters, reduced and sharded with the rest
     assert plan.blocks[2].param_bytes == 2 * MB
     last = plan.stages[1]
@@ -624,7 +622,7 @@ def test_one_replica_plans_as_before_data_parallelism(seed: int) -> None:
     request, blocks, link, profile, limit = regression_case(seed)
     expected = GOLDEN[seed]
     try:
-        plan = assemble_plan(request, blocks, link, model=REF, profile=profile, memory_limit_bytes=limit, created="t")
+        plan = assemble_plan(request, blocks, link, Origin(REF, profile, "t"), memory_limit_bytes=limit)
     except InfeasibleError as e:
         assert expected[0] == "error" and str(e).startswith(expected[1])
         return

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from plan_factory import block, predicted
 
-from planner.core.assemble import assemble_plan
+from planner.core.assemble import Origin, assemble_plan
 from planner.core.hardware import get_hardware, link_cost, node_links
 from planner.core.links import NodeLinks
 from planner.core.predict import plan_links, refresh, with_links
@@ -34,14 +34,16 @@ def _plan(link: LinkCost, gpus: int = 4, schedule: str = "1f1b") -> Plan:
         request,
         _blocks(),
         link,
-        model=ModelRef(
-            path="m.py", size=None, config={}, file_digest="0" * 16, fingerprint="f" * 16, trace_method="fx", seed=0
-        ),
-        profile=ProfileInfo(
-            device="cuda", backend="nccl", threads=1, torch_version="2.13.0", hostname="t", warmup=0, repeats=0
+        Origin(
+            ModelRef(
+                path="m.py", size=None, config={}, file_digest="0" * 16, fingerprint="f" * 16, trace_method="fx", seed=0
+            ),
+            ProfileInfo(
+                device="cuda", backend="nccl", threads=1, torch_version="2.13.0", hostname="t", warmup=0, repeats=0
+            ),
+            "2026-11-21T00:00:00+00:00",
         ),
         memory_limit_bytes=None,
-        created="2026-11-21T00:00:00+00:00",
     )
     return with_links(plan, link)
 

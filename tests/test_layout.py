@@ -34,6 +34,10 @@ ALLOWED: dict[str, set[str]] = {
 }
 PURE = ("errors", "schema", "core", "report")
 MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 700
+# at most this many parameters (self and cls not counted) for a function of the pure core: more
+# means a record of the inputs that travel together is missing (planner/core/inputs.py)
+MAX_CORE_PARAMETERS = 8
 
 
 def _module_name(path: Path) -> str:
@@ -150,6 +154,57 @@ def test_no_function_longer_than_80_lines() -> None:
                 if n > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
     assert not long, long
+
+
+def test_no_module_longer_than_700_lines() -> None:
+    """A module over ~700 lines holds more than one job: split it by job, as ``core/solve`` was."""
+    long = [
+        f"{path.relative_to(ROOT)} ({n} lines)"
+        for path in sorted(PLANNER.rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not long, long
+
+
+def _parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = fn.args
+    names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+    return len(names) - (1 if names and names[0] in ("self", "cls") else 0)
+
+
+def test_core_functions_take_few_parameters() -> None:
+    many = []
+    for path in sorted((PLANNER / "core").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _parameters(node) > MAX_CORE_PARAMETERS:
+                many.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({_parameters(node)})")
+    assert not many, many
+
+
+def test_bench_scripts_import_the_package_not_each_other() -> None:
+    """bench/ is a package run as ``python -m bench.NAME``: no script edits ``sys.path`` or imports
+    another script (shared code lives in its helper modules)."""
+    bench = ROOT / "bench"
+    scripts = {p.stem for p in bench.glob("*.py") if "__main__" in p.read_text()}
+    hits = []
+    for path in sorted(bench.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", "") == "sys":
+                hits.append(f"{path.relative_to(ROOT)}:{node.lineno} uses sys.path")
+            if isinstance(node, ast.ImportFrom) and node.module:
+                parts = node.module.split(".")
+                if (parts[0] == "bench" and len(parts) > 1 and parts[1] in scripts) or (
+                    node.level and parts[0] in scripts
+                ):
+                    hits.append(f"{path.relative_to(ROOT)}:{node.lineno} imports the script {node.module}")
+            if isinstance(node, ast.Import):
+                hits += [
+                    f"{path.relative_to(ROOT)}:{node.lineno} imports the script {a.name}"
+                    for a in node.names
+                    if a.name.split(".")[:2] in (["bench", s] for s in scripts) or a.name in scripts
+                ]
+    assert not hits, hits
 
 
 def test_code_and_docs_cite_nothing_outside_the_repository() -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from planner.core.assemble import assemble_plan
+from planner.core.assemble import Origin, assemble_plan
 from planner.core.hardware import get_hardware, node_links
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
@@ -148,7 +148,7 @@ def problem_digest(seed: int) -> str:
     """The digest of problem ``seed``'s plan, or of its error's text."""
     request, blocks, link, profile, limit = problem(seed)
     try:
-        plan = assemble_plan(request, blocks, link, model=REF, profile=profile, memory_limit_bytes=limit, created="t")
+        plan = assemble_plan(request, blocks, link, Origin(REF, profile, "t"), memory_limit_bytes=limit)
     except InfeasibleError as e:
         return "error: " + hashlib.sha256(str(e).encode()).hexdigest()
     return digest(plan)

@@ -8,6 +8,7 @@ is assembled by exactly the code the command line uses.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from planner.core.baselines import param_balanced, uniform_layers
 from planner.core.data_parallel import layout_links
@@ -160,17 +161,33 @@ def _check_memory(method: str, prediction: Prediction, stages: list[StagePlan], 
     )
 
 
+@dataclass(frozen=True)
+class Origin:
+    """What a plan records about where its costs came from.
+
+    Attributes:
+        model: which model the costs are of.
+        profile: where and how the costs were measured or estimated (``fixed_fraction`` scales
+            them to other microbatch sizes).
+        created: timestamp recorded in the plan.
+        calibration: what a calibration changed in the costs, one line each (``--calibrate``;
+            ``planner.core.calibrate.changes``), recorded for the report.
+    """
+
+    model: ModelRef
+    profile: ProfileInfo
+    created: str
+    calibration: Sequence[str] = ()
+
+
 def assemble_plan(
     request: PlanRequest,
     blocks: Sequence[BlockCost],
     link: LinkCost,
+    origin: Origin,
     *,
-    model: ModelRef,
-    profile: ProfileInfo,
     memory_limit_bytes: int | None,
-    created: str,
     ties: Sequence[Tie] = (),
-    calibration: Sequence[str] = (),
 ) -> Plan:
     """The plan for ``request`` on these costs: the searched schedule and split, with the others for comparison.
 
@@ -179,15 +196,10 @@ def assemble_plan(
         blocks: per-block costs in execution order at ``profile.microbatch_size`` (else at
             ``request.microbatch_size``; the last block's ``output_bytes`` filled in).
         link: cost of one message between neighbouring ranks (or a ``NodeLinks``).
-        model: which model the costs are of.
-        profile: where and how the costs were measured or estimated (``fixed_fraction`` scales
-            them to other microbatch sizes).
+        origin: the model, the profile, the timestamp and the calibration the plan records.
         memory_limit_bytes: per-rank limit (the request's, else the device's capacity; None: none).
-        created: timestamp recorded in the plan.
         ties: parameters several blocks read; their later readers are charged a copy
             (``with_tied_copies``) and the plan records them for the runner.
-        calibration: what a calibration changed in the costs, one line each (``--calibrate``;
-            ``planner.core.calibrate.changes``), recorded for the report.
 
     Returns:
         The plan.
@@ -195,6 +207,7 @@ def assemble_plan(
     Raises:
         InfeasibleError: the requested split is impossible or does not fit the memory limit.
     """
+    profile = origin.profile
     slots = slots_of(profile)
     blocks = with_tied_copies(blocks, ties)
     cluster = Cluster(request.gpus, link, slots)
@@ -225,8 +238,8 @@ def assemble_plan(
     stages, prediction = predictions[request.method]
     _check_memory(request.method, prediction, stages, memory_limit_bytes)
     return Plan(
-        created=created,
-        model=model,
+        created=origin.created,
+        model=origin.model,
         profile=profile,
         link=link,
         optimizer=request.optimizer,
@@ -247,5 +260,5 @@ def assemble_plan(
         choice=note,
         ties=list(ties),
         compile=request.compile,  # the runner compiles as the plan says
-        calibration=list(calibration),
+        calibration=list(origin.calibration),
     )

@@ -126,7 +126,7 @@ def param_balanced(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -
         ones = np.ones(len(s), dtype=np.int64)
         # Parameters have no memory check: every stage "fits" (t0 >= the one in-flight count, 0).
         row = c[np.newaxis, :]
-        return Stages(n, s, e, row, row, ones, -ones, bool((last == n).all()), (0, 0), band)
+        return Stages(n, (s, e), (row, row), (ones, -ones), bool((last == n).all()), (0, 0), band)
 
     first_cap = pre[-1] / n_stages + max(b.params for b in blocks)
     starts = exact_partition(n, n_stages, [0] * n_stages, candidates, first_cap, latest=True)

@@ -71,6 +71,7 @@ from planner.core.solve_engine import (
 )
 from planner.core.stage_model import (
     Partition,
+    StageSums,
     ceil_div,
     cold_in,
     cold_out,
@@ -147,19 +148,16 @@ class _MemoryModel:
 
     def bytes(self, s: int, e: int, in_flight: int, recompute: bool = False) -> int:
         # Same formula as stage_memory_bytes.
-        return parts_from_sums(
+        sums = StageSums(
             self.pre_p[e] - self.pre_p[s],
             self.pre_n[e] - self.pre_n[s],
             self.pre_a[e] - self.pre_a[s],
             self.cut_in[s],
             self.cut_out[e],
             self.out[e],
-            self.optimizer,
-            recompute,
-            self.m,
-            self.shard,
             self.temps.of(s, e),
-        ).peak(in_flight)
+        )
+        return parts_from_sums(sums, self.optimizer, recompute, self.m, self.shard).peak(in_flight)
 
     def choice(self, s: int, e: int, in_flight: int) -> bool | None:
         """Whether the stage recomputes (False: no, True: yes), or None when it cannot fit either way."""
@@ -429,7 +427,7 @@ class _Arrays:
             c1 = c0 + (self.pre_r[e] - self.pre_r[s]) if self.mode != "never" else c0
         t0, t1 = self.fit_limits(s, e)
         complete = bool((last_cheap >= last_fit).all())
-        return Stages(n, s, e, c0, c1, t0, t1, complete, self.t_span, band)
+        return Stages(n, (s, e), (c0, c1), (t0, t1), complete, self.t_span, band)
 
 
 class _FitSearch:

@@ -159,17 +159,20 @@ class Stages:
     def __init__(
         self,
         n: int,
-        s: IntArray,
-        e: IntArray,
-        c0: FloatArray,
-        c1: FloatArray,
-        t0: IntArray,
-        t1: IntArray,
+        pairs: tuple[IntArray, IntArray],
+        costs: tuple[FloatArray, FloatArray],
+        fits: tuple[IntArray, IntArray],
         complete: bool,
         t_span: tuple[int, int],
         band: tuple[IntArray, IntArray],
         by_end: bool = False,
     ) -> None:
+        """Args: ``pairs`` the stages' starts and ends ``(s, e)``; ``costs`` their costs without and
+        with recomputation ``(c0, c1)``; ``fits`` the most live microbatches they fit with each
+        ``(t0, t1)``; the rest as the class says."""
+        s, e = pairs
+        c0, c1 = costs
+        t0, t1 = fits
         self.n = n
         # c0, c1: one row per cost variant (the links around the stage, ``_Arrays.variant``)
         self.s, self.e, self.c0, self.c1, self.t0, self.t1 = s, e, c0, c1, t0, t1
@@ -226,17 +229,13 @@ class Stages:
             cost = self._fixed[:, order]
             t_any = np.zeros(1, dtype=np.int64)
             band = (self.reach, self.back)
-            return Stages(
-                self.n, self.s[order], self.e[order], cost, cost, t_any, t_any, self.complete, (0, 0), band, True
-            )
+            pairs = (self.s[order], self.e[order])
+            return Stages(self.n, pairs, (cost, cost), (t_any, t_any), self.complete, (0, 0), band, True)
         return Stages(
             self.n,
-            self.s[order],
-            self.e[order],
-            self.c0[:, order],
-            self.c1[:, order],
-            self.t0[order],
-            self.t1[order],
+            (self.s[order], self.e[order]),
+            (self.c0[:, order], self.c1[:, order]),
+            (self.t0[order], self.t1[order]),
             self.complete,
             self.t_span,
             (self.reach, self.back),

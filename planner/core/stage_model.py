@@ -326,9 +326,8 @@ def stage_memory_parts(
     out = cut_out if end < n else blocks[-1].output_bytes
     temps = [b.opt_temp_bytes for b in part]
     step_temp = optimizer.combine_step_temps([t for t in temps if t is not None]) if None not in temps else None
-    return parts_from_sums(
-        p_bytes, n_params, a_bytes, cut_in, cut_out, out, optimizer, recompute, n_microbatches, shard, step_temp
-    )
+    sums = StageSums(p_bytes, n_params, a_bytes, cut_in, cut_out, out, step_temp)
+    return parts_from_sums(sums, optimizer, recompute, n_microbatches, shard)
 
 
 def ceil_div(x: Any, d: int) -> Any:
@@ -337,21 +336,23 @@ def ceil_div(x: Any, d: int) -> Any:
     return -((-x) // d)
 
 
+class StageSums(NamedTuple):
+    """What the memory formula needs of a stage's blocks, summed (``stage_memory_bytes``' symbols)."""
+
+    p_bytes: int  # P: parameter bytes
+    n_params: int  # N: parameters
+    a_bytes: int  # A: activation bytes saved per microbatch
+    cut_in: int  # bytes received per microbatch (0 for the first stage)
+    cut_out: int  # bytes sent per microbatch (0 for the last stage)
+    out: int  # the stage's output per microbatch (the model's output for the last stage)
+    step_temp: int | None  # T when measured for every block (None: ``optimizer.step_temp_bytes``)
+
+
 def parts_from_sums(
-    p_bytes: int,
-    n_params: int,
-    a_bytes: int,
-    cut_in: int,
-    cut_out: int,
-    out: int,
-    optimizer: OptimizerSpec,
-    recompute: bool,
-    n_microbatches: int,
-    shard: int = 1,
-    step_temp: int | None = None,
+    sums: StageSums, optimizer: OptimizerSpec, recompute: bool, n_microbatches: int, shard: int = 1
 ) -> MemoryParts:
-    """The formula of ``stage_memory_bytes`` on sums (shared with the solver's fast memory model);
-    ``step_temp``: the stage's measured step temporaries (None: ``optimizer.step_temp_bytes``)."""
+    """The formula of ``stage_memory_bytes`` on a stage's sums (shared with the solver's fast memory model)."""
+    p_bytes, n_params, a_bytes, cut_in, cut_out, out, step_temp = sums
     step = optimizer.step_temp_bytes(n_params) if step_temp is None else step_temp
     if shard > 1:
         return MemoryParts(
