@@ -262,7 +262,7 @@ def check_request(request: PlanRequest) -> None:
     """
     if request.schedule == "auto" or request.dp == "auto":
         return
-    pp = request.gpus // request.dp  # pipeline ranks of one replica
+    pp = request.profile_pp  # the pipeline ranks of the one replica count asked for
     v = request.stages_per_rank
     if v is not None:
         check_placement(request.schedule, pp, v)
@@ -483,7 +483,7 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
     )
     # ranks fill nodes in order: only boundaries between nodes take the inter-node network (the
     # search places the links for each replica count: planner.core.data_parallel.layout_links)
-    link = GLOO_CPU_LINK if on_cpu else node_links(hw, request.gpus // request.profile_dp, request.ranks_per_node)
+    link = GLOO_CPU_LINK if on_cpu else node_links(hw, request.profile_pp, request.ranks_per_node)
     capacity = None if on_cpu else int(hw.memory_bytes * GPU_MEMORY_HEADROOM)
 
     def estimated_time_at(size: int) -> float:

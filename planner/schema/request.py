@@ -316,8 +316,7 @@ class PlanRequest(_Request):
         ``--dp K`` each of the K pipelines runs this many microbatches of its batch / K samples."""
         if self.microbatches is not None:
             return self.microbatches
-        d = self.profile_dp
-        return default_microbatches(self.batch_size // d, self.gpus // d)
+        return default_microbatches(self.batch_size // self.profile_dp, self.profile_pp)
 
     @property
     def microbatch_size(self) -> int:
@@ -329,6 +328,11 @@ class PlanRequest(_Request):
         """The replica count the costs are profiled for: ``--dp`` when given, 1 with ``--dp auto``
         (the search rescales the costs to the microbatches of the other replica counts)."""
         return self.dp if isinstance(self.dp, int) else 1
+
+    @property
+    def profile_pp(self) -> int:
+        """Pipeline ranks of one replica at ``profile_dp`` replicas: ``--gpus / profile_dp``."""
+        return self.gpus // self.profile_dp
 
     @property
     def dp_options(self) -> list[int]:
