@@ -20,6 +20,7 @@ def invoke(*args: str) -> CliRunner.invoke:  # type: ignore[name-defined]
     return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt", "encoder_lm", "resnet50", "shakespeare", "toy", "llama"])
 def test_plan_every_model(model: str, tmp_path: Path) -> None:
     gpus = "1" if model == "toy" else "2"
@@ -34,6 +35,7 @@ def test_plan_every_model(model: str, tmp_path: Path) -> None:
     assert f"wrote {out}" in result.output
 
 
+@pytest.mark.slow
 def test_plan_prints_report_and_report_reprints_it(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
     result = invoke(
@@ -453,6 +455,7 @@ def test_plan_with_a_stage_past_the_last_block_is_rejected(tmp_path: Path) -> No
     assert result.exit_code == 2 and "within the 3 blocks" in result.output
 
 
+@pytest.mark.slow
 def test_baseline_over_the_memory_limit_is_refused(tmp_path: Path) -> None:
     result = CliRunner().invoke(
         main,

@@ -171,6 +171,7 @@ def test_the_shipped_models_keep_the_contract(model: str, size: str, tmp_path: P
     check_batch_contract(mf, mf.build(0), 2, 0, torch.device("cpu"))  # raises if not
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gpus", ["1", "2"])
 def test_a_nan_loss_stops_the_run_naming_the_step(tmp_path: Path, gpus: str) -> None:
     # the data stream turns to NaN at its second batch (make_batch, used at plan time, stays clean)
@@ -192,6 +193,7 @@ def test_a_nan_loss_stops_the_run_naming_the_step(tmp_path: Path, gpus: str) -> 
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("sig", "code", "word"), [("SIGTERM", 143, "terminated"), ("SIGINT", 130, "interrupted")])
 def test_a_signal_during_planning_ends_with_one_line(tmp_path: Path, sig: str, code: int, word: str) -> None:
     import signal

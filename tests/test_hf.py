@@ -157,6 +157,7 @@ def transformers():
     return pytest.importorskip("transformers")
 
 
+@pytest.mark.slow
 def test_raw_gpt2_is_traced_by_export_with_its_kv_cache_off(transformers):
     # as a user brings it: GPT2LMHeadModel returns a ModelOutput and, by default, a KV cache that
     # torch.export cannot flatten; the planner switches the cache off and takes the logits
@@ -174,6 +175,7 @@ def test_raw_gpt2_is_traced_by_export_with_its_kv_cache_off(transformers):
     torch.testing.assert_close(_run_stages(traced, [0, 4], inputs), expected, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_raw_gpt2_make_plan_records_the_tie(transformers):
     plan = _quick_plan(HF_GPT2, "tiny")
     assert plan.model.trace_method == "export"
@@ -185,6 +187,7 @@ def test_raw_gpt2_make_plan_records_the_tie(transformers):
     assert head.tied_params == tie.params and head.params == tie.params  # the head's stage holds a copy
 
 
+@pytest.mark.slow
 def test_wrapped_gpt2_is_traced_by_export_and_stages_reproduce_it(transformers):
     mf = load_model_file(HF_GPT2, "wrapped")
     model = mf.build().eval()
@@ -200,6 +203,7 @@ def test_wrapped_gpt2_is_traced_by_export_and_stages_reproduce_it(transformers):
         torch.testing.assert_close(_run_stages(traced, starts, inputs), expected, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_wrapped_gpt2_make_plan(transformers):
     plan = _quick_plan(HF_GPT2, "wrapped")
     assert plan.model.trace_method == "export"
@@ -209,6 +213,7 @@ def test_wrapped_gpt2_make_plan(transformers):
     assert plan.baselines["uniform"].starts == (0, 5)  # h.0-1 | h.2-3
 
 
+@pytest.mark.slow
 def test_hf_llama_70b_config_plans_on_the_meta_device_through_export(transformers):
     # transformers' eager forward reads data (.item() in its mask code), which meta tensors have
     # none of: planning for GPUs that are not here goes through torch.export, and attention in the

@@ -138,6 +138,7 @@ def test_fx_trace_equals_eager_on_tiny(llama):
     assert any(n.op == "get_attr" and "rope_cos" in n.target for n in gm.graph.nodes)
 
 
+@pytest.mark.slow
 def test_tiny_trains(llama):
     cfg = llama.SIZES["tiny"]
     torch.manual_seed(0)
@@ -186,6 +187,7 @@ _META_TRACE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_trace_model_70b_on_meta_allocates_no_weights():
     code = _META_TRACE.format(root=str(ROOT), path=str(LLAMA))
     proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)

@@ -63,6 +63,7 @@ def test_every_size_builds_on_meta(name):
         assert n > 0
 
 
+@pytest.mark.slow
 def test_tiny_forward_backward_and_trace(mf):
     cfg = mf.SIZES["tiny"]
     torch.manual_seed(0)
@@ -91,6 +92,7 @@ def test_tiny_forward_backward_and_trace(mf):
     assert {n for n, _ in gm.named_parameters()} == {n for n, _ in model.named_parameters()}
 
 
+@pytest.mark.slow
 def test_loss_is_batch_mean(mf):
     """Microbatch losses average to the full-batch loss (dropout is 0 in tiny)."""
     cfg = mf.SIZES["tiny"]
@@ -129,6 +131,7 @@ def test_train_batches_shapes_match_make_batch(mf):
     assert y.shape == ym.shape and y.dtype == ym.dtype
 
 
+@pytest.mark.slow
 def test_tiny_training_lowers_loss(mf):
     cfg = mf.SIZES["tiny"]
     torch.manual_seed(0)

@@ -12,6 +12,7 @@ import itertools
 import math
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -131,6 +132,7 @@ def instances(draw: st.DrawFn) -> tuple[list[BlockCost], int, int, OptimizerSpec
     )
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(inst=instances())
 def test_fast_memory_path_matches_stage_memory_parts(

@@ -193,6 +193,7 @@ def test_random_problems_cover_the_search() -> None:
     assert any(r.dp == "auto" for r in requests) and any(r.dp == 2 for r in requests)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", SHIPPED, ids=shipped_key)
 def test_shipped_models_plan_as_before(case: tuple[str, str | None, int, dict[str, Any]]) -> None:
     assert shipped_digest(case) == _expected()["shipped"][shipped_key(case)]

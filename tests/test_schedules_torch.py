@@ -144,6 +144,7 @@ MULTI_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("schedule", "p", "m", "v"), MULTI_CASES)
 def test_multi_stage_orders_match_torch(schedule: str, p: int, m: int, v: int) -> None:
     try:

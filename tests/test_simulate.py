@@ -215,6 +215,7 @@ times = st.one_of(st.integers(0, 4).map(float), st.floats(0.0, 3.0, allow_nan=Fa
 stage_times_st = st.tuples(times, times)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(
     p=st.integers(1, 4),

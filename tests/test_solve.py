@@ -158,6 +158,7 @@ def instances(
     return blocks, p, link, schedule, m, optimizer, limit, recompute
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(inst=instances())
 def test_solve_matches_brute_force(
@@ -548,6 +549,7 @@ def requests(draw: st.DrawFn, ties: bool) -> Request:
     return blocks, p, link, kw
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(req=requests(ties=False))
 def test_solve_matches_reference_dp(req: Request) -> None:
@@ -555,6 +557,7 @@ def test_solve_matches_reference_dp(req: Request) -> None:
     assert_agrees_with_reference(blocks, p, link, kw)
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(req=requests(ties=True))
 def test_solve_matches_reference_dp_with_ties(req: Request) -> None:
@@ -562,6 +565,7 @@ def test_solve_matches_reference_dp_with_ties(req: Request) -> None:
     assert_agrees_with_reference(blocks, p, link, kw)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(req=requests(ties=True))
 def test_solve_with_in_flight_matches_brute_force(req: Request) -> None:
@@ -606,6 +610,7 @@ def param_instances(draw: st.DrawFn) -> tuple[list[BlockCost], int]:
     return blocks, draw(st.integers(1, n))
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(inst=param_instances())
 def test_param_balanced_matches_reference_dp_and_brute_force(inst: tuple[list[BlockCost], int]) -> None:
@@ -668,6 +673,7 @@ def memory_instances(draw: st.DrawFn) -> tuple[list[BlockCost], int, int, Optimi
     )
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(inst=memory_instances())
 def test_vector_memory_check_matches_scalar(
@@ -710,6 +716,7 @@ def test_in_flight_keyword() -> None:
         solved(blocks, 2, FREE, n_microbatches=4, memory_limit_bytes=399, recompute="never", in_flight=[3, 3])
 
 
+@pytest.mark.slow
 def test_memory_error_search_matches_reference() -> None:
     # The smallest-stage-count search (GPipe: one count per layer, 1F1B: up to m) and its fallbacks.
     link = LinkCost(name="l", latency_s=1e-3, bandwidth_Bps=1e9)
@@ -971,6 +978,7 @@ def mixed_requests(draw: st.DrawFn, ties: bool) -> Request:
     return blocks, p, links, kw  # type: ignore[return-value]
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(req=mixed_requests(ties=False))
 def test_solve_with_a_link_per_boundary_matches_reference_dp(req: Request) -> None:
@@ -978,6 +986,7 @@ def test_solve_with_a_link_per_boundary_matches_reference_dp(req: Request) -> No
     assert_agrees_with_reference(blocks, p, links, kw)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(req=mixed_requests(ties=True))
 def test_solve_with_a_link_per_boundary_matches_brute_force(req: Request) -> None:
@@ -998,6 +1007,7 @@ def test_solve_with_a_link_per_boundary_matches_brute_force(req: Request) -> Non
     assert part.starts == min(s for s, c in optimal if c <= best_sum + 1e-9 * max(1.0, best_sum))
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(req=requests(ties=False))
 def test_one_link_per_boundary_gives_the_single_link_result(req: Request) -> None:
@@ -1081,6 +1091,7 @@ def test_the_turn_of_a_v_costs_the_solver_what_it_costs_the_prediction() -> None
         assert part.bottleneck_s == max(planned)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(inst=instances(), v_schedule=st.sampled_from(["zbv", "dualpipev"]))
 def test_solve_under_a_v_matches_brute_force(

@@ -50,6 +50,7 @@ def _umask() -> int:
     return mask
 
 
+@pytest.mark.slow
 def test_measured_panel_and_other_formats(tmp_path: Path) -> None:
     out = tmp_path / "zbv.png"
     timeline_figure(_zbv(), 2, out, measured=_stretched(_zbv(), 1.1))

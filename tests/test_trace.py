@@ -134,6 +134,7 @@ def test_one_block_stages_reproduce_the_model(name):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
