@@ -350,6 +350,7 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
     """
     from planner.costs.levers import check_autocast
     from planner.costs.measure import profile_model
+    from planner.costs.settings import ProfileSettings, Sample
 
     use_cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
@@ -402,16 +403,16 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
     else:
         profile = profile_model(
             traced,
-            inputs,
-            target,
-            mf.loss_fn,
-            warmup=request.warmup,
-            repeats=request.repeats,
-            threads=None if use_cuda else threads,
-            progress=request.progress,
+            Sample(inputs, target, mf.loss_fn),
+            ProfileSettings(
+                warmup=request.warmup,
+                repeats=request.repeats,
+                threads=None if use_cuda else threads,
+                progress=request.progress,
+                autocast=request.autocast,
+                compile=request.compile,
+            ),
             optimizer=request.optimizer,
-            autocast=request.autocast,
-            compile=request.compile,
         )
         blocks = profile.costs
         rule = profile.step_temp_rule

@@ -17,6 +17,7 @@ from planner.capture.load import load_model_file
 from planner.capture.stage import stage_inputs, stage_module
 from planner.capture.trace import trace_model
 from planner.costs.context import time_in_context
+from planner.costs.settings import ProfileSettings, Sample
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -148,7 +149,9 @@ def test_an_in_place_op_on_a_marked_value_keeps_its_gradient() -> None:
 
 def test_in_context_profile_counts_the_loss_in_the_last_block() -> None:
     mf, inputs, target, traced = _delay(False)
-    ctx = time_in_context(traced, inputs, target, mf.loss_fn, warmup=1, repeats=2, device_type="cpu", autocast=None)
+    ctx = time_in_context(
+        traced, Sample(inputs, target, mf.loss_fn), ProfileSettings(warmup=1, repeats=2), device_type="cpu"
+    )
     for got, ms in zip(ctx.fwd, FWD_MS):
         assert got == pytest.approx(ms / 1e3, abs=TOL_S)
     for got, ms in zip(ctx.bwd, BWD_MS):
@@ -169,7 +172,9 @@ def test_in_context_profile_measures_each_blocks_cold_start(monkeypatch: pytest.
     mf = load_model_file(FIXTURES / "delay.py", "tiny", {"cold_ms": cold_ms})
     inputs, target = mf.batch(4)
     traced = trace_model(mf.build(), inputs)
-    ctx = time_in_context(traced, inputs, target, mf.loss_fn, warmup=1, repeats=3, device_type="cpu", autocast=None)
+    ctx = time_in_context(
+        traced, Sample(inputs, target, mf.loss_fn), ProfileSettings(warmup=1, repeats=3), device_type="cpu"
+    )
     assert ctx.fwd == pytest.approx([ms / 1e3 for ms in FWD_MS], abs=TOL_S)
     assert ctx.bwd == pytest.approx([ms / 1e3 for ms in BWD_MS], abs=TOL_S)
     assert ctx.fwd_cold == pytest.approx([ms / 1e3 for ms in cold_ms], abs=TOL_S)

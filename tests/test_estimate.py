@@ -22,7 +22,8 @@ from planner.capture.trace import trace_model
 from planner.core.hardware import HardwareSpec, get_hardware
 from planner.costs.cpu import calibrated_cpu
 from planner.costs.estimate import estimate_blocks, optimizer_step_seconds
-from planner.costs.measure import profile_blocks
+from planner.costs.measure import profile_model
+from planner.costs.settings import ProfileSettings, Sample
 from planner.errors import PlannerError
 from planner.schema.costs import OptimizerSpec
 
@@ -200,7 +201,8 @@ def test_calibrated_cpu_estimate_roughly_matches_measurement(tmp_path: Path) -> 
     model = mf.build()
     inputs, target = mf.batch(8)
     traced = trace_model(model, inputs)
-    measured = profile_blocks(traced, inputs, target, mf.loss_fn, warmup=1, repeats=3, threads=1, progress=False)
+    sample = Sample(inputs, target, mf.loss_fn)
+    measured = profile_model(traced, sample, ProfileSettings(warmup=1, repeats=3, threads=1, progress=False)).costs
     estimated = estimate_blocks(traced, inputs, target, mf.loss_fn, hw, "fp32", progress=False)
     m = sum(c.fwd_s + c.bwd_s for c in measured)
     e = sum(c.fwd_s + c.bwd_s for c in estimated)

@@ -20,7 +20,8 @@ from torch.nn import functional as F
 
 from planner.capture.load import load_model_file
 from planner.capture.trace import trace_model
-from planner.costs.measure import profile_blocks
+from planner.costs.measure import profile_model
+from planner.costs.settings import ProfileSettings, Sample
 from planner.schema.costs import BlockCost
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +34,7 @@ B, D = 4, 16
 def _profile(traced, inputs, target, loss_fn, **kw):
     kw.setdefault("warmup", 0)
     kw.setdefault("repeats", 1)
-    return profile_blocks(traced, inputs, target, loss_fn, progress=False, **kw)
+    return profile_model(traced, Sample(inputs, target, loss_fn), ProfileSettings(progress=False, **kw)).costs
 
 
 def _delay(modules: bool):

@@ -24,6 +24,7 @@ from planner.capture.trace import trace_model
 from planner.costs import measure, measure_modules
 from planner.costs.levers import check_autocast, tensor_bytes
 from planner.costs.measure import profile_model
+from planner.costs.settings import ProfileSettings, Sample
 from planner.errors import PlanFileError, PlannerError
 from planner.schema.plan import Plan
 from planner.schema.request import PlanRequest
@@ -69,8 +70,8 @@ def test_autocast_bytes_of_a_linear_stack_by_hand() -> None:
     b, d, h, o = 4, 8, 32, 8
     traced, inputs, target = _stack(b, d, h, o)
     assert [blk.name for blk in traced.blocks] == ["0", "1", "2"]
-    fp32 = profile_model(traced, inputs, target, _mean_loss, **FAST).costs
-    bf16 = profile_model(traced, inputs, target, _mean_loss, autocast="bf16", **FAST).costs
+    fp32 = profile_model(traced, Sample(inputs, target, _mean_loss), ProfileSettings(**FAST)).costs
+    bf16 = profile_model(traced, Sample(inputs, target, _mean_loss), ProfileSettings(autocast="bf16", **FAST)).costs
     # fp32: Linear 0 saves its input for the weight gradient (the data needs no gradient, so not
     # the weight for an input gradient); ReLU saves its output; Linear 2 its input (for W's
     # gradient) and its weight (for the input's), but the weight is a parameter, counted elsewhere.
@@ -93,7 +94,7 @@ def test_autocast_on_a_module_boundary_trace_measures_the_bytes_it_makes() -> No
     inputs, target = mf.batch(4)
     traced = trace_model(model, inputs)
     assert traced.method == "modules"
-    costs = profile_model(traced, inputs, target, mf.loss_fn, autocast="bf16", **FAST).costs
+    costs = profile_model(traced, Sample(inputs, target, mf.loss_fn), ProfileSettings(autocast="bf16", **FAST)).costs
     # x * w is not an autocast op: it stays fp32, and so does everything it saves and sends
     assert [c.activation_bytes for c in costs] == [4 * 16 * 4] * 3
     assert [c.cut_bytes for c in costs] == [4 * 16 * 4, 4 * 16 * 4, 0]
@@ -150,7 +151,7 @@ def test_compile_profiles_once_per_distinct_block_and_the_plan_records_it(tmp_pa
     mf = load_model_file(model_file, None, {})
     inputs, target = mf.batch(4)
     traced = trace_model(mf.build(), inputs)
-    profile = profile_model(traced, inputs, target, mf.loss_fn, compile=True, **FAST)
+    profile = profile_model(traced, Sample(inputs, target, mf.loss_fn), ProfileSettings(compile=True, **FAST))
     assert profile.compile_failures == [] and profile.compile_s > 0
     assert profile.shared == 1  # block 2 took block 1's measurement
     assert profile.costs[1].fwd_s == profile.costs[2].fwd_s
@@ -177,7 +178,7 @@ def test_a_block_compile_fails_on_is_profiled_eagerly(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(measure, "compile_module", broken)
     traced, inputs, target = _stack(4, 8, 16, 8)
-    profile = profile_model(traced, inputs, target, _mean_loss, compile=True, **FAST)
+    profile = profile_model(traced, Sample(inputs, target, _mean_loss), ProfileSettings(compile=True, **FAST))
     assert profile.compile_failures == [(name, "RuntimeError: inductor says no") for name in ("0", "1", "2")]
     assert all(c.fwd_s > 0 for c in profile.costs) and profile.compile_s == 0.0
 
@@ -198,7 +199,7 @@ def test_a_module_trace_block_compile_fails_on_runs_eagerly(monkeypatch: pytest.
         return fn
 
     monkeypatch.setattr(measure_modules, "compile_module", second_breaks)
-    profile = profile_model(traced, inputs, target, mf.loss_fn, compile=True, **FAST)
+    profile = profile_model(traced, Sample(inputs, target, mf.loss_fn), ProfileSettings(compile=True, **FAST))
     assert profile.compile_failures == [("layers.1", "RuntimeError: cannot compile this")]
     assert all(c.fwd_s > 0 for c in profile.costs)
     assert not any("forward" in vars(m) for m in traced.model.modules())  # their own forwards are back

@@ -5,7 +5,8 @@ shared by both profilers: I/W split, recompute, optimizer step), ``measure`` (gr
 block cut out and timed), ``measure_modules`` (module-boundary traces: hooks on a whole-model
 run), ``estimate`` (roofline over aten operators on the meta device), ``cpu`` (this CPU as a
 ``HardwareSpec``, micro-benchmarked and cached), ``levers`` (the speed levers the profilers apply:
-``torch.autocast`` regions and ``torch.compile`` settings).
+``torch.autocast`` regions and ``torch.compile`` settings), ``settings`` (what the measured profilers
+take: the ``Sample`` to time on and the ``ProfileSettings`` to time it with).
 
 May import: ``planner.errors``, ``planner.schema``, ``planner.core`` (the hardware table),
 ``planner.capture``, ``planner.threads``, ``planner.torch_compat``, torch.

@@ -45,6 +45,7 @@ from planner.capture.blocks import GraphTrace
 from planner.capture.clock import BlockClock
 from planner.capture.stage import build_stage_module, stage_inputs
 from planner.costs.levers import autocast_context
+from planner.costs.settings import ProfileSettings, Sample
 from planner.costs.timing import backward_roots, sync
 from planner.schema.costs import BlockCost
 
@@ -71,29 +72,17 @@ class InContext:
     bwd_cold: list[float]
 
 
-def time_in_context(
-    traced: GraphTrace,
-    inputs: tuple[Any, ...],
-    target: torch.Tensor,
-    loss_fn: Any,
-    *,
-    warmup: int,
-    repeats: int,
-    device_type: str,
-    autocast: str | None,
-) -> InContext:
+def time_in_context(traced: GraphTrace, sample: Sample, settings: ProfileSettings, device_type: str) -> InContext:
     """Run the whole model as one stage, forward, loss and backward, ``warmup + repeats`` times warm
     and as many times cold, taking turns (see the module docstring).
 
     Args:
         traced: the graph trace (blocks in order).
-        inputs: one microbatch's positional inputs.
-        target: its target.
-        loss_fn: ``loss_fn(output, target) -> scalar``.
-        warmup: untimed runs of each kind.
-        repeats: timed runs of each kind (medians kept).
+        sample: one microbatch, its target and the loss.
+        settings: ``warmup``: untimed runs of each kind; ``repeats``: timed runs of each kind
+            (medians kept); ``autocast``: the plan's autocast dtype, or None. Threads, progress and
+            compile are the caller's (``profile_model`` times in context only without compile).
         device_type: "cpu" or "cuda" (autocast).
-        autocast: the plan's autocast dtype, or None.
 
     Returns:
         The per-block and loss medians, and the per-block cold penalties.
@@ -104,12 +93,13 @@ def time_in_context(
     cold = BlockClock(0, n, loss_in_last=True, cuda=cuda, pause_s=_WAIT_S)
     # two stage modules over the same blocks: the same parameters, gradients accumulating in both
     modules = [(build_stage_module(traced, 0, n, check_cuts=False, clock=c), c) for c in (warm, cold)]
-    args = stage_inputs(inputs)  # a first stage's inputs: the user's data, no gradient
+    args = stage_inputs(sample.inputs)  # a first stage's inputs: the user's data, no gradient
+    warmup, repeats = settings.warmup, settings.repeats
     loss_f: list[float] = []
     for r in range(warmup + repeats):
         for module, clock in modules:
             clock.step = r
-            loss_s = _one_pass(module, clock, args, target, loss_fn, device_type, autocast)
+            loss_s = _one_pass(module, clock, args, sample, device_type, settings.autocast)
             if r >= warmup and clock is warm:
                 loss_f.append(loss_s)  # its backward is in the last block's (the clock's loss_in_last)
     traced.model.zero_grad(set_to_none=True)
@@ -146,12 +136,12 @@ def _one_pass(
     module: torch.nn.Module,
     clock: BlockClock,
     args: tuple[Any, ...],
-    target: torch.Tensor,
-    loss_fn: Any,
+    sample: Sample,
     device_type: str,
     autocast: str | None,
 ) -> float:
-    """One forward, loss and backward of the whole-model stage; the loss's forward seconds.
+    """One forward, loss and backward of the whole-model stage on ``args`` (``sample``'s inputs as a
+    first stage takes them); the loss's forward seconds.
 
     A cold clock (``pause_s``) waits before each action too, so that the model's first block's
     forward and the loss's backward start cold like every other block.
@@ -163,7 +153,7 @@ def _one_pass(
         out = module(*args)
         sync(args)
         t0 = _perf()
-        loss = loss_fn(out, target)
+        loss = sample.loss_fn(out, sample.target)
         sync(args)
         t1 = _perf()
     clock.finish()

@@ -1,7 +1,7 @@
 """This machine's CPU as a ``HardwareSpec``: a few seconds of micro-benchmarks, cached per machine.
 
 With it, ``planner.costs.estimate.estimate_blocks`` can be run for the CPU the planner measures on, and
-the analytical model checked against ``planner.costs.measure.profile_blocks`` (bench/analytical_vs_measured.py).
+the analytical model checked against ``planner.costs.measure.profile_model`` (bench/analytical_vs_measured.py).
 
 Measured, at ``threads`` intra-op threads, median of repeats:
 

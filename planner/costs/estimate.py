@@ -444,11 +444,12 @@ def _run_block(
     last: bool,
     target: torch.Tensor,
     loss_fn: LossFn,
-    hw: HardwareSpec,
-    dtype: str,
+    mode: Roofline,
     tdtype: torch.dtype,
-    float_bytes: int | None,
 ) -> _BlockRun:
+    """One roofline run of a block (forward, backward, then I alone), charged by ``mode``; the block's
+    parameters and buffers cast to ``tdtype``, floating bytes counted at ``mode.float_bytes``."""
+    float_bytes = mode.float_bytes
     state = _block_state(stage, tdtype)
     param_storages = {storage_id(t) for t in state.values()}
 
@@ -458,7 +459,6 @@ def _run_block(
 
     forward = leaf_safe(run, grad_inputs(args))  # a block starting with an in-place op
 
-    mode = Roofline(hw, dtype, float_bytes)
     saved: dict[int, int] = {}
     keep: list[torch.Tensor] = []  # keep saved tensors alive so storage ids stay unique
 
@@ -637,7 +637,7 @@ def estimate_blocks(
             current = tuple(_meta_like(t, tdtype) if isinstance(t, torch.Tensor) else t for t in run.outputs)
             continue
         try:
-            run = _run_block(stage, current, last, target, loss_fn, hw, dtype, tdtype, None)
+            run = _run_block(stage, current, last, target, loss_fn, Roofline(hw, dtype), tdtype)
         except RuntimeError as first:
             if tdtype == torch.float32:
                 raise _meta_error(block.name, first) from first
@@ -650,10 +650,8 @@ def estimate_blocks(
                     last,
                     _meta_like(target, torch.float32),
                     loss_fn,
-                    hw,
-                    dtype,
+                    Roofline(hw, dtype, width),
                     torch.float32,
-                    width,
                 )
             except RuntimeError as e:
                 raise _meta_error(block.name, e) from e

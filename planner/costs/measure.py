@@ -50,6 +50,7 @@ Everything runs on the traced model's private copy, so the caller's model is nev
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -71,6 +72,7 @@ from planner.costs.levers import (
     failure_reason,
     tensor_bytes,
 )
+from planner.costs.settings import ProfileSettings, Sample
 from planner.costs.timing import (
     OptimizerSteps,
     backward_roots,
@@ -85,140 +87,57 @@ from planner.costs.timing import (
 from planner.schema.costs import BlockCost, OptimizerSpec, StepTempRule
 from planner.threads import torch_threads
 
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
-
-
-def profile_blocks(
-    traced: TracedModel,
-    inputs: tuple[Any, ...],
-    target: torch.Tensor,
-    loss_fn: LossFn,
-    *,
-    warmup: int = 2,
-    repeats: int = 5,
-    threads: int | None = None,
-    progress: bool = True,
-    optimizer: OptimizerSpec | None = None,
-    autocast: str | None = None,
-    compile: bool = False,
-) -> list[BlockCost]:
-    """Measure every block of a traced model on one microbatch (``profile_model``'s costs).
-
-    Args:
-        traced: the model, traced on a microbatch of the same shape as ``inputs``.
-        inputs: positional inputs of one microbatch.
-        target: the microbatch's target (the last block includes the loss).
-        loss_fn: ``loss_fn(output, target) -> scalar``.
-        warmup: untimed runs per block before measuring.
-        repeats: timed runs per block; the median is kept.
-        threads: intra-op threads while measuring (match the threads a rank will have); None
-            keeps the current setting.
-        progress: show a progress bar.
-        optimizer: the run's optimizer; its step over each block's parameters is timed too
-            (AdamW over a large output layer is several percent of a CPU step). None leaves
-            ``opt_s`` unknown.
-        autocast: "bf16" or "fp16": forwards run under ``torch.autocast``; None: as the model is.
-        compile: time each block as ``torch.compile(block_module)``.
-
-    Returns:
-        One BlockCost per block, in block order.
-    """
-    return profile_model(
-        traced,
-        inputs,
-        target,
-        loss_fn,
-        warmup=warmup,
-        repeats=repeats,
-        threads=threads,
-        progress=progress,
-        optimizer=optimizer,
-        autocast=autocast,
-        compile=compile,
-    ).costs
-
 
 def profile_model(
     traced: TracedModel,
-    inputs: tuple[Any, ...],
-    target: torch.Tensor,
-    loss_fn: LossFn,
+    sample: Sample,
+    settings: ProfileSettings | None = None,
     *,
-    warmup: int = 2,
-    repeats: int = 5,
-    threads: int | None = None,
-    progress: bool = True,
     optimizer: OptimizerSpec | None = None,
-    autocast: str | None = None,
-    compile: bool = False,
     in_context: bool = True,
 ) -> Profile:
     """Measure every block of a traced model on one microbatch, under the speed levers asked for.
 
     Args:
-        traced: the model, traced on a microbatch of the same shape as ``inputs``.
-        inputs: positional inputs of one microbatch.
-        target: the microbatch's target (the last block includes the loss).
-        loss_fn: ``loss_fn(output, target) -> scalar``.
-        warmup: untimed runs per block before measuring (at least 1 with ``compile``: the
-            compiling run is never timed).
-        repeats: timed runs per block; the median is kept.
-        threads: intra-op threads while measuring; None keeps the current setting.
-        progress: show a progress bar.
-        optimizer: the run's optimizer (its step is timed over all parameters and shared out by
-            parameter count); None leaves ``opt_s`` unknown.
-        autocast: "bf16" or "fp16": forwards run under ``torch.autocast`` on the model's device
-            (check it with ``planner.costs.levers.check_autocast`` first); None: no autocast.
-        compile: time each block as ``torch.compile(block_module)``.
+        traced: the model, traced on a microbatch of the same shape as ``sample.inputs``.
+        sample: the microbatch, its target and the loss.
+        settings: warm-up, repeats, threads, progress bar, autocast and compile; None: the defaults.
+        optimizer: the run's optimizer; its step over each block's parameters is timed too
+            (AdamW over a large output layer is several percent of a CPU step). None leaves
+            ``opt_s`` unknown.
         in_context: take each block's forward and backward from the whole model run as one stage
             (``planner.costs.context``), as the plan does; False keeps the isolated timings (the
             bench compares the two).
 
     Returns:
-        The costs, the blocks compile failed on, and the compile time.
+        The costs (one BlockCost per block, in block order), the blocks compile failed on, and
+        the compile time.
     """
-    if compile:
-        warmup = max(1, warmup)
-    settings = compile_settings() if compile else contextlib.nullcontext()
-    with torch_threads(threads), settings:
+    if settings is None:
+        settings = ProfileSettings()
+    if settings.compile:
+        # The first run of a compiled block compiles it and must never be timed: raised here, once,
+        # so every profiler and the optimizer timing below see the same untimed runs.
+        settings = dataclasses.replace(settings, warmup=max(1, settings.warmup))
+    compiling = compile_settings() if settings.compile else contextlib.nullcontext()
+    with torch_threads(settings.threads), compiling:
         if isinstance(traced, ModuleTrace):
             from planner.costs.measure_modules import profile_module_blocks
 
-            profile = profile_module_blocks(
-                traced,
-                inputs,
-                target,
-                loss_fn,
-                warmup=warmup,
-                repeats=repeats,
-                progress=progress,
-                autocast=autocast,
-                compile=compile,
-            )
+            profile = profile_module_blocks(traced, sample, settings)
         else:
             assert isinstance(traced, GraphTrace)
-            profile = _profile_graph(traced, inputs, target, loss_fn, warmup, repeats, progress, autocast, compile)
-            if in_context and not compile:  # marks would break a compiled graph: compiled blocks keep theirs
-                ctx = time_in_context(
-                    traced,
-                    inputs,
-                    target,
-                    loss_fn,
-                    warmup=warmup,
-                    repeats=repeats,
-                    device_type=device_type_of(traced.model, inputs),
-                    autocast=autocast,
-                )
+            profile = _profile_graph(traced, sample, settings)
+            if in_context and not settings.compile:  # marks would break a compiled graph: compiled blocks keep theirs
+                ctx = time_in_context(traced, sample, settings, device_type_of(traced.model, sample.inputs))
                 profile.costs = apply_in_context(profile.costs, ctx)
         if optimizer is not None:
-            profile.costs, profile.step_temp_rule = _with_optimizer_shares(
-                traced, profile.costs, optimizer, warmup, repeats
-            )
+            profile.costs, profile.step_temp_rule = _with_optimizer_shares(traced, profile.costs, optimizer, settings)
         return profile
 
 
 def _with_optimizer_shares(
-    traced: TracedModel, costs: list[BlockCost], optimizer: OptimizerSpec, warmup: int, repeats: int
+    traced: TracedModel, costs: list[BlockCost], optimizer: OptimizerSpec, settings: ProfileSettings
 ) -> tuple[list[BlockCost], StepTempRule]:
     """Each block's optimizer step, timed on its own parameters, the step's temporaries, and the
     passes over its gradients before the step (``time_grad_passes``).
@@ -231,10 +150,10 @@ def _with_optimizer_shares(
     12 M-parameter stage here). ``opt_temp_bytes``: the temporaries of the block's step, with the
     copies of the tied parameters it reads; how a stage's combine: the rule returned with them.
     """
-    steps = _optimizer_steps(traced, optimizer, warmup, repeats)
+    steps = _optimizer_steps(traced, optimizer, settings)
     # and the passes over the same parameters' gradients that come before the step (grad_s)
     clip = optimizer.grad_clip is not None
-    grad_s = time_grad_passes(traced.owned_parameters(), clip, max(1, warmup), repeats)
+    grad_s = time_grad_passes(traced.owned_parameters(), clip, max(1, settings.warmup), settings.repeats)
     out = [
         cost.model_copy(update={"opt_s": opt_s, "opt_temp_bytes": temp, "grad_s": g})
         for cost, opt_s, temp, g in zip(costs, steps.seconds, steps.temp_bytes, grad_s)
@@ -242,7 +161,7 @@ def _with_optimizer_shares(
     return out, steps.temp_rule
 
 
-def _optimizer_steps(traced: TracedModel, optimizer: OptimizerSpec, warmup: int, repeats: int) -> OptimizerSteps:
+def _optimizer_steps(traced: TracedModel, optimizer: OptimizerSpec, settings: ProfileSettings) -> OptimizerSteps:
     """The blocks' optimizer steps (``time_optimizer_steps``): each block steps the parameters it owns
     (shared parameters step once, in their first block); the temporaries of a block that reads a tied
     parameter an earlier block owns include those of its stage's copy of it."""
@@ -251,7 +170,7 @@ def _optimizer_steps(traced: TracedModel, optimizer: OptimizerSpec, warmup: int,
     for k, own in enumerate(owned):
         mine = {id(p) for p in own}
         tied.append([p for p in traced.block_parameters(k) if id(p) not in mine])
-    return time_optimizer_steps(owned, optimizer, warmup, repeats, tied)
+    return time_optimizer_steps(owned, optimizer, settings.warmup, settings.repeats, tied)
 
 
 @dataclass
@@ -302,13 +221,13 @@ def _time_block(
     grad: bool,
     weights: list[torch.nn.Parameter],
     param_storages: set[tuple[int, int]],
-    warmup: int,
-    repeats: int,
+    settings: ProfileSettings,
     bar: Any,
 ) -> _Timings:
     """Warm-up and timed repeats of one block: a full F+B, then I/W and the recompute on fresh inputs."""
     t = _Timings()
-    for r in range(warmup + repeats):
+    warmup = settings.warmup
+    for r in range(warmup + settings.repeats):
         start = time.perf_counter()
         fwd, bwd, saved = _time_once(forward, grad_inputs(current, grad), param_storages)
         bwd_input, bwd_weight = time_input_weight(forward, grad_inputs(current, grad), weights)
@@ -332,19 +251,9 @@ class _BlockTimer:
     compile, each block compiled (identical blocks sharing one measurement), eager where that fails."""
 
     def __init__(
-        self,
-        traced: GraphTrace,
-        target: torch.Tensor,
-        loss_fn: LossFn,
-        warmup: int,
-        repeats: int,
-        device_type: str,
-        autocast: str | None,
-        compile: bool,
-        bar: Any,
+        self, traced: GraphTrace, sample: Sample, settings: ProfileSettings, device_type: str, bar: Any
     ) -> None:
-        self.target, self.loss_fn, self.warmup, self.repeats = target, loss_fn, warmup, repeats
-        self.device_type, self.autocast, self.compile, self.bar = device_type, autocast, compile, bar
+        self.sample, self.settings, self.device_type, self.bar = sample, settings, device_type, bar
         self.param_storages = {_storage_key(p) for p in traced.model.parameters()}
         self.profile = Profile(costs=[])
         self.shared: dict[str, _Timings] = {}  # structure key -> the compiled measurement identical blocks share
@@ -354,9 +263,9 @@ class _BlockTimer:
         """``call`` as a block's forward: under autocast, with the loss after it for the last block."""
 
         def run(args: tuple[Any, ...]) -> Any:
-            with autocast_context(self.device_type, self.autocast):
+            with autocast_context(self.device_type, self.settings.autocast):
                 out = call(*args)
-                return self.loss_fn(out, self.target) if last else out
+                return self.sample.loss_fn(out, self.sample.target) if last else out
 
         return run
 
@@ -367,22 +276,23 @@ class _BlockTimer:
         stage's do): compiled when asked and possible, else eagerly."""
         from planner.costs.estimate import structure_key
 
-        key = structure_key(module, grad_inputs(current, grad), last) if self.compile else ""
+        compile, warmup = self.settings.compile, self.settings.warmup
+        key = structure_key(module, grad_inputs(current, grad), last) if compile else ""
         if key in self.shared:
             self.profile.shared += 1
-            self.bar.update(self.warmup + self.repeats)
+            self.bar.update(warmup + self.settings.repeats)
             return self.shared[key]
-        if self.compile and key not in self.failed:
+        if compile and key not in self.failed:
             done = self.bar.n
             try:
                 t = self.shared[key] = self._timed(module, compile_module(module), current, last, grad)
                 # what the untimed runs took beyond ordinary runs: compiling (and recompiling for I/W)
-                self.profile.compile_s += max(0.0, t.warm_s - self.warmup * statistics.median(t.rounds_s))
+                self.profile.compile_s += max(0.0, t.warm_s - warmup * statistics.median(t.rounds_s))
                 return t
             except Exception as e:  # noqa: BLE001 - torch.compile fails in many ways; eager is the fallback
                 self.failed[key] = failure_reason(e)
                 self.bar.n = done  # the eager runs below count again
-        if self.compile:
+        if compile:
             self.profile.compile_failures.append((name, self.failed[key]))
         return self._timed(module, module, current, last, grad)
 
@@ -393,36 +303,27 @@ class _BlockTimer:
         forward = leaf_safe(self.forward_of(call, last), grad_inputs(current, grad))
         trial_s = time.perf_counter() - start  # a first call: it compiles the forward of a compiled block
         weights = list(module.parameters())
-        t = _time_block(forward, current, grad, weights, self.param_storages, self.warmup, self.repeats, self.bar)
+        t = _time_block(forward, current, grad, weights, self.param_storages, self.settings, self.bar)
         t.warm_s += trial_s
         return t
 
 
-def _profile_graph(
-    traced: GraphTrace,
-    inputs: tuple[Any, ...],
-    target: torch.Tensor,
-    loss_fn: LossFn,
-    warmup: int,
-    repeats: int,
-    progress: bool,
-    autocast: str | None,
-    compile: bool,
-) -> Profile:
+def _profile_graph(traced: GraphTrace, sample: Sample, settings: ProfileSettings) -> Profile:
     """Cut every block out on its own and time it on the real outputs of the blocks before it."""
     n = len(traced.blocks)
     traced.model.train()
-    device_type = device_type_of(traced.model, inputs)
+    device_type = device_type_of(traced.model, sample.inputs)
+    autocast = settings.autocast
     owned = traced.owned_parameters()
-    current = stage_inputs(inputs)  # what the first stage takes: the tensors
+    current = stage_inputs(sample.inputs)  # what the first stage takes: the tensors
     bar = tqdm(
-        total=n * (warmup + repeats),
-        desc="profiling blocks" + (" (compiling)" if compile else ""),
+        total=n * (settings.warmup + settings.repeats),
+        desc="profiling blocks" + (" (compiling)" if settings.compile else ""),
         unit="run",
-        disable=None if progress else True,
+        disable=None if settings.progress else True,
         leave=False,
     )
-    timer = _BlockTimer(traced, target, loss_fn, warmup, repeats, device_type, autocast, compile, bar)
+    timer = _BlockTimer(traced, sample, settings, device_type, bar)
     for k in range(n):
         module = build_stage_module(traced, k, k + 1, check_cuts=False)
         last = k == n - 1

@@ -48,10 +48,9 @@ from tqdm import tqdm
 from planner.capture.blocks import ModuleTrace
 from planner.costs.blocks import Profile, block_cost
 from planner.costs.levers import autocast_context, compile_module, device_type_of, failure_reason, tensor_bytes
+from planner.costs.settings import ProfileSettings, Sample
 from planner.costs.timing import grad_inputs, leaf_safe, time_input_weight, time_recompute
 from planner.torch_compat import pytree
-
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
 class _Observer:
@@ -118,30 +117,18 @@ class _Observer:
                 h.remove()
 
 
-def profile_module_blocks(
-    traced: ModuleTrace,
-    inputs: tuple[Any, ...],
-    target: torch.Tensor,
-    loss_fn: LossFn,
-    *,
-    warmup: int = 2,
-    repeats: int = 5,
-    progress: bool = True,
-    autocast: str | None = None,
-    compile: bool = False,
-) -> Profile:
+def profile_module_blocks(traced: ModuleTrace, sample: Sample, settings: ProfileSettings) -> Profile:
     """Measure each block of a module-boundary trace during whole-model forward/backward runs.
+
+    ``settings.warmup`` counts untimed whole-model runs (``profile_model`` makes it at least 1 with
+    ``compile``: the compiling run); under ``settings.autocast`` the forwards and the loss run in a
+    ``torch.autocast`` region; with ``settings.compile`` each block module's forward runs as
+    ``torch.compile`` of it. ``settings.threads`` is ``profile_model``'s to apply.
 
     Args:
         traced: a module trace.
-        inputs: positional inputs of one microbatch.
-        target: the microbatch's target.
-        loss_fn: ``loss_fn(output, target) -> scalar``.
-        warmup: untimed whole-model runs (at least 1 with ``compile``: the compiling run).
-        repeats: timed runs; medians are kept.
-        progress: show a progress bar.
-        autocast: "bf16" or "fp16": forwards and the loss run under ``torch.autocast``; None: none.
-        compile: run each block module's forward as ``torch.compile`` of it.
+        sample: one microbatch, its target and the loss.
+        settings: how to time the runs, under which levers.
 
     Returns:
         The costs (one BlockCost per block, in block order) and what compiling did.
@@ -149,27 +136,27 @@ def profile_module_blocks(
     model = traced.model
     model.train()
     names = [b.name for b in traced.blocks]
-    compiled = {i: compile_module(model.get_submodule(name).forward) for i, name in enumerate(names)} if compile else {}
-    warmup = max(1, warmup) if compile else warmup
+    compiled = (
+        {i: compile_module(model.get_submodule(name).forward) for i, name in enumerate(names)}
+        if settings.compile
+        else {}
+    )
     failures: list[tuple[str, str]] = []
     while True:
         obs = _Observer(traced)
         try:
             with _forwards(model, names, compiled):
-                runs = _observed_runs(model, obs, inputs, target, loss_fn, warmup, repeats, progress, autocast)
+                runs = _observed_runs(model, obs, sample, settings)
                 # the isolated runs below run with the timing hooks removed
-                bar = tqdm(names, desc="profiling I/W", disable=None if progress else True, leave=False)
+                bar = tqdm(names, desc="profiling I/W", disable=None if settings.progress else True, leave=False)
                 split = [
                     _split_block(
                         model.get_submodule(name),
                         obs.inputs.get(i),
                         i == 0,
-                        loss_fn,
-                        target,
                         i == len(names) - 1 and runs.ends_model,
-                        warmup,
-                        repeats,
-                        autocast,
+                        sample,
+                        settings,
                     )
                     for i, name in enumerate(bar)
                 ]
@@ -197,11 +184,11 @@ def profile_module_blocks(
             bwd_weight_s=split[i][1],
             recompute_s=split[i][2],
             activation_bytes=runs.saved[i],
-            cut_bytes=obs.out_bytes.get(i) if autocast is not None and i < n - 1 else None,
+            cut_bytes=obs.out_bytes.get(i) if settings.autocast is not None and i < n - 1 else None,
         )
         for i in range(n)
     ]
-    if autocast is not None:  # the model's output the last stage keeps, as autocast makes it
+    if settings.autocast is not None:  # the model's output the last stage keeps, as autocast makes it
         costs[-1] = costs[-1].model_copy(update={"output_bytes": runs.output_bytes})
     return Profile(costs=costs, compile_failures=failures, compile_s=runs.compile_s if compiled else 0.0)
 
@@ -230,30 +217,23 @@ class _Runs:
     compile_s: float = 0.0
 
 
-def _observed_runs(
-    model: torch.nn.Module,
-    obs: _Observer,
-    inputs: tuple[Any, ...],
-    target: torch.Tensor,
-    loss_fn: LossFn,
-    warmup: int,
-    repeats: int,
-    progress: bool,
-    autocast: str | None,
-) -> _Runs:
-    """Whole-model forward/backward runs with ``obs``'s hooks installed; the first ``warmup`` untimed."""
+def _observed_runs(model: torch.nn.Module, obs: _Observer, sample: Sample, settings: ProfileSettings) -> _Runs:
+    """Whole-model forward/backward runs with ``obs``'s hooks installed; the first ``settings.warmup`` untimed."""
     n = obs.n
     runs = _Runs(fwd=[[] for _ in range(n)], bwd=[[] for _ in range(n)], saved=[0] * n)
-    device_type = device_type_of(model, inputs)
+    device_type = device_type_of(model, sample.inputs)
+    warmup, progress = settings.warmup, settings.progress
     warm_s, round_s = 0.0, []
     with obs.installed(model):
-        for r in tqdm(range(warmup + repeats), desc="profiling model", disable=None if progress else True, leave=False):
+        for r in tqdm(
+            range(warmup + settings.repeats), desc="profiling model", disable=None if progress else True, leave=False
+        ):
             obs.reset()
             start = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(obs.pack, lambda t: t):
-                with autocast_context(device_type, autocast):
-                    output = model(*inputs)
-                    loss = loss_fn(output, target)
+                with autocast_context(device_type, settings.autocast):
+                    output = model(*sample.inputs)
+                    loss = sample.loss_fn(output, sample.target)
             if obs.capture:
                 runs.ends_model = obs.last_out is output
                 runs.output_bytes = tensor_bytes(output)
@@ -281,14 +261,14 @@ def _split_block(
     module: torch.nn.Module,
     captured: tuple[tuple[Any, ...], dict[str, Any]] | None,
     first: bool,
-    loss_fn: LossFn,
-    target: torch.Tensor,
     with_loss: bool,
-    warmup: int,
-    repeats: int,
-    autocast: str | None = None,
+    sample: Sample,
+    settings: ProfileSettings,
 ) -> tuple[float | None, float | None, float | None]:
-    """Median (I, W, recompute) seconds of one block called alone on its captured inputs (None: unknown)."""
+    """Median (I, W, recompute) seconds of one block called alone on its captured inputs (None: unknown).
+
+    ``first``: the model's first block (its inputs need no gradient); ``with_loss``: the block's output
+    is the model's, so ``sample``'s loss follows it."""
     if captured is None:  # the model never called this block
         return None, None, None
     args, kwargs = captured
@@ -296,18 +276,18 @@ def _split_block(
     device_type = device_type_of(module, (args, kwargs))
 
     def run(a: tuple[Any, ...]) -> Any:
-        with autocast_context(device_type, autocast):
+        with autocast_context(device_type, settings.autocast):
             out = module(*a, **kwargs)
-            return loss_fn(out, target) if with_loss else out
+            return sample.loss_fn(out, sample.target) if with_loss else out
 
     weights = list(module.parameters())
     runs = []
     try:
         forward = leaf_safe(run, grad_inputs(args, not first))
-        for r in range(warmup + repeats):
+        for r in range(settings.warmup + settings.repeats):
             i_s, w_s = time_input_weight(forward, grad_inputs(args, not first), weights)
             rec = time_recompute(forward, grad_inputs(args, not first))
-            if r >= warmup:
+            if r >= settings.warmup:
                 runs.append((i_s, w_s, rec))
     except RuntimeError:
         # The block cannot run alone on its captured inputs (keyword state of the whole-model graph):
