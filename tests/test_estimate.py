@@ -268,21 +268,21 @@ def test_causal_attention_is_charged_half_its_flops_forward_and_backward() -> No
 
 
 def test_attention_output_layout_makes_the_transpose_reshape_a_view(monkeypatch: pytest.MonkeyPatch) -> None:
-    from planner.costs import estimate
-    from planner.costs.estimate import _attention_output
+    from planner.costs import roofline
+    from planner.costs.roofline import attention_output
 
     q = torch.empty(B, T, HEADS, HEAD_DIM, device="meta").transpose(1, 2)
-    o = _attention_output(q, HEAD_DIM)
+    o = attention_output(q, HEAD_DIM)
     assert o.shape == q.shape and o.transpose(1, 2).is_contiguous()  # (b, s, a, d) in memory, as the kernels
     contiguous_q = torch.empty(B, HEADS, T, HEAD_DIM, device="meta")
-    assert _attention_output(contiguous_q, 16).is_contiguous()  # follows the query's own layout
+    assert attention_output(contiguous_q, 16).is_contiguous()  # follows the query's own layout
     # memory-bound: the attention block moves q, k, v (one tensor read three times), o and the fp32
     # log-sum-exp; the transpose + reshape after it is a view and moves nothing
     hw = _spec(peak_flops={"fp32": 1e30, "bf16": 1e30}, memory_Bps=1.0)
     expected = 4 * B * T * HID * 4 + 4 * B * HEADS * T
     assert _attention_costs(hw, True)[1].fwd_s == pytest.approx(expected, rel=1e-9)
     # an output laid out (b, a, s, d), as before, costs one more read and write of it in the reshape
-    monkeypatch.setattr(estimate, "_attention_output", lambda q, d: q.new_empty((*q.shape[:-1], d)))
+    monkeypatch.setattr(roofline, "attention_output", lambda q, d: q.new_empty((*q.shape[:-1], d)))
     assert _attention_costs(hw, True)[1].fwd_s == pytest.approx(expected + 2 * 4 * B * T * HID, rel=1e-9)
 
 

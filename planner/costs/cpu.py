@@ -10,7 +10,7 @@ Measured, at ``threads`` intra-op threads, median of repeats:
 - memory bandwidth: copying a 64 MiB tensor (read + write = 128 MiB moved), larger than the caches;
 - operator overhead: a tiny two-layer MLP with layer norm trained forward and backward, whose
   arithmetic is negligible, divided by the aten operators it dispatches (counted the way
-  ``planner.costs.estimate.Roofline`` counts them). It is the eager cost of one operator inside
+  ``planner.costs.roofline.Roofline`` counts them). It is the eager cost of one operator inside
   autograd-recording code — Python module calls, dispatch, allocation — which dominates small
   blocks on a CPU.
 
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from planner.core.hardware import HardwareSpec
-from planner.costs.estimate import Roofline, Tally
+from planner.costs.roofline import Roofline, Tally
 from planner.errors import PlannerError
 from planner.schema.costs import GLOO_CPU_LINK
 from planner.schema.jsonfile import write_atomic

@@ -2,23 +2,13 @@
 
 Costs for hardware that is not here (docs/architecture.md, "Costs"). Each block of a graph-traced model is cut out as its own module
 (``planner.capture.trace.build_stage_module``, as ``planner.costs.measure`` does) and run forward and backward
-on the ``meta`` device, where operators compute shapes but no data. A ``TorchDispatchMode``
-(``Roofline``) sees every aten operator and charges it
-
-    max(flops / (peak[dtype] * efficiency), bytes / (memory_Bps * memory_efficiency))
-
-where the efficiency is the operation class's (docs/gpu_costs.md): a GEMM's follows its shape
-(``HardwareSpec.gemm_efficiency``: small or skinny GEMMs reach less of peak), fused attention's is
-its kernel's forward or backward figure (``HardwareSpec.attention_efficiency``), anything else
-with FLOPs (convolutions) takes ``matmul_efficiency``. Plus a fixed per-operator overhead (``HardwareSpec.op_overhead_s``: added on a CPU, which runs
-kernels inline; hidden behind longer kernels on a GPU, which queues them). This is the
-per-operator roofline of ``torch.distributed._tools.runtime_estimator.RuntimeEstimator``'s
-"operator-level-cost-model" mode (which itself follows inductor's scheduler): FLOPs from
-``torch.utils.flop_counter``'s formula registry, bytes = every input and output tensor of the
-operator, stride-0 (broadcast) dimensions counted once (its ``get_num_bytes``). RuntimeEstimator
-itself is not reused because it reads the peak numbers of the *local* CUDA device and needs
-FakeTensorMode; here the numbers come from a ``HardwareSpec``. Operators without a FLOP formula
-are decomposed first, exactly as ``FlopCounterMode`` does, so the FLOP totals equal its counts.
+on the ``meta`` device, where operators compute shapes but no data, under the roofline
+(``planner.costs.roofline.Roofline``: every aten operator charged
+``max(flops / (peak * efficiency), bytes / (memory_Bps * memory_efficiency))`` plus a per-operator
+overhead, the efficiency by the operation's class: docs/gpu_costs.md). This is the per-operator
+roofline of ``torch.distributed._tools.runtime_estimator.RuntimeEstimator``'s
+"operator-level-cost-model" mode, with the peak numbers of a ``HardwareSpec`` instead of the
+local device's.
 
 Weights never exist: every parameter and buffer of a block is swapped (``torch.func
 .functional_call``) for an empty ``meta`` tensor in the planning dtype, for a model built on meta
@@ -37,367 +27,28 @@ Everything is per microbatch, like ``planner.costs.measure``; the last block inc
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.func import functional_call
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from tqdm import tqdm
 
 from planner.capture.blocks import GraphTrace, TracedModel, get_attr
 from planner.capture.stage import build_stage_module, stage_inputs
 from planner.core.hardware import DTYPES, HardwareSpec, dtype_bytes
 from planner.costs.blocks import block_cost
+from planner.costs.roofline import Roofline, Tally, fuse_attention_nodes
 from planner.costs.timing import backward_roots, grad_inputs, leaf_safe
 from planner.errors import PlannerError, TraceError
 from planner.schema.costs import BlockCost, OptimizerSpec
-from planner.torch_compat import TorchDispatchMode, pytree, storage_id, swapped_sdpa
+from planner.torch_compat import storage_id
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 aten = torch.ops.aten
 
 TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-# Operators that move no data: views and aliases (RuntimeEstimator's _VIEW_OPS, plus the
-# schema-level ``is_view`` test below for the rest).
-_NO_BYTES = {
-    aten._unsafe_view,
-    aten.detach,
-    aten.lift_fresh,
-    aten.alias,
-    aten.view,
-    aten.t,
-    aten.transpose,
-    aten.expand,
-    aten.permute,
-    aten.select,
-    aten.slice,
-    aten.squeeze,
-    aten.unsqueeze,
-    aten.as_strided,
-    aten.split,
-    aten.split_with_sizes,
-    aten.unbind,
-    aten.chunk,
-    aten.diagonal,
-    aten.unfold,
-}
-# Allocations without initialisation write nothing and launch nothing.
-_FREE = {aten.empty, aten.empty_like, aten.new_empty, aten.empty_strided, aten.new_empty_strided}
-# Queries of tensor metadata that _FlopCounterMode leaves alone (they matter for subclasses only).
-# GEMMs, whose efficiency follows their shape (``_gemm_dims``).
-_GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
-_METADATA_OPS = {
-    aten.sym_is_contiguous.default,
-    aten.is_contiguous.default,
-    aten.is_contiguous.memory_format,
-    aten.is_strides_like_format.default,
-    aten.is_non_overlapping_and_dense.default,
-    aten.size.default,
-    aten.sym_size.default,
-    aten.stride.default,
-    aten.sym_stride.default,
-    aten.storage_offset.default,
-    aten.sym_storage_offset.default,
-    aten.numel.default,
-    aten.sym_numel.default,
-    aten.dim.default,
-    torch.ops.prim.layout.default,
-}
-
-
-@dataclass
-class Tally:
-    """What a phase (forward, backward, input-backward) of one block costs on the hardware.
-
-    Attributes:
-        flops: floating-point operations (torch.utils.flop_counter formulas).
-        bytes: bytes read and written by data-moving operators.
-        seconds: roofline time plus per-operator overhead.
-        ops: operators dispatched (views included).
-    """
-
-    flops: float = 0.0
-    bytes: float = 0.0
-    seconds: float = 0.0
-    ops: int = 0
-
-
-def tensor_bytes(t: torch.Tensor, float_bytes: int | None = None) -> int:
-    """Bytes an operator touches in ``t``: broadcast (stride-0) dimensions count once.
-
-    Args:
-        t: a tensor (meta or real).
-        float_bytes: bytes per element to assume for floating tensors (None: their own size).
-
-    Returns:
-        Bytes.
-    """
-    n = 1
-    for size, stride in zip(t.shape, t.stride()):
-        if stride != 0:
-            n *= int(size)
-    size = float_bytes if float_bytes is not None and t.is_floating_point() else t.element_size()
-    return n * size
-
-
-class Roofline(TorchDispatchMode):
-    """Charges each aten operator roofline time on a ``HardwareSpec``, into ``self.tally``.
-
-    Args:
-        hw: the hardware.
-        dtype: the planning dtype ("tf32" makes fp32 operators use the TF32 peak).
-        float_bytes: count floating tensors as this many bytes per element (used when a block
-            had to run in fp32 although the plan is for a narrower dtype); None: as they are.
-    """
-
-    def __init__(self, hw: HardwareSpec, dtype: str, float_bytes: int | None = None) -> None:
-        super().__init__()
-        self.hw = hw
-        self.dtype = dtype
-        self.float_bytes = float_bytes
-        self.tally = Tally()
-        # An operator runs at the peak of its output dtype (an fp32 loss on a bf16 model runs at the
-        # fp32 peak); "tf32" plans run fp32 matmuls on the TF32 tensor cores.
-        self._peaks: dict[torch.dtype, float] = {}
-        for key, tdt in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
-            if key in hw.peak_flops:
-                self._peaks[tdt] = hw.peak_flops[key]
-        if dtype == "tf32":
-            self._peaks[torch.float32] = hw.peak("tf32")
-        self._default_peak = hw.peak(dtype)
-
-    def _peak(self, dtype: torch.dtype | None) -> float:
-        peak = self._peaks.get(dtype) if dtype is not None else None
-        return peak or self._default_peak
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        if func in _METADATA_OPS:
-            return NotImplemented
-        # As _FlopCounterMode: operators without a formula are decomposed when they can be, so the
-        # FLOPs equal FlopCounterMode's. But a decomposition of a fused kernel (dropout becomes
-        # bernoulli_ + div_ + mul + casts) moves more bytes than the kernel that really runs, so the
-        # parts are charged only when they contain FLOPs; otherwise the operator is charged whole.
-        if func._overloadpacket not in flop_registry and func is not torch.ops.prim.device.default:
-            outer, self.tally = self.tally, Tally()
-            try:
-                with self:
-                    r = func.decompose(*args, **kwargs)
-            finally:
-                inner, self.tally = self.tally, outer
-            if r is not NotImplemented:
-                if inner.flops:
-                    self._add(inner)
-                else:
-                    self._charge(func, args, kwargs, r)
-                return r
-        out = func(*args, **kwargs)
-        self._charge(func, args, kwargs, out)
-        return out
-
-    def charge_fused(self, flops: float, tensors: list[torch.Tensor], dtype: torch.dtype, efficiency: float) -> None:
-        """Charge one fused kernel (attention) that reads and writes ``tensors`` at ``efficiency`` of peak."""
-        nbytes = sum(tensor_bytes(t, self.float_bytes) for t in tensors)
-        hw = self.hw
-        roof = max(flops / (self._peak(dtype) * efficiency), nbytes / (hw.memory_Bps * hw.memory_efficiency))
-        seconds = max(roof, hw.op_overhead_s) if hw.async_launch else roof + hw.op_overhead_s
-        self._add(Tally(float(flops), nbytes, seconds, 1))
-
-    @contextlib.contextmanager
-    def phase(self, tally: Tally) -> Iterator[Tally]:
-        """Charge everything run inside into ``tally`` (attention as one fused kernel where it is)."""
-        self.tally = tally
-        with _fused_attention(self), self:
-            yield tally
-
-    def _add(self, other: Tally) -> None:
-        self.tally.flops += other.flops
-        self.tally.bytes += other.bytes
-        self.tally.seconds += other.seconds
-        self.tally.ops += other.ops
-
-    def _charge(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        packet = func._overloadpacket
-        if packet in _FREE:
-            return
-        flops = float(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0.0
-        moves = not (func.is_view or packet in _NO_BYTES)
-        nbytes = 0
-        float_dtype = None
-        if moves:
-            for t in pytree.tree_leaves((args, kwargs, out)):
-                if isinstance(t, torch.Tensor):
-                    nbytes += tensor_bytes(t, self.float_bytes)
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                float_dtype = t.dtype
-                break
-        hw = self.hw
-        if flops and packet in _GEMMS:
-            efficiency = hw.gemm_efficiency(*_gemm_dims(packet, args))
-        else:
-            efficiency = hw.matmul_efficiency
-        compute = flops / (self._peak(float_dtype) * efficiency) if flops else 0.0
-        memory = nbytes / (hw.memory_Bps * hw.memory_efficiency)
-        roof = max(compute, memory)
-        if hw.async_launch:
-            seconds = max(roof, hw.op_overhead_s) if moves or flops else 0.0
-        else:
-            seconds = roof + hw.op_overhead_s
-        self._add(Tally(flops, nbytes, seconds, 1))
-
-
-def _gemm_dims(packet: Any, args: tuple) -> tuple[int, int, int]:
-    """``(m, n, k)`` of a GEMM operator's ``(m x k) @ (k x n)``, batch dimensions folded into m."""
-    a, b = (args[1], args[2]) if packet in (aten.addmm, aten.baddbmm) else (args[0], args[1])
-    batch = int(a.shape[0]) if a.dim() == 3 else 1
-    return batch * int(a.shape[-2]), int(b.shape[-1]), int(a.shape[-1])
-
-
-_SDPA_SIGNATURE = inspect.Signature(
-    [
-        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
-        for name, default in (
-            ("query", inspect.Parameter.empty),
-            ("key", inspect.Parameter.empty),
-            ("value", inspect.Parameter.empty),
-            ("attn_mask", None),
-            ("dropout_p", 0.0),
-            ("is_causal", False),
-            ("scale", None),
-            ("enable_gqa", False),
-        )
-    ]
-)
-
-
-class _FusedAttention(torch.autograd.Function):
-    """Scaled-dot-product attention charged as the fused kernel that really runs.
-
-    On the meta device ``F.scaled_dot_product_attention`` takes the unfused math path (scores and
-    probabilities materialised, S x S each, and saved for backward). A GPU runs FlashAttention /
-    memory-efficient attention instead (Dao et al. 2022): it reads Q, K, V, writes O and the
-    log-sum-exp, saves only those, and recomputes the scores in backward. Its FLOPs are
-    ``torch.utils.flop_counter``'s sdpa formulas (backward includes the recomputation), at the
-    kernel's own efficiency (``HardwareSpec.attention_efficiency``).
-
-    Causal attention (``is_causal=True``) is charged half of those FLOPs, forward and backward:
-    the flash kernels skip the key blocks above the diagonal (FlashAttention-2 / -3 and cuDNN), and
-    their own benchmarks count causal attention as half the FLOPs (``flops(..., causal)`` in
-    flash-attn's benchmarks). ``torch.utils.flop_counter`` charges the full count whatever
-    ``is_causal`` says. An explicit ``attn_mask`` is charged in full: on the meta device a mask
-    has no values, so a causal one cannot be told from any other.
-
-    The output follows the query's layout, as the kernels allocate it (``empty_like`` of the query
-    seen as (batch, seq, heads, dim), FlashAttention's ``mha_fwd``): a query that is a transposed
-    view of a (batch, seq, heads, dim) projection gets an output whose ``transpose(1, 2)`` is
-    contiguous, so the usual ``o.transpose(1, 2).reshape(b, s, h)`` after attention is a view and
-    charges no copy, as on a GPU.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        roof: Roofline,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: torch.Tensor | None,
-        causal: bool,
-    ) -> torch.Tensor:
-        o = _attention_output(q, v.shape[-1])
-        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        share = 0.5 if causal else 1.0
-        roof.charge_fused(
-            share * sdpa_flop_count(q.shape, k.shape, v.shape),
-            [q, k, v, o, lse] + ([mask] if mask is not None else []),
-            q.dtype,
-            roof.hw.attention_efficiency(backward=False),
-        )
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.roof = roof
-        ctx.share = share
-        return o
-
-    @staticmethod
-    def backward(ctx: Any, do: torch.Tensor) -> tuple:  # type: ignore[override]
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        ctx.roof.charge_fused(
-            ctx.share * sdpa_backward_flop_count(do.shape, q.shape, k.shape, v.shape),
-            [q, k, v, o, lse, do, dq, dk, dv],
-            q.dtype,
-            ctx.roof.hw.attention_efficiency(backward=True),
-        )
-        return None, dq, dk, dv, None, None
-
-
-def _attention_output(q: torch.Tensor, dim_v: int) -> torch.Tensor:
-    """The fused kernel's output for query ``q`` (b, a, s, d): laid out as (b, s, a, d) when the
-    query is (a transposed view of a contiguous (b, s, a, d)), else as (b, a, s, d)."""
-    b, a, s, _ = q.shape
-    if q.transpose(1, 2).is_contiguous():
-        return q.new_empty((b, s, a, dim_v)).transpose(1, 2)
-    return q.new_empty((b, a, s, dim_v))
-
-
-_ORIGINAL_SDPA = F.scaled_dot_product_attention
-_ACTIVE: list[Roofline] = []  # the Roofline whose phase is running (innermost last)
-
-
-def _sdpa(*args: Any, **kwargs: Any) -> Any:
-    """``F.scaled_dot_product_attention`` as charged: fused where a fused kernel runs (see below)."""
-    if _ACTIVE:
-        roof = _ACTIVE[-1]
-        a = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
-        q, k, v = a["query"], a["key"], a["value"]
-        fused = roof.hw.async_launch or not a.get("dropout_p", 0.0)
-        if fused and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.shape[1] % k.shape[1] == 0:
-            return _FusedAttention.apply(roof, q, k, v, a.get("attn_mask"), bool(a.get("is_causal", False)))
-    return _ORIGINAL_SDPA(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _fused_attention(roof: Roofline) -> Iterator[None]:
-    """Route scaled-dot-product attention to ``_FusedAttention`` where a fused kernel runs.
-
-    GPUs have a fused kernel for every case here (FlashAttention; memory-efficient attention for
-    fp32 and masks). PyTorch's CPU flash kernel has no dropout, so on a CPU attention with dropout
-    stays unfused, as it runs there. Two routes lead here: fx graphs that call the function
-    directly have their nodes retargeted (``_fuse_attention_nodes``), and the module attribute is
-    swapped for the duration, for calls nested in leaf modules (``nn.MultiheadAttention`` calls it
-    from ``F.multi_head_attention_forward``; a TorchFunctionMode would not see that nested call).
-    A name imported before (``from torch.nn.functional import scaled_dot_product_attention``)
-    inside a leaf module keeps the unfused estimate, which over-counts bytes only.
-    """
-    _ACTIVE.append(roof)
-    try:
-        with swapped_sdpa(_sdpa):
-            yield
-    finally:
-        _ACTIVE.pop()
-
-
-def _fuse_attention_nodes(stage: torch.fx.GraphModule) -> None:
-    """Point the stage's attention calls at ``_sdpa`` (the stage is this module's private copy):
-    fx graphs call ``F.scaled_dot_product_attention``, torch.export graphs the aten operator
-    (same parameters), which would otherwise decompose into the unfused math on the meta device."""
-    changed = False
-    for node in stage.graph.nodes:
-        if node.op == "call_function" and node.target in (
-            _ORIGINAL_SDPA,
-            torch.ops.aten.scaled_dot_product_attention.default,
-        ):
-            node.target = _sdpa
-            changed = True
-    if changed:
-        stage.recompile()
 
 
 def _meta_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -628,7 +279,7 @@ def estimate_blocks(
     bar = tqdm(traced.blocks, desc="estimating blocks", unit="block", disable=None if progress else True, leave=False)
     for k, block in enumerate(bar):
         stage = build_stage_module(traced, k, k + 1, check_cuts=False)
-        _fuse_attention_nodes(stage)
+        fuse_attention_nodes(stage)
         last = k == n - 1
         key = structure_key(stage, current, last)
         if key in seen:
