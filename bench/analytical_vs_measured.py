@@ -7,8 +7,8 @@ are not here, pointed at the one that is. Writes per-block and per-model errors 
 docs/analytical_vs_measured.md. Run it on a quiet machine (other processes skew both the
 calibration and the measurement).
 
-    python bench/analytical_vs_measured.py                      # calibrate (cached), measure, write
-    python bench/analytical_vs_measured.py --repeats 1 --warmup 1 --refresh-calibration
+    python -m bench.analytical_vs_measured                      # calibrate (cached), measure, write
+    python -m bench.analytical_vs_measured --repeats 1 --warmup 1 --refresh-calibration
 """
 
 from __future__ import annotations
@@ -18,20 +18,16 @@ import datetime as dt
 import platform
 import socket
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-from tabulate import tabulate  # noqa: E402
-
-from planner.capture.load import load_model_file  # noqa: E402
-from planner.capture.trace import trace_model  # noqa: E402
-from planner.costs.cpu import calibrated_cpu  # noqa: E402
-from planner.costs.estimate import estimate_blocks  # noqa: E402
-from planner.costs.measure import profile_blocks  # noqa: E402
-from planner.schema.costs import OptimizerSpec  # noqa: E402
+from bench.common import DOCS, MODELS, table, write_page
+from planner.capture.load import load_model_file
+from planner.capture.trace import trace_model
+from planner.costs.cpu import calibrated_cpu
+from planner.costs.estimate import estimate_blocks
+from planner.costs.measure import profile_blocks
+from planner.schema.costs import OptimizerSpec
 
 # (model file, size, overrides, microbatch size)
 CASES = [
@@ -51,7 +47,7 @@ def _ms(x: float) -> str:
 
 
 def run_case(path: str, size: str, overrides: dict, batch: int, hw, warmup: int, repeats: int):
-    mf = load_model_file(ROOT / "models" / path, size, overrides)
+    mf = load_model_file(MODELS / path, size, overrides)
     torch.manual_seed(0)
     model = mf.build()
     inputs, target = mf.batch(batch)
@@ -102,7 +98,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--refresh-calibration", action="store_true")
     parser.add_argument("--cache", default=None, help="calibration cache file (default ~/.cache/planner/cpu.json)")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "analytical_vs_measured.md"))
+    parser.add_argument("--out", default=str(DOCS / "analytical_vs_measured.md"))
     args = parser.parse_args()
 
     hw = calibrated_cpu(1, path=args.cache, refresh=args.refresh_calibration)
@@ -123,7 +119,7 @@ def main() -> None:
     for path, size, overrides, batch in CASES:
         label, rows, summary = run_case(path, size, overrides, batch, hw, args.warmup, args.repeats)
         print(label, summary[3], file=sys.stderr)
-        sections.append(f"### {label}\n\n" + tabulate(rows, headers, tablefmt="github") + "\n")
+        sections.append(f"### {label}\n\n" + table(rows, headers, numparse=True) + "\n")
         summaries.append(summary)
     now = dt.datetime.now().astimezone().isoformat(timespec="seconds")
     text = "\n".join(
@@ -143,10 +139,10 @@ def main() -> None:
             "",
             "## Per model (forward + backward of all blocks, one microbatch; optimizer step)",
             "",
-            tabulate(
+            table(
                 summaries,
                 ["model", "fwd+bwd ms meas", "est", "err", "opt ms meas", "est", "err", "abs block err"],
-                tablefmt="github",
+                numparse=True,
             ),
             "",
             "## Per block",
@@ -154,7 +150,7 @@ def main() -> None:
             *sections,
         ]
     )
-    Path(args.out).write_text(text)
+    write_page(args.out, text)
     print(f"wrote {args.out}", file=sys.stderr)
 
 
