@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tabulate import tabulate
 
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from planner.capture.load import ModelFile
     from planner.schema.request import PlanRequest
 
+T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 MODELS = ROOT / "models"
@@ -113,27 +114,29 @@ def run_path_of(plan_path: Path, tag: str = "") -> Path:
     return plan_path.with_name(plan_path.stem + (f".{tag}" if tag else "") + ".run.json")
 
 
+def written(
+    argv: Sequence[str], cwd: Path, what: str, path: Path, load: Callable[[Path], T], timeout_s: float
+) -> tuple[T | None, str]:
+    """Run a `planner` command in ``cwd`` (``what``: its name in messages), then read the file it
+    wrote at ``path`` with ``load``: that, or None and the error line."""
+    error = planner_command(argv, cwd, timeout_s)
+    if error:
+        return None, f"{what}: {error}"
+    try:
+        return load(path), ""
+    except PlannerError as exc:
+        return None, f"reading {path.name}: {last_line(str(exc))}"
+
+
 def plan_file(argv: Sequence[str], plan_path: Path, timeout_s: float) -> tuple[Plan | None, str]:
     """`planner plan` (``argv``, writing ``plan_path``); the plan it wrote, or the error line."""
-    error = planner_command(argv, plan_path.parent, timeout_s)
-    if error:
-        return None, f"planner plan: {error}"
-    try:
-        return Plan.load(plan_path), ""
-    except PlannerError as exc:
-        return None, f"reading {plan_path.name}: {last_line(str(exc))}"
+    return written(argv, plan_path.parent, "planner plan", plan_path, Plan.load, timeout_s)
 
 
 def run_plan_file(plan_path: Path, run_path: Path, steps: int, timeout_s: float) -> tuple[RunResult | None, str]:
     """`planner run` a plan file; the run it wrote, or the error line."""
     argv = [PLANNER, "run", str(plan_path), "--steps", str(steps), "--no-checkpoint", "-o", str(run_path)]
-    error = planner_command(argv, plan_path.parent, timeout_s)
-    if error:
-        return None, f"planner run: {error}"
-    try:
-        return RunResult.load(run_path), ""
-    except PlannerError as exc:
-        return None, f"reading {run_path.name}: {last_line(str(exc))}"
+    return written(argv, plan_path.parent, "planner run", run_path, RunResult.load, timeout_s)
 
 
 def plan_and_run(
