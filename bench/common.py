@@ -55,7 +55,7 @@ class Finished:
 
     @property
     def error(self) -> str:
-        """ "" when the command succeeded, else one line saying how it failed."""
+        """Empty when the command succeeded, else one line saying how it failed."""
         if self.returncode is None:
             return self.note
         if self.returncode == 0:

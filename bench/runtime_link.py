@@ -371,23 +371,51 @@ def paired_rows(pairs: Sequence[Paired]) -> list[list[str]]:
     return rows
 
 
+FLOOR_HEADERS = [
+    "ranks",
+    "schedule",
+    "message",
+    "step ms (median)",
+    "module alone fwd / bwd ms",
+    "runtime per action beyond it, fwd / bwd ms",
+    "fitted latency ms",
+    "fitted bandwidth GB/s",
+]
+PAGE = """# The pipelining runtime's own cost per message, and the link a plan needs
+
+Written by `{script}` on {today} ({machine}) in {seconds:.0f} s. Rerun with
+`{rerun} [--runs DIR ...]`.
+
+**What was measured.** {ranks} processes (gloo, 1 thread each) ran
+`torch.distributed.pipelining`'s GPipe and 1F1B schedules, {a.microbatches} microbatches of {rows} rows,
+{a.steps} timed steps after 3 warm-up steps, with stages that only multiply their input by a
+parameter, at an 8 KiB and a 4 MiB message; each step ends with the gradient-norm all-reduce. The
+latency and bandwidth are those at which the planner's own step model (`planner.core.predict.predict`,
+the stage modules' compute timed alone, the messages' processor share as the plan's link has it)
+gives the measured median steps: the latency from the small message, the bandwidth from the large
+one, per (ranks, schedule).
+
+## The runtime's floor
+
+{floor}
+
+## The same plans and runs, predicted with each link
+
+Every kept plan in {folders} folder(s) re-predicted twice with today's step model, once with the
+plan link (`GLOO_CPU_LINK`) and once with the measured floor for its ranks and schedule, against the
+same run: errors of the predicted step, mean signed / mean absolute, over {runs} runs. Same
+profiles, same runs: the difference between the two columns is the links' alone.
+
+{compared}
+
+(what the figures say: docs/prediction_accuracy.md)
+"""
+
+
 def page(
     args: argparse.Namespace, samples: Sequence[Sample], links: dict, pairs: Sequence[Paired], seconds: float
 ) -> str:
     """The markdown page."""
-    floor = table(
-        floor_rows(samples, links),
-        [
-            "ranks",
-            "schedule",
-            "message",
-            "step ms (median)",
-            "module alone fwd / bwd ms",
-            "runtime per action beyond it, fwd / bwd ms",
-            "fitted latency ms",
-            "fitted bandwidth GB/s",
-        ],
-    )
     compared = (
         "No kept runs were given (`--runs DIR ...`)."
         if not pairs
@@ -402,35 +430,20 @@ def page(
             ],
         )
     )
-    return f"""# The pipelining runtime's own cost per message, and the link a plan needs
-
-Written by `{SCRIPT}` on {dt.date.today().isoformat()} ({machine()}) in {seconds:.0f} s. Rerun with
-`{RERUN} [--runs DIR ...]`.
-
-**What was measured.** {", ".join(map(str, args.ranks))} processes (gloo, 1 thread each) ran
-`torch.distributed.pipelining`'s GPipe and 1F1B schedules, {args.microbatches} microbatches of {ROWS} rows,
-{args.steps} timed steps after 3 warm-up steps, with stages that only multiply their input by a
-parameter, at an 8 KiB and a 4 MiB message; each step ends with the gradient-norm all-reduce. The
-latency and bandwidth are those at which the planner's own step model (`planner.core.predict.predict`,
-the stage modules' compute timed alone, the messages' processor share as the plan's link has it)
-gives the measured median steps: the latency from the small message, the bandwidth from the large
-one, per (ranks, schedule).
-
-## The runtime's floor
-
-{floor}
-
-## The same plans and runs, predicted with each link
-
-Every kept plan in {len(args.runs)} folder(s) re-predicted twice with today's step model, once with the
-plan link (`GLOO_CPU_LINK`) and once with the measured floor for its ranks and schedule, against the
-same run: errors of the predicted step, mean signed / mean absolute, over {len(pairs)} runs. Same
-profiles, same runs: the difference between the two columns is the links' alone.
-
-{compared}
-
-(what the figures say: docs/prediction_accuracy.md)
-"""
+    return PAGE.format(
+        script=SCRIPT,
+        today=dt.date.today().isoformat(),
+        machine=machine(),
+        seconds=seconds,
+        rerun=RERUN,
+        ranks=", ".join(map(str, args.ranks)),
+        a=args,
+        rows=ROWS,
+        floor=table(floor_rows(samples, links), FLOOR_HEADERS),
+        folders=len(args.runs),
+        runs=len(pairs),
+        compared=compared,
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
