@@ -12,10 +12,10 @@ more experiments: a calibration carried over to another split (`--calibrate`, th
 by one block), and whether the planner's split is the measured faster one against a near-equal
 neighbour. Writes docs/cost_accuracy.md (and docs/cost_accuracy_blocks.csv, every block's figures).
 
-    .venv/bin/python bench/cost_accuracy.py                          # everything (about 20-25 minutes on 2 idle cores)
-    .venv/bin/python bench/cost_accuracy.py --quick                  # mlp_stack, 2 ranks, 1f1b: a smoke test
-    .venv/bin/python bench/cost_accuracy.py --models toy mlp_stack --ranks 2
-    .venv/bin/python bench/cost_accuracy.py --size-bench             # the bench models at their bench size
+    .venv/bin/python -m bench.cost_accuracy                          # everything (about 20-25 minutes on 2 idle cores)
+    .venv/bin/python -m bench.cost_accuracy --quick                  # mlp_stack, 2 ranks, 1f1b: a smoke test
+    .venv/bin/python -m bench.cost_accuracy --models toy mlp_stack --ranks 2
+    .venv/bin/python -m bench.cost_accuracy --size-bench             # the bench models at their bench size
 
 A command that fails becomes a failed row (its last error line) in the tables; the bench goes on.
 """
@@ -25,14 +25,10 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as dt
-import importlib.util
+import io
 import math
-import os
-import platform
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,33 +36,46 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-from seed_systems import background_cpu  # noqa: E402  (bench/ is on sys.path: this script's folder)
-from tabulate import tabulate  # noqa: E402
-
-from planner.capture.load import load_model_file  # noqa: E402
-from planner.core.calibrate import apply_calibration, calibrate  # noqa: E402
-from planner.core.predict import (  # noqa: E402
-    block_times_in_stages,
-    predict_plan,
-    refresh,
-    simulate_plan,
-    stage_times,
-    stage_waits,
+from bench.cases import (
+    BENCH_MODELS,
+    DASH,
+    DEFAULT_MB_SAMPLES,
+    Case,
+    Isolated,
+    ModelSpec,
+    discover,
+    make_case,
+    mean_abs,
+    ms,
+    pct,
+    plan_argv,
+    plan_split,
+    rel,
+    run_case,
+    shared_compute,
+    split_of,
 )
-from planner.errors import PlannerError  # noqa: E402
-from planner.schema.plan import Plan  # noqa: E402
-from planner.schema.result import RunResult  # noqa: E402
+from bench.common import (
+    DOCS,
+    ROOT,
+    background_cpu,
+    last_line,
+    machine,
+    planner_command,
+    run_path_of,
+    run_plan_file,
+    table,
+    write_page,
+)
+from planner.capture.load import load_model_file
+from planner.core.calibrate import apply_calibration, calibrate
+from planner.core.predict import block_times_in_stages, predict_plan, refresh, stage_waits
+from planner.errors import PlannerError
+from planner.schema.plan import Plan
+from planner.schema.result import RunResult
 
 SCRIPT = "bench/cost_accuracy.py"
-PLANNER = str(Path(sys.executable).parent / "planner")  # the venv that runs this script is the one measured
-SEED = "0"
-BENCH_MODELS = ("mlp_stack", "heavy_middle")
-MB_SAMPLES: dict[str, int] = {"resnet50": 4}  # samples per microbatch (batch norm needs >= 2); others: DEFAULT
-DEFAULT_MB_SAMPLES = 8  # --mb-samples; large enough that a block is not a few microseconds of work
+RERUN = ".venv/bin/python -m bench.cost_accuracy"
 CROSS_SPLIT_MODELS = ("mlp_stack", "gpt")
 SPLIT_CHOICE_MODELS = ("heavy_middle", "mlp_stack")
 BUSY_WARNING = 0.25  # above this share of the CPU used by others, the page says so
@@ -79,163 +88,11 @@ TARGETS: list[tuple[str, float]] = [
     ("peak memory per stage, mean abs error", 8.0),
     ("cross-split calibrated step time, max abs error (of the means over alternating pairs)", 5.0),
 ]
-DASH = "-"
 
 
 # --------------------------------------------------------------------------------------------------
-# models and cases
+# the isolated profile
 # --------------------------------------------------------------------------------------------------
-Isolated = dict[str, tuple[float, float]]  # block name -> (fwd_s, bwd_s) per microbatch, timed alone
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """One model file to bench: its name in the tables, where it lies in the workspace, and its size."""
-
-    name: str  # "gpt", "hf/gpt2", "mlp_stack"
-    path: Path
-    size: str | None
-    skip: str = ""  # why it is not run (empty: it is)
-
-
-@dataclass
-class Case:
-    """One (model, ranks, schedule): the plan and run it made, or why it failed."""
-
-    model: ModelSpec
-    ranks: int
-    schedule: str
-    batch: int
-    microbatches: int
-    plan_path: Path
-    error: str = ""
-    plan: Plan | None = None
-    run: RunResult | None = None
-    seconds: float = 0.0
-    isolated: Isolated | None = None  # every block timed alone (`in_context=False`), by block name
-    isolated_error: str = ""  # why the isolated profile failed
-
-    @property
-    def label(self) -> str:
-        """The case in words, for progress lines."""
-        return f"{self.model.name} p={self.ranks} {self.schedule}"
-
-
-def smallest_size(path: Path) -> str | None:
-    """`tiny` if the file has it, else its first SIZES entry, else None (the file's own defaults)."""
-    sizes = getattr(load_model_file(path).module, "SIZES", None) or {}
-    return "tiny" if "tiny" in sizes else next(iter(sizes), None)
-
-
-def discover(work: Path, wanted: Sequence[str] | None, bench_size: bool) -> list[ModelSpec]:
-    """Copy the model files into `work` and list those selected (by name or file stem)."""
-    shutil.copytree(ROOT / "models", work / "models", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(ROOT / "bench" / "models", work / "bench_models", ignore=shutil.ignore_patterns("__pycache__"))
-    files = [(p.stem, p) for p in sorted((work / "models").glob("*.py"))]
-    files += [(f"hf/{p.stem}", p) for p in sorted((work / "models" / "hf").glob("*.py"))]
-    files += [(stem, work / "bench_models" / f"{stem}.py") for stem in BENCH_MODELS]
-    has_hf = importlib.util.find_spec("transformers") is not None
-    specs = []
-    for name, path in files:
-        if wanted and name not in wanted and path.stem not in wanted:
-            continue
-        if name.startswith("hf/") and not has_hf:
-            specs.append(ModelSpec(name, path, None, skip="transformers is not installed"))
-            continue
-        try:
-            size = "bench" if bench_size and name in BENCH_MODELS else smallest_size(path)
-        except Exception as exc:  # noqa: BLE001 - a file that does not import is named, not fatal
-            specs.append(ModelSpec(name, path, None, skip=f"cannot import: {type(exc).__name__}: {exc}"))
-            continue
-        specs.append(ModelSpec(name, path, size))
-    return specs
-
-
-def make_case(work: Path, model: ModelSpec, ranks: int, schedule: str, tag: str = "") -> Case:
-    """A case with its batch: 2 microbatches per rank, each of MB_SAMPLES samples."""
-    microbatches = 2 * ranks
-    batch = microbatches * MB_SAMPLES.get(model.name, DEFAULT_MB_SAMPLES)
-    stem = f"{model.name.replace('/', '_')}_p{ranks}_{schedule}{tag}"
-    return Case(model, ranks, schedule, batch, microbatches, work / f"{stem}.json")
-
-
-# --------------------------------------------------------------------------------------------------
-# running commands
-# --------------------------------------------------------------------------------------------------
-def last_line(*texts: str) -> str:
-    """The last non-empty line of the first text that has one, fit for a markdown table cell."""
-    for text in texts:
-        lines = [line.strip() for line in text.splitlines() if line.strip()]
-        if lines:
-            line = lines[-1]
-            return (line[:200] + " ...").replace("|", "\\|") if len(line) > 200 else line.replace("|", "\\|")
-    return ""
-
-
-def execute(argv: Sequence[str], cwd: Path, timeout_s: float) -> str:
-    """Run one command; return "" if it succeeded, else its error line.
-
-    `planner run` starts one process per rank; `start_new_session` puts them in a group of their own,
-    so a timeout stops exactly the processes this command started.
-    """
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-    proc = subprocess.Popen(
-        list(argv), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-        return f"timed out after {timeout_s:.0f} s (stopped)"
-    if proc.returncode == 0:
-        return ""
-    return f"exit {proc.returncode}: {last_line(err, out) or 'nothing printed'}"
-
-
-PLAN_OPTIONS: list[str] = []  # more `planner plan` options for every case (bench/repeated_accuracy.py --plan-repeats)
-
-
-def plan_argv(case: Case, *extra: str) -> list[str]:
-    """`planner plan` for a case."""
-    words = ["plan", str(case.model.path), "--gpus", str(case.ranks), "--schedule", case.schedule, *PLAN_OPTIONS]
-    words += ["-b", str(case.batch), "-m", str(case.microbatches), "--seed", SEED, "-q", "-o", str(case.plan_path)]
-    return [PLANNER, *words, *(["--size", case.model.size] if case.model.size else []), *extra]
-
-
-def run_plan_file(plan_path: Path, run_path: Path, steps: int, timeout_s: float) -> tuple[RunResult | None, str]:
-    """`planner run` a plan file; the run it wrote, or the error line."""
-    argv = [PLANNER, "run", str(plan_path), "--steps", str(steps), "--no-checkpoint", "-o", str(run_path)]
-    error = execute(argv, plan_path.parent, timeout_s)
-    if error:
-        return None, f"planner run: {error}"
-    try:
-        return RunResult.load(run_path), ""
-    except PlannerError as exc:
-        return None, f"reading {run_path.name}: {last_line(str(exc))}"
-
-
-def run_case(case: Case, steps: int, timeout_s: float) -> Case:
-    """Plan and run one case, keeping what it wrote or why it failed."""
-    t0 = time.perf_counter()
-    error = execute(plan_argv(case), case.plan_path.parent, timeout_s)
-    if error:
-        case.error = f"planner plan: {error}"
-    else:
-        try:
-            case.plan = Plan.load(case.plan_path)
-        except PlannerError as exc:
-            case.error = f"reading {case.plan_path.name}: {last_line(str(exc))}"
-    if case.plan is not None:
-        case.run, case.error = run_plan_file(case.plan_path, run_path_of(case.plan_path), steps, timeout_s)
-    case.seconds = time.perf_counter() - t0
-    return case
-
-
 def isolated_profile(case: Case) -> Isolated:
     """Every block of a case's model timed alone (`profile_model(..., in_context=False)`), in this process.
 
@@ -244,6 +101,7 @@ def isolated_profile(case: Case) -> Isolated:
     """
     from planner.capture.trace import trace_model
     from planner.costs.measure import profile_model
+    from planner.costs.settings import ProfileSettings, Sample
 
     plan = case.plan
     assert plan is not None
@@ -251,19 +109,15 @@ def isolated_profile(case: Case) -> Isolated:
     model = mf.build(seed=plan.model.seed)
     inputs, target = mf.batch(plan.microbatch_size, seed=plan.model.seed)
     traced = trace_model(model, inputs)
-    profile = profile_model(
-        traced,
-        inputs,
-        target,
-        mf.loss_fn,
+    settings = ProfileSettings(
         warmup=plan.profile.warmup,
         repeats=plan.profile.repeats,
         threads=plan.profile.threads,
         progress=False,
         autocast=plan.profile.autocast,
         compile=plan.compile,
-        in_context=False,
     )
+    profile = profile_model(traced, Sample(inputs, target, mf.loss_fn), settings, in_context=False)
     return {b.name: (b.fwd_s, b.bwd_s) for b in profile.costs}
 
 
@@ -289,11 +143,6 @@ def attach_isolated(cases: Sequence[Case]) -> None:
         case.isolated, case.isolated_error = done[key]
 
 
-def run_path_of(plan_path: Path, tag: str = "") -> Path:
-    """Where the run of a plan file goes: X.run.json (or X.<tag>.run.json)."""
-    return plan_path.with_name(plan_path.stem + (f".{tag}" if tag else "") + ".run.json")
-
-
 def progress(i: int, n: int, case: Case) -> None:
     """One printed line per finished case."""
     if case.error:
@@ -309,43 +158,9 @@ def progress(i: int, n: int, case: Case) -> None:
 # --------------------------------------------------------------------------------------------------
 # figures
 # --------------------------------------------------------------------------------------------------
-def rel(predicted: float, measured: float | None) -> float | None:
-    """(predicted - measured) / measured in %, None when there is no measurement."""
-    if measured is None or measured <= 0 or math.isnan(measured):
-        return None
-    return 100 * (predicted - measured) / measured
-
-
-def pct(x: float | None) -> str:
-    """A signed percentage, or a dash."""
-    return DASH if x is None else f"{x:+.1f}%"
-
-
-def ms(seconds: float | None) -> str:
-    """Milliseconds with two decimals, or a dash."""
-    return DASH if seconds is None else f"{seconds * 1e3:.2f}"
-
-
 def mib(n: float | None) -> str:
     """MiB with one decimal, or a dash."""
     return DASH if n is None else f"{n / 2**20:.1f}"
-
-
-def mean_abs(xs: Sequence[float | None]) -> float | None:
-    """Mean of the absolute values that exist, None when none does."""
-    vals = [abs(x) for x in xs if x is not None]
-    return statistics.mean(vals) if vals else None
-
-
-def split_of(starts: Sequence[int], n_blocks: int) -> str:
-    """Blocks per stage, e.g. 3+4."""
-    ends = [*starts[1:], n_blocks]
-    return "+".join(str(b - a) for a, b in zip(starts, ends))
-
-
-def plan_split(plan: Plan) -> str:
-    """A plan's blocks per stage."""
-    return split_of([s.start for s in plan.stages], len(plan.blocks))
 
 
 @dataclass
@@ -355,30 +170,6 @@ class CaseErrors:
     step: float | None
     compute: list[float | None] = field(default_factory=list)
     memory: list[float | None] = field(default_factory=list)
-
-
-def shared_compute(plan: Plan) -> list[float]:
-    """Per stage, fwd + bwd per microbatch as the simulator stretches them when ranks share cores.
-
-    With more ranks than cores (4 ranks on 2 cores, one thread each) a rank's actions run slower
-    while others compute; the simulator models that (processor sharing), and the run's action times
-    include it. Each stage's forward and backward are scaled by the mean stretch of its simulated F
-    and B actions (duration / unshared duration); without sharing this is ``fwd_s + bwd_s``.
-    """
-    sim = simulate_plan(plan)
-    unshared = stage_times(plan.stages, plan.link.cpu_share)
-    out = []
-    for i, st in enumerate(plan.stages):
-
-        def stretch(kind: str, i: int = i) -> float:
-            # the action's processor part (all but its wait, StageTimes.msg) is what sharing stretches
-            wait = unshared[i].msg
-            alone = unshared[i].of(kind) - wait
-            d = [e.end_s - e.start_s - wait for e in sim.events if e.stage == i and e.kind == kind]
-            return statistics.mean(d) / alone if d and alone > 0 else 1.0
-
-        out.append(st.fwd_s * stretch("F") + st.bwd_s * stretch("B"))
-    return out
 
 
 def case_errors(case: Case) -> CaseErrors:
@@ -399,11 +190,6 @@ def ok_cases(cases: Sequence[Case]) -> list[Case]:
 # --------------------------------------------------------------------------------------------------
 # tables 1 and 2: step and stages
 # --------------------------------------------------------------------------------------------------
-def table(rows: list[list[str]], headers: Sequence[str]) -> str:
-    """A GitHub markdown table, cells as given."""
-    return tabulate(rows, headers=list(headers), tablefmt="github", disable_numparse=True)
-
-
 def step_table(cases: Sequence[Case], skipped: Sequence[ModelSpec]) -> str:
     """Table 1: one row per case, failed cases with their error line, skipped models named."""
     rows = []
@@ -658,10 +444,11 @@ def block_section(cases: Sequence[Case], csv_path: Path) -> str:
         summary_rows.append(block_summary(c, pairs))
         if c.model.name != "toy":  # blocks of microseconds: their ratios are the clock's resolution
             by_ranks.setdefault(c.ranks, []).extend(pairs)
-    with csv_path.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(BLOCK_CSV_HEADERS)
-        writer.writerows(all_rows)
+    out = io.StringIO(newline="")
+    writer = csv.writer(out)
+    writer.writerow(BLOCK_CSV_HEADERS)
+    writer.writerows(all_rows)
+    write_page(csv_path, out.getvalue())
     headers = ["model", "ranks", "schedule", "blocks compared"]
     for side in ("fwd", "bwd"):
         headers += [f"{side} pipeline/in-context (mean)", f"{side} pipeline/in-context (time-weighted)"]
@@ -878,7 +665,7 @@ def base_case(ctx: Context, model: ModelSpec) -> Case:
     for case in [*ctx.cases, *ctx.extra_cases]:
         if (case.model.name, case.ranks, case.schedule) == (model.name, 2, "1f1b"):
             return case
-    case = run_case(make_case(ctx.work, model, 2, "1f1b"), ctx.steps, ctx.timeout_s)
+    case = run_case(make_case(ctx.work, model, 2, "1f1b", mb_samples=ctx.mb_samples), ctx.steps, ctx.timeout_s)
     ctx.extra_cases.append(case)
     progress(0, 0, case)
     return case
@@ -894,6 +681,7 @@ class Context:
     steps: int
     timeout_s: float
     pairs: int
+    mb_samples: int  # samples per microbatch (--mb-samples)
     extra_cases: list[Case] = field(default_factory=list)  # base cases the sweep did not run
 
 
@@ -942,8 +730,8 @@ class CrossSplit:
 
 def calibrated_plan(ctx: Context, a: Case) -> tuple[Plan | None, str]:
     """`planner plan ... --calibrate A.run.json` (same model, ranks, schedule, batch)."""
-    c = make_case(ctx.work, a.model, a.ranks, a.schedule, tag="_calibrated")
-    error = execute(plan_argv(c, "--calibrate", str(run_path_of(a.plan_path))), ctx.work, ctx.timeout_s)
+    c = make_case(ctx.work, a.model, a.ranks, a.schedule, tag="_calibrated", mb_samples=ctx.mb_samples)
+    error = planner_command(plan_argv(c, "--calibrate", str(run_path_of(a.plan_path))), ctx.work, ctx.timeout_s)
     if error:
         return None, f"planner plan --calibrate: {error}"
     return Plan.load(c.plan_path), ""
@@ -1185,20 +973,6 @@ def split_choice_section(r: SplitChoice | None) -> str:
 # --------------------------------------------------------------------------------------------------
 # the page
 # --------------------------------------------------------------------------------------------------
-def machine() -> str:
-    """CPU model, cores, torch and Python versions."""
-    cpu = "unknown CPU"
-    try:
-        cpu = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        pass
-    return f"{platform.node()}: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
-
-
 def source_of(model: ModelSpec) -> str:
     """The model file's path in the repository (it ran from a copy)."""
     if model.name in BENCH_MODELS:
@@ -1219,7 +993,7 @@ def header(args: argparse.Namespace, cases: Sequence[Case], seconds: float, busy
     return f"""# Cost model accuracy: predicted vs measured
 
 Written by `{SCRIPT}` on {dt.date.today().isoformat()} ({machine()}). Rerun with
-`.venv/bin/python {SCRIPT}` (`--help` for the options). The whole bench took {seconds / 60:.1f} minutes,
+`{RERUN}` (`--help` for the options). The whole bench took {seconds / 60:.1f} minutes,
 {per_case:.0f} s per case (plan + run) on average; other processes used {load} of the CPU just before /
 after it (2-second samples of /proc/stat).
 
@@ -1261,7 +1035,7 @@ def busy_warning(busy: tuple[float, float]) -> str:
     )
 
 
-def write_page(args: argparse.Namespace, result: BenchResult) -> list[str]:
+def write_outputs(args: argparse.Namespace, result: BenchResult) -> list[str]:
     """Write the doc (and the block CSV); return the summary lines for the console."""
     csv_path = args.out.with_name(args.out.stem + "_blocks.csv")
     skipped = "(not run: --no-extras)" if args.no_extras else ""
@@ -1312,7 +1086,7 @@ def write_page(args: argparse.Namespace, result: BenchResult) -> list[str]:
         "## What the figures say",
         "(analysis: see docs/prediction_accuracy.md)",
     ]
-    args.out.write_text("\n\n".join(sections).rstrip() + "\n")
+    write_page(args.out, "\n\n".join(sections).rstrip() + "\n")
     return lines
 
 
@@ -1349,7 +1123,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per command before it is stopped")
     parser.add_argument("--quick", action="store_true", help="mlp_stack, 2 ranks, 1f1b, 2 pairs: a smoke test")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (its path is printed)")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "cost_accuracy.md")
+    parser.add_argument("--out", type=Path, default=DOCS / "cost_accuracy.md")
     args = parser.parse_args(argv)
     if args.quick:
         args.models = args.models or ["mlp_stack"]
@@ -1382,7 +1156,13 @@ def extras(ctx: Context, run_them: bool) -> tuple[list[CrossSplit], SplitChoice 
 
 def sweep(work: Path, specs: Sequence[ModelSpec], args: argparse.Namespace) -> list[Case]:
     """Plan and run every (model, ranks, schedule), one printed line per case; then the isolated profiles."""
-    todo = [make_case(work, m, r, s) for m in specs if not m.skip for r in args.ranks for s in args.schedules]
+    todo = [
+        make_case(work, m, r, s, mb_samples=args.mb_samples)
+        for m in specs
+        if not m.skip
+        for r in args.ranks
+        for s in args.schedules
+    ]
     for i, case in enumerate(todo, start=1):
         progress(i, len(todo), run_case(case, args.steps, args.timeout))
     attach_isolated(todo)
@@ -1391,9 +1171,7 @@ def sweep(work: Path, specs: Sequence[ModelSpec], args: argparse.Namespace) -> l
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the bench and write the page; 1 if any case failed."""
-    global DEFAULT_MB_SAMPLES  # the cases' microbatch size, set once from the command line
     args = parse_args(argv)
-    DEFAULT_MB_SAMPLES = args.mb_samples
     t0 = time.perf_counter()
     busy_before = background_cpu()
     work = Path(tempfile.mkdtemp(prefix="cost_accuracy_"))
@@ -1403,11 +1181,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if m.skip:
                 print(f"skipping {m.name}: {m.skip}", flush=True)
         cases = sweep(work, specs, args)
-        ctx = Context(work, cases, {m.name: m for m in specs if not m.skip}, args.steps, args.timeout, args.pairs)
+        models = {m.name: m for m in specs if not m.skip}
+        ctx = Context(work, cases, models, args.steps, args.timeout, args.pairs, args.mb_samples)
         cross, choice = extras(ctx, not args.no_extras)
         busy = (busy_before, background_cpu())
         result = BenchResult(cases, [m for m in specs if m.skip], cross, choice, time.perf_counter() - t0, busy)
-        lines = write_page(args, result)
+        lines = write_outputs(args, result)
     finally:
         if args.keep:
             print(f"kept {work}")

@@ -3,36 +3,57 @@
 Plans the Pipe tutorial's encoder-stack language model at a size with a large vocabulary (the
 output layer costs several encoder layers), then trains both splits for real on this machine,
 alternating them round by round so machine noise hits both alike, and writes the figures to
-docs/bench_encoder_split.md.
+docs/bench_encoder_split_<size>_p<gpus>.md.
 
-    python bench/encoder_split.py                       # size bigvocab, 2 stages
-    python bench/encoder_split.py --gpus 4 --size bigvocab --steps 8 --rounds 2
+    python -m bench.encoder_split                       # size bigvocab, 2 stages
+    python -m bench.encoder_split --gpus 4 --size bigvocab --steps 8 --rounds 2
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
-import platform
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-from tabulate import tabulate  # noqa: E402
+from bench.common import DOCS, MODELS, alternate, blocks_per_stage, host, same_losses, table, write_page
+from planner.api import make_plan
+from planner.core.predict import with_method
+from planner.schema.plan import Plan
+from planner.schema.request import PlanRequest
 
-from planner.api import make_plan  # noqa: E402
-from planner.core.predict import with_method  # noqa: E402
-from planner.run import run_plan  # noqa: E402
-from planner.schema.request import PlanRequest, RunRequest  # noqa: E402
+PLANNED, UNIFORM = "planner (exact)", "uniform layers"
+HEADERS = [
+    "split",
+    "blocks per stage",
+    "pred slowest ms/mb",
+    "pred step ms",
+    "measured step ms (median)",
+    "pred error",
+    "pred vs planned",
+    "measured vs planned",
+]
+PAGE = """# Planned vs uniform-layer split: encoder-stack LM (`{a.size}`), {a.gpus} stages
+
+Written by `bench/encoder_split.py` on {today} ({host},
+torch {torch}, gloo, {threads} thread(s) per rank). Batch {a.batch_size} as
+{a.microbatches} microbatches, schedule {a.schedule}; {a.rounds} alternating rounds of {a.steps} steps
+each (the first step of each run is warm-up and left out). Both splits use the same profiled costs.
+
+{table}
+
+Both splits trained the same model on the same data: per-step losses equal to 1e-4: {same_loss}.
+
+Stage block names (planned): {planned_names};
+(uniform): {uniform_names}.
+"""
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="bigvocab")
     parser.add_argument("--gpus", type=int, default=2)
@@ -42,46 +63,36 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="steps per run (the first is warm-up)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of (planned, uniform)")
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    out = args.out or ROOT / "docs" / f"bench_encoder_split_{args.size}_p{args.gpus}.md"
+    return parser.parse_args()
 
-    model = ROOT / "models" / "encoder_lm.py"
-    with tempfile.TemporaryDirectory() as tmp:
-        planned = make_plan(
-            PlanRequest.build(
-                model_file=model,
-                gpus=args.gpus,
-                size=args.size,
-                batch_size=args.batch_size,
-                microbatches=args.microbatches,
-                schedule=args.schedule,
-                output=Path(tmp) / "plan.json",
-            )
+
+def plans(args: argparse.Namespace, folder: Path) -> dict[str, Plan]:
+    """The planner's split and the uniform-layer one, on the same profiled costs."""
+    planned = make_plan(
+        PlanRequest.build(
+            model_file=MODELS / "encoder_lm.py",
+            gpus=args.gpus,
+            size=args.size,
+            batch_size=args.batch_size,
+            microbatches=args.microbatches,
+            schedule=args.schedule,
+            output=folder / "plan.json",
         )
-        plans = {"planner (exact)": planned, "uniform layers": with_method(planned, "uniform")}
-        paths = {}
-        for name, plan in plans.items():
-            paths[name] = Path(tmp) / f"{plan.method}.json"
-            plan.save(paths[name])
-        measured: dict[str, list[float]] = {name: [] for name in plans}
-        losses: dict[str, list[float]] = {}
-        for r in range(args.rounds):
-            for name, plan in plans.items():
-                print(f"round {r + 1}/{args.rounds}: {name}", flush=True)
-                result = run_plan(plan, RunRequest(plan_file=paths[name], steps=args.steps))
-                measured[name].extend(result.step_times_s[i - 1] for i in result.timed_steps)
-                losses[name] = result.losses
+    )
+    return {PLANNED: planned, UNIFORM: with_method(planned, "uniform")}
 
-    rows = []
-    base_pred = plans["planner (exact)"].prediction.step_time_s
-    base_meas = statistics.median(measured["planner (exact)"])
+
+def rows(plans: dict[str, Plan], measured: dict[str, list[float]]) -> list[list[str]]:
+    """One row per split: predicted and measured, each against the planned split."""
+    base_pred = plans[PLANNED].prediction.step_time_s
+    base_meas = statistics.median(measured[PLANNED])
+    out = []
     for name, plan in plans.items():
-        ends = [s.end - s.start for s in plan.stages]
         med = statistics.median(measured[name])
-        rows.append(
+        out.append(
             [
                 name,
-                "+".join(map(str, ends)),
+                blocks_per_stage(plan),
                 f"{plan.prediction.bottleneck_s * 1e3:.1f}",
                 f"{plan.prediction.step_time_s * 1e3:.1f}",
                 f"{med * 1e3:.1f}",
@@ -90,38 +101,33 @@ def main() -> None:
                 f"{med / base_meas:.3f}",
             ]
         )
-    table = tabulate(
-        rows,
-        headers=[
-            "split",
-            "blocks per stage",
-            "pred slowest ms/mb",
-            "pred step ms",
-            "measured step ms (median)",
-            "pred error",
-            "pred vs planned",
-            "measured vs planned",
-        ],
-        tablefmt="github",
-        disable_numparse=True,
+    return out
+
+
+def stage_names(plan: Plan) -> str:
+    """The first and last block of every stage."""
+    return ", ".join(f"{s.first_block}..{s.last_block}" for s in plan.stages)
+
+
+def main() -> None:
+    """Plan, train both splits in alternation, write the page."""
+    args = parse_args()
+    out = args.out or DOCS / f"bench_encoder_split_{args.size}_p{args.gpus}.md"
+    with tempfile.TemporaryDirectory() as tmp:
+        both = plans(args, Path(tmp))
+        measured, losses = alternate(both, Path(tmp), args.rounds, args.steps)
+    text = PAGE.format(
+        a=args,
+        today=dt.date.today().isoformat(),
+        host=host(),
+        torch=torch.__version__,
+        threads=both[PLANNED].profile.threads,
+        table=table(rows(both, measured), HEADERS),
+        same_loss=same_losses(*losses.values()),
+        planned_names=stage_names(both[PLANNED]),
+        uniform_names=stage_names(both[UNIFORM]),
     )
-    same_loss = all(abs(a - b) <= 1e-4 * max(1.0, abs(a)) for a, b in zip(*losses.values()))
-    text = f"""# Planned vs uniform-layer split: encoder-stack LM (`{args.size}`), {args.gpus} stages
-
-Written by `bench/encoder_split.py` on {dt.date.today().isoformat()} ({platform.node()}, {os.cpu_count()} cores,
-torch {torch.__version__}, gloo, {planned.profile.threads} thread(s) per rank). Batch {args.batch_size} as
-{args.microbatches} microbatches, schedule {args.schedule}; {args.rounds} alternating rounds of {args.steps} steps
-each (the first step of each run is warm-up and left out). Both splits use the same profiled costs.
-
-{table}
-
-Both splits trained the same model on the same data: per-step losses equal to 1e-4: {same_loss}.
-
-Stage block names (planned): {", ".join(f"{s.first_block}..{s.last_block}" for s in plans["planner (exact)"].stages)};
-(uniform): {", ".join(f"{s.first_block}..{s.last_block}" for s in plans["uniform layers"].stages)}.
-"""
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(text)
+    write_page(out, text)
     print(text)
 
 

@@ -1,7 +1,7 @@
 """Predicted tokens/s per GPU and MFU of Llama 3 on H100s, beside published runs, into docs/gpu_costs.md.
 
-    python bench/gpu_estimates.py              # 8B on 8 H100; 70B on 16, 32 and 64 (about 1-2 minutes)
-    python bench/gpu_estimates.py --only 8b    # one model (quick look; the doc is left unchanged)
+    python -m bench.gpu_estimates              # 8B on 8 H100; 70B on 16, 32 and 64 (about 1-2 minutes)
+    python -m bench.gpu_estimates --only 8b    # one model (quick look; the doc is left unchanged)
 
 Each setup is planned in-process with ``planner.api.make_plan`` exactly as ``planner plan
 models/llama.py --size SIZE --gpus N --gpu-type h100 --dtype bf16 -b B -m B`` plans it (the model on
@@ -21,16 +21,14 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.common import DOCS, MODELS, between_markers, write_page
+from planner.api import make_plan
+from planner.errors import PlannerError
+from planner.report.throughput import throughput
+from planner.schema.plan import Plan
+from planner.schema.request import PlanRequest
 
-from planner.api import make_plan  # noqa: E402
-from planner.errors import PlannerError  # noqa: E402
-from planner.report.throughput import throughput  # noqa: E402
-from planner.schema.plan import Plan  # noqa: E402
-from planner.schema.request import PlanRequest  # noqa: E402
-
-DOC = ROOT / "docs" / "gpu_costs.md"
+DOC = DOCS / "gpu_costs.md"
 BEGIN = "<!-- BEGIN gpu-estimates (written by bench/gpu_estimates.py) -->"
 END = "<!-- END gpu-estimates -->"
 # size, GPUs, batch = microbatches (one sequence each): as many as the receive buffers (m per boundary,
@@ -51,7 +49,7 @@ def field_flops_per_token(plan: Plan, size: str) -> float:
 def one(size: str, gpus: int, batch: int) -> list[str]:
     """Plan one setup; its row of the table."""
     request = PlanRequest.build(
-        model_file=ROOT / "models" / "llama.py",
+        model_file=MODELS / "llama.py",
         size=size,
         gpus=gpus,
         batch_size=batch,
@@ -115,12 +113,10 @@ def main() -> None:
     print(text)
     if args.only is not None:
         return
-    doc = DOC.read_text()
-    if BEGIN not in doc or END not in doc:
+    doc = between_markers(DOC.read_text(), BEGIN, END, text)
+    if doc is None:
         sys.exit(f"error: {DOC} lacks the markers {BEGIN} ... {END}")
-    head, rest = doc.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    DOC.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+    write_page(DOC, doc)
     print(f"wrote {DOC}", file=sys.stderr)
 
 

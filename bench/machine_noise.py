@@ -7,7 +7,7 @@ again and again for a while, and reports how far the repeats spread. Two indepen
 that spread differ by about sqrt(2) times it, which bounds how close any prediction can come to one
 run, however exact the model. Writes ``docs/machine_noise.md``.
 
-    .venv/bin/python bench/machine_noise.py [--seconds 40] [--model models/gpt.py --size tiny -b 8]
+    .venv/bin/python -m bench.machine_noise [--seconds 40] [--model models/gpt.py --size tiny -b 8]
 """
 
 from __future__ import annotations
@@ -17,18 +17,16 @@ import datetime as dt
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from planner.capture.load import load_model_file  # noqa: E402
-from planner.capture.trace import trace_model  # noqa: E402
-from planner.costs.context import time_in_context  # noqa: E402
+from bench.common import DOCS, MODELS, ROOT, write_page
+from planner.capture.load import load_model_file
+from planner.capture.trace import trace_model
+from planner.costs.context import time_in_context
+from planner.costs.settings import ProfileSettings, Sample
 
 
 def sample(model: Path, size: str, batch: int, seconds: float) -> list[tuple[float, float]]:
@@ -39,7 +37,7 @@ def sample(model: Path, size: str, batch: int, seconds: float) -> list[tuple[flo
     out = []
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        ctx = time_in_context(traced, inputs, target, mf.loss_fn, warmup=2, repeats=5, device_type="cpu", autocast=None)
+        ctx = time_in_context(traced, Sample(inputs, target, mf.loss_fn), ProfileSettings(warmup=2, repeats=5), "cpu")
         out.append((time.perf_counter() - t0, (sum(ctx.fwd) + sum(ctx.bwd)) * 1e3))
     return out
 
@@ -77,17 +75,17 @@ model, and the mean absolute difference of two independent normal draws is about
 def main() -> None:
     """Sample, print the summary line, write the page."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=ROOT / "models" / "gpt.py")
+    parser.add_argument("--model", type=Path, default=MODELS / "gpt.py")
     parser.add_argument("--size", default="tiny")
     parser.add_argument("-b", "--batch", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=40.0)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "machine_noise.md")
+    parser.add_argument("--out", type=Path, default=DOCS / "machine_noise.md")
     args = parser.parse_args()
     torch.set_num_threads(1)
     values = sample(args.model, args.size, args.batch, args.seconds)
     args.model = args.model.resolve().relative_to(ROOT) if args.model.resolve().is_relative_to(ROOT) else args.model
     text = page(args, values)
-    args.out.write_text(text)
+    write_page(args.out, text)
     print(text.splitlines()[-1] if text else "", f"\nwrote {args.out}")
 
 

@@ -1,7 +1,7 @@
 """Time ``planner plan`` on Llama-3-70B for 64 H100s and write its prediction into docs/plan_70b.md.
 
-    python bench/plan_70b.py                # the 70B plan (needs planner plan --gpu-type / --dtype)
-    python bench/plan_70b.py --size tiny --gpus 2 -b 8 -m 4 --gpu-type none --doc /tmp/x.md
+    python -m bench.plan_70b                # the 70B plan (needs planner plan --gpu-type / --dtype)
+    python -m bench.plan_70b --size tiny --gpus 2 -b 8 -m 4 --gpu-type none --doc /tmp/x.md
                                             # try the script on a small model, profiled on this machine
 
 Runs, as a subprocess,
@@ -33,10 +33,9 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's planner
-from planner.core.hardware import get_hardware  # noqa: E402
+from bench.common import DOCS, ROOT, between_markers, write_page
+from planner.core.hardware import get_hardware
 
-ROOT = Path(__file__).resolve().parent.parent
 BEGIN = "<!-- BEGIN planner-prediction (written by bench/plan_70b.py) -->"
 END = "<!-- END planner-prediction -->"
 GIB = 2**30
@@ -201,13 +200,10 @@ def render(plan: dict, cmd_text: str, wall: float, rss: int) -> str:
 def write_section(doc: Path, body: str) -> None:
     """Replace the text between the markers (append the section when the doc has none)."""
     text = doc.read_text() if doc.exists() else ""
-    section = f"{BEGIN}\n{body}\n{END}"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + section + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + f"\n\n## Planner's prediction\n\n{section}\n"
-    doc.write_text(text)
+    replaced = between_markers(text, BEGIN, END, body)
+    if replaced is None:
+        replaced = text.rstrip("\n") + f"\n\n## Planner's prediction\n\n{BEGIN}\n{body}\n{END}\n"
+    write_page(doc, replaced, "--doc")
 
 
 def main() -> None:
@@ -221,7 +217,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", help="passed to planner plan; 'none' leaves it out")
     ap.add_argument("-b", "--batch-size", type=int, default=64)
     ap.add_argument("-m", "--microbatches", type=int, default=64)
-    ap.add_argument("--doc", default=str(ROOT / "docs" / "plan_70b.md"))
+    ap.add_argument("--doc", default=str(DOCS / "plan_70b.md"))
     ap.add_argument("--timeout", type=float, default=1800, help="seconds before planner plan is killed")
     args = ap.parse_args()
 

@@ -10,10 +10,10 @@ against the mean measurement (the error of the means, whose noise falls as 1 / s
 draw's own error, and the noise left in the error of the means (two standard errors). Writes
 docs/repeated_accuracy.md.
 
-    .venv/bin/python bench/repeated_accuracy.py                     # every model, 2 ranks, gpipe + 1f1b, 3 rounds
-    .venv/bin/python bench/repeated_accuracy.py --repeats 5 --models gpt mlp_stack --ranks 2 4
-    .venv/bin/python bench/repeated_accuracy.py --keep              # keep every plan and run (for bench/runtime_link.py)
-    .venv/bin/python bench/repeated_accuracy.py --from DIR1 DIR2    # one page from kept sweeps, their rounds pooled
+    .venv/bin/python -m bench.repeated_accuracy                     # every model, 2 ranks, gpipe + 1f1b, 3 rounds
+    .venv/bin/python -m bench.repeated_accuracy --repeats 5 --models gpt mlp_stack --ranks 2 4
+    .venv/bin/python -m bench.repeated_accuracy --keep              # keep every plan and run (for bench.runtime_link)
+    .venv/bin/python -m bench.repeated_accuracy --from DIR1 DIR2    # one page from kept sweeps, their rounds pooled
 """
 
 from __future__ import annotations
@@ -31,15 +31,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside this one
-
-import cost_accuracy  # noqa: E402
-from cost_accuracy import (  # noqa: E402
+from bench.cases import (
     DASH,
     ModelSpec,
-    background_cpu,
     discover,
-    machine,
     make_case,
     mean_abs,
     ms,
@@ -48,16 +43,16 @@ from cost_accuracy import (  # noqa: E402
     rel,
     run_case,
     shared_compute,
-    table,
 )
-
-from planner.core.predict import predict_plan  # noqa: E402
-from planner.schema.costs import BlockCost  # noqa: E402
-from planner.schema.plan import Plan  # noqa: E402
-from planner.schema.result import RunResult  # noqa: E402
+from bench.common import DOCS, background_cpu, machine, table, write_page
+from planner.core.predict import predict_plan
+from planner.schema.costs import BlockCost
+from planner.schema.plan import Plan
+from planner.schema.result import RunResult
 
 SCRIPT = "bench/repeated_accuracy.py"
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "repeated_accuracy.md"
+RERUN = ".venv/bin/python -m bench.repeated_accuracy"
+DEFAULT_OUT = DOCS / "repeated_accuracy.md"
 
 
 @dataclass
@@ -176,7 +171,9 @@ def sweep(work: Path, specs: Sequence[ModelSpec], args: argparse.Namespace) -> l
     done = 0
     for k in range(args.repeats):
         for res in results:
-            case = make_case(work, res.model, res.ranks, res.schedule, tag=f"_r{k + 1}")
+            case = make_case(
+                work, res.model, res.ranks, res.schedule, tag=f"_r{k + 1}", plan_options=plan_options(args)
+            )
             run_case(case, args.steps, args.timeout)
             done += 1
             if case.error:
@@ -359,9 +356,9 @@ def rerun_options(args: argparse.Namespace) -> str:
     return "".join(" " + w for w in words)
 
 
-def plan_options() -> str:
-    """The extra `planner plan` options of the sweep, as typed (nothing for the defaults)."""
-    return "".join(" " + w for w in cost_accuracy.PLAN_OPTIONS)
+def plan_options(args: argparse.Namespace) -> list[str]:
+    """The extra `planner plan` options of the sweep (none for the defaults)."""
+    return [] if args.plan_repeats is None else ["--repeats", str(args.plan_repeats)]
 
 
 def when(seconds: float, load: str) -> str:
@@ -371,18 +368,13 @@ def when(seconds: float, load: str) -> str:
     return f" in {seconds / 60:.1f} minutes; other processes used {load} of the CPU just before / after it"
 
 
-def page(args: argparse.Namespace, results: Sequence[Repeated], seconds: float, busy: tuple[float, float]) -> str:
-    """The markdown page."""
-    summary = summarize(results)
-    load = " / ".join("?" if math.isnan(b) else f"{100 * b:.0f}%" for b in busy)
-    failed = [f"{r.label}: {len(r.errors)} round(s) failed ({r.errors[0]})" for r in results if r.errors]
-    return f"""# Cost model accuracy under the machine's noise: repeated, alternating rounds
+PAGE = """# Cost model accuracy under the machine's noise: repeated, alternating rounds
 
-Written by `{SCRIPT}` on {dt.date.today().isoformat()} ({machine()}){when(seconds, load)}. Rerun with
-`.venv/bin/python {SCRIPT}{rerun_options(args)}` (`--help` for the options).
+Written by `{script}` on {today} ({machine}){when}. Rerun with
+`{rerun}` (`--help` for the options).
 
-**What was run.** {args.repeats} rounds; in each, every case below was planned afresh (`planner plan{plan_options()}`,
-a new in-context profile, uncalibrated) and run (`planner run --steps {args.steps}`), the cases taking
+**What was run.** {a.repeats} rounds; in each, every case below was planned afresh (`planner plan{options}`,
+a new in-context profile, uncalibrated) and run (`planner run --steps {a.steps}`), the cases taking
 turns, as `bench/cost_accuracy.py` does once (same batch, microbatches and seed). The split may differ
 between rounds when the profiles do: every split chosen is listed.
 
@@ -402,14 +394,39 @@ The toy model (blocks of microseconds: its step is the link's cost per message) 
 
 ## Per case
 
-{table(case_rows(results), HEADERS)}
+{cases}
 
 ## Summary (toy model aside)
 
-{table(summary.rows, summary.headers)}
-{"" if not failed else chr(10) + "Failed rounds: " + "; ".join(failed) + chr(10)}
+{summary}
+{failed}
 (what the figures say: docs/prediction_accuracy.md)
 """
+
+
+def page(
+    args: argparse.Namespace,
+    results: Sequence[Repeated],
+    seconds: float,
+    busy: tuple[float, float],
+    options: Sequence[str] = (),
+) -> str:
+    """The markdown page; ``options``: the sweep's extra `planner plan` options, as run."""
+    summary = summarize(results)
+    load = " / ".join("?" if math.isnan(b) else f"{100 * b:.0f}%" for b in busy)
+    failed = [f"{r.label}: {len(r.errors)} round(s) failed ({r.errors[0]})" for r in results if r.errors]
+    return PAGE.format(
+        script=SCRIPT,
+        today=dt.date.today().isoformat(),
+        machine=machine(),
+        when=when(seconds, load),
+        rerun=RERUN + rerun_options(args),
+        a=args,
+        options="".join(" " + w for w in options),
+        cases=table(case_rows(results), HEADERS),
+        summary=table(summary.rows, summary.headers),
+        failed="" if not failed else "\nFailed rounds: " + "; ".join(failed) + "\n",
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -446,25 +463,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     if args.kept is not None:
         results = from_kept(args.kept, args)
-        args.out.write_text(page(args, results, math.nan, (math.nan, math.nan)))
+        write_page(args.out, page(args, results, math.nan, (math.nan, math.nan)))
         print("\n".join(summarize(results).lines))
         print(f"wrote {args.out} from {', '.join(map(str, args.kept))}")
         return 0
-    if args.plan_repeats is not None:
-        cost_accuracy.PLAN_OPTIONS[:] = ["--repeats", str(args.plan_repeats)]
     busy_before = background_cpu()
     work = Path(tempfile.mkdtemp(prefix="repeated_accuracy_"))
     try:
         specs = discover(work, args.models, bench_size=False)
         results = sweep(work, specs, args)
-        text = page(args, results, time.perf_counter() - t0, (busy_before, background_cpu()))
+        busy = (busy_before, background_cpu())
+        text = page(args, results, time.perf_counter() - t0, busy, plan_options(args))
     finally:
         if args.keep:
             print(f"kept {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    write_page(args.out, text)
     print("\n".join(summarize(results).lines))
     print(f"wrote {args.out}; {time.perf_counter() - t0:.0f} s")
     return 0

@@ -9,13 +9,13 @@ gradient-norm all-reduce a training step has. With the modules' own compute time
 step model (``planner.core.predict.predict``) is solved for the latency that gives the small message's
 measured step, then for the bandwidth that gives the large one's.
 
-With ``--runs DIR ...`` (folders kept by ``bench/cost_accuracy.py --keep`` or
-``bench/repeated_accuracy.py --keep``) it then re-predicts every plan in them with the measured link
+With ``--runs DIR ...`` (folders kept by ``python -m bench.cost_accuracy --keep`` or
+``python -m bench.repeated_accuracy --keep``) it then re-predicts every plan in them with the measured link
 in place of the plan's own, against the same runs: the two links compared on identical profiles and
 runs, so the machine's noise cancels out of the comparison. Writes docs/runtime_link.md.
 
-    .venv/bin/python bench/runtime_link.py                          # the floor at 2 and 4 ranks
-    .venv/bin/python bench/runtime_link.py --runs /tmp/repeated_accuracy_x /tmp/cost_accuracy_y
+    .venv/bin/python -m bench.runtime_link                          # the floor at 2 and 4 ranks
+    .venv/bin/python -m bench.runtime_link --runs /tmp/repeated_accuracy_x /tmp/cost_accuracy_y
 """
 
 from __future__ import annotations
@@ -34,21 +34,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import torch  # noqa: E402
-from cost_accuracy import machine, table  # noqa: E402  (bench/ is on sys.path: this script's folder)
-
-from planner.core.predict import predict, predict_plan  # noqa: E402
-from planner.errors import PlannerError  # noqa: E402
-from planner.schema.costs import GLOO_CPU_LINK, BlockCost, LinkCost, OptimizerSpec  # noqa: E402
-from planner.schema.plan import Plan  # noqa: E402
-from planner.schema.result import RunResult  # noqa: E402
+from bench.common import DOCS, ROOT, machine, table, write_page
+from planner.core.inputs import Layout
+from planner.core.predict import predict, predict_plan
+from planner.errors import PlannerError
+from planner.schema.costs import GLOO_CPU_LINK, BlockCost, LinkCost, OptimizerSpec
+from planner.schema.plan import Plan
+from planner.schema.result import RunResult
 
 SCRIPT = "bench/runtime_link.py"
-DEFAULT_OUT = ROOT / "docs" / "runtime_link.md"
+RERUN = ".venv/bin/python -m bench.runtime_link"
+DEFAULT_OUT = DOCS / "runtime_link.md"
 ROWS = 8  # samples per microbatch
 SIZES = (256, 131072)  # columns: 8 x 256 fp32 = 8 KiB (latency-bound), 8 x 131072 = 4 MiB (bandwidth-bound)
 SCHEDULES = ("gpipe", "1f1b")
@@ -56,7 +54,7 @@ TIMEOUT_S = 300.0
 
 
 # --------------------------------------------------------------------------------------------------
-# one rank of the measurement pipeline (run as `runtime_link.py --worker ...`)
+# one rank of the measurement pipeline (run as `python -m bench.runtime_link --worker ...`)
 # --------------------------------------------------------------------------------------------------
 class Scale(torch.nn.Module):
     """A stage that computes almost nothing but still has a parameter and a gradient to send."""
@@ -188,11 +186,12 @@ class Sample:
 def measure(ranks: int, microbatches: int, steps: int) -> list[Sample]:
     """Launch ``ranks`` workers and read their figures back."""
     with tempfile.TemporaryDirectory(prefix="runtime_link_") as tmp:
-        cmd = [sys.executable, __file__, "--worker", "--dir", tmp, "--ranks", str(ranks)]
+        cmd = [sys.executable, "-m", "bench.runtime_link", "--worker", "--dir", tmp, "--ranks", str(ranks)]
         cmd += ["--microbatches", str(microbatches), "--steps", str(steps)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         procs = [
-            subprocess.Popen([*cmd, "--rank", str(r)], env=env, stderr=subprocess.PIPE, text=True) for r in range(ranks)
+            subprocess.Popen([*cmd, "--rank", str(r)], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+            for r in range(ranks)
         ]
         for p in procs:
             _, err = p.communicate(timeout=TIMEOUT_S)
@@ -239,9 +238,8 @@ def predicted_step_s(s: Sample, link: LinkCost) -> float:
     ]
     optimizer = OptimizerSpec(name="sgd", grad_clip=None)
     slots = (os.cpu_count() or 1) / 1.0
-    return predict(blocks, list(range(s.ranks)), link, s.schedule, s.microbatches, optimizer, slots=slots)[
-        1
-    ].step_time_s
+    layout = Layout(s.schedule, s.ranks, s.microbatches)
+    return predict(blocks, list(range(s.ranks)), link, layout, optimizer, (), slots)[1].step_time_s
 
 
 def solve_for(f: Callable[[float], float], target: float, lo: float, hi: float) -> float:
@@ -373,23 +371,51 @@ def paired_rows(pairs: Sequence[Paired]) -> list[list[str]]:
     return rows
 
 
+FLOOR_HEADERS = [
+    "ranks",
+    "schedule",
+    "message",
+    "step ms (median)",
+    "module alone fwd / bwd ms",
+    "runtime per action beyond it, fwd / bwd ms",
+    "fitted latency ms",
+    "fitted bandwidth GB/s",
+]
+PAGE = """# The pipelining runtime's own cost per message, and the link a plan needs
+
+Written by `{script}` on {today} ({machine}) in {seconds:.0f} s. Rerun with
+`{rerun} [--runs DIR ...]`.
+
+**What was measured.** {ranks} processes (gloo, 1 thread each) ran
+`torch.distributed.pipelining`'s GPipe and 1F1B schedules, {a.microbatches} microbatches of {rows} rows,
+{a.steps} timed steps after 3 warm-up steps, with stages that only multiply their input by a
+parameter, at an 8 KiB and a 4 MiB message; each step ends with the gradient-norm all-reduce. The
+latency and bandwidth are those at which the planner's own step model (`planner.core.predict.predict`,
+the stage modules' compute timed alone, the messages' processor share as the plan's link has it)
+gives the measured median steps: the latency from the small message, the bandwidth from the large
+one, per (ranks, schedule).
+
+## The runtime's floor
+
+{floor}
+
+## The same plans and runs, predicted with each link
+
+Every kept plan in {folders} folder(s) re-predicted twice with today's step model, once with the
+plan link (`GLOO_CPU_LINK`) and once with the measured floor for its ranks and schedule, against the
+same run: errors of the predicted step, mean signed / mean absolute, over {runs} runs. Same
+profiles, same runs: the difference between the two columns is the links' alone.
+
+{compared}
+
+(what the figures say: docs/prediction_accuracy.md)
+"""
+
+
 def page(
     args: argparse.Namespace, samples: Sequence[Sample], links: dict, pairs: Sequence[Paired], seconds: float
 ) -> str:
     """The markdown page."""
-    floor = table(
-        floor_rows(samples, links),
-        [
-            "ranks",
-            "schedule",
-            "message",
-            "step ms (median)",
-            "module alone fwd / bwd ms",
-            "runtime per action beyond it, fwd / bwd ms",
-            "fitted latency ms",
-            "fitted bandwidth GB/s",
-        ],
-    )
     compared = (
         "No kept runs were given (`--runs DIR ...`)."
         if not pairs
@@ -404,35 +430,20 @@ def page(
             ],
         )
     )
-    return f"""# The pipelining runtime's own cost per message, and the link a plan needs
-
-Written by `{SCRIPT}` on {dt.date.today().isoformat()} ({machine()}) in {seconds:.0f} s. Rerun with
-`.venv/bin/python {SCRIPT} [--runs DIR ...]`.
-
-**What was measured.** {", ".join(map(str, args.ranks))} processes (gloo, 1 thread each) ran
-`torch.distributed.pipelining`'s GPipe and 1F1B schedules, {args.microbatches} microbatches of {ROWS} rows,
-{args.steps} timed steps after 3 warm-up steps, with stages that only multiply their input by a
-parameter, at an 8 KiB and a 4 MiB message; each step ends with the gradient-norm all-reduce. The
-latency and bandwidth are those at which the planner's own step model (`planner.core.predict.predict`,
-the stage modules' compute timed alone, the messages' processor share as the plan's link has it)
-gives the measured median steps: the latency from the small message, the bandwidth from the large
-one, per (ranks, schedule).
-
-## The runtime's floor
-
-{floor}
-
-## The same plans and runs, predicted with each link
-
-Every kept plan in {len(args.runs)} folder(s) re-predicted twice with today's step model, once with the
-plan link (`GLOO_CPU_LINK`) and once with the measured floor for its ranks and schedule, against the
-same run: errors of the predicted step, mean signed / mean absolute, over {len(pairs)} runs. Same
-profiles, same runs: the difference between the two columns is the links' alone.
-
-{compared}
-
-(what the figures say: docs/prediction_accuracy.md)
-"""
+    return PAGE.format(
+        script=SCRIPT,
+        today=dt.date.today().isoformat(),
+        machine=machine(),
+        seconds=seconds,
+        rerun=RERUN,
+        ranks=", ".join(map(str, args.ranks)),
+        a=args,
+        rows=ROWS,
+        floor=table(floor_rows(samples, links), FLOOR_HEADERS),
+        folders=len(args.runs),
+        runs=len(pairs),
+        compared=compared,
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -474,7 +485,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flush=True,
             )
     pairs = paired(args.runs, links)
-    args.out.write_text(page(args, samples, links, pairs, time.perf_counter() - t0))
+    write_page(args.out, page(args, samples, links, pairs, time.perf_counter() - t0))
     print(f"wrote {args.out}")
     return 0
 

@@ -16,50 +16,151 @@ Profiles the encoder-stack LM once (the `bigvocab` size: 8 encoder layers of wid
 
 Writes docs/schedules.md.
 
-    python bench/schedules.py                  # the defaults above (~10 minutes on 2 cores)
-    python bench/schedules.py --steps 6 --rounds 1 --size tiny
+    python -m bench.schedules                  # the defaults above (~10 minutes on 2 cores)
+    python -m bench.schedules --steps 6 --rounds 1 --size tiny
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
-import platform
 import statistics
-import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-from tabulate import tabulate  # noqa: E402
-
-from planner.api import default_threads, measured_costs, model_ref  # noqa: E402
-from planner.capture.load import load_model_file  # noqa: E402
-from planner.core.assemble import assemble_plan  # noqa: E402
-from planner.core.schedules import placement  # noqa: E402
-from planner.run import run_plan  # noqa: E402
-from planner.run.single import train_model_file  # noqa: E402
-from planner.schema.plan import Plan  # noqa: E402
-from planner.schema.request import SCHEDULES, PlanRequest, RunRequest  # noqa: E402
+from bench.common import (
+    DOCS,
+    MODELS,
+    alternate,
+    blocks_per_stage,
+    host,
+    plan_on_costs,
+    same_losses,
+    table,
+    timed_step_times,
+    write_page,
+)
+from planner.api import Costs, default_threads, measured_costs
+from planner.capture.load import ModelFile, load_model_file
+from planner.core.schedules import placement
+from planner.run.single import train_model_file
+from planner.schema.plan import Plan
+from planner.schema.request import SCHEDULES, PlanRequest
 
 CREATED = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+SEARCHED, FIXED = "(c) joint search", "(c) 1f1b m=2p"
+HEADERS_A = ["schedule", "stages/rank", "blocks per stage", "pred bubble", "pred step ms", "measured ms", "error"]
+HEADERS_C = ["plan", "schedule", "m", "stages/rank", "blocks per stage", "pred step ms", "measured ms"]
+PAGE = """# Schedules on {p} CPU ranks: simulated vs measured, joint search vs fixed 1F1B, throughput
+
+Written by `bench/schedules.py` on {today} ({host},
+torch {torch}, gloo, {threads} thread(s) per rank). Model `{a.model.name}` size `{a.size}`,
+batch {a.batch_size}. Costs profiled once; every plan below is made from the same costs. {a.rounds} alternating
+round(s) over all plans and the one-process run, {a.steps} steps each (the first step and the memory-tracked
+one are not timed). Regenerate: `python -m bench.schedules`.
+
+## (a) Every schedule, m = {m}: simulated vs measured step
+
+{table_a}
+
+{orders}
+
+## (c) Joint search vs fixed 1F1B at m = 2p
+
+{table_c}
+
+The search's choice: {searched.choice}
+
+Predicted gain of the search over 1F1B m = 2p: {gain_pred:.3f}x; measured: {gain_meas:.3f}x.
+
+## (d) Throughput against one process
+
+{throughput}
+
+Losses of the first two plans equal to 1e-4 step by step (the same training): {same}.
+"""
+ORDERS = """Mean absolute error {mean:.1f}%, max {max:.1f}%.
+Simulated order (fastest first): {pred}.
+Measured order: {meas}.
+Spearman rank correlation {rho:.2f} ({verdict})."""
+THROUGHPUT = """One process (the unsplit model, full batch, {threads} thread(s)): {one:.0f} ms per step. The searched plan
+({schedule}, m = {m}, {p} ranks): {piped:.0f} ms. Speed-up {speedup:.2f}x against
+the ideal p m / (m + p - 1) = {ideal:.2f}x: {share:.0f}% of ideal."""
 
 
-def _plan(base: PlanRequest, costs: object, mf: object, **update: object) -> Plan:
-    request = base.model_copy(update=update)
-    return assemble_plan(
-        request,
-        costs.blocks,  # type: ignore[attr-defined]
-        costs.link,  # type: ignore[attr-defined]
-        model=model_ref(mf, costs.traced, request),  # type: ignore[arg-type, attr-defined]
-        profile=costs.profile,  # type: ignore[attr-defined]
-        memory_limit_bytes=None,
-        created=CREATED,
+@dataclass
+class Measured:
+    """Every plan, the medians of their timed steps, the one-process steps and the last losses."""
+
+    plans: dict[str, Plan]  # (a) per schedule
+    runs: dict[str, Plan]  # everything that ran: (a) by "(a) NAME", then SEARCHED and FIXED
+    median: dict[str, float]
+    single: list[float]
+    losses: dict[str, list[float]]
+
+
+def parse_args() -> argparse.Namespace:
+    """The command line."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=MODELS / "encoder_lm.py")
+    parser.add_argument("--size", default="bigvocab")
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--microbatches", type=int, default=8, help="m for the per-schedule comparison (a)")
+    parser.add_argument(
+        "--steps", type=int, default=8, help="steps per run (the first and the memory-tracked one are not timed)"
     )
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds over all plans")
+    parser.add_argument("--out", type=Path, default=DOCS / "schedules.md")
+    return parser.parse_args()
+
+
+def _plan(base: PlanRequest, costs: Costs, mf: ModelFile, **update: object) -> Plan:
+    return plan_on_costs(base.model_copy(update=update), costs, mf, created=CREATED)
+
+
+def every_schedule(base: PlanRequest, costs: Costs, mf: ModelFile, m: int) -> dict[str, Plan]:
+    """(a): one plan per schedule at ``m`` microbatches (a schedule torch refuses is reported, not fatal)."""
+    plans: dict[str, Plan] = {}
+    for name in SCHEDULES:
+        v = 1 if placement(name) == "single" else 2
+        try:
+            plans[name] = _plan(base, costs, mf, schedule=name, microbatches=m, stages_per_rank=v)
+        except Exception as e:  # noqa: BLE001 - a schedule torch refuses at this m is reported, not fatal
+            print(f"{name}: not planned ({e})")
+    return plans
+
+
+def measure(args: argparse.Namespace, threads: int, folder: Path) -> Measured:
+    """Profile once, plan every comparison on those costs, run them all in alternating rounds."""
+    base = PlanRequest.build(
+        model_file=args.model,
+        gpus=args.gpus,
+        size=args.size,
+        batch_size=args.batch_size,
+        output=folder / "plan.json",
+        threads=threads,
+    )
+    mf = load_model_file(base.model_file, base.size, base.overrides)
+    print("profiling once ...", flush=True)
+    costs = measured_costs(mf, base, threads, None)
+    plans = every_schedule(base, costs, mf, args.microbatches)
+    searched = _plan(base, costs, mf)
+    fixed = _plan(base, costs, mf, schedule="1f1b", microbatches=2 * args.gpus, stages_per_rank=1)
+    runs = {**{f"(a) {k}": v for k, v in plans.items()}, SEARCHED: searched, FIXED: fixed}
+    single: list[float] = []
+
+    def one_process(r: int) -> None:
+        print(f"round {r + 1}/{args.rounds}: one process", flush=True)
+        ref = train_model_file(searched, mf, args.steps, n_microbatches=1, echo=False, track_memory=False)
+        single.extend(timed_step_times(ref))
+
+    measured, losses = alternate(runs, folder, args.rounds, args.steps, echo=False, after_round=one_process)
+    median = {k: statistics.median(v) for k, v in measured.items()}
+    return Measured(plans, runs, median, single, losses)
 
 
 def _ranks(values: dict[str, float]) -> list[str]:
@@ -75,156 +176,108 @@ def _spearman(a: list[str], b: list[str]) -> float:
     return 1 - 6 * d2 / (n * (n * n - 1))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=ROOT / "models" / "encoder_lm.py")
-    parser.add_argument("--size", default="bigvocab")
-    parser.add_argument("--gpus", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--microbatches", type=int, default=8, help="m for the per-schedule comparison (a)")
-    parser.add_argument(
-        "--steps", type=int, default=8, help="steps per run (the first and the memory-tracked one are not timed)"
-    )
-    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds over all plans")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "schedules.md")
-    args = parser.parse_args()
-    p, m = args.gpus, args.microbatches
-
-    threads = default_threads(p)
-    with tempfile.TemporaryDirectory() as tmp:
-        base = PlanRequest.build(
-            model_file=args.model,
-            gpus=p,
-            size=args.size,
-            batch_size=args.batch_size,
-            output=Path(tmp) / "plan.json",
-            threads=threads,
-        )
-        mf = load_model_file(base.model_file, base.size, base.overrides)
-        print("profiling once ...", flush=True)
-        costs = measured_costs(mf, base, threads, None)
-
-        plans: dict[str, Plan] = {}
-        for name in SCHEDULES:
-            v = 1 if placement(name) == "single" else 2
-            try:
-                plans[name] = _plan(base, costs, mf, schedule=name, microbatches=m, stages_per_rank=v)
-            except Exception as e:  # noqa: BLE001 - a schedule torch refuses at this m is reported, not fatal
-                print(f"{name}: not planned ({e})")
-        searched = _plan(base, costs, mf)
-        fixed = _plan(base, costs, mf, schedule="1f1b", microbatches=2 * p, stages_per_rank=1)
-        runs = {**{f"(a) {k}": v for k, v in plans.items()}, "(c) joint search": searched, "(c) 1f1b m=2p": fixed}
-        paths: dict[str, Path] = {}
-        for i, (name, plan) in enumerate(runs.items()):
-            paths[name] = Path(tmp) / f"plan{i}.json"
-            plan.save(paths[name])
-
-        measured: dict[str, list[float]] = {name: [] for name in runs}
-        single: list[float] = []
-        losses: dict[str, list[float]] = {}
-        for r in range(args.rounds):
-            for name, plan in runs.items():
-                print(f"round {r + 1}/{args.rounds}: {name}", flush=True)
-                res = run_plan(plan, RunRequest(plan_file=paths[name], steps=args.steps, echo=False))
-                measured[name].extend(res.step_times_s[i - 1] for i in res.timed_steps)
-                losses[name] = res.losses
-            print(f"round {r + 1}/{args.rounds}: one process", flush=True)
-            ref = train_model_file(searched, mf, args.steps, n_microbatches=1, echo=False, track_memory=False)
-            single.extend(ref.step_times_s[i - 1] for i in ref.timed_steps)
-
-    med = {k: statistics.median(v) for k, v in measured.items()}
+def section_a(got: Measured) -> tuple[str, str]:
+    """(a): the table of every schedule, and its errors and orders in words."""
     rows = []
-    sched_pred: dict[str, float] = {}
-    sched_meas: dict[str, float] = {}
-    for name, plan in plans.items():
-        key = f"(a) {name}"
-        pred = plan.prediction.step_time_s
-        sched_pred[name], sched_meas[name] = pred, med[key]
+    pred: dict[str, float] = {}
+    meas: dict[str, float] = {}
+    for name, plan in got.plans.items():
+        pred[name], meas[name] = plan.prediction.step_time_s, got.median[f"(a) {name}"]
         rows.append(
             [
                 name,
                 plan.stages_per_rank,
-                "+".join(str(s.end - s.start) for s in plan.stages),
+                blocks_per_stage(plan),
                 f"{100 * plan.prediction.bubble_fraction:.1f}%",
-                f"{pred * 1e3:.0f}",
-                f"{med[key] * 1e3:.0f}",
-                f"{100 * (pred - med[key]) / med[key]:+.1f}%",
+                f"{pred[name] * 1e3:.0f}",
+                f"{meas[name] * 1e3:.0f}",
+                f"{100 * (pred[name] - meas[name]) / meas[name]:+.1f}%",
             ]
         )
-    table_a = tabulate(
-        rows,
-        headers=["schedule", "stages/rank", "blocks per stage", "pred bubble", "pred step ms", "measured ms", "error"],
-        tablefmt="github",
-        disable_numparse=True,
+    order_pred, order_meas = _ranks(pred), _ranks(meas)
+    errors = [abs(pred[k] - meas[k]) / meas[k] for k in pred]
+    orders = ORDERS.format(
+        mean=100 * statistics.mean(errors),
+        max=100 * max(errors),
+        pred=", ".join(order_pred),
+        meas=", ".join(order_meas),
+        rho=_spearman(order_pred, order_meas),
+        verdict="same order" if order_pred == order_meas else "the orders differ",
     )
-    order_pred, order_meas = _ranks(sched_pred), _ranks(sched_meas)
-    rho = _spearman(order_pred, order_meas)
-    errors = [abs(sched_pred[k] - sched_meas[k]) / sched_meas[k] for k in sched_pred]
+    return table(rows, HEADERS_A), orders
 
-    rows_c = []
-    for name in ("(c) joint search", "(c) 1f1b m=2p"):
-        plan = runs[name]
-        rows_c.append(
+
+def table_c(got: Measured) -> str:
+    """(c): the searched plan and fixed 1F1B, predicted and measured."""
+    rows = []
+    for name in (SEARCHED, FIXED):
+        plan = got.runs[name]
+        rows.append(
             [
                 name[4:],
                 plan.schedule,
                 plan.n_microbatches,
                 plan.stages_per_rank,
-                "+".join(str(s.end - s.start) for s in plan.stages),
+                blocks_per_stage(plan),
                 f"{plan.prediction.step_time_s * 1e3:.0f}",
-                f"{med[name] * 1e3:.0f}",
+                f"{got.median[name] * 1e3:.0f}",
             ]
         )
-    table_c = tabulate(
-        rows_c,
-        headers=["plan", "schedule", "m", "stages/rank", "blocks per stage", "pred step ms", "measured ms"],
-        tablefmt="github",
-        disable_numparse=True,
-    )
-    gain_pred = fixed.prediction.step_time_s / searched.prediction.step_time_s
-    gain_meas = med["(c) 1f1b m=2p"] / med["(c) joint search"]
+    return table(rows, HEADERS_C)
 
-    one = statistics.median(single)
+
+def throughput(got: Measured, p: int, threads: int) -> str:
+    """(d): the searched plan's measured speed-up over one process, against the ideal."""
+    one = statistics.median(got.single)
+    searched, piped = got.runs[SEARCHED], got.median[SEARCHED]
     ms = searched.n_microbatches
     ideal = p * ms / (ms + p - 1)
-    speedup = one / med["(c) joint search"]
-    same = all(abs(a - b) <= 1e-4 * max(1.0, abs(a)) for a, b in zip(*[losses[k] for k in list(runs)[:2]]))
+    speedup = one / piped
+    return THROUGHPUT.format(
+        threads=threads,
+        one=one * 1e3,
+        schedule=searched.schedule,
+        m=ms,
+        p=p,
+        piped=piped * 1e3,
+        speedup=speedup,
+        ideal=ideal,
+        share=100 * speedup / ideal,
+    )
 
-    text = f"""# Schedules on {p} CPU ranks: simulated vs measured, joint search vs fixed 1F1B, throughput
 
-Written by `bench/schedules.py` on {dt.date.today().isoformat()} ({platform.node()}, {os.cpu_count()} cores,
-torch {torch.__version__}, gloo, {threads} thread(s) per rank). Model `{args.model.name}` size `{args.size}`,
-batch {args.batch_size}. Costs profiled once; every plan below is made from the same costs. {args.rounds} alternating
-round(s) over all plans and the one-process run, {args.steps} steps each (the first step and the memory-tracked
-one are not timed). Regenerate: `python bench/schedules.py`.
+def page(args: argparse.Namespace, got: Measured, threads: int) -> str:
+    """The markdown page."""
+    table_a, orders = section_a(got)
+    searched, fixed = got.runs[SEARCHED], got.runs[FIXED]
+    first_two = [got.losses[k] for k in list(got.runs)[:2]]
+    return PAGE.format(
+        a=args,
+        p=args.gpus,
+        m=args.microbatches,
+        today=dt.date.today().isoformat(),
+        host=host(),
+        torch=torch.__version__,
+        threads=threads,
+        table_a=table_a,
+        orders=orders,
+        table_c=table_c(got),
+        searched=searched,
+        gain_pred=fixed.prediction.step_time_s / searched.prediction.step_time_s,
+        gain_meas=got.median[FIXED] / got.median[SEARCHED],
+        throughput=throughput(got, args.gpus, threads),
+        same=same_losses(*first_two),
+    )
 
-## (a) Every schedule, m = {m}: simulated vs measured step
 
-{table_a}
-
-Mean absolute error {100 * statistics.mean(errors):.1f}%, max {100 * max(errors):.1f}%.
-Simulated order (fastest first): {", ".join(order_pred)}.
-Measured order: {", ".join(order_meas)}.
-Spearman rank correlation {rho:.2f} ({"same order" if order_pred == order_meas else "the orders differ"}).
-
-## (c) Joint search vs fixed 1F1B at m = 2p
-
-{table_c}
-
-The search's choice: {searched.choice}
-
-Predicted gain of the search over 1F1B m = 2p: {gain_pred:.3f}x; measured: {gain_meas:.3f}x.
-
-## (d) Throughput against one process
-
-One process (the unsplit model, full batch, {threads} thread(s)): {one * 1e3:.0f} ms per step. The searched plan
-({searched.schedule}, m = {ms}, {p} ranks): {med["(c) joint search"] * 1e3:.0f} ms. Speed-up {speedup:.2f}x against
-the ideal p m / (m + p - 1) = {ideal:.2f}x: {100 * speedup / ideal:.0f}% of ideal.
-
-Losses of the first two plans equal to 1e-4 step by step (the same training): {same}.
-"""
-    args.out.parent.mkdir(exist_ok=True)
-    args.out.write_text(text)
+def main() -> None:
+    """Profile, plan, run in alternation, write the page."""
+    args = parse_args()
+    threads = default_threads(args.gpus)
+    with tempfile.TemporaryDirectory() as tmp:
+        got = measure(args, threads, Path(tmp))
+    text = page(args, got, threads)
+    write_page(args.out, text)
     print(text)
 
 

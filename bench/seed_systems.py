@@ -6,9 +6,9 @@ they print and the figures of the plan.json / run.json they write, and writes `d
 (the ResNet-50 page also `docs/figures/resnet50_split_sweep.png`). No figure on a page is typed by
 hand: every number comes from a command's output or the files it wrote, on this machine, today.
 
-    .venv/bin/python bench/seed_systems.py                    # all five pages (about 5-10 minutes)
-    .venv/bin/python bench/seed_systems.py --only resnet50    # one page (repeat --only for more)
-    .venv/bin/python bench/seed_systems.py --keep             # keep the temporary folder to look at
+    .venv/bin/python -m bench.seed_systems                    # all five pages (about 5-10 minutes)
+    .venv/bin/python -m bench.seed_systems --only resnet50    # one page (repeat --only for more)
+    .venv/bin/python -m bench.seed_systems --keep             # keep the temporary folder to look at
 
 A command that fails is named on its page with its exit code and error line (the pages are written
 anyway), and the script exits 1. Plans use a fixed seed (`--seed 0`), so weights, data and losses
@@ -24,7 +24,6 @@ import math
 import os
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -35,17 +34,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tabulate import tabulate
+from bench.common import (
+    DOCS,
+    MODELS,
+    PLANNER,
+    ROOT,
+    background_cpu,
+    copy_models,
+    cpu_model,
+    execute,
+    same_losses,
+    table,
+    write_page,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs"
 FIGURES = DOCS / "figures"
 SCRIPT = "bench/seed_systems.py"
+RERUN = ".venv/bin/python -m bench.seed_systems"
 SEED = "0"  # passed as --seed to every plan: same weights and data on every rerun
 
 # The executables a page's commands start with, as the user types them -> what runs here. The venv
 # that runs this script is the one whose `planner` we measure.
-EXECUTABLES = {"planner": str(Path(sys.executable).parent / "planner"), "python": sys.executable}
+EXECUTABLES = {"planner": PLANNER, "python": sys.executable}
 
 # Full-size plans are estimated, not measured: built on the meta device for this GPU with the
 # roofline model (`--gpu-type`), in fp32 as the tutorials trained. Nothing is allocated or run.
@@ -130,7 +140,7 @@ class Workspace:
         self.folder = folder
         self.label = label
         self.outcomes: dict[str, Outcome] = {}
-        shutil.copytree(ROOT / "models", folder / "models", ignore=shutil.ignore_patterns("__pycache__"))
+        copy_models(MODELS, folder / "models")
 
     def run(self, cmd: Cmd) -> Outcome:
         """Run one command (or skip it when a command it needs failed) and keep its outcome."""
@@ -163,28 +173,9 @@ class Workspace:
 
 
 def _execute(cmd: Cmd, cwd: Path) -> Outcome:
-    """Run `cmd` in `cwd`, capturing both streams; stop its whole process group on a timeout.
-
-    `planner run` starts one process per rank; `start_new_session` puts them in a group of their
-    own, so a timeout stops exactly the processes this command started and nothing else.
-    """
-    argv = [EXECUTABLES.get(cmd.argv[0], cmd.argv[0]), *cmd.argv[1:]]
-    start = time.perf_counter()
-    proc = subprocess.Popen(
-        argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        out, err = proc.communicate(timeout=cmd.timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            out, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-        note = f"timed out after {cmd.timeout_s:.0f} s (stopped)"
-        return Outcome(cmd, None, out, err, time.perf_counter() - start, note=note)
-    return Outcome(cmd, proc.returncode, out, err, time.perf_counter() - start)
+    """Run `cmd` in `cwd` (``bench.common.execute``: a timeout stops its whole process group)."""
+    done = execute([EXECUTABLES.get(cmd.argv[0], cmd.argv[0]), *cmd.argv[1:]], cwd, cmd.timeout_s)
+    return Outcome(cmd, done.returncode, done.stdout, done.stderr, done.seconds, note=done.note)
 
 
 def planner(key: str, *words: str, needs: tuple[str, ...] = (), expect_fail: bool = False) -> Cmd:
@@ -197,14 +188,7 @@ def planner(key: str, *words: str, needs: tuple[str, ...] = (), expect_fail: boo
 # --------------------------------------------------------------------------------------------------
 def machine_facts() -> dict[str, str]:
     """CPU model, cores, torch and Python versions, read the way a user would check them."""
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model() or "unknown"
     probe = (
         "import platform, torch; print(torch.__version__); print(platform.python_version()); print(platform.platform())"
     )
@@ -218,28 +202,6 @@ def machine_facts() -> dict[str, str]:
         "system": system,
         "probe": f"python -c '{probe}'",
     }
-
-
-def background_cpu(seconds: float = 2.0) -> float:
-    """Share of the machine's CPU time other processes used over `seconds`, while this script idles.
-
-    The step times on the pages are wall-clock times; when other jobs share the cores they stretch.
-    Sampling /proc/stat while nothing of ours runs says how busy the machine was around the run.
-    """
-
-    def jiffies() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            values = [int(v) for v in f.readline().split()[1:9]]
-        idle = values[3] + values[4]  # idle + iowait
-        return sum(values) - idle, sum(values)
-
-    try:
-        busy0, total0 = jiffies()
-        time.sleep(seconds)
-        busy1, total1 = jiffies()
-    except OSError:
-        return math.nan
-    return (busy1 - busy0) / max(1, total1 - total0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -418,7 +380,17 @@ def figures_table(columns: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> 
         if any(cell is not None for cell in cells):
             rows.append([label, *(cell if cell is not None else "—" for cell in cells)])
     headers = ["figure", *(label for label, _, _ in columns)]
-    return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+    return table(rows, headers)
+
+
+def eval_table(run: dict[str, Any], perplexity: str) -> str:
+    """The run's evaluations (run.json `evals`) beside the training loss of the same step;
+    ``perplexity``: its format (".1f")."""
+    rows = [
+        [e["step"], f"{run['losses'][e['step'] - 1]:.4f}", f"{e['loss']:.4f}", format(e["perplexity"], perplexity)]
+        for e in run.get("evals") or []
+    ]
+    return table(rows, ["step", "train loss (that step's batch)", "eval loss", "eval perplexity"])
 
 
 def timing_note() -> str:
@@ -491,6 +463,66 @@ def _commands_block(commands: Iterable[Cmd]) -> str:
 ENC_STEPS, ENC_EVAL, ENC_BATCH, ENC_M = 20, 5, 16, 8
 
 
+ENC_INTRO = (
+    "The PyTorch tutorial [Training Transformer models using Pipeline Parallelism]"
+    "(https://pytorch.org/tutorials/intermediate/pipeline_tutorial.html) built a language model "
+    "as one `nn.Sequential` (an embedding with positional encoding, a stack of "
+    "`nn.TransformerEncoderLayer`s, a linear decoder), cut it in two halves over two GPUs with "
+    "`torch.distributed.pipeline.sync.Pipe` (since removed from PyTorch) in `chunks = 8` "
+    "microbatches, trained it on WikiText-2 words and reported loss and perplexity. "
+    "`models/encoder_lm.py` builds that `nn.Sequential`; here the planner chooses the cut, and "
+    "`planner run` trains it on two CPU processes on the word tokens of the shipped Shakespeare "
+    "selection, evaluating on its held-out last 10 %."
+)
+
+
+def _encoder_lm_render(ws: Workspace) -> list[str]:
+    """The encoder_lm page's outputs, figures and notes (none unless its commands ran)."""
+    if not (ws.ok("plan") and ws.ok("run")):
+        return []
+    plan, run = ws.json("plan.json"), ws.json("plan.run.json")
+    seq = plan["model"]["config"]["seq_len"]
+    data_line = line_starting(ws.stdout("run"), "data ") or ""
+    return [
+        "## What it printed",
+        printed(ws, "plan", plan_excerpt),
+        printed(ws, "run", run_excerpt),
+        "## Figures",
+        figures_table([("encoder LM, 2 stages", plan, run)]),
+        timing_note(),
+        "### Loss and perplexity over the steps (run.json `evals`)",
+        eval_table(run, ".1f"),
+        "**The perplexity is optimistic.** This model has no causal mask (docs/data.md), so every "
+        "position sees the very token it is asked to predict; its next-token loss falls far "
+        "below what a causal model would reach, and is not comparable with the tutorial's.",
+        f"Why `-b {ENC_BATCH} -m {ENC_M}`: `-m {ENC_M}` is the tutorial's `chunks = 8` (its batch "
+        f"of 20 does not split into 8 equal microbatches, which `planner` requires). The default "
+        f"batch of 32 does not run on this corpus: one held-out batch needs 32 rows x "
+        f"({seq} + 1) = {32 * (seq + 1):,} word tokens, and the run's data line says "
+        f"`{data_line}`.",
+    ]
+
+
+def _encoder_lm_full_size(ws: Workspace) -> str:
+    """The encoder_lm page's full-size commands (shown, not run) and their notes."""
+    return "\n\n".join(
+        [
+            code(
+                "planner plan models/encoder_lm.py --size tutorial --gpus 2 -b 20 "
+                "--optimizer sgd --lr 5.0 --grad-clip 0.5 -o plan.json\n"
+                "planner run plan.json --data wikitext-2/wiki.train.tokens --tokenizer word "
+                "--eval-every 50 --steps 150"
+            ),
+            "`--size tutorial` is the tutorial's model (embedding 4096, 12 encoder layers of "
+            "4096 with 16 heads, WikiText-2's 28,782 words); `-b 20` and SGD at rate 5.0 with "
+            "clipping at 0.5 are its training settings, 3 epochs of 50 batches its length. "
+            "WikiText-2 is not shipped; give its training file to `--data`. Not run here: it "
+            "needs two GPUs.",
+            estimate_summary(ws, "estimate", "full.json"),
+        ]
+    )
+
+
 def encoder_lm_page() -> Page:
     """The encoder-stack language model of "Training Transformer models using Pipeline Parallelism"."""
     commands = [
@@ -506,72 +538,6 @@ def encoder_lm_page() -> Page:
             needs=("plan",),
         ),
     ]
-    intro = (
-        "The PyTorch tutorial [Training Transformer models using Pipeline Parallelism]"
-        "(https://pytorch.org/tutorials/intermediate/pipeline_tutorial.html) built a language model "
-        "as one `nn.Sequential` (an embedding with positional encoding, a stack of "
-        "`nn.TransformerEncoderLayer`s, a linear decoder), cut it in two halves over two GPUs with "
-        "`torch.distributed.pipeline.sync.Pipe` (since removed from PyTorch) in `chunks = 8` "
-        "microbatches, trained it on WikiText-2 words and reported loss and perplexity. "
-        "`models/encoder_lm.py` builds that `nn.Sequential`; here the planner chooses the cut, and "
-        "`planner run` trains it on two CPU processes on the word tokens of the shipped Shakespeare "
-        "selection, evaluating on its held-out last 10 %."
-    )
-
-    def render(ws: Workspace) -> list[str]:
-        if not (ws.ok("plan") and ws.ok("run")):
-            return []
-        plan, run = ws.json("plan.json"), ws.json("plan.run.json")
-        seq = plan["model"]["config"]["seq_len"]
-        data_line = line_starting(ws.stdout("run"), "data ") or ""
-        evals = run.get("evals") or []
-        eval_rows = [
-            [e["step"], f"{run['losses'][e['step'] - 1]:.4f}", f"{e['loss']:.4f}", f"{e['perplexity']:.1f}"]
-            for e in evals
-        ]
-        eval_table = tabulate(
-            eval_rows,
-            headers=["step", "train loss (that step's batch)", "eval loss", "eval perplexity"],
-            tablefmt="github",
-            disable_numparse=True,
-        )
-        return [
-            "## What it printed",
-            printed(ws, "plan", plan_excerpt),
-            printed(ws, "run", run_excerpt),
-            "## Figures",
-            figures_table([("encoder LM, 2 stages", plan, run)]),
-            timing_note(),
-            "### Loss and perplexity over the steps (run.json `evals`)",
-            eval_table,
-            "**The perplexity is optimistic.** This model has no causal mask (docs/data.md), so every "
-            "position sees the very token it is asked to predict; its next-token loss falls far "
-            "below what a causal model would reach, and is not comparable with the tutorial's.",
-            f"Why `-b {ENC_BATCH} -m {ENC_M}`: `-m {ENC_M}` is the tutorial's `chunks = 8` (its batch "
-            f"of 20 does not split into 8 equal microbatches, which `planner` requires). The default "
-            f"batch of 32 does not run on this corpus: one held-out batch needs 32 rows x "
-            f"({seq} + 1) = {32 * (seq + 1):,} word tokens, and the run's data line says "
-            f"`{data_line}`.",
-        ]
-
-    def full_size(ws: Workspace) -> str:
-        return "\n\n".join(
-            [
-                code(
-                    "planner plan models/encoder_lm.py --size tutorial --gpus 2 -b 20 "
-                    "--optimizer sgd --lr 5.0 --grad-clip 0.5 -o plan.json\n"
-                    "planner run plan.json --data wikitext-2/wiki.train.tokens --tokenizer word "
-                    "--eval-every 50 --steps 150"
-                ),
-                "`--size tutorial` is the tutorial's model (embedding 4096, 12 encoder layers of "
-                "4096 with 16 heads, WikiText-2's 28,782 words); `-b 20` and SGD at rate 5.0 with "
-                "clipping at 0.5 are its training settings, 3 epochs of 50 batches its length. "
-                "WikiText-2 is not shipped; give its training file to `--data`. Not run here: it "
-                "needs two GPUs.",
-                estimate_summary(ws, "estimate", "full.json"),
-            ]
-        )
-
     estimate = planner(
         "estimate",
         *("plan", "models/encoder_lm.py", "--size", "tutorial", "--gpus", "2", "-b", "20"),
@@ -580,16 +546,65 @@ def encoder_lm_page() -> Page:
     return Page(
         "encoder_lm",
         "Seed system: the encoder-stack LM in two pipeline stages",
-        intro,
+        ENC_INTRO,
         commands,
-        render,
-        full_size,
+        _encoder_lm_render,
+        _encoder_lm_full_size,
         estimate,
     )
 
 
 # ---- 2. GPT-style decoder with GPipe (torch.distributed.pipelining tutorial) ----------------------
 GPT_STEPS, GPT_M = 12, 4
+
+
+GPT_INTRO = (
+    "The PyTorch tutorial [Introduction to Distributed Pipeline Parallelism]"
+    "(https://pytorch.org/tutorials/intermediate/pipelining_tutorial.html) splits a GPT-style "
+    "decoder (token embedding, `nn.TransformerDecoderLayer`s in an `nn.ModuleDict`, layer norm, "
+    "output projection) into two stages with `torch.distributed.pipelining`, before `layers.4`, "
+    "and runs one training step of a batch of 32 as 4 microbatches with `ScheduleGPipe` on two "
+    "processes. `models/gpt.py` is that model; here the planner chooses the cut for GPipe with "
+    f"the tutorial's {GPT_M} microbatches, `planner run` trains it for {GPT_STEPS} steps on two "
+    "CPU processes (on the file's synthetic next-token stream), and `planner report` sets the "
+    "prediction against the run, stage by stage."
+)
+
+
+def _gpt_render(ws: Workspace) -> list[str]:
+    """The gpt page's outputs, figures and notes (none unless its commands ran)."""
+    if not all(ws.ok(k) for k in ("plan", "run", "report")):
+        return []
+    plan, run = ws.json("plan.json"), ws.json("plan.run.json")
+    return [
+        "## What it printed",
+        printed(ws, "plan", plan_excerpt),
+        printed(ws, "run", run_excerpt),
+        printed(ws, "report", lambda out: after(out, "predicted vs measured")),
+        "(`planner report` first prints the plan's balance tables again; they are the ones above.)",
+        "## Figures",
+        figures_table([("GPT decoder, GPipe, 2 stages", plan, run)]),
+        timing_note(),
+        _gpt_cut_note(plan),
+    ]
+
+
+def _gpt_full_size(ws: Workspace) -> str:
+    """The gpt page's full-size commands (shown, not run) and their notes."""
+    return "\n\n".join(
+        [
+            code(
+                "planner plan models/gpt.py --size tutorial --gpus 2 --schedule gpipe -m 4 -o plan.json\n"
+                "planner run plan.json --steps 20\n"
+                "planner report plan.json --measured plan.run.json"
+            ),
+            "`--size tutorial` is the tutorial's `ModelArgs()`: dim 512, 8 decoder layers, 8 "
+            "heads, vocabulary 10,000, sequences of 500 tokens, batch 32 (the tutorial's "
+            "`nn.TransformerDecoderLayer` keeps its default feed-forward width, 2048). Not run "
+            "here: it needs two GPUs.",
+            estimate_summary(ws, "estimate", "full.json"),
+        ]
+    )
 
 
 def gpt_page() -> Page:
@@ -603,57 +618,21 @@ def gpt_page() -> Page:
         planner("run", "run", "plan.json", "--steps", str(GPT_STEPS), "--no-checkpoint", needs=("plan",)),
         planner("report", "report", "plan.json", "--measured", "plan.run.json", needs=("run",)),
     ]
-    intro = (
-        "The PyTorch tutorial [Introduction to Distributed Pipeline Parallelism]"
-        "(https://pytorch.org/tutorials/intermediate/pipelining_tutorial.html) splits a GPT-style "
-        "decoder (token embedding, `nn.TransformerDecoderLayer`s in an `nn.ModuleDict`, layer norm, "
-        "output projection) into two stages with `torch.distributed.pipelining`, before `layers.4`, "
-        "and runs one training step of a batch of 32 as 4 microbatches with `ScheduleGPipe` on two "
-        "processes. `models/gpt.py` is that model; here the planner chooses the cut for GPipe with "
-        f"the tutorial's {GPT_M} microbatches, `planner run` trains it for {GPT_STEPS} steps on two "
-        "CPU processes (on the file's synthetic next-token stream), and `planner report` sets the "
-        "prediction against the run, stage by stage."
-    )
-
-    def render(ws: Workspace) -> list[str]:
-        if not all(ws.ok(k) for k in ("plan", "run", "report")):
-            return []
-        plan, run = ws.json("plan.json"), ws.json("plan.run.json")
-        return [
-            "## What it printed",
-            printed(ws, "plan", plan_excerpt),
-            printed(ws, "run", run_excerpt),
-            printed(ws, "report", lambda out: after(out, "predicted vs measured")),
-            "(`planner report` first prints the plan's balance tables again; they are the ones above.)",
-            "## Figures",
-            figures_table([("GPT decoder, GPipe, 2 stages", plan, run)]),
-            timing_note(),
-            _gpt_cut_note(plan),
-        ]
-
-    def full_size(ws: Workspace) -> str:
-        return "\n\n".join(
-            [
-                code(
-                    "planner plan models/gpt.py --size tutorial --gpus 2 --schedule gpipe -m 4 -o plan.json\n"
-                    "planner run plan.json --steps 20\n"
-                    "planner report plan.json --measured plan.run.json"
-                ),
-                "`--size tutorial` is the tutorial's `ModelArgs()`: dim 512, 8 decoder layers, 8 "
-                "heads, vocabulary 10,000, sequences of 500 tokens, batch 32 (the tutorial's "
-                "`nn.TransformerDecoderLayer` keeps its default feed-forward width, 2048). Not run "
-                "here: it needs two GPUs.",
-                estimate_summary(ws, "estimate", "full.json"),
-            ]
-        )
-
     estimate = planner(
         "estimate",
         *("plan", "models/gpt.py", "--size", "tutorial", "--gpus", "2", "--schedule", "gpipe", "-m", "4"),
         *ESTIMATE_GPU,
         *("-q", "-o", "full.json"),
     )
-    return Page("gpt", "Seed system: the GPT-style decoder with GPipe", intro, commands, render, full_size, estimate)
+    return Page(
+        "gpt",
+        "Seed system: the GPT-style decoder with GPipe",
+        GPT_INTRO,
+        commands,
+        _gpt_render,
+        _gpt_full_size,
+        estimate,
+    )
 
 
 def _gpt_cut_note(plan: dict[str, Any]) -> str:
@@ -670,6 +649,66 @@ def _gpt_cut_note(plan: dict[str, Any]) -> str:
 
 # ---- 3. DDP x pipeline on 4 ranks ----------------------------------------------------------------
 DDP_STEPS = 10
+
+
+DDP_INTRO = (
+    "The PyTorch tutorial [Training Transformer models using Distributed Data Parallel and "
+    "Pipeline Parallelism](https://pytorch.org/tutorials/advanced/ddp_pipeline.html) ran two "
+    "replicas of a two-GPU pipeline on four GPUs: each process drove a `Pipe` over two GPUs "
+    "and `DistributedDataParallel` averaged the gradients of the two pipes. Here the same "
+    "layout (2 replicas x 2 stages, 4 ranks) is planned and trained on four CPU processes, with "
+    "the GPT-style decoder of `models/gpt.py` at its tiny size (the tutorial's own model was the "
+    "encoder-stack LM of [seed_encoder_lm.md](seed_encoder_lm.md), 8 layers); then the same "
+    "with `--dp-mode fsdp`, where FSDP2 shards each stage's parameters, gradients and optimizer "
+    "state over the replicas instead. Four processes share this machine's two cores, so the "
+    "step times say more about time-sharing than about the layout."
+)
+
+
+def _ddp_pipeline_render(ws: Workspace) -> list[str]:
+    """The ddp_pipeline page's outputs, figures and notes (none unless its commands ran)."""
+    sections: list[str] = []
+    columns = []
+    for plan_key, run_key, plan_file, label in (
+        ("plan", "run", "plan.json", "DDP"),
+        ("plan_fsdp", "run_fsdp", "plan_fsdp.json", "FSDP"),
+    ):
+        if ws.ok(plan_key):
+            layout = line_starting(ws.stdout(plan_key), "layout:") or "(no layout line printed)"
+            sections += [f"### {label}: the layout line", code(layout)]
+        if ws.ok(plan_key) and ws.ok(run_key):
+            run_file = plan_file.replace(".json", ".run.json")
+            sections += [printed(ws, plan_key, plan_excerpt), printed(ws, run_key, run_excerpt)]
+            columns.append((f"{label}: 2 replicas x 2 stages", ws.json(plan_file), ws.json(run_file)))
+    if not columns:
+        return sections
+    sections = ["## What it printed", *sections, "## Figures", figures_table(columns), timing_note()]
+    if len(columns) == 2:
+        a, b = columns[0][2]["losses"], columns[1][2]["losses"]
+        same = same_losses(a, b)
+        sections.append(
+            f"Per-step losses of the DDP and FSDP runs equal to 1e-4: {'yes' if same else 'no'} "
+            "(both train the same model on the same global batch; docs/running.md)."
+        )
+    return sections
+
+
+def _ddp_pipeline_full_size(ws: Workspace) -> str:
+    """The ddp_pipeline page's full-size commands (shown, not run) and their notes."""
+    return "\n\n".join(
+        [
+            code(
+                "planner plan models/encoder_lm.py --size tutorial --set nlayers=8 --gpus 4 --dp 2 -b 40 "
+                "--optimizer sgd --lr 5.0 --grad-clip 0.5 -o plan.json\n"
+                "planner run plan.json --data wikitext-2/wiki.train.tokens --tokenizer word --eval-every 50 "
+                "--steps 150"
+            ),
+            "The tutorial's model was the encoder-stack LM with 8 layers of width 4096 (16 heads), "
+            "each of its two processes reading batches of 20 (so `-b 40` over the two replicas), "
+            "SGD at rate 5.0 with clipping at 0.5. Not run here: it needs four GPUs.",
+            estimate_summary(ws, "estimate", "full.json"),
+        ]
+    )
 
 
 def ddp_pipeline_page() -> Page:
@@ -693,61 +732,6 @@ def ddp_pipeline_page() -> Page:
             "run_fsdp", "run", "plan_fsdp.json", "--steps", str(DDP_STEPS), "--no-checkpoint", needs=("plan_fsdp",)
         ),
     ]
-    intro = (
-        "The PyTorch tutorial [Training Transformer models using Distributed Data Parallel and "
-        "Pipeline Parallelism](https://pytorch.org/tutorials/advanced/ddp_pipeline.html) ran two "
-        "replicas of a two-GPU pipeline on four GPUs: each process drove a `Pipe` over two GPUs "
-        "and `DistributedDataParallel` averaged the gradients of the two pipes. Here the same "
-        "layout (2 replicas x 2 stages, 4 ranks) is planned and trained on four CPU processes, with "
-        "the GPT-style decoder of `models/gpt.py` at its tiny size (the tutorial's own model was the "
-        "encoder-stack LM of [seed_encoder_lm.md](seed_encoder_lm.md), 8 layers); then the same "
-        "with `--dp-mode fsdp`, where FSDP2 shards each stage's parameters, gradients and optimizer "
-        "state over the replicas instead. Four processes share this machine's two cores, so the "
-        "step times say more about time-sharing than about the layout."
-    )
-
-    def render(ws: Workspace) -> list[str]:
-        sections: list[str] = []
-        columns = []
-        for plan_key, run_key, plan_file, label in (
-            ("plan", "run", "plan.json", "DDP"),
-            ("plan_fsdp", "run_fsdp", "plan_fsdp.json", "FSDP"),
-        ):
-            if ws.ok(plan_key):
-                layout = line_starting(ws.stdout(plan_key), "layout:") or "(no layout line printed)"
-                sections += [f"### {label}: the layout line", code(layout)]
-            if ws.ok(plan_key) and ws.ok(run_key):
-                run_file = plan_file.replace(".json", ".run.json")
-                sections += [printed(ws, plan_key, plan_excerpt), printed(ws, run_key, run_excerpt)]
-                columns.append((f"{label}: 2 replicas x 2 stages", ws.json(plan_file), ws.json(run_file)))
-        if not columns:
-            return sections
-        sections = ["## What it printed", *sections, "## Figures", figures_table(columns), timing_note()]
-        if len(columns) == 2:
-            a, b = columns[0][2]["losses"], columns[1][2]["losses"]
-            same = all(abs(x - y) <= 1e-4 * max(1.0, abs(x)) for x, y in zip(a, b))
-            sections.append(
-                f"Per-step losses of the DDP and FSDP runs equal to 1e-4: {'yes' if same else 'no'} "
-                "(both train the same model on the same global batch; docs/running.md)."
-            )
-        return sections
-
-    def full_size(ws: Workspace) -> str:
-        return "\n\n".join(
-            [
-                code(
-                    "planner plan models/encoder_lm.py --size tutorial --set nlayers=8 --gpus 4 --dp 2 -b 40 "
-                    "--optimizer sgd --lr 5.0 --grad-clip 0.5 -o plan.json\n"
-                    "planner run plan.json --data wikitext-2/wiki.train.tokens --tokenizer word --eval-every 50 "
-                    "--steps 150"
-                ),
-                "The tutorial's model was the encoder-stack LM with 8 layers of width 4096 (16 heads), "
-                "each of its two processes reading batches of 20 (so `-b 40` over the two replicas), "
-                "SGD at rate 5.0 with clipping at 0.5. Not run here: it needs four GPUs.",
-                estimate_summary(ws, "estimate", "full.json"),
-            ]
-        )
-
     estimate = planner(
         "estimate",
         *("plan", "models/encoder_lm.py", "--size", "tutorial", "--set", "nlayers=8", "--gpus", "4", "--dp", "2"),
@@ -769,10 +753,10 @@ def ddp_pipeline_page() -> Page:
     return Page(
         "ddp_pipeline",
         "Seed system: data parallel x pipeline parallel on 4 ranks",
-        intro,
+        DDP_INTRO,
         commands,
-        render,
-        full_size,
+        _ddp_pipeline_render,
+        _ddp_pipeline_full_size,
         estimate,
     )
 
@@ -790,6 +774,25 @@ def resnet_run(key: str, plan_file: str, plan_key: str) -> Cmd:
     return planner(key, "run", plan_file, "--steps", str(RESNET_STEPS), "--no-checkpoint", needs=(plan_key,))
 
 
+RESNET_INTRO = (
+    "The PyTorch tutorial [Single-Machine Model Parallel Best Practices]"
+    "(https://pytorch.org/tutorials/intermediate/model_parallel_tutorial.html) timed "
+    "torchvision's ResNet-50 three ways: on one GPU, split in two over two GPUs (`conv1` .. "
+    "`layer2` on the first, the rest on the second; one batch at a time, so one GPU always "
+    "waits), and that split with each batch of 120 images (128 x 128) pipelined in splits of "
+    "1 to 60 images, plotting the time against the split size. Here the same three on this "
+    "CPU, with `models/resnet50.py` at its tiny size (width 8, 10 classes, 32 x 32 images): "
+    "one process (`--gpus 1`, both cores), the planner's two-stage split with one microbatch "
+    f"(`--gpus 2 -m 1`, one core each: the naive split), and the same with the batch of "
+    f"{RESNET_BATCH} cut into m = {', '.join(map(str, RESNET_SWEEP))} microbatches (split sizes "
+    f"{', '.join(str(RESNET_BATCH // m) for m in RESNET_SWEEP)}), all with GPipe, which runs "
+    "every forward before the backwards, as the tutorial's pipelined forward followed by "
+    f"autograd's backward did. Each is trained for {RESNET_STEPS} steps on the file's synthetic "
+    f"images. Batch {RESNET_BATCH} is the tutorial's; the 32 x 32 images keep the whole sweep "
+    "to a few minutes here."
+)
+
+
 def resnet_page() -> Page:
     """ResNet-50 on one device vs split in two vs pipelined, with the split-size sweep."""
     commands = [
@@ -805,27 +808,10 @@ def resnet_page() -> Page:
         ]
     # The tutorial's smallest split (1 image) cannot train here: shown failing, on purpose.
     commands.append(resnet_plan("plan_m120", "pipe_m120.json", 2, RESNET_BATCH, expect_fail=True))
-    intro = (
-        "The PyTorch tutorial [Single-Machine Model Parallel Best Practices]"
-        "(https://pytorch.org/tutorials/intermediate/model_parallel_tutorial.html) timed "
-        "torchvision's ResNet-50 three ways: on one GPU, split in two over two GPUs (`conv1` .. "
-        "`layer2` on the first, the rest on the second; one batch at a time, so one GPU always "
-        "waits), and that split with each batch of 120 images (128 x 128) pipelined in splits of "
-        "1 to 60 images, plotting the time against the split size. Here the same three on this "
-        "CPU, with `models/resnet50.py` at its tiny size (width 8, 10 classes, 32 x 32 images): "
-        "one process (`--gpus 1`, both cores), the planner's two-stage split with one microbatch "
-        f"(`--gpus 2 -m 1`, one core each: the naive split), and the same with the batch of "
-        f"{RESNET_BATCH} cut into m = {', '.join(map(str, RESNET_SWEEP))} microbatches (split sizes "
-        f"{', '.join(str(RESNET_BATCH // m) for m in RESNET_SWEEP)}), all with GPipe, which runs "
-        "every forward before the backwards, as the tutorial's pipelined forward followed by "
-        f"autograd's backward did. Each is trained for {RESNET_STEPS} steps on the file's synthetic "
-        f"images. Batch {RESNET_BATCH} is the tutorial's; the 32 x 32 images keep the whole sweep "
-        "to a few minutes here."
-    )
     return Page(
         "resnet50",
         "Seed system: ResNet-50 on one device, split in two, and pipelined",
-        intro,
+        RESNET_INTRO,
         commands,
         render_resnet,
         resnet_full_size,
@@ -872,12 +858,25 @@ def _resnet_points(ws: Workspace) -> tuple[SweepPoint | None, SweepPoint | None,
     return one, split, sweep
 
 
-def render_resnet(ws: Workspace) -> list[str]:
-    """The ResNet page's outputs, table and plot (from whatever configurations ran)."""
-    one, split, sweep = _resnet_points(ws)
-    points = [p for p in (one, split, *sweep) if p is not None]
-    if not points:
-        return []
+RESNET_HEADERS = [
+    "configuration",
+    "ranks",
+    "m",
+    "split size",
+    "schedule",
+    "blocks per stage",
+    "predicted ms",
+    "measured ms (median)",
+    "measured min–max",
+    "error",
+    "samples/s",
+    "speed vs one process",
+    "final loss",
+]
+
+
+def resnet_table(points: list[SweepPoint], one: SweepPoint | None) -> str:
+    """One row per configuration that ran: predicted and measured, and the speed against one process."""
     base = statistics.median(one.timed_s) if one else None
     rows = []
     for p in points:
@@ -900,26 +899,11 @@ def render_resnet(ws: Workspace) -> list[str]:
                 f"{p.run['losses'][-1]:.4f}",
             ]
         )
-    table = tabulate(
-        rows,
-        headers=[
-            "configuration",
-            "ranks",
-            "m",
-            "split size",
-            "schedule",
-            "blocks per stage",
-            "predicted ms",
-            "measured ms (median)",
-            "measured min–max",
-            "error",
-            "samples/s",
-            "speed vs one process",
-            "final loss",
-        ],
-        tablefmt="github",
-        disable_numparse=True,
-    )
+    return table(rows, RESNET_HEADERS)
+
+
+def resnet_printed(ws: Workspace) -> list[str]:
+    """What the one-process, naive-split and one sweep point's commands printed."""
     sections = ["## What it printed"]
     for key in ("plan_one", "run_one", "plan_split", "run_split"):
         if ws.ok(key):
@@ -930,7 +914,45 @@ def render_resnet(ws: Workspace) -> list[str]:
             f"One point of the sweep, `-m {show[1:]}` (the others print the same lines with their own figures):"
         )
         sections += [printed(ws, f"plan_{show}", plan_excerpt), printed(ws, f"run_{show}", run_excerpt)]
-    sections += ["## Figures", table, timing_note()]
+    return sections
+
+
+def resnet_losses_note(one: SweepPoint, split: SweepPoint) -> str:
+    """Why one process and the naive split, the same computation, end at different losses."""
+    a, b = one.run["losses"], split.run["losses"]
+    same = next((i for i, (x, y) in enumerate(zip(a, b)) if abs(x - y) > 1e-4 * max(1.0, abs(x))), len(a))
+    return (
+        "About the losses: one process and the naive split compute the same thing, one microbatch "
+        f"of {RESNET_BATCH}, yet their losses agree (to 1e-4) for the first {same} step(s) only and "
+        f"end at {a[-1]:.4f} and {b[-1]:.4f}: the floating-point sums run in another order with two "
+        "threads in one process than with one thread in each of two, and training amplifies "
+        "such last-bit differences. The pipelined runs differ more, because batch norm "
+        "normalises each microbatch on its own (README, Limits)."
+    )
+
+
+def resnet_refused(ws: Workspace) -> list[str]:
+    """The tutorial's smallest split (one image per microbatch), refused on purpose."""
+    fail = ws.outcomes.get("plan_m120")
+    if fail is None or fail.returncode is None:
+        return []
+    verdict = "refused, as expected" if fail.ok else "did NOT fail (unexpected)"
+    return [
+        f"### The tutorial's smallest split: 1 image ({verdict})",
+        f"A microbatch of one image cannot train this network: batch norm in training mode needs "
+        f"more than one value per channel, and `layer4` works on 1 x 1 maps at this image size. "
+        f"`{fail.cmd.text}` exits with code {fail.returncode}:",
+        code(fail.error_line()),
+    ]
+
+
+def render_resnet(ws: Workspace) -> list[str]:
+    """The ResNet page's outputs, table and plot (from whatever configurations ran)."""
+    one, split, sweep = _resnet_points(ws)
+    points = [p for p in (one, split, *sweep) if p is not None]
+    if not points:
+        return []
+    sections = [*resnet_printed(ws), "## Figures", resnet_table(points, one), timing_note()]
     if split is not None:
         cut = split.plan["stages"][1]["first_block"]
         sections.append(
@@ -951,27 +973,8 @@ def render_resnet(ws: Workspace) -> list[str]:
             f"{ms(statistics.median(best.timed_s))} ms; fastest configuration overall: {fastest.label}."
         )
     if one is not None and split is not None:
-        a, b = one.run["losses"], split.run["losses"]
-        same = next((i for i, (x, y) in enumerate(zip(a, b)) if abs(x - y) > 1e-4 * max(1.0, abs(x))), len(a))
-        sections.append(
-            "About the losses: one process and the naive split compute the same thing, one microbatch "
-            f"of {RESNET_BATCH}, yet their losses agree (to 1e-4) for the first {same} step(s) only and "
-            f"end at {a[-1]:.4f} and {b[-1]:.4f}: the floating-point sums run in another order with two "
-            "threads in one process than with one thread in each of two, and training amplifies "
-            "such last-bit differences. The pipelined runs differ more, because batch norm "
-            "normalises each microbatch on its own (README, Limits)."
-        )
-    fail = ws.outcomes.get("plan_m120")
-    if fail is not None and fail.returncode is not None:
-        verdict = "refused, as expected" if fail.ok else "did NOT fail (unexpected)"
-        sections += [
-            f"### The tutorial's smallest split: 1 image ({verdict})",
-            f"A microbatch of one image cannot train this network: batch norm in training mode needs "
-            f"more than one value per channel, and `layer4` works on 1 x 1 maps at this image size. "
-            f"`{fail.cmd.text}` exits with code {fail.returncode}:",
-            code(fail.error_line()),
-        ]
-    return sections
+        sections.append(resnet_losses_note(one, split))
+    return sections + resnet_refused(ws)
 
 
 def plot_resnet(one: SweepPoint | None, split: SweepPoint | None, sweep: list[SweepPoint]) -> str | None:
@@ -1055,6 +1058,58 @@ def resnet_full_size(ws: Workspace) -> str:
 SHK_STEPS, SHK_EVAL = 40, 10
 
 
+SHK_INTRO = (
+    "Andrej Karpathy's lecture \"Let's build GPT: from scratch, in code, spelled out\" builds a "
+    "character-level transformer (token and position embeddings, blocks of causal multi-head "
+    "self-attention and a feed-forward layer, a final layer norm and head) and trains it on "
+    "Shakespeare, printing train and validation loss as it goes. `models/shakespeare.py` is "
+    "that model. Here it is trained by two data-parallel replicas of a one-stage pipeline "
+    "(`--dp 2`, each replica half of every batch, gradients averaged by DDP) on the "
+    "characters of the shipped Shakespeare selection, evaluating on its held-out last 10 %. "
+    "Unlike `models/encoder_lm.py` and `models/gpt.py`, which attend to the whole window "
+    "(docs/data.md), this model is causal, so its perplexity is a real next-character perplexity."
+)
+
+
+def _shakespeare_render(ws: Workspace) -> list[str]:
+    """The shakespeare page's outputs, figures and notes (none unless its commands ran)."""
+    if not (ws.ok("plan") and ws.ok("run")):
+        return []
+    plan, run = ws.json("plan.json"), ws.json("plan.run.json")
+    layout = line_starting(ws.stdout("plan"), "layout:") or "(no layout line printed)"
+    return [
+        "## What it printed",
+        "The layout line:",
+        code(layout),
+        printed(ws, "plan", plan_excerpt),
+        printed(ws, "run", run_excerpt),
+        "## Figures",
+        figures_table([("2 replicas x 1 stage", plan, run)]),
+        timing_note(),
+        "### Loss and perplexity over the steps (run.json `evals`)",
+        eval_table(run, ".2f"),
+        f"For scale: {_vocab_from(ws.stdout('run'))}",
+    ]
+
+
+def _shakespeare_full_size(ws: Workspace) -> str:
+    """The shakespeare page's full-size commands (shown, not run) and their notes."""
+    return "\n\n".join(
+        [
+            code(
+                "planner plan models/shakespeare.py --size tutorial --gpus 2 --dp 2 -b 64 --lr 3e-4 -o plan.json\n"
+                "planner run plan.json --data tinyshakespeare.txt --tokenizer char --eval-every 500 --steps 5000"
+            ),
+            "`--size tutorial` is the lecture's final model (384-wide embeddings, 6 heads, 6 "
+            "layers, a context of 256 characters, dropout 0.2); `-b 64`, AdamW at 3e-4 and "
+            "5,000 steps evaluated every 500 are its training settings. The lecture trained on "
+            "the tiny-shakespeare file (about 1 MB), which is not shipped: give it to `--data`. "
+            "Not run here: the lecture trained on one GPU; this layout needs two.",
+            estimate_summary(ws, "estimate", "full.json"),
+        ]
+    )
+
+
 def shakespeare_page() -> Page:
     """Karpathy's character-level Shakespeare transformer, trained by 2 data-parallel replicas."""
     commands = [
@@ -1070,63 +1125,6 @@ def shakespeare_page() -> Page:
             needs=("plan",),
         ),
     ]
-    intro = (
-        "Andrej Karpathy's lecture \"Let's build GPT: from scratch, in code, spelled out\" builds a "
-        "character-level transformer (token and position embeddings, blocks of causal multi-head "
-        "self-attention and a feed-forward layer, a final layer norm and head) and trains it on "
-        "Shakespeare, printing train and validation loss as it goes. `models/shakespeare.py` is "
-        "that model. Here it is trained by two data-parallel replicas of a one-stage pipeline "
-        "(`--dp 2`, each replica half of every batch, gradients averaged by DDP) on the "
-        "characters of the shipped Shakespeare selection, evaluating on its held-out last 10 %. "
-        "Unlike `models/encoder_lm.py` and `models/gpt.py`, which attend to the whole window "
-        "(docs/data.md), this model is causal, so its perplexity is a real next-character perplexity."
-    )
-
-    def render(ws: Workspace) -> list[str]:
-        if not (ws.ok("plan") and ws.ok("run")):
-            return []
-        plan, run = ws.json("plan.json"), ws.json("plan.run.json")
-        layout = line_starting(ws.stdout("plan"), "layout:") or "(no layout line printed)"
-        evals = run.get("evals") or []
-        eval_rows = [
-            [e["step"], f"{run['losses'][e['step'] - 1]:.4f}", f"{e['loss']:.4f}", f"{e['perplexity']:.2f}"]
-            for e in evals
-        ]
-        return [
-            "## What it printed",
-            "The layout line:",
-            code(layout),
-            printed(ws, "plan", plan_excerpt),
-            printed(ws, "run", run_excerpt),
-            "## Figures",
-            figures_table([("2 replicas x 1 stage", plan, run)]),
-            timing_note(),
-            "### Loss and perplexity over the steps (run.json `evals`)",
-            tabulate(
-                eval_rows,
-                headers=["step", "train loss (that step's batch)", "eval loss", "eval perplexity"],
-                tablefmt="github",
-                disable_numparse=True,
-            ),
-            f"For scale: {_vocab_from(ws.stdout('run'))}",
-        ]
-
-    def full_size(ws: Workspace) -> str:
-        return "\n\n".join(
-            [
-                code(
-                    "planner plan models/shakespeare.py --size tutorial --gpus 2 --dp 2 -b 64 --lr 3e-4 -o plan.json\n"
-                    "planner run plan.json --data tinyshakespeare.txt --tokenizer char --eval-every 500 --steps 5000"
-                ),
-                "`--size tutorial` is the lecture's final model (384-wide embeddings, 6 heads, 6 "
-                "layers, a context of 256 characters, dropout 0.2); `-b 64`, AdamW at 3e-4 and "
-                "5,000 steps evaluated every 500 are its training settings. The lecture trained on "
-                "the tiny-shakespeare file (about 1 MB), which is not shipped: give it to `--data`. "
-                "Not run here: the lecture trained on one GPU; this layout needs two.",
-                estimate_summary(ws, "estimate", "full.json"),
-            ]
-        )
-
     estimate = planner(
         "estimate",
         *("plan", "models/shakespeare.py", "--size", "tutorial", "--gpus", "2", "--dp", "2", "-b", "64"),
@@ -1135,10 +1133,10 @@ def shakespeare_page() -> Page:
     return Page(
         "shakespeare",
         "Seed system: the character-level Shakespeare transformer, data parallel",
-        intro,
+        SHK_INTRO,
         commands,
-        render,
-        full_size,
+        _shakespeare_render,
+        _shakespeare_full_size,
         estimate,
     )
 
@@ -1231,7 +1229,7 @@ def build(page: Page, facts: dict[str, str], scratch: Path) -> str:
     sections += [
         "## Machine and date",
         _machine_section(facts, started, seconds, busy_before, busy_after),
-        f"Written by `{SCRIPT}`; rerun with `.venv/bin/python {SCRIPT} --only {page.name}`.",
+        f"Written by `{SCRIPT}`; rerun with `{RERUN} --only {page.name}`.",
     ]
     return "\n\n".join(sections).rstrip() + "\n"
 
@@ -1285,7 +1283,7 @@ def main() -> int:
             page_t0 = time.perf_counter()
             text = build(page, facts, scratch)
             out = DOCS / f"seed_{name}.md"
-            out.write_text(text)
+            write_page(out, text)
             print(f"wrote {out.relative_to(ROOT)} ({time.perf_counter() - page_t0:.0f} s)", flush=True)
             if page.failures:
                 failed.append(name)

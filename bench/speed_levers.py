@@ -13,7 +13,7 @@ of the same model pays).
 
 Writes docs/speed_levers.md.
 
-    python bench/speed_levers.py          # about 2 minutes on 2 cores
+    python -m bench.speed_levers          # about 2 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -21,23 +21,18 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
-import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 # before torch is imported: compile times below are those of an empty cache
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="speed_levers_inductor_"))
 
 import torch  # noqa: E402
-from tabulate import tabulate  # noqa: E402
 
-from planner.api import Costs, default_threads, measured_costs, model_ref  # noqa: E402
+from bench.common import DOCS, MODELS, ROOT, host, plan_on_costs, table, write_page  # noqa: E402
+from planner.api import Costs, default_threads, measured_costs  # noqa: E402
 from planner.capture.load import ModelFile, load_model_file  # noqa: E402
-from planner.core.assemble import assemble_plan  # noqa: E402
 from planner.schema.plan import Plan  # noqa: E402
 from planner.schema.request import PlanRequest  # noqa: E402
 
@@ -52,16 +47,7 @@ CONFIGS: list[tuple[str, str | None, bool]] = [
 
 
 def _plan(request: PlanRequest, costs: Costs, mf: ModelFile) -> Plan:
-    return assemble_plan(
-        request,
-        costs.blocks,
-        costs.link,
-        model=model_ref(mf, costs.traced, request),
-        profile=costs.profile,
-        memory_limit_bytes=None,
-        created=CREATED,
-        ties=costs.ties,
-    )
+    return plan_on_costs(request, costs, mf, created=CREATED, ties=costs.ties)
 
 
 def _measure(model: Path, autocast: str | None, compile: bool, repeats: int, out: Path) -> dict[str, object]:
@@ -115,7 +101,7 @@ def _block_table(runs: dict[str, dict[str, object]]) -> str:
         "saved KiB",
         "cut KiB (last: output)",
     ]
-    return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+    return table(rows, headers)
 
 
 def _summary_table(runs: dict[str, dict[str, object]], warm: dict[str, float]) -> str:
@@ -152,7 +138,7 @@ def _summary_table(runs: dict[str, dict[str, object]], warm: dict[str, float]) -
         "max mem MB",
         "joint search: choice, step ms",
     ]
-    return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+    return table(rows, headers)
 
 
 def _layer_ratio(runs: dict[str, dict[str, object]], config: str, of: str) -> float:
@@ -215,9 +201,9 @@ def _cpu_bf16() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per block (median kept)")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "speed_levers.md")
+    parser.add_argument("--out", type=Path, default=DOCS / "speed_levers.md")
     args = parser.parse_args()
-    models = [ROOT / "models" / "gpt.py", ROOT / "models" / "encoder_lm.py"]
+    models = [MODELS / "gpt.py", MODELS / "encoder_lm.py"]
     total = time.perf_counter()
     sections = []
     stats: dict[str, dict[str, dict[str, object]]] = {}
@@ -242,7 +228,7 @@ def main() -> None:
     elapsed = time.perf_counter() - total
     text = f"""# Speed levers: autocast and torch.compile in the cost model
 
-Written by `bench/speed_levers.py` on {CREATED[:10]} ({platform.node()}, {os.cpu_count()} cores,
+Written by `bench/speed_levers.py` on {CREATED[:10]} ({host()},
 torch {torch.__version__}, {default_threads(GPUS)} thread(s) per rank as `planner plan --gpus {GPUS}`
 profiles; {elapsed:.0f} s in all). What `planner plan MODEL --gpus {GPUS} --size tiny` measures with
 `--dtype bf16` (every block under `torch.autocast("cpu", dtype=torch.bfloat16)`; parameters,
@@ -256,9 +242,9 @@ runs of the same block are noise here.
 
 {_reading(stats)}
 
-Regenerate: `python bench/speed_levers.py`.
+Regenerate: `python -m bench.speed_levers`.
 """
-    args.out.write_text(text)
+    write_page(args.out, text)
     print(f"wrote {args.out} in {elapsed:.0f} s")
 
 

@@ -1,0 +1,293 @@
+"""What the bench scripts share: the repository's paths, the commands they start, the pages they write.
+
+Every script in bench/ runs from the repository root as ``python -m bench.NAME``. A script imports
+from bench/ only this module and ``bench.cases`` (the planned-and-run cases of the accuracy
+benches), never another script.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from tabulate import tabulate
+
+from planner.errors import PlannerError
+from planner.schema.jsonfile import write_atomic
+from planner.schema.plan import Plan
+from planner.schema.result import RunResult
+
+if TYPE_CHECKING:
+    from planner.api import Costs
+    from planner.capture.load import ModelFile
+    from planner.schema.request import PlanRequest
+
+T = TypeVar("T")
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+MODELS = ROOT / "models"
+# The venv that runs a bench is the one whose `planner` it measures.
+PLANNER = str(Path(sys.executable).parent / "planner")
+
+
+# --------------------------------------------------------------------------------------------------
+# commands
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Finished:
+    """What one command did: its exit code (None when stopped at its timeout), output and wall time."""
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+    seconds: float
+    note: str = ""  # why there is no exit code: "timed out after N s (stopped)"
+
+    @property
+    def error(self) -> str:
+        """Empty when the command succeeded, else one line saying how it failed."""
+        if self.returncode is None:
+            return self.note
+        if self.returncode == 0:
+            return ""
+        return f"exit {self.returncode}: {last_line(self.stderr, self.stdout) or 'nothing printed'}"
+
+
+def execute(argv: Sequence[str], cwd: Path, timeout_s: float, env: Mapping[str, str] | None = None) -> Finished:
+    """Run one command in ``cwd``, capturing both streams; stop its whole process group on a timeout.
+
+    `planner run` starts one process per rank; `start_new_session` puts them in a group of their own,
+    so a timeout stops exactly the processes this command started and nothing else.
+    """
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        list(argv),
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=None if env is None else dict(env),
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        note = f"timed out after {timeout_s:.0f} s (stopped)"
+        return Finished(None, out, err, time.perf_counter() - start, note)
+    return Finished(proc.returncode, out, err, time.perf_counter() - start)
+
+
+def last_line(*texts: str) -> str:
+    """The last non-empty line of the first text that has one, fit for a markdown table cell."""
+    for text in texts:
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        if lines:
+            line = lines[-1]
+            return (line[:200] + " ...").replace("|", "\\|") if len(line) > 200 else line.replace("|", "\\|")
+    return ""
+
+
+def planner_command(argv: Sequence[str], cwd: Path, timeout_s: float) -> str:
+    """Run a ``planner`` command line (``argv`` starts with ``PLANNER``); "" if it succeeded, else its error line."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    return execute(argv, cwd, timeout_s, env).error
+
+
+def run_path_of(plan_path: Path, tag: str = "") -> Path:
+    """Where the run of a plan file goes: X.run.json (or X.<tag>.run.json)."""
+    return plan_path.with_name(plan_path.stem + (f".{tag}" if tag else "") + ".run.json")
+
+
+def written(
+    argv: Sequence[str], cwd: Path, what: str, path: Path, load: Callable[[Path], T], timeout_s: float
+) -> tuple[T | None, str]:
+    """Run a `planner` command in ``cwd`` (``what``: its name in messages), then read the file it
+    wrote at ``path`` with ``load``: that, or None and the error line."""
+    error = planner_command(argv, cwd, timeout_s)
+    if error:
+        return None, f"{what}: {error}"
+    try:
+        return load(path), ""
+    except PlannerError as exc:
+        return None, f"reading {path.name}: {last_line(str(exc))}"
+
+
+def plan_file(argv: Sequence[str], plan_path: Path, timeout_s: float) -> tuple[Plan | None, str]:
+    """`planner plan` (``argv``, writing ``plan_path``); the plan it wrote, or the error line."""
+    return written(argv, plan_path.parent, "planner plan", plan_path, Plan.load, timeout_s)
+
+
+def run_plan_file(plan_path: Path, run_path: Path, steps: int, timeout_s: float) -> tuple[RunResult | None, str]:
+    """`planner run` a plan file; the run it wrote, or the error line."""
+    argv = [PLANNER, "run", str(plan_path), "--steps", str(steps), "--no-checkpoint", "-o", str(run_path)]
+    return written(argv, plan_path.parent, "planner run", run_path, RunResult.load, timeout_s)
+
+
+def plan_and_run(
+    argv: Sequence[str], plan_path: Path, steps: int, timeout_s: float
+) -> tuple[Plan | None, RunResult | None, str]:
+    """`planner plan` (``argv``, writing ``plan_path``), then `planner run` on the plan it wrote (the
+    run beside it, X.run.json): what each wrote, and the first error line ("" when both succeeded)."""
+    plan, error = plan_file(argv, plan_path, timeout_s)
+    if plan is None:
+        return None, None, error
+    run, error = run_plan_file(plan_path, run_path_of(plan_path), steps, timeout_s)
+    return plan, run, error
+
+
+def copy_models(src: Path, dest: Path) -> None:
+    """Copy a folder of model files (no bytecode caches), so that commands run on a copy."""
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))
+
+
+# --------------------------------------------------------------------------------------------------
+# plans made and run in this process
+# --------------------------------------------------------------------------------------------------
+def plan_on_costs(
+    request: PlanRequest,
+    costs: Costs,
+    mf: ModelFile,
+    *,
+    created: str,
+    memory_limit_bytes: int | None = None,
+    ties: Sequence[Any] = (),
+) -> Plan:
+    """``assemble_plan`` on costs measured or estimated once (many plans, one profile)."""
+    from planner.api import model_ref
+    from planner.core.assemble import Origin, assemble_plan
+
+    origin = Origin(model_ref(mf, costs.traced, request), costs.profile, created)
+    return assemble_plan(request, costs.blocks, costs.link, origin, memory_limit_bytes=memory_limit_bytes, ties=ties)
+
+
+def timed_step_times(result: RunResult) -> list[float]:
+    """A run's step times, timed steps only (not the first, nor the memory-tracked one)."""
+    return [result.step_times_s[i - 1] for i in result.timed_steps]
+
+
+def alternate(
+    plans: Mapping[str, Plan],
+    folder: Path,
+    rounds: int,
+    steps: int,
+    *,
+    echo: bool = True,
+    after_round: Callable[[int], None] | None = None,
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Train every plan for ``steps`` steps once per round, the plans taking turns so that the machine's
+    drift hits all alike: per plan, the timed step times of all rounds and the last round's losses."""
+    from planner.run import run_plan
+    from planner.schema.request import RunRequest
+
+    paths: dict[str, Path] = {}
+    for i, (name, plan) in enumerate(plans.items()):
+        paths[name] = folder / f"plan{i}.json"
+        plan.save(paths[name])
+    measured: dict[str, list[float]] = {name: [] for name in plans}
+    losses: dict[str, list[float]] = {}
+    for r in range(rounds):
+        for name, plan in plans.items():
+            print(f"round {r + 1}/{rounds}: {name}", flush=True)
+            result = run_plan(plan, RunRequest(plan_file=paths[name], steps=steps, echo=echo))
+            measured[name].extend(timed_step_times(result))
+            losses[name] = result.losses
+        if after_round is not None:
+            after_round(r)
+    return measured, losses
+
+
+def same_losses(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Whether two runs' per-step losses agree to 1e-4 (relative, absolute below 1)."""
+    return all(abs(x - y) <= 1e-4 * max(1.0, abs(x)) for x, y in zip(a, b))
+
+
+def blocks_per_stage(plan: Plan) -> str:
+    """How many blocks each stage holds, e.g. 3+4."""
+    return "+".join(str(s.end - s.start) for s in plan.stages)
+
+
+# --------------------------------------------------------------------------------------------------
+# the machine
+# --------------------------------------------------------------------------------------------------
+def cpu_model() -> str | None:
+    """The CPU's model name from /proc/cpuinfo (``platform.processor()`` is empty on Linux), or None."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def host() -> str:
+    """This machine's name and core count, as the pages' first lines give them."""
+    return f"{platform.node()}, {os.cpu_count()} cores"
+
+
+def machine() -> str:
+    """Host, CPU model, cores, torch and Python versions."""
+    import torch
+
+    cpu = cpu_model() or "unknown CPU"
+    return f"{platform.node()}: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def background_cpu(seconds: float = 2.0) -> float:
+    """Share of the machine's CPU time other processes used over `seconds`, while this script idles.
+
+    The step times on the pages are wall-clock times; when other jobs share the cores they stretch.
+    Sampling /proc/stat while nothing of ours runs says how busy the machine was around the run.
+    """
+
+    def jiffies() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:9]]
+        idle = values[3] + values[4]  # idle + iowait
+        return sum(values) - idle, sum(values)
+
+    try:
+        busy0, total0 = jiffies()
+        time.sleep(seconds)
+        busy1, total1 = jiffies()
+    except OSError:
+        return math.nan
+    return (busy1 - busy0) / max(1, total1 - total0)
+
+
+# --------------------------------------------------------------------------------------------------
+# pages
+# --------------------------------------------------------------------------------------------------
+def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], *, numparse: bool = False) -> str:
+    """A GitHub markdown table; cells as given unless ``numparse`` (then numbers align right)."""
+    return tabulate(rows, headers=list(headers), tablefmt="github", disable_numparse=not numparse)
+
+
+def write_page(path: Path | str, text: str, option: str = "--out") -> None:
+    """Write a page (or any text file) whole or not at all, creating its folder."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, text, option)
+
+
+def between_markers(text: str, begin: str, end: str, body: str) -> str | None:
+    """``text`` with what lies between the two marker lines replaced by ``body``; None without both."""
+    if begin not in text or end not in text:
+        return None
+    head, rest = text.split(begin, 1)
+    return f"{head}{begin}\n{body}\n{end}{rest.split(end, 1)[1]}"
