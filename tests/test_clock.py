@@ -162,6 +162,7 @@ def test_in_context_profile_counts_the_loss_in_the_last_block() -> None:
     assert max(ctx.fwd_cold + ctx.bwd_cold) < TOL_S
 
 
+@pytest.mark.slow
 def test_in_context_profile_measures_each_blocks_cold_start(monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks that sleep a known extra time when they start after a wait: the warm passes read
     their back-to-back times, the cold passes' paired differences their cold starts."""

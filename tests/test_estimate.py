@@ -194,6 +194,7 @@ def test_calibration_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         calibrated_cpu(1, path=path, refresh=True)
 
 
+@pytest.mark.slow
 def test_calibrated_cpu_estimate_roughly_matches_measurement(tmp_path: Path) -> None:
     hw = calibrated_cpu(1, path=tmp_path / "cpu.json")
     mf = load_model_file(ROOT / "models" / "gpt.py", "tiny")
@@ -307,6 +308,7 @@ def test_tokens_per_sample_is_the_sequence_length_of_token_ids() -> None:
     assert tokens_per_sample(()) is None
 
 
+@pytest.mark.slow
 def test_identical_layers_are_estimated_once_with_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
     import planner.costs.estimate as estimate
 

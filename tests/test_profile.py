@@ -47,6 +47,7 @@ def _delay(modules: bool):
 # --- timing ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("modules", [False, True], ids=["graph", "modules"])
 def test_sleeping_blocks_give_known_times(modules):
     mf, _, inputs, target, traced = _delay(modules)
@@ -159,6 +160,7 @@ def split_costs(request):
     return _profile(traced, (x,), y, _mse, warmup=1, repeats=3)
 
 
+@pytest.mark.slow
 def test_backward_split_gives_known_input_and_weight_times(split_costs):
     costs = split_costs
     assert [c.name for c in costs] == [f"layers.{i}" for i in range(len(SPLIT))]
@@ -188,6 +190,7 @@ def test_recompute_is_measured_under_checkpoint(split_costs):
     assert costs[2].recompute_s == pytest.approx(0.0, abs=2e-3)
 
 
+@pytest.mark.slow
 def test_input_plus_weight_close_to_full_backward_on_linear_stack():
     """For real compute I + W ≈ B. torch's split costs somewhat more than one backward: the graph
     walks and per-node hooks of stage_backward_input, the branch nodes run a second time in W, and
@@ -273,6 +276,7 @@ def test_param_bytes_exact_with_shared_parameters():
     assert [c.cut_bytes for c in costs] == [3 * 5 * d * 4] * 3 + [0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt", "resnet50"])
 def test_every_parameter_counted_once_on_shipped_models(name):
     mf = load_model_file(ROOT / "models" / f"{name}.py", "tiny")
@@ -285,6 +289,7 @@ def test_every_parameter_counted_once_on_shipped_models(name):
     assert all(c.activation_bytes > 0 for c in costs if c.is_layer)
 
 
+@pytest.mark.slow
 def test_gpt_costs_exact_structure():
     mf = load_model_file(ROOT / "models" / "gpt.py", "tiny")
     model = mf.build()
@@ -354,6 +359,7 @@ def _assert_unchanged(model, snap):
     assert [m.training for m in model.modules()] == training
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 def test_profiling_leaves_resnet_unchanged(train):
     mf = load_model_file(ROOT / "models" / "resnet50.py", "tiny")
@@ -370,6 +376,7 @@ def test_profiling_leaves_resnet_unchanged(train):
     assert not torch.equal(traced.model.bn1.running_mean, running)
 
 
+@pytest.mark.slow
 def test_profiling_leaves_frozen_parameters_frozen():
     mf = load_model_file(ROOT / "models" / "gpt.py", "tiny")
     model = mf.build()

@@ -107,6 +107,7 @@ def test_tensor_bytes_counts_each_tensor_once_in_its_dtype() -> None:
     assert tensor_bytes((x, x)) == 3 * 4 * 2
 
 
+@pytest.mark.slow
 def test_a_bf16_plan_records_autocast_and_saves_fewer_bytes(tmp_path: Path) -> None:
     def plan(dtype: str | None) -> Plan:
         request = PlanRequest.build(
@@ -145,6 +146,7 @@ def test_fp16_autocast_runs_on_this_cpu_and_meta_has_none() -> None:
 # --- compile ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_compile_profiles_once_per_distinct_block_and_the_plan_records_it(tmp_path: Path) -> None:
     model_file = tmp_path / "mlp.py"
     model_file.write_text(MLP)
@@ -205,6 +207,7 @@ def test_a_module_trace_block_compile_fails_on_runs_eagerly(monkeypatch: pytest.
     assert not any("forward" in vars(m) for m in traced.model.modules())  # their own forwards are back
 
 
+@pytest.mark.slow
 def test_compile_with_an_estimate_is_a_note_not_a_speed_up(tmp_path: Path) -> None:
     args = ["plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "-b", "8", "--gpu-type", "h100"]
     plain = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "a.json"), "-q"])
