@@ -129,7 +129,8 @@ def test_a_bf16_plan_records_autocast_and_saves_fewer_bytes(tmp_path: Path) -> N
     assert [b.param_bytes for b in bf16.blocks] == [b.param_bytes for b in fp32.blocks]
     layers = [(a, b) for a, b in zip(fp32.blocks, bf16.blocks) if a.is_layer]
     assert layers and all(b.activation_bytes < a.activation_bytes for a, b in layers)
-    assert bf16.stages[0].activation_bytes < fp32.stages[0].activation_bytes
+    # summed over the stages, as the splits may differ (the two plans are timed apart)
+    assert sum(s.activation_bytes for s in bf16.stages) < sum(s.activation_bytes for s in fp32.stages)
     assert not bf16.compile and bf16.profile.compile_s is None
     bf16.save(tmp_path / "bf16.json")
     assert Plan.load(tmp_path / "bf16.json") == bf16
