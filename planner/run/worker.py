@@ -64,6 +64,7 @@ from planner.run.common import (
 from planner.run.loop import Progress, RankModel, RankResult, train_steps
 from planner.run.measure import StageProbe, probes_installed, recv_buffers
 from planner.run.preflight import vocab_size_of
+from planner.schema.jsonfile import write_atomic
 from planner.schema.plan import Plan, StagePlan
 from planner.schema.request import TORCH_NAMES, RunRequest
 from planner.torch_compat import is_view
@@ -830,14 +831,7 @@ def run_worker(plan_json: str, request_json: str, error_dir: str) -> RankResult:
         }
         folder = Path(error_dir)
         if progress.partial is not None:
-            write_atomic_bytes(folder / f"rank{rank}.partial.pkl", pickle.dumps(progress.partial))
-        write_atomic_bytes(folder / f"rank{rank}.json", json.dumps(record).encode())
+            write_atomic(folder / f"rank{rank}.partial.pkl", pickle.dumps(progress.partial))
+        write_atomic(folder / f"rank{rank}.json", json.dumps(record).encode())
         sys.stdout.flush()
         raise SystemExit(1) from None
-
-
-def write_atomic_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename, so a reader never sees half of it."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
