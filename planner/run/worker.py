@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import pickle
-import signal
 import sys
 import threading
 import time
@@ -64,6 +63,7 @@ from planner.run.common import (
 from planner.run.loop import Progress, RankModel, RankResult, train_steps
 from planner.run.measure import StageProbe, probes_installed, recv_buffers
 from planner.run.preflight import vocab_size_of
+from planner.run.signals import SIGNAL_NAMES, ignore_stop_signals, raise_on_stop_signals
 from planner.schema.jsonfile import write_atomic
 from planner.schema.plan import Plan, StagePlan
 from planner.schema.request import TORCH_NAMES, RunRequest
@@ -764,28 +764,6 @@ def train_in_process(plan: Plan, request: RunRequest) -> RankResult:
         dist.destroy_process_group()
 
 
-class Terminated(BaseException):
-    """SIGTERM reached this rank (the launcher or a scheduler stopping the run)."""
-
-
-def _on_sigterm(signum: int, frame: object) -> None:
-    _ignore_signals()  # a second signal while the failure record is written would lose it
-    raise Terminated()
-
-
-def _on_sigint(signum: int, frame: object) -> None:
-    _ignore_signals()
-    raise KeyboardInterrupt()
-
-
-def _ignore_signals() -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-_SIGNAL_OF = {KeyboardInterrupt: "SIGINT", Terminated: "SIGTERM"}
-
-
 def run_worker(plan_json: str, request_json: str, error_dir: str) -> RankResult:
     """Entry point of one worker process (top level, so ``spawn`` can pickle it).
 
@@ -805,8 +783,7 @@ def run_worker(plan_json: str, request_json: str, error_dir: str) -> RankResult:
             ``rank<R>.partial.pkl`` (the pickled ``RankResult`` of the completed steps).
     """
     _quiet()
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    signal.signal(signal.SIGINT, _on_sigint)
+    raise_on_stop_signals()
     # torch.fx's interpreter makes a tqdm bar, whose default lock is a multiprocessing semaphore: a
     # rank killed by SIGKILL would leak it ("leaked semaphore objects" at exit). A thread lock does not.
     tqdm.set_lock(threading.RLock())
@@ -816,7 +793,7 @@ def run_worker(plan_json: str, request_json: str, error_dir: str) -> RankResult:
         plan = Plan.from_json(plan_json, str(request.plan_file))
         return _train(plan, request, progress)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher as a record
-        _ignore_signals()  # a second signal while the record is written must not leave half a record
+        ignore_stop_signals()  # a second signal while the record is written must not leave half a record
         rank = int(os.environ.get("RANK", -1))
         record = {
             "rank": rank,
@@ -824,7 +801,7 @@ def run_worker(plan_json: str, request_json: str, error_dir: str) -> RankResult:
             "type": type(e).__name__,
             "planner_error": isinstance(e, PlannerError),
             "message": " ".join(str(e).split()) or type(e).__name__,
-            "signal": _SIGNAL_OF.get(type(e)),
+            "signal": SIGNAL_NAMES.get(type(e)),
             "step": progress.step or None,
             "done": progress.done,
             "traceback": traceback.format_exc(),
