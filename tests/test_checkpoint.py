@@ -28,7 +28,7 @@ from planner.run.checkpoint import (  # noqa: E402
     save_weights,
     step_dir,
 )
-from planner.run.common import make_scheduler  # noqa: E402
+from planner.run.optim import make_scheduler  # noqa: E402
 from planner.schema.request import RunRequest  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

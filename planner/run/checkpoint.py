@@ -346,7 +346,7 @@ def save_weights(plan_file: Path, checkpoint: Path | None, out: Path) -> tuple[P
     Raises:
         PlannerError: no checkpoint there, one of another model, or ``out`` cannot be written.
     """
-    from planner.run.common import load_plan_model
+    from planner.run.model import load_plan_model
     from planner.schema.plan import Plan
 
     plan = Plan.load(plan_file)

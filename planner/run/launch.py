@@ -58,9 +58,10 @@ from planner.capture.blocks import TracedModel
 from planner.capture.load import ModelFile, check_train_batch
 from planner.capture.stage import stage_module
 from planner.errors import PlannerError, RunFailed
-from planner.run.common import check_runnable, check_ties, load_plan_model, print_flushed, trace_for_plan
+from planner.run.console import print_flushed
 from planner.run.faults import WorkerTraceback, diagnose, read_records
 from planner.run.loop import RankResult, run_result
+from planner.run.model import check_runnable, check_ties, load_plan_model, trace_for_plan
 from planner.run.preflight import check_checkpoint_dir, check_data, check_resume
 from planner.schema.plan import Plan
 from planner.schema.request import RunRequest
