@@ -34,15 +34,19 @@ import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from planner.errors import PlannerError
 
+if TYPE_CHECKING:
+    from planner.data.text import Vocab
+
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 META_FILE = "planner.json"
+VOCAB_FILE = "vocab.json"
 
 
 class Stateful(Protocol):
@@ -51,6 +55,37 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def kept_vocab(root: Path) -> Path | None:
+    """The vocabulary a ``--data`` run keeps beside its checkpoints, when there is one.
+
+    Args:
+        root: the checkpoint folder.
+
+    Returns:
+        ``root / "vocab.json"`` when it exists (a resumed run reads its ids from it), else None.
+    """
+    path = root / VOCAB_FILE
+    return path if path.exists() else None
+
+
+def keep_vocab(root: Path, vocab: Vocab) -> None:
+    """Keep a ``--data`` run's vocabulary beside its checkpoints, unless one is kept already.
+
+    Written with the run's first checkpoint, not when the stream is made: a run that stops (or is
+    refused) before it saves anything leaves no vocabulary behind to refuse the next run's
+    ``--tokenizer``, and no checkpoint is ever published without the ids it was trained on.
+
+    Args:
+        root: the checkpoint folder (created if missing).
+        vocab: the stream's vocabulary.
+
+    Raises:
+        DataError: the file cannot be written.
+    """
+    if kept_vocab(root) is None:
+        vocab.save(root / VOCAB_FILE)
 
 
 def step_dir(root: Path, step: int) -> Path:

@@ -10,6 +10,7 @@ them is one line now instead of a failure on every rank after a minute of set-up
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,7 @@ from planner.capture.graph import buffers_restored
 from planner.capture.load import ModelFile, model_output
 from planner.capture.stage import stage_inputs, stage_module, trace_root
 from planner.errors import DataError, PlannerError
-from planner.run.checkpoint import checkpoint_step, latest_checkpoint
+from planner.run.checkpoint import checkpoint_step, kept_vocab, latest_checkpoint
 from planner.schema.plan import Plan
 from planner.schema.request import RunRequest
 
@@ -54,6 +55,9 @@ def check_resume(plan: Plan, request: RunRequest) -> int:
 def check_checkpoint_dir(request: RunRequest) -> None:
     """The checkpoint folder can be created and written (checked before training, so no run's weights are lost).
 
+    The folders the check creates are removed again: a command that fails later leaves nothing
+    behind, and the first save creates the folder for good.
+
     Raises:
         PlannerError: it is a file, or cannot be created or written.
     """
@@ -62,14 +66,29 @@ def check_checkpoint_dir(request: RunRequest) -> None:
     root = request.checkpoint_root
     if root.exists() and not root.is_dir():
         raise PlannerError(f"checkpoint folder {root} is a file; give --checkpoint-dir a folder")
+    created = _missing_folders(root)
     try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise PlannerError(
-            f"cannot create checkpoint folder {root}: {e.strerror or e}; pick another --checkpoint-dir"
-        ) from None
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise PlannerError(f"checkpoint folder {root} is not writable; pick another --checkpoint-dir")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise PlannerError(
+                f"cannot create checkpoint folder {root}: {e.strerror or e}; pick another --checkpoint-dir"
+            ) from None
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise PlannerError(f"checkpoint folder {root} is not writable; pick another --checkpoint-dir")
+    finally:
+        for folder in created:  # deepest first; a folder something else filled meanwhile stays
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """``folder`` and each of its parents that does not exist (not even as a link), deepest first."""
+    missing: list[Path] = []
+    while not folder.exists() and not folder.is_symlink() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
 
 
 def vocab_size_of(traced: TracedModel, mf: ModelFile, plan: Plan) -> int:
@@ -99,7 +118,9 @@ def check_data(
         raise DataError(f"--data {request.data}: no such file or folder; give a .txt file or a folder of them")
     from planner.data import TextBatches
 
-    vocab_file: Path | None = request.checkpoint_root / "vocab.json" if request.save_checkpoints else None
+    # Read a kept vocabulary, never write one: a check leaves nothing behind (the ranks keep the
+    # vocabulary with their first checkpoint).
+    vocab_file = kept_vocab(request.checkpoint_root) if request.save_checkpoints else None
     stream = TextBatches(
         request.data,
         example=mf.batch(plan.microbatch_size, seed=plan.model.seed),

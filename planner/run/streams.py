@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from planner.capture.load import ModelFile
+from planner.run.checkpoint import kept_vocab
 from planner.run.mesh import RankMesh
 from planner.schema.plan import Plan
 from planner.schema.request import RunRequest
@@ -58,8 +59,9 @@ def model_stream(mf: ModelFile, plan: Plan, mesh: RankMesh, skip: int) -> Iterat
 
 
 def text_stream(plan: Plan, request: RunRequest, mf: ModelFile, mesh: RankMesh, vocab_size: int) -> Any:
-    """``--data``'s stream for this replica (``planner.data.TextBatches``), its vocabulary kept
-    beside the checkpoints so a resumed run reads the same ids.
+    """``--data``'s stream for this replica (``planner.data.TextBatches``), reading the vocabulary kept
+    beside the checkpoints when there is one, so a resumed run reads the same ids (the worker keeps
+    it with the first checkpoint: ``planner.run.checkpoint.keep_vocab``).
 
     Args:
         plan: the plan (microbatch and batch size, seed, replicas).
@@ -77,7 +79,7 @@ def text_stream(plan: Plan, request: RunRequest, mf: ModelFile, mesh: RankMesh, 
     from planner.data import TextBatches
 
     example = mf.batch(plan.microbatch_size, seed=plan.model.seed)
-    vocab_file = request.checkpoint_root / "vocab.json" if request.save_checkpoints else None
+    vocab_file = kept_vocab(request.checkpoint_root) if request.save_checkpoints else None
     return TextBatches(
         request.data,
         example=example,

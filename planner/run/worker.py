@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from planner.capture.stage import stage_inputs
 from planner.errors import PlannerError
-from planner.run.checkpoint import RankState, latest_checkpoint, load_checkpoint, save_checkpoint
+from planner.run.checkpoint import RankState, keep_vocab, latest_checkpoint, load_checkpoint, save_checkpoint
 from planner.run.console import print_flushed
 from planner.run.loop import Progress, RankModel, RankResult, train_steps
 from planner.run.measure import StageProbe, probes_installed, recv_buffers
@@ -182,6 +182,9 @@ class _RankRun:
             "dp": plan.dp,
             "world_size": plan.world_size,
         }
+        if self.text is not None and self.mesh.rank == 0:
+            # rank 0 publishes the checkpoint (a rename, after every rank wrote): never without its ids
+            keep_vocab(self.request.checkpoint_root, self.text.vocab)
         path = save_checkpoint(self.request.checkpoint_root, step, self.state, meta)
         self.written.append(str(path))
         if self.request.echo and self.mesh.rank == 0:
