@@ -17,6 +17,9 @@ What it holds (the keys of the DCP state):
 - ``rng.<rank>``: each rank's torch RNG state (dropout), ``data.<rank>``: each rank's data-stream
   state, ``step``: the last completed step.
 
+Beside them a ``--data`` run keeps its vocabulary, ``DIR/vocab.json``, written with its first
+checkpoint (``keep_vocab``), so a resumed run reads the ids the model was trained on.
+
 Written so that a crash mid-save never damages the last good checkpoint: the ranks write into
 ``DIR/.step_00000120.partial``; once all have written (DCP's final metadata write is collective),
 rank 0 renames it to ``DIR/step_00000120`` (an atomic rename on one file system) and only then

@@ -141,7 +141,14 @@ def local_sq_norm(params: Iterable[nn.Parameter]) -> torch.Tensor:
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: the local shard of a DTensor (FSDP), else the tensor."""
+    """This rank's part of a tensor: the local shard of a DTensor (FSDP), else the tensor.
+
+    Args:
+        t: a tensor or a DTensor.
+
+    Returns:
+        A plain tensor (a view of the DTensor's local shard).
+    """
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t

@@ -75,6 +75,10 @@ def check_blocks(plan: Plan, traced: TracedModel) -> None:
     The fingerprint covers the model; this covers the plan file, whose block list a user may edit
     (a renamed or reordered block would put other layers on a stage than the report shows).
 
+    Args:
+        plan: the plan.
+        traced: the model traced for it.
+
     Raises:
         PlanFileError: the first block that differs, named.
     """

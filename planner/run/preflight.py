@@ -58,6 +58,9 @@ def check_checkpoint_dir(request: RunRequest) -> None:
     The folders the check creates are removed again: a command that fails later leaves nothing
     behind, and the first save creates the folder for good.
 
+    Args:
+        request: ``planner run``'s options (the checkpoint folder, whether to save).
+
     Raises:
         PlannerError: it is a file, or cannot be created or written.
     """
@@ -108,6 +111,14 @@ def check_data(
     """Read ``--data`` once as the ranks will, so a bad file or an unsuitable model is one line now.
 
     Prints the stream's one-line description (corpus, tokenizer, vocabulary, tokens, steps per epoch).
+    Nothing is written: a vocabulary kept beside the checkpoints is read, none is kept here.
+
+    Args:
+        plan: the plan (microbatch and batch size, seed, replicas).
+        request: ``planner run``'s options (``--data``, ``--tokenizer``, the checkpoint folder).
+        mf: the plan's model file.
+        traced: the model traced for the plan (its output width is the vocabulary).
+        print_fn: where the description goes.
 
     Raises:
         DataError: the text cannot be read, is too short, or the model takes no token ids.

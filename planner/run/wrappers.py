@@ -122,7 +122,16 @@ class Autocast(torch.nn.Module):
 def autocast_loss(
     loss_fn: Callable[..., torch.Tensor], plan: Plan, device: torch.device
 ) -> Callable[..., torch.Tensor]:
-    """The model file's loss under the plan's autocast, as the profile timed the last block (unchanged without)."""
+    """The model file's loss under the plan's autocast, as the profile timed the last block (unchanged without).
+
+    Args:
+        loss_fn: the model file's loss.
+        plan: the plan (``profile.autocast``).
+        device: where the loss runs.
+
+    Returns:
+        ``loss_fn`` itself without autocast, else a function calling it in a fresh autocast region.
+    """
     if plan.profile.autocast is None:
         return loss_fn
 
