@@ -15,14 +15,11 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from planner.capture.blocks import TracedModel
-from planner.capture.graph import buffers_restored
-from planner.capture.load import ModelFile, model_output
-from planner.capture.stage import stage_inputs, stage_module, trace_root
+from planner.capture.load import ModelFile
 from planner.errors import DataError, PlannerError
 from planner.run.checkpoint import checkpoint_step, kept_vocab, latest_checkpoint
+from planner.run.streams import vocab_size_of
 from planner.schema.plan import Plan
 from planner.schema.request import RunRequest
 
@@ -92,17 +89,6 @@ def _missing_folders(folder: Path) -> list[Path]:
         missing.append(folder)
         folder = folder.parent
     return missing
-
-
-def vocab_size_of(traced: TracedModel, mf: ModelFile, plan: Plan) -> int:
-    """The model's vocabulary: the last dimension of its output on one example microbatch (as every
-    rank computes it, so the parent's vocabulary is theirs)."""
-    example = mf.batch(plan.microbatch_size, seed=plan.model.seed)[0]
-    # the forward must leave no trace: batch norm's running statistics and the RNG are put back
-    with buffers_restored(trace_root(traced)), torch.random.fork_rng(devices=[]), torch.no_grad():
-        out = stage_module(traced, 0, len(traced.blocks))(*stage_inputs(example))
-    first = out[0] if isinstance(out, tuple) else model_output(out)
-    return int(first.shape[-1])
 
 
 def check_data(

@@ -25,7 +25,7 @@ from planner.run.gradients import grad_finisher
 from planner.run.mesh import RankMesh
 from planner.run.model import check_ties, trace_for_plan
 from planner.run.optim import make_optimizer
-from planner.run.preflight import vocab_size_of
+from planner.run.streams import vocab_size_of
 from planner.run.wrappers import (
     ContiguousBoundary,
     HooklessDDP,

@@ -1,5 +1,5 @@
 """A rank's data: the model file's own stream of global batches, or ``--data``'s text
-(``planner.data.TextBatches``), each cut to this replica's rows.
+(``planner.data.TextBatches``, sized by the model's vocabulary), each cut to this replica's rows.
 """
 
 from __future__ import annotations
@@ -9,7 +9,10 @@ from typing import Any
 
 import torch
 
-from planner.capture.load import ModelFile
+from planner.capture.blocks import TracedModel
+from planner.capture.graph import buffers_restored
+from planner.capture.load import ModelFile, model_output
+from planner.capture.stage import stage_inputs, stage_module, trace_root
 from planner.run.checkpoint import kept_vocab
 from planner.run.mesh import RankMesh
 from planner.schema.plan import Plan
@@ -91,3 +94,23 @@ def text_stream(plan: Plan, request: RunRequest, mf: ModelFile, mesh: RankMesh, 
         eval_fraction=request.eval_fraction,
         vocab_file=vocab_file,
     )
+
+
+def vocab_size_of(traced: TracedModel, mf: ModelFile, plan: Plan) -> int:
+    """The model's vocabulary: the last dimension of its output on one example microbatch (as every
+    rank computes it, so the parent's vocabulary is theirs).
+
+    Args:
+        traced: the model traced for the plan.
+        mf: the plan's model file (its example microbatch).
+        plan: the plan (microbatch size, seed).
+
+    Returns:
+        The width of the model's first output's last dimension.
+    """
+    example = mf.batch(plan.microbatch_size, seed=plan.model.seed)[0]
+    # the forward must leave no trace: batch norm's running statistics and the RNG are put back
+    with buffers_restored(trace_root(traced)), torch.random.fork_rng(devices=[]), torch.no_grad():
+        out = stage_module(traced, 0, len(traced.blocks))(*stage_inputs(example))
+    first = out[0] if isinstance(out, tuple) else model_output(out)
+    return int(first.shape[-1])
