@@ -22,7 +22,8 @@ When torch changes one of these, this is the only file to mend; the tests that e
 - ``torch._utils._flatten_dense_tensors`` / ``_unflatten_dense_tensors``: one all-reduce per dtype
   over the replicas (tests/test_checkpoint.py, the zero-bubble DDP runs).
 - ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``: a tied parameter that
-  another DDP of the same rank already reduces (tests/test_checkpoint.py).
+  another DDP of the same rank already reduces (two stages of one rank reading one weight, under
+  DDP and a schedule without a split backward; no test runs that layout yet).
 - ``LocalElasticAgent._start_workers`` / ``_shutdown``: the launcher learns its workers' pids and
   lets them write their failure records before elastic stops them (tests/test_faults.py).
 - Python's own ``multiprocessing.forkserver._forkserver._stop``: a fresh forkserver per launch, so
