@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from planner.errors import PlannerError
+from planner.run.signals import Terminated, raise_on_signal
 from planner.schema.costs import OPTIMIZERS
 from planner.schema.outputs import check_output
 from planner.schema.plan import Plan
@@ -61,14 +62,6 @@ class _ReplicasOrAuto(click.ParamType):
 REPLICAS_OR_AUTO = _ReplicasOrAuto()
 
 
-class _Terminated(BaseException):
-    """SIGTERM arrived (a scheduler or ``kill`` stopping the command)."""
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise _Terminated()
-
-
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """One line on stderr for every way a command can end badly, never a traceback (unless --debug).
 
@@ -83,7 +76,7 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         debug = bool((click.get_current_context().find_root().obj or {}).get("debug"))
-        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        previous = signal.signal(signal.SIGTERM, raise_on_signal)  # SIGTERM raises Terminated
         try:
             return fn(*args, **kwargs)
         except RunFailed as e:
@@ -100,7 +93,7 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
-        except _Terminated:
+        except Terminated:
             click.echo("terminated", err=True)
             sys.exit(143)
         except Exception as e:

@@ -17,6 +17,15 @@ When torch changes one of these, this is the only file to mend; the tests that e
 - ``torch.distributed._tools.mem_tracker.MemTracker``: memory by category (tests/test_run.py).
 - ``torch.nn.functional.scaled_dot_product_attention`` swapped for the duration of an estimate, to
   charge attention as the fused kernel a GPU runs (tests/test_estimate.py).
+- ``torch._functorch.config.donated_buffer`` and ``torch._inductor.config.compile_threads``: how
+  compiled code is built, for the profiler and the runner alike (tests/test_speed_levers.py).
+- ``torch._utils._flatten_dense_tensors`` / ``_unflatten_dense_tensors``: one all-reduce per dtype
+  over the replicas (tests/test_checkpoint.py, the zero-bubble DDP runs).
+- ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``: a tied parameter that
+  another DDP of the same rank already reduces (two stages of one rank reading one weight, under
+  DDP and a schedule without a split backward; no test runs that layout yet).
+- ``LocalElasticAgent._start_workers`` / ``_shutdown``: the launcher learns its workers' pids and
+  lets them write their failure records before elastic stops them (tests/test_faults.py).
 - Python's own ``multiprocessing.forkserver._forkserver._stop``: a fresh forkserver per launch, so
   the ranks print where the launcher's stdout is now (tests/test_run.py reads their step lines).
 """
@@ -24,7 +33,8 @@ When torch changes one of these, this is the only file to mend; the tests that e
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import signal
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -35,15 +45,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "TorchDispatchMode",
+    "ddp_ignore",
     "exported_out_spec",
+    "flatten_dense",
     "is_view",
     "memory_tracker",
     "pipelining_backward",
     "pytree",
+    "retain_graph_compile",
     "stop_forkserver",
     "storage_id",
     "swapped_sdpa",
     "timed_schedule",
+    "unflatten_dense",
+    "watched_elastic_agent",
 ]
 
 
@@ -170,3 +185,88 @@ def stop_forkserver() -> None:
     stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
     if callable(stop):
         stop()
+
+
+@contextlib.contextmanager
+def retain_graph_compile(*, compile_threads: int | None = None) -> Iterator[None]:
+    """Inside the block, ``torch.compile`` builds code whose backward may retain its graph.
+
+    torch.distributed.pipelining's split backward (``stage_backward_input``, the zero-bubble
+    schedules) retains the graph and runs a compiled backward twice, which a backward compiled with
+    donated buffers refuses ("This backward function was compiled with non-empty donated
+    buffers"): ``torch._functorch.config.donated_buffer`` is False inside. Compilation is lazy (the
+    first call), so the block must hold the compiled module's first forward and backward.
+
+    Args:
+        compile_threads: inductor's compile workers inside (``torch._inductor.config``; None: torch's
+            default, a pool of worker processes).
+    """
+    import torch._functorch.config as functorch_config  # torch 2.13's knobs; no public equivalents
+
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(functorch_config.patch(donated_buffer=False))
+        if compile_threads is not None:
+            import torch._inductor.config as inductor_config
+
+            patches.enter_context(inductor_config.patch(compile_threads=compile_threads))
+        yield
+
+
+def flatten_dense(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` copied into one flat tensor of their dtype (``torch._utils._flatten_dense_tensors``,
+    what DDP's buckets use), so one collective covers all of them."""
+    from torch._utils import _flatten_dense_tensors
+
+    return _flatten_dense_tensors(list(tensors))
+
+
+def unflatten_dense(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Views of ``flat`` shaped as ``like`` (``torch._utils._unflatten_dense_tensors``): the inverse of
+    ``flatten_dense``."""
+    from torch._utils import _unflatten_dense_tensors
+
+    return tuple(_unflatten_dense_tensors(flat, list(like)))
+
+
+def ddp_ignore(module: torch.nn.Module, names: Sequence[str]) -> None:
+    """Have the ``DistributedDataParallel`` about to wrap ``module`` leave these of its parameters
+    alone (names within ``module``): neither broadcast nor all-reduced by it.
+
+    Torch's private ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``; call it
+    before wrapping.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, list(names))
+
+
+def watched_elastic_agent(
+    on_start: Callable[[dict[int, int]], None], before_shutdown: Callable[[], None], **kwargs: Any
+) -> Any:
+    """torch elastic's ``LocalElasticAgent`` that reports the workers it starts and lets the caller
+    act before it stops them (it overrides the agent's private ``_start_workers`` and ``_shutdown``).
+
+    Args:
+        on_start: called with {global rank: pid} of this node's workers, right after they start
+            (in the agent's thread).
+        before_shutdown: called each time the agent is about to stop its workers (a failed rank,
+            Ctrl-C, SIGTERM), before it signals them.
+        kwargs: ``LocalElasticAgent``'s own arguments (spec, logs_specs, start_method, ...).
+
+    Returns:
+        The agent (a ``LocalElasticAgent``); ``run()`` it.
+    """
+    from torch.distributed.elastic.agent.server.api import WorkerGroup
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class WatchedAgent(LocalElasticAgent):
+        def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+            pids = super()._start_workers(worker_group)  # local rank -> pid
+            on_start({w.global_rank: pids[w.local_rank] for w in worker_group.workers})
+            return pids
+
+        def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+            before_shutdown()
+            super()._shutdown(death_sig, timeout)
+
+    return WatchedAgent(**kwargs)

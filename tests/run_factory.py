@@ -1,23 +1,25 @@
-"""Real plans for the runner's tests, assembled directly (no CLI, no profiling).
+"""Real plans for the runner's tests, assembled directly (no CLI, no profiling), and the one
+factory of run reports (``RunResult``) for every test that needs one.
 
 The runner only reads the stage ranges, the model reference and the run settings, so block costs
 and predictions are plausible made-up numbers. The fingerprint and block names come from tracing
 the model exactly as the planner does.
+
+The run reports need no torch (run.json is pure data), so torch is imported only by ``make_plan``:
+the pure tests (compare, calibrate, fuzz) build their reports here without it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
-import torch
 
-from planner.capture.load import load_model_file
-from planner.capture.trace import trace_model
 from planner.core.schedules import stage_ranks
-from planner.costs.blocks import ties_of
 from planner.schema.costs import GLOO_CPU_LINK, BlockCost, OptimizerSpec
 from planner.schema.plan import ModelRef, Plan, Prediction, ProfileInfo, StagePlan
+from planner.schema.result import MemoryMeasure, RunResult, StageMeasure
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
@@ -44,6 +46,12 @@ def make_plan(
 ) -> Plan:
     """A valid Plan for ``model_path`` whose stages start at the blocks in ``starts`` (placed on ranks
     as ``schedule`` places ``stages_per_rank`` stages per rank), run as ``dp`` replicas."""
+    import torch
+
+    from planner.capture.load import load_model_file
+    from planner.capture.trace import trace_model
+    from planner.costs.blocks import ties_of
+
     mf = load_model_file(model_path, size)
     inputs, _ = mf.batch(batch_size // (dp * n_microbatches), seed=seed)
     traced = trace_model(mf.build(seed), inputs)
@@ -149,3 +157,138 @@ def assert_close(got: list[float], want: list[float], what: str) -> None:
     assert len(got) == len(want), what
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == pytest.approx(w, rel=REL), f"{what}[{i}]: pipeline {g} vs unsplit {w}"
+
+
+def stage_report(
+    stage: StagePlan | int,
+    *,
+    fwd_s: float,
+    bwd_s: float,
+    step_s: float,
+    optimizer_s: float = 0.0,
+    loss_s: float = 0.0,
+    p2p_s: float = 0.0,
+    reduce_s: float = 0.0,
+    clip_s: float = 0.0,
+    fwd_times_s: list[list[float]] | None = None,
+    bwd_times_s: list[list[float]] | None = None,
+    memory: MemoryMeasure | None = None,
+) -> StageMeasure:
+    """One stage's figures in a run report.
+
+    Args:
+        stage: a plan's stage (its index and blocks), or a stage index (blocks named ``b<i>``).
+        fwd_s, bwd_s, step_s, optimizer_s, loss_s, p2p_s, reduce_s, clip_s: the medians.
+        fwd_times_s, bwd_times_s: [step][microbatch] times (None: one step of one microbatch at the
+            median).
+        memory: the tracked step's memory (None: not tracked).
+    """
+    index = stage if isinstance(stage, int) else stage.index
+    first = f"b{stage}" if isinstance(stage, int) else stage.first_block
+    last = f"b{stage}" if isinstance(stage, int) else stage.last_block
+    return StageMeasure(
+        stage=index,
+        first_block=first,
+        last_block=last,
+        fwd_s=fwd_s,
+        bwd_s=bwd_s,
+        loss_s=loss_s,
+        p2p_s=p2p_s,
+        reduce_s=reduce_s,
+        clip_s=clip_s,
+        optimizer_s=optimizer_s,
+        step_s=step_s,
+        fwd_times_s=[[fwd_s]] if fwd_times_s is None else fwd_times_s,
+        bwd_times_s=[[bwd_s]] if bwd_times_s is None else bwd_times_s,
+        memory=memory,
+    )
+
+
+def plan_stage_reports(
+    plan: Plan, *, step_s: float, factor: float = 1.0, per_microbatch: bool = True
+) -> list[StageMeasure]:
+    """Every stage of ``plan`` as run at ``factor`` x its planned forward, backward and optimizer times.
+
+    Args:
+        plan: the plan.
+        step_s: each stage's median step.
+        factor: measured / planned.
+        per_microbatch: record one step of one microbatch at the medians (False: no per-microbatch times).
+    """
+    return [
+        stage_report(
+            s,
+            fwd_s=factor * s.fwd_s,
+            bwd_s=factor * s.bwd_s,
+            optimizer_s=factor * s.opt_s,
+            step_s=step_s,
+            fwd_times_s=None if per_microbatch else [],
+            bwd_times_s=None if per_microbatch else [],
+        )
+        for s in plan.stages
+    ]
+
+
+def run_report(
+    plan: Plan | None = None,
+    *,
+    step_times_s: list[float],
+    stages: list[StageMeasure] | None = None,
+    ranks: int | None = None,
+    losses: list[float] | None = None,
+    grad_norms: list[float] | None = None,
+    rank_step_times_s: list[list[float]] | None = None,
+    timed_steps: list[int] | None = None,
+    median_step_s: float | None = None,
+    **fields: Any,
+) -> RunResult:
+    """A run report (run.json) with the given figures; what is not given is a plausible constant.
+
+    Args:
+        plan: the plan run (its fingerprint, schedule, stages, microbatches, batch); None: a 2-stage
+            1F1B run of 4 microbatches of a batch of 8 of model ``"f" * 16``.
+        step_times_s: the step times; the run has as many steps.
+        stages: the per-stage figures (None: none).
+        ranks: how many ranks (threads, peak memory and step times per rank); None: the plan's
+            world size, else its stage count.
+        losses, grad_norms: per step (None: 1.0 each).
+        rank_step_times_s: per rank and step (None: every rank at ``step_times_s``).
+        timed_steps: the steps the medians are over (None: step 2, after the set-up step).
+        median_step_s: None: the median of ``step_times_s`` over ``timed_steps``.
+        fields: any other ``RunResult`` field, as given (``mode``, ``status``, ``memory_step``...).
+    """
+    steps = len(step_times_s)
+    base: dict[str, Any] = {
+        "plan_fingerprint": "f" * 16,
+        "schedule": "1f1b",
+        "n_stages": 2,
+        "n_microbatches": 4,
+        "batch_size": 8,
+    }
+    if plan is not None:
+        base = {
+            "plan_fingerprint": plan.model.fingerprint,
+            "schedule": plan.schedule,
+            "n_stages": plan.n_stages,
+            "n_microbatches": plan.n_microbatches,
+            "batch_size": plan.batch_size,
+        }
+    n = ranks if ranks is not None else plan.world_size if plan is not None else base["n_stages"]
+    timed = [2] if timed_steps is None else timed_steps
+    values: dict[str, Any] = {
+        **base,
+        "mode": "pipeline",
+        "backend": "gloo",
+        "steps": steps,
+        "threads": [1] * n,
+        "losses": [1.0] * steps if losses is None else losses,
+        "grad_norms": [1.0] * steps if grad_norms is None else grad_norms,
+        "grad_clip": 1.0,
+        "step_times_s": step_times_s,
+        "rank_step_times_s": [list(step_times_s)] * n if rank_step_times_s is None else rank_step_times_s,
+        "median_step_s": RunResult.median_of(step_times_s, timed) if median_step_s is None else median_step_s,
+        "peak_rss_bytes": [1] * n,
+        "timed_steps": timed,
+        "stages": stages or [],
+    }
+    return RunResult(**{**values, **fields})

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 from plan_factory import LINK, big_head_blocks, make_plan, predicted
+from run_factory import plan_stage_reports, run_report
 
 from planner.core.calibrate import Calibration, apply_calibration, calibrate, changes, load_calibration
 from planner.errors import PlanFileError
 from planner.schema.plan import Plan
-from planner.schema.result import BlockMeasure, RunResult, StageMeasure
+from planner.schema.result import BlockMeasure, RunResult
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,44 +25,8 @@ def blocks_with_opt() -> list:
 
 def synthetic_run(plan: Plan, factor: float, step_s: float) -> RunResult:
     """A run whose per-stage compute is exactly ``factor`` x the plan's, with the given step time."""
-    stages = [
-        StageMeasure(
-            stage=s.index,
-            first_block=s.first_block,
-            last_block=s.last_block,
-            fwd_s=factor * s.fwd_s,
-            bwd_s=factor * s.bwd_s,
-            loss_s=0.0,
-            p2p_s=0.0,
-            reduce_s=0.0,
-            clip_s=0.0,
-            optimizer_s=factor * s.opt_s,
-            step_s=step_s,
-            fwd_times_s=[],
-            bwd_times_s=[],
-        )
-        for s in plan.stages
-    ]
-    return RunResult(
-        plan_fingerprint=plan.model.fingerprint,
-        mode="pipeline",
-        schedule=plan.schedule,
-        n_stages=plan.n_stages,
-        n_microbatches=plan.n_microbatches,
-        batch_size=plan.batch_size,
-        backend="gloo",
-        steps=2,
-        threads=[1] * plan.n_stages,
-        losses=[1.0, 1.0],
-        grad_norms=[1.0, 1.0],
-        grad_clip=1.0,
-        step_times_s=[step_s, step_s],
-        rank_step_times_s=[[step_s, step_s]] * plan.n_stages,
-        median_step_s=step_s,
-        peak_rss_bytes=[1] * plan.n_stages,
-        timed_steps=[2],
-        stages=stages,
-    )
+    stages = plan_stage_reports(plan, step_s=step_s, factor=factor, per_microbatch=False)
+    return run_report(plan, stages=stages, step_times_s=[step_s, step_s], ranks=plan.n_stages)
 
 
 def repredict(plan: Plan, cal: Calibration, starts: tuple[int, ...] | None = None) -> float:

@@ -7,6 +7,7 @@ process on the full batch.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -17,7 +18,7 @@ torch = pytest.importorskip("torch")
 from run_factory import MODELS, assert_close, make_plan, saved  # noqa: E402
 
 from planner.capture.load import load_model_file  # noqa: E402
-from planner.errors import PlannerError  # noqa: E402
+from planner.errors import DataError, PlannerError  # noqa: E402
 from planner.run import run_plan, train_reference  # noqa: E402
 from planner.run.checkpoint import (  # noqa: E402
     RankState,
@@ -28,7 +29,7 @@ from planner.run.checkpoint import (  # noqa: E402
     save_weights,
     step_dir,
 )
-from planner.run.common import make_scheduler  # noqa: E402
+from planner.run.optim import make_scheduler  # noqa: E402
 from planner.schema.request import RunRequest  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -221,6 +222,24 @@ def test_data_run_evaluates_and_resumes_where_it_stopped(tmp_path: Path) -> None
     resumed = run_plan(plan, RunRequest(**{**common, "data": data, "steps": 4, "checkpoint_dir": part, "resume": True}))
     assert resumed.losses == whole.losses[2:]
     assert resumed.evals[-1].loss == whole.evals[-1].loss
+
+
+def test_a_data_run_its_checks_refuse_leaves_nothing_behind(tmp_path: Path) -> None:
+    # One stage, so the run that passes its checks trains in this process.
+    plan = make_plan(MODELS / "shakespeare.py", [0], batch_size=4, n_microbatches=2)
+    path = saved(plan, tmp_path)
+    folder = tmp_path / "ckpt"
+    short = tmp_path / "short.txt"
+    short.write_text("To be, or not to be, that is the question. " * 5)  # no eval split of a whole batch
+    request = dict(plan_file=path, steps=1, checkpoint_dir=folder, echo=False)
+    with pytest.raises(DataError, match="corpus too short"):
+        run_plan(plan, RunRequest(**request, data=short, tokenizer="char"))
+    assert sorted(folder.rglob("*")) == [] and not folder.exists()
+    # A fresh run with another tokenizer is not refused by a vocabulary the refused run left.
+    data = MODELS / "data" / "shakespeare.txt"
+    done = run_plan(plan, RunRequest(**request, data=data, tokenizer="word"))
+    assert len(done.losses) == 1
+    assert json.loads((folder / "vocab.json").read_text())["tokenizer"] == "word"
 
 
 def test_fsdp_under_a_split_backward_schedule_is_refused_before_launch(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from plan_factory import MB, big_head_blocks, make_plan
+from run_factory import run_report, stage_report
 
 from planner.errors import PlanFileError
 from planner.report.compare import compare_blocks_table, compare_table
@@ -14,53 +15,19 @@ from planner.schema.result import BlockMeasure, MemoryMeasure, RunResult, StageM
 def stage_measure(
     plan: Plan, i: int, fwd_ms: float, bwd_ms: float, opt_ms: float, mem_mb: float | None
 ) -> StageMeasure:
-    s = plan.stages[i]
     memory = None
     if mem_mb is not None:
         cats = {"Parameter": 0, "Total": int(mem_mb * MB)}
         memory = MemoryMeasure(
             source="memtracker", step=3, peak_bytes=int(mem_mb * MB), peak_by_category=cats, end_by_category=cats
         )
-    return StageMeasure(
-        stage=i,
-        first_block=s.first_block,
-        last_block=s.last_block,
-        fwd_s=fwd_ms / 1e3,
-        bwd_s=bwd_ms / 1e3,
-        loss_s=0.0,
-        p2p_s=0.0,
-        reduce_s=0.0,
-        clip_s=0.0,
-        optimizer_s=opt_ms / 1e3,
-        step_s=0.5,
-        fwd_times_s=[[fwd_ms / 1e3]],
-        bwd_times_s=[[bwd_ms / 1e3]],
-        memory=memory,
+    return stage_report(
+        plan.stages[i], fwd_s=fwd_ms / 1e3, bwd_s=bwd_ms / 1e3, optimizer_s=opt_ms / 1e3, step_s=0.5, memory=memory
     )
 
 
 def make_run(plan: Plan, stages: list[StageMeasure], step_ms: float) -> RunResult:
-    return RunResult(
-        plan_fingerprint=plan.model.fingerprint,
-        mode="pipeline",
-        schedule=plan.schedule,
-        n_stages=plan.n_stages,
-        n_microbatches=plan.n_microbatches,
-        batch_size=plan.batch_size,
-        backend="gloo",
-        steps=3,
-        threads=[1, 1],
-        losses=[1.0] * 3,
-        grad_norms=[1.0] * 3,
-        grad_clip=1.0,
-        step_times_s=[1.0, step_ms / 1e3, 2.0],
-        rank_step_times_s=[[1.0, step_ms / 1e3, 2.0]] * 2,
-        median_step_s=step_ms / 1e3,
-        peak_rss_bytes=[1, 1],
-        memory_step=3,
-        timed_steps=[2],
-        stages=stages,
-    )
+    return run_report(plan, stages=stages, step_times_s=[1.0, step_ms / 1e3, 2.0], ranks=2, memory_step=3)
 
 
 # Predicted (see test_report): stage 0 = embed + layers.0-2: fwd 31, bwd 61 ms, memory

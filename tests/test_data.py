@@ -325,6 +325,7 @@ def model_file(name: str) -> ModelFile:
     return load_model_file(ROOT / "models" / f"{name}.py", "tiny")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", LMS)
 def test_every_language_model_trains_on_text(name: str) -> None:
     mf = model_file(name)

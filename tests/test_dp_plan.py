@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from plan_factory import LINK, MB, block, predicted, searched
+from run_factory import plan_stage_reports, run_report
 
 from cli import main
 from planner.core.assemble import Origin, assemble_plan
@@ -32,7 +33,7 @@ from planner.report.throughput import throughput
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 from planner.schema.plan import ModelRef, Plan, ProfileInfo
 from planner.schema.request import PlanRequest
-from planner.schema.result import RunResult, StageMeasure
+from planner.schema.result import RunResult
 
 ROOT = Path(__file__).resolve().parents[1]
 ADAMW = OptimizerSpec()
@@ -469,44 +470,9 @@ def test_throughput_counts_every_replica() -> None:
 
 
 def _run_of(plan: Plan, replicas: int, step_ms: float) -> RunResult:
-    stages = [
-        StageMeasure(
-            stage=s.index,
-            first_block=s.first_block,
-            last_block=s.last_block,
-            fwd_s=s.fwd_s,
-            bwd_s=s.bwd_s,
-            loss_s=0.0,
-            p2p_s=0.0,
-            reduce_s=0.0,
-            clip_s=0.0,
-            optimizer_s=s.opt_s,
-            step_s=step_ms / 1e3,
-            fwd_times_s=[[s.fwd_s]],
-            bwd_times_s=[[s.bwd_s]],
-        )
-        for s in plan.stages
-    ]
-    return RunResult(
-        plan_fingerprint=plan.model.fingerprint,
-        mode="pipeline",
-        schedule=plan.schedule,
-        n_stages=plan.n_stages,
-        n_microbatches=plan.n_microbatches,
-        batch_size=plan.batch_size,
-        backend="gloo",
-        steps=3,
-        threads=[1] * plan.world_size,
-        losses=[1.0] * 3,
-        grad_norms=[1.0] * 3,
-        grad_clip=1.0,
-        step_times_s=[1.0, step_ms / 1e3, 1.0],
-        rank_step_times_s=[[1.0, step_ms / 1e3, 1.0]] * plan.world_size,
-        median_step_s=step_ms / 1e3,
-        peak_rss_bytes=[1] * plan.world_size,
-        timed_steps=[2],
-        stages=stages,
-        replicas=replicas,
+    stages = plan_stage_reports(plan, step_s=step_ms / 1e3)
+    return run_report(
+        plan, stages=stages, step_times_s=[1.0, step_ms / 1e3, 1.0], ranks=plan.world_size, replicas=replicas
     )
 
 

@@ -711,6 +711,7 @@ def _error_line(stderr: str) -> str:
     return errors[-1] if errors else (lines[-1] if lines else "")
 
 
+@pytest.mark.slow
 def test_every_mistake_gets_one_clear_line(scratch: Path) -> None:
     assert len(CASES) >= 60
     rows = []

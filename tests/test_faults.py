@@ -176,15 +176,20 @@ def saved_plan(tmp_path: Path) -> Path:
 def test_a_failed_run_keeps_its_steps_and_exits_with_the_failures_code(
     saved_plan: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from run_factory import run_report
+
     import planner.run.launch
     from planner.schema.result import RunResult
 
-    partial = RunResult(
-        plan_fingerprint="f" * 16, mode="pipeline", schedule="1f1b", n_stages=2, n_microbatches=4, batch_size=16,
-        backend="gloo", steps=4, threads=[1, 1], losses=[4.0, 3.0, 2.0, 1.0], grad_norms=[1.0] * 4, grad_clip=1.0,
-        step_times_s=[0.1] * 4, rank_step_times_s=[[0.1] * 4] * 2, median_step_s=0.1, peak_rss_bytes=[1, 1],
-        status="interrupted", stopped="interrupted at step 5",
-    )  # fmt: skip
+    partial = run_report(
+        step_times_s=[0.1] * 4,
+        losses=[4.0, 3.0, 2.0, 1.0],
+        timed_steps=[],
+        median_step_s=0.1,
+        batch_size=16,
+        status="interrupted",
+        stopped="interrupted at step 5",
+    )
     out = saved_plan.with_name("out.run.json")
 
     def interrupted(plan: object, request: object) -> None:

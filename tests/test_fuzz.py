@@ -29,13 +29,14 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from plan_factory import big_head_blocks, make_plan
+from run_factory import plan_stage_reports, run_report
 
 from planner.core.calibrate import Calibration, StageCalibration
 from planner.errors import ModelFileError, PlanFileError, PlannerError
 from planner.schema.jsonfile import parse_versioned, read_text
 from planner.schema.plan import Plan
 from planner.schema.request import PlanRequest, RunRequest
-from planner.schema.result import RUN_VERSION, RunResult, StageMeasure
+from planner.schema.result import RUN_VERSION, RunResult
 
 # Bounded runs: hypothesis explores, the regression tests pin what it found.
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -164,44 +165,8 @@ PLAN_DOC = json.loads(PLAN.to_json())
 
 def a_run(plan: Plan) -> RunResult:
     """A minimal valid run.json of ``plan`` (two steps, per-stage figures equal to the plan's)."""
-    stages = [
-        StageMeasure(
-            stage=s.index,
-            first_block=s.first_block,
-            last_block=s.last_block,
-            fwd_s=s.fwd_s,
-            bwd_s=s.bwd_s,
-            loss_s=0.0,
-            p2p_s=0.0,
-            reduce_s=0.0,
-            clip_s=0.0,
-            optimizer_s=s.opt_s,
-            step_s=0.1,
-            fwd_times_s=[[s.fwd_s]],
-            bwd_times_s=[[s.bwd_s]],
-        )
-        for s in plan.stages
-    ]
-    return RunResult(
-        plan_fingerprint=plan.model.fingerprint,
-        mode="pipeline",
-        schedule=plan.schedule,
-        n_stages=plan.n_stages,
-        n_microbatches=plan.n_microbatches,
-        batch_size=plan.batch_size,
-        backend="gloo",
-        steps=2,
-        threads=[1] * plan.n_stages,
-        losses=[1.0, 0.9],
-        grad_norms=[1.0, 1.0],
-        grad_clip=1.0,
-        step_times_s=[0.1, 0.1],
-        rank_step_times_s=[[0.1, 0.1]] * plan.n_stages,
-        median_step_s=0.1,
-        peak_rss_bytes=[1] * plan.n_stages,
-        timed_steps=[2],
-        stages=stages,
-    )
+    stages = plan_stage_reports(plan, step_s=0.1)
+    return run_report(plan, stages=stages, step_times_s=[0.1, 0.1], ranks=plan.n_stages, losses=[1.0, 0.9])
 
 
 RUN_DOC = json.loads(a_run(PLAN).to_json())
@@ -241,6 +206,7 @@ def test_seeds_are_valid() -> None:
     assert Calibration.from_json(json.dumps(CALIBRATION_DOC)).starts == (0, 3)
 
 
+@pytest.mark.slow
 @FAST
 @given(st.text() | st.binary().map(lambda b: b.decode("utf-8", errors="replace")))
 def test_plan_from_arbitrary_text(text: str) -> None:
@@ -253,12 +219,14 @@ def test_plan_from_arbitrary_json(value: Any) -> None:
     check_parse(Plan.from_json, Plan, dump(value))
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_plan_from_mutated_plan(data: st.DataObject) -> None:
     check_parse(Plan.from_json, Plan, dump(mutate(PLAN_DOC, data)))
 
 
+@pytest.mark.slow
 @FAST
 @given(st.data())
 def test_run_result_from_mutated_run(data: st.DataObject) -> None:
@@ -604,6 +572,7 @@ def check_build(build: Callable[..., Any], kind: type, values: dict[str, Any]) -
     assert isinstance(request, kind)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_plan_request_arbitrary_values(data: st.DataObject) -> None:

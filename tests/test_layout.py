@@ -222,3 +222,145 @@ def test_code_and_docs_cite_nothing_outside_the_repository() -> None:
             if needle in text and path != Path(__file__):
                 hits.append(f"{path.relative_to(ROOT)}: {needle}")
     assert not hits, hits
+
+
+# --- private torch names -------------------------------------------------------------------------
+# Every private torch API the planner touches goes through planner/torch_compat.py, the one file to
+# mend when torch changes one (docs/architecture.md). "Private": a name starting with "_" that is not
+# a dunder. Operator names under torch.ops (aten._softmax) are the operator registry's, not private.
+TORCH_COMPAT = PLANNER / "torch_compat.py"
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _is_torch_module(module: str | None) -> bool:
+    return module is not None and (module == "torch" or module.startswith("torch."))
+
+
+def _torch_bound_names(tree: ast.Module) -> dict[str, str]:
+    """Local names bound to torch or to something imported from it -> what they stand for."""
+    names: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if _is_torch_module(alias.name):
+                    # ``import torch.x`` binds ``torch``; ``import torch.x as y`` binds ``y`` to torch.x
+                    names[alias.asname or "torch"] = alias.name if alias.asname else "torch"
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and _is_torch_module(node.module):
+            for alias in node.names:
+                names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return names
+
+
+def _attribute_chain(node: ast.expr) -> list[str] | None:
+    """``a.b.c`` as ["a", "b", "c"] (None: the chain does not start at a plain name)."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return [node.id, *reversed(parts)]
+
+
+def _private_torch_uses(tree: ast.Module) -> set[str]:
+    """Every private torch name a module's code reaches (imports, attribute chains from a torch name,
+    ``getattr``-family calls on one, and ``super()._x`` in a subclass of a torch class)."""
+    bound = _torch_bound_names(tree)
+    hits: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            hits.update(
+                f"import {a.name}"
+                for a in node.names
+                if _is_torch_module(a.name) and any(map(_is_private, a.name.split(".")))
+            )
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and _is_torch_module(node.module):
+            assert node.module is not None
+            if any(map(_is_private, node.module.split("."))) or any(_is_private(a.name) for a in node.names):
+                hits.add(f"from {node.module} import {', '.join(a.name for a in node.names)}")
+        elif isinstance(node, ast.Attribute):
+            chain = _attribute_chain(node)
+            if chain is None or chain[0] not in bound:
+                continue
+            full = [*bound[chain[0]].split("."), *chain[1:]]
+            if full[:2] == ["torch", "ops"]:
+                continue
+            private = [k for k, part in enumerate(chain) if k > 0 and _is_private(part)]
+            if private:
+                hits.add(".".join(chain[: private[0] + 1]))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2:
+                target, name = _attribute_chain(node.args[0]), node.args[1]
+                if (
+                    target is not None
+                    and target[0] in bound
+                    and isinstance(name, ast.Constant)
+                    and isinstance(name.value, str)
+                    and _is_private(name.value)
+                ):
+                    hits.add(f"{node.func.id}({'.'.join(target)}, {name.value!r})")
+        elif isinstance(node, ast.ClassDef):
+            bases = [_attribute_chain(b) for b in node.bases]
+            if not any(b is not None and b[0] in bound for b in bases):
+                continue
+            for inner in ast.walk(node):
+                if (
+                    isinstance(inner, ast.Attribute)
+                    and _is_private(inner.attr)
+                    and isinstance(inner.value, ast.Call)
+                    and isinstance(inner.value.func, ast.Name)
+                    and inner.value.func.id == "super"
+                ):
+                    hits.add(f"{node.name}: super().{inner.attr}")
+    return hits
+
+
+def test_private_torch_names_only_in_torch_compat() -> None:
+    found = []
+    for path in [*sorted(PLANNER.rglob("*.py")), ROOT / "cli.py"]:
+        if path == TORCH_COMPAT:
+            continue
+        for use in sorted(_private_torch_uses(ast.parse(path.read_text(), str(path)))):
+            found.append(f"{path.relative_to(ROOT)}: {use}")
+    assert not found, f"use these through planner/torch_compat.py: {found}"
+
+
+def test_the_private_name_check_sees_each_kind_of_use() -> None:
+    source = """
+import torch
+import torch._functorch.config as functorch_config
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors
+from torch.utils import _pytree
+from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+aten = torch.ops.aten
+ok = (torch.ops.aten._softmax, torch.nn.Module.__call__, aten._unsafe_view, torch.compile)
+
+
+def f(t, module):
+    t._is_view()  # a tensor's method: not traceable by name (torch_compat.is_view)
+    torch._dynamo.reset()
+    dist.distributed_c10d._world
+    getattr(torch.distributed.pipelining.schedules, "_batch_p2p")
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, [])
+
+
+class Agent(LocalElasticAgent):
+    def _start_workers(self, group):
+        return super()._start_workers(group)
+"""
+    assert _private_torch_uses(ast.parse(source)) == {
+        "import torch._functorch.config",
+        "from torch._utils import _flatten_dense_tensors",
+        "from torch.utils import _pytree",
+        "torch._dynamo",
+        "dist.distributed_c10d._world",
+        "getattr(torch.distributed.pipelining.schedules, '_batch_p2p')",
+        "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model",
+        "Agent: super()._start_workers",
+    }

@@ -18,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from run_factory import MODELS, REL, ROOT, assert_close, make_plan, saved  # noqa: E402
+from run_factory import MODELS, REL, ROOT, assert_close, make_plan, run_report, saved, stage_report  # noqa: E402
 
 from planner.capture.load import load_model_file  # noqa: E402
 from planner.capture.stage import build_stage_module  # noqa: E402
@@ -197,6 +197,7 @@ def test_1f1b_with_too_few_microbatches_is_rejected(tmp_path: Path, no_launch: N
         run_plan(plan, RunRequest(plan_file=saved(plan, tmp_path), steps=2))
 
 
+@pytest.mark.slow
 def test_one_stage_plan_trains_in_process(tmp_path: Path, no_launch: None, capsys: pytest.CaptureFixture) -> None:
     plan = make_plan(MODELS / "shakespeare.py", [0], n_microbatches=2, grad_clip=0.5)
     path = saved(plan, tmp_path)
@@ -229,10 +230,8 @@ def test_run_result_round_trips_without_torch(tmp_path: Path) -> None:
     cats = {c: 1000 + k for k, c in enumerate(MEMORY_CATEGORIES)} | {"Total": 7021}
     memory = MemoryMeasure(source="memtracker", step=2, peak_bytes=7021, peak_by_category=cats, end_by_category=cats)
     stages = [
-        StageMeasure(
-            stage=i,
-            first_block=f"b{i}",
-            last_block=f"b{i}",
+        stage_report(
+            i,
             fwd_s=0.01,
             bwd_s=0.02,
             loss_s=0.001 * i,
@@ -247,28 +246,18 @@ def test_run_result_round_trips_without_torch(tmp_path: Path) -> None:
         )
         for i in range(2)
     ]
-    result = RunResult(
-        plan_fingerprint="f" * 16,
+    result = run_report(
+        stages=stages,
+        step_times_s=[0.2, 0.1],
         plan_path="/tmp/plan.json",
-        mode="pipeline",
-        schedule="1f1b",
-        n_stages=2,
-        n_microbatches=4,
-        batch_size=8,
-        backend="gloo",
-        steps=2,
-        threads=[1, 1],
         losses=[2.0, 1.5],
         grad_norms=[3.0, 2.0],
-        grad_clip=1.0,
-        step_times_s=[0.2, 0.1],
         rank_step_times_s=[[0.2, 0.1], [0.19, 0.1]],
         median_step_s=0.1,
         peak_rss_bytes=[1 << 28, 1 << 28],
         predicted_step_s=0.09,
         memory_step=2,
         timed_steps=[1],
-        stages=stages,
     )
     path = tmp_path / "run.json"
     result.save(path)
@@ -386,6 +375,7 @@ def test_recomputing_stage_matches_unsplit_model(tmp_path: Path) -> None:
     assert with_recompute.peak_by_category["Activation"] < 0.75 * without.peak_by_category["Activation"]
 
 
+@pytest.mark.slow
 def test_a_model_file_edited_since_planning_is_named_in_a_warning(tmp_path: Path) -> None:
     model = tmp_path / "gpt.py"
     model.write_text((MODELS / "gpt.py").read_text())
@@ -426,16 +416,11 @@ def _rank(
 
 
 def _measure(stage: int, steps: int) -> StageMeasure:
-    return StageMeasure(
-        stage=stage,
-        first_block=f"b{stage}",
-        last_block=f"b{stage}",
+    return stage_report(
+        stage,
         fwd_s=0.01,
         bwd_s=0.02,
-        loss_s=0.0,
         p2p_s=0.003,
-        reduce_s=0.0,
-        clip_s=0.0,
         optimizer_s=0.006,
         step_s=0.1,
         fwd_times_s=[[0.01]] * steps,

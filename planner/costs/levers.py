@@ -11,8 +11,8 @@
   forward's autocast region ends).
 - **Compile** (``--compile``): each block is profiled as ``torch.compile(block_module)``, the way
   the runner compiles each stage module whole (per-block compiled time estimates the stage's). The
-  first, untimed run compiles. Compiled code is built with
-  ``torch._functorch.config.donated_buffer = False``: torch.distributed.pipelining's split
+  first, untimed run compiles. Compiled code is built without donated buffers
+  (``planner.torch_compat.retain_graph_compile``): torch.distributed.pipelining's split
   backward (``stage_backward_input``) retains the graph, which a backward with donated buffers
   refuses ("requires create_graph=False and retain_graph=False"); the runner compiles the same way.
   A compiled block's backward is one autograd node, so that split runs it whole twice (I, then W):
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from planner.errors import PlannerError
-from planner.torch_compat import pytree
+from planner.torch_compat import pytree, retain_graph_compile
 
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 """``--dtype`` name -> the dtype ``torch.autocast`` computes in."""
@@ -129,13 +129,10 @@ def compile_settings() -> Iterator[None]:
     Yields:
         Nothing; ``torch.compile`` inside the block builds code that allows ``retain_graph``.
     """
-    import torch._functorch.config as functorch_config  # torch 2.13's knobs; no public equivalents
-    import torch._inductor.config as inductor_config
-
     # compile_threads=1: inductor compiles in this process. Its default pool of compile workers
     # starts (each importing torch) while the first blocks are timed, and on a few cores that
     # slowed the timed runs after a cold compile 3x (6 ms instead of 2 ms per encoder layer here).
-    with functorch_config.patch(donated_buffer=False), inductor_config.patch(compile_threads=1):
+    with retain_graph_compile(compile_threads=1):
         yield
 
 

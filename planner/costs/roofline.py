@@ -157,7 +157,7 @@ class Roofline(TorchDispatchMode):
         # FLOPs equal FlopCounterMode's. But a decomposition of a fused kernel (dropout becomes
         # bernoulli_ + div_ + mul + casts) moves more bytes than the kernel that really runs, so the
         # parts are charged only when they contain FLOPs; otherwise the operator is charged whole.
-        if func._overloadpacket not in flop_registry and func is not torch.ops.prim.device.default:
+        if func.overloadpacket not in flop_registry and func is not torch.ops.prim.device.default:
             outer, self.tally = self.tally, Tally()
             try:
                 with self:
@@ -196,7 +196,7 @@ class Roofline(TorchDispatchMode):
         self.tally.ops += other.ops
 
     def _charge(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        packet = func._overloadpacket
+        packet = func.overloadpacket
         if packet in _FREE:
             return
         flops = float(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0.0

@@ -19,7 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from planner.schema.costs import OptimizerSpec, StepTempRule
-from planner.torch_compat import is_view, pipelining_backward, pytree
+from planner.torch_compat import is_view, memory_tracker, pipelining_backward, pytree
 
 Forward = Callable[[tuple[Any, ...]], Any]
 
@@ -211,12 +211,10 @@ def measure_step_temps(opt: torch.optim.Optimizer) -> int:
     Returns:
         Bytes (0 for an optimizer without parameters).
     """
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     params = [p for g in opt.param_groups for p in g["params"]]
     if not params:
         return 0
-    tracker = MemTracker()
+    tracker = memory_tracker()
     tracker.track_external(opt, *params, *[p.grad for p in params if p.grad is not None])
     total = "Total"  # mem_tracker._TOTAL_KEY
     before = {dev: snap[total] for dev, snap in tracker.get_tracker_snapshot("current").items()}

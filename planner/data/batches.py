@@ -297,7 +297,7 @@ class TextBatches:
         tokenizer: ``char``, ``byte`` or ``word``.
         eval_fraction: the share of the token stream (its end) held out for evaluation.
         vocab_file: when it exists, the vocabulary is read from it; when given and absent, the
-            vocabulary built here is written to it (atomically).
+            vocabulary built here is written to it (atomically, once every check has passed).
 
     Raises:
         DataError: for every mistake in the corpus, the options or the model's batch format.
@@ -326,14 +326,16 @@ class TextBatches:
         loaded = Vocab.load(vocab_file) if vocab_file is not None and Path(vocab_file).exists() else None
         self._vocab_from = str(vocab_file) if loaded is not None else None
         ids, self.vocab = encode(corpus.text, tokenizer, vocab_size, eval_fraction, loaded)
-        if vocab_file is not None and loaded is None:
-            self.vocab.save(vocab_file)
         self.vocab_size = self.vocab.size
         self.train_tokens = split_point(len(ids), eval_fraction)
         self.eval_tokens = len(ids) - self.train_tokens
         self._eval_fraction, self._global_rows = eval_fraction, global_rows
         for split, count in (("training", self.train_tokens), ("eval", self.eval_tokens)):
             self._check_length(split, count)
+        # Written only once every check passed: a stream refused leaves no vocabulary behind, which a
+        # later stream of another tokenizer would otherwise be refused for.
+        if vocab_file is not None and loaded is None:
+            self.vocab.save(vocab_file)
         stream = torch.from_numpy(ids)
         local = slice(replica * global_rows // replicas, (replica + 1) * global_rows // replicas)
         self._local_rows = local

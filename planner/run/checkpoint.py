@@ -17,6 +17,9 @@ What it holds (the keys of the DCP state):
 - ``rng.<rank>``: each rank's torch RNG state (dropout), ``data.<rank>``: each rank's data-stream
   state, ``step``: the last completed step.
 
+Beside them a ``--data`` run keeps its vocabulary, ``DIR/vocab.json``, written with its first
+checkpoint (``keep_vocab``), so a resumed run reads the ids the model was trained on.
+
 Written so that a crash mid-save never damages the last good checkpoint: the ranks write into
 ``DIR/.step_00000120.partial``; once all have written (DCP's final metadata write is collective),
 rank 0 renames it to ``DIR/step_00000120`` (an atomic rename on one file system) and only then
@@ -34,15 +37,19 @@ import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from planner.errors import PlannerError
 
+if TYPE_CHECKING:
+    from planner.data.text import Vocab
+
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 META_FILE = "planner.json"
+VOCAB_FILE = "vocab.json"
 
 
 class Stateful(Protocol):
@@ -51,6 +58,37 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def kept_vocab(root: Path) -> Path | None:
+    """The vocabulary a ``--data`` run keeps beside its checkpoints, when there is one.
+
+    Args:
+        root: the checkpoint folder.
+
+    Returns:
+        ``root / "vocab.json"`` when it exists (a resumed run reads its ids from it), else None.
+    """
+    path = root / VOCAB_FILE
+    return path if path.exists() else None
+
+
+def keep_vocab(root: Path, vocab: Vocab) -> None:
+    """Keep a ``--data`` run's vocabulary beside its checkpoints, unless one is kept already.
+
+    Written with the run's first checkpoint, not when the stream is made: a run that stops (or is
+    refused) before it saves anything leaves no vocabulary behind to refuse the next run's
+    ``--tokenizer``, and no checkpoint is ever published without the ids it was trained on.
+
+    Args:
+        root: the checkpoint folder (created if missing).
+        vocab: the stream's vocabulary.
+
+    Raises:
+        DataError: the file cannot be written.
+    """
+    if kept_vocab(root) is None:
+        vocab.save(root / VOCAB_FILE)
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -346,7 +384,7 @@ def save_weights(plan_file: Path, checkpoint: Path | None, out: Path) -> tuple[P
     Raises:
         PlannerError: no checkpoint there, one of another model, or ``out`` cannot be written.
     """
-    from planner.run.common import load_plan_model
+    from planner.run.model import load_plan_model
     from planner.schema.plan import Plan
 
     plan = Plan.load(plan_file)

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerSpec
+from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.rendezvous import (
@@ -58,14 +58,15 @@ from planner.capture.blocks import TracedModel
 from planner.capture.load import ModelFile, check_train_batch
 from planner.capture.stage import stage_module
 from planner.errors import PlannerError, RunFailed
-from planner.run.common import check_runnable, check_ties, load_plan_model, print_flushed, trace_for_plan
+from planner.run.console import print_flushed
 from planner.run.faults import WorkerTraceback, diagnose, read_records
 from planner.run.loop import RankResult, run_result
+from planner.run.model import check_runnable, check_ties, load_plan_model, trace_for_plan
 from planner.run.preflight import check_checkpoint_dir, check_data, check_resume
 from planner.schema.plan import Plan
 from planner.schema.request import RunRequest
 from planner.schema.result import RunResult
-from planner.torch_compat import stop_forkserver
+from planner.torch_compat import stop_forkserver, watched_elastic_agent
 
 _NOISY_LOGGERS = (
     "torch.distributed.elastic",
@@ -376,8 +377,13 @@ def _launch(plan: Plan, request: RunRequest, nproc: int, print_fn: Callable[[str
                     master_addr=master_addr,
                     master_port=master_port,
                 )
-                agent = _Agent(
-                    watch,
+                agent = watched_elastic_agent(
+                    watch.start,
+                    # A terminal's Ctrl-C (or a scheduler's SIGTERM to the process group) reaches the
+                    # workers as well as this process, which then sends them the signal again. A second
+                    # signal while a worker writes its failure record would lose the record (and its
+                    # completed steps): let the workers end on their own first, briefly.
+                    lambda: watch.settle(1.0),
                     spec=spec,
                     logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp) / "logs")),
                     # Workers fork from a server process that has imported torch and the worker once,
@@ -454,7 +460,7 @@ def _rendezvous_error(request: RunRequest, params: RendezvousParameters, error: 
 
 
 def _run_agent(
-    agent: _Agent, spec: WorkerSpec, watch: _Watch, request: RunRequest, params: RendezvousParameters
+    agent: LocalElasticAgent, spec: WorkerSpec, watch: _Watch, request: RunRequest, params: RendezvousParameters
 ) -> tuple[dict[int, Any] | None, str | None]:
     """Run the agent until its workers end.
 
@@ -664,24 +670,3 @@ def _process_state(pid: int) -> str | None:
 def _kill(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-
-
-class _Agent(LocalElasticAgent):
-    """elastic's local agent, telling the watch which workers it started."""
-
-    def __init__(self, watch: _Watch, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._watch = watch
-
-    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        pids = super()._start_workers(worker_group)  # local rank -> pid
-        self._watch.start({w.global_rank: pids[w.local_rank] for w in worker_group.workers})
-        return pids
-
-    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
-        # A terminal's Ctrl-C (or a scheduler's SIGTERM to the process group) reaches the workers
-        # as well as this process, which then sends them the signal again. A second signal while a
-        # worker writes its failure record would lose the record (and its completed steps): let
-        # the workers end on their own first, briefly.
-        self._watch.settle(1.0)
-        super()._shutdown(death_sig, timeout)

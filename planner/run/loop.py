@@ -28,8 +28,9 @@ import torch
 from torch import nn
 
 from planner.errors import PlannerError
-from planner.run.common import clip_and_step, memory_step_of, step_line, step_note
-from planner.run.measure import MemoryProbe, StageProbe, summarize
+from planner.run.console import step_line, step_note
+from planner.run.gradients import clip_and_step
+from planner.run.measure import MemoryProbe, StageProbe, memory_step_of, summarize
 from planner.schema.plan import Plan
 from planner.schema.result import EvalMeasure, MemoryMeasure, RunResult, StageMeasure, timed_steps
 

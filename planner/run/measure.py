@@ -407,3 +407,18 @@ def _block_measures(
     if clock.loss_in_last:  # the loss's forward (outside forward_one_chunk), in the last block as profiled
         fwd[-1] += loss
     return [BlockMeasure(name=n, fwd_s=f, bwd_s=b) for n, f, b in zip(names, fwd, bwd)], fwd_over, bwd_over
+
+
+def memory_step_of(steps: int) -> int | None:
+    """The step run under the memory tracker.
+
+    The last one, when there are at least 2: by then the optimizer state and the receive buffers
+    exist (the first step sets the schedule up). It runs ~25x slower, so medians leave it out.
+
+    Args:
+        steps: the run's optimizer steps.
+
+    Returns:
+        The 1-based step, or None when the run is too short to track one.
+    """
+    return steps if steps >= 2 else None

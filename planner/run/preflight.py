@@ -10,18 +10,16 @@ them is one line now instead of a failure on every rank after a minute of set-up
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from planner.capture.blocks import TracedModel
-from planner.capture.graph import buffers_restored
-from planner.capture.load import ModelFile, model_output
-from planner.capture.stage import stage_inputs, stage_module, trace_root
+from planner.capture.load import ModelFile
 from planner.errors import DataError, PlannerError
-from planner.run.checkpoint import checkpoint_step, latest_checkpoint
+from planner.run.checkpoint import checkpoint_step, kept_vocab, latest_checkpoint
+from planner.run.streams import vocab_size_of
 from planner.schema.plan import Plan
 from planner.schema.request import RunRequest
 
@@ -54,6 +52,12 @@ def check_resume(plan: Plan, request: RunRequest) -> int:
 def check_checkpoint_dir(request: RunRequest) -> None:
     """The checkpoint folder can be created and written (checked before training, so no run's weights are lost).
 
+    The folders the check creates are removed again: a command that fails later leaves nothing
+    behind, and the first save creates the folder for good.
+
+    Args:
+        request: ``planner run``'s options (the checkpoint folder, whether to save).
+
     Raises:
         PlannerError: it is a file, or cannot be created or written.
     """
@@ -62,25 +66,29 @@ def check_checkpoint_dir(request: RunRequest) -> None:
     root = request.checkpoint_root
     if root.exists() and not root.is_dir():
         raise PlannerError(f"checkpoint folder {root} is a file; give --checkpoint-dir a folder")
+    created = _missing_folders(root)
     try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise PlannerError(
-            f"cannot create checkpoint folder {root}: {e.strerror or e}; pick another --checkpoint-dir"
-        ) from None
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise PlannerError(f"checkpoint folder {root} is not writable; pick another --checkpoint-dir")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise PlannerError(
+                f"cannot create checkpoint folder {root}: {e.strerror or e}; pick another --checkpoint-dir"
+            ) from None
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise PlannerError(f"checkpoint folder {root} is not writable; pick another --checkpoint-dir")
+    finally:
+        for folder in created:  # deepest first; a folder something else filled meanwhile stays
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
-def vocab_size_of(traced: TracedModel, mf: ModelFile, plan: Plan) -> int:
-    """The model's vocabulary: the last dimension of its output on one example microbatch (as every
-    rank computes it, so the parent's vocabulary is theirs)."""
-    example = mf.batch(plan.microbatch_size, seed=plan.model.seed)[0]
-    # the forward must leave no trace: batch norm's running statistics and the RNG are put back
-    with buffers_restored(trace_root(traced)), torch.random.fork_rng(devices=[]), torch.no_grad():
-        out = stage_module(traced, 0, len(traced.blocks))(*stage_inputs(example))
-    first = out[0] if isinstance(out, tuple) else model_output(out)
-    return int(first.shape[-1])
+def _missing_folders(folder: Path) -> list[Path]:
+    """``folder`` and each of its parents that does not exist (not even as a link), deepest first."""
+    missing: list[Path] = []
+    while not folder.exists() and not folder.is_symlink() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
 
 
 def check_data(
@@ -89,6 +97,14 @@ def check_data(
     """Read ``--data`` once as the ranks will, so a bad file or an unsuitable model is one line now.
 
     Prints the stream's one-line description (corpus, tokenizer, vocabulary, tokens, steps per epoch).
+    Nothing is written: a vocabulary kept beside the checkpoints is read, none is kept here.
+
+    Args:
+        plan: the plan (microbatch and batch size, seed, replicas).
+        request: ``planner run``'s options (``--data``, ``--tokenizer``, the checkpoint folder).
+        mf: the plan's model file.
+        traced: the model traced for the plan (its output width is the vocabulary).
+        print_fn: where the description goes.
 
     Raises:
         DataError: the text cannot be read, is too short, or the model takes no token ids.
@@ -99,7 +115,9 @@ def check_data(
         raise DataError(f"--data {request.data}: no such file or folder; give a .txt file or a folder of them")
     from planner.data import TextBatches
 
-    vocab_file: Path | None = request.checkpoint_root / "vocab.json" if request.save_checkpoints else None
+    # Read a kept vocabulary, never write one: a check leaves nothing behind (the ranks keep the
+    # vocabulary with their first checkpoint).
+    vocab_file = kept_vocab(request.checkpoint_root) if request.save_checkpoints else None
     stream = TextBatches(
         request.data,
         example=mf.batch(plan.microbatch_size, seed=plan.model.seed),

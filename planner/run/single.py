@@ -20,9 +20,11 @@ from typing import Any
 import torch
 
 from planner.capture.load import ModelFile
-from planner.run.common import autocast_region, load_plan_model, make_optimizer
 from planner.run.loop import RankModel, RankResult, run_result, train_steps
 from planner.run.measure import StageProbe
+from planner.run.model import load_plan_model
+from planner.run.optim import make_optimizer
+from planner.run.wrappers import autocast_region
 from planner.schema.plan import Plan
 from planner.schema.result import RunResult
 from planner.threads import torch_threads

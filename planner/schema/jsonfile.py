@@ -54,8 +54,8 @@ def _sync_folder(folder: Path) -> None:
             os.close(fd)
 
 
-def write_atomic(path: str | Path, content: str | Callable[[BinaryIO], None], option: str = "-o") -> None:
-    """Write ``text`` to ``path`` through a temporary file, so a failure never leaves half a file.
+def write_atomic(path: str | Path, content: str | bytes | Callable[[BinaryIO], None], option: str = "-o") -> None:
+    """Write ``content`` to ``path`` through a temporary file, so a failure never leaves half a file.
 
     The text goes to a uniquely named temporary file in the same folder (``.NAME.XXXX.tmp``), is
     fsynced, then renamed over ``path``: readers see the old file or the new one, never a mix. On
@@ -65,8 +65,9 @@ def write_atomic(path: str | Path, content: str | Callable[[BinaryIO], None], op
 
     Args:
         path: destination file.
-        content: the whole text (written as UTF-8), or a function that writes the bytes to the
-            open binary file it is given (a picture's renderer).
+        content: the whole text (written as UTF-8), the whole bytes (a rank's failure record), or
+            a function that writes the bytes to the open binary file it is given (a picture's
+            renderer).
         option: the command-line option that named ``path``, for messages.
 
     Raises:
@@ -84,6 +85,8 @@ def write_atomic(path: str | Path, content: str | Callable[[BinaryIO], None], op
             os.fchmod(f.fileno(), _new_mode(p))
             if isinstance(content, str):
                 f.write(content.encode("utf-8"))
+            elif isinstance(content, bytes):
+                f.write(content)
             else:
                 content(f)
             f.flush()

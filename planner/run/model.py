@@ -1,0 +1,159 @@
+"""The planned model, rebuilt and checked: every process (the launcher, each rank, the unsplit
+reference) loads the plan's model file with the plan's config and seed, so every rank holds the
+same initial weights without sending any, and checks it is the model the plan was made for (the
+traced fingerprint, the block list, the ties) and a plan the runner can execute.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from planner.capture.blocks import TiedParameter, TracedModel
+from planner.capture.load import ModelFile, load_model_file
+from planner.capture.stage import trace_root
+from planner.capture.trace import trace_model
+from planner.core.schedules import SPLIT_BACKWARD, check_schedule, stage_ranks
+from planner.errors import PlanFileError, PlannerError
+from planner.schema.plan import Plan
+
+
+def load_plan_model(plan: Plan, plan_path: str | Path) -> ModelFile:
+    """Load the plan's model file with exactly the config the plan was made with.
+
+    Args:
+        plan: the plan whose model file, size and config to use.
+        plan_path: the plan file (a relative model path resolves against its folder).
+
+    Returns:
+        The loaded model file, its config replaced by the plan's.
+
+    Raises:
+        ModelFileError: the model file is missing or broken.
+    """
+    mf = load_model_file(plan.model_path(plan_path), plan.model.size)
+    mf.config = dict(plan.model.config)
+    return mf
+
+
+def check_runnable(plan: Plan) -> None:
+    """Reject plans the runner cannot execute, before any tracing or process.
+
+    Args:
+        plan: the plan to check.
+
+    Raises:
+        PlannerError: traced by module boundaries, or a 1F1B plan with fewer
+            microbatches than stages.
+    """
+    if plan.profile.source == "estimated" and plan.profile.device != "cpu":
+        raise PlannerError(
+            f"this plan's costs were estimated for {plan.profile.hardware} ({plan.profile.dtype}), a GPU that is not "
+            "here; to train, plan on the machine that runs it (without --gpu-type) and run that plan"
+        )
+    if plan.dp > 1 and plan.dp_mode == "fsdp" and plan.schedule in SPLIT_BACKWARD:
+        raise PlanFileError(
+            f"the plan shards {plan.dp} replicas with FSDP under --schedule {plan.schedule}, whose split backward "
+            "torch 2.13's FSDP2 does not follow; re-plan with --dp-mode ddp or another schedule"
+        )
+    if plan.n_ranks > 1:
+        # torch's own constructors refuse these
+        check_schedule(plan.schedule, plan.n_ranks, plan.n_microbatches, plan.stages_per_rank)
+        expected = stage_ranks(plan.schedule, plan.n_ranks, plan.stages_per_rank)
+        if [s.rank for s in plan.stages] != expected:
+            raise PlanFileError(
+                f"the plan places its stages on ranks {[s.rank for s in plan.stages]}, but {plan.schedule} with "
+                f"{plan.stages_per_rank} stages per rank runs them on {expected}; re-run `planner plan`"
+            )
+
+
+def check_blocks(plan: Plan, traced: TracedModel) -> None:
+    """The plan's blocks are the traced model's, name for name and node for node.
+
+    The fingerprint covers the model; this covers the plan file, whose block list a user may edit
+    (a renamed or reordered block would put other layers on a stage than the report shows).
+
+    Args:
+        plan: the plan.
+        traced: the model traced for it.
+
+    Raises:
+        PlanFileError: the first block that differs, named.
+    """
+    mine = [(b.name, b.first_node, b.last_node) for b in plan.blocks]
+    theirs = [(b.name, b.nodes[0], b.nodes[-1]) for b in traced.blocks]
+    if len(mine) != len(theirs):
+        raise PlanFileError(
+            f"the plan lists {len(mine)} blocks but the model traces into {len(theirs)}; re-run `planner plan`"
+        )
+    for k, (a, b) in enumerate(zip(mine, theirs)):
+        if a != b:
+            raise PlanFileError(
+                f"block {k} of the plan is {a[0]!r} (nodes {a[1]} .. {a[2]}) but the model's block {k} is "
+                f"{b[0]!r} (nodes {b[1]} .. {b[2]}); the plan was edited or is for another model: re-run `planner plan`"
+            )
+
+
+def trace_for_plan(plan: Plan, mf: ModelFile, model: nn.Module) -> TracedModel:
+    """Trace ``model`` the way the planner did and check it is the structure the plan was made for.
+
+    Args:
+        plan: the plan (microbatch size, seed, tracer, fingerprint).
+        mf: the plan's model file (for the example microbatch).
+        model: the model freshly built from ``mf`` with the plan's seed.
+
+    Returns:
+        The trace (a graph, or module boundaries whose stages are chains of blocks), its buffers
+        reset to the freshly built model's.
+
+    Raises:
+        PlanFileError: the traced fingerprint differs from the plan's.
+        TraceError: the plan's tracer no longer works on the model.
+    """
+    inputs, _ = mf.batch(plan.microbatch_size, seed=plan.model.seed)
+    traced = trace_model(model, inputs, methods=(plan.model.trace_method,))
+    if traced.fingerprint != plan.model.fingerprint:
+        raise PlanFileError(
+            f"plan was made for a different model structure (fingerprint {plan.model.fingerprint}, "
+            f"the file now gives {traced.fingerprint}); re-run `planner plan`"
+        )
+    check_blocks(plan, traced)
+    # Tracing ran the (private copy of the) model forward in train mode, which moves batch-norm
+    # running statistics; start training from the freshly built buffers like the unsplit model.
+    fresh = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, buf in trace_root(traced).named_buffers():
+            if name in fresh and fresh[name].shape == buf.shape:
+                buf.copy_(fresh[name])
+    return traced
+
+
+def check_ties(plan: Plan, traced: TracedModel) -> list[TiedParameter]:
+    """The traced model's tied parameters, checked against the ties the plan records.
+
+    Args:
+        plan: the plan.
+        traced: the model traced for it.
+
+    Returns:
+        ``traced.tied_parameters()`` (the same list, in the same order, on every rank).
+
+    Raises:
+        PlanFileError: a parameter several stages read that the plan does not record (a plan made
+            before ties were served, or edited), named by both its names.
+    """
+    ties = traced.tied_parameters()
+    recorded = {(t.names, t.blocks) for t in plan.ties}
+    for tie in ties:
+        blocks = tuple(traced.blocks[k].name for k in tie.blocks)
+        stages = plan.stages_reading(tie.blocks)
+        if (tie.names, blocks) not in recorded and len(stages) > 1:
+            also = f" (also named {', '.join(tie.names[1:])})" if len(tie.names) > 1 else ""
+            raise PlanFileError(
+                f"parameter {tie.names[0]}{also} is read by {blocks[0]} on stage {stages[0]} and by {blocks[-1]} on "
+                f"stage {stages[-1]} (tied weights), but the plan records no such tie, so its copies would drift "
+                "apart; re-run `planner plan` (it records ties, and the runner keeps the copies equal)"
+            )
+    return ties

@@ -1,0 +1,316 @@
+"""Building a rank's stages: the planned model rebuilt and traced as the planner did, each stage of
+this rank cut out of the trace with a real example input and output, wrapped (recomputation, the
+contiguous boundary, FSDP or DDP across the replicas, compile and autocast), made a torch
+``PipelineStage``; torch's class for the plan's schedule over them; one optimizer; and what
+finishes a step's gradients (``planner.run.gradients``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from planner.capture.blocks import TracedModel
+from planner.capture.clock import BlockClock
+from planner.capture.graph import buffers_restored
+from planner.capture.load import ModelFile
+from planner.capture.stage import stage_inputs, stage_module, trace_root
+from planner.core.schedules import SPLIT_BACKWARD, placement
+from planner.errors import PlannerError
+from planner.run.checkpoint import model_names
+from planner.run.gradients import grad_finisher
+from planner.run.mesh import RankMesh
+from planner.run.model import check_ties, trace_for_plan
+from planner.run.optim import make_optimizer
+from planner.run.streams import vocab_size_of
+from planner.run.wrappers import (
+    ContiguousBoundary,
+    HooklessDDP,
+    Recomputed,
+    apply_speed_levers,
+    autocast_loss,
+    autocast_region,
+)
+from planner.schema.plan import Plan, StagePlan
+from planner.schema.request import TORCH_NAMES
+from planner.torch_compat import ddp_ignore
+
+
+@dataclass(frozen=True)
+class RankStages:
+    """What ``build_stages`` makes for one rank.
+
+    Attributes:
+        modules: what each ``PipelineStage`` runs (DDP-wrapped under ddp replicas), in stage order.
+        params: the trainable parameters, each once (stages on one rank may share a tied one).
+        optimizer: one optimizer over ``params`` (None: the rank holds no parameters).
+        stages: the ``PipelineStage`` of each of the rank's stages, in stage order.
+        schedule: torch's class for the plan's schedule, over ``stages``.
+        finish_grads: turns a step's accumulated gradients into the step's (``grad_finisher``).
+        counted: the parameters whose gradients enter the global norm (None: all of ``params``).
+        tensors: the unsplit model's name -> this rank's tensor (what a checkpoint holds).
+        vocab_size: the model's output width (sizes ``--data``'s vocabulary; None: not asked).
+        clocks: per stage, the marks that time its blocks (None: a compiled stage).
+    """
+
+    modules: list[torch.nn.Module]
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer | None
+    stages: list[Any]
+    schedule: Any
+    finish_grads: Callable[[], None]
+    counted: list[torch.nn.Parameter] | None
+    tensors: dict[str, torch.Tensor]
+    vocab_size: int | None
+    clocks: list[BlockClock | None]
+
+
+@dataclass(frozen=True)
+class _CutStage:
+    """One of the rank's stages cut out of the trace, before any wrapping across the replicas.
+
+    Attributes:
+        plan: the plan's record of the stage.
+        built: the stage module (it shares its parameters with the trace).
+        inner: what the boundary calls: ``built``, under recomputation where the plan says.
+        module: the boundary wrapper around ``inner``.
+        example_in: the stage's real example inputs (the blocks before it run once).
+        example_out: its outputs on them.
+        clock: the marks that time its blocks (None: a compiled plan).
+    """
+
+    plan: StagePlan
+    built: torch.nn.Module
+    inner: torch.nn.Module
+    module: ContiguousBoundary
+    example_in: tuple
+    example_out: tuple
+    clock: BlockClock | None
+
+
+def build_stages(plan: Plan, mf: ModelFile, mesh: RankMesh, device: torch.device, *, want_vocab: bool) -> RankStages:
+    """This rank's stages, ready to train under torch's schedule.
+
+    Args:
+        plan: the plan.
+        mf: its model file, with the plan's config.
+        mesh: this rank's place and groups.
+        device: where the stages run.
+        want_vocab: also find the model's output width (``--data`` sizes its vocabulary by it).
+
+    Returns:
+        The stage modules (wrapped for the plan's data parallelism), their trainable parameters, one
+        optimizer over them, their ``PipelineStage`` objects, the schedule, what finishes a step's
+        gradients and the state tensors a checkpoint holds, by the unsplit model's names.
+
+    Raises:
+        PlanFileError: the model is not the one the plan was made for, or has a tie it does not record.
+        PlannerError: two stages of this rank share a tied parameter under FSDP.
+    """
+    traced, aliases = _traced(plan, mf)
+    root = trace_root(traced)
+    ties = check_ties(plan, traced)
+    cut = _cut_stages(plan, mf, traced, mesh, device)
+    vocab = vocab_size_of(traced, mf, plan) if want_vocab else None
+    # Zero-bubble schedules compute weight gradients with autograd.grad, past DDP's hooks, so there
+    # the replicas' gradients are averaged by ``finish`` instead (the same all-reduce, after the step's
+    # backward).
+    manual = plan.dp > 1 and plan.dp_mode == "ddp" and plan.schedule in SPLIT_BACKWARD
+    modules: list[torch.nn.Module] = []
+    stages: list[Any] = []
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for stage in cut:
+        names = _state_names(stage.built, root, aliases)  # before wrapping: FSDP replaces the parameters
+        submod = _replicated(plan, stage, mesh, device, seen, manual=manual)
+        for local_name, t in [*stage.built.named_parameters(remove_duplicate=False), *stage.built.named_buffers()]:
+            for alias in names.get(local_name, []):
+                tensors[alias] = t
+        modules.append(submod)
+        stages.append(_pipeline_stage(plan, stage, submod, mesh, device))
+    params = list({id(p): p for m in modules for p in m.parameters() if p.requires_grad}.values())
+    optimizer = make_optimizer(params, plan)
+    finish, not_counted = grad_finisher(plan, ties, mesh, params, tensors, average=manual)
+    del ties
+    counted = [p for p in params if id(p) not in not_counted] if not_counted else None
+    return RankStages(
+        modules=modules,
+        params=params,
+        optimizer=optimizer,
+        stages=stages,
+        schedule=_schedule(plan, mf, stages, device),
+        finish_grads=finish,
+        counted=counted,
+        tensors=tensors,
+        vocab_size=vocab,
+        clocks=[stage.clock for stage in cut],
+    )
+
+
+def _traced(plan: Plan, mf: ModelFile) -> tuple[TracedModel, dict[str, list[str]]]:
+    """The model built with the plan's seed and traced as the planner did (checked against the plan),
+    and every name of each of its state tensors (``_aliases``), taken before tracing."""
+    model = mf.build(plan.model.seed)
+    aliases = _aliases(model)
+    return trace_for_plan(plan, mf, model), aliases  # the trace holds its own copy of the model
+
+
+def _cut_stages(
+    plan: Plan, mf: ModelFile, traced: TracedModel, mesh: RankMesh, device: torch.device
+) -> list[_CutStage]:
+    """Every stage of this rank cut out of the trace, each with its example input and output.
+
+    All the examples are made before any module is wrapped: FSDP shards the modules of the trace in
+    place, after which the trace's other cuts (the prefix that makes a later stage's example)
+    cannot run.
+    """
+    example = mf.batch(plan.microbatch_size, seed=plan.model.seed)[0]
+    cut: list[_CutStage] = []
+    for stage_plan in plan.stages_of(mesh.pp_rank):
+        clock = _block_clock(plan, stage_plan, device)
+        built = stage_module(traced, stage_plan.start, stage_plan.end, clock)
+        inner = Recomputed(built) if stage_plan.recompute else built
+        module = ContiguousBoundary(inner)
+        # under the plan's autocast, so the examples (and the receive buffers made from them) have
+        # the dtypes that will cross the cut
+        with autocast_region(plan, device.type):
+            example_in, example_out = _example_io(traced, stage_plan.start, module, example)
+        cut.append(_CutStage(stage_plan, built, inner, module, example_in, example_out, clock))
+    return cut
+
+
+def _replicated(
+    plan: Plan, stage: _CutStage, mesh: RankMesh, device: torch.device, seen: set[int], *, manual: bool
+) -> torch.nn.Module:
+    """What the stage's ``PipelineStage`` runs: its boundary on the device, sharded over the replicas
+    (FSDP) or wrapped in DDP, compiled and autocast as the plan says.
+
+    Args:
+        plan: the plan (replicas, their mode).
+        stage: the stage, cut.
+        mesh: this rank's groups.
+        device: where it runs.
+        seen: ids of the trainable parameters of the rank's earlier stages; this stage's are added.
+        manual: the replicas' gradients are averaged by the gradient finisher, not by DDP.
+
+    Raises:
+        PlannerError: under FSDP, the stage shares a tied parameter with an earlier stage of the rank.
+    """
+    module = stage.module
+    module.to(device)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    shared = [p for p in trainable if id(p) in seen]
+    if plan.dp > 1 and plan.dp_mode == "fsdp" and trainable:
+        if shared:
+            raise PlannerError(
+                f"stage {stage.plan.index} shares a tied parameter with another stage on rank {mesh.pp_rank}, "
+                "which FSDP cannot shard twice; re-plan with --dp-mode ddp"
+            )
+        from torch.distributed.fsdp import fully_shard
+
+        apply_speed_levers(plan, module, stage.inner, device)  # compiled before sharding, as torchtitan does
+        # The boundary wrapper itself is sharded, so that torch's PipelineStage sees an FSDP
+        # module: it then syncs gradients only after the last microbatch's backward instead of
+        # reduce-scattering every microbatch's. Parameters stay gathered from forward to
+        # backward: each microbatch's backward would otherwise gather them again.
+        module.hooks = True
+        fully_shard(module, mesh=mesh.dp_mesh, reshard_after_forward=False)
+    else:
+        apply_speed_levers(plan, module, stage.inner, device)
+    submod: torch.nn.Module = module
+    if plan.dp > 1 and plan.dp_mode == "ddp" and not manual and len(shared) < len(trainable):
+        if shared:  # a tied parameter another DDP of this rank already reduces
+            local = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+            ddp_ignore(module, [local[id(p)] for p in shared])
+        submod = HooklessDDP(module, process_group=mesh.dp_group, gradient_as_bucket_view=True)
+    seen.update(id(p) for p in trainable)
+    return submod
+
+
+def _pipeline_stage(plan: Plan, stage: _CutStage, submod: torch.nn.Module, mesh: RankMesh, device: torch.device) -> Any:
+    """The stage as torch's ``PipelineStage`` in static mode (its example input and output given)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    return PipelineStage(
+        submod,
+        stage_index=stage.plan.index,
+        num_stages=plan.n_stages,
+        device=device,
+        input_args=tuple(t.to(device) for t in stage.example_in),
+        output_args=tuple(t.to(device) for t in stage.example_out),
+        group=mesh.pp_group,
+    )
+
+
+def _schedule(plan: Plan, mf: ModelFile, stages: list[Any], device: torch.device) -> Any:
+    """torch's class for the plan's schedule over the rank's stages, the model file's loss at its end."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    schedule_cls = get_schedule_class(TORCH_NAMES[plan.schedule])
+    # scale_grads=False: ``finish`` averages the gradients over microbatches, once per parameter.
+    # GPipe and 1F1B take their one stage; the others (PipelineScheduleMulti) a list, even of one.
+    target = stages[0] if placement(plan.schedule) == "single" else stages
+    loss_fn = autocast_loss(mf.loss_fn, plan, device)
+    return schedule_cls(target, n_microbatches=plan.n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def _as_tuple(value: object) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _example_io(traced: TracedModel, start: int, stage: torch.nn.Module, inputs: tuple) -> tuple[tuple, tuple]:
+    """Real example inputs and outputs of one stage, for ``PipelineStage``'s static mode.
+
+    Without them ``PipelineStage`` infers shapes at the first step by running every stage on
+    *uninitialised* receive buffers (``torch.empty``): an integer tensor crossing a cut (token ids,
+    ``torch.arange`` positions) is then garbage and an embedding lookup fails with "index out of
+    range". So each rank runs the blocks before its stage once on the example microbatch (with
+    autograd on, so ``requires_grad`` of every boundary tensor is what training will see).
+    """
+    # Same shapes and dtypes as training. torch.export's modules refuse .eval(), so train mode stays
+    # on: the buffers are put back (batch norm's running statistics) and the RNG too (dropout), so
+    # training starts exactly where the unsplit model's does.
+    with buffers_restored(trace_root(traced)), torch.random.fork_rng(devices=[]), torch.enable_grad():
+        x = stage_inputs(inputs)
+        if start > 0:
+            prefix = stage_module(traced, 0, start)
+            x = tuple(t.detach().contiguous().requires_grad_(t.requires_grad) for t in _as_tuple(prefix(*x)))
+        y = _as_tuple(stage(*x))
+    return x, tuple(t.detach().requires_grad_(t.requires_grad) for t in y)
+
+
+def _state_names(stage: torch.nn.Module, root: torch.nn.Module, aliases: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The stage module's own parameter and buffer names -> every name the unsplit model gives them.
+
+    Taken before any wrapping: FSDP replaces the parameters (by new DTensor ones) but keeps their
+    names within the stage module, so the names still find them afterwards.
+    """
+    root_names: dict[int, list[str]] = {}
+    for name, t in [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]:
+        root_names.setdefault(id(t), []).append(name)
+    out: dict[str, list[str]] = {}
+    for local, t in [*stage.named_parameters(remove_duplicate=False), *stage.named_buffers(remove_duplicate=False)]:
+        names = [alias for name in root_names.get(id(t), []) for alias in aliases.get(name, [])]
+        if names:
+            out[local] = list(dict.fromkeys(names))
+    return out
+
+
+def _aliases(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Each state name of the unsplit model -> all names of that tensor (a tied weight has several)."""
+    out: dict[str, list[str]] = {}
+    for names in model_names(model).values():
+        for name in names:
+            out[name] = names
+    return out
+
+
+def _block_clock(plan: Plan, stage: StagePlan, device: torch.device) -> BlockClock | None:
+    """The marks that time every block of ``stage`` where it runs (``planner.capture.clock``); None
+    for a compiled plan, whose graph each mark would break (it is timed per stage only)."""
+    if plan.compile:
+        return None
+    return BlockClock(stage.start, stage.end, stage.end == len(plan.blocks), device.type == "cuda")

@@ -1,0 +1,173 @@
+"""What wraps a stage module on a rank, innermost first: recomputation (the plan's ``recompute``),
+``torch.compile`` and autocast (the plan's speed levers), the boundary that makes every tensor
+crossing it contiguous, and DDP without module hooks; and the plan's autocast region, shared with
+the in-process run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch.nn.parallel import DistributedDataParallel
+
+from planner.schema.plan import Plan
+from planner.torch_compat import is_view
+
+AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""The plan's ``profile.autocast`` -> the dtype ``torch.autocast`` computes in."""
+
+
+def autocast_region(plan: Plan, device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """A fresh region of the plan's autocast (``--dtype`` on measured costs), or one that changes nothing.
+
+    Args:
+        plan: the plan (``profile.autocast``: "bf16", "fp16" or None).
+        device_type: where the region computes ("cpu", "cuda").
+
+    Returns:
+        A new context manager per call, as the profile opened one per block run.
+    """
+    if plan.profile.autocast is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=AUTOCAST_DTYPES[plan.profile.autocast])
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class ContiguousBoundary(torch.nn.Module):
+    """Make every tensor that crosses a stage boundary contiguous, in both directions.
+
+    ``PipelineStage`` sends tensors as they are and gloo refuses non-contiguous ones ("input
+    tensor has to be contiguous"); in its dynamic mode it even allocates the receive buffers with
+    the stride it observed (``torch.empty_strided``). The gradient of a stage input is often a
+    transposed view (attention), so without this a GPT split fails on the first backward send.
+    """
+
+    def __init__(self, module: torch.nn.Module, *, hooks: bool = False):
+        super().__init__()
+        self.module = module
+        self.hooks = hooks
+
+    def __call__(self, *args: object) -> object:
+        # Called without nn.Module's hooks, on purpose: the stage's inputs are leaf tensors (the
+        # receive buffers), and a module-level grad hook on a leaf breaks ``autograd.grad``, which the
+        # zero-bubble schedules' input-only backward uses ("A leaf node was passed to
+        # _will_engine_execute_node"); MemTracker installs such hooks on every module it sees called.
+        # This wrapper has no hooks of its own; the stage module inside is called normally and
+        # receives non-leaf tensors (``_ContiguousGrad``'s outputs).
+        # Under FSDP (never with those schedules) the wrapper is the sharded module, whose hooks
+        # gather the parameters: there it is called with them.
+        if self.hooks:
+            return super().__call__(*args)
+        return self.forward(*args)
+
+    def forward(self, *args: object) -> object:
+        args = tuple(_ContiguousGrad.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
+        out = self.module(*args)
+        if isinstance(out, torch.Tensor):
+            return _owned(out)
+        if isinstance(out, tuple):
+            return tuple(_owned(o) if isinstance(o, torch.Tensor) else o for o in out)
+        return out
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous and, if it is a view, copied into its own storage: torch 2.13's input-only
+    backward (``stage_backward_input``, zero-bubble schedules) fails on a stage output that is a view."""
+    t = t.contiguous()
+    return t.clone() if is_view(t) else t
+
+
+class Recomputed(torch.nn.Module):
+    """Run a stage under activation checkpointing: keep only its inputs per microbatch and rebuild
+    its activations during backward (the plan's ``recompute`` flag; non-reentrant
+    ``torch.utils.checkpoint``, which also works when the stage's inputs need no grad)."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: object) -> object:
+        return torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=False)
+
+
+class Autocast(torch.nn.Module):
+    """Run a stage's forward under ``torch.autocast`` (the plan's ``profile.autocast``): parameters
+    stay fp32, the matmuls and what they save run in the lower precision, as the profile measured.
+    A fresh autocast region per call, so its weight casts are per microbatch, as profiled."""
+
+    def __init__(self, module: torch.nn.Module, plan: Plan, device_type: str):
+        super().__init__()
+        self.module, self.plan, self.device_type = module, plan, device_type
+
+    def forward(self, *args: object) -> object:
+        with autocast_region(self.plan, self.device_type):
+            return self.module(*args)
+
+
+def autocast_loss(
+    loss_fn: Callable[..., torch.Tensor], plan: Plan, device: torch.device
+) -> Callable[..., torch.Tensor]:
+    """The model file's loss under the plan's autocast, as the profile timed the last block (unchanged without).
+
+    Args:
+        loss_fn: the model file's loss.
+        plan: the plan (``profile.autocast``).
+        device: where the loss runs.
+
+    Returns:
+        ``loss_fn`` itself without autocast, else a function calling it in a fresh autocast region.
+    """
+    if plan.profile.autocast is None:
+        return loss_fn
+
+    def loss(output: Any, target: Any) -> torch.Tensor:
+        with autocast_region(plan, device.type):
+            return loss_fn(output, target)
+
+    return loss
+
+
+def apply_speed_levers(plan: Plan, module: ContiguousBoundary, inner: torch.nn.Module, device: torch.device) -> None:
+    """Apply the plan's ``compile`` and ``profile.autocast`` to a stage (after any sharding: FSDP
+    wraps the eager module; the compiled one runs inside it).
+
+    The compiled module compiles at its first call, which must happen inside
+    ``planner.torch_compat.retain_graph_compile`` (the worker trains inside it): the zero-bubble
+    schedules' split backward runs the compiled backward twice, which donated buffers forbid.
+
+    Args:
+        plan: the plan (``compile``, ``profile.autocast``).
+        module: the stage's boundary wrapper; what it calls is replaced.
+        inner: the stage module (recomputed where the plan says), as the boundary calls it now.
+        device: where the stage runs (autocast's device type).
+    """
+    run = inner
+    if plan.compile:
+        run = torch.compile(inner)  # type: ignore[assignment]
+    if plan.profile.autocast is not None:
+        run = Autocast(run, plan, device.type)
+    module.module = run
+
+
+class HooklessDDP(DistributedDataParallel):
+    """``DistributedDataParallel`` called without nn.Module's hooks, like ``ContiguousBoundary`` and
+    for the same reason: its inputs are the stage's leaf receive buffers. ``PipelineStage``
+    recognises it as DDP (no all-reduce until the last microbatch's backward)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
