@@ -13,7 +13,7 @@ import torch
 from planner.capture.load import ModelFile, load_model_file, model_output
 from planner.data import DEFAULT_CORPUS, TOKENIZERS, TextBatches, Vocab, token_batch_format
 from planner.data.batches import StepWindows, batchify
-from planner.data.text import basic_english, encode, read_corpus, split_point
+from planner.data.text import encode, read_corpus, split_point
 from planner.errors import DataError, PlannerError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,9 +63,11 @@ def test_tokenizer_names() -> None:
     assert TOKENIZERS == ("char", "byte", "word")
 
 
-def test_basic_english_follows_torchtext_rules() -> None:
-    assert basic_english("Feed'st thy \"light\"; flame: (yes)! Really? A, b.") == [
-        "feed", "'", "st", "thy", "light", "flame", "(", "yes", ")", "!", "really", "?", "a", ",", "b", ".",
+def test_word_tokenizer_follows_torchtext_basic_english_rules() -> None:
+    line = 'Feed\'st thy "light"; flame: (yes)! Really? A, b.'
+    ids, vocab = encode(line + "\n", "word", 100, 0.05)
+    assert [vocab.tokens[i] for i in ids.tolist()] == [
+        "feed", "'", "st", "thy", "light", "flame", "(", "yes", ")", "!", "really", "?", "a", ",", "b", ".", "<eos>",
     ]  # fmt: skip
 
 

@@ -303,18 +303,6 @@ def split_point(n_tokens: int, eval_fraction: float) -> int:
     return n_tokens - math.floor(round(n_tokens * eval_fraction, 9))
 
 
-def basic_english(line: str) -> list[str]:
-    """torchtext's ``basic_english`` tokenizer on one line (no ``<eos>``).
-
-    Args:
-        line: text.
-
-    Returns:
-        Its words: lower-cased, punctuation split off, ``;`` ``:`` and double quotes dropped.
-    """
-    return _normalise(line).split()
-
-
 def _normalise(text: str) -> str:
     text = text.lower()
     for pattern, replacement in _BASIC_ENGLISH:
