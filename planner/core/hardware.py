@@ -419,7 +419,7 @@ def node_links(hw: HardwareSpec, n_ranks: int, gpus_per_node: int) -> LinkCost:
 
     Args:
         hw: the device.
-        n_ranks: pipeline ranks (--gpus).
+        n_ranks: pipeline ranks of one replica (--gpus / --dp; all ranks together are the world size).
         gpus_per_node: devices per node (rank r on node r // gpus_per_node).
 
     Returns:
