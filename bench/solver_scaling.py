@@ -180,9 +180,7 @@ class Reference:
         self.per_unit: dict[str, float] = {}  # kind -> seconds per unit of work
         self.basis: dict[str, int] = {}  # kind -> the units of the run that rate comes from
 
-    def time(
-        self, blocks: list[BlockCost], p: int, limit: int | None, kind: str, err: str = ""
-    ) -> tuple[float, Outcome] | None:
+    def time(self, blocks: list[BlockCost], p: int, limit: int | None, kind: str) -> tuple[float, Outcome] | None:
         n = len(blocks)
         units = p * n**2
         if kind == "infeasible":
@@ -316,7 +314,7 @@ def infeasible_rows(repeats: int, ref: Reference) -> list[str]:
         limit, scale = infeasible_limit(blocks, p, free)
         new_e, err = timed(repeats, solve_stages, blocks, p, limit)
         assert isinstance(err, str), "no tried limit was infeasible"
-        old = ref.time(blocks, p, limit, "infeasible", err)
+        old = ref.time(blocks, p, limit, "infeasible")
         same = None if old is None else old[1] == err
         rows.append(
             f"| {n} | {p} | {limit / GIB:.2f} | {scale:.0%} | {fmt_ms(new_e)} "

@@ -117,7 +117,7 @@ def layout_of(
     """The layout of ``n_stages`` stages under ``schedule`` (stages per rank: 2 under a V, else 1,
     unless given), sharded over ``shard`` FSDP replicas."""
     v = stages_per_rank or (2 if placement(schedule) == "v" else 1)
-    return Layout.of_stages(schedule, n_stages, n_microbatches, v, dp=shard, dp_mode="fsdp" if shard > 1 else "ddp")
+    return Layout(schedule, n_stages // v, n_microbatches, v, dp=shard, dp_mode="fsdp" if shard > 1 else "ddp")
 
 
 def solved(
@@ -153,7 +153,8 @@ def predicted(
     dp_mode: str = "ddp",
 ) -> tuple[list[StagePlan], Prediction]:
     """``predict`` for a split of ``len(starts)`` stages, its layout spelled as arguments."""
-    layout = Layout.of_stages(schedule, len(starts), n_microbatches, stages_per_rank, dp, dp_mode)
+    # rounded down: predict refuses a split whose stages do not spread evenly over the ranks
+    layout = Layout(schedule, len(starts) // stages_per_rank, n_microbatches, stages_per_rank, dp, dp_mode)
     return predict(blocks, starts, link, layout, optimizer, recompute, slots)
 
 

@@ -6,8 +6,8 @@ Pure module (no torch). Each is small and frozen, and names one thing a caller d
   between them (one ``LinkCost``, or a ``NodeLinks`` that knows the ranks per node) and how many
   can compute at once (CPU ranks sharing cores).
 - ``Layout``: one way to run a step on them: ``dp`` replicas of a ``pp``-rank pipeline under a
-  schedule, with its microbatches and stages per rank. ``world_size = dp * pp``; ``pp`` is what a
-  plan records as ``Plan.n_ranks`` (the ranks of one replica's pipeline).
+  schedule, with its microbatches and stages per rank; ``dp * pp`` is the cluster's world size, and
+  ``pp`` is what a plan records as ``Plan.n_ranks`` (the ranks of one replica's pipeline).
 - ``Constraints``: what every split must respect: the optimizer's state, the memory limit per rank
   and the activation-checkpointing policy.
 - ``Scaling``: how the profiled block costs carry over to other microbatch sizes.
@@ -19,8 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.core.data_parallel import shard_of
-from planner.core.links import Links, NodeLinks
-from planner.errors import InfeasibleError
+from planner.core.links import Links
 from planner.schema.costs import OptimizerSpec
 
 
@@ -39,11 +38,6 @@ class Cluster:
     world_size: int
     link: Links
     slots: float | None = None
-
-    @property
-    def ranks_per_node(self) -> int | None:
-        """Ranks per node when the links know it (a ``NodeLinks``), else None (one node, or unknown)."""
-        return self.link.gpus_per_node if isinstance(self.link, NodeLinks) else None
 
 
 @dataclass(frozen=True)
@@ -68,11 +62,6 @@ class Layout:
     dp_mode: str = "ddp"
 
     @property
-    def world_size(self) -> int:
-        """Every rank of the layout: ``dp * pp``."""
-        return self.dp * self.pp
-
-    @property
     def n_stages(self) -> int:
         """Stages of one replica's pipeline: ``pp * stages_per_rank``."""
         return self.pp * self.stages_per_rank
@@ -86,27 +75,6 @@ class Layout:
             InfeasibleError: ``dp_mode`` is not "ddp" or "fsdp" (an "auto" not yet decided).
         """
         return shard_of(self.dp, self.dp_mode)
-
-    @classmethod
-    def of_stages(
-        cls,
-        schedule: str,
-        n_stages: int,
-        n_microbatches: int,
-        stages_per_rank: int = 1,
-        dp: int = 1,
-        dp_mode: str = "ddp",
-    ) -> Layout:
-        """The layout that runs ``n_stages`` stages, ``stages_per_rank`` on each pipeline rank.
-
-        Raises:
-            InfeasibleError: the stages do not spread evenly over the ranks.
-        """
-        if stages_per_rank < 1 or n_stages % stages_per_rank:
-            raise InfeasibleError(
-                f"{n_stages} stages do not spread evenly over ranks with {stages_per_rank} stages each"
-            )
-        return cls(schedule, n_stages // stages_per_rank, n_microbatches, stages_per_rank, dp, dp_mode)
 
 
 @dataclass(frozen=True)

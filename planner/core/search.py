@@ -174,6 +174,8 @@ def evaluate_choice(
     if split is None:
         per_stage = replace(constraints, memory_limit_bytes=None if limit is None else limit // v)
         try:
+            # the counts given explicitly: the solver's error then names what does not fit this
+            # layout, instead of searching other stage counts the layout does not allow
             in_flight = in_flight_per_stage(layout.schedule, pp, layout.n_microbatches, v)
             split = solve(blocks, link, layout, per_stage, in_flight)
         except InfeasibleError as e:

@@ -42,7 +42,7 @@ class Partition(BaseModel):
 
     @field_validator("starts")
     @classmethod
-    def check_starts(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+    def _check_starts(cls, v: tuple[int, ...]) -> tuple[int, ...]:
         if not v or v[0] != 0 or any(b <= a for a, b in zip(v, v[1:])):
             raise ValueError(f"starts={v} is invalid; expected starts[0] == 0 and strictly increasing.")
         return v
