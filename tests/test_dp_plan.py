@@ -202,10 +202,26 @@ def test_global_rank_layout_is_torchs_device_mesh() -> None:
     assert mesh == [[0, 1, 2], [3, 4, 5]]
     assert [(plan.replica_of(g), plan.pp_rank_of(g)) for g in range(6)] == [divmod(g, 3) for g in range(6)]
     for bad in ((2, 0), (0, 3), (-1, 0)):
-        with pytest.raises(ValueError, match="outside the plan's 2 x 3 mesh"):
+        with pytest.raises(ValueError, match="outside the plan's 2 x 3 x 1 mesh"):
             plan.global_rank(*bad)
     with pytest.raises(ValueError, match="outside the plan's 6 ranks"):
         plan.replica_of(6)
+
+
+def test_global_rank_layout_with_tensor_parallel_ranks_is_torchs_3d_mesh() -> None:
+    base = _plan(_layers(6), gpus=6, dp=2, m=3, batch=12, schedule="gpipe")
+    plan = base.model_copy(update={"tp": 2, "tp_plan": {"layers.*.w": "colwise"}})
+    assert plan.world_size == 12
+    # torch.arange(12).view(2, 3, 2), mesh_dim_names ("dp", "pp", "tp"): a pipeline rank's tp ranks are consecutive
+    mesh = [[[plan.global_rank(k, r, t) for t in range(2)] for r in range(3)] for k in range(2)]
+    assert mesh == [[[0, 1], [2, 3], [4, 5]], [[6, 7], [8, 9], [10, 11]]]
+    assert [(plan.replica_of(g), plan.pp_rank_of(g), plan.tp_rank_of(g)) for g in range(12)] == [
+        (g // 6, g // 2 % 3, g % 2) for g in range(12)
+    ]
+    with pytest.raises(ValueError, match="outside the plan's 2 x 3 x 2 mesh"):
+        plan.global_rank(0, 0, 2)
+    with pytest.raises(ValueError, match="a split needs its plan"):
+        type(base).model_validate({**base.model_dump(), "tp": 2})
 
 
 def test_a_dp_plan_round_trips_and_refreshes_to_itself() -> None:

@@ -50,9 +50,27 @@ SHIPPED: list[tuple[str, str | None, int, dict[str, Any]]] = [
 ]
 
 
+# Fields added after the digests were written, with the value that means what a plan without them
+# meant: dropped while they hold it, so the digests pin the figures, not the format.
+LATER_DEFAULTS = {"tp": 1, "tp_plan": {}}
+BLOCK_LATER_DEFAULTS = {"tp": None}
+CANDIDATE_LATER_DEFAULTS = {"tp": 1}
+
+
+def _drop(data: dict[str, Any], defaults: dict[str, Any]) -> None:
+    for key, value in defaults.items():
+        if key in data and data[key] == value:
+            del data[key]
+
+
 def digest(plan: Plan) -> str:
     """SHA-256 of the plan's JSON, without the fields that change with the clock or the machine."""
     data = plan.model_dump(mode="json")
+    _drop(data, LATER_DEFAULTS)
+    for block in data["blocks"]:
+        _drop(block, BLOCK_LATER_DEFAULTS)
+    for candidate in data["search"]:
+        _drop(candidate, CANDIDATE_LATER_DEFAULTS)
     data["created"] = ""
     data["profile"]["hostname"] = ""
     data["profile"]["torch_version"] = ""

@@ -16,6 +16,46 @@ OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
 StepTempRule = Literal["max", "sum"]
 
 
+class TensorParallelShare(BaseModel):
+    """How one block divides over ``tp`` tensor-parallel ranks, from its model's tensor-parallel plan.
+
+    Measured or estimated once, at the unsharded shapes and the profiled microbatch size;
+    ``planner.core.tensor_parallel.at_degree`` turns a block's costs into one tensor-parallel rank's
+    at a degree. Column-wise layers split their output features, row-wise layers their input features
+    (Megatron-LM's layout, torch's ``ColwiseParallel`` / ``RowwiseParallel``): every operator between a
+    column-wise and the following row-wise layer then runs on 1/tp of the features, and each row-wise
+    output is all-reduced over the tensor-parallel ranks in forward, each column-wise input's gradient
+    in backward.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    sharded_params: int = Field(ge=0, description="Of the block's params, those the plan splits over the tp ranks.")
+    sharded_param_bytes: int = Field(ge=0, description="Bytes of those parameters.")
+    sharded_compute: float = Field(
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="Share of the block's forward and backward work in split operators (by FLOPs): it runs on "
+        "1/tp of the features; the rest (norms, embeddings, residual adds) runs whole on every tp rank.",
+    )
+    sharded_activation_bytes: int = Field(
+        ge=0, description="Of activation_bytes, those saved by split operators (each tp rank holds 1/tp of them)."
+    )
+    fwd_allreduce_bytes: int = Field(
+        ge=0, description="Bytes all-reduced over the tp ranks in forward per microbatch (row-wise outputs)."
+    )
+    bwd_allreduce_bytes: int = Field(
+        ge=0, description="Bytes all-reduced in backward per microbatch (column-wise inputs' gradients)."
+    )
+    fwd_allreduces: int = Field(ge=0, description="All-reduces in forward per microbatch.")
+    bwd_allreduces: int = Field(ge=0, description="All-reduces in backward per microbatch.")
+    divisor: int = Field(
+        ge=1,
+        description="The greatest common divisor of every split size (features, heads): a degree must divide it.",
+    )
+
+
 class BlockCost(BaseModel):
     """What one block (a group of graph nodes, usually one module) costs per microbatch.
 
@@ -122,6 +162,12 @@ class BlockCost(BaseModel):
     cut_legal: bool = Field(description="Whether a stage boundary may be placed right after this block.")
     is_layer: bool = Field(
         description="One of the model's repeated layers (child of a ModuleList/Sequential/ModuleDict)."
+    )
+    tp: TensorParallelShare | None = Field(
+        default=None,
+        description="How the block divides under tensor parallelism (None: nothing in it is split; it runs whole "
+        "on every tensor-parallel rank). In a plan whose tp > 1 the times and bytes above are already one "
+        "tensor-parallel rank's; FLOPs stay the whole model's.",
     )
 
 

@@ -202,6 +202,7 @@ class Candidate(_Frozen):
     stages_per_rank: int = Field(ge=1)
     dp: int = Field(default=1, ge=1, description="Data-parallel replicas of the pipeline.")
     dp_mode: DpMode = Field(default="ddp", description="How the replicas reduce gradients (ddp or fsdp).")
+    tp: int = Field(default=1, ge=1, description="Tensor-parallel ranks each stage is split over.")
     starts: tuple[int, ...]
     step_time_s: float = Field(ge=0, allow_inf_nan=False)
     bubble_fraction: float = Field(ge=0, le=1)
@@ -227,14 +228,16 @@ class Tie(_Frozen):
 class Plan(_Frozen):
     """A complete plan: one pipeline of ``n_ranks`` ranks, run as ``dp`` data-parallel replicas.
 
-    Ranks form a 2-D (dp, pp) mesh of ``world_size = dp x n_ranks`` processes, laid out as torch's
-    ``DeviceMesh`` and torchtitan lay it out: ``torch.arange(world_size).view(dp, n_ranks)`` with
-    ``mesh_dim_names=("dp", "pp")``, i.e. global rank = replica x n_ranks + pipeline rank. A replica's
-    pipeline ranks are consecutive (its stage-to-stage messages stay on one node where they can); the
-    replicas of one pipeline rank are ``n_ranks`` global ranks apart and reduce that rank's gradients
-    (``dp_mode``). Everything per stage (``stages``, ``StagePlan.rank``, memory) is one replica's,
+    Ranks form a 3-D (dp, pp, tp) mesh of ``world_size = dp x n_ranks x tp`` processes, laid out as
+    torch's ``DeviceMesh`` and torchtitan lay it out: ``torch.arange(world_size).view(dp, n_ranks, tp)``
+    with ``mesh_dim_names=("dp", "pp", "tp")``, i.e. global rank = (replica x n_ranks + pipeline rank)
+    x tp + tensor-parallel rank. A pipeline rank's tp ranks are consecutive (on one node: their
+    all-reduces run every layer); a replica's pipeline ranks follow one another (its stage-to-stage
+    messages stay on one node where they can); the replicas of one pipeline rank are ``n_ranks x tp``
+    global ranks apart and reduce that rank's gradients (``dp_mode``). Everything per stage
+    (``stages``, ``StagePlan.rank``, memory, block costs) is one tensor-parallel rank of one replica,
     the same on every replica; each replica reads its own ``replica_batch_size`` samples per step in
-    ``n_microbatches`` microbatches of ``microbatch_size``.
+    ``n_microbatches`` microbatches of ``microbatch_size``. With ``tp`` 1 this is the 2-D (dp, pp) mesh.
     """
 
     version: int = PLAN_VERSION
@@ -268,6 +271,17 @@ class Plan(_Frozen):
         description="How the replicas reduce gradients: ddp (DistributedDataParallel, all-reduce; every replica "
         "holds its stages whole) or fsdp (fully_shard per stage: parameters, gradients and optimizer state "
         "sharded over the replicas). Always ddp with one replica.",
+    )
+    tp: int = Field(
+        default=1,
+        ge=1,
+        description="Tensor-parallel ranks every pipeline rank is split over (1: none). Each stage module is "
+        "sharded by tp_plan with torch's parallelize_module on its tp ranks, which sit on one node.",
+    )
+    tp_plan: dict[str, str] = Field(
+        default_factory=dict,
+        description="The tensor-parallel plan used: module-name patterns (fnmatch, '*' matches one name part) "
+        "to styles: colwise, rowwise (torch's ColwiseParallel / RowwiseParallel). Empty when tp is 1.",
     )
     batch_size: int = Field(ge=1, description="Samples per step over all replicas (the global batch).")
     n_microbatches: int = Field(ge=1, description="Microbatches per step of each replica's pipeline.")
@@ -314,27 +328,30 @@ class Plan(_Frozen):
 
     @property
     def world_size(self) -> int:
-        """Processes in all: ``n_ranks * dp``."""
-        return self.n_ranks * self.dp
+        """Processes in all: ``dp * n_ranks * tp``."""
+        return self.n_ranks * self.dp * self.tp
 
-    def global_rank(self, replica: int, pp_rank: int) -> int:
-        """The global rank of pipeline rank ``pp_rank`` of replica ``replica`` (``replica * n_ranks + pp_rank``).
+    def global_rank(self, replica: int, pp_rank: int, tp_rank: int = 0) -> int:
+        """The global rank of tensor-parallel rank ``tp_rank`` of pipeline rank ``pp_rank`` of replica
+        ``replica``: ``(replica * n_ranks + pp_rank) * tp + tp_rank``.
 
         Args:
             replica: the data-parallel index, 0 .. dp - 1.
             pp_rank: the pipeline rank, 0 .. n_ranks - 1.
+            tp_rank: the tensor-parallel index, 0 .. tp - 1.
 
         Returns:
             The rank in ``0 .. world_size - 1``.
 
         Raises:
-            ValueError: either index is out of range.
+            ValueError: any index is out of range.
         """
-        if not 0 <= replica < self.dp or not 0 <= pp_rank < self.n_ranks:
+        if not 0 <= replica < self.dp or not 0 <= pp_rank < self.n_ranks or not 0 <= tp_rank < self.tp:
             raise ValueError(
-                f"replica {replica}, pipeline rank {pp_rank} is outside the plan's {self.dp} x {self.n_ranks} mesh"
+                f"replica {replica}, pipeline rank {pp_rank}, tensor-parallel rank {tp_rank} is outside the plan's "
+                f"{self.dp} x {self.n_ranks} x {self.tp} mesh"
             )
-        return replica * self.n_ranks + pp_rank
+        return (replica * self.n_ranks + pp_rank) * self.tp + tp_rank
 
     def replica_of(self, global_rank: int) -> int:
         """The replica (data-parallel index) a global rank belongs to.
@@ -343,7 +360,7 @@ class Plan(_Frozen):
             global_rank: a rank in ``0 .. world_size - 1``.
 
         Returns:
-            ``global_rank // n_ranks``.
+            ``global_rank // (n_ranks * tp)``.
 
         Raises:
             ValueError: the rank is outside ``0 .. world_size - 1``.
@@ -357,7 +374,7 @@ class Plan(_Frozen):
             global_rank: a rank in ``0 .. world_size - 1``.
 
         Returns:
-            ``global_rank % n_ranks``.
+            ``global_rank // tp % n_ranks``.
 
         Raises:
             ValueError: the rank is outside ``0 .. world_size - 1``.
@@ -367,7 +384,22 @@ class Plan(_Frozen):
     def _split_rank(self, global_rank: int) -> tuple[int, int]:
         if not 0 <= global_rank < self.world_size:
             raise ValueError(f"rank {global_rank} is outside the plan's {self.world_size} ranks")
-        return divmod(global_rank, self.n_ranks)
+        return divmod(global_rank // self.tp, self.n_ranks)
+
+    def tp_rank_of(self, global_rank: int) -> int:
+        """The tensor-parallel index a global rank holds of its pipeline rank's stages.
+
+        Args:
+            global_rank: a rank in ``0 .. world_size - 1``.
+
+        Returns:
+            ``global_rank % tp``.
+
+        Raises:
+            ValueError: the rank is outside ``0 .. world_size - 1``.
+        """
+        self._split_rank(global_rank)
+        return global_rank % self.tp
 
     @property
     def stages_per_rank(self) -> int:
@@ -397,6 +429,8 @@ class Plan(_Frozen):
             raise ValueError(f"batch_size {self.batch_size} is not divisible by {split} {self.n_microbatches}")
         if self.dp == 1 and self.dp_mode != "ddp":
             raise ValueError(f"dp_mode is {self.dp_mode} with one replica; a plan of one replica records ddp")
+        if (self.tp > 1) != bool(self.tp_plan):
+            raise ValueError(f"tp is {self.tp} with {len(self.tp_plan)} tp_plan entries; a split needs its plan")
         if len(self.stages) != self.n_stages:
             raise ValueError(f"n_stages is {self.n_stages} but {len(self.stages)} stages are listed")
         if self.n_stages % self.n_ranks:

@@ -71,6 +71,24 @@ DTYPES: tuple[str, ...] = get_args(Dtype)
 R = TypeVar("R", bound="_Request")
 
 
+def _count_or_auto(value: Any, what: str, too_few: str) -> Any:
+    """A whole number of 1 or more (also as text, from a notebook or a config file), or "auto" in any case;
+    ``too_few`` is the message for a number below 1."""
+    message = f"expected a whole number of {what} (1 or more) or 'auto'"
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return "auto"
+        if not text.lstrip("+-").isdigit():
+            raise ValueError(message)
+        value = int(text)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(message)
+    if value < 1:
+        raise ValueError(too_few)
+    return value
+
+
 class _Request(BaseModel):
     """Frozen, no unknown fields, and ``build`` turning validation errors into one line."""
 
@@ -129,6 +147,7 @@ class PlanRequest(_Request):
         "gpus": "--gpus",
         "dp": "--dp",
         "dp_mode": "--dp-mode",
+        "tp": "--tp",
         "size": "--size",
         "overrides": "--set",
         "batch_size": "--batch-size",
@@ -166,6 +185,12 @@ class PlanRequest(_Request):
         default="auto",
         description="How replicas reduce gradients: ddp (all-reduce), fsdp (fully_shard per stage: parameters, "
         "gradients and optimizer state sharded over the replicas), or auto: ddp where it fits, else fsdp.",
+    )
+    tp: int | Literal["auto"] = Field(
+        default="auto",
+        description="Tensor-parallel ranks every pipeline rank is split over, inside one node (each layer's "
+        "matrices split by the model's tp plan), or auto: the search tries every degree the node and the model "
+        "allow (1 when the model declares no tp plan).",
     )
     size: str | None = Field(default=None, description="A key of the file's SIZES (None: its defaults).")
     overrides: dict[str, Any] = Field(default_factory=dict, description="Config entries to replace (--set).")
@@ -234,27 +259,47 @@ class PlanRequest(_Request):
     @field_validator("dp", mode="before")
     @classmethod
     def _dp_count(cls, value: Any) -> Any:
-        # "auto" in any case, a whole number (also as text, from a notebook or a config file), nothing else
-        if isinstance(value, str):
-            text = value.strip().lower()
-            if text == "auto":
-                return "auto"
-            if not text.lstrip("+-").isdigit():
-                raise ValueError("expected a whole number of data-parallel replicas (1 or more) or 'auto'")
-            value = int(text)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError("expected a whole number of data-parallel replicas (1 or more) or 'auto'")
-        if value < 1:
-            raise ValueError("need at least one replica: give 1 (one pipeline on every rank) or more, or 'auto'")
-        return value
+        return _count_or_auto(
+            value,
+            "data-parallel replicas",
+            "need at least one replica: give 1 (one pipeline on every rank) or more, or 'auto'",
+        )
+
+    @field_validator("tp", mode="before")
+    @classmethod
+    def _tp_count(cls, value: Any) -> Any:
+        return _count_or_auto(
+            value,
+            "tensor-parallel ranks",
+            "need at least one rank per split: give 1 (no tensor parallelism) or more, or 'auto'",
+        )
 
     @field_validator("dp_mode", mode="before")
     @classmethod
     def _dp_mode_name(cls, value: Any) -> Any:
         return value.strip().lower() if isinstance(value, str) else value
 
+    def _check_tensor_parallel(self) -> None:
+        """Refuse a tensor-parallel degree that does not divide the ranks, a node, or the ranks left to replicas."""
+        if self.tp == "auto":
+            return
+        if self.gpus % self.tp:
+            raise ValueError(f"--tp {self.tp} does not divide --gpus {self.gpus}; give a divisor of it, or auto")
+        node = self.ranks_per_node if self.gpu_type is not None else self.gpus
+        if self.tp > 1 and node % self.tp:
+            raise ValueError(
+                f"--tp {self.tp} does not divide the {node} ranks of a node (--gpus-per-node): a tensor-parallel "
+                "group all-reduces every layer and must stay inside one node"
+            )
+        if isinstance(self.dp, int) and self.gpus % (self.dp * self.tp):
+            raise ValueError(
+                f"--dp {self.dp} x --tp {self.tp} does not divide --gpus {self.gpus} (the ranks form dp replicas x "
+                "pp pipeline ranks x tp tensor-parallel ranks)"
+            )
+
     def _check_replicas(self) -> None:
         """Refuse a replica count that does not divide the ranks or the batch (before any model is built)."""
+        self._check_tensor_parallel()
         if self.dp == "auto":
             return
         if self.gpus % self.dp:
@@ -330,9 +375,25 @@ class PlanRequest(_Request):
         return self.dp if isinstance(self.dp, int) else 1
 
     @property
+    def profile_tp(self) -> int:
+        """The tensor-parallel degree the default microbatch count is chosen for: ``--tp`` when given, 1 with
+        ``--tp auto`` (costs are always profiled unsplit; the search divides them per degree)."""
+        return self.tp if isinstance(self.tp, int) else 1
+
+    @property
     def profile_pp(self) -> int:
-        """Pipeline ranks of one replica at ``profile_dp`` replicas: ``--gpus / profile_dp``."""
-        return self.gpus // self.profile_dp
+        """Pipeline ranks of one replica at ``profile_dp`` replicas: ``--gpus / (profile_dp x profile_tp)``."""
+        return max(1, self.gpus // (self.profile_dp * self.profile_tp))
+
+    @property
+    def tp_options(self) -> list[int]:
+        """The tensor-parallel degrees the search may try before the model is asked: ``--tp`` alone, or with
+        ``--tp auto`` every divisor of a node's ranks (``--gpus`` for measured plans, all on this machine)
+        that divides ``--gpus``, ascending. The model's tp plan narrows them further."""
+        if isinstance(self.tp, int):
+            return [self.tp]
+        node = self.ranks_per_node if self.gpu_type is not None else self.gpus
+        return divisors(math.gcd(node, self.gpus))
 
     @property
     def dp_options(self) -> list[int]:
@@ -347,7 +408,7 @@ class PlanRequest(_Request):
     @property
     def min_pipeline_ranks(self) -> int:
         """The fewest pipeline ranks any replica count tried has (``--gpus`` / the largest of ``dp_options``)."""
-        return self.gpus // max(self.dp_options)
+        return max(1, self.gpus // max(self.dp_options))
 
     @property
     def ranks_per_node(self) -> int:
