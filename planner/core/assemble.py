@@ -16,6 +16,7 @@ from planner.core.inputs import Cluster, Constraints, Scaling, SearchSpace
 from planner.core.predict import predict, slots_of
 from planner.core.search import Choice, search
 from planner.core.stage_model import Partition
+from planner.core.tensor_parallel import allowed_degrees, block_degree_limit
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost
 from planner.schema.plan import ModelRef, Plan, Prediction, ProfileInfo, StagePlan, Tie
@@ -104,7 +105,7 @@ def compare_methods(
     blocks, layout = chosen.blocks, chosen.layout
     n_stages = layout.n_stages
     # the links of this replica count's pipeline (a NodeLinks is placed for its ranks and replicas)
-    placed = layout_links(link, layout.pp, layout.dp)
+    placed = layout_links(link, layout.pp, layout.dp, layout.tp)
     assert isinstance(placed, LinkCost)  # a link (or NodeLinks) in, the same kind out
     link = placed
     solvers: dict[str, Callable[[], Partition]] = {
@@ -161,6 +162,33 @@ def _check_memory(method: str, prediction: Prediction, stages: list[StagePlan], 
     )
 
 
+def tensor_parallel_degrees(
+    request: PlanRequest, blocks: Sequence[BlockCost], tp_plan: dict[str, str] | None
+) -> list[int]:
+    """The tensor-parallel degrees the search tries: ``request.tp_options`` (divisors of a node's
+    ranks, or ``--tp``) that every split block allows (``TensorParallelShare.divisor``).
+
+    Raises:
+        InfeasibleError: ``--tp N`` over 1 for a model without a tensor-parallel plan, or one whose
+            split sizes N does not divide.
+    """
+    options = request.tp_options
+    if not tp_plan or all(b.tp is None for b in blocks):
+        if options != [1] and isinstance(request.tp, int):
+            raise InfeasibleError(
+                f"--tp {request.tp}: the model declares no tensor-parallel plan (a `tp_plan` in the model file, or "
+                "a Hugging Face config's base_model_tp_plan); give --tp 1 or auto"
+            )
+        return [1]
+    degrees = allowed_degrees(blocks, options)
+    if not degrees:
+        raise InfeasibleError(
+            f"--tp {request.tp} does not divide the model's split sizes (heads and widths: their greatest common "
+            f"divisor is {block_degree_limit(blocks)}); give a divisor of it, or auto"
+        )
+    return degrees
+
+
 @dataclass(frozen=True)
 class Origin:
     """What a plan records about where its costs came from.
@@ -188,6 +216,7 @@ def assemble_plan(
     *,
     memory_limit_bytes: int | None,
     ties: Sequence[Tie] = (),
+    tp_plan: dict[str, str] | None = None,
 ) -> Plan:
     """The plan for ``request`` on these costs: the searched schedule and split, with the others for comparison.
 
@@ -200,6 +229,8 @@ def assemble_plan(
         memory_limit_bytes: per-rank limit (the request's, else the device's capacity; None: none).
         ties: parameters several blocks read; their later readers are charged a copy
             (``with_tied_copies``) and the plan records them for the runner.
+        tp_plan: the model's tensor-parallel plan (module-name patterns to styles), which the
+            blocks' ``tp`` shares were computed from; recorded when the chosen degree is over 1.
 
     Returns:
         The plan.
@@ -218,6 +249,7 @@ def assemble_plan(
         request.stages_per_rank,
         tuple(request.dp_options),
         request.dp_mode,
+        tuple(tensor_parallel_degrees(request, blocks, tp_plan)),
     )
     scaling = Scaling(
         profile.microbatch_size or request.microbatch_size, profile.fixed_fraction, profile.min_microbatch_size
@@ -249,6 +281,8 @@ def assemble_plan(
         n_ranks=chosen.layout.pp,
         dp=chosen.layout.dp,
         dp_mode=chosen.layout.dp_mode,  # type: ignore[arg-type]  # "ddp" or "fsdp"
+        tp=chosen.layout.tp,
+        tp_plan=dict(tp_plan or {}) if chosen.layout.tp > 1 else {},
         batch_size=request.batch_size,
         n_microbatches=chosen.layout.n_microbatches,
         blocks=chosen.blocks,

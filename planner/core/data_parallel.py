@@ -47,30 +47,43 @@ def shard_of(dp: int, dp_mode: str) -> int:
     return dp if dp_mode == "fsdp" else 1
 
 
-def layout_links(link: Links, n_ranks: int, dp: int) -> Links:
-    """The links of one replica's pipeline of ``n_ranks`` ranks among ``dp`` replicas.
+def layout_links(link: Links, n_ranks: int, dp: int, tp: int = 1) -> Links:
+    """The links of one replica's pipeline of ``n_ranks`` ranks among ``dp`` replicas, each pipeline
+    rank split over ``tp`` tensor-parallel ranks.
 
     Args:
-        link: one link, one per boundary, or a ``NodeLinks`` (its ``n_ranks`` and ``replicas`` are
-            replaced: a boundary uses the inter-node link when it crosses nodes in any replica).
+        link: one link, one per boundary, or a ``NodeLinks`` (its ``n_ranks``, ``replicas`` and
+            ``tp`` are replaced: a boundary uses the inter-node link when it crosses nodes in any
+            replica).
         n_ranks: pipeline ranks of a replica.
         dp: replicas.
+        tp: tensor-parallel ranks per pipeline rank.
 
     Returns:
         What ``predict`` and the solver take as ``link`` for this layout (``link`` itself unless a
         ``NodeLinks``).
     """
     if isinstance(link, NodeLinks):
-        if (link.n_ranks, link.replicas) == (n_ranks, dp):
+        if (link.n_ranks, link.replicas, link.tp) == (n_ranks, dp, tp):
             return link
-        return link.model_copy(update={"n_ranks": n_ranks, "replicas": dp})
+        return link.model_copy(update={"n_ranks": n_ranks, "replicas": dp, "tp": tp})
     return link
+
+
+def tp_link(link: Links) -> LinkCost:
+    """The link a tensor-parallel group's all-reduces cross: the intra-node one (the group stays in
+    a node), or the plan's one link."""
+    if isinstance(link, NodeLinks):
+        return link.intra()
+    one = link if isinstance(link, LinkCost) else next(iter(link), None)
+    return one if one is not None else LinkCost(name="none", latency_s=0.0, bandwidth_Bps=1.0)
 
 
 def dp_group_links(link: Links, n_ranks: int, dp: int) -> list[LinkCost]:
     """The link each pipeline rank's replicas reduce their gradients over.
 
-    Pipeline rank r's replicas are global ranks ``r, r + n_ranks, ..., r + (dp - 1) n_ranks``; with
+    Pipeline rank r's replicas are global ranks ``r, r + n_ranks, ..., r + (dp - 1) n_ranks`` (times
+    the link's tensor-parallel degree); with
     ranks on nodes of ``gpus_per_node`` (a ``NodeLinks``) the group uses the intra-node link when
     all of them are on one node, else the inter-node link (the ring's slowest hop sets its pace).
     Plans with one link (CPU / gloo, measured GPU plans) reduce over that link; a list of links per
@@ -85,9 +98,12 @@ def dp_group_links(link: Links, n_ranks: int, dp: int) -> list[LinkCost]:
         One link per pipeline rank.
     """
     if isinstance(link, NodeLinks):
-        g = link.gpus_per_node
         intra = link.intra()
-        return [intra if len({(k * n_ranks + r) // g for k in range(dp)}) == 1 else link.inter for r in range(n_ranks)]
+        placed = layout_links(link, n_ranks, dp, link.tp)
+        assert isinstance(placed, NodeLinks)
+        return [
+            intra if len({placed.node_of(k, r) for k in range(dp)}) == 1 else link.inter for r in range(n_ranks)
+        ]
     one = link if isinstance(link, LinkCost) else next(iter(link), None)
     if one is None:  # a lone stage's empty list of boundary links: nothing to time it by
         one = LinkCost(name="none", latency_s=0.0, bandwidth_Bps=1.0)

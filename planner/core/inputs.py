@@ -6,7 +6,8 @@ Pure module (no torch). Each is small and frozen, and names one thing a caller d
   between them (one ``LinkCost``, or a ``NodeLinks`` that knows the ranks per node) and how many
   can compute at once (CPU ranks sharing cores).
 - ``Layout``: one way to run a step on them: ``dp`` replicas of a ``pp``-rank pipeline under a
-  schedule, with its microbatches and stages per rank; ``dp * pp`` is the cluster's world size, and
+  schedule, with its microbatches and stages per rank, each pipeline rank split over ``tp``
+  tensor-parallel ranks; ``dp * pp * tp`` is the cluster's world size, and
   ``pp`` is what a plan records as ``Plan.n_ranks`` (the ranks of one replica's pipeline).
 - ``Constraints``: what every split must respect: the optimizer's state, the memory limit per rank
   and the activation-checkpointing policy.
@@ -52,6 +53,7 @@ class Layout:
         dp: data-parallel replicas of the pipeline.
         dp_mode: how the replicas reduce gradients: "ddp", "fsdp", or "auto" before the search
             decides (``planner.core.search.evaluate_modes``).
+        tp: tensor-parallel ranks each pipeline rank is split over (inside one node).
     """
 
     schedule: str
@@ -60,6 +62,7 @@ class Layout:
     stages_per_rank: int = 1
     dp: int = 1
     dp_mode: str = "ddp"
+    tp: int = 1
 
     @property
     def n_stages(self) -> int:
@@ -120,6 +123,7 @@ class SearchSpace:
         stages_per_rank: stages per rank, or None for what each schedule allows.
         replicas: the data-parallel replica counts to try (each divides the world size).
         dp_mode: "ddp", "fsdp" or "auto".
+        degrees: the tensor-parallel degrees to try (each divides a node's ranks and the world size).
     """
 
     batch_size: int
@@ -128,6 +132,7 @@ class SearchSpace:
     stages_per_rank: int | None = None
     replicas: tuple[int, ...] = (1,)
     dp_mode: str = "ddp"
+    degrees: tuple[int, ...] = (1,)
 
 
 NO_CONSTRAINTS = Constraints()

@@ -74,7 +74,7 @@ def predict(
         raise InfeasibleError(f"{n} stages for a layout of {layout.pp} ranks x {layout.stages_per_rank} stage(s)")
     schedule, p, n_microbatches, dp = layout.schedule, layout.pp, layout.n_microbatches, layout.dp
     context = _StageContext(optimizer, n_microbatches, layout.shard, stage_ranks(schedule, p, layout.stages_per_rank))
-    link = layout_links(link, p, dp)
+    link = layout_links(link, p, dp, layout.tp)
     stage_costs(blocks, starts, link, recompute, schedule)  # validates the split (legal cuts, non-empty stages)
     links = boundary_links(link, n, schedule)
     flags = recompute_flags(recompute, n)
@@ -89,7 +89,8 @@ def predict(
         stage_times(stages, _cpu_share(link)),
         schedule,
         n_microbatches,
-        replica_slots(slots, dp),
+        # a pipeline rank is tp processes: CPU ranks sharing cores run fewer pipeline ranks at once
+        replica_slots(slots, dp * layout.tp),
         layout.stages_per_rank,
     )
     # Once its last backward is done each rank reduces its gradients over its replicas (DDP's
@@ -99,12 +100,12 @@ def predict(
     dp_links = dp_group_links(link, p, dp)
     dp_reduce_s = max(rank_reduce_s(blocks, stages, dp_links, dp, layout.dp_mode)) if dp > 1 else 0.0
     # Then each rank joins the gradient-norm all-reduce for clipping (one scalar: a reduce and a
-    # broadcast, ~2 log2(group) messages) over the pipeline group, or over every rank when FSDP
-    # shards the gradients; only then does every rank step its optimizer (over all of its stages).
+    # broadcast, ~2 log2(group) messages) over the pipeline and tensor-parallel group, or over every
+    # rank when FSDP shards the gradients; only then does every rank step its optimizer.
     # The step ends when the slowest optimizer is done. Over several nodes its messages pay the
     # slowest link's latency.
     shard = context.shard
-    group = p * dp if shard > 1 else p
+    group = (p * dp if shard > 1 else p) * layout.tp
     latency = max([x.latency_s for x in links] + ([x.latency_s for x in dp_links] if shard > 1 else []), default=0.0)
     allreduce_s = 2 * math.ceil(math.log2(group)) * latency if group > 1 else 0.0
     # before the optimizer each rank averages and clips its gradients: passes over all of them
@@ -147,6 +148,7 @@ def plan_links(plan: Plan) -> LinkCost:
         gpus_per_node=plan.gpus_per_node,
         n_ranks=plan.n_ranks,
         replicas=plan.dp,
+        tp=plan.tp,
     )
 
 
@@ -186,8 +188,11 @@ def predict_plan(
 
 
 def plan_layout(plan: Plan) -> Layout:
-    """The layout a plan runs: its schedule, pipeline ranks, microbatches, stages per rank, replicas."""
-    return Layout(plan.schedule, plan.n_ranks, plan.n_microbatches, plan.stages_per_rank, plan.dp, plan.dp_mode)
+    """The layout a plan runs: its schedule, pipeline ranks, microbatches, stages per rank, replicas,
+    tensor-parallel degree."""
+    return Layout(
+        plan.schedule, plan.n_ranks, plan.n_microbatches, plan.stages_per_rank, plan.dp, plan.dp_mode, plan.tp
+    )
 
 
 def with_links(plan: Plan, link: LinkCost) -> Plan:
@@ -248,7 +253,7 @@ def simulate_plan(plan: Plan) -> SimResult:
     Raises:
         InfeasibleError: the plan's schedule cannot run its numbers (a hand-edited file).
     """
-    slots = replica_slots(slots_of(plan.profile), plan.dp)
+    slots = replica_slots(slots_of(plan.profile), plan.dp * plan.tp)
     times = stage_times(plan.stages, plan.link.cpu_share)
     return simulate(times, plan.schedule, plan.n_microbatches, slots, plan.stages_per_rank)
 

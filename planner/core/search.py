@@ -26,14 +26,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from planner.core.data_parallel import layout_links
+from planner.core.data_parallel import layout_links, tp_link
 from planner.core.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
 from planner.core.predict import predict
 from planner.core.schedules import SPLIT_BACKWARD, check_schedule, in_flight_per_stage, stages_per_rank_options
 from planner.core.solve import solve
 from planner.core.stage_model import Partition
+from planner.core.tensor_parallel import at_degree
 from planner.errors import InfeasibleError
-from planner.schema.costs import BlockCost
+from planner.schema.costs import BlockCost, TensorParallelShare
 from planner.schema.plan import Candidate, Prediction, StagePlan
 from planner.schema.request import SCHEDULES
 
@@ -71,6 +72,7 @@ class Choice:
             stages_per_rank=layout.stages_per_rank,
             dp=layout.dp,
             dp_mode=layout.dp_mode,  # type: ignore[arg-type]  # "ddp" or "fsdp"
+            tp=layout.tp,
             starts=self.prediction.starts,
             step_time_s=self.prediction.step_time_s,
             bubble_fraction=self.prediction.bubble_fraction,
@@ -118,10 +120,22 @@ def blocks_at(blocks: Sequence[BlockCost], size0: int, size: int, fixed_fraction
                     "activation_bytes": round(b.activation_bytes * r),
                     "cut_bytes": round(b.cut_bytes * r),
                     "output_bytes": round(b.output_bytes * r),
+                    "tp": None if b.tp is None else _share_at(b.tp, r),
                 }
             )
         )
     return out
+
+
+def _share_at(share: TensorParallelShare, r: float) -> TensorParallelShare:
+    """A block's tensor-parallel share at ``r`` times the microbatch: its activations and all-reduced bytes scale."""
+    return share.model_copy(
+        update={
+            "sharded_activation_bytes": round(share.sharded_activation_bytes * r),
+            "fwd_allreduce_bytes": round(share.fwd_allreduce_bytes * r),
+            "bwd_allreduce_bytes": round(share.bwd_allreduce_bytes * r),
+        }
+    )
 
 
 def microbatch_options(batch_size: int, n_ranks: int, fixed: int | None, min_size: int = 1) -> list[int]:
@@ -170,7 +184,7 @@ def evaluate_choice(
     pp, v = layout.pp, layout.stages_per_rank
     check_schedule(layout.schedule, pp, layout.n_microbatches, v)
     limit = constraints.memory_limit_bytes
-    link = layout_links(cluster.link, pp, layout.dp)
+    link = layout_links(cluster.link, pp, layout.dp, layout.tp)
     if split is None:
         per_stage = replace(constraints, memory_limit_bytes=None if limit is None else limit // v)
         try:
@@ -273,9 +287,11 @@ def replica_microbatches(batch_size: int, dp: int, n_ranks: int, fixed: int | No
     return counts
 
 
-def _layouts(blocks: Sequence[BlockCost], space: SearchSpace, pp: int, dp: int, ms: Sequence[int]) -> list[Layout]:
-    """Every layout of ``space`` with ``dp`` replicas of ``pp`` ranks and these microbatch counts,
-    schedules in ``SCHEDULES``' order."""
+def _layouts(
+    blocks: Sequence[BlockCost], space: SearchSpace, pp: int, dp: int, ms: Sequence[int], tp: int = 1
+) -> list[Layout]:
+    """Every layout of ``space`` with ``dp`` replicas of ``pp`` ranks of ``tp`` tensor-parallel ranks
+    each and these microbatch counts, schedules in ``SCHEDULES``' order."""
     schedules = list(SCHEDULES) if space.schedule == "auto" else [space.schedule]
     if pp == 1 and space.schedule == "auto":
         schedules = ["gpipe"]  # one rank runs its stage alone: every schedule is gradient accumulation
@@ -286,20 +302,21 @@ def _layouts(blocks: Sequence[BlockCost], space: SearchSpace, pp: int, dp: int, 
             if space.stages_per_rank is not None
             else stages_per_rank_options(name, _max_stages_per_rank(blocks, pp))
         )
-        out += [Layout(name, pp, m, v, dp, space.dp_mode) for v in vs for m in ms]
+        out += [Layout(name, pp, m, v, dp, space.dp_mode, tp) for v in vs for m in ms]
     return out
 
 
 def _evaluate_all(
     blocks: Sequence[BlockCost], cluster: Cluster, space: SearchSpace, constraints: Constraints, scaling: Scaling
 ) -> tuple[list[Choice], list[InfeasibleError]]:
-    """Every layout of ``space``, replica counts outermost (ascending: the simpler first)."""
-    cache: dict[int, list[BlockCost]] = {}  # costs by microbatch size
+    """Every layout of ``space``: tensor-parallel degrees outermost, then replica counts (ascending:
+    the simpler first)."""
+    cache: dict[tuple[int, int], list[BlockCost]] = {}  # costs by microbatch size and degree
     results: list[Choice] = []
     errors: list[InfeasibleError] = []
     floor = min(scaling.min_size, scaling.size0)
-    for dp in space.replicas:
-        pp = cluster.world_size // dp
+    for tp, dp in _meshes(cluster, space):
+        pp = cluster.world_size // (dp * tp)
         ms = replica_microbatches(space.batch_size, dp, pp, space.n_microbatches, floor)
         if not ms:
             errors.append(
@@ -309,15 +326,21 @@ def _evaluate_all(
                 )
             )
             continue
-        for layout in _layouts(blocks, space, pp, dp, ms):
+        for layout in _layouts(blocks, space, pp, dp, ms, tp):
             size = space.batch_size // (dp * layout.n_microbatches)
-            if size not in cache:
-                cache[size] = blocks_at(blocks, scaling.size0, size, scaling.fixed_fraction)
+            if (size, tp) not in cache:
+                sized = blocks_at(blocks, scaling.size0, size, scaling.fixed_fraction)
+                cache[size, tp] = at_degree(sized, tp, tp_link(cluster.link))
             try:
-                results.append(evaluate_modes(cache[size], cluster, layout, constraints))
+                results.append(evaluate_modes(cache[size, tp], cluster, layout, constraints))
             except InfeasibleError as e:
                 errors.append(e)
     return results, errors
+
+
+def _meshes(cluster: Cluster, space: SearchSpace) -> list[tuple[int, int]]:
+    """The (tensor-parallel degree, replica count) pairs that divide the world size."""
+    return [(tp, dp) for tp in space.degrees for dp in space.replicas if cluster.world_size % (tp * dp) == 0]
 
 
 def search(
@@ -361,10 +384,12 @@ def search(
             ("microbatches", space.n_microbatches is None),
             ("stages per rank", space.stages_per_rank is None),
             ("data-parallel replicas", len(space.replicas) > 1),
+            ("tensor-parallel degree", len(space.degrees) > 1),
         )
         if is_open
     ]
-    note = _why(polished, best, ranked, open_parts, show_dp=len(space.replicas) > 1 or best.layout.dp > 1)
+    show = len(space.replicas) > 1 or len(space.degrees) > 1 or best.layout.dp > 1 or best.layout.tp > 1
+    note = _why(polished, best, ranked, open_parts, show_dp=show)
     # the list shows the winner as it will run: with its polished split
     return polished, [polished if c is best else c for c in ranked], note
 
@@ -407,8 +432,9 @@ def _rank(results: Sequence[Choice], errors: Sequence[InfeasibleError]) -> tuple
 
 
 def _replicas_text(c: Choice) -> str:
-    """ ", dp=2 (ddp)": a candidate's replicas, for the line on why the choice won."""
-    return f", dp={c.layout.dp} ({c.layout.dp_mode})"
+    """ ", dp=2 (ddp)": a candidate's replicas (and its tensor-parallel degree, when over 1), for the
+    line on why the choice won."""
+    return f", dp={c.layout.dp} ({c.layout.dp_mode})" + (f", tp={c.layout.tp}" if c.layout.tp > 1 else "")
 
 
 def _why(

@@ -1,0 +1,125 @@
+"""Tensor parallelism inside a pipeline stage: what one tensor-parallel rank of a block costs.
+
+Pure module: never imports torch. A plan of degree ``tp`` splits every pipeline rank over ``tp``
+ranks of one node (``planner.schema.plan.Plan``: global rank = (replica x pp + pipeline rank) x tp
++ tensor-parallel rank). Each rank holds 1/tp of the split layers (``BlockCost.tp``, from the model's
+tensor-parallel plan: column-wise layers split their output features, row-wise ones their input
+features, Megatron-LM's layout as torch's ``ColwiseParallel`` / ``RowwiseParallel`` run it) and
+the whole of the rest. ``at_degree`` turns a block's costs into one such rank's:
+
+* compute: the split share of the forward and backward (``sharded_compute``) runs on 1/tp of the
+  features, the rest (norms, residual adds, embeddings) whole on every rank. The smaller matrices'
+  lower GEMM efficiency is not modelled (for the widths where tensor parallelism pays, 4,096 and
+  up, a GEMM split 8 ways keeps inner dimensions of 512 and more);
+* collectives: every row-wise layer's output is all-reduced in forward, every column-wise layer's
+  input gradient in backward (one all-reduce per layer, as torch runs them), over the node's link:
+  a ring, ``2 (tp - 1) / tp`` of the bytes each way plus ``ceil(log2 tp)`` latencies; they are not
+  overlapped with compute (torch's eager tensor parallelism does not overlap them);
+* memory: split parameters (with their gradients and optimizer state) and the activations saved
+  inside split layers are divided by tp; the rest is held whole; the messages between pipeline
+  stages carry the whole (replicated) hidden state, as without tensor parallelism;
+* FLOPs stay the whole model's, so utilisation (MFU) counts the model's work, not the copies.
+
+Sources: Shoeybi et al., "Megatron-LM" (2019), section 3; Narayanan et al., "Efficient Large-Scale
+Language Model Training on GPU Clusters Using Megatron-LM" (SC 2021), section 3.2 (the all-reduce
+count per layer and why tensor parallelism stays inside a node).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from planner.schema.costs import BlockCost, LinkCost, TensorParallelShare
+
+
+def allreduce_s(nbytes: float, count: int, tp: int, link: LinkCost) -> float:
+    """Seconds of ``count`` all-reduces of ``nbytes`` bytes in all over ``tp`` ranks on ``link``.
+
+    Args:
+        nbytes: bytes of all of them together (each rank's full tensor, summed).
+        count: how many all-reduces (each pays the latency).
+        tp: ranks in the group.
+        link: the group's link (one node's).
+
+    Returns:
+        Seconds; 0 with one rank or nothing to reduce.
+    """
+    if tp <= 1 or count == 0:
+        return 0.0
+    return count * math.ceil(math.log2(tp)) * link.latency_s + 2 * (tp - 1) / tp * nbytes / link.bandwidth_Bps
+
+
+def block_degree_limit(blocks: Sequence[BlockCost]) -> int | None:
+    """The greatest common divisor of every split block's ``TensorParallelShare.divisor``: a degree
+    must divide it (None: no block is split, so only degree 1 means anything)."""
+    divisors = [b.tp.divisor for b in blocks if b.tp is not None]
+    return math.gcd(*divisors) if divisors else None
+
+
+def allowed_degrees(blocks: Sequence[BlockCost], options: Sequence[int]) -> list[int]:
+    """Of the degrees ``options`` (the cluster's), those the blocks allow, ascending.
+
+    Args:
+        blocks: per-block costs (``tp`` set where the model's tensor-parallel plan splits them).
+        options: the degrees the cluster allows (divisors of a node's ranks).
+
+    Returns:
+        ``[1]`` when nothing is split; else the options that divide every split size.
+    """
+    limit = block_degree_limit(blocks)
+    if limit is None:
+        return [1] if 1 in options or not options else []
+    return sorted(t for t in set(options) if limit % t == 0)
+
+
+def _scaled(x: float | None, factor: float, extra: float = 0.0) -> float | None:
+    return None if x is None else x * factor + extra
+
+
+def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkCost) -> BlockCost:
+    """One tensor-parallel rank's costs of ``block`` (see the module docstring)."""
+    compute = (1.0 - share.sharded_compute) + share.sharded_compute / tp
+    fwd_comm = allreduce_s(share.fwd_allreduce_bytes, share.fwd_allreduces, tp, link)
+    bwd_comm = allreduce_s(share.bwd_allreduce_bytes, share.bwd_allreduces, tp, link)
+    param_bytes = block.param_bytes - share.sharded_param_bytes + math.ceil(share.sharded_param_bytes / tp)
+    params = block.params - share.sharded_params + math.ceil(share.sharded_params / tp)
+    # the optimizer step, the gradient passes and their temporaries follow the bytes each rank holds
+    held = param_bytes / block.param_bytes if block.param_bytes else 1.0
+    activation = block.activation_bytes - share.sharded_activation_bytes + share.sharded_activation_bytes // tp
+    return block.model_copy(
+        update={
+            "fwd_s": block.fwd_s * compute + fwd_comm,
+            "bwd_s": block.bwd_s * compute + bwd_comm,
+            "bwd_input_s": _scaled(block.bwd_input_s, compute, bwd_comm),
+            "bwd_weight_s": _scaled(block.bwd_weight_s, compute),
+            # recomputing the forward runs its all-reduces again
+            "recompute_s": _scaled(block.recompute_s, compute, fwd_comm),
+            "params": params,
+            "param_bytes": param_bytes,
+            "activation_bytes": activation,
+            "opt_s": _scaled(block.opt_s, held),
+            "grad_s": _scaled(block.grad_s, held),
+            "opt_temp_bytes": None if block.opt_temp_bytes is None else math.ceil(block.opt_temp_bytes * held),
+        }
+    )
+
+
+def at_degree(blocks: Sequence[BlockCost], tp: int, link: LinkCost) -> list[BlockCost]:
+    """Every block's costs on one of ``tp`` tensor-parallel ranks.
+
+    Args:
+        blocks: per-block costs of the whole (unsplit) block, ``tp`` set where the model's plan
+            splits it.
+        tp: the degree (1: the blocks as they are).
+        link: the link inside a node, which the all-reduces cross.
+
+    Returns:
+        The blocks as one tensor-parallel rank runs and holds them (the same objects at degree 1).
+    """
+    if tp == 1:
+        return list(blocks)
+    return [block if block.tp is None else _block_at(block, block.tp, tp, link) for block in blocks]
+
+
+__all__ = ["allowed_degrees", "allreduce_s", "at_degree", "block_degree_limit"]
