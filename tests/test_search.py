@@ -49,10 +49,10 @@ def test_blocks_at_scales_times_affinely_and_bytes_linearly() -> None:
 
 
 def test_microbatch_options() -> None:
-    assert microbatch_options(16, 2, None) == [1, 2, 4, 8, 16]
-    assert microbatch_options(64, 2, None) == [1, 2, 4, 8, 16]  # at most 8 per rank
-    assert microbatch_options(16, 2, None, min_size=4) == [1, 2, 4]  # never below the smallest that ran
-    assert microbatch_options(16, 2, 4) == [4]
+    assert microbatch_options(16, None) == [1, 2, 4, 8, 16]
+    assert microbatch_options(64, None) == [1, 2, 4, 8, 16, 32, 64]  # down to one sample per microbatch
+    assert microbatch_options(16, None, min_size=4) == [1, 2, 4]  # never below the smallest that ran
+    assert microbatch_options(16, 4) == [4]
 
 
 def test_search_returns_the_fastest_candidate_that_fits() -> None:

@@ -23,8 +23,8 @@ else FSDP.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 from planner.core.data_parallel import layout_links, tp_link
 from planner.core.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
@@ -34,16 +34,16 @@ from planner.core.solve import solve
 from planner.core.stage_model import Partition
 from planner.core.tensor_parallel import at_degree
 from planner.errors import InfeasibleError
-from planner.schema.costs import BlockCost, TensorParallelShare
+from planner.schema.costs import BlockCost, OptimizerSpec, TensorParallelShare
 from planner.schema.plan import Candidate, Prediction, StagePlan
-from planner.schema.request import SCHEDULES
+from planner.schema.request import SCHEDULES, divisors
 
 MAX_AUTO_STAGES_PER_RANK = 4
 """``--stages-per-rank auto`` tries 1 .. this many (more stages per rank add messages for less bubble)."""
 
-MAX_AUTO_MICROBATCHES_PER_RANK = 8
-"""``--microbatches auto`` tries the divisors of the batch up to this many per rank (the bubble of
-1F1B at m = 8p is already 1/9 of the ideal step, and smaller microbatches run less efficiently)."""
+
+Progress = Callable[[int, int], None]
+"""Told (layouts done, layouts in all) as the search goes, for a progress bar."""
 
 TIE = 1e-3
 """Predicted steps within this relative difference count as equal (the cost model is not that precise)."""
@@ -138,14 +138,14 @@ def _share_at(share: TensorParallelShare, r: float) -> TensorParallelShare:
     )
 
 
-def microbatch_options(batch_size: int, n_ranks: int, fixed: int | None, min_size: int = 1) -> list[int]:
-    """The microbatch counts the search tries: ``fixed`` alone, or the divisors of the batch up to
-    ``MAX_AUTO_MICROBATCHES_PER_RANK`` per rank whose microbatches hold at least ``min_size``
-    samples (the smallest the model ran when profiled)."""
+def microbatch_options(batch_size: int, fixed: int | None, min_size: int = 1) -> list[int]:
+    """The microbatch counts the search tries: ``fixed`` alone, or every divisor of the batch whose
+    microbatches hold at least ``min_size`` samples (the smallest the model ran when profiled), down
+    to microbatches of one sample. The search's bounds prune the counts that cannot win
+    (``planner.core.search``'s module docstring)."""
     if fixed is not None:
         return [fixed]
-    cap = MAX_AUTO_MICROBATCHES_PER_RANK * n_ranks
-    return [d for d in range(1, min(batch_size, cap) + 1) if batch_size % d == 0 and batch_size // d >= min_size]
+    return [d for d in divisors(batch_size) if batch_size // d >= min_size]
 
 
 def _max_stages_per_rank(blocks: Sequence[BlockCost], n_ranks: int) -> int:
@@ -260,7 +260,7 @@ def evaluate_modes(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout
     return min((ddp, fsdp), key=lambda c: c.prediction.max_memory_bytes)
 
 
-def replica_microbatches(batch_size: int, dp: int, n_ranks: int, fixed: int | None, min_size: int) -> list[int]:
+def replica_microbatches(batch_size: int, dp: int, fixed: int | None, min_size: int) -> list[int]:
     """The microbatch counts one replica's pipeline may run with ``dp`` replicas.
 
     Each replica runs ``batch_size / dp`` samples: ``microbatch_options`` of that batch, and with
@@ -271,7 +271,6 @@ def replica_microbatches(batch_size: int, dp: int, n_ranks: int, fixed: int | No
     Args:
         batch_size: the global batch.
         dp: replicas.
-        n_ranks: pipeline ranks of a replica.
         fixed: the given microbatch count (None: auto).
         min_size: the smallest microbatch allowed.
 
@@ -281,7 +280,7 @@ def replica_microbatches(batch_size: int, dp: int, n_ranks: int, fixed: int | No
     if batch_size % dp:
         return []
     replica = batch_size // dp
-    counts = microbatch_options(replica, n_ranks, fixed, min_size)
+    counts = microbatch_options(replica, fixed, min_size)
     if dp > 1:
         counts = [m for m in counts if replica % m == 0 and replica // m >= min_size]
     return counts
@@ -306,18 +305,51 @@ def _layouts(
     return out
 
 
-def _evaluate_all(
+@dataclass(frozen=True)
+class _Pending:
+    """A layout not yet solved, with what its costs alone say: a lower bound on its step and on the
+    memory its busiest rank needs, whatever the split."""
+
+    layout: Layout
+    blocks: list[BlockCost]
+    step_floor_s: float
+    memory_floor: int
+
+
+def _floors(blocks: Sequence[BlockCost], layout: Layout, optimizer: OptimizerSpec) -> tuple[float, int]:
+    """Lower bounds of a layout's step and per-rank memory over every split.
+
+    Step: the busiest pipeline rank computes at least the mean of every microbatch's forward and
+    backward over the ranks, and steps its optimizer over at least the mean share of the
+    parameters (the pipeline's makespan and the optimizer step are parts of the step; messages,
+    the bubble and the gradient reduction only add). Memory: the busiest rank holds at least the
+    mean of the weights, gradients and optimizer state (a 1/dp share under FSDP, which then also
+    holds its stages' weights and gradients whole while the pipeline runs); the lower of DDP's and
+    FSDP's when the mode is still open.
+    """
+    pp, m = layout.pp, layout.n_microbatches
+    work = sum(b.fwd_s + b.bwd_s for b in blocks) * m + sum((b.opt_s or 0.0) + (b.grad_s or 0.0) for b in blocks)
+    p_bytes = sum(b.param_bytes for b in blocks)
+    static = 2 * p_bytes + optimizer.state_bytes(sum(b.params for b in blocks), p_bytes)
+    ddp = static // pp
+    fsdp = (static // layout.dp + 2 * p_bytes) // pp
+    modes = {"ddp": ddp, "fsdp": fsdp, "auto": min(ddp, fsdp)}
+    memory = ddp if layout.dp == 1 else modes.get(layout.dp_mode, ddp)
+    return work / pp, memory
+
+
+def _pending_layouts(
     blocks: Sequence[BlockCost], cluster: Cluster, space: SearchSpace, constraints: Constraints, scaling: Scaling
-) -> tuple[list[Choice], list[InfeasibleError]]:
-    """Every layout of ``space``: tensor-parallel degrees outermost, then replica counts (ascending:
-    the simpler first)."""
+) -> tuple[list[_Pending], list[InfeasibleError]]:
+    """Every layout of ``space`` with its costs and floors, tensor-parallel degrees outermost, then
+    replica counts (ascending: the simpler first), in ``_layouts``' order within them."""
     cache: dict[tuple[int, int], list[BlockCost]] = {}  # costs by microbatch size and degree
-    results: list[Choice] = []
+    pending: list[_Pending] = []
     errors: list[InfeasibleError] = []
     floor = min(scaling.min_size, scaling.size0)
     for tp, dp in _meshes(cluster, space):
         pp = cluster.world_size // (dp * tp)
-        ms = replica_microbatches(space.batch_size, dp, pp, space.n_microbatches, floor)
+        ms = replica_microbatches(space.batch_size, dp, space.n_microbatches, floor)
         if not ms:
             errors.append(
                 InfeasibleError(
@@ -326,16 +358,71 @@ def _evaluate_all(
                 )
             )
             continue
+        if pp > sum(1 for b in blocks[:-1] if b.cut_legal) + 1:
+            errors.append(InfeasibleError(f"{pp} pipeline ranks (dp={dp}, tp={tp}) are more than the model's stages"))
+            continue
         for layout in _layouts(blocks, space, pp, dp, ms, tp):
             size = space.batch_size // (dp * layout.n_microbatches)
             if (size, tp) not in cache:
                 sized = blocks_at(blocks, scaling.size0, size, scaling.fixed_fraction)
                 cache[size, tp] = at_degree(sized, tp, tp_link(cluster.link))
-            try:
-                results.append(evaluate_modes(cache[size, tp], cluster, layout, constraints))
-            except InfeasibleError as e:
-                errors.append(e)
-    return results, errors
+            step, memory = _floors(cache[size, tp], layout, constraints.optimizer)
+            pending.append(_Pending(layout, cache[size, tp], step, memory))
+    return pending, errors
+
+
+@dataclass
+class _Outcome:
+    """What the search evaluated, and what it could rule out without solving."""
+
+    results: list[Choice]
+    errors: list[InfeasibleError]
+    layouts: int = 0  # layouts enumerated
+    pruned: int = 0  # layouts whose step floor was already slower than a fitting candidate
+    unfit: list[_Pending] = field(default_factory=list)  # memory floor over the limit, or no split fits
+
+
+def _evaluate_all(
+    blocks: Sequence[BlockCost],
+    cluster: Cluster,
+    space: SearchSpace,
+    constraints: Constraints,
+    scaling: Scaling,
+    progress: Progress | None = None,
+) -> _Outcome:
+    """Evaluate the layouts of ``space`` that can win: in ascending order of their step floor,
+    skipping those whose memory floor is over the limit, until the floor of the next is slower
+    than the fastest fitting candidate found (beyond ``TIE``: it could not even tie)."""
+    pending, errors = _pending_layouts(blocks, cluster, space, constraints, scaling)
+    order = sorted(range(len(pending)), key=lambda k: (pending[k].step_floor_s, k))
+    limit = constraints.memory_limit_bytes
+    outcome = _Outcome([], errors, layouts=len(pending))
+    found: list[tuple[int, Choice]] = []
+    best: float | None = None
+    for done, k in enumerate(order):
+        if progress is not None:
+            progress(done, len(order))
+        item = pending[k]
+        if best is not None and item.step_floor_s > best * (1 + TIE):
+            outcome.pruned = len(order) - done
+            break
+        if limit is not None and item.memory_floor > limit:
+            outcome.unfit.append(item)
+            continue
+        try:
+            choice = evaluate_modes(item.blocks, cluster, item.layout, constraints)
+        except InfeasibleError as e:
+            outcome.errors.append(e)
+            outcome.unfit.append(item)
+            continue
+        found.append((k, choice))
+        if choice.fits and (best is None or choice.prediction.step_time_s < best):
+            best = choice.prediction.step_time_s
+    if progress is not None:
+        progress(len(order), len(order))
+    # the rest of the search ranks candidates in the enumeration's order (ties go to the earlier)
+    outcome.results = [choice for _, choice in sorted(found, key=lambda kc: kc[0])]
+    return outcome
 
 
 def _meshes(cluster: Cluster, space: SearchSpace) -> list[tuple[int, int]]:
@@ -344,7 +431,12 @@ def _meshes(cluster: Cluster, space: SearchSpace) -> list[tuple[int, int]]:
 
 
 def search(
-    blocks: Sequence[BlockCost], cluster: Cluster, space: SearchSpace, constraints: Constraints, scaling: Scaling
+    blocks: Sequence[BlockCost],
+    cluster: Cluster,
+    space: SearchSpace,
+    constraints: Constraints,
+    scaling: Scaling,
+    progress: Progress | None = None,
 ) -> tuple[Choice, list[Choice], str]:
     """Every open combination, solved and simulated; the fastest that fits, polished.
 
@@ -360,22 +452,25 @@ def search(
         scaling: how the costs carry over to other microbatch sizes (``blocks_at``); auto counts,
             and every count with several replicas, stay at or above the smallest microbatch the
             model ran.
+        progress: told (layouts done, layouts in all) as the search goes (None: nothing).
 
     Returns:
         The chosen combination, every evaluated one (fastest first, those that fit before those
         that do not) and one line saying why the choice won.
 
     Raises:
-        InfeasibleError: nothing the user asked for can run or fit; when everything was fixed,
-            the schedule's or solver's own message.
+        InfeasibleError: nothing the user asked for can run; or, under a memory limit, nothing fits
+            (naming the closest layout and how far over the limit it is).
     """
     replicas = space.replicas
     bad = [dp for dp in replicas if dp < 1 or cluster.world_size % dp]
     if bad or not replicas:
         raise InfeasibleError(f"replica counts {list(replicas)} must be divisors of the {cluster.world_size} ranks")
     space = replace(space, replicas=tuple(sorted(set(replicas))))
-    results, errors = _evaluate_all(blocks, cluster, space, constraints, scaling)
-    best, ranked = _rank(results, errors)
+    outcome = _evaluate_all(blocks, cluster, space, constraints, scaling, progress)
+    if not any(c.fits for c in outcome.results) and constraints.memory_limit_bytes is not None:
+        raise _nothing_fits(outcome, cluster, constraints)
+    best, ranked = _rank(outcome.results, outcome.errors)
     polished = refine(best, cluster, constraints)
     open_parts = [
         label
@@ -392,6 +487,50 @@ def search(
     note = _why(polished, best, ranked, open_parts, show_dp=show)
     # the list shows the winner as it will run: with its polished split
     return polished, [polished if c is best else c for c in ranked], note
+
+
+CLOSEST_TRIED = 6
+"""When nothing fits, this many of the layouts that could not be split within the limit (those with
+the least memory floor) are solved without it, to name the closest one."""
+
+
+def describe(layout: Layout) -> str:
+    """A layout in one phrase: "1f1b, pp=8, m=64, dp=8 (fsdp), tp=8" (what is 1 left out)."""
+    text = f"{layout.schedule}, pp={layout.pp}, m={layout.n_microbatches}"
+    text += f", {layout.stages_per_rank} stages per rank" if layout.stages_per_rank > 1 else ""
+    text += f", dp={layout.dp} ({layout.dp_mode})" if layout.dp > 1 else ""
+    return text + (f", tp={layout.tp}" if layout.tp > 1 else "")
+
+
+def _nothing_fits(outcome: _Outcome, cluster: Cluster, constraints: Constraints) -> InfeasibleError:
+    """The error for a search in which nothing fits the memory limit: the closest layout (the least
+    memory any evaluated candidate needs, or any of the ``CLOSEST_TRIED`` most promising unsplittable
+    ones needs without the limit) and how far over the limit it is."""
+    limit = constraints.memory_limit_bytes
+    assert limit is not None
+    if outcome.layouts == 1 and outcome.errors:
+        return outcome.errors[0]  # one layout asked for: the solver's own reason names what does not fit
+    needs = [(c.prediction.max_memory_bytes, c.layout) for c in outcome.results]
+    # without the limit the solver would recompute nowhere; the closest layout recomputes where allowed
+    recompute = "always" if constraints.recompute == "auto" else constraints.recompute
+    free = replace(constraints, memory_limit_bytes=None, recompute=recompute)
+    for item in sorted(outcome.unfit, key=lambda p: (p.memory_floor, p.layout.n_microbatches))[:CLOSEST_TRIED]:
+        try:
+            c = evaluate_modes(item.blocks, cluster, item.layout, free)
+        except InfeasibleError:
+            continue
+        needs.append((c.prediction.max_memory_bytes, c.layout))
+    if not needs:
+        if outcome.errors:
+            return outcome.errors[0]
+        return InfeasibleError("nothing to search: no layout of these ranks and batch can run")
+    need, layout = min(needs, key=lambda nl: nl[0])
+    hints = ["raise --memory-limit", "use more --gpus"]
+    hints += ["--recompute auto"] if constraints.recompute == "never" else []
+    return InfeasibleError(
+        f"no layout fits the {limit / 2**30:.2f} GiB memory limit: the closest, {describe(layout)}, needs "
+        f"{need / 2**30:.2f} GiB per rank ({need / limit - 1:.0%} over); " + ", ".join(hints)
+    )
 
 
 def _rank(results: Sequence[Choice], errors: Sequence[InfeasibleError]) -> tuple[Choice, list[Choice]]:
