@@ -31,6 +31,9 @@ Sizes:
 * ``tutorial``: dim 512, 8 layers, 8 heads, vocab 10000, seq_len 500,
   ffn 2048, dropout 0.1 (as in the tutorial; 43,883,280 params).
 
+Tensor parallelism: ``tp_plan`` splits each layer's feed-forward (linear1 by columns, linear2 by
+rows); the packed attention stays whole.
+
 Data: ``make_batch`` gives uniformly random tokens and targets (the tutorial
 does the same).  ``train_batches`` yields a learnable synthetic stream: token
 sequences from a fixed random "successor" rule (with probability 0.9 the next
@@ -84,6 +87,16 @@ class Transformer(nn.Module):
 SIZES: dict[str, dict] = {
     "tiny": dict(dim=64, n_layers=4, n_heads=4, vocab_size=512, seq_len=32, ffn_dim=256, dropout=0.0),
     "tutorial": dict(dim=512, n_layers=8, n_heads=8, vocab_size=10000, seq_len=500, ffn_dim=2048, dropout=0.1),
+}
+
+# Tensor parallelism: the feed-forward of every decoder layer only (linear1 split by output columns,
+# linear2 by input rows: one all-reduce forward, one backward). nn.MultiheadAttention packs q, k, v in
+# one in_proj_weight and reshapes with its own num_heads, so torch's ColwiseParallel cannot split it;
+# the attention stays whole on every tensor-parallel rank. Keys: module-name patterns ('*' matches
+# one name part); values: torch's ColwiseParallel / RowwiseParallel.
+tp_plan: dict[str, str] = {
+    "layers.*.linear1": "colwise",
+    "layers.*.linear2": "rowwise",
 }
 
 

@@ -40,6 +40,12 @@ Sizes:
   1.3, multiple_of 1024, rope_theta 500000, seq_len 8192): 8,030,261,248 parameters.
 * ``70b``: Llama 3 70B (dim 8192, 80 layers, 64 heads, 8 kv heads, vocab 128256, ffn multiplier
   1.3, multiple_of 4096, rope_theta 500000, seq_len 8192): 70,553,706,496 parameters.
+* ``405b``: Llama 3.1 405B (dim 16384, 126 layers, 128 heads, 8 kv heads, vocab 128256, ffn
+  multiplier 1.2, multiple_of 4096 (FFN 53248), rope_theta 500000, seq_len 8192).
+
+Tensor parallelism: ``tp_plan`` shards q, k, v, w1, w3 by columns and wo, w2 by rows (Megatron's
+split); the attention reshapes to ``-1`` heads so a rank runs its n_heads / tp heads. The degree
+must divide n_kv_heads (8 for the published sizes).
 
 Build the large sizes on the meta device (``with torch.device("meta"): build_model(**SIZES["70b"])``)
 to plan them without allocating weights.
@@ -133,9 +139,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s = x.size(0), x.size(1)
-        q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
-        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
+        # -1 heads, not n_heads: under tensor parallelism wq/wk/wv are split by output columns, so a
+        # rank holds n_heads / tp of the heads (as torchtitan's Attention does).
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
         cos = torch.narrow(self.rope_cos, 0, 0, s)
         sin = torch.narrow(self.rope_sin, 0, 0, s)
         q = apply_rope(q, cos, sin)
@@ -149,7 +157,7 @@ class Attention(nn.Module):
             is_causal=True,
             enable_gqa=self.n_kv_heads != self.n_heads,
         )
-        return self.wo(out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class FeedForward(nn.Module):
@@ -216,6 +224,22 @@ SIZES: dict[str, dict] = {
     ),
     "8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, multiple_of=1024, **_LLAMA3),
     "70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, multiple_of=4096, **_LLAMA3),
+    "405b": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, multiple_of=4096, **_LLAMA3 | {"ffn_dim_multiplier": 1.2}),
+}
+
+# Tensor parallelism (Megatron's split, as torchtitan's ``parallelize_llama`` applies it): q, k, v and
+# the SwiGLU's w1, w3 split by output columns, wo and w2 by input rows, so each layer needs one
+# all-reduce after attention and one after the feed-forward (and two in the backward). Norms,
+# embeddings and the output layer stay whole on every tensor-parallel rank. Keys are module-name
+# patterns ('*' matches one name part), values torch's ColwiseParallel / RowwiseParallel.
+tp_plan: dict[str, str] = {
+    "layers.*.attention.wq": "colwise",
+    "layers.*.attention.wk": "colwise",
+    "layers.*.attention.wv": "colwise",
+    "layers.*.attention.wo": "rowwise",
+    "layers.*.feed_forward.w1": "colwise",
+    "layers.*.feed_forward.w3": "colwise",
+    "layers.*.feed_forward.w2": "rowwise",
 }
 
 
