@@ -44,7 +44,7 @@ COUNT_OR_AUTO = _CountOrAuto()
 
 
 class _ReplicasOrAuto(click.ParamType):
-    """``--dp``: a whole number or "auto", passed on as given; ``PlanRequest`` checks it (so a bad
+    """``--dp`` and ``--tp``: a whole number or "auto", passed on as given; ``PlanRequest`` checks it (so a bad
     count is one line naming the values that divide --gpus)."""
 
     name = "K|auto"
@@ -143,9 +143,9 @@ def _load_plan(path: str) -> Plan:
     "-g",
     type=click.IntRange(min=1),
     required=True,
-    help="Total number of ranks (processes, one device each) = dp x pp: --dp replicas of a pipeline of "
-    "--gpus / --dp ranks (all of them one pipeline with the default --dp 1); each pipeline rank runs "
-    "--stages-per-rank stages.",
+    help="Total number of ranks (processes, one device each) = dp x pp x tp: --dp replicas of a pipeline of "
+    "--gpus / (--dp x --tp) ranks, each pipeline rank split over --tp ranks of one node (all of them one "
+    "pipeline with --dp 1 --tp 1); each pipeline rank runs --stages-per-rank stages.",
 )
 @click.option(
     "--dp",
@@ -166,6 +166,18 @@ def _load_plan(path: str) -> Plan:
     "its stages whole), fsdp (fully_shard per stage: parameters, gradients and optimizer state sharded over the "
     "replicas, gathered while the pipeline runs), or 'auto': ddp where it fits the memory limit, else fsdp. "
     "Ignored with one replica.",
+)
+@click.option(
+    "--tp",
+    type=REPLICAS_OR_AUTO,
+    default="auto",
+    show_default=True,
+    help="Tensor-parallel ranks each pipeline rank is split over (Megatron's layout: the layers the model's "
+    "tp_plan names are split by columns or rows, the rest held whole; global rank = (replica x pp + pipeline "
+    "rank) x tp + tensor-parallel rank, so a group stays inside one node). 'auto': the search tries every "
+    "degree that divides a node's ranks, --gpus and the model's split sizes, and keeps the fastest that fits; "
+    "1 when the model declares no tp_plan (a module-level dict in the model file, or a Hugging Face "
+    "config's base_model_tp_plan).",
 )
 @click.option(
     "--size", "-s", default=None, help="Named config from the model file's SIZES (default: the file's own defaults)."
@@ -191,9 +203,10 @@ def _load_plan(path: str) -> Plan:
     type=COUNT_OR_AUTO,
     default="auto",
     show_default=True,
-    help="Microbatches per step of each replica's pipeline, or 'auto': the search tries the divisors of the "
-    "replica's batch up to 8 per pipeline rank (costs are profiled at the smallest divisor >= 2 x pipeline ranks "
-    "and rescaled). A number must divide the replica's batch; 1f1b needs at least one per rank, dualpipev two.",
+    help="Microbatches per step of each replica's pipeline, or 'auto': the search tries every divisor of the "
+    "replica's batch, down to microbatches of one sample (costs are profiled at the smallest divisor >= 2 x "
+    "pipeline ranks and rescaled; layouts whose lower bound cannot beat the best found are skipped). A number "
+    "must divide the replica's batch; 1f1b needs at least one per rank, dualpipev two.",
 )
 @click.option(
     "--schedule",
@@ -338,6 +351,7 @@ def plan_cmd(
     gpus: int,
     dp: int | str,
     dp_mode: str,
+    tp: int | str,
     size: str | None,
     overrides: tuple[str, ...],
     batch_size: int,
@@ -374,6 +388,7 @@ def plan_cmd(
         gpus=gpus,
         dp=dp,
         dp_mode=dp_mode,
+        tp=tp,
         size=size,
         overrides=parse_overrides(overrides),
         batch_size=batch_size,

@@ -11,11 +11,13 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from planner.capture.blocks import ModuleTrace, TracedModel
 from planner.capture.load import ModelFile, check_batch_contract, check_batch_size, check_forward, load_model_file
@@ -94,23 +96,52 @@ def make_plan(request: PlanRequest) -> Plan:
     if source is not None:
         check_calibration(source.fit, costs.traced, request.microbatch_size)
         blocks, link = apply_calibration(blocks, link, source.fit)
-    plan = assemble_plan(
-        with_step_temp_rule(request, costs.step_temp_rule),
-        blocks,
-        link,
-        Origin(
-            model_ref(mf, costs.traced, request),
-            costs.profile,
-            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            calibration=changes(source.fit) if source is not None else (),
-        ),
-        memory_limit_bytes=request.memory_limit_bytes if request.memory_limit_bytes is not None else costs.memory_bytes,
-        ties=costs.ties,
-    )
+    with search_bar(request.progress) as progress:
+        plan = assemble_plan(
+            with_step_temp_rule(request, costs.step_temp_rule),
+            blocks,
+            link,
+            Origin(
+                model_ref(mf, costs.traced, request),
+                costs.profile,
+                created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                calibration=changes(source.fit) if source is not None else (),
+            ),
+            memory_limit_bytes=request.memory_limit_bytes
+            if request.memory_limit_bytes is not None
+            else costs.memory_bytes,
+            ties=costs.ties,
+            progress=progress,
+        )
     # Two facts only known once the search has chosen: the graph at the chosen microbatch size,
     # which the runner traces (torch needed, so not in the pure assembly), and the links as placed.
     plan = traced_as_run(plan, mf, costs.traced, request)
     return with_links(plan, link)  # a multi-node plan records both links and the ranks per node
+
+
+@contextmanager
+def search_bar(enabled: bool) -> Iterator[Callable[[int, int], None]]:
+    """A tqdm bar over the layouts the search evaluates (shown on a terminal, hidden when piped or ``enabled``
+    is false); yields the callback ``assemble_plan`` reports (layouts done, layouts in all) to.
+
+    Args:
+        enabled: the request's ``progress`` (False under ``--quiet``).
+
+    Returns:
+        A context manager yielding the callback; the bar closes when the search ends.
+    """
+    bar = tqdm(desc="searching layouts", unit="layout", disable=None if enabled else True, leave=False)
+
+    def tell(done: int, total: int) -> None:
+        if bar.total != total:
+            bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    try:
+        yield tell
+    finally:
+        bar.close()
 
 
 def with_step_temp_rule(request: PlanRequest, rule: StepTempRule | None) -> PlanRequest:

@@ -14,7 +14,7 @@ from planner.core.baselines import param_balanced, uniform_layers
 from planner.core.data_parallel import layout_links
 from planner.core.inputs import Cluster, Constraints, Scaling, SearchSpace
 from planner.core.predict import predict, slots_of
-from planner.core.search import Choice, search
+from planner.core.search import Choice, Progress, search
 from planner.core.stage_model import Partition
 from planner.core.tensor_parallel import allowed_degrees, block_degree_limit
 from planner.errors import InfeasibleError
@@ -217,6 +217,7 @@ def assemble_plan(
     memory_limit_bytes: int | None,
     ties: Sequence[Tie] = (),
     tp_plan: dict[str, str] | None = None,
+    progress: Progress | None = None,
 ) -> Plan:
     """The plan for ``request`` on these costs: the searched schedule and split, with the others for comparison.
 
@@ -231,6 +232,7 @@ def assemble_plan(
             (``with_tied_copies``) and the plan records them for the runner.
         tp_plan: the model's tensor-parallel plan (module-name patterns to styles), which the
             blocks' ``tp`` shares were computed from; recorded when the chosen degree is over 1.
+        progress: told (layouts done, layouts in all) as the search goes, for a progress bar.
 
     Returns:
         The plan.
@@ -256,7 +258,9 @@ def assemble_plan(
     )
 
     def run_search(limit: int | None) -> tuple[Choice, list[Choice], str]:
-        return search(blocks, cluster, space, Constraints(request.optimizer, limit, request.recompute), scaling)
+        return search(
+            blocks, cluster, space, Constraints(request.optimizer, limit, request.recompute), scaling, progress
+        )
 
     try:
         chosen, ranked, note = run_search(memory_limit_bytes)

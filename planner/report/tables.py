@@ -145,16 +145,20 @@ def search_table(plan: Plan) -> str:
     if not plan.search:
         return ""
     with_dp = len({c.dp for c in plan.search}) > 1
+    with_tp = len({c.tp for c in plan.search}) > 1 or plan.tp > 1
     rows = []
     for c in plan.search:
-        chosen = (c.schedule, c.n_microbatches, c.stages_per_rank, c.dp, c.dp_mode) == (
+        chosen = (c.schedule, c.n_microbatches, c.stages_per_rank, c.dp, c.dp_mode, c.tp) == (
             plan.schedule,
             plan.n_microbatches,
             plan.stages_per_rank,
             plan.dp,
             plan.dp_mode,
+            plan.tp,
         )
         row: list[object] = [c.schedule + (" *" if chosen else "")]
+        if with_tp:
+            row += [c.tp, len(c.starts) // c.stages_per_rank]
         if with_dp:
             row.append(f"{c.dp} ({c.dp_mode})" if c.dp > 1 else "1")
         row += [
@@ -167,7 +171,15 @@ def search_table(plan: Plan) -> str:
             "yes" if c.fits else "no",
         ]
         rows.append(row)
-    headers = ["schedule", *(["dp"] if with_dp else []), "m", "stages/rank", "blocks per stage", "step ms"]
+    headers = [
+        "schedule",
+        *(["tp", "pp"] if with_tp else []),
+        *(["dp"] if with_dp else []),
+        "m",
+        "stages/rank",
+        "blocks per stage",
+        "step ms",
+    ]
     headers += ["bubble", "max mem MB", "fits"]
     return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
 
@@ -205,25 +217,35 @@ def _ranks_text(first: int, last: int) -> str:
 
 
 def layout_line(plan: Plan) -> str:
-    """One line on the (dp, pp) mesh of a plan with data-parallel replicas: which global ranks
-    each replica holds and how gradients are reduced.
+    """One line on the (dp, pp, tp) mesh of a plan with data-parallel replicas or tensor parallelism:
+    which global ranks each replica holds, how each pipeline rank is split and how gradients are reduced.
 
     Args:
         plan: the plan.
 
     Returns:
         e.g. ``layout: 2 replicas x 2 stages (dp x pp) on 4 ranks; replica 0 = ranks 0-1, replica 1
-        = ranks 2-3; gradients reduced by DDP (all-reduce 0.84 ms/step)``; empty with one replica.
+        = ranks 2-3; gradients reduced by DDP (all-reduce 0.84 ms/step)``; with tensor parallelism
+        ``layout: 2 replicas x 2 stages x tp 2 (dp x pp x tp) on 8 ranks; ...; each pipeline rank split
+        over 2 consecutive ranks of one node by the model's tp plan (4 colwise, 3 rowwise patterns); ...``;
+        empty with one replica and tp 1.
     """
-    if plan.dp == 1:
+    if plan.dp == 1 and plan.tp == 1:
         return ""
+    if plan.dp == 1:
+        return (
+            f"layout: {plan.n_ranks} pipeline rank{'s' if plan.n_ranks > 1 else ''} x tp {plan.tp} (pp x tp) on "
+            f"{plan.world_size} ranks; {tp_text(plan)}"
+        )
     p = plan.n_ranks
     if plan.stages_per_rank == 1:
         pipeline = f"{p} stage{'s' if p > 1 else ''}"
     else:
         pipeline = f"{p} rank{'s' if p > 1 else ''} of {plan.stages_per_rank} stages"
     shown = list(range(plan.dp)) if plan.dp <= 4 else [0, 1, plan.dp - 1]
-    replicas = [f"replica {k} = {_ranks_text(plan.global_rank(k, 0), plan.global_rank(k, p - 1))}" for k in shown]
+    replicas = [
+        f"replica {k} = {_ranks_text(plan.global_rank(k, 0), plan.global_rank(k, p - 1, plan.tp - 1))}" for k in shown
+    ]
     if plan.dp > 4:
         replicas.insert(2, "...")
     reduce_ms = f"{plan.prediction.dp_reduce_s * 1e3:.2f} ms/step"
@@ -236,9 +258,25 @@ def layout_line(plan: Plan) -> str:
         how = f"DDP (all-reduce {reduce_ms})"
     links = sorted({x.name for x in dp_group_links(plan_links(plan), p, plan.dp)})
     over = f" over {', '.join(links)}" if links and links != [plan.link.name] else ""
+    if plan.tp == 1:
+        return (
+            f"layout: {plan.dp} replicas x {pipeline} (dp x pp) on {plan.world_size} ranks; {', '.join(replicas)}; "
+            f"gradients reduced by {how}{over}"
+        )
     return (
-        f"layout: {plan.dp} replicas x {pipeline} (dp x pp) on {plan.world_size} ranks; {', '.join(replicas)}; "
-        f"gradients reduced by {how}{over}"
+        f"layout: {plan.dp} replicas x {pipeline} x tp {plan.tp} (dp x pp x tp) on {plan.world_size} ranks; "
+        f"{', '.join(replicas)}; {tp_text(plan)}; gradients reduced by {how}{over}"
+    )
+
+
+def tp_text(plan: Plan) -> str:
+    """How a plan's pipeline ranks are split over tensor-parallel ranks, e.g. "each pipeline rank split over
+    8 consecutive ranks of one node by the model's tp plan (3 colwise, 2 rowwise patterns)"."""
+    styles = list(plan.tp_plan.values())
+    counts = ", ".join(f"{styles.count(style)} {style}" for style in sorted(set(styles)))
+    return (
+        f"each pipeline rank split over {plan.tp} consecutive ranks of one node by the model's tp plan "
+        f"({counts} pattern{'s' if len(styles) > 1 else ''})"
     )
 
 
@@ -304,7 +342,7 @@ def render(plan: Plan) -> str:
             f"; {plan.gpus_per_node} GPUs per node: boundaries between nodes use {inter.name} "
             f"({inter.latency_s * 1e3:.3f} ms + bytes / {inter.bandwidth_Bps / 1e9:.1f} GB/s)"
         )
-    if plan.dp > 1:
+    if plan.dp > 1 or plan.tp > 1:
         head += "\n" + layout_line(plan)
     if m.trace_failures:
         head += "\n" + "\n".join(f"  {method} could not trace it: {reason}" for method, reason in m.trace_failures)

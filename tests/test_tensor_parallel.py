@@ -1,0 +1,237 @@
+"""Tensor parallelism in the pure core: one tp rank's costs (exact), the degrees a model allows, the
+search over (tp, pp, dp, m) against brute force, and the report's lines for a 3-D plan."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from plan_factory import ADAMW, LINK, MB, block
+
+from planner.core.assemble import Origin, assemble_plan
+from planner.core.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
+from planner.core.schedules import SCHEDULES, stages_per_rank_options
+from planner.core.search import TIE, _max_stages_per_rank, blocks_at, evaluate_modes, replica_microbatches, search
+from planner.core.tensor_parallel import allowed_degrees, allreduce_s, at_degree, block_degree_limit
+from planner.errors import InfeasibleError
+from planner.report.tables import layout_line, render, search_table
+from planner.schema.costs import BlockCost, LinkCost, TensorParallelShare
+from planner.schema.plan import ModelRef, ProfileInfo
+from planner.schema.request import PlanRequest
+
+TP_PLAN = {"layers.*.w1": "colwise", "layers.*.w2": "rowwise"}
+
+
+def share(
+    params: int, *, compute: float = 0.9, act: int = MB // 2, reduce_bytes: int = MB, divisor: int = 64
+) -> TensorParallelShare:
+    """A layer whose matrices hold ``params`` (fp32) of its parameters and ``compute`` of its work."""
+    return TensorParallelShare(
+        sharded_params=params,
+        sharded_param_bytes=4 * params,
+        sharded_compute=compute,
+        sharded_activation_bytes=act,
+        fwd_allreduce_bytes=reduce_bytes,
+        bwd_allreduce_bytes=reduce_bytes,
+        fwd_allreduces=1,
+        bwd_allreduces=1,
+        divisor=divisor,
+    )
+
+
+def layer(name: str, fwd_ms: float, bwd_ms: float, params: int, **kw: object) -> BlockCost:
+    return block(name, fwd_ms, bwd_ms, params).model_copy(update={"tp": share(params * 4 // 5, **kw)})  # type: ignore[arg-type]
+
+
+def test_allreduce_is_a_ring_with_log_latency() -> None:
+    link = LinkCost(name="nvlink", latency_s=1e-5, bandwidth_Bps=1e9)
+    # 2 all-reduces of 8 MB in all over 4 ranks: 2 x log2(4) latencies, 2 (4-1)/4 of the bytes each way
+    assert allreduce_s(8e6, 2, 4, link) == pytest.approx(2 * 2 * 1e-5 + 1.5 * 8e6 / 1e9, rel=1e-12)
+    assert allreduce_s(8e6, 2, 1, link) == 0.0
+    assert allreduce_s(8e6, 0, 8, link) == 0.0
+    # 3 ranks: ceil(log2 3) = 2 latencies
+    assert allreduce_s(0.0, 1, 3, link) == pytest.approx(2e-5, rel=1e-12)
+
+
+def test_at_degree_splits_compute_memory_and_adds_the_all_reduces() -> None:
+    b = layer("layers.0", 10, 20, 1000, compute=0.9).model_copy(
+        update={"bwd_input_s": 0.012, "bwd_weight_s": 0.008, "recompute_s": 0.010, "opt_s": 0.004, "grad_s": 0.002}
+    )
+    (one,) = at_degree([b], 2, LINK)
+    # LINK: no latency, 1 MB per ms; each all-reduce moves 2 (2-1)/2 x 1 MB = 1 MB: 1 ms
+    compute = 0.1 + 0.9 / 2
+    assert one.fwd_s == pytest.approx(0.010 * compute + 0.001, rel=1e-12)
+    assert one.bwd_s == pytest.approx(0.020 * compute + 0.001, rel=1e-12)
+    assert one.bwd_input_s == pytest.approx(0.012 * compute + 0.001, rel=1e-12)  # the input gradient's all-reduce
+    assert one.bwd_weight_s == pytest.approx(0.008 * compute, rel=1e-12)
+    assert one.recompute_s == pytest.approx(0.010 * compute + 0.001, rel=1e-12)  # the forward runs again
+    assert (one.params, one.param_bytes) == (200 + 400, 800 + 1600)
+    assert one.activation_bytes == MB // 2 + MB // 4
+    assert one.opt_s == pytest.approx(0.004 * 0.6, rel=1e-12) and one.grad_s == pytest.approx(0.002 * 0.6, rel=1e-12)
+    assert (one.flops_fwd, one.cut_bytes) == (b.flops_fwd, b.cut_bytes)  # the model's work and messages stay whole
+    whole = block("norm", 1, 1, 10)
+    assert at_degree([whole, b], 1, LINK)[1] is b
+    assert at_degree([whole], 8, LINK)[0] is whole  # a block without a share is held whole
+
+
+def test_degrees_are_the_node_options_the_split_sizes_allow() -> None:
+    blocks = [
+        block("embed", 1, 1, 10),
+        layer("layers.0", 1, 1, 100, divisor=64),
+        layer("layers.1", 1, 1, 100, divisor=24),
+    ]
+    assert block_degree_limit(blocks) == 8
+    assert allowed_degrees(blocks, [1, 2, 4, 8, 16]) == [1, 2, 4, 8]
+    assert allowed_degrees(blocks, [1, 3]) == [1]
+    assert allowed_degrees([block("a", 1, 1, 1)], [1, 2, 4]) == [1]
+    assert block_degree_limit([block("a", 1, 1, 1)]) is None
+
+
+def _origin() -> Origin:
+    ref = ModelRef(
+        path="m.py", size=None, config={}, file_digest="0" * 16, fingerprint="f" * 16, trace_method="fx", seed=0
+    )
+    profile = ProfileInfo(
+        device="cpu", backend="gloo", threads=1, torch_version="2.13.0", hostname="t", warmup=0, repeats=0
+    )
+    return Origin(ref, profile, "2026-11-25T00:00:00+00:00")
+
+
+def _model() -> list[BlockCost]:
+    return (
+        [block("embed", 1, 1, 1000, layer=False)]
+        + [layer(f"layers.{i}", 40, 80, 50_000) for i in range(4)]
+        + [block("output", 2, 4, 1000, layer=False)]
+    )
+
+
+def test_a_forced_degree_gives_a_three_dimensional_plan_and_report() -> None:
+    request = PlanRequest.build(model_file="m.py", gpus=8, tp=2, dp=2, batch_size=16, schedule="1f1b")
+    plan = assemble_plan(request, _model(), LINK, _origin(), memory_limit_bytes=None, tp_plan=TP_PLAN)
+    assert (plan.tp, plan.dp, plan.n_ranks, plan.world_size) == (2, 2, 2, 8)
+    assert plan.tp_plan == TP_PLAN
+    assert all(c.tp == 2 for c in plan.search)
+    # one tp rank's stages: each layer computes 0.1 + 0.9 / 2 of itself, plus 1 ms per all-reduce of 1 MB,
+    # all at the profiled microbatch size and scaled to the chosen one (no fixed share, no latency)
+    r = plan.microbatch_size / request.microbatch_size
+    assert plan.blocks[1].fwd_s == pytest.approx((0.040 * 0.55 + 0.001) * r, rel=1e-12)
+    assert plan.blocks[1].flops_fwd == _model()[1].flops_fwd
+    assert layout_line(plan).startswith(
+        "layout: 2 replicas x 2 stages x tp 2 (dp x pp x tp) on 8 ranks; replica 0 = ranks 0-3, replica 1 = ranks 4-7; "
+        "each pipeline rank split over 2 consecutive ranks of one node by the model's tp plan (1 colwise, 1 rowwise patterns)"
+    )
+    assert "tp 2" in render(plan)
+    header = search_table(plan).splitlines()[0].split()
+    assert header[:4] == ["schedule", "tp", "pp", "m"]
+
+
+def test_tp_auto_keeps_degree_one_for_a_model_without_a_plan_and_refuses_a_forced_one() -> None:
+    plain = [b.model_copy(update={"tp": None}) for b in _model()]
+    auto = PlanRequest.build(model_file="m.py", gpus=4, batch_size=16)
+    plan = assemble_plan(auto, plain, LINK, _origin(), memory_limit_bytes=None)
+    assert plan.tp == 1 and plan.tp_plan == {}
+    forced = PlanRequest.build(model_file="m.py", gpus=4, tp=2, batch_size=16)
+    with pytest.raises(InfeasibleError, match="declares no tensor-parallel plan"):
+        assemble_plan(forced, plain, LINK, _origin(), memory_limit_bytes=None)
+    with pytest.raises(InfeasibleError, match="does not divide the model's split sizes"):
+        odd = [b.model_copy(update={"tp": share(100, divisor=3)}) if b.tp else b for b in _model()]
+        assemble_plan(forced, odd, LINK, _origin(), memory_limit_bytes=None, tp_plan=TP_PLAN)
+
+
+def test_tensor_parallelism_wins_when_the_pipeline_would_mostly_wait() -> None:
+    # 4 ranks, 4 microbatches: pp 4 idles (p-1)/(m+p-1) = 3/7 of its time; tp 2 x pp 2 idles 1/5 and
+    # pays 1 ms per all-reduce on 22 ms of work per layer: it must win, and tp 4 (pp 1) too little split work
+    request = PlanRequest.build(model_file="m.py", gpus=4, batch_size=4, microbatches=4, schedule="1f1b")
+    plan = assemble_plan(request, _model(), LINK, _origin(), memory_limit_bytes=None, tp_plan=TP_PLAN)
+    tried = {c.tp for c in plan.search}
+    assert plan.tp > 1 and tried >= {plan.tp}
+    for candidate in plan.search:
+        assert candidate.step_time_s >= plan.prediction.step_time_s * (1 - 1e-9)
+
+
+# --- the search against brute force over (tp, pp, dp, m) on small problems ---------------------------
+
+
+@st.composite
+def problems(draw: st.DrawFn) -> tuple[list[BlockCost], int, int, int | None]:
+    n = draw(st.integers(3, 7))
+    blocks: list[BlockCost] = []
+    for i in range(n):
+        fwd = draw(st.integers(1, 30))
+        params = draw(st.integers(0, 4)) * 100_000
+        b = block(f"b{i}", fwd, fwd * draw(st.sampled_from([1, 2, 3])), params, act_mb=draw(st.integers(0, 4)))
+        if draw(st.booleans()) and params:
+            b = b.model_copy(
+                update={
+                    "tp": share(
+                        params * draw(st.sampled_from([1, 2, 4])) // 4,
+                        compute=draw(st.sampled_from([0.5, 0.8, 0.95])),
+                        act=b.activation_bytes // 2,
+                        reduce_bytes=draw(st.integers(0, 4)) * MB // 4,
+                        divisor=draw(st.sampled_from([2, 4, 8])),
+                    )
+                }
+            )
+        blocks.append(b)
+    world = draw(st.sampled_from([2, 4]))
+    batch = draw(st.sampled_from([4, 8]))
+    limit = draw(st.sampled_from([None, None, 4 * MB, 8 * MB, 16 * MB]))
+    return blocks, world, batch, limit
+
+
+def _brute_force(
+    blocks: list[BlockCost], cluster: Cluster, space: SearchSpace, constraints: Constraints
+) -> float | None:
+    """The least predicted step that fits over every (tp, pp, dp, m, schedule, v), each solved exactly."""
+    best: float | None = None
+    legal = sum(1 for b in blocks[:-1] if b.cut_legal) + 1
+    for tp in allowed_degrees(blocks, space.degrees):
+        for dp in space.replicas:
+            if cluster.world_size % (tp * dp):
+                continue
+            pp = cluster.world_size // (tp * dp)
+            if pp > legal:
+                continue
+            for m in replica_microbatches(space.batch_size, dp, None, 1):
+                sized = at_degree(blocks_at(blocks, 1, space.batch_size // (dp * m), 0.0), tp, cluster.link)  # type: ignore[arg-type]
+                names = ["gpipe"] if pp == 1 else list(SCHEDULES)
+                for name in names:
+                    for v in stages_per_rank_options(name, _max_stages_per_rank(blocks, pp)):
+                        layout = Layout(name, pp, m, v, dp, "auto", tp)
+                        try:
+                            choice = evaluate_modes(sized, cluster, layout, constraints)
+                        except InfeasibleError:
+                            continue
+                        if choice.fits and (best is None or choice.prediction.step_time_s < best):
+                            best = choice.prediction.step_time_s
+    return best
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_search_finds_the_brute_force_optimum_over_tp_pp_dp_and_m(
+    problem: tuple[list[BlockCost], int, int, int | None],
+) -> None:
+    blocks, world, batch, limit = problem
+    degrees = tuple(d for d in (1, 2, 4) if world % d == 0)
+    replicas = tuple(d for d in (1, 2, 4) if world % d == 0 and batch % d == 0)
+    cluster = Cluster(world, LINK, None)
+    space = SearchSpace(batch, "auto", None, None, replicas, "auto", degrees)
+    constraints = Constraints(ADAMW, limit, "auto")
+    best = _brute_force(blocks, cluster, space, constraints)
+    open_space = replace(space, degrees=tuple(allowed_degrees(blocks, degrees)))
+    try:
+        chosen, _, _ = search(blocks, cluster, open_space, constraints, Scaling(1, 0.0, 1))
+    except InfeasibleError as e:
+        assert best is None, f"the search found nothing ({e}) where brute force fits {best}"
+        assert limit is not None and "closest" in str(e) or "alone needs" in str(e) or "more than" in str(e)
+        return
+    assert best is not None and chosen.fits
+    # refine may improve on the exact split of the best layout, never lose to it
+    assert chosen.prediction.step_time_s <= best * (1 + TIE) + 1e-12
+    if limit is not None:
+        assert chosen.prediction.max_memory_bytes <= limit
+    assert math.isfinite(chosen.prediction.step_time_s)
