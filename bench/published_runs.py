@@ -1,0 +1,299 @@
+"""The planner against published large runs: each published layout's prediction beside its figure,
+then the layout the search picks for the same GPUs and batch. Writes docs/published_runs.md.
+
+    python -m bench.published_runs                  # every row (a few minutes: costs estimated once per model)
+    python -m bench.published_runs --only llama3    # the rows whose source starts with "llama3"
+
+Sources (the figures are copied from them, nothing here is fitted to them):
+
+* Llama 3 paper (Dubey et al., "The Llama 3 Herd of Models", 2024), Table 4: Llama 3 405B, bf16,
+  sequence 8,192, 16 M tokens per batch (2,048 sequences), on 8,192 and 16,384 H100 (8 per node),
+  TP 8 x PP 16 x DP 64 / 128: 430 and 400 TFLOP/s per GPU, 43 % and 41 % BF16 MFU (model FLOPs).
+* Megatron-LM paper (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
+  Using Megatron-LM", SC 2021), Table 1: GPT models of 1.7 B to 1 T parameters on 32 to 3,072 A100-80GB
+  (8 per node), vocabulary 51,200, sequence 2,048, fp16, with their t, p, d = n / (t p) and batch. The
+  paper's TFLOP/s count the activation recomputation's extra forward (its formula has 96 B s l h^2 where
+  training without recomputation does 72): the table below converts them to model FLOPs (the factor is
+  in the "published" cell) so that they compare with the planner's model-FLOP utilisation.
+* torchtitan (benchmarks/llama3_h100_202412_torchtitan.md, Table 1): Llama 3.1 8B, FSDP over 8 H100,
+  local batch 2, sequence 8,192, selective recomputation: 5,762 tokens/s per GPU (eager, bf16). Its
+  Float8 and torch.compile rows are not modelled by the planner and are left out.
+
+The models: `models/llama.py` at the published sizes (the 405B size by name; Megatron's GPT as the same
+decoder with multi-head attention and a SwiGLU of 8h/3, which has GPT's 8 h^2 feed-forward parameters
+and FLOPs; RMSNorm and rotary embeddings instead of LayerNorm and learned positions change neither).
+Costs are estimated for the published GPU (roofline on the meta device, no weights allocated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import platform
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.common import DOCS, MODELS, host, plan_on_costs, table, write_page
+from planner.api import estimated_costs
+from planner.capture.load import load_model_file
+from planner.errors import PlannerError
+from planner.report.throughput import throughput
+from planner.schema.plan import Plan
+from planner.schema.request import PlanRequest
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published run: the model, the GPUs, the layout and the figure."""
+
+    source: str
+    model: str  # a label
+    size: str | None
+    overrides: dict[str, Any]
+    gpu: str
+    gpus: int
+    tp: int
+    pp: int
+    batch: int  # sequences per step, global
+    tflops: float  # published TFLOP/s per GPU, model FLOPs (converted where the source counts recompute)
+    note: str = ""
+    request: dict[str, Any] = field(default_factory=dict)  # extra PlanRequest fields (recompute, dp mode)
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+
+def _megatron_factor(h: int, layers: int, s: int = 2048, vocab: int = 51200) -> float:
+    """Model FLOPs over the FLOPs Megatron's formula counts with recomputation (its eq. 3 vs. 72 B s l h^2)."""
+    base = 1 + s / (6 * h)
+    logits = 6 * vocab / (layers * h)
+    return (72 * base + logits) / (96 * base + logits)
+
+
+def _gpt(h: int, heads: int, layers: int) -> dict[str, Any]:
+    return dict(
+        dim=h,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=heads,
+        vocab_size=51200,
+        seq_len=2048,
+        ffn_dim_multiplier=1.0,
+        multiple_of=1,
+        rope_theta=10000.0,
+    )
+
+
+# Megatron-LM 2021, Table 1: (params label, heads, hidden, layers, t, p, GPUs, batch, TFLOP/s per GPU)
+MEGATRON = [
+    ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137),
+    ("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138),
+    ("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142),
+    ("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135),
+    ("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138),
+    ("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    ("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    ("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    ("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    ("1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+
+
+def published_runs() -> list[Published]:
+    """Every published row the page compares with."""
+    rows = [
+        Published("llama3 Table 4", "Llama 3 405B", "405b", {}, "h100", 8192, 8, 16, 2048, 430.0),
+        Published("llama3 Table 4", "Llama 3 405B", "405b", {}, "h100", 16384, 8, 16, 2048, 400.0),
+    ]
+    for label, heads, h, layers, t, p, n, batch, tf in MEGATRON:
+        factor = _megatron_factor(h, layers)
+        rows.append(
+            Published(
+                "megatron2021 Table 1",
+                f"GPT {label}",
+                None,
+                _gpt(h, heads, layers),
+                "a100-80g",
+                n,
+                t,
+                p,
+                batch,
+                tf * factor,
+                note=f"{tf} x {factor:.3f}",
+                request={"recompute": "always"},
+            )
+        )
+    rows.append(
+        Published(
+            "torchtitan Table 1",
+            "Llama 3.1 8B",
+            "8b",
+            {},
+            "h100",
+            8,
+            1,
+            1,
+            16,
+            # 5,762 tokens/s per GPU x 6 x 8.03e9 params (+ attention) is what torchtitan's MFU counts;
+            # the page compares tokens/s directly (the tflops column holds tokens/s for this row)
+            5762.0,
+            note="tokens/s per GPU",
+            request={"dp_mode": "fsdp"},
+        )
+    )
+    return rows
+
+
+PAGE = """# The planner against published runs
+
+Written by `bench/published_runs.py` on {today} ({host}, Python {python}). For each published run:
+the planner's prediction for **that exact layout** (its tensor-parallel degree t, pipeline ranks p and
+replicas d; the schedule, microbatches and split are the planner's best for that layout), beside the
+published figure; then the layout the search picks by itself for the same GPUs and batch (`--tp auto
+--dp auto`). Costs are estimated for the published GPU (bf16; the roofline model of
+`planner/core/hardware.py`), never measured: no GPU was used. Figures are TFLOP/s per GPU of model
+FLOPs (forward and backward, no recomputation) unless the row says otherwise; error = predicted /
+published - 1.
+
+{rows}
+
+How to read it:
+
+- Sources: the Llama 3 paper (Dubey et al. 2024), Table 4; the Megatron-LM paper (Narayanan et al.,
+  SC 2021), Table 1 (its TFLOP/s include the recomputed forward; the "published" cell shows the
+  figure times the model-FLOP factor); torchtitan's `benchmarks/llama3_h100_202412_torchtitan.md`,
+  Table 1 (tokens/s per GPU). The docstring of `bench/published_runs.py` gives the details.
+- What the planner does not model (and so where errors come from): sequence parallelism and
+  communication overlapped with compute (Megatron and Llama 3 overlap the data-parallel reduction
+  and, in Llama 3, parts of the tensor-parallel traffic); the Llama 3 run's own pipeline schedule
+  (a tuned interleaving) and its first/last stages with one layer fewer; Megatron's fused kernels
+  (the roofline model's GEMM and attention efficiencies are fixed per GPU, `docs/gpu_costs.md`).
+- "fits" is the planner's predicted per-rank peak against the GPU's memory; a published layout that
+  the planner says does not fit ran in reality, so its memory model is pessimistic there (per-layer
+  recomputation and sharding are issue 27's subject).
+
+Regenerate: `python -m bench.published_runs` (about {minutes:.0f} minutes on this machine).
+"""
+
+
+def _figure(plan: Plan, row: Published) -> float:
+    """The plan's predicted figure in the row's unit: model TFLOP/s per GPU, or tokens/s per GPU."""
+    t = throughput(plan)
+    if row.note == "tokens/s per GPU":
+        return t.tokens_per_s_per_gpu or 0.0
+    if t.mfu is None or t.peak_flops is None:
+        return 0.0
+    return t.mfu * t.peak_flops / 1e12
+
+
+def _layout(plan: Plan) -> str:
+    v = f", v {plan.stages_per_rank}" if plan.stages_per_rank > 1 else ""
+    return (
+        f"t {plan.tp} x p {plan.n_ranks} x d {plan.dp} ({plan.dp_mode if plan.dp > 1 else '-'}), "
+        f"{plan.schedule}, m {plan.n_microbatches}{v}"
+    )
+
+
+def _memory(plan: Plan) -> str:
+    over = plan.memory_limit_bytes is not None and plan.prediction.max_memory_bytes > plan.memory_limit_bytes
+    return f"{plan.prediction.max_memory_bytes / 2**30:.1f} GiB{' (over)' if over else ''}"
+
+
+def _plan(base: PlanRequest, costs: Any, mf: Any, limit: int | None, **update: Any) -> tuple[Plan | None, str, float]:
+    request = base.model_copy(update=update)
+    t0 = time.perf_counter()
+    try:
+        plan = plan_on_costs(request, costs, mf, created="bench", memory_limit_bytes=limit)
+    except PlannerError as e:
+        return None, str(e).split(";")[0][:160], time.perf_counter() - t0
+    return plan, "", time.perf_counter() - t0
+
+
+def evaluate(row: Published, tmp: Path) -> list[str]:
+    """The page's row for one published run: published figure, the prediction of its layout, the search's."""
+    base = PlanRequest.build(
+        model_file=MODELS / "llama.py",
+        size=row.size,
+        overrides=row.overrides,
+        gpus=row.gpus,
+        gpu_type=row.gpu,
+        gpus_per_node=8,
+        dtype="bf16",
+        batch_size=row.batch,
+        tp=row.tp,
+        dp=row.dp,
+        output=tmp / "plan.json",
+        progress=False,
+        **row.request,
+    )
+    mf = load_model_file(base.model_file, base.size, base.overrides)
+    costs = estimated_costs(mf, base, 1)
+    limit = costs.memory_bytes
+    given, why, t_given = _plan(base, costs, mf, limit)
+    if given is None:  # the published layout does not fit the planner's memory model: predict it anyway
+        given, _, t_given = _plan(base, costs, mf, None)
+    searched, why_s, t_search = _plan(base, costs, mf, limit, tp="auto", dp="auto")
+    published = f"{row.tflops:,.0f}" + (f" ({row.note})" if row.note else "")
+    cells = [row.source, row.model, f"{row.gpus:,} {row.gpu}", f"t {row.tp} x p {row.pp} x d {row.dp}", str(row.batch)]
+    cells.append(published)
+    if given is None:
+        cells += ["—", "—", why or "no plan", "—"]
+    else:
+        figure = _figure(given, row)
+        fits = "yes" if not why else "no: " + _memory(given)
+        cells += [f"{figure:,.0f}", f"{figure / row.tflops - 1:+.0%}", f"{_layout(given)}; fits {fits}", f"{t_given:.0f}"]
+    if searched is None:
+        cells += [why_s or "no plan", "—", f"{t_search:.0f}"]
+    else:
+        cells += [_layout(searched), f"{_figure(searched, row):,.0f}", f"{t_search:.0f}"]
+    return cells
+
+
+HEADERS = [
+    "source",
+    "model",
+    "GPUs",
+    "published layout",
+    "batch",
+    "published",
+    "predicted",
+    "error",
+    "planner on that layout",
+    "s",
+    "search's choice",
+    "its figure",
+    "s",
+]
+
+
+def main() -> None:
+    """Plan every published row, write the page."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="", help="only the rows whose source starts with this")
+    parser.add_argument("--out", type=Path, default=DOCS / "published_runs.md")
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for row in published_runs():
+            if not row.source.startswith(args.only):
+                continue
+            rows.append(evaluate(row, Path(tmp)))
+            print(" | ".join(rows[-1]), flush=True)
+    text = PAGE.format(
+        today=dt.date.today().isoformat(),
+        host=host(),
+        python=platform.python_version(),
+        rows=table(rows, HEADERS),
+        minutes=(time.perf_counter() - t0) / 60,
+    )
+    write_page(args.out, text)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
