@@ -485,6 +485,8 @@ def search(
     ]
     show = len(space.replicas) > 1 or len(space.degrees) > 1 or best.layout.dp > 1 or best.layout.tp > 1
     note = _why(polished, best, ranked, open_parts, show_dp=show)
+    if outcome.pruned:
+        note += f"; {outcome.pruned} more layouts ruled out unsolved (their lower bound on the step was slower)"
     # the list shows the winner as it will run: with its polished split
     return polished, [polished if c is best else c for c in ranked], note
 
