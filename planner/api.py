@@ -30,6 +30,7 @@ from planner.core.predict import with_links
 from planner.core.schedules import check_placement, check_schedule, stages_per_rank_options
 from planner.costs.blocks import ties_of
 from planner.costs.scaling import fixed_fraction, measured_time_at
+from planner.costs.tensor_parallel import tensor_parallel_blocks
 from planner.errors import InfeasibleError, PlanFileError
 from planner.schema.costs import GLOO_CPU_LINK, NCCL_NVLINK_LINK, BlockCost, LinkCost, StepTempRule
 from planner.schema.plan import ModelRef, Plan, ProfileInfo, Tie
@@ -96,10 +97,13 @@ def make_plan(request: PlanRequest) -> Plan:
     if source is not None:
         check_calibration(source.fit, costs.traced, request.microbatch_size)
         blocks, link = apply_calibration(blocks, link, source.fit)
+    split = tensor_parallel_blocks(
+        mf, request, costs.traced, blocks, float_bytes=dtype_bytes(request.autocast) if request.autocast else None
+    )
     with search_bar(request.progress) as progress:
         plan = assemble_plan(
             with_step_temp_rule(request, costs.step_temp_rule),
-            blocks,
+            split.blocks,
             link,
             Origin(
                 model_ref(mf, costs.traced, request),
@@ -111,8 +115,11 @@ def make_plan(request: PlanRequest) -> Plan:
             if request.memory_limit_bytes is not None
             else costs.memory_bytes,
             ties=costs.ties,
+            tp_plan=split.plan,
             progress=progress,
         )
+    if split.note:  # --tp auto on a model that cannot be split: say why it stays whole
+        plan = plan.model_copy(update={"choice": f"{plan.choice}; {split.note}" if plan.choice else split.note})
     # Two facts only known once the search has chosen: the graph at the chosen microbatch size,
     # which the runner traces (torch needed, so not in the pure assembly), and the links as placed.
     plan = traced_as_run(plan, mf, costs.traced, request)

@@ -1,0 +1,221 @@
+"""A model's tensor-parallel plan: which ``nn.Linear`` layers split by columns and which by rows.
+
+The plan maps module-name patterns to styles, e.g. ``{"layers.*.attention.wq": "colwise", ...,
+"layers.*.attention.wo": "rowwise"}``, the names as ``model.named_modules()`` gives them for the
+module ``build_model`` returns ('*' matches exactly one dotted name part). Styles are torch's
+``ColwiseParallel`` ("colwise": output features split) and ``RowwiseParallel`` ("rowwise": input
+features split); every other style is refused.
+
+Where it comes from (``resolve_tp_plan``), first found wins:
+
+1. the model file's module-level ``tp_plan``: a dict, or a function ``tp_plan(**config) -> dict``;
+2. a Hugging Face model's ``config.base_model_tp_plan`` (transformers 5), its keys prefixed with the
+   name of the base model inside the module ``build_model`` returned (``model.`` for a
+   ``LlamaForCausalLM``; the base model may sit deeper, inside the user's own wrapper).
+
+``check_tp_plan`` checks a plan against a built model (every pattern matches, only ``nn.Linear``,
+the split sizes and the attention heads divisible by the degree).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from planner.capture.load import ModelFile
+from planner.errors import ModelFileError
+
+STYLES = ("colwise", "rowwise")
+HEAD_ATTRS = ("n_heads", "n_kv_heads", "num_heads", "num_kv_heads", "num_attention_heads", "num_key_value_heads")
+CONFIG_HEAD_ATTRS = ("num_attention_heads", "num_key_value_heads")
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    """A model's tensor-parallel plan, or why it has none that the planner can use.
+
+    Attributes:
+        plan: pattern -> "colwise" | "rowwise" (empty: none).
+        source: where it came from ("model file", "Hugging Face config"), or "".
+        reason: why the model is not shardable (an unsupported style, a plan that is no dict); ""
+            when there is a plan or simply none declared.
+    """
+
+    plan: dict[str, str]
+    source: str = ""
+    reason: str = ""
+
+
+def match(pattern: str, name: str) -> bool:
+    """Whether module name ``name`` matches ``pattern`` ('*' stands for exactly one name part)."""
+    parts, names = pattern.split("."), name.split(".")
+    return len(parts) == len(names) and all(p == "*" or p == n for p, n in zip(parts, names))
+
+
+def _checked(plan: object, where: str) -> tuple[dict[str, str], str]:
+    """The plan as a str -> str dict, or the reason it cannot be used."""
+    if not isinstance(plan, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
+        return {}, f"{where} is {type(plan).__name__}, not a dict of module-name patterns to 'colwise' / 'rowwise'"
+    bad = {k: v for k, v in plan.items() if v not in STYLES}
+    if bad:
+        key, style = next(iter(bad.items()))
+        return {}, (
+            f"{where} uses style {style!r} (for {key!r}); the planner splits only 'colwise' and 'rowwise' layers "
+            "(torch's ColwiseParallel / RowwiseParallel)"
+        )
+    return dict(plan), ""
+
+
+def base_model_prefix(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The FQN of the Hugging Face base model inside ``model`` ('' when ``model`` is it) and the
+    module whose ``config`` declares ``base_model_tp_plan``; None when there is none.
+
+    A ``...ForCausalLM`` holds its base model under ``base_model_prefix`` ("model"); a user's wrapper
+    may hold the ``...ForCausalLM`` anywhere: the first module (in ``named_modules`` order) with a
+    config that declares a plan is taken, and its base model found under it.
+    """
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if config is None or not getattr(config, "base_model_tp_plan", None):
+            continue
+        inner = getattr(module, "base_model_prefix", "")
+        base = getattr(module, inner, None) if inner else None
+        if isinstance(base, nn.Module):
+            return (f"{name}.{inner}" if name else inner), module
+        return name, module
+    return None
+
+
+def resolve_tp_plan(mf: ModelFile, model: nn.Module) -> ResolvedPlan:
+    """The model's tensor-parallel plan (see the module docstring for where it comes from).
+
+    Args:
+        mf: the loaded model file (its module's ``tp_plan``, its config).
+        model: the model ``build_model`` returned (any device, meta included).
+
+    Returns:
+        The plan; an empty one with a reason when the declared plan cannot be used, an empty one
+        without a reason when the model declares none.
+
+    Raises:
+        ModelFileError: the model file's ``tp_plan`` function raises.
+    """
+    declared = getattr(mf.module, "tp_plan", None)
+    if declared is not None:
+        where = f"{mf.path.name}: tp_plan"
+        if callable(declared):
+            try:
+                declared = declared(**mf.config)
+            except Exception as e:
+                raise ModelFileError(f"{where}(**config) raised {type(e).__name__}: {e}") from e
+        plan, reason = _checked(declared, where)
+        return ResolvedPlan(plan, "model file" if plan else "", reason)
+    found = base_model_prefix(model)
+    if found is None:
+        return ResolvedPlan({})
+    prefix, owner = found
+    config: Any = owner.config
+    plan, reason = _checked(dict(config.base_model_tp_plan), f"{type(config).__name__}.base_model_tp_plan")
+    if reason:
+        return ResolvedPlan({}, "", reason)
+    return ResolvedPlan({(f"{prefix}.{k}" if prefix else k): v for k, v in plan.items()}, "Hugging Face config")
+
+
+def matched_modules(model: nn.Module, plan: Mapping[str, str]) -> dict[str, tuple[str, nn.Module, str]]:
+    """Every module a pattern of ``plan`` matches: FQN -> (style, module, pattern), in module order."""
+    out: dict[str, tuple[str, nn.Module, str]] = {}
+    for name, module in model.named_modules():
+        for pattern, style in plan.items():
+            if name and match(pattern, name):
+                out[name] = (style, module, pattern)
+                break
+    return out
+
+
+def _heads(model: nn.Module, name: str) -> list[tuple[str, int]]:
+    """The head counts the parent of module ``name`` declares (attributes), as (what, count)."""
+    parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+    return [(a, v) for a in HEAD_ATTRS if isinstance(v := getattr(parent, a, None), int) and v > 0]
+
+
+def _config_heads(model: nn.Module) -> list[tuple[str, int]]:
+    found = base_model_prefix(model)
+    config = getattr(found[1], "config", None) if found else getattr(model, "config", None)
+    return [(f"config.{a}", v) for a in CONFIG_HEAD_ATTRS if isinstance(v := getattr(config, a, None), int) and v > 0]
+
+
+def split_sizes(model: nn.Module, plan: Mapping[str, str]) -> list[tuple[str, str, int]]:
+    """Every size the degree must divide, as (pattern or module, what, size): the split features of
+    each matched Linear, the heads of the attention modules holding a split layer, and a Hugging
+    Face config's head counts when a plan splits anything."""
+    sizes: list[tuple[str, str, int]] = []
+    parents: set[str] = set()
+    for name, (style, module, pattern) in matched_modules(model, plan).items():
+        if isinstance(module, nn.Linear):
+            what = "out_features" if style == "colwise" else "in_features"
+            sizes.append((f"{pattern} ({name})", what, getattr(module, what)))
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        if parent not in parents:
+            parents.add(parent)
+            sizes.extend((parent or "<root>", what, n) for what, n in _heads(model, name))
+    if sizes:
+        sizes.extend(("the model", what, n) for what, n in _config_heads(model))
+    return sizes
+
+
+def plan_divisor(model: nn.Module, plan: Mapping[str, str]) -> int | None:
+    """The greatest common divisor of every split size (None: the plan splits nothing)."""
+    sizes = [n for _, _, n in split_sizes(model, plan)]
+    return math.gcd(*sizes) if sizes else None
+
+
+def check_tp_plan(model: nn.Module, plan: Mapping[str, str], tp: int = 1) -> None:
+    """Check a plan against a built model: every pattern matches a module, every matched module is an
+    ``nn.Linear``, and ``tp`` divides every split size (features, heads).
+
+    Args:
+        model: the model ``build_model`` returned.
+        plan: pattern -> style.
+        tp: the degree asked for (1: structure only).
+
+    Raises:
+        ModelFileError: one line naming the pattern, the module and the numbers.
+    """
+    matched = matched_modules(model, plan)
+    for pattern in plan:
+        if not any(p == pattern for _, _, p in matched.values()):
+            raise ModelFileError(
+                f"tp_plan: {pattern!r} matches no module of the model ('*' stands for one name part, names as "
+                "model.named_modules() gives them); fix the pattern or drop it"
+            )
+    for name, (style, module, pattern) in matched.items():
+        if not isinstance(module, nn.Linear):
+            raise ModelFileError(
+                f"tp_plan: {pattern!r} matches {name}, a {type(module).__name__}; only nn.Linear layers can be split "
+                f"{style}"
+            )
+    if tp <= 1:
+        return
+    for where, what, n in split_sizes(model, plan):
+        if n % tp:
+            raise ModelFileError(
+                f"--tp {tp}: tp_plan splits {where}, whose {what} is {n}, not a multiple of {tp}; give a degree "
+                f"that divides {plan_divisor(model, plan)}, or --tp auto"
+            )
+
+
+__all__ = [
+    "STYLES",
+    "ResolvedPlan",
+    "base_model_prefix",
+    "check_tp_plan",
+    "match",
+    "matched_modules",
+    "plan_divisor",
+    "resolve_tp_plan",
+    "split_sizes",
+]

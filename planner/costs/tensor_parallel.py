@@ -1,0 +1,353 @@
+"""How each block divides under tensor parallelism (``TensorParallelShare``), from the model's plan.
+
+One forward of the traced graph where it lives (on the meta device for estimated costs: no weights,
+no data) at the profiled microbatch, watched at the aten level. What is counted, per block:
+
+* split operators: every operator run inside a matched layer (a column-wise or row-wise
+  ``nn.Linear``), and every operator outside them that reads a *split tensor*: one produced inside
+  a column-wise layer, or by a split operator outside the layers (attention's SDPA, the rotary
+  embedding, SwiGLU's ``silu(w1 x) * w3 x`` between a column-wise and its row-wise layer). A
+  row-wise layer's output is whole again (all-reduced), so the split region ends there.
+* ``sharded_compute``: the split operators' share of the block's forward work, an operator's work
+  being its FLOPs by ``torch.utils.flop_counter`` (matrix products, attention) or, for any other
+  operator that is not a view, one per output element (norms, residual adds, activations: their
+  time goes with their elements). The backward follows the forward's split, so the same share is
+  used for both.
+* ``sharded_activation_bytes``: the split tensors autograd saves for backward (a column-wise layer
+  saves its whole input: not counted; the row-wise layer's split input, SDPA's q, k, v: counted).
+* ``fwd_allreduce_bytes`` / ``fwd_allreduces``: each row-wise layer's output, one all-reduce each
+  (torch's ``RowwiseParallel`` turns its Partial output into Replicate).
+* ``bwd_allreduce_bytes`` / ``bwd_allreduces``: each column-wise layer's input gradient, one
+  all-reduce per column-wise layer: torch's ``ColwiseParallel`` wraps each layer's input with
+  ``DTensor.from_local(..., Replicate())`` (torch 2.13 ``distributed/tensor/parallel/style.py``),
+  whose backward turns that layer's Partial input gradient into Replicate on its own, so q, k and v,
+  though they read one tensor, are three all-reduces (Megatron's fused QKV does one).
+* ``sharded_params`` / ``sharded_param_bytes``: the matched layers' weights, and the column-wise
+  layers' biases (a row-wise bias is added once, after the all-reduce: whole on every rank).
+* ``divisor``: the greatest common divisor of the split features of the block's layers and of the
+  head counts of the modules holding them (``planner.capture.tp_plan.split_sizes``).
+
+Blocks of a module-boundary trace (no graph) and blocks that hold no matched layer get no share.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from planner.capture.blocks import GraphTrace, TracedModel
+from planner.capture.graph import _module_path
+from planner.capture.load import ModelFile
+from planner.capture.tp_plan import check_tp_plan, matched_modules, resolve_tp_plan, split_sizes
+from planner.errors import ModelFileError
+from planner.schema.costs import BlockCost, TensorParallelShare
+from planner.schema.request import PlanRequest
+
+
+@dataclass
+class _Tally:
+    """What one block's forward ran."""
+
+    work: float = 0.0
+    split_work: float = 0.0
+    saved_split: dict[int, int] = field(default_factory=dict)
+    fwd_bytes: int = 0
+    fwd_count: int = 0
+    bwd_bytes: int = 0
+    bwd_count: int = 0
+
+
+def _nbytes(t: torch.Tensor, float_bytes: int | None) -> int:
+    width = float_bytes if float_bytes is not None and t.is_floating_point() else t.element_size()
+    return t.numel() * width
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    return []
+
+
+class _Watch(TorchDispatchMode):
+    """Counts every aten operator's work into the current block and follows the split tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block: _Tally | None = None
+        self.style: str | None = None  # of the innermost matched layer running, None outside them
+        self.split: set[int] = set()
+        self.keep: list[torch.Tensor] = []  # split tensors stay alive so their ids stay unique
+
+    def is_split(self, t: torch.Tensor) -> bool:
+        return id(t) in self.split
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.block is None:
+            return out
+        reads_split = any(self.is_split(t) for t in _tensors((args, kwargs)))
+        packet = func._overloadpacket
+        if packet in flop_registry:
+            work = float(flop_registry[packet](*args, **kwargs, out_val=out))
+        elif func.is_view:
+            work = 0.0
+        else:
+            work = float(sum(t.numel() for t in _tensors(out)))
+        self.block.work += work
+        if self.style is not None or reads_split:
+            self.block.split_work += work
+        if self.style == "colwise" or (self.style is None and reads_split):
+            for t in _tensors(out):
+                self.split.add(id(t))
+                self.keep.append(t)
+        return out
+
+
+def tensor_parallel_shares(
+    traced: TracedModel,
+    inputs: tuple[Any, ...],
+    plan: Mapping[str, str],
+    *,
+    float_bytes: int | None = None,
+    param_bytes: int | None = None,
+) -> dict[str, TensorParallelShare]:
+    """Each split block's ``TensorParallelShare`` (see the module docstring for what is counted).
+
+    Args:
+        traced: the traced model (a graph; a module-boundary trace gives no shares).
+        inputs: one microbatch of the model's positional inputs, at the profiled size (any device).
+        plan: pattern -> "colwise" | "rowwise", the FQNs of the traced model's modules.
+        float_bytes: bytes of a floating element in the planning dtype (None: as the tensors have).
+        param_bytes: bytes of a parameter element as the blocks count them (None: as they have).
+
+    Returns:
+        block name -> share, for the blocks that hold a matched layer.
+    """
+    if not isinstance(traced, GraphTrace) or not plan:
+        return {}
+    model = traced.model
+    matched = matched_modules(model, plan)
+    if not matched:
+        return {}
+    root = traced.gm
+    block_of = {n: k for k, b in enumerate(traced.blocks) for n in b.nodes}
+    tallies = [_Tally() for _ in traced.blocks]
+    watch = _Watch()
+    layer_stack: list[str | None] = []
+
+    def styled(path: list[str]) -> tuple[str, str] | None:
+        for p in reversed(path):
+            if p in matched:
+                return p, matched[p][0]
+        return None
+
+    # a layer called as a module (fx keeps torch.nn modules as leaves): hooks see its input and output
+    seen_io: set[tuple[str, str]] = set()
+
+    def record_io(name: str, style: str, args: tuple[Any, ...], out: Any, block: _Tally | None) -> None:
+        if block is None or (name, "io") in seen_io:
+            return
+        seen_io.add((name, "io"))
+        if style == "colwise":
+            block.bwd_bytes += sum(_nbytes(t, float_bytes) for t in _tensors(args)[:1])
+            block.bwd_count += 1
+        else:
+            block.fwd_bytes += sum(_nbytes(t, float_bytes) for t in _tensors(out))
+            block.fwd_count += 1
+
+    def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+        layer_stack.append(watch.style)
+        watch.style = matched[module_names[id(module)]][0]
+
+    def post_hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        watch.style = layer_stack.pop()
+        name = module_names[id(module)]
+        record_io(name, matched[name][0], args, out, watch.block)
+
+    module_names = {id(m): n for n, (_, m, _) in matched.items()}
+    gm_modules = dict(root.named_modules())
+
+    class Run(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            k = block_of.get(n.name)
+            watch.block = tallies[k] if k is not None else None
+            inner = styled(_module_path(n)) if n.op != "call_module" else None
+            watch.style = inner[1] if inner else None
+            out = super().run_node(n)
+            if inner is not None and watch.block is not None:  # an inlined layer (export): its graph edges
+                name, style = inner
+                outside = [
+                    a
+                    for a in n.all_input_nodes
+                    if a.op != "get_attr" and (styled(_module_path(a)) or ("", ""))[0] != name
+                ]
+                if style == "colwise":
+                    for a in outside:
+                        if (name, a.name) not in seen_io:
+                            seen_io.add((name, a.name))
+                            watch.block.bwd_bytes += sum(_nbytes(t, float_bytes) for t in _tensors(self.env[a]))
+                    if (name, "count") not in seen_io:
+                        seen_io.add((name, "count"))
+                        watch.block.bwd_count += 1
+                elif any((styled(_module_path(u)) or ("", ""))[0] != name for u in n.users):
+                    watch.block.fwd_bytes += sum(_nbytes(t, float_bytes) for t in _tensors(out))
+                    if (name, "count") not in seen_io:
+                        seen_io.add((name, "count"))
+                        watch.block.fwd_count += 1
+            watch.style = None
+            return out
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if watch.block is not None and watch.is_split(t):
+            watch.block.saved_split.setdefault(id(t), _nbytes(t, float_bytes))
+        return t
+
+    device = next((p.device for p in root.parameters()), torch.device("meta"))
+    moved = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
+    with ExitStack() as stack:
+        for name, (_, module, _) in matched.items():
+            if name in gm_modules and gm_modules[name] is module:  # fx: the layer is a module of the graph
+                stack.enter_context(module.register_forward_pre_hook(pre_hook))
+                stack.enter_context(module.register_forward_hook(post_hook))
+            elif name in gm_modules:
+                gm_module = gm_modules[name]
+                module_names[id(gm_module)] = name
+                stack.enter_context(gm_module.register_forward_pre_hook(pre_hook))
+                stack.enter_context(gm_module.register_forward_hook(post_hook))
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(watch)
+        Run(root).run(*moved)
+    watch.keep.clear()
+
+    shares: dict[str, TensorParallelShare] = {}
+    for k, block in enumerate(traced.blocks):
+        inside = {
+            n: v for n, v in matched.items() if block.name and (n == block.name or n.startswith(block.name + "."))
+        }
+        tally = tallies[k]
+        if not inside or tally.work <= 0:
+            continue
+        params = [p for _, (style, m, _) in inside.items() for p in _split_params(m, style)]
+        sizes = [n for _, _, n in split_sizes(model, {name: style for name, (style, _, _) in inside.items()})]
+        shares[block.name] = TensorParallelShare(
+            sharded_params=sum(p.numel() for p in params),
+            sharded_param_bytes=sum(
+                p.numel() * (param_bytes if param_bytes is not None else p.element_size()) for p in params
+            ),
+            sharded_compute=min(1.0, tally.split_work / tally.work),
+            sharded_activation_bytes=sum(tally.saved_split.values()),
+            fwd_allreduce_bytes=tally.fwd_bytes,
+            bwd_allreduce_bytes=tally.bwd_bytes,
+            fwd_allreduces=tally.fwd_count,
+            bwd_allreduces=tally.bwd_count,
+            divisor=math.gcd(*sizes) if sizes else 1,
+        )
+    return shares
+
+
+def _split_params(module: nn.Module, style: str) -> list[torch.Tensor]:
+    """The parameters a layer splits: its weight, and its bias when column-wise."""
+    weight = getattr(module, "weight", None)
+    bias = getattr(module, "bias", None)
+    out = [weight] if isinstance(weight, torch.Tensor) else []
+    if style == "colwise" and isinstance(bias, torch.Tensor):
+        out.append(bias)
+    return out
+
+
+@dataclass(frozen=True)
+class TensorParallelBlocks:
+    """The blocks with their ``tp`` shares, the plan they came from, and a note for the plan.
+
+    Attributes:
+        blocks: the blocks, ``tp`` set where the plan splits them.
+        plan: pattern -> style (empty: the model is not split).
+        note: one line on why the model is not split, for the plan's ``choice`` ("" when it is, or
+            when ``--tp 1`` asked for no split).
+    """
+
+    blocks: list[BlockCost]
+    plan: dict[str, str]
+    note: str = ""
+
+
+def _fitted(block: BlockCost, share: TensorParallelShare) -> BlockCost:
+    """The block with its share, the split bytes and counts at most the block's own (the share is
+    counted on one forward, the block's figures may be measured)."""
+    share = share.model_copy(
+        update={
+            "sharded_params": min(share.sharded_params, block.params),
+            "sharded_param_bytes": min(share.sharded_param_bytes, block.param_bytes),
+            "sharded_activation_bytes": min(share.sharded_activation_bytes, block.activation_bytes),
+        }
+    )
+    return block.model_copy(update={"tp": share})
+
+
+def tensor_parallel_blocks(
+    mf: ModelFile,
+    request: PlanRequest,
+    traced: TracedModel,
+    blocks: list[BlockCost],
+    *,
+    float_bytes: int | None = None,
+) -> TensorParallelBlocks:
+    """Resolve the model's tensor-parallel plan, check it and give every split block its share.
+
+    Args:
+        mf: the model file (its ``tp_plan``).
+        request: ``tp`` (1: nothing is done; auto: an unusable plan leaves the model whole, with a note;
+            N > 1: an unusable plan is an error) and the profiled microbatch.
+        traced: the traced model the blocks are of.
+        blocks: the blocks' costs.
+        float_bytes: bytes of a floating activation in the planning dtype (autocast), None: as traced.
+
+    Returns:
+        The blocks with their shares, the plan and the note.
+
+    Raises:
+        ModelFileError: ``--tp N`` with a plan that uses other styles, does not fit the model, or a
+            degree that does not divide its split sizes; or a model file's plan that does not fit.
+    """
+    if request.tp == 1 or request.tp_options == [1]:
+        return TensorParallelBlocks(list(blocks), {})
+    forced = isinstance(request.tp, int)
+    resolved = resolve_tp_plan(mf, traced.model)
+    if not resolved.plan:
+        if forced and resolved.reason:
+            raise ModelFileError(f"--tp {request.tp}: {resolved.reason}; give --tp 1 or auto")
+        why = resolved.reason or "the model declares no tp_plan (nor a Hugging Face base_model_tp_plan)"
+        return TensorParallelBlocks(list(blocks), {}, "" if forced else f"tensor parallelism: none, {why}")
+    try:
+        check_tp_plan(traced.model, resolved.plan, request.tp if isinstance(request.tp, int) else 1)
+    except ModelFileError as e:
+        if forced or resolved.source == "model file":
+            raise
+        return TensorParallelBlocks(list(blocks), {}, f"tensor parallelism: none, the {resolved.source}'s {e}")
+    inputs, _ = mf.batch(request.microbatch_size, seed=request.seed)
+    shares = tensor_parallel_shares(traced, inputs, resolved.plan, float_bytes=float_bytes)
+    if not shares:
+        why = "the model was traced by module boundaries (tensor-parallel shares need a torch.fx or torch.export graph)"
+        if forced:
+            raise ModelFileError(f"--tp {request.tp}: {why}; give --tp 1")
+        return TensorParallelBlocks(list(blocks), {}, f"tensor parallelism: none, {why}")
+    out = [_fitted(b, shares[b.name]) if b.name in shares else b for b in blocks]
+    return TensorParallelBlocks(out, resolved.plan)
+
+
+__all__ = ["TensorParallelBlocks", "tensor_parallel_blocks", "tensor_parallel_shares"]

@@ -1,0 +1,201 @@
+"""Tensor-parallel plans: resolution, checks, per-block shares and the plan end to end (CPU, meta device)."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from planner.api import make_plan
+from planner.capture.load import load_model_file
+from planner.capture.tp_plan import check_tp_plan, match, matched_modules, resolve_tp_plan
+from planner.capture.trace import trace_model
+from planner.costs.tensor_parallel import tensor_parallel_shares
+from planner.errors import InfeasibleError, ModelFileError
+from planner.schema.request import PlanRequest
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA = ROOT / "models" / "llama.py"
+GPT = ROOT / "models" / "gpt.py"
+TOY = ROOT / "models" / "toy.py"
+HF_LLAMA = ROOT / "models" / "hf" / "llama.py"
+
+
+def _meta_model(path: Path, size: str | None = "tiny"):
+    mf = load_model_file(path, size)
+    with torch.device("meta"):
+        model = mf.build()
+    return mf, model
+
+
+def _fake_file(tp_plan: object) -> object:
+    """A stand-in ModelFile whose module declares ``tp_plan``."""
+    return types.SimpleNamespace(module=types.SimpleNamespace(tp_plan=tp_plan), path=Path("m.py"), config={})
+
+
+def test_match_star_is_one_part() -> None:
+    assert match("layers.*.w", "layers.3.w")
+    assert not match("layers.*.w", "layers.3.x.w")
+    assert not match("layers.*", "layers.3.w")
+
+
+def test_llama_file_plan_matches_seven_linears_per_layer() -> None:
+    mf, model = _meta_model(LLAMA)
+    resolved = resolve_tp_plan(mf, model)
+    assert resolved.plan == mf.module.tp_plan and resolved.source == "model file"
+    matched = matched_modules(model, resolved.plan)
+    assert len(matched) == 7 * 4 and all(isinstance(m, nn.Linear) for _, m, _ in matched.values())
+    check_tp_plan(model, resolved.plan, 2)
+
+
+def test_plan_function_gets_the_config() -> None:
+    mf, model = _meta_model(LLAMA)
+    fake = _fake_file(lambda **config: {"layers.*.attention.wq": "colwise"})
+    assert resolve_tp_plan(fake, model).plan == {"layers.*.attention.wq": "colwise"}  # type: ignore[arg-type]
+
+
+def _hf_tiny() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=128,
+        max_position_embeddings=16,
+    )
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
+def test_hf_plan_prefixed_with_base_model() -> None:
+    model = _hf_tiny()
+    resolved = resolve_tp_plan(_fake_file(None), model)  # type: ignore[arg-type]
+    assert resolved.source == "Hugging Face config"
+    assert resolved.plan["model.layers.*.self_attn.q_proj"] == "colwise"
+    assert resolved.plan["model.layers.*.mlp.down_proj"] == "rowwise"
+    assert len(matched_modules(model, resolved.plan)) == 7 * 2
+    check_tp_plan(model, resolved.plan, 2)
+    with pytest.raises(ModelFileError, match=r"num_key_value_heads is 2, not a multiple of 4"):
+        check_tp_plan(model, resolved.plan, 4)
+
+
+def test_hf_model_inside_a_wrapper() -> None:
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = _hf_tiny()
+
+    wrapped = Wrapper()
+    plan = resolve_tp_plan(_fake_file(None), wrapped).plan  # type: ignore[arg-type]
+    assert plan["lm.model.layers.*.self_attn.o_proj"] == "rowwise"
+    assert len(matched_modules(wrapped, plan)) == 14
+
+
+@pytest.mark.parametrize("style", ["packed_colwise", "colwise_gather_output", "sequence_parallel", "moe_tp_experts"])
+def test_unsupported_styles_give_a_reason(style: str) -> None:
+    model = _hf_tiny()
+    model.config.base_model_tp_plan = {"layers.*.self_attn.q_proj": style}
+    resolved = resolve_tp_plan(_fake_file(None), model)  # type: ignore[arg-type]
+    assert resolved.plan == {} and style in resolved.reason and "\n" not in resolved.reason
+
+
+def test_no_plan_at_all() -> None:
+    mf, model = _meta_model(TOY, None)
+    assert resolve_tp_plan(mf, model).plan == {}
+
+
+@pytest.mark.parametrize(
+    "plan, tp, message",
+    [
+        ({"layers.*.attention.wx": "colwise"}, 1, r"'layers\.\*\.attention\.wx' matches no module"),
+        ({"layers.*.attention": "colwise"}, 1, r"'layers\.\*\.attention' matches layers\.0\.attention, a Attention"),
+        ({"layers.*.feed_forward.w1": "colwise"}, 5, r"feed_forward\.w1 .*out_features is 192, not a multiple of 5"),
+        ({"layers.*.attention.wo": "rowwise"}, 128, r"attention\.wo .*in_features is 64, not a multiple of 128"),
+        ({"layers.*.attention.wq": "colwise"}, 4, r"layers\.0\.attention, whose n_kv_heads is 2, not a multiple of 4"),
+    ],
+)
+def test_check_errors_name_the_pattern(plan: dict[str, str], tp: int, message: str) -> None:
+    _, model = _meta_model(LLAMA)
+    with pytest.raises(ModelFileError, match=message) as info:
+        check_tp_plan(model, plan, tp)
+    assert "\n" not in str(info.value)
+
+
+def _shares(path: Path, batch: int = 2):
+    mf, model = _meta_model(path)
+    inputs, _ = mf.batch(batch)
+    inputs = tuple(x.to("meta") for x in inputs)
+    traced = trace_model(model, inputs)
+    return traced, tensor_parallel_shares(traced, inputs, resolve_tp_plan(mf, model).plan)
+
+
+def test_llama_layer_share_exact() -> None:
+    traced, shares = _shares(LLAMA, batch=2)
+    assert set(shares) == {f"layers.{i}" for i in range(4)}  # embeddings, norm, output: none
+    dim, kv, hidden, tokens, fp32 = 64, 2 * 16, 192, 2 * 32, 4  # tiny: head_dim 16, SwiGLU 192
+    share = shares["layers.0"]
+    assert share.sharded_params == dim * dim * 2 + dim * kv * 2 + dim * hidden * 3
+    assert share.sharded_param_bytes == share.sharded_params * fp32
+    assert share.fwd_allreduces == 2 and share.fwd_allreduce_bytes == 2 * tokens * dim * fp32
+    # one all-reduce per column-wise layer (torch's ColwiseParallel): q, k, v, w1, w3
+    assert share.bwd_allreduces == 5 and share.bwd_allreduce_bytes == 5 * tokens * dim * fp32
+    assert share.divisor == 2  # n_kv_heads
+    # the matmuls (linear layers and attention, all split) against the elements the two norms and
+    # two residual adds touch (~4 x 64 x ~3 per token): the split share is the matmul share, ~0.99
+    matmul = tokens * (2 * share.sharded_params + 2 * 2 * 32 * dim)  # x W, and q k^T, p v over 32 positions
+    whole = tokens * dim * 12
+    assert 0 < share.sharded_compute < 1
+    assert share.sharded_compute == pytest.approx(matmul / (matmul + whole), abs=0.01)
+    assert share.sharded_activation_bytes > 0
+
+
+def test_gpt_shares_the_feed_forward_only() -> None:
+    _, shares = _shares(GPT)
+    share = shares["layers.0"]
+    dim, ffn, tokens, fp32 = 64, 256, 2 * 32, 4
+    assert share.sharded_params == dim * ffn + ffn + ffn * dim  # linear1's bias is split, linear2's is not
+    assert (share.fwd_allreduces, share.bwd_allreduces) == (1, 1)
+    assert share.fwd_allreduce_bytes == share.bwd_allreduce_bytes == tokens * dim * fp32
+    assert 0.2 < share.sharded_compute < 0.8  # the attention stays whole
+    assert share.divisor == 256
+
+
+def test_block_without_split_layers_has_no_share() -> None:
+    mf, model = _meta_model(LLAMA)
+    inputs, _ = mf.batch(1)
+    inputs = tuple(x.to("meta") for x in inputs)
+    traced = trace_model(model, inputs)
+    shares = tensor_parallel_shares(traced, inputs, {"layers.0.attention.wq": "colwise"})
+    assert set(shares) == {"layers.0"} and shares["layers.0"].fwd_allreduces == 0
+
+
+def _plan(path: Path, tp: int | str, gpus: int = 4, size: str | None = "tiny"):
+    return make_plan(PlanRequest.build(model_file=path, size=size, gpus=gpus, gpu_type="h100", tp=tp, batch_size=8))
+
+
+def test_end_to_end_llama_auto_and_forced() -> None:
+    plan = _plan(LLAMA, 2)
+    assert plan.tp == 2 and plan.tp_plan == load_model_file(LLAMA, "tiny").module.tp_plan
+    assert [b.tp is not None for b in plan.blocks] == [False, True, True, True, True, False, False]
+    auto = _plan(LLAMA, "auto")
+    assert auto.tp in (1, 2) and all(b.tp is not None for b in auto.blocks if b.name.startswith("layers."))
+    with pytest.raises(ModelFileError, match="--tp 4: tp_plan splits"):
+        _plan(LLAMA, 4)
+
+
+def test_end_to_end_gpt_mlp_plan() -> None:
+    plan = _plan(GPT, 2)
+    assert plan.tp == 2 and plan.tp_plan == {"layers.*.linear1": "colwise", "layers.*.linear2": "rowwise"}
+
+
+def test_end_to_end_toy_without_plan() -> None:
+    plan = _plan(TOY, "auto", gpus=2, size=None)
+    assert plan.tp == 1 and plan.tp_plan == {} and "tensor parallelism: none" in plan.choice
+    with pytest.raises(InfeasibleError, match="--tp 2: the model declares no tensor-parallel plan"):
+        _plan(TOY, 2, gpus=2, size=None)
