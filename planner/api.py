@@ -536,8 +536,26 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
         )
         return sum(b.fwd_s + b.bwd_s for b in est)
 
-    info = info.model_copy(update=_scaling(request, estimated_time_at))
+    scaling = _scaling(request, estimated_time_at)
+    if scaling["min_microbatch_size"] > 1 and _runs_on_meta(mf, model, 1, request.seed):
+        # An estimate is not a measurement: the affine fit extrapolates to any size the model runs,
+        # and large runs use microbatches of one sample (one sequence). Only a model that cannot run
+        # one (batch norm in training) keeps the fitted floor.
+        scaling["min_microbatch_size"] = 1
+    info = info.model_copy(update=scaling)
     return Costs(traced, _with_output(blocks, traced), link, info, capacity, ties_of(traced, dtype_bytes(dtype)))
+
+
+def _runs_on_meta(mf: ModelFile, model: torch.nn.Module, size: int, seed: int) -> bool:
+    """Whether the model's forward and loss run on a meta microbatch of ``size`` samples (shape checks
+    only: nothing is computed). Batch norm in training refuses one sample per channel, say."""
+    try:
+        x, y = mf.batch(size, seed=seed)
+        x = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in x)
+        mf.loss_fn(model(*x), y.to("meta"))
+    except Exception:  # noqa: BLE001 - any failure means "cannot run that small"
+        return False
+    return True
 
 
 def check_calibration(cal: Calibration, traced: TracedModel, microbatch_size: int) -> None:

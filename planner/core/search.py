@@ -293,7 +293,10 @@ def _layouts(
     each and these microbatch counts, schedules in ``SCHEDULES``' order."""
     schedules = list(SCHEDULES) if space.schedule == "auto" else [space.schedule]
     if pp == 1 and space.schedule == "auto":
-        schedules = ["gpipe"]  # one rank runs its stage alone: every schedule is gradient accumulation
+        # one rank runs its stage alone: every schedule is gradient accumulation, at one speed; GPipe
+        # runs every forward before the first backward (m microbatches' activations held), 1F1B
+        # alternates (one held), so both are tried and the tie goes to the one needing less memory
+        schedules = ["gpipe", "1f1b"]
     out = []
     for name in schedules:
         vs = (
