@@ -245,7 +245,12 @@ def evaluate(row: Published, tmp: Path) -> list[str]:
     else:
         figure = _figure(given, row)
         fits = "yes" if not why else "no: " + _memory(given)
-        cells += [f"{figure:,.0f}", f"{figure / row.tflops - 1:+.0%}", f"{_layout(given)}; fits {fits}", f"{t_given:.0f}"]
+        cells += [
+            f"{figure:,.0f}",
+            f"{figure / row.tflops - 1:+.0%}",
+            f"{_layout(given)}; fits {fits}",
+            f"{t_given:.0f}",
+        ]
     if searched is None:
         cells += [why_s or "no plan", "—", f"{t_search:.0f}"]
     else:
