@@ -16,6 +16,7 @@ from torch import nn
 
 from planner.capture.blocks import TiedParameter
 from planner.run.mesh import RankMesh
+from planner.run.optim import by_kind
 from planner.schema.plan import Plan
 from planner.torch_compat import flatten_dense, unflatten_dense
 
@@ -114,7 +115,7 @@ def average_over_replicas(params: list[torch.nn.Parameter], group: Any, replicas
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
         assert p.grad is not None
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        by_dtype.setdefault(p.grad.dtype, []).append(local_part(p.grad))  # a DTensor's (tensor parallel) shard
     with torch.no_grad():
         for grads in by_dtype.values():
             flat = flatten_dense(grads)
@@ -181,7 +182,10 @@ def clip_to_global_norm(
     total = math.sqrt(float(sq))
     if max_norm is not None:
         device = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(total, dtype=torch.float32, device=device))
+        norm = torch.tensor(total, dtype=torch.float32, device=device)
+        # DTensor and plain gradients (tensor parallelism) in separate foreach calls, which refuse a mix
+        for kind in by_kind(params):
+            torch.nn.utils.clip_grads_with_norm_(kind, max_norm, norm)
     return total
 
 
