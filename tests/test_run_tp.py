@@ -40,3 +40,26 @@ def test_llama_tp2_pp2_matches_unsplit_model(tmp_path: Path) -> None:
     got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
     assert [s.stage for s in got.stages] == [0, 1]  # one tp rank per pipeline rank reports
     print("llama tp2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+def test_tied_embedding_and_head_across_pipeline_ranks_tp2(tmp_path: Path) -> None:
+    # stage 0: the embedding; stage 1: both layers (split colwise then rowwise) and the head tied to it
+    tp_plan = {"layers.0": "colwise", "layers.1": "rowwise"}
+    plan = make_plan(
+        FIXTURES / "tied.py", [0, 1], schedule="gpipe", optimizer="sgd", lr=0.5, grad_clip=0.05, tp=2, tp_plan=tp_plan
+    )
+    assert len(plan.ties) == 1
+    got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
+    print("tied tp2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+def test_two_replicas_of_a_tp2_stage_match_one_process(tmp_path: Path) -> None:
+    plan = make_plan(
+        MODELS / "llama.py", [0], schedule="gpipe", n_microbatches=2, optimizer="adamw", grad_clip=0.5, dp=2, tp=2
+    )
+    assert (plan.dp, plan.n_ranks, plan.tp, plan.world_size) == (2, 1, 2, 4)
+    got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
+    assert got.replicas == 2
+    print("llama dp2 tp2", got.losses, want.losses, got.grad_norms, want.grad_norms)

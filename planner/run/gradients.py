@@ -77,9 +77,10 @@ def grad_finisher(
     for tie, ranks in tie_groups(plan, ties):
         if len(ranks) < 2:
             continue  # one rank holds every reader: its stages share the one parameter
-        for replica in range(plan.dp):
-            group = dist.new_group([plan.global_rank(replica, r) for r in ranks])
-            if replica == mesh.replica and mesh.pp_rank in ranks:
+        # one group per replica and tensor-parallel index: a pipeline rank's tp ranks each hold a copy
+        for replica, tp_rank in [(d, t) for d in range(plan.dp) for t in range(plan.tp)]:
+            group = dist.new_group([plan.global_rank(replica, r, tp_rank) for r in ranks])
+            if replica == mesh.replica and tp_rank == mesh.tp_rank and mesh.pp_rank in ranks:
                 param = next((tensors[n] for n in tie.names if n in tensors), tie.param)
                 mine.append((param, group))  # type: ignore[arg-type]
                 if mesh.pp_rank != ranks[0]:
