@@ -55,14 +55,24 @@ def test_tied_embedding_and_head_across_pipeline_ranks_tp2(tmp_path: Path) -> No
 
 
 @pytest.mark.multiprocess
-def test_two_replicas_of_a_tp2_stage_match_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dp_mode", ["ddp", "fsdp"])
+def test_two_replicas_of_a_tp2_stage_match_one_process(tmp_path: Path, dp_mode: str) -> None:
+    # ddp: averaged by the gradient finisher (DDP does not reduce DTensors); fsdp: 2-D (dp, tp) DTensors
     plan = make_plan(
-        MODELS / "llama.py", [0], schedule="gpipe", n_microbatches=2, optimizer="adamw", grad_clip=0.5, dp=2, tp=2
+        MODELS / "llama.py",
+        [0],
+        schedule="gpipe",
+        n_microbatches=2,
+        optimizer="adamw",
+        grad_clip=0.5,
+        dp=2,
+        tp=2,
+        dp_mode=dp_mode,
     )
     assert (plan.dp, plan.n_ranks, plan.tp, plan.world_size) == (2, 1, 2, 4)
     got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
     assert got.replicas == 2
-    print("llama dp2 tp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
+    print("llama dp2 tp2", dp_mode, got.losses, want.losses, got.grad_norms, want.grad_norms)
 
 
 @pytest.mark.multiprocess

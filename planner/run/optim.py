@@ -42,18 +42,19 @@ def make_optimizer(params: Iterable[nn.Parameter], plan: Plan) -> torch.optim.Op
 
 
 def by_kind(tensors: Iterable[T]) -> list[list[T]]:
-    """``tensors`` split into the DTensors and the plain tensors, in order (one list when all are of one kind).
+    """``tensors`` split into the plain tensors and the DTensors of each mesh, in order (one list when
+    all are of one kind): one foreach kernel refuses a mix (tensor parallelism leaves norms plain,
+    FSDP x tp puts them on the dp mesh and the split layers on the (dp, tp) mesh).
 
     Args:
         tensors: parameters or gradients.
     """
     from torch.distributed.tensor import DTensor
 
-    dt: list[T] = []
-    plain: list[T] = []
+    kinds: dict[Any, list[T]] = {}
     for t in tensors:
-        (dt if isinstance(t, DTensor) else plain).append(t)
-    return [g for g in (plain, dt) if g]
+        kinds.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    return list(kinds.values())
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer | None, steps: int, warmup: int, decay: str) -> Any | None:
