@@ -43,9 +43,12 @@ def make_plan(
     record_ties: bool = True,
     dp: int = 1,
     dp_mode: str = "ddp",
+    tp: int = 1,
+    tp_plan: dict[str, str] | None = None,
 ) -> Plan:
     """A valid Plan for ``model_path`` whose stages start at the blocks in ``starts`` (placed on ranks
-    as ``schedule`` places ``stages_per_rank`` stages per rank), run as ``dp`` replicas."""
+    as ``schedule`` places ``stages_per_rank`` stages per rank), run as ``dp`` replicas, each pipeline
+    rank split over ``tp`` tensor-parallel ranks by ``tp_plan`` (None: the model file's own)."""
     import torch
 
     from planner.capture.load import load_model_file
@@ -144,6 +147,8 @@ def make_plan(
         ties=ties_of(traced) if record_ties else [],
         dp=dp,
         dp_mode=dp_mode,
+        tp=tp,
+        tp_plan=(dict(getattr(mf.module, "tp_plan", {})) if tp_plan is None else tp_plan) if tp > 1 else {},
     )
 
 

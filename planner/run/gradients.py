@@ -16,6 +16,7 @@ from torch import nn
 
 from planner.capture.blocks import TiedParameter
 from planner.run.mesh import RankMesh
+from planner.run.optim import by_kind
 from planner.schema.plan import Plan
 from planner.torch_compat import flatten_dense, unflatten_dense
 
@@ -76,9 +77,10 @@ def grad_finisher(
     for tie, ranks in tie_groups(plan, ties):
         if len(ranks) < 2:
             continue  # one rank holds every reader: its stages share the one parameter
-        for replica in range(plan.dp):
-            group = dist.new_group([plan.global_rank(replica, r) for r in ranks])
-            if replica == mesh.replica and mesh.pp_rank in ranks:
+        # one group per replica and tensor-parallel index: a pipeline rank's tp ranks each hold a copy
+        for replica, tp_rank in [(d, t) for d in range(plan.dp) for t in range(plan.tp)]:
+            group = dist.new_group([plan.global_rank(replica, r, tp_rank) for r in ranks])
+            if replica == mesh.replica and tp_rank == mesh.tp_rank and mesh.pp_rank in ranks:
                 param = next((tensors[n] for n in tie.names if n in tensors), tie.param)
                 mine.append((param, group))  # type: ignore[arg-type]
                 if mesh.pp_rank != ranks[0]:
@@ -114,7 +116,7 @@ def average_over_replicas(params: list[torch.nn.Parameter], group: Any, replicas
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
         assert p.grad is not None
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        by_dtype.setdefault(p.grad.dtype, []).append(local_part(p.grad))  # a DTensor's (tensor parallel) shard
     with torch.no_grad():
         for grads in by_dtype.values():
             flat = flatten_dense(grads)
@@ -181,7 +183,10 @@ def clip_to_global_norm(
     total = math.sqrt(float(sq))
     if max_norm is not None:
         device = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(total, dtype=torch.float32, device=device))
+        norm = torch.tensor(total, dtype=torch.float32, device=device)
+        # DTensor and plain gradients (tensor parallelism) in separate foreach calls, which refuse a mix
+        for kind in by_kind(params):
+            torch.nn.utils.clip_grads_with_norm_(kind, max_norm, norm)
     return total
 
 

@@ -61,8 +61,10 @@ from planner.errors import PlannerError, RunFailed
 from planner.run.console import print_flushed
 from planner.run.faults import WorkerTraceback, diagnose, read_records
 from planner.run.loop import RankResult, run_result
+from planner.run.mesh import threads_per_rank
 from planner.run.model import check_runnable, check_ties, load_plan_model, trace_for_plan
 from planner.run.preflight import check_checkpoint_dir, check_data, check_resume
+from planner.run.tensor_split import check_tp_split
 from planner.schema.plan import Plan
 from planner.schema.request import RunRequest
 from planner.schema.result import RunResult
@@ -117,15 +119,19 @@ def _env(**values: str) -> Iterator[None]:
 
 
 def _check_stages(plan: Plan, traced: TracedModel) -> None:
-    """Build every stage once (catches illegal cuts) and check the plan records every parameter
-    that several stages read (tied weights), before any rank starts.
+    """Build every stage once (catches illegal cuts), check its tensor-parallel split (``check_tp_split``)
+    and that the plan records every parameter that several stages read (tied weights), before any
+    rank starts.
 
     Raises:
         TraceError: a stage cannot be cut out of the model.
-        PlanFileError: a tie the plan does not record (``check_ties``).
+        PlanFileError: a tie the plan does not record (``check_ties``), or a ``tp_plan`` the stages
+            cannot be split by.
     """
     for s in plan.stages:
-        stage_module(traced, s.start, s.end)
+        built = stage_module(traced, s.start, s.end)
+        if plan.tp > 1:
+            check_tp_split(built, plan.tp_plan, plan.tp)
     check_ties(plan, traced)
 
 
@@ -311,7 +317,7 @@ def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None]
     """
     plan_path, nnodes = request.plan_file, request.nnodes
     check_runnable(plan)
-    n = plan.world_size  # dp replicas x n_ranks pipeline ranks
+    n = plan.world_size  # dp replicas x n_ranks pipeline ranks x tp tensor-parallel ranks
     if n % nnodes:  # RunRequest keeps nnodes >= 1
         raise PlannerError(f"{n} ranks cannot be spread evenly over {nnodes} node(s); use an --nnodes that divides {n}")
     _check_endpoint(request)
@@ -355,7 +361,8 @@ def _launch(plan: Plan, request: RunRequest, nproc: int, print_fn: Callable[[str
         print_fn(
             f"launching {plan.world_size} ranks ({nproc} per node, {plan.n_stages} stages, {plan.schedule}, "
             f"{plan.n_microbatches} microbatches, "
-            f"backend {plan.profile.backend}, {plan.profile.threads} thread(s) each)"
+            f"{plan.tp} tensor-parallel rank(s) per pipeline rank, "
+            f"backend {plan.profile.backend}, {threads_per_rank(plan)} thread(s) each)"
         )
     params, master_addr, master_port = _rendezvous_parameters(plan, request)
     with tempfile.TemporaryDirectory(prefix="planner-run-") as tmp:
@@ -364,7 +371,7 @@ def _launch(plan: Plan, request: RunRequest, nproc: int, print_fn: Callable[[str
         watch = _Watch(error_dir)
         # OMP_NUM_THREADS reaches the workers through the agent; without it each rank's OpenMP
         # pool would size itself to every core and the ranks would oversubscribe the machine.
-        with _quiet_elastic(), _env(OMP_NUM_THREADS=str(plan.profile.threads)), _signal_handlers_kept():
+        with _quiet_elastic(), _env(OMP_NUM_THREADS=str(threads_per_rank(plan))), _signal_handlers_kept():
             try:
                 spec = WorkerSpec(
                     role="planner",

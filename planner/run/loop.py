@@ -405,7 +405,11 @@ def run_result(
     # Replicas run the same stages and agree on the (replica-averaged) loss: stage figures come
     # from the lowest replica that reported, step times from every rank.
     first_replica = min(r.replica for r in ranks)
-    one = [r for r in ranks if r.replica == first_replica]
+    # A pipeline rank's tensor-parallel ranks run the same stages on the same data: its tp rank 0 speaks for them.
+    tp = getattr(plan, "tp", 1)
+    one = [r for r in ranks if r.replica == first_replica and r.rank % tp == 0] or [
+        r for r in ranks if r.replica == first_replica
+    ]
     # the rank that holds the last stage computes the loss (rank 0 under a V placement)
     last = next((r for r in one if any(m.stage == n_stages - 1 for m in r.measures)), None)
     steps = min(len(r.times) for r in ranks)

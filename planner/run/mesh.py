@@ -1,5 +1,5 @@
 """Where a rank sits: its process group (joined torchrun-style, or a group of one in this process)
-and its place on the plan's (dp, pp) mesh, with the groups it talks in.
+and its place on the plan's (dp, pp, tp) mesh, with the groups it talks in.
 """
 
 from __future__ import annotations
@@ -21,15 +21,20 @@ from planner.schema.request import RunRequest
 
 @dataclass(frozen=True)
 class RankMesh:
-    """Where this rank sits on the (dp, pp) mesh and the groups it talks in.
+    """Where this rank sits on the (dp, pp, tp) mesh and the groups it talks in.
 
     Attributes:
         rank: the global rank.
         pp_rank: its rank in its pipeline (which stages it runs).
         replica: its data-parallel replica.
-        pp_group: its pipeline's ranks (point-to-point, the gradient norm).
+        pp_group: its pipeline's ranks with its tensor-parallel index (point-to-point; the
+            gradient norm when tp is 1).
         dp_group: the ranks running the same stages in the other replicas (None: one replica).
         dp_mesh: those ranks as a 1-D ``DeviceMesh`` (FSDP shards over it; None: one replica).
+        tp_rank: its index among its pipeline rank's tensor-parallel ranks (0 when tp is 1).
+        tp_mesh: those ranks as a 1-D ``DeviceMesh`` (the stages are sharded over it; None: tp 1).
+        replica_group: every rank of its replica, pipeline and tensor-parallel (the gradient norm
+            under tp > 1; None: tp 1).
     """
 
     rank: int
@@ -38,10 +43,15 @@ class RankMesh:
     pp_group: Any
     dp_group: Any | None
     dp_mesh: Any | None
+    tp_rank: int = 0
+    tp_mesh: Any | None = None
+    replica_group: Any | None = None
 
 
 def rank_mesh(plan: Plan, rank: int, device: torch.device) -> RankMesh:
-    """The (dp, pp) mesh of the plan (laid out as ``Plan`` documents: global = replica x pp + pp rank).
+    """The (dp, pp, tp) mesh of the plan, laid out as ``Plan`` documents and torch's ``DeviceMesh``
+    does (``torch.arange(world).view(dp, pp, tp)``: global = (replica x pp + pp rank) x tp + tp rank).
+    With tp 1 it is the (dp, pp) mesh; with one replica and tp 1 no ``DeviceMesh`` is made at all.
 
     Args:
         plan: the plan (replicas, pipeline ranks).
@@ -51,10 +61,12 @@ def rank_mesh(plan: Plan, rank: int, device: torch.device) -> RankMesh:
     Returns:
         This rank's place and groups (the world group as its pipeline under one replica).
     """
-    if plan.dp == 1:
+    if plan.dp == 1 and plan.tp == 1:
         return RankMesh(rank, rank, 0, dist.group.WORLD, None, None)
     from torch.distributed.device_mesh import init_device_mesh
 
+    if plan.tp > 1:
+        return _mesh_3d(plan, rank, device)
     mesh = init_device_mesh(device.type, (plan.dp, plan.n_ranks), mesh_dim_names=("dp", "pp"))
     return RankMesh(
         rank=rank,
@@ -64,6 +76,46 @@ def rank_mesh(plan: Plan, rank: int, device: torch.device) -> RankMesh:
         dp_group=mesh["dp"].get_group(),
         dp_mesh=mesh["dp"],
     )
+
+
+def _mesh_3d(plan: Plan, rank: int, device: torch.device) -> RankMesh:
+    """The (dp, pp, tp) mesh of a tensor-parallel plan (``rank_mesh``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (plan.dp, plan.n_ranks, plan.tp), mesh_dim_names=("dp", "pp", "tp"))
+    # One group per replica for the gradient norm: every rank creates every group, in the same
+    # order (``new_group`` is collective over the world).
+    replica_group = None
+    for replica in range(plan.dp):
+        ranks = [plan.global_rank(replica, p, t) for p in range(plan.n_ranks) for t in range(plan.tp)]
+        group = dist.new_group(ranks) if plan.dp > 1 else dist.group.WORLD
+        if replica == plan.replica_of(rank):
+            replica_group = group
+    return RankMesh(
+        rank=rank,
+        pp_rank=plan.pp_rank_of(rank),
+        replica=plan.replica_of(rank),
+        pp_group=mesh["pp"].get_group(),
+        dp_group=mesh["dp"].get_group() if plan.dp > 1 else None,
+        dp_mesh=mesh["dp"] if plan.dp > 1 else None,
+        tp_rank=plan.tp_rank_of(rank),
+        tp_mesh=mesh["tp"],
+        replica_group=replica_group,
+    )
+
+
+def threads_per_rank(plan: Plan, cores: int | None = None) -> int:
+    """Intra-op threads of each rank: the plan's, but no more than this machine's cores shared by its
+    ranks (at least 1), so the tensor-parallel ranks of a CPU run do not oversubscribe the cores.
+
+    Args:
+        plan: the plan (profiled threads, ranks in all).
+        cores: the cores to share (None: ``os.cpu_count()``).
+    """
+    have = cores if cores is not None else os.cpu_count() or 1
+    if plan.profile.backend == "nccl":
+        return plan.profile.threads
+    return max(1, min(plan.profile.threads, have // plan.world_size))
 
 
 @contextlib.contextmanager
@@ -86,9 +138,9 @@ def joined_group(plan: Plan, request: RunRequest) -> Iterator[tuple[RankMesh, to
     if world != plan.world_size:
         raise PlannerError(
             f"{world} processes joined the run but the plan has {plan.world_size} ranks "
-            f"({plan.dp} replica(s) x {plan.n_ranks}); start world_size / nnodes processes on every node"
+            f"({plan.dp} replica(s) x {plan.n_ranks} x {plan.tp} tensor-parallel); start world_size / nnodes processes on every node"
         )
-    torch.set_num_threads(plan.profile.threads)
+    torch.set_num_threads(threads_per_rank(plan))
     backend = plan.profile.backend
     # Every wait on another rank (a collective, a point-to-point receive) is bounded by --timeout,
     # so a hung or stopped rank ends the run instead of holding the others for gloo's 30 minutes.

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from planner.schema.plan import Plan
+
+T = TypeVar("T", bound=torch.Tensor)
 
 
 def make_optimizer(params: Iterable[nn.Parameter], plan: Plan) -> torch.optim.Optimizer | None:
@@ -28,9 +30,31 @@ def make_optimizer(params: Iterable[nn.Parameter], plan: Plan) -> torch.optim.Op
     params = list(params)
     if not params:
         return None
+    groups: Any = params
+    kinds = by_kind(params)
+    if len(kinds) > 1:
+        # Tensor parallelism mixes DTensor and plain parameters, which one foreach kernel refuses;
+        # each param group is stepped on its own (same rate, same schedule).
+        groups = [{"params": group} for group in kinds]
     if plan.optimizer.name == "sgd":
-        return torch.optim.SGD(params, lr=plan.optimizer.lr)
-    return torch.optim.AdamW(params, lr=plan.optimizer.lr)
+        return torch.optim.SGD(groups, lr=plan.optimizer.lr)
+    return torch.optim.AdamW(groups, lr=plan.optimizer.lr)
+
+
+def by_kind(tensors: Iterable[T]) -> list[list[T]]:
+    """``tensors`` split into the plain tensors and the DTensors of each mesh, in order (one list when
+    all are of one kind): one foreach kernel refuses a mix (tensor parallelism leaves norms plain,
+    FSDP x tp puts them on the dp mesh and the split layers on the (dp, tp) mesh).
+
+    Args:
+        tensors: parameters or gradients.
+    """
+    from torch.distributed.tensor import DTensor
+
+    kinds: dict[Any, list[T]] = {}
+    for t in tensors:
+        kinds.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    return list(kinds.values())
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer | None, steps: int, warmup: int, decay: str) -> Any | None:

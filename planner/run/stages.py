@@ -26,6 +26,7 @@ from planner.run.mesh import RankMesh
 from planner.run.model import check_ties, trace_for_plan
 from planner.run.optim import make_optimizer
 from planner.run.streams import vocab_size_of
+from planner.run.tensor_split import norm_counted, shard_stage
 from planner.run.wrappers import (
     ContiguousBoundary,
     HooklessDDP,
@@ -118,13 +119,16 @@ def build_stages(plan: Plan, mf: ModelFile, mesh: RankMesh, device: torch.device
     # Zero-bubble schedules compute weight gradients with autograd.grad, past DDP's hooks, so there
     # the replicas' gradients are averaged by ``finish`` instead (the same all-reduce, after the step's
     # backward).
-    manual = plan.dp > 1 and plan.dp_mode == "ddp" and plan.schedule in SPLIT_BACKWARD
+    # Under tensor parallelism too: the parameters are DTensors, which torch 2.13's DDP does not reduce.
+    manual = plan.dp > 1 and plan.dp_mode == "ddp" and (plan.schedule in SPLIT_BACKWARD or plan.tp > 1)
     modules: list[torch.nn.Module] = []
     stages: list[Any] = []
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for stage in cut:
         names = _state_names(stage.built, root, aliases)  # before wrapping: FSDP replaces the parameters
+        if plan.tp > 1:  # every example was made above, on the unsharded trace
+            shard_stage(stage.built, mesh.tp_mesh, plan.tp_plan)
         submod = _replicated(plan, stage, mesh, device, seen, manual=manual)
         for local_name, t in [*stage.built.named_parameters(remove_duplicate=False), *stage.built.named_buffers()]:
             for alias in names.get(local_name, []):
@@ -136,6 +140,8 @@ def build_stages(plan: Plan, mf: ModelFile, mesh: RankMesh, device: torch.device
     finish, not_counted = grad_finisher(plan, ties, mesh, params, tensors, average=manual)
     del ties
     counted = [p for p in params if id(p) not in not_counted] if not_counted else None
+    if plan.tp > 1:
+        counted = norm_counted(counted if counted is not None else params, mesh.tp_rank)
     return RankStages(
         modules=modules,
         params=params,

@@ -109,7 +109,15 @@ class _RankRun:
         self.feeds = any(s.index == 0 for s in self.mine)  # holds the first stage: gives the inputs
         self.scores = any(s.index == plan.n_stages - 1 for s in self.mine)  # the target and the loss
         # Under FSDP every rank holds a shard of every parameter of its stages: the norm sums over all.
-        self.norm_group = dist.group.WORLD if plan.dp_mode == "fsdp" and plan.dp > 1 else mesh.pp_group
+        # Under tensor parallelism every rank of the replica holds part of its stages' gradients
+        # (``norm_counted`` leaves the replicated copies to tp rank 0).
+        self.norm_group = (
+            dist.group.WORLD
+            if plan.dp_mode == "fsdp" and plan.dp > 1
+            else mesh.replica_group
+            if plan.tp > 1
+            else mesh.pp_group
+        )
         self.text = text_stream(plan, request, self.mf, mesh, built.vocab_size) if built.vocab_size else None
         self.scheduler = make_scheduler(built.optimizer, request.steps, request.warmup, request.lr_decay)
         self.state = RankState(mesh.rank, built.tensors, built.optimizer, self.scheduler, self.text, device)
@@ -169,7 +177,7 @@ class _RankRun:
         if self.scores and count:
             loss = total / count
             self.evals.append((step, loss, count))
-            if self.request.echo and self.mesh.replica == 0:
+            if self.request.echo and self.mesh.replica == 0 and self.mesh.tp_rank == 0:
                 print_flushed(f"eval after step {step}: loss {loss:.4f}, perplexity {math.exp(min(loss, 700)):.2f}")
 
     def save(self, step: int) -> None:
@@ -181,6 +189,7 @@ class _RankRun:
             "schedule": plan.schedule,
             "dp": plan.dp,
             "world_size": plan.world_size,
+            "tp": plan.tp,
         }
         if self.text is not None and self.mesh.rank == 0:
             # rank 0 publishes the checkpoint (a rename, after every rank wrote): never without its ids
@@ -241,7 +250,8 @@ class _RankRun:
                 request.steps,
                 max_norm=plan.optimizer.grad_clip,
                 probes=self.probes,
-                echo=request.echo and self.scores and self.mesh.replica == 0,  # one rank prints the losses
+                # one rank prints the losses
+                echo=request.echo and self.scores and self.mesh.replica == 0 and self.mesh.tp_rank == 0,
                 print_fn=print_flushed,
                 progress=progress,
                 first_step=first_step,

@@ -1,0 +1,146 @@
+"""Tensor parallelism inside a pipeline stage: the plan's ``tp_plan`` applied to a stage module with
+torch's ``parallelize_module`` over the rank's tensor-parallel mesh, before the stage becomes a
+``PipelineStage``; and which gradients of a sharded stage enter the global norm on this rank.
+
+The stage modules keep the unsplit model's module names (``layers.0.attention.wq``), so the plan's
+patterns (``'*'`` = exactly one dotted name part) match them directly. ``ColwiseParallel`` takes a
+replicated input and returns its column shard, ``RowwiseParallel`` takes that shard and returns the
+all-reduced (replicated) output: between the matched modules activations are plain local tensors,
+and what crosses a stage boundary is the full activation, the same on every tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+import torch
+from torch import nn
+
+from planner.errors import PlanFileError
+
+STYLES = ("colwise", "rowwise")
+
+
+def matches(name: str, pattern: str) -> bool:
+    """A module name matches a ``tp_plan`` pattern: part for part, ``'*'`` matching exactly one part.
+
+    Args:
+        name: a dotted module name (``layers.0.attention.wq``).
+        pattern: a ``tp_plan`` key (``layers.*.attention.wq``).
+    """
+    parts, pats = name.split("."), pattern.split(".")
+    return len(parts) == len(pats) and all(fnmatch.fnmatchcase(n, p) for n, p in zip(parts, pats))
+
+
+def tp_styles(module: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
+    """The modules of ``module`` the plan shards, by name, with their style.
+
+    Args:
+        module: a stage module (named as the unsplit model names its modules).
+        tp_plan: the plan's patterns -> "colwise" | "rowwise".
+
+    Returns:
+        Module name -> style, in module order (empty: nothing of this stage is sharded).
+
+    Raises:
+        PlanFileError: a style other than colwise / rowwise, or a matched module that is neither an
+            ``nn.Linear`` nor an ``nn.Embedding`` (torch's styles shard only those; a graph traced
+            by torch.export calls its linear layers as functions, not as modules).
+    """
+    bad = sorted({s for s in tp_plan.values() if s not in STYLES})
+    if bad:
+        raise PlanFileError(f"tp_plan style {bad[0]!r} is not one of {', '.join(STYLES)}")
+    out: dict[str, str] = {}
+    for name, sub in module.named_modules():
+        style = next((s for pat, s in tp_plan.items() if name and matches(name, pat)), None)
+        if style is None:
+            continue
+        if not isinstance(sub, (nn.Linear, nn.Embedding)):
+            raise PlanFileError(
+                f"tp_plan shards {name}, which this stage holds as a {type(sub).__name__}, not an nn.Linear: "
+                "torch's ColwiseParallel / RowwiseParallel shard only modules the stage calls as modules "
+                "(a torch.fx trace keeps them; a torch.export trace calls their weights as functions); "
+                "re-plan with tp 1"
+            )
+        out[name] = style
+    return out
+
+
+def shard_stage(module: nn.Module, tp_mesh: Any, tp_plan: dict[str, str]) -> dict[str, str]:
+    """Shard a stage module's matched layers over the tensor-parallel mesh, in place.
+
+    Args:
+        module: the stage module (before any replica wrapping or ``PipelineStage``).
+        tp_mesh: the rank's 1-D tensor-parallel ``DeviceMesh``.
+        tp_plan: the plan's patterns -> styles.
+
+    Returns:
+        The sharded modules' names -> styles (``tp_styles``).
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = tp_styles(module, tp_plan)
+    if styles:
+        make = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        parallelize_module(module, tp_mesh, {name: make[style]() for name, style in styles.items()})
+    return styles
+
+
+def sharded_over_tp(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor split (``Shard``) over a mesh dimension named "tp": each tensor-parallel
+    rank then holds a different part of it (its gradient's local squares add up over the tp ranks).
+
+    Args:
+        t: a parameter or gradient (a DTensor under tensor parallelism or FSDP, else a tensor).
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(t, DTensor):
+        return False
+    names = t.device_mesh.mesh_dim_names or ()
+    return any(n == "tp" and isinstance(p, Shard) for n, p in zip(names, t.placements))
+
+
+def norm_counted(params: list[nn.Parameter], tp_rank: int) -> list[nn.Parameter]:
+    """The parameters whose gradients this rank adds to the global norm under tensor parallelism:
+    every tp-sharded one (each rank holds its own part), the replicated ones on tp rank 0 only (each
+    tp rank holds the same full gradient; counted once).
+
+    Args:
+        params: the rank's trainable parameters.
+        tp_rank: the rank's tensor-parallel index.
+    """
+    return [p for p in params if tp_rank == 0 or sharded_over_tp(p)]
+
+
+def check_tp_split(module: nn.Module, tp_plan: dict[str, str], tp: int) -> dict[str, str]:
+    """Check, before any rank starts, that a stage module can be split ``tp`` ways by the plan.
+
+    Args:
+        module: a stage module, unsharded.
+        tp_plan: the plan's patterns -> styles.
+        tp: the tensor-parallel ranks.
+
+    Returns:
+        The modules the plan shards in this stage (``tp_styles``).
+
+    Raises:
+        PlanFileError: ``tp_styles``'s reasons, or a sharded width ``tp`` does not divide (the ranks'
+            shards would differ in size, and a layer that reshapes to -1 heads would mix heads).
+    """
+    styles = tp_styles(module, tp_plan)
+    subs = dict(module.named_modules())
+    for name, style in styles.items():
+        sub = subs[name]
+        if isinstance(sub, nn.Linear):
+            width, what = (sub.out_features, "output") if style == "colwise" else (sub.in_features, "input")
+        else:
+            assert isinstance(sub, nn.Embedding)
+            width, what = (sub.embedding_dim, "embedding") if style == "colwise" else (sub.num_embeddings, "row")
+        if width % tp:
+            raise PlanFileError(
+                f"tp_plan splits {name} {style} over {tp} ranks, but its {what} width {width} is not a multiple "
+                f"of {tp}; re-plan with a tp that divides it"
+            )
+    return styles

@@ -1,0 +1,159 @@
+"""Tier 3: tensor parallelism inside pipeline stages (``Plan.tp``, ``tp_plan``), real gloo processes
+on CPU against the unsplit model: losses and global gradient norms (clipping on) equal within 1e-4.
+
+Plans are built by the test factory with ``tp`` and ``tp_plan`` given, not chosen by the planner.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from run_factory import MODELS, assert_close, make_plan, saved  # noqa: E402
+
+from planner.run import run_plan, train_reference  # noqa: E402
+from planner.schema.request import RunRequest  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def _run_and_compare(plan, tmp_path: Path, steps: int = 3, **request: object):  # type: ignore[no-untyped-def]
+    path = saved(plan, tmp_path)
+    got = run_plan(plan, RunRequest(plan_file=path, steps=steps, echo=False, **request))  # type: ignore[arg-type]
+    want = train_reference(plan, path, steps)
+    assert_close(got.losses, want.losses, "loss")
+    assert_close(got.grad_norms, want.grad_norms, "grad norm")
+    clip = plan.optimizer.grad_clip
+    assert clip is not None and all(g > clip for g in got.grad_norms), "clipping never happened"
+    return got, want
+
+
+@pytest.mark.multiprocess
+def test_llama_tp2_pp2_matches_unsplit_model(tmp_path: Path) -> None:
+    plan = make_plan(
+        MODELS / "llama.py", [0, 3], schedule="1f1b", n_microbatches=2, optimizer="sgd", lr=0.5, grad_clip=0.5, tp=2
+    )
+    assert plan.world_size == 4
+    got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
+    assert [s.stage for s in got.stages] == [0, 1]  # one tp rank per pipeline rank reports
+    print("llama tp2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+def test_tied_embedding_and_head_across_pipeline_ranks_tp2(tmp_path: Path) -> None:
+    # stage 0: the embedding; stage 1: both layers (split colwise then rowwise) and the head tied to it
+    tp_plan = {"layers.0": "colwise", "layers.1": "rowwise"}
+    plan = make_plan(
+        FIXTURES / "tied.py", [0, 1], schedule="gpipe", optimizer="sgd", lr=0.5, grad_clip=0.05, tp=2, tp_plan=tp_plan
+    )
+    assert len(plan.ties) == 1
+    got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
+    print("tied tp2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("dp_mode", ["ddp", "fsdp"])
+def test_two_replicas_of_a_tp2_stage_match_one_process(tmp_path: Path, dp_mode: str) -> None:
+    # ddp: averaged by the gradient finisher (DDP does not reduce DTensors); fsdp: 2-D (dp, tp) DTensors
+    plan = make_plan(
+        MODELS / "llama.py",
+        [0],
+        schedule="gpipe",
+        n_microbatches=2,
+        optimizer="adamw",
+        grad_clip=0.5,
+        dp=2,
+        tp=2,
+        dp_mode=dp_mode,
+    )
+    assert (plan.dp, plan.n_ranks, plan.tp, plan.world_size) == (2, 1, 2, 4)
+    got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
+    assert got.replicas == 2
+    print("llama dp2 tp2", dp_mode, got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+def test_a_tp2_pp2_checkpoint_resumes_as_pp2_and_exports_full_weights(tmp_path: Path) -> None:
+    from planner.run.checkpoint import save_weights, step_dir
+
+    common = dict(schedule="1f1b", n_microbatches=2, optimizer="adamw", grad_clip=0.5)
+    tp_plan = make_plan(MODELS / "llama.py", [0, 3], tp=2, **common)  # type: ignore[arg-type]
+    pp_plan = make_plan(MODELS / "llama.py", [0, 3], **common)  # type: ignore[arg-type]
+    ckpt = tmp_path / "ckpt"
+    tp_path = saved(tp_plan, tmp_path)
+    whole = run_plan(pp_plan, RunRequest(plan_file=tp_path, steps=4, save_checkpoints=False, echo=False))
+    run_plan(tp_plan, RunRequest(plan_file=tp_path, steps=2, checkpoint_dir=ckpt, echo=False))
+    # the checkpoint holds full tensors under the unsplit names: they load into the unsplit model
+    used, step = save_weights(tp_path, step_dir(ckpt, 2), tmp_path / "model.pt")
+    state = torch.load(tmp_path / "model.pt")
+    assert step == 2 and state["layers.0.attention.wq.weight"].shape == (64, 64)
+    # resumed without tensor parallelism, from the sharded checkpoint, it continues the same run
+    resumed = run_plan(pp_plan, RunRequest(plan_file=tp_path, steps=4, checkpoint_dir=ckpt, resume=True, echo=False))
+    assert resumed.first_step == 3
+    assert_close(resumed.losses, whole.losses[2:], "loss")
+    assert_close(resumed.grad_norms, whole.grad_norms[2:], "grad norm")
+    print("resume tp2pp2 -> pp2", resumed.losses, whole.losses[2:], resumed.grad_norms, whole.grad_norms[2:])
+
+
+def test_a_tp_plan_a_torch_export_stage_cannot_follow_is_refused_before_launch(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from planner.errors import PlanFileError
+
+    hf_plan = {f"model.layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"} | {
+        "model.layers.*.self_attn.o_proj": "rowwise"
+    }
+    plan = make_plan(MODELS / "hf" / "llama.py", [0, 4], n_microbatches=2, tp=2, tp_plan=hf_plan)
+    assert plan.model.trace_method == "export"
+    with pytest.raises(PlanFileError, match="q_proj.*not an nn.Linear.*torch.export"):
+        run_plan(plan, RunRequest(plan_file=saved(plan, tmp_path), steps=1, echo=False))
+
+
+def test_tp_plan_patterns_match_one_name_part_per_star() -> None:
+    from torch import nn
+
+    from planner.errors import PlanFileError
+    from planner.run.tensor_split import check_tp_split, matches, tp_styles
+
+    assert matches("layers.0.attention.wq", "layers.*.attention.wq")
+    assert not matches("layers.0.1.attention.wq", "layers.*.attention.wq")
+    assert not matches("model.layers.0.attention.wq", "layers.*.attention.wq")
+    model = nn.Sequential()
+    model.add_module("up", nn.Linear(4, 6))
+    model.add_module("down", nn.Linear(6, 4))
+    assert tp_styles(model, {"up": "colwise", "down": "rowwise"}) == {"up": "colwise", "down": "rowwise"}
+    assert check_tp_split(model, {"up": "colwise", "down": "rowwise"}, 2)
+    with pytest.raises(PlanFileError, match="output width 6 is not a multiple of 4"):
+        check_tp_split(model, {"up": "colwise"}, 4)
+    with pytest.raises(PlanFileError, match="style 'diagonal'"):
+        tp_styles(model, {"up": "diagonal"})
+
+
+def test_sharding_on_a_one_rank_mesh_keeps_the_stage_exact(tmp_path: Path) -> None:
+    import datetime
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from planner.run.tensor_split import norm_counted, shard_stage, sharded_over_tp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4), nn.LayerNorm(4))
+    x = torch.randn(3, 4)
+    want = model(x)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(60))
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        assert shard_stage(model, mesh, {"0": "colwise", "2": "rowwise"}) == {"0": "colwise", "2": "rowwise"}
+        got = model(x)
+        assert type(got) is torch.Tensor and torch.allclose(got, want)  # plain, full activations leave the stage
+        assert sharded_over_tp(model[0].weight) and sharded_over_tp(model[2].weight)
+        assert not sharded_over_tp(model[2].bias)  # rowwise bias: replicated
+        params = list(model.parameters())
+        assert norm_counted(params, 1) == [model[0].weight, model[0].bias, model[2].weight]
+        assert norm_counted(params, 0) == params
+    finally:
+        dist.destroy_process_group()
