@@ -43,9 +43,11 @@ def make_plan(
     record_ties: bool = True,
     dp: int = 1,
     dp_mode: str = "ddp",
+    accumulation: int = 1,
 ) -> Plan:
     """A valid Plan for ``model_path`` whose stages start at the blocks in ``starts`` (placed on ranks
-    as ``schedule`` places ``stages_per_rank`` stages per rank), run as ``dp`` replicas."""
+    as ``schedule`` places ``stages_per_rank`` stages per rank), run as ``dp`` replicas, each step in
+    ``accumulation`` passes."""
     import torch
 
     from planner.capture.load import load_model_file
@@ -53,7 +55,7 @@ def make_plan(
     from planner.costs.blocks import ties_of
 
     mf = load_model_file(model_path, size)
-    inputs, _ = mf.batch(batch_size // (dp * n_microbatches), seed=seed)
+    inputs, _ = mf.batch(batch_size // (dp * accumulation * n_microbatches), seed=seed)
     traced = trace_model(mf.build(seed), inputs)
     n = len(traced.blocks)
     blocks = [
@@ -144,6 +146,7 @@ def make_plan(
         ties=ties_of(traced) if record_ties else [],
         dp=dp,
         dp_mode=dp_mode,
+        accumulation=accumulation,
     )
 
 

@@ -118,7 +118,9 @@ def build_stages(plan: Plan, mf: ModelFile, mesh: RankMesh, device: torch.device
     # Zero-bubble schedules compute weight gradients with autograd.grad, past DDP's hooks, so there
     # the replicas' gradients are averaged by ``finish`` instead (the same all-reduce, after the step's
     # backward).
-    manual = plan.dp > 1 and plan.dp_mode == "ddp" and plan.schedule in SPLIT_BACKWARD
+    # With several passes per step (gradient accumulation) torch's PipelineStage would all-reduce at
+    # the end of every pass: averaged by ``finish`` too, once per step, after the last pass.
+    manual = plan.dp > 1 and plan.dp_mode == "ddp" and (plan.schedule in SPLIT_BACKWARD or plan.accumulation > 1)
     modules: list[torch.nn.Module] = []
     stages: list[Any] = []
     tensors: dict[str, torch.Tensor] = {}
