@@ -209,6 +209,20 @@ def _load_plan(path: str) -> Plan:
     "must divide the replica's batch; 1f1b needs at least one per rank, dualpipev two.",
 )
 @click.option(
+    "--accumulation",
+    type=REPLICAS_OR_AUTO,
+    default="auto",
+    show_default=True,
+    help="Pipeline passes per step (gradient accumulation, as torchtitan runs schedule.step several times per "
+    "optimizer step): each replica runs the schedule N times on --batch-size / (--dp x N) samples, "
+    "--microbatches microbatches each, gradients accumulated, then reduces, clips and steps once. torch's "
+    "PipelineStage allocates a receive buffer per microbatch of a pass, up front, so N passes of m "
+    "microbatches hold m buffers where one pass of N x m holds N x m; each pass pays the pipeline's warm-up "
+    "and drain. 'auto': one pass, and more (at least one microbatch per pipeline rank each) only for the "
+    "layouts whose one pass does not fit the memory. A number must divide the replica's batch with the "
+    "microbatches.",
+)
+@click.option(
     "--schedule",
     default="auto",
     show_default=True,
@@ -356,6 +370,7 @@ def plan_cmd(
     overrides: tuple[str, ...],
     batch_size: int,
     microbatches: int | None,
+    accumulation: int | str,
     schedule: str,
     stages_per_rank: int | None,
     method: str,
@@ -393,6 +408,7 @@ def plan_cmd(
         overrides=parse_overrides(overrides),
         batch_size=batch_size,
         microbatches=microbatches,
+        accumulation=accumulation,
         schedule=schedule,
         stages_per_rank=stages_per_rank,
         method=method,
@@ -763,6 +779,7 @@ def _write_pictures(plan: Plan, run: Any, timeline: str | None, trace: str | Non
         click.echo("note: the run recorded no per-action times (run 2 or more steps); only the prediction is drawn")
         measured = None
     title = f"{plan.schedule}, {plan.n_ranks} ranks x {plan.stages_per_rank} stage(s), m={plan.n_microbatches}"
+    title += f", {plan.accumulation} passes" if plan.accumulation > 1 else ""
     if timeline:
         timeline_figure(predicted, plan.n_ranks, timeline, measured=measured, title=title)
         click.echo(f"wrote {timeline}")

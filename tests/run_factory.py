@@ -45,10 +45,12 @@ def make_plan(
     dp_mode: str = "ddp",
     tp: int = 1,
     tp_plan: dict[str, str] | None = None,
+    accumulation: int = 1,
 ) -> Plan:
     """A valid Plan for ``model_path`` whose stages start at the blocks in ``starts`` (placed on ranks
     as ``schedule`` places ``stages_per_rank`` stages per rank), run as ``dp`` replicas, each pipeline
-    rank split over ``tp`` tensor-parallel ranks by ``tp_plan`` (None: the model file's own)."""
+    rank split over ``tp`` tensor-parallel ranks by ``tp_plan`` (None: the model file's own), each step
+    in ``accumulation`` passes."""
     import torch
 
     from planner.capture.load import load_model_file
@@ -56,7 +58,7 @@ def make_plan(
     from planner.costs.blocks import ties_of
 
     mf = load_model_file(model_path, size)
-    inputs, _ = mf.batch(batch_size // (dp * n_microbatches), seed=seed)
+    inputs, _ = mf.batch(batch_size // (dp * accumulation * n_microbatches), seed=seed)
     traced = trace_model(mf.build(seed), inputs)
     n = len(traced.blocks)
     blocks = [
@@ -149,6 +151,7 @@ def make_plan(
         dp_mode=dp_mode,
         tp=tp,
         tp_plan=(dict(getattr(mf.module, "tp_plan", {})) if tp_plan is None else tp_plan) if tp > 1 else {},
+        accumulation=accumulation,
     )
 
 

@@ -52,9 +52,9 @@ SHIPPED: list[tuple[str, str | None, int, dict[str, Any]]] = [
 
 # Fields added after the digests were written, with the value that means what a plan without them
 # meant: dropped while they hold it, so the digests pin the figures, not the format.
-LATER_DEFAULTS = {"tp": 1, "tp_plan": {}}
+LATER_DEFAULTS = {"tp": 1, "tp_plan": {}, "accumulation": 1}
 BLOCK_LATER_DEFAULTS = {"tp": None}
-CANDIDATE_LATER_DEFAULTS = {"tp": 1}
+CANDIDATE_LATER_DEFAULTS = {"tp": 1, "accumulation": 1}
 
 
 def _drop(data: dict[str, Any], defaults: dict[str, Any]) -> None:

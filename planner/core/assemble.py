@@ -252,6 +252,7 @@ def assemble_plan(
         tuple(request.dp_options),
         request.dp_mode,
         tuple(tensor_parallel_degrees(request, blocks, tp_plan)),
+        None if request.accumulation == "auto" else request.accumulation,
     )
     scaling = Scaling(
         profile.microbatch_size or request.microbatch_size, profile.fixed_fraction, profile.min_microbatch_size
@@ -289,6 +290,7 @@ def assemble_plan(
         tp_plan=dict(tp_plan or {}) if chosen.layout.tp > 1 else {},
         batch_size=request.batch_size,
         n_microbatches=chosen.layout.n_microbatches,
+        accumulation=chosen.layout.accumulation,
         blocks=chosen.blocks,
         stages=stages,
         prediction=prediction,

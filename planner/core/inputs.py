@@ -54,6 +54,9 @@ class Layout:
         dp_mode: how the replicas reduce gradients: "ddp", "fsdp", or "auto" before the search
             decides (``planner.core.search.evaluate_modes``).
         tp: tensor-parallel ranks each pipeline rank is split over (inside one node).
+        accumulation: pipeline passes per step (gradient accumulation): each replica runs the
+            schedule this many times, ``n_microbatches`` microbatches each, then reduces, clips and
+            steps once. Memory is one pass's (its receive buffers are ``n_microbatches``' worth).
     """
 
     schedule: str
@@ -63,6 +66,7 @@ class Layout:
     dp: int = 1
     dp_mode: str = "ddp"
     tp: int = 1
+    accumulation: int = 1
 
     @property
     def n_stages(self) -> int:
@@ -119,11 +123,12 @@ class SearchSpace:
     Attributes:
         batch_size: samples per step, the global batch (split evenly over the replicas).
         schedule: a schedule name, or "auto" for all of them.
-        n_microbatches: microbatches per replica, or None for the divisors of the replica's batch.
+        n_microbatches: microbatches per pass of a replica, or None for the divisors of the replica's batch.
         stages_per_rank: stages per rank, or None for what each schedule allows.
         replicas: the data-parallel replica counts to try (each divides the world size).
         dp_mode: "ddp", "fsdp" or "auto".
         degrees: the tensor-parallel degrees to try (each divides a node's ranks and the world size).
+        accumulation: pipeline passes per step, or None to try them (``planner.core.search``).
     """
 
     batch_size: int
@@ -133,6 +138,7 @@ class SearchSpace:
     replicas: tuple[int, ...] = (1,)
     dp_mode: str = "ddp"
     degrees: tuple[int, ...] = (1,)
+    accumulation: int | None = 1
 
 
 NO_CONSTRAINTS = Constraints()

@@ -45,7 +45,10 @@ def predict(
 
     Every figure is one replica's pipeline (the replicas run the same one on their own samples),
     plus, once per step after the pipeline, the reduction of each rank's gradients over its
-    replicas (``planner.core.data_parallel``); FSDP shards memory and the optimizer step.
+    replicas (``planner.core.data_parallel``); FSDP shards memory and the optimizer step. With
+    ``layout.accumulation`` k > 1 passes the pipeline part is k times one pass's makespan (the
+    bubble fraction is one pass's, the same every pass) and the memory one pass's; the reduction
+    (FSDP's: once per pass), the clipping all-reduce and the optimizer step are added once.
 
     Args:
         blocks: per-block costs, in execution order.
@@ -110,7 +113,17 @@ def predict(
     allreduce_s = 2 * math.ceil(math.log2(group)) * latency if group > 1 else 0.0
     # before the optimizer each rank averages and clips its gradients: passes over all of them
     rank_opt = [sum(s.opt_s + s.grad_s for s in stages if s.rank == r) for r in range(p)]
-    step_s = sim.step_time_s + dp_reduce_s + allreduce_s + max(rank_opt)
+    # With several passes (gradient accumulation) the schedule runs that many times back to back,
+    # each a whole pipeline with its warm-up and drain; the gradients accumulate, and the clipping
+    # and the optimizer come once. DDP's reduction comes once too (the runner averages the
+    # replicas' gradients after the last pass); FSDP's comes after every pass, as torch's
+    # PipelineStage reshards and reduce-scatters at the end of each schedule step (and gathers the
+    # parameters again at the next pass's first forward).
+    passes = layout.accumulation
+    pipeline_s = passes * sim.step_time_s
+    if shard > 1:
+        dp_reduce_s *= passes
+    step_s = pipeline_s + dp_reduce_s + allreduce_s + max(rank_opt)
     rank_memory = [rank_memory_bytes(blocks, stages, orders[r], r, optimizer, n_microbatches, shard) for r in range(p)]
     stage_time = tuple(s.time_s for s in stages)
     mean = sum(stage_time) / len(stage_time)
@@ -119,7 +132,7 @@ def predict(
         recompute=compact_flags(flags),
         stage_time_s=stage_time,
         bottleneck_s=max(stage_time),
-        pipeline_time_s=sim.step_time_s,
+        pipeline_time_s=pipeline_s,
         step_time_s=step_s,
         bubble_fraction=sim.bubble_fraction,
         imbalance=max(stage_time) / mean if mean > 0 else 1.0,
@@ -189,9 +202,16 @@ def predict_plan(
 
 def plan_layout(plan: Plan) -> Layout:
     """The layout a plan runs: its schedule, pipeline ranks, microbatches, stages per rank, replicas,
-    tensor-parallel degree."""
+    tensor-parallel degree and passes per step."""
     return Layout(
-        plan.schedule, plan.n_ranks, plan.n_microbatches, plan.stages_per_rank, plan.dp, plan.dp_mode, plan.tp
+        plan.schedule,
+        plan.n_ranks,
+        plan.n_microbatches,
+        plan.stages_per_rank,
+        plan.dp,
+        plan.dp_mode,
+        plan.tp,
+        plan.accumulation,
     )
 
 
@@ -247,8 +267,9 @@ def stage_times(stages: Sequence[StagePlan], cpu_share: float = 1.0) -> list[Sta
 
 
 def simulate_plan(plan: Plan) -> SimResult:
-    """The predicted timeline of one step of one replica of ``plan`` (its forward/backward actions;
-    the gradient reduction and optimizer step that follow are not drawn).
+    """The predicted timeline of one pass of one replica of ``plan`` (its forward/backward actions;
+    a step runs ``plan.accumulation`` of them; the gradient reduction and optimizer step that follow
+    are not drawn).
 
     Raises:
         InfeasibleError: the plan's schedule cannot run its numbers (a hand-edited file).

@@ -19,10 +19,17 @@ batch / (dp x m) samples (never fewer than the smallest the model ran when profi
 gradient reduction and FSDP's sharded memory enter through ``predict``. ``--dp auto`` adds the
 replica count to the combinations searched; ``--dp-mode auto`` takes DDP where a candidate fits,
 else FSDP.
+
+Gradient accumulation (``--accumulation``): a layout may run its step as k passes of the schedule,
+each of m microbatches (``Layout.accumulation``): k times one pass's makespan, but one pass's memory
+(torch's ``PipelineStage`` allocates receive buffers for every microbatch of a pass, up front). With
+``--accumulation auto`` a layout is retried in k > 1 passes only where its one pass does not fit
+(``accumulation_options``): one pass of the same microbatches is never slower.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -73,6 +80,7 @@ class Choice:
             dp=layout.dp,
             dp_mode=layout.dp_mode,  # type: ignore[arg-type]  # "ddp" or "fsdp"
             tp=layout.tp,
+            accumulation=layout.accumulation,
             starts=self.prediction.starts,
             step_time_s=self.prediction.step_time_s,
             bubble_fraction=self.prediction.bubble_fraction,
@@ -324,18 +332,29 @@ def _floors(blocks: Sequence[BlockCost], layout: Layout, optimizer: OptimizerSpe
 
     Step: the busiest pipeline rank computes at least the mean of every microbatch's forward and
     backward over the ranks, and steps its optimizer over at least the mean share of the
-    parameters (the pipeline's makespan and the optimizer step are parts of the step; messages,
+    parameters (of its 1/dp shard under FSDP; the pipeline's makespan and the optimizer step are parts of the step; messages,
     the bubble and the gradient reduction only add). Memory: the busiest rank holds at least the
     mean of the weights, gradients and optimizer state (a 1/dp share under FSDP, which then also
     holds its stages' weights and gradients whole while the pipeline runs); the lower of DDP's and
-    FSDP's when the mode is still open.
+    FSDP's when the mode is still open. Both add the receive buffers: each of the ``n_stages - 1``
+    stage boundaries holds ``m`` microbatches' cut bytes in each direction (the stage before it
+    holds the gradients', the stage after the activations'), at least the least legal cut's, so
+    the ranks hold ``2 m (n_stages - 1)`` such cuts between them, the busiest at least the mean.
+    With several passes the step computes every pass's microbatches (``m x accumulation``); the
+    memory is one pass's.
     """
     pp, m = layout.pp, layout.n_microbatches
-    work = sum(b.fwd_s + b.bwd_s for b in blocks) * m + sum((b.opt_s or 0.0) + (b.grad_s or 0.0) for b in blocks)
+    total = m * layout.accumulation  # microbatches per step, over every pass
+    # FSDP (or a mode still open) steps a 1/dp shard of the optimizer
+    shard = layout.dp if layout.dp > 1 and layout.dp_mode != "ddp" else 1
+    once = sum((b.opt_s or 0.0) + (b.grad_s or 0.0) for b in blocks) / shard
+    work = sum(b.fwd_s + b.bwd_s for b in blocks) * total + once
     p_bytes = sum(b.param_bytes for b in blocks)
     static = 2 * p_bytes + optimizer.state_bytes(sum(b.params for b in blocks), p_bytes)
-    ddp = static // pp
-    fsdp = (static // layout.dp + 2 * p_bytes) // pp
+    cuts = [b.cut_bytes for b in blocks[:-1] if b.cut_legal]
+    buffers = 2 * m * (layout.n_stages - 1) * min(cuts) if cuts and layout.n_stages > 1 else 0
+    ddp = (static + buffers) // pp
+    fsdp = (static // layout.dp + 2 * p_bytes + buffers) // pp
     modes = {"ddp": ddp, "fsdp": fsdp, "auto": min(ddp, fsdp)}
     memory = ddp if layout.dp == 1 else modes.get(layout.dp_mode, ddp)
     return work / pp, memory
@@ -350,9 +369,10 @@ def _pending_layouts(
     pending: list[_Pending] = []
     errors: list[InfeasibleError] = []
     floor = min(scaling.min_size, scaling.size0)
+    fixed_k = space.accumulation if space.accumulation is not None else 1
     for tp, dp in _meshes(cluster, space):
         pp = cluster.world_size // (dp * tp)
-        ms = replica_microbatches(space.batch_size, dp, space.n_microbatches, floor)
+        ms = replica_microbatches(space.batch_size // fixed_k, dp, space.n_microbatches, floor)
         if not ms:
             errors.append(
                 InfeasibleError(
@@ -365,13 +385,58 @@ def _pending_layouts(
             errors.append(InfeasibleError(f"{pp} pipeline ranks (dp={dp}, tp={tp}) are more than the model's stages"))
             continue
         for layout in _layouts(blocks, space, pp, dp, ms, tp):
-            size = space.batch_size // (dp * layout.n_microbatches)
-            if (size, tp) not in cache:
-                sized = blocks_at(blocks, scaling.size0, size, scaling.fixed_fraction)
-                cache[size, tp] = at_degree(sized, tp, tp_link(cluster.link))
-            step, memory = _floors(cache[size, tp], layout, constraints.optimizer)
-            pending.append(_Pending(layout, cache[size, tp], step, memory))
+            pending.append(
+                _pending(blocks, cluster, replace(layout, accumulation=fixed_k), space, scaling, constraints, cache)
+            )
     return pending, errors
+
+
+def _pending(
+    blocks: Sequence[BlockCost],
+    cluster: Cluster,
+    layout: Layout,
+    space: SearchSpace,
+    scaling: Scaling,
+    constraints: Constraints,
+    cache: dict[tuple[int, int], list[BlockCost]],
+) -> _Pending:
+    """``layout`` with its costs at its microbatch size (kept in ``cache``) and its floors."""
+    tp = layout.tp
+    size = space.batch_size // (layout.dp * layout.accumulation * layout.n_microbatches)
+    if (size, tp) not in cache:
+        sized = blocks_at(blocks, scaling.size0, size, scaling.fixed_fraction)
+        cache[size, tp] = at_degree(sized, tp, tp_link(cluster.link))
+    step, memory = _floors(cache[size, tp], layout, constraints.optimizer)
+    return _Pending(layout, cache[size, tp], step, memory)
+
+
+def accumulation_options(layout: Layout, space: SearchSpace, min_size: int) -> list[Layout]:
+    """The layouts that run the step of one-pass ``layout`` in several passes (``--accumulation auto``).
+
+    With the microbatch count open, the same microbatches (the same size, so the same costs and
+    step floor) in k > 1 passes of ``m / k``, each at least one microbatch per pipeline rank; with
+    ``--microbatches`` fixed, k passes of that many microbatches, k times smaller (down to
+    ``min_size``). None with one pipeline rank (its microbatches already are gradient accumulation:
+    more passes only cost time) or a fixed pass count.
+
+    Args:
+        layout: a one-pass layout of the search.
+        space: what the search covers (the batch, what is fixed).
+        min_size: the smallest microbatch allowed.
+
+    Returns:
+        The layouts, fewest passes first.
+    """
+    if space.accumulation is not None or layout.pp == 1 or layout.accumulation != 1:
+        return []
+    m, replica = layout.n_microbatches, space.batch_size // layout.dp
+    if space.n_microbatches is None:
+        return [replace(layout, n_microbatches=m // k, accumulation=k) for k in divisors(m)[1:] if m // k >= layout.pp]
+    return [
+        replace(layout, accumulation=k)
+        for k in divisors(replica // m)[1:]
+        if replica // (m * k) >= min_size and m * k <= replica
+    ]
 
 
 @dataclass
@@ -402,27 +467,44 @@ def _evaluate_all(
     outcome = _Outcome([], errors, layouts=len(pending))
     found: list[tuple[int, Choice]] = []
     best: float | None = None
-    for done, k in enumerate(order):
+    # a layout whose one pass does not fit is retried in several passes (gradient accumulation):
+    # those are queued beside it (their step floor is its), after every first-pass layout in
+    # the enumeration's order; where one pass fits it is never slower than more passes of the
+    # same microbatches (each pass pays the pipeline's warm-up and drain), so they are not tried
+    heap = [(pending[k].step_floor_s, k) for k in order]
+    cache: dict[tuple[int, int], list[BlockCost]] = {}
+    min_size = min(scaling.min_size, scaling.size0)
+    done = 0
+    while heap:
         if progress is not None:
-            progress(done, len(order))
+            progress(done, len(pending))
+        _, k = heapq.heappop(heap)
+        done += 1
         item = pending[k]
         if best is not None and item.step_floor_s > best * (1 + TIE):
-            outcome.pruned = len(order) - done
+            outcome.pruned = len(heap) + 1
             break
+        fits = False
         if limit is not None and item.memory_floor > limit:
             outcome.unfit.append(item)
-            continue
-        try:
-            choice = evaluate_modes(item.blocks, cluster, item.layout, constraints)
-        except InfeasibleError as e:
-            outcome.errors.append(e)
-            outcome.unfit.append(item)
-            continue
-        found.append((k, choice))
-        if choice.fits and (best is None or choice.prediction.step_time_s < best):
-            best = choice.prediction.step_time_s
+        else:
+            try:
+                choice = evaluate_modes(item.blocks, cluster, item.layout, constraints)
+            except InfeasibleError as e:
+                outcome.errors.append(e)
+                outcome.unfit.append(item)
+            else:
+                found.append((k, choice))
+                fits = choice.fits and (choice.layout.dp_mode == "ddp" or item.layout.dp_mode != "auto")
+                if choice.fits and (best is None or choice.prediction.step_time_s < best):
+                    best = choice.prediction.step_time_s
+        if not fits:
+            for layout in accumulation_options(item.layout, space, min_size):
+                pending.append(_pending(blocks, cluster, layout, space, scaling, constraints, cache))
+                heapq.heappush(heap, (pending[-1].step_floor_s, len(pending) - 1))
+    outcome.layouts = len(pending)
     if progress is not None:
-        progress(len(order), len(order))
+        progress(len(pending), len(pending))
     # the rest of the search ranks candidates in the enumeration's order (ties go to the earlier)
     outcome.results = [choice for _, choice in sorted(found, key=lambda kc: kc[0])]
     return outcome
@@ -483,6 +565,8 @@ def search(
             ("stages per rank", space.stages_per_rank is None),
             ("data-parallel replicas", len(space.replicas) > 1),
             ("tensor-parallel degree", len(space.degrees) > 1),
+            # named only where a layout needed more than one pass (else the search is the one-pass one)
+            ("pipeline passes", any(c.layout.accumulation > 1 for c in outcome.results)),
         )
         if is_open
     ]
@@ -500,8 +584,8 @@ the least memory floor) are solved without it, to name the closest one."""
 
 
 def describe(layout: Layout) -> str:
-    """A layout in one phrase: "1f1b, pp=8, m=64, dp=8 (fsdp), tp=8" (what is 1 left out)."""
-    text = f"{layout.schedule}, pp={layout.pp}, m={layout.n_microbatches}"
+    """A layout in one phrase: "1f1b, pp=8, m=64, k=2 passes, dp=8 (fsdp), tp=8" (what is 1 left out)."""
+    text = f"{layout.schedule}, pp={layout.pp}, m={layout.n_microbatches}" + _passes(layout)
     text += f", {layout.stages_per_rank} stages per rank" if layout.stages_per_rank > 1 else ""
     text += f", dp={layout.dp} ({layout.dp_mode})" if layout.dp > 1 else ""
     return text + (f", tp={layout.tp}" if layout.tp > 1 else "")
@@ -559,7 +643,7 @@ def _rank(results: Sequence[Choice], errors: Sequence[InfeasibleError]) -> tuple
             raise InfeasibleError(
                 f"no schedule, microbatch count and split fits the memory limit: the least needs "
                 f"{least.prediction.max_memory_bytes / 2**30:.2f} GiB per rank ({lay.schedule}, "
-                f"m={lay.n_microbatches}{replicas}); raise --memory-limit, use more --gpus or --recompute auto"
+                f"m={lay.n_microbatches}{_passes(lay)}{replicas}); raise --memory-limit, use more --gpus or --recompute auto"
             )
         raise errors[0] if errors else InfeasibleError("nothing to search: no schedule was given")
     fastest = min(c.prediction.step_time_s for c in fitting)
@@ -573,6 +657,11 @@ def _rank(results: Sequence[Choice], errors: Sequence[InfeasibleError]) -> tuple
         + sorted((c for c in results if not c.fits), key=lambda c: c.prediction.step_time_s)
     )
     return best, ranked
+
+
+def _passes(layout: Layout) -> str:
+    """ ", k=8 passes": a layout's pipeline passes per step, when over 1."""
+    return f", k={layout.accumulation} passes" if layout.accumulation > 1 else ""
 
 
 def _replicas_text(c: Choice) -> str:
@@ -591,7 +680,7 @@ def _why(
 ) -> str:
     """One line: what won, by how much over the runner-up, and what polishing the split gained."""
     lay = chosen.layout
-    what = f"{lay.schedule}, m={lay.n_microbatches}" + (
+    what = f"{lay.schedule}, m={lay.n_microbatches}{_passes(lay)}" + (
         f", {lay.stages_per_rank} stages per rank" if lay.stages_per_rank > 1 else ""
     )
     what += _replicas_text(chosen) if show_dp else ""
@@ -601,7 +690,7 @@ def _why(
         nxt = others[0]
         gain = nxt.prediction.step_time_s / unpolished.prediction.step_time_s - 1
         runner_up = (
-            f"{nxt.layout.schedule}, m={nxt.layout.n_microbatches}"
+            f"{nxt.layout.schedule}, m={nxt.layout.n_microbatches}{_passes(nxt.layout)}"
             f"{', v=' + str(nxt.layout.stages_per_rank) if nxt.layout.stages_per_rank > 1 else ''}"
             f"{_replicas_text(nxt) if show_dp else ''}"
         )

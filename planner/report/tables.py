@@ -146,21 +146,24 @@ def search_table(plan: Plan) -> str:
         return ""
     with_dp = len({c.dp for c in plan.search}) > 1
     with_tp = len({c.tp for c in plan.search}) > 1 or plan.tp > 1
+    with_k = any(c.accumulation > 1 for c in plan.search) or plan.accumulation > 1
     rows = []
     for c in plan.search:
-        chosen = (c.schedule, c.n_microbatches, c.stages_per_rank, c.dp, c.dp_mode, c.tp) == (
+        chosen = (c.schedule, c.n_microbatches, c.stages_per_rank, c.dp, c.dp_mode, c.tp, c.accumulation) == (
             plan.schedule,
             plan.n_microbatches,
             plan.stages_per_rank,
             plan.dp,
             plan.dp_mode,
             plan.tp,
+            plan.accumulation,
         )
         row: list[object] = [c.schedule + (" *" if chosen else "")]
         if with_tp:
             row += [c.tp, len(c.starts) // c.stages_per_rank]
         if with_dp:
             row.append(f"{c.dp} ({c.dp_mode})" if c.dp > 1 else "1")
+        row += [c.accumulation] if with_k else []
         row += [
             c.n_microbatches,
             c.stages_per_rank,
@@ -175,6 +178,7 @@ def search_table(plan: Plan) -> str:
         "schedule",
         *(["tp", "pp"] if with_tp else []),
         *(["dp"] if with_dp else []),
+        *(["passes"] if with_k else []),
         "m",
         "stages/rank",
         "blocks per stage",
@@ -321,6 +325,7 @@ def render(plan: Plan) -> str:
     """
     m = plan.model
     replicas = f"{plan.dp} replicas x " if plan.dp > 1 else ""
+    replicas += f"{plan.accumulation} passes x " if plan.accumulation > 1 else ""
     head = (
         f"{m.path} (size {m.size or 'default'}; traced by {m.trace_method}) on {plan.world_size} x "
         f"{plan.profile.device}/{plan.profile.backend}, {plan.profile.threads} thread(s) per rank\n"

@@ -47,7 +47,8 @@ def grad_finisher(
     """What turns the microbatches' accumulated gradients into the step's, and the tied copies this
     rank must leave out of the global norm.
 
-    1. Every gradient is divided by the microbatch count, once per parameter. (torch's
+    1. Every gradient is divided by the microbatch count (of all ``plan.accumulation`` passes), once
+       per parameter. (torch's
        ``scale_grads=True`` divides per stage, so a tied parameter that two stages on one rank share
        would be divided twice.) With a mean-reduced loss this gives the replica's batch gradient;
        DDP / FSDP have already averaged it over the replicas.
@@ -85,7 +86,8 @@ def grad_finisher(
                 mine.append((param, group))  # type: ignore[arg-type]
                 if mesh.pp_rank != ranks[0]:
                     not_counted.add(id(param))
-    scale = 1.0 / plan.n_microbatches
+    # every microbatch of every pass (gradient accumulation) added its mean-loss gradient
+    scale = 1.0 / (plan.n_microbatches * plan.accumulation)
 
     def finish() -> None:
         with torch.no_grad():

@@ -120,7 +120,13 @@ def build_stages(plan: Plan, mf: ModelFile, mesh: RankMesh, device: torch.device
     # the replicas' gradients are averaged by ``finish`` instead (the same all-reduce, after the step's
     # backward).
     # Under tensor parallelism too: the parameters are DTensors, which torch 2.13's DDP does not reduce.
-    manual = plan.dp > 1 and plan.dp_mode == "ddp" and (plan.schedule in SPLIT_BACKWARD or plan.tp > 1)
+    # With several passes per step (gradient accumulation) torch's PipelineStage would all-reduce at
+    # the end of every pass: averaged by ``finish`` too, once per step, after the last pass.
+    manual = (
+        plan.dp > 1
+        and plan.dp_mode == "ddp"
+        and (plan.schedule in SPLIT_BACKWARD or plan.tp > 1 or plan.accumulation > 1)
+    )
     modules: list[torch.nn.Module] = []
     stages: list[Any] = []
     tensors: dict[str, torch.Tensor] = {}

@@ -146,14 +146,23 @@ class _RankRun:
 
     def run_microbatches(self, inputs: Sequence[Any], target: torch.Tensor) -> list[torch.Tensor] | None:
         """One step's microbatches: the first stage's rank feeds the inputs, the last stage's rank
-        the target (one rank may hold both: V placements); the others only relay."""
-        schedule = self.built.schedule
-        if self.scores:
-            mb_losses: list[torch.Tensor] = []
-            schedule.step(*self._args(inputs), target=target.to(self.device), losses=mb_losses, return_outputs=False)
-            return self._replica_mean(mb_losses)
-        schedule.step(*self._args(inputs), return_outputs=False)
-        return None
+        the target (one rank may hold both: V placements); the others only relay.
+
+        With ``plan.accumulation`` k > 1 the schedule runs k times, on consecutive slices of the
+        replica's batch (torch's ``schedule.step`` adds to ``.grad``); the loss per microbatch of
+        every pass is returned, in order."""
+        schedule, k = self.built.schedule, self.plan.accumulation
+        args, target = self._args(inputs), (target.to(self.device) if self.scores else target)
+        mb_losses: list[torch.Tensor] = []
+        for i in range(k):
+            part = tuple(_pass_slice(x, i, k) for x in args)
+            if self.scores:
+                losses: list[torch.Tensor] = []
+                schedule.step(*part, target=_pass_slice(target, i, k), losses=losses, return_outputs=False)
+                mb_losses += losses
+            else:
+                schedule.step(*part, return_outputs=False)
+        return self._replica_mean(mb_losses) if self.scores else None
 
     def evaluate(self, step: int) -> None:
         """Loss and perplexity on the held-out part of ``--data`` (forward only, every rank)."""
@@ -163,13 +172,18 @@ class _RankRun:
         total, count = 0.0, 0
         _set_eval([s.submod for s in self.built.stages], True)
         with torch.no_grad():
+            k = self.plan.accumulation  # a batch in as many passes as in training (the receive buffers' size)
             for inputs, target in self.text.eval_batches(self.request.eval_batches or None):
-                if self.scores:
-                    losses: list[torch.Tensor] = []
-                    self.built.schedule.eval(*self._args(inputs), target=target.to(self.device), losses=losses)
-                    total += float(torch.stack(self._replica_mean(losses)).mean())
-                else:
-                    self.built.schedule.eval(*self._args(inputs))
+                args = self._args(inputs)
+                for i in range(k):
+                    part = tuple(_pass_slice(x, i, k) for x in args)
+                    if self.scores:
+                        losses: list[torch.Tensor] = []
+                        mine = _pass_slice(target.to(self.device), i, k)
+                        self.built.schedule.eval(*part, target=mine, losses=losses)
+                        total += float(torch.stack(self._replica_mean(losses)).mean()) / k
+                    else:
+                        self.built.schedule.eval(*part)
                 count += 1
         _set_eval([s.submod for s in self.built.stages], False)
         for probe in self.probes:
@@ -337,3 +351,11 @@ def run_worker(plan_json: str, request_json: str, error_dir: str) -> RankResult:
         write_atomic(folder / f"rank{rank}.json", json.dumps(record).encode())
         sys.stdout.flush()
         raise SystemExit(1) from None
+
+
+def _pass_slice(t: torch.Tensor, i: int, passes: int) -> torch.Tensor:
+    """Pass ``i``'s consecutive share of the replica's batch (dim 0) out of ``passes``."""
+    if passes == 1:
+        return t
+    rows = t.shape[0] // passes
+    return t[i * rows : (i + 1) * rows]

@@ -171,15 +171,18 @@ class Prediction(_Frozen):
     stage_time_s: tuple[float, ...]
     bottleneck_s: float = Field(ge=0, allow_inf_nan=False)
     pipeline_time_s: float = Field(
-        ge=0, allow_inf_nan=False, description="Makespan of the schedule's forward/backward actions."
+        ge=0,
+        allow_inf_nan=False,
+        description="Makespan of the schedule's forward/backward actions, over every pass of the step "
+        "(accumulation x one pass's).",
     )
     step_time_s: float = Field(
         ge=0,
         allow_inf_nan=False,
-        description="Pipeline makespan plus, after it, the data-parallel gradient reduction (dp_reduce_s), the "
+        description="Pipeline makespan (every pass) plus, after it, the data-parallel gradient reduction (dp_reduce_s), the "
         "gradient-norm all-reduce and the optimizer step.",
     )
-    bubble_fraction: float = Field(ge=0, le=1)
+    bubble_fraction: float = Field(ge=0, le=1, description="Idle share of one pass's pipeline (the same every pass).")
     imbalance: float = Field(
         ge=0, allow_inf_nan=False, description="Slowest stage time / mean stage time (1.0 = perfectly balanced)."
     )
@@ -203,6 +206,9 @@ class Candidate(_Frozen):
     dp: int = Field(default=1, ge=1, description="Data-parallel replicas of the pipeline.")
     dp_mode: DpMode = Field(default="ddp", description="How the replicas reduce gradients (ddp or fsdp).")
     tp: int = Field(default=1, ge=1, description="Tensor-parallel ranks each stage is split over.")
+    accumulation: int = Field(
+        default=1, ge=1, description="Pipeline passes per step, each of n_microbatches (gradient accumulation)."
+    )
     starts: tuple[int, ...]
     step_time_s: float = Field(ge=0, allow_inf_nan=False)
     bubble_fraction: float = Field(ge=0, le=1)
@@ -237,7 +243,8 @@ class Plan(_Frozen):
     global ranks apart and reduce that rank's gradients (``dp_mode``). Everything per stage
     (``stages``, ``StagePlan.rank``, memory, block costs) is one tensor-parallel rank of one replica,
     the same on every replica; each replica reads its own ``replica_batch_size`` samples per step in
-    ``n_microbatches`` microbatches of ``microbatch_size``. With ``tp`` 1 this is the 2-D (dp, pp) mesh.
+    ``accumulation`` passes of ``n_microbatches`` microbatches of ``microbatch_size``. With ``tp`` 1 this is
+    the 2-D (dp, pp) mesh.
     """
 
     version: int = PLAN_VERSION
@@ -284,7 +291,15 @@ class Plan(_Frozen):
         "to styles: colwise, rowwise (torch's ColwiseParallel / RowwiseParallel). Empty when tp is 1.",
     )
     batch_size: int = Field(ge=1, description="Samples per step over all replicas (the global batch).")
-    n_microbatches: int = Field(ge=1, description="Microbatches per step of each replica's pipeline.")
+    n_microbatches: int = Field(ge=1, description="Microbatches per pass of each replica's pipeline.")
+    accumulation: int = Field(
+        default=1,
+        ge=1,
+        description="Pipeline passes per step: each replica runs the schedule this many times, on batch / (dp x "
+        "accumulation) samples each, gradients accumulated; one optimizer step. Each pass allocates its "
+        "n_microbatches receive buffers, so more passes of fewer microbatches need less memory (and pay the "
+        "pipeline's warm-up and drain once per pass).",
+    )
     blocks: list[BlockCost]
     stages: list[StagePlan]
     prediction: Prediction
@@ -318,8 +333,14 @@ class Plan(_Frozen):
 
     @property
     def microbatch_size(self) -> int:
-        """Samples per microbatch of one replica's pipeline: ``batch_size // (dp * n_microbatches)``."""
-        return self.batch_size // (self.dp * self.n_microbatches)
+        """Samples per microbatch of one replica's pipeline:
+        ``batch_size // (dp * accumulation * n_microbatches)``."""
+        return self.batch_size // (self.dp * self.accumulation * self.n_microbatches)
+
+    @property
+    def pass_batch_size(self) -> int:
+        """Samples one pass of one replica's pipeline reads: ``batch_size // (dp * accumulation)``."""
+        return self.batch_size // (self.dp * self.accumulation)
 
     @property
     def replica_batch_size(self) -> int:
@@ -424,9 +445,13 @@ class Plan(_Frozen):
 
     @model_validator(mode="after")
     def _consistent(self) -> Plan:
-        if self.batch_size % (self.dp * self.n_microbatches):
-            split = f"dp {self.dp} x n_microbatches" if self.dp > 1 else "n_microbatches"
-            raise ValueError(f"batch_size {self.batch_size} is not divisible by {split} {self.n_microbatches}")
+        if self.batch_size % (self.dp * self.accumulation * self.n_microbatches):
+            split = (f"dp {self.dp} x " if self.dp > 1 else "") + (
+                f"accumulation {self.accumulation} x " if self.accumulation > 1 else ""
+            )
+            raise ValueError(
+                f"batch_size {self.batch_size} is not divisible by {split}n_microbatches {self.n_microbatches}"
+            )
         if self.dp == 1 and self.dp_mode != "ddp":
             raise ValueError(f"dp_mode is {self.dp_mode} with one replica; a plan of one replica records ddp")
         if (self.tp > 1) != bool(self.tp_plan):

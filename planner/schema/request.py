@@ -152,6 +152,7 @@ class PlanRequest(_Request):
         "overrides": "--set",
         "batch_size": "--batch-size",
         "microbatches": "--microbatches",
+        "accumulation": "--accumulation",
         "schedule": "--schedule",
         "stages_per_rank": "--stages-per-rank",
         "method": "--method",
@@ -198,6 +199,13 @@ class PlanRequest(_Request):
     batch_size: int = Field(default=32, ge=1, le=10**9, description="Samples per training step.")
     microbatches: int | None = Field(
         default=None, ge=1, description="Microbatches per step (None: auto, the search picks a divisor of the batch)."
+    )
+    accumulation: int | Literal["auto"] = Field(
+        default="auto",
+        description="Pipeline passes per step (gradient accumulation): each replica runs the schedule this many "
+        "times on batch / (dp x passes) samples, --microbatches microbatches each, then reduces, clips and steps "
+        "once. Memory is one pass's (torch allocates receive buffers for every microbatch of a pass), time the "
+        "passes' together. auto: one pass, and more only for the layouts whose one pass does not fit.",
     )
     schedule: Schedule | Literal["auto"] = Field(default="auto", description="Pipeline schedule (auto: searched).")
     stages_per_rank: int | None = Field(
@@ -265,6 +273,15 @@ class PlanRequest(_Request):
             "need at least one replica: give 1 (one pipeline on every rank) or more, or 'auto'",
         )
 
+    @field_validator("accumulation", mode="before")
+    @classmethod
+    def _accumulation_count(cls, value: Any) -> Any:
+        return _count_or_auto(
+            value,
+            "pipeline passes per step",
+            "need at least one pass: give 1 (no gradient accumulation) or more, or 'auto'",
+        )
+
     @field_validator("tp", mode="before")
     @classmethod
     def _tp_count(cls, value: Any) -> Any:
@@ -318,6 +335,18 @@ class PlanRequest(_Request):
     @model_validator(mode="after")
     def _consistent(self) -> PlanRequest:
         self._check_replicas()
+        k = self.passes
+        if k > 1 and self.batch_size % (self.profile_dp * k):
+            raise ValueError(
+                f"batch size {self.batch_size} does not split into {self.profile_dp} replica(s) x {k} passes; choose "
+                f"--batch-size as a multiple of --dp x --accumulation, or --accumulation auto"
+            )
+        if k > 1 and self.microbatches is not None and (self.batch_size // (self.profile_dp * k)) % self.microbatches:
+            raise ValueError(
+                f"batch size {self.batch_size} does not split into {self.profile_dp} replica(s) x {k} passes x "
+                f"{self.microbatches} microbatches; choose --batch-size as a multiple of --dp x --accumulation x "
+                "--microbatches"
+            )
         d = self.profile_dp
         if d > 1 and self.microbatches is not None and (self.batch_size // d) % self.microbatches:
             m = self.microbatches
@@ -361,12 +390,17 @@ class PlanRequest(_Request):
         ``--dp K`` each of the K pipelines runs this many microbatches of its batch / K samples."""
         if self.microbatches is not None:
             return self.microbatches
-        return default_microbatches(self.batch_size // self.profile_dp, self.profile_pp)
+        return default_microbatches(self.batch_size // (self.profile_dp * self.passes), self.profile_pp)
+
+    @property
+    def passes(self) -> int:
+        """Pipeline passes per step the costs are profiled for: ``--accumulation`` when given, else 1."""
+        return self.accumulation if isinstance(self.accumulation, int) else 1
 
     @property
     def microbatch_size(self) -> int:
         """Samples per microbatch (of one replica's pipeline): the size the costs are profiled at."""
-        return self.batch_size // (self.profile_dp * self.n_microbatches)
+        return self.batch_size // (self.profile_dp * self.passes * self.n_microbatches)
 
     @property
     def profile_dp(self) -> int:
@@ -403,7 +437,7 @@ class PlanRequest(_Request):
         if isinstance(self.dp, int):
             return [self.dp]
         # k must divide both the ranks and batch / m: the divisors of their gcd (batch <= 1e9: fast)
-        return divisors(math.gcd(self.gpus, self.batch_size // (self.microbatches or 1)))
+        return divisors(math.gcd(self.gpus, self.batch_size // ((self.microbatches or 1) * self.passes)))
 
     @property
     def min_pipeline_ranks(self) -> int:
