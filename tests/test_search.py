@@ -98,7 +98,13 @@ def test_search_with_everything_fixed_evaluates_one_candidate() -> None:
 
 def test_search_on_one_rank_is_plain_gradient_accumulation() -> None:
     chosen, ranked, _ = _search(big_head_blocks(), n_ranks=1)
-    assert {c.layout.schedule for c in ranked} == {"gpipe"}
+    # every schedule is the same accumulation at one speed: GPipe (all forwards first) and 1F1B (one
+    # microbatch's activations held) are the two memory profiles worth trying
+    assert {c.layout.schedule for c in ranked} == {"gpipe", "1f1b"}
+    for m in {c.layout.n_microbatches for c in ranked}:
+        gpipe, one_f = (next(c for c in ranked if c.layout.schedule == s and c.layout.n_microbatches == m) for s in ("gpipe", "1f1b"))
+        assert gpipe.prediction.step_time_s == pytest.approx(one_f.prediction.step_time_s, rel=1e-12)
+        assert one_f.prediction.max_memory_bytes <= gpipe.prediction.max_memory_bytes
 
 
 def test_search_respects_the_memory_limit_and_says_when_nothing_fits() -> None:

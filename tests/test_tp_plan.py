@@ -199,3 +199,14 @@ def test_end_to_end_toy_without_plan() -> None:
     assert plan.tp == 1 and plan.tp_plan == {} and "tensor parallelism: none" in plan.choice
     with pytest.raises(InfeasibleError, match="--tp 2: the model declares no tensor-parallel plan"):
         _plan(TOY, 2, gpus=2, size=None)
+
+
+def test_an_exported_hugging_face_model_stays_whole_and_a_forced_degree_says_why() -> None:
+    # torch.export graphs call their linear layers as functions, which torch's Colwise/RowwiseParallel
+    # cannot shard at run time: the plan keeps tp 1 (auto) or refuses (--tp 2) before any search
+    base = dict(model_file=str(ROOT / "models/hf/llama.py"), size="tiny", gpus=2, gpu_type="h100", batch_size=8)
+    plan = make_plan(PlanRequest.build(**base, progress=False))
+    assert plan.tp == 1 and plan.model.trace_method == "export"
+    assert "tensor parallelism: none, the model was traced by export" in plan.choice
+    with pytest.raises(ModelFileError, match=r"--tp 2: the model was traced by export.*give --tp 1"):
+        make_plan(PlanRequest.build(**base, tp=2, progress=False))

@@ -41,7 +41,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from planner.capture.blocks import GraphTrace, TracedModel
@@ -51,6 +50,7 @@ from planner.capture.tp_plan import check_tp_plan, matched_modules, resolve_tp_p
 from planner.errors import ModelFileError
 from planner.schema.costs import BlockCost, TensorParallelShare
 from planner.schema.request import PlanRequest
+from planner.torch_compat import TorchDispatchMode
 
 
 @dataclass
@@ -339,6 +339,16 @@ def tensor_parallel_blocks(
         if forced or resolved.source == "model file":
             raise
         return TensorParallelBlocks(list(blocks), {}, f"tensor parallelism: none, the {resolved.source}'s {e}")
+    if traced.method != "fx":
+        # the runner shards with torch's ColwiseParallel / RowwiseParallel, which take nn.Linear
+        # modules; a torch.export graph calls the weights as functions (planner/run/tensor_split.py)
+        why = (
+            f"the model was traced by {traced.method}, whose stages call their linear layers as functions: "
+            "torch's ColwiseParallel / RowwiseParallel shard only layers called as modules (a torch.fx trace)"
+        )
+        if forced:
+            raise ModelFileError(f"--tp {request.tp}: {why}; give --tp 1")
+        return TensorParallelBlocks(list(blocks), {}, f"tensor parallelism: none, {why}")
     inputs, _ = mf.batch(request.microbatch_size, seed=request.seed)
     shares = tensor_parallel_shares(traced, inputs, resolved.plan, float_bytes=float_bytes)
     if not shares:
