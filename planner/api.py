@@ -58,6 +58,7 @@ class Costs:
         profile: where and how the costs were measured or estimated.
         memory_bytes: the device capacity the solver plans for, when known.
         ties: parameters several blocks read (tied weights).
+        hardware: the hardware of estimated costs (None: measured).
     """
 
     traced: TracedModel
@@ -67,6 +68,7 @@ class Costs:
     memory_bytes: int | None
     ties: list[Tie] = field(default_factory=list)
     step_temp_rule: StepTempRule | None = None  # measured: how a stage's optimizer temporaries combine
+    hardware: HardwareSpec | None = None
 
 
 def make_plan(request: PlanRequest) -> Plan:
@@ -98,7 +100,13 @@ def make_plan(request: PlanRequest) -> Plan:
         check_calibration(source.fit, costs.traced, request.microbatch_size)
         blocks, link = apply_calibration(blocks, link, source.fit)
     split = tensor_parallel_blocks(
-        mf, request, costs.traced, blocks, float_bytes=dtype_bytes(request.autocast) if request.autocast else None
+        mf,
+        request,
+        costs.traced,
+        blocks,
+        float_bytes=dtype_bytes(request.autocast) if request.autocast else None,
+        hardware=costs.hardware,  # estimated: the sharded GEMMs' lower efficiency
+        dtype=costs.profile.dtype,
     )
     with search_bar(request.progress) as progress:
         plan = assemble_plan(
@@ -543,7 +551,9 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
         # one (batch norm in training) keeps the fitted floor.
         scaling["min_microbatch_size"] = 1
     info = info.model_copy(update=scaling)
-    return Costs(traced, _with_output(blocks, traced), link, info, capacity, ties_of(traced, dtype_bytes(dtype)))
+    return Costs(
+        traced, _with_output(blocks, traced), link, info, capacity, ties_of(traced, dtype_bytes(dtype)), hardware=hw
+    )
 
 
 def _runs_on_meta(mf: ModelFile, model: torch.nn.Module, size: int, seed: int) -> bool:

@@ -54,6 +54,7 @@ SHIPPED: list[tuple[str, str | None, int, dict[str, Any]]] = [
 # meant: dropped while they hold it, so the digests pin the figures, not the format.
 LATER_DEFAULTS = {"tp": 1, "tp_plan": {}, "accumulation": 1}
 BLOCK_LATER_DEFAULTS = {"tp": None}
+SHARE_LATER_DEFAULTS = {"slowdown": {}}  # inside a block's tp share (a nested object)
 CANDIDATE_LATER_DEFAULTS = {"tp": 1, "accumulation": 1}
 
 
@@ -69,6 +70,8 @@ def digest(plan: Plan) -> str:
     _drop(data, LATER_DEFAULTS)
     for block in data["blocks"]:
         _drop(block, BLOCK_LATER_DEFAULTS)
+        if isinstance(block.get("tp"), dict):
+            _drop(block["tp"], SHARE_LATER_DEFAULTS)
     for candidate in data["search"]:
         _drop(candidate, CANDIDATE_LATER_DEFAULTS)
     data["created"] = ""

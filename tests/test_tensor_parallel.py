@@ -77,6 +77,26 @@ def test_at_degree_splits_compute_memory_and_adds_the_all_reduces() -> None:
     assert at_degree([whole], 8, LINK)[0] is whole  # a block without a share is held whole
 
 
+def test_slowdown_stretches_the_split_part_only() -> None:
+    b = layer("layers.0", 10, 20, 1000, compute=0.9)
+    assert b.tp is not None
+    slow = b.model_copy(update={"tp": b.tp.model_copy(update={"slowdown": {2: 1.5, 4: 2.0}})})
+    (two,) = at_degree([slow], 2, LINK)
+    (eight,) = at_degree([slow], 8, LINK)
+    # the split 0.9 takes 1.5 x its 1/2 at degree 2; degree 8 is not listed: degree 4's 2.0 answers
+    assert two.fwd_s == 0.010 * (0.1 + 0.9 / 2 * 1.5) + 0.001
+    # LINK: no latency, 1 MB per ms; the ring moves 2 (8-1)/8 x 1 MB
+    assert eight.fwd_s == pytest.approx(0.010 * (0.1 + 0.9 / 8 * 2.0) + 2 * 7 / 8 * 0.001, rel=1e-12)
+    assert two.bwd_s == 0.020 * (0.1 + 0.9 / 2 * 1.5) + 0.001
+    assert at_degree([b], 2, LINK)[0].fwd_s == 0.010 * (0.1 + 0.9 / 2) + 0.001  # no slowdown: linear
+    assert slow.tp is not None and slow.tp.slowdown_at(1) == 1.0 and slow.tp.slowdown_at(3) == 1.5
+    # JSON keys are strings: the degrees come back as ints
+    again = BlockCost.model_validate_json(slow.model_dump_json())
+    assert again == slow and again.tp is not None and again.tp.slowdown == {2: 1.5, 4: 2.0}
+    with pytest.raises(ValueError):
+        b.tp.model_validate({**b.tp.model_dump(), "slowdown": {2: 0.0}})
+
+
 def test_degrees_are_the_node_options_the_split_sizes_allow() -> None:
     blocks = [
         block("embed", 1, 1, 10),

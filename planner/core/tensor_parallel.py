@@ -8,9 +8,10 @@ features, Megatron-LM's layout as torch's ``ColwiseParallel`` / ``RowwiseParalle
 the whole of the rest. ``at_degree`` turns a block's costs into one such rank's:
 
 * compute: the split share of the forward and backward (``sharded_compute``) runs on 1/tp of the
-  features, the rest (norms, residual adds, embeddings) whole on every rank. The smaller matrices'
-  lower GEMM efficiency is not modelled (for the widths where tensor parallelism pays, 4,096 and
-  up, a GEMM split 8 ways keeps inner dimensions of 512 and more);
+  features, the rest (norms, residual adds, embeddings) whole on every rank:
+  ``(1 - sharded_compute) + sharded_compute / tp * slowdown(tp)``. ``slowdown`` is 1 for measured
+  costs; estimated costs carry the smaller matrices' lower GEMM efficiency at the sharded shapes
+  (``TensorParallelShare.slowdown``, from ``planner.costs.tensor_parallel``);
 * collectives: every row-wise layer's output is all-reduced in forward, every column-wise layer's
   input gradient in backward (one all-reduce per layer, as torch runs them), over the node's link:
   a ring, ``2 (tp - 1) / tp`` of the bytes each way plus ``ceil(log2 tp)`` latencies; they are not
@@ -79,7 +80,7 @@ def _scaled(x: float | None, factor: float, extra: float = 0.0) -> float | None:
 
 def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkCost) -> BlockCost:
     """One tensor-parallel rank's costs of ``block`` (see the module docstring)."""
-    compute = (1.0 - share.sharded_compute) + share.sharded_compute / tp
+    compute = (1.0 - share.sharded_compute) + share.sharded_compute / tp * share.slowdown_at(tp)
     fwd_comm = allreduce_s(share.fwd_allreduce_bytes, share.fwd_allreduces, tp, link)
     bwd_comm = allreduce_s(share.bwd_allreduce_bytes, share.bwd_allreduces, tp, link)
     param_bytes = block.param_bytes - share.sharded_param_bytes + math.ceil(share.sharded_param_bytes / tp)

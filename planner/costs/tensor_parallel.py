@@ -26,6 +26,17 @@ no data) at the profiled microbatch, watched at the aten level. What is counted,
   layers' biases (a row-wise bias is added once, after the all-reduce: whole on every rank).
 * ``divisor``: the greatest common divisor of the split features of the block's layers and of the
   head counts of the modules holding them (``planner.capture.tp_plan.split_sizes``).
+* ``slowdown`` (estimated costs only, given the ``HardwareSpec``): every GEMM run inside a matched
+  layer is recorded with its ``(m, n, k)``; a column-wise layer splits n, a row-wise one k. At each
+  degree t (the divisors of ``divisor`` from 2 to 64) the GEMMs' roofline time at the sharded shapes
+  (``HardwareSpec.gemm_efficiency`` of the smaller dimension, the operands' bytes, the per-operator
+  overhead) over their time at the whole shapes divided by t is the GEMMs' slowdown ``r(t)``; the
+  split part's is ``g r(t) + (1 - g)``, g being the layers' GEMMs' share of the split work (by work,
+  FLOPs and elements, as ``sharded_compute`` itself: the watch runs no roofline, so the split
+  part's time is not at hand). The forward's GEMMs stand for the backward's: its two GEMMs per
+  layer, ``dY W`` and ``dY^T X``, are the forward's ``(m, n, k)`` permuted, so they keep the same
+  smallest dimension and the same efficiency. Attention (SDPA, or its matmuls outside the layers)
+  split by heads keeps its per-head shapes: no slowdown, it counts in the ``1 - g``.
 
 Blocks of a module-boundary trace (no graph) and blocks that hold no matched layer get no share.
 """
@@ -47,6 +58,8 @@ from planner.capture.blocks import GraphTrace, TracedModel
 from planner.capture.graph import _module_path
 from planner.capture.load import ModelFile
 from planner.capture.tp_plan import check_tp_plan, matched_modules, resolve_tp_plan, split_sizes
+from planner.core.hardware import HardwareSpec
+from planner.costs.roofline import _GEMMS, _gemm_dims
 from planner.errors import ModelFileError
 from planner.schema.costs import BlockCost, TensorParallelShare
 from planner.schema.request import PlanRequest
@@ -64,6 +77,20 @@ class _Tally:
     fwd_count: int = 0
     bwd_bytes: int = 0
     bwd_count: int = 0
+    gemm_work: float = 0.0  # of split_work, the GEMMs run inside matched layers
+    gemms: list[_Gemm] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Gemm:
+    """One GEMM inside a matched layer: ``(m x k) @ (k x n)``, the style saying which dimension splits
+    (column-wise: n, row-wise: k), ``width`` the bytes of an operand's element."""
+
+    style: str
+    m: int
+    n: int
+    k: int
+    width: int
 
 
 def _nbytes(t: torch.Tensor, float_bytes: int | None) -> int:
@@ -84,8 +111,9 @@ def _tensors(x: Any) -> list[torch.Tensor]:
 class _Watch(TorchDispatchMode):
     """Counts every aten operator's work into the current block and follows the split tensors."""
 
-    def __init__(self) -> None:
+    def __init__(self, float_bytes: int | None = None) -> None:
         super().__init__()
+        self.float_bytes = float_bytes
         self.block: _Tally | None = None
         self.style: str | None = None  # of the innermost matched layer running, None outside them
         self.split: set[int] = set()
@@ -110,6 +138,12 @@ class _Watch(TorchDispatchMode):
         self.block.work += work
         if self.style is not None or reads_split:
             self.block.split_work += work
+        if self.style is not None and packet in _GEMMS and work > 0:
+            m, n, k = _gemm_dims(packet, args)
+            a = args[1] if packet in (torch.ops.aten.addmm, torch.ops.aten.baddbmm) else args[0]
+            width = self.float_bytes if self.float_bytes is not None and a.is_floating_point() else a.element_size()
+            self.block.gemm_work += work
+            self.block.gemms.append(_Gemm(self.style, m, n, k, width))
         if self.style == "colwise" or (self.style is None and reads_split):
             for t in _tensors(out):
                 self.split.add(id(t))
@@ -124,6 +158,8 @@ def tensor_parallel_shares(
     *,
     float_bytes: int | None = None,
     param_bytes: int | None = None,
+    hardware: HardwareSpec | None = None,
+    dtype: str | None = None,
 ) -> dict[str, TensorParallelShare]:
     """Each split block's ``TensorParallelShare`` (see the module docstring for what is counted).
 
@@ -133,6 +169,9 @@ def tensor_parallel_shares(
         plan: pattern -> "colwise" | "rowwise", the FQNs of the traced model's modules.
         float_bytes: bytes of a floating element in the planning dtype (None: as the tensors have).
         param_bytes: bytes of a parameter element as the blocks count them (None: as they have).
+        hardware: the hardware of estimated costs: the shares then carry the GEMMs' ``slowdown``
+            (None: measured costs, no slowdown).
+        dtype: the planning dtype, whose peak the GEMMs run at (with ``hardware``).
 
     Returns:
         block name -> share, for the blocks that hold a matched layer.
@@ -146,7 +185,7 @@ def tensor_parallel_shares(
     root = traced.gm
     block_of = {n: k for k, b in enumerate(traced.blocks) for n in b.nodes}
     tallies = [_Tally() for _ in traced.blocks]
-    watch = _Watch()
+    watch = _Watch(float_bytes)
     layer_stack: list[str | None] = []
 
     def styled(path: list[str]) -> tuple[str, str] | None:
@@ -244,6 +283,16 @@ def tensor_parallel_shares(
             continue
         params = [p for _, (style, m, _) in inside.items() for p in _split_params(m, style)]
         sizes = [n for _, _, n in split_sizes(model, {name: style for name, (style, _, _) in inside.items()})]
+        divisor = math.gcd(*sizes) if sizes else 1
+        slowdown: dict[int, float] = {}
+        if hardware is not None and tally.gemms and tally.split_work > 0:
+            g = min(1.0, tally.gemm_work / tally.split_work)
+            peak = hardware.peak(dtype or "bf16")
+            slowdown = {
+                t: g * gemm_slowdown(tally.gemms, t, hardware, peak) + (1.0 - g)
+                for t in range(2, min(divisor, MAX_DEGREE) + 1)
+                if divisor % t == 0
+            }
         shares[block.name] = TensorParallelShare(
             sharded_params=sum(p.numel() for p in params),
             sharded_param_bytes=sum(
@@ -255,9 +304,62 @@ def tensor_parallel_shares(
             bwd_allreduce_bytes=tally.bwd_bytes,
             fwd_allreduces=tally.fwd_count,
             bwd_allreduces=tally.bwd_count,
-            divisor=math.gcd(*sizes) if sizes else 1,
+            divisor=divisor,
+            slowdown=slowdown,
         )
     return shares
+
+
+MAX_DEGREE = 64  # the largest degree a share lists a slowdown for (a node holds at most 8 GPUs today)
+
+
+def gemm_seconds(hw: HardwareSpec, peak: float, m: int, n: int, k: int, width: int) -> float:
+    """The roofline's time of one GEMM ``(m x k) @ (k x n)`` (``planner.costs.roofline``): its FLOPs at
+    ``gemm_efficiency(m, n, k)`` of ``peak``, or its operands' and output's bytes at the memory's
+    sustained bandwidth, whichever is longer, with the per-operator overhead.
+
+    Args:
+        hw: the hardware.
+        peak: FLOP/s of the dtype the GEMM runs in.
+        m: rows of the output.
+        n: columns of the output.
+        k: the reduced dimension.
+        width: bytes of an element.
+
+    Returns:
+        Seconds.
+    """
+    compute = 2.0 * m * n * k / (peak * hw.gemm_efficiency(m, n, k))
+    memory = (m * k + k * n + m * n) * width / (hw.memory_Bps * hw.memory_efficiency)
+    roof = max(compute, memory)
+    return max(roof, hw.op_overhead_s) if hw.async_launch else roof + hw.op_overhead_s
+
+
+def gemm_slowdown(gemms: list[_Gemm], tp: int, hw: HardwareSpec, peak: float) -> float:
+    """How much longer the split layers' GEMMs take on one of ``tp`` ranks than 1/tp of their whole time.
+
+    Args:
+        gemms: the GEMMs of the split layers, at the whole shapes.
+        tp: the degree (divides every split dimension).
+        hw: the hardware.
+        peak: FLOP/s of the planning dtype.
+
+    Returns:
+        sum of the sharded GEMMs' seconds / (sum of the whole GEMMs' seconds / tp); 1.0 with no GEMM.
+    """
+    whole = sum(gemm_seconds(hw, peak, g.m, g.n, g.k, g.width) for g in gemms)
+    sharded = sum(
+        gemm_seconds(
+            hw,
+            peak,
+            g.m,
+            max(1, g.n // tp) if g.style == "colwise" else g.n,
+            g.k if g.style == "colwise" else max(1, g.k // tp),
+            g.width,
+        )
+        for g in gemms
+    )
+    return sharded / (whole / tp) if whole > 0 else 1.0
 
 
 def _split_params(module: nn.Module, style: str) -> list[torch.Tensor]:
@@ -306,6 +408,8 @@ def tensor_parallel_blocks(
     blocks: list[BlockCost],
     *,
     float_bytes: int | None = None,
+    hardware: HardwareSpec | None = None,
+    dtype: str | None = None,
 ) -> TensorParallelBlocks:
     """Resolve the model's tensor-parallel plan, check it and give every split block its share.
 
@@ -316,6 +420,8 @@ def tensor_parallel_blocks(
         traced: the traced model the blocks are of.
         blocks: the blocks' costs.
         float_bytes: bytes of a floating activation in the planning dtype (autocast), None: as traced.
+        hardware: the hardware of estimated costs (the shares' GEMM ``slowdown``); None: measured.
+        dtype: the planning dtype (with ``hardware``).
 
     Returns:
         The blocks with their shares, the plan and the note.
@@ -350,7 +456,9 @@ def tensor_parallel_blocks(
             raise ModelFileError(f"--tp {request.tp}: {why}; give --tp 1")
         return TensorParallelBlocks(list(blocks), {}, f"tensor parallelism: none, {why}")
     inputs, _ = mf.batch(request.microbatch_size, seed=request.seed)
-    shares = tensor_parallel_shares(traced, inputs, resolved.plan, float_bytes=float_bytes)
+    shares = tensor_parallel_shares(
+        traced, inputs, resolved.plan, float_bytes=float_bytes, hardware=hardware, dtype=dtype
+    )
     if not shares:
         why = "the model was traced by module boundaries (tensor-parallel shares need a torch.fx or torch.export graph)"
         if forced:
@@ -360,4 +468,4 @@ def tensor_parallel_blocks(
     return TensorParallelBlocks(out, resolved.plan)
 
 
-__all__ = ["TensorParallelBlocks", "tensor_parallel_blocks", "tensor_parallel_shares"]
+__all__ = ["TensorParallelBlocks", "gemm_seconds", "gemm_slowdown", "tensor_parallel_blocks", "tensor_parallel_shares"]

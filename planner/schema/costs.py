@@ -7,7 +7,7 @@ solver and simulator read them. They round-trip through JSON as part of ``plan.j
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -54,6 +54,26 @@ class TensorParallelShare(BaseModel):
         ge=1,
         description="The greatest common divisor of every split size (features, heads): a degree must divide it.",
     )
+    slowdown: dict[int, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(
+        default_factory=dict,
+        description="Per degree, the factor by which the split part's time on one tp rank exceeds sharded_compute / "
+        "tp: estimated costs only, from the roofline's GEMM efficiency at the split layers' sharded shapes (a "
+        "column-wise layer's GEMM on n / tp output features, a row-wise one's on k / tp input features, which "
+        "reach less of peak, HardwareSpec.gemm_efficiency). Listed for the divisors of divisor up to 64; a degree "
+        "not listed takes the largest listed degree below it, 1.0 when there is none. Empty (measured costs): 1.0.",
+    )
+
+    def slowdown_at(self, tp: int) -> float:
+        """The split part's slowdown at degree ``tp`` (``slowdown``; 1.0 where nothing applies).
+
+        Args:
+            tp: the tensor-parallel degree.
+
+        Returns:
+            The factor, the largest listed degree at most ``tp`` answering for an unlisted one.
+        """
+        below = [t for t in self.slowdown if t <= tp]
+        return self.slowdown[max(below)] if below else 1.0
 
 
 class BlockCost(BaseModel):
