@@ -102,7 +102,10 @@ def test_search_on_one_rank_is_plain_gradient_accumulation() -> None:
     # microbatch's activations held) are the two memory profiles worth trying
     assert {c.layout.schedule for c in ranked} == {"gpipe", "1f1b"}
     for m in {c.layout.n_microbatches for c in ranked}:
-        gpipe, one_f = (next(c for c in ranked if c.layout.schedule == s and c.layout.n_microbatches == m) for s in ("gpipe", "1f1b"))
+        gpipe, one_f = (
+            next(c for c in ranked if c.layout.schedule == s and c.layout.n_microbatches == m)
+            for s in ("gpipe", "1f1b")
+        )
         assert gpipe.prediction.step_time_s == pytest.approx(one_f.prediction.step_time_s, rel=1e-12)
         assert one_f.prediction.max_memory_bytes <= gpipe.prediction.max_memory_bytes
 

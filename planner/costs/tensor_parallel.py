@@ -151,6 +151,98 @@ class _Watch(TorchDispatchMode):
         return out
 
 
+class _ShareRun(fx.Interpreter):
+    """One forward of the traced graph, each node's operators counted into its block's tally.
+
+    Matched layers that are modules of the graph (torch.fx keeps ``nn.Linear`` as leaves) are seen
+    by hooks (their input and output); layers inlined into the graph (torch.export) by their nodes'
+    module paths and graph edges.
+    """
+
+    def __init__(self, traced: GraphTrace, matched: dict[str, Any], watch: _Watch, float_bytes: int | None) -> None:
+        super().__init__(traced.gm)
+        self.matched = matched
+        self.watch = watch
+        self.float_bytes = float_bytes
+        self.block_of = {n: k for k, b in enumerate(traced.blocks) for n in b.nodes}
+        self.tallies = [_Tally() for _ in traced.blocks]
+        self.seen: set[tuple[str, str]] = set()  # (layer, what) already counted: each layer once
+        self.layer_stack: list[str | None] = []
+        self.module_names = {id(m): n for n, (_, m, _) in matched.items()}
+
+    def styled(self, path: list[str]) -> tuple[str, str] | None:
+        """The innermost matched layer of a node's module path, with its style."""
+        for p in reversed(path):
+            if p in self.matched:
+                return p, self.matched[p][0]
+        return None
+
+    def _count(self, name: str, what: str) -> bool:
+        if (name, what) in self.seen:
+            return False
+        self.seen.add((name, what))
+        return True
+
+    def _add(self, style: str, tensors: list[torch.Tensor], count: bool) -> None:
+        block = self.watch.block
+        assert block is not None
+        nbytes = sum(_nbytes(t, self.float_bytes) for t in tensors)
+        if style == "colwise":  # its input's gradient is all-reduced in backward
+            block.bwd_bytes += nbytes
+            block.bwd_count += int(count)
+        else:  # its output is all-reduced in forward
+            block.fwd_bytes += nbytes
+            block.fwd_count += int(count)
+
+    def pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        self.layer_stack.append(self.watch.style)
+        self.watch.style = self.matched[self.module_names[id(module)]][0]
+
+    def post_hook(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        self.watch.style = self.layer_stack.pop()
+        name = self.module_names[id(module)]
+        if self.watch.block is not None and self._count(name, "io"):
+            style = self.matched[name][0]
+            self._add(style, _tensors(args)[:1] if style == "colwise" else _tensors(out), True)
+
+    def hooks(self, stack: ExitStack) -> None:
+        """Hook every matched layer the graph calls as a module."""
+        gm_modules = dict(self.module.named_modules())
+        for name in self.matched:
+            if name not in gm_modules:
+                continue
+            target = gm_modules[name]
+            self.module_names[id(target)] = name
+            stack.enter_context(target.register_forward_pre_hook(self.pre_hook))
+            stack.enter_context(target.register_forward_hook(self.post_hook))
+
+    def run_node(self, n: fx.Node) -> Any:
+        k = self.block_of.get(n.name)
+        self.watch.block = self.tallies[k] if k is not None else None
+        inner = self.styled(_module_path(n)) if n.op != "call_module" else None
+        self.watch.style = inner[1] if inner else None
+        out = super().run_node(n)
+        if inner is not None and self.watch.block is not None:  # an inlined layer (export): its graph edges
+            self._inlined(n, inner, out)
+        self.watch.style = None
+        return out
+
+    def _inlined(self, n: fx.Node, inner: tuple[str, str], out: Any) -> None:
+        name, style = inner
+
+        def layer_of(a: fx.Node) -> str:
+            return (self.styled(_module_path(a)) or ("", ""))[0]
+
+        if style == "colwise":
+            for a in n.all_input_nodes:
+                if a.op != "get_attr" and layer_of(a) != name and self._count(name, a.name):
+                    self._add(style, _tensors(self.env[a]), False)
+            if self._count(name, "count"):
+                self._add(style, [], True)
+        elif any(layer_of(u) != name for u in n.users):
+            self._add(style, _tensors(out), self._count(name, "count"))
+
+
 def tensor_parallel_shares(
     traced: TracedModel,
     inputs: tuple[Any, ...],
@@ -178,136 +270,71 @@ def tensor_parallel_shares(
     """
     if not isinstance(traced, GraphTrace) or not plan:
         return {}
-    model = traced.model
-    matched = matched_modules(model, plan)
+    matched = matched_modules(traced.model, plan)
     if not matched:
         return {}
-    root = traced.gm
-    block_of = {n: k for k, b in enumerate(traced.blocks) for n in b.nodes}
-    tallies = [_Tally() for _ in traced.blocks]
     watch = _Watch(float_bytes)
-    layer_stack: list[str | None] = []
-
-    def styled(path: list[str]) -> tuple[str, str] | None:
-        for p in reversed(path):
-            if p in matched:
-                return p, matched[p][0]
-        return None
-
-    # a layer called as a module (fx keeps torch.nn modules as leaves): hooks see its input and output
-    seen_io: set[tuple[str, str]] = set()
-
-    def record_io(name: str, style: str, args: tuple[Any, ...], out: Any, block: _Tally | None) -> None:
-        if block is None or (name, "io") in seen_io:
-            return
-        seen_io.add((name, "io"))
-        if style == "colwise":
-            block.bwd_bytes += sum(_nbytes(t, float_bytes) for t in _tensors(args)[:1])
-            block.bwd_count += 1
-        else:
-            block.fwd_bytes += sum(_nbytes(t, float_bytes) for t in _tensors(out))
-            block.fwd_count += 1
-
-    def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-        layer_stack.append(watch.style)
-        watch.style = matched[module_names[id(module)]][0]
-
-    def post_hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-        watch.style = layer_stack.pop()
-        name = module_names[id(module)]
-        record_io(name, matched[name][0], args, out, watch.block)
-
-    module_names = {id(m): n for n, (_, m, _) in matched.items()}
-    gm_modules = dict(root.named_modules())
-
-    class Run(fx.Interpreter):
-        def run_node(self, n: fx.Node) -> Any:
-            k = block_of.get(n.name)
-            watch.block = tallies[k] if k is not None else None
-            inner = styled(_module_path(n)) if n.op != "call_module" else None
-            watch.style = inner[1] if inner else None
-            out = super().run_node(n)
-            if inner is not None and watch.block is not None:  # an inlined layer (export): its graph edges
-                name, style = inner
-                outside = [
-                    a
-                    for a in n.all_input_nodes
-                    if a.op != "get_attr" and (styled(_module_path(a)) or ("", ""))[0] != name
-                ]
-                if style == "colwise":
-                    for a in outside:
-                        if (name, a.name) not in seen_io:
-                            seen_io.add((name, a.name))
-                            watch.block.bwd_bytes += sum(_nbytes(t, float_bytes) for t in _tensors(self.env[a]))
-                    if (name, "count") not in seen_io:
-                        seen_io.add((name, "count"))
-                        watch.block.bwd_count += 1
-                elif any((styled(_module_path(u)) or ("", ""))[0] != name for u in n.users):
-                    watch.block.fwd_bytes += sum(_nbytes(t, float_bytes) for t in _tensors(out))
-                    if (name, "count") not in seen_io:
-                        seen_io.add((name, "count"))
-                        watch.block.fwd_count += 1
-            watch.style = None
-            return out
+    run = _ShareRun(traced, matched, watch, float_bytes)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if watch.block is not None and watch.is_split(t):
             watch.block.saved_split.setdefault(id(t), _nbytes(t, float_bytes))
         return t
 
-    device = next((p.device for p in root.parameters()), torch.device("meta"))
+    device = next((p.device for p in traced.gm.parameters()), torch.device("meta"))
     moved = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
     with ExitStack() as stack:
-        for name, (_, module, _) in matched.items():
-            if name in gm_modules and gm_modules[name] is module:  # fx: the layer is a module of the graph
-                stack.enter_context(module.register_forward_pre_hook(pre_hook))
-                stack.enter_context(module.register_forward_hook(post_hook))
-            elif name in gm_modules:
-                gm_module = gm_modules[name]
-                module_names[id(gm_module)] = name
-                stack.enter_context(gm_module.register_forward_pre_hook(pre_hook))
-                stack.enter_context(gm_module.register_forward_hook(post_hook))
+        run.hooks(stack)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
         stack.enter_context(torch.enable_grad())
         stack.enter_context(watch)
-        Run(root).run(*moved)
+        run.run(*moved)
     watch.keep.clear()
-
     shares: dict[str, TensorParallelShare] = {}
-    for k, block in enumerate(traced.blocks):
+    for block, tally in zip(traced.blocks, run.tallies):
         inside = {
             n: v for n, v in matched.items() if block.name and (n == block.name or n.startswith(block.name + "."))
         }
-        tally = tallies[k]
-        if not inside or tally.work <= 0:
-            continue
-        params = [p for _, (style, m, _) in inside.items() for p in _split_params(m, style)]
-        sizes = [n for _, _, n in split_sizes(model, {name: style for name, (style, _, _) in inside.items()})]
-        divisor = math.gcd(*sizes) if sizes else 1
-        slowdown: dict[int, float] = {}
-        if hardware is not None and tally.gemms and tally.split_work > 0:
-            g = min(1.0, tally.gemm_work / tally.split_work)
-            peak = hardware.peak(dtype or "bf16")
-            slowdown = {
-                t: g * gemm_slowdown(tally.gemms, t, hardware, peak) + (1.0 - g)
-                for t in range(2, min(divisor, MAX_DEGREE) + 1)
-                if divisor % t == 0
-            }
-        shares[block.name] = TensorParallelShare(
-            sharded_params=sum(p.numel() for p in params),
-            sharded_param_bytes=sum(
-                p.numel() * (param_bytes if param_bytes is not None else p.element_size()) for p in params
-            ),
-            sharded_compute=min(1.0, tally.split_work / tally.work),
-            sharded_activation_bytes=sum(tally.saved_split.values()),
-            fwd_allreduce_bytes=tally.fwd_bytes,
-            bwd_allreduce_bytes=tally.bwd_bytes,
-            fwd_allreduces=tally.fwd_count,
-            bwd_allreduces=tally.bwd_count,
-            divisor=divisor,
-            slowdown=slowdown,
-        )
+        if inside and tally.work > 0:
+            shares[block.name] = _share(traced.model, inside, tally, param_bytes, hardware, dtype)
     return shares
+
+
+def _share(
+    model: nn.Module,
+    inside: dict[str, Any],
+    tally: _Tally,
+    param_bytes: int | None,
+    hardware: HardwareSpec | None,
+    dtype: str | None,
+) -> TensorParallelShare:
+    """One block's share from what its forward ran (``inside``: its matched layers)."""
+    params = [p for _, (style, m, _) in inside.items() for p in _split_params(m, style)]
+    sizes = [n for _, _, n in split_sizes(model, {name: style for name, (style, _, _) in inside.items()})]
+    divisor = math.gcd(*sizes) if sizes else 1
+    slowdown: dict[int, float] = {}
+    if hardware is not None and tally.gemms and tally.split_work > 0:
+        g = min(1.0, tally.gemm_work / tally.split_work)
+        peak = hardware.peak(dtype or "bf16")
+        slowdown = {
+            t: g * gemm_slowdown(tally.gemms, t, hardware, peak) + (1.0 - g)
+            for t in range(2, min(divisor, MAX_DEGREE) + 1)
+            if divisor % t == 0
+        }
+    return TensorParallelShare(
+        sharded_params=sum(p.numel() for p in params),
+        sharded_param_bytes=sum(
+            p.numel() * (param_bytes if param_bytes is not None else p.element_size()) for p in params
+        ),
+        sharded_compute=min(1.0, tally.split_work / tally.work),
+        sharded_activation_bytes=sum(tally.saved_split.values()),
+        fwd_allreduce_bytes=tally.fwd_bytes,
+        bwd_allreduce_bytes=tally.bwd_bytes,
+        fwd_allreduces=tally.fwd_count,
+        bwd_allreduces=tally.bwd_count,
+        divisor=divisor,
+        slowdown=slowdown,
+    )
 
 
 MAX_DEGREE = 64  # the largest degree a share lists a slowdown for (a node holds at most 8 GPUs today)
