@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from planner.core.bounds import search_floors
 from planner.core.data_parallel import layout_links, tp_link
 from planner.core.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
 from planner.core.predict import predict
@@ -34,7 +35,7 @@ from planner.core.solve import solve
 from planner.core.stage_model import Partition
 from planner.core.tensor_parallel import at_degree
 from planner.errors import InfeasibleError
-from planner.schema.costs import BlockCost, OptimizerSpec, TensorParallelShare
+from planner.schema.costs import BlockCost, TensorParallelShare
 from planner.schema.plan import Candidate, Prediction, StagePlan
 from planner.schema.request import SCHEDULES, divisors
 
@@ -316,28 +317,6 @@ class _Pending:
     memory_floor: int
 
 
-def _floors(blocks: Sequence[BlockCost], layout: Layout, optimizer: OptimizerSpec) -> tuple[float, int]:
-    """Lower bounds of a layout's step and per-rank memory over every split.
-
-    Step: the busiest pipeline rank computes at least the mean of every microbatch's forward and
-    backward over the ranks, and steps its optimizer over at least the mean share of the
-    parameters (the pipeline's makespan and the optimizer step are parts of the step; messages,
-    the bubble and the gradient reduction only add). Memory: the busiest rank holds at least the
-    mean of the weights, gradients and optimizer state (a 1/dp share under FSDP, which then also
-    holds its stages' weights and gradients whole while the pipeline runs); the lower of DDP's and
-    FSDP's when the mode is still open.
-    """
-    pp, m = layout.pp, layout.n_microbatches
-    work = sum(b.fwd_s + b.bwd_s for b in blocks) * m + sum((b.opt_s or 0.0) + (b.grad_s or 0.0) for b in blocks)
-    p_bytes = sum(b.param_bytes for b in blocks)
-    static = 2 * p_bytes + optimizer.state_bytes(sum(b.params for b in blocks), p_bytes)
-    ddp = static // pp
-    fsdp = (static // layout.dp + 2 * p_bytes) // pp
-    modes = {"ddp": ddp, "fsdp": fsdp, "auto": min(ddp, fsdp)}
-    memory = ddp if layout.dp == 1 else modes.get(layout.dp_mode, ddp)
-    return work / pp, memory
-
-
 def _pending_layouts(
     blocks: Sequence[BlockCost], cluster: Cluster, space: SearchSpace, constraints: Constraints, scaling: Scaling
 ) -> tuple[list[_Pending], list[InfeasibleError]]:
@@ -366,7 +345,7 @@ def _pending_layouts(
             if (size, tp) not in cache:
                 sized = blocks_at(blocks, scaling.size0, size, scaling.fixed_fraction)
                 cache[size, tp] = at_degree(sized, tp, tp_link(cluster.link))
-            step, memory = _floors(cache[size, tp], layout, constraints.optimizer)
+            step, memory = search_floors(cache[size, tp], layout, constraints.optimizer)
             pending.append(_Pending(layout, cache[size, tp], step, memory))
     return pending, errors
 
