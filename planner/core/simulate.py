@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.core.schedules import Action, in_flight_per_stage, rank_orders
+from planner.core.schedules import Action, bulk_allocation, in_flight_per_stage, rank_orders
 from planner.errors import InfeasibleError
 
 
@@ -245,7 +245,13 @@ def _program(schedule: str, p: int, m: int, v: int) -> tuple[_Step, ...]:
         RuntimeError: the action orders deadlock (a bug in the schedule orders, never user input).
     """
     orders = rank_orders(schedule, p, m, v)
-    n_stages = p * v
+    with bulk_allocation():
+        return _sweep(orders, p * v, m)
+
+
+def _sweep(orders: tuple[tuple[Action, ...], ...], n_stages: int, m: int) -> tuple[_Step, ...]:
+    """``_program``'s sweep over the ranks."""
+    p = len(orders)
 
     def slot(kind: str, stage: int, mb: int) -> int:  # "F" ends, then "G" (input gradient) ends
         return (n_stages if kind == "G" else 0) * m + stage * m + mb
