@@ -224,9 +224,7 @@ SIZES: dict[str, dict] = {
     ),
     "8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, multiple_of=1024, **_LLAMA3),
     "70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, multiple_of=4096, **_LLAMA3),
-    "405b": dict(
-        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, multiple_of=4096, **_LLAMA3 | {"ffn_dim_multiplier": 1.2}
-    ),
+    "405b": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, multiple_of=4096, **_LLAMA3 | {"ffn_dim_multiplier": 1.2}),
 }
 
 # Tensor parallelism (Megatron's split, as torchtitan's ``parallelize_llama`` applies it): q, k, v and
