@@ -1,36 +1,71 @@
-"""How long the joint search adds to planning: a 96-layer model on 8 ranks.
+"""How long planning takes at the scale of the largest published runs, and how much memory.
 
-Estimates the costs of `models/gpt.py` with 96 layers for an H100 (roofline on the meta device, so
-no profiling noise), then times ``assemble_plan`` (the search over schedule x microbatches x stages
-per rank x split, the polishing of the winner, the baselines) against planning one fixed schedule.
+Two cases, Llama 3 on estimated H100 costs (`models/llama.py`, roofline on the meta device: no
+profiling noise):
+
+* 70B on 64 GPUs, batch 512 (one pipeline: the search covers schedule x microbatches x stages per rank);
+* 405B on 16,384 GPUs, 8 per node, batch 2048, `--dp auto` (the search adds every replica count and
+  DDP / FSDP).
+
+For each case, in fresh processes (so that one case's caches and peak memory do not reach the other):
+
+* search: the costs are estimated once, then `assemble_plan` (the search, the polishing of the
+  winner, the baselines) is timed alone: what the search costs on top of the costs;
+* whole `planner plan`: the command as a user runs it, wall time and peak RSS (``os.wait4``'s
+  ``ru_maxrss`` of that process).
+
 Writes docs/search_time.md.
 
-    python -m bench.search_time
+    python -m bench.search_time                    # measure this checkout
+    python -m bench.search_time --source DIR --out X.md  # measure another tree's planner (e.g. an older commit)
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
+import os
 import platform
+import resource
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-from bench.common import DOCS, MODELS, host, plan_on_costs, write_page
-from planner.api import estimated_costs
-from planner.capture.load import load_model_file
-from planner.schema.request import PlanRequest
+from bench.common import DOCS, ROOT, host, last_line, write_page
 
-PAGE = """# Joint search time: {a.layers}-layer model on {a.gpus} ranks
+CASES: dict[str, list[str]] = {
+    "70B, 64 GPUs, -b 512": ["--size", "70b", "--gpus", "64", "--gpu-type", "h100", "-b", "512"],
+    "405B, 16,384 GPUs (8 per node), -b 2048, --dp auto": [
+        "--size",
+        "405b",
+        "--gpus",
+        "16384",
+        "--gpus-per-node",
+        "8",
+        "--gpu-type",
+        "h100",
+        "-b",
+        "2048",
+        "--dp",
+        "auto",
+    ],
+}
 
-Written by `bench/search_time.py` on {today} ({host},
-Python {python}). `models/gpt.py` with {a.layers} layers (dim 2048, 32k vocabulary, sequence
-1024; {blocks} blocks), batch {a.batch_size}, costs estimated for an H100 (bf16) in {t_costs:.1f} s.
-The time below is `assemble_plan` alone: what planning adds to the costs.
+PAGE = """# Planning time at scale: Llama 3 70B and 405B
 
-| planning | seconds | schedule | m | stages/rank | predicted step ms | candidates kept |
-|---|---:|---|---:|---:|---:|---:|
+Written by `bench/search_time.py` on {today} ({host}, {cpu}, Python {python}; CPU only, and the
+machine shared with other jobs, so the times are upper bounds rather than a quiet machine's).
+Costs are estimated for H100s (`--gpu-type h100`, roofline on the meta device). Search: `assemble_plan`
+alone on those costs (the search over every open combination, the polishing of the winner, the
+baselines); peak RSS of that process includes the cost estimation. Whole command: `planner plan
+models/llama.py ...` as a user runs it, wall time and peak RSS.
+
+| case | costs s | search s | search peak RSS MB | whole `planner plan` s | its peak RSS MB | layouts evaluated / in all | result |
+|---|---:|---:|---:|---:|---:|---:|---|
 {rows}
 
 Regenerate: `python -m bench.search_time`.
@@ -40,68 +75,130 @@ Regenerate: `python -m bench.search_time`.
 def parse_args() -> argparse.Namespace:
     """The command line."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=96)
-    parser.add_argument("--gpus", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--out", type=Path, default=DOCS / "search_time.md")
+    parser.add_argument("--source", type=Path, default=ROOT, help="the tree whose planner is measured")
+    parser.add_argument("--child", choices=sorted(CASES), help=argparse.SUPPRESS)
     return parser.parse_args()
 
 
-def plannings(gpus: int) -> list[tuple[str, dict[str, object]]]:
-    """The joint search and two fixed schedules, as updates of the base request."""
-    return [
-        ("joint search (auto, the default)", {}),
-        ("fixed: 1f1b, m = 2p", {"schedule": "1f1b", "microbatches": 2 * gpus, "stages_per_rank": 1}),
-        (
-            "fixed: interleaved-1f1b, m = 2p, v = 2",
-            {"schedule": "interleaved-1f1b", "microbatches": 2 * gpus, "stages_per_rank": 2},
-        ),
-    ]
+def child(case: str) -> dict[str, object]:
+    """Estimate one case's costs and time its search alone (run in a fresh process): what was measured."""
+    import planner.core.search as search_module
+    from planner.api import default_threads, estimated_costs, model_ref
+    from planner.capture.load import load_model_file
+    from planner.core.assemble import Origin, assemble_plan
+    from planner.errors import PlannerError
+    from planner.schema.request import PlanRequest
+
+    args = CASES[case]
+    values = dict(zip(args[::2], args[1::2]))
+    request = PlanRequest.build(
+        model_file=str(ROOT / "models" / "llama.py"),
+        size=values["--size"],
+        gpus=int(values["--gpus"]),
+        gpus_per_node=int(values["--gpus-per-node"]) if "--gpus-per-node" in values else None,
+        gpu_type=values["--gpu-type"],
+        batch_size=int(values["-b"]),
+        dp=values.get("--dp", 1),
+        output=Path(tempfile.gettempdir()) / "search_time_plan.json",
+        progress=False,
+    )
+    mf = load_model_file(request.model_file, request.size, request.overrides)
+    t0 = time.perf_counter()
+    costs = estimated_costs(mf, request, request.threads or default_threads(request.gpus))
+    t_costs = time.perf_counter() - t0
+    counted = {"evaluated": 0, "layouts": 0}
+    evaluate_all, evaluate_modes = search_module._evaluate_all, search_module.evaluate_modes
+
+    def counting_all(*a: Any, **k: Any) -> Any:
+        outcome = evaluate_all(*a, **k)
+        counted["layouts"] = outcome.layouts
+        return outcome
+
+    def counting_modes(*a: Any, **k: Any) -> Any:
+        counted["evaluated"] += 1
+        return evaluate_modes(*a, **k)
+
+    search_module._evaluate_all = counting_all
+    search_module.evaluate_modes = counting_modes
+    origin = Origin(model_ref(mf, costs.traced, request), costs.profile, "bench")
+    t0 = time.perf_counter()
+    try:
+        plan = assemble_plan(
+            request, costs.blocks, costs.link, origin, memory_limit_bytes=costs.memory_bytes, ties=costs.ties
+        )
+        lay = f"dp={plan.dp} ({plan.dp_mode}), " if plan.dp > 1 else ""
+        result = (
+            f"{lay}pp={plan.n_ranks}, {plan.schedule}, m={plan.n_microbatches}, v={plan.stages_per_rank}: "
+            f"step {plan.prediction.step_time_s:.3g} s"
+        )
+    except PlannerError as e:
+        result = f"error: {e}"
+    t_search = time.perf_counter() - t0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"costs_s": t_costs, "search_s": t_search, "rss_mb": rss, "result": result, **counted}
+
+
+def whole_command(case: str, source: Path) -> tuple[float, float, str]:
+    """Wall seconds and peak RSS (MB) of ``planner plan`` for ``case``, and its last line on failure."""
+    planner = Path(sys.executable).parent / "planner"
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = [str(planner), "plan", str(ROOT / "models" / "llama.py"), *CASES[case], "-o", f"{tmp}/plan.json"]
+        env = {**os.environ, "PYTHONPATH": str(source), "PYTHONDONTWRITEBYTECODE": "1"}
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(argv, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stderr is not None
+        out, err = proc.stdout.read(), proc.stderr.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - t0
+    return wall, usage.ru_maxrss / 1024, "" if status == 0 else last_line(err, out)
+
+
+def cpu_name() -> str:
+    """The CPU model, from /proc/cpuinfo where there is one."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:
-    """Estimate the costs once, time each planning on them, write the page."""
+    """Measure every case in fresh processes, write the page."""
     args = parse_args()
-    overrides = {
-        "n_layers": args.layers,
-        "dim": 2048,
-        "n_heads": 16,
-        "ffn_dim": 8192,
-        "vocab_size": 32000,
-        "seq_len": 1024,
-    }
-    with tempfile.TemporaryDirectory() as tmp:
-        base = PlanRequest.build(
-            model_file=MODELS / "gpt.py",
-            gpus=args.gpus,
-            overrides=overrides,
-            batch_size=args.batch_size,
-            gpu_type="h100",
-            output=Path(tmp) / "plan.json",
-            progress=False,
+    if args.child:
+        print(json.dumps(child(args.child)))
+        return
+    rows = []
+    for case in CASES:
+        env = {**os.environ, "PYTHONPATH": f"{args.source}{os.pathsep}{ROOT}"}
+        done = subprocess.run(
+            # by path: with --source first on the path, its planner is the one imported
+            [sys.executable, str(Path(__file__).resolve()), "--child", case],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
         )
-        mf = load_model_file(base.model_file, base.size, base.overrides)
-        t0 = time.perf_counter()
-        costs = estimated_costs(mf, base, 1)
-        t_costs = time.perf_counter() - t0
-        rows = []
-        for label, update in plannings(args.gpus):
-            request = base.model_copy(update=update)
-            t0 = time.perf_counter()
-            plan = plan_on_costs(request, costs, mf, created="bench", memory_limit_bytes=costs.memory_bytes)
-            elapsed = time.perf_counter() - t0
-            rows.append(
-                f"| {label} | {elapsed:.2f} | {plan.schedule} | {plan.n_microbatches} | {plan.stages_per_rank} "
-                f"| {plan.prediction.step_time_s * 1e3:.1f} | {len(plan.search)} |"
-            )
-            print(rows[-1], flush=True)
+        got = json.loads(done.stdout.strip().splitlines()[-1])
+        wall, rss, error = whole_command(case, args.source)
+        result = str(got["result"]).replace("|", "\\|")
+        result = result if len(result) <= 160 else result[:160] + " ..."
+        rows.append(
+            f"| {case} | {got['costs_s']:.1f} | {got['search_s']:.2f} | {got['rss_mb']:.0f} | {wall:.1f}"
+            f"{' (' + error + ')' if error and not result.startswith('error') else ''} | {rss:.0f} "
+            f"| {got['evaluated']} / {got['layouts']} | {result} |"
+        )
+        print(rows[-1], flush=True)
     text = PAGE.format(
-        a=args,
         today=dt.date.today().isoformat(),
         host=host(),
+        cpu=cpu_name(),
         python=platform.python_version(),
-        blocks=len(costs.blocks),
-        t_costs=t_costs,
         rows="\n".join(rows),
     )
     write_page(args.out, text)

@@ -14,9 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from planner.core.bounds import floors
 from planner.core.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
 from planner.core.predict import predict
-from planner.core.search import _floors, accumulation_options, describe, search
+from planner.core.search import accumulation_options, describe, search
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost
 from planner.schema.plan import Plan
@@ -167,6 +168,6 @@ def test_floors_stay_lower_bounds(problem: tuple[list[BlockCost], Layout, list[i
         _, prediction = predict(blocks, starts, LINK, layout, ADAMW)
     except InfeasibleError:
         return
-    step, memory = _floors(blocks, layout, ADAMW)
+    step, memory = floors(blocks, layout, ADAMW)
     assert step <= prediction.step_time_s * (1 + 1e-9)
     assert memory <= prediction.max_memory_bytes

@@ -437,6 +437,23 @@ def test_replica_groups_across_nodes_reduce_over_the_network() -> None:
     assert boundary_links(layout_links(node_links(H100, 6, 4), 3, 1), 3, "1f1b") == [intra, intra]
 
 
+def test_replica_groups_on_one_node_exactly_when_every_replica_is() -> None:
+    # dp_group_links compares a rank's first and last replica's nodes: the same as all of them
+    intra, inter = link_cost(H100, intra_node=True), link_cost(H100, intra_node=False)
+    for per_node in (1, 2, 4, 8):
+        for dp in (1, 2, 3, 4, 8):
+            for pp in (1, 2, 3, 5):
+                for tp in (1, 2):
+                    if per_node % tp:
+                        continue
+                    placed = layout_links(node_links(H100, dp * pp * tp, per_node), pp, dp, tp)
+                    assert isinstance(placed, NodeLinks)
+                    expected = [
+                        intra if len({placed.node_of(k, r) for k in range(dp)}) == 1 else inter for r in range(pp)
+                    ]
+                    assert dp_group_links(placed, pp, dp) == expected
+
+
 def test_an_estimated_multi_node_plan_reduces_over_the_inter_node_link() -> None:
     blocks = [block(f"layers.{i}", 1, 2, QUARTER) for i in range(8)]
     plan = _plan(blocks, gpus=8, dp=2, m=4, link=node_links(H100, 8, 4), profile=GPU)

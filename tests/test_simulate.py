@@ -16,10 +16,11 @@ from planner.core.schedules import (
     in_flight_per_stage,
     peak_in_flight,
     peak_live_bytes,
+    rank_orders,
     stage_ranks,
     stages_per_rank_options,
 )
-from planner.core.simulate import Durations, StageTimes, simulate
+from planner.core.simulate import Durations, Event, StageTimes, simulate, simulate_step
 from planner.errors import InfeasibleError
 
 SINGLE = ("gpipe", "1f1b")
@@ -342,3 +343,90 @@ def test_a_link_cpu_share_sets_the_wait_of_each_action() -> None:
     assert stage_times([st])[0] == StageTimes(1.25, 2.25, None, None, 0.0)
     assert stage_times([st], cpu_share=0.6)[0].msg == pytest.approx(0.1)
     assert stage_times([st], cpu_share=0.0)[0].msg == pytest.approx(0.25)
+
+
+def _reference_in_flight(schedule: str, p: int, m: int, v: int) -> list[int]:
+    """The in-flight counts read off freshly built orders, one rank at a time (no cache, no closed form)."""
+    out = [0] * (p * v)
+    for rank in range(p):
+        order = [a for a in action_order(schedule, p, m, v)[rank]]
+        for stage, peak in peak_in_flight(order).items():
+            out[stage] = peak
+    return [max(1, x) for x in out]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_in_flight_closed_forms_and_cache_match_the_orders(schedule: str) -> None:
+    # every small shape: GPipe's m and 1F1B's min(m, p - i) are exact, and cached answers are fresh copies
+    for p in range(1, 7):
+        for m in range(1, 13):
+            for v in stages_per_rank_options(schedule, 4):
+                if not _runnable(schedule, p, m, v):
+                    continue
+                expected = _reference_in_flight(schedule, p, m, v)
+                got = in_flight_per_stage(schedule, p, m, v)
+                assert got == expected, (schedule, p, m, v)
+                got.append(-1)  # a caller's list is its own
+                assert in_flight_per_stage(schedule, p, m, v) == expected
+                assert [list(o) for o in rank_orders(schedule, p, m, v)] == action_order(schedule, p, m, v)
+
+
+def _reference_run(times: list[StageTimes], orders: list[list[Action]]) -> tuple[list[Event], list[float], float]:
+    """The simulator's event loop as it was before it ran a precomputed program (the reference)."""
+    p, n_stages = len(orders), len(times)
+    end: dict[tuple[str, int, int], float] = {}
+    next_idx = [0] * p
+    free_at = [0.0] * p
+    busy = [0.0] * p
+    events: list[Event] = []
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        for rank in range(p):
+            while next_idx[rank] < len(orders[rank]):
+                a = orders[rank][next_idx[rank]]
+                if a.kind == "F":
+                    deps = [("F", a.stage - 1, a.microbatch)] if a.stage > 0 else []
+                elif a.kind == "W":
+                    deps = [("G", a.stage, a.microbatch)]
+                else:
+                    deps = [("F", a.stage, a.microbatch)]
+                    deps += [("G", a.stage + 1, a.microbatch)] if a.stage < n_stages - 1 else []
+                if any(d not in end for d in deps):
+                    break
+                start = max([free_at[rank]] + [end[d] for d in deps])
+                dur = times[a.stage].of(a.kind)
+                finish = start + dur
+                if a.kind != "W":
+                    end[("F" if a.kind == "F" else "G", a.stage, a.microbatch)] = finish
+                free_at[rank] = finish
+                busy[rank] += dur
+                events.append(
+                    Event(rank=rank, stage=a.stage, kind=a.kind, microbatch=a.microbatch, start_s=start, end_s=finish)
+                )
+                next_idx[rank] += 1
+                remaining -= 1
+    return events, busy, max(free_at)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    p=st.integers(1, 5),
+    v=st.integers(1, 3),
+    m=st.integers(1, 10),
+    schedule=st.sampled_from(SCHEDULES),
+    data=st.data(),
+)
+def test_program_simulation_is_bit_identical_to_the_event_loop(
+    p: int, v: int, m: int, schedule: str, data: st.DataObject
+) -> None:
+    v = v if v in stages_per_rank_options(schedule, 3) else stages_per_rank_options(schedule, 3)[0]
+    assume(_runnable(schedule, p, m, v))
+    floats = st.floats(0.0, 10.0, allow_nan=False)
+    split = st.one_of(st.none(), floats)
+    stages = data.draw(st.lists(st.tuples(floats, floats, split, split), min_size=p * v, max_size=p * v))
+    timed = [StageTimes(f, b, i, w) for f, b, i, w in stages]
+    events, busy, makespan = _reference_run(timed, action_order(schedule, p, m, v))
+    events.sort(key=lambda e: (e.start_s, e.rank))
+    res = simulate(timed, schedule, m, stages_per_rank=v)
+    assert (res.events, res.busy_s, res.step_time_s) == (events, busy, makespan)
+    assert simulate_step(timed, schedule, m, stages_per_rank=v) == (res.step_time_s, res.bubble_fraction)

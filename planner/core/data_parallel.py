@@ -101,7 +101,8 @@ def dp_group_links(link: Links, n_ranks: int, dp: int) -> list[LinkCost]:
         intra = link.intra()
         placed = layout_links(link, n_ranks, dp, link.tp)
         assert isinstance(placed, NodeLinks)
-        return [intra if len({placed.node_of(k, r) for k in range(dp)}) == 1 else link.inter for r in range(n_ranks)]
+        # a rank's node only grows with the replica: its replicas share one node when the first and last do
+        return [intra if placed.node_of(0, r) == placed.node_of(dp - 1, r) else link.inter for r in range(n_ranks)]
     one = link if isinstance(link, LinkCost) else next(iter(link), None)
     if one is None:  # a lone stage's empty list of boundary links: nothing to time it by
         one = LinkCost(name="none", latency_s=0.0, bandwidth_Bps=1.0)

@@ -9,6 +9,7 @@ stages share a rank (the turn of a V) sends nothing (``boundary_crosses``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 from pydantic import Field
 
@@ -76,15 +77,24 @@ def boundary_links(link: Links, n_stages: int, schedule: str | None = None) -> l
         p = link.n_ranks
         if n_stages % p:
             raise InfeasibleError(f"{n_stages} stages do not spread evenly over the {p} ranks of the links")
-        ranks = stage_ranks(schedule, p, n_stages // p) if schedule is not None else [i % p for i in range(n_stages)]
+        flags = _crossings(link, n_stages, schedule)
         intra = link.intra()
-        return [link.inter if link.crosses(a, b) else intra for a, b in zip(ranks, ranks[1:])]
+        return [link.inter if crosses else intra for crosses in flags]
     if isinstance(link, LinkCost):
         return [link] * (n_stages - 1)
     links = list(link)
     if len(links) != n_stages - 1:
         raise InfeasibleError(f"{len(links)} links for {n_stages} stages; expected one per boundary ({n_stages - 1})")
     return links
+
+
+@lru_cache(maxsize=1024)
+def _crossings(link: NodeLinks, n_stages: int, schedule: str | None) -> tuple[bool, ...]:
+    """Whether each boundary crosses nodes in any replica (``NodeLinks.crosses``), once per
+    placement: the search places the same mesh under many layouts."""
+    p = link.n_ranks
+    ranks = stage_ranks(schedule, p, n_stages // p) if schedule is not None else [i % p for i in range(n_stages)]
+    return tuple(link.crosses(a, b) for a, b in zip(ranks, ranks[1:]))
 
 
 def boundary_crosses(n_stages: int, schedule: str | None = None, stages_per_rank: int | None = None) -> list[bool]:

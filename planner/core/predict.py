@@ -15,8 +15,8 @@ from pydantic import BaseModel
 from planner.core.data_parallel import dp_group_links, layout_links, rank_reduce_s, replica_slots
 from planner.core.inputs import Layout
 from planner.core.links import Links, NodeLinks, boundary_links, default_link, links_around
-from planner.core.schedules import Action, action_order, in_flight_of, peak_live_bytes, stage_ranks
-from planner.core.simulate import SimResult, StageTimes, simulate
+from planner.core.schedules import Action, in_flight_per_stage, peak_live_bytes, rank_orders, stage_ranks
+from planner.core.simulate import SimResult, StageTimes, simulate, simulate_step
 from planner.core.stage_model import (
     cold_in,
     cold_out,
@@ -81,14 +81,14 @@ def predict(
     stage_costs(blocks, starts, link, recompute, schedule)  # validates the split (legal cuts, non-empty stages)
     links = boundary_links(link, n, schedule)
     flags = recompute_flags(recompute, n)
-    orders = action_order(schedule, p, n_microbatches, layout.stages_per_rank)
-    in_flight = in_flight_of(orders, n)
+    orders = rank_orders(schedule, p, n_microbatches, layout.stages_per_rank)
+    in_flight = in_flight_per_stage(schedule, p, n_microbatches, layout.stages_per_rank)
     ends = list(starts[1:]) + [len(blocks)]
     stages = [
         _stage_plan(blocks, i, (a, b), links_around(links, i, default_link(link)), flags[i], in_flight[i], context)
         for i, (a, b) in enumerate(zip(starts, ends))
     ]
-    sim = simulate(
+    one_pass_s, bubble = simulate_step(
         stage_times(stages, _cpu_share(link)),
         schedule,
         n_microbatches,
@@ -120,7 +120,7 @@ def predict(
     # PipelineStage reshards and reduce-scatters at the end of each schedule step (and gathers the
     # parameters again at the next pass's first forward).
     passes = layout.accumulation
-    pipeline_s = passes * sim.step_time_s
+    pipeline_s = passes * one_pass_s
     if shard > 1:
         dp_reduce_s *= passes
     step_s = pipeline_s + dp_reduce_s + allreduce_s + max(rank_opt)
@@ -134,7 +134,7 @@ def predict(
         bottleneck_s=max(stage_time),
         pipeline_time_s=pipeline_s,
         step_time_s=step_s,
-        bubble_fraction=sim.bubble_fraction,
+        bubble_fraction=bubble,
         imbalance=max(stage_time) / mean if mean > 0 else 1.0,
         max_memory_bytes=max(rank_memory),
         rank_memory_bytes=tuple(rank_memory) if layout.stages_per_rank > 1 else (),

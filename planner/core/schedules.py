@@ -24,19 +24,54 @@ backward for the weights only (the zero-bubble split; Qi et al. 2023, arXiv:2401
 
 from __future__ import annotations
 
+import gc
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from functools import lru_cache
 from typing import Literal, NamedTuple
 
 from planner.errors import InfeasibleError
 from planner.schema.request import SCHEDULES, TORCH_NAMES, schedule_name
 
-__all__ = ["SCHEDULES", "TORCH_NAMES", "Action", "action_order", "check_schedule", "schedule_name", "stage_ranks"]
+__all__ = [
+    "SCHEDULES",
+    "TORCH_NAMES",
+    "Action",
+    "action_order",
+    "check_schedule",
+    "rank_orders",
+    "schedule_name",
+    "stage_ranks",
+]
+
+ORDERS_CACHED = 16
+"""The action orders of this many shapes (schedule, p, m, v) are kept (``rank_orders``): the search
+solves, predicts and polishes one shape many times, and an order of p ranks x m microbatches is
+rebuilt in O(p m v). Few, since one shape of 64 ranks x 512 microbatches holds some 65k actions."""
+
+IN_FLIGHT_CACHED = 4096
+"""The in-flight counts of this many shapes are kept (``in_flight_per_stage``): one int per stage each."""
 
 SPLIT_BACKWARD: frozenset[str] = frozenset({"interleaved-zb", "zbv", "dualpipev"})
 """Schedules whose actions split the backward into I and W."""
 
 Placement = Literal["single", "loop", "v"]
+
+
+@contextmanager
+def bulk_allocation() -> Iterator[None]:
+    """No garbage collection while building a large acyclic structure (an action order, a simulator
+    program): the tuples it allocates would trigger collections that walk the whole heap (the
+    profiled model included), two thirds of the build's time for a 64-rank x 512-microbatch order,
+    and free nothing. Collection resumes as it was afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class Action(NamedTuple):
@@ -177,6 +212,19 @@ def action_order(schedule: str, n_ranks: int, n_microbatches: int, stages_per_ra
     Raises:
         InfeasibleError: a request torch would refuse (see ``check_schedule``).
     """
+    return [list(order) for order in rank_orders(schedule, n_ranks, n_microbatches, stages_per_rank)]
+
+
+@lru_cache(maxsize=ORDERS_CACHED)
+def rank_orders(
+    schedule: str, n_ranks: int, n_microbatches: int, stages_per_rank: int = 1
+) -> tuple[tuple[Action, ...], ...]:
+    """``action_order`` as immutable tuples, built once per shape and shared (the last
+    ``ORDERS_CACHED`` shapes are kept): for callers that only read the orders.
+
+    Raises:
+        InfeasibleError: a request torch would refuse (see ``check_schedule``; never cached).
+    """
     check_schedule(schedule, n_ranks, n_microbatches, stages_per_rank)
     p, m, v = n_ranks, n_microbatches, stages_per_rank
     build: dict[str, Callable[[int], list[Action]]] = {
@@ -188,7 +236,8 @@ def action_order(schedule: str, n_ranks: int, n_microbatches: int, stages_per_ra
         "zbv": lambda r: _zbv(r, p, m),
         "dualpipev": lambda r: _dualpipev(r, p, m),
     }
-    return [build[schedule](r) for r in range(p)]
+    with bulk_allocation():
+        return tuple(tuple(build[schedule](r)) for r in range(p))
 
 
 def _gpipe(rank: int, m: int) -> list[Action]:
@@ -445,10 +494,25 @@ def peak_live_bytes(order_for_rank: Sequence[Action], bytes_per_microbatch: dict
 def in_flight_per_stage(schedule: str, n_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> list[int]:
     """Peak live microbatches of every stage (index = global stage) under a schedule.
 
+    GPipe holds all m microbatches on every stage and 1F1B ``min(m, p - i)`` on stage i (its
+    warm-up); the other schedules' counts are read off their action orders (``in_flight_of``).
+    Computed once per shape (the last ``IN_FLIGHT_CACHED`` are kept).
+
     Raises:
         InfeasibleError: the schedule cannot run with these numbers (see ``check_schedule``).
     """
-    return in_flight_of(action_order(schedule, n_ranks, n_microbatches, stages_per_rank), n_ranks * stages_per_rank)
+    return list(_in_flight(schedule, n_ranks, n_microbatches, stages_per_rank))
+
+
+@lru_cache(maxsize=IN_FLIGHT_CACHED)
+def _in_flight(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
+    check_schedule(schedule, p, m, v)
+    # closed forms, exact (tests/test_simulate.py checks them against the orders over every small shape)
+    if schedule == "gpipe":
+        return (m,) * p
+    if schedule == "1f1b":
+        return tuple(min(m, p - i) for i in range(p))
+    return tuple(in_flight_of(rank_orders(schedule, p, m, v), p * v))
 
 
 def in_flight_of(orders: Sequence[Sequence[Action]], n_stages: int) -> list[int]:

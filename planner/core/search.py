@@ -33,6 +33,7 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from planner.core.bounds import floors
 from planner.core.data_parallel import layout_links, tp_link
 from planner.core.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
 from planner.core.predict import predict
@@ -41,7 +42,7 @@ from planner.core.solve import solve
 from planner.core.stage_model import Partition
 from planner.core.tensor_parallel import at_degree
 from planner.errors import InfeasibleError
-from planner.schema.costs import BlockCost, OptimizerSpec, TensorParallelShare
+from planner.schema.costs import BlockCost, TensorParallelShare
 from planner.schema.plan import Candidate, Prediction, StagePlan
 from planner.schema.request import SCHEDULES, divisors
 
@@ -327,39 +328,6 @@ class _Pending:
     memory_floor: int
 
 
-def _floors(blocks: Sequence[BlockCost], layout: Layout, optimizer: OptimizerSpec) -> tuple[float, int]:
-    """Lower bounds of a layout's step and per-rank memory over every split.
-
-    Step: the busiest pipeline rank computes at least the mean of every microbatch's forward and
-    backward over the ranks, and steps its optimizer over at least the mean share of the
-    parameters (of its 1/dp shard under FSDP; the pipeline's makespan and the optimizer step are parts of the step; messages,
-    the bubble and the gradient reduction only add). Memory: the busiest rank holds at least the
-    mean of the weights, gradients and optimizer state (a 1/dp share under FSDP, which then also
-    holds its stages' weights and gradients whole while the pipeline runs); the lower of DDP's and
-    FSDP's when the mode is still open. Both add the receive buffers: each of the ``n_stages - 1``
-    stage boundaries holds ``m`` microbatches' cut bytes in each direction (the stage before it
-    holds the gradients', the stage after the activations'), at least the least legal cut's, so
-    the ranks hold ``2 m (n_stages - 1)`` such cuts between them, the busiest at least the mean.
-    With several passes the step computes every pass's microbatches (``m x accumulation``); the
-    memory is one pass's.
-    """
-    pp, m = layout.pp, layout.n_microbatches
-    total = m * layout.accumulation  # microbatches per step, over every pass
-    # FSDP (or a mode still open) steps a 1/dp shard of the optimizer
-    shard = layout.dp if layout.dp > 1 and layout.dp_mode != "ddp" else 1
-    once = sum((b.opt_s or 0.0) + (b.grad_s or 0.0) for b in blocks) / shard
-    work = sum(b.fwd_s + b.bwd_s for b in blocks) * total + once
-    p_bytes = sum(b.param_bytes for b in blocks)
-    static = 2 * p_bytes + optimizer.state_bytes(sum(b.params for b in blocks), p_bytes)
-    cuts = [b.cut_bytes for b in blocks[:-1] if b.cut_legal]
-    buffers = 2 * m * (layout.n_stages - 1) * min(cuts) if cuts and layout.n_stages > 1 else 0
-    ddp = (static + buffers) // pp
-    fsdp = (static // layout.dp + 2 * p_bytes + buffers) // pp
-    modes = {"ddp": ddp, "fsdp": fsdp, "auto": min(ddp, fsdp)}
-    memory = ddp if layout.dp == 1 else modes.get(layout.dp_mode, ddp)
-    return work / pp, memory
-
-
 def _pending_layouts(
     blocks: Sequence[BlockCost], cluster: Cluster, space: SearchSpace, constraints: Constraints, scaling: Scaling
 ) -> tuple[list[_Pending], list[InfeasibleError]]:
@@ -406,7 +374,7 @@ def _pending(
     if (size, tp) not in cache:
         sized = blocks_at(blocks, scaling.size0, size, scaling.fixed_fraction)
         cache[size, tp] = at_degree(sized, tp, tp_link(cluster.link))
-    step, memory = _floors(cache[size, tp], layout, constraints.optimizer)
+    step, memory = floors(cache[size, tp], layout, constraints.optimizer)
     return _Pending(layout, cache[size, tp], step, memory)
 
 

@@ -22,11 +22,12 @@ reproduces Megatron's step time ``(m + p - 1)(t_f + t_b)`` for GPipe and 1F1B (N
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.core.schedules import Action, action_order, in_flight_of
+from planner.core.schedules import Action, bulk_allocation, in_flight_per_stage, rank_orders
 from planner.errors import InfeasibleError
 
 
@@ -120,6 +121,50 @@ def simulate(
             schedule/microbatch request torch would refuse.
         RuntimeError: the action orders deadlock (a bug in the schedule orders, never user input).
     """
+    times, p = _checked(stages, stages_per_rank)
+    orders = rank_orders(schedule, p, n_microbatches, stages_per_rank)
+    if slots is not None and slots < p:
+        events, busy, makespan = _run_shared(times, orders, slots)
+    else:
+        events, busy, makespan = _run(
+            times, _program(schedule, p, n_microbatches, stages_per_rank), p, n_microbatches, events=True
+        )
+    events.sort(key=lambda e: (e.start_s, e.rank))
+    return SimResult(
+        step_time_s=makespan,
+        bubble_fraction=_bubble(busy, p, makespan),
+        busy_s=busy,
+        bubble_s=[makespan - b for b in busy],
+        peak_in_flight=in_flight_per_stage(schedule, p, n_microbatches, stages_per_rank),
+        events=events,
+    )
+
+
+def simulate_step(
+    stages: Sequence[StageTimes | Durations],
+    schedule: str,
+    n_microbatches: int,
+    slots: float | None = None,
+    stages_per_rank: int = 1,
+) -> tuple[float, float]:
+    """``simulate``'s makespan and bubble fraction alone, the same floats, without recording the
+    events (what the search needs of the thousands of steps it predicts).
+
+    Raises:
+        InfeasibleError: as ``simulate``.
+    """
+    times, p = _checked(stages, stages_per_rank)
+    if slots is not None and slots < p:
+        _, busy, makespan = _run_shared(times, rank_orders(schedule, p, n_microbatches, stages_per_rank), slots)
+    else:
+        _, busy, makespan = _run(
+            times, _program(schedule, p, n_microbatches, stages_per_rank), p, n_microbatches, events=False
+        )
+    return makespan, _bubble(busy, p, makespan)
+
+
+def _checked(stages: Sequence[StageTimes | Durations], stages_per_rank: int) -> tuple[list[StageTimes], int]:
+    """The stages as ``StageTimes``, and the ranks they make."""
     if not stages:
         raise InfeasibleError("stages is empty; expected at least one stage; pass one (F, B) duration pair per stage.")
     if stages_per_rank < 1 or len(stages) % stages_per_rank:
@@ -128,25 +173,14 @@ def simulate(
             "give ranks x stages-per-rank stages"
         )
     times = [st if isinstance(st, StageTimes) else StageTimes(*st) for st in stages]
-    p = len(times) // stages_per_rank
-    orders = action_order(schedule, p, n_microbatches, stages_per_rank)
-    if slots is not None and slots < p:
-        events, busy, makespan = _run_shared(times, orders, slots)
-    else:
-        events, busy, makespan = _run(times, orders)
+    return times, len(times) // stages_per_rank
+
+
+def _bubble(busy: Sequence[float], p: int, makespan: float) -> float:
     # idle / capacity rather than 1 - busy / capacity: for integer-valued times both numerator and
     # denominator are exact, so equal stages give exactly (p-1)/(m+p-1) (GPipe paper §2.3).
     capacity = p * makespan
-    bubble = max(0.0, (capacity - sum(busy)) / capacity) if capacity > 0 else 0.0
-    events.sort(key=lambda e: (e.start_s, e.rank))
-    return SimResult(
-        step_time_s=makespan,
-        bubble_fraction=bubble,
-        busy_s=busy,
-        bubble_s=[makespan - b for b in busy],
-        peak_in_flight=in_flight_of(orders, len(times)),
-        events=events,
-    )
+    return max(0.0, (capacity - sum(busy)) / capacity) if capacity > 0 else 0.0
 
 
 Key = tuple[str, int, int]  # ("F" | "G", stage, microbatch); "G": the input gradient (B or I) is done
@@ -172,52 +206,115 @@ def _produces(a: Action) -> Key | None:
     return None
 
 
-def _stuck(orders: list[list[Action]], next_idx: list[int]) -> RuntimeError:
+def _stuck(orders: Sequence[Sequence[Action]], next_idx: list[int]) -> RuntimeError:
     stuck = {r: orders[r][next_idx[r]] for r in range(len(orders)) if next_idx[r] < len(orders[r])}
     return RuntimeError(f"pipeline simulation deadlocked; next actions per rank: {stuck} (planner bug)")
 
 
-def _run(times: list[StageTimes], orders: list[list[Action]]) -> tuple[list[Event], list[float], float]:
-    """Every rank has its own processor."""
-    p, n_stages = len(orders), len(times)
-    end: dict[Key, float] = {}
+KINDS = "FBIW"
+"""Action kinds by their code in a ``_program`` (an index into a stage's four durations)."""
+
+PROGRAMS_CACHED = 16
+"""The programs of this many shapes are kept (``_program``); one holds a tuple per action."""
+
+
+class _Step(NamedTuple):
+    """One action of a ``_program``: its rank, where its duration is (stage x 4 + kind code), the end
+    times it waits for and the one it sets (slots of the simulation's end-time list; -1: none)."""
+
+    rank: int
+    duration: int
+    dep1: int
+    dep2: int
+    sets: int
+    action: Action
+
+
+@lru_cache(maxsize=PROGRAMS_CACHED)
+def _program(schedule: str, p: int, m: int, v: int) -> tuple[_Step, ...]:
+    """Every action of a shape in an order the step can be timed in: each after the actions it
+    depends on and after the one before it on its rank, as integer slots.
+
+    The order is the one in which the sweep over the ranks (each rank advanced as far as its
+    dependencies allow, rank 0 first, until every action ran) meets them; it depends on the shape
+    alone, not on the times, so it is computed once per shape. An action's start depends only on
+    its producers' ends and its rank's previous action, so any such order gives the same floats.
+
+    Raises:
+        InfeasibleError: a request torch would refuse.
+        RuntimeError: the action orders deadlock (a bug in the schedule orders, never user input).
+    """
+    orders = rank_orders(schedule, p, m, v)
+    with bulk_allocation():
+        return _sweep(orders, p * v, m)
+
+
+def _sweep(orders: tuple[tuple[Action, ...], ...], n_stages: int, m: int) -> tuple[_Step, ...]:
+    """``_program``'s sweep over the ranks."""
+    p = len(orders)
+
+    def slot(kind: str, stage: int, mb: int) -> int:  # "F" ends, then "G" (input gradient) ends
+        return (n_stages if kind == "G" else 0) * m + stage * m + mb
+
+    done = [False] * (2 * n_stages * m)
     next_idx = [0] * p
-    free_at = [0.0] * p
-    busy = [0.0] * p
-    events: list[Event] = []
+    out: list[_Step] = []
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
         for rank in range(p):
-            # Advance this rank as far as its dependencies allow; the start time of an action depends
-            # only on its producers' end times and this rank's previous action, so the order in
-            # which ranks are advanced does not change the result.
-            while next_idx[rank] < len(orders[rank]):
-                a = orders[rank][next_idx[rank]]
-                deps = _deps(a, n_stages)
-                if any(d not in end for d in deps):
+            order = orders[rank]
+            while next_idx[rank] < len(order):
+                a = order[next_idx[rank]]
+                deps = [slot(k, s, mb) for k, s, mb in _deps(a, n_stages)]
+                if not all(done[d] for d in deps):
                     break
-                start = max([free_at[rank]] + [end[d] for d in deps])
-                dur = times[a.stage].of(a.kind)
-                finish = start + dur
                 key = _produces(a)
-                if key is not None:
-                    end[key] = finish
-                free_at[rank] = finish
-                busy[rank] += dur
-                events.append(
-                    Event(rank=rank, stage=a.stage, kind=a.kind, microbatch=a.microbatch, start_s=start, end_s=finish)
-                )
+                sets = -1 if key is None else slot(*key)
+                if sets >= 0:
+                    done[sets] = True
+                deps += [-1, -1]
+                out.append(_Step(rank, 4 * a.stage + KINDS.index(a.kind), deps[0], deps[1], sets, a))
                 next_idx[rank] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
-            raise _stuck(orders, next_idx)
-    return events, busy, max(free_at)
+            raise _stuck([list(o) for o in orders], next_idx)
+    return tuple(out)
+
+
+def _run(
+    times: list[StageTimes], program: Sequence[_Step], p: int, n_microbatches: int, *, events: bool
+) -> tuple[list[Event], list[float], float]:
+    """Every rank has its own processor: each action starts when its rank is free and its
+    producers ended (the latest of those), and ends its duration later."""
+    durations = [t.of(kind) for t in times for kind in KINDS]
+    end = [0.0] * (2 * len(times) * n_microbatches)  # the slots of _program
+    free_at = [0.0] * p
+    busy = [0.0] * p
+    out: list[Event] = []
+    for rank, duration, dep1, dep2, sets, a in program:
+        # max(free, *deps): the first of equal values, as the builtin max keeps
+        start = free_at[rank]
+        if dep1 >= 0 and end[dep1] > start:
+            start = end[dep1]
+        if dep2 >= 0 and end[dep2] > start:
+            start = end[dep2]
+        dur = durations[duration]
+        finish = start + dur
+        if sets >= 0:
+            end[sets] = finish
+        free_at[rank] = finish
+        busy[rank] += dur
+        if events:
+            out.append(
+                Event(rank=rank, stage=a.stage, kind=a.kind, microbatch=a.microbatch, start_s=start, end_s=finish)
+            )
+    return out, busy, max(free_at)
 
 
 def _run_shared(
-    times: list[StageTimes], orders: list[list[Action]], slots: float
+    times: list[StageTimes], orders: Sequence[Sequence[Action]], slots: float
 ) -> tuple[list[Event], list[float], float]:
     """Ranks share ``slots`` processors: every computing action progresses at rate
     ``min(1, slots / computing)`` (a fluid processor-sharing model of the OS scheduler). An

@@ -1,0 +1,95 @@
+"""Lower bounds on a layout's step time and per-rank memory, over every split: what the search prunes with.
+
+Pure module: never imports torch. The joint search (``planner.core.search``) evaluates layouts in
+ascending order of ``step_floor`` and stops once the next floor is slower than the fastest layout
+that fits; it skips, without solving, a layout whose ``memory_floor`` is over the limit. Both are
+computed from the blocks' costs alone, in one pass, so tens of thousands of layouts cost nothing next
+to one solve. ``tests/test_bounds.py`` checks on random problems that neither exceeds what the solver
+and the simulator then find, for the solver's split and for random splits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from planner.core.inputs import Layout
+from planner.core.schedules import SPLIT_BACKWARD
+from planner.schema.costs import BlockCost, OptimizerSpec
+
+
+def step_floor(blocks: Sequence[BlockCost], layout: Layout, optimizer: OptimizerSpec) -> float:
+    """A lower bound of the layout's predicted step over every split.
+
+    The busiest pipeline rank computes at least the mean of every microbatch's forward and backward
+    over the ranks (a split backward: the least of the whole and its two halves), and steps its
+    optimizer over at least the mean share of the parameters, a 1/dp share when FSDP may shard it
+    (the pipeline's makespan and the optimizer step are parts of the step; messages, the bubble and
+    the gradient reduction only add).
+
+    Args:
+        blocks: per-block costs at the layout's microbatch size.
+        layout: the layout (its pipeline ranks and microbatches).
+        optimizer: the optimizer (unused by the bound; kept so both floors take the same arguments).
+
+    Returns:
+        Seconds.
+    """
+    return floors(blocks, layout, optimizer)[0]
+
+
+def memory_floor(blocks: Sequence[BlockCost], layout: Layout, optimizer: OptimizerSpec) -> int:
+    """A lower bound of the memory the layout's busiest rank needs over every split.
+
+    The busiest rank holds at least the mean of the weights, gradients and optimizer state (a 1/dp
+    share under FSDP, which then also holds its stages' weights and gradients whole while the
+    pipeline runs) and of the receive buffers (``floors``); the lower of DDP's and FSDP's when the
+    mode is still open ("auto").
+
+    Args:
+        blocks: per-block costs at the layout's microbatch size.
+        layout: the layout (pipeline ranks, replicas and their mode).
+        optimizer: the optimizer (its state bytes).
+
+    Returns:
+        Bytes.
+    """
+    return floors(blocks, layout, optimizer)[1]
+
+
+def floors(blocks: Sequence[BlockCost], layout: Layout, optimizer: OptimizerSpec) -> tuple[float, int]:
+    """``step_floor`` and ``memory_floor`` in one pass over the blocks.
+
+    Both count the receive buffers torch's ``PipelineStage`` allocates up front: each of the
+    ``n_stages - 1`` stage boundaries holds ``m`` microbatches' cut bytes in each direction (the stage
+    before it the gradients', the stage after it the activations'), at least the least legal cut's,
+    so the ranks hold ``2 m (n_stages - 1)`` such cuts between them, the busiest at least the mean.
+    With several passes (gradient accumulation) the step computes every pass's microbatches (``m x
+    accumulation``); the memory is one pass's.
+    """
+    pp, m, dp = layout.pp, layout.n_microbatches, layout.dp
+    split = layout.schedule in SPLIT_BACKWARD
+    # what FSDP may shard the optimizer step over: the search plans split-backward schedules with DDP
+    shard = dp if dp > 1 and layout.dp_mode in ("fsdp", "auto") and not split else 1
+    compute = 0.0
+    step = 0.0
+    p_bytes = n_params = 0
+    for b in blocks:
+        bwd = b.bwd_s
+        if split and b.bwd_input_s is not None and b.bwd_weight_s is not None:
+            # a split backward runs its input and weight halves, which need not add up to the whole
+            bwd = min(bwd, b.bwd_input_s + b.bwd_weight_s)
+        compute += b.fwd_s + bwd
+        step += (b.opt_s or 0.0) + (b.grad_s or 0.0)
+        p_bytes += b.param_bytes
+        n_params += b.params
+    static = 2 * p_bytes + optimizer.state_bytes(n_params, p_bytes)
+    cuts = [b.cut_bytes for b in blocks[:-1] if b.cut_legal]
+    buffers = 2 * m * (layout.n_stages - 1) * min(cuts) if cuts and layout.n_stages > 1 else 0
+    ddp = (static + buffers) // pp
+    fsdp = (static // dp + 2 * p_bytes + buffers) // pp
+    modes = {"ddp": ddp, "fsdp": fsdp, "auto": min(ddp, fsdp)}
+    memory = ddp if dp == 1 else modes.get(layout.dp_mode, ddp)
+    return (compute * m * layout.accumulation + step / shard) / pp, memory
+
+
+__all__ = ["floors", "memory_floor", "step_floor"]
