@@ -168,12 +168,26 @@ def plan_on_costs(
     memory_limit_bytes: int | None = None,
     ties: Sequence[Any] = (),
 ) -> Plan:
-    """``assemble_plan`` on costs measured or estimated once (many plans, one profile)."""
+    """``assemble_plan`` on costs measured or estimated once (many plans, one profile); the blocks
+    carry their tensor-parallel shares as ``make_plan`` gives them (``--tp`` of ``request``)."""
     from planner.api import model_ref
     from planner.core.assemble import Origin, assemble_plan
+    from planner.core.hardware import dtype_bytes
+    from planner.costs.tensor_parallel import tensor_parallel_blocks
 
+    split = tensor_parallel_blocks(
+        mf,
+        request,
+        costs.traced,
+        costs.blocks,
+        float_bytes=dtype_bytes(request.autocast) if request.autocast else None,
+        hardware=costs.hardware,
+        dtype=costs.profile.dtype,
+    )
     origin = Origin(model_ref(mf, costs.traced, request), costs.profile, created)
-    return assemble_plan(request, costs.blocks, costs.link, origin, memory_limit_bytes=memory_limit_bytes, ties=ties)
+    return assemble_plan(
+        request, split.blocks, costs.link, origin, memory_limit_bytes=memory_limit_bytes, ties=ties, tp_plan=split.plan
+    )
 
 
 def timed_step_times(result: RunResult) -> list[float]:

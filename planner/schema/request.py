@@ -441,8 +441,8 @@ class PlanRequest(_Request):
 
     @property
     def min_pipeline_ranks(self) -> int:
-        """The fewest pipeline ranks any replica count tried has (``--gpus`` / the largest of ``dp_options``)."""
-        return max(1, self.gpus // max(self.dp_options))
+        """The fewest pipeline ranks any mesh tried has (``--gpus`` / the largest of ``dp_options`` x ``tp_options``)."""
+        return max(1, self.gpus // (max(self.dp_options) * max(self.tp_options)))
 
     @property
     def ranks_per_node(self) -> int:
