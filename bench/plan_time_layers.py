@@ -6,7 +6,7 @@ separate process per N, imports included, for this tree and optionally for an ea
 (``--before``, exported with ``git archive`` to a temporary folder), and checks that both give the
 same plan (JSON without the moment, the host and the file's path). Writes docs/plan_time_layers.md.
 
-    python -m bench.plan_time_layers --before 3e39b12~1 --before-up-to 500
+    python -m bench.plan_time_layers --before bfd5dc7 --after HEAD --before-up-to 500
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ plan). "before" is commit `{before}`; "after" is `{after}`. "same plan": both wr
 {rows}
 
 {notes}
-Regenerate: `python -m bench.plan_time_layers --before {before} --before-up-to {up_to}`.
+Regenerate: `python -m bench.plan_time_layers --before {before} --after {after} --before-up-to {up_to}`.
 """
 
 
@@ -50,6 +50,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, nargs="+", default=[125, 250, 500, 1000, 2000])
     parser.add_argument("--before", default=None, help="a commit to time too (exported with git archive)")
+    parser.add_argument("--after", default=None, help="the commit to time as 'after' (default: this tree as it is)")
     parser.add_argument("--before-up-to", type=int, default=500, help="time --before only up to this many layers")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     parser.add_argument("--out", type=Path, default=DOCS / "plan_time_layers.md")
@@ -109,12 +110,15 @@ def export(commit: str, into: Path) -> str:
 def main() -> None:
     """Time every N, after (and before) the change; write the page."""
     args = parse_args()
-    after = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True, capture_output=True, text=True
-    ).stdout.strip()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        after_code = ROOT
+        after = "this tree"
+        if args.after:
+            after_code = work / "after"
+            after_code.mkdir()
+            after = export(args.after, after_code)
         before_code = work / "before"
         before = "-"
         if args.before:
@@ -125,7 +129,7 @@ def main() -> None:
             b_load, b_digest = 0.0, ""
             if args.before and layers <= args.before_up_to:
                 b_s, b_load, b_digest = time_plan(before_code, layers, work, args.timeout)
-            a_s, a_load, a_digest = time_plan(ROOT, layers, work, args.timeout)
+            a_s, a_load, a_digest = time_plan(after_code, layers, work, args.timeout)
             same = "yes" if b_digest and b_digest == a_digest else ("NO" if b_digest and a_digest else "-")
             ratio = f"{a_s / b_s:.2f}" if a_s and b_s else "-"
             rows.append(
