@@ -22,7 +22,7 @@ from tqdm import tqdm
 from planner.capture.blocks import ModuleTrace, TracedModel
 from planner.capture.load import ModelFile, check_batch_contract, check_batch_size, check_forward, load_model_file
 from planner.capture.stage import stage_module, trace_root
-from planner.capture.trace import trace_model
+from planner.capture.trace import retrace, trace_model
 from planner.core.assemble import Origin, assemble_plan
 from planner.core.calibrate import Calibration, apply_calibration, changes, load_calibration
 from planner.core.hardware import HardwareSpec, dtype_bytes, get_hardware, node_links
@@ -257,7 +257,7 @@ def traced_as_run(plan: Plan, mf: ModelFile, traced: TracedModel, request: PlanR
     device = params[0].device if params else torch.device("cpu")
     inputs, _ = mf.batch(plan.microbatch_size, seed=request.seed)
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
-    at_run = trace_model(traced.model, inputs, methods=(traced.method,))
+    at_run = retrace(traced, traced.model, inputs, methods=(traced.method,))
     if at_run.fingerprint == traced.fingerprint and [b.nodes for b in at_run.blocks] == [
         b.nodes for b in traced.blocks
     ]:
@@ -538,7 +538,7 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
             return sum(b.fwd_s + b.bwd_s for b in blocks)
         x, y = mf.batch(size, seed=request.seed)
         x = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in x)
-        other = trace_model(model, x)
+        other = retrace(traced, model, x)
         est = estimate_blocks(
             other, x, y.to("meta"), mf.loss_fn, hw, dtype=dtype, optimizer=request.optimizer, progress=request.progress
         )

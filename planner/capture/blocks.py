@@ -206,6 +206,15 @@ class GraphTrace(TracedModel):
     gm: fx.GraphModule
     block_graph: nx.DiGraph
     block_of: dict[str, int]
+    _nodes: tuple[fx.Graph, int, dict[str, fx.Node]] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def nodes_by_name(self) -> dict[str, fx.Node]:
+        """Graph node name -> node, built once (again only if ``gm``'s graph was replaced or changed
+        size): stages and parameter look-ups read single nodes, block by block."""
+        graph = self.gm.graph
+        if self._nodes is None or self._nodes[0] is not graph or self._nodes[1] != len(graph.nodes):
+            self._nodes = (graph, len(graph.nodes), {n.name: n for n in graph.nodes})
+        return self._nodes[2]
 
     def live_across(self, k: int) -> set[str]:
         """Names of the values produced at or before block k and read after it."""
@@ -214,7 +223,7 @@ class GraphTrace(TracedModel):
     def block_parameters(self, k: int) -> list[nn.Parameter]:
         """Parameters read by block k: call_module targets' and get_attr parameters."""
         gm = self.gm
-        nodes = {n.name: n for n in gm.graph.nodes}
+        nodes = self.nodes_by_name()
         found: dict[int, nn.Parameter] = {}
         for name in self.blocks[k].nodes:
             node = nodes[name]

@@ -21,6 +21,7 @@ microbatch shapes anyway (``PipelineStage`` infers shapes once).
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import warnings
@@ -38,9 +39,51 @@ from planner.errors import TraceError
 
 def trace_fx(model: nn.Module, inputs: tuple[Any, ...]) -> fx.GraphModule:
     """``torch.fx`` symbolic trace; torch.nn modules stay leaves (one ``call_module`` node each)."""
-    tracer = fx.Tracer()
+    tracer = _Tracer()
     graph = tracer.trace(model)
     return fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+
+
+class _Tracer(fx.Tracer):
+    """``fx.Tracer`` whose parameter and buffer look-ups are dictionary reads.
+
+    ``fx.Tracer`` names a parameter or buffer the forward touches by walking ``named_parameters()``
+    / ``named_buffers()`` of the whole model until it meets the object: once per access, so a model
+    of n layers took n^2 steps (most of the trace of a 1,000-layer Llama). The tables here hold the
+    same first names, built once per trace; an object not in them (registered during the forward)
+    goes the ``fx.Tracer`` way, so the graph is the one ``fx.Tracer`` makes.
+    """
+
+    def trace(self, root: nn.Module | Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        self._params: dict[int, tuple[str, torch.Tensor]] = {}
+        self._buffers: dict[int, tuple[str, torch.Tensor]] = {}
+        if isinstance(root, nn.Module):
+            self._params = {id(p): (n, p) for n, p in root.named_parameters()}
+            self._buffers = {id(b): (n, b) for n, b in root.named_buffers()}
+        return super().trace(root, concrete_args)
+
+    @staticmethod
+    def _name(table: dict[int, tuple[str, torch.Tensor]], value: torch.Tensor) -> str | None:
+        hit = table.get(id(value))
+        return hit[0] if hit is not None and hit[1] is value else None
+
+    def create_arg(self, a: Any) -> Any:
+        if isinstance(a, torch.Tensor):  # as fx.Tracer.create_arg: parameters, then buffers, by first name
+            name = self._name(self._params if isinstance(a, nn.Parameter) else self._buffers, a)
+            if name is not None:
+                return self.create_node("get_attr", name, (), {})
+        return super().create_arg(a)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        name = self._name(self._params, attr_val) if isinstance(attr_val, nn.Parameter) else None
+        if name is None:
+            return super().getattr(attr, attr_val, parameter_proxy_cache)
+        if name not in parameter_proxy_cache:  # as fx.Tracer.getattr
+            factory = None
+            if self.param_shapes_constant:
+                factory = functools.partial(fx.proxy.ParameterProxy, self, name=name, param=attr_val)
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {}, proxy_factory_fn=factory)
+        return parameter_proxy_cache[name]
 
 
 def trace_export(model: nn.Module, inputs: tuple[Any, ...]) -> fx.GraphModule:
@@ -131,14 +174,15 @@ def analyse_graph(
             block_of[n.name] = len(blocks) - 1
     graph = _block_graph(nodes, block_of, len(blocks))
     trace = GraphTrace(model, method, failures, blocks, [], values, gm=gm, block_graph=graph, block_of=block_of)
-    trace.cuts = [_judge_cut(trace, k, nodes) for k in range(len(blocks) - 1)]
+    trace.cuts = _judge_cuts(trace, nodes)
     return trace
 
 
 def _group_blocks(model: nn.Module, compute: list[fx.Node]) -> list[Block]:
     """Maximal runs of nodes with the same block key; root-level operations join the run before."""
     ancestors = _ancestors(model)
-    keys = {n.name: block_key(model, _module_path(n), ancestors) for n in compute}
+    layers: dict[tuple[int, int], bool] = {}  # is_layer per (container, child): counting siblings once
+    keys = {n.name: block_key(model, _module_path(n), ancestors, layers) for n in compute}
     current = next((keys[n.name] for n in compute if keys[n.name][0] is not None), ("<root>", False))
     runs: list[tuple[tuple[str | None, bool], list[str]]] = []
     for n in compute:
@@ -183,21 +227,58 @@ def _block_graph(nodes: list[fx.Node], block_of: dict[str, int], n_blocks: int) 
     return graph
 
 
-def _judge_cut(trace: GraphTrace, k: int, nodes: list[fx.Node]) -> Cut:
-    """What crosses the cut after block k (read off the block graph) and whether a stage may end there."""
+def _judge_cuts(trace: GraphTrace, nodes: list[fx.Node]) -> list[Cut]:
+    """Every cut, in one sweep over the blocks (what ``trace.live_across(k)`` says for each k).
+
+    A value is live across cut k when its block is at or before k and its last reader's block after
+    k: it enters the live set at its own block and leaves it at its last reader's. Readers that
+    modify a value in place are found once per value, not once per cut it crosses.
+    """
     order = {n.name: i for i, n in enumerate(nodes)}
     by_name = {n.name: n for n in nodes}
-    live = sorted(trace.live_across(k), key=order.__getitem__)
+    born: dict[int, list[str]] = {}
+    dies: dict[int, list[str]] = {}
+    for i, j, vals in trace.block_graph.edges(data="values"):
+        for v in vals:
+            born.setdefault(i, []).append(v)
+            dies.setdefault(j, []).append(v)
+    last: dict[str, int] = {}
+    for j, vals in dies.items():
+        for v in vals:
+            last[v] = max(last.get(v, j), j)
+    modifiers: dict[str, list[tuple[int, str]]] = {}
+    live: set[str] = set()
+    cuts = []
+    for k in range(len(trace.blocks) - 1):
+        live.update(born.get(k, ()))
+        live.difference_update([v for v in dies.get(k, ()) if last[v] == k])
+        cuts.append(_judge_cut(trace, k, sorted(live, key=order.__getitem__), by_name, modifiers))
+    return cuts
+
+
+def _judge_cut(
+    trace: GraphTrace,
+    k: int,
+    live: list[str],
+    by_name: dict[str, fx.Node],
+    modifiers: dict[str, list[tuple[int, str]]],
+) -> Cut:
+    """Whether a stage may end after block k, with ``live`` the values crossing it in graph order.
+
+    ``modifiers`` caches, per value, its readers that change it in place (their blocks and names).
+    """
     kinds = {v: trace.values.get(v, ValueInfo("opaque")).kind for v in live}
     tensors = tuple(v for v in live if kinds[v] == "tensor")
     consts = tuple(v for v in live if kinds[v] == "const")
     opaque = [v for v in live if kinds[v] == "opaque"]
-    inplace = [
-        u.name
-        for v in tensors
-        for u in by_name[v].users
-        if trace.block_of.get(u.name, -1) > k and _modifies_input(trace.gm, u, by_name[v])
-    ]
+    for v in tensors:
+        if v not in modifiers:
+            modifiers[v] = [
+                (trace.block_of.get(u.name, -1), u.name)
+                for u in by_name[v].users
+                if _modifies_input(trace.gm, u, by_name[v])
+            ]
+    inplace = [name for v in tensors for block, name in modifiers[v] if block > k]
     reason = ""
     if opaque:
         reason = f"non-tensor value(s) {', '.join(opaque[:3])} cross this boundary"
@@ -238,7 +319,9 @@ def _parent(path: str) -> str:
     return path.rsplit(".", 1)[0] if "." in path else ""
 
 
-def block_key(root: nn.Module, paths: list[str], ancestors: set[str]) -> tuple[str | None, bool]:
+def block_key(
+    root: nn.Module, paths: list[str], ancestors: set[str], layers: dict[tuple[int, int], bool] | None = None
+) -> tuple[str | None, bool]:
     """Which block a node with module stack ``paths`` belongs to, and whether it is a repeated layer.
 
     The block is the outermost module on the path that is a child of a container (one of the
@@ -249,6 +332,8 @@ def block_key(root: nn.Module, paths: list[str], ancestors: set[str]) -> tuple[s
         root: the traced model.
         paths: the node's module stack, outermost first.
         ancestors: ``_ancestors(root)``.
+        layers: a cache of ``is_layer`` per (container, child) ids, shared by the calls for one
+            model (``is_layer`` counts the container's children: n layers would take n^2 steps).
 
     Returns:
         (block name or None for root-level operations, is_layer).
@@ -259,7 +344,13 @@ def block_key(root: nn.Module, paths: list[str], ancestors: set[str]) -> tuple[s
         except AttributeError:
             continue
         if isinstance(parent, CONTAINERS):
-            return path, is_layer(parent, root.get_submodule(path))
+            child = root.get_submodule(path)
+            if layers is None:
+                return path, is_layer(parent, child)
+            key = (id(parent), id(child))
+            if key not in layers:
+                layers[key] = is_layer(parent, child)
+            return path, layers[key]
     for path in paths:
         if path not in ancestors and _parent(path) in ancestors:
             return path, False

@@ -164,7 +164,7 @@ class _Lookup:
         self.graph = graph
         self.start, self.end = start, end
         self.env: dict[str, Any] = {}
-        self.nodes = {node.name: node for node in traced.gm.graph.nodes}
+        self.nodes = traced.nodes_by_name()
 
     def __call__(self, a: fx.Node) -> Any:
         if a.name not in self.env:

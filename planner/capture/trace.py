@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from planner.capture.blocks import TracedModel
+from planner.capture.blocks import GraphTrace, TracedModel
 from planner.capture.graph import analyse_graph, record_values, trace_export, trace_fx
 from planner.capture.modules import trace_module_boundaries
 from planner.errors import TraceError
@@ -102,3 +102,40 @@ def trace_model(
         f"could not trace {type(model).__name__} with any of {', '.join(methods)} ({detail}); "
         "make forward free of data-dependent control flow, or put the repeated layers in an nn.ModuleList"
     )
+
+
+def retrace(
+    traced: TracedModel,
+    model: nn.Module,
+    inputs: tuple[Any, ...],
+    methods: tuple[str, ...] = ("fx", "export", "modules"),
+) -> TracedModel:
+    """``trace_model(model, inputs, methods)`` for a model ``traced`` holds a trace of on inputs of
+    another size (the microbatch-scaling fit, the plan's microbatch size), without tracing it again
+    where that is certain to give the same graph.
+
+    ``torch.fx`` traces without the inputs (``trace_fx`` never reads them), so an fx trace of the
+    same model is the same graph at any size; only the values recorded on the example differ. When
+    ``traced`` is an fx trace and fx is the first tracer asked for, its graph is reused and the
+    values recorded again at ``inputs``; if that run fails, fx fails for this size as it would in a
+    fresh trace, and ``trace_model`` is called to go on to the next tracer as it would. Tracing a
+    1,000-layer model costs as much as recording its values, so this halves the second trace.
+
+    Args:
+        traced: a trace of ``model`` (or of a copy of it) by ``trace_model``.
+        model: the model.
+        inputs: positional inputs of one microbatch of the new size.
+        methods: tracers to try, in order (as ``trace_model``).
+
+    Returns:
+        The trace at ``inputs``; when the graph is reused it shares ``traced``'s model copy.
+    """
+    fx_first = methods[:1] == ("fx",) and not (len(methods) > 1 and _from_transformers(model))
+    if fx_first and traced.method == "fx" and isinstance(traced, GraphTrace):
+        try:
+            values = record_values(traced.gm, inputs)
+        except Exception:  # noqa: BLE001, S110 - fx fails at this size: trace_model says so and tries the next tracer
+            pass
+        else:
+            return analyse_graph(traced.gm, traced.model, "fx", [], values)
+    return trace_model(model, inputs, methods)
