@@ -441,8 +441,9 @@ class PlanRequest(_Request):
 
     @property
     def min_pipeline_ranks(self) -> int:
-        """The fewest pipeline ranks any mesh tried has (``--gpus`` / the largest of ``dp_options`` x ``tp_options``)."""
-        return max(1, self.gpus // (max(self.dp_options) * max(self.tp_options)))
+        """The fewest pipeline ranks any mesh tried has: ``--gpus`` / (the largest of ``dp_options`` x a given
+        ``--tp``); with ``--tp auto`` the model may have no tensor-parallel plan, so degree 1 counts."""
+        return max(1, self.gpus // (max(self.dp_options) * self.profile_tp))
 
     @property
     def ranks_per_node(self) -> int:

@@ -1,0 +1,219 @@
+"""One candidate of the search: a layout solved and predicted (``evaluate_choice``), under a
+data-parallel mode that may still be open (``evaluate_modes``), on block costs rescaled to the
+layout's microbatch size (``blocks_at``).
+
+Pure module: never imports torch. ``planner.core.search`` enumerates the layouts, bounds and ranks
+them; this module evaluates one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from planner.core.data_parallel import layout_links
+from planner.core.inputs import Cluster, Constraints, Layout
+from planner.core.predict import predict
+from planner.core.schedules import SPLIT_BACKWARD, check_schedule, in_flight_per_stage
+from planner.core.solve import solve
+from planner.core.stage_model import Partition
+from planner.errors import InfeasibleError
+from planner.schema.costs import BlockCost, TensorParallelShare
+from planner.schema.plan import Candidate, Prediction, StagePlan
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One evaluated combination: its layout, its blocks at the layout's microbatch size, its split's
+    stages and prediction, and whether it fits the memory limit."""
+
+    layout: Layout
+    blocks: list[BlockCost]
+    stages: list[StagePlan]
+    prediction: Prediction
+    fits: bool
+
+    def row(self) -> Candidate:
+        """The candidate as the plan records it."""
+        layout = self.layout
+        return Candidate(
+            schedule=layout.schedule,  # type: ignore[arg-type]  # a member of SCHEDULES
+            n_microbatches=layout.n_microbatches,
+            stages_per_rank=layout.stages_per_rank,
+            dp=layout.dp,
+            dp_mode=layout.dp_mode,  # type: ignore[arg-type]  # "ddp" or "fsdp"
+            tp=layout.tp,
+            accumulation=layout.accumulation,
+            starts=self.prediction.starts,
+            step_time_s=self.prediction.step_time_s,
+            bubble_fraction=self.prediction.bubble_fraction,
+            max_memory_bytes=self.prediction.max_memory_bytes,
+            fits=self.fits,
+        )
+
+
+def blocks_at(blocks: Sequence[BlockCost], size0: int, size: int, fixed_fraction: float) -> list[BlockCost]:
+    """The block costs profiled at microbatch size ``size0``, rescaled to microbatch size ``size``.
+
+    Times follow ``t(size) = t(size0) * (f + (1 - f) * size / size0)`` with ``f = fixed_fraction``;
+    activation, boundary and output bytes and FLOPs scale with ``size / size0``; parameters and the
+    optimizer step do not depend on the microbatch.
+
+    Args:
+        blocks: per-block costs at ``size0``.
+        size0: the microbatch size they were profiled at.
+        size: the microbatch size wanted.
+        fixed_fraction: the share of a microbatch's time that does not scale with its size (0..1).
+
+    Returns:
+        The rescaled blocks (the same objects when ``size == size0``).
+    """
+    if size == size0:
+        return list(blocks)
+    r = size / size0
+    t = fixed_fraction + (1.0 - fixed_fraction) * r
+
+    def scaled(x: float | None) -> float | None:
+        return None if x is None else x * t
+
+    out = []
+    for b in blocks:
+        out.append(
+            b.model_copy(
+                update={
+                    "fwd_s": b.fwd_s * t,
+                    "bwd_s": b.bwd_s * t,
+                    "bwd_input_s": scaled(b.bwd_input_s),
+                    "bwd_weight_s": scaled(b.bwd_weight_s),
+                    "recompute_s": scaled(b.recompute_s),
+                    "flops_fwd": None if b.flops_fwd is None else b.flops_fwd * r,
+                    "flops_bwd": None if b.flops_bwd is None else b.flops_bwd * r,
+                    "activation_bytes": round(b.activation_bytes * r),
+                    "cut_bytes": round(b.cut_bytes * r),
+                    "output_bytes": round(b.output_bytes * r),
+                    "tp": None if b.tp is None else _share_at(b.tp, r),
+                }
+            )
+        )
+    return out
+
+
+def _share_at(share: TensorParallelShare, r: float) -> TensorParallelShare:
+    """A block's tensor-parallel share at ``r`` times the microbatch: its activations and all-reduced bytes scale."""
+    return share.model_copy(
+        update={
+            "sharded_activation_bytes": round(share.sharded_activation_bytes * r),
+            "fwd_allreduce_bytes": round(share.fwd_allreduce_bytes * r),
+            "bwd_allreduce_bytes": round(share.bwd_allreduce_bytes * r),
+        }
+    )
+
+
+def evaluate_choice(
+    blocks: Sequence[BlockCost],
+    cluster: Cluster,
+    layout: Layout,
+    constraints: Constraints,
+    split: Partition | None = None,
+) -> Choice:
+    """Solve (unless ``split`` is given) and predict one layout.
+
+    The solver gets each stage's in-flight count from its place in the schedule and, with several
+    stages per rank, a per-stage share ``limit / v`` of the memory limit (a rank's stages together
+    then fit); the prediction's per-rank peak decides ``fits``. ``blocks`` are costed at the
+    layout's microbatch size; its ``dp`` replicas reduce gradients by its ``dp_mode`` ("ddp" or
+    "fsdp"), and FSDP's shards are what the memory limit holds.
+
+    Args:
+        blocks: per-block costs at the layout's microbatch size.
+        cluster: the links (placed here for the layout's replicas) and the ranks that compute at once.
+        layout: the schedule, pipeline ranks, microbatches, stages per rank, replicas and their mode.
+        constraints: the optimizer, the per-rank memory limit and the recompute policy.
+        split: a split to predict as it is (None: the solver's).
+
+    Returns:
+        The evaluated layout.
+
+    Raises:
+        InfeasibleError: the schedule refuses these numbers, or no split fits.
+    """
+    pp, v = layout.pp, layout.stages_per_rank
+    check_schedule(layout.schedule, pp, layout.n_microbatches, v)
+    limit = constraints.memory_limit_bytes
+    link = layout_links(cluster.link, pp, layout.dp, layout.tp)
+    if split is None:
+        per_stage = replace(constraints, memory_limit_bytes=None if limit is None else limit // v)
+        try:
+            # the counts given explicitly: the solver's error then names what does not fit this
+            # layout, instead of searching other stage counts the layout does not allow
+            in_flight = in_flight_per_stage(layout.schedule, pp, layout.n_microbatches, v)
+            split = solve(blocks, link, layout, per_stage, in_flight)
+        except InfeasibleError as e:
+            if v == 1:
+                raise
+            # the solver counts stages, which the user asked for as --gpus x --stages-per-rank
+            raise InfeasibleError(
+                f"{layout.schedule} with {v} stages per rank needs {pp * v} stages: {e}".replace(
+                    f"--gpus {pp * v}", f"{pp * v} stages"
+                )
+            ) from None
+    stages, prediction = predict(
+        blocks, split.starts, link, layout, constraints.optimizer, split.recompute, cluster.slots
+    )
+    fits = limit is None or prediction.max_memory_bytes <= limit
+    mode = "fsdp" if layout.shard > 1 else "ddp"  # one replica is recorded as ddp, whatever was asked
+    return Choice(replace(layout, dp_mode=mode), list(blocks), stages, prediction, fits)
+
+
+def evaluate_modes(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout, constraints: Constraints) -> Choice:
+    """``evaluate_choice`` under a data-parallel mode that may be "auto": DDP when that fits the
+    memory limit, else FSDP when that does (when neither fits, the one needing less memory).
+
+    Args:
+        blocks: per-block costs at the layout's microbatch size.
+        cluster: the links and the ranks that compute at once.
+        layout: the layout; its ``dp_mode`` "ddp", "fsdp" or "auto" (with one replica, always ddp).
+        constraints: the optimizer, the per-rank memory limit and the recompute policy.
+
+    Returns:
+        The evaluated combination, its ``dp_mode`` the one chosen.
+
+    Raises:
+        InfeasibleError: no mode can split the model within the limit (FSDP's reason, the mode
+            needing less memory for optimizer state).
+    """
+
+    def attempt(mode: str) -> Choice:
+        return evaluate_choice(blocks, cluster, replace(layout, dp_mode=mode), constraints)
+
+    dp, dp_mode, schedule = layout.dp, layout.dp_mode, layout.schedule
+    if dp > 1 and schedule in SPLIT_BACKWARD:
+        # torch 2.13's FSDP2 does not follow these schedules' split backward (weight gradients by
+        # autograd.grad, past its hooks): the runner cannot shard them, so they are planned with DDP.
+        if dp_mode == "fsdp":
+            raise InfeasibleError(
+                f"--dp-mode fsdp cannot run --schedule {schedule} (torch's FSDP2 does not follow its split "
+                "backward); use --dp-mode ddp or another schedule"
+            )
+        return attempt("ddp")
+    if dp == 1 or dp_mode != "auto":
+        return attempt("ddp" if dp_mode == "auto" else dp_mode)
+    ddp: Choice | None = None
+    try:
+        ddp = attempt("ddp")
+        if ddp.fits:
+            return ddp
+    except InfeasibleError:
+        pass
+    try:
+        fsdp = attempt("fsdp")
+    except InfeasibleError:
+        if ddp is None:
+            raise
+        return ddp
+    if fsdp.fits or ddp is None:
+        return fsdp
+    return min((ddp, fsdp), key=lambda c: c.prediction.max_memory_bytes)
+
+
+__all__ = ["Choice", "blocks_at", "evaluate_choice", "evaluate_modes"]
