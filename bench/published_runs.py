@@ -20,8 +20,8 @@ Sources (the figures are copied from them, nothing here is fitted to them):
   Float8 and torch.compile rows are not modelled by the planner and are left out.
 
 The models: `models/llama.py` at the published sizes (the 405B size by name; Megatron's GPT as the same
-decoder with multi-head attention and a SwiGLU of 8h/3, which has GPT's 8 h^2 feed-forward parameters
-and FLOPs; RMSNorm and rotary embeddings instead of LayerNorm and learned positions change neither).
+decoder with multi-head attention and a SwiGLU of 8h/3 (rounded up to a multiple of 128, so that tensor
+parallelism divides it), which has GPT's 8 h^2 feed-forward parameters and FLOPs within 1.2 %; RMSNorm and rotary embeddings instead of LayerNorm and learned positions change neither).
 Costs are estimated for the published GPU (roofline on the meta device, no weights allocated).
 """
 
@@ -83,7 +83,7 @@ def _gpt(h: int, heads: int, layers: int) -> dict[str, Any]:
         vocab_size=51200,
         seq_len=2048,
         ffn_dim_multiplier=1.0,
-        multiple_of=1,
+        multiple_of=128,  # 8h/3 rounded up to 128 (at most +1.2 % FFN width): divisible by every tp degree
         rope_theta=10000.0,
     )
 
