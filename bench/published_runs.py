@@ -192,9 +192,10 @@ def _figure(plan: Plan, row: Published) -> float:
 
 def _layout(plan: Plan) -> str:
     v = f", v {plan.stages_per_rank}" if plan.stages_per_rank > 1 else ""
+    k = f", k {plan.accumulation} passes" if plan.accumulation > 1 else ""
     return (
         f"t {plan.tp} x p {plan.n_ranks} x d {plan.dp} ({plan.dp_mode if plan.dp > 1 else '-'}), "
-        f"{plan.schedule}, m {plan.n_microbatches}{v}"
+        f"{plan.schedule}, m {plan.n_microbatches}{v}{k}"
     )
 
 
