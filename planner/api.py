@@ -88,6 +88,13 @@ def make_plan(request: PlanRequest) -> Plan:
     threads = request.threads or default_threads(request.gpus)
     mf = load_model_file(request.model_file, request.size, request.overrides)
     source = load_calibration(request.calibrate_run) if request.calibrate_run else None
+    if source is not None and (source.plan.tp > 1 or (isinstance(request.tp, int) and request.tp > 1)):
+        # the fit compares a run's stage times with the plan's blocks, which under tensor
+        # parallelism are one tp rank's: not yet mapped back to the unsplit blocks
+        raise PlanFileError(
+            "--calibrate with tensor parallelism is not supported yet: calibrate on a run of a plan with tp 1, "
+            "and plan without --tp (or --tp 1)"
+        )
     if source is not None:
         check_levers(source.plan, request)
         request = calibrated_request(request, source.plan, source.fit.microbatch_size)

@@ -195,3 +195,19 @@ def test_a_run_without_block_times_gives_each_block_its_stage_factors() -> None:
     assert [b.name for b in cal.blocks] == [b.name for b in plan.blocks]
     assert not any(b.measured_in_block for b in cal.blocks)
     assert {b.fwd_factor for b in cal.blocks} == {s.fwd_factor for s in cal.stages}
+
+
+def test_a_calibration_from_or_for_tensor_parallelism_is_refused(tmp_path: Path) -> None:
+    # the fit maps stage times to the plan's blocks, which under tp are one tp rank's: refused, one line
+    from planner.api import make_plan as plan_model
+    from planner.schema.request import PlanRequest
+
+    plan = make_plan(blocks_with_opt())
+    tp_plan = plan.model_copy(update={"tp": 2, "tp_plan": {"layers.*.w1": "colwise"}})
+    tp_plan.save(tmp_path / "p.json")
+    synthetic_run(tp_plan, 1.0, plan.prediction.step_time_s).save(tmp_path / "p.run.json")
+    request = PlanRequest.build(
+        model_file=str(ROOT / "models" / "toy.py"), gpus=2, calibrate_run=tmp_path / "p.run.json"
+    )
+    with pytest.raises(PlanFileError, match="--calibrate with tensor parallelism is not supported yet"):
+        plan_model(request)

@@ -397,7 +397,7 @@ CASES: list[Case] = [
         "--memory-limit nothing fits",
         "plan {d}/model.py --gpus 2 -b 8 --memory-limit 0.0000001 " + " ".join(FAST),
         2,
-        "alone needs",
+        "GiB memory limit: the closest",
     ),
     Case("plan options", "unknown --recompute", "plan {d}/model.py --gpus 2 --recompute sometimes", 2, "--recompute"),
     Case("plan options", "unknown --gpu-type", "plan {d}/model.py --gpus 2 --gpu-type h1000", 2, "h1000"),

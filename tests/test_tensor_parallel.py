@@ -164,7 +164,9 @@ def test_tp_auto_keeps_degree_one_for_a_model_without_a_plan_and_refuses_a_force
 def test_tensor_parallelism_wins_when_the_pipeline_would_mostly_wait() -> None:
     # 4 ranks, 4 microbatches: pp 4 idles (p-1)/(m+p-1) = 3/7 of its time; tp 2 x pp 2 idles 1/5 and
     # pays 1 ms per all-reduce on 22 ms of work per layer: it must win, and tp 4 (pp 1) too little split work
-    request = PlanRequest.build(model_file="m.py", gpus=4, batch_size=4, microbatches=4, schedule="1f1b")
+    request = PlanRequest.build(
+        model_file="m.py", gpus=4, batch_size=4, microbatches=4, schedule="1f1b", gpu_type="h100"
+    )
     plan = assemble_plan(request, _model(), LINK, _origin(), memory_limit_bytes=None, tp_plan=TP_PLAN)
     tried = {c.tp for c in plan.search}
     assert plan.tp > 1 and tried >= {plan.tp}
@@ -255,3 +257,11 @@ def test_search_finds_the_brute_force_optimum_over_tp_pp_dp_and_m(
     if limit is not None:
         assert chosen.prediction.max_memory_bytes <= limit
     assert math.isfinite(chosen.prediction.step_time_s)
+
+
+def test_tp_auto_is_searched_for_gpu_estimates_and_given_for_measured_plans() -> None:
+    # estimated for GPUs: the divisors of a node's ranks that divide --gpus; measured here: 1 unless given
+    assert PlanRequest.build(model_file="m.py", gpus=16, gpu_type="h100").tp_options == [1, 2, 4, 8]
+    assert PlanRequest.build(model_file="m.py", gpus=12, gpu_type="h100", gpus_per_node=8).tp_options == [1, 2, 4]
+    assert PlanRequest.build(model_file="m.py", gpus=4).tp_options == [1]
+    assert PlanRequest.build(model_file="m.py", gpus=4, tp=2).tp_options == [2]

@@ -355,6 +355,12 @@ CLOSEST_TRIED = 6
 the least memory floor) are solved without it, to name the closest one."""
 
 
+def _gib(nbytes: float) -> str:
+    """GiB with two decimals, or three significant digits below 0.1 GiB (so a tiny limit is not "0.00")."""
+    gib = nbytes / 2**30
+    return f"{gib:.2f}" if gib >= 0.1 else f"{gib:.3g}"
+
+
 def describe(layout: Layout) -> str:
     """A layout in one phrase: "1f1b, pp=8, m=64, k=2 passes, dp=8 (fsdp), tp=8" (what is 1 left out)."""
     text = f"{layout.schedule}, pp={layout.pp}, m={layout.n_microbatches}" + _passes(layout)
@@ -389,8 +395,8 @@ def _nothing_fits(outcome: _Outcome, cluster: Cluster, constraints: Constraints)
     hints = ["raise --memory-limit", "use more --gpus"]
     hints += ["--recompute auto"] if constraints.recompute == "never" else []
     return InfeasibleError(
-        f"no layout fits the {limit / 2**30:.2f} GiB memory limit: the closest, {describe(layout)}, needs "
-        f"{need / 2**30:.2f} GiB per rank ({need / limit - 1:.0%} over); " + ", ".join(hints)
+        f"no layout fits the {_gib(limit)} GiB memory limit: the closest, {describe(layout)}, needs "
+        f"{_gib(need)} GiB per rank ({need / limit - 1:.0%} over); " + ", ".join(hints)
     )
 
 

@@ -422,12 +422,15 @@ class PlanRequest(_Request):
     @property
     def tp_options(self) -> list[int]:
         """The tensor-parallel degrees the search may try before the model is asked: ``--tp`` alone, or with
-        ``--tp auto`` every divisor of a node's ranks (``--gpus`` for measured plans, all on this machine)
-        that divides ``--gpus``, ascending. The model's tp plan narrows them further."""
+        ``--tp auto`` every divisor of a node's ranks that divides ``--gpus``, ascending, for plans
+        estimated for GPUs (``--gpu-type``). A plan measured here keeps degree 1 unless ``--tp`` names one:
+        its sharded layers' measured cost and ``--calibrate`` are not yet modelled per tensor-parallel
+        rank, and CPU ranks share this machine's cores. The model's tp plan narrows them further."""
         if isinstance(self.tp, int):
             return [self.tp]
-        node = self.ranks_per_node if self.gpu_type is not None else self.gpus
-        return divisors(math.gcd(node, self.gpus))
+        if self.gpu_type is None or self.gpu_type == "cpu":
+            return [1]
+        return divisors(math.gcd(self.ranks_per_node, self.gpus))
 
     @property
     def dp_options(self) -> list[int]:
