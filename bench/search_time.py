@@ -87,7 +87,9 @@ def child(case: str) -> dict[str, object]:
     from planner.api import default_threads, estimated_costs, model_ref
     from planner.capture.load import load_model_file
     from planner.core.assemble import Origin, assemble_plan
+    from planner.costs.tensor_parallel import tensor_parallel_blocks
     from planner.errors import PlannerError
+    from planner.report.throughput import throughput
     from planner.schema.request import PlanRequest
 
     args = CASES[case]
@@ -122,15 +124,25 @@ def child(case: str) -> dict[str, object]:
     search_module._evaluate_all = counting_all
     search_module.evaluate_modes = counting_modes
     origin = Origin(model_ref(mf, costs.traced, request), costs.profile, "bench")
+    # the blocks as make_plan gives them to the search: with their tensor-parallel shares
+    split = tensor_parallel_blocks(mf, request, costs.traced, costs.blocks, hardware=costs.hardware, dtype="bf16")
     t0 = time.perf_counter()
     try:
         plan = assemble_plan(
-            request, costs.blocks, costs.link, origin, memory_limit_bytes=costs.memory_bytes, ties=costs.ties
+            request,
+            split.blocks,
+            costs.link,
+            origin,
+            memory_limit_bytes=costs.memory_bytes,
+            ties=costs.ties,
+            tp_plan=split.plan,
         )
         lay = f"dp={plan.dp} ({plan.dp_mode}), " if plan.dp > 1 else ""
+        lay += f"tp={plan.tp}, " if plan.tp > 1 else ""
+        passes = f", k={plan.accumulation} passes" if plan.accumulation > 1 else ""
         result = (
-            f"{lay}pp={plan.n_ranks}, {plan.schedule}, m={plan.n_microbatches}, v={plan.stages_per_rank}: "
-            f"step {plan.prediction.step_time_s:.3g} s"
+            f"{lay}pp={plan.n_ranks}, {plan.schedule}, m={plan.n_microbatches}, v={plan.stages_per_rank}{passes}: "
+            f"step {plan.prediction.step_time_s:.3g} s, MFU {throughput(plan).mfu or 0:.1%}"
         )
     except PlannerError as e:
         result = f"error: {e}"
