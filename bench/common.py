@@ -14,6 +14,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -91,6 +93,27 @@ def execute(argv: Sequence[str], cwd: Path, timeout_s: float, env: Mapping[str, 
         note = f"timed out after {timeout_s:.0f} s (stopped)"
         return Finished(None, out, err, time.perf_counter() - start, note)
     return Finished(proc.returncode, out, err, time.perf_counter() - start)
+
+
+def run_timed(
+    cmd: Sequence[str], timeout_s: float, cwd: Path = ROOT, env: Mapping[str, str] | None = None
+) -> tuple[int, float, int, str, str]:
+    """Run ``cmd`` (stopped after ``timeout_s``); return (exit code, wall seconds, peak RSS bytes of
+    that child: ``os.wait4``'s own rusage, what ``/usr/bin/time -v`` reports, stdout, stderr)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(list(cmd), stdout=out, stderr=err, cwd=cwd, env=None if env is None else dict(env))
+        timer = threading.Timer(timeout_s, proc.kill)
+        timer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (ru_maxrss in KiB on Linux)
+        finally:
+            timer.cancel()
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return proc.returncode, wall, usage.ru_maxrss * 1024, out.read(), err.read()
 
 
 def last_line(*texts: str) -> str:

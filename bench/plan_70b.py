@@ -29,11 +29,9 @@ import re
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
-from bench.common import DOCS, ROOT, between_markers, write_page
+from bench.common import DOCS, ROOT, between_markers, run_timed, write_page
 from planner.core.hardware import get_hardware
 
 BEGIN = "<!-- BEGIN planner-prediction (written by bench/plan_70b.py) -->"
@@ -59,24 +57,6 @@ def check_options(needed: list[str]) -> None:
             "this benchmark needs it to plan a 70B model without allocating its weights. "
             "Try the script on a profiled model with --gpu-type none."
         )
-
-
-def run_timed(cmd: list[str], timeout_s: float) -> tuple[int, float, int, str, str]:
-    """Run ``cmd``; return (exit code, wall seconds, peak RSS bytes of that child, stdout, stderr)."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT)
-        timer = threading.Timer(timeout_s, proc.kill)
-        timer.start()
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (ru_maxrss in KiB on Linux)
-        finally:
-            timer.cancel()
-        wall = time.perf_counter() - t0
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        return proc.returncode, wall, usage.ru_maxrss * 1024, out.read(), err.read()
 
 
 def _hand_block(name: str, cfg: dict, b: int = 1) -> tuple[int, int, int] | None:

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import DOCS, ROOT, host, last_line, write_page
+from bench.common import DOCS, ROOT, cpu_model, host, last_line, run_timed, write_page
 
 CASES: dict[str, list[str]] = {
     "70B, 64 GPUs, -b 512": ["--size", "70b", "--gpus", "64", "--gpu-type", "h100", "-b", "512"],
@@ -151,31 +151,18 @@ def child(case: str) -> dict[str, object]:
     return {"costs_s": t_costs, "search_s": t_search, "rss_mb": rss, "result": result, **counted}
 
 
+WHOLE_TIMEOUT_S = 3600.0
+"""A whole `planner plan` that runs longer than this is stopped (the targets are under a minute)."""
+
+
 def whole_command(case: str, source: Path) -> tuple[float, float, str]:
     """Wall seconds and peak RSS (MB) of ``planner plan`` for ``case``, and its last line on failure."""
     planner = Path(sys.executable).parent / "planner"
     with tempfile.TemporaryDirectory() as tmp:
         argv = [str(planner), "plan", str(ROOT / "models" / "llama.py"), *CASES[case], "-o", f"{tmp}/plan.json"]
         env = {**os.environ, "PYTHONPATH": str(source), "PYTHONDONTWRITEBYTECODE": "1"}
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(argv, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert proc.stdout is not None and proc.stderr is not None
-        out, err = proc.stdout.read(), proc.stderr.read()
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        wall = time.perf_counter() - t0
-    return wall, usage.ru_maxrss / 1024, "" if status == 0 else last_line(err, out)
-
-
-def cpu_name() -> str:
-    """The CPU model, from /proc/cpuinfo where there is one."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+        code, wall, rss, out, err = run_timed(argv, WHOLE_TIMEOUT_S, Path(tmp), env)
+    return wall, rss / 2**20, "" if code == 0 else last_line(err, out)
 
 
 def main() -> None:
@@ -209,7 +196,7 @@ def main() -> None:
     text = PAGE.format(
         today=dt.date.today().isoformat(),
         host=host(),
-        cpu=cpu_name(),
+        cpu=cpu_model() or platform.processor() or "unknown CPU",
         python=platform.python_version(),
         rows="\n".join(rows),
     )
