@@ -288,7 +288,7 @@ class _FusedAttention(torch.autograd.Function):
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
         share = 0.5 if causal else 1.0
         roof.charge_fused(
-            share * sdpa_flop_count(q.shape, k.shape, v.shape),
+            share * sdpa_flop_count(q.shape, _as_query_heads(q, k), _as_query_heads(q, v)),
             [q, k, v, o, lse] + ([mask] if mask is not None else []),
             q.dtype,
             roof.hw.attention_efficiency(backward=False),
@@ -303,12 +303,19 @@ class _FusedAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         ctx.roof.charge_fused(
-            ctx.share * sdpa_backward_flop_count(do.shape, q.shape, k.shape, v.shape),
+            ctx.share * sdpa_backward_flop_count(do.shape, q.shape, _as_query_heads(q, k), _as_query_heads(q, v)),
             [q, k, v, o, lse, do, dq, dk, dv],
             q.dtype,
             ctx.roof.hw.attention_efficiency(backward=True),
         )
         return None, dq, dk, dv, None, None
+
+
+def _as_query_heads(q: torch.Tensor, kv: torch.Tensor) -> torch.Size:
+    """``kv``'s shape with the query's head count: grouped-query attention computes every query head
+    against its group's keys, so it costs what attention with as many key heads as query heads costs
+    (torch 2.11's ``sdpa_flop_count`` refuses shapes with fewer key heads; 2.13 counts the same)."""
+    return torch.Size((*kv.shape[:-3], q.shape[-3], *kv.shape[-2:]))
 
 
 def attention_output(q: torch.Tensor, dim_v: int) -> torch.Tensor:
