@@ -20,7 +20,14 @@ import torch
 from tqdm import tqdm
 
 from planner.capture.blocks import ModuleTrace, TracedModel
-from planner.capture.load import ModelFile, check_batch_contract, check_batch_size, check_forward, load_model_file
+from planner.capture.load import (
+    ModelFile,
+    check_batch_contract,
+    check_batch_size,
+    check_forward,
+    load_model_file,
+    move_model,
+)
 from planner.capture.stage import stage_module, trace_root
 from planner.capture.trace import retrace, trace_model
 from planner.core.assemble import Origin, assemble_plan
@@ -409,7 +416,7 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
     device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
     if request.autocast is not None:
         check_autocast(device, request.autocast)  # before the model is built
-    model = mf.build(seed=request.seed).to(device)
+    model = move_model(mf.build(seed=request.seed), device)
     inputs, target = mf.batch(request.microbatch_size, seed=request.seed)
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
     target = target.to(device)
@@ -512,7 +519,7 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
     dtype = request.dtype or ("fp32" if on_cpu else "bf16")
     with torch.device("meta"):
         model = mf.build(seed=request.seed)
-    model = model.to(TORCH_DTYPES[dtype])
+    model = move_model(model, dtype=TORCH_DTYPES[dtype])
     check_batch_size(mf, 2 * request.microbatch_size, request.seed)  # the rest of the contract needs real data
     inputs, target = mf.batch(request.microbatch_size, seed=request.seed)
     inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)

@@ -562,10 +562,10 @@ CASES: list[Case] = [
     ),
     Case(
         "plan files",
-        "an estimated GPU plan run on CPU",
+        "an estimated GPU plan run on a machine without GPUs",
         "run {d}/gpu.json --steps 1",
         2,
-        "a GPU that is not here",
+        "this machine has no GPU",
         _edit_plan(_estimated, "gpu.json"),
     ),
     Case(

@@ -93,3 +93,20 @@ def test_stage_placement_is_checked() -> None:
     raw["n_ranks"] = 3
     with pytest.raises(PlanFileError, match="do not spread evenly over 3 ranks"):
         Plan.from_json(json.dumps(raw))
+
+
+@pytest.mark.parametrize(
+    "profile, expected",
+    [
+        ({}, None),  # measured in fp32
+        ({"autocast": "bf16"}, "bf16"),  # measured under autocast
+        ({"source": "estimated", "hardware": "h100", "dtype": "bf16"}, "bf16"),  # a plan made for GPUs
+        ({"source": "estimated", "hardware": "h100", "dtype": "fp16"}, "fp16"),
+        ({"source": "estimated", "hardware": "cpu", "dtype": "fp32"}, None),
+        ({"source": "estimated", "hardware": "a100", "dtype": "tf32"}, None),  # fp32 storage: no autocast
+    ],
+)
+def test_the_run_computes_in_the_dtype_the_costs_are_for(profile: dict, expected: str | None) -> None:
+    plan = make_plan(big_head_blocks())
+    got = plan.model_copy(update={"profile": plan.profile.model_copy(update=profile)})
+    assert got.profile.run_autocast == expected

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.capture.blocks import GraphTrace, ModuleTrace, TracedModel
-from planner.capture.load import load_model_file
+from planner.capture.load import load_model_file, move_model
 from planner.capture.stage import build_stage_module, stage_module
 from planner.capture.trace import trace_model
 from planner.errors import PlannerError, TraceError
@@ -273,6 +273,32 @@ def test_fingerprint_stable_across_builds_and_changes_with_structure():
     assert trace_model(other.build(seed=0), inputs).fingerprint != a
     wider = load_model_file(path, "tiny", {"ffn_dim": 128})
     assert trace_model(wider.build(seed=0), inputs).fingerprint != a
+
+
+def test_fingerprint_is_the_models_wherever_and_in_whatever_dtype_it_was_traced():
+    """A plan measured on a GPU (the model moved there first) or estimated for one (built on meta, cast
+    to bf16) names the model `planner run` builds on the CPU in fp32. Llama's rotary tables are one
+    buffer registered in every layer: ``Module.to`` gives each layer its own copy, which the fx tracer
+    names apart, so the moved model traced into another graph (seen on an H100: a plan measured there
+    was refused by `planner run` there)."""
+    mf = load_model_file(ROOT / "models" / "llama.py", "tiny")
+    inputs, _ = mf.batch(1)
+    on_meta = tuple(x.to("meta") for x in inputs)
+    built = trace_model(mf.build(seed=0), inputs).fingerprint
+    moved = move_model(mf.build(seed=0), "meta")
+    assert moved.layers[0].attention.rope_cos is moved.layers[3].attention.rope_cos
+    assert trace_model(moved, on_meta).fingerprint == built
+    assert trace_model(move_model(mf.build(seed=0), dtype=torch.bfloat16), inputs).fingerprint == built
+    with torch.device("meta"):
+        estimated = move_model(mf.build(seed=0), dtype=torch.bfloat16)
+    assert trace_model(estimated, on_meta).fingerprint == built
+    # what move_model prevents: plain .to() unshares the tables and the graph differs
+    assert trace_model(mf.build(seed=0).to("meta"), on_meta).fingerprint != built
+    # shapes still count
+    assert (
+        trace_model(load_model_file(ROOT / "models" / "llama.py", "tiny", {"dim": 96}).build(), inputs).fingerprint
+        != built
+    )
 
 
 def _snapshot(model: torch.nn.Module):

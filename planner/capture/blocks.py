@@ -187,7 +187,10 @@ class TracedModel:
             h.update(f"[{block.name}|{block.is_layer}]".encode())
         self._hash_structure(h)
         for name, p in self.model.named_parameters():
-            h.update(f"{name}{tuple(p.shape)}{p.dtype};".encode())
+            # every floating dtype hashes as fp32: an estimate for a GPU traces the model cast to the
+            # planning dtype (bf16), and its plan must match the fp32 model `planner run` builds
+            dtype = torch.float32 if p.is_floating_point() else p.dtype
+            h.update(f"{name}{tuple(p.shape)}{dtype};".encode())
         return h.hexdigest()[:16]
 
 

@@ -599,3 +599,35 @@ def _known_keys(module: ModuleType, sizes: Mapping[str, Mapping[str, Any]]) -> s
             if param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD) and param.name != "batch_size":
                 keys.add(param.name)
     return keys
+
+
+def move_model(
+    model: nn.Module, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> nn.Module:
+    """``model.to(device, dtype)``, with a buffer that several modules share still shared afterwards.
+
+    ``nn.Module.to`` converts parameters in place (a tied weight stays one object) but gives every
+    module its own converted copy of each buffer, so a table registered in every layer (Llama's
+    rotary ``cos``/``sin``) becomes one tensor per layer. The fx tracer names a tensor after the
+    first module that holds it, so the moved model traced into other ``get_attr`` nodes than the
+    model as built: a plan profiled on a GPU, or estimated in bf16 on the meta device, had another
+    fingerprint than the model ``planner run`` builds on the CPU, and was refused.
+
+    Args:
+        model: the model (moved in place, as ``Module.to`` does).
+        device: where to; None keeps each tensor's device.
+        dtype: floating dtype to convert to; None keeps dtypes.
+
+    Returns:
+        ``model``.
+    """
+    holders: dict[int, list[str]] = {}
+    for name, buf in model.named_buffers(remove_duplicate=False):
+        holders.setdefault(id(buf), []).append(name)
+    model.to(device=device, dtype=dtype)
+    for names in holders.values():
+        first = model.get_buffer(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, first)
+    return model

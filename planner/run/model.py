@@ -48,10 +48,12 @@ def check_runnable(plan: Plan) -> None:
         PlannerError: traced by module boundaries, or a 1F1B plan with fewer
             microbatches than stages.
     """
-    if plan.profile.source == "estimated" and plan.profile.device != "cpu":
+    if plan.profile.source == "estimated" and plan.profile.device != "cpu" and not torch.cuda.is_available():
+        # a plan made for GPUs on a laptop trains on the GPU machine (in its --dtype, by autocast)
         raise PlannerError(
-            f"this plan's costs were estimated for {plan.profile.hardware} ({plan.profile.dtype}), a GPU that is not "
-            "here; to train, plan on the machine that runs it (without --gpu-type) and run that plan"
+            f"this plan's costs were estimated for {plan.profile.hardware} GPUs ({plan.profile.dtype}) and this "
+            "machine has no GPU; run it where the GPUs are, or plan with --gpu-type cpu (or without --gpu-type) "
+            "to train here"
         )
     if plan.dp > 1 and plan.dp_mode == "fsdp" and plan.schedule in SPLIT_BACKWARD:
         raise PlanFileError(
@@ -113,7 +115,8 @@ def trace_for_plan(plan: Plan, mf: ModelFile, model: nn.Module) -> TracedModel:
         TraceError: the plan's tracer no longer works on the model.
     """
     inputs, _ = mf.batch(plan.microbatch_size, seed=plan.model.seed)
-    traced = trace_model(model, inputs, methods=(plan.model.trace_method,))
+    # shapes are all the run needs of the example: recorded on meta, not by a forward on the CPU
+    traced = trace_model(model, inputs, methods=(plan.model.trace_method,), values_on_meta=True)
     if traced.fingerprint != plan.model.fingerprint:
         raise PlanFileError(
             f"plan was made for a different model structure (fingerprint {plan.model.fingerprint}, "

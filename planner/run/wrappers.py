@@ -25,15 +25,15 @@ def autocast_region(plan: Plan, device_type: str) -> contextlib.AbstractContextM
     """A fresh region of the plan's autocast (``--dtype`` on measured costs), or one that changes nothing.
 
     Args:
-        plan: the plan (``profile.autocast``: "bf16", "fp16" or None).
+        plan: the plan (``profile.run_autocast``: "bf16", "fp16" or None).
         device_type: where the region computes ("cpu", "cuda").
 
     Returns:
         A new context manager per call, as the profile opened one per block run.
     """
-    if plan.profile.autocast is None:
+    if plan.profile.run_autocast is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=AUTOCAST_DTYPES[plan.profile.autocast])
+    return torch.autocast(device_type, dtype=AUTOCAST_DTYPES[plan.profile.run_autocast])
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -106,7 +106,7 @@ class Recomputed(torch.nn.Module):
 
 
 class Autocast(torch.nn.Module):
-    """Run a stage's forward under ``torch.autocast`` (the plan's ``profile.autocast``): parameters
+    """Run a stage's forward under ``torch.autocast`` (the plan's ``profile.run_autocast``): parameters
     stay fp32, the matmuls and what they save run in the lower precision, as the profile measured.
     A fresh autocast region per call, so its weight casts are per microbatch, as profiled."""
 
@@ -126,13 +126,13 @@ def autocast_loss(
 
     Args:
         loss_fn: the model file's loss.
-        plan: the plan (``profile.autocast``).
+        plan: the plan (``profile.run_autocast``).
         device: where the loss runs.
 
     Returns:
         ``loss_fn`` itself without autocast, else a function calling it in a fresh autocast region.
     """
-    if plan.profile.autocast is None:
+    if plan.profile.run_autocast is None:
         return loss_fn
 
     def loss(output: Any, target: Any) -> torch.Tensor:
@@ -159,7 +159,7 @@ def apply_speed_levers(plan: Plan, module: ContiguousBoundary, inner: torch.nn.M
     run = inner
     if plan.compile:
         run = torch.compile(inner)  # type: ignore[assignment]
-    if plan.profile.autocast is not None:
+    if plan.profile.run_autocast is not None:
         run = Autocast(run, plan, device.type)
     module.module = run
 

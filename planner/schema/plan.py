@@ -112,6 +112,18 @@ class ProfileInfo(_Frozen):
         "rescaled from it to the plan's microbatch); None: the plan's own.",
     )
 
+    @property
+    def run_autocast(self) -> Literal["bf16", "fp16"] | None:
+        """The autocast dtype the run trains in: ``autocast`` for measured costs; for an estimate in bf16 or
+        fp16 (``--gpu-type``), that dtype, since the estimate costs compute and activations in it and
+        autocast over fp32 weights is how the run computes in it (the same 16 bytes per parameter of
+        weights, gradients and AdamW state as the estimate's bf16 weights with fp32 master copies)."""
+        if self.autocast is not None:
+            return self.autocast
+        if self.source == "estimated" and self.dtype in ("bf16", "fp16"):
+            return "bf16" if self.dtype == "bf16" else "fp16"
+        return None
+
 
 class StagePlan(_Frozen):
     """One pipeline stage: a contiguous range of blocks on one rank, and what it is predicted to cost."""
