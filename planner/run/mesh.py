@@ -160,7 +160,7 @@ def joined_group(plan: Plan, request: RunRequest) -> Iterator[tuple[RankMesh, to
 
 @contextlib.contextmanager
 def group_of_one(plan: Plan, request: RunRequest) -> Iterator[tuple[RankMesh, torch.device]]:
-    """A process group of one in this process (a gloo group over an in-memory store) for the block.
+    """A process group of one in this process (the plan's backend over an in-memory store) for the block.
 
     Args:
         plan: a plan whose ``world_size`` is 1.
@@ -177,7 +177,15 @@ def group_of_one(plan: Plan, request: RunRequest) -> Iterator[tuple[RankMesh, to
         device = torch.device("cpu")
     store = dist.HashStore()
     timeout = datetime.timedelta(seconds=request.timeout_s)
-    dist.init_process_group(plan.profile.backend, store=store, rank=0, world_size=1, timeout=timeout)
+    # nccl bound to the device up front, as the launched ranks do (without it barrier() warns and guesses)
+    dist.init_process_group(
+        plan.profile.backend,
+        store=store,
+        rank=0,
+        world_size=1,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
     try:
         yield rank_mesh(plan, 0, device), device
     finally:
