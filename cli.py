@@ -122,6 +122,23 @@ def main(ctx: click.Context, debug: bool) -> None:
     ctx.obj = {"debug": debug}
 
 
+def _set_debug(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """``--debug`` after the subcommand does what it does before it (``planner plan ... --debug``)."""
+    if value:
+        root = ctx.find_root()
+        root.obj = {**(root.obj or {}), "debug": True}
+
+
+# every subcommand takes --debug too: it is where users put it, and the one-line errors suggest it
+_debug_option = click.option(
+    "--debug",
+    is_flag=True,
+    expose_value=False,
+    callback=_set_debug,
+    help="Show the full traceback of an error instead of one line (also accepted before the subcommand).",
+)
+
+
 def _load_plan(path: str) -> Plan:
     """Load a plan and recompute its figures from its blocks, saying on stderr what a hand edit had changed."""
     from planner.core.predict import refresh
@@ -137,6 +154,7 @@ def _load_plan(path: str) -> Plan:
 
 
 @main.command("plan")
+@_debug_option
 @click.argument("model_file", type=click.Path(dir_okay=False))
 @click.option(
     "--gpus",
@@ -557,6 +575,7 @@ def _training_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @main.command("run")
+@_debug_option
 @click.argument("plan_file", type=click.Path(dir_okay=False))
 @click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True, help="Training steps to run.")
 @click.option(
@@ -672,6 +691,7 @@ def _run_figures(result: Any) -> str:
 
 
 @main.command("export-weights")
+@_debug_option
 @click.argument("plan_file", type=click.Path(dir_okay=False))
 @click.option(
     "--checkpoint",
@@ -705,6 +725,7 @@ def export_weights_cmd(plan_file: str, checkpoint: str | None, output: str) -> N
 
 
 @main.command("report")
+@_debug_option
 @click.argument("plan_file", type=click.Path(dir_okay=False))
 @click.option(
     "--measured",

@@ -479,3 +479,16 @@ def test_baseline_over_the_memory_limit_is_refused(tmp_path: Path) -> None:
     )
     assert result.exit_code == 2, result.output
     assert "the uniform split needs" in result.output and "use --method optimal" in result.output
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_works_before_and_after_the_subcommand(where: str, tmp_path: Path) -> None:
+    """`planner plan ... --debug` is where users put it (the one-line errors suggest --debug)."""
+    from planner.errors import ModelFileError
+
+    args = ["plan", str(tmp_path / "missing.py"), "--gpus", "2"]
+    args = ["--debug", *args] if where == "before" else [*args, "--debug"]
+    result = CliRunner().invoke(main, args)
+    assert isinstance(result.exception, ModelFileError)  # the traceback, not the one line
+    plain = CliRunner().invoke(main, ["plan", str(tmp_path / "missing.py"), "--gpus", "2"])
+    assert plain.exit_code == 2 and plain.output.startswith("error: model file")
