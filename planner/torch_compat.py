@@ -27,6 +27,8 @@ When torch changes one of these, this is the only file to mend; the tests that e
   DDP and a schedule without a split backward; no test runs that layout yet).
 - ``LocalElasticAgent._start_workers`` / ``_shutdown``: the launcher learns its workers' pids and
   lets them write their failure records before elastic stops them (tests/test_faults.py).
+- ``torch._subclasses.fake_tensor.FakeTensorMode``: the runner's shapes (trace values, stage
+  examples, output width) computed without data (tests/test_meta.py).
 - Python's own ``multiprocessing.forkserver._forkserver._stop``: a fresh forkserver per launch, so
   the ranks print where the launcher's stdout is now (tests/test_run.py reads their step lines).
 """
@@ -41,10 +43,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
+    "FakeTensorMode",
     "TorchDispatchMode",
     "ddp_ignore",
     "exported_out_spec",

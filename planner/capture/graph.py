@@ -34,6 +34,7 @@ import torch.fx as fx
 from torch import nn
 
 from planner.capture.blocks import CONTAINERS, Block, Cut, GraphTrace, ValueInfo, describe, is_layer
+from planner.capture.shapes import shapes_or_real
 from planner.errors import TraceError
 
 
@@ -111,11 +112,21 @@ def trace_export(model: nn.Module, inputs: tuple[Any, ...]) -> fx.GraphModule:
     return ep.module()  # type: ignore[return-value]
 
 
-def record_values(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> dict[str, ValueInfo]:
+def record_values(gm: fx.GraphModule, inputs: tuple[Any, ...], shapes_only: bool = False) -> dict[str, ValueInfo]:
     """Run the graph once (no grad) and note what each node produced.
 
     The buffers are put back afterwards, so recording moves no batch-norm statistics. (Switching
     to eval mode instead is not possible: torch.export's modules refuse ``.eval()``.)
+
+    Args:
+        gm: the traced graph.
+        inputs: one example microbatch.
+        shapes_only: run on fake tensors (``planner.capture.shapes``: no weights read, nothing
+            computed), or for real where fake tensors cannot run the graph. The runner's traces do;
+            the planner's run for real, as the profile does next.
+
+    Returns:
+        Node name -> what it produced.
     """
     values: dict[str, ValueInfo] = {}
 
@@ -125,8 +136,15 @@ def record_values(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> dict[str, Valu
             values[n.name] = describe(out)
             return out
 
+    def run(*args: Any) -> Any:
+        values.clear()  # a fake run that failed half-way leaves nothing behind
+        return Recorder(gm).run(*args)
+
     with buffers_restored(gm), torch.no_grad():
-        Recorder(gm).run(*inputs)
+        if shapes_only:
+            shapes_or_real(gm, run, *inputs)
+        else:
+            run(*inputs)
     return values
 
 

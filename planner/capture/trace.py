@@ -52,7 +52,11 @@ def _from_transformers(model: nn.Module) -> bool:
 
 
 def trace_model(
-    model: nn.Module, inputs: tuple[Any, ...], methods: tuple[str, ...] = ("fx", "export", "modules")
+    model: nn.Module,
+    inputs: tuple[Any, ...],
+    methods: tuple[str, ...] = ("fx", "export", "modules"),
+    *,
+    shapes_only: bool = False,
 ) -> TracedModel:
     """Trace ``model`` on an example microbatch, group nodes into blocks and find legal cuts.
 
@@ -64,6 +68,9 @@ def trace_model(
         inputs: positional inputs of one microbatch (shapes are baked into constants; use the
             microbatch size the pipeline will run with).
         methods: tracers to try, in order (a subset of "fx", "export", "modules").
+        shapes_only: record what each node produces on fake tensors where they can run the graph
+            (``record_values``): the runner needs shapes only, and a real forward of a model at
+            full width takes minutes on a CPU.
 
     Returns:
         A ``GraphTrace`` (fx, export) or a ``ModuleTrace`` (module boundaries).
@@ -92,7 +99,7 @@ def trace_model(
                 continue
         try:
             gm = TRACERS[method](private, inputs)
-            values = record_values(gm, inputs)
+            values = record_values(gm, inputs, shapes_only=shapes_only)
         except Exception as e:  # any tracer failure means: try the next one
             failures.append((method, short_reason(e)))
             continue

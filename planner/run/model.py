@@ -115,8 +115,8 @@ def trace_for_plan(plan: Plan, mf: ModelFile, model: nn.Module) -> TracedModel:
         TraceError: the plan's tracer no longer works on the model.
     """
     inputs, _ = mf.batch(plan.microbatch_size, seed=plan.model.seed)
-    # shapes are all the run needs of the example: recorded on meta, not by a forward on the CPU
-    traced = trace_model(model, inputs, methods=(plan.model.trace_method,), values_on_meta=True)
+    # shapes are all the run needs of the example: recorded on fake tensors, not by a forward on the CPU
+    traced = trace_model(model, inputs, methods=(plan.model.trace_method,), shapes_only=True)
     if traced.fingerprint != plan.model.fingerprint:
         raise PlanFileError(
             f"plan was made for a different model structure (fingerprint {plan.model.fingerprint}, "

@@ -17,6 +17,7 @@ from planner.capture.blocks import TracedModel
 from planner.capture.clock import BlockClock
 from planner.capture.graph import buffers_restored
 from planner.capture.load import ModelFile
+from planner.capture.shapes import shapes_or_real
 from planner.capture.stage import stage_inputs, stage_module, trace_root
 from planner.core.schedules import SPLIT_BACKWARD, placement
 from planner.errors import PlannerError
@@ -189,7 +190,7 @@ def _cut_stages(
         # under the plan's autocast, so the examples (and the receive buffers made from them) have
         # the dtypes that will cross the cut
         with autocast_region(plan, device.type):
-            example_in, example_out = _example_io(traced, stage_plan.start, module, example)
+            example_in, example_out = _example_io(traced, stage_plan.start, module, example, device)
         cut.append(_CutStage(stage_plan, built, inner, module, example_in, example_out, clock))
     return cut
 
@@ -251,8 +252,8 @@ def _pipeline_stage(plan: Plan, stage: _CutStage, submod: torch.nn.Module, mesh:
         stage_index=stage.plan.index,
         num_stages=plan.n_stages,
         device=device,
-        input_args=tuple(t.to(device) for t in stage.example_in),
-        output_args=tuple(t.to(device) for t in stage.example_out),
+        input_args=tuple(t if t.is_meta else t.to(device) for t in stage.example_in),
+        output_args=tuple(t if t.is_meta else t.to(device) for t in stage.example_out),
         group=mesh.pp_group,
     )
 
@@ -273,8 +274,10 @@ def _as_tuple(value: object) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
 
-def _example_io(traced: TracedModel, start: int, stage: torch.nn.Module, inputs: tuple) -> tuple[tuple, tuple]:
-    """Real example inputs and outputs of one stage, for ``PipelineStage``'s static mode.
+def _example_io(
+    traced: TracedModel, start: int, stage: torch.nn.Module, inputs: tuple, device: torch.device
+) -> tuple[tuple, tuple]:
+    """Example inputs and outputs of one stage, for ``PipelineStage``'s static mode.
 
     Without them ``PipelineStage`` infers shapes at the first step by running every stage on
     *uninitialised* receive buffers (``torch.empty``): an integer tensor crossing a cut (token ids,
@@ -285,12 +288,20 @@ def _example_io(traced: TracedModel, start: int, stage: torch.nn.Module, inputs:
     # Same shapes and dtypes as training. torch.export's modules refuse .eval(), so train mode stays
     # on: the buffers are put back (batch norm's running statistics) and the RNG too (dropout), so
     # training starts exactly where the unsplit model's does.
-    with buffers_restored(trace_root(traced)), torch.random.fork_rng(devices=[]), torch.enable_grad():
-        x = stage_inputs(inputs)
-        if start > 0:
-            prefix = stage_module(traced, 0, start)
+    # PipelineStage reads only shape, stride, dtype and requires_grad of the examples: they are made on
+    # fake tensors where the model runs on them (a real prefix is a forward at full width on the CPU)
+    prefix = stage_module(traced, 0, start) if start > 0 else None
+
+    def examples(*x: Any) -> tuple[tuple, tuple]:
+        if prefix is not None:
             x = tuple(t.detach().contiguous().requires_grad_(t.requires_grad) for t in _as_tuple(prefix(*x)))
-        y = _as_tuple(stage(*x))
+        return x, _as_tuple(stage(*x))
+
+    both = torch.nn.ModuleList([stage] if prefix is None else [prefix, stage])  # one swap of their weights
+    with buffers_restored(trace_root(traced)), torch.random.fork_rng(devices=[]), torch.enable_grad():
+        # as if on the rank's device, so that a GPU's autocast gives the dtypes training will send (the
+        # trace's weights are still on the CPU here, where autocast for cuda would change nothing)
+        x, y = shapes_or_real(both, examples, *stage_inputs(inputs), device=device)
     return x, tuple(t.detach().requires_grad_(t.requires_grad) for t in y)
 
 

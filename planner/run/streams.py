@@ -12,6 +12,7 @@ import torch
 from planner.capture.blocks import TracedModel
 from planner.capture.graph import buffers_restored
 from planner.capture.load import ModelFile, model_output
+from planner.capture.shapes import shapes_or_real
 from planner.capture.stage import stage_inputs, stage_module, trace_root
 from planner.run.checkpoint import kept_vocab
 from planner.run.mesh import RankMesh
@@ -111,6 +112,7 @@ def vocab_size_of(traced: TracedModel, mf: ModelFile, plan: Plan) -> int:
     example = mf.batch(plan.microbatch_size, seed=plan.model.seed)[0]
     # the forward must leave no trace: batch norm's running statistics and the RNG are put back
     with buffers_restored(trace_root(traced)), torch.random.fork_rng(devices=[]), torch.no_grad():
-        out = stage_module(traced, 0, len(traced.blocks))(*stage_inputs(example))
+        whole = stage_module(traced, 0, len(traced.blocks))
+        out = shapes_or_real(whole, whole, *stage_inputs(example))  # its shape only: on fake tensors where they run
     first = out[0] if isinstance(out, tuple) else model_output(out)
     return int(first.shape[-1])
