@@ -249,6 +249,12 @@ class GraphTrace(TracedModel):
 
     def _hash_structure(self, h: Any) -> None:
         for node in self.gm.graph.nodes:
+            if node.target is _CONTIGUOUS:
+                # torch.export records .contiguous() only where the tensor was not contiguous, which
+                # depends on the device's kernels: after CPU or GPU attention, whose output is laid
+                # out (batch, seq, heads, dim), `o.transpose(1, 2).contiguous()` is a no-op, on meta
+                # a copy. The same model traced on meta for an estimate must give the same hash.
+                continue
             h.update(f"{node.name}:{node.op}:{_target_name(node.target)};".encode())
             if node.op == "call_module":  # the module's class: ReLU -> GELU keeps the node's name
                 h.update(type(self.gm.get_submodule(str(node.target))).__qualname__.encode())
@@ -323,6 +329,8 @@ def describe(value: Any) -> ValueInfo:
         return ValueInfo("const", 0, value)
     return ValueInfo("opaque")
 
+
+_CONTIGUOUS = torch.ops.aten.contiguous.default
 
 # Python values that may cross a cut by being baked into the later stage as constants.
 _CONST_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size)
