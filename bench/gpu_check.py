@@ -219,14 +219,14 @@ def attention(device: torch.device, hw: HardwareSpec, dry: bool) -> str:
 
 def _model_file(size: str, overrides: dict[str, Any], device: torch.device) -> Any:
     """models/llama.py at ``size`` with ``overrides``, built straight on ``device`` in bf16."""
-    from planner.capture.load import load_model_file
+    from planner.capture.load import load_model_file, move_model
 
     mf = load_model_file(MODELS / "llama.py", size, overrides)
     build = mf.build
 
     def build_bf16(seed: int = 0) -> torch.nn.Module:
         with torch.device(device):
-            return build(seed=seed).to(torch.bfloat16)
+            return move_model(build(seed=seed), dtype=torch.bfloat16)
 
     mf.build = build_bf16  # type: ignore[method-assign]
     return mf
@@ -285,8 +285,12 @@ def blocks(device: torch.device, hw: HardwareSpec, dry: bool, tmp: Path) -> tupl
     return table(rows, headers), estimates
 
 
-def _real_step(mf: Any, request: Any, device: torch.device) -> tuple[float, int]:
-    """Median ms and peak bytes of one training step: bf16 model, fp32 master weights and AdamW moments."""
+def _real_step(mf: Any, request: Any, device: torch.device) -> tuple[float, int, int]:
+    """One training step of a bf16 model with fp32 master weights and AdamW moments, as the estimate
+    assumes (16 B per parameter): its median ms, the peak bytes up to the end of the backward (what the
+    plan's memory model counts), and the peak of the whole step (the step here also holds an fp32 copy
+    of every gradient while it steps, 4 B per parameter the plan does not count: torch's AdamW takes
+    no bf16 gradients for fp32 weights)."""
     model = mf.build(seed=0)
     inputs, target = mf.batch(request.microbatch_size, seed=0)
     inputs = tuple(x.to(device) for x in inputs)
@@ -294,23 +298,29 @@ def _real_step(mf: Any, request: Any, device: torch.device) -> tuple[float, int]
     params = [p for p in model.parameters() if p.requires_grad]
     masters = [p.detach().float() for p in params]
     opt = torch.optim.AdamW(masters, lr=1e-5, foreach=True)
+    cuda = device.type == "cuda"
+    peaks = [0, 0]  # up to the end of the backward, whole step
 
     def step() -> None:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
         loss = mf.loss_fn(model(*inputs), target)
         loss.backward()
+        if cuda:
+            peaks[0] = max(peaks[0], torch.cuda.max_memory_allocated(device))
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         for master, p in zip(masters, params):
             master.grad = p.grad.float()  # type: ignore[union-attr]
             p.grad = None
         opt.step()
+        opt.zero_grad(set_to_none=True)  # the fp32 gradients live only during the step
         with torch.no_grad():
             torch._foreach_copy_(params, masters)
+        if cuda:
+            peaks[1] = max(peaks[1], torch.cuda.max_memory_allocated(device))
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     ms = time_ms(step, device, warmup=2, repeats=5)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    return ms, peak
+    return ms, peaks[0], peaks[1]
 
 
 def steps(device: torch.device, estimates: list[Any]) -> str:
@@ -322,7 +332,7 @@ def steps(device: torch.device, estimates: list[Any]) -> str:
         plan = plan_on_costs(
             request.model_copy(update={"gpu_type": est.hardware.name, "dtype": "bf16"}), est, plain, created="bench"
         )
-        ms, peak = _real_step(mf, request, device)
+        ms, peak, whole = _real_step(mf, request, device)
         predicted = plan.prediction.step_time_s * 1e3
         pred_mem = plan.prediction.max_memory_bytes
         shown = ", ".join(f"{k}={v}" for k, v in overrides.items())
@@ -335,10 +345,23 @@ def steps(device: torch.device, estimates: list[Any]) -> str:
                 f"{peak / 2**30:.2f}",
                 f"{pred_mem / 2**30:.2f}",
                 f"{pred_mem / peak:.2f}" if peak else "-",
+                f"{whole / 2**30:.2f}",
             ]
         )
         torch.cuda.empty_cache() if device.type == "cuda" else None
-    return table(rows, ["model", "step ms", "predicted", "pred/meas", "peak GiB", "predicted", "pred/meas"])
+    return table(
+        rows,
+        [
+            "model",
+            "step ms",
+            "predicted",
+            "pred/meas",
+            "peak to bwd end GiB",
+            "predicted",
+            "pred/meas",
+            "step peak GiB",
+        ],
+    )
 
 
 def cuda_paths(tmp: Path) -> str:
@@ -352,9 +375,15 @@ def cuda_paths(tmp: Path) -> str:
     for argv in commands:
         t0 = time.perf_counter()
         done = subprocess.run([sys.executable, str(ROOT / "cli.py"), *argv], capture_output=True, text=True, cwd=ROOT)
-        lines = (done.stdout + done.stderr).strip().splitlines()
+        lines = done.stdout.strip().splitlines()
+        if done.returncode:
+            print(done.stdout[-3000:], done.stderr[-3000:], sep="\n", file=sys.stderr)
+            lines = done.stderr.strip().splitlines()
+        warned = [line.strip() for line in done.stderr.splitlines() if "Warning" in line]
+        if warned and not done.returncode and lines:
+            lines[-1] += f" (and {len(warned)} warning line(s): {warned[0][:200]})"
         rows.append(
-            [f"planner {argv[0]}", done.returncode, f"{time.perf_counter() - t0:.0f}", lines[-1][:110] if lines else ""]
+            [f"planner {argv[0]}", done.returncode, f"{time.perf_counter() - t0:.0f}", lines[-1][:300] if lines else ""]
         )
     return table(rows, ["command", "exit", "s", "last line"])
 
