@@ -199,7 +199,13 @@ class Roofline(TorchDispatchMode):
         packet = func.overloadpacket
         if packet in _FREE:
             return
-        flops = float(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0.0
+        grouped = _grouped_gemm(func, args)
+        if packet in flop_registry:
+            flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
+        elif grouped is not None:
+            flops = grouped[0]
+        else:
+            flops = 0.0
         moves = not (func.is_view or packet in _NO_BYTES)
         nbytes = 0
         float_dtype = None
@@ -214,6 +220,8 @@ class Roofline(TorchDispatchMode):
         hw = self.hw
         if flops and packet in _GEMMS:
             efficiency = hw.gemm_efficiency(*_gemm_dims(packet, args))
+        elif flops and grouped is not None:
+            efficiency = hw.gemm_efficiency(*grouped[1])
         else:
             efficiency = hw.matmul_efficiency
         compute = flops / (self._peak(float_dtype) * efficiency) if flops else 0.0
@@ -224,6 +232,48 @@ class Roofline(TorchDispatchMode):
         else:
             seconds = roof + hw.op_overhead_s
         self._add(Tally(flops, nbytes, seconds, 1))
+
+
+# Grouped GEMMs (mixture-of-experts layers: every token's rows times its experts' weights), which
+# torch.utils.flop_counter has no formula for: charged zero FLOPs, a Mixtral layer's experts cost
+# nothing. torch's own kernel, and transformers' fallback (a custom op, fp32 on CPUs and older torch)
+# with its backward, which computes the input and the weight gradients.
+_GROUPED_GEMMS = {"aten::_grouped_mm": 1, "transformers::grouped_mm_fallback": 1, "transformers::grouped_mm_fallback_backward": 2}
+
+
+def _grouped_gemm(func: Any, args: tuple) -> tuple[float, tuple[int, int, int]] | None:
+    """FLOPs of a grouped GEMM and one group's average ``(m, n, k)``; None for any other operator.
+
+    ``_grouped_mm(a, b, offs)``: a (T, K) x b (G, K, N) → (T, N), the T rows split into G groups by
+    ``offs``; a (M, K) x b (K, N) with K split → (G, M, N) (a weight gradient); a (G, M, K) x b (K, N)
+    with N split → (M, N); a (G, M, K) x b (G, K, N) → (G, M, N). Each multiplies every row once, so the
+    FLOPs are those of the ungrouped product, whatever the routing put in each group.
+    """
+    name = func.name() if isinstance(func, torch._ops.OpOverload) else ""
+    times = _GROUPED_GEMMS.get(name)
+    if times is None or len(args) < 2:
+        return None
+    a, b = args[0], args[1]
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return None
+    if a.dim() == 2 and b.dim() == 3:
+        groups, (m, k), n = b.shape[0], a.shape, b.shape[-1]
+        flops, dims = 2.0 * m * k * n, (max(1, m // groups), n, k)
+    elif a.dim() == 2 and b.dim() == 2:
+        (m, k), n = a.shape, b.shape[-1]
+        groups = int(args[2].shape[0]) if len(args) > 2 and isinstance(args[2], torch.Tensor) else 1
+        flops, dims = 2.0 * m * k * n, (m, n, max(1, k // groups))
+    elif a.dim() == 3 and b.dim() == 2:
+        groups, m, k = a.shape
+        n = b.shape[-1]
+        flops, dims = 2.0 * m * k * n, (m, max(1, n // groups), k)
+    elif a.dim() == 3 and b.dim() == 3:
+        groups, m, k = a.shape
+        n = b.shape[-1]
+        flops, dims = 2.0 * groups * m * k * n, (m, n, k)
+    else:
+        return None
+    return times * flops, (int(dims[0]), int(dims[1]), int(dims[2]))
 
 
 def _gemm_dims(packet: Any, args: tuple) -> tuple[int, int, int]:
