@@ -174,6 +174,24 @@ def test_fingerprint_mismatch_raises_before_launch(tmp_path: Path, no_launch: No
         run_plan(edited, RunRequest(plan_file=saved(edited, tmp_path), steps=2))
 
 
+def test_a_fingerprint_mismatch_says_what_differs(tmp_path: Path, no_launch: None) -> None:
+    plan = make_plan(MODELS / "gpt.py", [0, 3])
+    names = [b.name for b in plan.blocks]
+    # the model file now builds one layer less than the plan was made for
+    fewer = plan.model.model_copy(
+        update={"config": {**plan.model.config, "n_layers": plan.model.config["n_layers"] - 1}}
+    )
+    edited = plan.model_copy(update={"model": fewer})
+    with pytest.raises(
+        PlanFileError,
+        match=rf"{len(names)} blocks in the plan, {len(names) - 1} now; block 4 is 'layers.3' in the plan, 'norm' now",
+    ):
+        run_plan(edited, RunRequest(plan_file=saved(edited, tmp_path), steps=2))
+    renamed = plan.model_copy(update={"model": plan.model.model_copy(update={"fingerprint": "0123456789abcdef"})})
+    with pytest.raises(PlanFileError, match=rf"the same {len(names)} blocks, with other operators or parameter shapes"):
+        run_plan(renamed, RunRequest(plan_file=saved(renamed, tmp_path), steps=2))
+
+
 def test_a_module_boundary_plan_whose_blocks_are_no_chain_is_refused_before_launch(
     tmp_path: Path, no_launch: None
 ) -> None:

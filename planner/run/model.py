@@ -98,6 +98,18 @@ def check_blocks(plan: Plan, traced: TracedModel) -> None:
             )
 
 
+def _what_differs(plan: Plan, traced: TracedModel) -> str:
+    """What a user can act on about a fingerprint that no longer matches: the blocks, or inside them."""
+    planned, now = [b.name for b in plan.blocks], [b.name for b in traced.blocks]
+    if planned == now:
+        return f"the same {len(now)} blocks, with other operators or parameter shapes inside"
+    count = f"{len(planned)} blocks in the plan, {len(now)} now; " if len(planned) != len(now) else ""
+    k = next((i for i, (a, b) in enumerate(zip(planned, now)) if a != b), min(len(planned), len(now)))
+    was = repr(planned[k]) if k < len(planned) else "none"
+    is_now = repr(now[k]) if k < len(now) else "none"
+    return f"{count}block {k} is {was} in the plan, {is_now} now"
+
+
 def trace_for_plan(plan: Plan, mf: ModelFile, model: nn.Module) -> TracedModel:
     """Trace ``model`` the way the planner did and check it is the structure the plan was made for.
 
@@ -120,7 +132,7 @@ def trace_for_plan(plan: Plan, mf: ModelFile, model: nn.Module) -> TracedModel:
     if traced.fingerprint != plan.model.fingerprint:
         raise PlanFileError(
             f"plan was made for a different model structure (fingerprint {plan.model.fingerprint}, "
-            f"the file now gives {traced.fingerprint}); re-run `planner plan`"
+            f"the file now gives {traced.fingerprint}: {_what_differs(plan, traced)}); re-run `planner plan`"
         )
     check_blocks(plan, traced)
     # Tracing ran the (private copy of the) model forward in train mode, which moves batch-norm
