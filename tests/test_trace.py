@@ -509,3 +509,48 @@ def test_stage_keeps_in_place_ops_whose_result_is_unused(mode):
         assert torch.equal(traced.gm(x), expected)  # the traced graph itself is right
         assert torch.equal(build_stage_module(traced, 0, 3)(x), expected)
         assert torch.equal(run_stages(traced, [0, 1, 2], (x,)), expected)
+
+
+# --- what a failed trace says ---------------------------------------------------------------------
+
+
+def test_a_long_reason_is_cut_between_sentences_never_inside_a_link():
+    from planner.capture.trace import short_reason
+
+    long = (
+        "The model returned a cache object. " * 20
+        + "See https://pytorch.org/docs/main/export.html#some-very-long-anchor for more."
+    )
+    try:
+        raise RuntimeError(long)
+    except RuntimeError as e:
+        text = short_reason(e)
+    assert text.startswith("RuntimeError: The model returned a cache object.") and "https" not in text
+    message = text.split(" (at ")[0]  # then the line of the code it passed through
+    assert len(message) <= 520 and message.endswith("cache object. ...")
+
+
+def test_the_control_flow_advice_only_where_control_flow_stopped_the_tracer():
+    from planner.capture.trace import trace_advice
+
+    data = [("export", "GuardOnDataDependentSymNode: Could not guard on data-dependent expression Eq(u0, 1)")]
+    cache = [("export", "RuntimeError: the output contains a DynamicCache, which torch.export cannot return")]
+    assert "data-dependent control flow" in trace_advice(data)
+    assert "control flow" not in trace_advice(cache) and "--debug" in trace_advice(cache)
+
+
+class _ReturnsAnObject(torch.nn.Module):
+    """A forward whose output neither tracer can return as a graph output (an opaque Python object)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> object:
+        return functools.partial(print, self.lin(x))
+
+
+def test_a_model_that_fails_for_another_reason_is_not_told_about_control_flow():
+    with pytest.raises(TraceError) as e:
+        trace_model(_ReturnsAnObject(), (torch.randn(2, 4),), methods=("export",))
+    assert "control flow" not in str(e.value)

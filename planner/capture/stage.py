@@ -144,13 +144,14 @@ def _mark(graph: fx.Graph, lookup: _Lookup, clock: BlockClock, k: int, names: Se
 
 def _chain_stage(traced: ModuleTrace, start: int, end: int, clock: BlockClock | None = None) -> nn.Module:
     from planner.capture.modules import ChainStage
+    from planner.capture.trace import trace_advice
 
     if traced.chain_reason or not traced.calls:
         why = "; ".join(f"{m}: {r}" for m, r in traced.failures)
         raise TraceError(
             f"this model was traced by module boundaries ({why}) and its blocks cannot run as a chain of stages: "
-            f"{traced.chain_reason or 'no calls were recorded'}; make forward traceable by torch.fx or torch.export "
-            "(no data-dependent control flow), or make its blocks a chain (each takes only the previous one's output)"
+            f"{traced.chain_reason or 'no calls were recorded'}; to make it traceable by torch.fx or torch.export, "
+            f"{trace_advice(traced.failures)}; or make its blocks a chain (each takes only the previous one's output)"
         )
     if not 0 <= start < end <= len(traced.blocks):
         raise TraceError(f"stage block range [{start}, {end}) is not within the model's {len(traced.blocks)} blocks")

@@ -33,17 +33,53 @@ _NOT_USER_CODE = tuple(
 
 
 def short_reason(e: BaseException) -> str:
-    """One line: the exception, shortened, and the model-code line that triggered it."""
+    """One line: the exception's message (its first 500 characters, cut between sentences or words and
+    never inside a link) and the last line of the user's code it passed through (generated code, such
+    as an fx graph's ``<string>``, is skipped: its line says nothing)."""
     text = " ".join(str(e).split())
-    if len(text) > 200:
-        text = text[:200] + "..."
+    if len(text) > 500:
+        cut = text[:500]
+        end = cut.rfind(". ")
+        cut = cut[: end + 1] if end > 200 else cut.rsplit(" ", 1)[0]
+        words = cut.split(" ")
+        while words and words[-1].startswith(("http://", "https://", "(http")):
+            words.pop()
+        text = " ".join(words) + " ..."
     frames = [
         f
         for f in traceback.extract_tb(e.__traceback__)
-        if not str(Path(f.filename).resolve()).startswith(_NOT_USER_CODE)
+        if not f.filename.startswith("<") and not str(Path(f.filename).resolve()).startswith(_NOT_USER_CODE)
     ]
     where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno}: {frames[-1].line})" if frames else ""
     return f"{type(e).__name__}: {text}{where}"
+
+
+# what tracers say when the model's Python branches on tensor data (the one cause the generic advice
+# about data-dependent control flow is for)
+_CONTROL_FLOW = (
+    "data-dependent",
+    "data dependent",
+    "guardondatadependent",
+    "control flow",
+    "could not guard",
+    "dynamic control",
+)
+
+
+def trace_advice(failures: list[tuple[str, str]]) -> str:
+    """What to change, from why the tracers failed: the control-flow advice only where the cause is
+    control flow, else a pointer to the reasons given (a model that returns a cache object, calls an
+    operator torch.export does not know, ... needs its own fix, which the reason names).
+
+    Args:
+        failures: (tracer, reason) pairs.
+
+    Returns:
+        One clause of advice.
+    """
+    if any(word in reason.lower() for _, reason in failures for word in _CONTROL_FLOW):
+        return "make forward free of data-dependent control flow, or put the repeated layers in an nn.ModuleList"
+    return "each tracer's reason above says what stopped it (run with --debug for the whole traceback)"
 
 
 def _from_transformers(model: nn.Module) -> bool:
@@ -106,8 +142,7 @@ def trace_model(
         return analyse_graph(gm, private, method, failures, values)
     detail = "; ".join(f"{m}: {r}" for m, r in failures)
     raise TraceError(
-        f"could not trace {type(model).__name__} with any of {', '.join(methods)} ({detail}); "
-        "make forward free of data-dependent control flow, or put the repeated layers in an nn.ModuleList"
+        f"could not trace {type(model).__name__} with any of {', '.join(methods)} ({detail}); {trace_advice(failures)}"
     )
 
 
