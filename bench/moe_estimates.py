@@ -72,9 +72,8 @@ def one(label: str, file: str, size: str, gpus: int, batch: int) -> list[str]:
         ] * 4
     wall = time.perf_counter() - t0
     t = throughput(plan)
-    layout = (
-        f"{plan.schedule}, pp {plan.n_ranks}, tp {plan.tp}, dp {plan.dp}, m={plan.n_microbatches}"
-        + (f", k={plan.accumulation}" if plan.accumulation > 1 else "")
+    layout = f"{plan.schedule}, pp {plan.n_ranks}, tp {plan.tp}, dp {plan.dp}, m={plan.n_microbatches}" + (
+        f", k={plan.accumulation}" if plan.accumulation > 1 else ""
     )
     print(f"{label} on {gpus}: {layout}, {wall:.0f} s to plan", file=sys.stderr)
     return [

@@ -238,7 +238,11 @@ class Roofline(TorchDispatchMode):
 # torch.utils.flop_counter has no formula for: charged zero FLOPs, a Mixtral layer's experts cost
 # nothing. torch's own kernel, and transformers' fallback (a custom op, fp32 on CPUs and older torch)
 # with its backward, which computes the input and the weight gradients.
-_GROUPED_GEMMS = {"aten::_grouped_mm": 1, "transformers::grouped_mm_fallback": 1, "transformers::grouped_mm_fallback_backward": 2}
+_GROUPED_GEMMS = {
+    "aten::_grouped_mm": 1,
+    "transformers::grouped_mm_fallback": 1,
+    "transformers::grouped_mm_fallback_backward": 2,
+}
 
 
 def _grouped_gemm(func: Any, args: tuple) -> tuple[float, tuple[int, int, int]] | None:
@@ -249,7 +253,7 @@ def _grouped_gemm(func: Any, args: tuple) -> tuple[float, tuple[int, int, int]] 
     with N split → (M, N); a (G, M, K) x b (G, K, N) → (G, M, N). Each multiplies every row once, so the
     FLOPs are those of the ungrouped product, whatever the routing put in each group.
     """
-    name = func.name() if isinstance(func, torch._ops.OpOverload) else ""
+    name = func.name() if callable(getattr(func, "name", None)) else ""  # an OpOverload: "aten::_grouped_mm"
     times = _GROUPED_GEMMS.get(name)
     if times is None or len(args) < 2:
         return None
