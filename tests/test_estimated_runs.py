@@ -38,6 +38,11 @@ def test_every_shipped_model_has_one_fingerprint_measured_or_estimated(path: str
     inputs, _ = mf.batch(2)
     built = trace_model(mf.build(seed=0), inputs).fingerprint  # what planner run (and a measured plan) traces
     for gpu_type in ("cpu", "h100"):
+        if gpu_type == "h100" and path == "models/hf/t5.py":
+            # T5's layer norm branches on its weight's dtype (casts back to bf16 only for bf16 weights): the
+            # bf16 trace is another graph. Known, not yet handled: its --gpu-type h100 plans are refused by
+            # `planner run` (docs/hf_models.md).
+            continue
         request = PlanRequest.build(
             model_file=ROOT / path,
             size=size,
@@ -53,10 +58,14 @@ def test_every_shipped_model_has_one_fingerprint_measured_or_estimated(path: str
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("path", ["models/llama.py", "models/hf/gpt2.py"])
+@pytest.mark.parametrize("path", ["models/llama.py", "models/hf/gpt2.py", "models/hf/t5.py"])
 def test_a_plan_estimated_for_this_cpu_trains_like_the_unsplit_model(path: str, tmp_path: Path) -> None:
     """Llama's rotary tables are one buffer shared by every layer (the estimate casts it); GPT-2 is
-    traced by torch.export, whose meta graph has a copy after attention that the CPU's has not."""
+    traced by torch.export, whose meta graph has a copy after attention that the CPU's has not; T5 is
+    an encoder-decoder whose decoder config kept its cache on (the encoder's output crosses stages)."""
+    # T5 under interleaved-zb (split backward) fails at run time ("backward through the graph a second
+    # time"), a known bug of the split backward with layers that share inputs (docs/hf_models.md)
+    schedule = "1f1b" if path == "models/hf/t5.py" else "auto"
     request = PlanRequest.build(
         model_file=ROOT / path,
         size=_size(path),
@@ -64,6 +73,7 @@ def test_a_plan_estimated_for_this_cpu_trains_like_the_unsplit_model(path: str, 
         batch_size=4,
         microbatches=2,
         gpu_type="cpu",
+        schedule=schedule,
         output=tmp_path / "plan.json",
         progress=False,
     )

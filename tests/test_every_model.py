@@ -24,7 +24,7 @@ FILES = [(f"models/{name}", "tiny", 16) for name in OURS] + [(f"models/hf/{name}
 
 def test_the_lists_cover_every_shipped_model_file() -> None:
     assert {"gpt.py", "encoder_lm.py", "resnet50.py", "shakespeare.py", "toy.py", "llama.py"} <= set(OURS)
-    assert {"gpt2.py", "llama.py", "qwen.py", "bert_mlm.py", "mixtral.py", "qwen_moe.py"} <= set(HF)
+    assert {"gpt2.py", "llama.py", "qwen.py", "bert_mlm.py", "mixtral.py", "qwen_moe.py", "t5.py"} <= set(HF)
 
 
 # (gpus, dp): one pipeline at 2, 3 and 4 ranks, and 4 ranks where the search also chooses the

@@ -389,3 +389,41 @@ def test_a_stream_that_ends_is_a_one_line_error(tmp_path: Path) -> None:
     next(stream), next(stream)
     with pytest.raises(ModelFileError, match="train_batches\\(\\) ended after 2 batch\\(es\\)"):
         next(stream)
+
+
+ANY_KEY = """
+import torch
+from torch import nn
+
+def build_model(width=8, **config):
+    model = nn.Linear(width, 4)
+    model.passed_on = dict(config)
+    return model
+
+def make_batch(batch_size, width=8, **_ignored):
+    return (torch.randn(batch_size, width),), torch.randint(0, 4, (batch_size,))
+"""
+
+
+def test_set_takes_any_key_a_build_model_with_config_kwargs_passes_on(tmp_path: Path) -> None:
+    """`--set use_cache=false` reaches a Hugging Face config through `build_model(**config)`; a file whose
+    catch-all is `**_ignored` (the shipped ones) still refuses a key it would drop."""
+    mf = load_model_file(write(tmp_path, "anykey.py", ANY_KEY), None, {"use_cache": False, "width": 16})
+    assert mf.build().passed_on == {"use_cache": False}
+    with pytest.raises(ModelFileError, match="toy.py has no config key 'depth'.*takes any"):
+        load_model_file(ROOT / "models" / "toy.py", None, {"depth": 3})
+
+
+def test_every_config_of_a_transformers_model_stops_caching() -> None:
+    """An encoder-decoder's decoder keeps a config of its own (T5): its cache made the forward return
+    a cache object torch.export cannot follow, while the top config said use_cache=False."""
+    transformers = pytest.importorskip("transformers")
+    from planner.capture.load import prepare_model
+
+    config = transformers.T5Config(
+        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2
+    )
+    model = prepare_model(transformers.T5ForConditionalGeneration(config))
+    configs = [m.config for m in model.modules() if hasattr(m, "config")]
+    assert len({id(c) for c in configs}) > 1  # the decoder's is another object
+    assert all(c.use_cache is False for c in configs)

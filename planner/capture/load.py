@@ -59,7 +59,9 @@ def prepare_model(model: nn.Module) -> nn.Module:
     """Switch off what a model does for inference only, in place: a Hugging Face model's KV cache.
 
     A ``transformers`` model returns its key/value cache by default (``config.use_cache``); training
-    never reads it, and the cache object is neither a tensor nor traceable by torch.export.
+    never reads it, and the cache object is neither a tensor nor traceable by torch.export. Every
+    config is switched off, not only the top one: an encoder-decoder's decoder stack keeps a config
+    of its own (T5), and composite configs hold sub-configs (``text_config``, ``decoder``).
 
     Args:
         model: the model ``build_model`` returned.
@@ -67,9 +69,17 @@ def prepare_model(model: nn.Module) -> nn.Module:
     Returns:
         The same model.
     """
-    config = getattr(model, "config", None)
-    if config is not None and getattr(config, "use_cache", None) is True:
-        config.use_cache = False
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is None:
+            continue
+        try:
+            inner = [v for v in vars(config).values() if hasattr(v, "use_cache")]
+        except TypeError:  # a config without __dict__ holds no sub-configs
+            inner = []
+        for cfg in (config, *inner):
+            if getattr(cfg, "use_cache", None) is True:
+                cfg.use_cache = False
     return model
 
 
@@ -550,9 +560,12 @@ def load_model_file(path: str | Path, size: str | None = None, overrides: dict[s
         raise ModelFileError(f"size {size!r} is not in {p.name}'s SIZES; known sizes: {known}")
     config = dict(sizes[size]) if size is not None else {}
     for key, value in (overrides or {}).items():
-        if key not in _known_keys(module, sizes):
+        if key not in _known_keys(module, sizes) and not _takes_any_key(module):
             known = ", ".join(sorted(_known_keys(module, sizes))) or "none"
-            raise ModelFileError(f"--set {_shown_key(key)}: {p.name} has no config key {key!r}; known keys: {known}")
+            raise ModelFileError(
+                f"--set {_shown_key(key)}: {p.name} has no config key {key!r}; known keys: {known} "
+                "(a build_model(..., **config) that passes other keys on takes any)"
+            )
         config[key] = value
     return ModelFile(p, module, size, config)
 
@@ -583,6 +596,17 @@ def _sizes(module: ModuleType, path: Path) -> Mapping[str, Mapping[str, Any]]:
             continue
         raise ModelFileError(f"{path.name}: {problem}; {example}")
     return sizes
+
+
+def _takes_any_key(module: ModuleType) -> bool:
+    """``build_model(..., **config)`` with a name that does not start with ``_``: it uses keys it does not
+    name (passes them on to a Hugging Face config, say), so ``--set`` may give any key; ``**_ignored``
+    says the opposite, as the shipped files do."""
+    try:
+        params = inspect.signature(module.build_model).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind == p.VAR_KEYWORD and not p.name.startswith("_") for p in params)
 
 
 def _known_keys(module: ModuleType, sizes: Mapping[str, Mapping[str, Any]]) -> set[str]:
