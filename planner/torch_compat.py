@@ -27,6 +27,9 @@ When torch changes one of these, this is the only file to mend; the tests that e
   DDP and a schedule without a split backward; no test runs that layout yet).
 - ``LocalElasticAgent._start_workers`` / ``_shutdown``: the launcher learns its workers' pids and
   lets them write their failure records before elastic stops them (tests/test_faults.py).
+- ``torch.distributed.pipelining.stage.stage_backward_weight`` (the name ``PipelineStage`` calls):
+  wrapped to retain the graph between a stage's parameter groups (``split_weight_backward_retaining``;
+  tests/test_estimated_runs.py runs T5 under interleaved-zb).
 - ``torch._subclasses.fake_tensor.FakeTensorMode``: the runner's shapes (trace values, stage
   examples, output width) computed without data (tests/test_meta.py).
 - Python's own ``multiprocessing.forkserver._forkserver._stop``: a fresh forkserver per launch, so
@@ -49,6 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "FakeTensorMode",
+    "split_weight_backward_retaining",
     "TorchDispatchMode",
     "ddp_ignore",
     "exported_out_spec",
@@ -94,6 +98,30 @@ def pipelining_backward() -> tuple[Callable[..., Any], Callable[..., Any], Calla
     from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
 
     return stage_backward, stage_backward_input, stage_backward_weight
+
+
+def split_weight_backward_retaining() -> None:
+    """Make the weight half of torch's split backward (zero-bubble schedules) keep the autograd graph
+    between a stage's parameter groups; idempotent, for the process.
+
+    ``stage_backward_weight`` runs one ``autograd.grad`` per parameter group with
+    ``retain_graph=False``, so where two groups reach shared nodes (T5's relative position bias,
+    computed in a stage's first layer and read by every other, ALBERT's one layer applied N times) the
+    first group frees what the second needs: "Trying to backward through the graph a second time".
+    Retaining it is what the groups' overlap needs; the graph is freed as soon as the step's
+    intermediates are dropped, after the last group.
+    """
+    import torch.distributed.pipelining.stage as stage_module
+
+    original = stage_module.stage_backward_weight
+    if getattr(original, "_planner_retaining", False):
+        return
+
+    def retaining(weights: Any, param_groups: list[dict[str, Any]], retain_graph: bool = False) -> Any:
+        return original(weights, param_groups, retain_graph=retain_graph or len(param_groups) > 1)
+
+    retaining._planner_retaining = True  # type: ignore[attr-defined]
+    stage_module.stage_backward_weight = retaining
 
 
 def memory_tracker() -> Any:

@@ -122,7 +122,9 @@ def time_input_weight(forward: Forward, args: tuple[Any, ...], weights: Sequence
     t1 = time.perf_counter()
     if not trainable:
         return t1 - t0, 0.0
-    stage_backward_weight(iter(trainable), groups)
+    # groups that share nodes need the graph kept between them (as the runner keeps it:
+    # planner.torch_compat.split_weight_backward_retaining)
+    stage_backward_weight(iter(trainable), groups, retain_graph=len(groups) > 1)
     sync(args)
     return t1 - t0, time.perf_counter() - t1
 

@@ -38,7 +38,7 @@ from planner.run.wrappers import (
 )
 from planner.schema.plan import Plan, StagePlan
 from planner.schema.request import TORCH_NAMES
-from planner.torch_compat import ddp_ignore
+from planner.torch_compat import ddp_ignore, split_weight_backward_retaining
 
 
 @dataclass(frozen=True)
@@ -263,6 +263,8 @@ def _schedule(plan: Plan, mf: ModelFile, stages: list[Any], device: torch.device
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     schedule_cls = get_schedule_class(TORCH_NAMES[plan.schedule])
+    if plan.schedule in SPLIT_BACKWARD:
+        split_weight_backward_retaining()  # parameter groups that share nodes (T5, ALBERT)
     # scale_grads=False: ``finish`` averages the gradients over microbatches, once per parameter.
     # GPipe and 1F1B take their one stage; the others (PipelineScheduleMulti) a list, even of one.
     target = stages[0] if placement(plan.schedule) == "single" else stages
