@@ -29,9 +29,10 @@ def test_the_lists_cover_every_shipped_model_file() -> None:
 
 # (gpus, dp): one pipeline at 2, 3 and 4 ranks, and 4 ranks where the search also chooses the
 # replicas (and DDP or FSDP). The Hugging Face files, slower to trace, skip the 3-rank pipeline; the
-# mixture-of-experts ones (whose layers are the dense ones' but for the experts) run at 2 ranks only.
+# mixture-of-experts ones (whose layers are the dense ones' but for the experts) and T5 (also run by
+# tests/test_estimated_runs.py) run at 2 ranks only, to keep the suite near 20 minutes.
 LAYOUTS = [(2, "1"), (3, "1"), (4, "1"), (4, "auto")]
-MOE = {"models/hf/mixtral.py", "models/hf/qwen_moe.py"}
+MOE = {"models/hf/mixtral.py", "models/hf/qwen_moe.py", "models/hf/t5.py"}
 CASES = [
     pytest.param(f, size, batch, gpus, dp, id=f"{f}-{gpus}{'-dp' if dp != '1' else ''}")
     for f, size, batch in FILES
