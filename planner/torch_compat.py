@@ -31,7 +31,7 @@ When torch changes one of these, this is the only file to mend; the tests that e
   wrapped to retain the graph between a stage's parameter groups (``split_weight_backward_retaining``;
   tests/test_estimated_runs.py runs T5 under interleaved-zb).
 - ``torch._subclasses.fake_tensor.FakeTensorMode``: the runner's shapes (trace values, stage
-  examples, output width) computed without data (tests/test_meta.py).
+  examples, output width) computed without data (tests/test_shapes.py).
 - Python's own ``multiprocessing.forkserver._forkserver._stop``: a fresh forkserver per launch, so
   the ranks print where the launcher's stdout is now (tests/test_run.py reads their step lines).
 """
@@ -97,7 +97,20 @@ def pipelining_backward() -> tuple[Callable[..., Any], Callable[..., Any], Calla
     """
     from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
 
-    return stage_backward, stage_backward_input, stage_backward_weight
+    return stage_backward, stage_backward_input, _retaining(stage_backward_weight)
+
+
+def _retaining(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``stage_backward_weight`` keeping the graph between parameter groups when there are several
+    (``split_weight_backward_retaining`` says why); the profiler and the runner share it."""
+    if getattr(original, "_planner_retaining", False):
+        return original
+
+    def retaining(weights: Any, param_groups: list[dict[str, Any]], retain_graph: bool = False) -> Any:
+        return original(weights, param_groups, retain_graph=retain_graph or len(param_groups) > 1)
+
+    retaining._planner_retaining = True  # type: ignore[attr-defined]
+    return retaining
 
 
 def split_weight_backward_retaining() -> None:
@@ -113,15 +126,7 @@ def split_weight_backward_retaining() -> None:
     """
     import torch.distributed.pipelining.stage as stage_module
 
-    original = stage_module.stage_backward_weight
-    if getattr(original, "_planner_retaining", False):
-        return
-
-    def retaining(weights: Any, param_groups: list[dict[str, Any]], retain_graph: bool = False) -> Any:
-        return original(weights, param_groups, retain_graph=retain_graph or len(param_groups) > 1)
-
-    retaining._planner_retaining = True  # type: ignore[attr-defined]
-    stage_module.stage_backward_weight = retaining
+    stage_module.stage_backward_weight = _retaining(stage_module.stage_backward_weight)
 
 
 def memory_tracker() -> Any:

@@ -199,13 +199,12 @@ class Roofline(TorchDispatchMode):
         packet = func.overloadpacket
         if packet in _FREE:
             return
-        grouped = _grouped_gemm(func, args)
+        grouped = None  # looked up only for operators flop_counter has no formula for (every op passes here)
         if packet in flop_registry:
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
-        elif grouped is not None:
-            flops = grouped[0]
         else:
-            flops = 0.0
+            grouped = _grouped_gemm(func, args)
+            flops = grouped[0] if grouped is not None else 0.0
         moves = not (func.is_view or packet in _NO_BYTES)
         nbytes = 0
         float_dtype = None

@@ -122,9 +122,7 @@ def time_input_weight(forward: Forward, args: tuple[Any, ...], weights: Sequence
     t1 = time.perf_counter()
     if not trainable:
         return t1 - t0, 0.0
-    # groups that share nodes need the graph kept between them (as the runner keeps it:
-    # planner.torch_compat.split_weight_backward_retaining)
-    stage_backward_weight(iter(trainable), groups, retain_graph=len(groups) > 1)
+    stage_backward_weight(iter(trainable), groups)  # keeps the graph between groups, as the runner does
     sync(args)
     return t1 - t0, time.perf_counter() - t1
 
