@@ -113,12 +113,15 @@ def make_plan(request: PlanRequest) -> Plan:
     if source is not None:
         check_calibration(source.fit, costs.traced, request.microbatch_size)
         blocks, link = apply_calibration(blocks, link, source.fit)
+    estimated = costs.profile.source == "estimated"
     split = tensor_parallel_blocks(
         mf,
         request,
         costs.traced,
         blocks,
-        float_bytes=dtype_bytes(request.autocast) if request.autocast else None,
+        # an estimate traces the model as built (fp32) and counts every floating element in its planning dtype
+        float_bytes=dtype_bytes(costs.profile.dtype if estimated else request.autocast) if estimated or request.autocast else None,
+        param_bytes=dtype_bytes(costs.profile.dtype) if estimated else None,
         hardware=costs.hardware,  # estimated: the sharded GEMMs' lower efficiency
         dtype=costs.profile.dtype,
     )
@@ -380,12 +383,13 @@ def _traced(
     return traced
 
 
-def _with_output(blocks: list[BlockCost], traced: TracedModel) -> list[BlockCost]:
+def _with_output(blocks: list[BlockCost], traced: TracedModel, float_bytes: int | None = None) -> list[BlockCost]:
     """The last stage keeps the model's output per live microbatch until backward (memory model):
-    its bytes as the profile measured them (under autocast), else as traced."""
+    its bytes as the profile measured them (under autocast), else as traced, floating elements at
+    ``float_bytes`` where given (an estimate's planning dtype)."""
     if blocks[-1].output_bytes:
         return blocks
-    return blocks[:-1] + [blocks[-1].model_copy(update={"output_bytes": traced.output_bytes})]
+    return blocks[:-1] + [blocks[-1].model_copy(update={"output_bytes": traced.output_bytes(float_bytes)})]
 
 
 def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Plan | None) -> Costs:
@@ -511,7 +515,7 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
     Returns:
         The costs.
     """
-    from planner.costs.estimate import TORCH_DTYPES, estimate_blocks
+    from planner.costs.estimate import estimate_blocks
 
     assert request.gpu_type is not None
     hw = _hardware(request.gpu_type, threads)
@@ -519,7 +523,12 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
     dtype = request.dtype or ("fp32" if on_cpu else "bf16")
     with torch.device("meta"):
         model = mf.build(seed=request.seed)
-    model = move_model(model, dtype=TORCH_DTYPES[dtype])
+    # Traced as built (fp32 weights), as `planner run` traces it: the plan's fingerprint and cut nodes
+    # are the run's. A model whose code branches on its weights' dtype (T5's layer norm casts to a
+    # 16-bit weight's dtype; transformers runs experts as torch._grouped_mm in bf16, a custom op in
+    # fp32) traced cast to bf16 into another graph, and its plan was refused at run. The blocks are
+    # costed in the planning dtype all the same: estimate_blocks runs them on parameters, buffers and
+    # inputs cast to it.
     check_batch_size(mf, 2 * request.microbatch_size, request.seed)  # the rest of the contract needs real data
     inputs, target = mf.batch(request.microbatch_size, seed=request.seed)
     inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
@@ -566,7 +575,13 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
         scaling["min_microbatch_size"] = 1
     info = info.model_copy(update=scaling)
     return Costs(
-        traced, _with_output(blocks, traced), link, info, capacity, ties_of(traced, dtype_bytes(dtype)), hardware=hw
+        traced,
+        _with_output(blocks, traced, dtype_bytes(dtype)),
+        link,
+        info,
+        capacity,
+        ties_of(traced, dtype_bytes(dtype)),
+        hardware=hw,
     )
 
 

@@ -1,8 +1,9 @@
 """A plan made for hardware that is not here names the model the run builds, and runs.
 
-The estimate builds the model on the meta device and casts it to the planning dtype; the run builds it
-on the CPU in fp32 (and a measured plan on a GPU moves it there first). All of them must trace to one
-fingerprint, or `planner run` refuses the plan on the very model it was made for.
+The estimate builds the model on the meta device, traces it as built (fp32) and costs its blocks in the
+planning dtype; the run builds it on the CPU in fp32 (and a measured plan on a GPU moves it there
+first). All of them must trace to one fingerprint and the same block nodes, or `planner run` refuses
+the plan on the very model it was made for.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from planner.api import estimated_costs, make_plan
+from planner.api import make_plan
 from planner.capture.load import load_model_file
 from planner.capture.trace import trace_model
 from planner.run import run_plan, train_reference
+from planner.run.model import trace_for_plan
 from planner.schema.request import PlanRequest, RunRequest
 
 pytest.importorskip("transformers")
@@ -26,11 +28,9 @@ MODEL_FILES = sorted(
 )
 
 
-# Models whose Python branches on the weights' dtype, so that their bf16 trace (an estimate for a GPU)
-# is another graph than the fp32 one `planner run` builds: T5's layer norm casts back to bf16 only for
-# bf16 weights; transformers' experts run torch._grouped_mm in bf16 and a custom fallback op in fp32 on
-# a CPU. Known, not yet handled: their --gpu-type h100 plans are refused by `planner run`
-# (docs/hf_models.md); their --gpu-type cpu plans (fp32) run.
+# T5's layer norm casts to its weight's dtype only for 16-bit weights, and transformers runs MoE experts
+# as torch._grouped_mm in bf16 but a custom op in fp32: traced cast to bf16 they were other graphs than
+# the fp32 one `planner run` builds. The estimate now traces the model as built and costs it in bf16.
 BRANCH_ON_DTYPE = {"models/hf/t5.py", "models/hf/mixtral.py", "models/hf/qwen_moe.py"}
 
 
@@ -46,8 +46,6 @@ def test_every_shipped_model_has_one_fingerprint_measured_or_estimated(path: str
     inputs, _ = mf.batch(2)
     built = trace_model(mf.build(seed=0), inputs).fingerprint  # what planner run (and a measured plan) traces
     for gpu_type in ("cpu", "h100"):
-        if gpu_type == "h100" and path in BRANCH_ON_DTYPE:
-            continue
         request = PlanRequest.build(
             model_file=ROOT / path,
             size=size,
@@ -58,7 +56,14 @@ def test_every_shipped_model_has_one_fingerprint_measured_or_estimated(path: str
             output=tmp_path / "plan.json",
             progress=False,
         )
-        assert estimated_costs(mf, request, 1).traced.fingerprint == built, gpu_type
+        plan = make_plan(request)
+        assert plan.model.fingerprint == built, gpu_type
+        # what `planner run` checks before it builds a stage: the fingerprint and every block's nodes
+        trace_for_plan(plan, mf, mf.build(seed=plan.model.seed))
+
+
+def test_models_that_branch_on_dtype_are_in_the_matrix() -> None:
+    assert BRANCH_ON_DTYPE <= set(MODEL_FILES)
 
 
 @pytest.mark.slow

@@ -122,7 +122,7 @@ def trace_module_boundaries(model: nn.Module, inputs: tuple[Any, ...], failures:
         if out is None:
             cuts.append(Cut(k, (), (), 0, False, f"{name} returns no tensor"))
             continue
-        values[name] = ValueInfo("tensor", out.numel() * out.element_size())
+        values[name] = describe(out)
         if nxt is None or nxt.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():
             # the same tensor or a view of it (HF reshapes hidden states between modules)
             reason = f"{calls[k + 1][0]} does not take {name}'s output as its first input"
@@ -131,7 +131,7 @@ def trace_module_boundaries(model: nn.Module, inputs: tuple[Any, ...], failures:
         cuts.append(Cut(k, (name,), (), values[name].nbytes, True))
     last = _first_tensor(calls[-1][2])
     if last is not None:
-        values[calls[-1][0]] = ValueInfo("tensor", last.numel() * last.element_size())
+        values[calls[-1][0]] = describe(last)
     twice = [fqn for fqn, n in times.items() if n > 1]
     if twice:
         chain: list[BlockCall] = []

@@ -56,6 +56,7 @@ def block_cost(
     grad_s: float | None = None,
     float_bytes: int | None = None,
     cut_bytes: int | None = None,
+    output_bytes: int = 0,
 ) -> BlockCost:
     """The cost record of block ``k`` of ``traced``.
 
@@ -77,6 +78,8 @@ def block_cost(
             for another dtype); None counts the parameters as they are.
         cut_bytes: bytes crossing the cut after the block when they differ from the trace's
             (estimates in another dtype, measurements under autocast); None takes the trace's.
+        output_bytes: the last block: bytes of the model's output (0: not known here; the caller
+            fills it in from the trace).
 
     Returns:
         The block's costs.
@@ -107,6 +110,7 @@ def block_cost(
         cut_tensors=len(cut.tensors) if cut else 0,
         cut_legal=cut.legal if cut else False,
         is_layer=block.is_layer,
+        output_bytes=output_bytes,
     )
 
 

@@ -43,7 +43,7 @@ from planner.costs.roofline import Roofline, Tally, fuse_attention_nodes
 from planner.costs.timing import backward_roots, grad_inputs, leaf_safe
 from planner.errors import PlannerError, TraceError
 from planner.schema.costs import BlockCost, OptimizerSpec
-from planner.torch_compat import storage_id
+from planner.torch_compat import pytree, storage_id
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 aten = torch.ops.aten
@@ -87,6 +87,7 @@ class _BlockRun:
     bwd_input: Tally
     saved_bytes: int
     outputs: tuple
+    model_output_bytes: int = 0  # the last block: the model's output, which the last stage keeps until backward
 
 
 def _run_block(
@@ -104,9 +105,20 @@ def _run_block(
     state = _block_state(stage, tdtype)
     param_storages = {storage_id(t) for t in state.values()}
 
+    model_output = [0]
+
     def run(a: tuple[Any, ...]) -> Any:
         out = functional_call(stage, state, a, tie_weights=True, strict=False)
-        return loss_fn(out, target) if last else out
+        if not last:
+            return out
+        # in the dtype the block computed it in: a model that returns `logits.float()` keeps fp32
+        # logits under autocast too (the fallback's fp32 run counts floating elements at float_bytes)
+        model_output[0] = sum(
+            t.numel() * (float_bytes if float_bytes is not None and t.is_floating_point() else t.element_size())
+            for t in pytree.tree_leaves(out)
+            if isinstance(t, torch.Tensor)
+        )
+        return loss_fn(out, target)
 
     forward = leaf_safe(run, grad_inputs(args))  # a block starting with an in-place op
 
@@ -145,7 +157,7 @@ def _run_block(
         if roots:
             with mode.phase(bwd_input):
                 torch.autograd.grad(roots, wanted, grads, allow_unused=True)
-    return _BlockRun(fwd, bwd, bwd_input, sum(saved.values()), outputs)
+    return _BlockRun(fwd, bwd, bwd_input, sum(saved.values()), outputs, model_output[0])
 
 
 def _as_flat_outputs(out: Any) -> tuple:
@@ -394,6 +406,7 @@ def _block_cost(
         activation_bytes=run.saved_bytes,
         float_bytes=width,
         cut_bytes=out_bytes,
+        output_bytes=run.model_output_bytes,
     )
 
 

@@ -435,6 +435,7 @@ def tensor_parallel_blocks(
     blocks: list[BlockCost],
     *,
     float_bytes: int | None = None,
+    param_bytes: int | None = None,
     hardware: HardwareSpec | None = None,
     dtype: str | None = None,
 ) -> TensorParallelBlocks:
@@ -447,6 +448,8 @@ def tensor_parallel_blocks(
         traced: the traced model the blocks are of.
         blocks: the blocks' costs.
         float_bytes: bytes of a floating activation in the planning dtype (autocast), None: as traced.
+        param_bytes: bytes of a parameter element as the blocks count them (an estimate: the planning
+            dtype's, the model being traced in fp32), None: as traced.
         hardware: the hardware of estimated costs (the shares' GEMM ``slowdown``); None: measured.
         dtype: the planning dtype (with ``hardware``).
 
@@ -484,7 +487,13 @@ def tensor_parallel_blocks(
         return TensorParallelBlocks(list(blocks), {}, f"tensor parallelism: none, {why}")
     inputs, _ = mf.batch(request.microbatch_size, seed=request.seed)
     shares = tensor_parallel_shares(
-        traced, inputs, resolved.plan, float_bytes=float_bytes, hardware=hardware, dtype=dtype
+        traced,
+        inputs,
+        resolved.plan,
+        float_bytes=float_bytes,
+        param_bytes=param_bytes,
+        hardware=hardware,
+        dtype=dtype,
     )
     if not shares:
         why = "the model was traced by module boundaries (tensor-parallel shares need a torch.fx or torch.export graph)"
