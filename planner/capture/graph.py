@@ -200,7 +200,7 @@ def _group_blocks(model: nn.Module, compute: list[fx.Node]) -> list[Block]:
     """Maximal runs of nodes with the same block key; root-level operations join the run before."""
     ancestors = _ancestors(model)
     layers: dict[tuple[int, int], bool] = {}  # is_layer per (container, child): counting siblings once
-    keys = {n.name: block_key(model, _module_path(n), ancestors, layers) for n in compute}
+    keys = {n.name: block_key(model, _module_path(n, calls=True), ancestors, layers) for n in compute}
     current = next((keys[n.name] for n in compute if keys[n.name][0] is not None), ("<root>", False))
     runs: list[tuple[tuple[str | None, bool], list[str]]] = []
     for n in compute:
@@ -210,10 +210,13 @@ def _group_blocks(model: nn.Module, compute: list[fx.Node]) -> list[Block]:
             runs[-1][1].append(n.name)
         else:
             runs.append((key, [n.name]))
+    # a module the forward calls again (ALBERT's one layer, applied to every block) is a repeated layer
+    called_again = {_plain(key) for (key, _), _ in runs if key and key != _plain(key)}
     blocks: list[Block] = []
     seen: dict[str, int] = {}
-    for (name, layer), names in runs:
-        name = name or "<root>"
+    for (key, layer), names in runs:
+        name = _plain(key) if key else "<root>"  # a layer's later calls: name#2, name#3, ...
+        layer = layer or name in called_again
         seen[name] = seen.get(name, 0) + 1
         unique = name if seen[name] == 1 else f"{name}#{seen[name]}"
         blocks.append(Block(unique, tuple(names), layer))
@@ -310,14 +313,20 @@ def _judge_cut(
     return Cut(k, tensors, consts, nbytes, legal=not reason, reason=reason)
 
 
-def _module_path(node: fx.Node) -> list[str]:
-    """The node's module stack as FQNs, outermost first (fx and export store it differently)."""
+def _module_path(node: fx.Node, calls: bool = False) -> list[str]:
+    """The node's module stack as FQNs, outermost first (fx and export store it differently).
+
+    With ``calls``, the second and later calls of a module carry their index (``layer@1``), as both
+    tracers key them in the stack: ALBERT applies one layer module to every block, and each
+    application is a block of its own (``_group_blocks``; ``_plain`` drops the index).
+    """
     stack = node.meta.get("nn_module_stack") or {}
     paths: list[str] = []
     for key, value in stack.items():
         fqn = value[0] if isinstance(value, tuple) else key
         if fqn:
-            paths.append(fqn)
+            _, at, index = str(key).rpartition("@")
+            paths.append(f"{fqn}@{index}" if calls and at and index.isdigit() else fqn)
     if node.op == "call_module" and (not paths or paths[-1] != node.target) and not str(node.target).startswith("_"):
         paths.append(str(node.target))
     return paths
@@ -337,6 +346,11 @@ def _parent(path: str) -> str:
     return path.rsplit(".", 1)[0] if "." in path else ""
 
 
+def _plain(path: str) -> str:
+    """A module path without its call index (``_module_path(..., calls=True)``)."""
+    return path.partition("@")[0]
+
+
 def block_key(
     root: nn.Module, paths: list[str], ancestors: set[str], layers: dict[tuple[int, int], bool] | None = None
 ) -> tuple[str | None, bool]:
@@ -348,7 +362,8 @@ def block_key(
 
     Args:
         root: the traced model.
-        paths: the node's module stack, outermost first.
+        paths: the node's module stack, outermost first (paths may carry a call index, ``layer@1``,
+            which the block key keeps: another call of a layer is another block).
         ancestors: ``_ancestors(root)``.
         layers: a cache of ``is_layer`` per (container, child) ids, shared by the calls for one
             model (``is_layer`` counts the container's children: n layers would take n^2 steps).
@@ -358,11 +373,11 @@ def block_key(
     """
     for path in paths:
         try:
-            parent = root.get_submodule(_parent(path))
+            parent = root.get_submodule(_parent(_plain(path)))
         except AttributeError:
             continue
         if isinstance(parent, CONTAINERS):
-            child = root.get_submodule(path)
+            child = root.get_submodule(_plain(path))
             if layers is None:
                 return path, is_layer(parent, child)
             key = (id(parent), id(child))
@@ -370,7 +385,7 @@ def block_key(
                 layers[key] = is_layer(parent, child)
             return path, layers[key]
     for path in paths:
-        if path not in ancestors and _parent(path) in ancestors:
+        if _plain(path) not in ancestors and _parent(_plain(path)) in ancestors:
             return path, False
     return None, False  # root-level (or wrapper-level) operation: joins the block before it
 

@@ -125,8 +125,9 @@ class Roofline(TorchDispatchMode):
     Args:
         hw: the hardware.
         dtype: the planning dtype ("tf32" makes fp32 operators use the TF32 peak).
-        float_bytes: count floating tensors as this many bytes per element (used when a block
-            had to run in fp32 although the plan is for a narrower dtype); None: as they are.
+        float_bytes: count floating tensors as this many bytes per element, and fp32 operators at
+            the planning dtype's peak (used when a block had to run in fp32 although the plan is for
+            a narrower dtype: its fp32 tensors stand for the planning dtype's); None: as they are.
     """
 
     def __init__(self, hw: HardwareSpec, dtype: str, float_bytes: int | None = None) -> None:
@@ -144,6 +145,11 @@ class Roofline(TorchDispatchMode):
         if dtype == "tf32":
             self._peaks[torch.float32] = hw.peak("tf32")
         self._default_peak = hw.peak(dtype)
+        if float_bytes is not None:
+            # a block run in fp32 for a bf16 plan (model code mixing its own fp32 tensors with cast
+            # weights, e.g. a router's fp32 weights into a bf16 index_add): charged at the fp32
+            # peak, a Mixtral layer's experts took 11x their bf16 time
+            self._peaks[torch.float32] = self._default_peak
 
     def _peak(self, dtype: torch.dtype | None) -> float:
         peak = self._peaks.get(dtype) if dtype is not None else None
