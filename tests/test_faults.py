@@ -88,6 +88,15 @@ def test_a_stopped_rank_is_named_with_the_timeout() -> None:
     assert got.status == "failed" and got.exit_code == 1
 
 
+def test_a_rank_that_raised_is_named_not_the_one_waiting_for_it() -> None:
+    """Rank 1 failed building its stages; rank 0 waited for it in dist.new_group (no timeout of its
+    own) until the launcher killed it: the cause is rank 1's error, not rank 0 "stopped responding"."""
+    records = {1: record(1, 1.0, "_apply(): Couldn't swap Linear.weight", step=None, done=0)}
+    got = diagnose(records, {0: -9, 1: 1}, timeout_s=20, hung={0})
+    assert got.message == "rank 1 failed before the first step: RuntimeError: _apply(): Couldn't swap Linear.weight"
+    assert got.traceback == "tb" and got.exit_code == 1
+
+
 def test_a_rank_hung_in_python_is_named_when_it_answers_the_launchers_sigterm() -> None:
     records = {
         0: record(0, 1.0, TIMEOUT),

@@ -1,4 +1,8 @@
-"""Layers that share weights or inputs under the split backward of zero-bubble schedules.
+"""Layers that share weights: one layer module applied to every block (ALBERT, Universal Transformers),
+and inputs shared under the split backward of zero-bubble schedules.
+
+Each call of a module the forward calls again is a block of its own (both tracers key the later calls
+``layer@N`` in a node's module stack), and its parameters are a tie across the stages that apply it.
 
 torch's ``stage_backward_weight`` runs one ``autograd.grad`` per parameter group without keeping the
 graph, so groups that reach shared nodes failed with "Trying to backward through the graph a second
@@ -19,21 +23,7 @@ from torch import nn
 from cli import main
 from planner.costs.timing import time_input_weight
 
-ALBERT = """
-import torch
-import torch.nn.functional as F
-
-def build_model(vocab_size=128, hidden=32, layers=4, seq_len=16, **_ignored):
-    from transformers import AlbertConfig, AlbertForMaskedLM
-    config = AlbertConfig(vocab_size=vocab_size, embedding_size=16, hidden_size=hidden, num_hidden_layers=layers,
-                          num_attention_heads=4, intermediate_size=64, max_position_embeddings=seq_len,
-                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0)
-    return AlbertForMaskedLM(config)
-
-def make_batch(batch_size, vocab_size=128, seq_len=16, **_ignored):
-    ids = torch.randint(0, vocab_size, (batch_size, seq_len))
-    return {"input_ids": ids}, ids
-"""
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class _SharedBias(nn.Module):
@@ -62,14 +52,116 @@ def test_the_weight_backward_of_groups_that_share_nodes_runs() -> None:
         assert torch.allclose(p.grad, w)  # every group's gradient, counted once
 
 
+class _Universal(nn.Module):
+    """A Universal Transformer in small: one layer applied ``depth`` times (fx follows it)."""
+
+    def __init__(self, depth: int = 4) -> None:
+        super().__init__()
+        self.depth = depth
+        self.embed = nn.Linear(6, 16)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.Tanh())])
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for _ in range(self.depth):
+            h = h + self.layers[0](h)
+        return self.head(h)
+
+
+UNIVERSAL = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+class Universal(nn.Module):
+    def __init__(self, depth):
+        super().__init__()
+        self.depth = depth
+        self.embed = nn.Linear(6, 16)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.Tanh())])
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for _ in range(self.depth):
+            h = h + self.layers[0](h)
+        return self.head(h)
+
+def build_model(depth=6, **_ignored):
+    return Universal(depth)
+
+def make_batch(batch_size, **_ignored):
+    return (torch.randn(batch_size, 6),), torch.randint(0, 3, (batch_size,))
+
+loss_fn = F.cross_entropy
+"""
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_each_application_of_a_shared_layer_is_a_block(method: str) -> None:
+    from planner.capture.trace import trace_model
+
+    traced = trace_model(_Universal(depth=4), (torch.randn(2, 6),), methods=(method,))
+    names = [b.name for b in traced.blocks]
+    assert names == ["embed", "layers.0", "layers.0#2", "layers.0#3", "layers.0#4", "head"]
+    assert [b.is_layer for b in traced.blocks] == [False, True, True, True, True, False]
+    assert all(c.legal for c in traced.cuts)
+    ties = traced.tied_parameters()
+    assert sorted(t.names for t in ties) == [("layers.0.0.bias",), ("layers.0.0.weight",)]
+    assert all(t.blocks == (1, 2, 3, 4) for t in ties)
+
+
 @pytest.mark.slow
-def test_albert_plans(tmp_path: Path) -> None:
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("source", ["albert", "universal"])
+def test_a_shared_layer_split_over_stages_trains_like_the_unsplit_model(source: str, tmp_path: Path) -> None:
+    """ALBERT (torch.export) and a Universal Transformer (torch.fx): the layer's applications on 2
+    stages, its weights a tie the runner keeps equal; measured and estimated plans, zero-bubble too."""
+    from planner.api import make_plan
+    from planner.run import run_plan, train_reference
+    from planner.schema.request import PlanRequest, RunRequest
+
+    if source == "albert":
+        pytest.importorskip("transformers")
+        model, size = ROOT / "models" / "hf" / "albert.py", "tiny"
+    else:
+        model, size = tmp_path / "universal.py", None
+        model.write_text(UNIVERSAL)
+    for gpu_type, schedule in ((None, "1f1b"), ("cpu", "interleaved-zb")):
+        request = PlanRequest.build(
+            model_file=model,
+            size=size,
+            gpus=2,
+            batch_size=4,
+            microbatches=2,
+            gpu_type=gpu_type,
+            schedule=schedule,
+            repeats=1,
+            output=tmp_path / "plan.json",
+            progress=False,
+        )
+        plan = make_plan(request)
+        shared = [t for t in plan.ties if len(t.blocks) > 2]
+        assert shared and all(len(plan.tie_stages(t)) == 2 for t in shared)  # the layer is on both stages
+        plan.save(tmp_path / "plan.json")
+        got = run_plan(plan, RunRequest(plan_file=tmp_path / "plan.json", steps=2))
+        want = train_reference(plan, tmp_path / "plan.json", 2)
+        assert got.losses == pytest.approx(want.losses, rel=1e-4), gpu_type
+        assert got.grad_norms == pytest.approx(want.grad_norms, rel=1e-4), gpu_type
+
+
+@pytest.mark.slow
+def test_albert_report_names_the_shared_layer_once(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    model = tmp_path / "albert.py"
-    model.write_text(ALBERT)
     out = tmp_path / "plan.json"
     result = CliRunner().invoke(
-        main, ["plan", str(model), "--gpus", "2", "-b", "4", "--repeats", "1", "-q", "-o", str(out)]
+        main,
+        ["plan", str(ROOT / "models" / "hf" / "albert.py"), "--size", "tiny", "--gpus", "2", "--gpu-type", "cpu",
+         "-o", str(out)],
     )
     assert result.exit_code == 0, result.output
-    assert out.exists()
+    tied = [line for line in result.output.splitlines() if line.strip().startswith("tied:")]
+    assert len(tied) == 2, tied  # the embedding = the MLM decoder; the shared layer's 16 tensors on one line
+    assert "16 parameters of albert.encoder.albert_layer_groups.0.albert_layers.0" in tied[1]
+    assert "a copy on stages 0 and 1" in tied[1]

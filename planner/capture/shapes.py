@@ -16,31 +16,45 @@ then runs the real thing, as before.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from planner.torch_compat import FakeTensorMode, pytree
 
 T = TypeVar("T")
 
 
-class _Call(nn.Module):
-    """``fn(*args)`` as the forward of a module holding ``inner``, so ``functional_call`` can swap
-    ``inner``'s parameters and buffers around any function of it (an fx Interpreter run, a stage)."""
+@contextmanager
+def _weights_replaced(module: nn.Module, replace: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """Every parameter and buffer of ``module`` replaced by ``replace(t)`` inside the block, put back
+    after it, whatever happens.
 
-    def __init__(self, inner: nn.Module, fn: Callable[..., Any]) -> None:
-        super().__init__()
-        self.inner = inner
-        # a tuple, so that ``fn`` being the module itself does not register it a second time (the
-        # swap would then restore one name's weights and leave the other's swapped)
-        self.fn = (fn,)
-
-    def forward(self, *args: Any) -> Any:
-        return self.fn[0](*args)
+    Each (module, attribute) is replaced once, however many paths reach the module: a stage and the
+    prefix that makes its example can hold the very same layer (ALBERT's one layer, applied on both
+    sides of a cut), and ``torch.func.functional_call`` swapped such a layer's weights once per path,
+    so its restore left fake tensors in the real model. ``replace`` is called once per tensor, so
+    tied weights stay tied.
+    """
+    done: dict[int, torch.Tensor] = {}
+    saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    for m in module.modules():  # each module object once
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    saved.append((table, name, t))
+    try:
+        for table, name, t in saved:
+            if id(t) not in done:
+                done[id(t)] = replace(t)
+            table[name] = done[id(t)]  # type: ignore[assignment]
+        yield
+    finally:
+        for table, name, t in saved:
+            table[name] = t
 
 
 def _as_meta(t: torch.Tensor) -> torch.Tensor:
@@ -73,11 +87,8 @@ def shapes_of(module: nn.Module, fn: Callable[..., T], *args: Any, device: torch
             f = mode.from_tensor(t)
             return f if device is None or f.device == device else f.to(device)
 
-        state = {f"inner.{name}": fake(t) for name, t in module.named_parameters()}
-        state.update({f"inner.{name}": fake(t) for name, t in module.named_buffers()})
-        out = functional_call(
-            _Call(module, fn), state, pytree.tree_map_only(torch.Tensor, fake, args), tie_weights=True, strict=False
-        )
+        with _weights_replaced(module, fake):
+            out = fn(*pytree.tree_map_only(torch.Tensor, fake, args))
         return pytree.tree_map_only(torch.Tensor, _as_meta, out)
 
 

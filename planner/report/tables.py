@@ -205,6 +205,38 @@ def tie_line(plan: Plan, tie: Tie) -> str:
         e.g. ``  tied: transformer.wte.weight = lm_head.weight (32.77k params), a copy on stages 0 and 1
         (ranks 0, 1: gradients summed)``.
     """
+    return f"  tied: {' = '.join(tie.names)} ({_count(tie.params)} params), {_held(plan, tie)}"
+
+
+def tie_lines(plan: Plan) -> list[str]:
+    """The plan's ties, a line each, except that the parameters of one module that the same blocks
+    read share a line (ALBERT's one layer, applied by every block: 16 tensors).
+
+    Args:
+        plan: the plan.
+
+    Returns:
+        e.g. ``  tied: 16 parameters of albert.encoder.albert_layer_groups.0 (45.7k params), a copy on
+        stages 0 and 1 (ranks 0, 1: gradients summed)``.
+    """
+    groups: dict[tuple[str, ...], list[Tie]] = {}
+    for tie in plan.ties:
+        groups.setdefault(tie.blocks, []).append(tie)
+    lines = []
+    for ties in groups.values():
+        if len(ties) == 1:
+            lines.append(tie_line(plan, ties[0]))
+            continue
+        parts = [t.names[0].split(".")[:-1] for t in ties]  # the modules holding them
+        common = next((i for i, col in enumerate(zip(*parts)) if len(set(col)) > 1), min(map(len, parts)))
+        owner = ".".join(parts[0][:common])
+        label = f"{len(ties)} parameters of {owner}" if owner else f"{len(ties)} parameters"
+        lines.append(f"  tied: {label} ({_count(sum(t.params for t in ties))} params), {_held(plan, ties[0])}")
+    return lines
+
+
+def _held(plan: Plan, tie: Tie) -> str:
+    """Where a tie's copies are and how they stay equal."""
     stages = plan.tie_stages(tie)
     ranks = sorted({plan.stages[i].rank for i in stages})
     where = " and ".join(", ".join(str(i) for i in stages).rsplit(", ", 1))
@@ -212,8 +244,7 @@ def tie_line(plan: Plan, tie: Tie) -> str:
         sync = f"ranks {', '.join(map(str, ranks))}: gradients summed"
     else:
         sync = f"one parameter on rank {ranks[0]}"
-    held = f"a copy on stages {where} ({sync})" if len(stages) > 1 else f"held by stage {stages[0]}"
-    return f"  tied: {' = '.join(tie.names)} ({_count(tie.params)} params), {held}"
+    return f"a copy on stages {where} ({sync})" if len(stages) > 1 else f"held by stage {stages[0]}"
 
 
 def _ranks_text(first: int, last: int) -> str:
@@ -351,8 +382,8 @@ def render(plan: Plan) -> str:
         head += "\n" + layout_line(plan)
     if m.trace_failures:
         head += "\n" + "\n".join(f"  {method} could not trace it: {reason}" for method, reason in m.trace_failures)
-    for tie in plan.ties:
-        head += "\n" + tie_line(plan, tie)
+    for line in tie_lines(plan):
+        head += "\n" + line
     reduction = (
         f" ({_ms(plan.prediction.dp_reduce_s)} ms of it reducing gradients over {plan.dp} replicas)"
         if plan.dp > 1

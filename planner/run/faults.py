@@ -81,6 +81,11 @@ class RankRecord:
         """Whether the rank failed because another rank's end of a connection went away."""
         return self._victim_of(_LOST_PEER_WORDS)
 
+    @property
+    def raised(self) -> bool:
+        """Whether the rank failed by an error of its own: no signal, no timeout, no lost connection."""
+        return self.signal is None and not self.timed_out and not self.lost_peer
+
     def _victim_of(self, words: tuple[str, ...]) -> bool:
         text = f"{self.type} {self.message}".lower()
         return self.signal is None and not self.planner_error and any(w in text for w in words)
@@ -191,7 +196,9 @@ def diagnose(
        the ranks that then lost their connection to it; its step is the step they were in.
     3. A rank failed with a user error (``planner_error``, e.g. a NaN loss or a data stream that
        ran out): the one in the earliest step (then the earliest written) is the cause.
-    4. A rank the launcher killed because it stopped responding: "rank R stopped responding".
+    4. A rank the launcher killed because it stopped responding: "rank R stopped responding" —
+       unless another rank raised an error of its own (not an echo: no timeout, lost connection or
+       signal), which it waited for: that one is the cause.
     5. Otherwise the earliest record: a rank that received a signal is the cause; when the
        earliest is a timeout, a rank the launcher had to stop afterwards is (it had hung); a
        timeout or a lost connection with no such rank here points at another node.
@@ -229,6 +236,10 @@ def diagnose(
         )
     seconds = f"{timeout_s:g}"
     stuck = f"stopped responding: no progress for {seconds} s{at} (--timeout {seconds})"
+    raised = sorted((r for r in records.values() if r.raised), key=lambda r: r.time)
+    if silent and raised:
+        # the silent ranks waited for it in a call with no timeout of its own (dist.new_group)
+        return _failed(raised[0])
     if silent:
         return Diagnosis(f"rank {silent[0]} {stuck}", "failed", 1)
     if not records:
@@ -259,9 +270,14 @@ def _from_records(records: Mapping[int, RankRecord], at: str, stuck: str) -> Dia
             1,
             first.traceback,
         )
+    return _failed(first)
+
+
+def _failed(record: RankRecord) -> Diagnosis:
+    """A rank that raised an error of its own (not a user error) is the cause."""
     return Diagnosis(
-        f"rank {first.rank} failed {first.where}: {first.type}: {_reason(first.message, 300)}",
+        f"rank {record.rank} failed {record.where}: {record.type}: {_reason(record.message, 300)}",
         "failed",
         1,
-        first.traceback,
+        record.traceback,
     )
