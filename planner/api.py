@@ -113,15 +113,17 @@ def make_plan(request: PlanRequest) -> Plan:
     if source is not None:
         check_calibration(source.fit, costs.traced, request.microbatch_size)
         blocks, link = apply_calibration(blocks, link, source.fit)
+    # an estimate traces the model as built (fp32) and counts every floating element in its planning
+    # dtype; a measurement under autocast counts activations in the autocast dtype
     estimated = costs.profile.source == "estimated"
+    width = costs.profile.dtype if estimated else request.autocast
     split = tensor_parallel_blocks(
         mf,
         request,
         costs.traced,
         blocks,
-        # an estimate traces the model as built (fp32) and counts every floating element in its planning dtype
-        float_bytes=dtype_bytes(costs.profile.dtype if estimated else request.autocast) if estimated or request.autocast else None,
-        param_bytes=dtype_bytes(costs.profile.dtype) if estimated else None,
+        float_bytes=dtype_bytes(width) if width else None,
+        param_bytes=dtype_bytes(width) if estimated and width else None,
         hardware=costs.hardware,  # estimated: the sharded GEMMs' lower efficiency
         dtype=costs.profile.dtype,
     )

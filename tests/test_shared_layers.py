@@ -157,8 +157,18 @@ def test_albert_report_names_the_shared_layer_once(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
     result = CliRunner().invoke(
         main,
-        ["plan", str(ROOT / "models" / "hf" / "albert.py"), "--size", "tiny", "--gpus", "2", "--gpu-type", "cpu",
-         "-o", str(out)],
+        [
+            "plan",
+            str(ROOT / "models" / "hf" / "albert.py"),
+            "--size",
+            "tiny",
+            "--gpus",
+            "2",
+            "--gpu-type",
+            "cpu",
+            "-o",
+            str(out),
+        ],
     )
     assert result.exit_code == 0, result.output
     tied = [line for line in result.output.splitlines() if line.strip().startswith("tied:")]

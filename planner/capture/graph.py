@@ -211,11 +211,11 @@ def _group_blocks(model: nn.Module, compute: list[fx.Node]) -> list[Block]:
         else:
             runs.append((key, [n.name]))
     # a module the forward calls again (ALBERT's one layer, applied to every block) is a repeated layer
-    called_again = {_plain(key) for (key, _), _ in runs if key and key != _plain(key)}
+    called_again = {_plain(path) for (path, _), _ in runs if path and path != _plain(path)}
     blocks: list[Block] = []
     seen: dict[str, int] = {}
-    for (key, layer), names in runs:
-        name = _plain(key) if key else "<root>"  # a layer's later calls: name#2, name#3, ...
+    for (path, layer), names in runs:
+        name = _plain(path) if path else "<root>"  # a layer's later calls: name#2, name#3, ...
         layer = layer or name in called_again
         seen[name] = seen.get(name, 0) + 1
         unique = name if seen[name] == 1 else f"{name}#{seen[name]}"

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -45,16 +45,16 @@ def _weights_replaced(module: nn.Module, replace: Callable[[torch.Tensor], torch
         for table in (m._parameters, m._buffers):
             for name, t in table.items():
                 if t is not None:
-                    saved.append((table, name, t))
+                    saved.append((cast(dict[str, Any], table), name, t))
     try:
-        for table, name, t in saved:
+        for slots, name, t in saved:
             if id(t) not in done:
                 done[id(t)] = replace(t)
-            table[name] = done[id(t)]  # type: ignore[assignment]
+            slots[name] = done[id(t)]
         yield
     finally:
-        for table, name, t in saved:
-            table[name] = t
+        for slots, name, t in saved:
+            slots[name] = t
 
 
 def _as_meta(t: torch.Tensor) -> torch.Tensor:
