@@ -11,6 +11,8 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import socket
+import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -93,6 +95,8 @@ def make_plan(request: PlanRequest) -> Plan:
     """
     check_request(request)  # before any model is built
     threads = request.threads or default_threads(request.gpus)
+    size = f" (size {request.size})" if request.size else ""
+    _say(request, f"planning {request.model_file}{size} for {request.gpus} GPUs: loading the model file")
     mf = load_model_file(request.model_file, request.size, request.overrides)
     source = load_calibration(request.calibrate_run) if request.calibrate_run else None
     if source is not None and (source.plan.tp > 1 or (isinstance(request.tp, int) and request.tp > 1)):
@@ -348,6 +352,14 @@ def _scaling(request: PlanRequest, time_at: Callable[[int], float]) -> dict[str,
     return {"fixed_fraction": fraction, "min_microbatch_size": smallest, "microbatch_size": size}
 
 
+def _say(request: PlanRequest, text: str, *, always: bool = False) -> None:
+    """A line on stderr about what planning does next, never under ``-q``: the phases on a terminal
+    only (as the progress bars), so the first line comes within a second of the command; ``always``
+    (a profile that will take minutes, said before it starts) in a log too."""
+    if request.progress and (always or sys.stderr.isatty()):
+        tqdm.write(text, file=sys.stderr)
+
+
 def _traced(
     mf: ModelFile,
     model: torch.nn.Module,
@@ -356,15 +368,18 @@ def _traced(
     request: PlanRequest,
     *,
     on_meta: bool = False,
+    checked: bool = False,
 ) -> TracedModel:
-    """Check the model file's forward and loss once, trace the model, check it has enough blocks.
+    """Check the model file's forward and loss once (unless ``checked``), trace the model, check it
+    has enough blocks.
 
     On the meta device the forward is checked on the traced graph, not the model: model code may
     read data in an eager forward (transformers' mask code calls ``.item()``), which meta tensors
     have none of; the graph holds no such reads (the tracers refuse them).
     """
-    if not on_meta:
+    if not on_meta and not checked:
         check_forward(mf, model, inputs, target)
+    _say(request, f"tracing {type(model).__name__}{' on the meta device' if on_meta else ''}")
     traced = trace_model(model, inputs)
     if on_meta:
         check_forward(mf, trace_root(traced), inputs, target)
@@ -414,6 +429,7 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
     Raises:
         PlannerError: the device cannot autocast in the requested dtype.
     """
+    from planner.costs.duration import duration_advice
     from planner.costs.levers import check_autocast
     from planner.costs.measure import profile_model
     from planner.costs.settings import ProfileSettings, Sample
@@ -426,7 +442,11 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
     inputs, target = mf.batch(request.microbatch_size, seed=request.seed)
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
     target = target.to(device)
-    traced = _traced(mf, model, inputs, target, request)
+    _say(request, f"checking the model file: one forward of a microbatch of {request.microbatch_size} on the {device}")
+    start = time.perf_counter()
+    check_forward(mf, model, inputs, target)
+    forward_s = time.perf_counter() - start
+    traced = _traced(mf, model, inputs, target, request, checked=True)
     check_batch_contract(mf, model, request.microbatch_size, request.seed, device)
     info = ProfileInfo(
         device=str(device),
@@ -467,6 +487,17 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
             "microbatch_size": request.microbatch_size,
         }
     else:
+        advice = duration_advice(
+            forward_s,
+            warmup=request.warmup,
+            repeats=request.repeats,
+            fits_sizes=not (request.microbatches is not None and request.dp != "auto"),  # as _scaling
+            n_blocks=len(traced.blocks),
+            microbatch_size=request.microbatch_size,
+            device=str(device),
+        )
+        if advice:
+            _say(request, advice, always=True)
         profile = profile_model(
             traced,
             Sample(inputs, target, mf.loss_fn),
