@@ -352,11 +352,40 @@ def _scaling(request: PlanRequest, time_at: Callable[[int], float]) -> dict[str,
     return {"fixed_fraction": fraction, "min_microbatch_size": smallest, "microbatch_size": size}
 
 
+def _timed_check(
+    mf: ModelFile, model: torch.nn.Module, inputs: tuple, target: torch.Tensor, request: PlanRequest
+) -> float:
+    """``check_forward``, said and timed: its seconds predict how long the profile will take."""
+    device = target.device
+    _say(request, f"checking the model file: one forward of a microbatch of {request.microbatch_size} on the {device}")
+    start = time.perf_counter()
+    check_forward(mf, model, inputs, target)
+    return time.perf_counter() - start
+
+
+def _measured_alike(reuse: Plan, request: PlanRequest, threads: int, device: torch.device) -> bool:
+    """Whether a calibrated plan's measured block costs were measured as this request would measure them."""
+    same = (request.microbatch_size, threads, str(device), request.optimizer, "measured", request.autocast)
+    return (
+        reuse.compile == request.compile
+        and (
+            reuse.microbatch_size,
+            reuse.profile.threads,
+            reuse.profile.device,
+            # the measured temporaries rule is the reused plan's, not something the user asked for
+            reuse.optimizer.model_copy(update={"step_temp_rule": request.optimizer.step_temp_rule}),
+            reuse.profile.source,
+            reuse.profile.autocast,
+        )
+        == same
+    )
+
+
 def _say(request: PlanRequest, text: str, *, always: bool = False) -> None:
     """A line on stderr about what planning does next, never under ``-q``: the phases on a terminal
     only (as the progress bars), so the first line comes within a second of the command; ``always``
     (a profile that will take minutes, said before it starts) in a log too."""
-    if request.progress and (always or sys.stderr.isatty()):
+    if text and request.progress and (always or sys.stderr.isatty()):
         tqdm.write(text, file=sys.stderr)
 
 
@@ -442,10 +471,7 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
     inputs, target = mf.batch(request.microbatch_size, seed=request.seed)
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
     target = target.to(device)
-    _say(request, f"checking the model file: one forward of a microbatch of {request.microbatch_size} on the {device}")
-    start = time.perf_counter()
-    check_forward(mf, model, inputs, target)
-    forward_s = time.perf_counter() - start
+    forward_s = _timed_check(mf, model, inputs, target, request)
     traced = _traced(mf, model, inputs, target, request, checked=True)
     check_batch_contract(mf, model, request.microbatch_size, request.seed, device)
     info = ProfileInfo(
@@ -460,22 +486,8 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
         tokens_per_sample=tokens_per_sample(inputs),
         autocast=request.autocast,
     )
-    same = (request.microbatch_size, threads, str(device), request.optimizer, "measured", request.autocast)
     rule: StepTempRule | None = None
-    if (
-        reuse is not None
-        and reuse.compile == request.compile
-        and (
-            reuse.microbatch_size,
-            reuse.profile.threads,
-            reuse.profile.device,
-            # the measured temporaries rule is the reused plan's, not something the user asked for
-            reuse.optimizer.model_copy(update={"step_temp_rule": request.optimizer.step_temp_rule}),
-            reuse.profile.source,
-            reuse.profile.autocast,
-        )
-        == same
-    ):
+    if reuse is not None and _measured_alike(reuse, request, threads, device):
         blocks = list(reuse.blocks)
         rule = reuse.optimizer.step_temp_rule
         info = info.model_copy(
@@ -496,8 +508,7 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
             microbatch_size=request.microbatch_size,
             device=str(device),
         )
-        if advice:
-            _say(request, advice, always=True)
+        _say(request, advice or "", always=advice is not None)
         profile = profile_model(
             traced,
             Sample(inputs, target, mf.loss_fn),

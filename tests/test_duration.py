@@ -15,27 +15,30 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_prediction_counts_forwards_per_run() -> None:
-    # 7 runs of the block profile (9 forwards each) and 5 of the size fit (max(3, 5) + 2, 4.5 each)
-    assert profile_seconds(2.0, 2, 5, fits_sizes=False) == pytest.approx(2.0 * 9 * 7)
-    assert profile_seconds(2.0, 2, 5, fits_sizes=True) == pytest.approx(2.0 * 9 * 7 + 2.0 * 4.5 * 7)
-    assert profile_seconds(2.0, 0, 1, fits_sizes=True) == pytest.approx(2.0 * 9 + 2.0 * 4.5 * 3)
+    # 40 forwards, 18 per run of the block profile (2 + 5 runs) and 4.5 per run of the size fit
+    # (2 + max(3, 5) runs)
+    assert profile_seconds(2.0, 2, 5, fits_sizes=False) == pytest.approx(2.0 * (40 + 18 * 7))
+    assert profile_seconds(2.0, 2, 5, fits_sizes=True) == pytest.approx(2.0 * (40 + 18 * 7) + 2.0 * 4.5 * 7)
+    assert profile_seconds(2.0, 0, 1, fits_sizes=True) == pytest.approx(2.0 * (40 + 18) + 2.0 * 4.5 * 3)
 
 
 def test_a_short_profile_says_nothing() -> None:
-    assert duration_advice(0.05, warmup=2, repeats=5, fits_sizes=True, n_blocks=6, microbatch_size=8, device="cpu") is None
+    assert (
+        duration_advice(0.05, warmup=2, repeats=5, fits_sizes=True, n_blocks=6, microbatch_size=8, device="cpu") is None
+    )
 
 
 def test_a_long_profile_says_how_long_and_the_quicker_choices() -> None:
     line = duration_advice(41.3, warmup=2, repeats=5, fits_sizes=True, n_blocks=14, microbatch_size=8, device="cpu")
     assert line is not None
-    assert line.startswith("measuring 14 blocks on the cpu will take about 65 min (one forward of a microbatch")
+    assert line.startswith("measuring 14 blocks on the cpu will take about 2.3 h (one forward of a microbatch")
     assert "--gpu-type cpu (seconds" in line
-    assert "--repeats 1 (about 34 min: noisier times)" in line
-    assert "about 8 min at 1 sample per microbatch" in line
+    assert "--repeats 1 (about 80 min: noisier times)" in line
+    assert "about 17 min at 1 sample per microbatch" in line
     # nothing to offer that is already chosen
     one = duration_advice(30.0, warmup=0, repeats=1, fits_sizes=False, n_blocks=3, microbatch_size=1, device="cpu")
     assert one is not None and "--repeats 1" not in one and "--microbatches" not in one
-    assert "about 4 min" in one  # 30 s x 9
+    assert "about 29 min" in one  # 30 s x (40 + 18)
 
 
 def test_planner_plan_says_it_before_the_profile(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -114,24 +114,19 @@ def test_each_application_of_a_shared_layer_is_a_block(method: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("source", ["albert", "universal"])
-def test_a_shared_layer_split_over_stages_trains_like_the_unsplit_model(source: str, tmp_path: Path) -> None:
-    """ALBERT (torch.export) and a Universal Transformer (torch.fx): the layer's applications on 2
-    stages, its weights a tie the runner keeps equal; measured and estimated plans, zero-bubble too."""
+def test_a_shared_layer_split_over_stages_trains_like_the_unsplit_model(tmp_path: Path) -> None:
+    """A Universal Transformer (torch.fx): the layer's applications on 2 stages, its weights a tie the
+    runner keeps equal; measured (1F1B) and estimated plans (interleaved zero-bubble: the split backward
+    of a layer whose weights other blocks also read). ALBERT (torch.export): tests/test_hf_matrix.py."""
     from planner.api import make_plan
     from planner.run import run_plan, train_reference
     from planner.schema.request import PlanRequest, RunRequest
 
-    if source == "albert":
-        pytest.importorskip("transformers")
-        model, size = ROOT / "models" / "hf" / "albert.py", "tiny"
-    else:
-        model, size = tmp_path / "universal.py", None
-        model.write_text(UNIVERSAL)
+    model = tmp_path / "universal.py"
+    model.write_text(UNIVERSAL)
     for gpu_type, schedule in ((None, "1f1b"), ("cpu", "interleaved-zb")):
         request = PlanRequest.build(
             model_file=model,
-            size=size,
             gpus=2,
             batch_size=4,
             microbatches=2,

@@ -554,3 +554,25 @@ def test_a_model_that_fails_for_another_reason_is_not_told_about_control_flow():
     with pytest.raises(TraceError) as e:
         trace_model(_ReturnsAnObject(), (torch.randn(2, 4),), methods=("export",))
     assert "control flow" not in str(e.value)
+
+
+def test_an_exported_graph_runs_where_its_stages_run() -> None:
+    """torch.export bakes the device of tensors made in the forward (a transformers model's positions
+    and masks): traced on the CPU, the runner points them at the rank's device (here: meta), and the
+    dtype checks export puts before each .to() are gone (autocast changes the dtypes they assert)."""
+    pytest.importorskip("transformers")
+    from planner.capture.graph import retarget_devices
+    from planner.capture.load import load_model_file
+
+    mf = load_model_file(Path(__file__).resolve().parents[1] / "models" / "hf" / "albert.py", "tiny")
+    inputs, _ = mf.batch(2)
+    traced = trace_model(mf.build(seed=0), inputs)
+    assert traced.method == "export"
+    assert not [n for n in traced.gm.graph.nodes if n.target is torch.ops.aten._assert_tensor_metadata.default]
+    made_here = [n for n in traced.gm.graph.nodes if n.kwargs.get("device") == torch.device("cpu")]
+    assert made_here  # arange(..., device=cpu)
+    assert retarget_devices(traced.gm, torch.device("meta")) >= len(made_here)
+    assert not [n for n in traced.gm.graph.nodes if n.kwargs.get("device") == torch.device("cpu")]
+    traced.gm.to("meta")
+    out = traced.gm(*[x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs])
+    assert out.logits.device.type == "meta"

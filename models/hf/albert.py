@@ -15,7 +15,7 @@ Sizes:
 
 * ``tiny``: 4 applications of the layer, width 64, embeddings 32, 4 heads, vocabulary 512, 32 tokens.
 * ``base``: ALBERT-base (12 applications, width 768, embeddings 128, 12 heads, vocabulary 30000,
-  512 tokens; 11.7 M parameters).
+  512 tokens; 11.2 M parameters).
 
 Data: as ``models/hf/bert_mlm.py``: the same number of masked positions per sequence, the target
 there and -100 (ignored) elsewhere, so the token-mean loss is a mean over samples.

@@ -109,7 +109,23 @@ def trace_export(model: nn.Module, inputs: tuple[Any, ...]) -> fx.GraphModule:
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
-    return ep.module()  # type: ignore[return-value]
+    gm = ep.module()
+    _drop_metadata_asserts(gm)  # type: ignore[arg-type]
+    return gm  # type: ignore[return-value]
+
+
+def _drop_metadata_asserts(gm: fx.GraphModule) -> None:
+    """Remove the ``aten._assert_tensor_metadata`` checks torch.export puts before a ``.to(dtype)``.
+
+    They assert the dtype and device the tensor had when traced (fp32, on the CPU). Under autocast a
+    stage's activations are bf16, so Mixtral's ``routing_weights.to(hidden_states.dtype)`` stopped the
+    profile and the run on a GPU ("Tensor dtype mismatch! Expected: Float, Got: BFloat16") where the
+    eager model trains; the cast that follows each check stays and does what the model's code says.
+    """
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+    gm.recompile()
 
 
 def record_values(gm: fx.GraphModule, inputs: tuple[Any, ...], shapes_only: bool = False) -> dict[str, ValueInfo]:
@@ -146,6 +162,46 @@ def record_values(gm: fx.GraphModule, inputs: tuple[Any, ...], shapes_only: bool
         else:
             run(*inputs)
     return values
+
+
+def retarget_devices(gm: fx.GraphModule, device: torch.device) -> int:
+    """Point every CPU device the graph names at ``device``, in place.
+
+    torch.export records the device of a tensor the forward makes (``torch.arange(n, device=x.device)``
+    in transformers' masks and positions, ``.to(x.device)``) as the constant it was when traced. The
+    runner traces on the CPU (the model is built there; a rank's GPU need not hold all of it) and runs
+    the stages on the rank's GPU, where such a node failed with "Tensor device mismatch! Expected: cpu,
+    Got: cuda:0" (every transformers model under `planner run` on a GPU). torch.fx keeps them as calls
+    on the tensor, so its graphs have none.
+
+    Args:
+        gm: the traced graph.
+        device: where its stages will run.
+
+    Returns:
+        How many arguments were changed.
+    """
+    changed = 0
+
+    def move(a: Any) -> Any:
+        nonlocal changed
+        if isinstance(a, torch.device) and a.type == "cpu":
+            changed += 1
+            return device
+        return a
+
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        args = fx.node.map_aggregate(node.args, move)
+        kwargs = {
+            k: (move(torch.device(v)) if k == "device" and v == "cpu" else fx.node.map_aggregate(v, move))
+            for k, v in node.kwargs.items()
+        }
+        node.args, node.kwargs = tuple(args), kwargs
+    if changed:
+        gm.recompile()
+    return changed
 
 
 @contextlib.contextmanager

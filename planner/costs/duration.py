@@ -10,17 +10,19 @@ showed that only once the first blocks were done. ``profile_seconds`` predicts i
 ``planner plan`` runs anyway to check the model file; ``duration_advice`` is the line said up front,
 with the quicker choices and what each gives up.
 
-The two factors are forwards' worth of work, fitted on this project's 2-core CPU machine to whole
-plans of real-size models (docs/hf_models.md, "A first plan on a laptop"): they make the prediction
+The factors are forwards' worth of work, fitted on this project's 2-core CPU machine to profiles of
+GPT-2 (4 layers, width 768, 256 tokens: 97 forwards at 1 timed run + 2 warm-ups, 170 at 5 + 2) and
+checked on GPT-2 small (12 layers, 1,024 tokens, 1 timed run: 338 s measured, 423 s predicted); they make the prediction
 right within a factor of about 1.5, which is what a user deciding whether to wait needs.
 """
 
 from __future__ import annotations
 
-# Per warm-up or timed run, the block profile and the whole-model timing together: forward (1),
-# backward (2), the I-only backward with its own forward (3), the whole model as one stage (3), in
-# forwards of the whole model.
-PROFILE_FORWARDS = 9.0
+# The block profile and the whole-model timing, in forwards of the whole model: a fixed part (the
+# optimizer step and gradient passes per block, set-up) and a part per warm-up or timed run (forward,
+# backward, the I-only backward with its own forward, the whole model as one stage).
+PROFILE_FIXED_FORWARDS = 40.0
+PROFILE_FORWARDS = 18.0
 # Per run of the size fit (warm-up + max(3, repeats)): forward and backward at the profiled size and
 # at half of it.
 SCALING_FORWARDS = 4.5
@@ -41,7 +43,7 @@ def profile_seconds(forward_s: float, warmup: int, repeats: int, fits_sizes: boo
     Returns:
         Seconds.
     """
-    seconds = forward_s * PROFILE_FORWARDS * (warmup + repeats)
+    seconds = forward_s * (PROFILE_FIXED_FORWARDS + PROFILE_FORWARDS * (warmup + repeats))
     if fits_sizes:
         seconds += forward_s * SCALING_FORWARDS * (warmup + max(3, repeats))
     return seconds

@@ -27,7 +27,9 @@ Everything is per microbatch, like ``planner.costs.measure``; the last block inc
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -285,6 +287,7 @@ def estimate_blocks(
     target = _meta_like(target.detach(), tdtype)
     owned = traced.owned_parameters()
     costs: list[BlockCost] = []
+    no_formula: Counter[str] = Counter()
     # The estimate is a function of the block's operations and shapes only: the 80 identical layers
     # of a Llama-70B are estimated once (the roofline is re-run only for a block not seen before).
     seen: dict[str, _BlockRun] = {}
@@ -299,13 +302,15 @@ def estimate_blocks(
             costs.append(_block_cost(traced, k, owned[k], run, hw, width, optimizer))
             current = tuple(_meta_like(t, tdtype) if isinstance(t, torch.Tensor) else t for t in run.outputs)
             continue
+        mode = Roofline(hw, dtype)
         try:
-            run = _run_block(stage, current, last, target, loss_fn, Roofline(hw, dtype), tdtype)
+            run = _run_block(stage, current, last, target, loss_fn, mode, tdtype)
         except RuntimeError as first:
             if tdtype == torch.float32:
                 raise _meta_error(block.name, first) from first
             # Model code that makes fp32 tensors of its own (``torch.arange(n).float()``) cannot
             # mix with cast weights; run the block in fp32 and count floating bytes at ``width``.
+            mode = Roofline(hw, dtype, width)
             try:
                 run = _run_block(
                     stage,
@@ -313,16 +318,36 @@ def estimate_blocks(
                     last,
                     _meta_like(target, torch.float32),
                     loss_fn,
-                    Roofline(hw, dtype, width),
+                    mode,
                     torch.float32,
                 )
             except RuntimeError as e:
                 raise _meta_error(block.name, e) from e
         seen[key] = run
+        no_formula.update(mode.no_formula)
         costs.append(_block_cost(traced, k, owned[k], run, hw, width, optimizer))
         current = tuple(_meta_like(t, tdtype) if isinstance(t, torch.Tensor) else t for t in run.outputs)
     bar.close()
+    if no_formula:
+        tqdm.write(no_formula_note(no_formula), file=sys.stderr)
     return costs
+
+
+def no_formula_note(ops: Mapping[str, int]) -> str:
+    """The line that says which operators the estimate could charge no FLOPs to.
+
+    Args:
+        ops: operator name -> times charged (forward and backward passes of the distinct blocks).
+
+    Returns:
+        e.g. "note: the estimate charges mylib::fused_mlp its bytes only: no FLOP formula ...".
+    """
+    shown = ", ".join(sorted(ops))
+    return (
+        f"note: the estimate charges {shown} its bytes only: torch.utils.flop_counter has no formula for "
+        "these custom operators and they do not decompose into aten ones; if they multiply matrices, their "
+        "blocks are estimated too fast (plan with measured costs on the hardware, or without --gpu-type here)"
+    )
 
 
 def structure_key(stage: torch.fx.GraphModule, inputs: tuple, last: bool) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -135,6 +136,10 @@ class Roofline(TorchDispatchMode):
         self.hw = hw
         self.dtype = dtype
         self.float_bytes = float_bytes
+        # operators outside aten that no FLOP formula covers and no decomposition reaches (a library's
+        # custom op): charged their bytes only, which is right for a copy and far too little for a
+        # matrix product (transformers' MoE experts were such an op): said to the user, not hidden
+        self.no_formula: Counter[str] = Counter()
         self.tally = Tally()
         # An operator runs at the peak of its output dtype (an fp32 loss on a bf16 model runs at the
         # fp32 peak); "tf32" plans run fp32 matmuls on the TF32 tensor cores.
@@ -211,6 +216,8 @@ class Roofline(TorchDispatchMode):
         else:
             grouped = _grouped_gemm(func, args)
             flops = grouped[0] if grouped is not None else 0.0
+            if grouped is None and getattr(func, "namespace", "aten") not in _CORE_NAMESPACES:
+                self.no_formula[func.name()] += 1
         moves = not (func.is_view or packet in _NO_BYTES)
         nbytes = 0
         float_dtype = None
@@ -238,6 +245,8 @@ class Roofline(TorchDispatchMode):
             seconds = roof + hw.op_overhead_s
         self._add(Tally(flops, nbytes, seconds, 1))
 
+
+_CORE_NAMESPACES = {"aten", "prim", "prims", "_c10d_functional", "c10d_functional", "c10d"}
 
 # Grouped GEMMs (mixture-of-experts layers: every token's rows times its experts' weights), which
 # torch.utils.flop_counter has no formula for: charged zero FLOPs, a Mixtral layer's experts cost

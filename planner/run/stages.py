@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from planner.capture.blocks import TracedModel
+from planner.capture.blocks import GraphTrace, TracedModel
 from planner.capture.clock import BlockClock
-from planner.capture.graph import buffers_restored
+from planner.capture.graph import buffers_restored, retarget_devices
 from planner.capture.load import ModelFile
 from planner.capture.shapes import shapes_or_real
 from planner.capture.stage import stage_inputs, stage_module, trace_root
@@ -113,6 +113,8 @@ def build_stages(plan: Plan, mf: ModelFile, mesh: RankMesh, device: torch.device
         PlannerError: two stages of this rank share a tied parameter under FSDP.
     """
     traced, aliases = _traced(plan, mf)
+    if device.type != "cpu" and isinstance(traced, GraphTrace):
+        retarget_devices(traced.gm, device)  # traced on the CPU, run on the rank's GPU
     root = trace_root(traced)
     ties = check_ties(plan, traced)
     cut = _cut_stages(plan, mf, traced, mesh, device)
