@@ -559,7 +559,7 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
     Returns:
         The costs.
     """
-    from planner.costs.estimate import estimate_blocks
+    from planner.costs.estimate import costed_trace, estimate_blocks
 
     assert request.gpu_type is not None
     hw = _hardware(request.gpu_type, threads)
@@ -567,20 +567,19 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
     dtype = request.dtype or ("fp32" if on_cpu else "bf16")
     with torch.device("meta"):
         model = mf.build(seed=request.seed)
-    # Traced as built (fp32 weights), as `planner run` traces it: the plan's fingerprint and cut nodes
-    # are the run's. A model whose code branches on its weights' dtype (T5's layer norm casts to a
-    # 16-bit weight's dtype; transformers runs experts as torch._grouped_mm in bf16, a custom op in
-    # fp32) traced cast to bf16 into another graph, and its plan was refused at run. The blocks are
-    # costed in the planning dtype all the same: estimate_blocks runs them on parameters, buffers and
-    # inputs cast to it.
     check_batch_size(mf, 2 * request.microbatch_size, request.seed)  # the rest of the contract needs real data
     inputs, target = mf.batch(request.microbatch_size, seed=request.seed)
     inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
     target = target.to("meta")
     traced = _traced(mf, model, inputs, target, request, on_meta=True)
+    costed, costed_model = costed_trace(traced, model, inputs, dtype)
     blocks = estimate_blocks(
-        traced, inputs, target, mf.loss_fn, hw, dtype=dtype, optimizer=request.optimizer, progress=request.progress
+        costed, inputs, target, mf.loss_fn, hw, dtype=dtype, optimizer=request.optimizer, progress=request.progress
     )
+    # the blocks as the run's trace names them
+    blocks = [
+        b.model_copy(update={"first_node": t.nodes[0], "last_node": t.nodes[-1]}) for b, t in zip(blocks, traced.blocks)
+    ]
     info = ProfileInfo(
         device="cpu" if on_cpu else "cuda",
         backend="gloo" if on_cpu else "nccl",
@@ -605,7 +604,7 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
             return sum(b.fwd_s + b.bwd_s for b in blocks)
         x, y = mf.batch(size, seed=request.seed)
         x = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in x)
-        other = retrace(traced, model, x)
+        other = retrace(costed, costed_model, x)
         est = estimate_blocks(
             other, x, y.to("meta"), mf.loss_fn, hw, dtype=dtype, optimizer=request.optimizer, progress=request.progress
         )

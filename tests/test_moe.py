@@ -150,7 +150,7 @@ def _layer_seconds(
     return {m.name: (m.fwd_s + m.bwd_s, e.fwd_s + e.bwd_s) for m, e in zip(measured, estimated) if ".layers." in m.name}
 
 
-WIDE = {"dim": 256, "ffn_dim": 512, "seq_len": 64}  # matrix products dominate the CPU's time
+WIDE = {"dim": 256, "ffn_dim": 1024, "seq_len": 64}  # matrix products, the experts most, dominate the CPU time
 
 
 @pytest.mark.slow
@@ -161,12 +161,15 @@ def test_a_mixtral_layer_is_estimated_as_a_dense_layer_is(monkeypatch: pytest.Mo
     pytest.importorskip("transformers")
     moe = _layer_seconds("models/hf/mixtral.py", WIDE)
     dense = _layer_seconds("models/hf/llama.py", WIDE)
-    moe_ratio = min(e / m for m, e in moe.values())
-    dense_ratio = min(e / m for m, e in dense.values())
-    assert moe_ratio > 0.5 * dense_ratio, (moe, dense)  # measured here: 0.86-0.89 against 1.26-1.28
-    # the check catches experts charged nothing (as before grouped GEMMs had a formula): 0.44-0.48
+
+    def ratio(layers: dict[str, tuple[float, float]]) -> float:  # estimated / measured, mean over layers
+        return sum(e / m for m, e in layers.values()) / len(layers)
+
+    dense_ratio = ratio(dense)
+    assert ratio(moe) > 0.55 * dense_ratio, (moe, dense)  # measured here: 0.73-0.79 against 0.95-0.99
+    # the check catches experts charged nothing (as before grouped GEMMs had a formula): 0.32-0.34
     import planner.costs.roofline as roofline
 
     monkeypatch.setattr(roofline, "_grouped_gemm", lambda func, args: None)
     blind = _layer_seconds("models/hf/mixtral.py", WIDE)
-    assert min(e / m for m, e in blind.values()) < 0.5 * dense_ratio, blind
+    assert ratio(blind) < 0.55 * dense_ratio, blind

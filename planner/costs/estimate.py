@@ -27,6 +27,7 @@ Everything is per microbatch, like ``planner.costs.measure``; the last block inc
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -38,7 +39,9 @@ from torch.func import functional_call
 from tqdm import tqdm
 
 from planner.capture.blocks import GraphTrace, TracedModel, get_attr
+from planner.capture.load import move_model
 from planner.capture.stage import build_stage_module, stage_inputs
+from planner.capture.trace import trace_model
 from planner.core.hardware import DTYPES, HardwareSpec, dtype_bytes
 from planner.costs.blocks import block_cost
 from planner.costs.roofline import Roofline, Tally, fuse_attention_nodes
@@ -51,6 +54,40 @@ LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 aten = torch.ops.aten
 
 TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def costed_trace(
+    traced: TracedModel, model: torch.nn.Module, inputs: tuple, dtype: str
+) -> tuple[TracedModel, torch.nn.Module]:
+    """The trace an estimate costs, and its model: ``traced`` itself, or for a torch.export graph in a
+    16-bit dtype a trace of the model cast to it.
+
+    The plan names the graph of the model as built (fp32), as `planner run` traces it: a model whose
+    code branches on its weights' dtype (T5's layer norm casts to a 16-bit weight's dtype;
+    transformers runs experts as ``torch._grouped_mm`` in bf16, a custom op in fp32) traced cast to
+    bf16 into another graph, and its GPU plan was refused at run. But an export graph bakes the dtypes
+    of its casts: transformers' RMSNorm upcasts to fp32 and casts back to the input's dtype, fp32 when
+    traced so, and the fp32 graph run on bf16 weights stayed in fp32 after the first norm (a Llama-70B
+    layer's activations counted 7 GB, not 3). So such a model is costed on its bf16 trace, block by
+    block (the same blocks: both traces name them by module). fx graphs keep casts as calls on the
+    tensor: one trace serves both.
+
+    Args:
+        traced: the model as built, traced on meta inputs.
+        model: that model (on the meta device).
+        inputs: the meta inputs it was traced on.
+        dtype: the planning dtype.
+
+    Returns:
+        The trace to cost and its model.
+    """
+    if traced.method != "export" or dtype in ("fp32", "tf32"):
+        return traced, model
+    cast = move_model(copy.deepcopy(model), dtype=TORCH_DTYPES[dtype])
+    costed = trace_model(cast, inputs, methods=("export",))
+    if [b.name for b in costed.blocks] != [b.name for b in traced.blocks]:
+        return traced, model  # another chain of blocks in bf16: cost the run's graph as it is
+    return costed, cast
 
 
 def _meta_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
