@@ -346,10 +346,16 @@ def _scaling(request: PlanRequest, time_at: Callable[[int], float]) -> dict[str,
     the fixed share fitted only when the search tries other sizes (``--microbatches auto``, or
     ``--dp auto``: each replica count has its own microbatch size)."""
     size = request.microbatch_size
-    if request.microbatches is not None and request.dp != "auto":
+    if not _fits_sizes(request):
         return {"fixed_fraction": 0.0, "min_microbatch_size": size, "microbatch_size": size}
     fraction, smallest = fixed_fraction(time_at, size)
     return {"fixed_fraction": fraction, "min_microbatch_size": smallest, "microbatch_size": size}
+
+
+def _fits_sizes(request: PlanRequest) -> bool:
+    """Whether the search tries other microbatch sizes (``--microbatches auto``, or ``--dp auto``: each
+    replica count has its own), so the costs are also fitted at a second size."""
+    return request.microbatches is None or request.dp == "auto"
 
 
 def _timed_check(
@@ -429,13 +435,13 @@ def _traced(
     return traced
 
 
-def _with_output(blocks: list[BlockCost], traced: TracedModel, float_bytes: int | None = None) -> list[BlockCost]:
+def _with_output(blocks: list[BlockCost], traced: TracedModel) -> list[BlockCost]:
     """The last stage keeps the model's output per live microbatch until backward (memory model):
-    its bytes as the profile measured them (under autocast), else as traced, floating elements at
-    ``float_bytes`` where given (an estimate's planning dtype)."""
+    its bytes as the profile measured or the estimate computed them (under autocast, in the planning
+    dtype), else as traced."""
     if blocks[-1].output_bytes:
         return blocks
-    return blocks[:-1] + [blocks[-1].model_copy(update={"output_bytes": traced.output_bytes(float_bytes)})]
+    return blocks[:-1] + [blocks[-1].model_copy(update={"output_bytes": traced.output_bytes})]
 
 
 def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Plan | None) -> Costs:
@@ -503,7 +509,7 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
             forward_s,
             warmup=request.warmup,
             repeats=request.repeats,
-            fits_sizes=not (request.microbatches is not None and request.dp != "auto"),  # as _scaling
+            fits_sizes=_fits_sizes(request),
             n_blocks=len(traced.blocks),
             microbatch_size=request.microbatch_size,
             device=str(device),
@@ -619,7 +625,7 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
     info = info.model_copy(update=scaling)
     return Costs(
         traced,
-        _with_output(blocks, traced, dtype_bytes(dtype)),
+        _with_output(blocks, traced),
         link,
         info,
         capacity,

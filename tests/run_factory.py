@@ -161,6 +161,19 @@ def saved(plan: Plan, tmp_path: Path) -> Path:
     return path
 
 
+def assert_trains_like_unsplit(plan: Plan, tmp_path: Path, what: str, steps: int = 2) -> None:
+    """Save ``plan``, train it ``steps`` steps with ``planner run`` and with the unsplit model: the
+    losses and global gradient norms agree at rel ``REL``."""
+    from planner.run import run_plan, train_reference
+    from planner.schema.request import RunRequest
+
+    path = saved(plan, tmp_path)
+    got = run_plan(plan, RunRequest(plan_file=path, steps=steps))
+    want = train_reference(plan, path, steps)
+    assert got.losses == pytest.approx(want.losses, rel=REL), what
+    assert got.grad_norms == pytest.approx(want.grad_norms, rel=REL), what
+
+
 def assert_close(got: list[float], want: list[float], what: str) -> None:
     assert len(got) == len(want), what
     for i, (g, w) in enumerate(zip(got, want)):

@@ -17,15 +17,15 @@ from typing import Any
 import pytest
 
 from planner.api import make_plan
-from planner.run import run_plan, train_reference
-from planner.schema.request import PlanRequest, RunRequest
+from planner.schema.request import PlanRequest
+from tests.run_factory import assert_trains_like_unsplit
 
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, SEQ = 128, 16
 
-CAUSAL = """
+_BUILD = """
 import torch
 import torch.nn.functional as F
 
@@ -34,37 +34,32 @@ def build_model(**_ignored):
     import transformers
 
     return transformers.{model}(transformers.{config}(**{kwargs!r}))
-
-
-def make_batch(batch_size, **_ignored):
-    seq = torch.randint(2, {vocab}, (batch_size, {seq} + 1))
-    return {{"input_ids": seq[:, :-1]}}, seq[:, 1:]
 
 
 def loss_fn(logits, target):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
 """
 
-SEQ2SEQ = """
-import torch
-import torch.nn.functional as F
+CAUSAL = (
+    _BUILD
+    + """
 
+def make_batch(batch_size, **_ignored):
+    seq = torch.randint(2, {vocab}, (batch_size, {seq} + 1))
+    return {{"input_ids": seq[:, :-1]}}, seq[:, 1:]
+"""
+)
 
-def build_model(**_ignored):
-    import transformers
-
-    return transformers.{model}(transformers.{config}(**{kwargs!r}))
-
+SEQ2SEQ = (
+    _BUILD
+    + """
 
 def make_batch(batch_size, **_ignored):
     source = torch.randint(2, {vocab}, (batch_size, {seq}))
     target = torch.randint(2, {vocab}, (batch_size, {seq} + 1))
     return {{"input_ids": source, "decoder_input_ids": target[:, :-1]}}, target[:, 1:]
-
-
-def loss_fn(logits, target):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
 """
+)
 
 NO_DROPOUT = {"attention_dropout": 0.0}
 
@@ -208,8 +203,4 @@ def test_a_family_split_over_2_ranks_trains_like_the_unsplit_model(family: str, 
         )
         plan = make_plan(request)
         assert plan.n_ranks == 2 and len(plan.stages) >= 2
-        plan.save(tmp_path / "plan.json")
-        got = run_plan(plan, RunRequest(plan_file=tmp_path / "plan.json", steps=2))
-        want = train_reference(plan, tmp_path / "plan.json", 2)
-        assert got.losses == pytest.approx(want.losses, rel=1e-4), (family, gpu_type, plan.schedule)
-        assert got.grad_norms == pytest.approx(want.grad_norms, rel=1e-4), (family, gpu_type, plan.schedule)
+        assert_trains_like_unsplit(plan, tmp_path, f"{family}, {gpu_type}, {plan.schedule}")

@@ -119,8 +119,8 @@ def test_a_shared_layer_split_over_stages_trains_like_the_unsplit_model(tmp_path
     runner keeps equal; measured (1F1B) and estimated plans (interleaved zero-bubble: the split backward
     of a layer whose weights other blocks also read). ALBERT (torch.export): tests/test_hf_matrix.py."""
     from planner.api import make_plan
-    from planner.run import run_plan, train_reference
-    from planner.schema.request import PlanRequest, RunRequest
+    from planner.schema.request import PlanRequest
+    from tests.run_factory import assert_trains_like_unsplit
 
     model = tmp_path / "universal.py"
     model.write_text(UNIVERSAL)
@@ -139,11 +139,7 @@ def test_a_shared_layer_split_over_stages_trains_like_the_unsplit_model(tmp_path
         plan = make_plan(request)
         shared = [t for t in plan.ties if len(t.blocks) > 2]
         assert shared and all(len(plan.tie_stages(t)) == 2 for t in shared)  # the layer is on both stages
-        plan.save(tmp_path / "plan.json")
-        got = run_plan(plan, RunRequest(plan_file=tmp_path / "plan.json", steps=2))
-        want = train_reference(plan, tmp_path / "plan.json", 2)
-        assert got.losses == pytest.approx(want.losses, rel=1e-4), gpu_type
-        assert got.grad_norms == pytest.approx(want.grad_norms, rel=1e-4), gpu_type
+        assert_trains_like_unsplit(plan, tmp_path, f"{gpu_type}, {schedule}")
 
 
 @pytest.mark.slow

@@ -38,14 +38,11 @@ class ValueInfo:
         kind: "tensor", "const" (a bakeable Python constant) or "opaque" (anything else).
         nbytes: bytes of the tensor(s); 0 for constants.
         const: the constant's value when kind == "const".
-        float_elements: elements of a floating tensor (0 otherwise): an estimate counts them in
-            its planning dtype, the model being traced as built (fp32).
     """
 
     kind: str
     nbytes: int = 0
     const: Any = None
-    float_elements: int = 0
 
 
 @dataclass(frozen=True)
@@ -169,12 +166,9 @@ class TracedModel:
         """Parameters block k reads (each once)."""
         raise NotImplementedError
 
-    def output_bytes(self, float_bytes: int | None = None) -> int:
-        """Bytes of the tensors the model returns for the example microbatch (0 if unknown).
-
-        Args:
-            float_bytes: bytes of a floating element (an estimate's planning dtype); None: as traced.
-        """
+    @property
+    def output_bytes(self) -> int:
+        """Bytes of the tensors the model returns for the example microbatch (0 if unknown)."""
         raise NotImplementedError
 
     def _hash_structure(self, h: Any) -> None:
@@ -246,13 +240,12 @@ class GraphTrace(TracedModel):
                         found.setdefault(id(value), value)
         return list(found.values())
 
-    def output_bytes(self, float_bytes: int | None = None) -> int:
-        """Bytes of the tensors the model returns for the example microbatch (``float_bytes``: see
-        ``TracedModel.output_bytes``)."""
+    @property
+    def output_bytes(self) -> int:
+        """Bytes of the tensors the model returns for the example microbatch."""
         out = next(node for node in self.gm.graph.nodes if node.op == "output")
         names = {a.name for a in pytree.tree_leaves(out.args) if isinstance(a, fx.Node)}
-        values = [self.values[n] for n in names if n in self.values and self.values[n].kind == "tensor"]
-        return sum(_in_width(v, float_bytes) for v in values)
+        return sum(self.values[n].nbytes for n in names if n in self.values and self.values[n].kind == "tensor")
 
     def _hash_structure(self, h: Any) -> None:
         for node in self.gm.graph.nodes:
@@ -303,11 +296,11 @@ class ModuleTrace(TracedModel):
         """The parameters of block k's module."""
         return list(self.model.get_submodule(self.blocks[k].name).parameters())
 
-    def output_bytes(self, float_bytes: int | None = None) -> int:
-        """Bytes of the last block's first output tensor (0 if it returned none; ``float_bytes``: see
-        ``TracedModel.output_bytes``)."""
+    @property
+    def output_bytes(self) -> int:
+        """Bytes of the last block's first output tensor (0 if it returned none)."""
         last = self.values.get(self.blocks[-1].name)
-        return _in_width(last, float_bytes) if last and last.kind == "tensor" else 0
+        return last.nbytes if last and last.kind == "tensor" else 0
 
 
 def get_attr(root: nn.Module, target: str) -> Any:
@@ -326,18 +319,10 @@ def _target_name(target: Any) -> str:
     return f"{module}.{getattr(target, '__qualname__', getattr(target, '__name__', type(target).__name__))}"
 
 
-def _in_width(value: ValueInfo, float_bytes: int | None) -> int:
-    """A tensor value's bytes with its floating elements counted at ``float_bytes`` (None: as traced)."""
-    if float_bytes is None or not value.float_elements:
-        return value.nbytes
-    return value.float_elements * float_bytes
-
-
 def describe(value: Any) -> ValueInfo:
     """What kind of value a node produced: a tensor (with its bytes), a bakeable constant, or opaque."""
     if isinstance(value, torch.Tensor):
-        floating = value.numel() if value.is_floating_point() else 0
-        return ValueInfo("tensor", value.numel() * value.element_size(), float_elements=floating)
+        return ValueInfo("tensor", value.numel() * value.element_size())
     if isinstance(value, _CONST_TYPES):
         return ValueInfo("const", 0, value)
     if isinstance(value, (tuple, list)) and all(isinstance(v, _CONST_TYPES) for v in value):

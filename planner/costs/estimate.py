@@ -29,8 +29,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -324,7 +323,7 @@ def estimate_blocks(
     target = _meta_like(target.detach(), tdtype)
     owned = traced.owned_parameters()
     costs: list[BlockCost] = []
-    no_formula: Counter[str] = Counter()
+    no_formula: set[str] = set()
     # The estimate is a function of the block's operations and shapes only: the 80 identical layers
     # of a Llama-70B are estimated once (the roofline is re-run only for a block not seen before).
     seen: dict[str, _BlockRun] = {}
@@ -370,11 +369,11 @@ def estimate_blocks(
     return costs
 
 
-def no_formula_note(ops: Mapping[str, int]) -> str:
+def no_formula_note(ops: set[str]) -> str:
     """The line that says which operators the estimate could charge no FLOPs to.
 
     Args:
-        ops: operator name -> times charged (forward and backward passes of the distinct blocks).
+        ops: their names.
 
     Returns:
         e.g. "note: the estimate charges mylib::fused_mlp its bytes only: no FLOP formula ...".

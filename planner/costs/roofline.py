@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -139,7 +138,7 @@ class Roofline(TorchDispatchMode):
         # operators outside aten that no FLOP formula covers and no decomposition reaches (a library's
         # custom op): charged their bytes only, which is right for a copy and far too little for a
         # matrix product (transformers' MoE experts were such an op): said to the user, not hidden
-        self.no_formula: Counter[str] = Counter()
+        self.no_formula: set[str] = set()
         self.tally = Tally()
         # An operator runs at the peak of its output dtype (an fp32 loss on a bf16 model runs at the
         # fp32 peak); "tf32" plans run fp32 matmuls on the TF32 tensor cores.
@@ -217,7 +216,7 @@ class Roofline(TorchDispatchMode):
             grouped = _grouped_gemm(func, args)
             flops = grouped[0] if grouped is not None else 0.0
             if grouped is None and getattr(func, "namespace", "aten") not in _CORE_NAMESPACES:
-                self.no_formula[func.name()] += 1
+                self.no_formula.add(func.name())
         moves = not (func.is_view or packet in _NO_BYTES)
         nbytes = 0
         float_dtype = None
