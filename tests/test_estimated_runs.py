@@ -17,7 +17,7 @@ from planner.api import make_plan
 from planner.capture.load import load_model_file
 from planner.capture.trace import trace_model
 from planner.run import run_plan, train_reference
-from planner.run.model import trace_for_plan
+from planner.run.model import planned_source, trace_for_plan
 from planner.schema.request import PlanRequest, RunRequest
 
 pytest.importorskip("transformers")
@@ -59,7 +59,8 @@ def test_every_shipped_model_has_one_fingerprint_measured_or_estimated(path: str
         plan = make_plan(request)
         assert plan.model.fingerprint == built, gpu_type
         # what `planner run` checks before it builds a stage: the fingerprint and every block's nodes
-        trace_for_plan(plan, mf, mf.build(seed=plan.model.seed))
+        source = planned_source(plan, mf)
+        trace_for_plan(plan, source.model, source.example)
 
 
 def test_models_that_branch_on_dtype_are_in_the_matrix() -> None:

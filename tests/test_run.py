@@ -169,7 +169,8 @@ def test_fingerprint_mismatch_raises_before_launch(tmp_path: Path, no_launch: No
     edited = plan.model_copy(update={"model": plan.model.model_copy(update={"fingerprint": "0123456789abcdef"})})
     with pytest.raises(
         PlanFileError,
-        match=r"different model structure \(fingerprint 0123456789abcdef, the file now gives " + plan.model.fingerprint,
+        match=r"different model structure \(fingerprint 0123456789abcdef, the model now gives "
+        + plan.model.fingerprint,
     ):
         run_plan(edited, RunRequest(plan_file=saved(edited, tmp_path), steps=2))
 

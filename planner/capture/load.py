@@ -92,6 +92,38 @@ def forward_parameters(model: nn.Module) -> list[inspect.Parameter]:
     return [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
+def bind_inputs(inputs: Mapping[str, Any], params: list[inspect.Parameter], what: str) -> tuple:
+    """Keyword inputs as ``forward``'s positional arguments, bound by name; parameters skipped before
+    the last one given get their defaults (None, mostly).
+
+    Args:
+        inputs: the inputs by name.
+        params: ``forward``'s positional parameters (``forward_parameters``).
+        what: what gave the inputs, for the messages (``"model.py: make_batch()"``).
+
+    Returns:
+        The positional arguments, up to the last one given.
+
+    Raises:
+        ModelFileError: a name ``forward`` has no positional parameter for, or a skipped
+            parameter without a default.
+    """
+    names = [p.name for p in params]
+    unknown = [k for k in inputs if k not in names]
+    if unknown:
+        raise ModelFileError(
+            f"{what} gives keyword input(s) {', '.join(map(repr, unknown))} that the model's "
+            f"forward() cannot take by position (its parameters: {', '.join(names) or 'none'})"
+        )
+    last = max(names.index(k) for k in inputs)
+    missing = [p.name for p in params[:last] if p.name not in inputs and p.default is inspect.Parameter.empty]
+    if missing:
+        raise ModelFileError(
+            f"{what} gives {', '.join(inputs)} but not {', '.join(missing)}, which forward() needs before them; give it too"
+        )
+    return tuple(inputs[p.name] if p.name in inputs else p.default for p in params[: last + 1])
+
+
 def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Cross-entropy over the last dimension (the contract's default ``loss_fn``)."""
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
@@ -201,23 +233,7 @@ class ModelFile:
             # not reach the caller's RNG (a train_batches stream drawing from it, say)
             with torch.device("meta"), torch.random.fork_rng(devices=[]):
                 self.build()
-        params = self._forward or []
-        names = [p.name for p in params]
-        unknown = [k for k in inputs if k not in names]
-        if unknown:
-            raise ModelFileError(
-                f"{self.path.name}: {name}() gives keyword input(s) {', '.join(map(repr, unknown))} that the model's "
-                f"forward() cannot take by position (its parameters: {', '.join(names) or 'none'})"
-            )
-        last = max(names.index(k) for k in inputs)
-        missing = [p.name for p in params[:last] if p.name not in inputs and p.default is inspect.Parameter.empty]
-        if missing:
-            raise ModelFileError(
-                f"{self.path.name}: {name}() gives {', '.join(inputs)} but not {', '.join(missing)}, which forward() "
-                "needs before them; give it too"
-            )
-        args = tuple(inputs[p.name] if p.name in inputs else p.default for p in params[: last + 1])
-        return args, target
+        return bind_inputs(inputs, self._forward or [], f"{self.path.name}: {name}()"), target
 
     @property
     def loss_fn(self) -> Callable[[Any, torch.Tensor], torch.Tensor]:

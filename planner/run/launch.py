@@ -62,7 +62,7 @@ from planner.run.console import print_flushed
 from planner.run.faults import WorkerTraceback, diagnose, read_records
 from planner.run.loop import RankResult, run_result
 from planner.run.mesh import threads_per_rank
-from planner.run.model import check_runnable, check_ties, load_plan_model, trace_for_plan
+from planner.run.model import check_runnable, check_ties, load_plan_model, planned_source, trace_for_plan
 from planner.run.preflight import check_checkpoint_dir, check_data, check_resume
 from planner.run.tensor_split import check_tp_split
 from planner.schema.plan import Plan
@@ -326,13 +326,14 @@ def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None]
     mf = load_plan_model(plan, plan_path)
     if mf.digest != plan.model.file_digest:
         print_fn(changed_file_warning(plan, mf))
-    traced = trace_for_plan(plan, mf, mf.build(plan.model.seed))
+    source = planned_source(plan, mf)
+    traced = trace_for_plan(plan, source.model, source.example)
     _check_stages(plan, traced)
     check_train_batch(mf, plan.batch_size, plan.model.seed)
     check_resume(plan, request)
     check_checkpoint_dir(request)
     check_data(plan, request, mf, traced, print_fn)
-    del traced
+    del traced, source
     if n == 1:
         if request.echo:
             print_fn(

@@ -6,7 +6,10 @@ traced fingerprint, the block list, the ties) and a plan the runner can execute.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,6 +39,40 @@ def load_plan_model(plan: Plan, plan_path: str | Path) -> ModelFile:
     mf = load_model_file(plan.model_path(plan_path), plan.model.size)
     mf.config = dict(plan.model.config)
     return mf
+
+
+@dataclass(frozen=True)
+class StageSource:
+    """What a rank's stages are built from.
+
+    Attributes:
+        model: the model with the weights to train (the trace takes its own copy).
+        example: one example microbatch's positional inputs, of the plan's microbatch size.
+        loss_fn: the loss of the model's output and the target (``ModelFile.loss_fn``'s form).
+    """
+
+    model: nn.Module
+    example: tuple
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+def planned_source(plan: Plan, mf: ModelFile) -> StageSource:
+    """The plan's model built from its model file with the plan's seed, the file's example microbatch
+    and loss: what ``planner run``'s ranks build their stages from.
+
+    Args:
+        plan: the plan (seed, microbatch size).
+        mf: its model file, with the plan's config (``load_plan_model``).
+
+    Returns:
+        The stage source.
+
+    Raises:
+        ModelFileError: ``build_model`` or ``make_batch`` raises.
+    """
+    model = mf.build(plan.model.seed)
+    example = mf.batch(plan.microbatch_size, seed=plan.model.seed)[0]
+    return StageSource(model, example, mf.loss_fn)
 
 
 def check_runnable(plan: Plan) -> None:
@@ -110,13 +147,14 @@ def _what_differs(plan: Plan, traced: TracedModel) -> str:
     return f"{count}block {k} is {was} in the plan, {is_now} now"
 
 
-def trace_for_plan(plan: Plan, mf: ModelFile, model: nn.Module) -> TracedModel:
+def trace_for_plan(plan: Plan, model: nn.Module, inputs: tuple) -> TracedModel:
     """Trace ``model`` the way the planner did and check it is the structure the plan was made for.
 
     Args:
-        plan: the plan (microbatch size, seed, tracer, fingerprint).
-        mf: the plan's model file (for the example microbatch).
-        model: the model freshly built from ``mf`` with the plan's seed.
+        plan: the plan (tracer, fingerprint).
+        model: the model with the weights to train (built from the plan's model file with its seed,
+            or the user's own, ``planner.pipeline``).
+        inputs: one example microbatch's positional inputs (``planned_source``).
 
     Returns:
         The trace (a graph, or module boundaries whose stages are chains of blocks), its buffers
@@ -126,13 +164,12 @@ def trace_for_plan(plan: Plan, mf: ModelFile, model: nn.Module) -> TracedModel:
         PlanFileError: the traced fingerprint differs from the plan's.
         TraceError: the plan's tracer no longer works on the model.
     """
-    inputs, _ = mf.batch(plan.microbatch_size, seed=plan.model.seed)
     # shapes are all the run needs of the example: recorded on fake tensors, not by a forward on the CPU
     traced = trace_model(model, inputs, methods=(plan.model.trace_method,), shapes_only=True)
     if traced.fingerprint != plan.model.fingerprint:
         raise PlanFileError(
             f"plan was made for a different model structure (fingerprint {plan.model.fingerprint}, "
-            f"the file now gives {traced.fingerprint}: {_what_differs(plan, traced)}); re-run `planner plan`"
+            f"the model now gives {traced.fingerprint}: {_what_differs(plan, traced)}); re-run `planner plan`"
         )
     check_blocks(plan, traced)
     # Tracing ran the (private copy of the) model forward in train mode, which moves batch-norm

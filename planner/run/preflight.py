@@ -121,7 +121,7 @@ def check_data(
     stream = TextBatches(
         request.data,
         example=mf.batch(plan.microbatch_size, seed=plan.model.seed),
-        vocab_size=vocab_size_of(traced, mf, plan),
+        vocab_size=vocab_size_of(traced, mf.batch(plan.microbatch_size, seed=plan.model.seed)[0]),
         global_rows=plan.batch_size,
         replicas=plan.dp,
         tokenizer=request.tokenizer,

@@ -16,7 +16,6 @@ import torch
 from planner.capture.blocks import GraphTrace, TracedModel
 from planner.capture.clock import BlockClock
 from planner.capture.graph import buffers_restored, retarget_devices
-from planner.capture.load import ModelFile
 from planner.capture.shapes import shapes_or_real
 from planner.capture.stage import stage_inputs, stage_module, trace_root
 from planner.core.schedules import SPLIT_BACKWARD, placement
@@ -24,7 +23,7 @@ from planner.errors import PlannerError
 from planner.run.checkpoint import model_names
 from planner.run.gradients import grad_finisher
 from planner.run.mesh import RankMesh
-from planner.run.model import check_ties, trace_for_plan
+from planner.run.model import StageSource, check_ties, trace_for_plan
 from planner.run.optim import make_optimizer
 from planner.run.streams import vocab_size_of
 from planner.run.tensor_split import norm_counted, shard_stage
@@ -93,12 +92,15 @@ class _CutStage:
     clock: BlockClock | None
 
 
-def build_stages(plan: Plan, mf: ModelFile, mesh: RankMesh, device: torch.device, *, want_vocab: bool) -> RankStages:
+def build_stages(
+    plan: Plan, source: StageSource, mesh: RankMesh, device: torch.device, *, want_vocab: bool
+) -> RankStages:
     """This rank's stages, ready to train under torch's schedule.
 
     Args:
         plan: the plan.
-        mf: its model file, with the plan's config.
+        source: the model with the weights to train, an example microbatch and the loss
+            (``planned_source``: the plan's model file; ``planner.pipeline``: the user's).
         mesh: this rank's place and groups.
         device: where the stages run.
         want_vocab: also find the model's output width (``--data`` sizes its vocabulary by it).
@@ -112,13 +114,14 @@ def build_stages(plan: Plan, mf: ModelFile, mesh: RankMesh, device: torch.device
         PlanFileError: the model is not the one the plan was made for, or has a tie it does not record.
         PlannerError: two stages of this rank share a tied parameter under FSDP.
     """
-    traced, aliases = _traced(plan, mf)
+    aliases = _aliases(source.model)  # taken before tracing
+    traced = trace_for_plan(plan, source.model, source.example)  # the trace holds its own copy of the model
     if device.type != "cpu" and isinstance(traced, GraphTrace):
         retarget_devices(traced.gm, device)  # traced on the CPU, run on the rank's GPU
     root = trace_root(traced)
     ties = check_ties(plan, traced)
-    cut = _cut_stages(plan, mf, traced, mesh, device)
-    vocab = vocab_size_of(traced, mf, plan) if want_vocab else None
+    cut = _cut_stages(plan, source.example, traced, mesh, device)
+    vocab = vocab_size_of(traced, source.example) if want_vocab else None
     # Zero-bubble schedules compute weight gradients with autograd.grad, past DDP's hooks, so there
     # the replicas' gradients are averaged by ``finish`` instead (the same all-reduce, after the step's
     # backward).
@@ -156,7 +159,7 @@ def build_stages(plan: Plan, mf: ModelFile, mesh: RankMesh, device: torch.device
         params=params,
         optimizer=optimizer,
         stages=stages,
-        schedule=_schedule(plan, mf, stages, device),
+        schedule=_schedule(plan, source.loss_fn, stages, device),
         finish_grads=finish,
         counted=counted,
         tensors=tensors,
@@ -165,16 +168,8 @@ def build_stages(plan: Plan, mf: ModelFile, mesh: RankMesh, device: torch.device
     )
 
 
-def _traced(plan: Plan, mf: ModelFile) -> tuple[TracedModel, dict[str, list[str]]]:
-    """The model built with the plan's seed and traced as the planner did (checked against the plan),
-    and every name of each of its state tensors (``_aliases``), taken before tracing."""
-    model = mf.build(plan.model.seed)
-    aliases = _aliases(model)
-    return trace_for_plan(plan, mf, model), aliases  # the trace holds its own copy of the model
-
-
 def _cut_stages(
-    plan: Plan, mf: ModelFile, traced: TracedModel, mesh: RankMesh, device: torch.device
+    plan: Plan, example: tuple, traced: TracedModel, mesh: RankMesh, device: torch.device
 ) -> list[_CutStage]:
     """Every stage of this rank cut out of the trace, each with its example input and output.
 
@@ -182,7 +177,6 @@ def _cut_stages(
     place, after which the trace's other cuts (the prefix that makes a later stage's example)
     cannot run.
     """
-    example = mf.batch(plan.microbatch_size, seed=plan.model.seed)[0]
     cut: list[_CutStage] = []
     for stage_plan in plan.stages_of(mesh.pp_rank):
         clock = _block_clock(plan, stage_plan, device)
@@ -260,8 +254,10 @@ def _pipeline_stage(plan: Plan, stage: _CutStage, submod: torch.nn.Module, mesh:
     )
 
 
-def _schedule(plan: Plan, mf: ModelFile, stages: list[Any], device: torch.device) -> Any:
-    """torch's class for the plan's schedule over the rank's stages, the model file's loss at its end."""
+def _schedule(
+    plan: Plan, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], stages: list[Any], device: torch.device
+) -> Any:
+    """torch's class for the plan's schedule over the rank's stages, ``loss_fn`` at its end."""
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     schedule_cls = get_schedule_class(TORCH_NAMES[plan.schedule])
@@ -270,8 +266,8 @@ def _schedule(plan: Plan, mf: ModelFile, stages: list[Any], device: torch.device
     # scale_grads=False: ``finish`` averages the gradients over microbatches, once per parameter.
     # GPipe and 1F1B take their one stage; the others (PipelineScheduleMulti) a list, even of one.
     target = stages[0] if placement(plan.schedule) == "single" else stages
-    loss_fn = autocast_loss(mf.loss_fn, plan, device)
-    return schedule_cls(target, n_microbatches=plan.n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    loss = autocast_loss(loss_fn, plan, device)
+    return schedule_cls(target, n_microbatches=plan.n_microbatches, loss_fn=loss, scale_grads=False)
 
 
 def _as_tuple(value: object) -> tuple:

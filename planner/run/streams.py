@@ -97,19 +97,17 @@ def text_stream(plan: Plan, request: RunRequest, mf: ModelFile, mesh: RankMesh, 
     )
 
 
-def vocab_size_of(traced: TracedModel, mf: ModelFile, plan: Plan) -> int:
+def vocab_size_of(traced: TracedModel, example: tuple) -> int:
     """The model's vocabulary: the last dimension of its output on one example microbatch (as every
     rank computes it, so the parent's vocabulary is theirs).
 
     Args:
         traced: the model traced for the plan.
-        mf: the plan's model file (its example microbatch).
-        plan: the plan (microbatch size, seed).
+        example: one microbatch's positional inputs (the plan's model file's, at its seed).
 
     Returns:
         The width of the model's first output's last dimension.
     """
-    example = mf.batch(plan.microbatch_size, seed=plan.model.seed)[0]
     # the forward must leave no trace: batch norm's running statistics and the RNG are put back
     with buffers_restored(trace_root(traced)), torch.random.fork_rng(devices=[]), torch.no_grad():
         whole = stage_module(traced, 0, len(traced.blocks))

@@ -40,18 +40,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
-from planner.capture.stage import stage_inputs
 from planner.errors import PlannerError
 from planner.run.checkpoint import RankState, keep_vocab, latest_checkpoint, load_checkpoint, save_checkpoint
 from planner.run.console import print_flushed
 from planner.run.loop import Progress, RankModel, RankResult, train_steps
 from planner.run.measure import StageProbe, probes_installed, recv_buffers
 from planner.run.mesh import RankMesh, group_of_one, joined_group
-from planner.run.model import load_plan_model
+from planner.run.model import load_plan_model, planned_source
 from planner.run.optim import make_scheduler
+from planner.run.pipeline import Pipeline
 from planner.run.signals import SIGNAL_NAMES, ignore_stop_signals, raise_on_stop_signals
 from planner.run.stages import build_stages
 from planner.run.streams import model_stream, text_stream
@@ -71,16 +70,6 @@ def _train(plan: Plan, request: RunRequest, progress: Progress) -> RankResult:
     """Join the process group torchrun-style (from the environment), train this rank, leave the group."""
     with joined_group(plan, request) as (mesh, device):
         return _train_rank(plan, request, mesh, device, progress)
-
-
-def _set_eval(modules: Sequence[torch.nn.Module], evaluating: bool) -> None:
-    """Dropout off while evaluating where the module allows it (torch.export's modules refuse
-    ``.eval()``: they evaluate with dropout as traced, which the shipped models set to 0)."""
-    for m in modules:
-        try:
-            m.train(not evaluating)
-        except (NotImplementedError, RuntimeError):
-            pass
 
 
 def _train_rank(
@@ -103,21 +92,11 @@ class _RankRun:
     def __init__(self, plan: Plan, request: RunRequest, mesh: RankMesh, device: torch.device) -> None:
         self.plan, self.request, self.mesh, self.device = plan, request, mesh, device
         self.mf = load_plan_model(plan, str(request.plan_file))
-        built = build_stages(plan, self.mf, mesh, device, want_vocab=request.data is not None)
+        built = build_stages(plan, planned_source(plan, self.mf), mesh, device, want_vocab=request.data is not None)
         self.built = built
+        self.pipe = Pipeline(plan, built, mesh, device)  # what a user's own script trains through too
         self.mine = plan.stages_of(mesh.pp_rank)
-        self.feeds = any(s.index == 0 for s in self.mine)  # holds the first stage: gives the inputs
-        self.scores = any(s.index == plan.n_stages - 1 for s in self.mine)  # the target and the loss
-        # Under FSDP every rank holds a shard of every parameter of its stages: the norm sums over all.
-        # Under tensor parallelism every rank of the replica holds part of its stages' gradients
-        # (``norm_counted`` leaves the replicated copies to tp rank 0).
-        self.norm_group = (
-            dist.group.WORLD
-            if plan.dp_mode == "fsdp" and plan.dp > 1
-            else mesh.replica_group
-            if plan.tp > 1
-            else mesh.pp_group
-        )
+        self.scores = self.pipe.is_last  # the target and the loss
         self.text = text_stream(plan, request, self.mf, mesh, built.vocab_size) if built.vocab_size else None
         self.scheduler = make_scheduler(built.optimizer, request.steps, request.warmup, request.lr_decay)
         self.state = RankState(mesh.rank, built.tensors, built.optimizer, self.scheduler, self.text, device)
@@ -128,41 +107,9 @@ class _RankRun:
         self.evals: list[tuple[int, float, int]] = []
         self.written: list[str] = []
 
-    def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.to(self.device)  # nccl reduces device tensors only
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.norm_group)
-        return t.cpu()
-
-    def _replica_mean(self, losses: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The microbatch losses averaged over the replicas: the global batch's."""
-        if self.mesh.dp_group is None or not losses:
-            return losses
-        t = torch.stack([loss.detach() for loss in losses])
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.mesh.dp_group)
-        return list(t / self.plan.dp)
-
-    def _args(self, inputs: Sequence[Any]) -> tuple:
-        return tuple(x.to(self.device) for x in stage_inputs(inputs)) if self.feeds else ()
-
     def run_microbatches(self, inputs: Sequence[Any], target: torch.Tensor) -> list[torch.Tensor] | None:
-        """One step's microbatches: the first stage's rank feeds the inputs, the last stage's rank
-        the target (one rank may hold both: V placements); the others only relay.
-
-        With ``plan.accumulation`` k > 1 the schedule runs k times, on consecutive slices of the
-        replica's batch (torch's ``schedule.step`` adds to ``.grad``); the loss per microbatch of
-        every pass is returned, in order."""
-        schedule, k = self.built.schedule, self.plan.accumulation
-        args, target = self._args(inputs), (target.to(self.device) if self.scores else target)
-        mb_losses: list[torch.Tensor] = []
-        for i in range(k):
-            part = tuple(_pass_slice(x, i, k) for x in args)
-            if self.scores:
-                losses: list[torch.Tensor] = []
-                schedule.step(*part, target=_pass_slice(target, i, k), losses=losses, return_outputs=False)
-                mb_losses += losses
-            else:
-                schedule.step(*part, return_outputs=False)
-        return self._replica_mean(mb_losses) if self.scores else None
+        """One step's microbatches (``Pipeline.microbatch_losses``): the losses on the last stage's rank."""
+        return self.pipe.microbatch_losses(self.pipe.first_stage_args(inputs), target)
 
     def evaluate(self, step: int) -> None:
         """Loss and perplexity on the held-out part of ``--data`` (forward only, every rank)."""
@@ -170,22 +117,10 @@ class _RankRun:
         for probe in self.probes:
             probe.begin_step()  # the evaluation's timings are dropped below
         total, count = 0.0, 0
-        _set_eval([s.submod for s in self.built.stages], True)
-        with torch.no_grad():
-            k = self.plan.accumulation  # a batch in as many passes as in training (the receive buffers' size)
-            for inputs, target in self.text.eval_batches(self.request.eval_batches or None):
-                args = self._args(inputs)
-                for i in range(k):
-                    part = tuple(_pass_slice(x, i, k) for x in args)
-                    if self.scores:
-                        losses: list[torch.Tensor] = []
-                        mine = _pass_slice(target.to(self.device), i, k)
-                        self.built.schedule.eval(*part, target=mine, losses=losses)
-                        total += float(torch.stack(self._replica_mean(losses)).mean()) / k
-                    else:
-                        self.built.schedule.eval(*part)
-                count += 1
-        _set_eval([s.submod for s in self.built.stages], False)
+        for inputs, target in self.text.eval_batches(self.request.eval_batches or None):
+            batch_loss = self.pipe.evaluate(inputs, target)
+            total += 0.0 if batch_loss is None else float(batch_loss)
+            count += 1
         for probe in self.probes:
             probe.discard_step()
         if self.scores and count:
@@ -242,7 +177,7 @@ class _RankRun:
             optimizer=built.optimizer,
             device=self.device,
             run_microbatches=self.run_microbatches,
-            reduce=self._all_reduce_sum,
+            reduce=self.pipe.sum_for_norm,
             finish_grads=built.finish_grads,
             counted=built.counted,
             scheduler=self.scheduler,
@@ -351,11 +286,3 @@ def run_worker(plan_json: str, request_json: str, error_dir: str) -> RankResult:
         write_atomic(folder / f"rank{rank}.json", json.dumps(record).encode())
         sys.stdout.flush()
         raise SystemExit(1) from None
-
-
-def _pass_slice(t: torch.Tensor, i: int, passes: int) -> torch.Tensor:
-    """Pass ``i``'s consecutive share of the replica's batch (dim 0) out of ``passes``."""
-    if passes == 1:
-        return t
-    rows = t.shape[0] // passes
-    return t[i * rows : (i + 1) * rows]
