@@ -7,107 +7,19 @@ planner report PLAN.json           print the balance tables of a saved plan
 
 from __future__ import annotations
 
-import functools
-import signal
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import click
 
+from cli_support import COUNT_OR_AUTO, REPLICAS_OR_AUTO, debug_option, user_errors
 from planner.errors import PlannerError
-from planner.run.signals import Terminated, raise_on_signal
+from planner.report.export import EXPORT_FORMATS
 from planner.schema.costs import OPTIMIZERS
 from planner.schema.outputs import check_output
 from planner.schema.plan import Plan
 from planner.schema.request import DP_MODES, DTYPES, METHODS, RECOMPUTE, SCHEDULES, TORCH_NAMES
-
-
-class _CountOrAuto(click.ParamType):
-    """A positive integer, or "auto" (returned as None: the search chooses)."""
-
-    name = "N|auto"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int | None:
-        if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
-            return None
-        try:
-            number = int(value)
-        except (TypeError, ValueError):
-            self.fail(f"{value!r} is neither a whole number nor 'auto'", param, ctx)
-        if number < 1:
-            self.fail(f"{number} is not a positive number; give 1 or more, or 'auto'", param, ctx)
-        return number
-
-
-COUNT_OR_AUTO = _CountOrAuto()
-
-
-class _ReplicasOrAuto(click.ParamType):
-    """``--dp`` and ``--tp``: a whole number or "auto", passed on as given; ``PlanRequest`` checks it (so a bad
-    count is one line naming the values that divide --gpus)."""
-
-    name = "K|auto"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int | str:
-        if isinstance(value, int):
-            return value
-        text = str(value).strip()
-        try:
-            return int(text)
-        except ValueError:
-            return text  # "auto", or a mistake PlanRequest names
-
-
-REPLICAS_OR_AUTO = _ReplicasOrAuto()
-
-
-def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """One line on stderr for every way a command can end badly, never a traceback (unless --debug).
-
-    PlannerError (a user mistake): its message, exit 2. RunFailed (a run whose ranks started and
-    stopped early): its message, exit with its code (1; 130 / 143 when interrupted). Ctrl-C:
-    "interrupted", exit 130. SIGTERM: "terminated", exit 143. Anything else is a bug in the
-    planner: one line naming it, exit 1. Outputs are written atomically, so none of these leaves a
-    half-written file behind.
-    """
-    from planner.errors import RunFailed
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        debug = bool((click.get_current_context().find_root().obj or {}).get("debug"))
-        previous = signal.signal(signal.SIGTERM, raise_on_signal)  # SIGTERM raises Terminated
-        try:
-            return fn(*args, **kwargs)
-        except RunFailed as e:
-            if debug:
-                raise
-            # Ctrl-C and SIGTERM are what the user asked for, not errors: "interrupted at step 6"
-            click.echo(f"{'error: ' if e.exit_code == 1 else ''}{e}", err=True)
-            sys.exit(e.exit_code)
-        except PlannerError as e:
-            if debug:
-                raise
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
-        except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
-            sys.exit(130)
-        except Terminated:
-            click.echo("terminated", err=True)
-            sys.exit(143)
-        except Exception as e:
-            if debug:
-                raise
-            text = " ".join(str(e).split())[:300]
-            click.echo(
-                f"error: internal error ({type(e).__name__}: {text}); re-run with --debug for the traceback", err=True
-            )
-            sys.exit(1)
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-
-    return wrapper
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -120,23 +32,6 @@ def main(ctx: click.Context, debug: bool) -> None:
     optionally loss_fn, train_batches and SIZES (see README).
     """
     ctx.obj = {"debug": debug}
-
-
-def _set_debug(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
-    """``--debug`` after the subcommand does what it does before it (``planner plan ... --debug``)."""
-    if value:
-        root = ctx.find_root()
-        root.obj = {**(root.obj or {}), "debug": True}
-
-
-# every subcommand takes --debug too: it is where users put it, and the one-line errors suggest it
-_debug_option = click.option(
-    "--debug",
-    is_flag=True,
-    expose_value=False,
-    callback=_set_debug,
-    help="Show the full traceback of an error instead of one line (also accepted before the subcommand).",
-)
 
 
 def _load_plan(path: str) -> Plan:
@@ -154,7 +49,7 @@ def _load_plan(path: str) -> Plan:
 
 
 @main.command("plan")
-@_debug_option
+@debug_option
 @click.argument("model_file", type=click.Path(dir_okay=False))
 @click.option(
     "--gpus",
@@ -377,7 +272,7 @@ def _load_plan(path: str) -> Plan:
     help="Where to write the plan.",
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars and no tables.")
-@_user_errors
+@user_errors
 def plan_cmd(
     model_file: str,
     gpus: int,
@@ -575,7 +470,7 @@ def _training_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @main.command("run")
-@_debug_option
+@debug_option
 @click.argument("plan_file", type=click.Path(dir_okay=False))
 @click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True, help="Training steps to run.")
 @click.option(
@@ -619,7 +514,7 @@ def _training_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     help="Where to write the run report [default: PLAN's name with .run.json].",
 )
 @_training_options
-@_user_errors
+@user_errors
 def run_cmd(
     plan_file: str,
     steps: int,
@@ -691,7 +586,7 @@ def _run_figures(result: Any) -> str:
 
 
 @main.command("export-weights")
-@_debug_option
+@debug_option
 @click.argument("plan_file", type=click.Path(dir_okay=False))
 @click.option(
     "--checkpoint",
@@ -708,7 +603,7 @@ def _run_figures(result: Any) -> str:
     required=True,
     help="Where to write the state dict (load it with model.load_state_dict(torch.load(PATH))).",
 )
-@_user_errors
+@user_errors
 def export_weights_cmd(plan_file: str, checkpoint: str | None, output: str) -> None:
     """Write the unsplit model's weights from a checkpoint of PLAN_FILE's run.
 
@@ -724,8 +619,54 @@ def export_weights_cmd(plan_file: str, checkpoint: str | None, output: str) -> N
     click.echo(f"wrote {out}: the weights after step {step} ({path})")
 
 
+@main.command("export")
+@debug_option
+@click.argument("plan_file", type=click.Path(dir_okay=False))
+@click.option(
+    "--to",
+    "fmt",
+    type=click.Choice(list(EXPORT_FORMATS), case_sensitive=False),
+    required=True,
+    help="torchtitan: ParallelismConfig fields as Python (torchtitan >= 0.3), module_fqns_per_model_part per "
+    "stage; torchtitan-toml: the [parallelism] and [training] tables of torchtitan <= 0.2.2; megatron: "
+    "--pipeline-model-parallel-layout and the other pipeline arguments; deepspeed: the parts and a "
+    "PipelineModule subclass that uses them; csv: every rank's actions of the planned schedule, as torch's "
+    "_PipelineScheduleRuntime loads them (torchtitan's pipeline_parallel_schedule_csv).",
+)
+@click.option(
+    "--rename",
+    multiple=True,
+    metavar="OLD=NEW",
+    help="Rename blocks whose name starts with the module path OLD (repeatable), for targets that name modules: "
+    "--rename model.layers=layers turns model.layers.3 into layers.3.",
+)
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the export to this file [default: print it].",
+)
+@user_errors
+def export_cmd(plan_file: str, fmt: str, rename: tuple[str, ...], output: str | None) -> None:
+    """Write PLAN_FILE's split for another trainer: torchtitan, Megatron, DeepSpeed or torch's CSV.
+
+    docs/interop.md shows where each goes and how it was verified against the trainer's own code.
+    """
+    from planner.report.export import export_plan, parse_renames
+    from planner.schema.jsonfile import write_atomic
+
+    out = check_output(output, "export") if output else None
+    text = export_plan(_load_plan(plan_file), fmt.lower(), parse_renames(rename))
+    if out is None:
+        click.echo(text, nl=False)
+        return
+    write_atomic(out, text.encode())
+    click.echo(f"wrote {out} ({fmt.lower()})")
+
+
 @main.command("report")
-@_debug_option
+@debug_option
 @click.argument("plan_file", type=click.Path(dir_okay=False))
 @click.option(
     "--measured",
@@ -757,7 +698,7 @@ def export_weights_cmd(plan_file: str, checkpoint: str | None, output: str) -> N
     help="With --measured: also compare every block's profiled forward and backward with its time inside the "
     "running stage (run.json's per-block times), and each stage's time outside its blocks.",
 )
-@_user_errors
+@user_errors
 def report_cmd(plan_file: str, run_file: str | None, timeline: str | None, trace: str | None, blocks: bool) -> None:
     """Print the balance tables of a saved plan (and, with --measured, how a run of it compared)."""
     from planner.report.tables import render

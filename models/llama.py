@@ -201,11 +201,12 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+        # A module set to None is held by another pipeline stage (torchtitan's split prunes them so).
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers:
             h = layer(h)
-        h = self.norm(h)
-        return self.output(h).float()
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h).float() if self.output is not None else h
 
 
 _LLAMA3 = dict(vocab_size=128256, ffn_dim_multiplier=1.3, rope_theta=500000.0, seq_len=8192)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import tempfile
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Literal
 
 from planner.errors import PlanFileError
 
-OutputKind = Literal["plan", "run result", "calibration", "trace", "timeline", "weights"]
+OutputKind = Literal["plan", "run result", "calibration", "trace", "timeline", "weights", "export"]
 
 # The top-level keys that identify each document the planner writes (all must be present). They
 # are disjoint enough that no document matches two kinds: a plan has no plan_fingerprint, a run
@@ -37,7 +38,13 @@ EXAMPLE_NAMES: dict[OutputKind, str] = {
     "calibration": "calibration.json",
     "trace": "trace.json",
     "timeline": "timeline.png",
+    "export": "plan_export.txt",
 }
+
+# What ``planner export`` writes begins with this line (report/export.HEADER), except its CSV: a file
+# of pipeline actions ("0F0,1B2,...") only.
+EXPORT_HEADER = b"# planner export"
+_ACTIONS_CSV = re.compile(rb"^(\d+[A-Z_]+\d*(,\d+[A-Z_]+\d*)*)?$")
 
 # The first bytes of the pictures ``planner report --timeline`` writes (PNG, PDF, SVG): an earlier
 # picture may be replaced, any other file may not.
@@ -198,6 +205,9 @@ def _check_existing(path: str | Path, p: Path, st: os.stat_result, kind: OutputK
         )
     if not stat.S_ISREG(st.st_mode):
         raise PlanFileError(f"{where} is {file_type_name(st.st_mode)}, not a regular file; {fix_name}")
+    if kind == "export":
+        _check_export(path, p, fix_name, option)
+        return
     if kind == "timeline":
         try:
             with open(p, "rb") as f:
@@ -217,6 +227,23 @@ def _check_existing(path: str | Path, p: Path, st: os.stat_result, kind: OutputK
         raise PlanFileError(f"{where} holds a {found}, not a {kind}; {fix_name}")
     if found is None and hint:  # a non-empty file that is no planner document
         raise PlanFileError(f"{where} holds something that is not a {kind} ({hint}); {fix_name}")
+    if not os.access(p, os.W_OK):
+        raise PlanFileError(f"{where} is read-only; make it writable (chmod u+w {path}) or {fix_name}")
+
+
+def _check_export(path: str | Path, p: Path, fix_name: str, option: str) -> None:
+    """Refuse replacing a file that is not an earlier export (or empty), or is read-only."""
+    where = f"{option} {path}"
+    try:
+        with open(p, "rb") as f:
+            head = f.read(MAX_SNIFF_BYTES + 1)
+    except OSError as e:
+        raise PlanFileError(f"{where} cannot be read to check it holds an export ({e.strerror}); {fix_name}") from e
+    ours = head.startswith(EXPORT_HEADER) or (
+        len(head) <= MAX_SNIFF_BYTES and all(_ACTIONS_CSV.match(line.strip()) for line in head.splitlines())
+    )
+    if not ours:
+        raise PlanFileError(f"{where} holds something that is not a `planner export` output; {fix_name}")
     if not os.access(p, os.W_OK):
         raise PlanFileError(f"{where} is read-only; make it writable (chmod u+w {path}) or {fix_name}")
 

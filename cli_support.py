@@ -1,0 +1,120 @@
+"""What every ``planner`` command shares: the option types, ``--debug`` and the one-line errors
+(``user_errors``). cli.py holds the commands themselves.
+"""
+
+from __future__ import annotations
+
+import functools
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from planner.errors import PlannerError
+from planner.run.signals import Terminated, raise_on_signal
+
+
+class CountOrAuto(click.ParamType):
+    """A positive integer, or "auto" (returned as None: the search chooses)."""
+
+    name = "N|auto"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int | None:
+        if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+            return None
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is neither a whole number nor 'auto'", param, ctx)
+        if number < 1:
+            self.fail(f"{number} is not a positive number; give 1 or more, or 'auto'", param, ctx)
+        return number
+
+
+COUNT_OR_AUTO = CountOrAuto()
+
+
+class ReplicasOrAuto(click.ParamType):
+    """``--dp`` and ``--tp``: a whole number or "auto", passed on as given; ``PlanRequest`` checks it (so a bad
+    count is one line naming the values that divide --gpus)."""
+
+    name = "K|auto"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int | str:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip()
+        try:
+            return int(text)
+        except ValueError:
+            return text  # "auto", or a mistake PlanRequest names
+
+
+REPLICAS_OR_AUTO = ReplicasOrAuto()
+
+
+def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """One line on stderr for every way a command can end badly, never a traceback (unless --debug).
+
+    PlannerError (a user mistake): its message, exit 2. RunFailed (a run whose ranks started and
+    stopped early): its message, exit with its code (1; 130 / 143 when interrupted). Ctrl-C:
+    "interrupted", exit 130. SIGTERM: "terminated", exit 143. Anything else is a bug in the
+    planner: one line naming it, exit 1. Outputs are written atomically, so none of these leaves a
+    half-written file behind.
+    """
+    from planner.errors import RunFailed
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        debug = bool((click.get_current_context().find_root().obj or {}).get("debug"))
+        previous = signal.signal(signal.SIGTERM, raise_on_signal)  # SIGTERM raises Terminated
+        try:
+            return fn(*args, **kwargs)
+        except RunFailed as e:
+            if debug:
+                raise
+            # Ctrl-C and SIGTERM are what the user asked for, not errors: "interrupted at step 6"
+            click.echo(f"{'error: ' if e.exit_code == 1 else ''}{e}", err=True)
+            sys.exit(e.exit_code)
+        except PlannerError as e:
+            if debug:
+                raise
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+        except Terminated:
+            click.echo("terminated", err=True)
+            sys.exit(143)
+        except Exception as e:
+            if debug:
+                raise
+            text = " ".join(str(e).split())[:300]
+            click.echo(
+                f"error: internal error ({type(e).__name__}: {text}); re-run with --debug for the traceback", err=True
+            )
+            sys.exit(1)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    return wrapper
+
+
+def set_debug(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """``--debug`` after the subcommand does what it does before it (``planner plan ... --debug``)."""
+    if value:
+        root = ctx.find_root()
+        root.obj = {**(root.obj or {}), "debug": True}
+
+
+# every subcommand takes --debug too: it is where users put it, and the one-line errors suggest it
+debug_option = click.option(
+    "--debug",
+    is_flag=True,
+    expose_value=False,
+    callback=set_debug,
+    help="Show the full traceback of an error instead of one line (also accepted before the subcommand).",
+)

@@ -1,0 +1,398 @@
+"""A plan in another trainer's terms: torchtitan's ``ParallelismConfig`` (Python, or the TOML of
+torchtitan <= 0.2.2), Megatron's ``--pipeline-model-parallel-layout``, DeepSpeed's partition
+(``parts``), and torch's pipeline-order CSV (what ``_PipelineScheduleRuntime._load_csv`` reads).
+
+Pure: it reads the plan only. A split a target cannot express is one line saying why and what to
+change (``ExportError``). docs/interop.md says how each was verified against the target's own code.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+
+from planner.core.schedules import action_order, placement
+from planner.errors import PlannerError
+from planner.schema.outputs import EXPORT_HEADER
+from planner.schema.plan import Plan
+from planner.schema.request import TORCH_NAMES
+
+EXPORT_FORMATS = ("torchtitan", "torchtitan-toml", "megatron", "deepspeed", "csv")
+"""What ``planner export --to`` writes."""
+
+HEADER = EXPORT_HEADER.decode()
+"""The first words of every export but the CSV (``check_output`` replaces only such a file)."""
+
+# torchtitan's _split_module keeps top-level children by name and entries of a top-level
+# ModuleList / ModuleDict as "<list>.<index>"; nothing deeper.
+_TITAN_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[0-9]+)?$")
+
+
+class ExportError(PlannerError):
+    """The plan's split cannot be written in the target's terms (one line: why, and what to do)."""
+
+
+def parse_renames(pairs: Iterable[str]) -> dict[str, str]:
+    """``--rename OLD=NEW`` pairs as a mapping.
+
+    Args:
+        pairs: the option's values.
+
+    Returns:
+        OLD -> NEW, in the order given.
+
+    Raises:
+        ExportError: a pair without ``=`` or with an empty side.
+    """
+    out: dict[str, str] = {}
+    for pair in pairs:
+        old, sep, new = pair.partition("=")
+        if not sep or not old.strip() or not new.strip():
+            raise ExportError(f"--rename {pair!r}: give OLD=NEW, e.g. --rename model.layers=layers")
+        out[old.strip()] = new.strip()
+    return out
+
+
+def renamed(name: str, renames: Mapping[str, str]) -> str:
+    """A block name with the longest matching ``--rename`` prefix replaced (a whole dotted prefix:
+    ``model.layers=layers`` turns ``model.layers.3`` into ``layers.3``, not ``model.layers_x``)."""
+    for old in sorted(renames, key=len, reverse=True):
+        if name == old or name.startswith(old + "."):
+            return renames[old] + name[len(old) :]
+    return name
+
+
+def export_plan(plan: Plan, fmt: str, renames: Mapping[str, str] | None = None) -> str:
+    """The plan written for another trainer.
+
+    Args:
+        plan: the plan.
+        fmt: one of ``EXPORT_FORMATS``.
+        renames: block-name prefixes to replace (``--rename``), for the formats that name modules.
+
+    Returns:
+        The text to write (ends with a newline).
+
+    Raises:
+        ExportError: an unknown format, or a split the format cannot express.
+    """
+    writers = {
+        "torchtitan": _torchtitan_python,
+        "torchtitan-toml": _torchtitan_toml,
+        "megatron": _megatron,
+        "deepspeed": _deepspeed,
+        "csv": _csv,
+    }
+    if fmt not in writers:
+        raise ExportError(f"--to {fmt!r}: choose one of {', '.join(EXPORT_FORMATS)}")
+    return writers[fmt](plan, dict(renames or {}))
+
+
+def stage_blocks(plan: Plan) -> list[list[str]]:
+    """The block names of every stage, in global stage order (the model's order)."""
+    return [[b.name for b in plan.blocks[s.start : s.end]] for s in sorted(plan.stages, key=lambda s: s.index)]
+
+
+def torchtitan_fqns(plan: Plan, renames: Mapping[str, str]) -> list[list[str]]:
+    """``module_fqns_per_model_part``: each stage's module names, renamed, in global stage order.
+
+    Raises:
+        ExportError: a block whose name torchtitan's split cannot keep (named, with a rename that
+            would do where one exists).
+    """
+    parts = [[renamed(n, renames) for n in names] for names in stage_blocks(plan)]
+    for stage, names in enumerate(parts):
+        for name in names:
+            if not _TITAN_NAME.match(name):
+                raise ExportError(
+                    f"block {name!r} (stage {stage}) is not a module torchtitan's split keeps (a top-level module, "
+                    f"or one entry of a top-level ModuleList / ModuleDict such as 'layers.3'){_rename_hint(name)}"
+                )
+    return parts
+
+
+def _rename_hint(name: str) -> str:
+    """``; rename it: --rename OLD=NEW`` where dropping leading module names gives a name torchtitan keeps."""
+    parts = name.split(".")
+    for k in range(1, len(parts)):
+        rest = ".".join(parts[k:])
+        if _TITAN_NAME.match(rest) and "#" not in name and "@" not in name:
+            tail = 1 if parts[-1].isdigit() else 0  # rename the list, not one entry of it
+            old = ".".join(parts[: len(parts) - tail])
+            new = ".".join(parts[k : len(parts) - tail])
+            return f"; rename it: --rename {old}={new}"
+    return "; torchtitan cannot keep it as a module of its own"
+
+
+def _batch_lines(plan: Plan) -> dict[str, int]:
+    """Batch sizes as torchtitan's TrainingConfig takes them: samples per data-parallel rank per
+    optimizer step in one pass (local) and over every replica and pass (global)."""
+    return {
+        "local_batch_size": plan.batch_size // (plan.dp * plan.accumulation),
+        "global_batch_size": plan.batch_size,
+    }
+
+
+def _titan_fields(plan: Plan, renames: Mapping[str, str]) -> dict[str, object]:
+    """The ``ParallelismConfig`` fields that carry the plan."""
+    fields: dict[str, object] = {
+        "pipeline_parallel_degree": plan.n_ranks,
+        "pipeline_parallel_schedule": TORCH_NAMES[plan.schedule],
+        "pipeline_parallel_microbatch_size": plan.microbatch_size,
+        "module_fqns_per_model_part": torchtitan_fqns(plan, renames),
+        "tensor_parallel_degree": plan.tp,
+    }
+    # ddp replicas replicate the weights; fsdp shards them (torchtitan shards per block, not per stage)
+    fields["data_parallel_replicate_degree"] = plan.dp if plan.dp_mode == "ddp" else 1
+    fields["data_parallel_shard_degree"] = plan.dp if plan.dp_mode == "fsdp" else 1
+    return fields
+
+
+def _notes(plan: Plan) -> list[str]:
+    """What the target does differently from ``planner run``, as comment lines."""
+    notes = [
+        f"{plan.n_stages} stage(s) on {plan.n_ranks} pipeline rank(s), {plan.n_microbatches} microbatch(es) of "
+        f"{plan.microbatch_size} sample(s), {plan.dp} {plan.dp_mode} replica(s), tensor parallel {plan.tp}",
+        f"predicted step {plan.prediction.step_time_s * 1e3:.2f} ms on {plan.profile.hardware or plan.profile.device}",
+    ]
+    if plan.accumulation > 1:
+        notes.append(f"each step runs the schedule {plan.accumulation} times (gradient accumulation)")
+    if any(s.recompute for s in plan.stages):
+        notes.append(
+            "the plan recomputes activations on stages " + ", ".join(str(s.index) for s in plan.stages if s.recompute)
+        )
+    if plan.ties:
+        notes.append("tied weights: " + "; ".join(" = ".join(t.names) for t in plan.ties))
+    return notes
+
+
+def _torchtitan_python(plan: Plan, renames: Mapping[str, str]) -> str:
+    fields = _titan_fields(plan, renames)
+    body = ",\n".join(f"    {k}={_py(v)}" for k, v in fields.items())
+    batch = _batch_lines(plan)
+    lines = [
+        f"{HEADER} --to torchtitan (torchtitan >= 0.3, whose configs are Python)",
+        *(f"# {n}" for n in _notes(plan)),
+        "# Give these fields to your trainer config's ParallelismConfig, and the batch sizes to its",
+        "# TrainingConfig. The model's forward must skip the modules a stage does not hold (None), as",
+        "# torchtitan's own models do.",
+        "from torchtitan.config import ParallelismConfig",
+        "",
+        f"parallelism = ParallelismConfig(\n{body},\n)",
+        f"local_batch_size = {batch['local_batch_size']}  # TrainingConfig.local_batch_size",
+        f"global_batch_size = {batch['global_batch_size']}  # TrainingConfig.global_batch_size",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _torchtitan_toml(plan: Plan, renames: Mapping[str, str]) -> str:
+    fields = _titan_fields(plan, renames)
+    batch = _batch_lines(plan)
+    lines = [
+        f"{HEADER} --to torchtitan-toml (torchtitan <= 0.2.2: --job.config_file)",
+        *(f"# {n}" for n in _notes(plan)),
+        "[parallelism]",
+        *(f"{k} = {json.dumps(v)}" for k, v in fields.items()),
+        "",
+        "[training]",
+        *(f"{k} = {v}" for k, v in batch.items()),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _py(value: object) -> str:
+    """A field value as Python source (lists of names one stage per line)."""
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        return "[\n" + "".join(f"        {json.dumps(v)},\n" for v in value) + "    ]"
+    return json.dumps(value)
+
+
+def megatron_layout(plan: Plan) -> str:
+    """``--pipeline-model-parallel-layout``: per stage in global order (Megatron's vpp x pp order),
+    ``E`` for the embedding (the blocks before the first layer), ``t`` per layer, ``L`` for the
+    final norm, output layer and loss (the blocks after the last layer); ``|`` between stages.
+
+    Raises:
+        ExportError: a V-shaped placement, a block between layers that is no layer, or the blocks
+            before the first (after the last) layer split over stages.
+    """
+    if placement(plan.schedule) == "v":
+        raise ExportError(
+            f"Megatron places stage s on pipeline rank s mod {plan.n_ranks}; this {plan.schedule} plan's V shape "
+            "is not expressible: re-plan with --schedule interleaved-1f1b (or 1f1b) for Megatron"
+        )
+    kinds = _megatron_kinds(plan)
+    out = []
+    for s in sorted(plan.stages, key=lambda s: s.index):
+        tokens = [k for k in kinds[s.start : s.end] if k is not None]
+        out.append(_compress("".join(tokens)))
+    return "|".join(out)
+
+
+def _megatron_kinds(plan: Plan) -> list[str | None]:
+    """Each block's Megatron token: E on the first block of the embedding group, L on the last of
+    the head group, t per layer, None for the rest of a group (it travels with its token).
+
+    Raises:
+        ExportError: as ``megatron_layout``.
+    """
+    layers = [k for k, b in enumerate(plan.blocks) if b.is_layer]
+    if not layers:
+        raise ExportError(
+            "the plan's model has no repeated layers (blocks marked as layers); Megatron counts decoder layers"
+        )
+    first, last = layers[0], layers[-1]
+    stray = next((b.name for b in plan.blocks[first : last + 1] if not b.is_layer), None)
+    if stray is not None:
+        raise ExportError(
+            f"block {stray!r} sits between the transformer layers; Megatron's layout has only the embedding (E), "
+            "decoder layers (t) and the loss (L)"
+        )
+    stage_of = {k: s.index for s in plan.stages for k in range(s.start, s.end)}
+    for group, what in ((range(0, first), "embedding (E)"), (range(last + 1, len(plan.blocks)), "loss (L)")):
+        stages = sorted({stage_of[k] for k in group})
+        if len(stages) > 1:
+            names = ", ".join(plan.blocks[k].name for k in group)
+            raise ExportError(
+                f"blocks {names} are Megatron's {what}, one unit, but the plan puts them on stages {stages}: "
+                "re-plan so they share a stage (e.g. planner plan ... --method given with a split that keeps them together)"
+            )
+    kinds: list[str | None] = [None] * len(plan.blocks)
+    kinds[0] = "E"
+    for k in layers:
+        kinds[k] = "t"
+    kinds[-1] = "L"
+    if first == 0:  # no embedding block: the layer's stage holds E too
+        kinds[0] = "Et"
+    if last == len(plan.blocks) - 1:
+        kinds[-1] = "tL"
+    return kinds
+
+
+def _compress(tokens: str) -> str:
+    """Runs of ``t`` written ``t*N`` (Megatron's parser unrolls them)."""
+    return re.sub(r"t{3,}", lambda m: f"t*{len(m.group(0))}", tokens)
+
+
+def megatron_layer_counts(plan: Plan) -> list[int]:
+    """Decoder layers per stage, in global stage order."""
+    return [
+        sum(1 for b in plan.blocks[s.start : s.end] if b.is_layer) for s in sorted(plan.stages, key=lambda s: s.index)
+    ]
+
+
+def _megatron_uneven_flags(plan: Plan) -> tuple[list[str], str | None]:
+    """``--decoder-first/last-pipeline-num-layers`` for the split, where they express it (one stage
+    per rank, every middle stage the same layer count); else why not."""
+    counts = megatron_layer_counts(plan)
+    if plan.stages_per_rank > 1:
+        return [], "with virtual stages only the layout string gives each stage its layers"
+    if len(counts) < 2:
+        return [], "one stage needs no split flags"
+    middle = set(counts[1:-1])
+    if len(middle) > 1:
+        return [], f"the middle stages hold {', '.join(map(str, counts[1:-1]))} layers, not one count"
+    return [
+        f"--decoder-first-pipeline-num-layers {counts[0]}",
+        f"--decoder-last-pipeline-num-layers {counts[-1]}",
+    ], None
+
+
+def _megatron(plan: Plan, _renames: Mapping[str, str]) -> str:
+    layout = megatron_layout(plan)
+    counts = megatron_layer_counts(plan)
+    common = [
+        f"--pipeline-model-parallel-size {plan.n_ranks}",
+        f"--tensor-model-parallel-size {plan.tp}",
+        f"--num-layers {sum(counts)}",
+        f"--micro-batch-size {plan.microbatch_size}",
+        f"--global-batch-size {plan.batch_size}",
+    ]
+    flags, why_not = _megatron_uneven_flags(plan)
+    schedule = "interleaved 1F1B" if plan.stages_per_rank > 1 else "1F1B"
+    lines = [
+        f"{HEADER} --to megatron (pretrain_gpt.py arguments)",
+        *(f"# {n}" for n in _notes(plan)),
+        f"# Megatron runs its own {schedule} schedule; the planned one is {plan.schedule}.",
+        f"# decoder layers per stage: {counts}",
+        "MEGATRON_PIPELINE_ARGS=(",
+        *(f"    {a}" for a in common),
+        f'    --pipeline-model-parallel-layout "{layout}"',
+        ")",
+    ]
+    if flags:
+        lines += ["# or, equivalently, without a layout:", "# " + " ".join(common[:1] + flags)]
+    else:
+        lines.append(f"# not expressible with --decoder-first/last-pipeline-num-layers: {why_not}")
+    return "\n".join(lines) + "\n"
+
+
+def deepspeed_parts(plan: Plan) -> list[int]:
+    """DeepSpeed's ``parts``: the first block of every stage, then the block count (its layers
+    list holds the plan's blocks in order).
+
+    Raises:
+        ExportError: several stages per rank (DeepSpeed runs one stage per rank).
+    """
+    if plan.stages_per_rank > 1:
+        raise ExportError(
+            f"DeepSpeed's PipelineModule runs one stage per rank; this {plan.schedule} plan runs "
+            f"{plan.stages_per_rank}: re-plan with --schedule 1f1b (or gpipe) for DeepSpeed"
+        )
+    return [s.start for s in sorted(plan.stages, key=lambda s: s.index)] + [len(plan.blocks)]
+
+
+def _deepspeed(plan: Plan, renames: Mapping[str, str]) -> str:
+    parts = deepspeed_parts(plan)
+    names = [renamed(b.name, renames) for b in plan.blocks]
+    micro_per_step = plan.n_microbatches * plan.accumulation
+    config = {
+        "train_batch_size": plan.batch_size,
+        "train_micro_batch_size_per_gpu": plan.microbatch_size,
+        "gradient_accumulation_steps": micro_per_step,
+    }
+    lines = [
+        f"{HEADER} --to deepspeed",
+        *(f"# {n}" for n in _notes(plan)),
+        "# Build PlannedPipelineModule as DeepSpeed's PipelineModule, with one entry of `layers` per block of",
+        "# the plan, in this order (DeepSpeed has no field for explicit parts, so the subclass sets them):",
+        *(f"#   {k:3d}  {n}" for k, n in enumerate(names)),
+        f"# DeepSpeed runs its own 1F1B-like schedule; the planned one is {plan.schedule}.",
+        "from deepspeed.pipe import PipelineModule",
+        "",
+        f"PARTS = {parts}",
+        f"DS_CONFIG = {json.dumps(config)}  # merge into your DeepSpeed config",
+        "",
+        "",
+        "class PlannedPipelineModule(PipelineModule):",
+        '    """PipelineModule whose stages are the plan\'s (parts from planner export)."""',
+        "",
+        '    def _partition_layers(self, method="uniform"):',
+        "        if len(self._layer_specs) != PARTS[-1] or self.num_stages != len(PARTS) - 1:",
+        "            raise ValueError(",
+        '                f"the plan splits {PARTS[-1]} layers over {len(PARTS) - 1} stages; this PipelineModule has "',
+        '                f"{len(self._layer_specs)} layers and {self.num_stages} stages"',
+        "            )",
+        "        self.parts = list(PARTS)",
+        "        stage_id = self._topo.get_coord(self.global_rank).pipe",
+        "        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def csv_rows(plan: Plan) -> list[list[str]]:
+    """Every pipeline rank's compute actions of one pass of the schedule, as torch writes them
+    (``2F0``: stage 2's forward of microbatch 0; ``B`` full backward, ``I`` / ``W`` its input and
+    weight halves), one row per rank."""
+    orders = action_order(plan.schedule, plan.n_ranks, plan.n_microbatches, plan.stages_per_rank)
+    return [[f"{a.stage}{a.kind}{a.microbatch}" for a in order] for order in orders]
+
+
+def _csv(plan: Plan, _renames: Mapping[str, str]) -> str:
+    return csv_text(plan)
+
+
+def csv_text(plan: Plan) -> str:
+    """``csv_rows`` as the CSV text ``_PipelineScheduleRuntime._load_csv`` reads."""
+    return "".join(",".join(row) + "\n" for row in csv_rows(plan))

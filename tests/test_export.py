@@ -1,0 +1,243 @@
+"""`planner export`: a plan in torchtitan's, Megatron's, DeepSpeed's and torch's CSV terms, exact
+for known splits, refused in one line where the target cannot express the split, and checked
+against each target's own code (the `interop` extra: skipped where a package is not installed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+from click.testing import CliRunner
+
+from cli import main
+from planner.report.export import (
+    ExportError,
+    csv_rows,
+    deepspeed_parts,
+    export_plan,
+    megatron_layer_counts,
+    megatron_layout,
+    parse_renames,
+    renamed,
+    torchtitan_fqns,
+)
+from planner.schema.plan import Plan
+from tests.run_factory import MODELS, REL, ROOT, make_plan
+
+LLAMA = MODELS / "llama.py"
+EXAMPLE = ROOT / "examples" / "train_with_plan.py"
+FIXTURE = ROOT / "tests" / "fixtures" / "interop_run.py"
+# models/llama.py tiny traces into: tok_embeddings, layers.0 .. layers.3, norm, output
+
+
+def _interleaved(starts: list[int]) -> Plan:
+    return make_plan(LLAMA, starts, schedule="interleaved-1f1b", stages_per_rank=2, batch_size=8, n_microbatches=4)
+
+
+def test_torchtitan_gets_each_stages_modules_in_stage_order() -> None:
+    plan = _interleaved([0, 2, 4, 6])
+    assert torchtitan_fqns(plan, {}) == [
+        ["tok_embeddings", "layers.0"],
+        ["layers.1", "layers.2"],
+        ["layers.3", "norm"],
+        ["output"],
+    ]
+    text = export_plan(plan, "torchtitan-toml")
+    table = tomllib.loads(text)
+    assert table["parallelism"]["pipeline_parallel_degree"] == 2
+    assert table["parallelism"]["pipeline_parallel_schedule"] == "Interleaved1F1B"
+    assert table["parallelism"]["pipeline_parallel_microbatch_size"] == 2
+    assert table["parallelism"]["module_fqns_per_model_part"] == torchtitan_fqns(plan, {})
+    assert table["training"] == {"local_batch_size": 8, "global_batch_size": 8}
+
+
+def test_a_name_torchtitan_cannot_keep_is_named_with_the_rename_that_fixes_it() -> None:
+    plan = make_plan(EXAMPLE, [0, 4], schedule="1f1b", batch_size=8, n_microbatches=2)
+    with pytest.raises(ExportError, match=r"block 'model.embed' \(stage 0\).*--rename model.embed=embed$"):
+        torchtitan_fqns(plan, {"embed": "model.embed"})
+    with pytest.raises(ExportError, match=r"'model.layers.0'.*--rename model.layers=layers$"):
+        torchtitan_fqns(plan, {"layers": "model.layers"})
+    assert renamed("model.layers.12", parse_renames(["model.layers=layers", "model=m"])) == "layers.12"
+    assert renamed("model.layers_x", {"model.layers": "layers"}) == "model.layers_x"  # whole prefixes only
+    with pytest.raises(ExportError, match="OLD=NEW"):
+        parse_renames(["layers"])
+
+
+def test_megatron_layout_puts_embedding_layers_and_loss_in_vpp_by_pp_order() -> None:
+    plan = _interleaved([0, 2, 4, 5])
+    assert megatron_layout(plan) == "Et|tt|t|L"
+    assert megatron_layer_counts(plan) == [1, 2, 1, 0]
+    deep = make_plan(LLAMA, [0, 5], schedule="1f1b", batch_size=8, n_microbatches=2, size="tiny")
+    assert megatron_layout(deep) == "Et*4|L"
+    text = export_plan(deep, "megatron")
+    assert "--decoder-first-pipeline-num-layers 4 --decoder-last-pipeline-num-layers 0" in text
+
+
+def test_megatron_refuses_what_its_layout_cannot_say() -> None:
+    with pytest.raises(ExportError, match=r"norm, output are Megatron's loss \(L\).*stages \[2, 3\]"):
+        megatron_layout(_interleaved([0, 2, 4, 6]))
+    zbv = make_plan(LLAMA, [0, 2, 4, 6], schedule="zbv", stages_per_rank=2, batch_size=8, n_microbatches=4)
+    with pytest.raises(ExportError, match="V shape is not expressible"):
+        megatron_layout(zbv)
+
+
+def test_deepspeed_parts_are_the_stage_starts_and_one_stage_per_rank() -> None:
+    plan = make_plan(LLAMA, [0, 3], schedule="1f1b", batch_size=8, n_microbatches=2)
+    assert deepspeed_parts(plan) == [0, 3, 7]
+    with pytest.raises(ExportError, match="one stage per rank"):
+        deepspeed_parts(_interleaved([0, 2, 4, 6]))
+
+
+def test_csv_is_torchs_action_order() -> None:
+    plan = make_plan(LLAMA, [0, 3], schedule="gpipe", batch_size=8, n_microbatches=2)
+    assert csv_rows(plan) == [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1F1", "1B0", "1B1"]]
+    assert export_plan(plan, "csv") == "0F0,0F1,0B0,0B1\n1F0,1F1,1B0,1B1\n"
+
+
+def test_the_command_writes_replaces_and_refuses(tmp_path: Path) -> None:
+    plan = make_plan(LLAMA, [0, 3], schedule="1f1b", batch_size=8, n_microbatches=2)
+    plan.save(tmp_path / "plan.json")
+    runner = CliRunner()
+    out = tmp_path / "megatron.sh"
+    for _ in range(2):  # the second replaces the first export
+        result = runner.invoke(main, ["export", str(tmp_path / "plan.json"), "--to", "megatron", "-o", str(out)])
+        assert result.exit_code == 0, result.output
+    assert '--pipeline-model-parallel-layout "Ett|ttL"' in out.read_text()
+    csv = tmp_path / "order.csv"
+    for _ in range(2):
+        result = runner.invoke(main, ["export", str(tmp_path / "plan.json"), "--to", "csv", "-o", str(csv)])
+        assert result.exit_code == 0, result.output
+    result = runner.invoke(main, ["export", str(tmp_path / "plan.json"), "--to", "csv", "-o", str(LLAMA)])
+    assert result.exit_code == 2 and "not a `planner export` output" in result.stderr
+    result = runner.invoke(main, ["export", str(tmp_path / "plan.json"), "--to", "deepspeed"])
+    assert result.exit_code == 0 and "PARTS = [0, 3, 7]" in result.stdout
+    result = runner.invoke(main, ["export", str(tmp_path / "plan.json"), "--to", "megatron", "--rename", "x"])
+    assert result.exit_code == 2 and "give OLD=NEW" in result.stderr
+
+
+# ---- against the targets' own code (the `interop` extra) ----
+
+
+def test_megatron_cores_parser_reads_back_the_planned_layers() -> None:
+    layout_mod = pytest.importorskip("megatron.core.transformer.pipeline_parallel_layer_layout")
+    from megatron.core.transformer.enums import LayerType
+
+    for plan in (_interleaved([0, 2, 4, 5]), make_plan(LLAMA, [0, 3], schedule="1f1b", batch_size=8, n_microbatches=2)):
+        layout = layout_mod.PipelineParallelLayerLayout(megatron_layout(plan), plan.n_ranks)
+        layout.validate_layer_layout(num_layers=4, mtp_num_layers=None)
+        v = layout.virtual_pipeline_model_parallel_size
+        assert v == plan.stages_per_rank
+        for stage, count in enumerate(megatron_layer_counts(plan)):
+            rank, chunk = stage % plan.n_ranks, stage // plan.n_ranks
+            assert layout.layout[rank][chunk].count(LayerType.decoder) == count
+            assert stage == next(s.index for s in plan.stages if s.rank == rank and s.index // plan.n_ranks == chunk)
+
+
+def test_torchtitan_takes_the_exported_config() -> None:
+    pytest.importorskip("torchtitan")
+    from torchtitan.distributed.pipeline_parallel import _get_pp_rank_to_stage_indices_mapping, _split_module
+
+    from planner.capture.load import load_model_file
+
+    for plan in (
+        _interleaved([0, 2, 4, 6]),
+        make_plan(LLAMA, [0, 2, 4, 6], schedule="zbv", stages_per_rank=2, batch_size=8, n_microbatches=4),
+    ):
+        namespace: dict = {}
+        exec(export_plan(plan, "torchtitan"), namespace)
+        parallelism = namespace["parallelism"]
+        model = load_model_file(LLAMA, "tiny").build()
+        for rank in range(plan.n_ranks):
+            indices = _get_pp_rank_to_stage_indices_mapping(
+                rank, plan.n_ranks, parallelism.pipeline_parallel_schedule, len(parallelism.module_fqns_per_model_part)
+            )
+            assert list(indices) == [s.index for s in plan.stages_of(rank)]  # torchtitan places them as planned
+        for stage in plan.stages:
+            part = _split_module(model, parallelism.module_fqns_per_model_part[stage.index])
+            held = {
+                n
+                for n, m in part.named_children()
+                if m is not None and not (isinstance(m, type(model.layers)) and len(m) == 0)
+            }
+            planned = {b.name.split(".")[0] for b in plan.blocks[stage.start : stage.end]}
+            assert held == planned
+            layers = sum(1 for b in plan.blocks[stage.start : stage.end] if b.name.startswith("layers."))
+            assert len(part.layers) == layers
+
+
+def _torchrun(tmp_path: Path, mode: str, plan: Plan, fmt: str) -> list[dict]:
+    plan_file, export = tmp_path / "plan.json", tmp_path / f"export.{fmt}"
+    plan.save(plan_file)
+    export.write_text(export_plan(plan, fmt))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={plan.n_ranks}"]
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [*cmd, str(FIXTURE), mode, str(plan_file), str(export), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(plan.n_ranks)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_torchs_runtime_runs_the_exported_csv_to_the_unsplit_losses(tmp_path: Path) -> None:
+    from tests.test_own_script import _unsplit
+
+    # the zero-bubble split backward (I and W actions) over 4 stages on 2 ranks, a tied weight across them
+    plan = make_plan(
+        EXAMPLE, [0, 2, 4, 6], schedule="interleaved-zb", stages_per_rank=2, batch_size=8, n_microbatches=4
+    )
+    ranks = _torchrun(tmp_path, "csv", plan, "csv")
+    losses = next(r for r in ranks if r)
+    assert losses == pytest.approx(_unsplit(plan, steps=3)[0], rel=REL)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_torchtitans_split_of_the_export_trains_as_unsplit(tmp_path: Path) -> None:
+    pytest.importorskip("torchtitan")
+    import torch
+
+    from planner.capture.load import load_model_file
+
+    plan = make_plan(LLAMA, [0, 3], schedule="1f1b", batch_size=8, n_microbatches=4)
+    ranks = _torchrun(tmp_path, "torchtitan", plan, "torchtitan")
+    mf = load_model_file(LLAMA, "tiny")
+    model = mf.build(plan.model.seed)
+    for stage, rank in zip(plan.stages, ranks):  # each rank's stage holds exactly the planned blocks' parameters
+        planned = sorted(
+            n
+            for b in plan.blocks[stage.start : stage.end]
+            for n, _ in model.get_submodule(b.name).named_parameters(prefix=b.name)
+        )
+        assert len(rank["stages"][str(stage.index)]) == len(planned)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data, expected = mf.train_batches(8, seed=plan.model.seed), []
+    for _ in range(3):
+        (tokens,), target = next(data)
+        loss = mf.module.loss_fn(model(tokens), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(loss.item())
+    assert ranks[-1]["losses"] == pytest.approx(expected, rel=REL)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_deepspeeds_pipeline_module_takes_the_exported_parts(tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed")
+    plan = make_plan(EXAMPLE, [0, 3], schedule="1f1b", batch_size=8, n_microbatches=2)
+    ranks = _torchrun(tmp_path, "deepspeed", plan, "deepspeed")
+    assert [r["parts"] for r in ranks] == [[0, 3, 7], [0, 3, 7]]
+    assert [r["local"] for r in ranks] == [[0, 3], [3, 7]]
