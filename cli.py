@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from cli_support import COUNT_OR_AUTO, REPLICAS_OR_AUTO, debug_option, user_errors
+from cli_support import COUNT_OR_AUTO, REPLICAS_OR_AUTO, debug_option, split_option, user_errors
 from planner.errors import PlannerError
 from planner.report.export import EXPORT_FORMATS
 from planner.schema.costs import OPTIMIZERS
@@ -158,7 +158,19 @@ def _load_plan(path: str) -> Plan:
     type=click.Choice(list(METHODS)),
     default="optimal",
     show_default=True,
-    help="Partition the plan uses: the exact solver, equal layer counts (torchtitan/Megatron), or parameter-balanced (DeepSpeed). The others are shown for comparison.",
+    help="Partition the plan uses: the exact solver, equal layer counts (torchtitan/Megatron), parameter-balanced "
+    "(DeepSpeed), or 'given': the split of --compare. The others are shown for comparison.",
+)
+@click.option(
+    "--compare",
+    default=None,
+    metavar="SPLIT",
+    callback=lambda _ctx, _param, value: split_option(value),
+    help="A split you use now, costed beside the plan and the baselines (its step, memory and whether it fits): "
+    "layer counts per stage (3,4), a Megatron --pipeline-model-parallel-layout (Et*3|t*4L), DeepSpeed parts "
+    "(parts:0,3,7: block indices), or a file holding torchtitan's module_fqns_per_model_part (JSON list, "
+    "TOML or Python config, or a `planner export --to torchtitan` output). A split of another stage count is "
+    "costed under the best schedule for that count. --method given makes it the plan's split.",
 )
 @click.option(
     "--memory-limit",
@@ -287,6 +299,7 @@ def plan_cmd(
     schedule: str,
     stages_per_rank: int | None,
     method: str,
+    compare: str | None,
     memory_limit: float | None,
     recompute: str,
     gpu_type: str | None,
@@ -325,6 +338,7 @@ def plan_cmd(
         schedule=schedule,
         stages_per_rank=stages_per_rank,
         method=method,
+        compare=compare,
         memory_limit_gib=memory_limit,
         recompute=recompute,
         gpu_type=gpu_type,

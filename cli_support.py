@@ -4,13 +4,17 @@
 
 from __future__ import annotations
 
+import ast
 import functools
+import json
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
+import tomllib
 
 from planner.errors import PlannerError
 from planner.run.signals import Terminated, raise_on_signal
@@ -118,3 +122,56 @@ debug_option = click.option(
     callback=set_debug,
     help="Show the full traceback of an error instead of one line (also accepted before the subcommand).",
 )
+
+
+def split_option(value: str | None) -> str | None:
+    """``--compare SPLIT``: a file holding torchtitan's module lists becomes ``fqns:`` and their JSON;
+    anything else is passed on as written (``planner.core.given`` reads it).
+
+    Raises:
+        click.BadParameter: a file without a module_fqns_per_model_part list.
+    """
+    if value is None or not Path(value).is_file():
+        return value
+    path = Path(value)
+    text = path.read_text(errors="replace")
+    found: object = None
+    try:
+        found = json.loads(text)
+    except ValueError:
+        try:
+            table = tomllib.loads(text)
+            found = table.get("parallelism", table).get("module_fqns_per_model_part")
+        except tomllib.TOMLDecodeError:
+            found = _python_fqns(text)
+    if isinstance(found, dict):
+        found = found.get("module_fqns_per_model_part")
+    if not isinstance(found, list):
+        raise click.BadParameter(
+            f"{value} holds no module_fqns_per_model_part list (JSON, a TOML [parallelism] table, or a Python "
+            "config assigning it)"
+        )
+    return "fqns:" + json.dumps(found)
+
+
+def _python_fqns(text: str) -> object:
+    """The literal given to ``module_fqns_per_model_part`` in Python source (a keyword argument or an
+    assignment), read without running the file."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        value = None
+        if isinstance(node, ast.keyword) and node.arg == "module_fqns_per_model_part":
+            value = node.value
+        elif isinstance(node, ast.Assign) and any(
+            getattr(t, "id", getattr(t, "attr", None)) == "module_fqns_per_model_part" for t in node.targets
+        ):
+            value = node.value
+        if value is not None:
+            try:
+                return ast.literal_eval(value)
+            except ValueError:
+                return None
+    return None

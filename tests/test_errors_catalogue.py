@@ -425,6 +425,37 @@ CASES: list[Case] = [
         "no complete checkpoint",
     ),
     Case(
+        "export", "--rename without OLD=NEW", "export {d}/plan.json --to torchtitan --rename layers", 2, "give OLD=NEW"
+    ),
+    Case(
+        "export",
+        "-o naming a model file",
+        "export {d}/plan.json --to csv -o {d}/model.py",
+        2,
+        "not a `planner export` output",
+    ),
+    Case(
+        "plan options",
+        "--compare layer counts for a model without repeated layers",
+        "plan {d}/model.py --gpus 2 --compare 50,50 " + " ".join(FAST),
+        2,
+        "no repeated layers to count",
+    ),
+    Case(
+        "plan options",
+        "--compare naming a file without module lists",
+        "plan {d}/model.py --gpus 2 --compare {d}/model.py",
+        2,
+        "holds no module_fqns_per_model_part",
+    ),
+    Case(
+        "plan options",
+        "--method given without --compare",
+        "plan {d}/model.py --gpus 2 --method given",
+        2,
+        "--compare SPLIT",
+    ),
+    Case(
         "plan options",
         "--multi-node without --gpu-type",
         "plan {d}/model.py --gpus 2 --multi-node",

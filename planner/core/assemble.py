@@ -8,10 +8,11 @@ is assembled by exactly the code the command line uses.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.core.baselines import param_balanced, uniform_layers
 from planner.core.data_parallel import layout_links
+from planner.core.given import given_starts
 from planner.core.inputs import Cluster, Constraints, Scaling, SearchSpace
 from planner.core.predict import predict, slots_of
 from planner.core.search import Choice, Progress, search
@@ -85,6 +86,7 @@ def compare_methods(
     request: PlanRequest,
     link: LinkCost,
     slots: float | None,
+    given: tuple[Choice, list[int]] | None = None,
 ) -> dict[str, tuple[list[StagePlan], Prediction]]:
     """Every partition method's stages and prediction on the same costs, schedule and placement
     (and the same data-parallel replicas and mode).
@@ -95,6 +97,8 @@ def compare_methods(
         request: the method the plan uses and the optimizer.
         link: cost of one message between neighbouring ranks (or a ``NodeLinks``).
         slots: ranks that can compute at once (``slots_of``), None when each has its own device.
+        given: the user's split (``--compare``): its stage starts and the search's choice for its
+            stage count, whose layout it is costed under (``given_split``); None: none given.
 
     Returns:
         method -> (stages, prediction); a baseline that cannot split this model is left out.
@@ -121,7 +125,53 @@ def compare_methods(
                 raise
             continue  # a baseline that cannot split this model is left out of the comparison
         out[name] = predict(blocks, split.starts, link, layout, request.optimizer, split.recompute, slots)
+    if given is not None:
+        where, starts = given
+        placed = layout_links(link, where.layout.pp, where.layout.dp, where.layout.tp)
+        recompute = [request.recompute == "always"] * len(starts)
+        out["given"] = predict(where.blocks, starts, placed, where.layout, request.optimizer, recompute, slots)
     return out
+
+
+def given_split(
+    request: PlanRequest, chosen: Choice, research: Callable[[SearchSpace], Choice], space: SearchSpace
+) -> tuple[Choice, list[int]] | None:
+    """The user's split (``--compare``) as stage starts, with the layout to cost it under: the
+    chosen one when the stage counts agree, else the best the search finds for the split's stage
+    count on the same pipeline ranks, replicas and tensor-parallel degree.
+
+    Args:
+        request: the request (``compare``: the split; None: nothing to do).
+        chosen: the searched choice.
+        research: runs the search over another space.
+        space: the space ``chosen`` was searched in.
+
+    Returns:
+        (the choice whose layout costs the split, its stage starts), or None without ``--compare``.
+
+    Raises:
+        InfeasibleError: the split does not fit the model, or no layout runs its stage count here.
+    """
+    if request.compare is None:
+        return None
+    starts = given_starts(request.compare, chosen.blocks)
+    k, layout = len(starts), chosen.layout
+    if k == layout.n_stages:
+        return chosen, starts
+    if k % layout.pp:
+        raise InfeasibleError(
+            f"--compare: the split has {k} stages, but the plan's pipelines have {layout.pp} ranks, which run a "
+            f"multiple of {layout.pp} stages; give such a split, or --gpus / --dp for {k} pipeline ranks"
+        )
+    narrowed = replace(
+        space, stages_per_rank=k // layout.pp, replicas=(layout.dp,), dp_mode=layout.dp_mode, degrees=(layout.tp,)
+    )
+    try:
+        return research(narrowed), starts
+    except InfeasibleError as e:
+        raise InfeasibleError(
+            f"--compare: no schedule runs the split's {k} stages on {layout.pp} ranks here ({e})"
+        ) from None
 
 
 def search_rows(ranked: Sequence[Choice], rows: int = SEARCH_ROWS) -> list[Choice]:
@@ -258,9 +308,9 @@ def assemble_plan(
         profile.microbatch_size or request.microbatch_size, profile.fixed_fraction, profile.min_microbatch_size
     )
 
-    def run_search(limit: int | None) -> tuple[Choice, list[Choice], str]:
+    def run_search(limit: int | None, within: SearchSpace = space) -> tuple[Choice, list[Choice], str]:
         return search(
-            blocks, cluster, space, Constraints(request.optimizer, limit, request.recompute), scaling, progress
+            blocks, cluster, within, Constraints(request.optimizer, limit, request.recompute), scaling, progress
         )
 
     try:
@@ -271,7 +321,16 @@ def assemble_plan(
         # A baseline split ignores memory anyway: pick the schedule without the limit, then say
         # (below) how far over the limit the requested split is.
         chosen, ranked, note = run_search(None)
-    predictions = compare_methods(chosen, request, link, slots)
+    given = given_split(request, chosen, lambda within: run_search(memory_limit_bytes, within)[0], space)
+    if given is not None and given[0] is not chosen:  # another stage count: say which layout costs it
+        lay = given[0].layout
+        note += (
+            f"; your split (--compare) has {lay.n_stages} stages, costed under {lay.schedule}, m={lay.n_microbatches}, "
+            f"{lay.stages_per_rank} stage(s) per rank (the best layout for {lay.n_stages} stages)"
+        )
+    if request.method == "given" and given is not None:
+        chosen = given[0]  # the plan runs the split under the best layout for its stage count
+    predictions = compare_methods(chosen, request, link, slots, given)
     stages, prediction = predictions[request.method]
     _check_memory(request.method, prediction, stages, memory_limit_bytes)
     return Plan(

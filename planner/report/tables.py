@@ -19,6 +19,7 @@ METHOD_TITLES = {
     "optimal": "planner (searched)",
     "uniform": "uniform layers (torchtitan/Megatron)",
     "params": "parameter-balanced (DeepSpeed)",
+    "given": "your split (--compare)",
 }
 
 

@@ -17,7 +17,7 @@ from planner.errors import PlannerError
 from planner.schema.costs import OptimizerSpec
 
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev"]
-Method = Literal["optimal", "uniform", "params"]
+Method = Literal["optimal", "uniform", "params", "given"]
 Recompute = Literal["auto", "never", "always"]
 Dtype = Literal["bf16", "fp16", "fp32"]
 DpMode = Literal["ddp", "fsdp"]
@@ -156,6 +156,7 @@ class PlanRequest(_Request):
         "schedule": "--schedule",
         "stages_per_rank": "--stages-per-rank",
         "method": "--method",
+        "compare": "--compare",
         "memory_limit_gib": "--memory-limit",
         "recompute": "--recompute",
         "gpu_type": "--gpu-type",
@@ -212,6 +213,11 @@ class PlanRequest(_Request):
         default=None, ge=1, le=64, description="Stages on every rank (None: auto, as the schedule allows)."
     )
     method: Method = Field(default="optimal", description="The split the plan uses; the others are compared.")
+    compare: str | None = Field(
+        default=None,
+        description="A split to cost beside the plan (planner.core.given: layer counts, a Megatron layout, "
+        "parts:..., or fqns: and torchtitan's module lists as JSON); --method given trains it.",
+    )
     memory_limit_gib: float | None = Field(
         # 2**30 GiB (an exbibyte) is far past any device and keeps the limit a finite byte count
         default=None,
@@ -361,6 +367,8 @@ class PlanRequest(_Request):
                 f"batch size {self.batch_size} does not split into {m} equal microbatches; "
                 f"choose --batch-size as a multiple of --microbatches (e.g. --batch-size {m * max(1, self.batch_size // m)})"
             )
+        if self.method == "given" and self.compare is None:
+            raise ValueError("--method given trains the split given with --compare SPLIT; give one")
         if self.multi_node and self.gpu_type is None:
             raise ValueError(
                 "--multi-node applies to estimated costs only; add --gpu-type (measured plans use this machine's link)"
