@@ -29,7 +29,7 @@ def main(ctx: click.Context, debug: bool) -> None:
     """Plan and run pipeline-parallel training for a PyTorch model file.
 
     A model file is plain Python defining build_model(**config) and make_batch(batch_size, **config);
-    optionally loss_fn, train_batches and SIZES (see README).
+    optionally loss_fn, train_batches and SIZES (see README). A Hugging Face config.json works too.
     """
     ctx.obj = {"debug": debug}
 
@@ -50,7 +50,7 @@ def _load_plan(path: str) -> Plan:
 
 @main.command("plan")
 @debug_option
-@click.argument("model_file", type=click.Path(dir_okay=False))
+@click.argument("model_file", type=click.Path())
 @click.option(
     "--gpus",
     "-g",
@@ -318,7 +318,14 @@ def plan_cmd(
     output: str,
     quiet: bool,
 ) -> None:
-    """Trace and profile MODEL_FILE, split it into balanced stages, write the plan and print the balance report."""
+    """Trace and profile MODEL_FILE, split it into balanced stages, write the plan and print the balance report.
+
+    MODEL_FILE is a Python model file (build_model, make_batch; see README), or a Hugging Face
+    config.json or the folder holding it: the class its "architectures" names is built with fresh
+    weights (nothing is downloaded) and fed random tokens of its vocabulary; --set seq_len=N sets
+    the tokens per sample (default: max_position_embeddings, at most 512) and --set FIELD=VALUE any
+    config field.
+    """
     from planner.api import make_plan
     from planner.capture.load import parse_overrides
     from planner.report.tables import render

@@ -543,10 +543,14 @@ def load_model_file(path: str | Path, size: str | None = None, overrides: dict[s
         raise ModelFileError(
             f"model file {path} cannot be found ({e}); give the path of a .py file with build_model and make_batch"
         ) from e
+    if p.is_dir() and (p / "config.json").is_file():  # a Hugging Face model folder
+        p = p / "config.json"
     if not p.is_file():
         raise ModelFileError(
             f"model file {path} does not exist; give the path of a .py file with build_model and make_batch"
         )
+    if p.suffix == ".json":
+        return _hf_config_file(p, size, overrides)
     name = "planner_model_" + hashlib.sha256(str(p).encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(name, p)
     if spec is None or spec.loader is None:
@@ -584,6 +588,28 @@ def load_model_file(path: str | Path, size: str | None = None, overrides: dict[s
             )
         config[key] = value
     return ModelFile(p, module, size, config)
+
+
+def _hf_config_file(path: Path, size: str | None, overrides: dict[str, Any] | None) -> ModelFile:
+    """A Hugging Face ``config.json`` served as a model file (``planner.capture.hf_config``).
+
+    Raises:
+        ModelFileError: ``--size`` given (a config has no sizes), or a file that is no JSON object.
+    """
+    if size is not None:
+        raise ModelFileError(
+            f"{path.name} is a Hugging Face config, which has no sizes; change it with --set (seq_len=N, or a "
+            "config field such as num_hidden_layers=2)"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, OSError) as e:
+        raise ModelFileError(f"{path} cannot be read as JSON ({e}); give a model's config.json") from None
+    if not isinstance(data, dict):
+        raise ModelFileError(f"{path} holds no JSON object; give a model's config.json")
+    from planner.capture import hf_config
+
+    return ModelFile(path, hf_config, None, {"hf_config": str(path), **(overrides or {})})
 
 
 def _sizes(module: ModuleType, path: Path) -> Mapping[str, Mapping[str, Any]]:

@@ -1,0 +1,140 @@
+"""A Hugging Face config.json (or its folder) as the model: planned measured and estimated, trained
+to the unsplit losses, its ties and architectures as transformers builds them; a config that cannot
+be built is one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cli import main
+from planner.schema.plan import Plan
+from tests.run_factory import MODELS, assert_trains_like_unsplit
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA_70B = MODELS / "hf" / "configs" / "llama-3-70b"
+
+
+def _llama(folder: Path, **extra: object) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=172,
+        vocab_size=512,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+        architectures=["LlamaForCausalLM"],
+        **extra,
+    )
+    config.to_json_file(str(folder / "config.json"))
+    return folder
+
+
+def _plan(tmp_path: Path, model: Path, *args: str) -> tuple[Plan, str]:
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(main, ["plan", str(model), "--gpus", "2", "-b", "8", "-o", str(out), "-q", *args])
+    assert result.exit_code == 0, result.output
+    return Plan.load(out), result.output
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_config_folder_plans_and_trains_as_unsplit(tmp_path: Path) -> None:
+    folder = _llama(tmp_path / "tiny-llama")
+    plan, _ = _plan(tmp_path, folder, "--repeats", "1", "--warmup", "0", "--schedule", "1f1b")
+    assert plan.model.path.endswith("config.json") and plan.model.config["hf_config"].endswith("config.json")
+    assert [b.name for b in plan.blocks][:3] == ["model.embed_tokens", "model.rotary_emb", "model.layers.0"]
+    assert [t.names for t in plan.ties] == [("model.embed_tokens.weight", "lm_head.weight")]  # as transformers ties
+    assert_trains_like_unsplit(plan, tmp_path, "config.json")
+
+
+def test_set_changes_the_config_and_the_sequence(tmp_path: Path) -> None:
+    folder = _llama(tmp_path / "tiny-llama")
+    plan, _ = _plan(
+        tmp_path, folder / "config.json", "--gpu-type", "cpu", "--set", "num_hidden_layers=2", "--set", "seq_len=16"
+    )
+    assert sum(b.is_layer for b in plan.blocks) == 2
+    assert plan.model.config["seq_len"] == 16
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        transformers.T5Config(
+            vocab_size=128,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            architectures=["T5ForConditionalGeneration"],
+        ),
+        transformers.BertConfig(
+            vocab_size=128,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            num_labels=3,
+            architectures=["BertForSequenceClassification"],
+        ),
+    ],
+    ids=["encoder-decoder", "classification"],
+)
+def test_other_architectures_get_their_own_batches(tmp_path: Path, config: object) -> None:
+    path = tmp_path / "config.json"
+    config.to_json_file(str(path))  # type: ignore[attr-defined]
+    plan, _ = _plan(tmp_path, path, "--gpu-type", "cpu")
+    assert plan.n_stages >= 2
+
+
+@pytest.mark.slow
+def test_llama_3_70b_config_plans_as_the_model_file_does(tmp_path: Path) -> None:
+    """The shipped config.json of Llama 3 70B, shortened to 8 layers, against models/hf/llama.py's 70b."""
+    args = ["--gpus", "8", "--gpu-type", "h100", "-b", "8", "-q"]
+    mine = tmp_path / "a.json"
+    theirs = tmp_path / "b.json"
+    r1 = CliRunner().invoke(
+        main, ["plan", str(LLAMA_70B), *args, "--set", "num_hidden_layers=8", "--set", "seq_len=8192", "-o", str(mine)]
+    )
+    r2 = CliRunner().invoke(
+        main,
+        ["plan", str(MODELS / "hf" / "llama.py"), "--size", "70b", "--set", "n_layers=8", *args, "-o", str(theirs)],
+    )
+    assert r1.exit_code == 0 and r2.exit_code == 0, r1.output + r2.output
+    a, b = Plan.load(mine), Plan.load(theirs)
+    assert [s.start for s in a.stages] == [s.start for s in b.stages]
+    assert a.prediction.step_time_s == pytest.approx(b.prediction.step_time_s, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("content", "args", "message"),
+    [
+        (
+            {"model_type": "llama", "architectures": ["FooForCausalLM"]},
+            [],
+            "names architecture 'FooForCausalLM', which transformers",
+        ),
+        ({"model_type": "llama"}, [], 'names no "architectures"'),
+        ({"architectures": ["LlamaForCausalLM"]}, [], "cannot read it as a model config"),
+        ([1, 2], [], "holds no JSON object"),
+        ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, ["--size", "tiny"], "has no sizes"),
+    ],
+    ids=["unknown class", "no architectures", "no model type", "not an object", "size"],
+)
+def test_a_config_that_cannot_be_built_is_one_line(
+    tmp_path: Path, content: object, args: list[str], message: str
+) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(content))
+    result = CliRunner().invoke(main, ["plan", str(path), "--gpus", "2", "--gpu-type", "cpu", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output
