@@ -198,6 +198,39 @@ def search_rows(ranked: Sequence[Choice], rows: int = SEARCH_ROWS) -> list[Choic
     return [ranked[i] for i in sorted(kept | wanted)]
 
 
+def _best_of_baselines(predictions: dict[str, tuple[list[StagePlan], Prediction]], limit: int | None) -> str:
+    """Keep a baseline's split as the plan's where it fits and its simulated step is shorter than the
+    solver's: the solver minimises the slowest stage under the memory limit and then moves one cut at a
+    time against the simulated step, which can miss a split that shifts several cuts at once.
+
+    Args:
+        predictions: every method's stages and prediction; ``"optimal"`` is replaced in place.
+        limit: the per-rank memory limit (None: none).
+
+    Returns:
+        A clause for the plan's ``choice`` line naming the baseline kept ("" when none was).
+    """
+    solver = predictions["optimal"][1].step_time_s
+    faster = [
+        (pred.step_time_s, name)
+        for name, (_, pred) in predictions.items()
+        if name in ("uniform", "params")
+        and pred.step_time_s < solver * (1 - 1e-9)
+        and (limit is None or pred.max_memory_bytes <= limit)
+    ]
+    if not faster:
+        return ""
+    step, name = min(faster)
+    predictions["optimal"] = predictions[name]
+    return (
+        f"; the {METHOD_NAMES[name]} split is {100 * (1 - step / solver):.1f}% faster by the simulated step than the "
+        "solver's least-bottleneck split, so the plan uses it"
+    )
+
+
+METHOD_NAMES = {"uniform": "equal-layer", "params": "parameter-balanced"}
+
+
 def _check_memory(method: str, prediction: Prediction, stages: list[StagePlan], limit: int | None) -> None:
     """The baselines split by layer or parameter counts and know nothing of memory: refuse one that does not fit."""
     if limit is None or prediction.max_memory_bytes <= limit:
@@ -331,6 +364,8 @@ def assemble_plan(
     if request.method == "given" and given is not None:
         chosen = given[0]  # the plan runs the split under the best layout for its stage count
     predictions = compare_methods(chosen, request, link, slots, given)
+    if request.method == "optimal" and request.recompute != "always":  # (the baselines never recompute)
+        note += _best_of_baselines(predictions, memory_limit_bytes)
     stages, prediction = predictions[request.method]
     _check_memory(request.method, prediction, stages, memory_limit_bytes)
     return Plan(

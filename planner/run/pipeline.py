@@ -299,7 +299,14 @@ def _joined(plan: Plan, device: torch.device, timeout_s: float) -> int:
         timeout = datetime.timedelta(seconds=timeout_s)
         backend = "nccl" if device.type == "cuda" else "gloo"
         if plan.world_size == 1 and "RANK" not in os.environ:  # a plan of one rank: a group of one, here
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(
+                backend,
+                store=dist.HashStore(),
+                rank=0,
+                world_size=1,
+                timeout=timeout,
+                device_id=device if backend == "nccl" else None,
+            )
         elif "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise PlannerError(
                 f"the plan has {plan.world_size} rank(s) and this process joined no process group: start the script "
