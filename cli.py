@@ -3,6 +3,7 @@
 planner plan MODEL.py --gpus N     trace, profile, solve; write plan.json; print balance tables
 planner run PLAN.json              launch one process per stage and train with the planned schedule
 planner report PLAN.json           print the balance tables of a saved plan
+planner export PLAN.json --to T    the plan in torchtitan's, Megatron's, DeepSpeed's or torch's CSV terms
 """
 
 from __future__ import annotations
