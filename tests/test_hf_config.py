@@ -138,3 +138,39 @@ def test_a_config_that_cannot_be_built_is_one_line(
     result = CliRunner().invoke(main, ["plan", str(path), "--gpus", "2", "--gpu-type", "cpu", *args])
     assert result.exit_code == 2, result.output
     assert message in result.stderr and "Traceback" not in result.output
+
+
+def test_a_transformers_model_trains_through_the_library_api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """planner.pipeline with a Hugging Face model and its batch by name (one rank, no torchrun): the
+    plan's microbatches equal the unsplit model's step, the output given to the loss as its logits."""
+    import torch
+    import torch.distributed as dist
+
+    import planner
+    from planner.capture import hf_config
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    folder = _llama(tmp_path / "tiny-llama")
+    plan, _ = _plan(tmp_path, folder, "--gpu-type", "cpu", "--gpus", "1", "-m", "2")
+    config = transformers.AutoConfig.from_pretrained(str(folder))
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(3)
+        return transformers.LlamaForCausalLM(config)
+
+    batch, target = hf_config.make_batch(8, hf_config=str(folder / "config.json"))
+    try:
+        pipe = planner.pipeline(plan, build(), batch, loss_fn=hf_config.loss_fn)
+        loss = pipe.step(batch, target)
+        pipe.finish_grads()
+        norm = pipe.clip_grad_norm_(None)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    model = build()
+    want = hf_config.loss_fn(model(**batch).logits, target)
+    want.backward()
+    want_norm = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters() if p.grad is not None))
+    assert float(loss) == pytest.approx(float(want), rel=1e-4)
+    assert norm == pytest.approx(float(want_norm), rel=1e-4)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planner.capture.load import bind_inputs, default_loss, forward_parameters, model_output
+from planner.capture.load import bind_inputs, default_loss, forward_parameters, model_output, prepare_model
 from planner.capture.stage import stage_inputs
 from planner.errors import PlannerError
 from planner.run.gradients import clip_to_global_norm
@@ -241,7 +241,8 @@ def pipeline(
     weights: seed the RNG or load one checkpoint) on every rank. The process group is joined from
     torchrun's environment when the script has not joined one (nccl for a plan made for GPUs, gloo
     for a CPU plan). The stages hold their own copy of the weights: train ``Pipeline.parameters()``,
-    not ``model``'s.
+    not ``model``'s. A Hugging Face model's key/value cache is switched off (``config.use_cache``,
+    which training never reads), as the planner traced it.
 
     Args:
         plan: a plan (``Plan``) or the path of a plan.json written by ``planner plan``.
@@ -270,6 +271,7 @@ def pipeline(
     if where.type == "cuda":
         torch.cuda.set_device(where)
     _check_same_weights(model, where)
+    prepare_model(model)  # a Hugging Face model's key/value cache off, as the planner traced it
     params = forward_parameters(model)
     inputs = tuple(_rows(x, plan.microbatch_size) for x in _positional(example, params, "the example"))
     user_loss = loss_fn or default_loss
