@@ -395,7 +395,7 @@ CASES: list[Case] = [
     Case(
         "plan options",
         "--memory-limit nothing fits",
-        "plan {d}/model.py --gpus 2 -b 8 --memory-limit 0.0000001 " + " ".join(FAST),
+        "plan {d}/model.py --gpus 2 -b 8 --schedule gpipe --memory-limit 0.0000001 " + " ".join(FAST),
         2,
         "GiB memory limit: the closest",
     ),

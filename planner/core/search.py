@@ -391,7 +391,9 @@ def _nothing_fits(outcome: _Outcome, cluster: Cluster, constraints: Constraints)
         if outcome.errors:
             return outcome.errors[0]
         return InfeasibleError("nothing to search: no layout of these ranks and batch can run")
-    need, layout = min(needs, key=lambda nl: nl[0])
+    # ties (a tiny model's layouts may need the same bytes) go to the first layout by name, so the message
+    # does not depend on the order in which measured costs let the search reach them
+    need, layout = min(needs, key=lambda nl: (nl[0], describe(nl[1])))
     hints = ["raise --memory-limit", "use more --gpus"]
     hints += ["--recompute auto"] if constraints.recompute == "never" else []
     return InfeasibleError(

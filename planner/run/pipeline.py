@@ -110,7 +110,7 @@ class Pipeline:
                 rows are not the replica's batch.
         """
         losses = self.microbatch_losses(self.first_stage_args(inputs), target)
-        return None if losses is None else torch.stack(losses).mean()
+        return None if losses is None else torch.stack([loss.detach() for loss in losses]).mean()
 
     def finish_grads(self) -> None:
         """Turn the step's accumulated gradients into the step's: the mean over microbatches, tied
@@ -176,7 +176,7 @@ class Pipeline:
                 losses = self.microbatch_losses(self.first_stage_args(inputs), target, training=False)
         finally:
             train_mode(self.modules, True)
-        return None if losses is None else torch.stack(losses).mean()
+        return None if losses is None else torch.stack([loss.detach() for loss in losses]).mean()
 
     def microbatch_losses(
         self, args: tuple, target: torch.Tensor | None, *, training: bool = True
