@@ -86,11 +86,14 @@ def uniform_layers(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -
 def param_balanced(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -> Partition:
     """Minimise the largest per-stage parameter count: DeepSpeed ``partition_method="parameters"``.
 
-    DeepSpeed's ``partition_balanced`` minimises the max part weight over per-layer parameter
-    counts; this solves the same objective exactly with the partition DP, on legal cuts only, with
-    non-empty stages. Among equal optima it picks the lexicographically largest starts, i.e. the
-    earlier stages as full as possible, as DeepSpeed's greedy ``_lprobe`` does (it bisects each part
-    up to the bottleneck); DeepSpeed's own bisection is approximate (eps) and may allow empty parts.
+    DeepSpeed's ``partition_balanced`` minimised the max part weight over per-layer parameter
+    counts by bisection (its greedy ``_lprobe``); this solves that objective exactly with the
+    partition DP, on legal cuts only, with non-empty stages. Among equal optima it picks the
+    lexicographically largest starts, i.e. the earlier stages as full as possible, as ``_lprobe``
+    did. DeepSpeed 0.19's ``partition_balanced`` is a dynamic programme minimising the spread (the
+    largest part minus the smallest) instead, which can choose another split (Llama 3 8B on 8
+    stages: 3+5+5+5+5+4+4+4 blocks against 3+5+5+5+5+5+5+2 here); give DeepSpeed's own parts with
+    ``--compare parts:...`` to cost exactly its split (``bench/interop_compare.py`` does).
 
     Args:
         blocks: per-block costs in execution order.
