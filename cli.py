@@ -186,7 +186,10 @@ def _load_plan(path: str) -> Plan:
     type=click.Choice(list(RECOMPUTE)),
     default="auto",
     show_default=True,
-    help="Activation checkpointing per stage: only where a stage would not fit otherwise, never, or everywhere.",
+    help="Activation checkpointing, each block its own region: auto (per stage, only where it would not fit "
+    "otherwise: selective if that fits, else full), never, selective (every block keeps its matmul and attention "
+    "outputs and recomputes the rest, as torchtitan's op mode) or full (every block keeps only its input) on every "
+    "stage; always is full.",
 )
 @click.option(
     "--gpu-type",

@@ -100,13 +100,17 @@ def assert_fit_limits_agree(mem: Any, arrays: Any, pairs: list[tuple[int, int]],
 
     s_arr = np.array([s for s, _ in pairs], dtype=np.int64)
     e_arr = np.array([e for _, e in pairs], dtype=np.int64)
-    t0, t1 = arrays.fit_limits(s_arr, e_arr)
+    fits = arrays.fit_limits(s_arr, e_arr)  # per mode: never, selective, full
+    modes = ("never", "selective", "full")
+    order = {"never": modes[:1], "selective": modes[1:2], "full": modes[2:], "auto": modes}[mem.recompute]
     last = dict(zip(arrays.starts.tolist(), arrays.last_fit(min(infl)).tolist()))
     for i, (s, e) in enumerate(pairs):
         for t in set(infl):
             want = mem.choice(s, e, t)
-            got = False if t <= t0[i] else True if t <= t1[i] else None
+            got = next((mode for mode in order if t <= fits[modes.index(mode)][i]), None)
             assert got == want, (s, e, t)
+            for mode in modes:  # a mode the policy rules out fits nothing
+                assert mode in order or fits[modes.index(mode)][i] == -1
             if want is not None:
                 assert e <= last[s], (s, e, t)
 

@@ -51,7 +51,9 @@ def problems(draw: st.DrawFn) -> tuple[list, Cluster, Layout, Constraints, rando
     optimizer = OptimizerSpec(
         name=draw(st.sampled_from(["adamw", "sgd"])), grad_clip=draw(st.sampled_from([None, 1.0]))
     )
-    constraints = Constraints(optimizer=optimizer, recompute=draw(st.sampled_from(["never", "always", "auto"])))
+    constraints = Constraints(
+        optimizer=optimizer, recompute=draw(st.sampled_from(["never", "always", "auto", "selective"]))
+    )
     accumulation = draw(st.sampled_from([1, 1, 2, 3]))
     layout = Layout(schedule, pp, m, v, dp, mode, accumulation=accumulation)
     return blocks, cluster, layout, constraints, rng
@@ -62,7 +64,8 @@ def _random_split(blocks: list, n_stages: int, rng: random.Random) -> Partition 
     if len(cuts) < n_stages - 1:
         return None
     starts = (0, *sorted(rng.sample(cuts, n_stages - 1)))
-    return Partition(starts=starts, bottleneck_s=0.0, recompute=tuple(rng.random() < 0.5 for _ in starts))
+    modes = ("never", "selective", "full")
+    return Partition(starts=starts, bottleneck_s=0.0, recompute=tuple(rng.choice(modes) for _ in starts))
 
 
 @settings(max_examples=300, deadline=None)

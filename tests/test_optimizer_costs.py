@@ -114,6 +114,7 @@ def instances(draw: st.DrawFn) -> tuple[list[BlockCost], int, int, OptimizerSpec
                 cut_bytes=draw(st.integers(0, 200)) * scale,
                 cut_tensors=1,
                 output_bytes=draw(st.integers(0, 200)) * scale,
+                selective_bytes=draw(st.one_of(st.none(), st.integers(0, 200).map(lambda x: x * scale))),
                 cut_legal=True,
                 is_layer=True,
             )
@@ -126,7 +127,7 @@ def instances(draw: st.DrawFn) -> tuple[list[BlockCost], int, int, OptimizerSpec
         draw(st.integers(-5, 8000)) * scale,
         draw(st.integers(1, 9)),
         optimizer,
-        draw(st.sampled_from(["never", "auto", "always"])),
+        draw(st.sampled_from(["never", "auto", "always", "selective"])),
         draw(st.lists(st.integers(0, 9), min_size=1, max_size=4)),
         draw(st.sampled_from([1, 3])),
     )
@@ -152,7 +153,7 @@ def test_fast_memory_path_matches_stage_memory_parts(
             want = max(temps) if optimizer.step_temp_rule == "max" else sum(temps)  # type: ignore[type-var, arg-type]
         assert mem.temps.of(s, e) == want
         for t in set(infl):
-            for r in (False, True):
+            for r in ("never", "selective", "full"):
                 ref = stage_memory_parts(blocks, s, e, optimizer, r, m, shard).peak(t)
                 assert mem.bytes(s, e, t, r) == ref, (s, e, t, r)
     # the vectorised fit thresholds and the fitting-end bounds agree with the scalar check
@@ -167,7 +168,12 @@ def test_fast_memory_path_matches_stage_memory_parts(
         assert floor[i] <= step[i]
         if e < n:  # the floor never decreases as the stage grows
             assert floor[i] <= floor[i + 1], (s, e)
-    options = {"never": (False,), "always": (True,), "auto": (False, True)}[mode]
+    options = {
+        "never": ("never",),
+        "always": ("full",),
+        "selective": ("selective",),
+        "auto": ("never", "selective", "full"),
+    }[mode]
     for t in set(infl):  # the bound the fitting ends are searched with is one
         bound = arrays._fit_bound(s_arr, e_arr, t)
         for i, (s, e) in enumerate(pairs):

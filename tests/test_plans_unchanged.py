@@ -53,7 +53,7 @@ SHIPPED: list[tuple[str, str | None, int, dict[str, Any]]] = [
 # Fields added after the digests were written, with the value that means what a plan without them
 # meant: dropped while they hold it, so the digests pin the figures, not the format.
 LATER_DEFAULTS = {"tp": 1, "tp_plan": {}, "accumulation": 1}
-BLOCK_LATER_DEFAULTS = {"tp": None}
+BLOCK_LATER_DEFAULTS = {"tp": None, "selective_bytes": None, "selective_recompute_s": None}
 SHARE_LATER_DEFAULTS = {"slowdown": {}}  # inside a block's tp share (a nested object)
 CANDIDATE_LATER_DEFAULTS = {"tp": 1, "accumulation": 1}
 
@@ -64,9 +64,24 @@ def _drop(data: dict[str, Any], defaults: dict[str, Any]) -> None:
             del data[key]
 
 
+def _flags(value: Any) -> Any:
+    """Recompute modes as the flags plans stored before selective checkpointing ("full": true), so
+    that only figures move digests (a stage's memory under checkpointing block by block)."""
+    if isinstance(value, dict):
+        return {
+            k: ({"never": False, "full": True}.get(v, v) if k == "recompute" and isinstance(v, str) else _flags(v))
+            if not (k == "recompute" and isinstance(v, list))
+            else [{"never": False, "full": True}.get(x, x) for x in v]
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_flags(x) for x in value]
+    return value
+
+
 def digest(plan: Plan) -> str:
     """SHA-256 of the plan's JSON, without the fields that change with the clock or the machine."""
-    data = plan.model_dump(mode="json")
+    data = _flags(plan.model_dump(mode="json"))
     _drop(data, LATER_DEFAULTS)
     for block in data["blocks"]:
         _drop(block, BLOCK_LATER_DEFAULTS)

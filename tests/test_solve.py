@@ -23,8 +23,10 @@ from planner.core.links import NodeLinks, boundary_crosses, boundary_links
 from planner.core.schedules import in_flight_per_stage
 from planner.core.stage_model import (
     Partition,
+    checkpoint_units,
     evaluate,
     recompute_cost,
+    selective_cost,
     stage_costs,
     stage_memories,
     stage_memory_bytes,
@@ -92,8 +94,8 @@ def brute(
 ) -> list[tuple[tuple[int, ...], float, float]]:
     """Every feasible partition as (starts, bottleneck, sum of stage costs).
 
-    Each stage takes the cheapest option that fits: without recomputation unless ``recompute`` is
-    "always" or it does not fit; with recomputation when allowed ("auto", "always") and it fits.
+    Each stage takes the first option of its policy that fits: "never", "selective" and "full"
+    allow only themselves ("always" is "full"); "auto" tries them in that order.
     """
     n = len(blocks)
     if p > n or (in_flight is None and schedule == "1f1b" and m < p):
@@ -107,7 +109,7 @@ def brute(
         ends = list(starts[1:]) + [n]
         flags = []
         for k, (s, e) in enumerate(zip(starts, ends)):
-            options = {"never": [False], "auto": [False, True], "always": [True]}[recompute]
+            options = _POLICY[recompute]
             fit = [r for r in options if stage_memory_bytes(blocks, s, e, infl[k], optimizer, r, m) <= cap]
             flags.append(fit[0] if fit else None)
         if None in flags:
@@ -144,6 +146,16 @@ def instances(
         )
         for i in range(n)
     ]
+    # selective checkpointing's kept bytes and recomputation, measured or not
+    blocks = [
+        b.model_copy(
+            update={
+                "selective_bytes": draw(st.one_of(st.none(), st.integers(0, b.activation_bytes))),
+                "selective_recompute_s": draw(st.one_of(st.none(), time_st)),
+            }
+        )
+        for b in blocks
+    ]
     p = draw(st.integers(1, n))
     link = LinkCost(
         name="l",
@@ -154,7 +166,7 @@ def instances(
     m = draw(st.integers(1, 10))
     optimizer = draw(st.sampled_from([SGD, OptimizerSpec()]))
     limit = draw(st.one_of(st.none(), st.integers(0, 4000)))
-    recompute = draw(st.sampled_from(["never", "auto", "always"]))
+    recompute = draw(st.sampled_from(["never", "auto", "always", "selective"]))
     return blocks, p, link, schedule, m, optimizer, limit, recompute
 
 
@@ -362,17 +374,25 @@ def _legal_starts(blocks: Sequence[BlockCost]) -> list[bool]:
     return [False] + [b.cut_legal for b in blocks[:-1]] + [False]
 
 
+_POLICY = {
+    "never": ["never"],
+    "selective": ["selective"],
+    "full": ["full"],
+    "always": ["full"],
+    "auto": ["never", "selective", "full"],
+}
+
+
 def _reference_choice(
     blocks: Sequence[BlockCost], optimizer: OptimizerSpec, limit: float, mode: str, m: int
-) -> Callable[[int, int, int], bool | None]:
-    """Whether stage [s, e) holding t live microbatches recomputes (True) or not (False), or cannot
-    fit either way (None), from the public memory formula ``stage_memory_bytes``."""
+) -> Callable[[int, int, int], str | None]:
+    """How stage [s, e) holding t live microbatches recomputes (the first mode of the policy that
+    fits), or None when none fits, from the public memory formula ``stage_memory_bytes``."""
 
-    def choice(s: int, e: int, t: int) -> bool | None:
-        if mode != "always" and stage_memory_bytes(blocks, s, e, t, optimizer, False, m) <= limit:
-            return False
-        if mode != "never" and stage_memory_bytes(blocks, s, e, t, optimizer, True, m) <= limit:
-            return True
+    def choice(s: int, e: int, t: int) -> str | None:
+        for option in _POLICY[mode]:
+            if stage_memory_bytes(blocks, s, e, t, optimizer, option, m) <= limit:
+                return option
         return None
 
     return choice
@@ -403,28 +423,29 @@ def _reference_solve(
     edge = [links[0] if links else FREE, *links, links[-1] if links else FREE]
     crosses = [True, *boundary_crosses(n_stages, schedule), True]
     plains = [_reference_cost_matrix(blocks, edge[k], edge[k + 1], crosses[k], crosses[k + 1]) for k in range(n_stages)]
-    pre_r = [0.0]
+    extra = {"full": [0.0], "selective": [0.0], "never": [0.0] * (len(blocks) + 1)}
     for b in blocks:
-        pre_r.append(pre_r[-1] + recompute_cost(b))
+        extra["full"].append(extra["full"][-1] + recompute_cost(b))
+        extra["selective"].append(extra["selective"][-1] + selective_cost(b))
     limit = memory_limit_bytes if memory_limit_bytes is not None else math.inf
-    mode = recompute if memory_limit_bytes is not None or recompute == "always" else "never"
+    mode = "never" if memory_limit_bytes is None and recompute == "auto" else recompute
     fit = _reference_choice(blocks, optimizer, limit, mode, n_microbatches)
 
-    def choice(s: int, e: int, k: int) -> bool | None:
+    def choice(s: int, e: int, k: int) -> str | None:
         return fit(s, e, infl[k])
 
     def cost(s: int, e: int, k: int) -> float:
         c = choice(s, e, k)
         if c is None:
             return math.inf
-        return plains[k][s][e] + (pre_r[e] - pre_r[s] if c else 0.0)
+        return plains[k][s][e] + (extra[c][e] - extra[c][s] if c != "never" else 0.0)
 
     allowed: _Allowed = lambda s, e, k: choice(s, e, k) is not None  # noqa: E731
     starts = _reference_dp(n, n_stages, _legal_starts(blocks), cost, cost, allowed)
     if starts is None:
         return None
     ends = [*starts[1:], n]
-    flags = [bool(choice(s, e, k)) for k, (s, e) in enumerate(zip(starts, ends))]
+    flags = [choice(s, e, k) or "never" for k, (s, e) in enumerate(zip(starts, ends))]
     return evaluate(blocks, starts, link, flags, schedule)
 
 
@@ -514,6 +535,8 @@ def requests(draw: st.DrawFn, ties: bool) -> Request:
             fwd_s=draw(secs),
             bwd_s=draw(secs),
             recompute_s=draw(st.one_of(st.none(), secs)),
+            selective_recompute_s=draw(st.one_of(st.none(), secs)),
+            selective_bytes=draw(st.one_of(st.none(), st.integers(0, 100))),
             params=draw(st.integers(0, 50)),
             param_bytes=draw(st.integers(0, 200)),
             activation_bytes=draw(st.integers(0, 100)),
@@ -540,7 +563,7 @@ def requests(draw: st.DrawFn, ties: bool) -> Request:
         "n_microbatches": m,
         "optimizer": draw(st.sampled_from([SGD, OptimizerSpec()])),
         "memory_limit_bytes": draw(st.one_of(st.none(), st.integers(0, 4000))),
-        "recompute": draw(st.sampled_from(["never", "auto", "always"])),
+        "recompute": draw(st.sampled_from(["never", "auto", "always", "selective", "full"])),
     }
     if draw(st.integers(0, 3)) == 0:  # explicit counts, as a schedule with several stages per rank gives
         kw["in_flight"] = draw(st.lists(st.integers(0, 6), min_size=p, max_size=p))
@@ -656,7 +679,8 @@ def memory_instances(draw: st.DrawFn) -> tuple[list[BlockCost], int, int, Optimi
             cut_bytes=draw(bytes_st),
             cut_tensors=1,
             output_bytes=draw(bytes_st),
-            cut_legal=True,
+            selective_bytes=draw(st.one_of(st.none(), bytes_st)),
+            cut_legal=draw(st.booleans()) or draw(st.booleans()),  # regions of one block or several
             is_layer=True,
         )
         for i in range(n)
@@ -668,7 +692,7 @@ def memory_instances(draw: st.DrawFn) -> tuple[list[BlockCost], int, int, Optimi
         limit,
         draw(st.integers(1, 9)),
         draw(st.sampled_from([SGD, OptimizerSpec()])),
-        draw(st.sampled_from(["never", "auto", "always"])),
+        draw(st.sampled_from(["never", "auto", "always", "selective"])),
         infl,
     )
 
@@ -688,7 +712,9 @@ def test_vector_memory_check_matches_scalar(
     mem = solve_mod._MemoryModel(blocks, optimizer, limit, mode, m)
     link = LinkCost(name="l", latency_s=0.0, bandwidth_Bps=1.0)
     arrays = solve_mod._Arrays(blocks, link, mem, mode, infl)
-    pairs = [(s, e) for s in range(n) for e in range(s + 1, n + 1)]
+    legal = _legal_starts(blocks)
+    heads = [s for s in range(n) if s == 0 or legal[s]]  # stages start and end at legal cuts
+    pairs = [(s, e) for s in heads for e in range(s + 1, n + 1) if e == n or legal[e]]
     assert_fit_limits_agree(mem, arrays, pairs, infl)
 
 
@@ -839,25 +865,58 @@ def test_memory_uses_in_flight_of_each_stage() -> None:
 
 def test_recompute_auto_makes_a_plan_fit() -> None:
     # GPipe, p=2, m=4, 100 activation bytes per block and microbatch, 10-byte cuts. Without
-    # recomputation one block alone holds 4 x 100 = 400 > 300. Recomputing, a stage keeps its
-    # 10-byte input and its 10-byte cached output per live microbatch plus one microbatch's
-    # activations: stage [0,2) needs 4*(0+10) + 200 + 10 (output grad) + 4*10 (receive buffers) = 290,
-    # stage [2,4) 4*(10+0) + 200 + 0 + 4*10 = 280.
+    # recomputation one block alone holds 4 x 100 = 400 > 300. Checkpointing every block (full), a
+    # stage keeps each block's 10-byte input and its 10-byte cached output per live microbatch, plus
+    # one block's activations being rebuilt: stage [0,2) needs 4*(0+10+10) + 10 (output grad) + 100
+    # + 4*10 (receive buffers) = 230, stage [2,4) 4*(10+10+0) + 0 + 100 + 4*10 = 220.
     blocks = [b.model_copy(update={"recompute_s": b.fwd_s}) for b in times([1, 1, 1, 1], act=100, cut=10)]
     part = solved(blocks, 2, FREE, n_microbatches=4, schedule="gpipe", memory_limit_bytes=300)
-    assert part.starts == (0, 2) and part.recompute == (True, True)
+    assert part.starts == (0, 2) and part.recompute == ("full", "full")
     # 2 blocks x (forward 1 + forward again in backward 1) + the 10-byte boundary each way at 1 B/s.
     assert part.bottleneck_s == 4.0 + 20.0
     assert stage_memories(blocks, part.starts, schedule="gpipe", n_microbatches=4, recompute=part.recompute) == [
-        290,
-        280,
+        230,
+        220,
     ]
     # Only the stage that does not fit recomputes: 1F1B keeps 2 microbatches on stage 0, 1 on stage 1.
     part = solved(blocks, 2, FREE, n_microbatches=4, schedule="1f1b", memory_limit_bytes=300)
-    assert part.starts == (0, 2) and part.recompute == (True, False)
-    # Without a limit nothing recomputes; "always" recomputes everywhere.
+    assert part.starts == (0, 2) and part.recompute == ("full", "never")
+    # Without a limit nothing recomputes; "full" (or its old name "always") recomputes everywhere.
     assert solved(blocks, 2, FREE, n_microbatches=4).recompute == ()
-    assert solved(blocks, 2, FREE, n_microbatches=4, recompute="always").recompute == (True, True)
+    assert solved(blocks, 2, FREE, n_microbatches=4, recompute="full").recompute == ("full", "full")
+    assert solved(blocks, 2, FREE, n_microbatches=4, recompute="always").recompute == ("full", "full")
+
+
+def test_auto_takes_selective_checkpointing_where_it_fits() -> None:
+    # As above, but each block keeps 30 of its 100 bytes under selective checkpointing and recomputes
+    # for 0.25 s instead of 1. GPipe stage [0,2) selectively: 4*(0+10 inputs + 60 kept + 10 output)
+    # + 10 + 70 rebuilt + 40 buffers = 440; stage [2,4): 4*(20 + 60) + 0 + 70 + 40 = 430.
+    kept = {"recompute_s": 1.0, "selective_bytes": 30, "selective_recompute_s": 0.25}
+    blocks = [b.model_copy(update=kept) for b in times([1, 1, 1, 1], act=100, cut=10)]
+    part = solved(blocks, 2, FREE, n_microbatches=4, schedule="gpipe", memory_limit_bytes=450)
+    assert part.starts == (0, 2) and part.recompute == ("selective", "selective")
+    assert part.bottleneck_s == 2 * (1.0 + 0.25) + 20.0
+    assert stage_memories(blocks, part.starts, schedule="gpipe", n_microbatches=4, recompute=part.recompute) == [
+        440,
+        430,
+    ]
+    # Below 430 selective does not fit: full checkpointing, at the full recomputation's cost.
+    part = solved(blocks, 2, FREE, n_microbatches=4, schedule="gpipe", memory_limit_bytes=400)
+    assert part.recompute == ("full", "full") and part.bottleneck_s == 2 * (1.0 + 1.0) + 20.0
+    # Forced selective where it does not fit: nothing fits.
+    with pytest.raises(InfeasibleError, match="memory-limit"):
+        solved(blocks, 2, FREE, n_microbatches=4, schedule="gpipe", memory_limit_bytes=400, recompute="selective")
+
+
+def test_checkpoint_regions_follow_the_legal_cuts() -> None:
+    # A block whose end is no legal cut shares its checkpoint region with the next: blocks 0 and 1
+    # are one region of 200 bytes, rebuilt at once; block 2 another (its input: block 1's cut).
+    blocks = times([1, 1, 1], act=100, cut=10)
+    blocks[0] = blocks[0].model_copy(update={"cut_legal": False})
+    assert checkpoint_units(blocks, 0, 3) == [(0, 2), (2, 3)]
+    # one live microbatch: inputs 0 + 10, + 0 output; one region rebuilt: 200
+    assert stage_memory_bytes(blocks, 0, 3, 1, SGD, "full") == 10 + 200
+    assert stage_memory_bytes(blocks, 0, 3, 1, SGD, "never") == 300
 
 
 def test_stage_memory_formula() -> None:
@@ -956,7 +1015,7 @@ def test_unknown_recompute_cost_is_charged_as_the_whole_forward() -> None:
     assert all(b.recompute_s is None for b in blocks)
     always = solved(blocks, 2, FREE, n_microbatches=4, recompute="always")
     never = solved(blocks, 2, FREE, n_microbatches=4, recompute="never")
-    assert always.recompute == (True, True)
+    assert always.recompute == ("full", "full")
     fwd = sum(b.fwd_s for b in blocks[: always.starts[1]])
     assert always.bottleneck_s == pytest.approx(never.bottleneck_s + fwd)
 

@@ -219,7 +219,7 @@ def _brute_force(
                 continue
             for m in replica_microbatches(space.batch_size, dp, None, 1):
                 sized = at_degree(blocks_at(blocks, 1, space.batch_size // (dp * m), 0.0), tp, cluster.link)  # type: ignore[arg-type]
-                names = ["gpipe"] if pp == 1 else list(SCHEDULES)
+                names = ["gpipe", "1f1b"] if pp == 1 else list(SCHEDULES)  # as the search tries one rank
                 for name in names:
                     for v in stages_per_rank_options(name, _max_stages_per_rank(blocks, pp)):
                         layout = Layout(name, pp, m, v, dp, "auto", tp)

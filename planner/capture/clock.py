@@ -27,9 +27,10 @@ The profile uses it to time every block cold (``planner.costs.context``).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,7 @@ class BlockClock:
         self.actions: list[ActionMarks] = []
         self.step = 0  # the caller's step number, recorded with each action
         self._open: ActionMarks | None = None
+        self._silent = 0  # > 0: marks pass their values on but note nothing (``silenced``)
 
     def begin(self, kind: str, microbatch: int = 0) -> None:
         """Start an action: marks until ``finish()`` belong to it."""
@@ -97,9 +99,19 @@ class BlockClock:
         self.actions = [a for a in self.actions if a.step != step]
         self._open = None
 
+    @contextlib.contextmanager
+    def silenced(self) -> Iterator[None]:
+        """Marks run inside note nothing: a checkpoint region's recomputation passes its marks again
+        inside the backward of its blocks (``planner.capture.checkpoint``), where they mean nothing."""
+        self._silent += 1
+        try:
+            yield
+        finally:
+            self._silent -= 1
+
     def note(self, k: int) -> None:
         """Record mark ``k`` (called by the marks themselves), then pause ``pause_s``."""
-        if self._open is not None:
+        if self._open is not None and not self._silent:
             if self.cuda:
                 torch.cuda.synchronize()
             # a mark's time is when the blocks before it were done; the block after it starts once

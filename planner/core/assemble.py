@@ -128,7 +128,8 @@ def compare_methods(
     if given is not None:
         where, starts = given
         placed = layout_links(link, where.layout.pp, where.layout.dp, where.layout.tp)
-        recompute = [request.recompute == "always"] * len(starts)
+        forced = request.recompute if request.recompute in ("selective", "full") else "never"
+        recompute = [forced] * len(starts)
         out["given"] = predict(where.blocks, starts, placed, where.layout, request.optimizer, recompute, slots)
     return out
 
@@ -364,7 +365,7 @@ def assemble_plan(
     if request.method == "given" and given is not None:
         chosen = given[0]  # the plan runs the split under the best layout for its stage count
     predictions = compare_methods(chosen, request, link, slots, given)
-    if request.method == "optimal" and request.recompute != "always":  # (the baselines never recompute)
+    if request.method == "optimal" and request.recompute in ("auto", "never"):  # (the baselines never recompute)
         note += _best_of_baselines(predictions, memory_limit_bytes)
     stages, prediction = predictions[request.method]
     _check_memory(request.method, prediction, stages, memory_limit_bytes)

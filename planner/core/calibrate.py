@@ -134,6 +134,7 @@ def _scale_block(b: BlockCost, s: StageCalibration | BlockCalibration, g: float)
             "bwd_input_s": _scaled(b.bwd_input_s, w),
             "bwd_weight_s": _scaled(b.bwd_weight_s, w),
             "recompute_s": _scaled(b.recompute_s, f),  # recomputation is a forward
+            "selective_recompute_s": _scaled(b.selective_recompute_s, f),
             "fwd_cold_s": _scaled(b.fwd_cold_s, f),
             "bwd_cold_s": _scaled(b.bwd_cold_s, w),
             "opt_s": _scaled(b.opt_s, o),

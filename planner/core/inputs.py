@@ -91,13 +91,18 @@ class Constraints:
     Attributes:
         optimizer: the optimizer (its state bytes per parameter, its step's temporaries).
         memory_limit_bytes: per-rank limit (None: none).
-        recompute: activation checkpointing per stage: "auto" (only where a stage would not fit
-            otherwise), "never" or "always".
+        recompute: activation checkpointing, block by block, per stage: "auto" (the least
+            recomputation that fits: none, else selective, else full), "never", "selective" or
+            "full" (every stage); "always" is "full" (its name before selective existed).
     """
 
     optimizer: OptimizerSpec = OptimizerSpec()
     memory_limit_bytes: int | None = None
     recompute: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.recompute == "always":
+            object.__setattr__(self, "recompute", "full")
 
 
 @dataclass(frozen=True)

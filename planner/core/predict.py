@@ -28,7 +28,7 @@ from planner.core.stage_model import (
     stage_time_parts,
 )
 from planner.errors import InfeasibleError
-from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec, RecomputeMode
 from planner.schema.plan import Plan, Prediction, ProfileInfo, StagePlan
 
 
@@ -38,7 +38,7 @@ def predict(
     link: Links,
     layout: Layout,
     optimizer: OptimizerSpec,
-    recompute: Sequence[bool] = (),
+    recompute: Sequence[bool | str] = (),
     slots: float | None = None,
 ) -> tuple[list[StagePlan], Prediction]:
     """Predict what a partition costs under a layout: its schedule, run by ``layout.dp`` replicas.
@@ -59,7 +59,7 @@ def predict(
             placement, as the schedule places them), replicas and their mode ("ddp" or "fsdp":
             sharded memory and optimizer step, the same traffic).
         optimizer: decides the optimizer-state bytes per parameter byte.
-        recompute: per stage, activation checkpointing (empty: no stage recomputes).
+        recompute: per stage, its recompute mode (True: "full"; empty: no stage recomputes).
         slots: ranks of all replicas that can compute at once (CPU ranks sharing cores: cores /
             threads per rank; each replica gets ``slots / dp``); None when each rank has its own
             device. See ``planner.core.simulate.simulate``.
@@ -168,7 +168,7 @@ def plan_links(plan: Plan) -> LinkCost:
 def predict_plan(
     plan: Plan,
     starts: Sequence[int],
-    recompute: Sequence[bool] = (),
+    recompute: Sequence[bool | str] = (),
     *,
     blocks: Sequence[BlockCost] | None = None,
     link: LinkCost | None = None,
@@ -349,7 +349,7 @@ def _stage_plan(
     index: int,
     bounds: tuple[int, int],
     links: tuple[LinkCost, LinkCost],
-    recompute: bool,
+    recompute: RecomputeMode,
     in_flight: int,
     context: _StageContext,
 ) -> StagePlan:
@@ -360,7 +360,7 @@ def _stage_plan(
         index: the stage's index.
         bounds: its first block and one past its last.
         links: the cost of one message over its start boundary and over its end boundary.
-        recompute: whether it recomputes its activations in backward.
+        recompute: its recompute mode ("never", "selective", "full").
         in_flight: its peak live microbatches under the schedule.
         context: what the prediction's stages share.
 

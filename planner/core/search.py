@@ -379,7 +379,7 @@ def _nothing_fits(outcome: _Outcome, cluster: Cluster, constraints: Constraints)
         return outcome.errors[0]  # one layout asked for: the solver's own reason names what does not fit
     needs = [(c.prediction.max_memory_bytes, c.layout) for c in outcome.results]
     # without the limit the solver would recompute nowhere; the closest layout recomputes where allowed
-    recompute = "always" if constraints.recompute == "auto" else constraints.recompute
+    recompute = "full" if constraints.recompute == "auto" else constraints.recompute
     free = replace(constraints, memory_limit_bytes=None, recompute=recompute)
     for item in sorted(outcome.unfit, key=lambda p: (p.memory_floor, p.layout.n_microbatches))[:CLOSEST_TRIED]:
         try:

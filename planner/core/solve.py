@@ -78,41 +78,24 @@ from planner.core.stage_model import (
     evaluate,
     parts_from_sums,
     recompute_cost,
+    selective_cost,
     stage_bounds,
 )
+from planner.core.stage_sums import RegionSums, StepTemps
 from planner.errors import InfeasibleError
-from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec, RecomputeMode
 
+OPTIONS: dict[str, tuple[RecomputeMode, ...]] = {
+    "never": ("never",),
+    "selective": ("selective",),
+    "full": ("full",),
+    "auto": ("never", "selective", "full"),
+}
+"""Per recompute policy, the modes a stage may take, in the order they are tried: the first that
+fits is taken (less recomputation first)."""
 
-class _StepTemps:
-    """The measured optimizer-step temporaries of any block range in O(1) (``stage_memory_parts``'s
-    ``T``): a prefix count of the blocks without ``opt_temp_bytes``, prefix sums for the "sum" rule
-    and a sparse table of range maxima for "max" (``table[j][i]`` = max of blocks ``i .. i + 2^j - 1``).
-    """
-
-    def __init__(self, blocks: Sequence[BlockCost], optimizer: OptimizerSpec) -> None:
-        self.rule = optimizer.step_temp_rule
-        values = [b.opt_temp_bytes or 0 for b in blocks]
-        self.pre_missing = [0]
-        self.pre_sum = [0]
-        for b, v in zip(blocks, values):
-            self.pre_missing.append(self.pre_missing[-1] + (b.opt_temp_bytes is None))
-            self.pre_sum.append(self.pre_sum[-1] + v)
-        self.table = [values]
-        while 2 ** len(self.table) <= len(values):
-            row, half = self.table[-1], 2 ** (len(self.table) - 1)
-            self.table.append([max(row[i], row[i + half]) for i in range(len(row) - half)])
-        self.all_measured = self.pre_missing[-1] == 0
-        self.none_measured = self.pre_missing[-1] == len(blocks)
-
-    def of(self, s: int, e: int) -> int | None:
-        """``T`` of the stage ``[s, e)`` (``s < e``): None when some block of it was not measured."""
-        if self.pre_missing[e] != self.pre_missing[s]:
-            return None
-        if self.rule == "sum":
-            return self.pre_sum[e] - self.pre_sum[s]
-        j = (e - s).bit_length() - 1
-        return max(self.table[j][s], self.table[j][e - (1 << j)])
+MODES: tuple[RecomputeMode, ...] = ("never", "selective", "full")
+"""The recompute modes in the order of ``_Arrays``' cost and fit rows."""
 
 
 class _MemoryModel:
@@ -130,7 +113,7 @@ class _MemoryModel:
         n = len(blocks)
         self.n = n
         self.limit = limit
-        self.recompute = recompute
+        self.recompute = "full" if recompute == "always" else recompute  # "always": the old name of "full"
         self.optimizer = optimizer
         self.m = n_microbatches
         self.shard = shard
@@ -144,9 +127,10 @@ class _MemoryModel:
         self.cut_in = [0] + [blocks[s - 1].cut_bytes for s in range(1, n)]
         self.cut_out = [0] + [blocks[e - 1].cut_bytes for e in range(1, n)] + [0]
         self.out = self.cut_out[:n] + [blocks[-1].output_bytes]
-        self.temps = _StepTemps(blocks, optimizer)
+        self.temps = StepTemps(blocks, optimizer)
+        self.regions = RegionSums(blocks)
 
-    def bytes(self, s: int, e: int, in_flight: int, recompute: bool = False) -> int:
+    def bytes(self, s: int, e: int, in_flight: int, recompute: bool | str = False) -> int:
         # Same formula as stage_memory_bytes.
         sums = StageSums(
             self.pre_p[e] - self.pre_p[s],
@@ -156,15 +140,16 @@ class _MemoryModel:
             self.cut_out[e],
             self.out[e],
             self.temps.of(s, e),
+            self.regions.of(s, e),
         )
         return parts_from_sums(sums, self.optimizer, recompute, self.m, self.shard).peak(in_flight)
 
-    def choice(self, s: int, e: int, in_flight: int) -> bool | None:
-        """Whether the stage recomputes (False: no, True: yes), or None when it cannot fit either way."""
-        if self.recompute != "always" and self.bytes(s, e, in_flight) <= self.limit:
-            return False
-        if self.recompute != "never" and self.bytes(s, e, in_flight, True) <= self.limit:
-            return True
+    def choice(self, s: int, e: int, in_flight: int) -> RecomputeMode | None:
+        """How the stage recomputes: the first of the policy's options that fits (``OPTIONS``), or
+        None when none does."""
+        for option in OPTIONS[self.recompute]:
+            if self.bytes(s, e, in_flight, option) <= self.limit:
+                return option
         return None
 
     def fits(self, s: int, e: int, in_flight: int) -> bool:
@@ -195,13 +180,16 @@ class _Arrays:
     ) -> None:
         n = len(blocks)
         self.n = n
-        self.mode = mode
+        self.mode = "full" if mode == "always" else mode
+        mode = self.mode
         self.mem = mem
         pre = [0.0]
-        pre_r = [0.0]
+        pre_r = [0.0]  # full checkpointing's extra backward
+        pre_rs = [0.0]  # selective checkpointing's
         for b in blocks:
             pre.append(pre[-1] + b.fwd_s + b.bwd_s)
             pre_r.append(pre_r[-1] + recompute_cost(b))
+            pre_rs.append(pre_rs[-1] + selective_cost(b))
         self.p = len(in_flight)
         links = boundary_links(link, self.p)
         distinct: list[LinkCost] = []
@@ -230,6 +218,7 @@ class _Arrays:
         self.pre_list = pre
         self.pre = np.array(pre)
         self.pre_r = np.array(pre_r)
+        self.pre_rs = np.array(pre_rs)
         self.send_in = np.array(send_in)
         self.send_out = np.array(send_out)
         self.send_in_min = self.send_in.min(axis=0)  # the cheapest link: bounds every stage index's cost
@@ -239,7 +228,7 @@ class _Arrays:
             np.isfinite(self.pre).all()
             and np.isfinite(self.send_in).all()
             and np.isfinite(self.send_out).all()
-            and (mode == "never" or np.isfinite(self.pre_r).all())
+            and (mode == "never" or (np.isfinite(self.pre_r).all() and np.isfinite(self.pre_rs).all()))
         )
         legal = legal_starts(blocks)
         self.starts: IntArray = np.array([0] + [c for c in range(1, n) if legal[c]], dtype=np.int64)
@@ -267,7 +256,8 @@ class _Arrays:
         # Every byte count the fit test forms stays below this (generous) bound, in magnitude.
         temps = mem.temps
         static = 2 * pre_p + 16 * pre_n + temps.pre_sum[n]  # weights, grads, state, step temporaries
-        bound = 4 * (static + 2 * (mem.m + 1) * cmax + (self.big + 1) * (pre_a + 2 * cmax)) + 16
+        held = mem.regions.pre_in[n] + mem.regions.pre_kept[n]  # what checkpointing keeps, at most
+        bound = 4 * (static + 2 * (mem.m + 1) * cmax + (self.big + 1) * (pre_a + held + 2 * cmax)) + 16
         dtype: Any = np.int64 if bound < 2**62 else object
         self.pre_p = np.array(mem.pre_p, dtype=dtype)
         self.pre_n = np.array(mem.pre_n, dtype=dtype)
@@ -275,33 +265,40 @@ class _Arrays:
         self.cut_in = np.array(mem.cut_in, dtype=dtype)
         self.cut_out = np.array(mem.cut_out, dtype=dtype)
         self.out = np.array(mem.out, dtype=dtype)
-        # the measured step temporaries (_StepTemps as arrays)
+        # the measured step temporaries (StepTemps as arrays)
         self.temp_rule = temps.rule
         self.temps_all, self.temps_none = temps.all_measured, temps.none_measured
         self.pre_missing = np.array(temps.pre_missing, dtype=np.int64)
         self.pre_temp = np.array(temps.pre_sum, dtype=dtype)
-        self.temp_table = [np.array(row, dtype=dtype) for row in temps.table]
-        self.log2 = np.array([0, 0] + [k.bit_length() - 1 for k in range(2, n + 1)], dtype=np.int64)
+        self.temp_most = temps.most.arrays(dtype)
+        # the checkpoint regions (RegionSums as arrays)
+        regions = mem.regions
+        self.pre_in = np.array(regions.pre_in, dtype=dtype)
+        self.pre_kept = np.array(regions.pre_kept, dtype=dtype)
+        self.region_acts = regions.acts.arrays(dtype)
+        self.region_rebuilt = regions.rebuilt.arrays(dtype)
         # A limit above every possible byte count fits the same as that bound; one below zero fits
         # nothing, like -1. Clamping keeps the arithmetic in range.
         self.limit = max(-1, min(math.floor(mem.limit), bound))
         self.adamw = mem.optimizer.name == "adamw"
 
     def _measured_temps(self, s: IntArray, e: IntArray) -> AnyIntArray:
-        """Per stage ``[s, e)``, ``_StepTemps.of`` with the unmeasured blocks counted as 0 (0 when ``e <= s``)."""
+        """Per stage ``[s, e)``, ``StepTemps.of`` with the unmeasured blocks counted as 0 (0 when ``e <= s``)."""
         if self.temp_rule == "sum":
             total: AnyIntArray = self.pre_temp[e] - self.pre_temp[s]
             return total
-        length = np.maximum(e - s, 1)
-        j = self.log2[length]
-        most = 0 * self.pre_temp[s]
-        for level in np.unique(j).tolist():  # at most log2(n) + 1 levels
-            row = self.temp_table[level]
-            at = j == level
-            lo, hi = s[at], np.maximum(e[at] - (1 << level), 0)
-            most[at] = np.maximum(row[np.minimum(lo, len(row) - 1)], row[np.minimum(hi, len(row) - 1)])
-        out: AnyIntArray = np.where(e > s, most, 0 * most)
-        return out
+        return self.temp_most.many(s, e)
+
+    def _saved(self, s: IntArray, e: IntArray, a_b: AnyIntArray) -> dict[str, tuple[AnyIntArray, AnyIntArray]]:
+        """Per recompute mode, the stages' bytes per live microbatch and once, besides their output
+        (``planner.core.stage_model._recomputed`` on arrays)."""
+        inputs = self.pre_in[e] - self.pre_in[s]
+        kept = self.pre_kept[e] - self.pre_kept[s]
+        return {
+            "never": (a_b, 0 * a_b),
+            "selective": (inputs + kept, self.region_rebuilt.many(s, e)),
+            "full": (inputs, self.region_acts.many(s, e)),
+        }
 
     def _step_temps(self, s: IntArray, e: IntArray, n_p: AnyIntArray) -> AnyIntArray:
         """Per stage, ``T`` of ``stage_memory_parts``: measured where all its blocks were, else the fallback."""
@@ -324,7 +321,7 @@ class _Arrays:
         return floor
 
     def _fit_bound(self, s: IntArray, e: IntArray, t: int) -> AnyIntArray:
-        """A lower bound of the stage's bytes at ``t`` or more live microbatches, either way it can
+        """A lower bound of the stage's bytes at ``t`` or more live microbatches, any way it can
         run, that never decreases as the stage grows (``e`` up): ``parts_from_sums`` without the optimizer's
         fp32 master copy and the outgoing boundary's terms (the parts that can shrink)."""
         p_b = self.pre_p[e] - self.pre_p[s]
@@ -333,14 +330,12 @@ class _Arrays:
         cin = self.cut_in[s]
         per_param = 8 * n_p if self.adamw else 0 * n_p
         step = self._step_floor(s, e, n_p)
-        plain = t * a_b
-        rebuilt = t * cin + a_b
-        if self.mode == "never":
-            pipeline = plain
-        elif self.mode == "always":
-            pipeline = rebuilt
-        else:
-            pipeline = np.minimum(plain, rebuilt)
+        # each mode's saved bytes only grow with e (sums of non-negative terms, and range maxima)
+        saved = self._saved(s, e, a_b)
+        options = [t * saved[o][0] + saved[o][1] for o in OPTIONS[self.mode]]
+        pipeline = options[0]
+        for other in options[1:]:
+            pipeline = np.minimum(pipeline, other)
         d = self.mem.shard
         if d > 1:  # the sharded state (rounded down: still a lower bound) and the unsharded copies
             sharded: AnyIntArray = (2 * p_b + per_param) // d + self.mem.m * cin
@@ -359,18 +354,19 @@ class _Arrays:
             )
         return self._last_fit[t_floor]
 
-    def fit_limits(self, s: IntArray, e: IntArray) -> tuple[IntArray, IntArray]:
-        """The most live microbatches at which each stage fits without (``t0``) and with (``t1``)
-        recomputation, -1 when it does not fit even with none, ``big`` when it always fits; -1 for an
-        option the recompute mode rules out.
+    def fit_limits(self, s: IntArray, e: IntArray) -> tuple[IntArray, ...]:
+        """Per recompute mode (``MODES``: never, selective, full), the most live microbatches at which
+        each stage fits, -1 when it does not fit even with none, ``big`` when it always fits; -1 for
+        a mode the recompute policy rules out.
 
         ``MemoryParts.peak`` is ``K + max(t * X + Y, step)``: they fit ``limit`` iff ``K + step`` and
         ``K + Y`` do and ``t <= (limit - K - Y) // X``.
         """
         no = np.full(len(s), -1, dtype=np.int64)
+        allowed = OPTIONS[self.mode]
         if self.free:
             yes = np.full(len(s), self.big, dtype=np.int64)
-            return (yes if self.mode != "always" else no), (yes if self.mode != "never" else no)
+            return tuple(yes if option in allowed else no for option in MODES)
         p_b = self.pre_p[e] - self.pre_p[s]
         n_p = self.pre_n[e] - self.pre_n[s]
         a_b = self.pre_a[e] - self.pre_a[s]
@@ -387,19 +383,18 @@ class _Arrays:
         if d > 1:  # parts_from_sums with shard: a share of the static bytes and step, the whole stage while it runs
             static, step, unsharded = ceil_div(static, d), ceil_div(step, d), 2 * p_b
         head = self.limit - (static + self.mem.m * (cin + cout))
+        saved = self._saved(s, e, a_b)
         limits = []
-        for option, (x, y) in (
-            ("never", (a_b + out, out + unsharded)),
-            ("always", (cin + out, a_b + out + unsharded)),
-        ):
-            if self.mode not in (option, "auto"):
+        for option in MODES:
+            if option not in allowed:
                 limits.append(no)
                 continue
+            x, y = saved[option][0] + out, saved[option][1] + out + unsharded
             fits_alone = (y <= head) & (step <= head)
             most = np.minimum((head - y) // np.maximum(x, 1), self.big)
             t_max = np.where(fits_alone, np.where(x > 0, most, self.big), -1)
             limits.append(np.asarray(t_max).astype(np.int64))
-        return limits[0], limits[1]
+        return tuple(limits)
 
     def candidates(self, cap: float) -> Stages:
         """Every stage that fits memory at some asked-for in-flight count and may cost <= ``cap``."""
@@ -424,10 +419,11 @@ class _Arrays:
         with np.errstate(invalid="ignore"):  # inf - inf of an infinite recompute_s: NaN, as the reference gets
             base = self.pre[e] - self.pre[s]
             c0 = np.stack([(base + self.send_in[a][s]) + self.send_out[b][e] for a, b in self.pairs])
-            c1 = c0 + (self.pre_r[e] - self.pre_r[s]) if self.mode != "never" else c0
-        t0, t1 = self.fit_limits(s, e)
+            full = c0 + (self.pre_r[e] - self.pre_r[s]) if self.mode in ("full", "auto") else c0
+            selective = c0 + (self.pre_rs[e] - self.pre_rs[s]) if self.mode in ("selective", "auto") else c0
+        fits = self.fit_limits(s, e)
         complete = bool((last_cheap >= last_fit).all())
-        return Stages(n, (s, e), (c0, c1), (t0, t1), complete, self.t_span, band)
+        return Stages(n, (s, e), (c0, selective, full), fits, complete, self.t_span, band)
 
 
 class _FitSearch:
@@ -443,8 +439,7 @@ class _FitSearch:
         self.t_floor = t_floor
         self.n = arrays.n
         s, e = candidate_pairs(arrays.starts, arrays.starts + 1, arrays.last_fit(t_floor), arrays.end_ok)
-        t0, t1 = arrays.fit_limits(s, e)
-        self.s, self.e, self.most = s, e, np.maximum(t0, t1)
+        self.s, self.e, self.most = s, e, np.maximum.reduce(arrays.fit_limits(s, e))
         self.to_end = e == arrays.n
         self.rev: list[int] = []
         self.layers: list[BoolArray] = []
@@ -606,15 +601,16 @@ def solve(
             message or cold start: ``boundary_crosses``), the microbatches per step (receive
             buffers), and the FSDP replicas every stage's state is sharded over (``shard``).
         constraints: the optimizer (state bytes per parameter byte), the memory limit of one
-            stage (None: none) and the recompute policy: "never", "always", or "auto" (a stage
-            recomputes only when it would not fit the memory limit otherwise, and then pays its
-            forward once more in backward). The choice is part of the exact search: each stage's
-            cost is the cheaper option that fits.
+            stage (None: none) and the recompute policy: "never", "selective" or "full" (every
+            stage so), or "auto" (a stage recomputes only when it would not fit the memory limit
+            otherwise: selectively where that fits, else fully, and pays the recomputation in
+            backward). The choice is part of the exact search: each stage's cost is that of its
+            first option that fits (``OPTIONS``).
         in_flight: peak live microbatches of each stage (one per stage), replacing the counts
             the schedule gives (``planner.core.schedules.in_flight_per_stage``).
 
     Returns:
-        The optimal partition (with its per-stage recompute flags).
+        The optimal partition (with its per-stage recompute modes).
 
     Raises:
         InfeasibleError: more stages than blocks, too few legal cuts, a schedule request torch
@@ -623,8 +619,8 @@ def solve(
             stage count that would fit, or the block that cannot fit alone).
     """
     recompute, memory_limit_bytes = constraints.recompute, constraints.memory_limit_bytes
-    if recompute not in ("never", "auto", "always"):
-        raise InfeasibleError(f"recompute={recompute!r}; expected 'never', 'auto' or 'always'")
+    if recompute not in OPTIONS:
+        raise InfeasibleError(f"recompute={recompute!r}; expected one of {', '.join(OPTIONS)}")
     schedule, n_stages, n_microbatches = layout.schedule, layout.n_stages, layout.n_microbatches
     check_counts(blocks, n_stages)
     if in_flight is None:
@@ -634,21 +630,21 @@ def solve(
     n = len(blocks)
     limit = memory_limit_bytes if memory_limit_bytes is not None else math.inf
     # Without a limit "auto" never needs to recompute.
-    mode = recompute if memory_limit_bytes is not None or recompute == "always" else "never"
+    mode = "never" if memory_limit_bytes is None and recompute == "auto" else recompute
     mem = _MemoryModel(blocks, constraints.optimizer, limit, mode, n_microbatches, layout.shard)
     crosses = boundary_crosses(n_stages, schedule, layout.stages_per_rank)
     arrays = _Arrays(blocks, boundary_links(link, n_stages, schedule), mem, mode, infl, crosses)
     # First cap: the average stage plus the largest block and messages, about where the optimum is
     # when memory does not bind (any value is correct; a close one saves a pass).
-    with_r = mode == "always"
+    extra = {"full": arrays.pre_r, "selective": arrays.pre_rs}.get(mode, 0.0 * arrays.pre)
     with np.errstate(invalid="ignore"):  # non-finite inputs search without a cap anyway
-        total = float(arrays.pre[n] + (arrays.pre_r[n] if with_r else 0.0))
-        largest = float(np.max(np.diff(arrays.pre) + (np.diff(arrays.pre_r) if with_r else 0.0)))
+        total = float(arrays.pre[n] + extra[n])
+        largest = float(np.max(np.diff(arrays.pre) + np.diff(extra)))
         first_cap = total / n_stages + largest + float(np.max(arrays.send_in) + np.max(arrays.send_out))
     starts = exact_partition(n, n_stages, infl, arrays.candidates, first_cap, variant=arrays.variant)
     if starts is None:
         given = None if in_flight is None else infl
         raise _memory_error(blocks, n_stages, schedule, n_microbatches, mem, arrays, given)
     bounds = stage_bounds(starts, n)
-    flags = [bool(mem.choice(s, e, infl[k])) for k, (s, e) in enumerate(bounds)]
+    flags = [mem.choice(s, e, infl[k]) or "never" for k, (s, e) in enumerate(bounds)]
     return evaluate(blocks, starts, link, flags, schedule, layout.stages_per_rank)

@@ -146,10 +146,10 @@ class Stages:
 
     Every stage that can be part of a partition the search cares about is listed; a stage not listed
     is one the search may ignore (it costs more than the cap, or cannot fit memory). A stage placed
-    at stage index k holds ``t = in_flight[k]`` live microbatches and costs ``c0`` when it fits
-    without recomputation (``t <= t0``), else ``c1`` when it fits with it (``t <= t1``), else inf:
-    ``_MemoryModel.choice`` on arrays. Memory only grows with ``t``, so a stage's fit is one threshold
-    on ``t``, computed once per stage rather than once per stage index.
+    at stage index k holds ``t = in_flight[k]`` live microbatches and costs ``costs[i]`` for the
+    first option i (a way to run it: without recomputation, with some) that fits, ``t <= fits[i]``,
+    else inf: ``_MemoryModel.choice`` on arrays. Memory only grows with ``t``, so a stage's fit is one
+    threshold on ``t`` per option, computed once per stage rather than once per stage index.
 
     ``complete`` says the cost cap did not remove any stage that fits memory, so a search on this
     table is exact whatever the optimum is. Only stages that some stage index can hold are listed
@@ -160,22 +160,20 @@ class Stages:
         self,
         n: int,
         pairs: tuple[IntArray, IntArray],
-        costs: tuple[FloatArray, FloatArray],
-        fits: tuple[IntArray, IntArray],
+        costs: tuple[FloatArray, ...],
+        fits: tuple[IntArray, ...],
         complete: bool,
         t_span: tuple[int, int],
         band: tuple[IntArray, IntArray],
         by_end: bool = False,
     ) -> None:
-        """Args: ``pairs`` the stages' starts and ends ``(s, e)``; ``costs`` their costs without and
-        with recomputation ``(c0, c1)``; ``fits`` the most live microbatches they fit with each
-        ``(t0, t1)``; the rest as the class says."""
+        """Args: ``pairs`` the stages' starts and ends ``(s, e)``; ``costs`` their costs under each
+        option, in the order they are tried; ``fits`` the most live microbatches they fit with each;
+        the rest as the class says."""
         s, e = pairs
-        c0, c1 = costs
-        t0, t1 = fits
         self.n = n
-        # c0, c1: one row per cost variant (the links around the stage, ``_Arrays.variant``)
-        self.s, self.e, self.c0, self.c1, self.t0, self.t1 = s, e, c0, c1, t0, t1
+        # costs: one row per cost variant (the links around the stage, ``_Arrays.variant``)
+        self.s, self.e, self.costs, self.fits = s, e, costs, fits
         self.complete = complete
         self.t_span = t_span
         self.reach, self.back = band  # stage k starts in [back[p - k], reach[k]] (see stage_bands)
@@ -185,13 +183,16 @@ class Stages:
         # s_ptr[s]:s_ptr[s + 1] are the stages starting at s (s < n), when sorted by start.
         self.s_ptr: IntArray = np.concatenate(([0], np.cumsum(per)))
         # When the stage index cannot change a stage's option (no limit, or all in-flight counts
-        # fit the same way), its cost is one array for every stage index.
+        # fit the same way), its cost is one array for every stage index: the first option that
+        # fits every count, when no option before it fits any.
         t_lo, t_hi = t_span
         self._fixed: FloatArray | None = None
-        if not len(s) or int(t0.min()) >= t_hi:
-            self._fixed = c0
-        elif int(t0.max()) < t_lo and int(t1.min()) >= t_hi:
-            self._fixed = c1
+        for c, t in zip(costs, fits):
+            if not len(s) or int(t.min()) >= t_hi:
+                self._fixed = c
+                break
+            if int(t.max()) >= t_lo:
+                break
         self._cached: tuple[tuple[int, int], FloatArray] | None = None
         self._capped: tuple[tuple[int, int], FloatArray] | None = None
 
@@ -201,8 +202,9 @@ class Stages:
             return self._fixed[v, lo:up]
         if self._cached is not None and self._cached[0] == (t, v):
             return self._cached[1][lo:up]
-        c0, c1, t0, t1 = self.c0[v, lo:up], self.c1[v, lo:up], self.t0[lo:up], self.t1[lo:up]
-        out: FloatArray = np.where(t <= t0, c0, np.where(t <= t1, c1, math.inf))
+        out: FloatArray = np.full(len(self.fits[0][lo:up]), math.inf)
+        for c, fit in reversed(list(zip(self.costs, self.fits))):  # the first option that fits wins
+            out = np.where(t <= fit[lo:up], c[v, lo:up], out)
         if lo == 0 and up is None:  # a whole row: GPipe asks for the same t at every stage index
             self._cached = ((t, v), out)
         return out
@@ -217,25 +219,28 @@ class Stages:
         return self._capped[1]
 
     def allowed(self, t: int, lo: int, up: int) -> BoolArray:
-        """Whether stages ``lo:up`` fit memory (either way) when they hold ``t`` live microbatches."""
-        return (t <= self.t0[lo:up]) | (t <= self.t1[lo:up])
+        """Whether stages ``lo:up`` fit memory (some way) when they hold ``t`` live microbatches."""
+        out: BoolArray = np.zeros(len(self.fits[0][lo:up]), dtype=bool)
+        for fit in self.fits:
+            out |= t <= fit[lo:up]
+        return out
 
     def by_end(self) -> Stages:
         """The same stages sorted by (e, s): the order the bottleneck pass groups them in."""
         # A stable sort of small integers is a radix sort in numpy: linear in the stage count.
         key = self.e.astype(np.uint16) if self.n < 2**16 else self.e
         order = np.argsort(key, kind="stable")
-        if self._fixed is not None:  # only the cost matters, one gather instead of four
+        if self._fixed is not None:  # only the cost matters, one gather instead of several
             cost = self._fixed[:, order]
             t_any = np.zeros(1, dtype=np.int64)
             band = (self.reach, self.back)
             pairs = (self.s[order], self.e[order])
-            return Stages(self.n, pairs, (cost, cost), (t_any, t_any), self.complete, (0, 0), band, True)
+            return Stages(self.n, pairs, (cost,), (t_any,), self.complete, (0, 0), band, True)
         return Stages(
             self.n,
             (self.s[order], self.e[order]),
-            (self.c0[:, order], self.c1[:, order]),
-            (self.t0[order], self.t1[order]),
+            tuple(c[:, order] for c in self.costs),
+            tuple(t[order] for t in self.fits),
             self.complete,
             self.t_span,
             (self.reach, self.back),

@@ -12,14 +12,14 @@ buffers and the in-flight microbatches' activations (``stage_memory_bytes``). Th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from planner.core.links import Links, boundary_crosses, boundary_links, default_link, links_around
 from planner.core.schedules import in_flight_per_stage
 from planner.errors import InfeasibleError
-from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
+from planner.schema.costs import RECOMPUTE_MODES, BlockCost, LinkCost, OptimizerSpec, RecomputeMode
 
 DEFAULT_OPTIMIZER = OptimizerSpec()  # frozen, so one shared default is safe
 
@@ -36,9 +36,16 @@ class Partition(BaseModel):
     bottleneck_s: float = Field(
         description="Max over stages of the stage cost (``stage_costs``), seconds per microbatch."
     )
-    recompute: tuple[bool, ...] = Field(
-        default=(), description="Per stage: whether it recomputes its activations in backward (empty = none does)."
+    recompute: tuple[RecomputeMode, ...] = Field(
+        default=(),
+        description="Per stage: how it checkpoints its activations, block by block: never, selective or full "
+        "(empty = none does).",
     )
+
+    @field_validator("recompute", mode="before")
+    @classmethod
+    def _modes(cls, v: Any) -> Any:
+        return tuple(recompute_mode(x) for x in v) if isinstance(v, (tuple, list)) else v
 
     @field_validator("starts")
     @classmethod
@@ -73,18 +80,32 @@ def _boundary_send_s(
     return s
 
 
-def recompute_flags(recompute: Sequence[bool], n_stages: int) -> list[bool]:
-    """Per-stage recompute flags, with the empty sequence meaning "no stage recomputes"."""
-    return list(recompute) or [False] * n_stages
+def recompute_mode(value: bool | str) -> RecomputeMode:
+    """One stage's recompute mode; a flag of older plans and callers: True is "full", False "never".
+
+    Raises:
+        InfeasibleError: a string that is no mode.
+    """
+    if isinstance(value, bool):
+        return "full" if value else "never"
+    if value not in RECOMPUTE_MODES:
+        raise InfeasibleError(f"recompute={value!r}; expected one of {', '.join(RECOMPUTE_MODES)}")
+    return cast(RecomputeMode, value)
 
 
-def compact_flags(flags: Sequence[bool]) -> tuple[bool, ...]:
-    """The flags as plans store them: empty when no stage recomputes."""
-    return tuple(flags) if any(flags) else ()
+def recompute_flags(recompute: Sequence[bool | str], n_stages: int) -> list[RecomputeMode]:
+    """Per-stage recompute modes, with the empty sequence meaning "no stage recomputes"."""
+    return [recompute_mode(x) for x in recompute] or ["never"] * n_stages
+
+
+def compact_flags(flags: Sequence[bool | str]) -> tuple[RecomputeMode, ...]:
+    """The modes as plans store them: empty when no stage recomputes."""
+    modes = tuple(recompute_mode(x) for x in flags)
+    return modes if any(x != "never" for x in modes) else ()
 
 
 def recompute_cost(block: BlockCost) -> float:
-    """Extra backward time of a block whose stage recomputes its activations.
+    """Extra backward time of a block under full checkpointing (its forward again).
 
     The profiler measures it (the forward again, up to the last tensor it saves: torch's checkpoint
     stops early there). When it is unknown (None: not measured) the block's whole forward is
@@ -93,12 +114,41 @@ def recompute_cost(block: BlockCost) -> float:
     return block.recompute_s if block.recompute_s is not None else block.fwd_s
 
 
+def selective_cost(block: BlockCost) -> float:
+    """Extra backward time of a block under selective checkpointing: the ops of its forward other
+    than the matmuls and attention, run again (``selective_recompute_s``; unknown: ``recompute_cost``)."""
+    return block.selective_recompute_s if block.selective_recompute_s is not None else recompute_cost(block)
+
+
+def kept_bytes(block: BlockCost) -> int:
+    """Bytes a block keeps per microbatch under selective checkpointing (unknown: all it saves)."""
+    return block.selective_bytes if block.selective_bytes is not None else block.activation_bytes
+
+
+def rerun_cost(block: BlockCost, mode: bool | str) -> float:
+    """Extra backward seconds of ``block`` in a stage of recompute ``mode``."""
+    mode = recompute_mode(mode)
+    return 0.0 if mode == "never" else selective_cost(block) if mode == "selective" else recompute_cost(block)
+
+
+def checkpoint_units(blocks: Sequence[BlockCost], start: int, end: int) -> list[tuple[int, int]]:
+    """The checkpoint regions of the stage ``blocks[start:end]``: one per block, except that a block
+    whose end is no legal cut (a non-tensor value crosses it) shares its region with the next.
+
+    The runner checkpoints exactly these (``planner.run.stages``), so at most one region's
+    activations are rebuilt at a time.
+    """
+    cuts = [c for c in range(start + 1, end) if blocks[c - 1].cut_legal]
+    edges = [start, *cuts, end]
+    return list(zip(edges, edges[1:]))
+
+
 def stage_time_parts(
     blocks: Sequence[BlockCost],
     start: int,
     end: int,
     link: LinkCost,
-    recompute: bool = False,
+    recompute: bool | str = False,
     link_out: LinkCost | None = None,
     *,
     wait_in: bool = True,
@@ -107,8 +157,9 @@ def stage_time_parts(
     """Forward, backward and per-direction message seconds of the stage ``blocks[start:end]``, per microbatch.
 
     The message time is paid once in forward (activations) and once in backward (their gradients,
-    the same sizes). Activation checkpointing re-runs the stage's forward inside its backward
-    (Chen et al. 2016), so a recomputing stage's backward includes ``recompute_cost``. A stage that
+    the same sizes). Activation checkpointing re-runs each block's forward inside its backward
+    (Chen et al. 2016), so a recomputing stage's backward includes its blocks' ``recompute_cost``
+    (full) or ``selective_cost`` (selective). A stage that
     waits for its activations starts its forward cold, and one that waits for their gradient its
     backward: ``cold_in`` and ``cold_out`` are added.
 
@@ -117,7 +168,7 @@ def stage_time_parts(
         start: first block of the stage.
         end: one past its last block.
         link: cost of one message over the stage's start boundary (and its end one, unless ``link_out``).
-        recompute: whether the stage recomputes its activations.
+        recompute: the stage's recompute mode ("never", "selective", "full"; True: "full").
         link_out: cost of one message over its end boundary (None: ``link``).
         wait_in: the stage receives its activations from another rank (False: the stage before
             runs on the same rank, the turn of a V: nothing is sent or waited for).
@@ -128,7 +179,8 @@ def stage_time_parts(
     """
     part = blocks[start:end]
     fwd = sum(b.fwd_s for b in part) + (cold_in(blocks, start) if wait_in else 0.0)
-    bwd = sum(b.bwd_s for b in part) + (sum(recompute_cost(b) for b in part) if recompute else 0.0)
+    mode = recompute_mode(recompute)
+    bwd = sum(b.bwd_s for b in part) + (sum(rerun_cost(b, mode) for b in part) if mode != "never" else 0.0)
     bwd += cold_out(blocks, end) if wait_out else 0.0
     return fwd, bwd, _boundary_send_s(blocks, start, end, link, link_out, cross_in=wait_in, cross_out=wait_out)
 
@@ -175,7 +227,7 @@ def stage_costs(
     blocks: Sequence[BlockCost],
     starts: Sequence[int],
     link: Links,
-    recompute: Sequence[bool] = (),
+    recompute: Sequence[bool | str] = (),
     schedule: str | None = None,
     stages_per_rank: int | None = None,
 ) -> list[float]:
@@ -187,7 +239,7 @@ def stage_costs(
         blocks: per-block costs in execution order.
         starts: first block of each stage (see ``Partition.starts``).
         link: cost of one message between neighbouring ranks, or per boundary (``boundary_links``).
-        recompute: per stage, whether it recomputes activations; empty means no stage does.
+        recompute: per stage, its recompute mode (True: "full"); empty means no stage recomputes.
         schedule: places the stages on ranks: which boundaries cross ranks (``boundary_crosses``)
             and where a ``NodeLinks``' stages run (None: one rank per stage, looped placement).
         stages_per_rank: stages on each rank (None: ``boundary_crosses``' default).
@@ -216,7 +268,7 @@ def stage_memory_bytes(
     end: int,
     in_flight: int,
     optimizer: OptimizerSpec,
-    recompute: bool = False,
+    recompute: bool | str = False,
     n_microbatches: int = 1,
     shard: int = 1,
 ) -> int:
@@ -244,9 +296,14 @@ def stage_memory_bytes(
     ``optimizer.step_temp_rule`` (a per-tensor optimizer holds one tensor's temporaries at a time, a
     foreach one all of them); else ``optimizer.step_temp_bytes(N)``.
 
-    With ``recompute`` the stage keeps only its input per live microbatch and rebuilds one
-    microbatch's activations at a time in backward: ``in_flight * A`` becomes
-    ``in_flight * cut_in + A`` (activation checkpointing of the whole stage, Chen et al. 2016).
+    With ``recompute`` each checkpoint region of the stage (``checkpoint_units``: one per block)
+    keeps only its input per live microbatch, and backward rebuilds one region's activations at a
+    time (Chen et al. 2016; what torchtitan's and Megatron's per-layer checkpointing do). Full
+    checkpointing: ``in_flight * A`` becomes ``in_flight * U + max_u A_u``, with ``U`` the bytes of
+    the regions' inputs (``cut_in`` and the cut before every later region) and ``A_u`` a region's
+    activations. Selective checkpointing keeps, besides, the outputs of the regions' matmuls and
+    attention (``K``, the blocks' ``selective_bytes``) and rebuilds the rest:
+    ``in_flight * (U + K) + max_u max(A_u - K_u, 0)``.
 
     Sharded over ``shard`` > 1 data-parallel replicas (FSDP2 ``fully_shard`` of the stage with
     ``reshard_after_forward=False``), each rank keeps a 1/shard share of the weights, gradients,
@@ -267,7 +324,7 @@ def stage_memory_bytes(
         end: one past the stage's last block.
         in_flight: peak live microbatches on this stage.
         optimizer: the optimizer (decides the state bytes per parameter byte).
-        recompute: whether the stage recomputes its activations in backward.
+        recompute: the stage's recompute mode ("never", "selective", "full"; True: "full").
         n_microbatches: microbatches per step (receive buffers are per microbatch).
         shard: FSDP replicas the stage's state is sharded over (1: not sharded, DDP or one replica).
 
@@ -288,8 +345,8 @@ class MemoryParts(NamedTuple):
     """
 
     fixed: int  # static + buffers: weights, gradients, optimizer state (sharded: a share), receive buffers
-    per_microbatch: int  # per live microbatch: saved activations (the input when recomputing) + cached output
-    once: int  # the output's gradient (+ the one microbatch's activations a recomputing stage rebuilds;
+    per_microbatch: int  # per live microbatch: saved activations (the regions' inputs when recomputing) + cached output
+    once: int  # the output's gradient (+ the one region's activations a recomputing stage rebuilds;
     # + the unsharded parameters and gradients of a sharded stage)
     step: int  # optimizer temporaries (after backward)
 
@@ -303,7 +360,7 @@ def stage_memory_parts(
     start: int,
     end: int,
     optimizer: OptimizerSpec,
-    recompute: bool = False,
+    recompute: bool | str = False,
     n_microbatches: int = 1,
     shard: int = 1,
 ) -> MemoryParts:
@@ -326,7 +383,12 @@ def stage_memory_parts(
     out = cut_out if end < n else blocks[-1].output_bytes
     temps = [b.opt_temp_bytes for b in part]
     step_temp = optimizer.combine_step_temps([t for t in temps if t is not None]) if None not in temps else None
-    sums = StageSums(p_bytes, n_params, a_bytes, cut_in, cut_out, out, step_temp)
+    units = checkpoint_units(blocks, start, end)
+    unit_in = sum(blocks[a - 1].cut_bytes if a > 0 else 0 for a, _ in units)
+    unit_a = [sum(b.activation_bytes for b in blocks[a:z]) for a, z in units]
+    unit_k = [sum(kept_bytes(b) for b in blocks[a:z]) for a, z in units]
+    regions = Regions(unit_in, max(unit_a), sum(unit_k), max(max(a - k, 0) for a, k in zip(unit_a, unit_k)))
+    sums = StageSums(p_bytes, n_params, a_bytes, cut_in, cut_out, out, step_temp, regions)
     return parts_from_sums(sums, optimizer, recompute, n_microbatches, shard)
 
 
@@ -346,26 +408,47 @@ class StageSums(NamedTuple):
     cut_out: int  # bytes sent per microbatch (0 for the last stage)
     out: int  # the stage's output per microbatch (the model's output for the last stage)
     step_temp: int | None  # T when measured for every block (None: ``optimizer.step_temp_bytes``)
+    regions: Regions | None = None  # its checkpoint regions (None: one region, the whole stage)
+
+
+class Regions(NamedTuple):
+    """What checkpointing keeps and rebuilds of a stage's regions (``checkpoint_units``)."""
+
+    inputs: int  # U: bytes of every region's input (the stage's ``cut_in`` for the first)
+    most: int  # max over regions of their activations (rebuilt one region at a time, full)
+    kept: int  # K: bytes selective checkpointing keeps (the matmul and attention outputs)
+    most_rebuilt: int  # max over regions of activations minus kept, at least 0 (rebuilt, selective)
+
+
+def _recomputed(sums: StageSums, mode: RecomputeMode) -> tuple[int, int]:
+    """A stage's bytes per live microbatch and once, besides its output, under ``mode``."""
+    regions = sums.regions or Regions(sums.cut_in, sums.a_bytes, 0, sums.a_bytes)
+    if mode == "full":
+        return regions.inputs, regions.most
+    if mode == "selective":
+        return regions.inputs + regions.kept, regions.most_rebuilt
+    return sums.a_bytes, 0
 
 
 def parts_from_sums(
-    sums: StageSums, optimizer: OptimizerSpec, recompute: bool, n_microbatches: int, shard: int = 1
+    sums: StageSums, optimizer: OptimizerSpec, recompute: bool | str, n_microbatches: int, shard: int = 1
 ) -> MemoryParts:
     """The formula of ``stage_memory_bytes`` on a stage's sums (shared with the solver's fast memory model)."""
-    p_bytes, n_params, a_bytes, cut_in, cut_out, out, step_temp = sums
+    p_bytes, n_params, _, cut_in, cut_out, out, step_temp, _ = sums
     step = optimizer.step_temp_bytes(n_params) if step_temp is None else step_temp
+    saved, rebuilt = _recomputed(sums, recompute_mode(recompute))
     if shard > 1:
         return MemoryParts(
             fixed=ceil_div(2 * p_bytes + optimizer.state_bytes(n_params, p_bytes), shard)
             + n_microbatches * (cut_in + cut_out),
-            per_microbatch=(cut_in + out) if recompute else (a_bytes + out),
-            once=out + (a_bytes if recompute else 0) + 2 * p_bytes,
+            per_microbatch=saved + out,
+            once=out + rebuilt + 2 * p_bytes,
             step=ceil_div(step, shard),
         )
     return MemoryParts(
         fixed=2 * p_bytes + optimizer.state_bytes(n_params, p_bytes) + n_microbatches * (cut_in + cut_out),
-        per_microbatch=(cut_in + out) if recompute else (a_bytes + out),
-        once=out + (a_bytes if recompute else 0),
+        per_microbatch=saved + out,
+        once=out + rebuilt,
         step=step,
     )
 
@@ -377,7 +460,7 @@ def stage_memories(
     schedule: str,
     n_microbatches: int,
     optimizer: OptimizerSpec = DEFAULT_OPTIMIZER,
-    recompute: Sequence[bool] = (),
+    recompute: Sequence[bool | str] = (),
 ) -> list[int]:
     """Memory estimate of every stage of a partition (see ``stage_memory_bytes``).
 
@@ -407,7 +490,7 @@ def evaluate(
     blocks: Sequence[BlockCost],
     starts: Sequence[int],
     link: Links,
-    recompute: Sequence[bool] = (),
+    recompute: Sequence[bool | str] = (),
     schedule: str | None = None,
     stages_per_rank: int | None = None,
 ) -> Partition:
@@ -417,7 +500,7 @@ def evaluate(
         blocks: per-block costs in execution order.
         starts: first block of each stage.
         link: cost of one message between neighbouring ranks, or per boundary.
-        recompute: per stage, whether it recomputes activations.
+        recompute: per stage, its recompute mode (True: "full"; empty: none).
         schedule: places the stages on ranks (``stage_costs``; None: one rank per stage).
         stages_per_rank: stages on each rank (None: ``boundary_crosses``' default).
 

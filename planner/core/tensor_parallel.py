@@ -96,6 +96,13 @@ def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkC
             "bwd_weight_s": _scaled(block.bwd_weight_s, compute),
             # recomputing the forward runs its all-reduces again
             "recompute_s": _scaled(block.recompute_s, compute, fwd_comm),
+            "selective_recompute_s": _scaled(block.selective_recompute_s, compute, fwd_comm),
+            # what selective checkpointing keeps is split as the block's activations are
+            "selective_bytes": None
+            if block.selective_bytes is None
+            else math.ceil(
+                block.selective_bytes * (activation / block.activation_bytes if block.activation_bytes else 1.0)
+            ),
             "params": params,
             "param_bytes": param_bytes,
             "activation_bytes": activation,

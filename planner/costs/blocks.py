@@ -50,6 +50,8 @@ def block_cost(
     bwd_input_s: float | None = None,
     bwd_weight_s: float | None = None,
     recompute_s: float | None = None,
+    selective_recompute_s: float | None = None,
+    selective_bytes: int | None = None,
     flops_fwd: float | None = None,
     flops_bwd: float | None = None,
     opt_s: float | None = None,
@@ -70,6 +72,8 @@ def block_cost(
         bwd_input_s: I of F/I/W; None when not measured.
         bwd_weight_s: W of F/I/W; None when not measured.
         recompute_s: extra forward under activation checkpointing; None when not measured.
+        selective_recompute_s: extra forward under selective checkpointing; None when not measured.
+        selective_bytes: bytes selective checkpointing keeps per microbatch; None when not measured.
         flops_fwd: forward FLOPs; None when not counted.
         flops_bwd: backward FLOPs; None when not counted.
         opt_s: the block's share of the optimizer step; None when not timed.
@@ -99,6 +103,8 @@ def block_cost(
         bwd_input_s=bwd_input_s,
         bwd_weight_s=bwd_weight_s,
         recompute_s=recompute_s,
+        selective_recompute_s=selective_recompute_s,
+        selective_bytes=selective_bytes,
         flops_fwd=flops_fwd,
         flops_bwd=flops_bwd,
         opt_s=opt_s,

@@ -192,6 +192,7 @@ def apply_in_context(costs: list[BlockCost], ctx: InContext) -> list[BlockCost]:
             "bwd_input_s": None if c.bwd_input_s is None else c.bwd_input_s * rb,
             "bwd_weight_s": None if c.bwd_weight_s is None else c.bwd_weight_s * rb,
             "recompute_s": None if c.recompute_s is None else c.recompute_s * rf,
+            "selective_recompute_s": None if c.selective_recompute_s is None else c.selective_recompute_s * rf,
         }
         if k == last:
             update["loss_s"] = ctx.loss_fwd

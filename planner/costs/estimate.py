@@ -437,7 +437,8 @@ def _block_cost(
     width: int,
     optimizer: OptimizerSpec | None,
 ) -> BlockCost:
-    """Block k's record from its roofline run: W = B - I, recompute = the forward, sizes in the planning dtype."""
+    """Block k's record from its roofline run: W = B - I, recompute = the forward (selectively: less
+    its kept operators, whose outputs it keeps), sizes in the planning dtype."""
     n_params = sum(p.numel() for p in params)
     param_bytes = sum(p.numel() * (width if p.is_floating_point() else p.element_size()) for p in params)
     out_bytes = sum(
@@ -460,6 +461,8 @@ def _block_cost(
         bwd_input_s=bwd_input_s,
         bwd_weight_s=run.bwd.seconds - bwd_input_s,
         recompute_s=run.fwd.seconds,
+        selective_recompute_s=max(run.fwd.seconds - run.fwd.kept_seconds, 0.0),
+        selective_bytes=run.fwd.kept_bytes,
         flops_fwd=run.fwd.flops,
         flops_bwd=run.bwd.flops,
         opt_s=opt_s,

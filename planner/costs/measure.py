@@ -28,7 +28,10 @@ the block runs under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` 
 function is timed the second time it is called, which is the recomputation inside backward. With
 torch's default early stop the recomputation ends at the last saved tensor, so ops after it (a
 residual add, a trailing sleep in the test fixtures) are not re-run: recompute ≤ forward. Dropout's
-RNG-state restore is included.
+RNG-state restore is included. Selective checkpointing is timed the same way under the runner's
+policy (``planner.capture.checkpoint``: matmul, convolution and attention outputs kept), giving
+``selective_recompute_s``; what that policy keeps of one microbatch (``selective_bytes``) is the
+bytes of those ops' outputs in one eager forward.
 
 Memory per block: parameter bytes (each parameter counted in the first block that reads it) and
 the bytes autograd saves for backward during the block's forward, observed with
@@ -61,6 +64,7 @@ import torch
 from tqdm import tqdm
 
 from planner.capture.blocks import GraphTrace, ModuleTrace, TracedModel
+from planner.capture.checkpoint import kept_bytes
 from planner.capture.stage import build_stage_module, stage_inputs
 from planner.costs.blocks import Profile, block_cost
 from planner.costs.context import apply_in_context, time_in_context
@@ -183,7 +187,9 @@ class _Timings:
     bwd_input: list[float] = field(default_factory=list)
     bwd_weight: list[float] = field(default_factory=list)
     recompute: list[float] = field(default_factory=list)
+    selective: list[float] = field(default_factory=list)
     saved_bytes: int = 0
+    kept_bytes: int | None = None  # what selective checkpointing keeps (None: not measured)
     warm_s: float = 0.0
     rounds_s: list[float] = field(default_factory=list)
 
@@ -232,12 +238,14 @@ def _time_block(
         fwd, bwd, saved = _time_once(forward, grad_inputs(current, grad), param_storages)
         bwd_input, bwd_weight = time_input_weight(forward, grad_inputs(current, grad), weights)
         recompute = time_recompute(forward, grad_inputs(current, grad))
+        selective = time_recompute(forward, grad_inputs(current, grad), "selective")
         if r >= warmup:
             t.fwd.append(fwd)
             t.bwd.append(bwd)
             t.bwd_input.append(bwd_input)
             t.bwd_weight.append(bwd_weight)
             t.recompute.append(recompute)
+            t.selective.append(selective)
             t.saved_bytes = saved
             t.rounds_s.append(time.perf_counter() - start)
         else:
@@ -305,6 +313,11 @@ class _BlockTimer:
         weights = list(module.parameters())
         t = _time_block(forward, current, grad, weights, self.param_storages, self.settings, self.bar)
         t.warm_s += trial_s
+        # counted on the eager module: a dispatch mode around a compiled one would recompile it
+        eager = leaf_safe(self.forward_of(module, last), grad_inputs(current, grad))
+        with torch.enable_grad(), kept_bytes() as kept:
+            eager(grad_inputs(current, grad))
+        t.kept_bytes = kept.total
         return t
 
 
@@ -347,6 +360,8 @@ def _profile_graph(traced: GraphTrace, sample: Sample, settings: ProfileSettings
             bwd_input_s=statistics.median(t.bwd_input),
             bwd_weight_s=statistics.median(t.bwd_weight),
             recompute_s=statistics.median(t.recompute),
+            selective_recompute_s=statistics.median(t.selective),
+            selective_bytes=t.kept_bytes,
             activation_bytes=t.saved_bytes,
             cut_bytes=None if last else out_bytes,
         )

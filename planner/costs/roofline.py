@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from planner.capture.checkpoint import SAVED_OPS
 from planner.core.hardware import HardwareSpec
 from planner.torch_compat import TorchDispatchMode, pytree, swapped_sdpa
 
@@ -93,12 +94,18 @@ class Tally:
         bytes: bytes read and written by data-moving operators.
         seconds: roofline time plus per-operator overhead.
         ops: operators dispatched (views included).
+        kept_seconds: of ``seconds``, the operators selective checkpointing keeps the outputs of
+            (``planner.capture.checkpoint.SAVED_OPS``: matmuls, convolutions, attention), which a
+            selective recomputation does not run again.
+        kept_bytes: the bytes of those outputs (what selective checkpointing keeps).
     """
 
     flops: float = 0.0
     bytes: float = 0.0
     seconds: float = 0.0
     ops: int = 0
+    kept_seconds: float = 0.0
+    kept_bytes: int = 0
 
 
 def tensor_bytes(t: torch.Tensor, float_bytes: int | None = None) -> int:
@@ -184,13 +191,22 @@ class Roofline(TorchDispatchMode):
         self._charge(func, args, kwargs, out)
         return out
 
-    def charge_fused(self, flops: float, tensors: list[torch.Tensor], dtype: torch.dtype, efficiency: float) -> None:
-        """Charge one fused kernel (attention) that reads and writes ``tensors`` at ``efficiency`` of peak."""
+    def charge_fused(
+        self,
+        flops: float,
+        tensors: list[torch.Tensor],
+        dtype: torch.dtype,
+        efficiency: float,
+        kept: Sequence[torch.Tensor] = (),
+    ) -> None:
+        """Charge one fused kernel (attention) that reads and writes ``tensors`` at ``efficiency`` of
+        peak; ``kept``: its outputs, which selective checkpointing keeps (empty: the kernel is not kept)."""
         nbytes = sum(tensor_bytes(t, self.float_bytes) for t in tensors)
         hw = self.hw
         roof = max(flops / (self._peak(dtype) * efficiency), nbytes / (hw.memory_Bps * hw.memory_efficiency))
         seconds = max(roof, hw.op_overhead_s) if hw.async_launch else roof + hw.op_overhead_s
-        self._add(Tally(float(flops), nbytes, seconds, 1))
+        held = sum(tensor_bytes(t, self.float_bytes) for t in kept)
+        self._add(Tally(float(flops), nbytes, seconds, 1, seconds if kept else 0.0, held))
 
     @contextlib.contextmanager
     def phase(self, tally: Tally) -> Iterator[Tally]:
@@ -204,6 +220,8 @@ class Roofline(TorchDispatchMode):
         self.tally.bytes += other.bytes
         self.tally.seconds += other.seconds
         self.tally.ops += other.ops
+        self.tally.kept_seconds += other.kept_seconds
+        self.tally.kept_bytes += other.kept_bytes
 
     def _charge(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         packet = func.overloadpacket
@@ -242,7 +260,13 @@ class Roofline(TorchDispatchMode):
             seconds = max(roof, hw.op_overhead_s) if moves or flops else 0.0
         else:
             seconds = roof + hw.op_overhead_s
-        self._add(Tally(flops, nbytes, seconds, 1))
+        if func in SAVED_OPS:
+            held = sum(
+                tensor_bytes(t, self.float_bytes) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
+            )
+            self._add(Tally(flops, nbytes, seconds, 1, seconds, held))
+        else:
+            self._add(Tally(flops, nbytes, seconds, 1))
 
 
 _CORE_NAMESPACES = {"aten", "prim", "prims", "_c10d_functional", "c10d_functional", "c10d"}
@@ -359,6 +383,7 @@ class _FusedAttention(torch.autograd.Function):
             [q, k, v, o, lse] + ([mask] if mask is not None else []),
             q.dtype,
             roof.hw.attention_efficiency(backward=False),
+            kept=[o, lse],
         )
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.roof = roof

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
+from planner.capture.checkpoint import checkpointed
 from planner.schema.costs import OptimizerSpec, StepTempRule
 from planner.torch_compat import is_view, memory_tracker, pipelining_backward, pytree
 
@@ -127,16 +127,19 @@ def time_input_weight(forward: Forward, args: tuple[Any, ...], weights: Sequence
     return t1 - t0, time.perf_counter() - t1
 
 
-def time_recompute(forward: Forward, args: tuple[Any, ...]) -> float:
+def time_recompute(forward: Forward, args: tuple[Any, ...], mode: str = "full") -> float:
     """Seconds the forward takes when activation checkpointing re-runs it inside backward.
 
-    The block runs under non-reentrant ``torch.utils.checkpoint`` (torch's defaults: early stop,
-    RNG state preserved); its function is timed on each call and the second call is the
-    recomputation. 0.0 when backward never needs it (nothing saved, nothing requires grad).
+    The block runs as one checkpoint region as the runner runs it (``planner.capture.checkpoint``:
+    non-reentrant ``torch.utils.checkpoint``, torch's defaults: early stop, RNG state preserved;
+    selectively, the matmul and attention outputs come from its cache); its function is timed on
+    each call and the second call is the recomputation. 0.0 when backward never needs it (nothing
+    saved, nothing requires grad).
 
     Args:
         forward: ``forward(args)`` -> the block's output (or the loss, for the last block).
         args: the block's inputs as a stage receives them.
+        mode: "full" or "selective".
 
     Returns:
         Recompute seconds.
@@ -151,7 +154,7 @@ def time_recompute(forward: Forward, args: tuple[Any, ...]) -> float:
             sync(a)
             calls.append(time.perf_counter() - t0)
 
-    out = checkpoint(timed, *args, use_reentrant=False)
+    out = checkpointed(timed, args, mode)
     roots, grads = backward_roots(out)
     if roots:
         torch.autograd.backward(roots, grads)

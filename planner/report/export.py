@@ -158,9 +158,11 @@ def _notes(plan: Plan) -> list[str]:
     ]
     if plan.accumulation > 1:
         notes.append(f"each step runs the schedule {plan.accumulation} times (gradient accumulation)")
-    if any(s.recompute for s in plan.stages):
+    recomputing = [s for s in plan.stages if s.recompute != "never"]
+    if recomputing:
         notes.append(
-            "the plan recomputes activations on stages " + ", ".join(str(s.index) for s in plan.stages if s.recompute)
+            "the plan checkpoints activations per block on stages "
+            + ", ".join(f"{s.index} ({s.recompute})" for s in recomputing)
         )
     if plan.ties:
         notes.append("tied weights: " + "; ".join(" = ".join(t.names) for t in plan.ties))

@@ -57,8 +57,8 @@ def stage_table(plan: Plan) -> str:
     several = plan.stages_per_rank > 1
     for s in plan.stages:
         blocks = s.first_block if s.end - s.start == 1 else f"{s.first_block} .. {s.last_block}"
-        if s.recompute:
-            blocks += " [recompute]"
+        if s.recompute != "never":
+            blocks += f" [{s.recompute} recompute]"
         rows.append(
             [
                 f"{s.index} (rank {s.rank})" if several else str(s.index),

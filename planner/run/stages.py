@@ -14,11 +14,13 @@ from typing import Any
 import torch
 
 from planner.capture.blocks import GraphTrace, TracedModel
+from planner.capture.checkpoint import checkpointed_stage
 from planner.capture.clock import BlockClock
 from planner.capture.graph import buffers_restored, retarget_devices
 from planner.capture.shapes import shapes_or_real
 from planner.capture.stage import stage_inputs, stage_module, trace_root
 from planner.core.schedules import SPLIT_BACKWARD, placement
+from planner.core.stage_model import checkpoint_units
 from planner.errors import PlannerError
 from planner.run.checkpoint import model_names
 from planner.run.gradients import grad_finisher
@@ -30,7 +32,6 @@ from planner.run.tensor_split import norm_counted, shard_stage
 from planner.run.wrappers import (
     ContiguousBoundary,
     HooklessDDP,
-    Recomputed,
     apply_speed_levers,
     autocast_loss,
     autocast_region,
@@ -140,7 +141,8 @@ def build_stages(
     for stage in cut:
         names = _state_names(stage.built, root, aliases)  # before wrapping: FSDP replaces the parameters
         if plan.tp > 1:  # every example was made above, on the unsharded trace
-            shard_stage(stage.built, mesh.tp_mesh, plan.tp_plan)
+            for part in getattr(stage.built, "regions", [stage.built]):  # a checkpointed stage's regions
+                shard_stage(part, mesh.tp_mesh, plan.tp_plan)  # are named as the unsplit model names them
         submod = _replicated(plan, stage, mesh, device, seen, manual=manual)
         for local_name, t in [*stage.built.named_parameters(remove_duplicate=False), *stage.built.named_buffers()]:
             for alias in names.get(local_name, []):
@@ -180,8 +182,12 @@ def _cut_stages(
     cut: list[_CutStage] = []
     for stage_plan in plan.stages_of(mesh.pp_rank):
         clock = _block_clock(plan, stage_plan, device)
-        built = stage_module(traced, stage_plan.start, stage_plan.end, clock)
-        inner = Recomputed(built) if stage_plan.recompute else built
+        if stage_plan.recompute == "never":
+            built = stage_module(traced, stage_plan.start, stage_plan.end, clock)
+        else:  # one checkpoint region per block, as the plan's memory model counts them
+            units = checkpoint_units(plan.blocks, stage_plan.start, stage_plan.end)
+            built = checkpointed_stage(traced, units, stage_plan.recompute, stage_module, clock)
+        inner = built
         module = ContiguousBoundary(inner)
         # under the plan's autocast, so the examples (and the receive buffers made from them) have
         # the dtypes that will cross the cut

@@ -1,5 +1,5 @@
-"""What wraps a stage module on a rank, innermost first: recomputation (the plan's ``recompute``),
-``torch.compile`` and autocast (the plan's speed levers), the boundary that makes every tensor
+"""What wraps a stage module on a rank, innermost first (inside it, a recomputing stage's checkpoint
+regions: ``planner.capture.checkpoint``): ``torch.compile`` and autocast (the plan's speed levers), the boundary that makes every tensor
 crossing it contiguous, and DDP without module hooks; and the plan's autocast region, shared with
 the in-process run.
 """
@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 from torch.nn.parallel import DistributedDataParallel
 
 from planner.schema.plan import Plan
@@ -92,19 +91,6 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if is_view(t) else t
 
 
-class Recomputed(torch.nn.Module):
-    """Run a stage under activation checkpointing: keep only its inputs per microbatch and rebuild
-    its activations during backward (the plan's ``recompute`` flag; non-reentrant
-    ``torch.utils.checkpoint``, which also works when the stage's inputs need no grad)."""
-
-    def __init__(self, module: torch.nn.Module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args: object) -> object:
-        return torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=False)
-
-
 class Autocast(torch.nn.Module):
     """Run a stage's forward under ``torch.autocast`` (the plan's ``profile.run_autocast``): parameters
     stay fp32, the matmuls and what they save run in the lower precision, as the profile measured.
@@ -153,7 +139,7 @@ def apply_speed_levers(plan: Plan, module: ContiguousBoundary, inner: torch.nn.M
     Args:
         plan: the plan (``compile``, ``profile.autocast``).
         module: the stage's boundary wrapper; what it calls is replaced.
-        inner: the stage module (recomputed where the plan says), as the boundary calls it now.
+        inner: the stage module (checkpointed where the plan says), as the boundary calls it now.
         device: where the stage runs (autocast's device type).
     """
     run = inner

@@ -14,6 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field
 OptimizerName = Literal["adamw", "sgd"]
 OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
 StepTempRule = Literal["max", "sum"]
+RecomputeMode = Literal["never", "selective", "full"]
+"""How a stage checkpoints its activations, block by block (``planner.core.stage_model``): not at all;
+selectively (each block keeps its matmul and attention outputs and recomputes the rest in backward,
+torch's selective activation checkpointing); or fully (each block keeps only its input)."""
+RECOMPUTE_MODES: tuple[str, ...] = get_args(RecomputeMode)
 
 
 class TensorParallelShare(BaseModel):
@@ -117,6 +122,19 @@ class BlockCost(BaseModel):
         allow_inf_nan=False,
         description="Extra forward the block costs in backward under activation checkpointing, seconds; None if not "
         "measured (the solver then charges the whole forward).",
+    )
+    selective_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="Of activation_bytes, what selective checkpointing keeps per microbatch (the outputs of the "
+        "block's matmuls and attention); None if not measured (all of it: selective saves nothing).",
+    )
+    selective_recompute_s: float | None = Field(
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
+        description="Extra backward seconds under selective checkpointing (the forward's ops other than matmuls "
+        "and attention, run again); None if not measured (recompute_s, as full checkpointing).",
     )
     fwd_cold_s: float | None = Field(
         default=None,

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec, RecomputeMode
 from planner.schema.jsonfile import parse_versioned, read_text, write_atomic
 from planner.schema.request import DpMode, Method, Schedule
 
@@ -21,6 +21,17 @@ from planner.schema.request import DpMode, Method, Schedule
 # written before them load unchanged; a planner that predates them refuses a plan that has them
 # (extra fields are forbidden), rather than running it as one pipeline.
 PLAN_VERSION = 1
+
+
+def _mode(value: Any) -> Any:
+    """A stage's recompute mode; plans written before selective checkpointing stored a flag (True:
+    the stage recomputed, now "full")."""
+    if isinstance(value, bool):
+        return "full" if value else "never"
+    return value
+
+
+StageRecompute = Annotated[RecomputeMode, BeforeValidator(_mode)]
 
 
 class _Frozen(BaseModel):
@@ -159,8 +170,10 @@ class StagePlan(_Frozen):
         description="Per training step, before the optimizer: averaging the stage's accumulated gradients over the "
         "microbatches, their clipping norm and the clipping scale (a 1/dp shard under FSDP).",
     )
-    recompute: bool = Field(
-        default=False, description="The stage recomputes its activations in backward (activation checkpointing)."
+    recompute: StageRecompute = Field(
+        default="never",
+        description="How the stage checkpoints its activations, block by block: never, selective (each block keeps "
+        "its matmul and attention outputs) or full (each block keeps its input); recomputed in backward.",
     )
     activation_bytes: int = Field(ge=0, description="Saved activations per microbatch.")
     in_flight: int = Field(ge=1, description="Peak microbatches holding activations under the schedule.")
@@ -179,7 +192,9 @@ class Prediction(_Frozen):
     """Predicted figures for one partition under the plan's schedule."""
 
     starts: tuple[int, ...]
-    recompute: tuple[bool, ...] = Field(default=(), description="Per stage: activation checkpointing (empty: none).")
+    recompute: tuple[StageRecompute, ...] = Field(
+        default=(), description="Per stage: its recompute mode (empty: no stage recomputes)."
+    )
     stage_time_s: tuple[float, ...]
     bottleneck_s: float = Field(ge=0, allow_inf_nan=False)
     pipeline_time_s: float = Field(

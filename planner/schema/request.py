@@ -18,7 +18,8 @@ from planner.schema.costs import OptimizerSpec
 
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev"]
 Method = Literal["optimal", "uniform", "params", "given"]
-Recompute = Literal["auto", "never", "always"]
+Recompute = Literal["auto", "never", "selective", "full", "always"]
+"""``--recompute``: activation checkpointing block by block, per stage ("always": the old name of "full")."""
 Dtype = Literal["bf16", "fp16", "fp32"]
 DpMode = Literal["ddp", "fsdp"]
 """How data-parallel replicas reduce their gradients: DDP (all-reduce; every replica holds the whole
@@ -226,7 +227,11 @@ class PlanRequest(_Request):
         allow_inf_nan=False,
         description="Per-rank limit in GiB (None: the GPU's capacity when known).",
     )
-    recompute: Recompute = Field(default="auto", description="Activation checkpointing per stage.")
+    recompute: Recompute = Field(
+        default="auto",
+        description="Activation checkpointing, block by block: auto (per stage, the least that fits: none, "
+        "selective, full), never, selective or full on every stage (always: full).",
+    )
     gpu_type: str | None = Field(default=None, description="Estimate for this hardware instead of measuring here.")
     dtype: Dtype | None = Field(
         default=None,
@@ -296,6 +301,11 @@ class PlanRequest(_Request):
             "tensor-parallel ranks",
             "need at least one rank per split: give 1 (no tensor parallelism) or more, or 'auto'",
         )
+
+    @field_validator("recompute", mode="after")
+    @classmethod
+    def _recompute_name(cls, value: str) -> str:
+        return "full" if value == "always" else value  # its name before selective checkpointing
 
     @field_validator("dp_mode", mode="before")
     @classmethod

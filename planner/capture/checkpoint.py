@@ -1,0 +1,177 @@
+"""Activation checkpointing block by block: the regions a stage runs under ``torch.utils.checkpoint``.
+
+A stage that recomputes (the plan's ``recompute``: "selective" or "full") runs as a chain of
+regions, one per block (a block whose end is no legal cut shares its region with the next:
+``planner.core.stage_model.checkpoint_units`` decides, here they are only built). Each region is
+its own non-reentrant checkpoint, so backward rebuilds one region's activations at a time, as
+torchtitan's and Megatron's per-layer checkpointing do:
+
+- full: the region keeps only its inputs; its whole forward runs again in backward;
+- selective: torch's selective activation checkpointing
+  (``torch.utils.checkpoint.create_selective_checkpoint_contexts``) with a policy that keeps the
+  outputs of the expensive ops (``SAVED_OPS``: matmuls, convolutions and attention, as torchtitan's
+  "op" mode keeps its matmuls and attention) and recomputes the rest (norms, activations,
+  element-wise ops, dropout with its RNG state restored).
+
+The profiler measures what these regions keep and cost with the same policy (``kept_bytes``,
+``planner.costs.timing.time_recompute``), so what is measured is what runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from planner.capture.blocks import TracedModel
+from planner.capture.clock import BlockClock
+from planner.torch_compat import TorchDispatchMode, storage_id
+
+_aten = torch.ops.aten
+
+
+def _ops(*names: str) -> frozenset[Any]:
+    """The aten overload packets of ``names`` this torch has (attention kernels differ by build)."""
+    return frozenset(getattr(_aten, n).default for n in names if hasattr(_aten, n))
+
+
+SAVED_OPS: frozenset[Any] = _ops(
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "convolution",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+"""The ops whose outputs selective checkpointing keeps; every other op is recomputed in backward."""
+
+
+def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_contexts() -> tuple[Any, Any]:
+    """The forward and recompute contexts of selective checkpointing (``checkpoint``'s ``context_fn``)."""
+    return torch.utils.checkpoint.create_selective_checkpoint_contexts(_policy)
+
+
+def checkpointed(fn: Callable[..., Any], args: Sequence[Any], mode: str) -> Any:
+    """``fn(*args)`` as one checkpoint region under ``mode`` ("full" or "selective").
+
+    Args:
+        fn: the region's forward.
+        args: its inputs.
+        mode: "full" keeps only the inputs; "selective" also the outputs of ``SAVED_OPS``.
+
+    Returns:
+        What ``fn`` returns.
+    """
+    kw: dict[str, Any] = {"use_reentrant": False}
+    if mode == "selective":
+        kw["context_fn"] = selective_contexts
+    return torch.utils.checkpoint.checkpoint(fn, *args, **kw)
+
+
+class _KeptBytes(TorchDispatchMode):
+    """Adds up the bytes of the outputs of ``SAVED_OPS`` run under it (what selective checkpointing keeps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+        self.seen: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in SAVED_OPS:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
+                    key = storage_id(t)
+                    if key not in self.seen:
+                        self.seen.add(key)
+                        self.total += t.untyped_storage().nbytes()
+        return out
+
+
+@contextlib.contextmanager
+def kept_bytes() -> Iterator[_KeptBytes]:
+    """Count what selective checkpointing would keep of the forward run inside (``.total`` bytes).
+
+    Only outputs that autograd needs count for backward: the caller runs the forward with grad
+    enabled, as training does; the count includes every output of a kept op (attention's
+    log-sum-exp too), each storage once.
+    """
+    mode = _KeptBytes()
+    with mode:
+        yield mode
+
+
+class CheckpointedStage(nn.Module):
+    """A stage run as a chain of checkpoint regions (see the module docstring).
+
+    Args:
+        regions: one module per region, in order: each takes what crosses the cut before it (the
+            stage's inputs for the first) and returns what crosses the cut after it.
+        mode: "full" or "selective".
+        clock: the stage's block clock, if any: its marks are silenced while a region is being
+            recomputed, so that a block's forward is timed once (its recomputation falls inside the
+            backward of that block, where the plan counts it).
+    """
+
+    def __init__(self, regions: Sequence[nn.Module], mode: str, clock: BlockClock | None = None) -> None:
+        super().__init__()
+        if mode not in ("full", "selective"):
+            raise ValueError(f"checkpoint mode {mode!r}; expected 'full' or 'selective'")
+        self.regions = nn.ModuleList(regions)
+        self.mode = mode
+        self.clock = clock
+
+    def forward(self, *args: Any) -> Any:
+        out: Any = args
+        for region in self.regions:
+            out = checkpointed(self._once(region), args, self.mode)
+            args = out if isinstance(out, tuple) else (out,)
+        return out
+
+    def _once(self, region: nn.Module) -> Callable[..., Any]:
+        """``region`` as a function whose second and later calls (the recomputation) pass no clock mark."""
+        calls = [0]
+
+        def run(*a: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 1 or self.clock is None:
+                return region(*a)
+            with self.clock.silenced():
+                return region(*a)
+
+        return run
+
+
+def checkpointed_stage(
+    traced: TracedModel,
+    units: Sequence[tuple[int, int]],
+    mode: str,
+    build: Callable[[TracedModel, int, int, BlockClock | None], nn.Module],
+    clock: BlockClock | None = None,
+) -> CheckpointedStage:
+    """The stage over ``units`` (its checkpoint regions, in order) as a ``CheckpointedStage``.
+
+    Args:
+        traced: the trace.
+        units: ``(start, end)`` of each region; together one stage.
+        mode: "full" or "selective".
+        build: builds the module of blocks ``[start, end)`` (``planner.capture.stage.stage_module``).
+        clock: the stage's block clock (each region marks its own blocks on it).
+
+    Returns:
+        The stage module (parameters shared with the trace).
+    """
+    return CheckpointedStage([build(traced, a, z, clock) for a, z in units], mode, clock)

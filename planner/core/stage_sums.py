@@ -1,0 +1,119 @@
+"""Block-range sums for the exact solver's memory model: any stage's terms in O(1).
+
+Pure module (numpy only). ``stage_memory_parts`` (``planner.core.stage_model``) sums a stage's
+blocks one by one; the solver asks the same of every candidate stage, so it precomputes prefix sums
+and range maxima (sparse tables) once per request: the measured optimizer-step temporaries
+(``StepTemps``) and the checkpoint regions (``RegionSums``), each asked one stage at a time or, as
+arrays, for many stages at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from planner.core.solve_engine import AnyIntArray, IntArray
+from planner.core.stage_model import Regions, kept_bytes
+from planner.schema.costs import BlockCost, OptimizerSpec
+
+
+class RangeMax:
+    """Maxima of any range of a list in O(1): a sparse table (``table[j][i]`` = max of
+    ``values[i .. i + 2^j - 1]``), asked one range at a time (``of``) or many at once (``many``)."""
+
+    def __init__(self, values: Sequence[int]) -> None:
+        self.table = [list(values)]
+        while 2 ** len(self.table) <= len(values):
+            row, half = self.table[-1], 2 ** (len(self.table) - 1)
+            self.table.append([max(row[i], row[i + half]) for i in range(len(row) - half)])
+        self.n = len(values)
+
+    def of(self, s: int, e: int) -> int:
+        """Max of ``values[s:e]`` (``s < e``)."""
+        j = (e - s).bit_length() - 1
+        return max(self.table[j][s], self.table[j][e - (1 << j)])
+
+    def arrays(self, dtype: Any) -> RangeMaxArrays:
+        """The table as numpy rows, for ``many``."""
+        return RangeMaxArrays([np.array(row, dtype=dtype) for row in self.table], self.n)
+
+
+class RangeMaxArrays:
+    """``RangeMax`` on arrays of ranges."""
+
+    def __init__(self, rows: list[Any], n: int) -> None:
+        self.rows = rows
+        self.log2 = np.array([0, 0] + [k.bit_length() - 1 for k in range(2, n + 1)], dtype=np.int64)
+
+    def many(self, s: IntArray, e: IntArray) -> AnyIntArray:
+        """Per range ``[s, e)``, its max (0 where ``e <= s``)."""
+        length = np.maximum(e - s, 1)
+        j = self.log2[length]
+        most = 0 * self.rows[0][np.minimum(s, len(self.rows[0]) - 1)] if len(self.rows[0]) else 0 * s
+        for level in np.unique(j).tolist():  # at most log2(n) + 1 levels
+            row = self.rows[level]
+            at = j == level
+            lo, hi = s[at], np.maximum(e[at] - (1 << level), 0)
+            most[at] = np.maximum(row[np.minimum(lo, len(row) - 1)], row[np.minimum(hi, len(row) - 1)])
+        out: AnyIntArray = np.where(e > s, most, 0 * most)
+        return out
+
+
+class StepTemps:
+    """The measured optimizer-step temporaries of any block range in O(1) (``stage_memory_parts``'s
+    ``T``): a prefix count of the blocks without ``opt_temp_bytes``, prefix sums for the "sum" rule
+    and range maxima for "max".
+    """
+
+    def __init__(self, blocks: Sequence[BlockCost], optimizer: OptimizerSpec) -> None:
+        self.rule = optimizer.step_temp_rule
+        values = [b.opt_temp_bytes or 0 for b in blocks]
+        self.pre_missing = [0]
+        self.pre_sum = [0]
+        for b, v in zip(blocks, values):
+            self.pre_missing.append(self.pre_missing[-1] + (b.opt_temp_bytes is None))
+            self.pre_sum.append(self.pre_sum[-1] + v)
+        self.most = RangeMax(values)
+        self.all_measured = self.pre_missing[-1] == 0
+        self.none_measured = self.pre_missing[-1] == len(blocks)
+
+    def of(self, s: int, e: int) -> int | None:
+        """``T`` of the stage ``[s, e)`` (``s < e``): None when some block of it was not measured."""
+        if self.pre_missing[e] != self.pre_missing[s]:
+            return None
+        if self.rule == "sum":
+            return self.pre_sum[e] - self.pre_sum[s]
+        return self.most.of(s, e)
+
+
+class RegionSums:
+    """The checkpoint regions of any stage ``[s, e)`` in O(1) (``stage_memory_parts``' ``Regions``).
+
+    Stages start at legal cuts, so a stage's regions are the regions starting inside it
+    (``checkpoint_units``): each region's input, activations and kept bytes are put at its first
+    block, prefix sums add them and range maxima take their largest.
+    """
+
+    def __init__(self, blocks: Sequence[BlockCost]) -> None:
+        n = len(blocks)
+        heads = [0] + [c for c in range(1, n) if blocks[c - 1].cut_legal]
+        inputs, acts, rebuilt = [0] * n, [0] * n, [0] * n
+        for a, z in zip(heads, [*heads[1:], n]):
+            inputs[a] = blocks[a - 1].cut_bytes if a > 0 else 0
+            acts[a] = sum(b.activation_bytes for b in blocks[a:z])
+            rebuilt[a] = max(acts[a] - sum(kept_bytes(b) for b in blocks[a:z]), 0)
+        self.pre_in, self.pre_kept = [0], [0]
+        for b, x in zip(blocks, inputs):
+            self.pre_in.append(self.pre_in[-1] + x)
+            self.pre_kept.append(self.pre_kept[-1] + kept_bytes(b))
+        self.acts, self.rebuilt = RangeMax(acts), RangeMax(rebuilt)
+
+    def of(self, s: int, e: int) -> Regions:
+        return Regions(
+            self.pre_in[e] - self.pre_in[s],
+            self.acts.of(s, e),
+            self.pre_kept[e] - self.pre_kept[s],
+            self.rebuilt.of(s, e),
+        )
