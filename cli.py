@@ -186,10 +186,11 @@ def _load_plan(path: str) -> Plan:
     type=click.Choice(list(RECOMPUTE)),
     default="auto",
     show_default=True,
-    help="Activation checkpointing, each block its own region: auto (per stage, only where it would not fit "
-    "otherwise: selective if that fits, else full), never, selective (every block keeps its matmul and attention "
-    "outputs and recomputes the rest, as torchtitan's op mode) or full (every block keeps only its input) on every "
-    "stage; always is full.",
+    help="Activation checkpointing: auto (per stage, only where it would not fit otherwise: the first that fits of "
+    "selective, full, stage), or on every stage never, selective (each block its own region, keeping its matmul "
+    "and attention outputs and recomputing the rest, as torchtitan's op mode), full (each block its own region, "
+    "keeping only its input) or stage (the whole stage one region: least kept per microbatch, most rebuilt at "
+    "once); always is full.",
 )
 @click.option(
     "--gpu-type",

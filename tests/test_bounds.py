@@ -64,7 +64,7 @@ def _random_split(blocks: list, n_stages: int, rng: random.Random) -> Partition 
     if len(cuts) < n_stages - 1:
         return None
     starts = (0, *sorted(rng.sample(cuts, n_stages - 1)))
-    modes = ("never", "selective", "full")
+    modes = ("never", "selective", "full", "stage")
     return Partition(starts=starts, bottleneck_s=0.0, recompute=tuple(rng.choice(modes) for _ in starts))
 
 

@@ -138,6 +138,23 @@ def test_megatron_cores_parser_reads_back_the_planned_layers() -> None:
             assert stage == next(s.index for s in plan.stages if s.rank == rank and s.index // plan.n_ranks == chunk)
 
 
+def test_torchtitan_gets_the_plans_activation_checkpointing() -> None:
+    plan = _interleaved([0, 2, 4, 6])
+    assert tomllib.loads(export_plan(plan, "torchtitan-toml"))["activation_checkpoint"] == {"mode": "none"}
+    selective = plan.model_copy(
+        update={"stages": [s.model_copy(update={"recompute": "selective"}) for s in plan.stages]}
+    )
+    table = tomllib.loads(export_plan(selective, "torchtitan-toml"))
+    assert table["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
+    # torchtitan checkpoints every block alike: stages that differ get the strongest, and a note says so
+    stages = [s.model_copy(update={"recompute": "full" if s.index == 1 else "selective"}) for s in plan.stages]
+    mixed = export_plan(plan.model_copy(update={"stages": stages}), "torchtitan-toml")
+    assert tomllib.loads(mixed)["activation_checkpoint"] == {"mode": "full"}
+    assert "stages differ (full, selective), so the strongest, full, is set" in mixed
+    assert "activation_checkpoint = SelectiveAC.Config()" in export_plan(selective, "torchtitan")
+    assert "activation_checkpoint = None" in export_plan(plan, "torchtitan")
+
+
 def test_torchtitan_takes_the_exported_config() -> None:
     pytest.importorskip("torchtitan")
     from torchtitan.distributed.pipeline_parallel import _get_pp_rank_to_stage_indices_mapping, _split_module
@@ -148,9 +165,11 @@ def test_torchtitan_takes_the_exported_config() -> None:
         _interleaved([0, 2, 4, 6]),
         make_plan(LLAMA, [0, 2, 4, 6], schedule="zbv", stages_per_rank=2, batch_size=8, n_microbatches=4),
     ):
+        plan = plan.model_copy(update={"stages": [s.model_copy(update={"recompute": "full"}) for s in plan.stages]})
         namespace: dict = {}
         exec(export_plan(plan, "torchtitan"), namespace)
         parallelism = namespace["parallelism"]
+        assert type(namespace["activation_checkpoint"]).__qualname__ == "FullAC.Config"  # torchtitan's own class
         model = load_model_file(LLAMA, "tiny").build()
         for rank in range(plan.n_ranks):
             indices = _get_pp_rank_to_stage_indices_mapping(

@@ -115,6 +115,9 @@ def instances(draw: st.DrawFn) -> tuple[list[BlockCost], int, int, OptimizerSpec
                 cut_tensors=1,
                 output_bytes=draw(st.integers(0, 200)) * scale,
                 selective_bytes=draw(st.one_of(st.none(), st.integers(0, 200).map(lambda x: x * scale))),
+                loss_bytes=draw(st.one_of(st.none(), st.integers(0, 200).map(lambda x: x * scale)))
+                if i == n - 1
+                else None,
                 cut_legal=True,
                 is_layer=True,
             )
@@ -127,7 +130,7 @@ def instances(draw: st.DrawFn) -> tuple[list[BlockCost], int, int, OptimizerSpec
         draw(st.integers(-5, 8000)) * scale,
         draw(st.integers(1, 9)),
         optimizer,
-        draw(st.sampled_from(["never", "auto", "always", "selective"])),
+        draw(st.sampled_from(["never", "auto", "always", "selective", "stage"])),
         draw(st.lists(st.integers(0, 9), min_size=1, max_size=4)),
         draw(st.sampled_from([1, 3])),
     )
@@ -153,7 +156,7 @@ def test_fast_memory_path_matches_stage_memory_parts(
             want = max(temps) if optimizer.step_temp_rule == "max" else sum(temps)  # type: ignore[type-var, arg-type]
         assert mem.temps.of(s, e) == want
         for t in set(infl):
-            for r in ("never", "selective", "full"):
+            for r in ("never", "selective", "full", "stage"):
                 ref = stage_memory_parts(blocks, s, e, optimizer, r, m, shard).peak(t)
                 assert mem.bytes(s, e, t, r) == ref, (s, e, t, r)
     # the vectorised fit thresholds and the fitting-end bounds agree with the scalar check
@@ -172,7 +175,8 @@ def test_fast_memory_path_matches_stage_memory_parts(
         "never": ("never",),
         "always": ("full",),
         "selective": ("selective",),
-        "auto": ("never", "selective", "full"),
+        "stage": ("stage",),
+        "auto": ("never", "selective", "full", "stage"),
     }[mode]
     for t in set(infl):  # the bound the fitting ends are searched with is one
         bound = arrays._fit_bound(s_arr, e_arr, t)

@@ -53,7 +53,7 @@ SHIPPED: list[tuple[str, str | None, int, dict[str, Any]]] = [
 # Fields added after the digests were written, with the value that means what a plan without them
 # meant: dropped while they hold it, so the digests pin the figures, not the format.
 LATER_DEFAULTS = {"tp": 1, "tp_plan": {}, "accumulation": 1}
-BLOCK_LATER_DEFAULTS = {"tp": None, "selective_bytes": None, "selective_recompute_s": None}
+BLOCK_LATER_DEFAULTS = {"tp": None, "selective_bytes": None, "selective_recompute_s": None, "loss_bytes": None}
 SHARE_LATER_DEFAULTS = {"slowdown": {}}  # inside a block's tp share (a nested object)
 CANDIDATE_LATER_DEFAULTS = {"tp": 1, "accumulation": 1}
 
@@ -65,13 +65,13 @@ def _drop(data: dict[str, Any], defaults: dict[str, Any]) -> None:
 
 
 def _flags(value: Any) -> Any:
-    """Recompute modes as the flags plans stored before selective checkpointing ("full": true), so
-    that only figures move digests (a stage's memory under checkpointing block by block)."""
+    """Recompute modes as the flags plans stored before checkpointing block by block ("stage", the
+    whole stage as one region: true), so that only figures and choices move digests."""
     if isinstance(value, dict):
         return {
-            k: ({"never": False, "full": True}.get(v, v) if k == "recompute" and isinstance(v, str) else _flags(v))
+            k: ({"never": False, "stage": True}.get(v, v) if k == "recompute" and isinstance(v, str) else _flags(v))
             if not (k == "recompute" and isinstance(v, list))
-            else [{"never": False, "full": True}.get(x, x) for x in v]
+            else [{"never": False, "stage": True}.get(x, x) for x in v]
             for k, v in value.items()
         }
     if isinstance(value, list):

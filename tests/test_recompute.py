@@ -51,11 +51,16 @@ def test_selective_checkpointing_keeps_exactly_the_matmul_outputs() -> None:
     x = torch.randn(B, D, requires_grad=True)
     with kept_bytes() as kept:
         block(x)
-    assert kept.total == 4 * B * 4 * D
+    assert kept.total() == 4 * B * 4 * D
+    # as torchtitan's policy, only every other plain matmul (aten.mm) is kept: the first and the third
+    chain = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(D, D, bias=False), nn.ReLU())])
+    with kept_bytes() as alternate:
+        chain(x)
+    assert alternate.total() == 2 * 4 * B * D
     # a block without matmuls keeps nothing
     with kept_bytes() as none:
         F.gelu(x) * 2
-    assert none.total == 0
+    assert none.total() == 0
 
 
 def _gpt() -> tuple[object, tuple, torch.Tensor, object]:
@@ -152,8 +157,12 @@ def test_the_profiler_measures_selective_checkpointing() -> None:
     x, y = torch.randn(B, D), torch.randn(B, D)
     traced = trace_model(model, (x,))
     costs = profile_model(traced, Sample((x,), y, _mse), ProfileSettings(progress=False, warmup=0, repeats=1)).costs
-    # block 0 keeps its addmm's output (B x 4D floats), block 1 its addmm's (B x D)
-    assert [c.selective_bytes for c in costs] == [4 * B * 4 * D, 4 * B * D]
+    # block 0 keeps its addmm's output (B x 4D floats); block 1's addmm output is the block's output,
+    # which the stage keeps anyway (the next region's input, or the last stage's output): nothing more
+    assert [c.selective_bytes for c in costs] == [4 * B * 4 * D, 0]
+    # the loss, ((out - target) ** 2).mean(), saves out - target for backward: B x D floats, which
+    # stay per microbatch whatever the stage checkpoints (the loss runs outside its regions)
+    assert [c.loss_bytes for c in costs] == [None, 4 * B * D]
     assert all(c.selective_recompute_s is not None and c.selective_recompute_s >= 0 for c in costs)
 
 
@@ -181,6 +190,25 @@ def test_the_estimate_keeps_matmuls_and_attention_and_recomputes_the_rest() -> N
     costs = estimate_blocks(traced, inputs, target.to("meta"), mf.loss_fn, get_hardware("h100"), progress=False)
     layers = [c for c in costs if c.name.startswith("layers.")]
     assert layers
+    # cross-entropy keeps its log-probabilities: as many elements as the logits, in fp32
+    assert costs[-1].loss_bytes is not None and costs[-1].loss_bytes >= costs[-1].output_bytes
     for c in layers:
         assert c.selective_bytes is not None and 0 < c.selective_bytes < c.activation_bytes
         assert c.selective_recompute_s is not None and 0 < c.selective_recompute_s < c.fwd_s
+
+
+def test_plans_written_before_selective_checkpointing_still_load() -> None:
+    # plan.json stored a flag per stage (true: the stage recomputed); it reads as "full" / "never"
+    import json
+
+    from planner.schema.plan import Plan
+    from tests.run_factory import MODELS, make_plan
+
+    plan = make_plan(MODELS / "gpt.py", [0, 3])
+    data = json.loads(plan.model_dump_json())
+    data["stages"][0]["recompute"], data["stages"][1]["recompute"] = True, False
+    data["prediction"]["recompute"] = [True, False]
+    old = Plan.model_validate(data)
+    # (as they ran: the whole stage as one checkpoint region)
+    assert [s.recompute for s in old.stages] == ["stage", "never"]
+    assert old.prediction.recompute == ("stage", "never")

@@ -378,8 +378,9 @@ _POLICY = {
     "never": ["never"],
     "selective": ["selective"],
     "full": ["full"],
+    "stage": ["stage"],
     "always": ["full"],
-    "auto": ["never", "selective", "full"],
+    "auto": ["never", "selective", "full", "stage"],
 }
 
 
@@ -425,7 +426,7 @@ def _reference_solve(
     plains = [_reference_cost_matrix(blocks, edge[k], edge[k + 1], crosses[k], crosses[k + 1]) for k in range(n_stages)]
     extra = {"full": [0.0], "selective": [0.0], "never": [0.0] * (len(blocks) + 1)}
     for b in blocks:
-        extra["full"].append(extra["full"][-1] + recompute_cost(b))
+        extra["full"].append(extra["full"][-1] + recompute_cost(b))  # "stage" recomputes the same
         extra["selective"].append(extra["selective"][-1] + selective_cost(b))
     limit = memory_limit_bytes if memory_limit_bytes is not None else math.inf
     mode = "never" if memory_limit_bytes is None and recompute == "auto" else recompute
@@ -438,7 +439,8 @@ def _reference_solve(
         c = choice(s, e, k)
         if c is None:
             return math.inf
-        return plains[k][s][e] + (extra[c][e] - extra[c][s] if c != "never" else 0.0)
+        rerun = extra["full" if c == "stage" else c]
+        return plains[k][s][e] + (rerun[e] - rerun[s] if c != "never" else 0.0)
 
     allowed: _Allowed = lambda s, e, k: choice(s, e, k) is not None  # noqa: E731
     starts = _reference_dp(n, n_stages, _legal_starts(blocks), cost, cost, allowed)
@@ -563,7 +565,7 @@ def requests(draw: st.DrawFn, ties: bool) -> Request:
         "n_microbatches": m,
         "optimizer": draw(st.sampled_from([SGD, OptimizerSpec()])),
         "memory_limit_bytes": draw(st.one_of(st.none(), st.integers(0, 4000))),
-        "recompute": draw(st.sampled_from(["never", "auto", "always", "selective", "full"])),
+        "recompute": draw(st.sampled_from(["never", "auto", "always", "selective", "full", "stage"])),
     }
     if draw(st.integers(0, 3)) == 0:  # explicit counts, as a schedule with several stages per rank gives
         kw["in_flight"] = draw(st.lists(st.integers(0, 6), min_size=p, max_size=p))
@@ -680,6 +682,7 @@ def memory_instances(draw: st.DrawFn) -> tuple[list[BlockCost], int, int, Optimi
             cut_tensors=1,
             output_bytes=draw(bytes_st),
             selective_bytes=draw(st.one_of(st.none(), bytes_st)),
+            loss_bytes=draw(st.one_of(st.none(), bytes_st)) if i == n - 1 else None,
             cut_legal=draw(st.booleans()) or draw(st.booleans()),  # regions of one block or several
             is_layer=True,
         )

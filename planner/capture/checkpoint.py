@@ -4,14 +4,16 @@ A stage that recomputes (the plan's ``recompute``: "selective" or "full") runs a
 regions, one per block (a block whose end is no legal cut shares its region with the next:
 ``planner.core.stage_model.checkpoint_units`` decides, here they are only built). Each region is
 its own non-reentrant checkpoint, so backward rebuilds one region's activations at a time, as
-torchtitan's and Megatron's per-layer checkpointing do:
+torchtitan's and Megatron's per-layer checkpointing do (a plan's "stage" mode is one region
+over the whole stage, checkpointed fully):
 
 - full: the region keeps only its inputs; its whole forward runs again in backward;
 - selective: torch's selective activation checkpointing
-  (``torch.utils.checkpoint.create_selective_checkpoint_contexts``) with a policy that keeps the
-  outputs of the expensive ops (``SAVED_OPS``: matmuls, convolutions and attention, as torchtitan's
-  "op" mode keeps its matmuls and attention) and recomputes the rest (norms, activations,
-  element-wise ops, dropout with its RNG state restored).
+  (``torch.utils.checkpoint.create_selective_checkpoint_contexts``) with torchtitan's "op" policy
+  (``torchtitan.distributed.activation_checkpoint.SelectiveAC``): keep the outputs of the expensive
+  ops (``SAVED_OPS``: matmuls, convolutions, attention) except every second plain matmul
+  (``MATMULS``: ``aten.mm`` and ``aten.linear``), and recompute the rest (norms, activations,
+  element-wise ops, dropout with its RNG state restored, and those matmuls).
 
 The profiler measures what these regions keep and cost with the same policy (``kept_bytes``,
 ``planner.costs.timing.time_recompute``), so what is measured is what runs.
@@ -29,7 +31,7 @@ from torch import nn
 
 from planner.capture.blocks import TracedModel
 from planner.capture.clock import BlockClock
-from planner.torch_compat import TorchDispatchMode, storage_id
+from planner.torch_compat import TorchDispatchMode, pytree, storage_id
 
 _aten = torch.ops.aten
 
@@ -41,27 +43,58 @@ def _ops(*names: str) -> frozenset[Any]:
 
 SAVED_OPS: frozenset[Any] = _ops(
     "mm",
+    "linear",
     "addmm",
     "bmm",
     "baddbmm",
+    "_scaled_mm",
     "convolution",
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
 )
-"""The ops whose outputs selective checkpointing keeps; every other op is recomputed in backward."""
+"""The ops whose outputs selective checkpointing keeps (but see ``MATMULS``); every other op is
+recomputed in backward. torchtitan's list: the partitioner's compute-intensive ops and attention."""
+
+MATMULS: frozenset[Any] = _ops("mm", "linear")
+"""Of ``SAVED_OPS``, those of which only every other one is kept (the first, third, ... of a region),
+as torchtitan's policy keeps them: half the projections' outputs for half their recomputation."""
 
 
-def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+class KeepRule:
+    """Which op outputs selective checkpointing keeps, in the order a region's forward runs them."""
+
+    def __init__(self) -> None:
+        self.matmuls = 0
+
+    def keeps(self, op: Any) -> bool:
+        """Whether the output of ``op`` (the region's next op) is kept."""
+        if op in MATMULS:
+            self.matmuls += 1
+            return self.matmuls % 2 == 1
+        return op in SAVED_OPS
+
+
+def _policy() -> Any:
+    """A fresh policy for one region's checkpoint: its forward and its recomputation count their
+    matmuls apart, so both make the same choices."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    rules = {False: KeepRule(), True: KeepRule()}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        keep = rules[bool(ctx.is_recompute)].keeps(op)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
 
 
 def selective_contexts() -> tuple[Any, Any]:
     """The forward and recompute contexts of selective checkpointing (``checkpoint``'s ``context_fn``)."""
-    return torch.utils.checkpoint.create_selective_checkpoint_contexts(_policy)
+    return torch.utils.checkpoint.create_selective_checkpoint_contexts(_policy())
 
 
 def checkpointed(fn: Callable[..., Any], args: Sequence[Any], mode: str) -> Any:
@@ -86,24 +119,29 @@ class _KeptBytes(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.total = 0
-        self.seen: set[int] = set()
+        self.kept: dict[int, int] = {}  # storage id -> bytes
+        self.rule = KeepRule()
+        self.alive: list[torch.Tensor] = []  # the kept outputs, held so that no storage id is reused
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func in SAVED_OPS:
+        if self.rule.keeps(func):
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
-                    key = storage_id(t)
-                    if key not in self.seen:
-                        self.seen.add(key)
-                        self.total += t.untyped_storage().nbytes()
+                    self.kept[storage_id(t)] = t.untyped_storage().nbytes()
+                    self.alive.append(t)
         return out
+
+    def total(self, besides: Any = ()) -> int:
+        """Bytes kept, the storages of the tensors in ``besides`` (a block's output: the next region
+        keeps it as its input) left out."""
+        skip = {storage_id(t) for t in pytree.tree_leaves(besides) if isinstance(t, torch.Tensor)}
+        return sum(v for k, v in self.kept.items() if k not in skip)
 
 
 @contextlib.contextmanager
 def kept_bytes() -> Iterator[_KeptBytes]:
-    """Count what selective checkpointing would keep of the forward run inside (``.total`` bytes).
+    """Count what selective checkpointing would keep of the forward run inside (``.total()`` bytes).
 
     Only outputs that autograd needs count for backward: the caller runs the forward with grad
     enabled, as training does; the count includes every output of a kept op (attention's

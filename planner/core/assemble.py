@@ -128,7 +128,7 @@ def compare_methods(
     if given is not None:
         where, starts = given
         placed = layout_links(link, where.layout.pp, where.layout.dp, where.layout.tp)
-        forced = request.recompute if request.recompute in ("selective", "full") else "never"
+        forced = request.recompute if request.recompute in ("selective", "full", "stage") else "never"
         recompute = [forced] * len(starts)
         out["given"] = predict(where.blocks, starts, placed, where.layout, request.optimizer, recompute, slots)
     return out

@@ -88,6 +88,7 @@ def blocks_at(blocks: Sequence[BlockCost], size0: int, size: int, fixed_fraction
                     "recompute_s": scaled(b.recompute_s),
                     "selective_recompute_s": scaled(b.selective_recompute_s),
                     "selective_bytes": None if b.selective_bytes is None else round(b.selective_bytes * r),
+                    "loss_bytes": None if b.loss_bytes is None else round(b.loss_bytes * r),
                     "flops_fwd": None if b.flops_fwd is None else b.flops_fwd * r,
                     "flops_bwd": None if b.flops_bwd is None else b.flops_bwd * r,
                     "activation_bytes": round(b.activation_bytes * r),

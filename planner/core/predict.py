@@ -59,7 +59,7 @@ def predict(
             placement, as the schedule places them), replicas and their mode ("ddp" or "fsdp":
             sharded memory and optimizer step, the same traffic).
         optimizer: decides the optimizer-state bytes per parameter byte.
-        recompute: per stage, its recompute mode (True: "full"; empty: no stage recomputes).
+        recompute: per stage, its recompute mode (True: "stage"; empty: no stage recomputes).
         slots: ranks of all replicas that can compute at once (CPU ranks sharing cores: cores /
             threads per rank; each replica gets ``slots / dp``); None when each rank has its own
             device. See ``planner.core.simulate.simulate``.
@@ -360,7 +360,7 @@ def _stage_plan(
         index: the stage's index.
         bounds: its first block and one past its last.
         links: the cost of one message over its start boundary and over its end boundary.
-        recompute: its recompute mode ("never", "selective", "full").
+        recompute: its recompute mode ("never", "selective", "full", "stage").
         in_flight: its peak live microbatches under the schedule.
         context: what the prediction's stages share.
 

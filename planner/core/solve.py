@@ -89,12 +89,14 @@ OPTIONS: dict[str, tuple[RecomputeMode, ...]] = {
     "never": ("never",),
     "selective": ("selective",),
     "full": ("full",),
-    "auto": ("never", "selective", "full"),
+    "stage": ("stage",),
+    "auto": ("never", "selective", "full", "stage"),
 }
 """Per recompute policy, the modes a stage may take, in the order they are tried: the first that
-fits is taken (less recomputation first)."""
+fits is taken (less recomputation first; full and stage recompute alike, stage keeps the least per
+microbatch and rebuilds the most at a time)."""
 
-MODES: tuple[RecomputeMode, ...] = ("never", "selective", "full")
+MODES: tuple[RecomputeMode, ...] = ("never", "selective", "full", "stage")
 """The recompute modes in the order of ``_Arrays``' cost and fit rows."""
 
 
@@ -275,6 +277,7 @@ class _Arrays:
         regions = mem.regions
         self.pre_in = np.array(regions.pre_in, dtype=dtype)
         self.pre_kept = np.array(regions.pre_kept, dtype=dtype)
+        self.pre_held = np.array(regions.pre_held, dtype=dtype)
         self.region_acts = regions.acts.arrays(dtype)
         self.region_rebuilt = regions.rebuilt.arrays(dtype)
         # A limit above every possible byte count fits the same as that bound; one below zero fits
@@ -294,10 +297,12 @@ class _Arrays:
         (``planner.core.stage_model._recomputed`` on arrays)."""
         inputs = self.pre_in[e] - self.pre_in[s]
         kept = self.pre_kept[e] - self.pre_kept[s]
+        held = self.pre_held[e] - self.pre_held[s]
         return {
             "never": (a_b, 0 * a_b),
             "selective": (inputs + kept, self.region_rebuilt.many(s, e)),
             "full": (inputs, self.region_acts.many(s, e)),
+            "stage": (self.cut_in[s] + held, a_b - held),
         }
 
     def _step_temps(self, s: IntArray, e: IntArray, n_p: AnyIntArray) -> AnyIntArray:
@@ -419,11 +424,12 @@ class _Arrays:
         with np.errstate(invalid="ignore"):  # inf - inf of an infinite recompute_s: NaN, as the reference gets
             base = self.pre[e] - self.pre[s]
             c0 = np.stack([(base + self.send_in[a][s]) + self.send_out[b][e] for a, b in self.pairs])
-            full = c0 + (self.pre_r[e] - self.pre_r[s]) if self.mode in ("full", "auto") else c0
+            full = c0 + (self.pre_r[e] - self.pre_r[s]) if self.mode in ("full", "stage", "auto") else c0
             selective = c0 + (self.pre_rs[e] - self.pre_rs[s]) if self.mode in ("selective", "auto") else c0
         fits = self.fit_limits(s, e)
         complete = bool((last_cheap >= last_fit).all())
-        return Stages(n, (s, e), (c0, selective, full), fits, complete, self.t_span, band)
+        # in MODES' order: a stage run as one region recomputes what full checkpointing does
+        return Stages(n, (s, e), (c0, selective, full, full), fits, complete, self.t_span, band)
 
 
 class _FitSearch:
@@ -601,10 +607,10 @@ def solve(
             message or cold start: ``boundary_crosses``), the microbatches per step (receive
             buffers), and the FSDP replicas every stage's state is sharded over (``shard``).
         constraints: the optimizer (state bytes per parameter byte), the memory limit of one
-            stage (None: none) and the recompute policy: "never", "selective" or "full" (every
-            stage so), or "auto" (a stage recomputes only when it would not fit the memory limit
-            otherwise: selectively where that fits, else fully, and pays the recomputation in
-            backward). The choice is part of the exact search: each stage's cost is that of its
+            stage (None: none) and the recompute policy: "never", "selective", "full" or "stage"
+            (every stage so), or "auto" (a stage recomputes only when it would not fit the memory
+            limit otherwise: selectively where that fits, else fully, else as one region, and pays
+            the recomputation in backward). The choice is part of the exact search: each stage's cost is that of its
             first option that fits (``OPTIONS``).
         in_flight: peak live microbatches of each stage (one per stage), replacing the counts
             the schedule gives (``planner.core.schedules.in_flight_per_stage``).
@@ -636,7 +642,7 @@ def solve(
     arrays = _Arrays(blocks, boundary_links(link, n_stages, schedule), mem, mode, infl, crosses)
     # First cap: the average stage plus the largest block and messages, about where the optimum is
     # when memory does not bind (any value is correct; a close one saves a pass).
-    extra = {"full": arrays.pre_r, "selective": arrays.pre_rs}.get(mode, 0.0 * arrays.pre)
+    extra = {"full": arrays.pre_r, "stage": arrays.pre_r, "selective": arrays.pre_rs}.get(mode, 0.0 * arrays.pre)
     with np.errstate(invalid="ignore"):  # non-finite inputs search without a cap anyway
         total = float(arrays.pre[n] + extra[n])
         largest = float(np.max(np.diff(arrays.pre) + np.diff(extra)))

@@ -81,13 +81,14 @@ def _boundary_send_s(
 
 
 def recompute_mode(value: bool | str) -> RecomputeMode:
-    """One stage's recompute mode; a flag of older plans and callers: True is "full", False "never".
+    """One stage's recompute mode; a flag of older plans and callers: True is "stage" (the whole stage
+    as one region, as they recomputed), False "never".
 
     Raises:
         InfeasibleError: a string that is no mode.
     """
     if isinstance(value, bool):
-        return "full" if value else "never"
+        return "stage" if value else "never"
     if value not in RECOMPUTE_MODES:
         raise InfeasibleError(f"recompute={value!r}; expected one of {', '.join(RECOMPUTE_MODES)}")
     return cast(RecomputeMode, value)
@@ -125,9 +126,17 @@ def kept_bytes(block: BlockCost) -> int:
     return block.selective_bytes if block.selective_bytes is not None else block.activation_bytes
 
 
+def loss_held(block: BlockCost) -> int:
+    """Bytes of a block's activations that checkpointing cannot drop: the last block's loss runs
+    outside the stage module, after its checkpoint regions, so what the loss saves stays per
+    microbatch (``loss_bytes``; unknown: 0)."""
+    return min(block.loss_bytes or 0, block.activation_bytes)
+
+
 def rerun_cost(block: BlockCost, mode: bool | str) -> float:
     """Extra backward seconds of ``block`` in a stage of recompute ``mode``."""
     mode = recompute_mode(mode)
+    # full and stage run the same forward again (a region's early stop aside)
     return 0.0 if mode == "never" else selective_cost(block) if mode == "selective" else recompute_cost(block)
 
 
@@ -168,7 +177,7 @@ def stage_time_parts(
         start: first block of the stage.
         end: one past its last block.
         link: cost of one message over the stage's start boundary (and its end one, unless ``link_out``).
-        recompute: the stage's recompute mode ("never", "selective", "full"; True: "full").
+        recompute: the stage's recompute mode ("never", "selective", "full", "stage"; True: "stage").
         link_out: cost of one message over its end boundary (None: ``link``).
         wait_in: the stage receives its activations from another rank (False: the stage before
             runs on the same rank, the turn of a V: nothing is sent or waited for).
@@ -239,7 +248,7 @@ def stage_costs(
         blocks: per-block costs in execution order.
         starts: first block of each stage (see ``Partition.starts``).
         link: cost of one message between neighbouring ranks, or per boundary (``boundary_links``).
-        recompute: per stage, its recompute mode (True: "full"); empty means no stage recomputes.
+        recompute: per stage, its recompute mode (True: "stage"); empty means no stage recomputes.
         schedule: places the stages on ranks: which boundaries cross ranks (``boundary_crosses``)
             and where a ``NodeLinks``' stages run (None: one rank per stage, looped placement).
         stages_per_rank: stages on each rank (None: ``boundary_crosses``' default).
@@ -300,10 +309,12 @@ def stage_memory_bytes(
     keeps only its input per live microbatch, and backward rebuilds one region's activations at a
     time (Chen et al. 2016; what torchtitan's and Megatron's per-layer checkpointing do). Full
     checkpointing: ``in_flight * A`` becomes ``in_flight * U + max_u A_u``, with ``U`` the bytes of
-    the regions' inputs (``cut_in`` and the cut before every later region) and ``A_u`` a region's
-    activations. Selective checkpointing keeps, besides, the outputs of the regions' matmuls and
+    the regions' inputs (``cut_in`` and the cut before every later region; on the last stage also
+    what the loss saves, ``loss_held``: it runs outside the regions) and ``A_u`` a region's
+    activations (without the loss's). Selective checkpointing keeps, besides, the outputs of the regions' matmuls and
     attention (``K``, the blocks' ``selective_bytes``) and rebuilds the rest:
-    ``in_flight * (U + K) + max_u max(A_u - K_u, 0)``.
+    ``in_flight * (U + K) + max_u max(A_u - K_u, 0)``. The whole stage as one region ("stage"):
+    ``in_flight * cut_in + A`` (the loss's bytes kept per microbatch, as above).
 
     Sharded over ``shard`` > 1 data-parallel replicas (FSDP2 ``fully_shard`` of the stage with
     ``reshard_after_forward=False``), each rank keeps a 1/shard share of the weights, gradients,
@@ -324,7 +335,7 @@ def stage_memory_bytes(
         end: one past the stage's last block.
         in_flight: peak live microbatches on this stage.
         optimizer: the optimizer (decides the state bytes per parameter byte).
-        recompute: the stage's recompute mode ("never", "selective", "full"; True: "full").
+        recompute: the stage's recompute mode ("never", "selective", "full", "stage"; True: "stage").
         n_microbatches: microbatches per step (receive buffers are per microbatch).
         shard: FSDP replicas the stage's state is sharded over (1: not sharded, DDP or one replica).
 
@@ -384,10 +395,11 @@ def stage_memory_parts(
     temps = [b.opt_temp_bytes for b in part]
     step_temp = optimizer.combine_step_temps([t for t in temps if t is not None]) if None not in temps else None
     units = checkpoint_units(blocks, start, end)
-    unit_in = sum(blocks[a - 1].cut_bytes if a > 0 else 0 for a, _ in units)
-    unit_a = [sum(b.activation_bytes for b in blocks[a:z]) for a, z in units]
+    unit_in = sum(blocks[a - 1].cut_bytes if a > 0 else 0 for a, _ in units) + sum(loss_held(b) for b in part)
+    unit_a = [sum(b.activation_bytes - loss_held(b) for b in blocks[a:z]) for a, z in units]
     unit_k = [sum(kept_bytes(b) for b in blocks[a:z]) for a, z in units]
-    regions = Regions(unit_in, max(unit_a), sum(unit_k), max(max(a - k, 0) for a, k in zip(unit_a, unit_k)))
+    held = sum(loss_held(b) for b in part)
+    regions = Regions(unit_in, max(unit_a), sum(unit_k), max(max(a - k, 0) for a, k in zip(unit_a, unit_k)), held)
     sums = StageSums(p_bytes, n_params, a_bytes, cut_in, cut_out, out, step_temp, regions)
     return parts_from_sums(sums, optimizer, recompute, n_microbatches, shard)
 
@@ -414,10 +426,11 @@ class StageSums(NamedTuple):
 class Regions(NamedTuple):
     """What checkpointing keeps and rebuilds of a stage's regions (``checkpoint_units``)."""
 
-    inputs: int  # U: bytes of every region's input (the stage's ``cut_in`` for the first)
+    inputs: int  # U: bytes of every region's input (the stage's ``cut_in`` for the first), + the loss's
     most: int  # max over regions of their activations (rebuilt one region at a time, full)
     kept: int  # K: bytes selective checkpointing keeps (the matmul and attention outputs)
     most_rebuilt: int  # max over regions of activations minus kept, at least 0 (rebuilt, selective)
+    held: int = 0  # what the last stage's loss saves (outside every region; in ``inputs`` too)
 
 
 def _recomputed(sums: StageSums, mode: RecomputeMode) -> tuple[int, int]:
@@ -427,6 +440,8 @@ def _recomputed(sums: StageSums, mode: RecomputeMode) -> tuple[int, int]:
         return regions.inputs, regions.most
     if mode == "selective":
         return regions.inputs + regions.kept, regions.most_rebuilt
+    if mode == "stage":  # one region: its input (and the loss's) kept, all the rest rebuilt at once
+        return sums.cut_in + regions.held, sums.a_bytes - regions.held
     return sums.a_bytes, 0
 
 
@@ -500,7 +515,7 @@ def evaluate(
         blocks: per-block costs in execution order.
         starts: first block of each stage.
         link: cost of one message between neighbouring ranks, or per boundary.
-        recompute: per stage, its recompute mode (True: "full"; empty: none).
+        recompute: per stage, its recompute mode (True: "stage"; empty: none).
         schedule: places the stages on ranks (``stage_costs``; None: one rank per stage).
         stages_per_rank: stages on each rank (None: ``boundary_crosses``' default).
 

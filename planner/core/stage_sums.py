@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from planner.core.solve_engine import AnyIntArray, IntArray
-from planner.core.stage_model import Regions, kept_bytes
+from planner.core.stage_model import Regions, kept_bytes, loss_held
 from planner.schema.costs import BlockCost, OptimizerSpec
 
 
@@ -101,13 +101,15 @@ class RegionSums:
         heads = [0] + [c for c in range(1, n) if blocks[c - 1].cut_legal]
         inputs, acts, rebuilt = [0] * n, [0] * n, [0] * n
         for a, z in zip(heads, [*heads[1:], n]):
-            inputs[a] = blocks[a - 1].cut_bytes if a > 0 else 0
-            acts[a] = sum(b.activation_bytes for b in blocks[a:z])
+            held = sum(loss_held(b) for b in blocks[a:z])  # the loss's, kept outside the regions
+            inputs[a] = (blocks[a - 1].cut_bytes if a > 0 else 0) + held
+            acts[a] = sum(b.activation_bytes for b in blocks[a:z]) - held
             rebuilt[a] = max(acts[a] - sum(kept_bytes(b) for b in blocks[a:z]), 0)
-        self.pre_in, self.pre_kept = [0], [0]
+        self.pre_in, self.pre_kept, self.pre_held = [0], [0], [0]
         for b, x in zip(blocks, inputs):
             self.pre_in.append(self.pre_in[-1] + x)
             self.pre_kept.append(self.pre_kept[-1] + kept_bytes(b))
+            self.pre_held.append(self.pre_held[-1] + loss_held(b))
         self.acts, self.rebuilt = RangeMax(acts), RangeMax(rebuilt)
 
     def of(self, s: int, e: int) -> Regions:
@@ -116,4 +118,5 @@ class RegionSums:
             self.acts.of(s, e),
             self.pre_kept[e] - self.pre_kept[s],
             self.rebuilt.of(s, e),
+            self.pre_held[e] - self.pre_held[s],
         )

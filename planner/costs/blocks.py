@@ -52,6 +52,7 @@ def block_cost(
     recompute_s: float | None = None,
     selective_recompute_s: float | None = None,
     selective_bytes: int | None = None,
+    loss_bytes: int | None = None,
     flops_fwd: float | None = None,
     flops_bwd: float | None = None,
     opt_s: float | None = None,
@@ -74,6 +75,7 @@ def block_cost(
         recompute_s: extra forward under activation checkpointing; None when not measured.
         selective_recompute_s: extra forward under selective checkpointing; None when not measured.
         selective_bytes: bytes selective checkpointing keeps per microbatch; None when not measured.
+        loss_bytes: the last block: what its loss saves for backward; None when not measured.
         flops_fwd: forward FLOPs; None when not counted.
         flops_bwd: backward FLOPs; None when not counted.
         opt_s: the block's share of the optimizer step; None when not timed.
@@ -105,6 +107,7 @@ def block_cost(
         recompute_s=recompute_s,
         selective_recompute_s=selective_recompute_s,
         selective_bytes=selective_bytes,
+        loss_bytes=loss_bytes,
         flops_fwd=flops_fwd,
         flops_bwd=flops_bwd,
         opt_s=opt_s,

@@ -126,6 +126,8 @@ class _BlockRun:
     saved_bytes: int
     outputs: tuple
     model_output_bytes: int = 0  # the last block: the model's output, which the last stage keeps until backward
+    loss_bytes: int = 0  # the last block: what its loss saves for backward (its input excluded)
+    kept_out: tuple = ()  # the block's output (the model's, for the last): kept by the next region, not this one
 
 
 def _run_block(
@@ -144,11 +146,19 @@ def _run_block(
     param_storages = {storage_id(t) for t in state.values()}
 
     model_output = [0]
+    in_loss: set[int] = set()  # while the loss runs: the storages of the block's own output
+
+    first_out: list[torch.Tensor] = []  # the block's output of the first (the charged) forward, held alive
 
     def run(a: tuple[Any, ...]) -> Any:
         out = functional_call(stage, state, a, tie_weights=True, strict=False)
+        if not first_out:
+            first_out.extend(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
         if not last:
             return out
+        in_loss.clear()
+        in_loss.update(storage_id(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        in_loss.add(-1)  # (marks "in the loss" even for an output without tensors)
         # in the dtype the block computed it in: a model that returns `logits.float()` keeps fp32
         # logits under autocast too (the fallback's fp32 run counts floating elements at float_bytes)
         model_output[0] = sum(
@@ -156,11 +166,15 @@ def _run_block(
             for t in pytree.tree_leaves(out)
             if isinstance(t, torch.Tensor)
         )
-        return loss_fn(out, target)
+        try:
+            return loss_fn(out, target)
+        finally:
+            in_loss.clear()
 
     forward = leaf_safe(run, grad_inputs(args))  # a block starting with an in-place op
 
     saved: dict[int, int] = {}
+    by_loss: dict[int, int] = {}  # of those, what the loss saves (its input, the block's output, excluded)
     keep: list[torch.Tensor] = []  # keep saved tensors alive so storage ids stay unique
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -171,6 +185,8 @@ def _run_block(
                 nbytes = nbytes // t.element_size() * float_bytes
             saved[sid] = nbytes
             keep.append(t)
+            if in_loss and sid not in in_loss:
+                by_loss[sid] = nbytes
         return t
 
     inputs = grad_inputs(args)
@@ -195,7 +211,9 @@ def _run_block(
         if roots:
             with mode.phase(bwd_input):
                 torch.autograd.grad(roots, wanted, grads, allow_unused=True)
-    return _BlockRun(fwd, bwd, bwd_input, sum(saved.values()), outputs, model_output[0])
+    return _BlockRun(
+        fwd, bwd, bwd_input, sum(saved.values()), outputs, model_output[0], sum(by_loss.values()), tuple(first_out)
+    )
 
 
 def _as_flat_outputs(out: Any) -> tuple:
@@ -462,7 +480,8 @@ def _block_cost(
         bwd_weight_s=run.bwd.seconds - bwd_input_s,
         recompute_s=run.fwd.seconds,
         selective_recompute_s=max(run.fwd.seconds - run.fwd.kept_seconds, 0.0),
-        selective_bytes=run.fwd.kept_bytes,
+        selective_bytes=run.fwd.kept_bytes(run.kept_out),
+        loss_bytes=run.loss_bytes if k == len(traced.blocks) - 1 else None,
         flops_fwd=run.fwd.flops,
         flops_bwd=run.bwd.flops,
         opt_s=opt_s,

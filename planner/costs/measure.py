@@ -30,7 +30,8 @@ torch's default early stop the recomputation ends at the last saved tensor, so o
 residual add, a trailing sleep in the test fixtures) are not re-run: recompute ≤ forward. Dropout's
 RNG-state restore is included. Selective checkpointing is timed the same way under the runner's
 policy (``planner.capture.checkpoint``: matmul, convolution and attention outputs kept), giving
-``selective_recompute_s``; what that policy keeps of one microbatch (``selective_bytes``) is the
+``selective_recompute_s``: the recomputation plus what the policy adds to the forward itself (its
+Python bookkeeping on every operator, which the first call shows against the plain forward); what that policy keeps of one microbatch (``selective_bytes``) is the
 bytes of those ops' outputs in one eager forward.
 
 Memory per block: parameter bytes (each parameter counted in the first block that reads it) and
@@ -83,6 +84,7 @@ from planner.costs.timing import (
     grad_inputs,
     leaf_safe,
     sync,
+    time_checkpointed,
     time_grad_passes,
     time_input_weight,
     time_optimizer_steps,
@@ -90,6 +92,7 @@ from planner.costs.timing import (
 )
 from planner.schema.costs import BlockCost, OptimizerSpec, StepTempRule
 from planner.threads import torch_threads
+from planner.torch_compat import pytree
 
 
 def profile_model(
@@ -187,9 +190,11 @@ class _Timings:
     bwd_input: list[float] = field(default_factory=list)
     bwd_weight: list[float] = field(default_factory=list)
     recompute: list[float] = field(default_factory=list)
-    selective: list[float] = field(default_factory=list)
+    selective: list[float] = field(default_factory=list)  # its recomputation
+    selective_fwd: list[float] = field(default_factory=list)  # the forward under its policy
     saved_bytes: int = 0
     kept_bytes: int | None = None  # what selective checkpointing keeps (None: not measured)
+    loss_bytes: int | None = None  # the last block: what its loss saves (None: not measured)
     warm_s: float = 0.0
     rounds_s: list[float] = field(default_factory=list)
 
@@ -238,7 +243,7 @@ def _time_block(
         fwd, bwd, saved = _time_once(forward, grad_inputs(current, grad), param_storages)
         bwd_input, bwd_weight = time_input_weight(forward, grad_inputs(current, grad), weights)
         recompute = time_recompute(forward, grad_inputs(current, grad))
-        selective = time_recompute(forward, grad_inputs(current, grad), "selective")
+        selective_fwd, selective = time_checkpointed(forward, grad_inputs(current, grad), "selective")
         if r >= warmup:
             t.fwd.append(fwd)
             t.bwd.append(bwd)
@@ -246,6 +251,7 @@ def _time_block(
             t.bwd_weight.append(bwd_weight)
             t.recompute.append(recompute)
             t.selective.append(selective)
+            t.selective_fwd.append(selective_fwd)
             t.saved_bytes = saved
             t.rounds_s.append(time.perf_counter() - start)
         else:
@@ -313,12 +319,33 @@ class _BlockTimer:
         weights = list(module.parameters())
         t = _time_block(forward, current, grad, weights, self.param_storages, self.settings, self.bar)
         t.warm_s += trial_s
-        # counted on the eager module: a dispatch mode around a compiled one would recompile it
-        eager = leaf_safe(self.forward_of(module, last), grad_inputs(current, grad))
-        with torch.enable_grad(), kept_bytes() as kept:
-            eager(grad_inputs(current, grad))
-        t.kept_bytes = kept.total
+        # counted on the eager module (a dispatch mode around a compiled one would recompile it),
+        # without the loss (it runs outside the stage's regions) and without the block's output,
+        # which the next region keeps as its input (or the last stage as its output)
+        with torch.enable_grad(), autocast_context(self.device_type, self.settings.autocast), kept_bytes() as kept:
+            out = module(*grad_inputs(current, grad))
+        t.kept_bytes = kept.total(out)
+        if last:
+            t.loss_bytes = self._loss_bytes(module, current, grad)
         return t
+
+    def _loss_bytes(self, module: torch.nn.Module, current: tuple[Any, ...], grad: bool) -> int:
+        """Bytes the loss saves for backward on the last block's output (its own output excluded:
+        the stage keeps that anyway)."""
+        with torch.enable_grad(), autocast_context(self.device_type, self.settings.autocast):
+            out = module(*grad_inputs(current, grad))
+            own = {_storage_key(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
+            seen: dict[tuple[int, int], int] = {}
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                key = _storage_key(t)
+                if key not in own and key not in self.param_storages:
+                    seen[key] = key[1]
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                self.sample.loss_fn(out, self.sample.target)
+        return sum(seen.values())
 
 
 def _profile_graph(traced: GraphTrace, sample: Sample, settings: ProfileSettings) -> Profile:
@@ -360,9 +387,13 @@ def _profile_graph(traced: GraphTrace, sample: Sample, settings: ProfileSettings
             bwd_input_s=statistics.median(t.bwd_input),
             bwd_weight_s=statistics.median(t.bwd_weight),
             recompute_s=statistics.median(t.recompute),
-            selective_recompute_s=statistics.median(t.selective),
+            # the recomputation, and what the policy's bookkeeping adds to the forward (every operator
+            # passes it: on a CPU a large share of a small block's forward)
+            selective_recompute_s=statistics.median(t.selective)
+            + max(0.0, statistics.median(t.selective_fwd) - statistics.median(t.fwd)),
             selective_bytes=t.kept_bytes,
             activation_bytes=t.saved_bytes,
+            loss_bytes=t.loss_bytes,
             cut_bytes=None if last else out_bytes,
         )
         if last and out_bytes is not None:  # the model's output the last stage keeps until backward

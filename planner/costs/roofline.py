@@ -24,16 +24,16 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from planner.capture.checkpoint import SAVED_OPS
+from planner.capture.checkpoint import KeepRule
 from planner.core.hardware import HardwareSpec
-from planner.torch_compat import TorchDispatchMode, pytree, swapped_sdpa
+from planner.torch_compat import TorchDispatchMode, pytree, storage_id, swapped_sdpa
 
 aten = torch.ops.aten
 
@@ -95,9 +95,9 @@ class Tally:
         seconds: roofline time plus per-operator overhead.
         ops: operators dispatched (views included).
         kept_seconds: of ``seconds``, the operators selective checkpointing keeps the outputs of
-            (``planner.capture.checkpoint.SAVED_OPS``: matmuls, convolutions, attention), which a
+            (``planner.capture.checkpoint.KeepRule``: matmuls, convolutions, attention), which a
             selective recomputation does not run again.
-        kept_bytes: the bytes of those outputs (what selective checkpointing keeps).
+        kept: those outputs, storage id -> bytes (what selective checkpointing keeps).
     """
 
     flops: float = 0.0
@@ -105,7 +105,13 @@ class Tally:
     seconds: float = 0.0
     ops: int = 0
     kept_seconds: float = 0.0
-    kept_bytes: int = 0
+    kept: dict[int, int] = field(default_factory=dict)
+
+    def kept_bytes(self, besides: Sequence[torch.Tensor] = ()) -> int:
+        """Bytes of the kept outputs, those sharing storage with ``besides`` left out (a block's own
+        output: the next region's input, counted there)."""
+        skip = {storage_id(t) for t in besides}
+        return sum(v for k, v in self.kept.items() if k not in skip)
 
 
 def tensor_bytes(t: torch.Tensor, float_bytes: int | None = None) -> int:
@@ -147,6 +153,9 @@ class Roofline(TorchDispatchMode):
         # matrix product (transformers' MoE experts were such an op): said to the user, not hidden
         self.no_formula: set[str] = set()
         self.tally = Tally()
+        # the kept outputs (Tally.kept), held so that no later tensor reuses their storage ids
+        self.alive: list[torch.Tensor] = []
+        self.keep = KeepRule()  # which outputs selective checkpointing keeps (the charged forward runs first)
         # An operator runs at the peak of its output dtype (an fp32 loss on a bf16 model runs at the
         # fp32 peak); "tf32" plans run fp32 matmuls on the TF32 tensor cores.
         self._peaks: dict[torch.dtype, float] = {}
@@ -205,7 +214,8 @@ class Roofline(TorchDispatchMode):
         hw = self.hw
         roof = max(flops / (self._peak(dtype) * efficiency), nbytes / (hw.memory_Bps * hw.memory_efficiency))
         seconds = max(roof, hw.op_overhead_s) if hw.async_launch else roof + hw.op_overhead_s
-        held = sum(tensor_bytes(t, self.float_bytes) for t in kept)
+        held = {storage_id(t): tensor_bytes(t, self.float_bytes) for t in kept}
+        self.alive.extend(kept)
         self._add(Tally(float(flops), nbytes, seconds, 1, seconds if kept else 0.0, held))
 
     @contextlib.contextmanager
@@ -221,7 +231,7 @@ class Roofline(TorchDispatchMode):
         self.tally.seconds += other.seconds
         self.tally.ops += other.ops
         self.tally.kept_seconds += other.kept_seconds
-        self.tally.kept_bytes += other.kept_bytes
+        self.tally.kept.update(other.kept)
 
     def _charge(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         packet = func.overloadpacket
@@ -260,10 +270,10 @@ class Roofline(TorchDispatchMode):
             seconds = max(roof, hw.op_overhead_s) if moves or flops else 0.0
         else:
             seconds = roof + hw.op_overhead_s
-        if func in SAVED_OPS:
-            held = sum(
-                tensor_bytes(t, self.float_bytes) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
-            )
+        if self.keep.keeps(func):
+            outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            held = {storage_id(t): tensor_bytes(t, self.float_bytes) for t in outs}
+            self.alive.extend(outs)
             self._add(Tally(flops, nbytes, seconds, 1, seconds, held))
         else:
             self._add(Tally(flops, nbytes, seconds, 1))

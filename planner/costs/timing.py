@@ -128,7 +128,13 @@ def time_input_weight(forward: Forward, args: tuple[Any, ...], weights: Sequence
 
 
 def time_recompute(forward: Forward, args: tuple[Any, ...], mode: str = "full") -> float:
-    """Seconds the forward takes when activation checkpointing re-runs it inside backward.
+    """Seconds the forward takes when activation checkpointing re-runs it inside backward
+    (``time_checkpointed``'s second figure)."""
+    return time_checkpointed(forward, args, mode)[1]
+
+
+def time_checkpointed(forward: Forward, args: tuple[Any, ...], mode: str = "full") -> tuple[float, float]:
+    """Seconds of a block's forward under activation checkpointing, and of its re-run inside backward.
 
     The block runs as one checkpoint region as the runner runs it (``planner.capture.checkpoint``:
     non-reentrant ``torch.utils.checkpoint``, torch's defaults: early stop, RNG state preserved;
@@ -142,7 +148,8 @@ def time_recompute(forward: Forward, args: tuple[Any, ...], mode: str = "full") 
         mode: "full" or "selective".
 
     Returns:
-        Recompute seconds.
+        The forward's seconds under the checkpoint (selectively, with the policy's bookkeeping
+        on every operator) and the recomputation's.
     """
     calls: list[float] = []
 
@@ -159,7 +166,7 @@ def time_recompute(forward: Forward, args: tuple[Any, ...], mode: str = "full") 
     if roots:
         torch.autograd.backward(roots, grads)
     sync(args)
-    return calls[1] if len(calls) > 1 else 0.0
+    return calls[0], (calls[1] if len(calls) > 1 else 0.0)
 
 
 @dataclass

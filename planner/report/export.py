@@ -149,6 +149,33 @@ def _titan_fields(plan: Plan, renames: Mapping[str, str]) -> dict[str, object]:
     return fields
 
 
+_STRENGTH = {"never": 0, "selective": 1, "full": 2, "stage": 2}
+
+
+def titan_checkpointing(plan: Plan) -> str:
+    """The one activation checkpointing mode torchtitan applies to every block of the model: the
+    plan's, or where its stages differ the strongest of them (so every stage fits); a stage
+    checkpointed as one region becomes torchtitan's per-block "full"."""
+    strongest = max((s.recompute for s in plan.stages), key=lambda m: _STRENGTH[m])
+    return "full" if strongest == "stage" else strongest
+
+
+def _checkpointing_note(plan: Plan) -> list[str]:
+    modes = {s.recompute for s in plan.stages}
+    notes = []
+    if len(modes) > 1:
+        notes.append(
+            f"torchtitan checkpoints every block alike: this plan's stages differ ({', '.join(sorted(modes))}), "
+            f"so the strongest, {titan_checkpointing(plan)}, is set (more recomputation than the plan predicts)"
+        )
+    if "stage" in modes:
+        notes.append(
+            "torchtitan checkpoints block by block: the stages this plan checkpoints as one region get full "
+            "checkpointing of each block (the same recomputation, more kept per microbatch than the plan predicts)"
+        )
+    return notes
+
+
 def _notes(plan: Plan) -> list[str]:
     """What the target does differently from ``planner run``, as comment lines."""
     notes = [
@@ -173,17 +200,21 @@ def _torchtitan_python(plan: Plan, renames: Mapping[str, str]) -> str:
     fields = _titan_fields(plan, renames)
     body = ",\n".join(f"    {k}={_py(v)}" for k, v in fields.items())
     batch = _batch_lines(plan)
+    mode = titan_checkpointing(plan)
+    checkpointing = {"never": "None", "selective": "SelectiveAC.Config()", "full": "FullAC.Config()"}[mode]
     lines = [
         f"{HEADER} --to torchtitan (torchtitan >= 0.3, whose configs are Python)",
-        *(f"# {n}" for n in _notes(plan)),
-        "# Give these fields to your trainer config's ParallelismConfig, and the batch sizes to its",
-        "# TrainingConfig. The model's forward must skip the modules a stage does not hold (None), as",
-        "# torchtitan's own models do.",
+        *(f"# {n}" for n in _notes(plan) + _checkpointing_note(plan)),
+        "# Give these fields to your trainer config's ParallelismConfig, the batch sizes to its",
+        "# TrainingConfig and the checkpointing to its activation_checkpoint. The model's forward must",
+        "# skip the modules a stage does not hold (None), as torchtitan's own models do.",
         "from torchtitan.config import ParallelismConfig",
+        *(["from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC"] if mode != "never" else []),
         "",
         f"parallelism = ParallelismConfig(\n{body},\n)",
         f"local_batch_size = {batch['local_batch_size']}  # TrainingConfig.local_batch_size",
         f"global_batch_size = {batch['global_batch_size']}  # TrainingConfig.global_batch_size",
+        f"activation_checkpoint = {checkpointing}  # Trainer.Config.activation_checkpoint",
     ]
     return "\n".join(lines) + "\n"
 
@@ -191,14 +222,19 @@ def _torchtitan_python(plan: Plan, renames: Mapping[str, str]) -> str:
 def _torchtitan_toml(plan: Plan, renames: Mapping[str, str]) -> str:
     fields = _titan_fields(plan, renames)
     batch = _batch_lines(plan)
+    mode = {"never": "none"}.get(titan_checkpointing(plan), titan_checkpointing(plan))
     lines = [
         f"{HEADER} --to torchtitan-toml (torchtitan <= 0.2.2: --job.config_file)",
-        *(f"# {n}" for n in _notes(plan)),
+        *(f"# {n}" for n in _notes(plan) + _checkpointing_note(plan)),
         "[parallelism]",
         *(f"{k} = {json.dumps(v)}" for k, v in fields.items()),
         "",
         "[training]",
         *(f"{k} = {v}" for k, v in batch.items()),
+        "",
+        "[activation_checkpoint]",
+        f'mode = "{mode}"',
+        *(['selective_ac_option = "op"  # the policy planner run uses'] if mode == "selective" else []),
     ]
     return "\n".join(lines) + "\n"
 

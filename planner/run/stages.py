@@ -184,6 +184,8 @@ def _cut_stages(
         clock = _block_clock(plan, stage_plan, device)
         if stage_plan.recompute == "never":
             built = stage_module(traced, stage_plan.start, stage_plan.end, clock)
+        elif stage_plan.recompute == "stage":  # the whole stage as one region
+            built = checkpointed_stage(traced, [(stage_plan.start, stage_plan.end)], "full", stage_module, clock)
         else:  # one checkpoint region per block, as the plan's memory model counts them
             units = checkpoint_units(plan.blocks, stage_plan.start, stage_plan.end)
             built = checkpointed_stage(traced, units, stage_plan.recompute, stage_module, clock)

@@ -14,10 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field
 OptimizerName = Literal["adamw", "sgd"]
 OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
 StepTempRule = Literal["max", "sum"]
-RecomputeMode = Literal["never", "selective", "full"]
-"""How a stage checkpoints its activations, block by block (``planner.core.stage_model``): not at all;
+RecomputeMode = Literal["never", "selective", "full", "stage"]
+"""How a stage checkpoints its activations (``planner.core.stage_model``): not at all; block by block,
 selectively (each block keeps its matmul and attention outputs and recomputes the rest in backward,
-torch's selective activation checkpointing); or fully (each block keeps only its input)."""
+torch's selective activation checkpointing) or fully (each block keeps only its input); or the whole
+stage as one region (it keeps only the stage's input, and backward rebuilds all of it at once: the
+least kept per microbatch, the most rebuilt at a time)."""
 RECOMPUTE_MODES: tuple[str, ...] = get_args(RecomputeMode)
 
 
@@ -133,8 +135,9 @@ class BlockCost(BaseModel):
         default=None,
         ge=0,
         allow_inf_nan=False,
-        description="Extra backward seconds under selective checkpointing (the forward's ops other than matmuls "
-        "and attention, run again); None if not measured (recompute_s, as full checkpointing).",
+        description="Extra seconds per microbatch under selective checkpointing: the forward's ops other than "
+        "matmuls and attention, run again in backward, and what the policy adds to the forward; None if not "
+        "measured (recompute_s, as full checkpointing).",
     )
     fwd_cold_s: float | None = Field(
         default=None,
@@ -196,6 +199,12 @@ class BlockCost(BaseModel):
         allow_inf_nan=False,
         description="Last block only: the loss's forward per microbatch, seconds, included in fwd_s (its backward "
         "is in bwd_s), as a pipeline's last stage computes it; None if not measured apart.",
+    )
+    loss_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="Last block only: of activation_bytes, what the loss saves for backward per microbatch (it runs "
+        "outside the stage's checkpoint regions, so checkpointing keeps it); None if not measured apart (0).",
     )
     cut_legal: bool = Field(description="Whether a stage boundary may be placed right after this block.")
     is_layer: bool = Field(

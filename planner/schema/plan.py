@@ -24,10 +24,10 @@ PLAN_VERSION = 1
 
 
 def _mode(value: Any) -> Any:
-    """A stage's recompute mode; plans written before selective checkpointing stored a flag (True:
-    the stage recomputed, now "full")."""
+    """A stage's recompute mode; plans written before checkpointing block by block stored a flag
+    (True: the stage recomputed as one region, "stage")."""
     if isinstance(value, bool):
-        return "full" if value else "never"
+        return "stage" if value else "never"
     return value
 
 
@@ -172,8 +172,9 @@ class StagePlan(_Frozen):
     )
     recompute: StageRecompute = Field(
         default="never",
-        description="How the stage checkpoints its activations, block by block: never, selective (each block keeps "
-        "its matmul and attention outputs) or full (each block keeps its input); recomputed in backward.",
+        description="How the stage checkpoints its activations: never; block by block, selective (each block keeps "
+        "its matmul and attention outputs) or full (each block keeps its input); or stage (the whole stage as one "
+        "region, keeping its input); recomputed in backward.",
     )
     activation_bytes: int = Field(ge=0, description="Saved activations per microbatch.")
     in_flight: int = Field(ge=1, description="Peak microbatches holding activations under the schedule.")

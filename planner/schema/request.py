@@ -18,8 +18,8 @@ from planner.schema.costs import OptimizerSpec
 
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev"]
 Method = Literal["optimal", "uniform", "params", "given"]
-Recompute = Literal["auto", "never", "selective", "full", "always"]
-"""``--recompute``: activation checkpointing block by block, per stage ("always": the old name of "full")."""
+Recompute = Literal["auto", "never", "selective", "full", "stage", "always"]
+"""``--recompute``: activation checkpointing per stage ("always": the old name of "full")."""
 Dtype = Literal["bf16", "fp16", "fp32"]
 DpMode = Literal["ddp", "fsdp"]
 """How data-parallel replicas reduce their gradients: DDP (all-reduce; every replica holds the whole
@@ -229,8 +229,9 @@ class PlanRequest(_Request):
     )
     recompute: Recompute = Field(
         default="auto",
-        description="Activation checkpointing, block by block: auto (per stage, the least that fits: none, "
-        "selective, full), never, selective or full on every stage (always: full).",
+        description="Activation checkpointing: auto (per stage, the first that fits of none, selective, full, "
+        "stage), or never, selective, full (block by block) or stage (the whole stage as one region) on every "
+        "stage (always: full).",
     )
     gpu_type: str | None = Field(default=None, description="Estimate for this hardware instead of measuring here.")
     dtype: Dtype | None = Field(
