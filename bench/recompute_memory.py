@@ -30,7 +30,7 @@ from planner.schema.request import PlanRequest, RunRequest
 GPT = {"dim": 128, "n_layers": 8, "n_heads": 4, "ffn_dim": 1024, "vocab_size": 4000, "seq_len": 256}
 GPUS, BATCH, MICROBATCHES = 2, 16, 4
 SPLIT = "4,4"  # layers per stage (--compare), the embedding with the first and the head with the last
-MODES = ("never", "selective", "full")
+MODES = ("never", "selective", "full", "stage")
 SCHEDULES = ("gpipe", "1f1b")
 HEADERS = [
     "recompute",
@@ -57,13 +57,15 @@ median measured step (the first step, which sets the schedule up, and the tracke
 
 Full checkpointing keeps each block's input per live microbatch and rebuilds one block at a time;
 selective keeps, besides, the outputs of the block's matmuls, convolutions and attention (torch's
-selective activation checkpointing, the policy of `planner/capture/checkpoint.py`) and recomputes
-the rest (layer norms, GELU, dropout, softmax's neighbours).
+selective activation checkpointing with torchtitan's "op" policy, `planner/capture/checkpoint.py`)
+and recomputes the rest (layer norms, GELU, dropout, softmax's neighbours); stage keeps only the
+stage's input and rebuilds the whole stage at once. The last stage also keeps what its loss saves
+in every mode (the loss runs outside the stage's regions).
 
 {table}
 
 Mean absolute memory error: {mae:.1f}% over {n} stages (never: {mae_never:.1f}%, selective:
-{mae_selective:.1f}%, full: {mae_full:.1f}%).
+{mae_selective:.1f}%, full: {mae_full:.1f}%, stage: {mae_stage:.1f}%).
 
 Activation memory the modes leave, stage 0 under GPipe (all {m} microbatches in flight), measured:
 {saving}
