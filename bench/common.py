@@ -328,3 +328,8 @@ def between_markers(text: str, begin: str, end: str, body: str) -> str | None:
         return None
     head, rest = text.split(begin, 1)
     return f"{head}{begin}\n{body}\n{end}{rest.split(end, 1)[1]}"
+
+
+def pct_error(predicted: float, measured: float) -> float:
+    """(predicted - measured) / measured, in %."""
+    return 100 * (predicted - measured) / measured

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import DOCS, MODELS, blocks_per_stage, host, table, write_page
+from bench.common import DOCS, MODELS, blocks_per_stage, host, pct_error, table, write_page
 from planner.api import make_plan
 from planner.core.calibrate import calibrate
 from planner.run import run_plan
@@ -133,11 +133,6 @@ def plan_and_run(request: PlanRequest, path: Path, steps: int) -> tuple[Plan, Ru
     plan = make_plan(request)
     plan.save(path)
     return plan, run_plan(plan, RunRequest(plan_file=path, steps=steps, echo=False))
-
-
-def pct_error(predicted: float, measured: float) -> float:
-    """(predicted - measured) / measured, in %."""
-    return 100 * (predicted - measured) / measured
 
 
 def one_case(tables: Tables, folder: Path, case: Case, schedule: str, steps: int) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import DOCS, MODELS, host, table, write_page
+from bench.common import DOCS, MODELS, host, pct_error, table, write_page
 from planner.api import make_plan
 from planner.run import run_plan
 from planner.schema.request import PlanRequest, RunRequest
@@ -79,11 +79,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="3 steps, GPipe only")
     parser.add_argument("--out", type=Path, default=DOCS / "recompute.md")
     return parser.parse_args()
-
-
-def pct_error(predicted: float, measured: float) -> float:
-    """(predicted - measured) / measured, in %."""
-    return 100 * (predicted - measured) / measured
 
 
 def main() -> None:
