@@ -262,3 +262,25 @@ def test_autocast_and_compiled_stages_match_the_unsplit_model_under_the_same_lev
     )
     assert got.losses == pytest.approx(want.losses, rel=1e-2)  # bf16 rounding differs between compiled and eager
     assert want.losses != pytest.approx(fp32.losses, rel=1e-6)  # autocast really ran
+
+
+@pytest.mark.multiprocess
+def test_a_checkpointing_plan_resumes_under_another_recompute_mode(tmp_path: Path) -> None:
+    # Checkpoint regions change how a stage runs, not its state: the checkpoint of a run whose stages
+    # recompute (full, selective) resumes under a plan that recomputes nothing, to the losses of an
+    # uninterrupted run of that plan.
+    plain = make_plan(MODELS / "gpt.py", [0, 3], schedule="1f1b", n_microbatches=2, optimizer="sgd", lr=0.5)
+    modes = {0: "full", 1: "selective"}
+    stages = [s.model_copy(update={"recompute": modes[s.index]}) for s in plain.stages]
+    recomputing = plain.model_copy(update={"stages": stages})
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain_path, recomputing_path = saved(plain, tmp_path / "a"), saved(recomputing, tmp_path / "b")
+    whole = run_plan(plain, RunRequest(plan_file=plain_path, steps=4, checkpoint_dir=tmp_path / "whole", echo=False))
+    ckpt = tmp_path / "ckpt"
+    first = run_plan(recomputing, RunRequest(plan_file=recomputing_path, steps=2, checkpoint_dir=ckpt, echo=False))
+    assert_close(first.losses, whole.losses[:2], "loss")
+    resumed = run_plan(plain, RunRequest(plan_file=plain_path, steps=4, checkpoint_dir=ckpt, resume=True, echo=False))
+    assert resumed.first_step == 3
+    assert_close(resumed.losses, whole.losses[2:], "loss")
+    assert_close(resumed.grad_norms, whole.grad_norms[2:], "grad norm")
