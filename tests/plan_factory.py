@@ -102,9 +102,7 @@ def assert_fit_limits_agree(mem: Any, arrays: Any, pairs: list[tuple[int, int]],
     e_arr = np.array([e for _, e in pairs], dtype=np.int64)
     fits = arrays.fit_limits(s_arr, e_arr)  # per mode: never, selective, full, stage
     modes = ("never", "selective", "full", "stage")
-    order = {"never": modes[:1], "selective": modes[1:2], "full": modes[2:3], "stage": modes[3:], "auto": modes}[
-        mem.recompute
-    ]
+    order = mem.options  # the policy's modes, in the order they are tried
     last = dict(zip(arrays.starts.tolist(), arrays.last_fit(min(infl)).tolist()))
     for i, (s, e) in enumerate(pairs):
         for t in set(infl):

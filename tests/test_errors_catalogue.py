@@ -388,6 +388,13 @@ CASES: list[Case] = [
         2,
         "does not work with --schedule gpipe (one stage per rank)",
     ),
+    Case(
+        "plan options",
+        "selective checkpointing under a zero-bubble schedule",
+        "plan {d}/model.py --gpus 2 --schedule zbv --recompute selective",
+        2,
+        "--recompute selective cannot run under --schedule zbv",
+    ),
     Case("plan options", "unknown --schedule", "plan {d}/model.py --gpus 2 --schedule zb", 2, "--schedule"),
     Case("plan options", "unknown --method", "plan {d}/model.py --gpus 2 --method best", 2, "--method"),
     Case("plan options", "--memory-limit 0", "plan {d}/model.py --gpus 2 --memory-limit 0", 2, "--memory-limit"),

@@ -401,18 +401,29 @@ def test_recomputing_stage_matches_unsplit_model(tmp_path: Path, mode: str) -> N
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("schedule", ["interleaved-zb", "zbv"])
 def test_checkpointed_stages_train_like_the_unsplit_model_under_split_backward(tmp_path: Path, schedule: str) -> None:
-    # Every recompute mode on one plan, under the zero-bubble schedules (their input-only backward
-    # runs the regions' recomputation apart from the weight gradients), with a tied output layer
-    # whose copies sit on the first and the last stage.
+    # The recompute modes that can run there on one plan, under the zero-bubble schedules (their
+    # input-only backward runs the regions' recomputation apart from the weight gradients), with a
+    # tied output layer whose copies sit on the first and the last stage. (Selective checkpointing
+    # cannot: torch allows it one backward per region; refused, see below.)
     example = ROOT / "examples" / "train_with_plan.py"
     plan = make_plan(example, [0, 2, 4, 6], schedule=schedule, stages_per_rank=2, batch_size=8, n_microbatches=4)
-    modes = ["selective", "full", "never", "stage"]
+    modes = ["full", "stage", "never", "full"]
     plan = plan.model_copy(update={"stages": [s.model_copy(update={"recompute": modes[s.index]}) for s in plan.stages]})
     path = saved(plan, tmp_path)
     got = run_plan(plan, RunRequest(plan_file=path, steps=2, echo=False))
     want = train_reference(plan, path, 2)
     assert_close(got.losses, want.losses, "loss")
     assert_close(got.grad_norms, want.grad_norms, "grad norm")
+
+
+def test_selective_checkpointing_under_a_split_backward_is_refused_before_launch(
+    tmp_path: Path, no_launch: None
+) -> None:
+    # torch's selective checkpointing allows one backward per region; zero-bubble schedules run two
+    plan = make_plan(MODELS / "gpt.py", [0, 2, 4, 5], schedule="zbv", stages_per_rank=2, n_microbatches=2)
+    plan = plan.model_copy(update={"stages": [s.model_copy(update={"recompute": "selective"}) for s in plan.stages]})
+    with pytest.raises(PlanFileError, match=r"stage\(s\) 0, 1, 2, 3 checkpoint selectively under --schedule zbv"):
+        run_plan(plan, RunRequest(plan_file=saved(plan, tmp_path), steps=1, echo=False))
 
 
 @pytest.mark.slow

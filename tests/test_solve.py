@@ -21,6 +21,7 @@ from planner.core import solve as solve_mod
 from planner.core.baselines import param_balanced, uniform_layers
 from planner.core.links import NodeLinks, boundary_crosses, boundary_links
 from planner.core.schedules import in_flight_per_stage
+from planner.core.solve import policy_options
 from planner.core.stage_model import (
     Partition,
     checkpoint_units,
@@ -101,6 +102,10 @@ def brute(
     if p > n or (in_flight is None and schedule == "1f1b" and m < p):
         return []
     infl = in_flight_per_stage(schedule, p, m) if in_flight is None else list(in_flight)
+    try:
+        options = policy_options(recompute, schedule)
+    except InfeasibleError:  # selective under a zero-bubble schedule: nothing can run
+        return []
     cuts = [c for c in range(1, n) if blocks[c - 1].cut_legal]
     cap = math.inf if limit is None else limit
     out = []
@@ -109,7 +114,6 @@ def brute(
         ends = list(starts[1:]) + [n]
         flags = []
         for k, (s, e) in enumerate(zip(starts, ends)):
-            options = _POLICY[recompute]
             fit = [r for r in options if stage_memory_bytes(blocks, s, e, infl[k], optimizer, r, m) <= cap]
             flags.append(fit[0] if fit else None)
         if None in flags:
@@ -374,24 +378,14 @@ def _legal_starts(blocks: Sequence[BlockCost]) -> list[bool]:
     return [False] + [b.cut_legal for b in blocks[:-1]] + [False]
 
 
-_POLICY = {
-    "never": ["never"],
-    "selective": ["selective"],
-    "full": ["full"],
-    "stage": ["stage"],
-    "always": ["full"],
-    "auto": ["never", "selective", "full", "stage"],
-}
-
-
 def _reference_choice(
-    blocks: Sequence[BlockCost], optimizer: OptimizerSpec, limit: float, mode: str, m: int
+    blocks: Sequence[BlockCost], optimizer: OptimizerSpec, limit: float, options: Sequence[str], m: int
 ) -> Callable[[int, int, int], str | None]:
-    """How stage [s, e) holding t live microbatches recomputes (the first mode of the policy that
+    """How stage [s, e) holding t live microbatches recomputes (the first of the policy's modes that
     fits), or None when none fits, from the public memory formula ``stage_memory_bytes``."""
 
     def choice(s: int, e: int, t: int) -> str | None:
-        for option in _POLICY[mode]:
+        for option in options:
             if stage_memory_bytes(blocks, s, e, t, optimizer, option, m) <= limit:
                 return option
         return None
@@ -430,7 +424,7 @@ def _reference_solve(
         extra["selective"].append(extra["selective"][-1] + selective_cost(b))
     limit = memory_limit_bytes if memory_limit_bytes is not None else math.inf
     mode = "never" if memory_limit_bytes is None and recompute == "auto" else recompute
-    fit = _reference_choice(blocks, optimizer, limit, mode, n_microbatches)
+    fit = _reference_choice(blocks, optimizer, limit, policy_options(mode, schedule), n_microbatches)
 
     def choice(s: int, e: int, k: int) -> str | None:
         return fit(s, e, infl[k])
@@ -909,6 +903,18 @@ def test_auto_takes_selective_checkpointing_where_it_fits() -> None:
     # Forced selective where it does not fit: nothing fits.
     with pytest.raises(InfeasibleError, match="memory-limit"):
         solved(blocks, 2, FREE, n_microbatches=4, schedule="gpipe", memory_limit_bytes=400, recompute="selective")
+
+
+def test_zero_bubble_schedules_never_checkpoint_selectively() -> None:
+    # their split backward runs a stage's backward twice, which torch's selective checkpointing refuses
+    kept = {"recompute_s": 1.0, "selective_bytes": 30, "selective_recompute_s": 0.25}
+    blocks = [b.model_copy(update=kept) for b in times([1, 1, 1, 1], act=100, cut=10)]
+    with pytest.raises(InfeasibleError, match="--recompute selective cannot run under --schedule zbv"):
+        solved(blocks, 2, FREE, n_microbatches=4, schedule="zbv", recompute="selective")
+    # auto skips it there: where selective would fit under 1F1B, zero-bubble takes full
+    one = solved(blocks, 2, FREE, n_microbatches=4, schedule="1f1b", memory_limit_bytes=290)
+    zero = solved(blocks, 2, FREE, n_microbatches=4, schedule="interleaved-zb", memory_limit_bytes=290)
+    assert "selective" in one.recompute and "selective" not in zero.recompute
 
 
 def test_checkpoint_regions_follow_the_legal_cuts() -> None:

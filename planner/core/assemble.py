@@ -16,6 +16,7 @@ from planner.core.given import given_starts
 from planner.core.inputs import Cluster, Constraints, Scaling, SearchSpace
 from planner.core.predict import predict, slots_of
 from planner.core.search import Choice, Progress, search
+from planner.core.solve import policy_options
 from planner.core.stage_model import Partition
 from planner.core.tensor_parallel import allowed_degrees, block_degree_limit
 from planner.errors import InfeasibleError
@@ -128,6 +129,7 @@ def compare_methods(
     if given is not None:
         where, starts = given
         placed = layout_links(link, where.layout.pp, where.layout.dp, where.layout.tp)
+        policy_options(request.recompute, where.layout.schedule)  # selective cannot run under a zero-bubble one
         forced = request.recompute if request.recompute in ("selective", "full", "stage") else "never"
         recompute = [forced] * len(starts)
         out["given"] = predict(where.blocks, starts, placed, where.layout, request.optimizer, recompute, slots)

@@ -32,10 +32,11 @@ from functools import lru_cache
 from typing import Literal, NamedTuple
 
 from planner.errors import InfeasibleError
-from planner.schema.request import SCHEDULES, TORCH_NAMES, schedule_name
+from planner.schema.request import SCHEDULES, SPLIT_BACKWARD, TORCH_NAMES, schedule_name
 
 __all__ = [
     "SCHEDULES",
+    "SPLIT_BACKWARD",
     "TORCH_NAMES",
     "Action",
     "action_order",
@@ -53,8 +54,6 @@ rebuilt in O(p m v). Few, since one shape of 64 ranks x 512 microbatches holds s
 IN_FLIGHT_CACHED = 4096
 """The in-flight counts of this many shapes are kept (``in_flight_per_stage``): one int per stage each."""
 
-SPLIT_BACKWARD: frozenset[str] = frozenset({"interleaved-zb", "zbv", "dualpipev"})
-"""Schedules whose actions split the backward into I and W."""
 
 Placement = Literal["single", "loop", "v"]
 

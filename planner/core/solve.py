@@ -55,7 +55,7 @@ import numpy as np
 
 from planner.core.inputs import NO_CONSTRAINTS, Constraints, Layout
 from planner.core.links import Links, boundary_crosses, boundary_links, default_link
-from planner.core.schedules import in_flight_per_stage
+from planner.core.schedules import SPLIT_BACKWARD, in_flight_per_stage
 from planner.core.solve_engine import (
     AnyIntArray,
     BoolArray,
@@ -100,6 +100,32 @@ MODES: tuple[RecomputeMode, ...] = ("never", "selective", "full", "stage")
 """The recompute modes in the order of ``_Arrays``' cost and fit rows."""
 
 
+def policy_options(recompute: str, schedule: str | None = None) -> tuple[RecomputeMode, ...]:
+    """The modes a stage may take under the recompute policy and schedule, in the order they are tried.
+
+    The zero-bubble schedules run a stage's backward in two passes (input gradients, then weight
+    gradients), and torch's selective activation checkpointing allows one backward per region
+    ("You are only allowed to backward once on any region computed under selective activation
+    checkpoint"): there no stage checkpoints selectively.
+
+    Raises:
+        InfeasibleError: an unknown policy, or "selective" under a zero-bubble schedule.
+    """
+    recompute = "full" if recompute == "always" else recompute  # its old name
+    if recompute not in OPTIONS:
+        raise InfeasibleError(f"recompute={recompute!r}; expected one of {', '.join(OPTIONS)}")
+    options = OPTIONS[recompute]
+    if schedule in SPLIT_BACKWARD:
+        if recompute == "selective":
+            raise InfeasibleError(
+                f"--recompute selective cannot run under --schedule {schedule}: its split backward runs each "
+                "stage's backward twice, which torch's selective activation checkpointing refuses; use "
+                "--recompute full (or auto), or another schedule"
+            )
+        options = tuple(o for o in options if o != "selective")
+    return options
+
+
 class _MemoryModel:
     """Memory check of stage [s, e) at stage index k, in integer arithmetic from prefix sums."""
 
@@ -111,11 +137,13 @@ class _MemoryModel:
         recompute: str = "never",
         n_microbatches: int = 1,
         shard: int = 1,
+        schedule: str | None = None,
     ) -> None:
         n = len(blocks)
         self.n = n
         self.limit = limit
         self.recompute = "full" if recompute == "always" else recompute  # "always": the old name of "full"
+        self.options = policy_options(self.recompute, schedule)  # what a stage may take, in order
         self.optimizer = optimizer
         self.m = n_microbatches
         self.shard = shard
@@ -149,7 +177,7 @@ class _MemoryModel:
     def choice(self, s: int, e: int, in_flight: int) -> RecomputeMode | None:
         """How the stage recomputes: the first of the policy's options that fits (``OPTIONS``), or
         None when none does."""
-        for option in OPTIONS[self.recompute]:
+        for option in self.options:
             if self.bytes(s, e, in_flight, option) <= self.limit:
                 return option
         return None
@@ -337,7 +365,7 @@ class _Arrays:
         step = self._step_floor(s, e, n_p)
         # each mode's saved bytes only grow with e (sums of non-negative terms, and range maxima)
         saved = self._saved(s, e, a_b)
-        options = [t * saved[o][0] + saved[o][1] for o in OPTIONS[self.mode]]
+        options = [t * saved[o][0] + saved[o][1] for o in self.mem.options]
         pipeline = options[0]
         for other in options[1:]:
             pipeline = np.minimum(pipeline, other)
@@ -368,7 +396,7 @@ class _Arrays:
         ``K + Y`` do and ``t <= (limit - K - Y) // X``.
         """
         no = np.full(len(s), -1, dtype=np.int64)
-        allowed = OPTIONS[self.mode]
+        allowed = self.mem.options
         if self.free:
             yes = np.full(len(s), self.big, dtype=np.int64)
             return tuple(yes if option in allowed else no for option in MODES)
@@ -625,8 +653,7 @@ def solve(
             stage count that would fit, or the block that cannot fit alone).
     """
     recompute, memory_limit_bytes = constraints.recompute, constraints.memory_limit_bytes
-    if recompute not in OPTIONS:
-        raise InfeasibleError(f"recompute={recompute!r}; expected one of {', '.join(OPTIONS)}")
+    policy_options(recompute, layout.schedule)  # refuses what cannot run, before any work
     schedule, n_stages, n_microbatches = layout.schedule, layout.n_stages, layout.n_microbatches
     check_counts(blocks, n_stages)
     if in_flight is None:
@@ -637,7 +664,7 @@ def solve(
     limit = memory_limit_bytes if memory_limit_bytes is not None else math.inf
     # Without a limit "auto" never needs to recompute.
     mode = "never" if memory_limit_bytes is None and recompute == "auto" else recompute
-    mem = _MemoryModel(blocks, constraints.optimizer, limit, mode, n_microbatches, layout.shard)
+    mem = _MemoryModel(blocks, constraints.optimizer, limit, mode, n_microbatches, layout.shard, schedule)
     crosses = boundary_crosses(n_stages, schedule, layout.stages_per_rank)
     arrays = _Arrays(blocks, boundary_links(link, n_stages, schedule), mem, mode, infl, crosses)
     # First cap: the average stage plus the largest block and messages, about where the optimum is

@@ -322,18 +322,19 @@ class _BlockTimer:
         # counted on the eager module (a dispatch mode around a compiled one would recompile it),
         # without the loss (it runs outside the stage's regions) and without the block's output,
         # which the next region keeps as its input (or the last stage as its output)
+        block = leaf_safe(lambda a: module(*a), grad_inputs(current, grad))  # a block starting in place
         with torch.enable_grad(), autocast_context(self.device_type, self.settings.autocast), kept_bytes() as kept:
-            out = module(*grad_inputs(current, grad))
+            out = block(grad_inputs(current, grad))
         t.kept_bytes = kept.total(out)
         if last:
-            t.loss_bytes = self._loss_bytes(module, current, grad)
+            t.loss_bytes = self._loss_bytes(block, current, grad)
         return t
 
-    def _loss_bytes(self, module: torch.nn.Module, current: tuple[Any, ...], grad: bool) -> int:
+    def _loss_bytes(self, block: Callable[[tuple[Any, ...]], Any], current: tuple[Any, ...], grad: bool) -> int:
         """Bytes the loss saves for backward on the last block's output (its own output excluded:
         the stage keeps that anyway)."""
         with torch.enable_grad(), autocast_context(self.device_type, self.settings.autocast):
-            out = module(*grad_inputs(current, grad))
+            out = block(grad_inputs(current, grad))
             own = {_storage_key(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
             seen: dict[tuple[int, int], int] = {}
 
@@ -388,9 +389,9 @@ def _profile_graph(traced: GraphTrace, sample: Sample, settings: ProfileSettings
             bwd_weight_s=statistics.median(t.bwd_weight),
             recompute_s=statistics.median(t.recompute),
             # the recomputation, and what the policy's bookkeeping adds to the forward (every operator
-            # passes it: on a CPU a large share of a small block's forward)
-            selective_recompute_s=statistics.median(t.selective)
-            + max(0.0, statistics.median(t.selective_fwd) - statistics.median(t.fwd)),
+            # passes it: on a CPU a large share of a small block's forward); that difference of two
+            # timings is taken between their fastest runs, which a loaded machine disturbs least
+            selective_recompute_s=statistics.median(t.selective) + max(0.0, min(t.selective_fwd) - min(t.fwd)),
             selective_bytes=t.kept_bytes,
             activation_bytes=t.saved_bytes,
             loss_bytes=t.loss_bytes,

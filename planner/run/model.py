@@ -97,6 +97,13 @@ def check_runnable(plan: Plan) -> None:
             f"the plan shards {plan.dp} replicas with FSDP under --schedule {plan.schedule}, whose split backward "
             "torch 2.13's FSDP2 does not follow; re-plan with --dp-mode ddp or another schedule"
         )
+    selective = [s.index for s in plan.stages if s.recompute == "selective"]
+    if selective and plan.schedule in SPLIT_BACKWARD:
+        raise PlanFileError(
+            f"stage(s) {', '.join(map(str, selective))} checkpoint selectively under --schedule {plan.schedule}, whose "
+            "split backward runs each stage's backward twice, which torch's selective activation checkpointing "
+            "refuses; re-plan with --recompute full (or auto) or another schedule"
+        )
     if plan.n_ranks > 1:
         # torch's own constructors refuse these
         check_schedule(plan.schedule, plan.n_ranks, plan.n_microbatches, plan.stages_per_rank)

@@ -26,6 +26,9 @@ DpMode = Literal["ddp", "fsdp"]
 stage) or FSDP2 ``fully_shard`` per stage (parameters, gradients and optimizer state sharded)."""
 DP_MODES: tuple[str, ...] = get_args(DpMode)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
+SPLIT_BACKWARD: frozenset[str] = frozenset({"interleaved-zb", "zbv", "dualpipev"})
+"""The zero-bubble schedules: each stage's backward runs as an input-gradient pass and a separate
+weight-gradient pass (torch's ``_PipelineScheduleRuntime`` actions I and W)."""
 """The planner's schedule names (``--schedule``), in the order the search tries them."""
 
 TORCH_NAMES: dict[str, str] = {
@@ -380,6 +383,12 @@ class PlanRequest(_Request):
             )
         if self.method == "given" and self.compare is None:
             raise ValueError("--method given trains the split given with --compare SPLIT; give one")
+        if self.recompute == "selective" and self.schedule in SPLIT_BACKWARD:
+            raise ValueError(
+                f"--recompute selective cannot run under --schedule {self.schedule}: its split backward runs each "
+                "stage's backward twice, which torch's selective activation checkpointing refuses; use --recompute "
+                "full (or auto), or another schedule"
+            )
         if self.multi_node and self.gpu_type is None:
             raise ValueError(
                 "--multi-node applies to estimated costs only; add --gpu-type (measured plans use this machine's link)"
