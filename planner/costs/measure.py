@@ -319,11 +319,16 @@ class _BlockTimer:
         weights = list(module.parameters())
         t = _time_block(forward, current, grad, weights, self.param_storages, self.settings, self.bar)
         t.warm_s += trial_s
+
         # counted on the eager module (a dispatch mode around a compiled one would recompile it),
         # without the loss (it runs outside the stage's regions) and without the block's output,
         # which the next region keeps as its input (or the last stage as its output)
-        block = leaf_safe(lambda a: module(*a), grad_inputs(current, grad))  # a block starting in place
-        with torch.enable_grad(), autocast_context(self.device_type, self.settings.autocast), kept_bytes() as kept:
+        def plain(a: tuple[Any, ...]) -> Any:  # the block alone, under the profile's autocast
+            with autocast_context(self.device_type, self.settings.autocast):
+                return module(*a)
+
+        block = leaf_safe(plain, grad_inputs(current, grad))  # a block starting in place gets a clone
+        with torch.enable_grad(), kept_bytes() as kept:
             out = block(grad_inputs(current, grad))
         t.kept_bytes = kept.total(out)
         if last:
