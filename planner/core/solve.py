@@ -142,8 +142,8 @@ class _MemoryModel:
         n = len(blocks)
         self.n = n
         self.limit = limit
-        self.recompute = "full" if recompute == "always" else recompute  # "always": the old name of "full"
-        self.options = policy_options(self.recompute, schedule)  # what a stage may take, in order
+        self.recompute = recompute
+        self.options = policy_options(recompute, schedule)  # what a stage may take, in order ("always" is "full")
         self.optimizer = optimizer
         self.m = n_microbatches
         self.shard = shard

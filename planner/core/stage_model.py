@@ -133,9 +133,8 @@ def loss_held(block: BlockCost) -> int:
     return min(block.loss_bytes or 0, block.activation_bytes)
 
 
-def rerun_cost(block: BlockCost, mode: bool | str) -> float:
+def rerun_cost(block: BlockCost, mode: RecomputeMode) -> float:
     """Extra backward seconds of ``block`` in a stage of recompute ``mode``."""
-    mode = recompute_mode(mode)
     # full and stage run the same forward again (a region's early stop aside)
     return 0.0 if mode == "never" else selective_cost(block) if mode == "selective" else recompute_cost(block)
 
@@ -395,10 +394,10 @@ def stage_memory_parts(
     temps = [b.opt_temp_bytes for b in part]
     step_temp = optimizer.combine_step_temps([t for t in temps if t is not None]) if None not in temps else None
     units = checkpoint_units(blocks, start, end)
-    unit_in = sum(blocks[a - 1].cut_bytes if a > 0 else 0 for a, _ in units) + sum(loss_held(b) for b in part)
+    held = sum(loss_held(b) for b in part)
+    unit_in = sum(blocks[a - 1].cut_bytes if a > 0 else 0 for a, _ in units) + held
     unit_a = [sum(b.activation_bytes - loss_held(b) for b in blocks[a:z]) for a, z in units]
     unit_k = [sum(kept_bytes(b) for b in blocks[a:z]) for a, z in units]
-    held = sum(loss_held(b) for b in part)
     regions = Regions(unit_in, max(unit_a), sum(unit_k), max(max(a - k, 0) for a, k in zip(unit_a, unit_k)), held)
     sums = StageSums(p_bytes, n_params, a_bytes, cut_in, cut_out, out, step_temp, regions)
     return parts_from_sums(sums, optimizer, recompute, n_microbatches, shard)

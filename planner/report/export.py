@@ -222,7 +222,8 @@ def _torchtitan_python(plan: Plan, renames: Mapping[str, str]) -> str:
 def _torchtitan_toml(plan: Plan, renames: Mapping[str, str]) -> str:
     fields = _titan_fields(plan, renames)
     batch = _batch_lines(plan)
-    mode = {"never": "none"}.get(titan_checkpointing(plan), titan_checkpointing(plan))
+    mode = titan_checkpointing(plan)
+    mode = "none" if mode == "never" else mode  # torchtitan's name
     lines = [
         f"{HEADER} --to torchtitan-toml (torchtitan <= 0.2.2: --job.config_file)",
         *(f"# {n}" for n in _notes(plan) + _checkpointing_note(plan)),
