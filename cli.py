@@ -77,9 +77,20 @@ def _load_plan(path: str) -> Plan:
     default="auto",
     show_default=True,
     help="How the replicas reduce gradients: ddp (DistributedDataParallel: an all-reduce; every replica holds "
-    "its stages whole), fsdp (fully_shard per stage: parameters, gradients and optimizer state sharded over the "
-    "replicas, gathered while the pipeline runs), or 'auto': ddp where it fits the memory limit, else fsdp. "
+    "its stages whole), fsdp (fully_shard: parameters, gradients and optimizer state sharded over the "
+    "replicas, gathered by --fsdp-units), or 'auto': ddp where it fits the memory limit, else fsdp. "
     "Ignored with one replica.",
+)
+@click.option(
+    "--fsdp-units",
+    type=click.Choice(["auto", "stage", "block"], case_sensitive=False),
+    default="auto",
+    show_default=True,
+    help="Under fsdp, what is gathered at a time: stage (each stage one unit, gathered from its first forward to "
+    "its last backward, gradients reduce-scattered once per pass), block (each block its own unit, as torchtitan "
+    "shards layers: gathered for every microbatch's forward and again for its backward, resharded after each, "
+    "gradients reduce-scattered every microbatch; a few blocks unsharded at a time, the traffic overlapped with "
+    "compute), or 'auto': the faster of the two that fits.",
 )
 @click.option(
     "--tp",
@@ -295,6 +306,7 @@ def plan_cmd(
     gpus: int,
     dp: int | str,
     dp_mode: str,
+    fsdp_units: str,
     tp: int | str,
     size: str | None,
     overrides: tuple[str, ...],
@@ -341,6 +353,7 @@ def plan_cmd(
         gpus=gpus,
         dp=dp,
         dp_mode=dp_mode,
+        fsdp_units=fsdp_units.lower(),
         tp=tp,
         size=size,
         overrides=parse_overrides(overrides),

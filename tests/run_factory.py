@@ -46,6 +46,7 @@ def make_plan(
     tp: int = 1,
     tp_plan: dict[str, str] | None = None,
     accumulation: int = 1,
+    fsdp_units: str = "stage",
 ) -> Plan:
     """A valid Plan for ``model_path`` whose stages start at the blocks in ``starts`` (placed on ranks
     as ``schedule`` places ``stages_per_rank`` stages per rank), run as ``dp`` replicas, each pipeline
@@ -152,6 +153,7 @@ def make_plan(
         tp=tp,
         tp_plan=(dict(getattr(mf.module, "tp_plan", {})) if tp_plan is None else tp_plan) if tp > 1 else {},
         accumulation=accumulation,
+        fsdp_units=fsdp_units,
     )
 
 

@@ -145,7 +145,7 @@ def test_recomputation_passes_no_clock_mark() -> None:
 
 
 def test_checkpointed_refuses_an_unknown_mode() -> None:
-    with pytest.raises(ValueError, match="expected 'full' or 'selective'"):
+    with pytest.raises(ValueError, match="expected 'full', 'selective' or 'never'"):
         CheckpointedStage([nn.Identity()], "sometimes")
     x = torch.randn(2, 3, requires_grad=True)
     assert torch.equal(checkpointed(lambda t: t * 2, (x,), "full"), x * 2)

@@ -696,17 +696,17 @@ def memory_instances(draw: st.DrawFn) -> tuple[list[BlockCost], int, int, Optimi
 
 @pytest.mark.slow
 @settings(max_examples=200, deadline=None)
-@given(inst=memory_instances())
+@given(inst=memory_instances(), shard=st.sampled_from([1, 1, 2, 3]), per_block=st.booleans())
 def test_vector_memory_check_matches_scalar(
-    inst: tuple[list[BlockCost], int, int, OptimizerSpec, str, list[int]],
+    inst: tuple[list[BlockCost], int, int, OptimizerSpec, str, list[int]], shard: int, per_block: bool
 ) -> None:
     # The search turns each stage's fit into in-flight thresholds on arrays (int64, or Python
     # integers past int64) and bounds the fitting ends per start; both must agree with _MemoryModel
     # (stage_memory_bytes) for every stage and count, including fp32-master flips that make memory
-    # shrink as a stage grows.
+    # shrink as a stage grows, sharded by FSDP per stage or block by block.
     blocks, limit, m, optimizer, mode, infl = inst
     n = len(blocks)
-    mem = solve_mod._MemoryModel(blocks, optimizer, limit, mode, m)
+    mem = solve_mod._MemoryModel(blocks, optimizer, limit, mode, m, shard, None, per_block and shard > 1)
     link = LinkCost(name="l", latency_s=0.0, bandwidth_Bps=1.0)
     arrays = solve_mod._Arrays(blocks, link, mem, mode, infl)
     legal = _legal_starts(blocks)

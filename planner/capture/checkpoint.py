@@ -17,6 +17,10 @@ over the whole stage, checkpointed fully):
 
 The profiler measures what these regions keep and cost with the same policy (``kept_bytes``,
 ``planner.costs.timing.time_recompute``), so what is measured is what runs.
+
+Under FSDP block by block the same chain (mode "never" where nothing recomputes) gives FSDP its
+units: each region becomes one ``fully_shard`` unit (``stage_units`` lists them; a "stage" region
+holds the whole chain).
 """
 
 from __future__ import annotations
@@ -158,7 +162,7 @@ class CheckpointedStage(nn.Module):
     Args:
         regions: one module per region, in order: each takes what crosses the cut before it (the
             stage's inputs for the first) and returns what crosses the cut after it.
-        mode: "full" or "selective".
+        mode: "full", "selective", or "never" (the regions run as they are: a chain for FSDP's units).
         clock: the stage's block clock, if any: its marks are silenced while a region is being
             recomputed, so that a block's forward is timed once (its recomputation falls inside the
             backward of that block, where the plan counts it).
@@ -166,8 +170,8 @@ class CheckpointedStage(nn.Module):
 
     def __init__(self, regions: Sequence[nn.Module], mode: str, clock: BlockClock | None = None) -> None:
         super().__init__()
-        if mode not in ("full", "selective"):
-            raise ValueError(f"checkpoint mode {mode!r}; expected 'full' or 'selective'")
+        if mode not in ("full", "selective", "never"):
+            raise ValueError(f"checkpoint mode {mode!r}; expected 'full', 'selective' or 'never'")
         self.regions = nn.ModuleList(regions)
         self.mode = mode
         self.clock = clock
@@ -175,7 +179,7 @@ class CheckpointedStage(nn.Module):
     def forward(self, *args: Any) -> Any:
         out: Any = args
         for region in self.regions:
-            out = checkpointed(self._once(region), args, self.mode)
+            out = region(*args) if self.mode == "never" else checkpointed(self._once(region), args, self.mode)
             args = out if isinstance(out, tuple) else (out,)
         return out
 
@@ -205,7 +209,7 @@ def checkpointed_stage(
     Args:
         traced: the trace.
         units: ``(start, end)`` of each region; together one stage.
-        mode: "full" or "selective".
+        mode: "full", "selective" or "never".
         build: builds the module of blocks ``[start, end)`` (``planner.capture.stage.stage_module``).
         clock: the stage's block clock (each region marks its own blocks on it).
 
@@ -213,3 +217,18 @@ def checkpointed_stage(
         The stage module (parameters shared with the trace).
     """
     return CheckpointedStage([build(traced, a, z, clock) for a, z in units], mode, clock)
+
+
+def stage_units(stage: nn.Module) -> list[nn.Module]:
+    """The modules a stage runs one after another: a chain's regions (a region that is itself a
+    chain, the "stage" mode over FSDP's units, listed unit by unit), or the stage itself.
+
+    Args:
+        stage: a stage module (``CheckpointedStage`` or any other).
+
+    Returns:
+        Its units, in order.
+    """
+    if isinstance(stage, CheckpointedStage):
+        return [unit for region in stage.regions for unit in stage_units(region)]
+    return [stage]

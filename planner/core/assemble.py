@@ -167,7 +167,12 @@ def given_split(
             f"multiple of {layout.pp} stages; give such a split, or --gpus / --dp for {k} pipeline ranks"
         )
     narrowed = replace(
-        space, stages_per_rank=k // layout.pp, replicas=(layout.dp,), dp_mode=layout.dp_mode, degrees=(layout.tp,)
+        space,
+        stages_per_rank=k // layout.pp,
+        replicas=(layout.dp,),
+        dp_mode=layout.dp_mode,
+        degrees=(layout.tp,),
+        fsdp_units=layout.fsdp_units,
     )
     try:
         return research(narrowed), starts
@@ -294,6 +299,22 @@ class Origin:
     calibration: Sequence[str] = ()
 
 
+def _search_space(request: PlanRequest, blocks: Sequence[BlockCost], tp_plan: dict[str, str] | None) -> SearchSpace:
+    """What the request leaves the search to cover (``SearchSpace``), its tensor-parallel degrees
+    those the model's plan and the blocks allow."""
+    return SearchSpace(
+        request.batch_size,
+        request.schedule,
+        request.microbatches,
+        request.stages_per_rank,
+        tuple(request.dp_options),
+        request.dp_mode,
+        tuple(tensor_parallel_degrees(request, blocks, tp_plan)),
+        None if request.accumulation == "auto" else request.accumulation,
+        request.fsdp_units,
+    )
+
+
 def assemble_plan(
     request: PlanRequest,
     blocks: Sequence[BlockCost],
@@ -330,16 +351,7 @@ def assemble_plan(
     slots = slots_of(profile)
     blocks = with_tied_copies(blocks, ties)
     cluster = Cluster(request.gpus, link, slots)
-    space = SearchSpace(
-        request.batch_size,
-        request.schedule,
-        request.microbatches,
-        request.stages_per_rank,
-        tuple(request.dp_options),
-        request.dp_mode,
-        tuple(tensor_parallel_degrees(request, blocks, tp_plan)),
-        None if request.accumulation == "auto" else request.accumulation,
-    )
+    space = _search_space(request, blocks, tp_plan)
     scaling = Scaling(
         profile.microbatch_size or request.microbatch_size, profile.fixed_fraction, profile.min_microbatch_size
     )
@@ -383,6 +395,7 @@ def assemble_plan(
         n_ranks=chosen.layout.pp,
         dp=chosen.layout.dp,
         dp_mode=chosen.layout.dp_mode,  # type: ignore[arg-type]  # "ddp" or "fsdp"
+        fsdp_units=chosen.layout.fsdp_units,  # type: ignore[arg-type]  # "stage" or "block"
         tp=chosen.layout.tp,
         tp_plan=dict(tp_plan or {}) if chosen.layout.tp > 1 else {},
         batch_size=request.batch_size,

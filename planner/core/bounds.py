@@ -42,7 +42,7 @@ def memory_floor(blocks: Sequence[BlockCost], layout: Layout, optimizer: Optimiz
 
     The busiest rank holds at least the mean of the weights, gradients and optimizer state (a 1/dp
     share under FSDP, which then also holds its stages' weights and gradients whole while the
-    pipeline runs) and of the receive buffers (``floors``); the lower of DDP's and FSDP's when the
+    pipeline runs unless it shards block by block) and of the receive buffers (``floors``); the lower of DDP's and FSDP's when the
     mode is still open ("auto").
 
     Args:
@@ -86,7 +86,10 @@ def floors(blocks: Sequence[BlockCost], layout: Layout, optimizer: OptimizerSpec
     cuts = [b.cut_bytes for b in blocks[:-1] if b.cut_legal]
     buffers = 2 * m * (layout.n_stages - 1) * min(cuts) if cuts and layout.n_stages > 1 else 0
     ddp = (static + buffers) // pp
-    fsdp = (static // dp + 2 * p_bytes + buffers) // pp
+    # FSDP holds its stages' weights and gradients whole while the pipeline runs, or block by block
+    # only a few units at a time (counted as none here)
+    whole = 0 if layout.fsdp_units in ("block", "auto") else 2 * p_bytes
+    fsdp = (static // dp + whole + buffers) // pp
     modes = {"ddp": ddp, "fsdp": fsdp, "auto": min(ddp, fsdp)}
     memory = ddp if dp == 1 else modes.get(layout.dp_mode, ddp)
     return (compute * m * layout.accumulation + step / shard) / pp, memory

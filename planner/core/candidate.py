@@ -42,6 +42,7 @@ class Choice:
             stages_per_rank=layout.stages_per_rank,
             dp=layout.dp,
             dp_mode=layout.dp_mode,  # type: ignore[arg-type]  # "ddp" or "fsdp"
+            fsdp_units=layout.fsdp_units,  # type: ignore[arg-type]  # "stage" or "block"
             tp=layout.tp,
             accumulation=layout.accumulation,
             starts=self.prediction.starts,
@@ -165,7 +166,8 @@ def evaluate_choice(
     )
     fits = limit is None or prediction.max_memory_bytes <= limit
     mode = "fsdp" if layout.shard > 1 else "ddp"  # one replica is recorded as ddp, whatever was asked
-    return Choice(replace(layout, dp_mode=mode), list(blocks), stages, prediction, fits)
+    units = layout.fsdp_units if mode == "fsdp" else "stage"
+    return Choice(replace(layout, dp_mode=mode, fsdp_units=units), list(blocks), stages, prediction, fits)
 
 
 def evaluate_modes(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout, constraints: Constraints) -> Choice:
@@ -187,7 +189,10 @@ def evaluate_modes(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout
     """
 
     def attempt(mode: str) -> Choice:
-        return evaluate_choice(blocks, cluster, replace(layout, dp_mode=mode), constraints)
+        if mode == "fsdp" and layout.fsdp_units == "auto":
+            return _fsdp_units(blocks, cluster, replace(layout, dp_mode=mode), constraints)
+        units = layout.fsdp_units if mode == "fsdp" else "stage"
+        return evaluate_choice(blocks, cluster, replace(layout, dp_mode=mode, fsdp_units=units), constraints)
 
     dp, dp_mode, schedule = layout.dp, layout.dp_mode, layout.schedule
     if dp > 1 and schedule in SPLIT_BACKWARD:
@@ -217,6 +222,31 @@ def evaluate_modes(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout
     if fsdp.fits or ddp is None:
         return fsdp
     return min((ddp, fsdp), key=lambda c: c.prediction.max_memory_bytes)
+
+
+def _fsdp_units(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout, constraints: Constraints) -> Choice:
+    """``evaluate_choice`` under FSDP with its units open: the faster of a stage per unit and a block
+    per unit that fits (a stage gathers once per step; blocks hold far less but gather again every
+    microbatch); when neither fits, the one needing less memory.
+
+    Raises:
+        InfeasibleError: neither splits the model within the limit (the block units' reason: they
+            need the least memory).
+    """
+    tried: list[Choice] = []
+    error: InfeasibleError | None = None
+    for units in ("stage", "block"):  # on a tie, the stage: fewer, larger transfers
+        try:
+            tried.append(evaluate_choice(blocks, cluster, replace(layout, fsdp_units=units), constraints))
+        except InfeasibleError as e:
+            error = e  # the block units' when both fail
+    if not tried:
+        assert error is not None  # both raised
+        raise error
+    fitting = [c for c in tried if c.fits]
+    if fitting:
+        return min(fitting, key=lambda c: c.prediction.step_time_s)
+    return min(tried, key=lambda c: c.prediction.max_memory_bytes)
 
 
 __all__ = ["Choice", "blocks_at", "evaluate_choice", "evaluate_modes"]

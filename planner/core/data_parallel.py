@@ -13,7 +13,13 @@ step the replicas of every pipeline rank reduce that rank's gradients over their
 
 Each transfer is charged as one message of that volume (``latency + volume / bandwidth``) added to
 the step after the pipeline: the runner's reduction does overlap the last backwards and FSDP's
-gather the first forwards, so this is conservative. The memory side (FSDP's shards) lives with the
+gather the first forwards, so this is conservative.
+
+FSDP block by block (``fsdp_units`` "block", ``block_fsdp_s``) gathers every unit for each
+microbatch's forward, again for its backward, and reduce-scatters the unit's gradients then: three
+transfers of the rank's parameters per microbatch. FSDP2 issues the next unit's gather while the
+current unit computes, so only what the rank's compute cannot cover shows: the first gather of
+each forward and of each backward, and whatever the rest outlasts the compute by. The memory side (FSDP's shards) lives with the
 rest of the memory model, ``planner.core.stage_model.stage_memory_bytes`` (``shard``).
 """
 
@@ -22,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from planner.core.links import Links, NodeLinks
+from planner.core.stage_model import checkpoint_units
 from planner.errors import InfeasibleError, PlanFileError
 from planner.schema.costs import BlockCost, LinkCost
 from planner.schema.plan import Plan, StagePlan
@@ -167,6 +174,51 @@ def rank_reduce_s(
     return [grad_reduce_s(nbytes, dp, dp_mode, link) for nbytes, link in zip(held, links)]
 
 
+def block_fsdp_s(
+    blocks: Sequence[BlockCost],
+    stages: Sequence[StagePlan],
+    links: Sequence[LinkCost],
+    dp: int,
+    n_microbatches: int,
+    overlap: bool = True,
+) -> list[float]:
+    """Seconds each pipeline rank's FSDP traffic adds to one pass when it shards block by block.
+
+    Per microbatch a rank gathers each of its units (``checkpoint_units`` of its stages) for the
+    forward and again for the backward, and reduce-scatters the unit's gradients:
+    ``3 m ((dp - 1) / dp P / bandwidth + u latency)`` in all for ``P`` parameter bytes in ``u``
+    units. The first gather of every forward and of every backward waits (two transfers of the
+    largest unit per microbatch); the rest overlaps the rank's forward and backward compute, ``m``
+    times its stages' ``fwd_s + bwd_s``, and shows only where it outlasts it. Ranks that share CPU
+    cores (gloo) compute and communicate on the same cores: there nothing overlaps (``overlap``
+    False) and all of the traffic shows.
+
+    Args:
+        blocks: per-block costs (``param_bytes``).
+        stages: the pipeline's stages (``rank``, ``fwd_s``, ``bwd_s`` set).
+        links: each rank's group link (``dp_group_links``).
+        dp: replicas.
+        n_microbatches: microbatches per pass.
+        overlap: whether the traffic runs beside the compute (a GPU's copy engines and NICs).
+
+    Returns:
+        Seconds per pass, per rank (0 with one replica).
+    """
+    if dp <= 1:
+        return [0.0] * len(links)
+    share = (dp - 1) / dp
+    out = []
+    for rank, link in enumerate(links):
+        mine = [st for st in stages if st.rank == rank]
+        units = [u for st in mine for u in checkpoint_units(blocks, st.start, st.end)]
+        unit_bytes = [sum(b.param_bytes for b in blocks[a:z]) for a, z in units]
+        traffic = 3 * n_microbatches * sum(_transfer_s(share * nbytes, link) for nbytes in unit_bytes)
+        waits = 2 * n_microbatches * _transfer_s(share * max(unit_bytes, default=0), link)
+        busy = n_microbatches * sum(st.fwd_s + st.bwd_s for st in mine)
+        out.append(waits + max(traffic - waits - busy, 0.0) if overlap else traffic)
+    return out
+
+
 def replica_slots(slots: float | None, dp: int) -> float | None:
     """Ranks of one replica that can compute at once when ``dp`` replicas share the processors.
 
@@ -202,6 +254,7 @@ def check_run_replicas(plan: Plan, run: RunResult) -> None:
 
 
 __all__ = [
+    "block_fsdp_s",
     "check_run_replicas",
     "dp_group_links",
     "grad_reduce_s",

@@ -57,6 +57,8 @@ class Layout:
         accumulation: pipeline passes per step (gradient accumulation): each replica runs the
             schedule this many times, ``n_microbatches`` microbatches each, then reduces, clips and
             steps once. Memory is one pass's (its receive buffers are ``n_microbatches``' worth).
+        fsdp_units: under FSDP, its units: "stage" or "block" (``planner.schema.request.FsdpUnits``),
+            or "auto" before the search decides.
     """
 
     schedule: str
@@ -67,6 +69,7 @@ class Layout:
     dp_mode: str = "ddp"
     tp: int = 1
     accumulation: int = 1
+    fsdp_units: str = "stage"
 
     @property
     def n_stages(self) -> int:
@@ -82,6 +85,12 @@ class Layout:
             InfeasibleError: ``dp_mode`` is not "ddp" or "fsdp" (an "auto" not yet decided).
         """
         return shard_of(self.dp, self.dp_mode)
+
+    @property
+    def per_block(self) -> bool:
+        """Whether FSDP shards block by block (``fsdp_units`` "block" over several replicas): then a rank
+        holds only a few blocks' parameters unsharded at a time, gathered again every microbatch."""
+        return self.fsdp_units == "block" and self.shard > 1
 
 
 @dataclass(frozen=True)
@@ -132,6 +141,7 @@ class SearchSpace:
         stages_per_rank: stages per rank, or None for what each schedule allows.
         replicas: the data-parallel replica counts to try (each divides the world size).
         dp_mode: "ddp", "fsdp" or "auto".
+        fsdp_units: under FSDP, "stage", "block" or "auto" (the faster that fits).
         degrees: the tensor-parallel degrees to try (each divides a node's ranks and the world size).
         accumulation: pipeline passes per step, or None to try them (``planner.core.search``).
     """
@@ -144,6 +154,7 @@ class SearchSpace:
     dp_mode: str = "ddp"
     degrees: tuple[int, ...] = (1,)
     accumulation: int | None = 1
+    fsdp_units: str = "stage"
 
 
 NO_CONSTRAINTS = Constraints()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from planner.core.data_parallel import dp_group_links, layout_links, rank_reduce_s, replica_slots
+from planner.core.data_parallel import block_fsdp_s, dp_group_links, layout_links, rank_reduce_s, replica_slots
 from planner.core.inputs import Layout
 from planner.core.links import Links, NodeLinks, boundary_links, default_link, links_around
 from planner.core.schedules import Action, in_flight_per_stage, peak_live_bytes, rank_orders, stage_ranks
@@ -23,7 +23,6 @@ from planner.core.stage_model import (
     compact_flags,
     recompute_flags,
     stage_costs,
-    stage_memory_bytes,
     stage_memory_parts,
     stage_time_parts,
 )
@@ -76,7 +75,8 @@ def predict(
     if n != layout.n_stages:
         raise InfeasibleError(f"{n} stages for a layout of {layout.pp} ranks x {layout.stages_per_rank} stage(s)")
     schedule, p, n_microbatches, dp = layout.schedule, layout.pp, layout.n_microbatches, layout.dp
-    context = _StageContext(optimizer, n_microbatches, layout.shard, stage_ranks(schedule, p, layout.stages_per_rank))
+    ranks = stage_ranks(schedule, p, layout.stages_per_rank)
+    context = _StageContext(optimizer, n_microbatches, layout.shard, ranks, layout.per_block)
     link = layout_links(link, p, dp, layout.tp)
     stage_costs(blocks, starts, link, recompute, schedule)  # validates the split (legal cuts, non-empty stages)
     links = boundary_links(link, n, schedule)
@@ -101,7 +101,10 @@ def predict(
     # pipeline as if not overlapped with it (conservative: DDP's buckets do overlap the last
     # backwards); the clipping norm needs the reduced gradients, so it waits for the slowest rank.
     dp_links = dp_group_links(link, p, dp)
-    dp_reduce_s = max(rank_reduce_s(blocks, stages, dp_links, dp, layout.dp_mode)) if dp > 1 else 0.0
+    if layout.per_block:  # FSDP block by block: its traffic runs with every microbatch, mostly hidden
+        dp_reduce_s = max(block_fsdp_s(blocks, stages, dp_links, dp, n_microbatches, overlap=slots is None))
+    else:
+        dp_reduce_s = max(rank_reduce_s(blocks, stages, dp_links, dp, layout.dp_mode)) if dp > 1 else 0.0
     # Then each rank joins the gradient-norm all-reduce for clipping (one scalar: a reduce and a
     # broadcast, ~2 log2(group) messages) over the pipeline and tensor-parallel group, or over every
     # rank when FSDP shards the gradients; only then does every rank step its optimizer.
@@ -124,7 +127,10 @@ def predict(
     if shard > 1:
         dp_reduce_s *= passes
     step_s = pipeline_s + dp_reduce_s + allreduce_s + max(rank_opt)
-    rank_memory = [rank_memory_bytes(blocks, stages, orders[r], r, optimizer, n_microbatches, shard) for r in range(p)]
+    rank_memory = [
+        rank_memory_bytes(blocks, stages, orders[r], r, optimizer, n_microbatches, shard, context.per_block)
+        for r in range(p)
+    ]
     stage_time = tuple(s.time_s for s in stages)
     mean = sum(stage_time) / len(stage_time)
     prediction = Prediction(
@@ -202,7 +208,7 @@ def predict_plan(
 
 def plan_layout(plan: Plan) -> Layout:
     """The layout a plan runs: its schedule, pipeline ranks, microbatches, stages per rank, replicas,
-    tensor-parallel degree and passes per step."""
+    tensor-parallel degree, passes per step and FSDP units."""
     return Layout(
         plan.schedule,
         plan.n_ranks,
@@ -212,6 +218,7 @@ def plan_layout(plan: Plan) -> Layout:
         plan.dp_mode,
         plan.tp,
         plan.accumulation,
+        plan.fsdp_units,
     )
 
 
@@ -287,6 +294,7 @@ def rank_memory_bytes(
     optimizer: OptimizerSpec,
     n_microbatches: int,
     shard: int = 1,
+    per_block: bool = False,
 ) -> int:
     """Peak memory of one rank over all the stages it runs.
 
@@ -303,6 +311,8 @@ def rank_memory_bytes(
         optimizer: the optimizer (state and step temporaries).
         n_microbatches: microbatches per step (receive buffers).
         shard: FSDP replicas the stages' state is sharded over (1: none).
+        per_block: FSDP shards block by block (each stage's unsharded units are added, though the
+            rank gathers only one stage's at a time: an upper bound with several stages per rank).
 
     Returns:
         Bytes.
@@ -312,7 +322,7 @@ def rank_memory_bytes(
     for st in stages:
         if st.rank != rank:
             continue
-        parts = stage_memory_parts(blocks, st.start, st.end, optimizer, st.recompute, n_microbatches, shard)
+        parts = stage_memory_parts(blocks, st.start, st.end, optimizer, st.recompute, n_microbatches, shard, per_block)
         fixed += parts.fixed
         live_per_mb[st.index] = parts.per_microbatch
         once += parts.once
@@ -336,12 +346,13 @@ class _StageContext:
     """What every stage of one prediction shares: the optimizer (state bytes), the microbatches per
     step (receive buffers), the FSDP replicas its state is sharded over (1: none; a share of the
     memory and of the optimizer step) and the rank of every stage (a boundary between two stages on
-    the same rank, the turn of a V, carries no message)."""
+    the same rank, the turn of a V, carries no message) and whether FSDP shards block by block."""
 
     optimizer: OptimizerSpec
     n_microbatches: int
     shard: int
     rank_of: Sequence[int]
+    per_block: bool = False
 
 
 def _stage_plan(
@@ -404,9 +415,9 @@ def _stage_plan(
         recompute=recompute,
         activation_bytes=sum(x.activation_bytes for x in part),
         in_flight=in_flight,
-        memory_bytes=stage_memory_bytes(
-            blocks, start, end, in_flight, optimizer, recompute, context.n_microbatches, shard
-        ),
+        memory_bytes=stage_memory_parts(
+            blocks, start, end, optimizer, recompute, context.n_microbatches, shard, context.per_block
+        ).peak(in_flight),
         # torch 2.13 never runs I on the first stage (its inputs need no gradient): its W is the
         # whole backward (PipelineStage.backward_weight_one_chunk with stage_index 0)
         bwd_input_s=(0.0 if index == 0 else sum(x.bwd_input_s or 0.0 for x in part) + extra) if split else None,

@@ -117,7 +117,7 @@ def _layouts(
             if space.stages_per_rank is not None
             else stages_per_rank_options(name, _max_stages_per_rank(blocks, pp))
         )
-        out += [Layout(name, pp, m, v, dp, space.dp_mode, tp) for v in vs for m in ms]
+        out += [Layout(name, pp, m, v, dp, space.dp_mode, tp, fsdp_units=space.fsdp_units) for v in vs for m in ms]
     return out
 
 
@@ -365,8 +365,13 @@ def describe(layout: Layout) -> str:
     """A layout in one phrase: "1f1b, pp=8, m=64, k=2 passes, dp=8 (fsdp), tp=8" (what is 1 left out)."""
     text = f"{layout.schedule}, pp={layout.pp}, m={layout.n_microbatches}" + _passes(layout)
     text += f", {layout.stages_per_rank} stages per rank" if layout.stages_per_rank > 1 else ""
-    text += f", dp={layout.dp} ({layout.dp_mode})" if layout.dp > 1 else ""
+    text += f", dp={layout.dp} ({dp_label(layout)})" if layout.dp > 1 else ""
     return text + (f", tp={layout.tp}" if layout.tp > 1 else "")
+
+
+def dp_label(layout: Layout) -> str:
+    """How the layout's replicas reduce: "ddp", "fsdp", or "fsdp per block"."""
+    return f"{layout.dp_mode} per block" if layout.per_block else layout.dp_mode
 
 
 def _nothing_fits(outcome: _Outcome, cluster: Cluster, constraints: Constraints) -> InfeasibleError:
@@ -419,7 +424,7 @@ def _rank(results: Sequence[Choice], errors: Sequence[InfeasibleError]) -> tuple
         if results:
             least = min(results, key=lambda c: c.prediction.max_memory_bytes)
             lay = least.layout
-            replicas = f", dp={lay.dp} ({lay.dp_mode})" if lay.dp > 1 else ""
+            replicas = f", dp={lay.dp} ({dp_label(lay)})" if lay.dp > 1 else ""
             raise InfeasibleError(
                 f"no schedule, microbatch count and split fits the memory limit: the least needs "
                 f"{least.prediction.max_memory_bytes / 2**30:.2f} GiB per rank ({lay.schedule}, "
@@ -447,7 +452,7 @@ def _passes(layout: Layout) -> str:
 def _replicas_text(c: Choice) -> str:
     """ ", dp=2 (ddp)": a candidate's replicas (and its tensor-parallel degree, when over 1), for the
     line on why the choice won."""
-    return f", dp={c.layout.dp} ({c.layout.dp_mode})" + (f", tp={c.layout.tp}" if c.layout.tp > 1 else "")
+    return f", dp={c.layout.dp} ({dp_label(c.layout)})" + (f", tp={c.layout.tp}" if c.layout.tp > 1 else "")
 
 
 def _why(

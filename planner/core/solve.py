@@ -80,6 +80,7 @@ from planner.core.stage_model import (
     recompute_cost,
     selective_cost,
     stage_bounds,
+    unsharded_bytes,
 )
 from planner.core.stage_sums import RegionSums, StepTemps
 from planner.errors import InfeasibleError
@@ -138,6 +139,7 @@ class _MemoryModel:
         n_microbatches: int = 1,
         shard: int = 1,
         schedule: str | None = None,
+        per_block: bool = False,
     ) -> None:
         n = len(blocks)
         self.n = n
@@ -147,6 +149,7 @@ class _MemoryModel:
         self.optimizer = optimizer
         self.m = n_microbatches
         self.shard = shard
+        self.per_block = per_block  # FSDP block by block: a few units unsharded at a time
         self.pre_p = [0]
         self.pre_n = [0]
         self.pre_a = [0]
@@ -172,7 +175,7 @@ class _MemoryModel:
             self.temps.of(s, e),
             self.regions.of(s, e),
         )
-        return parts_from_sums(sums, self.optimizer, recompute, self.m, self.shard).peak(in_flight)
+        return parts_from_sums(sums, self.optimizer, recompute, self.m, self.shard, self.per_block).peak(in_flight)
 
     def choice(self, s: int, e: int, in_flight: int) -> RecomputeMode | None:
         """How the stage recomputes: the first of the policy's options that fits (``OPTIONS``), or
@@ -308,6 +311,7 @@ class _Arrays:
         self.pre_held = np.array(regions.pre_held, dtype=dtype)
         self.region_acts = regions.acts.arrays(dtype)
         self.region_rebuilt = regions.rebuilt.arrays(dtype)
+        self.region_params = regions.params.arrays(dtype)
         # A limit above every possible byte count fits the same as that bound; one below zero fits
         # nothing, like -1. Clamping keeps the arithmetic in range.
         self.limit = max(-1, min(math.floor(mem.limit), bound))
@@ -372,7 +376,8 @@ class _Arrays:
         d = self.mem.shard
         if d > 1:  # the sharded state (rounded down: still a lower bound) and the unsharded copies
             sharded: AnyIntArray = (2 * p_b + per_param) // d + self.mem.m * cin
-            bound: AnyIntArray = sharded + np.maximum(pipeline + 2 * p_b, step // d)
+            unsharded = unsharded_bytes(p_b, self.region_params.many(s, e), self.mem.per_block)
+            bound: AnyIntArray = sharded + np.maximum(pipeline + unsharded, step // d)
             return bound
         out: AnyIntArray = 2 * p_b + per_param + self.mem.m * cin + np.maximum(pipeline, step)
         return out
@@ -414,7 +419,8 @@ class _Arrays:
         unsharded = 0 * p_b
         d = self.mem.shard
         if d > 1:  # parts_from_sums with shard: a share of the static bytes and step, the whole stage while it runs
-            static, step, unsharded = ceil_div(static, d), ceil_div(step, d), 2 * p_b
+            static, step = ceil_div(static, d), ceil_div(step, d)
+            unsharded = unsharded_bytes(p_b, self.region_params.many(s, e), self.mem.per_block)
         head = self.limit - (static + self.mem.m * (cin + cout))
         saved = self._saved(s, e, a_b)
         limits = []
@@ -664,7 +670,9 @@ def solve(
     limit = memory_limit_bytes if memory_limit_bytes is not None else math.inf
     # Without a limit "auto" never needs to recompute.
     mode = "never" if memory_limit_bytes is None and recompute == "auto" else recompute
-    mem = _MemoryModel(blocks, constraints.optimizer, limit, mode, n_microbatches, layout.shard, schedule)
+    mem = _MemoryModel(
+        blocks, constraints.optimizer, limit, mode, n_microbatches, layout.shard, schedule, layout.per_block
+    )
     crosses = boundary_crosses(n_stages, schedule, layout.stages_per_rank)
     arrays = _Arrays(blocks, boundary_links(link, n_stages, schedule), mem, mode, infl, crosses)
     # First cap: the average stage plus the largest block and messages, about where the optimum is

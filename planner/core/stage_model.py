@@ -325,6 +325,14 @@ def stage_memory_bytes(
         pipeline = in_flight * (A + out) + out + 2 * P     # + the unsharded parameters and gradients
         step     = ceil(T / shard)
 
+    Sharded block by block (``stage_memory_parts`` with ``per_block``: every checkpoint unit its own ``fully_shard`` unit,
+    resharded after its forward and after its backward, its gradients reduce-scattered as soon as they
+    are computed, as torchtitan shards a model's layers), a rank holds only a few units unsharded at a
+    time instead of ``2 * P``: the unit being computed and the next one, prefetched (parameters), and
+    the unit's gradients until they are reduce-scattered::
+
+        pipeline = in_flight * (A + out) + out + 3 * max_u P_u
+
     DDP replicas (``shard`` 1) hold the whole stage, as one pipeline does: its gradient buckets are
     views of the gradients (``gradient_as_bucket_view=True``), no second copy.
 
@@ -373,8 +381,10 @@ def stage_memory_parts(
     recompute: bool | str = False,
     n_microbatches: int = 1,
     shard: int = 1,
+    per_block: bool = False,
 ) -> MemoryParts:
-    """The terms of ``stage_memory_bytes`` for the stage ``blocks[start:end]`` (see there).
+    """The terms of ``stage_memory_bytes`` for the stage ``blocks[start:end]`` (see there); with
+    ``per_block`` (and ``shard`` > 1) FSDP shards it block by block.
 
     Raises:
         InfeasibleError: an empty or out-of-range block range.
@@ -398,9 +408,11 @@ def stage_memory_parts(
     unit_in = sum(blocks[a - 1].cut_bytes if a > 0 else 0 for a, _ in units) + held
     unit_a = [sum(b.activation_bytes - loss_held(b) for b in blocks[a:z]) for a, z in units]
     unit_k = [sum(kept_bytes(b) for b in blocks[a:z]) for a, z in units]
-    regions = Regions(unit_in, max(unit_a), sum(unit_k), max(max(a - k, 0) for a, k in zip(unit_a, unit_k)), held)
+    most_rebuilt = max(max(a - k, 0) for a, k in zip(unit_a, unit_k))
+    most_params = max(sum(b.param_bytes for b in blocks[a:z]) for a, z in units)
+    regions = Regions(unit_in, max(unit_a), sum(unit_k), most_rebuilt, held, most_params)
     sums = StageSums(p_bytes, n_params, a_bytes, cut_in, cut_out, out, step_temp, regions)
-    return parts_from_sums(sums, optimizer, recompute, n_microbatches, shard)
+    return parts_from_sums(sums, optimizer, recompute, n_microbatches, shard, per_block)
 
 
 def ceil_div(x: Any, d: int) -> Any:
@@ -430,6 +442,7 @@ class Regions(NamedTuple):
     kept: int  # K: bytes selective checkpointing keeps (the matmul and attention outputs)
     most_rebuilt: int  # max over regions of activations minus kept, at least 0 (rebuilt, selective)
     held: int = 0  # what the last stage's loss saves (outside every region; in ``inputs`` too)
+    most_params: int = 0  # max over regions of their parameter bytes (FSDP's units, per block)
 
 
 def _recomputed(sums: StageSums, mode: RecomputeMode) -> tuple[int, int]:
@@ -444,11 +457,23 @@ def _recomputed(sums: StageSums, mode: RecomputeMode) -> tuple[int, int]:
     return sums.a_bytes, 0
 
 
+def unsharded_bytes(p_bytes: Any, most_params: Any, per_block: bool) -> Any:
+    """What an FSDP rank holds unsharded while its stage runs: the whole stage's parameters and
+    gradients, or block by block the unit computing, the next one prefetched and the unit's gradients
+    before their reduce-scatter (``stage_memory_bytes``; ints and integer arrays alike)."""
+    return 3 * most_params if per_block else 2 * p_bytes
+
+
 def parts_from_sums(
-    sums: StageSums, optimizer: OptimizerSpec, recompute: bool | str, n_microbatches: int, shard: int = 1
+    sums: StageSums,
+    optimizer: OptimizerSpec,
+    recompute: bool | str,
+    n_microbatches: int,
+    shard: int = 1,
+    per_block: bool = False,
 ) -> MemoryParts:
     """The formula of ``stage_memory_bytes`` on a stage's sums (shared with the solver's fast memory model)."""
-    p_bytes, n_params, _, cut_in, cut_out, out, step_temp, _ = sums
+    p_bytes, n_params, _, cut_in, cut_out, out, step_temp, regions = sums
     step = optimizer.step_temp_bytes(n_params) if step_temp is None else step_temp
     saved, rebuilt = _recomputed(sums, recompute_mode(recompute))
     if shard > 1:
@@ -456,7 +481,7 @@ def parts_from_sums(
             fixed=ceil_div(2 * p_bytes + optimizer.state_bytes(n_params, p_bytes), shard)
             + n_microbatches * (cut_in + cut_out),
             per_microbatch=saved + out,
-            once=out + rebuilt + 2 * p_bytes,
+            once=out + rebuilt + unsharded_bytes(p_bytes, regions.most_params if regions else p_bytes, per_block),
             step=ceil_div(step, shard),
         )
     return MemoryParts(

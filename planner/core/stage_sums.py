@@ -99,18 +99,19 @@ class RegionSums:
     def __init__(self, blocks: Sequence[BlockCost]) -> None:
         n = len(blocks)
         heads = [0] + [c for c in range(1, n) if blocks[c - 1].cut_legal]
-        inputs, acts, rebuilt = [0] * n, [0] * n, [0] * n
+        inputs, acts, rebuilt, params = [0] * n, [0] * n, [0] * n, [0] * n
         for a, z in zip(heads, [*heads[1:], n]):
             held = sum(loss_held(b) for b in blocks[a:z])  # the loss's, kept outside the regions
             inputs[a] = (blocks[a - 1].cut_bytes if a > 0 else 0) + held
             acts[a] = sum(b.activation_bytes for b in blocks[a:z]) - held
             rebuilt[a] = max(acts[a] - sum(kept_bytes(b) for b in blocks[a:z]), 0)
+            params[a] = sum(b.param_bytes for b in blocks[a:z])
         self.pre_in, self.pre_kept, self.pre_held = [0], [0], [0]
         for b, x in zip(blocks, inputs):
             self.pre_in.append(self.pre_in[-1] + x)
             self.pre_kept.append(self.pre_kept[-1] + kept_bytes(b))
             self.pre_held.append(self.pre_held[-1] + loss_held(b))
-        self.acts, self.rebuilt = RangeMax(acts), RangeMax(rebuilt)
+        self.acts, self.rebuilt, self.params = RangeMax(acts), RangeMax(rebuilt), RangeMax(params)
 
     def of(self, s: int, e: int) -> Regions:
         return Regions(
@@ -119,4 +120,5 @@ class RegionSums:
             self.pre_kept[e] - self.pre_kept[s],
             self.rebuilt.of(s, e),
             self.pre_held[e] - self.pre_held[s],
+            self.params.of(s, e),
         )

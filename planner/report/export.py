@@ -146,6 +146,10 @@ def _titan_fields(plan: Plan, renames: Mapping[str, str]) -> dict[str, object]:
     # ddp replicas replicate the weights; fsdp shards them (torchtitan shards per block, not per stage)
     fields["data_parallel_replicate_degree"] = plan.dp if plan.dp_mode == "ddp" else 1
     fields["data_parallel_shard_degree"] = plan.dp if plan.dp_mode == "fsdp" else 1
+    if plan.dp_mode == "fsdp" and plan.dp > 1:
+        # block units reshard after every forward ("always"); a stage kept gathered through the
+        # pipeline is torchtitan's "never" (its "default" under pipelining)
+        fields["fsdp_reshard_after_forward"] = "always" if plan.fsdp_units == "block" else "never"
     return fields
 
 
@@ -180,7 +184,9 @@ def _notes(plan: Plan) -> list[str]:
     """What the target does differently from ``planner run``, as comment lines."""
     notes = [
         f"{plan.n_stages} stage(s) on {plan.n_ranks} pipeline rank(s), {plan.n_microbatches} microbatch(es) of "
-        f"{plan.microbatch_size} sample(s), {plan.dp} {plan.dp_mode} replica(s), tensor parallel {plan.tp}",
+        f"{plan.microbatch_size} sample(s), {plan.dp} {plan.dp_mode} replica(s)"
+        + (" sharded block by block" if plan.fsdp_units == "block" else "")
+        + f", tensor parallel {plan.tp}",
         f"predicted step {plan.prediction.step_time_s * 1e3:.2f} ms on {plan.profile.hardware or plan.profile.device}",
     ]
     if plan.accumulation > 1:

@@ -150,12 +150,14 @@ def search_table(plan: Plan) -> str:
     with_k = any(c.accumulation > 1 for c in plan.search) or plan.accumulation > 1
     rows = []
     for c in plan.search:
-        chosen = (c.schedule, c.n_microbatches, c.stages_per_rank, c.dp, c.dp_mode, c.tp, c.accumulation) == (
+        mine = (c.schedule, c.n_microbatches, c.stages_per_rank, c.dp, c.dp_mode, c.fsdp_units, c.tp, c.accumulation)
+        chosen = mine == (
             plan.schedule,
             plan.n_microbatches,
             plan.stages_per_rank,
             plan.dp,
             plan.dp_mode,
+            plan.fsdp_units,
             plan.tp,
             plan.accumulation,
         )
@@ -163,7 +165,8 @@ def search_table(plan: Plan) -> str:
         if with_tp:
             row += [c.tp, len(c.starts) // c.stages_per_rank]
         if with_dp:
-            row.append(f"{c.dp} ({c.dp_mode})" if c.dp > 1 else "1")
+            units = " per block" if c.fsdp_units == "block" else ""
+            row.append(f"{c.dp} ({c.dp_mode}{units})" if c.dp > 1 else "1")
         row += [c.accumulation] if with_k else []
         row += [
             c.n_microbatches,
@@ -285,7 +288,13 @@ def layout_line(plan: Plan) -> str:
     if plan.dp > 4:
         replicas.insert(2, "...")
     reduce_ms = f"{plan.prediction.dp_reduce_s * 1e3:.2f} ms/step"
-    if plan.dp_mode == "fsdp":
+    if plan.dp_mode == "fsdp" and plan.fsdp_units == "block":
+        how = (
+            f"FSDP block by block (parameters, gradients and optimizer state sharded {plan.dp} ways; each block "
+            f"gathered for every microbatch's forward and backward, its gradients reduce-scattered then: "
+            f"{reduce_ms} not hidden by compute)"
+        )
+    elif plan.dp_mode == "fsdp":
         how = (
             f"FSDP (parameters, gradients and optimizer state sharded {plan.dp} ways; all-gather + "
             f"reduce-scatter {reduce_ms})"

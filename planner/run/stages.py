@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from planner.capture.blocks import GraphTrace, TracedModel
-from planner.capture.checkpoint import checkpointed_stage
+from planner.capture.checkpoint import CheckpointedStage, checkpointed_stage, stage_units
 from planner.capture.clock import BlockClock
 from planner.capture.graph import buffers_restored, retarget_devices
 from planner.capture.shapes import shapes_or_real
@@ -141,8 +141,8 @@ def build_stages(
     for stage in cut:
         names = _state_names(stage.built, root, aliases)  # before wrapping: FSDP replaces the parameters
         if plan.tp > 1:  # every example was made above, on the unsharded trace
-            for part in getattr(stage.built, "regions", [stage.built]):  # a checkpointed stage's regions
-                shard_stage(part, mesh.tp_mesh, plan.tp_plan)  # are named as the unsplit model names them
+            for part in stage_units(stage.built):  # a chain's units are named as the unsplit model names them
+                shard_stage(part, mesh.tp_mesh, plan.tp_plan)
         submod = _replicated(plan, stage, mesh, device, seen, manual=manual)
         for local_name, t in [*stage.built.named_parameters(remove_duplicate=False), *stage.built.named_buffers()]:
             for alias in names.get(local_name, []):
@@ -182,13 +182,7 @@ def _cut_stages(
     cut: list[_CutStage] = []
     for stage_plan in plan.stages_of(mesh.pp_rank):
         clock = _block_clock(plan, stage_plan, device)
-        if stage_plan.recompute == "never":
-            built = stage_module(traced, stage_plan.start, stage_plan.end, clock)
-        elif stage_plan.recompute == "stage":  # the whole stage as one region
-            built = checkpointed_stage(traced, [(stage_plan.start, stage_plan.end)], "full", stage_module, clock)
-        else:  # one checkpoint region per block, as the plan's memory model counts them
-            units = checkpoint_units(plan.blocks, stage_plan.start, stage_plan.end)
-            built = checkpointed_stage(traced, units, stage_plan.recompute, stage_module, clock)
+        built = _stage_chain(plan, traced, stage_plan, clock)
         inner = built
         module = ContiguousBoundary(inner)
         # under the plan's autocast, so the examples (and the receive buffers made from them) have
@@ -197,6 +191,53 @@ def _cut_stages(
             example_in, example_out = _example_io(traced, stage_plan.start, module, example, device)
         cut.append(_CutStage(stage_plan, built, inner, module, example_in, example_out, clock))
     return cut
+
+
+def _stage_chain(plan: Plan, traced: TracedModel, stage_plan: StagePlan, clock: BlockClock | None) -> torch.nn.Module:
+    """The module of one stage as its recompute mode and FSDP's units want it: one module of its
+    blocks, or a chain of units (``checkpoint_units``: one per block, as the plan's memory model
+    counts them), each its own checkpoint region when it recomputes block by block, the whole chain
+    one region when the stage recomputes as one ("stage")."""
+    start, end, recompute = stage_plan.start, stage_plan.end, stage_plan.recompute
+    if not per_block_fsdp(plan):
+        if recompute == "never":
+            return stage_module(traced, start, end, clock)
+        if recompute == "stage":  # the whole stage as one region
+            return checkpointed_stage(traced, [(start, end)], "full", stage_module, clock)
+    units = checkpoint_units(plan.blocks, start, end)
+    if recompute == "stage":  # FSDP's units inside, the whole chain rebuilt at once
+        return CheckpointedStage([checkpointed_stage(traced, units, "never", stage_module, clock)], "full", clock)
+    return checkpointed_stage(traced, units, recompute, stage_module, clock)
+
+
+def per_block_fsdp(plan: Plan) -> bool:
+    """Whether the plan's replicas shard its stages block by block (FSDP, ``fsdp_units`` "block")."""
+    return plan.dp > 1 and plan.dp_mode == "fsdp" and plan.fsdp_units == "block"
+
+
+def _shard_blocks(stage: _CutStage, mesh: RankMesh) -> None:
+    """FSDP block by block: every unit of the stage's chain its own ``fully_shard`` unit, resharded
+    after its forward (gathered again for its backward), then the chain itself as the root, which
+    keeps what two units share (a tie inside the stage) and drives the units' gradient reduction.
+
+    The stage's boundary wrapper stays unsharded, so torch's ``PipelineStage`` sees no FSDP module
+    and leaves FSDP's hooks alone: each unit's gradients are reduce-scattered (into the sharded
+    gradients, which accumulate over microbatches) and its parameters resharded as soon as its
+    backward is done, instead of the whole stage staying unsharded until the last microbatch.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    units = stage_units(stage.built)
+    owners: dict[int, int] = {}
+    for unit in units:
+        for p in unit.parameters():
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    for unit in units:
+        mine = [p for p in unit.parameters() if p.requires_grad]
+        if mine and all(owners[id(p)] == 1 for p in unit.parameters()):  # a unit sharing a tie stays with the root
+            fully_shard(unit, mesh=mesh.dp_mesh, reshard_after_forward=True)
+    # the root's own parameters (ties) are needed again at the start of backward: not resharded
+    fully_shard(stage.inner, mesh=mesh.dp_mesh, reshard_after_forward=False)
 
 
 def _replicated(
@@ -229,6 +270,10 @@ def _replicated(
         from torch.distributed.fsdp import fully_shard
 
         apply_speed_levers(plan, module, stage.inner, device)  # compiled before sharding, as torchtitan does
+        if per_block_fsdp(plan):
+            _shard_blocks(stage, mesh)
+            seen.update(id(p) for p in trainable)
+            return module
         # The boundary wrapper itself is sharded, so that torch's PipelineStage sees an FSDP
         # module: it then syncs gradients only after the last microbatch's backward instead of
         # reduce-scattering every microbatch's. Parameters stay gathered from forward to

@@ -14,7 +14,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec, RecomputeMode
 from planner.schema.jsonfile import parse_versioned, read_text, write_atomic
-from planner.schema.request import DpMode, Method, Schedule
+from planner.schema.request import DpMode, FsdpUnits, Method, Schedule
 
 # Still 1: the data-parallel fields (``dp``, ``dp_mode``, ``Prediction.dp_reduce_s``, ``Candidate.dp``)
 # have defaults that mean what a plan without them meant (one pipeline on every rank), so plans
@@ -233,6 +233,9 @@ class Candidate(_Frozen):
     stages_per_rank: int = Field(ge=1)
     dp: int = Field(default=1, ge=1, description="Data-parallel replicas of the pipeline.")
     dp_mode: DpMode = Field(default="ddp", description="How the replicas reduce gradients (ddp or fsdp).")
+    fsdp_units: FsdpUnits = Field(
+        default="stage", description="Under fsdp, what is gathered at a time (stage or block)."
+    )
     tp: int = Field(default=1, ge=1, description="Tensor-parallel ranks each stage is split over.")
     accumulation: int = Field(
         default=1, ge=1, description="Pipeline passes per step, each of n_microbatches (gradient accumulation)."
@@ -304,8 +307,15 @@ class Plan(_Frozen):
     dp_mode: DpMode = Field(
         default="ddp",
         description="How the replicas reduce gradients: ddp (DistributedDataParallel, all-reduce; every replica "
-        "holds its stages whole) or fsdp (fully_shard per stage: parameters, gradients and optimizer state "
+        "holds its stages whole) or fsdp (fully_shard: parameters, gradients and optimizer state "
         "sharded over the replicas). Always ddp with one replica.",
+    )
+    fsdp_units: FsdpUnits = Field(
+        default="stage",
+        description="Under fsdp, the fully_shard units: stage (each stage one unit, gathered from its first "
+        "forward to its last backward, gradients reduce-scattered once per pass) or block (each checkpoint "
+        "unit of blocks its own, resharded after every forward and backward, gradients reduce-scattered every "
+        "microbatch). Always stage without fsdp.",
     )
     tp: int = Field(
         default=1,
@@ -482,6 +492,8 @@ class Plan(_Frozen):
             )
         if self.dp == 1 and self.dp_mode != "ddp":
             raise ValueError(f"dp_mode is {self.dp_mode} with one replica; a plan of one replica records ddp")
+        if self.fsdp_units != "stage" and self.dp_mode != "fsdp":
+            raise ValueError(f"fsdp_units is {self.fsdp_units} under {self.dp_mode}; only fsdp shards per block")
         if (self.tp > 1) != bool(self.tp_plan):
             raise ValueError(f"tp is {self.tp} with {len(self.tp_plan)} tp_plan entries; a split needs its plan")
         if len(self.stages) != self.n_stages:

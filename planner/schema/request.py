@@ -25,6 +25,11 @@ DpMode = Literal["ddp", "fsdp"]
 """How data-parallel replicas reduce their gradients: DDP (all-reduce; every replica holds the whole
 stage) or FSDP2 ``fully_shard`` per stage (parameters, gradients and optimizer state sharded)."""
 DP_MODES: tuple[str, ...] = get_args(DpMode)
+FsdpUnits = Literal["stage", "block"]
+"""What FSDP gathers at a time: "stage" (one ``fully_shard`` unit per stage, gathered from the first
+forward to the last backward of a step, reduce-scattered once) or "block" (one unit per block, as
+torchtitan shards each layer: gathered for each microbatch's forward and again for its backward,
+resharded after each, its gradients reduce-scattered every microbatch)."""
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 SPLIT_BACKWARD: frozenset[str] = frozenset({"interleaved-zb", "zbv", "dualpipev"})
 """The zero-bubble schedules: each stage's backward runs as an input-gradient pass and a separate
@@ -151,6 +156,7 @@ class PlanRequest(_Request):
         "gpus": "--gpus",
         "dp": "--dp",
         "dp_mode": "--dp-mode",
+        "fsdp_units": "--fsdp-units",
         "tp": "--tp",
         "size": "--size",
         "overrides": "--set",
@@ -189,8 +195,15 @@ class PlanRequest(_Request):
     )
     dp_mode: DpMode | Literal["auto"] = Field(
         default="auto",
-        description="How replicas reduce gradients: ddp (all-reduce), fsdp (fully_shard per stage: parameters, "
+        description="How replicas reduce gradients: ddp (all-reduce), fsdp (fully_shard: parameters, "
         "gradients and optimizer state sharded over the replicas), or auto: ddp where it fits, else fsdp.",
+    )
+    fsdp_units: FsdpUnits | Literal["auto"] = Field(
+        default="auto",
+        description="Under fsdp, what is gathered at a time: stage (each stage one unit, gathered for the whole "
+        "step, reduced once), block (each block its own unit, gathered again for every microbatch's forward and "
+        "backward and resharded after each, as torchtitan shards layers: far less memory, more traffic, "
+        "overlapped with compute), or auto: the faster of the two that fits.",
     )
     tp: int | Literal["auto"] = Field(
         default="auto",

@@ -1,0 +1,134 @@
+"""FSDP block by block against FSDP per stage: predicted against measured peak memory and step, here.
+
+For each FSDP unit (a stage, a block) and recompute mode (never, full): plan the model as two
+FSDP replicas of a one-rank pipeline (``--gpus 2 --dp 2 --dp-mode fsdp --fsdp-units UNITS``,
+measured profile on this CPU), train the plan for real on gloo ranks, and set the predicted peak
+beside the peak ``MemTracker`` saw during one tracked step, and the predicted step beside the
+measured median. Runs one after another on the same machine. Writes docs/fsdp_units.md.
+
+    python -m bench.fsdp_memory            # all cases
+    python -m bench.fsdp_memory --quick    # block units only, 3 steps (a smoke test of the script)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench.common import DOCS, MODELS, host, pct_error, table, write_page
+from planner.api import make_plan
+from planner.run import run_plan
+from planner.schema.request import PlanRequest, RunRequest
+
+# gpt.py where the weights are most of a rank's memory (wide layers, short sequences), so what
+# sharding block by block saves is visible next to the activations
+GPT = {"dim": 256, "n_layers": 8, "n_heads": 4, "ffn_dim": 1024, "vocab_size": 4000, "seq_len": 64}
+GPUS, BATCH = 2, 8
+CASES = (("stage", "never", 2), ("block", "never", 2), ("block", "full", 2), ("stage", "full", 1), ("block", "full", 1))
+HEADERS = [
+    "units",
+    "recompute",
+    "microbatches",
+    "predicted MB",
+    "measured peak MB",
+    "error",
+    "predicted step ms",
+    "measured step ms",
+]
+
+PAGE = """# FSDP block by block: predicted against measured
+
+Written by `python -m bench.fsdp_memory` on {today} ({host}, torch {torch}).
+
+`models/gpt.py` with `{overrides}` as {gpus} FSDP replicas of a one-rank pipeline (`--gpus {gpus}
+--dp {gpus} --dp-mode fsdp`), batch {batch}, GPipe, planned with a measured profile here under
+`--fsdp-units UNITS --recompute MODE -m M`, then trained for {steps} steps on gloo. The predicted
+peak (`planner.core.stage_model.stage_memory_bytes`) beside the peak
+`torch.distributed._tools.mem_tracker.MemTracker` saw during one tracked step; the predicted step
+beside the median measured step (the first step and the tracked one left out).
+
+`stage`: the stage is one `fully_shard` unit, gathered at the first forward and kept unsharded
+(parameters and gradients) until the last backward. `block`: every block its own unit, resharded
+after its forward and its backward, its gradients reduce-scattered at once: the model counts the
+unit computing, the next one prefetched and the unit's gradients, `3 x` the largest unit's
+parameter bytes, instead of `2 x` the stage's.
+
+{table}
+
+Mean absolute memory error: {mae:.1f}% over {n} runs (stage units: {mae_stage:.1f}%, block units:
+{mae_block:.1f}%).
+"""
+
+
+def parse_args() -> argparse.Namespace:
+    """The command line."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6, help="steps per run (the first is warm-up)")
+    parser.add_argument("--quick", action="store_true", help="3 steps, block units only")
+    parser.add_argument("--out", type=Path, default=DOCS / "fsdp_units.md")
+    return parser.parse_args()
+
+
+def main() -> None:
+    """Plan and run every case, write the page."""
+    args = parse_args()
+    steps = 3 if args.quick else args.steps
+    cases = [c for c in CASES if c[0] == "block"][:1] if args.quick else list(CASES)
+    rows: list[list[object]] = []
+    errors: dict[str, list[float]] = {"stage": [], "block": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for units, mode, m in cases:
+            path = Path(tmp) / f"{units}-{mode}-{m}.json"
+            request = PlanRequest.build(
+                model_file=MODELS / "gpt.py",
+                size="tiny",
+                overrides=GPT,
+                gpus=GPUS,
+                dp=GPUS,
+                dp_mode="fsdp",
+                fsdp_units=units,
+                batch_size=BATCH,
+                microbatches=m,
+                schedule="gpipe",
+                recompute=mode,
+                output=path,
+                progress=False,
+            )
+            print(f"--fsdp-units {units} --recompute {mode} -m {m}", flush=True)
+            plan = make_plan(request)
+            plan.save(path)
+            result = run_plan(plan, RunRequest(plan_file=path, steps=steps, echo=False))
+            for st, meas in zip(plan.stages, result.stages):
+                if meas.memory is None:
+                    continue
+                err = pct_error(st.memory_bytes, meas.memory.peak_bytes)
+                errors[units].append(abs(err))
+                rows.append(
+                    [units, mode, m, f"{st.memory_bytes / 2**20:.1f}", f"{meas.memory.peak_bytes / 2**20:.1f}"]
+                    + [f"{err:+.1f}%", f"{plan.prediction.step_time_s * 1e3:.0f}", f"{result.median_step_s * 1e3:.0f}"]
+                )
+    every = [e for v in errors.values() for e in v]
+    text = PAGE.format(
+        today=dt.date.today().isoformat(),
+        host=host(),
+        torch=torch.__version__,
+        overrides=GPT,
+        gpus=GPUS,
+        batch=BATCH,
+        steps=steps,
+        table=table(rows, HEADERS),
+        mae=statistics.mean(every) if every else float("nan"),
+        n=len(every),
+        **{f"mae_{units}": statistics.mean(v) if v else float("nan") for units, v in errors.items()},
+    )
+    write_page(args.out, text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

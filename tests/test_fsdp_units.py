@@ -1,0 +1,194 @@
+"""Tier 1 (pure): FSDP block by block (``--fsdp-units block``): its memory and traffic by hand, the
+solver's fit against the scalar model, the search's choice between stage and block units, the plan
+field and the torchtitan export.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from plan_factory import MB, block
+
+from planner.core.assemble import Origin, assemble_plan
+from planner.core.data_parallel import block_fsdp_s
+from planner.core.inputs import Layout
+from planner.core.predict import predict
+from planner.core.solve import _MemoryModel
+from planner.core.stage_model import checkpoint_units, stage_memory_bytes, stage_memory_parts
+from planner.errors import InfeasibleError, PlanFileError
+from planner.report.export import export_plan
+from planner.report.tables import layout_line
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
+from planner.schema.plan import ModelRef, Plan, ProfileInfo
+from planner.schema.request import PlanRequest
+
+ADAMW = OptimizerSpec()
+QUARTER = MB // 4  # fp32 parameters of one MiB
+LINK = LinkCost(name="l", latency_s=1e-3, bandwidth_Bps=MB * 1000.0)  # 1 ms + 1 MiB per ms
+REF = ModelRef(path="m.py", size=None, config={}, file_digest="0" * 16, fingerprint="f" * 16, trace_method="fx", seed=0)
+CPU = ProfileInfo(device="cpu", backend="gloo", threads=1, torch_version="2.13.0", hostname="t", warmup=0, repeats=0)
+GPU = ProfileInfo(device="cuda", backend="nccl", threads=1, torch_version="2.13.0", hostname="t", warmup=0, repeats=0)
+
+
+def _layers(n: int = 4, params: int = QUARTER, fwd_ms: float = 10, bwd_ms: float = 20) -> list[BlockCost]:
+    return [block(f"layers.{i}", fwd_ms, bwd_ms, params) for i in range(n)]
+
+
+def _plan(blocks: list[BlockCost], *, limit: int | None = None, profile: ProfileInfo = CPU, **request: object) -> Plan:
+    """A plan from hand-made costs, profiled at the request's own microbatch size."""
+    req = PlanRequest.build(model_file="m.py", **request)
+    profile = profile.model_copy(
+        update={"microbatch_size": req.microbatch_size, "min_microbatch_size": req.microbatch_size}
+    )
+    return assemble_plan(req, blocks, LINK, Origin(REF, profile, "2026-11-26T00:00:00+00:00"), memory_limit_bytes=limit)
+
+
+def _blockwise(blocks: list[BlockCost], start: int, end: int, in_flight: int, *, shard: int) -> int:
+    """A stage's peak under FSDP block by block, one microbatch per step."""
+    return stage_memory_parts(blocks, start, end, ADAMW, "never", 1, shard, per_block=True).peak(in_flight)
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory and traffic, exact
+# ------------------------------------------------------------------------------------------------
+
+
+def test_block_units_hold_three_units_unsharded_instead_of_the_stage_twice() -> None:
+    blocks = _layers()  # 4 x 1 MiB of fp32 parameters, 1 MiB of activations each, one stage
+    # static: (2 x 4 MiB weights and grads + 8 MiB AdamW moments) / 4 = 4 MiB; 1 live microbatch's
+    # 4 MiB of activations; unsharded: the unit computing, the next one and the unit's gradients,
+    # 3 x 1 MiB; the step's 8 MiB of AdamW temporaries / 4 = 2 MiB (below the rest)
+    assert _blockwise(blocks, 0, 4, 1, shard=4) == (4 + 4 + 3) * MB
+    # per stage: the whole stage's parameters and gradients unsharded, 2 x 4 MiB
+    assert stage_memory_bytes(blocks, 0, 4, 1, ADAMW, n_microbatches=1, shard=4) == (4 + 4 + 8) * MB
+    # a block whose end is no legal cut shares its unit with the next one: the largest unit is 2 MiB
+    joined = [blocks[0].model_copy(update={"cut_legal": False}), *blocks[1:]]
+    assert checkpoint_units(joined, 0, 4) == [(0, 2), (2, 3), (3, 4)]
+    assert _blockwise(joined, 0, 4, 1, shard=4) == (4 + 4 + 6) * MB
+    # without replicas there is nothing to shard: per_block changes nothing
+    assert _blockwise(blocks, 0, 4, 1, shard=1) == stage_memory_bytes(blocks, 0, 4, 1, ADAMW)
+
+
+def test_block_traffic_is_hidden_behind_compute_except_the_first_gathers() -> None:
+    blocks = _layers()
+    layout = Layout("gpipe", 1, 2, 1, dp=4, dp_mode="fsdp", fsdp_units="block")
+    stages, pred = predict(blocks, [0], LINK, layout, ADAMW)
+    # one transfer of a 1 MiB unit among 4 replicas: 1 ms + 3/4 MiB at 1 MiB/ms = 1.75 ms; per
+    # microbatch 4 units x 3 transfers = 21 ms, far below the stage's 120 ms of compute: only the
+    # first gather of each forward and of each backward waits, 2 x 1.75 ms per microbatch
+    assert pred.dp_reduce_s == pytest.approx(2 * 2 * 1.75e-3, rel=1e-12)
+    assert block_fsdp_s(blocks, stages, [LINK], 4, 2, overlap=False) == pytest.approx([2 * 12 * 1.75e-3], rel=1e-12)
+    # compute too short to hide it: 0.2 ms per block, 1.6 ms per step; the rest of 42 ms shows
+    quick = _layers(fwd_ms=0.1, bwd_ms=0.1)
+    stages, pred = predict(quick, [0], LINK, layout, ADAMW)
+    assert pred.dp_reduce_s == pytest.approx(7e-3 + (42e-3 - 7e-3 - 1.6e-3), rel=1e-9)
+    # per stage: one gather and one reduce-scatter of the 4 MiB stage per pass, 2 x (1 + 3) ms
+    _, whole = predict(blocks, [0], LINK, Layout("gpipe", 1, 2, 1, dp=4, dp_mode="fsdp"), ADAMW)
+    assert whole.dp_reduce_s == pytest.approx(8e-3, rel=1e-12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    sizes=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 300), st.booleans()), min_size=1, max_size=8),
+    shard=st.integers(2, 5),
+    t=st.integers(0, 6),
+    m=st.integers(1, 6),
+    mode=st.sampled_from(["never", "selective", "full", "stage"]),
+)
+def test_the_solvers_memory_model_is_the_stage_formula(
+    sizes: list[tuple[int, int, bool]], shard: int, t: int, m: int, mode: str
+) -> None:
+    # the solver's O(1) sums (largest unit by range maxima) against stage_memory_bytes, every stage
+    blocks = [
+        BlockCost(
+            name=f"b{i}",
+            first_node=f"b{i}a",
+            last_node=f"b{i}b",
+            fwd_s=0.0,
+            bwd_s=0.0,
+            params=p // 4,
+            param_bytes=p,
+            activation_bytes=a,
+            cut_bytes=7,
+            cut_tensors=1,
+            cut_legal=legal,
+            output_bytes=5,
+            is_layer=True,
+        )
+        for i, (p, a, legal) in enumerate(sizes)
+    ]
+    n = len(blocks)
+    mem = _MemoryModel(blocks, ADAMW, float("inf"), mode, m, shard, None, True)
+    heads = [0] + [c for c in range(1, n) if blocks[c - 1].cut_legal]
+    for s in heads:
+        for e in [x for x in heads if x > s] + [n]:
+            want = stage_memory_parts(blocks, s, e, ADAMW, mode, m, shard, True).peak(t)
+            assert mem.bytes(s, e, t, mode) == want, (s, e)
+
+
+# ------------------------------------------------------------------------------------------------
+# The search
+# ------------------------------------------------------------------------------------------------
+
+
+def test_auto_takes_block_units_where_a_stage_gathered_whole_does_not_fit() -> None:
+    # 8 layers of 64 MiB of parameters over 4 replicas: the sharded state is 512 MiB a rank; gathered
+    # whole the stage adds 1 GiB, block by block 192 MiB
+    blocks = _layers(8, 16 * MB)
+    kw = dict(gpus=4, dp=4, dp_mode="fsdp", batch_size=4, microbatches=1)
+    plan = _plan(blocks, limit=2**30, **kw)
+    assert (plan.dp_mode, plan.fsdp_units) == ("fsdp", "block")
+    assert plan.prediction.max_memory_bytes <= 2**30
+    assert plan.stages[0].memory_bytes == _blockwise(plan.blocks, 0, 8, 1, shard=4)
+    assert "fsdp per block" in plan.choice
+    assert "FSDP block by block" in layout_line(plan)
+    with pytest.raises(InfeasibleError, match=r"needs 1\.\d+ GiB"):
+        _plan(blocks, limit=2**30, fsdp_units="stage", **kw)
+    # no limit, ranks sharing CPU cores (no overlap): gathering every microbatch is slower, the stage wins
+    roomy = _plan(blocks, **kw)
+    assert roomy.fsdp_units == "stage"
+    forced = _plan(blocks, fsdp_units="block", **kw)
+    assert forced.fsdp_units == "block" and forced.prediction.step_time_s > roomy.prediction.step_time_s
+    # DDP, or one replica, never records block units
+    assert _plan(blocks, gpus=4, dp=4, dp_mode="ddp", batch_size=4, microbatches=1).fsdp_units == "stage"
+
+
+def test_on_gpus_block_units_win_when_their_traffic_hides() -> None:
+    # a GPU profile (no shared cores): with compute long enough to hide the per-microbatch gathers,
+    # block units wait only for the first gathers, less than the stage's gather and reduce-scatter
+    blocks = _layers(8, QUARTER, fwd_ms=100, bwd_ms=200)
+    plan = _plan(blocks, profile=GPU, gpus=4, dp=4, dp_mode="fsdp", batch_size=4, microbatches=1)
+    assert plan.fsdp_units == "block"
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan file and the export
+# ------------------------------------------------------------------------------------------------
+
+
+def test_block_units_need_fsdp_and_old_plans_read_as_stage_units() -> None:
+    plan = _plan(_layers(), gpus=4, dp=4, dp_mode="fsdp", fsdp_units="block", batch_size=4, microbatches=1)
+    raw = json.loads(plan.model_dump_json())
+    assert raw["fsdp_units"] == "block"
+    assert Plan.from_json(json.dumps(raw)) == plan
+    with pytest.raises(PlanFileError, match="fsdp_units is block under ddp"):
+        Plan.from_json(json.dumps({**raw, "dp_mode": "ddp"}))
+    del raw["fsdp_units"]
+    assert Plan.from_json(json.dumps(raw)).fsdp_units == "stage"  # plans before the field ran so
+
+
+def test_torchtitan_export_reshards_after_forward_for_block_units() -> None:
+    kw = dict(gpus=4, dp=4, dp_mode="fsdp", batch_size=4, microbatches=1)
+    block_plan = _plan(_layers(), fsdp_units="block", **kw)
+    stage_plan = _plan(_layers(), fsdp_units="stage", **kw)
+    assert 'fsdp_reshard_after_forward = "always"' in export_plan(block_plan, "torchtitan-toml")
+    assert 'fsdp_reshard_after_forward = "never"' in export_plan(stage_plan, "torchtitan-toml")
+    text = export_plan(block_plan, "torchtitan")
+    assert 'fsdp_reshard_after_forward="always"' in text and "sharded block by block" in text
+    pytest.importorskip("torchtitan")
+    namespace: dict = {}
+    exec(text, namespace)  # torchtitan's own ParallelismConfig takes the field
+    assert namespace["parallelism"].fsdp_reshard_after_forward == "always"

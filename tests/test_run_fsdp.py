@@ -1,0 +1,122 @@
+"""Tier 2-3: FSDP block by block in the runner (``fsdp_units`` "block").
+
+Tier 2 (one process): each unit of a stage's chain becomes its own ``fully_shard`` unit and the stage
+module the root, with the boundary wrapper left unsharded. Tier 3 (gloo processes): training equals
+the unsplit model under every recompute mode, with a tie inside the stage, and a checkpoint written
+block by block resumes under stage units.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from run_factory import MODELS, assert_close, make_plan, saved  # noqa: E402
+
+from planner.run import run_plan, train_reference  # noqa: E402
+from planner.schema.request import RunRequest  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def _with_recompute(plan, mode: str):  # type: ignore[no-untyped-def]
+    return plan.model_copy(update={"stages": [s.model_copy(update={"recompute": mode}) for s in plan.stages]})
+
+
+def test_every_unit_is_its_own_fsdp_unit_and_the_wrapper_stays_plain(tmp_path: Path) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    from planner.capture.checkpoint import stage_units
+    from planner.run.mesh import RankMesh
+    from planner.run.model import load_plan_model, planned_source
+    from planner.run.stages import build_stages
+
+    plan = make_plan(MODELS / "gpt.py", [0], batch_size=8, n_microbatches=2, dp=2, dp_mode="fsdp", fsdp_units="block")
+    plan = _with_recompute(plan, "full")
+    path = saved(plan, tmp_path)
+    # the stages of one replica, sharded over a data-parallel mesh of this one process
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        dp_mesh = init_device_mesh("cpu", (1,))
+        mesh = RankMesh(0, 0, 0, dist.group.WORLD, dp_mesh.get_group(), dp_mesh)
+        source = planned_source(plan, load_plan_model(plan, path))
+        built = build_stages(plan, source, mesh, torch.device("cpu"), want_vocab=False)
+    finally:
+        dist.destroy_process_group()
+    (module,) = built.modules
+    assert not isinstance(module, FSDPModule)  # PipelineStage must not take over FSDP's gradient sync
+    inner = module.module
+    assert isinstance(inner, FSDPModule)  # the root: what two units share
+    units = stage_units(inner)
+    assert len(units) == len(plan.blocks) and all(isinstance(u, FSDPModule) for u in units)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("model", "schedule", "recompute"),
+    [
+        (MODELS / "gpt.py", "1f1b", "never"),
+        (MODELS / "gpt.py", "gpipe", "full"),
+        (MODELS / "gpt.py", "1f1b", "selective"),
+        (MODELS / "gpt.py", "gpipe", "stage"),
+        # embedding and head tied inside the one stage: their units stay with the root
+        (FIXTURES / "dies_at.py", "gpipe", "never"),
+    ],
+    ids=["gpt-never", "gpt-full", "gpt-selective", "gpt-stage", "tied"],
+)
+def test_block_units_train_like_the_unsplit_model(tmp_path: Path, model: Path, schedule: str, recompute: str) -> None:
+    plan = make_plan(
+        model, [0], schedule=schedule, batch_size=8, n_microbatches=2, dp=2, dp_mode="fsdp", fsdp_units="block"
+    )
+    plan = _with_recompute(plan, recompute)
+    path = saved(plan, tmp_path)
+    got = run_plan(plan, RunRequest(plan_file=path, steps=3, save_checkpoints=False, echo=False))
+    want = train_reference(plan, path, 3)
+    assert got.replicas == 2
+    assert_close(got.losses, want.losses, "loss")
+    assert_close(got.grad_norms, want.grad_norms, "grad norm")
+
+
+@pytest.mark.multiprocess
+def test_block_units_over_a_pipeline_train_like_the_unsplit_model(tmp_path: Path) -> None:
+    plan = make_plan(
+        MODELS / "gpt.py",
+        [0, 4],
+        schedule="1f1b",
+        batch_size=8,
+        n_microbatches=2,
+        dp=2,
+        dp_mode="fsdp",
+        fsdp_units="block",
+    )
+    path = saved(_with_recompute(plan, "full"), tmp_path)
+    got = run_plan(plan, RunRequest(plan_file=path, steps=2, save_checkpoints=False, echo=False))
+    want = train_reference(plan, path, 2)
+    assert len(got.rank_step_times_s) == 4
+    assert_close(got.losses, want.losses, "loss")
+    assert_close(got.grad_norms, want.grad_norms, "grad norm")
+
+
+@pytest.mark.multiprocess
+def test_a_block_sharded_checkpoint_resumes_under_stage_units(tmp_path: Path) -> None:
+    # The units change what is gathered when, not the state: a checkpoint written block by block
+    # resumes under one unit per stage to the losses of an uninterrupted run.
+    kw = dict(schedule="gpipe", batch_size=8, n_microbatches=2, dp=2, dp_mode="fsdp", optimizer="sgd", lr=0.5)
+    stage = make_plan(MODELS / "gpt.py", [0], **kw)  # type: ignore[arg-type]
+    blocks = _with_recompute(make_plan(MODELS / "gpt.py", [0], fsdp_units="block", **kw), "full")  # type: ignore[arg-type]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    stage_path, blocks_path = saved(stage, tmp_path / "a"), saved(blocks, tmp_path / "b")
+    whole = run_plan(stage, RunRequest(plan_file=stage_path, steps=4, checkpoint_dir=tmp_path / "whole", echo=False))
+    ckpt = tmp_path / "ckpt"
+    first = run_plan(blocks, RunRequest(plan_file=blocks_path, steps=2, checkpoint_dir=ckpt, echo=False))
+    assert_close(first.losses, whole.losses[:2], "loss")
+    resumed = run_plan(stage, RunRequest(plan_file=stage_path, steps=4, checkpoint_dir=ckpt, resume=True, echo=False))
+    assert resumed.first_step == 3
+    assert_close(resumed.losses, whole.losses[2:], "loss")
+    assert_close(resumed.grad_norms, whole.grad_norms[2:], "grad norm")
