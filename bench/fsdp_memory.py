@@ -22,6 +22,8 @@ import torch
 
 from bench.common import DOCS, MODELS, host, pct_error, table, write_page
 from planner.api import make_plan
+from planner.errors import InfeasibleError
+from planner.report.throughput import throughput
 from planner.run import run_plan
 from planner.schema.request import PlanRequest, RunRequest
 
@@ -62,7 +64,40 @@ parameter bytes, instead of `2 x` the stage's.
 
 Mean absolute memory error: {mae:.1f}% over {n} runs (stage units: {mae_stage:.1f}%, block units:
 {mae_block:.1f}%).
+
+## At scale (estimated for absent GPUs, the roofline costs of `planner/core/hardware.py`)
+
+The same choice for the runs of issue 27, planned by name with `--fsdp-units stage` and then
+`--fsdp-units block` (everything else as given):
+
+{scale}
 """
+
+# (what, model file, size, options): FSDP runs whose units decide whether they fit
+SCALE = [
+    (
+        "Llama 3 70B, FSDP over 64 A100-80G, local batch 1, full recompute",
+        "llama.py",
+        "70b",
+        dict(gpus=64, dp=64, dp_mode="fsdp", recompute="full", batch_size=64, gpu_type="a100-80g"),
+    ),
+    (
+        "Llama 3.1 8B, FSDP over 8 H100 (96 GB), local batch 2, selective recompute (torchtitan's run)",
+        "llama.py",
+        "8b",
+        dict(gpus=8, dp=8, dp_mode="fsdp", recompute="selective", batch_size=16, gpu_type="h100", memory_limit_gib=89.0),
+    ),
+]
+SCALE_HEADERS = [
+    "run",
+    "units",
+    "plan",
+    "peak GiB",
+    "step ms",
+    "FSDP traffic not hidden, ms",
+    "tokens/s per GPU",
+    "MFU",
+]
 
 
 def parse_args() -> argparse.Namespace:
@@ -126,8 +161,39 @@ def main() -> None:
         n=len(every),
         **{f"mae_{units}": statistics.mean(v) if v else float("nan") for units, v in errors.items()},
     )
-    write_page(args.out, text)
+    write_page(args.out, text.replace("{scale}", table(at_scale(), SCALE_HEADERS)))
     print(text)
+
+
+def at_scale() -> list[list[object]]:
+    """The ``SCALE`` runs under stage and block units: what fits and what it is predicted to do."""
+    rows: list[list[object]] = []
+    for what, name, size, options in SCALE:
+        for units in ("stage", "block"):
+            print(f"{what}: --fsdp-units {units}", flush=True)
+            request = PlanRequest.build(
+                model_file=MODELS / name, size=size, fsdp_units=units, progress=False, **options
+            )
+            try:
+                plan = make_plan(request)
+            except InfeasibleError as e:
+                rows.append([what, units, f"none: {str(e)[:140]}", "", "", "", "", ""])
+                continue
+            t = throughput(plan)
+            pred = plan.prediction
+            rows.append(
+                [what, units, f"{plan.schedule}, pp {plan.n_ranks}, m {plan.n_microbatches}"]
+                + [
+                    f"{pred.max_memory_bytes / 2**30:.1f}",
+                    f"{pred.step_time_s * 1e3:,.0f}",
+                    f"{pred.dp_reduce_s * 1e3:,.0f}",
+                ]
+                + [
+                    f"{t.tokens_per_s_per_gpu:,.0f}" if t.tokens_per_s_per_gpu else "",
+                    f"{100 * t.mfu:.1f}%" if t.mfu else "",
+                ]
+            )
+    return rows
 
 
 if __name__ == "__main__":

@@ -395,6 +395,13 @@ CASES: list[Case] = [
         2,
         "--recompute selective cannot run under --schedule zbv",
     ),
+    Case(
+        "plan options",
+        "FSDP units under DDP",
+        "plan {d}/model.py --gpus 2 --dp 2 --dp-mode ddp --fsdp-units block",
+        2,
+        "--fsdp-units block shards with FSDP, but --dp-mode is ddp",
+    ),
     Case("plan options", "unknown --schedule", "plan {d}/model.py --gpus 2 --schedule zb", 2, "--schedule"),
     Case("plan options", "unknown --method", "plan {d}/model.py --gpus 2 --method best", 2, "--method"),
     Case("plan options", "--memory-limit 0", "plan {d}/model.py --gpus 2 --memory-limit 0", 2, "--memory-limit"),
@@ -573,6 +580,14 @@ CASES: list[Case] = [
         2,
         "greater than or equal to 0",
         _edit_plan(lambda raw: raw["stages"][0].update(fwd_s=-1.0), "neg.json"),
+    ),
+    Case(
+        "plan files",
+        "FSDP block units in a plan of DDP replicas",
+        "report {d}/units.json",
+        2,
+        "fsdp_units is block under ddp",
+        _edit_plan(lambda raw: raw.update(fsdp_units="block"), "units.json"),
     ),
     Case(
         "plan files",

@@ -58,20 +58,32 @@ def test_every_unit_is_its_own_fsdp_unit_and_the_wrapper_stays_plain(tmp_path: P
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    ("model", "schedule", "recompute"),
+    ("model", "starts", "schedule", "recompute"),
     [
-        (MODELS / "gpt.py", "1f1b", "never"),
-        (MODELS / "gpt.py", "gpipe", "full"),
-        (MODELS / "gpt.py", "1f1b", "selective"),
-        (MODELS / "gpt.py", "gpipe", "stage"),
+        (MODELS / "gpt.py", [0], "1f1b", "never"),
+        (MODELS / "gpt.py", [0], "gpipe", "full"),
+        (MODELS / "gpt.py", [0], "1f1b", "selective"),
+        (MODELS / "gpt.py", [0], "gpipe", "stage"),
+        # four stages on the one rank, each sharded with its own root
+        (MODELS / "gpt.py", [0, 2, 4, 6], "interleaved-1f1b", "full"),
         # embedding and head tied inside the one stage: their units stay with the root
-        (FIXTURES / "dies_at.py", "gpipe", "never"),
+        (FIXTURES / "dies_at.py", [0], "gpipe", "never"),
     ],
-    ids=["gpt-never", "gpt-full", "gpt-selective", "gpt-stage", "tied"],
+    ids=["gpt-never", "gpt-full", "gpt-selective", "gpt-stage", "gpt-looped", "tied"],
 )
-def test_block_units_train_like_the_unsplit_model(tmp_path: Path, model: Path, schedule: str, recompute: str) -> None:
+def test_block_units_train_like_the_unsplit_model(
+    tmp_path: Path, model: Path, starts: list[int], schedule: str, recompute: str
+) -> None:
     plan = make_plan(
-        model, [0], schedule=schedule, batch_size=8, n_microbatches=2, dp=2, dp_mode="fsdp", fsdp_units="block"
+        model,
+        starts,
+        schedule=schedule,
+        batch_size=8,
+        n_microbatches=2,
+        dp=2,
+        dp_mode="fsdp",
+        fsdp_units="block",
+        stages_per_rank=len(starts),
     )
     plan = _with_recompute(plan, recompute)
     path = saved(plan, tmp_path)

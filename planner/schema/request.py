@@ -368,6 +368,11 @@ class PlanRequest(_Request):
     @model_validator(mode="after")
     def _consistent(self) -> PlanRequest:
         self._check_replicas()
+        if self.fsdp_units != "auto" and self.dp_mode == "ddp":
+            raise ValueError(
+                f"--fsdp-units {self.fsdp_units} shards with FSDP, but --dp-mode is ddp (every replica holds its "
+                "stages whole); use --dp-mode fsdp (or auto), or leave --fsdp-units out"
+            )
         k = self.passes
         if k > 1 and self.batch_size % (self.profile_dp * k):
             raise ValueError(
