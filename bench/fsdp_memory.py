@@ -31,11 +31,21 @@ from planner.schema.request import PlanRequest, RunRequest
 # sharding block by block saves is visible next to the activations
 GPT = {"dim": 256, "n_layers": 8, "n_heads": 4, "ffn_dim": 1024, "vocab_size": 4000, "seq_len": 64}
 GPUS, BATCH = 2, 8
-CASES = (("stage", "never", 2), ("block", "never", 2), ("block", "full", 2), ("stage", "full", 1), ("block", "full", 1))
+# (units, recompute, microbatches, schedule)
+CASES = (
+    ("stage", "never", 2, "gpipe"),
+    ("block", "never", 2, "gpipe"),
+    ("stage", "never", 2, "1f1b"),
+    ("block", "never", 2, "1f1b"),
+    ("block", "full", 2, "gpipe"),
+    ("stage", "full", 1, "gpipe"),
+    ("block", "full", 1, "gpipe"),
+)
 HEADERS = [
     "units",
     "recompute",
     "microbatches",
+    "schedule",
     "predicted MB",
     "measured peak MB",
     "error",
@@ -48,8 +58,8 @@ PAGE = """# FSDP block by block: predicted against measured
 Written by `python -m bench.fsdp_memory` on {today} ({host}, torch {torch}).
 
 `models/gpt.py` with `{overrides}` as {gpus} FSDP replicas of a one-rank pipeline (`--gpus {gpus}
---dp {gpus} --dp-mode fsdp`), batch {batch}, GPipe, planned with a measured profile here under
-`--fsdp-units UNITS --recompute MODE -m M`, then trained for {steps} steps on gloo. The predicted
+--dp {gpus} --dp-mode fsdp`), batch {batch}, planned with a measured profile here under
+`--fsdp-units UNITS --recompute MODE -m M --schedule S`, then trained for {steps} steps on gloo. The predicted
 peak (`planner.core.stage_model.stage_memory_bytes`) beside the peak
 `torch.distributed._tools.mem_tracker.MemTracker` saw during one tracked step; the predicted step
 beside the median measured step (the first step and the tracked one left out).
@@ -85,7 +95,9 @@ SCALE = [
         "Llama 3.1 8B, FSDP over 8 H100 (96 GB), local batch 2, selective recompute (torchtitan's run)",
         "llama.py",
         "8b",
-        dict(gpus=8, dp=8, dp_mode="fsdp", recompute="selective", batch_size=16, gpu_type="h100", memory_limit_gib=89.0),
+        dict(
+            gpus=8, dp=8, dp_mode="fsdp", recompute="selective", batch_size=16, gpu_type="h100", memory_limit_gib=89.0
+        ),
     ),
 ]
 SCALE_HEADERS = [
@@ -117,8 +129,8 @@ def main() -> None:
     rows: list[list[object]] = []
     errors: dict[str, list[float]] = {"stage": [], "block": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for units, mode, m in cases:
-            path = Path(tmp) / f"{units}-{mode}-{m}.json"
+        for units, mode, m, schedule in cases:
+            path = Path(tmp) / f"{units}-{mode}-{m}-{schedule}.json"
             request = PlanRequest.build(
                 model_file=MODELS / "gpt.py",
                 size="tiny",
@@ -129,12 +141,12 @@ def main() -> None:
                 fsdp_units=units,
                 batch_size=BATCH,
                 microbatches=m,
-                schedule="gpipe",
+                schedule=schedule,
                 recompute=mode,
                 output=path,
                 progress=False,
             )
-            print(f"--fsdp-units {units} --recompute {mode} -m {m}", flush=True)
+            print(f"--fsdp-units {units} --recompute {mode} -m {m} --schedule {schedule}", flush=True)
             plan = make_plan(request)
             plan.save(path)
             result = run_plan(plan, RunRequest(plan_file=path, steps=steps, echo=False))
@@ -144,7 +156,14 @@ def main() -> None:
                 err = pct_error(st.memory_bytes, meas.memory.peak_bytes)
                 errors[units].append(abs(err))
                 rows.append(
-                    [units, mode, m, f"{st.memory_bytes / 2**20:.1f}", f"{meas.memory.peak_bytes / 2**20:.1f}"]
+                    [
+                        units,
+                        mode,
+                        m,
+                        schedule,
+                        f"{st.memory_bytes / 2**20:.1f}",
+                        f"{meas.memory.peak_bytes / 2**20:.1f}",
+                    ]
                     + [f"{err:+.1f}%", f"{plan.prediction.step_time_s * 1e3:.0f}", f"{result.median_step_s * 1e3:.0f}"]
                 )
     every = [e for v in errors.values() for e in v]
@@ -159,9 +178,10 @@ def main() -> None:
         table=table(rows, HEADERS),
         mae=statistics.mean(every) if every else float("nan"),
         n=len(every),
+        scale=table(at_scale(), SCALE_HEADERS),
         **{f"mae_{units}": statistics.mean(v) if v else float("nan") for units, v in errors.items()},
     )
-    write_page(args.out, text.replace("{scale}", table(at_scale(), SCALE_HEADERS)))
+    write_page(args.out, text)
     print(text)
 
 

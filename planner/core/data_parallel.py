@@ -7,7 +7,7 @@ Pure module: never imports torch. A plan of ``dp`` replicas runs ``dp`` copies o
 step the replicas of every pipeline rank reduce that rank's gradients over their own group:
 
 * DDP: a ring all-reduce, ``2 (dp - 1) / dp x bytes`` over the group's link;
-* FSDP (``fully_shard`` per stage, ``reshard_after_forward=False``): an all-gather of the
+* FSDP with stage units (``fully_shard`` per stage, ``reshard_after_forward=False``): an all-gather of the
   parameters (at the first forward) and a reduce-scatter of the gradients (after the last
   backward), ``(dp - 1) / dp x bytes`` each.
 

@@ -23,7 +23,8 @@ Recompute = Literal["auto", "never", "selective", "full", "stage", "always"]
 Dtype = Literal["bf16", "fp16", "fp32"]
 DpMode = Literal["ddp", "fsdp"]
 """How data-parallel replicas reduce their gradients: DDP (all-reduce; every replica holds the whole
-stage) or FSDP2 ``fully_shard`` per stage (parameters, gradients and optimizer state sharded)."""
+stage) or FSDP2 ``fully_shard`` (parameters, gradients and optimizer state sharded; per stage or block
+by block: ``FsdpUnits``)."""
 DP_MODES: tuple[str, ...] = get_args(DpMode)
 FsdpUnits = Literal["stage", "block"]
 """What FSDP gathers at a time: "stage" (one ``fully_shard`` unit per stage, gathered from the first
