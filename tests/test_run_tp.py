@@ -55,9 +55,10 @@ def test_tied_embedding_and_head_across_pipeline_ranks_tp2(tmp_path: Path) -> No
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("dp_mode", ["ddp", "fsdp"])
-def test_two_replicas_of_a_tp2_stage_match_one_process(tmp_path: Path, dp_mode: str) -> None:
-    # ddp: averaged by the gradient finisher (DDP does not reduce DTensors); fsdp: 2-D (dp, tp) DTensors
+@pytest.mark.parametrize(("dp_mode", "fsdp_units"), [("ddp", "stage"), ("fsdp", "stage"), ("fsdp", "block")])
+def test_two_replicas_of_a_tp2_stage_match_one_process(tmp_path: Path, dp_mode: str, fsdp_units: str) -> None:
+    # ddp: averaged by the gradient finisher (DDP does not reduce DTensors); fsdp: 2-D (dp, tp) DTensors,
+    # the stage one FSDP unit or every block its own
     plan = make_plan(
         MODELS / "llama.py",
         [0],
@@ -68,6 +69,7 @@ def test_two_replicas_of_a_tp2_stage_match_one_process(tmp_path: Path, dp_mode: 
         dp=2,
         tp=2,
         dp_mode=dp_mode,
+        fsdp_units=fsdp_units,
     )
     assert (plan.dp, plan.n_ranks, plan.tp, plan.world_size) == (2, 1, 2, 4)
     got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
