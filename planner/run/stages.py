@@ -7,6 +7,7 @@ finishes a step's gradients (``planner.run.gradients``).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -228,13 +229,11 @@ def _shard_blocks(stage: _CutStage, mesh: RankMesh) -> None:
     from torch.distributed.fsdp import fully_shard
 
     units = stage_units(stage.built)
-    owners: dict[int, int] = {}
+    owners = Counter(id(p) for unit in units for p in unit.parameters())
     for unit in units:
-        for p in unit.parameters():
-            owners[id(p)] = owners.get(id(p), 0) + 1
-    for unit in units:
-        mine = [p for p in unit.parameters() if p.requires_grad]
-        if mine and all(owners[id(p)] == 1 for p in unit.parameters()):  # a unit sharing a tie stays with the root
+        params = list(unit.parameters())
+        # a unit that shares a tie with another stays with the root
+        if any(p.requires_grad for p in params) and all(owners[id(p)] == 1 for p in params):
             fully_shard(unit, mesh=mesh.dp_mesh, reshard_after_forward=True)
     # the root's own parameters (ties) are needed again at the start of backward: not resharded
     fully_shard(stage.inner, mesh=mesh.dp_mesh, reshard_after_forward=False)
@@ -261,27 +260,24 @@ def _replicated(
     module.to(device)
     trainable = [p for p in module.parameters() if p.requires_grad]
     shared = [p for p in trainable if id(p) in seen]
-    if plan.dp > 1 and plan.dp_mode == "fsdp" and trainable:
-        if shared:
-            raise PlannerError(
-                f"stage {stage.plan.index} shares a tied parameter with another stage on rank {mesh.pp_rank}, "
-                "which FSDP cannot shard twice; re-plan with --dp-mode ddp"
-            )
+    fsdp = plan.dp > 1 and plan.dp_mode == "fsdp" and bool(trainable)
+    if fsdp and shared:
+        raise PlannerError(
+            f"stage {stage.plan.index} shares a tied parameter with another stage on rank {mesh.pp_rank}, "
+            "which FSDP cannot shard twice; re-plan with --dp-mode ddp"
+        )
+    apply_speed_levers(plan, module, stage.inner, device)  # compiled before sharding, as torchtitan does
+    if fsdp and per_block_fsdp(plan):
+        _shard_blocks(stage, mesh)
+    elif fsdp:
         from torch.distributed.fsdp import fully_shard
 
-        apply_speed_levers(plan, module, stage.inner, device)  # compiled before sharding, as torchtitan does
-        if per_block_fsdp(plan):
-            _shard_blocks(stage, mesh)
-            seen.update(id(p) for p in trainable)
-            return module
         # The boundary wrapper itself is sharded, so that torch's PipelineStage sees an FSDP
         # module: it then syncs gradients only after the last microbatch's backward instead of
         # reduce-scattering every microbatch's. Parameters stay gathered from forward to
         # backward: each microbatch's backward would otherwise gather them again.
         module.hooks = True
         fully_shard(module, mesh=mesh.dp_mesh, reshard_after_forward=False)
-    else:
-        apply_speed_levers(plan, module, stage.inner, device)
     submod: torch.nn.Module = module
     if plan.dp > 1 and plan.dp_mode == "ddp" and not manual and len(shared) < len(trainable):
         if shared:  # a tied parameter another DDP of this rank already reduces
