@@ -20,14 +20,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from tabulate import tabulate
 
 from planner.errors import PlannerError
 from planner.schema.jsonfile import write_atomic
-from planner.schema.plan import Plan
-from planner.schema.result import RunResult
+from planner.schema.plan import Plan, StagePlan
+from planner.schema.result import MemoryMeasure, RunResult
 
 if TYPE_CHECKING:
     from planner.api import Costs
@@ -211,6 +211,32 @@ def plan_on_costs(
     return assemble_plan(
         request, split.blocks, costs.link, origin, memory_limit_bytes=memory_limit_bytes, ties=ties, tp_plan=split.plan
     )
+
+
+class StagePeak(NamedTuple):
+    """One stage's predicted peak memory beside the peak MemTracker saw (``planned_peaks``)."""
+
+    stage: StagePlan
+    measured: MemoryMeasure
+    error_pct: float  # predicted / measured - 1, in %
+
+
+def planned_peaks(request: PlanRequest, path: Path, steps: int) -> tuple[Plan, RunResult, list[StagePeak]]:
+    """Plan ``request`` in this process, save the plan at ``path``, train it ``steps`` steps; per stage
+    whose peak was tracked, its prediction beside the measurement."""
+    from planner.api import make_plan
+    from planner.run import run_plan
+    from planner.schema.request import RunRequest
+
+    plan = make_plan(request)
+    plan.save(path)
+    result = run_plan(plan, RunRequest(plan_file=path, steps=steps, echo=False))
+    peaks = [
+        StagePeak(st, meas.memory, pct_error(st.memory_bytes, meas.memory.peak_bytes))
+        for st, meas in zip(plan.stages, result.stages)
+        if meas.memory is not None
+    ]
+    return plan, result, peaks
 
 
 def timed_step_times(result: RunResult) -> list[float]:

@@ -20,12 +20,11 @@ from pathlib import Path
 
 import torch
 
-from bench.common import DOCS, MODELS, host, pct_error, table, write_page
+from bench.common import DOCS, MODELS, host, planned_peaks, table, write_page
 from planner.api import make_plan
 from planner.errors import InfeasibleError
 from planner.report.throughput import throughput
-from planner.run import run_plan
-from planner.schema.request import PlanRequest, RunRequest
+from planner.schema.request import PlanRequest
 
 # gpt.py where the weights are most of a rank's memory (wide layers, short sequences), so what
 # sharding block by block saves is visible next to the activations
@@ -147,13 +146,8 @@ def main() -> None:
                 progress=False,
             )
             print(f"--fsdp-units {units} --recompute {mode} -m {m} --schedule {schedule}", flush=True)
-            plan = make_plan(request)
-            plan.save(path)
-            result = run_plan(plan, RunRequest(plan_file=path, steps=steps, echo=False))
-            for st, meas in zip(plan.stages, result.stages):
-                if meas.memory is None:
-                    continue
-                err = pct_error(st.memory_bytes, meas.memory.peak_bytes)
+            plan, result, peaks = planned_peaks(request, path, steps)
+            for st, memory, err in peaks:
                 errors[units].append(abs(err))
                 rows.append(
                     [
@@ -162,7 +156,7 @@ def main() -> None:
                         m,
                         schedule,
                         f"{st.memory_bytes / 2**20:.1f}",
-                        f"{meas.memory.peak_bytes / 2**20:.1f}",
+                        f"{memory.peak_bytes / 2**20:.1f}",
                     ]
                     + [f"{err:+.1f}%", f"{plan.prediction.step_time_s * 1e3:.0f}", f"{result.median_step_s * 1e3:.0f}"]
                 )
@@ -185,9 +179,9 @@ def main() -> None:
     print(text)
 
 
-def at_scale() -> list[list[object]]:
+def at_scale() -> list[list[str]]:
     """The ``SCALE`` runs under stage and block units: what fits and what it is predicted to do."""
-    rows: list[list[object]] = []
+    rows: list[list[str]] = []
     for what, name, size, options in SCALE:
         for units in ("stage", "block"):
             print(f"{what}: --fsdp-units {units}", flush=True)

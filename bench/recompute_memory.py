@@ -20,10 +20,8 @@ from pathlib import Path
 
 import torch
 
-from bench.common import DOCS, MODELS, host, pct_error, table, write_page
-from planner.api import make_plan
-from planner.run import run_plan
-from planner.schema.request import PlanRequest, RunRequest
+from bench.common import DOCS, MODELS, host, planned_peaks, table, write_page
+from planner.schema.request import PlanRequest
 
 # gpt.py at a size where a stage's activations are most of its memory (long sequences, wide MLP),
 # so what checkpointing saves is visible next to the weights and optimizer state
@@ -108,19 +106,14 @@ def main() -> None:
                     progress=False,
                 )
                 print(f"{schedule} --recompute {mode}", flush=True)
-                plan = make_plan(request)
-                plan.save(path)
-                result = run_plan(plan, RunRequest(plan_file=path, steps=steps, echo=False))
-                for st, meas in zip(plan.stages, result.stages):
-                    if meas.memory is None:
-                        continue
-                    err = pct_error(st.memory_bytes, meas.memory.peak_bytes)
+                plan, result, peaks = planned_peaks(request, path, steps)
+                for st, memory, err in peaks:
                     errors[mode].append(abs(err))
                     if st.index == 0 and schedule == "gpipe":
-                        stage0[mode] = meas.memory.peak_by_category.get("Activation", 0.0)
+                        stage0[mode] = memory.peak_by_category.get("Activation", 0.0)
                     rows.append(
                         [mode, schedule, st.index, st.in_flight, f"{st.memory_bytes / 2**20:.1f}"]
-                        + [f"{meas.memory.peak_bytes / 2**20:.1f}", f"{err:+.1f}%"]
+                        + [f"{memory.peak_bytes / 2**20:.1f}", f"{err:+.1f}%"]
                         + [f"{plan.prediction.step_time_s * 1e3:.0f}", f"{result.median_step_s * 1e3:.0f}"]
                     )
     every = [e for v in errors.values() for e in v]

@@ -182,6 +182,25 @@ def assert_close(got: list[float], want: list[float], what: str) -> None:
         assert g == pytest.approx(w, rel=REL), f"{what}[{i}]: pipeline {g} vs unsplit {w}"
 
 
+def assert_resumes_under(writer: Plan, reader: Plan, tmp_path: Path) -> None:
+    """A checkpoint ``writer`` saves after 2 steps resumes under ``reader`` (the same state, run another
+    way) to the losses and gradient norms of an uninterrupted 4-step run of ``reader``."""
+    from planner.run import run_plan
+    from planner.schema.request import RunRequest
+
+    (tmp_path / "reader").mkdir()
+    (tmp_path / "writer").mkdir()
+    reader_path, writer_path = saved(reader, tmp_path / "reader"), saved(writer, tmp_path / "writer")
+    whole = run_plan(reader, RunRequest(plan_file=reader_path, steps=4, checkpoint_dir=tmp_path / "whole", echo=False))
+    ckpt = tmp_path / "ckpt"
+    first = run_plan(writer, RunRequest(plan_file=writer_path, steps=2, checkpoint_dir=ckpt, echo=False))
+    assert_close(first.losses, whole.losses[:2], "loss")
+    resumed = run_plan(reader, RunRequest(plan_file=reader_path, steps=4, checkpoint_dir=ckpt, resume=True, echo=False))
+    assert resumed.first_step == 3
+    assert_close(resumed.losses, whole.losses[2:], "loss")
+    assert_close(resumed.grad_norms, whole.grad_norms[2:], "grad norm")
+
+
 def stage_report(
     stage: StagePlan | int,
     *,

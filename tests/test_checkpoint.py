@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from run_factory import MODELS, assert_close, make_plan, saved  # noqa: E402
+from run_factory import MODELS, assert_close, assert_resumes_under, make_plan, saved  # noqa: E402
 
 from planner.capture.load import load_model_file  # noqa: E402
 from planner.errors import DataError, PlannerError  # noqa: E402
@@ -273,14 +273,4 @@ def test_a_checkpointing_plan_resumes_under_another_recompute_mode(tmp_path: Pat
     modes = {0: "full", 1: "selective"}
     stages = [s.model_copy(update={"recompute": modes[s.index]}) for s in plain.stages]
     recomputing = plain.model_copy(update={"stages": stages})
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    plain_path, recomputing_path = saved(plain, tmp_path / "a"), saved(recomputing, tmp_path / "b")
-    whole = run_plan(plain, RunRequest(plan_file=plain_path, steps=4, checkpoint_dir=tmp_path / "whole", echo=False))
-    ckpt = tmp_path / "ckpt"
-    first = run_plan(recomputing, RunRequest(plan_file=recomputing_path, steps=2, checkpoint_dir=ckpt, echo=False))
-    assert_close(first.losses, whole.losses[:2], "loss")
-    resumed = run_plan(plain, RunRequest(plan_file=plain_path, steps=4, checkpoint_dir=ckpt, resume=True, echo=False))
-    assert resumed.first_step == 3
-    assert_close(resumed.losses, whole.losses[2:], "loss")
-    assert_close(resumed.grad_norms, whole.grad_norms[2:], "grad norm")
+    assert_resumes_under(recomputing, plain, tmp_path)

@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from run_factory import MODELS, assert_close, make_plan, saved  # noqa: E402
+from run_factory import MODELS, assert_close, assert_resumes_under, make_plan, saved  # noqa: E402
 
 from planner.run import run_plan, train_reference  # noqa: E402
 from planner.schema.request import RunRequest  # noqa: E402
@@ -121,14 +121,4 @@ def test_a_block_sharded_checkpoint_resumes_under_stage_units(tmp_path: Path) ->
     kw = dict(schedule="gpipe", batch_size=8, n_microbatches=2, dp=2, dp_mode="fsdp", optimizer="sgd", lr=0.5)
     stage = make_plan(MODELS / "gpt.py", [0], **kw)  # type: ignore[arg-type]
     blocks = _with_recompute(make_plan(MODELS / "gpt.py", [0], fsdp_units="block", **kw), "full")  # type: ignore[arg-type]
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    stage_path, blocks_path = saved(stage, tmp_path / "a"), saved(blocks, tmp_path / "b")
-    whole = run_plan(stage, RunRequest(plan_file=stage_path, steps=4, checkpoint_dir=tmp_path / "whole", echo=False))
-    ckpt = tmp_path / "ckpt"
-    first = run_plan(blocks, RunRequest(plan_file=blocks_path, steps=2, checkpoint_dir=ckpt, echo=False))
-    assert_close(first.losses, whole.losses[:2], "loss")
-    resumed = run_plan(stage, RunRequest(plan_file=stage_path, steps=4, checkpoint_dir=ckpt, resume=True, echo=False))
-    assert resumed.first_step == 3
-    assert_close(resumed.losses, whole.losses[2:], "loss")
-    assert_close(resumed.grad_norms, whole.grad_norms[2:], "grad norm")
+    assert_resumes_under(blocks, stage, tmp_path)
