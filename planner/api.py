@@ -22,14 +22,8 @@ import torch
 from tqdm import tqdm
 
 from planner.capture.blocks import ModuleTrace, TracedModel
-from planner.capture.load import (
-    ModelFile,
-    check_batch_contract,
-    check_batch_size,
-    check_forward,
-    load_model_file,
-    move_model,
-)
+from planner.capture.contract import check_batch_contract, check_batch_size, check_forward
+from planner.capture.load import ModelFile, load_model_file, move_model
 from planner.capture.stage import stage_module, trace_root
 from planner.capture.trace import retrace, trace_model
 from planner.core.assemble import Origin, assemble_plan

@@ -64,6 +64,39 @@ def test_a_loss_that_is_no_mean_is_refused(tmp_path: Path) -> None:
     assert code == 2 and "loss_fn() is not a mean over the batch" in out
 
 
+OUT_OF_MEMORY_OVER_TWO = (
+    "if output.shape[0] > 2:\n"
+    "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 32.00 GiB')\n"
+    "    return F.mse_loss(output, target"
+)
+
+
+def test_the_contract_check_retries_on_one_sample_halves_when_twice_the_microbatch_runs_out_of_memory(
+    tmp_path: Path,
+) -> None:
+    # On a GPU the check's full-precision forward of twice the microbatch can need more memory than
+    # training does (a large vocabulary's fp32 logits): the promises hold at any size, so it retries small.
+    from planner.capture.contract import check_batch_contract
+    from planner.capture.load import load_model_file
+    from planner.errors import ModelFileError
+
+    fits = _variant(tmp_path, "return F.mse_loss(output, target", OUT_OF_MEMORY_OVER_TWO)
+    mf = load_model_file(fits)
+    check_batch_contract(mf, mf.build(0), 4, 0, torch.device("cpu"))  # 8 samples run out; 2 do not
+    summed = tmp_path / "summed.py"
+    summed.write_text(
+        fits.read_text().replace("F.mse_loss(output, target)", "F.mse_loss(output, target, reduction='sum')")
+    )
+    mf = load_model_file(summed)
+    with pytest.raises(ModelFileError, match="sums over the batch instead of averaging: .* on 2 samples"):
+        check_batch_contract(mf, mf.build(0), 4, 0, torch.device("cpu"))  # the retry still checks the promise
+    always = tmp_path / "always.py"
+    always.write_text(fits.read_text().replace("output.shape[0] > 2", "output.shape[0] > 0"))
+    mf = load_model_file(always)
+    with pytest.raises(ModelFileError, match="loss_fn\\(\\) raised OutOfMemoryError"):
+        check_batch_contract(mf, mf.build(0), 4, 0, torch.device("cpu"))  # out of memory at one sample: said
+
+
 def test_make_batch_that_ignores_batch_size_is_refused(tmp_path: Path) -> None:
     model = _variant(
         tmp_path, "def make_batch(batch_size: int,", "def make_batch(batch_size_ignored: int, batch_size: int = 3,"
@@ -163,7 +196,8 @@ HF_FILES = [
 def test_the_shipped_models_keep_the_contract(model: str, size: str, tmp_path: Path) -> None:
     import torch
 
-    from planner.capture.load import check_batch_contract, load_model_file
+    from planner.capture.contract import check_batch_contract
+    from planner.capture.load import load_model_file
 
     if model.startswith("hf/"):
         pytest.importorskip("transformers")

@@ -13,12 +13,10 @@ Face model trains without its KV cache, and a ``ModelOutput`` (or any dict) resu
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import inspect
 import json
-import math
 import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -343,182 +341,15 @@ def _check_batch(out: Any, name: str, path: Path) -> tuple[Any, torch.Tensor]:
     ):
         raise ModelFileError(
             f"{path.name}: {name}() must return (inputs, target_tensor) with the inputs a tuple or a dict of keyword "
-            f"inputs, got {_shape_of(out)}; e.g. return (tokens,), targets"
+            f"inputs, got {shape_of(out)}; e.g. return (tokens,), targets"
         )
     return (dict(out[0]) if keyword else out[0]), out[1]
 
 
-def _shape_of(out: Any) -> str:
+def shape_of(out: Any) -> str:
     if isinstance(out, tuple):
         return "(" + ", ".join(type(x).__name__ for x in out) + ")"
     return type(out).__name__
-
-
-@contextlib.contextmanager
-def evaluating(model: nn.Module) -> Iterator[None]:
-    """Eval mode inside the block, each module's mode restored after it. The flags are set directly:
-    torch.export's modules refuse ``.eval()`` (their dropout is fixed in the graph)."""
-    saved = [(m, m.training) for m in model.modules()]
-    for m, _ in saved:
-        m.training = False
-    try:
-        yield
-    finally:
-        for m, mode in saved:
-            m.training = mode
-
-
-def check_forward(mf: ModelFile, model: nn.Module, inputs: tuple, target: torch.Tensor) -> None:
-    """Run the model and ``loss_fn`` once on the example batch, so a mistake in the model file shows
-    as one clear error here instead of deep inside profiling.
-
-    Args:
-        mf: the model file.
-        model: a model built from it (a private copy: this runs forward in eval mode, no grad).
-        inputs: the example microbatch's inputs.
-        target: its target.
-
-    Raises:
-        ModelFileError: the forward or the loss fails, or the loss is not a scalar tensor.
-    """
-    with evaluating(model), torch.no_grad():
-        out = mf._call("forward", model, *inputs)
-        loss = mf._call("loss_fn", mf.loss_fn, out, target)
-    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-        raise ModelFileError(
-            f"{mf.path.name}: loss_fn() returned {_shape_of(loss) if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}; expected a scalar tensor (a mean over the batch)"
-        )
-
-
-def _batch_dim_sizes(batch: Batch) -> set[int]:
-    inputs, target = batch
-    return {int(t.shape[0]) for t in (*inputs, target) if isinstance(t, torch.Tensor) and t.dim() >= 1}
-
-
-def check_batch_size(mf: ModelFile, n: int, seed: int) -> Batch:
-    """``make_batch(n)`` returns tensors whose first dimension is ``n``: the schedule splits the
-    batch into microbatches along dim 0, so a file that ignores ``batch_size`` would be profiled,
-    estimated and trained on batches of another size.
-
-    Args:
-        mf: the model file.
-        n: the batch size to ask for.
-        seed: seed of the example data.
-
-    Returns:
-        The batch.
-
-    Raises:
-        ModelFileError: a tensor whose first dimension is not ``n``.
-    """
-    inputs, target = mf.batch(n, seed=seed)
-    sizes = _batch_dim_sizes((inputs, target))
-    if sizes != {n}:
-        raise ModelFileError(
-            f"{mf.path.name}: make_batch({n}) returned tensors whose first dimension is {sorted(sizes)}, not {n}; "
-            "the pipeline splits batches along dim 0: make make_batch honour batch_size (batch first)"
-        )
-    return inputs, target
-
-
-def _layout(batch: Batch) -> list[tuple[str, tuple[int, ...], str] | str]:
-    """Per input, then the target: (name, shape, dtype) of a tensor, or the repr of anything else."""
-    inputs, target = batch
-    out: list[tuple[str, tuple[int, ...], str] | str] = []
-    for i, x in enumerate((*inputs, target)):
-        name = "target" if i == len(inputs) else f"input {i}"
-        out.append(
-            (name, tuple(x.shape), str(x.dtype).removeprefix("torch.")) if isinstance(x, torch.Tensor) else repr(x)
-        )
-    return out
-
-
-def check_train_batch(mf: ModelFile, batch_size: int, seed: int) -> None:
-    """The first batch of the training stream has the layout the plan was made for (that of
-    ``make_batch(batch_size)``): same inputs, shapes and dtypes. Checked before any rank starts, so
-    a stream of the wrong batch size is one line here instead of a collective failing on the rank
-    that happens to notice.
-
-    Args:
-        mf: the model file.
-        batch_size: the plan's batch size.
-        seed: the plan's seed.
-
-    Raises:
-        ModelFileError: the first difference, named.
-    """
-    if getattr(mf.module, "train_batches", None) is None:
-        return  # the stream is make_batch itself
-    want = _layout(mf.batch(batch_size, seed=seed))
-    got = _layout(next(mf.train_batches(batch_size, seed=seed)))
-    if len(got) != len(want):
-        raise ModelFileError(
-            f"{mf.path.name}: train_batches({batch_size}) yields {len(got) - 1} input(s) but make_batch({batch_size}) "
-            f"gives {len(want) - 1}, which the plan was made with; make both return the same inputs"
-        )
-    for g, w in zip(got, want):
-        if g != w:
-            what = w[0] if isinstance(w, tuple) else "an input"
-            shown = lambda v: f"shape {list(v[1])} {v[2]}" if isinstance(v, tuple) else v  # noqa: E731
-            raise ModelFileError(
-                f"{mf.path.name}: train_batches({batch_size}) yields {what} of {shown(g)} but the plan was made for "
-                f"{shown(w)} (make_batch({batch_size})); yield batches of batch_size samples shaped like make_batch's"
-            )
-
-
-def check_batch_contract(
-    mf: ModelFile, model: nn.Module, microbatch_size: int, seed: int, device: torch.device
-) -> None:
-    """Check the two promises a pipeline relies on, on two microbatches of example data.
-
-    1. ``make_batch(n)`` returns tensors whose first dimension is ``n``: the schedule splits the
-       batch into microbatches along dim 0, so a file that ignores ``batch_size`` would be
-       profiled on the wrong batch.
-    2. ``loss_fn`` is a mean over the batch: the pipeline averages the microbatch losses, which
-       equals the batch loss only then. The loss of the two-microbatch batch is compared with the
-       mean of its halves' losses (eval mode and no grad, so dropout cannot blur the comparison).
-
-    Args:
-        mf: the model file.
-        model: a model built from it (a private copy; run in eval mode and restored).
-        microbatch_size: samples per microbatch of the plan.
-        seed: seed of the example data.
-        device: where ``model`` lives.
-
-    Raises:
-        ModelFileError: a batch of the wrong size, a non-finite loss, or a loss that is not a mean.
-    """
-    n = 2 * microbatch_size
-    inputs, target = check_batch_size(mf, n, seed)
-    inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
-    target = target.to(device)
-    halves = [
-        (
-            tuple(
-                x[i * microbatch_size : (i + 1) * microbatch_size] if isinstance(x, torch.Tensor) else x for x in inputs
-            ),
-            target[i * microbatch_size : (i + 1) * microbatch_size],
-        )
-        for i in range(2)
-    ]
-    with evaluating(model), torch.no_grad():
-        full = float(mf._call("loss_fn", mf.loss_fn, mf._call("forward", model, *inputs), target))
-        parts = [float(mf._call("loss_fn", mf.loss_fn, mf._call("forward", model, *x), y)) for x, y in halves]
-    if not all(math.isfinite(v) for v in (full, *parts)):
-        raise ModelFileError(
-            f"{mf.path.name}: loss_fn() is {full} on the example batch (microbatches: {parts[0]}, {parts[1]}); "
-            "check the model's initialisation and the loss"
-        )
-    mean = (parts[0] + parts[1]) / 2
-    if abs(full - mean) <= 1e-3 * max(abs(full), abs(mean)) + 1e-7:
-        return
-    summed = abs(full - 2 * mean) <= 1e-3 * max(abs(full), abs(mean)) + 1e-7
-    why = "sums over the batch instead of averaging" if summed else "is not a mean over the batch"
-    raise ModelFileError(
-        f"{mf.path.name}: loss_fn() {why}: {full:.6g} on {n} samples but {parts[0]:.6g} and {parts[1]:.6g} on its two "
-        "halves; the pipeline averages microbatch losses, which equals the batch loss only for a mean: "
-        "use reduction='mean' (the contract's default cross-entropy does)"
-    )
 
 
 def load_model_file(path: str | Path, size: str | None = None, overrides: dict[str, Any] | None = None) -> ModelFile:

@@ -55,7 +55,8 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from planner.capture.blocks import TracedModel
-from planner.capture.load import ModelFile, check_train_batch
+from planner.capture.contract import check_train_batch
+from planner.capture.load import ModelFile
 from planner.capture.stage import stage_module
 from planner.errors import PlannerError, RunFailed
 from planner.run.console import print_flushed
