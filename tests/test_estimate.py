@@ -77,10 +77,47 @@ def test_linear_flops_and_compute_bound_time_are_exact() -> None:
     assert c.bwd_s == pytest.approx(2 * MM / 1e9, rel=1e-9)
     assert c.bwd_input_s == pytest.approx(MM / 1e9, rel=1e-9)  # dX = dY W
     assert c.bwd_weight_s == pytest.approx(MM / 1e9, rel=1e-9)  # dW = dY^T X (+ bias sum, free here)
-    assert c.recompute_s == c.fwd_s
+    # addmm saves its input and weight, which exist before it runs: torch's early stop ends a
+    # checkpoint's recomputation there, before the matmul, so nothing is re-run
+    assert c.recompute_s == 0.0
     assert c.params == IN * OUT + OUT and c.param_bytes == 4 * c.params
     assert c.activation_bytes == 4 * B * T * IN  # addmm saves its input; the weight is a parameter
     assert c.cut_bytes == 4 * B * T * OUT and c.cut_tensors == 1 and c.cut_legal
+
+
+class _TwoLinears(nn.Module):
+    """``lin2(relu(lin1(x)))``, or ``relu(lin1(x))`` alone (``half``)."""
+
+    def __init__(self, half: bool = False) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(IN, OUT)
+        self.lin2 = None if half else nn.Linear(OUT, IN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.lin1(x))
+        return y if self.lin2 is None else self.lin2(y)
+
+
+def test_recompute_stops_at_the_last_saved_tensor_and_leaves_out_the_loss() -> None:
+    # The last tensor the block saves is relu's output (lin2 saves its input, relu its result): a
+    # checkpoint's recomputation runs lin1 and relu and stops before lin2 (torch's early stop), so it
+    # costs exactly the forward of relu(lin1(x)). The block is the last: the loss, which saves
+    # (out - target) after everything, runs outside the stage's regions and moves nothing.
+    def estimate(half: bool):
+        with torch.device("meta"):
+            model = nn.Sequential(_TwoLinears(half))
+        x = torch.empty(B, T, IN, device="meta")
+        target = torch.empty(B, T, OUT if half else IN, device="meta")
+        traced = trace_model(model, (x,))
+        return estimate_blocks(traced, (x,), target, _mse, _spec(), "fp32", progress=False)[0]
+
+    whole, half = estimate(False), estimate(True)
+    assert whole.fwd_s == pytest.approx(2 * MM / 1e9, rel=1e-9)  # two matmuls of MM FLOPs
+    assert whole.recompute_s == pytest.approx(MM / 1e9, rel=1e-9)
+    assert half.recompute_s == pytest.approx(half.fwd_s, rel=1e-9)  # relu(lin1(x)) ends with a saved tensor
+    assert whole.recompute_s == pytest.approx(half.fwd_s, rel=1e-9)
+    # selective keeps the matmul outputs: lin1's comes from the cache, relu (free here) runs again
+    assert whole.selective_recompute_s == pytest.approx(0.0, abs=1e-12)
 
 
 def test_linear_memory_bound_time_is_exact_and_scales_with_dtype() -> None:

@@ -68,10 +68,9 @@ def test_sleeping_blocks_give_known_times(modules):
         assert c.bwd_input_s == pytest.approx(b / 1e3, abs=TOL_S), (c.name, c.bwd_input_s)
         assert c.bwd_weight_s < 3e-3, (c.name, c.bwd_weight_s)
     # recompute: the sleep comes *after* the block's only saved tensor (x * w saves x), so torch's
-    # early-stopping recompute skips it; the last block's loss saves a tensor after the sleep, so
-    # there the whole forward is re-run.
-    assert [c.recompute_s < 5e-3 for c in costs] == [True, True, False]
-    assert costs[-1].recompute_s == pytest.approx(FWD_MS[-1] / 1e3, abs=TOL_S)
+    # early-stopping recompute skips it. The last block's loss saves a tensor after the sleep, but a
+    # stage runs its loss after its checkpoint regions, so there too the sleep is not re-run.
+    assert [c.recompute_s < 5e-3 for c in costs] == [True, True, True]
 
 
 # --- backward split (I / W) and recompute -------------------------------------------------------

@@ -418,10 +418,11 @@ def _reference_solve(
     edge = [links[0] if links else FREE, *links, links[-1] if links else FREE]
     crosses = [True, *boundary_crosses(n_stages, schedule), True]
     plains = [_reference_cost_matrix(blocks, edge[k], edge[k + 1], crosses[k], crosses[k + 1]) for k in range(n_stages)]
-    extra = {"full": [0.0], "selective": [0.0], "never": [0.0] * (len(blocks) + 1)}
+    extra = {"full": [0.0], "selective": [0.0], "fwd": [0.0], "never": [0.0] * (len(blocks) + 1)}
     for b in blocks:
-        extra["full"].append(extra["full"][-1] + recompute_cost(b))  # "stage" recomputes the same
+        extra["full"].append(extra["full"][-1] + recompute_cost(b))
         extra["selective"].append(extra["selective"][-1] + selective_cost(b))
+        extra["fwd"].append(extra["fwd"][-1] + b.fwd_s)  # "stage": every block's forward but the last's
     limit = memory_limit_bytes if memory_limit_bytes is not None else math.inf
     mode = "never" if memory_limit_bytes is None and recompute == "auto" else recompute
     fit = _reference_choice(blocks, optimizer, limit, policy_options(mode, schedule), n_microbatches)
@@ -433,7 +434,9 @@ def _reference_solve(
         c = choice(s, e, k)
         if c is None:
             return math.inf
-        rerun = extra["full" if c == "stage" else c]
+        if c == "stage":  # one region: all but the last block re-run whole, the last up to its last saved tensor
+            return plains[k][s][e] + ((extra["fwd"][e - 1] - extra["fwd"][s]) + recompute_cost(blocks[e - 1]))
+        rerun = extra[c]
         return plains[k][s][e] + (rerun[e] - rerun[s] if c != "never" else 0.0)
 
     allowed: _Allowed = lambda s, e, k: choice(s, e, k) is not None  # noqa: E731
@@ -610,6 +613,19 @@ def _solve_as_brute_force(blocks: list[BlockCost], p: int, link: LinkCost, kw: d
     optimal = [(s, c) for s, b, c in feasible if b <= opt + 1e-9 * max(1.0, opt)]
     best_sum = min(c for _, c in optimal)  # costs on a grid: ties are exact, so the tolerance changes nothing
     assert part.starts == min(s for s, c in optimal if c <= best_sum + 1e-9 * max(1.0, best_sum))
+
+
+def test_each_recompute_mode_reruns_what_its_regions_rerun() -> None:
+    # block by block each region re-runs up to its last saved tensor (recompute_s, selective_recompute_s);
+    # one region over the stage re-runs every block but the last whole (later blocks need their outputs)
+    rec, sel = [0.5, 1.0, 0.25], [0.125, 0.25, 0.375]
+    blocks = [
+        b.model_copy(update={"recompute_s": r, "selective_recompute_s": q})
+        for b, r, q in zip(times([1.0, 2.0, 4.0], b=8.0), rec, sel)
+    ]
+    backward = {mode: stage_time_parts(blocks, 0, 3, FREE, mode)[1] for mode in ("never", "selective", "full", "stage")}
+    assert backward == {"never": 24.0, "selective": 24.75, "full": 25.75, "stage": 27.25}
+    assert stage_time_parts(blocks, 1, 2, FREE, "stage")[1] == stage_time_parts(blocks, 1, 2, FREE, "full")[1] == 9.0
 
 
 @pytest.mark.parametrize("field", ["recompute_s", "bwd_input_s", "bwd_weight_s", "opt_s"])

@@ -219,10 +219,12 @@ class _Arrays:
         pre = [0.0]
         pre_r = [0.0]  # full checkpointing's extra backward
         pre_rs = [0.0]  # selective checkpointing's
+        pre_f = [0.0]  # forwards: a stage as one region re-runs all but its last block's in full
         for b in blocks:
             pre.append(pre[-1] + b.fwd_s + b.bwd_s)
             pre_r.append(pre_r[-1] + recompute_cost(b))
             pre_rs.append(pre_rs[-1] + selective_cost(b))
+            pre_f.append(pre_f[-1] + b.fwd_s)
         self.p = len(in_flight)
         links = boundary_links(link, self.p)
         distinct: list[LinkCost] = []
@@ -252,6 +254,7 @@ class _Arrays:
         self.pre = np.array(pre)
         self.pre_r = np.array(pre_r)
         self.pre_rs = np.array(pre_rs)
+        self.pre_f, self.rerun = np.array(pre_f), np.array([recompute_cost(b) for b in blocks] or [0.0])
         self.send_in = np.array(send_in)
         self.send_out = np.array(send_out)
         self.send_in_min = self.send_in.min(axis=0)  # the cheapest link: bounds every stage index's cost
@@ -458,12 +461,14 @@ class _Arrays:
         with np.errstate(invalid="ignore"):  # inf - inf of an infinite recompute_s: NaN, as the reference gets
             base = self.pre[e] - self.pre[s]
             c0 = np.stack([(base + self.send_in[a][s]) + self.send_out[b][e] for a, b in self.pairs])
-            full = c0 + (self.pre_r[e] - self.pre_r[s]) if self.mode in ("full", "stage", "auto") else c0
+            full = c0 + (self.pre_r[e] - self.pre_r[s]) if self.mode in ("full", "auto") else c0
             selective = c0 + (self.pre_rs[e] - self.pre_rs[s]) if self.mode in ("selective", "auto") else c0
+            one = (
+                c0 + ((self.pre_f[e - 1] - self.pre_f[s]) + self.rerun[e - 1]) if self.mode in ("stage", "auto") else c0
+            )
         fits = self.fit_limits(s, e)
         complete = bool((last_cheap >= last_fit).all())
-        # in MODES' order: a stage run as one region recomputes what full checkpointing does
-        return Stages(n, (s, e), (c0, selective, full, full), fits, complete, self.t_span, band)
+        return Stages(n, (s, e), (c0, selective, full, one), fits, complete, self.t_span, band)  # in MODES' order
 
 
 class _FitSearch:
@@ -677,7 +682,7 @@ def solve(
     arrays = _Arrays(blocks, boundary_links(link, n_stages, schedule), mem, mode, infl, crosses)
     # First cap: the average stage plus the largest block and messages, about where the optimum is
     # when memory does not bind (any value is correct; a close one saves a pass).
-    extra = {"full": arrays.pre_r, "stage": arrays.pre_r, "selective": arrays.pre_rs}.get(mode, 0.0 * arrays.pre)
+    extra = {"full": arrays.pre_r, "stage": arrays.pre_f, "selective": arrays.pre_rs}.get(mode, 0.0 * arrays.pre)
     with np.errstate(invalid="ignore"):  # non-finite inputs search without a cap anyway
         total = float(arrays.pre[n] + extra[n])
         largest = float(np.max(np.diff(arrays.pre) + np.diff(extra)))

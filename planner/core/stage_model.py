@@ -133,10 +133,21 @@ def loss_held(block: BlockCost) -> int:
     return min(block.loss_bytes or 0, block.activation_bytes)
 
 
-def rerun_cost(block: BlockCost, mode: RecomputeMode) -> float:
-    """Extra backward seconds of ``block`` in a stage of recompute ``mode``."""
-    # full and stage run the same forward again (a region's early stop aside)
-    return 0.0 if mode == "never" else selective_cost(block) if mode == "selective" else recompute_cost(block)
+def rerun_s(part: Sequence[BlockCost], mode: RecomputeMode) -> float:
+    """Extra backward seconds of a stage of blocks ``part`` under recompute ``mode``.
+
+    Block by block (full, selective) each region re-runs its own forward only up to the last tensor
+    it saves (torch's early stop), which ``recompute_cost`` / ``selective_cost`` measure per block. A
+    stage run as one region re-runs every block but its last in full, since the later blocks need
+    their outputs, and the last one up to its last saved tensor.
+    """
+    if mode == "never" or not part:
+        return 0.0
+    if mode == "selective":
+        return sum(selective_cost(b) for b in part)
+    if mode == "full":
+        return sum(recompute_cost(b) for b in part)
+    return sum(b.fwd_s for b in part[:-1]) + recompute_cost(part[-1])
 
 
 def checkpoint_units(blocks: Sequence[BlockCost], start: int, end: int) -> list[tuple[int, int]]:
@@ -166,8 +177,7 @@ def stage_time_parts(
 
     The message time is paid once in forward (activations) and once in backward (their gradients,
     the same sizes). Activation checkpointing re-runs each block's forward inside its backward
-    (Chen et al. 2016), so a recomputing stage's backward includes its blocks' ``recompute_cost``
-    (full) or ``selective_cost`` (selective). A stage that
+    (Chen et al. 2016), so a recomputing stage's backward includes ``rerun_s``. A stage that
     waits for its activations starts its forward cold, and one that waits for their gradient its
     backward: ``cold_in`` and ``cold_out`` are added.
 
@@ -188,7 +198,7 @@ def stage_time_parts(
     part = blocks[start:end]
     fwd = sum(b.fwd_s for b in part) + (cold_in(blocks, start) if wait_in else 0.0)
     mode = recompute_mode(recompute)
-    bwd = sum(b.bwd_s for b in part) + (sum(rerun_cost(b, mode) for b in part) if mode != "never" else 0.0)
+    bwd = sum(b.bwd_s for b in part) + rerun_s(part, mode)
     bwd += cold_out(blocks, end) if wait_out else 0.0
     return fwd, bwd, _boundary_send_s(blocks, start, end, link, link_out, cross_in=wait_in, cross_out=wait_out)
 

@@ -128,6 +128,9 @@ class _BlockRun:
     model_output_bytes: int = 0  # the last block: the model's output, which the last stage keeps until backward
     loss_bytes: int = 0  # the last block: what its loss saves for backward (its input excluded)
     kept_out: tuple = ()  # the block's output (the model's, for the last): kept by the next region, not this one
+    # (seconds, kept seconds) of the forward up to the last tensor the block (not its loss) saves: where a
+    # checkpoint's recomputation stops (torch's early stop); a block that saves nothing re-runs nothing
+    rerun: tuple[float, float] = (0.0, 0.0)
 
 
 def _run_block(
@@ -176,9 +179,12 @@ def _run_block(
     saved: dict[int, int] = {}
     by_loss: dict[int, int] = {}  # of those, what the loss saves (its input, the block's output, excluded)
     keep: list[torch.Tensor] = []  # keep saved tensors alive so storage ids stay unique
+    rerun = [(0.0, 0.0)]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         sid = storage_id(t)
+        if not in_loss and sid not in param_storages:  # the block's inputs were written by no operator: (0, 0)
+            rerun[0] = max(rerun[0], mode.stamps.get(sid, (0.0, 0.0)))
         if sid not in param_storages and sid not in saved:
             nbytes = t.untyped_storage().nbytes()
             if float_bytes is not None and t.is_floating_point():
@@ -211,9 +217,8 @@ def _run_block(
         if roots:
             with mode.phase(bwd_input):
                 torch.autograd.grad(roots, wanted, grads, allow_unused=True)
-    return _BlockRun(
-        fwd, bwd, bwd_input, sum(saved.values()), outputs, model_output[0], sum(by_loss.values()), tuple(first_out)
-    )
+    found = (sum(saved.values()), outputs, model_output[0], sum(by_loss.values()), tuple(first_out), rerun[0])
+    return _BlockRun(fwd, bwd, bwd_input, *found)
 
 
 def _as_flat_outputs(out: Any) -> tuple:
@@ -318,7 +323,7 @@ def estimate_blocks(
 
     Returns:
         One BlockCost per block, in block order: fwd_s, bwd_s (= bwd_input_s + bwd_weight_s),
-        recompute_s (= fwd_s), flops_fwd/flops_bwd, opt_s, parameter, activation and cut bytes
+        recompute_s (the forward up to its last saved tensor), flops_fwd/flops_bwd, opt_s, parameter, activation and cut bytes
         in ``dtype``.
 
     Raises:
@@ -455,8 +460,9 @@ def _block_cost(
     width: int,
     optimizer: OptimizerSpec | None,
 ) -> BlockCost:
-    """Block k's record from its roofline run: W = B - I, recompute = the forward (selectively: less
-    its kept operators, whose outputs it keeps), sizes in the planning dtype."""
+    """Block k's record from its roofline run: W = B - I, recompute = the forward up to the last tensor
+    the block saves (selectively: less its kept operators, whose outputs it keeps), sizes in the
+    planning dtype."""
     n_params = sum(p.numel() for p in params)
     param_bytes = sum(p.numel() * (width if p.is_floating_point() else p.element_size()) for p in params)
     out_bytes = sum(
@@ -478,8 +484,8 @@ def _block_cost(
         bwd_s=run.bwd.seconds,
         bwd_input_s=bwd_input_s,
         bwd_weight_s=run.bwd.seconds - bwd_input_s,
-        recompute_s=run.fwd.seconds,
-        selective_recompute_s=max(run.fwd.seconds - run.fwd.kept_seconds, 0.0),
+        recompute_s=run.rerun[0],
+        selective_recompute_s=max(run.rerun[0] - run.rerun[1], 0.0),
         selective_bytes=run.fwd.kept_bytes(run.kept_out),
         loss_bytes=run.loss_bytes if k == len(traced.blocks) - 1 else None,
         flops_fwd=run.fwd.flops,

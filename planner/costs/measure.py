@@ -27,8 +27,11 @@ Recompute (activation checkpointing): ``recompute_s`` is *measured*, not copied 
 the block runs under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` and its forward
 function is timed the second time it is called, which is the recomputation inside backward. With
 torch's default early stop the recomputation ends at the last saved tensor, so ops after it (a
-residual add, a trailing sleep in the test fixtures) are not re-run: recompute ≤ forward. Dropout's
-RNG-state restore is included. Selective checkpointing is timed the same way under the runner's
+residual add, a trailing sleep in the test fixtures) are not re-run: recompute ≤ forward. The last
+block's region holds the block alone and its loss runs after it, as a stage runs them: what the
+loss saves (its log-probabilities) would otherwise make the region re-run the whole output layer,
+which the runner's never does (on an H100, docs/gpu_recompute.md, a Llama 3 8B output layer's
+38 ms forward was charged as its recomputation). Dropout's RNG-state restore is included. Selective checkpointing is timed the same way under the runner's
 policy (``planner.capture.checkpoint``: matmul, convolution and attention outputs kept), giving
 ``selective_recompute_s``: the recomputation plus what the policy adds to the forward itself (its
 Python bookkeeping on every operator, which the first call shows against the plain forward); what that policy keeps of one microbatch (``selective_bytes``) is the
@@ -234,16 +237,22 @@ def _time_block(
     param_storages: set[tuple[int, int]],
     settings: ProfileSettings,
     bar: Any,
+    checkpoint: tuple[Callable[[tuple[Any, ...]], Any], Callable[[Any], Any] | None] | None = None,
 ) -> _Timings:
-    """Warm-up and timed repeats of one block: a full F+B, then I/W and the recompute on fresh inputs."""
+    """Warm-up and timed repeats of one block: a full F+B, then I/W and the recompute on fresh inputs.
+
+    ``checkpoint``: the checkpoint region's forward and what runs after it outside the region (the
+    last block: the block alone, then its loss, as a stage runs them); None: ``forward`` alone.
+    """
+    region, after = checkpoint if checkpoint is not None else (forward, None)
     t = _Timings()
     warmup = settings.warmup
     for r in range(warmup + settings.repeats):
         start = time.perf_counter()
         fwd, bwd, saved = _time_once(forward, grad_inputs(current, grad), param_storages)
         bwd_input, bwd_weight = time_input_weight(forward, grad_inputs(current, grad), weights)
-        recompute = time_recompute(forward, grad_inputs(current, grad))
-        selective_fwd, selective = time_checkpointed(forward, grad_inputs(current, grad), "selective")
+        recompute = time_recompute(region, grad_inputs(current, grad), "full", after)
+        selective_fwd, selective = time_checkpointed(region, grad_inputs(current, grad), "selective", after)
         if r >= warmup:
             t.fwd.append(fwd)
             t.bwd.append(bwd)
@@ -317,7 +326,11 @@ class _BlockTimer:
         forward = leaf_safe(self.forward_of(call, last), grad_inputs(current, grad))
         trial_s = time.perf_counter() - start  # a first call: it compiles the forward of a compiled block
         weights = list(module.parameters())
-        t = _time_block(forward, current, grad, weights, self.param_storages, self.settings, self.bar)
+        checkpoint = None
+        if last:  # the stage's loss runs after its checkpoint regions, not inside the last one
+            checkpoint = (leaf_safe(self.forward_of(call, False), grad_inputs(current, grad)), self._loss_of)
+        args = (self.param_storages, self.settings, self.bar, checkpoint)
+        t = _time_block(forward, current, grad, weights, *args)
         t.warm_s += trial_s
 
         # counted on the eager module (a dispatch mode around a compiled one would recompile it),
@@ -334,6 +347,11 @@ class _BlockTimer:
         if last:
             t.loss_bytes = self._loss_bytes(block, current, grad)
         return t
+
+    def _loss_of(self, out: Any) -> Any:
+        """The model's loss on the last block's output ``out``, under the profile's autocast."""
+        with autocast_context(self.device_type, self.settings.autocast):
+            return self.sample.loss_fn(out, self.sample.target)
 
     def _loss_bytes(self, block: Callable[[tuple[Any, ...]], Any], current: tuple[Any, ...], grad: bool) -> int:
         """Bytes the loss saves for backward on the last block's output (its own output excluded:

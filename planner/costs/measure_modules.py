@@ -275,18 +275,26 @@ def _split_block(
     kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), kwargs)
     device_type = device_type_of(module, (args, kwargs))
 
-    def run(a: tuple[Any, ...]) -> Any:
+    def block(a: tuple[Any, ...]) -> Any:
         with autocast_context(device_type, settings.autocast):
-            out = module(*a, **kwargs)
-            return sample.loss_fn(out, sample.target) if with_loss else out
+            return module(*a, **kwargs)
+
+    def loss(out: Any) -> Any:
+        with autocast_context(device_type, settings.autocast):
+            return sample.loss_fn(out, sample.target)
+
+    def run(a: tuple[Any, ...]) -> Any:
+        return loss(block(a)) if with_loss else block(a)
 
     weights = list(module.parameters())
     runs = []
     try:
         forward = leaf_safe(run, grad_inputs(args, not first))
+        region = leaf_safe(block, grad_inputs(args, not first))
         for r in range(settings.warmup + settings.repeats):
             i_s, w_s = time_input_weight(forward, grad_inputs(args, not first), weights)
-            rec = time_recompute(forward, grad_inputs(args, not first))
+            # the loss runs after the stage's checkpoint regions, as the runner runs it
+            rec = time_recompute(region, grad_inputs(args, not first), "full", loss if with_loss else None)
             if r >= settings.warmup:
                 runs.append((i_s, w_s, rec))
     except RuntimeError:

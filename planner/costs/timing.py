@@ -127,13 +127,17 @@ def time_input_weight(forward: Forward, args: tuple[Any, ...], weights: Sequence
     return t1 - t0, time.perf_counter() - t1
 
 
-def time_recompute(forward: Forward, args: tuple[Any, ...], mode: str = "full") -> float:
+def time_recompute(
+    forward: Forward, args: tuple[Any, ...], mode: str = "full", after: Callable[[Any], Any] | None = None
+) -> float:
     """Seconds the forward takes when activation checkpointing re-runs it inside backward
     (``time_checkpointed``'s second figure)."""
-    return time_checkpointed(forward, args, mode)[1]
+    return time_checkpointed(forward, args, mode, after)[1]
 
 
-def time_checkpointed(forward: Forward, args: tuple[Any, ...], mode: str = "full") -> tuple[float, float]:
+def time_checkpointed(
+    forward: Forward, args: tuple[Any, ...], mode: str = "full", after: Callable[[Any], Any] | None = None
+) -> tuple[float, float]:
     """Seconds of a block's forward under activation checkpointing, and of its re-run inside backward.
 
     The block runs as one checkpoint region as the runner runs it (``planner.capture.checkpoint``:
@@ -143,9 +147,12 @@ def time_checkpointed(forward: Forward, args: tuple[Any, ...], mode: str = "full
     saved, nothing requires grad).
 
     Args:
-        forward: ``forward(args)`` -> the block's output (or the loss, for the last block).
+        forward: ``forward(args)`` -> the block's output.
         args: the block's inputs as a stage receives them.
         mode: "full" or "selective".
+        after: what runs on the region's output outside it (the last block's loss: a stage's loss
+            runs after its checkpoint regions, so what the loss saves never makes the region
+            re-run further); None: nothing.
 
     Returns:
         The forward's seconds under the checkpoint (selectively, with the policy's bookkeeping
@@ -162,6 +169,8 @@ def time_checkpointed(forward: Forward, args: tuple[Any, ...], mode: str = "full
             calls.append(time.perf_counter() - t0)
 
     out = checkpointed(timed, args, mode)
+    if after is not None:
+        out = after(out)
     roots, grads = backward_roots(out)
     if roots:
         torch.autograd.backward(roots, grads)
