@@ -60,6 +60,11 @@ and recomputes the rest (layer norms, GELU, dropout, softmax's neighbours); stag
 stage's input and rebuilds the whole stage at once. The last stage also keeps what its loss saves
 in every mode (the loss runs outside the stage's regions).
 
+What a recomputation costs: each region re-runs its forward only up to the last tensor it saves
+(torch's early stop), which the profiler times and the estimate counts operator by operator; a
+stage run as one region re-runs every block but its last in full. On an H100 the charged extra
+time was checked against `planner run` for every mode (docs/gpu_recompute.md).
+
 {table}
 
 Mean absolute memory error: {mae:.1f}% over {n} stages (never: {mae_never:.1f}%, selective:
