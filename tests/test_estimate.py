@@ -120,6 +120,38 @@ def test_recompute_stops_at_the_last_saved_tensor_and_leaves_out_the_loss() -> N
     assert whole.selective_recompute_s == pytest.approx(0.0, abs=1e-12)
 
 
+class _SavedLate(nn.Module):
+    """``lin2(h) + (2 h + 1)[:, :IN]`` with ``h = lin1(x)``: lin2 saves ``h`` only after the copy,
+    multiply and add that follow lin1 ran (or, ``half``, ``2 h + 1`` alone)."""
+
+    def __init__(self, half: bool = False) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(IN, OUT)
+        self.lin2 = None if half else nn.Linear(OUT, IN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin1(x)
+        c = h.clone() * 2 + 1
+        return c if self.lin2 is None else self.lin2(h) + c[:, :IN]
+
+
+def test_recompute_runs_to_the_last_save_not_to_the_last_saved_tensors_making() -> None:
+    # h is written by lin1, but saved by lin2 after clone, mul and add ran: torch's early stop re-runs
+    # those too (it stops at the matching save). Memory-bound hardware, so the element-wise ops cost.
+    hw = _spec(memory_Bps=1e12)
+
+    def estimate(half: bool):
+        with torch.device("meta"):
+            model = nn.Sequential(_SavedLate(half), nn.ReLU())  # block 0 is not the last: no loss in its forward
+        x = torch.empty(B * T, IN, device="meta")  # 2-D: no view re-marks h at lin2
+        target = torch.empty(B * T, OUT if half else IN, device="meta")
+        return estimate_blocks(trace_model(model, (x,)), (x,), target, _mse, hw, "fp32", progress=False)[0]
+
+    whole, half = estimate(False), estimate(True)
+    assert whole.recompute_s == pytest.approx(half.fwd_s, rel=1e-9)
+    assert 0 < whole.recompute_s < whole.fwd_s
+
+
 def test_linear_memory_bound_time_is_exact_and_scales_with_dtype() -> None:
     hw = _spec(kind="cpu", peak_flops={"fp32": 1e30, "bf16": 1e30}, memory_Bps=1e9)
     # forward = one addmm: reads bias, input and weight, writes the output (views move nothing)

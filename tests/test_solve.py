@@ -419,8 +419,9 @@ def _reference_solve(
     crosses = [True, *boundary_crosses(n_stages, schedule), True]
     plains = [_reference_cost_matrix(blocks, edge[k], edge[k + 1], crosses[k], crosses[k + 1]) for k in range(n_stages)]
     extra = {"full": [0.0], "selective": [0.0], "fwd": [0.0], "never": [0.0] * (len(blocks) + 1)}
-    for b in blocks:
-        extra["full"].append(extra["full"][-1] + recompute_cost(b))
+    for i, b in enumerate(blocks):
+        # a block whose end is no legal cut shares its region with the next: it re-runs in full
+        extra["full"].append(extra["full"][-1] + (recompute_cost(b) if b.cut_legal or i == n - 1 else b.fwd_s))
         extra["selective"].append(extra["selective"][-1] + selective_cost(b))
         extra["fwd"].append(extra["fwd"][-1] + b.fwd_s)  # "stage": every block's forward but the last's
     limit = memory_limit_bytes if memory_limit_bytes is not None else math.inf
@@ -626,6 +627,10 @@ def test_each_recompute_mode_reruns_what_its_regions_rerun() -> None:
     backward = {mode: stage_time_parts(blocks, 0, 3, FREE, mode)[1] for mode in ("never", "selective", "full", "stage")}
     assert backward == {"never": 24.0, "selective": 24.75, "full": 25.75, "stage": 27.25}
     assert stage_time_parts(blocks, 1, 2, FREE, "stage")[1] == stage_time_parts(blocks, 1, 2, FREE, "full")[1] == 9.0
+    # block 0's end is no legal cut: it shares its region with block 1 and re-runs in full under full mode
+    merged = [blocks[0].model_copy(update={"cut_legal": False}), *blocks[1:]]
+    assert stage_time_parts(merged, 0, 3, FREE, "full")[1] == 24.0 + 1.0 + 1.0 + 0.25
+    assert stage_time_parts(merged, 0, 3, FREE, "selective")[1] == backward["selective"]
 
 
 @pytest.mark.parametrize("field", ["recompute_s", "bwd_input_s", "bwd_weight_s", "opt_s"])

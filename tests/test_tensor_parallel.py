@@ -68,6 +68,9 @@ def test_at_degree_splits_compute_memory_and_adds_the_all_reduces() -> None:
     assert one.bwd_input_s == pytest.approx(0.012 * compute + 0.001, rel=1e-12)  # the input gradient's all-reduce
     assert one.bwd_weight_s == pytest.approx(0.008 * compute, rel=1e-12)
     assert one.recompute_s == pytest.approx(0.010 * compute + 0.001, rel=1e-12)  # the forward runs again
+    # a recomputation that stops early (at the block's last saved tensor) re-runs its share of the all-reduces
+    (early,) = at_degree([b.model_copy(update={"recompute_s": 0.004})], 2, LINK)
+    assert early.recompute_s == pytest.approx(0.004 * compute + 0.4 * 0.001, rel=1e-12)
     assert (one.params, one.param_bytes) == (200 + 400, 800 + 1600)
     assert one.activation_bytes == MB // 2 + MB // 4
     assert one.opt_s == pytest.approx(0.004 * 0.6, rel=1e-12) and one.grad_s == pytest.approx(0.002 * 0.6, rel=1e-12)

@@ -158,15 +158,23 @@ def check_batch_contract(
     Raises:
         ModelFileError: a batch of the wrong size, a non-finite loss, or a loss that is not a mean.
     """
+    out_of_memory = False
     try:
         full, parts = _losses_of_halves(mf, model, microbatch_size, seed, device)
     except ModelFileError as e:
         if microbatch_size == 1 or not isinstance(e.__cause__, torch.OutOfMemoryError):
             raise
+        out_of_memory = True
+    if out_of_memory:  # retried outside the handler, so that the failed attempt's tensors are freed first
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        try:
+            full, parts = _losses_of_halves(mf, model, 1, seed, device)
+        except ModelFileError as e:
+            raise ModelFileError(
+                f"{e} (checking the model file on 2 x {microbatch_size} samples ran out of memory, and on 2 x 1)"
+            ) from e.__cause__
         microbatch_size = 1
-        full, parts = _losses_of_halves(mf, model, microbatch_size, seed, device)
     n = 2 * microbatch_size
     if not all(math.isfinite(v) for v in (full, *parts)):
         raise ModelFileError(

@@ -194,7 +194,9 @@ class _Arrays:
 
     Costs are built exactly as a stage-by-stage evaluation builds them (prefix sums accumulated in
     Python in block order; per stage ``((pre[e] - pre[s]) + send_in[s]) + send_out[e]``, plus
-    ``pre_r[e] - pre_r[s]`` when it recomputes), so the vectorised search compares the same floats.
+    ``pre_r[e] - pre_r[s]`` or ``pre_rs[e] - pre_rs[s]`` when it checkpoints block by block, and
+    ``(pre_f[e - 1] - pre_f[s]) + rerun[e - 1]`` as one region: ``stage_model.rerun_s``), so the
+    vectorised search compares the same floats.
 
     With a link per boundary, ``send_in`` and ``send_out`` have one row per distinct link, and stage
     index k costs ``variant[k]``'s row of the candidate costs: the pair (link into stage k, link out
@@ -220,9 +222,10 @@ class _Arrays:
         pre_r = [0.0]  # full checkpointing's extra backward
         pre_rs = [0.0]  # selective checkpointing's
         pre_f = [0.0]  # forwards: a stage as one region re-runs all but its last block's in full
-        for b in blocks:
+        for i, b in enumerate(blocks):
             pre.append(pre[-1] + b.fwd_s + b.bwd_s)
-            pre_r.append(pre_r[-1] + recompute_cost(b))
+            # a block whose end is no legal cut ends no stage and shares its region: it re-runs in full
+            pre_r.append(pre_r[-1] + (recompute_cost(b) if b.cut_legal or i == n - 1 else b.fwd_s))
             pre_rs.append(pre_rs[-1] + selective_cost(b))
             pre_f.append(pre_f[-1] + b.fwd_s)
         self.p = len(in_flight)

@@ -136,17 +136,20 @@ def loss_held(block: BlockCost) -> int:
 def rerun_s(part: Sequence[BlockCost], mode: RecomputeMode) -> float:
     """Extra backward seconds of a stage of blocks ``part`` under recompute ``mode``.
 
-    Block by block (full, selective) each region re-runs its own forward only up to the last tensor
-    it saves (torch's early stop), which ``recompute_cost`` / ``selective_cost`` measure per block. A
-    stage run as one region re-runs every block but its last in full, since the later blocks need
-    their outputs, and the last one up to its last saved tensor.
+    A checkpoint region re-runs its forward only up to its last saved tensor (torch's early stop),
+    which ``recompute_cost`` / ``selective_cost`` measure per block. Block by block (full, selective)
+    the regions are ``checkpoint_units``: a block whose end is no legal cut shares its region with
+    the next, so under full checkpointing it re-runs in full; under selective its tail past its last
+    save is charged nothing (mostly its last matmul, whose output the policy keeps). A stage run as
+    one region re-runs every block but its last in full, since the later blocks need their outputs.
     """
     if mode == "never" or not part:
         return 0.0
     if mode == "selective":
         return sum(selective_cost(b) for b in part)
     if mode == "full":
-        return sum(recompute_cost(b) for b in part)
+        last = len(part) - 1
+        return sum(recompute_cost(b) if b.cut_legal or i == last else b.fwd_s for i, b in enumerate(part))
     return sum(b.fwd_s for b in part[:-1]) + recompute_cost(part[-1])
 
 

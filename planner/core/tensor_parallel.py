@@ -74,6 +74,13 @@ def allowed_degrees(blocks: Sequence[BlockCost], options: Sequence[int]) -> list
     return sorted(t for t in set(options) if limit % t == 0)
 
 
+def _rerun_share(block: BlockCost) -> float:
+    """The share of the block's forward its full recomputation re-runs (1 when unknown)."""
+    if block.recompute_s is None or block.fwd_s <= 0:
+        return 1.0
+    return min(1.0, block.recompute_s / block.fwd_s)
+
+
 def _scaled(x: float | None, factor: float, extra: float = 0.0) -> float | None:
     return None if x is None else x * factor + extra
 
@@ -94,9 +101,11 @@ def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkC
             "bwd_s": block.bwd_s * compute + bwd_comm,
             "bwd_input_s": _scaled(block.bwd_input_s, compute, bwd_comm),
             "bwd_weight_s": _scaled(block.bwd_weight_s, compute),
-            # recomputing the forward runs its all-reduces again
-            "recompute_s": _scaled(block.recompute_s, compute, fwd_comm),
-            "selective_recompute_s": _scaled(block.selective_recompute_s, compute, fwd_comm),
+            # recomputing the forward runs its all-reduces again, those before the block's last saved
+            # tensor only (torch's early stop: a layer's last all-reduce, after its last matmul, is not
+            # re-run): charged the share of the forward the recomputation re-runs
+            "recompute_s": _scaled(block.recompute_s, compute, fwd_comm * _rerun_share(block)),
+            "selective_recompute_s": _scaled(block.selective_recompute_s, compute, fwd_comm * _rerun_share(block)),
             # what selective checkpointing keeps is split as the block's activations are
             "selective_bytes": None
             if block.selective_bytes is None

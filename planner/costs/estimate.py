@@ -128,7 +128,7 @@ class _BlockRun:
     model_output_bytes: int = 0  # the last block: the model's output, which the last stage keeps until backward
     loss_bytes: int = 0  # the last block: what its loss saves for backward (its input excluded)
     kept_out: tuple = ()  # the block's output (the model's, for the last): kept by the next region, not this one
-    # (seconds, kept seconds) of the forward up to the last tensor the block (not its loss) saves: where a
+    # (seconds, kept seconds) of the forward when the block (not its loss) saved its last tensor: where a
     # checkpoint's recomputation stops (torch's early stop); a block that saves nothing re-runs nothing
     rerun: tuple[float, float] = (0.0, 0.0)
 
@@ -183,8 +183,11 @@ def _run_block(
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         sid = storage_id(t)
-        if not in_loss and sid not in param_storages:  # the block's inputs were written by no operator: (0, 0)
-            rerun[0] = max(rerun[0], mode.stamps.get(sid, (0.0, 0.0)))
+        if not in_loss:
+            # torch's early stop ends a checkpoint's recomputation at the save that matches the forward's
+            # last one (parameters' saves included): an operator saves its inputs before its kernel runs
+            # and its outputs after, and the tally here is the forward's seconds at this very save
+            rerun[0] = (mode.tally.seconds, mode.tally.kept_seconds)
         if sid not in param_storages and sid not in saved:
             nbytes = t.untyped_storage().nbytes()
             if float_bytes is not None and t.is_floating_point():

@@ -91,7 +91,6 @@ from planner.costs.timing import (
     time_grad_passes,
     time_input_weight,
     time_optimizer_steps,
-    time_recompute,
 )
 from planner.schema.costs import BlockCost, OptimizerSpec, StepTempRule
 from planner.threads import torch_threads
@@ -195,6 +194,7 @@ class _Timings:
     recompute: list[float] = field(default_factory=list)
     selective: list[float] = field(default_factory=list)  # its recomputation
     selective_fwd: list[float] = field(default_factory=list)  # the forward under its policy
+    region_fwd: list[float] = field(default_factory=list)  # the checkpoint region's forward (no loss), in full mode
     saved_bytes: int = 0
     kept_bytes: int | None = None  # what selective checkpointing keeps (None: not measured)
     loss_bytes: int | None = None  # the last block: what its loss saves (None: not measured)
@@ -251,7 +251,7 @@ def _time_block(
         start = time.perf_counter()
         fwd, bwd, saved = _time_once(forward, grad_inputs(current, grad), param_storages)
         bwd_input, bwd_weight = time_input_weight(forward, grad_inputs(current, grad), weights)
-        recompute = time_recompute(region, grad_inputs(current, grad), "full", after)
+        region_fwd, recompute = time_checkpointed(region, grad_inputs(current, grad), "full", after)
         selective_fwd, selective = time_checkpointed(region, grad_inputs(current, grad), "selective", after)
         if r >= warmup:
             t.fwd.append(fwd)
@@ -261,6 +261,7 @@ def _time_block(
             t.recompute.append(recompute)
             t.selective.append(selective)
             t.selective_fwd.append(selective_fwd)
+            t.region_fwd.append(region_fwd)
             t.saved_bytes = saved
             t.rounds_s.append(time.perf_counter() - start)
         else:
@@ -413,8 +414,10 @@ def _profile_graph(traced: GraphTrace, sample: Sample, settings: ProfileSettings
             recompute_s=statistics.median(t.recompute),
             # the recomputation, and what the policy's bookkeeping adds to the forward (every operator
             # passes it: on a CPU a large share of a small block's forward); that difference of two
-            # timings is taken between their fastest runs, which a loaded machine disturbs least
-            selective_recompute_s=statistics.median(t.selective) + max(0.0, min(t.selective_fwd) - min(t.fwd)),
+            # timings is taken between their fastest runs, which a loaded machine disturbs least; the last
+            # block's region holds no loss, so its forward is compared with the region's under full mode
+            selective_recompute_s=statistics.median(t.selective)
+            + max(0.0, min(t.selective_fwd) - (min(t.region_fwd) if last else min(t.fwd))),
             selective_bytes=t.kept_bytes,
             activation_bytes=t.saved_bytes,
             loss_bytes=t.loss_bytes,

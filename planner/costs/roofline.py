@@ -153,9 +153,6 @@ class Roofline(TorchDispatchMode):
         # matrix product (transformers' MoE experts were such an op): said to the user, not hidden
         self.no_formula: set[str] = set()
         self.tally = Tally()
-        # storage id -> (seconds, kept seconds) of the phase's tally once the operator that wrote it was
-        # charged: how far a checkpoint's recomputation runs to rebuild a saved tensor (torch's early stop)
-        self.stamps: dict[int, tuple[float, float]] = {}
         # the kept outputs (Tally.kept), held so that no later tensor reuses their storage ids
         self.alive: list[torch.Tensor] = []
         self.keep = KeepRule()  # which outputs selective checkpointing keeps (the charged forward runs first)
@@ -198,19 +195,10 @@ class Roofline(TorchDispatchMode):
                     self._add(inner)
                 else:
                     self._charge(func, args, kwargs, r)
-                self._stamp(r)
                 return r
         out = func(*args, **kwargs)
         self._charge(func, args, kwargs, out)
-        self._stamp(out)
         return out
-
-    def _stamp(self, out: Any) -> None:
-        """Note the phase's seconds so far on every tensor ``out`` holds (see ``stamps``)."""
-        now = (self.tally.seconds, self.tally.kept_seconds)
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.stamps[storage_id(t)] = now
 
     def charge_fused(
         self,
@@ -229,13 +217,11 @@ class Roofline(TorchDispatchMode):
         held = {storage_id(t): tensor_bytes(t, self.float_bytes) for t in kept}
         self.alive.extend(kept)
         self._add(Tally(float(flops), nbytes, seconds, 1, seconds if kept else 0.0, held))
-        self._stamp(kept)
 
     @contextlib.contextmanager
     def phase(self, tally: Tally) -> Iterator[Tally]:
         """Charge everything run inside into ``tally`` (attention as one fused kernel where it is)."""
         self.tally = tally
-        self.stamps = {}
         with fused_attention(self), self:
             yield tally
 
