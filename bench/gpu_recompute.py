@@ -1,6 +1,6 @@
 """Checkpointing block by block on a GPU: each recompute mode planned, then trained by `planner run`, into docs/gpu_recompute.md.
 
-    python -m bench.gpu_recompute              # on a machine with an NVIDIA GPU (about 5 minutes on an H100)
+    python -m bench.gpu_recompute              # on a machine with an NVIDIA GPU (about 9 minutes on an H100)
     python -m bench.gpu_recompute --dry-run    # the tiny model on this machine's CPU: the script's own check
 
 docs/gpu_check.md put the roofline beside one GPU for plain training. This page does the same for
