@@ -288,6 +288,16 @@ def blocks_per_stage(plan: Plan) -> str:
 # --------------------------------------------------------------------------------------------------
 # the machine
 # --------------------------------------------------------------------------------------------------
+def gpu_type_of(device_name: str) -> str | None:
+    """The planner's spec name (``--gpu-type``) for a CUDA device name ("NVIDIA H100 80GB HBM3" →
+    "h100"); None when ``planner/core/hardware.py`` has none of that name."""
+    lowered = device_name.lower()
+    for key in ("h200", "h100", "a100", "l40s", "l4", "a10g", "v100", "mi300x"):
+        if key in lowered:
+            return key
+    return None
+
+
 def cpu_model() -> str | None:
     """The CPU's model name from /proc/cpuinfo (``platform.processor()`` is empty on Linux), or None."""
     try:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.common import DOCS, MODELS, ROOT, table, write_page
+from bench.common import DOCS, MODELS, ROOT, gpu_type_of, table, write_page
 from planner.core.hardware import HardwareSpec, get_hardware
 
 DOC = DOCS / "gpu_check.md"
@@ -63,10 +63,9 @@ DRY_MODELS = [("tiny", {"n_layers": 2})]
 
 def _hardware_for(name: str) -> HardwareSpec:
     """The planner's spec for the GPU this runs on, from its CUDA name ("NVIDIA H100 80GB HBM3" → h100)."""
-    lowered = name.lower()
-    for key in ("h200", "h100", "a100", "l40s", "l4", "a10g", "v100", "mi300x"):
-        if key in lowered:
-            return get_hardware(key)
+    key = gpu_type_of(name)
+    if key is not None:
+        return get_hardware(key)
     print(f"{name}: no spec of that name in planner/core/hardware.py; comparing with h100", file=sys.stderr)
     return get_hardware("h100")
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import DOCS, MODELS, PLANNER, plan_and_run, table, write_page
+from bench.common import DOCS, MODELS, PLANNER, gpu_type_of, plan_and_run, table, write_page
 
 DOC = DOCS / "gpu_recompute.md"
 MODES = ("never", "selective", "full", "stage")
@@ -36,15 +36,6 @@ MODES = ("never", "selective", "full", "stage")
 GPU_CASE = ("8b", {"n_layers": 2}, 2, 1)
 DRY_CASE = ("tiny", {"n_layers": 2}, 4, 2)
 GIB = 2**30
-
-
-def _gpu_type(name: str) -> str:
-    """The planner's spec name for this GPU ("NVIDIA H100 80GB HBM3" → h100)."""
-    lowered = name.lower()
-    for key in ("h200", "h100", "a100", "l40s", "l4", "a10g", "v100", "mi300x"):
-        if key in lowered:
-            return key
-    return "h100"
 
 
 def _row(mode: str, source: str, argv: list[str], plan_path: Path, steps: int) -> list[str]:
@@ -93,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device here: run on a GPU machine, or --dry-run", file=sys.stderr)
         return 2
     name = torch.cuda.get_device_name(0) if cuda else "cpu (dry run)"
-    gpu = _gpu_type(name) if cuda else "h100"
+    gpu = (gpu_type_of(name) or "h100") if cuda else "h100"
     size, overrides, batch, micro = DRY_CASE if args.dry_run else GPU_CASE
     tmp = Path(tempfile.mkdtemp(prefix="gpu_recompute_"))
     common = [str(MODELS / "llama.py"), "--size", size, "--gpus", "1", "-b", str(batch), "-m", str(micro)]

@@ -76,8 +76,8 @@ from planner.core.stage_model import (
     cold_in,
     cold_out,
     evaluate,
+    full_rerun_cost,
     parts_from_sums,
-    recompute_cost,
     selective_cost,
     stage_bounds,
     unsharded_bytes,
@@ -222,10 +222,11 @@ class _Arrays:
         pre_r = [0.0]  # full checkpointing's extra backward
         pre_rs = [0.0]  # selective checkpointing's
         pre_f = [0.0]  # forwards: a stage as one region re-runs all but its last block's in full
+        rerun = [full_rerun_cost(b, True) for b in blocks]  # the stage's last block, as one region
         for i, b in enumerate(blocks):
             pre.append(pre[-1] + b.fwd_s + b.bwd_s)
             # a block whose end is no legal cut ends no stage and shares its region: it re-runs in full
-            pre_r.append(pre_r[-1] + (recompute_cost(b) if b.cut_legal or i == n - 1 else b.fwd_s))
+            pre_r.append(pre_r[-1] + (rerun[i] if b.cut_legal or i == n - 1 else full_rerun_cost(b, False)))
             pre_rs.append(pre_rs[-1] + selective_cost(b))
             pre_f.append(pre_f[-1] + b.fwd_s)
         self.p = len(in_flight)
@@ -257,7 +258,7 @@ class _Arrays:
         self.pre = np.array(pre)
         self.pre_r = np.array(pre_r)
         self.pre_rs = np.array(pre_rs)
-        self.pre_f, self.rerun = np.array(pre_f), np.array([recompute_cost(b) for b in blocks] or [0.0])
+        self.pre_f, self.rerun = np.array(pre_f), np.array(rerun or [0.0])
         self.send_in = np.array(send_in)
         self.send_out = np.array(send_out)
         self.send_in_min = self.send_in.min(axis=0)  # the cheapest link: bounds every stage index's cost

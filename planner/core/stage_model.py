@@ -147,10 +147,15 @@ def rerun_s(part: Sequence[BlockCost], mode: RecomputeMode) -> float:
         return 0.0
     if mode == "selective":
         return sum(selective_cost(b) for b in part)
-    if mode == "full":
-        last = len(part) - 1
-        return sum(recompute_cost(b) if b.cut_legal or i == last else b.fwd_s for i, b in enumerate(part))
-    return sum(b.fwd_s for b in part[:-1]) + recompute_cost(part[-1])
+    last = len(part) - 1
+    whole = mode == "stage"  # one region: every block but the last feeds a later one of the same region
+    return sum(full_rerun_cost(b, i == last or (b.cut_legal and not whole)) for i, b in enumerate(part))
+
+
+def full_rerun_cost(block: BlockCost, ends_region: bool) -> float:
+    """What ``block`` re-runs under full checkpointing: up to its last save when it ends its checkpoint
+    region (``recompute_cost``), its whole forward when a later block of the region needs its output."""
+    return recompute_cost(block) if ends_region else block.fwd_s
 
 
 def checkpoint_units(blocks: Sequence[BlockCost], start: int, end: int) -> list[tuple[int, int]]:

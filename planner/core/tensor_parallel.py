@@ -94,6 +94,7 @@ def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkC
     params = block.params - share.sharded_params + math.ceil(share.sharded_params / tp)
     # the optimizer step, the gradient passes and their temporaries follow the bytes each rank holds
     held = param_bytes / block.param_bytes if block.param_bytes else 1.0
+    rerun_comm = fwd_comm * _rerun_share(block)
     activation = block.activation_bytes - share.sharded_activation_bytes + share.sharded_activation_bytes // tp
     return block.model_copy(
         update={
@@ -104,8 +105,8 @@ def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkC
             # recomputing the forward runs its all-reduces again, those before the block's last saved
             # tensor only (torch's early stop: a layer's last all-reduce, after its last matmul, is not
             # re-run): charged the share of the forward the recomputation re-runs
-            "recompute_s": _scaled(block.recompute_s, compute, fwd_comm * _rerun_share(block)),
-            "selective_recompute_s": _scaled(block.selective_recompute_s, compute, fwd_comm * _rerun_share(block)),
+            "recompute_s": _scaled(block.recompute_s, compute, rerun_comm),
+            "selective_recompute_s": _scaled(block.selective_recompute_s, compute, rerun_comm),
             # what selective checkpointing keeps is split as the block's activations are
             "selective_bytes": None
             if block.selective_bytes is None

@@ -289,7 +289,7 @@ class _BlockTimer:
         def run(args: tuple[Any, ...]) -> Any:
             with autocast_context(self.device_type, self.settings.autocast):
                 out = call(*args)
-                return self.sample.loss_fn(out, self.sample.target) if last else out
+            return self._loss_of(out) if last else out
 
         return run
 
