@@ -78,8 +78,20 @@ def _load_plan(path: str) -> Plan:
     show_default=True,
     help="How the replicas reduce gradients: ddp (DistributedDataParallel: an all-reduce; every replica holds "
     "its stages whole), fsdp (fully_shard: parameters, gradients and optimizer state sharded over the "
-    "replicas, gathered by --fsdp-units), or 'auto': ddp where it fits the memory limit, else fsdp. "
+    "replicas, gathered by --fsdp-units), hsdp (fully_shard on a 2-D mesh, as multi-node FSDP runs do: "
+    "sharded inside groups of --dp-shard replicas, replicated across the groups, whose gradients are "
+    "all-reduced once per step), or 'auto': ddp where it fits the memory limit, else fsdp. "
     "Ignored with one replica.",
+)
+@click.option(
+    "--dp-shard",
+    type=REPLICAS_OR_AUTO,
+    default="auto",
+    show_default=True,
+    help="Under --dp-mode hsdp, the replicas of each shard group, a divisor of the replicas (replicas k x N .. "
+    "k x N + N - 1 shard their state among them). 'auto': as many as fit on one node together with their "
+    "pipeline and tensor-parallel ranks (--gpus-per-node; every replica on a machine for measured plans), so "
+    "the gathers stay inside a node and only the groups' all-reduce crosses nodes.",
 )
 @click.option(
     "--fsdp-units",
@@ -306,6 +318,7 @@ def plan_cmd(
     gpus: int,
     dp: int | str,
     dp_mode: str,
+    dp_shard: int | str,
     fsdp_units: str,
     tp: int | str,
     size: str | None,
@@ -353,6 +366,7 @@ def plan_cmd(
         gpus=gpus,
         dp=dp,
         dp_mode=dp_mode,
+        dp_shard=dp_shard,
         fsdp_units=fsdp_units.lower(),
         tp=tp,
         size=size,

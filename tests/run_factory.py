@@ -47,11 +47,12 @@ def make_plan(
     tp_plan: dict[str, str] | None = None,
     accumulation: int = 1,
     fsdp_units: str = "stage",
+    dp_shard: int | None = None,
 ) -> Plan:
     """A valid Plan for ``model_path`` whose stages start at the blocks in ``starts`` (placed on ranks
     as ``schedule`` places ``stages_per_rank`` stages per rank), run as ``dp`` replicas, each pipeline
     rank split over ``tp`` tensor-parallel ranks by ``tp_plan`` (None: the model file's own), each step
-    in ``accumulation`` passes."""
+    in ``accumulation`` passes (under hsdp, ``dp_shard`` replicas per shard group)."""
     import torch
 
     from planner.capture.load import load_model_file
@@ -154,6 +155,7 @@ def make_plan(
         tp_plan=(dict(getattr(mf.module, "tp_plan", {})) if tp_plan is None else tp_plan) if tp > 1 else {},
         accumulation=accumulation,
         fsdp_units=fsdp_units,
+        dp_shard=dp_shard,
     )
 
 

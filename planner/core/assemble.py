@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from planner.core.baselines import param_balanced, uniform_layers
 from planner.core.data_parallel import layout_links
 from planner.core.given import given_starts
-from planner.core.inputs import Cluster, Constraints, Scaling, SearchSpace
+from planner.core.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
 from planner.core.predict import predict, slots_of
 from planner.core.search import Choice, Progress, search
 from planner.core.solve import policy_options
@@ -171,6 +171,7 @@ def given_split(
         stages_per_rank=k // layout.pp,
         replicas=(layout.dp,),
         dp_mode=layout.dp_mode,
+        dp_shard=layout.dp_shard or space.dp_shard,
         degrees=(layout.tp,),
         fsdp_units=layout.fsdp_units,
     )
@@ -312,6 +313,20 @@ def _search_space(request: PlanRequest, blocks: Sequence[BlockCost], tp_plan: di
         tuple(tensor_parallel_degrees(request, blocks, tp_plan)),
         None if request.accumulation == "auto" else request.accumulation,
         request.fsdp_units,
+        None if request.dp_shard == "auto" else request.dp_shard,
+    )
+
+
+def _hsdp_note(request: PlanRequest, layout: Layout) -> str:
+    """What became of ``--dp-mode hsdp`` when the chosen layout's shard groups hold every replica
+    (FSDP) or one (DDP); empty otherwise."""
+    if request.dp_mode != "hsdp" or layout.dp == 1 or layout.dp_mode == "hsdp":
+        return ""
+    size = layout.dp if layout.dp_mode == "fsdp" else 1
+    why = "--dp-shard" if request.dp_shard != "auto" else "one node (--gpus-per-node)"
+    return (
+        f"; --dp-mode hsdp: {why} holds {size} of the {layout.dp} replicas of {layout.pp * layout.tp} rank(s) each, "
+        f"so the shard groups are {layout.dp_mode} (recorded so)"
     )
 
 
@@ -378,6 +393,7 @@ def assemble_plan(
         )
     if request.method == "given" and given is not None:
         chosen = given[0]  # the plan runs the split under the best layout for its stage count
+    note += _hsdp_note(request, chosen.layout)
     predictions = compare_methods(chosen, request, link, slots, given)
     if request.method == "optimal" and request.recompute in ("auto", "never"):  # (the baselines never recompute)
         note += _best_of_baselines(predictions, memory_limit_bytes)
@@ -394,7 +410,8 @@ def assemble_plan(
         n_stages=len(stages),
         n_ranks=chosen.layout.pp,
         dp=chosen.layout.dp,
-        dp_mode=chosen.layout.dp_mode,  # type: ignore[arg-type]  # "ddp" or "fsdp"
+        dp_mode=chosen.layout.dp_mode,  # type: ignore[arg-type]  # "ddp", "fsdp" or "hsdp"
+        dp_shard=chosen.layout.dp_shard or None,
         fsdp_units=chosen.layout.fsdp_units,  # type: ignore[arg-type]  # "stage" or "block"
         tp=chosen.layout.tp,
         tp_plan=dict(tp_plan or {}) if chosen.layout.tp > 1 else {},

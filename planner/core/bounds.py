@@ -69,7 +69,8 @@ def floors(blocks: Sequence[BlockCost], layout: Layout, optimizer: OptimizerSpec
     pp, m, dp = layout.pp, layout.n_microbatches, layout.dp
     split = layout.schedule in SPLIT_BACKWARD
     # what FSDP may shard the optimizer step over: the search plans split-backward schedules with DDP
-    shard = dp if dp > 1 and layout.dp_mode in ("fsdp", "auto") and not split else 1
+    most = layout.dp_shard if layout.dp_mode == "hsdp" else dp  # the most replicas a stage is sharded over
+    shard = most if dp > 1 and layout.dp_mode in ("fsdp", "hsdp", "auto") and not split else 1
     compute = 0.0
     step = 0.0
     p_bytes = n_params = 0
@@ -89,8 +90,8 @@ def floors(blocks: Sequence[BlockCost], layout: Layout, optimizer: OptimizerSpec
     # FSDP holds its stages' weights and gradients whole while the pipeline runs, or block by block
     # only a few units at a time (counted as none here)
     whole = 0 if layout.fsdp_units in ("block", "auto") else 2 * p_bytes
-    fsdp = (static // dp + whole + buffers) // pp
-    modes = {"ddp": ddp, "fsdp": fsdp, "auto": min(ddp, fsdp)}
+    fsdp = (static // max(1, most) + whole + buffers) // pp
+    modes = {"ddp": ddp, "fsdp": fsdp, "hsdp": fsdp, "auto": min(ddp, fsdp)}
     memory = ddp if dp == 1 else modes.get(layout.dp_mode, ddp)
     return (compute * m * layout.accumulation + step / shard) / pp, memory
 

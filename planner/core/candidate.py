@@ -41,7 +41,8 @@ class Choice:
             n_microbatches=layout.n_microbatches,
             stages_per_rank=layout.stages_per_rank,
             dp=layout.dp,
-            dp_mode=layout.dp_mode,  # type: ignore[arg-type]  # "ddp" or "fsdp"
+            dp_mode=layout.dp_mode,  # type: ignore[arg-type]  # "ddp", "fsdp" or "hsdp"
+            dp_shard=layout.dp_shard or None,
             fsdp_units=layout.fsdp_units,  # type: ignore[arg-type]  # "stage" or "block"
             tp=layout.tp,
             accumulation=layout.accumulation,
@@ -165,9 +166,13 @@ def evaluate_choice(
         blocks, split.starts, link, layout, constraints.optimizer, split.recompute, cluster.slots
     )
     fits = limit is None or prediction.max_memory_bytes <= limit
-    mode = "fsdp" if layout.shard > 1 else "ddp"  # one replica is recorded as ddp, whatever was asked
-    units = layout.fsdp_units if mode == "fsdp" else "stage"
-    return Choice(replace(layout, dp_mode=mode, fsdp_units=units), list(blocks), stages, prediction, fits)
+    # one replica is recorded as ddp, whatever was asked
+    mode = ("hsdp" if layout.dp_mode == "hsdp" else "fsdp") if layout.shard > 1 else "ddp"
+    units = layout.fsdp_units if mode != "ddp" else "stage"
+    dp_shard = layout.dp_shard if mode == "hsdp" else 0
+    return Choice(
+        replace(layout, dp_mode=mode, fsdp_units=units, dp_shard=dp_shard), list(blocks), stages, prediction, fits
+    )
 
 
 def evaluate_modes(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout, constraints: Constraints) -> Choice:
@@ -189,18 +194,18 @@ def evaluate_modes(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout
     """
 
     def attempt(mode: str) -> Choice:
-        if mode == "fsdp" and layout.fsdp_units == "auto":
+        if mode != "ddp" and layout.fsdp_units == "auto":
             return _fsdp_units(blocks, cluster, replace(layout, dp_mode=mode), constraints)
-        units = layout.fsdp_units if mode == "fsdp" else "stage"
+        units = layout.fsdp_units if mode != "ddp" else "stage"
         return evaluate_choice(blocks, cluster, replace(layout, dp_mode=mode, fsdp_units=units), constraints)
 
     dp, dp_mode, schedule = layout.dp, layout.dp_mode, layout.schedule
     if dp > 1 and schedule in SPLIT_BACKWARD:
         # torch 2.13's FSDP2 does not follow these schedules' split backward (weight gradients by
         # autograd.grad, past its hooks): the runner cannot shard them, so they are planned with DDP.
-        if dp_mode == "fsdp":
+        if dp_mode in ("fsdp", "hsdp"):
             raise InfeasibleError(
-                f"--dp-mode fsdp cannot run --schedule {schedule} (torch's FSDP2 does not follow its split "
+                f"--dp-mode {dp_mode} cannot run --schedule {schedule} (torch's FSDP2 does not follow its split "
                 "backward); use --dp-mode ddp or another schedule"
             )
         return attempt("ddp")

@@ -11,6 +11,11 @@ step the replicas of every pipeline rank reduce that rank's gradients over their
   parameters (at the first forward) and a reduce-scatter of the gradients (after the last
   backward), ``(dp - 1) / dp x bytes`` each.
 
+HSDP (``dp_mode`` "hsdp", ``dp_shard`` s): FSDP inside each group of s consecutive replicas (its
+gathers and reduce-scatters over the group's link, ``(s - 1) / s`` of the bytes), then an all-reduce
+of each rank's 1/s shard of the gradients over the ``dp / s`` groups (the replicate group's link,
+``2 (dp / s - 1) / (dp / s) x bytes / s``), which FSDP2 runs right after every reduce-scatter.
+
 Each transfer is charged as one message of that volume (``latency + volume / bandwidth``) added to
 the step after the pipeline: the runner's reduction does overlap the last backwards and FSDP's
 gather the first forwards, so this is conservative.
@@ -35,23 +40,48 @@ from planner.schema.plan import Plan, StagePlan
 from planner.schema.result import RunResult
 
 
-def shard_of(dp: int, dp_mode: str) -> int:
+def shard_of(dp: int, dp_mode: str, dp_shard: int = 0) -> int:
     """Replicas a stage's parameters, gradients and optimizer state are sharded over: ``dp`` under
-    FSDP, 1 under DDP (every replica holds the whole stage).
+    FSDP, ``dp_shard`` under HSDP, 1 under DDP (every replica holds the whole stage).
 
     Args:
         dp: data-parallel replicas.
-        dp_mode: "ddp" or "fsdp".
+        dp_mode: "ddp", "fsdp" or "hsdp".
+        dp_shard: under HSDP, the replicas of each shard group (a divisor of ``dp``).
 
     Returns:
         The shard count.
 
     Raises:
-        InfeasibleError: an unknown mode.
+        InfeasibleError: an unknown mode, or HSDP groups that do not divide the replicas.
     """
-    if dp_mode not in ("ddp", "fsdp"):
-        raise InfeasibleError(f"dp_mode {dp_mode!r}; expected 'ddp' or 'fsdp'")
+    if dp_mode not in ("ddp", "fsdp", "hsdp"):
+        raise InfeasibleError(f"dp_mode {dp_mode!r}; expected 'ddp', 'fsdp' or 'hsdp'")
+    if dp_mode == "hsdp":
+        if dp_shard < 1 or dp % dp_shard:
+            raise InfeasibleError(f"HSDP shard groups of {dp_shard} replica(s) do not divide {dp} replicas")
+        return dp_shard
     return dp if dp_mode == "fsdp" else 1
+
+
+def hsdp_shard(dp: int, group_ranks: int, node_ranks: int, asked: int | None = None) -> int:
+    """The replicas of each HSDP shard group for ``dp`` replicas of ``group_ranks`` ranks each
+    (pipeline x tensor-parallel): ``asked`` when given, else the largest divisor of ``dp`` whose
+    replicas fit on one node together (at least 1), so the group's gathers stay inside a node.
+
+    Args:
+        dp: replicas.
+        group_ranks: ranks of one replica (``pp x tp``).
+        node_ranks: ranks per node.
+        asked: the size the user gave (``--dp-shard``), or None.
+
+    Returns:
+        The group size; 0 when ``asked`` does not divide ``dp`` (no such layout).
+    """
+    if asked is not None:
+        return asked if dp % asked == 0 else 0
+    room = max(1, node_ranks // max(1, group_ranks))
+    return max(d for d in range(1, min(dp, room) + 1) if dp % d == 0)
 
 
 def layout_links(link: Links, n_ranks: int, dp: int, tp: int = 1) -> Links:
@@ -116,6 +146,40 @@ def dp_group_links(link: Links, n_ranks: int, dp: int) -> list[LinkCost]:
     return [one] * n_ranks
 
 
+def hsdp_links(link: Links, n_ranks: int, dp: int, shard: int) -> tuple[list[LinkCost], list[LinkCost]]:
+    """The links each pipeline rank's HSDP groups talk over: its shard groups (``shard`` consecutive
+    replicas) and its replicate groups (every ``shard``-th replica), one of each per pipeline rank.
+
+    A group uses the intra-node link when every one of its members is on one node, else the
+    inter-node link; plans with one link use it for both.
+
+    Args:
+        link: the plan's link(s).
+        n_ranks: pipeline ranks of a replica.
+        dp: replicas.
+        shard: replicas per shard group (divides ``dp``).
+
+    Returns:
+        (shard-group links, replicate-group links), one per pipeline rank each.
+    """
+    if not isinstance(link, NodeLinks):
+        one = dp_group_links(link, n_ranks, dp)
+        return one, one
+    intra = link.intra()
+    placed = layout_links(link, n_ranks, dp, link.tp)
+    assert isinstance(placed, NodeLinks)
+    groups = dp // shard
+    # the layout repeats every gpus_per_node replicas (they fill whole nodes): that many groups tell
+    shards = [range(k * shard, (k + 1) * shard) for k in range(min(groups, link.gpus_per_node))]
+    copies = [range(j, dp, shard) for j in range(min(shard, link.gpus_per_node))]
+
+    def over(members: list[range], r: int) -> LinkCost:
+        same = all(placed.node_of(g[0], r) == placed.node_of(g[-1], r) for g in members)  # nodes only grow
+        return intra if same else link.inter
+
+    return [over(shards, r) for r in range(n_ranks)], [over(copies, r) for r in range(n_ranks)]
+
+
 def _transfer_s(volume: float, link: LinkCost) -> float:
     """One message of ``volume`` bytes (a collective's per-rank traffic) over ``link``."""
     return link.latency_s + volume / link.bandwidth_Bps
@@ -174,6 +238,29 @@ def rank_reduce_s(
     return [grad_reduce_s(nbytes, dp, dp_mode, link) for nbytes, link in zip(held, links)]
 
 
+def hsdp_reduce_s(nbytes: int, shard: int, groups: int, link: LinkCost, copies: LinkCost) -> float:
+    """Seconds one pipeline rank spends on HSDP's once-a-step traffic for ``nbytes`` of parameters:
+    FSDP's gather and reduce-scatter inside its shard group of ``shard`` replicas (``link``), then the
+    all-reduce of its 1/shard of the gradients over the ``groups`` groups (``copies``' link).
+
+    Args:
+        nbytes: the rank's parameter (= gradient) bytes.
+        shard: replicas per shard group.
+        groups: shard groups (``dp / shard``).
+        link: the shard group's link.
+        copies: the replicate group's link.
+
+    Returns:
+        Seconds per step.
+    """
+    return grad_reduce_s(nbytes, shard, "fsdp", link) + _allreduce_s(nbytes / shard, groups, copies)
+
+
+def _allreduce_s(nbytes: float, group: int, link: LinkCost) -> float:
+    """A ring all-reduce of ``nbytes`` over ``group`` ranks: ``2 (group - 1) / group x nbytes`` (0 alone)."""
+    return _transfer_s(2 * (group - 1) / group * nbytes, link) if group > 1 else 0.0
+
+
 def block_fsdp_s(
     blocks: Sequence[BlockCost],
     stages: Sequence[StagePlan],
@@ -181,6 +268,8 @@ def block_fsdp_s(
     dp: int,
     n_microbatches: int,
     overlap: bool = True,
+    copies: Sequence[LinkCost] = (),
+    groups: int = 1,
 ) -> list[float]:
     """Seconds each pipeline rank's FSDP traffic adds to one pass when it shards block by block.
 
@@ -191,15 +280,19 @@ def block_fsdp_s(
     largest unit per microbatch); the rest overlaps the rank's forward and backward compute, ``m``
     times its stages' ``fwd_s + bwd_s``, and shows only where it outlasts it. Ranks that share CPU
     cores (gloo) compute and communicate on the same cores: there nothing overlaps (``overlap``
-    False) and all of the traffic shows.
+    False) and all of the traffic shows. Under HSDP (``groups`` shard groups of ``dp`` replicas each)
+    every unit's reduce-scatter is followed by the all-reduce of its shard over the groups, every
+    microbatch too, and overlapped alike.
 
     Args:
         blocks: per-block costs (``param_bytes``).
         stages: the pipeline's stages (``rank``, ``fwd_s``, ``bwd_s`` set).
-        links: each rank's group link (``dp_group_links``).
-        dp: replicas.
+        links: each rank's group link (``dp_group_links``; the shard groups' under HSDP).
+        dp: replicas the units are sharded over (the shard group's under HSDP).
         n_microbatches: microbatches per pass.
         overlap: whether the traffic runs beside the compute (a GPU's copy engines and NICs).
+        copies: under HSDP, each rank's replicate-group link (``hsdp_links``).
+        groups: under HSDP, the shard groups the gradients are all-reduced over (1: none).
 
     Returns:
         Seconds per pass, per rank (0 with one replica).
@@ -213,6 +306,8 @@ def block_fsdp_s(
         units = [u for st in mine for u in checkpoint_units(blocks, st.start, st.end)]
         unit_bytes = [sum(b.param_bytes for b in blocks[a:z]) for a, z in units]
         traffic = 3 * n_microbatches * sum(_transfer_s(share * nbytes, link) for nbytes in unit_bytes)
+        if groups > 1:
+            traffic += n_microbatches * sum(_allreduce_s(nbytes / dp, groups, copies[rank]) for nbytes in unit_bytes)
         waits = 2 * n_microbatches * _transfer_s(share * max(unit_bytes, default=0), link)
         busy = n_microbatches * sum(st.fwd_s + st.bwd_s for st in mine)
         out.append(waits + max(traffic - waits - busy, 0.0) if overlap else traffic)
@@ -258,6 +353,9 @@ __all__ = [
     "check_run_replicas",
     "dp_group_links",
     "grad_reduce_s",
+    "hsdp_links",
+    "hsdp_reduce_s",
+    "hsdp_shard",
     "layout_links",
     "rank_reduce_s",
     "replica_slots",

@@ -59,6 +59,7 @@ class Layout:
             steps once. Memory is one pass's (its receive buffers are ``n_microbatches``' worth).
         fsdp_units: under FSDP, its units: "stage" or "block" (``planner.schema.request.FsdpUnits``),
             or "auto" before the search decides.
+        dp_shard: under HSDP, the replicas of each shard group (a divisor of ``dp``; 0 otherwise).
     """
 
     schedule: str
@@ -70,6 +71,7 @@ class Layout:
     tp: int = 1
     accumulation: int = 1
     fsdp_units: str = "stage"
+    dp_shard: int = 0
 
     @property
     def n_stages(self) -> int:
@@ -79,12 +81,12 @@ class Layout:
     @property
     def shard(self) -> int:
         """Replicas a stage's parameters, gradients and optimizer state are sharded over: ``dp``
-        under FSDP, 1 under DDP (every replica holds the whole stage).
+        under FSDP, ``dp_shard`` under HSDP, 1 under DDP (every replica holds the whole stage).
 
         Raises:
-            InfeasibleError: ``dp_mode`` is not "ddp" or "fsdp" (an "auto" not yet decided).
+            InfeasibleError: ``dp_mode`` is not "ddp", "fsdp" or "hsdp" (an "auto" not yet decided).
         """
-        return shard_of(self.dp, self.dp_mode)
+        return shard_of(self.dp, self.dp_mode, self.dp_shard)
 
     @property
     def per_block(self) -> bool:
@@ -140,8 +142,9 @@ class SearchSpace:
         n_microbatches: microbatches per pass of a replica, or None for the divisors of the replica's batch.
         stages_per_rank: stages per rank, or None for what each schedule allows.
         replicas: the data-parallel replica counts to try (each divides the world size).
-        dp_mode: "ddp", "fsdp" or "auto".
+        dp_mode: "ddp", "fsdp", "hsdp" or "auto".
         fsdp_units: under FSDP, "stage", "block" or "auto" (the faster that fits).
+        dp_shard: under HSDP, the replicas of each shard group, or None for as many as share a node.
         degrees: the tensor-parallel degrees to try (each divides a node's ranks and the world size).
         accumulation: pipeline passes per step, or None to try them (``planner.core.search``).
     """
@@ -155,6 +158,7 @@ class SearchSpace:
     degrees: tuple[int, ...] = (1,)
     accumulation: int | None = 1
     fsdp_units: str = "stage"
+    dp_shard: int | None = None
 
 
 NO_CONSTRAINTS = Constraints()

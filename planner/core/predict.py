@@ -12,7 +12,15 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from planner.core.data_parallel import block_fsdp_s, dp_group_links, layout_links, rank_reduce_s, replica_slots
+from planner.core.data_parallel import (
+    block_fsdp_s,
+    dp_group_links,
+    hsdp_links,
+    hsdp_reduce_s,
+    layout_links,
+    rank_reduce_s,
+    replica_slots,
+)
 from planner.core.inputs import Layout
 from planner.core.links import Links, NodeLinks, boundary_links, default_link, links_around
 from planner.core.schedules import Action, in_flight_per_stage, peak_live_bytes, rank_orders, stage_ranks
@@ -55,8 +63,8 @@ def predict(
         link: cost of one message between neighbouring ranks, or per boundary (a ``NodeLinks`` is
             placed with the schedule: ``planner.core.links.boundary_links``).
         layout: the schedule, pipeline ranks, microbatches per step, stages per rank (looped or V
-            placement, as the schedule places them), replicas and their mode ("ddp" or "fsdp":
-            sharded memory and optimizer step, the same traffic).
+            placement, as the schedule places them), replicas and their mode ("ddp", "fsdp" or
+            "hsdp": sharded memory and optimizer step, each its own traffic).
         optimizer: decides the optimizer-state bytes per parameter byte.
         recompute: per stage, its recompute mode (True: "stage"; empty: no stage recomputes).
         slots: ranks of all replicas that can compute at once (CPU ranks sharing cores: cores /
@@ -100,18 +108,14 @@ def predict(
     # all-reduce, FSDP's all-gather + reduce-scatter: planner.core.data_parallel), charged after the
     # pipeline as if not overlapped with it (conservative: DDP's buckets do overlap the last
     # backwards); the clipping norm needs the reduced gradients, so it waits for the slowest rank.
-    dp_links = dp_group_links(link, p, dp)
-    if layout.per_block:  # FSDP block by block: its traffic runs with every microbatch, mostly hidden
-        dp_reduce_s = max(block_fsdp_s(blocks, stages, dp_links, dp, n_microbatches, overlap=slots is None))
-    else:
-        dp_reduce_s = max(rank_reduce_s(blocks, stages, dp_links, dp, layout.dp_mode)) if dp > 1 else 0.0
+    dp_links, dp_reduce_s = _replica_traffic(blocks, stages, link, layout, overlap=slots is None)
     # Then each rank joins the gradient-norm all-reduce for clipping (one scalar: a reduce and a
     # broadcast, ~2 log2(group) messages) over the pipeline and tensor-parallel group, or over every
     # rank when FSDP shards the gradients; only then does every rank step its optimizer.
     # The step ends when the slowest optimizer is done. Over several nodes its messages pay the
     # slowest link's latency.
     shard = context.shard
-    group = (p * dp if shard > 1 else p) * layout.tp
+    group = p * shard * layout.tp  # under HSDP, one group's replicas hold every gradient once
     latency = max([x.latency_s for x in links] + ([x.latency_s for x in dp_links] if shard > 1 else []), default=0.0)
     allreduce_s = 2 * math.ceil(math.log2(group)) * latency if group > 1 else 0.0
     # before the optimizer each rank averages and clips its gradients: passes over all of them
@@ -206,6 +210,27 @@ def predict_plan(
     )
 
 
+def _replica_traffic(
+    blocks: Sequence[BlockCost], stages: Sequence[StagePlan], link: Links, layout: Layout, *, overlap: bool
+) -> tuple[list[LinkCost], float]:
+    """The links of each pipeline rank's data-parallel (shard) group and the seconds the busiest
+    rank's reduction adds to a pass: DDP's all-reduce or FSDP's gather and reduce-scatter once per
+    step, or FSDP block by block every microbatch, mostly hidden; under HSDP inside each shard group,
+    followed by the all-reduce of the shards over the groups (``planner.core.data_parallel``)."""
+    p, dp, m = layout.pp, layout.dp, layout.n_microbatches
+    if layout.dp_mode != "hsdp" or dp == 1:
+        dp_links = dp_group_links(link, p, dp)
+        if layout.per_block:
+            return dp_links, max(block_fsdp_s(blocks, stages, dp_links, dp, m, overlap=overlap))
+        return dp_links, max(rank_reduce_s(blocks, stages, dp_links, dp, layout.dp_mode)) if dp > 1 else 0.0
+    shard, groups = layout.shard, dp // layout.shard
+    inner, copies = hsdp_links(link, p, dp, shard)
+    if layout.per_block:
+        return inner, max(block_fsdp_s(blocks, stages, inner, shard, m, overlap, copies, groups))
+    held = [sum(b.param_bytes for st in stages if st.rank == r for b in blocks[st.start : st.end]) for r in range(p)]
+    return inner, max(hsdp_reduce_s(n, shard, groups, a, b) for n, a, b in zip(held, inner, copies))
+
+
 def plan_layout(plan: Plan) -> Layout:
     """The layout a plan runs: its schedule, pipeline ranks, microbatches, stages per rank, replicas,
     tensor-parallel degree, passes per step and FSDP units."""
@@ -219,6 +244,7 @@ def plan_layout(plan: Plan) -> Layout:
         plan.tp,
         plan.accumulation,
         plan.fsdp_units,
+        plan.dp_shard or 0,
     )
 
 

@@ -35,8 +35,9 @@ from dataclasses import dataclass, field, replace
 
 from planner.core.bounds import floors
 from planner.core.candidate import Choice, blocks_at, evaluate_choice, evaluate_modes
-from planner.core.data_parallel import tp_link
+from planner.core.data_parallel import hsdp_shard, tp_link
 from planner.core.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
+from planner.core.links import NodeLinks
 from planner.core.schedules import stages_per_rank_options
 from planner.core.stage_model import Partition
 from planner.core.tensor_parallel import at_degree
@@ -121,6 +122,34 @@ def _layouts(
     return out
 
 
+def replica_mode(cluster: Cluster, space: SearchSpace, dp: int, replica_ranks: int) -> tuple[str, int]:
+    """The data-parallel mode of ``space`` for ``dp`` replicas of ``replica_ranks`` ranks, with HSDP's
+    shard groups sized (``hsdp_shard``: ``--dp-shard``, else as many replicas as share a node; one
+    machine for plans without node links). HSDP whose one group holds every replica is FSDP, and of
+    groups of one replica DDP: those are what the layout is searched (and recorded) as.
+
+    Args:
+        cluster: the ranks and their links.
+        space: the search's options (``dp_mode``, ``dp_shard``).
+        dp: replicas.
+        replica_ranks: ranks of one replica (``pp x tp``).
+
+    Returns:
+        (mode, shard group size): the size 0 outside HSDP, -1 when ``--dp-shard`` does not divide ``dp``.
+    """
+    if space.dp_mode != "hsdp":
+        return space.dp_mode, 0
+    if dp == 1:
+        return "ddp", 0
+    node = cluster.link.gpus_per_node if isinstance(cluster.link, NodeLinks) else cluster.world_size
+    shard = hsdp_shard(dp, replica_ranks, node, space.dp_shard)
+    if shard == 0:
+        return space.dp_mode, -1
+    if shard == dp:
+        return "fsdp", 0
+    return ("ddp", 0) if shard == 1 else ("hsdp", shard)
+
+
 @dataclass(frozen=True)
 class _Pending:
     """A layout not yet solved, with what its costs alone say: a lower bound on its step and on the
@@ -156,7 +185,12 @@ def _pending_layouts(
         if pp > sum(1 for b in blocks[:-1] if b.cut_legal) + 1:
             errors.append(InfeasibleError(f"{pp} pipeline ranks (dp={dp}, tp={tp}) are more than the model's stages"))
             continue
-        for layout in _layouts(blocks, space, pp, dp, ms, tp):
+        mode, dp_shard = replica_mode(cluster, space, dp, pp * tp)
+        if dp_shard < 0:
+            errors.append(InfeasibleError(f"--dp-shard {space.dp_shard} does not divide {dp} replicas into groups"))
+            continue
+        for layout in _layouts(blocks, replace(space, dp_mode=mode), pp, dp, ms, tp):
+            layout = replace(layout, dp_shard=dp_shard)
             pending.append(
                 _pending(blocks, cluster, replace(layout, accumulation=fixed_k), space, scaling, constraints, cache)
             )

@@ -143,10 +143,11 @@ def _titan_fields(plan: Plan, renames: Mapping[str, str]) -> dict[str, object]:
         "module_fqns_per_model_part": torchtitan_fqns(plan, renames),
         "tensor_parallel_degree": plan.tp,
     }
-    # ddp replicas replicate the weights; fsdp shards them (torchtitan shards per block, not per stage)
-    fields["data_parallel_replicate_degree"] = plan.dp if plan.dp_mode == "ddp" else 1
-    fields["data_parallel_shard_degree"] = plan.dp if plan.dp_mode == "fsdp" else 1
-    if plan.dp_mode == "fsdp" and plan.dp > 1:
+    # ddp replicas replicate the weights; fsdp shards them (torchtitan shards per block, not per
+    # stage); hsdp shards inside groups and replicates the groups, torchtitan's two degrees both > 1
+    fields["data_parallel_shard_degree"] = plan.shard_size
+    fields["data_parallel_replicate_degree"] = plan.dp // plan.shard_size
+    if plan.sharded:
         # block units reshard after every forward ("always"); a stage kept gathered through the
         # pipeline is torchtitan's "never" (its "default" under pipelining)
         fields["fsdp_reshard_after_forward"] = "always" if plan.fsdp_units == "block" else "never"
@@ -185,6 +186,7 @@ def _notes(plan: Plan) -> list[str]:
     notes = [
         f"{plan.n_stages} stage(s) on {plan.n_ranks} pipeline rank(s), {plan.n_microbatches} microbatch(es) of "
         f"{plan.microbatch_size} sample(s), {plan.dp} {plan.dp_mode} replica(s)"
+        + (f" in shard groups of {plan.dp_shard}" if plan.dp_shard else "")
         + (" sharded block by block" if plan.fsdp_units == "block" else "")
         + f", tensor parallel {plan.tp}",
         f"predicted step {plan.prediction.step_time_s * 1e3:.2f} ms on {plan.profile.hardware or plan.profile.device}",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from planner.core.data_parallel import dp_group_links
+from planner.core.data_parallel import dp_group_links, hsdp_links
 from planner.core.predict import plan_links, slots_of
 from planner.report.throughput import throughput_line
 from planner.schema.costs import GLOO_CPU_LINK
@@ -288,20 +288,31 @@ def layout_line(plan: Plan) -> str:
     if plan.dp > 4:
         replicas.insert(2, "...")
     reduce_ms = f"{plan.prediction.dp_reduce_s * 1e3:.2f} ms/step"
-    if plan.dp_mode == "fsdp" and plan.fsdp_units == "block":
+    name, ways = plan.dp_mode.upper(), plan.shard_size
+    groups = (
+        f" inside {plan.dp // ways} groups of {ways} consecutive replicas, each shard's gradients then all-reduced "
+        "over the groups"
+        if plan.dp_mode == "hsdp"
+        else ""
+    )
+    if plan.sharded and plan.fsdp_units == "block":
         how = (
-            f"FSDP block by block (parameters, gradients and optimizer state sharded {plan.dp} ways; each block "
-            f"gathered for every microbatch's forward and backward, its gradients reduce-scattered then: "
+            f"{name} block by block (parameters, gradients and optimizer state sharded {ways} ways{groups}; each "
+            f"block gathered for every microbatch's forward and backward, its gradients reduce-scattered then: "
             f"{reduce_ms} not hidden by compute)"
         )
-    elif plan.dp_mode == "fsdp":
+    elif plan.sharded:
         how = (
-            f"FSDP (parameters, gradients and optimizer state sharded {plan.dp} ways; all-gather + "
-            f"reduce-scatter {reduce_ms})"
+            f"{name} (parameters, gradients and optimizer state sharded {ways} ways{groups}; all-gather + "
+            f"reduce-scatter{' + all-reduce' if groups else ''} {reduce_ms})"
         )
     else:
         how = f"DDP (all-reduce {reduce_ms})"
-    links = sorted({x.name for x in dp_group_links(plan_links(plan), p, plan.dp)})
+    if plan.dp_mode == "hsdp":
+        inner, copies = hsdp_links(plan_links(plan), p, plan.dp, ways)
+        links = sorted({x.name for x in inner + copies})
+    else:
+        links = sorted({x.name for x in dp_group_links(plan_links(plan), p, plan.dp)})
     over = f" over {', '.join(links)}" if links and links != [plan.link.name] else ""
     if plan.tp == 1:
         return (

@@ -35,6 +35,8 @@ class RankMesh:
         tp_mesh: those ranks as a 1-D ``DeviceMesh`` (the stages are sharded over it; None: tp 1).
         replica_group: every rank of its replica, pipeline and tensor-parallel (the gradient norm
             under tp > 1; None: tp 1).
+        norm_group: under HSDP, every rank of its shard group's replicas (each holds a shard of
+            every gradient once among them: the gradient norm's group; None otherwise).
     """
 
     rank: int
@@ -46,6 +48,7 @@ class RankMesh:
     tp_rank: int = 0
     tp_mesh: Any | None = None
     replica_group: Any | None = None
+    norm_group: Any | None = None
 
 
 def rank_mesh(plan: Plan, rank: int, device: torch.device) -> RankMesh:
@@ -65,6 +68,8 @@ def rank_mesh(plan: Plan, rank: int, device: torch.device) -> RankMesh:
         return RankMesh(rank, rank, 0, dist.group.WORLD, None, None)
     from torch.distributed.device_mesh import init_device_mesh
 
+    if plan.dp_mode == "hsdp":
+        return _mesh_hsdp(plan, rank, device)
     if plan.tp > 1:
         return _mesh_3d(plan, rank, device)
     mesh = init_device_mesh(device.type, (plan.dp, plan.n_ranks), mesh_dim_names=("dp", "pp"))
@@ -101,6 +106,46 @@ def _mesh_3d(plan: Plan, rank: int, device: torch.device) -> RankMesh:
         tp_rank=plan.tp_rank_of(rank),
         tp_mesh=mesh["tp"],
         replica_group=replica_group,
+    )
+
+
+def _mesh_hsdp(plan: Plan, rank: int, device: torch.device) -> RankMesh:
+    """The mesh of an HSDP plan: the replicas split into ``dp / dp_shard`` groups of ``dp_shard``
+    consecutive ones, ``(dp_replicate, dp_shard, pp, tp)``, laid out as ``rank_mesh``'s (replica =
+    replicate index x dp_shard + shard index). FSDP2 shards over the 2-D (dp_replicate, dp_shard)
+    sub-mesh: inside a group by reduce-scatter, across the groups by all-reduce."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shard, pp, tp = plan.shard_size, plan.n_ranks, plan.tp
+    groups = plan.dp // shard
+    mesh = init_device_mesh(
+        device.type, (groups, shard, pp, tp), mesh_dim_names=("dp_replicate", "dp_shard", "pp", "tp")
+    )
+    replica = plan.replica_of(rank)
+    # Every rank creates every group, in the same order (``new_group`` is collective over the world):
+    # one per shard group for the gradient norm, one per (pipeline, tensor-parallel) position over
+    # all the replicas for the losses' mean and the averaging the runner does itself.
+    norm_group = dp_group = None
+    for k in range(groups):
+        group = dist.new_group(
+            [plan.global_rank(k * shard + i, p, t) for i in range(shard) for p in range(pp) for t in range(tp)]
+        )
+        if replica // shard == k:
+            norm_group = group
+    for p, t in [(p, t) for p in range(pp) for t in range(tp)]:
+        group = dist.new_group([plan.global_rank(d, p, t) for d in range(plan.dp)])
+        if (p, t) == (plan.pp_rank_of(rank), plan.tp_rank_of(rank)):
+            dp_group = group
+    return RankMesh(
+        rank=rank,
+        pp_rank=plan.pp_rank_of(rank),
+        replica=replica,
+        pp_group=mesh["pp"].get_group(),
+        dp_group=dp_group,
+        dp_mesh=mesh["dp_replicate", "dp_shard"],
+        tp_rank=plan.tp_rank_of(rank),
+        tp_mesh=mesh["tp"] if tp > 1 else None,
+        norm_group=norm_group,
     )
 
 

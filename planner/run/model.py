@@ -92,9 +92,9 @@ def check_runnable(plan: Plan) -> None:
             "machine has no GPU; run it where the GPUs are, or plan with --gpu-type cpu (or without --gpu-type) "
             "to train here"
         )
-    if plan.dp > 1 and plan.dp_mode == "fsdp" and plan.schedule in SPLIT_BACKWARD:
+    if plan.sharded and plan.schedule in SPLIT_BACKWARD:
         raise PlanFileError(
-            f"the plan shards {plan.dp} replicas with FSDP under --schedule {plan.schedule}, whose split backward "
+            f"the plan shards {plan.dp} replicas with {plan.dp_mode.upper()} under --schedule {plan.schedule}, whose split backward "
             "torch 2.13's FSDP2 does not follow; re-plan with --dp-mode ddp or another schedule"
         )
     selective = [s.index for s in plan.stages if s.recompute == "selective"]

@@ -72,10 +72,13 @@ class Pipeline:
         self.replica, self.replicas = mesh.replica, plan.dp
         self.batch_size = plan.batch_size // plan.dp
         # Under FSDP every rank holds a shard of every parameter of its stages: the norm sums over
-        # all. Under tensor parallelism every rank of the replica holds part of its stages' gradients
+        # all; under HSDP over one shard group's replicas (the other groups hold the same shards).
+        # Under tensor parallelism every rank of the replica holds part of its stages' gradients
         # (``norm_counted`` leaves the replicated copies to tp rank 0).
         self.norm_group = (
-            dist.group.WORLD
+            mesh.norm_group
+            if mesh.norm_group is not None
+            else dist.group.WORLD
             if plan.dp_mode == "fsdp" and plan.dp > 1
             else mesh.replica_group
             if plan.tp > 1

@@ -212,8 +212,8 @@ def _stage_chain(plan: Plan, traced: TracedModel, stage_plan: StagePlan, clock: 
 
 
 def per_block_fsdp(plan: Plan) -> bool:
-    """Whether the plan's replicas shard its stages block by block (FSDP, ``fsdp_units`` "block")."""
-    return plan.dp > 1 and plan.dp_mode == "fsdp" and plan.fsdp_units == "block"
+    """Whether the plan's replicas shard its stages block by block (FSDP or HSDP, ``fsdp_units`` "block")."""
+    return plan.sharded and plan.fsdp_units == "block"
 
 
 def _shard_blocks(stage: _CutStage, mesh: RankMesh) -> None:
@@ -260,7 +260,7 @@ def _replicated(
     module.to(device)
     trainable = [p for p in module.parameters() if p.requires_grad]
     shared = [p for p in trainable if id(p) in seen]
-    fsdp = plan.dp > 1 and plan.dp_mode == "fsdp" and bool(trainable)
+    fsdp = plan.sharded and bool(trainable)
     if fsdp and shared:
         raise PlannerError(
             f"stage {stage.plan.index} shares a tied parameter with another stage on rank {mesh.pp_rank}, "

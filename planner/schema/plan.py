@@ -232,7 +232,8 @@ class Candidate(_Frozen):
     n_microbatches: int = Field(ge=1)
     stages_per_rank: int = Field(ge=1)
     dp: int = Field(default=1, ge=1, description="Data-parallel replicas of the pipeline.")
-    dp_mode: DpMode = Field(default="ddp", description="How the replicas reduce gradients (ddp or fsdp).")
+    dp_mode: DpMode = Field(default="ddp", description="How the replicas reduce gradients (ddp, fsdp or hsdp).")
+    dp_shard: int | None = Field(default=None, ge=2, description="Under hsdp, the replicas of each shard group.")
     fsdp_units: FsdpUnits = Field(
         default="stage", description="Under fsdp, what is gathered at a time (stage or block)."
     )
@@ -308,7 +309,15 @@ class Plan(_Frozen):
         default="ddp",
         description="How the replicas reduce gradients: ddp (DistributedDataParallel, all-reduce; every replica "
         "holds its stages whole) or fsdp (fully_shard: parameters, gradients and optimizer state "
-        "sharded over the replicas). Always ddp with one replica.",
+        "sharded over the replicas) or hsdp (fully_shard on a 2-D mesh: sharded inside groups of dp_shard replicas, "
+        "the groups' gradients all-reduced, as multi-node FSDP runs shard inside a node). Always ddp with one replica.",
+    )
+    dp_shard: int | None = Field(
+        default=None,
+        ge=2,
+        description="Under hsdp, the replicas of each shard group: replicas k x dp_shard .. (k + 1) x dp_shard - 1 "
+        "shard their stages' state among them (mesh dimension dp_shard), replica i of every group holds the "
+        "same shard (dp_replicate). None under ddp and fsdp (fsdp shards over all dp replicas).",
     )
     fsdp_units: FsdpUnits = Field(
         default="stage",
@@ -384,6 +393,19 @@ class Plan(_Frozen):
     def replica_batch_size(self) -> int:
         """Samples per step each replica reads: ``batch_size // dp``."""
         return self.batch_size // self.dp
+
+    @property
+    def shard_size(self) -> int:
+        """Replicas a stage's parameters, gradients and optimizer state are sharded over: 1 under ddp,
+        ``dp`` under fsdp, ``dp_shard`` under hsdp."""
+        if self.dp_mode == "hsdp" and self.dp_shard is not None:
+            return self.dp_shard
+        return self.dp if self.dp_mode == "fsdp" else 1
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the replicas shard their stages with FSDP2's ``fully_shard`` (fsdp or hsdp)."""
+        return self.dp > 1 and self.dp_mode in ("fsdp", "hsdp")
 
     @property
     def world_size(self) -> int:
@@ -492,8 +514,16 @@ class Plan(_Frozen):
             )
         if self.dp == 1 and self.dp_mode != "ddp":
             raise ValueError(f"dp_mode is {self.dp_mode} with one replica; a plan of one replica records ddp")
-        if self.fsdp_units != "stage" and self.dp_mode != "fsdp":
-            raise ValueError(f"fsdp_units is {self.fsdp_units} under {self.dp_mode}; only fsdp shards per block")
+        if self.fsdp_units != "stage" and self.dp_mode == "ddp":
+            raise ValueError(f"fsdp_units is {self.fsdp_units} under ddp; only fsdp and hsdp shard per block")
+        if (self.dp_mode == "hsdp") != (self.dp_shard is not None):
+            raise ValueError(
+                f"dp_shard is {self.dp_shard} under {self.dp_mode}; hsdp and only hsdp names its shard groups"
+            )
+        if self.dp_shard is not None and (self.dp % self.dp_shard or self.dp_shard == self.dp):
+            raise ValueError(
+                f"dp_shard {self.dp_shard} must divide dp {self.dp} into several groups (all replicas in one group is fsdp)"
+            )
         if (self.tp > 1) != bool(self.tp_plan):
             raise ValueError(f"tp is {self.tp} with {len(self.tp_plan)} tp_plan entries; a split needs its plan")
         if len(self.stages) != self.n_stages:

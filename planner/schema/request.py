@@ -21,10 +21,11 @@ Method = Literal["optimal", "uniform", "params", "given"]
 Recompute = Literal["auto", "never", "selective", "full", "stage", "always"]
 """``--recompute``: activation checkpointing per stage ("always": the old name of "full")."""
 Dtype = Literal["bf16", "fp16", "fp32"]
-DpMode = Literal["ddp", "fsdp"]
+DpMode = Literal["ddp", "fsdp", "hsdp"]
 """How data-parallel replicas reduce their gradients: DDP (all-reduce; every replica holds the whole
-stage) or FSDP2 ``fully_shard`` (parameters, gradients and optimizer state sharded; per stage or block
-by block: ``FsdpUnits``)."""
+stage), FSDP2 ``fully_shard`` (parameters, gradients and optimizer state sharded over every replica;
+per stage or block by block: ``FsdpUnits``) or HSDP (``fully_shard`` on a 2-D mesh: sharded inside
+groups of ``dp_shard`` replicas, the groups replicas of each other, their gradients all-reduced)."""
 DP_MODES: tuple[str, ...] = get_args(DpMode)
 FsdpUnits = Literal["stage", "block"]
 """What FSDP gathers at a time: "stage" (one ``fully_shard`` unit per stage, gathered from the first
@@ -157,6 +158,7 @@ class PlanRequest(_Request):
         "gpus": "--gpus",
         "dp": "--dp",
         "dp_mode": "--dp-mode",
+        "dp_shard": "--dp-shard",
         "fsdp_units": "--fsdp-units",
         "tp": "--tp",
         "size": "--size",
@@ -197,7 +199,14 @@ class PlanRequest(_Request):
     dp_mode: DpMode | Literal["auto"] = Field(
         default="auto",
         description="How replicas reduce gradients: ddp (all-reduce), fsdp (fully_shard: parameters, "
-        "gradients and optimizer state sharded over the replicas), or auto: ddp where it fits, else fsdp.",
+        "gradients and optimizer state sharded over the replicas), hsdp (sharded inside groups of --dp-shard "
+        "replicas, the groups' gradients all-reduced), or auto: ddp where it fits, else fsdp.",
+    )
+    dp_shard: int | Literal["auto"] = Field(
+        default="auto",
+        description="Under --dp-mode hsdp, the replicas of each shard group (a divisor of the replicas), or auto: as "
+        "many as fit on one node with their pipeline and tensor-parallel ranks (--gpus-per-node), so the "
+        "gathers stay inside a node and only the groups' all-reduce crosses nodes.",
     )
     fsdp_units: FsdpUnits | Literal["auto"] = Field(
         default="auto",
@@ -302,6 +311,15 @@ class PlanRequest(_Request):
             "need at least one replica: give 1 (one pipeline on every rank) or more, or 'auto'",
         )
 
+    @field_validator("dp_shard", mode="before")
+    @classmethod
+    def _dp_shard_count(cls, value: Any) -> Any:
+        return _count_or_auto(
+            value,
+            "replicas per shard group",
+            "need at least two replicas per shard group: give 2 or more, or 'auto'",
+        )
+
     @field_validator("accumulation", mode="before")
     @classmethod
     def _accumulation_count(cls, value: Any) -> Any:
@@ -348,6 +366,25 @@ class PlanRequest(_Request):
                 "pp pipeline ranks x tp tensor-parallel ranks)"
             )
 
+    def _check_shard_groups(self) -> None:
+        """Refuse a shard group size without hsdp, or one that does not divide the replicas."""
+        if self.dp_shard == "auto":
+            return
+        if self.dp_mode != "hsdp":
+            raise ValueError(
+                f"--dp-shard {self.dp_shard} sizes HSDP's shard groups, but --dp-mode is {self.dp_mode}; add "
+                "--dp-mode hsdp, or leave --dp-shard out"
+            )
+        if self.dp_shard < 2:
+            raise ValueError(
+                f"--dp-shard {self.dp_shard}: a shard group needs at least 2 replicas (1 is --dp-mode ddp)"
+            )
+        if isinstance(self.dp, int) and (self.dp % self.dp_shard or self.dp == self.dp_shard):
+            raise ValueError(
+                f"--dp-shard {self.dp_shard} must divide --dp {self.dp} into at least two groups (shard groups of "
+                "every replica are --dp-mode fsdp)"
+            )
+
     def _check_replicas(self) -> None:
         """Refuse a replica count that does not divide the ranks or the batch (before any model is built)."""
         self._check_tensor_parallel()
@@ -369,6 +406,7 @@ class PlanRequest(_Request):
     @model_validator(mode="after")
     def _consistent(self) -> PlanRequest:
         self._check_replicas()
+        self._check_shard_groups()
         if self.fsdp_units != "auto" and self.dp_mode == "ddp":
             raise ValueError(
                 f"--fsdp-units {self.fsdp_units} shards with FSDP, but --dp-mode is ddp (every replica holds its "
