@@ -77,7 +77,7 @@ Mean absolute memory error: {mae:.1f}% over {n} runs (stage units: {mae_stage:.1
 ## At scale (estimated for absent GPUs, the roofline costs of `planner/core/hardware.py`)
 
 The same choice for the runs of issue 27, planned by name with `--fsdp-units stage` and then
-`--fsdp-units block` (everything else as given):
+`--fsdp-units block` (everything else as given; `--scale-only` recomputes this table alone):
 
 {scale}
 """
@@ -89,6 +89,18 @@ SCALE = [
         "llama.py",
         "70b",
         dict(gpus=64, dp=64, dp_mode="fsdp", recompute="full", batch_size=64, gpu_type="a100-80g"),
+    ),
+    (
+        "Llama 3 70B, HSDP over 64 A100-80G in groups of 8 (one node), local batch 1, full recompute",
+        "llama.py",
+        "70b",
+        dict(gpus=64, dp=64, dp_mode="hsdp", recompute="full", batch_size=64, gpu_type="a100-80g"),
+    ),
+    (
+        "Llama 3 70B, HSDP over 64 A100-80G in groups of 32 (4 nodes), local batch 1, full recompute",
+        "llama.py",
+        "70b",
+        dict(gpus=64, dp=64, dp_mode="hsdp", dp_shard=32, recompute="full", batch_size=64, gpu_type="a100-80g"),
     ),
     (
         "Llama 3.1 8B, FSDP over 8 H100 (96 GB), local batch 2, selective recompute (torchtitan's run)",
@@ -117,12 +129,29 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=6, help="steps per run (the first is warm-up)")
     parser.add_argument("--quick", action="store_true", help="3 steps, block units only")
     parser.add_argument("--out", type=Path, default=DOCS / "fsdp_units.md")
+    parser.add_argument(
+        "--scale-only", action="store_true", help="recompute only the at-scale table of an existing page (no runs)"
+    )
     return parser.parse_args()
+
+
+def rewrite_scale(path: Path) -> None:
+    """Replace the at-scale table of the page at ``path`` (the first table after its heading) by a new one."""
+    text = path.read_text()
+    head = text.index("## At scale")
+    lines = text[head:].split("\n")
+    first = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    last = next((i for i in range(first, len(lines)) if not lines[i].startswith("|")), len(lines))
+    lines[first:last] = table(at_scale(), SCALE_HEADERS).split("\n")
+    write_page(path, text[:head] + "\n".join(lines))
 
 
 def main() -> None:
     """Plan and run every case, write the page."""
     args = parse_args()
+    if args.scale_only:
+        rewrite_scale(args.out)
+        return
     steps = 3 if args.quick else args.steps
     cases = [c for c in CASES if c[0] == "block"][:1] if args.quick else list(CASES)
     rows: list[list[object]] = []
