@@ -3,7 +3,7 @@
 Four replicas in two shard groups of two (``fully_shard`` on the 2-D (dp_replicate, dp_shard)
 mesh) train as the unsplit model does, with one unit per stage and block by block; each rank holds
 half of the state (FSDP over all four, a quarter); a checkpoint written under HSDP resumes under
-FSDP.
+FSDP; with each replica's rank split over 2 tensor-parallel ranks (8 processes) too.
 """
 
 from __future__ import annotations
@@ -59,3 +59,24 @@ def test_an_hsdp_checkpoint_resumes_under_fsdp(tmp_path: Path) -> None:
     kw = dict(schedule="gpipe", optimizer="sgd", lr=0.5)
     fsdp = make_plan(MODELS / "gpt.py", [0], batch_size=8, n_microbatches=2, dp=4, dp_mode="fsdp", **kw)  # type: ignore[arg-type]
     assert_resumes_under(_hsdp(**kw), fsdp, tmp_path)
+
+
+def test_hsdp_over_tensor_parallel_ranks_trains_like_the_unsplit_model(tmp_path: Path) -> None:
+    # 8 processes: 2 groups x 2 replicas x tp 2; fully_shard's 2-D mesh and the tp mesh share one root
+    plan = make_plan(
+        MODELS / "llama.py",
+        [0],
+        schedule="1f1b",
+        batch_size=8,
+        n_microbatches=2,
+        dp=4,
+        dp_mode="hsdp",
+        dp_shard=2,
+        tp=2,
+    )
+    path = saved(plan, tmp_path)
+    got = run_plan(plan, RunRequest(plan_file=path, steps=2, echo=False, save_checkpoints=False))
+    want = train_reference(plan, path, 2)
+    assert len(got.rank_step_times_s) == 8
+    assert_close(got.losses, want.losses, "loss")
+    assert_close(got.grad_norms, want.grad_norms, "grad norm")
