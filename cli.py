@@ -80,7 +80,8 @@ def _load_plan(path: str) -> Plan:
     "its stages whole), fsdp (fully_shard: parameters, gradients and optimizer state sharded over the "
     "replicas, gathered by --fsdp-units), hsdp (fully_shard on a 2-D mesh, as multi-node FSDP runs do: "
     "sharded inside groups of --dp-shard replicas, replicated across the groups, whose gradients are "
-    "all-reduced once per step), or 'auto': ddp where it fits the memory limit, else fsdp. "
+    "all-reduced once per step), or 'auto': ddp where it fits the memory limit, else fsdp, or hsdp in groups "
+    "of one node's replicas where the replicas span nodes and that fits and is faster. "
     "Ignored with one replica.",
 )
 @click.option(

@@ -43,16 +43,24 @@ def _layers(n: int = 4) -> list[BlockCost]:
 
 
 def _plan(
-    *, gpus: int, dp: int | str, link: LinkCost = LINK, profile: ProfileInfo = CPU, n_blocks: int = 4, **kw: object
+    *,
+    gpus: int,
+    dp: int | str,
+    link: LinkCost = LINK,
+    profile: ProfileInfo = CPU,
+    n_blocks: int = 4,
+    dp_mode: str = "hsdp",
+    limit: int | None = None,
+    **kw: object,
 ) -> Plan:
     request = PlanRequest.build(
-        model_file="m.py", gpus=gpus, dp=dp, dp_mode="hsdp", batch_size=16, schedule="gpipe", **kw
+        model_file="m.py", gpus=gpus, dp=dp, dp_mode=dp_mode, batch_size=16, schedule="gpipe", **kw
     )
     profile = profile.model_copy(
         update={"microbatch_size": request.microbatch_size, "min_microbatch_size": request.microbatch_size}
     )
     plan = assemble_plan(
-        request, _layers(n_blocks), link, Origin(REF, profile, "2026-11-26T00:00:00+00:00"), memory_limit_bytes=None
+        request, _layers(n_blocks), link, Origin(REF, profile, "2026-11-26T00:00:00+00:00"), memory_limit_bytes=limit
     )
     return with_links(plan, link)
 
@@ -145,6 +153,26 @@ def test_auto_groups_fill_a_node_and_cross_nodes_only_to_all_reduce() -> None:
     assert layout_line(plan).endswith(
         "all-gather + reduce-scatter + all-reduce 0.09 ms/step) over h100-inter, h100-intra"
     )
+
+
+def test_auto_takes_hsdp_across_nodes_where_ddp_does_not_fit_and_it_is_faster_than_fsdp() -> None:
+    kw = dict(gpus=16, dp=8, link=node_links(H100, 2, 8), profile=GPU, n_blocks=8, fsdp_units="stage")
+    hsdp = _plan(**kw)  # type: ignore[arg-type]
+    fsdp = _plan(dp_mode="fsdp", **kw)  # type: ignore[arg-type]
+    ddp = _plan(dp_mode="ddp", **{**kw, "fsdp_units": "auto"})  # type: ignore[arg-type]
+    assert fsdp.prediction.max_memory_bytes < hsdp.prediction.max_memory_bytes < ddp.prediction.max_memory_bytes
+    assert hsdp.prediction.step_time_s < fsdp.prediction.step_time_s
+    # DDP does not fit, HSDP just does: auto takes it, with its groups of one node's 4 replicas
+    auto = _plan(dp_mode="auto", limit=hsdp.prediction.max_memory_bytes, **kw)  # type: ignore[arg-type]
+    assert (auto.dp_mode, auto.dp_shard) == ("hsdp", 4)
+    assert auto.prediction == hsdp.prediction
+    # a byte less and only FSDP fits
+    tight = _plan(dp_mode="auto", limit=hsdp.prediction.max_memory_bytes - 1, **kw)  # type: ignore[arg-type]
+    assert (tight.dp_mode, tight.dp_shard) == ("fsdp", None)
+    # on one machine (no node links) auto never tries HSDP: FSDP's groups already share the node
+    alone = _plan(gpus=4, dp=4, dp_mode="fsdp", fsdp_units="stage")
+    local = _plan(gpus=4, dp=4, dp_mode="auto", fsdp_units="stage", limit=alone.prediction.max_memory_bytes)
+    assert (local.dp_mode, local.prediction) == ("fsdp", alone.prediction)
 
 
 def test_one_group_of_every_replica_is_recorded_as_fsdp_and_said() -> None:

@@ -177,12 +177,14 @@ def evaluate_choice(
 
 def evaluate_modes(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout, constraints: Constraints) -> Choice:
     """``evaluate_choice`` under a data-parallel mode that may be "auto": DDP when that fits the
-    memory limit, else FSDP when that does (when neither fits, the one needing less memory).
+    memory limit, else FSDP when that does (when neither fits, the one needing less memory), or
+    HSDP in groups of ``layout.dp_shard`` replicas (when over 1: the replicas span nodes) where
+    that fits too and is faster.
 
     Args:
         blocks: per-block costs at the layout's microbatch size.
         cluster: the links and the ranks that compute at once.
-        layout: the layout; its ``dp_mode`` "ddp", "fsdp" or "auto" (with one replica, always ddp).
+        layout: the layout; its ``dp_mode`` "ddp", "fsdp", "hsdp" or "auto" (with one replica, always ddp).
         constraints: the optimizer, the per-rank memory limit and the recompute policy.
 
     Returns:
@@ -224,6 +226,14 @@ def evaluate_modes(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout
         if ddp is None:
             raise
         return ddp
+    if fsdp.fits and layout.dp_shard > 1:
+        # replicas on several nodes: shard groups of one node's replicas (HSDP) gather over the
+        # node's link and cross nodes only to all-reduce a shard; taken where they fit and are faster
+        try:
+            hsdp = attempt("hsdp")
+        except InfeasibleError:
+            return fsdp
+        return hsdp if hsdp.fits and hsdp.prediction.step_time_s < fsdp.prediction.step_time_s else fsdp
     if fsdp.fits or ddp is None:
         return fsdp
     return min((ddp, fsdp), key=lambda c: c.prediction.max_memory_bytes)

@@ -126,7 +126,9 @@ def replica_mode(cluster: Cluster, space: SearchSpace, dp: int, replica_ranks: i
     """The data-parallel mode of ``space`` for ``dp`` replicas of ``replica_ranks`` ranks, with HSDP's
     shard groups sized (``hsdp_shard``: ``--dp-shard``, else as many replicas as share a node; one
     machine for plans without node links). HSDP whose one group holds every replica is FSDP, and of
-    groups of one replica DDP: those are what the layout is searched (and recorded) as.
+    groups of one replica DDP: those are what the layout is searched (and recorded) as. Under
+    "auto" the size is that of the groups ``evaluate_modes`` may try (0: the replicas share a node,
+    or each fills one).
 
     Args:
         cluster: the ranks and their links.
@@ -137,11 +139,15 @@ def replica_mode(cluster: Cluster, space: SearchSpace, dp: int, replica_ranks: i
     Returns:
         (mode, shard group size): the size 0 outside HSDP, -1 when ``--dp-shard`` does not divide ``dp``.
     """
+    node = cluster.link.gpus_per_node if isinstance(cluster.link, NodeLinks) else cluster.world_size
+    if space.dp_mode == "auto" and dp > 1:
+        # the groups "auto" may try, where the replicas span nodes (``evaluate_modes``)
+        shard = hsdp_shard(dp, replica_ranks, node)
+        return "auto", shard if 1 < shard < dp else 0
     if space.dp_mode != "hsdp":
         return space.dp_mode, 0
     if dp == 1:
         return "ddp", 0
-    node = cluster.link.gpus_per_node if isinstance(cluster.link, NodeLinks) else cluster.world_size
     shard = hsdp_shard(dp, replica_ranks, node, space.dp_shard)
     if shard == 0:
         return space.dp_mode, -1

@@ -200,7 +200,8 @@ class PlanRequest(_Request):
         default="auto",
         description="How replicas reduce gradients: ddp (all-reduce), fsdp (fully_shard: parameters, "
         "gradients and optimizer state sharded over the replicas), hsdp (sharded inside groups of --dp-shard "
-        "replicas, the groups' gradients all-reduced), or auto: ddp where it fits, else fsdp.",
+        "replicas, the groups' gradients all-reduced), or auto: ddp where it fits, else fsdp, or hsdp in groups of "
+        "one node's replicas where the replicas span nodes and that fits and is faster.",
     )
     dp_shard: int | Literal["auto"] = Field(
         default="auto",
