@@ -137,6 +137,7 @@ def test_the_search_records_hsdp_and_its_groups() -> None:
     assert (plan.dp_mode, plan.dp_shard, plan.shard_size, plan.n_ranks) == ("hsdp", 2, 2, 1)
     assert plan.prediction.dp_reduce_s == pytest.approx(6e-3, rel=1e-12)
     assert all(c.dp_mode == "hsdp" and c.dp_shard == 2 for c in plan.search)
+    assert "dp=4 (hsdp in groups of 2)" in plan.choice
     assert refresh(Plan.from_json(plan.to_json()))[1] == []  # re-predicted to itself
     line = layout_line(plan)
     assert "HSDP (parameters, gradients and optimizer state sharded 2 ways inside 2 groups of 2" in line

@@ -410,8 +410,9 @@ def describe(layout: Layout) -> str:
 
 
 def dp_label(layout: Layout) -> str:
-    """How the layout's replicas reduce: "ddp", "fsdp", or "fsdp per block"."""
-    return f"{layout.dp_mode} per block" if layout.per_block else layout.dp_mode
+    """How the layout's replicas reduce: "ddp", "fsdp", "fsdp per block" or "hsdp in groups of 4"."""
+    mode = f"hsdp in groups of {layout.dp_shard}" if layout.dp_mode == "hsdp" else layout.dp_mode
+    return f"{mode} per block" if layout.per_block else mode
 
 
 def _nothing_fits(outcome: _Outcome, cluster: Cluster, constraints: Constraints) -> InfeasibleError:

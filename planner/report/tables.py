@@ -166,7 +166,8 @@ def search_table(plan: Plan) -> str:
             row += [c.tp, len(c.starts) // c.stages_per_rank]
         if with_dp:
             units = " per block" if c.fsdp_units == "block" else ""
-            row.append(f"{c.dp} ({c.dp_mode}{units})" if c.dp > 1 else "1")
+            mode = f"hsdp in groups of {c.dp_shard}" if c.dp_mode == "hsdp" else c.dp_mode
+            row.append(f"{c.dp} ({mode}{units})" if c.dp > 1 else "1")
         row += [c.accumulation] if with_k else []
         row += [
             c.n_microbatches,
