@@ -80,7 +80,7 @@ def _load_plan(path: str) -> Plan:
     "its stages whole), fsdp (fully_shard: parameters, gradients and optimizer state sharded over the "
     "replicas, gathered by --fsdp-units), hsdp (fully_shard on a 2-D mesh, as multi-node FSDP runs do: "
     "sharded inside groups of --dp-shard replicas, replicated across the groups, whose gradients are "
-    "all-reduced once per step), or 'auto': ddp where it fits the memory limit, else fsdp, or hsdp in groups "
+    "all-reduced once per pass with stage units, every microbatch with block units), or 'auto': ddp where it fits the memory limit, else fsdp, or hsdp in groups "
     "of one node's replicas where the replicas span nodes and that fits and is faster. "
     "Ignored with one replica.",
 )
@@ -90,16 +90,17 @@ def _load_plan(path: str) -> Plan:
     default="auto",
     show_default=True,
     help="Under --dp-mode hsdp, the replicas of each shard group, a divisor of the replicas (replicas k x N .. "
-    "k x N + N - 1 shard their state among them). 'auto': as many as fit on one node together with their "
-    "pipeline and tensor-parallel ranks (--gpus-per-node; every replica on a machine for measured plans), so "
-    "the gathers stay inside a node and only the groups' all-reduce crosses nodes.",
+    "k x N + N - 1 shard their state among them). 'auto': the largest groups whose replicas, with their "
+    "pipeline and tensor-parallel ranks, each lie on one node (--gpus-per-node; every replica on a machine for "
+    "measured plans), so the gathers stay inside a node and only the groups' all-reduce crosses nodes; where "
+    "one replica fills a node, groups of the fewest replicas.",
 )
 @click.option(
     "--fsdp-units",
     type=click.Choice(["auto", "stage", "block"], case_sensitive=False),
     default="auto",
     show_default=True,
-    help="Under fsdp, what is gathered at a time: stage (each stage one unit, gathered from its first forward to "
+    help="Under fsdp or hsdp, what is gathered at a time: stage (each stage one unit, gathered from its first forward to "
     "its last backward, gradients reduce-scattered once per pass), block (each block its own unit, as torchtitan "
     "shards layers: gathered for every microbatch's forward and again for its backward, resharded after each, "
     "gradients reduce-scattered every microbatch; a few blocks unsharded at a time, the traffic overlapped with "

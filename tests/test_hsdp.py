@@ -65,13 +65,32 @@ def _plan(
     return with_links(plan, link)
 
 
+def test_auto_groups_lie_on_one_node_where_any_do() -> None:
+    # 12 replicas of 1 rank on nodes of 8: groups of 6 would straddle nodes 0 and 1; groups of 4 do not
+    assert hsdp_shard(12, 1, 8) == 4
+    # replicas of 3 ranks on nodes of 8: no group of 2 stays on a node (ranks 6-11 cross): the largest that fits
+    assert hsdp_shard(4, 3, 8) == 2
+    for dp in range(2, 25):
+        for width in (1, 2, 3, 4, 8):
+            for node in (1, 2, 4, 8, 16):
+                size = hsdp_shard(dp, width, node)
+                assert dp % size == 0 and (size == 1 or size * width <= node)
+                whole = [d for d in range(2, dp + 1) if dp % d == 0 and d * width <= node and node % (d * width) == 0]
+                if whole:  # a node-aligned group exists: the one taken is at least as large and node-local
+                    assert size >= max(whole)
+                    assert all(
+                        k * size * width // node == ((k + 1) * size * width - 1) // node for k in range(dp // size)
+                    )
+
+
 def test_the_shard_count_and_the_group_size() -> None:
     assert (shard_of(8, "ddp"), shard_of(8, "fsdp"), shard_of(8, "hsdp", 2)) == (1, 8, 2)
     with pytest.raises(InfeasibleError, match="do not divide 8 replicas"):
         shard_of(8, "hsdp", 3)
     # as many replicas of 2 ranks as a node of 8 holds: 4; of 8 ranks: 1 (the node is one replica)
     assert hsdp_shard(16, 2, 8) == 4 and hsdp_shard(16, 8, 8) == 1
-    assert hsdp_shard(6, 2, 8) == 3  # room for 4, but groups must divide the 6 replicas
+    # room for 4, but groups must divide the 6 replicas, and groups of 3 (6 ranks) would straddle nodes
+    assert hsdp_shard(6, 2, 8) == 2 and hsdp_shard(6, 2, 12) == 6 and hsdp_shard(6, 2, 6) == 3
     assert hsdp_shard(8, 2, 8, asked=2) == 2 and hsdp_shard(8, 2, 8, asked=3) == 0
 
 
@@ -179,7 +198,14 @@ def test_auto_takes_hsdp_across_nodes_where_ddp_does_not_fit_and_it_is_faster_th
 def test_one_group_of_every_replica_is_recorded_as_fsdp_and_said() -> None:
     plan = _plan(gpus=4, dp=4)  # a CPU plan: one machine holds every replica
     assert (plan.dp_mode, plan.dp_shard) == ("fsdp", None)
-    assert "--dp-mode hsdp: one node (--gpus-per-node) holds 4 of the 4 replicas" in plan.choice
+    assert "--dp-mode hsdp: one machine (the plan has no node links" in plan.choice
+    assert "holds all 4 replicas of 1 rank(s) each, so the one shard group is fsdp" in plan.choice
+
+
+def test_hsdp_asked_where_one_replica_fills_a_node_takes_the_smallest_groups() -> None:
+    # 4 replicas of 8 ranks on nodes of 8: no two replicas share a node; groups of 2 (across 2 nodes)
+    plan = _plan(gpus=32, dp=4, link=node_links(H100, 8, 8), profile=GPU, n_blocks=8, fsdp_units="stage")
+    assert (plan.dp_mode, plan.dp_shard, plan.n_ranks) == ("hsdp", 2, 8)
 
 
 def test_auto_replicas_skip_counts_the_groups_do_not_divide() -> None:
@@ -198,10 +224,10 @@ def test_a_plan_checks_its_groups() -> None:
     plan = _plan(gpus=4, dp=4, dp_shard=2)
     data = plan.model_dump(mode="json")
     for update, message in [
-        ({"dp_shard": None}, "hsdp and only hsdp names its shard groups"),
+        ({"dp_shard": None}, "hsdp needs dp_shard"),
         ({"dp_shard": 3}, "dp_shard 3 must divide dp 4"),
         ({"dp_shard": 4}, "dp_shard 4 must divide dp 4 into several groups"),
-        ({"dp_mode": "fsdp"}, "dp_shard is 2 under fsdp"),
+        ({"dp_mode": "fsdp"}, "dp_mode fsdp with dp_shard 2"),
     ]:
         with pytest.raises(ValueError, match=message):
             Plan.model_validate({**data, **update})
@@ -225,6 +251,7 @@ def test_torchtitan_export_gives_both_degrees() -> None:
         (["--dp", "4", "--dp-mode", "hsdp", "--dp-shard", "4"], "error: --dp-shard 4 must divide --dp 4"),
         (["--dp", "4", "--dp-mode", "hsdp", "--dp-shard", "1"], "error: --dp-shard 1: a shard group needs at least 2"),
         (["--dp", "4", "--dp-mode", "hsdp", "--dp-shard", "x"], "error: --dp-shard"),
+        (["--dp-mode", "hsdp", "--dp-shard", "2"], "error: --dp-shard 2 groups replicas, but --dp is 1"),
     ],
 )
 def test_plan_command_hsdp_mistakes_are_one_line(args: list[str], message: str, tmp_path: Path) -> None:

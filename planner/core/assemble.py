@@ -14,6 +14,7 @@ from planner.core.baselines import param_balanced, uniform_layers
 from planner.core.data_parallel import layout_links
 from planner.core.given import given_starts
 from planner.core.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
+from planner.core.links import NodeLinks
 from planner.core.predict import predict, slots_of
 from planner.core.search import Choice, Progress, search
 from planner.core.solve import policy_options
@@ -317,16 +318,20 @@ def _search_space(request: PlanRequest, blocks: Sequence[BlockCost], tp_plan: di
     )
 
 
-def _hsdp_note(request: PlanRequest, layout: Layout) -> str:
-    """What became of ``--dp-mode hsdp`` when the chosen layout's shard groups hold every replica
-    (FSDP) or one (DDP); empty otherwise."""
+def _hsdp_note(request: PlanRequest, layout: Layout, link: LinkCost) -> str:
+    """What became of ``--dp-mode hsdp`` when the chosen layout's one shard group holds every replica
+    (recorded as FSDP); empty otherwise."""
     if request.dp_mode != "hsdp" or layout.dp == 1 or layout.dp_mode == "hsdp":
         return ""
-    size = layout.dp if layout.dp_mode == "fsdp" else 1
-    why = "--dp-shard" if request.dp_shard != "auto" else "one node (--gpus-per-node)"
+    if request.dp_shard != "auto":
+        why = f"--dp-shard {request.dp_shard} is"
+    elif isinstance(link, NodeLinks):
+        why = "one node (--gpus-per-node) holds"
+    else:
+        why = "one machine (the plan has no node links: add --gpu-type and --gpus-per-node to plan for nodes) holds"
     return (
-        f"; --dp-mode hsdp: {why} holds {size} of the {layout.dp} replicas of {layout.pp * layout.tp} rank(s) each, "
-        f"so the shard groups are {layout.dp_mode} (recorded so)"
+        f"; --dp-mode hsdp: {why} all {layout.dp} replicas of {layout.pp * layout.tp} rank(s) each, so the one "
+        "shard group is fsdp (recorded so)"
     )
 
 
@@ -393,7 +398,7 @@ def assemble_plan(
         )
     if request.method == "given" and given is not None:
         chosen = given[0]  # the plan runs the split under the best layout for its stage count
-    note += _hsdp_note(request, chosen.layout)
+    note += _hsdp_note(request, chosen.layout, link)
     predictions = compare_methods(chosen, request, link, slots, given)
     if request.method == "optimal" and request.recompute in ("auto", "never"):  # (the baselines never recompute)
         note += _best_of_baselines(predictions, memory_limit_bytes)

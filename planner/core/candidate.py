@@ -126,8 +126,8 @@ def evaluate_choice(
     The solver gets each stage's in-flight count from its place in the schedule and, with several
     stages per rank, a per-stage share ``limit / v`` of the memory limit (a rank's stages together
     then fit); the prediction's per-rank peak decides ``fits``. ``blocks`` are costed at the
-    layout's microbatch size; its ``dp`` replicas reduce gradients by its ``dp_mode`` ("ddp" or
-    "fsdp"), and FSDP's shards are what the memory limit holds.
+    layout's microbatch size; its ``dp`` replicas reduce gradients by its ``dp_mode`` ("ddp",
+    "fsdp" or "hsdp"), and FSDP's shards are what the memory limit holds.
 
     Args:
         blocks: per-block costs at the layout's microbatch size.

@@ -67,7 +67,9 @@ def shard_of(dp: int, dp_mode: str, dp_shard: int = 0) -> int:
 def hsdp_shard(dp: int, group_ranks: int, node_ranks: int, asked: int | None = None) -> int:
     """The replicas of each HSDP shard group for ``dp`` replicas of ``group_ranks`` ranks each
     (pipeline x tensor-parallel): ``asked`` when given, else the largest divisor of ``dp`` whose
-    replicas fit on one node together (at least 1), so the group's gathers stay inside a node.
+    groups each lie on one node (replica k's ranks are ``k x group_ranks`` on, nodes of
+    ``node_ranks``), so the groups' gathers stay inside a node; where no group of two or more does,
+    the largest that fits a node's rank count (1 when one replica fills a node).
 
     Args:
         dp: replicas.
@@ -80,8 +82,16 @@ def hsdp_shard(dp: int, group_ranks: int, node_ranks: int, asked: int | None = N
     """
     if asked is not None:
         return asked if dp % asked == 0 else 0
-    room = max(1, node_ranks // max(1, group_ranks))
-    return max(d for d in range(1, min(dp, room) + 1) if dp % d == 0)
+    width = max(1, group_ranks)
+    room = max(1, node_ranks // width)
+    sizes = [d for d in range(min(dp, room), 0, -1) if dp % d == 0]
+
+    def on_one_node(size: int) -> bool:
+        # the placement repeats every node_ranks groups: those tell
+        firsts = [k * size * width for k in range(min(dp // size, node_ranks))]
+        return all(a // node_ranks == (a + size * width - 1) // node_ranks for a in firsts)
+
+    return next((d for d in sizes if d > 1 and on_one_node(d)), sizes[0])
 
 
 def layout_links(link: Links, n_ranks: int, dp: int, tp: int = 1) -> Links:
@@ -239,7 +249,7 @@ def rank_reduce_s(
 
 
 def hsdp_reduce_s(nbytes: int, shard: int, groups: int, link: LinkCost, copies: LinkCost) -> float:
-    """Seconds one pipeline rank spends on HSDP's once-a-step traffic for ``nbytes`` of parameters:
+    """Seconds one pipeline rank spends on HSDP's once-a-pass traffic (stage units) for ``nbytes`` of parameters:
     FSDP's gather and reduce-scatter inside its shard group of ``shard`` replicas (``link``), then the
     all-reduce of its 1/shard of the gradients over the ``groups`` groups (``copies``' link).
 

@@ -51,7 +51,7 @@ class Layout:
         n_microbatches: microbatches per step of one replica.
         stages_per_rank: stages on every pipeline rank.
         dp: data-parallel replicas of the pipeline.
-        dp_mode: how the replicas reduce gradients: "ddp", "fsdp", or "auto" before the search
+        dp_mode: how the replicas reduce gradients: "ddp", "fsdp", "hsdp", or "auto" before the search
             decides (``planner.core.search.evaluate_modes``).
         tp: tensor-parallel ranks each pipeline rank is split over (inside one node).
         accumulation: pipeline passes per step (gradient accumulation): each replica runs the
@@ -144,7 +144,7 @@ class SearchSpace:
         replicas: the data-parallel replica counts to try (each divides the world size).
         dp_mode: "ddp", "fsdp", "hsdp" or "auto".
         fsdp_units: under FSDP, "stage", "block" or "auto" (the faster that fits).
-        dp_shard: under HSDP, the replicas of each shard group, or None for as many as share a node.
+        dp_shard: under HSDP, the replicas of each shard group, or None for the largest that lie on one node.
         degrees: the tensor-parallel degrees to try (each divides a node's ranks and the world size).
         accumulation: pipeline passes per step, or None to try them (``planner.core.search``).
     """

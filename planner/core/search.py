@@ -125,8 +125,9 @@ def _layouts(
 def replica_mode(cluster: Cluster, space: SearchSpace, dp: int, replica_ranks: int) -> tuple[str, int]:
     """The data-parallel mode of ``space`` for ``dp`` replicas of ``replica_ranks`` ranks, with HSDP's
     shard groups sized (``hsdp_shard``: ``--dp-shard``, else as many replicas as share a node; one
-    machine for plans without node links). HSDP whose one group holds every replica is FSDP, and of
-    groups of one replica DDP: those are what the layout is searched (and recorded) as. Under
+    machine for plans without node links). HSDP whose one group holds every replica is FSDP: that is
+    what the layout is searched (and recorded) as. Where one replica fills a node, HSDP asked for
+    takes the smallest groups (they must cross nodes). Under
     "auto" the size is that of the groups ``evaluate_modes`` may try (0: the replicas share a node,
     or each fills one).
 
@@ -149,11 +150,14 @@ def replica_mode(cluster: Cluster, space: SearchSpace, dp: int, replica_ranks: i
     if dp == 1:
         return "ddp", 0
     shard = hsdp_shard(dp, replica_ranks, node, space.dp_shard)
+    if shard == 1:
+        # asked for HSDP where one replica fills a node: groups must cross nodes, the smallest do least
+        shard = min(d for d in range(2, dp + 1) if dp % d == 0)
     if shard == 0:
         return space.dp_mode, -1
     if shard == dp:
         return "fsdp", 0
-    return ("ddp", 0) if shard == 1 else ("hsdp", shard)
+    return "hsdp", shard
 
 
 @dataclass(frozen=True)

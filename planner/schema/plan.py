@@ -235,7 +235,7 @@ class Candidate(_Frozen):
     dp_mode: DpMode = Field(default="ddp", description="How the replicas reduce gradients (ddp, fsdp or hsdp).")
     dp_shard: int | None = Field(default=None, ge=2, description="Under hsdp, the replicas of each shard group.")
     fsdp_units: FsdpUnits = Field(
-        default="stage", description="Under fsdp, what is gathered at a time (stage or block)."
+        default="stage", description="Under fsdp or hsdp, what is gathered at a time (stage or block)."
     )
     tp: int = Field(default=1, ge=1, description="Tensor-parallel ranks each stage is split over.")
     accumulation: int = Field(
@@ -321,10 +321,10 @@ class Plan(_Frozen):
     )
     fsdp_units: FsdpUnits = Field(
         default="stage",
-        description="Under fsdp, the fully_shard units: stage (each stage one unit, gathered from its first "
+        description="Under fsdp or hsdp, the fully_shard units: stage (each stage one unit, gathered from its first "
         "forward to its last backward, gradients reduce-scattered once per pass) or block (each checkpoint "
         "unit of blocks its own, resharded after every forward and backward, gradients reduce-scattered every "
-        "microbatch). Always stage without fsdp.",
+        "microbatch). Always stage under ddp.",
     )
     tp: int = Field(
         default=1,
@@ -518,7 +518,8 @@ class Plan(_Frozen):
             raise ValueError(f"fsdp_units is {self.fsdp_units} under ddp; only fsdp and hsdp shard per block")
         if (self.dp_mode == "hsdp") != (self.dp_shard is not None):
             raise ValueError(
-                f"dp_shard is {self.dp_shard} under {self.dp_mode}; hsdp and only hsdp names its shard groups"
+                f"dp_mode {self.dp_mode} with dp_shard {self.dp_shard}: hsdp needs dp_shard (replicas per shard "
+                "group), and only hsdp has one"
             )
         if self.dp_shard is not None and (self.dp % self.dp_shard or self.dp_shard == self.dp):
             raise ValueError(

@@ -205,13 +205,13 @@ class PlanRequest(_Request):
     )
     dp_shard: int | Literal["auto"] = Field(
         default="auto",
-        description="Under --dp-mode hsdp, the replicas of each shard group (a divisor of the replicas), or auto: as "
-        "many as fit on one node with their pipeline and tensor-parallel ranks (--gpus-per-node), so the "
-        "gathers stay inside a node and only the groups' all-reduce crosses nodes.",
+        description="Under --dp-mode hsdp, the replicas of each shard group (a divisor of the replicas), or auto: the "
+        "largest groups whose replicas (with their pipeline and tensor-parallel ranks) each lie on one node "
+        "(--gpus-per-node), so the gathers stay inside a node and only the groups' all-reduce crosses nodes.",
     )
     fsdp_units: FsdpUnits | Literal["auto"] = Field(
         default="auto",
-        description="Under fsdp, what is gathered at a time: stage (each stage one unit, gathered for the whole "
+        description="Under fsdp or hsdp, what is gathered at a time: stage (each stage one unit, gathered for the whole "
         "step, reduced once), block (each block its own unit, gathered again for every microbatch's forward and "
         "backward and resharded after each, as torchtitan shards layers: far less memory, more traffic, "
         "overlapped with compute), or auto: the faster of the two that fits.",
@@ -380,6 +380,11 @@ class PlanRequest(_Request):
             raise ValueError(
                 f"--dp-shard {self.dp_shard}: a shard group needs at least 2 replicas (1 is --dp-mode ddp)"
             )
+        if self.dp == 1:
+            raise ValueError(
+                f"--dp-shard {self.dp_shard} groups replicas, but --dp is 1 (one pipeline on every rank); give --dp K "
+                "(a multiple of it, at least twice it) or --dp auto"
+            )
         if isinstance(self.dp, int) and (self.dp % self.dp_shard or self.dp == self.dp_shard):
             raise ValueError(
                 f"--dp-shard {self.dp_shard} must divide --dp {self.dp} into at least two groups (shard groups of "
@@ -411,7 +416,7 @@ class PlanRequest(_Request):
         if self.fsdp_units != "auto" and self.dp_mode == "ddp":
             raise ValueError(
                 f"--fsdp-units {self.fsdp_units} shards with FSDP, but --dp-mode is ddp (every replica holds its "
-                "stages whole); use --dp-mode fsdp (or auto), or leave --fsdp-units out"
+                "stages whole); use --dp-mode fsdp, hsdp or auto, or leave --fsdp-units out"
             )
         k = self.passes
         if k > 1 and self.batch_size % (self.profile_dp * k):
