@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from planner.errors import PlannerError
 from planner.schema.costs import OptimizerSpec
@@ -303,41 +303,32 @@ class PlanRequest(_Request):
             data = {**data, "schedule": name}
         return data
 
-    @field_validator("dp", mode="before")
-    @classmethod
-    def _dp_count(cls, value: Any) -> Any:
-        return _count_or_auto(
-            value,
+    # what each count-or-auto option counts, and the hint for one under 1
+    _COUNTS: ClassVar[dict[str, tuple[str, str]]] = {
+        "dp": (
             "data-parallel replicas",
             "need at least one replica: give 1 (one pipeline on every rank) or more, or 'auto'",
-        )
-
-    @field_validator("dp_shard", mode="before")
-    @classmethod
-    def _dp_shard_count(cls, value: Any) -> Any:
-        return _count_or_auto(
-            value,
+        ),
+        "dp_shard": (
             "replicas per shard group",
             "need at least two replicas per shard group: give 2 or more, or 'auto'",
-        )
-
-    @field_validator("accumulation", mode="before")
-    @classmethod
-    def _accumulation_count(cls, value: Any) -> Any:
-        return _count_or_auto(
-            value,
+        ),
+        "accumulation": (
             "pipeline passes per step",
             "need at least one pass: give 1 (no gradient accumulation) or more, or 'auto'",
-        )
-
-    @field_validator("tp", mode="before")
-    @classmethod
-    def _tp_count(cls, value: Any) -> Any:
-        return _count_or_auto(
-            value,
+        ),
+        "tp": (
             "tensor-parallel ranks",
             "need at least one rank per split: give 1 (no tensor parallelism) or more, or 'auto'",
-        )
+        ),
+    }
+
+    @field_validator(*_COUNTS, mode="before")
+    @classmethod
+    def _count(cls, value: Any, info: ValidationInfo) -> Any:
+        assert info.field_name is not None  # a field's validator always has its name
+        what, hint = cls._COUNTS[info.field_name]
+        return _count_or_auto(value, what, hint)
 
     @field_validator("recompute", mode="after")
     @classmethod
