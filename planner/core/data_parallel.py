@@ -242,10 +242,17 @@ def rank_reduce_s(
     Returns:
         Seconds per rank.
     """
-    held = [0] * len(links)
+    held = rank_param_bytes(blocks, stages, len(links))
+    return [grad_reduce_s(nbytes, dp, dp_mode, link) for nbytes, link in zip(held, links)]
+
+
+def rank_param_bytes(blocks: Sequence[BlockCost], stages: Sequence[StagePlan], n_ranks: int) -> list[int]:
+    """The parameter bytes each of ``n_ranks`` pipeline ranks holds over all of its stages (tied copies
+    charged as ``blocks`` charge them): what its replicas reduce."""
+    held = [0] * n_ranks
     for st in stages:
         held[st.rank] += sum(b.param_bytes for b in blocks[st.start : st.end])
-    return [grad_reduce_s(nbytes, dp, dp_mode, link) for nbytes, link in zip(held, links)]
+    return held
 
 
 def hsdp_reduce_s(nbytes: int, shard: int, groups: int, link: LinkCost, copies: LinkCost) -> float:
@@ -367,6 +374,7 @@ __all__ = [
     "hsdp_reduce_s",
     "hsdp_shard",
     "layout_links",
+    "rank_param_bytes",
     "rank_reduce_s",
     "replica_slots",
     "shard_of",

@@ -18,6 +18,7 @@ from planner.core.data_parallel import (
     hsdp_links,
     hsdp_reduce_s,
     layout_links,
+    rank_param_bytes,
     rank_reduce_s,
     replica_slots,
 )
@@ -227,7 +228,7 @@ def _replica_traffic(
     inner, copies = hsdp_links(link, p, dp, shard)
     if layout.per_block:
         return inner, max(block_fsdp_s(blocks, stages, inner, shard, m, overlap, copies, groups))
-    held = [sum(b.param_bytes for st in stages if st.rank == r for b in blocks[st.start : st.end]) for r in range(p)]
+    held = rank_param_bytes(blocks, stages, p)
     return inner, max(hsdp_reduce_s(n, shard, groups, a, b) for n, a, b in zip(held, inner, copies))
 
 
