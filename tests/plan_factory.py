@@ -93,6 +93,18 @@ def make_plan(
     )
 
 
+def memory_layout(m: int, shard: int = 1, per_block: bool = False, fresh: bool = False) -> Layout:
+    """A one-rank layout whose memory terms are these: ``m`` microbatches, the state sharded over
+    ``shard`` replicas (FSDP; 1: DDP over two, or one replica when ``fresh``), block by block or not,
+    and gradients freed between steps (``Layout.fresh_grads``) or kept (DDP's buckets, or two passes)."""
+    dp = shard if shard > 1 else (1 if fresh else 2)
+    units = "block" if per_block else "stage"
+    passes = 2 if shard > 1 and not fresh else 1
+    layout = Layout("gpipe", 1, m, dp=dp, dp_mode="fsdp" if shard > 1 else "ddp", accumulation=passes, fsdp_units=units)
+    assert layout.fresh_grads == fresh and layout.shard == shard
+    return layout
+
+
 def assert_fit_limits_agree(mem: Any, arrays: Any, pairs: list[tuple[int, int]], infl: list[int]) -> None:
     """The solver's vectorised fit thresholds and fitting-end bounds (``solve._Arrays``) agree with its
     scalar memory check (``solve._MemoryModel.choice``) for every stage ``pairs`` and in-flight count."""

@@ -34,6 +34,7 @@ def test_k_passes_are_k_makespans_plus_the_once_per_step_parts(schedule: str, dp
     starts = [0, 1, 2, 4] if v == 2 else [0, 3]
     one = Layout(schedule, 2, 4, v, dp=2, dp_mode=dp_mode)
     _, p1 = predict(BLOCKS, starts, LINK, one, ADAMW)
+    several = set()
     for k in (2, 3):
         _, pk = predict(BLOCKS, starts, LINK, replace(one, accumulation=k), ADAMW)
         assert pk.pipeline_time_s == pytest.approx(k * p1.pipeline_time_s, rel=1e-12)
@@ -42,9 +43,18 @@ def test_k_passes_are_k_makespans_plus_the_once_per_step_parts(schedule: str, dp
         assert pk.dp_reduce_s == pytest.approx(reduce_passes * p1.dp_reduce_s, rel=1e-12)
         once = p1.step_time_s - p1.pipeline_time_s - p1.dp_reduce_s  # clipping all-reduce + optimizer
         assert pk.step_time_s == pytest.approx(pk.pipeline_time_s + pk.dp_reduce_s + once, rel=1e-12)
-        assert pk.max_memory_bytes == p1.max_memory_bytes
+        # memory is one pass's, but the later passes accumulate into the first one's gradients: under
+        # FSDP (freed between steps) a stage whose every microbatch is live holds them too
+        # (MemoryParts.peak); DDP's buckets hold them in every pass anyway
+        several.add(pk.max_memory_bytes)
+        assert (
+            pk.max_memory_bytes == p1.max_memory_bytes
+            if dp_mode == "ddp"
+            else pk.max_memory_bytes >= p1.max_memory_bytes
+        )
         assert pk.bubble_fraction == p1.bubble_fraction
         assert p1.dp_reduce_s > 0
+    assert len(several) == 1
 
 
 def _search(blocks: list[BlockCost], limit: int | None, accumulation: int | None) -> tuple[object, list, str]:

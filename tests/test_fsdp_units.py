@@ -10,7 +10,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from plan_factory import MB, block
+from plan_factory import MB, block, memory_layout
 
 from planner.core.assemble import Origin, assemble_plan
 from planner.core.data_parallel import block_fsdp_s
@@ -97,9 +97,10 @@ def test_block_traffic_is_hidden_behind_compute_except_the_first_gathers() -> No
     t=st.integers(0, 6),
     m=st.integers(1, 6),
     mode=st.sampled_from(["never", "selective", "full", "stage"]),
+    fresh=st.booleans(),
 )
 def test_the_solvers_memory_model_is_the_stage_formula(
-    sizes: list[tuple[int, int, bool]], shard: int, t: int, m: int, mode: str
+    sizes: list[tuple[int, int, bool]], shard: int, t: int, m: int, mode: str, fresh: bool
 ) -> None:
     # the solver's O(1) sums (largest unit by range maxima) against stage_memory_bytes, every stage
     blocks = [
@@ -121,11 +122,12 @@ def test_the_solvers_memory_model_is_the_stage_formula(
         for i, (p, a, legal) in enumerate(sizes)
     ]
     n = len(blocks)
-    mem = _MemoryModel(blocks, ADAMW, float("inf"), mode, m, shard, None, True)
+    layout = memory_layout(m, shard, per_block=True, fresh=fresh)
+    mem = _MemoryModel(blocks, ADAMW, float("inf"), mode, layout)
     heads = [0] + [c for c in range(1, n) if blocks[c - 1].cut_legal]
     for s in heads:
         for e in [x for x in heads if x > s] + [n]:
-            want = stage_memory_parts(blocks, s, e, ADAMW, mode, m, shard, True).peak(t)
+            want = stage_memory_parts(blocks, s, e, ADAMW, mode, m, shard, True).peak(t, fresh)
             assert mem.bytes(s, e, t, mode) == want, (s, e)
 
 

@@ -210,6 +210,20 @@ def test_peak_live_bytes_of_a_rank_with_two_stages() -> None:
     # after 0F0 0F1 2F0 2F1 0F2: 3 x 10 + 2 x 1; then 2B0 0F3: 4 x 10 + 1 = 41 is the peak
     assert peak_live_bytes(order, {0: 10, 2: 1}) == 41
     assert peak_live_bytes(order, {0: 10, 2: 1}) < 4 * 10 + 2 * 1  # less than the sum of the stage peaks
+    # with gradients from each stage's first backward on: stage 2's (7) from 2B0, so 41 + 7; stage
+    # 0's (5) from 0B0, after which it holds at most 3 live: 3 x 10 + 5 + 7 + stage 2's live
+    assert peak_live_bytes(order, {0: 10, 2: 1}, {0: 5, 2: 7}) == 48
+
+
+def test_gradients_come_with_one_microbatch_fewer_where_every_forward_comes_first() -> None:
+    # GPipe: 3 x 5 live before the first backward, then 2 x 5 with the gradients (8)
+    assert peak_live_bytes(action_order("gpipe", 2, 3)[0], {0: 5}, {0: 8}) == 18
+    assert peak_live_bytes(action_order("gpipe", 2, 3)[0], {0: 5}, {0: 4}) == 15
+    # 1F1B, rank 0 of 2 with 4 microbatches: after a backward its warm-up's 2 live come back
+    assert peak_live_bytes(action_order("1f1b", 2, 4)[0], {0: 5}, {0: 4}) == 14
+    # 1F1B with as many microbatches as the first rank's warm-up: all forwards first there
+    assert peak_live_bytes(action_order("1f1b", 2, 2)[0], {0: 5}, {0: 4}) == 10
+    assert peak_live_bytes(action_order("1f1b", 2, 2)[1], {1: 5}, {1: 4}) == 9
 
 
 times = st.one_of(st.integers(0, 4).map(float), st.floats(0.0, 3.0, allow_nan=False))

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from plan_factory import ADAMW, assert_fit_limits_agree, predicted, solved
+from plan_factory import ADAMW, assert_fit_limits_agree, memory_layout, predicted, solved
 
 from planner.core import solve as solve_mod
 from planner.core.baselines import param_balanced, uniform_layers
@@ -31,6 +31,7 @@ from planner.core.stage_model import (
     stage_costs,
     stage_memories,
     stage_memory_bytes,
+    stage_memory_parts,
     stage_time_parts,
 )
 from planner.errors import InfeasibleError
@@ -82,6 +83,14 @@ def times(ts: list[float], **kw: object) -> list[BlockCost]:
 # ---------------------------------------------------------------------------------------------
 
 
+def one_pipeline_bytes(
+    blocks: Sequence[BlockCost], s: int, e: int, t: int, optimizer: OptimizerSpec, mode: str, m: int
+) -> int:
+    """``stage_memory_bytes`` of one pipeline (no replicas, one pass a step), whose gradients are freed
+    between steps: none before a stage's first backward (``MemoryParts.peak``)."""
+    return stage_memory_parts(blocks, s, e, optimizer, mode, m).peak(t, fresh_grads=True)
+
+
 def brute(
     blocks: list[BlockCost],
     p: int,
@@ -114,7 +123,7 @@ def brute(
         ends = list(starts[1:]) + [n]
         flags = []
         for k, (s, e) in enumerate(zip(starts, ends)):
-            fit = [r for r in options if stage_memory_bytes(blocks, s, e, infl[k], optimizer, r, m) <= cap]
+            fit = [r for r in options if one_pipeline_bytes(blocks, s, e, infl[k], optimizer, r, m) <= cap]
             flags.append(fit[0] if fit else None)
         if None in flags:
             continue
@@ -382,11 +391,11 @@ def _reference_choice(
     blocks: Sequence[BlockCost], optimizer: OptimizerSpec, limit: float, options: Sequence[str], m: int
 ) -> Callable[[int, int, int], str | None]:
     """How stage [s, e) holding t live microbatches recomputes (the first of the policy's modes that
-    fits), or None when none fits, from the public memory formula ``stage_memory_bytes``."""
+    fits), or None when none fits, from the public memory formula (``one_pipeline_bytes``)."""
 
     def choice(s: int, e: int, t: int) -> str | None:
         for option in options:
-            if stage_memory_bytes(blocks, s, e, t, optimizer, option, m) <= limit:
+            if one_pipeline_bytes(blocks, s, e, t, optimizer, option, m) <= limit:
                 return option
         return None
 
@@ -717,17 +726,20 @@ def memory_instances(draw: st.DrawFn) -> tuple[list[BlockCost], int, int, Optimi
 
 @pytest.mark.slow
 @settings(max_examples=200, deadline=None)
-@given(inst=memory_instances(), shard=st.sampled_from([1, 1, 2, 3]), per_block=st.booleans())
+@given(inst=memory_instances(), shard=st.sampled_from([1, 1, 2, 3]), per_block=st.booleans(), fresh=st.booleans())
 def test_vector_memory_check_matches_scalar(
-    inst: tuple[list[BlockCost], int, int, OptimizerSpec, str, list[int]], shard: int, per_block: bool
+    inst: tuple[list[BlockCost], int, int, OptimizerSpec, str, list[int]], shard: int, per_block: bool, fresh: bool
 ) -> None:
     # The search turns each stage's fit into in-flight thresholds on arrays (int64, or Python
     # integers past int64) and bounds the fitting ends per start; both must agree with _MemoryModel
     # (stage_memory_bytes) for every stage and count, including fp32-master flips that make memory
-    # shrink as a stage grows, sharded by FSDP per stage or block by block.
+    # shrink as a stage grows, sharded by FSDP per stage or block by block, with the gradients
+    # freed between steps (none before a stage's first backward) or kept.
     blocks, limit, m, optimizer, mode, infl = inst
     n = len(blocks)
-    mem = solve_mod._MemoryModel(blocks, optimizer, limit, mode, m, shard, None, per_block and shard > 1)
+    mem = solve_mod._MemoryModel(
+        blocks, optimizer, limit, mode, memory_layout(m, shard, per_block and shard > 1, fresh)
+    )
     link = LinkCost(name="l", latency_s=0.0, bandwidth_Bps=1.0)
     arrays = solve_mod._Arrays(blocks, link, mem, mode, infl)
     legal = _legal_starts(blocks)

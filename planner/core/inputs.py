@@ -13,14 +13,18 @@ Pure module (no torch). Each is small and frozen, and names one thing a caller d
   and the activation-checkpointing policy.
 - ``Scaling``: how the profiled block costs carry over to other microbatch sizes.
 - ``SearchSpace``: what the joint search is asked to cover (None or "auto" where it is open).
+
+``check_in_flight`` checks the live-microbatch counts a caller may give the solver instead of the schedule's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.core.data_parallel import shard_of
 from planner.core.links import Links
+from planner.errors import InfeasibleError
 from planner.schema.costs import OptimizerSpec
 
 
@@ -94,6 +98,14 @@ class Layout:
         holds only a few blocks' parameters unsharded at a time, gathered again every microbatch."""
         return self.fsdp_units == "block" and self.shard > 1
 
+    @property
+    def fresh_grads(self) -> bool:
+        """Whether a rank's gradients are freed between steps (the runner's ``zero_grad(set_to_none=True)``)
+        and so exist only from its stages' first backward on (``MemoryParts.peak``). Not under DDP
+        replicas, whose buckets hold them for good (``gradient_as_bucket_view``), nor with several
+        passes a step, whose later passes accumulate into the first one's."""
+        return self.accumulation == 1 and (self.dp == 1 or self.shard > 1)
+
 
 @dataclass(frozen=True)
 class Constraints:
@@ -163,3 +175,24 @@ class SearchSpace:
 
 NO_CONSTRAINTS = Constraints()
 """AdamW, no memory limit, recomputation only where needed (so never): the default of the solver."""
+
+
+def check_in_flight(in_flight: Sequence[int], n_stages: int, n_microbatches: int) -> list[int]:
+    """The peak live microbatches per stage a caller gives ``solve``, checked.
+
+    Raises:
+        InfeasibleError: the wrong number of counts, a negative or fractional one, or no microbatch.
+    """
+    counts = [int(x) for x in in_flight]
+    if len(counts) != n_stages:
+        raise InfeasibleError(
+            f"in_flight has {len(counts)} entries for {n_stages} stages; expected one peak in-flight "
+            "microbatch count per stage (planner.core.schedules.in_flight_per_stage gives them)."
+        )
+    if any(c < 0 or c != x for c, x in zip(counts, in_flight)):
+        raise InfeasibleError(
+            f"in_flight={list(in_flight)} is invalid; expected whole numbers >= 0 (live microbatches per stage)."
+        )
+    if n_microbatches < 1:
+        raise InfeasibleError(f"--microbatches {n_microbatches}: need at least one microbatch; use -m 1 or more")
+    return counts

@@ -85,7 +85,7 @@ def predict(
         raise InfeasibleError(f"{n} stages for a layout of {layout.pp} ranks x {layout.stages_per_rank} stage(s)")
     schedule, p, n_microbatches, dp = layout.schedule, layout.pp, layout.n_microbatches, layout.dp
     ranks = stage_ranks(schedule, p, layout.stages_per_rank)
-    context = _StageContext(optimizer, n_microbatches, layout.shard, ranks, layout.per_block)
+    context = _StageContext(optimizer, n_microbatches, layout.shard, ranks, layout.per_block, layout.fresh_grads)
     link = layout_links(link, p, dp, layout.tp)
     stage_costs(blocks, starts, link, recompute, schedule)  # validates the split (legal cuts, non-empty stages)
     links = boundary_links(link, n, schedule)
@@ -132,10 +132,7 @@ def predict(
     if shard > 1:
         dp_reduce_s *= passes
     step_s = pipeline_s + dp_reduce_s + allreduce_s + max(rank_opt)
-    rank_memory = [
-        rank_memory_bytes(blocks, stages, orders[r], r, optimizer, n_microbatches, shard, context.per_block)
-        for r in range(p)
-    ]
+    rank_memory = [rank_memory_bytes(blocks, stages, orders[r], r, optimizer, layout) for r in range(p)]
     stage_time = tuple(s.time_s for s in stages)
     mean = sum(stage_time) / len(stage_time)
     prediction = Prediction(
@@ -319,16 +316,16 @@ def rank_memory_bytes(
     order: Sequence[Action],
     rank: int,
     optimizer: OptimizerSpec,
-    n_microbatches: int,
-    shard: int = 1,
-    per_block: bool = False,
+    layout: Layout,
 ) -> int:
     """Peak memory of one rank over all the stages it runs.
 
     The terms of ``planner.core.stage_model.stage_memory_parts`` summed over the rank's stages, except
     that the activations are the peak of their sum over the rank's action order
     (``peak_live_bytes``): with several stages per rank, each stage's own peak comes at a different
-    time. With one stage per rank it equals ``stage_memory_bytes``.
+    time. Where the gradients are freed between steps (``layout.fresh_grads``) a stage's count only
+    from its first backward on (as ``MemoryParts.peak``'s). With one stage per rank it equals
+    ``MemoryParts.peak``.
 
     Args:
         blocks: per-block costs.
@@ -336,25 +333,30 @@ def rank_memory_bytes(
         order: this rank's action order.
         rank: the rank.
         optimizer: the optimizer (state and step temporaries).
-        n_microbatches: microbatches per step (receive buffers).
-        shard: FSDP replicas the stages' state is sharded over (1: none).
-        per_block: FSDP shards block by block (each stage's unsharded units are added, though the
-            rank gathers only one stage's at a time: an upper bound with several stages per rank).
+        layout: its microbatches per step (receive buffers), the FSDP replicas the stages' state is
+            sharded over, whether FSDP shards block by block (each stage's unsharded units are
+            added, though the rank gathers only one stage's at a time: an upper bound with several
+            stages per rank) and whether the gradients are new every step.
 
     Returns:
         Bytes.
     """
     fixed = once = step = 0
     live_per_mb: dict[int, int] = {}
+    grads: dict[int, int] = {}
     for st in stages:
         if st.rank != rank:
             continue
-        parts = stage_memory_parts(blocks, st.start, st.end, optimizer, st.recompute, n_microbatches, shard, per_block)
+        parts = stage_memory_parts(
+            blocks, st.start, st.end, optimizer, st.recompute, layout.n_microbatches, layout.shard, layout.per_block
+        )
         fixed += parts.fixed
         live_per_mb[st.index] = parts.per_microbatch
         once += parts.once
         step += parts.step
-    return fixed + max(peak_live_bytes(order, live_per_mb) + once, step)
+        grads[st.index] = parts.grads if layout.fresh_grads else 0
+    late = sum(grads.values())  # in fixed and once, but only from each stage's first backward on
+    return fixed - late + max(peak_live_bytes(order, live_per_mb, grads) + once, step + late)
 
 
 def slots_of(profile: ProfileInfo) -> float | None:
@@ -380,6 +382,7 @@ class _StageContext:
     shard: int
     rank_of: Sequence[int]
     per_block: bool = False
+    fresh_grads: bool = False  # Layout.fresh_grads
 
 
 def _stage_plan(
@@ -444,7 +447,7 @@ def _stage_plan(
         in_flight=in_flight,
         memory_bytes=stage_memory_parts(
             blocks, start, end, optimizer, recompute, context.n_microbatches, shard, context.per_block
-        ).peak(in_flight),
+        ).peak(in_flight, context.fresh_grads),
         # torch 2.13 never runs I on the first stage (its inputs need no gradient): its W is the
         # whole backward (PipelineStage.backward_weight_one_chunk with stage_index 0)
         bwd_input_s=(0.0 if index == 0 else sum(x.bwd_input_s or 0.0 for x in part) + extra) if split else None,

@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from planner.core.inputs import NO_CONSTRAINTS, Constraints, Layout
+from planner.core.inputs import NO_CONSTRAINTS, Constraints, Layout, check_in_flight
 from planner.core.links import Links, boundary_crosses, boundary_links, default_link
 from planner.core.schedules import SPLIT_BACKWARD, in_flight_per_stage
 from planner.core.solve_engine import (
@@ -136,20 +136,19 @@ class _MemoryModel:
         optimizer: OptimizerSpec,
         limit: float,
         recompute: str = "never",
-        n_microbatches: int = 1,
-        shard: int = 1,
-        schedule: str | None = None,
-        per_block: bool = False,
+        layout: Layout | None = None,
     ) -> None:
         n = len(blocks)
+        layout = layout or Layout("gpipe", 1, 1)  # one rank: its microbatches, replicas and schedule
         self.n = n
         self.limit = limit
         self.recompute = recompute
-        self.options = policy_options(recompute, schedule)  # what a stage may take, in order ("always" is "full")
+        self.options = policy_options(recompute, layout.schedule)  # what a stage may take, in order
         self.optimizer = optimizer
-        self.m = n_microbatches
-        self.shard = shard
-        self.per_block = per_block  # FSDP block by block: a few units unsharded at a time
+        self.m = layout.n_microbatches
+        self.shard = layout.shard
+        self.per_block = layout.per_block  # FSDP block by block: a few units unsharded at a time
+        self.fresh = layout.fresh_grads  # no gradients before a stage's first backward
         self.pre_p = [0]
         self.pre_n = [0]
         self.pre_a = [0]
@@ -175,7 +174,8 @@ class _MemoryModel:
             self.temps.of(s, e),
             self.regions.of(s, e),
         )
-        return parts_from_sums(sums, self.optimizer, recompute, self.m, self.shard, self.per_block).peak(in_flight)
+        parts = parts_from_sums(sums, self.optimizer, recompute, self.m, self.shard, self.per_block)
+        return parts.peak(in_flight, self.fresh)
 
     def choice(self, s: int, e: int, in_flight: int) -> RecomputeMode | None:
         """How the stage recomputes: the first of the policy's options that fits (``OPTIONS``), or
@@ -367,7 +367,11 @@ class _Arrays:
     def _fit_bound(self, s: IntArray, e: IntArray, t: int) -> AnyIntArray:
         """A lower bound of the stage's bytes at ``t`` or more live microbatches, any way it can
         run, that never decreases as the stage grows (``e`` up): ``parts_from_sums`` without the optimizer's
-        fp32 master copy and the outgoing boundary's terms (the parts that can shrink)."""
+        fp32 master copy and the outgoing boundary's terms (the parts that can shrink). With the
+        gradients new every step, every microbatch live holds no more than one fewer with the gradients
+        (``MemoryParts.peak``), so the bound of one fewer holds."""
+        if self.mem.fresh and t >= self.mem.m:
+            t -= 1
         p_b = self.pre_p[e] - self.pre_p[s]
         n_p = self.pre_n[e] - self.pre_n[s]
         a_b = self.pre_a[e] - self.pre_a[s]
@@ -405,7 +409,8 @@ class _Arrays:
         a mode the recompute policy rules out.
 
         ``MemoryParts.peak`` is ``K + max(t * X + Y, step)``: they fit ``limit`` iff ``K + step`` and
-        ``K + Y`` do and ``t <= (limit - K - Y) // X``.
+        ``K + Y`` do and ``t <= (limit - K - Y) // X``. With the gradients new every step (``G`` bytes)
+        ``t >= m`` live (every microbatch) fit iff ``t - 1`` do and ``t * X + Y <= limit - K + G``.
         """
         no = np.full(len(s), -1, dtype=np.int64)
         allowed = self.mem.options
@@ -424,10 +429,13 @@ class _Arrays:
         step = self._step_temps(s, e, n_p)
         static = 2 * p_b + master + moments
         unsharded = 0 * p_b
+        grads = p_b if self.mem.fresh else 0 * p_b
         d = self.mem.shard
         if d > 1:  # parts_from_sums with shard: a share of the static bytes and step, the whole stage while it runs
             static, step = ceil_div(static, d), ceil_div(step, d)
-            unsharded = unsharded_bytes(p_b, self.region_params.many(s, e), self.mem.per_block)
+            most = self.region_params.many(s, e)
+            unsharded = unsharded_bytes(p_b, most, self.mem.per_block)
+            grads = ceil_div(p_b, d) + (most if self.mem.per_block else p_b) if self.mem.fresh else grads
         head = self.limit - (static + self.mem.m * (cin + cout))
         saved = self._saved(s, e, a_b)
         limits = []
@@ -439,6 +447,9 @@ class _Arrays:
             fits_alone = (y <= head) & (step <= head)
             most = np.minimum((head - y) // np.maximum(x, 1), self.big)
             t_max = np.where(fits_alone, np.where(x > 0, most, self.big), -1)
+            if self.mem.fresh:  # from m live on, one fewer with the gradients (MemoryParts.peak)
+                more = np.minimum(t_max + 1, (head + grads - y) // np.maximum(x, 1))
+                t_max = np.where((t_max >= 0) & (more >= self.mem.m) & (more > t_max), more, t_max)
             limits.append(np.asarray(t_max).astype(np.int64))
         return tuple(limits)
 
@@ -606,22 +617,6 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.3g} GiB"
 
 
-def _check_in_flight(in_flight: Sequence[int], n_stages: int, n_microbatches: int) -> list[int]:
-    counts = [int(x) for x in in_flight]
-    if len(counts) != n_stages:
-        raise InfeasibleError(
-            f"in_flight has {len(counts)} entries for {n_stages} stages; expected one peak in-flight "
-            "microbatch count per stage (planner.core.schedules.in_flight_per_stage gives them)."
-        )
-    if any(c < 0 or c != x for c, x in zip(counts, in_flight)):
-        raise InfeasibleError(
-            f"in_flight={list(in_flight)} is invalid; expected whole numbers >= 0 (live microbatches per stage)."
-        )
-    if n_microbatches < 1:
-        raise InfeasibleError(f"--microbatches {n_microbatches}: need at least one microbatch; use -m 1 or more")
-    return counts
-
-
 def solve(
     blocks: Sequence[BlockCost],
     link: Links,
@@ -674,14 +669,12 @@ def solve(
     if in_flight is None:
         infl = in_flight_per_stage(schedule, layout.pp, n_microbatches, layout.stages_per_rank)
     else:
-        infl = _check_in_flight(in_flight, n_stages, n_microbatches)
+        infl = check_in_flight(in_flight, n_stages, n_microbatches)
     n = len(blocks)
     limit = memory_limit_bytes if memory_limit_bytes is not None else math.inf
     # Without a limit "auto" never needs to recompute.
     mode = "never" if memory_limit_bytes is None and recompute == "auto" else recompute
-    mem = _MemoryModel(
-        blocks, constraints.optimizer, limit, mode, n_microbatches, layout.shard, schedule, layout.per_block
-    )
+    mem = _MemoryModel(blocks, constraints.optimizer, limit, mode, layout)
     crosses = boundary_crosses(n_stages, schedule, layout.stages_per_rank)
     arrays = _Arrays(blocks, boundary_links(link, n_stages, schedule), mem, mode, infl, crosses)
     # First cap: the average stage plus the largest block and messages, about where the optimum is

@@ -354,6 +354,11 @@ def stage_memory_bytes(
     DDP replicas (``shard`` 1) hold the whole stage, as one pipeline does: its gradient buckets are
     views of the gradients (``gradient_as_bucket_view=True``), no second copy.
 
+    This formula keeps the gradients for the whole step. Where they are freed between steps
+    (``Layout.fresh_grads``) they exist only from the stage's first backward on, so a stage whose every
+    microbatch is live at once (all forwards first, as under GPipe) peaks lower:
+    ``MemoryParts.peak(in_flight, fresh_grads=True)``.
+
     Args:
         blocks: per-block costs in execution order.
         start: first block of the stage.
@@ -377,7 +382,8 @@ class MemoryParts(NamedTuple):
     """A stage's memory as the terms of ``stage_memory_bytes``, so that a rank running several stages
     can add them up (``planner.core.predict.rank_memory_bytes``).
 
-    At ``t`` live microbatches the stage holds ``fixed + max(t * per_microbatch + once, step)``.
+    At ``t`` live microbatches the stage holds ``fixed + max(t * per_microbatch + once, step)``, less
+    its gradients while it has run no backward yet (``peak``).
     """
 
     fixed: int  # static + buffers: weights, gradients, optimizer state (sharded: a share), receive buffers
@@ -385,10 +391,22 @@ class MemoryParts(NamedTuple):
     once: int  # the output's gradient (+ the one region's activations a recomputing stage rebuilds;
     # + the unsharded parameters and gradients of a sharded stage)
     step: int  # optimizer temporaries (after backward)
+    grads: int = 0  # of fixed + once, the gradients (the share, and a sharded stage's unsharded ones)
+    microbatches: int = 0  # microbatches per step: with as many live, every forward came before a backward
 
-    def peak(self, in_flight: int) -> int:
-        """The stage's peak bytes with ``in_flight`` live microbatches."""
-        return self.fixed + max(in_flight * self.per_microbatch + self.once, self.step)
+    def peak(self, in_flight: int, fresh_grads: bool = False) -> int:
+        """The stage's peak bytes with ``in_flight`` live microbatches.
+
+        With ``fresh_grads`` (the gradients are freed between steps: ``Layout.fresh_grads``) and every
+        microbatch live at once (``in_flight >= microbatches``: all forwards come before the first
+        backward, as under GPipe), the gradients do not exist at that peak: they build up during the
+        first backward, which frees its microbatch's activations, so they come with one fewer.
+        """
+        x, y = self.per_microbatch, self.once
+        if fresh_grads and in_flight >= self.microbatches:
+            g = self.grads
+            return self.fixed - g + max(in_flight * x + y, (in_flight - 1) * x + y + g, self.step + g)
+        return self.fixed + max(in_flight * x + y, self.step)
 
 
 def stage_memory_parts(
@@ -495,18 +513,23 @@ def parts_from_sums(
     step = optimizer.step_temp_bytes(n_params) if step_temp is None else step_temp
     saved, rebuilt = _recomputed(sums, recompute_mode(recompute))
     if shard > 1:
+        most_params = regions.most_params if regions else p_bytes
         return MemoryParts(
             fixed=ceil_div(2 * p_bytes + optimizer.state_bytes(n_params, p_bytes), shard)
             + n_microbatches * (cut_in + cut_out),
             per_microbatch=saved + out,
-            once=out + rebuilt + unsharded_bytes(p_bytes, regions.most_params if regions else p_bytes, per_block),
+            once=out + rebuilt + unsharded_bytes(p_bytes, most_params, per_block),
             step=ceil_div(step, shard),
+            grads=ceil_div(p_bytes, shard) + (most_params if per_block else p_bytes),
+            microbatches=n_microbatches,
         )
     return MemoryParts(
         fixed=2 * p_bytes + optimizer.state_bytes(n_params, p_bytes) + n_microbatches * (cut_in + cut_out),
         per_microbatch=saved + out,
         once=out + rebuilt,
         step=step,
+        grads=p_bytes,
+        microbatches=n_microbatches,
     )
 
 
@@ -518,8 +541,10 @@ def stage_memories(
     n_microbatches: int,
     optimizer: OptimizerSpec = DEFAULT_OPTIMIZER,
     recompute: Sequence[bool | str] = (),
+    fresh_grads: bool = True,
 ) -> list[int]:
-    """Memory estimate of every stage of a partition (see ``stage_memory_bytes``).
+    """Memory estimate of every stage of a partition (see ``stage_memory_bytes``) of one pipeline, whose
+    gradients are freed between steps unless ``fresh_grads`` is False (``MemoryParts.peak``).
 
     Args:
         blocks: per-block costs in execution order.
@@ -527,6 +552,8 @@ def stage_memories(
         schedule: one of ``planner.core.schedules.SCHEDULES`` with one stage per rank (its in-flight counts).
         n_microbatches: microbatches per step.
         optimizer: the optimizer.
+        recompute: per stage, its recompute mode (empty: none).
+        fresh_grads: the gradients are freed between steps (False: kept, as DDP's buckets keep them).
 
     Returns:
         Bytes per stage.
@@ -538,7 +565,7 @@ def stage_memories(
     infl = in_flight_per_stage(schedule, len(starts), n_microbatches)
     flags = recompute_flags(recompute, len(starts))
     return [
-        stage_memory_bytes(blocks, s, e, infl[k], optimizer, flags[k], n_microbatches)
+        stage_memory_parts(blocks, s, e, optimizer, flags[k], n_microbatches).peak(infl[k], fresh_grads)
         for k, (s, e) in enumerate(stage_bounds(starts, len(blocks)))
     ]
 
