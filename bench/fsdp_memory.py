@@ -59,7 +59,7 @@ Written by `python -m bench.fsdp_memory` on {today} ({host}, torch {torch}).
 `models/gpt.py` with `{overrides}` as {gpus} FSDP replicas of a one-rank pipeline (`--gpus {gpus}
 --dp {gpus} --dp-mode fsdp`), batch {batch}, planned with a measured profile here under
 `--fsdp-units UNITS --recompute MODE -m M --schedule S`, then trained for {steps} steps on gloo. The predicted
-peak (`planner.core.stage_model.stage_memory_bytes`) beside the peak
+peak (the plan's, `planner.core.stage_model.MemoryParts.peak`) beside the peak
 `torch.distributed._tools.mem_tracker.MemTracker` saw during one tracked step; the predicted step
 beside the median measured step (the first step and the tracked one left out).
 
@@ -67,7 +67,9 @@ beside the median measured step (the first step and the tracked one left out).
 (parameters and gradients) until the last backward. `block`: every block its own unit, resharded
 after its forward and its backward, its gradients reduce-scattered at once: the model counts the
 unit computing, the next one prefetched and the unit's gradients, `3 x` the largest unit's
-parameter bytes, instead of `2 x` the stage's.
+parameter bytes, instead of `2 x` the stage's. With one pass a step FSDP's gradients (sharded and
+unsharded) are new every step, so they count only from a stage's first backward on: under GPipe,
+with one microbatch's activations fewer (docs/architecture.md, memory rules).
 
 {table}
 
