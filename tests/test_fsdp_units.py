@@ -72,6 +72,26 @@ def test_block_units_hold_three_units_unsharded_instead_of_the_stage_twice() -> 
     assert _blockwise(blocks, 0, 4, 1, shard=1) == stage_memory_bytes(blocks, 0, 4, 1, ADAMW)
 
 
+def test_gradients_freed_between_steps_come_with_one_microbatch_fewer() -> None:
+    blocks = _layers()  # 4 x 1 MiB of fp32 parameters, 1 MiB of activations each, one stage
+    # FSDP over 4 block by block, 2 microbatches: fixed 4 MiB (the share of weights, gradients and
+    # moments), 4 MiB per live microbatch, 3 x 1 MiB unsharded; the gradients: a 1 MiB share + the unit's 1 MiB
+    parts = stage_memory_parts(blocks, 0, 4, ADAMW, "never", 2, 4, per_block=True)
+    assert parts.grads == 2 * MB
+    assert parts.peak(2) == (4 + 2 * 4 + 3) * MB  # kept (several passes a step): both live, with them
+    # freed between steps, both live (GPipe): before the first backward without the gradients, after
+    # it one microbatch fewer with them: max(2 x 4, 4 + 2) on top of 4 - 2 + 3
+    assert parts.peak(2, fresh_grads=True) == (4 - 2 + 2 * 4 + 3) * MB
+    # fewer live than microbatches (1F1B after its warm-up): a backward came first, the gradients are there
+    assert parts.peak(1, fresh_grads=True) == parts.peak(1) == (4 + 4 + 3) * MB
+    # one replica, 3 microbatches: weights + gradients 8 MiB, moments 8 MiB; the gradients (4 MiB) only
+    # with 2 live: max(3 x 4, 2 x 4 + 4, the step's 8 MiB of temporaries + 4) on top of 16 - 4
+    one = stage_memory_parts(blocks, 0, 4, ADAMW, "never", 3)
+    assert one.grads == 4 * MB
+    assert one.peak(3) == (16 + 3 * 4) * MB
+    assert one.peak(3, fresh_grads=True) == (16 - 4 + 12) * MB
+
+
 def test_block_traffic_is_hidden_behind_compute_except_the_first_gathers() -> None:
     blocks = _layers()
     layout = Layout("gpipe", 1, 2, 1, dp=4, dp_mode="fsdp", fsdp_units="block")

@@ -449,7 +449,8 @@ class _Arrays:
             t_max = np.where(fits_alone, np.where(x > 0, most, self.big), -1)
             if self.mem.fresh:  # from m live on, one fewer with the gradients (MemoryParts.peak)
                 more = np.minimum(t_max + 1, (head + grads - y) // np.maximum(x, 1))
-                t_max = np.where((t_max >= 0) & (more >= self.mem.m) & (more > t_max), more, t_max)
+                grow = (t_max >= 0) & (t_max < self.big) & (more >= self.mem.m) & (more > t_max)
+                t_max = np.where(grow, more, t_max)
             limits.append(np.asarray(t_max).astype(np.int64))
         return tuple(limits)
 
