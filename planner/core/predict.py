@@ -325,7 +325,8 @@ def rank_memory_bytes(
     (``peak_live_bytes``): with several stages per rank, each stage's own peak comes at a different
     time. Where the gradients are freed between steps (``layout.fresh_grads``) a stage's count only
     from its first backward on (as ``MemoryParts.peak``'s). With one stage per rank it equals
-    ``MemoryParts.peak``.
+    ``MemoryParts.peak`` under GPipe and 1F1B, and is at most that elsewhere (the closed form assumes a
+    stage with fewer microbatches live than a step has reaches its peak again after a backward).
 
     Args:
         blocks: per-block costs.
