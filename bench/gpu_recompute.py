@@ -2,6 +2,7 @@
 
     python -m bench.gpu_recompute              # on a machine with an NVIDIA GPU (about 9 minutes on an H100)
     python -m bench.gpu_recompute --dry-run    # the tiny model on this machine's CPU: the script's own check
+    python -m bench.gpu_recompute --modes never,full --sources estimated   # some of the rows
 
 docs/gpu_check.md put the roofline beside one GPU for plain training. This page does the same for
 activation checkpointing (``--recompute never|selective|full|stage``, docs/recompute.md), the one
@@ -46,6 +47,8 @@ def _row(mode: str, source: str, argv: list[str], plan_path: Path, steps: int) -
         return [mode, source, error[:160], "", "", "", "", "", ""]
     predicted_s = plan.prediction.step_time_s
     predicted_b = plan.prediction.max_memory_bytes
+    temps = ", ".join(f"{b.name} {(b.bwd_temp_bytes or 0) / 2**20:.0f}" for b in plan.blocks)
+    print(f"  {mode} {source}: the plan's backward temporaries per block (MiB): {temps}", flush=True)
     peak = max(run.peak_device_bytes) if run.peak_device_bytes else 0
     tracked = [s.memory.peak_bytes for s in run.stages if s.memory is not None]
     row = [
@@ -78,7 +81,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="the tiny model on the CPU; print, write nothing")
     parser.add_argument("--out", type=Path, default=DOC, help="the page to write (default docs/gpu_recompute.md)")
     parser.add_argument("--steps", type=int, default=6, help="training steps of each run (default 6)")
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help=f"recompute modes to run, comma-separated (default {','.join(MODES)})"
+    )
+    parser.add_argument(
+        "--sources",
+        default="estimated,measured",
+        help="which plans of each mode: estimated (--gpu-type), measured (profiled here), or both (the default)",
+    )
     args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    sources = set(args.sources.split(","))
+    if not set(modes) <= set(MODES) or not sources <= {"estimated", "measured"}:
+        print(f"--modes takes {', '.join(MODES)}; --sources estimated, measured", file=sys.stderr)
+        return 2
     cuda = torch.cuda.is_available()
     if not cuda and not args.dry_run:
         print("no CUDA device here: run on a GPU machine, or --dry-run", file=sys.stderr)
@@ -90,11 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     common = [str(MODELS / "llama.py"), "--size", size, "--gpus", "1", "-b", str(batch), "-m", str(micro)]
     common += [f"--set={k}={v}" for k, v in overrides.items()] + ["-q"]
     rows = []
-    for mode in MODES:
-        estimated = [PLANNER, "plan", *common, "--recompute", mode, "--gpu-type", gpu]
-        rows.append(_row(mode, f"estimated ({gpu})", estimated, tmp / f"{mode}_est.json", args.steps))
-        measured = [PLANNER, "plan", *common, "--recompute", mode, "--dtype", "bf16"]
-        rows.append(_row(mode, "measured here", measured, tmp / f"{mode}_meas.json", args.steps))
+    for mode in modes:
+        if "estimated" in sources:
+            estimated = [PLANNER, "plan", *common, "--recompute", mode, "--gpu-type", gpu]
+            rows.append(_row(mode, f"estimated ({gpu})", estimated, tmp / f"{mode}_est.json", args.steps))
+        if "measured" in sources:
+            measured = [PLANNER, "plan", *common, "--recompute", mode, "--dtype", "bf16"]
+            rows.append(_row(mode, "measured here", measured, tmp / f"{mode}_meas.json", args.steps))
     headers = [
         "recompute",
         "plan",

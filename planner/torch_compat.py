@@ -6,7 +6,8 @@ When torch changes one of these, this is the only file to mend; the tests that e
 
 - ``torch.utils._pytree``: flattening nested outputs (tree_leaves, tree_map_only, tree_unflatten).
 - ``torch.utils._python_dispatch.TorchDispatchMode``: the roofline estimator sees every aten op, and so
-  does the count of each block's tensor-parallel share (tests/test_tp_plan.py).
+  does the count of each block's tensor-parallel share (tests/test_tp_plan.py) and of a block's
+  backward temporaries (tests/test_backward_temps.py).
 - ``torch.distributed.pipelining._backward``: the I/W backward split zero-bubble schedules run
   (tests/test_profile.py).
 - ``Tensor._is_view`` and ``UntypedStorage._cdata``: views and storage identity.

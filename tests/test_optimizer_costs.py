@@ -115,7 +115,11 @@ def instances(draw: st.DrawFn) -> tuple[list[BlockCost], int, int, OptimizerSpec
                 cut_tensors=1,
                 output_bytes=draw(st.integers(0, 200)) * scale,
                 selective_bytes=draw(st.one_of(st.none(), st.integers(0, 200).map(lambda x: x * scale))),
+                bwd_temp_bytes=draw(st.one_of(st.none(), st.integers(0, 200).map(lambda x: x * scale))),
                 loss_bytes=draw(st.one_of(st.none(), st.integers(0, 200).map(lambda x: x * scale)))
+                if i == n - 1
+                else None,
+                loss_temp_bytes=draw(st.one_of(st.none(), st.integers(0, 400).map(lambda x: x * scale)))
                 if i == n - 1
                 else None,
                 cut_legal=True,

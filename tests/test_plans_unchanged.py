@@ -53,7 +53,14 @@ SHIPPED: list[tuple[str, str | None, int, dict[str, Any]]] = [
 # Fields added after the digests were written, with the value that means what a plan without them
 # meant: dropped while they hold it, so the digests pin the figures, not the format.
 LATER_DEFAULTS = {"tp": 1, "tp_plan": {}, "accumulation": 1, "fsdp_units": "stage", "dp_shard": None}
-BLOCK_LATER_DEFAULTS = {"tp": None, "selective_bytes": None, "selective_recompute_s": None, "loss_bytes": None}
+BLOCK_LATER_DEFAULTS = {
+    "tp": None,
+    "selective_bytes": None,
+    "selective_recompute_s": None,
+    "loss_bytes": None,
+    "bwd_temp_bytes": None,
+    "loss_temp_bytes": None,
+}
 SHARE_LATER_DEFAULTS = {"slowdown": {}}  # inside a block's tp share (a nested object)
 CANDIDATE_LATER_DEFAULTS = {"tp": 1, "accumulation": 1, "fsdp_units": "stage", "dp_shard": None}
 

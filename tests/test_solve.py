@@ -165,10 +165,12 @@ def instances(
             update={
                 "selective_bytes": draw(st.one_of(st.none(), st.integers(0, b.activation_bytes))),
                 "selective_recompute_s": draw(st.one_of(st.none(), time_st)),
+                "bwd_temp_bytes": draw(st.one_of(st.none(), st.integers(0, 100))),
             }
         )
         for b in blocks
     ]
+    blocks[-1] = blocks[-1].model_copy(update={"loss_temp_bytes": draw(st.one_of(st.none(), st.integers(0, 300)))})
     p = draw(st.integers(1, n))
     link = LinkCost(
         name="l",
@@ -546,12 +548,14 @@ def requests(draw: st.DrawFn, ties: bool) -> Request:
             recompute_s=draw(st.one_of(st.none(), secs)),
             selective_recompute_s=draw(st.one_of(st.none(), secs)),
             selective_bytes=draw(st.one_of(st.none(), st.integers(0, 100))),
+            bwd_temp_bytes=draw(st.one_of(st.none(), st.integers(0, 100))),
             params=draw(st.integers(0, 50)),
             param_bytes=draw(st.integers(0, 200)),
             activation_bytes=draw(st.integers(0, 100)),
             cut_bytes=draw(st.integers(0, 3) if ties else st.integers(0, 100)),
             cut_tensors=1,
             output_bytes=draw(st.integers(0, 100)) if i == n - 1 else 0,
+            loss_temp_bytes=draw(st.one_of(st.none(), st.integers(0, 300))) if i == n - 1 else None,
             cut_legal=draw(st.booleans()) or draw(st.booleans()),  # 75 % legal
             is_layer=True,
         )
@@ -706,7 +710,9 @@ def memory_instances(draw: st.DrawFn) -> tuple[list[BlockCost], int, int, Optimi
             cut_tensors=1,
             output_bytes=draw(bytes_st),
             selective_bytes=draw(st.one_of(st.none(), bytes_st)),
+            bwd_temp_bytes=draw(st.one_of(st.none(), bytes_st)),
             loss_bytes=draw(st.one_of(st.none(), bytes_st)) if i == n - 1 else None,
+            loss_temp_bytes=draw(st.one_of(st.none(), bytes_st)) if i == n - 1 else None,
             cut_legal=draw(st.booleans()) or draw(st.booleans()),  # regions of one block or several
             is_layer=True,
         )

@@ -91,6 +91,8 @@ def blocks_at(blocks: Sequence[BlockCost], size0: int, size: int, fixed_fraction
                     "selective_recompute_s": scaled(b.selective_recompute_s),
                     "selective_bytes": None if b.selective_bytes is None else round(b.selective_bytes * r),
                     "loss_bytes": None if b.loss_bytes is None else round(b.loss_bytes * r),
+                    "bwd_temp_bytes": None if b.bwd_temp_bytes is None else round(b.bwd_temp_bytes * r),
+                    "loss_temp_bytes": None if b.loss_temp_bytes is None else round(b.loss_temp_bytes * r),
                     "flops_fwd": None if b.flops_fwd is None else b.flops_fwd * r,
                     "flops_bwd": None if b.flops_bwd is None else b.flops_bwd * r,
                     "activation_bytes": round(b.activation_bytes * r),

@@ -77,6 +77,7 @@ from planner.core.stage_model import (
     cold_out,
     evaluate,
     full_rerun_cost,
+    loss_temps,
     parts_from_sums,
     selective_cost,
     stage_bounds,
@@ -140,9 +141,7 @@ class _MemoryModel:
     ) -> None:
         n = len(blocks)
         layout = layout or Layout("gpipe", 1, 1)  # one rank: its microbatches, replicas and schedule
-        self.n = n
-        self.limit = limit
-        self.recompute = recompute
+        self.n, self.limit, self.recompute = n, limit, recompute
         self.options = policy_options(recompute, layout.schedule)  # what a stage may take, in order
         self.optimizer = optimizer
         self.m = layout.n_microbatches
@@ -159,6 +158,7 @@ class _MemoryModel:
         self.cut_in = [0] + [blocks[s - 1].cut_bytes for s in range(1, n)]
         self.cut_out = [0] + [blocks[e - 1].cut_bytes for e in range(1, n)] + [0]
         self.out = self.cut_out[:n] + [blocks[-1].output_bytes]
+        self.loss_temp = [0] * n + [loss_temps(blocks, n)]
         self.temps = StepTemps(blocks, optimizer)
         self.regions = RegionSums(blocks)
 
@@ -173,6 +173,7 @@ class _MemoryModel:
             self.out[e],
             self.temps.of(s, e),
             self.regions.of(s, e),
+            self.loss_temp[e],
         )
         parts = parts_from_sums(sums, self.optimizer, recompute, self.m, self.shard, self.per_block)
         return parts.peak(in_flight, self.fresh)
@@ -296,7 +297,8 @@ class _Arrays:
         # Every byte count the fit test forms stays below this (generous) bound, in magnitude.
         temps = mem.temps
         static = 2 * pre_p + 16 * pre_n + temps.pre_sum[n]  # weights, grads, state, step temporaries
-        held = mem.regions.pre_in[n] + mem.regions.pre_kept[n]  # what checkpointing keeps, at most
+        # what checkpointing keeps, at most, and one backward's temporaries (a block's, or the loss's)
+        held = mem.regions.pre_in[n] + mem.regions.pre_kept[n] + max([*mem.regions.temps.table[0], mem.loss_temp[n]])
         bound = 4 * (static + 2 * (mem.m + 1) * cmax + (self.big + 1) * (pre_a + held + 2 * cmax)) + 16
         dtype: Any = np.int64 if bound < 2**62 else object
         self.pre_p = np.array(mem.pre_p, dtype=dtype)
@@ -305,6 +307,7 @@ class _Arrays:
         self.cut_in = np.array(mem.cut_in, dtype=dtype)
         self.cut_out = np.array(mem.cut_out, dtype=dtype)
         self.out = np.array(mem.out, dtype=dtype)
+        self.loss_temp = np.array(mem.loss_temp, dtype=dtype)
         # the measured step temporaries (StepTemps as arrays)
         self.temp_rule = temps.rule
         self.temps_all, self.temps_none = temps.all_measured, temps.none_measured
@@ -319,6 +322,7 @@ class _Arrays:
         self.region_acts = regions.acts.arrays(dtype)
         self.region_rebuilt = regions.rebuilt.arrays(dtype)
         self.region_params = regions.params.arrays(dtype)
+        self.block_temps = regions.temps.arrays(dtype)
         # A limit above every possible byte count fits the same as that bound; one below zero fits
         # nothing, like -1. Clamping keeps the arithmetic in range.
         self.limit = max(-1, min(math.floor(mem.limit), bound))
@@ -337,11 +341,12 @@ class _Arrays:
         inputs = self.pre_in[e] - self.pre_in[s]
         kept = self.pre_kept[e] - self.pre_kept[s]
         held = self.pre_held[e] - self.pre_held[s]
+        temp = self.block_temps.many(s, e)
         return {
-            "never": (a_b, 0 * a_b),
+            "never": (a_b, temp),
             "selective": (inputs + kept, self.region_rebuilt.many(s, e)),
             "full": (inputs, self.region_acts.many(s, e)),
-            "stage": (self.cut_in[s] + held, a_b - held),
+            "stage": (self.cut_in[s] + held, a_b - held + temp),
         }
 
     def _step_temps(self, s: IntArray, e: IntArray, n_p: AnyIntArray) -> AnyIntArray:
@@ -420,7 +425,7 @@ class _Arrays:
         p_b = self.pre_p[e] - self.pre_p[s]
         n_p = self.pre_n[e] - self.pre_n[s]
         a_b = self.pre_a[e] - self.pre_a[s]
-        cin, cout, out = self.cut_in[s], self.cut_out[e], self.out[e]
+        cin, cout, out, loss_temp = self.cut_in[s], self.cut_out[e], self.out[e], self.loss_temp[e]
         # Mirrors OptimizerSpec.state_bytes / step_temp_bytes on arrays (test_solve checks the two agree):
         # an fp32 master copy when the parameters are narrower than fp32, AdamW's two moments and
         # its step temporaries (measured, or two per parameter).
@@ -443,7 +448,7 @@ class _Arrays:
             if option not in allowed:
                 limits.append(no)
                 continue
-            x, y = saved[option][0] + out, saved[option][1] + out + unsharded
+            x, y = saved[option][0] + out, np.maximum(loss_temp, saved[option][1] + out) + unsharded
             fits_alone = (y <= head) & (step <= head)
             most = np.minimum((head - y) // np.maximum(x, 1), self.big)
             t_max = np.where(fits_alone, np.where(x > 0, most, self.big), -1)

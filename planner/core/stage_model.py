@@ -126,6 +126,17 @@ def kept_bytes(block: BlockCost) -> int:
     return block.selective_bytes if block.selective_bytes is not None else block.activation_bytes
 
 
+def temp_bytes(block: BlockCost) -> int:
+    """Peak temporaries of a block's backward per microbatch (``bwd_temp_bytes``; unknown: 0)."""
+    return block.bwd_temp_bytes or 0
+
+
+def loss_temps(blocks: Sequence[BlockCost], end: int) -> int:
+    """The loss's backward temporaries of a stage ending before block ``end``: the last stage's
+    (``loss_temp_bytes``, the loss's backward and then the last block's; unknown: 0), else 0."""
+    return (blocks[-1].loss_temp_bytes or 0) if end == len(blocks) else 0
+
+
 def loss_held(block: BlockCost) -> int:
     """Bytes of a block's activations that checkpointing cannot drop: the last block's loss runs
     outside the stage module, after its checkpoint regions, so what the loss saves stays per
@@ -304,8 +315,9 @@ def stage_memory_bytes(
 
         static   = 2 * P + optimizer.state_bytes(N, P)      # weights + grads, optimizer state
         buffers  = m * (cut_in + cut_out)                   # receive buffers, one per microbatch each way
-        pipeline = in_flight * (A + out) + out              # saved activations and the cached stage
+        pipeline = in_flight * (A + out) + max(L, out + B)  # saved activations and the cached stage
                                                             # output per live microbatch, + its gradient
+                                                            # and one backward's temporaries
         step     = T                                        # optimizer temporaries (after backward)
         peak     = static + buffers + max(pipeline, step)
 
@@ -313,7 +325,11 @@ def stage_memory_bytes(
     ``activation_bytes``, ``cut_in`` = ``blocks[start - 1].cut_bytes`` (0 for the first stage),
     ``cut_out`` = ``blocks[end - 1].cut_bytes`` (0 for the last stage), ``out`` = the stage's output
     per microbatch (``cut_out``; the model output ``output_bytes`` for the last stage), which
-    torch's ``PipelineStage`` keeps until that microbatch's backward, ``m`` = ``n_microbatches``
+    torch's ``PipelineStage`` keeps until that microbatch's backward (and the size of its gradient),
+    ``B`` the most temporaries any of the stage's blocks' backward holds besides (``bwd_temp_bytes``,
+    planner.costs.backward_temps; unknown: 0), ``L`` the last stage's loss's backward temporaries,
+    which come before its blocks' backward and hold the output's gradient (``loss_temps``; 0 for the
+    other stages), ``m`` = ``n_microbatches``
     (``PipelineStage`` allocates its receive buffers per microbatch, up front). ``in_flight`` is the
     stage's peak number of microbatches with forward done and backward pending under the schedule
     (``planner.core.schedules.peak_in_flight``). Each term was checked against MemTracker's categories
@@ -328,10 +344,11 @@ def stage_memory_bytes(
     checkpointing: ``in_flight * A`` becomes ``in_flight * U + max_u A_u``, with ``U`` the bytes of
     the regions' inputs (``cut_in`` and the cut before every later region; on the last stage also
     what the loss saves, ``loss_held``: it runs outside the regions) and ``A_u`` a region's
-    activations (without the loss's). Selective checkpointing keeps, besides, the outputs of the regions' matmuls and
+    activations (without the loss's) plus its backward's temporaries (``B_u``, rebuilt and backward
+    coincide; ``B`` then counts only inside them). Selective checkpointing keeps, besides, the outputs of the regions' matmuls and
     attention (``K``, the blocks' ``selective_bytes``) and rebuilds the rest:
-    ``in_flight * (U + K) + max_u max(A_u - K_u, 0)``. The whole stage as one region ("stage"):
-    ``in_flight * cut_in + A`` (the loss's bytes kept per microbatch, as above).
+    ``in_flight * (U + K) + max_u (max(A_u - K_u, 0) + B_u)``. The whole stage as one region ("stage"):
+    ``in_flight * cut_in + A + B`` (the loss's bytes kept per microbatch, as above).
 
     Sharded over ``shard`` > 1 data-parallel replicas (FSDP2 ``fully_shard`` of the stage with
     ``reshard_after_forward=False``), each rank keeps a 1/shard share of the weights, gradients,
@@ -340,7 +357,7 @@ def stage_memory_bytes(
     and freed after the last backward, before the optimizer step)::
 
         static   = ceil((2 * P + optimizer.state_bytes(N, P)) / shard)
-        pipeline = in_flight * (A + out) + out + 2 * P     # + the unsharded parameters and gradients
+        pipeline = in_flight * (A + out) + max(L, out + B) + 2 * P  # + the unsharded parameters and gradients
         step     = ceil(T / shard)
 
     Sharded block by block (``stage_memory_parts`` with ``per_block``: every checkpoint unit its own ``fully_shard`` unit,
@@ -349,7 +366,7 @@ def stage_memory_bytes(
     time instead of ``2 * P``: the unit being computed and the next one, prefetched (parameters), and
     the unit's gradients until they are reduce-scattered::
 
-        pipeline = in_flight * (A + out) + out + 3 * max_u P_u
+        pipeline = in_flight * (A + out) + max(L, out + B) + 3 * max_u P_u
 
     DDP replicas (``shard`` 1) hold the whole stage, as one pipeline does: its gradient buckets are
     views of the gradients (``gradient_as_bucket_view=True``), no second copy.
@@ -444,10 +461,12 @@ def stage_memory_parts(
     unit_in = sum(blocks[a - 1].cut_bytes if a > 0 else 0 for a, _ in units) + held
     unit_a = [sum(b.activation_bytes - loss_held(b) for b in blocks[a:z]) for a, z in units]
     unit_k = [sum(kept_bytes(b) for b in blocks[a:z]) for a, z in units]
-    most_rebuilt = max(max(a - k, 0) for a, k in zip(unit_a, unit_k))
+    unit_t = [max(temp_bytes(b) for b in blocks[a:z]) for a, z in units]
+    most = max(a + t for a, t in zip(unit_a, unit_t))
+    most_rebuilt = max(max(a - k, 0) + t for a, k, t in zip(unit_a, unit_k, unit_t))
     most_params = max(sum(b.param_bytes for b in blocks[a:z]) for a, z in units)
-    regions = Regions(unit_in, max(unit_a), sum(unit_k), most_rebuilt, held, most_params)
-    sums = StageSums(p_bytes, n_params, a_bytes, cut_in, cut_out, out, step_temp, regions)
+    regions = Regions(unit_in, most, sum(unit_k), most_rebuilt, held, most_params, max(unit_t))
+    sums = StageSums(p_bytes, n_params, a_bytes, cut_in, cut_out, out, step_temp, regions, loss_temps(blocks, end))
     return parts_from_sums(sums, optimizer, recompute, n_microbatches, shard, per_block)
 
 
@@ -468,17 +487,19 @@ class StageSums(NamedTuple):
     out: int  # the stage's output per microbatch (the model's output for the last stage)
     step_temp: int | None  # T when measured for every block (None: ``optimizer.step_temp_bytes``)
     regions: Regions | None = None  # its checkpoint regions (None: one region, the whole stage)
+    loss_temp: int = 0  # the loss's backward temporaries (``loss_temps``: the last stage's), before any rebuild
 
 
 class Regions(NamedTuple):
     """What checkpointing keeps and rebuilds of a stage's regions (``checkpoint_units``)."""
 
     inputs: int  # U: bytes of every region's input (the stage's ``cut_in`` for the first), + the loss's
-    most: int  # max over regions of their activations (rebuilt one region at a time, full)
+    most: int  # max over regions of their activations (rebuilt one region at a time, full) + their temporaries
     kept: int  # K: bytes selective checkpointing keeps (the matmul and attention outputs)
-    most_rebuilt: int  # max over regions of activations minus kept, at least 0 (rebuilt, selective)
+    most_rebuilt: int  # max over regions of activations minus kept, at least 0 (selective), + their temporaries
     held: int = 0  # what the last stage's loss saves (outside every region; in ``inputs`` too)
     most_params: int = 0  # max over regions of their parameter bytes (FSDP's units, per block)
+    temp: int = 0  # max over the stage's blocks of their backward's temporaries (``temp_bytes``)
 
 
 def _recomputed(sums: StageSums, mode: RecomputeMode) -> tuple[int, int]:
@@ -489,8 +510,8 @@ def _recomputed(sums: StageSums, mode: RecomputeMode) -> tuple[int, int]:
     if mode == "selective":
         return regions.inputs + regions.kept, regions.most_rebuilt
     if mode == "stage":  # one region: its input (and the loss's) kept, all the rest rebuilt at once
-        return sums.cut_in + regions.held, sums.a_bytes - regions.held
-    return sums.a_bytes, 0
+        return sums.cut_in + regions.held, sums.a_bytes - regions.held + regions.temp
+    return sums.a_bytes, regions.temp
 
 
 def unsharded_bytes(p_bytes: Any, most_params: Any, per_block: bool) -> Any:
@@ -509,7 +530,7 @@ def parts_from_sums(
     per_block: bool = False,
 ) -> MemoryParts:
     """The formula of ``stage_memory_bytes`` on a stage's sums (shared with the solver's fast memory model)."""
-    p_bytes, n_params, _, cut_in, cut_out, out, step_temp, regions = sums
+    p_bytes, n_params, _, cut_in, cut_out, out, step_temp, regions, loss_temp = sums
     step = optimizer.step_temp_bytes(n_params) if step_temp is None else step_temp
     saved, rebuilt = _recomputed(sums, recompute_mode(recompute))
     if shard > 1:
@@ -518,7 +539,7 @@ def parts_from_sums(
             fixed=ceil_div(2 * p_bytes + optimizer.state_bytes(n_params, p_bytes), shard)
             + n_microbatches * (cut_in + cut_out),
             per_microbatch=saved + out,
-            once=out + rebuilt + unsharded_bytes(p_bytes, most_params, per_block),
+            once=max(loss_temp, out + rebuilt) + unsharded_bytes(p_bytes, most_params, per_block),
             step=ceil_div(step, shard),
             grads=ceil_div(p_bytes, shard) + (most_params if per_block else p_bytes),
             microbatches=n_microbatches,
@@ -526,7 +547,7 @@ def parts_from_sums(
     return MemoryParts(
         fixed=2 * p_bytes + optimizer.state_bytes(n_params, p_bytes) + n_microbatches * (cut_in + cut_out),
         per_microbatch=saved + out,
-        once=out + rebuilt,
+        once=max(loss_temp, out + rebuilt),
         step=step,
         grads=p_bytes,
         microbatches=n_microbatches,

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from planner.core.solve_engine import AnyIntArray, IntArray
-from planner.core.stage_model import Regions, kept_bytes, loss_held
+from planner.core.stage_model import Regions, kept_bytes, loss_held, temp_bytes
 from planner.schema.costs import BlockCost, OptimizerSpec
 
 
@@ -93,7 +93,8 @@ class RegionSums:
 
     Stages start at legal cuts, so a stage's regions are the regions starting inside it
     (``checkpoint_units``): each region's input, activations and kept bytes are put at its first
-    block, prefix sums add them and range maxima take their largest.
+    block, prefix sums add them and range maxima take their largest (a region's activations and
+    rebuilt bytes with its backward's temporaries; the blocks' temporaries alone as well).
     """
 
     def __init__(self, blocks: Sequence[BlockCost]) -> None:
@@ -102,9 +103,11 @@ class RegionSums:
         inputs, acts, rebuilt, params = [0] * n, [0] * n, [0] * n, [0] * n
         for a, z in zip(heads, [*heads[1:], n]):
             held = sum(loss_held(b) for b in blocks[a:z])  # the loss's, kept outside the regions
+            temp = max(temp_bytes(b) for b in blocks[a:z])  # its backward's temporaries, while rebuilt
             inputs[a] = (blocks[a - 1].cut_bytes if a > 0 else 0) + held
             acts[a] = sum(b.activation_bytes for b in blocks[a:z]) - held
-            rebuilt[a] = max(acts[a] - sum(kept_bytes(b) for b in blocks[a:z]), 0)
+            rebuilt[a] = max(acts[a] - sum(kept_bytes(b) for b in blocks[a:z]), 0) + temp
+            acts[a] += temp
             params[a] = sum(b.param_bytes for b in blocks[a:z])
         self.pre_in, self.pre_kept, self.pre_held = [0], [0], [0]
         for b, x in zip(blocks, inputs):
@@ -112,6 +115,7 @@ class RegionSums:
             self.pre_kept.append(self.pre_kept[-1] + kept_bytes(b))
             self.pre_held.append(self.pre_held[-1] + loss_held(b))
         self.acts, self.rebuilt, self.params = RangeMax(acts), RangeMax(rebuilt), RangeMax(params)
+        self.temps = RangeMax([temp_bytes(b) for b in blocks])
 
     def of(self, s: int, e: int) -> Regions:
         return Regions(
@@ -121,4 +125,5 @@ class RegionSums:
             self.rebuilt.of(s, e),
             self.pre_held[e] - self.pre_held[s],
             self.params.of(s, e),
+            self.temps.of(s, e),
         )

@@ -96,6 +96,11 @@ def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkC
     held = param_bytes / block.param_bytes if block.param_bytes else 1.0
     rerun_comm = fwd_comm * _rerun_share(block)
     activation = block.activation_bytes - share.sharded_activation_bytes + share.sharded_activation_bytes // tp
+    split = activation / block.activation_bytes if block.activation_bytes else 1.0
+
+    def as_activations(x: int | None) -> int | None:  # bytes split as the block's activations are
+        return None if x is None else math.ceil(x * split)
+
     return block.model_copy(
         update={
             "fwd_s": block.fwd_s * compute + fwd_comm,
@@ -107,12 +112,10 @@ def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkC
             # re-run): charged the share of the forward the recomputation re-runs
             "recompute_s": _scaled(block.recompute_s, compute, rerun_comm),
             "selective_recompute_s": _scaled(block.selective_recompute_s, compute, rerun_comm),
-            # what selective checkpointing keeps is split as the block's activations are
-            "selective_bytes": None
-            if block.selective_bytes is None
-            else math.ceil(
-                block.selective_bytes * (activation / block.activation_bytes if block.activation_bytes else 1.0)
-            ),
+            # what selective checkpointing keeps, and the backward's temporaries (gradients of the
+            # activations), split as the block's activations are
+            "selective_bytes": as_activations(block.selective_bytes),
+            "bwd_temp_bytes": as_activations(block.bwd_temp_bytes),
             "params": params,
             "param_bytes": param_bytes,
             "activation_bytes": activation,

@@ -53,6 +53,8 @@ def block_cost(
     selective_recompute_s: float | None = None,
     selective_bytes: int | None = None,
     loss_bytes: int | None = None,
+    bwd_temp_bytes: int | None = None,
+    loss_temp_bytes: int | None = None,
     flops_fwd: float | None = None,
     flops_bwd: float | None = None,
     opt_s: float | None = None,
@@ -76,6 +78,9 @@ def block_cost(
         selective_recompute_s: extra forward under selective checkpointing; None when not measured.
         selective_bytes: bytes selective checkpointing keeps per microbatch; None when not measured.
         loss_bytes: the last block: what its loss saves for backward; None when not measured.
+        bwd_temp_bytes: the peak temporaries of the block's backward from its output's gradient; None
+            when not measured.
+        loss_temp_bytes: the last block: the same from its loss on; None when not measured.
         flops_fwd: forward FLOPs; None when not counted.
         flops_bwd: backward FLOPs; None when not counted.
         opt_s: the block's share of the optimizer step; None when not timed.
@@ -108,6 +113,8 @@ def block_cost(
         selective_recompute_s=selective_recompute_s,
         selective_bytes=selective_bytes,
         loss_bytes=loss_bytes,
+        bwd_temp_bytes=bwd_temp_bytes,
+        loss_temp_bytes=loss_temp_bytes,
         flops_fwd=flops_fwd,
         flops_bwd=flops_bwd,
         opt_s=opt_s,

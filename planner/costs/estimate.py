@@ -42,6 +42,7 @@ from planner.capture.load import move_model
 from planner.capture.stage import build_stage_module, stage_inputs
 from planner.capture.trace import trace_model
 from planner.core.hardware import DTYPES, HardwareSpec, dtype_bytes
+from planner.costs.backward_temps import BackwardTemps, backward_temp_bytes
 from planner.costs.blocks import block_cost
 from planner.costs.roofline import Roofline, Tally, fuse_attention_nodes
 from planner.costs.timing import backward_roots, grad_inputs, leaf_safe
@@ -127,6 +128,8 @@ class _BlockRun:
     outputs: tuple
     model_output_bytes: int = 0  # the last block: the model's output, which the last stage keeps until backward
     loss_bytes: int = 0  # the last block: what its loss saves for backward (its input excluded)
+    temp_bytes: int = 0  # the backward's peak temporaries, from the block's output's gradient
+    loss_temp_bytes: int = 0  # the last block: the same from its loss on
     kept_out: tuple = ()  # the block's output (the model's, for the last): kept by the next region, not this one
     # (seconds, kept seconds) of the forward when the block (not its loss) saved its last tensor: where a
     # checkpoint's recomputation stops (torch's early stop); a block that saves nothing re-runs nothing
@@ -203,8 +206,9 @@ def _run_block(
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode.phase(fwd):
         out = forward(inputs)
     roots, grads = backward_roots(out)
+    temps = BackwardTemps(float_bytes)
     if roots:
-        with mode.phase(bwd):
+        with mode.phase(bwd), temps:
             torch.autograd.backward(roots, grads)
     outputs = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in _as_flat_outputs(out)) if not last else ()
     del out, roots, grads
@@ -220,8 +224,25 @@ def _run_block(
         if roots:
             with mode.phase(bwd_input):
                 torch.autograd.grad(roots, wanted, grads, allow_unused=True)
-    found = (sum(saved.values()), outputs, model_output[0], sum(by_loss.values()), tuple(first_out), rerun[0])
-    return _BlockRun(fwd, bwd, bwd_input, *found)
+    own = _own_temps(stage, state, args, mode) if last else temps.peak()
+    loss_temps = temps.peak() if last else 0
+    found = (sum(saved.values()), outputs, model_output[0], sum(by_loss.values()), own, loss_temps, tuple(first_out))
+    return _BlockRun(fwd, bwd, bwd_input, *found, rerun[0])
+
+
+def _own_temps(stage: torch.fx.GraphModule, state: dict[str, torch.Tensor], args: tuple, mode: Roofline) -> int:
+    """The last block's backward temporaries from its output's gradient, without its loss: a fresh
+    forward and backward charged to nothing, the parameters' gradients new as in a first backward."""
+    for t in state.values():
+        t.grad = None
+    with mode.phase(Tally()):
+        out = leaf_safe(lambda a: functional_call(stage, state, a, tie_weights=True, strict=False), grad_inputs(args))(
+            grad_inputs(args)
+        )
+        roots, grads = backward_roots(out)
+        if not roots:
+            return 0
+        return backward_temp_bytes(lambda: torch.autograd.backward(roots, grads), mode.float_bytes)
 
 
 def _as_flat_outputs(out: Any) -> tuple:
@@ -491,6 +512,8 @@ def _block_cost(
         selective_recompute_s=max(run.rerun[0] - run.rerun[1], 0.0),
         selective_bytes=run.fwd.kept_bytes(run.kept_out),
         loss_bytes=run.loss_bytes if k == len(traced.blocks) - 1 else None,
+        bwd_temp_bytes=run.temp_bytes,
+        loss_temp_bytes=run.loss_temp_bytes if k == len(traced.blocks) - 1 else None,
         flops_fwd=run.fwd.flops,
         flops_bwd=run.bwd.flops,
         opt_s=opt_s,

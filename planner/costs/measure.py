@@ -37,9 +37,11 @@ policy (``planner.capture.checkpoint``: matmul, convolution and attention output
 Python bookkeeping on every operator, which the first call shows against the plain forward); what that policy keeps of one microbatch (``selective_bytes``) is the
 bytes of those ops' outputs in one eager forward.
 
-Memory per block: parameter bytes (each parameter counted in the first block that reads it) and
-the bytes autograd saves for backward during the block's forward, observed with
-``torch.autograd.graph.saved_tensors_hooks`` (parameters excluded: they are counted once already).
+Memory per block: parameter bytes (each parameter counted in the first block that reads it), the
+bytes autograd saves for backward during the block's forward, observed with
+``torch.autograd.graph.saved_tensors_hooks`` (parameters excluded: they are counted once already),
+and the peak temporaries of one eager backward (``planner.costs.backward_temps``), from the block's
+output's gradient and, for the last block, also from its loss.
 
 Speed levers (``planner.costs.levers``): under ``autocast`` every forward (and the last block's
 loss) runs in a ``torch.autocast`` region, backward outside it; the saved bytes, the bytes crossing
@@ -70,6 +72,7 @@ from tqdm import tqdm
 from planner.capture.blocks import GraphTrace, ModuleTrace, TracedModel
 from planner.capture.checkpoint import kept_bytes
 from planner.capture.stage import build_stage_module, stage_inputs
+from planner.costs.backward_temps import backward_temp_bytes
 from planner.costs.blocks import Profile, block_cost
 from planner.costs.context import apply_in_context, time_in_context
 from planner.costs.levers import (
@@ -198,6 +201,8 @@ class _Timings:
     saved_bytes: int = 0
     kept_bytes: int | None = None  # what selective checkpointing keeps (None: not measured)
     loss_bytes: int | None = None  # the last block: what its loss saves (None: not measured)
+    temp_bytes: int | None = None  # the backward's peak temporaries, from the block's output's gradient
+    loss_temp_bytes: int | None = None  # the last block: the same from its loss on
     warm_s: float = 0.0
     rounds_s: list[float] = field(default_factory=list)
 
@@ -347,7 +352,23 @@ class _BlockTimer:
         t.kept_bytes = kept.total(out)
         if last:
             t.loss_bytes = self._loss_bytes(block, current, grad)
+        t.temp_bytes = self._temp_bytes(module, current, False, grad)
+        if last:
+            t.loss_temp_bytes = self._temp_bytes(module, current, True, grad)
         return t
+
+    def _temp_bytes(self, module: torch.nn.Module, current: tuple[Any, ...], loss: bool, grad: bool) -> int:
+        """The peak temporaries of one eager backward of the block, from its output's gradient (or with
+        ``loss`` from its loss), its parameters' gradients new as in a step's first backward
+        (``planner.costs.backward_temps``)."""
+        for w in module.parameters():
+            w.grad = None  # accumulating into existing gradients would count each new one as a temporary
+        forward = leaf_safe(self.forward_of(module, loss), grad_inputs(current, grad))
+        with torch.enable_grad():
+            roots, grads = backward_roots(forward(grad_inputs(current, grad)))
+        if not roots:
+            return 0
+        return backward_temp_bytes(lambda: torch.autograd.backward(roots, grads))
 
     def _loss_of(self, out: Any) -> Any:
         """The model's loss on the last block's output ``out``, under the profile's autocast."""
@@ -421,6 +442,8 @@ def _profile_graph(traced: GraphTrace, sample: Sample, settings: ProfileSettings
             selective_bytes=t.kept_bytes,
             activation_bytes=t.saved_bytes,
             loss_bytes=t.loss_bytes,
+            bwd_temp_bytes=t.temp_bytes,
+            loss_temp_bytes=t.loss_temp_bytes,
             cut_bytes=None if last else out_bytes,
         )
         if last and out_bytes is not None:  # the model's output the last stage keeps until backward

@@ -206,6 +206,20 @@ class BlockCost(BaseModel):
         description="Last block only: of activation_bytes, what the loss saves for backward per microbatch (it runs "
         "outside the stage's checkpoint regions, so checkpointing keeps it); None if not measured apart (0).",
     )
+    bwd_temp_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="Peak bytes the block's backward allocates and frees again per microbatch, from its output's "
+        "gradient on (gradients of its intermediate values; planner.costs.backward_temps), its parameters' and "
+        "inputs' gradients excluded; None if not measured (0).",
+    )
+    loss_temp_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="Last block only: the same from the loss on (the loss's backward, then the block's): what a "
+        "language model's loss holds, gradients the size of the logits in fp32, comes before any checkpoint "
+        "region is rebuilt; None if not measured (0).",
+    )
     cut_legal: bool = Field(description="Whether a stage boundary may be placed right after this block.")
     is_layer: bool = Field(
         description="One of the model's repeated layers (child of a ModuleList/Sequential/ModuleDict)."
