@@ -144,6 +144,12 @@ def test_the_stage_model_adds_one_backwards_temporaries() -> None:
     small = [*blocks[:2], blocks[2].model_copy(update={"loss_temp_bytes": 100})]
     assert stage_memory_parts(small, 2, 3, SGD, "never").once == 100
     assert stage_memory_parts(small, 2, 3, SGD, "full").once == 40 + 300 + 20
+    # what the loss saved (here 200 of the block's 300) is kept per microbatch, and freed by the
+    # loss's backward before the block's: not counted again while the block's region is rebuilt
+    held = [*blocks[:2], small[2].model_copy(update={"loss_bytes": 200})]
+    full = stage_memory_parts(held, 2, 3, SGD, "full")
+    assert (full.per_microbatch, full.once) == (10 + 200 + 40, max(100, 40 + (300 - 200) + 20 - 200))
+    assert stage_memory_parts(held, 2, 3, SGD, "never").once == max(100, 40 + 20 - 200)
     # not measured: no temporaries, the output's gradient alone, as before
     old = [b.model_copy(update={"bwd_temp_bytes": None, "loss_temp_bytes": None}) for b in blocks]
     assert stage_memory_parts(old, 2, 3, SGD, "never").once == 40

@@ -169,8 +169,8 @@ def test_fast_memory_path_matches_stage_memory_parts(
     s_arr = np.array([s for s, _ in pairs], dtype=np.int64)
     e_arr = np.array([e for _, e in pairs], dtype=np.int64)
     n_p = arrays.pre_n[e_arr] - arrays.pre_n[s_arr]
-    step = arrays._step_temps(s_arr, e_arr, n_p)
-    floor = arrays._step_floor(s_arr, e_arr, n_p)
+    step = arrays.step_temps.of(s_arr, e_arr, n_p)
+    floor = arrays.step_temps.floor(s_arr, e_arr, n_p)
     for i, (s, e) in enumerate(pairs):
         assert step[i] == stage_memory_parts(blocks, s, e, optimizer).step, (s, e)
         assert floor[i] <= step[i]

@@ -12,17 +12,16 @@ block) of PipeDream, computed on candidate stages only (``planner.core.solve_eng
 
 * A stage ``[s, e)`` costs ``(pre[e] - pre[s]) + send_in[s] + send_out[e]`` (+ its recomputation),
   where a boundary's terms hold its messages both ways and the cold start of the block that waits
-  for them (``cold_in``, ``cold_out``),
-  so its cost without the per-end message term is non-decreasing in ``e``. With a link per
-  boundary (ranks on several nodes, ``NodeLinks``) the message terms depend on the stage index k
-  through the links of boundaries k - 1 and k: each stage index takes one of a few cost rows
-  (``_Arrays.variant``; at most four with an intra- and an inter-node link), and the bound above
-  uses the cheapest link; a stage whose lower bound
-  exceeds a cap on the bottleneck can never be part of a partition under that cap. The same holds
-  for a lower bound of its memory. Each start therefore has a window of candidate ends, found by
-  binary search, and the programme only looks at those pairs; each stage index only at the starts
-  it can have (``stage_bands``). The cap starts near the average stage and rises to the best bottleneck
-  found until that is within it.
+  for them (``cold_in``, ``cold_out``), so its cost without the per-end message term is
+  non-decreasing in ``e``. With a link per boundary (ranks on several nodes, ``NodeLinks``) the
+  message terms depend on the stage index k through the links of boundaries k - 1 and k: each stage
+  index takes one of a few cost rows (``_Arrays.variant``; at most four with an intra- and an
+  inter-node link), and the bound above uses the cheapest link; a stage whose lower bound exceeds a
+  cap on the bottleneck can never be part of a partition under that cap. The same holds for a lower
+  bound of its memory. Each start therefore has a window of candidate ends, found by binary search,
+  and the programme only looks at those pairs; each stage index only at the starts it can have
+  (``stage_bands``). The cap starts near the average stage and rises to the best bottleneck found
+  until that is within it.
 * Memory grows with the number of live microbatches ``t``, so each candidate's fit is one
   threshold on ``t`` (computed once, in integers), and the stage index enters only through
   ``in_flight[k]``.
@@ -77,13 +76,15 @@ from planner.core.stage_model import (
     cold_out,
     evaluate,
     full_rerun_cost,
+    grad_bytes,
     loss_temps,
     parts_from_sums,
     selective_cost,
     stage_bounds,
     unsharded_bytes,
+    with_loss,
 )
-from planner.core.stage_sums import RegionSums, StepTemps
+from planner.core.stage_sums import RegionSums, StepTempArrays, StepTemps
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec, RecomputeMode
 
@@ -158,7 +159,8 @@ class _MemoryModel:
         self.cut_in = [0] + [blocks[s - 1].cut_bytes for s in range(1, n)]
         self.cut_out = [0] + [blocks[e - 1].cut_bytes for e in range(1, n)] + [0]
         self.out = self.cut_out[:n] + [blocks[-1].output_bytes]
-        self.loss_temp = [0] * n + [loss_temps(blocks, n)]
+        last = loss_temps(blocks, n)
+        self.loss_temp = [-1] * n + [-1 if last is None else last]  # -1: not the last stage, or not measured
         self.temps = StepTemps(blocks, optimizer)
         self.regions = RegionSums(blocks)
 
@@ -173,7 +175,7 @@ class _MemoryModel:
             self.out[e],
             self.temps.of(s, e),
             self.regions.of(s, e),
-            self.loss_temp[e],
+            None if self.loss_temp[e] < 0 else self.loss_temp[e],
         )
         parts = parts_from_sums(sums, self.optimizer, recompute, self.m, self.shard, self.per_block)
         return parts.peak(in_flight, self.fresh)
@@ -309,11 +311,7 @@ class _Arrays:
         self.out = np.array(mem.out, dtype=dtype)
         self.loss_temp = np.array(mem.loss_temp, dtype=dtype)
         # the measured step temporaries (StepTemps as arrays)
-        self.temp_rule = temps.rule
-        self.temps_all, self.temps_none = temps.all_measured, temps.none_measured
-        self.pre_missing = np.array(temps.pre_missing, dtype=np.int64)
-        self.pre_temp = np.array(temps.pre_sum, dtype=dtype)
-        self.temp_most = temps.most.arrays(dtype)
+        self.step_temps = StepTempArrays(temps, dtype, adamw=mem.optimizer.name == "adamw")
         # the checkpoint regions (RegionSums as arrays)
         regions = mem.regions
         self.pre_in = np.array(regions.pre_in, dtype=dtype)
@@ -327,13 +325,6 @@ class _Arrays:
         # nothing, like -1. Clamping keeps the arithmetic in range.
         self.limit = max(-1, min(math.floor(mem.limit), bound))
         self.adamw = mem.optimizer.name == "adamw"
-
-    def _measured_temps(self, s: IntArray, e: IntArray) -> AnyIntArray:
-        """Per stage ``[s, e)``, ``StepTemps.of`` with the unmeasured blocks counted as 0 (0 when ``e <= s``)."""
-        if self.temp_rule == "sum":
-            total: AnyIntArray = self.pre_temp[e] - self.pre_temp[s]
-            return total
-        return self.temp_most.many(s, e)
 
     def _saved(self, s: IntArray, e: IntArray, a_b: AnyIntArray) -> dict[str, tuple[AnyIntArray, AnyIntArray]]:
         """Per recompute mode, the stages' bytes per live microbatch and once, besides their output
@@ -349,26 +340,6 @@ class _Arrays:
             "stage": (self.cut_in[s] + held, a_b - held + temp),
         }
 
-    def _step_temps(self, s: IntArray, e: IntArray, n_p: AnyIntArray) -> AnyIntArray:
-        """Per stage, ``T`` of ``stage_memory_parts``: measured where all its blocks were, else the fallback."""
-        fallback = 8 * n_p if self.adamw else 0 * n_p
-        if self.temps_none:
-            return fallback
-        step: AnyIntArray = np.where(self.pre_missing[e] == self.pre_missing[s], self._measured_temps(s, e), fallback)
-        return step
-
-    def _step_floor(self, s: IntArray, e: IntArray, n_p: AnyIntArray) -> AnyIntArray:
-        """A lower bound of ``_step_temps`` that never decreases as ``e`` grows: exact when every
-        block or none was measured; with some measured, the smaller of the two (each grows with ``e``)."""
-        fallback = 8 * n_p if self.adamw else 0 * n_p
-        if self.temps_none:
-            return fallback
-        measured = self._measured_temps(s, e)
-        if self.temps_all:
-            return measured
-        floor: AnyIntArray = np.minimum(measured, fallback)
-        return floor
-
     def _fit_bound(self, s: IntArray, e: IntArray, t: int) -> AnyIntArray:
         """A lower bound of the stage's bytes at ``t`` or more live microbatches, any way it can
         run, that never decreases as the stage grows (``e`` up): ``parts_from_sums`` without the optimizer's
@@ -382,10 +353,13 @@ class _Arrays:
         a_b = self.pre_a[e] - self.pre_a[s]
         cin = self.cut_in[s]
         per_param = 8 * n_p if self.adamw else 0 * n_p
-        step = self._step_floor(s, e, n_p)
+        step = self.step_temps.floor(s, e, n_p)
         # each mode's saved bytes only grow with e (sums of non-negative terms, and range maxima)
         saved = self._saved(s, e, a_b)
-        options = [t * saved[o][0] + saved[o][1] for o in self.mem.options]
+        # less what a last stage's loss saved, freed before its blocks' backward (``with_loss``): still
+        # growing with e from one live microbatch on (the last block adds at least that per microbatch)
+        held = self.pre_held[e] - self.pre_held[s]
+        options = [t * saved[o][0] + saved[o][1] - held if t else 0 * held for o in self.mem.options]
         pipeline = options[0]
         for other in options[1:]:
             pipeline = np.minimum(pipeline, other)
@@ -426,21 +400,21 @@ class _Arrays:
         n_p = self.pre_n[e] - self.pre_n[s]
         a_b = self.pre_a[e] - self.pre_a[s]
         cin, cout, out, loss_temp = self.cut_in[s], self.cut_out[e], self.out[e], self.loss_temp[e]
+        held = self.pre_held[e] - self.pre_held[s]
         # Mirrors OptimizerSpec.state_bytes / step_temp_bytes on arrays (test_solve checks the two agree):
         # an fp32 master copy when the parameters are narrower than fp32, AdamW's two moments and
         # its step temporaries (measured, or two per parameter).
         master = np.where(p_b < 4 * n_p, 4 * n_p, 0 * n_p)
         moments = 8 * n_p if self.adamw else 0 * n_p
-        step = self._step_temps(s, e, n_p)
+        step = self.step_temps.of(s, e, n_p)
         static = 2 * p_b + master + moments
-        unsharded = 0 * p_b
-        grads = p_b if self.mem.fresh else 0 * p_b
+        unsharded, most = 0 * p_b, 0 * p_b
         d = self.mem.shard
         if d > 1:  # parts_from_sums with shard: a share of the static bytes and step, the whole stage while it runs
             static, step = ceil_div(static, d), ceil_div(step, d)
             most = self.region_params.many(s, e)
             unsharded = unsharded_bytes(p_b, most, self.mem.per_block)
-            grads = ceil_div(p_b, d) + (most if self.mem.per_block else p_b) if self.mem.fresh else grads
+        grads = grad_bytes(p_b, n_p, most, d, self.mem.per_block) if self.mem.fresh else 0 * p_b
         head = self.limit - (static + self.mem.m * (cin + cout))
         saved = self._saved(s, e, a_b)
         limits = []
@@ -448,7 +422,7 @@ class _Arrays:
             if option not in allowed:
                 limits.append(no)
                 continue
-            x, y = saved[option][0] + out, np.maximum(loss_temp, saved[option][1] + out) + unsharded
+            x, y = saved[option][0] + out, with_loss(loss_temp, held, saved[option][1] + out) + unsharded
             fits_alone = (y <= head) & (step <= head)
             most = np.minimum((head - y) // np.maximum(x, 1), self.big)
             t_max = np.where(fits_alone, np.where(x > 0, most, self.big), -1)

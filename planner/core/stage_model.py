@@ -131,10 +131,21 @@ def temp_bytes(block: BlockCost) -> int:
     return block.bwd_temp_bytes or 0
 
 
-def loss_temps(blocks: Sequence[BlockCost], end: int) -> int:
+def loss_temps(blocks: Sequence[BlockCost], end: int) -> int | None:
     """The loss's backward temporaries of a stage ending before block ``end``: the last stage's
-    (``loss_temp_bytes``, the loss's backward and then the last block's; unknown: 0), else 0."""
-    return (blocks[-1].loss_temp_bytes or 0) if end == len(blocks) else 0
+    (``loss_temp_bytes``, the loss's backward and then the last block's), else (or unknown) None."""
+    return blocks[-1].loss_temp_bytes if end == len(blocks) else None
+
+
+def with_loss(loss_temp: Any, held: Any, grad_and_rebuilt: Any) -> Any:
+    """A stage's bytes once, besides per microbatch, in its backward: the output's gradient and what
+    its blocks rebuild and hold as temporaries (``grad_and_rebuilt``); on the last stage whose loss's
+    temporaries were measured (``loss_temp`` >= 0), the larger of those, which come first, and that
+    less what the loss saved (``held``), freed by its backward by then. For ints and for the solver's
+    integer arrays alike (a comparison times a difference selects, as ``ceil_div`` divides)."""
+    after = grad_and_rebuilt - held
+    larger = after + (loss_temp - after) * (loss_temp > after)  # max(loss_temp, after)
+    return grad_and_rebuilt + (larger - grad_and_rebuilt) * (loss_temp >= 0)
 
 
 def loss_held(block: BlockCost) -> int:
@@ -315,7 +326,7 @@ def stage_memory_bytes(
 
         static   = 2 * P + optimizer.state_bytes(N, P)      # weights + grads, optimizer state
         buffers  = m * (cut_in + cut_out)                   # receive buffers, one per microbatch each way
-        pipeline = in_flight * (A + out) + max(L, out + B)  # saved activations and the cached stage
+        pipeline = in_flight * (A + out) + out + B          # saved activations and the cached stage
                                                             # output per live microbatch, + its gradient
                                                             # and one backward's temporaries
         step     = T                                        # optimizer temporaries (after backward)
@@ -327,16 +338,17 @@ def stage_memory_bytes(
     per microbatch (``cut_out``; the model output ``output_bytes`` for the last stage), which
     torch's ``PipelineStage`` keeps until that microbatch's backward (and the size of its gradient),
     ``B`` the most temporaries any of the stage's blocks' backward holds besides (``bwd_temp_bytes``,
-    planner.costs.backward_temps; unknown: 0), ``L`` the last stage's loss's backward temporaries,
-    which come before its blocks' backward and hold the output's gradient (``loss_temps``; 0 for the
-    other stages), ``m`` = ``n_microbatches``
+    planner.costs.backward_temps; unknown: 0), ``m`` = ``n_microbatches``
     (``PipelineStage`` allocates its receive buffers per microbatch, up front). ``in_flight`` is the
     stage's peak number of microbatches with forward done and backward pending under the schedule
     (``planner.core.schedules.peak_in_flight``). Each term was checked against MemTracker's categories
     on CPU runs (docs/predict_vs_measured.md). ``T``, the step's temporaries, is measured when every
     block of the stage has ``opt_temp_bytes``: their maximum or their sum, by
     ``optimizer.step_temp_rule`` (a per-tensor optimizer holds one tensor's temporaries at a time, a
-    foreach one all of them); else ``optimizer.step_temp_bytes(N)``.
+    foreach one all of them); else ``optimizer.step_temp_bytes(N)``. On the last stage, where the
+    loss's backward temporaries ``L`` were measured (``loss_temp_bytes``), ``out + B`` (and the
+    rebuilt region below) becomes ``max(L, out + B - H)``: the loss's backward comes first and makes
+    the output's gradient, and by the blocks' backward it has freed what it saved (``H``, ``loss_held``).
 
     With ``recompute`` each checkpoint region of the stage (``checkpoint_units``: one per block)
     keeps only its input per live microbatch, and backward rebuilds one region's activations at a
@@ -357,7 +369,7 @@ def stage_memory_bytes(
     and freed after the last backward, before the optimizer step)::
 
         static   = ceil((2 * P + optimizer.state_bytes(N, P)) / shard)
-        pipeline = in_flight * (A + out) + max(L, out + B) + 2 * P  # + the unsharded parameters and gradients
+        pipeline = in_flight * (A + out) + out + B + 2 * P  # + the unsharded parameters and gradients
         step     = ceil(T / shard)
 
     Sharded block by block (``stage_memory_parts`` with ``per_block``: every checkpoint unit its own ``fully_shard`` unit,
@@ -366,7 +378,7 @@ def stage_memory_bytes(
     time instead of ``2 * P``: the unit being computed and the next one, prefetched (parameters), and
     the unit's gradients until they are reduce-scattered::
 
-        pipeline = in_flight * (A + out) + max(L, out + B) + 3 * max_u P_u
+        pipeline = in_flight * (A + out) + out + B + 3 * max_u P_u
 
     DDP replicas (``shard`` 1) hold the whole stage, as one pipeline does: its gradient buckets are
     views of the gradients (``gradient_as_bucket_view=True``), no second copy.
@@ -487,7 +499,7 @@ class StageSums(NamedTuple):
     out: int  # the stage's output per microbatch (the model's output for the last stage)
     step_temp: int | None  # T when measured for every block (None: ``optimizer.step_temp_bytes``)
     regions: Regions | None = None  # its checkpoint regions (None: one region, the whole stage)
-    loss_temp: int = 0  # the loss's backward temporaries (``loss_temps``: the last stage's), before any rebuild
+    loss_temp: int | None = None  # the loss's backward temporaries (``loss_temps``: the last stage's), first
 
 
 class Regions(NamedTuple):
@@ -521,6 +533,17 @@ def unsharded_bytes(p_bytes: Any, most_params: Any, per_block: bool) -> Any:
     return 3 * most_params if per_block else 2 * p_bytes
 
 
+def grad_bytes(p_bytes: Any, n_params: Any, most_params: Any, shard: int, per_block: bool) -> Any:
+    """Of a stage's bytes, its gradients (``MemoryParts.grads``): fp32 where the parameters are
+    narrower (their fp32 master copy is what trains: the runner keeps fp32 weights and gradients
+    under autocast, the same 16 bytes a parameter with AdamW), else the parameters' bytes; sharded, a
+    share of those plus the unsharded ones held while the stage runs. Ints and integer arrays alike."""
+    full = p_bytes + (4 * n_params - p_bytes) * (p_bytes < 4 * n_params)  # max(P, 4 N)
+    if shard > 1:
+        return ceil_div(full, shard) + (most_params if per_block else p_bytes)
+    return full
+
+
 def parts_from_sums(
     sums: StageSums,
     optimizer: OptimizerSpec,
@@ -533,23 +556,24 @@ def parts_from_sums(
     p_bytes, n_params, _, cut_in, cut_out, out, step_temp, regions, loss_temp = sums
     step = optimizer.step_temp_bytes(n_params) if step_temp is None else step_temp
     saved, rebuilt = _recomputed(sums, recompute_mode(recompute))
+    backward = with_loss(-1 if loss_temp is None else loss_temp, regions.held if regions else 0, out + rebuilt)
     if shard > 1:
         most_params = regions.most_params if regions else p_bytes
         return MemoryParts(
             fixed=ceil_div(2 * p_bytes + optimizer.state_bytes(n_params, p_bytes), shard)
             + n_microbatches * (cut_in + cut_out),
             per_microbatch=saved + out,
-            once=max(loss_temp, out + rebuilt) + unsharded_bytes(p_bytes, most_params, per_block),
+            once=backward + unsharded_bytes(p_bytes, most_params, per_block),
             step=ceil_div(step, shard),
-            grads=ceil_div(p_bytes, shard) + (most_params if per_block else p_bytes),
+            grads=grad_bytes(p_bytes, n_params, most_params, shard, per_block),
             microbatches=n_microbatches,
         )
     return MemoryParts(
         fixed=2 * p_bytes + optimizer.state_bytes(n_params, p_bytes) + n_microbatches * (cut_in + cut_out),
         per_microbatch=saved + out,
-        once=max(loss_temp, out + rebuilt),
+        once=backward,
         step=step,
-        grads=p_bytes,
+        grads=grad_bytes(p_bytes, n_params, 0, 1, False),
         microbatches=n_microbatches,
     )
 

@@ -3,8 +3,8 @@
 Pure module (numpy only). ``stage_memory_parts`` (``planner.core.stage_model``) sums a stage's
 blocks one by one; the solver asks the same of every candidate stage, so it precomputes prefix sums
 and range maxima (sparse tables) once per request: the measured optimizer-step temporaries
-(``StepTemps``) and the checkpoint regions (``RegionSums``), each asked one stage at a time or, as
-arrays, for many stages at once.
+(``StepTemps``; on arrays ``StepTempArrays``) and the checkpoint regions (``RegionSums``), each
+asked one stage at a time or, as arrays, for many stages at once.
 """
 
 from __future__ import annotations
@@ -86,6 +86,46 @@ class StepTemps:
         if self.rule == "sum":
             return self.pre_sum[e] - self.pre_sum[s]
         return self.most.of(s, e)
+
+
+class StepTempArrays:
+    """``StepTemps`` on arrays of stages ``[s, e)``, with the fallback for unmeasured blocks: an AdamW
+    step's two temporaries of 4 bytes per parameter (``OptimizerSpec.step_temp_bytes``), else 0."""
+
+    def __init__(self, temps: StepTemps, dtype: Any, adamw: bool) -> None:
+        self.rule, self.adamw = temps.rule, adamw
+        self.all_measured, self.none_measured = temps.all_measured, temps.none_measured
+        self.pre_missing = np.array(temps.pre_missing, dtype=np.int64)
+        self.pre_sum = np.array(temps.pre_sum, dtype=dtype)
+        self.most = temps.most.arrays(dtype)
+
+    def measured(self, s: IntArray, e: IntArray) -> AnyIntArray:
+        """Per stage, ``StepTemps.of`` with the unmeasured blocks counted as 0 (0 when ``e <= s``)."""
+        if self.rule == "sum":
+            total: AnyIntArray = self.pre_sum[e] - self.pre_sum[s]
+            return total
+        return self.most.many(s, e)
+
+    def of(self, s: IntArray, e: IntArray, n_p: AnyIntArray) -> AnyIntArray:
+        """Per stage, ``T`` of ``stage_memory_parts``: measured where all its blocks were, else the
+        fallback (``n_p``: the stages' parameters)."""
+        fallback = 8 * n_p if self.adamw else 0 * n_p
+        if self.none_measured:
+            return fallback
+        step: AnyIntArray = np.where(self.pre_missing[e] == self.pre_missing[s], self.measured(s, e), fallback)
+        return step
+
+    def floor(self, s: IntArray, e: IntArray, n_p: AnyIntArray) -> AnyIntArray:
+        """A lower bound of ``of`` that never decreases as ``e`` grows: exact when every block or none
+        was measured; with some measured, the smaller of the two (each grows with ``e``)."""
+        fallback = 8 * n_p if self.adamw else 0 * n_p
+        if self.none_measured:
+            return fallback
+        measured = self.measured(s, e)
+        if self.all_measured:
+            return measured
+        floor: AnyIntArray = np.minimum(measured, fallback)
+        return floor
 
 
 class RegionSums:
