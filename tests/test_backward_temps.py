@@ -19,6 +19,7 @@ from planner.costs.estimate import estimate_blocks
 from planner.costs.measure import profile_model
 from planner.costs.settings import ProfileSettings, Sample
 from planner.schema.costs import BlockCost, OptimizerSpec
+from tests.plan_factory import block
 from tests.test_recompute import B, D, Mlp, _mse
 
 DEVICES = ["cpu", "meta"]
@@ -100,24 +101,11 @@ def test_the_profiler_and_the_estimate_record_the_blocks_temporaries() -> None:
 
 
 def _block(name: str, act: int, temp: int | None, out: int = 0, cut: int = 10, loss: int | None = None) -> BlockCost:
-    return BlockCost(
-        name=name,
-        first_node=f"{name}a",
-        last_node=f"{name}b",
-        fwd_s=1.0,
-        bwd_s=1.0,
-        params=0,
-        param_bytes=0,
-        activation_bytes=act,
-        bwd_temp_bytes=temp,
-        loss_temp_bytes=loss,
-        cut_bytes=cut,
-        cut_tensors=1,
-        output_bytes=out,
-        selective_bytes=act // 2,
-        cut_legal=True,
-        is_layer=True,
-    )
+    """A block of ``act`` bytes of activations (half of them kept by selective checkpointing) whose
+    backward holds ``temp`` bytes of temporaries (``loss`` from its loss on)."""
+    fields = {"activation_bytes": act, "selective_bytes": act // 2, "cut_bytes": cut, "output_bytes": out}
+    fields |= {"bwd_temp_bytes": temp, "loss_temp_bytes": loss}
+    return block(name, 1.0, 1.0, 0).model_copy(update=fields)
 
 
 SGD = OptimizerSpec(name="sgd")
