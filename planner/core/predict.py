@@ -85,7 +85,7 @@ def predict(
         raise InfeasibleError(f"{n} stages for a layout of {layout.pp} ranks x {layout.stages_per_rank} stage(s)")
     schedule, p, n_microbatches, dp = layout.schedule, layout.pp, layout.n_microbatches, layout.dp
     ranks = stage_ranks(schedule, p, layout.stages_per_rank)
-    context = _StageContext(optimizer, n_microbatches, layout.shard, ranks, layout.per_block, layout.fresh_grads)
+    context = _StageContext(optimizer, layout, ranks)
     link = layout_links(link, p, dp, layout.tp)
     stage_costs(blocks, starts, link, recompute, schedule)  # validates the split (legal cuts, non-empty stages)
     links = boundary_links(link, n, schedule)
@@ -115,7 +115,7 @@ def predict(
     # rank when FSDP shards the gradients; only then does every rank step its optimizer.
     # The step ends when the slowest optimizer is done. Over several nodes its messages pay the
     # slowest link's latency.
-    shard = context.shard
+    shard = layout.shard
     group = p * shard * layout.tp  # under HSDP, one group's replicas hold every gradient once
     latency = max([x.latency_s for x in links] + ([x.latency_s for x in dp_links] if shard > 1 else []), default=0.0)
     allreduce_s = 2 * math.ceil(math.log2(group)) * latency if group > 1 else 0.0
@@ -373,17 +373,14 @@ def optimizer_cost(block: BlockCost) -> float:
 
 @dataclass(frozen=True)
 class _StageContext:
-    """What every stage of one prediction shares: the optimizer (state bytes), the microbatches per
-    step (receive buffers), the FSDP replicas its state is sharded over (1: none; a share of the
-    memory and of the optimizer step) and the rank of every stage (a boundary between two stages on
-    the same rank, the turn of a V, carries no message) and whether FSDP shards block by block."""
+    """What every stage of one prediction shares: the optimizer (state bytes), the layout (its
+    microbatches per step, FSDP's sharding and whether the gradients are new every step) and the
+    rank of every stage (a boundary between two stages on the same rank, the turn of a V, carries
+    no message)."""
 
     optimizer: OptimizerSpec
-    n_microbatches: int
-    shard: int
+    layout: Layout
     rank_of: Sequence[int]
-    per_block: bool = False
-    fresh_grads: bool = False  # Layout.fresh_grads
 
 
 def _stage_plan(
@@ -410,7 +407,8 @@ def _stage_plan(
         The stage.
     """
     start, end = bounds
-    rank_of, shard, optimizer = context.rank_of, context.shard, context.optimizer
+    rank_of, optimizer, layout = context.rank_of, context.optimizer, context.layout
+    shard = layout.shard
 
     def crosses(other: int) -> bool:
         return rank_of[other] != rank_of[index]
@@ -447,8 +445,8 @@ def _stage_plan(
         activation_bytes=sum(x.activation_bytes for x in part),
         in_flight=in_flight,
         memory_bytes=stage_memory_parts(
-            blocks, start, end, optimizer, recompute, context.n_microbatches, shard, context.per_block
-        ).peak(in_flight, context.fresh_grads),
+            blocks, start, end, optimizer, recompute, layout.n_microbatches, shard, layout.per_block
+        ).peak(in_flight, layout.fresh_grads),
         # torch 2.13 never runs I on the first stage (its inputs need no gradient): its W is the
         # whole backward (PipelineStage.backward_weight_one_chunk with stage_index 0)
         bwd_input_s=(0.0 if index == 0 else sum(x.bwd_input_s or 0.0 for x in part) + extra) if split else None,
