@@ -217,10 +217,9 @@ def grad_reduce_s(nbytes: int, dp: int, dp_mode: str, link: LinkCost) -> float:
     shard_of(dp, dp_mode)  # validates the mode
     if dp <= 1:
         return 0.0
-    share = (dp - 1) / dp * nbytes
     if dp_mode == "ddp":
-        return _transfer_s(2 * share, link)
-    return 2 * _transfer_s(share, link)
+        return _allreduce_s(nbytes, dp, link)
+    return 2 * _transfer_s((dp - 1) / dp * nbytes, link)
 
 
 def rank_reduce_s(
