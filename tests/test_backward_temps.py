@@ -65,6 +65,15 @@ def test_what_survives_or_existed_before_is_not_counted() -> None:
     assert temps.peak() == 0
 
 
+def test_a_sparse_gradient_is_passed_over() -> None:
+    # nn.Embedding(sparse=True) makes a sparse gradient, which has no storage to watch: not counted,
+    # and no error (the profile of such a model must not fail)
+    embedding = torch.nn.Embedding(10, 4, sparse=True)
+    out = embedding(torch.tensor([1, 2, 3])).sum()
+    assert backward_temp_bytes(out.backward) >= 0
+    assert embedding.weight.grad is not None and embedding.weight.grad.is_sparse
+
+
 def test_floating_bytes_count_at_the_planning_width() -> None:
     n, d, hidden = 16, 8, 32
     x = torch.randn(n, d, device="meta", requires_grad=True)

@@ -47,9 +47,9 @@ class BackwardTemps(TorchDispatchMode):
     ) -> Any:
         out = func(*args, **(kwargs or {}))
         # views and in-place results share a storage that exists already
-        inputs = {storage_id(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {storage_id(t) for t in pytree.tree_leaves((args, kwargs)) if _has_storage(t)}
         for t in pytree.tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
+            if not _has_storage(t):  # (a sparse gradient has no storage of its own: not counted)
                 continue
             key = storage_id(t)
             if key in inputs or key in self._live:
@@ -92,6 +92,17 @@ class BackwardTemps(TorchDispatchMode):
             elif event[0] not in self._survivors:
                 now += event[1]
         return most
+
+
+def _has_storage(t: Any) -> bool:
+    """A tensor with a storage of its own to watch (not a sparse tensor, nor a wrapper subclass)."""
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+        return False
+    try:
+        t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def backward_temp_bytes(run: Callable[[], Any], float_bytes: int | None = None) -> int:
