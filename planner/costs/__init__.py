@@ -6,7 +6,8 @@ block cut out and timed), ``measure_modules`` (module-boundary traces: hooks on 
 run), ``estimate`` (roofline over aten operators on the meta device), ``cpu`` (this CPU as a
 ``HardwareSpec``, micro-benchmarked and cached), ``levers`` (the speed levers the profilers apply:
 ``torch.autocast`` regions and ``torch.compile`` settings), ``settings`` (what the measured profilers
-take: the ``Sample`` to time on and the ``ProfileSettings`` to time it with).
+take: the ``Sample`` to time on and the ``ProfileSettings`` to time it with), ``backward_temps``
+(what a backward allocates and frees again: the dispatch mode both profilers run it under).
 
 May import: ``planner.errors``, ``planner.schema``, ``planner.core`` (the hardware table),
 ``planner.capture``, ``planner.threads``, ``planner.torch_compat``, torch.
