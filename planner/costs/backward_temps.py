@@ -17,11 +17,12 @@ credited: the model counts them apart too.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from planner.costs.timing import backward_roots
 from planner.torch_compat import TorchDispatchMode, pytree, storage_id
 
 
@@ -47,12 +48,10 @@ class BackwardTemps(TorchDispatchMode):
     ) -> Any:
         out = func(*args, **(kwargs or {}))
         # views and in-place results share a storage that exists already
-        inputs = {storage_id(t) for t in pytree.tree_leaves((args, kwargs)) if _has_storage(t)}
+        inputs = {_storage_key(t) for t in pytree.tree_leaves((args, kwargs))}
         for t in pytree.tree_leaves(out):
-            if not _has_storage(t):  # (a sparse gradient has no storage of its own: not counted)
-                continue
-            key = storage_id(t)
-            if key in inputs or key in self._live:
+            key = _storage_key(t)
+            if key is None or key in inputs or key in self._live:  # (a sparse gradient has no storage)
                 continue
             storage = t.untyped_storage()
             nbytes = storage.nbytes()
@@ -94,15 +93,43 @@ class BackwardTemps(TorchDispatchMode):
         return most
 
 
-def _has_storage(t: Any) -> bool:
-    """A tensor with a storage of its own to watch (not a sparse tensor, nor a wrapper subclass)."""
+def _storage_key(t: Any) -> int | None:
+    """``storage_id`` of a tensor with a storage of its own to watch; None for anything else (not a
+    tensor, a sparse tensor, a wrapper subclass without a storage)."""
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-        return False
+        return None
     try:
-        t.untyped_storage()
+        return storage_id(t)
     except (RuntimeError, NotImplementedError):
-        return False
-    return True
+        return None
+
+
+def forward_backward_temps(
+    forward: Callable[[tuple[Any, ...]], Any],
+    args: tuple[Any, ...],
+    params: Iterable[torch.Tensor],
+    float_bytes: int | None = None,
+) -> int:
+    """One forward of ``forward(args)``, then the peak temporaries of its backward from a gradient of
+    ones for each output, the ``params``' gradients new as in a step's first backward (accumulating
+    into existing ones would count each new gradient as a temporary).
+
+    Args:
+        forward: the block's forward (or its loss, to measure from the loss on).
+        args: its inputs.
+        params: the parameters it reads (their gradients are reset first).
+        float_bytes: as ``BackwardTemps``.
+
+    Returns:
+        Bytes (0 when no output needs a gradient).
+    """
+    for p in params:
+        p.grad = None
+    with torch.enable_grad():
+        roots, grads = backward_roots(forward(args))
+    if not roots:
+        return 0
+    return backward_temp_bytes(lambda: torch.autograd.backward(roots, grads), float_bytes)
 
 
 def backward_temp_bytes(run: Callable[[], Any], float_bytes: int | None = None) -> int:

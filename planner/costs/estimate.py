@@ -42,7 +42,7 @@ from planner.capture.load import move_model
 from planner.capture.stage import build_stage_module, stage_inputs
 from planner.capture.trace import trace_model
 from planner.core.hardware import DTYPES, HardwareSpec, dtype_bytes
-from planner.costs.backward_temps import BackwardTemps, backward_temp_bytes
+from planner.costs.backward_temps import BackwardTemps, forward_backward_temps
 from planner.costs.blocks import block_cost
 from planner.costs.roofline import Roofline, Tally, fuse_attention_nodes
 from planner.costs.timing import backward_roots, grad_inputs, leaf_safe
@@ -233,16 +233,9 @@ def _run_block(
 def _own_temps(stage: torch.fx.GraphModule, state: dict[str, torch.Tensor], args: tuple, mode: Roofline) -> int:
     """The last block's backward temporaries from its output's gradient, without its loss: a fresh
     forward and backward charged to nothing, the parameters' gradients new as in a first backward."""
-    for t in state.values():
-        t.grad = None
+    forward = leaf_safe(lambda a: functional_call(stage, state, a, tie_weights=True, strict=False), grad_inputs(args))
     with mode.phase(Tally()):
-        out = leaf_safe(lambda a: functional_call(stage, state, a, tie_weights=True, strict=False), grad_inputs(args))(
-            grad_inputs(args)
-        )
-        roots, grads = backward_roots(out)
-        if not roots:
-            return 0
-        return backward_temp_bytes(lambda: torch.autograd.backward(roots, grads), mode.float_bytes)
+        return forward_backward_temps(forward, grad_inputs(args), state.values(), mode.float_bytes)
 
 
 def _as_flat_outputs(out: Any) -> tuple:

@@ -72,7 +72,7 @@ from tqdm import tqdm
 from planner.capture.blocks import GraphTrace, ModuleTrace, TracedModel
 from planner.capture.checkpoint import kept_bytes
 from planner.capture.stage import build_stage_module, stage_inputs
-from planner.costs.backward_temps import backward_temp_bytes
+from planner.costs.backward_temps import forward_backward_temps
 from planner.costs.blocks import Profile, block_cost
 from planner.costs.context import apply_in_context, time_in_context
 from planner.costs.levers import (
@@ -359,16 +359,9 @@ class _BlockTimer:
 
     def _temp_bytes(self, module: torch.nn.Module, current: tuple[Any, ...], loss: bool, grad: bool) -> int:
         """The peak temporaries of one eager backward of the block, from its output's gradient (or with
-        ``loss`` from its loss), its parameters' gradients new as in a step's first backward
-        (``planner.costs.backward_temps``)."""
-        for w in module.parameters():
-            w.grad = None  # accumulating into existing gradients would count each new one as a temporary
+        ``loss`` from its loss)."""
         forward = leaf_safe(self.forward_of(module, loss), grad_inputs(current, grad))
-        with torch.enable_grad():
-            roots, grads = backward_roots(forward(grad_inputs(current, grad)))
-        if not roots:
-            return 0
-        return backward_temp_bytes(lambda: torch.autograd.backward(roots, grads))
+        return forward_backward_temps(forward, grad_inputs(current, grad), module.parameters())
 
     def _loss_of(self, out: Any) -> Any:
         """The model's loss on the last block's output ``out``, under the profile's autocast."""
