@@ -15,6 +15,7 @@ import click
 
 from cli_options import training_options
 from cli_support import COUNT_OR_AUTO, REPLICAS_OR_AUTO, debug_option, split_option, user_errors
+from planner.core.hardware import GPUS
 from planner.errors import PlannerError
 from planner.report.export import EXPORT_FORMATS
 from planner.schema.costs import OPTIMIZERS
@@ -221,9 +222,18 @@ def _load_plan(path: str) -> Plan:
     "--gpu-type",
     default=None,
     metavar="NAME",
-    help="Plan for hardware that is not here (h100, h200, a100-80g, a100-40g, l4, l40s, a10g, v100, mi300x; "
+    help=f"Plan for hardware that is not here ({', '.join(GPUS)}; "
     "'cpu' = this machine's calibrated CPU): build the model on the meta device and estimate its costs "
     "with the roofline model instead of measuring them.",
+)
+@click.option(
+    "--attention-kernel",
+    default=None,
+    metavar="BACKEND",
+    help="With --gpu-type: the scaled_dot_product_attention backend the estimate costs: flash (torch's "
+    "FlashAttention-2, what torch 2.5.1-2.10 run on H100/H200), cudnn or efficient, where the GPU table has "
+    "figures for it [default: the backend current torch picks on that GPU: cudnn on H100/H200, flash on A100, "
+    "L4, L40S, A10G, MI300X, efficient on V100]. It changes the estimate, not what planner run executes.",
 )
 @click.option(
     "--dtype",
@@ -335,6 +345,7 @@ def plan_cmd(
     memory_limit: float | None,
     recompute: str,
     gpu_type: str | None,
+    attention_kernel: str | None,
     dtype: str | None,
     compile_: bool,
     gpus_per_node: int | None,
@@ -383,6 +394,7 @@ def plan_cmd(
         memory_limit_gib=memory_limit,
         recompute=recompute,
         gpu_type=gpu_type,
+        attention_kernel=attention_kernel,
         dtype=dtype,
         compile=compile_,
         multi_node=multi_node,

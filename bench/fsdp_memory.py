@@ -105,11 +105,19 @@ SCALE = [
         dict(gpus=64, dp=64, dp_mode="hsdp", dp_shard=32, recompute="full", batch_size=64, gpu_type="a100-80g"),
     ),
     (
-        "Llama 3.1 8B, FSDP over 8 H100 (96 GB), local batch 2, selective recompute (torchtitan's run)",
+        "Llama 3.1 8B, FSDP over 8 H100 (96 GB HBM2e), local batch 2, selective recompute, FlashAttention-2 "
+        "(torchtitan's run)",
         "llama.py",
         "8b",
         dict(
-            gpus=8, dp=8, dp_mode="fsdp", recompute="selective", batch_size=16, gpu_type="h100", memory_limit_gib=89.0
+            gpus=8,
+            dp=8,
+            dp_mode="fsdp",
+            recompute="selective",
+            batch_size=16,
+            gpu_type="h100-hbm2e",
+            attention_kernel="flash",
+            memory_limit_gib=89.0,
         ),
     ),
 ]

@@ -16,10 +16,16 @@ Sources (the figures are copied from them, nothing here is fitted to them):
   training without recomputation does 72): the table below converts them to model FLOPs (the factor is
   in the "published" cell) so that they compare with the planner's model-FLOP utilisation.
 * torchtitan (benchmarks/llama3_h100_202412_torchtitan.md, Table 1): Llama 3.1 8B, FSDP over 8 H100
-  (96 GB), local batch 2, sequence 8,192, selective recomputation: 5,762 tokens/s per GPU (eager,
-  bf16), 82.4 GiB peak memory. Planned with ``--recompute selective`` (torchtitan's "op" policy, which
-  ``planner run`` uses) and the 96 GB GPUs' 89.4 GiB as the memory limit. Its Float8 and
-  torch.compile rows are not modelled by the planner and are left out.
+  (96 GB HBM2e at 2.4 TB/s, 500 W power limit), local batch 2, sequence 8,192, selective
+  recomputation: 5,762 tokens/s per GPU (eager, bf16, torch of 23 Dec 2024), 82.4 GiB peak memory.
+  Planned for those GPUs (``--gpu-type h100-hbm2e``; the power limit is not modelled) with the
+  attention kernel that torch ran on them (``--attention-kernel flash``: torch's FlashAttention-2,
+  its default on H100 from 2.5.1 to 2.10, pytorch/pytorch#138522), ``--recompute selective``
+  (torchtitan's "op" policy, which ``planner run`` uses). Its Float8 and torch.compile rows are not
+  modelled by the planner and are left out.
+* torchtitan (docs/performance.md of 2024, "Llama 3 performance numbers"): Llama 3 8B (selective "op"
+  recomputation) and 70B (full) with FSDP over 64 A100-80GB, local batch 1, sequence 8,192: 2,973 and
+  331 tokens/s per GPU. The GPUs' network is not given: the ``a100-80g`` spec's 200 Gb/s per GPU.
 
 The models: `models/llama.py` at the published sizes (the 405B size by name; Megatron's GPT as the same
 decoder with multi-head attention and a SwiGLU of 8h/3 (rounded up to a multiple of 128, so that tensor
@@ -131,27 +137,33 @@ def published_runs() -> list[Published]:
                 request={"recompute": "always"},
             )
         )
+    # torchtitan's rows compare tokens/s per GPU directly (the tflops field holds tokens/s for them)
+    tokens = "tokens/s per GPU"
     rows.append(
         Published(
             "torchtitan Table 1",
             "Llama 3.1 8B",
             "8b",
             {},
-            "h100",
+            "h100-hbm2e",  # the 96 GB HBM2e H100s of the run
             8,
             1,
             1,
             16,
-            # 5,762 tokens/s per GPU x 6 x 8.03e9 params (+ attention) is what torchtitan's MFU counts;
-            # the page compares tokens/s directly (the tflops column holds tokens/s for this row)
             5762.0,
-            note="tokens/s per GPU",
-            # torchtitan's defaults for this row: selective checkpointing of every block ("op" policy)
-            request={"dp_mode": "fsdp", "recompute": "selective"},
-            memory_gib=89.4,  # 96 GB H100s
+            note=tokens,
+            # torchtitan's defaults for this row: selective checkpointing of every block ("op" policy);
+            # the attention kernel torch of December 2024 ran on an H100
+            request={"dp_mode": "fsdp", "recompute": "selective", "attention_kernel": "flash"},
             peak_gib=82.4,
         )
     )
+    for model, size, recompute, published in (
+        ("Llama 3 8B", "8b", "selective", 2973.0),
+        ("Llama 3 70B", "70b", "full", 331.0),
+    ):
+        request = {"dp_mode": "fsdp", "recompute": recompute}
+        rows.append(Published("torchtitan A100", model, size, {}, "a100-80g", 64, 1, 1, 64, published, tokens, request))
     return rows
 
 
@@ -173,7 +185,12 @@ How to read it:
 - Sources: the Llama 3 paper (Dubey et al. 2024), Table 4; the Megatron-LM paper (Narayanan et al.,
   SC 2021), Table 1 (its TFLOP/s include the recomputed forward; the "published" cell shows the
   figure times the model-FLOP factor); torchtitan's `benchmarks/llama3_h100_202412_torchtitan.md`,
-  Table 1 (tokens/s per GPU). The docstring of `bench/published_runs.py` gives the details.
+  Table 1, and its 2024 `docs/performance.md` (A100 rows) (tokens/s per GPU). The docstring of
+  `bench/published_runs.py` gives the details.
+- torchtitan's H100 row is planned for the GPUs it ran on (`--gpu-type h100-hbm2e`: 96 GB HBM2e at
+  2.4 TB/s) and the attention kernel its torch of December 2024 ran there (`--attention-kernel
+  flash`); their 500 W power limit, which lowers the clocks by an amount not published, is not
+  modelled.
 - What the planner does not model (and so where errors come from): sequence parallelism and
   communication overlapped with compute (Megatron and Llama 3 overlap the data-parallel reduction
   and, in Llama 3, parts of the tensor-parallel traffic); the Llama 3 run's own pipeline schedule

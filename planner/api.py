@@ -540,12 +540,13 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
     return Costs(traced, _with_output(blocks, traced), link, info, capacity, ties_of(traced), rule)
 
 
-def _hardware(gpu_type: str, threads: int) -> HardwareSpec:
+def _hardware(gpu_type: str, threads: int, attention: str | None) -> HardwareSpec:
     if gpu_type == "cpu":
         from planner.costs.cpu import calibrated_cpu
 
         return calibrated_cpu(threads)
-    return get_hardware(gpu_type)
+    hw = get_hardware(gpu_type)
+    return hw if attention is None else hw.with_attention(attention)
 
 
 def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
@@ -562,7 +563,7 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
     from planner.costs.estimate import costed_trace, estimate_blocks
 
     assert request.gpu_type is not None
-    hw = _hardware(request.gpu_type, threads)
+    hw = _hardware(request.gpu_type, threads, request.attention_kernel)
     on_cpu = hw.kind == "cpu"
     dtype = request.dtype or ("fp32" if on_cpu else "bf16")
     with torch.device("meta"):
@@ -590,6 +591,7 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
         repeats=0,
         source="estimated",
         hardware=hw.name,
+        attention_kernel=None if on_cpu else hw.attention_backend,
         dtype=dtype,
         cores=os.cpu_count() if on_cpu else None,
         tokens_per_sample=tokens_per_sample(inputs),

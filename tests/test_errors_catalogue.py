@@ -416,6 +416,20 @@ CASES: list[Case] = [
     Case("plan options", "unknown --recompute", "plan {d}/model.py --gpus 2 --recompute sometimes", 2, "--recompute"),
     Case("plan options", "unknown --gpu-type", "plan {d}/model.py --gpus 2 --gpu-type h1000", 2, "h1000"),
     Case(
+        "plan options",
+        "--attention-kernel without --gpu-type",
+        "plan {d}/model.py --gpus 2 --attention-kernel flash",
+        2,
+        "--attention-kernel applies to --gpu-type estimates of GPUs only",
+    ),
+    Case(
+        "plan options",
+        "an attention kernel the GPU table has no figures for",
+        "plan {d}/model.py --gpus 2 --gpu-type a100-80g --attention-kernel cudnn",
+        2,
+        "no figures for it on a100-80g",
+    ),
+    Case(
         "run options",
         "--eval-every without --data",
         "run {d}/plan.json --eval-every 2",

@@ -337,6 +337,20 @@ def test_causal_attention_is_charged_half_its_flops_forward_and_backward() -> No
     assert causal.bwd_s == pytest.approx(full_b / 2 / (1e9 * 0.25), rel=1e-9)
 
 
+def test_attention_kernel_option_costs_the_named_backend() -> None:
+    """--attention-kernel: the same attention at another backend's efficiency, nothing else changed."""
+    hw = _spec(
+        attention_backend="cudnn",
+        attention_fwd_efficiency=0.5,
+        attention_bwd_efficiency=0.25,
+        other_attention={"flash": (0.25, 0.2)},
+    )
+    own, flash = _attention_costs(hw, True)[1], _attention_costs(hw.with_attention("flash"), True)[1]
+    assert flash.flops_fwd == own.flops_fwd and flash.activation_bytes == own.activation_bytes
+    assert flash.fwd_s == pytest.approx(2 * own.fwd_s, rel=1e-9)  # compute-bound: 0.5 / 0.25 of peak
+    assert flash.bwd_s == pytest.approx(1.25 * own.bwd_s, rel=1e-9)  # 0.25 / 0.2
+
+
 def test_attention_output_layout_makes_the_transpose_reshape_a_view(monkeypatch: pytest.MonkeyPatch) -> None:
     from planner.costs import roofline
     from planner.costs.roofline import attention_output

@@ -101,6 +101,16 @@ def test_request_option_and_its_alias() -> None:
         PlanRequest.build(**base, gpus_per_node=0)
 
 
+def test_attention_kernel_is_an_option_of_gpu_estimates_only() -> None:
+    assert (
+        PlanRequest.build(model_file="m.py", gpus=2, gpu_type="h100", attention_kernel="flash").attention_kernel
+        == "flash"
+    )
+    for gpu_type in (None, "cpu"):
+        with pytest.raises(PlannerError, match="--attention-kernel applies to --gpu-type estimates of GPUs only"):
+            PlanRequest.build(model_file="m.py", gpus=2, gpu_type=gpu_type, attention_kernel="flash")
+
+
 def test_intra_node_link_keeps_every_link_field() -> None:
     """A plan stores a ``NodeLinks``' intra-node link as a plain ``LinkCost``: nothing of it is lost."""
     from planner.core.links import NodeLinks

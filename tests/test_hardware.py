@@ -9,7 +9,7 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from planner.core.hardware import DTYPES, GPUS, HardwareSpec, dtype_bytes, get_hardware, link_cost
+from planner.core.hardware import DTYPES, GPUS, HardwareError, HardwareSpec, dtype_bytes, get_hardware, link_cost
 from planner.errors import PlannerError
 from planner.schema.costs import LinkCost
 
@@ -85,6 +85,7 @@ def test_hardware_imports_no_torch() -> None:
 # and the datasheet's nominal figure it must stay under.
 CUDA_GIB = {
     "h100": (79.19, 80),
+    "h100-hbm2e": (95.0, 96),
     "h200": (139.8, 141),
     "a100-80g": (79.15, 80),
     "a100-40g": (39.59, 40),
@@ -127,6 +128,37 @@ def test_attention_efficiency_by_kernel_and_direction() -> None:
     assert (
         bare.attention_efficiency(backward=False) == bare.attention_efficiency(backward=True) == h100.matmul_efficiency
     )
+
+
+def test_another_attention_backend_replaces_only_the_attention_figures() -> None:
+    h100 = get_hardware("h100")
+    assert h100.attention_backend == "cudnn" and h100.with_attention("cudnn") is h100  # torch 2.11+'s choice
+    flash = h100.with_attention(" FLASH ")
+    assert flash.name == "h100" and flash.attention_backend == "flash"
+    # torch's FlashAttention-2 measured on an H100 (docs/gpu_check.md): about half of cuDNN's speed
+    assert (flash.attention_efficiency(backward=False), flash.attention_efficiency(backward=True)) == (0.32, 0.30)
+    rest = {"attention_kernel", "attention_backend", "attention_fwd_efficiency", "attention_bwd_efficiency"}
+    assert {k: v for k, v in flash.model_dump().items() if k not in rest} == {
+        k: v for k, v in h100.model_dump().items() if k not in rest
+    }
+    with pytest.raises(HardwareError, match=r"'cudnn': the table has no figures for it on a100-80g \(it has: flash\)"):
+        get_hardware("a100-80g").with_attention("cudnn")
+    for hw in GPUS.values():
+        assert (
+            hw.attention_backend in ("flash", "cudnn", "efficient") and hw.attention_backend not in hw.other_attention
+        )
+        for key, (fwd, bwd) in hw.other_attention.items():
+            assert key in ("flash", "cudnn", "efficient") and 0 < bwd <= fwd <= 1
+
+
+def test_torchtitans_h100_is_the_sxm_with_hbm2e_memory() -> None:
+    """torchtitan's H100 figures come from 96 GB HBM2e SXM parts at 2.4 TB/s, 95 GiB as CUDA reports."""
+    sxm, hbm2e = get_hardware("h100"), get_hardware("h100-hbm2e")
+    assert hbm2e.memory_Bps == 2.4e12 and hbm2e.memory_bytes == 95 * 2**30
+    own = {"name", "memory_Bps", "memory_bytes", "source"}
+    assert {k: v for k, v in hbm2e.model_dump().items() if k not in own} == {
+        k: v for k, v in sxm.model_dump().items() if k not in own
+    }
 
 
 def test_specs_written_before_the_efficiency_table_still_load() -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from planner.core.assemble import Origin, assemble_plan
-from planner.core.hardware import get_hardware, node_links
+from planner.core.hardware import GPUS, get_hardware, node_links
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 from planner.schema.plan import ModelRef, Plan, ProfileInfo
@@ -90,6 +90,12 @@ def digest(plan: Plan) -> str:
     """SHA-256 of the plan's JSON, without the fields that change with the clock or the machine."""
     data = _flags(plan.model_dump(mode="json"))
     _drop(data, LATER_DEFAULTS)
+    profile = data["profile"]  # the attention kernel: the GPU's default is what plans without it costed
+    if profile.get("attention_kernel") in (
+        None,
+        getattr(GPUS.get(profile["hardware"] or ""), "attention_backend", None),
+    ):
+        profile.pop("attention_kernel", None)
     for block in data["blocks"]:
         _drop(block, BLOCK_LATER_DEFAULTS)
         if isinstance(block.get("tp"), dict):

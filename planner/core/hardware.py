@@ -70,6 +70,16 @@ class HardwareSpec(BaseModel):
         "matmul_efficiency * d / (d + gemm_half_dim) of peak (0: every GEMM reaches matmul_efficiency).",
     )
     attention_kernel: str = Field(default="", description="The fused attention kernel the attention figures are for.")
+    attention_backend: str = Field(
+        default="flash",
+        description="torch's scaled_dot_product_attention backend that kernel is ('flash', 'cudnn', 'efficient'): "
+        "the one the torch this planner pins picks on the device by default.",
+    )
+    other_attention: dict[str, tuple[float, float]] = Field(
+        default_factory=dict,
+        description="Other SDPA backends measured on the device: backend -> (forward, backward) fraction of peak "
+        "(--attention-kernel costs one of them instead of the default).",
+    )
     attention_fwd_efficiency: float | None = Field(
         default=None,
         gt=0,
@@ -134,6 +144,45 @@ class HardwareSpec(BaseModel):
         d = max(1, min(m, n, k))
         return self.matmul_efficiency * d / (d + self.gemm_half_dim)
 
+    def with_attention(self, backend: str) -> HardwareSpec:
+        """This device with its attention figures taken from another SDPA backend.
+
+        Which attention kernel runs is torch's choice, not the device's: torch 2.5.1 to 2.10 run
+        FlashAttention-2 (the ``flash`` backend) on an H100 where torch 2.11 and later run cuDNN's
+        (pytorch/pytorch#138522 made cuDNN opt-in; ``check_prefer_cudnn_attention`` in
+        ``sdp_utils.cpp`` prefers it again once the bundled cuDNN is 9.15.1 or newer), and its
+        forward and backward reach half the speed (docs/gpu_costs.md). A plan for an older stack,
+        or for a model that forces a backend, names it.
+
+        Args:
+            backend: 'flash', 'cudnn' or 'efficient' (the default backend returns this spec).
+
+        Returns:
+            The spec with ``attention_*`` set for that backend.
+
+        Raises:
+            HardwareError: when the table has no figures for that backend on this device.
+        """
+        key = backend.strip().lower()
+        if key == self.attention_backend:
+            return self
+        if key not in self.other_attention:
+            known = ", ".join([self.attention_backend, *self.other_attention])
+            raise HardwareError(
+                f"--attention-kernel {backend!r}: the table has no figures for it on {self.name} "
+                f"(it has: {known}); measure them with python -m bench.gpu_check on the device, "
+                "or leave the option out for the default"
+            )
+        fwd, bwd = self.other_attention[key]
+        return self.model_copy(
+            update={
+                "attention_kernel": f"torch's {key} backend",
+                "attention_backend": key,
+                "attention_fwd_efficiency": fwd,
+                "attention_bwd_efficiency": bwd,
+            }
+        )
+
     def attention_efficiency(self, backward: bool) -> float:
         """Fraction of peak the fused attention kernel (``attention_kernel``) sustains.
 
@@ -176,6 +225,11 @@ _EDR_IB = 100e9 / 8  # EDR InfiniBand, 100 Gb/s (DGX-1 / DGX-2 era)
 _CLOUD_100G = 100e9 / 8  # 100 Gb/s instance networking (AWS g5/g6/g6e, GCP g2 upper tiers), shared per node
 _PCIE4_X16 = 32e9  # PCIe 4.0 x16: 64 GB/s bidirectional = 32 GB/s per direction (no NVLink on these cards)
 
+# torch's FlashAttention-2 (the SDPA ``flash`` backend) measured on an H100 SXM with torch 2.11
+# (docs/gpu_check.md: causal, head dim 128, 8,192 tokens, 64 heads: 312-324 TFLOP/s forward,
+# 294-301 backward). The H200 has the same SMs and clocks; the kernel is compute-bound.
+_H100_FLASH2 = (0.32, 0.30)
+
 GPUS: dict[str, HardwareSpec] = {
     # NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column): FP32 67 TFLOPS; TF32 Tensor Core
     # 989 TFLOPS with sparsity (494.5 dense); BF16/FP16 Tensor Core 1,979 with sparsity (989.5
@@ -192,9 +246,36 @@ GPUS: dict[str, HardwareSpec] = {
         matmul_efficiency=0.75,
         gemm_half_dim=_TILE,
         attention_kernel="FlashAttention-3 / cuDNN",
+        attention_backend="cudnn",
         attention_fwd_efficiency=0.60,
         attention_bwd_efficiency=0.45,
+        other_attention={"flash": _H100_FLASH2},
         source="NVIDIA H100 Tensor Core GPU datasheet, H100 SXM",
+    ),
+    # The HBM2e H100 SXM of Meta's Grand Teton hosts, on which torchtitan publishes its H100 figures
+    # (torchtitan's benchmarks/llama3_h100_202412_torchtitan.md: "96GB HBM2e with 2.4 TB/sec peak
+    # memory bandwidth", NVLink, 400 Gb/s RDMA per GPU, a 500 W power limit; the TorchTitan paper,
+    # Liang et al., ICLR 2025, section 3.1: "95 GiB memory"). Same SMs as the H100 SXM, so the same
+    # peaks; the power limit lowers the clocks its GEMMs sustain by an amount nobody published
+    # (torchtitan: "between SXM and NVL", whose datasheet peaks are 989.5 and 835.5 dense bf16),
+    # which the table does not model (docs/gpu_costs.md).
+    "h100-hbm2e": HardwareSpec(
+        name="h100-hbm2e",
+        peak_flops={"fp32": 67 * _T, "tf32": 494.5 * _T, "bf16": 989.5 * _T, "fp16": 989.5 * _T},
+        memory_Bps=2.4e12,
+        memory_bytes=95 * 1024 * _MiB,  # 95 GiB as torchtitan reports it
+        intra_node_Bps=450 * _GB,
+        intra_node_latency_s=10e-6,
+        inter_node_Bps=_NDR_IB,
+        inter_node_latency_s=20e-6,
+        matmul_efficiency=0.75,
+        gemm_half_dim=_TILE,
+        attention_kernel="FlashAttention-3 / cuDNN",
+        attention_backend="cudnn",
+        attention_fwd_efficiency=0.60,
+        attention_bwd_efficiency=0.45,
+        other_attention={"flash": _H100_FLASH2},
+        source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton H100 96GB HBM2e)",
     ),
     # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): same compute as H100 SXM (FP32 67 TFLOPS,
     # TF32 989 / BF16 1,979 / FP16 1,979 TFLOPS with sparsity); 141 GB HBM3e at 4.8 TB/s;
@@ -211,8 +292,10 @@ GPUS: dict[str, HardwareSpec] = {
         matmul_efficiency=0.75,
         gemm_half_dim=_TILE,
         attention_kernel="FlashAttention-3 / cuDNN",
+        attention_backend="cudnn",
         attention_fwd_efficiency=0.60,
         attention_bwd_efficiency=0.45,
+        other_attention={"flash": _H100_FLASH2},
         source="NVIDIA H200 Tensor Core GPU datasheet, H200 SXM",
     ),
     # NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM): FP32 19.5 TFLOPS; TF32 156 (312
@@ -324,6 +407,7 @@ GPUS: dict[str, HardwareSpec] = {
         matmul_efficiency=0.6,
         gemm_half_dim=_TILE,
         attention_kernel="memory-efficient attention (xFormers / PyTorch)",
+        attention_backend="efficient",
         attention_fwd_efficiency=0.35,
         attention_bwd_efficiency=0.25,
         source="NVIDIA V100 Tensor Core GPU datasheet, V100 SXM2 32GB",

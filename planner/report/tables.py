@@ -379,9 +379,15 @@ def render(plan: Plan) -> str:
     m = plan.model
     replicas = f"{plan.dp} replicas x " if plan.dp > 1 else ""
     replicas += f"{plan.accumulation} passes x " if plan.accumulation > 1 else ""
+    p = plan.profile
+    estimate = ""  # which GPU and attention kernel an estimate is for
+    if p.source == "estimated" and p.hardware is not None and p.device == "cuda":
+        estimate = f" (costs estimated for {p.hardware}" + (
+            f", {p.attention_kernel} attention)" if p.attention_kernel else ")"
+        )
     head = (
         f"{m.path} (size {m.size or 'default'}; traced by {m.trace_method}) on {plan.world_size} x "
-        f"{plan.profile.device}/{plan.profile.backend}, {plan.profile.threads} thread(s) per rank\n"
+        f"{p.device}/{p.backend}{estimate}, {p.threads} thread(s) per rank\n"
         f"schedule {plan.schedule}"
         + (f" with {plan.stages_per_rank} stages per rank ({plan.n_stages} stages)" if plan.stages_per_rank > 1 else "")
         + f", batch {plan.batch_size} = {replicas}{plan.n_microbatches} microbatches of "

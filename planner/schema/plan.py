@@ -73,6 +73,11 @@ class ProfileInfo(_Frozen):
     hardware: str | None = Field(
         default=None, description="Hardware the estimate is for (--gpu-type), None when measured."
     )
+    attention_kernel: str | None = Field(
+        default=None,
+        description="The scaled_dot_product_attention backend a GPU estimate costs (--attention-kernel, or the "
+        "GPU's default); None when measured or estimated for a CPU.",
+    )
     dtype: str = Field(
         default="fp32",
         description="Parameter dtype the costs are for; estimates (--gpu-type --dtype) also cost activations in it. "

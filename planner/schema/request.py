@@ -173,6 +173,7 @@ class PlanRequest(_Request):
         "memory_limit_gib": "--memory-limit",
         "recompute": "--recompute",
         "gpu_type": "--gpu-type",
+        "attention_kernel": "--attention-kernel",
         "dtype": "--dtype",
         "compile": "--compile",
         "multi_node": "--multi-node",
@@ -261,6 +262,11 @@ class PlanRequest(_Request):
         "stage (always: full).",
     )
     gpu_type: str | None = Field(default=None, description="Estimate for this hardware instead of measuring here.")
+    attention_kernel: str | None = Field(
+        default=None,
+        description="--gpu-type estimates: the scaled_dot_product_attention backend to cost ('flash', 'cudnn', "
+        "'efficient'; None: the one current torch picks on that GPU).",
+    )
     dtype: Dtype | None = Field(
         default=None,
         description="Measured costs: the autocast dtype (bf16, fp16: torch.autocast, parameters stay fp32; fp32 or "
@@ -450,6 +456,11 @@ class PlanRequest(_Request):
         if self.gpus_per_node is not None and self.gpu_type is None:
             raise ValueError(
                 "--gpus-per-node applies to estimated costs only; add --gpu-type (measured plans use this machine's link)"
+            )
+        if self.attention_kernel is not None and self.gpu_type in (None, "cpu"):
+            raise ValueError(
+                "--attention-kernel applies to --gpu-type estimates of GPUs only (a measured plan times the "
+                "attention kernel torch runs here)"
             )
         if self.multi_node and self.gpus_per_node not in (None, 1):
             raise ValueError("--multi-node means --gpus-per-node 1 (every boundary crosses nodes); give one of the two")
