@@ -161,7 +161,9 @@ def test_linear_memory_bound_time_is_exact_and_scales_with_dtype() -> None:
     assert c32.fwd_s == pytest.approx(4 * elements / 1e9, rel=1e-9)
     assert c16.fwd_s == pytest.approx(2 * elements / 1e9, rel=1e-9)
     assert c16.flops_fwd == c32.flops_fwd
-    assert c16.param_bytes == c32.param_bytes // 2 and c16.activation_bytes == c32.activation_bytes // 2
+    # bf16 runs under autocast over fp32 weights: the weight addmm saves is a bf16 copy, counted
+    assert c16.param_bytes == c32.param_bytes // 2
+    assert c16.activation_bytes == c32.activation_bytes // 2 + OUT * IN * 2
     assert c16.cut_bytes == c32.cut_bytes // 2
 
 
@@ -335,6 +337,18 @@ def test_causal_attention_is_charged_half_its_flops_forward_and_backward() -> No
     # compute-bound (memory is free): the kernel's own efficiency, per direction
     assert causal.fwd_s == pytest.approx(full_f / 2 / (1e9 * 0.5), rel=1e-9)
     assert causal.bwd_s == pytest.approx(full_b / 2 / (1e9 * 0.25), rel=1e-9)
+
+
+def test_bf16_estimates_count_the_autocast_copies_of_the_weights_gemms_save() -> None:
+    """The run computes a bf16 plan under autocast over fp32 weights: a GEMM saves its own bf16 copy
+    of the weight for backward, per microbatch, which the estimate counts with the activations."""
+    fp32, bf16 = _estimate(_spec(), "fp32"), _estimate(_spec(), "bf16")
+    # each Linear saves its weight for the input's gradient: a bf16 copy joins the halved activations
+    # (the estimate runs every block with inputs that need gradients, the first one's too)
+    assert bf16[0].activation_bytes == fp32[0].activation_bytes // 2 + IN * OUT * 2
+    assert bf16[1].activation_bytes == fp32[1].activation_bytes // 2 + OUT * 8 * 2
+    # selective checkpointing keeps the GEMM outputs, never the copies (its policy recomputes casts)
+    assert bf16[1].selective_bytes == fp32[1].selective_bytes // 2
 
 
 def test_attention_kernel_option_costs_the_named_backend() -> None:

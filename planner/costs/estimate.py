@@ -134,6 +134,17 @@ class _BlockRun:
     # (seconds, kept seconds) of the forward when the block (not its loss) saved its last tensor: where a
     # checkpoint's recomputation stops (torch's early stop); a block that saves nothing re-runs nothing
     rerun: tuple[float, float] = (0.0, 0.0)
+    # bytes of the parameters its GEMMs and convolutions saved for backward: a run under autocast over
+    # fp32 weights saves lower-precision copies of them instead, one set per microbatch in flight
+    cast_bytes: int = 0
+
+
+def _storage_bytes(t: torch.Tensor, float_bytes: int | None) -> int:
+    """Bytes of ``t``'s storage, floating elements counted at ``float_bytes`` when given."""
+    nbytes = t.untyped_storage().nbytes()
+    if float_bytes is not None and t.is_floating_point():
+        nbytes = nbytes // t.element_size() * float_bytes
+    return nbytes
 
 
 def _run_block(
@@ -181,6 +192,7 @@ def _run_block(
 
     saved: dict[int, int] = {}
     by_loss: dict[int, int] = {}  # of those, what the loss saves (its input, the block's output, excluded)
+    saved_params: dict[int, int] = {}  # the parameters saved for backward (their bytes), once each
     keep: list[torch.Tensor] = []  # keep saved tensors alive so storage ids stay unique
     rerun = [(0.0, 0.0)]
 
@@ -191,14 +203,16 @@ def _run_block(
             # last one (parameters' saves included): an operator saves its inputs before its kernel runs
             # and its outputs after, and the tally here is the forward's seconds at this very save
             rerun[0] = (mode.tally.seconds, mode.tally.kept_seconds)
-        if sid not in param_storages and sid not in saved:
-            nbytes = t.untyped_storage().nbytes()
-            if float_bytes is not None and t.is_floating_point():
-                nbytes = nbytes // t.element_size() * float_bytes
-            saved[sid] = nbytes
-            keep.append(t)
-            if in_loss and sid not in in_loss:
-                by_loss[sid] = nbytes
+        if sid in saved or sid in saved_params:
+            return t
+        nbytes = _storage_bytes(t, float_bytes)
+        if sid in param_storages:
+            saved_params[sid] = nbytes
+            return t
+        saved[sid] = nbytes
+        keep.append(t)
+        if in_loss and sid not in in_loss:
+            by_loss[sid] = nbytes
         return t
 
     inputs = grad_inputs(args)
@@ -227,7 +241,9 @@ def _run_block(
     own = _own_temps(stage, state, args, mode) if last else temps.peak()
     loss_temps = temps.peak() if last else 0
     found = (sum(saved.values()), outputs, model_output[0], sum(by_loss.values()), own, loss_temps, tuple(first_out))
-    return _BlockRun(fwd, bwd, bwd_input, *found, rerun[0])
+    # the weights its GEMMs saved: under autocast over fp32 weights, lower-precision copies of them
+    cast = sum(nbytes for sid, nbytes in saved_params.items() if sid in mode.cast_inputs)
+    return _BlockRun(fwd, bwd, bwd_input, *found, rerun[0], cast)
 
 
 def _own_temps(stage: torch.fx.GraphModule, state: dict[str, torch.Tensor], args: tuple, mode: Roofline) -> int:
@@ -357,6 +373,7 @@ def estimate_blocks(
         )
     tdtype = TORCH_DTYPES[dtype]
     width = dtype_bytes(dtype)
+    autocast = dtype in ("bf16", "fp16")  # how the run computes in it: ``ProfileInfo.run_autocast``
     n = len(traced.blocks)
     traced.model.train()
     current = _meta_inputs(stage_inputs(inputs), tdtype)  # the first stage takes the tensors
@@ -375,7 +392,7 @@ def estimate_blocks(
         key = structure_key(stage, current, last)
         if key in seen:
             run = seen[key]
-            costs.append(_block_cost(traced, k, owned[k], run, hw, width, optimizer))
+            costs.append(_block_cost(traced, k, owned[k], run, hw, width, optimizer, autocast))
             current = tuple(_meta_like(t, tdtype) if isinstance(t, torch.Tensor) else t for t in run.outputs)
             continue
         mode = Roofline(hw, dtype)
@@ -401,7 +418,7 @@ def estimate_blocks(
                 raise _meta_error(block.name, e) from e
         seen[key] = run
         no_formula.update(mode.no_formula)
-        costs.append(_block_cost(traced, k, owned[k], run, hw, width, optimizer))
+        costs.append(_block_cost(traced, k, owned[k], run, hw, width, optimizer, autocast))
         current = tuple(_meta_like(t, tdtype) if isinstance(t, torch.Tensor) else t for t in run.outputs)
     bar.close()
     if no_formula:
@@ -476,10 +493,14 @@ def _block_cost(
     hw: HardwareSpec,
     width: int,
     optimizer: OptimizerSpec | None,
+    autocast: bool,
 ) -> BlockCost:
     """Block k's record from its roofline run: W = B - I, recompute = the forward up to the last tensor
     the block saves (selectively: less its kept operators, whose outputs it keeps), sizes in the
-    planning dtype."""
+    planning dtype. ``autocast``: the run computes in the planning dtype under torch.autocast over
+    fp32 weights (``ProfileInfo.run_autocast``), so the weights its GEMMs save are copies it holds
+    per microbatch, counted with the activations (not kept by selective checkpointing, whose policy
+    recomputes the casts)."""
     n_params = sum(p.numel() for p in params)
     param_bytes = sum(p.numel() * (width if p.is_floating_point() else p.element_size()) for p in params)
     out_bytes = sum(
@@ -511,7 +532,7 @@ def _block_cost(
         flops_bwd=run.bwd.flops,
         opt_s=opt_s,
         grad_s=grad_s,
-        activation_bytes=run.saved_bytes,
+        activation_bytes=run.saved_bytes + (run.cast_bytes if autocast else 0),
         float_bytes=width,
         cut_bytes=out_bytes,
         output_bytes=run.model_output_bytes,

@@ -66,6 +66,10 @@ _FREE = {aten.empty, aten.empty_like, aten.new_empty, aten.empty_strided, aten.n
 # Queries of tensor metadata that _FlopCounterMode leaves alone (they matter for subclasses only).
 # GEMMs, whose efficiency follows their shape (``_gemm_dims``).
 _GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
+# The aten operators (after decomposition: linear and matmul reach these) that torch.autocast runs in
+# its lower precision, casting their fp32 inputs (torch's autocast op reference, "CUDA Ops that can
+# autocast to float16").
+_AUTOCAST_LOWER = _GEMMS | {aten.convolution}
 _METADATA_OPS = {
     aten.sym_is_contiguous.default,
     aten.is_contiguous.default,
@@ -156,6 +160,10 @@ class Roofline(TorchDispatchMode):
         # the kept outputs (Tally.kept), held so that no later tensor reuses their storage ids
         self.alive: list[torch.Tensor] = []
         self.keep = KeepRule()  # which outputs selective checkpointing keeps (the charged forward runs first)
+        # storages read by the operators autocast runs in the lower precision (GEMMs, convolutions):
+        # where the run autocasts over fp32 weights, the ones among them that are parameters are cast
+        # copies there, saved for backward per microbatch (``planner.costs.estimate``)
+        self.cast_inputs: set[int] = set()
         # An operator runs at the peak of its output dtype (an fp32 loss on a bf16 model runs at the
         # fp32 peak); "tf32" plans run fp32 matmuls on the TF32 tensor cores.
         self._peaks: dict[torch.dtype, float] = {}
@@ -256,6 +264,8 @@ class Roofline(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.is_floating_point():
                 float_dtype = t.dtype
                 break
+        if packet in _AUTOCAST_LOWER:
+            self.cast_inputs.update(storage_id(t) for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor))
         hw = self.hw
         if flops and packet in _GEMMS:
             efficiency = hw.gemm_efficiency(*_gemm_dims(packet, args))
