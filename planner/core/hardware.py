@@ -230,73 +230,57 @@ _PCIE4_X16 = 32e9  # PCIe 4.0 x16: 64 GB/s bidirectional = 32 GB/s per direction
 # 294-301 backward). The H200 has the same SMs and clocks; the kernel is compute-bound.
 _H100_FLASH2 = (0.32, 0.30)
 
+# NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column): FP32 67 TFLOPS; TF32 Tensor Core
+# 989 TFLOPS with sparsity (494.5 dense); BF16/FP16 Tensor Core 1,979 with sparsity (989.5
+# dense); 80 GB HBM3 at 3.35 TB/s; NVLink 900 GB/s total (450 GB/s per direction).
+_H100 = HardwareSpec(
+    name="h100",
+    peak_flops={"fp32": 67 * _T, "tf32": 494.5 * _T, "bf16": 989.5 * _T, "fp16": 989.5 * _T},
+    memory_Bps=3.35e12,
+    memory_bytes=81_089 * _MiB,  # 79.2 GiB as CUDA reports it (torch 2.7, CUDA 12.8)
+    intra_node_Bps=450 * _GB,
+    intra_node_latency_s=10e-6,
+    inter_node_Bps=_NDR_IB,
+    inter_node_latency_s=20e-6,
+    matmul_efficiency=0.75,
+    gemm_half_dim=_TILE,
+    attention_kernel="FlashAttention-3 / cuDNN",
+    attention_backend="cudnn",
+    attention_fwd_efficiency=0.60,
+    attention_bwd_efficiency=0.45,
+    other_attention={"flash": _H100_FLASH2},
+    source="NVIDIA H100 Tensor Core GPU datasheet, H100 SXM",
+)
+
+# The HBM2e H100 SXM of Meta's Grand Teton hosts, on which torchtitan publishes its H100 figures
+# (torchtitan's benchmarks/llama3_h100_202412_torchtitan.md: "96GB HBM2e with 2.4 TB/sec peak
+# memory bandwidth", NVLink, 400 Gb/s RDMA per GPU, a 500 W power limit; the TorchTitan paper,
+# Liang et al., ICLR 2025, section 3.1: "95 GiB memory"). Same SMs as the H100 SXM, so the same
+# peaks; the power limit lowers the clocks its GEMMs sustain by an amount nobody published
+# (torchtitan: "between SXM and NVL", whose datasheet peaks are 989.5 and 835.5 dense bf16),
+# which the table does not model (docs/gpu_costs.md).
+_H100_HBM2E = _H100.model_copy(
+    update={
+        "name": "h100-hbm2e",
+        "memory_Bps": 2.4e12,
+        "memory_bytes": 95 * 1024 * _MiB,  # 95 GiB as torchtitan reports it
+        "source": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton H100 96GB HBM2e)",
+    }
+)
+
 GPUS: dict[str, HardwareSpec] = {
-    # NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column): FP32 67 TFLOPS; TF32 Tensor Core
-    # 989 TFLOPS with sparsity (494.5 dense); BF16/FP16 Tensor Core 1,979 with sparsity (989.5
-    # dense); 80 GB HBM3 at 3.35 TB/s; NVLink 900 GB/s total (450 GB/s per direction).
-    "h100": HardwareSpec(
-        name="h100",
-        peak_flops={"fp32": 67 * _T, "tf32": 494.5 * _T, "bf16": 989.5 * _T, "fp16": 989.5 * _T},
-        memory_Bps=3.35e12,
-        memory_bytes=81_089 * _MiB,  # 79.2 GiB as CUDA reports it (torch 2.7, CUDA 12.8)
-        intra_node_Bps=450 * _GB,
-        intra_node_latency_s=10e-6,
-        inter_node_Bps=_NDR_IB,
-        inter_node_latency_s=20e-6,
-        matmul_efficiency=0.75,
-        gemm_half_dim=_TILE,
-        attention_kernel="FlashAttention-3 / cuDNN",
-        attention_backend="cudnn",
-        attention_fwd_efficiency=0.60,
-        attention_bwd_efficiency=0.45,
-        other_attention={"flash": _H100_FLASH2},
-        source="NVIDIA H100 Tensor Core GPU datasheet, H100 SXM",
-    ),
-    # The HBM2e H100 SXM of Meta's Grand Teton hosts, on which torchtitan publishes its H100 figures
-    # (torchtitan's benchmarks/llama3_h100_202412_torchtitan.md: "96GB HBM2e with 2.4 TB/sec peak
-    # memory bandwidth", NVLink, 400 Gb/s RDMA per GPU, a 500 W power limit; the TorchTitan paper,
-    # Liang et al., ICLR 2025, section 3.1: "95 GiB memory"). Same SMs as the H100 SXM, so the same
-    # peaks; the power limit lowers the clocks its GEMMs sustain by an amount nobody published
-    # (torchtitan: "between SXM and NVL", whose datasheet peaks are 989.5 and 835.5 dense bf16),
-    # which the table does not model (docs/gpu_costs.md).
-    "h100-hbm2e": HardwareSpec(
-        name="h100-hbm2e",
-        peak_flops={"fp32": 67 * _T, "tf32": 494.5 * _T, "bf16": 989.5 * _T, "fp16": 989.5 * _T},
-        memory_Bps=2.4e12,
-        memory_bytes=95 * 1024 * _MiB,  # 95 GiB as torchtitan reports it
-        intra_node_Bps=450 * _GB,
-        intra_node_latency_s=10e-6,
-        inter_node_Bps=_NDR_IB,
-        inter_node_latency_s=20e-6,
-        matmul_efficiency=0.75,
-        gemm_half_dim=_TILE,
-        attention_kernel="FlashAttention-3 / cuDNN",
-        attention_backend="cudnn",
-        attention_fwd_efficiency=0.60,
-        attention_bwd_efficiency=0.45,
-        other_attention={"flash": _H100_FLASH2},
-        source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton H100 96GB HBM2e)",
-    ),
+    "h100": _H100,
+    "h100-hbm2e": _H100_HBM2E,
     # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): same compute as H100 SXM (FP32 67 TFLOPS,
     # TF32 989 / BF16 1,979 / FP16 1,979 TFLOPS with sparsity); 141 GB HBM3e at 4.8 TB/s;
-    # NVLink 900 GB/s.
-    "h200": HardwareSpec(
-        name="h200",
-        peak_flops={"fp32": 67 * _T, "tf32": 494.5 * _T, "bf16": 989.5 * _T, "fp16": 989.5 * _T},
-        memory_Bps=4.8e12,
-        memory_bytes=143_156 * _MiB,  # 139.8 GiB as CUDA reports it
-        intra_node_Bps=450 * _GB,
-        intra_node_latency_s=10e-6,
-        inter_node_Bps=_NDR_IB,
-        inter_node_latency_s=20e-6,
-        matmul_efficiency=0.75,
-        gemm_half_dim=_TILE,
-        attention_kernel="FlashAttention-3 / cuDNN",
-        attention_backend="cudnn",
-        attention_fwd_efficiency=0.60,
-        attention_bwd_efficiency=0.45,
-        other_attention={"flash": _H100_FLASH2},
-        source="NVIDIA H200 Tensor Core GPU datasheet, H200 SXM",
+    # NVLink 900 GB/s: the H100's figures otherwise.
+    "h200": _H100.model_copy(
+        update={
+            "name": "h200",
+            "memory_Bps": 4.8e12,
+            "memory_bytes": 143_156 * _MiB,  # 139.8 GiB as CUDA reports it
+            "source": "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM",
+        }
     ),
     # NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM): FP32 19.5 TFLOPS; TF32 156 (312
     # sparse); BF16/FP16 312 (624 sparse); 80 GB HBM2e at 2,039 GB/s; NVLink 600 GB/s total.
