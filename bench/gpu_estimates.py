@@ -4,7 +4,7 @@
     python -m bench.gpu_estimates --only 8b    # one model (quick look; the doc is left unchanged)
 
 Each setup is planned in-process with ``planner.api.make_plan`` exactly as ``planner plan
-models/llama.py --size SIZE --gpus N --gpu-type h100 --dtype bf16 -b B -m B`` plans it (the model on
+models/llama.py --size SIZE --gpus N --tp 1 --gpu-type h100 --dtype bf16 -b B -m B`` plans it (the model on
 the meta device, costs estimated by the roofline of ``planner.costs.estimate``; microbatches of one
 8192-token sequence; schedule and stages per rank searched). The table gives the predicted step,
 its bubble, tokens/s per GPU and MFU (``planner.report.throughput``), the MFU of the step without
@@ -54,6 +54,8 @@ def one(size: str, gpus: int, batch: int) -> list[str]:
         gpus=gpus,
         batch_size=batch,
         microbatches=batch,
+        tp=1,  # a pipeline alone, as the section compares (the search's default tries tensor parallelism too)
+        dp=1,
         gpu_type="h100",
         dtype="bf16",
         progress=False,
