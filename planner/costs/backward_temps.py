@@ -54,9 +54,7 @@ class BackwardTemps(TorchDispatchMode):
             if key is None or key in inputs or key in self._live:  # (a sparse gradient has no storage)
                 continue
             storage = t.untyped_storage()
-            nbytes = storage.nbytes()
-            if self.float_bytes is not None and t.is_floating_point():
-                nbytes = nbytes // t.element_size() * self.float_bytes
+            nbytes = storage_bytes(t, self.float_bytes)
             self._serial += 1
             self._events.append((self._serial, nbytes))
             self._live[key] = (self._serial, weakref.ref(storage, self._on_free(key, self._serial, nbytes)))
@@ -91,6 +89,22 @@ class BackwardTemps(TorchDispatchMode):
             elif event[0] not in self._survivors:
                 now += event[1]
         return most
+
+
+def storage_bytes(t: torch.Tensor, float_bytes: int | None) -> int:
+    """Bytes of ``t``'s storage, floating elements counted at ``float_bytes`` when given.
+
+    Args:
+        t: a tensor (views count their whole storage).
+        float_bytes: bytes per floating element to count instead of its own (None: as it is).
+
+    Returns:
+        The bytes.
+    """
+    nbytes = t.untyped_storage().nbytes()
+    if float_bytes is not None and t.is_floating_point():
+        nbytes = nbytes // t.element_size() * float_bytes
+    return nbytes
 
 
 def _storage_key(t: Any) -> int | None:

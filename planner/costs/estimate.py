@@ -42,7 +42,7 @@ from planner.capture.load import move_model
 from planner.capture.stage import build_stage_module, stage_inputs
 from planner.capture.trace import trace_model
 from planner.core.hardware import DTYPES, HardwareSpec, dtype_bytes
-from planner.costs.backward_temps import BackwardTemps, forward_backward_temps
+from planner.costs.backward_temps import BackwardTemps, forward_backward_temps, storage_bytes
 from planner.costs.blocks import block_cost
 from planner.costs.roofline import Roofline, Tally, fuse_attention_nodes
 from planner.costs.timing import backward_roots, grad_inputs, leaf_safe
@@ -139,14 +139,6 @@ class _BlockRun:
     cast_bytes: int = 0
 
 
-def _storage_bytes(t: torch.Tensor, float_bytes: int | None) -> int:
-    """Bytes of ``t``'s storage, floating elements counted at ``float_bytes`` when given."""
-    nbytes = t.untyped_storage().nbytes()
-    if float_bytes is not None and t.is_floating_point():
-        nbytes = nbytes // t.element_size() * float_bytes
-    return nbytes
-
-
 def _run_block(
     stage: torch.fx.GraphModule,
     args: tuple,
@@ -205,7 +197,7 @@ def _run_block(
             rerun[0] = (mode.tally.seconds, mode.tally.kept_seconds)
         if sid in saved or sid in saved_params:
             return t
-        nbytes = _storage_bytes(t, float_bytes)
+        nbytes = storage_bytes(t, float_bytes)
         if sid in param_storages:
             saved_params[sid] = nbytes
             return t
