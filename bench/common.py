@@ -221,14 +221,22 @@ class StagePeak(NamedTuple):
     error_pct: float  # predicted / measured - 1, in %
 
 
-def planned_peaks(request: PlanRequest, path: Path, steps: int) -> tuple[Plan, RunResult, list[StagePeak]]:
+def planned_peaks(
+    request: PlanRequest, path: Path, steps: int, recompute: str | None = None
+) -> tuple[Plan, RunResult, list[StagePeak]]:
     """Plan ``request`` in this process, save the plan at ``path``, train it ``steps`` steps; per stage
-    whose peak was tracked, its prediction beside the measurement."""
+    whose peak was tracked, its prediction beside the measurement. ``recompute``: every stage's
+    recompute value set to this in the plan (as a user edits plan.json, e.g. "full:2"), its figures
+    predicted again."""
     from planner.api import make_plan
+    from planner.core.predict import refresh
     from planner.run import run_plan
     from planner.schema.request import RunRequest
 
     plan = make_plan(request)
+    if recompute is not None:
+        stages = [s.model_copy(update={"recompute": recompute}) for s in plan.stages]
+        plan = refresh(plan.model_copy(update={"stages": stages}))[0]
     plan.save(path)
     result = run_plan(plan, RunRequest(plan_file=path, steps=steps, echo=False))
     peaks = [

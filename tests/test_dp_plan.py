@@ -25,8 +25,9 @@ from planner.core.data_parallel import dp_group_links, grad_reduce_s, layout_lin
 from planner.core.hardware import get_hardware, link_cost, node_links
 from planner.core.links import NodeLinks, boundary_links
 from planner.core.predict import plan_links, refresh, stage_times, with_links, with_method
+from planner.core.recompute import checkpoint_units, kept_bytes
 from planner.core.simulate import simulate
-from planner.core.stage_model import checkpoint_units, kept_bytes, stage_memory_bytes
+from planner.core.stage_model import stage_memory_bytes
 from planner.errors import InfeasibleError, PlanFileError, PlannerError
 from planner.report.compare import compare_table
 from planner.report.tables import layout_line, render, search_table

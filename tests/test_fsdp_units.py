@@ -16,8 +16,9 @@ from planner.core.assemble import Origin, assemble_plan
 from planner.core.data_parallel import block_fsdp_s
 from planner.core.inputs import Layout
 from planner.core.predict import predict
+from planner.core.recompute import checkpoint_units
 from planner.core.solve import _MemoryModel
-from planner.core.stage_model import checkpoint_units, stage_memory_bytes, stage_memory_parts
+from planner.core.stage_model import stage_memory_bytes, stage_memory_parts
 from planner.errors import InfeasibleError, PlanFileError
 from planner.report.export import export_plan
 from planner.report.tables import layout_line

@@ -71,13 +71,14 @@ def _gpt() -> tuple[object, tuple, torch.Tensor, object]:
     return mf, inputs, target, trace_model(model, inputs)
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "first two full"])
 def test_a_checkpointed_stage_computes_what_the_plain_stage_does(mode: str) -> None:
     mf, inputs, target, traced = _gpt()
     n = len(traced.blocks)
     units = [(k, k + 1) for k in range(n)]
     plain = stage_module(traced, 0, n)
-    regions = checkpointed_stage(traced, units, mode, stage_module)
+    modes = ["full", "full"] + ["never"] * (n - 2) if mode == "first two full" else mode  # a plan's "full:2"
+    regions = checkpointed_stage(traced, units, modes, stage_module)
     assert isinstance(regions, CheckpointedStage) and len(regions.regions) == n
     params = [p for p in traced.model.parameters() if p.requires_grad]
 
@@ -118,6 +119,9 @@ def test_a_checkpointed_stage_keeps_less_for_backward() -> None:
     never = held(stage_module(traced, 0, n))
     full = held(checkpointed_stage(traced, units, "full", stage_module))
     assert full < 0.3 * never
+    # the first two regions recomputed, the rest as they are: in between
+    some = held(checkpointed_stage(traced, units, ["full", "full"] + ["never"] * (n - 2), stage_module))
+    assert full < some < never
 
 
 def test_recomputation_passes_no_clock_mark() -> None:
@@ -147,6 +151,8 @@ def test_recomputation_passes_no_clock_mark() -> None:
 def test_checkpointed_refuses_an_unknown_mode() -> None:
     with pytest.raises(ValueError, match="expected 'full', 'selective' or 'never'"):
         CheckpointedStage([nn.Identity()], "sometimes")
+    with pytest.raises(ValueError, match="one per region"):
+        CheckpointedStage([nn.Identity(), nn.Identity()], ["full"])
     x = torch.randn(2, 3, requires_grad=True)
     assert torch.equal(checkpointed(lambda t: t * 2, (x,), "full"), x * 2)
 

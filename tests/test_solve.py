@@ -20,14 +20,12 @@ from plan_factory import ADAMW, assert_fit_limits_agree, memory_layout, predicte
 from planner.core import solve as solve_mod
 from planner.core.baselines import param_balanced, uniform_layers
 from planner.core.links import NodeLinks, boundary_crosses, boundary_links
+from planner.core.recompute import checkpoint_units, recompute_cost, selective_cost
 from planner.core.schedules import in_flight_per_stage
 from planner.core.solve import policy_options
 from planner.core.stage_model import (
     Partition,
-    checkpoint_units,
     evaluate,
-    recompute_cost,
-    selective_cost,
     stage_costs,
     stage_memories,
     stage_memory_bytes,

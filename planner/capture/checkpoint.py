@@ -1,7 +1,8 @@
 """Activation checkpointing block by block: the regions a stage runs under ``torch.utils.checkpoint``.
 
-A stage that recomputes (the plan's ``recompute``: "selective" or "full") runs as a chain of
-regions, one per block (a block whose end is no legal cut shares its region with the next:
+A stage that recomputes (the plan's ``recompute``: "selective" or "full", or "selective:k" /
+"full:k" for only its first k regions, the rest running as they are) runs as a chain of regions,
+one per block (a block whose end is no legal cut shares its region with the next:
 ``planner.core.stage_model.checkpoint_units`` decides, here they are only built). Each region is
 its own non-reentrant checkpoint, so backward rebuilds one region's activations at a time, as
 torchtitan's and Megatron's per-layer checkpointing do (a plan's "stage" mode is one region
@@ -162,24 +163,32 @@ class CheckpointedStage(nn.Module):
     Args:
         regions: one module per region, in order: each takes what crosses the cut before it (the
             stage's inputs for the first) and returns what crosses the cut after it.
-        mode: "full", "selective", or "never" (the regions run as they are: a chain for FSDP's units).
+        mode: "full", "selective", or "never" (the regions run as they are: a chain for FSDP's units),
+            for every region; or one of those per region (a stage that recomputes only its first
+            regions: "full:k" / "selective:k" in a plan).
         clock: the stage's block clock, if any: its marks are silenced while a region is being
             recomputed, so that a block's forward is timed once (its recomputation falls inside the
             backward of that block, where the plan counts it).
+
+    Raises:
+        ValueError: an unknown mode, or not one per region.
     """
 
-    def __init__(self, regions: Sequence[nn.Module], mode: str, clock: BlockClock | None = None) -> None:
+    def __init__(
+        self, regions: Sequence[nn.Module], mode: str | Sequence[str], clock: BlockClock | None = None
+    ) -> None:
         super().__init__()
-        if mode not in ("full", "selective", "never"):
-            raise ValueError(f"checkpoint mode {mode!r}; expected 'full', 'selective' or 'never'")
+        modes = [mode] * len(regions) if isinstance(mode, str) else list(mode)
+        if len(modes) != len(regions) or any(m not in ("full", "selective", "never") for m in modes):
+            raise ValueError(f"checkpoint mode {mode!r}; expected 'full', 'selective' or 'never' (one per region)")
         self.regions = nn.ModuleList(regions)
-        self.mode = mode
+        self.modes = modes
         self.clock = clock
 
     def forward(self, *args: Any) -> Any:
         out: Any = args
-        for region in self.regions:
-            out = region(*args) if self.mode == "never" else checkpointed(self._once(region), args, self.mode)
+        for region, mode in zip(self.regions, self.modes, strict=True):
+            out = region(*args) if mode == "never" else checkpointed(self._once(region), args, mode)
             args = out if isinstance(out, tuple) else (out,)
         return out
 
@@ -200,7 +209,7 @@ class CheckpointedStage(nn.Module):
 def checkpointed_stage(
     traced: TracedModel,
     units: Sequence[tuple[int, int]],
-    mode: str,
+    mode: str | Sequence[str],
     build: Callable[[TracedModel, int, int, BlockClock | None], nn.Module],
     clock: BlockClock | None = None,
 ) -> CheckpointedStage:
@@ -209,7 +218,7 @@ def checkpointed_stage(
     Args:
         traced: the trace.
         units: ``(start, end)`` of each region; together one stage.
-        mode: "full", "selective" or "never".
+        mode: "full", "selective" or "never", for every region or one per region.
         build: builds the module of blocks ``[start, end)`` (``planner.capture.stage.stage_module``).
         clock: the stage's block clock (each region marks its own blocks on it).
 

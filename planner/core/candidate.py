@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from planner.core.data_parallel import layout_links
 from planner.core.inputs import Cluster, Constraints, Layout
+from planner.core.partial_recompute import fewest_recomputed
 from planner.core.predict import predict
 from planner.core.schedules import SPLIT_BACKWARD, check_schedule, in_flight_per_stage
 from planner.core.solve import solve
@@ -155,6 +156,7 @@ def evaluate_choice(
             # layout, instead of searching other stage counts the layout does not allow
             in_flight = in_flight_per_stage(layout.schedule, pp, layout.n_microbatches, v)
             split = solve(blocks, link, layout, per_stage, in_flight)
+            split = fewest_recomputed(blocks, split, link, layout, per_stage, in_flight)
         except InfeasibleError as e:
             if v == 1:
                 raise

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from planner.core.links import Links, NodeLinks
-from planner.core.stage_model import checkpoint_units
+from planner.core.recompute import checkpoint_units
 from planner.errors import InfeasibleError, PlanFileError
 from planner.schema.costs import BlockCost, LinkCost
 from planner.schema.plan import Plan, StagePlan

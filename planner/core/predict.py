@@ -24,19 +24,12 @@ from planner.core.data_parallel import (
 )
 from planner.core.inputs import Layout
 from planner.core.links import Links, NodeLinks, boundary_links, default_link, links_around
+from planner.core.recompute import compact_flags, recompute_flags
 from planner.core.schedules import Action, in_flight_per_stage, peak_live_bytes, rank_orders, stage_ranks
 from planner.core.simulate import SimResult, StageTimes, simulate, simulate_step
-from planner.core.stage_model import (
-    cold_in,
-    cold_out,
-    compact_flags,
-    recompute_flags,
-    stage_costs,
-    stage_memory_parts,
-    stage_time_parts,
-)
+from planner.core.stage_model import cold_in, cold_out, stage_costs, stage_memory_parts, stage_time_parts
 from planner.errors import InfeasibleError
-from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec, RecomputeMode
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 from planner.schema.plan import Plan, Prediction, ProfileInfo, StagePlan
 
 
@@ -388,7 +381,7 @@ def _stage_plan(
     index: int,
     bounds: tuple[int, int],
     links: tuple[LinkCost, LinkCost],
-    recompute: RecomputeMode,
+    recompute: str,
     in_flight: int,
     context: _StageContext,
 ) -> StagePlan:
@@ -399,7 +392,7 @@ def _stage_plan(
         index: the stage's index.
         bounds: its first block and one past its last.
         links: the cost of one message over its start boundary and over its end boundary.
-        recompute: its recompute mode ("never", "selective", "full", "stage").
+        recompute: its recompute mode ("never", "selective", "full", "stage", or "full:k" / "selective:k").
         in_flight: its peak live microbatches under the schedule.
         context: what the prediction's stages share.
 

@@ -54,6 +54,7 @@ import numpy as np
 
 from planner.core.inputs import NO_CONSTRAINTS, Constraints, Layout, check_in_flight
 from planner.core.links import Links, boundary_crosses, boundary_links, default_link
+from planner.core.recompute import full_rerun_cost, loss_temps, selective_cost, with_loss
 from planner.core.schedules import SPLIT_BACKWARD, in_flight_per_stage
 from planner.core.solve_engine import (
     AnyIntArray,
@@ -75,14 +76,10 @@ from planner.core.stage_model import (
     cold_in,
     cold_out,
     evaluate,
-    full_rerun_cost,
     grad_bytes,
-    loss_temps,
     parts_from_sums,
-    selective_cost,
     stage_bounds,
     unsharded_bytes,
-    with_loss,
 )
 from planner.core.stage_sums import RegionSums, StepTempArrays, StepTemps
 from planner.errors import InfeasibleError

@@ -12,14 +12,26 @@ buffers and the in-flight microbatches' activations (``stage_memory_bytes``). Th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from planner.core.links import Links, boundary_crosses, boundary_links, default_link, links_around
+from planner.core.recompute import (
+    RegionBytes,
+    checkpoint_units,
+    compact_flags,
+    loss_temps,
+    prefix_bytes,
+    recompute_flags,
+    recompute_mode,
+    region_bytes,
+    rerun_s,
+    with_loss,
+)
 from planner.core.schedules import in_flight_per_stage
 from planner.errors import InfeasibleError
-from planner.schema.costs import RECOMPUTE_MODES, BlockCost, LinkCost, OptimizerSpec, RecomputeMode
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec, RecomputeMode, split_recompute
 
 DEFAULT_OPTIMIZER = OptimizerSpec()  # frozen, so one shared default is safe
 
@@ -36,10 +48,10 @@ class Partition(BaseModel):
     bottleneck_s: float = Field(
         description="Max over stages of the stage cost (``stage_costs``), seconds per microbatch."
     )
-    recompute: tuple[RecomputeMode, ...] = Field(
+    recompute: tuple[str, ...] = Field(
         default=(),
-        description="Per stage: how it checkpoints its activations, block by block: never, selective or full "
-        "(empty = none does).",
+        description="Per stage: how it checkpoints its activations, block by block: never, selective or full, "
+        "selective:k or full:k (only its first k checkpoint regions), or stage (empty = none does).",
     )
 
     @field_validator("recompute", mode="before")
@@ -78,118 +90,6 @@ def _boundary_send_s(
     if end < len(blocks) and cross_out:
         s += (link_out or link).send_s(blocks[end - 1].cut_bytes)
     return s
-
-
-def recompute_mode(value: bool | str) -> RecomputeMode:
-    """One stage's recompute mode; a flag of older plans and callers: True is "stage" (the whole stage
-    as one region, as they recomputed), False "never".
-
-    Raises:
-        InfeasibleError: a string that is no mode.
-    """
-    if isinstance(value, bool):
-        return "stage" if value else "never"
-    if value not in RECOMPUTE_MODES:
-        raise InfeasibleError(f"recompute={value!r}; expected one of {', '.join(RECOMPUTE_MODES)}")
-    return cast(RecomputeMode, value)
-
-
-def recompute_flags(recompute: Sequence[bool | str], n_stages: int) -> list[RecomputeMode]:
-    """Per-stage recompute modes, with the empty sequence meaning "no stage recomputes"."""
-    return [recompute_mode(x) for x in recompute] or ["never"] * n_stages
-
-
-def compact_flags(flags: Sequence[bool | str]) -> tuple[RecomputeMode, ...]:
-    """The modes as plans store them: empty when no stage recomputes."""
-    modes = tuple(recompute_mode(x) for x in flags)
-    return modes if any(x != "never" for x in modes) else ()
-
-
-def recompute_cost(block: BlockCost) -> float:
-    """Extra backward time of a block under full checkpointing (its forward again).
-
-    The profiler measures it (the forward again, up to the last tensor it saves: torch's checkpoint
-    stops early there). When it is unknown (None: not measured) the block's whole forward is
-    charged, the most a recomputation can cost.
-    """
-    return block.recompute_s if block.recompute_s is not None else block.fwd_s
-
-
-def selective_cost(block: BlockCost) -> float:
-    """Extra backward time of a block under selective checkpointing: the ops of its forward other
-    than the matmuls and attention, run again (``selective_recompute_s``; unknown: ``recompute_cost``)."""
-    return block.selective_recompute_s if block.selective_recompute_s is not None else recompute_cost(block)
-
-
-def kept_bytes(block: BlockCost) -> int:
-    """Bytes a block keeps per microbatch under selective checkpointing (unknown: all it saves)."""
-    return block.selective_bytes if block.selective_bytes is not None else block.activation_bytes
-
-
-def temp_bytes(block: BlockCost) -> int:
-    """Peak temporaries of a block's backward per microbatch (``bwd_temp_bytes``; unknown: 0)."""
-    return block.bwd_temp_bytes or 0
-
-
-def loss_temps(blocks: Sequence[BlockCost], end: int) -> int | None:
-    """The loss's backward temporaries of a stage ending before block ``end``: the last stage's
-    (``loss_temp_bytes``, the loss's backward and then the last block's), else (or unknown) None."""
-    return blocks[-1].loss_temp_bytes if end == len(blocks) else None
-
-
-def with_loss(loss_temp: Any, held: Any, grad_and_rebuilt: Any) -> Any:
-    """A stage's bytes once, besides per microbatch, in its backward: the output's gradient and what
-    its blocks rebuild and hold as temporaries (``grad_and_rebuilt``); on the last stage whose loss's
-    temporaries were measured (``loss_temp`` >= 0), the larger of those, which come first, and that
-    less what the loss saved (``held``), freed by its backward by then. For ints and for the solver's
-    integer arrays alike (a comparison times a difference selects, as ``ceil_div`` divides)."""
-    after = grad_and_rebuilt - held
-    larger = after + (loss_temp - after) * (loss_temp > after)  # max(loss_temp, after)
-    return grad_and_rebuilt + (larger - grad_and_rebuilt) * (loss_temp >= 0)
-
-
-def loss_held(block: BlockCost) -> int:
-    """Bytes of a block's activations that checkpointing cannot drop: the last block's loss runs
-    outside the stage module, after its checkpoint regions, so what the loss saves stays per
-    microbatch (``loss_bytes``; unknown: 0)."""
-    return min(block.loss_bytes or 0, block.activation_bytes)
-
-
-def rerun_s(part: Sequence[BlockCost], mode: RecomputeMode) -> float:
-    """Extra backward seconds of a stage of blocks ``part`` under recompute ``mode``.
-
-    A checkpoint region re-runs its forward only up to its last saved tensor (torch's early stop),
-    which ``recompute_cost`` / ``selective_cost`` measure per block. Block by block (full, selective)
-    the regions are ``checkpoint_units``: a block whose end is no legal cut shares its region with
-    the next, so under full checkpointing it re-runs in full; under selective its tail past its last
-    save is charged nothing (mostly its last matmul, whose output the policy keeps). A stage run as
-    one region re-runs every block but its last in full, since the later blocks need their outputs.
-    """
-    if mode == "never" or not part:
-        return 0.0
-    if mode == "selective":
-        return sum(selective_cost(b) for b in part)
-    last = len(part) - 1
-    whole = mode == "stage"  # one region: every block but the last feeds a later one of the same region
-    return sum(full_rerun_cost(b, i == last or (b.cut_legal and not whole)) for i, b in enumerate(part))
-
-
-def full_rerun_cost(block: BlockCost, ends_region: bool) -> float:
-    """What ``block`` re-runs under full checkpointing: up to its last save when it ends its checkpoint
-    region (``recompute_cost``), its whole forward when a later block of the region needs its output."""
-    return recompute_cost(block) if ends_region else block.fwd_s
-
-
-def checkpoint_units(blocks: Sequence[BlockCost], start: int, end: int) -> list[tuple[int, int]]:
-    """The checkpoint regions of the stage ``blocks[start:end]``: one per block, except that a block
-    whose end is no legal cut (a non-tensor value crosses it) shares its region with the next.
-
-    The runner checkpoints exactly these (``planner.run.stages``), so at most one region's
-    activations are rebuilt at a time.
-    """
-    cuts = [c for c in range(start + 1, end) if blocks[c - 1].cut_legal]
-    edges = [start, *cuts, end]
-    return list(zip(edges, edges[1:]))
 
 
 def stage_time_parts(
@@ -452,8 +352,55 @@ def stage_memory_parts(
     ``per_block`` (and ``shard`` > 1) FSDP shards it block by block.
 
     Raises:
+        InfeasibleError: an empty or out-of-range block range, or no such recompute value.
+    """
+    sums, regions = _stage_sums(blocks, start, end, optimizer)
+    mode, count = split_recompute(recompute_mode(recompute))
+    if count is None or count >= len(regions.acts):
+        return parts_from_sums(sums, optimizer, mode, n_microbatches, shard, per_block)
+    return parts_from_sums(sums, optimizer, mode, n_microbatches, shard, per_block, prefix_bytes(regions, mode)[count])
+
+
+def prefix_memory_parts(
+    blocks: Sequence[BlockCost],
+    start: int,
+    end: int,
+    optimizer: OptimizerSpec,
+    mode: RecomputeMode,
+    n_microbatches: int = 1,
+    shard: int = 1,
+    per_block: bool = False,
+) -> list[MemoryParts]:
+    """``stage_memory_parts`` of the stage under "mode:k" for every k from 0 (never) to all of its
+    checkpoint regions (the plain ``mode``), in one pass over its regions.
+
+    Args:
+        blocks: per-block costs in execution order.
+        start: first block of the stage.
+        end: one past its last block.
+        optimizer: the optimizer (state and step temporaries).
+        mode: "full" or "selective".
+        n_microbatches: microbatches per step (receive buffers).
+        shard: FSDP replicas the state is sharded over (1: none).
+        per_block: FSDP shards the stage block by block.
+
+    Returns:
+        One ``MemoryParts`` per k.
+
+    Raises:
         InfeasibleError: an empty or out-of-range block range.
     """
+    sums, regions = _stage_sums(blocks, start, end, optimizer)
+    return [
+        parts_from_sums(sums, optimizer, mode, n_microbatches, shard, per_block, held)
+        for held in prefix_bytes(regions, mode)
+    ]
+
+
+def _stage_sums(
+    blocks: Sequence[BlockCost], start: int, end: int, optimizer: OptimizerSpec
+) -> tuple[StageSums, RegionBytes]:
+    """The stage's sums and its regions' bytes (``stage_memory_parts``)."""
     n = len(blocks)
     if not 0 <= start < end <= n:
         raise InfeasibleError(
@@ -468,18 +415,16 @@ def stage_memory_parts(
     out = cut_out if end < n else blocks[-1].output_bytes
     temps = [b.opt_temp_bytes for b in part]
     step_temp = optimizer.combine_step_temps([t for t in temps if t is not None]) if None not in temps else None
-    units = checkpoint_units(blocks, start, end)
-    held = sum(loss_held(b) for b in part)
-    unit_in = sum(blocks[a - 1].cut_bytes if a > 0 else 0 for a, _ in units) + held
-    unit_a = [sum(b.activation_bytes - loss_held(b) for b in blocks[a:z]) for a, z in units]
-    unit_k = [sum(kept_bytes(b) for b in blocks[a:z]) for a, z in units]
-    unit_t = [max(temp_bytes(b) for b in blocks[a:z]) for a, z in units]
-    most = max(a + t for a, t in zip(unit_a, unit_t))
-    most_rebuilt = max(max(a - k, 0) + t for a, k, t in zip(unit_a, unit_k, unit_t))
-    most_params = max(sum(b.param_bytes for b in blocks[a:z]) for a, z in units)
-    regions = Regions(unit_in, most, sum(unit_k), most_rebuilt, held, most_params, max(unit_t))
-    sums = StageSums(p_bytes, n_params, a_bytes, cut_in, cut_out, out, step_temp, regions, loss_temps(blocks, end))
-    return parts_from_sums(sums, optimizer, recompute, n_microbatches, shard, per_block)
+    regions = region_bytes(blocks, start, end)
+    held = regions.held
+    most = max(a + t for a, t in zip(regions.acts, regions.temps))
+    most_rebuilt = max(max(a - k, 0) + t for a, k, t in zip(regions.acts, regions.kept, regions.temps))
+    most_params = max(sum(b.param_bytes for b in blocks[a:z]) for a, z in checkpoint_units(blocks, start, end))
+    summed = Regions(
+        sum(regions.inputs) + held, most, sum(regions.kept), most_rebuilt, held, most_params, max(regions.temps)
+    )
+    sums = StageSums(p_bytes, n_params, a_bytes, cut_in, cut_out, out, step_temp, summed, loss_temps(blocks, end))
+    return sums, regions
 
 
 def ceil_div(x: Any, d: int) -> Any:
@@ -515,7 +460,8 @@ class Regions(NamedTuple):
 
 
 def _recomputed(sums: StageSums, mode: RecomputeMode) -> tuple[int, int]:
-    """A stage's bytes per live microbatch and once, besides its output, under ``mode``."""
+    """A stage's bytes per live microbatch and once, besides its output, under ``mode`` (on all of
+    its regions)."""
     regions = sums.regions or Regions(sums.cut_in, sums.a_bytes, 0, sums.a_bytes)
     if mode == "full":
         return regions.inputs, regions.most
@@ -551,11 +497,24 @@ def parts_from_sums(
     n_microbatches: int,
     shard: int = 1,
     per_block: bool = False,
+    recomputed: tuple[int, int] | None = None,
 ) -> MemoryParts:
-    """The formula of ``stage_memory_bytes`` on a stage's sums (shared with the solver's fast memory model)."""
+    """The formula of ``stage_memory_bytes`` on a stage's sums (shared with the solver's fast memory
+    model); ``recomputed``: the bytes per live microbatch and once, besides the output, when only
+    some regions recompute (``stage_memory_parts`` counts them region by region), else those of
+    ``recompute`` on every region.
+
+    Raises:
+        InfeasibleError: "mode:k" without ``recomputed`` (the sums do not tell which regions).
+    """
     p_bytes, n_params, _, cut_in, cut_out, out, step_temp, regions, loss_temp = sums
     step = optimizer.step_temp_bytes(n_params) if step_temp is None else step_temp
-    saved, rebuilt = _recomputed(sums, recompute_mode(recompute))
+    if recomputed is None:
+        mode, count = split_recompute(recompute_mode(recompute))
+        if count is not None:
+            raise InfeasibleError(f"recompute={recompute!r} needs the stage's regions: use stage_memory_parts")
+        recomputed = _recomputed(sums, mode)
+    saved, rebuilt = recomputed
     backward = with_loss(-1 if loss_temp is None else loss_temp, regions.held if regions else 0, out + rebuilt)
     if shard > 1:
         most_params = regions.most_params if regions else p_bytes

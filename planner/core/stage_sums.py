@@ -14,8 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from planner.core.recompute import kept_bytes, loss_held, temp_bytes
 from planner.core.solve_engine import AnyIntArray, IntArray
-from planner.core.stage_model import Regions, kept_bytes, loss_held, temp_bytes
+from planner.core.stage_model import Regions
 from planner.schema.costs import BlockCost, OptimizerSpec
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 
 from planner.core.schedules import action_order, placement
 from planner.errors import PlannerError
+from planner.schema.costs import split_recompute
 from planner.schema.outputs import EXPORT_HEADER
 from planner.schema.plan import Plan
 from planner.schema.request import TORCH_NAMES
@@ -161,13 +162,20 @@ def titan_checkpointing(plan: Plan) -> str:
     """The one activation checkpointing mode torchtitan applies to every block of the model: the
     plan's, or where its stages differ the strongest of them (so every stage fits); a stage
     checkpointed as one region becomes torchtitan's per-block "full"."""
-    strongest = max((s.recompute for s in plan.stages), key=lambda m: _STRENGTH[m])
+    strongest = max((split_recompute(s.recompute)[0] for s in plan.stages), key=lambda m: _STRENGTH[m])
     return "full" if strongest == "stage" else strongest
 
 
 def _checkpointing_note(plan: Plan) -> list[str]:
     modes = {s.recompute for s in plan.stages}
     notes = []
+    partial = sorted(m for m in modes if split_recompute(m)[1] is not None)
+    if partial:
+        notes.append(
+            f"torchtitan checkpoints all of a stage's blocks or none: this plan's stages recompute only their first "
+            f"blocks ({', '.join(partial)}), so every block is set (more recomputation than the plan predicts)"
+        )
+        modes = {split_recompute(m)[0] for m in modes}
     if len(modes) > 1:
         notes.append(
             f"torchtitan checkpoints every block alike: this plan's stages differ ({', '.join(sorted(modes))}), "

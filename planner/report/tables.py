@@ -11,6 +11,7 @@ from tabulate import tabulate
 
 from planner.core.data_parallel import dp_group_links, hsdp_links
 from planner.core.predict import plan_links, slots_of
+from planner.core.recompute import recomputed_prefix
 from planner.report.throughput import throughput_line
 from planner.schema.costs import GLOO_CPU_LINK
 from planner.schema.plan import Plan, Tie
@@ -58,7 +59,9 @@ def stage_table(plan: Plan) -> str:
     for s in plan.stages:
         blocks = s.first_block if s.end - s.start == 1 else f"{s.first_block} .. {s.last_block}"
         if s.recompute != "never":
-            blocks += f" [{s.recompute} recompute]"
+            mode, upto = recomputed_prefix(plan.blocks[s.start : s.end], s.recompute)
+            some = f", first {upto} blocks" if upto < s.end - s.start else ""
+            blocks += f" [{mode} recompute{some}]"
         rows.append(
             [
                 f"{s.index} (rank {s.rank})" if several else str(s.index),

@@ -20,8 +20,8 @@ from planner.capture.clock import BlockClock
 from planner.capture.graph import buffers_restored, retarget_devices
 from planner.capture.shapes import shapes_or_real
 from planner.capture.stage import stage_inputs, stage_module, trace_root
+from planner.core.recompute import checkpoint_units
 from planner.core.schedules import SPLIT_BACKWARD, placement
-from planner.core.stage_model import checkpoint_units
 from planner.errors import PlannerError
 from planner.run.checkpoint import model_names
 from planner.run.gradients import grad_finisher
@@ -37,6 +37,7 @@ from planner.run.wrappers import (
     autocast_loss,
     autocast_region,
 )
+from planner.schema.costs import split_recompute
 from planner.schema.plan import Plan, StagePlan
 from planner.schema.request import TORCH_NAMES
 from planner.torch_compat import ddp_ignore, split_weight_backward_retaining
@@ -199,7 +200,8 @@ def _stage_chain(plan: Plan, traced: TracedModel, stage_plan: StagePlan, clock: 
     blocks, or a chain of units (``checkpoint_units``: one per block, as the plan's memory model
     counts them), each its own checkpoint region when it recomputes block by block, the whole chain
     one region when the stage recomputes as one ("stage")."""
-    start, end, recompute = stage_plan.start, stage_plan.end, stage_plan.recompute
+    start, end = stage_plan.start, stage_plan.end
+    recompute, count = split_recompute(stage_plan.recompute)
     if not per_block_fsdp(plan):
         if recompute == "never":
             return stage_module(traced, start, end, clock)
@@ -208,7 +210,9 @@ def _stage_chain(plan: Plan, traced: TracedModel, stage_plan: StagePlan, clock: 
     units = checkpoint_units(plan.blocks, start, end)
     if recompute == "stage":  # FSDP's units inside, the whole chain rebuilt at once
         return CheckpointedStage([checkpointed_stage(traced, units, "never", stage_module, clock)], "full", clock)
-    return checkpointed_stage(traced, units, recompute, stage_module, clock)
+    first = len(units) if count is None else min(count, len(units))  # "full:k": only the first k regions
+    modes = [recompute] * first + ["never"] * (len(units) - first)
+    return checkpointed_stage(traced, units, modes, stage_module, clock)
 
 
 def per_block_fsdp(plan: Plan) -> bool:

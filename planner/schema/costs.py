@@ -21,6 +21,40 @@ torch's selective activation checkpointing) or fully (each block keeps only its 
 stage as one region (it keeps only the stage's input, and backward rebuilds all of it at once: the
 least kept per microbatch, the most rebuilt at a time)."""
 RECOMPUTE_MODES: tuple[str, ...] = get_args(RecomputeMode)
+PARTIAL_MODES: tuple[str, ...] = ("selective", "full")
+"""The modes a stage may apply to only some of its blocks (``split_recompute``)."""
+
+
+def split_recompute(value: str) -> tuple[RecomputeMode, int | None]:
+    """A stage's recompute value as (mode, how many of its checkpoint regions recompute).
+
+    A stage may recompute only its first ``k`` checkpoint regions (one per block, except that a
+    block whose end is no legal cut shares its region with the next), the rest keeping their
+    activations, as Megatron-LM's ``--recompute-method block --recompute-num-layers k`` does: the
+    value is then ``"full:k"`` or ``"selective:k"`` (k >= 1). A plain mode recomputes every region
+    (count None).
+
+    Args:
+        value: "never", "selective", "full", "stage", or "selective:k" / "full:k".
+
+    Returns:
+        The mode and the count (None: all of the stage's regions).
+
+    Raises:
+        ValueError: no such mode, or a count that is no positive integer or follows a mode that
+            recomputes all or nothing.
+    """
+    mode, sep, count = value.partition(":")
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={value!r}; expected one of {', '.join(RECOMPUTE_MODES)} (or full:K, selective:K)")
+    if not sep:
+        return mode, None  # type: ignore[return-value]  # checked against RECOMPUTE_MODES above
+    if mode not in PARTIAL_MODES or not count.isdigit() or int(count) < 1:
+        raise ValueError(
+            f"recompute={value!r}: only selective and full apply to some blocks, as MODE:K with K >= 1 "
+            "the number of the stage's first blocks that recompute"
+        )
+    return mode, int(count)  # type: ignore[return-value]
 
 
 class TensorParallelShare(BaseModel):

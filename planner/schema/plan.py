@@ -10,9 +10,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec, RecomputeMode
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec, split_recompute
 from planner.schema.jsonfile import parse_versioned, read_text, write_atomic
 from planner.schema.request import DpMode, FsdpUnits, Method, Schedule
 
@@ -31,7 +31,14 @@ def _mode(value: Any) -> Any:
     return value
 
 
-StageRecompute = Annotated[RecomputeMode, BeforeValidator(_mode)]
+def _checked_mode(value: str) -> str:
+    split_recompute(value)  # ValueError for what is no mode: pydantic reports it on the field
+    return value
+
+
+StageRecompute = Annotated[str, BeforeValidator(_mode), AfterValidator(_checked_mode)]
+"""A stage's recompute value: a ``RecomputeMode``, or "full:k" / "selective:k" (its first k
+checkpoint regions recompute, ``split_recompute``)."""
 
 
 class _Frozen(BaseModel):
@@ -178,8 +185,9 @@ class StagePlan(_Frozen):
     recompute: StageRecompute = Field(
         default="never",
         description="How the stage checkpoints its activations: never; block by block, selective (each block keeps "
-        "its matmul and attention outputs) or full (each block keeps its input); or stage (the whole stage as one "
-        "region, keeping its input); recomputed in backward.",
+        "its matmul and attention outputs) or full (each block keeps its input); selective:K or full:K (only the "
+        "stage's first K blocks so, the rest keep their activations); or stage (the whole stage as one region, "
+        "keeping its input); recomputed in backward.",
     )
     activation_bytes: int = Field(ge=0, description="Saved activations per microbatch.")
     in_flight: int = Field(ge=1, description="Peak microbatches holding activations under the schedule.")
