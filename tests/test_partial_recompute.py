@@ -172,7 +172,9 @@ def test_auto_recomputes_only_the_blocks_that_must() -> None:
     infl = in_flight_per_stage("gpipe", 2, 4)
     narrowed = fewest_recomputed(blocks, split, FREE, layout, constraints, infl)
     assert narrowed.recompute == ("full:1", "full:1") and narrowed.bottleneck_s == 2 + 1 + 20
-    assert stage_memories(blocks, narrowed.starts, schedule="gpipe", n_microbatches=4, recompute=narrowed.recompute) == [
+    assert stage_memories(
+        blocks, narrowed.starts, schedule="gpipe", n_microbatches=4, recompute=narrowed.recompute
+    ) == [
         590,
         580,
     ]
