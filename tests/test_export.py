@@ -22,6 +22,7 @@ from planner.report.export import (
     export_plan,
     megatron_layer_counts,
     megatron_layout,
+    megatron_recompute,
     parse_renames,
     renamed,
     torchtitan_fqns,
@@ -118,6 +119,29 @@ def test_the_command_writes_replaces_and_refuses(tmp_path: Path) -> None:
     assert result.exit_code == 0 and "PARTS = [0, 3, 7]" in result.stdout
     result = runner.invoke(main, ["export", str(tmp_path / "plan.json"), "--to", "megatron", "--rename", "x"])
     assert result.exit_code == 2 and "give OLD=NEW" in result.stderr
+
+
+def test_megatron_gets_the_plans_activation_checkpointing() -> None:
+    # LLAMA tiny: embedding, 4 layers, norm + output; stages [0, 3) and [3, 7): 2 layers each
+    plan = make_plan(LLAMA, [0, 3], schedule="1f1b", batch_size=8, n_microbatches=2)
+    assert megatron_recompute(plan) == ([], [])
+
+    def with_modes(*modes: str) -> Plan:
+        return plan.model_copy(
+            update={"stages": [s.model_copy(update={"recompute": m}) for s, m in zip(plan.stages, modes)]}
+        )
+
+    # "full:2" on stage 0: the embedding and layer 0 recompute, one decoder layer; stage 1 all of its 2
+    args, notes = megatron_recompute(with_modes("full:2", "full"))
+    assert args == ["--recompute-granularity full", "--recompute-method block", "--recompute-num-layers 2"]
+    assert "stage(s) 0 recompute fewer" in " ".join(notes)
+    # the embedding counts for nothing: "full:2" there and "full:1" on stage 1 are one layer each
+    args, notes = megatron_recompute(with_modes("full:2", "full:1"))
+    assert args[-1] == "--recompute-num-layers 1" and not any("fewer" in n for n in notes)
+    args, notes = megatron_recompute(with_modes("selective", "never"))
+    assert args == ["--recompute-granularity selective"] and "attention core" in notes[0]
+    text = export_plan(with_modes("never", "full:3"), "megatron")
+    assert "    --recompute-num-layers 2\n)" in text and "# stage(s) 0 recompute fewer" in text
 
 
 # ---- against the targets' own code (the `interop` extra) ----
@@ -260,3 +284,24 @@ def test_deepspeeds_pipeline_module_takes_the_exported_parts(tmp_path: Path) -> 
     ranks = _torchrun(tmp_path, "deepspeed", plan, "deepspeed")
     assert [r["parts"] for r in ranks] == [[0, 3, 7], [0, 3, 7]]
     assert [r["local"] for r in ranks] == [[0, 3], [3, 7]]
+
+
+def test_megatron_core_takes_the_exported_checkpointing() -> None:
+    config_mod = pytest.importorskip("megatron.core.transformer.transformer_config")
+    import torch
+
+    plan = make_plan(LLAMA, [0, 3], schedule="1f1b", batch_size=8, n_microbatches=2)
+    stages = [s.model_copy(update={"recompute": m}) for s, m in zip(plan.stages, ("full:2", "full"))]
+    args, _ = megatron_recompute(plan.model_copy(update={"stages": stages}))
+    fields = {a.split()[0][2:].replace("-", "_"): a.split()[1] for a in args}
+    config = config_mod.TransformerConfig(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        pipeline_model_parallel_size=2,
+        pipeline_dtype=torch.float32,
+        recompute_granularity=fields["recompute_granularity"],
+        recompute_method=fields["recompute_method"],
+        recompute_num_layers=int(fields["recompute_num_layers"]),
+    )
+    assert (config.recompute_method, config.recompute_num_layers) == ("block", 2)

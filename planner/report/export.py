@@ -12,11 +12,12 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 
+from planner.core.recompute import recomputed_prefix
 from planner.core.schedules import action_order, placement
 from planner.errors import PlannerError
 from planner.schema.costs import split_recompute
 from planner.schema.outputs import EXPORT_HEADER
-from planner.schema.plan import Plan
+from planner.schema.plan import Plan, StagePlan
 from planner.schema.request import TORCH_NAMES
 
 EXPORT_FORMATS = ("torchtitan", "torchtitan-toml", "megatron", "deepspeed", "csv")
@@ -354,9 +355,59 @@ def _megatron_uneven_flags(plan: Plan) -> tuple[list[str], str | None]:
     ], None
 
 
+def megatron_recompute(plan: Plan) -> tuple[list[str], list[str]]:
+    """Megatron's activation checkpointing arguments for the plan, and what they do differently.
+
+    Megatron applies one setting to every pipeline stage (each model chunk): full recomputation of
+    its first N decoder layers (``--recompute-method block --recompute-num-layers N``, which the
+    plan's "full:k" is), or selective recomputation of every layer's attention core. N is the most
+    layers any stage of the plan recomputes, so every stage fits.
+
+    Returns:
+        The arguments (none when no stage recomputes) and notes for the comment lines.
+    """
+    values = [(s, *recomputed_prefix(plan.blocks[s.start : s.end], s.recompute)) for s in plan.stages]
+    # decoder layers each stage recomputes in full (a selective stage's count as none: Megatron's full is more)
+    layers = [
+        sum(b.is_layer for b in plan.blocks[s.start : s.start + upto]) if mode in ("full", "stage") else 0
+        for s, mode, upto in values
+    ]
+    modes = {mode for _, mode, _ in values}
+    if modes <= {"never"}:
+        return [], []
+    if modes <= {"never", "selective"}:
+        notes = [
+            "Megatron's selective recomputation (--recompute-granularity selective) re-runs each layer's attention "
+            "core only, on every layer; the plan's selective keeps matmul and attention outputs and recomputes the "
+            "rest (torchtitan's op policy): Megatron keeps more than the plan predicts"
+        ]
+        return ["--recompute-granularity selective"], notes
+    most = max(layers)
+    if most == 0:
+        return [], ["the plan recomputes only blocks that are no decoder layers, which Megatron does not checkpoint"]
+    args = ["--recompute-granularity full", "--recompute-method block", f"--recompute-num-layers {most}"]
+    fewer = [s.index for (s, _, _), n in zip(values, layers, strict=True) if n < min(most, _stage_layers(plan, s))]
+    notes = [
+        f"Megatron recomputes the first {most} decoder layers of every stage in full (the most any stage of the plan does)"
+    ]
+    if fewer:
+        notes.append(
+            f"stage(s) {', '.join(map(str, fewer))} recompute fewer (or selectively) in the plan: more recomputation "
+            "than the plan predicts"
+        )
+    if "stage" in modes:
+        notes.append("the stages the plan checkpoints as one region are checkpointed layer by layer (more kept)")
+    return args, notes
+
+
+def _stage_layers(plan: Plan, stage: StagePlan) -> int:
+    return sum(b.is_layer for b in plan.blocks[stage.start : stage.end])
+
+
 def _megatron(plan: Plan, _renames: Mapping[str, str]) -> str:
     layout = megatron_layout(plan)
     counts = megatron_layer_counts(plan)
+    recompute, recompute_notes = megatron_recompute(plan)
     common = [
         f"--pipeline-model-parallel-size {plan.n_ranks}",
         f"--tensor-model-parallel-size {plan.tp}",
@@ -371,9 +422,11 @@ def _megatron(plan: Plan, _renames: Mapping[str, str]) -> str:
         *(f"# {n}" for n in _notes(plan)),
         f"# Megatron runs its own {schedule} schedule; the planned one is {plan.schedule}.",
         f"# decoder layers per stage: {counts}",
+        *(f"# {n}" for n in recompute_notes),
         "MEGATRON_PIPELINE_ARGS=(",
         *(f"    {a}" for a in common),
         f'    --pipeline-model-parallel-layout "{layout}"',
+        *(f"    {a}" for a in recompute),
         ")",
     ]
     if flags:
