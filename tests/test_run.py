@@ -407,7 +407,7 @@ def test_checkpointed_stages_train_like_the_unsplit_model_under_split_backward(t
     # cannot: torch allows it one backward per region; refused, see below.)
     example = ROOT / "examples" / "train_with_plan.py"
     plan = make_plan(example, [0, 2, 4, 6], schedule=schedule, stages_per_rank=2, batch_size=8, n_microbatches=4)
-    modes = ["full", "stage", "never", "full"]
+    modes = ["full", "stage", "never", "full:1"]  # the last stage recomputes its first block only
     plan = plan.model_copy(update={"stages": [s.model_copy(update={"recompute": modes[s.index]}) for s in plan.stages]})
     path = saved(plan, tmp_path)
     got = run_plan(plan, RunRequest(plan_file=path, steps=2, echo=False))
@@ -423,6 +423,11 @@ def test_selective_checkpointing_under_a_split_backward_is_refused_before_launch
     plan = make_plan(MODELS / "gpt.py", [0, 2, 4, 5], schedule="zbv", stages_per_rank=2, n_microbatches=2)
     plan = plan.model_copy(update={"stages": [s.model_copy(update={"recompute": "selective"}) for s in plan.stages]})
     with pytest.raises(PlanFileError, match=r"stage\(s\) 0, 1, 2, 3 checkpoint selectively under --schedule zbv"):
+        run_plan(plan, RunRequest(plan_file=saved(plan, tmp_path), steps=1, echo=False))
+    # so does a stage that checkpoints only its first block selectively
+    modes = ["never", "selective:1", "never", "never"]
+    plan = plan.model_copy(update={"stages": [s.model_copy(update={"recompute": modes[s.index]}) for s in plan.stages]})
+    with pytest.raises(PlanFileError, match=r"stage\(s\) 1 checkpoint selectively under --schedule zbv"):
         run_plan(plan, RunRequest(plan_file=saved(plan, tmp_path), steps=1, echo=False))
 
 

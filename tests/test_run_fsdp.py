@@ -64,8 +64,8 @@ def test_every_unit_is_its_own_fsdp_unit_and_the_wrapper_stays_plain(tmp_path: P
         (MODELS / "gpt.py", [0], "gpipe", "full"),
         (MODELS / "gpt.py", [0], "1f1b", "selective"),
         (MODELS / "gpt.py", [0], "gpipe", "stage"),
-        # four stages on the one rank, each sharded with its own root
-        (MODELS / "gpt.py", [0, 2, 4, 6], "interleaved-1f1b", "full"),
+        # four stages on the one rank, each sharded with its own root, each recomputing its first block
+        (MODELS / "gpt.py", [0, 2, 4, 6], "interleaved-1f1b", "full:1"),
         # embedding and head tied inside the one stage: their units stay with the root
         (FIXTURES / "dies_at.py", [0], "gpipe", "never"),
     ],

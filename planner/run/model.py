@@ -20,6 +20,7 @@ from planner.capture.stage import trace_root
 from planner.capture.trace import trace_model
 from planner.core.schedules import SPLIT_BACKWARD, check_schedule, stage_ranks
 from planner.errors import PlanFileError, PlannerError
+from planner.schema.costs import split_recompute
 from planner.schema.plan import Plan
 
 
@@ -97,7 +98,7 @@ def check_runnable(plan: Plan) -> None:
             f"the plan shards {plan.dp} replicas with {plan.dp_mode.upper()} under --schedule {plan.schedule}, whose split backward "
             "torch 2.13's FSDP2 does not follow; re-plan with --dp-mode ddp or another schedule"
         )
-    selective = [s.index for s in plan.stages if s.recompute == "selective"]
+    selective = [s.index for s in plan.stages if split_recompute(s.recompute)[0] == "selective"]
     if selective and plan.schedule in SPLIT_BACKWARD:
         raise PlanFileError(
             f"stage(s) {', '.join(map(str, selective))} checkpoint selectively under --schedule {plan.schedule}, whose "
