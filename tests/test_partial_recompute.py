@@ -85,11 +85,14 @@ def test_a_value_names_a_mode_and_how_many_regions() -> None:
 def test_the_first_k_regions_recompute_and_the_rest_keep_their_activations() -> None:
     # One stage of four 100-byte blocks with 10-byte cuts, GPipe with 4 microbatches, no parameters.
     # Per live microbatch: a recomputed region keeps its input (0 for the model's first block, else
-    # 10), the others their 100 bytes; backward rebuilds one recomputed region (100) at a time.
+    # 10), the others their 100 bytes; backward rebuilds one recomputed region (100) at a time, but
+    # only after it has freed the other regions' activations (at least 100): nothing on top.
     blocks = [blk(i) for i in range(4)]
     parts = [stage_memory_parts(blocks, 0, 4, ADAMW, f"full:{k}", 4) for k in (1, 2, 3)]
     assert [p.per_microbatch for p in parts] == [300, 210, 120]
-    assert [p.once for p in parts] == [100, 100, 100]
+    assert [p.once for p in parts] == [0, 0, 0]
+    # all four recomputed: the last rebuilt block comes on top of the inputs (full's 100)
+    assert stage_memory_parts(blocks, 0, 4, ADAMW, "full", 4).once == 100
     # k = 4 is full, a count past the regions too; k = 0 (no value) is never
     assert stage_memory_parts(blocks, 0, 4, ADAMW, "full:9", 4) == stage_memory_parts(blocks, 0, 4, ADAMW, "full", 4)
     never = stage_memory_parts(blocks, 0, 4, ADAMW, "never", 4)
@@ -99,16 +102,17 @@ def test_the_first_k_regions_recompute_and_the_rest_keep_their_activations() -> 
     # Selectively, each recomputed block also keeps 30 bytes and rebuilds the other 70.
     kept = [b.model_copy(update={"selective_bytes": 30, "selective_recompute_s": 0.25}) for b in blocks]
     sel = stage_memory_parts(kept, 0, 4, ADAMW, "selective:2", 4)
-    assert (sel.per_microbatch, sel.once) == (0 + 30 + 10 + 30 + 200, 70)
+    assert (sel.per_microbatch, sel.once) == (0 + 30 + 10 + 30 + 200, 0)  # 70 rebuilt, 200 freed
     assert rerun_s(kept, "selective:2") == 0.5
 
 
 def test_a_region_of_two_blocks_counts_as_one() -> None:
     # block 1's end is no legal cut: blocks 1 and 2 share a region; "full:2" recomputes blocks 0..2
+    # and rebuilds blocks 1 and 2 at once (200) after block 3's 100 are freed
     blocks = [blk(0), blk(1, cut_legal=False), blk(2), blk(3)]
     assert checkpoint_units(blocks, 0, 4) == [(0, 1), (1, 3), (3, 4)]
     part = stage_memory_parts(blocks, 0, 4, ADAMW, "full:2", 4)
-    assert (part.per_microbatch, part.once) == (0 + 10 + 100, 200)
+    assert (part.per_microbatch, part.once) == (0 + 10 + 100, 100)
     # block 1 re-runs in full (block 2 needs its output), block 2 up to its last save: 3 forwards
     assert rerun_s(blocks, "full:2") == 3.0
 
@@ -162,8 +166,8 @@ def test_auto_recomputes_only_the_blocks_that_must() -> None:
     # GPipe, p=2, m=4, four 100-byte blocks with 10-byte cuts (1 byte/s: 20 s of messages a stage).
     # Under 600 bytes no stage fits without recomputing; the solver's whole-stage choice is full
     # (230 / 220 bytes, 2 forwards again each). One block of each is enough: stage [0,2) with its
-    # first block recomputed keeps 4 x (0 + 100 + 10 out) + 10 grad + 100 rebuilt + 40 buffers = 590,
-    # stage [2,4) 4 x (10 + 100) + 100 + 40 = 580.
+    # first block recomputed keeps 4 x (0 + 100 + 10 out) + 10 grad + 40 buffers = 490 (its first
+    # block is rebuilt after the second's 100 bytes are freed), stage [2,4) 4 x (10 + 100) + 40 = 480.
     blocks = [blk(i) for i in range(4)]
     layout = layout_of("gpipe", 2, 4)
     constraints = Constraints(ADAMW, 600, "auto")
@@ -175,11 +179,11 @@ def test_auto_recomputes_only_the_blocks_that_must() -> None:
     assert stage_memories(
         blocks, narrowed.starts, schedule="gpipe", n_microbatches=4, recompute=narrowed.recompute
     ) == [
-        590,
-        580,
+        490,
+        480,
     ]
-    # At 589 bytes the first stage needs both blocks; the second still one.
-    tight = fewest_recomputed(blocks, split, FREE, layout, Constraints(ADAMW, 589, "auto"), infl)
+    # At 489 bytes the first stage needs both blocks; the second still one.
+    tight = fewest_recomputed(blocks, split, FREE, layout, Constraints(ADAMW, 489, "auto"), infl)
     assert tight.recompute == ("full", "full:1")
     # An explicit mode applies to every block, as asked; nothing to narrow without a limit.
     assert fewest_recomputed(blocks, split, FREE, layout, Constraints(ADAMW, 600, "full"), infl) is split
@@ -189,15 +193,16 @@ def test_auto_recomputes_only_the_blocks_that_must() -> None:
 def test_auto_may_trade_selective_everywhere_for_full_on_fewer_blocks() -> None:
     # Selective keeps 60 of each block's 100 bytes and re-runs 0.6 s of its 1 s forward: on all four
     # blocks 4 x (10 in + 60) - 10 (the first has no input) + 40 rebuilt = 310 bytes, 2.4 s. Full
-    # on the first two keeps 0 + 10 + 2 x 100 and rebuilds 100: 310 bytes too, in 2 s.
+    # on the first block only keeps 0 + 3 x 100 and rebuilds block 0 once the rest is freed: 300
+    # bytes, in 1 s.
     blocks = [blk(i, selective_bytes=60, selective_recompute_s=0.6) for i in range(4)]
     layout = layout_of("gpipe", 1, 1)
     assert stage_memory_parts(blocks, 0, 4, ADAMW, "selective", 1).peak(1) == 310
-    assert stage_memory_parts(blocks, 0, 4, ADAMW, "full:2", 1).peak(1) == 310
+    assert stage_memory_parts(blocks, 0, 4, ADAMW, "full:1", 1).peak(1) == 300
     split = Partition(starts=(0,), bottleneck_s=0.0, recompute=("selective",))
     got = fewest_recomputed(blocks, split, FREE, layout, Constraints(ADAMW, 310, "auto"), [1])
-    assert got.recompute == ("full:2",)
-    assert got.bottleneck_s == stage_costs(blocks, [0], FREE, ["full:2"], "gpipe")[0] == 4 + 2
+    assert got.recompute == ("full:1",)
+    assert got.bottleneck_s == stage_costs(blocks, [0], FREE, ["full:1"], "gpipe")[0] == 4 + 1
     # zero-bubble schedules run no selective region: there a full stage only narrows its full count
     zb = layout_of("zbv", 2, 2)
     split = Partition(starts=(0, 2), bottleneck_s=0.0, recompute=("full", "full"))
