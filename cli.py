@@ -213,7 +213,8 @@ def _load_plan(path: str) -> Plan:
     default="auto",
     show_default=True,
     help="Activation checkpointing: auto (per stage, only where it would not fit otherwise: the first that fits of "
-    "selective, full, stage), or on every stage never, selective (each block its own region, keeping its matmul "
+    "selective, full, stage; then only the stage's first k blocks, as many as it must, where that recomputes less: "
+    "full:k / selective:k in plan.json, as Megatron's --recompute-num-layers), or on every stage never, selective (each block its own region, keeping its matmul "
     "and attention outputs and recomputing the rest, as torchtitan's op mode), full (each block its own region, "
     "keeping only its input) or stage (the whole stage one region: least kept per microbatch, most rebuilt at "
     "once); always is full.",

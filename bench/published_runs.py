@@ -173,7 +173,8 @@ Written by `bench/published_runs.py` on {today} ({host}, Python {python}). For e
 the planner's prediction for **that exact layout** (its tensor-parallel degree t, pipeline ranks p and
 replicas d; the schedule, microbatches and split are the planner's best for that layout), beside the
 published figure; then the layout the search picks by itself for the same GPUs and batch (`--tp auto
---dp auto`). Costs are estimated for the published GPU (bf16; the roofline model of
+--dp auto --recompute auto`: where the published run recomputes, the planner chooses which blocks
+of which stages do). Costs are estimated for the published GPU (bf16; the roofline model of
 `planner/core/hardware.py`), never measured: no GPU was used. Figures are TFLOP/s per GPU of model
 FLOPs (forward and backward, no recomputation) unless the row says otherwise; error = predicted /
 published - 1.
@@ -219,8 +220,19 @@ def _layout(plan: Plan) -> str:
     k = f", k {plan.accumulation} passes" if plan.accumulation > 1 else ""
     return (
         f"t {plan.tp} x p {plan.n_ranks} x d {plan.dp} ({plan.dp_mode if plan.dp > 1 else '-'}), "
-        f"{plan.schedule}, m {plan.n_microbatches}{v}{k}"
+        f"{plan.schedule}, m {plan.n_microbatches}{v}{k}, {_recompute(plan)}"
     )
+
+
+def _recompute(plan: Plan) -> str:
+    """The stages' recompute values, each with how many stages have it ("full:20 x 2, never x 14")."""
+    counts: dict[str, int] = {}
+    for stage in plan.stages:
+        counts[stage.recompute] = counts.get(stage.recompute, 0) + 1
+    if set(counts) == {"never"}:
+        return "no recompute"
+    several = len(plan.stages) > 1
+    return "recompute " + ", ".join(f"{v} x {n}" if several else v for v, n in counts.items())
 
 
 def _memory(plan: Plan) -> str:
@@ -261,7 +273,8 @@ def evaluate(row: Published, tmp: Path) -> list[str]:
     given, why, t_given = _plan(base, costs, mf, limit)
     if given is None:  # the published layout does not fit the planner's memory model: predict it anyway
         given, _, t_given = _plan(base, costs, mf, None)
-    searched, why_s, t_search = _plan(base, costs, mf, limit, tp="auto", dp="auto")
+    # the planner's own choice: layout and activation checkpointing (which blocks of which stages)
+    searched, why_s, t_search = _plan(base, costs, mf, limit, tp="auto", dp="auto", recompute="auto")
     published = f"{row.tflops:,.0f}" + (f" ({row.note})" if row.note else "")
     cells = [row.source, row.model, f"{row.gpus:,} {row.gpu}", f"t {row.tp} x p {row.pp} x d {row.dp}", str(row.batch)]
     cells.append(published)
