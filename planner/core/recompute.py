@@ -115,7 +115,7 @@ def loss_held(block: BlockCost) -> int:
 
 
 def rerun_s(part: Sequence[BlockCost], value: str) -> float:
-    """Extra backward seconds of a stage of blocks ``part`` under recompute ``mode``.
+    """Extra backward seconds of a stage of blocks ``part`` under its recompute ``value``.
 
     A checkpoint region re-runs its forward only up to its last saved tensor (torch's early stop),
     which ``recompute_cost`` / ``selective_cost`` measure per block. Block by block (full, selective)
