@@ -161,6 +161,7 @@ class RegionBytes(NamedTuple):
     acts: list[int]  # its activations, less what the loss saves (``loss_held``)
     kept: list[int]  # what selective checkpointing keeps of them (``kept_bytes``)
     temps: list[int]  # its largest backward temporaries (``temp_bytes``)
+    params: list[int]  # its parameter bytes (FSDP's unit, block by block)
     held: int  # what the stage's loss saves: outside every region, kept per microbatch in every mode
 
 
@@ -172,8 +173,18 @@ def region_bytes(blocks: Sequence[BlockCost], start: int, end: int) -> RegionByt
         [sum(b.activation_bytes - loss_held(b) for b in blocks[a:z]) for a, z in units],
         [sum(kept_bytes(b) for b in blocks[a:z]) for a, z in units],
         [max(temp_bytes(b) for b in blocks[a:z]) for a, z in units],
+        [sum(b.param_bytes for b in blocks[a:z]) for a, z in units],
         sum(loss_held(b) for b in blocks[start:end]),
     )
+
+
+def rebuilt_bytes(regions: RegionBytes, mode: RecomputeMode) -> list[int]:
+    """Per region, what backward holds while it rebuilds that region under ``mode`` ("full" or
+    "selective"): its activations (less what selective kept) and its temporaries."""
+    return [
+        (max(a - k, 0) if mode == "selective" else a) + t
+        for a, k, t in zip(regions.acts, regions.kept, regions.temps, strict=True)
+    ]
 
 
 def prefix_bytes(regions: RegionBytes, mode: RecomputeMode) -> list[tuple[int, int]]:
@@ -191,10 +202,7 @@ def prefix_bytes(regions: RegionBytes, mode: RecomputeMode) -> list[tuple[int, i
     k = 0 is "never", all regions the plain mode.
     """
     n = len(regions.acts)
-    rebuilt = [
-        (max(a - k, 0) if mode == "selective" else a) + t
-        for a, k, t in zip(regions.acts, regions.kept, regions.temps, strict=True)
-    ]
+    rebuilt = rebuilt_bytes(regions, mode)
     per_region = [i + (k if mode == "selective" else 0) for i, k in zip(regions.inputs, regions.kept, strict=True)]
     tail_temp = [0] * (n + 1)  # max temporaries of regions k.. (0 past the last)
     tail_acts = [0] * (n + 1)  # activations of regions k..

@@ -19,10 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from planner.core.links import Links, boundary_crosses, boundary_links, default_link, links_around
 from planner.core.recompute import (
     RegionBytes,
-    checkpoint_units,
     compact_flags,
     loss_temps,
     prefix_bytes,
+    rebuilt_bytes,
     recompute_flags,
     recompute_mode,
     region_bytes,
@@ -417,11 +417,10 @@ def _stage_sums(
     step_temp = optimizer.combine_step_temps([t for t in temps if t is not None]) if None not in temps else None
     regions = region_bytes(blocks, start, end)
     held = regions.held
-    most = max(a + t for a, t in zip(regions.acts, regions.temps))
-    most_rebuilt = max(max(a - k, 0) + t for a, k, t in zip(regions.acts, regions.kept, regions.temps))
-    most_params = max(sum(b.param_bytes for b in blocks[a:z]) for a, z in checkpoint_units(blocks, start, end))
+    most = max(rebuilt_bytes(regions, "full"))
+    most_rebuilt = max(rebuilt_bytes(regions, "selective"))
     summed = Regions(
-        sum(regions.inputs) + held, most, sum(regions.kept), most_rebuilt, held, most_params, max(regions.temps)
+        sum(regions.inputs) + held, most, sum(regions.kept), most_rebuilt, held, max(regions.params), max(regions.temps)
     )
     sums = StageSums(p_bytes, n_params, a_bytes, cut_in, cut_out, out, step_temp, summed, loss_temps(blocks, end))
     return sums, regions

@@ -17,7 +17,7 @@ from planner.core.schedules import action_order, placement
 from planner.errors import PlannerError
 from planner.schema.costs import split_recompute
 from planner.schema.outputs import EXPORT_HEADER
-from planner.schema.plan import Plan, StagePlan
+from planner.schema.plan import Plan
 from planner.schema.request import TORCH_NAMES
 
 EXPORT_FORMATS = ("torchtitan", "torchtitan-toml", "megatron", "deepspeed", "csv")
@@ -386,7 +386,8 @@ def megatron_recompute(plan: Plan) -> tuple[list[str], list[str]]:
     if most == 0:
         return [], ["the plan recomputes only blocks that are no decoder layers, which Megatron does not checkpoint"]
     args = ["--recompute-granularity full", "--recompute-method block", f"--recompute-num-layers {most}"]
-    fewer = [s.index for (s, _, _), n in zip(values, layers, strict=True) if n < min(most, _stage_layers(plan, s))]
+    counts = megatron_layer_counts(plan)
+    fewer = [s.index for (s, _, _), n in zip(values, layers, strict=True) if n < min(most, counts[s.index])]
     notes = [
         f"Megatron recomputes the first {most} decoder layers of every stage in full (the most any stage of the plan does)"
     ]
@@ -398,10 +399,6 @@ def megatron_recompute(plan: Plan) -> tuple[list[str], list[str]]:
     if "stage" in modes:
         notes.append("the stages the plan checkpoints as one region are checkpointed layer by layer (more kept)")
     return args, notes
-
-
-def _stage_layers(plan: Plan, stage: StagePlan) -> int:
-    return sum(b.is_layer for b in plan.blocks[stage.start : stage.end])
 
 
 def _megatron(plan: Plan, _renames: Mapping[str, str]) -> str:
