@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from planner.capture.load import Batch, ModelFile, shape_of
+from planner.capture.meta_cache import meta_op_cache, on_meta
 from planner.errors import ModelFileError
 
 
@@ -46,7 +47,7 @@ def check_forward(mf: ModelFile, model: nn.Module, inputs: tuple, target: torch.
     Raises:
         ModelFileError: the forward or the loss fails, or the loss is not a scalar tensor.
     """
-    with evaluating(model), torch.no_grad():
+    with evaluating(model), torch.no_grad(), meta_op_cache(on_meta(model, inputs)):
         out = mf._call("forward", model, *inputs)
         loss = mf._call("loss_fn", mf.loss_fn, out, target)
     if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):

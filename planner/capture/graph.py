@@ -34,6 +34,7 @@ import torch.fx as fx
 from torch import nn
 
 from planner.capture.blocks import CONTAINERS, Block, Cut, GraphTrace, ValueInfo, describe, is_layer
+from planner.capture.meta_cache import meta_op_cache, on_meta
 from planner.capture.shapes import shapes_or_real
 from planner.errors import TraceError
 
@@ -160,7 +161,8 @@ def record_values(gm: fx.GraphModule, inputs: tuple[Any, ...], shapes_only: bool
         if shapes_only:
             shapes_or_real(gm, run, *inputs)
         else:
-            run(*inputs)
+            with meta_op_cache(on_meta(gm, inputs)):  # identical layers: their meta kernels run once
+                run(*inputs)
     return values
 
 

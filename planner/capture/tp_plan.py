@@ -142,19 +142,37 @@ def _heads(model: nn.Module, name: str) -> list[tuple[str, int]]:
     return [(a, v) for a in HEAD_ATTRS if isinstance(v := getattr(parent, a, None), int) and v > 0]
 
 
-def _config_heads(model: nn.Module) -> list[tuple[str, int]]:
+def config_heads(model: nn.Module) -> list[tuple[str, int]]:
+    """A Hugging Face config's head counts, as ("config.<attribute>", count) (none for other models)."""
     found = base_model_prefix(model)
     config = getattr(found[1], "config", None) if found else getattr(model, "config", None)
     return [(f"config.{a}", v) for a in CONFIG_HEAD_ATTRS if isinstance(v := getattr(config, a, None), int) and v > 0]
 
 
-def split_sizes(model: nn.Module, plan: Mapping[str, str]) -> list[tuple[str, str, int]]:
+def split_sizes(
+    model: nn.Module,
+    plan: Mapping[str, str],
+    matched: Mapping[str, tuple[str, nn.Module, str]] | None = None,
+    heads: list[tuple[str, int]] | None = None,
+) -> list[tuple[str, str, int]]:
     """Every size the degree must divide, as (pattern or module, what, size): the split features of
     each matched Linear, the heads of the attention modules holding a split layer, and a Hugging
-    Face config's head counts when a plan splits anything."""
+    Face config's head counts when a plan splits anything.
+
+    Args:
+        model: the model ``build_model`` returned.
+        plan: pattern -> style.
+        matched: ``matched_modules(model, plan)`` where the caller has it (or a part of it: one
+            block's layers); None matches here. Matching walks every module of the model, so a
+            caller asking block by block passes its share instead of walking the model per block.
+        heads: ``config_heads(model)`` where the caller has it (None: found here, another walk).
+
+    Returns:
+        The sizes, in module order.
+    """
     sizes: list[tuple[str, str, int]] = []
     parents: set[str] = set()
-    for name, (style, module, pattern) in matched_modules(model, plan).items():
+    for name, (style, module, pattern) in (matched_modules(model, plan) if matched is None else matched).items():
         if isinstance(module, nn.Linear):
             what = "out_features" if style == "colwise" else "in_features"
             sizes.append((f"{pattern} ({name})", what, getattr(module, what)))
@@ -163,7 +181,7 @@ def split_sizes(model: nn.Module, plan: Mapping[str, str]) -> list[tuple[str, st
             parents.add(parent)
             sizes.extend((parent or "<root>", what, n) for what, n in _heads(model, name))
     if sizes:
-        sizes.extend(("the model", what, n) for what, n in _config_heads(model))
+        sizes.extend(("the model", what, n) for what, n in (config_heads(model) if heads is None else heads))
     return sizes
 
 
@@ -213,6 +231,7 @@ __all__ = [
     "ResolvedPlan",
     "base_model_prefix",
     "check_tp_plan",
+    "config_heads",
     "match",
     "matched_modules",
     "plan_divisor",

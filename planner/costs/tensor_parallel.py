@@ -57,7 +57,8 @@ from torch.utils.flop_counter import flop_registry
 from planner.capture.blocks import GraphTrace, TracedModel
 from planner.capture.graph import _module_path
 from planner.capture.load import ModelFile
-from planner.capture.tp_plan import check_tp_plan, matched_modules, resolve_tp_plan, split_sizes
+from planner.capture.meta_cache import meta_op_cache, on_meta
+from planner.capture.tp_plan import check_tp_plan, config_heads, matched_modules, resolve_tp_plan, split_sizes
 from planner.core.hardware import HardwareSpec
 from planner.costs.roofline import _GEMMS, _gemm_dims
 from planner.errors import ModelFileError
@@ -287,17 +288,30 @@ def tensor_parallel_shares(
         run.hooks(stack)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
         stack.enter_context(torch.enable_grad())
+        stack.enter_context(meta_op_cache(on_meta(traced.gm, moved)))  # below the tally: it sees every call
         stack.enter_context(watch)
         run.run(*moved)
     watch.keep.clear()
+    heads = config_heads(traced.model)
+    inside = _by_block([b.name for b in traced.blocks], matched)
     shares: dict[str, TensorParallelShare] = {}
     for block, tally in zip(traced.blocks, run.tallies):
-        inside = {
-            n: v for n, v in matched.items() if block.name and (n == block.name or n.startswith(block.name + "."))
-        }
-        if inside and tally.work > 0:
-            shares[block.name] = _share(traced.model, inside, tally, param_bytes, hardware, dtype)
+        if inside.get(block.name) and tally.work > 0:
+            shares[block.name] = _share(traced.model, inside[block.name], tally, param_bytes, hardware, dtype, heads)
     return shares
+
+
+def _by_block(blocks: list[str], matched: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The matched layers of each block (a block named "layers.3" holds "layers.3" and "layers.3.*"),
+    found by each layer's name prefixes: one pass, not every block against every layer."""
+    names = {b for b in blocks if b}
+    out: dict[str, dict[str, Any]] = {}
+    for name, value in matched.items():
+        parts = name.split(".")
+        owner = next((p for i in range(len(parts), 0, -1) if (p := ".".join(parts[:i])) in names), None)
+        if owner is not None:
+            out.setdefault(owner, {})[name] = value
+    return out
 
 
 def _share(
@@ -307,10 +321,12 @@ def _share(
     param_bytes: int | None,
     hardware: HardwareSpec | None,
     dtype: str | None,
+    heads: list[tuple[str, int]],
 ) -> TensorParallelShare:
-    """One block's share from what its forward ran (``inside``: its matched layers)."""
+    """One block's share from what its forward ran (``inside``: its matched layers; ``heads``: the
+    model config's head counts, ``config_heads``)."""
     params = [p for _, (style, m, _) in inside.items() for p in _split_params(m, style)]
-    sizes = [n for _, _, n in split_sizes(model, {name: style for name, (style, _, _) in inside.items()})]
+    sizes = [n for _, _, n in split_sizes(model, {}, matched=inside, heads=heads)]
     divisor = math.gcd(*sizes) if sizes else 1
     slowdown: dict[int, float] = {}
     if hardware is not None and tally.gemms and tally.split_work > 0:

@@ -1,0 +1,150 @@
+"""Run a model's operators on the meta device once per distinct call: the 80 (or 1,000) identical
+layers of a transformer ask the meta kernels the same questions, layer after layer.
+
+Planning runs the traced model on the meta device several times (recording every node's value,
+checking forward and loss, counting the tensor-parallel shares, again at other microbatch sizes). A
+meta kernel computes no data, only the output's shape, strides and dtype, but many of them are
+Python decompositions (elementwise broadcasting, softmax, attention) costing a few hundred
+microseconds a call: at 1,000 layers most of the planning time. ``meta_op_cache`` remembers, for
+each functional aten operator, the outputs' metadata per distinct input metadata and answers a
+repeated call with fresh empty meta tensors of that metadata, as the kernel would have.
+
+Only calls whose answer is a function of what the key holds are cached: every tensor argument a
+plain meta tensor (shape, strides, storage offset and dtype in the key), every other argument a
+plain constant; operators that mutate or alias their inputs (in-place, views, ``out=``) always run,
+as do calls whose outputs are not all fresh meta tensors (a CPU tensor made by ``torch.arange``
+holds values). Autograd sits above the dispatch modes, so gradients, saved-tensor hooks and any
+dispatch mode entered after this one (the tensor-parallel tally, the roofline) see every call as
+before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from planner.torch_compat import TorchDispatchMode
+
+_META = torch.device("meta")
+_CONSTANTS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_UNCACHEABLE = object()  # a key whose answer cannot be replayed (kept so it is not tried again)
+
+
+class _NoKey(Exception):
+    """An argument the key cannot hold (a real tensor, a tensor subclass, a symbolic size)."""
+
+
+def _key(value: Any) -> Any:
+    """A hashable description of an argument: tensors by their metadata, containers by their items."""
+    if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:
+        if value.device != _META:
+            raise _NoKey
+        return ("T", tuple(value.shape), value.stride(), value.storage_offset(), value.dtype)
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, *(_key(v) for v in value))
+    if isinstance(value, _CONSTANTS):
+        return (type(value).__name__, value)
+    raise _NoKey
+
+
+def _functional(func: Any) -> bool:
+    """Whether an operator neither writes nor aliases its arguments (its schema has no alias
+    annotations and it is no view)."""
+    schema = func._schema
+    if schema.is_mutable or getattr(func, "is_view", False):
+        return False
+    return all(a.alias_info is None for a in (*schema.arguments, *schema.returns))
+
+
+def _shapes(out: Any) -> Any:
+    """The replayable metadata of an operator's outputs, or ``_UNCACHEABLE``."""
+    if type(out) is torch.Tensor:
+        if out.device != _META or out.storage_offset() != 0:
+            return _UNCACHEABLE
+        return (tuple(out.shape), out.stride(), out.dtype)
+    if isinstance(out, (tuple, list)):
+        parts = [None if v is None else _shapes(v) for v in out]
+        return _UNCACHEABLE if any(p is _UNCACHEABLE for p in parts) else (type(out), parts)
+    return _UNCACHEABLE
+
+
+def _replay(shapes: Any) -> Any:
+    """Fresh meta tensors with the recorded metadata."""
+    if isinstance(shapes[0], type):
+        kind, parts = shapes
+        return kind(None if p is None else _replay(p) for p in parts)
+    size, stride, dtype = shapes
+    return torch.empty_strided(size, stride, dtype=dtype, device=_META)
+
+
+class MetaOpCache(TorchDispatchMode):
+    """Answers repeated functional meta calls from their first answer (see the module docstring).
+
+    Attributes:
+        hits: calls answered from the cache.
+        misses: calls run (and remembered where they could be).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answers: dict[Any, Any] = {}
+        self.functional: dict[Any, bool] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        ok = self.functional.get(func)
+        if ok is None:
+            ok = self.functional[func] = _functional(func)
+        if not ok:
+            return func(*args, **kwargs)
+        try:
+            key = (func, _key(args), _key(tuple(sorted(kwargs.items()))))
+        except _NoKey:
+            return func(*args, **kwargs)
+        known = self.answers.get(key)
+        if known is not None and known is not _UNCACHEABLE:
+            self.hits += 1
+            return _replay(known)
+        self.misses += 1
+        out = func(*args, **kwargs)
+        if known is None:
+            self.answers[key] = _shapes(out)
+        return out
+
+
+def on_meta(module: torch.nn.Module, inputs: Any = ()) -> bool:
+    """Whether ``module``'s parameters or any tensor of ``inputs`` live on the meta device."""
+    first = next(module.parameters(), None)
+    if first is not None and first.device == _META:
+        return True
+    return any(isinstance(t, torch.Tensor) and t.device == _META for t in inputs)
+
+
+@contextlib.contextmanager
+def meta_op_cache(enabled: bool = True) -> Iterator[MetaOpCache | None]:
+    """Cache meta operator calls inside the block (nothing changes for real tensors).
+
+    Enter it before any dispatch mode that must see every call (a mode entered later handles each
+    call first and passes it down to this one).
+
+    Args:
+        enabled: False makes it a no-op (a run on real tensors gains nothing from the Python
+            dispatch every call would then go through).
+
+    Yields:
+        The cache (its ``hits`` and ``misses``), None when not enabled.
+    """
+    if not enabled:
+        yield None
+        return
+    cache = MetaOpCache()
+    with cache:
+        yield cache
+
+
+__all__ = ["MetaOpCache", "meta_op_cache", "on_meta"]
