@@ -423,6 +423,6 @@ def test_identical_layers_are_estimated_once_with_the_same_result(monkeypatch: p
     layers = sum(b.is_layer for b in traced.blocks)
     assert layers >= 2 and len(runs) == len(traced.blocks) - layers + 1  # the layers ran once between them
     keys = iter(range(10**6))
-    monkeypatch.setattr(estimate, "structure_key", lambda *a: str(next(keys)))  # every block on its own
+    monkeypatch.setattr(estimate, "structure_key", lambda *a, **k: str(next(keys)))  # every block on its own
     alone = estimate_blocks(traced, inputs, target.to("meta"), mf.loss_fn, hw, "bf16", progress=False)
     assert shared == alone

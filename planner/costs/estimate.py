@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from planner.capture.blocks import GraphTrace, TracedModel, get_attr
 from planner.capture.load import move_model
-from planner.capture.stage import build_stage_module, stage_inputs
+from planner.capture.stage import stage_graph, stage_inputs
 from planner.capture.trace import trace_model
 from planner.core.hardware import DTYPES, HardwareSpec, dtype_bytes
 from planner.costs.backward_temps import BackwardTemps, forward_backward_temps, storage_bytes
@@ -378,15 +378,16 @@ def estimate_blocks(
     seen: dict[str, _BlockRun] = {}
     bar = tqdm(traced.blocks, desc="estimating blocks", unit="block", disable=None if progress else True, leave=False)
     for k, block in enumerate(bar):
-        stage = build_stage_module(traced, k, k + 1, check_cuts=False)
-        fuse_attention_nodes(stage)
+        graph = stage_graph(traced, k, k + 1, check_cuts=False)
         last = k == n - 1
-        key = structure_key(stage, current, last)
+        key = structure_key(traced.gm, current, last, graph=graph)
         if key in seen:
             run = seen[key]
             costs.append(_block_cost(traced, k, owned[k], run, hw, width, optimizer, autocast))
             current = tuple(_meta_like(t, tdtype) if isinstance(t, torch.Tensor) else t for t in run.outputs)
             continue
+        stage = torch.fx.GraphModule(traced.gm, graph, f"stage_{k}_{k + 1}")
+        fuse_attention_nodes(stage)
         mode = Roofline(hw, dtype)
         try:
             run = _run_block(stage, current, last, target, loss_fn, mode, tdtype)
@@ -435,19 +436,23 @@ def no_formula_note(ops: set[str]) -> str:
     )
 
 
-def structure_key(stage: torch.fx.GraphModule, inputs: tuple, last: bool) -> str:
+def structure_key(stage: torch.nn.Module, inputs: tuple, last: bool, graph: torch.fx.Graph | None = None) -> str:
     """What a block's estimate depends on: its operations in order (arguments as positions or
     constants), the shapes and dtypes of its parameters, buffers and inputs, and whether it ends
     the model (the loss). Node and parameter *names* are left out, so identical layers share a key.
 
     Args:
-        stage: the block as a module (``build_stage_module``).
+        stage: the block as a module (``build_stage_module``), or with ``graph`` the module whose
+            attributes the graph's get_attr and call_module nodes name (the traced model's graph
+            module for ``stage_graph``).
         inputs: its inputs.
         last: whether it is the model's last block.
+        graph: the block's graph (None: ``stage.graph``).
 
     Returns:
         The key (text).
     """
+    nodes = (graph if graph is not None else stage.graph).nodes  # type: ignore[union-attr]
     ids: dict[str, int] = {}
 
     def show(value: Any) -> str:
@@ -459,7 +464,7 @@ def structure_key(stage: torch.fx.GraphModule, inputs: tuple, last: bool) -> str
         return repr(value)
 
     parts = []
-    for i, node in enumerate(stage.graph.nodes):
+    for i, node in enumerate(nodes):
         ids[node.name] = i
         args = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: f"%{ids[a.name]}")  # type: ignore[arg-type,return-value]
         if node.op == "placeholder":
