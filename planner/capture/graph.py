@@ -254,11 +254,46 @@ def analyse_graph(
     return trace
 
 
+def with_values(traced: GraphTrace, values: dict[str, ValueInfo]) -> GraphTrace:
+    """``traced`` with the values recorded on inputs of another size: the same graph groups into the
+    same blocks and block graph (they depend on the nodes and their module paths only), so only the
+    cuts, which look at the values, are judged again.
+
+    Args:
+        traced: a graph trace.
+        values: ``record_values(traced.gm, inputs)`` at the new size.
+
+    Returns:
+        A trace sharing ``traced``'s graph, model, blocks and block graph.
+    """
+    trace = GraphTrace(
+        traced.model,
+        traced.method,
+        list(traced.failures),
+        traced.blocks,
+        [],
+        values,
+        gm=traced.gm,
+        block_graph=traced.block_graph,
+        block_of=traced.block_of,
+    )
+    trace.cuts = _judge_cuts(trace, list(traced.gm.graph.nodes))
+    return trace
+
+
 def _group_blocks(model: nn.Module, compute: list[fx.Node]) -> list[Block]:
     """Maximal runs of nodes with the same block key; root-level operations join the run before."""
     ancestors = _ancestors(model)
     layers: dict[tuple[int, int], bool] = {}  # is_layer per (container, child): counting siblings once
-    keys = {n.name: block_key(model, _module_path(n, calls=True), ancestors, layers) for n in compute}
+    by_stack: dict[tuple[str, ...], tuple[str | None, bool]] = {}  # the nodes of one module share a stack
+
+    def key_of(n: fx.Node) -> tuple[str | None, bool]:
+        stack = tuple(_module_path(n, calls=True))
+        if stack not in by_stack:
+            by_stack[stack] = block_key(model, list(stack), ancestors, layers)
+        return by_stack[stack]
+
+    keys = {n.name: key_of(n) for n in compute}
     current = next((keys[n.name] for n in compute if keys[n.name][0] is not None), ("<root>", False))
     runs: list[tuple[tuple[str | None, bool], list[str]]] = []
     for n in compute:

@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch import nn
 
 from planner.capture.blocks import GraphTrace, TracedModel
-from planner.capture.graph import analyse_graph, record_values, trace_export, trace_fx
+from planner.capture.graph import analyse_graph, record_values, trace_export, trace_fx, with_values
 from planner.capture.modules import trace_module_boundaries
 from planner.errors import TraceError
 
@@ -179,5 +179,5 @@ def retrace(
         except Exception:  # noqa: BLE001, S110 - fx fails at this size: trace_model says so and tries the next tracer
             pass
         else:
-            return analyse_graph(traced.gm, traced.model, "fx", [], values)
+            return with_values(traced, values)
     return trace_model(model, inputs, methods)

@@ -378,15 +378,14 @@ def estimate_blocks(
     seen: dict[str, _BlockRun] = {}
     bar = tqdm(traced.blocks, desc="estimating blocks", unit="block", disable=None if progress else True, leave=False)
     for k, block in enumerate(bar):
-        graph = stage_graph(traced, k, k + 1, check_cuts=False)
         last = k == n - 1
-        key = structure_key(traced.gm, current, last, graph=graph)
+        key = block_key(traced, k, current, last)
         if key in seen:
             run = seen[key]
             costs.append(_block_cost(traced, k, owned[k], run, hw, width, optimizer, autocast))
             current = tuple(_meta_like(t, tdtype) if isinstance(t, torch.Tensor) else t for t in run.outputs)
             continue
-        stage = torch.fx.GraphModule(traced.gm, graph, f"stage_{k}_{k + 1}")
+        stage = torch.fx.GraphModule(traced.gm, stage_graph(traced, k, k + 1, check_cuts=False), f"stage_{k}_{k + 1}")
         fuse_attention_nodes(stage)
         mode = Roofline(hw, dtype)
         try:
@@ -436,6 +435,28 @@ def no_formula_note(ops: set[str]) -> str:
     )
 
 
+def _show(value: Any) -> str:
+    """A tensor, module or constant as a key shows it: shapes, dtypes and flags, never names."""
+    if isinstance(value, torch.Tensor):
+        return f"T{tuple(value.shape)}{value.dtype}{value.requires_grad}"
+    if isinstance(value, torch.nn.Module):
+        state = [(tuple(t.shape), t.dtype, t.requires_grad) for t in (*value.parameters(), *value.buffers())]
+        return f"M{value!r}{state}"
+    return repr(value)
+
+
+def _target(node: torch.fx.Node, root: torch.nn.Module) -> str:
+    """A node's operation for a key: its function's qualified name, or what its attribute or module holds."""
+    if node.op == "placeholder":
+        return ""  # its name is the value it receives: only its position counts
+    if node.op == "get_attr":
+        return _show(get_attr(root, str(node.target)))
+    if node.op == "call_module":
+        return _show(root.get_submodule(str(node.target)))
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__qualname__", repr(node.target))
+    return f"{getattr(node.target, '__module__', '')}.{target}"
+
+
 def structure_key(stage: torch.nn.Module, inputs: tuple, last: bool, graph: torch.fx.Graph | None = None) -> str:
     """What a block's estimate depends on: its operations in order (arguments as positions or
     constants), the shapes and dtypes of its parameters, buffers and inputs, and whether it ends
@@ -443,8 +464,7 @@ def structure_key(stage: torch.nn.Module, inputs: tuple, last: bool, graph: torc
 
     Args:
         stage: the block as a module (``build_stage_module``), or with ``graph`` the module whose
-            attributes the graph's get_attr and call_module nodes name (the traced model's graph
-            module for ``stage_graph``).
+            attributes the graph's get_attr and call_module nodes name.
         inputs: its inputs.
         last: whether it is the model's last block.
         graph: the block's graph (None: ``stage.graph``).
@@ -452,34 +472,63 @@ def structure_key(stage: torch.nn.Module, inputs: tuple, last: bool, graph: torc
     Returns:
         The key (text).
     """
-    nodes = (graph if graph is not None else stage.graph).nodes  # type: ignore[union-attr]
     ids: dict[str, int] = {}
-
-    def show(value: Any) -> str:
-        if isinstance(value, torch.Tensor):
-            return f"T{tuple(value.shape)}{value.dtype}{value.requires_grad}"
-        if isinstance(value, torch.nn.Module):
-            state = [(tuple(t.shape), t.dtype, t.requires_grad) for t in (*value.parameters(), *value.buffers())]
-            return f"M{value!r}{state}"
-        return repr(value)
-
     parts = []
-    for i, node in enumerate(nodes):
+    for i, node in enumerate((graph if graph is not None else stage.graph).nodes):  # type: ignore[union-attr]
         ids[node.name] = i
         args = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: f"%{ids[a.name]}")  # type: ignore[arg-type,return-value]
-        if node.op == "placeholder":
-            target = ""  # its name is the value it receives: only its position counts
-        elif node.op == "get_attr":
-            target = show(get_attr(stage, str(node.target)))
-        elif node.op == "call_module":
-            target = show(stage.get_submodule(str(node.target)))
-        else:
-            target = (
-                node.target if isinstance(node.target, str) else getattr(node.target, "__qualname__", repr(node.target))
-            )
-            target = f"{getattr(node.target, '__module__', '')}.{target}"
-        parts.append(f"{node.op}|{target}|{args!r}")
-    return repr((parts, [show(x) for x in inputs], last))
+        parts.append(f"{node.op}|{_target(node, stage)}|{args!r}")
+    return repr((parts, [_show(x) for x in inputs], last))
+
+
+def block_key(traced: GraphTrace, k: int, inputs: tuple, last: bool) -> str:
+    """``structure_key`` of block k read off the traced graph, without cutting the block out
+    (``stage_graph`` copies every node: at 1,000 layers that was most of the estimate's time).
+
+    The block's nodes in order, each argument as a position among the block's nodes, a position
+    among its inputs (the cut before it, in the order the stage takes them), a baked constant or an
+    attribute's shapes; then what it passes on (the cut after it, or the model's output). Nodes the
+    cut-out stage would drop as dead are kept here, so two blocks with one key also have one stage.
+
+    Args:
+        traced: the graph trace.
+        k: the block.
+        inputs: the inputs the block's stage takes.
+        last: whether it is the model's last block.
+
+    Returns:
+        The key (text).
+    """
+    nodes = traced.nodes_by_name()
+    env: dict[str, str] = {}
+    if k == 0:
+        for i, node in enumerate(n for n in traced.gm.graph.nodes if n.op == "placeholder"):
+            info = traced.values.get(node.name)
+            env[node.name] = f"C{info.const!r}" if info is not None and info.kind == "const" else f"%in{i}"
+    else:
+        cut = traced.cuts[k - 1]
+        env.update({name: f"%in{i}" for i, name in enumerate(cut.tensors)})
+        env.update({name: f"C{traced.values[name].const!r}" for name in cut.consts})
+
+    def show(a: torch.fx.Node) -> str:
+        if a.name not in env:  # an attribute read outside the block (a stage copies it in)
+            if nodes[a.name].op != "get_attr":
+                raise TraceError(f"value {a.name} is needed in blocks [{k}, {k + 1}) but not available there")
+            env[a.name] = f"A{_target(nodes[a.name], traced.gm)}"
+        return env[a.name]
+
+    parts = []
+    for i, name in enumerate(traced.blocks[k].nodes):
+        node = nodes[name]
+        args = torch.fx.node.map_arg((node.args, node.kwargs), show)
+        parts.append(f"{node.op}|{_target(node, traced.gm)}|{args!r}")
+        env[name] = f"%{i}"
+    if last:
+        out = next(node for node in traced.gm.graph.nodes if node.op == "output")
+        passed = repr(torch.fx.node.map_arg(out.args[0], show))
+    else:
+        passed = repr([show(nodes[name]) for name in traced.cuts[k].tensors])
+    return repr((parts, passed, [_show(x) for x in inputs], last))
 
 
 def _block_cost(
