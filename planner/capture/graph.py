@@ -25,7 +25,7 @@ import functools
 import io
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import networkx as nx
@@ -36,6 +36,7 @@ from torch import nn
 from planner.capture.blocks import CONTAINERS, Block, Cut, GraphTrace, ValueInfo, describe, is_layer
 from planner.capture.meta_cache import meta_op_cache, on_meta
 from planner.capture.shapes import shapes_or_real
+from planner.capture.signature import rebuild, signature, spec
 from planner.errors import TraceError
 
 
@@ -129,7 +130,12 @@ def _drop_metadata_asserts(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def record_values(gm: fx.GraphModule, inputs: tuple[Any, ...], shapes_only: bool = False) -> dict[str, ValueInfo]:
+def record_values(
+    gm: fx.GraphModule,
+    inputs: tuple[Any, ...],
+    shapes_only: bool = False,
+    blocks: Sequence[Block] | None = None,
+) -> dict[str, ValueInfo]:
     """Run the graph once (no grad) and note what each node produced.
 
     The buffers are put back afterwards, so recording moves no batch-norm statistics. (Switching
@@ -141,29 +147,88 @@ def record_values(gm: fx.GraphModule, inputs: tuple[Any, ...], shapes_only: bool
         shapes_only: run on fake tensors (``planner.capture.shapes``: no weights read, nothing
             computed), or for real where fake tensors cannot run the graph. The runner's traces do;
             the planner's run for real, as the profile does next.
+        blocks: the graph's blocks (``group_blocks``): on the meta device a block that is the twin
+            of one run before (``planner.capture.signature``) is not run again, its values are
+            replayed (a 1,000-layer model runs each distinct layer once). None: every node runs.
 
     Returns:
         Node name -> what it produced.
     """
     values: dict[str, ValueInfo] = {}
-
-    class Recorder(fx.Interpreter):
-        def run_node(self, n: fx.Node) -> Any:
-            out = super().run_node(n)
-            values[n.name] = describe(out)
-            return out
+    meta = not shapes_only and on_meta(gm, inputs)
 
     def run(*args: Any) -> Any:
         values.clear()  # a fake run that failed half-way leaves nothing behind
-        return Recorder(gm).run(*args)
+        if meta and blocks:
+            return _Replaying(gm, values, blocks).run(*args)
+        return _Recorder(gm, values).run(*args)
 
     with buffers_restored(gm), torch.no_grad():
         if shapes_only:
             shapes_or_real(gm, run, *inputs)
         else:
-            with meta_op_cache(on_meta(gm, inputs)):  # identical layers: their meta kernels run once
+            with meta_op_cache(meta):  # identical operators: their meta kernels run once
                 run(*inputs)
     return values
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the graph, noting what each node produced."""
+
+    def __init__(self, gm: fx.GraphModule, values: dict[str, ValueInfo]) -> None:
+        super().__init__(gm)
+        self.values = values
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        self.values[n.name] = describe(out)
+        return out
+
+
+class _Replaying(_Recorder):
+    """``_Recorder`` that runs each distinct block once and replays its twins' values (meta only)."""
+
+    def __init__(self, gm: fx.GraphModule, values: dict[str, ValueInfo], blocks: Sequence[Block]) -> None:
+        super().__init__(gm, values)
+        self.first = {b.nodes[0]: b for b in blocks if b.nodes}
+        self.last = {b.nodes[-1] for b in blocks if b.nodes}
+        self.known: dict[Any, list[Any]] = {}  # signature -> the specs of its nodes' values, in order
+        self.replay: list[Any] | None = None  # the block running now is a twin: its specs
+        self.recording: tuple[Any, list[Any]] | None = None  # (signature, specs so far) of a new block
+        self.in_block: set[str] = set()
+        self.position = 0
+        self.nodes = {n.name: n for n in gm.graph.nodes}
+
+    def _begin(self, block: Block) -> None:
+        key = signature([self.nodes[m] for m in block.nodes], self.module, lambda a: self.env[a])
+        self.in_block, self.position = set(block.nodes), 0
+        if key is not None and key in self.known:
+            self.replay, self.recording = self.known[key], None
+        else:
+            self.replay, self.recording = None, ((key, []) if key is not None else None)
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.name in self.first:
+            self._begin(self.first[n.name])
+        if n.name not in self.in_block:
+            return super().run_node(n)
+        if self.replay is not None:
+            out = rebuild(self.replay[self.position])
+            self.values[n.name] = describe(out)
+        else:
+            out = super().run_node(n)
+            if self.recording is not None:
+                recorded = spec(out)
+                self.recording = None if recorded is None else self.recording
+                if self.recording is not None:
+                    self.recording[1].append(recorded)
+        self.position += 1
+        if n.name in self.last:
+            if self.recording is not None:
+                self.known[self.recording[0]] = self.recording[1]
+            self.replay = self.recording = None
+            self.in_block = set()
+        return out
 
 
 def retarget_devices(gm: fx.GraphModule, device: torch.device) -> int:
@@ -220,7 +285,12 @@ def buffers_restored(module: nn.Module) -> Iterator[None]:
 
 
 def analyse_graph(
-    gm: fx.GraphModule, model: nn.Module, method: str, failures: list[tuple[str, str]], values: dict[str, ValueInfo]
+    gm: fx.GraphModule,
+    model: nn.Module,
+    method: str,
+    failures: list[tuple[str, str]],
+    values: dict[str, ValueInfo],
+    blocks: Sequence[Block] | None = None,
 ) -> GraphTrace:
     """Group a traced graph's nodes into blocks, build the block graph and judge every cut.
 
@@ -230,6 +300,7 @@ def analyse_graph(
         method: "fx" or "export".
         failures: tracers tried before, and why they failed.
         values: ``record_values(gm, inputs)``.
+        blocks: ``group_blocks(gm, model)`` where the caller made them (None: grouped here).
 
     Returns:
         The graph trace.
@@ -238,10 +309,9 @@ def analyse_graph(
         TraceError: the graph has no operations, or is not in execution order.
     """
     nodes = list(gm.graph.nodes)
-    compute = [n for n in nodes if n.op not in ("placeholder", "get_attr", "output")]
-    if not compute:
+    blocks = list(blocks) if blocks is not None else group_blocks(gm, model)
+    if not blocks:
         raise TraceError(f"{type(model).__name__} has no operations to place in a pipeline stage")
-    blocks = _group_blocks(model, compute)
     block_of = {name: i for i, b in enumerate(blocks) for name in b.nodes}
     for n in nodes:
         if n.op == "placeholder":
@@ -279,6 +349,24 @@ def with_values(traced: GraphTrace, values: dict[str, ValueInfo]) -> GraphTrace:
     )
     trace.cuts = _judge_cuts(trace, list(traced.gm.graph.nodes))
     return trace
+
+
+def group_blocks(gm: fx.GraphModule, model: nn.Module) -> list[Block]:
+    """The graph's operations grouped into blocks (none when it has no operations).
+
+    Maximal runs of nodes with the same block key (``block_key``: the repeated layer or top-level
+    module a node runs in); root-level operations join the run before. The grouping looks at the
+    nodes' module paths only, not at any value, so it can come before the values are recorded.
+
+    Args:
+        gm: the traced graph.
+        model: the private model copy it was traced from (module paths are resolved on it).
+
+    Returns:
+        The blocks, in graph order.
+    """
+    compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    return _group_blocks(model, compute) if compute else []
 
 
 def _group_blocks(model: nn.Module, compute: list[fx.Node]) -> list[Block]:

@@ -50,9 +50,16 @@ def _key(value: Any) -> Any:
     raise _NoKey
 
 
+# Allocations are cheap C++ meta kernels, and what a replayed value is made of: keying them would
+# cost more than running them.
+_ALLOCATIONS = (torch.ops.aten.empty_strided.default, torch.ops.aten.empty.memory_format)
+
+
 def _functional(func: Any) -> bool:
     """Whether an operator neither writes nor aliases its arguments (its schema has no alias
-    annotations and it is no view)."""
+    annotations and it is no view), and is worth a key (no bare allocation)."""
+    if func in _ALLOCATIONS:
+        return False
     schema = func._schema
     if schema.is_mutable or getattr(func, "is_view", False):
         return False

@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch import nn
 
 from planner.capture.blocks import GraphTrace, TracedModel
-from planner.capture.graph import analyse_graph, record_values, trace_export, trace_fx, with_values
+from planner.capture.graph import analyse_graph, group_blocks, record_values, trace_export, trace_fx, with_values
 from planner.capture.modules import trace_module_boundaries
 from planner.errors import TraceError
 
@@ -135,11 +135,12 @@ def trace_model(
                 continue
         try:
             gm = TRACERS[method](private, inputs)
-            values = record_values(gm, inputs, shapes_only=shapes_only)
+            blocks = group_blocks(gm, private)  # first: twin layers' values are replayed, not run again
+            values = record_values(gm, inputs, shapes_only=shapes_only, blocks=blocks)
         except Exception as e:  # any tracer failure means: try the next one
             failures.append((method, short_reason(e)))
             continue
-        return analyse_graph(gm, private, method, failures, values)
+        return analyse_graph(gm, private, method, failures, values, blocks)
     detail = "; ".join(f"{m}: {r}" for m, r in failures)
     raise TraceError(
         f"could not trace {type(model).__name__} with any of {', '.join(methods)} ({detail}); {trace_advice(failures)}"
@@ -175,7 +176,7 @@ def retrace(
     fx_first = methods[:1] == ("fx",) and not (len(methods) > 1 and _from_transformers(model))
     if fx_first and traced.method == "fx" and isinstance(traced, GraphTrace):
         try:
-            values = record_values(traced.gm, inputs)
+            values = record_values(traced.gm, inputs, blocks=traced.blocks)
         except Exception:  # noqa: BLE001, S110 - fx fails at this size: trace_model says so and tries the next tracer
             pass
         else:

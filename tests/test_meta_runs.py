@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -112,3 +113,65 @@ def test_on_meta_looks_at_parameters_and_inputs() -> None:
     with torch.device("meta"):
         assert on_meta(nn.Linear(2, 2))
     assert not on_meta(nn.ReLU(), (3, None))
+
+
+def _recorded_both_ways(path: str, size: str | None, overrides: dict) -> tuple[dict, dict, int]:
+    from planner.capture.load import load_model_file
+    from planner.capture.trace import trace_model
+
+    mf = load_model_file(path, size, overrides)
+    with torch.device("meta"):
+        model = mf.build()
+    inputs, _ = mf.batch(2, 0)
+    inputs = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs)
+    traced = trace_model(model, inputs, ("fx", "export"))
+    return record_values(traced.gm, inputs), record_values(traced.gm, inputs, blocks=traced.blocks), len(traced.blocks)
+
+
+@pytest.mark.parametrize(
+    ("path", "size", "overrides"),
+    [
+        ("models/llama.py", "tiny", {"n_layers": 6}),
+        ("models/gpt.py", None, {"n_layers": 4}),
+        ("models/shakespeare.py", None, {}),
+        ("models/encoder_lm.py", None, {}),
+    ],
+)
+def test_replaying_twin_blocks_records_what_running_every_node_records(
+    path: str, size: str | None, overrides: dict
+) -> None:
+    plain, replayed, n_blocks = _recorded_both_ways(path, size, overrides)
+    assert n_blocks >= 3
+    assert replayed == plain
+
+
+def test_twins_are_replayed_and_a_changed_block_is_run() -> None:
+    """Six identical layers and one wider: the wider one has its own signature and runs; the
+    replayed values of the others are the ones a run gives."""
+    from planner.capture.graph import _Replaying
+    from planner.capture.trace import trace_model
+
+    with torch.device("meta"):
+        model = nn.Sequential(
+            *(nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(6)),
+            nn.Sequential(nn.Linear(16, 24), nn.ReLU()),
+        )
+    x = torch.empty(3, 16, device="meta")
+    traced = trace_model(model, (x,), ("fx",))
+    assert len(traced.blocks) == 7
+    runs = []
+    original = _Replaying._begin
+
+    def counting(self: _Replaying, block: object) -> None:
+        original(self, block)  # type: ignore[arg-type]
+        runs.append(self.replay is None)
+
+    _Replaying._begin = counting  # type: ignore[method-assign]
+    try:
+        replayed = record_values(traced.gm, (x,), blocks=traced.blocks)
+    finally:
+        _Replaying._begin = original  # type: ignore[method-assign]
+    assert runs == [True, False, False, False, False, False, True]
+    assert replayed == traced.values
+    last = traced.blocks[-1].nodes[0]
+    assert replayed[last].nbytes == 3 * 24 * 4
