@@ -135,6 +135,8 @@ def _recorded_both_ways(path: str, size: str | None, overrides: dict) -> tuple[d
         ("models/gpt.py", None, {"n_layers": 4}),
         ("models/shakespeare.py", None, {}),
         ("models/encoder_lm.py", None, {}),
+        ("models/hf/llama.py", None, {}),  # torch.export: layers inlined, module paths in the nodes
+        ("models/hf/albert.py", None, {}),  # one layer module called for every block
     ],
 )
 def test_replaying_twin_blocks_records_what_running_every_node_records(
