@@ -33,6 +33,8 @@ When torch changes one of these, this is the only file to mend; the tests that e
   tests/test_estimated_runs.py runs T5 under interleaved-zb).
 - ``torch._subclasses.fake_tensor.FakeTensorMode``: the runner's shapes (trace values, stage
   examples, output width) computed without data (tests/test_shapes.py).
+- ``torch._C._DisableTorchDispatch``: allocations that no dispatch mode needs to see (the replayed
+  values of a meta run, ``planner.capture.graph``; tests/test_meta_runs.py).
 - Python's own ``multiprocessing.forkserver._forkserver._stop``: a fresh forkserver per launch, so
   the ranks print where the launcher's stdout is now (tests/test_run.py reads their step lines).
 """
@@ -60,6 +62,7 @@ __all__ = [
     "flatten_dense",
     "is_view",
     "memory_tracker",
+    "no_dispatch",
     "pipelining_backward",
     "pytree",
     "retain_graph_compile",
@@ -70,6 +73,11 @@ __all__ = [
     "unflatten_dense",
     "watched_elastic_agent",
 ]
+
+
+def no_dispatch() -> Any:
+    """A context in which torch calls skip every Python dispatch mode (and tensor subclass)."""
+    return torch._C._DisableTorchDispatch()
 
 
 def is_view(t: torch.Tensor) -> bool:

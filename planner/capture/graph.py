@@ -25,6 +25,7 @@ import functools
 import io
 import logging
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -36,8 +37,9 @@ from torch import nn
 from planner.capture.blocks import CONTAINERS, Block, Cut, GraphTrace, ValueInfo, describe, is_layer
 from planner.capture.meta_cache import meta_op_cache, on_meta
 from planner.capture.shapes import shapes_or_real
-from planner.capture.signature import rebuild, signature, spec
+from planner.capture.signature import rebuild, signature, spec, structure
 from planner.errors import TraceError
+from planner.torch_compat import no_dispatch
 
 
 def trace_fx(model: nn.Module, inputs: tuple[Any, ...]) -> fx.GraphModule:
@@ -185,6 +187,11 @@ class _Recorder(fx.Interpreter):
         return out
 
 
+# A graph's block structures (``planner.capture.signature.structure``), kept across its runs: the
+# graph is recorded at several microbatch sizes, its structure is the same each time.
+_STRUCTURES: weakref.WeakKeyDictionary[fx.GraphModule, dict[tuple[str, ...], Any]] = weakref.WeakKeyDictionary()
+
+
 class _Replaying(_Recorder):
     """``_Recorder`` that runs each distinct block once and replays its twins' values (meta only)."""
 
@@ -193,17 +200,22 @@ class _Replaying(_Recorder):
         self.first = {b.nodes[0]: b for b in blocks if b.nodes}
         self.last = {b.nodes[-1] for b in blocks if b.nodes}
         self.known: dict[Any, list[Any]] = {}  # signature -> the specs of its nodes' values, in order
-        self.replay: list[Any] | None = None  # the block running now is a twin: its specs
+        self.replay: list[Any] | None = None  # the block running now is a twin: its nodes' fresh values
         self.recording: tuple[Any, list[Any]] | None = None  # (signature, specs so far) of a new block
         self.in_block: set[str] = set()
         self.position = 0
         self.nodes = {n.name: n for n in gm.graph.nodes}
+        self.structures = _STRUCTURES.setdefault(gm, {})
 
     def _begin(self, block: Block) -> None:
-        key = signature([self.nodes[m] for m in block.nodes], self.module, lambda a: self.env[a])
+        shape = self.structures.get(block.nodes)
+        if shape is None:
+            shape = self.structures[block.nodes] = structure([self.nodes[m] for m in block.nodes], self.module)
+        key = signature(shape, self.module, lambda a: self.env[a])
         self.in_block, self.position = set(block.nodes), 0
         if key is not None and key in self.known:
-            self.replay, self.recording = self.known[key], None
+            with no_dispatch():  # plain allocations: the meta cache has nothing to add to them
+                self.replay, self.recording = [rebuild(x) for x in self.known[key]], None
         else:
             self.replay, self.recording = None, ((key, []) if key is not None else None)
 
@@ -213,7 +225,7 @@ class _Replaying(_Recorder):
         if n.name not in self.in_block:
             return super().run_node(n)
         if self.replay is not None:
-            out = rebuild(self.replay[self.position])
+            out = self.replay[self.position]
             self.values[n.name] = describe(out)
         else:
             out = super().run_node(n)

@@ -78,36 +78,46 @@ def rebuild(recorded: Any) -> Any:
     return out.requires_grad_(grad) if grad and out.is_floating_point() else out
 
 
-def signature(nodes: Sequence[fx.Node], root: nn.Module, value_of: Any) -> Any:
-    """A block's signature (see the module docstring), or None when a value it reads from outside
-    cannot be described (then it is run, never replayed).
+def structure(nodes: Sequence[fx.Node], root: nn.Module) -> tuple[tuple[Any, ...], tuple[fx.Node, ...]]:
+    """The part of a block's signature that the graph alone fixes: each node's operation and
+    arguments, and the nodes outside the block it reads, in the order it first reads them.
 
     Args:
         nodes: the block's nodes, in graph order.
         root: the module whose attributes and submodules the nodes name.
-        value_of: node -> the value it holds now, for the nodes outside the block that it reads.
 
     Returns:
-        A hashable signature, or None.
+        (the nodes' parts, the outside nodes).
     """
     inside = {n: i for i, n in enumerate(nodes)}
     outside: dict[fx.Node, int] = {}
-    described: list[Any] = []
-    parts: list[Any] = []
 
     def arg(a: fx.Node) -> str:
         if a in inside:
             return f"%{inside[a]}"
         if a not in outside:
             outside[a] = len(outside)
-            described.append(node_target(a, root) if a.op == "get_attr" else spec(value_of(a)))
         return f"%in{outside[a]}"
 
-    for n in nodes:
-        parts.append((n.op, node_target(n, root), repr(fx.node.map_arg((n.args, n.kwargs), arg))))
-    if any(d is None for d in described):
-        return None
-    return (tuple(parts), tuple(described))
+    parts = tuple((n.op, node_target(n, root), repr(fx.node.map_arg((n.args, n.kwargs), arg))) for n in nodes)
+    return parts, tuple(outside)
 
 
-__all__ = ["node_target", "rebuild", "show", "signature", "spec"]
+def signature(shape: tuple[tuple[Any, ...], tuple[fx.Node, ...]], root: nn.Module, value_of: Any) -> Any:
+    """A block's signature (see the module docstring), or None when a value it reads from outside
+    cannot be described (then it is run, never replayed).
+
+    Args:
+        shape: the block's ``structure``.
+        root: the module whose attributes the outside get_attr nodes name.
+        value_of: node -> the value it holds now, for the outside nodes that are no attributes.
+
+    Returns:
+        A hashable signature, or None.
+    """
+    parts, outside = shape
+    described = tuple(node_target(a, root) if a.op == "get_attr" else spec(value_of(a)) for a in outside)
+    return None if any(d is None for d in described) else (parts, described)
+
+
+__all__ = ["node_target", "rebuild", "show", "signature", "spec", "structure"]

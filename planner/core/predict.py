@@ -27,7 +27,7 @@ from planner.core.links import Links, NodeLinks, boundary_links, default_link, l
 from planner.core.recompute import compact_flags, recompute_flags
 from planner.core.schedules import Action, in_flight_per_stage, peak_live_bytes, rank_orders, stage_ranks
 from planner.core.simulate import SimResult, StageTimes, simulate, simulate_step
-from planner.core.stage_model import cold_in, cold_out, stage_costs, stage_memory_parts, stage_time_parts
+from planner.core.stage_model import MemoryParts, cold_in, cold_out, stage_costs, stage_memory_parts, stage_time_parts
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 from planner.schema.plan import Plan, Prediction, ProfileInfo, StagePlan
@@ -86,8 +86,15 @@ def predict(
     orders = rank_orders(schedule, p, n_microbatches, layout.stages_per_rank)
     in_flight = in_flight_per_stage(schedule, p, n_microbatches, layout.stages_per_rank)
     ends = list(starts[1:]) + [len(blocks)]
+    m, shard = layout.n_microbatches, layout.shard
+    parts = [
+        stage_memory_parts(blocks, a, b, optimizer, flags[i], m, shard, layout.per_block)
+        for i, (a, b) in enumerate(zip(starts, ends))
+    ]
     stages = [
-        _stage_plan(blocks, i, (a, b), links_around(links, i, default_link(link)), flags[i], in_flight[i], context)
+        _stage_plan(
+            blocks, i, (a, b), links_around(links, i, default_link(link)), flags[i], in_flight[i], context, parts[i]
+        )
         for i, (a, b) in enumerate(zip(starts, ends))
     ]
     one_pass_s, bubble = simulate_step(
@@ -125,7 +132,7 @@ def predict(
     if shard > 1:
         dp_reduce_s *= passes
     step_s = pipeline_s + dp_reduce_s + allreduce_s + max(rank_opt)
-    rank_memory = [rank_memory_bytes(blocks, stages, orders[r], r, optimizer, layout) for r in range(p)]
+    rank_memory = [rank_memory_bytes(blocks, stages, orders[r], r, optimizer, layout, parts) for r in range(p)]
     stage_time = tuple(s.time_s for s in stages)
     mean = sum(stage_time) / len(stage_time)
     prediction = Prediction(
@@ -310,6 +317,7 @@ def rank_memory_bytes(
     rank: int,
     optimizer: OptimizerSpec,
     layout: Layout,
+    parts: Sequence[MemoryParts] | None = None,
 ) -> int:
     """Peak memory of one rank over all the stages it runs.
 
@@ -331,6 +339,8 @@ def rank_memory_bytes(
             sharded over, whether FSDP shards block by block (each stage's unsharded units are
             added, though the rank gathers only one stage's at a time: an upper bound with several
             stages per rank) and whether the gradients are new every step.
+        parts: every stage's ``stage_memory_parts``, by stage index, where the caller has them
+            (None: computed here).
 
     Returns:
         Bytes.
@@ -341,14 +351,18 @@ def rank_memory_bytes(
     for st in stages:
         if st.rank != rank:
             continue
-        parts = stage_memory_parts(
-            blocks, st.start, st.end, optimizer, st.recompute, layout.n_microbatches, layout.shard, layout.per_block
+        own = (
+            parts[st.index]
+            if parts is not None
+            else stage_memory_parts(
+                blocks, st.start, st.end, optimizer, st.recompute, layout.n_microbatches, layout.shard, layout.per_block
+            )
         )
-        fixed += parts.fixed
-        live_per_mb[st.index] = parts.per_microbatch
-        once += parts.once
-        step += parts.step
-        grads[st.index] = parts.grads if layout.fresh_grads else 0
+        fixed += own.fixed
+        live_per_mb[st.index] = own.per_microbatch
+        once += own.once
+        step += own.step
+        grads[st.index] = own.grads if layout.fresh_grads else 0
     late = sum(grads.values())  # in fixed and once, but only from each stage's first backward on
     return fixed - late + max(peak_live_bytes(order, live_per_mb, grads) + once, step + late)
 
@@ -384,6 +398,7 @@ def _stage_plan(
     recompute: str,
     in_flight: int,
     context: _StageContext,
+    memory: MemoryParts,
 ) -> StagePlan:
     """One stage's predicted figures: times per microbatch, optimizer step, activations and peak memory.
 
@@ -395,12 +410,13 @@ def _stage_plan(
         recompute: its recompute mode ("never", "selective", "full", "stage", or "full:k" / "selective:k").
         in_flight: its peak live microbatches under the schedule.
         context: what the prediction's stages share.
+        memory: its memory terms (``stage_memory_parts``).
 
     Returns:
         The stage.
     """
     start, end = bounds
-    rank_of, optimizer, layout = context.rank_of, context.optimizer, context.layout
+    rank_of, layout = context.rank_of, context.layout
     shard = layout.shard
 
     def crosses(other: int) -> bool:
@@ -437,9 +453,7 @@ def _stage_plan(
         recompute=recompute,
         activation_bytes=sum(x.activation_bytes for x in part),
         in_flight=in_flight,
-        memory_bytes=stage_memory_parts(
-            blocks, start, end, optimizer, recompute, layout.n_microbatches, shard, layout.per_block
-        ).peak(in_flight, layout.fresh_grads),
+        memory_bytes=memory.peak(in_flight, layout.fresh_grads),
         # torch 2.13 never runs I on the first stage (its inputs need no gradient): its W is the
         # whole backward (PipelineStage.backward_weight_one_chunk with stage_index 0)
         bwd_input_s=(0.0 if index == 0 else sum(x.bwd_input_s or 0.0 for x in part) + extra) if split else None,

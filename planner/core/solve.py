@@ -54,7 +54,7 @@ import numpy as np
 
 from planner.core.inputs import NO_CONSTRAINTS, Constraints, Layout, check_in_flight
 from planner.core.links import Links, boundary_crosses, boundary_links, default_link
-from planner.core.recompute import full_rerun_cost, loss_temps, selective_cost, with_loss
+from planner.core.recompute import full_rerun_cost, selective_cost, with_loss
 from planner.core.schedules import SPLIT_BACKWARD, in_flight_per_stage
 from planner.core.solve_engine import (
     AnyIntArray,
@@ -81,7 +81,7 @@ from planner.core.stage_model import (
     stage_bounds,
     unsharded_bytes,
 )
-from planner.core.stage_sums import RegionSums, StepTempArrays, StepTemps
+from planner.core.stage_sums import StepTempArrays, block_sums
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec, RecomputeMode
 
@@ -146,20 +146,11 @@ class _MemoryModel:
         self.shard = layout.shard
         self.per_block = layout.per_block  # FSDP block by block: a few units unsharded at a time
         self.fresh = layout.fresh_grads  # no gradients before a stage's first backward
-        self.pre_p = [0]
-        self.pre_n = [0]
-        self.pre_a = [0]
-        for b in blocks:
-            self.pre_p.append(self.pre_p[-1] + b.param_bytes)
-            self.pre_n.append(self.pre_n[-1] + b.params)
-            self.pre_a.append(self.pre_a[-1] + b.activation_bytes)
-        self.cut_in = [0] + [blocks[s - 1].cut_bytes for s in range(1, n)]
-        self.cut_out = [0] + [blocks[e - 1].cut_bytes for e in range(1, n)] + [0]
-        self.out = self.cut_out[:n] + [blocks[-1].output_bytes]
-        last = loss_temps(blocks, n)
-        self.loss_temp = [-1] * n + [-1 if last is None else last]  # -1: not the last stage, or not measured
-        self.temps = StepTemps(blocks, optimizer)
-        self.regions = RegionSums(blocks)
+        sums = block_sums(blocks, optimizer)
+        self.pre_p, self.pre_n, self.pre_a = sums.pre_p, sums.pre_n, sums.pre_a
+        self.cut_in, self.cut_out, self.out = sums.cut_in, sums.cut_out, sums.out
+        self.loss_temp = sums.loss_temp  # -1: not the last stage, or not measured
+        self.temps, self.regions = sums.temps, sums.regions
 
     def bytes(self, s: int, e: int, in_flight: int, recompute: bool | str = False) -> int:
         # Same formula as stage_memory_bytes.

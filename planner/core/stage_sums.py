@@ -10,11 +10,12 @@ asked one stage at a time or, as arrays, for many stages at once.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from planner.core.recompute import kept_bytes, loss_held, temp_bytes
+from planner.core.recompute import kept_bytes, loss_held, loss_temps, temp_bytes
 from planner.core.solve_engine import AnyIntArray, IntArray
 from planner.core.stage_model import Regions
 from planner.schema.costs import BlockCost, OptimizerSpec
@@ -168,3 +169,63 @@ class RegionSums:
             self.params.of(s, e),
             self.temps.of(s, e),
         )
+
+
+@dataclass(frozen=True)
+class BlockSums:
+    """The prefix sums and per-boundary sizes a memory check reads, a function of the blocks (and
+    the optimizer) only."""
+
+    pre_p: list[int]
+    pre_n: list[int]
+    pre_a: list[int]
+    cut_in: list[int]
+    cut_out: list[int]
+    out: list[int]
+    loss_temp: list[int]
+    temps: StepTemps
+    regions: RegionSums
+
+
+# The search solves hundreds of layouts over the same blocks: their sums are made once per blocks
+# object (a 1,000-layer model spent a quarter of its search rebuilding them). Keyed by identity,
+# the blocks kept alongside so the id cannot be reused while cached.
+_SUMS: dict[int, tuple[Sequence[BlockCost], OptimizerSpec, BlockSums]] = {}
+
+
+def block_sums(blocks: Sequence[BlockCost], optimizer: OptimizerSpec) -> BlockSums:
+    """The blocks' ``BlockSums``, made once per blocks object (see ``_SUMS``).
+
+    Args:
+        blocks: per-block costs.
+        optimizer: the optimizer (its step temporaries).
+
+    Returns:
+        The sums (shared: never modify them).
+    """
+    known = _SUMS.get(id(blocks))
+    if known is not None and known[0] is blocks and known[1] == optimizer:
+        return known[2]
+    n = len(blocks)
+    pre_p, pre_n, pre_a = [0], [0], [0]
+    for b in blocks:
+        pre_p.append(pre_p[-1] + b.param_bytes)
+        pre_n.append(pre_n[-1] + b.params)
+        pre_a.append(pre_a[-1] + b.activation_bytes)
+    cut_out = [0] + [blocks[e - 1].cut_bytes for e in range(1, n)] + [0]
+    last = loss_temps(blocks, n)
+    sums = BlockSums(
+        pre_p,
+        pre_n,
+        pre_a,
+        cut_in=[0] + [blocks[s - 1].cut_bytes for s in range(1, n)],
+        cut_out=cut_out,
+        out=cut_out[:n] + [blocks[-1].output_bytes],
+        loss_temp=[-1] * n + [-1 if last is None else last],
+        temps=StepTemps(blocks, optimizer),
+        regions=RegionSums(blocks),
+    )
+    if len(_SUMS) >= 8:
+        _SUMS.pop(next(iter(_SUMS)))
+    _SUMS[id(blocks)] = (blocks, optimizer, sums)
+    return sums
