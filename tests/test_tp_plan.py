@@ -24,6 +24,7 @@ LLAMA = ROOT / "models" / "llama.py"
 GPT = ROOT / "models" / "gpt.py"
 TOY = ROOT / "models" / "toy.py"
 HF_LLAMA = ROOT / "models" / "hf" / "llama.py"
+HF_ALBERT = ROOT / "models" / "hf" / "albert.py"
 
 
 def _meta_model(path: Path, size: str | None = "tiny"):
@@ -129,12 +130,16 @@ def test_check_errors_name_the_pattern(plan: dict[str, str], tp: int, message: s
     assert "\n" not in str(info.value)
 
 
-def _shares(path: Path, batch: int = 2):
+def _shares(path: Path, batch: int = 2, plan: dict[str, str] | None = None):
     mf, model = _meta_model(path)
     inputs, _ = mf.batch(batch)
     inputs = tuple(x.to("meta") for x in inputs)
     traced = trace_model(model, inputs)
-    return traced, tensor_parallel_shares(traced, inputs, resolve_tp_plan(mf, model).plan)
+    return traced, tensor_parallel_shares(traced, inputs, plan or resolve_tp_plan(mf, model).plan)
+
+
+ALBERT_LAYER = "albert.encoder.albert_layer_groups.0.albert_layers.0"
+ALBERT_PLAN = {f"{ALBERT_LAYER}.ffn": "colwise", f"{ALBERT_LAYER}.ffn_output": "rowwise"}
 
 
 def test_llama_layer_share_exact() -> None:
@@ -267,3 +272,33 @@ def test_an_exported_hugging_face_model_stays_whole_and_a_forced_degree_says_why
     assert "tensor parallelism: none, the model was traced by export" in plan.choice
     with pytest.raises(ModelFileError, match=r"--tp 2: the model was traced by export.*give --tp 1"):
         make_plan(PlanRequest.build(**base, tp=2, progress=False))
+
+
+@pytest.mark.parametrize("path", [LLAMA, GPT, HF_LLAMA, HF_ALBERT])
+def test_twin_blocks_replayed_give_the_shares_a_run_of_every_block_gives(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The share run replays twin layers on the meta device (one run per distinct layer); the shares
+    are those of running every block, also for ALBERT, whose one layer module runs in every block
+    (its split layers are counted once, so its blocks are never replayed)."""
+    from planner.costs import tensor_parallel
+
+    plan = ALBERT_PLAN if path is HF_ALBERT else None
+    ran: list[bool] = []
+    original = tensor_parallel._ShareRun._begin
+
+    def counting(self: tensor_parallel._ShareRun, k: int) -> None:
+        original(self, k)
+        ran.append(self.replay is None)
+
+    monkeypatch.setattr(tensor_parallel._ShareRun, "_begin", counting)
+    traced, replayed = _shares(path, plan=plan)
+    assert replayed
+    layers = sum(1 for b in traced.blocks if b.name in replayed)
+    if path is HF_ALBERT:
+        assert ran.count(False) == 0
+    else:
+        assert ran.count(False) >= layers - 1 >= 1  # every layer after the first was replayed
+    monkeypatch.setattr(tensor_parallel._ShareRun, "_begin", lambda self, k: None)
+    _, plain = _shares(path, plan=plan)
+    assert plain == replayed

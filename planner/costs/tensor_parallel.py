@@ -58,13 +58,14 @@ from planner.capture.blocks import GraphTrace, TracedModel
 from planner.capture.graph import _module_path
 from planner.capture.load import ModelFile
 from planner.capture.meta_cache import meta_op_cache, on_meta
+from planner.capture.signature import rebuild, signature, spec, structure
 from planner.capture.tp_plan import check_tp_plan, config_heads, matched_modules, resolve_tp_plan, split_sizes
 from planner.core.hardware import HardwareSpec
 from planner.costs.roofline import _GEMMS, _gemm_dims
 from planner.errors import ModelFileError
 from planner.schema.costs import BlockCost, TensorParallelShare
 from planner.schema.request import PlanRequest
-from planner.torch_compat import TorchDispatchMode
+from planner.torch_compat import TorchDispatchMode, no_dispatch
 
 
 @dataclass
@@ -80,6 +81,22 @@ class _Tally:
     bwd_count: int = 0
     gemm_work: float = 0.0  # of split_work, the GEMMs run inside matched layers
     gemms: list[_Gemm] = field(default_factory=list)
+    replayed_saved: int = 0  # saved split bytes of a block replayed from its twin (``_ShareRun``)
+
+    def replayed(self) -> _Tally:
+        """A copy for a twin block: the same counts, its saved split tensors as one sum."""
+        return _Tally(
+            self.work,
+            self.split_work,
+            {},
+            self.fwd_bytes,
+            self.fwd_count,
+            self.bwd_bytes,
+            self.bwd_count,
+            self.gemm_work,
+            list(self.gemms),
+            self.replayed_saved + sum(self.saved_split.values()),
+        )
 
 
 @dataclass(frozen=True)
@@ -152,6 +169,11 @@ class _Watch(TorchDispatchMode):
         return out
 
 
+def _plain_name(block: str) -> str:
+    """A block's name without the call index of a layer called again (``layer#2``)."""
+    return block.partition("#")[0]
+
+
 class _ShareRun(fx.Interpreter):
     """One forward of the traced graph, each node's operators counted into its block's tally.
 
@@ -168,8 +190,20 @@ class _ShareRun(fx.Interpreter):
         self.block_of = {n: k for k, b in enumerate(traced.blocks) for n in b.nodes}
         self.tallies = [_Tally() for _ in traced.blocks]
         self.seen: set[tuple[str, str]] = set()  # (layer, what) already counted: each layer once
+        self.seen_layers: set[str] = set()  # the layers in ``seen``
         self.layer_stack: list[str | None] = []
         self.module_names = {id(m): n for n, (_, m, _) in matched.items()}
+        # Twin blocks (planner.capture.signature) on the meta device: a block identical to one run
+        # before, whose layers split alike, gets a copy of that block's tally and fresh values.
+        self.blocks = traced.blocks
+        self.first = {b.nodes[0]: k for k, b in enumerate(traced.blocks) if b.nodes}
+        self.nodes = traced.nodes_by_name()
+        self.known: dict[Any, tuple[_Tally, list[Any], list[bool]]] = {}
+        self.replay: list[Any] | None = None  # the current block's fresh values, when replayed
+        self.recording: tuple[Any, list[Any], list[bool]] | None = None  # a new block: its key, specs, split flags
+        self.counted: set[str] = set()  # layers of replayed blocks: counted with their tally
+        self.position = 0
+        self.on_meta = on_meta(traced.gm)
 
     def styled(self, path: list[str]) -> tuple[str, str] | None:
         """The innermost matched layer of a node's module path, with its style."""
@@ -179,9 +213,10 @@ class _ShareRun(fx.Interpreter):
         return None
 
     def _count(self, name: str, what: str) -> bool:
-        if (name, what) in self.seen:
+        if (name, what) in self.seen or name in self.counted:
             return False
         self.seen.add((name, what))
+        self.seen_layers.add(name)
         return True
 
     def _add(self, style: str, tensors: list[torch.Tensor], count: bool) -> None:
@@ -217,8 +252,77 @@ class _ShareRun(fx.Interpreter):
             stack.enter_context(target.register_forward_pre_hook(self.pre_hook))
             stack.enter_context(target.register_forward_hook(self.post_hook))
 
+    def _layers(self, k: int) -> list[tuple[str, str] | None]:
+        """Each node of block k's matched layer and style (None: in none)."""
+        out: list[tuple[str, str] | None] = []
+        for name in self.blocks[k].nodes:
+            n = self.nodes[name]
+            if n.op == "call_module" and str(n.target) in self.matched:
+                out.append((str(n.target), self.matched[str(n.target)][0]))
+            else:
+                out.append(self.styled(_module_path(n)))
+        return out
+
+    def _begin(self, k: int) -> None:
+        """At block k's first node: replay it from a twin, or note what it produces to replay later."""
+        self.replay = self.recording = None
+        nodes = [self.nodes[m] for m in self.blocks[k].nodes]
+        found = self._layers(k)
+        names = {x[0] for x in found if x is not None}
+        if names & self.counted or names & self.seen_layers:
+            return  # a layer another block ran too (ALBERT): counted once, so never replayed
+        prefix = _plain_name(self.blocks[k].name) + "."
+        layers = tuple((x[0].removeprefix(prefix), x[1]) if x else None for x in found)  # names inside the block
+        shape = structure(nodes, self.module)
+        key = signature(shape, self.module, lambda a: self.env[a])
+        if key is None:
+            return
+        split_in = tuple(
+            self.watch.is_split(self.env[a])
+            for a in shape[1]
+            if a.op != "get_attr" and isinstance(self.env[a], torch.Tensor)
+        )
+        key = (key, layers, split_in)
+        if key not in self.known:
+            self.recording = (key, [], [])
+            return
+        tally, specs, split = self.known[key]
+        self.tallies[k] = tally.replayed()
+        self.counted.update(names)
+        with no_dispatch():
+            self.replay = [rebuild(x) for x in specs]
+        for value, is_split in zip(self.replay, split):
+            if is_split:
+                for t in _tensors(value):
+                    self.watch.split.add(id(t))
+                    self.watch.keep.append(t)
+
     def run_node(self, n: fx.Node) -> Any:
+        if n.name in self.first and self.on_meta:
+            self._begin(self.first[n.name])
+            self.position = 0
         k = self.block_of.get(n.name)
+        if k is not None and self.replay is not None:
+            out = self.replay[self.position]
+            self.position += 1
+            if self.position == len(self.replay):
+                self.replay = None
+            return out
+        out = self._run_counted(n, k)
+        if k is not None and self.recording is not None:
+            recorded = spec(out)
+            if recorded is None:
+                self.recording = None
+            else:
+                self.recording[1].append(recorded)
+                self.recording[2].append(any(self.watch.is_split(t) for t in _tensors(out)))
+                if n.name == self.blocks[k].nodes[-1]:
+                    key, specs, split = self.recording
+                    self.known[key] = (self.tallies[k].replayed(), specs, split)
+                    self.recording = None
+        return out
+
+    def _run_counted(self, n: fx.Node, k: int | None) -> Any:
         self.watch.block = self.tallies[k] if k is not None else None
         inner = self.styled(_module_path(n)) if n.op != "call_module" else None
         self.watch.style = inner[1] if inner else None
@@ -343,7 +447,7 @@ def _share(
             p.numel() * (param_bytes if param_bytes is not None else p.element_size()) for p in params
         ),
         sharded_compute=min(1.0, tally.split_work / tally.work),
-        sharded_activation_bytes=sum(tally.saved_split.values()),
+        sharded_activation_bytes=sum(tally.saved_split.values()) + tally.replayed_saved,
         fwd_allreduce_bytes=tally.fwd_bytes,
         bwd_allreduce_bytes=tally.bwd_bytes,
         fwd_allreduces=tally.fwd_count,
