@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from planner.capture.blocks import ModuleTrace, TracedModel
+from planner.capture.blocks import GraphTrace, ModuleTrace, TracedModel
 from planner.capture.contract import check_batch_contract, check_batch_size, check_forward
+from planner.capture.graph import GraphForward
 from planner.capture.load import ModelFile, load_model_file, move_model
 from planner.capture.stage import stage_module, trace_root
 from planner.capture.trace import retrace, trace_model
@@ -411,7 +412,8 @@ def _traced(
     _say(request, f"tracing {type(model).__name__}{' on the meta device' if on_meta else ''}")
     traced = trace_model(model, inputs)
     if on_meta:
-        check_forward(mf, trace_root(traced), inputs, target)
+        graph_only = isinstance(traced, GraphTrace) and traced.method == "fx"  # its output is the model's own
+        check_forward(mf, GraphForward(traced.gm, traced.blocks) if graph_only else trace_root(traced), inputs, target)
     if isinstance(traced, ModuleTrace):
         stage_module(traced, 0, len(traced.blocks))  # every plan runs: refuse blocks that are no chain, saying why
     pp = request.min_pipeline_ranks  # the fewest pipeline ranks a replica count tried gives

@@ -33,6 +33,8 @@ When torch changes one of these, this is the only file to mend; the tests that e
   tests/test_estimated_runs.py runs T5 under interleaved-zb).
 - ``torch._subclasses.fake_tensor.FakeTensorMode``: the runner's shapes (trace values, stage
   examples, output width) computed without data (tests/test_shapes.py).
+- ``torch.fx._lazy_graph_module._LazyGraphModule``: a traced graph whose Python code is generated only
+  when it is first called (planning runs the graph in an interpreter; tests/test_trace.py).
 - ``torch._C._DisableTorchDispatch``: allocations that no dispatch mode needs to see (the replayed
   values of a meta run, ``planner.capture.graph``; tests/test_meta_runs.py).
 - Python's own ``multiprocessing.forkserver._forkserver._stop``: a fresh forkserver per launch, so
@@ -61,6 +63,7 @@ __all__ = [
     "exported_out_spec",
     "flatten_dense",
     "is_view",
+    "lazy_graph_module",
     "memory_tracker",
     "no_dispatch",
     "pipelining_backward",
@@ -73,6 +76,14 @@ __all__ = [
     "unflatten_dense",
     "watched_elastic_agent",
 ]
+
+
+def lazy_graph_module(root: torch.nn.Module, graph: fx.Graph, name: str) -> fx.GraphModule:
+    """``fx.GraphModule(root, graph, name)`` whose Python code is generated when it is first needed
+    (called, printed, pickled): for a 1,000-layer graph that only an interpreter runs, never."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    return _LazyGraphModule(root, graph, name)
 
 
 def no_dispatch() -> Any:

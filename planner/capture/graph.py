@@ -39,14 +39,16 @@ from planner.capture.meta_cache import meta_op_cache, on_meta
 from planner.capture.shapes import shapes_or_real
 from planner.capture.signature import rebuild, signature, spec, structure
 from planner.errors import TraceError
-from planner.torch_compat import no_dispatch
+from planner.torch_compat import lazy_graph_module, no_dispatch
 
 
 def trace_fx(model: nn.Module, inputs: tuple[Any, ...]) -> fx.GraphModule:
     """``torch.fx`` symbolic trace; torch.nn modules stay leaves (one ``call_module`` node each)."""
     tracer = _Tracer()
     graph = tracer.trace(model)
-    return fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+    # Planning runs the graph in interpreters and cuts stages out of it (each a module of its own):
+    # the whole graph's Python code is generated only if something calls it.
+    return lazy_graph_module(tracer.root, graph, model.__class__.__name__)
 
 
 class _Tracer(fx.Tracer):
@@ -172,6 +174,29 @@ def record_values(
             with meta_op_cache(meta):  # identical operators: their meta kernels run once
                 run(*inputs)
     return values
+
+
+class GraphForward(nn.Module):
+    """A graph trace's graph as a module whose forward runs it in an interpreter, twin blocks replayed
+    on the meta device (``record_values``): the forward check of a 1,000-layer model on the meta
+    device runs each distinct layer once, and the graph needs no Python code generated for it.
+
+    Args:
+        gm: the traced graph (an fx trace: its output is the model's, not flattened as torch.export's).
+        blocks: its blocks.
+    """
+
+    def __init__(self, gm: fx.GraphModule, blocks: Sequence[Block]) -> None:
+        super().__init__()
+        self.gm = gm
+        self.blocks = list(blocks)
+
+    def forward(self, *inputs: Any) -> Any:
+        values: dict[str, ValueInfo] = {}
+        meta = on_meta(self.gm, inputs)
+        with meta_op_cache(meta):
+            runner = _Replaying(self.gm, values, self.blocks) if meta else _Recorder(self.gm, values)
+            return runner.run(*inputs)
 
 
 class _Recorder(fx.Interpreter):
