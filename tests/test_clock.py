@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 FWD_MS, BWD_MS = (20, 40, 60), (10, 20, 30)
 TOL_S = 0.008
+LATE_S = 0.025  # how late a sleep may wake on a loaded machine
 
 
 def _delay(modules: bool):
@@ -54,12 +55,11 @@ def test_marks_time_every_block_of_a_whole_model_stage(modules: bool) -> None:
         _run(module, clock, stage_inputs(inputs), mf.loss_fn, target)
     fwd, fwd_over = clock.medians(("F",), steps=[1, 2])
     bwd, bwd_over = clock.medians(("B",), steps=[1, 2])
-    for got, ms in zip(fwd, FWD_MS):
-        assert got == pytest.approx(ms / 1e3, abs=TOL_S)
-        assert got >= ms / 1e3 - 1e-4  # a sleep is a lower bound
-    for got, ms in zip(bwd, BWD_MS):
-        assert got == pytest.approx(ms / 1e3, abs=TOL_S)
-        assert got >= ms / 1e3 - 1e-4
+    # A sleep is a lower bound: a loaded machine wakes the thread late (14 ms late was seen on a
+    # 2-core CI box), never early. Time given to the wrong block would leave another block short of
+    # its sleep, so the tight lower bound catches it and the upper bound can allow for late wake-ups.
+    for got, ms in zip([*fwd, *bwd], [*FWD_MS, *BWD_MS]):
+        assert ms / 1e3 - 1e-4 <= got <= ms / 1e3 + LATE_S
     assert 0 <= fwd_over < 3e-3 and 0 <= bwd_over < 3e-3
     times, _ = clock.block_times(("F",), steps=[2])
     assert [len(t) for t in times] == [1, 1, 1]  # one action of step 2 per block
