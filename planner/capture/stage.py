@@ -90,6 +90,8 @@ def build_stage_module(
         TraceError: when the model was traced by module boundaries (no graph: ``stage_module``
             builds those stages), the range is empty, or a cut at either end is not legal.
     """
+    if not isinstance(traced, GraphTrace):
+        raise TraceError("a module-boundary trace has no graph to cut; its stages are chains of blocks (stage_module)")
     graph = stage_graph(traced, start, end, check_cuts=check_cuts, clock=clock)
     stage = fx.GraphModule(traced.gm, graph, f"stage_{start}_{end}")
     stage.recompile()

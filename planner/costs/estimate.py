@@ -474,7 +474,8 @@ def structure_key(stage: torch.nn.Module, inputs: tuple, last: bool, graph: torc
     """
     ids: dict[str, int] = {}
     parts = []
-    for i, node in enumerate((graph if graph is not None else stage.graph).nodes):  # type: ignore[union-attr]
+    own: torch.fx.Graph = graph if graph is not None else stage.graph  # type: ignore[assignment]
+    for i, node in enumerate(own.nodes):
         ids[node.name] = i
         args = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: f"%{ids[a.name]}")  # type: ignore[arg-type,return-value]
         parts.append(f"{node.op}|{_target(node, stage)}|{args!r}")
