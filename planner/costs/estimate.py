@@ -1,7 +1,8 @@
 """Analytical per-block costs for hardware that is not here: FLOPs and bytes → roofline time.
 
-Costs for hardware that is not here (docs/architecture.md, "Costs"). Each block of a graph-traced model is cut out as its own module
-(``planner.capture.trace.build_stage_module``, as ``planner.costs.measure`` does) and run forward and backward
+Costs for hardware that is not here (docs/architecture.md, "Costs"). Each distinct block of a graph-traced
+model (``block_key``: the 80 identical layers of a Llama-70B are one) is cut out as its own module
+(``planner.capture.stage.stage_graph``, as ``planner.costs.measure`` does) and run forward and backward
 on the ``meta`` device, where operators compute shapes but no data, under the roofline
 (``planner.costs.roofline.Roofline``: every aten operator charged
 ``max(flops / (peak * efficiency), bytes / (memory_Bps * memory_efficiency))`` plus a per-operator
