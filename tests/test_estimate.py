@@ -426,3 +426,41 @@ def test_identical_layers_are_estimated_once_with_the_same_result(monkeypatch: p
     monkeypatch.setattr(estimate, "structure_key", lambda *a, **k: str(next(keys)))  # every block on its own
     alone = estimate_blocks(traced, inputs, target.to("meta"), mf.loss_fn, hw, "bf16", progress=False)
     assert shared == alone
+
+
+@pytest.mark.parametrize(
+    ("path", "size", "overrides"),
+    [
+        ("models/llama.py", "tiny", {"n_layers": 5}),
+        ("models/gpt.py", None, {"n_layers": 4}),
+        ("models/hf/llama.py", None, {}),
+    ],
+)
+def test_block_keys_read_off_the_graph_group_blocks_as_their_cut_out_stages_do(
+    path: str, size: str | None, overrides: dict
+) -> None:
+    """``block_key`` (read off the traced graph) puts two blocks in one class exactly when
+    ``structure_key`` of their cut-out stages does; twin layers share a class."""
+    from planner.capture.stage import stage_graph
+    from planner.costs.estimate import block_key, structure_key
+
+    mf = load_model_file(ROOT / path, size, overrides)
+    with torch.device("meta"):
+        model = mf.build()
+    inputs, _ = mf.batch(2)
+    inputs = tuple(x.to("meta") for x in inputs)
+    traced = trace_model(model, inputs)
+    n = len(traced.blocks)
+    # every block is keyed with the same inputs here: the keys' inputs part is the same for all
+    graph_keys = [block_key(traced, k, inputs, k == n - 1) for k in range(n)]
+    stage_keys = [
+        structure_key(traced.gm, inputs, k == n - 1, graph=stage_graph(traced, k, k + 1, check_cuts=False))
+        for k in range(n)
+    ]
+
+    def classes(keys: list[str]) -> list[int]:
+        first: dict[str, int] = {}
+        return [first.setdefault(key, k) for k, key in enumerate(keys)]
+
+    assert classes(graph_keys) == classes(stage_keys)
+    assert len(set(graph_keys)) < n  # the layers are twins

@@ -38,8 +38,9 @@ import torch
 from torch.func import functional_call
 from tqdm import tqdm
 
-from planner.capture.blocks import GraphTrace, TracedModel, get_attr
+from planner.capture.blocks import GraphTrace, TracedModel
 from planner.capture.load import move_model
+from planner.capture.signature import node_target, show
 from planner.capture.stage import stage_graph, stage_inputs
 from planner.capture.trace import trace_model
 from planner.core.hardware import DTYPES, HardwareSpec, dtype_bytes
@@ -436,28 +437,6 @@ def no_formula_note(ops: set[str]) -> str:
     )
 
 
-def _show(value: Any) -> str:
-    """A tensor, module or constant as a key shows it: shapes, dtypes and flags, never names."""
-    if isinstance(value, torch.Tensor):
-        return f"T{tuple(value.shape)}{value.dtype}{value.requires_grad}"
-    if isinstance(value, torch.nn.Module):
-        state = [(tuple(t.shape), t.dtype, t.requires_grad) for t in (*value.parameters(), *value.buffers())]
-        return f"M{value!r}{state}"
-    return repr(value)
-
-
-def _target(node: torch.fx.Node, root: torch.nn.Module) -> str:
-    """A node's operation for a key: its function's qualified name, or what its attribute or module holds."""
-    if node.op == "placeholder":
-        return ""  # its name is the value it receives: only its position counts
-    if node.op == "get_attr":
-        return _show(get_attr(root, str(node.target)))
-    if node.op == "call_module":
-        return _show(root.get_submodule(str(node.target)))
-    target = node.target if isinstance(node.target, str) else getattr(node.target, "__qualname__", repr(node.target))
-    return f"{getattr(node.target, '__module__', '')}.{target}"
-
-
 def structure_key(stage: torch.nn.Module, inputs: tuple, last: bool, graph: torch.fx.Graph | None = None) -> str:
     """What a block's estimate depends on: its operations in order (arguments as positions or
     constants), the shapes and dtypes of its parameters, buffers and inputs, and whether it ends
@@ -479,8 +458,8 @@ def structure_key(stage: torch.nn.Module, inputs: tuple, last: bool, graph: torc
     for i, node in enumerate(own.nodes):
         ids[node.name] = i
         args = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: f"%{ids[a.name]}")  # type: ignore[arg-type,return-value]
-        parts.append(f"{node.op}|{_target(node, stage)}|{args!r}")
-    return repr((parts, [_show(x) for x in inputs], last))
+        parts.append(f"{node.op}|{node_target(node, stage)}|{args!r}")
+    return repr((parts, [show(x) for x in inputs], last))
 
 
 def block_key(traced: GraphTrace, k: int, inputs: tuple, last: bool) -> str:
@@ -512,25 +491,25 @@ def block_key(traced: GraphTrace, k: int, inputs: tuple, last: bool) -> str:
         env.update({name: f"%in{i}" for i, name in enumerate(cut.tensors)})
         env.update({name: f"C{traced.values[name].const!r}" for name in cut.consts})
 
-    def show(a: torch.fx.Node) -> str:
+    def ref(a: torch.fx.Node) -> str:
         if a.name not in env:  # an attribute read outside the block (a stage copies it in)
             if nodes[a.name].op != "get_attr":
                 raise TraceError(f"value {a.name} is needed in blocks [{k}, {k + 1}) but not available there")
-            env[a.name] = f"A{_target(nodes[a.name], traced.gm)}"
+            env[a.name] = f"A{node_target(nodes[a.name], traced.gm)}"
         return env[a.name]
 
     parts = []
     for i, name in enumerate(traced.blocks[k].nodes):
         node = nodes[name]
-        args = torch.fx.node.map_arg((node.args, node.kwargs), show)
-        parts.append(f"{node.op}|{_target(node, traced.gm)}|{args!r}")
+        args = torch.fx.node.map_arg((node.args, node.kwargs), ref)
+        parts.append(f"{node.op}|{node_target(node, traced.gm)}|{args!r}")
         env[name] = f"%{i}"
     if last:
         out = next(node for node in traced.gm.graph.nodes if node.op == "output")
-        passed = repr(torch.fx.node.map_arg(out.args[0], show))
+        passed = repr(torch.fx.node.map_arg(out.args[0], ref))
     else:
-        passed = repr([show(nodes[name]) for name in traced.cuts[k].tensors])
-    return repr((parts, passed, [_show(x) for x in inputs], last))
+        passed = repr([ref(nodes[name]) for name in traced.cuts[k].tensors])
+    return repr((parts, passed, [show(x) for x in inputs], last))
 
 
 def _block_cost(
