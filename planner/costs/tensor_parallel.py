@@ -198,9 +198,10 @@ class _ShareRun(fx.Interpreter):
         self.blocks = traced.blocks
         self.first = {b.nodes[0]: k for k, b in enumerate(traced.blocks) if b.nodes}
         self.nodes = traced.nodes_by_name()
-        self.known: dict[Any, tuple[_Tally, list[Any], list[bool]]] = {}
+        self.known: dict[Any, tuple[_Tally, list[Any], list[tuple[bool, ...]]]] = {}
         self.replay: list[Any] | None = None  # the current block's fresh values, when replayed
-        self.recording: tuple[Any, list[Any], list[bool]] | None = None  # a new block: its key, specs, split flags
+        # a new block: its key, its nodes' value specs and which of each value's tensors are split
+        self.recording: tuple[Any, list[Any], list[tuple[bool, ...]]] | None = None
         self.counted: set[str] = set()  # layers of replayed blocks: counted with their tally
         self.position = 0
         self.on_meta = on_meta(traced.gm)
@@ -278,9 +279,7 @@ class _ShareRun(fx.Interpreter):
         if key is None:
             return
         split_in = tuple(
-            self.watch.is_split(self.env[a])
-            for a in shape[1]
-            if a.op != "get_attr" and isinstance(self.env[a], torch.Tensor)
+            tuple(self.watch.is_split(t) for t in _tensors(self.env[a])) for a in shape[1] if a.op != "get_attr"
         )
         key = (key, layers, split_in)
         if key not in self.known:
@@ -291,9 +290,9 @@ class _ShareRun(fx.Interpreter):
         self.counted.update(names)
         with no_dispatch():
             self.replay = [rebuild(x) for x in specs]
-        for value, is_split in zip(self.replay, split):
-            if is_split:
-                for t in _tensors(value):
+        for value, flags in zip(self.replay, split):
+            for t, is_split in zip(_tensors(value), flags):
+                if is_split:
                     self.watch.split.add(id(t))
                     self.watch.keep.append(t)
 
@@ -315,7 +314,7 @@ class _ShareRun(fx.Interpreter):
                 self.recording = None
             else:
                 self.recording[1].append(recorded)
-                self.recording[2].append(any(self.watch.is_split(t) for t in _tensors(out)))
+                self.recording[2].append(tuple(self.watch.is_split(t) for t in _tensors(out)))
                 if n.name == self.blocks[k].nodes[-1]:
                     key, specs, split = self.recording
                     self.known[key] = (self.tallies[k].replayed(), specs, split)
