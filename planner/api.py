@@ -413,9 +413,11 @@ def _traced(
     traced = trace_model(model, inputs)
     if on_meta:
         # an fx graph's output is the model's own (torch.export's is flattened: its module unflattens it)
-        fx_graph = isinstance(traced, GraphTrace) and traced.method == "fx"
-        forward = GraphForward(traced.gm, traced.blocks) if isinstance(traced, GraphTrace) and fx_graph else None
-        check_forward(mf, forward or trace_root(traced), inputs, target)
+        if isinstance(traced, GraphTrace) and traced.method == "fx":
+            forward: torch.nn.Module = GraphForward(traced.gm, traced.blocks)
+        else:
+            forward = trace_root(traced)
+        check_forward(mf, forward, inputs, target)
     if isinstance(traced, ModuleTrace):
         stage_module(traced, 0, len(traced.blocks))  # every plan runs: refuse blocks that are no chain, saying why
     pp = request.min_pipeline_ranks  # the fewest pipeline ranks a replica count tried gives

@@ -25,7 +25,6 @@ import functools
 import io
 import logging
 import warnings
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -37,7 +36,7 @@ from torch import nn
 from planner.capture.blocks import CONTAINERS, Block, Cut, GraphTrace, ValueInfo, describe, is_layer
 from planner.capture.meta_cache import meta_op_cache, on_meta
 from planner.capture.shapes import shapes_or_real
-from planner.capture.signature import rebuild, signature, spec, structure
+from planner.capture.signature import block_structure, rebuild, signature, spec
 from planner.errors import TraceError
 from planner.torch_compat import lazy_graph_module, no_dispatch
 
@@ -163,9 +162,7 @@ def record_values(
 
     def run(*args: Any) -> Any:
         values.clear()  # a fake run that failed half-way leaves nothing behind
-        if meta and blocks:
-            return _Replaying(gm, values, blocks).run(*args)
-        return _Recorder(gm, values).run(*args)
+        return _interpreter(gm, values, blocks if meta else None).run(*args)
 
     with buffers_restored(gm), torch.no_grad():
         if shapes_only:
@@ -192,11 +189,15 @@ class GraphForward(nn.Module):
         self.blocks = list(blocks)
 
     def forward(self, *inputs: Any) -> Any:
-        values: dict[str, ValueInfo] = {}
         meta = on_meta(self.gm, inputs)
         with meta_op_cache(meta):
-            runner = _Replaying(self.gm, values, self.blocks) if meta else _Recorder(self.gm, values)
-            return runner.run(*inputs)
+            return _interpreter(self.gm, {}, self.blocks if meta else None).run(*inputs)
+
+
+def _interpreter(gm: fx.GraphModule, values: dict[str, ValueInfo], blocks: Sequence[Block] | None) -> fx.Interpreter:
+    """The interpreter that runs ``gm`` noting its values: replaying twin blocks when given
+    ``blocks`` (meta runs only), else running every node."""
+    return _Replaying(gm, values, blocks) if blocks else _Recorder(gm, values)
 
 
 class _Recorder(fx.Interpreter):
@@ -212,11 +213,6 @@ class _Recorder(fx.Interpreter):
         return out
 
 
-# A graph's block structures (``planner.capture.signature.structure``), kept across its runs: the
-# graph is recorded at several microbatch sizes, its structure is the same each time.
-_STRUCTURES: weakref.WeakKeyDictionary[fx.GraphModule, dict[tuple[str, ...], Any]] = weakref.WeakKeyDictionary()
-
-
 class _Replaying(_Recorder):
     """``_Recorder`` that runs each distinct block once and replays its twins' values (meta only)."""
 
@@ -230,12 +226,9 @@ class _Replaying(_Recorder):
         self.in_block: set[str] = set()
         self.position = 0
         self.nodes = {n.name: n for n in gm.graph.nodes}
-        self.structures = _STRUCTURES.setdefault(gm, {})
 
     def _begin(self, block: Block) -> None:
-        shape = self.structures.get(block.nodes)
-        if shape is None:
-            shape = self.structures[block.nodes] = structure([self.nodes[m] for m in block.nodes], self.module)
+        shape = block_structure(self.module, block.nodes, self.nodes)
         key = signature(shape, self.module, lambda a: self.env[a])
         self.in_block, self.position = set(block.nodes), 0
         if key is not None and key in self.known:
@@ -256,8 +249,9 @@ class _Replaying(_Recorder):
             out = super().run_node(n)
             if self.recording is not None:
                 recorded = spec(out)
-                self.recording = None if recorded is None else self.recording
-                if self.recording is not None:
+                if recorded is None:  # a value that cannot be replayed: the block is not remembered
+                    self.recording = None
+                else:
                     self.recording[1].append(recorded)
         self.position += 1
         if n.name in self.last:

@@ -7,7 +7,8 @@ meta kernel computes no data, only the output's shape, strides and dtype, but ma
 Python decompositions (elementwise broadcasting, softmax, attention) costing a few hundred
 microseconds a call: at 1,000 layers most of the planning time. ``meta_op_cache`` remembers, for
 each functional aten operator, the outputs' metadata per distinct input metadata and answers a
-repeated call with fresh empty meta tensors of that metadata, as the kernel would have.
+repeated call with fresh empty meta tensors of that metadata, as the kernel would have
+(``planner.capture.signature.spec`` / ``rebuild``, as twin blocks are replayed).
 
 Only calls whose answer is a function of what the key holds are cached: every tensor argument a
 plain meta tensor (shape, strides, storage offset and dtype in the key), every other argument a
@@ -26,11 +27,12 @@ from typing import Any
 
 import torch
 
+from planner.capture.signature import rebuild, spec
 from planner.torch_compat import TorchDispatchMode
 
 _META = torch.device("meta")
 _CONSTANTS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
-_UNCACHEABLE = object()  # a key whose answer cannot be replayed (kept so it is not tried again)
+_UNTRIED = object()  # a key not seen yet (an answer of None: seen, not replayable, not tried again)
 
 
 class _NoKey(Exception):
@@ -66,27 +68,6 @@ def _functional(func: Any) -> bool:
     return all(a.alias_info is None for a in (*schema.arguments, *schema.returns))
 
 
-def _shapes(out: Any) -> Any:
-    """The replayable metadata of an operator's outputs, or ``_UNCACHEABLE``."""
-    if type(out) is torch.Tensor:
-        if out.device != _META or out.storage_offset() != 0:
-            return _UNCACHEABLE
-        return (tuple(out.shape), out.stride(), out.dtype)
-    if isinstance(out, (tuple, list)):
-        parts = [None if v is None else _shapes(v) for v in out]
-        return _UNCACHEABLE if any(p is _UNCACHEABLE for p in parts) else (type(out), parts)
-    return _UNCACHEABLE
-
-
-def _replay(shapes: Any) -> Any:
-    """Fresh meta tensors with the recorded metadata."""
-    if isinstance(shapes[0], type):
-        kind, parts = shapes
-        return kind(None if p is None else _replay(p) for p in parts)
-    size, stride, dtype = shapes
-    return torch.empty_strided(size, stride, dtype=dtype, device=_META)
-
-
 class MetaOpCache(TorchDispatchMode):
     """Answers repeated functional meta calls from their first answer (see the module docstring).
 
@@ -113,14 +94,14 @@ class MetaOpCache(TorchDispatchMode):
             key = (func, _key(args), _key(tuple(sorted(kwargs.items()))))
         except _NoKey:
             return func(*args, **kwargs)
-        known = self.answers.get(key)
-        if known is not None and known is not _UNCACHEABLE:
+        known = self.answers.get(key, _UNTRIED)
+        if known is not _UNTRIED and known is not None:
             self.hits += 1
-            return _replay(known)
+            return rebuild(known)
         self.misses += 1
         out = func(*args, **kwargs)
-        if known is None:
-            self.answers[key] = _shapes(out)
+        if known is _UNTRIED:
+            self.answers[key] = spec(out)  # None for a real or subclass tensor: never replayed
         return out
 
 

@@ -4,7 +4,7 @@ A transformer's layers are one block repeated: the same operations on inputs of 
 whose parameters have the same shapes. On the meta device (where planning runs the model: shapes,
 no data) such a block produces the same shapes every time, so a run over the whole graph needs to
 execute each distinct block once and can hand every twin fresh tensors of the recorded shapes
-(``ValueReplay``). Two blocks are twins when their ``signature`` is equal: each node's operation
+(``spec`` records a value, ``rebuild`` makes a fresh one). Two blocks are twins when their ``signature`` is equal: each node's operation
 (function, or the shapes of the module or attribute it uses), its arguments as positions among the
 block's nodes, positions among the values it reads from outside (each with that value's metadata)
 or constants. Names are left out, so ``layers.0`` and ``layers.41`` are twins.
@@ -12,6 +12,7 @@ or constants. Names are left out, so ``layers.0`` and ``layers.41`` are twins.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -103,6 +104,28 @@ def structure(nodes: Sequence[fx.Node], root: nn.Module) -> tuple[tuple[Any, ...
     return parts, tuple(outside)
 
 
+# Each graph's block structures, kept across its runs: planning runs one graph at several
+# microbatch sizes (and for the tensor-parallel shares), its blocks' structure the same each time.
+_STRUCTURES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, ...], Any]] = weakref.WeakKeyDictionary()
+
+
+def block_structure(gm: nn.Module, names: tuple[str, ...], by_name: dict[str, fx.Node]) -> Any:
+    """``structure`` of the block of ``gm`` made of the nodes ``names``, computed once per graph.
+
+    Args:
+        gm: the traced graph module (its attributes and submodules are what the nodes name).
+        names: the block's node names, in graph order.
+        by_name: node name -> node of ``gm``.
+
+    Returns:
+        The block's ``structure``.
+    """
+    known = _STRUCTURES.setdefault(gm, {})
+    if names not in known:
+        known[names] = structure([by_name[m] for m in names], gm)
+    return known[names]
+
+
 def signature(shape: tuple[tuple[Any, ...], tuple[fx.Node, ...]], root: nn.Module, value_of: Any) -> Any:
     """A block's signature (see the module docstring), or None when a value it reads from outside
     cannot be described (then it is run, never replayed).
@@ -120,4 +143,4 @@ def signature(shape: tuple[tuple[Any, ...], tuple[fx.Node, ...]], root: nn.Modul
     return None if any(d is None for d in described) else (parts, described)
 
 
-__all__ = ["node_target", "rebuild", "show", "signature", "spec", "structure"]
+__all__ = ["block_structure", "node_target", "rebuild", "show", "signature", "spec", "structure"]

@@ -99,7 +99,7 @@ def build_stage_module(
 
 
 def stage_graph(
-    traced: TracedModel, start: int, end: int, *, check_cuts: bool = True, clock: BlockClock | None = None
+    traced: GraphTrace, start: int, end: int, *, check_cuts: bool = True, clock: BlockClock | None = None
 ) -> fx.Graph:
     """The graph ``build_stage_module`` makes its module of (same arguments), without the module:
     its get_attr and call_module nodes name attributes of ``traced.gm``. Generating a module's
@@ -107,10 +107,8 @@ def stage_graph(
     modules only for the few distinct ones.
 
     Raises:
-        TraceError: as ``build_stage_module``.
+        TraceError: an empty range, or an illegal cut at either end (as ``build_stage_module``).
     """
-    if not isinstance(traced, GraphTrace):
-        raise TraceError("a module-boundary trace has no graph to cut; its stages are chains of blocks (stage_module)")
     n = len(traced.blocks)
     if not 0 <= start < end <= n:
         raise TraceError(f"stage block range [{start}, {end}) is not within the model's {n} blocks")

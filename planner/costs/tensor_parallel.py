@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -58,7 +58,7 @@ from planner.capture.blocks import GraphTrace, TracedModel
 from planner.capture.graph import _module_path
 from planner.capture.load import ModelFile
 from planner.capture.meta_cache import meta_op_cache, on_meta
-from planner.capture.signature import rebuild, signature, spec, structure
+from planner.capture.signature import block_structure, rebuild, signature, spec
 from planner.capture.tp_plan import check_tp_plan, config_heads, matched_modules, resolve_tp_plan, split_sizes
 from planner.core.hardware import HardwareSpec
 from planner.costs.roofline import _GEMMS, _gemm_dims
@@ -85,17 +85,11 @@ class _Tally:
 
     def replayed(self) -> _Tally:
         """A copy for a twin block: the same counts, its saved split tensors as one sum."""
-        return _Tally(
-            self.work,
-            self.split_work,
-            {},
-            self.fwd_bytes,
-            self.fwd_count,
-            self.bwd_bytes,
-            self.bwd_count,
-            self.gemm_work,
-            list(self.gemms),
-            self.replayed_saved + sum(self.saved_split.values()),
+        return replace(
+            self,
+            saved_split={},
+            gemms=list(self.gemms),
+            replayed_saved=self.replayed_saved + sum(self.saved_split.values()),
         )
 
 
@@ -267,14 +261,13 @@ class _ShareRun(fx.Interpreter):
     def _begin(self, k: int) -> None:
         """At block k's first node: replay it from a twin, or note what it produces to replay later."""
         self.replay = self.recording = None
-        nodes = [self.nodes[m] for m in self.blocks[k].nodes]
         found = self._layers(k)
         names = {x[0] for x in found if x is not None}
         if names & self.counted or names & self.seen_layers:
             return  # a layer another block ran too (ALBERT): counted once, so never replayed
         prefix = _plain_name(self.blocks[k].name) + "."
         layers = tuple((x[0].removeprefix(prefix), x[1]) if x else None for x in found)  # names inside the block
-        shape = structure(nodes, self.module)
+        shape = block_structure(self.module, self.blocks[k].nodes, self.nodes)
         key = signature(shape, self.module, lambda a: self.env[a])
         if key is None:
             return
