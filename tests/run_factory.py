@@ -48,11 +48,14 @@ def make_plan(
     accumulation: int = 1,
     fsdp_units: str = "stage",
     dp_shard: int | None = None,
+    cut_share: int | None = None,
 ) -> Plan:
     """A valid Plan for ``model_path`` whose stages start at the blocks in ``starts`` (placed on ranks
     as ``schedule`` places ``stages_per_rank`` stages per rank), run as ``dp`` replicas, each pipeline
     rank split over ``tp`` tensor-parallel ranks by ``tp_plan`` (None: the model file's own), each step
-    in ``accumulation`` passes (under hsdp, ``dp_shard`` replicas per shard group)."""
+    in ``accumulation`` passes (under hsdp, ``dp_shard`` replicas per shard group); the boundaries
+    scattered over ``cut_share`` tensor-parallel ranks (None: ``tp``, as the planner plans them; 1: sent
+    whole, as plans made before scattering)."""
     import torch
 
     from planner.capture.load import load_model_file
@@ -77,6 +80,7 @@ def make_plan(
             cut_tensors=len(traced.cuts[k].tensors) if k < n - 1 else 0,
             cut_legal=traced.cuts[k].legal if k < n - 1 else False,
             is_layer=b.is_layer,
+            cut_share=tp if cut_share is None else cut_share,
         )
         for k, b in enumerate(traced.blocks)
     ]

@@ -60,6 +60,8 @@ BLOCK_LATER_DEFAULTS = {
     "loss_bytes": None,
     "bwd_temp_bytes": None,
     "loss_temp_bytes": None,
+    "cut_share": 1,
+    "cut_gather_s": 0.0,
 }
 SHARE_LATER_DEFAULTS = {"slowdown": {}}  # inside a block's tp share (a nested object)
 CANDIDATE_LATER_DEFAULTS = {"tp": 1, "accumulation": 1, "fsdp_units": "stage", "dp_shard": None}

@@ -32,14 +32,115 @@ def _run_and_compare(plan, tmp_path: Path, steps: int = 3, **request: object):  
 
 
 @pytest.mark.multiprocess
-def test_llama_tp2_pp2_matches_unsplit_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cut_share", [2, 1], ids=["scattered", "whole"])
+def test_llama_tp2_pp2_matches_unsplit_model(tmp_path: Path, cut_share: int) -> None:
+    # scattered: each tp rank sends half of the boundary and the receivers all-gather (run.boundary);
+    # whole: a plan made before scattering, every tp rank sends all of it
     plan = make_plan(
-        MODELS / "llama.py", [0, 3], schedule="1f1b", n_microbatches=2, optimizer="sgd", lr=0.5, grad_clip=0.5, tp=2
+        MODELS / "llama.py",
+        [0, 3],
+        schedule="1f1b",
+        n_microbatches=2,
+        optimizer="sgd",
+        lr=0.5,
+        grad_clip=0.5,
+        tp=2,
+        cut_share=cut_share,
     )
     assert plan.world_size == 4
     got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
     assert [s.stage for s in got.stages] == [0, 1]  # one tp rank per pipeline rank reports
-    print("llama tp2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
+    print("llama tp2 pp2", cut_share, got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+def test_llama_tp2_zbv_scatters_between_ranks_and_hands_over_inside_one(tmp_path: Path) -> None:
+    # V placement on 2 pipeline ranks: stages 1 and 2 share rank 1 (handed over whole in memory), the
+    # other boundaries cross ranks as 1/2 pieces; the split backward's input gradient passes the scatter
+    plan = make_plan(
+        MODELS / "llama.py",
+        [0, 2, 3, 5],
+        schedule="zbv",
+        stages_per_rank=2,
+        n_microbatches=4,
+        optimizer="sgd",
+        lr=0.5,
+        grad_clip=0.5,
+        tp=2,
+    )
+    assert plan.world_size == 4
+    got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
+    print("llama tp2 zbv", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+def test_boundary_scatter_pieces_only_what_crosses_ranks_and_divides() -> None:
+    from planner.run.boundary import boundary_scatter, sent_examples
+
+    plan = make_plan(MODELS / "llama.py", [0, 2, 3, 5], schedule="zbv", stages_per_rank=2, n_microbatches=4, tp=2)
+    hidden = torch.randn(2, 16, 64, requires_grad=True)
+    odd = torch.zeros(3, dtype=torch.long)  # 3 elements: two ranks cannot split them
+    first, second, third, last = plan.stages
+    one = boundary_scatter(plan, first, (odd,), (hidden, odd), "group", 1)
+    assert one is not None and (one.tp, one.index, one.gather_in, one.scatter_out) == (2, 1, (None,), (True, False))
+    ins, outs = sent_examples(one, (odd,), (hidden, odd))
+    assert ins == (odd,) and outs[1] is odd
+    assert outs[0].shape == (2 * 16 * 64 // 2,) and outs[0].requires_grad and outs[0].dtype == hidden.dtype
+    # stage 1 -> 2 stays on rank 1 (the turn of the V): stage 1 only gathers, stage 2 only scatters
+    two = boundary_scatter(plan, second, (hidden,), (hidden,), "group", 0)
+    assert two is not None and (two.gather_in, two.scatter_out) == ((hidden.shape,), (False,))
+    three = boundary_scatter(plan, third, (hidden,), (hidden,), "group", 0)
+    assert three is not None and (three.gather_in, three.scatter_out) == ((None,), (True,))
+    four = boundary_scatter(plan, last, (hidden,), (torch.zeros(()),), "group", 0)
+    assert four is not None and (four.gather_in, four.scatter_out) == ((hidden.shape,), (False,))
+    # a plan made before scattering (cut_share 1), or without tensor parallelism, sends everything whole
+    old = make_plan(MODELS / "llama.py", [0, 3], schedule="1f1b", n_microbatches=2, tp=2, cut_share=1)
+    assert boundary_scatter(old, old.stages[0], (odd,), (hidden,), "group", 0) is None
+    flat = make_plan(MODELS / "llama.py", [0, 3], schedule="1f1b", n_microbatches=2)
+    assert boundary_scatter(flat, flat.stages[1], (hidden,), (hidden,), None, 0) is None
+
+
+@pytest.mark.multiprocess
+def test_scatter_and_gather_are_exact_both_ways_on_two_processes() -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_scatter_gather_rank, args=(_free_port(),), nprocs=2, join=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _scatter_gather_rank(rank: int, port: int) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from planner.run.boundary import BoundaryScatter
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)  # both ranks hold the same whole tensor, as tensor-parallel ranks do
+        x = torch.randn(3, 4, requires_grad=True)
+        w = torch.randn(3, 4)
+        send = BoundaryScatter(dist.group.WORLD, 2, rank, (), (True,))
+        piece = send.scatter(x)
+        assert isinstance(piece, torch.Tensor) and piece.shape == (6,)
+        assert torch.equal(piece, x.detach().reshape(-1)[6 * rank : 6 * rank + 6])
+        recv = BoundaryScatter(dist.group.WORLD, 2, rank, (x.shape,), ())
+        (whole,) = recv.gather((piece.detach().requires_grad_(),))
+        assert torch.equal(whole, x.detach())
+        # the gradient: the receiver's pieces of a gradient both ranks share, gathered by the sender
+        (received,) = recv.gather((piece,))
+        (received * w).sum().backward()
+        assert x.grad is not None and torch.equal(x.grad, w)  # not summed over the two ranks
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.multiprocess

@@ -15,6 +15,7 @@ from planner.core.assemble import Origin, assemble_plan
 from planner.core.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
 from planner.core.schedules import SCHEDULES, stages_per_rank_options
 from planner.core.search import TIE, _max_stages_per_rank, blocks_at, evaluate_modes, replica_microbatches, search
+from planner.core.stage_model import stage_memory_parts, stage_time_parts
 from planner.core.tensor_parallel import allowed_degrees, allreduce_s, at_degree, block_degree_limit
 from planner.errors import InfeasibleError
 from planner.report.tables import layout_line, render, search_table
@@ -74,10 +75,43 @@ def test_at_degree_splits_compute_memory_and_adds_the_all_reduces() -> None:
     assert (one.params, one.param_bytes) == (200 + 400, 800 + 1600)
     assert one.activation_bytes == MB // 2 + MB // 4
     assert one.opt_s == pytest.approx(0.004 * 0.6, rel=1e-12) and one.grad_s == pytest.approx(0.002 * 0.6, rel=1e-12)
-    assert (one.flops_fwd, one.cut_bytes) == (b.flops_fwd, b.cut_bytes)  # the model's work and messages stay whole
-    whole = block("norm", 1, 1, 10)
+    assert (one.flops_fwd, one.cut_bytes) == (b.flops_fwd, b.cut_bytes)  # the model's work and its cut stay whole
+    # the boundary after it is scattered: each rank sends half of its 1 MB and all-gathers the other
+    # half, (2-1)/2 x 1 MB = 0.5 ms on LINK
+    assert (one.cut_share, one.sent_bytes) == (2, MB // 2)
+    assert one.cut_gather_s == pytest.approx(0.0005, rel=1e-12)
+    whole = block("norm", 1, 1, 10, cut_mb=3)
     assert at_degree([whole, b], 1, LINK)[1] is b
-    assert at_degree([whole], 8, LINK)[0] is whole  # a block without a share is held whole
+    (held,) = at_degree([whole], 8, LINK)  # a block without a share is held whole; only its message is scattered
+    assert held.model_dump(exclude={"cut_share", "cut_gather_s"}) == whole.model_dump(
+        exclude={"cut_share", "cut_gather_s"}
+    )
+    # eight ranks: 3 MB / 8 each; the ring gathers 7/8 of 3 MB (2.625 ms) after 3 latencies (none on LINK)
+    assert (held.cut_share, held.sent_bytes) == (8, 3 * MB // 8)
+    assert held.cut_gather_s == pytest.approx(0.002625, rel=1e-12)
+    assert (whole.cut_share, whole.sent_bytes, whole.cut_gather_s) == (1, 3 * MB, 0.0)
+
+
+def test_scattered_boundaries_shrink_messages_and_buffers_but_not_the_kept_input() -> None:
+    """A stage's messages carry one rank's piece plus half of each all-gather (charged half each
+    way); its receive buffers and kept output are pieces; a stage recomputed as one region keeps
+    the whole gathered input."""
+    blocks = [
+        layer(f"layers.{i}", 10, 20, 1000, compute=0.9).model_copy(update={"cut_bytes": 4 * MB}) for i in range(3)
+    ]
+    four = at_degree(blocks, 4, LINK)
+    # each way: 1 MB in and 1 MB out at 1 MB/ms, plus half of two gathers of 3/4 x 4 MB (3 ms each)
+    assert stage_time_parts(four, 1, 2, LINK)[2] == pytest.approx(0.001 + 0.001 + 0.0015 + 0.0015, rel=1e-12)
+    assert stage_time_parts(four, 1, 2, LINK, wait_in=False, wait_out=False)[2] == 0.0  # inside one rank
+    m = 5
+    whole = stage_memory_parts(blocks, 1, 2, ADAMW, "stage", n_microbatches=m)
+    split = stage_memory_parts(four, 1, 2, ADAMW, "stage", n_microbatches=m)
+    static = lambda b: 2 * b.param_bytes + ADAMW.state_bytes(b.params, b.param_bytes)  # noqa: E731
+    assert whole.fixed - static(blocks[1]) == m * 8 * MB  # a 4 MB buffer each way per microbatch
+    assert split.fixed - static(four[1]) == m * 2 * MB  # one rank's 1 MB piece each way
+    assert split.per_microbatch - whole.per_microbatch == -3 * MB  # the kept output is the piece
+    kept = stage_memory_parts(four, 1, 2, ADAMW, "stage")
+    assert kept.per_microbatch == 4 * MB + MB  # the whole gathered input and the output's piece
 
 
 def test_slowdown_stretches_the_split_part_only() -> None:

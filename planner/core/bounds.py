@@ -84,7 +84,7 @@ def floors(blocks: Sequence[BlockCost], layout: Layout, optimizer: OptimizerSpec
         p_bytes += b.param_bytes
         n_params += b.params
     static = 2 * p_bytes + optimizer.state_bytes(n_params, p_bytes)
-    cuts = [b.cut_bytes for b in blocks[:-1] if b.cut_legal]
+    cuts = [b.sent_bytes for b in blocks[:-1] if b.cut_legal]
     buffers = 2 * m * (layout.n_stages - 1) * min(cuts) if cuts and layout.n_stages > 1 else 0
     ddp = (static + buffers) // pp
     # FSDP holds its stages' weights and gradients whole while the pipeline runs, or block by block

@@ -149,6 +149,7 @@ class _MemoryModel:
         sums = block_sums(blocks, optimizer)
         self.pre_p, self.pre_n, self.pre_a = sums.pre_p, sums.pre_n, sums.pre_a
         self.cut_in, self.cut_out, self.out = sums.cut_in, sums.cut_out, sums.out
+        self.kept_in = sums.kept_in
         self.loss_temp = sums.loss_temp  # -1: not the last stage, or not measured
         self.temps, self.regions = sums.temps, sums.regions
 
@@ -164,6 +165,7 @@ class _MemoryModel:
             self.temps.of(s, e),
             self.regions.of(s, e),
             None if self.loss_temp[e] < 0 else self.loss_temp[e],
+            self.kept_in[s],
         )
         parts = parts_from_sums(sums, self.optimizer, recompute, self.m, self.shard, self.per_block)
         return parts.peak(in_flight, self.fresh)
@@ -233,13 +235,23 @@ class _Arrays:
         pairs = [(a, a if k == self.p - 1 else b) for k, (a, b) in enumerate(pairs)]  # the last stage sends nothing
         self.pairs = list(dict.fromkeys(pairs))
         self.variant = [self.pairs.index(pair) for pair in pairs]
-        # comm_fwd + comm_bwd = 2 * (send in + send out); a boundary's receiver also starts cold
+        # comm_fwd + comm_bwd = 2 * (send in + send out) + their tensor-parallel all-gathers (one each way,
+        # stage_model._boundary_send_s); a boundary's receiver also starts cold
         send_in = [
-            [0.0] + [2 * one.send_s(blocks[s - 1].cut_bytes) + cold_in(blocks, s) for s in range(1, n)]
+            [0.0]
+            + [
+                2 * one.send_s(blocks[s - 1].sent_bytes) + blocks[s - 1].cut_gather_s + cold_in(blocks, s)
+                for s in range(1, n)
+            ]
             for one in distinct
         ]
         send_out = [
-            [0.0] + [2 * one.send_s(blocks[e - 1].cut_bytes) + cold_out(blocks, e) for e in range(1, n)] + [0.0]
+            [0.0]
+            + [
+                2 * one.send_s(blocks[e - 1].sent_bytes) + blocks[e - 1].cut_gather_s + cold_out(blocks, e)
+                for e in range(1, n)
+            ]
+            + [0.0]
             for one in distinct
         ]
         if within in ids:
@@ -283,7 +295,7 @@ class _Arrays:
     def _memory_arrays(self, mem: _MemoryModel) -> None:
         n = self.n
         pre_p, pre_n, pre_a = mem.pre_p[n], mem.pre_n[n], mem.pre_a[n]
-        cmax = max([0, *mem.cut_in, *mem.cut_out, *mem.out])
+        cmax = max([0, *mem.kept_in, *mem.cut_out, *mem.out])
         # Every byte count the fit test forms stays below this (generous) bound, in magnitude.
         temps = mem.temps
         static = 2 * pre_p + 16 * pre_n + temps.pre_sum[n]  # weights, grads, state, step temporaries
@@ -295,6 +307,7 @@ class _Arrays:
         self.pre_n = np.array(mem.pre_n, dtype=dtype)
         self.pre_a = np.array(mem.pre_a, dtype=dtype)
         self.cut_in = np.array(mem.cut_in, dtype=dtype)
+        self.kept_in = np.array(mem.kept_in, dtype=dtype)
         self.cut_out = np.array(mem.cut_out, dtype=dtype)
         self.out = np.array(mem.out, dtype=dtype)
         self.loss_temp = np.array(mem.loss_temp, dtype=dtype)
@@ -325,7 +338,7 @@ class _Arrays:
             "never": (a_b, temp),
             "selective": (inputs + kept, self.region_rebuilt.many(s, e)),
             "full": (inputs, self.region_acts.many(s, e)),
-            "stage": (self.cut_in[s] + held, a_b - held + temp),
+            "stage": (self.kept_in[s] + held, a_b - held + temp),
         }
 
     def _fit_bound(self, s: IntArray, e: IntArray, t: int) -> AnyIntArray:

@@ -79,16 +79,21 @@ def _boundary_send_s(
 ) -> float:
     """Seconds a stage [start, end) spends on the messages of one microbatch in one direction.
 
-    The boundary after block ``c - 1`` carries ``blocks[c - 1].cut_bytes`` per microbatch forward
+    The boundary after block ``c - 1`` carries ``blocks[c - 1].sent_bytes`` per microbatch forward
     (activation) and the same size backward (its gradient); a rank receives at its start boundary
     (unless first, over ``link``) and sends at its end boundary (unless last, over ``link_out``,
     by default ``link``); a boundary inside one rank (``cross_in`` / ``cross_out`` False) sends nothing.
+    Scattered over tensor-parallel ranks, a boundary also costs an all-gather (``cut_gather_s``) once
+    each way: the stage's forward gathers its input, its backward its output's gradient. Like every
+    message it is charged half to each direction (the forward and the backward's sums are what count).
     """
     s = 0.0
     if start > 0 and cross_in:
-        s += link.send_s(blocks[start - 1].cut_bytes)
+        into = blocks[start - 1]
+        s += link.send_s(into.sent_bytes) + into.cut_gather_s / 2
     if end < len(blocks) and cross_out:
-        s += (link_out or link).send_s(blocks[end - 1].cut_bytes)
+        out = blocks[end - 1]
+        s += (link_out or link).send_s(out.sent_bytes) + out.cut_gather_s / 2
     return s
 
 
@@ -233,8 +238,9 @@ def stage_memory_bytes(
         peak     = static + buffers + max(pipeline, step)
 
     with ``P`` = sum of ``param_bytes``, ``N`` = sum of ``params``, ``A`` = sum of
-    ``activation_bytes``, ``cut_in`` = ``blocks[start - 1].cut_bytes`` (0 for the first stage),
-    ``cut_out`` = ``blocks[end - 1].cut_bytes`` (0 for the last stage), ``out`` = the stage's output
+    ``activation_bytes``, ``cut_in`` = ``blocks[start - 1].sent_bytes`` (0 for the first stage),
+    ``cut_out`` = ``blocks[end - 1].sent_bytes`` (0 for the last stage; under tensor parallelism
+    both are one rank's piece of the scattered boundary, ``BlockCost.cut_share``), ``out`` = the stage's output
     per microbatch (``cut_out``; the model output ``output_bytes`` for the last stage), which
     torch's ``PipelineStage`` keeps until that microbatch's backward (and the size of its gradient),
     ``B`` the most temporaries any of the stage's blocks' backward holds besides (``bwd_temp_bytes``,
@@ -260,7 +266,8 @@ def stage_memory_bytes(
     coincide; ``B`` then counts only inside them). Selective checkpointing keeps, besides, the outputs of the regions' matmuls and
     attention (``K``, the blocks' ``selective_bytes``) and rebuilds the rest:
     ``in_flight * (U + K) + max_u (max(A_u - K_u, 0) + B_u)``. The whole stage as one region ("stage"):
-    ``in_flight * cut_in + A + B`` (the loss's bytes kept per microbatch, as above).
+    ``in_flight * cut_in + A + B`` (the loss's bytes kept per microbatch, as above; ``cut_in`` whole
+    here, as the region keeps the gathered input, and in the regions' inputs ``U``).
 
     Sharded over ``shard`` > 1 data-parallel replicas (FSDP2 ``fully_shard`` of the stage with
     ``reshard_after_forward=False``), each rank keeps a 1/shard share of the weights, gradients,
@@ -410,8 +417,8 @@ def _stage_sums(
     p_bytes = sum(b.param_bytes for b in part)
     n_params = sum(b.params for b in part)
     a_bytes = sum(b.activation_bytes for b in part)
-    cut_in = blocks[start - 1].cut_bytes if start > 0 else 0
-    cut_out = blocks[end - 1].cut_bytes if end < n else 0
+    cut_in = blocks[start - 1].sent_bytes if start > 0 else 0
+    cut_out = blocks[end - 1].sent_bytes if end < n else 0
     out = cut_out if end < n else blocks[-1].output_bytes
     temps = [b.opt_temp_bytes for b in part]
     step_temp = optimizer.combine_step_temps([t for t in temps if t is not None]) if None not in temps else None
@@ -422,7 +429,10 @@ def _stage_sums(
     summed = Regions(
         sum(regions.inputs) + held, most, sum(regions.kept), most_rebuilt, held, max(regions.params), max(regions.temps)
     )
-    sums = StageSums(p_bytes, n_params, a_bytes, cut_in, cut_out, out, step_temp, summed, loss_temps(blocks, end))
+    kept_in = blocks[start - 1].cut_bytes if start > 0 else 0
+    sums = StageSums(
+        p_bytes, n_params, a_bytes, cut_in, cut_out, out, step_temp, summed, loss_temps(blocks, end), kept_in
+    )
     return sums, regions
 
 
@@ -438,12 +448,13 @@ class StageSums(NamedTuple):
     p_bytes: int  # P: parameter bytes
     n_params: int  # N: parameters
     a_bytes: int  # A: activation bytes saved per microbatch
-    cut_in: int  # bytes received per microbatch (0 for the first stage)
-    cut_out: int  # bytes sent per microbatch (0 for the last stage)
+    cut_in: int  # bytes received per microbatch (0 for the first stage): one tensor-parallel rank's piece
+    cut_out: int  # bytes sent per microbatch (0 for the last stage), the same
     out: int  # the stage's output per microbatch (the model's output for the last stage)
     step_temp: int | None  # T when measured for every block (None: ``optimizer.step_temp_bytes``)
     regions: Regions | None = None  # its checkpoint regions (None: one region, the whole stage)
     loss_temp: int | None = None  # the loss's backward temporaries (``loss_temps``: the last stage's), first
+    kept_in: int | None = None  # the whole input, gathered over tensor-parallel ranks (None: ``cut_in``)
 
 
 class Regions(NamedTuple):
@@ -467,7 +478,8 @@ def _recomputed(sums: StageSums, mode: RecomputeMode) -> tuple[int, int]:
     if mode == "selective":
         return regions.inputs + regions.kept, regions.most_rebuilt
     if mode == "stage":  # one region: its input (and the loss's) kept, all the rest rebuilt at once
-        return sums.cut_in + regions.held, sums.a_bytes - regions.held + regions.temp
+        kept_in = sums.cut_in if sums.kept_in is None else sums.kept_in
+        return kept_in + regions.held, sums.a_bytes - regions.held + regions.temp
     return sums.a_bytes, regions.temp
 
 
@@ -506,7 +518,7 @@ def parts_from_sums(
     Raises:
         InfeasibleError: "mode:k" without ``recomputed`` (the sums do not tell which regions).
     """
-    p_bytes, n_params, _, cut_in, cut_out, out, step_temp, regions, loss_temp = sums
+    p_bytes, n_params, _, cut_in, cut_out, out, step_temp, regions, loss_temp, _ = sums
     step = optimizer.step_temp_bytes(n_params) if step_temp is None else step_temp
     if recomputed is None:
         mode, count = split_recompute(recompute_mode(recompute))

@@ -180,6 +180,7 @@ class BlockSums:
     pre_n: list[int]
     pre_a: list[int]
     cut_in: list[int]
+    kept_in: list[int]
     cut_out: list[int]
     out: list[int]
     loss_temp: list[int]
@@ -212,13 +213,16 @@ def block_sums(blocks: Sequence[BlockCost], optimizer: OptimizerSpec) -> BlockSu
         pre_p.append(pre_p[-1] + b.param_bytes)
         pre_n.append(pre_n[-1] + b.params)
         pre_a.append(pre_a[-1] + b.activation_bytes)
-    cut_out = [0] + [blocks[e - 1].cut_bytes for e in range(1, n)] + [0]
+    # receive buffers and the kept stage output are what one rank sends (a tensor-parallel piece);
+    # a stage recomputed as one region keeps the whole gathered input
+    cut_out = [0] + [blocks[e - 1].sent_bytes for e in range(1, n)] + [0]
     last = loss_temps(blocks, n)
     sums = BlockSums(
         pre_p,
         pre_n,
         pre_a,
-        cut_in=[0] + [blocks[s - 1].cut_bytes for s in range(1, n)],
+        cut_in=[0] + [blocks[s - 1].sent_bytes for s in range(1, n)],
+        kept_in=[0] + [blocks[s - 1].cut_bytes for s in range(1, n)],
         cut_out=cut_out,
         out=cut_out[:n] + [blocks[-1].output_bytes],
         loss_temp=[-1] * n + [-1 if last is None else last],

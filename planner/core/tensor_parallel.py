@@ -17,8 +17,13 @@ the whole of the rest. ``at_degree`` turns a block's costs into one such rank's:
   a ring, ``2 (tp - 1) / tp`` of the bytes each way plus ``ceil(log2 tp)`` latencies; they are not
   overlapped with compute (torch's eager tensor parallelism does not overlap them);
 * memory: split parameters (with their gradients and optimizer state) and the activations saved
-  inside split layers are divided by tp; the rest is held whole; the messages between pipeline
-  stages carry the whole (replicated) hidden state, as without tensor parallelism;
+  inside split layers are divided by tp; the rest is held whole;
+* messages between pipeline stages: the hidden state at a boundary is the same on every
+  tensor-parallel rank, so each sends 1/tp of it to its peer and the receivers all-gather the
+  pieces over the node's link (Megatron-LM's scatter-gather, Narayanan et al. 2021, section 4.1;
+  ``planner.run.boundary``); the gradient goes back the same way. A block's ``cut_share`` and
+  ``cut_gather_s`` say so: its receive buffers and the stage output torch keeps per microbatch are
+  the 1/tp piece, the gathered whole is what the next stage's layers save;
 * FLOPs stay the whole model's, so utilisation (MFU) counts the model's work, not the copies.
 
 Sources: Shoeybi et al., "Megatron-LM" (2019), section 3; Narayanan et al., "Efficient Large-Scale
@@ -49,6 +54,23 @@ def allreduce_s(nbytes: float, count: int, tp: int, link: LinkCost) -> float:
     if tp <= 1 or count == 0:
         return 0.0
     return count * math.ceil(math.log2(tp)) * link.latency_s + 2 * (tp - 1) / tp * nbytes / link.bandwidth_Bps
+
+
+def allgather_s(nbytes: float, tp: int, link: LinkCost) -> float:
+    """Seconds of one all-gather that leaves ``nbytes`` bytes in all on each of ``tp`` ranks of ``link``.
+
+    Args:
+        nbytes: bytes of the gathered tensor (each rank contributes 1/tp of them).
+        tp: ranks in the group.
+        link: the group's link (one node's).
+
+    Returns:
+        Seconds (a ring: ``(tp - 1) / tp`` of the bytes, ``ceil(log2 tp)`` latencies as ``allreduce_s``
+        charges); 0 with one rank or nothing to gather.
+    """
+    if tp <= 1 or nbytes <= 0:
+        return 0.0
+    return math.ceil(math.log2(tp)) * link.latency_s + (tp - 1) / tp * nbytes / link.bandwidth_Bps
 
 
 def block_degree_limit(blocks: Sequence[BlockCost]) -> int | None:
@@ -140,7 +162,14 @@ def at_degree(blocks: Sequence[BlockCost], tp: int, link: LinkCost) -> list[Bloc
     """
     if tp == 1:
         return list(blocks)
-    return [block if block.tp is None else _block_at(block, block.tp, tp, link) for block in blocks]
+    return [
+        _scattered(block if block.tp is None else _block_at(block, block.tp, tp, link), tp, link) for block in blocks
+    ]
 
 
-__all__ = ["allowed_degrees", "allreduce_s", "at_degree", "block_degree_limit"]
+def _scattered(block: BlockCost, tp: int, link: LinkCost) -> BlockCost:
+    """``block`` with the message at a boundary after it scattered over ``tp`` ranks (module docstring)."""
+    return block.model_copy(update={"cut_share": tp, "cut_gather_s": allgather_s(block.cut_bytes, tp, link)})
+
+
+__all__ = ["allgather_s", "allowed_degrees", "allreduce_s", "at_degree", "block_degree_limit"]

@@ -23,6 +23,7 @@ from planner.capture.stage import stage_inputs, stage_module, trace_root
 from planner.core.recompute import checkpoint_units
 from planner.core.schedules import SPLIT_BACKWARD, placement
 from planner.errors import PlannerError
+from planner.run.boundary import boundary_scatter, sent_examples
 from planner.run.checkpoint import model_names
 from planner.run.gradients import grad_finisher
 from planner.run.mesh import RankMesh
@@ -81,8 +82,9 @@ class _CutStage:
         built: the stage module (it shares its parameters with the trace).
         inner: what the boundary calls: ``built``, under recomputation where the plan says.
         module: the boundary wrapper around ``inner``.
-        example_in: the stage's real example inputs (the blocks before it run once).
-        example_out: its outputs on them.
+        example_in: the stage's real example inputs (the blocks before it run once), as it receives
+            them (a tensor-parallel rank's pieces where its boundary is scattered, ``run.boundary``).
+        example_out: its outputs on them, as it sends them.
         clock: the marks that time its blocks (None: a compiled plan).
     """
 
@@ -191,6 +193,10 @@ def _cut_stages(
         # the dtypes that will cross the cut
         with autocast_region(plan, device.type):
             example_in, example_out = _example_io(traced, stage_plan.start, module, example, device)
+        # under tensor parallelism, what crosses to another pipeline rank crosses as 1/tp pieces
+        group = mesh.tp_mesh.get_group() if mesh.tp_mesh is not None else None
+        module.scatter = boundary_scatter(plan, stage_plan, example_in, example_out, group, mesh.tp_rank)
+        example_in, example_out = sent_examples(module.scatter, example_in, example_out)
         cut.append(_CutStage(stage_plan, built, inner, module, example_in, example_out, clock))
     return cut
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from planner.run.boundary import BoundaryScatter
 from planner.schema.plan import Plan
 from planner.torch_compat import is_view
 
@@ -60,6 +61,8 @@ class ContiguousBoundary(torch.nn.Module):
         super().__init__()
         self.module = module
         self.hooks = hooks
+        # tensor parallelism: inputs gathered from, outputs scattered into 1/tp pieces (run.boundary)
+        self.scatter: BoundaryScatter | None = None
 
     def __call__(self, *args: object) -> object:
         # Called without nn.Module's hooks, on purpose: the stage's inputs are leaf tensors (the
@@ -76,12 +79,14 @@ class ContiguousBoundary(torch.nn.Module):
 
     def forward(self, *args: object) -> object:
         args = tuple(_ContiguousGrad.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
+        if self.scatter is not None:
+            args = self.scatter.gather(args)
         out = self.module(*args)
         if isinstance(out, torch.Tensor):
-            return _owned(out)
-        if isinstance(out, tuple):
-            return tuple(_owned(o) if isinstance(o, torch.Tensor) else o for o in out)
-        return out
+            out = _owned(out)
+        elif isinstance(out, tuple):
+            out = tuple(_owned(o) if isinstance(o, torch.Tensor) else o for o in out)
+        return out if self.scatter is None else self.scatter.scatter(out)
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:

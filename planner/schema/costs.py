@@ -222,6 +222,21 @@ class BlockCost(BaseModel):
         ge=0, description="Bytes crossing a stage boundary placed right after this block, per microbatch, one way."
     )
     cut_tensors: int = Field(ge=0, description="Number of tensors crossing that boundary.")
+    cut_share: int = Field(
+        default=1,
+        ge=1,
+        description="Tensor-parallel ranks a boundary right after this block scatters its message over "
+        "(Megatron-LM's scatter-gather; planner.run.boundary): each sends, receives and buffers "
+        "ceil(cut_bytes / cut_share) bytes (sent_bytes) and all-gathers the whole from its peers over the "
+        "node's link. 1: every rank sends the whole (no tensor parallelism, or an older plan).",
+    )
+    cut_gather_s: float = Field(
+        default=0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Seconds of that all-gather per microbatch, one way: the receiving stage's forward gathers the "
+        "activation, the sending stage's backward the gradient (0 with cut_share 1).",
+    )
     output_bytes: int = Field(
         default=0,
         ge=0,
@@ -264,6 +279,11 @@ class BlockCost(BaseModel):
         "on every tensor-parallel rank). In a plan whose tp > 1 the times and bytes above are already one "
         "tensor-parallel rank's; FLOPs stay the whole model's.",
     )
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes one rank sends (and buffers) at a boundary after this block, per microbatch, one way."""
+        return -(-self.cut_bytes // self.cut_share)
 
 
 class LinkCost(BaseModel):
