@@ -189,28 +189,23 @@ def plan_on_costs(
     *,
     created: str,
     memory_limit_bytes: int | None = None,
-    ties: Sequence[Any] = (),
 ) -> Plan:
-    """``assemble_plan`` on costs measured or estimated once (many plans, one profile); the blocks
-    carry their tensor-parallel shares as ``make_plan`` gives them (``--tp`` of ``request``)."""
-    from planner.api import model_ref
-    from planner.core.assemble import Origin, assemble_plan
-    from planner.core.hardware import dtype_bytes
-    from planner.costs.tensor_parallel import tensor_parallel_blocks
+    """``make_plan``'s search on costs measured or estimated once (many plans, one profile): the same
+    ``plan_from_costs`` (the blocks' tensor-parallel shares in the planning dtype, the optimizer's
+    step rule), the links recorded as placed; not the runner's graph at the chosen size."""
+    from planner.api import plan_from_costs
+    from planner.core.predict import with_links
 
-    split = tensor_parallel_blocks(
-        mf,
+    plan = plan_from_costs(
         request,
-        costs.traced,
+        mf,
+        costs,
         costs.blocks,
-        float_bytes=dtype_bytes(request.autocast) if request.autocast else None,
-        hardware=costs.hardware,
-        dtype=costs.profile.dtype,
+        costs.link,
+        created=created,
+        memory_limit_bytes=memory_limit_bytes,
     )
-    origin = Origin(model_ref(mf, costs.traced, request), costs.profile, created)
-    return assemble_plan(
-        request, split.blocks, costs.link, origin, memory_limit_bytes=memory_limit_bytes, ties=ties, tp_plan=split.plan
-    )
+    return with_links(plan, costs.link)
 
 
 class StagePeak(NamedTuple):

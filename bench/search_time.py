@@ -124,8 +124,14 @@ def child(case: str) -> dict[str, object]:
     search_module._evaluate_all = counting_all
     search_module.evaluate_modes = counting_modes
     origin = Origin(model_ref(mf, costs.traced, request), costs.profile, "bench")
-    # the blocks as make_plan gives them to the search: with their tensor-parallel shares
-    split = tensor_parallel_blocks(mf, request, costs.traced, costs.blocks, hardware=costs.hardware, dtype="bf16")
+    # the blocks as make_plan gives them to the search: with their tensor-parallel shares, counted in
+    # the planning dtype (an older tree, --source, without the function: as it then did)
+    try:
+        from planner.api import tensor_parallel_split
+
+        split = tensor_parallel_split(mf, request, costs, costs.blocks)
+    except ImportError:
+        split = tensor_parallel_blocks(mf, request, costs.traced, costs.blocks, hardware=costs.hardware, dtype="bf16")
     t0 = time.perf_counter()
     try:
         plan = assemble_plan(

@@ -47,7 +47,7 @@ CONFIGS: list[tuple[str, str | None, bool]] = [
 
 
 def _plan(request: PlanRequest, costs: Costs, mf: ModelFile) -> Plan:
-    return plan_on_costs(request, costs, mf, created=CREATED, ties=costs.ties)
+    return plan_on_costs(request, costs, mf, created=CREATED)
 
 
 def _measure(model: Path, autocast: str | None, compile: bool, repeats: int, out: Path) -> dict[str, object]:

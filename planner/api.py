@@ -13,7 +13,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +34,7 @@ from planner.core.predict import with_links
 from planner.core.schedules import check_placement, check_schedule, stages_per_rank_options
 from planner.costs.blocks import ties_of
 from planner.costs.scaling import fixed_fraction, measured_time_at
-from planner.costs.tensor_parallel import tensor_parallel_blocks
+from planner.costs.tensor_parallel import TensorParallelBlocks, tensor_parallel_blocks
 from planner.errors import InfeasibleError, PlanFileError
 from planner.schema.costs import GLOO_CPU_LINK, NCCL_NVLINK_LINK, BlockCost, LinkCost, StepTempRule
 from planner.schema.plan import ModelRef, Plan, ProfileInfo, Tie
@@ -112,11 +112,49 @@ def make_plan(request: PlanRequest) -> Plan:
     if source is not None:
         check_calibration(source.fit, costs.traced, request.microbatch_size)
         blocks, link = apply_calibration(blocks, link, source.fit)
-    # an estimate traces the model as built (fp32) and counts every floating element in its planning
-    # dtype; a measurement under autocast counts activations in the autocast dtype
+    with search_bar(request.progress) as progress:
+        plan = plan_from_costs(
+            request,
+            mf,
+            costs,
+            blocks,
+            link,
+            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            calibration=changes(source.fit) if source is not None else (),
+            memory_limit_bytes=request.memory_limit_bytes
+            if request.memory_limit_bytes is not None
+            else costs.memory_bytes,
+            progress=progress,
+        )
+    # Two facts only known once the search has chosen: the graph at the chosen microbatch size,
+    # which the runner traces (torch needed, so not in the pure assembly), and the links as placed.
+    plan = traced_as_run(plan, mf, costs.traced, request)
+    return with_links(plan, link)  # a multi-node plan records both links and the ranks per node
+
+
+def tensor_parallel_split(
+    mf: ModelFile, request: PlanRequest, costs: Costs, blocks: list[BlockCost]
+) -> TensorParallelBlocks:
+    """The blocks with their tensor-parallel shares, as the search takes them.
+
+    Args:
+        mf: the loaded model file (its ``tp_plan``).
+        request: the plan request (``--tp``).
+        costs: the costs the blocks come from (their trace, profile and hardware).
+        blocks: ``costs.blocks``, or calibrated.
+
+    Returns:
+        The split blocks, the resolved plan and the note of ``tensor_parallel_blocks``.
+
+    Raises:
+        ModelFileError: the tensor-parallel plan does not fit the model (``tensor_parallel_blocks``).
+    """
+    # an estimate traces the model as built (fp32) and counts every floating element (activations,
+    # the all-reduced outputs, parameters) in its planning dtype; a measurement under autocast counts
+    # activations in the autocast dtype
     estimated = costs.profile.source == "estimated"
     width = costs.profile.dtype if estimated else request.autocast
-    split = tensor_parallel_blocks(
+    return tensor_parallel_blocks(
         mf,
         request,
         costs.traced,
@@ -126,30 +164,54 @@ def make_plan(request: PlanRequest) -> Plan:
         hardware=costs.hardware,  # estimated: the sharded GEMMs' lower efficiency
         dtype=costs.profile.dtype,
     )
-    with search_bar(request.progress) as progress:
-        plan = assemble_plan(
-            with_step_temp_rule(request, costs.step_temp_rule),
-            split.blocks,
-            link,
-            Origin(
-                model_ref(mf, costs.traced, request),
-                costs.profile,
-                created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                calibration=changes(source.fit) if source is not None else (),
-            ),
-            memory_limit_bytes=request.memory_limit_bytes
-            if request.memory_limit_bytes is not None
-            else costs.memory_bytes,
-            ties=costs.ties,
-            tp_plan=split.plan,
-            progress=progress,
-        )
+
+
+def plan_from_costs(
+    request: PlanRequest,
+    mf: ModelFile,
+    costs: Costs,
+    blocks: list[BlockCost],
+    link: LinkCost,
+    *,
+    created: str,
+    calibration: Sequence[str] = (),
+    memory_limit_bytes: int | None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Plan:
+    """The search on costs already made: the blocks' tensor-parallel shares, then ``assemble_plan``
+    (``make_plan``'s second half; the benches plan many requests on one profile through it too).
+
+    Args:
+        request: the plan request.
+        mf: the loaded model file.
+        costs: the costs (its trace, profile, hardware, ties and step temporaries' rule).
+        blocks: the blocks to plan (``costs.blocks``, or calibrated).
+        link: the link between pipeline ranks (``costs.link``, or calibrated).
+        created: the plan's time stamp.
+        calibration: what a calibration changed (recorded in the plan).
+        memory_limit_bytes: the per-rank limit (None: no limit).
+        progress: called with (layouts done, layouts in all) as the search goes.
+
+    Returns:
+        The plan, without the runner's graph and the placed links (``make_plan`` adds them).
+
+    Raises:
+        PlannerError: no layout fits, or the request cannot run on the model.
+    """
+    split = tensor_parallel_split(mf, request, costs, blocks)
+    plan = assemble_plan(
+        with_step_temp_rule(request, costs.step_temp_rule),
+        split.blocks,
+        link,
+        Origin(model_ref(mf, costs.traced, request), costs.profile, created=created, calibration=tuple(calibration)),
+        memory_limit_bytes=memory_limit_bytes,
+        ties=costs.ties,
+        tp_plan=split.plan,
+        progress=progress,
+    )
     if split.note:  # --tp auto on a model that cannot be split: say why it stays whole
         plan = plan.model_copy(update={"choice": f"{plan.choice}; {split.note}" if plan.choice else split.note})
-    # Two facts only known once the search has chosen: the graph at the chosen microbatch size,
-    # which the runner traces (torch needed, so not in the pure assembly), and the links as placed.
-    plan = traced_as_run(plan, mf, costs.traced, request)
-    return with_links(plan, link)  # a multi-node plan records both links and the ranks per node
+    return plan
 
 
 @contextmanager
