@@ -28,7 +28,14 @@ from planner.capture.load import ModelFile, load_model_file, move_model
 from planner.capture.stage import stage_module, trace_root
 from planner.capture.trace import retrace, trace_model
 from planner.core.assemble import Origin, assemble_plan
-from planner.core.calibrate import Calibration, apply_calibration, changes, load_calibration
+from planner.core.calibrate import (
+    apply_calibration,
+    calibrated_request,
+    changes,
+    check_calibration,
+    check_levers,
+    load_calibration,
+)
 from planner.core.hardware import HardwareSpec, dtype_bytes, get_hardware, node_links
 from planner.core.predict import with_links
 from planner.core.schedules import check_placement, check_schedule, stages_per_rank_options
@@ -110,7 +117,7 @@ def make_plan(request: PlanRequest) -> Plan:
         costs = measured_costs(mf, request, threads, source.plan if source else None)
     blocks, link = costs.blocks, costs.link
     if source is not None:
-        check_calibration(source.fit, costs.traced, request.microbatch_size)
+        check_calibration(source.fit, costs.traced.fingerprint, request.microbatch_size)
         blocks, link = apply_calibration(blocks, link, source.fit)
     with search_bar(request.progress) as progress:
         plan = plan_from_costs(
@@ -253,62 +260,6 @@ def with_step_temp_rule(request: PlanRequest, rule: StepTempRule | None) -> Plan
     if rule is None:
         return request
     return request.model_copy(update={"optimizer": request.optimizer.model_copy(update={"step_temp_rule": rule})})
-
-
-def calibrated_request(request: PlanRequest, run_plan: Plan, size: int) -> PlanRequest:
-    """The request as a calibration can serve it: factors hold for the layout and microbatch size
-    they were measured at, so ``--dp auto`` keeps the run's replica count (when it divides the
-    ranks and the batch) and ``--microbatches auto`` the run's microbatch size.
-
-    Args:
-        request: the plan request.
-        run_plan: the plan the calibrating run trained.
-        size: the run's samples per microbatch (of one replica).
-
-    Returns:
-        The request, with ``dp`` and ``microbatches`` pinned where they were auto and the run's fit.
-    """
-    update: dict[str, object] = {}
-    dp = request.dp
-    if dp == "auto" and request.gpus % run_plan.dp == 0 and request.batch_size % run_plan.dp == 0:
-        dp = update["dp"] = run_plan.dp
-    replica_batch = request.batch_size // (dp if isinstance(dp, int) else 1)
-    if request.microbatches is None and size > 0 and replica_batch % size == 0:
-        update["microbatches"] = replica_batch // size
-    return request.model_copy(update=update) if update else request
-
-
-def levers_text(autocast: str | None, compile: bool) -> str:
-    """The speed levers in words, for messages: e.g. "autocast bf16, compiled" or "fp32, eager".
-
-    Args:
-        autocast: the autocast dtype, or None.
-        compile: whether the stages are compiled.
-
-    Returns:
-        The text.
-    """
-    return f"{f'autocast {autocast}' if autocast else 'fp32'}, {'compiled' if compile else 'eager'}"
-
-
-def check_levers(run_plan: Plan, request: PlanRequest) -> None:
-    """Refuse a calibration measured under other speed levers (autocast, compile) than the request's:
-    its per-stage factors correct costs that were measured another way.
-
-    Args:
-        run_plan: the plan the calibrating run trained.
-        request: the plan request.
-
-    Raises:
-        PlanFileError: the levers differ.
-    """
-    had = (run_plan.profile.autocast, run_plan.compile)
-    asked = (request.autocast, request.compile)
-    if had != asked:
-        raise PlanFileError(
-            f"--calibrate: the run trained a plan made {levers_text(*had)}, this plan asks for {levers_text(*asked)}; "
-            "its factors would not carry over: calibrate from a run of a plan made with the same --dtype and --compile"
-        )
 
 
 def traced_as_run(plan: Plan, mf: ModelFile, traced: TracedModel, request: PlanRequest) -> Plan:
@@ -708,24 +659,6 @@ def _runs_on_meta(mf: ModelFile, model: torch.nn.Module, size: int, seed: int) -
     except Exception:  # noqa: BLE001 - any failure means "cannot run that small"
         return False
     return True
-
-
-def check_calibration(cal: Calibration, traced: TracedModel, microbatch_size: int) -> None:
-    """Refuse a calibration measured on another model or another microbatch size.
-
-    Raises:
-        PlanFileError: the fingerprints or microbatch sizes differ.
-    """
-    if cal.plan_fingerprint != traced.fingerprint:
-        raise PlanFileError(
-            f"the calibration was measured on a model with fingerprint {cal.plan_fingerprint}, "
-            f"this one is {traced.fingerprint}; calibrate from a run of a plan of this model"
-        )
-    if cal.microbatch_size != microbatch_size:
-        raise PlanFileError(
-            f"the calibration was measured with microbatches of {cal.microbatch_size}, this plan uses "
-            f"{microbatch_size}; its factors would not carry over: calibrate from a run with the same -b/-m"
-        )
 
 
 def model_ref(mf: ModelFile, traced: TracedModel, request: PlanRequest) -> ModelRef:

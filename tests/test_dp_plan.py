@@ -305,7 +305,8 @@ def test_request_replica_options() -> None:
 
 
 def test_schedule_checks_and_calibration_use_one_replicas_pipeline() -> None:
-    from planner.api import calibrated_request, check_request
+    from planner.api import check_request
+    from planner.core.calibrate import calibrated_request
 
     # 1F1B on 2 pipeline ranks (4 GPUs, 2 replicas) runs 2 microbatches: m = 2 is fine, m = 1 is not
     check_request(PlanRequest.build(model_file="m.py", gpus=4, dp=2, schedule="1f1b", microbatches=2))

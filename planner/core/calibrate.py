@@ -39,6 +39,7 @@ from planner.errors import PlanFileError
 from planner.schema.costs import BlockCost, LinkCost
 from planner.schema.jsonfile import parse_versioned, write_atomic
 from planner.schema.plan import Plan
+from planner.schema.request import PlanRequest
 from planner.schema.result import RunResult, check_run_matches
 
 CALIBRATION_VERSION = 1
@@ -399,3 +400,82 @@ def changes(cal: Calibration) -> list[str]:
         f"{cal.calibrated_step_s * 1e3:.1f} ms re-predicted calibrated"
     )
     return out
+
+
+def calibrated_request(request: PlanRequest, run_plan: Plan, size: int) -> PlanRequest:
+    """The request as a calibration can serve it: factors hold for the layout and microbatch size
+    they were measured at, so ``--dp auto`` keeps the run's replica count (when it divides the
+    ranks and the batch) and ``--microbatches auto`` the run's microbatch size.
+
+    Args:
+        request: the plan request.
+        run_plan: the plan the calibrating run trained.
+        size: the run's samples per microbatch (of one replica).
+
+    Returns:
+        The request, with ``dp`` and ``microbatches`` pinned where they were auto and the run's fit.
+    """
+    update: dict[str, object] = {}
+    dp = request.dp
+    if dp == "auto" and request.gpus % run_plan.dp == 0 and request.batch_size % run_plan.dp == 0:
+        dp = update["dp"] = run_plan.dp
+    replica_batch = request.batch_size // (dp if isinstance(dp, int) else 1)
+    if request.microbatches is None and size > 0 and replica_batch % size == 0:
+        update["microbatches"] = replica_batch // size
+    return request.model_copy(update=update) if update else request
+
+
+def levers_text(autocast: str | None, compile: bool) -> str:
+    """The speed levers in words, for messages: e.g. "autocast bf16, compiled" or "fp32, eager".
+
+    Args:
+        autocast: the autocast dtype, or None.
+        compile: whether the stages are compiled.
+
+    Returns:
+        The text.
+    """
+    return f"{f'autocast {autocast}' if autocast else 'fp32'}, {'compiled' if compile else 'eager'}"
+
+
+def check_levers(run_plan: Plan, request: PlanRequest) -> None:
+    """Refuse a calibration measured under other speed levers (autocast, compile) than the request's:
+    its per-stage factors correct costs that were measured another way.
+
+    Args:
+        run_plan: the plan the calibrating run trained.
+        request: the plan request.
+
+    Raises:
+        PlanFileError: the levers differ.
+    """
+    had = (run_plan.profile.autocast, run_plan.compile)
+    asked = (request.autocast, request.compile)
+    if had != asked:
+        raise PlanFileError(
+            f"--calibrate: the run trained a plan made {levers_text(*had)}, this plan asks for {levers_text(*asked)}; "
+            "its factors would not carry over: calibrate from a run of a plan made with the same --dtype and --compile"
+        )
+
+
+def check_calibration(cal: Calibration, fingerprint: str, microbatch_size: int) -> None:
+    """Refuse a calibration measured on another model or another microbatch size.
+
+    Args:
+        cal: the calibration.
+        fingerprint: the fingerprint of the model traced for this plan.
+        microbatch_size: this plan's samples per microbatch.
+
+    Raises:
+        PlanFileError: the fingerprints or microbatch sizes differ.
+    """
+    if cal.plan_fingerprint != fingerprint:
+        raise PlanFileError(
+            f"the calibration was measured on a model with fingerprint {cal.plan_fingerprint}, "
+            f"this one is {fingerprint}; calibrate from a run of a plan of this model"
+        )
+    if cal.microbatch_size != microbatch_size:
+        raise PlanFileError(
+            f"the calibration was measured with microbatches of {cal.microbatch_size}, this plan uses "
+            f"{microbatch_size}; its factors would not carry over: calibrate from a run with the same -b/-m"
+        )
