@@ -302,3 +302,37 @@ def test_twin_blocks_replayed_give_the_shares_a_run_of_every_block_gives(
     monkeypatch.setattr(tensor_parallel._ShareRun, "_begin", lambda self, k: None)
     _, plain = _shares(path, plan=plan)
     assert plain == replayed
+
+
+def test_plans_on_costs_made_once_equal_make_plan(tmp_path: Path) -> None:
+    """The benches plan many requests on one profile through ``plan_from_costs``: the same plan as
+    ``make_plan`` gives, tensor-parallel shares counted in the planning dtype (they once were fp32
+    there, doubling every all-reduce of a bf16 estimate)."""
+    from planner.api import default_threads, estimated_costs, plan_from_costs
+    from planner.core.predict import with_links
+
+    request = PlanRequest.build(
+        model_file=str(LLAMA),
+        size="tiny",
+        gpus=4,
+        gpu_type="h100",
+        tp=2,
+        batch_size=8,
+        output=tmp_path / "plan.json",
+        progress=False,
+    )
+    want = make_plan(request)
+    mf = load_model_file(request.model_file, request.size, request.overrides)
+    costs = estimated_costs(mf, request, default_threads(request.gpus))
+    got = with_links(
+        plan_from_costs(
+            request, mf, costs, costs.blocks, costs.link, created=want.created, memory_limit_bytes=costs.memory_bytes
+        ),
+        costs.link,
+    )
+    assert got.tp == want.tp == 2 and got.profile.dtype == "bf16"
+    assert got.prediction == want.prediction
+    assert got.blocks == want.blocks
+    split = next(b for b in got.blocks if b.tp is not None)
+    # a layer all-reduces two outputs of the hidden state's size forward, in bf16 as the cut after it
+    assert split.tp is not None and split.tp.fwd_allreduce_bytes == 2 * split.cut_bytes
