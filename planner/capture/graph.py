@@ -203,8 +203,10 @@ def _interpreter(gm: fx.GraphModule, values: dict[str, ValueInfo], blocks: Seque
 class _Recorder(fx.Interpreter):
     """Runs the graph, noting what each node produced."""
 
-    def __init__(self, gm: fx.GraphModule, values: dict[str, ValueInfo]) -> None:
-        super().__init__(gm)
+    def __init__(self, gm: fx.GraphModule, values: dict[str, ValueInfo], *, free_values: bool = True) -> None:
+        # free_values False: keep every node's value to the end (meta tensors hold no memory), which
+        # spares the interpreter its table of last uses, a pass over every node's inputs per run
+        super().__init__(gm, garbage_collect_values=free_values)
         self.values = values
 
     def run_node(self, n: fx.Node) -> Any:
@@ -217,7 +219,7 @@ class _Replaying(_Recorder):
     """``_Recorder`` that runs each distinct block once and replays its twins' values (meta only)."""
 
     def __init__(self, gm: fx.GraphModule, values: dict[str, ValueInfo], blocks: Sequence[Block]) -> None:
-        super().__init__(gm, values)
+        super().__init__(gm, values, free_values=False)
         self.first = {b.nodes[0]: b for b in blocks if b.nodes}
         self.last = {b.nodes[-1] for b in blocks if b.nodes}
         self.known: dict[Any, list[Any]] = {}  # signature -> the specs of its nodes' values, in order
