@@ -250,37 +250,45 @@ def _program(schedule: str, p: int, m: int, v: int) -> tuple[_Step, ...]:
 
 
 def _sweep(orders: tuple[tuple[Action, ...], ...], n_stages: int, m: int) -> tuple[_Step, ...]:
-    """``_program``'s sweep over the ranks."""
-    p = len(orders)
-
-    def slot(kind: str, stage: int, mb: int) -> int:  # "F" ends, then "G" (input gradient) ends
-        return (n_stages if kind == "G" else 0) * m + stage * m + mb
-
-    done = [False] * (2 * n_stages * m)
-    next_idx = [0] * p
+    """``_program``'s sweep over the ranks (each action's slots worked out once, before it)."""
+    coded = [[_coded(a, n_stages, m) for a in order] for order in orders]
+    done = bytearray(2 * n_stages * m)  # the slots: "F" ends, then "G" (input gradient) ends
+    next_idx = [0] * len(orders)
     out: list[_Step] = []
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
-        for rank in range(p):
-            order = orders[rank]
-            while next_idx[rank] < len(order):
-                a = order[next_idx[rank]]
-                deps = [slot(k, s, mb) for k, s, mb in _deps(a, n_stages)]
-                if not all(done[d] for d in deps):
+        for rank, order in enumerate(orders):
+            codes, i = coded[rank], next_idx[rank]
+            while i < len(order):
+                dep1, dep2, sets, duration = codes[i]
+                if (dep1 >= 0 and not done[dep1]) or (dep2 >= 0 and not done[dep2]):
                     break
-                key = _produces(a)
-                sets = -1 if key is None else slot(*key)
                 if sets >= 0:
-                    done[sets] = True
-                deps += [-1, -1]
-                out.append(_Step(rank, 4 * a.stage + KINDS.index(a.kind), deps[0], deps[1], sets, a))
-                next_idx[rank] += 1
-                remaining -= 1
+                    done[sets] = 1
+                out.append(_Step(rank, duration, dep1, dep2, sets, order[i]))
+                i += 1
+            if i > next_idx[rank]:
+                remaining -= i - next_idx[rank]
+                next_idx[rank] = i
                 progressed = True
         if not progressed:
             raise _stuck([list(o) for o in orders], next_idx)
     return tuple(out)
+
+
+def _coded(a: Action, n_stages: int, m: int) -> tuple[int, int, int, int]:
+    """An action's two dependency slots, the slot it sets (-1: none) and its duration's index, as
+    ``_deps`` and ``_produces`` give them (slot of ("F", s, mb): s m + mb; of ("G", s, mb): after
+    every "F")."""
+    s, mb, grads = a.stage, a.microbatch, n_stages * m
+    duration = 4 * s + KINDS.index(a.kind)
+    if a.kind == "F":
+        return ((s - 1) * m + mb if s > 0 else -1), -1, s * m + mb, duration
+    if a.kind == "W":
+        return grads + s * m + mb, -1, -1, duration
+    after = grads + (s + 1) * m + mb if s < n_stages - 1 else -1
+    return s * m + mb, after, grads + s * m + mb, duration
 
 
 def _run(
