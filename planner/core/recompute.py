@@ -12,12 +12,14 @@ stage's time and memory; the runner (``planner.run.stages``) builds the same reg
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, RecomputeMode, split_recompute
 
 
+@lru_cache(maxsize=4096)
 def recompute_mode(value: bool | str) -> str:
     """One stage's recompute value (``planner.schema.costs.split_recompute``: a mode, or "full:k" /
     "selective:k" for its first k checkpoint regions); a flag of older plans and callers: True is
@@ -26,6 +28,7 @@ def recompute_mode(value: bool | str) -> str:
     Raises:
         InfeasibleError: a string that is no such value.
     """
+    # cached: the search checks the same few values hundreds of thousands of times
     if isinstance(value, bool):
         return "stage" if value else "never"
     try:
