@@ -54,7 +54,7 @@ import numpy as np
 
 from planner.core.inputs import NO_CONSTRAINTS, Constraints, Layout, check_in_flight
 from planner.core.links import Links, boundary_crosses, boundary_links, default_link
-from planner.core.recompute import full_rerun_cost, selective_cost, with_loss
+from planner.core.recompute import with_loss
 from planner.core.schedules import SPLIT_BACKWARD, in_flight_per_stage
 from planner.core.solve_engine import (
     AnyIntArray,
@@ -81,7 +81,7 @@ from planner.core.stage_model import (
     stage_bounds,
     unsharded_bytes,
 )
-from planner.core.stage_sums import StepTempArrays, block_sums
+from planner.core.stage_sums import StepTempArrays, block_sums, block_times
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec, RecomputeMode
 
@@ -211,17 +211,10 @@ class _Arrays:
         self.mode = "full" if mode == "always" else mode
         mode = self.mode
         self.mem = mem
-        pre = [0.0]
-        pre_r = [0.0]  # full checkpointing's extra backward
-        pre_rs = [0.0]  # selective checkpointing's
-        pre_f = [0.0]  # forwards: a stage as one region re-runs all but its last block's in full
-        rerun = [full_rerun_cost(b, True) for b in blocks]  # the stage's last block, as one region
-        for i, b in enumerate(blocks):
-            pre.append(pre[-1] + b.fwd_s + b.bwd_s)
-            # a block whose end is no legal cut ends no stage and shares its region: it re-runs in full
-            pre_r.append(pre_r[-1] + (rerun[i] if b.cut_legal or i == n - 1 else full_rerun_cost(b, False)))
-            pre_rs.append(pre_rs[-1] + selective_cost(b))
-            pre_f.append(pre_f[-1] + b.fwd_s)
+        # forward + backward, full and selective checkpointing's extra backward, forwards (a stage as
+        # one region re-runs all but its last block's in full) and each block's re-run as a region's last
+        times = block_times(blocks)
+        pre, pre_r, pre_rs, pre_f, rerun = times.pre, times.pre_r, times.pre_rs, times.pre_f, times.rerun
         self.p = len(in_flight)
         links = boundary_links(link, self.p)
         distinct: list[LinkCost] = []

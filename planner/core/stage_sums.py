@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from planner.core.recompute import kept_bytes, loss_held, loss_temps, temp_bytes
+from planner.core.recompute import full_rerun_cost, kept_bytes, loss_held, loss_temps, selective_cost, temp_bytes
 from planner.core.solve_engine import AnyIntArray, IntArray
 from planner.core.stage_model import Regions
 from planner.schema.costs import BlockCost, OptimizerSpec
@@ -233,3 +233,46 @@ def block_sums(blocks: Sequence[BlockCost], optimizer: OptimizerSpec) -> BlockSu
         _SUMS.pop(next(iter(_SUMS)))
     _SUMS[id(blocks)] = (blocks, optimizer, sums)
     return sums
+
+
+@dataclass(frozen=True)
+class BlockTimes:
+    """Prefix sums of the blocks' seconds, in block order as a stage-by-stage evaluation adds them
+    (the exact solver's time model, ``planner.core.solve``), a function of the blocks only."""
+
+    pre: list[float]  # forward + backward
+    pre_r: list[float]  # full checkpointing's extra backward (a block ending no legal cut re-runs in full)
+    pre_rs: list[float]  # selective checkpointing's
+    pre_f: list[float]  # forwards
+    rerun: list[float]  # each block's full re-run as the last of a region
+
+
+_TIMES: dict[int, tuple[Sequence[BlockCost], BlockTimes]] = {}
+
+
+def block_times(blocks: Sequence[BlockCost]) -> BlockTimes:
+    """The blocks' ``BlockTimes``, made once per blocks object (as ``block_sums``: the search solves
+    hundreds of layouts over the same blocks).
+
+    Args:
+        blocks: per-block costs.
+
+    Returns:
+        The sums (shared: never modify them).
+    """
+    known = _TIMES.get(id(blocks))
+    if known is not None and known[0] is blocks:
+        return known[1]
+    n = len(blocks)
+    pre, pre_r, pre_rs, pre_f = [0.0], [0.0], [0.0], [0.0]
+    rerun = [full_rerun_cost(b, True) for b in blocks]
+    for i, b in enumerate(blocks):
+        pre.append(pre[-1] + b.fwd_s + b.bwd_s)
+        pre_r.append(pre_r[-1] + (rerun[i] if b.cut_legal or i == n - 1 else full_rerun_cost(b, False)))
+        pre_rs.append(pre_rs[-1] + selective_cost(b))
+        pre_f.append(pre_f[-1] + b.fwd_s)
+    times = BlockTimes(pre, pre_r, pre_rs, pre_f, rerun)
+    if len(_TIMES) >= 8:
+        _TIMES.pop(next(iter(_TIMES)))
+    _TIMES[id(blocks)] = (blocks, times)
+    return times
