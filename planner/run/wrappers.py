@@ -82,11 +82,13 @@ class ContiguousBoundary(torch.nn.Module):
         if self.scatter is not None:
             args = self.scatter.gather(args)
         out = self.module(*args)
+        if self.scatter is not None:  # first: a scattered piece is a copy of its own already
+            out = self.scatter.scatter(out)
         if isinstance(out, torch.Tensor):
-            out = _owned(out)
-        elif isinstance(out, tuple):
-            out = tuple(_owned(o) if isinstance(o, torch.Tensor) else o for o in out)
-        return out if self.scatter is None else self.scatter.scatter(out)
+            return _owned(out)
+        if isinstance(out, tuple):
+            return tuple(_owned(o) if isinstance(o, torch.Tensor) else o for o in out)
+        return out
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:
