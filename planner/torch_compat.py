@@ -109,6 +109,15 @@ def exported_out_spec(gm: fx.GraphModule) -> Any:
     return None
 
 
+def graph_copy(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph``, node names and metadata kept, with its code generator: an exported graph's
+    takes and returns the model's own input and output structures (pytree specs), not flat tuples."""
+    out = fx.Graph()
+    out.output(out.graph_copy(graph, {}))
+    out._codegen = graph._codegen  # read only (its specs); a deep copy warns about pytree's LeafSpec
+    return out
+
+
 def pipelining_backward() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
     """torch.distributed.pipelining's ``stage_backward``, ``stage_backward_input``, ``stage_backward_weight``.
 

@@ -59,6 +59,7 @@ def make_plan(
     import torch
 
     from planner.capture.load import load_model_file
+    from planner.capture.tp_plan import resolve_tp_plan
     from planner.capture.trace import trace_model
     from planner.costs.blocks import ties_of
 
@@ -156,7 +157,7 @@ def make_plan(
         dp=dp,
         dp_mode=dp_mode,
         tp=tp,
-        tp_plan=(dict(getattr(mf.module, "tp_plan", {})) if tp_plan is None else tp_plan) if tp > 1 else {},
+        tp_plan=(resolve_tp_plan(mf, traced.model).plan if tp_plan is None else tp_plan) if tp > 1 else {},
         accumulation=accumulation,
         fsdp_units=fsdp_units,
         dp_shard=dp_shard,

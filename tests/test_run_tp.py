@@ -201,16 +201,39 @@ def test_a_tp2_pp2_checkpoint_resumes_as_pp2_and_exports_full_weights(tmp_path: 
     print("resume tp2pp2 -> pp2", resumed.losses, whole.losses[2:], resumed.grad_norms, whole.grad_norms[2:])
 
 
-def test_a_tp_plan_a_torch_export_stage_cannot_follow_is_refused_before_launch(tmp_path: Path) -> None:
+@pytest.mark.multiprocess
+def test_hugging_face_llama_tp2_pp2_matches_unsplit_model(tmp_path: Path) -> None:
+    # traced by torch.export: its stages are cut from the graph exported again at one tp rank's sizes
+    # (grouped-query attention expands a constant number of key/value heads), the linear calls made
+    # modules for torch's styles; the config's own tensor-parallel plan (base_model_tp_plan); the input
+    # embedding tied to the head across the two pipeline ranks
+    pytest.importorskip("transformers")
+    plan = make_plan(
+        MODELS / "hf" / "llama.py",
+        [0, 3],
+        size="tiny-tied",
+        schedule="1f1b",
+        n_microbatches=2,
+        optimizer="sgd",
+        lr=0.5,
+        grad_clip=0.5,
+        tp=2,
+    )
+    assert plan.model.trace_method == "export" and plan.world_size == 4
+    assert plan.tp_plan["model.layers.*.self_attn.k_proj"] == "colwise" and len(plan.ties) == 1
+    got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
+    print("hf llama tp2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+def test_an_export_graph_that_bakes_full_widths_is_refused_before_launch(tmp_path: Path) -> None:
+    # a model whose forward reshapes with its full head count cannot run one tp rank's shards: one line
     pytest.importorskip("transformers")
     from planner.errors import PlanFileError
 
-    hf_plan = {f"model.layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"} | {
-        "model.layers.*.self_attn.o_proj": "rowwise"
-    }
+    hf_plan = {"model.layers.*.mlp.gate_proj": "colwise"}  # gate split, up whole: silu(gate) * up cannot multiply
     plan = make_plan(MODELS / "hf" / "llama.py", [0, 4], n_microbatches=2, tp=2, tp_plan=hf_plan)
     assert plan.model.trace_method == "export"
-    with pytest.raises(PlanFileError, match="q_proj.*not an nn.Linear.*torch.export"):
+    with pytest.raises(PlanFileError, match="does not trace with its tp_plan layers split 2 ways"):
         run_plan(plan, RunRequest(plan_file=saved(plan, tmp_path), steps=1, echo=False))
 
 
@@ -260,3 +283,50 @@ def test_sharding_on_a_one_rank_mesh_keeps_the_stage_exact(tmp_path: Path) -> No
         assert norm_counted(params, 0) == params
     finally:
         dist.destroy_process_group()
+
+
+def test_an_exported_graph_is_made_shardable_at_one_tp_ranks_sizes() -> None:
+    # HF Llama tiny: 4 heads of 16, 2 key/value heads; at tp 2 a rank holds 2 heads and 1 key/value head
+    pytest.importorskip("transformers")
+    from torch import fx, nn
+
+    from planner.capture.load import load_model_file
+    from planner.capture.tp_plan import resolve_tp_plan
+    from planner.capture.trace import trace_model
+    from planner.run.tensor_split import check_tp_split, shardable_trace
+
+    mf = load_model_file(MODELS / "hf" / "llama.py", "tiny")
+    model = mf.build()
+    inputs = mf.batch(2)[0]
+    traced = trace_model(model, inputs, methods=("export",))
+    plan = resolve_tp_plan(mf, model).plan
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    split = shardable_trace(traced, model, inputs, plan, 2)
+    assert [n.name for n in split.gm.graph.nodes] == [n.name for n in traced.gm.graph.nodes]
+    calls = [n for n in split.gm.graph.nodes if n.op == "call_module" and n.target != "_guards_fn"]  # export's own
+    assert len(calls) == 7 * 4 and {str(n.target).rsplit(".", 1)[1] for n in calls} == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
+    q = split.gm.get_submodule("model.layers.0.self_attn.q_proj")
+    assert isinstance(q, nn.Linear) and q.weight.shape == (64, 64)  # the full weight, the trace's own object
+    assert q.weight is dict(traced.gm.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
+    # the grouped-query expansion as one tp rank computes it: 1 key/value head repeated twice
+    expands = [
+        n.args[1] for n in split.gm.graph.nodes if n.target is torch.ops.aten.expand.default and len(n.args[1]) == 5
+    ]
+    whole = [
+        n.args[1] for n in traced.gm.graph.nodes if n.target is torch.ops.aten.expand.default and len(n.args[1]) == 5
+    ]
+    assert expands and all(e[1] == 1 and w[1] == 2 for e, w in zip(expands, whole))
+    assert isinstance(split.gm, fx.GraphModule) and split.blocks == traced.blocks
+    for name, p in model.named_parameters():  # the model is not touched
+        assert torch.equal(p, before[name]), name
+    # the stage modules now hold the planned layers as modules: checked as an fx trace's are
+    assert check_tp_split(split.gm, plan, 2)
+    assert shardable_trace(traced, model, inputs, plan, 1) is traced

@@ -263,15 +263,22 @@ def test_end_to_end_toy_without_plan() -> None:
         _plan(TOY, 2, gpus=2, size=None)
 
 
-def test_an_exported_hugging_face_model_stays_whole_and_a_forced_degree_says_why() -> None:
-    # torch.export graphs call their linear layers as functions, which torch's Colwise/RowwiseParallel
-    # cannot shard at run time: the plan keeps tp 1 (auto) or refuses (--tp 2) before any search
-    base = dict(model_file=str(ROOT / "models/hf/llama.py"), size="tiny", gpus=2, gpu_type="h100", batch_size=8)
-    plan = make_plan(PlanRequest.build(**base, progress=False))
-    assert plan.tp == 1 and plan.model.trace_method == "export"
-    assert "tensor parallelism: none, the model was traced by export" in plan.choice
-    with pytest.raises(ModelFileError, match=r"--tp 2: the model was traced by export.*give --tp 1"):
-        make_plan(PlanRequest.build(**base, tp=2, progress=False))
+def test_an_exported_hugging_face_model_is_split_by_its_config_plan() -> None:
+    # torch.export inlines the linear layers; their shares are read off the graph's nodes, and the
+    # runner calls them as modules again (planner.run.tensor_split.shardable_trace)
+    base = dict(model_file=str(HF_LLAMA), size="tiny", gpus=4, gpu_type="h100", batch_size=8, progress=False)
+    plan = make_plan(PlanRequest.build(**base, tp=2))
+    assert plan.tp == 2 and plan.model.trace_method == "export"
+    from transformers import LlamaConfig
+
+    assert plan.tp_plan == {f"model.{k}": v for k, v in LlamaConfig().base_model_tp_plan.items()}
+    assert [b.tp is not None for b in plan.blocks] == [b.name.startswith("model.layers.") for b in plan.blocks]
+    share = next(b.tp for b in plan.blocks if b.tp is not None)
+    dim, kv, ffn = 64, 2 * 16, 172  # tiny: 4 heads of 16, 2 key/value heads, SwiGLU 172
+    assert share.sharded_params == dim * dim * 2 + dim * kv * 2 + dim * ffn * 3
+    assert (share.fwd_allreduces, share.bwd_allreduces) == (2, 5)  # o, down; q, k, v, gate, up
+    with pytest.raises(ModelFileError, match="--tp 4: .*not a multiple of 4|--tp 4: .*divide"):
+        make_plan(PlanRequest.build(**base, tp=4))  # 2 key/value heads
 
 
 @pytest.mark.parametrize("path", [LLAMA, GPT, HF_LLAMA, HF_ALBERT])

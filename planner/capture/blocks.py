@@ -255,7 +255,7 @@ class GraphTrace(TracedModel):
                 # out (batch, seq, heads, dim), `o.transpose(1, 2).contiguous()` is a no-op, on meta
                 # a copy. The same model traced on meta for an estimate must give the same hash.
                 continue
-            h.update(f"{node.name}:{node.op}:{_target_name(node.target)};".encode())
+            h.update(f"{node.name}:{node.op}:{target_name(node.target)};".encode())
             if node.op == "call_module":  # the module's class: ReLU -> GELU keeps the node's name
                 h.update(type(self.gm.get_submodule(str(node.target))).__qualname__.encode())
 
@@ -311,7 +311,7 @@ def get_attr(root: nn.Module, target: str) -> Any:
     return value
 
 
-def _target_name(target: Any) -> str:
+def target_name(target: Any) -> str:
     """A stable text for a node target (no memory addresses)."""
     if isinstance(target, str):
         return target

@@ -587,16 +587,6 @@ def tensor_parallel_blocks(
         if forced or resolved.source == "model file":
             raise
         return TensorParallelBlocks(list(blocks), {}, f"tensor parallelism: none, the {resolved.source}'s {e}")
-    if traced.method != "fx":
-        # the runner shards with torch's ColwiseParallel / RowwiseParallel, which take nn.Linear
-        # modules; a torch.export graph calls the weights as functions (planner/run/tensor_split.py)
-        why = (
-            f"the model was traced by {traced.method}, whose stages call their linear layers as functions: "
-            "torch's ColwiseParallel / RowwiseParallel shard only layers called as modules (a torch.fx trace)"
-        )
-        if forced:
-            raise ModelFileError(f"--tp {request.tp}: {why}; give --tp 1")
-        return TensorParallelBlocks(list(blocks), {}, f"tensor parallelism: none, {why}")
     inputs, _ = mf.batch(request.microbatch_size, seed=request.seed)
     shares = tensor_parallel_shares(
         traced,

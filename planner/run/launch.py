@@ -63,9 +63,9 @@ from planner.run.console import print_flushed
 from planner.run.faults import WorkerTraceback, diagnose, read_records
 from planner.run.loop import RankResult, run_result
 from planner.run.mesh import threads_per_rank
-from planner.run.model import check_runnable, check_ties, load_plan_model, planned_source, trace_for_plan
+from planner.run.model import StageSource, check_runnable, check_ties, load_plan_model, planned_source, trace_for_plan
 from planner.run.preflight import check_checkpoint_dir, check_data, check_resume
-from planner.run.tensor_split import check_tp_split
+from planner.run.tensor_split import check_tp_split, shardable_trace
 from planner.schema.plan import Plan
 from planner.schema.request import RunRequest
 from planner.schema.result import RunResult
@@ -119,7 +119,7 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _check_stages(plan: Plan, traced: TracedModel) -> None:
+def _check_stages(plan: Plan, traced: TracedModel, source: StageSource) -> None:
     """Build every stage once (catches illegal cuts), check its tensor-parallel split (``check_tp_split``)
     and that the plan records every parameter that several stages read (tied weights), before any
     rank starts.
@@ -129,8 +129,9 @@ def _check_stages(plan: Plan, traced: TracedModel) -> None:
         PlanFileError: a tie the plan does not record (``check_ties``), or a ``tp_plan`` the stages
             cannot be split by.
     """
+    shardable = shardable_trace(traced, source.model, source.example, plan.tp_plan, plan.tp)
     for s in plan.stages:
-        built = stage_module(traced, s.start, s.end)
+        built = stage_module(shardable, s.start, s.end)
         if plan.tp > 1:
             check_tp_split(built, plan.tp_plan, plan.tp)
     check_ties(plan, traced)
@@ -329,7 +330,7 @@ def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None]
         print_fn(changed_file_warning(plan, mf))
     source = planned_source(plan, mf)
     traced = trace_for_plan(plan, source.model, source.example)
-    _check_stages(plan, traced)
+    _check_stages(plan, traced, source)
     check_train_batch(mf, plan.batch_size, plan.model.seed)
     check_resume(plan, request)
     check_checkpoint_dir(request)

@@ -30,7 +30,7 @@ from planner.run.mesh import RankMesh
 from planner.run.model import StageSource, check_ties, trace_for_plan
 from planner.run.optim import make_optimizer
 from planner.run.streams import vocab_size_of
-from planner.run.tensor_split import norm_counted, shard_stage
+from planner.run.tensor_split import norm_counted, shard_stage, shardable_trace
 from planner.run.wrappers import (
     ContiguousBoundary,
     HooklessDDP,
@@ -121,11 +121,16 @@ def build_stages(
     """
     aliases = _aliases(source.model)  # taken before tracing
     traced = trace_for_plan(plan, source.model, source.example)  # the trace holds its own copy of the model
-    if device.type != "cpu" and isinstance(traced, GraphTrace):
-        retarget_devices(traced.gm, device)  # traced on the CPU, run on the rank's GPU
+    # the graph the stages are cut from: under tensor parallelism a torch.export graph's layers become
+    # modules torch's styles shard, at one tp rank's sizes (the examples still come from ``traced``)
+    shardable = shardable_trace(traced, source.model, source.example, plan.tp_plan, plan.tp)
+    if device.type != "cpu":
+        for trace in {id(t): t for t in (traced, shardable)}.values():
+            if isinstance(trace, GraphTrace):
+                retarget_devices(trace.gm, device)  # traced on the CPU, run on the rank's GPU
     root = trace_root(traced)
     ties = check_ties(plan, traced)
-    cut = _cut_stages(plan, source.example, traced, mesh, device)
+    cut = _cut_stages(plan, source.example, traced, mesh, device, shardable)
     vocab = vocab_size_of(traced, source.example) if want_vocab else None
     # Zero-bubble schedules compute weight gradients with autograd.grad, past DDP's hooks, so there
     # the replicas' gradients are averaged by ``finish`` instead (the same all-reduce, after the step's
@@ -175,9 +180,11 @@ def build_stages(
 
 
 def _cut_stages(
-    plan: Plan, example: tuple, traced: TracedModel, mesh: RankMesh, device: torch.device
+    plan: Plan, example: tuple, traced: TracedModel, mesh: RankMesh, device: torch.device, shardable: TracedModel
 ) -> list[_CutStage]:
-    """Every stage of this rank cut out of the trace, each with its example input and output.
+    """Every stage of this rank cut out of ``shardable`` (``traced``, or its graph with the layers
+    tensor parallelism shards as modules: ``shardable_trace``), each with its example input and
+    output, made on ``traced``.
 
     All the examples are made before any module is wrapped: FSDP shards the modules of the trace in
     place, after which the trace's other cuts (the prefix that makes a later stage's example)
@@ -186,13 +193,19 @@ def _cut_stages(
     cut: list[_CutStage] = []
     for stage_plan in plan.stages_of(mesh.pp_rank):
         clock = _block_clock(plan, stage_plan, device)
-        built = _stage_chain(plan, traced, stage_plan, clock)
+        built = _stage_chain(plan, shardable, stage_plan, clock)
         inner = built
         module = ContiguousBoundary(inner)
+        # a shardable export graph has one tp rank's sizes baked in: its examples come from the full one
+        shown = (
+            module
+            if shardable is traced
+            else ContiguousBoundary(stage_module(traced, stage_plan.start, stage_plan.end))
+        )
         # under the plan's autocast, so the examples (and the receive buffers made from them) have
         # the dtypes that will cross the cut
         with autocast_region(plan, device.type):
-            example_in, example_out = _example_io(traced, stage_plan.start, module, example, device)
+            example_in, example_out = _example_io(traced, stage_plan.start, shown, example, device)
         # under tensor parallelism, what crosses to another pipeline rank crosses as 1/tp pieces
         group = mesh.tp_mesh.get_group() if mesh.tp_mesh is not None else None
         module.scatter = boundary_scatter(plan, stage_plan, example_in, example_out, group, mesh.tp_rank)
