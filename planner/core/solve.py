@@ -72,6 +72,7 @@ from planner.core.solve_engine import (
 from planner.core.stage_model import (
     Partition,
     StageSums,
+    boundary_message_s,
     ceil_div,
     cold_in,
     cold_out,
@@ -161,11 +162,11 @@ class _MemoryModel:
             self.pre_a[e] - self.pre_a[s],
             self.cut_in[s],
             self.cut_out[e],
+            self.kept_in[s],
             self.out[e],
             self.temps.of(s, e),
             self.regions.of(s, e),
             None if self.loss_temp[e] < 0 else self.loss_temp[e],
-            self.kept_in[s],
         )
         parts = parts_from_sums(sums, self.optimizer, recompute, self.m, self.shard, self.per_block)
         return parts.peak(in_flight, self.fresh)
@@ -228,23 +229,14 @@ class _Arrays:
         pairs = [(a, a if k == self.p - 1 else b) for k, (a, b) in enumerate(pairs)]  # the last stage sends nothing
         self.pairs = list(dict.fromkeys(pairs))
         self.variant = [self.pairs.index(pair) for pair in pairs]
-        # comm_fwd + comm_bwd = 2 * (send in + send out) + their tensor-parallel all-gathers (one each way,
-        # stage_model._boundary_send_s); a boundary's receiver also starts cold
+        # comm_fwd + comm_bwd = both directions' messages in and out (stage_model._boundary_send_s); a
+        # boundary's receiver also starts cold
         send_in = [
-            [0.0]
-            + [
-                2 * one.send_s(blocks[s - 1].sent_bytes) + blocks[s - 1].cut_gather_s + cold_in(blocks, s)
-                for s in range(1, n)
-            ]
+            [0.0] + [2 * boundary_message_s(blocks[s - 1], one) + cold_in(blocks, s) for s in range(1, n)]
             for one in distinct
         ]
         send_out = [
-            [0.0]
-            + [
-                2 * one.send_s(blocks[e - 1].sent_bytes) + blocks[e - 1].cut_gather_s + cold_out(blocks, e)
-                for e in range(1, n)
-            ]
-            + [0.0]
+            [0.0] + [2 * boundary_message_s(blocks[e - 1], one) + cold_out(blocks, e) for e in range(1, n)] + [0.0]
             for one in distinct
         ]
         if within in ids:

@@ -67,6 +67,13 @@ class Partition(BaseModel):
         return v
 
 
+def boundary_message_s(block: BlockCost, link: LinkCost) -> float:
+    """Seconds of one direction's message over ``link`` at the boundary after ``block``: the piece a
+    rank sends (``sent_bytes``) plus half the tensor-parallel all-gather of a scattered boundary (one
+    all-gather each way; like every message, charged half to each direction)."""
+    return link.send_s(block.sent_bytes) + block.cut_gather_s / 2
+
+
 def _boundary_send_s(
     blocks: Sequence[BlockCost],
     start: int,
@@ -89,11 +96,9 @@ def _boundary_send_s(
     """
     s = 0.0
     if start > 0 and cross_in:
-        into = blocks[start - 1]
-        s += link.send_s(into.sent_bytes) + into.cut_gather_s / 2
+        s += boundary_message_s(blocks[start - 1], link)
     if end < len(blocks) and cross_out:
-        out = blocks[end - 1]
-        s += (link_out or link).send_s(out.sent_bytes) + out.cut_gather_s / 2
+        s += boundary_message_s(blocks[end - 1], link_out or link)
     return s
 
 
@@ -431,7 +436,7 @@ def _stage_sums(
     )
     kept_in = blocks[start - 1].cut_bytes if start > 0 else 0
     sums = StageSums(
-        p_bytes, n_params, a_bytes, cut_in, cut_out, out, step_temp, summed, loss_temps(blocks, end), kept_in
+        p_bytes, n_params, a_bytes, cut_in, cut_out, kept_in, out, step_temp, summed, loss_temps(blocks, end)
     )
     return sums, regions
 
@@ -450,11 +455,11 @@ class StageSums(NamedTuple):
     a_bytes: int  # A: activation bytes saved per microbatch
     cut_in: int  # bytes received per microbatch (0 for the first stage): one tensor-parallel rank's piece
     cut_out: int  # bytes sent per microbatch (0 for the last stage), the same
+    kept_in: int  # the whole input, gathered over tensor-parallel ranks (0 for the first stage)
     out: int  # the stage's output per microbatch (the model's output for the last stage)
     step_temp: int | None  # T when measured for every block (None: ``optimizer.step_temp_bytes``)
     regions: Regions | None = None  # its checkpoint regions (None: one region, the whole stage)
     loss_temp: int | None = None  # the loss's backward temporaries (``loss_temps``: the last stage's), first
-    kept_in: int | None = None  # the whole input, gathered over tensor-parallel ranks (None: ``cut_in``)
 
 
 class Regions(NamedTuple):
@@ -478,8 +483,7 @@ def _recomputed(sums: StageSums, mode: RecomputeMode) -> tuple[int, int]:
     if mode == "selective":
         return regions.inputs + regions.kept, regions.most_rebuilt
     if mode == "stage":  # one region: its input (and the loss's) kept, all the rest rebuilt at once
-        kept_in = sums.cut_in if sums.kept_in is None else sums.kept_in
-        return kept_in + regions.held, sums.a_bytes - regions.held + regions.temp
+        return sums.kept_in + regions.held, sums.a_bytes - regions.held + regions.temp
     return sums.a_bytes, regions.temp
 
 
@@ -518,7 +522,7 @@ def parts_from_sums(
     Raises:
         InfeasibleError: "mode:k" without ``recomputed`` (the sums do not tell which regions).
     """
-    p_bytes, n_params, _, cut_in, cut_out, out, step_temp, regions, loss_temp, _ = sums
+    p_bytes, n_params, _, cut_in, cut_out, _, out, step_temp, regions, loss_temp = sums
     step = optimizer.step_temp_bytes(n_params) if step_temp is None else step_temp
     if recomputed is None:
         mode, count = split_recompute(recompute_mode(recompute))

@@ -9,9 +9,9 @@ asked one stage at a time or, as arrays, for many stages at once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -188,14 +188,37 @@ class BlockSums:
     regions: RegionSums
 
 
-# The search solves hundreds of layouts over the same blocks: their sums are made once per blocks
-# object (a 1,000-layer model spent a quarter of its search rebuilding them). Keyed by identity,
-# the blocks kept alongside so the id cannot be reused while cached.
-_SUMS: dict[int, tuple[Sequence[BlockCost], OptimizerSpec, BlockSums]] = {}
+_T = TypeVar("_T")
+
+
+def _per_blocks(
+    store: dict[int, tuple[Sequence[BlockCost], Any, Any]],
+    blocks: Sequence[BlockCost],
+    key: Any,
+    make: Callable[[], _T],
+) -> _T:
+    """``make()``, once per blocks object and ``key`` while the last 8 are kept in ``store``.
+
+    The search solves hundreds of layouts over the same blocks: their sums are made once per blocks
+    object (a 1,000-layer model spent a quarter of its search rebuilding them). Keyed by identity,
+    the blocks kept alongside so the id cannot be reused while cached.
+    """
+    known = store.get(id(blocks))
+    if known is not None and known[0] is blocks and known[1] == key:
+        value: _T = known[2]
+        return value
+    value = make()
+    if len(store) >= 8:
+        store.pop(next(iter(store)))
+    store[id(blocks)] = (blocks, key, value)
+    return value
+
+
+_SUMS: dict[int, tuple[Sequence[BlockCost], Any, Any]] = {}
 
 
 def block_sums(blocks: Sequence[BlockCost], optimizer: OptimizerSpec) -> BlockSums:
-    """The blocks' ``BlockSums``, made once per blocks object (see ``_SUMS``).
+    """The blocks' ``BlockSums``, made once per blocks object and optimizer (``_per_blocks``).
 
     Args:
         blocks: per-block costs.
@@ -204,9 +227,10 @@ def block_sums(blocks: Sequence[BlockCost], optimizer: OptimizerSpec) -> BlockSu
     Returns:
         The sums (shared: never modify them).
     """
-    known = _SUMS.get(id(blocks))
-    if known is not None and known[0] is blocks and known[1] == optimizer:
-        return known[2]
+    return _per_blocks(_SUMS, blocks, optimizer, lambda: _block_sums(blocks, optimizer))
+
+
+def _block_sums(blocks: Sequence[BlockCost], optimizer: OptimizerSpec) -> BlockSums:
     n = len(blocks)
     pre_p, pre_n, pre_a = [0], [0], [0]
     for b in blocks:
@@ -229,9 +253,6 @@ def block_sums(blocks: Sequence[BlockCost], optimizer: OptimizerSpec) -> BlockSu
         temps=StepTemps(blocks, optimizer),
         regions=RegionSums(blocks),
     )
-    if len(_SUMS) >= 8:
-        _SUMS.pop(next(iter(_SUMS)))
-    _SUMS[id(blocks)] = (blocks, optimizer, sums)
     return sums
 
 
@@ -247,12 +268,11 @@ class BlockTimes:
     rerun: list[float]  # each block's full re-run as the last of a region
 
 
-_TIMES: dict[int, tuple[Sequence[BlockCost], BlockTimes]] = {}
+_TIMES: dict[int, tuple[Sequence[BlockCost], Any, Any]] = {}
 
 
 def block_times(blocks: Sequence[BlockCost]) -> BlockTimes:
-    """The blocks' ``BlockTimes``, made once per blocks object (as ``block_sums``: the search solves
-    hundreds of layouts over the same blocks).
+    """The blocks' ``BlockTimes``, made once per blocks object (``_per_blocks``).
 
     Args:
         blocks: per-block costs.
@@ -260,9 +280,10 @@ def block_times(blocks: Sequence[BlockCost]) -> BlockTimes:
     Returns:
         The sums (shared: never modify them).
     """
-    known = _TIMES.get(id(blocks))
-    if known is not None and known[0] is blocks:
-        return known[1]
+    return _per_blocks(_TIMES, blocks, None, lambda: _block_times(blocks))
+
+
+def _block_times(blocks: Sequence[BlockCost]) -> BlockTimes:
     n = len(blocks)
     pre, pre_r, pre_rs, pre_f = [0.0], [0.0], [0.0], [0.0]
     rerun = [full_rerun_cost(b, True) for b in blocks]
@@ -271,8 +292,4 @@ def block_times(blocks: Sequence[BlockCost]) -> BlockTimes:
         pre_r.append(pre_r[-1] + (rerun[i] if b.cut_legal or i == n - 1 else full_rerun_cost(b, False)))
         pre_rs.append(pre_rs[-1] + selective_cost(b))
         pre_f.append(pre_f[-1] + b.fwd_s)
-    times = BlockTimes(pre, pre_r, pre_rs, pre_f, rerun)
-    if len(_TIMES) >= 8:
-        _TIMES.pop(next(iter(_TIMES)))
-    _TIMES[id(blocks)] = (blocks, times)
-    return times
+    return BlockTimes(pre, pre_r, pre_rs, pre_f, rerun)
