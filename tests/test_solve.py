@@ -1223,3 +1223,36 @@ def test_stage_plans_charge_cold_starts_only_across_ranks() -> None:
     looped, _ = predicted(blocks, (0, 1, 2, 3), FREE, "1f1b", 4, SGD)
     assert [s.fwd_s for s in looped] == [1.0, 1.5, 1.5, 1.5]
     assert [s.bwd_s for s in looped] == [1.25, 1.25, 1.25, 1.0]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    instances(),
+    st.sampled_from([1, 2, 4]),
+    st.sampled_from([1, 3]),
+    st.booleans(),
+    st.sampled_from([1, 2]),
+    st.one_of(st.none(), st.integers(0, 50)),
+)
+def test_prediction_reads_stage_memory_off_prefix_sums_exactly(
+    inst: Any, cut_share: int, m: int, per_block: bool, shard: int, opt_temp: int | None
+) -> None:
+    """``predict``'s stage memory (the blocks' prefix sums) equals ``stage_memory_parts`` (block by
+    block) for every stage, recompute mode, tensor-parallel piece, FSDP sharding and optimizer
+    temporaries, measured or not; partial recomputation ("mode:k") takes the block-by-block path."""
+    from planner.core.predict import _memory_parts
+    from planner.core.stage_model import stage_memory_parts
+
+    blocks, *_ = inst
+    blocks = [
+        b.model_copy(update={"cut_share": cut_share, "opt_temp_bytes": opt_temp if i % 2 else None})
+        for i, b in enumerate(blocks)
+    ]
+    layout = memory_layout(m, shard, per_block=per_block)
+    n = len(blocks)
+    heads = [0] + [c for c in range(1, n) if blocks[c - 1].cut_legal]  # the stages a split can have
+    for s in heads:
+        for e in [x for x in heads if x > s] + [n]:
+            for mode in (False, True, "never", "selective", "full", "stage", "full:1", "selective:1"):
+                want = stage_memory_parts(blocks, s, e, ADAMW, mode, m, layout.shard, layout.per_block)
+                assert _memory_parts(blocks, s, e, ADAMW, mode, layout) == want, (s, e, mode)

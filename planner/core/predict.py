@@ -24,12 +24,21 @@ from planner.core.data_parallel import (
 )
 from planner.core.inputs import Layout
 from planner.core.links import Links, NodeLinks, boundary_links, default_link, links_around
-from planner.core.recompute import compact_flags, recompute_flags
+from planner.core.recompute import compact_flags, recompute_flags, recompute_mode
 from planner.core.schedules import Action, in_flight_per_stage, peak_live_bytes, rank_orders, stage_ranks
 from planner.core.simulate import SimResult, StageTimes, simulate, simulate_step
-from planner.core.stage_model import MemoryParts, cold_in, cold_out, stage_costs, stage_memory_parts, stage_time_parts
+from planner.core.stage_model import (
+    MemoryParts,
+    cold_in,
+    cold_out,
+    parts_from_sums,
+    stage_costs,
+    stage_memory_parts,
+    stage_time_parts,
+)
+from planner.core.stage_sums import block_sums
 from planner.errors import InfeasibleError
-from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec, split_recompute
 from planner.schema.plan import Plan, Prediction, ProfileInfo, StagePlan
 
 
@@ -86,11 +95,7 @@ def predict(
     orders = rank_orders(schedule, p, n_microbatches, layout.stages_per_rank)
     in_flight = in_flight_per_stage(schedule, p, n_microbatches, layout.stages_per_rank)
     ends = list(starts[1:]) + [len(blocks)]
-    m, shard = layout.n_microbatches, layout.shard
-    parts = [
-        stage_memory_parts(blocks, a, b, optimizer, flags[i], m, shard, layout.per_block)
-        for i, (a, b) in enumerate(zip(starts, ends))
-    ]
+    parts = [_memory_parts(blocks, a, b, optimizer, flags[i], layout) for i, (a, b) in enumerate(zip(starts, ends))]
     stages = [
         _stage_plan(
             blocks, i, (a, b), links_around(links, i, default_link(link)), flags[i], in_flight[i], context, parts[i]
@@ -376,6 +381,19 @@ def slots_of(profile: ProfileInfo) -> float | None:
 def optimizer_cost(block: BlockCost) -> float:
     """The block's share of the optimizer step; 0 when it was not timed (None)."""
     return block.opt_s if block.opt_s is not None else 0.0
+
+
+def _memory_parts(
+    blocks: Sequence[BlockCost], start: int, end: int, optimizer: OptimizerSpec, recompute: bool | str, layout: Layout
+) -> MemoryParts:
+    """``stage_memory_parts`` of a stage under the layout, its sums read off the blocks' prefix sums
+    (made once per blocks object: a search predicts hundreds of layouts over the same blocks) unless
+    only its first k regions recompute, which needs them region by region."""
+    mode, count = split_recompute(recompute_mode(recompute))
+    m, shard, per_block = layout.n_microbatches, layout.shard, layout.per_block
+    if count is not None:
+        return stage_memory_parts(blocks, start, end, optimizer, recompute, m, shard, per_block)
+    return parts_from_sums(block_sums(blocks, optimizer).stage(start, end), optimizer, mode, m, shard, per_block)
 
 
 @dataclass(frozen=True)

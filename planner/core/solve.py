@@ -71,7 +71,6 @@ from planner.core.solve_engine import (
 )
 from planner.core.stage_model import (
     Partition,
-    StageSums,
     boundary_message_s,
     ceil_div,
     cold_in,
@@ -153,22 +152,11 @@ class _MemoryModel:
         self.kept_in = sums.kept_in
         self.loss_temp = sums.loss_temp  # -1: not the last stage, or not measured
         self.temps, self.regions = sums.temps, sums.regions
+        self.sums = sums
 
     def bytes(self, s: int, e: int, in_flight: int, recompute: bool | str = False) -> int:
         # Same formula as stage_memory_bytes.
-        sums = StageSums(
-            self.pre_p[e] - self.pre_p[s],
-            self.pre_n[e] - self.pre_n[s],
-            self.pre_a[e] - self.pre_a[s],
-            self.cut_in[s],
-            self.cut_out[e],
-            self.kept_in[s],
-            self.out[e],
-            self.temps.of(s, e),
-            self.regions.of(s, e),
-            None if self.loss_temp[e] < 0 else self.loss_temp[e],
-        )
-        parts = parts_from_sums(sums, self.optimizer, recompute, self.m, self.shard, self.per_block)
+        parts = parts_from_sums(self.sums.stage(s, e), self.optimizer, recompute, self.m, self.shard, self.per_block)
         return parts.peak(in_flight, self.fresh)
 
     def choice(self, s: int, e: int, in_flight: int) -> RecomputeMode | None:

@@ -17,7 +17,7 @@ import numpy as np
 
 from planner.core.recompute import full_rerun_cost, kept_bytes, loss_held, loss_temps, selective_cost, temp_bytes
 from planner.core.solve_engine import AnyIntArray, IntArray
-from planner.core.stage_model import Regions
+from planner.core.stage_model import Regions, StageSums
 from planner.schema.costs import BlockCost, OptimizerSpec
 
 
@@ -186,6 +186,22 @@ class BlockSums:
     loss_temp: list[int]
     temps: StepTemps
     regions: RegionSums
+
+    def stage(self, s: int, e: int) -> StageSums:
+        """The ``StageSums`` of the stage ``[s, e)`` in O(1): what ``stage_memory_parts`` sums block by
+        block (``s < e``, a valid range)."""
+        return StageSums(
+            self.pre_p[e] - self.pre_p[s],
+            self.pre_n[e] - self.pre_n[s],
+            self.pre_a[e] - self.pre_a[s],
+            self.cut_in[s],
+            self.cut_out[e],
+            self.kept_in[s],
+            self.out[e],
+            self.temps.of(s, e),
+            self.regions.of(s, e),
+            None if self.loss_temp[e] < 0 else self.loss_temp[e],
+        )
 
 
 _T = TypeVar("_T")
