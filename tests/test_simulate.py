@@ -444,3 +444,30 @@ def test_program_simulation_is_bit_identical_to_the_event_loop(
     res = simulate(timed, schedule, m, stages_per_rank=v)
     assert (res.events, res.busy_s, res.step_time_s) == (events, busy, makespan)
     assert simulate_step(timed, schedule, m, stages_per_rank=v) == (res.step_time_s, res.bubble_fraction)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_program_slots_state_the_dependency_rules(schedule: str) -> None:
+    """``_coded`` (the slots a simulator program runs on) says what ``_deps`` / ``_produces`` say, for
+    every action of every schedule on small shapes."""
+    from planner.core.simulate import _coded, _deps, _produces
+
+    for p in (1, 2, 3, 4):
+        for v in stages_per_rank_options(schedule, 3):
+            for m in (1, 2, 4, 5, 8):
+                try:
+                    check_schedule(schedule, p, m, v)
+                except InfeasibleError:
+                    continue
+                n = p * v
+
+                def slot(key: tuple[str, int, int], n: int = n, m: int = m) -> int:
+                    kind, stage, mb = key
+                    return (n * m if kind == "G" else 0) + stage * m + mb
+
+                for order in rank_orders(schedule, p, m, v):
+                    for a in order:
+                        deps = [slot(k) for k in _deps(a, n)] + [-1, -1]
+                        made = _produces(a)
+                        want = (deps[0], deps[1], -1 if made is None else slot(made))
+                        assert _coded(a, n, m)[:3] == want, (schedule, p, v, m, a)

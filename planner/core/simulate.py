@@ -278,16 +278,18 @@ def _sweep(orders: tuple[tuple[Action, ...], ...], n_stages: int, m: int) -> tup
 
 
 def _coded(a: Action, n_stages: int, m: int) -> tuple[int, int, int, int]:
-    """An action's two dependency slots (``_deps``), the slot it sets (``_produces``; -1: none) and its
-    duration's index. The slot of ("F", s, mb) is s m + mb; of ("G", s, mb) the same after every "F"."""
-
-    def slot(key: Key) -> int:
-        kind, stage, mb = key
-        return (n_stages * m if kind == "G" else 0) + stage * m + mb
-
-    deps = [slot(k) for k in _deps(a, n_stages)] + [-1, -1]
-    made = _produces(a)
-    return deps[0], deps[1], -1 if made is None else slot(made), 4 * a.stage + KINDS.index(a.kind)
+    """An action's two dependency slots, the slot it sets (-1: none) and its duration's index: the
+    rules of ``_deps`` and ``_produces`` written out as slots (slot of ("F", s, mb): s m + mb; of
+    ("G", s, mb): the same after every "F"), as it runs once per action of every shape (the two
+    agree on every action: tests/test_simulate.py)."""
+    s, mb, grads = a.stage, a.microbatch, n_stages * m
+    duration = 4 * s + KINDS.index(a.kind)
+    if a.kind == "F":
+        return ((s - 1) * m + mb if s > 0 else -1), -1, s * m + mb, duration
+    if a.kind == "W":
+        return grads + s * m + mb, -1, -1, duration
+    after = grads + (s + 1) * m + mb if s < n_stages - 1 else -1
+    return s * m + mb, after, grads + s * m + mb, duration
 
 
 def _run(

@@ -71,17 +71,14 @@ from planner.core.solve_engine import (
 )
 from planner.core.stage_model import (
     Partition,
-    boundary_message_s,
     ceil_div,
-    cold_in,
-    cold_out,
     evaluate,
     grad_bytes,
     parts_from_sums,
     stage_bounds,
     unsharded_bytes,
 )
-from planner.core.stage_sums import StepTempArrays, block_sums, block_times
+from planner.core.stage_sums import StepTempArrays, block_sums, block_times, message_rows
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec, RecomputeMode
 
@@ -219,14 +216,9 @@ class _Arrays:
         self.variant = [self.pairs.index(pair) for pair in pairs]
         # comm_fwd + comm_bwd = both directions' messages in and out (stage_model._boundary_send_s); a
         # boundary's receiver also starts cold
-        send_in = [
-            [0.0] + [2 * boundary_message_s(blocks[s - 1], one) + cold_in(blocks, s) for s in range(1, n)]
-            for one in distinct
-        ]
-        send_out = [
-            [0.0] + [2 * boundary_message_s(blocks[e - 1], one) + cold_out(blocks, e) for e in range(1, n)] + [0.0]
-            for one in distinct
-        ]
+        rows = [message_rows(blocks, one) for one in distinct]
+        send_in = [row_in for row_in, _ in rows]
+        send_out = [row_out for _, row_out in rows]
         if within in ids:
             send_in.append([0.0] * n)
             send_out.append([0.0] * (n + 1))

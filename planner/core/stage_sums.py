@@ -17,8 +17,8 @@ import numpy as np
 
 from planner.core.recompute import full_rerun_cost, kept_bytes, loss_held, loss_temps, selective_cost, temp_bytes
 from planner.core.solve_engine import AnyIntArray, IntArray
-from planner.core.stage_model import Regions, StageSums
-from planner.schema.costs import BlockCost, OptimizerSpec
+from planner.core.stage_model import Regions, StageSums, boundary_message_s, cold_in, cold_out
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 
 
 class RangeMax:
@@ -285,6 +285,25 @@ class BlockTimes:
 
 
 _TIMES: dict[int, tuple[Sequence[BlockCost], Any, Any]] = {}
+_ROWS: dict[int, tuple[Sequence[BlockCost], Any, Any]] = {}
+
+
+def message_rows(blocks: Sequence[BlockCost], link: LinkCost) -> tuple[list[float], list[float]]:
+    """Per stage start ``s`` (index s, 0 for the first stage) both directions' messages in over
+    ``link`` plus the receiver's cold start, and per stage end ``e`` (index e, 0 for none, n for the
+    last stage) the same out: the communication the solver's time model adds to a stage
+    (``stage_model._boundary_send_s``), made once per blocks object and link.
+
+    Returns:
+        The two rows (shared: never modify them).
+    """
+    per_link: dict[LinkCost, tuple[list[float], list[float]]] = _per_blocks(_ROWS, blocks, None, dict)
+    if link not in per_link:
+        n = len(blocks)
+        send_in = [0.0] + [2 * boundary_message_s(blocks[s - 1], link) + cold_in(blocks, s) for s in range(1, n)]
+        send_out = [0.0] + [2 * boundary_message_s(blocks[e - 1], link) + cold_out(blocks, e) for e in range(1, n)]
+        per_link[link] = (send_in, send_out + [0.0])
+    return per_link[link]
 
 
 def block_times(blocks: Sequence[BlockCost]) -> BlockTimes:
