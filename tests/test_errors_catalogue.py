@@ -730,6 +730,13 @@ CASES: list[Case] = [
         "training", "the data stream ends", "run {d}/ends.json --steps 3", 2, "train_batches() ended after 1 batch(es)"
     ),
     Case("training", "a NaN loss", "run {d}/nan.json --steps 3", 2, "step 2: the loss is nan; training stopped"),
+    Case(
+        "training",
+        "a tensor-parallel split the model's code cannot run (a torch.export trace reshaping to the full width)",
+        "run {d}/split.json --steps 1",
+        2,
+        "the model does not trace with its tp_plan layers split 2 ways",
+    ),
 ]
 
 
@@ -761,6 +768,17 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "        yield (x,), y\n        x = x * float('nan')\n        yield (x,), y\n",
     )
     _make_plan(d, nan, "nan.json", "--gpus", "1")
+    split = _toy(
+        d,
+        "split.py",
+        "        return self.net2(self.relu(self.net1(x)))\n",
+        "        h = self.relu(self.net1(x))\n"
+        "        if x.shape[0] > 0:  # control flow on a shape: fx cannot follow it, torch.export can\n"
+        "            h = h.reshape(x.shape[0], 10)  # the full hidden width\n"
+        "        return self.net2(h)\n\n\n"
+        'tp_plan = {"net1": "colwise", "net2": "rowwise"}\n',
+    )
+    _make_plan(d, split, "split.json", "--gpus", "2", "--tp", "2")
     return d
 
 
