@@ -20,6 +20,10 @@ from planner.schema.request import RunRequest  # noqa: E402
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
+# two pipeline ranks of two tensor-parallel ranks, a learning rate and clipping that show any difference
+TP2_1F1B: dict = dict(schedule="1f1b", n_microbatches=2, optimizer="sgd", lr=0.5, grad_clip=0.5, tp=2)
+
+
 def _run_and_compare(plan, tmp_path: Path, steps: int = 3, **request: object):  # type: ignore[no-untyped-def]
     path = saved(plan, tmp_path)
     got = run_plan(plan, RunRequest(plan_file=path, steps=steps, echo=False, **request))  # type: ignore[arg-type]
@@ -36,17 +40,7 @@ def _run_and_compare(plan, tmp_path: Path, steps: int = 3, **request: object):  
 def test_llama_tp2_pp2_matches_unsplit_model(tmp_path: Path, cut_share: int) -> None:
     # scattered: each tp rank sends half of the boundary and the receivers all-gather (run.boundary);
     # whole: a plan made before scattering, every tp rank sends all of it
-    plan = make_plan(
-        MODELS / "llama.py",
-        [0, 3],
-        schedule="1f1b",
-        n_microbatches=2,
-        optimizer="sgd",
-        lr=0.5,
-        grad_clip=0.5,
-        tp=2,
-        cut_share=cut_share,
-    )
+    plan = make_plan(MODELS / "llama.py", [0, 3], **TP2_1F1B, cut_share=cut_share)
     assert plan.world_size == 4
     got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
     assert [s.stage for s in got.stages] == [0, 1]  # one tp rank per pipeline rank reports
@@ -208,17 +202,7 @@ def test_hugging_face_llama_tp2_pp2_matches_unsplit_model(tmp_path: Path) -> Non
     # modules for torch's styles; the config's own tensor-parallel plan (base_model_tp_plan); the input
     # embedding tied to the head across the two pipeline ranks
     pytest.importorskip("transformers")
-    plan = make_plan(
-        MODELS / "hf" / "llama.py",
-        [0, 3],
-        size="tiny-tied",
-        schedule="1f1b",
-        n_microbatches=2,
-        optimizer="sgd",
-        lr=0.5,
-        grad_clip=0.5,
-        tp=2,
-    )
+    plan = make_plan(MODELS / "hf" / "llama.py", [0, 3], size="tiny-tied", **TP2_1F1B)
     assert plan.model.trace_method == "export" and plan.world_size == 4
     assert plan.tp_plan["model.layers.*.self_attn.k_proj"] == "colwise" and len(plan.ties) == 1
     got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
