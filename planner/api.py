@@ -41,8 +41,8 @@ from planner.core.predict import with_links
 from planner.core.schedules import check_placement, check_schedule, stages_per_rank_options
 from planner.costs.blocks import ties_of
 from planner.costs.scaling import fixed_fraction, measured_time_at
-from planner.costs.tensor_parallel import TensorParallelBlocks, tensor_parallel_blocks
-from planner.errors import InfeasibleError, PlanFileError
+from planner.costs.tensor_parallel import TensorParallelBlocks, split_refusal, tensor_parallel_blocks
+from planner.errors import InfeasibleError, ModelFileError, PlanFileError
 from planner.schema.costs import GLOO_CPU_LINK, NCCL_NVLINK_LINK, BlockCost, LinkCost, StepTempRule
 from planner.schema.plan import ModelRef, Plan, ProfileInfo, Tie
 from planner.schema.request import PlanRequest
@@ -206,16 +206,29 @@ def plan_from_costs(
         PlannerError: no layout fits, or the request cannot run on the model.
     """
     split = tensor_parallel_split(mf, request, costs, blocks)
-    plan = assemble_plan(
-        with_step_temp_rule(request, costs.step_temp_rule),
-        split.blocks,
-        link,
-        Origin(model_ref(mf, costs.traced, request), costs.profile, created=created, calibration=tuple(calibration)),
-        memory_limit_bytes=memory_limit_bytes,
-        ties=costs.ties,
-        tp_plan=split.plan,
-        progress=progress,
-    )
+
+    def assembled(split: TensorParallelBlocks) -> Plan:
+        origin = Origin(
+            model_ref(mf, costs.traced, request), costs.profile, created=created, calibration=tuple(calibration)
+        )
+        return assemble_plan(
+            with_step_temp_rule(request, costs.step_temp_rule),
+            split.blocks,
+            link,
+            origin,
+            memory_limit_bytes=memory_limit_bytes,
+            ties=costs.ties,
+            tp_plan=split.plan,
+            progress=progress,
+        )
+
+    plan = assembled(split)
+    why = split_refusal(costs.traced, mf, plan.tp, plan.tp_plan, request)  # the runner's check, made once here
+    if why is not None:
+        if isinstance(request.tp, int):
+            raise ModelFileError(f"--tp {request.tp}: {why}; give --tp 1")
+        split = TensorParallelBlocks(list(blocks), {}, f"tensor parallelism: none, {why}")
+        plan = assembled(split)
     if split.note:  # --tp auto on a model that cannot be split: say why it stays whole
         plan = plan.model_copy(update={"choice": f"{plan.choice}; {split.note}" if plan.choice else split.note})
     return plan

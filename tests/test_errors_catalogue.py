@@ -277,6 +277,21 @@ CASES: list[Case] = [
     ),
     Case(
         "model file",
+        "a tensor-parallel split the model's code cannot run (a torch.export trace reshaping to the full width)",
+        "plan {d}/bad.py --gpus 2 --tp 2 -b 8 --repeats 1 --warmup 0 -q",
+        2,
+        "--tp 2: the model does not trace with its tp_plan layers split 2 ways",
+        _variant(
+            "        return self.net2(self.relu(self.net1(x)))\n",
+            "        h = self.relu(self.net1(x))\n"
+            "        if x.shape[0] > 0:  # control flow on a shape: fx cannot follow it, torch.export can\n"
+            "            h = h.reshape(x.shape[0], self.net1.out_features)  # the full width\n"
+            "        return self.net2(h)\n\n\n"
+            'tp_plan = {"net1": "colwise", "net2": "rowwise"}\n',
+        ),
+    ),
+    Case(
+        "model file",
         "loss_fn raises",
         "plan {d}/bad.py --gpus 2",
         2,
@@ -730,13 +745,6 @@ CASES: list[Case] = [
         "training", "the data stream ends", "run {d}/ends.json --steps 3", 2, "train_batches() ended after 1 batch(es)"
     ),
     Case("training", "a NaN loss", "run {d}/nan.json --steps 3", 2, "step 2: the loss is nan; training stopped"),
-    Case(
-        "training",
-        "a tensor-parallel split the model's code cannot run (a torch.export trace reshaping to the full width)",
-        "run {d}/split.json --steps 1",
-        2,
-        "the model does not trace with its tp_plan layers split 2 ways",
-    ),
 ]
 
 
@@ -768,17 +776,6 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "        yield (x,), y\n        x = x * float('nan')\n        yield (x,), y\n",
     )
     _make_plan(d, nan, "nan.json", "--gpus", "1")
-    split = _toy(
-        d,
-        "split.py",
-        "        return self.net2(self.relu(self.net1(x)))\n",
-        "        h = self.relu(self.net1(x))\n"
-        "        if x.shape[0] > 0:  # control flow on a shape: fx cannot follow it, torch.export can\n"
-        "            h = h.reshape(x.shape[0], 10)  # the full hidden width\n"
-        "        return self.net2(h)\n\n\n"
-        'tp_plan = {"net1": "colwise", "net2": "rowwise"}\n',
-    )
-    _make_plan(d, split, "split.json", "--gpus", "2", "--tp", "2")
     return d
 
 

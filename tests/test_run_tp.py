@@ -224,12 +224,13 @@ def test_an_export_graph_that_bakes_full_widths_is_refused_before_launch(tmp_pat
 def test_tp_plan_patterns_match_one_name_part_per_star() -> None:
     from torch import nn
 
+    from planner.capture.tp_plan import match
     from planner.errors import PlanFileError
-    from planner.run.tensor_split import check_tp_split, matches, tp_styles
+    from planner.run.tensor_split import check_tp_split, tp_styles
 
-    assert matches("layers.0.attention.wq", "layers.*.attention.wq")
-    assert not matches("layers.0.1.attention.wq", "layers.*.attention.wq")
-    assert not matches("model.layers.0.attention.wq", "layers.*.attention.wq")
+    assert match("layers.*.attention.wq", "layers.0.attention.wq")
+    assert not match("layers.*.attention.wq", "layers.0.1.attention.wq")
+    assert not match("layers.*.attention.wq", "model.layers.0.attention.wq")
     model = nn.Sequential()
     model.add_module("up", nn.Linear(4, 6))
     model.add_module("down", nn.Linear(6, 4))

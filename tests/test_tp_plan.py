@@ -343,3 +343,26 @@ def test_plans_on_costs_made_once_equal_make_plan(tmp_path: Path) -> None:
     split = next(b for b in got.blocks if b.tp is not None)
     # a layer all-reduces two outputs of the hidden state's size forward, in bf16 as the cut after it
     assert split.tp is not None and split.tp.fwd_allreduce_bytes == 2 * split.cut_bytes
+
+
+def test_a_split_an_exported_model_cannot_run_is_refused_at_plan_time(tmp_path: Path) -> None:
+    # the runner's check (planner.capture.tp_graph), made once for the search's choice: --tp auto
+    # plans the model whole and says why, --tp 2 is one line
+    toy = (ROOT / "models" / "toy.py").read_text()
+    split = toy.replace(
+        "        return self.net2(self.relu(self.net1(x)))\n",
+        "        h = self.relu(self.net1(x))\n"
+        "        if x.shape[0] > 0:  # control flow on a shape: fx cannot follow it, torch.export can\n"
+        "            h = h.reshape(x.shape[0], self.net1.out_features)  # the full width\n"
+        "        return self.net2(h)\n\n\n"
+        'tp_plan = {"net1": "colwise", "net2": "rowwise"}\n',
+    )
+    assert split != toy
+    path = tmp_path / "split.py"
+    path.write_text(split)
+    base = dict(model_file=str(path), size="wide", gpus=2, gpu_type="h100", batch_size=8, progress=False)
+    plan = make_plan(PlanRequest.build(**base, tp="auto"))
+    assert plan.tp == 1 and plan.model.trace_method == "export"
+    assert "tensor parallelism: none, the model does not trace with its tp_plan layers split" in plan.choice
+    with pytest.raises(ModelFileError, match=r"--tp 2: the model does not trace .* give --tp 1"):
+        make_plan(PlanRequest.build(**base, tp=2))

@@ -59,10 +59,11 @@ from planner.capture.graph import _module_path
 from planner.capture.load import ModelFile
 from planner.capture.meta_cache import meta_op_cache, on_meta
 from planner.capture.signature import block_structure, rebuild, signature, spec
+from planner.capture.tp_graph import shard_sized_graph
 from planner.capture.tp_plan import check_tp_plan, config_heads, matched_modules, resolve_tp_plan, split_sizes
 from planner.core.hardware import HardwareSpec
 from planner.costs.roofline import _GEMMS, _gemm_dims
-from planner.errors import ModelFileError
+from planner.errors import ModelFileError, TraceError
 from planner.schema.costs import BlockCost, TensorParallelShare
 from planner.schema.request import PlanRequest
 from planner.torch_compat import TorchDispatchMode, no_dispatch
@@ -606,4 +607,41 @@ def tensor_parallel_blocks(
     return TensorParallelBlocks(out, resolved.plan)
 
 
-__all__ = ["TensorParallelBlocks", "gemm_seconds", "gemm_slowdown", "tensor_parallel_blocks", "tensor_parallel_shares"]
+def split_refusal(
+    traced: TracedModel, mf: ModelFile, tp: int, tp_plan: dict[str, str], request: PlanRequest
+) -> str | None:
+    """Why a plan's tensor-parallel split cannot run on the model, as the runner would find before
+    launch (``planner.capture.tp_graph``): a torch.export graph must trace again at one tp rank's
+    sizes into the same nodes. Checked once, for the split the search chose.
+
+    Args:
+        traced: the model as traced for the plan (at ``request.microbatch_size``).
+        mf: its model file (the example microbatch).
+        tp: the chosen tensor-parallel degree.
+        tp_plan: the patterns -> styles the plan splits by.
+        request: the plan request (its microbatch size and seed).
+
+    Returns:
+        The reason, or None (it runs, or needs no check: a torch.fx graph, tp 1).
+    """
+    if tp == 1 or not isinstance(traced, GraphTrace) or traced.method != "export":
+        return None
+    params = list(traced.model.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    inputs, _ = mf.batch(request.microbatch_size, seed=request.seed)
+    inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
+    try:
+        shard_sized_graph(traced, traced.model, inputs, tp_plan, tp)
+    except TraceError as e:
+        return str(e)
+    return None
+
+
+__all__ = [
+    "TensorParallelBlocks",
+    "gemm_seconds",
+    "gemm_slowdown",
+    "split_refusal",
+    "tensor_parallel_blocks",
+    "tensor_parallel_shares",
+]

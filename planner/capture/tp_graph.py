@@ -1,0 +1,221 @@
+"""A torch.export graph whose tensor-parallel layers torch's styles can shard (``shardable_trace``).
+
+torch's ``ColwiseParallel`` / ``RowwiseParallel`` shard ``nn.Linear`` / ``nn.Embedding`` modules a
+stage calls as modules: a torch.fx trace keeps them. A torch.export trace calls the weights as
+functions (``aten.linear``) and bakes every size into the graph (Hugging Face Llama's grouped-query
+attention expands a constant number of key/value heads), so a rank holding 1/tp of the heads needs
+a graph of its own sizes. Used by the runner before it shards (``planner.run.tensor_split``) and by
+``planner plan``, which checks once that a plan's split can run (``shard_sized_graph``).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from planner.capture.blocks import GraphTrace, TracedModel, target_name
+from planner.capture.graph import trace_export
+from planner.capture.tp_plan import STYLES, match
+from planner.capture.trace import short_reason
+from planner.errors import TraceError
+from planner.torch_compat import graph_copy
+
+
+def shardable_trace(
+    traced: TracedModel, model: nn.Module, inputs: tuple, tp_plan: dict[str, str], tp: int
+) -> TracedModel:
+    """A trace whose stages torch's tensor-parallel styles can shard: ``traced`` itself for a torch.fx
+    trace (its layers are modules); for a torch.export trace, the same graph with the planned layers
+    called as modules and the sizes it bakes in as one tensor-parallel rank sees them.
+
+    torch.export calls a linear layer as ``aten.linear(x, weight, bias)`` and bakes every size into
+    the graph: Hugging Face Llama's grouped-query attention expands the key/value heads to a constant
+    ``[batch, kv_heads, groups, seq, head_dim]``. A rank holding 1/tp of the heads needs the sizes its
+    own shards give, so the model is exported again with the planned layers' weights at their
+    shard's shape (the rest shared, not copied), and that graph, which must have the same nodes, is
+    the one the stages are cut from: each planned ``aten.linear`` / ``aten.embedding`` becomes a call
+    of an ``nn.Linear`` / ``nn.Embedding`` holding the model's own full parameters, which
+    ``shard_stage`` then shards. The examples a stage is built with still come from ``traced`` (full
+    sizes, unsharded weights).
+
+    Args:
+        traced: the model traced for the plan (``trace_for_plan``).
+        model: the model with its weights (as built for the run, unsharded).
+        inputs: the example microbatch's positional inputs the model was traced with.
+        tp_plan: the plan's patterns -> "colwise" | "rowwise".
+        tp: the tensor-parallel ranks.
+
+    Returns:
+        ``traced``, or a ``GraphTrace`` of the same blocks and nodes whose graph module shares
+        ``traced.gm``'s parameters.
+
+    Raises:
+        TraceError: a planned layer whose weight the graph uses other than as one linear or
+            embedding call, a width ``tp`` does not divide, or a model that does not trace (or traces
+            into other nodes) with its layers split ``tp`` ways.
+    """
+    sized = shard_sized_graph(traced, model, inputs, tp_plan, tp)
+    if sized is None:
+        return traced
+    assert isinstance(traced, GraphTrace)  # shard_sized_graph says None otherwise
+    graph = graph_copy(sized.graph)
+    for name in _planned_layers(traced.gm, tp_plan):
+        _call_as_module(traced.gm, graph, name)
+    return replace(traced, gm=fx.GraphModule(traced.gm, graph, traced.gm.__class__.__name__))
+
+
+def shard_sized_graph(
+    traced: TracedModel, model: nn.Module, inputs: tuple, tp_plan: dict[str, str], tp: int
+) -> fx.GraphModule | None:
+    """The model exported again with its planned layers' weights at one tensor-parallel rank's shard
+    shapes, checked to have ``traced``'s nodes (``shardable_trace``); ``traced`` is not changed.
+
+    Args:
+        traced: a trace of ``model`` (only a torch.export trace needs a graph of its own).
+        model: the model (its weights are shared with the copy exported, not copied).
+        inputs: the example microbatch's positional inputs, on the model's device.
+        tp_plan: the patterns -> "colwise" | "rowwise".
+        tp: the tensor-parallel ranks.
+
+    Returns:
+        The graph module at the shards' sizes; None for a torch.fx trace, tp 1 or no planned layer.
+
+    Raises:
+        TraceError: the reason the split cannot run (``shardable_trace``).
+    """
+    if not isinstance(traced, GraphTrace) or traced.method != "export" or tp == 1:
+        return None
+    layers = _planned_layers(traced.gm, tp_plan)
+    if not layers:
+        return None
+    calls = {name: _layer_call(traced.gm.graph, name) for name in layers}
+    local = _local_copy(model, {name: (calls[name].target, style) for name, style in layers.items()}, tp)
+    try:
+        gm = trace_export(local, inputs)
+    except Exception as e:  # any failure of the model's code at the shards' sizes: said in one line
+        raise TraceError(
+            f"the model does not trace with its tp_plan layers split {tp} ways ({short_reason(e)}): its code reads "
+            "the full number of heads or widths"
+        ) from e
+    _check_same_nodes(traced.gm.graph, gm.graph, tp)
+    return gm
+
+
+_LAYER_OPS = {"linear": 1, "embedding": 0}  # an aten layer call -> the position of its weight argument
+
+
+def _planned_layers(gm: fx.GraphModule, tp_plan: dict[str, str]) -> dict[str, str]:
+    """The graph module's modules holding a weight that ``tp_plan`` names, with their style."""
+    bad = sorted({s for s in tp_plan.values() if s not in STYLES})
+    if bad:
+        raise TraceError(f"tp_plan style {bad[0]!r} is not one of {', '.join(STYLES)}")
+    out: dict[str, str] = {}
+    for name, sub in gm.named_modules():
+        style = next((s for pat, s in tp_plan.items() if name and match(pat, name)), None)
+        if style is not None and isinstance(sub._parameters.get("weight"), nn.Parameter):
+            out[name] = style
+    return out
+
+
+def _layer_call(graph: fx.Graph, name: str) -> fx.Node:
+    """The one ``aten.linear`` / ``aten.embedding`` node that uses the layer ``name``'s weight."""
+    getters = [n for n in graph.nodes if n.op == "get_attr" and n.target == f"{name}.weight"]
+    users = [u for g in getters for u in g.users]
+    op = users[0].target if len(users) == 1 else None
+    kind = getattr(getattr(op, "_overloadpacket", None), "__name__", "")
+    if kind not in _LAYER_OPS or users[0].args[_LAYER_OPS[kind]] is not getters[0]:
+        uses = ", ".join(sorted({str(u.target) for u in users})) or "nothing"
+        raise TraceError(
+            f"tp_plan shards {name}, whose weight the model's graph uses as {uses}, not as one linear or embedding call"
+        )
+    return users[0]
+
+
+def _local_copy(model: nn.Module, layers: dict[str, tuple[Any, str]], tp: int) -> nn.Module:
+    """A copy of ``model`` whose planned layers' weights (and a colwise linear's bias) have one
+    tensor-parallel rank's shape, uninitialised; every other parameter and buffer is shared."""
+    memo: dict[int, Any] = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    for name, (op, style) in layers.items():
+        sub = model.get_submodule(name)
+        kind = op._overloadpacket.__name__
+        # the sharded dimension of the weight: linear weights are (out, in), embeddings (rows, width)
+        dim = {("linear", "colwise"): 0, ("linear", "rowwise"): 1, ("embedding", "colwise"): 1}.get((kind, style), 0)
+        for pname, p in sub.named_parameters(recurse=False):
+            if pname == "weight" or (pname == "bias" and kind == "linear" and style == "colwise"):
+                memo[id(p)] = nn.Parameter(_shard_shape(p, dim if pname == "weight" else 0, tp, name), p.requires_grad)
+    return copy.deepcopy(model, memo)
+
+
+def _shard_shape(p: torch.Tensor, dim: int, tp: int, name: str) -> torch.Tensor:
+    """An uninitialised tensor of ``p``'s shape with dimension ``dim`` split ``tp`` ways."""
+    if p.shape[dim] % tp:
+        raise TraceError(
+            f"tp_plan splits {name} over {tp} ranks, but its width {p.shape[dim]} is not a multiple of {tp}; "
+            "a tp that divides it would"
+        )
+    shape = list(p.shape)
+    shape[dim] //= tp
+    return torch.empty(shape, dtype=p.dtype, device=p.device)
+
+
+def _check_same_nodes(full: fx.Graph, local: fx.Graph, tp: int) -> None:
+    """The graph at the shards' sizes has the full graph's nodes, name for name and op for op."""
+
+    def nodes(g: fx.Graph) -> list[tuple[str, str, str]]:
+        return [(n.name, n.op, target_name(n.target)) for n in g.nodes]
+
+    a, b = nodes(full), nodes(local)
+    if a != b:
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        was = a[k] if k < len(a) else "none"
+        now = b[k] if k < len(b) else "none"
+        raise TraceError(
+            f"the model traces into other operations with its tp_plan layers split {tp} ways (node {k}: {was} whole, "
+            f"{now} split): its code branches on the heads or widths"
+        )
+
+
+def _call_as_module(root: fx.GraphModule, graph: fx.Graph, name: str) -> None:
+    """Replace the graph's call of the layer ``name`` (``aten.linear`` / ``aten.embedding`` on its
+    weight) by a call of an ``nn.Linear`` / ``nn.Embedding`` module holding ``root``'s own parameters,
+    installed in ``root`` under ``name``; the node keeps its name and metadata."""
+    call = _layer_call(graph, name)
+    holder = root.get_submodule(name)
+    weight = holder.get_parameter("weight")
+    args = list(call.args)
+    if call.target is torch.ops.aten.linear.default:
+        bias = args[2] if len(args) > 2 else None
+        if bias is not None and not (
+            isinstance(bias, fx.Node) and bias.op == "get_attr" and bias.target == f"{name}.bias"
+        ):
+            raise TraceError(f"tp_plan shards {name}, whose linear call adds a bias not its own")
+        layer: nn.Module = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        layer.weight = weight
+        if bias is not None:
+            layer.bias = holder.get_parameter("bias")
+        x = args[0]
+    else:
+        padding = args[2] if len(args) > 2 else -1
+        if not isinstance(padding, int) or any(args[3:]) or call.kwargs:  # scale_grad_by_freq, sparse
+            raise TraceError(f"tp_plan shards {name}, an embedding with options torch's styles do not keep")
+        layer = nn.Embedding(
+            weight.shape[0], weight.shape[1], padding_idx=None if padding == -1 else padding, device="meta"
+        )
+        layer.weight = weight
+        x = args[1]
+    parent, _, leaf = name.rpartition(".")
+    root.get_submodule(parent).register_module(leaf, layer)
+    with graph.inserting_before(call):
+        module_call = graph.call_module(name, (x,))
+    module_call.meta = dict(call.meta)
+    call.replace_all_uses_with(module_call)
+    old = call.name
+    graph.erase_node(call)
+    module_call.name = old
+
+
+__all__ = ["shard_sized_graph", "shardable_trace"]
