@@ -223,7 +223,9 @@ def plan_from_costs(
         )
 
     plan = assembled(split)
-    why = split_refusal(costs.traced, mf, plan.tp, plan.tp_plan, request)  # the runner's check, made once here
+    if plan.tp > 1 and costs.traced.method == "export":  # the runner's check, made once here (an export: seconds)
+        _say(request, f"checking that the model traces split {plan.tp} ways (torch.export at one rank's sizes)")
+    why = split_refusal(costs.traced, mf, plan.tp, plan.tp_plan, request)
     if why is not None:
         if isinstance(request.tp, int):
             raise ModelFileError(f"--tp {request.tp}: {why}; give --tp 1")
