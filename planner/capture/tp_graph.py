@@ -140,7 +140,10 @@ def _local_copy(model: nn.Module, layers: dict[str, tuple[Any, str]], tp: int) -
     tensor-parallel rank's shape, uninitialised; every other parameter and buffer is shared."""
     memo: dict[int, Any] = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     for name, (op, style) in layers.items():
-        sub = model.get_submodule(name)
+        try:
+            sub = model.get_submodule(name)
+        except AttributeError as e:  # the graph's module names are the model's; say so if not
+            raise TraceError(f"tp_plan shards {name}, which the model (as built) does not have") from e
         kind = op._overloadpacket.__name__
         # the sharded dimension of the weight: linear weights are (out, in), embeddings (rows, width)
         dim = {("linear", "colwise"): 0, ("linear", "rowwise"): 1, ("embedding", "colwise"): 1}.get((kind, style), 0)
@@ -154,8 +157,7 @@ def _shard_shape(p: torch.Tensor, dim: int, tp: int, name: str) -> torch.Tensor:
     """An uninitialised tensor of ``p``'s shape with dimension ``dim`` split ``tp`` ways."""
     if p.shape[dim] % tp:
         raise TraceError(
-            f"tp_plan splits {name} over {tp} ranks, but its width {p.shape[dim]} is not a multiple of {tp}; "
-            "a tp that divides it would"
+            f"tp_plan splits {name} over {tp} ranks, but its width {p.shape[dim]} is not a multiple of {tp}"
         )
     shape = list(p.shape)
     shape[dim] //= tp
