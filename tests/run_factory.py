@@ -26,6 +26,18 @@ MODELS = ROOT / "models"
 REL = 1e-4
 
 
+# models/toy.py made a model whose split its own code cannot run: control flow on a shape (fx cannot
+# follow it, torch.export can) and a reshape to the full hidden width, which one tp rank's half lacks
+TOY_FULL_WIDTH = (
+    "        return self.net2(self.relu(self.net1(x)))\n",
+    "        h = self.relu(self.net1(x))\n"
+    "        if x.shape[0] > 0:  # control flow on a shape: fx cannot follow it, torch.export can\n"
+    "            h = h.reshape(x.shape[0], self.net1.out_features)  # the full width\n"
+    "        return self.net2(h)\n\n\n"
+    'tp_plan = {"net1": "colwise", "net2": "rowwise"}\n',
+)
+
+
 def make_plan(
     model_path: Path,
     starts: list[int],

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from run_factory import TOY_FULL_WIDTH
 
 from cli import main
 
@@ -281,14 +282,7 @@ CASES: list[Case] = [
         "plan {d}/bad.py --gpus 2 --tp 2 -b 8 --repeats 1 --warmup 0 -q",
         2,
         "--tp 2: the model does not trace with its tp_plan layers split 2 ways",
-        _variant(
-            "        return self.net2(self.relu(self.net1(x)))\n",
-            "        h = self.relu(self.net1(x))\n"
-            "        if x.shape[0] > 0:  # control flow on a shape: fx cannot follow it, torch.export can\n"
-            "            h = h.reshape(x.shape[0], self.net1.out_features)  # the full width\n"
-            "        return self.net2(h)\n\n\n"
-            'tp_plan = {"net1": "colwise", "net2": "rowwise"}\n',
-        ),
+        _variant(*TOY_FULL_WIDTH),
     ),
     Case(
         "model file",

@@ -159,7 +159,7 @@ def test_fast_memory_path_matches_stage_memory_parts(
             want = None
         else:
             want = max(temps) if optimizer.step_temp_rule == "max" else sum(temps)  # type: ignore[type-var, arg-type]
-        assert mem.temps.of(s, e) == want
+        assert mem.sums.temps.of(s, e) == want
         for t in set(infl):
             for r in ("never", "selective", "full", "stage"):
                 ref = stage_memory_parts(blocks, s, e, optimizer, r, m, shard).peak(t, fresh)

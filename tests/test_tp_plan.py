@@ -349,14 +349,9 @@ def test_a_split_an_exported_model_cannot_run_is_refused_at_plan_time(tmp_path: 
     # the runner's check (planner.capture.tp_graph), made once for the search's choice: --tp auto
     # plans the model whole and says why, --tp 2 is one line
     toy = (ROOT / "models" / "toy.py").read_text()
-    split = toy.replace(
-        "        return self.net2(self.relu(self.net1(x)))\n",
-        "        h = self.relu(self.net1(x))\n"
-        "        if x.shape[0] > 0:  # control flow on a shape: fx cannot follow it, torch.export can\n"
-        "            h = h.reshape(x.shape[0], self.net1.out_features)  # the full width\n"
-        "        return self.net2(h)\n\n\n"
-        'tp_plan = {"net1": "colwise", "net2": "rowwise"}\n',
-    )
+    from run_factory import TOY_FULL_WIDTH
+
+    split = toy.replace(*TOY_FULL_WIDTH)
     assert split != toy
     path = tmp_path / "split.py"
     path.write_text(split)

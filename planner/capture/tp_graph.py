@@ -11,6 +11,7 @@ a graph of its own sizes. Used by the runner before it shards (``planner.run.ten
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -19,7 +20,7 @@ from torch import fx, nn
 
 from planner.capture.blocks import GraphTrace, TracedModel, target_name
 from planner.capture.graph import trace_export
-from planner.capture.tp_plan import STYLES, match
+from planner.capture.tp_plan import matched_modules, style_error
 from planner.capture.trace import short_reason
 from planner.errors import TraceError
 from planner.torch_compat import graph_copy
@@ -63,8 +64,8 @@ def shardable_trace(
         return traced
     assert isinstance(traced, GraphTrace)  # shard_sized_graph says None otherwise
     graph = graph_copy(sized.graph)
-    for name in _planned_layers(traced.gm, tp_plan):
-        _call_as_module(traced.gm, graph, name)
+    for name, call in _layer_calls(graph, _planned_layers(traced.gm, tp_plan)).items():
+        _call_as_module(traced.gm, graph, name, call)
     return replace(traced, gm=fx.GraphModule(traced.gm, graph, traced.gm.__class__.__name__))
 
 
@@ -92,7 +93,7 @@ def shard_sized_graph(
     layers = _planned_layers(traced.gm, tp_plan)
     if not layers:
         return None
-    calls = {name: _layer_call(traced.gm.graph, name) for name in layers}
+    calls = _layer_calls(traced.gm.graph, layers)
     local = _local_copy(model, {name: (calls[name].target, style) for name, style in layers.items()}, tp)
     try:
         gm = trace_export(local, inputs)
@@ -110,20 +111,29 @@ _LAYER_OPS = {"linear": 1, "embedding": 0}  # an aten layer call -> the position
 
 def _planned_layers(gm: fx.GraphModule, tp_plan: dict[str, str]) -> dict[str, str]:
     """The graph module's modules holding a weight that ``tp_plan`` names, with their style."""
-    bad = sorted({s for s in tp_plan.values() if s not in STYLES})
+    bad = style_error(tp_plan)
     if bad:
-        raise TraceError(f"tp_plan style {bad[0]!r} is not one of {', '.join(STYLES)}")
-    out: dict[str, str] = {}
-    for name, sub in gm.named_modules():
-        style = next((s for pat, s in tp_plan.items() if name and match(pat, name)), None)
-        if style is not None and isinstance(sub._parameters.get("weight"), nn.Parameter):
-            out[name] = style
-    return out
+        raise TraceError(bad)
+    return {
+        name: style
+        for name, (style, sub, _) in matched_modules(gm, tp_plan).items()
+        if isinstance(sub._parameters.get("weight"), nn.Parameter)
+    }
 
 
-def _layer_call(graph: fx.Graph, name: str) -> fx.Node:
-    """The one ``aten.linear`` / ``aten.embedding`` node that uses the layer ``name``'s weight."""
-    getters = [n for n in graph.nodes if n.op == "get_attr" and n.target == f"{name}.weight"]
+def _layer_calls(graph: fx.Graph, names: Iterable[str]) -> dict[str, fx.Node]:
+    """Each layer's one ``aten.linear`` / ``aten.embedding`` node on its weight (``_layer_call``), the
+    graph's attribute reads indexed once (a 70B graph has tens of thousands of nodes, hundreds of layers)."""
+    reads: dict[str, list[fx.Node]] = {}
+    for n in graph.nodes:
+        if n.op == "get_attr":
+            reads.setdefault(str(n.target), []).append(n)
+    return {name: _layer_call(reads.get(f"{name}.weight", []), name) for name in names}
+
+
+def _layer_call(getters: list[fx.Node], name: str) -> fx.Node:
+    """The one ``aten.linear`` / ``aten.embedding`` node that uses the layer ``name``'s weight, read by
+    the graph's ``getters`` of it."""
     users = [u for g in getters for u in g.users]
     op = users[0].target if len(users) == 1 else None
     kind = getattr(getattr(op, "_overloadpacket", None), "__name__", "")
@@ -181,11 +191,10 @@ def _check_same_nodes(full: fx.Graph, local: fx.Graph, tp: int) -> None:
         )
 
 
-def _call_as_module(root: fx.GraphModule, graph: fx.Graph, name: str) -> None:
-    """Replace the graph's call of the layer ``name`` (``aten.linear`` / ``aten.embedding`` on its
+def _call_as_module(root: fx.GraphModule, graph: fx.Graph, name: str, call: fx.Node) -> None:
+    """Replace the graph's ``call`` of the layer ``name`` (``aten.linear`` / ``aten.embedding`` on its
     weight) by a call of an ``nn.Linear`` / ``nn.Embedding`` module holding ``root``'s own parameters,
     installed in ``root`` under ``name``; the node keeps its name and metadata."""
-    call = _layer_call(graph, name)
     holder = root.get_submodule(name)
     weight = holder.get_parameter("weight")
     args = list(call.args)

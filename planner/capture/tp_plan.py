@@ -56,6 +56,12 @@ def match(pattern: str, name: str) -> bool:
     return len(parts) == len(names) and all(p == "*" or p == n for p, n in zip(parts, names))
 
 
+def style_error(tp_plan: Mapping[str, str]) -> str | None:
+    """What is wrong with a plan's styles as the runner applies them (None: only colwise / rowwise)."""
+    bad = sorted({s for s in tp_plan.values() if s not in STYLES})
+    return f"tp_plan style {bad[0]!r} is not one of {', '.join(STYLES)}" if bad else None
+
+
 def _checked(plan: object, where: str) -> tuple[dict[str, str], str]:
     """The plan as a str -> str dict, or the reason it cannot be used."""
     if not isinstance(plan, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
@@ -228,6 +234,7 @@ def check_tp_plan(model: nn.Module, plan: Mapping[str, str], tp: int = 1) -> Non
 
 __all__ = [
     "STYLES",
+    "style_error",
     "ResolvedPlan",
     "base_model_prefix",
     "check_tp_plan",

@@ -144,12 +144,7 @@ class _MemoryModel:
         self.per_block = layout.per_block  # FSDP block by block: a few units unsharded at a time
         self.fresh = layout.fresh_grads  # no gradients before a stage's first backward
         sums = block_sums(blocks, optimizer)
-        self.pre_p, self.pre_n, self.pre_a = sums.pre_p, sums.pre_n, sums.pre_a
-        self.cut_in, self.cut_out, self.out = sums.cut_in, sums.cut_out, sums.out
-        self.kept_in = sums.kept_in
-        self.loss_temp = sums.loss_temp  # -1: not the last stage, or not measured
-        self.temps, self.regions = sums.temps, sums.regions
-        self.sums = sums
+        self.sums = sums  # prefix sums and per-boundary sizes (loss_temp -1: not the last stage, or not measured)
 
     def bytes(self, s: int, e: int, in_flight: int, recompute: bool | str = False) -> int:
         # Same formula as stage_memory_bytes.
@@ -258,28 +253,27 @@ class _Arrays:
             self._memory_arrays(self.mem)
 
     def _memory_arrays(self, mem: _MemoryModel) -> None:
-        n = self.n
-        pre_p, pre_n, pre_a = mem.pre_p[n], mem.pre_n[n], mem.pre_a[n]
-        cmax = max([0, *mem.kept_in, *mem.cut_out, *mem.out])
+        n, sums = self.n, mem.sums
+        pre_p, pre_n, pre_a = sums.pre_p[n], sums.pre_n[n], sums.pre_a[n]
+        cmax = max([0, *sums.kept_in, *sums.cut_out, *sums.out])
         # Every byte count the fit test forms stays below this (generous) bound, in magnitude.
-        temps = mem.temps
+        temps, regions = sums.temps, sums.regions
         static = 2 * pre_p + 16 * pre_n + temps.pre_sum[n]  # weights, grads, state, step temporaries
         # what checkpointing keeps, at most, and one backward's temporaries (a block's, or the loss's)
-        held = mem.regions.pre_in[n] + mem.regions.pre_kept[n] + max([*mem.regions.temps.table[0], mem.loss_temp[n]])
+        held = regions.pre_in[n] + regions.pre_kept[n] + max([*regions.temps.table[0], sums.loss_temp[n]])
         bound = 4 * (static + 2 * (mem.m + 1) * cmax + (self.big + 1) * (pre_a + held + 2 * cmax)) + 16
         dtype: Any = np.int64 if bound < 2**62 else object
-        self.pre_p = np.array(mem.pre_p, dtype=dtype)
-        self.pre_n = np.array(mem.pre_n, dtype=dtype)
-        self.pre_a = np.array(mem.pre_a, dtype=dtype)
-        self.cut_in = np.array(mem.cut_in, dtype=dtype)
-        self.kept_in = np.array(mem.kept_in, dtype=dtype)
-        self.cut_out = np.array(mem.cut_out, dtype=dtype)
-        self.out = np.array(mem.out, dtype=dtype)
-        self.loss_temp = np.array(mem.loss_temp, dtype=dtype)
+        self.pre_p = np.array(sums.pre_p, dtype=dtype)
+        self.pre_n = np.array(sums.pre_n, dtype=dtype)
+        self.pre_a = np.array(sums.pre_a, dtype=dtype)
+        self.cut_in = np.array(sums.cut_in, dtype=dtype)
+        self.kept_in = np.array(sums.kept_in, dtype=dtype)
+        self.cut_out = np.array(sums.cut_out, dtype=dtype)
+        self.out = np.array(sums.out, dtype=dtype)
+        self.loss_temp = np.array(sums.loss_temp, dtype=dtype)
         # the measured step temporaries (StepTemps as arrays)
         self.step_temps = StepTempArrays(temps, dtype, adamw=mem.optimizer.name == "adamw")
         # the checkpoint regions (RegionSums as arrays)
-        regions = mem.regions
         self.pre_in = np.array(regions.pre_in, dtype=dtype)
         self.pre_kept = np.array(regions.pre_kept, dtype=dtype)
         self.pre_held = np.array(regions.pre_held, dtype=dtype)

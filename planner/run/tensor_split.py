@@ -20,14 +20,8 @@ from torch import nn
 
 from planner.capture.blocks import TracedModel
 from planner.capture.tp_graph import shardable_trace as _shardable
-from planner.capture.tp_plan import STYLES, match
+from planner.capture.tp_plan import matched_modules, style_error
 from planner.errors import PlanFileError, TraceError
-
-
-def _check_styles(tp_plan: dict[str, str]) -> None:
-    bad = sorted({s for s in tp_plan.values() if s not in STYLES})
-    if bad:
-        raise PlanFileError(f"tp_plan style {bad[0]!r} is not one of {', '.join(STYLES)}")
 
 
 def tp_styles(module: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
@@ -45,12 +39,11 @@ def tp_styles(module: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
             ``nn.Linear`` nor an ``nn.Embedding`` (torch's styles shard only those; a torch.export
             graph's layer calls are made modules by ``shardable_trace``).
     """
-    _check_styles(tp_plan)
+    bad = style_error(tp_plan)
+    if bad:
+        raise PlanFileError(bad)
     out: dict[str, str] = {}
-    for name, sub in module.named_modules():
-        style = next((s for pat, s in tp_plan.items() if name and match(pat, name)), None)
-        if style is None:
-            continue
+    for name, (style, sub, _) in matched_modules(module, tp_plan).items():
         if not isinstance(sub, (nn.Linear, nn.Embedding)):
             raise PlanFileError(
                 f"tp_plan shards {name}, which this stage holds as a {type(sub).__name__}, not an nn.Linear: "
