@@ -44,8 +44,9 @@ Sizes:
   multiplier 1.2, multiple_of 4096 (FFN 53248), rope_theta 500000, seq_len 8192).
 
 Tensor parallelism: ``tp_plan`` shards q, k, v, w1, w3 by columns and wo, w2 by rows (Megatron's
-split); the attention reshapes to ``-1`` heads so a rank runs its n_heads / tp heads. The degree
-must divide n_kv_heads (8 for the published sizes).
+split), and the output head by vocabulary rows with its logits all-gathered (``colwise_rep``); the
+attention reshapes to ``-1`` heads so a rank runs its n_heads / tp heads. The degree must divide
+n_kv_heads (8 for the published sizes).
 
 Build the large sizes on the meta device (``with torch.device("meta"): build_model(**SIZES["70b"])``)
 to plan them without allocating weights.
@@ -243,6 +244,9 @@ tp_plan: dict[str, str] = {
     "layers.*.feed_forward.w1": "colwise",
     "layers.*.feed_forward.w3": "colwise",
     "layers.*.feed_forward.w2": "rowwise",
+    # the output head by vocabulary rows, its logits gathered whole for the loss (Megatron and torchtitan
+    # shard it too: at 128,256 logits it is 2/3 of a 405B layer's matrix work)
+    "output": "colwise_rep",
 }
 
 

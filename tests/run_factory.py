@@ -61,13 +61,14 @@ def make_plan(
     fsdp_units: str = "stage",
     dp_shard: int | None = None,
     cut_share: int | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> Plan:
     """A valid Plan for ``model_path`` whose stages start at the blocks in ``starts`` (placed on ranks
     as ``schedule`` places ``stages_per_rank`` stages per rank), run as ``dp`` replicas, each pipeline
     rank split over ``tp`` tensor-parallel ranks by ``tp_plan`` (None: the model file's own), each step
     in ``accumulation`` passes (under hsdp, ``dp_shard`` replicas per shard group); the boundaries
     scattered over ``cut_share`` tensor-parallel ranks (None: ``tp``, as the planner plans them; 1: sent
-    whole, as plans made before scattering)."""
+    whole, as plans made before scattering); ``overrides`` replace entries of the size's config (``--set``)."""
     import torch
 
     from planner.capture.load import load_model_file
@@ -75,7 +76,7 @@ def make_plan(
     from planner.capture.trace import trace_model
     from planner.costs.blocks import ties_of
 
-    mf = load_model_file(model_path, size)
+    mf = load_model_file(model_path, size, overrides)
     inputs, _ = mf.batch(batch_size // (dp * accumulation * n_microbatches), seed=seed)
     traced = trace_model(mf.build(seed), inputs)
     n = len(traced.blocks)

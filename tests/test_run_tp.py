@@ -138,6 +138,51 @@ def _scatter_gather_rank(rank: int, port: int) -> None:
 
 
 @pytest.mark.multiprocess
+def test_a_gathered_head_of_uneven_rows_is_exact_on_two_processes() -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gathered_head_rank, args=(_free_port(),), nprocs=2, join=True)
+
+
+def _gathered_head_rank(rank: int, port: int) -> None:
+    """colwise_rep over 2 ranks of a head with 5 output rows (3 and 2): the whole logits on both ranks,
+    the input's and the weight's gradients those of the unsplit head."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from planner.run.tensor_split import shard_stage, sharded_over_tp
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        stage = nn.ModuleDict({"norm": nn.LayerNorm(8), "head": nn.Linear(8, 5, bias=True)})
+        whole = nn.ModuleDict({"norm": nn.LayerNorm(8), "head": nn.Linear(8, 5, bias=True)})
+        whole.load_state_dict(stage.state_dict())
+        x = torch.randn(3, 4, 8)
+        x_whole = x.clone().requires_grad_()
+        x.requires_grad_()
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        assert shard_stage(stage, mesh, {"head": "colwise_rep"}) == {"head": "colwise_rep"}
+        got = stage["head"](stage["norm"](x))
+        want = whole["head"](whole["norm"](x_whole))
+        assert type(got) is torch.Tensor and got.shape == (3, 4, 5) and torch.allclose(got, want, atol=1e-6)
+        weight = stage["head"].weight
+        assert sharded_over_tp(weight) and weight.to_local().shape == ((3, 8) if rank == 0 else (2, 8))
+        got.square().sum().backward()
+        want.square().sum().backward()
+        assert x.grad is not None and x_whole.grad is not None and torch.allclose(x.grad, x_whole.grad, atol=1e-6)
+        assert weight.grad is not None and whole["head"].weight.grad is not None
+        assert torch.allclose(weight.grad.full_tensor(), whole["head"].weight.grad, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
 def test_tied_embedding_and_head_across_pipeline_ranks_tp2(tmp_path: Path) -> None:
     # stage 0: the embedding; stage 1: both layers (split colwise then rowwise) and the head tied to it
     tp_plan = {"layers.0": "colwise", "layers.1": "rowwise"}
@@ -176,7 +221,8 @@ def test_two_replicas_of_a_tp2_stage_match_one_process(tmp_path: Path, dp_mode: 
 def test_a_tp2_pp2_checkpoint_resumes_as_pp2_and_exports_full_weights(tmp_path: Path) -> None:
     from planner.run.checkpoint import save_weights, step_dir
 
-    common = dict(schedule="1f1b", n_microbatches=2, optimizer="adamw", grad_clip=0.5)
+    # a vocabulary of 511: the head (colwise_rep) is split unevenly, 256 and 255 rows, as DTensor shards it
+    common = dict(schedule="1f1b", n_microbatches=2, optimizer="adamw", grad_clip=0.5, overrides={"vocab_size": 511})
     tp_plan = make_plan(MODELS / "llama.py", [0, 3], tp=2, **common)  # type: ignore[arg-type]
     pp_plan = make_plan(MODELS / "llama.py", [0, 3], **common)  # type: ignore[arg-type]
     ckpt = tmp_path / "ckpt"
@@ -187,6 +233,7 @@ def test_a_tp2_pp2_checkpoint_resumes_as_pp2_and_exports_full_weights(tmp_path: 
     used, step = save_weights(tp_path, step_dir(ckpt, 2), tmp_path / "model.pt")
     state = torch.load(tmp_path / "model.pt")
     assert step == 2 and state["layers.0.attention.wq.weight"].shape == (64, 64)
+    assert state["output.weight"].shape == (511, 64)
     # resumed without tensor parallelism, from the sharded checkpoint, it continues the same run
     resumed = run_plan(pp_plan, RunRequest(plan_file=tp_path, steps=4, checkpoint_dir=ckpt, resume=True, echo=False))
     assert resumed.first_step == 3

@@ -57,6 +57,23 @@ def test_allreduce_is_a_ring_with_log_latency() -> None:
     assert allreduce_s(0.0, 1, 3, link) == pytest.approx(2e-5, rel=1e-12)
 
 
+def test_a_gathered_heads_logits_are_all_gathered_in_forward_only() -> None:
+    # a colwise_rep head: 2 MB of logits gathered over 4 ranks, (4-1)/4 x 2 MB = 1.5 ms on LINK, in
+    # forward only (its backward slices the gradient); its input gradient all-reduced as a colwise one's
+    head = block("output", 10, 20, 1000).model_copy(
+        update={
+            "tp": share(1000, compute=1.0, reduce_bytes=MB, divisor=0).model_copy(
+                update={"fwd_allreduce_bytes": 0, "fwd_allreduces": 0, "fwd_allgather_bytes": 2 * MB}
+            )
+        }
+    )
+    (one,) = at_degree([head], 4, LINK)
+    assert one.fwd_s == pytest.approx(0.010 / 4 + 0.0015, rel=1e-12)
+    assert one.bwd_s == pytest.approx(0.020 / 4 + 1.5 * 0.001, rel=1e-12)  # 2 (4-1)/4 x 1 MB
+    assert allowed_degrees([head], [1, 2, 3, 4, 8]) == [1, 2, 3, 4, 8]  # divisor 0: any degree
+    assert block_degree_limit([head, layer("layers.0", 1, 1, 100, divisor=8)]) == 8
+
+
 def test_at_degree_splits_compute_memory_and_adds_the_all_reduces() -> None:
     b = layer("layers.0", 10, 20, 1000, compute=0.9).model_copy(
         update={"bwd_input_s": 0.012, "bwd_weight_s": 0.008, "recompute_s": 0.010, "opt_s": 0.004, "grad_s": 0.002}

@@ -45,12 +45,13 @@ def test_match_star_is_one_part() -> None:
     assert not match("layers.*", "layers.3.w")
 
 
-def test_llama_file_plan_matches_seven_linears_per_layer() -> None:
+def test_llama_file_plan_matches_seven_linears_per_layer_and_the_head() -> None:
     mf, model = _meta_model(LLAMA)
     resolved = resolve_tp_plan(mf, model)
     assert resolved.plan == mf.module.tp_plan and resolved.source == "model file"
     matched = matched_modules(model, resolved.plan)
-    assert len(matched) == 7 * 4 and all(isinstance(m, nn.Linear) for _, m, _ in matched.values())
+    assert len(matched) == 7 * 4 + 1 and all(isinstance(m, nn.Linear) for _, m, _ in matched.values())
+    assert matched["output"][0] == "colwise_rep"
     check_tp_plan(model, resolved.plan, 2)
 
 
@@ -58,6 +59,12 @@ def test_plan_function_gets_the_config() -> None:
     mf, model = _meta_model(LLAMA)
     fake = _fake_file(lambda **config: {"layers.*.attention.wq": "colwise"})
     assert resolve_tp_plan(fake, model).plan == {"layers.*.attention.wq": "colwise"}  # type: ignore[arg-type]
+
+
+def test_transformers_name_for_a_gathered_head_is_colwise_rep() -> None:
+    mf, model = _meta_model(LLAMA)
+    fake = _fake_file({"output": "colwise_gather_output"})
+    assert resolve_tp_plan(fake, model).plan == {"output": "colwise_rep"}  # type: ignore[arg-type]
 
 
 def _hf_tiny() -> nn.Module:
@@ -100,7 +107,7 @@ def test_hf_model_inside_a_wrapper() -> None:
     assert len(matched_modules(wrapped, plan)) == 14
 
 
-@pytest.mark.parametrize("style", ["packed_colwise", "colwise_gather_output", "sequence_parallel", "moe_tp_experts"])
+@pytest.mark.parametrize("style", ["packed_colwise", "rowwise_rep", "sequence_parallel", "moe_tp_experts"])
 def test_unsupported_styles_give_a_reason(style: str) -> None:
     model = _hf_tiny()
     model.config.base_model_tp_plan = {"layers.*.self_attn.q_proj": style}
@@ -144,7 +151,7 @@ ALBERT_PLAN = {f"{ALBERT_LAYER}.ffn": "colwise", f"{ALBERT_LAYER}.ffn_output": "
 
 def test_llama_layer_share_exact() -> None:
     traced, shares = _shares(LLAMA, batch=2)
-    assert set(shares) == {f"layers.{i}" for i in range(4)}  # embeddings, norm, output: none
+    assert set(shares) == {f"layers.{i}" for i in range(4)} | {"output"}  # embeddings, norm: none
     dim, kv, hidden, tokens, fp32 = 64, 2 * 16, 192, 2 * 32, 4  # tiny: head_dim 16, SwiGLU 192
     share = shares["layers.0"]
     assert share.sharded_params == dim * dim * 2 + dim * kv * 2 + dim * hidden * 3
@@ -160,6 +167,32 @@ def test_llama_layer_share_exact() -> None:
     assert 0 < share.sharded_compute < 1
     assert share.sharded_compute == pytest.approx(matmul / (matmul + whole), abs=0.01)
     assert share.sharded_activation_bytes > 0
+
+
+def test_llama_output_head_share_exact() -> None:
+    """The head (colwise_rep): its rows split, its logits all-gathered in forward, its input's
+    gradient all-reduced in backward, any degree (torch shards a vocabulary the degree does not
+    divide unevenly)."""
+    _, shares = _shares(LLAMA, batch=2)
+    dim, vocab, tokens, fp32 = 64, 512, 2 * 32, 4
+    head = shares["output"]
+    assert head.sharded_params == dim * vocab and head.sharded_param_bytes == dim * vocab * fp32
+    assert head.fwd_allgather_bytes == tokens * vocab * fp32
+    assert (head.fwd_allreduces, head.fwd_allreduce_bytes) == (0, 0)
+    assert (head.bwd_allreduces, head.bwd_allreduce_bytes) == (1, tokens * dim * fp32)
+    assert head.divisor == 0 and head.sharded_compute == 1.0
+    assert head.sharded_activation_bytes == 0  # it saves its whole input; its output is gathered whole
+
+
+def test_tied_split_layer_is_refused() -> None:
+    _, model = _meta_model(LLAMA)
+    model.output.weight = model.tok_embeddings.weight
+    with pytest.raises(
+        ModelFileError,
+        match=r"splits output colwise_rep \('output'\), whose weight is tied to "
+        r"tok_embeddings, and does not split it",
+    ):
+        check_tp_plan(model, {"output": "colwise_rep"}, 2)
 
 
 def test_gpt_shares_the_feed_forward_only() -> None:
@@ -244,7 +277,7 @@ def test_end_to_end_llama_auto_and_forced() -> None:
     layer = plan.blocks[1].tp
     assert layer is not None and set(layer.slowdown) == {2} and 1.5 < layer.slowdown[2] <= 2.0
     assert Plan.model_validate_json(plan.model_dump_json()) == plan  # int degrees round-trip through JSON
-    assert [b.tp is not None for b in plan.blocks] == [False, True, True, True, True, False, False]
+    assert [b.tp is not None for b in plan.blocks] == [False, True, True, True, True, False, True]  # the head too
     auto = _plan(LLAMA, "auto")
     assert auto.tp in (1, 2) and all(b.tp is not None for b in auto.blocks if b.name.startswith("layers."))
     with pytest.raises(ModelFileError, match="--tp 4: tp_plan splits"):
@@ -301,7 +334,7 @@ def test_twin_blocks_replayed_give_the_shares_a_run_of_every_block_gives(
     monkeypatch.setattr(tensor_parallel._ShareRun, "_begin", counting)
     traced, replayed = _shares(path, plan=plan)
     assert replayed
-    layers = sum(1 for b in traced.blocks if b.name in replayed)
+    layers = sum(1 for b in traced.blocks if b.name in replayed and b.name != "output")  # the head is no twin
     if path is HF_ALBERT:
         assert ran.count(False) == 0
     else:

@@ -47,7 +47,7 @@ def shardable_trace(
         traced: the model traced for the plan (``trace_for_plan``).
         model: the model with its weights (as built for the run, unsharded).
         inputs: the example microbatch's positional inputs the model was traced with.
-        tp_plan: the plan's patterns -> "colwise" | "rowwise".
+        tp_plan: the plan's patterns -> "colwise" | "rowwise" | "colwise_rep".
         tp: the tensor-parallel ranks.
 
     Returns:
@@ -79,7 +79,7 @@ def shard_sized_graph(
         traced: a trace of ``model`` (only a torch.export trace needs a graph of its own).
         model: the model (its weights are shared with the copy exported, not copied).
         inputs: the example microbatch's positional inputs, on the model's device.
-        tp_plan: the patterns -> "colwise" | "rowwise".
+        tp_plan: the patterns -> "colwise" | "rowwise" | "colwise_rep".
         tp: the tensor-parallel ranks.
 
     Returns:
@@ -147,7 +147,8 @@ def _layer_call(getters: list[fx.Node], name: str) -> fx.Node:
 
 def _local_copy(model: nn.Module, layers: dict[str, tuple[Any, str]], tp: int) -> nn.Module:
     """A copy of ``model`` whose planned layers' weights (and a colwise linear's bias) have one
-    tensor-parallel rank's shape, uninitialised; every other parameter and buffer is shared."""
+    tensor-parallel rank's shape, uninitialised; every other parameter and buffer is shared (a
+    colwise_rep layer's too: its output is gathered whole, so what follows it sees the full sizes)."""
     memo: dict[int, Any] = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     for name, (op, style) in layers.items():
         try:
@@ -155,6 +156,8 @@ def _local_copy(model: nn.Module, layers: dict[str, tuple[Any, str]], tp: int) -
         except AttributeError as e:  # the graph's module names are the model's; say so if not
             raise TraceError(f"tp_plan shards {name}, which the model (as built) does not have") from e
         kind = op._overloadpacket.__name__
+        if style == "colwise_rep":  # its output is gathered whole: the graph after it keeps the full sizes
+            continue
         # the sharded dimension of the weight: linear weights are (out, in), embeddings (rows, width)
         dim = {("linear", "colwise"): 0, ("linear", "rowwise"): 1, ("embedding", "colwise"): 1}.get((kind, style), 0)
         for pname, p in sub.named_parameters(recurse=False):

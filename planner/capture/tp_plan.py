@@ -1,10 +1,14 @@
 """A model's tensor-parallel plan: which ``nn.Linear`` layers split by columns and which by rows.
 
 The plan maps module-name patterns to styles, e.g. ``{"layers.*.attention.wq": "colwise", ...,
-"layers.*.attention.wo": "rowwise"}``, the names as ``model.named_modules()`` gives them for the
-module ``build_model`` returns ('*' matches exactly one dotted name part). Styles are torch's
-``ColwiseParallel`` ("colwise": output features split) and ``RowwiseParallel`` ("rowwise": input
-features split); every other style is refused.
+"layers.*.attention.wo": "rowwise", "output": "colwise_rep"}``, the names as
+``model.named_modules()`` gives them for the module ``build_model`` returns ('*' matches exactly one
+dotted name part). Styles are torch's ``ColwiseParallel`` ("colwise": output features split, the
+output left split for a following row-wise layer), ``RowwiseParallel`` ("rowwise": input features
+split, the output all-reduced) and ``ColwiseParallel(output_layouts=Replicate())`` ("colwise_rep",
+Hugging Face's name: output features split, the output all-gathered whole, as for a model's output
+head, whose logits the loss reads whole; transformers 5 calls it "colwise_gather_output", read as
+the same); every other style is refused.
 
 Where it comes from (``resolve_tp_plan``), first found wins:
 
@@ -29,7 +33,9 @@ from torch import nn
 from planner.capture.load import ModelFile
 from planner.errors import ModelFileError
 
-STYLES = ("colwise", "rowwise")
+STYLES = ("colwise", "rowwise", "colwise_rep")
+COLUMN_STYLES = ("colwise", "colwise_rep")  # the styles that split a layer's output features
+ALIASES = {"colwise_gather_output": "colwise_rep"}  # transformers 5's name for the same style
 HEAD_ATTRS = ("n_heads", "n_kv_heads", "num_heads", "num_kv_heads", "num_attention_heads", "num_key_value_heads")
 CONFIG_HEAD_ATTRS = ("num_attention_heads", "num_key_value_heads")
 
@@ -39,7 +45,7 @@ class ResolvedPlan:
     """A model's tensor-parallel plan, or why it has none that the planner can use.
 
     Attributes:
-        plan: pattern -> "colwise" | "rowwise" (empty: none).
+        plan: pattern -> "colwise" | "rowwise" | "colwise_rep" (empty: none).
         source: where it came from ("model file", "Hugging Face config"), or "".
         reason: why the model is not shardable (an unsupported style, a plan that is no dict); ""
             when there is a plan or simply none declared.
@@ -57,7 +63,7 @@ def match(pattern: str, name: str) -> bool:
 
 
 def style_error(tp_plan: Mapping[str, str]) -> str | None:
-    """What is wrong with a plan's styles as the runner applies them (None: only colwise / rowwise)."""
+    """What is wrong with a plan's styles as the runner applies them (None: only ``STYLES``)."""
     bad = sorted({s for s in tp_plan.values() if s not in STYLES})
     return f"tp_plan style {bad[0]!r} is not one of {', '.join(STYLES)}" if bad else None
 
@@ -65,13 +71,17 @@ def style_error(tp_plan: Mapping[str, str]) -> str | None:
 def _checked(plan: object, where: str) -> tuple[dict[str, str], str]:
     """The plan as a str -> str dict, or the reason it cannot be used."""
     if not isinstance(plan, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
-        return {}, f"{where} is {type(plan).__name__}, not a dict of module-name patterns to 'colwise' / 'rowwise'"
+        return (
+            {},
+            f"{where} is {type(plan).__name__}, not a dict of module-name patterns to {' / '.join(map(repr, STYLES))}",
+        )
+    plan = {k: ALIASES.get(v, v) for k, v in plan.items()}
     bad = {k: v for k, v in plan.items() if v not in STYLES}
     if bad:
         key, style = next(iter(bad.items()))
         return {}, (
-            f"{where} uses style {style!r} (for {key!r}); the planner splits only 'colwise' and 'rowwise' layers "
-            "(torch's ColwiseParallel / RowwiseParallel)"
+            f"{where} uses style {style!r} (for {key!r}); the planner splits only 'colwise', 'rowwise' and "
+            "'colwise_rep' layers (torch's ColwiseParallel / RowwiseParallel)"
         )
     return dict(plan), ""
 
@@ -162,7 +172,8 @@ def split_sizes(
     heads: list[tuple[str, int]] | None = None,
 ) -> list[tuple[str, str, int]]:
     """Every size the degree must divide, as (pattern or module, what, size): the split features of
-    each matched Linear, the heads of the attention modules holding a split layer, and a Hugging
+    each matched Linear (not a colwise_rep one's: torch shards its rows unevenly where the degree does
+    not divide them, and gathers its output whole), the heads of the attention modules holding a split layer, and a Hugging
     Face config's head counts when a plan splits anything.
 
     Args:
@@ -179,7 +190,7 @@ def split_sizes(
     sizes: list[tuple[str, str, int]] = []
     parents: set[str] = set()
     for name, (style, module, pattern) in (matched_modules(model, plan) if matched is None else matched).items():
-        if isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear) and style != "colwise_rep":  # torch shards a colwise_rep unevenly
             what = "out_features" if style == "colwise" else "in_features"
             sizes.append((f"{pattern} ({name})", what, getattr(module, what)))
         parent = name.rsplit(".", 1)[0] if "." in name else ""
@@ -222,6 +233,7 @@ def check_tp_plan(model: nn.Module, plan: Mapping[str, str], tp: int = 1) -> Non
                 f"tp_plan: {pattern!r} matches {name}, a {type(module).__name__}; only nn.Linear layers can be split "
                 f"{style}"
             )
+    _check_ties(model, matched)
     if tp <= 1:
         return
     for where, what, n in split_sizes(model, plan):
@@ -232,8 +244,27 @@ def check_tp_plan(model: nn.Module, plan: Mapping[str, str], tp: int = 1) -> Non
             )
 
 
+def _check_ties(model: nn.Module, matched: Mapping[str, tuple[str, nn.Module, str]]) -> None:
+    """A split layer's weight that another module holds too (a tie, e.g. an output head sharing the
+    input embedding) must be split alike there: torch would shard one holder and leave the other whole."""
+    holders: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        for p in module._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), []).append(name)
+    for name, (style, module, pattern) in matched.items():
+        for other in holders.get(id(module.weight), []):
+            if other != name and (other not in matched or matched[other][0] != style):
+                how = f"splits it {matched[other][0]}" if other in matched else "does not split it"
+                raise ModelFileError(
+                    f"tp_plan splits {name} {style} ({pattern!r}), whose weight is tied to {other}, and {how}: a tied "
+                    f"weight must be split alike everywhere; drop {pattern!r} or untie the weights"
+                )
+
+
 __all__ = [
     "STYLES",
+    "COLUMN_STYLES",
     "style_error",
     "ResolvedPlan",
     "base_model_prefix",

@@ -14,8 +14,11 @@ the whole of the rest. ``at_degree`` turns a block's costs into one such rank's:
   (``TensorParallelShare.slowdown``, from ``planner.costs.tensor_parallel``);
 * collectives: every row-wise layer's output is all-reduced in forward, every column-wise layer's
   input gradient in backward (one all-reduce per layer, as torch runs them), over the node's link:
-  a ring, ``2 (tp - 1) / tp`` of the bytes each way plus ``ceil(log2 tp)`` latencies; they are not
-  overlapped with compute (torch's eager tensor parallelism does not overlap them);
+  a ring, ``2 (tp - 1) / tp`` of the bytes each way plus ``ceil(log2 tp)`` latencies; a
+  ``colwise_rep`` layer's output (an output head's logits) is all-gathered in forward, ``(tp - 1) /
+  tp`` of its bytes (its backward takes each rank's slice of the gradient: no traffic), and its input
+  gradient all-reduced in backward as a column-wise layer's; none is overlapped with compute
+  (torch's eager tensor parallelism does not overlap them);
 * memory: split parameters (with their gradients and optimizer state) and the activations saved
   inside split layers are divided by tp; the rest is held whole;
 * messages between pipeline stages: the hidden state at a boundary is the same on every
@@ -75,7 +78,8 @@ def allgather_s(nbytes: float, tp: int, link: LinkCost) -> float:
 
 def block_degree_limit(blocks: Sequence[BlockCost]) -> int | None:
     """The greatest common divisor of every split block's ``TensorParallelShare.divisor``: a degree
-    must divide it (None: no block is split, so only degree 1 means anything)."""
+    must divide it (0: any degree, every split block allows any; None: no block is split, so only
+    degree 1 means anything)."""
     divisors = [b.tp.divisor for b in blocks if b.tp is not None]
     return math.gcd(*divisors) if divisors else None
 
@@ -110,7 +114,9 @@ def _scaled(x: float | None, factor: float, extra: float = 0.0) -> float | None:
 def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkCost) -> BlockCost:
     """One tensor-parallel rank's costs of ``block`` (see the module docstring)."""
     compute = (1.0 - share.sharded_compute) + share.sharded_compute / tp * share.slowdown_at(tp)
-    fwd_comm = allreduce_s(share.fwd_allreduce_bytes, share.fwd_allreduces, tp, link)
+    fwd_comm = allreduce_s(share.fwd_allreduce_bytes, share.fwd_allreduces, tp, link) + allgather_s(
+        share.fwd_allgather_bytes, tp, link
+    )
     bwd_comm = allreduce_s(share.bwd_allreduce_bytes, share.bwd_allreduces, tp, link)
     param_bytes = block.param_bytes - share.sharded_param_bytes + math.ceil(share.sharded_param_bytes / tp)
     params = block.params - share.sharded_params + math.ceil(share.sharded_params / tp)

@@ -3,11 +3,12 @@
 One forward of the traced graph where it lives (on the meta device for estimated costs: no weights,
 no data) at the profiled microbatch, watched at the aten level. What is counted, per block:
 
-* split operators: every operator run inside a matched layer (a column-wise or row-wise
-  ``nn.Linear``), and every operator outside them that reads a *split tensor*: one produced inside
-  a column-wise layer, or by a split operator outside the layers (attention's SDPA, the rotary
-  embedding, SwiGLU's ``silu(w1 x) * w3 x`` between a column-wise and its row-wise layer). A
-  row-wise layer's output is whole again (all-reduced), so the split region ends there.
+* split operators: every operator run inside a matched layer (a column-wise, row-wise or
+  ``colwise_rep`` ``nn.Linear``), and every operator outside them that reads a *split tensor*: one
+  produced inside a column-wise layer, or by a split operator outside the layers (attention's SDPA,
+  the rotary embedding, SwiGLU's ``silu(w1 x) * w3 x`` between a column-wise and its row-wise
+  layer). A row-wise layer's output is whole again (all-reduced), and so is a ``colwise_rep``
+  layer's (all-gathered), so the split region ends there.
 * ``sharded_compute``: the split operators' share of the block's forward work, an operator's work
   being its FLOPs by ``torch.utils.flop_counter`` (matrix products, attention) or, for any other
   operator that is not a view, one per output element (norms, residual adds, activations: their
@@ -17,7 +18,10 @@ no data) at the profiled microbatch, watched at the aten level. What is counted,
   saves its whole input: not counted; the row-wise layer's split input, SDPA's q, k, v: counted).
 * ``fwd_allreduce_bytes`` / ``fwd_allreduces``: each row-wise layer's output, one all-reduce each
   (torch's ``RowwiseParallel`` turns its Partial output into Replicate).
-* ``bwd_allreduce_bytes`` / ``bwd_allreduces``: each column-wise layer's input gradient, one
+* ``fwd_allgather_bytes``: each ``colwise_rep`` layer's output (an output head's logits), gathered
+  whole in forward (``ColwiseParallel(output_layouts=Replicate())``); its backward slices the
+  gradient, no traffic.
+* ``bwd_allreduce_bytes`` / ``bwd_allreduces``: each column-wise (or ``colwise_rep``) layer's input gradient, one
   all-reduce per column-wise layer: torch's ``ColwiseParallel`` wraps each layer's input with
   ``DTensor.from_local(..., Replicate())`` (torch 2.13 ``distributed/tensor/parallel/style.py``),
   whose backward turns that layer's Partial input gradient into Replicate on its own, so q, k and v,
@@ -25,7 +29,9 @@ no data) at the profiled microbatch, watched at the aten level. What is counted,
 * ``sharded_params`` / ``sharded_param_bytes``: the matched layers' weights, and the column-wise
   layers' biases (a row-wise bias is added once, after the all-reduce: whole on every rank).
 * ``divisor``: the greatest common divisor of the split features of the block's layers and of the
-  head counts of the modules holding them (``planner.capture.tp_plan.split_sizes``).
+  head counts of the modules holding them (``planner.capture.tp_plan.split_sizes``); 0 (any degree)
+  for a block whose only split layers are ``colwise_rep``: torch shards their rows unevenly where
+  the degree does not divide them (an output head of 50,257 logits), and gathers them whole.
 * ``slowdown`` (estimated costs only, given the ``HardwareSpec``): every GEMM run inside a matched
   layer is recorded with its ``(m, n, k)``; a column-wise layer splits n, a row-wise one k. At each
   degree t (the divisors of ``divisor`` from 2 to 64) the GEMMs' roofline time at the sharded shapes
@@ -60,7 +66,14 @@ from planner.capture.load import ModelFile
 from planner.capture.meta_cache import meta_op_cache, on_meta
 from planner.capture.signature import block_structure, rebuild, signature, spec
 from planner.capture.tp_graph import shard_sized_graph
-from planner.capture.tp_plan import check_tp_plan, config_heads, matched_modules, resolve_tp_plan, split_sizes
+from planner.capture.tp_plan import (
+    COLUMN_STYLES,
+    check_tp_plan,
+    config_heads,
+    matched_modules,
+    resolve_tp_plan,
+    split_sizes,
+)
 from planner.core.hardware import HardwareSpec
 from planner.costs.roofline import _GEMMS, _gemm_dims
 from planner.errors import ModelFileError, TraceError
@@ -78,6 +91,7 @@ class _Tally:
     saved_split: dict[int, int] = field(default_factory=dict)
     fwd_bytes: int = 0
     fwd_count: int = 0
+    gather_bytes: int = 0
     bwd_bytes: int = 0
     bwd_count: int = 0
     gemm_work: float = 0.0  # of split_work, the GEMMs run inside matched layers
@@ -97,7 +111,7 @@ class _Tally:
 @dataclass(frozen=True)
 class _Gemm:
     """One GEMM inside a matched layer: ``(m x k) @ (k x n)``, the style saying which dimension splits
-    (column-wise: n, row-wise: k), ``width`` the bytes of an operand's element."""
+    (column-wise and colwise_rep: n, row-wise: k), ``width`` the bytes of an operand's element."""
 
     style: str
     m: int
@@ -215,16 +229,20 @@ class _ShareRun(fx.Interpreter):
         self.seen_layers.add(name)
         return True
 
-    def _add(self, style: str, tensors: list[torch.Tensor], count: bool) -> None:
+    def _add(self, what: str, tensors: list[torch.Tensor], count: bool) -> None:
+        """Count a layer's collective: "bwd" a column-wise input's gradient all-reduce, "fwd" a row-wise
+        output's all-reduce, "gather" a colwise_rep output's all-gather."""
         block = self.watch.block
         assert block is not None
         nbytes = sum(_nbytes(t, self.float_bytes) for t in tensors)
-        if style == "colwise":  # its input's gradient is all-reduced in backward
+        if what == "bwd":
             block.bwd_bytes += nbytes
             block.bwd_count += int(count)
-        else:  # its output is all-reduced in forward
+        elif what == "fwd":
             block.fwd_bytes += nbytes
             block.fwd_count += int(count)
+        else:
+            block.gather_bytes += nbytes
 
     def pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         self.layer_stack.append(self.watch.style)
@@ -235,7 +253,12 @@ class _ShareRun(fx.Interpreter):
         name = self.module_names[id(module)]
         if self.watch.block is not None and self._count(name, "io"):
             style = self.matched[name][0]
-            self._add(style, _tensors(args)[:1] if style == "colwise" else _tensors(out), True)
+            if style in COLUMN_STYLES:  # its input's gradient is all-reduced in backward
+                self._add("bwd", _tensors(args)[:1], True)
+            if style == "rowwise":  # its output is all-reduced in forward
+                self._add("fwd", _tensors(out), True)
+            if style == "colwise_rep":  # its output is all-gathered whole in forward
+                self._add("gather", _tensors(out), False)
 
     def hooks(self, stack: ExitStack) -> None:
         """Hook every matched layer the graph calls as a module."""
@@ -331,14 +354,16 @@ class _ShareRun(fx.Interpreter):
         def layer_of(a: fx.Node) -> str:
             return (self.styled(_module_path(a)) or ("", ""))[0]
 
-        if style == "colwise":
+        if style in COLUMN_STYLES:
             for a in n.all_input_nodes:
                 if a.op != "get_attr" and layer_of(a) != name and self._count(name, a.name):
-                    self._add(style, _tensors(self.env[a]), False)
+                    self._add("bwd", _tensors(self.env[a]), False)
             if self._count(name, "count"):
-                self._add(style, [], True)
-        elif any(layer_of(u) != name for u in n.users):
-            self._add(style, _tensors(out), self._count(name, "count"))
+                self._add("bwd", [], True)
+        if style == "rowwise" and any(layer_of(u) != name for u in n.users):
+            self._add("fwd", _tensors(out), self._count(name, "count"))
+        if style == "colwise_rep" and any(layer_of(u) != name for u in n.users):
+            self._add("gather", _tensors(out), False)
 
 
 def tensor_parallel_shares(
@@ -356,7 +381,7 @@ def tensor_parallel_shares(
     Args:
         traced: the traced model (a graph; a module-boundary trace gives no shares).
         inputs: one microbatch of the model's positional inputs, at the profiled size (any device).
-        plan: pattern -> "colwise" | "rowwise", the FQNs of the traced model's modules.
+        plan: pattern -> "colwise" | "rowwise" | "colwise_rep", the FQNs of the traced model's modules.
         float_bytes: bytes of a floating element in the planning dtype (None: as the tensors have).
         param_bytes: bytes of a parameter element as the blocks count them (None: as they have).
         hardware: the hardware of estimated costs: the shares then carry the GEMMs' ``slowdown``
@@ -424,14 +449,14 @@ def _share(
     model config's head counts, ``config_heads``)."""
     params = [p for _, (style, m, _) in inside.items() for p in _split_params(m, style)]
     sizes = [n for _, _, n in split_sizes(model, {}, matched=inside, heads=heads)]
-    divisor = math.gcd(*sizes) if sizes else 1
+    divisor = math.gcd(*sizes) if sizes else 0  # 0: any degree (colwise_rep layers only: torch shards them unevenly)
     slowdown: dict[int, float] = {}
     if hardware is not None and tally.gemms and tally.split_work > 0:
         g = min(1.0, tally.gemm_work / tally.split_work)
         peak = hardware.peak(dtype or "bf16")
         slowdown = {
             t: g * gemm_slowdown(tally.gemms, t, hardware, peak) + (1.0 - g)
-            for t in range(2, min(divisor, MAX_DEGREE) + 1)
+            for t in range(2, (min(divisor, MAX_DEGREE) if divisor else MAX_DEGREE) + 1)
             if divisor % t == 0
         }
     return TensorParallelShare(
@@ -442,6 +467,7 @@ def _share(
         sharded_compute=min(1.0, tally.split_work / tally.work),
         sharded_activation_bytes=sum(tally.saved_split.values()) + tally.replayed_saved,
         fwd_allreduce_bytes=tally.fwd_bytes,
+        fwd_allgather_bytes=tally.gather_bytes,
         bwd_allreduce_bytes=tally.bwd_bytes,
         fwd_allreduces=tally.fwd_count,
         bwd_allreduces=tally.bwd_count,
@@ -493,8 +519,8 @@ def gemm_slowdown(gemms: list[_Gemm], tp: int, hw: HardwareSpec, peak: float) ->
             hw,
             peak,
             g.m,
-            max(1, g.n // tp) if g.style == "colwise" else g.n,
-            g.k if g.style == "colwise" else max(1, g.k // tp),
+            max(1, g.n // tp) if g.style in COLUMN_STYLES else g.n,
+            g.k if g.style in COLUMN_STYLES else max(1, g.k // tp),
             g.width,
         )
         for g in gemms
@@ -503,11 +529,11 @@ def gemm_slowdown(gemms: list[_Gemm], tp: int, hw: HardwareSpec, peak: float) ->
 
 
 def _split_params(module: nn.Module, style: str) -> list[torch.Tensor]:
-    """The parameters a layer splits: its weight, and its bias when column-wise."""
+    """The parameters a layer splits: its weight, and its bias when column-wise (or colwise_rep)."""
     weight = getattr(module, "weight", None)
     bias = getattr(module, "bias", None)
     out = [weight] if isinstance(weight, torch.Tensor) else []
-    if style == "colwise" and isinstance(bias, torch.Tensor):
+    if style in COLUMN_STYLES and isinstance(bias, torch.Tensor):
         out.append(bias)
     return out
 

@@ -5,14 +5,16 @@ torch's ``parallelize_module`` over the rank's tensor-parallel mesh, before the 
 The stage modules keep the unsplit model's module names (``layers.0.attention.wq``), so the plan's
 patterns (``'*'`` = exactly one dotted name part) match them directly. ``ColwiseParallel`` takes a
 replicated input and returns its column shard, ``RowwiseParallel`` takes that shard and returns the
-all-reduced (replicated) output: between the matched modules activations are plain local tensors,
-and what crosses a stage boundary is the full activation, the same on every tensor-parallel rank.
+all-reduced (replicated) output, a ``colwise_rep`` layer (an output head) returns its column shards
+all-gathered: between the matched modules activations are plain local tensors, and what crosses a
+stage boundary is the full activation, the same on every tensor-parallel rank.
 A torch.export graph calls its layers as functions at sizes baked in: ``shardable_trace`` gives the
 stages a graph of the same nodes at one tensor-parallel rank's sizes, its planned layers modules.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,7 +22,7 @@ from torch import nn
 
 from planner.capture.blocks import TracedModel
 from planner.capture.tp_graph import shardable_trace as _shardable
-from planner.capture.tp_plan import matched_modules, style_error
+from planner.capture.tp_plan import COLUMN_STYLES, matched_modules, style_error
 from planner.errors import PlanFileError, TraceError
 
 
@@ -29,13 +31,13 @@ def tp_styles(module: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
 
     Args:
         module: a stage module (named as the unsplit model names its modules).
-        tp_plan: the plan's patterns -> "colwise" | "rowwise".
+        tp_plan: the plan's patterns -> "colwise" | "rowwise" | "colwise_rep".
 
     Returns:
         Module name -> style, in module order (empty: nothing of this stage is sharded).
 
     Raises:
-        PlanFileError: a style other than colwise / rowwise, or a matched module that is neither an
+        PlanFileError: a style not in ``STYLES``, or a matched module that is neither an
             ``nn.Linear`` nor an ``nn.Embedding`` (torch's styles shard only those; a torch.export
             graph's layer calls are made modules by ``shardable_trace``).
     """
@@ -65,11 +67,17 @@ def shard_stage(module: nn.Module, tp_mesh: Any, tp_plan: dict[str, str]) -> dic
     Returns:
         The sharded modules' names -> styles (``tp_styles``).
     """
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = tp_styles(module, tp_plan)
     if styles:
-        make = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        make: dict[str, Callable[[], Any]] = {
+            "colwise": ColwiseParallel,
+            "rowwise": RowwiseParallel,
+            # an output head: its column shards all-gathered, so the loss reads the whole logits
+            "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        }
         parallelize_module(module, tp_mesh, {name: make[style]() for name, style in styles.items()})
     return styles
 
@@ -121,11 +129,11 @@ def check_tp_split(module: nn.Module, tp_plan: dict[str, str], tp: int) -> dict[
     for name, style in styles.items():
         sub = subs[name]
         if isinstance(sub, nn.Linear):
-            width, what = (sub.out_features, "output") if style == "colwise" else (sub.in_features, "input")
+            width, what = (sub.out_features, "output") if style in COLUMN_STYLES else (sub.in_features, "input")
         else:
             assert isinstance(sub, nn.Embedding)
-            width, what = (sub.embedding_dim, "embedding") if style == "colwise" else (sub.num_embeddings, "row")
-        if width % tp:
+            width, what = (sub.embedding_dim, "embedding") if style in COLUMN_STYLES else (sub.num_embeddings, "row")
+        if width % tp and style != "colwise_rep":  # gathered whole: torch shards it unevenly
             raise PlanFileError(
                 f"tp_plan splits {name} {style} over {tp} ranks, but its {what} width {width} is not a multiple "
                 f"of {tp}; re-plan with a tp that divides it"

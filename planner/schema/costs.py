@@ -66,7 +66,8 @@ class TensorParallelShare(BaseModel):
     (Megatron-LM's layout, torch's ``ColwiseParallel`` / ``RowwiseParallel``): every operator between a
     column-wise and the following row-wise layer then runs on 1/tp of the features, and each row-wise
     output is all-reduced over the tensor-parallel ranks in forward, each column-wise input's gradient
-    in backward.
+    in backward. A ``colwise_rep`` layer (an output head) splits its output features and all-gathers
+    its output whole in forward.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -89,11 +90,19 @@ class TensorParallelShare(BaseModel):
     bwd_allreduce_bytes: int = Field(
         ge=0, description="Bytes all-reduced in backward per microbatch (column-wise inputs' gradients)."
     )
+    fwd_allgather_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="Bytes all-gathered over the tp ranks in forward per microbatch (the whole outputs of "
+        "colwise_rep layers, e.g. an output head's logits); their backward takes each rank's slice, no traffic.",
+    )
     fwd_allreduces: int = Field(ge=0, description="All-reduces in forward per microbatch.")
     bwd_allreduces: int = Field(ge=0, description="All-reduces in backward per microbatch.")
     divisor: int = Field(
-        ge=1,
-        description="The greatest common divisor of every split size (features, heads): a degree must divide it.",
+        ge=0,
+        description="The greatest common divisor of every split size (features, heads): a degree must divide it. "
+        "0: any degree (a block whose only split layers are colwise_rep, e.g. an output head, whose rows torch "
+        "shards unevenly where the degree does not divide them); gcd(0, n) = n, so 0 joins the others' gcd as is.",
     )
     slowdown: dict[int, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(
         default_factory=dict,
