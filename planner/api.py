@@ -25,6 +25,7 @@ from planner.capture.blocks import GraphTrace, ModuleTrace, TracedModel
 from planner.capture.contract import check_batch_contract, check_batch_size, check_forward
 from planner.capture.graph import GraphForward
 from planner.capture.load import ModelFile, load_model_file, move_model
+from planner.capture.meta_cache import meta_build
 from planner.capture.stage import stage_module, trace_root
 from planner.capture.trace import retrace, trace_model
 from planner.core.assemble import Origin, assemble_plan
@@ -438,7 +439,7 @@ def _traced(
     if not on_meta and not checked:
         check_forward(mf, model, inputs, target)
     _say(request, f"tracing {type(model).__name__}{' on the meta device' if on_meta else ''}")
-    traced = trace_model(model, inputs)
+    traced = trace_model(model, inputs, copied=not on_meta)  # a meta model is built for this trace alone
     if on_meta:
         # an fx graph's output is the model's own (torch.export's is flattened: its module unflattens it)
         if isinstance(traced, GraphTrace) and traced.method == "fx":
@@ -600,7 +601,7 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
     hw = _hardware(request.gpu_type, threads, request.attention_kernel)
     on_cpu = hw.kind == "cpu"
     dtype = request.dtype or ("fp32" if on_cpu else "bf16")
-    with torch.device("meta"):
+    with meta_build():  # no weights, no initialisation
         model = mf.build(seed=request.seed)
     check_batch_size(mf, 2 * request.microbatch_size, request.seed)  # the rest of the contract needs real data
     inputs, target = mf.batch(request.microbatch_size, seed=request.seed)

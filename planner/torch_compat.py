@@ -35,6 +35,9 @@ When torch changes one of these, this is the only file to mend; the tests that e
   examples, output width) computed without data (tests/test_shapes.py).
 - ``torch.fx._lazy_graph_module._LazyGraphModule``: a traced graph whose Python code is generated only
   when it is first called (planning runs the graph in an interpreter; tests/test_trace.py).
+- ``torch.fx.proxy._create_arg_bypass``: fx's own table of the argument types it lowers without its
+  checks (proxies, numbers, tuples, lists), which the planner's tracer consults first: fx.Tracer
+  makes every check before reaching it (tests/test_trace.py, the graph of every shipped model).
 - ``torch._C._DisableTorchDispatch``: allocations that no dispatch mode needs to see (the replayed
   values of a meta run, ``planner.capture.graph``; tests/test_meta_runs.py).
 - Python's own ``multiprocessing.forkserver._forkserver._stop``: a fresh forkserver per launch, so
@@ -84,6 +87,14 @@ def lazy_graph_module(root: torch.nn.Module, graph: fx.Graph, name: str) -> fx.G
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
     return _LazyGraphModule(root, graph, name)
+
+
+def fx_arg_bypass() -> dict[type, Callable[[Any, Any], Any]]:
+    """fx's table of argument types lowered without checks (exact type -> lowering), empty if gone;
+    without tensors, which the table passes on as values (for tracers without a module) and
+    ``fx.Tracer`` turns into attribute reads."""
+    table = getattr(fx.proxy, "_create_arg_bypass", {})
+    return {t: f for t, f in table.items() if not issubclass(t, (torch.Tensor, torch.nn.Module))}
 
 
 def no_dispatch() -> Any:

@@ -177,3 +177,22 @@ def test_twins_are_replayed_and_a_changed_block_is_run() -> None:
     assert replayed == traced.values
     last = traced.blocks[-1].nodes[0]
     assert replayed[last].nbytes == 3 * 24 * 4
+
+
+def test_meta_build_skips_initialisers_and_restores_them() -> None:
+    from planner.capture.meta_cache import meta_build
+
+    original = torch.nn.init.kaiming_uniform_
+    calls: list[str] = []
+    with meta_build():
+        assert torch.nn.init.kaiming_uniform_ is not original  # skipped inside
+        layer = torch.nn.Linear(4, 3)
+        calls.append(str(layer.weight.device))
+    assert calls == ["meta"] and torch.nn.init.kaiming_uniform_ is original
+    w = torch.zeros(3, 4)
+    torch.nn.init.kaiming_uniform_(w)  # works again on real tensors
+    assert w.abs().sum() > 0
+    # also restored when the build raises
+    with pytest.raises(RuntimeError), meta_build():
+        raise RuntimeError("build_model failed")
+    assert torch.nn.init.kaiming_uniform_ is original

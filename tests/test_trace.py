@@ -576,3 +576,23 @@ def test_an_exported_graph_runs_where_its_stages_run() -> None:
     traced.gm.to("meta")
     out = traced.gm(*[x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs])
     assert out.logits.device.type == "meta"
+
+
+@pytest.mark.parametrize("name", [*MODELS, "llama"])
+def test_the_planners_fx_tracer_makes_the_graph_fx_tracer_makes(name: str) -> None:
+    """``trace_fx``'s tracer reads parameters from tables and lowers plain arguments through fx's own
+    bypass table: the graph is fx.Tracer's, node for node (names, ops, targets, arguments)."""
+    import torch.fx as fx
+
+    from planner.capture.graph import trace_fx
+
+    mf = load_model_file(ROOT / "models" / f"{name}.py", "tiny")
+    model = mf.build(0)
+    inputs, _ = mf.batch(2)
+
+    def nodes(graph: fx.Graph) -> list[tuple[str, str, str, str, str]]:
+        return [(n.name, n.op, str(n.target), str(n.args), str(n.kwargs)) for n in graph.nodes]
+
+    ours = trace_fx(model, inputs).graph
+    theirs = fx.Tracer().trace(model)
+    assert nodes(ours) == nodes(theirs) and len(nodes(ours)) >= 5

@@ -80,9 +80,19 @@ def is_layer(container: nn.Module, child: nn.Module) -> bool:
     Returns:
         Whether ``child`` is one of the repeated layers.
     """
+    return type(child) in layer_types(container)
+
+
+def layer_types(container: nn.Module) -> frozenset[type]:
+    """The child types that are repeated layers of ``container`` (``is_layer``): the most common ones,
+    if they occur at least twice. A caller asking for every child counts the siblings once this way.
+
+    Args:
+        container: a ``ModuleList``/``Sequential``/``ModuleDict``.
+    """
     kinds = Counter(type(c) for c in container.children())
-    top = max(kinds.values())
-    return kinds[type(child)] == top and top >= 2
+    top = max(kinds.values(), default=0)
+    return frozenset(k for k, v in kinds.items() if v == top) if top >= 2 else frozenset()
 
 
 @dataclass(frozen=True)

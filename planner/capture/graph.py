@@ -33,12 +33,12 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from planner.capture.blocks import CONTAINERS, Block, Cut, GraphTrace, ValueInfo, describe, is_layer
+from planner.capture.blocks import CONTAINERS, Block, Cut, GraphTrace, ValueInfo, describe, is_layer, layer_types
 from planner.capture.meta_cache import meta_op_cache, on_meta
 from planner.capture.shapes import shapes_or_real
 from planner.capture.signature import block_structure, rebuild, signature, spec
 from planner.errors import TraceError
-from planner.torch_compat import lazy_graph_module, no_dispatch
+from planner.torch_compat import fx_arg_bypass, lazy_graph_module, no_dispatch
 
 
 def trace_fx(model: nn.Module, inputs: tuple[Any, ...]) -> fx.GraphModule:
@@ -50,6 +50,9 @@ def trace_fx(model: nn.Module, inputs: tuple[Any, ...]) -> fx.GraphModule:
     return lazy_graph_module(tracer.root, graph, model.__class__.__name__)
 
 
+_ARG_BYPASS = fx_arg_bypass()
+
+
 class _Tracer(fx.Tracer):
     """``fx.Tracer`` whose parameter and buffer look-ups are dictionary reads.
 
@@ -57,7 +60,9 @@ class _Tracer(fx.Tracer):
     / ``named_buffers()`` of the whole model until it meets the object: once per access, so a model
     of n layers took n^2 steps (most of the trace of a 1,000-layer Llama). The tables here hold the
     same first names, built once per trace; an object not in them (registered during the forward)
-    goes the ``fx.Tracer`` way, so the graph is the one ``fx.Tracer`` makes.
+    goes the ``fx.Tracer`` way, so the graph is the one ``fx.Tracer`` makes. Arguments of the exact
+    types fx lowers without checks (proxies, numbers, tuples, lists) skip ``fx.Tracer``'s checks for
+    parameters, modules and opaque objects, which pass them on unchanged (a third of a large trace).
     """
 
     def trace(self, root: nn.Module | Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
@@ -74,6 +79,9 @@ class _Tracer(fx.Tracer):
         return hit[0] if hit is not None and hit[1] is value else None
 
     def create_arg(self, a: Any) -> Any:
+        fast = _ARG_BYPASS.get(type(a))
+        if fast is not None:  # a proxy, number, tuple, list of exactly that type: fx.Tracer's checks all pass it on
+            return fast(self, a)
         if isinstance(a, torch.Tensor):  # as fx.Tracer.create_arg: parameters, then buffers, by first name
             name = self._name(self._params if isinstance(a, nn.Parameter) else self._buffers, a)
             if name is not None:
@@ -405,7 +413,7 @@ def group_blocks(gm: fx.GraphModule, model: nn.Module) -> list[Block]:
 def _group_blocks(model: nn.Module, compute: list[fx.Node]) -> list[Block]:
     """Maximal runs of nodes with the same block key; root-level operations join the run before."""
     ancestors = _ancestors(model)
-    layers: dict[tuple[int, int], bool] = {}  # is_layer per (container, child): counting siblings once
+    layers: dict[int, frozenset[type]] = {}  # layer_types per container: its children counted once
     by_stack: dict[tuple[str, ...], tuple[str | None, bool]] = {}  # the nodes of one module share a stack
 
     def key_of(n: fx.Node) -> tuple[str | None, bool]:
@@ -566,7 +574,7 @@ def _plain(path: str) -> str:
 
 
 def block_key(
-    root: nn.Module, paths: list[str], ancestors: set[str], layers: dict[tuple[int, int], bool] | None = None
+    root: nn.Module, paths: list[str], ancestors: set[str], layers: dict[int, frozenset[type]] | None = None
 ) -> tuple[str | None, bool]:
     """Which block a node with module stack ``paths`` belongs to, and whether it is a repeated layer.
 
@@ -579,8 +587,8 @@ def block_key(
         paths: the node's module stack, outermost first (paths may carry a call index, ``layer@1``,
             which the block key keeps: another call of a layer is another block).
         ancestors: ``_ancestors(root)``.
-        layers: a cache of ``is_layer`` per (container, child) ids, shared by the calls for one
-            model (``is_layer`` counts the container's children: n layers would take n^2 steps).
+        layers: a cache of ``layer_types`` per container id, shared by the calls for one model
+            (``is_layer`` counts the container's children: n layers would take n^2 steps).
 
     Returns:
         (block name or None for root-level operations, is_layer).
@@ -594,10 +602,9 @@ def block_key(
             child = root.get_submodule(_plain(path))
             if layers is None:
                 return path, is_layer(parent, child)
-            key = (id(parent), id(child))
-            if key not in layers:
-                layers[key] = is_layer(parent, child)
-            return path, layers[key]
+            if id(parent) not in layers:
+                layers[id(parent)] = layer_types(parent)
+            return path, type(child) in layers[id(parent)]
     for path in paths:
         if _plain(path) not in ancestors and _parent(_plain(path)) in ancestors:
             return path, False

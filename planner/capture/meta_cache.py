@@ -135,4 +135,30 @@ def meta_op_cache(enabled: bool = True) -> Iterator[MetaOpCache | None]:
         yield cache
 
 
-__all__ = ["MetaOpCache", "meta_op_cache", "on_meta"]
+@contextlib.contextmanager
+def meta_build() -> Iterator[None]:
+    """Build a model on the meta device with ``torch.nn.init``'s in-place initialisers skipped.
+
+    A meta tensor holds no values, so initialising one changes nothing but costs a dispatch through
+    the device context and a Python decomposition per call: half of building a 1,000-layer Llama
+    (7,000 ``kaiming_uniform_``). Inside, every public ``torch.nn.init.*_`` function returns its
+    tensor untouched, as transformers' ``no_init_weights`` does; restored on exit.
+    """
+    init = torch.nn.init
+    names = [n for n in dir(init) if n.endswith("_") and not n.startswith("_") and callable(getattr(init, n))]
+    saved = {n: getattr(init, n) for n in names}
+
+    def skip(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return tensor
+
+    try:
+        for n in names:
+            setattr(init, n, skip)
+        with torch.device("meta"):
+            yield
+    finally:
+        for n, f in saved.items():
+            setattr(init, n, f)
+
+
+__all__ = ["MetaOpCache", "meta_build", "meta_op_cache", "on_meta"]

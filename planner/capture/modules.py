@@ -30,7 +30,7 @@ from planner.capture.blocks import (
     ModuleTrace,
     ValueInfo,
     describe,
-    is_layer,
+    layer_types,
 )
 from planner.capture.clock import BlockClock
 from planner.capture.load import model_output
@@ -50,10 +50,11 @@ def block_modules(model: nn.Module) -> dict[str, tuple[nn.Module, bool]]:
     found: dict[str, tuple[nn.Module, bool]] = {}
 
     def visit(prefix: str, module: nn.Module) -> None:
+        layers = layer_types(module) if isinstance(module, CONTAINERS) else frozenset()  # siblings counted once
         for name, child in module.named_children():
             fqn = f"{prefix}.{name}" if prefix else name
             if isinstance(module, CONTAINERS):
-                found[fqn] = (child, is_layer(module, child))
+                found[fqn] = (child, type(child) in layers)
             elif isinstance(child, CONTAINERS) or _has_container(child):
                 visit(fqn, child)  # e.g. HF's `transformer` wrapper around `h`: look inside
             else:

@@ -142,11 +142,16 @@ def resolve_tp_plan(mf: ModelFile, model: nn.Module) -> ResolvedPlan:
 
 
 def matched_modules(model: nn.Module, plan: Mapping[str, str]) -> dict[str, tuple[str, nn.Module, str]]:
-    """Every module a pattern of ``plan`` matches: FQN -> (style, module, pattern), in module order."""
+    """Every module a pattern of ``plan`` matches: FQN -> (style, module, pattern), in module order
+    (``match``; the first pattern that matches a module names it)."""
+    patterns = [(pattern.split("."), style, pattern) for pattern, style in plan.items()]
     out: dict[str, tuple[str, nn.Module, str]] = {}
     for name, module in model.named_modules():
-        for pattern, style in plan.items():
-            if name and match(pattern, name):
+        if not name:
+            continue
+        names = name.split(".")  # split once per module, not once per pattern (a 1,000-layer model has 12,000)
+        for parts, style, pattern in patterns:
+            if len(parts) == len(names) and all(p == "*" or p == n for p, n in zip(parts, names)):
                 out[name] = (style, module, pattern)
                 break
     return out

@@ -6,6 +6,7 @@ solver and simulator read them. They round-trip through JSON as part of ``plan.j
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Annotated, Literal, get_args
 
@@ -25,6 +26,7 @@ PARTIAL_MODES: tuple[str, ...] = ("selective", "full")
 """The modes a stage may apply to only some of its blocks (``split_recompute``)."""
 
 
+@functools.lru_cache(maxsize=1024)  # the search validates every stage's value of every layout it predicts
 def split_recompute(value: str) -> tuple[RecomputeMode, int | None]:
     """A stage's recompute value as (mode, how many of its checkpoint regions recompute).
 
