@@ -224,15 +224,22 @@ class _Recorder(fx.Interpreter):
 
 
 class _Replaying(_Recorder):
-    """``_Recorder`` that runs each distinct block once and replays its twins' values (meta only)."""
+    """``_Recorder`` that runs each distinct block once and replays its twins' values (meta only).
+
+    A twin's values are the first block's, node by node: its descriptions are copied, and only the
+    values that leave the block (read by a later block or the output) are made again as fresh meta
+    tensors; the others are never read, since the twin's nodes do not run.
+    """
 
     def __init__(self, gm: fx.GraphModule, values: dict[str, ValueInfo], blocks: Sequence[Block]) -> None:
         super().__init__(gm, values, free_values=False)
         self.first = {b.nodes[0]: b for b in blocks if b.nodes}
         self.last = {b.nodes[-1] for b in blocks if b.nodes}
-        self.known: dict[Any, list[Any]] = {}  # signature -> the specs of its nodes' values, in order
-        self.replay: list[Any] | None = None  # the block running now is a twin: its nodes' fresh values
-        self.recording: tuple[Any, list[Any]] | None = None  # (signature, specs so far) of a new block
+        # signature -> its nodes' value specs, descriptions and whether each leaves the block, in order
+        self.known: dict[Any, tuple[list[Any], list[ValueInfo], list[bool]]] = {}
+        self.replay: tuple[list[Any], list[ValueInfo]] | None = None  # a twin running now: its values
+        self.recording: tuple[Any, list[Any], list[ValueInfo]] | None = None  # a new block: its key, so far
+        self.block: Block | None = None
         self.in_block: set[str] = set()
         self.position = 0
         self.nodes = {n.name: n for n in gm.graph.nodes}
@@ -240,12 +247,18 @@ class _Replaying(_Recorder):
     def _begin(self, block: Block) -> None:
         shape = block_structure(self.module, block.nodes, self.nodes)
         key = signature(shape, self.module, lambda a: self.env[a])
-        self.in_block, self.position = set(block.nodes), 0
+        self.block, self.in_block, self.position = block, set(block.nodes), 0
         if key is not None and key in self.known:
+            specs, infos, leaves = self.known[key]
             with no_dispatch():  # plain allocations: the meta cache has nothing to add to them
-                self.replay, self.recording = [rebuild(x) for x in self.known[key]], None
+                fresh = [rebuild(x) if out else None for x, out in zip(specs, leaves)]
+            self.replay, self.recording = (fresh, infos), None
         else:
-            self.replay, self.recording = None, ((key, []) if key is not None else None)
+            self.replay, self.recording = None, ((key, [], []) if key is not None else None)
+
+    def _leaves(self, block: Block) -> list[bool]:
+        """Whether each node's value of ``block`` is read outside it."""
+        return [any(u.name not in self.in_block for u in self.nodes[name].users) for name in block.nodes]
 
     def run_node(self, n: fx.Node) -> Any:
         if n.name in self.first:
@@ -253,8 +266,8 @@ class _Replaying(_Recorder):
         if n.name not in self.in_block:
             return super().run_node(n)
         if self.replay is not None:
-            out = self.replay[self.position]
-            self.values[n.name] = describe(out)
+            out = self.replay[0][self.position]
+            self.values[n.name] = self.replay[1][self.position]
         else:
             out = super().run_node(n)
             if self.recording is not None:
@@ -263,10 +276,12 @@ class _Replaying(_Recorder):
                     self.recording = None
                 else:
                     self.recording[1].append(recorded)
+                    self.recording[2].append(self.values[n.name])
         self.position += 1
         if n.name in self.last:
-            if self.recording is not None:
-                self.known[self.recording[0]] = self.recording[1]
+            if self.recording is not None and self.block is not None:
+                key, specs, infos = self.recording
+                self.known[key] = (specs, infos, self._leaves(self.block))
             self.replay = self.recording = None
             self.in_block = set()
         return out

@@ -207,7 +207,9 @@ class _ShareRun(fx.Interpreter):
         self.blocks = traced.blocks
         self.first = {b.nodes[0]: k for k, b in enumerate(traced.blocks) if b.nodes}
         self.nodes = traced.nodes_by_name()
-        self.known: dict[Any, tuple[_Tally, list[Any], list[tuple[bool, ...]]]] = {}
+        # key -> the first block's tally, its nodes' value specs, which of each value's tensors are split,
+        # and whether each value leaves the block (only those are made again for a twin: no other is read)
+        self.known: dict[Any, tuple[_Tally, list[Any], list[tuple[bool, ...]], list[bool]]] = {}
         self.replay: list[Any] | None = None  # the current block's fresh values, when replayed
         # a new block: its key, its nodes' value specs and which of each value's tensors are split
         self.recording: tuple[Any, list[Any], list[tuple[bool, ...]]] | None = None
@@ -302,11 +304,11 @@ class _ShareRun(fx.Interpreter):
         if key not in self.known:
             self.recording = (key, [], [])
             return
-        tally, specs, split = self.known[key]
+        tally, specs, split, leaves = self.known[key]
         self.tallies[k] = tally.replayed()
         self.counted.update(names)
         with no_dispatch():
-            self.replay = [rebuild(x) for x in specs]
+            self.replay = [rebuild(x) if out else None for x, out in zip(specs, leaves)]
         for value, flags in zip(self.replay, split):
             for t, is_split in zip(_tensors(value), flags):
                 if is_split:
@@ -334,7 +336,9 @@ class _ShareRun(fx.Interpreter):
                 self.recording[2].append(tuple(self.watch.is_split(t) for t in _tensors(out)))
                 if n.name == self.blocks[k].nodes[-1]:
                     key, specs, split = self.recording
-                    self.known[key] = (self.tallies[k].replayed(), specs, split)
+                    inside = set(self.blocks[k].nodes)
+                    leaves = [any(u.name not in inside for u in self.nodes[m].users) for m in self.blocks[k].nodes]
+                    self.known[key] = (self.tallies[k].replayed(), specs, split, leaves)
                     self.recording = None
         return out
 
