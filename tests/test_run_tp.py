@@ -256,6 +256,17 @@ def test_hugging_face_llama_tp2_pp2_matches_unsplit_model(tmp_path: Path) -> Non
     print("hf llama tp2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
 
 
+@pytest.mark.multiprocess
+def test_hugging_face_llama_with_its_head_split_tp2_pp2_matches_unsplit_model(tmp_path: Path) -> None:
+    # untied: the model's own _tp_plan splits lm_head too (colwise_gather_output, read as colwise_rep):
+    # in the export graph its call is made a module at full size (its logits are gathered whole)
+    pytest.importorskip("transformers")
+    plan = make_plan(MODELS / "hf" / "llama.py", [0, 3], size="tiny", **TP2_1F1B)
+    assert plan.tp_plan["lm_head"] == "colwise_rep" and not plan.ties
+    got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
+    print("hf llama head split tp2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
 def test_an_export_graph_that_bakes_full_widths_is_refused_before_launch(tmp_path: Path) -> None:
     # a model whose forward reshapes with its full head count cannot run one tp rank's shards: one line
     pytest.importorskip("transformers")
@@ -336,7 +347,7 @@ def test_an_exported_graph_is_made_shardable_at_one_tp_ranks_sizes() -> None:
     split = shardable_trace(traced, model, inputs, plan, 2)
     assert [n.name for n in split.gm.graph.nodes] == [n.name for n in traced.gm.graph.nodes]
     calls = [n for n in split.gm.graph.nodes if n.op == "call_module" and n.target != "_guards_fn"]  # export's own
-    assert len(calls) == 7 * 4 and {str(n.target).rsplit(".", 1)[1] for n in calls} == {
+    assert len(calls) == 7 * 4 + 1 and {str(n.target).rsplit(".", 1)[-1] for n in calls} == {
         "q_proj",
         "k_proj",
         "v_proj",
@@ -344,7 +355,10 @@ def test_an_exported_graph_is_made_shardable_at_one_tp_ranks_sizes() -> None:
         "gate_proj",
         "up_proj",
         "down_proj",
+        "lm_head",  # the model's own _tp_plan: untied, split with its logits gathered
     }
+    head = split.gm.get_submodule("lm_head")
+    assert isinstance(head, nn.Linear) and head.weight.shape == (512, 64)  # the graph keeps its full size
     q = split.gm.get_submodule("model.layers.0.self_attn.q_proj")
     assert isinstance(q, nn.Linear) and q.weight.shape == (64, 64)  # the full weight, the trace's own object
     assert q.weight is dict(traced.gm.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
@@ -360,5 +374,5 @@ def test_an_exported_graph_is_made_shardable_at_one_tp_ranks_sizes() -> None:
     for name, p in model.named_parameters():  # the model is not touched
         assert torch.equal(p, before[name]), name
     # the stage modules now hold the planned layers as modules: checked as an fx trace's are
-    assert check_tp_split(split.gm, plan, 2)
+    assert check_tp_split(split.gm, plan, 2)["lm_head"] == "colwise_rep"
     assert shardable_trace(traced, model, inputs, plan, 1) is traced

@@ -89,7 +89,8 @@ def test_hf_plan_prefixed_with_base_model() -> None:
     assert resolved.source == "Hugging Face config"
     assert resolved.plan["model.layers.*.self_attn.q_proj"] == "colwise"
     assert resolved.plan["model.layers.*.mlp.down_proj"] == "rowwise"
-    assert len(matched_modules(model, resolved.plan)) == 7 * 2
+    assert resolved.plan["lm_head"] == "colwise_rep"  # the model's own _tp_plan (untied): colwise_gather_output
+    assert len(matched_modules(model, resolved.plan)) == 7 * 2 + 1
     check_tp_plan(model, resolved.plan, 2)
     with pytest.raises(ModelFileError, match=r"num_key_value_heads is 2, not a multiple of 4"):
         check_tp_plan(model, resolved.plan, 4)
@@ -103,8 +104,16 @@ def test_hf_model_inside_a_wrapper() -> None:
 
     wrapped = Wrapper()
     plan = resolve_tp_plan(_fake_file(None), wrapped).plan  # type: ignore[arg-type]
-    assert plan["lm.model.layers.*.self_attn.o_proj"] == "rowwise"
-    assert len(matched_modules(wrapped, plan)) == 14
+    assert plan["lm.model.layers.*.self_attn.o_proj"] == "rowwise" and plan["lm.lm_head"] == "colwise_rep"
+    assert len(matched_modules(wrapped, plan)) == 15
+
+
+def test_a_tied_hugging_face_head_stays_whole() -> None:
+    model = _hf_tiny()
+    model.lm_head.weight = model.model.embed_tokens.weight
+    plan = resolve_tp_plan(_fake_file(None), model).plan  # type: ignore[arg-type]
+    assert "lm_head" not in plan and plan["model.layers.*.self_attn.q_proj"] == "colwise"
+    check_tp_plan(model, plan, 2)
 
 
 @pytest.mark.parametrize("style", ["packed_colwise", "rowwise_rep", "sequence_parallel", "moe_tp_experts"])
@@ -304,8 +313,15 @@ def test_an_exported_hugging_face_model_is_split_by_its_config_plan() -> None:
     assert plan.tp == 2 and plan.model.trace_method == "export"
     from transformers import LlamaConfig
 
-    assert plan.tp_plan == {f"model.{k}": v for k, v in LlamaConfig().base_model_tp_plan.items()}
-    assert [b.tp is not None for b in plan.blocks] == [b.name.startswith("model.layers.") for b in plan.blocks]
+    base_plan = {f"model.{k}": v for k, v in LlamaConfig().base_model_tp_plan.items()}
+    assert plan.tp_plan == base_plan | {"lm_head": "colwise_rep"}
+    split = [b.name.startswith("model.layers.") or b.name == "lm_head" for b in plan.blocks]
+    assert [b.tp is not None for b in plan.blocks] == split
+    head = plan.blocks[-1].tp
+    assert head is not None and plan.blocks[-1].name == "lm_head"
+    # read off the export graph's nodes: the logits (vocabulary 512) gathered, the input (dim 64)'s gradient reduced
+    assert (head.fwd_allreduces, head.bwd_allreduces, head.divisor) == (0, 1, 0)
+    assert head.fwd_allgather_bytes == head.bwd_allreduce_bytes * 512 // 64 > 0
     share = next(b.tp for b in plan.blocks if b.tp is not None)
     dim, kv, ffn = 64, 2 * 16, 172  # tiny: 4 heads of 16, 2 key/value heads, SwiGLU 172
     assert share.sharded_params == dim * dim * 2 + dim * kv * 2 + dim * ffn * 3
@@ -334,7 +350,7 @@ def test_twin_blocks_replayed_give_the_shares_a_run_of_every_block_gives(
     monkeypatch.setattr(tensor_parallel._ShareRun, "_begin", counting)
     traced, replayed = _shares(path, plan=plan)
     assert replayed
-    layers = sum(1 for b in traced.blocks if b.name in replayed and b.name != "output")  # the head is no twin
+    layers = sum(1 for b in traced.blocks if b.name in replayed and b.is_layer)  # the head is no twin
     if path is HF_ALBERT:
         assert ran.count(False) == 0
     else:

@@ -15,7 +15,8 @@ Where it comes from (``resolve_tp_plan``), first found wins:
 1. the model file's module-level ``tp_plan``: a dict, or a function ``tp_plan(**config) -> dict``;
 2. a Hugging Face model's ``config.base_model_tp_plan`` (transformers 5), its keys prefixed with the
    name of the base model inside the module ``build_model`` returned (``model.`` for a
-   ``LlamaForCausalLM``; the base model may sit deeper, inside the user's own wrapper).
+   ``LlamaForCausalLM``; the base model may sit deeper, inside the user's own wrapper), and the
+   model's own ``_tp_plan`` (its output head, gathered) where the head is not tied.
 
 ``check_tp_plan`` checks a plan against a built model (every pattern matches, only ``nn.Linear``,
 the split sizes and the attention heads divisible by the degree).
@@ -138,7 +139,39 @@ def resolve_tp_plan(mf: ModelFile, model: nn.Module) -> ResolvedPlan:
     plan, reason = _checked(dict(config.base_model_tp_plan), f"{type(config).__name__}.base_model_tp_plan")
     if reason:
         return ResolvedPlan({}, "", reason)
-    return ResolvedPlan({(f"{prefix}.{k}" if prefix else k): v for k, v in plan.items()}, "Hugging Face config")
+    out = {(f"{prefix}.{k}" if prefix else k): v for k, v in plan.items()}
+    return ResolvedPlan(out | _head_entries(model, owner), "Hugging Face config")
+
+
+def _head_entries(model: nn.Module, owner: nn.Module) -> dict[str, str]:
+    """A transformers model's own ``_tp_plan`` beside its config's (the output head: ``{"lm_head":
+    "colwise_gather_output"}`` for Llama, Qwen2, Mistral), prefixed with the model's name inside
+    ``model``: the entries whose style the planner runs and whose layer's weight is not tied (a head
+    tied to the input embedding stays whole: splitting it would need the embedding split alike)."""
+    declared = getattr(owner, "_tp_plan", None)
+    if not isinstance(declared, Mapping):
+        return {}
+    name = next((n for n, m in model.named_modules() if m is owner), "")
+    holders = _holders(model)
+    out: dict[str, str] = {}
+    for key, style in declared.items():
+        style = ALIASES.get(style, style) if isinstance(style, str) else style
+        full = f"{name}.{key}" if name else str(key)
+        found = matched_modules(model, {full: style}) if style in STYLES else {}
+        weights = [getattr(m, "weight", None) for _, m, _ in found.values()]
+        if found and all(isinstance(w, nn.Parameter) and len(holders.get(id(w), [])) == 1 for w in weights):
+            out[full] = style
+    return out
+
+
+def _holders(model: nn.Module) -> dict[int, list[str]]:
+    """Parameter id -> the names of the modules holding it (more than one: a tie)."""
+    holders: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        for p in module._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), []).append(name)
+    return holders
 
 
 def matched_modules(model: nn.Module, plan: Mapping[str, str]) -> dict[str, tuple[str, nn.Module, str]]:
@@ -252,11 +285,7 @@ def check_tp_plan(model: nn.Module, plan: Mapping[str, str], tp: int = 1) -> Non
 def _check_ties(model: nn.Module, matched: Mapping[str, tuple[str, nn.Module, str]]) -> None:
     """A split layer's weight that another module holds too (a tie, e.g. an output head sharing the
     input embedding) must be split alike there: torch would shard one holder and leave the other whole."""
-    holders: dict[int, list[str]] = {}
-    for name, module in model.named_modules():
-        for p in module._parameters.values():
-            if p is not None:
-                holders.setdefault(id(p), []).append(name)
+    holders = _holders(model)
     for name, (style, module, pattern) in matched.items():
         for other in holders.get(id(module.weight), []):
             if other != name and (other not in matched or matched[other][0] != style):
