@@ -147,6 +147,42 @@ def loss_fn(out, target):
     return ((out - target) ** 2).mean()
 """
 
+TIED_SPLIT = """
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight  # tied to the input embedding
+
+    def forward(self, x):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = torch.relu(layer(h))
+        return self.head(h)
+
+
+def build_model(**_):
+    return Model()
+
+
+def make_batch(batch_size, **_):
+    x = torch.randint(0, 16, (batch_size, 4))
+    return (x,), x
+
+
+def loss_fn(out, target):
+    return nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())
+
+
+tp_plan = {"head": "colwise_rep"}
+"""
+
 HELD_PORT = 29561
 _HELD: list[socket.socket] = []  # kept open until the tests end
 
@@ -283,6 +319,14 @@ CASES: list[Case] = [
         2,
         "--tp 2: the model does not trace with its tp_plan layers split 2 ways",
         _variant(*TOY_FULL_WIDTH),
+    ),
+    Case(
+        "model file",
+        "a tp_plan that splits a tied weight on one side only",
+        "plan {d}/tied.py --gpus 2 --tp 2 -b 8 --repeats 1 --warmup 0 -q",
+        2,
+        "whose weight is tied to emb, and does not split it",
+        _text("tied.py", TIED_SPLIT),
     ),
     Case(
         "model file",
