@@ -227,6 +227,7 @@ def test_hf_llama_70b_config_plans_on_the_meta_device_through_export(transformer
             batch_size=2,
             microbatches=2,
             gpu_type="h100",
+            tp=1,  # the blocks as a whole model's (a plan of tp 2 records one tensor-parallel rank's)
             progress=False,
         )
     )
