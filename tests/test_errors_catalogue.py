@@ -322,10 +322,10 @@ CASES: list[Case] = [
     ),
     Case(
         "model file",
-        "a tp_plan that splits a tied weight on one side only",
+        "a tp_plan that splits a tied weight",
         "plan {d}/tied.py --gpus 2 --tp 2 -b 8 --repeats 1 --warmup 0 -q",
         2,
-        "whose weight is tied to emb, and does not split it",
+        "whose weight is tied to emb: torch gives a split layer a sharded weight of its own",
         _text("tied.py", TIED_SPLIT),
     ),
     Case(

@@ -283,17 +283,17 @@ def check_tp_plan(model: nn.Module, plan: Mapping[str, str], tp: int = 1) -> Non
 
 
 def _check_ties(model: nn.Module, matched: Mapping[str, tuple[str, nn.Module, str]]) -> None:
-    """A split layer's weight that another module holds too (a tie, e.g. an output head sharing the
-    input embedding) must be split alike there: torch would shard one holder and leave the other whole."""
+    """A split layer's weight must not be held by another module too (a tie, e.g. an output head
+    sharing the input embedding): torch's styles give each split module a new sharded parameter of
+    its own, so the holders would train apart."""
     holders = _holders(model)
     for name, (style, module, pattern) in matched.items():
-        for other in holders.get(id(module.weight), []):
-            if other != name and (other not in matched or matched[other][0] != style):
-                how = f"splits it {matched[other][0]}" if other in matched else "does not split it"
-                raise ModelFileError(
-                    f"tp_plan splits {name} {style} ({pattern!r}), whose weight is tied to {other}, and {how}: a tied "
-                    f"weight must be split alike everywhere; drop {pattern!r} or untie the weights"
-                )
+        other = next((o for o in holders.get(id(module.weight), []) if o != name), None)
+        if other is not None:
+            raise ModelFileError(
+                f"tp_plan splits {name} {style} ({pattern!r}), whose weight is tied to {other}: torch gives a split "
+                f"layer a sharded weight of its own, so the tie would not hold; drop {pattern!r} or untie the weights"
+            )
 
 
 __all__ = [
