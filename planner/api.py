@@ -38,6 +38,7 @@ from planner.core.calibrate import (
     load_calibration,
 )
 from planner.core.hardware import HardwareSpec, dtype_bytes, get_hardware, node_links
+from planner.core.heap import bulk_allocation
 from planner.core.predict import with_links
 from planner.core.schedules import check_placement, check_schedule, stages_per_rank_options
 from planner.costs.blocks import ties_of
@@ -113,14 +114,15 @@ def make_plan(request: PlanRequest) -> Plan:
         check_levers(source.plan, request)
         request = calibrated_request(request, source.plan, source.fit.microbatch_size)
     if request.gpu_type is not None:
-        costs = estimated_costs(mf, request, threads)
+        with bulk_allocation():  # meta tensors, graphs and numbers only (planner.core.heap)
+            costs = estimated_costs(mf, request, threads)
     else:
         costs = measured_costs(mf, request, threads, source.plan if source else None)
     blocks, link = costs.blocks, costs.link
     if source is not None:
         check_calibration(source.fit, costs.traced.fingerprint, request.microbatch_size)
         blocks, link = apply_calibration(blocks, link, source.fit)
-    with search_bar(request.progress) as progress:
+    with search_bar(request.progress) as progress, bulk_allocation():
         plan = plan_from_costs(
             request,
             mf,
@@ -335,12 +337,7 @@ def tokens_per_sample(inputs: object) -> int | None:
     keyword) is a batch of token ids (an integer tensor of shape (batch, seq)); None otherwise."""
     values = list(inputs.values()) if isinstance(inputs, dict) else list(inputs) if isinstance(inputs, tuple) else []
     first = values[0] if values else None
-    if (
-        isinstance(first, torch.Tensor)
-        and first.dim() == 2
-        and not first.is_floating_point()
-        and not first.is_complex()
-    ):
+    if isinstance(first, torch.Tensor) and first.dim() == 2 and not (first.is_floating_point() or first.is_complex()):
         return int(first.shape[1])
     return None
 

@@ -24,13 +24,12 @@ backward for the weights only (the zero-bubble split; Qi et al. 2023, arXiv:2401
 
 from __future__ import annotations
 
-import gc
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Literal, NamedTuple
 
+from planner.core.heap import bulk_allocation
 from planner.errors import InfeasibleError
 from planner.schema.request import SCHEDULES, SPLIT_BACKWARD, TORCH_NAMES, schedule_name
 
@@ -56,21 +55,6 @@ IN_FLIGHT_CACHED = 4096
 
 
 Placement = Literal["single", "loop", "v"]
-
-
-@contextmanager
-def bulk_allocation() -> Iterator[None]:
-    """No garbage collection while building a large acyclic structure (an action order, a simulator
-    program): the tuples it allocates would trigger collections that walk the whole heap (the
-    profiled model included), two thirds of the build's time for a 64-rank x 512-microbatch order,
-    and free nothing. Collection resumes as it was afterwards."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 class Action(NamedTuple):

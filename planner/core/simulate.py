@@ -27,7 +27,8 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.core.schedules import Action, bulk_allocation, in_flight_per_stage, rank_orders
+from planner.core.heap import bulk_allocation
+from planner.core.schedules import Action, in_flight_per_stage, rank_orders
 from planner.errors import InfeasibleError
 
 
