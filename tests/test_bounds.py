@@ -6,14 +6,16 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from test_plans_unchanged import _block
 
-from planner.core.bounds import floors, memory_floor, step_floor
+from planner.core.bounds import floors, memory_floor, pipeline_floor, step_floor
 from planner.core.inputs import Cluster, Constraints, Layout
 from planner.core.schedules import SCHEDULES, SPLIT_BACKWARD, check_schedule, stages_per_rank_options
 from planner.core.search import evaluate_choice, evaluate_modes
+from planner.core.simulate import StageTimes, simulate_step
 from planner.core.stage_model import Partition
 from planner.errors import InfeasibleError
 from planner.schema.costs import LinkCost, OptimizerSpec
@@ -94,3 +96,34 @@ def test_floors_never_exceed_the_solved_and_simulated_layout(problem: tuple) -> 
     for c in choices:
         assert step <= c.prediction.step_time_s * (1 + 1e-12), (step, c.prediction.step_time_s, c.layout)
         assert memory <= c.prediction.max_memory_bytes, (memory, c.prediction.max_memory_bytes, c.layout)
+
+
+def test_pipeline_floor_exact_values() -> None:
+    """One microbatch: its whole chain; two stages of two microbatches: the split (2c/3, c/3) makes
+    both stages' bounds 4c/3 (stage 0: 2 t0; stage 1: t0 + 2 t1); many microbatches: the mean."""
+    assert pipeline_floor(3.0, 1, 8) == pytest.approx(3.0)
+    assert pipeline_floor(3.0, 2, 2) == pytest.approx(4.0)
+    assert pipeline_floor(1.0, 10_000, 4) == pytest.approx(10_000 / 4, rel=1e-3)
+    # a split backward whose chain carries half of each block: weaker, and nothing without a chain
+    assert pipeline_floor(3.0, 2, 2, lead=0.5) < pipeline_floor(3.0, 2, 2)
+    assert pipeline_floor(3.0, 2, 2, lead=0.0) == 0.0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(SCHEDULES),
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.integers(1, 8),
+    st.lists(st.tuples(st.floats(0.01, 10.0), st.floats(0.01, 10.0), st.floats(0.1, 0.9)), min_size=12, max_size=12),
+)
+def test_pipeline_floor_under_the_simulated_makespan(
+    schedule: str, p: int, v: int, m: int, times: list[tuple[float, float, float]]
+) -> None:
+    """For any stage times of any schedule, the makespan the simulator gives (no messages) is at least
+    the floor of their total: the floor holds over every split, so it cannot beat this one."""
+    assume(v in stages_per_rank_options(schedule, 3) and _runnable(schedule, p, m, v))
+    stages = [StageTimes(f=f, b=b, i=b * share, w=b * (1 - share)) for f, b, share in times[: p * v]]
+    lead = min(t.f / (t.f + t.b) for t in stages) if schedule in SPLIT_BACKWARD else 1.0
+    makespan, _ = simulate_step(stages, schedule, m, stages_per_rank=v)
+    assert pipeline_floor(sum(t.f + t.b for t in stages), m, p * v, lead) <= makespan * (1 + 1e-9)

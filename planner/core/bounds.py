@@ -74,12 +74,15 @@ def floors(blocks: Sequence[BlockCost], layout: Layout, optimizer: OptimizerSpec
     compute = 0.0
     step = 0.0
     p_bytes = n_params = 0
+    lead = 1.0  # the least share of a block's compute that lies on the chain before a stage (below)
     for b in blocks:
         bwd = b.bwd_s
         if split and b.bwd_input_s is not None and b.bwd_weight_s is not None:
             # a split backward runs its input and weight halves, which need not add up to the whole
             bwd = min(bwd, b.bwd_input_s + b.bwd_weight_s)
         compute += b.fwd_s + bwd
+        if split and b.fwd_s + bwd > 0:
+            lead = min(lead, b.fwd_s / (b.fwd_s + bwd))
         step += (b.opt_s or 0.0) + (b.grad_s or 0.0)
         p_bytes += b.param_bytes
         n_params += b.params
@@ -93,7 +96,35 @@ def floors(blocks: Sequence[BlockCost], layout: Layout, optimizer: OptimizerSpec
     fsdp = (static // max(1, most) + whole + buffers) // pp
     modes = {"ddp": ddp, "fsdp": fsdp, "hsdp": fsdp, "auto": min(ddp, fsdp)}
     memory = ddp if dp == 1 else modes.get(layout.dp_mode, ddp)
-    return (compute * m * layout.accumulation + step / shard) / pp, memory
+    busiest = (compute * m * layout.accumulation + step / shard) / pp
+    return max(busiest, layout.accumulation * pipeline_floor(compute, m, layout.n_stages, lead)), memory
 
 
-__all__ = ["floors", "memory_floor", "step_floor"]
+def pipeline_floor(compute: float, m: int, n_stages: int, lead: float = 1.0) -> float:
+    """A lower bound of one pass's makespan over every split into ``n_stages`` stages, bubble included.
+
+    Each stage runs its ``m`` forwards and backwards one at a time on its rank, after its first
+    microbatch's forwards through every earlier stage and before its last backward's way back
+    through them (a split backward's last action may be a weight half: its forward way only). With
+    ``t`` a stage's compute per microbatch and ``T`` that of the stages before it, the makespan is at
+    least ``lead T + m t`` for every stage, ``lead`` the least share of a block's compute on that way
+    (1 with whole backwards, its forward share with split ones). The split that makes the largest of
+    these least makes them all equal: ``t = (B - lead T) / m``, so the stages' compute sums to
+    ``B (1 - (1 - lead/m)^n) / lead``; ``compute`` gives ``B``. One microbatch: its whole chain; many:
+    towards ``m compute / n``, each stage's mean share.
+
+    Args:
+        compute: every block's forward and backward time for one microbatch (seconds).
+        m: microbatches in the pass.
+        n_stages: the pipeline's stages (ranks x stages per rank).
+        lead: the least share of a block's compute that runs on the chain through the stages.
+
+    Returns:
+        Seconds (0 when ``lead`` is 0: nothing is known of the chain).
+    """
+    if lead <= 0 or m < 1 or n_stages < 1:
+        return 0.0
+    return lead * compute / (1 - (1 - lead / m) ** n_stages)
+
+
+__all__ = ["floors", "memory_floor", "pipeline_floor", "step_floor"]
