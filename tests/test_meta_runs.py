@@ -196,3 +196,25 @@ def test_meta_build_skips_initialisers_and_restores_them() -> None:
     with pytest.raises(RuntimeError), meta_build():
         raise RuntimeError("build_model failed")
     assert torch.nn.init.kaiming_uniform_ is original
+
+
+def test_leaves_block_flags_only_values_read_after_the_block() -> None:
+    """x -> a -> b -> c -> out, with a also read by c: in the block (a, b), a and b leave it (c reads
+    both); in (b, c), b does not (only c reads it) and c does (the output reads it)."""
+    import torch.fx as fx
+
+    from planner.capture.signature import leaves_block
+
+    class Chain(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            a = x + 1
+            b = a * 2
+            c = b - a
+            return c
+
+    gm = fx.symbolic_trace(Chain())
+    nodes = {n.name: n for n in gm.graph.nodes}
+    a, b, c = (n.name for n in gm.graph.nodes if n.op == "call_function")
+    assert leaves_block((a, b), nodes) == [True, True]
+    assert leaves_block((b, c), nodes) == [False, True]
+    assert leaves_block((a, b, c), nodes) == [False, False, True]

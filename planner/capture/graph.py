@@ -36,7 +36,7 @@ from torch import nn
 from planner.capture.blocks import CONTAINERS, Block, Cut, GraphTrace, ValueInfo, describe, is_layer, layer_types
 from planner.capture.meta_cache import meta_op_cache, on_meta
 from planner.capture.shapes import shapes_or_real
-from planner.capture.signature import block_structure, rebuild, signature, spec
+from planner.capture.signature import block_structure, leaves_block, rebuild, signature, spec
 from planner.errors import TraceError
 from planner.torch_compat import fx_arg_bypass, lazy_graph_module, no_dispatch
 
@@ -256,10 +256,6 @@ class _Replaying(_Recorder):
         else:
             self.replay, self.recording = None, ((key, [], []) if key is not None else None)
 
-    def _leaves(self, block: Block) -> list[bool]:
-        """Whether each node's value of ``block`` is read outside it."""
-        return [any(u.name not in self.in_block for u in self.nodes[name].users) for name in block.nodes]
-
     def run_node(self, n: fx.Node) -> Any:
         if n.name in self.first:
             self._begin(self.first[n.name])
@@ -281,7 +277,7 @@ class _Replaying(_Recorder):
         if n.name in self.last:
             if self.recording is not None and self.block is not None:
                 key, specs, infos = self.recording
-                self.known[key] = (specs, infos, self._leaves(self.block))
+                self.known[key] = (specs, infos, leaves_block(self.block.nodes, self.nodes))
             self.replay = self.recording = None
             self.in_block = set()
         return out

@@ -126,6 +126,21 @@ def block_structure(gm: nn.Module, names: tuple[str, ...], by_name: dict[str, fx
     return known[names]
 
 
+def leaves_block(names: Sequence[str], by_name: dict[str, fx.Node]) -> list[bool]:
+    """Whether each of a block's values is read outside it (by a later block or the output): only
+    those are made again when a twin is replayed; its other values are never read.
+
+    Args:
+        names: the block's node names, in graph order.
+        by_name: node name -> node of the graph.
+
+    Returns:
+        One flag per node of ``names``.
+    """
+    inside = set(names)
+    return [any(u.name not in inside for u in by_name[name].users) for name in names]
+
+
 def signature(shape: tuple[tuple[Any, ...], tuple[fx.Node, ...]], root: nn.Module, value_of: Any) -> Any:
     """A block's signature (see the module docstring), or None when a value it reads from outside
     cannot be described (then it is run, never replayed).

@@ -64,7 +64,7 @@ from planner.capture.blocks import GraphTrace, TracedModel
 from planner.capture.graph import _module_path
 from planner.capture.load import ModelFile
 from planner.capture.meta_cache import meta_op_cache, on_meta
-from planner.capture.signature import block_structure, rebuild, signature, spec
+from planner.capture.signature import block_structure, leaves_block, rebuild, signature, spec
 from planner.capture.tp_graph import shard_sized_graph
 from planner.capture.tp_plan import (
     COLUMN_STYLES,
@@ -336,8 +336,7 @@ class _ShareRun(fx.Interpreter):
                 self.recording[2].append(tuple(self.watch.is_split(t) for t in _tensors(out)))
                 if n.name == self.blocks[k].nodes[-1]:
                     key, specs, split = self.recording
-                    inside = set(self.blocks[k].nodes)
-                    leaves = [any(u.name not in inside for u in self.nodes[m].users) for m in self.blocks[k].nodes]
+                    leaves = leaves_block(self.blocks[k].nodes, self.nodes)
                     self.known[key] = (self.tallies[k].replayed(), specs, split, leaves)
                     self.recording = None
         return out
