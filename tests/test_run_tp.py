@@ -376,3 +376,16 @@ def test_an_exported_graph_is_made_shardable_at_one_tp_ranks_sizes() -> None:
     # the stage modules now hold the planned layers as modules: checked as an fx trace's are
     assert check_tp_split(split.gm, plan, 2)["lm_head"] == "colwise_rep"
     assert shardable_trace(traced, model, inputs, plan, 1) is traced
+
+
+def test_launch_line_names_the_tensor_parallel_split_only_when_there_is_one() -> None:
+    from planner.run.launch import launch_line
+
+    split = make_plan(MODELS / "llama.py", [0, 2], tp=2)
+    assert launch_line(split, 4).startswith(
+        "launching 4 ranks (4 per node, 2 stages, gpipe, 4 microbatches, each stage split over 2 tensor-parallel "
+        "ranks, backend gloo, "
+    )
+    whole = make_plan(MODELS / "llama.py", [0, 2])
+    assert "tensor-parallel" not in launch_line(whole, 2)
+    assert launch_line(whole, 2).startswith("launching 2 ranks (2 per node, 2 stages, gpipe, 4 microbatches, backend")

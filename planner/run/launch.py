@@ -349,6 +349,24 @@ def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None]
     return _launch(plan, request, nproc, print_fn)
 
 
+def launch_line(plan: Plan, nproc: int) -> str:
+    """What ``planner run`` says as it starts the ranks: how many, and how the plan places them.
+
+    Args:
+        plan: the plan.
+        nproc: ranks per node.
+
+    Returns:
+        One line.
+    """
+    split = f"each stage split over {plan.tp} tensor-parallel ranks, " if plan.tp > 1 else ""
+    return (
+        f"launching {plan.world_size} ranks ({nproc} per node, {plan.n_stages} stages, {plan.schedule}, "
+        f"{plan.n_microbatches} microbatches, {split}backend {plan.profile.backend}, "
+        f"{threads_per_rank(plan)} thread(s) each)"
+    )
+
+
 def _launch(plan: Plan, request: RunRequest, nproc: int, print_fn: Callable[[str], None]) -> RunResult:
     """Start ``nproc`` workers on this node (torchrun-style), wait for all, gather this node's ranks.
 
@@ -361,12 +379,7 @@ def _launch(plan: Plan, request: RunRequest, nproc: int, print_fn: Callable[[str
 
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed.pipelining", "planner.run.worker"])
     if request.echo:
-        print_fn(
-            f"launching {plan.world_size} ranks ({nproc} per node, {plan.n_stages} stages, {plan.schedule}, "
-            f"{plan.n_microbatches} microbatches, "
-            f"{plan.tp} tensor-parallel rank(s) per pipeline rank, "
-            f"backend {plan.profile.backend}, {threads_per_rank(plan)} thread(s) each)"
-        )
+        print_fn(launch_line(plan, nproc))
     params, master_addr, master_port = _rendezvous_parameters(plan, request)
     with tempfile.TemporaryDirectory(prefix="planner-run-") as tmp:
         error_dir = Path(tmp) / "errors"
