@@ -63,7 +63,11 @@ BLOCK_LATER_DEFAULTS = {
     "cut_share": 1,
     "cut_gather_s": 0.0,
 }
-SHARE_LATER_DEFAULTS = {"slowdown": {}, "fwd_allgather_bytes": 0}  # inside a block's tp share (a nested object)
+SHARE_LATER_DEFAULTS = {
+    "slowdown": {},
+    "fwd_allgather_bytes": 0,
+    "unsplit_activation_bytes": 0,
+}  # inside a block's tp share (a nested object)
 CANDIDATE_LATER_DEFAULTS = {"tp": 1, "accumulation": 1, "fsdp_units": "stage", "dp_shard": None}
 
 

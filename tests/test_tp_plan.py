@@ -176,6 +176,40 @@ def test_llama_layer_share_exact() -> None:
     assert 0 < share.sharded_compute < 1
     assert share.sharded_compute == pytest.approx(matmul / (matmul + whole), abs=0.01)
     assert share.sharded_activation_bytes > 0
+    # saved whole on every tp rank: each of the two RMSNorms' input, its normalised input and its
+    # output (the column-wise layers' input, which q, k, v or w1, w3 save as one tensor), and its
+    # reciprocal root (one per token); not the weights, their transposes, nor the rotary tables
+    assert share.unsplit_activation_bytes == 2 * (3 * tokens * dim + tokens) * fp32
+
+
+def test_split_activations_are_at_most_what_the_block_saves_less_the_whole_ones() -> None:
+    """The watched forward runs SDPA's math form on the meta device (it saves the attention
+    probabilities), so its split count can exceed the block's own activations; the whole tensors
+    must still count whole."""
+    from plan_factory import block as plan_block
+
+    from planner.costs.tensor_parallel import _fitted
+    from planner.schema.costs import TensorParallelShare
+
+    share = TensorParallelShare(
+        sharded_params=10,
+        sharded_param_bytes=40,
+        sharded_compute=0.9,
+        sharded_activation_bytes=5_000,
+        unsplit_activation_bytes=300,
+        fwd_allreduce_bytes=0,
+        bwd_allreduce_bytes=0,
+        fwd_allreduces=0,
+        bwd_allreduces=0,
+        divisor=2,
+    )
+    block = plan_block("b", 1.0, 2.0, 10).model_copy(update={"activation_bytes": 1_000})
+    fitted = _fitted(block, share).tp
+    assert fitted is not None
+    assert (fitted.sharded_activation_bytes, fitted.unsplit_activation_bytes) == (700, 300)
+    small = share.model_copy(update={"sharded_activation_bytes": 200})
+    fitted = _fitted(block, small).tp
+    assert fitted is not None and (fitted.sharded_activation_bytes, fitted.unsplit_activation_bytes) == (200, 300)
 
 
 def test_llama_output_head_share_exact() -> None:
@@ -191,6 +225,7 @@ def test_llama_output_head_share_exact() -> None:
     assert (head.bwd_allreduces, head.bwd_allreduce_bytes) == (1, tokens * dim * fp32)
     assert head.divisor == 0 and head.sharded_compute == 1.0
     assert head.sharded_activation_bytes == 0  # it saves its whole input; its output is gathered whole
+    assert head.unsplit_activation_bytes == tokens * dim * fp32
 
 
 def test_tied_split_layer_is_refused() -> None:

@@ -111,6 +111,7 @@ def _share_at(share: TensorParallelShare, r: float) -> TensorParallelShare:
     return share.model_copy(
         update={
             "sharded_activation_bytes": round(share.sharded_activation_bytes * r),
+            "unsplit_activation_bytes": round(share.unsplit_activation_bytes * r),
             "fwd_allreduce_bytes": round(share.fwd_allreduce_bytes * r),
             "fwd_allgather_bytes": round(share.fwd_allgather_bytes * r),
             "bwd_allreduce_bytes": round(share.bwd_allreduce_bytes * r),

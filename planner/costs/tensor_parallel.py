@@ -16,6 +16,14 @@ no data) at the profiled microbatch, watched at the aten level. What is counted,
   used for both.
 * ``sharded_activation_bytes``: the split tensors autograd saves for backward (a column-wise layer
   saves its whole input: not counted; the row-wise layer's split input, SDPA's q, k, v: counted).
+* ``unsplit_activation_bytes``: the other tensors autograd saves (a norm's input and output, each
+  column-wise layer's whole input). Neither count holds the parameters and buffers, or what operators
+  make of them alone (a weight's transpose, a narrowed rotary table): saved, they take no memory of
+  their own. The block's own
+  ``activation_bytes`` (profiled, or the roofline estimate's, which counts fused attention as the
+  kernel saves it) less these bounds the split part: the watched forward may save more split
+  tensors than the block's figure holds (on the meta device SDPA runs its math form, which saves
+  the attention probabilities), and those must not make the whole tensors look split.
 * ``fwd_allreduce_bytes`` / ``fwd_allreduces``: each row-wise layer's output, one all-reduce each
   (torch's ``RowwiseParallel`` turns its Partial output into Replicate).
 * ``fwd_allgather_bytes``: each ``colwise_rep`` layer's output (an output head's logits), gathered
@@ -89,6 +97,7 @@ class _Tally:
     work: float = 0.0
     split_work: float = 0.0
     saved_split: dict[int, int] = field(default_factory=dict)
+    saved_whole: dict[int, int] = field(default_factory=dict)  # saved, not split, no parameter
     fwd_bytes: int = 0
     fwd_count: int = 0
     gather_bytes: int = 0
@@ -97,14 +106,17 @@ class _Tally:
     gemm_work: float = 0.0  # of split_work, the GEMMs run inside matched layers
     gemms: list[_Gemm] = field(default_factory=list)
     replayed_saved: int = 0  # saved split bytes of a block replayed from its twin (``_ShareRun``)
+    replayed_whole: int = 0  # and its saved whole bytes
 
     def replayed(self) -> _Tally:
-        """A copy for a twin block: the same counts, its saved split tensors as one sum."""
+        """A copy for a twin block: the same counts, its saved tensors as one sum each."""
         return replace(
             self,
             saved_split={},
+            saved_whole={},
             gemms=list(self.gemms),
             replayed_saved=self.replayed_saved + sum(self.saved_split.values()),
+            replayed_whole=self.replayed_whole + sum(self.saved_whole.values()),
         )
 
 
@@ -145,6 +157,9 @@ class _Watch(TorchDispatchMode):
         self.style: str | None = None  # of the innermost matched layer running, None outside them
         self.split: set[int] = set()
         self.keep: list[torch.Tensor] = []  # split tensors stay alive so their ids stay unique
+        # the model's parameters and buffers, and what operators make of them alone (a weight's
+        # transpose, a narrowed rotary table): saved for backward, they are no activations (kept alive too)
+        self.state: set[int] = set()
 
     def is_split(self, t: torch.Tensor) -> bool:
         return id(t) in self.split
@@ -152,6 +167,11 @@ class _Watch(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        read = _tensors((args, kwargs))
+        if read and all(id(t) in self.state for t in read):
+            made = _tensors(out)
+            self.state.update(id(t) for t in made)
+            self.keep.extend(made)
         if self.block is None:
             return out
         reads_split = any(self.is_split(t) for t in _tensors((args, kwargs)))
@@ -400,11 +420,17 @@ def tensor_parallel_shares(
     if not matched:
         return {}
     watch = _Watch(float_bytes)
+    watch.state.update(id(t) for t in (*traced.gm.parameters(), *traced.gm.buffers()))
     run = _ShareRun(traced, matched, watch, float_bytes)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if watch.block is not None and watch.is_split(t):
-            watch.block.saved_split.setdefault(id(t), _nbytes(t, float_bytes))
+        if watch.block is None or id(t) in watch.state:
+            return t
+        # a view (x.view(-1, d) for a matmul) holds its base's memory, split or whole as its base is (a
+        # column-wise layer's view of its whole input is made inside the layer, where outputs are split)
+        base = t if t._base is None else t._base
+        saved = watch.block.saved_split if watch.is_split(base) else watch.block.saved_whole
+        saved.setdefault(id(base), _nbytes(base, float_bytes))
         return t
 
     device = next((p.device for p in traced.gm.parameters()), torch.device("meta"))
@@ -469,6 +495,7 @@ def _share(
         ),
         sharded_compute=min(1.0, tally.split_work / tally.work),
         sharded_activation_bytes=sum(tally.saved_split.values()) + tally.replayed_saved,
+        unsplit_activation_bytes=sum(tally.saved_whole.values()) + tally.replayed_whole,
         fwd_allreduce_bytes=tally.fwd_bytes,
         fwd_allgather_bytes=tally.gather_bytes,
         bwd_allreduce_bytes=tally.bwd_bytes,
@@ -559,12 +586,15 @@ class TensorParallelBlocks:
 
 def _fitted(block: BlockCost, share: TensorParallelShare) -> BlockCost:
     """The block with its share, the split bytes and counts at most the block's own (the share is
-    counted on one forward, the block's figures may be measured)."""
+    counted on one forward, the block's figures may be measured or estimated); the split activations
+    at most what the block saves less what every tp rank saves whole (module docstring)."""
+    unsplit = min(share.unsplit_activation_bytes, block.activation_bytes)
     share = share.model_copy(
         update={
             "sharded_params": min(share.sharded_params, block.params),
             "sharded_param_bytes": min(share.sharded_param_bytes, block.param_bytes),
-            "sharded_activation_bytes": min(share.sharded_activation_bytes, block.activation_bytes),
+            "sharded_activation_bytes": min(share.sharded_activation_bytes, block.activation_bytes - unsplit),
+            "unsplit_activation_bytes": unsplit,
         }
     )
     return block.model_copy(update={"tp": share})

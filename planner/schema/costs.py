@@ -86,6 +86,12 @@ class TensorParallelShare(BaseModel):
     sharded_activation_bytes: int = Field(
         ge=0, description="Of activation_bytes, those saved by split operators (each tp rank holds 1/tp of them)."
     )
+    unsplit_activation_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="Of activation_bytes, those every tp rank saves whole (a column-wise layer's input, a norm's "
+        "input and output): what sharded_activation_bytes can be at most is activation_bytes less these.",
+    )
     fwd_allreduce_bytes: int = Field(
         ge=0, description="Bytes all-reduced over the tp ranks in forward per microbatch (row-wise outputs)."
     )
