@@ -14,16 +14,12 @@ no data) at the profiled microbatch, watched at the aten level. What is counted,
   operator that is not a view, one per output element (norms, residual adds, activations: their
   time goes with their elements). The backward follows the forward's split, so the same share is
   used for both.
-* ``sharded_activation_bytes``: the split tensors autograd saves for backward (a column-wise layer
-  saves its whole input: not counted; the row-wise layer's split input, SDPA's q, k, v: counted).
-* ``unsplit_activation_bytes``: the other tensors autograd saves (a norm's input and output, each
-  column-wise layer's whole input). Neither count holds the parameters and buffers, or what operators
-  make of them alone (a weight's transpose, a narrowed rotary table): saved, they take no memory of
-  their own. The block's own
-  ``activation_bytes`` (profiled, or the roofline estimate's, which counts fused attention as the
-  kernel saves it) less these bounds the split part: the watched forward may save more split
-  tensors than the block's figure holds (on the meta device SDPA runs its math form, which saves
-  the attention probabilities), and those must not make the whole tensors look split.
+* ``sharded_activation_bytes`` / ``unsplit_activation_bytes``: the split tensors autograd saves for
+  backward (the row-wise layer's split input, SDPA's q, k, v) / the whole ones (a norm's input and
+  output, a column-wise layer's input); a view counts as its base; weights, buffers and what is made
+  of them alone (a transpose, a narrowed rotary table) take no memory of their own. The split part is
+  at most the block's ``activation_bytes`` less the whole ones: on the meta device SDPA runs its math
+  form, saving the attention probabilities the estimate's fused kernel does not.
 * ``fwd_allreduce_bytes`` / ``fwd_allreduces``: each row-wise layer's output, one all-reduce each
   (torch's ``RowwiseParallel`` turns its Partial output into Replicate).
 * ``fwd_allgather_bytes``: each ``colwise_rep`` layer's output (an output head's logits), gathered
@@ -157,9 +153,7 @@ class _Watch(TorchDispatchMode):
         self.style: str | None = None  # of the innermost matched layer running, None outside them
         self.split: set[int] = set()
         self.keep: list[torch.Tensor] = []  # split tensors stay alive so their ids stay unique
-        # the model's parameters and buffers, and what operators make of them alone (a weight's
-        # transpose, a narrowed rotary table): saved for backward, they are no activations (kept alive too)
-        self.state: set[int] = set()
+        self.state: set[int] = set()  # parameters, buffers and what is made of them alone: no activations
 
     def is_split(self, t: torch.Tensor) -> bool:
         return id(t) in self.split
@@ -426,9 +420,8 @@ def tensor_parallel_shares(
     def pack(t: torch.Tensor) -> torch.Tensor:
         if watch.block is None or id(t) in watch.state:
             return t
-        # a view (x.view(-1, d) for a matmul) holds its base's memory, split or whole as its base is (a
-        # column-wise layer's view of its whole input is made inside the layer, where outputs are split)
-        base = t if t._base is None else t._base
+        # a view holds its base's memory, split or whole as its base is (not as the view: a column-wise
+        base = t if t._base is None else t._base  # layer's x.view(-1, d) of its whole input is made inside it)
         saved = watch.block.saved_split if watch.is_split(base) else watch.block.saved_whole
         saved.setdefault(id(base), _nbytes(base, float_bytes))
         return t
