@@ -187,22 +187,11 @@ def test_split_activations_are_at_most_what_the_block_saves_less_the_whole_ones(
     probabilities), so its split count can exceed the block's own activations; the whole tensors
     must still count whole."""
     from plan_factory import block as plan_block
+    from test_tensor_parallel import share as layer_share
 
     from planner.costs.tensor_parallel import _fitted
-    from planner.schema.costs import TensorParallelShare
 
-    share = TensorParallelShare(
-        sharded_params=10,
-        sharded_param_bytes=40,
-        sharded_compute=0.9,
-        sharded_activation_bytes=5_000,
-        unsplit_activation_bytes=300,
-        fwd_allreduce_bytes=0,
-        bwd_allreduce_bytes=0,
-        fwd_allreduces=0,
-        bwd_allreduces=0,
-        divisor=2,
-    )
+    share = layer_share(10, act=5_000).model_copy(update={"unsplit_activation_bytes": 300})
     block = plan_block("b", 1.0, 2.0, 10).model_copy(update={"activation_bytes": 1_000})
     fitted = _fitted(block, share).tp
     assert fitted is not None

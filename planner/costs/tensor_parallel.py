@@ -152,7 +152,7 @@ class _Watch(TorchDispatchMode):
         self.block: _Tally | None = None
         self.style: str | None = None  # of the innermost matched layer running, None outside them
         self.split: set[int] = set()
-        self.keep: list[torch.Tensor] = []  # split tensors stay alive so their ids stay unique
+        self.keep: list[torch.Tensor] = []  # split and state tensors stay alive so their ids stay unique
         self.state: set[int] = set()  # parameters, buffers and what is made of them alone: no activations
 
     def is_split(self, t: torch.Tensor) -> bool:
@@ -168,7 +168,7 @@ class _Watch(TorchDispatchMode):
             self.keep.extend(made)
         if self.block is None:
             return out
-        reads_split = any(self.is_split(t) for t in _tensors((args, kwargs)))
+        reads_split = any(self.is_split(t) for t in read)
         packet = func._overloadpacket
         if packet in flop_registry:
             work = float(flop_registry[packet](*args, **kwargs, out_val=out))
