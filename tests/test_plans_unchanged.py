@@ -62,6 +62,7 @@ BLOCK_LATER_DEFAULTS = {
     "loss_temp_bytes": None,
     "cut_share": 1,
     "cut_gather_s": 0.0,
+    "weight_cast_bytes": 0,
 }
 SHARE_LATER_DEFAULTS = {
     "slowdown": {},

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from plan_factory import ADAMW, assert_fit_limits_agree, memory_layout, predicted, solved
 
 from planner.core import solve as solve_mod
+from planner.core.assemble import compiled_casts
 from planner.core.baselines import param_balanced, uniform_layers
 from planner.core.links import NodeLinks, boundary_crosses, boundary_links
 from planner.core.recompute import checkpoint_units, recompute_cost, selective_cost
@@ -164,6 +165,8 @@ def instances(
                 "selective_bytes": draw(st.one_of(st.none(), st.integers(0, b.activation_bytes))),
                 "selective_recompute_s": draw(st.one_of(st.none(), time_st)),
                 "bwd_temp_bytes": draw(st.one_of(st.none(), st.integers(0, 100))),
+                # autocast's weight copies, held once a step (0: an fp32 plan)
+                "weight_cast_bytes": draw(st.sampled_from([0, 0, 30, 150])),
             }
         )
         for b in blocks
@@ -983,6 +986,27 @@ def test_stage_memory_formula() -> None:
     # the last stage keeps the model output per live microbatch (output_bytes of the last block)
     with_output = blocks[:2] + [blocks[2].model_copy(update={"output_bytes": 100})]
     assert stage_memory_bytes(with_output, 1, 3, 2, SGD) == 160 + 7 + 2 * (5 + 100) + 100
+
+
+def test_autocast_weight_copies_are_held_once_not_per_microbatch() -> None:
+    # the runner's one autocast cache per step: a stage holds its weights' bf16 copies once while the
+    # pipeline runs, whatever its live microbatches, and has freed them by the optimizer step
+    blocks = [
+        blk(0, 1.0, params=10, param_bytes=40, act=3, cut=7).model_copy(update={"weight_cast_bytes": 20}),
+        blk(1, 1.0, params=20, param_bytes=80, act=5, cut=11).model_copy(update={"weight_cast_bytes": 40}),
+        blk(2, 1.0, cut=13),
+    ]
+    # as test_stage_memory_formula, the pipeline term 4 * (8 + 11) + 11 + 60 copies; SGD has no step term
+    assert stage_memory_bytes(blocks, 0, 2, 4, SGD) == 240 + 11 + 87 + 60
+    assert stage_memory_bytes(blocks, 0, 2, 1, SGD) == 240 + 11 + 19 + 11 + 60
+    # AdamW's step temporaries (240) outweigh the pipeline with its copies (147): the copies are gone by then
+    assert stage_memory_bytes(blocks, 0, 2, 4, OptimizerSpec()) == 480 + 11 + max(87 + 60, 240)
+    # a compiled stage casts in its graph on every call: the copies are held per live microbatch
+    compiled = compiled_casts(blocks)
+    assert [b.activation_bytes for b in compiled] == [23, 45, 0]
+    assert [b.weight_cast_bytes for b in compiled] == [0, 0, 0]
+    assert compiled[2] is blocks[2]
+    assert stage_memory_bytes(compiled, 0, 2, 4, SGD) == 240 + 11 + 4 * (68 + 11) + 11
 
 
 def test_stage_memory_mixed_precision_keeps_fp32_master() -> None:

@@ -335,6 +335,28 @@ def _hsdp_note(request: PlanRequest, layout: Layout, link: LinkCost) -> str:
     )
 
 
+def compiled_casts(blocks: Sequence[BlockCost]) -> list[BlockCost]:
+    """The blocks as a compiled stage holds autocast's copies of its weights: one per microbatch.
+
+    The runner keeps one autocast cache through a step, so an eager stage casts each weight once
+    (``BlockCost.weight_cast_bytes``, held once); a compiled graph casts inside itself on every
+    call and saves its copies with the microbatch's activations.
+
+    Args:
+        blocks: per-block costs.
+
+    Returns:
+        The blocks with their weight copies moved into ``activation_bytes`` (the same objects where
+        there are none).
+    """
+    return [
+        b.model_copy(update={"activation_bytes": b.activation_bytes + b.weight_cast_bytes, "weight_cast_bytes": 0})
+        if b.weight_cast_bytes
+        else b
+        for b in blocks
+    ]
+
+
 def assemble_plan(
     request: PlanRequest,
     blocks: Sequence[BlockCost],
@@ -370,6 +392,8 @@ def assemble_plan(
     profile = origin.profile
     slots = slots_of(profile)
     blocks = with_tied_copies(blocks, ties)
+    if request.compile:
+        blocks = compiled_casts(blocks)
     cluster = Cluster(request.gpus, link, slots)
     space = _search_space(request, blocks, tp_plan)
     scaling = Scaling(

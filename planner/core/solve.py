@@ -258,7 +258,8 @@ class _Arrays:
         cmax = max([0, *sums.kept_in, *sums.cut_out, *sums.out])
         # Every byte count the fit test forms stays below this (generous) bound, in magnitude.
         temps, regions = sums.temps, sums.regions
-        static = 2 * pre_p + 16 * pre_n + temps.pre_sum[n]  # weights, grads, state, step temporaries
+        # weights, grads, state, step temporaries, autocast's weight copies
+        static = 2 * pre_p + 16 * pre_n + temps.pre_sum[n] + sums.pre_c[n]
         # what checkpointing keeps, at most, and one backward's temporaries (a block's, or the loss's)
         held = regions.pre_in[n] + regions.pre_kept[n] + max([*regions.temps.table[0], sums.loss_temp[n]])
         bound = 4 * (static + 2 * (mem.m + 1) * cmax + (self.big + 1) * (pre_a + held + 2 * cmax)) + 16
@@ -266,6 +267,7 @@ class _Arrays:
         self.pre_p = np.array(sums.pre_p, dtype=dtype)
         self.pre_n = np.array(sums.pre_n, dtype=dtype)
         self.pre_a = np.array(sums.pre_a, dtype=dtype)
+        self.pre_c = np.array(sums.pre_c, dtype=dtype)
         self.cut_in = np.array(sums.cut_in, dtype=dtype)
         self.kept_in = np.array(sums.kept_in, dtype=dtype)
         self.cut_out = np.array(sums.cut_out, dtype=dtype)
@@ -361,6 +363,7 @@ class _Arrays:
         a_b = self.pre_a[e] - self.pre_a[s]
         cin, cout, out, loss_temp = self.cut_in[s], self.cut_out[e], self.out[e], self.loss_temp[e]
         held = self.pre_held[e] - self.pre_held[s]
+        cast = self.pre_c[e] - self.pre_c[s]  # autocast's weight copies, held once while the pipeline runs
         # Mirrors OptimizerSpec.state_bytes / step_temp_bytes on arrays (test_solve checks the two agree):
         # an fp32 master copy when the parameters are narrower than fp32, AdamW's two moments and
         # its step temporaries (measured, or two per parameter).
@@ -382,7 +385,7 @@ class _Arrays:
             if option not in allowed:
                 limits.append(no)
                 continue
-            x, y = saved[option][0] + out, with_loss(loss_temp, held, saved[option][1] + out) + unsharded
+            x, y = saved[option][0] + out, with_loss(loss_temp, held, saved[option][1] + out) + unsharded + cast
             fits_alone = (y <= head) & (step <= head)
             most = np.minimum((head - y) // np.maximum(x, 1), self.big)
             t_max = np.where(fits_alone, np.where(x > 0, most, self.big), -1)

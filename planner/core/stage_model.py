@@ -236,14 +236,16 @@ def stage_memory_bytes(
 
         static   = 2 * P + optimizer.state_bytes(N, P)      # weights + grads, optimizer state
         buffers  = m * (cut_in + cut_out)                   # receive buffers, one per microbatch each way
-        pipeline = in_flight * (A + out) + out + B          # saved activations and the cached stage
-                                                            # output per live microbatch, + its gradient
-                                                            # and one backward's temporaries
+        pipeline = in_flight * (A + out) + out + B + C      # saved activations and the cached stage
+                                                            # output per live microbatch, + its gradient,
+                                                            # one backward's temporaries, weight copies
         step     = T                                        # optimizer temporaries (after backward)
         peak     = static + buffers + max(pipeline, step)
 
     with ``P`` = sum of ``param_bytes``, ``N`` = sum of ``params``, ``A`` = sum of
-    ``activation_bytes``, ``cut_in`` = ``blocks[start - 1].sent_bytes`` (0 for the first stage),
+    ``activation_bytes``, ``C`` = sum of ``weight_cast_bytes`` (autocast's lower-precision copies of the
+    weights the matmuls save: the runner keeps one autocast cache per step, so one copy for the whole
+    pipeline, freed before the optimizer step), ``cut_in`` = ``blocks[start - 1].sent_bytes`` (0 for the first stage),
     ``cut_out`` = ``blocks[end - 1].sent_bytes`` (0 for the last stage; under tensor parallelism
     both are one rank's piece of the scattered boundary, ``BlockCost.cut_share``), ``out`` = the stage's output
     per microbatch (``cut_out``; the model output ``output_bytes`` for the last stage), which
@@ -281,7 +283,7 @@ def stage_memory_bytes(
     and freed after the last backward, before the optimizer step)::
 
         static   = ceil((2 * P + optimizer.state_bytes(N, P)) / shard)
-        pipeline = in_flight * (A + out) + out + B + 2 * P  # + the unsharded parameters and gradients
+        pipeline = in_flight * (A + out) + out + B + C + 2 * P  # + the unsharded parameters and gradients
         step     = ceil(T / shard)
 
     Sharded block by block (``stage_memory_parts`` with ``per_block``: every checkpoint unit its own ``fully_shard`` unit,
@@ -290,7 +292,7 @@ def stage_memory_bytes(
     time instead of ``2 * P``: the unit being computed and the next one, prefetched (parameters), and
     the unit's gradients until they are reduce-scattered::
 
-        pipeline = in_flight * (A + out) + out + B + 3 * max_u P_u
+        pipeline = in_flight * (A + out) + out + B + C + 3 * max_u P_u
 
     DDP replicas (``shard`` 1) hold the whole stage, as one pipeline does: its gradient buckets are
     views of the gradients (``gradient_as_bucket_view=True``), no second copy.
@@ -435,8 +437,9 @@ def _stage_sums(
         sum(regions.inputs) + held, most, sum(regions.kept), most_rebuilt, held, max(regions.params), max(regions.temps)
     )
     kept_in = blocks[start - 1].cut_bytes if start > 0 else 0
+    cast = sum(b.weight_cast_bytes for b in part)
     sums = StageSums(
-        p_bytes, n_params, a_bytes, cut_in, cut_out, kept_in, out, step_temp, summed, loss_temps(blocks, end)
+        p_bytes, n_params, a_bytes, cut_in, cut_out, kept_in, out, step_temp, summed, loss_temps(blocks, end), cast
     )
     return sums, regions
 
@@ -460,6 +463,7 @@ class StageSums(NamedTuple):
     step_temp: int | None  # T when measured for every block (None: ``optimizer.step_temp_bytes``)
     regions: Regions | None = None  # its checkpoint regions (None: one region, the whole stage)
     loss_temp: int | None = None  # the loss's backward temporaries (``loss_temps``: the last stage's), first
+    cast: int = 0  # C: autocast's copies of the weights (``weight_cast_bytes``), held once while the pipeline runs
 
 
 class Regions(NamedTuple):
@@ -522,7 +526,7 @@ def parts_from_sums(
     Raises:
         InfeasibleError: "mode:k" without ``recomputed`` (the sums do not tell which regions).
     """
-    p_bytes, n_params, _, cut_in, cut_out, _, out, step_temp, regions, loss_temp = sums
+    p_bytes, n_params, _, cut_in, cut_out, _, out, step_temp, regions, loss_temp, cast = sums
     step = optimizer.step_temp_bytes(n_params) if step_temp is None else step_temp
     if recomputed is None:
         mode, count = split_recompute(recompute_mode(recompute))
@@ -537,7 +541,7 @@ def parts_from_sums(
             fixed=ceil_div(2 * p_bytes + optimizer.state_bytes(n_params, p_bytes), shard)
             + n_microbatches * (cut_in + cut_out),
             per_microbatch=saved + out,
-            once=backward + unsharded_bytes(p_bytes, most_params, per_block),
+            once=backward + unsharded_bytes(p_bytes, most_params, per_block) + cast,
             step=ceil_div(step, shard),
             grads=grad_bytes(p_bytes, n_params, most_params, shard, per_block),
             microbatches=n_microbatches,
@@ -545,7 +549,7 @@ def parts_from_sums(
     return MemoryParts(
         fixed=2 * p_bytes + optimizer.state_bytes(n_params, p_bytes) + n_microbatches * (cut_in + cut_out),
         per_microbatch=saved + out,
-        once=backward,
+        once=backward + cast,
         step=step,
         grads=grad_bytes(p_bytes, n_params, 0, 1, False),
         microbatches=n_microbatches,

@@ -179,6 +179,7 @@ class BlockSums:
     pre_p: list[int]
     pre_n: list[int]
     pre_a: list[int]
+    pre_c: list[int]  # autocast's weight copies (``weight_cast_bytes``)
     cut_in: list[int]
     kept_in: list[int]
     cut_out: list[int]
@@ -201,6 +202,7 @@ class BlockSums:
             self.temps.of(s, e),
             self.regions.of(s, e),
             None if self.loss_temp[e] < 0 else self.loss_temp[e],
+            self.pre_c[e] - self.pre_c[s],
         )
 
 
@@ -248,11 +250,12 @@ def block_sums(blocks: Sequence[BlockCost], optimizer: OptimizerSpec) -> BlockSu
 
 def _block_sums(blocks: Sequence[BlockCost], optimizer: OptimizerSpec) -> BlockSums:
     n = len(blocks)
-    pre_p, pre_n, pre_a = [0], [0], [0]
+    pre_p, pre_n, pre_a, pre_c = [0], [0], [0], [0]
     for b in blocks:
         pre_p.append(pre_p[-1] + b.param_bytes)
         pre_n.append(pre_n[-1] + b.params)
         pre_a.append(pre_a[-1] + b.activation_bytes)
+        pre_c.append(pre_c[-1] + b.weight_cast_bytes)
     # receive buffers and the kept stage output are what one rank sends (a tensor-parallel piece);
     # a stage recomputed as one region keeps the whole gathered input
     cut_out = [0] + [blocks[e - 1].sent_bytes for e in range(1, n)] + [0]
@@ -261,6 +264,7 @@ def _block_sums(blocks: Sequence[BlockCost], optimizer: OptimizerSpec) -> BlockS
         pre_p,
         pre_n,
         pre_a,
+        pre_c,
         cut_in=[0] + [blocks[s - 1].sent_bytes for s in range(1, n)],
         kept_in=[0] + [blocks[s - 1].cut_bytes for s in range(1, n)],
         cut_out=cut_out,

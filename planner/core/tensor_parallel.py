@@ -147,6 +147,8 @@ def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkC
             "params": params,
             "param_bytes": param_bytes,
             "activation_bytes": activation,
+            # autocast's copies of the weights: of the rank's weights
+            "weight_cast_bytes": math.ceil(block.weight_cast_bytes * held),
             "opt_s": _scaled(block.opt_s, held),
             "grad_s": _scaled(block.grad_s, held),
             "opt_temp_bytes": None if block.opt_temp_bytes is None else math.ceil(block.opt_temp_bytes * held),

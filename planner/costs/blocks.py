@@ -47,6 +47,7 @@ def block_cost(
     fwd_s: float,
     bwd_s: float,
     activation_bytes: int,
+    weight_cast_bytes: int = 0,
     bwd_input_s: float | None = None,
     bwd_weight_s: float | None = None,
     recompute_s: float | None = None,
@@ -71,7 +72,9 @@ def block_cost(
         params: the parameters the block owns (``TracedModel.owned_parameters()[k]``).
         fwd_s: forward seconds per microbatch.
         bwd_s: backward seconds per microbatch.
-        activation_bytes: bytes saved for backward by one microbatch.
+        activation_bytes: bytes saved for backward by one microbatch, autocast's copies of the
+            weights excluded.
+        weight_cast_bytes: those copies (``BlockCost.weight_cast_bytes``); 0 without autocast.
         bwd_input_s: I of F/I/W; None when not measured.
         bwd_weight_s: W of F/I/W; None when not measured.
         recompute_s: extra forward under activation checkpointing; None when not measured.
@@ -122,6 +125,7 @@ def block_cost(
         params=sum(p.numel() for p in params),
         param_bytes=sum(p.numel() * width(p) for p in params),
         activation_bytes=activation_bytes,
+        weight_cast_bytes=weight_cast_bytes,
         cut_bytes=0 if cut is None else (cut.nbytes if cut_bytes is None else cut_bytes),
         cut_tensors=len(cut.tensors) if cut else 0,
         cut_legal=cut.legal if cut else False,

@@ -525,9 +525,8 @@ def _block_cost(
     """Block k's record from its roofline run: W = B - I, recompute = the forward up to the last tensor
     the block saves (selectively: less its kept operators, whose outputs it keeps), sizes in the
     planning dtype. ``autocast``: the run computes in the planning dtype under torch.autocast over
-    fp32 weights (``ProfileInfo.run_autocast``), so the weights its GEMMs save are copies it holds
-    per microbatch, counted with the activations (not kept by selective checkpointing, whose policy
-    recomputes the casts)."""
+    fp32 weights (``ProfileInfo.run_autocast``), so the weights its GEMMs save are lower-precision
+    copies (``weight_cast_bytes``: the runner holds one per step, not one per microbatch)."""
     n_params = sum(p.numel() for p in params)
     param_bytes = sum(p.numel() * (width if p.is_floating_point() else p.element_size()) for p in params)
     out_bytes = sum(
@@ -559,7 +558,8 @@ def _block_cost(
         flops_bwd=run.bwd.flops,
         opt_s=opt_s,
         grad_s=grad_s,
-        activation_bytes=run.saved_bytes + (run.cast_bytes if autocast else 0),
+        activation_bytes=run.saved_bytes,
+        weight_cast_bytes=run.cast_bytes if autocast else 0,
         float_bytes=width,
         cut_bytes=out_bytes,
         output_bytes=run.model_output_bytes,

@@ -5,10 +5,12 @@
   torch's AMP recipe has it. Parameters, gradients and optimizer state stay in the model's own
   dtype (fp32: autocast's master weights); activations, and the tensors crossing a cut, are
   whatever autocast produces (bf16 out of a matmul, fp32 out of a residual add of fp32 and bf16),
-  so they are measured, never assumed. Autocast's per-forward copies of the weights in the
-  low-precision dtype are saved for backward, so they count in each microbatch's saved bytes: a
-  pipeline stage keeps one set per microbatch in flight (the cast cache is dropped when the
-  forward's autocast region ends).
+  so they are measured, never assumed. Autocast's copies of the weights in the low-precision
+  dtype, which the matmuls save for backward, are counted apart (``is_weight_cast``;
+  ``BlockCost.weight_cast_bytes``): the runner keeps one autocast cache through a step
+  (``planner.run.wrappers.weight_cast_cache``), so a stage holds one set of them per step, not one
+  per microbatch in flight. A compiled block casts inside its graph, so its copies are plain saved
+  tensors, counted per microbatch, as the compiled stage holds them.
 - **Compile** (``--compile``): each block is profiled as ``torch.compile(block_module)``, the way
   the runner compiles each stage module whole (per-block compiled time estimates the stage's). The
   first, untimed run compiles. Compiled code is built without donated buffers
@@ -52,6 +54,28 @@ def autocast_context(device_type: str, autocast: str | None) -> contextlib.Abstr
     if autocast is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type, dtype=AUTOCAST_DTYPES[autocast])
+
+
+def is_weight_cast(t: torch.Tensor, params: set[int]) -> bool:
+    """Whether ``t``, a tensor autograd saves, is (a view of) autocast's lower-precision copy of a parameter.
+
+    Autocast casts a weight with ``aten._to_copy``, whose autograd node leads straight to the
+    parameter's gradient accumulator; the matmul saves that copy or a view of it (``F.linear`` saves
+    the transpose).
+
+    Args:
+        t: the saved tensor (as a ``saved_tensors_hooks`` pack function receives it).
+        params: ``id`` of every parameter of the model.
+
+    Returns:
+        True for such a copy.
+    """
+    base = t._base if t._base is not None else t
+    fn = base.grad_fn
+    if fn is None or fn.name() != "ToCopyBackward0" or not fn.next_functions:
+        return False
+    source = fn.next_functions[0][0]
+    return source is not None and id(getattr(source, "variable", None)) in params
 
 
 def device_type_of(model: torch.nn.Module, inputs: Any) -> str:

@@ -81,6 +81,7 @@ from planner.costs.levers import (
     compile_settings,
     device_type_of,
     failure_reason,
+    is_weight_cast,
     tensor_bytes,
 )
 from planner.costs.settings import ProfileSettings, Sample
@@ -199,6 +200,7 @@ class _Timings:
     selective_fwd: list[float] = field(default_factory=list)  # the forward under its policy
     region_fwd: list[float] = field(default_factory=list)  # the checkpoint region's forward (no loss), in full mode
     saved_bytes: int = 0
+    cast_bytes: int = 0  # autocast's copies of the weights, saved for backward (not in saved_bytes)
     kept_bytes: int | None = None  # what selective checkpointing keeps (None: not measured)
     loss_bytes: int | None = None  # the last block: what its loss saves (None: not measured)
     temp_bytes: int | None = None  # the backward's peak temporaries, from the block's output's gradient
@@ -208,15 +210,21 @@ class _Timings:
 
 
 def _time_once(
-    forward: Callable[[tuple[Any, ...]], Any], args: tuple[Any, ...], param_storages: set[tuple[int, int]]
-) -> tuple[float, float, int]:
-    """One forward and one full backward: (forward s, backward s, bytes saved for backward)."""
+    forward: Callable[[tuple[Any, ...]], Any],
+    args: tuple[Any, ...],
+    param_storages: set[tuple[int, int]],
+    params: set[int],
+) -> tuple[float, float, int, int]:
+    """One forward and one full backward: (forward s, backward s, bytes saved for backward, of
+    those autocast's copies of the weights: ``is_weight_cast`` of the parameters ``params``, ids)."""
     seen: set[tuple[int, int]] = set()
+    casts: set[tuple[int, int]] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
-        if key not in param_storages:  # parameters are counted once, in param_bytes
-            seen.add(key)
+        if key in param_storages:  # parameters are counted once, in param_bytes
+            return t
+        (casts if is_weight_cast(t, params) else seen).add(key)
         return t
 
     sync(args)
@@ -231,7 +239,7 @@ def _time_once(
         torch.autograd.backward(roots, grads)
     sync(args)
     t3 = time.perf_counter()
-    return t1 - t0, t3 - t2, sum(size for _, size in seen)
+    return t1 - t0, t3 - t2, sum(size for _, size in seen - casts), sum(size for _, size in casts)
 
 
 def _time_block(
@@ -240,6 +248,7 @@ def _time_block(
     grad: bool,
     weights: list[torch.nn.Parameter],
     param_storages: set[tuple[int, int]],
+    params: set[int],
     settings: ProfileSettings,
     bar: Any,
     checkpoint: tuple[Callable[[tuple[Any, ...]], Any], Callable[[Any], Any] | None] | None = None,
@@ -254,7 +263,7 @@ def _time_block(
     warmup = settings.warmup
     for r in range(warmup + settings.repeats):
         start = time.perf_counter()
-        fwd, bwd, saved = _time_once(forward, grad_inputs(current, grad), param_storages)
+        fwd, bwd, saved, cast = _time_once(forward, grad_inputs(current, grad), param_storages, params)
         bwd_input, bwd_weight = time_input_weight(forward, grad_inputs(current, grad), weights)
         region_fwd, recompute = time_checkpointed(region, grad_inputs(current, grad), "full", after)
         selective_fwd, selective = time_checkpointed(region, grad_inputs(current, grad), "selective", after)
@@ -267,7 +276,7 @@ def _time_block(
             t.selective.append(selective)
             t.selective_fwd.append(selective_fwd)
             t.region_fwd.append(region_fwd)
-            t.saved_bytes = saved
+            t.saved_bytes, t.cast_bytes = saved, cast
             t.rounds_s.append(time.perf_counter() - start)
         else:
             t.warm_s += time.perf_counter() - start
@@ -284,6 +293,7 @@ class _BlockTimer:
     ) -> None:
         self.sample, self.settings, self.device_type, self.bar = sample, settings, device_type, bar
         self.param_storages = {_storage_key(p) for p in traced.model.parameters()}
+        self.params = {id(p) for p in traced.model.parameters()}
         self.profile = Profile(costs=[])
         self.shared: dict[str, _Timings] = {}  # structure key -> the compiled measurement identical blocks share
         self.failed: dict[str, str] = {}  # structure key -> why torch.compile failed on such a block
@@ -335,7 +345,7 @@ class _BlockTimer:
         checkpoint = None
         if last:  # the stage's loss runs after its checkpoint regions, not inside the last one
             checkpoint = (leaf_safe(self.forward_of(call, False), grad_inputs(current, grad)), self._loss_of)
-        args = (self.param_storages, self.settings, self.bar, checkpoint)
+        args = (self.param_storages, self.params, self.settings, self.bar, checkpoint)
         t = _time_block(forward, current, grad, weights, *args)
         t.warm_s += trial_s
 
@@ -434,6 +444,7 @@ def _profile_graph(traced: GraphTrace, sample: Sample, settings: ProfileSettings
             + max(0.0, min(t.selective_fwd) - (min(t.region_fwd) if last else min(t.fwd))),
             selective_bytes=t.kept_bytes,
             activation_bytes=t.saved_bytes,
+            weight_cast_bytes=t.cast_bytes,
             loss_bytes=t.loss_bytes,
             bwd_temp_bytes=t.temp_bytes,
             loss_temp_bytes=t.loss_temp_bytes,

@@ -47,7 +47,14 @@ from tqdm import tqdm
 
 from planner.capture.blocks import ModuleTrace
 from planner.costs.blocks import Profile, block_cost
-from planner.costs.levers import autocast_context, compile_module, device_type_of, failure_reason, tensor_bytes
+from planner.costs.levers import (
+    autocast_context,
+    compile_module,
+    device_type_of,
+    failure_reason,
+    is_weight_cast,
+    tensor_bytes,
+)
 from planner.costs.settings import ProfileSettings, Sample
 from planner.costs.timing import grad_inputs, leaf_safe, time_input_weight, time_recompute
 from planner.torch_compat import pytree
@@ -73,6 +80,7 @@ class _Observer:
         self.grad_ready: dict[int, float] = {}
         self.hooked: set[int] = set()
         self.saved: list[set[tuple[int, int]]] = [set() for _ in range(self.n)]
+        self.casts: list[set[tuple[int, int]]] = [set() for _ in range(self.n)]  # autocast's weight copies
         self.block: int | None = None
 
     def pre(self, i: int, args: Any, kwargs: Any) -> None:
@@ -95,7 +103,8 @@ class _Observer:
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if self.block is not None and id(t) not in self.param_ids:
-            self.saved[self.block].add((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+            held = self.casts if is_weight_cast(t, self.param_ids) else self.saved
+            held[self.block].add((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
         return t
 
     @contextmanager
@@ -184,6 +193,7 @@ def profile_module_blocks(traced: ModuleTrace, sample: Sample, settings: Profile
             bwd_weight_s=split[i][1],
             recompute_s=split[i][2],
             activation_bytes=runs.saved[i],
+            weight_cast_bytes=runs.casts[i],
             cut_bytes=obs.out_bytes.get(i) if settings.autocast is not None and i < n - 1 else None,
         )
         for i in range(n)
@@ -212,6 +222,7 @@ class _Runs:
     fwd: list[list[float]]
     bwd: list[list[float]]
     saved: list[int]
+    casts: list[int]  # autocast's copies of the weights saved for backward (not in saved)
     ends_model: bool = False
     output_bytes: int = 0
     compile_s: float = 0.0
@@ -220,7 +231,7 @@ class _Runs:
 def _observed_runs(model: torch.nn.Module, obs: _Observer, sample: Sample, settings: ProfileSettings) -> _Runs:
     """Whole-model forward/backward runs with ``obs``'s hooks installed; the first ``settings.warmup`` untimed."""
     n = obs.n
-    runs = _Runs(fwd=[[] for _ in range(n)], bwd=[[] for _ in range(n)], saved=[0] * n)
+    runs = _Runs(fwd=[[] for _ in range(n)], bwd=[[] for _ in range(n)], saved=[0] * n, casts=[0] * n)
     device_type = device_type_of(model, sample.inputs)
     warmup, progress = settings.warmup, settings.progress
     warm_s, round_s = 0.0, []
@@ -252,7 +263,8 @@ def _observed_runs(model: torch.nn.Module, obs: _Observer, sample: Sample, setti
                 begin = obs.grad_ready.get(i, t_start) if i < n - 1 else t_start
                 end = obs.grad_ready.get(i - 1, t_end) if i > 0 else t_end
                 runs.bwd[i].append(max(0.0, end - begin))
-                runs.saved[i] = sum(size for _, size in obs.saved[i])
+                runs.saved[i] = sum(size for _, size in obs.saved[i] - obs.casts[i])
+                runs.casts[i] = sum(size for _, size in obs.casts[i])
     runs.compile_s = max(0.0, warm_s - warmup * statistics.median(round_s))
     return runs
 

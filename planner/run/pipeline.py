@@ -27,6 +27,7 @@ from planner.run.gradients import clip_to_global_norm
 from planner.run.mesh import RankMesh, rank_mesh
 from planner.run.model import StageSource, check_runnable
 from planner.run.stages import RankStages, build_stages
+from planner.run.wrappers import weight_cast_cache
 from planner.schema.plan import Plan
 
 
@@ -204,19 +205,21 @@ class Pipeline:
         """
         k = self.plan.accumulation
         run = partial(self.schedule.step, return_outputs=False) if training else self.schedule.eval
-        if not self.is_last:
-            for i in range(k):
-                run(*(_pass_slice(x, i, k) for x in args))
-            return None
-        if target is None:
+        if self.is_last and target is None:
             raise PlannerError(f"rank {self.mesh.rank} holds the last stage: give it the batch's target")
-        target = target.to(self.device)
         mb_losses: list[torch.Tensor] = []
-        for i in range(k):
-            losses: list[torch.Tensor] = []
-            run(*(_pass_slice(x, i, k) for x in args), target=_pass_slice(target, i, k), losses=losses)
-            mb_losses += losses
-        return self.replica_mean(mb_losses)
+        # one copy of each weight in the plan's autocast dtype for the step's every microbatch and pass
+        with weight_cast_cache(self.plan, self.device.type):
+            for i in range(k):
+                if not self.is_last:
+                    run(*(_pass_slice(x, i, k) for x in args))
+                    continue
+                assert target is not None
+                losses: list[torch.Tensor] = []
+                part = _pass_slice(target.to(self.device), i, k)
+                run(*(_pass_slice(x, i, k) for x in args), target=part, losses=losses)
+                mb_losses += losses
+        return self.replica_mean(mb_losses) if self.is_last else None
 
 
 def train_mode(modules: Sequence[nn.Module], training: bool) -> None:

@@ -157,6 +157,14 @@ class BlockCost(BaseModel):
         default=0, ge=0, description="Of params, the copies of tied parameters that an earlier block owns."
     )
     activation_bytes: int = Field(ge=0, description="Bytes saved for backward by one microbatch.")
+    weight_cast_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="Under autocast over fp32 weights: bytes of the lower-precision copies of the block's weights "
+        "that its matmuls and convolutions save for backward (not in activation_bytes). The runner keeps one "
+        "autocast cache through a step's forwards and backwards, so a stage holds one copy for the step, not one "
+        "per microbatch in flight (a compiled stage casts inside its graph: one per microbatch). 0 without autocast.",
+    )
     bwd_input_s: float | None = Field(
         default=None,
         ge=0,
