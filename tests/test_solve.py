@@ -990,17 +990,19 @@ def test_stage_memory_formula() -> None:
 
 def test_autocast_weight_copies_are_held_once_not_per_microbatch() -> None:
     # the runner's one autocast cache per step: a stage holds its weights' bf16 copies once while the
-    # pipeline runs, whatever its live microbatches, and has freed them by the optimizer step
+    # pipeline runs, whatever its live microbatches, and as much again in their gradients at the end of
+    # each backward (torch runs the cached copies' nodes last); all freed by the optimizer step
     blocks = [
         blk(0, 1.0, params=10, param_bytes=40, act=3, cut=7).model_copy(update={"weight_cast_bytes": 20}),
         blk(1, 1.0, params=20, param_bytes=80, act=5, cut=11).model_copy(update={"weight_cast_bytes": 40}),
         blk(2, 1.0, cut=13),
     ]
-    # as test_stage_memory_formula, the pipeline term 4 * (8 + 11) + 11 + 60 copies; SGD has no step term
-    assert stage_memory_bytes(blocks, 0, 2, 4, SGD) == 240 + 11 + 87 + 60
-    assert stage_memory_bytes(blocks, 0, 2, 1, SGD) == 240 + 11 + 19 + 11 + 60
-    # AdamW's step temporaries (240) outweigh the pipeline with its copies (147): the copies are gone by then
-    assert stage_memory_bytes(blocks, 0, 2, 4, OptimizerSpec()) == 480 + 11 + max(87 + 60, 240)
+    # as test_stage_memory_formula, the pipeline term 4 * (8 + 11) + 11, + 2 * 60 copies and their
+    # gradients; SGD has no step term
+    assert stage_memory_bytes(blocks, 0, 2, 4, SGD) == 240 + 11 + 87 + 120
+    assert stage_memory_bytes(blocks, 0, 2, 1, SGD) == 240 + 11 + 19 + 11 + 120
+    # AdamW's step temporaries (240) outweigh the pipeline with its copies (207): the copies are gone by then
+    assert stage_memory_bytes(blocks, 0, 2, 4, OptimizerSpec()) == 480 + 11 + max(87 + 120, 240)
     # a compiled stage casts in its graph on every call: the copies are held per live microbatch
     compiled = compiled_casts(blocks)
     assert [b.activation_bytes for b in compiled] == [23, 45, 0]

@@ -114,12 +114,21 @@ def test_the_cache_changes_nothing_without_autocast() -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
-def test_bf16_pipelines_train_like_the_unsplit_model_under_the_same_autocast(tmp_path: Path, schedule: str) -> None:
+@pytest.mark.parametrize(
+    ("schedule", "recompute"), [("1f1b", None), ("zbv", None), ("1f1b", ("full", "selective")), ("zbv", ("full:1",))]
+)
+def test_bf16_pipelines_train_like_the_unsplit_model_under_the_same_autocast(
+    tmp_path: Path, schedule: str, recompute: tuple[str, ...] | None
+) -> None:
     # the shared copies serve every microbatch's backward, the zero-bubble schedules' split input and
-    # weight halves too
+    # weight halves too, and the checkpoint regions' rebuilt forwards (which find the cached copies)
     starts, v = ([0, 3], 1) if schedule == "1f1b" else ([0, 2, 4, 5], 2)
     plan = make_plan(MODELS / "gpt.py", starts, schedule=schedule, n_microbatches=4, stages_per_rank=v)
+    if recompute is not None:
+        modes = [recompute[i % len(recompute)] for i in range(len(plan.stages))]
+        plan = plan.model_copy(
+            update={"stages": [s.model_copy(update={"recompute": m}) for s, m in zip(plan.stages, modes)]}
+        )
     plan = _with_autocast(plan, "bf16")
     path = saved(plan, tmp_path)
     got = run_plan(plan, RunRequest(plan_file=path, steps=3, save_checkpoints=False, echo=False))

@@ -71,6 +71,7 @@ from planner.core.solve_engine import (
 )
 from planner.core.stage_model import (
     Partition,
+    cast_held,
     ceil_div,
     evaluate,
     grad_bytes,
@@ -259,7 +260,7 @@ class _Arrays:
         # Every byte count the fit test forms stays below this (generous) bound, in magnitude.
         temps, regions = sums.temps, sums.regions
         # weights, grads, state, step temporaries, autocast's weight copies
-        static = 2 * pre_p + 16 * pre_n + temps.pre_sum[n] + sums.pre_c[n]
+        static = 2 * pre_p + 16 * pre_n + temps.pre_sum[n] + cast_held(sums.pre_c[n])
         # what checkpointing keeps, at most, and one backward's temporaries (a block's, or the loss's)
         held = regions.pre_in[n] + regions.pre_kept[n] + max([*regions.temps.table[0], sums.loss_temp[n]])
         bound = 4 * (static + 2 * (mem.m + 1) * cmax + (self.big + 1) * (pre_a + held + 2 * cmax)) + 16
@@ -385,7 +386,10 @@ class _Arrays:
             if option not in allowed:
                 limits.append(no)
                 continue
-            x, y = saved[option][0] + out, with_loss(loss_temp, held, saved[option][1] + out) + unsharded + cast
+            x, y = (
+                saved[option][0] + out,
+                with_loss(loss_temp, held, saved[option][1] + out) + unsharded + cast_held(cast),
+            )
             fits_alone = (y <= head) & (step <= head)
             most = np.minimum((head - y) // np.maximum(x, 1), self.big)
             t_max = np.where(fits_alone, np.where(x > 0, most, self.big), -1)

@@ -243,9 +243,10 @@ def stage_memory_bytes(
         peak     = static + buffers + max(pipeline, step)
 
     with ``P`` = sum of ``param_bytes``, ``N`` = sum of ``params``, ``A`` = sum of
-    ``activation_bytes``, ``C`` = sum of ``weight_cast_bytes`` (autocast's lower-precision copies of the
-    weights the matmuls save: the runner keeps one autocast cache per step, so one copy for the whole
-    pipeline, freed before the optimizer step), ``cut_in`` = ``blocks[start - 1].sent_bytes`` (0 for the first stage),
+    ``activation_bytes``, ``C`` = ``cast_held`` of the sum of ``weight_cast_bytes`` (autocast's
+    lower-precision copies of the weights the matmuls save: the runner keeps one autocast cache per
+    step, so one copy for the whole pipeline, freed before the optimizer step; and their gradients at
+    the end of each backward), ``cut_in`` = ``blocks[start - 1].sent_bytes`` (0 for the first stage),
     ``cut_out`` = ``blocks[end - 1].sent_bytes`` (0 for the last stage; under tensor parallelism
     both are one rank's piece of the scattered boundary, ``BlockCost.cut_share``), ``out`` = the stage's output
     per microbatch (``cut_out``; the model output ``output_bytes`` for the last stage), which
@@ -509,6 +510,26 @@ def grad_bytes(p_bytes: Any, n_params: Any, most_params: Any, shard: int, per_bl
     return full
 
 
+def cast_held(cast: Any) -> Any:
+    """What autocast's weight copies of ``cast`` bytes hold while a stage's pipeline runs: the copies,
+    and as much again in their gradients at the end of every backward.
+
+    The runner keeps one autocast cache through the step (``planner.run.wrappers.weight_cast_cache``),
+    so the copies are made at the step's first forward and their autograd nodes are the oldest of
+    every later microbatch's graph. torch's engine runs the ready node created last first, so each
+    microbatch's backward reaches the copies' nodes only after everything else, and each weight's
+    gradient in the autocast dtype (a copy's size) waits in its input buffer until then: measured on
+    this CPU (docs/weight_casts.md), the peaks hold the copies twice.
+
+    Args:
+        cast: the stage's ``weight_cast_bytes`` (an int or an integer array).
+
+    Returns:
+        The bytes to add to the stage's once-per-step term.
+    """
+    return 2 * cast
+
+
 def parts_from_sums(
     sums: StageSums,
     optimizer: OptimizerSpec,
@@ -541,7 +562,7 @@ def parts_from_sums(
             fixed=ceil_div(2 * p_bytes + optimizer.state_bytes(n_params, p_bytes), shard)
             + n_microbatches * (cut_in + cut_out),
             per_microbatch=saved + out,
-            once=backward + unsharded_bytes(p_bytes, most_params, per_block) + cast,
+            once=backward + unsharded_bytes(p_bytes, most_params, per_block) + cast_held(cast),
             step=ceil_div(step, shard),
             grads=grad_bytes(p_bytes, n_params, most_params, shard, per_block),
             microbatches=n_microbatches,
@@ -549,7 +570,7 @@ def parts_from_sums(
     return MemoryParts(
         fixed=2 * p_bytes + optimizer.state_bytes(n_params, p_bytes) + n_microbatches * (cut_in + cut_out),
         per_microbatch=saved + out,
-        once=backward + cast,
+        once=backward + cast_held(cast),
         step=step,
         grads=grad_bytes(p_bytes, n_params, 0, 1, False),
         microbatches=n_microbatches,

@@ -8,6 +8,7 @@ trains exactly as the planner's own runner does. ``docs/interop.md`` has a whole
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import inspect
 import os
@@ -209,7 +210,8 @@ class Pipeline:
             raise PlannerError(f"rank {self.mesh.rank} holds the last stage: give it the batch's target")
         mb_losses: list[torch.Tensor] = []
         # one copy of each weight in the plan's autocast dtype for the step's every microbatch and pass
-        with weight_cast_cache(self.plan, self.device.type):
+        # (training only: autocast caches a cast made under no_grad too, without its autograd link)
+        with weight_cast_cache(self.plan, self.device.type) if training else contextlib.nullcontext():
             for i in range(k):
                 if not self.is_last:
                     run(*(_pass_slice(x, i, k) for x in args))

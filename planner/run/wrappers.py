@@ -49,6 +49,11 @@ def weight_cast_cache(plan: Plan, device_type: str) -> contextlib.AbstractContex
     once. A compiled stage casts inside its graph and keeps one copy per microbatch regardless (the
     plan counts it so: ``planner.core.assemble.compiled_casts``).
 
+    Only around forwards that build autograd graphs: torch caches a weight's cast made under
+    ``no_grad`` too, without its link to the weight, and a later forward in the same cache would
+    then train nothing into that weight (the checkpoint regions are non-reentrant: their forward
+    keeps grad mode on, and a rebuilt region finds the linked copy).
+
     Args:
         plan: the plan (``profile.run_autocast``).
         device_type: where the stages compute ("cpu", "cuda").
