@@ -53,11 +53,14 @@ bf16` (a measured profile here: every block under `torch.autocast`, weights fp32
 --compare {split}`, trained for {steps} steps. Each matmul saves a bf16 copy of its weight for
 backward. `planner run` opens each microbatch's forward in its own autocast region inside one
 region per step (`planner/run/wrappers.weight_cast_cache`) that keeps torch's cast cache alive, so
-the microbatches share one copy of each weight. The plan counts the copies once per stage
+on a stage with three or more microbatches live the microbatches share one copy of each weight
+(`planner/core/stage_model.shares_casts`). The plan counts the shared copies once per stage
 (`weight_cast_bytes`, measured apart from the activations), twice over: torch's autograd engine runs
 the ready node created last first, and the cached copies' nodes, made at the step's first forward,
 are the oldest of every later microbatch's graph, so each backward reaches them last and each
-weight's bf16 gradient (a copy's size) waits until then (`planner/core/stage_model.cast_held`).
+weight's bf16 gradient (a copy's size) waits until then (`planner/core/stage_model.cast_held`). A
+stage with one or two live keeps a set per microbatch, as before (sharing would hold two sets
+there too, and more than one with one live).
 Each stage's peak as `torch.distributed._tools.mem_tracker.MemTracker` saw it during one tracked
 step, beside the plan's prediction and beside the prediction of the same costs with one set of
 copies per microbatch in flight (what the planner counted, and the runner held, before 28 Nov).

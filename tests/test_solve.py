@@ -998,9 +998,12 @@ def test_autocast_weight_copies_are_held_once_not_per_microbatch() -> None:
         blk(2, 1.0, cut=13),
     ]
     # as test_stage_memory_formula, the pipeline term 4 * (8 + 11) + 11, + 2 * 60 copies and their
-    # gradients; SGD has no step term
+    # gradients (4 live: shared); SGD has no step term
     assert stage_memory_bytes(blocks, 0, 2, 4, SGD) == 240 + 11 + 87 + 120
-    assert stage_memory_bytes(blocks, 0, 2, 1, SGD) == 240 + 11 + 19 + 11 + 120
+    assert stage_memory_bytes(blocks, 0, 2, 3, SGD) == 240 + 11 + 3 * 19 + 11 + 120
+    # one or two live: each microbatch its own copies (sharing would hold 2 sets anyway)
+    assert stage_memory_bytes(blocks, 0, 2, 2, SGD) == 240 + 11 + 2 * 19 + 11 + 2 * 60
+    assert stage_memory_bytes(blocks, 0, 2, 1, SGD) == 240 + 11 + 19 + 11 + 60
     # AdamW's step temporaries (240) outweigh the pipeline with its copies (207): the copies are gone by then
     assert stage_memory_bytes(blocks, 0, 2, 4, OptimizerSpec()) == 480 + 11 + max(87 + 120, 240)
     # a compiled stage casts in its graph on every call: the copies are held per live microbatch

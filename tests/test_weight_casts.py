@@ -17,6 +17,7 @@ import torch
 from run_factory import MODELS, assert_close, make_plan, saved
 from torch import nn
 
+from planner.core.stage_model import shares_casts
 from planner.costs.levers import is_weight_cast
 from planner.run import run_plan, train_reference
 from planner.run.wrappers import Autocast, weight_cast_cache
@@ -63,11 +64,14 @@ def test_is_weight_cast_tells_autocasts_copies_from_activations_and_parameters()
     assert not is_weight_cast(model[0].weight.to(torch.bfloat16).detach(), params)  # no autograd link
 
 
-def _step(model: nn.Module, plan: Plan, shared: bool, microbatches: int = 3) -> tuple[int, list[torch.Tensor]]:
+def _step(
+    model: nn.Module, plan: Plan, shared: bool, microbatches: int = 3, share: bool = True
+) -> tuple[int, list[torch.Tensor]]:
     """One step of ``microbatches`` forwards (all in flight, as GPipe runs them) then their backwards,
-    each forward in its own autocast region as a stage runs it; inside the step's cache if ``shared``.
-    Returns the distinct bf16 weight copies saved, and the parameters' gradients."""
-    stage = Autocast(model, plan, "cpu")
+    each forward in its own autocast region as a stage runs it (``share``: a stage with many live);
+    inside the step's cache if ``shared``. Returns the distinct bf16 weight copies saved, and the
+    parameters' gradients."""
+    stage = Autocast(model, plan, "cpu", share=share)
     params = {id(p) for p in model.parameters()}
     copies: set[int] = set()
 
@@ -97,6 +101,10 @@ def test_one_step_holds_one_copy_of_each_weight_whatever_the_microbatches_in_fli
     assert (per_microbatch, once) == (2 * 3, 2)
     # the same casts of the same weights: the gradients are the same, bit for bit
     assert len(grads_shared) == 4 and all(torch.equal(a, b) for a, b in zip(grads_apart, grads_shared))
+    # a stage with few live (planner.core.stage_model.shares_casts) keeps its own copies per microbatch
+    assert not shares_casts(2) and shares_casts(3)
+    own, grads_own = _step(model, plan, shared=True, share=False)
+    assert own == 2 * 3 and all(torch.equal(a, b) for a, b in zip(grads_apart, grads_own))
     # the cache is gone after the step: the next step casts the (updated) weights again
     assert not torch.is_autocast_enabled("cpu")
     with torch.no_grad():

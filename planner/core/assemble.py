@@ -338,9 +338,10 @@ def _hsdp_note(request: PlanRequest, layout: Layout, link: LinkCost) -> str:
 def compiled_casts(blocks: Sequence[BlockCost]) -> list[BlockCost]:
     """The blocks as a compiled stage holds autocast's copies of its weights: one per microbatch.
 
-    The runner keeps one autocast cache through a step, so an eager stage casts each weight once
-    (``BlockCost.weight_cast_bytes``, held once); a compiled graph casts inside itself on every
-    call and saves its copies with the microbatch's activations.
+    The runner keeps one autocast cache through a step, so an eager stage with many microbatches
+    live casts each weight once (``BlockCost.weight_cast_bytes``, ``stage_model.cast_held``); a
+    compiled graph casts inside itself on every call and saves its copies with the microbatch's
+    activations.
 
     Args:
         blocks: per-block costs.

@@ -71,7 +71,6 @@ from planner.core.solve_engine import (
 )
 from planner.core.stage_model import (
     Partition,
-    cast_held,
     ceil_div,
     evaluate,
     grad_bytes,
@@ -260,7 +259,7 @@ class _Arrays:
         # Every byte count the fit test forms stays below this (generous) bound, in magnitude.
         temps, regions = sums.temps, sums.regions
         # weights, grads, state, step temporaries, autocast's weight copies
-        static = 2 * pre_p + 16 * pre_n + temps.pre_sum[n] + cast_held(sums.pre_c[n])
+        static = 2 * pre_p + 16 * pre_n + temps.pre_sum[n] + 2 * sums.pre_c[n]
         # what checkpointing keeps, at most, and one backward's temporaries (a block's, or the loss's)
         held = regions.pre_in[n] + regions.pre_kept[n] + max([*regions.temps.table[0], sums.loss_temp[n]])
         bound = 4 * (static + 2 * (mem.m + 1) * cmax + (self.big + 1) * (pre_a + held + 2 * cmax)) + 16
@@ -364,7 +363,7 @@ class _Arrays:
         a_b = self.pre_a[e] - self.pre_a[s]
         cin, cout, out, loss_temp = self.cut_in[s], self.cut_out[e], self.out[e], self.loss_temp[e]
         held = self.pre_held[e] - self.pre_held[s]
-        cast = self.pre_c[e] - self.pre_c[s]  # autocast's weight copies, held once while the pipeline runs
+        cast = self.pre_c[e] - self.pre_c[s]  # autocast's weight copies (stage_model.cast_held)
         # Mirrors OptimizerSpec.state_bytes / step_temp_bytes on arrays (test_solve checks the two agree):
         # an fp32 master copy when the parameters are narrower than fp32, AdamW's two moments and
         # its step temporaries (measured, or two per parameter).
@@ -386,16 +385,18 @@ class _Arrays:
             if option not in allowed:
                 limits.append(no)
                 continue
-            x, y = (
-                saved[option][0] + out,
-                with_loss(loss_temp, held, saved[option][1] + out) + unsharded + cast_held(cast),
-            )
+            x, y = saved[option][0] + out, with_loss(loss_temp, held, saved[option][1] + out) + unsharded
+            # the weight copies (stage_model.cast_held, SHARED_CASTS_FROM 3): t sets up to 2 live, 2 from then on
             fits_alone = (y <= head) & (step <= head)
-            most = np.minimum((head - y) // np.maximum(x, 1), self.big)
-            t_max = np.where(fits_alone, np.where(x > 0, most, self.big), -1)
+            fits_one, fits_two = x + cast + y <= head, 2 * (x + cast) + y <= head
+            most = np.minimum((head - y - 2 * cast) // np.maximum(x, 1), self.big)
+            t_max = np.where(
+                fits_alone, np.where(fits_two, np.where(x > 0, most, self.big), np.where(fits_one, 1, 0)), -1
+            )
             if self.mem.fresh:  # from m live on, one fewer with the gradients (MemoryParts.peak)
-                more = np.minimum(t_max + 1, (head + grads - y) // np.maximum(x, 1))
-                grow = (t_max >= 0) & (t_max < self.big) & (more >= self.mem.m) & (more > t_max)
+                more = t_max + 1
+                at_more = more * x + y + np.minimum(more, 2) * cast <= head + grads
+                grow = (t_max >= 0) & (t_max < self.big) & (more >= self.mem.m) & at_more
                 t_max = np.where(grow, more, t_max)
             limits.append(np.asarray(t_max).astype(np.int64))
         return tuple(limits)

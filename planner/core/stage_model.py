@@ -244,9 +244,9 @@ def stage_memory_bytes(
 
     with ``P`` = sum of ``param_bytes``, ``N`` = sum of ``params``, ``A`` = sum of
     ``activation_bytes``, ``C`` = ``cast_held`` of the sum of ``weight_cast_bytes`` (autocast's
-    lower-precision copies of the weights the matmuls save: the runner keeps one autocast cache per
-    step, so one copy for the whole pipeline, freed before the optimizer step; and their gradients at
-    the end of each backward), ``cut_in`` = ``blocks[start - 1].sent_bytes`` (0 for the first stage),
+    lower-precision copies of the weights the matmuls save: a copy per live microbatch, or, from
+    three live on, one set shared by the step's microbatches and their gradients at the end of each
+    backward: ``min(in_flight, 2)`` sets; freed before the optimizer step), ``cut_in`` = ``blocks[start - 1].sent_bytes`` (0 for the first stage),
     ``cut_out`` = ``blocks[end - 1].sent_bytes`` (0 for the last stage; under tensor parallelism
     both are one rank's piece of the scattered boundary, ``BlockCost.cut_share``), ``out`` = the stage's output
     per microbatch (``cut_out``; the model output ``output_bytes`` for the last stage), which
@@ -337,6 +337,7 @@ class MemoryParts(NamedTuple):
     step: int  # optimizer temporaries (after backward)
     grads: int = 0  # of fixed + once, the gradients (the share, and a sharded stage's unsharded ones)
     microbatches: int = 0  # microbatches per step: with as many live, every forward came before a backward
+    cast: int = 0  # autocast's weight copies (``weight_cast_bytes``): held as ``cast_held`` says
 
     def peak(self, in_flight: int, fresh_grads: bool = False) -> int:
         """The stage's peak bytes with ``in_flight`` live microbatches.
@@ -346,11 +347,13 @@ class MemoryParts(NamedTuple):
         backward, as under GPipe), the gradients do not exist at that peak: they build up during the
         first backward, which frees its microbatch's activations, so they come with one fewer.
         """
-        x, y = self.per_microbatch, self.once
+        x, y, c = self.per_microbatch, self.once, self.cast
+        now = cast_held(c, in_flight, in_flight)
         if fresh_grads and in_flight >= self.microbatches:
             g = self.grads
-            return self.fixed - g + max(in_flight * x + y, (in_flight - 1) * x + y + g, self.step + g)
-        return self.fixed + max(in_flight * x + y, self.step)
+            one_fewer = (in_flight - 1) * x + y + g + cast_held(c, in_flight, in_flight - 1)
+            return self.fixed - g + max(in_flight * x + y + now, one_fewer, self.step + g)
+        return self.fixed + max(in_flight * x + y + now, self.step)
 
 
 def stage_memory_parts(
@@ -464,7 +467,7 @@ class StageSums(NamedTuple):
     step_temp: int | None  # T when measured for every block (None: ``optimizer.step_temp_bytes``)
     regions: Regions | None = None  # its checkpoint regions (None: one region, the whole stage)
     loss_temp: int | None = None  # the loss's backward temporaries (``loss_temps``: the last stage's), first
-    cast: int = 0  # C: autocast's copies of the weights (``weight_cast_bytes``), held once while the pipeline runs
+    cast: int = 0  # C: autocast's copies of the weights (``weight_cast_bytes``), held as ``cast_held`` says
 
 
 class Regions(NamedTuple):
@@ -510,24 +513,47 @@ def grad_bytes(p_bytes: Any, n_params: Any, most_params: Any, shard: int, per_bl
     return full
 
 
-def cast_held(cast: Any) -> Any:
-    """What autocast's weight copies of ``cast`` bytes hold while a stage's pipeline runs: the copies,
-    and as much again in their gradients at the end of every backward.
+SHARED_CASTS_FROM = 3
+"""A stage with at least this many microbatches live shares autocast's weight copies among them
+(``cast_held``; the runner: ``planner.run.wrappers.Autocast``)."""
 
-    The runner keeps one autocast cache through the step (``planner.run.wrappers.weight_cast_cache``),
-    so the copies are made at the step's first forward and their autograd nodes are the oldest of
-    every later microbatch's graph. torch's engine runs the ready node created last first, so each
-    microbatch's backward reaches the copies' nodes only after everything else, and each weight's
-    gradient in the autocast dtype (a copy's size) waits in its input buffer until then: measured on
-    this CPU (docs/weight_casts.md), the peaks hold the copies twice.
+
+def shares_casts(in_flight: int) -> bool:
+    """Whether a stage with ``in_flight`` live microbatches at its peak shares one set of autocast's
+    weight copies among them (``cast_held``).
 
     Args:
-        cast: the stage's ``weight_cast_bytes`` (an int or an integer array).
+        in_flight: the stage's peak live microbatches (``StagePlan.in_flight``).
 
     Returns:
-        The bytes to add to the stage's once-per-step term.
+        True from ``SHARED_CASTS_FROM`` on.
     """
-    return 2 * cast
+    return in_flight >= SHARED_CASTS_FROM
+
+
+def cast_held(cast: int, in_flight: int, live: int) -> int:
+    """The bytes autocast's lower-precision weight copies (``cast``: a stage's ``weight_cast_bytes``)
+    hold with ``live`` microbatches live, on a stage whose peak is ``in_flight``.
+
+    Each microbatch's forward runs in a fresh autocast region, its matmuls saving their own copies
+    until its backward: ``live * cast``. A stage with ``SHARED_CASTS_FROM`` or more live shares
+    them instead: the runner keeps autocast's cast cache through the step
+    (``planner.run.wrappers.weight_cast_cache``), so the copies are made once, at the step's first
+    forward, and their autograd nodes are the oldest of every later microbatch's graph. torch's
+    engine runs the ready node created last first, so each backward reaches them only at its very
+    end, and every weight's gradient in the autocast dtype (a copy's size) waits until then: twice
+    ``cast`` (measured on CPU, docs/weight_casts.md). With two live, either way holds twice ``cast``;
+    with one, sharing would add the waiting gradients to one set of copies, so it is not done.
+
+    Args:
+        cast: the stage's copies' bytes.
+        in_flight: its peak live microbatches (decides whether it shares).
+        live: its live microbatches at the moment counted.
+
+    Returns:
+        The bytes (the solver's fit test mirrors this on arrays: ``planner.core.solve``).
+    """
+    return 2 * cast if shares_casts(in_flight) else live * cast
 
 
 def parts_from_sums(
@@ -562,18 +588,20 @@ def parts_from_sums(
             fixed=ceil_div(2 * p_bytes + optimizer.state_bytes(n_params, p_bytes), shard)
             + n_microbatches * (cut_in + cut_out),
             per_microbatch=saved + out,
-            once=backward + unsharded_bytes(p_bytes, most_params, per_block) + cast_held(cast),
+            once=backward + unsharded_bytes(p_bytes, most_params, per_block),
             step=ceil_div(step, shard),
             grads=grad_bytes(p_bytes, n_params, most_params, shard, per_block),
             microbatches=n_microbatches,
+            cast=cast,
         )
     return MemoryParts(
         fixed=2 * p_bytes + optimizer.state_bytes(n_params, p_bytes) + n_microbatches * (cut_in + cut_out),
         per_microbatch=saved + out,
-        once=backward + cast_held(cast),
+        once=backward,
         step=step,
         grads=grad_bytes(p_bytes, n_params, 0, 1, False),
         microbatches=n_microbatches,
+        cast=cast,
     )
 
 

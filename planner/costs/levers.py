@@ -8,8 +8,8 @@
   so they are measured, never assumed. Autocast's copies of the weights in the low-precision
   dtype, which the matmuls save for backward, are counted apart (``is_weight_cast``;
   ``BlockCost.weight_cast_bytes``): the runner keeps one autocast cache through a step
-  (``planner.run.wrappers.weight_cast_cache``), so a stage holds one set of them per step, not one
-  per microbatch in flight. A compiled block casts inside its graph, so its copies are plain saved
+  (``planner.run.wrappers.weight_cast_cache``), so a stage with many microbatches live holds one
+  set of them per step, not one per microbatch in flight (``planner.core.stage_model.cast_held``). A compiled block casts inside its graph, so its copies are plain saved
   tensors, counted per microbatch, as the compiled stage holds them.
 - **Compile** (``--compile``): each block is profiled as ``torch.compile(block_module)``, the way
   the runner compiles each stage module whole (per-block compiled time estimates the stage's). The

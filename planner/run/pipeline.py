@@ -208,6 +208,7 @@ class Pipeline:
         run = partial(self.schedule.step, return_outputs=False) if training else self.schedule.eval
         if self.is_last and target is None:
             raise PlannerError(f"rank {self.mesh.rank} holds the last stage: give it the batch's target")
+        target = target.to(self.device) if self.is_last and target is not None else None
         mb_losses: list[torch.Tensor] = []
         # one copy of each weight in the plan's autocast dtype for the step's every microbatch and pass
         # (training only: autocast caches a cast made under no_grad too, without its autograd link)
@@ -218,8 +219,7 @@ class Pipeline:
                     continue
                 assert target is not None
                 losses: list[torch.Tensor] = []
-                part = _pass_slice(target.to(self.device), i, k)
-                run(*(_pass_slice(x, i, k) for x in args), target=part, losses=losses)
+                run(*(_pass_slice(x, i, k) for x in args), target=_pass_slice(target, i, k), losses=losses)
                 mb_losses += losses
         return self.replica_mean(mb_losses) if self.is_last else None
 

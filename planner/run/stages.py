@@ -289,7 +289,8 @@ def _replicated(
             f"stage {stage.plan.index} shares a tied parameter with another stage on rank {mesh.pp_rank}, "
             "which FSDP cannot shard twice; re-plan with --dp-mode ddp"
         )
-    apply_speed_levers(plan, module, stage.inner, device)  # compiled before sharding, as torchtitan does
+    # compiled before sharding, as torchtitan does
+    apply_speed_levers(plan, module, stage.inner, device, stage.plan.in_flight)
     if fsdp and per_block_fsdp(plan):
         _shard_blocks(stage, mesh)
     elif fsdp:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from planner.core.stage_model import shares_casts
 from planner.run.boundary import BoundaryScatter
 from planner.schema.plan import Plan
 from planner.torch_compat import is_view
@@ -37,16 +38,17 @@ def autocast_region(plan: Plan, device_type: str) -> contextlib.AbstractContextM
 
 
 def weight_cast_cache(plan: Plan, device_type: str) -> contextlib.AbstractContextManager[Any]:
-    """Around one step's forwards and backwards: every microbatch's autocast region shares one
-    lower-precision copy of each weight, not one each (nothing changes without autocast).
+    """Around one step's forwards and backwards: the microbatches of a stage that shares its casts
+    (``Autocast``'s ``share``) use one lower-precision copy of each weight, not one each (nothing
+    changes without autocast).
 
     torch keeps autocast's casts of leaf parameters in a cache that it drops when the outermost
     autocast region ends. Each microbatch's forward runs in a fresh region (``Autocast``), so
     without an outer one every microbatch in flight would hold its own copies of the stage's weights,
-    saved for its backward (a Llama 3 8B stage under 1F1B: 1.8 GiB per microbatch in flight). This
-    region computes nothing in the lower precision itself (backward runs outside autocast, as torch's
-    recipe has it); it only holds the nesting open, so the casts live until the step's last backward,
-    once. A compiled stage casts inside its graph and keeps one copy per microbatch regardless (the
+    saved for its backward (a Llama 3 8B stage: 1.8 GiB per microbatch in flight). This region
+    computes nothing in the lower precision itself (backward runs outside autocast, as torch's
+    recipe has it); it only holds the nesting open, so the cached casts live until the step's last
+    backward, once. A compiled stage casts inside its graph and keeps one copy per microbatch regardless (the
     plan counts it so: ``planner.core.assemble.compiled_casts``).
 
     Only around forwards that build autograd graphs: torch caches a weight's cast made under
@@ -131,15 +133,22 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
 class Autocast(torch.nn.Module):
     """Run a stage's forward under ``torch.autocast`` (the plan's ``profile.run_autocast``): parameters
     stay fp32, the matmuls and what they save run in the lower precision, as the profile measured.
-    A fresh autocast region per call; inside the step's ``weight_cast_cache`` its weight casts are
-    made once per step and shared by the microbatches."""
 
-    def __init__(self, module: torch.nn.Module, plan: Plan, device_type: str):
+    A fresh autocast region per call. With ``share`` (a stage with many microbatches live:
+    ``planner.core.stage_model.shares_casts``) its weight casts go to autocast's cache, which the
+    step's ``weight_cast_cache`` keeps, so they are made once per step and shared by the
+    microbatches; without, each microbatch makes and saves its own (fewer bytes with one or two
+    live: a shared copy's gradients wait for the end of every backward, ``cast_held``)."""
+
+    def __init__(self, module: torch.nn.Module, plan: Plan, device_type: str, share: bool = True):
         super().__init__()
-        self.module, self.plan, self.device_type = module, plan, device_type
+        self.module, self.plan, self.device_type, self.share = module, plan, device_type, share
 
     def forward(self, *args: object) -> object:
-        with autocast_region(self.plan, self.device_type):
+        run = self.plan.profile.run_autocast
+        if run is None:
+            return self.module(*args)
+        with torch.autocast(self.device_type, dtype=AUTOCAST_DTYPES[run], cache_enabled=self.share):
             return self.module(*args)
 
 
@@ -166,7 +175,9 @@ def autocast_loss(
     return loss
 
 
-def apply_speed_levers(plan: Plan, module: ContiguousBoundary, inner: torch.nn.Module, device: torch.device) -> None:
+def apply_speed_levers(
+    plan: Plan, module: ContiguousBoundary, inner: torch.nn.Module, device: torch.device, in_flight: int = 1
+) -> None:
     """Apply the plan's ``compile`` and ``profile.autocast`` to a stage (after any sharding: FSDP
     wraps the eager module; the compiled one runs inside it).
 
@@ -179,12 +190,14 @@ def apply_speed_levers(plan: Plan, module: ContiguousBoundary, inner: torch.nn.M
         module: the stage's boundary wrapper; what it calls is replaced.
         inner: the stage module (checkpointed where the plan says), as the boundary calls it now.
         device: where the stage runs (autocast's device type).
+        in_flight: the stage's peak live microbatches (``StagePlan.in_flight``): from
+            ``SHARED_CASTS_FROM`` on, its microbatches share autocast's weight copies.
     """
     run = inner
     if plan.compile:
         run = torch.compile(inner)  # type: ignore[assignment]
     if plan.profile.run_autocast is not None:
-        run = Autocast(run, plan, device.type)
+        run = Autocast(run, plan, device.type, share=shares_casts(in_flight))
     module.module = run
 
 
