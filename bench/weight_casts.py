@@ -60,7 +60,8 @@ the ready node created last first, and the cached copies' nodes, made at the ste
 are the oldest of every later microbatch's graph, so each backward reaches them last and each
 weight's bf16 gradient (a copy's size) waits until then (`planner/core/stage_model.cast_held`). A
 stage with one or two live keeps a set per microbatch, as before (sharing would hold two sets
-there too, and more than one with one live).
+there too, and more than one with one live), and so does a stage FSDP shards (it reduce-scatters
+a block's weight gradients before a shared copy's would arrive).
 Each stage's peak as `torch.distributed._tools.mem_tracker.MemTracker` saw it during one tracked
 step, beside the plan's prediction and beside the prediction of the same costs with one set of
 copies per microbatch in flight (what the planner counted, and the runner held, before 28 Nov).

@@ -707,6 +707,7 @@ def memory_instances(draw: st.DrawFn) -> tuple[list[BlockCost], int, int, Optimi
             params=draw(st.integers(0, 50)) * scale,
             param_bytes=draw(bytes_st),
             activation_bytes=draw(bytes_st),
+            weight_cast_bytes=draw(st.one_of(st.just(0), bytes_st)),  # autocast's copies, or none
             cut_bytes=draw(bytes_st),
             cut_tensors=1,
             output_bytes=draw(bytes_st),
@@ -1004,6 +1005,10 @@ def test_autocast_weight_copies_are_held_once_not_per_microbatch() -> None:
     # one or two live: each microbatch its own copies (sharing would hold 2 sets anyway)
     assert stage_memory_bytes(blocks, 0, 2, 2, SGD) == 240 + 11 + 2 * 19 + 11 + 2 * 60
     assert stage_memory_bytes(blocks, 0, 2, 1, SGD) == 240 + 11 + 19 + 11 + 60
+    # FSDP never shares them (it reduce-scatters a block's gradients before a shared copy's arrive):
+    # a set per live microbatch, beside the sharded state (120 of 240) and the unsharded weights and
+    # gradients while the pipeline runs (240)
+    assert stage_memory_bytes(blocks, 0, 2, 4, SGD, shard=2) == 120 + 11 + 87 + 240 + 4 * 60
     # AdamW's step temporaries (240) outweigh the pipeline with its copies (207): the copies are gone by then
     assert stage_memory_bytes(blocks, 0, 2, 4, OptimizerSpec()) == 480 + 11 + max(87 + 120, 240)
     # a compiled stage casts in its graph on every call: the copies are held per live microbatch

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -123,21 +124,36 @@ def test_the_cache_changes_nothing_without_autocast() -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    ("schedule", "recompute"), [("1f1b", None), ("zbv", None), ("1f1b", ("full", "selective")), ("zbv", ("full:1",))]
+    ("schedule", "recompute", "extra"),
+    [
+        ("1f1b", None, {}),
+        ("zbv", None, {}),
+        ("1f1b", ("full", "selective"), {}),
+        ("zbv", ("full:1",), {}),
+        ("gpipe", None, {"dp": 2, "dp_mode": "fsdp", "fsdp_units": "block"}),
+        ("1f1b", None, {"own": 1}),
+    ],
+    ids=["1f1b", "zbv", "checkpointed", "zbv-checkpointed", "fsdp-blocks", "one-stage-shares"],
 )
 def test_bf16_pipelines_train_like_the_unsplit_model_under_the_same_autocast(
-    tmp_path: Path, schedule: str, recompute: tuple[str, ...] | None
+    tmp_path: Path, schedule: str, recompute: tuple[str, ...] | None, extra: dict[str, Any]
 ) -> None:
     # the shared copies serve every microbatch's backward, the zero-bubble schedules' split input and
-    # weight halves too, and the checkpoint regions' rebuilt forwards (which find the cached copies)
-    starts, v = ([0, 3], 1) if schedule == "1f1b" else ([0, 2, 4, 5], 2)
-    plan = make_plan(MODELS / "gpt.py", starts, schedule=schedule, n_microbatches=4, stages_per_rank=v)
+    # weight halves too, the checkpoint regions' rebuilt forwards (which find the cached copies), FSDP's
+    # gathered weights (resharded after each block's forward: the cached copy outlives the gathered
+    # storage), and a rank whose stage keeps its own copies beside one that shares
+    own = extra.pop("own", None)
+    starts, v = ([0, 3], 1) if schedule != "zbv" else ([0, 2, 4, 5], 2)
+    plan = make_plan(MODELS / "gpt.py", starts, schedule=schedule, n_microbatches=4, stages_per_rank=v, **extra)
+    stages = list(plan.stages)
     if recompute is not None:
-        modes = [recompute[i % len(recompute)] for i in range(len(plan.stages))]
-        plan = plan.model_copy(
-            update={"stages": [s.model_copy(update={"recompute": m}) for s, m in zip(plan.stages, modes)]}
-        )
-    plan = _with_autocast(plan, "bf16")
+        stages = [s.model_copy(update={"recompute": recompute[i % len(recompute)]}) for i, s in enumerate(stages)]
+    if own is not None:  # that stage planned with one microbatch live: its microbatches cast for themselves
+        stages[own] = stages[own].model_copy(update={"in_flight": 1})
+    plan = _with_autocast(plan.model_copy(update={"stages": stages}), "bf16")
+    # FSDP never shares (its reduce-scatter would run before a shared copy's gradient arrives)
+    want = [s.index != own and not plan.sharded for s in plan.stages]
+    assert [shares_casts(s.in_flight, plan.sharded) for s in plan.stages] == want
     path = saved(plan, tmp_path)
     got = run_plan(plan, RunRequest(plan_file=path, steps=3, save_checkpoints=False, echo=False))
     want = train_reference(plan, path, 3)  # the unsplit model under the same autocast

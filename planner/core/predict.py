@@ -368,9 +368,9 @@ def rank_memory_bytes(
         fixed += own.fixed
         # autocast's weight copies (stage_model.cast_held): one set per live microbatch, or a shared
         # set and its gradients on a stage with many live
-        shared = shares_casts(st.in_flight)
+        shared = shares_casts(st.in_flight, own.sharded)
         live_per_mb[st.index] = own.per_microbatch + (0 if shared else own.cast)
-        once += own.once + (cast_held(own.cast, st.in_flight, st.in_flight) if shared else 0)
+        once += own.once + (cast_held(own.cast, st.in_flight, st.in_flight, own.sharded) if shared else 0)
         step += own.step
         grads[st.index] = own.grads if layout.fresh_grads else 0
     late = sum(grads.values())  # in fixed and once, but only from each stage's first backward on

@@ -385,17 +385,20 @@ class _Arrays:
             if option not in allowed:
                 limits.append(no)
                 continue
-            x, y = saved[option][0] + out, with_loss(loss_temp, held, saved[option][1] + out) + unsharded
-            # the weight copies (stage_model.cast_held, SHARED_CASTS_FROM 3): t sets up to 2 live, 2 from then on
+            # the weight copies (stage_model.cast_held, SHARED_CASTS_FROM 3): t sets up to 2 live, 2 from
+            # then on; under FSDP (never shared) t sets, counted with the live microbatches
+            live_cast, shared = (cast, 0 * cast) if d > 1 else (0 * cast, cast)
+            x = saved[option][0] + out + live_cast
+            y = with_loss(loss_temp, held, saved[option][1] + out) + unsharded
             fits_alone = (y <= head) & (step <= head)
-            fits_one, fits_two = x + cast + y <= head, 2 * (x + cast) + y <= head
-            most = np.minimum((head - y - 2 * cast) // np.maximum(x, 1), self.big)
+            fits_one, fits_two = x + shared + y <= head, 2 * (x + shared) + y <= head
+            most = np.minimum((head - y - 2 * shared) // np.maximum(x, 1), self.big)
             t_max = np.where(
                 fits_alone, np.where(fits_two, np.where(x > 0, most, self.big), np.where(fits_one, 1, 0)), -1
             )
             if self.mem.fresh:  # from m live on, one fewer with the gradients (MemoryParts.peak)
                 more = t_max + 1
-                at_more = more * x + y + np.minimum(more, 2) * cast <= head + grads
+                at_more = more * x + y + np.minimum(more, 2) * shared <= head + grads
                 grow = (t_max >= 0) & (t_max < self.big) & (more >= self.mem.m) & at_more
                 t_max = np.where(grow, more, t_max)
             limits.append(np.asarray(t_max).astype(np.int64))

@@ -338,6 +338,7 @@ class MemoryParts(NamedTuple):
     grads: int = 0  # of fixed + once, the gradients (the share, and a sharded stage's unsharded ones)
     microbatches: int = 0  # microbatches per step: with as many live, every forward came before a backward
     cast: int = 0  # autocast's weight copies (``weight_cast_bytes``): held as ``cast_held`` says
+    sharded: bool = False  # FSDP shards the stage: its microbatches never share the copies
 
     def peak(self, in_flight: int, fresh_grads: bool = False) -> int:
         """The stage's peak bytes with ``in_flight`` live microbatches.
@@ -348,10 +349,10 @@ class MemoryParts(NamedTuple):
         first backward, which frees its microbatch's activations, so they come with one fewer.
         """
         x, y, c = self.per_microbatch, self.once, self.cast
-        now = cast_held(c, in_flight, in_flight)
+        now = cast_held(c, in_flight, in_flight, self.sharded)
         if fresh_grads and in_flight >= self.microbatches:
             g = self.grads
-            one_fewer = (in_flight - 1) * x + y + g + cast_held(c, in_flight, in_flight - 1)
+            one_fewer = (in_flight - 1) * x + y + g + cast_held(c, in_flight, in_flight - 1, self.sharded)
             return self.fixed - g + max(in_flight * x + y + now, one_fewer, self.step + g)
         return self.fixed + max(in_flight * x + y + now, self.step)
 
@@ -518,20 +519,25 @@ SHARED_CASTS_FROM = 3
 (``cast_held``; the runner: ``planner.run.wrappers.Autocast``)."""
 
 
-def shares_casts(in_flight: int) -> bool:
+def shares_casts(in_flight: int, sharded: bool = False) -> bool:
     """Whether a stage with ``in_flight`` live microbatches at its peak shares one set of autocast's
     weight copies among them (``cast_held``).
 
+    Never under FSDP: it reduce-scatters each block's weight gradients as soon as that block's
+    backward is done, and a shared copy's gradient reaches its weight only at the end of the whole
+    backward, too late (measured: the losses part from the unsplit model's at the second step).
+
     Args:
         in_flight: the stage's peak live microbatches (``StagePlan.in_flight``).
+        sharded: FSDP or HSDP shards the stage (``Plan.sharded``).
 
     Returns:
-        True from ``SHARED_CASTS_FROM`` on.
+        True from ``SHARED_CASTS_FROM`` on, unless sharded.
     """
-    return in_flight >= SHARED_CASTS_FROM
+    return not sharded and in_flight >= SHARED_CASTS_FROM
 
 
-def cast_held(cast: int, in_flight: int, live: int) -> int:
+def cast_held(cast: int, in_flight: int, live: int, sharded: bool = False) -> int:
     """The bytes autocast's lower-precision weight copies (``cast``: a stage's ``weight_cast_bytes``)
     hold with ``live`` microbatches live, on a stage whose peak is ``in_flight``.
 
@@ -549,11 +555,12 @@ def cast_held(cast: int, in_flight: int, live: int) -> int:
         cast: the stage's copies' bytes.
         in_flight: its peak live microbatches (decides whether it shares).
         live: its live microbatches at the moment counted.
+        sharded: FSDP shards the stage (then it never shares: ``shares_casts``).
 
     Returns:
         The bytes (the solver's fit test mirrors this on arrays: ``planner.core.solve``).
     """
-    return 2 * cast if shares_casts(in_flight) else live * cast
+    return 2 * cast if shares_casts(in_flight, sharded) else live * cast
 
 
 def parts_from_sums(
@@ -593,6 +600,7 @@ def parts_from_sums(
             grads=grad_bytes(p_bytes, n_params, most_params, shard, per_block),
             microbatches=n_microbatches,
             cast=cast,
+            sharded=True,
         )
     return MemoryParts(
         fixed=2 * p_bytes + optimizer.state_bytes(n_params, p_bytes) + n_microbatches * (cut_in + cut_out),

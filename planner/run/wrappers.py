@@ -197,7 +197,7 @@ def apply_speed_levers(
     if plan.compile:
         run = torch.compile(inner)  # type: ignore[assignment]
     if plan.profile.run_autocast is not None:
-        run = Autocast(run, plan, device.type, share=shares_casts(in_flight))
+        run = Autocast(run, plan, device.type, share=shares_casts(in_flight, plan.sharded))
     module.module = run
 
 

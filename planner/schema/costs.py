@@ -162,8 +162,8 @@ class BlockCost(BaseModel):
         ge=0,
         description="Under autocast over fp32 weights: bytes of the lower-precision copies of the block's weights "
         "that its matmuls and convolutions save for backward (not in activation_bytes): one set per live "
-        "microbatch, or, on a stage with three or more live, one set shared through the step and its gradients "
-        "(planner.core.stage_model.cast_held; a compiled stage casts inside its graph: one per microbatch). "
+        "microbatch, or, on a stage with three or more live that FSDP does not shard, one set shared through the "
+        "step and its gradients (planner.core.stage_model.cast_held; a compiled stage casts inside its graph: one per microbatch). "
         "0 without autocast.",
     )
     bwd_input_s: float | None = Field(
