@@ -165,8 +165,8 @@ def instances(
                 "selective_bytes": draw(st.one_of(st.none(), st.integers(0, b.activation_bytes))),
                 "selective_recompute_s": draw(st.one_of(st.none(), time_st)),
                 "bwd_temp_bytes": draw(st.one_of(st.none(), st.integers(0, 100))),
-                # autocast's weight copies, held once a step (0: an fp32 plan)
-                "weight_cast_bytes": draw(st.sampled_from([0, 0, 30, 150])),
+                # of the activations, autocast's weight copies (0: an fp32 plan)
+                "weight_cast_bytes": min(b.activation_bytes, draw(st.sampled_from([0, 0, 30, 150]))),
             }
         )
         for b in blocks
@@ -707,7 +707,6 @@ def memory_instances(draw: st.DrawFn) -> tuple[list[BlockCost], int, int, Optimi
             params=draw(st.integers(0, 50)) * scale,
             param_bytes=draw(bytes_st),
             activation_bytes=draw(bytes_st),
-            weight_cast_bytes=draw(st.one_of(st.just(0), bytes_st)),  # autocast's copies, or none
             cut_bytes=draw(bytes_st),
             cut_tensors=1,
             output_bytes=draw(bytes_st),
@@ -720,6 +719,8 @@ def memory_instances(draw: st.DrawFn) -> tuple[list[BlockCost], int, int, Optimi
         )
         for i in range(n)
     ]
+    # of the activations, autocast's weight copies (or none)
+    blocks = [b.model_copy(update={"weight_cast_bytes": min(b.activation_bytes, draw(bytes_st))}) for b in blocks]
     limit = draw(st.integers(-5, 6000)) * scale
     infl = draw(st.lists(st.integers(0, 9), min_size=1, max_size=4))
     return (
@@ -994,8 +995,9 @@ def test_autocast_weight_copies_are_held_once_not_per_microbatch() -> None:
     # pipeline runs, whatever its live microbatches, and as much again in their gradients at the end of
     # each backward (torch runs the cached copies' nodes last); all freed by the optimizer step
     blocks = [
-        blk(0, 1.0, params=10, param_bytes=40, act=3, cut=7).model_copy(update={"weight_cast_bytes": 20}),
-        blk(1, 1.0, params=20, param_bytes=80, act=5, cut=11).model_copy(update={"weight_cast_bytes": 40}),
+        # activations 3 and 5 besides the copies (20, 40), as test_stage_memory_formula
+        blk(0, 1.0, params=10, param_bytes=40, act=23, cut=7).model_copy(update={"weight_cast_bytes": 20}),
+        blk(1, 1.0, params=20, param_bytes=80, act=45, cut=11).model_copy(update={"weight_cast_bytes": 40}),
         blk(2, 1.0, cut=13),
     ]
     # as test_stage_memory_formula, the pipeline term 4 * (8 + 11) + 11, + 2 * 60 copies and their
@@ -1017,6 +1019,9 @@ def test_autocast_weight_copies_are_held_once_not_per_microbatch() -> None:
     assert [b.weight_cast_bytes for b in compiled] == [0, 0, 0]
     assert compiled[2] is blocks[2]
     assert stage_memory_bytes(compiled, 0, 2, 4, SGD) == 240 + 11 + 4 * (68 + 11) + 11
+    # a recomputing stage drops its copies with its regions' activations, as it never shares them
+    for mode in ("full", "selective", "stage", "full:1"):
+        assert stage_memory_bytes(blocks, 0, 2, 4, SGD, mode) == stage_memory_bytes(compiled, 0, 2, 4, SGD, mode)
 
 
 def test_stage_memory_mixed_precision_keeps_fp32_master() -> None:

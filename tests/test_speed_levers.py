@@ -77,10 +77,10 @@ def test_autocast_bytes_of_a_linear_stack_by_hand() -> None:
     # the weight for an input gradient); ReLU saves its output; Linear 2 its input (for W's
     # gradient) and its weight (for the input's), but the weight is a parameter, counted elsewhere.
     assert [c.activation_bytes for c in fp32] == [b * d * 4, b * h * 4, b * h * 4]
-    # bf16 autocast: the same tensors in 2 bytes; autocast's bf16 copy of Linear 2's weight (not a
-    # parameter: a cast, saved for the input gradient) counted apart, as the runner holds it once a
-    # step. Linear 0's weight copy is not saved: its input needs no gradient.
-    assert [c.activation_bytes for c in bf16] == [b * d * 2, b * h * 2, b * h * 2]
+    # bf16 autocast: the same tensors in 2 bytes, and autocast's bf16 copy of Linear 2's weight (not a
+    # parameter: a cast, saved for the input gradient), also told apart (a stage may share it). Linear
+    # 0's weight copy is not saved: its input needs no gradient.
+    assert [c.activation_bytes for c in bf16] == [b * d * 2, b * h * 2, b * h * 2 + h * o * 2]
     assert [c.weight_cast_bytes for c in bf16] == [0, 0, h * o * 2]
     assert [c.weight_cast_bytes for c in fp32] == [0, 0, 0]
     # what crosses each cut: bf16 out of the Linear and out of the ReLU

@@ -104,6 +104,7 @@ def test_one_step_holds_one_copy_of_each_weight_whatever_the_microbatches_in_fli
     assert len(grads_shared) == 4 and all(torch.equal(a, b) for a, b in zip(grads_apart, grads_shared))
     # a stage with few live (planner.core.stage_model.shares_casts) keeps its own copies per microbatch
     assert not shares_casts(2) and shares_casts(3)
+    assert not shares_casts(3, sharded=True) and not shares_casts(3, recompute="full")
     own, grads_own = _step(model, plan, shared=True, share=False)
     assert own == 2 * 3 and all(torch.equal(a, b) for a, b in zip(grads_apart, grads_own))
     # the cache is gone after the step: the next step casts the (updated) weights again
@@ -151,9 +152,10 @@ def test_bf16_pipelines_train_like_the_unsplit_model_under_the_same_autocast(
     if own is not None:  # that stage planned with one microbatch live: its microbatches cast for themselves
         stages[own] = stages[own].model_copy(update={"in_flight": 1})
     plan = _with_autocast(plan.model_copy(update={"stages": stages}), "bf16")
-    # FSDP never shares (its reduce-scatter would run before a shared copy's gradient arrives)
-    want = [s.index != own and not plan.sharded for s in plan.stages]
-    assert [shares_casts(s.in_flight, plan.sharded) for s in plan.stages] == want
+    # FSDP never shares (its reduce-scatter would run before a shared copy's gradient arrives), nor
+    # does a recomputing stage (its regions drop their copies)
+    want = [s.index != own and not plan.sharded and s.recompute == "never" for s in plan.stages]
+    assert [shares_casts(s.in_flight, plan.sharded, s.recompute) for s in plan.stages] == want
     path = saved(plan, tmp_path)
     got = run_plan(plan, RunRequest(plan_file=path, steps=3, save_checkpoints=False, echo=False))
     want = train_reference(plan, path, 3)  # the unsplit model under the same autocast

@@ -339,7 +339,7 @@ def compiled_casts(blocks: Sequence[BlockCost]) -> list[BlockCost]:
     """The blocks as a compiled stage holds autocast's copies of its weights: one per microbatch.
 
     The runner keeps one autocast cache through a step, so an eager stage with many microbatches
-    live casts each weight once (``BlockCost.weight_cast_bytes``, ``stage_model.cast_held``); a
+    live may share its copies (``BlockCost.weight_cast_bytes``, ``stage_model.shared_casts``); a
     compiled graph casts inside itself on every call and saves its copies with the microbatch's
     activations.
 
@@ -347,15 +347,9 @@ def compiled_casts(blocks: Sequence[BlockCost]) -> list[BlockCost]:
         blocks: per-block costs.
 
     Returns:
-        The blocks with their weight copies moved into ``activation_bytes`` (the same objects where
-        there are none).
+        The blocks with no copies to share (the same objects where there are none).
     """
-    return [
-        b.model_copy(update={"activation_bytes": b.activation_bytes + b.weight_cast_bytes, "weight_cast_bytes": 0})
-        if b.weight_cast_bytes
-        else b
-        for b in blocks
-    ]
+    return [b.model_copy(update={"weight_cast_bytes": 0}) if b.weight_cast_bytes else b for b in blocks]
 
 
 def assemble_plan(

@@ -96,7 +96,8 @@ def blocks_at(blocks: Sequence[BlockCost], size0: int, size: int, fixed_fraction
                     "loss_temp_bytes": None if b.loss_temp_bytes is None else round(b.loss_temp_bytes * r),
                     "flops_fwd": None if b.flops_fwd is None else b.flops_fwd * r,
                     "flops_bwd": None if b.flops_bwd is None else b.flops_bwd * r,
-                    "activation_bytes": round(b.activation_bytes * r),
+                    # autocast's weight copies do not grow with the microbatch
+                    "activation_bytes": round((b.activation_bytes - b.weight_cast_bytes) * r) + b.weight_cast_bytes,
                     "cut_bytes": round(b.cut_bytes * r),
                     "output_bytes": round(b.output_bytes * r),
                     "tp": None if b.tp is None else _share_at(b.tp, r),

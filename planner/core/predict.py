@@ -29,11 +29,10 @@ from planner.core.schedules import Action, in_flight_per_stage, peak_live_bytes,
 from planner.core.simulate import SimResult, StageTimes, simulate, simulate_step
 from planner.core.stage_model import (
     MemoryParts,
-    cast_held,
     cold_in,
     cold_out,
     parts_from_sums,
-    shares_casts,
+    shared_casts,
     stage_costs,
     stage_memory_parts,
     stage_time_parts,
@@ -366,11 +365,10 @@ def rank_memory_bytes(
             )
         )
         fixed += own.fixed
-        # autocast's weight copies (stage_model.cast_held): one set per live microbatch, or a shared
-        # set and its gradients on a stage with many live
-        shared = shares_casts(st.in_flight, own.sharded)
-        live_per_mb[st.index] = own.per_microbatch + (0 if shared else own.cast)
-        once += own.once + (cast_held(own.cast, st.in_flight, st.in_flight, own.sharded) if shared else 0)
+        # autocast's weight copies: a set per live microbatch, or shared (stage_model.shared_casts)
+        per_microbatch, own_once = shared_casts(own.per_microbatch, own.once, own.cast, st.in_flight)
+        live_per_mb[st.index] = per_microbatch
+        once += own_once
         step += own.step
         grads[st.index] = own.grads if layout.fresh_grads else 0
     late = sum(grads.values())  # in fixed and once, but only from each stage's first backward on

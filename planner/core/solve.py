@@ -259,7 +259,7 @@ class _Arrays:
         # Every byte count the fit test forms stays below this (generous) bound, in magnitude.
         temps, regions = sums.temps, sums.regions
         # weights, grads, state, step temporaries, autocast's weight copies
-        static = 2 * pre_p + 16 * pre_n + temps.pre_sum[n] + 2 * sums.pre_c[n]
+        static = 2 * pre_p + 16 * pre_n + temps.pre_sum[n] + 2 * sums.pre_c[n]  # (+ shared weight copies)
         # what checkpointing keeps, at most, and one backward's temporaries (a block's, or the loss's)
         held = regions.pre_in[n] + regions.pre_kept[n] + max([*regions.temps.table[0], sums.loss_temp[n]])
         bound = 4 * (static + 2 * (mem.m + 1) * cmax + (self.big + 1) * (pre_a + held + 2 * cmax)) + 16
@@ -321,7 +321,12 @@ class _Arrays:
         # less what a last stage's loss saved, freed before its blocks' backward (``with_loss``): still
         # growing with e from one live microbatch on (the last block adds at least that per microbatch)
         held = self.pre_held[e] - self.pre_held[s]
-        options = [t * saved[o][0] + saved[o][1] - held if t else 0 * held for o in self.mem.options]
+        # keeping every activation, unsharded, the weight copies may be shared (stage_model.shared_casts):
+        # at t live at least t * (A - C) + min(t, 2) * C, exact either way, and growing with e too
+        c = self.pre_c[e] - self.pre_c[s] if self.mem.shard == 1 else 0 * held
+        per = {o: saved[o][0] - (c if o == "never" else 0) for o in self.mem.options}
+        once = {o: saved[o][1] + (min(t, 2) * c if o == "never" else 0) for o in self.mem.options}
+        options = [t * per[o] + once[o] - held if t else 0 * held for o in self.mem.options]
         pipeline = options[0]
         for other in options[1:]:
             pipeline = np.minimum(pipeline, other)
@@ -363,7 +368,7 @@ class _Arrays:
         a_b = self.pre_a[e] - self.pre_a[s]
         cin, cout, out, loss_temp = self.cut_in[s], self.cut_out[e], self.out[e], self.loss_temp[e]
         held = self.pre_held[e] - self.pre_held[s]
-        cast = self.pre_c[e] - self.pre_c[s]  # autocast's weight copies (stage_model.cast_held)
+        cast = self.pre_c[e] - self.pre_c[s]  # of a_b, autocast's weight copies (stage_model.shared_casts)
         # Mirrors OptimizerSpec.state_bytes / step_temp_bytes on arrays (test_solve checks the two agree):
         # an fp32 master copy when the parameters are narrower than fp32, AdamW's two moments and
         # its step temporaries (measured, or two per parameter).
@@ -385,20 +390,19 @@ class _Arrays:
             if option not in allowed:
                 limits.append(no)
                 continue
-            # the weight copies (stage_model.cast_held, SHARED_CASTS_FROM 3): t sets up to 2 live, 2 from
-            # then on; under FSDP (never shared) t sets, counted with the live microbatches
-            live_cast, shared = (cast, 0 * cast) if d > 1 else (0 * cast, cast)
-            x = saved[option][0] + out + live_cast
-            y = with_loss(loss_temp, held, saved[option][1] + out) + unsharded
+            x, y = saved[option][0] + out, with_loss(loss_temp, held, saved[option][1] + out) + unsharded
+            # a stage keeping every activation, not sharded, shares its weight copies from 3 live on
+            # (stage_model.shared_casts, SHARED_CASTS_FROM): (x - C) per live microbatch, 2 C once
+            c = cast if option == "never" and d == 1 else 0 * cast
+            xs, ys = x - c, y + 2 * c
             fits_alone = (y <= head) & (step <= head)
-            fits_one, fits_two = x + shared + y <= head, 2 * (x + shared) + y <= head
-            most = np.minimum((head - y - 2 * shared) // np.maximum(x, 1), self.big)
-            t_max = np.where(
-                fits_alone, np.where(fits_two, np.where(x > 0, most, self.big), np.where(fits_one, 1, 0)), -1
-            )
+            fits_one, fits_two, fits_three = x + y <= head, 2 * x + y <= head, 3 * xs + ys <= head
+            most = np.minimum((head - ys) // np.maximum(xs, 1), self.big)
+            fewer = np.where(fits_two, 2, np.where(fits_one, 1, 0))
+            t_max = np.where(fits_alone, np.where(fits_three, np.where(xs > 0, most, self.big), fewer), -1)
             if self.mem.fresh:  # from m live on, one fewer with the gradients (MemoryParts.peak)
                 more = t_max + 1
-                at_more = more * x + y + np.minimum(more, 2) * shared <= head + grads
+                at_more = np.where(more >= 3, more * xs + ys, more * x + y) <= head + grads
                 grow = (t_max >= 0) & (t_max < self.big) & (more >= self.mem.m) & at_more
                 t_max = np.where(grow, more, t_max)
             limits.append(np.asarray(t_max).astype(np.int64))

@@ -236,17 +236,16 @@ def stage_memory_bytes(
 
         static   = 2 * P + optimizer.state_bytes(N, P)      # weights + grads, optimizer state
         buffers  = m * (cut_in + cut_out)                   # receive buffers, one per microbatch each way
-        pipeline = in_flight * (A + out) + out + B + C      # saved activations and the cached stage
-                                                            # output per live microbatch, + its gradient,
-                                                            # one backward's temporaries, weight copies
+        pipeline = in_flight * (A + out) + out + B          # saved activations and the cached stage
+                                                            # output per live microbatch, + its gradient
+                                                            # and one backward's temporaries
         step     = T                                        # optimizer temporaries (after backward)
         peak     = static + buffers + max(pipeline, step)
 
     with ``P`` = sum of ``param_bytes``, ``N`` = sum of ``params``, ``A`` = sum of
-    ``activation_bytes``, ``C`` = ``cast_held`` of the sum of ``weight_cast_bytes`` (autocast's
-    lower-precision copies of the weights the matmuls save: a copy per live microbatch, or, from
-    three live on, one set shared by the step's microbatches and their gradients at the end of each
-    backward: ``min(in_flight, 2)`` sets; freed before the optimizer step), ``cut_in`` = ``blocks[start - 1].sent_bytes`` (0 for the first stage),
+    ``activation_bytes`` (with autocast's lower-precision copies of the weights the matmuls save, a
+    set per live microbatch; a stage that recomputes nothing, is not sharded and holds three or more
+    microbatches shares one set instead: ``shared_casts``), ``cut_in`` = ``blocks[start - 1].sent_bytes`` (0 for the first stage),
     ``cut_out`` = ``blocks[end - 1].sent_bytes`` (0 for the last stage; under tensor parallelism
     both are one rank's piece of the scattered boundary, ``BlockCost.cut_share``), ``out`` = the stage's output
     per microbatch (``cut_out``; the model output ``output_bytes`` for the last stage), which
@@ -284,7 +283,7 @@ def stage_memory_bytes(
     and freed after the last backward, before the optimizer step)::
 
         static   = ceil((2 * P + optimizer.state_bytes(N, P)) / shard)
-        pipeline = in_flight * (A + out) + out + B + C + 2 * P  # + the unsharded parameters and gradients
+        pipeline = in_flight * (A + out) + out + B + 2 * P  # + the unsharded parameters and gradients
         step     = ceil(T / shard)
 
     Sharded block by block (``stage_memory_parts`` with ``per_block``: every checkpoint unit its own ``fully_shard`` unit,
@@ -293,7 +292,7 @@ def stage_memory_bytes(
     time instead of ``2 * P``: the unit being computed and the next one, prefetched (parameters), and
     the unit's gradients until they are reduce-scattered::
 
-        pipeline = in_flight * (A + out) + out + B + C + 3 * max_u P_u
+        pipeline = in_flight * (A + out) + out + B + 3 * max_u P_u
 
     DDP replicas (``shard`` 1) hold the whole stage, as one pipeline does: its gradient buckets are
     views of the gradients (``gradient_as_bucket_view=True``), no second copy.
@@ -337,8 +336,7 @@ class MemoryParts(NamedTuple):
     step: int  # optimizer temporaries (after backward)
     grads: int = 0  # of fixed + once, the gradients (the share, and a sharded stage's unsharded ones)
     microbatches: int = 0  # microbatches per step: with as many live, every forward came before a backward
-    cast: int = 0  # autocast's weight copies (``weight_cast_bytes``): held as ``cast_held`` says
-    sharded: bool = False  # FSDP shards the stage: its microbatches never share the copies
+    cast: int = 0  # of per_microbatch, autocast's weight copies a stage may share (``shared_casts``); 0: it may not
 
     def peak(self, in_flight: int, fresh_grads: bool = False) -> int:
         """The stage's peak bytes with ``in_flight`` live microbatches.
@@ -348,13 +346,11 @@ class MemoryParts(NamedTuple):
         backward, as under GPipe), the gradients do not exist at that peak: they build up during the
         first backward, which frees its microbatch's activations, so they come with one fewer.
         """
-        x, y, c = self.per_microbatch, self.once, self.cast
-        now = cast_held(c, in_flight, in_flight, self.sharded)
+        x, y = shared_casts(self.per_microbatch, self.once, self.cast, in_flight)
         if fresh_grads and in_flight >= self.microbatches:
             g = self.grads
-            one_fewer = (in_flight - 1) * x + y + g + cast_held(c, in_flight, in_flight - 1, self.sharded)
-            return self.fixed - g + max(in_flight * x + y + now, one_fewer, self.step + g)
-        return self.fixed + max(in_flight * x + y + now, self.step)
+            return self.fixed - g + max(in_flight * x + y, (in_flight - 1) * x + y + g, self.step + g)
+        return self.fixed + max(in_flight * x + y, self.step)
 
 
 def stage_memory_parts(
@@ -411,8 +407,8 @@ def prefix_memory_parts(
     """
     sums, regions = _stage_sums(blocks, start, end, optimizer)
     return [
-        parts_from_sums(sums, optimizer, mode, n_microbatches, shard, per_block, held)
-        for held in prefix_bytes(regions, mode)
+        parts_from_sums(sums, optimizer, mode, n_microbatches, shard, per_block, held, keeps_all=k == 0)
+        for k, held in enumerate(prefix_bytes(regions, mode))
     ]
 
 
@@ -468,7 +464,7 @@ class StageSums(NamedTuple):
     step_temp: int | None  # T when measured for every block (None: ``optimizer.step_temp_bytes``)
     regions: Regions | None = None  # its checkpoint regions (None: one region, the whole stage)
     loss_temp: int | None = None  # the loss's backward temporaries (``loss_temps``: the last stage's), first
-    cast: int = 0  # C: autocast's copies of the weights (``weight_cast_bytes``), held as ``cast_held`` says
+    cast: int = 0  # C: of A, autocast's copies of the weights (``weight_cast_bytes``)
 
 
 class Regions(NamedTuple):
@@ -519,48 +515,53 @@ SHARED_CASTS_FROM = 3
 (``cast_held``; the runner: ``planner.run.wrappers.Autocast``)."""
 
 
-def shares_casts(in_flight: int, sharded: bool = False) -> bool:
-    """Whether a stage with ``in_flight`` live microbatches at its peak shares one set of autocast's
-    weight copies among them (``cast_held``).
+def shares_casts(in_flight: int, sharded: bool = False, recompute: str = "never") -> bool:
+    """Whether a stage's microbatches share one set of autocast's weight copies (``shared_casts``).
 
-    Never under FSDP: it reduce-scatters each block's weight gradients as soon as that block's
-    backward is done, and a shared copy's gradient reaches its weight only at the end of the whole
-    backward, too late (measured: the losses part from the unsplit model's at the second step).
+    Only where it pays and is safe: three or more microbatches live at its peak; nothing recomputed
+    (a checkpointed region drops its copies with its activations, where the shared cache would keep
+    them all step); not under FSDP, which reduce-scatters each block's weight gradients as soon as
+    that block's backward is done, before a shared copy's gradient reaches its weight (measured: the
+    losses parted from the unsplit model's at the second step).
 
     Args:
         in_flight: the stage's peak live microbatches (``StagePlan.in_flight``).
         sharded: FSDP or HSDP shards the stage (``Plan.sharded``).
+        recompute: the stage's recompute value.
 
     Returns:
-        True from ``SHARED_CASTS_FROM`` on, unless sharded.
+        True from ``SHARED_CASTS_FROM`` live on, for an unsharded stage that recomputes nothing.
     """
-    return not sharded and in_flight >= SHARED_CASTS_FROM
+    return not sharded and recompute == "never" and in_flight >= SHARED_CASTS_FROM
 
 
-def cast_held(cast: int, in_flight: int, live: int, sharded: bool = False) -> int:
-    """The bytes autocast's lower-precision weight copies (``cast``: a stage's ``weight_cast_bytes``)
-    hold with ``live`` microbatches live, on a stage whose peak is ``in_flight``.
+def shared_casts(per_microbatch: int, once: int, cast: int, in_flight: int) -> tuple[int, int]:
+    """A stage's bytes per live microbatch and once, its weight copies shared where it shares them.
 
-    Each microbatch's forward runs in a fresh autocast region, its matmuls saving their own copies
-    until its backward: ``live * cast``. A stage with ``SHARED_CASTS_FROM`` or more live shares
-    them instead: the runner keeps autocast's cast cache through the step
+    Each microbatch's forward runs in a fresh autocast region, its matmuls saving their own copies of
+    the weights until its backward: ``cast`` of ``per_microbatch`` (and a recomputed region drops
+    them with its other activations, so ``cast`` is 0 there). A stage with ``SHARED_CASTS_FROM`` or
+    more live shares them instead: the runner keeps autocast's cast cache through the step
     (``planner.run.wrappers.weight_cast_cache``), so the copies are made once, at the step's first
     forward, and their autograd nodes are the oldest of every later microbatch's graph. torch's
     engine runs the ready node created last first, so each backward reaches them only at its very
     end, and every weight's gradient in the autocast dtype (a copy's size) waits until then: twice
-    ``cast`` (measured on CPU, docs/weight_casts.md). With two live, either way holds twice ``cast``;
-    with one, sharing would add the waiting gradients to one set of copies, so it is not done.
+    ``cast``, once (measured on CPU, docs/weight_casts.md). With two live either way holds two sets;
+    with one, sharing would add the waiting gradients, so it is not done.
 
     Args:
-        cast: the stage's copies' bytes.
+        per_microbatch: the stage's bytes per live microbatch, its own copies included.
+        once: its bytes once.
+        cast: of ``per_microbatch``, the copies it may share (0: none, or it may not).
         in_flight: its peak live microbatches (decides whether it shares).
-        live: its live microbatches at the moment counted.
-        sharded: FSDP shards the stage (then it never shares: ``shares_casts``).
 
     Returns:
-        The bytes (the solver's fit test mirrors this on arrays: ``planner.core.solve``).
+        (per live microbatch, once), as the run holds them (the solver's fit test mirrors this on
+        arrays: ``planner.core.solve``).
     """
-    return 2 * cast if shares_casts(in_flight, sharded) else live * cast
+    if cast and shares_casts(in_flight):
+        return per_microbatch - cast, once + 2 * cast
+    return per_microbatch, once
 
 
 def parts_from_sums(
@@ -571,11 +572,13 @@ def parts_from_sums(
     shard: int = 1,
     per_block: bool = False,
     recomputed: tuple[int, int] | None = None,
+    keeps_all: bool = False,
 ) -> MemoryParts:
     """The formula of ``stage_memory_bytes`` on a stage's sums (shared with the solver's fast memory
     model); ``recomputed``: the bytes per live microbatch and once, besides the output, when only
     some regions recompute (``stage_memory_parts`` counts them region by region), else those of
-    ``recompute`` on every region.
+    ``recompute`` on every region; ``keeps_all``: with ``recomputed``, no region recomputes (the
+    stage may then share its weight copies, ``shared_casts``, as with "never").
 
     Raises:
         InfeasibleError: "mode:k" without ``recomputed`` (the sums do not tell which regions).
@@ -587,6 +590,7 @@ def parts_from_sums(
         if count is not None:
             raise InfeasibleError(f"recompute={recompute!r} needs the stage's regions: use stage_memory_parts")
         recomputed = _recomputed(sums, mode)
+        keeps_all = mode == "never"
     saved, rebuilt = recomputed
     backward = with_loss(-1 if loss_temp is None else loss_temp, regions.held if regions else 0, out + rebuilt)
     if shard > 1:
@@ -599,9 +603,7 @@ def parts_from_sums(
             step=ceil_div(step, shard),
             grads=grad_bytes(p_bytes, n_params, most_params, shard, per_block),
             microbatches=n_microbatches,
-            cast=cast,
-            sharded=True,
-        )
+        )  # FSDP never shares the copies (shares_casts)
     return MemoryParts(
         fixed=2 * p_bytes + optimizer.state_bytes(n_params, p_bytes) + n_microbatches * (cut_in + cut_out),
         per_microbatch=saved + out,
@@ -609,7 +611,7 @@ def parts_from_sums(
         step=step,
         grads=grad_bytes(p_bytes, n_params, 0, 1, False),
         microbatches=n_microbatches,
-        cast=cast,
+        cast=cast if keeps_all else 0,
     )
 
 

@@ -123,7 +123,11 @@ def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkC
     # the optimizer step, the gradient passes and their temporaries follow the bytes each rank holds
     held = param_bytes / block.param_bytes if block.param_bytes else 1.0
     rerun_comm = fwd_comm * _rerun_share(block)
-    activation = block.activation_bytes - share.sharded_activation_bytes + share.sharded_activation_bytes // tp
+    # the weight copies autocast saves (of the activations) are the rank's share of its weights
+    cast = math.ceil(block.weight_cast_bytes * held)
+    own = block.activation_bytes - block.weight_cast_bytes
+    sharded = min(share.sharded_activation_bytes, own)
+    activation = own - sharded + sharded // tp + cast
     split = activation / block.activation_bytes if block.activation_bytes else 1.0
 
     def as_activations(x: int | None) -> int | None:  # bytes split as the block's activations are
@@ -147,8 +151,7 @@ def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkC
             "params": params,
             "param_bytes": param_bytes,
             "activation_bytes": activation,
-            # autocast's copies of the weights: of the rank's weights
-            "weight_cast_bytes": math.ceil(block.weight_cast_bytes * held),
+            "weight_cast_bytes": cast,
             "opt_s": _scaled(block.opt_s, held),
             "grad_s": _scaled(block.grad_s, held),
             "opt_temp_bytes": None if block.opt_temp_bytes is None else math.ceil(block.opt_temp_bytes * held),

@@ -526,7 +526,9 @@ def _block_cost(
     the block saves (selectively: less its kept operators, whose outputs it keeps), sizes in the
     planning dtype. ``autocast``: the run computes in the planning dtype under torch.autocast over
     fp32 weights (``ProfileInfo.run_autocast``), so the weights its GEMMs save are lower-precision
-    copies (``weight_cast_bytes``: the runner holds one per step, not one per microbatch)."""
+    copies it holds per microbatch, counted with the activations and apart (``weight_cast_bytes``: a
+    stage may share them, ``planner.core.stage_model.shared_casts``; selective checkpointing never
+    keeps them, its policy recomputes the casts)."""
     n_params = sum(p.numel() for p in params)
     param_bytes = sum(p.numel() * (width if p.is_floating_point() else p.element_size()) for p in params)
     out_bytes = sum(
@@ -558,7 +560,7 @@ def _block_cost(
         flops_bwd=run.bwd.flops,
         opt_s=opt_s,
         grad_s=grad_s,
-        activation_bytes=run.saved_bytes,
+        activation_bytes=run.saved_bytes + (run.cast_bytes if autocast else 0),
         weight_cast_bytes=run.cast_bytes if autocast else 0,
         float_bytes=width,
         cut_bytes=out_bytes,

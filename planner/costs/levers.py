@@ -6,10 +6,11 @@
   dtype (fp32: autocast's master weights); activations, and the tensors crossing a cut, are
   whatever autocast produces (bf16 out of a matmul, fp32 out of a residual add of fp32 and bf16),
   so they are measured, never assumed. Autocast's copies of the weights in the low-precision
-  dtype, which the matmuls save for backward, are counted apart (``is_weight_cast``;
-  ``BlockCost.weight_cast_bytes``): the runner keeps one autocast cache through a step
-  (``planner.run.wrappers.weight_cast_cache``), so a stage with many microbatches live holds one
-  set of them per step, not one per microbatch in flight (``planner.core.stage_model.cast_held``). A compiled block casts inside its graph, so its copies are plain saved
+  dtype, which the matmuls save for backward, count with the activations and apart
+  (``is_weight_cast``; ``BlockCost.weight_cast_bytes``): the runner keeps one autocast cache
+  through a step (``planner.run.wrappers.weight_cast_cache``), so a stage with many microbatches
+  live may hold one set of them per step, not one per microbatch in flight
+  (``planner.core.stage_model.shared_casts``). A compiled block casts inside its graph, so its copies are plain saved
   tensors, counted per microbatch, as the compiled stage holds them.
 - **Compile** (``--compile``): each block is profiled as ``torch.compile(block_module)``, the way
   the runner compiles each stage module whole (per-block compiled time estimates the stage's). The

@@ -200,7 +200,7 @@ class _Timings:
     selective_fwd: list[float] = field(default_factory=list)  # the forward under its policy
     region_fwd: list[float] = field(default_factory=list)  # the checkpoint region's forward (no loss), in full mode
     saved_bytes: int = 0
-    cast_bytes: int = 0  # autocast's copies of the weights, saved for backward (not in saved_bytes)
+    cast_bytes: int = 0  # of saved_bytes, autocast's copies of the weights
     kept_bytes: int | None = None  # what selective checkpointing keeps (None: not measured)
     loss_bytes: int | None = None  # the last block: what its loss saves (None: not measured)
     temp_bytes: int | None = None  # the backward's peak temporaries, from the block's output's gradient
@@ -239,7 +239,7 @@ def _time_once(
         torch.autograd.backward(roots, grads)
     sync(args)
     t3 = time.perf_counter()
-    return t1 - t0, t3 - t2, sum(size for _, size in seen - casts), sum(size for _, size in casts)
+    return t1 - t0, t3 - t2, sum(size for _, size in seen | casts), sum(size for _, size in casts)
 
 
 def _time_block(

@@ -222,7 +222,7 @@ class _Runs:
     fwd: list[list[float]]
     bwd: list[list[float]]
     saved: list[int]
-    casts: list[int]  # autocast's copies of the weights saved for backward (not in saved)
+    casts: list[int]  # of saved, autocast's copies of the weights
     ends_model: bool = False
     output_bytes: int = 0
     compile_s: float = 0.0
@@ -263,7 +263,7 @@ def _observed_runs(model: torch.nn.Module, obs: _Observer, sample: Sample, setti
                 begin = obs.grad_ready.get(i, t_start) if i < n - 1 else t_start
                 end = obs.grad_ready.get(i - 1, t_end) if i > 0 else t_end
                 runs.bwd[i].append(max(0.0, end - begin))
-                runs.saved[i] = sum(size for _, size in obs.saved[i] - obs.casts[i])
+                runs.saved[i] = sum(size for _, size in obs.saved[i] | obs.casts[i])
                 runs.casts[i] = sum(size for _, size in obs.casts[i])
     runs.compile_s = max(0.0, warm_s - warmup * statistics.median(round_s))
     return runs

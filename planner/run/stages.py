@@ -290,7 +290,7 @@ def _replicated(
             "which FSDP cannot shard twice; re-plan with --dp-mode ddp"
         )
     # compiled before sharding, as torchtitan does
-    apply_speed_levers(plan, module, stage.inner, device, stage.plan.in_flight)
+    apply_speed_levers(plan, module, stage.inner, device, stage.plan.in_flight, stage.plan.recompute)
     if fsdp and per_block_fsdp(plan):
         _shard_blocks(stage, mesh)
     elif fsdp:

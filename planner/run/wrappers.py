@@ -138,7 +138,7 @@ class Autocast(torch.nn.Module):
     ``planner.core.stage_model.shares_casts``) its weight casts go to autocast's cache, which the
     step's ``weight_cast_cache`` keeps, so they are made once per step and shared by the
     microbatches; without, each microbatch makes and saves its own (fewer bytes with one or two
-    live: a shared copy's gradients wait for the end of every backward, ``cast_held``)."""
+    live: a shared copy's gradients wait for the end of every backward, ``shared_casts``)."""
 
     def __init__(self, module: torch.nn.Module, plan: Plan, device_type: str, share: bool = True):
         super().__init__()
@@ -176,7 +176,12 @@ def autocast_loss(
 
 
 def apply_speed_levers(
-    plan: Plan, module: ContiguousBoundary, inner: torch.nn.Module, device: torch.device, in_flight: int = 1
+    plan: Plan,
+    module: ContiguousBoundary,
+    inner: torch.nn.Module,
+    device: torch.device,
+    in_flight: int = 1,
+    recompute: str = "never",
 ) -> None:
     """Apply the plan's ``compile`` and ``profile.autocast`` to a stage (after any sharding: FSDP
     wraps the eager module; the compiled one runs inside it).
@@ -190,14 +195,15 @@ def apply_speed_levers(
         module: the stage's boundary wrapper; what it calls is replaced.
         inner: the stage module (checkpointed where the plan says), as the boundary calls it now.
         device: where the stage runs (autocast's device type).
-        in_flight: the stage's peak live microbatches (``StagePlan.in_flight``): from
-            ``SHARED_CASTS_FROM`` on, its microbatches share autocast's weight copies.
+        in_flight: the stage's peak live microbatches (``StagePlan.in_flight``) and
+        recompute: its recompute value: they decide whether its microbatches share autocast's weight
+            copies (``planner.core.stage_model.shares_casts``).
     """
     run = inner
     if plan.compile:
         run = torch.compile(inner)  # type: ignore[assignment]
     if plan.profile.run_autocast is not None:
-        run = Autocast(run, plan, device.type, share=shares_casts(in_flight, plan.sharded))
+        run = Autocast(run, plan, device.type, share=shares_casts(in_flight, plan.sharded, recompute))
     module.module = run
 
 

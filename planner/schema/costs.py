@@ -160,11 +160,11 @@ class BlockCost(BaseModel):
     weight_cast_bytes: int = Field(
         default=0,
         ge=0,
-        description="Under autocast over fp32 weights: bytes of the lower-precision copies of the block's weights "
-        "that its matmuls and convolutions save for backward (not in activation_bytes): one set per live "
-        "microbatch, or, on a stage with three or more live that FSDP does not shard, one set shared through the "
-        "step and its gradients (planner.core.stage_model.cast_held; a compiled stage casts inside its graph: one per microbatch). "
-        "0 without autocast.",
+        description="Of activation_bytes, under autocast over fp32 weights: the lower-precision copies of the "
+        "block's weights that its matmuls and convolutions save for backward, one set per microbatch. A stage that "
+        "recomputes nothing, is not sharded by FSDP and holds three or more microbatches shares one set through "
+        "the step instead (planner.core.stage_model.shared_casts); a compiled stage, which casts inside its graph, "
+        "never does. 0 without autocast.",
     )
     bwd_input_s: float | None = Field(
         default=None,
