@@ -199,6 +199,21 @@ def test_split_activations_are_at_most_what_the_block_saves_less_the_whole_ones(
     small = share.model_copy(update={"sharded_activation_bytes": 200})
     fitted = _fitted(block, small).tp
     assert fitted is not None and (fitted.sharded_activation_bytes, fitted.unsplit_activation_bytes) == (200, 300)
+    # autocast's weight copies (of the activations) are split as the weights are, not as activations:
+    # the split part is at most 1000 - 300 whole - 400 copies
+    cast = block.model_copy(update={"weight_cast_bytes": 400})
+    fitted = _fitted(cast, share).tp
+    assert fitted is not None and (fitted.sharded_activation_bytes, fitted.unsplit_activation_bytes) == (300, 300)
+    # one of 4 tp ranks: the 300 whole, a quarter of the 300 split, and its share of the copies (the
+    # block's parameters all split: a quarter)
+    from planner.core.tensor_parallel import at_degree
+    from planner.schema.costs import LinkCost
+
+    split = cast.model_copy(update={"tp": fitted.model_copy(update={"sharded_params": 10, "sharded_param_bytes": 40})})
+    rank = at_degree(
+        [split.model_copy(update={"param_bytes": 40})], 4, LinkCost(name="l", latency_s=0.0, bandwidth_Bps=1e9)
+    )[0]
+    assert (rank.activation_bytes, rank.weight_cast_bytes) == (300 + 75 + 100, 100)
 
 
 def test_llama_output_head_share_exact() -> None:

@@ -126,7 +126,8 @@ def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkC
     # the weight copies autocast saves (of the activations) are the rank's share of its weights
     cast = math.ceil(block.weight_cast_bytes * held)
     own = block.activation_bytes - block.weight_cast_bytes
-    sharded = min(share.sharded_activation_bytes, own)
+    # (what every rank saves whole stays whole: costs.tensor_parallel caps the split part so)
+    sharded = min(share.sharded_activation_bytes, own - min(share.unsplit_activation_bytes, own))
     activation = own - sharded + sharded // tp + cast
     split = activation / block.activation_bytes if block.activation_bytes else 1.0
 

@@ -580,13 +580,14 @@ class TensorParallelBlocks:
 def _fitted(block: BlockCost, share: TensorParallelShare) -> BlockCost:
     """The block with its share, the split bytes and counts at most the block's own (the share is
     counted on one forward, the block's figures may be measured or estimated); the split activations
-    at most what the block saves less what every tp rank saves whole (module docstring)."""
-    unsplit = min(share.unsplit_activation_bytes, block.activation_bytes)
+    at most what the block saves less what every tp rank saves whole and autocast's weight copies."""
+    own = block.activation_bytes - block.weight_cast_bytes
+    unsplit = min(share.unsplit_activation_bytes, own)
     share = share.model_copy(
         update={
             "sharded_params": min(share.sharded_params, block.params),
             "sharded_param_bytes": min(share.sharded_param_bytes, block.param_bytes),
-            "sharded_activation_bytes": min(share.sharded_activation_bytes, block.activation_bytes - unsplit),
+            "sharded_activation_bytes": min(share.sharded_activation_bytes, own - unsplit),
             "unsplit_activation_bytes": unsplit,
         }
     )
