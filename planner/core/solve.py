@@ -258,8 +258,8 @@ class _Arrays:
         cmax = max([0, *sums.kept_in, *sums.cut_out, *sums.out])
         # Every byte count the fit test forms stays below this (generous) bound, in magnitude.
         temps, regions = sums.temps, sums.regions
-        # weights, grads, state, step temporaries, autocast's weight copies
-        static = 2 * pre_p + 16 * pre_n + temps.pre_sum[n] + 2 * sums.pre_c[n]  # (+ shared weight copies)
+        # weights, grads, state, step temporaries, autocast's weight copies shared (twice: shared_casts)
+        static = 2 * pre_p + 16 * pre_n + temps.pre_sum[n] + 2 * sums.pre_c[n]
         # what checkpointing keeps, at most, and one backward's temporaries (a block's, or the loss's)
         held = regions.pre_in[n] + regions.pre_kept[n] + max([*regions.temps.table[0], sums.loss_temp[n]])
         bound = 4 * (static + 2 * (mem.m + 1) * cmax + (self.big + 1) * (pre_a + held + 2 * cmax)) + 16

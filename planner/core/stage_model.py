@@ -512,7 +512,7 @@ def grad_bytes(p_bytes: Any, n_params: Any, most_params: Any, shard: int, per_bl
 
 SHARED_CASTS_FROM = 3
 """A stage with at least this many microbatches live shares autocast's weight copies among them
-(``cast_held``; the runner: ``planner.run.wrappers.Autocast``)."""
+(``shares_casts``, ``shared_casts``; the runner: ``planner.run.wrappers.Autocast``)."""
 
 
 def shares_casts(in_flight: int, sharded: bool = False, recompute: str = "never") -> bool:

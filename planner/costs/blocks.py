@@ -73,8 +73,8 @@ def block_cost(
         fwd_s: forward seconds per microbatch.
         bwd_s: backward seconds per microbatch.
         activation_bytes: bytes saved for backward by one microbatch, autocast's copies of the
-            weights excluded.
-        weight_cast_bytes: those copies (``BlockCost.weight_cast_bytes``); 0 without autocast.
+            weights included.
+        weight_cast_bytes: of those, the copies (``BlockCost.weight_cast_bytes``); 0 without autocast.
         bwd_input_s: I of F/I/W; None when not measured.
         bwd_weight_s: W of F/I/W; None when not measured.
         recompute_s: extra forward under activation checkpointing; None when not measured.

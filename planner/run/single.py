@@ -24,7 +24,7 @@ from planner.run.loop import RankModel, RankResult, run_result, train_steps
 from planner.run.measure import StageProbe
 from planner.run.model import load_plan_model
 from planner.run.optim import make_optimizer
-from planner.run.wrappers import autocast_region, weight_cast_cache
+from planner.run.wrappers import autocast_region
 from planner.schema.plan import Plan
 from planner.schema.result import RunResult
 from planner.threads import torch_threads
@@ -133,13 +133,14 @@ def train_local(
         def run_microbatches(inputs: Sequence[Any], target: torch.Tensor) -> list[torch.Tensor]:
             split_inputs = [_chunks(x, n_microbatches) for x in inputs]
             split_target = _chunks(target, n_microbatches)
-            with weight_cast_cache(plan, "cpu"):  # the weights cast once per step, as on a pipeline's ranks
-                return [
-                    _microbatch(
-                        model, loss_fn, [xs[i] for xs in split_inputs], split_target[i], i, n_microbatches, probe, cast
-                    )
-                    for i in range(n_microbatches)
-                ]
+            # one microbatch live at a time: each casts its own weight copies (sharing them would hold
+            # their gradients too, planner.core.stage_model.shared_casts)
+            return [
+                _microbatch(
+                    model, loss_fn, [xs[i] for xs in split_inputs], split_target[i], i, n_microbatches, probe, cast
+                )
+                for i in range(n_microbatches)
+            ]
 
         rank = RankModel(
             rank=0,

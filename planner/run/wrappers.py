@@ -22,19 +22,21 @@ AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch
 """The plan's ``profile.autocast`` -> the dtype ``torch.autocast`` computes in."""
 
 
-def autocast_region(plan: Plan, device_type: str) -> contextlib.AbstractContextManager[Any]:
+def autocast_region(plan: Plan, device_type: str, cache: bool = True) -> contextlib.AbstractContextManager[Any]:
     """A fresh region of the plan's autocast (``--dtype`` on measured costs), or one that changes nothing.
 
     Args:
         plan: the plan (``profile.run_autocast``: "bf16", "fp16" or None).
         device_type: where the region computes ("cpu", "cuda").
+        cache: its weight casts go to autocast's cache (shared while an outer region holds it:
+            ``weight_cast_cache``), else each is made for this region alone.
 
     Returns:
         A new context manager per call, as the profile opened one per block run.
     """
     if plan.profile.run_autocast is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=AUTOCAST_DTYPES[plan.profile.run_autocast])
+    return torch.autocast(device_type, dtype=AUTOCAST_DTYPES[plan.profile.run_autocast], cache_enabled=cache)
 
 
 def weight_cast_cache(plan: Plan, device_type: str) -> contextlib.AbstractContextManager[Any]:
@@ -145,10 +147,7 @@ class Autocast(torch.nn.Module):
         self.module, self.plan, self.device_type, self.share = module, plan, device_type, share
 
     def forward(self, *args: object) -> object:
-        run = self.plan.profile.run_autocast
-        if run is None:
-            return self.module(*args)
-        with torch.autocast(self.device_type, dtype=AUTOCAST_DTYPES[run], cache_enabled=self.share):
+        with autocast_region(self.plan, self.device_type, cache=self.share):
             return self.module(*args)
 
 
