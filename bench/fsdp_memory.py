@@ -1,13 +1,13 @@
 """FSDP block by block against FSDP per stage: predicted against measured peak memory and step, here.
 
-For each FSDP unit (a stage, a block) and recompute mode (never, full): plan the model as two
-FSDP replicas of a one-rank pipeline (``--gpus 2 --dp 2 --dp-mode fsdp --fsdp-units UNITS``,
-measured profile on this CPU), train the plan for real on gloo ranks, and set the predicted peak
-beside the peak ``MemTracker`` saw during one tracked step, and the predicted step beside the
-measured median. Runs one after another on the same machine. Writes docs/fsdp_units.md.
+For each FSDP unit (a stage, a block) and recompute mode (never, full), in fp32 and in bf16: plan the
+model as two FSDP replicas of a one-rank pipeline (``--gpus 2 --dp 2 --dp-mode fsdp --fsdp-units
+UNITS [--dtype bf16]``, measured profile on this CPU), train the plan for real on gloo ranks, and set
+the predicted peak beside the peak ``MemTracker`` saw during one tracked step, and the predicted step
+beside the measured median. Runs one after another on the same machine. Writes docs/fsdp_units.md.
 
-    python -m bench.fsdp_memory            # all cases
-    python -m bench.fsdp_memory --quick    # block units only, 3 steps (a smoke test of the script)
+    python -m bench.fsdp_memory            # all cases, both dtypes (about 8 minutes)
+    python -m bench.fsdp_memory --quick    # block units only, fp32, 3 steps (a smoke test of the script)
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ CASES = (
     ("stage", "full", 1, "gpipe"),
     ("block", "full", 1, "gpipe"),
 )
+DTYPES = ("fp32", "bf16")
 HEADERS = [
+    "dtype",
     "units",
     "recompute",
     "microbatches",
@@ -58,7 +60,8 @@ Written by `python -m bench.fsdp_memory` on {today} ({host}, torch {torch}).
 
 `models/gpt.py` with `{overrides}` as {gpus} FSDP replicas of a one-rank pipeline (`--gpus {gpus}
 --dp {gpus} --dp-mode fsdp`), batch {batch}, planned with a measured profile here under
-`--fsdp-units UNITS --recompute MODE -m M --schedule S`, then trained for {steps} steps on gloo. The predicted
+`--fsdp-units UNITS --recompute MODE -m M --schedule S` (and `--dtype bf16` for the bf16 rows), then
+trained for {steps} steps on gloo. The predicted
 peak (the plan's, `planner.core.stage_model.MemoryParts.peak`) beside the peak
 `torch.distributed._tools.mem_tracker.MemTracker` saw during one tracked step; the predicted step
 beside the median measured step (the first step and the tracked one left out).
@@ -71,10 +74,17 @@ parameter bytes, instead of `2 x` the stage's. With one pass a step FSDP's gradi
 unsharded) are new every step, so they count only from a stage's first backward on: under GPipe,
 with one microbatch's activations fewer (docs/architecture.md, memory rules).
 
+bf16: FSDP gathers the weights in bf16 and sums and reduce-scatters the gradients in fp32
+(`MixedPrecisionPolicy`, `planner/run/wrappers.fsdp_policy`), so the stages save no autocast copies
+of their weights; a stage unit holds its bf16 weights, its fp32 gradient sums and one backward's bf16
+gradients unsharded (`planner/core/stage_model.unsharded_bytes`). Before that policy (fp32 weights
+gathered, a bf16 copy of each saved per microbatch) the same bf16 runs peaked at 176.9, 136.4,
+176.9, 122.0, 102.7, 163.8 and 98.4 MB, in the order of the table (measured here on 28 Nov 2026).
+
 {table}
 
-Mean absolute memory error: {mae:.1f}% over {n} runs (stage units: {mae_stage:.1f}%, block units:
-{mae_block:.1f}%).
+Mean absolute memory error: {mae:.1f}% over {n} runs (fp32 stage units: {mae_stage:.1f}%, fp32 block units:
+{mae_block:.1f}%; bf16: {mae_bf16:.1f}%).
 
 ## At scale (estimated for absent GPUs, the roofline costs of `planner/core/hardware.py`)
 
@@ -165,40 +175,11 @@ def main() -> None:
     steps = 3 if args.quick else args.steps
     cases = [c for c in CASES if c[0] == "block"][:1] if args.quick else list(CASES)
     rows: list[list[object]] = []
-    errors: dict[str, list[float]] = {"stage": [], "block": []}
+    errors: dict[str, list[float]] = {"stage": [], "block": [], "bf16": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for units, mode, m, schedule in cases:
-            path = Path(tmp) / f"{units}-{mode}-{m}-{schedule}.json"
-            request = PlanRequest.build(
-                model_file=MODELS / "gpt.py",
-                size="tiny",
-                overrides=GPT,
-                gpus=GPUS,
-                dp=GPUS,
-                dp_mode="fsdp",
-                fsdp_units=units,
-                batch_size=BATCH,
-                microbatches=m,
-                schedule=schedule,
-                recompute=mode,
-                output=path,
-                progress=False,
-            )
-            print(f"--fsdp-units {units} --recompute {mode} -m {m} --schedule {schedule}", flush=True)
-            plan, result, peaks = planned_peaks(request, path, steps)
-            for st, memory, err in peaks:
-                errors[units].append(abs(err))
-                rows.append(
-                    [
-                        units,
-                        mode,
-                        m,
-                        schedule,
-                        f"{st.memory_bytes / 2**20:.1f}",
-                        f"{memory.peak_bytes / 2**20:.1f}",
-                    ]
-                    + [f"{err:+.1f}%", f"{plan.prediction.step_time_s * 1e3:.0f}", f"{result.median_step_s * 1e3:.0f}"]
-                )
+        for dtype in DTYPES[:1] if args.quick else DTYPES:
+            for units, mode, m, schedule in cases:
+                rows += _case(Path(tmp), dtype, units, mode, m, schedule, steps, errors)
     every = [e for v in errors.values() for e in v]
     text = PAGE.format(
         today=dt.date.today().isoformat(),
@@ -216,6 +197,39 @@ def main() -> None:
     )
     write_page(args.out, text)
     print(text)
+
+
+def _case(
+    tmp: Path, dtype: str, units: str, mode: str, m: int, schedule: str, steps: int, errors: dict[str, list[float]]
+) -> list[list[object]]:
+    """Plan and train one case; its rows (one per tracked stage), its errors added to ``errors``."""
+    path = tmp / f"{dtype}-{units}-{mode}-{m}-{schedule}.json"
+    request = PlanRequest.build(
+        model_file=MODELS / "gpt.py",
+        size="tiny",
+        overrides=GPT,
+        gpus=GPUS,
+        dp=GPUS,
+        dp_mode="fsdp",
+        fsdp_units=units,
+        batch_size=BATCH,
+        microbatches=m,
+        schedule=schedule,
+        recompute=mode,
+        dtype=dtype,
+        output=path,
+        progress=False,
+    )
+    print(f"--dtype {dtype} --fsdp-units {units} --recompute {mode} -m {m} --schedule {schedule}", flush=True)
+    plan, result, peaks = planned_peaks(request, path, steps)
+    rows: list[list[object]] = []
+    for st, memory, err in peaks:
+        errors["bf16" if dtype == "bf16" else units].append(abs(err))
+        rows.append(
+            [dtype, units, mode, m, schedule, f"{st.memory_bytes / 2**20:.1f}", f"{memory.peak_bytes / 2**20:.1f}"]
+            + [f"{err:+.1f}%", f"{plan.prediction.step_time_s * 1e3:.0f}", f"{result.median_step_s * 1e3:.0f}"]
+        )
+    return rows
 
 
 def at_scale() -> list[list[str]]:

@@ -59,7 +59,7 @@ it). The plan counts the shared copies once per stage
 (`weight_cast_bytes`, measured apart from the activations), twice over: torch's autograd engine runs
 the ready node created last first, and the cached copies' nodes, made at the step's first forward,
 are the oldest of every later microbatch's graph, so each backward reaches them last and each
-weight's bf16 gradient (a copy's size) waits until then (`planner/core/stage_model.shared_casts`). A
+weight's bf16 gradient (a copy's size) waits until then (`planner/core/casts.shared_casts`). A
 stage with one or two live keeps a set per microbatch, as before (sharing would hold two sets
 there too, and more than one with one live), and so does a stage FSDP shards (it reduce-scatters
 a block's weight gradients before a shared copy's would arrive).

@@ -344,7 +344,7 @@ def test_causal_attention_is_charged_half_its_flops_forward_and_backward() -> No
 def test_bf16_estimates_count_the_autocast_copies_of_the_weights_gemms_save() -> None:
     """The run computes a bf16 plan under autocast over fp32 weights: a GEMM saves a bf16 copy of
     the weight for backward, per microbatch, which the estimate counts with the activations and
-    apart (a stage with many microbatches live may share one set: stage_model.shared_casts)."""
+    apart (a stage with many microbatches live may share one set: casts.shared_casts)."""
     fp32, bf16 = _estimate(_spec(), "fp32"), _estimate(_spec(), "bf16")
     # each Linear saves its weight for the input's gradient: a bf16 copy joins the halved activations
     # (the estimate runs every block with inputs that need gradients, the first one's too)

@@ -18,7 +18,7 @@ import torch
 from run_factory import MODELS, assert_close, make_plan, saved
 from torch import nn
 
-from planner.core.stage_model import shares_casts
+from planner.core.casts import shares_casts
 from planner.costs.levers import is_weight_cast
 from planner.run import run_plan, train_reference
 from planner.run.wrappers import Autocast, weight_cast_cache
@@ -102,7 +102,7 @@ def test_one_step_holds_one_copy_of_each_weight_whatever_the_microbatches_in_fli
     assert (per_microbatch, once) == (2 * 3, 2)
     # the same casts of the same weights: the gradients are the same, bit for bit
     assert len(grads_shared) == 4 and all(torch.equal(a, b) for a, b in zip(grads_apart, grads_shared))
-    # a stage with few live (planner.core.stage_model.shares_casts) keeps its own copies per microbatch
+    # a stage with few live (planner.core.casts.shares_casts) keeps its own copies per microbatch
     assert not shares_casts(2) and shares_casts(3)
     assert not shares_casts(3, sharded=True) and not shares_casts(3, recompute="full")
     own, grads_own = _step(model, plan, shared=True, share=False)
@@ -132,9 +132,10 @@ def test_the_cache_changes_nothing_without_autocast() -> None:
         ("1f1b", ("full", "selective"), {}),
         ("zbv", ("full:1",), {}),
         ("gpipe", None, {"dp": 2, "dp_mode": "fsdp", "fsdp_units": "block"}),
+        ("1f1b", None, {"dp": 2, "dp_mode": "fsdp", "fsdp_units": "stage"}),
         ("1f1b", None, {"own": 1}),
     ],
-    ids=["1f1b", "zbv", "checkpointed", "zbv-checkpointed", "fsdp-blocks", "one-stage-shares"],
+    ids=["1f1b", "zbv", "checkpointed", "zbv-checkpointed", "fsdp-blocks", "fsdp-stages", "one-stage-shares"],
 )
 def test_bf16_pipelines_train_like_the_unsplit_model_under_the_same_autocast(
     tmp_path: Path, schedule: str, recompute: tuple[str, ...] | None, extra: dict[str, Any]
@@ -152,14 +153,19 @@ def test_bf16_pipelines_train_like_the_unsplit_model_under_the_same_autocast(
     if own is not None:  # that stage planned with one microbatch live: its microbatches cast for themselves
         stages[own] = stages[own].model_copy(update={"in_flight": 1})
     plan = _with_autocast(plan.model_copy(update={"stages": stages}), "bf16")
-    # FSDP never shares (its reduce-scatter would run before a shared copy's gradient arrives), nor
-    # does a recomputing stage (its regions drop their copies)
+    # FSDP never shares (it gathers the weights in bf16: there are no copies), nor does a
+    # recomputing stage (its regions drop their copies)
     want = [s.index != own and not plan.sharded and s.recompute == "never" for s in plan.stages]
     assert [shares_casts(s.in_flight, plan.sharded, s.recompute) for s in plan.stages] == want
     path = saved(plan, tmp_path)
     got = run_plan(plan, RunRequest(plan_file=path, steps=3, save_checkpoints=False, echo=False))
     want = train_reference(plan, path, 3)  # the unsplit model under the same autocast
     fp32 = train_reference(_with_autocast(plan, None), path, 3)
+    if plan.sharded:
+        # FSDP gathers the weights in bf16 and sums the gradients in fp32 (run.wrappers.fsdp_policy):
+        # the reference computes so too, and apart from fp32 weights under autocast (as DDP runs)
+        ddp = train_reference(plan.model_copy(update={"dp_mode": "ddp"}), path, 3)
+        assert want.losses != pytest.approx(ddp.losses, rel=1e-6)
     assert_close(got.losses, want.losses, "loss")
     # bf16 rounds the pipelined and the unsplit sums apart by ~1e-3 at step 3: the same figures, to the
     # last bit, as the runner gave before it shared the copies (checked when the cache was added)

@@ -29,9 +29,12 @@ T = TypeVar("T")
 
 
 @contextmanager
-def _weights_replaced(module: nn.Module, replace: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+def _weights_replaced(
+    module: nn.Module, replace: Callable[[torch.Tensor], torch.Tensor], param_dtype: torch.dtype | None = None
+) -> Iterator[None]:
     """Every parameter and buffer of ``module`` replaced by ``replace(t)`` inside the block, put back
-    after it, whatever happens.
+    after it, whatever happens; floating parameters (not buffers) in ``param_dtype`` where given, as
+    FSDP's mixed precision gathers them (``planner.run.wrappers.fsdp_policy``).
 
     Each (module, attribute) is replaced once, however many paths reach the module: a stage and the
     prefix that makes its example can hold the very same layer (ALBERT's one layer, applied on both
@@ -40,20 +43,23 @@ def _weights_replaced(module: nn.Module, replace: Callable[[torch.Tensor], torch
     tied weights stay tied.
     """
     done: dict[int, torch.Tensor] = {}
-    saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    saved: list[tuple[dict[str, Any], str, torch.Tensor, bool]] = []
     for m in module.modules():  # each module object once
-        for table in (m._parameters, m._buffers):
+        for table, is_param in ((m._parameters, True), (m._buffers, False)):
             for name, t in table.items():
                 if t is not None:
-                    saved.append((cast(dict[str, Any], table), name, t))
+                    saved.append((cast(dict[str, Any], table), name, t, is_param))
     try:
-        for slots, name, t in saved:
+        for slots, name, t, is_param in saved:
             if id(t) not in done:
-                done[id(t)] = replace(t)
+                new = replace(t)
+                if is_param and param_dtype is not None and t.is_floating_point():
+                    new = new.detach().to(param_dtype).requires_grad_(t.requires_grad)
+                done[id(t)] = new
             slots[name] = done[id(t)]
         yield
     finally:
-        for slots, name, t in saved:
+        for slots, name, t, _ in saved:
             slots[name] = t
 
 
@@ -63,7 +69,13 @@ def _as_meta(t: torch.Tensor) -> torch.Tensor:
     return out.requires_grad_(t.requires_grad) if t.requires_grad else out
 
 
-def shapes_of(module: nn.Module, fn: Callable[..., T], *args: Any, device: torch.device | None = None) -> T:
+def shapes_of(
+    module: nn.Module,
+    fn: Callable[..., T],
+    *args: Any,
+    device: torch.device | None = None,
+    param_dtype: torch.dtype | None = None,
+) -> T:
     """``fn(*args)`` on fake copies of ``module``'s parameters and buffers (tied ones stay tied) and of
     every tensor argument; every tensor of the result is returned as a plain meta tensor of the same
     shape, strides, dtype and ``requires_grad`` (``PipelineStage`` reads nothing else of its examples).
@@ -74,6 +86,7 @@ def shapes_of(module: nn.Module, fn: Callable[..., T], *args: Any, device: torch
         *args: its arguments.
         device: run as if the weights and arguments were there (the runner's GPU, so that autocast
             for it applies as in training); None: where they are.
+        param_dtype: run with the floating parameters in this dtype (None: their own).
 
     Returns:
         What ``fn`` returns, its tensors as meta tensors.
@@ -87,25 +100,35 @@ def shapes_of(module: nn.Module, fn: Callable[..., T], *args: Any, device: torch
             f = mode.from_tensor(t)
             return f if device is None or f.device == device else f.to(device)
 
-        with _weights_replaced(module, fake):
+        with _weights_replaced(module, fake, param_dtype):
             out = fn(*pytree.tree_map_only(torch.Tensor, fake, args))
         return pytree.tree_map_only(torch.Tensor, _as_meta, out)
 
 
-def shapes_or_real(module: nn.Module, fn: Callable[..., T], *args: Any, device: torch.device | None = None) -> T:
-    """``shapes_of(module, fn, *args, device=device)``, or ``fn(*args)`` itself where fake tensors cannot
-    run it.
+def shapes_or_real(
+    module: nn.Module,
+    fn: Callable[..., T],
+    *args: Any,
+    device: torch.device | None = None,
+    param_dtype: torch.dtype | None = None,
+) -> T:
+    """``shapes_of(module, fn, *args, device=device, param_dtype=param_dtype)``, or ``fn(*args)`` itself
+    (on copies of the parameters in ``param_dtype`` where given) where fake tensors cannot run it.
 
     Args:
         module: as ``shapes_of``.
         fn: as ``shapes_of``.
         *args: as ``shapes_of``.
         device: as ``shapes_of``.
+        param_dtype: as ``shapes_of``.
 
     Returns:
         ``fn``'s result: meta tensors, or (the fallback) real ones.
     """
     try:
-        return shapes_of(module, fn, *args, device=device)
+        return shapes_of(module, fn, *args, device=device, param_dtype=param_dtype)
     except Exception:  # noqa: BLE001 - any failure of the fake run: the real run says what is wrong, if anything
-        return fn(*args)
+        if param_dtype is None:
+            return fn(*args)
+        with _weights_replaced(module, lambda t: t, param_dtype):
+            return fn(*args)

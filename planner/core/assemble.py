@@ -339,7 +339,7 @@ def compiled_casts(blocks: Sequence[BlockCost]) -> list[BlockCost]:
     """The blocks as a compiled stage holds autocast's copies of its weights: one per microbatch.
 
     The runner keeps one autocast cache through a step, so an eager stage with many microbatches
-    live may share its copies (``BlockCost.weight_cast_bytes``, ``stage_model.shared_casts``); a
+    live may share its copies (``BlockCost.weight_cast_bytes``, ``casts.shared_casts``); a
     compiled graph casts inside itself on every call and saves its copies with the microbatch's
     activations.
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from planner.core.casts import without_casts
 from planner.core.data_parallel import layout_links
 from planner.core.inputs import Cluster, Constraints, Layout
 from planner.core.partial_recompute import fewest_recomputed
@@ -150,6 +151,8 @@ def evaluate_choice(
     """
     pp, v = layout.pp, layout.stages_per_rank
     check_schedule(layout.schedule, pp, layout.n_microbatches, v)
+    if layout.shard > 1:
+        blocks = without_casts(blocks)  # FSDP gathers the weights in the plan's dtype: autocast copies none
     limit = constraints.memory_limit_bytes
     link = layout_links(cluster.link, pp, layout.dp, layout.tp)
     if split is None:

@@ -16,13 +16,19 @@ gathers and reduce-scatters over the group's link, ``(s - 1) / s`` of the bytes)
 of each rank's 1/s shard of the gradients over the ``dp / s`` groups (the replicate group's link,
 ``2 (dp / s - 1) / (dp / s) x bytes / s``), which FSDP2 runs right after every reduce-scatter.
 
+The bytes: FSDP gathers the parameters in the plan's dtype; gradients are reduced in fp32 where the
+parameters are narrower (``wide_bytes``): DDP's are those of the fp32 weights autocast trains, and
+FSDP reduces in fp32 by its ``MixedPrecisionPolicy`` (``planner.run.stages.fsdp_policy``), as
+torchtitan, Megatron and the Llama 3 run do, for the sum over microbatches and replicas keeps fp32's
+precision.
+
 Each transfer is charged as one message of that volume (``latency + volume / bandwidth``) added to
 the step after the pipeline: the runner's reduction does overlap the last backwards and FSDP's
 gather the first forwards, so this is conservative.
 
 FSDP block by block (``fsdp_units`` "block", ``block_fsdp_s``) gathers every unit for each
 microbatch's forward, again for its backward, and reduce-scatters the unit's gradients then: three
-transfers of the rank's parameters per microbatch. FSDP2 issues the next unit's gather while the
+transfers of the rank's parameters per microbatch (the third in fp32, as above). FSDP2 issues the next unit's gather while the
 current unit computes, so only what the rank's compute cannot cover shows: the first gather of
 each forward and of each backward, and whatever the rest outlasts the compute by. The memory side (FSDP's shards) lives with the
 rest of the memory model, ``planner.core.stage_model.stage_memory_bytes`` (``shard``).
@@ -195,18 +201,22 @@ def _transfer_s(volume: float, link: LinkCost) -> float:
     return link.latency_s + volume / link.bandwidth_Bps
 
 
-def grad_reduce_s(nbytes: int, dp: int, dp_mode: str, link: LinkCost) -> float:
-    """Seconds one pipeline rank spends reducing ``nbytes`` of gradients over its ``dp`` replicas.
+def grad_reduce_s(nbytes: int, dp: int, dp_mode: str, link: LinkCost, reduce_bytes: int | None = None) -> float:
+    """Seconds one pipeline rank spends reducing its gradients over its ``dp`` replicas.
 
-    DDP: ring all-reduce, ``latency + 2 (dp - 1) / dp x nbytes / bandwidth``. FSDP: all-gather of the
-    parameters plus reduce-scatter of the gradients, ``latency + (dp - 1) / dp x nbytes / bandwidth``
-    each. 0 with one replica.
+    DDP: ring all-reduce of the gradients, ``latency + 2 (dp - 1) / dp x R / bandwidth``. FSDP:
+    all-gather of the parameters (``nbytes``) plus reduce-scatter of the gradients (``R``),
+    ``latency + (dp - 1) / dp x bytes / bandwidth`` each. ``R`` is ``reduce_bytes``: in a dtype
+    narrower than fp32 the gradients are reduced in fp32 (DDP's of the fp32 weights autocast trains,
+    FSDP's by its ``reduce_dtype``; ``wide_bytes``) while FSDP gathers the parameters in their own.
+    0 with one replica.
 
     Args:
-        nbytes: the rank's parameter (= gradient) bytes, tied copies included.
+        nbytes: the rank's parameter bytes, tied copies included.
         dp: replicas.
         dp_mode: "ddp" or "fsdp".
         link: the group's link (``dp_group_links``).
+        reduce_bytes: the bytes of its gradients as reduced (None: ``nbytes``).
 
     Returns:
         Seconds per step.
@@ -217,9 +227,16 @@ def grad_reduce_s(nbytes: int, dp: int, dp_mode: str, link: LinkCost) -> float:
     shard_of(dp, dp_mode)  # validates the mode
     if dp <= 1:
         return 0.0
+    grads = nbytes if reduce_bytes is None else reduce_bytes
     if dp_mode == "ddp":
-        return _allreduce_s(nbytes, dp, link)
-    return 2 * _transfer_s((dp - 1) / dp * nbytes, link)
+        return _allreduce_s(grads, dp, link)
+    return _transfer_s((dp - 1) / dp * nbytes, link) + _transfer_s((dp - 1) / dp * grads, link)
+
+
+def wide_bytes(blocks: Sequence[BlockCost]) -> int:
+    """The blocks' gradients as reduced: fp32 where their parameters are narrower (``max(P, 4 N)``
+    per block), else the parameters' bytes."""
+    return sum(max(b.param_bytes, 4 * b.params) if b.param_bytes < 4 * b.params else b.param_bytes for b in blocks)
 
 
 def rank_reduce_s(
@@ -242,34 +259,43 @@ def rank_reduce_s(
         Seconds per rank.
     """
     held = rank_param_bytes(blocks, stages, len(links))
-    return [grad_reduce_s(nbytes, dp, dp_mode, link) for nbytes, link in zip(held, links)]
+    wide = rank_param_bytes(blocks, stages, len(links), wide=True)
+    return [grad_reduce_s(n, dp, dp_mode, link, w) for n, w, link in zip(held, wide, links)]
 
 
-def rank_param_bytes(blocks: Sequence[BlockCost], stages: Sequence[StagePlan], n_ranks: int) -> list[int]:
+def rank_param_bytes(
+    blocks: Sequence[BlockCost], stages: Sequence[StagePlan], n_ranks: int, wide: bool = False
+) -> list[int]:
     """The parameter bytes each of ``n_ranks`` pipeline ranks holds over all of its stages (tied copies
-    charged as ``blocks`` charge them): what its replicas reduce."""
+    charged as ``blocks`` charge them): what its replicas gather; with ``wide``, its gradients as
+    they are reduced (``wide_bytes``)."""
     held = [0] * n_ranks
     for st in stages:
-        held[st.rank] += sum(b.param_bytes for b in blocks[st.start : st.end])
+        part = blocks[st.start : st.end]
+        held[st.rank] += wide_bytes(part) if wide else sum(b.param_bytes for b in part)
     return held
 
 
-def hsdp_reduce_s(nbytes: int, shard: int, groups: int, link: LinkCost, copies: LinkCost) -> float:
+def hsdp_reduce_s(
+    nbytes: int, shard: int, groups: int, link: LinkCost, copies: LinkCost, reduce_bytes: int | None = None
+) -> float:
     """Seconds one pipeline rank spends on HSDP's once-a-pass traffic (stage units) for ``nbytes`` of parameters:
     FSDP's gather and reduce-scatter inside its shard group of ``shard`` replicas (``link``), then the
     all-reduce of its 1/shard of the gradients over the ``groups`` groups (``copies``' link).
 
     Args:
-        nbytes: the rank's parameter (= gradient) bytes.
+        nbytes: the rank's parameter bytes.
         shard: replicas per shard group.
         groups: shard groups (``dp / shard``).
         link: the shard group's link.
         copies: the replicate group's link.
+        reduce_bytes: its gradients' bytes as reduced (None: ``nbytes``; ``grad_reduce_s``).
 
     Returns:
         Seconds per step.
     """
-    return grad_reduce_s(nbytes, shard, "fsdp", link) + _allreduce_s(nbytes / shard, groups, copies)
+    grads = nbytes if reduce_bytes is None else reduce_bytes
+    return grad_reduce_s(nbytes, shard, "fsdp", link, grads) + _allreduce_s(grads / shard, groups, copies)
 
 
 def _allreduce_s(nbytes: float, group: int, link: LinkCost) -> float:
@@ -291,8 +317,8 @@ def block_fsdp_s(
 
     Per microbatch a rank gathers each of its units (``checkpoint_units`` of its stages) for the
     forward and again for the backward, and reduce-scatters the unit's gradients:
-    ``3 m ((dp - 1) / dp P / bandwidth + u latency)`` in all for ``P`` parameter bytes in ``u``
-    units. The first gather of every forward and of every backward waits (two transfers of the
+    ``m ((dp - 1) / dp (2 P + R) / bandwidth + 3 u latency)`` in all for ``P`` parameter bytes in ``u``
+    units, their gradients ``R`` bytes as reduced (fp32 where the parameters are narrower, ``wide_bytes``). The first gather of every forward and of every backward waits (two transfers of the
     largest unit per microbatch); the rest overlaps the rank's forward and backward compute, ``m``
     times its stages' ``fwd_s + bwd_s``, and shows only where it outlasts it. Ranks that share CPU
     cores (gloo) compute and communicate on the same cores: there nothing overlaps (``overlap``
@@ -321,9 +347,13 @@ def block_fsdp_s(
         mine = [st for st in stages if st.rank == rank]
         units = [u for st in mine for u in checkpoint_units(blocks, st.start, st.end)]
         unit_bytes = [sum(b.param_bytes for b in blocks[a:z]) for a, z in units]
-        traffic = 3 * n_microbatches * sum(_transfer_s(share * nbytes, link) for nbytes in unit_bytes)
+        unit_wide = [wide_bytes(blocks[a:z]) for a, z in units]  # the gradients, reduced in fp32
+        traffic = n_microbatches * sum(
+            2 * _transfer_s(share * nbytes, link) + _transfer_s(share * w, link)
+            for nbytes, w in zip(unit_bytes, unit_wide)
+        )
         if groups > 1:
-            traffic += n_microbatches * sum(_allreduce_s(nbytes / dp, groups, copies[rank]) for nbytes in unit_bytes)
+            traffic += n_microbatches * sum(_allreduce_s(w / dp, groups, copies[rank]) for w in unit_wide)
         waits = 2 * n_microbatches * _transfer_s(share * max(unit_bytes, default=0), link)
         busy = n_microbatches * sum(st.fwd_s + st.bwd_s for st in mine)
         out.append(waits + max(traffic - waits - busy, 0.0) if overlap else traffic)
@@ -375,6 +405,7 @@ __all__ = [
     "layout_links",
     "rank_param_bytes",
     "rank_reduce_s",
+    "wide_bytes",
     "replica_slots",
     "shard_of",
 ]

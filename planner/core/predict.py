@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
+from planner.core.casts import shared_casts
 from planner.core.data_parallel import (
     block_fsdp_s,
     dp_group_links,
@@ -32,7 +33,6 @@ from planner.core.stage_model import (
     cold_in,
     cold_out,
     parts_from_sums,
-    shared_casts,
     stage_costs,
     stage_memory_parts,
     stage_time_parts,
@@ -232,7 +232,8 @@ def _replica_traffic(
     if layout.per_block:
         return inner, max(block_fsdp_s(blocks, stages, inner, shard, m, overlap, copies, groups))
     held = rank_param_bytes(blocks, stages, p)
-    return inner, max(hsdp_reduce_s(n, shard, groups, a, b) for n, a, b in zip(held, inner, copies))
+    wide = rank_param_bytes(blocks, stages, p, wide=True)
+    return inner, max(hsdp_reduce_s(n, shard, groups, a, b, w) for n, w, a, b in zip(held, wide, inner, copies))
 
 
 def plan_layout(plan: Plan) -> Layout:
@@ -365,7 +366,7 @@ def rank_memory_bytes(
             )
         )
         fixed += own.fixed
-        # autocast's weight copies: a set per live microbatch, or shared (stage_model.shared_casts)
+        # autocast's weight copies: a set per live microbatch, or shared (casts.shared_casts)
         per_microbatch, own_once = shared_casts(own.per_microbatch, own.once, own.cast, st.in_flight)
         live_per_mb[st.index] = per_microbatch
         once += own_once

@@ -321,7 +321,7 @@ class _Arrays:
         # less what a last stage's loss saved, freed before its blocks' backward (``with_loss``): still
         # growing with e from one live microbatch on (the last block adds at least that per microbatch)
         held = self.pre_held[e] - self.pre_held[s]
-        # keeping every activation, unsharded, the weight copies may be shared (stage_model.shared_casts):
+        # keeping every activation, unsharded, the weight copies may be shared (casts.shared_casts):
         # at t live at least t * (A - C) + min(t, 2) * C, exact either way, and growing with e too
         c = self.pre_c[e] - self.pre_c[s] if self.mem.shard == 1 else 0 * held
         per = {o: saved[o][0] - (c if o == "never" else 0) for o in self.mem.options}
@@ -333,7 +333,7 @@ class _Arrays:
         d = self.mem.shard
         if d > 1:  # the sharded state (rounded down: still a lower bound) and the unsharded copies
             sharded: AnyIntArray = (2 * p_b + per_param) // d + self.mem.m * cin
-            unsharded = unsharded_bytes(p_b, self.region_params.many(s, e), self.mem.per_block)
+            unsharded = unsharded_bytes(p_b, n_p, self.region_params.many(s, e), self.mem.per_block)
             bound: AnyIntArray = sharded + np.maximum(pipeline + unsharded, step // d)
             return bound
         out: AnyIntArray = 2 * p_b + per_param + self.mem.m * cin + np.maximum(pipeline, step)
@@ -368,7 +368,7 @@ class _Arrays:
         a_b = self.pre_a[e] - self.pre_a[s]
         cin, cout, out, loss_temp = self.cut_in[s], self.cut_out[e], self.out[e], self.loss_temp[e]
         held = self.pre_held[e] - self.pre_held[s]
-        cast = self.pre_c[e] - self.pre_c[s]  # of a_b, autocast's weight copies (stage_model.shared_casts)
+        cast = self.pre_c[e] - self.pre_c[s]  # of a_b, autocast's weight copies (casts.shared_casts)
         # Mirrors OptimizerSpec.state_bytes / step_temp_bytes on arrays (test_solve checks the two agree):
         # an fp32 master copy when the parameters are narrower than fp32, AdamW's two moments and
         # its step temporaries (measured, or two per parameter).
@@ -381,7 +381,7 @@ class _Arrays:
         if d > 1:  # parts_from_sums with shard: a share of the static bytes and step, the whole stage while it runs
             static, step = ceil_div(static, d), ceil_div(step, d)
             most = self.region_params.many(s, e)
-            unsharded = unsharded_bytes(p_b, most, self.mem.per_block)
+            unsharded = unsharded_bytes(p_b, n_p, most, self.mem.per_block)
         grads = grad_bytes(p_b, n_p, most, d, self.mem.per_block) if self.mem.fresh else 0 * p_b
         head = self.limit - (static + self.mem.m * (cin + cout))
         saved = self._saved(s, e, a_b)
@@ -392,7 +392,7 @@ class _Arrays:
                 continue
             x, y = saved[option][0] + out, with_loss(loss_temp, held, saved[option][1] + out) + unsharded
             # a stage keeping every activation, not sharded, shares its weight copies from 3 live on
-            # (stage_model.shared_casts, SHARED_CASTS_FROM): (x - C) per live microbatch, 2 C once
+            # (casts.shared_casts, SHARED_CASTS_FROM): (x - C) per live microbatch, 2 C once
             c = cast if option == "never" and d == 1 else 0 * cast
             xs, ys = x - c, y + 2 * c
             fits_alone = (y <= head) & (step <= head)

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from planner.core.casts import shared_casts
 from planner.core.links import Links, boundary_crosses, boundary_links, default_link, links_around
 from planner.core.recompute import (
     RegionBytes,
@@ -286,6 +287,12 @@ def stage_memory_bytes(
         pipeline = in_flight * (A + out) + out + B + 2 * P  # + the unsharded parameters and gradients
         step     = ceil(T / shard)
 
+    In a bf16 (or fp16) plan FSDP gathers the parameters in that dtype and accumulates and reduces
+    the gradients in fp32 (``planner.run.wrappers.fsdp_policy``): the unsharded bytes are ``2 P + 4 N``
+    (``unsharded_bytes``), and ``A`` holds no weight copies of autocast's (the gathered weights are
+    already in its dtype: ``planner.core.casts.without_casts``, applied to the blocks of a sharded
+    layout).
+
     Sharded block by block (``stage_memory_parts`` with ``per_block``: every checkpoint unit its own ``fully_shard`` unit,
     resharded after its forward and after its backward, its gradients reduce-scattered as soon as they
     are computed, as torchtitan shards a model's layers), a rank holds only a few units unsharded at a
@@ -492,76 +499,46 @@ def _recomputed(sums: StageSums, mode: RecomputeMode) -> tuple[int, int]:
     return sums.a_bytes, regions.temp
 
 
-def unsharded_bytes(p_bytes: Any, most_params: Any, per_block: bool) -> Any:
-    """What an FSDP rank holds unsharded while its stage runs: the whole stage's parameters and
-    gradients, or block by block the unit computing, the next one prefetched and the unit's gradients
-    before their reduce-scatter (``stage_memory_bytes``; ints and integer arrays alike)."""
-    return 3 * most_params if per_block else 2 * p_bytes
+def _widest(p_bytes: Any, n_params: Any) -> Any:
+    """``max(P, 4 N)``: the bytes of the parameters in fp32 where they are narrower (their master
+    copy, their gradients as FSDP accumulates and reduces them), else their own. Ints and arrays."""
+    return p_bytes + (4 * n_params - p_bytes) * (p_bytes < 4 * n_params)
+
+
+def unsharded_bytes(p_bytes: Any, n_params: Any, most_params: Any, per_block: bool) -> Any:
+    """What an FSDP rank holds unsharded while its stage runs (``stage_memory_bytes``; ints and
+    integer arrays alike).
+
+    In a narrower dtype than fp32 the runner gathers the parameters in that dtype and reduces the
+    gradients in fp32 (FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``,
+    ``planner.run.wrappers.fsdp_policy``). Per stage: its parameters ``P``, its gradients accumulated
+    over the microbatches in fp32 (``max(P, 4 N)``) and, while a backward runs, that microbatch's
+    gradients in the parameters' dtype before FSDP adds them in (none in fp32, where autograd
+    accumulates in place): ``2 P + 4 N`` narrower, ``2 P`` in fp32. Block by block: the unit
+    computing and the next one prefetched, and the unit's gradients, ``3 P_u`` (the fp32 copy FSDP
+    reduce-scatters them from is made after the unit's backward has freed its activations: measured
+    on CPU, counting it over-predicted every block-unit case, docs/fsdp_units.md)."""
+    if per_block:
+        return 3 * most_params
+    wide = _widest(p_bytes, n_params)
+    return 2 * p_bytes + wide * (p_bytes < wide)
 
 
 def grad_bytes(p_bytes: Any, n_params: Any, most_params: Any, shard: int, per_block: bool) -> Any:
     """Of a stage's bytes, its gradients (``MemoryParts.grads``): fp32 where the parameters are
     narrower (their fp32 master copy is what trains: the runner keeps fp32 weights and gradients
     under autocast, the same 16 bytes a parameter with AdamW), else the parameters' bytes; sharded, a
-    share of those plus the unsharded ones held while the stage runs. Ints and integer arrays alike."""
-    full = p_bytes + (4 * n_params - p_bytes) * (p_bytes < 4 * n_params)  # max(P, 4 N)
+    share of those plus the unsharded ones held while the stage runs (``unsharded_bytes`` less the
+    parameters). Ints and integer arrays alike."""
+    full = _widest(p_bytes, n_params)
     if shard > 1:
-        return ceil_div(full, shard) + (most_params if per_block else p_bytes)
+        held = most_params if per_block else p_bytes
+        return (
+            ceil_div(full, shard)
+            + unsharded_bytes(p_bytes, n_params, most_params, per_block)
+            - held * (2 if per_block else 1)
+        )
     return full
-
-
-SHARED_CASTS_FROM = 3
-"""A stage with at least this many microbatches live shares autocast's weight copies among them
-(``shares_casts``, ``shared_casts``; the runner: ``planner.run.wrappers.Autocast``)."""
-
-
-def shares_casts(in_flight: int, sharded: bool = False, recompute: str = "never") -> bool:
-    """Whether a stage's microbatches share one set of autocast's weight copies (``shared_casts``).
-
-    Only where it pays and is safe: three or more microbatches live at its peak; nothing recomputed
-    (a checkpointed region drops its copies with its activations, where the shared cache would keep
-    them all step); not under FSDP, which reduce-scatters each block's weight gradients as soon as
-    that block's backward is done, before a shared copy's gradient reaches its weight (measured: the
-    losses parted from the unsplit model's at the second step).
-
-    Args:
-        in_flight: the stage's peak live microbatches (``StagePlan.in_flight``).
-        sharded: FSDP or HSDP shards the stage (``Plan.sharded``).
-        recompute: the stage's recompute value.
-
-    Returns:
-        True from ``SHARED_CASTS_FROM`` live on, for an unsharded stage that recomputes nothing.
-    """
-    return not sharded and recompute == "never" and in_flight >= SHARED_CASTS_FROM
-
-
-def shared_casts(per_microbatch: int, once: int, cast: int, in_flight: int) -> tuple[int, int]:
-    """A stage's bytes per live microbatch and once, its weight copies shared where it shares them.
-
-    Each microbatch's forward runs in a fresh autocast region, its matmuls saving their own copies of
-    the weights until its backward: ``cast`` of ``per_microbatch`` (and a recomputed region drops
-    them with its other activations, so ``cast`` is 0 there). A stage with ``SHARED_CASTS_FROM`` or
-    more live shares them instead: the runner keeps autocast's cast cache through the step
-    (``planner.run.wrappers.weight_cast_cache``), so the copies are made once, at the step's first
-    forward, and their autograd nodes are the oldest of every later microbatch's graph. torch's
-    engine runs the ready node created last first, so each backward reaches them only at its very
-    end, and every weight's gradient in the autocast dtype (a copy's size) waits until then: twice
-    ``cast``, once (measured on CPU, docs/weight_casts.md). With two live either way holds two sets;
-    with one, sharing would add the waiting gradients, so it is not done.
-
-    Args:
-        per_microbatch: the stage's bytes per live microbatch, its own copies included.
-        once: its bytes once.
-        cast: of ``per_microbatch``, the copies it may share (0: none, or it may not).
-        in_flight: its peak live microbatches (decides whether it shares).
-
-    Returns:
-        (per live microbatch, once), as the run holds them (the solver's fit test mirrors this on
-        arrays: ``planner.core.solve``).
-    """
-    if cast and shares_casts(in_flight):
-        return per_microbatch - cast, once + 2 * cast
-    return per_microbatch, once
 
 
 def parts_from_sums(
@@ -599,11 +576,11 @@ def parts_from_sums(
             fixed=ceil_div(2 * p_bytes + optimizer.state_bytes(n_params, p_bytes), shard)
             + n_microbatches * (cut_in + cut_out),
             per_microbatch=saved + out,
-            once=backward + unsharded_bytes(p_bytes, most_params, per_block),
+            once=backward + unsharded_bytes(p_bytes, n_params, most_params, per_block),
             step=ceil_div(step, shard),
             grads=grad_bytes(p_bytes, n_params, most_params, shard, per_block),
             microbatches=n_microbatches,
-        )  # FSDP never shares the copies (shares_casts)
+        )  # FSDP holds no copies (casts.without_casts)
     return MemoryParts(
         fixed=2 * p_bytes + optimizer.state_bytes(n_params, p_bytes) + n_microbatches * (cut_in + cut_out),
         per_microbatch=saved + out,

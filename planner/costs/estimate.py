@@ -527,7 +527,7 @@ def _block_cost(
     planning dtype. ``autocast``: the run computes in the planning dtype under torch.autocast over
     fp32 weights (``ProfileInfo.run_autocast``), so the weights its GEMMs save are lower-precision
     copies it holds per microbatch, counted with the activations and apart (``weight_cast_bytes``: a
-    stage may share them, ``planner.core.stage_model.shared_casts``; selective checkpointing never
+    stage may share them, ``planner.core.casts.shared_casts``; selective checkpointing never
     keeps them, its policy recomputes the casts)."""
     n_params = sum(p.numel() for p in params)
     param_bytes = sum(p.numel() * (width if p.is_floating_point() else p.element_size()) for p in params)

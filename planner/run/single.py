@@ -24,7 +24,7 @@ from planner.run.loop import RankModel, RankResult, run_result, train_steps
 from planner.run.measure import StageProbe
 from planner.run.model import load_plan_model
 from planner.run.optim import make_optimizer
-from planner.run.wrappers import autocast_region
+from planner.run.wrappers import autocast_region, sharded_param_dtype
 from planner.schema.plan import Plan
 from planner.schema.result import RunResult
 from planner.threads import torch_threads
@@ -35,6 +35,44 @@ def _chunks(value: Any, m: int) -> list[Any]:
     if isinstance(value, torch.Tensor):
         return list(torch.tensor_split(value, m, dim=0))
     return [value] * m
+
+
+class NarrowWeights:
+    """The unsplit model computing as the plan's FSDP-sharded stages do in a bf16 (or fp16) plan:
+    with its weights in that dtype, its gradients summed over microbatches in fp32 into its fp32
+    weights' ``.grad`` (``planner.run.wrappers.fsdp_policy``), so that the reference rounds as they do.
+
+    ``run(step)`` calls ``step(i)`` for each microbatch with the weights narrowed, adds each
+    microbatch's gradients into fp32 ones and puts the fp32 weights back, whatever happens.
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], dtype: torch.dtype) -> None:
+        self.params = list(params)
+        self.dtype = dtype
+
+    def run(self, n: int, step: Callable[[int], torch.Tensor]) -> list[torch.Tensor]:
+        """``step(i)`` for i < n under the narrowed weights; their fp32 gradients set after."""
+        masters = [p.data for p in self.params]
+        sums: list[torch.Tensor | None] = [p.grad.float() if p.grad is not None else None for p in self.params]
+        try:
+            for p in self.params:
+                p.grad = None
+                p.data = p.data.to(self.dtype)
+            losses = []
+            for i in range(n):
+                losses.append(step(i))
+                for k, p in enumerate(self.params):
+                    if p.grad is not None:
+                        g, held = p.grad.float(), sums[k]
+                        sums[k] = g if held is None else held.add_(g)
+                        p.grad = None
+        finally:
+            for p, master in zip(self.params, masters):
+                p.grad = None
+                p.data = master
+        for p, total in zip(self.params, sums):
+            p.grad = total
+        return losses
 
 
 def _microbatch(
@@ -130,17 +168,21 @@ def train_local(
         probe = StageProbe()
         cast = functools.partial(autocast_region, plan, "cpu")  # the plan's --dtype, as the stages run
 
+        narrow = sharded_param_dtype(plan)  # the sharded stages' weights: as FSDP gathers them
+
         def run_microbatches(inputs: Sequence[Any], target: torch.Tensor) -> list[torch.Tensor]:
             split_inputs = [_chunks(x, n_microbatches) for x in inputs]
             split_target = _chunks(target, n_microbatches)
+
             # one microbatch live at a time: each casts its own weight copies (sharing them would hold
-            # their gradients too, planner.core.stage_model.shared_casts)
-            return [
-                _microbatch(
-                    model, loss_fn, [xs[i] for xs in split_inputs], split_target[i], i, n_microbatches, probe, cast
-                )
-                for i in range(n_microbatches)
-            ]
+            # their gradients too, planner.core.casts.shared_casts)
+            def one(i: int) -> torch.Tensor:
+                xs = [x[i] for x in split_inputs]
+                return _microbatch(model, loss_fn, xs, split_target[i], i, n_microbatches, probe, cast)
+
+            if narrow is not None:
+                return NarrowWeights(params, narrow).run(n_microbatches, one)
+            return [one(i) for i in range(n_microbatches)]
 
         rank = RankModel(
             rank=0,

@@ -37,6 +37,8 @@ from planner.run.wrappers import (
     apply_speed_levers,
     autocast_loss,
     autocast_region,
+    fsdp_policy,
+    sharded_param_dtype,
 )
 from planner.schema.costs import split_recompute
 from planner.schema.plan import Plan, StagePlan
@@ -205,7 +207,9 @@ def _cut_stages(
         # under the plan's autocast, so the examples (and the receive buffers made from them) have
         # the dtypes that will cross the cut
         with autocast_region(plan, device.type):
-            example_in, example_out = _example_io(traced, stage_plan.start, shown, example, device)
+            example_in, example_out = _example_io(
+                traced, stage_plan.start, shown, example, device, sharded_param_dtype(plan)
+            )
         # under tensor parallelism, what crosses to another pipeline rank crosses as 1/tp pieces
         group = mesh.tp_mesh.get_group() if mesh.tp_mesh is not None else None
         module.scatter = boundary_scatter(plan, stage_plan, example_in, example_out, group, mesh.tp_rank)
@@ -239,7 +243,7 @@ def per_block_fsdp(plan: Plan) -> bool:
     return plan.sharded and plan.fsdp_units == "block"
 
 
-def _shard_blocks(stage: _CutStage, mesh: RankMesh) -> None:
+def _shard_blocks(plan: Plan, stage: _CutStage, mesh: RankMesh) -> None:
     """FSDP block by block: every unit of the stage's chain its own ``fully_shard`` unit, resharded
     after its forward (gathered again for its backward), then the chain itself as the root, which
     keeps what two units share (a tie inside the stage) and drives the units' gradient reduction.
@@ -251,15 +255,16 @@ def _shard_blocks(stage: _CutStage, mesh: RankMesh) -> None:
     """
     from torch.distributed.fsdp import fully_shard
 
+    policy = fsdp_policy(plan)  # bf16 plans: gathered in bf16, reduced in fp32
     units = stage_units(stage.built)
     owners = Counter(id(p) for unit in units for p in unit.parameters())
     for unit in units:
         params = list(unit.parameters())
         # a unit that shares a tie with another stays with the root
         if any(p.requires_grad for p in params) and all(owners[id(p)] == 1 for p in params):
-            fully_shard(unit, mesh=mesh.dp_mesh, reshard_after_forward=True)
+            fully_shard(unit, mesh=mesh.dp_mesh, reshard_after_forward=True, mp_policy=policy)
     # the root's own parameters (ties) are needed again at the start of backward: not resharded
-    fully_shard(stage.inner, mesh=mesh.dp_mesh, reshard_after_forward=False)
+    fully_shard(stage.inner, mesh=mesh.dp_mesh, reshard_after_forward=False, mp_policy=policy)
 
 
 def _replicated(
@@ -292,7 +297,7 @@ def _replicated(
     # compiled before sharding, as torchtitan does
     apply_speed_levers(plan, module, stage.inner, device, stage.plan.in_flight, stage.plan.recompute)
     if fsdp and per_block_fsdp(plan):
-        _shard_blocks(stage, mesh)
+        _shard_blocks(plan, stage, mesh)
     elif fsdp:
         from torch.distributed.fsdp import fully_shard
 
@@ -301,7 +306,7 @@ def _replicated(
         # reduce-scattering every microbatch's. Parameters stay gathered from forward to
         # backward: each microbatch's backward would otherwise gather them again.
         module.hooks = True
-        fully_shard(module, mesh=mesh.dp_mesh, reshard_after_forward=False)
+        fully_shard(module, mesh=mesh.dp_mesh, reshard_after_forward=False, mp_policy=fsdp_policy(plan))
     submod: torch.nn.Module = module
     if plan.dp > 1 and plan.dp_mode == "ddp" and not manual and len(shared) < len(trainable):
         if shared:  # a tied parameter another DDP of this rank already reduces
@@ -348,9 +353,16 @@ def _as_tuple(value: object) -> tuple:
 
 
 def _example_io(
-    traced: TracedModel, start: int, stage: torch.nn.Module, inputs: tuple, device: torch.device
+    traced: TracedModel,
+    start: int,
+    stage: torch.nn.Module,
+    inputs: tuple,
+    device: torch.device,
+    param_dtype: torch.dtype | None = None,
 ) -> tuple[tuple, tuple]:
-    """Example inputs and outputs of one stage, for ``PipelineStage``'s static mode.
+    """Example inputs and outputs of one stage, for ``PipelineStage``'s static mode; with
+    ``param_dtype`` (FSDP's mixed precision, ``planner.run.wrappers.fsdp_policy``) every stage
+    computes with its parameters in that dtype, as FSDP gathers them.
 
     Without them ``PipelineStage`` infers shapes at the first step by running every stage on
     *uninitialised* receive buffers (``torch.empty``): an integer tensor crossing a cut (token ids,
@@ -374,7 +386,7 @@ def _example_io(
     with buffers_restored(trace_root(traced)), torch.random.fork_rng(devices=[]), torch.enable_grad():
         # as if on the rank's device, so that a GPU's autocast gives the dtypes training will send (the
         # trace's weights are still on the CPU here, where autocast for cuda would change nothing)
-        x, y = shapes_or_real(both, examples, *stage_inputs(inputs), device=device)
+        x, y = shapes_or_real(both, examples, *stage_inputs(inputs), device=device, param_dtype=param_dtype)
     return x, tuple(t.detach().requires_grad_(t.requires_grad) for t in y)
 
 

@@ -13,13 +13,48 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from planner.core.stage_model import shares_casts
+from planner.core.casts import shares_casts
 from planner.run.boundary import BoundaryScatter
 from planner.schema.plan import Plan
 from planner.torch_compat import is_view
 
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 """The plan's ``profile.autocast`` -> the dtype ``torch.autocast`` computes in."""
+
+
+def fsdp_policy(plan: Plan) -> Any:
+    """FSDP2's mixed precision for the plan's sharded stages: in a bf16 (or fp16) plan the weights are
+    gathered in that dtype and the gradients accumulated over microbatches and reduce-scattered in
+    fp32, as torchtitan, Megatron and the Llama 3 run keep them; in fp32, FSDP's default.
+
+    Gathered in the plan's dtype, the weights are what autocast computes in already, so a sharded
+    stage saves no copies of them (``planner.core.casts.without_casts``) and its gathers move half
+    the bytes; the fp32 master weights (the shards) are what the optimizer steps, as under autocast.
+    The memory model counts what this holds (``planner.core.stage_model.unsharded_bytes``).
+
+    Args:
+        plan: the plan (``profile.run_autocast``).
+
+    Returns:
+        A ``torch.distributed.fsdp.MixedPrecisionPolicy``.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = sharded_param_dtype(plan)
+    if dtype is None:
+        return MixedPrecisionPolicy()
+    # the inputs stay as they come (autocast casts what its matmuls take): FSDP's cast of every
+    # floating input would also narrow what a stage only passes on (a mask, rotary tables), and the
+    # dtypes crossing each cut would then depend on which stages a tensor went through
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def sharded_param_dtype(plan: Plan) -> torch.dtype | None:
+    """The dtype the plan's FSDP-sharded stages compute their weights in (``fsdp_policy``): the plan's
+    autocast dtype where it shards, else None (the weights' own)."""
+    if not plan.sharded or plan.profile.run_autocast is None:
+        return None
+    return AUTOCAST_DTYPES[plan.profile.run_autocast]
 
 
 def autocast_region(plan: Plan, device_type: str, cache: bool = True) -> contextlib.AbstractContextManager[Any]:
@@ -137,7 +172,7 @@ class Autocast(torch.nn.Module):
     stay fp32, the matmuls and what they save run in the lower precision, as the profile measured.
 
     A fresh autocast region per call. With ``share`` (a stage with many microbatches live:
-    ``planner.core.stage_model.shares_casts``) its weight casts go to autocast's cache, which the
+    ``planner.core.casts.shares_casts``) its weight casts go to autocast's cache, which the
     step's ``weight_cast_cache`` keeps, so they are made once per step and shared by the
     microbatches; without, each microbatch makes and saves its own (fewer bytes with one or two
     live: a shared copy's gradients wait for the end of every backward, ``shared_casts``)."""
@@ -196,7 +231,7 @@ def apply_speed_levers(
         device: where the stage runs (autocast's device type).
         in_flight: the stage's peak live microbatches (``StagePlan.in_flight``) and
         recompute: its recompute value: they decide whether its microbatches share autocast's weight
-            copies (``planner.core.stage_model.shares_casts``).
+            copies (``planner.core.casts.shares_casts``).
     """
     run = inner
     if plan.compile:

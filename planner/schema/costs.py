@@ -163,7 +163,7 @@ class BlockCost(BaseModel):
         description="Of activation_bytes, under autocast over fp32 weights: the lower-precision copies of the "
         "block's weights that its matmuls and convolutions save for backward, one set per microbatch. A stage that "
         "recomputes nothing, is not sharded by FSDP and holds three or more microbatches shares one set through "
-        "the step instead (planner.core.stage_model.shared_casts); a compiled stage, which casts inside its graph, "
+        "the step instead (planner.core.casts.shared_casts); a compiled stage, which casts inside its graph, "
         "never does. 0 without autocast.",
     )
     bwd_input_s: float | None = Field(

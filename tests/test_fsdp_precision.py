@@ -1,0 +1,173 @@
+"""FSDP in a bf16 plan: weights gathered in bf16, gradients accumulated and reduced in fp32.
+
+Tier 1 (pure): the memory and traffic the model charges, exact. Tier 2 (CPU torch): the policy the
+runner gives ``fully_shard``, the in-process reference that rounds as the sharded stages do, the
+examples made with the weights in bf16. The gloo runs (tier 3) that train such plans against that
+reference are in tests/test_weight_casts.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from plan_factory import MB, block
+from test_fsdp_units import ADAMW, LINK, _plan
+
+from planner.core.casts import without_casts
+from planner.core.data_parallel import block_fsdp_s, grad_reduce_s, rank_reduce_s, wide_bytes
+from planner.core.inputs import Layout
+from planner.core.predict import predict
+from planner.core.stage_model import grad_bytes, stage_memory_parts, unsharded_bytes
+from planner.schema.costs import BlockCost
+from planner.schema.plan import Plan
+
+QUARTER = MB // 4  # parameters of one MiB in fp32, half a MiB in bf16
+
+
+def _bf16_layers(n: int = 4) -> list[BlockCost]:
+    """``n`` layers of QUARTER parameters in bf16 (half a MiB), each saving 1 MiB for backward, of
+    which its weight's bf16 copy (half a MiB) is autocast's."""
+    return [
+        block(f"layers.{i}", 10, 20, QUARTER).model_copy(update={"param_bytes": MB // 2, "weight_cast_bytes": MB // 2})
+        for i in range(n)
+    ]
+
+
+# ------------------------------------------------------------------------------------------------
+# Tier 1: memory and traffic, exact
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_sharded_stage_holds_bf16_weights_and_fp32_gradients_unsharded() -> None:
+    # a bf16 stage of 1 Mi parameters (P = 2 MiB): the weights gathered in bf16 (2 MiB), the
+    # gradients accumulated in fp32 (4 MiB) and one backward's bf16 gradients before FSDP adds
+    # them in (2 MiB): 8 MiB, as the same stage in fp32 holds (weights and gradients, 2 x 4 MiB)
+    assert unsharded_bytes(2 * MB, MB, 0, per_block=False) == 8 * MB
+    assert unsharded_bytes(4 * MB, MB, 0, per_block=False) == 8 * MB
+    # block by block: two units gathered and one unit's gradients, whatever the dtype
+    assert unsharded_bytes(2 * MB, MB, MB // 2, per_block=True) == 3 * MB // 2
+    # the gradients of it: a quarter of the fp32 4 MiB sharded over 4, and the 6 MiB unsharded (fp32
+    # sums and one backward's bf16); in fp32 the share and the 4 MiB unsharded
+    assert grad_bytes(2 * MB, MB, 0, 4, per_block=False) == MB + 6 * MB
+    assert grad_bytes(4 * MB, MB, 0, 4, per_block=False) == MB + 4 * MB
+    assert grad_bytes(2 * MB, MB, MB // 2, 4, per_block=True) == MB + MB // 2
+    # not sharded: the fp32 gradients of the master weights
+    assert grad_bytes(2 * MB, MB, 0, 1, per_block=False) == 4 * MB
+
+
+def test_sharded_blocks_save_no_weight_copies() -> None:
+    blocks = _bf16_layers(2)
+    bare = without_casts(blocks)
+    assert [(b.activation_bytes, b.weight_cast_bytes) for b in bare] == [(MB // 2, 0)] * 2
+    fp32 = [block("a", 1, 1, 10)]
+    assert without_casts(fp32)[0] is fp32[0]  # nothing to take out: the same object
+
+
+def test_fsdp_plans_count_no_copies_and_ddp_plans_do() -> None:
+    blocks = _bf16_layers()
+    request = dict(gpus=2, dp=2, batch_size=4, microbatches=2, schedule="gpipe")
+    fsdp = _plan(blocks, dp_mode="fsdp", fsdp_units="stage", **request)
+    ddp = _plan(blocks, dp_mode="ddp", **request)
+    assert [b.weight_cast_bytes for b in fsdp.blocks] == [0] * 4
+    assert [b.activation_bytes for b in fsdp.blocks] == [MB // 2] * 4
+    assert [b.weight_cast_bytes for b in ddp.blocks] == [MB // 2] * 4
+    # the FSDP plan's peak is the stage formula on the blocks without copies: at its peak (both
+    # microbatches' forwards done, one backward's gradients made) one microbatch's 2 MiB of
+    # activations, not 4
+    want = stage_memory_parts(without_casts(blocks), 0, 4, ADAMW, "never", 2, 2).peak(2, fresh_grads=True)
+    assert fsdp.prediction.max_memory_bytes == want
+    with_copies = stage_memory_parts(blocks, 0, 4, ADAMW, "never", 2, 2).peak(2, fresh_grads=True)
+    assert with_copies - want == 2 * MB
+
+
+def test_gradients_are_reduced_in_fp32_and_weights_gathered_in_bf16() -> None:
+    # LINK: 1 ms + 1 MiB per ms. FSDP over 4 of a rank with 2 MiB of bf16 weights (4 MiB of fp32
+    # gradients): the gather moves 3/4 of 2 MiB, the reduce-scatter 3/4 of 4 MiB
+    assert grad_reduce_s(2 * MB, 4, "fsdp", LINK, 4 * MB) == pytest.approx((1 + 1.5) * 1e-3 + (1 + 3) * 1e-3, rel=1e-12)
+    # DDP all-reduces the fp32 gradients of the weights autocast trains: 2 x 3/4 of 4 MiB
+    assert grad_reduce_s(2 * MB, 4, "ddp", LINK, 4 * MB) == pytest.approx((1 + 6) * 1e-3, rel=1e-12)
+    blocks = _bf16_layers()
+    assert wide_bytes(blocks) == 4 * MB
+    assert wide_bytes([block("a", 1, 1, QUARTER)]) == MB  # fp32: its own bytes
+    stages, _ = predict(blocks, [0], LINK, Layout("gpipe", 1, 2, 1, dp=4, dp_mode="fsdp"), ADAMW)
+    assert rank_reduce_s(blocks, stages, [LINK], 4, "fsdp") == pytest.approx([6.5e-3], rel=1e-12)
+    # block by block, per microbatch and unit: two gathers of half a MiB, one reduce-scatter of 1 MiB
+    per_unit = 2 * (1 + 0.75 / 2) * 1e-3 + (1 + 0.75) * 1e-3
+    got = block_fsdp_s(blocks, stages, [LINK], 4, 2, overlap=False)
+    assert got == pytest.approx([2 * 4 * per_unit], rel=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------
+# Tier 2: the runner's side on CPU torch
+# ------------------------------------------------------------------------------------------------
+
+
+def _with_autocast(plan: Plan, autocast: str | None) -> Plan:
+    return plan.model_copy(update={"profile": plan.profile.model_copy(update={"autocast": autocast})})
+
+
+def test_the_policy_gathers_in_the_plans_dtype_and_reduces_in_fp32() -> None:
+    from planner.run.wrappers import fsdp_policy, sharded_param_dtype
+
+    plan = _plan(_bf16_layers(), gpus=2, dp=2, dp_mode="fsdp", batch_size=2, microbatches=1, schedule="gpipe")
+    bf16 = _with_autocast(plan, "bf16")
+    policy = fsdp_policy(bf16)
+    assert (policy.param_dtype, policy.reduce_dtype, policy.cast_forward_inputs) == (
+        torch.bfloat16,
+        torch.float32,
+        False,
+    )
+    assert sharded_param_dtype(bf16) == torch.bfloat16
+    assert fsdp_policy(_with_autocast(plan, None)).param_dtype is None  # fp32: FSDP's default
+    ddp = _with_autocast(plan.model_copy(update={"dp_mode": "ddp"}), "bf16")
+    assert sharded_param_dtype(ddp) is None  # DDP trains fp32 weights under autocast
+
+
+def test_narrow_weights_compute_in_bf16_and_sum_fp32_gradients() -> None:
+    from planner.run.single import NarrowWeights
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 4)
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    storage = [p.data_ptr() for p in layer.parameters()]
+    xs = [torch.randn(3, 8) for _ in range(2)]
+    dtypes = []
+
+    def step(i: int) -> torch.Tensor:
+        out = layer(xs[i].to(torch.bfloat16))
+        dtypes.append(out.dtype)
+        loss = out.float().square().mean() / 2
+        loss.backward()
+        return loss.detach()
+
+    NarrowWeights(list(layer.parameters()), torch.bfloat16).run(2, step)
+    assert dtypes == [torch.bfloat16] * 2  # the weights were bf16 while it ran
+    # the fp32 weights are back, untouched (the very storage), their gradients fp32 sums
+    assert [p.data_ptr() for p in layer.parameters()] == storage
+    assert all(torch.equal(p, before[n]) for n, p in layer.named_parameters())
+    want = torch.zeros_like(layer.weight)
+    for x in xs:  # each microbatch's bf16 gradient, added in fp32
+        w = layer.weight.detach().to(torch.bfloat16).requires_grad_()
+        b = layer.bias.detach().to(torch.bfloat16)
+        torch.nn.functional.linear(x.to(torch.bfloat16), w, b).float().square().mean().div(2).backward()
+        want += w.grad.float()
+    assert layer.weight.grad is not None and layer.weight.grad.dtype == torch.float32
+    assert torch.equal(layer.weight.grad, want)
+
+
+def test_examples_made_with_bf16_weights_have_the_dtypes_fsdp_sends() -> None:
+    from planner.capture.shapes import shapes_of, shapes_or_real
+
+    emb = torch.nn.Embedding(10, 4)
+    ids = torch.tensor([[1, 2, 3]])
+    weight = emb.weight
+    assert shapes_of(emb, emb, ids).dtype == torch.float32
+    assert shapes_of(emb, emb, ids, param_dtype=torch.bfloat16).dtype == torch.bfloat16
+    assert emb.weight is weight and emb.weight.dtype == torch.float32  # put back
+
+    # the real run where fake tensors cannot run (it reads data) narrows real copies alike
+    def reads(x: torch.Tensor) -> torch.Tensor:
+        return emb(x[:, : int(x.max().item())])
+
+    assert shapes_or_real(emb, reads, ids, param_dtype=torch.bfloat16).dtype == torch.bfloat16
+    assert emb.weight is weight
