@@ -197,6 +197,11 @@ How to read it:
   and, in Llama 3, parts of the tensor-parallel traffic); the Llama 3 run's own pipeline schedule
   (a tuned interleaving) and its first/last stages with one layer fewer; Megatron's fused kernels
   (the roofline model's GEMM and attention efficiencies are fixed per GPU, `docs/gpu_costs.md`).
+  The planner predicts `planner run`, which reduces gradients in fp32 (DDP's are those of the fp32
+  weights autocast trains; FSDP's by its `reduce_dtype`), as torchtitan and the Llama 3 run do; the
+  Megatron-LM runs of 2021 trained in fp16 and all-reduced fp16 gradients, half the bytes. Every
+  collective is charged at the link's `link_efficiency` (0.7 of its bandwidth, measured for p2p
+  sends), with no overlap of a stage unit's gather and reduce-scatter with compute.
 - "fits" is the planner's predicted per-rank peak against the GPU's memory; a published layout that
   the planner says does not fit ran in reality, so its memory model is pessimistic there (per-layer
   recomputation and sharding are issue 27's subject).
