@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 from plan_factory import MB, block
-from test_fsdp_units import ADAMW, LINK, _plan
+from test_fsdp_units import ADAMW, CPU, LINK, _plan
 
 from planner.core.casts import without_casts
-from planner.core.data_parallel import block_fsdp_s, grad_reduce_s, rank_reduce_s, wide_bytes
+from planner.core.data_parallel import as_gathered, block_fsdp_s, grad_reduce_s, rank_reduce_s, wide_bytes
 from planner.core.inputs import Layout
 from planner.core.predict import predict
 from planner.core.stage_model import grad_bytes, stage_memory_parts, unsharded_bytes
@@ -95,6 +95,22 @@ def test_gradients_are_reduced_in_fp32_and_weights_gathered_in_bf16() -> None:
     per_unit = 2 * (1 + 0.75 / 2) * 1e-3 + (1 + 0.75) * 1e-3
     got = block_fsdp_s(blocks, stages, [LINK], 4, 2, overlap=False)
     assert got == pytest.approx([2 * 4 * per_unit], rel=1e-12)
+
+
+def test_a_measured_bf16_plan_gathers_half_its_fp32_weight_bytes() -> None:
+    # a profile measured under autocast counts the fp32 weights autocast trains (4 bytes a
+    # parameter); FSDP gathers them in bf16: 2 bytes a parameter, the gradients still reduced in fp32
+    layers = [block(f"layers.{i}", 10, 20, QUARTER) for i in range(4)]  # 1 Mi parameters, 4 MiB
+    assert [b.param_bytes for b in as_gathered(layers, 2)] == [MB // 2] * 4
+    assert as_gathered(layers, 0) is layers
+    assert wide_bytes(as_gathered(layers, 2)) == wide_bytes(layers) == 4 * MB
+    request = dict(gpus=2, dp=2, dp_mode="fsdp", fsdp_units="stage", batch_size=4, microbatches=2, schedule="gpipe")
+    bf16 = _plan(layers, profile=CPU.model_copy(update={"autocast": "bf16"}), **request)
+    fp32 = _plan(layers, **request)
+    # over 2 replicas: the gather moves half of 2 MiB (1 ms + 1 ms), the reduce-scatter half of 4 MiB
+    # (1 ms + 2 ms); in fp32 the gather moves half of 4 MiB too
+    assert bf16.prediction.dp_reduce_s == pytest.approx(2e-3 + 3e-3, rel=1e-12)
+    assert fp32.prediction.dp_reduce_s == pytest.approx(3e-3 + 3e-3, rel=1e-12)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -301,9 +301,12 @@ class Origin:
     calibration: Sequence[str] = ()
 
 
-def _search_space(request: PlanRequest, blocks: Sequence[BlockCost], tp_plan: dict[str, str] | None) -> SearchSpace:
+def _search_space(
+    request: PlanRequest, blocks: Sequence[BlockCost], tp_plan: dict[str, str] | None, profile: ProfileInfo
+) -> SearchSpace:
     """What the request leaves the search to cover (``SearchSpace``), its tensor-parallel degrees
-    those the model's plan and the blocks allow."""
+    those the model's plan and the blocks allow; FSDP gathers in the dtype the run computes in
+    (``predict.plan_layout`` reads it off the plan alike)."""
     return SearchSpace(
         request.batch_size,
         request.schedule,
@@ -315,6 +318,7 @@ def _search_space(request: PlanRequest, blocks: Sequence[BlockCost], tp_plan: di
         None if request.accumulation == "auto" else request.accumulation,
         request.fsdp_units,
         None if request.dp_shard == "auto" else request.dp_shard,
+        2 if profile.run_autocast is not None else 0,  # FSDP gathers in the autocast dtype
     )
 
 
@@ -390,7 +394,7 @@ def assemble_plan(
     if request.compile:
         blocks = compiled_casts(blocks)
     cluster = Cluster(request.gpus, link, slots)
-    space = _search_space(request, blocks, tp_plan)
+    space = _search_space(request, blocks, tp_plan, profile)
     scaling = Scaling(
         profile.microbatch_size or request.microbatch_size, profile.fixed_fraction, profile.min_microbatch_size
     )

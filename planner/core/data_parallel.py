@@ -16,8 +16,9 @@ gathers and reduce-scatters over the group's link, ``(s - 1) / s`` of the bytes)
 of each rank's 1/s shard of the gradients over the ``dp / s`` groups (the replicate group's link,
 ``2 (dp / s - 1) / (dp / s) x bytes / s``), which FSDP2 runs right after every reduce-scatter.
 
-The bytes: FSDP gathers the parameters in the plan's dtype; gradients are reduced in fp32 where the
-parameters are narrower (``wide_bytes``): DDP's are those of the fp32 weights autocast trains, and
+The bytes: FSDP gathers the parameters in the plan's dtype (``as_gathered``: a bf16 plan whose profile
+was measured counts the fp32 weights autocast trains, ``Layout.gather_bytes``); gradients are reduced in
+fp32 where the parameters are narrower (``wide_bytes``): DDP's are those of the fp32 weights autocast trains, and
 FSDP reduces in fp32 by its ``MixedPrecisionPolicy`` (``planner.run.stages.fsdp_policy``), as
 torchtitan, Megatron and the Llama 3 run do, for the sum over microbatches and replicas keeps fp32's
 precision.
@@ -233,6 +234,18 @@ def grad_reduce_s(nbytes: int, dp: int, dp_mode: str, link: LinkCost, reduce_byt
     return _transfer_s((dp - 1) / dp * nbytes, link) + _transfer_s((dp - 1) / dp * grads, link)
 
 
+def as_gathered(blocks: Sequence[BlockCost], gather_bytes: int) -> Sequence[BlockCost]:
+    """The blocks with ``param_bytes`` as FSDP gathers them: ``gather_bytes`` a parameter where that
+    is narrower (a bf16 plan measured with the fp32 weights autocast trains), their own otherwise; 0:
+    unchanged. Their gradients, reduced in fp32 (``wide_bytes``), stay what they were."""
+    if not gather_bytes:
+        return blocks
+    return [
+        b.model_copy(update={"param_bytes": gather_bytes * b.params}) if b.param_bytes > gather_bytes * b.params else b
+        for b in blocks
+    ]
+
+
 def wide_bytes(blocks: Sequence[BlockCost]) -> int:
     """The blocks' gradients as reduced: fp32 where their parameters are narrower (``max(P, 4 N)``
     per block), else the parameters' bytes."""
@@ -395,6 +408,7 @@ def check_run_replicas(plan: Plan, run: RunResult) -> None:
 
 
 __all__ = [
+    "as_gathered",
     "block_fsdp_s",
     "check_run_replicas",
     "dp_group_links",

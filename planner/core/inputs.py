@@ -64,6 +64,8 @@ class Layout:
         fsdp_units: under FSDP, its units: "stage" or "block" (``planner.schema.request.FsdpUnits``),
             or "auto" before the search decides.
         dp_shard: under HSDP, the replicas of each shard group (a divisor of ``dp``; 0 otherwise).
+        gather_bytes: bytes per parameter FSDP gathers the weights in (2: a bf16 or fp16 plan, whose
+            measured profile counts the fp32 weights autocast trains; 0: the parameters' own bytes).
     """
 
     schedule: str
@@ -76,6 +78,7 @@ class Layout:
     accumulation: int = 1
     fsdp_units: str = "stage"
     dp_shard: int = 0
+    gather_bytes: int = 0
 
     @property
     def n_stages(self) -> int:
@@ -159,6 +162,7 @@ class SearchSpace:
         dp_shard: under HSDP, the replicas of each shard group, or None for the largest that lie on one node.
         degrees: the tensor-parallel degrees to try (each divides a node's ranks and the world size).
         accumulation: pipeline passes per step, or None to try them (``planner.core.search``).
+        gather_bytes: bytes per parameter FSDP gathers in (``Layout.gather_bytes``).
     """
 
     batch_size: int
@@ -171,6 +175,7 @@ class SearchSpace:
     accumulation: int | None = 1
     fsdp_units: str = "stage"
     dp_shard: int | None = None
+    gather_bytes: int = 0
 
 
 NO_CONSTRAINTS = Constraints()

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from planner.core.casts import shared_casts
 from planner.core.data_parallel import (
+    as_gathered,
     block_fsdp_s,
     dp_group_links,
     hsdp_links,
@@ -222,6 +223,7 @@ def _replica_traffic(
     step, or FSDP block by block every microbatch, mostly hidden; under HSDP inside each shard group,
     followed by the all-reduce of the shards over the groups (``planner.core.data_parallel``)."""
     p, dp, m = layout.pp, layout.dp, layout.n_microbatches
+    blocks = as_gathered(blocks, layout.gather_bytes)
     if layout.dp_mode != "hsdp" or dp == 1:
         dp_links = dp_group_links(link, p, dp)
         if layout.per_block:
@@ -250,6 +252,7 @@ def plan_layout(plan: Plan) -> Layout:
         plan.accumulation,
         plan.fsdp_units,
         plan.dp_shard or 0,
+        2 if plan.profile.run_autocast is not None else 0,  # FSDP gathers in bf16 / fp16 (run.wrappers.fsdp_policy)
     )
 
 

@@ -118,7 +118,11 @@ def _layouts(
             if space.stages_per_rank is not None
             else stages_per_rank_options(name, _max_stages_per_rank(blocks, pp))
         )
-        out += [Layout(name, pp, m, v, dp, space.dp_mode, tp, fsdp_units=space.fsdp_units) for v in vs for m in ms]
+        out += [
+            Layout(name, pp, m, v, dp, space.dp_mode, tp, fsdp_units=space.fsdp_units, gather_bytes=space.gather_bytes)
+            for v in vs
+            for m in ms
+        ]
     return out
 
 
