@@ -111,6 +111,19 @@ def test_a_measured_bf16_plan_gathers_half_its_fp32_weight_bytes() -> None:
     # (1 ms + 2 ms); in fp32 the gather moves half of 4 MiB too
     assert bf16.prediction.dp_reduce_s == pytest.approx(2e-3 + 3e-3, rel=1e-12)
     assert fp32.prediction.dp_reduce_s == pytest.approx(3e-3 + 3e-3, rel=1e-12)
+    # and its stages hold the weights so: block by block, two units gathered and one unit's
+    # gradients at 2 bytes a parameter (3 x half a MiB), not at the profile's 4 (3 x 1 MiB)
+    assert [b.param_bytes for b in bf16.blocks] == [MB // 2] * 4
+    assert [b.param_bytes for b in fp32.blocks] == [MB] * 4
+    blockwise = dict(request, fsdp_units="block")
+    bf16_blocks = _plan(layers, profile=CPU.model_copy(update={"autocast": "bf16"}), **blockwise)
+    fp32_blocks = _plan(layers, **blockwise)
+    held = stage_memory_parts(as_gathered(layers, 2), 0, 4, ADAMW, "never", 2, 2, per_block=True)
+    assert bf16_blocks.prediction.max_memory_bytes == held.peak(2, fresh_grads=True)
+    # at its peak (both forwards done, no gradients yet) the units' 3 MiB unsharded less the 3 MiB
+    # of gradients still to come (the 2 MiB fp32 share, the unit's 1 MiB) in fp32; in bf16 1.5 MiB
+    # less 2.5 MiB (the share, the unit's half MiB): 1 MiB apart
+    assert fp32_blocks.prediction.max_memory_bytes - bf16_blocks.prediction.max_memory_bytes == MB
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from planner.core.casts import without_casts
-from planner.core.data_parallel import layout_links
+from planner.core.data_parallel import as_gathered, layout_links
 from planner.core.inputs import Cluster, Constraints, Layout
 from planner.core.partial_recompute import fewest_recomputed
 from planner.core.predict import predict
@@ -152,7 +152,9 @@ def evaluate_choice(
     pp, v = layout.pp, layout.stages_per_rank
     check_schedule(layout.schedule, pp, layout.n_microbatches, v)
     if layout.shard > 1:
-        blocks = without_casts(blocks)  # FSDP gathers the weights in the plan's dtype: autocast copies none
+        # FSDP gathers the weights in the plan's dtype: its stages hold them so (a measured bf16
+        # profile counts the fp32 weights autocast trains), and autocast copies none
+        blocks = as_gathered(without_casts(blocks), layout.gather_bytes)
     limit = constraints.memory_limit_bytes
     link = layout_links(cluster.link, pp, layout.dp, layout.tp)
     if split is None:

@@ -19,7 +19,7 @@ of each rank's 1/s shard of the gradients over the ``dp / s`` groups (the replic
 The bytes: FSDP gathers the parameters in the plan's dtype (``as_gathered``: a bf16 plan whose profile
 was measured counts the fp32 weights autocast trains, ``Layout.gather_bytes``); gradients are reduced in
 fp32 where the parameters are narrower (``wide_bytes``): DDP's are those of the fp32 weights autocast trains, and
-FSDP reduces in fp32 by its ``MixedPrecisionPolicy`` (``planner.run.stages.fsdp_policy``), as
+FSDP reduces in fp32 by its ``MixedPrecisionPolicy`` (``planner.run.wrappers.fsdp_policy``), as
 torchtitan, Megatron and the Llama 3 run do, for the sum over microbatches and replicas keeps fp32's
 precision.
 
@@ -237,7 +237,9 @@ def grad_reduce_s(nbytes: int, dp: int, dp_mode: str, link: LinkCost, reduce_byt
 def as_gathered(blocks: Sequence[BlockCost], gather_bytes: int) -> Sequence[BlockCost]:
     """The blocks with ``param_bytes`` as FSDP gathers them: ``gather_bytes`` a parameter where that
     is narrower (a bf16 plan measured with the fp32 weights autocast trains), their own otherwise; 0:
-    unchanged. Their gradients, reduced in fp32 (``wide_bytes``), stay what they were."""
+    unchanged. Their gradients, reduced in fp32 (``wide_bytes``), and their sharded state (the fp32
+    master weights, ``OptimizerSpec.state_bytes``) come to what they were; the stage's unsharded
+    bytes are then those it holds (``stage_model.unsharded_bytes``)."""
     if not gather_bytes:
         return blocks
     return [
@@ -249,7 +251,7 @@ def as_gathered(blocks: Sequence[BlockCost], gather_bytes: int) -> Sequence[Bloc
 def wide_bytes(blocks: Sequence[BlockCost]) -> int:
     """The blocks' gradients as reduced: fp32 where their parameters are narrower (``max(P, 4 N)``
     per block), else the parameters' bytes."""
-    return sum(max(b.param_bytes, 4 * b.params) if b.param_bytes < 4 * b.params else b.param_bytes for b in blocks)
+    return sum(max(b.param_bytes, 4 * b.params) for b in blocks)
 
 
 def rank_reduce_s(
