@@ -80,9 +80,10 @@ of their weights; a stage unit holds its bf16 weights, its fp32 gradient sums an
 gradients unsharded (`planner/core/stage_model.unsharded_bytes`). Before that policy (fp32 weights
 gathered, a bf16 copy of each saved per microbatch) the same bf16 runs peaked at 176.9, 136.4,
 176.9, 122.0, 102.7, 163.8 and 98.4 MB, in the order of the table (measured here on 28 Nov 2026).
-The bf16 predictions run higher than the fp32 ones (the profile measured the activations with fp32
-weights under autocast, where the residual stream between the blocks is fp32; gathered in bf16 it is
-bf16, so the run saves less than the profile said: likely, not measured apart).
+A profile measured under autocast counts the fp32 weights; an FSDP plan counts its gathered units at
+2 bytes a parameter (`planner/core/data_parallel.as_gathered`). Stage units over-predict by about 12 %
+in both dtypes: under GPipe the model counts the stage's sharded gradient share from the first
+backward on, where FSDP makes it only by the reduce-scatter after the last (not fixed yet).
 
 {table}
 
