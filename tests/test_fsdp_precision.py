@@ -8,9 +8,13 @@ reference are in tests/test_weight_casts.py.
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import pytest
 import torch
 from plan_factory import MB, block
+from run_factory import MODELS
 from test_fsdp_units import ADAMW, CPU, LINK, _plan
 
 from planner.core.casts import without_casts
@@ -200,3 +204,40 @@ def test_examples_made_with_bf16_weights_have_the_dtypes_fsdp_sends() -> None:
 
     assert shapes_or_real(emb, reads, ids, param_dtype=torch.bfloat16).dtype == torch.bfloat16
     assert emb.weight is weight
+
+
+def test_batch_norm_keeps_fp32_weights_beside_its_fp32_statistics() -> None:
+    from planner.capture.load import load_model_file
+    from planner.capture.shapes import keeps_fp32_weights, shapes_of
+    from planner.run.single import narrowed_params
+
+    assert keeps_fp32_weights(torch.nn.BatchNorm2d(4))
+    assert not keeps_fp32_weights(torch.nn.BatchNorm2d(4, affine=False))  # no weights to keep
+    assert not keeps_fp32_weights(torch.nn.LayerNorm(4)) and not keeps_fp32_weights(torch.nn.Linear(4, 4))
+    model = load_model_file(MODELS / "resnet50.py", "tiny", {}).build(0)
+    norms = {id(p) for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d) for p in m.parameters()}
+    narrowed = narrowed_params(model)
+    assert norms and not norms & {id(p) for p in narrowed}
+    assert len(narrowed) + len(norms) == len(list(model.parameters()))
+    # with every weight in bf16, batch norm refuses its fp32 statistics; with its own kept fp32, the
+    # examples (and the run) go through
+    x = torch.randn(2, 3, 32, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert shapes_of(model, model, x, param_dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("units", ["stage", "block"])
+def test_a_bf16_fsdp_resnet_trains_with_its_batch_norms_gathered_in_fp32(tmp_path: Path, units: str) -> None:
+    from run_factory import make_plan, saved
+
+    from planner.run import run_plan
+    from planner.schema.request import RunRequest
+
+    plan = make_plan(MODELS / "resnet50.py", [0], dp=2, dp_mode="fsdp", fsdp_units=units, n_microbatches=2)
+    plan = _with_autocast(plan, "bf16")
+    got = run_plan(plan, RunRequest(plan_file=saved(plan, tmp_path), steps=2, echo=False, save_checkpoints=False))
+    # batch norm computes its statistics per replica, so the unsplit model is no reference here: the
+    # run itself is the check (bf16 batch-norm weights beside fp32 statistics stopped it at step 1)
+    assert len(got.losses) == 2 and all(math.isfinite(x) and x > 0 for x in got.losses)
+    assert all(g > 0 for g in got.grad_norms)

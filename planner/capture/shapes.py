@@ -28,13 +28,22 @@ from planner.torch_compat import FakeTensorMode, pytree
 T = TypeVar("T")
 
 
+def keeps_fp32_weights(module: nn.Module) -> bool:
+    """Whether FSDP's mixed precision leaves ``module``'s own parameters in fp32: a module that keeps
+    floating buffers beside them (batch norm's running statistics), whose kernel wants its weights in
+    their dtype (``planner.run.wrappers.fsdp_policy``; with bf16 weights and fp32 statistics it refuses)."""
+    own = [p for p in module.parameters(recurse=False) if p.is_floating_point()]
+    return bool(own) and any(b.is_floating_point() for b in module.buffers(recurse=False))
+
+
 @contextmanager
 def _weights_replaced(
     module: nn.Module, replace: Callable[[torch.Tensor], torch.Tensor], param_dtype: torch.dtype | None = None
 ) -> Iterator[None]:
     """Every parameter and buffer of ``module`` replaced by ``replace(t)`` inside the block, put back
     after it, whatever happens; floating parameters (not buffers) in ``param_dtype`` where given, as
-    FSDP's mixed precision gathers them (``planner.run.wrappers.fsdp_policy``).
+    FSDP's mixed precision gathers them (``planner.run.wrappers.fsdp_policy``; not those of a module
+    that ``keeps_fp32_weights``).
 
     Each (module, attribute) is replaced once, however many paths reach the module: a stage and the
     prefix that makes its example can hold the very same layer (ALBERT's one layer, applied on both
@@ -45,7 +54,8 @@ def _weights_replaced(
     done: dict[int, torch.Tensor] = {}
     saved: list[tuple[dict[str, Any], str, torch.Tensor, bool]] = []
     for m in module.modules():  # each module object once
-        for table, is_param in ((m._parameters, True), (m._buffers, False)):
+        narrow = param_dtype is not None and not keeps_fp32_weights(m)
+        for table, is_param in ((m._parameters, narrow), (m._buffers, False)):
             for name, t in table.items():
                 if t is not None:
                     saved.append((cast(dict[str, Any], table), name, t, is_param))

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from planner.capture.load import ModelFile
+from planner.capture.shapes import keeps_fp32_weights
 from planner.run.loop import RankModel, RankResult, run_result, train_steps
 from planner.run.measure import StageProbe
 from planner.run.model import load_plan_model
@@ -35,6 +36,13 @@ def _chunks(value: Any, m: int) -> list[Any]:
     if isinstance(value, torch.Tensor):
         return list(torch.tensor_split(value, m, dim=0))
     return [value] * m
+
+
+def narrowed_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The trainable parameters FSDP's mixed precision gathers in the plan's dtype: all but those of
+    modules that keep theirs in fp32 (``planner.capture.shapes.keeps_fp32_weights``: batch norm)."""
+    kept = {id(p) for m in model.modules() if keeps_fp32_weights(m) for p in m.parameters(recurse=False)}
+    return [p for p in model.parameters() if p.requires_grad and id(p) not in kept]
 
 
 class NarrowWeights:
@@ -181,7 +189,7 @@ def train_local(
                 return _microbatch(model, loss_fn, xs, split_target[i], i, n_microbatches, probe, cast)
 
             if narrow is not None:
-                return NarrowWeights(params, narrow).run(n_microbatches, one)
+                return NarrowWeights(narrowed_params(model), narrow).run(n_microbatches, one)
             return [one(i) for i in range(n_microbatches)]
 
         rank = RankModel(

@@ -38,6 +38,7 @@ from planner.run.wrappers import (
     autocast_loss,
     autocast_region,
     fsdp_policy,
+    shard_fp32_islands,
     sharded_param_dtype,
 )
 from planner.schema.costs import split_recompute
@@ -256,14 +257,19 @@ def _shard_blocks(plan: Plan, stage: _CutStage, mesh: RankMesh) -> None:
     from torch.distributed.fsdp import fully_shard
 
     policy = fsdp_policy(plan)  # bf16 plans: gathered in bf16, reduced in fp32
+    narrow = sharded_param_dtype(plan) is not None
     units = stage_units(stage.built)
     owners = Counter(id(p) for unit in units for p in unit.parameters())
     for unit in units:
         params = list(unit.parameters())
         # a unit that shares a tie with another stays with the root
         if any(p.requires_grad for p in params) and all(owners[id(p)] == 1 for p in params):
+            if narrow:
+                shard_fp32_islands(unit, mesh.dp_mesh, True)
             fully_shard(unit, mesh=mesh.dp_mesh, reshard_after_forward=True, mp_policy=policy)
     # the root's own parameters (ties) are needed again at the start of backward: not resharded
+    if narrow:
+        shard_fp32_islands(stage.inner, mesh.dp_mesh, False)
     fully_shard(stage.inner, mesh=mesh.dp_mesh, reshard_after_forward=False, mp_policy=policy)
 
 
@@ -306,6 +312,8 @@ def _replicated(
         # reduce-scattering every microbatch's. Parameters stay gathered from forward to
         # backward: each microbatch's backward would otherwise gather them again.
         module.hooks = True
+        if sharded_param_dtype(plan) is not None:
+            shard_fp32_islands(module, mesh.dp_mesh, False)
         fully_shard(module, mesh=mesh.dp_mesh, reshard_after_forward=False, mp_policy=fsdp_policy(plan))
     submod: torch.nn.Module = module
     if plan.dp > 1 and plan.dp_mode == "ddp" and not manual and len(shared) < len(trainable):

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from planner.capture.shapes import keeps_fp32_weights
 from planner.core.casts import shares_casts
 from planner.run.boundary import BoundaryScatter
 from planner.schema.plan import Plan
@@ -47,6 +48,24 @@ def fsdp_policy(plan: Plan) -> Any:
     # floating input would also narrow what a stage only passes on (a mask, rotary tables), and the
     # dtypes crossing each cut would then depend on which stages a tensor went through
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def shard_fp32_islands(module: torch.nn.Module, mesh: Any, reshard_after_forward: bool) -> None:
+    """Before ``module`` is sharded with ``fsdp_policy``'s bf16 gathers: each of its submodules that
+    keeps its weights in fp32 (``planner.capture.shapes.keeps_fp32_weights``: batch norm) its own
+    ``fully_shard`` unit with FSDP's default policy, so that its weights are gathered in fp32 while the
+    rest are gathered in bf16 (FSDP2 takes a nested unit's policy for its own parameters).
+
+    Args:
+        module: the module about to be sharded (a stage, or one of its units).
+        mesh: the data-parallel mesh.
+        reshard_after_forward: as the enclosing unit.
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    for sub in module.modules():  # a unit sharded before (block units, then their root) is left as it is
+        if sub is not module and keeps_fp32_weights(sub) and not isinstance(sub, FSDPModule):
+            fully_shard(sub, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=MixedPrecisionPolicy())
 
 
 def sharded_param_dtype(plan: Plan) -> torch.dtype | None:
