@@ -194,12 +194,9 @@ def test_tied_embedding_and_head_across_pipeline_ranks_tp2(tmp_path: Path) -> No
     print("tied tp2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(("dp_mode", "fsdp_units"), [("ddp", "stage"), ("fsdp", "stage"), ("fsdp", "block")])
-def test_two_replicas_of_a_tp2_stage_match_one_process(tmp_path: Path, dp_mode: str, fsdp_units: str) -> None:
-    # ddp: averaged by the gradient finisher (DDP does not reduce DTensors); fsdp: 2-D (dp, tp) DTensors,
-    # the stage one FSDP unit or every block its own
-    plan = make_plan(
+def _dp2_tp2(dp_mode: str, fsdp_units: str):  # type: ignore[no-untyped-def]
+    """Llama tiny as one pipeline rank split over 2 tensor-parallel ranks, 2 replicas of it."""
+    return make_plan(
         MODELS / "llama.py",
         [0],
         schedule="gpipe",
@@ -211,6 +208,14 @@ def test_two_replicas_of_a_tp2_stage_match_one_process(tmp_path: Path, dp_mode: 
         dp_mode=dp_mode,
         fsdp_units=fsdp_units,
     )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("dp_mode", "fsdp_units"), [("ddp", "stage"), ("fsdp", "stage"), ("fsdp", "block")])
+def test_two_replicas_of_a_tp2_stage_match_one_process(tmp_path: Path, dp_mode: str, fsdp_units: str) -> None:
+    # ddp: averaged by the gradient finisher (DDP does not reduce DTensors); fsdp: 2-D (dp, tp) DTensors,
+    # the stage one FSDP unit or every block its own
+    plan = _dp2_tp2(dp_mode, fsdp_units)
     assert (plan.dp, plan.n_ranks, plan.tp, plan.world_size) == (2, 1, 2, 4)
     got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
     assert got.replicas == 2
@@ -221,18 +226,7 @@ def test_two_replicas_of_a_tp2_stage_match_one_process(tmp_path: Path, dp_mode: 
 def test_bf16_fsdp_over_tp2_stages_gathers_bf16_dtensors_and_matches_its_reference(tmp_path: Path) -> None:
     # FSDP's mixed precision (bf16 gathers, fp32 reduce-scatter: run.wrappers.fsdp_policy) on 2-D
     # (dp, tp) DTensors, block units; the reference computes with bf16 weights and fp32 gradient sums
-    plan = make_plan(
-        MODELS / "llama.py",
-        [0],
-        schedule="gpipe",
-        n_microbatches=2,
-        optimizer="adamw",
-        grad_clip=0.5,
-        dp=2,
-        tp=2,
-        dp_mode="fsdp",
-        fsdp_units="block",
-    )
+    plan = _dp2_tp2("fsdp", "block")
     plan = plan.model_copy(update={"profile": plan.profile.model_copy(update={"autocast": "bf16"})})
     got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
     # measured: within 6e-5 of that reference, and about 1.4e-3 apart from fp32 weights under autocast
