@@ -52,19 +52,20 @@ def _weights_replaced(
     tied weights stay tied.
     """
     done: dict[int, torch.Tensor] = {}
-    saved: list[tuple[dict[str, Any], str, torch.Tensor, bool]] = []
+    saved: list[tuple[dict[str, Any], str, torch.Tensor, torch.dtype | None]] = []
     for m in module.modules():  # each module object once
-        narrow = param_dtype is not None and not keeps_fp32_weights(m)
-        for table, is_param in ((m._parameters, narrow), (m._buffers, False)):
+        # the dtype this module's own parameters run in (None: theirs); buffers always keep theirs
+        own = None if keeps_fp32_weights(m) else param_dtype
+        for table, dtype in ((m._parameters, own), (m._buffers, None)):
             for name, t in table.items():
                 if t is not None:
-                    saved.append((cast(dict[str, Any], table), name, t, is_param))
+                    saved.append((cast(dict[str, Any], table), name, t, dtype))
     try:
-        for slots, name, t, is_param in saved:
+        for slots, name, t, dtype in saved:
             if id(t) not in done:
                 new = replace(t)
-                if is_param and param_dtype is not None and t.is_floating_point():
-                    new = new.detach().to(param_dtype).requires_grad_(t.requires_grad)
+                if dtype is not None and t.is_floating_point():
+                    new = new.detach().to(dtype).requires_grad_(t.requires_grad)
                 done[id(t)] = new
             slots[name] = done[id(t)]
         yield

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from planner.core.baselines import param_balanced, uniform_layers
-from planner.core.data_parallel import layout_links
+from planner.core.data_parallel import gather_bytes_of, layout_links
 from planner.core.given import given_starts
 from planner.core.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
 from planner.core.links import NodeLinks
@@ -318,7 +318,7 @@ def _search_space(
         None if request.accumulation == "auto" else request.accumulation,
         request.fsdp_units,
         None if request.dp_shard == "auto" else request.dp_shard,
-        2 if profile.run_autocast is not None else 0,  # FSDP gathers in the autocast dtype
+        gather_bytes_of(profile),
     )
 
 

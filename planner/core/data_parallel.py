@@ -41,9 +41,10 @@ from collections.abc import Sequence
 
 from planner.core.links import Links, NodeLinks
 from planner.core.recompute import checkpoint_units
+from planner.core.stage_model import fp32_bytes
 from planner.errors import InfeasibleError, PlanFileError
 from planner.schema.costs import BlockCost, LinkCost
-from planner.schema.plan import Plan, StagePlan
+from planner.schema.plan import Plan, ProfileInfo, StagePlan
 from planner.schema.result import RunResult
 
 
@@ -234,6 +235,12 @@ def grad_reduce_s(nbytes: int, dp: int, dp_mode: str, link: LinkCost, reduce_byt
     return _transfer_s((dp - 1) / dp * nbytes, link) + _transfer_s((dp - 1) / dp * grads, link)
 
 
+def gather_bytes_of(profile: ProfileInfo) -> int:
+    """Bytes per parameter FSDP gathers a plan's weights in (``Layout.gather_bytes``): 2 where the run
+    computes in bf16 or fp16 (``planner.run.wrappers.fsdp_policy``), else 0 (the parameters' own)."""
+    return 2 if profile.run_autocast is not None else 0
+
+
 def as_gathered(blocks: Sequence[BlockCost], gather_bytes: int) -> Sequence[BlockCost]:
     """The blocks with ``param_bytes`` as FSDP gathers them: ``gather_bytes`` a parameter where that
     is narrower (a bf16 plan measured with the fp32 weights autocast trains), their own otherwise; 0:
@@ -250,8 +257,8 @@ def as_gathered(blocks: Sequence[BlockCost], gather_bytes: int) -> Sequence[Bloc
 
 def wide_bytes(blocks: Sequence[BlockCost]) -> int:
     """The blocks' gradients as reduced: fp32 where their parameters are narrower (``max(P, 4 N)``
-    per block), else the parameters' bytes."""
-    return sum(max(b.param_bytes, 4 * b.params) for b in blocks)
+    per block, ``stage_model.fp32_bytes``), else the parameters' bytes."""
+    return sum(fp32_bytes(b.param_bytes, b.params) for b in blocks)
 
 
 def rank_reduce_s(
@@ -412,6 +419,7 @@ def check_run_replicas(plan: Plan, run: RunResult) -> None:
 __all__ = [
     "as_gathered",
     "block_fsdp_s",
+    "gather_bytes_of",
     "check_run_replicas",
     "dp_group_links",
     "grad_reduce_s",

@@ -14,9 +14,9 @@ from pydantic import BaseModel
 
 from planner.core.casts import shared_casts
 from planner.core.data_parallel import (
-    as_gathered,
     block_fsdp_s,
     dp_group_links,
+    gather_bytes_of,
     hsdp_links,
     hsdp_reduce_s,
     layout_links,
@@ -223,7 +223,6 @@ def _replica_traffic(
     step, or FSDP block by block every microbatch, mostly hidden; under HSDP inside each shard group,
     followed by the all-reduce of the shards over the groups (``planner.core.data_parallel``)."""
     p, dp, m = layout.pp, layout.dp, layout.n_microbatches
-    blocks = as_gathered(blocks, layout.gather_bytes)
     if layout.dp_mode != "hsdp" or dp == 1:
         dp_links = dp_group_links(link, p, dp)
         if layout.per_block:
@@ -252,7 +251,7 @@ def plan_layout(plan: Plan) -> Layout:
         plan.accumulation,
         plan.fsdp_units,
         plan.dp_shard or 0,
-        2 if plan.profile.run_autocast is not None else 0,  # FSDP gathers in bf16 / fp16 (run.wrappers.fsdp_policy)
+        gather_bytes_of(plan.profile),
     )
 
 

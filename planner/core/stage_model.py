@@ -499,7 +499,7 @@ def _recomputed(sums: StageSums, mode: RecomputeMode) -> tuple[int, int]:
     return sums.a_bytes, regions.temp
 
 
-def _widest(p_bytes: Any, n_params: Any) -> Any:
+def fp32_bytes(p_bytes: Any, n_params: Any) -> Any:
     """``max(P, 4 N)``: the bytes of the parameters in fp32 where they are narrower (their master
     copy, their gradients as FSDP accumulates and reduces them), else their own. Ints and arrays."""
     return p_bytes + (4 * n_params - p_bytes) * (p_bytes < 4 * n_params)
@@ -520,7 +520,7 @@ def unsharded_bytes(p_bytes: Any, n_params: Any, most_params: Any, per_block: bo
     on CPU, counting it over-predicted every block-unit case, docs/fsdp_units.md)."""
     if per_block:
         return 3 * most_params
-    wide = _widest(p_bytes, n_params)
+    wide = fp32_bytes(p_bytes, n_params)
     return 2 * p_bytes + wide * (p_bytes < wide)
 
 
@@ -530,7 +530,7 @@ def grad_bytes(p_bytes: Any, n_params: Any, most_params: Any, shard: int, per_bl
     under autocast, the same 16 bytes a parameter with AdamW), else the parameters' bytes; sharded, a
     share of those plus the unsharded ones held while the stage runs (``unsharded_bytes`` less the
     parameters). Ints and integer arrays alike."""
-    full = _widest(p_bytes, n_params)
+    full = fp32_bytes(p_bytes, n_params)
     if shard > 1:
         held = most_params if per_block else p_bytes
         return (

@@ -37,8 +37,7 @@ from planner.run.wrappers import (
     apply_speed_levers,
     autocast_loss,
     autocast_region,
-    fsdp_policy,
-    shard_fp32_islands,
+    shard_over_replicas,
     sharded_param_dtype,
 )
 from planner.schema.costs import split_recompute
@@ -254,23 +253,15 @@ def _shard_blocks(plan: Plan, stage: _CutStage, mesh: RankMesh) -> None:
     gradients, which accumulate over microbatches) and its parameters resharded as soon as its
     backward is done, instead of the whole stage staying unsharded until the last microbatch.
     """
-    from torch.distributed.fsdp import fully_shard
-
-    policy = fsdp_policy(plan)  # bf16 plans: gathered in bf16, reduced in fp32
-    narrow = sharded_param_dtype(plan) is not None
     units = stage_units(stage.built)
     owners = Counter(id(p) for unit in units for p in unit.parameters())
     for unit in units:
         params = list(unit.parameters())
         # a unit that shares a tie with another stays with the root
         if any(p.requires_grad for p in params) and all(owners[id(p)] == 1 for p in params):
-            if narrow:
-                shard_fp32_islands(unit, mesh.dp_mesh, True)
-            fully_shard(unit, mesh=mesh.dp_mesh, reshard_after_forward=True, mp_policy=policy)
+            shard_over_replicas(plan, unit, mesh.dp_mesh, True)
     # the root's own parameters (ties) are needed again at the start of backward: not resharded
-    if narrow:
-        shard_fp32_islands(stage.inner, mesh.dp_mesh, False)
-    fully_shard(stage.inner, mesh=mesh.dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    shard_over_replicas(plan, stage.inner, mesh.dp_mesh, False)
 
 
 def _replicated(
@@ -305,16 +296,12 @@ def _replicated(
     if fsdp and per_block_fsdp(plan):
         _shard_blocks(plan, stage, mesh)
     elif fsdp:
-        from torch.distributed.fsdp import fully_shard
-
         # The boundary wrapper itself is sharded, so that torch's PipelineStage sees an FSDP
         # module: it then syncs gradients only after the last microbatch's backward instead of
         # reduce-scattering every microbatch's. Parameters stay gathered from forward to
         # backward: each microbatch's backward would otherwise gather them again.
         module.hooks = True
-        if sharded_param_dtype(plan) is not None:
-            shard_fp32_islands(module, mesh.dp_mesh, False)
-        fully_shard(module, mesh=mesh.dp_mesh, reshard_after_forward=False, mp_policy=fsdp_policy(plan))
+        shard_over_replicas(plan, module, mesh.dp_mesh, False)
     submod: torch.nn.Module = module
     if plan.dp > 1 and plan.dp_mode == "ddp" and not manual and len(shared) < len(trainable):
         if shared:  # a tied parameter another DDP of this rank already reduces

@@ -50,22 +50,30 @@ def fsdp_policy(plan: Plan) -> Any:
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
-def shard_fp32_islands(module: torch.nn.Module, mesh: Any, reshard_after_forward: bool) -> None:
-    """Before ``module`` is sharded with ``fsdp_policy``'s bf16 gathers: each of its submodules that
-    keeps its weights in fp32 (``planner.capture.shapes.keeps_fp32_weights``: batch norm) its own
-    ``fully_shard`` unit with FSDP's default policy, so that its weights are gathered in fp32 while the
-    rest are gathered in bf16 (FSDP2 takes a nested unit's policy for its own parameters).
+def shard_over_replicas(plan: Plan, module: torch.nn.Module, mesh: Any, reshard_after_forward: bool) -> None:
+    """``fully_shard`` of ``module`` over the replicas with the plan's mixed precision (``fsdp_policy``).
+
+    In a bf16 plan each submodule that keeps its weights in fp32
+    (``planner.capture.shapes.keeps_fp32_weights``: batch norm) first becomes its own unit with FSDP's
+    default policy, so that its weights are gathered in fp32 while the rest are gathered in bf16
+    (FSDP2 takes a nested unit's policy for its own parameters; a unit sharded before, as block
+    units are before their root, is left as it is).
 
     Args:
-        module: the module about to be sharded (a stage, or one of its units).
+        plan: the plan (its dtype).
+        module: the module to shard (a stage, one of its units, or their root).
         mesh: the data-parallel mesh.
-        reshard_after_forward: as the enclosing unit.
+        reshard_after_forward: FSDP's, for the module and its fp32 units alike.
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    for sub in module.modules():  # a unit sharded before (block units, then their root) is left as it is
-        if sub is not module and keeps_fp32_weights(sub) and not isinstance(sub, FSDPModule):
-            fully_shard(sub, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=MixedPrecisionPolicy())
+    if sharded_param_dtype(plan) is not None:
+        for sub in module.modules():
+            if sub is not module and keeps_fp32_weights(sub) and not isinstance(sub, FSDPModule):
+                fully_shard(
+                    sub, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=MixedPrecisionPolicy()
+                )
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=fsdp_policy(plan))
 
 
 def sharded_param_dtype(plan: Plan) -> torch.dtype | None:
