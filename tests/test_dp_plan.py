@@ -22,7 +22,7 @@ from run_factory import plan_stage_reports, run_report
 from cli import main
 from planner.core.assemble import Origin, assemble_plan
 from planner.core.data_parallel import dp_group_links, grad_reduce_s, layout_links, rank_reduce_s
-from planner.core.hardware import get_hardware, link_cost, node_links
+from planner.core.hardware import HardwareSpec, get_hardware, link_cost, node_links
 from planner.core.links import NodeLinks, boundary_links
 from planner.core.predict import plan_links, refresh, stage_times, with_links, with_method
 from planner.core.recompute import checkpoint_units, kept_bytes
@@ -431,29 +431,43 @@ def test_replica_groups_across_nodes_reduce_over_the_network() -> None:
     assert isinstance(links, NodeLinks) and (links.n_ranks, links.replicas) == (4, 2)
     assert boundary_links(links, 4, "1f1b") == [intra] * 3
     assert dp_group_links(links, 4, 2) == [inter] * 4
-    # 4 replicas of 2 ranks on nodes of 4: ranks r, r+2 share a node, r+4, r+6 the other: a group spans both
-    assert dp_group_links(node_links(H100, 8, 4), 2, 4) == [inter] * 2
+    # 4 replicas of 2 ranks on nodes of 4: ranks r, r+2 share a node, r+4, r+6 the other: a group spans
+    # both, two members on each, so it crosses over two network cards a node (70 GB/s, not 35)
+    two = dp_group_links(node_links(H100, 8, 4), 2, 4)
+    assert [x.name for x in two] == ["h100-inter x2 cards"] * 2
+    assert [x.bandwidth_Bps for x in two] == [2 * inter.bandwidth_Bps] * 2 == [2 * 0.7 * 50e9] * 2
     assert dp_group_links(node_links(H100, 8, 8), 2, 4) == [intra] * 2  # one node holds all 8
     # 2 replicas of 3 ranks on nodes of 4: replica 1 is ranks 3, 4, 5, its first boundary crosses nodes
     assert boundary_links(layout_links(node_links(H100, 6, 4), 3, 2), 3, "1f1b") == [inter, intra]
     assert boundary_links(layout_links(node_links(H100, 6, 4), 3, 1), 3, "1f1b") == [intra, intra]
 
 
-def test_replica_groups_on_one_node_exactly_when_every_replica_is() -> None:
-    # dp_group_links compares a rank's first and last replica's nodes: the same as all of them
-    intra, inter = link_cost(H100, intra_node=True), link_cost(H100, intra_node=False)
-    for per_node in (1, 2, 4, 8):
-        for dp in (1, 2, 3, 4, 8):
-            for pp in (1, 2, 3, 5):
-                for tp in (1, 2):
-                    if per_node % tp:
-                        continue
-                    placed = layout_links(node_links(H100, dp * pp * tp, per_node), pp, dp, tp)
-                    assert isinstance(placed, NodeLinks)
-                    expected = [
-                        intra if len({placed.node_of(k, r) for k in range(dp)}) == 1 else inter for r in range(pp)
-                    ]
-                    assert dp_group_links(placed, pp, dp) == expected
+def _brute_group_bandwidth(hw: HardwareSpec, per_node: int, pp: int, dp: int, tp: int, r: int) -> float:
+    """Pipeline rank r's replica group's bandwidth, from every global rank's node: NVLink when one node
+    holds them all, else the network over the cards of the node with the fewest members."""
+    ranks = [(k * pp + r) * tp for k in range(dp)]  # each replica's first tensor-parallel rank
+    nodes = [g // per_node for g in ranks]
+    if len(set(nodes)) == 1:
+        return hw.intra_node_Bps * hw.link_efficiency
+    cards = max(1, min(nodes.count(n) for n in set(nodes)) // hw.gpus_per_nic)
+    return min(cards * hw.inter_node_Bps, hw.intra_node_Bps) * hw.link_efficiency
+
+
+def test_replica_groups_match_a_brute_force_over_every_placement() -> None:
+    # the intra-node link exactly when every replica is on one node; else the network, over as many
+    # cards as the node with the fewest of the group's members has (one a GPU on H100, one per two on V100)
+    for hw in (H100, get_hardware("v100"), get_hardware("l4")):
+        for per_node in (1, 2, 4, 8):
+            for dp in (1, 2, 3, 4, 8, 16):
+                for pp in (1, 2, 3, 5):
+                    for tp in (1, 2):
+                        if per_node % tp:
+                            continue
+                        placed = layout_links(node_links(hw, dp * pp * tp, per_node), pp, dp, tp)
+                        assert isinstance(placed, NodeLinks)
+                        got = [x.bandwidth_Bps for x in dp_group_links(placed, pp, dp)]
+                        want = [_brute_group_bandwidth(hw, per_node, pp, dp, tp, r) for r in range(pp)]
+                        assert got == pytest.approx(want, rel=1e-12), (hw.name, per_node, dp, pp, tp)
 
 
 def test_an_estimated_multi_node_plan_reduces_over_the_inter_node_link() -> None:

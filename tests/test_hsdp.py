@@ -120,8 +120,17 @@ def test_group_links_match_a_brute_force_over_every_placement() -> None:
                         copies = [range(j, dp, shard) for j in range(shard)]
 
                         def one_node(groups: list[range], r: int) -> LinkCost:
-                            nodes = [{placed.node_of(k, r) for k in g} for g in groups]  # noqa: B023
-                            return intra if all(len(n) == 1 for n in nodes) else inter
+                            # NVLink when every group is on one node; else the network over the
+                            # cards of the node with the fewest members, in the slowest group
+                            nodes = [[placed.node_of(k, r) for k in g] for g in groups]  # noqa: B023
+                            if all(len(set(n)) == 1 for n in nodes):
+                                return intra
+                            cards = min(min(n.count(x) for x in set(n)) for n in nodes if len(set(n)) > 1)
+                            if cards == 1:
+                                return inter
+                            return inter.model_copy(
+                                update={"name": f"h100-inter x{cards} cards", "bandwidth_Bps": cards * inter.bandwidth_Bps}
+                            )
 
                         want = ([one_node(shards, r) for r in range(pp)], [one_node(copies, r) for r in range(pp)])
                         assert hsdp_links(placed, pp, dp, shard) == want, (per_node, dp, pp, tp, shard)

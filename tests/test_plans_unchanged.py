@@ -109,6 +109,9 @@ def digest(plan: Plan) -> str:
             _drop(block["tp"], SHARE_LATER_DEFAULTS)
     for candidate in data["search"]:
         _drop(candidate, CANDIDATE_LATER_DEFAULTS)
+    for key in ("link", "inter_node_link"):  # the links' card count: any figure it moves shows elsewhere
+        if isinstance(data.get(key), dict):
+            data[key].pop("ranks_per_nic", None)
     data["created"] = ""
     data["profile"]["hostname"] = ""
     data["profile"]["torch_version"] = ""

@@ -37,7 +37,9 @@ rest of the memory model, ``planner.core.stage_model.stage_memory_bytes`` (``sha
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
+from functools import lru_cache
 
 from planner.core.links import Links, NodeLinks
 from planner.core.recompute import checkpoint_units
@@ -134,15 +136,52 @@ def tp_link(link: Links) -> LinkCost:
     return one if one is not None else LinkCost(name="none", latency_s=0.0, bandwidth_Bps=1.0)
 
 
+@lru_cache(maxsize=4096)
+def group_link(link: NodeLinks, pp_rank: int, members: range) -> LinkCost:
+    """The link a collective over pipeline rank ``pp_rank``'s replicas ``members`` crosses.
+
+    A group on one node uses the intra-node link. A group spanning nodes uses the network: NCCL
+    builds its rings and trees over as many channels as the node's network cards carry, so a group
+    with k members on every node it spans crosses nodes over k cards at once (k // ``ranks_per_nic``
+    of them where ranks share a card), up to the intra-node link the same data also crosses
+    (NVIDIA/nccl issues 652 and 412: "performance should add up as you add more" cards; issue 812: a
+    DGX A100 with eight 200 Gb/s cards measures 192 GB/s of all-reduce bus bandwidth, where one card
+    gives 24). The node with the fewest members sets the pace (its cards carry the same volume).
+
+    Args:
+        link: the plan's links, placed for the layout (``layout_links``).
+        pp_rank: the pipeline rank whose replicas reduce together.
+        members: those replicas.
+
+    Returns:
+        The group's link: ``link.intra()``, ``link.inter``, or ``link.inter`` at a multiple of its
+        bandwidth, named ``<inter> x<k> cards``.
+    """
+    counts = Counter(link.node_of(k, pp_rank) for k in members)
+    intra = link.intra()
+    if len(counts) <= 1:
+        return intra
+    inter = link.inter
+    cards = min(counts.values()) // inter.ranks_per_nic if inter.ranks_per_nic else 1
+    if cards <= 1:
+        return inter
+    bandwidth = min(cards * inter.bandwidth_Bps, intra.bandwidth_Bps)
+    return inter.model_copy(update={"name": f"{inter.name} x{cards} cards", "bandwidth_Bps": bandwidth})
+
+
+def _slowest(links: Sequence[LinkCost]) -> LinkCost:
+    """The slowest of several groups' links (the replicas wait for each other at the reduction)."""
+    return min(links, key=lambda one: (one.bandwidth_Bps, -one.latency_s))
+
+
 def dp_group_links(link: Links, n_ranks: int, dp: int) -> list[LinkCost]:
     """The link each pipeline rank's replicas reduce their gradients over.
 
     Pipeline rank r's replicas are global ranks ``r, r + n_ranks, ..., r + (dp - 1) n_ranks`` (times
-    the link's tensor-parallel degree); with
-    ranks on nodes of ``gpus_per_node`` (a ``NodeLinks``) the group uses the intra-node link when
-    all of them are on one node, else the inter-node link (the ring's slowest hop sets its pace).
-    Plans with one link (CPU / gloo, measured GPU plans) reduce over that link; a list of links per
-    boundary reduces over its first.
+    the link's tensor-parallel degree); with ranks on nodes of ``gpus_per_node`` (a ``NodeLinks``)
+    the group uses the intra-node link when all of them are on one node, else the network, over as
+    many cards as it has members on each node (``group_link``). Plans with one link (CPU / gloo,
+    measured GPU plans) reduce over that link; a list of links per boundary reduces over its first.
 
     Args:
         link: the plan's link(s).
@@ -153,11 +192,9 @@ def dp_group_links(link: Links, n_ranks: int, dp: int) -> list[LinkCost]:
         One link per pipeline rank.
     """
     if isinstance(link, NodeLinks):
-        intra = link.intra()
         placed = layout_links(link, n_ranks, dp, link.tp)
         assert isinstance(placed, NodeLinks)
-        # a rank's node only grows with the replica: its replicas share one node when the first and last do
-        return [intra if placed.node_of(0, r) == placed.node_of(dp - 1, r) else link.inter for r in range(n_ranks)]
+        return [group_link(placed, r, range(dp)) for r in range(n_ranks)]
     one = link if isinstance(link, LinkCost) else next(iter(link), None)
     if one is None:  # a lone stage's empty list of boundary links: nothing to time it by
         one = LinkCost(name="none", latency_s=0.0, bandwidth_Bps=1.0)
@@ -168,8 +205,9 @@ def hsdp_links(link: Links, n_ranks: int, dp: int, shard: int) -> tuple[list[Lin
     """The links each pipeline rank's HSDP groups talk over: its shard groups (``shard`` consecutive
     replicas) and its replicate groups (every ``shard``-th replica), one of each per pipeline rank.
 
-    A group uses the intra-node link when every one of its members is on one node, else the
-    inter-node link; plans with one link use it for both.
+    Each group's link is ``group_link``'s (intra-node on one node, else the network over the cards
+    of its members on each node); a rank's groups of one kind wait for the slowest of them. Plans
+    with one link use it for both.
 
     Args:
         link: the plan's link(s).
@@ -183,7 +221,6 @@ def hsdp_links(link: Links, n_ranks: int, dp: int, shard: int) -> tuple[list[Lin
     if not isinstance(link, NodeLinks):
         one = dp_group_links(link, n_ranks, dp)
         return one, one
-    intra = link.intra()
     placed = layout_links(link, n_ranks, dp, link.tp)
     assert isinstance(placed, NodeLinks)
     groups = dp // shard
@@ -192,8 +229,7 @@ def hsdp_links(link: Links, n_ranks: int, dp: int, shard: int) -> tuple[list[Lin
     copies = [range(j, dp, shard) for j in range(min(shard, link.gpus_per_node))]
 
     def over(members: list[range], r: int) -> LinkCost:
-        same = all(placed.node_of(g[0], r) == placed.node_of(g[-1], r) for g in members)  # nodes only grow
-        return intra if same else link.inter
+        return _slowest([group_link(placed, r, g) for g in members])
 
     return [over(shards, r) for r in range(n_ranks)], [over(copies, r) for r in range(n_ranks)]
 
@@ -422,6 +458,7 @@ __all__ = [
     "gather_bytes_of",
     "check_run_replicas",
     "dp_group_links",
+    "group_link",
     "grad_reduce_s",
     "hsdp_links",
     "hsdp_reduce_s",

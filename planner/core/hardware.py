@@ -56,6 +56,12 @@ class HardwareSpec(BaseModel):
         gt=0, description="Network bandwidth per device to another node, bytes/s, one direction."
     )
     inter_node_latency_s: float = Field(ge=0, description="Small-message latency to another node, s.")
+    gpus_per_nic: int = Field(
+        default=1,
+        ge=1,
+        description="GPUs sharing one network card of inter_node_Bps (1: a card per GPU, the DGX / HGX design): "
+        "a collective with k ranks on a node crosses nodes over k // gpus_per_nic cards at once.",
+    )
     matmul_efficiency: float = Field(
         default=0.65,
         gt=0,
@@ -329,6 +335,7 @@ GPUS: dict[str, HardwareSpec] = {
         intra_node_latency_s=20e-6,
         inter_node_Bps=_CLOUD_100G,
         inter_node_latency_s=50e-6,
+        gpus_per_nic=8,  # the instance's one network, shared by all its GPUs
         matmul_efficiency=0.6,
         gemm_half_dim=_TILE,
         attention_kernel="FlashAttention-2",
@@ -348,6 +355,7 @@ GPUS: dict[str, HardwareSpec] = {
         intra_node_latency_s=20e-6,
         inter_node_Bps=_CLOUD_100G,
         inter_node_latency_s=50e-6,
+        gpus_per_nic=8,  # the instance's one network, shared by all its GPUs
         matmul_efficiency=0.6,
         gemm_half_dim=_TILE,
         attention_kernel="FlashAttention-2",
@@ -369,6 +377,7 @@ GPUS: dict[str, HardwareSpec] = {
         intra_node_latency_s=20e-6,
         inter_node_Bps=_CLOUD_100G,
         inter_node_latency_s=50e-6,
+        gpus_per_nic=8,  # the instance's one network, shared by all its GPUs
         matmul_efficiency=0.5,
         gemm_half_dim=_TILE,
         attention_kernel="FlashAttention-2",
@@ -388,6 +397,7 @@ GPUS: dict[str, HardwareSpec] = {
         intra_node_latency_s=10e-6,
         inter_node_Bps=_EDR_IB,
         inter_node_latency_s=20e-6,
+        gpus_per_nic=2,  # DGX-1: four EDR cards for eight GPUs
         matmul_efficiency=0.6,
         gemm_half_dim=_TILE,
         attention_kernel="memory-efficient attention (xFormers / PyTorch)",
@@ -461,7 +471,10 @@ def link_cost(hw: HardwareSpec, intra_node: bool = True) -> LinkCost:
             bandwidth_Bps=hw.intra_node_Bps * hw.link_efficiency,
         )
     return LinkCost(
-        name=f"{hw.name}-inter", latency_s=hw.inter_node_latency_s, bandwidth_Bps=hw.inter_node_Bps * hw.link_efficiency
+        name=f"{hw.name}-inter",
+        latency_s=hw.inter_node_latency_s,
+        bandwidth_Bps=hw.inter_node_Bps * hw.link_efficiency,
+        ranks_per_nic=hw.gpus_per_nic,
     )
 
 

@@ -325,6 +325,15 @@ class LinkCost(BaseModel):
     name: str = Field(description="Short description, e.g. 'gloo-cpu'.")
     latency_s: float = Field(ge=0, allow_inf_nan=False, description="Fixed cost per message, seconds.")
     bandwidth_Bps: float = Field(gt=0, allow_inf_nan=False, description="Sustained bandwidth, bytes per second.")
+    ranks_per_nic: int = Field(
+        default=0,
+        ge=0,
+        description="For a network link: ranks of a node that share one network card of this bandwidth (1 where "
+        "every GPU has its own, as on DGX / HGX nodes). A collective whose group has k ranks on every node it "
+        "spans crosses nodes at max(1, k // ranks_per_nic) times this bandwidth, for NCCL spreads its channels "
+        "over the node's cards, up to the intra-node link's (planner.core.data_parallel.group_link). 0: every "
+        "collective over this link gets this bandwidth.",
+    )
     cpu_share: float = Field(
         default=1.0,
         ge=0,
