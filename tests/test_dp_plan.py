@@ -27,7 +27,7 @@ from planner.core.links import NodeLinks, boundary_links
 from planner.core.predict import plan_links, refresh, stage_times, with_links, with_method
 from planner.core.recompute import checkpoint_units, kept_bytes
 from planner.core.simulate import simulate
-from planner.core.stage_model import stage_memory_bytes
+from planner.core.stage_model import stage_memory_bytes, stage_memory_parts
 from planner.errors import InfeasibleError, PlanFileError, PlannerError
 from planner.report.compare import compare_table
 from planner.report.tables import layout_line, render, search_table
@@ -168,8 +168,12 @@ def test_fsdp_plan_memory_and_optimizer_step_are_sharded() -> None:
     plan = _plan(blocks, gpus=8, dp=4, dp_mode="fsdp", m=4, batch=64)
     assert (plan.dp, plan.dp_mode, plan.n_ranks) == (4, "fsdp", 2)
     assert [(s.start, s.end) for s in plan.stages] == [(0, 2), (2, 3)]
-    assert [s.memory_bytes for s in plan.stages] == [21 * MB, 9 * MB]  # 1F1B: 2 and 1 in flight
-    assert plan.prediction.max_memory_bytes == 21 * MB
+    # 1F1B: 2 and 1 in flight, gradients new every step: a stage's gradient share (2 MiB / 4 and
+    # 1 MiB / 4) is made by the reduce-scatter after its last backward, beside no activation, so
+    # its peak is the hand count less the share (stage [a, b]: 21 - 0.5 MiB beside 2 live, or the
+    # 6 MiB static + 1 MiB output gradient + 4 MiB unsharded at the reduce-scatter)
+    assert [s.memory_bytes for s in plan.stages] == [int(20.5 * MB), int(8.75 * MB)]
+    assert plan.prediction.max_memory_bytes == int(20.5 * MB)
     # each rank steps its quarter of the parameters: 2 x 4 ms / 4 on stage 0
     assert [s.opt_s for s in plan.stages] == pytest.approx([2e-3, 1e-3], rel=1e-12)
     ddp = _plan(blocks, gpus=8, dp=4, dp_mode="ddp", m=4, batch=64)
@@ -187,7 +191,9 @@ def test_tied_copies_are_sharded_like_other_parameters() -> None:
     # stage [c] holds a copy: 2 MiB of parameters, reduced and sharded with the rest
     assert plan.blocks[2].param_bytes == 2 * MB
     last = plan.stages[1]
-    assert last.memory_bytes == stage_memory_bytes(plan.blocks, 2, 3, last.in_flight, ADAMW, n_microbatches=2, shard=2)
+    # (gradients new every step: the share comes after the last backward, MemoryParts.peak)
+    parts = stage_memory_parts(plan.blocks, 2, 3, ADAMW, n_microbatches=2, shard=2)
+    assert parts.reduced == MB and last.memory_bytes == parts.peak(last.in_flight, fresh_grads=True)
     assert plan.prediction.dp_reduce_s == pytest.approx(2 * (1 / 2 * 2 * MB) / (MB * 1000.0), rel=1e-12)
 
 

@@ -93,6 +93,50 @@ def test_gradients_freed_between_steps_come_with_one_microbatch_fewer() -> None:
     assert one.peak(3, fresh_grads=True) == (16 - 4 + 12) * MB
 
 
+def test_a_stage_units_gradient_share_comes_after_its_last_backward() -> None:
+    blocks = _layers()  # 4 x 1 MiB of fp32 parameters, 1 MiB of activations each, one stage
+    # FSDP over 4, the stage one unit, 2 microbatches: fixed (4 + 4 + 8) / 4 = 4 MiB, 4 MiB a live
+    # microbatch, the unsharded 4 MiB weights + 4 MiB gradient sums; the gradients: the 1 MiB share
+    # (made by the reduce-scatter after the last backward) + the 4 MiB unsharded sums
+    parts = stage_memory_parts(blocks, 0, 4, ADAMW, "never", 2, 4)
+    assert (parts.fixed, parts.per_microbatch, parts.once, parts.grads, parts.reduced) == (
+        4 * MB,
+        4 * MB,
+        8 * MB,
+        5 * MB,
+        MB,
+    )
+    # kept between steps: everything at once, 4 + 2 x 4 + 8
+    assert parts.peak(2) == 20 * MB
+    # GPipe, gradients new every step: 2 live without any gradient (4 - 5 + 8 + 8 = 15), then 1 live
+    # with the unsharded sums but not the share (4 - 5 + 4 + 8 + 4 = 15), then the reduce-scatter:
+    # no activation, the sums and the share (4 - 5 + 8 + 5 = 12)
+    assert parts.peak(2, fresh_grads=True) == 15 * MB
+    # 1F1B with one live: the sums are there after the first backward, the share is not: 4 - 1 + 4 + 8
+    assert parts.peak(1, fresh_grads=True) == 15 * MB == parts.peak(1) - MB
+    # block by block the share is made during the backward, unit by unit: counted from the first
+    assert stage_memory_parts(blocks, 0, 4, ADAMW, "never", 2, 4, per_block=True).reduced == 0
+    # a bf16 stage (2-byte parameters): the share is of the fp32 gradient sums, 4 N / 4
+    narrow = [b.model_copy(update={"param_bytes": b.param_bytes // 2}) for b in blocks]
+    assert stage_memory_parts(narrow, 0, 4, ADAMW, "never", 2, 4).reduced == MB
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("m", [2, 3, 4, 6])
+def test_the_ranks_order_counts_the_share_as_the_closed_form(schedule: str, m: int) -> None:
+    # with one stage per rank, the peak read off each rank's action order (the share added at its
+    # last backward) is MemoryParts.peak's closed form
+    blocks = _layers(6)
+    plan = _plan(
+        blocks, gpus=8, dp=4, dp_mode="fsdp", fsdp_units="stage", microbatches=m, batch_size=8 * m, schedule=schedule
+    )
+    assert plan.n_ranks == 2 and plan.dp_mode == "fsdp" and plan.fsdp_units == "stage"
+    for stage in plan.stages:
+        parts = stage_memory_parts(blocks, stage.start, stage.end, ADAMW, stage.recompute, m, 4)
+        assert parts.reduced > 0
+        assert stage.memory_bytes == parts.peak(stage.in_flight, fresh_grads=True), (schedule, m, stage.index)
+
+
 def test_block_traffic_is_hidden_behind_compute_except_the_first_gathers() -> None:
     blocks = _layers()
     layout = Layout("gpipe", 1, 2, 1, dp=4, dp_mode="fsdp", fsdp_units="block")

@@ -129,7 +129,10 @@ def test_group_links_match_a_brute_force_over_every_placement() -> None:
                             if cards == 1:
                                 return inter
                             return inter.model_copy(
-                                update={"name": f"h100-inter x{cards} cards", "bandwidth_Bps": cards * inter.bandwidth_Bps}
+                                update={
+                                    "name": f"h100-inter x{cards} cards",
+                                    "bandwidth_Bps": cards * inter.bandwidth_Bps,
+                                }
                             )
 
                         want = ([one_node(shards, r) for r in range(pp)], [one_node(copies, r) for r in range(pp)])

@@ -213,6 +213,12 @@ def test_peak_live_bytes_of_a_rank_with_two_stages() -> None:
     # with gradients from each stage's first backward on: stage 2's (7) from 2B0, so 41 + 7; stage
     # 0's (5) from 0B0, after which it holds at most 3 live: 3 x 10 + 5 + 7 + stage 2's live
     assert peak_live_bytes(order, {0: 10, 2: 1}, {0: 5, 2: 7}) == 48
+    # a share made after a stage's last backward (an FSDP stage unit's reduce-scatter): stage 2's 100
+    # comes after 2B3, when stage 0 still holds microbatches 2 and 3 (2 x 10) and both stages'
+    # gradients (12); stage 0's own share after 0B3, the last action, beside nothing live
+    assert [(a.stage, a.kind, a.microbatch) for a in order[-3:]] == [(2, "B", 3), (0, "B", 2), (0, "B", 3)]
+    assert peak_live_bytes(order, {0: 10, 2: 1}, {0: 5, 2: 7}, {2: 100}) == 2 * 10 + 12 + 100
+    assert peak_live_bytes(order, {0: 10, 2: 1}, {0: 5, 2: 7}, {0: 100}) == 12 + 100
 
 
 def test_gradients_come_with_one_microbatch_fewer_where_every_forward_comes_first() -> None:

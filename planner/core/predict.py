@@ -334,8 +334,8 @@ def rank_memory_bytes(
     that the activations are the peak of their sum over the rank's action order
     (``peak_live_bytes``): with several stages per rank, each stage's own peak comes at a different
     time. Where the gradients are freed between steps (``layout.fresh_grads``) a stage's count only
-    from its first backward on (as ``MemoryParts.peak``'s). With one stage per rank it equals
-    ``MemoryParts.peak`` under GPipe and 1F1B, and is at most that elsewhere (the closed form assumes a
+    from its first backward on, an FSDP stage unit's sharded share only from its last (as
+    ``MemoryParts.peak``'s). With one stage per rank it equals ``MemoryParts.peak`` under GPipe and 1F1B, and is at most that elsewhere (the closed form assumes a
     stage with fewer microbatches live than a step has reaches its peak again after a backward).
 
     Args:
@@ -357,6 +357,7 @@ def rank_memory_bytes(
     fixed = once = step = 0
     live_per_mb: dict[int, int] = {}
     grads: dict[int, int] = {}
+    reduced: dict[int, int] = {}  # of the gradients, what comes only after the stage's last backward
     for st in stages:
         if st.rank != rank:
             continue
@@ -373,9 +374,10 @@ def rank_memory_bytes(
         live_per_mb[st.index] = per_microbatch
         once += own_once
         step += own.step
-        grads[st.index] = own.grads if layout.fresh_grads else 0
-    late = sum(grads.values())  # in fixed and once, but only from each stage's first backward on
-    return fixed - late + max(peak_live_bytes(order, live_per_mb, grads) + once, step + late)
+        grads[st.index] = own.grads - own.reduced if layout.fresh_grads else 0
+        reduced[st.index] = own.reduced if layout.fresh_grads else 0
+    late = sum(grads.values()) + sum(reduced.values())  # in fixed and once, but only from a backward on
+    return fixed - late + max(peak_live_bytes(order, live_per_mb, grads, reduced) + once, step + late)
 
 
 def slots_of(profile: ProfileInfo) -> float | None:

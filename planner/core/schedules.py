@@ -450,12 +450,17 @@ def peak_in_flight(order_for_rank: Sequence[Action]) -> dict[int, int]:
 
 
 def peak_live_bytes(
-    order_for_rank: Sequence[Action], bytes_per_microbatch: dict[int, int], grads: dict[int, int] | None = None
+    order_for_rank: Sequence[Action],
+    bytes_per_microbatch: dict[int, int],
+    grads: dict[int, int] | None = None,
+    reduced: dict[int, int] | None = None,
 ) -> int:
     """Peak bytes a rank's live microbatches hold, with the gradients that appear during the run: the
     most, over prefixes of its order, of the sum over its stages of live microbatches x that stage's
     bytes per microbatch, plus ``grads[stage]`` for each stage whose first backward (``B`` or ``W``:
-    where its weight gradients appear, and its first activations are freed) has run.
+    where its weight gradients appear, and its first activations are freed) has run, plus
+    ``reduced[stage]`` for each stage whose last backward has run (an FSDP stage unit's sharded
+    gradients, which its reduce-scatter makes then).
 
     With several stages per rank the stages' peaks need not coincide, so this is at most (and often
     less than) the sum of the per-stage peaks. A stage whose every forward comes before its first
@@ -465,15 +470,17 @@ def peak_live_bytes(
         order_for_rank: one rank's action order.
         bytes_per_microbatch: stage -> bytes one live microbatch holds on it.
         grads: stage -> its gradient bytes, counted from its first backward on (None: none).
+        reduced: stage -> gradient bytes counted from its last backward on (None: none).
 
     Returns:
         Peak bytes.
     """
-    grads = grads or {}
+    grads, reduced = grads or {}, reduced or {}
+    last = {a.stage: i for i, a in enumerate(order_for_rank) if a.kind in ("B", "W")} if reduced else {}
     live = 0
     peak = 0
     seen: set[int] = set()
-    for a in order_for_rank:
+    for i, a in enumerate(order_for_rank):
         if a.kind == "F":
             live += bytes_per_microbatch.get(a.stage, 0)
         elif a.kind in ("B", "W"):
@@ -481,6 +488,8 @@ def peak_live_bytes(
             if a.stage not in seen:
                 seen.add(a.stage)
                 live += grads.get(a.stage, 0)
+            if last.get(a.stage) == i:
+                live += reduced.get(a.stage, 0)
         peak = max(peak, live)
     return peak
 

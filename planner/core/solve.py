@@ -75,6 +75,7 @@ from planner.core.stage_model import (
     evaluate,
     grad_bytes,
     parts_from_sums,
+    reduced_bytes,
     stage_bounds,
     unsharded_bytes,
 )
@@ -331,8 +332,11 @@ class _Arrays:
         for other in options[1:]:
             pipeline = np.minimum(pipeline, other)
         d = self.mem.shard
-        if d > 1:  # the sharded state (rounded down: still a lower bound) and the unsharded copies
-            sharded: AnyIntArray = (2 * p_b + per_param) // d + self.mem.m * cin
+        if d > 1:  # the sharded state (rounded down: still a lower bound) and the unsharded copies; a
+            # stage unit's gradient share left out where it comes after the activations are gone
+            # (MemoryParts.reduced): the rest of its state is still at least the share's floor
+            grads = 0 * p_b if self.mem.fresh and not self.mem.per_block else p_b
+            sharded: AnyIntArray = (p_b + grads + per_param) // d + self.mem.m * cin
             unsharded = unsharded_bytes(p_b, n_p, self.region_params.many(s, e), self.mem.per_block)
             bound: AnyIntArray = sharded + np.maximum(pipeline + unsharded, step // d)
             return bound
@@ -356,7 +360,9 @@ class _Arrays:
 
         ``MemoryParts.peak`` is ``K + max(t * X + Y, step)``: they fit ``limit`` iff ``K + step`` and
         ``K + Y`` do and ``t <= (limit - K - Y) // X``. With the gradients new every step (``G`` bytes)
-        ``t >= m`` live (every microbatch) fit iff ``t - 1`` do and ``t * X + Y <= limit - K + G``.
+        ``t >= m`` live (every microbatch) fit iff ``t - 1`` do and ``t * X + Y <= limit - K + G``;
+        of them, a stage unit's sharded share ``R`` comes after the last backward, so any ``t`` fits
+        iff ``t * X + Y <= limit - K + R`` (besides ``K + Y`` and ``K + step``).
         """
         no = np.full(len(s), -1, dtype=np.int64)
         allowed = self.mem.options
@@ -383,6 +389,8 @@ class _Arrays:
             most = self.region_params.many(s, e)
             unsharded = unsharded_bytes(p_b, n_p, most, self.mem.per_block)
         grads = grad_bytes(p_b, n_p, most, d, self.mem.per_block) if self.mem.fresh else 0 * p_b
+        # a stage unit's gradient share, made after its last backward: not beside the activations
+        reduced = reduced_bytes(p_b, n_p, d, self.mem.per_block) if self.mem.fresh else 0 * p_b
         head = self.limit - (static + self.mem.m * (cin + cout))
         saved = self._saved(s, e, a_b)
         limits = []
@@ -396,8 +404,9 @@ class _Arrays:
             c = cast if option == "never" and d == 1 else 0 * cast
             xs, ys = x - c, y + 2 * c
             fits_alone = (y <= head) & (step <= head)
-            fits_one, fits_two, fits_three = x + y <= head, 2 * x + y <= head, 3 * xs + ys <= head
-            most = np.minimum((head - ys) // np.maximum(xs, 1), self.big)
+            room = head + reduced  # live microbatches beside all but the gradient share
+            fits_one, fits_two, fits_three = x + y <= room, 2 * x + y <= room, 3 * xs + ys <= room
+            most = np.minimum((room - ys) // np.maximum(xs, 1), self.big)
             fewer = np.where(fits_two, 2, np.where(fits_one, 1, 0))
             t_max = np.where(fits_alone, np.where(fits_three, np.where(xs > 0, most, self.big), fewer), -1)
             if self.mem.fresh:  # from m live on, one fewer with the gradients (MemoryParts.peak)

@@ -344,20 +344,27 @@ class MemoryParts(NamedTuple):
     grads: int = 0  # of fixed + once, the gradients (the share, and a sharded stage's unsharded ones)
     microbatches: int = 0  # microbatches per step: with as many live, every forward came before a backward
     cast: int = 0  # of per_microbatch, autocast's weight copies a stage may share (``shared_casts``); 0: it may not
+    reduced: int = 0  # of grads, a stage unit's sharded gradients: made by the reduce-scatter after its last backward
 
     def peak(self, in_flight: int, fresh_grads: bool = False) -> int:
         """The stage's peak bytes with ``in_flight`` live microbatches.
 
-        With ``fresh_grads`` (the gradients are freed between steps: ``Layout.fresh_grads``) and every
-        microbatch live at once (``in_flight >= microbatches``: all forwards come before the first
-        backward, as under GPipe), the gradients do not exist at that peak: they build up during the
-        first backward, which frees its microbatch's activations, so they come with one fewer.
+        With ``fresh_grads`` (the gradients are freed between steps: ``Layout.fresh_grads``) the
+        gradients count from the stage's first backward on, which frees a microbatch's activations:
+        with every microbatch live at once (``in_flight >= microbatches``: all forwards come before
+        the first backward, as under GPipe) they come with one fewer. Of them, the ``reduced`` share
+        (an FSDP stage unit's sharded gradients) is made only by the reduce-scatter after the last
+        backward, when no activation is left: the unsharded gradients it is reduced from, held in
+        ``once``, still exist then (``once + grads``).
         """
         x, y = shared_casts(self.per_microbatch, self.once, self.cast, in_flight)
-        if fresh_grads and in_flight >= self.microbatches:
+        if not fresh_grads:
+            return self.fixed + max(in_flight * x + y, self.step)
+        r = self.reduced
+        if in_flight >= self.microbatches:
             g = self.grads
-            return self.fixed - g + max(in_flight * x + y, (in_flight - 1) * x + y + g, self.step + g)
-        return self.fixed + max(in_flight * x + y, self.step)
+            return self.fixed - g + max(in_flight * x + y, (in_flight - 1) * x + y + g - r, y + g, self.step + g)
+        return self.fixed - r + max(in_flight * x + y, y + r, self.step + r)
 
 
 def stage_memory_parts(
@@ -541,6 +548,15 @@ def grad_bytes(p_bytes: Any, n_params: Any, most_params: Any, shard: int, per_bl
     return full
 
 
+def reduced_bytes(p_bytes: Any, n_params: Any, shard: int, per_block: bool) -> Any:
+    """Of a sharded stage's gradients (``grad_bytes``), the share a stage unit's reduce-scatter makes
+    after its last backward (``MemoryParts.reduced``): ``max(P, 4 N) / shard``; 0 block by block,
+    where each unit's share is made during the backward, or unsharded. Ints and integer arrays alike."""
+    if shard <= 1 or per_block:
+        return 0 * p_bytes
+    return ceil_div(fp32_bytes(p_bytes, n_params), shard)
+
+
 def parts_from_sums(
     sums: StageSums,
     optimizer: OptimizerSpec,
@@ -580,6 +596,7 @@ def parts_from_sums(
             step=ceil_div(step, shard),
             grads=grad_bytes(p_bytes, n_params, most_params, shard, per_block),
             microbatches=n_microbatches,
+            reduced=reduced_bytes(p_bytes, n_params, shard, per_block),
         )  # FSDP holds no copies (casts.without_casts)
     return MemoryParts(
         fixed=2 * p_bytes + optimizer.state_bytes(n_params, p_bytes) + n_microbatches * (cut_in + cut_out),
