@@ -106,23 +106,29 @@ def test_ddp_all_reduce_time_is_exact_and_added_to_the_step() -> None:
     ]
 
 
-def test_fsdp_gather_and_reduce_scatter_pay_the_latency_twice() -> None:
+def test_collectives_pay_a_latency_per_step_of_their_algorithm() -> None:
     # 8 ranks = 4 replicas x 2 pipeline ranks, a link of 0.5 ms + 1 MiB/ms; each rank holds 2 MiB.
-    # DDP: 0.5 + 2 x 3/4 x 2 = 3.5 ms; FSDP: 2 x (0.5 + 3/4 x 2) = 4 ms (the same traffic).
+    # DDP: a tree's 2 log2(4) = 4 latencies + 2 x 3/4 x 2 MiB = 2 + 3 = 5 ms; FSDP: two rings of
+    # 3 steps, 2 x (3 x 0.5 + 3/4 x 2) = 6 ms (the same bytes, more steps)
     slow = LinkCost(name="slow", latency_s=5e-4, bandwidth_Bps=MB * 1000.0)
-    assert grad_reduce_s(2 * MB, 4, "ddp", slow) == pytest.approx(3.5e-3, rel=1e-12)
-    assert grad_reduce_s(2 * MB, 4, "fsdp", slow) == pytest.approx(4e-3, rel=1e-12)
+    assert grad_reduce_s(2 * MB, 4, "ddp", slow) == pytest.approx(5e-3, rel=1e-12)
+    assert grad_reduce_s(2 * MB, 4, "fsdp", slow) == pytest.approx(6e-3, rel=1e-12)
     assert grad_reduce_s(2 * MB, 1, "ddp", slow) == grad_reduce_s(2 * MB, 1, "fsdp", slow) == 0.0
+    # two replicas: both algorithms take 2 steps (a reduce-scatter and an all-gather of one each)
+    assert grad_reduce_s(2 * MB, 2, "ddp", slow) == pytest.approx(2 * 5e-4 + 2e-3, rel=1e-12)
+    # a thousand replicas pay their rings' steps: 2 x 999 latencies, against 2 x 10 for DDP's tree
+    assert grad_reduce_s(0, 1000, "fsdp", slow) == pytest.approx(2 * 999 * 5e-4, rel=1e-12)
+    assert grad_reduce_s(0, 1000, "ddp", slow) == pytest.approx(20 * 5e-4, rel=1e-12)
     ddp = _plan(_layers(), gpus=8, dp=4, dp_mode="ddp", m=2, link=slow)
     fsdp = _plan(_layers(), gpus=8, dp=4, dp_mode="fsdp", m=2, link=slow)
-    assert ddp.prediction.dp_reduce_s == pytest.approx(3.5e-3, rel=1e-12)
-    assert fsdp.prediction.dp_reduce_s == pytest.approx(4e-3, rel=1e-12)
+    assert ddp.prediction.dp_reduce_s == pytest.approx(5e-3, rel=1e-12)
+    assert fsdp.prediction.dp_reduce_s == pytest.approx(6e-3, rel=1e-12)
     # with FSDP the clipping norm is all-reduced over all 8 ranks: 2 x log2(8) messages of 0.5 ms
     opt = 0.0
     assert fsdp.prediction.step_time_s == pytest.approx(
-        fsdp.prediction.pipeline_time_s + 4e-3 + 6 * 5e-4 + opt, rel=1e-12
+        fsdp.prediction.pipeline_time_s + 6e-3 + 6 * 5e-4 + opt, rel=1e-12
     )
-    assert ddp.prediction.step_time_s == pytest.approx(ddp.prediction.pipeline_time_s + 3.5e-3 + 2 * 5e-4, rel=1e-12)
+    assert ddp.prediction.step_time_s == pytest.approx(ddp.prediction.pipeline_time_s + 5e-3 + 2 * 5e-4, rel=1e-12)
 
 
 def test_the_slowest_rank_sets_the_reduction() -> None:

@@ -86,17 +86,17 @@ def test_fsdp_plans_count_no_copies_and_ddp_plans_do() -> None:
 
 def test_gradients_are_reduced_in_fp32_and_weights_gathered_in_bf16() -> None:
     # LINK: 1 ms + 1 MiB per ms. FSDP over 4 of a rank with 2 MiB of bf16 weights (4 MiB of fp32
-    # gradients): the gather moves 3/4 of 2 MiB, the reduce-scatter 3/4 of 4 MiB
-    assert grad_reduce_s(2 * MB, 4, "fsdp", LINK, 4 * MB) == pytest.approx((1 + 1.5) * 1e-3 + (1 + 3) * 1e-3, rel=1e-12)
-    # DDP all-reduces the fp32 gradients of the weights autocast trains: 2 x 3/4 of 4 MiB
-    assert grad_reduce_s(2 * MB, 4, "ddp", LINK, 4 * MB) == pytest.approx((1 + 6) * 1e-3, rel=1e-12)
+    # gradients): the gather's ring (3 steps) moves 3/4 of 2 MiB, the reduce-scatter's 3/4 of 4 MiB
+    assert grad_reduce_s(2 * MB, 4, "fsdp", LINK, 4 * MB) == pytest.approx((3 + 1.5) * 1e-3 + (3 + 3) * 1e-3, rel=1e-12)
+    # DDP all-reduces the fp32 gradients of the weights autocast trains: 2 x 3/4 of 4 MiB, 4 latencies
+    assert grad_reduce_s(2 * MB, 4, "ddp", LINK, 4 * MB) == pytest.approx((4 + 6) * 1e-3, rel=1e-12)
     blocks = _bf16_layers()
     assert wide_bytes(blocks) == 4 * MB
     assert wide_bytes([block("a", 1, 1, QUARTER)]) == MB  # fp32: its own bytes
     stages, _ = predict(blocks, [0], LINK, Layout("gpipe", 1, 2, 1, dp=4, dp_mode="fsdp"), ADAMW)
-    assert rank_reduce_s(blocks, stages, [LINK], 4, "fsdp") == pytest.approx([6.5e-3], rel=1e-12)
+    assert rank_reduce_s(blocks, stages, [LINK], 4, "fsdp") == pytest.approx([10.5e-3], rel=1e-12)
     # block by block, per microbatch and unit: two gathers of half a MiB, one reduce-scatter of 1 MiB
-    per_unit = 2 * (1 + 0.75 / 2) * 1e-3 + (1 + 0.75) * 1e-3
+    per_unit = 2 * (3 + 0.75 / 2) * 1e-3 + (3 + 0.75) * 1e-3
     got = block_fsdp_s(blocks, stages, [LINK], 4, 2, overlap=False)
     assert got == pytest.approx([2 * 4 * per_unit], rel=1e-12)
 

@@ -141,18 +141,18 @@ def test_block_traffic_is_hidden_behind_compute_except_the_first_gathers() -> No
     blocks = _layers()
     layout = Layout("gpipe", 1, 2, 1, dp=4, dp_mode="fsdp", fsdp_units="block")
     stages, pred = predict(blocks, [0], LINK, layout, ADAMW)
-    # one transfer of a 1 MiB unit among 4 replicas: 1 ms + 3/4 MiB at 1 MiB/ms = 1.75 ms; per
-    # microbatch 4 units x 3 transfers = 21 ms, far below the stage's 120 ms of compute: only the
-    # first gather of each forward and of each backward waits, 2 x 1.75 ms per microbatch
-    assert pred.dp_reduce_s == pytest.approx(2 * 2 * 1.75e-3, rel=1e-12)
-    assert block_fsdp_s(blocks, stages, [LINK], 4, 2, overlap=False) == pytest.approx([2 * 12 * 1.75e-3], rel=1e-12)
-    # compute too short to hide it: 0.2 ms per block, 1.6 ms per step; the rest of 42 ms shows
+    # one ring of a 1 MiB unit among 4 replicas: 3 steps of 1 ms + 3/4 MiB at 1 MiB/ms = 3.75 ms; per
+    # microbatch 4 units x 3 rings = 45 ms, below the stage's 120 ms of compute: only the first
+    # gather of each forward and of each backward waits, 2 x 3.75 ms per microbatch
+    assert pred.dp_reduce_s == pytest.approx(2 * 2 * 3.75e-3, rel=1e-12)
+    assert block_fsdp_s(blocks, stages, [LINK], 4, 2, overlap=False) == pytest.approx([2 * 12 * 3.75e-3], rel=1e-12)
+    # compute too short to hide it: 0.2 ms per block, 1.6 ms per step; the rest of 90 ms shows
     quick = _layers(fwd_ms=0.1, bwd_ms=0.1)
     stages, pred = predict(quick, [0], LINK, layout, ADAMW)
-    assert pred.dp_reduce_s == pytest.approx(7e-3 + (42e-3 - 7e-3 - 1.6e-3), rel=1e-9)
-    # per stage: one gather and one reduce-scatter of the 4 MiB stage per pass, 2 x (1 + 3) ms
+    assert pred.dp_reduce_s == pytest.approx(15e-3 + (90e-3 - 15e-3 - 1.6e-3), rel=1e-9)
+    # per stage: one gather and one reduce-scatter of the 4 MiB stage per pass, 2 x (3 + 3) ms
     _, whole = predict(blocks, [0], LINK, Layout("gpipe", 1, 2, 1, dp=4, dp_mode="fsdp"), ADAMW)
-    assert whole.dp_reduce_s == pytest.approx(8e-3, rel=1e-12)
+    assert whole.dp_reduce_s == pytest.approx(12e-3, rel=1e-12)
 
 
 @settings(max_examples=150, deadline=None)

@@ -23,7 +23,10 @@ FSDP reduces in fp32 by its ``MixedPrecisionPolicy`` (``planner.run.wrappers.fsd
 torchtitan, Megatron and the Llama 3 run do, for the sum over microbatches and replicas keeps fp32's
 precision.
 
-Each transfer is charged as one message of that volume (``latency + volume / bandwidth``) added to
+Each collective is charged by the alpha-beta model of its algorithm: a ring all-gather or
+reduce-scatter over n ranks ``(n - 1)`` latencies plus ``(n - 1) / n`` of the bytes at the group's
+bandwidth, an all-reduce twice the bytes with a tree's ``2 ceil(log2 n)`` latencies (``_ring_s``,
+``_allreduce_s``), so a group of thousands pays for its ring's steps. It is added to
 the step after the pipeline: the runner's reduction does overlap the last backwards and FSDP's
 gather the first forwards, so this is conservative.
 
@@ -37,6 +40,7 @@ rest of the memory model, ``planner.core.stage_model.stage_memory_bytes`` (``sha
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from functools import lru_cache
@@ -234,17 +238,23 @@ def hsdp_links(link: Links, n_ranks: int, dp: int, shard: int) -> tuple[list[Lin
     return [over(shards, r) for r in range(n_ranks)], [over(copies, r) for r in range(n_ranks)]
 
 
-def _transfer_s(volume: float, link: LinkCost) -> float:
-    """One message of ``volume`` bytes (a collective's per-rank traffic) over ``link``."""
-    return link.latency_s + volume / link.bandwidth_Bps
+def _ring_s(nbytes: float, group: int, link: LinkCost) -> float:
+    """An all-gather or a reduce-scatter of ``nbytes`` (the whole, gathered size) over ``group``
+    ranks: a ring of ``group - 1`` steps, each sending ``1 / group`` of the bytes, so ``(group - 1)
+    latencies + (group - 1) / group x nbytes / bandwidth`` (the alpha-beta cost of the ring;
+    Thakur, Rabenseifner and Gropp, "Optimization of collective communication operations in
+    MPICH", 2005; NCCL runs these two collectives as rings). 0 alone."""
+    if group <= 1:
+        return 0.0
+    return (group - 1) * link.latency_s + (group - 1) / group * nbytes / link.bandwidth_Bps
 
 
 def grad_reduce_s(nbytes: int, dp: int, dp_mode: str, link: LinkCost, reduce_bytes: int | None = None) -> float:
     """Seconds one pipeline rank spends reducing its gradients over its ``dp`` replicas.
 
-    DDP: ring all-reduce of the gradients, ``latency + 2 (dp - 1) / dp x R / bandwidth``. FSDP:
-    all-gather of the parameters (``nbytes``) plus reduce-scatter of the gradients (``R``),
-    ``latency + (dp - 1) / dp x bytes / bandwidth`` each. ``R`` is ``reduce_bytes``: in a dtype
+    DDP: all-reduce of the gradients, ``2 ceil(log2 dp) latency + 2 (dp - 1) / dp x R / bandwidth``.
+    FSDP: all-gather of the parameters (``nbytes``) plus reduce-scatter of the gradients (``R``),
+    rings of ``(dp - 1) latency + (dp - 1) / dp x bytes / bandwidth`` each. ``R`` is ``reduce_bytes``: in a dtype
     narrower than fp32 the gradients are reduced in fp32 (DDP's of the fp32 weights autocast trains,
     FSDP's by its ``reduce_dtype``; ``wide_bytes``) while FSDP gathers the parameters in their own.
     0 with one replica.
@@ -268,7 +278,7 @@ def grad_reduce_s(nbytes: int, dp: int, dp_mode: str, link: LinkCost, reduce_byt
     grads = nbytes if reduce_bytes is None else reduce_bytes
     if dp_mode == "ddp":
         return _allreduce_s(grads, dp, link)
-    return _transfer_s((dp - 1) / dp * nbytes, link) + _transfer_s((dp - 1) / dp * grads, link)
+    return _ring_s(nbytes, dp, link) + _ring_s(grads, dp, link)
 
 
 def gather_bytes_of(profile: ProfileInfo) -> int:
@@ -357,8 +367,13 @@ def hsdp_reduce_s(
 
 
 def _allreduce_s(nbytes: float, group: int, link: LinkCost) -> float:
-    """A ring all-reduce of ``nbytes`` over ``group`` ranks: ``2 (group - 1) / group x nbytes`` (0 alone)."""
-    return _transfer_s(2 * (group - 1) / group * nbytes, link) if group > 1 else 0.0
+    """An all-reduce of ``nbytes`` over ``group`` ranks: the ring's ``2 (group - 1) / group x nbytes``
+    at the link's bandwidth, with the ``2 ceil(log2 group)`` latencies of a tree (NCCL's tree, gloo's
+    halving-doubling; the ring's ``2 (group - 1)`` where fewer). 0 alone."""
+    if group <= 1:
+        return 0.0
+    steps = min(2 * (group - 1), 2 * math.ceil(math.log2(group)))
+    return steps * link.latency_s + 2 * (group - 1) / group * nbytes / link.bandwidth_Bps
 
 
 def block_fsdp_s(
@@ -375,7 +390,7 @@ def block_fsdp_s(
 
     Per microbatch a rank gathers each of its units (``checkpoint_units`` of its stages) for the
     forward and again for the backward, and reduce-scatters the unit's gradients:
-    ``m ((dp - 1) / dp (2 P + R) / bandwidth + 3 u latency)`` in all for ``P`` parameter bytes in ``u``
+    ``m ((dp - 1) / dp (2 P + R) / bandwidth + 3 u (dp - 1) latency)`` in all for ``P`` parameter bytes in ``u``
     units, their gradients ``R`` bytes as reduced (fp32 where the parameters are narrower, ``wide_bytes``). The first gather of every forward and of every backward waits (two transfers of the
     largest unit per microbatch); the rest overlaps the rank's forward and backward compute, ``m``
     times its stages' ``fwd_s + bwd_s``, and shows only where it outlasts it. Ranks that share CPU
@@ -399,7 +414,6 @@ def block_fsdp_s(
     """
     if dp <= 1:
         return [0.0] * len(links)
-    share = (dp - 1) / dp
     out = []
     for rank, link in enumerate(links):
         mine = [st for st in stages if st.rank == rank]
@@ -407,12 +421,11 @@ def block_fsdp_s(
         unit_bytes = [sum(b.param_bytes for b in blocks[a:z]) for a, z in units]
         unit_wide = [wide_bytes(blocks[a:z]) for a, z in units]  # the gradients, reduced in fp32
         traffic = n_microbatches * sum(
-            2 * _transfer_s(share * nbytes, link) + _transfer_s(share * w, link)
-            for nbytes, w in zip(unit_bytes, unit_wide)
+            2 * _ring_s(nbytes, dp, link) + _ring_s(w, dp, link) for nbytes, w in zip(unit_bytes, unit_wide)
         )
         if groups > 1:
             traffic += n_microbatches * sum(_allreduce_s(w / dp, groups, copies[rank]) for w in unit_wide)
-        waits = 2 * n_microbatches * _transfer_s(share * max(unit_bytes, default=0), link)
+        waits = 2 * n_microbatches * _ring_s(max(unit_bytes, default=0), dp, link)
         busy = n_microbatches * sum(st.fwd_s + st.bwd_s for st in mine)
         out.append(waits + max(traffic - waits - busy, 0.0) if overlap else traffic)
     return out
