@@ -201,7 +201,11 @@ How to read it:
   weights autocast trains; FSDP's by its `reduce_dtype`), as torchtitan and the Llama 3 run do; the
   Megatron-LM runs of 2021 trained in fp16 and all-reduced fp16 gradients, half the bytes. Every
   collective is charged at the link's `link_efficiency` (0.7 of its bandwidth, measured for p2p
-  sends), with no overlap of a stage unit's gather and reduce-scatter with compute.
+  sends; a data-parallel group with k ranks on each node it spans at k network cards' bandwidth, as
+  NCCL spreads its channels over a node's cards: docs/gpu_costs.md) plus a latency per step of its
+  ring (all-gather, reduce-scatter) or tree (all-reduce), with no overlap of a stage unit's gather
+  and reduce-scatter with compute (torch's schedules make the default stream wait for FSDP's
+  reduction after each stage's last backward, `PipelineStage.perform_reduce_grad`).
 - "fits" is the planner's predicted per-rank peak against the GPU's memory; a published layout that
   the planner says does not fit ran in reality, so its memory model is pessimistic there (per-layer
   recomputation and sharding are issue 27's subject).
