@@ -70,9 +70,10 @@ beside the median measured step (the first step and the tracked one left out).
 (parameters and gradients) until the last backward. `block`: every block its own unit, resharded
 after its forward and its backward, its gradients reduce-scattered at once: the model counts the
 unit computing, the next one prefetched and the unit's gradients, `3 x` the largest unit's
-parameter bytes, instead of the stage's (`2 x` its bytes in fp32; in bf16 `2 P + 4 N` with `N` parameters, below). With one pass a step FSDP's gradients (sharded and
-unsharded) are new every step, so they count only from a stage's first backward on: under GPipe,
-with one microbatch's activations fewer (docs/architecture.md, memory rules).
+parameter bytes, instead of the stage's (`2 x` its bytes in fp32; in bf16 `2 P + 4 N` with `N` parameters, below). With one pass a step FSDP's gradients are new every
+step, so the unsharded ones count only from a stage's first backward on (under GPipe, with one
+microbatch's activations fewer) and a stage unit's sharded share only from its reduce-scatter after
+the last backward (docs/architecture.md, memory rules).
 
 bf16: FSDP gathers the weights in bf16 and sums and reduce-scatters the gradients in fp32
 (`MixedPrecisionPolicy`, `planner/run/wrappers.fsdp_policy`), so the stages save no autocast copies

@@ -449,6 +449,10 @@ def test_replica_groups_across_nodes_reduce_over_the_network() -> None:
     assert [x.name for x in two] == ["h100-inter x2 cards"] * 2
     assert [x.bandwidth_Bps for x in two] == [2 * inter.bandwidth_Bps] * 2 == [2 * 0.7 * 50e9] * 2
     assert dp_group_links(node_links(H100, 8, 8), 2, 4) == [intra] * 2  # one node holds all 8
+    mi300x = get_hardware("mi300x")  # 64 replicas on 8 nodes: 8 cards of 35 GB/s, capped at NVLink's 44.8
+    capped = dp_group_links(node_links(mi300x, 1, 8), 1, 64)[0]
+    assert capped.bandwidth_Bps == link_cost(mi300x, intra_node=True).bandwidth_Bps == pytest.approx(64e9 * 0.7)
+    assert capped.bandwidth_Bps < 8 * link_cost(mi300x, intra_node=False).bandwidth_Bps
     # 2 replicas of 3 ranks on nodes of 4: replica 1 is ranks 3, 4, 5, its first boundary crosses nodes
     assert boundary_links(layout_links(node_links(H100, 6, 4), 3, 2), 3, "1f1b") == [inter, intra]
     assert boundary_links(layout_links(node_links(H100, 6, 4), 3, 1), 3, "1f1b") == [intra, intra]
@@ -468,7 +472,8 @@ def _brute_group_bandwidth(hw: HardwareSpec, per_node: int, pp: int, dp: int, tp
 def test_replica_groups_match_a_brute_force_over_every_placement() -> None:
     # the intra-node link exactly when every replica is on one node; else the network, over as many
     # cards as the node with the fewest of the group's members has (one a GPU on H100, one per two on V100)
-    for hw in (H100, get_hardware("v100"), get_hardware("l4")):
+    # (MI300X: eight 400 Gb/s cards outrun its 64 GB/s Infinity Fabric link, so the cap binds)
+    for hw in (H100, get_hardware("v100"), get_hardware("l4"), get_hardware("mi300x")):
         for per_node in (1, 2, 4, 8):
             for dp in (1, 2, 3, 4, 8, 16):
                 for pp in (1, 2, 3, 5):

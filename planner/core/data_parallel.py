@@ -6,7 +6,7 @@ Pure module: never imports torch. A plan of ``dp`` replicas runs ``dp`` copies o
 ``planner.schema.plan.Plan``). Each replica runs the pipeline on its batch / dp samples; once per
 step the replicas of every pipeline rank reduce that rank's gradients over their own group:
 
-* DDP: a ring all-reduce, ``2 (dp - 1) / dp x bytes`` over the group's link;
+* DDP: an all-reduce, ``2 (dp - 1) / dp x bytes`` over the group's link;
 * FSDP with stage units (``fully_shard`` per stage, ``reshard_after_forward=False``): an all-gather of the
   parameters (at the first forward) and a reduce-scatter of the gradients (after the last
   backward), ``(dp - 1) / dp x bytes`` each.
@@ -369,11 +369,10 @@ def hsdp_reduce_s(
 def _allreduce_s(nbytes: float, group: int, link: LinkCost) -> float:
     """An all-reduce of ``nbytes`` over ``group`` ranks: the ring's ``2 (group - 1) / group x nbytes``
     at the link's bandwidth, with the ``2 ceil(log2 group)`` latencies of a tree (NCCL's tree, gloo's
-    halving-doubling; the ring's ``2 (group - 1)`` where fewer). 0 alone."""
+    halving-doubling; never more than the ring's ``2 (group - 1)``). 0 alone."""
     if group <= 1:
         return 0.0
-    steps = min(2 * (group - 1), 2 * math.ceil(math.log2(group)))
-    return steps * link.latency_s + 2 * (group - 1) / group * nbytes / link.bandwidth_Bps
+    return 2 * math.ceil(math.log2(group)) * link.latency_s + 2 * (group - 1) / group * nbytes / link.bandwidth_Bps
 
 
 def block_fsdp_s(

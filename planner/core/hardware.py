@@ -53,7 +53,9 @@ class HardwareSpec(BaseModel):
     )
     intra_node_latency_s: float = Field(ge=0, description="Small-message latency to a peer in the same node, s.")
     inter_node_Bps: float = Field(
-        gt=0, description="Network bandwidth per device to another node, bytes/s, one direction."
+        gt=0,
+        description="Bandwidth of one network card to another node, bytes/s, one direction (a card per GPU on "
+        "DGX / HGX nodes; gpus_per_nic GPUs share it elsewhere).",
     )
     inter_node_latency_s: float = Field(ge=0, description="Small-message latency to another node, s.")
     gpus_per_nic: int = Field(

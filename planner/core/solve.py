@@ -360,9 +360,10 @@ class _Arrays:
 
         ``MemoryParts.peak`` is ``K + max(t * X + Y, step)``: they fit ``limit`` iff ``K + step`` and
         ``K + Y`` do and ``t <= (limit - K - Y) // X``. With the gradients new every step (``G`` bytes)
-        ``t >= m`` live (every microbatch) fit iff ``t - 1`` do and ``t * X + Y <= limit - K + G``;
-        of them, a stage unit's sharded share ``R`` comes after the last backward, so any ``t`` fits
-        iff ``t * X + Y <= limit - K + R`` (besides ``K + Y`` and ``K + step``).
+        ``t >= m`` live (every microbatch) fit iff ``t - 1`` do and ``t * X + Y <= limit - K + G``.
+        Of ``G``, a stage unit's sharded share ``R`` comes only after the last backward, so fewer
+        than ``m`` live fit iff ``t * X + Y <= limit - K + R`` (besides ``K + Y`` and ``K + step``),
+        and ``t >= m`` iff ``(t - 1) * X + Y <= limit - K + R`` and ``t * X + Y <= limit - K + G``.
         """
         no = np.full(len(s), -1, dtype=np.int64)
         allowed = self.mem.options

@@ -306,7 +306,8 @@ def stage_memory_bytes(
 
     This formula keeps the gradients for the whole step. Where they are freed between steps
     (``Layout.fresh_grads``) they exist only from the stage's first backward on, so a stage whose every
-    microbatch is live at once (all forwards first, as under GPipe) peaks lower:
+    microbatch is live at once (all forwards first, as under GPipe) peaks lower, and an FSDP stage
+    unit's sharded share only from its last backward, so it never sits beside the activations:
     ``MemoryParts.peak(in_flight, fresh_grads=True)``.
 
     Args:
@@ -333,7 +334,8 @@ class MemoryParts(NamedTuple):
     can add them up (``planner.core.predict.rank_memory_bytes``).
 
     At ``t`` live microbatches the stage holds ``fixed + max(t * per_microbatch + once, step)``, less
-    its gradients while it has run no backward yet (``peak``).
+    its gradients while it has run no backward yet and a stage unit's sharded share until its last
+    backward has run (``peak``).
     """
 
     fixed: int  # static + buffers: weights, gradients, optimizer state (sharded: a share), receive buffers
