@@ -366,13 +366,18 @@ def hsdp_reduce_s(
     return grad_reduce_s(nbytes, shard, "fsdp", link, grads) + _allreduce_s(grads / shard, groups, copies)
 
 
+def allreduce_steps(group: int) -> int:
+    """The latencies an all-reduce over ``group`` ranks pays: a tree's ``2 ceil(log2 group)`` (NCCL's
+    tree, gloo's halving-doubling; never more than a ring's ``2 (group - 1)``); 0 alone."""
+    return 2 * math.ceil(math.log2(group)) if group > 1 else 0
+
+
 def _allreduce_s(nbytes: float, group: int, link: LinkCost) -> float:
     """An all-reduce of ``nbytes`` over ``group`` ranks: the ring's ``2 (group - 1) / group x nbytes``
-    at the link's bandwidth, with the ``2 ceil(log2 group)`` latencies of a tree (NCCL's tree, gloo's
-    halving-doubling; never more than the ring's ``2 (group - 1)``). 0 alone."""
+    at the link's bandwidth, with a tree's latencies (``allreduce_steps``). 0 alone."""
     if group <= 1:
         return 0.0
-    return 2 * math.ceil(math.log2(group)) * link.latency_s + 2 * (group - 1) / group * nbytes / link.bandwidth_Bps
+    return allreduce_steps(group) * link.latency_s + 2 * (group - 1) / group * nbytes / link.bandwidth_Bps
 
 
 def block_fsdp_s(
@@ -465,20 +470,21 @@ def check_run_replicas(plan: Plan, run: RunResult) -> None:
 
 
 __all__ = [
+    "allreduce_steps",
     "as_gathered",
     "block_fsdp_s",
-    "gather_bytes_of",
     "check_run_replicas",
     "dp_group_links",
-    "group_link",
+    "gather_bytes_of",
     "grad_reduce_s",
+    "group_link",
     "hsdp_links",
     "hsdp_reduce_s",
     "hsdp_shard",
     "layout_links",
     "rank_param_bytes",
     "rank_reduce_s",
-    "wide_bytes",
     "replica_slots",
     "shard_of",
+    "wide_bytes",
 ]

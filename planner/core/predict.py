@@ -6,7 +6,6 @@ chosen plan and the baselines go through this one function, so the report compar
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -14,6 +13,7 @@ from pydantic import BaseModel
 
 from planner.core.casts import shared_casts
 from planner.core.data_parallel import (
+    allreduce_steps,
     block_fsdp_s,
     dp_group_links,
     gather_bytes_of,
@@ -125,7 +125,7 @@ def predict(
     shard = layout.shard
     group = p * shard * layout.tp  # under HSDP, one group's replicas hold every gradient once
     latency = max([x.latency_s for x in links] + ([x.latency_s for x in dp_links] if shard > 1 else []), default=0.0)
-    allreduce_s = 2 * math.ceil(math.log2(group)) * latency if group > 1 else 0.0
+    allreduce_s = allreduce_steps(group) * latency
     # before the optimizer each rank averages and clips its gradients: passes over all of them
     rank_opt = [sum(s.opt_s + s.grad_s for s in stages if s.rank == r) for r in range(p)]
     # With several passes (gradient accumulation) the schedule runs that many times back to back,
