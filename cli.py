@@ -122,6 +122,16 @@ def _load_plan(path: str) -> Plan:
     "config's base_model_tp_plan).",
 )
 @click.option(
+    "--sequence-parallel/--no-sequence-parallel",
+    default=False,
+    show_default=True,
+    help="With tensor parallelism (tp > 1), also split the activations between the split layers (residual adds, "
+    "norms) along the sequence over the tp ranks: each saves 1/tp of them, the row-wise outputs are "
+    "reduce-scattered and the column-wise inputs all-gathered instead of all-reduced (Megatron-LM's "
+    "--sequence-parallel; torchtitan runs it with every tp plan). Needs a model traced as a graph, with "
+    "activations laid out [batch, seq, features].",
+)
+@click.option(
     "--size", "-s", default=None, help="Named config from the model file's SIZES (default: the file's own defaults)."
 )
 @click.option(
@@ -336,6 +346,7 @@ def plan_cmd(
     dp_shard: int | str,
     fsdp_units: str,
     tp: int | str,
+    sequence_parallel: bool,
     size: str | None,
     overrides: tuple[str, ...],
     batch_size: int,
@@ -385,6 +396,7 @@ def plan_cmd(
         dp_shard=dp_shard,
         fsdp_units=fsdp_units.lower(),
         tp=tp,
+        sequence_parallel=sequence_parallel,
         size=size,
         overrides=parse_overrides(overrides),
         batch_size=batch_size,

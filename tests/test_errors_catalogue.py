@@ -322,6 +322,14 @@ CASES: list[Case] = [
     ),
     Case(
         "model file",
+        "sequence parallelism where the sequence shards reach attention the tp_plan leaves whole",
+        "plan {d}/gpt.py --size tiny --gpus 4 --tp 2 --sequence-parallel -b 8 --repeats 1 --warmup 0 -q",
+        2,
+        "which does not work token by token",
+        _text("gpt.py", (ROOT / "models" / "gpt.py").read_text()),
+    ),
+    Case(
+        "model file",
         "a tp_plan that splits a tied weight",
         "plan {d}/tied.py --gpus 2 --tp 2 -b 8 --repeats 1 --warmup 0 -q",
         2,
@@ -454,6 +462,13 @@ CASES: list[Case] = [
         "plan {d}/model.py --gpus 2 --dp 2 --dp-mode ddp --fsdp-units block",
         2,
         "--fsdp-units block shards with FSDP, but --dp-mode is ddp",
+    ),
+    Case(
+        "plan options",
+        "sequence parallelism with torch.compile",
+        "plan {d}/model.py --gpus 2 --tp 2 --sequence-parallel --compile",
+        2,
+        "--sequence-parallel runs eagerly only; leave out --compile",
     ),
     Case("plan options", "unknown --schedule", "plan {d}/model.py --gpus 2 --schedule zb", 2, "--schedule"),
     Case("plan options", "unknown --method", "plan {d}/model.py --gpus 2 --method best", 2, "--method"),

@@ -305,3 +305,16 @@ def test_megatron_core_takes_the_exported_checkpointing() -> None:
         recompute_num_layers=int(fields["recompute_num_layers"]),
     )
     assert (config.recompute_method, config.recompute_num_layers) == ("block", 2)
+
+
+def test_sequence_parallelism_is_carried_to_megatron_and_its_absence_noted() -> None:
+    plan = make_plan(LLAMA, [0, 3], schedule="1f1b", n_microbatches=2, tp=2)
+    split = plan.model_copy(update={"sequence_parallel": True})
+
+    def arguments(text: str) -> list[str]:
+        return [w for line in text.splitlines() if not line.startswith("#") for w in line.split()]
+
+    assert "--sequence-parallel" in arguments(export_plan(split, "megatron"))
+    plain = export_plan(plan, "megatron")
+    assert "--sequence-parallel" not in arguments(plain) and "# planned without sequence parallelism" in plain
+    assert "tensor parallel 2 with sequence parallelism" in export_plan(split, "torchtitan-toml")

@@ -52,7 +52,14 @@ SHIPPED: list[tuple[str, str | None, int, dict[str, Any]]] = [
 
 # Fields added after the digests were written, with the value that means what a plan without them
 # meant: dropped while they hold it, so the digests pin the figures, not the format.
-LATER_DEFAULTS = {"tp": 1, "tp_plan": {}, "accumulation": 1, "fsdp_units": "stage", "dp_shard": None}
+LATER_DEFAULTS = {
+    "tp": 1,
+    "tp_plan": {},
+    "accumulation": 1,
+    "fsdp_units": "stage",
+    "dp_shard": None,
+    "sequence_parallel": False,
+}
 BLOCK_LATER_DEFAULTS = {
     "tp": None,
     "selective_bytes": None,
@@ -63,6 +70,7 @@ BLOCK_LATER_DEFAULTS = {
     "cut_share": 1,
     "cut_gather_s": 0.0,
     "weight_cast_bytes": 0,
+    "cut_kept_bytes": None,
 }
 SHARE_LATER_DEFAULTS = {
     "slowdown": {},
@@ -107,6 +115,10 @@ def digest(plan: Plan) -> str:
         _drop(block, BLOCK_LATER_DEFAULTS)
         if isinstance(block.get("tp"), dict):
             _drop(block["tp"], SHARE_LATER_DEFAULTS)
+            # what sequence parallelism would change: figures only where a plan runs with it
+            sequence = block["tp"].pop("sequence", None)
+            if sequence is not None and not block["tp"]["sharded_params"] and not block["tp"]["fwd_allreduces"]:
+                del block["tp"]  # a block held whole but for its sequence shards (a final norm)
     for candidate in data["search"]:
         _drop(candidate, CANDIDATE_LATER_DEFAULTS)
     for key in ("link", "inter_node_link"):  # the links' card count: any figure it moves shows elsewhere

@@ -319,3 +319,44 @@ def test_tp_auto_is_searched_for_gpu_estimates_and_given_for_measured_plans() ->
     assert PlanRequest.build(model_file="m.py", gpus=12, gpu_type="h100", gpus_per_node=8).tp_options == [1, 2, 4]
     assert PlanRequest.build(model_file="m.py", gpus=4).tp_options == [1]
     assert PlanRequest.build(model_file="m.py", gpus=4, tp=2).tp_options == [2]
+
+
+def test_sequence_parallelism_splits_the_sequence_bytes_and_swaps_all_reduces_for_rings() -> None:
+    from planner.schema.costs import SequenceShare
+
+    seq = SequenceShare(
+        activation_bytes=MB,  # of the 2 MB saved whole (norms' inputs)
+        compute=0.05,
+        gather_bytes=2 * MB,  # two distinct column-wise inputs, sequence shards
+        gathers=2,
+        regather_bytes=MB,  # one layer keeps its input as the shard and gathers it again in backward
+        regathers=1,
+        param_grad_bytes=MB // 4,  # the norms' weights, all-reduced
+        param_grads=2,
+        cut_share=1.0,
+    )
+    tp_share = share(800, compute=0.9, act=MB, reduce_bytes=MB).model_copy(
+        update={"unsplit_activation_bytes": 2 * MB, "sequence": seq}
+    )
+    b = block("l", 10, 20, 1000, act_mb=4).model_copy(update={"tp": tp_share})
+    (plain,) = at_degree([b], 4, LINK)
+    (split,) = at_degree([b], 4, LINK, sequence=True)
+    # without: 0.1 of the work whole, one all-reduce of 1 MB each way (2 x 3/4 ms); 4 - 1 + 1/4 MB saved
+    assert plain.fwd_s == pytest.approx(10e-3 * (0.1 + 0.9 / 4) + 1.5e-3, rel=1e-12)
+    assert plain.activation_bytes == 4 * MB - MB + MB // 4
+    assert plain.cut_gather_s == pytest.approx(0.75e-3, rel=1e-12)
+    # with: the sequence part's work on 1/4 too; forward: the row-wise output reduce-scattered and the
+    # two inputs gathered, 3/4 of 3 MB; backward: the same rings, the kept shard gathered again (3/4 of
+    # 1 MB) and the norms' 1/4 MB all-reduced
+    compute = 0.05 + 0.9 / 4 + 0.05 / 4
+    assert split.fwd_s == pytest.approx(10e-3 * compute + 2.25e-3, rel=1e-12)
+    assert split.bwd_s == pytest.approx(20e-3 * compute + 2.25e-3 + 0.75e-3 + 2 * 0.75 * 0.25e-3, rel=1e-12)
+    # the 1 MB saved of sequence shards split 4 ways besides the split layers' 1 MB
+    assert split.activation_bytes == 4 * MB - MB + MB // 4 - MB + MB // 4
+    # the boundary's sequence shards gathered before they leave and on arrival: one more all-gather
+    assert split.cut_gather_s == pytest.approx(1.5e-3, rel=1e-12)
+    # and a checkpoint region starting after it keeps the shards of its input: 1/4 of the 1 MB
+    assert (plain.kept_cut_bytes, split.kept_cut_bytes) == (MB, MB // 4)
+    # a block without a sequence share is unchanged by the flag
+    bare = b.model_copy(update={"tp": share(800, compute=0.9, act=MB, reduce_bytes=MB)})
+    assert at_degree([bare], 4, LINK, sequence=True) == at_degree([bare], 4, LINK)

@@ -160,7 +160,8 @@ ALBERT_PLAN = {f"{ALBERT_LAYER}.ffn": "colwise", f"{ALBERT_LAYER}.ffn_output": "
 
 def test_llama_layer_share_exact() -> None:
     traced, shares = _shares(LLAMA, batch=2)
-    assert set(shares) == {f"layers.{i}" for i in range(4)} | {"output"}  # embeddings, norm: none
+    # the embeddings: none; the final norm: only its sequence share (no split layer)
+    assert set(shares) == {f"layers.{i}" for i in range(4)} | {"output", "norm"}
     dim, kv, hidden, tokens, fp32 = 64, 2 * 16, 192, 2 * 32, 4  # tiny: head_dim 16, SwiGLU 192
     share = shares["layers.0"]
     assert share.sharded_params == dim * dim * 2 + dim * kv * 2 + dim * hidden * 3
@@ -324,7 +325,8 @@ def test_end_to_end_llama_auto_and_forced() -> None:
     layer = plan.blocks[1].tp
     assert layer is not None and set(layer.slowdown) == {2} and 1.5 < layer.slowdown[2] <= 2.0
     assert Plan.model_validate_json(plan.model_dump_json()) == plan  # int degrees round-trip through JSON
-    assert [b.tp is not None for b in plan.blocks] == [False, True, True, True, True, False, True]  # the head too
+    # the head too, and the final norm (its sequence share alone: held whole, split with sequence parallelism)
+    assert [b.tp is not None for b in plan.blocks] == [False, True, True, True, True, True, True]
     auto = _plan(LLAMA, "auto")
     assert auto.tp in (1, 2) and all(b.tp is not None for b in auto.blocks if b.name.startswith("layers."))
     with pytest.raises(ModelFileError, match="--tp 4: tp_plan splits"):
@@ -353,7 +355,8 @@ def test_an_exported_hugging_face_model_is_split_by_its_config_plan() -> None:
 
     base_plan = {f"model.{k}": v for k, v in LlamaConfig().base_model_tp_plan.items()}
     assert plan.tp_plan == base_plan | {"lm_head": "colwise_rep"}
-    split = [b.name.startswith("model.layers.") or b.name == "lm_head" for b in plan.blocks]
+    # the final norm too: held whole, its sequence shards split under sequence parallelism
+    split = [b.name.startswith("model.layers.") or b.name in ("lm_head", "model.norm") for b in plan.blocks]
     assert [b.tp is not None for b in plan.blocks] == split
     head = plan.blocks[-1].tp
     assert head is not None and plan.blocks[-1].name == "lm_head"
@@ -392,7 +395,8 @@ def test_twin_blocks_replayed_give_the_shares_a_run_of_every_block_gives(
     if path is HF_ALBERT:
         assert ran.count(False) == 0
     else:
-        assert ran.count(False) >= layers - 1 >= 1  # every layer after the first was replayed
+        # every layer after the second was replayed (the first reads no sequence shard, the second does)
+        assert ran.count(False) >= layers - 2 >= 1
     monkeypatch.setattr(tensor_parallel._ShareRun, "_begin", lambda self, k: None)
     _, plain = _shares(path, plan=plan)
     assert plain == replayed
@@ -448,3 +452,27 @@ def test_a_split_an_exported_model_cannot_run_is_refused_at_plan_time(tmp_path: 
     assert "tensor parallelism: none, the model does not trace with its tp_plan layers split" in plan.choice
     with pytest.raises(ModelFileError, match=r"--tp 2: the model does not trace .* give --tp 1"):
         make_plan(PlanRequest.build(**base, tp=2))
+
+
+def test_llama_sequence_shares_exact() -> None:
+    # under sequence parallelism each RMSNorm on a sequence shard saves its input, its normalised input
+    # (2 x tokens x dim) and its reciprocal root (tokens) split, and the column-wise layers keep their
+    # input as the shard (gathered again in backward, once per layer: q, k, v, w1, w3); layers.0's
+    # attention norm reads the embedding, not a shard
+    _, shares = _shares(LLAMA, batch=2)
+    dim, tokens, fp32 = 64, 2 * 32, 4
+    hidden = tokens * dim * fp32
+    per_norm = (2 * tokens * dim + tokens) * fp32
+    first, later, norm, head = (shares[k].sequence for k in ("layers.0", "layers.1", "norm", "output"))
+    assert first is not None and later is not None and norm is not None and head is not None
+    assert later.activation_bytes == 2 * per_norm + 2 * hidden
+    assert first.activation_bytes == per_norm + hidden and norm.activation_bytes == per_norm
+    assert (later.gathers, later.gather_bytes, later.whole_inputs) == (2, 2 * hidden, 0)
+    assert (later.regathers, later.regather_bytes) == (5, 5 * hidden)
+    assert (first.gathers, first.whole_inputs, first.whole_input_bytes, first.regathers) == (1, 1, hidden, 2)
+    assert (later.param_grads, later.param_grad_bytes, first.param_grads) == (2, 2 * dim * fp32, 1)
+    assert later.cut_share == 1.0 and norm.compute == 1.0 and 0 < later.compute < 0.01
+    assert (head.gathers, head.regathers, head.activation_bytes, head.cut_share) == (1, 1, hidden, 0.0)
+    assert not later.mixed and not norm.mixed
+    assert shares["norm"].sharded_params == 0 and shares["norm"].divisor == 0  # held whole, any degree
+    assert "tok_embeddings" not in shares  # before any row-wise layer: nothing is a shard

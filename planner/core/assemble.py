@@ -319,6 +319,7 @@ def _search_space(
         request.fsdp_units,
         None if request.dp_shard == "auto" else request.dp_shard,
         gather_bytes_of(profile),
+        request.sequence_parallel,
     )
 
 
@@ -443,6 +444,7 @@ def assemble_plan(
         fsdp_units=chosen.layout.fsdp_units,  # type: ignore[arg-type]  # "stage" or "block"
         tp=chosen.layout.tp,
         tp_plan=dict(tp_plan or {}) if chosen.layout.tp > 1 else {},
+        sequence_parallel=request.sequence_parallel and chosen.layout.tp > 1,
         batch_size=request.batch_size,
         n_microbatches=chosen.layout.n_microbatches,
         accumulation=chosen.layout.accumulation,

@@ -20,7 +20,7 @@ from planner.core.schedules import SPLIT_BACKWARD, check_schedule, in_flight_per
 from planner.core.solve import solve
 from planner.core.stage_model import Partition
 from planner.errors import InfeasibleError
-from planner.schema.costs import BlockCost, TensorParallelShare
+from planner.schema.costs import BlockCost, SequenceShare, TensorParallelShare
 from planner.schema.plan import Candidate, Prediction, StagePlan
 
 
@@ -100,6 +100,7 @@ def blocks_at(blocks: Sequence[BlockCost], size0: int, size: int, fixed_fraction
                     # autocast's weight copies do not grow with the microbatch
                     "activation_bytes": round((b.activation_bytes - b.weight_cast_bytes) * r) + b.weight_cast_bytes,
                     "cut_bytes": round(b.cut_bytes * r),
+                    "cut_kept_bytes": None if b.cut_kept_bytes is None else round(b.cut_kept_bytes * r),
                     "output_bytes": round(b.output_bytes * r),
                     "tp": None if b.tp is None else _share_at(b.tp, r),
                 }
@@ -117,8 +118,15 @@ def _share_at(share: TensorParallelShare, r: float) -> TensorParallelShare:
             "fwd_allreduce_bytes": round(share.fwd_allreduce_bytes * r),
             "fwd_allgather_bytes": round(share.fwd_allgather_bytes * r),
             "bwd_allreduce_bytes": round(share.bwd_allreduce_bytes * r),
+            "sequence": None if share.sequence is None else _sequence_at(share.sequence, r),
         }
     )
+
+
+def _sequence_at(seq: SequenceShare, r: float) -> SequenceShare:
+    """A block's sequence share at ``r`` times the microbatch: its bytes scale (the parameters' do not)."""
+    fields = ("activation_bytes", "gather_bytes", "regather_bytes", "whole_input_bytes")
+    return seq.model_copy(update={f: round(getattr(seq, f) * r) for f in fields})
 
 
 def evaluate_choice(

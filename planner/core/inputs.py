@@ -163,6 +163,8 @@ class SearchSpace:
         degrees: the tensor-parallel degrees to try (each divides a node's ranks and the world size).
         accumulation: pipeline passes per step, or None to try them (``planner.core.search``).
         gather_bytes: bytes per parameter FSDP gathers in (``Layout.gather_bytes``).
+        sequence_parallel: the tensor-parallel degrees > 1 run with sequence parallelism
+            (``planner.core.tensor_parallel.at_degree``).
     """
 
     batch_size: int
@@ -176,6 +178,7 @@ class SearchSpace:
     fsdp_units: str = "stage"
     dp_shard: int | None = None
     gather_bytes: int = 0
+    sequence_parallel: bool = False
 
 
 NO_CONSTRAINTS = Constraints()

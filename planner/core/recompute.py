@@ -172,7 +172,7 @@ def region_bytes(blocks: Sequence[BlockCost], start: int, end: int) -> RegionByt
     """The ``RegionBytes`` of the stage ``blocks[start:end]``."""
     units = checkpoint_units(blocks, start, end)
     return RegionBytes(
-        [blocks[a - 1].cut_bytes if a > 0 else 0 for a, _ in units],
+        [blocks[a - 1].kept_cut_bytes if a > 0 else 0 for a, _ in units],
         [sum(b.activation_bytes - loss_held(b) for b in blocks[a:z]) for a, z in units],
         [sum(kept_bytes(b) for b in blocks[a:z]) for a, z in units],
         [max(temp_bytes(b) for b in blocks[a:z]) for a, z in units],

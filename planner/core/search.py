@@ -225,7 +225,7 @@ def _pending(
     size = space.batch_size // (layout.dp * layout.accumulation * layout.n_microbatches)
     if (size, tp) not in cache:
         sized = blocks_at(blocks, scaling.size0, size, scaling.fixed_fraction)
-        cache[size, tp] = at_degree(sized, tp, tp_link(cluster.link))
+        cache[size, tp] = at_degree(sized, tp, tp_link(cluster.link), sequence=space.sequence_parallel)
     step, memory = floors(cache[size, tp], layout, constraints.optimizer)
     return _Pending(layout, cache[size, tp], step, memory)
 

@@ -453,7 +453,7 @@ def _stage_sums(
     summed = Regions(
         sum(regions.inputs) + held, most, sum(regions.kept), most_rebuilt, held, max(regions.params), max(regions.temps)
     )
-    kept_in = blocks[start - 1].cut_bytes if start > 0 else 0
+    kept_in = blocks[start - 1].kept_cut_bytes if start > 0 else 0
     cast = sum(b.weight_cast_bytes for b in part)
     sums = StageSums(
         p_bytes, n_params, a_bytes, cut_in, cut_out, kept_in, out, step_temp, summed, loss_temps(blocks, end), cast

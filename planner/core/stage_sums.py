@@ -146,7 +146,7 @@ class RegionSums:
         for a, z in zip(heads, [*heads[1:], n]):
             held = sum(loss_held(b) for b in blocks[a:z])  # the loss's, kept outside the regions
             temp = max(temp_bytes(b) for b in blocks[a:z])  # its backward's temporaries, while rebuilt
-            inputs[a] = (blocks[a - 1].cut_bytes if a > 0 else 0) + held
+            inputs[a] = (blocks[a - 1].kept_cut_bytes if a > 0 else 0) + held
             acts[a] = sum(b.activation_bytes for b in blocks[a:z]) - held
             rebuilt[a] = max(acts[a] - sum(kept_bytes(b) for b in blocks[a:z]), 0) + temp
             acts[a] += temp
@@ -266,7 +266,7 @@ def _block_sums(blocks: Sequence[BlockCost], optimizer: OptimizerSpec) -> BlockS
         pre_a,
         pre_c,
         cut_in=[0] + [blocks[s - 1].sent_bytes for s in range(1, n)],
-        kept_in=[0] + [blocks[s - 1].cut_bytes for s in range(1, n)],
+        kept_in=[0] + [blocks[s - 1].kept_cut_bytes for s in range(1, n)],
         cut_out=cut_out,
         out=cut_out[:n] + [blocks[-1].output_bytes],
         loss_temp=[-1] * n + [-1 if last is None else last],

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from planner.schema.costs import BlockCost, LinkCost, TensorParallelShare
+from planner.schema.costs import BlockCost, LinkCost, SequenceShare, TensorParallelShare
 
 
 def allreduce_s(nbytes: float, count: int, tp: int, link: LinkCost) -> float:
@@ -74,6 +74,25 @@ def allgather_s(nbytes: float, tp: int, link: LinkCost) -> float:
     if tp <= 1 or nbytes <= 0:
         return 0.0
     return math.ceil(math.log2(tp)) * link.latency_s + (tp - 1) / tp * nbytes / link.bandwidth_Bps
+
+
+def ring_s(nbytes: float, count: int, tp: int, link: LinkCost) -> float:
+    """Seconds of ``count`` all-gathers or reduce-scatters (as sequence parallelism runs them) moving
+    ``nbytes`` bytes of whole tensors in all over ``tp`` ranks: ``(tp - 1) / tp`` of the bytes and
+    ``ceil(log2 tp)`` latencies each, as ``allgather_s`` charges.
+
+    Args:
+        nbytes: bytes of the whole tensors, summed.
+        count: how many collectives (each pays the latency).
+        tp: ranks in the group.
+        link: the group's link.
+
+    Returns:
+        Seconds; 0 with one rank or nothing to move.
+    """
+    if tp <= 1 or count == 0:
+        return 0.0
+    return count * math.ceil(math.log2(tp)) * link.latency_s + (tp - 1) / tp * nbytes / link.bandwidth_Bps
 
 
 def block_degree_limit(blocks: Sequence[BlockCost]) -> int | None:
@@ -111,13 +130,40 @@ def _scaled(x: float | None, factor: float, extra: float = 0.0) -> float | None:
     return None if x is None else x * factor + extra
 
 
-def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkCost) -> BlockCost:
-    """One tensor-parallel rank's costs of ``block`` (see the module docstring)."""
-    compute = (1.0 - share.sharded_compute) + share.sharded_compute / tp * share.slowdown_at(tp)
-    fwd_comm = allreduce_s(share.fwd_allreduce_bytes, share.fwd_allreduces, tp, link) + allgather_s(
-        share.fwd_allgather_bytes, tp, link
+def _sequence_comm(share: TensorParallelShare, seq: SequenceShare, tp: int, link: LinkCost) -> tuple[float, float]:
+    """Forward and backward collectives of a block under sequence parallelism: each row-wise output
+    reduce-scattered (its gradient all-gathered), each distinct column-wise input that is a sequence
+    shard all-gathered (its gradient reduce-scattered once) and gathered again in backward by each
+    layer that keeps it as a shard, each whole one's gradient all-reduced once, the whole parameters
+    read on sequence shards all-reduced (their gradients)."""
+    fwd = (
+        ring_s(share.fwd_allreduce_bytes, share.fwd_allreduces, tp, link)
+        + ring_s(seq.gather_bytes, seq.gathers, tp, link)
+        + allgather_s(share.fwd_allgather_bytes, tp, link)
     )
-    bwd_comm = allreduce_s(share.bwd_allreduce_bytes, share.bwd_allreduces, tp, link)
+    bwd = (
+        ring_s(share.fwd_allreduce_bytes, share.fwd_allreduces, tp, link)
+        + ring_s(seq.gather_bytes, seq.gathers, tp, link)
+        + ring_s(seq.regather_bytes, seq.regathers, tp, link)
+        + allreduce_s(seq.whole_input_bytes, seq.whole_inputs, tp, link)
+        + allreduce_s(seq.param_grad_bytes, seq.param_grads, tp, link)
+    )
+    return fwd, bwd
+
+
+def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkCost, sequence: bool) -> BlockCost:
+    """One tensor-parallel rank's costs of ``block`` (see the module docstring)."""
+    seq = share.sequence if sequence else None
+    seq_compute = seq.compute if seq is not None else 0.0
+    compute = (1.0 - share.sharded_compute - seq_compute) + share.sharded_compute / tp * share.slowdown_at(tp)
+    compute += seq_compute / tp
+    if seq is not None:
+        fwd_comm, bwd_comm = _sequence_comm(share, seq, tp, link)
+    else:
+        fwd_comm = allreduce_s(share.fwd_allreduce_bytes, share.fwd_allreduces, tp, link) + allgather_s(
+            share.fwd_allgather_bytes, tp, link
+        )
+        bwd_comm = allreduce_s(share.bwd_allreduce_bytes, share.bwd_allreduces, tp, link)
     param_bytes = block.param_bytes - share.sharded_param_bytes + math.ceil(share.sharded_param_bytes / tp)
     params = block.params - share.sharded_params + math.ceil(share.sharded_params / tp)
     # the optimizer step, the gradient passes and their temporaries follow the bytes each rank holds
@@ -127,8 +173,11 @@ def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkC
     cast = math.ceil(block.weight_cast_bytes * held)
     own = block.activation_bytes - block.weight_cast_bytes
     # (what every rank saves whole stays whole: costs.tensor_parallel caps the split part so)
-    sharded = min(share.sharded_activation_bytes, own - min(share.unsplit_activation_bytes, own))
-    activation = own - sharded + sharded // tp + cast
+    unsplit = min(share.unsplit_activation_bytes, own)
+    sharded = min(share.sharded_activation_bytes, own - unsplit)
+    # under sequence parallelism the whole bytes saved of sequence shards are split too
+    along = min(seq.activation_bytes, unsplit) if seq is not None else 0
+    activation = own - sharded + sharded // tp - along + along // tp + cast
     split = activation / block.activation_bytes if block.activation_bytes else 1.0
 
     def as_activations(x: int | None) -> int | None:  # bytes split as the block's activations are
@@ -160,7 +209,7 @@ def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkC
     )
 
 
-def at_degree(blocks: Sequence[BlockCost], tp: int, link: LinkCost) -> list[BlockCost]:
+def at_degree(blocks: Sequence[BlockCost], tp: int, link: LinkCost, *, sequence: bool = False) -> list[BlockCost]:
     """Every block's costs on one of ``tp`` tensor-parallel ranks.
 
     Args:
@@ -168,6 +217,8 @@ def at_degree(blocks: Sequence[BlockCost], tp: int, link: LinkCost) -> list[Bloc
             splits it.
         tp: the degree (1: the blocks as they are).
         link: the link inside a node, which the all-reduces cross.
+        sequence: sequence parallelism (the blocks' ``TensorParallelShare.sequence``; see the module
+            docstring).
 
     Returns:
         The blocks as one tensor-parallel rank runs and holds them (the same objects at degree 1).
@@ -175,13 +226,24 @@ def at_degree(blocks: Sequence[BlockCost], tp: int, link: LinkCost) -> list[Bloc
     if tp == 1:
         return list(blocks)
     return [
-        _scattered(block if block.tp is None else _block_at(block, block.tp, tp, link), tp, link) for block in blocks
+        _scattered(block if block.tp is None else _block_at(block, block.tp, tp, link, sequence), tp, link, sequence)
+        for block in blocks
     ]
 
 
-def _scattered(block: BlockCost, tp: int, link: LinkCost) -> BlockCost:
-    """``block`` with the message at a boundary after it scattered over ``tp`` ranks (module docstring)."""
-    return block.model_copy(update={"cut_share": tp, "cut_gather_s": allgather_s(block.cut_bytes, tp, link)})
+def _scattered(block: BlockCost, tp: int, link: LinkCost, sequence: bool) -> BlockCost:
+    """``block`` with the message at a boundary after it scattered over ``tp`` ranks (module docstring);
+    under sequence parallelism its sequence shards also gathered before they leave and their
+    gradient on arrival (one more all-gather each way)."""
+    gather = allgather_s(block.cut_bytes, tp, link)
+    seq = block.tp.sequence if sequence and block.tp is not None else None
+    if seq is None or seq.cut_share <= 0:
+        return block.model_copy(update={"cut_share": tp, "cut_gather_s": gather})
+    gather += allgather_s(block.cut_bytes * seq.cut_share, tp, link)
+    # a checkpoint region starting here keeps the shards of its input (the runner cuts them on arrival)
+    shards = block.cut_bytes * seq.cut_share
+    kept = round(block.cut_bytes - shards + shards / tp)
+    return block.model_copy(update={"cut_share": tp, "cut_gather_s": gather, "cut_kept_bytes": kept})
 
 
-__all__ = ["allgather_s", "allowed_degrees", "allreduce_s", "at_degree", "block_degree_limit"]
+__all__ = ["allgather_s", "allowed_degrees", "allreduce_s", "at_degree", "block_degree_limit", "ring_s"]

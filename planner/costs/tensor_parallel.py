@@ -80,6 +80,8 @@ from planner.capture.tp_plan import (
 )
 from planner.core.hardware import HardwareSpec
 from planner.costs.roofline import _GEMMS, _gemm_dims
+from planner.costs.sequence import SeqTally, cut_shares, sequence_only, token_wise
+from planner.costs.tp_gemms import MAX_DEGREE, Gemm, gemm_seconds, gemm_slowdown
 from planner.errors import ModelFileError, TraceError
 from planner.schema.costs import BlockCost, TensorParallelShare
 from planner.schema.request import PlanRequest
@@ -100,9 +102,10 @@ class _Tally:
     bwd_bytes: int = 0
     bwd_count: int = 0
     gemm_work: float = 0.0  # of split_work, the GEMMs run inside matched layers
-    gemms: list[_Gemm] = field(default_factory=list)
+    gemms: list[Gemm] = field(default_factory=list)
     replayed_saved: int = 0  # saved split bytes of a block replayed from its twin (``_ShareRun``)
     replayed_whole: int = 0  # and its saved whole bytes
+    seq: SeqTally = field(default_factory=SeqTally)  # what sequence parallelism changes (costs.sequence)
 
     def replayed(self) -> _Tally:
         """A copy for a twin block: the same counts, its saved tensors as one sum each."""
@@ -113,19 +116,8 @@ class _Tally:
             gemms=list(self.gemms),
             replayed_saved=self.replayed_saved + sum(self.saved_split.values()),
             replayed_whole=self.replayed_whole + sum(self.saved_whole.values()),
+            seq=self.seq.replayed(),
         )
-
-
-@dataclass(frozen=True)
-class _Gemm:
-    """One GEMM inside a matched layer: ``(m x k) @ (k x n)``, the style saying which dimension splits
-    (column-wise and colwise_rep: n, row-wise: k), ``width`` the bytes of an operand's element."""
-
-    style: str
-    m: int
-    n: int
-    k: int
-    width: int
 
 
 def _nbytes(t: torch.Tensor, float_bytes: int | None) -> int:
@@ -154,9 +146,21 @@ class _Watch(TorchDispatchMode):
         self.split: set[int] = set()
         self.keep: list[torch.Tensor] = []  # split and state tensors stay alive so their ids stay unique
         self.state: set[int] = set()  # parameters, buffers and what is made of them alone: no activations
+        self.seq: set[int] = set()  # sequence shards under sequence parallelism (planner.costs.sequence)
+        self.params: set[int] = set()  # trainable parameters: their gradients all-reduced if read on shards
 
     def is_split(self, t: torch.Tensor) -> bool:
         return id(t) in self.split
+
+    def flag(self, t: torch.Tensor) -> int:
+        """1: split, 2: a sequence shard, 0: neither (a twin block's values get the same)."""
+        return 1 if id(t) in self.split else 2 if id(t) in self.seq else 0
+
+    def mark(self, tensors: list[torch.Tensor], flag: int) -> None:
+        """Note ``tensors`` as split (1) or sequence shards (2), kept alive so their ids stay unique."""
+        if flag:
+            (self.split if flag == 1 else self.seq).update(id(t) for t in tensors)
+            self.keep.extend(tensors)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -184,11 +188,19 @@ class _Watch(TorchDispatchMode):
             a = args[1] if packet in (torch.ops.aten.addmm, torch.ops.aten.baddbmm) else args[0]
             width = self.float_bytes if self.float_bytes is not None and a.is_floating_point() else a.element_size()
             self.block.gemm_work += work
-            self.block.gemms.append(_Gemm(self.style, m, n, k, width))
+            self.block.gemms.append(Gemm(self.style, m, n, k, width))
         if self.style == "colwise" or (self.style is None and reads_split):
-            for t in _tensors(out):
-                self.split.add(id(t))
-                self.keep.append(t)
+            self.mark(_tensors(out), 1)
+        elif self.style is None and any(id(t) in self.seq for t in read):  # an operator on sequence shards
+            self.block.seq.work += work
+            if not self.block.seq.mixed and not token_wise(
+                func, args, lambda t: id(t) in self.seq, lambda t: id(t) in self.state
+            ):
+                self.block.seq.mixed = str(packet)
+            self.mark(_tensors(out), 2)
+            for t in read:
+                if id(t) in self.params:
+                    self.block.seq.grads.setdefault(id(t), _nbytes(t, self.float_bytes))
         return out
 
 
@@ -223,13 +235,14 @@ class _ShareRun(fx.Interpreter):
         self.nodes = traced.nodes_by_name()
         # key -> the first block's tally, its nodes' value specs, which of each value's tensors are split,
         # and whether each value leaves the block (only those are made again for a twin: no other is read)
-        self.known: dict[Any, tuple[_Tally, list[Any], list[tuple[bool, ...]], list[bool]]] = {}
+        self.known: dict[Any, tuple[_Tally, list[Any], list[tuple[int, ...]], list[bool]]] = {}
         self.replay: list[Any] | None = None  # the current block's fresh values, when replayed
-        # a new block: its key, its nodes' value specs and which of each value's tensors are split
-        self.recording: tuple[Any, list[Any], list[tuple[bool, ...]]] | None = None
+        # a new block: its key, its nodes' value specs and each value's tensors' ``_Watch.flag``
+        self.recording: tuple[Any, list[Any], list[tuple[int, ...]]] | None = None
         self.counted: set[str] = set()  # layers of replayed blocks: counted with their tally
         self.position = 0
         self.on_meta = on_meta(traced.gm)
+        self.seq_nodes: set[str] = set()  # values that are sequence shards (the cuts' share)
 
     def styled(self, path: list[str]) -> tuple[str, str] | None:
         """The innermost matched layer of a node's module path, with its style."""
@@ -267,14 +280,24 @@ class _ShareRun(fx.Interpreter):
     def post_hook(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         self.watch.style = self.layer_stack.pop()
         name = self.module_names[id(module)]
+        style = self.matched[name][0]
+        if style == "rowwise":  # under sequence parallelism, reduce-scattered along the sequence
+            self.watch.mark(_tensors(out), 2)
         if self.watch.block is not None and self._count(name, "io"):
-            style = self.matched[name][0]
             if style in COLUMN_STYLES:  # its input's gradient is all-reduced in backward
                 self._add("bwd", _tensors(args)[:1], True)
+                self._column_input(_tensors(args)[:1])
             if style == "rowwise":  # its output is all-reduced in forward
                 self._add("fwd", _tensors(out), True)
             if style == "colwise_rep":  # its output is all-gathered whole in forward
                 self._add("gather", _tensors(out), False)
+
+    def _column_input(self, tensors: list[torch.Tensor]) -> None:
+        """A column-wise layer's input, as sequence parallelism gathers (or wraps) it once per value."""
+        block = self.watch.block
+        assert block is not None
+        for t in tensors:
+            block.seq.column_input(id(t), _nbytes(t, self.float_bytes), id(t) in self.watch.seq)
 
     def hooks(self, stack: ExitStack) -> None:
         """Hook every matched layer the graph calls as a module."""
@@ -312,7 +335,7 @@ class _ShareRun(fx.Interpreter):
         if key is None:
             return
         split_in = tuple(
-            tuple(self.watch.is_split(t) for t in _tensors(self.env[a])) for a in shape[1] if a.op != "get_attr"
+            tuple(self.watch.flag(t) for t in _tensors(self.env[a])) for a in shape[1] if a.op != "get_attr"
         )
         key = (key, layers, split_in)
         if key not in self.known:
@@ -323,11 +346,11 @@ class _ShareRun(fx.Interpreter):
         self.counted.update(names)
         with no_dispatch():
             self.replay = [rebuild(x) if out else None for x, out in zip(specs, leaves)]
-        for value, flags in zip(self.replay, split):
-            for t, is_split in zip(_tensors(value), flags):
-                if is_split:
-                    self.watch.split.add(id(t))
-                    self.watch.keep.append(t)
+        for value, flags, name in zip(self.replay, split, self.blocks[k].nodes):
+            for t, flag in zip(_tensors(value), flags):
+                self.watch.mark([t], flag)
+            if 2 in flags:
+                self.seq_nodes.add(name)
 
     def run_node(self, n: fx.Node) -> Any:
         if n.name in self.first and self.on_meta:
@@ -341,13 +364,15 @@ class _ShareRun(fx.Interpreter):
                 self.replay = None
             return out
         out = self._run_counted(n, k)
+        if any(id(t) in self.watch.seq for t in _tensors(out)):
+            self.seq_nodes.add(n.name)
         if k is not None and self.recording is not None:
             recorded = spec(out)
             if recorded is None:
                 self.recording = None
             else:
                 self.recording[1].append(recorded)
-                self.recording[2].append(tuple(self.watch.is_split(t) for t in _tensors(out)))
+                self.recording[2].append(tuple(self.watch.flag(t) for t in _tensors(out)))
                 if n.name == self.blocks[k].nodes[-1]:
                     key, specs, split = self.recording
                     leaves = leaves_block(self.blocks[k].nodes, self.nodes)
@@ -375,9 +400,11 @@ class _ShareRun(fx.Interpreter):
             for a in n.all_input_nodes:
                 if a.op != "get_attr" and layer_of(a) != name and self._count(name, a.name):
                     self._add("bwd", _tensors(self.env[a]), False)
+                    self._column_input(_tensors(self.env[a]))
             if self._count(name, "count"):
                 self._add("bwd", [], True)
         if style == "rowwise" and any(layer_of(u) != name for u in n.users):
+            self.watch.mark(_tensors(out), 2)
             self._add("fwd", _tensors(out), self._count(name, "count"))
         if style == "colwise_rep" and any(layer_of(u) != name for u in n.users):
             self._add("gather", _tensors(out), False)
@@ -415,6 +442,7 @@ def tensor_parallel_shares(
         return {}
     watch = _Watch(float_bytes)
     watch.state.update(id(t) for t in (*traced.gm.parameters(), *traced.gm.buffers()))
+    watch.params.update(id(p) for p in traced.gm.parameters() if p.requires_grad)
     run = _ShareRun(traced, matched, watch, float_bytes)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -424,6 +452,10 @@ def tensor_parallel_shares(
         base = t if t._base is None else t._base  # layer's x.view(-1, d) of its whole input is made inside it)
         saved = watch.block.saved_split if watch.is_split(base) else watch.block.saved_whole
         saved.setdefault(id(base), _nbytes(base, float_bytes))
+        # whole without sequence parallelism, split with it (a column-wise layer's input too: the
+        # runner keeps the shard and gathers it again for the backward)
+        if id(base) in watch.seq:
+            watch.block.seq.saved.setdefault(id(base), _nbytes(base, float_bytes))
         return t
 
     device = next((p.device for p in traced.gm.parameters()), torch.device("meta"))
@@ -438,11 +470,21 @@ def tensor_parallel_shares(
     watch.keep.clear()
     heads = config_heads(traced.model)
     inside = _by_block([b.name for b in traced.blocks], matched)
+    cuts = cut_shares([c.tensors for c in traced.cuts], run.seq_nodes, lambda n: _value_bytes(traced, n)) + [0.0]
     shares: dict[str, TensorParallelShare] = {}
-    for block, tally in zip(traced.blocks, run.tallies):
+    for block, tally, cut in zip(traced.blocks, run.tallies, cuts):
+        seq = tally.seq.share(tally.work, cut)
         if inside.get(block.name) and tally.work > 0:
-            shares[block.name] = _share(traced.model, inside[block.name], tally, param_bytes, hardware, dtype, heads)
+            share = _share(traced.model, inside[block.name], tally, param_bytes, hardware, dtype, heads)
+            shares[block.name] = share.model_copy(update={"sequence": seq})
+        elif seq is not None:  # no split layer, but sequence shards (a final norm): split only with them
+            shares[block.name] = sequence_only(seq)
     return shares
+
+
+def _value_bytes(traced: GraphTrace, name: str) -> int:
+    info = traced.values.get(name)
+    return info.nbytes if info is not None and info.kind == "tensor" else 0
 
 
 def _by_block(blocks: list[str], matched: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -497,58 +539,6 @@ def _share(
         divisor=divisor,
         slowdown=slowdown,
     )
-
-
-MAX_DEGREE = 64  # the largest degree a share lists a slowdown for (a node holds at most 8 GPUs today)
-
-
-def gemm_seconds(hw: HardwareSpec, peak: float, m: int, n: int, k: int, width: int) -> float:
-    """The roofline's time of one GEMM ``(m x k) @ (k x n)`` (``planner.costs.roofline``): its FLOPs at
-    ``gemm_efficiency(m, n, k)`` of ``peak``, or its operands' and output's bytes at the memory's
-    sustained bandwidth, whichever is longer, with the per-operator overhead.
-
-    Args:
-        hw: the hardware.
-        peak: FLOP/s of the dtype the GEMM runs in.
-        m: rows of the output.
-        n: columns of the output.
-        k: the reduced dimension.
-        width: bytes of an element.
-
-    Returns:
-        Seconds.
-    """
-    compute = 2.0 * m * n * k / (peak * hw.gemm_efficiency(m, n, k))
-    memory = (m * k + k * n + m * n) * width / (hw.memory_Bps * hw.memory_efficiency)
-    roof = max(compute, memory)
-    return max(roof, hw.op_overhead_s) if hw.async_launch else roof + hw.op_overhead_s
-
-
-def gemm_slowdown(gemms: list[_Gemm], tp: int, hw: HardwareSpec, peak: float) -> float:
-    """How much longer the split layers' GEMMs take on one of ``tp`` ranks than 1/tp of their whole time.
-
-    Args:
-        gemms: the GEMMs of the split layers, at the whole shapes.
-        tp: the degree (divides every split dimension).
-        hw: the hardware.
-        peak: FLOP/s of the planning dtype.
-
-    Returns:
-        sum of the sharded GEMMs' seconds / (sum of the whole GEMMs' seconds / tp); 1.0 with no GEMM.
-    """
-    whole = sum(gemm_seconds(hw, peak, g.m, g.n, g.k, g.width) for g in gemms)
-    sharded = sum(
-        gemm_seconds(
-            hw,
-            peak,
-            g.m,
-            max(1, g.n // tp) if g.style in COLUMN_STYLES else g.n,
-            g.k if g.style in COLUMN_STYLES else max(1, g.k // tp),
-            g.width,
-        )
-        for g in gemms
-    )
-    return sharded / (whole / tp) if whole > 0 else 1.0
 
 
 def _split_params(module: nn.Module, style: str) -> list[torch.Tensor]:
@@ -656,6 +646,15 @@ def tensor_parallel_blocks(
         if forced:
             raise ModelFileError(f"--tp {request.tp}: {why}; give --tp 1")
         return TensorParallelBlocks(list(blocks), {}, f"tensor parallelism: none, {why}")
+    mixed = next((k for k, v in shares.items() if v.sequence is not None and v.sequence.mixed), None)
+    if request.sequence_parallel and mixed is not None:
+        op = shares[mixed].sequence.mixed  # type: ignore[union-attr]
+        raise ModelFileError(
+            f"--sequence-parallel: block {mixed} runs {op} on the activations between a row-wise and the next "
+            "column-wise layer, which does not work token by token (e.g. attention the tp_plan leaves whole), so "
+            "they cannot be split along the sequence; split that part in the tp_plan, or plan without "
+            "--sequence-parallel"
+        )
     out = [_fitted(b, shares[b.name]) if b.name in shares else b for b in blocks]
     return TensorParallelBlocks(out, resolved.plan)
 

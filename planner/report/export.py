@@ -197,7 +197,8 @@ def _notes(plan: Plan) -> list[str]:
         f"{plan.microbatch_size} sample(s), {plan.dp} {plan.dp_mode} replica(s)"
         + (f" in shard groups of {plan.dp_shard}" if plan.dp_shard else "")
         + (" sharded block by block" if plan.fsdp_units == "block" else "")
-        + f", tensor parallel {plan.tp}",
+        + f", tensor parallel {plan.tp}"
+        + (" with sequence parallelism" if plan.sequence_parallel else ""),
         f"predicted step {plan.prediction.step_time_s * 1e3:.2f} ms on {plan.profile.hardware or plan.profile.device}",
     ]
     if plan.accumulation > 1:
@@ -210,6 +211,11 @@ def _notes(plan: Plan) -> list[str]:
         )
     if plan.ties:
         notes.append("tied weights: " + "; ".join(" = ".join(t.names) for t in plan.ties))
+    if plan.tp > 1 and not plan.sequence_parallel:
+        notes.append(
+            "planned without sequence parallelism, which torchtitan always runs with tensor parallelism "
+            "(Megatron with --sequence-parallel): plan with --sequence-parallel to predict it"
+        )
     return notes
 
 
@@ -408,6 +414,7 @@ def _megatron(plan: Plan, _renames: Mapping[str, str]) -> str:
     common = [
         f"--pipeline-model-parallel-size {plan.n_ranks}",
         f"--tensor-model-parallel-size {plan.tp}",
+        *(["--sequence-parallel"] if plan.sequence_parallel else []),
         f"--num-layers {sum(counts)}",
         f"--micro-batch-size {plan.microbatch_size}",
         f"--global-batch-size {plan.batch_size}",

@@ -337,6 +337,11 @@ def tp_text(plan: Plan) -> str:
     return (
         f"each pipeline rank split over {plan.tp} consecutive ranks of one node by the model's tp plan "
         f"({counts} pattern{'s' if len(styles) > 1 else ''})"
+        + (
+            ", with sequence parallelism (norms and residuals split along the sequence)"
+            if plan.sequence_parallel
+            else ""
+        )
     )
 
 

@@ -359,7 +359,8 @@ def launch_line(plan: Plan, nproc: int) -> str:
     Returns:
         One line.
     """
-    split = f"each stage split over {plan.tp} tensor-parallel ranks, " if plan.tp > 1 else ""
+    sequence = " with sequence parallelism" if plan.sequence_parallel else ""
+    split = f"each stage split over {plan.tp} tensor-parallel ranks{sequence}, " if plan.tp > 1 else ""
     return (
         f"launching {plan.world_size} ranks ({nproc} per node, {plan.n_stages} stages, {plan.schedule}, "
         f"{plan.n_microbatches} microbatches, {split}backend {plan.profile.backend}, "

@@ -20,17 +20,20 @@ from planner.capture.clock import BlockClock
 from planner.capture.graph import buffers_restored, retarget_devices
 from planner.capture.shapes import shapes_or_real
 from planner.capture.stage import stage_inputs, stage_module, trace_root
+from planner.capture.tp_plan import COLUMN_STYLES
+from planner.capture.tp_sequence import sequence_values
 from planner.core.recompute import checkpoint_units
 from planner.core.schedules import SPLIT_BACKWARD, placement
-from planner.errors import PlannerError
+from planner.errors import PlanFileError, PlannerError
 from planner.run.boundary import boundary_scatter, sent_examples
 from planner.run.checkpoint import model_names
 from planner.run.gradients import grad_finisher
 from planner.run.mesh import RankMesh
 from planner.run.model import StageSource, check_ties, trace_for_plan
 from planner.run.optim import make_optimizer
+from planner.run.sequence_split import install as install_sequence
 from planner.run.streams import vocab_size_of
-from planner.run.tensor_split import norm_counted, shard_stage, shardable_trace
+from planner.run.tensor_split import norm_counted, shard_stage, shardable_trace, tp_styles
 from planner.run.wrappers import (
     ContiguousBoundary,
     HooklessDDP,
@@ -133,6 +136,11 @@ def build_stages(
     root = trace_root(traced)
     ties = check_ties(plan, traced)
     cut = _cut_stages(plan, source.example, traced, mesh, device, shardable)
+    sequence = (
+        sequence_values(shardable, plan.tp_plan)
+        if plan.sequence_parallel and isinstance(shardable, GraphTrace)
+        else frozenset()
+    )
     vocab = vocab_size_of(traced, source.example) if want_vocab else None
     # Zero-bubble schedules compute weight gradients with autograd.grad, past DDP's hooks, so there
     # the replicas' gradients are averaged by ``finish`` instead (the same all-reduce, after the step's
@@ -152,8 +160,11 @@ def build_stages(
     for stage in cut:
         names = _state_names(stage.built, root, aliases)  # before wrapping: FSDP replaces the parameters
         if plan.tp > 1:  # every example was made above, on the unsharded trace
-            for part in stage_units(stage.built):  # a chain's units are named as the unsplit model names them
-                shard_stage(part, mesh.tp_mesh, plan.tp_plan)
+            units = stage_units(stage.built)  # a chain's units are named as the unsplit model names them
+            if plan.sequence_parallel:  # its hooks first: before torch's styles and FSDP's
+                _split_sequence(stage, units, shardable, sequence, plan, mesh)
+            for part in units:
+                shard_stage(part, mesh.tp_mesh, plan.tp_plan, sequence=plan.sequence_parallel)
         submod = _replicated(plan, stage, mesh, device, seen, manual=manual)
         for local_name, t in [*stage.built.named_parameters(remove_duplicate=False), *stage.built.named_buffers()]:
             for alias in names.get(local_name, []):
@@ -236,6 +247,36 @@ def _stage_chain(plan: Plan, traced: TracedModel, stage_plan: StagePlan, clock: 
     first = len(units) if count is None else min(count, len(units))  # "full:k": only the first k regions
     modes = [recompute] * first + ["never"] * (len(units) - first)
     return checkpointed_stage(traced, units, modes, stage_module, clock)
+
+
+def _split_sequence(
+    stage: _CutStage,
+    units: list[torch.nn.Module],
+    shardable: TracedModel,
+    sequence: frozenset[str],
+    plan: Plan,
+    mesh: RankMesh,
+) -> None:
+    """Sequence parallelism on one stage (``planner.run.sequence_split``): which of its inputs are
+    sequence shards in the whole graph (``sequence``), and its column-wise layers.
+
+    Raises:
+        PlanFileError: the model was traced by module boundaries (no graph to follow the shards in).
+    """
+    if not isinstance(shardable, GraphTrace):
+        raise PlanFileError(
+            "the plan asks for sequence parallelism, but this model traces by module boundaries only; "
+            "re-plan without --sequence-parallel"
+        )
+    start = stage.plan.start
+    names = list(shardable.cuts[start - 1].tensors) if start > 0 else []
+    columns = [
+        unit.get_submodule(name)
+        for unit in units
+        for name, style in tp_styles(unit, plan.tp_plan).items()
+        if style in COLUMN_STYLES
+    ]
+    install_sequence(stage.built, units, columns, mesh.tp_mesh, [name in sequence for name in names])
 
 
 def per_block_fsdp(plan: Plan) -> bool:

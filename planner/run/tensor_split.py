@@ -24,6 +24,7 @@ from planner.capture.blocks import TracedModel
 from planner.capture.tp_graph import shardable_trace as _shardable
 from planner.capture.tp_plan import COLUMN_STYLES, matched_modules, style_error
 from planner.errors import PlanFileError, TraceError
+from planner.run.sequence_split import row_style
 
 
 def tp_styles(module: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
@@ -56,13 +57,15 @@ def tp_styles(module: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def shard_stage(module: nn.Module, tp_mesh: Any, tp_plan: dict[str, str]) -> dict[str, str]:
+def shard_stage(module: nn.Module, tp_mesh: Any, tp_plan: dict[str, str], *, sequence: bool = False) -> dict[str, str]:
     """Shard a stage module's matched layers over the tensor-parallel mesh, in place.
 
     Args:
         module: the stage module (before any replica wrapping or ``PipelineStage``).
         tp_mesh: the rank's 1-D tensor-parallel ``DeviceMesh``.
         tp_plan: the plan's patterns -> styles.
+        sequence: sequence parallelism: row-wise outputs reduce-scattered along the sequence and
+            left DTensors (``planner.run.sequence_split``, which must be installed first).
 
     Returns:
         The sharded modules' names -> styles (``tp_styles``).
@@ -74,7 +77,7 @@ def shard_stage(module: nn.Module, tp_mesh: Any, tp_plan: dict[str, str]) -> dic
     if styles:
         make: dict[str, Callable[[], Any]] = {
             "colwise": ColwiseParallel,
-            "rowwise": RowwiseParallel,
+            "rowwise": row_style if sequence else RowwiseParallel,
             # an output head: its column shards all-gathered, so the loss reads the whole logits
             "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
         }

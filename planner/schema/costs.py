@@ -59,6 +59,69 @@ def split_recompute(value: str) -> tuple[RecomputeMode, int | None]:
     return mode, int(count)  # type: ignore[return-value]
 
 
+class SequenceShare(BaseModel):
+    """What sequence parallelism changes in one block (Korthikanti et al. 2022; the runner's
+    ``planner.run.sequence_split``): the values computed from a row-wise layer's output up to the
+    next column-wise layer are split along the sequence over the tp ranks."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    activation_bytes: int = Field(
+        ge=0,
+        description="Of unsplit_activation_bytes, those saved of sequence shards (norms' inputs, a column-wise "
+        "layer's input, kept as the shard): each tp rank holds 1/tp of them under sequence parallelism.",
+    )
+    compute: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="Share of the block's work in those operators (by elements): it runs on 1/tp of the sequence.",
+    )
+    gather_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="Bytes of the column-wise layers' distinct inputs that are sequence shards: each all-gathered "
+        "once in forward, its gradient reduce-scattered once in backward.",
+    )
+    gathers: int = Field(default=0, ge=0, description="How many such inputs.")
+    regather_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="Bytes the column-wise layers gather again in backward: each layer reading a sequence shard "
+        "keeps the shard for its weight gradient (not the gathered whole) and gathers it again when that runs.",
+    )
+    regathers: int = Field(default=0, ge=0, description="How many such layers.")
+    whole_input_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="Bytes of the column-wise layers' distinct inputs that are not (e.g. the first layer's, "
+        "from the embedding): each one's gradient all-reduced once in backward.",
+    )
+    whole_inputs: int = Field(default=0, ge=0, description="How many such inputs.")
+    param_grad_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="Bytes of the gradients of whole parameters read on sequence shards (a norm's weight), "
+        "all-reduced over the tp ranks in backward.",
+    )
+    param_grads: int = Field(default=0, ge=0, description="How many such gradient all-reduces.")
+    cut_share: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="Of the bytes crossing a cut after this block, the share that is sequence shards: gathered "
+        "whole before they leave a stage and cut again on arrival (one all-gather each way).",
+    )
+    mixed: str = Field(
+        default="",
+        description="The first operator run on sequence shards that does not work token by token (attention the "
+        "tp plan leaves whole, a reduction over the sequence): sequence parallelism cannot split this block. "
+        "'' when every one does.",
+    )
+
+
 class TensorParallelShare(BaseModel):
     """How one block divides over ``tp`` tensor-parallel ranks, from its model's tensor-parallel plan.
 
@@ -106,6 +169,11 @@ class TensorParallelShare(BaseModel):
     )
     fwd_allreduces: int = Field(ge=0, description="All-reduces in forward per microbatch.")
     bwd_allreduces: int = Field(ge=0, description="All-reduces in backward per microbatch.")
+    sequence: SequenceShare | None = Field(
+        default=None,
+        description="What sequence parallelism changes in the block (planner.capture.tp_sequence); None: "
+        "counted before sequence parallelism was modelled, or nothing of the block is a sequence shard.",
+    )
     divisor: int = Field(
         ge=0,
         description="The greatest common divisor of every split size (features, heads): a degree must divide it. "
@@ -141,6 +209,11 @@ class BlockCost(BaseModel):
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @property
+    def kept_cut_bytes(self) -> int:
+        """What a checkpoint region starting after this block keeps of its input (``cut_kept_bytes``)."""
+        return self.cut_bytes if self.cut_kept_bytes is None else self.cut_kept_bytes
 
     name: str = Field(description="Module FQN of the block, e.g. 'layers.3' or 'tok_embeddings'; unique.")
     first_node: str = Field(description="Name of the block's first graph node.")
@@ -248,6 +321,13 @@ class BlockCost(BaseModel):
         ge=0, description="Bytes crossing a stage boundary placed right after this block, per microbatch, one way."
     )
     cut_tensors: int = Field(ge=0, description="Number of tensors crossing that boundary.")
+    cut_kept_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="What a checkpoint region starting after this block (or a stage recomputed as one region) "
+        "keeps of its input per microbatch: under sequence parallelism its sequence shards are 1/tp "
+        "(planner.core.tensor_parallel). None: cut_bytes, the whole.",
+    )
     cut_share: int = Field(
         default=1,
         ge=1,

@@ -350,6 +350,13 @@ class Plan(_Frozen):
         description="The tensor-parallel plan used: module-name patterns (fnmatch, '*' matches one name part) "
         "to styles: colwise, rowwise (torch's ColwiseParallel / RowwiseParallel). Empty when tp is 1.",
     )
+    sequence_parallel: bool = Field(
+        default=False,
+        description="Sequence parallelism with the tensor parallelism (tp > 1 only): row-wise outputs "
+        "reduce-scattered along the sequence, the residual adds and norms between layers run on each tp rank's "
+        "slice of the sequence and save 1/tp of their activations, column-wise inputs all-gathered "
+        "(planner.run.sequence_split).",
+    )
     batch_size: int = Field(ge=1, description="Samples per step over all replicas (the global batch).")
     n_microbatches: int = Field(ge=1, description="Microbatches per pass of each replica's pipeline.")
     accumulation: int = Field(
@@ -540,6 +547,10 @@ class Plan(_Frozen):
             )
         if (self.tp > 1) != bool(self.tp_plan):
             raise ValueError(f"tp is {self.tp} with {len(self.tp_plan)} tp_plan entries; a split needs its plan")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel needs tp > 1 (it splits what tensor parallelism keeps whole)")
+        if self.sequence_parallel and self.compile:
+            raise ValueError("sequence_parallel runs eagerly only: compile must be false")
         if len(self.stages) != self.n_stages:
             raise ValueError(f"n_stages is {self.n_stages} but {len(self.stages)} stages are listed")
         if self.n_stages % self.n_ranks:

@@ -219,10 +219,10 @@ class PlanRequest(_Request):
     )
     tp: int | Literal["auto"] = Field(
         default="auto",
-        description="Tensor-parallel ranks every pipeline rank is split over, inside one node (each layer's "
-        "matrices split by the model's tp plan), or auto: the search tries every degree the node and the model "
-        "allow (1 when the model declares no tp plan).",
+        description="Tensor-parallel ranks every pipeline rank is split over, inside one node (by the model's tp "
+        "plan), or auto: every degree the node and the model allow (1 when the model declares no tp plan).",
     )
+    sequence_parallel: bool = Field(default=False, description="Sequence parallelism with tp > 1 (Plan's field).")
     size: str | None = Field(default=None, description="A key of the file's SIZES (None: its defaults).")
     overrides: dict[str, Any] = Field(default_factory=dict, description="Config entries to replace (--set).")
     # bounded so the default microbatch count (a divisor search up to sqrt(batch)) stays instant
@@ -272,10 +272,7 @@ class PlanRequest(_Request):
         description="Measured costs: the autocast dtype (bf16, fp16: torch.autocast, parameters stay fp32; fp32 or "
         "None: no autocast). --gpu-type estimates: the parameter and activation dtype (None: bf16 on GPUs, fp32 on cpu).",
     )
-    compile: bool = Field(
-        default=False,
-        description="Train with torch.compile: measured costs time each block compiled; estimates do not model it.",
-    )
+    compile: bool = Field(default=False, description="Train with torch.compile (measured: blocks timed so).")
     multi_node: bool = Field(
         default=False, description="Estimated plans: every boundary crosses nodes (an alias of gpus_per_node 1)."
     )
@@ -348,6 +345,8 @@ class PlanRequest(_Request):
 
     def _check_tensor_parallel(self) -> None:
         """Refuse a tensor-parallel degree that does not divide the ranks, a node, or the ranks left to replicas."""
+        if self.sequence_parallel and self.compile:  # a stage compiled under its DTensor mode fails
+            raise ValueError("--sequence-parallel runs eagerly only; leave out --compile")
         if self.tp == "auto":
             return
         if self.gpus % self.tp:

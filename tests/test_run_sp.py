@@ -1,0 +1,195 @@
+"""Tier 3: sequence parallelism with tensor parallelism (``Plan.sequence_parallel``), real gloo
+processes on CPU against the unsplit model: losses and global gradient norms (clipping on) equal
+within 1e-4, as tests/test_run_tp.py checks tensor parallelism alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from run_factory import MODELS, make_plan  # noqa: E402
+from test_run_tp import _run_and_compare as compare_with_unsplit  # noqa: E402
+
+SP2: dict = dict(schedule="1f1b", n_microbatches=2, optimizer="sgd", lr=0.5, grad_clip=0.5, tp=2)
+
+
+def _sequence(plan):  # type: ignore[no-untyped-def]
+    return plan.model_copy(update={"sequence_parallel": True})
+
+
+def _run_and_compare(plan, tmp_path: Path):  # type: ignore[no-untyped-def]
+    return compare_with_unsplit(plan, tmp_path, save_checkpoints=False)
+
+
+@pytest.mark.multiprocess
+def test_llama_sp_tp2_pp2_matches_unsplit_model(tmp_path: Path) -> None:
+    # the hidden state crossing the boundary after block 2 is a sequence shard on both sides
+    plan = _sequence(make_plan(MODELS / "llama.py", [0, 3], **SP2))
+    got, want = _run_and_compare(plan, tmp_path)
+    print("llama sp tp2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+def test_hugging_face_llama_sp_tp2_pp2_matches_unsplit_model(tmp_path: Path) -> None:
+    # a torch.export graph, its sizes baked in: DTensors keep the global shapes the graph was made for
+    pytest.importorskip("transformers")
+    plan = _sequence(make_plan(MODELS / "hf" / "llama.py", [0, 3], size="tiny", **SP2))
+    assert plan.model.trace_method == "export"
+    got, want = _run_and_compare(plan, tmp_path)
+    print("hf llama sp tp2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("recompute", ["full", "selective", "stage"])
+def test_recomputed_sp_stages_match_unsplit_model(tmp_path: Path, recompute: str) -> None:
+    # a checkpoint region re-runs its forward in backward, outside the stage's forward: under the mode again
+    plan = _sequence(make_plan(MODELS / "llama.py", [0, 3], **SP2))
+    stages = [s.model_copy(update={"recompute": recompute}) for s in plan.stages]
+    plan = plan.model_copy(update={"stages": stages})
+    got, want = _run_and_compare(plan, tmp_path)
+    print("llama sp recompute", recompute, got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("dp_mode", "fsdp_units"), [("ddp", "stage"), ("fsdp", "block")])
+def test_two_replicas_of_an_sp_tp2_stage_match_one_process(tmp_path: Path, dp_mode: str, fsdp_units: str) -> None:
+    plan = make_plan(
+        MODELS / "llama.py",
+        [0],
+        schedule="gpipe",
+        n_microbatches=2,
+        optimizer="adamw",
+        grad_clip=0.5,
+        dp=2,
+        tp=2,
+        dp_mode=dp_mode,
+        fsdp_units=fsdp_units,
+    )
+    got, want = _run_and_compare(_sequence(plan), tmp_path)
+    assert got.replicas == 2
+    print("llama sp dp2 tp2", dp_mode, got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+def test_sp_tp2_zbv_splits_the_backward_and_matches(tmp_path: Path) -> None:
+    plan = make_plan(
+        MODELS / "llama.py",
+        [0, 2, 3, 5],
+        schedule="zbv",
+        stages_per_rank=2,
+        n_microbatches=4,
+        optimizer="sgd",
+        lr=0.5,
+        grad_clip=0.5,
+        tp=2,
+    )
+    got, want = _run_and_compare(_sequence(plan), tmp_path)
+    print("llama sp zbv", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+def test_a_layer_saves_what_the_sequence_share_says_on_two_processes() -> None:
+    # the model's claim, checked on the runner's own code: with sequence parallelism a llama layer
+    # saves (1 - 1/2) of its sequence share's bytes less than without, on each of 2 tp ranks
+    import torch.multiprocessing as mp
+    from test_run_tp import _free_port
+
+    mp.spawn(_saved_bytes_rank, args=(_free_port(),), nprocs=2, join=True)
+
+
+def _saved_bytes(stage, x, split=None) -> tuple[int, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Bytes autograd keeps of one forward of ``stage`` (parameters aside), and the input's gradient
+    of the output's sum. With ``split`` (a ``SequenceSplit``) its own saved-tensor hooks are the
+    innermost: their packed values are counted (a kept shard as the shard)."""
+    from torch.distributed.tensor import DTensor
+
+    def ptr(t):  # type: ignore[no-untyped-def]
+        return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+
+    params = {ptr(p).data_ptr() for p in stage.parameters()}
+    seen: dict[int, int] = {}
+
+    def note(t):  # type: ignore[no-untyped-def]
+        kept = getattr(t, "shard", t)  # a _Regather keeps its shard
+        storage = ptr(kept)
+        if storage.data_ptr() not in params:
+            seen.setdefault(storage.data_ptr(), storage.nbytes())
+
+    if split is not None:
+        pack = split.pack
+
+        def counting(t):  # type: ignore[no-untyped-def]
+            packed = pack(t)
+            note(packed)
+            return packed
+
+        split.pack = counting
+        out = stage(x)
+    else:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (note(t), t)[1], lambda t: t):
+            out = stage(x)
+    x.grad = None
+    out = out.full_tensor() if isinstance(out, DTensor) else out
+    out.pow(2).sum().backward()
+    return sum(seen.values()), x.grad.clone()
+
+
+def _saved_bytes_rank(rank: int, port: int) -> None:
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from planner.capture.load import load_model_file
+    from planner.capture.stage import stage_module
+    from planner.capture.trace import trace_model
+    from planner.costs.tensor_parallel import tensor_parallel_shares
+    from planner.run.sequence_split import install
+    from planner.run.tensor_split import shard_stage, tp_styles
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        mf = load_model_file(MODELS / "llama.py", "tiny")
+        tp_plan = mf.module.tp_plan
+        inputs, _ = mf.batch(2)
+        torch.manual_seed(0)
+        traced = trace_model(mf.build(), inputs)
+        k = [b.name for b in traced.blocks].index("layers.1")
+        seq = tensor_parallel_shares(traced, inputs, tp_plan)["layers.1"].sequence
+        assert seq is not None and seq.activation_bytes > 0
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        x = torch.randn(2, 32, 64, requires_grad=True)
+        whole = stage_module(traced, k, k + 1)
+        shard_stage(whole, mesh, tp_plan)
+        plain, want = _saved_bytes(whole, x)
+        traced = trace_model(mf.build(), inputs)
+        split = stage_module(traced, k, k + 1)
+        columns = [split.get_submodule(n) for n, s in tp_styles(split, tp_plan).items() if s == "colwise"]
+        state = install(split, [split], columns, mesh, [True])
+        shard_stage(split, mesh, tp_plan, sequence=True)
+        sequence, got = _saved_bytes(split, x, state)
+        assert plain - sequence == seq.activation_bytes // 2, (plain, sequence, seq.activation_bytes)
+        torch.testing.assert_close(got, want)  # the kept shards gathered again in backward: the same gradient
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_model_whose_shards_reach_attention_left_whole_is_refused(tmp_path: Path) -> None:
+    # gpt.py splits only its feed-forward: the next layer's attention, whole, would run on sequence
+    # shards (it mixes positions); planned, the one line names the block and the operator
+    from planner.api import make_plan as plan_model
+    from planner.errors import ModelFileError
+    from planner.schema.request import PlanRequest
+
+    base = dict(gpus=4, tp=2, batch_size=8, output=tmp_path / "plan.json", progress=False)
+    request = PlanRequest.build(model_file=MODELS / "gpt.py", size="tiny", sequence_parallel=True, **base)
+    with pytest.raises(ModelFileError, match=r"block layers\.\d+ runs aten\._scaled_dot_product.*token by token"):
+        plan_model(request)
+    plan = plan_model(PlanRequest.build(model_file=MODELS / "llama.py", size="tiny", sequence_parallel=True, **base))
+    assert plan.tp == 2 and plan.sequence_parallel
