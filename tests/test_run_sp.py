@@ -34,10 +34,12 @@ def test_llama_sp_tp2_pp2_matches_unsplit_model(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_hugging_face_llama_sp_tp2_pp2_matches_unsplit_model(tmp_path: Path) -> None:
-    # a torch.export graph, its sizes baked in: DTensors keep the global shapes the graph was made for
+@pytest.mark.parametrize("size", ["tiny", "tiny-tied"])
+def test_hugging_face_llama_sp_tp2_pp2_matches_unsplit_model(tmp_path: Path, size: str) -> None:
+    # a torch.export graph, its sizes baked in: DTensors keep the global shapes the graph was made for;
+    # tied, the head is held whole and reads the final norm's shards (its weight's gradient all-reduced)
     pytest.importorskip("transformers")
-    plan = _sequence(make_plan(MODELS / "hf" / "llama.py", [0, 3], size="tiny", **SP2))
+    plan = _sequence(make_plan(MODELS / "hf" / "llama.py", [0, 3], size=size, **SP2))
     assert plan.model.trace_method == "export"
     got, want = _run_and_compare(plan, tmp_path)
     print("hf llama sp tp2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
@@ -193,3 +195,24 @@ def test_a_model_whose_shards_reach_attention_left_whole_is_refused(tmp_path: Pa
         plan_model(request)
     plan = plan_model(PlanRequest.build(model_file=MODELS / "llama.py", size="tiny", sequence_parallel=True, **base))
     assert plan.tp == 2 and plan.sequence_parallel
+
+
+@pytest.mark.multiprocess
+def test_an_sp_checkpoint_resumes_without_tensor_parallelism(tmp_path: Path) -> None:
+    # sequence parallelism leaves the parameters as tensor parallelism shards them (norms whole):
+    # its checkpoint, keyed by the unsplit model's names, resumes as a plain pp 2 run
+    from run_factory import assert_close, saved
+
+    from planner.run import run_plan
+    from planner.schema.request import RunRequest
+
+    common = dict(schedule="1f1b", n_microbatches=2, optimizer="adamw", grad_clip=0.5)
+    split = _sequence(make_plan(MODELS / "llama.py", [0, 3], tp=2, **common))  # type: ignore[arg-type]
+    whole = make_plan(MODELS / "llama.py", [0, 3], **common)  # type: ignore[arg-type]
+    ckpt, path = tmp_path / "ckpt", saved(split, tmp_path)
+    want = run_plan(whole, RunRequest(plan_file=path, steps=4, save_checkpoints=False, echo=False))
+    run_plan(split, RunRequest(plan_file=path, steps=2, checkpoint_dir=ckpt, echo=False))
+    got = run_plan(whole, RunRequest(plan_file=path, steps=4, checkpoint_dir=ckpt, resume=True, echo=False))
+    assert got.first_step == 3
+    assert_close(got.losses, want.losses[2:], "loss")
+    assert_close(got.grad_norms, want.grad_norms[2:], "grad norm")
