@@ -27,6 +27,7 @@ from planner.capture.graph import GraphForward
 from planner.capture.load import ModelFile, load_model_file, move_model
 from planner.capture.meta_cache import meta_build
 from planner.capture.stage import stage_module, trace_root
+from planner.capture.tp_graph import split_refusal
 from planner.capture.trace import retrace, trace_model
 from planner.core.assemble import Origin, assemble_plan
 from planner.core.calibrate import (
@@ -43,7 +44,7 @@ from planner.core.predict import with_links
 from planner.core.schedules import check_placement, check_schedule, stages_per_rank_options
 from planner.costs.blocks import ties_of
 from planner.costs.scaling import fixed_fraction, measured_time_at
-from planner.costs.tensor_parallel import TensorParallelBlocks, split_refusal, tensor_parallel_blocks
+from planner.costs.tensor_parallel import TensorParallelBlocks, tensor_parallel_blocks
 from planner.errors import InfeasibleError, ModelFileError, PlanFileError
 from planner.schema.costs import GLOO_CPU_LINK, NCCL_NVLINK_LINK, BlockCost, LinkCost, StepTempRule
 from planner.schema.plan import ModelRef, Plan, ProfileInfo, Tie

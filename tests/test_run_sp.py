@@ -216,3 +216,63 @@ def test_an_sp_checkpoint_resumes_without_tensor_parallelism(tmp_path: Path) -> 
     assert got.first_step == 3
     assert_close(got.losses, want.losses[2:], "loss")
     assert_close(got.grad_norms, want.grad_norms[2:], "grad norm")
+
+
+def test_a_forward_whose_first_hook_fails_leaves_the_split_usable() -> None:
+    # FSDP's gather (a hook before the split's own) raising, an out-of-memory retried: the split's
+    # always-called exit hook must not leave, nor the next forward run without, the mode
+    import datetime
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from planner.run.sequence_split import install
+    from planner.run.tensor_split import shard_stage
+
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.LayerNorm(8), nn.Linear(8, 8))
+    x = torch.randn(2, 6, 8)
+    want = layer(x)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(60))
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        plan = {"0": "colwise", "2": "rowwise", "4": "colwise_rep"}
+        split = install(layer, [layer], [layer[0], layer[4]], mesh, [False])
+        shard_stage(layer, mesh, plan, sequence=True)
+        failures = [RuntimeError("out of memory")]
+
+        def gather(module: nn.Module, args: tuple) -> None:
+            if failures:
+                raise failures.pop()
+
+        layer.register_forward_pre_hook(gather, prepend=True)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            layer(x)
+        assert split.depth == 0 and split.mode is None and split.saving is None
+        got = layer(x)
+        assert type(got) is torch.Tensor and torch.allclose(got, want, atol=1e-6)
+        got.sum().backward()  # the kept shards gathered again
+        assert split.depth == 0 and split.last is None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp_auto_leaves_sequence_parallelism_out_where_it_cannot_run(tmp_path: Path) -> None:
+    from planner.api import make_plan as plan_model
+    from planner.schema.request import PlanRequest
+
+    request = PlanRequest.build(
+        model_file=MODELS / "gpt.py",
+        size="tiny",
+        gpus=4,
+        gpu_type="h100",  # degrees 1, 2 and 4 tried (this CPU's ranks share its cores: tp 1 only)
+        tp="auto",
+        batch_size=8,
+        sequence_parallel=True,
+        output=tmp_path / "plan.json",
+        progress=False,
+    )
+    plan = plan_model(request)
+    assert not plan.sequence_parallel
+    assert "sequence parallelism: none, block layers.1 runs aten." in plan.choice  # its attention

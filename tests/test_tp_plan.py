@@ -468,7 +468,7 @@ def test_llama_sequence_shares_exact() -> None:
     assert later.activation_bytes == 2 * per_norm + 2 * hidden
     assert first.activation_bytes == per_norm + hidden and norm.activation_bytes == per_norm
     assert (later.gathers, later.gather_bytes, later.whole_inputs) == (2, 2 * hidden, 0)
-    assert (later.regathers, later.regather_bytes) == (5, 5 * hidden)
+    assert (later.regathers, later.regather_bytes, later.column_bytes) == (5, 5 * hidden, 2 * hidden)
     assert (first.gathers, first.whole_inputs, first.whole_input_bytes, first.regathers) == (1, 1, hidden, 2)
     assert (later.param_grads, later.param_grad_bytes, first.param_grads) == (2, 2 * dim * fp32, 1)
     assert later.cut_share == 1.0 and norm.compute == 1.0 and 0 < later.compute < 0.01
@@ -476,3 +476,17 @@ def test_llama_sequence_shares_exact() -> None:
     assert not later.mixed and not norm.mixed
     assert shares["norm"].sharded_params == 0 and shares["norm"].divisor == 0  # held whole, any degree
     assert "tok_embeddings" not in shares  # before any row-wise layer: nothing is a shard
+
+
+def test_a_row_wise_output_not_laid_out_batch_seq_features_is_no_sequence_shard() -> None:
+    # [tokens, features]: dimension 1 would split the features, so sequence parallelism is refused
+    from torch import nn
+
+    from planner.capture.trace import trace_model
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.LayerNorm(8))
+    inputs = (torch.randn(6, 8),)
+    traced = trace_model(model, inputs)
+    shares = tensor_parallel_shares(traced, inputs, {"0": "colwise", "2": "rowwise"})
+    mixed = [s.sequence.mixed for s in shares.values() if s.sequence is not None and s.sequence.mixed]
+    assert mixed and "a row-wise output of shape (6, 8), not [batch, seq, features]" in mixed[0]

@@ -20,9 +20,11 @@ from torch import fx, nn
 
 from planner.capture.blocks import GraphTrace, TracedModel, target_name
 from planner.capture.graph import trace_export
+from planner.capture.load import ModelFile
 from planner.capture.tp_plan import matched_modules, style_error
 from planner.capture.trace import short_reason
 from planner.errors import TraceError
+from planner.schema.request import PlanRequest
 from planner.torch_compat import graph_copy
 
 
@@ -232,4 +234,34 @@ def _call_as_module(root: fx.GraphModule, graph: fx.Graph, name: str, call: fx.N
     module_call.name = old
 
 
-__all__ = ["shard_sized_graph", "shardable_trace"]
+def split_refusal(
+    traced: TracedModel, mf: ModelFile, tp: int, tp_plan: dict[str, str], request: PlanRequest
+) -> str | None:
+    """Why a plan's tensor-parallel split cannot run on the model, as the runner would find before
+    launch (``shard_sized_graph``): a torch.export graph must trace again at one tp rank's
+    sizes into the same nodes. Checked once, for the split the search chose.
+
+    Args:
+        traced: the model as traced for the plan (at ``request.microbatch_size``).
+        mf: its model file (the example microbatch).
+        tp: the chosen tensor-parallel degree.
+        tp_plan: the patterns -> styles the plan splits by.
+        request: the plan request (its microbatch size and seed).
+
+    Returns:
+        The reason, or None (it runs, or needs no check: a torch.fx graph, tp 1).
+    """
+    if tp == 1 or not isinstance(traced, GraphTrace) or traced.method != "export":
+        return None
+    params = list(traced.model.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    inputs, _ = mf.batch(request.microbatch_size, seed=request.seed)
+    inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
+    try:
+        shard_sized_graph(traced, traced.model, inputs, tp_plan, tp)
+    except TraceError as e:
+        return str(e)
+    return None
+
+
+__all__ = ["shard_sized_graph", "shardable_trace", "split_refusal"]

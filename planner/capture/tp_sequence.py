@@ -4,7 +4,7 @@ Under sequence parallelism (Korthikanti et al., "Reducing Activation Recomputati
 Transformer Models", 2022; Megatron-LM's ``--sequence-parallel``) a row-wise layer's output is
 reduce-scattered over the tensor-parallel ranks along the sequence (dimension 1 of ``[batch, seq,
 features]``) instead of all-reduced, and what the model computes from it before the next
-column-wise layer (residual adds, norms, dropout) runs on each rank's slice of the sequence: those
+column-wise layer (residual adds, norms) runs on each rank's slice of the sequence: those
 activations, saved whole on every rank without it, are split ``tp`` ways. The column-wise layer
 all-gathers its input whole again. ``planner.run.tensor_split`` runs it with DTensors: a row-wise
 output is a DTensor sharded on dimension 1, and every operator that reads one gives one

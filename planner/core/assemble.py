@@ -444,7 +444,10 @@ def assemble_plan(
         fsdp_units=chosen.layout.fsdp_units,  # type: ignore[arg-type]  # "stage" or "block"
         tp=chosen.layout.tp,
         tp_plan=dict(tp_plan or {}) if chosen.layout.tp > 1 else {},
-        sequence_parallel=request.sequence_parallel and chosen.layout.tp > 1,
+        # where the blocks carry what it splits (--tp auto leaves it out where it cannot run)
+        sequence_parallel=request.sequence_parallel
+        and chosen.layout.tp > 1
+        and any(b.tp is not None and b.tp.sequence is not None for b in chosen.blocks),
         batch_size=request.batch_size,
         n_microbatches=chosen.layout.n_microbatches,
         accumulation=chosen.layout.accumulation,

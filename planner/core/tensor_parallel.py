@@ -126,29 +126,41 @@ def _rerun_share(block: BlockCost) -> float:
     return min(1.0, block.recompute_s / block.fwd_s)
 
 
+def _plus(x: int | None, extra: int) -> int | None:
+    return x if not extra else (x or 0) + extra
+
+
 def _scaled(x: float | None, factor: float, extra: float = 0.0) -> float | None:
     return None if x is None else x * factor + extra
 
 
-def _sequence_comm(share: TensorParallelShare, seq: SequenceShare, tp: int, link: LinkCost) -> tuple[float, float]:
-    """Forward and backward collectives of a block under sequence parallelism: each row-wise output
-    reduce-scattered (its gradient all-gathered), each distinct column-wise input that is a sequence
-    shard all-gathered (its gradient reduce-scattered once) and gathered again in backward by each
-    layer that keeps it as a shard, each whole one's gradient all-reduced once, the whole parameters
-    read on sequence shards all-reduced (their gradients)."""
+def _sequence_comm(
+    share: TensorParallelShare, seq: SequenceShare, tp: int, link: LinkCost
+) -> tuple[float, float, float, float]:
+    """Collectives of a block under sequence parallelism: each row-wise output reduce-scattered (its
+    gradient all-gathered), each gathered column-wise input all-gathered (its gradient reduce-scattered
+    once) and gathered again in backward by each layer that keeps it as a shard, each whole one's
+    gradient all-reduced once, the whole parameters read on sequence shards all-reduced (their
+    gradients).
+
+    Returns:
+        (forward, the input gradient's backward with the re-gathers, the re-gathers alone, the
+        parameters' gradient all-reduces): a split backward (zero-bubble) unpacks a layer's saved
+        input in both passes, so its weight pass gathers again too, and reduces the parameters'.
+    """
     fwd = (
         ring_s(share.fwd_allreduce_bytes, share.fwd_allreduces, tp, link)
         + ring_s(seq.gather_bytes, seq.gathers, tp, link)
         + allgather_s(share.fwd_allgather_bytes, tp, link)
     )
-    bwd = (
+    regather = ring_s(seq.regather_bytes, seq.regathers, tp, link)
+    bwd_input = (
         ring_s(share.fwd_allreduce_bytes, share.fwd_allreduces, tp, link)
         + ring_s(seq.gather_bytes, seq.gathers, tp, link)
-        + ring_s(seq.regather_bytes, seq.regathers, tp, link)
+        + regather
         + allreduce_s(seq.whole_input_bytes, seq.whole_inputs, tp, link)
-        + allreduce_s(seq.param_grad_bytes, seq.param_grads, tp, link)
     )
-    return fwd, bwd
+    return fwd, bwd_input, regather, allreduce_s(seq.param_grad_bytes, seq.param_grads, tp, link)
 
 
 def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkCost, sequence: bool) -> BlockCost:
@@ -157,8 +169,11 @@ def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkC
     seq_compute = seq.compute if seq is not None else 0.0
     compute = (1.0 - share.sharded_compute - seq_compute) + share.sharded_compute / tp * share.slowdown_at(tp)
     compute += seq_compute / tp
+    weight_comm = input_extra = 0.0  # what a split backward's weight pass adds (sequence parallelism)
     if seq is not None:
-        fwd_comm, bwd_comm = _sequence_comm(share, seq, tp, link)
+        fwd_comm, bwd_comm, regather, param_reduce = _sequence_comm(share, seq, tp, link)
+        weight_comm, input_extra = regather + param_reduce, -param_reduce
+        bwd_comm += param_reduce
     else:
         fwd_comm = allreduce_s(share.fwd_allreduce_bytes, share.fwd_allreduces, tp, link) + allgather_s(
             share.fwd_allgather_bytes, tp, link
@@ -179,6 +194,8 @@ def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkC
     along = min(seq.activation_bytes, unsplit) if seq is not None else 0
     activation = own - sharded + sharded // tp - along + along // tp + cast
     split = activation / block.activation_bytes if block.activation_bytes else 1.0
+    # a kept shard is whole again while its layer's weight gradient runs (and in a rebuilt region)
+    regathered = seq.column_bytes - seq.column_bytes // tp if seq is not None else 0
 
     def as_activations(x: int | None) -> int | None:  # bytes split as the block's activations are
         return None if x is None else math.ceil(x * split)
@@ -187,8 +204,8 @@ def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkC
         update={
             "fwd_s": block.fwd_s * compute + fwd_comm,
             "bwd_s": block.bwd_s * compute + bwd_comm,
-            "bwd_input_s": _scaled(block.bwd_input_s, compute, bwd_comm),
-            "bwd_weight_s": _scaled(block.bwd_weight_s, compute),
+            "bwd_input_s": _scaled(block.bwd_input_s, compute, bwd_comm + input_extra),
+            "bwd_weight_s": _scaled(block.bwd_weight_s, compute, weight_comm),
             # recomputing the forward runs its all-reduces again, those before the block's last saved
             # tensor only (torch's early stop: a layer's last all-reduce, after its last matmul, is not
             # re-run): charged the share of the forward the recomputation re-runs
@@ -197,7 +214,7 @@ def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkC
             # what selective checkpointing keeps, and the backward's temporaries (gradients of the
             # activations), split as the block's activations are
             "selective_bytes": as_activations(block.selective_bytes),
-            "bwd_temp_bytes": as_activations(block.bwd_temp_bytes),
+            "bwd_temp_bytes": _plus(as_activations(block.bwd_temp_bytes), regathered),
             "params": params,
             "param_bytes": param_bytes,
             "activation_bytes": activation,

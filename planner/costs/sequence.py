@@ -13,7 +13,7 @@ are sequence shards (gathered before they leave a stage, cut again on arrival).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,26 +28,29 @@ class SeqTally:
 
     work: float = 0.0
     saved: dict[int, int] = field(default_factory=dict)
-    gathers: dict[int, int] = field(default_factory=dict)
-    wholes: dict[int, int] = field(default_factory=dict)
+    column: dict[int, int] = field(default_factory=dict)  # of ``saved``, the column-wise layers' inputs
+    gathers: list[int] = field(default_factory=list)  # each gather's bytes
+    wholes: list[int] = field(default_factory=list)  # each whole input's (wrapped once, reduced once)
     grads: dict[int, int] = field(default_factory=dict)
     regathers: list[int] = field(default_factory=list)  # each shard-reading column-wise layer's input bytes
-    sums: tuple[int, ...] = (0,) * 9  # of a twin's replayed counts
+    last: int | None = None  # the id of the last column-wise input: the runner gathers again for another
+    sums: tuple[int, ...] = (0,) * 10  # of a twin's replayed counts
     mixed: str = ""  # the first operator on shards that mixes positions (``token_wise``)
 
     def totals(self) -> tuple[int, ...]:
         """(saved, gather bytes, gathers, whole-input bytes, whole inputs, grad bytes, grads, regather
-        bytes, regathers)."""
+        bytes, regathers, column-input bytes)."""
         own = (
             sum(self.saved.values()),
-            sum(self.gathers.values()),
+            sum(self.gathers),
             len(self.gathers),
-            sum(self.wholes.values()),
+            sum(self.wholes),
             len(self.wholes),
             sum(self.grads.values()),
             len(self.grads),
             sum(self.regathers),
             len(self.regathers),
+            sum(self.column.values()),
         )
         return tuple(a + b for a, b in zip(own, self.sums))
 
@@ -56,16 +59,19 @@ class SeqTally:
         return SeqTally(work=self.work, sums=self.totals(), mixed=self.mixed)
 
     def column_input(self, key: int, nbytes: int, is_sequence: bool) -> None:
-        """A column-wise layer's input (``key``: its id): gathered if a sequence shard (once per value,
-        again in backward for each layer), else whole."""
-        (self.gathers if is_sequence else self.wholes).setdefault(key, nbytes)
+        """A column-wise layer's input (``key``: its id) as the runner takes it: gathered if a sequence
+        shard (else wrapped whole) unless the layer before read the same value (the runner holds
+        only the last one), and for a shard gathered again in backward by this layer."""
+        if key != self.last:
+            (self.gathers if is_sequence else self.wholes).append(nbytes)
+        self.last = key
         if is_sequence:
             self.regathers.append(nbytes)
 
     def share(self, work: float, cut_share: float) -> SequenceShare | None:
         """The block's ``SequenceShare`` (``work``: the block's whole forward work); None when
         nothing of it is a sequence shard."""
-        saved, gather_b, gathers, whole_b, wholes, grad_b, grads, regather_b, regathers = self.totals()
+        saved, gather_b, gathers, whole_b, wholes, grad_b, grads, regather_b, regathers, column_b = self.totals()
         if not (saved or gathers or self.work or cut_share or grads or self.mixed):
             return None
         return SequenceShare(
@@ -79,6 +85,7 @@ class SeqTally:
             param_grads=grads,
             regather_bytes=regather_b,
             regathers=regathers,
+            column_bytes=column_b,
             cut_share=min(1.0, cut_share),
             mixed=self.mixed,
         )
@@ -136,6 +143,19 @@ def token_wise(
     return False
 
 
+def sequence_refusal(shares: Mapping[str, TensorParallelShare]) -> str | None:
+    """Why sequence parallelism cannot split the model (the first block whose ``SequenceShare.mixed``
+    says so), or None."""
+    for name, share in shares.items():
+        if share.sequence is not None and share.sequence.mixed:
+            return (
+                f"block {name} {share.sequence.mixed}, so its activations between a row-wise and the next "
+                "column-wise layer cannot be split along the sequence (attention the tp_plan leaves whole, a "
+                "reduction over the sequence and random operators such as dropout cannot)"
+            )
+    return None
+
+
 def cut_shares(cuts: Iterable[Iterable[str]], sequence_nodes: set[str], nbytes: Callable[[str], int]) -> list[float]:
     """For each cut (the names of the values crossing it), the share of its bytes that are sequence shards.
 
@@ -172,4 +192,4 @@ def sequence_only(seq: SequenceShare) -> TensorParallelShare:
     )
 
 
-__all__ = ["SeqTally", "cut_shares", "sequence_only", "token_wise"]
+__all__ = ["SeqTally", "cut_shares", "sequence_only", "sequence_refusal", "token_wise"]

@@ -69,7 +69,6 @@ from planner.capture.graph import _module_path
 from planner.capture.load import ModelFile
 from planner.capture.meta_cache import meta_op_cache, on_meta
 from planner.capture.signature import block_structure, leaves_block, rebuild, signature, spec
-from planner.capture.tp_graph import shard_sized_graph
 from planner.capture.tp_plan import (
     COLUMN_STYLES,
     check_tp_plan,
@@ -80,9 +79,9 @@ from planner.capture.tp_plan import (
 )
 from planner.core.hardware import HardwareSpec
 from planner.costs.roofline import _GEMMS, _gemm_dims
-from planner.costs.sequence import SeqTally, cut_shares, sequence_only, token_wise
+from planner.costs.sequence import SeqTally, cut_shares, sequence_only, sequence_refusal, token_wise
 from planner.costs.tp_gemms import MAX_DEGREE, Gemm, gemm_seconds, gemm_slowdown
-from planner.errors import ModelFileError, TraceError
+from planner.errors import ModelFileError
 from planner.schema.costs import BlockCost, TensorParallelShare
 from planner.schema.request import PlanRequest
 from planner.torch_compat import TorchDispatchMode, no_dispatch
@@ -196,7 +195,7 @@ class _Watch(TorchDispatchMode):
             if not self.block.seq.mixed and not token_wise(
                 func, args, lambda t: id(t) in self.seq, lambda t: id(t) in self.state
             ):
-                self.block.seq.mixed = str(packet)
+                self.block.seq.mixed = f"runs {packet}, which does not work token by token"
             self.mark(_tensors(out), 2)
             for t in read:
                 if id(t) in self.params:
@@ -243,6 +242,7 @@ class _ShareRun(fx.Interpreter):
         self.position = 0
         self.on_meta = on_meta(traced.gm)
         self.seq_nodes: set[str] = set()  # values that are sequence shards (the cuts' share)
+        self.sequence: tuple[int, ...] = ()  # the input tokens' [batch, seq], when the input is token ids
 
     def styled(self, path: list[str]) -> tuple[str, str] | None:
         """The innermost matched layer of a node's module path, with its style."""
@@ -282,7 +282,7 @@ class _ShareRun(fx.Interpreter):
         name = self.module_names[id(module)]
         style = self.matched[name][0]
         if style == "rowwise":  # under sequence parallelism, reduce-scattered along the sequence
-            self.watch.mark(_tensors(out), 2)
+            self._row_output(_tensors(out))
         if self.watch.block is not None and self._count(name, "io"):
             if style in COLUMN_STYLES:  # its input's gradient is all-reduced in backward
                 self._add("bwd", _tensors(args)[:1], True)
@@ -291,6 +291,15 @@ class _ShareRun(fx.Interpreter):
                 self._add("fwd", _tensors(out), True)
             if style == "colwise_rep":  # its output is all-gathered whole in forward
                 self._add("gather", _tensors(out), False)
+
+    def _row_output(self, tensors: list[torch.Tensor]) -> None:
+        """A row-wise layer's output: a sequence shard, if it is laid out [batch, seq, features] (the
+        runner splits dimension 1; ``sequence``: the tokens' [batch, seq], when the input is tokens)."""
+        self.watch.mark(tensors, 2)
+        block = self.watch.block
+        bad = [t for t in tensors if t.dim() < 3 or (self.sequence and tuple(t.shape[:2]) != self.sequence)]
+        if bad and block is not None and not block.seq.mixed:
+            block.seq.mixed = f"gives a row-wise output of shape {tuple(bad[0].shape)}, not [batch, seq, features]"
 
     def _column_input(self, tensors: list[torch.Tensor]) -> None:
         """A column-wise layer's input, as sequence parallelism gathers (or wraps) it once per value."""
@@ -404,7 +413,7 @@ class _ShareRun(fx.Interpreter):
             if self._count(name, "count"):
                 self._add("bwd", [], True)
         if style == "rowwise" and any(layer_of(u) != name for u in n.users):
-            self.watch.mark(_tensors(out), 2)
+            self._row_output(_tensors(out))
             self._add("fwd", _tensors(out), self._count(name, "count"))
         if style == "colwise_rep" and any(layer_of(u) != name for u in n.users):
             self._add("gather", _tensors(out), False)
@@ -444,6 +453,9 @@ def tensor_parallel_shares(
     watch.state.update(id(t) for t in (*traced.gm.parameters(), *traced.gm.buffers()))
     watch.params.update(id(p) for p in traced.gm.parameters() if p.requires_grad)
     run = _ShareRun(traced, matched, watch, float_bytes)
+    first = inputs[0] if inputs else None
+    if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
+        run.sequence = tuple(first.shape)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if watch.block is None or id(t) in watch.state:
@@ -456,6 +468,8 @@ def tensor_parallel_shares(
         # runner keeps the shard and gathers it again for the backward)
         if id(base) in watch.seq:
             watch.block.seq.saved.setdefault(id(base), _nbytes(base, float_bytes))
+            if watch.style in COLUMN_STYLES:
+                watch.block.seq.column.setdefault(id(base), _nbytes(base, float_bytes))
         return t
 
     device = next((p.device for p in traced.gm.parameters()), torch.device("meta"))
@@ -614,7 +628,9 @@ def tensor_parallel_blocks(
 
     Raises:
         ModelFileError: ``--tp N`` with a plan that uses other styles, does not fit the model, or a
-            degree that does not divide its split sizes; or a model file's plan that does not fit.
+            degree that does not divide its split sizes (or with ``--sequence-parallel`` where the
+            shards would meet an operator that does not work token by token); or a model file's plan
+            that does not fit.
     """
     if request.tp == 1 or request.tp_options == [1]:
         return TensorParallelBlocks(list(blocks), {})
@@ -646,54 +662,19 @@ def tensor_parallel_blocks(
         if forced:
             raise ModelFileError(f"--tp {request.tp}: {why}; give --tp 1")
         return TensorParallelBlocks(list(blocks), {}, f"tensor parallelism: none, {why}")
-    mixed = next((k for k, v in shares.items() if v.sequence is not None and v.sequence.mixed), None)
-    if request.sequence_parallel and mixed is not None:
-        op = shares[mixed].sequence.mixed  # type: ignore[union-attr]
-        raise ModelFileError(
-            f"--sequence-parallel: block {mixed} runs {op} on the activations between a row-wise and the next "
-            "column-wise layer, which does not work token by token (e.g. attention the tp_plan leaves whole), so "
-            "they cannot be split along the sequence; split that part in the tp_plan, or plan without "
-            "--sequence-parallel"
-        )
+    refused = sequence_refusal(shares) if request.sequence_parallel else None
+    if refused is not None and forced:
+        raise ModelFileError(f"--sequence-parallel: {refused}; split that part in the tp_plan, or leave it out")
+    if refused is not None:  # --tp auto: tensor parallelism without it, said in one line
+        shares = {k: v.model_copy(update={"sequence": None}) for k, v in shares.items()}
     out = [_fitted(b, shares[b.name]) if b.name in shares else b for b in blocks]
-    return TensorParallelBlocks(out, resolved.plan)
-
-
-def split_refusal(
-    traced: TracedModel, mf: ModelFile, tp: int, tp_plan: dict[str, str], request: PlanRequest
-) -> str | None:
-    """Why a plan's tensor-parallel split cannot run on the model, as the runner would find before
-    launch (``planner.capture.tp_graph``): a torch.export graph must trace again at one tp rank's
-    sizes into the same nodes. Checked once, for the split the search chose.
-
-    Args:
-        traced: the model as traced for the plan (at ``request.microbatch_size``).
-        mf: its model file (the example microbatch).
-        tp: the chosen tensor-parallel degree.
-        tp_plan: the patterns -> styles the plan splits by.
-        request: the plan request (its microbatch size and seed).
-
-    Returns:
-        The reason, or None (it runs, or needs no check: a torch.fx graph, tp 1).
-    """
-    if tp == 1 or not isinstance(traced, GraphTrace) or traced.method != "export":
-        return None
-    params = list(traced.model.parameters())
-    device = params[0].device if params else torch.device("cpu")
-    inputs, _ = mf.batch(request.microbatch_size, seed=request.seed)
-    inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
-    try:
-        shard_sized_graph(traced, traced.model, inputs, tp_plan, tp)
-    except TraceError as e:
-        return str(e)
-    return None
+    return TensorParallelBlocks(out, resolved.plan, f"sequence parallelism: none, {refused}" if refused else "")
 
 
 __all__ = [
     "TensorParallelBlocks",
     "gemm_seconds",
     "gemm_slowdown",
-    "split_refusal",
     "tensor_parallel_blocks",
     "tensor_parallel_shares",
 ]

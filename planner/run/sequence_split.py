@@ -95,17 +95,34 @@ class SequenceSplit:
         self.depth += 1
 
     def leave(self, *_: Any) -> None:
+        if self.depth == 0:  # a hook before ``enter`` raised (FSDP's gather): nothing was entered
+            return
         self.depth -= 1
-        if self.depth == 0 and self.mode is not None:
+        if self.depth == 0:
+            if self.mode is not None:
+                self.mode.__exit__(None, None, None)
+                self.mode = None
+            # a recomputation (in backward) gathers too: hold nothing past it
+            self.last = None
+            self.shard_of.clear()
+
+    def close(self) -> None:
+        """Leave the mode and the saved-tensor hooks, hold nothing: the stage's forward is over."""
+        if self.saving is not None:
+            self.saving.__exit__(None, None, None)
+            self.saving = None
+        if self.mode is not None:
             self.mode.__exit__(None, None, None)
             self.mode = None
+        self.depth = 0
+        self.last = None
+        self.shard_of.clear()
 
     def stage_in(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """The stage's inputs, the sequence shards cut to this rank's slice (the mode entered)."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        self.last = None
-        self.shard_of.clear()
+        self.close()  # whatever an earlier failed forward left
         self.enter()
         # innermost while no checkpoint region runs: a region's own hooks keep nothing, and a
         # recomputation (in backward, outside this forward) saves the whole for its region's backward
@@ -123,12 +140,7 @@ class SequenceSplit:
         """The stage's output with every DTensor gathered whole (a plain tensor again)."""
         from torch.distributed.tensor import DTensor, Replicate
 
-        self.leave()
-        if self.saving is not None:
-            self.saving.__exit__(None, None, None)
-            self.saving = None
-        self.last = None
-        self.shard_of.clear()
+        self.close()
 
         def whole(t: Any) -> Any:
             return t.redistribute(t.device_mesh, [Replicate()]).to_local() if isinstance(t, DTensor) else t

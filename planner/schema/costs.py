@@ -92,6 +92,12 @@ class SequenceShare(BaseModel):
         "keeps the shard for its weight gradient (not the gathered whole) and gathers it again when that runs.",
     )
     regathers: int = Field(default=0, ge=0, description="How many such layers.")
+    column_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="Of activation_bytes, the column-wise layers' inputs kept as shards: whole again while a "
+        "layer's weight gradient runs, and whole in a recomputed region (its own forward saves them).",
+    )
     whole_input_bytes: int = Field(
         default=0,
         ge=0,
