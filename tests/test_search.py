@@ -184,3 +184,25 @@ def test_the_first_stage_runs_its_whole_backward_as_w() -> None:
     stages, _ = predicted(blocks, [0, 2], LINK, "interleaved-zb", 4, ADAMW)
     assert (stages[0].bwd_input_s, stages[0].bwd_weight_s) == (0.0, stages[0].bwd_s)
     assert stages[1].bwd_input_s == pytest.approx(0.024) and stages[1].bwd_weight_s == pytest.approx(0.016)
+
+
+def test_a_runner_up_that_polishes_faster_than_the_polished_winner_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the solver's least-bottleneck splits rank the layouts; polishing moves each by a few percent, so
+    # the runners-up within REFINE_MARGIN are polished too and the fastest polished one wins
+    from types import SimpleNamespace
+
+    from planner.core import search as search_module
+
+    def choice(step: float, fits: bool = True) -> SimpleNamespace:
+        return SimpleNamespace(prediction=SimpleNamespace(step_time_s=step), fits=fits)
+
+    winner, close, unfit, far = choice(1.00), choice(1.02), choice(1.01, fits=False), choice(1.20)
+    polished = {id(winner): choice(0.99), id(close): choice(0.95), id(unfit): choice(0.5), id(far): choice(0.5)}
+    monkeypatch.setattr(search_module, "refine", lambda c, cluster, constraints: polished[id(c)])
+    best, shown, beaten = search_module._polished_best(winner, [winner, close, unfit, far], None, None)  # type: ignore[arg-type]
+    assert best is close and shown is polished[id(close)]  # far is beyond the margin, unfit never runs
+    assert beaten == (winner, polished[id(winner)])  # the line compares both polished
+    # within TIE the ranked winner stays (it has the least memory, the fewer replicas, the simpler schedule)
+    polished[id(close)] = choice(0.99 * (1 - search_module.TIE / 2))
+    best, shown, beaten = search_module._polished_best(winner, [winner, close, unfit, far], None, None)  # type: ignore[arg-type]
+    assert best is winner and shown is polished[id(winner)] and beaten is None
