@@ -56,10 +56,10 @@ TIE = 1e-3
 """Predicted steps within this relative difference count as equal (the cost model is not that precise)."""
 
 REFINE_EVALUATIONS = 120
-# runners-up polished too when their solver split is within this of the polished winner's step (the
-# polishing has gained up to about 2 % on the published runs' layouts), at most this many
-REFINE_MARGIN = 0.05
-REFINE_RIVALS = 3
+# runners-up polished too when their solver split is within this of the polished winner's step (the polishing has gained up to about 2 % on the published runs' layouts),
+# at most this many
+REFINE_MARGIN = 0.03
+REFINE_RIVALS = 2
 """At most this many neighbouring splits are simulated when polishing the winner against the simulated step."""
 
 
@@ -573,7 +573,7 @@ def _polished_best(
     return best, polished, None if best is first[0] else first
 
 
-def refine(choice: Choice, cluster: Cluster, constraints: Constraints) -> Choice:
+def refine(choice: Choice, cluster: Cluster, constraints: Constraints, budget: int = REFINE_EVALUATIONS) -> Choice:
     """Polish a split against the simulated step: move one cut by one legal position at a time, keeping
     each move that shortens the predicted step and still fits (first improvement, cuts in order,
     until a whole pass finds none or ``REFINE_EVALUATIONS`` splits were simulated).
@@ -591,7 +591,6 @@ def refine(choice: Choice, cluster: Cluster, constraints: Constraints) -> Choice
     n = len(blocks)
     best = choice
     flags = tuple(choice.prediction.recompute)
-    budget = REFINE_EVALUATIONS
     improved = True
     while improved and budget > 0:
         improved = False
