@@ -14,10 +14,9 @@ from dataclasses import dataclass, replace
 from planner.core.casts import without_casts
 from planner.core.data_parallel import as_gathered, layout_links
 from planner.core.inputs import Cluster, Constraints, Layout
-from planner.core.partial_recompute import fewest_recomputed
 from planner.core.predict import predict
-from planner.core.schedules import SPLIT_BACKWARD, check_schedule, in_flight_per_stage
-from planner.core.solve import solve
+from planner.core.rank_fit import rank_split
+from planner.core.schedules import SPLIT_BACKWARD, check_schedule
 from planner.core.stage_model import Partition
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, SequenceShare, TensorParallelShare
@@ -139,10 +138,11 @@ def evaluate_choice(
     """Solve (unless ``split`` is given) and predict one layout.
 
     The solver gets each stage's in-flight count from its place in the schedule and, with several
-    stages per rank, a per-stage share ``limit / v`` of the memory limit (a rank's stages together
-    then fit); the prediction's per-rank peak decides ``fits``. ``blocks`` are costed at the
-    layout's microbatch size; its ``dp`` replicas reduce gradients by its ``dp_mode`` ("ddp",
-    "fsdp" or "hsdp"), and FSDP's shards are what the memory limit holds.
+    stages per rank, a per-stage cap on memory (``planner.core.rank_fit.rank_split``: the share ``limit / v``, under which
+    a rank's stages together fit, and where that recomputes or fails, larger caps whose splits the
+    predicted rank peak still fits); the prediction's per-rank peak decides ``fits``. ``blocks`` are
+    costed at the layout's microbatch size; its ``dp`` replicas reduce gradients by its ``dp_mode``
+    ("ddp", "fsdp" or "hsdp"), and FSDP's shards are what the memory limit holds.
 
     Args:
         blocks: per-block costs at the layout's microbatch size.
@@ -157,8 +157,8 @@ def evaluate_choice(
     Raises:
         InfeasibleError: the schedule refuses these numbers, or no split fits.
     """
-    pp, v = layout.pp, layout.stages_per_rank
-    check_schedule(layout.schedule, pp, layout.n_microbatches, v)
+    pp = layout.pp
+    check_schedule(layout.schedule, pp, layout.n_microbatches, layout.stages_per_rank)
     if layout.shard > 1:
         # FSDP gathers the weights in the plan's dtype: its stages hold them so (a measured bf16
         # profile counts the fp32 weights autocast trains), and autocast copies none
@@ -166,25 +166,11 @@ def evaluate_choice(
     limit = constraints.memory_limit_bytes
     link = layout_links(cluster.link, pp, layout.dp, layout.tp)
     if split is None:
-        per_stage = replace(constraints, memory_limit_bytes=None if limit is None else limit // v)
-        try:
-            # the counts given explicitly: the solver's error then names what does not fit this
-            # layout, instead of searching other stage counts the layout does not allow
-            in_flight = in_flight_per_stage(layout.schedule, pp, layout.n_microbatches, v)
-            split = solve(blocks, link, layout, per_stage, in_flight)
-            split = fewest_recomputed(blocks, split, link, layout, per_stage, in_flight)
-        except InfeasibleError as e:
-            if v == 1:
-                raise
-            # the solver counts stages, which the user asked for as --gpus x --stages-per-rank
-            raise InfeasibleError(
-                f"{layout.schedule} with {v} stages per rank needs {pp * v} stages: {e}".replace(
-                    f"--gpus {pp * v}", f"{pp * v} stages"
-                )
-            ) from None
-    stages, prediction = predict(
-        blocks, split.starts, link, layout, constraints.optimizer, split.recompute, cluster.slots
-    )
+        stages, prediction = rank_split(blocks, link, layout, constraints, cluster.slots)
+    else:
+        stages, prediction = predict(
+            blocks, split.starts, link, layout, constraints.optimizer, split.recompute, cluster.slots
+        )
     fits = limit is None or prediction.max_memory_bytes <= limit
     # one replica is recorded as ddp, whatever was asked
     mode = ("hsdp" if layout.dp_mode == "hsdp" else "fsdp") if layout.shard > 1 else "ddp"

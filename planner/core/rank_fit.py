@@ -1,0 +1,207 @@
+"""A layout's split whose every rank fits the per-rank memory limit, with several stages per rank.
+
+The solver caps each stage's memory alone. With one stage per rank the cap is the limit. With ``v``
+stages per rank the share ``limit / v`` is sure to fit a rank (each of its stages peaks below it),
+but it is too tight where a rank's stages differ (an embedding's stage beside layers) or do not
+peak at once (``planner.core.predict.rank_memory_bytes``): it hides splits that fit, or makes them
+recompute where the rank has room. ``rank_split`` therefore also solves under the whole limit and
+under caps bisected between the two, raises the recomputation of the stages on ranks still over
+the limit (``_escalate``), predicts every split so made, and keeps the fastest whose rank peak fits.
+
+Pure module: never imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from planner.core.inputs import Constraints, Layout
+from planner.core.links import Links
+from planner.core.partial_recompute import fewest_recomputed
+from planner.core.predict import predict
+from planner.core.recompute import recompute_flags
+from planner.core.schedules import in_flight_per_stage
+from planner.core.solve import policy_options, solve
+from planner.errors import InfeasibleError
+from planner.schema.costs import BlockCost, split_recompute
+from planner.schema.plan import Prediction, StagePlan
+
+RELAX_STEPS = 5
+"""Bisection steps between the per-stage share ``limit / v`` and the whole limit."""
+
+Predicted = tuple[list[StagePlan], Prediction]
+
+
+def rank_split(
+    blocks: Sequence[BlockCost], link: Links, layout: Layout, constraints: Constraints, slots: float | None
+) -> Predicted:
+    """The solver's split of ``layout``, its stages' memory capped so that every rank fits, predicted.
+
+    One stage per rank (or no limit): the solver's split under the limit. ``v`` stages per rank:
+    the split under the share ``limit / v``; where that recomputes or fails, also the split under
+    the whole limit as a stage's cap and, where its rank peak is over, splits under caps bisected
+    between the two (``RELAX_STEPS``), and, under ``--recompute auto``, each over-limit split with
+    more recomputation on its ranks that are over (``_escalate``). The fastest whose rank peak fits
+    wins (ties: the first tried, the share's); when none fits, the one needing the least memory
+    (its prediction says how much).
+
+    Args:
+        blocks: per-block costs at the layout's microbatch size.
+        link: the links of the layout's ranks.
+        layout: the schedule, pipeline ranks, microbatches, stages per rank, replicas.
+        constraints: the optimizer, the per-rank memory limit and the recompute policy.
+        slots: ranks that compute at once (``planner.core.predict.predict``).
+
+    Returns:
+        The stages and the prediction of the split chosen.
+
+    Raises:
+        InfeasibleError: the solver finds no split, even with the whole limit as a stage's cap
+            (its reason, naming the stages the layout needs).
+    """
+    limit, v = constraints.memory_limit_bytes, layout.stages_per_rank
+    if limit is None or v == 1:
+        return _solved(blocks, link, layout, constraints, slots, limit)
+    tried: list[Predicted] = []
+    try:
+        tried.append(_solved(blocks, link, layout, constraints, slots, limit // v))
+    except InfeasibleError:
+        pass
+    if not tried or any(r != "never" for r in tried[0][1].recompute):
+        _relax(blocks, link, layout, constraints, slots, tried)
+    fitting = [t for t in tried if t[1].max_memory_bytes <= limit]
+    if fitting:
+        return min(fitting, key=lambda t: t[1].step_time_s)
+    return min(tried, key=lambda t: t[1].max_memory_bytes)
+
+
+def _relax(
+    blocks: Sequence[BlockCost],
+    link: Links,
+    layout: Layout,
+    constraints: Constraints,
+    slots: float | None,
+    tried: list[Predicted],
+) -> None:
+    """Add to ``tried`` the split under the whole limit as a stage's cap and, where its rank peak is
+    over, the splits under caps bisected down towards ``limit / v``, each over-limit one also with
+    its over-limit ranks recomputing more (``_escalate``).
+
+    Raises:
+        InfeasibleError: no split under the whole limit, and none in ``tried``.
+    """
+    limit = constraints.memory_limit_bytes
+    assert limit is not None
+    try:
+        whole = _solved(blocks, link, layout, constraints, slots, limit)
+    except InfeasibleError:
+        if tried:
+            return
+        raise
+    tried.append(whole)
+    if whole[1].max_memory_bytes <= limit:
+        return
+    _escalate(blocks, link, layout, constraints, slots, tried)
+    lo, hi = limit // layout.stages_per_rank, limit
+    for _ in range(RELAX_STEPS):
+        cap = (lo + hi) // 2
+        try:
+            got = _solved(blocks, link, layout, constraints, slots, cap)
+        except InfeasibleError:
+            lo = cap  # the stages need a larger cap
+            continue
+        tried.append(got)
+        if got[1].max_memory_bytes <= limit:
+            lo = cap
+        else:
+            hi = cap
+            _escalate(blocks, link, layout, constraints, slots, tried)
+
+
+def _escalate(
+    blocks: Sequence[BlockCost],
+    link: Links,
+    layout: Layout,
+    constraints: Constraints,
+    slots: float | None,
+    tried: list[Predicted],
+) -> None:
+    """Under ``--recompute auto``, the last split of ``tried`` (over the limit) with more recomputed:
+    on every rank over the limit, the stage holding the most live activations moves one mode up
+    (never, then selective where the schedule allows it, then full; a partial "mode:k" to its
+    whole mode), again until every rank fits or no stage on an over-limit rank can recompute more.
+    The last split made is added to ``tried`` (if still over, it needs less than the first).
+    """
+    limit = constraints.memory_limit_bytes
+    if constraints.recompute != "auto" or limit is None:
+        return
+    ladder = [m for m in policy_options("auto", layout.schedule) if m in ("never", "selective", "full")]
+    stages, prediction = tried[-1]
+    starts = prediction.starts
+    flags = recompute_flags(prediction.recompute, len(starts))
+    while prediction.max_memory_bytes > limit:
+        over = {r for r, b in enumerate(prediction.rank_memory_bytes) if b > limit}
+        raised = False
+        for r in sorted(over):
+            mine = [st for st in stages if st.rank == r and _next_mode(flags[st.index], ladder) is not None]
+            if not mine:
+                continue
+            top = max(mine, key=lambda st: (st.activation_bytes * st.in_flight, -st.index))
+            flags[top.index] = _next_mode(flags[top.index], ladder) or flags[top.index]
+            raised = True
+        if not raised:
+            break
+        stages, prediction = predict(blocks, starts, link, layout, constraints.optimizer, flags, slots)
+    if prediction is not tried[-1][1]:
+        tried.append((stages, prediction))
+
+
+def _next_mode(flag: str, ladder: Sequence[str]) -> str | None:
+    """The recompute value one step up ``ladder`` from ``flag`` ("mode:k" goes to its whole mode;
+    None: at the top, or "stage")."""
+    mode, count = split_recompute(flag)
+    if mode not in ladder:
+        return None
+    if count is not None:
+        return mode
+    k = ladder.index(mode)
+    return ladder[k + 1] if k + 1 < len(ladder) else None
+
+
+def _solved(
+    blocks: Sequence[BlockCost],
+    link: Links,
+    layout: Layout,
+    constraints: Constraints,
+    slots: float | None,
+    cap: int | None,
+) -> Predicted:
+    """The solver's split with every stage's memory under ``cap`` (None: no cap), its recomputing
+    stages narrowed to their fewest regions, predicted.
+
+    Raises:
+        InfeasibleError: no split fits ``cap``; with several stages per rank the message names the
+            stages the layout needs instead of the ranks.
+    """
+    pp, v = layout.pp, layout.stages_per_rank
+    per_stage = replace(constraints, memory_limit_bytes=cap)
+    # the counts given explicitly: the solver's error then names what does not fit this layout,
+    # instead of searching other stage counts the layout does not allow
+    in_flight = in_flight_per_stage(layout.schedule, pp, layout.n_microbatches, v)
+    try:
+        split = solve(blocks, link, layout, per_stage, in_flight)
+    except InfeasibleError as e:
+        if v == 1:
+            raise
+        # the solver counts stages, which the user asked for as --gpus x --stages-per-rank
+        raise InfeasibleError(
+            f"{layout.schedule} with {v} stages per rank needs {pp * v} stages: {e}".replace(
+                f"--gpus {pp * v}", f"{pp * v} stages"
+            )
+        ) from None
+    split = fewest_recomputed(blocks, split, link, layout, per_stage, in_flight)
+    return predict(blocks, split.starts, link, layout, constraints.optimizer, split.recompute, slots)
+
+
+__all__ = ["RELAX_STEPS", "rank_split"]
