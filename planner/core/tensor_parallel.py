@@ -169,16 +169,19 @@ def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkC
     seq_compute = seq.compute if seq is not None else 0.0
     compute = (1.0 - share.sharded_compute - seq_compute) + share.sharded_compute / tp * share.slowdown_at(tp)
     compute += seq_compute / tp
-    weight_comm = input_extra = 0.0  # what a split backward's weight pass adds (sequence parallelism)
     if seq is not None:
-        fwd_comm, bwd_comm, regather, param_reduce = _sequence_comm(share, seq, tp, link)
-        weight_comm, input_extra = regather + param_reduce, -param_reduce
-        bwd_comm += param_reduce
+        fwd_comm, input_comm, regather, param_reduce = _sequence_comm(share, seq, tp, link)
+        # a whole backward runs the input gradient's collectives and the parameters' all-reduces; a
+        # split one (zero-bubble) the first in its input pass and, in its weight pass, the re-gathers
+        # again (it unpacks the kept shards once more) and the all-reduces
+        bwd_comm = input_comm + param_reduce
+        weight_comm = regather + param_reduce
     else:
         fwd_comm = allreduce_s(share.fwd_allreduce_bytes, share.fwd_allreduces, tp, link) + allgather_s(
             share.fwd_allgather_bytes, tp, link
         )
-        bwd_comm = allreduce_s(share.bwd_allreduce_bytes, share.bwd_allreduces, tp, link)
+        bwd_comm = input_comm = allreduce_s(share.bwd_allreduce_bytes, share.bwd_allreduces, tp, link)
+        weight_comm = 0.0
     param_bytes = block.param_bytes - share.sharded_param_bytes + math.ceil(share.sharded_param_bytes / tp)
     params = block.params - share.sharded_params + math.ceil(share.sharded_params / tp)
     # the optimizer step, the gradient passes and their temporaries follow the bytes each rank holds
@@ -204,7 +207,7 @@ def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkC
         update={
             "fwd_s": block.fwd_s * compute + fwd_comm,
             "bwd_s": block.bwd_s * compute + bwd_comm,
-            "bwd_input_s": _scaled(block.bwd_input_s, compute, bwd_comm + input_extra),
+            "bwd_input_s": _scaled(block.bwd_input_s, compute, input_comm),
             "bwd_weight_s": _scaled(block.bwd_weight_s, compute, weight_comm),
             # recomputing the forward runs its all-reduces again, those before the block's last saved
             # tensor only (torch's early stop: a layer's last all-reduce, after its last matmul, is not
