@@ -139,7 +139,7 @@ def evaluate_choice(
 
     The solver gets each stage's in-flight count from its place in the schedule and, with several
     stages per rank, a per-stage cap on memory (``planner.core.rank_fit.rank_split``: the share ``limit / v``, under which
-    a rank's stages together fit, and where that recomputes or fails, larger caps whose splits the
+    a rank's stages together fit, and where that fails or makes "auto" recompute, larger caps whose splits the
     predicted rank peak still fits); the prediction's per-rank peak decides ``fits``. ``blocks`` are
     costed at the layout's microbatch size; its ``dp`` replicas reduce gradients by its ``dp_mode``
     ("ddp", "fsdp" or "hsdp"), and FSDP's shards are what the memory limit holds.

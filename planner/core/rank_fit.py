@@ -4,9 +4,11 @@ The solver caps each stage's memory alone. With one stage per rank the cap is th
 stages per rank the share ``limit / v`` is sure to fit a rank (each of its stages peaks below it),
 but it is too tight where a rank's stages differ (an embedding's stage beside layers) or do not
 peak at once (``planner.core.predict.rank_memory_bytes``): it hides splits that fit, or makes them
-recompute where the rank has room. ``rank_split`` therefore also solves under the whole limit and
-under caps bisected between the two, raises the recomputation of the stages on ranks still over
-the limit (``_escalate``), predicts every split so made, and keeps the fastest whose rank peak fits.
+recompute where the rank has room. Where the share's split fails or recomputes, ``rank_split``
+therefore also solves under the whole limit and under caps bisected between the share and the
+limit and, where none of those fits, raises the recomputation of the whole limit's split on the
+ranks still over (``_escalate``); it predicts every split so made and keeps the fastest whose rank
+peak fits.
 
 Pure module: never imports torch.
 """
@@ -27,7 +29,7 @@ from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, split_recompute
 from planner.schema.plan import Prediction, StagePlan
 
-RELAX_STEPS = 5
+RELAX_STEPS = 4
 """Bisection steps between the per-stage share ``limit / v`` and the whole limit."""
 
 Predicted = tuple[list[StagePlan], Prediction]
@@ -39,10 +41,10 @@ def rank_split(
     """The solver's split of ``layout``, its stages' memory capped so that every rank fits, predicted.
 
     One stage per rank (or no limit): the solver's split under the limit. ``v`` stages per rank:
-    the split under the share ``limit / v``; where that recomputes or fails, also the split under
-    the whole limit as a stage's cap and, where its rank peak is over, splits under caps bisected
-    between the two (``RELAX_STEPS``), and, under ``--recompute auto``, each over-limit split with
-    more recomputation on its ranks that are over (``_escalate``). The fastest whose rank peak fits
+    the split under the share ``limit / v``; where that fails, or recomputes under ``--recompute
+    auto``, also the split under the whole limit as a stage's cap and, where its rank peak is over,
+    splits under caps bisected between the two (``RELAX_STEPS``) and, where none fits, that split
+    with more recomputation on its ranks that are over (``_escalate``, under ``auto``). The fastest whose rank peak fits
     wins (ties: the first tried, the share's); when none fits, the one needing the least memory
     (its prediction says how much).
 
@@ -68,7 +70,9 @@ def rank_split(
         tried.append(_solved(blocks, link, layout, constraints, slots, limit // v))
     except InfeasibleError:
         pass
-    if not tried or any(r != "never" for r in tried[0][1].recompute):
+    # relaxed only where the share may cost speed: it fits nothing, or it made "auto" recompute (an
+    # explicit mode recomputes as asked, whatever the cap)
+    if not tried or (constraints.recompute == "auto" and any(r != "never" for r in tried[0][1].recompute)):
         _relax(blocks, link, layout, constraints, slots, tried)
     fitting = [t for t in tried if t[1].max_memory_bytes <= limit]
     if fitting:
@@ -85,8 +89,8 @@ def _relax(
     tried: list[Predicted],
 ) -> None:
     """Add to ``tried`` the split under the whole limit as a stage's cap and, where its rank peak is
-    over, the splits under caps bisected down towards ``limit / v``, each over-limit one also with
-    its over-limit ranks recomputing more (``_escalate``).
+    over, the splits under caps bisected down towards ``limit / v``; where none of them fits, the
+    whole limit's split with its over-limit ranks recomputing more (``_escalate``).
 
     Raises:
         InfeasibleError: no split under the whole limit, and none in ``tried``.
@@ -102,7 +106,6 @@ def _relax(
     tried.append(whole)
     if whole[1].max_memory_bytes <= limit:
         return
-    _escalate(blocks, link, layout, constraints, slots, tried)
     lo, hi = limit // layout.stages_per_rank, limit
     for _ in range(RELAX_STEPS):
         cap = (lo + hi) // 2
@@ -116,7 +119,9 @@ def _relax(
             lo = cap
         else:
             hi = cap
-            _escalate(blocks, link, layout, constraints, slots, tried)
+    if not any(t[1].max_memory_bytes <= limit for t in tried):
+        # no cap fits a rank: recompute more where the whole limit's split is over
+        tried.append(_escalate(blocks, link, layout, constraints, slots, whole))
 
 
 def _escalate(
@@ -125,19 +130,21 @@ def _escalate(
     layout: Layout,
     constraints: Constraints,
     slots: float | None,
-    tried: list[Predicted],
-) -> None:
-    """Under ``--recompute auto``, the last split of ``tried`` (over the limit) with more recomputed:
-    on every rank over the limit, the stage holding the most live activations moves one mode up
-    (never, then selective where the schedule allows it, then full; a partial "mode:k" to its
-    whole mode), again until every rank fits or no stage on an over-limit rank can recompute more.
-    The last split made is added to ``tried`` (if still over, it needs less than the first).
+    start: Predicted,
+) -> Predicted:
+    """Under ``--recompute auto``, ``start`` (a split over the limit) with more recomputed: on every
+    rank over the limit, the stage holding the most live activations moves one mode up (never, then
+    selective where the schedule allows it, then full; a partial "mode:k" to its whole mode), again
+    until every rank fits or no stage on an over-limit rank can recompute more.
+
+    Returns:
+        The split so recomputed, predicted (``start`` itself under another policy).
     """
     limit = constraints.memory_limit_bytes
     if constraints.recompute != "auto" or limit is None:
-        return
+        return start
     ladder = [m for m in policy_options("auto", layout.schedule) if m in ("never", "selective", "full")]
-    stages, prediction = tried[-1]
+    stages, prediction = start
     starts = prediction.starts
     flags = recompute_flags(prediction.recompute, len(starts))
     while prediction.max_memory_bytes > limit:
@@ -153,8 +160,7 @@ def _escalate(
         if not raised:
             break
         stages, prediction = predict(blocks, starts, link, layout, constraints.optimizer, flags, slots)
-    if prediction is not tried[-1][1]:
-        tried.append((stages, prediction))
+    return stages, prediction
 
 
 def _next_mode(flag: str, ladder: Sequence[str]) -> str | None:
