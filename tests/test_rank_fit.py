@@ -81,9 +81,11 @@ raw_blocks = st.lists(
 @settings(max_examples=20, deadline=None)
 @given(raw=raw_blocks, heavy=st.booleans(), m=st.sampled_from([2, 4]), pick=st.floats(0.0, 1.0))
 def test_never_worse_than_the_share_and_always_verified(raw: list, heavy: bool, m: int, pick: float) -> None:
-    """Against brute force over every split and per-stage mode (never, full, stage): whatever the limit,
-    the split chosen fits by its own prediction, is at least as fast as the share's split where that
-    fits, and is no faster than the fastest split that fits (the brute-force optimum)."""
+    """Against brute force over every split and per-stage mode (never, full, stage), which picks the
+    limit: the split chosen fits by its own prediction, is at least as fast as the share's split
+    where that fits, and no faster than the fastest split recomputing nothing (recomputation only
+    adds to a stage's time, so no split with any modes beats it).
+    """
     blocks = [
         block(f"b{i}", f, b, p * 1000 * (8 if heavy and i == 0 else 1), act_mb=a, cut_mb=c)
         for i, (f, b, p, a, c) in enumerate(raw)
@@ -94,10 +96,10 @@ def test_never_worse_than_the_share_and_always_verified(raw: list, heavy: bool, 
     for cuts in itertools.combinations(range(1, len(blocks)), 3):
         for modes in itertools.product(["never", "full", "stage"], repeat=4):
             _, pr = predict(blocks, [0, *cuts], LINK, layout, ADAMW, list(modes))
-            runs.append((pr.step_time_s, pr.max_memory_bytes))
-    needs = sorted(mem for _, mem in runs)
+            runs.append((pr.step_time_s, pr.max_memory_bytes, set(modes) == {"never"}))
+    needs = sorted(mem for _, mem, _ in runs)
     limit = needs[int(pick * (len(needs) - 1))]
-    best = min(s for s, mem in runs if mem <= limit)
+    fastest = min(s for s, _, plain in runs if plain)
     constraints = Constraints(ADAMW, limit, "auto")
     try:  # the per-stage share alone, as the search had it
         split = solve(blocks, LINK, layout, Constraints(ADAMW, limit // 2, "auto"), in_flight)
@@ -114,6 +116,6 @@ def test_never_worse_than_the_share_and_always_verified(raw: list, heavy: bool, 
         return
     _, again = predict(blocks, pred.starts, LINK, layout, ADAMW, pred.recompute)
     assert again.max_memory_bytes <= limit
-    assert pred.step_time_s >= best * (1 - 1e-9)
+    assert pred.step_time_s >= fastest * (1 - 1e-9)
     if share is not None:
         assert pred.step_time_s <= share.step_time_s * (1 + 1e-9)
