@@ -151,11 +151,11 @@ def _escalate(
         over = {r for r, b in enumerate(prediction.rank_memory_bytes) if b > limit}
         raised = False
         for r in sorted(over):
-            mine = [st for st in stages if st.rank == r and _next_mode(flags[st.index], ladder) is not None]
-            if not mine:
+            ups = [(st, up) for st in stages if st.rank == r and (up := _next_mode(flags[st.index], ladder))]
+            if not ups:
                 continue
-            top = max(mine, key=lambda st: (st.activation_bytes * st.in_flight, -st.index))
-            flags[top.index] = _next_mode(flags[top.index], ladder) or flags[top.index]
+            top, up = max(ups, key=lambda su: (su[0].activation_bytes * su[0].in_flight, -su[0].index))
+            flags[top.index] = up
             raised = True
         if not raised:
             break
