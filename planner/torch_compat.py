@@ -63,6 +63,7 @@ __all__ = [
     "split_weight_backward_retaining",
     "TorchDispatchMode",
     "ddp_ignore",
+    "gather_each_stage_once",
     "exported_out_spec",
     "flatten_dense",
     "is_view",
@@ -251,6 +252,43 @@ def timed_schedule(
     finally:
         schedule.__dict__.pop("_maybe_compute_loss", None)
         sched_mod._batch_p2p, sched_mod._wait_batch_p2p = batch_p2p, wait_p2p
+
+
+def gather_each_stage_once(schedule: Any) -> None:
+    """Lower a multi-stage torch schedule again so that FSDP gathers each of a rank's stages once a
+    step, all of them prefetched at its start, instead of keeping at most three gathered.
+
+    torch's ``_PipelineScheduleRuntime`` inserts ``UNSHARD`` / ``RESHARD`` actions keeping the next
+    three stages a rank computes unsharded (``_add_unshard_reshard(max_active_stages=3)``): with four
+    or more stages per rank the interleaved schedules then reshard and gather a stage again every
+    few microbatches (23 gathers instead of 4 on rank 0 of 16 ranks x 4 stages at m 128). The
+    planner's plans keep every stage of a rank gathered for the whole step (its memory model counts
+    it so, ``planner.core.stage_model.unsharded_bytes``) and predict one gather per stage
+    (``planner.core.simulate.Traffic``), so the lowering runs again (torch's own, which also adds
+    the reductions and messages) with the window widened to the rank's stage count. The module
+    function is swapped for that call alone, as ``timed_schedule`` swaps its own.
+
+    Args:
+        schedule: a ``torch.distributed.pipelining`` multi-stage schedule (``pipeline_order`` set).
+    """
+    from torch.distributed.pipelining import schedules as sched_mod
+
+    order = schedule.pipeline_order
+
+    def stages(actions: list[Any]) -> set[int]:  # DualPipeV's overlapped F&B by its two parts
+        return {x.stage_index for a in actions if a is not None for x in (a.sub_actions or (a,))}
+
+    window = max(len(stages(actions)) for actions in order.values())
+    original = sched_mod._add_unshard_reshard
+
+    def widened(actions: Any, max_active_stages: int = 3) -> Any:
+        return original(actions, max(window, max_active_stages))
+
+    sched_mod._add_unshard_reshard = widened  # type: ignore[assignment]  # the same signature, Any-typed
+    try:
+        schedule._prepare_schedule_with_comms(order)
+    finally:
+        sched_mod._add_unshard_reshard = original
 
 
 def stop_forkserver() -> None:

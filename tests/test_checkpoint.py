@@ -187,20 +187,23 @@ def test_final_weights_load_into_the_unsplit_model(tmp_path: Path) -> None:
         (FIXTURES / "dies_at.py", [0, 2], "gpipe", "fsdp"),
         # ZB-V holds both tied readers on rank 0, and its split backward goes past DDP's hooks
         (FIXTURES / "dies_at.py", [0, 1, 2, 4], "zbv", "ddp"),
+        # four stage units on the one pipeline rank, all gathered at the step's start (torch's own
+        # lowering would keep three: torch_compat.gather_each_stage_once)
+        (MODELS / "gpt.py", [0, 2, 4, 6], "interleaved-1f1b", "fsdp"),
     ],
-    ids=["gpt-1f1b-ddp", "gpt-1f1b-fsdp", "tied-gpipe-fsdp", "tied-zbv-ddp"],
+    ids=["gpt-1f1b-ddp", "gpt-1f1b-fsdp", "tied-gpipe-fsdp", "tied-zbv-ddp", "gpt-interleaved-v4-fsdp"],
 )
 def test_two_replicas_match_one_process_on_the_full_batch(
     tmp_path: Path, model: Path, starts: list[int], schedule: str, dp_mode: str
 ) -> None:
-    v = 2 if schedule == "zbv" else 1
+    v = 2 if schedule == "zbv" else len(starts) if schedule == "interleaved-1f1b" else 1
     plan = make_plan(
         model, starts, schedule=schedule, batch_size=8, n_microbatches=2, dp=2, dp_mode=dp_mode, stages_per_rank=v
     )
     path = saved(plan, tmp_path)
     got = run_plan(plan, RunRequest(plan_file=path, steps=3, save_checkpoints=False, echo=False))
     want = train_reference(plan, path, 3)
-    assert got.replicas == 2 and len(got.rank_step_times_s) == 4
+    assert got.replicas == 2 and len(got.rank_step_times_s) == 2 * plan.n_ranks
     assert [s.stage for s in got.stages] == list(range(len(starts)))
     assert_close(got.losses, want.losses, "loss")
     assert_close(got.grad_norms, want.grad_norms, "grad norm")

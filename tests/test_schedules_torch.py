@@ -157,3 +157,53 @@ def test_multi_stage_orders_match_torch(schedule: str, p: int, m: int, v: int) -
     ours = action_order(schedule, p, m, v)
     assert [[(a.stage, a.kind, a.microbatch) for a in order] for order in ours] == theirs
     assert stage_ranks(schedule, p, v) == ranks
+
+
+def _leaf_stages(actions: list) -> list[int]:
+    """The stages of ``actions`` in order, an overlapped F&B as its two sub-actions."""
+    out = []
+    for a in actions:
+        if a is not None:
+            subs = a.sub_actions if a.computation_type == tsched.OVERLAP_F_B else (a,)
+            out += [x.stage_index for x in subs]
+    return out
+
+
+@pytest.mark.parametrize("schedule", [s for s in SCHEDULES if s not in ("gpipe", "1f1b")])
+def test_fsdp_stages_are_gathered_once_each_at_the_start(schedule: str) -> None:
+    """``gather_each_stage_once`` keeps torch's compute actions and reductions in their order and
+    gathers each stage of a rank once, all before its first action, resharding a stage only after
+    its last (torch's own lowering keeps three stages gathered: with 4 per rank it regathers)."""
+    from planner.torch_compat import gather_each_stage_once
+
+    p, m = 4, 8
+    v = max(stages_per_rank_options(schedule, 4))
+    cls = tsched.get_schedule_class(TORCH_NAMES[schedule])
+    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage.group_rank, stage.group_size, stage.submod, stage.num_stages = 0, p, None, p * v
+    sched = cls([stage] * v, m)
+    messages = (tsched.SEND_F, tsched.RECV_F, tsched.SEND_B, tsched.RECV_B)
+    fsdp_kinds = (tsched.UNSHARD, tsched.RESHARD)
+
+    def compute(actions: list) -> list:
+        return [a for a in actions if a.computation_type not in messages + fsdp_kinds]
+
+    before = {r: list(acts) for r, acts in sched.pipeline_order_with_comms.items()}
+    gather_each_stage_once(sched)
+    after = sched.pipeline_order_with_comms
+    for rank in range(p):
+        assert compute(after[rank]) == compute(before[rank])
+        mine = sorted(set(_leaf_stages(sched.pipeline_order[rank])))
+        kinds = [a.computation_type for a in after[rank]]
+        gathers = [a.stage_index for a in after[rank] if a.computation_type == tsched.UNSHARD]
+        assert sorted(gathers) == mine and kinds[: len(mine)] == [tsched.UNSHARD] * len(mine)
+        for s in mine:
+            last = max(
+                i for i, a in enumerate(after[rank]) if a.computation_type not in fsdp_kinds and s in _leaf_stages([a])
+            )
+            reshards = [
+                i for i, a in enumerate(after[rank]) if a.computation_type == tsched.RESHARD and a.stage_index == s
+            ]
+            assert len(reshards) == 1 and reshards[0] > last
+    if schedule == "interleaved-1f1b":  # v 4: torch's own window regathers
+        assert sum(a.computation_type == tsched.UNSHARD for a in before[0]) > v

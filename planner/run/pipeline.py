@@ -23,12 +23,13 @@ from torch import nn
 
 from planner.capture.load import bind_inputs, default_loss, forward_parameters, model_output, prepare_model
 from planner.capture.stage import stage_inputs
+from planner.core.schedules import placement
 from planner.errors import PlannerError
 from planner.run.gradients import clip_to_global_norm
 from planner.run.mesh import RankMesh, rank_mesh
 from planner.run.model import StageSource, check_runnable
-from planner.run.stages import RankStages, build_stages
-from planner.run.wrappers import weight_cast_cache
+from planner.run.stages import RankStages, build_stages, per_block_fsdp
+from planner.run.wrappers import prefetch_gathers, weight_cast_cache
 from planner.schema.plan import Plan
 
 
@@ -68,6 +69,8 @@ class Pipeline:
         self.plan, self.mesh, self.device, self._built = plan, mesh, device, built
         self._forward_params = forward_params or []  # binds inputs given by name
         self.stages, self.modules, self.schedule = built.stages, built.modules, built.schedule
+        # GPipe and 1F1B gather a stage-unit FSDP stage when a pass starts (the others' schedules do)
+        self._prefetch = plan.sharded and not per_block_fsdp(plan) and placement(plan.schedule) == "single"
         mine = plan.stages_of(mesh.pp_rank)
         self.is_first = any(s.index == 0 for s in mine)
         self.is_last = any(s.index == plan.n_stages - 1 for s in mine)
@@ -214,6 +217,8 @@ class Pipeline:
         # (training only: autocast caches a cast made under no_grad too, without its autograd link)
         with weight_cast_cache(self.plan, self.device.type) if training else contextlib.nullcontext():
             for i in range(k):
+                if training and self._prefetch:
+                    prefetch_gathers(self.modules)
                 if not self.is_last:
                     run(*(_pass_slice(x, i, k) for x in args))
                     continue

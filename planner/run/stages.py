@@ -46,7 +46,7 @@ from planner.run.wrappers import (
 from planner.schema.costs import split_recompute
 from planner.schema.plan import Plan, StagePlan
 from planner.schema.request import TORCH_NAMES
-from planner.torch_compat import ddp_ignore, split_weight_backward_retaining
+from planner.torch_compat import ddp_ignore, gather_each_stage_once, split_weight_backward_retaining
 
 
 @dataclass(frozen=True)
@@ -381,7 +381,10 @@ def _schedule(
     # GPipe and 1F1B take their one stage; the others (PipelineScheduleMulti) a list, even of one.
     target = stages[0] if placement(plan.schedule) == "single" else stages
     loss = autocast_loss(loss_fn, plan, device)
-    return schedule_cls(target, n_microbatches=plan.n_microbatches, loss_fn=loss, scale_grads=False)
+    schedule = schedule_cls(target, n_microbatches=plan.n_microbatches, loss_fn=loss, scale_grads=False)
+    if plan.sharded and not per_block_fsdp(plan) and placement(plan.schedule) != "single":
+        gather_each_stage_once(schedule)  # as the plan predicts; GPipe and 1F1B: prefetch_gathers
+    return schedule
 
 
 def _as_tuple(value: object) -> tuple:

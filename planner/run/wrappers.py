@@ -7,7 +7,7 @@ the in-process run.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -74,6 +74,27 @@ def shard_over_replicas(plan: Plan, module: torch.nn.Module, mesh: Any, reshard_
                     sub, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=MixedPrecisionPolicy()
                 )
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=fsdp_policy(plan))
+
+
+def prefetch_gathers(modules: Sequence[torch.nn.Module]) -> None:
+    """Start FSDP's all-gather of every FSDP unit in ``modules`` now, without waiting: each unit's
+    forward then waits for its own (FSDP2's pre-forward finds the gather under way).
+
+    GPipe and 1F1B (torch's ``PipelineScheduleSingle``) would gather a stage lazily at its first
+    forward, on the critical path of the first microbatch at every rank; issued when the pass starts,
+    a rank that waits for its first activation gathers meanwhile, as the plan predicts
+    (``planner.core.simulate.Traffic``). The multi-stage schedules prefetch through their own
+    ``UNSHARD`` actions (``planner.torch_compat.gather_each_stage_once``).
+
+    Args:
+        modules: the rank's stage modules sharded with stage units (``shard_over_replicas``).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in modules:
+        for sub in module.modules():
+            if isinstance(sub, FSDPModule):
+                sub.unshard(async_op=True)
 
 
 def sharded_param_dtype(plan: Plan) -> torch.dtype | None:
