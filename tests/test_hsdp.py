@@ -181,10 +181,13 @@ def test_auto_groups_fill_a_node_and_cross_nodes_only_to_all_reduce() -> None:
     plan = _plan(gpus=16, dp=8, link=node_links(H100, 2, 8), profile=GPU, n_blocks=8, fsdp_units="stage")
     assert (plan.dp_mode, plan.dp_shard, plan.n_ranks) == ("hsdp", 4, 2)
     held = [sum(b.param_bytes for b in plan.blocks[s.start : s.end]) for s in plan.stages]
-    want = max(hsdp_reduce_s(n, 4, 2, intra, inter) for n in held)
-    assert plan.prediction.dp_reduce_s == pytest.approx(want, rel=1e-12)
+    # on devices each stage's gather and reduction are placed inside the pass (simulate.Traffic):
+    # what they add is at most the whole of the busiest rank's, charged after the pipeline before
+    whole = max(hsdp_reduce_s(n, 4, 2, intra, inter) for n in held)
+    assert 0 < plan.prediction.dp_reduce_s <= whole
     assert layout_line(plan).endswith(
-        "all-gather + reduce-scatter + all-reduce 0.15 ms/step) over h100-inter, h100-intra"
+        f"after its last backward: {plan.prediction.dp_reduce_s * 1e3:.2f} ms/step not hidden by the pipeline) "
+        "over h100-inter, h100-intra"
     )
 
 

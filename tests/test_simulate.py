@@ -20,7 +20,7 @@ from planner.core.schedules import (
     stage_ranks,
     stages_per_rank_options,
 )
-from planner.core.simulate import Durations, Event, StageTimes, simulate, simulate_step
+from planner.core.simulate import Durations, Event, StageTimes, Traffic, simulate, simulate_step
 from planner.errors import InfeasibleError
 
 SINGLE = ("gpipe", "1f1b")
@@ -391,13 +391,26 @@ def test_in_flight_closed_forms_and_cache_match_the_orders(schedule: str) -> Non
                 assert [list(o) for o in rank_orders(schedule, p, m, v)] == action_order(schedule, p, m, v)
 
 
-def _reference_run(times: list[StageTimes], orders: list[list[Action]]) -> tuple[list[Event], list[float], float]:
-    """The simulator's event loop as it was before it ran a precomputed program (the reference)."""
+def _reference_run(
+    times: list[StageTimes], orders: list[list[Action]], traffic: Traffic | None = None
+) -> tuple[list[Event], list[float], float]:
+    """The simulator's event loop as it was before it ran a precomputed program (the reference); with
+    ``traffic``, each rank's gathers back to back from 0 in the order its own list first names its
+    stages, and the rank held for a stage's reduction after the stage's m-th ``B`` or ``W``."""
     p, n_stages = len(orders), len(times)
     end: dict[tuple[str, int, int], float] = {}
     next_idx = [0] * p
     free_at = [0.0] * p
     busy = [0.0] * p
+    ready = [0.0] * n_stages
+    grads = [0] * n_stages
+    m = sum(1 for a in orders[0] if a.kind == "F") // max(1, len({a.stage for a in orders[0]}))
+    if traffic is not None:
+        for order in orders:
+            clock = 0.0
+            for s in dict.fromkeys(a.stage for a in order):
+                clock += traffic.gather[s]
+                ready[s] = clock
     events: list[Event] = []
     remaining = sum(len(o) for o in orders)
     while remaining:
@@ -413,12 +426,15 @@ def _reference_run(times: list[StageTimes], orders: list[list[Action]]) -> tuple
                     deps += [("G", a.stage + 1, a.microbatch)] if a.stage < n_stages - 1 else []
                 if any(d not in end for d in deps):
                     break
-                start = max([free_at[rank]] + [end[d] for d in deps])
+                start = max([free_at[rank], ready[a.stage]] + [end[d] for d in deps])
                 dur = times[a.stage].of(a.kind)
                 finish = start + dur
                 if a.kind != "W":
                     end[("F" if a.kind == "F" else "G", a.stage, a.microbatch)] = finish
                 free_at[rank] = finish
+                grads[a.stage] += a.kind in "BW"
+                if traffic is not None and a.kind in "BW" and grads[a.stage] == m:
+                    free_at[rank] += traffic.reduce[a.stage]
                 busy[rank] += dur
                 events.append(
                     Event(rank=rank, stage=a.stage, kind=a.kind, microbatch=a.microbatch, start_s=start, end_s=finish)
@@ -477,3 +493,63 @@ def test_program_slots_state_the_dependency_rules(schedule: str) -> None:
                         made = _produces(a)
                         want = (deps[0], deps[1], -1 if made is None else slot(made))
                         assert _coded(a, n, m)[:3] == want, (schedule, p, v, m, a)
+
+
+def test_fsdp_traffic_by_hand() -> None:
+    """GPipe, 2 ranks, 2 microbatches, F 1 s, B 2 s; each stage gathers for 0.5 s and reduce-scatters
+    for 1 s. Rank 0 gathers before its first forward (0.5 s lost); rank 1 gathers while it waits for
+    its first activation (at 1.5 s), reduce-scatters at 7.5 s while rank 0 still computes, and rank 0
+    ends its last backward at 9.5 s and its reduction at 10.5 s: 1.5 s more than the 9 s pipeline."""
+    stages = [StageTimes(1.0, 2.0)] * 2
+    traffic = Traffic(gather=[0.5, 0.5], reduce=[1.0, 1.0])
+    res = simulate(stages, "gpipe", 2, traffic=traffic)
+    assert res.step_time_s == 10.5
+    assert [(e.rank, e.kind, e.start_s) for e in res.events if e.microbatch == 0 and e.kind == "F"] == [
+        (0, "F", 0.5),
+        (1, "F", 1.5),
+    ]
+    assert simulate_step(stages, "gpipe", 2, traffic=traffic)[0] == 10.5
+    # interleaved, 2 ranks x 2 stages, m 4: rank 1 ends its last backward (stage 1's) at 25 s while
+    # rank 0 computes until 27 s, so a 1 s reduction of stage 1 costs nothing; one of stage 0's does
+    looped = [StageTimes(1.0, 2.0)] * 4
+    assert simulate(looped, "interleaved-1f1b", 4, stages_per_rank=2).step_time_s == 27.0
+    hidden = Traffic([0.0] * 4, [0.0, 1.0, 0.0, 0.0])
+    assert simulate(looped, "interleaved-1f1b", 4, stages_per_rank=2, traffic=hidden).step_time_s == 27.0
+    shown = Traffic([0.0] * 4, [1.0, 0.0, 0.0, 0.0])
+    assert simulate(looped, "interleaved-1f1b", 4, stages_per_rank=2, traffic=shown).step_time_s == 28.0
+    with pytest.raises(InfeasibleError, match="device per rank"):
+        simulate(stages, "gpipe", 2, slots=1, traffic=traffic)
+    with pytest.raises(InfeasibleError, match="expected 2"):
+        simulate(stages, "gpipe", 2, traffic=Traffic([0.5], [1.0]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    p=st.integers(1, 5),
+    v=st.integers(1, 3),
+    m=st.integers(1, 10),
+    schedule=st.sampled_from(SCHEDULES),
+    data=st.data(),
+)
+def test_fsdp_traffic_matches_the_event_loop_and_only_adds(
+    p: int, v: int, m: int, schedule: str, data: st.DataObject
+) -> None:
+    v = v if v in stages_per_rank_options(schedule, 3) else stages_per_rank_options(schedule, 3)[0]
+    assume(_runnable(schedule, p, m, v))
+    floats = st.floats(0.0, 10.0, allow_nan=False)
+    stages = data.draw(
+        st.lists(st.tuples(floats, floats, st.one_of(st.none(), floats)), min_size=p * v, max_size=p * v)
+    )
+    timed = [StageTimes(f, b, i) for f, b, i in stages]
+    per_stage = st.lists(floats, min_size=p * v, max_size=p * v)
+    traffic = Traffic(data.draw(per_stage), data.draw(per_stage))
+    events, busy, makespan = _reference_run(timed, action_order(schedule, p, m, v), traffic)
+    events.sort(key=lambda e: (e.start_s, e.rank))
+    res = simulate(timed, schedule, m, stages_per_rank=v, traffic=traffic)
+    assert (res.events, res.busy_s, res.step_time_s) == (events, busy, makespan)
+    assert simulate_step(timed, schedule, m, stages_per_rank=v, traffic=traffic)[0] == makespan
+    assert makespan >= simulate_step(timed, schedule, m, stages_per_rank=v)[0]
+    none = Traffic([0.0] * (p * v), [0.0] * (p * v))
+    assert simulate_step(timed, schedule, m, stages_per_rank=v, traffic=none) == simulate_step(
+        timed, schedule, m, stages_per_rank=v
+    )

@@ -366,6 +366,41 @@ def hsdp_reduce_s(
     return grad_reduce_s(nbytes, shard, "fsdp", link, grads) + _allreduce_s(grads / shard, groups, copies)
 
 
+def stage_traffic(
+    blocks: Sequence[BlockCost],
+    stages: Sequence[StagePlan],
+    links: Sequence[LinkCost],
+    shard: int,
+    copies: Sequence[LinkCost] = (),
+    groups: int = 1,
+) -> tuple[list[float], list[float]]:
+    """FSDP's collectives of every stage with stage units, as ``planner.core.simulate.Traffic`` places
+    them: the all-gather of its parameters, and the reduce-scatter of its gradients (fp32 where the
+    parameters are narrower, ``wide_bytes``) followed under HSDP by the all-reduce of the stage's
+    1/shard of them over the ``groups`` shard groups. The same rings ``grad_reduce_s`` and
+    ``hsdp_reduce_s`` charge a rank, split by stage.
+
+    Args:
+        blocks: per-block costs (``param_bytes`` as gathered: ``as_gathered``).
+        stages: the pipeline's stages (``rank`` set).
+        links: each pipeline rank's shard-group link (``dp_group_links``; ``hsdp_links``' first).
+        shard: replicas the stages are sharded over.
+        copies: under HSDP, each rank's replicate-group link (``hsdp_links``' second).
+        groups: under HSDP, the shard groups (1: plain FSDP).
+
+    Returns:
+        Seconds per stage: the gathers and the reductions.
+    """
+    gather, reduce = [], []
+    for st in stages:
+        part, link = blocks[st.start : st.end], links[st.rank]
+        wide = wide_bytes(part)
+        gather.append(_ring_s(sum(b.param_bytes for b in part), shard, link))
+        spread = _allreduce_s(wide / shard, groups, copies[st.rank]) if groups > 1 else 0.0
+        reduce.append(_ring_s(wide, shard, link) + spread)
+    return gather, reduce
+
+
 def allreduce_steps(group: int) -> int:
     """The latencies an all-reduce over ``group`` ranks pays: a tree's ``2 ceil(log2 group)`` (NCCL's
     tree, gloo's halving-doubling; never more than a ring's ``2 (group - 1)``); 0 alone."""
@@ -486,5 +521,6 @@ __all__ = [
     "rank_reduce_s",
     "replica_slots",
     "shard_of",
+    "stage_traffic",
     "wide_bytes",
 ]

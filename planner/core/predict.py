@@ -23,12 +23,13 @@ from planner.core.data_parallel import (
     rank_param_bytes,
     rank_reduce_s,
     replica_slots,
+    stage_traffic,
 )
 from planner.core.inputs import Layout
 from planner.core.links import Links, NodeLinks, boundary_links, default_link, links_around
 from planner.core.recompute import compact_flags, recompute_flags, recompute_mode
 from planner.core.schedules import Action, in_flight_per_stage, peak_live_bytes, rank_orders, stage_ranks
-from planner.core.simulate import SimResult, StageTimes, simulate, simulate_step
+from planner.core.simulate import SimResult, StageTimes, Traffic, simulate, simulate_step
 from planner.core.stage_model import (
     MemoryParts,
     cold_in,
@@ -104,19 +105,20 @@ def predict(
         )
         for i, (a, b) in enumerate(zip(starts, ends))
     ]
-    one_pass_s, bubble = simulate_step(
-        stage_times(stages, _cpu_share(link)),
-        schedule,
-        n_microbatches,
-        # a pipeline rank is tp processes: CPU ranks sharing cores run fewer pipeline ranks at once
-        replica_slots(slots, dp * layout.tp),
-        layout.stages_per_rank,
-    )
-    # Once its last backward is done each rank reduces its gradients over its replicas (DDP's
-    # all-reduce, FSDP's all-gather + reduce-scatter: planner.core.data_parallel), charged after the
-    # pipeline as if not overlapped with it (conservative: DDP's buckets do overlap the last
-    # backwards); the clipping norm needs the reduced gradients, so it waits for the slowest rank.
-    dp_links, dp_reduce_s = _replica_traffic(blocks, stages, link, layout, overlap=slots is None)
+    times = stage_times(stages, _cpu_share(link))
+    # a pipeline rank is tp processes: CPU ranks sharing cores run fewer pipeline ranks at once
+    shared = replica_slots(slots, dp * layout.tp)
+    one_pass_s, bubble = simulate_step(times, schedule, n_microbatches, shared, layout.stages_per_rank)
+    # Each rank reduces its gradients over its replicas (DDP's all-reduce, FSDP's all-gather +
+    # reduce-scatter: planner.core.data_parallel). On devices, FSDP's stage units gather and
+    # reduce-scatter where torch runs them, inside the pass (simulate.Traffic): what they add is the
+    # makespan's growth. Otherwise the reduction is charged after the pipeline as if not overlapped
+    # with it (conservative: DDP's buckets do overlap the last backwards); the clipping norm needs
+    # the reduced gradients, so it waits for the slowest rank.
+    dp_links, dp_reduce_s, traffic = _replica_traffic(blocks, stages, link, layout, overlap=slots is None)
+    if traffic is not None:
+        with_traffic, _ = simulate_step(times, schedule, n_microbatches, shared, layout.stages_per_rank, traffic)
+        dp_reduce_s = with_traffic - one_pass_s
     # Then each rank joins the gradient-norm all-reduce for clipping (one scalar: a reduce and a
     # broadcast, ~2 log2(group) messages) over the pipeline and tensor-parallel group, or over every
     # rank when FSDP shards the gradients; only then does every rank step its optimizer.
@@ -217,24 +219,30 @@ def predict_plan(
 
 def _replica_traffic(
     blocks: Sequence[BlockCost], stages: Sequence[StagePlan], link: Links, layout: Layout, *, overlap: bool
-) -> tuple[list[LinkCost], float]:
-    """The links of each pipeline rank's data-parallel (shard) group and the seconds the busiest
-    rank's reduction adds to a pass: DDP's all-reduce or FSDP's gather and reduce-scatter once per
-    step, or FSDP block by block every microbatch, mostly hidden; under HSDP inside each shard group,
-    followed by the all-reduce of the shards over the groups (``planner.core.data_parallel``)."""
+) -> tuple[list[LinkCost], float, Traffic | None]:
+    """The links of each pipeline rank's data-parallel (shard) group, the seconds the busiest rank's
+    reduction adds to a pass after the pipeline, and FSDP's stage-unit traffic to place inside it
+    instead (``overlap``: on devices; then the seconds are 0). DDP: an all-reduce once per step;
+    FSDP with stage units: a gather and a reduce-scatter per stage every pass; FSDP block by block:
+    every microbatch, mostly hidden; under HSDP inside each shard group, followed by the all-reduce of
+    the shards over the groups (``planner.core.data_parallel``)."""
     p, dp, m = layout.pp, layout.dp, layout.n_microbatches
     if layout.dp_mode != "hsdp" or dp == 1:
         dp_links = dp_group_links(link, p, dp)
         if layout.per_block:
-            return dp_links, max(block_fsdp_s(blocks, stages, dp_links, dp, m, overlap=overlap))
-        return dp_links, max(rank_reduce_s(blocks, stages, dp_links, dp, layout.dp_mode)) if dp > 1 else 0.0
+            return dp_links, max(block_fsdp_s(blocks, stages, dp_links, dp, m, overlap=overlap)), None
+        if overlap and layout.shard > 1:
+            return dp_links, 0.0, Traffic(*stage_traffic(blocks, stages, dp_links, dp))
+        return dp_links, max(rank_reduce_s(blocks, stages, dp_links, dp, layout.dp_mode)) if dp > 1 else 0.0, None
     shard, groups = layout.shard, dp // layout.shard
     inner, copies = hsdp_links(link, p, dp, shard)
     if layout.per_block:
-        return inner, max(block_fsdp_s(blocks, stages, inner, shard, m, overlap, copies, groups))
+        return inner, max(block_fsdp_s(blocks, stages, inner, shard, m, overlap, copies, groups)), None
+    if overlap:
+        return inner, 0.0, Traffic(*stage_traffic(blocks, stages, inner, shard, copies, groups))
     held = rank_param_bytes(blocks, stages, p)
     wide = rank_param_bytes(blocks, stages, p, wide=True)
-    return inner, max(hsdp_reduce_s(n, shard, groups, a, b, w) for n, w, a, b in zip(held, wide, inner, copies))
+    return inner, max(hsdp_reduce_s(n, shard, groups, a, b, w) for n, w, a, b in zip(held, wide, inner, copies)), None
 
 
 def plan_layout(plan: Plan) -> Layout:

@@ -66,6 +66,24 @@ Durations = tuple[float, float]
 """(F, B) seconds of a stage: accepted wherever ``StageTimes`` is, for schedules without a split backward."""
 
 
+class Traffic(NamedTuple):
+    """FSDP's collectives of every stage (stage units: ``fully_shard`` per stage), placed on the
+    timeline as torch runs them; seconds per stage, stage 0 first.
+
+    ``gather``: the all-gather of the stage's parameters. Every rank issues its stages' gathers when
+    the pass starts, in the order it first computes them, one after another on its collective stream
+    (the runner's prefetch: ``planner.run.stages``); a stage computes once its gather is done.
+    ``reduce``: the reduce-scatter of its gradients (and, under HSDP, the all-reduce of the shard over
+    the groups), which torch's ``REDUCE_GRAD`` issues right after the stage's last backward (its
+    last ``B`` or ``W``); FSDP then makes the rank's compute stream wait for it
+    (``_root_post_backward_final_callback``), so the rank computes nothing meanwhile, but a rank
+    waiting for a neighbour loses nothing to it.
+    """
+
+    gather: Sequence[float]
+    reduce: Sequence[float]
+
+
 class Event(BaseModel):
     """One action as the simulation placed it."""
 
@@ -98,6 +116,7 @@ def simulate(
     n_microbatches: int,
     slots: float | None = None,
     stages_per_rank: int = 1,
+    traffic: Traffic | None = None,
 ) -> SimResult:
     """Simulate one training step of a pipeline.
 
@@ -112,24 +131,25 @@ def simulate(
             sharing), as the OS scheduler time-slices the processes; the message part of an
             action that only waits (``StageTimes.msg``) runs at full speed, taking no processor.
         stages_per_rank: stages on every rank (``len(stages)`` must be a multiple of it).
+        traffic: FSDP's per-stage collectives to place on the timeline (``Traffic``; None: none).
+            Only with a device per rank (``slots`` None or at least the ranks).
 
     Returns:
         The step's makespan, bubble fraction, per-rank busy and idle time, per-stage peak
         in-flight count, and every event.
 
     Raises:
-        InfeasibleError: no stages, a stage count that is not ranks x stages_per_rank, or a
-            schedule/microbatch request torch would refuse.
+        InfeasibleError: no stages, a stage count that is not ranks x stages_per_rank, a
+            schedule/microbatch request torch would refuse, or traffic on shared processors.
         RuntimeError: the action orders deadlock (a bug in the schedule orders, never user input).
     """
-    times, p = _checked(stages, stages_per_rank)
+    times, p = _checked(stages, stages_per_rank, traffic, slots)
     orders = rank_orders(schedule, p, n_microbatches, stages_per_rank)
     if slots is not None and slots < p:
         events, busy, makespan = _run_shared(times, orders, slots)
     else:
-        events, busy, makespan = _run(
-            times, _program(schedule, p, n_microbatches, stages_per_rank), p, n_microbatches, events=True
-        )
+        program = _program(schedule, p, n_microbatches, stages_per_rank)
+        events, busy, makespan = _run(times, program, p, n_microbatches, events=True, traffic=traffic)
     events.sort(key=lambda e: (e.start_s, e.rank))
     return SimResult(
         step_time_s=makespan,
@@ -147,6 +167,7 @@ def simulate_step(
     n_microbatches: int,
     slots: float | None = None,
     stages_per_rank: int = 1,
+    traffic: Traffic | None = None,
 ) -> tuple[float, float]:
     """``simulate``'s makespan and bubble fraction alone, the same floats, without recording the
     events (what the search needs of the thousands of steps it predicts).
@@ -154,18 +175,22 @@ def simulate_step(
     Raises:
         InfeasibleError: as ``simulate``.
     """
-    times, p = _checked(stages, stages_per_rank)
+    times, p = _checked(stages, stages_per_rank, traffic, slots)
     if slots is not None and slots < p:
         _, busy, makespan = _run_shared(times, rank_orders(schedule, p, n_microbatches, stages_per_rank), slots)
     else:
-        _, busy, makespan = _run(
-            times, _program(schedule, p, n_microbatches, stages_per_rank), p, n_microbatches, events=False
-        )
+        program = _program(schedule, p, n_microbatches, stages_per_rank)
+        _, busy, makespan = _run(times, program, p, n_microbatches, events=False, traffic=traffic)
     return makespan, _bubble(busy, p, makespan)
 
 
-def _checked(stages: Sequence[StageTimes | Durations], stages_per_rank: int) -> tuple[list[StageTimes], int]:
-    """The stages as ``StageTimes``, and the ranks they make."""
+def _checked(
+    stages: Sequence[StageTimes | Durations],
+    stages_per_rank: int,
+    traffic: Traffic | None = None,
+    slots: float | None = None,
+) -> tuple[list[StageTimes], int]:
+    """The stages as ``StageTimes``, and the ranks they make (``traffic``, if any, checked against them)."""
     if not stages:
         raise InfeasibleError("stages is empty; expected at least one stage; pass one (F, B) duration pair per stage.")
     if stages_per_rank < 1 or len(stages) % stages_per_rank:
@@ -174,7 +199,15 @@ def _checked(stages: Sequence[StageTimes | Durations], stages_per_rank: int) -> 
             "give ranks x stages-per-rank stages"
         )
     times = [st if isinstance(st, StageTimes) else StageTimes(*st) for st in stages]
-    return times, len(times) // stages_per_rank
+    p = len(times) // stages_per_rank
+    if traffic is not None:
+        if len(traffic.gather) != len(times) or len(traffic.reduce) != len(times):
+            raise InfeasibleError(
+                f"traffic for {len(traffic.gather)} / {len(traffic.reduce)} stages; expected {len(times)}"
+            )
+        if slots is not None and slots < p:
+            raise InfeasibleError("FSDP traffic on the timeline needs a device per rank (slots None)")
+    return times, p
 
 
 def _bubble(busy: Sequence[float], p: int, makespan: float) -> float:
@@ -221,7 +254,9 @@ PROGRAMS_CACHED = 16
 
 class _Step(NamedTuple):
     """One action of a ``_program``: its rank, where its duration is (stage x 4 + kind code), the end
-    times it waits for and the one it sets (slots of the simulation's end-time list; -1: none)."""
+    times it waits for and the one it sets (slots of the simulation's end-time list; -1: none), and
+    whether it is its stage's last weight-gradient action (the m-th ``B`` or ``W``: torch's
+    ``REDUCE_GRAD`` follows it)."""
 
     rank: int
     duration: int
@@ -229,6 +264,7 @@ class _Step(NamedTuple):
     dep2: int
     sets: int
     action: Action
+    last: bool
 
 
 @lru_cache(maxsize=PROGRAMS_CACHED)
@@ -255,6 +291,7 @@ def _sweep(orders: tuple[tuple[Action, ...], ...], n_stages: int, m: int) -> tup
     coded = [[_coded(a, n_stages, m) for a in order] for order in orders]
     done = bytearray(2 * n_stages * m)  # the slots: "F" ends, then "G" (input gradient) ends
     next_idx = [0] * len(orders)
+    grads_left = [m] * n_stages  # B or W actions to come per stage
     out: list[_Step] = []
     remaining = sum(len(o) for o in orders)
     while remaining:
@@ -267,7 +304,10 @@ def _sweep(orders: tuple[tuple[Action, ...], ...], n_stages: int, m: int) -> tup
                     break
                 if sets >= 0:
                     done[sets] = 1
-                out.append(_Step(rank, duration, dep1, dep2, sets, order[i]))
+                a = order[i]
+                if a.kind in "BW":
+                    grads_left[a.stage] -= 1
+                out.append(_Step(rank, duration, dep1, dep2, sets, a, a.kind in "BW" and not grads_left[a.stage]))
                 i += 1
             if i > next_idx[rank]:
                 remaining -= i - next_idx[rank]
@@ -294,33 +334,59 @@ def _coded(a: Action, n_stages: int, m: int) -> tuple[int, int, int, int]:
 
 
 def _run(
-    times: list[StageTimes], program: Sequence[_Step], p: int, n_microbatches: int, *, events: bool
+    times: list[StageTimes],
+    program: Sequence[_Step],
+    p: int,
+    n_microbatches: int,
+    *,
+    events: bool,
+    traffic: Traffic | None = None,
 ) -> tuple[list[Event], list[float], float]:
     """Every rank has its own processor: each action starts when its rank is free and its
-    producers ended (the latest of those), and ends its duration later."""
+    producers ended (the latest of those), and ends its duration later. With ``traffic`` a stage
+    computes once its gather is done, and its rank is held for its reduce-scatter after its last
+    weight-gradient action (``Traffic``)."""
     durations = [t.of(kind) for t in times for kind in KINDS]
     end = [0.0] * (2 * len(times) * n_microbatches)  # the slots of _program
     free_at = [0.0] * p
     busy = [0.0] * p
     out: list[Event] = []
-    for rank, duration, dep1, dep2, sets, a in program:
+    ready = _gathered(program, traffic.gather, p) if traffic is not None else None
+    for rank, duration, dep1, dep2, sets, a, last in program:
         # max(free, *deps): the first of equal values, as the builtin max keeps
         start = free_at[rank]
         if dep1 >= 0 and end[dep1] > start:
             start = end[dep1]
         if dep2 >= 0 and end[dep2] > start:
             start = end[dep2]
+        if ready is not None and ready[a.stage] > start:
+            start = ready[a.stage]
         dur = durations[duration]
         finish = start + dur
         if sets >= 0:
             end[sets] = finish
         free_at[rank] = finish
+        if last and traffic is not None:
+            free_at[rank] = finish + traffic.reduce[a.stage]
         busy[rank] += dur
         if events:
             out.append(
                 Event(rank=rank, stage=a.stage, kind=a.kind, microbatch=a.microbatch, start_s=start, end_s=finish)
             )
     return out, busy, max(free_at)
+
+
+def _gathered(program: Sequence[_Step], gather: Sequence[float], p: int) -> list[float]:
+    """When each stage's gather is done: every rank's gathers back to back from the pass's start, in
+    the order the rank first computes its stages (``Traffic``)."""
+    ready = [-1.0] * len(gather)
+    clock = [0.0] * p
+    for step in program:
+        s = step.action.stage
+        if ready[s] < 0:
+            clock[step.rank] += gather[s]
+            ready[s] = clock[step.rank]
+    return ready
 
 
 def _run_shared(

@@ -305,6 +305,12 @@ def layout_line(plan: Plan) -> str:
             f"block gathered for every microbatch's forward and backward, its gradients reduce-scattered then: "
             f"{reduce_ms} not hidden by compute)"
         )
+    elif plan.sharded and slots_of(plan.profile) is None:
+        how = (
+            f"{name} (parameters, gradients and optimizer state sharded {ways} ways{groups}; each stage gathered "
+            f"when a pass starts and reduce-scattered{' + all-reduced' if groups else ''} after its last backward: "
+            f"{reduce_ms} not hidden by the pipeline)"
+        )
     elif plan.sharded:
         how = (
             f"{name} (parameters, gradients and optimizer state sharded {ways} ways{groups}; all-gather + "

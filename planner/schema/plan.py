@@ -220,7 +220,7 @@ class Prediction(_Frozen):
     step_time_s: float = Field(
         ge=0,
         allow_inf_nan=False,
-        description="Pipeline makespan (every pass) plus, after it, the data-parallel gradient reduction (dp_reduce_s), the "
+        description="Pipeline makespan (every pass) plus the data-parallel gradient reduction (dp_reduce_s), the "
         "gradient-norm all-reduce and the optimizer step.",
     )
     bubble_fraction: float = Field(ge=0, le=1, description="Idle share of one pass's pipeline (the same every pass).")
@@ -233,8 +233,10 @@ class Prediction(_Frozen):
         default=0.0,
         ge=0,
         allow_inf_nan=False,
-        description="Gradient reduction over the data-parallel replicas once per step (DDP all-reduce, or FSDP "
-        "all-gather + reduce-scatter), the slowest pipeline rank's; included in step_time_s (0: one replica).",
+        description="What the gradient reduction over the data-parallel replicas adds to the step (DDP's "
+        "all-reduce after the pipeline, the slowest rank's; FSDP's all-gather + reduce-scatter: with stage units on "
+        "devices, each stage's placed where torch runs it, inside every pass, and this is how much longer the "
+        "passes take); included in step_time_s (0: one replica).",
     )
 
 
