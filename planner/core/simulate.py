@@ -72,7 +72,8 @@ class Traffic(NamedTuple):
 
     ``gather``: the all-gather of the stage's parameters. Every rank issues its stages' gathers when
     the pass starts, in the order it first computes them, one after another on its collective stream
-    (the runner's prefetch: ``planner.run.stages``); a stage computes once its gather is done.
+    (the runner's prefetch: ``planner.torch_compat.gather_each_stage_once``,
+    ``planner.run.wrappers.prefetch_gathers``); a stage computes once its gather is done.
     ``reduce``: the reduce-scatter of its gradients (and, under HSDP, the all-reduce of the shard over
     the groups), which torch's ``REDUCE_GRAD`` issues right after the stage's last backward (its
     last ``B`` or ``W``); FSDP then makes the rank's compute stream wait for it

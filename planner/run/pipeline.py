@@ -28,7 +28,7 @@ from planner.errors import PlannerError
 from planner.run.gradients import clip_to_global_norm
 from planner.run.mesh import RankMesh, rank_mesh
 from planner.run.model import StageSource, check_runnable
-from planner.run.stages import RankStages, build_stages, per_block_fsdp
+from planner.run.stages import RankStages, build_stages, stage_unit_fsdp
 from planner.run.wrappers import prefetch_gathers, weight_cast_cache
 from planner.schema.plan import Plan
 
@@ -70,7 +70,7 @@ class Pipeline:
         self._forward_params = forward_params or []  # binds inputs given by name
         self.stages, self.modules, self.schedule = built.stages, built.modules, built.schedule
         # GPipe and 1F1B gather a stage-unit FSDP stage when a pass starts (the others' schedules do)
-        self._prefetch = plan.sharded and not per_block_fsdp(plan) and placement(plan.schedule) == "single"
+        self._prefetch = stage_unit_fsdp(plan) and placement(plan.schedule) == "single"
         mine = plan.stages_of(mesh.pp_rank)
         self.is_first = any(s.index == 0 for s in mine)
         self.is_last = any(s.index == plan.n_stages - 1 for s in mine)

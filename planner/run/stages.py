@@ -279,6 +279,12 @@ def _split_sequence(
     install_sequence(stage.built, units, columns, mesh.tp_mesh, [name in sequence for name in names])
 
 
+def stage_unit_fsdp(plan: Plan) -> bool:
+    """Whether the plan's replicas shard each stage as one FSDP unit (FSDP or HSDP, ``fsdp_units``
+    "stage"): the runner then gathers each stage once per pass, at its start."""
+    return plan.sharded and not per_block_fsdp(plan)
+
+
 def per_block_fsdp(plan: Plan) -> bool:
     """Whether the plan's replicas shard its stages block by block (FSDP or HSDP, ``fsdp_units`` "block")."""
     return plan.sharded and plan.fsdp_units == "block"
@@ -382,7 +388,7 @@ def _schedule(
     target = stages[0] if placement(plan.schedule) == "single" else stages
     loss = autocast_loss(loss_fn, plan, device)
     schedule = schedule_cls(target, n_microbatches=plan.n_microbatches, loss_fn=loss, scale_grads=False)
-    if plan.sharded and not per_block_fsdp(plan) and placement(plan.schedule) != "single":
+    if stage_unit_fsdp(plan) and placement(plan.schedule) != "single":
         gather_each_stage_once(schedule)  # as the plan predicts; GPipe and 1F1B: prefetch_gathers
     return schedule
 
