@@ -44,7 +44,8 @@ Sizes:
   multiplier 1.2, multiple_of 4096 (FFN 53248), rope_theta 500000, seq_len 8192).
 
 Tensor parallelism: ``tp_plan`` shards q, k, v, w1, w3 by columns and wo, w2 by rows (Megatron's
-split), and the output head by vocabulary rows with its logits all-gathered (``colwise_rep``); the
+split), the output head by vocabulary rows with its logits all-gathered and the input embedding by
+its width with its lookups all-gathered (both ``colwise_rep``); the
 attention reshapes to ``-1`` heads so a rank runs its n_heads / tp heads. The degree must divide
 n_kv_heads (8 for the published sizes).
 
@@ -233,10 +234,13 @@ SIZES: dict[str, dict] = {
 
 # Tensor parallelism (Megatron's split, as torchtitan's ``parallelize_llama`` applies it): q, k, v and
 # the SwiGLU's w1, w3 split by output columns, wo and w2 by input rows, so each layer needs one
-# all-reduce after attention and one after the feed-forward (and two in the backward). Norms,
-# embeddings and the output layer stay whole on every tensor-parallel rank. Keys are module-name
-# patterns ('*' matches one name part), values torch's ColwiseParallel / RowwiseParallel.
+# all-reduce after attention and one after the feed-forward (and two in the backward). Norms stay
+# whole on every tensor-parallel rank. Keys are module-name patterns ('*' matches one name part),
+# values torch's ColwiseParallel / RowwiseParallel.
 tp_plan: dict[str, str] = {
+    # the input embedding by its width, each rank's slice of the looked-up vectors gathered whole
+    # (torchtitan shards it too: at 128,256 x 16,384 it is 2.1B parameters, five 405B layers' worth)
+    "tok_embeddings": "colwise_rep",
     "layers.*.attention.wq": "colwise",
     "layers.*.attention.wk": "colwise",
     "layers.*.attention.wv": "colwise",

@@ -182,6 +182,73 @@ def _gathered_head_rank(rank: int, port: int) -> None:
         dist.destroy_process_group()
 
 
+def test_an_embedding_width_the_degree_does_not_divide_is_refused_before_launch() -> None:
+    from torch import nn
+
+    from planner.errors import PlanFileError
+    from planner.run.tensor_split import check_tp_split
+
+    stage = nn.ModuleDict({"emb": nn.Embedding(10, 6)})  # 10 rows: uneven rows alone would not matter
+    assert check_tp_split(stage, {"emb": "colwise_rep"}, 3) == {"emb": "colwise_rep"}
+    with pytest.raises(PlanFileError, match=r"splits emb colwise_rep over 4 ranks, but its embedding width 6 is"):
+        check_tp_split(stage, {"emb": "colwise_rep"}, 4)
+
+
+@pytest.mark.multiprocess
+def test_an_embedding_split_by_width_is_exact_on_two_processes() -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_embedding_rank, args=(_free_port(),), nprocs=2, join=True)
+
+
+def _embedding_rank(rank: int, port: int) -> None:
+    """colwise_rep on an nn.Embedding over 2 ranks: each holds half of every vector, the lookups are
+    the unsplit embedding's on both ranks, the weight's gradient its gradient. And why the planner
+    splits the width even where a plan says embedding_rowwise: torch 2.13's RowwiseParallel on an
+    embedding gives tp times the lookups (if this part fails, torch has fixed it and the vocabulary
+    split could be run as declared)."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    from planner.run.tensor_split import check_tp_split, shard_stage, sharded_over_tp
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        stage = nn.ModuleDict({"emb": nn.Embedding(16, 8), "norm": nn.LayerNorm(8)})
+        whole = nn.ModuleDict({"emb": nn.Embedding(16, 8), "norm": nn.LayerNorm(8)})
+        whole.load_state_dict(stage.state_dict())
+        ids = torch.tensor([[1, 9, 3, 12], [0, 15, 7, 8]])
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        assert check_tp_split(stage, {"emb": "colwise_rep"}, 2) == {"emb": "colwise_rep"}
+        assert shard_stage(stage, mesh, {"emb": "colwise_rep"}) == {"emb": "colwise_rep"}
+        got = stage["norm"](stage["emb"](ids))
+        want = whole["norm"](whole["emb"](ids))
+        assert type(got) is torch.Tensor and torch.allclose(got, want, atol=1e-6)
+        weight = stage["emb"].weight
+        assert sharded_over_tp(weight) and weight.to_local().shape == (16, 4)
+        got.square().sum().backward()
+        want.square().sum().backward()
+        assert weight.grad is not None and whole["emb"].weight.grad is not None
+        assert torch.allclose(weight.grad.full_tensor(), whole["emb"].weight.grad, atol=1e-6)
+        rows = nn.Embedding(16, 8)
+        rows.load_state_dict(whole["emb"].state_dict())
+        parallelize_module(rows, mesh, RowwiseParallel())
+        try:  # torch 2.13: the lookups summed twice over, or (these ids) a size mismatch inside its op
+            wrong = not torch.allclose(rows(ids), whole["emb"](ids), atol=1e-6)
+        except RuntimeError:
+            wrong = True
+        assert wrong
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.multiprocess
 def test_tied_embedding_and_head_across_pipeline_ranks_tp2(tmp_path: Path) -> None:
     # stage 0: the embedding; stage 1: both layers (split colwise then rowwise) and the head tied to it
@@ -365,7 +432,7 @@ def test_an_exported_graph_is_made_shardable_at_one_tp_ranks_sizes() -> None:
     split = shardable_trace(traced, model, inputs, plan, 2)
     assert [n.name for n in split.gm.graph.nodes] == [n.name for n in traced.gm.graph.nodes]
     calls = [n for n in split.gm.graph.nodes if n.op == "call_module" and n.target != "_guards_fn"]  # export's own
-    assert len(calls) == 7 * 4 + 1 and {str(n.target).rsplit(".", 1)[-1] for n in calls} == {
+    assert len(calls) == 7 * 4 + 2 and {str(n.target).rsplit(".", 1)[-1] for n in calls} == {
         "q_proj",
         "k_proj",
         "v_proj",
@@ -374,7 +441,10 @@ def test_an_exported_graph_is_made_shardable_at_one_tp_ranks_sizes() -> None:
         "up_proj",
         "down_proj",
         "lm_head",  # the model's own _tp_plan: untied, split with its logits gathered
+        "embed_tokens",  # and its embedding_rowwise, split by width (planner.capture.tp_plan)
     }
+    emb = split.gm.get_submodule("model.embed_tokens")
+    assert isinstance(emb, nn.Embedding) and emb.weight.shape == (512, 64)  # gathered whole: the full size
     head = split.gm.get_submodule("lm_head")
     assert isinstance(head, nn.Linear) and head.weight.shape == (512, 64)  # the graph keeps its full size
     q = split.gm.get_submodule("model.layers.0.self_attn.q_proj")

@@ -50,8 +50,10 @@ def test_llama_file_plan_matches_seven_linears_per_layer_and_the_head() -> None:
     resolved = resolve_tp_plan(mf, model)
     assert resolved.plan == mf.module.tp_plan and resolved.source == "model file"
     matched = matched_modules(model, resolved.plan)
-    assert len(matched) == 7 * 4 + 1 and all(isinstance(m, nn.Linear) for _, m, _ in matched.values())
-    assert matched["output"][0] == "colwise_rep"
+    assert len(matched) == 7 * 4 + 2
+    assert all(isinstance(m, nn.Linear) for n, (_, m, _) in matched.items() if n != "tok_embeddings")
+    assert matched["output"][0] == matched["tok_embeddings"][0] == "colwise_rep"
+    assert isinstance(matched["tok_embeddings"][1], nn.Embedding)
     check_tp_plan(model, resolved.plan, 2)
 
 
@@ -90,7 +92,9 @@ def test_hf_plan_prefixed_with_base_model() -> None:
     assert resolved.plan["model.layers.*.self_attn.q_proj"] == "colwise"
     assert resolved.plan["model.layers.*.mlp.down_proj"] == "rowwise"
     assert resolved.plan["lm_head"] == "colwise_rep"  # the model's own _tp_plan (untied): colwise_gather_output
-    assert len(matched_modules(model, resolved.plan)) == 7 * 2 + 1
+    # and (transformers 5.24) its embedding_rowwise input embedding, split by its width instead
+    assert resolved.plan["model.embed_tokens"] == "colwise_rep"
+    assert len(matched_modules(model, resolved.plan)) == 7 * 2 + 2
     check_tp_plan(model, resolved.plan, 2)
     with pytest.raises(ModelFileError, match=r"num_key_value_heads is 2, not a multiple of 4"):
         check_tp_plan(model, resolved.plan, 4)
@@ -105,7 +109,7 @@ def test_hf_model_inside_a_wrapper() -> None:
     wrapped = Wrapper()
     plan = resolve_tp_plan(_fake_file(None), wrapped).plan  # type: ignore[arg-type]
     assert plan["lm.model.layers.*.self_attn.o_proj"] == "rowwise" and plan["lm.lm_head"] == "colwise_rep"
-    assert len(matched_modules(wrapped, plan)) == 15
+    assert len(matched_modules(wrapped, plan)) == 16 and plan["lm.model.embed_tokens"] == "colwise_rep"
 
 
 def test_a_tied_hugging_face_head_stays_whole() -> None:
@@ -113,6 +117,23 @@ def test_a_tied_hugging_face_head_stays_whole() -> None:
     model.lm_head.weight = model.model.embed_tokens.weight
     plan = resolve_tp_plan(_fake_file(None), model).plan  # type: ignore[arg-type]
     assert "lm_head" not in plan and plan["model.layers.*.self_attn.q_proj"] == "colwise"
+    check_tp_plan(model, plan, 2)
+
+
+def test_hugging_face_embedding_styles_split_the_width_and_a_tied_embedding_stays_whole() -> None:
+    """transformers 5's embedding_rowwise / embedding_colwise are read as colwise_rep (the width split,
+    capture.tp_plan says why not the rows); an embedding tied to the head is left whole, the rest of
+    the plan kept."""
+    for style in ("embedding_rowwise", "embedding_colwise"):
+        model = _hf_tiny()
+        model.config.base_model_tp_plan = {"embed_tokens": style, "layers.*.self_attn.q_proj": "colwise"}
+        plan = resolve_tp_plan(_fake_file(None), model).plan  # type: ignore[arg-type]
+        assert plan["model.embed_tokens"] == "colwise_rep"
+        check_tp_plan(model, plan, 2)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    plan = resolve_tp_plan(_fake_file(None), model).plan  # type: ignore[arg-type]
+    assert "model.embed_tokens" not in plan and "lm_head" not in plan
+    assert plan["model.layers.*.self_attn.q_proj"] == "colwise"
     check_tp_plan(model, plan, 2)
 
 
@@ -137,6 +158,12 @@ def test_no_plan_at_all() -> None:
         ({"layers.*.feed_forward.w1": "colwise"}, 5, r"feed_forward\.w1 .*out_features is 192, not a multiple of 5"),
         ({"layers.*.attention.wo": "rowwise"}, 128, r"attention\.wo .*in_features is 64, not a multiple of 128"),
         ({"layers.*.attention.wq": "colwise"}, 4, r"layers\.0\.attention, whose n_kv_heads is 2, not a multiple of 4"),
+        (
+            {"tok_embeddings": "rowwise"},
+            2,
+            r"splits the embedding tok_embeddings rowwise; an nn\.Embedding splits only",
+        ),
+        ({"tok_embeddings": "colwise_rep"}, 128, r"tok_embeddings\), whose embedding_dim is 64, not a multiple of 128"),
     ],
 )
 def test_check_errors_name_the_pattern(plan: dict[str, str], tp: int, message: str) -> None:
@@ -160,8 +187,8 @@ ALBERT_PLAN = {f"{ALBERT_LAYER}.ffn": "colwise", f"{ALBERT_LAYER}.ffn_output": "
 
 def test_llama_layer_share_exact() -> None:
     traced, shares = _shares(LLAMA, batch=2)
-    # the embeddings: none; the final norm: only its sequence share (no split layer)
-    assert set(shares) == {f"layers.{i}" for i in range(4)} | {"output", "norm"}
+    # the final norm: only its sequence share (no split layer)
+    assert set(shares) == {f"layers.{i}" for i in range(4)} | {"tok_embeddings", "output", "norm"}
     dim, kv, hidden, tokens, fp32 = 64, 2 * 16, 192, 2 * 32, 4  # tiny: head_dim 16, SwiGLU 192
     share = shares["layers.0"]
     assert share.sharded_params == dim * dim * 2 + dim * kv * 2 + dim * hidden * 3
@@ -231,6 +258,18 @@ def test_llama_output_head_share_exact() -> None:
     assert head.divisor == 0 and head.sharded_compute == 1.0
     assert head.sharded_activation_bytes == 0  # it saves its whole input; its output is gathered whole
     assert head.unsplit_activation_bytes == tokens * dim * fp32
+
+
+def test_llama_input_embedding_share_exact() -> None:
+    """The input embedding (colwise_rep): its width split, the looked-up slices all-gathered in
+    forward; its input is token ids, so no gradient is all-reduced in backward."""
+    _, shares = _shares(LLAMA, batch=2)
+    dim, vocab, tokens, fp32 = 64, 512, 2 * 32, 4
+    emb = shares["tok_embeddings"]
+    assert emb.sharded_params == vocab * dim and emb.sharded_param_bytes == vocab * dim * fp32
+    assert emb.fwd_allgather_bytes == tokens * dim * fp32
+    assert (emb.fwd_allreduces, emb.fwd_allreduce_bytes, emb.bwd_allreduces, emb.bwd_allreduce_bytes) == (0, 0, 0, 0)
+    assert emb.sharded_compute == 1.0 and emb.divisor % 64 == 0 or 64 % emb.divisor == 0
 
 
 def test_tied_split_layer_is_refused() -> None:
@@ -326,7 +365,7 @@ def test_end_to_end_llama_auto_and_forced() -> None:
     assert layer is not None and set(layer.slowdown) == {2} and 1.5 < layer.slowdown[2] <= 2.0
     assert Plan.model_validate_json(plan.model_dump_json()) == plan  # int degrees round-trip through JSON
     # the head too, and the final norm (its sequence share alone: held whole, split with sequence parallelism)
-    assert [b.tp is not None for b in plan.blocks] == [False, True, True, True, True, True, True]
+    assert [b.tp is not None for b in plan.blocks] == [True] * 7  # the embedding split too
     auto = _plan(LLAMA, "auto")
     assert auto.tp in (1, 2) and all(b.tp is not None for b in auto.blocks if b.name.startswith("layers."))
     with pytest.raises(ModelFileError, match="--tp 4: tp_plan splits"):
@@ -354,16 +393,24 @@ def test_an_exported_hugging_face_model_is_split_by_its_config_plan() -> None:
     from transformers import LlamaConfig
 
     base_plan = {f"model.{k}": v for k, v in LlamaConfig().base_model_tp_plan.items()}
-    assert plan.tp_plan == base_plan | {"lm_head": "colwise_rep"}
+    # with the model's own _tp_plan: its head gathered, its embedding (embedding_rowwise) split by width
+    assert plan.tp_plan == base_plan | {"lm_head": "colwise_rep", "model.embed_tokens": "colwise_rep"}
     # the final norm too: held whole, its sequence shards split under sequence parallelism
-    split = [b.name.startswith("model.layers.") or b.name in ("lm_head", "model.norm") for b in plan.blocks]
+    named = ("lm_head", "model.norm", "model.embed_tokens")
+    split = [b.name.startswith("model.layers.") or b.name in named for b in plan.blocks]
     assert [b.tp is not None for b in plan.blocks] == split
     head = plan.blocks[-1].tp
     assert head is not None and plan.blocks[-1].name == "lm_head"
     # read off the export graph's nodes: the logits (vocabulary 512) gathered, the input (dim 64)'s gradient reduced
     assert (head.fwd_allreduces, head.bwd_allreduces, head.divisor) == (0, 1, 0)
     assert head.fwd_allgather_bytes == head.bwd_allreduce_bytes * 512 // 64 > 0
-    share = next(b.tp for b in plan.blocks if b.tp is not None)
+    emb = plan.blocks[0].tp
+    assert emb is not None and plan.blocks[0].name == "model.embed_tokens"
+    # an aten.embedding on the token ids: its weight split (vocabulary 512 x dim 64), the lookups gathered,
+    # no input gradient to reduce
+    assert emb.sharded_params == 512 * 64 and emb.fwd_allgather_bytes > 0
+    assert (emb.fwd_allreduces, emb.bwd_allreduces, emb.bwd_allreduce_bytes) == (0, 0, 0)
+    share = next(b.tp for b in plan.blocks if b.tp is not None and b.name.startswith("model.layers."))
     dim, kv, ffn = 64, 2 * 16, 172  # tiny: 4 heads of 16, 2 key/value heads, SwiGLU 172
     assert share.sharded_params == dim * dim * 2 + dim * kv * 2 + dim * ffn * 3
     assert (share.fwd_allreduces, share.bwd_allreduces) == (2, 5)  # o, down; q, k, v, gate, up
@@ -431,7 +478,7 @@ def test_plans_on_costs_made_once_equal_make_plan(tmp_path: Path) -> None:
     assert got.tp == want.tp == 2 and got.profile.dtype == "bf16"
     assert got.prediction == want.prediction
     assert got.blocks == want.blocks
-    split = next(b for b in got.blocks if b.tp is not None)
+    split = next(b for b in got.blocks if b.tp is not None and b.name.startswith("layers."))
     # a layer all-reduces two outputs of the hidden state's size forward, in bf16 as the cut after it
     assert split.tp is not None and split.tp.fwd_allreduce_bytes == 2 * split.cut_bytes
 
@@ -475,7 +522,7 @@ def test_llama_sequence_shares_exact() -> None:
     assert (head.gathers, head.regathers, head.activation_bytes, head.cut_share) == (1, 1, hidden, 0.0)
     assert not later.mixed and not norm.mixed
     assert shares["norm"].sharded_params == 0 and shares["norm"].divisor == 0  # held whole, any degree
-    assert "tok_embeddings" not in shares  # before any row-wise layer: nothing is a shard
+    assert shares["tok_embeddings"].sequence is None  # before any row-wise layer: nothing is a shard
 
 
 def test_a_row_wise_output_not_laid_out_batch_seq_features_is_no_sequence_shard() -> None:

@@ -8,7 +8,15 @@ output left split for a following row-wise layer), ``RowwiseParallel`` ("rowwise
 split, the output all-reduced) and ``ColwiseParallel(output_layouts=Replicate())`` ("colwise_rep",
 Hugging Face's name: output features split, the output all-gathered whole, as for a model's output
 head, whose logits the loss reads whole; transformers 5 calls it "colwise_gather_output", read as
-the same); every other style is refused.
+the same); every other style is refused. An ``nn.Embedding`` splits only ``colwise_rep``: its width
+(``embedding_dim``) split, each rank looking up its slice of every vector, the slices gathered whole
+(torch's ``ColwiseParallel(output_layouts=Replicate())`` on an embedding, as transformers 5's
+"embedding_colwise"). transformers 5's "embedding_rowwise" (the vocabulary split, the ranks'
+lookups summed) is read as the same split: torch 2.13's row-wise embedding on DTensors all-gathers
+the weight and still sums the ranks' lookups, so its output comes out ``tp`` times too large, or
+fails inside the op, depending on the ids' shape (checked on 2 gloo processes,
+``tests/test_run_tp.py``); the width split gives the same numbers and memory per rank, with one
+all-gather of the output instead of an all-reduce.
 
 Where it comes from (``resolve_tp_plan``), first found wins:
 
@@ -36,7 +44,12 @@ from planner.errors import ModelFileError
 
 STYLES = ("colwise", "rowwise", "colwise_rep")
 COLUMN_STYLES = ("colwise", "colwise_rep")  # the styles that split a layer's output features
-ALIASES = {"colwise_gather_output": "colwise_rep"}  # transformers 5's name for the same style
+# transformers 5's names for the same styles (its embedding styles: see the module docstring)
+ALIASES = {
+    "colwise_gather_output": "colwise_rep",
+    "embedding_colwise": "colwise_rep",
+    "embedding_rowwise": "colwise_rep",
+}
 HEAD_ATTRS = ("n_heads", "n_kv_heads", "num_heads", "num_kv_heads", "num_attention_heads", "num_key_value_heads")
 CONFIG_HEAD_ATTRS = ("num_attention_heads", "num_key_value_heads")
 
@@ -140,7 +153,20 @@ def resolve_tp_plan(mf: ModelFile, model: nn.Module) -> ResolvedPlan:
     if reason:
         return ResolvedPlan({}, "", reason)
     out = {(f"{prefix}.{k}" if prefix else k): v for k, v in plan.items()}
-    return ResolvedPlan(out | _head_entries(model, owner), "Hugging Face config")
+    return ResolvedPlan(_untied(model, out) | _head_entries(model, owner), "Hugging Face config")
+
+
+def _untied(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """A Hugging Face plan without the entries whose layers hold a tied weight (an input embedding
+    shared with the output head): those stay whole, as the head tied to them does, instead of the
+    tie refusing the whole plan (``_check_ties``)."""
+    holders = _holders(model)
+    out: dict[str, str] = {}
+    for key, style in plan.items():
+        weights = [getattr(m, "weight", None) for _, m, _ in matched_modules(model, {key: style}).values()]
+        if not any(isinstance(w, nn.Parameter) and len(holders.get(id(w), [])) > 1 for w in weights):
+            out[key] = style
+    return out
 
 
 def _head_entries(model: nn.Module, owner: nn.Module) -> dict[str, str]:
@@ -211,8 +237,9 @@ def split_sizes(
 ) -> list[tuple[str, str, int]]:
     """Every size the degree must divide, as (pattern or module, what, size): the split features of
     each matched Linear (not a colwise_rep one's: torch shards its rows unevenly where the degree does
-    not divide them, and gathers its output whole), the heads of the attention modules holding a split layer, and a Hugging
-    Face config's head counts when a plan splits anything.
+    not divide them, and gathers its output whole), each split embedding's width, the heads of the
+    attention modules holding a split layer, and a Hugging Face config's head counts when a plan
+    splits anything.
 
     Args:
         model: the model ``build_model`` returned.
@@ -231,6 +258,8 @@ def split_sizes(
         if isinstance(module, nn.Linear) and style != "colwise_rep":  # torch shards a colwise_rep unevenly
             what = "out_features" if style == "colwise" else "in_features"
             sizes.append((f"{pattern} ({name})", what, getattr(module, what)))
+        elif isinstance(module, nn.Embedding):  # split by its width, which the ranks' slices must divide
+            sizes.append((f"{pattern} ({name})", "embedding_dim", module.embedding_dim))
         parent = name.rsplit(".", 1)[0] if "." in name else ""
         if parent not in parents:
             parents.add(parent)
@@ -248,7 +277,8 @@ def plan_divisor(model: nn.Module, plan: Mapping[str, str]) -> int | None:
 
 def check_tp_plan(model: nn.Module, plan: Mapping[str, str], tp: int = 1) -> None:
     """Check a plan against a built model: every pattern matches a module, every matched module is an
-    ``nn.Linear``, and ``tp`` divides every split size (features, heads).
+    ``nn.Linear`` (or an ``nn.Embedding`` split ``colwise_rep``), and ``tp`` divides every split size
+    (features, an embedding's width, heads).
 
     Args:
         model: the model ``build_model`` returned.
@@ -266,10 +296,15 @@ def check_tp_plan(model: nn.Module, plan: Mapping[str, str], tp: int = 1) -> Non
                 "model.named_modules() gives them); fix the pattern or drop it"
             )
     for name, (style, module, pattern) in matched.items():
-        if not isinstance(module, nn.Linear):
+        if isinstance(module, nn.Embedding) and style != "colwise_rep":
             raise ModelFileError(
-                f"tp_plan: {pattern!r} matches {name}, a {type(module).__name__}; only nn.Linear layers can be split "
-                f"{style}"
+                f"tp_plan: {pattern!r} splits the embedding {name} {style}; an nn.Embedding splits only 'colwise_rep' "
+                "(its width split, the lookups gathered whole)"
+            )
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            raise ModelFileError(
+                f"tp_plan: {pattern!r} matches {name}, a {type(module).__name__}; only nn.Linear layers (and "
+                f"nn.Embedding, colwise_rep) can be split {style}"
             )
     _check_ties(model, matched)
     if tp <= 1:

@@ -8,7 +8,7 @@ features, Megatron-LM's layout as torch's ``ColwiseParallel`` / ``RowwiseParalle
 the whole of the rest. ``at_degree`` turns a block's costs into one such rank's:
 
 * compute: the split share of the forward and backward (``sharded_compute``) runs on 1/tp of the
-  features, the rest (norms, residual adds, embeddings) whole on every rank:
+  features, the rest (norms, residual adds, an embedding the plan leaves whole) whole on every rank:
   ``(1 - sharded_compute) + sharded_compute / tp * slowdown(tp)``. ``slowdown`` is 1 for measured
   costs; estimated costs carry the smaller matrices' lower GEMM efficiency at the sharded shapes
   (``TensorParallelShare.slowdown``, from ``planner.costs.tensor_parallel``);
@@ -17,7 +17,8 @@ the whole of the rest. ``at_degree`` turns a block's costs into one such rank's:
   a ring, ``2 (tp - 1) / tp`` of the bytes each way plus ``ceil(log2 tp)`` latencies; a
   ``colwise_rep`` layer's output (an output head's logits) is all-gathered in forward, ``(tp - 1) /
   tp`` of its bytes (its backward takes each rank's slice of the gradient: no traffic), and its input
-  gradient all-reduced in backward as a column-wise layer's; none is overlapped with compute
+  gradient all-reduced in backward as a column-wise layer's (an embedding's input is token ids: none);
+  none is overlapped with compute
   (torch's eager tensor parallelism does not overlap them);
 * memory: split parameters (with their gradients and optimizer state) and the activations saved
   inside split layers are divided by tp; the rest is held whole;

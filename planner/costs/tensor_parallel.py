@@ -4,7 +4,7 @@ One forward of the traced graph where it lives (on the meta device for estimated
 no data) at the profiled microbatch, watched at the aten level. What is counted, per block:
 
 * split operators: every operator run inside a matched layer (a column-wise, row-wise or
-  ``colwise_rep`` ``nn.Linear``), and every operator outside them that reads a *split tensor*: one
+  ``colwise_rep`` ``nn.Linear``, or a ``colwise_rep`` ``nn.Embedding``), and every operator outside them that reads a *split tensor*: one
   produced inside a column-wise layer, or by a split operator outside the layers (attention's SDPA,
   the rotary embedding, SwiGLU's ``silu(w1 x) * w3 x`` between a column-wise and its row-wise
   layer). A row-wise layer's output is whole again (all-reduced), and so is a ``colwise_rep``
@@ -26,7 +26,7 @@ no data) at the profiled microbatch, watched at the aten level. What is counted,
   whole in forward (``ColwiseParallel(output_layouts=Replicate())``); its backward slices the
   gradient, no traffic.
 * ``bwd_allreduce_bytes`` / ``bwd_allreduces``: each column-wise (or ``colwise_rep``) layer's input gradient, one
-  all-reduce per column-wise layer: torch's ``ColwiseParallel`` wraps each layer's input with
+  all-reduce per column-wise layer (none for an embedding: its input is token ids, no gradient): torch's ``ColwiseParallel`` wraps each layer's input with
   ``DTensor.from_local(..., Replicate())`` (torch 2.13 ``distributed/tensor/parallel/style.py``),
   whose backward turns that layer's Partial input gradient into Replicate on its own, so q, k and v,
   though they read one tensor, are three all-reduces (Megatron's fused QKV does one).
@@ -284,9 +284,10 @@ class _ShareRun(fx.Interpreter):
         if style == "rowwise":  # under sequence parallelism, reduce-scattered along the sequence
             self._row_output(_tensors(out))
         if self.watch.block is not None and self._count(name, "io"):
-            if style in COLUMN_STYLES:  # its input's gradient is all-reduced in backward
-                self._add("bwd", _tensors(args)[:1], True)
-                self._column_input(_tensors(args)[:1])
+            floats = [t for t in _tensors(args)[:1] if t.is_floating_point()]  # an embedding's ids: no gradient
+            if style in COLUMN_STYLES and floats:  # its input's gradient is all-reduced in backward
+                self._add("bwd", floats, True)
+                self._column_input(floats)
             if style == "rowwise":  # its output is all-reduced in forward
                 self._add("fwd", _tensors(out), True)
             if style == "colwise_rep":  # its output is all-gathered whole in forward
@@ -406,11 +407,14 @@ class _ShareRun(fx.Interpreter):
             return (self.styled(_module_path(a)) or ("", ""))[0]
 
         if style in COLUMN_STYLES:
+            inputs = False
             for a in n.all_input_nodes:
-                if a.op != "get_attr" and layer_of(a) != name and self._count(name, a.name):
-                    self._add("bwd", _tensors(self.env[a]), False)
-                    self._column_input(_tensors(self.env[a]))
-            if self._count(name, "count"):
+                floats = [t for t in _tensors(self.env[a]) if t.is_floating_point()]  # not an embedding's ids
+                if a.op != "get_attr" and layer_of(a) != name and floats and self._count(name, a.name):
+                    self._add("bwd", floats, False)
+                    self._column_input(floats)
+                    inputs = True
+            if inputs and self._count(name, "count"):
                 self._add("bwd", [], True)
         if style == "rowwise" and any(layer_of(u) != name for u in n.users):
             self._row_output(_tensors(out))

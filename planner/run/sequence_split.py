@@ -153,8 +153,8 @@ class SequenceSplit:
         from torch.distributed.tensor import DTensor, Replicate
 
         x = args[0]
-        if not isinstance(x, torch.Tensor):
-            return None
+        if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or isinstance(x, DTensor)):
+            return None  # an embedding's token ids: torch's style wraps them, no gradient to reduce
         if self.last is not None and self.last[0]() is x:
             return (self.last[1], *args[1:])
         if isinstance(x, DTensor):

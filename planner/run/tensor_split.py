@@ -78,7 +78,8 @@ def shard_stage(module: nn.Module, tp_mesh: Any, tp_plan: dict[str, str], *, seq
         make: dict[str, Callable[[], Any]] = {
             "colwise": ColwiseParallel,
             "rowwise": row_style if sequence else RowwiseParallel,
-            # an output head: its column shards all-gathered, so the loss reads the whole logits
+            # an output head: its column shards all-gathered, so the loss reads the whole logits; an
+            # embedding: each rank's slice of every vector, gathered whole (capture.tp_plan says why not rows)
             "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
         }
         parallelize_module(module, tp_mesh, {name: make[style]() for name, style in styles.items()})
@@ -136,7 +137,8 @@ def check_tp_split(module: nn.Module, tp_plan: dict[str, str], tp: int) -> dict[
         else:
             assert isinstance(sub, nn.Embedding)
             width, what = (sub.embedding_dim, "embedding") if style in COLUMN_STYLES else (sub.num_embeddings, "row")
-        if width % tp and style != "colwise_rep":  # gathered whole: torch shards it unevenly
+        # a colwise_rep linear is gathered whole (torch shards it unevenly); an embedding's width must divide
+        if width % tp and (style != "colwise_rep" or isinstance(sub, nn.Embedding)):
             raise PlanFileError(
                 f"tp_plan splits {name} {style} over {tp} ranks, but its {what} width {width} is not a multiple "
                 f"of {tp}; re-plan with a tp that divides it"
