@@ -141,9 +141,7 @@ def _saved_bytes(stage, x, split=None) -> tuple[int, torch.Tensor]:  # type: ign
 
 
 def _saved_bytes_rank(rank: int, port: int) -> None:
-    import datetime
-
-    import torch.distributed as dist
+    from test_run_tp import gloo_pair
     from torch.distributed.device_mesh import init_device_mesh
 
     from planner.capture.load import load_model_file
@@ -153,10 +151,7 @@ def _saved_bytes_rank(rank: int, port: int) -> None:
     from planner.run.sequence_split import install
     from planner.run.tensor_split import shard_stage, tp_styles
 
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    try:
+    with gloo_pair(rank, port):
         mf = load_model_file(MODELS / "llama.py", "tiny")
         tp_plan = mf.module.tp_plan
         inputs, _ = mf.batch(2)
@@ -178,8 +173,6 @@ def _saved_bytes_rank(rank: int, port: int) -> None:
         sequence, got = _saved_bytes(split, x, state)
         assert plain - sequence == seq.activation_bytes // 2, (plain, sequence, seq.activation_bytes)
         torch.testing.assert_close(got, want)  # the kept shards gathered again in backward: the same gradient
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_model_whose_shards_reach_attention_left_whole_is_refused(tmp_path: Path) -> None:

@@ -6,6 +6,8 @@ Plans are built by the test factory with ``tp`` and ``tp_plan`` given, not chose
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -108,17 +110,38 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _scatter_gather_rank(rank: int, port: int) -> None:
+@contextmanager
+def gloo_pair(rank: int, port: int) -> Iterator[None]:
+    """One of two gloo processes (``mp.spawn``): one thread, a process group over a TCPStore whose
+    server rank 0 holds. On the way out rank 0 waits (30 s at most) until rank 1 has left the group
+    too, so rank 1's store client never loses its server mid-call: a process killed with its store
+    threads still running aborts ("terminate called without an active exception"), which CI once
+    met at this point."""
     import datetime
+    import time
 
     import torch.distributed as dist
-
-    from planner.run.boundary import BoundaryScatter
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        store.add("left", 1)
+        deadline = time.monotonic() + 30
+        while rank == 0 and store.add("left", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        del store
+
+
+def _scatter_gather_rank(rank: int, port: int) -> None:
+    import torch.distributed as dist
+
+    from planner.run.boundary import BoundaryScatter
+
+    with gloo_pair(rank, port):
         torch.manual_seed(0)  # both ranks hold the same whole tensor, as tensor-parallel ranks do
         x = torch.randn(3, 4, requires_grad=True)
         w = torch.randn(3, 4)
@@ -133,8 +156,6 @@ def _scatter_gather_rank(rank: int, port: int) -> None:
         (received,) = recv.gather((piece,))
         (received * w).sum().backward()
         assert x.grad is not None and torch.equal(x.grad, w)  # not summed over the two ranks
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.multiprocess
@@ -147,18 +168,12 @@ def test_a_gathered_head_of_uneven_rows_is_exact_on_two_processes() -> None:
 def _gathered_head_rank(rank: int, port: int) -> None:
     """colwise_rep over 2 ranks of a head with 5 output rows (3 and 2): the whole logits on both ranks,
     the input's and the weight's gradients those of the unsplit head."""
-    import datetime
-
-    import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
 
     from planner.run.tensor_split import shard_stage, sharded_over_tp
 
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    try:
+    with gloo_pair(rank, port):
         torch.manual_seed(0)
         stage = nn.ModuleDict({"norm": nn.LayerNorm(8), "head": nn.Linear(8, 5, bias=True)})
         whole = nn.ModuleDict({"norm": nn.LayerNorm(8), "head": nn.Linear(8, 5, bias=True)})
@@ -178,8 +193,6 @@ def _gathered_head_rank(rank: int, port: int) -> None:
         assert x.grad is not None and x_whole.grad is not None and torch.allclose(x.grad, x_whole.grad, atol=1e-6)
         assert weight.grad is not None and whole["head"].weight.grad is not None
         assert torch.allclose(weight.grad.full_tensor(), whole["head"].weight.grad, atol=1e-6)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_an_embedding_width_the_degree_does_not_divide_is_refused_before_launch() -> None:
@@ -207,19 +220,13 @@ def _embedding_rank(rank: int, port: int) -> None:
     splits the width even where a plan says embedding_rowwise: torch 2.13's RowwiseParallel on an
     embedding gives tp times the lookups (if this part fails, torch has fixed it and the vocabulary
     split could be run as declared)."""
-    import datetime
-
-    import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
     from planner.run.tensor_split import check_tp_split, shard_stage, sharded_over_tp
 
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    try:
+    with gloo_pair(rank, port):
         torch.manual_seed(0)
         stage = nn.ModuleDict({"emb": nn.Embedding(16, 8), "norm": nn.LayerNorm(8)})
         whole = nn.ModuleDict({"emb": nn.Embedding(16, 8), "norm": nn.LayerNorm(8)})
@@ -245,8 +252,6 @@ def _embedding_rank(rank: int, port: int) -> None:
         except RuntimeError:
             wrong = True
         assert wrong
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.multiprocess
