@@ -212,9 +212,10 @@ How to read it:
   collective is charged at the link's `link_efficiency` (0.7 of its bandwidth, measured for p2p
   sends; a data-parallel group with k ranks on each node it spans at k network cards' bandwidth, as
   NCCL spreads its channels over a node's cards: docs/gpu_costs.md) plus a latency per step of its
-  ring (all-gather, reduce-scatter) or tree (all-reduce), with no overlap of a stage unit's gather
-  and reduce-scatter with compute (torch's schedules make the default stream wait for FSDP's
-  reduction after each stage's last backward, `PipelineStage.perform_reduce_grad`).
+  ring (all-gather, reduce-scatter) or tree (all-reduce). A stage unit's gathers run from the pass's
+  start and its reduce-scatter after the stage's last backward, holding the rank's compute stream
+  (torch's schedules reduce there, `PipelineStage.perform_reduce_grad`, and FSDP2 makes the stream
+  wait for it): only what a rank's idle time or its other stages' compute does not hide counts.
 - "fits" is the planner's predicted per-rank peak against the GPU's memory; a published layout that
   the planner says does not fit ran in reality, so its memory model is pessimistic there (per-layer
   recomputation and sharding are issue 27's subject).
