@@ -123,13 +123,13 @@ def _load_plan(path: str) -> Plan:
 )
 @click.option(
     "--sequence-parallel/--no-sequence-parallel",
-    default=False,
-    show_default=True,
+    default=None,
     help="With tensor parallelism (tp > 1), also split the activations between the split layers (residual adds, "
     "norms) along the sequence over the tp ranks: each saves 1/tp of them, the row-wise outputs are "
     "reduce-scattered and the column-wise inputs all-gathered instead of all-reduced (Megatron-LM's "
     "--sequence-parallel; torchtitan runs it with every tp plan). Needs a model traced as a graph, with "
-    "activations laid out [batch, seq, features].",
+    "activations laid out [batch, seq, features]. [default: auto: the search tries each tensor-parallel "
+    "layout with and without it, where the model allows it, and keeps the faster that fits]",
 )
 @click.option(
     "--size", "-s", default=None, help="Named config from the model file's SIZES (default: the file's own defaults)."
@@ -346,7 +346,7 @@ def plan_cmd(
     dp_shard: int | str,
     fsdp_units: str,
     tp: int | str,
-    sequence_parallel: bool,
+    sequence_parallel: bool | None,
     size: str | None,
     overrides: tuple[str, ...],
     batch_size: int,
@@ -396,7 +396,7 @@ def plan_cmd(
         dp_shard=dp_shard,
         fsdp_units=fsdp_units.lower(),
         tp=tp,
-        sequence_parallel=sequence_parallel,
+        sequence_parallel="auto" if sequence_parallel is None else sequence_parallel,
         size=size,
         overrides=parse_overrides(overrides),
         batch_size=batch_size,

@@ -179,8 +179,8 @@ Written by `bench/published_runs.py` on {today} ({host}, Python {python}). For e
 the planner's prediction for **that exact layout** (its tensor-parallel degree t, pipeline ranks p and
 replicas d; the schedule, microbatches and split are the planner's best for that layout), beside the
 published figure; then the layout the search picks by itself for the same GPUs and batch (`--tp auto
---dp auto --recompute auto`: where the published run recomputes, the planner chooses which blocks
-of which stages do). Costs are estimated for the published GPU (bf16; the roofline model of
+--dp auto --recompute auto`, sequence parallelism auto: where the published run recomputes, the
+planner chooses which blocks of which stages do). Costs are estimated for the published GPU (bf16; the roofline model of
 `planner/core/hardware.py`), never measured: no GPU was used. Figures are TFLOP/s per GPU of model
 FLOPs (forward and backward, no recomputation) unless the row says otherwise; error = predicted /
 published - 1.
@@ -284,7 +284,8 @@ def evaluate(row: Published, tmp: Path) -> list[str]:
         dp=row.dp,
         output=tmp / "plan.json",
         progress=False,
-        **row.request,
+        # the published runs' own choice: sequence parallelism only where the row says so (the Llama 3 run)
+        **({"sequence_parallel": False} | row.request),
     )
     mf = load_model_file(base.model_file, base.size, base.overrides)
     costs = estimated_costs(mf, base, 1)
@@ -293,7 +294,9 @@ def evaluate(row: Published, tmp: Path) -> list[str]:
     if given is None:  # the published layout does not fit the planner's memory model: predict it anyway
         given, _, t_given = _plan(base, costs, mf, None)
     # the planner's own choice: layout and activation checkpointing (which blocks of which stages)
-    searched, why_s, t_search = _plan(base, costs, mf, limit, tp="auto", dp="auto", recompute="auto")
+    searched, why_s, t_search = _plan(
+        base, costs, mf, limit, tp="auto", dp="auto", recompute="auto", sequence_parallel="auto"
+    )
     published = f"{row.tflops:,.0f}" + (f" ({row.note})" if row.note else "")
     cells = [row.source, row.model, f"{row.gpus:,} {row.gpu}", f"t {row.tp} x p {row.pp} x d {row.dp}", str(row.batch)]
     cells.append(published)

@@ -235,7 +235,9 @@ def plan_from_costs(
             raise ModelFileError(f"--tp {request.tp}: {why}; give --tp 1")
         split = TensorParallelBlocks(list(blocks), {}, f"tensor parallelism: none, {why}")
         plan = assembled(split)
-    if split.note:  # --tp auto on a model that cannot be split: say why it stays whole
+    # --tp auto on a model that cannot be split: why it stays whole; why not sequence parallelism where asked or split
+    asked = plan.tp > 1 or request.sequence_parallel is True
+    if split.note and (asked or not split.note.startswith("sequence parallelism")):
         plan = plan.model_copy(update={"choice": f"{plan.choice}; {split.note}" if plan.choice else split.note})
     return plan
 

@@ -77,7 +77,13 @@ SHARE_LATER_DEFAULTS = {
     "fwd_allgather_bytes": 0,
     "unsplit_activation_bytes": 0,
 }  # inside a block's tp share (a nested object)
-CANDIDATE_LATER_DEFAULTS = {"tp": 1, "accumulation": 1, "fsdp_units": "stage", "dp_shard": None}
+CANDIDATE_LATER_DEFAULTS = {
+    "tp": 1,
+    "accumulation": 1,
+    "fsdp_units": "stage",
+    "dp_shard": None,
+    "sequence_parallel": False,
+}
 
 
 def _drop(data: dict[str, Any], defaults: dict[str, Any]) -> None:

@@ -357,6 +357,36 @@ def _plan(path: Path, tp: int | str, gpus: int = 4, size: str | None = "tiny"):
     return make_plan(PlanRequest.build(model_file=path, size=size, gpus=gpus, gpu_type="h100", tp=tp, batch_size=8))
 
 
+@pytest.mark.parametrize("batch", [8, 64])
+def test_sequence_parallelism_auto_is_the_faster_of_on_and_off(batch: int) -> None:
+    """--sequence-parallel auto (the default): the search tries each tensor-parallel layout both ways
+    and keeps the faster that fits, so its step is the better of the two forced plans', its plan and
+    its search table saying which it ran."""
+
+    def plan_with(sequence: bool | str, **extra: object) -> Plan:
+        request = dict(model_file=LLAMA, size="8b", gpus=8, gpu_type="h100", tp=4, batch_size=batch, progress=False)
+        return make_plan(PlanRequest.build(**request, sequence_parallel=sequence, **extra))  # type: ignore[arg-type]
+
+    on, off, auto = plan_with(True), plan_with(False), plan_with("auto")
+    assert on.sequence_parallel and not off.sequence_parallel
+    best = min((on, off), key=lambda p: p.prediction.step_time_s)
+    assert auto.prediction.step_time_s == best.prediction.step_time_s
+    assert auto.sequence_parallel == best.sequence_parallel
+    assert {c.sequence_parallel for c in auto.search} == {True, False}  # both tried
+    chosen = [c for c in auto.search if c.step_time_s == auto.prediction.step_time_s]
+    assert chosen and all(c.sequence_parallel == auto.sequence_parallel for c in chosen)
+    assert ("with sequence parallelism" in auto.choice.split(":")[0]) == auto.sequence_parallel  # the chosen one
+
+
+def test_sequence_parallelism_auto_stays_off_when_compiled_and_at_tp_1() -> None:
+    base = dict(model_file=LLAMA, size="tiny", gpus=4, gpu_type="h100", batch_size=8, progress=False)
+    compiled = make_plan(PlanRequest.build(**base, tp=2, compile=True))  # type: ignore[arg-type]
+    assert compiled.tp == 2 and not compiled.sequence_parallel
+    assert not any(c.sequence_parallel for c in compiled.search)
+    whole = make_plan(PlanRequest.build(**base, tp=1))  # type: ignore[arg-type]
+    assert not whole.sequence_parallel and not any(c.sequence_parallel for c in whole.search)
+
+
 def test_end_to_end_llama_auto_and_forced() -> None:
     plan = _plan(LLAMA, 2)
     assert plan.tp == 2 and plan.tp_plan == load_model_file(LLAMA, "tiny").module.tp_plan

@@ -319,8 +319,18 @@ def _search_space(
         request.fsdp_units,
         None if request.dp_shard == "auto" else request.dp_shard,
         gather_bytes_of(profile),
-        request.sequence_parallel,
+        _sequence_options(request, blocks),
     )
+
+
+def _sequence_options(request: PlanRequest, blocks: Sequence[BlockCost]) -> tuple[bool, ...]:
+    """Sequence parallelism's options for the search: as asked (``--sequence-parallel`` /
+    ``--no-sequence-parallel``), else both where a block carries a sequence share (the model's
+    shards work token by token, ``planner.costs.tensor_parallel``) and the run is not compiled."""
+    if request.sequence_parallel != "auto":
+        return (bool(request.sequence_parallel),)
+    splits = any(b.tp is not None and b.tp.sequence is not None for b in blocks)
+    return (False, True) if splits and not request.compile else (False,)
 
 
 def _hsdp_note(request: PlanRequest, layout: Layout, link: LinkCost) -> str:
@@ -445,7 +455,7 @@ def assemble_plan(
         tp=chosen.layout.tp,
         tp_plan=dict(tp_plan or {}) if chosen.layout.tp > 1 else {},
         # where the blocks carry what it splits (--tp auto leaves it out where it cannot run)
-        sequence_parallel=request.sequence_parallel
+        sequence_parallel=chosen.layout.sequence
         and chosen.layout.tp > 1
         and any(b.tp is not None and b.tp.sequence is not None for b in chosen.blocks),
         batch_size=request.batch_size,

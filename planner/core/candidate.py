@@ -46,6 +46,7 @@ class Choice:
             dp_shard=layout.dp_shard or None,
             fsdp_units=layout.fsdp_units,  # type: ignore[arg-type]  # "stage" or "block"
             tp=layout.tp,
+            sequence_parallel=layout.sequence,
             accumulation=layout.accumulation,
             starts=self.prediction.starts,
             step_time_s=self.prediction.step_time_s,

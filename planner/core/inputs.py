@@ -66,6 +66,7 @@ class Layout:
         dp_shard: under HSDP, the replicas of each shard group (a divisor of ``dp``; 0 otherwise).
         gather_bytes: bytes per parameter FSDP gathers the weights in (2: a bf16 or fp16 plan, whose
             measured profile counts the fp32 weights autocast trains; 0: the parameters' own bytes).
+        sequence: with ``tp`` > 1, sequence parallelism (``planner.core.tensor_parallel.at_degree``).
     """
 
     schedule: str
@@ -79,6 +80,7 @@ class Layout:
     fsdp_units: str = "stage"
     dp_shard: int = 0
     gather_bytes: int = 0
+    sequence: bool = False
 
     @property
     def n_stages(self) -> int:
@@ -163,8 +165,8 @@ class SearchSpace:
         degrees: the tensor-parallel degrees to try (each divides a node's ranks and the world size).
         accumulation: pipeline passes per step, or None to try them (``planner.core.search``).
         gather_bytes: bytes per parameter FSDP gathers in (``Layout.gather_bytes``).
-        sequence_parallel: the tensor-parallel degrees > 1 run with sequence parallelism
-            (``planner.core.tensor_parallel.at_degree``).
+        sequence: whether the tensor-parallel degrees > 1 run with sequence parallelism, the options
+            tried: (False,), (True,) or both (``planner.core.tensor_parallel.at_degree``).
     """
 
     batch_size: int
@@ -178,7 +180,7 @@ class SearchSpace:
     fsdp_units: str = "stage"
     dp_shard: int | None = None
     gather_bytes: int = 0
-    sequence_parallel: bool = False
+    sequence: tuple[bool, ...] = (False,)
 
 
 NO_CONSTRAINTS = Constraints()

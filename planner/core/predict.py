@@ -260,6 +260,7 @@ def plan_layout(plan: Plan) -> Layout:
         plan.fsdp_units,
         plan.dp_shard or 0,
         gather_bytes_of(plan.profile),
+        plan.sequence_parallel,
     )
 
 

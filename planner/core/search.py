@@ -184,7 +184,7 @@ def _pending_layouts(
 ) -> tuple[list[_Pending], list[InfeasibleError]]:
     """Every layout of ``space`` with its costs and floors, tensor-parallel degrees outermost, then
     replica counts (ascending: the simpler first), in ``_layouts``' order within them."""
-    cache: dict[tuple[int, int], list[BlockCost]] = {}  # costs by microbatch size and degree
+    cache: dict[tuple[int, int, bool], list[BlockCost]] = {}  # costs by microbatch size, degree and sequence split
     pending: list[_Pending] = []
     errors: list[InfeasibleError] = []
     floor = min(scaling.min_size, scaling.size0)
@@ -207,11 +207,10 @@ def _pending_layouts(
         if dp_shard < 0:
             errors.append(InfeasibleError(f"--dp-shard {space.dp_shard} does not divide {dp} replicas into groups"))
             continue
-        for layout in _layouts(blocks, replace(space, dp_mode=mode), pp, dp, ms, tp):
-            layout = replace(layout, dp_shard=dp_shard)
-            pending.append(
-                _pending(blocks, cluster, replace(layout, accumulation=fixed_k), space, scaling, constraints, cache)
-            )
+        for sequence in space.sequence if tp > 1 else (False,):
+            for layout in _layouts(blocks, replace(space, dp_mode=mode), pp, dp, ms, tp):
+                layout = replace(layout, dp_shard=dp_shard, sequence=sequence, accumulation=fixed_k)
+                pending.append(_pending(blocks, cluster, layout, space, scaling, constraints, cache))
     return pending, errors
 
 
@@ -222,16 +221,15 @@ def _pending(
     space: SearchSpace,
     scaling: Scaling,
     constraints: Constraints,
-    cache: dict[tuple[int, int], list[BlockCost]],
+    cache: dict[tuple[int, int, bool], list[BlockCost]],
 ) -> _Pending:
     """``layout`` with its costs at its microbatch size (kept in ``cache``) and its floors."""
-    tp = layout.tp
-    size = space.batch_size // (layout.dp * layout.accumulation * layout.n_microbatches)
-    if (size, tp) not in cache:
-        sized = blocks_at(blocks, scaling.size0, size, scaling.fixed_fraction)
-        cache[size, tp] = at_degree(sized, tp, tp_link(cluster.link), sequence=space.sequence_parallel)
-    step, memory = floors(cache[size, tp], layout, constraints.optimizer)
-    return _Pending(layout, cache[size, tp], step, memory)
+    key = (space.batch_size // (layout.dp * layout.accumulation * layout.n_microbatches), layout.tp, layout.sequence)
+    if key not in cache:
+        sized = blocks_at(blocks, scaling.size0, key[0], scaling.fixed_fraction)
+        cache[key] = at_degree(sized, layout.tp, tp_link(cluster.link), sequence=layout.sequence)
+    step, memory = floors(cache[key], layout, constraints.optimizer)
+    return _Pending(layout, cache[key], step, memory)
 
 
 def accumulation_options(layout: Layout, space: SearchSpace, min_size: int) -> list[Layout]:
@@ -296,7 +294,7 @@ def _evaluate_all(
     # the enumeration's order; where one pass fits it is never slower than more passes of the
     # same microbatches (each pass pays the pipeline's warm-up and drain), so they are not tried
     heap = [(pending[k].step_floor_s, k) for k in order]
-    cache: dict[tuple[int, int], list[BlockCost]] = {}
+    cache: dict[tuple[int, int, bool], list[BlockCost]] = {}
     min_size = min(scaling.min_size, scaling.size0)
     done = 0
     while heap:
@@ -418,7 +416,14 @@ def describe(layout: Layout) -> str:
     text = f"{layout.schedule}, pp={layout.pp}, m={layout.n_microbatches}" + _passes(layout)
     text += f", {layout.stages_per_rank} stages per rank" if layout.stages_per_rank > 1 else ""
     text += f", dp={layout.dp} ({dp_label(layout)})" if layout.dp > 1 else ""
-    return text + (f", tp={layout.tp}" if layout.tp > 1 else "")
+    return text + _tp_text(layout)
+
+
+def _tp_text(layout: Layout) -> str:
+    """ ", tp=8" or ", tp=8 with sequence parallelism": a layout's tensor parallelism, when over 1."""
+    if layout.tp == 1:
+        return ""
+    return f", tp={layout.tp}" + (" with sequence parallelism" if layout.sequence else "")
 
 
 def dp_label(layout: Layout) -> str:
@@ -505,7 +510,7 @@ def _passes(layout: Layout) -> str:
 def _replicas_text(c: Choice) -> str:
     """ ", dp=2 (ddp)": a candidate's replicas (and its tensor-parallel degree, when over 1), for the
     line on why the choice won."""
-    return f", dp={c.layout.dp} ({dp_label(c.layout)})" + (f", tp={c.layout.tp}" if c.layout.tp > 1 else "")
+    return f", dp={c.layout.dp} ({dp_label(c.layout)})" + _tp_text(c.layout)
 
 
 def _why(

@@ -667,7 +667,7 @@ def tensor_parallel_blocks(
             raise ModelFileError(f"--tp {request.tp}: {why}; give --tp 1")
         return TensorParallelBlocks(list(blocks), {}, f"tensor parallelism: none, {why}")
     refused = sequence_refusal(shares) if request.sequence_parallel else None
-    if refused is not None and forced:
+    if refused is not None and forced and request.sequence_parallel is True:
         raise ModelFileError(f"--sequence-parallel: {refused}; split that part in the tp_plan, or leave it out")
     if refused is not None:  # --tp auto: tensor parallelism without it, said in one line
         shares = {k: v.model_copy(update={"sequence": None}) for k, v in shares.items()}

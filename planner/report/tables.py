@@ -138,7 +138,8 @@ def summary_table(plan: Plan) -> str:
 
 def search_table(plan: Plan) -> str:
     """The best candidates of the joint search (schedule, microbatches, stages per rank, split),
-    with a column of data-parallel replicas when the search tried several counts.
+    with a column of data-parallel replicas when the search tried several counts, and of the
+    tensor-parallel degree ("8 sp": with sequence parallelism) when it tried several or chose one.
 
     Args:
         plan: the plan.
@@ -154,19 +155,23 @@ def search_table(plan: Plan) -> str:
     rows = []
     for c in plan.search:
         mine = (c.schedule, c.n_microbatches, c.stages_per_rank, c.dp, c.dp_mode, c.fsdp_units, c.tp, c.accumulation)
-        chosen = mine == (
-            plan.schedule,
-            plan.n_microbatches,
-            plan.stages_per_rank,
-            plan.dp,
-            plan.dp_mode,
-            plan.fsdp_units,
-            plan.tp,
-            plan.accumulation,
+        chosen = (
+            mine
+            == (
+                plan.schedule,
+                plan.n_microbatches,
+                plan.stages_per_rank,
+                plan.dp,
+                plan.dp_mode,
+                plan.fsdp_units,
+                plan.tp,
+                plan.accumulation,
+            )
+            and c.sequence_parallel == plan.sequence_parallel
         )
         row: list[object] = [c.schedule + (" *" if chosen else "")]
-        if with_tp:
-            row += [c.tp, len(c.starts) // c.stages_per_rank]
+        if with_tp:  # "8 sp": split over 8 ranks with sequence parallelism
+            row += [f"{c.tp} sp" if c.sequence_parallel else c.tp, len(c.starts) // c.stages_per_rank]
         if with_dp:
             units = " per block" if c.fsdp_units == "block" else ""
             mode = f"hsdp in groups of {c.dp_shard}" if c.dp_mode == "hsdp" else c.dp_mode

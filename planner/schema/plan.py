@@ -253,6 +253,7 @@ class Candidate(_Frozen):
         default="stage", description="Under fsdp or hsdp, what is gathered at a time (stage or block)."
     )
     tp: int = Field(default=1, ge=1, description="Tensor-parallel ranks each stage is split over.")
+    sequence_parallel: bool = Field(default=False, description="With tp > 1, sequence parallelism (Plan's field).")
     accumulation: int = Field(
         default=1, ge=1, description="Pipeline passes per step, each of n_microbatches (gradient accumulation)."
     )

@@ -222,7 +222,8 @@ class PlanRequest(_Request):
         description="Tensor-parallel ranks every pipeline rank is split over, inside one node (by the model's tp "
         "plan), or auto: every degree the node and the model allow (1 when the model declares no tp plan).",
     )
-    sequence_parallel: bool = Field(default=False, description="Sequence parallelism with tp > 1 (Plan's field).")
+    # on, off, or auto: the search tries both where the model's shards allow it, keeping the faster that fits
+    sequence_parallel: bool | Literal["auto"] = Field(default="auto", description="Sequence parallelism, tp > 1.")
     size: str | None = Field(default=None, description="A key of the file's SIZES (None: its defaults).")
     overrides: dict[str, Any] = Field(default_factory=dict, description="Config entries to replace (--set).")
     # bounded so the default microbatch count (a divisor search up to sqrt(batch)) stays instant
@@ -345,7 +346,7 @@ class PlanRequest(_Request):
 
     def _check_tensor_parallel(self) -> None:
         """Refuse a tensor-parallel degree that does not divide the ranks, a node, or the ranks left to replicas."""
-        if self.sequence_parallel and self.compile:  # a stage compiled under its DTensor mode fails
+        if self.sequence_parallel is True and self.compile:  # a stage compiled under its DTensor mode fails
             raise ValueError("--sequence-parallel runs eagerly only; leave out --compile")
         if self.tp == "auto":
             return
