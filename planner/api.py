@@ -236,9 +236,9 @@ def plan_from_costs(
         split = TensorParallelBlocks(list(blocks), {}, f"tensor parallelism: none, {why}")
         plan = assembled(split)
     # --tp auto on a model that cannot be split: why it stays whole; why not sequence parallelism where asked or split
-    asked = plan.tp > 1 or request.sequence_parallel is True
-    if split.note and (asked or not split.note.startswith("sequence parallelism")):
-        plan = plan.model_copy(update={"choice": f"{plan.choice}; {split.note}" if plan.choice else split.note})
+    notes = [split.note, split.sequence_note if plan.tp > 1 or request.sequence_parallel is True else ""]
+    for note in filter(None, notes):
+        plan = plan.model_copy(update={"choice": f"{plan.choice}; {note}" if plan.choice else note})
     return plan
 
 

@@ -324,13 +324,13 @@ def _search_space(
 
 
 def _sequence_options(request: PlanRequest, blocks: Sequence[BlockCost]) -> tuple[bool, ...]:
-    """Sequence parallelism's options for the search: as asked (``--sequence-parallel`` /
-    ``--no-sequence-parallel``), else both where a block carries a sequence share (the model's
-    shards work token by token, ``planner.costs.tensor_parallel``) and the run is not compiled."""
-    if request.sequence_parallel != "auto":
-        return (bool(request.sequence_parallel),)
-    splits = any(b.tp is not None and b.tp.sequence is not None for b in blocks)
-    return (False, True) if splits and not request.compile else (False,)
+    """Sequence parallelism's options for the search: none where no block carries a sequence share
+    (the model's shards do not work token by token, ``planner.costs.tensor_parallel``, or none was
+    counted) or the run is compiled; else as asked (``--sequence-parallel`` / ``--no-sequence-parallel``),
+    both under auto. The chosen layout's flag is then the plan's."""
+    if request.compile or not any(b.tp is not None and b.tp.sequence is not None for b in blocks):
+        return (False,)
+    return (False, True) if request.sequence_parallel == "auto" else (bool(request.sequence_parallel),)
 
 
 def _hsdp_note(request: PlanRequest, layout: Layout, link: LinkCost) -> str:
@@ -454,10 +454,7 @@ def assemble_plan(
         fsdp_units=chosen.layout.fsdp_units,  # type: ignore[arg-type]  # "stage" or "block"
         tp=chosen.layout.tp,
         tp_plan=dict(tp_plan or {}) if chosen.layout.tp > 1 else {},
-        # where the blocks carry what it splits (--tp auto leaves it out where it cannot run)
-        sequence_parallel=chosen.layout.sequence
-        and chosen.layout.tp > 1
-        and any(b.tp is not None and b.tp.sequence is not None for b in chosen.blocks),
+        sequence_parallel=chosen.layout.sequence,  # only tried with tp > 1 and where it can run
         batch_size=request.batch_size,
         n_microbatches=chosen.layout.n_microbatches,
         accumulation=chosen.layout.accumulation,

@@ -578,11 +578,14 @@ class TensorParallelBlocks:
         plan: pattern -> style (empty: the model is not split).
         note: one line on why the model is not split, for the plan's ``choice`` ("" when it is, or
             when ``--tp 1`` asked for no split).
+        sequence_note: one line on why the split runs without sequence parallelism ("" when it can
+            run with it, or was not asked about).
     """
 
     blocks: list[BlockCost]
     plan: dict[str, str]
     note: str = ""
+    sequence_note: str = ""
 
 
 def _fitted(block: BlockCost, share: TensorParallelShare) -> BlockCost:
@@ -672,7 +675,9 @@ def tensor_parallel_blocks(
     if refused is not None:  # --tp auto: tensor parallelism without it, said in one line
         shares = {k: v.model_copy(update={"sequence": None}) for k, v in shares.items()}
     out = [_fitted(b, shares[b.name]) if b.name in shares else b for b in blocks]
-    return TensorParallelBlocks(out, resolved.plan, f"sequence parallelism: none, {refused}" if refused else "")
+    return TensorParallelBlocks(
+        out, resolved.plan, sequence_note=f"sequence parallelism: none, {refused}" if refused else ""
+    )
 
 
 __all__ = [

@@ -155,19 +155,16 @@ def search_table(plan: Plan) -> str:
     rows = []
     for c in plan.search:
         mine = (c.schedule, c.n_microbatches, c.stages_per_rank, c.dp, c.dp_mode, c.fsdp_units, c.tp, c.accumulation)
-        chosen = (
-            mine
-            == (
-                plan.schedule,
-                plan.n_microbatches,
-                plan.stages_per_rank,
-                plan.dp,
-                plan.dp_mode,
-                plan.fsdp_units,
-                plan.tp,
-                plan.accumulation,
-            )
-            and c.sequence_parallel == plan.sequence_parallel
+        chosen = mine + (c.sequence_parallel,) == (
+            plan.schedule,
+            plan.n_microbatches,
+            plan.stages_per_rank,
+            plan.dp,
+            plan.dp_mode,
+            plan.fsdp_units,
+            plan.tp,
+            plan.accumulation,
+            plan.sequence_parallel,
         )
         row: list[object] = [c.schedule + (" *" if chosen else "")]
         if with_tp:  # "8 sp": split over 8 ranks with sequence parallelism
