@@ -609,9 +609,9 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
     target = target.to("meta")
     traced = _traced(mf, model, inputs, target, request, on_meta=True)
     costed, costed_model = costed_trace(traced, model, inputs, dtype)
-    blocks = estimate_blocks(
-        costed, inputs, target, mf.loss_fn, hw, dtype=dtype, optimizer=request.optimizer, progress=request.progress
-    )
+    # compiled: costed as torch.compile fuses each block (planner.costs.fusion)
+    on = (dtype, request.optimizer, request.progress, request.compile)  # dtype, optimizer, progress, compiled
+    blocks = estimate_blocks(costed, inputs, target, mf.loss_fn, hw, *on)
     # the blocks as the run's trace names them
     blocks = [
         b.model_copy(update={"first_node": t.nodes[0], "last_node": t.nodes[-1]}) for b, t in zip(blocks, traced.blocks)
@@ -642,9 +642,7 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
         x, y = mf.batch(size, seed=request.seed)
         x = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in x)
         other = retrace(costed, costed_model, x)
-        est = estimate_blocks(
-            other, x, y.to("meta"), mf.loss_fn, hw, dtype=dtype, optimizer=request.optimizer, progress=request.progress
-        )
+        est = estimate_blocks(other, x, y.to("meta"), mf.loss_fn, hw, *on)
         return sum(b.fwd_s + b.bwd_s for b in est)
 
     scaling = _scaling(request, estimated_time_at)

@@ -113,6 +113,12 @@ def storage_id(t: torch.Tensor) -> int:
     return int(t.untyped_storage()._cdata)
 
 
+def decomposes(func: Any) -> bool:
+    """Whether ``func.decompose`` runs parts (the operator has a CompositeImplicitAutograd kernel)
+    instead of returning NotImplemented."""
+    return bool(func.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd))
+
+
 def exported_out_spec(gm: fx.GraphModule) -> Any:
     """The pytree spec of an exported graph's output (torch.export flattens outputs), or None."""
     codegen = gm.graph._codegen

@@ -139,6 +139,9 @@ class _BlockRun:
     # bytes of the parameters its GEMMs and convolutions saved for backward: a run under autocast over
     # fp32 weights saves lower-precision copies of them instead, one set per microbatch in flight
     cast_bytes: int = 0
+    # compiled (``Roofline.fuse``): the backward is one autograd node, which the zero-bubble schedules'
+    # split backward runs whole for I and again for W (planner.costs.levers), so I and W each cost B
+    whole_backward: bool = False
 
 
 def _run_block(
@@ -225,7 +228,7 @@ def _run_block(
     # I of F/I/W: a fresh forward (charged to nothing), then gradients w.r.t. the inputs only.
     inputs = grad_inputs(args)
     wanted = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-    if wanted:
+    if wanted and not mode.fuse:
         with mode.phase(Tally()):
             out = forward(inputs)
         roots, grads = backward_roots(out)
@@ -237,7 +240,7 @@ def _run_block(
     found = (sum(saved.values()), outputs, model_output[0], sum(by_loss.values()), own, loss_temps, tuple(first_out))
     # the weights its GEMMs saved: under autocast over fp32 weights, lower-precision copies of them
     cast = sum(nbytes for sid, nbytes in saved_params.items() if sid in mode.cast_inputs)
-    return _BlockRun(fwd, bwd, bwd_input, *found, rerun[0], cast)
+    return _BlockRun(fwd, bwd, bwd_input, *found, rerun[0], cast, whole_backward=mode.fuse)
 
 
 def _own_temps(stage: torch.fx.GraphModule, state: dict[str, torch.Tensor], args: tuple, mode: Roofline) -> int:
@@ -328,6 +331,7 @@ def estimate_blocks(
     dtype: str = "bf16",
     optimizer: OptimizerSpec | None = None,
     progress: bool = True,
+    compiled: bool = False,
 ) -> list[BlockCost]:
     """Estimate every block's costs on ``hw`` from FLOPs and bytes, without running real kernels.
 
@@ -347,9 +351,12 @@ def estimate_blocks(
         optimizer: the run's optimizer; its step over each block's parameters is estimated as a
             memory-bound pass (``optimizer_step_seconds``). None leaves ``opt_s`` at 0.
         progress: show a progress bar.
+        compiled: estimate the blocks as ``torch.compile`` runs them (``--compile``): each run of
+            memory-bound operators between GEMMs and attention one kernel (``planner.costs.fusion``).
 
     Returns:
-        One BlockCost per block, in block order: fwd_s, bwd_s (= bwd_input_s + bwd_weight_s),
+        One BlockCost per block, in block order: fwd_s, bwd_s (= bwd_input_s + bwd_weight_s; compiled,
+        each of those is bwd_s: the split backward runs the one compiled node twice),
         recompute_s (the forward up to its last saved tensor), flops_fwd/flops_bwd, opt_s, parameter, activation and cut bytes
         in ``dtype``.
 
@@ -389,7 +396,7 @@ def estimate_blocks(
             continue
         stage = torch.fx.GraphModule(traced.gm, stage_graph(traced, k, k + 1, check_cuts=False), f"stage_{k}_{k + 1}")
         fuse_attention_nodes(stage)
-        mode = Roofline(hw, dtype)
+        mode = Roofline(hw, dtype, fuse=compiled)
         try:
             run = _run_block(stage, current, last, target, loss_fn, mode, tdtype)
         except RuntimeError as first:
@@ -397,7 +404,7 @@ def estimate_blocks(
                 raise _meta_error(block.name, first) from first
             # Model code that makes fp32 tensors of its own (``torch.arange(n).float()``) cannot
             # mix with cast weights; run the block in fp32 and count floating bytes at ``width``.
-            mode = Roofline(hw, dtype, width)
+            mode = Roofline(hw, dtype, width, fuse=compiled)
             try:
                 run = _run_block(
                     stage,
@@ -536,7 +543,7 @@ def _block_cost(
         for t in run.outputs
         if isinstance(t, torch.Tensor)
     )
-    bwd_input_s = min(run.bwd_input.seconds, run.bwd.seconds)
+    bwd_input_s = run.bwd.seconds if run.whole_backward else min(run.bwd_input.seconds, run.bwd.seconds)
     opt_s = grad_s = None
     if optimizer is not None:
         n_tensors = sum(1 for p in params if p.requires_grad)
@@ -549,7 +556,7 @@ def _block_cost(
         fwd_s=run.fwd.seconds,
         bwd_s=run.bwd.seconds,
         bwd_input_s=bwd_input_s,
-        bwd_weight_s=run.bwd.seconds - bwd_input_s,
+        bwd_weight_s=run.bwd.seconds if run.whole_backward else run.bwd.seconds - bwd_input_s,
         recompute_s=run.rerun[0],
         selective_recompute_s=max(run.rerun[0] - run.rerun[1], 0.0),
         selective_bytes=run.fwd.kept_bytes(run.kept_out),

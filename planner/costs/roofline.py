@@ -33,7 +33,8 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from planner.capture.checkpoint import KeepRule
 from planner.core.hardware import HardwareSpec
-from planner.torch_compat import TorchDispatchMode, pytree, storage_id, swapped_sdpa
+from planner.costs.fusion import Fusion
+from planner.torch_compat import TorchDispatchMode, decomposes, pytree, storage_id, swapped_sdpa
 
 aten = torch.ops.aten
 
@@ -145,13 +146,17 @@ class Roofline(TorchDispatchMode):
         float_bytes: count floating tensors as this many bytes per element, and fp32 operators at
             the planning dtype's peak (used when a block had to run in fp32 although the plan is for
             a narrower dtype: its fp32 tensors stand for the planning dtype's); None: as they are.
+        fuse: charge the block as ``torch.compile`` runs it: each run of memory-bound operators between
+            GEMMs, attention and collectives as one kernel (``planner.costs.fusion``); views free.
     """
 
-    def __init__(self, hw: HardwareSpec, dtype: str, float_bytes: int | None = None) -> None:
+    def __init__(self, hw: HardwareSpec, dtype: str, float_bytes: int | None = None, fuse: bool = False) -> None:
         super().__init__()
         self.hw = hw
         self.dtype = dtype
         self.float_bytes = float_bytes
+        self.fuse = fuse
+        self.fusion: Fusion | None = None  # the running phase's regions, under ``fuse``
         # operators outside aten that no FLOP formula covers and no decomposition reaches (a library's
         # custom op): charged their bytes only, which is right for a copy and far too little for a
         # matrix product (transformers' MoE experts were such an op): said to the user, not hidden
@@ -192,6 +197,8 @@ class Roofline(TorchDispatchMode):
         # bernoulli_ + div_ + mul + casts) moves more bytes than the kernel that really runs, so the
         # parts are charged only when they contain FLOPs; otherwise the operator is charged whole.
         if func.overloadpacket not in flop_registry and func is not torch.ops.prim.device.default:
+            # the regions as they were, should the parts be charged as one operator after all
+            before = self.fusion.snapshot() if self.fusion is not None and decomposes(func) else None
             outer, self.tally = self.tally, Tally()
             try:
                 with self:
@@ -202,6 +209,8 @@ class Roofline(TorchDispatchMode):
                 if inner.flops:
                     self._add(inner)
                 else:
+                    if self.fusion is not None and before is not None:
+                        self.fusion.restore(before)
                     self._charge(func, args, kwargs, r)
                 return r
         out = func(*args, **kwargs)
@@ -218,6 +227,8 @@ class Roofline(TorchDispatchMode):
     ) -> None:
         """Charge one fused kernel (attention) that reads and writes ``tensors`` at ``efficiency`` of
         peak; ``kept``: its outputs, which selective checkpointing keeps (empty: the kernel is not kept)."""
+        if self.fusion is not None:
+            self.fusion.barrier(tensors)
         nbytes = sum(tensor_bytes(t, self.float_bytes) for t in tensors)
         hw = self.hw
         roof = max(flops / (self._peak(dtype) * efficiency), nbytes / (hw.memory_Bps * hw.memory_efficiency))
@@ -228,10 +239,29 @@ class Roofline(TorchDispatchMode):
 
     @contextlib.contextmanager
     def phase(self, tally: Tally) -> Iterator[Tally]:
-        """Charge everything run inside into ``tally`` (attention as one fused kernel where it is)."""
+        """Charge everything run inside into ``tally`` (attention as one fused kernel where it is;
+        under ``fuse``, memory-bound operators as the kernels ``torch.compile`` fuses them into)."""
         self.tally = tally
-        with fused_attention(self), self:
-            yield tally
+        self.fusion = Fusion() if self.fuse else None
+        try:
+            with fused_attention(self), self:
+                yield tally
+        finally:
+            if self.fusion is not None:
+                self._settle(self.fusion, tally)
+            self.fusion = None
+
+    def _settle(self, fusion: Fusion, tally: Tally) -> None:
+        """Replace the regions' provisional charges by their kernels' (``Fusion.settle``)."""
+        hw = self.hw
+        bandwidth = hw.memory_Bps * hw.memory_efficiency
+        for charged, moved in fusion.settle().values():
+            before = charged / bandwidth + hw.op_overhead_s
+            after = (
+                max(moved / bandwidth, hw.op_overhead_s) if hw.async_launch else moved / bandwidth + hw.op_overhead_s
+            )
+            tally.seconds += after - before
+            tally.bytes += moved - charged
 
     def _add(self, other: Tally) -> None:
         self.tally.flops += other.flops
@@ -266,6 +296,8 @@ class Roofline(TorchDispatchMode):
                 break
         if packet in _AUTOCAST_LOWER:
             self.cast_inputs.update(storage_id(t) for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor))
+        if self.fusion is not None and self._fused(func, flops, moves, args, kwargs, out):
+            return
         hw = self.hw
         if flops and packet in _GEMMS:
             efficiency = hw.gemm_efficiency(*_gemm_dims(packet, args))
@@ -288,8 +320,33 @@ class Roofline(TorchDispatchMode):
         else:
             self._add(Tally(flops, nbytes, seconds, 1))
 
+    def _fused(self, func: Any, flops: float, moves: bool, args: tuple, kwargs: dict, out: Any) -> bool:
+        """Under ``fuse``: charge a memory-bound operator into its region (True), or end the region
+        at a barrier, which is then charged as ever (False). Views are free in a compiled graph."""
+        assert self.fusion is not None
+        namespace = getattr(func, "namespace", "aten")
+        if flops or namespace not in _FUSED_NAMESPACES:
+            self.fusion.barrier(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+            return False
+        if not moves:
+            return True
+        sized = [
+            (t, tensor_bytes(t, self.float_bytes))
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        ]
+        made = [(t, tensor_bytes(t, self.float_bytes)) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        nbytes, opened = self.fusion.operator(sized, made)
+        hw = self.hw
+        seconds = nbytes / (hw.memory_Bps * hw.memory_efficiency) + (hw.op_overhead_s if opened else 0.0)
+        self._add(Tally(0.0, nbytes, seconds, 1 if opened else 0))
+        return True
+
 
 _CORE_NAMESPACES = {"aten", "prim", "prims", "_c10d_functional", "c10d_functional", "c10d"}
+# Operators inductor generates code for and fuses; collectives and libraries' custom operators run as
+# their own kernels (barriers).
+_FUSED_NAMESPACES = {"aten", "prim", "prims"}
 
 # Grouped GEMMs (mixture-of-experts layers: every token's rows times its experts' weights), which
 # torch.utils.flop_counter has no formula for: charged zero FLOPs, a Mixtral layer's experts cost

@@ -388,7 +388,8 @@ class Plan(_Frozen):
         default=False,
         description="Train with torch.compile (--compile): the runner compiles each stage module whole, with "
         "torch._functorch.config.donated_buffer=False (pipelining's split backward retains the graph). Measured "
-        "costs are the compiled blocks'; estimates do not model compilation.",
+        "costs are the compiled blocks'; estimated costs charge each run of memory-bound operators between GEMMs "
+        "and attention as one fused kernel (planner/costs/fusion.py).",
     )
 
     def stages_reading(self, blocks: Iterable[int]) -> list[int]:

@@ -1,0 +1,162 @@
+"""Compiled blocks' estimates: runs of memory-bound operators charged as the kernels inductor fuses
+them into (planner/costs/fusion.py), exact byte counts on the meta device."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from planner.capture.load import load_model_file
+from planner.capture.trace import trace_model
+from planner.core.hardware import HardwareSpec, get_hardware
+from planner.costs.estimate import estimate_blocks
+from planner.costs.roofline import Roofline, Tally
+
+ROOT = Path(__file__).resolve().parent.parent
+ROWS, COLS = 512, 1024
+N = ROWS * COLS * 4  # bytes of one fp32 (ROWS, COLS) tensor
+
+
+def _spec(kind: str = "gpu", overhead: float = 0.0) -> HardwareSpec:
+    """1 byte per second of memory, compute free: seconds are bytes (plus the kernels' overhead)."""
+    return HardwareSpec(
+        name="test",
+        kind=kind,
+        peak_flops={"fp32": 1e30, "bf16": 1e30},
+        memory_Bps=1.0,
+        memory_bytes=2**40,
+        intra_node_Bps=1e9,
+        intra_node_latency_s=0,
+        inter_node_Bps=1e9,
+        inter_node_latency_s=0,
+        matmul_efficiency=1.0,
+        memory_efficiency=1.0,
+        op_overhead_s=overhead,
+    )
+
+
+def _phase(fn: Callable[[], object], fuse: bool, hw: HardwareSpec | None = None) -> tuple[Tally, object]:
+    """Run ``fn`` as one phase; returns its tally and its result (held: alive when the phase ends)."""
+    mode = Roofline(hw or _spec(), "fp32", fuse=fuse)
+    tally = Tally()
+    with mode.phase(tally):
+        out = fn()
+    return tally, out
+
+
+def _x(grad: bool = False) -> torch.Tensor:
+    return torch.empty(ROWS, COLS, device="meta", requires_grad=grad)
+
+
+def test_a_chain_of_elementwise_operators_reads_its_input_once_and_writes_its_result_once() -> None:
+    x = _x()
+
+    def chain() -> torch.Tensor:
+        return ((x * 2.0 + 1.0).rsqrt() * x).to(torch.bfloat16)
+
+    eager, _ = _phase(chain, fuse=False)
+    fused, _ = _phase(chain, fuse=True)
+    # eagerly: mul (r x, w), add (r, w), rsqrt (r, w), mul (r, r x, w), cast (r fp32, w bf16)
+    assert eager.bytes == 2 * N + 2 * N + 2 * N + 3 * N + N + N // 2
+    assert fused.bytes == N + N // 2  # x once (read twice inside the kernel), the bf16 result
+    assert fused.seconds == pytest.approx(fused.bytes) and fused.ops == 1
+
+
+def test_what_a_matrix_product_reads_is_written_and_a_temporary_nothing_reads_is_not() -> None:
+    x, w = _x(), torch.empty(COLS, COLS, device="meta")
+
+    def layer() -> torch.Tensor:
+        a = x * 2.0  # read by the GEMM and by the second region: written
+        b = a @ w
+        return (b + a) * 3.0  # b + a: a temporary inside the region, never written
+
+    fused, _ = _phase(layer, fuse=True)
+    gemm = N + COLS * COLS * 4 + N  # a, w, b
+    assert fused.bytes == (N + N) + gemm + (2 * N + N)
+    assert fused.ops == 3  # two kernels and the GEMM
+
+
+def test_a_tensor_saved_for_backward_is_written_even_where_its_region_reads_it() -> None:
+    x = _x(grad=True)
+
+    def forward() -> torch.Tensor:
+        return (x * 2.0).sin()  # sin saves its input for backward
+
+    saved, _ = _phase(forward, fuse=True)
+    with torch.no_grad():
+        unsaved, _ = _phase(forward, fuse=True)
+    assert saved.bytes == 3 * N  # x, the saved x * 2, the result
+    assert unsaved.bytes == 2 * N
+
+
+def test_an_operator_charged_whole_after_its_parts_is_one_kernel_of_its_inputs_and_output() -> None:
+    # silu's backward reaches the roofline as silu_backward, which decomposes into parts with no
+    # FLOPs and is then charged whole: its parts must not stay in the region
+    x = _x(grad=True)
+    y = F.silu(x)
+    g = torch.empty_like(y)
+    fused, _ = _phase(lambda: y.backward(g), fuse=True)
+    assert fused.bytes == 3 * N  # reads the gradient and x, writes x.grad
+    assert x.grad is not None
+
+
+def test_kernel_overhead_is_a_floor_on_a_gpu_and_added_on_a_cpu() -> None:
+    x = _x()
+
+    def two_kernels() -> torch.Tensor:
+        a = (x + 1.0).exp()
+        return a @ torch.empty(COLS, 4, device="meta") + a.sum()
+
+    big = 1e12
+    gpu, _ = _phase(two_kernels, fuse=True, hw=_spec("gpu", big))
+    cpu, _ = _phase(two_kernels, fuse=True, hw=_spec("cpu", big))
+    # exp's region, the GEMM, then a.sum() and the add, which run after the GEMM: one region
+    assert gpu.ops == 3
+    assert gpu.seconds == pytest.approx(3 * big)  # each kernel's floor, far above its bytes
+    assert cpu.seconds == pytest.approx(3 * big + cpu.bytes)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: F.layer_norm(x, (COLS,)).relu() * 2.0,
+        lambda x: torch.softmax(x, dim=-1) @ x.T,
+        lambda x: F.gelu(x @ torch.ones(COLS, COLS, device="meta")) + x,
+        lambda x: torch.cat([x, x * 2.0], dim=0).sum(0),
+    ],
+)
+def test_fused_never_charges_more_than_eager_and_counts_the_same_flops(fn: Callable[[torch.Tensor], object]) -> None:
+    x = _x(grad=True)
+    eager, out = _phase(lambda: fn(x), fuse=False, hw=get_hardware("h100"))
+    fused, out2 = _phase(lambda: fn(x), fuse=True, hw=get_hardware("h100"))
+    assert fused.flops == eager.flops
+    assert 0 < fused.bytes <= eager.bytes and 0 < fused.seconds <= eager.seconds * (1 + 1e-12)
+
+
+def test_a_compiled_llama_estimate_is_faster_with_the_same_flops_and_memory() -> None:
+    mf = load_model_file(ROOT / "models" / "llama.py", "tiny", {"dim": 256, "seq_len": 256})
+    with torch.device("meta"):
+        model = mf.build()
+    inputs, target = mf.batch(2)
+    inputs = tuple(x.to("meta") for x in inputs)
+    traced = trace_model(model, inputs)
+    hw = get_hardware("h100")
+    eager = estimate_blocks(traced, inputs, target.to("meta"), mf.loss_fn, hw, "bf16", progress=False)
+    fused = estimate_blocks(traced, inputs, target.to("meta"), mf.loss_fn, hw, "bf16", progress=False, compiled=True)
+    for e, f in zip(eager, fused):
+        assert (f.flops_fwd, f.flops_bwd, f.activation_bytes, f.param_bytes) == (
+            e.flops_fwd,
+            e.flops_bwd,
+            e.activation_bytes,
+            e.param_bytes,
+        )
+        assert f.fwd_s <= e.fwd_s and f.bwd_s <= e.bwd_s and f.recompute_s <= e.recompute_s
+        # the zero-bubble split runs a compiled block's one backward node whole for I and for W
+        assert f.bwd_input_s == f.bwd_weight_s == f.bwd_s
+    layer = next(i for i, b in enumerate(traced.blocks) if b.is_layer)
+    # a layer's norms, rotary embedding, SwiGLU and residual adds fuse: well under its eager time
+    assert fused[layer].fwd_s + fused[layer].bwd_s < 0.9 * (eager[layer].fwd_s + eager[layer].bwd_s)
