@@ -127,6 +127,8 @@ def digest(plan: Plan) -> str:
                 del block["tp"]  # a block held whole but for its sequence shards (a final norm)
     for candidate in data["search"]:
         _drop(candidate, CANDIDATE_LATER_DEFAULTS)
+    for stage in data["stages"]:  # what a stage keeps per microbatch: shown, its figures in memory_bytes already
+        stage.pop("kept_bytes", None)
     for key in ("link", "inter_node_link"):  # the links' card count: any figure it moves shows elsewhere
         if isinstance(data.get(key), dict):
             data[key].pop("ranks_per_nic", None)

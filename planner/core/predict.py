@@ -487,6 +487,7 @@ def _stage_plan(
         grad_s=sum(x.grad_s or 0.0 for x in part) / shard,
         recompute=recompute,
         activation_bytes=sum(x.activation_bytes for x in part),
+        kept_bytes=int(memory.kept),
         in_flight=in_flight,
         memory_bytes=memory.peak(in_flight, layout.fresh_grads),
         # torch 2.13 never runs I on the first stage (its inputs need no gradient): its W is the

@@ -347,6 +347,7 @@ class MemoryParts(NamedTuple):
     microbatches: int = 0  # microbatches per step: with as many live, every forward came before a backward
     cast: int = 0  # of per_microbatch, autocast's weight copies a stage may share (``shared_casts``); 0: it may not
     reduced: int = 0  # of grads, a stage unit's sharded gradients: made by the reduce-scatter after its last backward
+    kept: int = 0  # of per_microbatch, the activations the stage keeps under its recompute mode (less its output)
 
     def peak(self, in_flight: int, fresh_grads: bool = False) -> int:
         """The stage's peak bytes with ``in_flight`` live microbatches.
@@ -599,6 +600,7 @@ def parts_from_sums(
             grads=grad_bytes(p_bytes, n_params, most_params, shard, per_block),
             microbatches=n_microbatches,
             reduced=reduced_bytes(p_bytes, n_params, shard, per_block),
+            kept=saved,
         )  # FSDP holds no copies (casts.without_casts)
     return MemoryParts(
         fixed=2 * p_bytes + optimizer.state_bytes(n_params, p_bytes) + n_microbatches * (cut_in + cut_out),
@@ -608,6 +610,7 @@ def parts_from_sums(
         grads=grad_bytes(p_bytes, n_params, 0, 1, False),
         microbatches=n_microbatches,
         cast=cast if keeps_all else 0,
+        kept=saved,
     )
 
 

@@ -47,6 +47,9 @@ def _count_of(n: int | None, noun: str) -> str:
 def stage_table(plan: Plan) -> str:
     """One row per stage: its blocks, parameters, times, activations, memory, share of the bottleneck.
 
+    "act MB/mb" is what the stage saves per microbatch under its recompute mode (``kept_bytes``; a plan
+    written before that field: all its blocks' saved activations).
+
     Args:
         plan: the plan.
 
@@ -71,7 +74,7 @@ def stage_table(plan: Plan) -> str:
                 _ms(s.bwd_s),
                 _ms(s.comm_s),
                 _ms(s.time_s),
-                _mb(s.activation_bytes),
+                _mb(s.activation_bytes if s.kept_bytes is None else s.kept_bytes),
                 s.in_flight,
                 _mb(s.memory_bytes),
                 f"{100 * s.time_s / bottleneck:.0f}%" if bottleneck > 0 else "-",

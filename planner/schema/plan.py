@@ -189,7 +189,14 @@ class StagePlan(_Frozen):
         "stage's first K blocks so, the rest keep their activations); or stage (the whole stage as one region, "
         "keeping its input); recomputed in backward.",
     )
-    activation_bytes: int = Field(ge=0, description="Saved activations per microbatch.")
+    activation_bytes: int = Field(ge=0, description="Saved activations per microbatch, without recomputation.")
+    kept_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="Saved activations per microbatch under the stage's recompute mode: what its checkpoint regions "
+        "keep (their inputs, or selectively also their matmul and attention outputs) and the other blocks' saved "
+        "activations (activation_bytes when it does not recompute). None: a plan written before this field.",
+    )
     in_flight: int = Field(ge=1, description="Peak microbatches holding activations under the schedule.")
     memory_bytes: int = Field(
         ge=0, description="Predicted peak: params, grads, optimizer state, in-flight activations, buffers."
