@@ -263,7 +263,8 @@ def _load_plan(path: str) -> Plan:
     help="Train with torch.compile: profile each block as torch.compile(block) (the first, untimed run compiles: "
     "seconds per distinct block; identical layers share one) and have the run compile each stage. With --gpu-type "
     "the estimate charges each run of memory-bound operators between matrix products and attention as one fused "
-    "kernel, as inductor generates; it keeps the eager blocks' saved activations (compiled ones save less).",
+    "kernel, as inductor generates, and saves for backward what AOTAutograd's partitioner keeps (matrix products' "
+    "outputs, not the element-wise ones it recomputes).",
 )
 @click.option(
     "--gpus-per-node",
@@ -451,8 +452,8 @@ def _lever_lines(plan: Plan) -> tuple[str, list[str]]:
     notes = []
     if plan.compile and plan.profile.source == "estimated":
         notes.append(
-            "note: --compile estimated with its element-wise operators fused and the eager blocks' saved activations "
-            "(a compiled block saves less, so memory is overstated); the run compiles each stage"
+            "note: --compile estimated, not measured: element-wise operators fused into one kernel per run, "
+            "their outputs recomputed in backward rather than saved (docs/gpu_costs.md); the run compiles each stage"
         )
     elif plan.compile and plan.profile.compile_s is not None:
         notes.append(f"compiling the blocks took {plan.profile.compile_s:.1f} s (the untimed first runs)")

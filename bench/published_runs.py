@@ -206,7 +206,7 @@ How to read it:
   flash`); their 500 W power limit, which lowers the clocks by an amount not published, is not
   modelled. The compiled row is planned with `--compile`: each run of memory-bound operators
   between matrix products and attention charged as one fused kernel (`planner/costs/fusion.py`),
-  the eager blocks' saved activations kept (a compiled block saves less).
+  its element-wise outputs recomputed in backward rather than saved, as torch.compile's partitioner does.
 - The Llama 3 rows are planned with `--sequence-parallel`, as that run split its norms and
   residuals along the sequence (Megatron-LM's 2021 runs predate it; torchtitan's rows use no tensor
   parallelism).

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from plan_factory import ADAMW, assert_fit_limits_agree, memory_layout, predicted, solved
 
 from planner.core import solve as solve_mod
-from planner.core.assemble import compiled_casts
 from planner.core.baselines import param_balanced, uniform_layers
+from planner.core.casts import compiled_casts
 from planner.core.links import NodeLinks, boundary_crosses, boundary_links
 from planner.core.recompute import checkpoint_units, recompute_cost, selective_cost
 from planner.core.schedules import in_flight_per_stage
@@ -1022,6 +1022,25 @@ def test_autocast_weight_copies_are_held_once_not_per_microbatch() -> None:
     # a recomputing stage drops its copies with its regions' activations, as it never shares them
     for mode in ("full", "selective", "stage", "full:1"):
         assert stage_memory_bytes(blocks, 0, 2, 4, SGD, mode) == stage_memory_bytes(compiled, 0, 2, 4, SGD, mode)
+
+
+def test_a_compiled_layout_holds_copies_per_microbatch_but_an_fsdp_one_none() -> None:
+    from plan_factory import LINK, layout_of
+
+    from planner.core.candidate import evaluate_choice
+    from planner.core.inputs import Cluster, Constraints
+
+    blocks = [blk(i, 1.0, params=20, param_bytes=80, act=45, cut=11) for i in range(4)]
+    blocks = [b.model_copy(update={"weight_cast_bytes": 40}) for b in blocks]
+    compiled = Constraints(SGD, None, "never", compiled=True)
+    ddp = evaluate_choice(blocks, Cluster(2, LINK), layout_of("1f1b", 2, 4), compiled)
+    fsdp = evaluate_choice(blocks, Cluster(4, LINK), layout_of("1f1b", 2, 4, shard=2), compiled)
+    # compiled without FSDP: the copies stay in the activations, none to share
+    assert [(b.activation_bytes, b.weight_cast_bytes) for b in ddp.blocks] == [(45, 0)] * 4
+    # FSDP gathers the weights cast already: no copies, compiled or not
+    assert [(b.activation_bytes, b.weight_cast_bytes) for b in fsdp.blocks] == [(5, 0)] * 4
+    eager = evaluate_choice(blocks, Cluster(2, LINK), layout_of("1f1b", 2, 4), Constraints(SGD, None, "never"))
+    assert [(b.activation_bytes, b.weight_cast_bytes) for b in eager.blocks] == [(45, 40)] * 4
 
 
 def test_stage_memory_mixed_precision_keeps_fp32_master() -> None:

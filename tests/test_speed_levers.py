@@ -213,18 +213,20 @@ def test_a_module_trace_block_compile_fails_on_runs_eagerly(monkeypatch: pytest.
 
 
 @pytest.mark.slow
-def test_compile_with_an_estimate_fuses_element_wise_operators_and_says_what_it_leaves_out(tmp_path: Path) -> None:
+def test_compile_with_an_estimate_fuses_element_wise_operators_and_recomputes_their_outputs(tmp_path: Path) -> None:
     base = ["plan", str(MODELS / "gpt.py"), "--gpus", "2", "--size", "tiny", "-b", "8", "--gpu-type", "h100"]
     args = [*base, "-m", "2", "--schedule", "1f1b"]  # the same layout: per-microbatch costs compare
     plain = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "a.json"), "-q"])
     compiled = CliRunner().invoke(main, [*args, "--compile", "-o", str(tmp_path / "b.json")])
     assert plain.exit_code == 0 and compiled.exit_code == 0, compiled.output
-    assert "--compile estimated with its element-wise operators fused" in compiled.output
+    assert "--compile estimated, not measured: element-wise operators fused" in compiled.output
     assert compiled.output.splitlines()[0].endswith(", compiled")
     a, b = Plan.load(tmp_path / "a.json"), Plan.load(tmp_path / "b.json")
     assert b.compile and not a.compile and b.profile.autocast is None
     assert b.prediction.step_time_s < a.prediction.step_time_s  # fused norms, activations, residual adds
-    assert [x.activation_bytes for x in b.blocks] == [x.activation_bytes for x in a.blocks]  # eager's saves
+    # the partitioner's saves: never more than the eager block's
+    assert all(x.activation_bytes <= y.activation_bytes for x, y in zip(b.blocks, a.blocks))
+    assert sum(x.activation_bytes for x in b.blocks) < sum(x.activation_bytes for x in a.blocks)
 
 
 # --- plan files and requests ------------------------------------------------------------------

@@ -350,23 +350,6 @@ def _hsdp_note(request: PlanRequest, layout: Layout, link: LinkCost) -> str:
     )
 
 
-def compiled_casts(blocks: Sequence[BlockCost]) -> list[BlockCost]:
-    """The blocks as a compiled stage holds autocast's copies of its weights: one per microbatch.
-
-    The runner keeps one autocast cache through a step, so an eager stage with many microbatches
-    live may share its copies (``BlockCost.weight_cast_bytes``, ``casts.shared_casts``); a
-    compiled graph casts inside itself on every call and saves its copies with the microbatch's
-    activations.
-
-    Args:
-        blocks: per-block costs.
-
-    Returns:
-        The blocks with no copies to share (the same objects where there are none).
-    """
-    return [b.model_copy(update={"weight_cast_bytes": 0}) if b.weight_cast_bytes else b for b in blocks]
-
-
 def assemble_plan(
     request: PlanRequest,
     blocks: Sequence[BlockCost],
@@ -402,8 +385,6 @@ def assemble_plan(
     profile = origin.profile
     slots = slots_of(profile)
     blocks = with_tied_copies(blocks, ties)
-    if request.compile:
-        blocks = compiled_casts(blocks)
     cluster = Cluster(request.gpus, link, slots)
     space = _search_space(request, blocks, tp_plan, profile)
     scaling = Scaling(
@@ -412,7 +393,12 @@ def assemble_plan(
 
     def run_search(limit: int | None, within: SearchSpace = space) -> tuple[Choice, list[Choice], str]:
         return search(
-            blocks, cluster, within, Constraints(request.optimizer, limit, request.recompute), scaling, progress
+            blocks,
+            cluster,
+            within,
+            Constraints(request.optimizer, limit, request.recompute, request.compile),
+            scaling,
+            progress,
         )
 
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from planner.core.casts import without_casts
+from planner.core.casts import compiled_casts, without_casts
 from planner.core.data_parallel import as_gathered, layout_links
 from planner.core.inputs import Cluster, Constraints, Layout
 from planner.core.predict import predict
@@ -164,6 +164,8 @@ def evaluate_choice(
         # FSDP gathers the weights in the plan's dtype: its stages hold them so (a measured bf16
         # profile counts the fp32 weights autocast trains), and autocast copies none
         blocks = as_gathered(without_casts(blocks), layout.gather_bytes)
+    elif constraints.compiled:  # (FSDP's stages hold no copies, compiled or not)
+        blocks = compiled_casts(blocks)
     limit = constraints.memory_limit_bytes
     link = layout_links(cluster.link, pp, layout.dp, layout.tp)
     if split is None:

@@ -36,6 +36,23 @@ def without_casts(blocks: Sequence[BlockCost]) -> list[BlockCost]:
     ]
 
 
+def compiled_casts(blocks: Sequence[BlockCost]) -> list[BlockCost]:
+    """The blocks as a compiled stage holds autocast's copies of its weights: one per microbatch.
+
+    The runner keeps one autocast cache through a step, so an eager stage with many microbatches
+    live may share its copies (``BlockCost.weight_cast_bytes``, ``casts.shared_casts``); a
+    compiled graph casts inside itself on every call and saves its copies with the microbatch's
+    activations.
+
+    Args:
+        blocks: per-block costs.
+
+    Returns:
+        The blocks with no copies to share (the same objects where there are none).
+    """
+    return [b.model_copy(update={"weight_cast_bytes": 0}) if b.weight_cast_bytes else b for b in blocks]
+
+
 SHARED_CASTS_FROM = 3
 """A stage with at least this many microbatches live shares autocast's weight copies among them
 (``shares_casts``, ``shared_casts``; the runner: ``planner.run.wrappers.Autocast``)."""

@@ -122,11 +122,14 @@ class Constraints:
         recompute: activation checkpointing, block by block, per stage: "auto" (the least
             recomputation that fits: none, else selective, else full), "never", "selective" or
             "full" (every stage); "always" is "full" (its name before selective existed).
+        compiled: the stages run compiled, which hold autocast's weight copies per microbatch
+            (``planner.core.casts.compiled_casts``) where FSDP does not gather them cast already.
     """
 
     optimizer: OptimizerSpec = OptimizerSpec()
     memory_limit_bytes: int | None = None
     recompute: str = "auto"
+    compiled: bool = False
 
     def __post_init__(self) -> None:
         if self.recompute == "always":

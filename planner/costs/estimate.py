@@ -29,8 +29,9 @@ Everything is per microbatch, like ``planner.costs.measure``; the last block inc
 from __future__ import annotations
 
 import copy
+import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,7 @@ from planner.capture.trace import trace_model
 from planner.core.hardware import DTYPES, HardwareSpec, dtype_bytes
 from planner.costs.backward_temps import BackwardTemps, forward_backward_temps, storage_bytes
 from planner.costs.blocks import block_cost
+from planner.costs.fusion import Fusion
 from planner.costs.roofline import Roofline, Tally, fuse_attention_nodes
 from planner.costs.timing import backward_roots, grad_inputs, leaf_safe
 from planner.errors import PlannerError, TraceError
@@ -180,9 +182,12 @@ def _run_block(
             for t in pytree.tree_leaves(out)
             if isinstance(t, torch.Tensor)
         )
+        # a compiled stage's loss runs eagerly: the pipeline computes it outside the stage module
+        paused, mode.fusion = mode.fusion, None
         try:
             return loss_fn(out, target)
         finally:
+            mode.fusion = paused
             in_loss.clear()
 
     forward = leaf_safe(run, grad_inputs(args))  # a block starting with an in-place op
@@ -190,6 +195,7 @@ def _run_block(
     saved: dict[int, int] = {}
     by_loss: dict[int, int] = {}  # of those, what the loss saves (its input, the block's output, excluded)
     saved_params: dict[int, int] = {}  # the parameters saved for backward (their bytes), once each
+    loss_saves: set[int] = set()  # every storage the loss saves, the block's output included (eager: kept)
     keep: list[torch.Tensor] = []  # keep saved tensors alive so storage ids stay unique
     rerun = [(0.0, 0.0)]
 
@@ -200,6 +206,8 @@ def _run_block(
             # last one (parameters' saves included): an operator saves its inputs before its kernel runs
             # and its outputs after, and the tally here is the forward's seconds at this very save
             rerun[0] = (mode.tally.seconds, mode.tally.kept_seconds)
+        else:
+            loss_saves.add(sid)
         if sid in saved or sid in saved_params:
             return t
         nbytes = storage_bytes(t, float_bytes)
@@ -212,35 +220,73 @@ def _run_block(
             by_loss[sid] = nbytes
         return t
 
-    inputs = grad_inputs(args)
-    fwd, bwd, bwd_input = Tally(), Tally(), Tally()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode.phase(fwd):
+    fwd, bwd, bwd_input, inputs = Tally(), Tally(), Tally(), grad_inputs(args)
+    recomputed = functools.partial(_recomputed, saved=saved, outputs=first_out, loss_saves=loss_saves)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode.phase(fwd, recomputed):
         out = forward(inputs)
+    saved_total = _saved_total(mode.fused, saved, loss_saves, param_storages)
     roots, grads = backward_roots(out)
     temps = BackwardTemps(float_bytes)
     if roots:
         with mode.phase(bwd), temps:
-            torch.autograd.backward(roots, grads)
+            _backward(roots, grads, mode, first_out if last else ())
     outputs = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in _as_flat_outputs(out)) if not last else ()
     del out, roots, grads
     keep.clear()  # release the saved tensors held for their storage ids
-
-    # I of F/I/W: a fresh forward (charged to nothing), then gradients w.r.t. the inputs only.
-    inputs = grad_inputs(args)
-    wanted = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-    if wanted and not mode.fuse:
-        with mode.phase(Tally()):
-            out = forward(inputs)
-        roots, grads = backward_roots(out)
-        if roots:
-            with mode.phase(bwd_input):
-                torch.autograd.grad(roots, wanted, grads, allow_unused=True)
+    if not mode.fuse:  # (compiled, I runs the whole backward: _BlockRun.whole_backward)
+        _input_backward(forward, args, mode, bwd_input)
     own = _own_temps(stage, state, args, mode) if last else temps.peak()
     loss_temps = temps.peak() if last else 0
-    found = (sum(saved.values()), outputs, model_output[0], sum(by_loss.values()), own, loss_temps, tuple(first_out))
+    found = (saved_total, outputs, model_output[0], sum(by_loss.values()), own, loss_temps, tuple(first_out))
     # the weights its GEMMs saved: under autocast over fp32 weights, lower-precision copies of them
     cast = sum(nbytes for sid, nbytes in saved_params.items() if sid in mode.cast_inputs)
     return _BlockRun(fwd, bwd, bwd_input, *found, rerun[0], cast, whole_backward=mode.fuse)
+
+
+def _backward(roots: list[torch.Tensor], grads: list[Any], mode: Roofline, model_out: Sequence[torch.Tensor]) -> None:
+    """The block's backward; compiled and the last block (``model_out``: its output, which the loss
+    read), the loss's part first, eagerly: the pipeline runs the loss outside the compiled stage."""
+    wanted = [t for t in model_out if t.requires_grad]
+    if mode.fusion is None or not wanted:
+        torch.autograd.backward(roots, grads)
+        return
+    paused, mode.fusion = mode.fusion, None
+    try:
+        at_output = torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
+    finally:
+        mode.fusion = paused
+    torch.autograd.backward(wanted, [g if g is not None else torch.zeros_like(t) for g, t in zip(at_output, wanted)])
+
+
+def _recomputed(fusion: Fusion, saved: dict[int, int], outputs: list[torch.Tensor], loss_saves: set[int]) -> set[int]:
+    """Compiled: the saved storages the backward recomputes (an element-wise operator of the block made
+    them; not its outputs, not what the eager loss saves), which its forward then never writes."""
+    return {sid for sid in saved if sid in fusion.sources} - {storage_id(t) for t in outputs} - loss_saves
+
+
+def _saved_total(fused: Fusion | None, saved: dict[int, int], loss_saves: set[int], weights: set[int]) -> int:
+    """Bytes the block saves for backward: eagerly ``saved``; compiled (``fused``, the forward's
+    regions), what the partitioner saves instead (``Fusion.saved_bytes``), the loss's saves as they are
+    (the loss runs eagerly, outside the stage module)."""
+    if fused is None:
+        return sum(saved.values())
+    block_saves = {sid: b for sid, b in saved.items() if sid not in loss_saves}
+    loss_total = sum(b for sid, b in saved.items() if sid in loss_saves)
+    return fused.saved_bytes(block_saves, weights | loss_saves) + loss_total
+
+
+def _input_backward(forward: Callable[[Any], Any], args: tuple, mode: Roofline, into: Tally) -> None:
+    """I of F/I/W into ``into``: a fresh forward (charged to nothing), then gradients w.r.t. the inputs only."""
+    inputs = grad_inputs(args)
+    wanted = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not wanted:
+        return
+    with mode.phase(Tally()):
+        out = forward(inputs)
+    roots, grads = backward_roots(out)
+    if roots:
+        with mode.phase(into):
+            torch.autograd.grad(roots, wanted, grads, allow_unused=True)
 
 
 def _own_temps(stage: torch.fx.GraphModule, state: dict[str, torch.Tensor], args: tuple, mode: Roofline) -> int:

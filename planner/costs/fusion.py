@@ -19,12 +19,22 @@ all of its writes, the region's launch overhead with its first operator), so tha
 time is at hand mid-phase (the forward up to a saved tensor: ``planner.costs.estimate``); ``settle``
 then takes back the writes nothing read afterwards and applies the kernel's floor (``HardwareSpec``).
 
-What it leaves out (each makes the estimate of a compiled block pessimistic, never optimistic about
-memory): AOTAutograd's partitioner recomputes cheap elementwise outputs in backward instead of saving
-them, so a compiled block saves less than the eager block whose saved tensors the estimate counts
-(torchtitan measured 82.4 -> 77.0 GiB for Llama 3.1 8B with compile); and a region is one kernel
-although inductor sometimes splits one (a reduction whose consumers cannot join it), which reads a
-tensor twice.
+What a compiled block saves for backward: AOTAutograd's partitioner (``min_cut_rematerialization_
+partition``, torch.compile's default) recomputes cheap element-wise operators in backward instead of
+saving their outputs, but never matrix products, attention, reductions (``ban_recompute_reductions``)
+or random operators. ``Fusion`` follows every storage an element-wise operator writes back to its
+*frontier*: the storages it is computed from that such an operator did not make (a GEMM's output,
+a reduction's, the block's input). A compiled block saves, for each tensor the eager block saves, the
+tensor itself where something else made it, else its frontier (``saved_bytes``); and the forward
+writes none of the tensors so replaced (``settle``'s ``recomputed``). Llama's SwiGLU then saves
+``w1 x`` and ``w3 x`` instead of those, ``silu`` of the first and the product; its RMSNorm its input
+and the reciprocal root instead of the fp32 copy, the normalised tensor and the output.
+
+What it leaves out: the partitioner's min cut may save a frontier's smaller descendant instead (a
+bf16 cast of an fp32 product), so the frontier can overstate what it saves; a region is
+program-ordered (inductor also fuses independent operators ahead, as SwiGLU's ``silu`` before ``w3``
+runs) and one kernel, although inductor splits some (a reduction whose consumers cannot join it, which
+then reads a tensor twice).
 """
 
 from __future__ import annotations
@@ -58,6 +68,8 @@ class Fusion:
         writes: (region, storage id) -> the write; a storage written again in the same region counts once.
         written: storage id -> the region that last wrote it.
         reads: the storages the open region has read from outside itself (each is charged once).
+        sources: storage id -> its frontier, for each storage a recomputable operator wrote last.
+        sizes: storage id -> bytes of the storage, for each storage an operator here read.
     """
 
     region: int = -1
@@ -66,15 +78,24 @@ class Fusion:
     writes: dict[tuple[int, int], _Write] = field(default_factory=dict)
     written: dict[int, int] = field(default_factory=dict)
     reads: set[int] = field(default_factory=set)
+    sources: dict[int, frozenset[int]] = field(default_factory=dict)
+    sizes: dict[int, int] = field(default_factory=dict)
 
     def operator(
-        self, inputs: Iterable[tuple[torch.Tensor, int]], outputs: Iterable[tuple[torch.Tensor, int]]
+        self,
+        inputs: Iterable[tuple[torch.Tensor, int]],
+        outputs: Iterable[tuple[torch.Tensor, int]],
+        recomputable: bool = True,
+        storage_bytes: dict[int, int] | None = None,
     ) -> tuple[int, bool]:
         """Record a memory-bound operator into the open region (opening one if none is).
 
         Args:
             inputs: (tensor, bytes) of each tensor the operator reads.
             outputs: (tensor, bytes) of each tensor it writes.
+            recomputable: the partitioner may recompute it in backward (not a reduction, not random):
+                its outputs' frontier is its inputs' (``sources``); else they are a frontier themselves.
+            storage_bytes: storage id -> bytes of the whole storage, of the inputs (``sizes``).
 
         Returns:
             (bytes to charge now: its reads from outside the region not yet charged, plus its new
@@ -87,6 +108,10 @@ class Fusion:
             self.provisional[self.region] = 0
             self.reads = set()
         charged = 0
+        inputs, outputs = list(inputs), list(outputs)
+        self.sizes.update(storage_bytes or {})
+        if recomputable:
+            frontier = frozenset().union(*(self.sources.get(storage_id(t), {storage_id(t)}) for t, _ in inputs))
         for t, nbytes in inputs:
             sid = storage_id(t)
             if self.written.get(sid) == self.region or sid in self.reads:
@@ -105,6 +130,11 @@ class Fusion:
             self.writes[key] = _Write(self.region, nbytes, StorageWeakRef(t.untyped_storage()))
             self.written[sid] = self.region
             charged += nbytes
+        for t, _ in outputs:
+            if recomputable:
+                self.sources[storage_id(t)] = frontier
+            else:
+                self.sources.pop(storage_id(t), None)
         self.provisional[self.region] += charged
         return charged, opened
 
@@ -120,19 +150,40 @@ class Fusion:
         if region is not None and region != self.region:
             self.writes[(region, sid)].read_after = True
 
-    def settle(self) -> dict[int, tuple[int, int]]:
+    def settle(self, recomputed: set[int] | None = None) -> dict[int, tuple[int, int]]:
         """The regions' bytes once the phase has ended.
+
+        Args:
+            recomputed: storages alive after the phase that the compiled backward recomputes instead
+                (saved by the eager block, made by recomputable operators): not written either.
 
         Returns:
             region -> (bytes charged provisionally, bytes it really moves): the writes that nothing
-            read after their region and that died with the phase are taken back.
+            read after their region and that died with the phase (or are recomputed) are taken back.
         """
         self.region = -1
+        recomputed = recomputed or set()
         moved = dict(self.provisional)
-        for w in self.writes.values():
-            if not w.read_after and w.ref.expired():
+        for (_, sid), w in self.writes.items():
+            if not w.read_after and (sid in recomputed or w.ref.expired()):
                 moved[w.region] -= w.nbytes
         return {r: (self.provisional[r], moved[r]) for r in self.provisional}
+
+    def saved_bytes(self, saved: dict[int, int], weights: set[int]) -> int:
+        """What the compiled block saves for backward where the eager one saves ``saved``.
+
+        Args:
+            saved: storage id -> bytes of each storage the eager block saves.
+            weights: the storages of its parameters and buffers (kept by the model, not per microbatch).
+
+        Returns:
+            Bytes: each saved storage that no recomputable operator made, and the frontiers of those
+            that one did, each storage once.
+        """
+        kept: set[int] = set()
+        for sid in saved:
+            kept |= self.sources.get(sid, {sid})
+        return sum(saved.get(sid, self.sizes.get(sid, 0)) for sid in kept - weights)
 
     def snapshot(self) -> Fusion:
         """A copy to return to (``restore``) when an operator charged in parts is charged whole instead."""
@@ -143,6 +194,8 @@ class Fusion:
             {k: _Write(w.region, w.nbytes, w.ref, w.read_after) for k, w in self.writes.items()},
             dict(self.written),
             set(self.reads),
+            dict(self.sources),
+            dict(self.sizes),
         )
 
     def restore(self, other: Fusion) -> None:
@@ -154,3 +207,4 @@ class Fusion:
             other.written,
             other.reads,
         )
+        self.sources, self.sizes = other.sources, other.sizes

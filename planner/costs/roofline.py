@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from planner.capture.checkpoint import KeepRule
 from planner.core.hardware import HardwareSpec
+from planner.costs.backward_temps import storage_bytes
 from planner.costs.fusion import Fusion
 from planner.torch_compat import TorchDispatchMode, decomposes, pytree, storage_id, swapped_sdpa
 
@@ -157,6 +158,7 @@ class Roofline(TorchDispatchMode):
         self.float_bytes = float_bytes
         self.fuse = fuse
         self.fusion: Fusion | None = None  # the running phase's regions, under ``fuse``
+        self.fused: Fusion | None = None  # the last phase's, once it has ended
         # operators outside aten that no FLOP formula covers and no decomposition reaches (a library's
         # custom op): charged their bytes only, which is right for a copy and far too little for a
         # matrix product (transformers' MoE experts were such an op): said to the user, not hidden
@@ -238,9 +240,16 @@ class Roofline(TorchDispatchMode):
         self._add(Tally(float(flops), nbytes, seconds, 1, seconds if kept else 0.0, held))
 
     @contextlib.contextmanager
-    def phase(self, tally: Tally) -> Iterator[Tally]:
+    def phase(self, tally: Tally, recomputed: Callable[[Fusion], set[int]] | None = None) -> Iterator[Tally]:
         """Charge everything run inside into ``tally`` (attention as one fused kernel where it is;
-        under ``fuse``, memory-bound operators as the kernels ``torch.compile`` fuses them into)."""
+        under ``fuse``, memory-bound operators as the kernels ``torch.compile`` fuses them into, the
+        phase's regions then kept as ``fused``).
+
+        Args:
+            tally: where the phase's costs go.
+            recomputed: under ``fuse``, the storages the compiled backward recomputes instead of the
+                forward saving them (``Fusion.settle``), asked of the phase's regions at its end.
+        """
         self.tally = tally
         self.fusion = Fusion() if self.fuse else None
         try:
@@ -248,14 +257,14 @@ class Roofline(TorchDispatchMode):
                 yield tally
         finally:
             if self.fusion is not None:
-                self._settle(self.fusion, tally)
-            self.fusion = None
+                self._settle(self.fusion, tally, recomputed(self.fusion) if recomputed is not None else None)
+            self.fused, self.fusion = self.fusion, None
 
-    def _settle(self, fusion: Fusion, tally: Tally) -> None:
+    def _settle(self, fusion: Fusion, tally: Tally, recomputed: set[int] | None) -> None:
         """Replace the regions' provisional charges by their kernels' (``Fusion.settle``)."""
         hw = self.hw
         bandwidth = hw.memory_Bps * hw.memory_efficiency
-        for charged, moved in fusion.settle().values():
+        for charged, moved in fusion.settle(recomputed).values():
             before = charged / bandwidth + hw.op_overhead_s
             after = (
                 max(moved / bandwidth, hw.op_overhead_s) if hw.async_launch else moved / bandwidth + hw.op_overhead_s
@@ -330,13 +339,18 @@ class Roofline(TorchDispatchMode):
             return False
         if not moves:
             return True
-        sized = [
-            (t, tensor_bytes(t, self.float_bytes))
-            for t in pytree.tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor)
-        ]
-        made = [(t, tensor_bytes(t, self.float_bytes)) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        nbytes, opened = self.fusion.operator(sized, made)
+        read = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        made = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        # what AOTAutograd's partitioner recomputes in backward rather than save: not a reduction
+        # (ban_recompute_reductions: an output smaller than its largest input), not a random operator
+        reduces = bool(read) and any(t.numel() < max(x.numel() for x in read) for t in made)
+        random = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+        nbytes, opened = self.fusion.operator(
+            [(t, tensor_bytes(t, self.float_bytes)) for t in read],
+            [(t, tensor_bytes(t, self.float_bytes)) for t in made],
+            recomputable=not (reduces or random),
+            storage_bytes={storage_id(t): storage_bytes(t, self.float_bytes) for t in read},
+        )
         hw = self.hw
         seconds = nbytes / (hw.memory_Bps * hw.memory_efficiency) + (hw.op_overhead_s if opened else 0.0)
         self._add(Tally(0.0, nbytes, seconds, 1 if opened else 0))

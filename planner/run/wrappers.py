@@ -134,7 +134,7 @@ def weight_cast_cache(plan: Plan, device_type: str) -> contextlib.AbstractContex
     computes nothing in the lower precision itself (backward runs outside autocast, as torch's
     recipe has it); it only holds the nesting open, so the cached casts live until the step's last
     backward, once. A compiled stage casts inside its graph and keeps one copy per microbatch regardless (the
-    plan counts it so: ``planner.core.assemble.compiled_casts``).
+    plan counts it so: ``planner.core.casts.compiled_casts``).
 
     Only around forwards that build autograd graphs: torch caches a weight's cast made under
     ``no_grad`` too, without its link to the weight, and a later forward in the same cache would

@@ -396,7 +396,7 @@ class Plan(_Frozen):
         description="Train with torch.compile (--compile): the runner compiles each stage module whole, with "
         "torch._functorch.config.donated_buffer=False (pipelining's split backward retains the graph). Measured "
         "costs are the compiled blocks'; estimated costs charge each run of memory-bound operators between GEMMs "
-        "and attention as one fused kernel (planner/costs/fusion.py).",
+        "and attention as one fused kernel, and save what AOTAutograd's partitioner keeps (planner/costs/fusion.py).",
     )
 
     def stages_reading(self, blocks: Iterable[int]) -> list[int]:
