@@ -193,3 +193,70 @@ def test_a_compiled_block_saves_the_matrix_products_outputs_and_recomputes_the_e
     assert fused.activation_bytes == inp + 2 * wide
     # and the forward no longer writes silu(w1 x), which nothing reads after its region
     assert fused.fwd_s < eager.fwd_s
+
+
+def _first_block(make: Callable[[], torch.nn.Module], x: torch.Tensor, hw: HardwareSpec, dtype: str = "fp32") -> tuple:
+    """Block 0, ``make()`` followed by a small head (so that it is not the last block), eager and compiled."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(make(), torch.nn.Linear(x.shape[-1], 8))
+    target = torch.empty(*x.shape[:-1], 8, device="meta")
+    traced = trace_model(model, (x,))
+
+    def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((out - y) ** 2).mean()
+
+    eager = estimate_blocks(traced, (x,), target, mse, hw, dtype, progress=False)
+    fused = estimate_blocks(traced, (x,), target, mse, hw, dtype, progress=False, compiled=True)
+    return eager, fused
+
+
+def test_a_compiled_rms_norm_saves_its_input_and_the_mean_and_writes_the_mean_it_keeps() -> None:
+    import sys
+
+    sys.path.insert(0, str(ROOT / "models"))
+    from llama import RMSNorm
+
+    b, t, d = 4, 64, 256
+    x = torch.empty(b, t, d, device="meta")
+    eager, fused = _first_block(lambda: RMSNorm(d), x, _spec())
+    n = b * t * d * 4
+    # eagerly it saves x, rsqrt's output and the normalised tensor; compiled, x and the mean of squares
+    # (a reduction's result), from which the rest is recomputed
+    assert eager[0].activation_bytes == n + b * t * 4 + n
+    assert fused[0].activation_bytes == n + b * t * 4
+    # one kernel: reads x and the weight, writes the mean (kept, though nothing in the forward holds
+    # it after rsqrt) and the output; seconds are bytes on this spec
+    assert fused[0].fwd_s == pytest.approx(n + d * 4 + b * t * 4 + n)
+
+
+def test_a_compiled_block_never_saves_more_than_the_eager_one() -> None:
+    class TwoProducts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(64, 64, bias=False)
+            self.b = torch.nn.Linear(64, 64, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (self.a(x) + self.b(x)).sin()  # sin saves its input, made of two products
+
+    eager, fused = _first_block(TwoProducts, torch.empty(8, 32, 64, device="meta"), _spec())
+    # the sum's frontier (both products) holds twice its bytes: the sum stays saved
+    assert fused[0].activation_bytes == eager[0].activation_bytes
+
+
+def test_the_compiled_last_block_charges_its_eager_loss_forward_and_backward() -> None:
+    mf = load_model_file(ROOT / "models" / "llama.py", "tiny")
+    with torch.device("meta"):
+        model = mf.build()
+    inputs, target = mf.batch(2)
+    inputs = tuple(x.to("meta") for x in inputs)
+    traced = trace_model(model, inputs)
+    hw = get_hardware("h100")
+    eager = estimate_blocks(traced, inputs, target.to("meta"), mf.loss_fn, hw, "bf16", progress=False)[-1]
+    fused = estimate_blocks(traced, inputs, target.to("meta"), mf.loss_fn, hw, "bf16", progress=False, compiled=True)[
+        -1
+    ]
+    # the loss's own temporaries and saves are the eager ones; the block's backward still runs
+    assert (fused.loss_temp_bytes, fused.loss_bytes) == (eager.loss_temp_bytes, eager.loss_bytes)
+    assert 0.5 * eager.bwd_s < fused.bwd_s <= eager.bwd_s
+    assert fused.recompute_s <= fused.fwd_s

@@ -155,7 +155,7 @@ def _run_block(
     mode: Roofline,
     tdtype: torch.dtype,
 ) -> _BlockRun:
-    """One roofline run of a block (forward, backward, then I alone), charged by ``mode``; the block's
+    """One roofline run of a block (forward, backward, then I alone unless compiled), charged by ``mode``; the block's
     parameters and buffers cast to ``tdtype``, floating bytes counted at ``mode.float_bytes``."""
     float_bytes = mode.float_bytes
     state = _block_state(stage, tdtype)
@@ -164,7 +164,7 @@ def _run_block(
     model_output = [0]
     in_loss: set[int] = set()  # while the loss runs: the storages of the block's own output
 
-    first_out: list[torch.Tensor] = []  # the block's output of the first (the charged) forward, held alive
+    first_out: list[torch.Tensor] = []  # the block's output of the charged forward, held alive
 
     def run(a: tuple[Any, ...]) -> Any:
         out = functional_call(stage, state, a, tie_weights=True, strict=False)
@@ -183,14 +183,14 @@ def _run_block(
             if isinstance(t, torch.Tensor)
         )
         # a compiled stage's loss runs eagerly: the pipeline computes it outside the stage module
-        paused, mode.fusion = mode.fusion, None
         try:
-            return loss_fn(out, target)
+            with mode.unfused():
+                return loss_fn(out, target)
         finally:
-            mode.fusion = paused
             in_loss.clear()
 
     forward = leaf_safe(run, grad_inputs(args))  # a block starting with an in-place op
+    first_out.clear()  # the trial forward's: the charged one comes next
 
     saved: dict[int, int] = {}
     by_loss: dict[int, int] = {}  # of those, what the loss saves (its input, the block's output, excluded)
@@ -221,10 +221,11 @@ def _run_block(
         return t
 
     fwd, bwd, bwd_input, inputs = Tally(), Tally(), Tally(), grad_inputs(args)
-    recomputed = functools.partial(_recomputed, saved=saved, outputs=first_out, loss_saves=loss_saves)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode.phase(fwd, recomputed):
+    compiled: list[int] = []  # compiled: what the block saves (Fusion.compiled_saves), once its forward ended
+    saves = functools.partial(_compiled_saves, saved, first_out, loss_saves | param_storages, compiled)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode.phase(fwd, saves):
         out = forward(inputs)
-    saved_total = _saved_total(mode.fused, saved, loss_saves, param_storages)
+    saved_total = compiled[0] if compiled else sum(saved.values())
     roots, grads = backward_roots(out)
     temps = BackwardTemps(float_bytes)
     if roots:
@@ -250,29 +251,25 @@ def _backward(roots: list[torch.Tensor], grads: list[Any], mode: Roofline, model
     if mode.fusion is None or not wanted:
         torch.autograd.backward(roots, grads)
         return
-    paused, mode.fusion = mode.fusion, None
-    try:
+    with mode.unfused():
         at_output = torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
-    finally:
-        mode.fusion = paused
+    if all(g is None for g in at_output):
+        raise RuntimeError("the loss's gradient does not reach the block's output")
     torch.autograd.backward(wanted, [g if g is not None else torch.zeros_like(t) for g, t in zip(at_output, wanted)])
 
 
-def _recomputed(fusion: Fusion, saved: dict[int, int], outputs: list[torch.Tensor], loss_saves: set[int]) -> set[int]:
-    """Compiled: the saved storages the backward recomputes (an element-wise operator of the block made
-    them; not its outputs, not what the eager loss saves), which its forward then never writes."""
-    return {sid for sid in saved if sid in fusion.sources} - {storage_id(t) for t in outputs} - loss_saves
-
-
-def _saved_total(fused: Fusion | None, saved: dict[int, int], loss_saves: set[int], weights: set[int]) -> int:
-    """Bytes the block saves for backward: eagerly ``saved``; compiled (``fused``, the forward's
-    regions), what the partitioner saves instead (``Fusion.saved_bytes``), the loss's saves as they are
-    (the loss runs eagerly, outside the stage module)."""
-    if fused is None:
-        return sum(saved.values())
-    block_saves = {sid: b for sid, b in saved.items() if sid not in loss_saves}
-    loss_total = sum(b for sid, b in saved.items() if sid in loss_saves)
-    return fused.saved_bytes(block_saves, weights | loss_saves) + loss_total
+def _compiled_saves(
+    saved: dict[int, int], outputs: list[torch.Tensor], fixed: set[int], total: list[int], fusion: Fusion
+) -> tuple[set[int], set[int]]:
+    """Compiled: what the block saves (into ``total``), and which of the eager block's saves it
+    recomputes and which it keeps (``Fusion.compiled_saves``); its outputs and what the eager loss or
+    the model keep (``fixed``: the loss's saves, the parameters) are saved as they are."""
+    block = {sid: b for sid, b in saved.items() if sid not in fixed}
+    kept_whole = {sid: b for sid, b in saved.items() if sid in fixed}
+    outs = {storage_id(t) for t in outputs}
+    nbytes, recomputed, kept = fusion.compiled_saves(block, outs, fixed)
+    total.append(nbytes + sum(kept_whole.values()))
+    return recomputed, kept
 
 
 def _input_backward(forward: Callable[[Any], Any], args: tuple, mode: Roofline, into: Tally) -> None:
@@ -398,7 +395,9 @@ def estimate_blocks(
             memory-bound pass (``optimizer_step_seconds``). None leaves ``opt_s`` at 0.
         progress: show a progress bar.
         compiled: estimate the blocks as ``torch.compile`` runs them (``--compile``): each run of
-            memory-bound operators between GEMMs and attention one kernel (``planner.costs.fusion``).
+            memory-bound operators between GEMMs and attention one kernel, saving what AOTAutograd's
+            partitioner keeps (``planner.costs.fusion``); the last block's loss stays eager, as the
+            pipeline runs it outside the compiled stage.
 
     Returns:
         One BlockCost per block, in block order: fwd_s, bwd_s (= bwd_input_s + bwd_weight_s; compiled,
@@ -603,8 +602,9 @@ def _block_cost(
         bwd_s=run.bwd.seconds,
         bwd_input_s=bwd_input_s,
         bwd_weight_s=run.bwd.seconds if run.whole_backward else run.bwd.seconds - bwd_input_s,
-        recompute_s=run.rerun[0],
-        selective_recompute_s=max(run.rerun[0] - run.rerun[1], 0.0),
+        # (compiled, the running forward at a save held writes its end took back: at most the forward)
+        recompute_s=min(run.rerun[0], run.fwd.seconds),
+        selective_recompute_s=max(min(run.rerun[0], run.fwd.seconds) - run.rerun[1], 0.0),
         selective_bytes=run.fwd.kept_bytes(run.kept_out),
         loss_bytes=run.loss_bytes if k == len(traced.blocks) - 1 else None,
         bwd_temp_bytes=run.temp_bytes,

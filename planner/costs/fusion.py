@@ -17,7 +17,7 @@ operator), and its bytes are
 Views move nothing and do not end a region. An operator is charged as it runs (its external reads and
 all of its writes, the region's launch overhead with its first operator), so that a phase's running
 time is at hand mid-phase (the forward up to a saved tensor: ``planner.costs.estimate``); ``settle``
-then takes back the writes nothing read afterwards and applies the kernel's floor (``HardwareSpec``).
+then takes back the writes nothing read afterwards (``Roofline`` applies the kernel's floor).
 
 What a compiled block saves for backward: AOTAutograd's partitioner (``min_cut_rematerialization_
 partition``, torch.compile's default) recomputes cheap element-wise operators in backward instead of
@@ -25,13 +25,14 @@ saving their outputs, but never matrix products, attention, reductions (``ban_re
 or random operators. ``Fusion`` follows every storage an element-wise operator writes back to its
 *frontier*: the storages it is computed from that such an operator did not make (a GEMM's output,
 a reduction's, the block's input). A compiled block saves, for each tensor the eager block saves, the
-tensor itself where something else made it, else its frontier (``saved_bytes``); and the forward
-writes none of the tensors so replaced (``settle``'s ``recomputed``). Llama's SwiGLU then saves
-``w1 x`` and ``w3 x`` instead of those, ``silu`` of the first and the product; its RMSNorm its input
-and the reciprocal root instead of the fp32 copy, the normalised tensor and the output.
+tensor itself where something else made it, else its frontier where that holds no more bytes
+(``compiled_saves``: a greedy min cut); the forward writes what it saves and none of the tensors so
+replaced (``settle``). Llama's SwiGLU then saves ``w1 x`` and ``w3 x`` instead of those, ``silu`` of the
+first and the product; its RMSNorm its input and the mean of squares (a reduction's result) instead
+of the fp32 copy, the normalised tensor and the output.
 
-What it leaves out: the partitioner's min cut may save a frontier's smaller descendant instead (a
-bf16 cast of an fp32 product), so the frontier can overstate what it saves; a region is
+What it leaves out: the partitioner's min cut is global, the greedy one here tensor by tensor, so it
+can save more than the partitioner (never more than the eager block); a region is
 program-ordered (inductor also fuses independent operators ahead, as SwiGLU's ``silu`` before ``w3``
 runs) and one kernel, although inductor splits some (a reduction whose consumers cannot join it, which
 then reads a tensor twice).
@@ -39,8 +40,9 @@ then reads a tensor twice).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+import copy
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -64,12 +66,16 @@ class Fusion:
 
     Attributes:
         region: the index of the open region (-1: none open; the next memory-bound operator opens one).
+        regions: how many regions the phase has opened.
         provisional: bytes charged so far per region (external reads, every write).
         writes: (region, storage id) -> the write; a storage written again in the same region counts once.
         written: storage id -> the region that last wrote it.
-        reads: the storages the open region has read from outside itself (each is charged once).
+        reads: storage id -> bytes of it the open region has read from outside itself (charged up to
+            the storage's size: two halves of one tensor are two reads, one half twice is one).
         sources: storage id -> its frontier, for each storage a recomputable operator wrote last.
         sizes: storage id -> bytes of the storage, for each storage an operator here read.
+        alive: weak references to the storages in ``sizes`` and ``writes``: they keep their ids from
+            being reused by a later storage while the phase runs.
     """
 
     region: int = -1
@@ -77,24 +83,24 @@ class Fusion:
     provisional: dict[int, int] = field(default_factory=dict)
     writes: dict[tuple[int, int], _Write] = field(default_factory=dict)
     written: dict[int, int] = field(default_factory=dict)
-    reads: set[int] = field(default_factory=set)
+    reads: dict[int, int] = field(default_factory=dict)
     sources: dict[int, frozenset[int]] = field(default_factory=dict)
     sizes: dict[int, int] = field(default_factory=dict)
+    alive: dict[int, StorageWeakRef] = field(default_factory=dict)
 
     def operator(
         self,
-        inputs: Iterable[tuple[torch.Tensor, int]],
-        outputs: Iterable[tuple[torch.Tensor, int]],
-        recomputable: bool = True,
-        storage_bytes: dict[int, int] | None = None,
+        inputs: Sequence[tuple[torch.Tensor, int]],
+        outputs: Sequence[tuple[torch.Tensor, int, bool]],
+        storage_bytes: dict[int, int],
     ) -> tuple[int, bool]:
         """Record a memory-bound operator into the open region (opening one if none is).
 
         Args:
             inputs: (tensor, bytes) of each tensor the operator reads.
-            outputs: (tensor, bytes) of each tensor it writes.
-            recomputable: the partitioner may recompute it in backward (not a reduction, not random):
-                its outputs' frontier is its inputs' (``sources``); else they are a frontier themselves.
+            outputs: (tensor, bytes, recomputable) of each tensor it writes; recomputable: the
+                partitioner may recompute it in backward (not a reduction's result, not random): its
+                frontier is then its inputs' (``sources``), else it is a frontier itself.
             storage_bytes: storage id -> bytes of the whole storage, of the inputs (``sizes``).
 
         Returns:
@@ -106,20 +112,24 @@ class Fusion:
             self.region = self.regions
             self.regions += 1
             self.provisional[self.region] = 0
-            self.reads = set()
+            self.reads = {}
+        for t, _ in inputs:
+            sid = storage_id(t)
+            if sid not in self.alive:
+                self.alive[sid] = StorageWeakRef(t.untyped_storage())
+        self.sizes.update(storage_bytes)
+        frontier = frozenset().union(*(self.sources.get(storage_id(t), {storage_id(t)}) for t, _ in inputs))
         charged = 0
-        inputs, outputs = list(inputs), list(outputs)
-        self.sizes.update(storage_bytes or {})
-        if recomputable:
-            frontier = frozenset().union(*(self.sources.get(storage_id(t), {storage_id(t)}) for t, _ in inputs))
         for t, nbytes in inputs:
             sid = storage_id(t)
-            if self.written.get(sid) == self.region or sid in self.reads:
+            if self.written.get(sid) == self.region:
                 continue
             self._read_after(sid)
-            self.reads.add(sid)
-            charged += nbytes
-        for t, nbytes in outputs:
+            done = self.reads.get(sid, 0)
+            more = max(min(nbytes, self.sizes.get(sid, nbytes) - done), 0)
+            self.reads[sid] = done + more
+            charged += more
+        for t, nbytes, _ in outputs:
             sid = storage_id(t)
             key = (self.region, sid)
             if key in self.writes:
@@ -130,7 +140,7 @@ class Fusion:
             self.writes[key] = _Write(self.region, nbytes, StorageWeakRef(t.untyped_storage()))
             self.written[sid] = self.region
             charged += nbytes
-        for t, _ in outputs:
+        for t, _, recomputable in outputs:
             if recomputable:
                 self.sources[storage_id(t)] = frontier
             else:
@@ -138,73 +148,81 @@ class Fusion:
         self.provisional[self.region] += charged
         return charged, opened
 
-    def barrier(self, inputs: Iterable[torch.Tensor]) -> None:
+    def barrier(self, inputs: Iterable[torch.Tensor], outputs: Iterable[torch.Tensor] = ()) -> None:
         """An operator the region does not fuse (a GEMM, attention, a collective): it ends the open
-        region, and what it reads of the regions' writes must have been written to memory."""
+        region, what it reads of the regions' writes must have been written to memory, and what it
+        writes (in place too) is a frontier of its own."""
         self.region = -1
         for t in inputs:
             self._read_after(storage_id(t))
+        for t in outputs:
+            self.sources.pop(storage_id(t), None)
 
     def _read_after(self, sid: int) -> None:
         region = self.written.get(sid)
         if region is not None and region != self.region:
             self.writes[(region, sid)].read_after = True
 
-    def settle(self, recomputed: set[int] | None = None) -> dict[int, tuple[int, int]]:
+    def compiled_saves(
+        self, saved: dict[int, int], fixed: set[int], weights: set[int]
+    ) -> tuple[int, set[int], set[int]]:
+        """What the compiled block saves for backward where the eager one saves ``saved``: a greedy
+        min cut, each saved storage an element-wise operator made replaced by its frontier where that
+        adds no more bytes than the storage itself (so never more than the eager block saves).
+
+        Args:
+            saved: storage id -> bytes of each storage the eager block saves.
+            fixed: of those, the storages saved as they are whatever made them (the block's outputs,
+                what an eager loss saves).
+            weights: the storages of its parameters and buffers (kept by the model, not per microbatch).
+
+        Returns:
+            (the bytes saved; the saved storages recomputed instead, which the forward then never
+            writes; the storages kept, which it must write).
+        """
+        kept = {sid for sid in saved if sid in fixed or sid not in self.sources}
+        recomputed: set[int] = set()
+        for sid in saved:
+            if sid in kept:
+                continue
+            new = self.sources[sid] - kept - weights
+            if sum(saved.get(x, self.sizes.get(x, 0)) for x in new) <= saved[sid]:
+                kept |= new
+                recomputed.add(sid)
+            else:
+                kept.add(sid)
+        kept -= weights
+        return sum(saved.get(sid, self.sizes.get(sid, 0)) for sid in kept), recomputed - kept, kept
+
+    def settle(self, recomputed: set[int] = frozenset(), kept: set[int] = frozenset()) -> dict[int, tuple[int, int]]:  # type: ignore[assignment]
         """The regions' bytes once the phase has ended.
 
         Args:
             recomputed: storages alive after the phase that the compiled backward recomputes instead
-                (saved by the eager block, made by recomputable operators): not written either.
+                (``compiled_saves``): not written either, unless something read them after their region.
+            kept: storages the compiled block saves (``compiled_saves``): written, even where they
+                died with the phase (an eager block may not save a frontier it keeps).
 
         Returns:
             region -> (bytes charged provisionally, bytes it really moves): the writes that nothing
             read after their region and that died with the phase (or are recomputed) are taken back.
         """
         self.region = -1
-        recomputed = recomputed or set()
         moved = dict(self.provisional)
         for (_, sid), w in self.writes.items():
-            if not w.read_after and (sid in recomputed or w.ref.expired()):
+            if w.read_after or sid in kept:
+                continue
+            if sid in recomputed or w.ref.expired():
                 moved[w.region] -= w.nbytes
         return {r: (self.provisional[r], moved[r]) for r in self.provisional}
 
-    def saved_bytes(self, saved: dict[int, int], weights: set[int]) -> int:
-        """What the compiled block saves for backward where the eager one saves ``saved``.
-
-        Args:
-            saved: storage id -> bytes of each storage the eager block saves.
-            weights: the storages of its parameters and buffers (kept by the model, not per microbatch).
-
-        Returns:
-            Bytes: each saved storage that no recomputable operator made, and the frontiers of those
-            that one did, each storage once.
-        """
-        kept: set[int] = set()
-        for sid in saved:
-            kept |= self.sources.get(sid, {sid})
-        return sum(saved.get(sid, self.sizes.get(sid, 0)) for sid in kept - weights)
-
     def snapshot(self) -> Fusion:
         """A copy to return to (``restore``) when an operator charged in parts is charged whole instead."""
-        return Fusion(
-            self.region,
-            self.regions,
-            dict(self.provisional),
-            {k: _Write(w.region, w.nbytes, w.ref, w.read_after) for k, w in self.writes.items()},
-            dict(self.written),
-            set(self.reads),
-            dict(self.sources),
-            dict(self.sizes),
-        )
+        copied = {f.name: copy.copy(getattr(self, f.name)) for f in fields(self)}
+        copied["writes"] = {k: replace(w) for k, w in self.writes.items()}
+        return Fusion(**copied)
 
     def restore(self, other: Fusion) -> None:
         """Return to the state ``other`` (a ``snapshot``) holds."""
-        self.region, self.regions = other.region, other.regions
-        self.provisional, self.writes, self.written, self.reads = (
-            other.provisional,
-            other.writes,
-            other.written,
-            other.reads,
-        )
-        self.sources, self.sizes = other.sources, other.sizes
+        for f in fields(self):
+            setattr(self, f.name, getattr(other, f.name))

@@ -158,7 +158,6 @@ class Roofline(TorchDispatchMode):
         self.float_bytes = float_bytes
         self.fuse = fuse
         self.fusion: Fusion | None = None  # the running phase's regions, under ``fuse``
-        self.fused: Fusion | None = None  # the last phase's, once it has ended
         # operators outside aten that no FLOP formula covers and no decomposition reaches (a library's
         # custom op): charged their bytes only, which is right for a copy and far too little for a
         # matrix product (transformers' MoE experts were such an op): said to the user, not hidden
@@ -240,15 +239,17 @@ class Roofline(TorchDispatchMode):
         self._add(Tally(float(flops), nbytes, seconds, 1, seconds if kept else 0.0, held))
 
     @contextlib.contextmanager
-    def phase(self, tally: Tally, recomputed: Callable[[Fusion], set[int]] | None = None) -> Iterator[Tally]:
+    def phase(
+        self, tally: Tally, saves: Callable[[Fusion], tuple[set[int], set[int]]] | None = None
+    ) -> Iterator[Tally]:
         """Charge everything run inside into ``tally`` (attention as one fused kernel where it is;
-        under ``fuse``, memory-bound operators as the kernels ``torch.compile`` fuses them into, the
-        phase's regions then kept as ``fused``).
+        under ``fuse``, memory-bound operators as the kernels ``torch.compile`` fuses them into).
 
         Args:
             tally: where the phase's costs go.
-            recomputed: under ``fuse``, the storages the compiled backward recomputes instead of the
-                forward saving them (``Fusion.settle``), asked of the phase's regions at its end.
+            saves: under ``fuse``, asked of the phase's regions at its end: the storages the compiled
+                backward recomputes and those the compiled block keeps (``Fusion.compiled_saves``),
+                which decide what the forward writes (``Fusion.settle``).
         """
         self.tally = tally
         self.fusion = Fusion() if self.fuse else None
@@ -257,14 +258,25 @@ class Roofline(TorchDispatchMode):
                 yield tally
         finally:
             if self.fusion is not None:
-                self._settle(self.fusion, tally, recomputed(self.fusion) if recomputed is not None else None)
-            self.fused, self.fusion = self.fusion, None
+                recomputed, kept = saves(self.fusion) if saves is not None else (set(), set())
+                self._settle(self.fusion.settle(recomputed, kept), tally)
+            self.fusion = None
 
-    def _settle(self, fusion: Fusion, tally: Tally, recomputed: set[int] | None) -> None:
-        """Replace the regions' provisional charges by their kernels' (``Fusion.settle``)."""
+    @contextlib.contextmanager
+    def unfused(self) -> Iterator[None]:
+        """Operators run inside are charged as eager ones (a compiled stage's loss, which the pipeline
+        runs outside the stage module), and take no part in the phase's regions."""
+        paused, self.fusion = self.fusion, None
+        try:
+            yield
+        finally:
+            self.fusion = paused
+
+    def _settle(self, regions: dict[int, tuple[int, int]], tally: Tally) -> None:
+        """Replace the regions' provisional charges by their kernels' (``Fusion.settle``'s bytes)."""
         hw = self.hw
         bandwidth = hw.memory_Bps * hw.memory_efficiency
-        for charged, moved in fusion.settle(recomputed).values():
+        for charged, moved in regions.values():
             before = charged / bandwidth + hw.op_overhead_s
             after = (
                 max(moved / bandwidth, hw.op_overhead_s) if hw.async_launch else moved / bandwidth + hw.op_overhead_s
@@ -333,23 +345,21 @@ class Roofline(TorchDispatchMode):
         """Under ``fuse``: charge a memory-bound operator into its region (True), or end the region
         at a barrier, which is then charged as ever (False). Views are free in a compiled graph."""
         assert self.fusion is not None
-        namespace = getattr(func, "namespace", "aten")
-        if flops or namespace not in _FUSED_NAMESPACES:
-            self.fusion.barrier(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        read = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        made = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if flops or getattr(func, "namespace", "aten") not in _FUSED_NAMESPACES:
+            self.fusion.barrier(read, made)
             return False
         if not moves:
             return True
-        read = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        made = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        # what AOTAutograd's partitioner recomputes in backward rather than save: not a reduction
-        # (ban_recompute_reductions: an output smaller than its largest input), not a random operator
-        reduces = bool(read) and any(t.numel() < max(x.numel() for x in read) for t in made)
+        # what AOTAutograd's partitioner recomputes in backward rather than save: no reduction's result
+        # (ban_recompute_reductions: an output smaller than the operator's largest input), nothing random
+        widest = max((t.numel() for t in read), default=0)
         random = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
         nbytes, opened = self.fusion.operator(
             [(t, tensor_bytes(t, self.float_bytes)) for t in read],
-            [(t, tensor_bytes(t, self.float_bytes)) for t in made],
-            recomputable=not (reduces or random),
-            storage_bytes={storage_id(t): storage_bytes(t, self.float_bytes) for t in read},
+            [(t, tensor_bytes(t, self.float_bytes), not random and t.numel() >= widest) for t in made],
+            {storage_id(t): storage_bytes(t, self.float_bytes) for t in read},
         )
         hw = self.hw
         seconds = nbytes / (hw.memory_Bps * hw.memory_efficiency) + (hw.op_overhead_s if opened else 0.0)
