@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from test_estimate import _spec as estimate_spec
 
 from planner.capture.load import load_model_file
 from planner.capture.trace import trace_model
@@ -23,20 +24,21 @@ N = ROWS * COLS * 4  # bytes of one fp32 (ROWS, COLS) tensor
 
 def _spec(kind: str = "gpu", overhead: float = 0.0) -> HardwareSpec:
     """1 byte per second of memory, compute free: seconds are bytes (plus the kernels' overhead)."""
-    return HardwareSpec(
-        name="test",
-        kind=kind,
-        peak_flops={"fp32": 1e30, "bf16": 1e30},
-        memory_Bps=1.0,
-        memory_bytes=2**40,
-        intra_node_Bps=1e9,
-        intra_node_latency_s=0,
-        inter_node_Bps=1e9,
-        inter_node_latency_s=0,
-        matmul_efficiency=1.0,
-        memory_efficiency=1.0,
-        op_overhead_s=overhead,
-    )
+    return estimate_spec(kind, peak_flops={"fp32": 1e30, "bf16": 1e30}, memory_Bps=1.0, op_overhead_s=overhead)
+
+
+def _llama_eager_and_compiled(overrides: dict | None = None) -> tuple[list, list, list]:
+    """The tiny Llama's blocks (as traced), estimated on an H100 eagerly and compiled."""
+    mf = load_model_file(ROOT / "models" / "llama.py", "tiny", overrides)
+    with torch.device("meta"):
+        model = mf.build()
+    inputs, target = mf.batch(2)
+    inputs = tuple(x.to("meta") for x in inputs)
+    traced = trace_model(model, inputs)
+    hw = get_hardware("h100")
+    eager = estimate_blocks(traced, inputs, target.to("meta"), mf.loss_fn, hw, "bf16", progress=False)
+    fused = estimate_blocks(traced, inputs, target.to("meta"), mf.loss_fn, hw, "bf16", progress=False, compiled=True)
+    return traced.blocks, eager, fused
 
 
 def _phase(fn: Callable[[], object], fuse: bool, hw: HardwareSpec | None = None) -> tuple[Tally, object]:
@@ -138,15 +140,7 @@ def test_fused_never_charges_more_than_eager_and_counts_the_same_flops(fn: Calla
 
 
 def test_a_compiled_llama_estimate_is_faster_with_the_same_flops_and_saves_less() -> None:
-    mf = load_model_file(ROOT / "models" / "llama.py", "tiny", {"dim": 256, "seq_len": 256})
-    with torch.device("meta"):
-        model = mf.build()
-    inputs, target = mf.batch(2)
-    inputs = tuple(x.to("meta") for x in inputs)
-    traced = trace_model(model, inputs)
-    hw = get_hardware("h100")
-    eager = estimate_blocks(traced, inputs, target.to("meta"), mf.loss_fn, hw, "bf16", progress=False)
-    fused = estimate_blocks(traced, inputs, target.to("meta"), mf.loss_fn, hw, "bf16", progress=False, compiled=True)
+    blocks, eager, fused = _llama_eager_and_compiled({"dim": 256, "seq_len": 256})
     for e, f in zip(eager, fused):
         assert (f.flops_fwd, f.flops_bwd, f.param_bytes, f.selective_bytes) == (
             e.flops_fwd,
@@ -158,7 +152,7 @@ def test_a_compiled_llama_estimate_is_faster_with_the_same_flops_and_saves_less(
         assert f.activation_bytes <= e.activation_bytes  # the partitioner recomputes element-wise outputs
         # the zero-bubble split runs a compiled block's one backward node whole for I and for W
         assert f.bwd_input_s == f.bwd_weight_s == f.bwd_s
-    layer = next(i for i, b in enumerate(traced.blocks) if b.is_layer)
+    layer = next(i for i, b in enumerate(blocks) if b.is_layer)
     # a layer's norms, rotary embedding, SwiGLU and residual adds fuse: well under its eager time
     assert fused[layer].fwd_s + fused[layer].bwd_s < 0.9 * (eager[layer].fwd_s + eager[layer].bwd_s)
 
@@ -175,17 +169,8 @@ class _SwiGLU(torch.nn.Module):
 
 
 def test_a_compiled_block_saves_the_matrix_products_outputs_and_recomputes_the_element_wise_ones() -> None:
-    with torch.device("meta"):
-        model = torch.nn.Sequential(_SwiGLU(), torch.nn.Linear(64, 8))
-    x, target = torch.empty(8, 32, 64, device="meta"), torch.empty(8, 32, 8, device="meta")
-    traced = trace_model(model, (x,))
-
-    def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return ((out - y) ** 2).mean()
-
-    hw = get_hardware("h100")
-    eager = estimate_blocks(traced, (x,), target, mse, hw, "fp32", progress=False)[0]
-    fused = estimate_blocks(traced, (x,), target, mse, hw, "fp32", progress=False, compiled=True)[0]
+    eagers, fuseds = _first_block(_SwiGLU, torch.empty(8, 32, 64, device="meta"), get_hardware("h100"))
+    eager, fused = eagers[0], fuseds[0]
     inp, wide = 8 * 32 * 64 * 4, 8 * 32 * 256 * 4
     # eagerly: x (for w1's and w3's weight gradients), w1 x (silu's), silu(w1 x) and w3 x (the
     # product's), the product (w2's); compiled: x, w1 x and w3 x, the rest recomputed from them
@@ -245,17 +230,8 @@ def test_a_compiled_block_never_saves_more_than_the_eager_one() -> None:
 
 
 def test_the_compiled_last_block_charges_its_eager_loss_forward_and_backward() -> None:
-    mf = load_model_file(ROOT / "models" / "llama.py", "tiny")
-    with torch.device("meta"):
-        model = mf.build()
-    inputs, target = mf.batch(2)
-    inputs = tuple(x.to("meta") for x in inputs)
-    traced = trace_model(model, inputs)
-    hw = get_hardware("h100")
-    eager = estimate_blocks(traced, inputs, target.to("meta"), mf.loss_fn, hw, "bf16", progress=False)[-1]
-    fused = estimate_blocks(traced, inputs, target.to("meta"), mf.loss_fn, hw, "bf16", progress=False, compiled=True)[
-        -1
-    ]
+    _, eagers, fuseds = _llama_eager_and_compiled()
+    eager, fused = eagers[-1], fuseds[-1]
     # the loss's own temporaries and saves are the eager ones; the block's backward still runs
     assert (fused.loss_temp_bytes, fused.loss_bytes) == (eager.loss_temp_bytes, eager.loss_bytes)
     assert 0.5 * eager.bwd_s < fused.bwd_s <= eager.bwd_s
