@@ -26,8 +26,9 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy --strict planner/core planner/schema planner/report planner/errors.py
 
+# --durations: the log names the slowest tests, where CI's time goes
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 check: lint
 	$(PY) -m pytest -q -m "not multiprocess and not slow" -p no:cacheprovider
