@@ -40,8 +40,6 @@ When torch changes one of these, this is the only file to mend; the tests that e
   makes every check before reaching it (tests/test_trace.py, the graph of every shipped model).
 - ``torch._C._DisableTorchDispatch``: allocations that no dispatch mode needs to see (the replayed
   values of a meta run, ``planner.capture.graph``; tests/test_meta_runs.py).
-- Python's own ``multiprocessing.forkserver._forkserver._stop``: a fresh forkserver per launch, so
-  the ranks print where the launcher's stdout is now (tests/test_run.py reads their step lines).
 """
 
 from __future__ import annotations
@@ -73,7 +71,6 @@ __all__ = [
     "pipelining_backward",
     "pytree",
     "retain_graph_compile",
-    "stop_forkserver",
     "storage_id",
     "swapped_sdpa",
     "timed_schedule",
@@ -295,18 +292,6 @@ def gather_each_stage_once(schedule: Any) -> None:
         schedule._prepare_schedule_with_comms(order)
     finally:
         sched_mod._add_unshard_reshard = original
-
-
-def stop_forkserver() -> None:
-    """Stop multiprocessing's forkserver (Python's private ``ForkServer._stop``), so the next launch
-    starts a fresh one. Its workers inherit the server's stdout and stderr, not the launcher's: a
-    server kept from an earlier launch would print to where stdout went then (a test's capture, a
-    closed pipe). A Python without the method keeps its server."""
-    import multiprocessing.forkserver
-
-    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
-    if callable(stop):
-        stop()
 
 
 @contextlib.contextmanager

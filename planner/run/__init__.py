@@ -25,6 +25,8 @@
 - ``measure``: per-microbatch forward/backward timers around the stage inside the real schedule,
   point-to-point wait time, and memory by category (torch's MemTracker) on one step.
 - ``console``: what a run prints (flushed lines, the step line).
+- ``forkserver``: the server the ranks fork from, kept between launches in one process; the
+  launcher's stdout, stderr and environment handed to each rank (``LaunchContext``).
 
 The run record itself (``RunResult``, a ``StageMeasure`` per stage) lives in
 ``planner.schema.result``, so reading a run.json needs no torch.

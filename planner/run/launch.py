@@ -61,6 +61,7 @@ from planner.capture.stage import stage_module
 from planner.errors import PlannerError, RunFailed
 from planner.run.console import print_flushed
 from planner.run.faults import WorkerTraceback, diagnose, read_records
+from planner.run.forkserver import prepare_forkserver
 from planner.run.loop import RankResult, run_result
 from planner.run.mesh import threads_per_rank
 from planner.run.model import StageSource, check_runnable, check_ties, load_plan_model, planned_source, trace_for_plan
@@ -69,7 +70,7 @@ from planner.run.tensor_split import check_tp_split, shardable_trace
 from planner.schema.plan import Plan
 from planner.schema.request import RunRequest
 from planner.schema.result import RunResult
-from planner.torch_compat import stop_forkserver, watched_elastic_agent
+from planner.torch_compat import watched_elastic_agent
 
 _NOISY_LOGGERS = (
     "torch.distributed.elastic",
@@ -378,7 +379,6 @@ def _launch(plan: Plan, request: RunRequest, nproc: int, print_fn: Callable[[str
     """
     from planner.run.worker import run_worker
 
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed.pipelining", "planner.run.worker"])
     if request.echo:
         print_fn(launch_line(plan, nproc))
     params, master_addr, master_port = _rendezvous_parameters(plan, request)
@@ -390,11 +390,13 @@ def _launch(plan: Plan, request: RunRequest, nproc: int, print_fn: Callable[[str
         # pool would size itself to every core and the ranks would oversubscribe the machine.
         with _quiet_elastic(), _env(OMP_NUM_THREADS=str(threads_per_rank(plan))), _signal_handlers_kept():
             try:
+                # inside _env, so the server (or the ranks of a kept one) see this OMP_NUM_THREADS
+                context = prepare_forkserver(["torch", "torch.distributed.pipelining", "planner.run.worker"])
                 spec = WorkerSpec(
                     role="planner",
                     local_world_size=nproc,
                     entrypoint=run_worker,
-                    args=(plan.to_json(), request.model_dump_json(), str(error_dir)),
+                    args=(plan.to_json(), request.model_dump_json(), str(error_dir), context),
                     rdzv_handler=_FixedNodes(_rendezvous_handler(params, request)),
                     max_restarts=0,
                     monitor_interval=0.1,
@@ -412,8 +414,8 @@ def _launch(plan: Plan, request: RunRequest, nproc: int, print_fn: Callable[[str
                     logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp) / "logs")),
                     # Workers fork from a server process that has imported torch and the worker once,
                     # instead of each importing them afresh (about 2 s of CPU per rank). The server is
-                    # started fresh by this process, not forked from it, so no thread or CUDA state is
-                    # inherited.
+                    # started by this process, not forked from it, so no thread or CUDA state is
+                    # inherited. A server kept from an earlier launch is reused (planner.run.forkserver).
                     start_method="forkserver",
                     # after Ctrl-C / SIGTERM, how long the ranks may take to write their records
                     shutdown_timeout=_GRACE_S,
@@ -421,7 +423,6 @@ def _launch(plan: Plan, request: RunRequest, nproc: int, print_fn: Callable[[str
                 values, parent_signal = _run_agent(agent, spec, watch, request, params)
             finally:
                 exit_codes = watch.finish()
-                stop_forkserver()  # the next launch's workers print where stdout is then
         if values is not None:
             return run_result(plan, list(values.values()), mode="pipeline", plan_path=request.plan_file)
         error, cause = _failure(plan, request, error_dir, exit_codes, watch.hung, parent_signal)

@@ -45,6 +45,7 @@ from tqdm import tqdm
 from planner.errors import PlannerError
 from planner.run.checkpoint import RankState, keep_vocab, latest_checkpoint, load_checkpoint, save_checkpoint
 from planner.run.console import print_flushed
+from planner.run.forkserver import LaunchContext
 from planner.run.loop import Progress, RankModel, RankResult, train_steps
 from planner.run.measure import StageProbe, probes_installed, recv_buffers
 from planner.run.mesh import RankMesh, group_of_one, joined_group
@@ -238,13 +239,14 @@ def train_in_process(plan: Plan, request: RunRequest) -> RankResult:
         return _train_rank(plan, request, mesh, device, Progress())
 
 
-def run_worker(plan_json: str, request_json: str, error_dir: str) -> RankResult:
+def run_worker(plan_json: str, request_json: str, error_dir: str, context: LaunchContext) -> RankResult:
     """Entry point of one worker process (top level, so ``spawn`` can pickle it).
 
     Args:
         plan_json: the plan's JSON text.
         request_json: ``planner run``'s options (a ``RunRequest`` as JSON).
         error_dir: where to leave a failure record.
+        context: the launcher's stdout, stderr and environment, which this rank takes first.
 
     Returns:
         This rank's measurements (losses only on the last rank).
@@ -256,6 +258,7 @@ def run_worker(plan_json: str, request_json: str, error_dir: str) -> RankResult:
             the steps it completed, the traceback) and, when a step completed,
             ``rank<R>.partial.pkl`` (the pickled ``RankResult`` of the completed steps).
     """
+    context.attach()
     _quiet()
     raise_on_stop_signals()
     # torch.fx's interpreter makes a tqdm bar, whose default lock is a multiprocessing semaphore: a

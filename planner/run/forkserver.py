@@ -1,0 +1,160 @@
+"""The server process the ranks fork from, kept from one launch to the next.
+
+The launcher starts its workers with multiprocessing's ``forkserver`` method: a server process,
+started by the launcher (not forked from it, so it inherits no thread or CUDA state), imports torch
+and the worker once, and every rank is a fork of it. Starting the server costs seconds (the import
+of torch), so a process that launches many runs (the tests, a bench, a notebook) keeps it.
+
+A kept server still has the stdout, stderr and environment of the launch that started it, and so
+would its forks. Each worker therefore receives a ``LaunchContext`` among its arguments and takes
+the launcher's present stdout, stderr and environment from it first thing. A variable that a
+library reads once, when it is loaded (OpenMP's thread settings, torch's and CUDA's, Python's
+own), cannot be handed over that way: when one of those differs from the server's, the server is
+started afresh (``IMPORT_TIME_PREFIXES``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import sys
+from collections.abc import Sequence
+from multiprocessing import reduction
+from typing import Any
+
+# Variables with these prefixes may be read when a library is loaded (libgomp and MKL read their
+# thread settings then, torch its logging and compile settings, the interpreter PYTHON*), which a
+# kept server did long ago: a change to one starts a fresh server.
+IMPORT_TIME_PREFIXES = (
+    "OMP_",
+    "KMP_",
+    "GOMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "TORCH",
+    "PYTORCH_",
+    "PYTHON",
+    "LD_",
+    "CUDA",
+    "NCCL_",
+    "GLOO_",
+    "TRITON_",
+)
+
+_STDIO_FDS = (1, 2)
+
+# the running server as this process started it: its pid, preloaded modules and environment
+_server: dict[str, Any] = {"pid": None, "preload": [], "environment": {}}
+
+
+class LaunchContext:
+    """What a worker takes from its launcher first thing: stdout, stderr and the environment.
+
+    Pickled for a worker, as multiprocessing pickles a new process's arguments, it sends the
+    launcher's stdout and stderr descriptors along (``reduction.DupFd`` passes them over the
+    server's socket) with the environment's changes since the server started.
+    """
+
+    def __init__(
+        self, changes: dict[str, tuple[str | None, str | None]], handles: tuple[Any, ...] | None = None
+    ) -> None:
+        """Args:
+        changes: variable -> (its value in the server, its value in the launcher now); None: unset.
+        handles: the received descriptors, in a worker (None on the launcher's side).
+        """
+        self.changes = changes
+        self._handles = handles
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        handles = tuple(reduction.DupFd(fd) if _is_open(fd) else None for fd in _STDIO_FDS)
+        return (LaunchContext, (self.changes, handles))
+
+    def attach(self) -> None:
+        """In a worker: print where the launcher prints, and see the launcher's environment.
+
+        A variable the launching agent set for this rank (RANK, MASTER_PORT, ...) no longer has the
+        server's value and is left as the agent set it.
+        """
+        for name, (before, now) in self.changes.items():
+            if os.environ.get(name) != before:
+                continue
+            if now is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = now
+        if self._handles is None:
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for handle, fd in zip(self._handles, _STDIO_FDS, strict=True):
+            if handle is not None:
+                received = handle.detach()
+                os.dup2(received, fd)
+                os.close(received)
+
+
+def prepare_forkserver(preload: Sequence[str]) -> LaunchContext:
+    """Make sure a server the workers can fork from runs, and say what they must take from here.
+
+    A server this process started earlier is kept unless it died, it preloaded other modules, or a
+    variable read at import (``IMPORT_TIME_PREFIXES``) changed since; otherwise a fresh one is
+    started under the present environment, importing ``preload``.
+
+    Args:
+        preload: the modules the server imports once for all its forks.
+
+    Returns:
+        The context to pass to every worker (``LaunchContext.attach``).
+    """
+    environment, preload = dict(os.environ), list(preload)
+    changes = environment_changes(_server["environment"], environment)
+    stale = any(name.startswith(IMPORT_TIME_PREFIXES) for name in changes) or preload != _server["preload"]
+    if forkserver_pid() != _server["pid"] or stale:
+        stop_forkserver()  # not the one we started (none, or another caller's), or a stale one
+    multiprocessing.set_forkserver_preload(preload)
+    multiprocessing.forkserver.ensure_running()  # starts one if none runs, or the last one died
+    if forkserver_pid() != _server["pid"]:  # started just now, under the present environment
+        _server.update(pid=forkserver_pid(), preload=preload, environment=environment)
+        changes = {}
+    return LaunchContext(changes)
+
+
+def stop_forkserver() -> None:
+    """Stop multiprocessing's forkserver (Python's private ``ForkServer._stop``), so the next launch
+    starts a fresh one. A Python without the method keeps its server."""
+    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
+    if callable(stop):
+        stop()
+
+
+def forkserver_pid() -> int | None:
+    """The process id of multiprocessing's forkserver, once started (Python's private
+    ``ForkServer._forkserver_pid``; None: none started, or a Python without the field)."""
+    return getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+
+
+def environment_changes(before: dict[str, str], now: dict[str, str]) -> dict[str, tuple[str | None, str | None]]:
+    """Each variable whose value differs between two environments.
+
+    Args:
+        before: the earlier environment.
+        now: the later one.
+
+    Returns:
+        name -> (value before, value now), None where unset; sorted by name.
+    """
+    return {
+        name: (before.get(name), now.get(name))
+        for name in sorted(before.keys() | now.keys())
+        if before.get(name) != now.get(name)
+    }
+
+
+def _is_open(fd: int) -> bool:
+    """Whether this process has ``fd`` open (a launcher started with stdout closed has not)."""
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
