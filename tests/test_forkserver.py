@@ -28,13 +28,14 @@ class Seen(NamedTuple):
     pid: int
     server: int
     value: str | None
+    cache: str | None  # TORCHINDUCTOR_CACHE_DIR
 
 
 def _worker(context: LaunchContext, reply: Connection) -> None:
     """A worker as the launcher's are: take the context first, then print and report."""
     context.attach()
     print(f"worker {os.getpid()} prints", flush=True)
-    reply.send(Seen(os.getpid(), os.getppid(), os.environ.get(VAR)))
+    reply.send(Seen(os.getpid(), os.getppid(), os.environ.get(VAR), os.environ.get("TORCHINDUCTOR_CACHE_DIR")))
 
 
 def _launch(context: LaunchContext) -> Seen:
@@ -108,11 +109,14 @@ def test_a_kept_server_forks_workers_that_print_and_see_what_the_launcher_does_n
     monkeypatch.setenv(VAR, "first")
     first = _launch(prepare_forkserver([]))
     monkeypatch.setenv(VAR, "second")
+    # torch sets this one in the launcher when it first needs it, and reads it when it uses it
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
     printed = str(tmp_path / "stdout.txt")
     with _stdout_to(printed):
         second = _launch(prepare_forkserver([]))
     assert second.server == first.server == forkserver_pid(), "the server was not kept"
     assert (first.value, second.value) == ("first", "second")
+    assert second.cache == str(tmp_path / "cache")
     with open(printed) as f:
         assert f.read() == f"worker {second.pid} prints\n"
 

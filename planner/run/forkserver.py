@@ -42,6 +42,11 @@ IMPORT_TIME_PREFIXES = (
     "TRITON_",
 )
 
+# ... except these, which torch sets in its own process the first time it needs them (to the value it
+# would compute anyway: torch._inductor.runtime.cache_dir_utils) and reads on every use: a kept
+# server's ranks take them from the LaunchContext like any other variable.
+READ_WHEN_USED = frozenset({"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"})
+
 _STDIO_FDS = (1, 2)
 
 # the running server as this process started it: its pid, preloaded modules and environment
@@ -98,7 +103,7 @@ def prepare_forkserver(preload: Sequence[str]) -> LaunchContext:
     """Make sure a server the workers can fork from runs, and say what they must take from here.
 
     A server this process started earlier is kept unless it died, it preloaded other modules, or a
-    variable read at import (``IMPORT_TIME_PREFIXES``) changed since; otherwise a fresh one is
+    variable read at import (``IMPORT_TIME_PREFIXES``, but not ``READ_WHEN_USED``) changed since; otherwise a fresh one is
     started under the present environment, importing ``preload``.
 
     Args:
@@ -109,7 +114,8 @@ def prepare_forkserver(preload: Sequence[str]) -> LaunchContext:
     """
     environment, preload = dict(os.environ), list(preload)
     changes = environment_changes(_server["environment"], environment)
-    stale = any(name.startswith(IMPORT_TIME_PREFIXES) for name in changes) or preload != _server["preload"]
+    read_at_import = [name for name in changes if name.startswith(IMPORT_TIME_PREFIXES) and name not in READ_WHEN_USED]
+    stale = bool(read_at_import) or preload != _server["preload"]
     if forkserver_pid() != _server["pid"] or stale:
         stop_forkserver()  # not the one we started (none, or another caller's), or a stale one
     multiprocessing.set_forkserver_preload(preload)
