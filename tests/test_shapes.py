@@ -99,16 +99,37 @@ def test_autocast_gives_the_dtypes_training_sends() -> None:
     assert fake.dtype == real.dtype == torch.bfloat16 and fake.shape == real.shape
 
 
-def test_the_runner_makes_its_stage_examples_without_computing() -> None:
+@pytest.mark.parametrize("limit", [0, None], ids=["fake", "real-when-cheap"])
+def test_the_runner_makes_its_stage_examples_without_computing_unless_that_is_cheaper(
+    limit: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """PipelineStage's examples (the receive buffers' shapes) come from a fake run: a real one is a
-    forward of the whole prefix at full width on the CPU, in every rank."""
+    forward of the whole prefix at full width on the CPU, in every rank. A model as small as the tiny
+    Llama runs for real (cheaper than the fake run's per-operator overhead), with the same shapes."""
+    import planner.capture.shapes as shapes
     from planner.run.stages import _example_io
 
+    if limit is not None:
+        monkeypatch.setattr(shapes, "REAL_RUN_LIMIT", limit)
     mf = load_model_file(ROOT / "models" / "llama.py", "tiny")
     inputs, _ = mf.batch(2)
     traced = trace_model(mf.build(seed=0), inputs, shapes_only=True)
     stage = stage_module(traced, 3, 5)
     x, y = _example_io(traced, 3, stage, inputs, torch.device("cpu"))
     real_x = stage_module(traced, 0, 3)(*stage_inputs(inputs))
-    assert [t.device.type for t in (*x, *y)] == ["meta"] * (len(x) + len(y))
+    want = "meta" if limit == 0 else "cpu"
+    assert [t.device.type for t in (*x, *y)] == [want] * (len(x) + len(y))
     assert x[0].shape == real_x.shape and x[0].requires_grad and y[0].shape == stage(real_x).shape
+
+
+def test_a_run_is_cheap_for_real_only_when_small_and_on_one_real_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    import planner.capture.shapes as shapes
+
+    lin = nn.Linear(10, 10)  # 110 parameters
+    x = torch.zeros(3, 10)  # 30 elements: 3,300
+    monkeypatch.setattr(shapes, "REAL_RUN_LIMIT", 3300)
+    assert shapes.cheap_to_run(lin, (x,)) and shapes.cheap_to_run(lin, (x,), torch.device("cpu"))
+    assert not shapes.cheap_to_run(lin, (torch.zeros(4, 10),))  # 4,400: over the limit
+    assert not shapes.cheap_to_run(lin, (x,), torch.device("meta"))  # as if on another device: fake
+    assert not shapes.cheap_to_run(lin, (x.to("meta"),))  # inputs on another device than the weights
+    assert not shapes.cheap_to_run(nn.Linear(10, 10, device="meta"), (x.to("meta"),))  # nothing to compute
