@@ -1,6 +1,7 @@
 """The forkserver kept between launches (planner.run.forkserver): a kept server's forks print where
 the launcher prints now and see its environment now; a change the server cannot hand over (a
-variable read at import, other preloaded modules, a dead server) starts a fresh one."""
+variable read at import, a module it did not preload, a dead server) starts a fresh one, which
+keeps what the last one preloaded."""
 
 from __future__ import annotations
 
@@ -17,9 +18,17 @@ from typing import NamedTuple
 
 import pytest
 
-from planner.run.forkserver import LaunchContext, environment_changes, forkserver_pid, prepare_forkserver
+from planner.run import forkserver
+from planner.run.forkserver import (
+    LaunchContext,
+    environment_changes,
+    forkserver_pid,
+    installed_modules,
+    prepare_forkserver,
+)
 
 VAR = "PLANNER_TEST_FORKSERVER_VAR"
+PRELOADS = ("tabnanny", "wave")  # modules nothing here imports but a server told to
 
 
 class Seen(NamedTuple):
@@ -29,13 +38,17 @@ class Seen(NamedTuple):
     server: int
     value: str | None
     cache: str | None  # TORCHINDUCTOR_CACHE_DIR
+    preloaded: tuple[str, ...]  # which of PRELOADS the worker found imported, imported by none of its own
 
 
 def _worker(context: LaunchContext, reply: Connection) -> None:
     """A worker as the launcher's are: take the context first, then print and report."""
     context.attach()
     print(f"worker {os.getpid()} prints", flush=True)
-    reply.send(Seen(os.getpid(), os.getppid(), os.environ.get(VAR), os.environ.get("TORCHINDUCTOR_CACHE_DIR")))
+    preloaded = tuple(name for name in PRELOADS if name in sys.modules)
+    reply.send(
+        Seen(os.getpid(), os.getppid(), os.environ.get(VAR), os.environ.get("TORCHINDUCTOR_CACHE_DIR"), preloaded)
+    )
 
 
 def _launch(context: LaunchContext) -> Seen:
@@ -75,6 +88,14 @@ def _wait_until_dead(pid: int) -> None:
         time.sleep(0.01)
 
 
+@pytest.fixture
+def bare_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forget the server earlier tests of this process left, with its preloads: a fresh server
+    started here imports only what the test names (a run test's would import torch and more)."""
+    forkserver.stop_forkserver()
+    monkeypatch.setitem(forkserver._server, "preload", [])
+
+
 def test_environment_changes_lists_each_differing_variable_with_both_values() -> None:
     before = {"A": "1", "B": "2", "C": "3"}
     now = {"A": "1", "B": "4", "D": "5"}
@@ -103,6 +124,7 @@ def test_attach_takes_the_launchers_changes_but_keeps_what_the_agent_set(monkeyp
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("bare_server")
 def test_a_kept_server_forks_workers_that_print_and_see_what_the_launcher_does_now(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -126,6 +148,7 @@ def test_a_kept_server_forks_workers_that_print_and_see_what_the_launcher_does_n
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("bare_server")
 def test_a_variable_read_at_import_other_preloads_or_a_dead_server_start_a_fresh_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -144,3 +167,40 @@ def test_a_variable_read_at_import_other_preloads_or_a_dead_server_start_a_fresh
     revived = _launch(prepare_forkserver(["json"]))
     assert revived.server not in (other, fresh.server) and revived.value == "after"
     assert _launch(prepare_forkserver(["json"])).server == revived.server
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("bare_server")
+def test_a_server_that_preloaded_more_is_kept_and_a_fresh_one_keeps_the_last_ones_modules() -> None:
+    first = _launch(prepare_forkserver(["tabnanny"]))
+    assert first.preloaded == ("tabnanny",)
+    assert _launch(prepare_forkserver([])).server == first.server, "a server with more preloaded was not kept"
+    both = _launch(prepare_forkserver(["wave"]))
+    assert both.server != first.server, "a module the server lacks did not start a fresh one"
+    assert both.preloaded == ("tabnanny", "wave")
+    assert _launch(prepare_forkserver(["tabnanny"])).server == both.server
+
+
+def test_installed_modules_are_the_site_packages_that_define_the_classes() -> None:
+    import click
+    import torch
+
+    from planner.schema.plan import Plan
+
+    class Local(torch.nn.Module):  # the user's own code: a model file, or a test
+        pass
+
+    classes = [torch.nn.Linear, torch.nn.Linear, click.Command, Local, Plan, int]
+    assert installed_modules(classes) == ["click.core", "torch.nn.modules.linear"]
+
+
+@pytest.mark.slow  # imports transformers
+def test_a_hugging_face_model_s_modules_are_preloaded_for_its_ranks() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    model = transformers.LlamaForCausalLM(config)
+    names = installed_modules({type(m) for m in model.modules()})
+    assert "transformers.models.llama.modeling_llama" in names
+    assert all(n.startswith(("transformers.", "torch.")) for n in names), names

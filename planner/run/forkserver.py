@@ -11,6 +11,12 @@ the launcher's present stdout, stderr and environment from it first thing. A var
 library reads once, when it is loaded (OpenMP's thread settings, torch's and CUDA's, Python's
 own), cannot be handed over that way: when one of those differs from the server's, the server is
 started afresh (``IMPORT_TIME_PREFIXES``).
+
+Besides torch and the worker, the server imports the installed packages the model's own classes
+come from (``installed_modules``: a Hugging Face model's ``transformers`` modules take seconds to
+import, in every rank otherwise). A kept server that already imported what a launch needs serves
+it; one that lacks a module is started afresh, importing what it had and the new ones, so a
+process that launches models of several packages in turn restarts its server once per package.
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import sys
-from collections.abc import Sequence
+import sysconfig
+from collections.abc import Iterable, Sequence
 from multiprocessing import reduction
+from pathlib import Path
 from typing import Any
 
 # Variables with these prefixes may be read when a library is loaded (libgomp and MKL read their
@@ -48,6 +56,9 @@ IMPORT_TIME_PREFIXES = (
 READ_WHEN_USED = frozenset({"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"})
 
 _STDIO_FDS = (1, 2)
+
+# what every rank imports, once in the server it forks from
+RANK_MODULES = ("torch", "torch.distributed.pipelining", "planner.run.worker")
 
 # the running server as this process started it: its pid, preloaded modules and environment
 _server: dict[str, Any] = {"pid": None, "preload": [], "environment": {}}
@@ -102,28 +113,68 @@ class LaunchContext:
 def prepare_forkserver(preload: Sequence[str]) -> LaunchContext:
     """Make sure a server the workers can fork from runs, and say what they must take from here.
 
-    A server this process started earlier is kept unless it died, it preloaded other modules, or a
-    variable read at import (``IMPORT_TIME_PREFIXES``, but not ``READ_WHEN_USED``) changed since; otherwise a fresh one is
-    started under the present environment, importing ``preload``.
+    A server this process started earlier is kept unless it died, it did not import every module of
+    ``preload``, or a variable read at import (``IMPORT_TIME_PREFIXES``, but not ``READ_WHEN_USED``)
+    changed since; otherwise a fresh one is started under the present environment, importing
+    ``preload`` and what the last one had imported (so that launches alternating between two
+    models' packages do not restart it each time).
 
     Args:
-        preload: the modules the server imports once for all its forks.
+        preload: the modules the server imports once for all its forks, in order.
 
     Returns:
         The context to pass to every worker (``LaunchContext.attach``).
     """
-    environment, preload = dict(os.environ), list(preload)
+    environment, wanted = dict(os.environ), list(dict.fromkeys(preload))
     changes = environment_changes(_server["environment"], environment)
     read_at_import = [name for name in changes if name.startswith(IMPORT_TIME_PREFIXES) and name not in READ_WHEN_USED]
-    stale = bool(read_at_import) or preload != _server["preload"]
+    stale = bool(read_at_import) or not set(wanted) <= set(_server["preload"])
     if forkserver_pid() != _server["pid"] or stale:
         stop_forkserver()  # not the one we started (none, or another caller's), or a stale one
-    multiprocessing.set_forkserver_preload(preload)
+        imports: list[str] = list(dict.fromkeys([*wanted, *_server["preload"]]))
+    else:
+        imports = _server["preload"]
+    multiprocessing.set_forkserver_preload(imports)
     multiprocessing.forkserver.ensure_running()  # starts one if none runs, or the last one died
     if forkserver_pid() != _server["pid"]:  # started just now, under the present environment
-        _server.update(pid=forkserver_pid(), preload=preload, environment=environment)
+        _server.update(pid=forkserver_pid(), preload=imports, environment=environment)
         changes = {}
     return LaunchContext(changes)
+
+
+def rank_preload(classes: Iterable[type]) -> list[str]:
+    """What a server imports for ranks that build a model of ``classes``: torch, the worker, and the
+    installed packages' modules that define those classes (``installed_modules``).
+
+    Args:
+        classes: the classes a rank will instantiate (a model's modules' types).
+
+    Returns:
+        The modules' names, ``RANK_MODULES`` first.
+    """
+    return [*RANK_MODULES, *installed_modules(classes)]
+
+
+def installed_modules(classes: Iterable[type]) -> list[str]:
+    """The modules of installed packages that define ``classes``, for a server to import ahead.
+
+    Only modules loaded from the interpreter's site-packages count: a model file, or a module
+    beside it, is the user's code, which each rank imports itself as it loads the model file.
+
+    Args:
+        classes: the classes a rank will instantiate (a model's modules' types).
+
+    Returns:
+        Their modules' names, sorted, each once.
+    """
+    roots = {Path(sysconfig.get_paths()[key]).resolve() for key in ("purelib", "platlib")}
+    names: set[str] = set()
+    for cls in classes:
+        module = sys.modules.get(cls.__module__)
+        where = getattr(module, "__file__", None)
+        if where and any(root in Path(where).resolve().parents for root in roots):
+            names.add(cls.__module__)
+    return sorted(names)
 
 
 def stop_forkserver() -> None:

@@ -61,7 +61,7 @@ from planner.capture.stage import stage_module
 from planner.errors import PlannerError, RunFailed
 from planner.run.console import print_flushed
 from planner.run.faults import WorkerTraceback, diagnose, read_records
-from planner.run.forkserver import prepare_forkserver
+from planner.run.forkserver import prepare_forkserver, rank_preload
 from planner.run.loop import RankResult, run_result
 from planner.run.mesh import threads_per_rank
 from planner.run.model import StageSource, check_runnable, check_ties, load_plan_model, planned_source, trace_for_plan
@@ -336,6 +336,7 @@ def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None]
     check_resume(plan, request)
     check_checkpoint_dir(request)
     check_data(plan, request, mf, traced, print_fn)
+    preload = rank_preload({type(m) for m in source.model.modules()})
     del traced, source
     if n == 1:
         if request.echo:
@@ -347,7 +348,7 @@ def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None]
 
         rank = train_in_process(plan, request)
         return run_result(plan, [rank], mode="local", plan_path=plan_path)
-    return _launch(plan, request, nproc, print_fn)
+    return _launch(plan, request, nproc, print_fn, preload)
 
 
 def launch_line(plan: Plan, nproc: int) -> str:
@@ -369,8 +370,10 @@ def launch_line(plan: Plan, nproc: int) -> str:
     )
 
 
-def _launch(plan: Plan, request: RunRequest, nproc: int, print_fn: Callable[[str], None]) -> RunResult:
-    """Start ``nproc`` workers on this node (torchrun-style), wait for all, gather this node's ranks.
+def _launch(
+    plan: Plan, request: RunRequest, nproc: int, print_fn: Callable[[str], None], preload: list[str]
+) -> RunResult:
+    """Start ``nproc`` workers here (torchrun-style, forked from a server of ``preload``), wait, gather them.
 
     Raises:
         PlannerError: the rendezvous could not be formed (before any rank started).
@@ -391,7 +394,7 @@ def _launch(plan: Plan, request: RunRequest, nproc: int, print_fn: Callable[[str
         with _quiet_elastic(), _env(OMP_NUM_THREADS=str(threads_per_rank(plan))), _signal_handlers_kept():
             try:
                 # inside _env, so the server (or the ranks of a kept one) see this OMP_NUM_THREADS
-                context = prepare_forkserver(["torch", "torch.distributed.pipelining", "planner.run.worker"])
+                context = prepare_forkserver(preload)
                 spec = WorkerSpec(
                     role="planner",
                     local_world_size=nproc,
