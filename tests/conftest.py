@@ -6,6 +6,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# `make test` runs the suite on several workers (pytest-xdist) of a 2-core machine, so an example's
+# wall time says more about the other workers than about the code: no property test has a deadline
+# (a test's own @settings still set its example counts).
+settings.register_profile("planner", deadline=None)
+settings.load_profile("planner")
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `pytest` run without `python -m` or an editable install
