@@ -26,12 +26,9 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy --strict planner/core planner/schema planner/report planner/errors.py
 
-# --durations: the log names the slowest tests, where CI's time goes.
-# -n 3: three pytest workers on this 2-core machine, since the tests that launch ranks wait on them
-# and on the rendezvous (the whole suite took 36.6 min of tests on one worker, 26.3 min on three).
-# loadscope keeps a module's tests, and so its module-scoped fixtures, on one worker.
+# --durations: the log names the slowest tests, where CI's time goes
 test: lint
-	$(PY) -m pytest -q -n 3 --dist loadscope --durations=30
+	$(PY) -m pytest -q --durations=30
 
 check: lint
 	$(PY) -m pytest -q -m "not multiprocess and not slow" -p no:cacheprovider

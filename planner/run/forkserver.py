@@ -144,7 +144,9 @@ def prepare_forkserver(preload: Sequence[str]) -> LaunchContext:
 
 def rank_preload(classes: Iterable[type]) -> list[str]:
     """What a server imports for ranks that build a model of ``classes``: torch, the worker, and the
-    installed packages' modules that define those classes (``installed_modules``).
+    installed packages' modules that define those classes (``installed_modules``), but none of
+    torch's own: ``import torch`` loads them already, and naming them would make each model's mix of
+    torch layers a different preload, so a launch of another model would restart a kept server.
 
     Args:
         classes: the classes a rank will instantiate (a model's modules' types).
@@ -152,7 +154,8 @@ def rank_preload(classes: Iterable[type]) -> list[str]:
     Returns:
         The modules' names, ``RANK_MODULES`` first.
     """
-    return [*RANK_MODULES, *installed_modules(classes)]
+    loaded = {name.split(".")[0] for name in RANK_MODULES}
+    return [*RANK_MODULES, *(name for name in installed_modules(classes) if name.split(".")[0] not in loaded)]
 
 
 def installed_modules(classes: Iterable[type]) -> list[str]:
