@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-# `make test` runs the suite on several workers (pytest-xdist) of a 2-core machine, so an example's
-# wall time says more about the other workers than about the code: no property test has a deadline
-# (a test's own @settings still set its example counts).
+# On a busy 2-core machine (CI's, with rank processes beside the test) an example's wall time says more
+# about the load than about the code: no property test has a deadline (a test's own @settings still
+# set its example counts).
 settings.register_profile("planner", deadline=None)
 settings.load_profile("planner")
 

@@ -175,7 +175,7 @@ def test_the_profiler_measures_selective_checkpointing() -> None:
 def test_selective_recomputation_skips_the_matmuls() -> None:
     # one big matmul and a cheap activation: full recomputation runs the matmul again, selective not.
     # The matmul (2.1 GFLOP) is ~10x the activation and the policy's bookkeeping here, so the margin
-    # holds while other test workers share the cores (at 512 x 768 it was 4x, and a loaded run failed)
+    # holds while other processes share the cores (at 512 x 768 it was 4x, and a loaded run failed)
     d = 1024
     torch.manual_seed(0)
     model = nn.Sequential(nn.Sequential(nn.Linear(d, d), nn.ReLU()), nn.Sequential(nn.Linear(d, d), nn.ReLU()))
