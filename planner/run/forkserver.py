@@ -16,7 +16,8 @@ Besides torch and the worker, the server imports the installed packages the mode
 come from (``installed_modules``: a Hugging Face model's ``transformers`` modules take seconds to
 import, in every rank otherwise). A kept server that already imported what a launch needs serves
 it; one that lacks a module is started afresh, importing what it had and the new ones, so a
-process that launches models of several packages in turn restarts its server once per package.
+process that launches several models in turn restarts its server once for each module it had not
+preloaded yet, not at every switch.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def prepare_forkserver(preload: Sequence[str]) -> LaunchContext:
     Returns:
         The context to pass to every worker (``LaunchContext.attach``).
     """
-    environment, wanted = dict(os.environ), list(dict.fromkeys(preload))
+    environment, wanted = dict(os.environ), list(preload)
     changes = environment_changes(_server["environment"], environment)
     read_at_import = [name for name in changes if name.startswith(IMPORT_TIME_PREFIXES) and name not in READ_WHEN_USED]
     stale = bool(read_at_import) or not set(wanted) <= set(_server["preload"])
