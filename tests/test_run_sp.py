@@ -158,7 +158,8 @@ def _saved_bytes_rank(rank: int, port: int) -> None:
         torch.manual_seed(0)
         traced = trace_model(mf.build(), inputs)
         k = [b.name for b in traced.blocks].index("layers.1")
-        seq = tensor_parallel_shares(traced, inputs, tp_plan)["layers.1"].sequence
+        share = tensor_parallel_shares(traced, inputs, tp_plan)["layers.1"]
+        seq = share.sequence
         assert seq is not None and seq.activation_bytes > 0
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
         x = torch.randn(2, 32, 64, requires_grad=True)
@@ -173,6 +174,15 @@ def _saved_bytes_rank(rank: int, port: int) -> None:
         sequence, got = _saved_bytes(split, x, state)
         assert plain - sequence == seq.activation_bytes // 2, (plain, sequence, seq.activation_bytes)
         torch.testing.assert_close(got, want)  # the kept shards gathered again in backward: the same gradient
+        # backward all-gathers what the share charges: the two row-wise outputs' gradients, one re-gather
+        # per gathered input (q, k, v share one, w1 and w3 another), the stage input's gradient
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        out = split(x)
+        with CommDebugMode() as comm:
+            out.pow(2).sum().backward()
+        gathers = sum(n for op, n in comm.get_comm_counts().items() if "all_gather" in str(op))
+        assert gathers == share.fwd_allreduces + seq.regathers + 1 == 5, comm.get_comm_counts()
 
 
 def test_a_model_whose_shards_reach_attention_left_whole_is_refused(tmp_path: Path) -> None:

@@ -357,7 +357,7 @@ def _plan(path: Path, tp: int | str, gpus: int = 4, size: str | None = "tiny"):
     return make_plan(PlanRequest.build(model_file=path, size=size, gpus=gpus, gpu_type="h100", tp=tp, batch_size=8))
 
 
-@pytest.mark.parametrize("batch", [8, 64])
+@pytest.mark.parametrize("batch", [1, 64])
 def test_sequence_parallelism_auto_is_the_faster_of_on_and_off(batch: int) -> None:
     """--sequence-parallel auto (the default): the search tries each tensor-parallel layout both ways
     and keeps the faster that fits, so its step is the better of the two forced plans', its plan and
@@ -372,7 +372,13 @@ def test_sequence_parallelism_auto_is_the_faster_of_on_and_off(batch: int) -> No
     best = min((on, off), key=lambda p: p.prediction.step_time_s)
     assert auto.prediction.step_time_s == best.prediction.step_time_s
     assert auto.sequence_parallel == best.sequence_parallel
-    assert {c.sequence_parallel for c in auto.search} == {True, False}  # both tried
+    # both tried: solved and listed (one sample: the two are close), or the slower way's layouts ruled
+    # out by their lower bound, unsolved (64: sequence parallelism is 6 % faster), which the choice says
+    listed = {c.sequence_parallel for c in auto.search}
+    if batch == 1:
+        assert listed == {True, False}
+    else:
+        assert listed == {auto.sequence_parallel} and "ruled out unsolved" in auto.choice
     chosen = [c for c in auto.search if c.step_time_s == auto.prediction.step_time_s]
     assert chosen and all(c.sequence_parallel == auto.sequence_parallel for c in chosen)
     assert ("with sequence parallelism" in auto.choice.split(":")[0]) == auto.sequence_parallel  # the chosen one
@@ -534,8 +540,8 @@ def test_a_split_an_exported_model_cannot_run_is_refused_at_plan_time(tmp_path: 
 def test_llama_sequence_shares_exact() -> None:
     # under sequence parallelism each RMSNorm on a sequence shard saves its input, its normalised input
     # (2 x tokens x dim) and its reciprocal root (tokens) split, and the column-wise layers keep their
-    # input as the shard (gathered again in backward, once per layer: q, k, v, w1, w3); layers.0's
-    # attention norm reads the embedding, not a shard
+    # input as the shard, gathered again in backward once per gathered value (q, k, v share one, w1 and
+    # w3 another); layers.0's attention norm reads the embedding, not a shard
     _, shares = _shares(LLAMA, batch=2)
     dim, tokens, fp32 = 64, 2 * 32, 4
     hidden = tokens * dim * fp32
@@ -545,8 +551,8 @@ def test_llama_sequence_shares_exact() -> None:
     assert later.activation_bytes == 2 * per_norm + 2 * hidden
     assert first.activation_bytes == per_norm + hidden and norm.activation_bytes == per_norm
     assert (later.gathers, later.gather_bytes, later.whole_inputs) == (2, 2 * hidden, 0)
-    assert (later.regathers, later.regather_bytes, later.column_bytes) == (5, 5 * hidden, 2 * hidden)
-    assert (first.gathers, first.whole_inputs, first.whole_input_bytes, first.regathers) == (1, 1, hidden, 2)
+    assert (later.regathers, later.regather_bytes, later.column_bytes) == (2, 2 * hidden, 2 * hidden)
+    assert (first.gathers, first.whole_inputs, first.whole_input_bytes, first.regathers) == (1, 1, hidden, 1)
     assert (later.param_grads, later.param_grad_bytes, first.param_grads) == (2, 2 * dim * fp32, 1)
     assert later.cut_share == 1.0 and norm.compute == 1.0 and 0 < later.compute < 0.01
     assert (head.gathers, head.regathers, head.activation_bytes, head.cut_share) == (1, 1, hidden, 0.0)

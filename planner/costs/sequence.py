@@ -32,7 +32,7 @@ class SeqTally:
     gathers: list[int] = field(default_factory=list)  # each gather's bytes
     wholes: list[int] = field(default_factory=list)  # each whole input's (wrapped once, reduced once)
     grads: dict[int, int] = field(default_factory=dict)
-    regathers: list[int] = field(default_factory=list)  # each shard-reading column-wise layer's input bytes
+    regathers: list[int] = field(default_factory=list)  # each gathered shard's bytes, gathered again in backward
     last: int | None = None  # the id of the last column-wise input: the runner gathers again for another
     sums: tuple[int, ...] = (0,) * 10  # of a twin's replayed counts
     mixed: str = ""  # the first operator on shards that mixes positions (``token_wise``)
@@ -61,12 +61,13 @@ class SeqTally:
     def column_input(self, key: int, nbytes: int, is_sequence: bool) -> None:
         """A column-wise layer's input (``key``: its id) as the runner takes it: gathered if a sequence
         shard (else wrapped whole) unless the layer before read the same value (the runner holds
-        only the last one), and for a shard gathered again in backward by this layer."""
+        only the last one); a gathered shard is gathered again once in backward, for the weight
+        gradients of all the layers that read it (``planner.run.sequence_split``: q, k and v share one)."""
         if key != self.last:
             (self.gathers if is_sequence else self.wholes).append(nbytes)
+            if is_sequence:
+                self.regathers.append(nbytes)
         self.last = key
-        if is_sequence:
-            self.regathers.append(nbytes)
 
     def share(self, work: float, cut_share: float) -> SequenceShare | None:
         """The block's ``SequenceShare`` (``work``: the block's whole forward work); None when

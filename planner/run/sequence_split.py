@@ -18,7 +18,9 @@ DTensors so that it works on any traced stage without knowing its code:
   reduce-scattered once in backward, as Megatron's fused QKV does), cast first to autocast's dtype
   (what the layer would cast it to: half the bytes to gather); what the layers save of it for
   their weight gradients is the shard, gathered again when the backward needs it (a saved-tensor
-  hook: Megatron-LM saves and re-gathers the same way), so a layer holds 1/tp of its input;
+  hook: Megatron-LM saves and re-gathers the same way), so a layer holds 1/tp of its input; the
+  layers that read one gathered value share one such gather in backward too (q, k and v: one
+  all-gather, not three);
 * a stage's inputs that are sequence shards in the whole graph (``planner.capture.tp_sequence``)
   are cut to this rank's slice on arrival (no traffic; their gradient is all-gathered in
   backward), its DTensor outputs gathered whole before they leave (the boundary then scatters them
@@ -86,6 +88,9 @@ class SequenceSplit:
         # storage of a gathered whole -> (weakref to the whole's local tensor, its shard): an entry
         # counts only while that whole lives (a freed storage's address is reused)
         self.shard_of: dict[int, tuple[Any, Any]] = {}
+        # (shard, shape) -> the one packed value every layer saving that whole keeps: q, k and v
+        # read one gathered input, so backward gathers it once for the three (Megatron's fused QKV)
+        self.packed: dict[tuple[int, tuple[int, ...]], _Regather] = {}
         self.saving: Any = None  # the saved-tensor hooks during the stage's forward
 
     def enter(self, *_: Any) -> None:
@@ -105,6 +110,7 @@ class SequenceSplit:
             # a recomputation (in backward) gathers too: hold nothing past it
             self.last = None
             self.shard_of.clear()
+            self.packed.clear()
 
     def close(self) -> None:
         """Leave the mode and the saved-tensor hooks, hold nothing: the stage's forward is over."""
@@ -117,6 +123,7 @@ class SequenceSplit:
         self.depth = 0
         self.last = None
         self.shard_of.clear()
+        self.packed.clear()
 
     def stage_in(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """The stage's inputs, the sequence shards cut to this rank's slice (the mode entered)."""
@@ -177,27 +184,51 @@ class SequenceSplit:
         # only a reshape of the whole (a linear's flattened input): gathered again it reads the same
         if not t.is_contiguous() or t.numel() != shard.numel():
             return t
-        return _Regather(shard, tuple(t.shape))
+        key = (id(shard), tuple(t.shape))
+        packed = self.packed.get(key)
+        if packed is None or packed.shard is not shard:
+            packed = self.packed[key] = _Regather(shard, tuple(t.shape))
+        packed.keeps += 1
+        return packed
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """A saved tensor again: a kept shard gathered whole (in the shape it was saved in)."""
-        if not isinstance(packed, _Regather):
-            return packed
-        from torch.distributed.tensor import Replicate
-
-        with torch.no_grad():
-            whole = packed.shard.redistribute(packed.shard.device_mesh, [Replicate()])
-        return whole.reshape(packed.shape)
+        return packed.gathered() if isinstance(packed, _Regather) else packed
 
 
 class _Regather:
-    """A saved gathered input, kept as its shard (``SequenceSplit.pack``)."""
+    """A saved gathered input, kept as its shard (``SequenceSplit.pack``) by ``keeps`` saved tensors
+    (the layers that read the one gathered whole): backward gathers it for the first of them and
+    hands the same whole to the others, then lets it go.
 
-    __slots__ = ("shard", "shape")
+    A split backward (zero-bubble) unpacks the saved tensors in its input pass and again in its
+    weight pass: counting unpacks per ``keeps`` gathers once per pass. Should a pass unpack only some
+    of them, the whole is held until the rest do (the same values: only memory is held longer).
+    """
+
+    __slots__ = ("keeps", "served", "shape", "shard", "whole")
 
     def __init__(self, shard: Any, shape: tuple[int, ...]) -> None:
         self.shard = shard
         self.shape = shape
+        self.keeps = 0  # saved tensors that hold this
+        self.served = 0  # unpacks since the last gather
+        self.whole: torch.Tensor | None = None
+
+    def gathered(self) -> torch.Tensor:
+        """The whole, gathered for the first unpack and shared until every keeper had it."""
+        whole = self.whole
+        if whole is None:
+            from torch.distributed.tensor import Replicate
+
+            with torch.no_grad():
+                whole = self.shard.redistribute(self.shard.device_mesh, [Replicate()]).reshape(self.shape)
+        self.served += 1
+        if self.served >= self.keeps:  # the last keeper: hold nothing for the next pass
+            self.served, self.whole = 0, None
+        else:
+            self.whole = whole
+        return whole
 
 
 def _storage(t: torch.Tensor) -> int:

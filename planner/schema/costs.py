@@ -88,10 +88,11 @@ class SequenceShare(BaseModel):
     regather_bytes: int = Field(
         default=0,
         ge=0,
-        description="Bytes the column-wise layers gather again in backward: each layer reading a sequence shard "
-        "keeps the shard for its weight gradient (not the gathered whole) and gathers it again when that runs.",
+        description="Bytes the column-wise layers gather again in backward: the layers reading a gathered sequence "
+        "shard keep the shard for their weight gradients (not the gathered whole), and it is gathered again once "
+        "for all of them when the first of those runs.",
     )
-    regathers: int = Field(default=0, ge=0, description="How many such layers.")
+    regathers: int = Field(default=0, ge=0, description="How many such gathers.")
     column_bytes: int = Field(
         default=0,
         ge=0,
