@@ -16,7 +16,9 @@ from planner.core.schedules import (
     in_flight_per_stage,
     peak_in_flight,
     peak_live_bytes,
+    prefix_states,
     rank_orders,
+    rank_states,
     stage_ranks,
     stages_per_rank_options,
 )
@@ -219,6 +221,59 @@ def test_peak_live_bytes_of_a_rank_with_two_stages() -> None:
     assert [(a.stage, a.kind, a.microbatch) for a in order[-3:]] == [(2, "B", 3), (0, "B", 2), (0, "B", 3)]
     assert peak_live_bytes(order, {0: 10, 2: 1}, {0: 5, 2: 7}, {2: 100}) == 2 * 10 + 12 + 100
     assert peak_live_bytes(order, {0: 10, 2: 1}, {0: 5, 2: 7}, {0: 100}) == 12 + 100
+
+
+def _walked_peak(order, per_mb, grads, reduced):  # type: ignore[no-untyped-def]
+    """peak_live_bytes by its definition: the running sum after every action of the order."""
+    last = {a.stage: i for i, a in enumerate(order) if a.kind in ("B", "W")}
+    live = peak = 0
+    seen: set[int] = set()
+    for i, a in enumerate(order):
+        if a.kind == "F":
+            live += per_mb.get(a.stage, 0)
+        elif a.kind in ("B", "W"):
+            live -= per_mb.get(a.stage, 0)
+            if a.stage not in seen:
+                seen.add(a.stage)
+                live += grads.get(a.stage, 0)
+            if last[a.stage] == i:
+                live += reduced.get(a.stage, 0)
+        peak = max(peak, live)
+    return peak
+
+
+@settings(max_examples=150)
+@given(
+    schedule=st.sampled_from(SCHEDULES),
+    p=st.integers(1, 5),
+    m=st.integers(1, 12),
+    v=st.integers(1, 3),
+    sizes=st.lists(st.integers(0, 1000), min_size=45, max_size=45),
+)
+def test_peak_from_the_distinct_states_is_the_walked_peak(schedule, p, m, v, sizes) -> None:  # type: ignore[no-untyped-def]
+    # rank_states keeps each rank's distinct states, not its order: the peak over them is the walk's
+    assume(_runnable(schedule, p, m, v))
+    n = len(stage_ranks(schedule, p, v))
+    per_mb, grads, reduced = ({s: sizes[k * 15 + s] for s in range(n)} for k in range(3))
+    for order, states in zip(rank_orders(schedule, p, m, v), rank_states(schedule, p, m, v)):
+        want = _walked_peak(order, per_mb, grads, reduced)
+        assert peak_live_bytes(states, per_mb, grads, reduced) == want == peak_live_bytes(order, per_mb, grads, reduced)
+        assert len(states.states) <= len(order) + 1
+
+
+def test_a_long_order_has_few_distinct_states() -> None:
+    # 1F1B at m 512 on 16 ranks: 1,024 actions a rank, at most 4 (p + 1) distinct states
+    for order, states in zip(rank_orders("1f1b", 16, 512), rank_states("1f1b", 16, 512)):
+        assert len(order) == 1024 and len(states.states) <= 4 * 17
+    assert prefix_states(rank_orders("gpipe", 2, 3)[0]).states == (
+        ((0,), (0,), (0,)),
+        ((1,), (0,), (0,)),
+        ((2,), (0,), (0,)),
+        ((3,), (0,), (0,)),
+        ((2,), (1,), (0,)),
+        ((1,), (1,), (0,)),
+        ((0,), (1,), (1,)),
+    )
 
 
 def test_gradients_come_with_one_microbatch_fewer_where_every_forward_comes_first() -> None:

@@ -28,7 +28,7 @@ from planner.core.data_parallel import (
 from planner.core.inputs import Layout
 from planner.core.links import Links, NodeLinks, boundary_links, default_link, links_around
 from planner.core.recompute import compact_flags, recompute_flags, recompute_mode
-from planner.core.schedules import Action, in_flight_per_stage, peak_live_bytes, rank_orders, stage_ranks
+from planner.core.schedules import Action, RankStates, in_flight_per_stage, peak_live_bytes, rank_states, stage_ranks
 from planner.core.simulate import SimResult, StageTimes, Traffic, simulate, simulate_step
 from planner.core.stage_model import (
     MemoryParts,
@@ -95,7 +95,7 @@ def predict(
     stage_costs(blocks, starts, link, recompute, schedule)  # validates the split (legal cuts, non-empty stages)
     links = boundary_links(link, n, schedule)
     flags = recompute_flags(recompute, n)
-    orders = rank_orders(schedule, p, n_microbatches, layout.stages_per_rank)
+    orders = rank_states(schedule, p, n_microbatches, layout.stages_per_rank)
     in_flight = in_flight_per_stage(schedule, p, n_microbatches, layout.stages_per_rank)
     ends = list(starts[1:]) + [len(blocks)]
     parts = [_memory_parts(blocks, a, b, optimizer, flags[i], layout) for i, (a, b) in enumerate(zip(starts, ends))]
@@ -331,7 +331,7 @@ def simulate_plan(plan: Plan) -> SimResult:
 def rank_memory_bytes(
     blocks: Sequence[BlockCost],
     stages: Sequence[StagePlan],
-    order: Sequence[Action],
+    order: Sequence[Action] | RankStates,
     rank: int,
     optimizer: OptimizerSpec,
     layout: Layout,
@@ -350,7 +350,7 @@ def rank_memory_bytes(
     Args:
         blocks: per-block costs.
         stages: every stage of the plan (``rank`` set).
-        order: this rank's action order.
+        order: this rank's action order, or its ``RankStates`` (``planner.core.schedules.rank_states``).
         rank: the rank.
         optimizer: the optimizer (state and step temporaries).
         layout: its microbatches per step (receive buffers), the FSDP replicas the stages' state is

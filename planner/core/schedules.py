@@ -51,6 +51,8 @@ solves, predicts and polishes one shape many times, and an order of p ranks x m 
 rebuilt in O(p m v). Few, since one shape of 64 ranks x 512 microbatches holds some 65k actions."""
 
 IN_FLIGHT_CACHED = 4096
+STATES_CACHED = 256
+"""Shapes whose ranks' distinct prefix states are kept (``rank_states``)."""
 """The in-flight counts of this many shapes are kept (``in_flight_per_stage``): one int per stage each."""
 
 
@@ -450,7 +452,7 @@ def peak_in_flight(order_for_rank: Sequence[Action]) -> dict[int, int]:
 
 
 def peak_live_bytes(
-    order_for_rank: Sequence[Action],
+    order_for_rank: Sequence[Action] | RankStates,
     bytes_per_microbatch: dict[int, int],
     grads: dict[int, int] | None = None,
     reduced: dict[int, int] | None = None,
@@ -467,7 +469,8 @@ def peak_live_bytes(
     backward (GPipe) never holds all its microbatches and its gradients at once.
 
     Args:
-        order_for_rank: one rank's action order.
+        order_for_rank: one rank's action order, or its ``RankStates`` (``rank_states``: the same
+            peak, without walking the order again).
         bytes_per_microbatch: stage -> bytes one live microbatch holds on it.
         grads: stage -> its gradient bytes, counted from its first backward on (None: none).
         reduced: stage -> gradient bytes counted from its last backward on (None: none).
@@ -476,22 +479,69 @@ def peak_live_bytes(
         Peak bytes.
     """
     grads, reduced = grads or {}, reduced or {}
-    last = {a.stage: i for i, a in enumerate(order_for_rank) if a.kind in ("B", "W")} if reduced else {}
-    live = 0
+    stages, states = order_for_rank if isinstance(order_for_rank, RankStates) else prefix_states(order_for_rank)
+    per_mb = [bytes_per_microbatch.get(s, 0) for s in stages]
+    grad = [grads.get(s, 0) for s in stages]
+    red = [reduced.get(s, 0) for s in stages]
     peak = 0
-    seen: set[int] = set()
-    for i, a in enumerate(order_for_rank):
-        if a.kind == "F":
-            live += bytes_per_microbatch.get(a.stage, 0)
-        elif a.kind in ("B", "W"):
-            live -= bytes_per_microbatch.get(a.stage, 0)
-            if a.stage not in seen:
-                seen.add(a.stage)
-                live += grads.get(a.stage, 0)
-            if last.get(a.stage) == i:
-                live += reduced.get(a.stage, 0)
-        peak = max(peak, live)
+    for live, seen, done in states:
+        total = 0
+        for k, n in enumerate(live):
+            total += n * per_mb[k] + seen[k] * grad[k] + done[k] * red[k]
+        peak = max(peak, total)
     return peak
+
+
+PrefixState = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+"""After a prefix of a rank's order, per stage of the rank: live microbatches, whether its first
+backward has run (0 / 1), whether its last has."""
+
+
+class RankStates(NamedTuple):
+    """The distinct states a rank's order passes through (``prefix_states``): its stages, ascending,
+    and the states, the empty prefix's first."""
+
+    stages: tuple[int, ...]
+    states: tuple[PrefixState, ...]
+
+
+def prefix_states(order: Sequence[Action]) -> RankStates:
+    """The distinct states ``order`` passes through, so that ``peak_live_bytes`` takes the most of
+    a sum linear in the state over a few states instead of walking the order: a long order repeats
+    its steady state (1F1B at m 512 has 1,024 actions and at most 4 (p + 1) states).
+
+    Raises:
+        ValueError: an action kind other than F, B, I or W.
+    """
+    stages = tuple(sorted({a.stage for a in order}))
+    index = {s: k for k, s in enumerate(stages)}
+    last = {a.stage: i for i, a in enumerate(order) if a.kind in ("B", "W")}
+    live, seen, done = [0] * len(stages), [0] * len(stages), [0] * len(stages)
+    states: dict[PrefixState, None] = {((0,) * len(stages), (0,) * len(stages), (0,) * len(stages)): None}
+    for i, a in enumerate(order):
+        k = index[a.stage]
+        if a.kind == "F":
+            live[k] += 1
+        elif a.kind in ("B", "W"):
+            live[k] -= 1
+            seen[k] = 1
+            if last[a.stage] == i:
+                done[k] = 1
+        elif a.kind != "I":
+            raise ValueError(f"action kind {a.kind!r} is invalid; expected 'F', 'B', 'I' or 'W'.")
+        states[(tuple(live), tuple(seen), tuple(done))] = None
+    return RankStates(stages, tuple(states))
+
+
+@lru_cache(maxsize=STATES_CACHED)
+def rank_states(schedule: str, n_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> tuple[RankStates, ...]:
+    """Every rank's ``prefix_states`` under a schedule, computed once per shape and kept (the last
+    ``STATES_CACHED``: a few states a rank, where ``rank_orders`` keeps only a few shapes' orders).
+
+    Raises:
+        InfeasibleError: the schedule cannot run with these numbers (see ``check_schedule``).
+    """
+    return tuple(prefix_states(order) for order in rank_orders(schedule, n_ranks, n_microbatches, stages_per_rank))
 
 
 def in_flight_per_stage(schedule: str, n_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> list[int]:
