@@ -18,7 +18,8 @@ Sources (the figures are copied from them, nothing here is fitted to them):
 * torchtitan (benchmarks/llama3_h100_202412_torchtitan.md, Table 1): Llama 3.1 8B, FSDP over 8 H100
   (96 GB HBM2e at 2.4 TB/s, 500 W power limit), local batch 2, sequence 8,192, selective
   recomputation: 5,762 tokens/s per GPU (eager, bf16, torch of 23 Dec 2024), 82.4 GiB peak memory.
-  Planned for those GPUs (``--gpu-type h100-hbm2e``; the power limit is not modelled) with the
+  Planned for those GPUs (``--gpu-type h100-hbm2e``; at the power limit the peak is "between SXM and
+  NVL", so the layout is predicted again at the H100 NVL's datasheet peaks, ``LOW_PEAK``) with the
   attention kernel that torch ran on them (``--attention-kernel flash``: torch's FlashAttention-2,
   its default on H100 from 2.5.1 to 2.10, pytorch/pytorch#138522), ``--recompute selective``
   (torchtitan's "op" policy, which ``planner run`` uses). Its "FSDP + torch.compile" row, 6,667
@@ -73,6 +74,7 @@ class Published:
     request: dict[str, Any] = field(default_factory=dict)  # extra PlanRequest fields (recompute, dp mode)
     memory_gib: float | None = None  # the published GPUs' memory when it is not the spec's (H100 96 GB)
     peak_gib: float | None = None  # the published peak memory per GPU, where the source gives one
+    low_gpu: str | None = None  # the GPU at the low end of a published range of peaks (``LOW_PEAK``)
 
     @property
     def dp(self) -> int:
@@ -116,6 +118,27 @@ MEGATRON = [
 
 
 SP = {"sequence_parallel": True}
+
+# torchtitan's H100s run at a 500 W power limit, and its benchmark says of their peak (footnote 2 of
+# benchmarks/llama3_h100_202412_torchtitan.md): "the actual peak TFLOPs number is between SXM and
+# NVL, and we don't know its exact value". Its rows are predicted at both ends: the h100-hbm2e spec
+# (the SXM's datasheet peaks) and this one, the same GPU at the H100 NVL's datasheet peaks (NVIDIA
+# H100 NVL datasheet: FP32 60 TFLOPS; TF32 835 / BF16 and FP16 1,671 TFLOPS with sparsity, half dense).
+LOW_PEAK = "h100-hbm2e-nvl-peak"
+
+
+def _register_low_peak() -> None:
+    """Make ``LOW_PEAK`` a GPU type of this process (the benchmark's own; users never see it)."""
+    from planner.core.hardware import GPUS
+
+    sxm = GPUS["h100-hbm2e"]
+    GPUS[LOW_PEAK] = sxm.model_copy(
+        update={
+            "name": LOW_PEAK,
+            "peak_flops": {"fp32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12, "fp16": 835.5e12},
+            "source": f"{sxm.source}, at the H100 NVL datasheet's peaks (the low end torchtitan gives)",
+        }
+    )
 
 
 def published_runs() -> list[Published]:
@@ -169,6 +192,7 @@ def published_runs() -> list[Published]:
                 note=tokens,
                 request=titan | ({"compile": True} if compiled else {}),
                 peak_gib=peak,
+                low_gpu=LOW_PEAK,
             )
         )
     for model, size, recompute, published in (
@@ -203,17 +227,23 @@ How to read it:
   `bench/published_runs.py` gives the details.
 - torchtitan's H100 rows are planned for the GPUs they ran on (`--gpu-type h100-hbm2e`: 96 GB HBM2e
   at 2.4 TB/s) and the attention kernel its torch of December 2024 ran there (`--attention-kernel
-  flash`); their 500 W power limit, which lowers the clocks by an amount not published, is not
-  modelled. The compiled row is planned with `--compile`: each run of memory-bound operators
+  flash`). Their 500 W power limit lowers the clocks by an amount not published; torchtitan says
+  their peak "is between SXM and NVL", so these rows are predicted at both ends ("SXM .. NVL"): the
+  H100 SXM's datasheet peaks, then the H100 NVL's (835.5 dense bf16 TFLOP/s instead of 989.5), the
+  same layout, memory and links. The compiled row is planned with `--compile`: each run of memory-bound operators
   between matrix products and attention charged as one fused kernel (`planner/costs/fusion.py`),
   its element-wise outputs recomputed in backward rather than saved, as torch.compile's partitioner does.
 - The Llama 3 rows are planned with `--sequence-parallel`, as that run split its norms and
   residuals along the sequence (Megatron-LM's 2021 runs predate it; torchtitan's rows use no tensor
   parallelism).
 - What the planner does not model (and so where errors come from): communication overlapped with
-  compute (Megatron and Llama 3 overlap the data-parallel reduction
-  and, in Llama 3, parts of the tensor-parallel traffic); the Llama 3 run's own pipeline schedule
-  (a tuned interleaving) and its first/last stages with one layer fewer; Megatron's fused kernels
+  compute (Megatron and Llama 3 overlap the data-parallel reduction: Llama 3's FSDP is "asynchronously
+  prefetching sharded model weights and reducing gradients"; its paper says nothing of overlapping
+  the tensor-parallel traffic, which the planner charges whole, as torch's eager DTensors run it); the Llama 3 run's own pipeline schedule
+  (a tuned interleaving, "N" microbatches in a row), its first/last stages with one layer fewer, and
+  its memory savings (it frees each stage's input and output tensors and trained "without
+  activation checkpointing"; the planner's memory model, of torch's eager kernels and
+  `PipelineStage`, has most stages recompute their first layer); Megatron's fused kernels
   (the roofline model's GEMM and attention efficiencies are fixed per GPU, `docs/gpu_costs.md`).
   The planner predicts `planner run`, which reduces gradients in fp32 (DDP's are those of the fp32
   weights autocast trains; FSDP's by its `reduce_dtype`), as torchtitan and the Llama 3 run do; the
@@ -278,6 +308,22 @@ def _plan(base: PlanRequest, costs: Any, mf: Any, limit: int | None, **update: A
     return plan, "", time.perf_counter() - t0
 
 
+def _chosen(plan: Plan) -> dict[str, Any]:
+    """The request fields that pin ``plan``'s layout (schedule, microbatches, stages per rank,
+    replicas' mode, recomputation), so another GPU's costs predict the same run."""
+    fields: dict[str, Any] = {
+        "schedule": plan.schedule,
+        "microbatches": plan.n_microbatches,
+        "stages_per_rank": plan.stages_per_rank,
+    }
+    if plan.dp > 1:
+        fields |= {"dp_mode": plan.dp_mode, "fsdp_units": plan.fsdp_units}
+    recompute = {stage.recompute for stage in plan.stages}
+    if len(recompute) == 1 and ":" not in (mode := next(iter(recompute))):
+        fields["recompute"] = mode
+    return fields
+
+
 def evaluate(row: Published, tmp: Path) -> list[str]:
     """The page's row for one published run: published figure, the prediction of its layout, the search's."""
     base = PlanRequest.build(
@@ -306,6 +352,12 @@ def evaluate(row: Published, tmp: Path) -> list[str]:
     searched, why_s, t_search = _plan(
         base, costs, mf, limit, tp="auto", dp="auto", recompute="auto", sequence_parallel="auto"
     )
+    low = None
+    if row.low_gpu is not None and given is not None:  # the same layout at the low end of the peaks
+        _register_low_peak()
+        at_low = base.model_copy(update={"gpu_type": row.low_gpu})
+        low_costs = estimated_costs(mf, at_low, 1)
+        low, _, _ = _plan(at_low, low_costs, mf, None, **_chosen(given))
     published = f"{row.tflops:,.0f}" + (f" ({row.note})" if row.note else "")
     cells = [row.source, row.model, f"{row.gpus:,} {row.gpu}", f"t {row.tp} x p {row.pp} x d {row.dp}", str(row.batch)]
     cells.append(published)
@@ -317,9 +369,14 @@ def evaluate(row: Published, tmp: Path) -> list[str]:
         if row.peak_gib is not None:  # the peak beside the published one
             peak = given.prediction.max_memory_bytes / 2**30
             fits += f", peak {peak:.1f} GiB against {row.peak_gib} published ({peak / row.peak_gib - 1:+.0%})"
+        predicted, error = f"{figure:,.0f}", f"{figure / row.tflops - 1:+.0%}"
+        if low is not None:  # "SXM peak .. NVL peak"
+            low_figure = _figure(low, row)
+            predicted += f" .. {low_figure:,.0f}"
+            error += f" .. {low_figure / row.tflops - 1:+.0%}"
         cells += [
-            f"{figure:,.0f}",
-            f"{figure / row.tflops - 1:+.0%}",
+            predicted,
+            error,
             f"{_layout(given)}; fits {fits}",
             f"{t_given:.0f}",
         ]
