@@ -95,7 +95,7 @@ def predict(
     stage_costs(blocks, starts, link, recompute, schedule)  # validates the split (legal cuts, non-empty stages)
     links = boundary_links(link, n, schedule)
     flags = recompute_flags(recompute, n)
-    orders = rank_states(schedule, p, n_microbatches, layout.stages_per_rank)
+    states = rank_states(schedule, p, n_microbatches, layout.stages_per_rank)
     in_flight = in_flight_per_stage(schedule, p, n_microbatches, layout.stages_per_rank)
     ends = list(starts[1:]) + [len(blocks)]
     parts = [_memory_parts(blocks, a, b, optimizer, flags[i], layout) for i, (a, b) in enumerate(zip(starts, ends))]
@@ -141,7 +141,7 @@ def predict(
     if shard > 1:
         dp_reduce_s *= passes
     step_s = pipeline_s + dp_reduce_s + allreduce_s + max(rank_opt)
-    rank_memory = [rank_memory_bytes(blocks, stages, orders[r], r, optimizer, layout, parts) for r in range(p)]
+    rank_memory = [rank_memory_bytes(blocks, stages, states[r], r, optimizer, layout, parts) for r in range(p)]
     stage_time = tuple(s.time_s for s in stages)
     mean = sum(stage_time) / len(stage_time)
     prediction = Prediction(

@@ -51,9 +51,10 @@ solves, predicts and polishes one shape many times, and an order of p ranks x m 
 rebuilt in O(p m v). Few, since one shape of 64 ranks x 512 microbatches holds some 65k actions."""
 
 IN_FLIGHT_CACHED = 4096
-STATES_CACHED = 256
-"""Shapes whose ranks' distinct prefix states are kept (``rank_states``)."""
 """The in-flight counts of this many shapes are kept (``in_flight_per_stage``): one int per stage each."""
+
+STATES_CACHED = 256
+"""Shapes whose ranks' distinct prefix states are kept (``rank_states``): a few dozen states a rank."""
 
 
 Placement = Literal["single", "loop", "v"]
