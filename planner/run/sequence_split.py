@@ -85,12 +85,11 @@ class SequenceSplit:
         # the last input gathered and its whole, held until the next one: consecutive layers reading
         # one value (q, k, v) share one gather even though their saved copies are shards
         self.last: tuple[Any, Any] | None = None
-        # storage of a gathered whole -> (weakref to the whole's local tensor, its shard): an entry
-        # counts only while that whole lives (a freed storage's address is reused)
-        self.shard_of: dict[int, tuple[Any, Any]] = {}
-        # (shard, shape) -> the one packed value every layer saving that whole keeps: q, k and v
-        # read one gathered input, so backward gathers it once for the three (Megatron's fused QKV)
-        self.packed: dict[tuple[int, tuple[int, ...]], _Regather] = {}
+        # storage of a gathered whole -> (weakref to the whole's local tensor, its shard, shape -> the
+        # one packed value every layer saving the whole in that shape keeps: q, k and v read one
+        # gathered input, so backward gathers it once for the three, as Megatron's fused QKV): an
+        # entry counts only while that whole lives (a freed storage's address is reused)
+        self.shard_of: dict[int, tuple[Any, Any, dict[tuple[int, ...], _Regather]]] = {}
         self.saving: Any = None  # the saved-tensor hooks during the stage's forward
 
     def enter(self, *_: Any) -> None:
@@ -110,7 +109,6 @@ class SequenceSplit:
             # a recomputation (in backward) gathers too: hold nothing past it
             self.last = None
             self.shard_of.clear()
-            self.packed.clear()
 
     def close(self) -> None:
         """Leave the mode and the saved-tensor hooks, hold nothing: the stage's forward is over."""
@@ -123,7 +121,6 @@ class SequenceSplit:
         self.depth = 0
         self.last = None
         self.shard_of.clear()
-        self.packed.clear()
 
     def stage_in(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """The stage's inputs, the sequence shards cut to this rank's slice (the mode entered)."""
@@ -169,7 +166,7 @@ class SequenceSplit:
             if x.is_floating_point() and torch.is_autocast_enabled(device):
                 x = x.to(torch.get_autocast_dtype(device))  # the layer's own cast, before the gather
             whole = x.redistribute(self.mesh, [Replicate()])
-            self.shard_of[_storage(whole)] = (weakref.ref(whole._local_tensor), x)
+            self.shard_of[_storage(whole)] = (weakref.ref(whole._local_tensor), x, {})
         else:
             whole = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
         self.last = (weakref.ref(args[0]), whole)
@@ -180,14 +177,14 @@ class SequenceSplit:
         found = self.shard_of.get(_storage(t)) if self.shard_of else None
         if found is None or found[0]() is None:
             return t
-        shard = found[1]
+        shard, packs = found[1], found[2]
         # only a reshape of the whole (a linear's flattened input): gathered again it reads the same
         if not t.is_contiguous() or t.numel() != shard.numel():
             return t
-        key = (id(shard), tuple(t.shape))
-        packed = self.packed.get(key)
-        if packed is None or packed.shard is not shard:
-            packed = self.packed[key] = _Regather(shard, tuple(t.shape))
+        shape = tuple(t.shape)
+        packed = packs.get(shape)
+        if packed is None:
+            packed = packs[shape] = _Regather(shard, shape)
         packed.keeps += 1
         return packed
 
