@@ -1314,3 +1314,60 @@ def test_prediction_reads_stage_memory_off_prefix_sums_exactly(
             for mode in (False, True, "never", "selective", "full", "stage", "full:1", "selective:1"):
                 want = stage_memory_parts(blocks, s, e, ADAMW, mode, m, layout.shard, layout.per_block)
                 assert _memory_parts(blocks, s, e, ADAMW, mode, layout) == want, (s, e, mode)
+
+
+# ---------------------------------------------------------------------------------------------
+# The memory-only test that ends a search nothing fits after one pass
+# ---------------------------------------------------------------------------------------------
+
+
+def _counting_candidates(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Record the cap of every candidate pass ``solve`` makes."""
+    caps: list[float] = []
+    original = solve_mod._Arrays.candidates
+
+    def counted(self: Any, cap: float) -> Any:
+        caps.append(cap)
+        return original(self, cap)
+
+    monkeypatch.setattr(solve_mod._Arrays, "candidates", counted)
+    return caps
+
+
+def test_a_limit_nothing_fits_is_refused_after_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 8 blocks of 1 MiB of activations each into 4 stages, none recomputing, GPipe keeping all 4
+    # microbatches on every stage: some stage holds 2 blocks, 8 MiB, over the 7 MiB limit. Without
+    # the memory-only test the search doubles its cap from the first guess until the candidates are
+    # every stage that fits, a pass each; with it, the first pass that finds nothing ends it
+    blocks = [blk(i, 1.0 + (i % 3), 1.0, act=2**20) for i in range(8)]
+    limit = 7 * 2**20
+    assert not brute(blocks, 4, FREE, "gpipe", 4, SGD, limit, "never")
+    caps = _counting_candidates(monkeypatch)
+    with pytest.raises(InfeasibleError, match="too small"):
+        solved(
+            blocks,
+            4,
+            FREE,
+            schedule="gpipe",
+            n_microbatches=4,
+            optimizer=SGD,
+            memory_limit_bytes=limit,
+            recompute="never",
+        )
+    assert len(caps) == 1 and math.isfinite(caps[0])
+
+
+def test_a_limit_some_split_fits_still_doubles_to_the_optimum(monkeypatch: pytest.MonkeyPatch) -> None:
+    # memory allows, none recomputing, only the split of 2 blocks a stage, whose first stage (two 8 s blocks) costs
+    # more than the first cap (the average stage plus the largest block, about 12 s): that pass finds
+    # no partition, the memory-only test says one fits, and the doubled cap finds it
+    ts = [8.0, 8.0, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01]
+    blocks = [blk(i, t, 0.0, act=2**20) for i, t in enumerate(ts)]
+    limit = 2 * 4 * 2**20
+    caps = _counting_candidates(monkeypatch)
+    part = solved(
+        blocks, 4, FREE, schedule="gpipe", n_microbatches=4, optimizer=SGD, memory_limit_bytes=limit, recompute="never"
+    )
+    best = min(brute(blocks, 4, FREE, "gpipe", 4, SGD, limit, "never"), key=lambda f: (f[1], f[2], f[0]))
+    assert tuple(part.starts) == best[0] == (0, 2, 4, 6)
+    assert caps[1] == 2 * caps[0] < 2 * best[1]  # the first cap found nothing and did not end the search

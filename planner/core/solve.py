@@ -649,7 +649,10 @@ def solve(
         total = float(arrays.pre[n] + extra[n])
         largest = float(np.max(np.diff(arrays.pre) + np.diff(extra)))
         first_cap = total / n_stages + largest + float(np.max(arrays.send_in) + np.max(arrays.send_out))
-    starts = exact_partition(n, n_stages, infl, arrays.candidates, first_cap, variant=arrays.variant)
+    # Where memory binds, a cheap test of memory alone (no costs) tells a limit nothing fits (the
+    # searches of rank_fit try many) after one pass, instead of after the passes doubling the cap
+    any_fit = None if arrays.free else (lambda: _FitSearch(arrays, min(infl)).fits(infl))
+    starts = exact_partition(n, n_stages, infl, arrays.candidates, first_cap, variant=arrays.variant, any_fit=any_fit)
     if starts is None:
         given = None if in_flight is None else infl
         raise _memory_error(blocks, n_stages, schedule, n_microbatches, mem, arrays, given)

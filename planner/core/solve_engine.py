@@ -349,6 +349,7 @@ def exact_partition(
     first_cap: float,
     latest: bool = False,
     variant: Sequence[int] | None = None,
+    any_fit: Callable[[], bool] | None = None,
 ) -> tuple[int, ...] | None:
     """Exact partition of ``n`` items into ``p`` contiguous non-empty stages on candidate stages.
 
@@ -372,6 +373,10 @@ def exact_partition(
         first_cap: the first cap to try (any value; a good guess saves a pass).
         latest: pick the lexicographically largest starts instead (earlier stages as full as possible).
         variant: the cost row of each stage index (None: row 0 for all).
+        any_fit: whether some partition fits memory at all (None: not known). Asked once, when a
+            pass under a finite cap finds no partition: where it says no, the answer is None at
+            once instead of after the passes that double the cap until the candidates are complete.
+            It must not say no where a partition of the candidates fits.
 
     Returns:
         The starts, or None when no partition fits.
@@ -386,6 +391,9 @@ def exact_partition(
         if opt < math.inf:
             cap = opt  # a real partition's bottleneck: the next pass is exact
         else:
+            if any_fit is not None and not any_fit():
+                return None  # memory rules out every partition: no larger cap can find one
+            any_fit = None  # some partition fits: only the cap kept it out
             cap = 2 * cap if 0 < cap < math.inf else math.inf
     if opt == math.inf:
         return None
