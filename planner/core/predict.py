@@ -83,6 +83,54 @@ def predict(
     Raises:
         InfeasibleError: an invalid split, or a schedule request torch would refuse.
     """
+    return timed(laid_out(blocks, starts, link, layout, optimizer, recompute), blocks, layout, slots)
+
+
+@dataclass(frozen=True)
+class LaidOut:
+    """A split laid out on its ranks: its stages and each rank's peak memory, not yet timed.
+
+    ``predict`` is ``timed(laid_out(...))``. Kept apart because the peak alone decides whether a
+    split fits, and the searches (``planner.core.rank_fit``) lay out many splits that do not: they
+    time only those that fit.
+    """
+
+    starts: tuple[int, ...]
+    flags: tuple[str, ...]  # each stage's recompute mode
+    stages: list[StagePlan]
+    rank_memory: tuple[int, ...]  # each pipeline rank's peak bytes
+    link: Links  # placed for the layout's replicas and tensor-parallel groups
+
+    @property
+    def max_memory_bytes(self) -> int:
+        """The busiest rank's peak bytes."""
+        return max(self.rank_memory)
+
+
+def laid_out(
+    blocks: Sequence[BlockCost],
+    starts: Sequence[int],
+    link: Links,
+    layout: Layout,
+    optimizer: OptimizerSpec,
+    recompute: Sequence[bool | str] = (),
+) -> LaidOut:
+    """The stages of a split under a layout and each rank's peak memory (``predict``'s first half).
+
+    Args:
+        blocks: per-block costs, in execution order.
+        starts: first block of each stage; ``layout.n_stages`` of them.
+        link: the link between neighbouring ranks, as ``predict`` takes it.
+        layout: the schedule, ranks, microbatches, stages per rank and replicas.
+        optimizer: decides the optimizer-state bytes per parameter byte.
+        recompute: per stage, its recompute mode (True: "stage"; empty: none).
+
+    Returns:
+        The split laid out.
+
+    Raises:
+        InfeasibleError: an invalid split, or a schedule request torch would refuse.
+    """
     n = len(starts)
     if n % layout.stages_per_rank:
         raise InfeasibleError(f"{n} stages do not spread evenly over ranks with {layout.stages_per_rank} stages each")
@@ -105,6 +153,28 @@ def predict(
         )
         for i, (a, b) in enumerate(zip(starts, ends))
     ]
+    rank_memory = tuple(rank_memory_bytes(blocks, stages, states[r], r, optimizer, layout, parts) for r in range(p))
+    return LaidOut(tuple(starts), tuple(flags), stages, rank_memory, link)
+
+
+def timed(
+    laid: LaidOut, blocks: Sequence[BlockCost], layout: Layout, slots: float | None = None
+) -> tuple[list[StagePlan], Prediction]:
+    """A laid-out split's step: its schedule simulated, the replicas' reduction, clipping and
+    optimizer added (``predict``'s second half).
+
+    Args:
+        laid: the split laid out (``laid_out``) with the same ``blocks`` and ``layout``.
+        blocks: per-block costs, in execution order.
+        layout: the layout the split was laid out under.
+        slots: ranks that compute at once (``predict``).
+
+    Returns:
+        The stages and the step-level prediction.
+    """
+    schedule, p, n_microbatches, dp = layout.schedule, layout.pp, layout.n_microbatches, layout.dp
+    stages, link, flags = laid.stages, laid.link, laid.flags
+    links = boundary_links(link, len(stages), schedule)
     times = stage_times(stages, _cpu_share(link))
     # a pipeline rank is tp processes: CPU ranks sharing cores run fewer pipeline ranks at once
     shared = replica_slots(slots, dp * layout.tp)
@@ -141,11 +211,11 @@ def predict(
     if shard > 1:
         dp_reduce_s *= passes
     step_s = pipeline_s + dp_reduce_s + allreduce_s + max(rank_opt)
-    rank_memory = [rank_memory_bytes(blocks, stages, states[r], r, optimizer, layout, parts) for r in range(p)]
+    rank_memory = laid.rank_memory
     stage_time = tuple(s.time_s for s in stages)
     mean = sum(stage_time) / len(stage_time)
     prediction = Prediction(
-        starts=tuple(starts),
+        starts=laid.starts,
         recompute=compact_flags(flags),
         stage_time_s=stage_time,
         bottleneck_s=max(stage_time),

@@ -7,8 +7,8 @@ peak at once (``planner.core.predict.rank_memory_bytes``): it hides splits that 
 recompute where the rank has room. Where the share's split fails or recomputes, ``rank_split``
 therefore also solves under the whole limit and under caps bisected between the share and the
 limit and, where none of those fits, raises the recomputation of the whole limit's split on the
-ranks still over (``_escalate``); it predicts every split so made and keeps the fastest whose rank
-peak fits.
+ranks still over (``_escalate``); it lays out every split so made (its ranks' peaks,
+``planner.core.predict.laid_out``), times those whose rank peak fits and keeps the fastest.
 
 Pure module: never imports torch.
 """
@@ -21,8 +21,7 @@ from dataclasses import replace
 from planner.core.inputs import Constraints, Layout
 from planner.core.links import Links
 from planner.core.partial_recompute import fewest_recomputed
-from planner.core.predict import predict
-from planner.core.recompute import recompute_flags
+from planner.core.predict import LaidOut, laid_out, timed
 from planner.core.schedules import in_flight_per_stage
 from planner.core.solve import policy_options, solve
 from planner.errors import InfeasibleError
@@ -64,20 +63,21 @@ def rank_split(
     """
     limit, v = constraints.memory_limit_bytes, layout.stages_per_rank
     if limit is None or v == 1:
-        return _solved(blocks, link, layout, constraints, slots, limit)
-    tried: list[Predicted] = []
+        return timed(_solved(blocks, link, layout, constraints, limit), blocks, layout, slots)
+    tried: list[LaidOut] = []
     try:
-        tried.append(_solved(blocks, link, layout, constraints, slots, limit // v))
+        tried.append(_solved(blocks, link, layout, constraints, limit // v))
     except InfeasibleError:
         pass
     # relaxed only where the share may cost speed: it fits nothing, or it made "auto" recompute (an
     # explicit mode recomputes as asked, whatever the cap)
-    if not tried or (constraints.recompute == "auto" and any(r != "never" for r in tried[0][1].recompute)):
-        _relax(blocks, link, layout, constraints, slots, tried)
-    fitting = [t for t in tried if t[1].max_memory_bytes <= limit]
+    if not tried or (constraints.recompute == "auto" and any(f != "never" for f in tried[0].flags)):
+        _relax(blocks, link, layout, constraints, tried)
+    # only a split that fits can be chosen, and only its step decides: the rest are never timed
+    fitting = [timed(t, blocks, layout, slots) for t in tried if t.max_memory_bytes <= limit]
     if fitting:
         return min(fitting, key=lambda t: t[1].step_time_s)
-    return min(tried, key=lambda t: t[1].max_memory_bytes)
+    return timed(min(tried, key=lambda t: t.max_memory_bytes), blocks, layout, slots)
 
 
 def _relax(
@@ -85,8 +85,7 @@ def _relax(
     link: Links,
     layout: Layout,
     constraints: Constraints,
-    slots: float | None,
-    tried: list[Predicted],
+    tried: list[LaidOut],
 ) -> None:
     """Add to ``tried`` the split under the whole limit as a stage's cap and, where its rank peak is
     over, the splits under caps bisected down towards ``limit / v``; where none of them fits, the
@@ -98,60 +97,54 @@ def _relax(
     limit = constraints.memory_limit_bytes
     assert limit is not None
     try:
-        whole = _solved(blocks, link, layout, constraints, slots, limit)
+        whole = _solved(blocks, link, layout, constraints, limit)
     except InfeasibleError:
         if tried:
             return
         raise
     tried.append(whole)
-    if whole[1].max_memory_bytes <= limit:
+    if whole.max_memory_bytes <= limit:
         return
     lo, hi = limit // layout.stages_per_rank, limit
     for _ in range(RELAX_STEPS):
         cap = (lo + hi) // 2
         try:
-            got = _solved(blocks, link, layout, constraints, slots, cap)
+            got = _solved(blocks, link, layout, constraints, cap)
         except InfeasibleError:
             lo = cap  # the stages need a larger cap
             continue
         tried.append(got)
-        if got[1].max_memory_bytes <= limit:
+        if got.max_memory_bytes <= limit:
             lo = cap
         else:
             hi = cap
-    if not any(t[1].max_memory_bytes <= limit for t in tried):
+    if not any(t.max_memory_bytes <= limit for t in tried):
         # no cap fits a rank: recompute more where the whole limit's split is over
-        tried.append(_escalate(blocks, link, layout, constraints, slots, whole))
+        tried.append(_escalate(blocks, link, layout, constraints, whole))
 
 
 def _escalate(
-    blocks: Sequence[BlockCost],
-    link: Links,
-    layout: Layout,
-    constraints: Constraints,
-    slots: float | None,
-    start: Predicted,
-) -> Predicted:
+    blocks: Sequence[BlockCost], link: Links, layout: Layout, constraints: Constraints, start: LaidOut
+) -> LaidOut:
     """Under ``--recompute auto``, ``start`` (a split over the limit) with more recomputed: on every
     rank over the limit, the stage holding the most live activations moves one mode up (never, then
     selective where the schedule allows it, then full; a partial "mode:k" to its whole mode), again
     until every rank fits or no stage on an over-limit rank can recompute more.
 
     Returns:
-        The split so recomputed, predicted (``start`` itself under another policy).
+        The split so recomputed, laid out (``start`` itself under another policy).
     """
     limit = constraints.memory_limit_bytes
     if constraints.recompute != "auto" or limit is None:
         return start
     ladder = [m for m in policy_options("auto", layout.schedule) if m in ("never", "selective", "full")]
-    stages, prediction = start
-    starts = prediction.starts
-    flags = recompute_flags(prediction.recompute, len(starts))
-    while prediction.max_memory_bytes > limit:
-        over = {r for r, b in enumerate(prediction.rank_memory_bytes) if b > limit}
+    laid = start
+    flags = list(laid.flags)
+    while laid.max_memory_bytes > limit:
+        over = {r for r, b in enumerate(laid.rank_memory) if b > limit}
         raised = False
         for r in sorted(over):
-            ups = [(st, up) for st in stages if st.rank == r and (up := _next_mode(flags[st.index], ladder))]
+            ups = [(st, up) for st in laid.stages if st.rank == r and (up := _next_mode(flags[st.index], ladder))]
             if not ups:
                 continue
             top, up = max(ups, key=lambda su: (su[0].activation_bytes * su[0].in_flight, -su[0].index))
@@ -159,8 +152,8 @@ def _escalate(
             raised = True
         if not raised:
             break
-        stages, prediction = predict(blocks, starts, link, layout, constraints.optimizer, flags, slots)
-    return stages, prediction
+        laid = laid_out(blocks, laid.starts, link, layout, constraints.optimizer, flags)
+    return laid
 
 
 def _next_mode(flag: str, ladder: Sequence[str]) -> str | None:
@@ -180,11 +173,10 @@ def _solved(
     link: Links,
     layout: Layout,
     constraints: Constraints,
-    slots: float | None,
     cap: int | None,
-) -> Predicted:
+) -> LaidOut:
     """The solver's split with every stage's memory under ``cap`` (None: no cap), its recomputing
-    stages narrowed to their fewest regions, predicted.
+    stages narrowed to their fewest regions, laid out on the ranks (not yet timed).
 
     Raises:
         InfeasibleError: no split fits ``cap``; with several stages per rank the message names the
@@ -207,7 +199,7 @@ def _solved(
             )
         ) from None
     split = fewest_recomputed(blocks, split, link, layout, per_stage, in_flight)
-    return predict(blocks, split.starts, link, layout, constraints.optimizer, split.recompute, slots)
+    return laid_out(blocks, split.starts, link, layout, constraints.optimizer, split.recompute)
 
 
 __all__ = ["RELAX_STEPS", "rank_split"]
