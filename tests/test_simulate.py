@@ -274,6 +274,30 @@ def test_a_long_order_has_few_distinct_states() -> None:
         ((1,), (1,), (0,)),
         ((0,), (1,), (1,)),
     )
+    # of those, the ones no other reaches or exceeds in every count: the peak is always at one of them
+    assert prefix_states(rank_orders("gpipe", 2, 3)[0]).front == (
+        ((3,), (0,), (0,)),
+        ((2,), (1,), (0,)),
+        ((0,), (1,), (1,)),
+    )
+    assert all(len(states.front) <= 3 for states in rank_states("1f1b", 16, 512))
+
+
+@settings(max_examples=100)
+@given(
+    schedule=st.sampled_from(SCHEDULES),
+    p=st.integers(1, 4),
+    m=st.integers(1, 10),
+    v=st.integers(1, 3),
+    sizes=st.lists(st.integers(-1000, 1000), min_size=36, max_size=36),
+)
+def test_a_negative_byte_count_takes_the_peak_over_every_state(schedule, p, m, v, sizes) -> None:  # type: ignore[no-untyped-def]
+    # the front holds the peak only for non-negative counts: with a negative one every state is read
+    assume(_runnable(schedule, p, m, v))
+    n = len(stage_ranks(schedule, p, v))
+    per_mb, grads, reduced = ({s: sizes[k * 12 + s] for s in range(n)} for k in range(3))
+    for order, states in zip(rank_orders(schedule, p, m, v), rank_states(schedule, p, m, v)):
+        assert peak_live_bytes(states, per_mb, grads, reduced) == _walked_peak(order, per_mb, grads, reduced)
 
 
 def test_gradients_come_with_one_microbatch_fewer_where_every_forward_comes_first() -> None:

@@ -480,10 +480,13 @@ def peak_live_bytes(
         Peak bytes.
     """
     grads, reduced = grads or {}, reduced or {}
-    stages, states = order_for_rank if isinstance(order_for_rank, RankStates) else prefix_states(order_for_rank)
+    ranked = order_for_rank if isinstance(order_for_rank, RankStates) else prefix_states(order_for_rank)
+    stages = ranked.stages
     per_mb = [bytes_per_microbatch.get(s, 0) for s in stages]
     grad = [grads.get(s, 0) for s in stages]
     red = [reduced.get(s, 0) for s in stages]
+    # with no negative byte count a state below another in every count never holds more than it
+    states = ranked.front if min(per_mb + grad + red, default=0) >= 0 else ranked.states
     peak = 0
     for live, seen, done in states:
         total = 0
@@ -500,10 +503,14 @@ backward has run (0 / 1), whether its last has."""
 
 class RankStates(NamedTuple):
     """The distinct states a rank's order passes through (``prefix_states``): its stages, ascending,
-    and the states, the empty prefix's first."""
+    the states, the empty prefix's first, and of them the front: those that no other state reaches or
+    exceeds in every count (live microbatches, first backward run, last run). The peak of a sum with
+    non-negative weights is always at a state of the front, which is a few states where the order
+    passes through dozens."""
 
     stages: tuple[int, ...]
     states: tuple[PrefixState, ...]
+    front: tuple[PrefixState, ...]
 
 
 def prefix_states(order: Sequence[Action]) -> RankStates:
@@ -531,7 +538,14 @@ def prefix_states(order: Sequence[Action]) -> RankStates:
         elif a.kind != "I":
             raise ValueError(f"action kind {a.kind!r} is invalid; expected 'F', 'B', 'I' or 'W'.")
         states[(tuple(live), tuple(seen), tuple(done))] = None
-    return RankStates(stages, tuple(states))
+    # largest count first: a state another reaches or exceeds in every count has a smaller sum than
+    # it, so it comes after it, or after the front state that is above both
+    flat = sorted(((state[0] + state[1] + state[2], state) for state in states), key=lambda cs: -sum(cs[0]))
+    front: list[tuple[tuple[int, ...], PrefixState]] = []
+    for counts, state in flat:
+        if not any(all(a <= b for a, b in zip(counts, above)) for above, _ in front):
+            front.append((counts, state))
+    return RankStates(stages, tuple(states), tuple(state for _, state in front))
 
 
 @lru_cache(maxsize=STATES_CACHED)
