@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -130,6 +131,41 @@ def test_refine_only_accepts_a_faster_split_that_fits() -> None:
     # a local optimum: no single-cut move improves it further
     again = refine(polished, cluster, constraints)
     assert again.prediction == polished.prediction
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    raw=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 9), st.integers(0, 5)), min_size=6, max_size=10),
+    schedule=st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b"]),
+    dp=st.sampled_from([(1, "ddp"), (2, "fsdp")]),
+    picks=st.lists(st.integers(0, 10_000), min_size=1, max_size=8),
+)
+def test_a_stage_memo_predicts_every_split_as_a_fresh_prediction(
+    raw: list, schedule: str, dp: tuple[int, str], picks: list[int]
+) -> None:
+    # refine lays out many splits of one layout through one StageMemo: each must come out exactly
+    # as laid out afresh, whatever splits came before it (and a memo bound to other blocks restarts)
+    from planner.core.stage_model import Partition
+    from planner.core.stage_plans import StageMemo
+
+    blocks = [block(f"b{i}", f, b, 1000, act_mb=a) for i, (f, b, a) in enumerate(raw)]
+    v = 2 if schedule == "interleaved-1f1b" else 1
+    layout = Layout(schedule, 2, 4, v, dp=dp[0], dp_mode=dp[1])
+    cluster, constraints = Cluster(2 * dp[0], LINK), Constraints(ADAMW, None, "never")
+    every = [(0, *c) for c in itertools.combinations(range(1, len(blocks)), 2 * v - 1)]
+    # one split, then others that share its stages at other places (a stage's index matters too)
+    splits = [every[k % len(every)] for k in picks] + ([(0, 1, 2, 3), (0, 2, 3, 4)] if v == 2 else [(0, 3), (0, 2)])
+    memo = StageMemo()
+    other = [block(f"o{i}", 1, 1, 10) for i in range(len(blocks))]
+    for starts in splits + splits[:1]:
+        trial = Partition(starts=tuple(starts), bottleneck_s=0.0, recompute=())
+        fresh = evaluate_choice(blocks, cluster, layout, constraints, trial)
+        kept = evaluate_choice(blocks, cluster, layout, constraints, trial, memo)
+        assert kept.prediction == fresh.prediction and kept.stages == fresh.stages
+    assert memo.stages  # it was kept between the splits
+    # the same memo on other blocks: laid out from those, not from the stages it held
+    alien = evaluate_choice(other, cluster, layout, constraints, trial, memo)
+    assert alien.prediction == evaluate_choice(other, cluster, layout, constraints, trial).prediction
 
 
 blocks_st = st.lists(

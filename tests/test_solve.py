@@ -1298,8 +1298,8 @@ def test_prediction_reads_stage_memory_off_prefix_sums_exactly(
     """``predict``'s stage memory (the blocks' prefix sums) equals ``stage_memory_parts`` (block by
     block) for every stage, recompute mode, tensor-parallel piece, FSDP sharding and optimizer
     temporaries, measured or not; partial recomputation ("mode:k") takes the block-by-block path."""
-    from planner.core.predict import _memory_parts
     from planner.core.stage_model import stage_memory_parts
+    from planner.core.stage_plans import _memory_parts
 
     blocks, *_ = inst
     blocks = [

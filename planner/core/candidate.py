@@ -18,6 +18,7 @@ from planner.core.predict import predict
 from planner.core.rank_fit import rank_split
 from planner.core.schedules import SPLIT_BACKWARD, check_schedule
 from planner.core.stage_model import Partition
+from planner.core.stage_plans import StageMemo
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, SequenceShare, TensorParallelShare
 from planner.schema.plan import Candidate, Prediction, StagePlan
@@ -135,6 +136,7 @@ def evaluate_choice(
     layout: Layout,
     constraints: Constraints,
     split: Partition | None = None,
+    memo: StageMemo | None = None,
 ) -> Choice:
     """Solve (unless ``split`` is given) and predict one layout.
 
@@ -151,6 +153,8 @@ def evaluate_choice(
         layout: the schedule, pipeline ranks, microbatches, stages per rank, replicas and their mode.
         constraints: the optimizer, the per-rank memory limit and the recompute policy.
         split: a split to predict as it is (None: the solver's).
+        memo: with ``split``, the stages of earlier splits of this layout and these blocks, reused
+            and added to (``planner.core.stage_plans.StageMemo``; None: none).
 
     Returns:
         The evaluated layout.
@@ -160,19 +164,24 @@ def evaluate_choice(
     """
     pp = layout.pp
     check_schedule(layout.schedule, pp, layout.n_microbatches, layout.stages_per_rank)
-    if layout.shard > 1:
+    given, how = blocks, (layout.shard, layout.gather_bytes, constraints.compiled)
+    if memo is not None and memo.derived is not None and memo.derived[0] is given and memo.derived[1] == how:
+        blocks = memo.derived[2]  # derived already, the very list the memo's stages were laid out from
+    elif layout.shard > 1:
         # FSDP gathers the weights in the plan's dtype: its stages hold them so (a measured bf16
         # profile counts the fp32 weights autocast trains), and autocast copies none
         blocks = as_gathered(without_casts(blocks), layout.gather_bytes)
     elif constraints.compiled:  # (FSDP's stages hold no copies, compiled or not)
         blocks = compiled_casts(blocks)
+    if memo is not None:
+        memo.derived = (given, how, blocks)
     limit = constraints.memory_limit_bytes
     link = layout_links(cluster.link, pp, layout.dp, layout.tp)
     if split is None:
         stages, prediction = rank_split(blocks, link, layout, constraints, cluster.slots)
     else:
         stages, prediction = predict(
-            blocks, split.starts, link, layout, constraints.optimizer, split.recompute, cluster.slots
+            blocks, split.starts, link, layout, constraints.optimizer, split.recompute, cluster.slots, memo
         )
     fits = limit is None or prediction.max_memory_bytes <= limit
     # one replica is recorded as ddp, whatever was asked

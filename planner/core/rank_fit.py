@@ -3,12 +3,12 @@
 The solver caps each stage's memory alone. With one stage per rank the cap is the limit. With ``v``
 stages per rank the share ``limit / v`` is sure to fit a rank (each of its stages peaks below it),
 but it is too tight where a rank's stages differ (an embedding's stage beside layers) or do not
-peak at once (``planner.core.predict.rank_memory_bytes``): it hides splits that fit, or makes them
+peak at once (``planner.core.stage_plans.rank_memory_bytes``): it hides splits that fit, or makes them
 recompute where the rank has room. Where the share's split fails or recomputes, ``rank_split``
 therefore also solves under the whole limit and under caps bisected between the share and the
 limit and, where none of those fits, raises the recomputation of the whole limit's split on the
 ranks still over (``_escalate``); it lays out every split so made (its ranks' peaks,
-``planner.core.predict.laid_out``), times those whose rank peak fits and keeps the fastest.
+``planner.core.stage_plans.laid_out``), times those whose rank peak fits and keeps the fastest.
 
 Pure module: never imports torch.
 """
@@ -21,9 +21,10 @@ from dataclasses import replace
 from planner.core.inputs import Constraints, Layout
 from planner.core.links import Links
 from planner.core.partial_recompute import fewest_recomputed
-from planner.core.predict import LaidOut, laid_out, timed
+from planner.core.predict import timed
 from planner.core.schedules import in_flight_per_stage
 from planner.core.solve import policy_options, solve
+from planner.core.stage_plans import LaidOut, laid_out
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, split_recompute
 from planner.schema.plan import Prediction, StagePlan

@@ -40,6 +40,7 @@ from planner.core.inputs import Cluster, Constraints, Layout, Scaling, SearchSpa
 from planner.core.links import NodeLinks
 from planner.core.schedules import stages_per_rank_options
 from planner.core.stage_model import Partition
+from planner.core.stage_plans import StageMemo
 from planner.core.tensor_parallel import at_degree
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost
@@ -596,6 +597,7 @@ def refine(choice: Choice, cluster: Cluster, constraints: Constraints, budget: i
     n = len(blocks)
     best = choice
     flags = tuple(choice.prediction.recompute)
+    memo = StageMemo()  # a move changes two stages: the others are laid out once for the whole polish
     improved = True
     while improved and budget > 0:
         improved = False
@@ -609,7 +611,7 @@ def refine(choice: Choice, cluster: Cluster, constraints: Constraints, budget: i
                 budget -= 1
                 trial = Partition(starts=tuple(starts[:k] + [c] + starts[k + 1 :]), bottleneck_s=0.0, recompute=flags)
                 try:
-                    cand = evaluate_choice(blocks, cluster, best.layout, constraints, trial)
+                    cand = evaluate_choice(blocks, cluster, best.layout, constraints, trial, memo)
                 except InfeasibleError:
                     continue
                 # a strict improvement beyond float noise, so the descent cannot cycle

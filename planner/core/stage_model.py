@@ -331,7 +331,7 @@ def stage_memory_bytes(
 
 class MemoryParts(NamedTuple):
     """A stage's memory as the terms of ``stage_memory_bytes``, so that a rank running several stages
-    can add them up (``planner.core.predict.rank_memory_bytes``).
+    can add them up (``planner.core.stage_plans.rank_memory_bytes``).
 
     At ``t`` live microbatches the stage holds ``fixed + max(t * per_microbatch + once, step)``, less
     its gradients while it has run no backward yet and a stage unit's sharded share until its last
