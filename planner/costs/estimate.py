@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from planner.capture.blocks import GraphTrace, TracedModel
 from planner.capture.load import move_model
-from planner.capture.signature import node_target, show
+from planner.capture.signature import block_structure, node_target, show
 from planner.capture.stage import stage_graph, stage_inputs
 from planner.capture.trace import trace_model
 from planner.core.hardware import DTYPES, HardwareSpec, dtype_bytes
@@ -518,8 +518,10 @@ def block_key(traced: GraphTrace, k: int, inputs: tuple, last: bool) -> str:
     """``structure_key`` of block k read off the traced graph, without cutting the block out
     (``stage_graph`` copies every node: at 1,000 layers that was most of the estimate's time).
 
-    The block's nodes in order, each argument as a position among the block's nodes, a position
-    among its inputs (the cut before it, in the order the stage takes them), a baked constant or an
+    The block's ``block_structure`` (each node's operation, its arguments as positions among the
+    block's nodes or among the outside values it reads, computed once per graph and shared with the
+    meta runs that replay twin blocks); where each outside value comes from: a position among the
+    block's inputs (the cut before it, in the order the stage takes them), a baked constant or an
     attribute's shapes; then what it passes on (the cut after it, or the model's output). Nodes the
     cut-out stage would drop as dead are kept here, so two blocks with one key also have one stage.
 
@@ -531,37 +533,42 @@ def block_key(traced: GraphTrace, k: int, inputs: tuple, last: bool) -> str:
 
     Returns:
         The key (text).
+
+    Raises:
+        TraceError: the block reads a value that is neither its input nor an attribute.
     """
     nodes = traced.nodes_by_name()
-    env: dict[str, str] = {}
+    names = tuple(traced.blocks[k].nodes)
+    parts, outside = block_structure(traced.gm, names, nodes)
+    sources: dict[str, str] = {}
     if k == 0:
         for i, node in enumerate(n for n in traced.gm.graph.nodes if n.op == "placeholder"):
             info = traced.values.get(node.name)
-            env[node.name] = f"C{info.const!r}" if info is not None and info.kind == "const" else f"%in{i}"
+            sources[node.name] = f"C{info.const!r}" if info is not None and info.kind == "const" else f"%in{i}"
     else:
         cut = traced.cuts[k - 1]
-        env.update({name: f"%in{i}" for i, name in enumerate(cut.tensors)})
-        env.update({name: f"C{traced.values[name].const!r}" for name in cut.consts})
+        sources.update({name: f"%in{i}" for i, name in enumerate(cut.tensors)})
+        sources.update({name: f"C{traced.values[name].const!r}" for name in cut.consts})
+
+    def source(a: torch.fx.Node) -> str:
+        if a.name in sources:
+            return sources[a.name]
+        if a.op != "get_attr":  # an attribute read outside the block is copied into its stage
+            raise TraceError(f"value {a.name} is needed in blocks [{k}, {k + 1}) but not available there")
+        return f"A{node_target(a, traced.gm)}"
+
+    read = [source(a) for a in outside]
+    inside = {name: i for i, name in enumerate(names)}
 
     def ref(a: torch.fx.Node) -> str:
-        if a.name not in env:  # an attribute read outside the block (a stage copies it in)
-            if nodes[a.name].op != "get_attr":
-                raise TraceError(f"value {a.name} is needed in blocks [{k}, {k + 1}) but not available there")
-            env[a.name] = f"A{node_target(nodes[a.name], traced.gm)}"
-        return env[a.name]
+        return f"%{inside[a.name]}" if a.name in inside else source(a)
 
-    parts = []
-    for i, name in enumerate(traced.blocks[k].nodes):
-        node = nodes[name]
-        args = torch.fx.node.map_arg((node.args, node.kwargs), ref)
-        parts.append(f"{node.op}|{node_target(node, traced.gm)}|{args!r}")
-        env[name] = f"%{i}"
     if last:
         out = next(node for node in traced.gm.graph.nodes if node.op == "output")
         passed = repr(torch.fx.node.map_arg(out.args[0], ref))
     else:
         passed = repr([ref(nodes[name]) for name in traced.cuts[k].tensors])
-    return repr((parts, passed, [show(x) for x in inputs], last))
+    return repr((parts, read, passed, [show(x) for x in inputs], last))
 
 
 def _block_cost(
