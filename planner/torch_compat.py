@@ -40,6 +40,8 @@ When torch changes one of these, this is the only file to mend; the tests that e
   makes every check before reaching it (tests/test_trace.py, the graph of every shipped model).
 - ``torch._C._DisableTorchDispatch``: allocations that no dispatch mode needs to see (the replayed
   values of a meta run, ``planner.capture.graph``; tests/test_meta_runs.py).
+- ``torch.fx.Node._update_args_kwargs``: a traced node's arguments set after it is made, which is
+  what ``Node.__init__`` and the ``args`` setter do (``set_node_arguments``; tests/test_trace.py).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ __all__ = [
     "pipelining_backward",
     "pytree",
     "retain_graph_compile",
+    "set_node_arguments",
     "storage_id",
     "swapped_sdpa",
     "timed_schedule",
@@ -93,6 +96,12 @@ def fx_arg_bypass() -> dict[type, Callable[[Any, Any], Any]]:
     ``fx.Tracer`` turns into attribute reads."""
     table = getattr(fx.proxy, "_create_arg_bypass", {})
     return {t: f for t, f in table.items() if not issubclass(t, (torch.Tensor, torch.nn.Module))}
+
+
+def set_node_arguments(node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Give a node made without arguments its arguments (and its inputs their user), as
+    ``Node.__init__`` does with those it is made with."""
+    node._update_args_kwargs(args, kwargs)
 
 
 def no_dispatch() -> Any:

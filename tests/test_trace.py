@@ -581,7 +581,8 @@ def test_an_exported_graph_runs_where_its_stages_run() -> None:
 @pytest.mark.parametrize("name", [*MODELS, "llama"])
 def test_the_planners_fx_tracer_makes_the_graph_fx_tracer_makes(name: str) -> None:
     """``trace_fx``'s tracer reads parameters from tables and lowers plain arguments through fx's own
-    bypass table: the graph is fx.Tracer's, node for node (names, ops, targets, arguments)."""
+    bypass table, and gives a node its arguments after making it: the graph is fx.Tracer's, node for
+    node (names, ops, targets, arguments, and the users each node's arguments give it)."""
     import torch.fx as fx
 
     from planner.capture.graph import trace_fx
@@ -590,8 +591,11 @@ def test_the_planners_fx_tracer_makes_the_graph_fx_tracer_makes(name: str) -> No
     model = mf.build(0)
     inputs, _ = mf.batch(2)
 
-    def nodes(graph: fx.Graph) -> list[tuple[str, str, str, str, str]]:
-        return [(n.name, n.op, str(n.target), str(n.args), str(n.kwargs)) for n in graph.nodes]
+    def nodes(graph: fx.Graph) -> list[tuple[str, ...]]:
+        return [
+            (n.name, n.op, str(n.target), str(n.args), str(n.kwargs), str(list(n.users)), str(n.all_input_nodes))
+            for n in graph.nodes
+        ]
 
     ours = trace_fx(model, inputs).graph
     theirs = fx.Tracer().trace(model)

@@ -38,7 +38,7 @@ from planner.capture.meta_cache import meta_op_cache, on_meta
 from planner.capture.shapes import shapes_or_real
 from planner.capture.signature import block_structure, leaves_block, rebuild, signature, spec
 from planner.errors import TraceError
-from planner.torch_compat import fx_arg_bypass, lazy_graph_module, no_dispatch
+from planner.torch_compat import fx_arg_bypass, lazy_graph_module, no_dispatch, set_node_arguments
 
 
 def trace_fx(model: nn.Module, inputs: tuple[Any, ...]) -> fx.GraphModule:
@@ -87,6 +87,24 @@ class _Tracer(fx.Tracer):
             if name is not None:
                 return self.create_node("get_attr", name, (), {})
         return super().create_arg(a)
+
+    def create_node(
+        self,
+        kind: str,
+        target: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        name: str | None = None,
+        type_expr: Any | None = None,
+    ) -> fx.Node:
+        # torch 2.13's Graph.create_node walks every argument of a call for raw SymInts to warn of,
+        # which a symbolic trace never makes (its values are proxies): a node made without arguments
+        # and given them afterwards skips that walk (a tenth of a 1,000-layer trace), the same node
+        if self.check_mutable_operations or not (args or kwargs):
+            return super().create_node(kind, target, args, kwargs, name, type_expr)
+        node = super().create_node(kind, target, (), {}, name, type_expr)
+        set_node_arguments(node, args, kwargs)
+        return node
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
         name = self._name(self._params, attr_val) if isinstance(attr_val, nn.Parameter) else None
@@ -165,6 +183,28 @@ def record_values(
     Returns:
         Node name -> what it produced.
     """
+    return recorded_run(gm, inputs, shapes_only, blocks)[0]
+
+
+def recorded_run(
+    gm: fx.GraphModule,
+    inputs: tuple[Any, ...],
+    shapes_only: bool = False,
+    blocks: Sequence[Block] | None = None,
+) -> tuple[dict[str, ValueInfo], Any]:
+    """``record_values``, and what the graph returned when it ran on the meta device.
+
+    Args:
+        gm: as ``record_values``.
+        inputs: as ``record_values``.
+        shapes_only: as ``record_values``.
+        blocks: as ``record_values``.
+
+    Returns:
+        The values, and the graph's output: meta tensors when the graph ran on the meta device, None
+        when it ran on real or fake tensors (not kept: a real output can be large, a fake one is
+        tied to its fake mode).
+    """
     values: dict[str, ValueInfo] = {}
     meta = not shapes_only and on_meta(gm, inputs)
 
@@ -175,10 +215,10 @@ def record_values(
     with buffers_restored(gm), torch.no_grad():
         if shapes_only:
             shapes_or_real(gm, run, *inputs)
-        else:
-            with meta_op_cache(meta):  # identical operators: their meta kernels run once
-                run(*inputs)
-    return values
+            return values, None
+        with meta_op_cache(meta):  # identical operators: their meta kernels run once
+            out = run(*inputs)
+    return values, out if meta else None
 
 
 class GraphForward(nn.Module):
