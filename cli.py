@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import gc
 import sys
+from contextlib import nullcontext
 from typing import Any
 
 import click
@@ -24,6 +25,18 @@ from planner.schema.costs import OPTIMIZERS
 from planner.schema.outputs import check_output
 from planner.schema.plan import Plan
 from planner.schema.request import DP_MODES, DTYPES, METHODS, RECOMPUTE, SCHEDULES, TORCH_NAMES
+
+# Set by ``console`` (the ``planner`` script): the process ends with the command, so ``plan`` can
+# leave what it built to the exit instead of collecting it (planner.core.heap.kept_until_exit). A
+# caller of ``main`` in its own process (a test's CliRunner, a script) keeps collection as usual.
+_ENDS_WITH_COMMAND = False
+
+
+def console() -> None:
+    """The ``planner`` console script: ``main`` in a process that ends when the command does."""
+    global _ENDS_WITH_COMMAND
+    _ENDS_WITH_COMMAND = True
+    main()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -387,6 +400,7 @@ def plan_cmd(
     """
     from planner.api import make_plan
     from planner.capture.load import parse_overrides
+    from planner.core.heap import kept_until_exit
     from planner.report.tables import render
     from planner.schema.request import PlanRequest
 
@@ -426,16 +440,21 @@ def plan_cmd(
         progress=not quiet,
     )
     check_output(request.output, "plan")  # before profiling: a model file or a link is never overwritten
-    plan = make_plan(request)
-    plan.save(request.output)
-    header, notes = _lever_lines(plan)
-    if not quiet:
-        first, _, rest = render(plan).partition("\n")
-        click.echo("\n".join([first + header, *notes, rest]))
-    else:
-        for note in notes:
-            click.echo(note)
-    click.echo(f"\nwrote {request.output}")
+    # an estimate holds meta tensors, graphs and numbers only: in the console script nothing of it is
+    # collected before the process ends (planner.core.heap.kept_until_exit); a measured profile, or a
+    # process that goes on after the command, collects as usual
+    keep = _ENDS_WITH_COMMAND and request.gpu_type is not None
+    with kept_until_exit() if keep else nullcontext():
+        plan = make_plan(request)
+        plan.save(request.output)
+        header, notes = _lever_lines(plan)
+        if not quiet:
+            first, _, rest = render(plan).partition("\n")
+            click.echo("\n".join([first + header, *notes, rest]))
+        else:
+            for note in notes:
+                click.echo(note)
+        click.echo(f"\nwrote {request.output}")
     # The plan is written: the collection CPython makes as the process ends would walk the model's
     # graph once more (~1 s at 1,000 layers) to free what the exit frees anyway (planner.core.heap).
     atexit.unregister(gc.freeze)
@@ -746,4 +765,4 @@ def _write_pictures(plan: Plan, run: Any, timeline: str | None, trace: str | Non
 
 
 if __name__ == "__main__":
-    main()
+    console()

@@ -14,7 +14,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,11 +22,10 @@ import torch
 from tqdm import tqdm
 
 from planner.capture.blocks import GraphTrace, ModuleTrace, TracedModel
-from planner.capture.contract import check_batch_contract, check_batch_size, check_forward
-from planner.capture.graph import GraphForward
+from planner.capture.contract import check_batch_contract, check_batch_size, check_forward, check_traced_forward
 from planner.capture.load import ModelFile, load_model_file, move_model
 from planner.capture.meta_cache import meta_build
-from planner.capture.stage import stage_module, trace_root
+from planner.capture.stage import stage_module
 from planner.capture.tp_graph import split_refusal
 from planner.capture.trace import retrace, trace_model
 from planner.core.assemble import Origin, assemble_plan
@@ -114,32 +113,36 @@ def make_plan(request: PlanRequest) -> Plan:
     if source is not None:
         check_levers(source.plan, request)
         request = calibrated_request(request, source.plan, source.fit.microbatch_size)
-    if request.gpu_type is not None:
-        with bulk_allocation():  # meta tensors, graphs and numbers only (planner.core.heap)
+    estimated = request.gpu_type is not None
+    # An estimate builds meta tensors, graphs and numbers only: collection is paused from the trace to
+    # the plan at its size, so a 1,000-layer trace is walked once, not after each phase (2.7 s less;
+    # planner.core.heap). A measured profile runs real tensors with collection on but in its search.
+    with bulk_allocation() if estimated else nullcontext():
+        if estimated:
             costs = estimated_costs(mf, request, threads)
-    else:
-        costs = measured_costs(mf, request, threads, source.plan if source else None)
-    blocks, link = costs.blocks, costs.link
-    if source is not None:
-        check_calibration(source.fit, costs.traced.fingerprint, request.microbatch_size)
-        blocks, link = apply_calibration(blocks, link, source.fit)
-    with search_bar(request.progress) as progress, bulk_allocation():
-        plan = plan_from_costs(
-            request,
-            mf,
-            costs,
-            blocks,
-            link,
-            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            calibration=changes(source.fit) if source is not None else (),
-            memory_limit_bytes=request.memory_limit_bytes
-            if request.memory_limit_bytes is not None
-            else costs.memory_bytes,
-            progress=progress,
-        )
-    # Two facts only known once the search has chosen: the graph at the chosen microbatch size,
-    # which the runner traces (torch needed, so not in the pure assembly), and the links as placed.
-    plan = traced_as_run(plan, mf, costs.traced, request)
+        else:
+            costs = measured_costs(mf, request, threads, source.plan if source else None)
+        blocks, link = costs.blocks, costs.link
+        if source is not None:
+            check_calibration(source.fit, costs.traced.fingerprint, request.microbatch_size)
+            blocks, link = apply_calibration(blocks, link, source.fit)
+        with search_bar(request.progress) as progress, bulk_allocation():
+            plan = plan_from_costs(
+                request,
+                mf,
+                costs,
+                blocks,
+                link,
+                created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                calibration=changes(source.fit) if source is not None else (),
+                memory_limit_bytes=request.memory_limit_bytes
+                if request.memory_limit_bytes is not None
+                else costs.memory_bytes,
+                progress=progress,
+            )
+        # Two facts only known once the search has chosen: the graph at the chosen microbatch size,
+        # which the runner traces (torch needed, so not in the pure assembly), and the links as placed.
+        plan = traced_as_run(plan, mf, costs.traced, request)
     return with_links(plan, link)  # a multi-node plan records both links and the ranks per node
 
 
@@ -310,6 +313,10 @@ def traced_as_run(plan: Plan, mf: ModelFile, traced: TracedModel, request: PlanR
     inputs, _ = mf.batch(plan.microbatch_size, seed=request.seed)
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
     at_run = retrace(traced, traced.model, inputs, methods=(traced.method,))
+    if isinstance(at_run, GraphTrace) and isinstance(traced, GraphTrace) and at_run.gm is traced.gm:
+        # the graph was reused (an fx trace at another size): its model, blocks and nodes are
+        # traced's, so are the fingerprint and block nodes (hashing both took 1 s at 1,000 layers)
+        return plan
     if at_run.fingerprint == traced.fingerprint and [b.nodes for b in at_run.blocks] == [
         b.nodes for b in traced.blocks
     ]:
@@ -430,23 +437,13 @@ def _traced(
     checked: bool = False,
 ) -> TracedModel:
     """Check the model file's forward and loss once (unless ``checked``), trace the model, check it
-    has enough blocks.
-
-    On the meta device the forward is checked on the traced graph, not the model: model code may
-    read data in an eager forward (transformers' mask code calls ``.item()``), which meta tensors
-    have none of; the graph holds no such reads (the tracers refuse them).
-    """
+    has enough blocks. On the meta device the forward is checked on the trace (``check_traced_forward``)."""
     if not on_meta and not checked:
         check_forward(mf, model, inputs, target)
     _say(request, f"tracing {type(model).__name__}{' on the meta device' if on_meta else ''}")
     traced = trace_model(model, inputs, copied=not on_meta)  # a meta model is built for this trace alone
     if on_meta:
-        # an fx graph's output is the model's own (torch.export's is flattened: its module unflattens it)
-        if isinstance(traced, GraphTrace) and traced.method == "fx":
-            forward: torch.nn.Module = GraphForward(traced.gm, traced.blocks)
-        else:
-            forward = trace_root(traced)
-        check_forward(mf, forward, inputs, target)
+        check_traced_forward(mf, traced, inputs, target)
     if isinstance(traced, ModuleTrace):
         stage_module(traced, 0, len(traced.blocks))  # every plan runs: refuse blocks that are no chain, saying why
     pp = request.min_pipeline_ranks  # the fewest pipeline ranks a replica count tried gives

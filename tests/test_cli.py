@@ -492,3 +492,39 @@ def test_debug_works_before_and_after_the_subcommand(where: str, tmp_path: Path)
     assert isinstance(result.exception, ModelFileError)  # the traceback, not the one line
     plain = CliRunner().invoke(main, ["plan", str(tmp_path / "missing.py"), "--gpus", "2"])
     assert plain.exit_code == 2 and plain.output.startswith("error: model file")
+
+
+def test_an_estimated_plan_is_left_to_the_exit_only_by_the_console_script(tmp_path: Path) -> None:
+    """``planner plan --gpu-type`` in the console script freezes what it built instead of collecting
+    it before the process ends (planner.core.heap.kept_until_exit); ``main`` called in a process that
+    goes on (this test's, a user's script) leaves the collector as it was."""
+    import gc
+    import subprocess
+    import sys
+
+    args = ["plan", str(ROOT / "models" / "toy.py"), "--gpus", "2", "--gpu-type", "h100", "-q"]
+    before = gc.get_freeze_count()
+    result = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "a.json")])
+    assert result.exit_code == 0, result.output
+    assert gc.get_freeze_count() == before and gc.isenabled()
+    script = (  # counted as the command ends, before the exit's own freeze (atexit) runs
+        "import gc, sys\n"
+        "import cli\n"
+        "try:\n"
+        "    cli.console()\n"
+        "finally:\n"
+        "    print('frozen', gc.get_freeze_count(), file=sys.stderr)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args, "-o", str(tmp_path / "b.json")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    frozen = int(done.stderr.split("frozen")[-1].split()[0])
+    assert frozen > 10_000  # the plan's objects, all of them frozen
+    assert Plan.load(tmp_path / "b.json").model_dump(exclude={"created"}) == Plan.load(tmp_path / "a.json").model_dump(
+        exclude={"created"}
+    )

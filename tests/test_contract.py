@@ -118,6 +118,41 @@ def test_make_batch_that_ignores_batch_size_is_refused_for_estimates_too(tmp_pat
     assert not (tmp_path / "plan.json").exists()
 
 
+@pytest.mark.parametrize(
+    ("loss", "message"),
+    [
+        ("return (output - target) ** 2", "loss_fn() returned (2, 5); expected a scalar tensor"),
+        ("return F.mse_loss(output, target[:, :1].t())", "loss_fn() raised"),
+    ],
+)
+def test_an_estimate_checks_the_loss_on_the_traced_output(loss: str, message: str, tmp_path: Path) -> None:
+    """On the meta device the loss is checked on what the fx graph returned while its values were
+    recorded (``GraphTrace.example_output``), not on a second run of the graph: the same refusals."""
+    model = _variant(tmp_path, "return F.mse_loss(output, target)", loss)
+    code, out = _plan(model, tmp_path, "--gpu-type", "h100")
+    assert code == 2, out
+    assert message in out
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_a_meta_trace_keeps_its_output_and_a_real_one_does_not() -> None:
+    from planner.capture.load import load_model_file
+    from planner.capture.meta_cache import meta_build
+    from planner.capture.trace import trace_model
+
+    mf = load_model_file(ROOT / "models" / "toy.py")
+    inputs, _ = mf.batch(4, seed=0)
+    real = trace_model(mf.build(seed=0), inputs)
+    assert real.method == "fx" and real.example_output is None  # type: ignore[attr-defined]
+    with meta_build():
+        model = mf.build(seed=0)
+    meta_inputs = tuple(x.to("meta") for x in inputs)
+    meta = trace_model(model, meta_inputs, copied=False)
+    out = meta.example_output  # type: ignore[attr-defined]
+    assert isinstance(out, torch.Tensor) and out.device.type == "meta"
+    assert tuple(out.shape) == tuple(mf.build(seed=0)(*inputs).shape)
+
+
 def test_a_training_stream_of_another_batch_size_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
     model = tmp_path / "model.py"
     model.write_text(TOY)

@@ -1,4 +1,5 @@
-"""Tier 1 (pure): ``bulk_allocation`` pauses the cyclic collector and restores it as it was."""
+"""Tier 1 (pure): ``bulk_allocation`` pauses the cyclic collector and restores it as it was;
+``kept_until_exit`` also freezes what it built."""
 
 from __future__ import annotations
 
@@ -49,3 +50,23 @@ def test_cycles_made_inside_are_freed_by_the_next_collection() -> None:
         assert any(id(o) in ids for o in gc.get_objects())
     gc.collect()
     assert not any(id(o) in ids and type(o).__name__ == "Node" for o in gc.get_objects())
+
+
+def test_kept_until_exit_freezes_what_the_block_built() -> None:
+    """The last work of a process: collection resumes after it, but what it built is frozen (never
+    walked again before exit); after an error nothing is frozen and collection goes on as usual."""
+    from planner.core.heap import kept_until_exit
+
+    assert gc.get_freeze_count() == 0
+    try:
+        with pytest.raises(ValueError), kept_until_exit():
+            raise ValueError("inside")
+        assert gc.isenabled() and gc.get_freeze_count() == 0
+        with kept_until_exit():
+            built = [[i] for i in range(1000)]
+            assert not gc.isenabled()
+        assert gc.isenabled()
+        assert gc.get_freeze_count() >= len(built)
+        assert not any(o is built for o in gc.get_objects())  # frozen objects are out of the collector's generations
+    finally:
+        gc.unfreeze()

@@ -15,8 +15,11 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from planner.capture.blocks import GraphTrace, TracedModel
+from planner.capture.graph import GraphForward
 from planner.capture.load import Batch, ModelFile, shape_of
 from planner.capture.meta_cache import meta_op_cache, on_meta
+from planner.capture.stage import trace_root
 from planner.errors import ModelFileError
 
 
@@ -49,6 +52,48 @@ def check_forward(mf: ModelFile, model: nn.Module, inputs: tuple, target: torch.
     """
     with evaluating(model), torch.no_grad(), meta_op_cache(on_meta(model, inputs)):
         out = mf._call("forward", model, *inputs)
+        check_loss(mf, out, target)
+
+
+def check_traced_forward(mf: ModelFile, traced: TracedModel, inputs: tuple, target: torch.Tensor) -> None:
+    """``check_forward`` of a model traced on the meta device, on its trace rather than the model:
+    model code may read data in an eager forward (transformers' mask code calls ``.item()``), which
+    meta tensors have none of; the graph holds no such reads (the tracers refuse them).
+
+    An fx trace kept what its graph returned when its values were recorded on these inputs
+    (``GraphTrace.example_output``): only the loss runs. An fx graph's output is the model's own;
+    torch.export's is flattened, and its root module (``trace_root``) unflattens it.
+
+    Args:
+        mf: the model file.
+        traced: the model's trace on ``inputs`` (meta).
+        inputs: the example microbatch's inputs.
+        target: its target.
+
+    Raises:
+        ModelFileError: the forward or the loss fails, or the loss is not a scalar tensor.
+    """
+    if isinstance(traced, GraphTrace) and traced.method == "fx" and traced.example_output is not None:
+        check_loss(mf, traced.example_output, target)
+    elif isinstance(traced, GraphTrace) and traced.method == "fx":
+        check_forward(mf, GraphForward(traced.gm, traced.blocks), inputs, target)
+    else:
+        check_forward(mf, trace_root(traced), inputs, target)
+
+
+def check_loss(mf: ModelFile, out: object, target: torch.Tensor) -> None:
+    """Run ``loss_fn`` on the model's output for the example batch (no grad): the second half of
+    ``check_forward``, for an output already at hand (a meta trace's, ``GraphTrace.example_output``).
+
+    Args:
+        mf: the model file.
+        out: the model's output on the example microbatch.
+        target: its target.
+
+    Raises:
+        ModelFileError: the loss fails, or is not a scalar tensor.
+    """
+    with torch.no_grad():
         loss = mf._call("loss_fn", mf.loss_fn, out, target)
     if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
         raise ModelFileError(

@@ -20,7 +20,15 @@ import torch.fx as fx
 from torch import nn
 
 from planner.capture.blocks import GraphTrace, TracedModel
-from planner.capture.graph import analyse_graph, group_blocks, record_values, trace_export, trace_fx, with_values
+from planner.capture.graph import (
+    analyse_graph,
+    group_blocks,
+    record_values,
+    recorded_run,
+    trace_export,
+    trace_fx,
+    with_values,
+)
 from planner.capture.modules import trace_module_boundaries
 from planner.errors import TraceError
 
@@ -139,11 +147,13 @@ def trace_model(
         try:
             gm = TRACERS[method](private, inputs)
             blocks = group_blocks(gm, private)  # first: twin layers' values are replayed, not run again
-            values = record_values(gm, inputs, shapes_only=shapes_only, blocks=blocks)
+            values, output = recorded_run(gm, inputs, shapes_only=shapes_only, blocks=blocks)
         except Exception as e:  # any tracer failure means: try the next one
             failures.append((method, short_reason(e)))
             continue
-        return analyse_graph(gm, private, method, failures, values, blocks)
+        traced = analyse_graph(gm, private, method, failures, values, blocks)
+        traced.example_output = output
+        return traced
     detail = "; ".join(f"{m}: {r}" for m, r in failures)
     raise TraceError(
         f"could not trace {type(model).__name__} with any of {', '.join(methods)} ({detail}); {trace_advice(failures)}"
