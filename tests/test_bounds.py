@@ -11,7 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from test_plans_unchanged import _block
 
-from planner.core.bounds import floors, memory_floor, pipeline_floor, step_floor
+from planner.core.bounds import block_totals, floors, memory_floor, pipeline_floor, step_floor
 from planner.core.inputs import Cluster, Constraints, Layout
 from planner.core.schedules import SCHEDULES, SPLIT_BACKWARD, check_schedule, stages_per_rank_options
 from planner.core.search import evaluate_choice, evaluate_modes
@@ -96,6 +96,17 @@ def test_floors_never_exceed_the_solved_and_simulated_layout(problem: tuple) -> 
     for c in choices:
         assert step <= c.prediction.step_time_s * (1 + 1e-12), (step, c.prediction.step_time_s, c.layout)
         assert memory <= c.prediction.max_memory_bytes, (memory, c.prediction.max_memory_bytes, c.layout)
+
+
+@settings(max_examples=200, deadline=None)
+@given(problems())
+def test_floors_from_kept_totals_are_the_floors(problem: tuple) -> None:  # type: ignore[type-arg]
+    """The search sums the blocks once per set of costs (``block_totals``) and hands the sums to
+    ``floors`` for each layout: the same floors as summing them there, for either backward kind."""
+    blocks, _, layout, constraints, _ = problem
+    split = layout.schedule in SPLIT_BACKWARD
+    kept = floors(blocks, layout, constraints.optimizer, block_totals(blocks, split))
+    assert kept == floors(blocks, layout, constraints.optimizer)
 
 
 def test_pipeline_floor_exact_values() -> None:

@@ -11,6 +11,7 @@ and the simulator then find, for the solver's split and for random splits.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from planner.core.inputs import Layout
 from planner.core.schedules import SPLIT_BACKWARD
@@ -56,21 +57,39 @@ def memory_floor(blocks: Sequence[BlockCost], layout: Layout, optimizer: Optimiz
     return floors(blocks, layout, optimizer)[1]
 
 
-def floors(blocks: Sequence[BlockCost], layout: Layout, optimizer: OptimizerSpec) -> tuple[float, int]:
-    """``step_floor`` and ``memory_floor`` in one pass over the blocks.
+@dataclass(frozen=True)
+class BlockTotals:
+    """What ``floors`` sums over the blocks, which depends on them and on whether the schedule splits
+    its backward only: the search computes it once per set of block costs, not once per layout.
 
-    Both count the receive buffers torch's ``PipelineStage`` allocates up front: each of the
-    ``n_stages - 1`` stage boundaries holds ``m`` microbatches' cut bytes in each direction (the stage
-    before it the gradients', the stage after it the activations'), at least the least legal cut's,
-    so the ranks hold ``2 m (n_stages - 1)`` such cuts between them, the busiest at least the mean.
-    With several passes (gradient accumulation) the step computes every pass's microbatches (``m x
-    accumulation``); the memory is one pass's.
+    Attributes:
+        compute: every block's forward and backward for one microbatch (a split backward: the least
+            of the whole and its halves), seconds.
+        step: every block's optimizer step and gradient work, seconds.
+        param_bytes: the blocks' parameter bytes.
+        params: their parameter count.
+        lead: the least share of a block's compute on the chain through the stages (``pipeline_floor``).
+        least_cut: the smallest legal cut's bytes (None: no legal cut).
     """
-    pp, m, dp = layout.pp, layout.n_microbatches, layout.dp
-    split = layout.schedule in SPLIT_BACKWARD
-    # what FSDP may shard the optimizer step over: the search plans split-backward schedules with DDP
-    most = layout.dp_shard if layout.dp_mode == "hsdp" else dp  # the most replicas a stage is sharded over
-    shard = most if dp > 1 and layout.dp_mode in ("fsdp", "hsdp", "auto") and not split else 1
+
+    compute: float
+    step: float
+    param_bytes: int
+    params: int
+    lead: float
+    least_cut: int | None
+
+
+def block_totals(blocks: Sequence[BlockCost], split: bool) -> BlockTotals:
+    """``BlockTotals`` of ``blocks`` for a schedule that splits its backward (``split``) or not.
+
+    Args:
+        blocks: per-block costs.
+        split: whether the schedule runs the input and weight halves of the backward apart.
+
+    Returns:
+        The totals.
+    """
     compute = 0.0
     step = 0.0
     p_bytes = n_params = 0
@@ -86,18 +105,50 @@ def floors(blocks: Sequence[BlockCost], layout: Layout, optimizer: OptimizerSpec
         step += (b.opt_s or 0.0) + (b.grad_s or 0.0)
         p_bytes += b.param_bytes
         n_params += b.params
-    static = 2 * p_bytes + optimizer.state_bytes(n_params, p_bytes)
     cuts = [b.sent_bytes for b in blocks[:-1] if b.cut_legal]
-    buffers = 2 * m * (layout.n_stages - 1) * min(cuts) if cuts and layout.n_stages > 1 else 0
+    return BlockTotals(compute, step, p_bytes, n_params, lead, min(cuts) if cuts else None)
+
+
+def floors(
+    blocks: Sequence[BlockCost], layout: Layout, optimizer: OptimizerSpec, totals: BlockTotals | None = None
+) -> tuple[float, int]:
+    """``step_floor`` and ``memory_floor`` in one pass over the blocks.
+
+    Both count the receive buffers torch's ``PipelineStage`` allocates up front: each of the
+    ``n_stages - 1`` stage boundaries holds ``m`` microbatches' cut bytes in each direction (the stage
+    before it the gradients', the stage after it the activations'), at least the least legal cut's,
+    so the ranks hold ``2 m (n_stages - 1)`` such cuts between them, the busiest at least the mean.
+    With several passes (gradient accumulation) the step computes every pass's microbatches (``m x
+    accumulation``); the memory is one pass's.
+
+    Args:
+        blocks: per-block costs at the layout's microbatch size.
+        layout: the layout.
+        optimizer: the optimizer (its state bytes).
+        totals: ``block_totals(blocks, split)`` for the layout's schedule, where the caller keeps it
+            (None: summed here).
+
+    Returns:
+        (the step floor in seconds, the memory floor in bytes).
+    """
+    pp, m, dp = layout.pp, layout.n_microbatches, layout.dp
+    split = layout.schedule in SPLIT_BACKWARD
+    t = totals if totals is not None else block_totals(blocks, split)
+    # what FSDP may shard the optimizer step over: the search plans split-backward schedules with DDP
+    most = layout.dp_shard if layout.dp_mode == "hsdp" else dp  # the most replicas a stage is sharded over
+    shard = most if dp > 1 and layout.dp_mode in ("fsdp", "hsdp", "auto") and not split else 1
+    static = 2 * t.param_bytes + optimizer.state_bytes(t.params, t.param_bytes)
+    least = t.least_cut
+    buffers = 2 * m * (layout.n_stages - 1) * least if least is not None and layout.n_stages > 1 else 0
     ddp = (static + buffers) // pp
     # FSDP holds its stages' weights and gradients whole while the pipeline runs, or block by block
     # only a few units at a time (counted as none here)
-    whole = 0 if layout.fsdp_units in ("block", "auto") else 2 * p_bytes
+    whole = 0 if layout.fsdp_units in ("block", "auto") else 2 * t.param_bytes
     fsdp = (static // max(1, most) + whole + buffers) // pp
     modes = {"ddp": ddp, "fsdp": fsdp, "hsdp": fsdp, "auto": min(ddp, fsdp)}
     memory = ddp if dp == 1 else modes.get(layout.dp_mode, ddp)
-    busiest = (compute * m * layout.accumulation + step / shard) / pp
-    return max(busiest, layout.accumulation * pipeline_floor(compute, m, layout.n_stages, lead)), memory
+    busiest = (t.compute * m * layout.accumulation + t.step / shard) / pp
+    return max(busiest, layout.accumulation * pipeline_floor(t.compute, m, layout.n_stages, t.lead)), memory
 
 
 def pipeline_floor(compute: float, m: int, n_stages: int, lead: float = 1.0) -> float:
@@ -127,4 +178,4 @@ def pipeline_floor(compute: float, m: int, n_stages: int, lead: float = 1.0) -> 
     return lead * compute / (1 - (1 - lead / m) ** n_stages)
 
 
-__all__ = ["floors", "memory_floor", "pipeline_floor", "step_floor"]
+__all__ = ["BlockTotals", "block_totals", "floors", "memory_floor", "pipeline_floor", "step_floor"]

@@ -33,12 +33,12 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from planner.core.bounds import floors
+from planner.core.bounds import BlockTotals, block_totals, floors
 from planner.core.candidate import Choice, blocks_at, evaluate_choice, evaluate_modes
 from planner.core.data_parallel import hsdp_shard, tp_link
 from planner.core.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
 from planner.core.links import NodeLinks
-from planner.core.schedules import stages_per_rank_options
+from planner.core.schedules import SPLIT_BACKWARD, stages_per_rank_options
 from planner.core.stage_model import Partition
 from planner.core.stage_plans import StageMemo
 from planner.core.tensor_parallel import at_degree
@@ -185,7 +185,7 @@ def _pending_layouts(
 ) -> tuple[list[_Pending], list[InfeasibleError]]:
     """Every layout of ``space`` with its costs and floors, tensor-parallel degrees outermost, then
     replica counts (ascending: the simpler first), in ``_layouts``' order within them."""
-    cache: dict[tuple[int, int, bool], list[BlockCost]] = {}  # costs by microbatch size, degree and sequence split
+    cache: dict[tuple[int, int, bool], _Sized] = {}  # costs by microbatch size, degree and sequence split
     pending: list[_Pending] = []
     errors: list[InfeasibleError] = []
     floor = min(scaling.min_size, scaling.size0)
@@ -222,15 +222,28 @@ def _pending(
     space: SearchSpace,
     scaling: Scaling,
     constraints: Constraints,
-    cache: dict[tuple[int, int, bool], list[BlockCost]],
+    cache: dict[tuple[int, int, bool], _Sized],
 ) -> _Pending:
     """``layout`` with its costs at its microbatch size (kept in ``cache``) and its floors."""
     key = (space.batch_size // (layout.dp * layout.accumulation * layout.n_microbatches), layout.tp, layout.sequence)
     if key not in cache:
         sized = blocks_at(blocks, scaling.size0, key[0], scaling.fixed_fraction)
-        cache[key] = at_degree(sized, layout.tp, tp_link(cluster.link), sequence=layout.sequence)
-    step, memory = floors(cache[key], layout, constraints.optimizer)
-    return _Pending(layout, cache[key], step, memory)
+        cache[key] = _Sized(at_degree(sized, layout.tp, tp_link(cluster.link), sequence=layout.sequence))
+    entry = cache[key]
+    split = layout.schedule in SPLIT_BACKWARD
+    if split not in entry.totals:  # the floors' sums over 1,000 blocks: once per costs, not per layout
+        entry.totals[split] = block_totals(entry.blocks, split)
+    step, memory = floors(entry.blocks, layout, constraints.optimizer, entry.totals[split])
+    return _Pending(layout, entry.blocks, step, memory)
+
+
+@dataclass
+class _Sized:
+    """Block costs at one microbatch size, tensor-parallel degree and sequence split, and the sums
+    their floors take, by whether the schedule splits its backward."""
+
+    blocks: list[BlockCost]
+    totals: dict[bool, BlockTotals] = field(default_factory=dict)
 
 
 def accumulation_options(layout: Layout, space: SearchSpace, min_size: int) -> list[Layout]:
@@ -295,7 +308,7 @@ def _evaluate_all(
     # the enumeration's order; where one pass fits it is never slower than more passes of the
     # same microbatches (each pass pays the pipeline's warm-up and drain), so they are not tried
     heap = [(pending[k].step_floor_s, k) for k in order]
-    cache: dict[tuple[int, int, bool], list[BlockCost]] = {}
+    cache: dict[tuple[int, int, bool], _Sized] = {}
     min_size = min(scaling.min_size, scaling.size0)
     done = 0
     while heap:
