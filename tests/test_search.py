@@ -168,6 +168,21 @@ def test_a_stage_memo_predicts_every_split_as_a_fresh_prediction(
     assert alien.prediction == evaluate_choice(other, cluster, layout, constraints, trial).prediction
 
 
+@pytest.mark.parametrize(
+    ("starts", "message"),
+    [((0, 2), "is not legal"), ((0, 3, 3), "is invalid for 4 blocks"), ((1, 2), "is invalid for 4 blocks")],
+)
+def test_a_split_off_the_legal_cuts_is_refused_before_it_is_laid_out(starts: tuple, message: str) -> None:
+    """``laid_out`` checks the split first (legal cuts, non-empty stages): the error names the cut."""
+    from planner.core.predict import predict
+
+    blocks = [block(f"b{i}", 1, 2, 1000) for i in range(4)]
+    blocks[1] = blocks[1].model_copy(update={"cut_legal": False})  # no cut after b1
+    layout = Layout("1f1b" if len(starts) == 2 else "gpipe", len(starts), 4, 1)
+    with pytest.raises(InfeasibleError, match=message):
+        predict(blocks, starts, LINK, layout, ADAMW)
+
+
 blocks_st = st.lists(
     st.tuples(st.integers(1, 9), st.integers(1, 9), st.integers(0, 5), st.integers(0, 3), st.integers(1, 3)),
     min_size=4,

@@ -20,7 +20,13 @@ from planner.core.inputs import Layout
 from planner.core.links import Links, boundary_links, default_link, links_around
 from planner.core.recompute import recompute_flags, recompute_mode
 from planner.core.schedules import Action, RankStates, in_flight_per_stage, peak_live_bytes, rank_states, stage_ranks
-from planner.core.stage_model import MemoryParts, parts_from_sums, stage_costs, stage_memory_parts, stage_time_parts
+from planner.core.stage_model import (
+    MemoryParts,
+    check_starts,
+    parts_from_sums,
+    stage_memory_parts,
+    stage_time_parts,
+)
 from planner.core.stage_sums import block_sums
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec, split_recompute
@@ -105,7 +111,8 @@ def laid_out(
     ranks = stage_ranks(schedule, p, layout.stages_per_rank)
     context = _StageContext(optimizer, layout, ranks)
     link = layout_links(link, p, dp, layout.tp)
-    stage_costs(blocks, starts, link, recompute, schedule)  # validates the split (legal cuts, non-empty stages)
+    # a valid split: legal cuts, non-empty stages (each stage's times are the stage plans' below)
+    check_starts(blocks, starts)
     links = boundary_links(link, n, schedule)
     flags = recompute_flags(recompute, n)
     states = rank_states(schedule, p, n_microbatches, layout.stages_per_rank)
