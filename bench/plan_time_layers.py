@@ -74,7 +74,8 @@ def time_plan(code: Path, layers: int, work: Path, timeout_s: float) -> tuple[fl
     argv = [
         sys.executable,
         "-c",
-        "import sys; from cli import main; sys.argv[0] = 'planner'; main()",
+        # the ``planner`` console script's entry (cli.console; cli.main in trees from before it)
+        "import sys, cli; sys.argv[0] = 'planner'; getattr(cli, 'console', cli.main)()",
         "plan",
         str(code / "models" / "llama.py"),
         "--size",

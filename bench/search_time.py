@@ -163,9 +163,12 @@ WHOLE_TIMEOUT_S = 3600.0
 
 def whole_command(case: str, source: Path) -> tuple[float, float, str]:
     """Wall seconds and peak RSS (MB) of ``planner plan`` for ``case``, and its last line on failure."""
-    planner = Path(sys.executable).parent / "planner"
+    # what the ``planner`` console script runs, from ``source`` (cli.console; cli.main in trees from
+    # before it, which the installed script would not find)
+    entry = "import sys, cli; sys.argv[0] = 'planner'; getattr(cli, 'console', cli.main)()"
     with tempfile.TemporaryDirectory() as tmp:
-        argv = [str(planner), "plan", str(ROOT / "models" / "llama.py"), *CASES[case], "-o", f"{tmp}/plan.json"]
+        argv = [sys.executable, "-c", entry, "plan", str(ROOT / "models" / "llama.py"), *CASES[case]]
+        argv += ["-o", f"{tmp}/plan.json"]
         env = {**os.environ, "PYTHONPATH": str(source), "PYTHONDONTWRITEBYTECODE": "1"}
         code, wall, rss, out, err = run_timed(argv, WHOLE_TIMEOUT_S, Path(tmp), env)
     return wall, rss / 2**20, "" if code == 0 else last_line(err, out)
