@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from planner.capture.blocks import GraphTrace, TracedModel
-from planner.capture.graph import GraphForward
 from planner.capture.load import Batch, ModelFile, shape_of
 from planner.capture.meta_cache import meta_op_cache, on_meta
 from planner.capture.stage import trace_root
@@ -60,9 +59,10 @@ def check_traced_forward(mf: ModelFile, traced: TracedModel, inputs: tuple, targ
     model code may read data in an eager forward (transformers' mask code calls ``.item()``), which
     meta tensors have none of; the graph holds no such reads (the tracers refuse them).
 
-    An fx trace kept what its graph returned when its values were recorded on these inputs
-    (``GraphTrace.example_output``): only the loss runs. An fx graph's output is the model's own;
-    torch.export's is flattened, and its root module (``trace_root``) unflattens it.
+    An fx trace kept what its graph returned when its values were recorded on these inputs on the
+    meta device (``GraphTrace.example_output``; an fx graph's output is the model's own): only the
+    loss runs. Otherwise the trace's root module runs (``trace_root``; torch.export's unflattens its
+    flattened output).
 
     Args:
         mf: the model file.
@@ -75,8 +75,6 @@ def check_traced_forward(mf: ModelFile, traced: TracedModel, inputs: tuple, targ
     """
     if isinstance(traced, GraphTrace) and traced.method == "fx" and traced.example_output is not None:
         check_loss(mf, traced.example_output, target)
-    elif isinstance(traced, GraphTrace) and traced.method == "fx":
-        check_forward(mf, GraphForward(traced.gm, traced.blocks), inputs, target)
     else:
         check_forward(mf, trace_root(traced), inputs, target)
 

@@ -221,27 +221,6 @@ def recorded_run(
     return values, out if meta else None
 
 
-class GraphForward(nn.Module):
-    """A graph trace's graph as a module whose forward runs it in an interpreter, twin blocks replayed
-    on the meta device (``record_values``): the forward check of a 1,000-layer model on the meta
-    device runs each distinct layer once, and the graph needs no Python code generated for it.
-
-    Args:
-        gm: the traced graph (an fx trace: its output is the model's, not flattened as torch.export's).
-        blocks: its blocks.
-    """
-
-    def __init__(self, gm: fx.GraphModule, blocks: Sequence[Block]) -> None:
-        super().__init__()
-        self.gm = gm
-        self.blocks = list(blocks)
-
-    def forward(self, *inputs: Any) -> Any:
-        meta = on_meta(self.gm, inputs)
-        with meta_op_cache(meta):
-            return _interpreter(self.gm, {}, self.blocks if meta else None).run(*inputs)
-
-
 def _interpreter(gm: fx.GraphModule, values: dict[str, ValueInfo], blocks: Sequence[Block] | None) -> fx.Interpreter:
     """The interpreter that runs ``gm`` noting its values: replaying twin blocks when given
     ``blocks`` (meta runs only), else running every node."""
