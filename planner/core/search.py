@@ -181,11 +181,16 @@ class _Pending:
 
 
 def _pending_layouts(
-    blocks: Sequence[BlockCost], cluster: Cluster, space: SearchSpace, constraints: Constraints, scaling: Scaling
+    blocks: Sequence[BlockCost],
+    cluster: Cluster,
+    space: SearchSpace,
+    constraints: Constraints,
+    scaling: Scaling,
+    cache: dict[tuple[int, int, bool], _Sized],
 ) -> tuple[list[_Pending], list[InfeasibleError]]:
     """Every layout of ``space`` with its costs and floors, tensor-parallel degrees outermost, then
-    replica counts (ascending: the simpler first), in ``_layouts``' order within them."""
-    cache: dict[tuple[int, int, bool], _Sized] = {}  # costs by microbatch size, degree and sequence split
+    replica counts (ascending: the simpler first), in ``_layouts``' order within them; ``cache``
+    holds the costs by microbatch size, degree and sequence split (``_pending``)."""
     pending: list[_Pending] = []
     errors: list[InfeasibleError] = []
     floor = min(scaling.min_size, scaling.size0)
@@ -297,7 +302,10 @@ def _evaluate_all(
     """Evaluate the layouts of ``space`` that can win: in ascending order of their step floor,
     skipping those whose memory floor is over the limit, until the floor of the next is slower
     than the fastest fitting candidate found (beyond ``TIE``: it could not even tie)."""
-    pending, errors = _pending_layouts(blocks, cluster, space, constraints, scaling)
+    # costs by microbatch size, degree and sequence split, shared with the layouts retried in several
+    # passes below: with the microbatch count open they run their one-pass layout's microbatches
+    cache: dict[tuple[int, int, bool], _Sized] = {}
+    pending, errors = _pending_layouts(blocks, cluster, space, constraints, scaling, cache)
     order = sorted(range(len(pending)), key=lambda k: (pending[k].step_floor_s, k))
     limit = constraints.memory_limit_bytes
     outcome = _Outcome([], errors, layouts=len(pending))
@@ -308,7 +316,6 @@ def _evaluate_all(
     # the enumeration's order; where one pass fits it is never slower than more passes of the
     # same microbatches (each pass pays the pipeline's warm-up and drain), so they are not tried
     heap = [(pending[k].step_floor_s, k) for k in order]
-    cache: dict[tuple[int, int, bool], _Sized] = {}
     min_size = min(scaling.min_size, scaling.size0)
     done = 0
     while heap:
