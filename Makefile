@@ -6,6 +6,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
+# pytest-xdist workers: one per core. Most tests are single-threaded Python (tracing, the search), so
+# two workers on two cores halve the suite (36 -> 14 min); the multi-process tests pick free ports.
+WORKERS ?= auto
 
 .PHONY: demo test check lint clean
 
@@ -26,12 +29,13 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy --strict planner/core planner/schema planner/report planner/errors.py
 
-# --durations: the log names the slowest tests, where CI's time goes
+# --durations: the log names the slowest tests, where CI's time goes; worksteal: an idle worker takes
+# queued tests from a busy one, so the slow multi-process tests do not end in one worker's tail
 test: lint
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q -n $(WORKERS) --dist worksteal --durations=30
 
 check: lint
-	$(PY) -m pytest -q -m "not multiprocess and not slow" -p no:cacheprovider
+	$(PY) -m pytest -q -n $(WORKERS) --dist worksteal -m "not multiprocess and not slow" -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) plan.json plan.run.json plan.ckpt
