@@ -22,6 +22,7 @@ before.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -135,25 +136,42 @@ def meta_op_cache(enabled: bool = True) -> Iterator[MetaOpCache | None]:
         yield cache
 
 
+def _skipping_meta(original: Any) -> Any:
+    """``original`` (a ``torch.nn.init.*_`` function) that returns a meta tensor untouched.
+
+    Only meta tensors are skipped, never by a flag of the build: a library imported during the
+    build may keep the function it finds on ``torch.nn.init`` (transformers' ``initialization``
+    module does, on first import, and restores torch's initialisers from that copy ever after), so
+    what it keeps must go on initialising real tensors once the build is over. Skipping a meta
+    tensor changes nothing a caller can see: it holds no values, and a meta random op draws nothing
+    from the generator.
+    """
+
+    @functools.wraps(original)
+    def init(*args: Any, **kwargs: Any) -> Any:
+        tensor = args[0] if args else kwargs.get("tensor")
+        if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+            return tensor
+        return original(*args, **kwargs)
+
+    return init
+
+
 @contextlib.contextmanager
 def meta_build() -> Iterator[None]:
     """Build a model on the meta device with ``torch.nn.init``'s in-place initialisers skipped.
 
     A meta tensor holds no values, so initialising one changes nothing but costs a dispatch through
     the device context and a Python decomposition per call: half of building a 1,000-layer Llama
-    (7,000 ``kaiming_uniform_``). Inside, every public ``torch.nn.init.*_`` function returns its
-    tensor untouched, as transformers' ``no_init_weights`` does; restored on exit.
+    (7,000 ``kaiming_uniform_``). Inside, every public ``torch.nn.init.*_`` function returns a meta
+    tensor untouched (and initialises any other tensor as before); restored on exit.
     """
     init = torch.nn.init
     names = [n for n in dir(init) if n.endswith("_") and not n.startswith("_") and callable(getattr(init, n))]
     saved = {n: getattr(init, n) for n in names}
-
-    def skip(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        return tensor
-
     try:
         for n in names:
-            setattr(init, n, skip)
+            setattr(init, n, _skipping_meta(saved[n]))
         with torch.device("meta"):
             yield
     finally:
