@@ -208,12 +208,21 @@ def test_input_plus_weight_close_to_full_backward_on_linear_stack():
             return x
 
     x, y = torch.randn(batch, d), torch.randn(batch, d)
-    costs = _profile(trace_model(Stack(), (x,)), (x,), y, _mse, warmup=2, repeats=7, threads=1)
-    assert costs[0].bwd_input_s == 0.0 and costs[0].bwd_weight_s > 0
-    assert all(c.bwd_input_s > 0 and c.bwd_weight_s > 0 for c in costs[1:])
-    split = sum(c.bwd_input_s + c.bwd_weight_s for c in costs)
-    full = sum(c.bwd_s for c in costs)
-    assert 0.5 * full <= split <= 1.5 * full, (split, full)
+    traced = trace_model(Stack(), (x,))
+    # Up to three measurements, one within the band suffices: the other test worker's processes share
+    # these 2 cores and stretch the split's or the full backward's median now and then (I + W = 1.8 B
+    # once, under a multi-process test), while a wrong split (W timed as a whole backward, I or W
+    # zero) misses it every time.
+    ratios = []
+    for _ in range(3):
+        costs = _profile(traced, (x,), y, _mse, warmup=2, repeats=7, threads=1)
+        assert costs[0].bwd_input_s == 0.0 and costs[0].bwd_weight_s > 0
+        assert all(c.bwd_input_s > 0 and c.bwd_weight_s > 0 for c in costs[1:])
+        split = sum(c.bwd_input_s + c.bwd_weight_s for c in costs)
+        ratios.append(split / sum(c.bwd_s for c in costs))
+        if 0.5 <= ratios[-1] <= 1.5:
+            break
+    assert 0.5 <= ratios[-1] <= 1.5, ratios
 
 
 # --- bytes -------------------------------------------------------------------------------------
