@@ -19,6 +19,9 @@ from planner.capture.trace import trace_model
 from planner.costs.context import time_in_context
 from planner.costs.settings import ProfileSettings, Sample
 
+# wall-clock tolerances: run after the parallel pass, alone on the cores (Makefile)
+pytestmark = pytest.mark.timing
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 FWD_MS, BWD_MS = (20, 40, 60), (10, 20, 30)

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,10 +38,18 @@ GPT2_BLOCKS = (
 )
 
 
-def _quick_plan(path: Path, size: str, gpus: int = 2, method: str = "optimal"):
+def _quick_plan(path: Path, size: str, gpus: int = 2, method: str = "optimal", **kw: Any):
     return make_plan(
         PlanRequest.build(
-            model_file=path, gpus=gpus, size=size, batch_size=4, warmup=0, repeats=1, progress=False, method=method
+            model_file=path,
+            gpus=gpus,
+            size=size,
+            batch_size=4,
+            warmup=0,
+            repeats=1,
+            progress=False,
+            method=method,
+            **kw,
         )
     )
 
@@ -205,7 +214,9 @@ def test_wrapped_gpt2_is_traced_by_export_and_stages_reproduce_it(transformers):
 
 @pytest.mark.slow
 def test_wrapped_gpt2_make_plan(transformers):
-    plan = _quick_plan(HF_GPT2, "wrapped")
+    # one stage a rank: with the schedule searched, measured costs this small (timing noise, the
+    # other test worker on the same cores) may favour two a rank, which this test is not about
+    plan = _quick_plan(HF_GPT2, "wrapped", schedule="1f1b")
     assert plan.model.trace_method == "export"
     assert [b.name for b in plan.blocks] == ["model." + n for n, _ in GPT2_BLOCKS]
     assert len(plan.stages) == 2

@@ -24,6 +24,9 @@ from planner.costs.measure import profile_model
 from planner.costs.settings import ProfileSettings, Sample
 from planner.schema.costs import BlockCost
 
+# wall-clock tolerances: run after the parallel pass, alone on the cores (Makefile)
+pytestmark = pytest.mark.timing
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 TOL_S = 0.008  # +-8 ms around 10..60 ms sleeps: generous for a loaded 2-core machine
