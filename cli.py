@@ -455,10 +455,11 @@ def plan_cmd(
             for note in notes:
                 click.echo(note)
         click.echo(f"\nwrote {request.output}")
-    # The plan is written: the collection CPython makes as the process ends would walk the model's
-    # graph once more (~1 s at 1,000 layers) to free what the exit frees anyway (planner.core.heap).
-    atexit.unregister(gc.freeze)
-    atexit.register(gc.freeze)
+    if not keep:  # kept_until_exit has frozen the estimate already
+        # The plan is written: the collection CPython makes as the process ends would walk the
+        # model's graph once more (~1 s at 1,000 layers) to free what the exit frees anyway.
+        atexit.unregister(gc.freeze)
+        atexit.register(gc.freeze)
 
 
 def _lever_lines(plan: Plan) -> tuple[str, list[str]]:

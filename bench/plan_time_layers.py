@@ -33,7 +33,7 @@ end of each run is given. Each cell is one run of
     planner plan models/llama.py --size tiny --set n_layers=N --gpus 64 --gpu-type h100 -q
 
 as its own process (imports, trace, roofline estimate, microbatch-scaling fit, search, writing the
-plan). "before" is commit `{before}`; "after" is `{after}`. "same plan": both wrote the same plan
+plan). "before" is commit `{before}`; "after" is {after}. "same plan": both wrote the same plan
 (its JSON with the moment, the host and the model file's path and digest left out).
 
 | N layers | before s | load | after s | load | after / before | same plan |
@@ -41,7 +41,7 @@ plan). "before" is commit `{before}`; "after" is `{after}`. "same plan": both wr
 {rows}
 
 {notes}
-Regenerate: `python -m bench.plan_time_layers --before {before} --after {after} --before-up-to {up_to}`.
+Regenerate: `python -m bench.plan_time_layers --before {before}{after_flag} --before-up-to {up_to}`.
 """
 
 
@@ -108,6 +108,15 @@ def export(commit: str, into: Path) -> str:
     ).stdout.strip()
 
 
+def this_tree() -> str:
+    """The working tree as the page names it: its commit, and whether it had uncommitted changes."""
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, check=True, capture_output=True, text=True)
+    return f"the tree of commit `{head}`" + (" with uncommitted changes" if dirty.stdout.strip() else "")
+
+
 def main() -> None:
     """Time every N, after (and before) the change; write the page."""
     args = parse_args()
@@ -115,11 +124,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         after_code = ROOT
-        after = "this tree"
+        after, after_commit = this_tree(), ""
         if args.after:
             after_code = work / "after"
             after_code.mkdir()
-            after = export(args.after, after_code)
+            after_commit = export(args.after, after_code)
+            after = f"commit `{after_commit}`"
         before_code = work / "before"
         before = "-"
         if args.before:
@@ -144,6 +154,7 @@ def main() -> None:
         python=platform.python_version(),
         before=before,
         after=after,
+        after_flag=f" --after {after_commit}" if args.after else "",
         rows="\n".join(rows),
         notes=(args.note + "\n") if args.note else "",
         up_to=args.before_up_to,
