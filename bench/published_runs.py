@@ -9,6 +9,11 @@ Sources (the figures are copied from them, nothing here is fitted to them):
 * Llama 3 paper (Dubey et al., "The Llama 3 Herd of Models", 2024), Table 4: Llama 3 405B, bf16,
   sequence 8,192, 16 M tokens per batch (2,048 sequences), on 8,192 and 16,384 H100 (8 per node),
   TP 8 x PP 16 x DP 64 / 128: 430 and 400 TFLOP/s per GPU, 43 % and 41 % BF16 MFU (model FLOPs).
+  Its section 3.3.2 describes FSDP, an interleaved pipeline schedule and training "without
+  activation checkpointing", in 80 GB: the layout is predicted as it ran (``--sequence-parallel
+  --dp-mode fsdp --schedule interleaved-1f1b --recompute never``, memory not capped, since it
+  fitted), with the planner's predicted peak beside the 80 GB; and again within 80 GB by the
+  planner's memory model, which then has stages recompute.
 * Megatron-LM paper (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
   Using Megatron-LM", SC 2021), Table 1: GPT models of 1.7 B to 1 T parameters on 32 to 3,072 A100-80GB
   (8 per node), vocabulary 51,200, sequence 2,048, fp16, with their t, p, d = n / (t p) and batch. The
@@ -75,6 +80,10 @@ class Published:
     memory_gib: float | None = None  # the published GPUs' memory when it is not the spec's (H100 96 GB)
     peak_gib: float | None = None  # the published peak memory per GPU, where the source gives one
     low_gpu: str | None = None  # the GPU at the low end of a published range of peaks (``LOW_PEAK``)
+    # what the run did that the planner's memory model would not choose within the GPUs' memory (no
+    # recomputation): the layout is predicted so, memory not capped since it fitted, and again within
+    # the GPUs' memory by the planner's memory model
+    as_run: dict[str, Any] = field(default_factory=dict)
 
     @property
     def dp(self) -> int:
@@ -118,6 +127,8 @@ MEGATRON = [
 
 
 SP = {"sequence_parallel": True}
+# section 3.3.2 of the Llama 3 paper: FSDP, an interleaved schedule, "without activation checkpointing"
+LLAMA3_AS_RUN = {"dp_mode": "fsdp", "schedule": "interleaved-1f1b", "recompute": "never"}
 
 # torchtitan's H100s run at a 500 W power limit, and its benchmark says of their peak (footnote 2 of
 # benchmarks/llama3_h100_202412_torchtitan.md): "the actual peak TFLOPs number is between SXM and
@@ -144,9 +155,23 @@ def _register_low_peak() -> None:
 def published_runs() -> list[Published]:
     """Every published row the page compares with."""
     rows = [
-        # the Llama 3 run splits norms and residuals along the sequence too (sequence parallelism)
+        # the Llama 3 run splits norms and residuals along the sequence too (sequence parallelism),
+        # and recomputes nothing
         *(
-            Published("llama3 Table 4", "Llama 3 405B", "405b", {}, "h100", n, 8, 16, 2048, tf, request=SP)
+            Published(
+                "llama3 Table 4",
+                "Llama 3 405B",
+                "405b",
+                {},
+                "h100",
+                n,
+                8,
+                16,
+                2048,
+                tf,
+                request=SP,
+                as_run=LLAMA3_AS_RUN,
+            )
             for n, tf in ((8192, 430.0), (16384, 400.0))
         ),
     ]
@@ -235,7 +260,11 @@ How to read it:
   its element-wise outputs recomputed in backward rather than saved, as torch.compile's partitioner does.
 - The Llama 3 rows are planned with `--sequence-parallel`, as that run split its norms and
   residuals along the sequence (Megatron-LM's 2021 runs predate it; torchtitan's rows use no tensor
-  parallelism).
+  parallelism). They are predicted as that run trained (section 3.3.2): FSDP, torch's interleaved
+  1F1B and `--recompute never` ("without activation checkpointing"), with memory not capped, since
+  it fitted in 80 GB. The "fits" cell gives the peak that the planner's memory model (torch's eager
+  kernels and schedules) predicts for it against the 80 GB. It also gives the planner's own fit of
+  the layout within 80 GB, which recomputes, with that fit's figure and error.
 - What the planner does not model (and so where errors come from): communication overlapped with
   compute (Megatron and Llama 3 overlap the data-parallel reduction: Llama 3's FSDP is "asynchronously
   prefetching sharded model weights and reducing gradients"; its paper says nothing of overlapping
@@ -348,6 +377,11 @@ def evaluate(row: Published, tmp: Path) -> list[str]:
     given, why, t_given = _plan(base, costs, mf, limit)
     if given is None:  # the published layout does not fit the planner's memory model: predict it anyway
         given, _, t_given = _plan(base, costs, mf, None)
+    fitted = None  # the planner's own fit of the layout within the GPUs' memory, for an ``as_run`` row
+    if row.as_run:  # as it trained: no recomputation, memory not capped (it fitted in reality)
+        fitted = given if not why else None
+        given, _, t_as_run = _plan(base, costs, mf, None, **row.as_run)
+        t_given += t_as_run
     # the planner's own choice: layout and activation checkpointing (which blocks of which stages)
     searched, why_s, t_search = _plan(
         base, costs, mf, limit, tp="auto", dp="auto", recompute="auto", sequence_parallel="auto"
@@ -366,6 +400,17 @@ def evaluate(row: Published, tmp: Path) -> list[str]:
     else:
         figure = _figure(given, row)
         fits = "yes" if not why else "no: " + _memory(given)
+        if row.as_run:  # the peak it would need by the planner's count, and the planner's own fit
+            peak, cap = given.prediction.max_memory_bytes / 2**30, limit / 2**30
+            fits = f"peak {peak:.1f} GiB against {cap:.1f} ({peak / cap - 1:+.0%}, the memory model's excess)"
+            if fitted is not None:
+                fitted_figure = _figure(fitted, row)
+                fits += (
+                    f"; within {cap:.1f} GiB: {_layout(fitted)}, {fitted_figure:,.0f} "
+                    f"({fitted_figure / row.tflops - 1:+.0%})"
+                )
+            else:
+                fits += f"; within {cap:.1f} GiB: {why}"
         if row.peak_gib is not None:  # the peak beside the published one
             peak = given.prediction.max_memory_bytes / 2**30
             fits += f", peak {peak:.1f} GiB against {row.peak_gib} published ({peak / row.peak_gib - 1:+.0%})"
