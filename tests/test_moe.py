@@ -154,6 +154,7 @@ WIDE = {"dim": 256, "ffn_dim": 1024, "seq_len": 64}  # matrix products, the expe
 
 
 @pytest.mark.slow
+@pytest.mark.timing  # measured CPU times: run alone on the cores (Makefile)
 def test_a_mixtral_layer_is_estimated_as_a_dense_layer_is(monkeypatch: pytest.MonkeyPatch) -> None:
     """The measured CPU profile and the --gpu-type cpu estimate of a Mixtral layer agree as a dense
     (Llama) layer's of the same width do; charged nothing for its experts, the estimate fell to a
