@@ -172,6 +172,7 @@ def test_the_profiler_measures_selective_checkpointing() -> None:
     assert all(c.selective_recompute_s is not None and c.selective_recompute_s >= 0 for c in costs)
 
 
+@pytest.mark.timing  # measured CPU times: run alone on the cores (Makefile)
 def test_selective_recomputation_skips_the_matmuls() -> None:
     # one big matmul and a cheap activation: full recomputation runs the matmul again, selective not.
     # The matmul (2.1 GFLOP) is ~10x the activation and the policy's bookkeeping here, so the margin
