@@ -124,12 +124,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         after_code = ROOT
-        after, after_commit = this_tree(), ""
+        after_commit = ""
         if args.after:
             after_code = work / "after"
             after_code.mkdir()
             after_commit = export(args.after, after_code)
             after = f"commit `{after_commit}`"
+        else:
+            after = this_tree()
         before_code = work / "before"
         before = "-"
         if args.before:
@@ -154,7 +156,7 @@ def main() -> None:
         python=platform.python_version(),
         before=before,
         after=after,
-        after_flag=f" --after {after_commit}" if args.after else "",
+        after_flag=f" --after {after_commit}" if after_commit else "",
         rows="\n".join(rows),
         notes=(args.note + "\n") if args.note else "",
         up_to=args.before_up_to,

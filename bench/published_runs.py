@@ -375,13 +375,13 @@ def evaluate(row: Published, tmp: Path) -> list[str]:
     costs = estimated_costs(mf, base, 1)
     limit = round(row.memory_gib * 2**30) if row.memory_gib is not None else costs.memory_bytes
     given, why, t_given = _plan(base, costs, mf, limit)
-    if given is None:  # the published layout does not fit the planner's memory model: predict it anyway
-        given, _, t_given = _plan(base, costs, mf, None)
     fitted = None  # the planner's own fit of the layout within the GPUs' memory, for an ``as_run`` row
     if row.as_run:  # as it trained: no recomputation, memory not capped (it fitted in reality)
-        fitted = given if not why else None
+        fitted = given
         given, _, t_as_run = _plan(base, costs, mf, None, **row.as_run)
         t_given += t_as_run
+    elif given is None:  # the published layout does not fit the planner's memory model: predict it anyway
+        given, _, t_given = _plan(base, costs, mf, None)
     # the planner's own choice: layout and activation checkpointing (which blocks of which stages)
     searched, why_s, t_search = _plan(
         base, costs, mf, limit, tp="auto", dp="auto", recompute="auto", sequence_parallel="auto"
@@ -399,8 +399,9 @@ def evaluate(row: Published, tmp: Path) -> list[str]:
         cells += ["—", "—", why or "no plan", "—"]
     else:
         figure = _figure(given, row)
-        fits = "yes" if not why else "no: " + _memory(given)
-        if row.as_run:  # the peak it would need by the planner's count, and the planner's own fit
+        if not row.as_run:
+            fits = "yes" if not why else "no: " + _memory(given)
+        else:  # the peak it would need by the planner's count, and the planner's own fit
             peak, cap = given.prediction.max_memory_bytes / 2**30, limit / 2**30
             fits = f"peak {peak:.1f} GiB against {cap:.1f} ({peak / cap - 1:+.0%}, the memory model's excess)"
             if fitted is not None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -229,23 +233,17 @@ print(digest.hexdigest())
 
 
 @pytest.mark.slow
-def test_a_hugging_face_model_built_after_a_meta_build_has_the_same_weights(tmp_path) -> None:
+def test_a_hugging_face_model_built_after_a_meta_build_has_the_same_weights() -> None:
     """A plan estimated for a GPU builds the model on meta first; transformers' initialisers are then
     imported inside the build. The real model built next in the same process (the unsplit reference
     of a test, a profile) must get the weights a fresh process gives it: it once got none (torch.empty
     memory: nan or huge losses), in whichever pytest worker had estimated a plan earlier."""
     pytest.importorskip("transformers")
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = tmp_path / "build.py"
-    script.write_text(_BUILD)
     model = Path(__file__).resolve().parent.parent / "models" / "hf" / "gpt2.py"
 
     def digest(order: str) -> str:
         done = subprocess.run(
-            [sys.executable, str(script), str(model), order], capture_output=True, text=True, timeout=300
+            [sys.executable, "-c", _BUILD, str(model), order], capture_output=True, text=True, timeout=300
         )
         assert done.returncode == 0, done.stderr[-2000:]
         return done.stdout.strip().splitlines()[-1]
