@@ -18,7 +18,7 @@ import click
 
 from cli_options import training_options
 from cli_support import COUNT_OR_AUTO, REPLICAS_OR_AUTO, debug_option, split_option, user_errors
-from planner.core.hardware import GPUS
+from planner.core.levers.hardware import GPUS
 from planner.errors import PlannerError
 from planner.report.export import EXPORT_FORMATS
 from planner.schema.costs import OPTIMIZERS
@@ -53,7 +53,7 @@ def main(ctx: click.Context, debug: bool) -> None:
 
 def _load_plan(path: str) -> Plan:
     """Load a plan and recompute its figures from its blocks, saying on stderr what a hand edit had changed."""
-    from planner.core.predict import refresh
+    from planner.core.step.predict import refresh
 
     plan, notes = refresh(Plan.load(path))
     if notes:
@@ -746,7 +746,7 @@ def report_cmd(plan_file: str, run_file: str | None, timeline: str | None, trace
 
 def _write_pictures(plan: Plan, run: Any, timeline: str | None, trace: str | None) -> None:
     """The predicted (and measured) step as a timeline picture and as trace events."""
-    from planner.core.predict import simulate_plan
+    from planner.core.step.predict import simulate_plan
     from planner.report.compare import measured_events
     from planner.report.timeline import chrome_trace, timeline_figure, write_trace
 

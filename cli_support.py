@@ -126,7 +126,7 @@ debug_option = click.option(
 
 def split_option(value: str | None) -> str | None:
     """``--compare SPLIT``: a file holding torchtitan's module lists becomes ``fqns:`` and their JSON;
-    anything else is passed on as written (``planner.core.given`` reads it).
+    anything else is passed on as written (``planner.core.split.given`` reads it).
 
     Raises:
         click.BadParameter: a file without a module_fqns_per_model_part list.

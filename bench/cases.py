@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench.common import MODELS, PLANNER, ROOT, copy_models, plan_and_run
 from planner.capture.load import load_model_file
-from planner.core.predict import simulate_plan, stage_times
+from planner.core.step.predict import simulate_plan, stage_times
 from planner.schema.plan import Plan
 from planner.schema.result import RunResult
 

@@ -194,7 +194,7 @@ def plan_on_costs(
     ``plan_from_costs`` (the blocks' tensor-parallel shares in the planning dtype, the optimizer's
     step rule), the links recorded as placed; not the runner's graph at the chosen size."""
     from planner.api import plan_from_costs
-    from planner.core.predict import with_links
+    from planner.core.step.predict import with_links
 
     plan = plan_from_costs(
         request,
@@ -224,7 +224,7 @@ def planned_peaks(
     recompute value set to this in the plan (as a user edits plan.json, e.g. "full:2"), its figures
     predicted again."""
     from planner.api import make_plan
-    from planner.core.predict import refresh
+    from planner.core.step.predict import refresh
     from planner.run import run_plan
     from planner.schema.request import RunRequest
 
@@ -293,7 +293,7 @@ def blocks_per_stage(plan: Plan) -> str:
 # --------------------------------------------------------------------------------------------------
 def gpu_type_of(device_name: str) -> str | None:
     """The planner's spec name (``--gpu-type``) for a CUDA device name ("NVIDIA H100 80GB HBM3" →
-    "h100"); None when ``planner/core/hardware.py`` has none of that name."""
+    "h100"); None when ``planner/core/levers/hardware.py`` has none of that name."""
     lowered = device_name.lower()
     for key in ("h200", "h100", "a100", "l40s", "l4", "a10g", "v100", "mi300x"):
         if key in lowered:

@@ -68,8 +68,8 @@ from bench.common import (
     write_page,
 )
 from planner.capture.load import load_model_file
-from planner.core.calibrate import apply_calibration, calibrate
-from planner.core.predict import block_times_in_stages, predict_plan, refresh, stage_waits
+from planner.core.step.calibrate import apply_calibration, calibrate
+from planner.core.step.predict import block_times_in_stages, predict_plan, refresh, stage_waits
 from planner.errors import PlannerError
 from planner.schema.plan import Plan
 from planner.schema.result import RunResult
@@ -1075,7 +1075,7 @@ def write_outputs(args: argparse.Namespace, result: BenchResult) -> list[str]:
         "Split A: the 2-rank 1f1b plan and its run (above). `planner plan ... --calibrate A.run.json` fits "
         "correction factors (per block where the run timed blocks, else per stage) and the link latency to "
         "that run; its plan is then forced to split B (one boundary "
-        "moved by one block; figures re-derived with `planner.core.predict.refresh`), and B is run. 'In-process' "
+        "moved by one block; figures re-derived with `planner.core.step.predict.refresh`), and B is run. 'In-process' "
         "re-derives B from A's own blocks with `apply_calibration` (the two agree when `--calibrate` reuses A's "
         "profile). Target: B calibrated within 5 %; the figure in the summary is the alternating pairs' "
         "error of the means (the second table), where the single pair's owes most to the machine's drift "

@@ -21,7 +21,7 @@ import torch
 
 from bench.common import DOCS, MODELS, alternate, blocks_per_stage, host, same_losses, table, write_page
 from planner.api import make_plan
-from planner.core.predict import with_method
+from planner.core.step.predict import with_method
 from planner.schema.plan import Plan
 from planner.schema.request import PlanRequest
 

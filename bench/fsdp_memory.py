@@ -62,7 +62,7 @@ Written by `python -m bench.fsdp_memory` on {today} ({host}, torch {torch}).
 --dp {gpus} --dp-mode fsdp`), batch {batch}, planned with a measured profile here under
 `--fsdp-units UNITS --recompute MODE -m M --schedule S` (and `--dtype bf16` for the bf16 rows), then
 trained for {steps} steps on gloo. The predicted
-peak (the plan's, `planner.core.stage_model.MemoryParts.peak`) beside the peak
+peak (the plan's, `planner.core.split.stage_model.MemoryParts.peak`) beside the peak
 `torch.distributed._tools.mem_tracker.MemTracker` saw during one tracked step; the predicted step
 beside the median measured step (the first step and the tracked one left out).
 
@@ -78,11 +78,11 @@ the last backward (docs/architecture.md, memory rules).
 bf16: FSDP gathers the weights in bf16 and sums and reduce-scatters the gradients in fp32
 (`MixedPrecisionPolicy`, `planner/run/wrappers.fsdp_policy`), so the stages save no autocast copies
 of their weights; a stage unit holds its bf16 weights, its fp32 gradient sums and one backward's bf16
-gradients unsharded (`planner/core/stage_model.unsharded_bytes`). Before that policy (fp32 weights
+gradients unsharded (`planner/core/split/stage_model.unsharded_bytes`). Before that policy (fp32 weights
 gathered, a bf16 copy of each saved per microbatch) the same bf16 runs peaked at 176.9, 136.4,
 176.9, 122.0, 102.7, 163.8 and 98.4 MB, in the order of the table (measured here on 28 Nov 2026).
 A profile measured under autocast counts the fp32 weights; an FSDP plan counts its gathered units at
-2 bytes a parameter (`planner/core/data_parallel.as_gathered`). A stage unit's sharded gradients
+2 bytes a parameter (`planner/core/levers/data_parallel.as_gathered`). A stage unit's sharded gradients
 are made by its reduce-scatter after the last backward, when no activation is left, so the model
 counts them only from then on (`MemoryParts.reduced`); before it counted them from the first backward,
 and the stage-unit rows that recompute nothing were over-predicted by 11.9 % (fp32) and 12.4 % (bf16),
@@ -93,7 +93,7 @@ mean error 5.1 % over the 14 runs (measured here on 28 Nov 2026).
 Mean absolute memory error: {mae:.1f}% over {n} runs (fp32 stage units: {mae_stage:.1f}%, fp32 block units:
 {mae_block:.1f}%; bf16: {mae_bf16:.1f}%).
 
-## At scale (estimated for absent GPUs, the roofline costs of `planner/core/hardware.py`)
+## At scale (estimated for absent GPUs, the roofline costs of `planner/core/levers/hardware.py`)
 
 The same choice for the runs of issue 27, planned by name with `--fsdp-units stage` and then
 `--fsdp-units block` (everything else as given; `--scale-only` recomputes this table alone):

@@ -4,7 +4,7 @@
     python -m bench.gpu_check --dry-run      # tiny shapes on this machine's CPU: the script's own check, no page
 
 Every estimate of ``planner plan --gpu-type NAME`` comes from the roofline of ``planner.costs.roofline``
-with the figures of ``planner.core.hardware`` (docs/gpu_costs.md). This script measures, on the GPU it
+with the figures of ``planner.core.levers.hardware`` (docs/gpu_costs.md). This script measures, on the GPU it
 runs on, what those figures stand for, and puts the estimate beside each measurement:
 
 1. the two ceilings: a large bf16 GEMM's FLOP/s and a device-to-device copy's bytes/s;
@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import DOCS, MODELS, ROOT, gpu_type_of, table, write_page
-from planner.core.hardware import HardwareSpec, get_hardware
+from planner.core.levers.hardware import HardwareSpec, get_hardware
 
 DOC = DOCS / "gpu_check.md"
 TOKENS = 8192
@@ -66,7 +66,7 @@ def _hardware_for(name: str) -> HardwareSpec:
     key = gpu_type_of(name)
     if key is not None:
         return get_hardware(key)
-    print(f"{name}: no spec of that name in planner/core/hardware.py; comparing with h100", file=sys.stderr)
+    print(f"{name}: no spec of that name in planner/core/levers/hardware.py; comparing with h100", file=sys.stderr)
     return get_hardware("h100")
 
 

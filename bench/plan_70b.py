@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 from bench.common import DOCS, ROOT, between_markers, run_timed, write_page
-from planner.core.hardware import get_hardware
+from planner.core.levers.hardware import get_hardware
 
 BEGIN = "<!-- BEGIN planner-prediction (written by bench/plan_70b.py) -->"
 END = "<!-- END planner-prediction -->"

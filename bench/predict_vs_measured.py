@@ -21,7 +21,7 @@ import torch
 
 from bench.common import DOCS, MODELS, blocks_per_stage, host, pct_error, table, write_page
 from planner.api import make_plan
-from planner.core.calibrate import calibrate
+from planner.core.step.calibrate import calibrate
 from planner.run import run_plan
 from planner.schema.plan import Plan
 from planner.schema.request import PlanRequest, RunRequest

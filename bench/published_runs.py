@@ -140,7 +140,7 @@ LOW_PEAK = "h100-hbm2e-nvl-peak"
 
 def _register_low_peak() -> None:
     """Make ``LOW_PEAK`` a GPU type of this process (the benchmark's own; users never see it)."""
-    from planner.core.hardware import GPUS
+    from planner.core.levers.hardware import GPUS
 
     sxm = GPUS["h100-hbm2e"]
     GPUS[LOW_PEAK] = sxm.model_copy(
@@ -237,7 +237,7 @@ replicas d; the schedule, microbatches and split are the planner's best for that
 published figure; then the layout the search picks by itself for the same GPUs and batch (`--tp auto
 --dp auto --recompute auto`, sequence parallelism auto: where the published run recomputes, the
 planner chooses which blocks of which stages do). Costs are estimated for the published GPU (bf16; the roofline model of
-`planner/core/hardware.py`), never measured: no GPU was used. Figures are TFLOP/s per GPU of model
+`planner/core/levers/hardware.py`), never measured: no GPU was used. Figures are TFLOP/s per GPU of model
 FLOPs (forward and backward, no recomputation) unless the row says otherwise; error = predicted /
 published - 1.
 

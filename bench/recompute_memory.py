@@ -50,7 +50,7 @@ Written by `python -m bench.recompute_memory` on {today} ({host}, torch {torch})
 
 `models/gpt.py` with `{overrides}`, {gpus} gloo ranks, batch {batch} in {m} microbatches, planned
 with a measured profile here, `--method given --compare {split}` (the same split under every
-mode) and `--recompute MODE` (every stage so), then trained for {steps} steps. Each stage's predicted peak (the plan's, `planner.core.stage_model.MemoryParts.peak`) beside the peak
+mode) and `--recompute MODE` (every stage so), then trained for {steps} steps. Each stage's predicted peak (the plan's, `planner.core.split.stage_model.MemoryParts.peak`) beside the peak
 `torch.distributed._tools.mem_tracker.MemTracker` saw during one tracked step (parameters,
 gradients, optimizer state, activations, buffers, temporaries); the predicted step beside the
 median measured step (the first step, which sets the schedule up, and the tracked one left out).

@@ -45,7 +45,7 @@ from bench.cases import (
     shared_compute,
 )
 from bench.common import DOCS, background_cpu, machine, table, write_page
-from planner.core.predict import predict_plan
+from planner.core.step.predict import predict_plan
 from planner.schema.costs import BlockCost
 from planner.schema.plan import Plan
 from planner.schema.result import RunResult

@@ -6,7 +6,7 @@ This script measures the runtime's own floor: ``ranks`` processes (gloo, one thr
 ``torch.distributed.pipelining``'s GPipe and 1F1B with ``PipelineStage`` modules that only scale their
 input by a parameter, at a small (8 KiB) and a large (4 MiB) message, each step ending with the
 gradient-norm all-reduce a training step has. With the modules' own compute timed alone, the planner's
-step model (``planner.core.predict.predict``) is solved for the latency that gives the small message's
+step model (``planner.core.step.predict.predict``) is solved for the latency that gives the small message's
 measured step, then for the bandwidth that gives the large one's.
 
 With ``--runs DIR ...`` (folders kept by ``python -m bench.cost_accuracy --keep`` or
@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from bench.common import DOCS, ROOT, machine, table, write_page
-from planner.core.inputs import Layout
-from planner.core.predict import predict, predict_plan
+from planner.core.layout.inputs import Layout
+from planner.core.step.predict import predict, predict_plan
 from planner.errors import PlannerError
 from planner.schema.costs import GLOO_CPU_LINK, BlockCost, LinkCost, OptimizerSpec
 from planner.schema.plan import Plan
@@ -390,7 +390,7 @@ Written by `{script}` on {today} ({machine}) in {seconds:.0f} s. Rerun with
 `torch.distributed.pipelining`'s GPipe and 1F1B schedules, {a.microbatches} microbatches of {rows} rows,
 {a.steps} timed steps after 3 warm-up steps, with stages that only multiply their input by a
 parameter, at an 8 KiB and a 4 MiB message; each step ends with the gradient-norm all-reduce. The
-latency and bandwidth are those at which the planner's own step model (`planner.core.predict.predict`,
+latency and bandwidth are those at which the planner's own step model (`planner.core.step.predict.predict`,
 the stage modules' compute timed alone, the messages' processor share as the plan's link has it)
 gives the measured median steps: the latency from the small message, the bandwidth from the large
 one, per (ranks, schedule).

@@ -45,7 +45,7 @@ from bench.common import (
 )
 from planner.api import Costs, default_threads, measured_costs
 from planner.capture.load import ModelFile, load_model_file
-from planner.core.schedules import placement
+from planner.core.step.schedules import placement
 from planner.run.single import train_model_file
 from planner.schema.plan import Plan
 from planner.schema.request import SCHEDULES, PlanRequest

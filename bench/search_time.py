@@ -83,7 +83,7 @@ def parse_args() -> argparse.Namespace:
 
 def child(case: str) -> dict[str, object]:
     """Estimate one case's costs and time its search alone (run in a fresh process): what was measured."""
-    import planner.core.search as search_module
+    import planner.core.layout.search as search_module
     from planner.api import default_threads, estimated_costs, model_ref
     from planner.capture.load import load_model_file
     from planner.core.assemble import Origin, assemble_plan

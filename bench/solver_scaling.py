@@ -1,4 +1,4 @@
-"""Time ``planner.core.solve.solve`` against the O(p n^2) programme it replaced; write docs/solver_scaling.md.
+"""Time ``planner.core.split.solve.solve`` against the O(p n^2) programme it replaced; write docs/solver_scaling.md.
 
     python -m bench.solver_scaling                   # the doc's table (about 10 minutes: the reference is slow)
     python -m bench.solver_scaling --ref-budget 0    # the new solver only (seconds)
@@ -39,9 +39,9 @@ from typing import Any
 import numpy as np
 
 from bench.common import DOCS, ROOT, cpu_model, write_page
-from planner.core.inputs import Constraints, Layout
-from planner.core.solve import solve
-from planner.core.stage_model import Partition, stage_memories
+from planner.core.layout.inputs import Constraints, Layout
+from planner.core.split.solve import solve
+from planner.core.split.stage_model import Partition, stage_memories
 from planner.errors import InfeasibleError
 from planner.schema.costs import NCCL_NVLINK_LINK, BlockCost
 

@@ -23,7 +23,7 @@ import torch
 
 from bench.common import DOCS, MODELS, host, pct_error, planned_peaks, table, write_page
 from planner.core.assemble import compiled_casts
-from planner.core.predict import refresh
+from planner.core.step.predict import refresh
 from planner.schema.request import PlanRequest
 
 # wide layers on short sequences: a stage's weights (and so their bf16 copies) outweigh what one
@@ -54,12 +54,12 @@ bf16` (a measured profile here: every block under `torch.autocast`, weights fp32
 backward. `planner run` opens each microbatch's forward in its own autocast region inside one
 region per step (`planner/run/wrappers.weight_cast_cache`) that keeps torch's cast cache alive, so
 on a stage with three or more microbatches live the microbatches share one copy of each weight
-(`planner/core/stage_model.shares_casts`: besides, it recomputes nothing and FSDP does not shard
+(`planner/core/split/stage_model.shares_casts`: besides, it recomputes nothing and FSDP does not shard
 it). The plan counts the shared copies once per stage
 (`weight_cast_bytes`, measured apart from the activations), twice over: torch's autograd engine runs
 the ready node created last first, and the cached copies' nodes, made at the step's first forward,
 are the oldest of every later microbatch's graph, so each backward reaches them last and each
-weight's bf16 gradient (a copy's size) waits until then (`planner/core/casts.shared_casts`). A
+weight's bf16 gradient (a copy's size) waits until then (`planner/core/levers/casts.shared_casts`). A
 stage with one or two live keeps a set per microbatch, as before (sharing would hold two sets
 there too, and more than one with one live), and so does a stage FSDP shards (it reduce-scatters
 a block's weight gradients before a shared copy's would arrive).

@@ -29,7 +29,9 @@ from planner.capture.stage import stage_module
 from planner.capture.tp_graph import split_refusal
 from planner.capture.trace import retrace, trace_model
 from planner.core.assemble import Origin, assemble_plan
-from planner.core.calibrate import (
+from planner.core.heap import bulk_allocation
+from planner.core.levers.hardware import HardwareSpec, dtype_bytes, get_hardware, node_links
+from planner.core.step.calibrate import (
     apply_calibration,
     calibrated_request,
     changes,
@@ -37,10 +39,8 @@ from planner.core.calibrate import (
     check_levers,
     load_calibration,
 )
-from planner.core.hardware import HardwareSpec, dtype_bytes, get_hardware, node_links
-from planner.core.heap import bulk_allocation
-from planner.core.predict import with_links
-from planner.core.schedules import check_placement, check_schedule, stages_per_rank_options
+from planner.core.step.predict import with_links
+from planner.core.step.schedules import check_placement, check_schedule, stages_per_rank_options
 from planner.costs.blocks import ties_of
 from planner.costs.scaling import fixed_fraction, measured_time_at
 from planner.costs.tensor_parallel import TensorParallelBlocks, tensor_parallel_blocks
@@ -629,7 +629,7 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
         tokens_per_sample=tokens_per_sample(inputs),
     )
     # ranks fill nodes in order: only boundaries between nodes take the inter-node network (the
-    # search places the links for each replica count: planner.core.data_parallel.layout_links)
+    # search places the links for each replica count: planner.core.levers.data_parallel.layout_links)
     link = GLOO_CPU_LINK if on_cpu else node_links(hw, request.profile_pp, request.ranks_per_node)
     capacity = None if on_cpu else int(hw.memory_bytes * GPU_MEMORY_HEADROOM)
 

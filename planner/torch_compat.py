@@ -275,8 +275,8 @@ def gather_each_stage_once(schedule: Any) -> None:
     or more stages per rank the interleaved schedules then reshard and gather a stage again every
     few microbatches (23 gathers instead of 4 on rank 0 of 16 ranks x 4 stages at m 128). The
     planner's plans keep every stage of a rank gathered for the whole step (its memory model counts
-    it so, ``planner.core.stage_model.unsharded_bytes``) and predict one gather per stage
-    (``planner.core.simulate.Traffic``), so the lowering runs again (torch's own, which also adds
+    it so, ``planner.core.split.stage_model.unsharded_bytes``) and predict one gather per stage
+    (``planner.core.step.simulate.Traffic``), so the lowering runs again (torch's own, which also adds
     the reductions and messages) with the window widened to the rank's stage count. The module
     function is swapped for that call alone, as ``timed_schedule`` swaps its own.
 

@@ -6,13 +6,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from planner.core.assemble import Origin, assemble_plan
-from planner.core.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
-from planner.core.links import Links
-from planner.core.predict import predict
-from planner.core.schedules import placement
-from planner.core.search import Choice, search
-from planner.core.solve import solve
-from planner.core.stage_model import Partition
+from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
+from planner.core.layout.search import Choice, search
+from planner.core.levers.links import Links
+from planner.core.split.solve import solve
+from planner.core.split.stage_model import Partition
+from planner.core.step.predict import predict
+from planner.core.step.schedules import placement
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 from planner.schema.plan import ModelRef, Plan, Prediction, ProfileInfo, StagePlan
 from planner.schema.request import PlanRequest

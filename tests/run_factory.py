@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from planner.core.schedules import stage_ranks
+from planner.core.step.schedules import stage_ranks
 from planner.schema.costs import GLOO_CPU_LINK, BlockCost, OptimizerSpec
 from planner.schema.plan import ModelRef, Plan, Prediction, ProfileInfo, StagePlan
 from planner.schema.result import MemoryMeasure, RunResult, StageMeasure

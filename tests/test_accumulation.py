@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.core.bounds import floors
-from planner.core.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
-from planner.core.predict import predict
-from planner.core.search import accumulation_options, describe, search
+from planner.core.layout.bounds import floors
+from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
+from planner.core.layout.search import accumulation_options, describe, search
+from planner.core.step.predict import predict
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost
 from planner.schema.plan import Plan

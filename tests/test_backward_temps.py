@@ -12,8 +12,8 @@ import torch
 from torch.nn import functional as F
 
 from planner.capture.trace import trace_model
-from planner.core.hardware import get_hardware
-from planner.core.stage_model import stage_memory_parts
+from planner.core.levers.hardware import get_hardware
+from planner.core.split.stage_model import stage_memory_parts
 from planner.costs.backward_temps import BackwardTemps, backward_temp_bytes
 from planner.costs.estimate import estimate_blocks
 from planner.costs.measure import profile_model

@@ -1,4 +1,4 @@
-"""Pure-tier tests of planner.core.bounds: the floors the search prunes with never exceed what the
+"""Pure-tier tests of planner.core.layout.bounds: the floors the search prunes with never exceed what the
 solver and the simulator find, for the solver's split and for any other split."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from test_plans_unchanged import _block
 
-from planner.core.bounds import block_totals, floors, memory_floor, pipeline_floor, step_floor
-from planner.core.inputs import Cluster, Constraints, Layout
-from planner.core.schedules import SCHEDULES, SPLIT_BACKWARD, check_schedule, stages_per_rank_options
-from planner.core.search import evaluate_choice, evaluate_modes
-from planner.core.simulate import StageTimes, simulate_step
-from planner.core.stage_model import Partition
+from planner.core.layout.bounds import block_totals, floors, memory_floor, pipeline_floor, step_floor
+from planner.core.layout.inputs import Cluster, Constraints, Layout
+from planner.core.layout.search import evaluate_choice, evaluate_modes
+from planner.core.split.stage_model import Partition
+from planner.core.step.schedules import SCHEDULES, SPLIT_BACKWARD, check_schedule, stages_per_rank_options
+from planner.core.step.simulate import StageTimes, simulate_step
 from planner.errors import InfeasibleError
 from planner.schema.costs import LinkCost, OptimizerSpec
 

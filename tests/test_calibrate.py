@@ -10,7 +10,7 @@ import pytest
 from plan_factory import LINK, big_head_blocks, make_plan, predicted
 from run_factory import plan_stage_reports, run_report
 
-from planner.core.calibrate import Calibration, apply_calibration, calibrate, changes, load_calibration
+from planner.core.step.calibrate import Calibration, apply_calibration, calibrate, changes, load_calibration
 from planner.errors import PlanFileError
 from planner.schema.plan import Plan
 from planner.schema.result import BlockMeasure, RunResult
@@ -126,7 +126,7 @@ def test_load_calibration_finds_the_plan_next_to_the_run(tmp_path: Path) -> None
 
 
 def test_compare_and_calibrate_import_no_torch() -> None:
-    code = "import sys, planner.report.compare, planner.core.calibrate; assert 'torch' not in sys.modules"
+    code = "import sys, planner.report.compare, planner.core.step.calibrate; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 

@@ -21,13 +21,13 @@ from run_factory import plan_stage_reports, run_report
 
 from cli import main
 from planner.core.assemble import Origin, assemble_plan
-from planner.core.data_parallel import dp_group_links, grad_reduce_s, layout_links, rank_reduce_s
-from planner.core.hardware import HardwareSpec, get_hardware, link_cost, node_links
-from planner.core.links import NodeLinks, boundary_links
-from planner.core.predict import plan_links, refresh, stage_times, with_links, with_method
-from planner.core.recompute import checkpoint_units, kept_bytes
-from planner.core.simulate import simulate
-from planner.core.stage_model import stage_memory_bytes, stage_memory_parts
+from planner.core.levers.data_parallel import dp_group_links, grad_reduce_s, layout_links, rank_reduce_s
+from planner.core.levers.hardware import HardwareSpec, get_hardware, link_cost, node_links
+from planner.core.levers.links import NodeLinks, boundary_links
+from planner.core.levers.recompute import checkpoint_units, kept_bytes
+from planner.core.split.stage_model import stage_memory_bytes, stage_memory_parts
+from planner.core.step.predict import plan_links, refresh, stage_times, with_links, with_method
+from planner.core.step.simulate import simulate
 from planner.errors import InfeasibleError, PlanFileError, PlannerError
 from planner.report.compare import compare_table
 from planner.report.tables import layout_line, render, search_table
@@ -318,7 +318,7 @@ def test_request_replica_options() -> None:
 
 def test_schedule_checks_and_calibration_use_one_replicas_pipeline() -> None:
     from planner.api import check_request
-    from planner.core.calibrate import calibrated_request
+    from planner.core.step.calibrate import calibrated_request
 
     # 1F1B on 2 pipeline ranks (4 GPUs, 2 replicas) runs 2 microbatches: m = 2 is fine, m = 1 is not
     check_request(PlanRequest.build(model_file="m.py", gpus=4, dp=2, schedule="1f1b", microbatches=2))
@@ -545,7 +545,7 @@ def _run_of(plan: Plan, replicas: int, step_ms: float) -> RunResult:
 
 
 def test_compare_and_calibrate_read_replica_zero() -> None:
-    from planner.core.calibrate import calibrate
+    from planner.core.step.calibrate import calibrate
 
     plan = _plan(_layers(), gpus=4, dp=2, m=2)
     measured = plan.prediction.step_time_s * 1e3 + 5  # 5 ms more than predicted
@@ -634,7 +634,7 @@ GOLDEN = {
     2: ('1f1b', 8, 1, (0, 1, 5, 8), 3.353081741, (24117248, 55845888, 52603008, 16058624), '1f1b, m=8, k=2 passes: predicted step 3.35e+03 ms, 6.2% faster than the next best (1f1b, m=4, k=4 passes); 3 candidates searched over schedule, microbatches, stages per rank, pipeline passes; 4 more layouts ruled out unsolved (their lower bound on the step was slower)'),
     3: ('gpipe', 16, 1, (0, 2, 3), 1.57185174, (114100480, 104711872, 25165824), 'gpipe, m=16: predicted step 1.57e+03 ms, 2.8% faster than the next best (gpipe, m=8); 4 candidates searched over microbatches, stages per rank; 1 more layouts ruled out unsolved (their lower bound on the step was slower)'),
     4: ('gpipe', 1, 1, (0,), 0.228, (36000000,), 'gpipe, m=1: predicted step 228 ms, tied with 1f1b, m=1 (kept: less memory, or the simpler schedule); 2 candidates searched over schedule, stages per rank'),
-    5: ('interleaved-1f1b', 8, 1, (0, 3, 5), 1.33995837, (44311552, 25922944, 16582912), 'interleaved-1f1b, m=8, k=2 passes: predicted step 1.34e+03 ms, 6.9% faster than the next best (interleaved-1f1b, m=4); 8 candidates searched over microbatches, stages per rank, pipeline passes; 2 more layouts ruled out unsolved (their lower bound on the step was slower)'),  # layouts of several stages per rank now solved per rank (core/rank_fit): 8 candidates evaluated, was 5
+    5: ('interleaved-1f1b', 8, 1, (0, 3, 5), 1.33995837, (44311552, 25922944, 16582912), 'interleaved-1f1b, m=8, k=2 passes: predicted step 1.34e+03 ms, 6.9% faster than the next best (interleaved-1f1b, m=4); 8 candidates searched over microbatches, stages per rank, pipeline passes; 2 more layouts ruled out unsolved (their lower bound on the step was slower)'),  # layouts of several stages per rank now solved per rank (core/layout/rank_fit): 8 candidates evaluated, was 5
     6: ('gpipe', 1, 1, (0,), 0.69, (55040192,), 'gpipe, m=1: predicted step 690 ms, tied with 1f1b, m=1 (kept: less memory, or the simpler schedule); 2 candidates searched over schedule, stages per rank'),
     7: ('gpipe', 1, 1, (0,), 0.771, (42000000,), 'gpipe, m=1: predicted step 771 ms, tied with gpipe, m=4 (kept: less memory, or the simpler schedule); 6 candidates searched over schedule, microbatches, stages per rank'),
     8: ('1f1b', 3, 1, (0,), 0.654, (48000000,), '1f1b, m=3: predicted step 654 ms, tied with gpipe, m=1 (kept: less memory, or the simpler schedule); 8 candidates searched over schedule, microbatches, stages per rank'),

@@ -19,7 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from planner.capture.load import load_model_file
 from planner.capture.trace import trace_model
-from planner.core.hardware import HardwareSpec, get_hardware
+from planner.core.levers.hardware import HardwareSpec, get_hardware
 from planner.costs.cpu import calibrated_cpu
 from planner.costs.estimate import estimate_blocks, optimizer_step_seconds
 from planner.costs.measure import profile_model

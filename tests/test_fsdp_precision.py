@@ -17,11 +17,11 @@ from plan_factory import MB, block
 from run_factory import MODELS
 from test_fsdp_units import ADAMW, CPU, LINK, _plan
 
-from planner.core.casts import without_casts
-from planner.core.data_parallel import as_gathered, block_fsdp_s, grad_reduce_s, rank_reduce_s, wide_bytes
-from planner.core.inputs import Layout
-from planner.core.predict import predict
-from planner.core.stage_model import grad_bytes, stage_memory_parts, unsharded_bytes
+from planner.core.layout.inputs import Layout
+from planner.core.levers.casts import without_casts
+from planner.core.levers.data_parallel import as_gathered, block_fsdp_s, grad_reduce_s, rank_reduce_s, wide_bytes
+from planner.core.split.stage_model import grad_bytes, stage_memory_parts, unsharded_bytes
+from planner.core.step.predict import predict
 from planner.schema.costs import BlockCost
 from planner.schema.plan import Plan
 

@@ -15,14 +15,14 @@ from hypothesis import strategies as st
 from plan_factory import MB, block, memory_layout
 
 from planner.core.assemble import Origin, assemble_plan
-from planner.core.data_parallel import block_fsdp_s
-from planner.core.inputs import Layout
-from planner.core.predict import predict
-from planner.core.recompute import checkpoint_units
-from planner.core.schedules import in_flight_per_stage, rank_orders, stage_ranks
-from planner.core.solve import _MemoryModel
-from planner.core.stage_model import MemoryParts, stage_memory_bytes, stage_memory_parts
-from planner.core.stage_plans import rank_memory_bytes
+from planner.core.layout.inputs import Layout
+from planner.core.levers.data_parallel import block_fsdp_s
+from planner.core.levers.recompute import checkpoint_units
+from planner.core.split.solve import _MemoryModel
+from planner.core.split.stage_model import MemoryParts, stage_memory_bytes, stage_memory_parts
+from planner.core.split.stage_plans import rank_memory_bytes
+from planner.core.step.predict import predict
+from planner.core.step.schedules import in_flight_per_stage, rank_orders, stage_ranks
 from planner.errors import InfeasibleError, PlanFileError
 from planner.report.export import export_plan
 from planner.report.tables import layout_line

@@ -13,7 +13,7 @@ from test_estimate import _spec as estimate_spec
 
 from planner.capture.load import load_model_file
 from planner.capture.trace import trace_model
-from planner.core.hardware import HardwareSpec, get_hardware
+from planner.core.levers.hardware import HardwareSpec, get_hardware
 from planner.costs.estimate import estimate_blocks
 from planner.costs.roofline import Roofline, Tally
 

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from plan_factory import big_head_blocks, make_plan
 from run_factory import plan_stage_reports, run_report
 
-from planner.core.calibrate import Calibration, StageCalibration
+from planner.core.step.calibrate import Calibration, StageCalibration
 from planner.errors import ModelFileError, PlanFileError, PlannerError
 from planner.schema.jsonfile import parse_versioned, read_text
 from planner.schema.plan import Plan

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli import main
-from planner.core.given import given_starts, split_kind
+from planner.core.split.given import given_starts, split_kind
 from planner.errors import InfeasibleError
 from planner.schema.plan import Plan
 from tests.plan_factory import block

@@ -7,9 +7,9 @@ import pytest
 from plan_factory import block, predicted
 
 from planner.core.assemble import Origin, assemble_plan
-from planner.core.hardware import get_hardware, link_cost, node_links
-from planner.core.links import NodeLinks
-from planner.core.predict import plan_links, refresh, with_links
+from planner.core.levers.hardware import get_hardware, link_cost, node_links
+from planner.core.levers.links import NodeLinks
+from planner.core.step.predict import plan_links, refresh, with_links
 from planner.errors import PlannerError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 from planner.schema.plan import ModelRef, Plan, ProfileInfo
@@ -113,7 +113,7 @@ def test_attention_kernel_is_an_option_of_gpu_estimates_only() -> None:
 
 def test_intra_node_link_keeps_every_link_field() -> None:
     """A plan stores a ``NodeLinks``' intra-node link as a plain ``LinkCost``: nothing of it is lost."""
-    from planner.core.links import NodeLinks
+    from planner.core.levers.links import NodeLinks
     from planner.schema.costs import LinkCost
 
     intra = LinkCost(name="cpu", latency_s=1e-3, bandwidth_Bps=2e9, cpu_share=0.6)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from planner.core.hardware import DTYPES, GPUS, HardwareError, HardwareSpec, dtype_bytes, get_hardware, link_cost
+from planner.core.levers.hardware import DTYPES, GPUS, HardwareError, HardwareSpec, dtype_bytes, get_hardware, link_cost
 from planner.errors import PlannerError
 from planner.schema.costs import LinkCost
 
@@ -77,7 +77,7 @@ def test_spec_is_frozen_and_round_trips() -> None:
 
 
 def test_hardware_imports_no_torch() -> None:
-    code = "import sys, planner.core.hardware; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))"
+    code = "import sys, planner.core.levers.hardware; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 

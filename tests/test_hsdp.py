@@ -17,12 +17,19 @@ from plan_factory import LINK, MB, block
 
 from cli import main
 from planner.core.assemble import Origin, assemble_plan
-from planner.core.data_parallel import block_fsdp_s, hsdp_links, hsdp_reduce_s, hsdp_shard, layout_links, shard_of
-from planner.core.hardware import get_hardware, link_cost, node_links
-from planner.core.inputs import Cluster, Layout, SearchSpace
-from planner.core.links import NodeLinks
-from planner.core.predict import predict, refresh, with_links
-from planner.core.search import replica_mode
+from planner.core.layout.inputs import Cluster, Layout, SearchSpace
+from planner.core.layout.search import replica_mode
+from planner.core.levers.data_parallel import (
+    block_fsdp_s,
+    hsdp_links,
+    hsdp_reduce_s,
+    hsdp_shard,
+    layout_links,
+    shard_of,
+)
+from planner.core.levers.hardware import get_hardware, link_cost, node_links
+from planner.core.levers.links import NodeLinks
+from planner.core.step.predict import predict, refresh, with_links
 from planner.errors import InfeasibleError
 from planner.report.export import export_plan
 from planner.report.tables import layout_line

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from planner.core.hardware import get_hardware
+from planner.core.levers.hardware import get_hardware
 from planner.costs.roofline import Roofline, Tally, _grouped_gemm
 
 aten = torch.ops.aten

@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from plan_factory import assert_fit_limits_agree, memory_layout, solved
 
-from planner.core import solve as solve_mod
-from planner.core.schedules import in_flight_per_stage
-from planner.core.stage_model import stage_memories, stage_memory_bytes, stage_memory_parts
+from planner.core.split import solve as solve_mod
+from planner.core.split.stage_model import stage_memories, stage_memory_bytes, stage_memory_parts
+from planner.core.step.schedules import in_flight_per_stage
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 from planner.schema.plan import Plan
@@ -296,7 +296,7 @@ def test_gradient_passes_are_timed_per_block() -> None:
 def test_gradient_passes_estimate_counts_bytes() -> None:
     """Averaging (read + write), the norm (read) and the clip (read + write): 5 passes of the gradient
     bytes, 3 without clipping, at the memory bandwidth the hardware gets; on a GPU no per-op cost."""
-    from planner.core.hardware import get_hardware
+    from planner.core.levers.hardware import get_hardware
     from planner.costs.estimate import grad_pass_seconds
 
     hw = get_hardware("h100")

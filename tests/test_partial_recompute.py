@@ -1,5 +1,5 @@
 """Tier 1 (pure): a stage that recomputes only its first k checkpoint regions ("full:k",
-"selective:k"), and ``--recompute auto`` choosing k (``planner.core.partial_recompute``).
+"selective:k"), and ``--recompute auto`` choosing k (``planner.core.levers.partial_recompute``).
 
 Exact bytes and seconds where they follow by hand; property tests against brute force over every
 k and mode where they do not.
@@ -13,17 +13,17 @@ from hypothesis import strategies as st
 from plan_factory import ADAMW, layout_of, solved
 from pydantic import ValidationError
 
-from planner.core.inputs import Constraints
-from planner.core.partial_recompute import fewest_recomputed
-from planner.core.recompute import checkpoint_units, rerun_s
-from planner.core.schedules import in_flight_per_stage
-from planner.core.stage_model import (
+from planner.core.layout.inputs import Constraints
+from planner.core.levers.partial_recompute import fewest_recomputed
+from planner.core.levers.recompute import checkpoint_units, rerun_s
+from planner.core.split.stage_model import (
     Partition,
     prefix_memory_parts,
     stage_costs,
     stage_memories,
     stage_memory_parts,
 )
+from planner.core.step.schedules import in_flight_per_stage
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec, split_recompute
 from planner.schema.plan import StagePlan

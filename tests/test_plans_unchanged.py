@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from planner.core.assemble import Origin, assemble_plan
-from planner.core.hardware import GPUS, get_hardware, node_links
+from planner.core.levers.hardware import GPUS, get_hardware, node_links
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 from planner.schema.plan import ModelRef, Plan, ProfileInfo

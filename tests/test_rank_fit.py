@@ -1,5 +1,5 @@
 """Several stages per rank under a memory limit: the split is made to fit each rank, not each
-stage's share of it (planner.core.rank_fit)."""
+stage's share of it (planner.core.layout.rank_fit)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from plan_factory import LINK, block
 
-from planner.core.candidate import evaluate_choice
-from planner.core.inputs import Cluster, Constraints, Layout
-from planner.core.predict import predict
-from planner.core.rank_fit import rank_split
-from planner.core.schedules import in_flight_per_stage
-from planner.core.solve import solve
+from planner.core.layout.candidate import evaluate_choice
+from planner.core.layout.inputs import Cluster, Constraints, Layout
+from planner.core.layout.rank_fit import rank_split
+from planner.core.split.solve import solve
+from planner.core.step.predict import predict
+from planner.core.step.schedules import in_flight_per_stage
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, OptimizerSpec
 

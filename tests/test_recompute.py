@@ -19,7 +19,7 @@ from planner.capture.clock import BlockClock
 from planner.capture.load import load_model_file
 from planner.capture.stage import stage_module
 from planner.capture.trace import trace_model
-from planner.core.hardware import get_hardware
+from planner.core.levers.hardware import get_hardware
 from planner.costs.estimate import estimate_blocks
 from planner.costs.measure import profile_model
 from planner.costs.settings import ProfileSettings, Sample

@@ -86,7 +86,7 @@ def test_render_cautions_when_stages_compute_less_than_a_message_costs() -> None
 
 
 def test_with_method_switches_to_a_baseline_split() -> None:
-    from planner.core.predict import with_method
+    from planner.core.step.predict import with_method
 
     plan = make_plan(big_head_blocks())
     uniform = with_method(plan, "uniform")

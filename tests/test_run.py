@@ -23,7 +23,7 @@ from run_factory import MODELS, REL, ROOT, assert_close, make_plan, run_report, 
 from planner.capture.load import load_model_file  # noqa: E402
 from planner.capture.stage import build_stage_module  # noqa: E402
 from planner.capture.trace import trace_model  # noqa: E402
-from planner.core.schedules import action_order  # noqa: E402
+from planner.core.step.schedules import action_order  # noqa: E402
 from planner.errors import PlanFileError, PlannerError, TraceError  # noqa: E402
 from planner.report.compare import measured_events  # noqa: E402
 from planner.run import RunResult, run_plan, train_reference  # noqa: E402

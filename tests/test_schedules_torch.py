@@ -1,4 +1,4 @@
-"""Tier-2 test: ``planner.core.schedules.action_order`` matches what torch's schedules execute.
+"""Tier-2 test: ``planner.core.step.schedules.action_order`` matches what torch's schedules execute.
 
 Runs the real ``ScheduleGPipe`` / ``Schedule1F1B._step_microbatches`` of the installed torch with a
 mocked stage whose communication ops are empty, and records the order of
@@ -20,7 +20,7 @@ from torch.distributed.pipelining import schedules as tsched  # noqa: E402
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops  # noqa: E402
 from torch.distributed.pipelining.stage import PipelineStage  # noqa: E402
 
-from planner.core.schedules import (  # noqa: E402
+from planner.core.step.schedules import (  # noqa: E402
     SCHEDULES,
     TORCH_NAMES,
     action_order,

@@ -1,4 +1,4 @@
-"""Pure-tier tests of the joint search (planner.core.search) and per-rank memory (planner.core.predict)."""
+"""Pure-tier tests of the joint search (planner.core.layout.search) and per-rank memory (planner.core.step.predict)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from plan_factory import LINK, MB, big_head_blocks, block, make_plan, predicted, searched
 
-from planner.core.inputs import Cluster, Constraints, Layout
-from planner.core.schedules import SCHEDULES, placement
-from planner.core.search import TIE, blocks_at, evaluate_choice, microbatch_options, refine
-from planner.core.stage_model import stage_memories
+from planner.core.layout.inputs import Cluster, Constraints, Layout
+from planner.core.layout.search import TIE, blocks_at, evaluate_choice, microbatch_options, refine
+from planner.core.split.stage_model import stage_memories
+from planner.core.step.schedules import SCHEDULES, placement
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, OptimizerSpec
 
@@ -145,8 +145,8 @@ def test_a_stage_memo_predicts_every_split_as_a_fresh_prediction(
 ) -> None:
     # refine lays out many splits of one layout through one StageMemo: each must come out exactly
     # as laid out afresh, whatever splits came before it (and a memo bound to other blocks restarts)
-    from planner.core.stage_model import Partition
-    from planner.core.stage_plans import StageMemo
+    from planner.core.split.stage_model import Partition
+    from planner.core.split.stage_plans import StageMemo
 
     blocks = [block(f"b{i}", f, b, 1000, act_mb=a) for i, (f, b, a) in enumerate(raw)]
     v = 2 if schedule == "interleaved-1f1b" else 1
@@ -174,7 +174,7 @@ def test_a_stage_memo_predicts_every_split_as_a_fresh_prediction(
 )
 def test_a_split_off_the_legal_cuts_is_refused_before_it_is_laid_out(starts: tuple, message: str) -> None:
     """``laid_out`` checks the split first (legal cuts, non-empty stages): the error names the cut."""
-    from planner.core.predict import predict
+    from planner.core.step.predict import predict
 
     blocks = [block(f"b{i}", 1, 2, 1000) for i in range(4)]
     blocks[1] = blocks[1].model_copy(update={"cut_legal": False})  # no cut after b1
@@ -242,7 +242,7 @@ def test_a_runner_up_that_polishes_faster_than_the_polished_winner_wins(monkeypa
     # the runners-up within REFINE_MARGIN are polished too and the fastest polished one wins
     from types import SimpleNamespace
 
-    from planner.core import search as search_module
+    from planner.core.layout import search as search_module
 
     def choice(step: float, fits: bool = True) -> SimpleNamespace:
         return SimpleNamespace(prediction=SimpleNamespace(step_time_s=step), fits=fits)

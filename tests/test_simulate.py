@@ -1,4 +1,4 @@
-"""Pure-tier tests of planner.core.simulate (and planner.core.schedules without torch)."""
+"""Pure-tier tests of planner.core.step.simulate (and planner.core.step.schedules without torch)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from planner.core.schedules import (
+from planner.core.step.schedules import (
     SCHEDULES,
     Action,
     action_order,
@@ -22,7 +22,7 @@ from planner.core.schedules import (
     stage_ranks,
     stages_per_rank_options,
 )
-from planner.core.simulate import Durations, Event, StageTimes, Traffic, simulate, simulate_step
+from planner.core.step.simulate import Durations, Event, StageTimes, Traffic, simulate, simulate_step
 from planner.errors import InfeasibleError
 
 SINGLE = ("gpipe", "1f1b")
@@ -431,7 +431,7 @@ def test_ranks_sharing_a_processor_compete_for_compute_not_for_waits() -> None:
 
 def test_a_link_cpu_share_sets_the_wait_of_each_action() -> None:
     """``stage_times`` splits each action's message time by the link's ``cpu_share``."""
-    from planner.core.predict import stage_times
+    from planner.core.step.predict import stage_times
     from planner.schema.plan import StagePlan
 
     st = StagePlan(
@@ -564,7 +564,7 @@ def test_program_simulation_is_bit_identical_to_the_event_loop(
 def test_program_slots_state_the_dependency_rules(schedule: str) -> None:
     """``_coded`` (the slots a simulator program runs on) says what ``_deps`` / ``_produces`` say, for
     every action of every schedule on small shapes."""
-    from planner.core.simulate import _coded, _deps, _produces
+    from planner.core.step.simulate import _coded, _deps, _produces
 
     for p in (1, 2, 3, 4):
         for v in stages_per_rank_options(schedule, 3):

@@ -1,4 +1,4 @@
-"""Pure-tier tests of planner.core.solve: exactness against brute force, hand cases, baselines, purity."""
+"""Pure-tier tests of planner.core.split.solve: exactness against brute force, hand cases, baselines, purity."""
 
 from __future__ import annotations
 
@@ -17,14 +17,13 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from plan_factory import ADAMW, assert_fit_limits_agree, memory_layout, predicted, solved
 
-from planner.core import solve as solve_mod
-from planner.core.baselines import param_balanced, uniform_layers
-from planner.core.casts import compiled_casts
-from planner.core.links import NodeLinks, boundary_crosses, boundary_links
-from planner.core.recompute import checkpoint_units, recompute_cost, selective_cost
-from planner.core.schedules import in_flight_per_stage
-from planner.core.solve import policy_options
-from planner.core.stage_model import (
+from planner.core.levers.casts import compiled_casts
+from planner.core.levers.links import NodeLinks, boundary_crosses, boundary_links
+from planner.core.levers.recompute import checkpoint_units, recompute_cost, selective_cost
+from planner.core.split import solve as solve_mod
+from planner.core.split.baselines import param_balanced, uniform_layers
+from planner.core.split.solve import policy_options
+from planner.core.split.stage_model import (
     Partition,
     evaluate,
     stage_costs,
@@ -33,6 +32,7 @@ from planner.core.stage_model import (
     stage_memory_parts,
     stage_time_parts,
 )
+from planner.core.step.schedules import in_flight_per_stage
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 
@@ -1027,8 +1027,8 @@ def test_autocast_weight_copies_are_held_once_not_per_microbatch() -> None:
 def test_a_compiled_layout_holds_copies_per_microbatch_but_an_fsdp_one_none() -> None:
     from plan_factory import LINK, layout_of
 
-    from planner.core.candidate import evaluate_choice
-    from planner.core.inputs import Cluster, Constraints
+    from planner.core.layout.candidate import evaluate_choice
+    from planner.core.layout.inputs import Cluster, Constraints
 
     blocks = [blk(i, 1.0, params=20, param_bytes=80, act=45, cut=11) for i in range(4)]
     blocks = [b.model_copy(update={"weight_cast_bytes": 40}) for b in blocks]
@@ -1106,7 +1106,7 @@ def test_large_instance() -> None:
 
 
 def test_pure_modules_do_not_import_torch() -> None:
-    code = "import planner.core.solve, planner.core.simulate, planner.core.schedules, planner.schema.costs, sys; assert 'torch' not in sys.modules"
+    code = "import planner.core.split.solve, planner.core.step.simulate, planner.core.step.schedules, planner.schema.costs, sys; assert 'torch' not in sys.modules"
     res = subprocess.run(
         [sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True
     )
@@ -1298,8 +1298,8 @@ def test_prediction_reads_stage_memory_off_prefix_sums_exactly(
     """``predict``'s stage memory (the blocks' prefix sums) equals ``stage_memory_parts`` (block by
     block) for every stage, recompute mode, tensor-parallel piece, FSDP sharding and optimizer
     temporaries, measured or not; partial recomputation ("mode:k") takes the block-by-block path."""
-    from planner.core.stage_model import stage_memory_parts
-    from planner.core.stage_plans import _memory_parts
+    from planner.core.split.stage_model import stage_memory_parts
+    from planner.core.split.stage_plans import _memory_parts
 
     blocks, *_ = inst
     blocks = [

@@ -21,7 +21,7 @@ from cli import main
 from planner.api import make_plan
 from planner.capture.load import load_model_file
 from planner.capture.trace import trace_model
-from planner.core.calibrate import check_levers
+from planner.core.step.calibrate import check_levers
 from planner.costs import measure, measure_modules
 from planner.costs.levers import check_autocast, tensor_bytes
 from planner.costs.measure import profile_model

@@ -12,11 +12,18 @@ from hypothesis import strategies as st
 from plan_factory import ADAMW, LINK, MB, block
 
 from planner.core.assemble import Origin, assemble_plan
-from planner.core.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
-from planner.core.schedules import SCHEDULES, stages_per_rank_options
-from planner.core.search import TIE, _max_stages_per_rank, blocks_at, evaluate_modes, replica_microbatches, search
-from planner.core.stage_model import stage_memory_parts, stage_time_parts
-from planner.core.tensor_parallel import allowed_degrees, allreduce_s, at_degree, block_degree_limit
+from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
+from planner.core.layout.search import (
+    TIE,
+    _max_stages_per_rank,
+    blocks_at,
+    evaluate_modes,
+    replica_microbatches,
+    search,
+)
+from planner.core.levers.tensor_parallel import allowed_degrees, allreduce_s, at_degree, block_degree_limit
+from planner.core.split.stage_model import stage_memory_parts, stage_time_parts
+from planner.core.step.schedules import SCHEDULES, stages_per_rank_options
 from planner.errors import InfeasibleError
 from planner.report.tables import layout_line, render, search_table
 from planner.schema.costs import BlockCost, LinkCost, TensorParallelShare

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from plan_factory import big_head_blocks, make_plan
 
-from planner.core.hardware import get_hardware
+from planner.core.levers.hardware import get_hardware
 from planner.report.tables import render
 from planner.report.throughput import peak_flops, throughput, throughput_line
 from planner.schema.plan import Plan

@@ -12,7 +12,7 @@ from matplotlib.axes import Axes
 from matplotlib.patches import Rectangle
 from matplotlib.text import Text
 
-from planner.core.simulate import Event, StageTimes, simulate
+from planner.core.step.simulate import Event, StageTimes, simulate
 from planner.errors import PlannerError
 from planner.report.timeline import build_figure, chrome_trace, timeline_figure, write_trace
 

@@ -13,7 +13,7 @@ from planner.api import make_plan
 from planner.capture.load import load_model_file
 from planner.capture.tp_plan import check_tp_plan, match, matched_modules, resolve_tp_plan
 from planner.capture.trace import trace_model
-from planner.core.hardware import get_hardware
+from planner.core.levers.hardware import get_hardware
 from planner.costs.tensor_parallel import tensor_parallel_shares
 from planner.errors import InfeasibleError, ModelFileError
 from planner.schema.plan import Plan
@@ -234,7 +234,7 @@ def test_split_activations_are_at_most_what_the_block_saves_less_the_whole_ones(
     assert fitted is not None and (fitted.sharded_activation_bytes, fitted.unsplit_activation_bytes) == (300, 300)
     # one of 4 tp ranks: the 300 whole, a quarter of the 300 split, and its share of the copies (the
     # block's parameters all split: a quarter)
-    from planner.core.tensor_parallel import at_degree
+    from planner.core.levers.tensor_parallel import at_degree
     from planner.schema.costs import LinkCost
 
     split = cast.model_copy(update={"tp": fitted.model_copy(update={"sharded_params": 10, "sharded_param_bytes": 40})})
@@ -490,7 +490,7 @@ def test_plans_on_costs_made_once_equal_make_plan(tmp_path: Path) -> None:
     ``make_plan`` gives, tensor-parallel shares counted in the planning dtype (they once were fp32
     there, doubling every all-reduce of a bf16 estimate)."""
     from planner.api import default_threads, estimated_costs, plan_from_costs
-    from planner.core.predict import with_links
+    from planner.core.step.predict import with_links
 
     request = PlanRequest.build(
         model_file=str(LLAMA),

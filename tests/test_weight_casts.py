@@ -18,7 +18,7 @@ import torch
 from run_factory import MODELS, assert_close, make_plan, saved
 from torch import nn
 
-from planner.core.casts import shares_casts
+from planner.core.levers.casts import shares_casts
 from planner.costs.levers import is_weight_cast
 from planner.run import run_plan, train_reference
 from planner.run.wrappers import Autocast, weight_cast_cache
@@ -102,7 +102,7 @@ def test_one_step_holds_one_copy_of_each_weight_whatever_the_microbatches_in_fli
     assert (per_microbatch, once) == (2 * 3, 2)
     # the same casts of the same weights: the gradients are the same, bit for bit
     assert len(grads_shared) == 4 and all(torch.equal(a, b) for a, b in zip(grads_apart, grads_shared))
-    # a stage with few live (planner.core.casts.shares_casts) keeps its own copies per microbatch
+    # a stage with few live (planner.core.levers.casts.shares_casts) keeps its own copies per microbatch
     assert not shares_casts(2) and shares_casts(3)
     assert not shares_casts(3, sharded=True) and not shares_casts(3, recompute="full")
     own, grads_own = _step(model, plan, shared=True, share=False)

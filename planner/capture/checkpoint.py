@@ -3,7 +3,7 @@
 A stage that recomputes (the plan's ``recompute``: "selective" or "full", or "selective:k" /
 "full:k" for only its first k regions, the rest running as they are) runs as a chain of regions,
 one per block (a block whose end is no legal cut shares its region with the next:
-``planner.core.stage_model.checkpoint_units`` decides, here they are only built). Each region is
+``planner.core.split.stage_model.checkpoint_units`` decides, here they are only built). Each region is
 its own non-reentrant checkpoint, so backward rebuilds one region's activations at a time, as
 torchtitan's and Megatron's per-layer checkpointing do (a plan's "stage" mode is one region
 over the whole stage, checkpointed fully):

@@ -10,16 +10,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from planner.core.baselines import param_balanced, uniform_layers
-from planner.core.data_parallel import gather_bytes_of, layout_links
-from planner.core.given import given_starts
-from planner.core.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
-from planner.core.links import NodeLinks
-from planner.core.predict import predict, slots_of
-from planner.core.search import Choice, Progress, search
-from planner.core.solve import policy_options
-from planner.core.stage_model import Partition
-from planner.core.tensor_parallel import allowed_degrees, block_degree_limit
+from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
+from planner.core.layout.search import Choice, Progress, search
+from planner.core.levers.data_parallel import gather_bytes_of, layout_links
+from planner.core.levers.links import NodeLinks
+from planner.core.levers.tensor_parallel import allowed_degrees, block_degree_limit
+from planner.core.split.baselines import param_balanced, uniform_layers
+from planner.core.split.given import given_starts
+from planner.core.split.solve import policy_options
+from planner.core.split.stage_model import Partition
+from planner.core.step.predict import predict, slots_of
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost
 from planner.schema.plan import ModelRef, Plan, Prediction, ProfileInfo, StagePlan, Tie
@@ -292,7 +292,7 @@ class Origin:
             them to other microbatch sizes).
         created: timestamp recorded in the plan.
         calibration: what a calibration changed in the costs, one line each (``--calibrate``;
-            ``planner.core.calibrate.changes``), recorded for the report.
+            ``planner.core.step.calibrate.changes``), recorded for the report.
     """
 
     model: ModelRef

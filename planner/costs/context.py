@@ -29,7 +29,7 @@ and 17 % faster. So the whole model runs in two kinds of passes, taking turns so
 drift touches both alike: warm passes, back to back, give every block's time inside a stage; cold
 passes wait ``_WAIT_S`` (1 ms) before every block (the clock's ``pause_s``), and a block's cold penalty
 (``BlockCost.fwd_cold_s``, ``bwd_cold_s``) is how much slower it ran there. The solver charges it
-to the block that starts a stage's action after a receive (``planner.core.stage_model.stage_time_parts``).
+to the block that starts a stage's action after a receive (``planner.core.split.stage_model.stage_time_parts``).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from planner.core.hardware import HardwareSpec
+from planner.core.levers.hardware import HardwareSpec
 from planner.costs.roofline import Roofline, Tally
 from planner.errors import PlannerError
 from planner.schema.costs import GLOO_CPU_LINK

@@ -44,7 +44,7 @@ from planner.capture.load import move_model
 from planner.capture.signature import block_structure, node_target, show
 from planner.capture.stage import stage_graph, stage_inputs
 from planner.capture.trace import trace_model
-from planner.core.hardware import DTYPES, HardwareSpec, dtype_bytes
+from planner.core.levers.hardware import DTYPES, HardwareSpec, dtype_bytes
 from planner.costs.backward_temps import BackwardTemps, forward_backward_temps, storage_bytes
 from planner.costs.blocks import block_cost
 from planner.costs.fusion import Fusion
@@ -387,7 +387,7 @@ def estimate_blocks(
         inputs: positional inputs of one microbatch (meta or real).
         target: the microbatch's target (the last block includes the loss).
         loss_fn: ``loss_fn(output, target) -> scalar``.
-        hw: the hardware (``planner.core.hardware.get_hardware`` or ``calibrated_cpu``).
+        hw: the hardware (``planner.core.levers.hardware.get_hardware`` or ``calibrated_cpu``).
         dtype: planning dtype of parameters and activations: "bf16", "fp16", "fp32", or "tf32"
             (fp32 storage, matmuls at the TF32 peak). Floating parameters, buffers and
             activations crossing blocks are cast to it.
@@ -586,7 +586,7 @@ def _block_cost(
     planning dtype. ``autocast``: the run computes in the planning dtype under torch.autocast over
     fp32 weights (``ProfileInfo.run_autocast``), so the weights its GEMMs save are lower-precision
     copies it holds per microbatch, counted with the activations and apart (``weight_cast_bytes``: a
-    stage may share them, ``planner.core.casts.shared_casts``; selective checkpointing never
+    stage may share them, ``planner.core.levers.casts.shared_casts``; selective checkpointing never
     keeps them, its policy recomputes the casts)."""
     n_params = sum(p.numel() for p in params)
     param_bytes = sum(p.numel() * (width if p.is_floating_point() else p.element_size()) for p in params)

@@ -10,7 +10,7 @@
   (``is_weight_cast``; ``BlockCost.weight_cast_bytes``): the runner keeps one autocast cache
   through a step (``planner.run.wrappers.weight_cast_cache``), so a stage with many microbatches
   live may hold one set of them per step, not one per microbatch in flight
-  (``planner.core.casts.shared_casts``). A compiled block casts inside its graph, so its copies are plain saved
+  (``planner.core.levers.casts.shared_casts``). A compiled block casts inside its graph, so its copies are plain saved
   tensors, counted per microbatch, as the compiled stage holds them.
 - **Compile** (``--compile``): each block is profiled as ``torch.compile(block_module)``, the way
   the runner compiles each stage module whole (per-block compiled time estimates the stage's). The

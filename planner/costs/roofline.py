@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from planner.capture.checkpoint import KeepRule
-from planner.core.hardware import HardwareSpec
+from planner.core.levers.hardware import HardwareSpec
 from planner.costs.backward_temps import storage_bytes
 from planner.costs.fusion import Fusion
 from planner.torch_compat import TorchDispatchMode, decomposes, pytree, storage_id, swapped_sdpa

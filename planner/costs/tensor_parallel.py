@@ -77,7 +77,7 @@ from planner.capture.tp_plan import (
     resolve_tp_plan,
     split_sizes,
 )
-from planner.core.hardware import HardwareSpec
+from planner.core.levers.hardware import HardwareSpec
 from planner.costs.roofline import _GEMMS, _gemm_dims
 from planner.costs.sequence import SeqTally, cut_shares, sequence_only, sequence_refusal, token_wise
 from planner.costs.tp_gemms import MAX_DEGREE, Gemm, gemm_seconds, gemm_slowdown

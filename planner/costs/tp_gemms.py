@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.core.hardware import HardwareSpec
+from planner.core.levers.hardware import HardwareSpec
 
 
 @dataclass(frozen=True)

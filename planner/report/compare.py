@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from planner.core.data_parallel import check_run_replicas
-from planner.core.predict import block_times_in_stages
-from planner.core.simulate import Event
+from planner.core.levers.data_parallel import check_run_replicas
+from planner.core.step.predict import block_times_in_stages
+from planner.core.step.simulate import Event
 from planner.schema.plan import Plan
 from planner.schema.result import RunResult, check_run_matches
 
@@ -158,7 +158,7 @@ def measured_events(plan: Plan, run: RunResult) -> list[Event]:
 
 def compare_blocks_table(plan: Plan, run: RunResult) -> str:
     """Per block: its profiled forward and backward (with its cold start where it begins a stage's
-    action after a message: ``planner.core.predict.block_times_in_stages``) against its time inside
+    action after a message: ``planner.core.step.predict.block_times_in_stages``) against its time inside
     the running stage (``StageMeasure.blocks``), then per stage the time its actions spent outside
     every block.
 

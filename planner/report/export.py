@@ -12,8 +12,8 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 
-from planner.core.recompute import recomputed_prefix
-from planner.core.schedules import action_order, placement
+from planner.core.levers.recompute import recomputed_prefix
+from planner.core.step.schedules import action_order, placement
 from planner.errors import PlannerError
 from planner.schema.costs import split_recompute
 from planner.schema.outputs import EXPORT_HEADER

@@ -1,7 +1,7 @@
 """Balance report: the tables ``planner plan`` and ``planner report`` print.
 
 Pure module (tabulate, no torch). Everything shown is read from the plan; nothing is recomputed,
-except the link a data-parallel group reduces over (``planner.core.data_parallel``). Tables are
+except the link a data-parallel group reduces over (``planner.core.levers.data_parallel``). Tables are
 per pipeline (one replica's); a plan of several replicas adds a layout line.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from planner.core.data_parallel import dp_group_links, hsdp_links
-from planner.core.predict import plan_links, slots_of
-from planner.core.recompute import recomputed_prefix
+from planner.core.levers.data_parallel import dp_group_links, hsdp_links
+from planner.core.levers.recompute import recomputed_prefix
+from planner.core.step.predict import plan_links, slots_of
 from planner.report.throughput import throughput_line
 from planner.schema.costs import GLOO_CPU_LINK
 from planner.schema.plan import Plan, Tie

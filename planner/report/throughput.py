@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.core.hardware import GPUS, HardwareError
+from planner.core.levers.hardware import GPUS, HardwareError
 from planner.schema.plan import Plan
 
 

@@ -8,7 +8,7 @@ https://ui.perfetto.dev).
 
 Pure module: matplotlib through its object API with the Agg canvas (no ``pyplot``, no global
 state, no display), the standard library, never torch. The input is a list of
-``planner.core.simulate.Event``: the predicted step (``planner.core.predict.simulate_plan``) and,
+``planner.core.step.simulate.Event``: the predicted step (``planner.core.step.predict.simulate_plan``) and,
 optionally, the step a run recorded (``planner.report.compare.measured_events``).
 ``planner report PLAN --timeline step.png --trace step.json`` calls these.
 """
@@ -26,7 +26,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from planner.core.simulate import Event
+from planner.core.step.simulate import Event
 from planner.errors import PlannerError
 from planner.schema.jsonfile import write_atomic
 

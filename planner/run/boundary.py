@@ -14,7 +14,7 @@ Only boundaries between two pipeline ranks are scattered (a boundary inside one 
 a V, hands its tensors over in memory), and only where the plan's block says so
 (``BlockCost.cut_share``: plans made before this scatter nothing), and of their tensors only those
 whose element count the degree divides (the rest cross whole). The plan's cost model charges the
-same: ``planner.core.tensor_parallel``.
+same: ``planner.core.levers.tensor_parallel``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from planner.core.links import boundary_crosses
+from planner.core.levers.links import boundary_crosses
 from planner.schema.plan import Plan, StagePlan
 
 

@@ -18,7 +18,7 @@ from planner.capture.blocks import TiedParameter, TracedModel
 from planner.capture.load import ModelFile, load_model_file
 from planner.capture.stage import trace_root
 from planner.capture.trace import trace_model
-from planner.core.schedules import SPLIT_BACKWARD, check_schedule, stage_ranks
+from planner.core.step.schedules import SPLIT_BACKWARD, check_schedule, stage_ranks
 from planner.errors import PlanFileError, PlannerError
 from planner.schema.costs import split_recompute
 from planner.schema.plan import Plan

@@ -23,7 +23,7 @@ from torch import nn
 
 from planner.capture.load import bind_inputs, default_loss, forward_parameters, model_output, prepare_model
 from planner.capture.stage import stage_inputs
-from planner.core.schedules import placement
+from planner.core.step.schedules import placement
 from planner.errors import PlannerError
 from planner.run.gradients import clip_to_global_norm
 from planner.run.mesh import RankMesh, rank_mesh

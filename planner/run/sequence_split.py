@@ -28,7 +28,7 @@ DTensors so that it works on any traced stage without knowing its code:
 
 The stage's units (and the checkpoint regions a recomputation re-runs in backward) run their
 forward under ``Replicated``; outside it nothing changes, so FSDP's and the pipeline's own code never
-sees a DTensor it did not make. ``planner.core.tensor_parallel`` charges the same collectives.
+sees a DTensor it did not make. ``planner.core.levers.tensor_parallel`` charges the same collectives.
 """
 
 from __future__ import annotations

@@ -183,7 +183,7 @@ def train_local(
             split_target = _chunks(target, n_microbatches)
 
             # one microbatch live at a time: each casts its own weight copies (sharing them would hold
-            # their gradients too, planner.core.casts.shared_casts)
+            # their gradients too, planner.core.levers.casts.shared_casts)
             def one(i: int) -> torch.Tensor:
                 xs = [x[i] for x in split_inputs]
                 return _microbatch(model, loss_fn, xs, split_target[i], i, n_microbatches, probe, cast)

@@ -22,8 +22,8 @@ from planner.capture.shapes import shapes_or_real
 from planner.capture.stage import stage_inputs, stage_module, trace_root
 from planner.capture.tp_plan import COLUMN_STYLES
 from planner.capture.tp_sequence import sequence_values
-from planner.core.recompute import checkpoint_units
-from planner.core.schedules import SPLIT_BACKWARD, placement
+from planner.core.levers.recompute import checkpoint_units
+from planner.core.step.schedules import SPLIT_BACKWARD, placement
 from planner.errors import PlanFileError, PlannerError
 from planner.run.boundary import boundary_scatter, sent_examples
 from planner.run.checkpoint import model_names

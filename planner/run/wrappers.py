@@ -14,7 +14,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from planner.capture.shapes import keeps_fp32_weights
-from planner.core.casts import shares_casts
+from planner.core.levers.casts import shares_casts
 from planner.run.boundary import BoundaryScatter
 from planner.schema.plan import Plan
 from planner.torch_compat import is_view
@@ -29,9 +29,9 @@ def fsdp_policy(plan: Plan) -> Any:
     fp32, as torchtitan, Megatron and the Llama 3 run keep them; in fp32, FSDP's default.
 
     Gathered in the plan's dtype, the weights are what autocast computes in already, so a sharded
-    stage saves no copies of them (``planner.core.casts.without_casts``) and its gathers move half
+    stage saves no copies of them (``planner.core.levers.casts.without_casts``) and its gathers move half
     the bytes; the fp32 master weights (the shards) are what the optimizer steps, as under autocast.
-    The memory model counts what this holds (``planner.core.stage_model.unsharded_bytes``).
+    The memory model counts what this holds (``planner.core.split.stage_model.unsharded_bytes``).
 
     Args:
         plan: the plan (``profile.run_autocast``).
@@ -83,7 +83,7 @@ def prefetch_gathers(modules: Sequence[torch.nn.Module]) -> None:
     GPipe and 1F1B (torch's ``PipelineScheduleSingle``) would gather a stage lazily at its first
     forward, on the critical path of the first microbatch at every rank; issued when the pass starts,
     a rank that waits for its first activation gathers meanwhile, as the plan predicts
-    (``planner.core.simulate.Traffic``). The multi-stage schedules prefetch through their own
+    (``planner.core.step.simulate.Traffic``). The multi-stage schedules prefetch through their own
     ``UNSHARD`` actions (``planner.torch_compat.gather_each_stage_once``).
 
     Args:
@@ -134,7 +134,7 @@ def weight_cast_cache(plan: Plan, device_type: str) -> contextlib.AbstractContex
     computes nothing in the lower precision itself (backward runs outside autocast, as torch's
     recipe has it); it only holds the nesting open, so the cached casts live until the step's last
     backward, once. A compiled stage casts inside its graph and keeps one copy per microbatch regardless (the
-    plan counts it so: ``planner.core.casts.compiled_casts``).
+    plan counts it so: ``planner.core.levers.casts.compiled_casts``).
 
     Only around forwards that build autograd graphs: torch caches a weight's cast made under
     ``no_grad`` too, without its link to the weight, and a later forward in the same cache would
@@ -220,7 +220,7 @@ class Autocast(torch.nn.Module):
     stay fp32, the matmuls and what they save run in the lower precision, as the profile measured.
 
     A fresh autocast region per call. With ``share`` (a stage with many microbatches live:
-    ``planner.core.casts.shares_casts``) its weight casts go to autocast's cache, which the
+    ``planner.core.levers.casts.shares_casts``) its weight casts go to autocast's cache, which the
     step's ``weight_cast_cache`` keeps, so they are made once per step and shared by the
     microbatches; without, each microbatch makes and saves its own (fewer bytes with one or two
     live: a shared copy's gradients wait for the end of every backward, ``shared_casts``)."""
@@ -279,7 +279,7 @@ def apply_speed_levers(
         device: where the stage runs (autocast's device type).
         in_flight: the stage's peak live microbatches (``StagePlan.in_flight``) and
         recompute: its recompute value: they decide whether its microbatches share autocast's weight
-            copies (``planner.core.casts.shares_casts``).
+            copies (``planner.core.levers.casts.shares_casts``).
     """
     run = inner
     if plan.compile:

@@ -16,7 +16,7 @@ OptimizerName = Literal["adamw", "sgd"]
 OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
 StepTempRule = Literal["max", "sum"]
 RecomputeMode = Literal["never", "selective", "full", "stage"]
-"""How a stage checkpoints its activations (``planner.core.stage_model``): not at all; block by block,
+"""How a stage checkpoints its activations (``planner.core.split.stage_model``): not at all; block by block,
 selectively (each block keeps its matmul and attention outputs and recomputes the rest in backward,
 torch's selective activation checkpointing) or fully (each block keeps only its input); or the whole
 stage as one region (it keeps only the stage's input, and backward rebuilds all of it at once: the
@@ -133,7 +133,7 @@ class TensorParallelShare(BaseModel):
     """How one block divides over ``tp`` tensor-parallel ranks, from its model's tensor-parallel plan.
 
     Measured or estimated once, at the unsharded shapes and the profiled microbatch size;
-    ``planner.core.tensor_parallel.at_degree`` turns a block's costs into one tensor-parallel rank's
+    ``planner.core.levers.tensor_parallel.at_degree`` turns a block's costs into one tensor-parallel rank's
     at a degree. Column-wise layers split their output features, row-wise layers their input features
     (Megatron-LM's layout, torch's ``ColwiseParallel`` / ``RowwiseParallel``): every operator between a
     column-wise and the following row-wise layer then runs on 1/tp of the features, and each row-wise
@@ -243,7 +243,7 @@ class BlockCost(BaseModel):
         description="Of activation_bytes, under autocast over fp32 weights: the lower-precision copies of the "
         "block's weights that its matmuls and convolutions save for backward, one set per microbatch. A stage that "
         "recomputes nothing, is not sharded by FSDP and holds three or more microbatches shares one set through "
-        "the step instead (planner.core.casts.shared_casts); a compiled stage, which casts inside its graph, "
+        "the step instead (planner.core.levers.casts.shared_casts); a compiled stage, which casts inside its graph, "
         "never does. 0 without autocast.",
     )
     bwd_input_s: float | None = Field(
@@ -333,7 +333,7 @@ class BlockCost(BaseModel):
         ge=0,
         description="What a checkpoint region starting after this block (or a stage recomputed as one region) "
         "keeps of its input per microbatch: under sequence parallelism its sequence shards are 1/tp "
-        "(planner.core.tensor_parallel). None: cut_bytes, the whole.",
+        "(planner.core.levers.tensor_parallel). None: cut_bytes, the whole.",
     )
     cut_share: int = Field(
         default=1,
@@ -418,7 +418,7 @@ class LinkCost(BaseModel):
         description="For a network link: ranks of a node that share one network card of this bandwidth (1 where "
         "every GPU has its own, as on DGX / HGX nodes). A collective whose group has k ranks on every node it "
         "spans crosses nodes at max(1, k // ranks_per_nic) times this bandwidth, for NCCL spreads its channels "
-        "over the node's cards, up to the intra-node link's (planner.core.data_parallel.group_link). 0: every "
+        "over the node's cards, up to the intra-node link's (planner.core.levers.data_parallel.group_link). 0: every "
         "collective over this link gets this bandwidth.",
     )
     cpu_share: float = Field(
@@ -428,7 +428,7 @@ class LinkCost(BaseModel):
         allow_inf_nan=False,
         description="Share of a message's time its rank spends computing, the rest waiting. It matters only where "
         "ranks share processors (CPU ranks, more than cores / threads): the simulator then shares that part, and "
-        "the wait takes no processor from the others (planner.core.simulate). 1: all of it computes.",
+        "the wait takes no processor from the others (planner.core.step.simulate). 1: all of it computes.",
     )
 
     def send_s(self, nbytes: int) -> float:

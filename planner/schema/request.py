@@ -245,7 +245,7 @@ class PlanRequest(_Request):
     method: Method = Field(default="optimal", description="The split the plan uses; the others are compared.")
     compare: str | None = Field(
         default=None,
-        description="A split to cost beside the plan (planner.core.given: layer counts, a Megatron layout, "
+        description="A split to cost beside the plan (planner.core.split.given: layer counts, a Megatron layout, "
         "parts:..., or fqns: and torchtitan's module lists as JSON); --method given trains it.",
     )
     memory_limit_gib: float | None = Field(

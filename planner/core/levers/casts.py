@@ -5,7 +5,7 @@ each matmul saves a copy of its weight in that dtype for its backward (``BlockCo
 part of ``activation_bytes``). Where the runner keeps one autocast cache through the step, a stage's
 microbatches share one set (``shares_casts``, ``shared_casts``); an FSDP-sharded stage gathers its
 weights in the plan's dtype already, so autocast copies nothing there (``without_casts``). The memory
-model (``planner.core.stage_model``) and the solver count the copies through these.
+model (``planner.core.split.stage_model``) and the solver count the copies through these.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def shared_casts(per_microbatch: int, once: int, cast: int, in_flight: int) -> t
 
     Returns:
         (per live microbatch, once), as the run holds them (the solver's fit test mirrors this on
-        arrays: ``planner.core.solve``).
+        arrays: ``planner.core.split.solve``).
     """
     if cast and shares_casts(in_flight):
         return per_microbatch - cast, once + 2 * cast

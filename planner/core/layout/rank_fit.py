@@ -3,12 +3,12 @@
 The solver caps each stage's memory alone. With one stage per rank the cap is the limit. With ``v``
 stages per rank the share ``limit / v`` is sure to fit a rank (each of its stages peaks below it),
 but it is too tight where a rank's stages differ (an embedding's stage beside layers) or do not
-peak at once (``planner.core.stage_plans.rank_memory_bytes``): it hides splits that fit, or makes them
+peak at once (``planner.core.split.stage_plans.rank_memory_bytes``): it hides splits that fit, or makes them
 recompute where the rank has room. Where the share's split fails or recomputes, ``rank_split``
 therefore also solves under the whole limit and under caps bisected between the share and the
 limit and, where none of those fits, raises the recomputation of the whole limit's split on the
 ranks still over (``_escalate``); it lays out every split so made (its ranks' peaks,
-``planner.core.stage_plans.laid_out``), times those whose rank peak fits and keeps the fastest.
+``planner.core.split.stage_plans.laid_out``), times those whose rank peak fits and keeps the fastest.
 
 Pure module: never imports torch.
 """
@@ -18,13 +18,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from planner.core.inputs import Constraints, Layout
-from planner.core.links import Links
-from planner.core.partial_recompute import fewest_recomputed
-from planner.core.predict import timed
-from planner.core.schedules import in_flight_per_stage
-from planner.core.solve import policy_options, solve
-from planner.core.stage_plans import LaidOut, laid_out
+from planner.core.layout.inputs import Constraints, Layout
+from planner.core.levers.links import Links
+from planner.core.levers.partial_recompute import fewest_recomputed
+from planner.core.split.solve import policy_options, solve
+from planner.core.split.stage_plans import LaidOut, laid_out
+from planner.core.step.predict import timed
+from planner.core.step.schedules import in_flight_per_stage
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, split_recompute
 from planner.schema.plan import Prediction, StagePlan
@@ -53,7 +53,7 @@ def rank_split(
         link: the links of the layout's ranks.
         layout: the schedule, pipeline ranks, microbatches, stages per rank, replicas.
         constraints: the optimizer, the per-rank memory limit and the recompute policy.
-        slots: ranks that compute at once (``planner.core.predict.predict``).
+        slots: ranks that compute at once (``planner.core.step.predict.predict``).
 
     Returns:
         The stages and the prediction of the split chosen.

@@ -1,10 +1,10 @@
 """A split laid out on its ranks: each stage's figures (``StagePlan``) and each rank's peak memory.
 
-The first half of a prediction (``planner.core.predict.predict`` is ``timed(laid_out(...))``): what a
+The first half of a prediction (``planner.core.step.predict.predict`` is ``timed(laid_out(...))``): what a
 split's stages cost and hold, and what its ranks hold at their peak over the schedule's action
 order. Kept apart from the timing because the peak alone decides whether a split fits, and the
-searches lay out many splits that do not (``planner.core.rank_fit``); ``StageMemo`` keeps the stages
-of a split for the next split of the same layout (``planner.core.search.refine``).
+searches lay out many splits that do not (``planner.core.layout.rank_fit``); ``StageMemo`` keeps the stages
+of a split for the next split of the same layout (``planner.core.layout.search.refine``).
 
 Pure module: never imports torch.
 """
@@ -14,20 +14,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from planner.core.casts import shared_casts
-from planner.core.data_parallel import layout_links
-from planner.core.inputs import Layout
-from planner.core.links import Links, boundary_links, default_link, links_around
-from planner.core.recompute import recompute_flags, recompute_mode
-from planner.core.schedules import Action, RankStates, in_flight_per_stage, peak_live_bytes, rank_states, stage_ranks
-from planner.core.stage_model import (
+from planner.core.layout.inputs import Layout
+from planner.core.levers.casts import shared_casts
+from planner.core.levers.data_parallel import layout_links
+from planner.core.levers.links import Links, boundary_links, default_link, links_around
+from planner.core.levers.recompute import recompute_flags, recompute_mode
+from planner.core.split.stage_model import (
     MemoryParts,
     check_starts,
     parts_from_sums,
     stage_memory_parts,
     stage_time_parts,
 )
-from planner.core.stage_sums import block_sums
+from planner.core.split.stage_sums import block_sums
+from planner.core.step.schedules import (
+    Action,
+    RankStates,
+    in_flight_per_stage,
+    peak_live_bytes,
+    rank_states,
+    stage_ranks,
+)
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec, split_recompute
 from planner.schema.plan import StagePlan
@@ -38,7 +45,7 @@ class LaidOut:
     """A split laid out on its ranks: its stages and each rank's peak memory, not yet timed.
 
     ``predict`` is ``timed(laid_out(...))``. Kept apart because the peak alone decides whether a
-    split fits, and the searches (``planner.core.rank_fit``) lay out many splits that do not: they
+    split fits, and the searches (``planner.core.layout.rank_fit``) lay out many splits that do not: they
     time only those that fit.
     """
 
@@ -57,10 +64,10 @@ class LaidOut:
 @dataclass
 class StageMemo:
     """Stages already laid out, for a caller that lays out many splits of the same blocks under the
-    same links, layout and optimizer (``planner.core.search.refine``: moving one cut changes two
+    same links, layout and optimizer (``planner.core.layout.search.refine``: moving one cut changes two
     stages of a split, the others are laid out as before). Keyed by (index, start, end, recompute);
     ``laid_out`` reads it only while those inputs stay the same (the blocks the very same list) and
-    starts it afresh otherwise. ``derived`` is where ``planner.core.candidate.evaluate_choice`` keeps
+    starts it afresh otherwise. ``derived`` is where ``planner.core.layout.candidate.evaluate_choice`` keeps
     the blocks it derives for a layout (FSDP's gathered weights, compiled casts) between its calls.
     """
 
@@ -148,7 +155,7 @@ def rank_memory_bytes(
 ) -> int:
     """Peak memory of one rank over all the stages it runs.
 
-    The terms of ``planner.core.stage_model.stage_memory_parts`` summed over the rank's stages, except
+    The terms of ``planner.core.split.stage_model.stage_memory_parts`` summed over the rank's stages, except
     that the activations are the peak of their sum over the rank's action order
     (``peak_live_bytes``): with several stages per rank, each stage's own peak comes at a different
     time. Where the gradients are freed between steps (``layout.fresh_grads``) a stage's count only
@@ -159,7 +166,7 @@ def rank_memory_bytes(
     Args:
         blocks: per-block costs.
         stages: every stage of the plan (``rank`` set).
-        order: this rank's action order, or its ``RankStates`` (``planner.core.schedules.rank_states``).
+        order: this rank's action order, or its ``RankStates`` (``planner.core.step.schedules.rank_states``).
         rank: the rank.
         optimizer: the optimizer (state and step temporaries).
         layout: its microbatches per step (receive buffers), the FSDP replicas the stages' state is

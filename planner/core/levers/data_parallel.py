@@ -35,7 +35,7 @@ microbatch's forward, again for its backward, and reduce-scatters the unit's gra
 transfers of the rank's parameters per microbatch (the third in fp32, as above). FSDP2 issues the next unit's gather while the
 current unit computes, so only what the rank's compute cannot cover shows: the first gather of
 each forward and of each backward, and whatever the rest outlasts the compute by. The memory side (FSDP's shards) lives with the
-rest of the memory model, ``planner.core.stage_model.stage_memory_bytes`` (``shard``).
+rest of the memory model, ``planner.core.split.stage_model.stage_memory_bytes`` (``shard``).
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ from collections import Counter
 from collections.abc import Sequence
 from functools import lru_cache
 
-from planner.core.links import Links, NodeLinks
-from planner.core.recompute import checkpoint_units
-from planner.core.stage_model import fp32_bytes
+from planner.core.levers.links import Links, NodeLinks
+from planner.core.levers.recompute import checkpoint_units
+from planner.core.split.stage_model import fp32_bytes
 from planner.errors import InfeasibleError, PlanFileError
 from planner.schema.costs import BlockCost, LinkCost
 from planner.schema.plan import Plan, ProfileInfo, StagePlan
@@ -374,7 +374,7 @@ def stage_traffic(
     copies: Sequence[LinkCost] = (),
     groups: int = 1,
 ) -> tuple[list[float], list[float]]:
-    """FSDP's collectives of every stage with stage units, as ``planner.core.simulate.Traffic`` places
+    """FSDP's collectives of every stage with stage units, as ``planner.core.step.simulate.Traffic`` places
     them: the all-gather of its parameters, and the reduce-scatter of its gradients (fp32 where the
     parameters are narrower, ``wide_bytes``) followed under HSDP by the all-reduce of the stage's
     1/shard of them over the ``groups`` shard groups. The same rings ``grad_reduce_s`` and
@@ -473,7 +473,7 @@ def block_fsdp_s(
 def replica_slots(slots: float | None, dp: int) -> float | None:
     """Ranks of one replica that can compute at once when ``dp`` replicas share the processors.
 
-    CPU ranks share the machine's cores (``planner.core.predict.slots_of``): dp replicas running
+    CPU ranks share the machine's cores (``planner.core.step.predict.slots_of``): dp replicas running
     side by side leave each pipeline 1/dp of them. None (one device per rank) stays None.
 
     Args:

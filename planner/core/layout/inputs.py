@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.core.data_parallel import shard_of
-from planner.core.links import Links
+from planner.core.levers.data_parallel import shard_of
+from planner.core.levers.links import Links
 from planner.errors import InfeasibleError
 from planner.schema.costs import OptimizerSpec
 
@@ -50,13 +50,13 @@ class Layout:
     """One way to run a step: ``dp`` replicas of a ``pp``-rank pipeline.
 
     Attributes:
-        schedule: one of ``planner.core.schedules.SCHEDULES``.
+        schedule: one of ``planner.core.step.schedules.SCHEDULES``.
         pp: pipeline ranks of one replica (``Plan.n_ranks``).
         n_microbatches: microbatches per step of one replica.
         stages_per_rank: stages on every pipeline rank.
         dp: data-parallel replicas of the pipeline.
         dp_mode: how the replicas reduce gradients: "ddp", "fsdp", "hsdp", or "auto" before the search
-            decides (``planner.core.search.evaluate_modes``).
+            decides (``planner.core.layout.search.evaluate_modes``).
         tp: tensor-parallel ranks each pipeline rank is split over (inside one node).
         accumulation: pipeline passes per step (gradient accumulation): each replica runs the
             schedule this many times, ``n_microbatches`` microbatches each, then reduces, clips and
@@ -66,7 +66,7 @@ class Layout:
         dp_shard: under HSDP, the replicas of each shard group (a divisor of ``dp``; 0 otherwise).
         gather_bytes: bytes per parameter FSDP gathers the weights in (2: a bf16 or fp16 plan, whose
             measured profile counts the fp32 weights autocast trains; 0: the parameters' own bytes).
-        sequence: with ``tp`` > 1, sequence parallelism (``planner.core.tensor_parallel.at_degree``).
+        sequence: with ``tp`` > 1, sequence parallelism (``planner.core.levers.tensor_parallel.at_degree``).
     """
 
     schedule: str
@@ -123,7 +123,7 @@ class Constraints:
             recomputation that fits: none, else selective, else full), "never", "selective" or
             "full" (every stage); "always" is "full" (its name before selective existed).
         compiled: the stages run compiled, which hold autocast's weight copies per microbatch
-            (``planner.core.casts.compiled_casts``) where FSDP does not gather them cast already.
+            (``planner.core.levers.casts.compiled_casts``) where FSDP does not gather them cast already.
     """
 
     optimizer: OptimizerSpec = OptimizerSpec()
@@ -139,7 +139,7 @@ class Constraints:
 @dataclass(frozen=True)
 class Scaling:
     """How block costs profiled at one microbatch size carry over to others
-    (``planner.core.search.blocks_at``).
+    (``planner.core.layout.search.blocks_at``).
 
     Attributes:
         size0: the microbatch size the costs were profiled at (samples).
@@ -166,10 +166,10 @@ class SearchSpace:
         fsdp_units: under FSDP, "stage", "block" or "auto" (the faster that fits).
         dp_shard: under HSDP, the replicas of each shard group, or None for the largest that lie on one node.
         degrees: the tensor-parallel degrees to try (each divides a node's ranks and the world size).
-        accumulation: pipeline passes per step, or None to try them (``planner.core.search``).
+        accumulation: pipeline passes per step, or None to try them (``planner.core.layout.search``).
         gather_bytes: bytes per parameter FSDP gathers in (``Layout.gather_bytes``).
         sequence: whether the tensor-parallel degrees > 1 run with sequence parallelism, the options
-            tried: (False,), (True,) or both (``planner.core.tensor_parallel.at_degree``).
+            tried: (False,), (True,) or both (``planner.core.levers.tensor_parallel.at_degree``).
     """
 
     batch_size: int
@@ -200,7 +200,7 @@ def check_in_flight(in_flight: Sequence[int], n_stages: int, n_microbatches: int
     if len(counts) != n_stages:
         raise InfeasibleError(
             f"in_flight has {len(counts)} entries for {n_stages} stages; expected one peak in-flight "
-            "microbatch count per stage (planner.core.schedules.in_flight_per_stage gives them)."
+            "microbatch count per stage (planner.core.step.schedules.in_flight_per_stage gives them)."
         )
     if any(c < 0 or c != x for c, x in zip(counts, in_flight)):
         raise InfeasibleError(

@@ -1,7 +1,7 @@
 """Pure discrete-event simulation of one pipeline-parallel training step, for every schedule.
 
 Pure module: never imports torch. Each rank runs its compute actions strictly in the order
-``planner.core.schedules.action_order`` gives (the order torch's schedule executes), one at a time;
+``planner.core.step.schedules.action_order`` gives (the order torch's schedule executes), one at a time;
 a rank may hold several stages (interleaved, looped and V-shaped schedules).
 
 Timing model, per stage ``s`` and microbatch ``mb`` (S stages in all):
@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.core.heap import bulk_allocation
-from planner.core.schedules import Action, in_flight_per_stage, rank_orders
+from planner.core.step.schedules import Action, in_flight_per_stage, rank_orders
 from planner.errors import InfeasibleError
 
 
@@ -124,7 +124,7 @@ def simulate(
     Args:
         stages: per stage, stage 0 first, the seconds its actions occupy its rank, messages
             included (``StageTimes`` or an ``(F, B)`` pair).
-        schedule: one of ``planner.core.schedules.SCHEDULES``.
+        schedule: one of ``planner.core.step.schedules.SCHEDULES``.
         n_microbatches: microbatches per step.
         slots: how many ranks can compute at full speed at once: None (every rank has its own
             device) or, for CPU ranks sharing a machine, cores / threads per rank. With fewer

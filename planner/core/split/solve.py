@@ -8,7 +8,7 @@ True.
 steady-state throughput of GPipe and 1F1B alike, Narayanan et al. 2021 Eq. 1), as PipeDream and
 Alpa do, subject to a per-stage memory limit, and breaks ties deterministically (least total stage
 cost, then lexicographically smallest starts). It is the dynamic programme over (stage index, end
-block) of PipeDream, computed on candidate stages only (``planner.core.solve_engine.exact_partition``):
+block) of PipeDream, computed on candidate stages only (``planner.core.split.solve_engine.exact_partition``):
 
 * A stage ``[s, e)`` costs ``(pre[e] - pre[s]) + send_in[s] + send_out[e]`` (+ its recomputation),
   where a boundary's terms hold its messages both ways and the cold start of the block that waits
@@ -38,10 +38,10 @@ is still O(p n^2), vectorised (about a second at that size). When nothing fits, 
 smallest stage count that would, found by one reachability sweep from the last stage for all counts
 at once (``_FitSearch``).
 
-What a stage costs and holds is ``planner.core.stage_model``'s (shared with ``predict`` and the
-search); the vectorised programme over candidate stages is ``planner.core.solve_engine``'s (shared
-with the parameter-balanced baseline, ``planner.core.baselines``); the links per boundary are
-``planner.core.links``'.
+What a stage costs and holds is ``planner.core.split.stage_model``'s (shared with ``predict`` and the
+search); the vectorised programme over candidate stages is ``planner.core.split.solve_engine``'s (shared
+with the parameter-balanced baseline, ``planner.core.split.baselines``); the links per boundary are
+``planner.core.levers.links``'.
 """
 
 from __future__ import annotations
@@ -52,11 +52,10 @@ from typing import Any
 
 import numpy as np
 
-from planner.core.inputs import NO_CONSTRAINTS, Constraints, Layout, check_in_flight
-from planner.core.links import Links, boundary_crosses, boundary_links, default_link
-from planner.core.recompute import with_loss
-from planner.core.schedules import SPLIT_BACKWARD, in_flight_per_stage
-from planner.core.solve_engine import (
+from planner.core.layout.inputs import NO_CONSTRAINTS, Constraints, Layout, check_in_flight
+from planner.core.levers.links import Links, boundary_crosses, boundary_links, default_link
+from planner.core.levers.recompute import with_loss
+from planner.core.split.solve_engine import (
     AnyIntArray,
     BoolArray,
     IntArray,
@@ -69,7 +68,7 @@ from planner.core.solve_engine import (
     legal_starts,
     stage_bands,
 )
-from planner.core.stage_model import (
+from planner.core.split.stage_model import (
     Partition,
     ceil_div,
     evaluate,
@@ -79,7 +78,8 @@ from planner.core.stage_model import (
     stage_bounds,
     unsharded_bytes,
 )
-from planner.core.stage_sums import StepTempArrays, block_sums, block_times, message_rows
+from planner.core.split.stage_sums import StepTempArrays, block_sums, block_times, message_rows
+from planner.core.step.schedules import SPLIT_BACKWARD, in_flight_per_stage
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec, RecomputeMode
 
@@ -291,7 +291,7 @@ class _Arrays:
 
     def _saved(self, s: IntArray, e: IntArray, a_b: AnyIntArray) -> dict[str, tuple[AnyIntArray, AnyIntArray]]:
         """Per recompute mode, the stages' bytes per live microbatch and once, besides their output
-        (``planner.core.stage_model._recomputed`` on arrays)."""
+        (``planner.core.split.stage_model._recomputed`` on arrays)."""
         inputs = self.pre_in[e] - self.pre_in[s]
         kept = self.pre_kept[e] - self.pre_kept[s]
         held = self.pre_held[e] - self.pre_held[s]
@@ -616,7 +616,7 @@ def solve(
             the recomputation in backward). The choice is part of the exact search: each stage's cost is that of its
             first option that fits (``OPTIONS``).
         in_flight: peak live microbatches of each stage (one per stage), replacing the counts
-            the schedule gives (``planner.core.schedules.in_flight_per_stage``).
+            the schedule gives (``planner.core.step.schedules.in_flight_per_stage``).
 
     Returns:
         The optimal partition (with its per-stage recompute modes).

@@ -5,8 +5,8 @@ Its time per microbatch is its blocks' forward and backward, its recomputation, 
 the blocks that wait for a message, and one message per boundary per direction
 (``stage_time_parts``, ``stage_costs``); its memory is weights, gradients, optimizer state, receive
 buffers and the in-flight microbatches' activations (``stage_memory_bytes``). The exact solver
-(``planner.core.solve``), the baselines (``planner.core.baselines``), the prediction
-(``planner.core.predict``) and the search all cost stages here, so they agree to the last bit.
+(``planner.core.split.solve``), the baselines (``planner.core.split.baselines``), the prediction
+(``planner.core.step.predict``) and the search all cost stages here, so they agree to the last bit.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from planner.core.casts import shared_casts
-from planner.core.links import Links, boundary_crosses, boundary_links, default_link, links_around
-from planner.core.recompute import (
+from planner.core.levers.casts import shared_casts
+from planner.core.levers.links import Links, boundary_crosses, boundary_links, default_link, links_around
+from planner.core.levers.recompute import (
     RegionBytes,
     compact_flags,
     loss_temps,
@@ -30,7 +30,7 @@ from planner.core.recompute import (
     rerun_s,
     with_loss,
 )
-from planner.core.schedules import in_flight_per_stage
+from planner.core.step.schedules import in_flight_per_stage
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec, RecomputeMode, split_recompute
 
@@ -255,7 +255,7 @@ def stage_memory_bytes(
     planner.costs.backward_temps; unknown: 0), ``m`` = ``n_microbatches``
     (``PipelineStage`` allocates its receive buffers per microbatch, up front). ``in_flight`` is the
     stage's peak number of microbatches with forward done and backward pending under the schedule
-    (``planner.core.schedules.peak_in_flight``). Each term was checked against MemTracker's categories
+    (``planner.core.step.schedules.peak_in_flight``). Each term was checked against MemTracker's categories
     on CPU runs (docs/predict_vs_measured.md). ``T``, the step's temporaries, is measured when every
     block of the stage has ``opt_temp_bytes``: their maximum or their sum, by
     ``optimizer.step_temp_rule`` (a per-tensor optimizer holds one tensor's temporaries at a time, a
@@ -290,7 +290,7 @@ def stage_memory_bytes(
     In a bf16 (or fp16) plan FSDP gathers the parameters in that dtype and accumulates and reduces
     the gradients in fp32 (``planner.run.wrappers.fsdp_policy``): the unsharded bytes are ``2 P + 4 N``
     (``unsharded_bytes``), and ``A`` holds no weight copies of autocast's (the gathered weights are
-    already in its dtype: ``planner.core.casts.without_casts``, applied to the blocks of a sharded
+    already in its dtype: ``planner.core.levers.casts.without_casts``, applied to the blocks of a sharded
     layout).
 
     Sharded block by block (``stage_memory_parts`` with ``per_block``: every checkpoint unit its own ``fully_shard`` unit,
@@ -331,7 +331,7 @@ def stage_memory_bytes(
 
 class MemoryParts(NamedTuple):
     """A stage's memory as the terms of ``stage_memory_bytes``, so that a rank running several stages
-    can add them up (``planner.core.stage_plans.rank_memory_bytes``).
+    can add them up (``planner.core.split.stage_plans.rank_memory_bytes``).
 
     At ``t`` live microbatches the stage holds ``fixed + max(t * per_microbatch + once, step)``, less
     its gradients while it has run no backward yet and a stage unit's sharded share until its last
@@ -630,7 +630,7 @@ def stage_memories(
     Args:
         blocks: per-block costs in execution order.
         starts: first block of each stage.
-        schedule: one of ``planner.core.schedules.SCHEDULES`` with one stage per rank (its in-flight counts).
+        schedule: one of ``planner.core.step.schedules.SCHEDULES`` with one stage per rank (its in-flight counts).
         n_microbatches: microbatches per step.
         optimizer: the optimizer.
         recompute: per stage, its recompute mode (empty: none).

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel
 
-from planner.core.data_parallel import (
+from planner.core.layout.inputs import Layout
+from planner.core.levers.data_parallel import (
     allreduce_steps,
     block_fsdp_s,
     dp_group_links,
@@ -22,15 +23,14 @@ from planner.core.data_parallel import (
     replica_slots,
     stage_traffic,
 )
-from planner.core.inputs import Layout
-from planner.core.links import Links, NodeLinks, boundary_links
-from planner.core.recompute import compact_flags
-from planner.core.simulate import SimResult, StageTimes, Traffic, simulate, simulate_step
-from planner.core.stage_model import (
+from planner.core.levers.links import Links, NodeLinks, boundary_links
+from planner.core.levers.recompute import compact_flags
+from planner.core.split.stage_model import (
     cold_in,
     cold_out,
 )
-from planner.core.stage_plans import LaidOut, StageMemo, laid_out
+from planner.core.split.stage_plans import LaidOut, StageMemo, laid_out
+from planner.core.step.simulate import SimResult, StageTimes, Traffic, simulate, simulate_step
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 from planner.schema.plan import Plan, Prediction, ProfileInfo, StagePlan
@@ -50,7 +50,7 @@ def predict(
 
     Every figure is one replica's pipeline (the replicas run the same one on their own samples),
     plus, once per step after the pipeline, the reduction of each rank's gradients over its
-    replicas (``planner.core.data_parallel``); FSDP shards memory and the optimizer step. With
+    replicas (``planner.core.levers.data_parallel``); FSDP shards memory and the optimizer step. With
     ``layout.accumulation`` k > 1 passes the pipeline part is k times one pass's makespan (the
     bubble fraction is one pass's, the same every pass) and the memory one pass's; the reduction
     (FSDP's: once per pass), the clipping all-reduce and the optimizer step are added once.
@@ -59,7 +59,7 @@ def predict(
         blocks: per-block costs, in execution order.
         starts: first block of each stage (starts[0] == 0); ``layout.n_stages`` of them.
         link: cost of one message between neighbouring ranks, or per boundary (a ``NodeLinks`` is
-            placed with the schedule: ``planner.core.links.boundary_links``).
+            placed with the schedule: ``planner.core.levers.links.boundary_links``).
         layout: the schedule, pipeline ranks, microbatches per step, stages per rank (looped or V
             placement, as the schedule places them), replicas and their mode ("ddp", "fsdp" or
             "hsdp": sharded memory and optimizer step, each its own traffic).
@@ -67,7 +67,7 @@ def predict(
         recompute: per stage, its recompute mode (True: "stage"; empty: no stage recomputes).
         slots: ranks of all replicas that can compute at once (CPU ranks sharing cores: cores /
             threads per rank; each replica gets ``slots / dp``); None when each rank has its own
-            device. See ``planner.core.simulate.simulate``.
+            device. See ``planner.core.step.simulate.simulate``.
         memo: stages laid out before from the same inputs (``StageMemo``; None: none).
 
     Returns:
@@ -102,7 +102,7 @@ def timed(
     shared = replica_slots(slots, dp * layout.tp)
     one_pass_s, bubble = simulate_step(times, schedule, n_microbatches, shared, layout.stages_per_rank)
     # Each rank reduces its gradients over its replicas (DDP's all-reduce, FSDP's all-gather +
-    # reduce-scatter: planner.core.data_parallel). On devices, FSDP's stage units gather and
+    # reduce-scatter: planner.core.levers.data_parallel). On devices, FSDP's stage units gather and
     # reduce-scatter where torch runs them, inside the pass (simulate.Traffic): what they add is the
     # makespan's growth. Otherwise the reduction is charged after the pipeline as if not overlapped
     # with it (conservative: DDP's buckets do overlap the last backwards); the clipping norm needs
@@ -217,7 +217,7 @@ def _replica_traffic(
     instead (``overlap``: on devices; then the seconds are 0). DDP: an all-reduce once per step;
     FSDP with stage units: a gather and a reduce-scatter per stage every pass; FSDP block by block:
     every microbatch, mostly hidden; under HSDP inside each shard group, followed by the all-reduce of
-    the shards over the groups (``planner.core.data_parallel``)."""
+    the shards over the groups (``planner.core.levers.data_parallel``)."""
     p, dp, m = layout.pp, layout.dp, layout.n_microbatches
     if layout.dp_mode != "hsdp" or dp == 1:
         dp_links = dp_group_links(link, p, dp)

@@ -11,7 +11,7 @@ run's measurements (``planner.schema.result.StageMeasure``):
    times the optimizer per rank). A run without per-block times (a compiled plan, an older run)
    gives each block its stage's factors. Per stage the factors are kept too (``stages``).
 2. Link: with the compute corrected, the unknown left in the step model
-   (``planner.core.predict.predict``: the simulated schedule makespan + gradient passes +
+   (``planner.core.step.predict.predict``: the simulated schedule makespan + gradient passes +
    optimizer + clip all-reduce) is the fixed cost per message, which also takes in the runtime's
    bookkeeping around each action. The simulated step time is continuous and non-decreasing in
    ``latency_s`` (every action duration is, and a makespan is a max of sums of them), so the
@@ -33,8 +33,8 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.core.data_parallel import check_run_replicas
-from planner.core.predict import block_times_in_stages, predict_plan
+from planner.core.levers.data_parallel import check_run_replicas
+from planner.core.step.predict import block_times_in_stages, predict_plan
 from planner.errors import PlanFileError
 from planner.schema.costs import BlockCost, LinkCost
 from planner.schema.jsonfile import parse_versioned, write_atomic

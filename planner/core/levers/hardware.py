@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.core.links import NodeLinks
+from planner.core.levers.links import NodeLinks
 from planner.errors import PlannerError
 from planner.schema.costs import LinkCost
 
@@ -506,7 +506,7 @@ def node_links(hw: HardwareSpec, n_ranks: int, gpus_per_node: int) -> LinkCost:
         gpus_per_node: devices per node (rank r on node r // gpus_per_node).
 
     Returns:
-        A ``planner.core.links.NodeLinks``: the intra-node link, and the inter-node one for the
+        A ``planner.core.levers.links.NodeLinks``: the intra-node link, and the inter-node one for the
         boundaries between nodes (the solver and ``predict`` place them per schedule).
     """
 

@@ -5,7 +5,7 @@ Pure module (no torch). A stage checkpoints its activations in one of the modes 
 whole stage as one region), or on only its first k regions (``"full:k"``, ``"selective:k"``:
 ``planner.schema.costs.split_recompute``). Here: the regions (``checkpoint_units``), the seconds a
 mode re-runs in backward (``rerun_s``) and the bytes it keeps per region (``region_bytes``, and per
-count of recomputed regions ``prefix_bytes``). ``planner.core.stage_model`` turns these into a
+count of recomputed regions ``prefix_bytes``). ``planner.core.split.stage_model`` turns these into a
 stage's time and memory; the runner (``planner.run.stages``) builds the same regions.
 """
 

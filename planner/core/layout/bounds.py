@@ -1,6 +1,6 @@
 """Lower bounds on a layout's step time and per-rank memory, over every split: what the search prunes with.
 
-Pure module: never imports torch. The joint search (``planner.core.search``) evaluates layouts in
+Pure module: never imports torch. The joint search (``planner.core.layout.search``) evaluates layouts in
 ascending order of ``step_floor`` and stops once the next floor is slower than the fastest layout
 that fits; it skips, without solving, a layout whose ``memory_floor`` is over the limit. Both are
 computed from the blocks' costs alone, in one pass, so tens of thousands of layouts cost nothing next
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.core.inputs import Layout
-from planner.core.schedules import SPLIT_BACKWARD
+from planner.core.layout.inputs import Layout
+from planner.core.step.schedules import SPLIT_BACKWARD
 from planner.schema.costs import BlockCost, OptimizerSpec
 
 

@@ -13,7 +13,7 @@ from functools import lru_cache
 
 from pydantic import Field
 
-from planner.core.schedules import placement, stage_ranks
+from planner.core.step.schedules import placement, stage_ranks
 from planner.errors import InfeasibleError
 from planner.schema.costs import LinkCost
 
@@ -24,7 +24,7 @@ class NodeLinks(LinkCost):
 
     Ranks are placed on nodes consecutively (global rank g on node ``g // gpus_per_node``, as
     torchrun numbers them); stage i runs on the rank its schedule places it on
-    (``planner.core.schedules.stage_ranks``), and the boundary between stages i and i + 1 uses
+    (``planner.core.step.schedules.stage_ranks``), and the boundary between stages i and i + 1 uses
     ``inter`` when their ranks are on different nodes (the looped wrap from the last rank back to
     rank 0 included). With ``replicas`` data-parallel copies of the pipeline, replica k's pipeline
     rank r is global rank ``(k * n_ranks + r) * tp`` (``planner.schema.plan.Plan``): a boundary uses
@@ -102,7 +102,7 @@ def boundary_crosses(n_stages: int, schedule: str | None = None, stages_per_rank
 
     A boundary inside one rank (the turn of a V, where stages p - 1 and p share rank p - 1, or every
     boundary when one rank runs all the stages) sends nothing over a link, and its receiver waits
-    for nothing, so no message and no cold start are charged there; ``planner.core.predict`` places
+    for nothing, so no message and no cold start are charged there; ``planner.core.step.predict`` places
     the stages the same way (``stage_ranks``).
 
     Args:

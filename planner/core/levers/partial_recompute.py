@@ -1,6 +1,6 @@
 """How many of a stage's blocks recompute under ``--recompute auto``: the fewest that still fit.
 
-Pure module: never imports torch. The solver (``planner.core.solve``) picks each stage's mode among
+Pure module: never imports torch. The solver (``planner.core.split.solve``) picks each stage's mode among
 whole-stage options (never, selective, full, stage: the first that fits). A stage that must
 recompute rarely needs every block to: Megatron-LM's ``--recompute-method block
 --recompute-num-layers k`` checkpoints only the first k layers of each pipeline stage, the rest
@@ -11,7 +11,7 @@ and the other of the two, on only the stage's first k checkpoint regions (``"ful
 per-stage memory limit.
 
 The memory of such a stage for every k comes from one pass over its regions
-(``planner.core.stage_model.prefix_memory_parts``); its recomputation time only grows with k, so
+(``planner.core.split.stage_model.prefix_memory_parts``); its recomputation time only grows with k, so
 within a mode the least k that fits is the fastest, and the scan is exact.
 
 Because the split itself was chosen with whole-stage modes, the result is at least as fast as the
@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from planner.core.inputs import Constraints, Layout
-from planner.core.links import Links
-from planner.core.recompute import partial_mode, rerun_s
-from planner.core.solve import policy_options
-from planner.core.stage_model import Partition, evaluate, prefix_memory_parts, stage_bounds
+from planner.core.layout.inputs import Constraints, Layout
+from planner.core.levers.links import Links
+from planner.core.levers.recompute import partial_mode, rerun_s
+from planner.core.split.solve import policy_options
+from planner.core.split.stage_model import Partition, evaluate, prefix_memory_parts, stage_bounds
 from planner.schema.costs import PARTIAL_MODES, BlockCost, RecomputeMode
 
 

@@ -1,12 +1,12 @@
-"""The vectorised engine of the exact partition search (``planner.core.solve`` describes the method).
+"""The vectorised engine of the exact partition search (``planner.core.split.solve`` describes the method).
 
 Pure module (numpy, no torch). Candidate stages ``[s, e)`` are held as arrays (``Stages``) with
 their cost per link variant and their memory thresholds on the live-microbatch count; ``stage_bands``
 and ``banded_pairs`` list only the stages some stage index can hold under a cost cap, and
 ``exact_partition`` runs the dynamic programme over (stage index, end block) on them: the least
 bottleneck first, then the least total cost among the splits within ``REL_EPS`` of it, then the
-lexicographically first (or last) starts. ``planner.core.solve`` builds the candidates from block
-costs and memory; ``planner.core.baselines`` from parameter counts.
+lexicographically first (or last) starts. ``planner.core.split.solve`` builds the candidates from block
+costs and memory; ``planner.core.split.baselines`` from parameter counts.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 data-parallel mode that may still be open (``evaluate_modes``), on block costs rescaled to the
 layout's microbatch size (``blocks_at``).
 
-Pure module: never imports torch. ``planner.core.search`` enumerates the layouts, bounds and ranks
+Pure module: never imports torch. ``planner.core.layout.search`` enumerates the layouts, bounds and ranks
 them; this module evaluates one.
 """
 
@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from planner.core.casts import compiled_casts, without_casts
-from planner.core.data_parallel import as_gathered, layout_links
-from planner.core.inputs import Cluster, Constraints, Layout
-from planner.core.predict import predict
-from planner.core.rank_fit import rank_split
-from planner.core.schedules import SPLIT_BACKWARD, check_schedule
-from planner.core.stage_model import Partition
-from planner.core.stage_plans import StageMemo
+from planner.core.layout.inputs import Cluster, Constraints, Layout
+from planner.core.layout.rank_fit import rank_split
+from planner.core.levers.casts import compiled_casts, without_casts
+from planner.core.levers.data_parallel import as_gathered, layout_links
+from planner.core.split.stage_model import Partition
+from planner.core.split.stage_plans import StageMemo
+from planner.core.step.predict import predict
+from planner.core.step.schedules import SPLIT_BACKWARD, check_schedule
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, SequenceShare, TensorParallelShare
 from planner.schema.plan import Candidate, Prediction, StagePlan
@@ -141,7 +141,7 @@ def evaluate_choice(
     """Solve (unless ``split`` is given) and predict one layout.
 
     The solver gets each stage's in-flight count from its place in the schedule and, with several
-    stages per rank, a per-stage cap on memory (``planner.core.rank_fit.rank_split``: the share ``limit / v``, under which
+    stages per rank, a per-stage cap on memory (``planner.core.layout.rank_fit.rank_split``: the share ``limit / v``, under which
     a rank's stages together fit, and where that fails or makes "auto" recompute, larger caps whose splits the
     predicted rank peak still fits); the prediction's per-rank peak decides ``fits``. ``blocks`` are
     costed at the layout's microbatch size; its ``dp`` replicas reduce gradients by its ``dp_mode``
@@ -154,7 +154,7 @@ def evaluate_choice(
         constraints: the optimizer, the per-rank memory limit and the recompute policy.
         split: a split to predict as it is (None: the solver's).
         memo: with ``split``, the stages of earlier splits of this layout and these blocks, reused
-            and added to (``planner.core.stage_plans.StageMemo``; None: none).
+            and added to (``planner.core.split.stage_plans.StageMemo``; None: none).
 
     Returns:
         The evaluated layout.

@@ -1,6 +1,6 @@
 """Block-range sums for the exact solver's memory model: any stage's terms in O(1).
 
-Pure module (numpy only). ``stage_memory_parts`` (``planner.core.stage_model``) sums a stage's
+Pure module (numpy only). ``stage_memory_parts`` (``planner.core.split.stage_model``) sums a stage's
 blocks one by one; the solver asks the same of every candidate stage, so it precomputes prefix sums
 and range maxima (sparse tables) once per request: the measured optimizer-step temporaries
 (``StepTemps``; on arrays ``StepTempArrays``) and the checkpoint regions (``RegionSums``), each
@@ -15,9 +15,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from planner.core.recompute import full_rerun_cost, kept_bytes, loss_held, loss_temps, selective_cost, temp_bytes
-from planner.core.solve_engine import AnyIntArray, IntArray
-from planner.core.stage_model import Regions, StageSums, boundary_message_s, cold_in, cold_out
+from planner.core.levers.recompute import full_rerun_cost, kept_bytes, loss_held, loss_temps, selective_cost, temp_bytes
+from planner.core.split.solve_engine import AnyIntArray, IntArray
+from planner.core.split.stage_model import Regions, StageSums, boundary_message_s, cold_in, cold_out
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 
 
@@ -279,7 +279,7 @@ def _block_sums(blocks: Sequence[BlockCost], optimizer: OptimizerSpec) -> BlockS
 @dataclass(frozen=True)
 class BlockTimes:
     """Prefix sums of the blocks' seconds, in block order as a stage-by-stage evaluation adds them
-    (the exact solver's time model, ``planner.core.solve``), a function of the blocks only."""
+    (the exact solver's time model, ``planner.core.split.solve``), a function of the blocks only."""
 
     pre: list[float]  # forward + backward
     pre_r: list[float]  # full checkpointing's extra backward (a block ending no legal cut re-runs in full)

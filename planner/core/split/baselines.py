@@ -2,7 +2,7 @@
 
 Pure module (numpy, no torch). ``uniform_layers`` is torchtitan's and Megatron's default (equal
 layer counts per stage), ``param_balanced`` DeepSpeed's ``partition_method="parameters"``; each is
-costed by ``planner.core.stage_model.evaluate``, so the report can set them beside the plan.
+costed by ``planner.core.split.stage_model.evaluate``, so the report can set them beside the plan.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from planner.core.solve_engine import (
+from planner.core.split.solve_engine import (
     BoolArray,
     FloatArray,
     IntArray,
@@ -24,7 +24,7 @@ from planner.core.solve_engine import (
     legal_starts,
     stage_bands,
 )
-from planner.core.stage_model import Partition, evaluate
+from planner.core.split.stage_model import Partition, evaluate
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost
 

@@ -19,7 +19,7 @@ import json
 import re
 from collections.abc import Sequence
 
-from planner.core.solve_engine import legal_starts
+from planner.core.split.solve_engine import legal_starts
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost
 

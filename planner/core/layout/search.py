@@ -33,15 +33,15 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from planner.core.bounds import BlockTotals, block_totals, floors
-from planner.core.candidate import Choice, blocks_at, evaluate_choice, evaluate_modes
-from planner.core.data_parallel import hsdp_shard, tp_link
-from planner.core.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
-from planner.core.links import NodeLinks
-from planner.core.schedules import SPLIT_BACKWARD, stages_per_rank_options
-from planner.core.stage_model import Partition
-from planner.core.stage_plans import StageMemo
-from planner.core.tensor_parallel import at_degree
+from planner.core.layout.bounds import BlockTotals, block_totals, floors
+from planner.core.layout.candidate import Choice, blocks_at, evaluate_choice, evaluate_modes
+from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
+from planner.core.levers.data_parallel import hsdp_shard, tp_link
+from planner.core.levers.links import NodeLinks
+from planner.core.levers.tensor_parallel import at_degree
+from planner.core.split.stage_model import Partition
+from planner.core.split.stage_plans import StageMemo
+from planner.core.step.schedules import SPLIT_BACKWARD, stages_per_rank_options
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost
 from planner.schema.request import SCHEDULES, divisors
@@ -68,7 +68,7 @@ def microbatch_options(batch_size: int, fixed: int | None, min_size: int = 1) ->
     """The microbatch counts the search tries: ``fixed`` alone, or every divisor of the batch whose
     microbatches hold at least ``min_size`` samples (the smallest the model ran when profiled), down
     to microbatches of one sample. The search's bounds prune the counts that cannot win
-    (``planner.core.search``'s module docstring)."""
+    (``planner.core.layout.search``'s module docstring)."""
     if fixed is not None:
         return [fixed]
     return [d for d in divisors(batch_size) if batch_size // d >= min_size]
