@@ -52,7 +52,7 @@ def big_head_blocks() -> list[BlockCost]:
     )
 
 
-def make_plan(
+def plan_of_blocks(
     blocks: list[BlockCost],
     n_stages: int = 2,
     schedule: str = "1f1b",

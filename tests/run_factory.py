@@ -5,7 +5,7 @@ The runner only reads the stage ranges, the model reference and the run settings
 and predictions are plausible made-up numbers. The fingerprint and block names come from tracing
 the model exactly as the planner does.
 
-The run reports need no torch (run.json is pure data), so torch is imported only by ``make_plan``:
+The run reports need no torch (run.json is pure data), so torch is imported only by ``plan_with_starts``:
 the pure tests (compare, calibrate, fuzz) build their reports here without it.
 """
 
@@ -38,7 +38,7 @@ TOY_FULL_WIDTH = (
 )
 
 
-def make_plan(
+def plan_with_starts(
     model_path: Path,
     starts: list[int],
     *,

@@ -22,7 +22,7 @@ from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost
 from planner.schema.plan import Plan
 from planner.schema.request import PlanRequest
-from tests.plan_factory import ADAMW, LINK, block, make_plan
+from tests.plan_factory import ADAMW, LINK, block, plan_of_blocks
 
 BLOCKS = [block("embed", 1, 2, 1000, layer=False)] + [block(f"layers.{i}", 10, 20, 5000) for i in range(4)]
 
@@ -96,7 +96,7 @@ def test_plan_records_the_passes_and_its_microbatch_size() -> None:
     from planner.core.assemble import Origin, assemble_plan
 
     blocks = big_cut_blocks()  # costs of microbatches of 2 samples
-    base = make_plan(blocks, n_stages=2, m=4)
+    base = plan_of_blocks(blocks, n_stages=2, m=4)
     origin = Origin(base.model, base.profile.model_copy(update={"microbatch_size": 2}), base.created)
 
     def planned(m: int, k: int) -> Plan:

@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from run_factory import MODELS, assert_close, make_plan, saved  # noqa: E402
+from run_factory import MODELS, assert_close, plan_with_starts, saved  # noqa: E402
 
 from planner.run import run_plan, train_reference  # noqa: E402
 from planner.schema.request import RunRequest  # noqa: E402
@@ -19,7 +19,7 @@ from planner.schema.request import RunRequest  # noqa: E402
 @pytest.mark.multiprocess
 def test_two_passes_train_as_the_unsplit_model(tmp_path: Path) -> None:
     clip = 0.5
-    plan = make_plan(
+    plan = plan_with_starts(
         MODELS / "gpt.py", [0, 3], schedule="1f1b", batch_size=8, n_microbatches=2, accumulation=2,
         optimizer="sgd", lr=0.5, grad_clip=clip,
     )  # fmt: skip

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from plan_factory import LINK, big_head_blocks, make_plan, predicted
+from plan_factory import LINK, big_head_blocks, plan_of_blocks, predicted
 from run_factory import plan_stage_reports, run_report
 
 from planner.core.step.calibrate import Calibration, apply_calibration, calibrate, changes, load_calibration
@@ -37,7 +37,7 @@ def repredict(plan: Plan, cal: Calibration, starts: tuple[int, ...] | None = Non
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_uniformly_slower_run_gives_its_factor_and_reproduces_the_step(schedule: str) -> None:
-    plan = make_plan(blocks_with_opt(), schedule=schedule)
+    plan = plan_of_blocks(blocks_with_opt(), schedule=schedule)
     measured = 1.2 * plan.prediction.step_time_s
     cal = calibrate(plan, synthetic_run(plan, 1.2, measured))
     for s in cal.stages:
@@ -50,7 +50,7 @@ def test_uniformly_slower_run_gives_its_factor_and_reproduces_the_step(schedule:
 
 
 def test_latency_fit_recovers_a_known_latency() -> None:
-    plan = make_plan(blocks_with_opt())
+    plan = plan_of_blocks(blocks_with_opt())
     assert plan.link.latency_s == 0.0
     true_link = LINK.model_copy(update={"latency_s": 0.7e-3})
     starts = tuple(s.start for s in plan.stages)
@@ -64,7 +64,7 @@ def test_latency_fit_recovers_a_known_latency() -> None:
 
 
 def test_run_faster_than_compute_alone_fits_a_global_factor() -> None:
-    plan = make_plan(blocks_with_opt())
+    plan = plan_of_blocks(blocks_with_opt())
     measured = 0.5 * plan.prediction.step_time_s  # below what the compute alone predicts
     cal = calibrate(plan, synthetic_run(plan, 1.0, measured))
     assert cal.latency_s == 0.0
@@ -73,7 +73,7 @@ def test_run_faster_than_compute_alone_fits_a_global_factor() -> None:
 
 
 def test_block_factors_follow_the_blocks_into_a_new_split() -> None:
-    plan = make_plan(blocks_with_opt())  # stages: embed..layers.2 | layers.3..output
+    plan = plan_of_blocks(blocks_with_opt())  # stages: embed..layers.2 | layers.3..output
     run = synthetic_run(plan, 1.0, plan.prediction.step_time_s)
     slow_head = run.stages[1].model_copy(update={"fwd_s": 2 * run.stages[1].fwd_s, "bwd_s": 3 * run.stages[1].bwd_s})
     cal = calibrate(plan, run.model_copy(update={"stages": [run.stages[0], slow_head]}))
@@ -94,7 +94,7 @@ def test_block_factors_follow_the_blocks_into_a_new_split() -> None:
 
 
 def test_calibration_round_trips_and_refuses_other_blocks(tmp_path: Path) -> None:
-    plan = make_plan(blocks_with_opt())
+    plan = plan_of_blocks(blocks_with_opt())
     cal = calibrate(plan, synthetic_run(plan, 1.2, 1.2 * plan.prediction.step_time_s))
     assert Calibration.from_json(cal.to_json()) == cal
     cal.save(tmp_path / "cal.json")
@@ -112,7 +112,7 @@ def test_calibration_round_trips_and_refuses_other_blocks(tmp_path: Path) -> Non
 
 
 def test_load_calibration_finds_the_plan_next_to_the_run(tmp_path: Path) -> None:
-    plan = make_plan(blocks_with_opt())
+    plan = plan_of_blocks(blocks_with_opt())
     plan.save(tmp_path / "p.json")
     run = synthetic_run(plan, 1.2, 1.2 * plan.prediction.step_time_s)
     run.save(tmp_path / "p.run.json")
@@ -154,7 +154,7 @@ def test_one_run_of_one_split_predicts_every_other_split_exactly(seed: int, cold
     base = blocks_with_opt()
     if cold:
         base = [b.model_copy(update={"fwd_cold_s": 0.3 * b.fwd_s, "bwd_cold_s": 0.2 * b.bwd_s}) for b in base]
-    plan = make_plan(base)
+    plan = plan_of_blocks(base)
     n = len(plan.blocks)
     factor_f = [rnd.uniform(0.6, 1.6) for _ in plan.blocks]
     factor_b = [rnd.uniform(0.6, 1.6) for _ in plan.blocks]
@@ -190,7 +190,7 @@ def test_one_run_of_one_split_predicts_every_other_split_exactly(seed: int, cold
 
 
 def test_a_run_without_block_times_gives_each_block_its_stage_factors() -> None:
-    plan = make_plan(blocks_with_opt())
+    plan = plan_of_blocks(blocks_with_opt())
     cal = calibrate(plan, synthetic_run(plan, 1.3, 1.3 * plan.prediction.step_time_s))
     assert [b.name for b in cal.blocks] == [b.name for b in plan.blocks]
     assert not any(b.measured_in_block for b in cal.blocks)
@@ -202,7 +202,7 @@ def test_a_calibration_from_or_for_tensor_parallelism_is_refused(tmp_path: Path)
     from planner.api import make_plan as plan_model
     from planner.schema.request import PlanRequest
 
-    plan = make_plan(blocks_with_opt())
+    plan = plan_of_blocks(blocks_with_opt())
     tp_plan = plan.model_copy(update={"tp": 2, "tp_plan": {"layers.*.w1": "colwise"}})
     tp_plan.save(tmp_path / "p.json")
     synthetic_run(tp_plan, 1.0, plan.prediction.step_time_s).save(tmp_path / "p.run.json")

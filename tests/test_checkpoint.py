@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from run_factory import MODELS, assert_close, assert_resumes_under, make_plan, saved  # noqa: E402
+from run_factory import MODELS, assert_close, assert_resumes_under, plan_with_starts, saved  # noqa: E402
 
 from planner.capture.load import load_model_file  # noqa: E402
 from planner.errors import DataError, PlannerError  # noqa: E402
@@ -128,7 +128,7 @@ def test_learning_rate_schedule_factors() -> None:
 
 
 def test_resume_without_a_checkpoint_is_one_line(tmp_path: Path) -> None:
-    plan = make_plan(FIXTURES / "dies_at.py", [0, 3], schedule="1f1b", n_microbatches=2)
+    plan = plan_with_starts(FIXTURES / "dies_at.py", [0, 3], schedule="1f1b", n_microbatches=2)
     path = saved(plan, tmp_path)
     with pytest.raises(PlannerError, match="--resume: no complete checkpoint in .*plan.ckpt"):
         run_plan(plan, RunRequest(plan_file=path, steps=2, resume=True, echo=False))
@@ -138,7 +138,7 @@ def test_resume_without_a_checkpoint_is_one_line(tmp_path: Path) -> None:
 def test_a_run_resumed_after_a_killed_rank_gives_the_uninterrupted_losses(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    plan = make_plan(FIXTURES / "dies_at.py", [0, 3], schedule="1f1b", n_microbatches=2)
+    plan = plan_with_starts(FIXTURES / "dies_at.py", [0, 3], schedule="1f1b", n_microbatches=2)
     path = saved(plan, tmp_path)
     whole = run_plan(plan, RunRequest(plan_file=path, steps=6, checkpoint_dir=tmp_path / "whole", echo=False))
 
@@ -159,7 +159,7 @@ def test_a_run_resumed_after_a_killed_rank_gives_the_uninterrupted_losses(
 
 @pytest.mark.multiprocess
 def test_final_weights_load_into_the_unsplit_model(tmp_path: Path) -> None:
-    plan = make_plan(FIXTURES / "dies_at.py", [0, 3], schedule="gpipe", n_microbatches=2)
+    plan = plan_with_starts(FIXTURES / "dies_at.py", [0, 3], schedule="gpipe", n_microbatches=2)
     path = saved(plan, tmp_path)
     run = run_plan(plan, RunRequest(plan_file=path, steps=4, checkpoint_every=3, echo=False))
     out = tmp_path / "model.pt"
@@ -197,7 +197,7 @@ def test_two_replicas_match_one_process_on_the_full_batch(
     tmp_path: Path, model: Path, starts: list[int], schedule: str, dp_mode: str
 ) -> None:
     v = 2 if schedule == "zbv" else len(starts) if schedule == "interleaved-1f1b" else 1
-    plan = make_plan(
+    plan = plan_with_starts(
         model, starts, schedule=schedule, batch_size=8, n_microbatches=2, dp=2, dp_mode=dp_mode, stages_per_rank=v
     )
     path = saved(plan, tmp_path)
@@ -211,7 +211,7 @@ def test_two_replicas_match_one_process_on_the_full_batch(
 
 @pytest.mark.multiprocess
 def test_data_run_evaluates_and_resumes_where_it_stopped(tmp_path: Path) -> None:
-    plan = make_plan(MODELS / "shakespeare.py", [0, 3], schedule="1f1b", batch_size=4, n_microbatches=2)
+    plan = plan_with_starts(MODELS / "shakespeare.py", [0, 3], schedule="1f1b", batch_size=4, n_microbatches=2)
     path = saved(plan, tmp_path)
     common = dict(plan_file=path, tokenizer="char", eval_every=2, eval_batches=2, eval_fraction=0.2, echo=False)
     data = MODELS / "data" / "shakespeare.txt"
@@ -229,7 +229,7 @@ def test_data_run_evaluates_and_resumes_where_it_stopped(tmp_path: Path) -> None
 
 def test_a_data_run_its_checks_refuse_leaves_nothing_behind(tmp_path: Path) -> None:
     # One stage, so the run that passes its checks trains in this process.
-    plan = make_plan(MODELS / "shakespeare.py", [0], batch_size=4, n_microbatches=2)
+    plan = plan_with_starts(MODELS / "shakespeare.py", [0], batch_size=4, n_microbatches=2)
     path = saved(plan, tmp_path)
     folder = tmp_path / "ckpt"
     short = tmp_path / "short.txt"
@@ -246,7 +246,7 @@ def test_a_data_run_its_checks_refuse_leaves_nothing_behind(tmp_path: Path) -> N
 
 
 def test_fsdp_under_a_split_backward_schedule_is_refused_before_launch(tmp_path: Path) -> None:
-    plan = make_plan(
+    plan = plan_with_starts(
         MODELS / "gpt.py", [0, 2, 4, 5], schedule="zbv", n_microbatches=2, dp=2, dp_mode="fsdp", stages_per_rank=2
     )
     with pytest.raises(PlannerError, match="FSDP under --schedule zbv"):
@@ -255,7 +255,7 @@ def test_fsdp_under_a_split_backward_schedule_is_refused_before_launch(tmp_path:
 
 @pytest.mark.multiprocess
 def test_autocast_and_compiled_stages_match_the_unsplit_model_under_the_same_levers(tmp_path: Path) -> None:
-    plan = make_plan(FIXTURES / "dies_at.py", [0, 3], schedule="1f1b", n_microbatches=2)
+    plan = plan_with_starts(FIXTURES / "dies_at.py", [0, 3], schedule="1f1b", n_microbatches=2)
     plan = plan.model_copy(update={"profile": plan.profile.model_copy(update={"autocast": "bf16"}), "compile": True})
     path = saved(plan, tmp_path)
     got = run_plan(plan, RunRequest(plan_file=path, steps=3, save_checkpoints=False, echo=False))
@@ -272,7 +272,7 @@ def test_a_checkpointing_plan_resumes_under_another_recompute_mode(tmp_path: Pat
     # Checkpoint regions change how a stage runs, not its state: the checkpoint of a run whose stages
     # recompute (full, selective) resumes under a plan that recomputes nothing, to the losses of an
     # uninterrupted run of that plan.
-    plain = make_plan(MODELS / "gpt.py", [0, 3], schedule="1f1b", n_microbatches=2, optimizer="sgd", lr=0.5)
+    plain = plan_with_starts(MODELS / "gpt.py", [0, 3], schedule="1f1b", n_microbatches=2, optimizer="sgd", lr=0.5)
     modes = {0: "full", 1: "selective"}
     stages = [s.model_copy(update={"recompute": modes[s.index]}) for s in plain.stages]
     recomputing = plain.model_copy(update={"stages": stages})

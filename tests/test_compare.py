@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from plan_factory import MB, big_head_blocks, make_plan
+from plan_factory import MB, big_head_blocks, plan_of_blocks
 from run_factory import run_report, stage_report
 
 from planner.errors import PlanFileError
@@ -47,7 +47,7 @@ step  522.00     580.00    -10.0%"""
 
 
 def test_compare_table_exact() -> None:
-    plan = make_plan(big_head_blocks())
+    plan = plan_of_blocks(big_head_blocks())
     # fwd: 31 planned vs 24.8 measured = +25%; 35 vs 50 = -30%; bwd 70 vs 87.5 = -20%.
     run = make_run(plan, [stage_measure(plan, 0, 24.8, 61, 2, None), stage_measure(plan, 1, 50, 87.5, 0, 6)], 580)
     assert plan.prediction.step_time_s == pytest.approx(0.522)
@@ -55,8 +55,8 @@ def test_compare_table_exact() -> None:
 
 
 def test_run_of_another_split_is_refused() -> None:
-    plan = make_plan(big_head_blocks())
-    uniform = make_plan(big_head_blocks(), method="uniform")
+    plan = plan_of_blocks(big_head_blocks())
+    uniform = plan_of_blocks(big_head_blocks(), method="uniform")
     run = make_run(uniform, [stage_measure(uniform, i, 1, 1, 1, 1) for i in range(2)], 580)
     with pytest.raises(
         PlanFileError, match=r"stage 0 of the run covers embed \.\. layers\.1, the plan's covers embed \.\. layers\.2"
@@ -71,7 +71,7 @@ def test_run_of_another_split_is_refused() -> None:
 
 def test_compare_blocks_table_exact() -> None:
     """Every block's profiled time beside its time inside the pipeline, and the time outside the blocks."""
-    plan = make_plan(big_head_blocks())  # blocks embed 1/1 ms, layers.0-3 10/20 ms, output 25/50 ms
+    plan = plan_of_blocks(big_head_blocks())  # blocks embed 1/1 ms, layers.0-3 10/20 ms, output 25/50 ms
     run = make_run(plan, [stage_measure(plan, 0, 35, 65, 0, None), stage_measure(plan, 1, 36, 72, 0, None)], 580)
     timed = [
         [BlockMeasure(name="embed", fwd_s=0.002, bwd_s=0.001)]

@@ -208,7 +208,7 @@ def _striking(d: Path, signame: str, name: str) -> None:
         1,
     )
     (d / f"{name}.py").write_text(text)
-    _make_plan(d, d / f"{name}.py", f"{name}.json", "--gpus", "2", "--schedule", "gpipe", "--method", "uniform")
+    _write_plan(d, d / f"{name}.py", f"{name}.json", "--gpus", "2", "--schedule", "gpipe", "--method", "uniform")
 
 
 M = "{d}/model.py"
@@ -801,7 +801,7 @@ CASES: list[Case] = [
 ]
 
 
-def _make_plan(d: Path, model: Path, out: str, *args: str) -> None:
+def _write_plan(d: Path, model: Path, out: str, *args: str) -> None:
     result = CliRunner().invoke(main, ["plan", str(model), "-b", "8", *FAST, "-o", str(d / out), *args])
     assert result.exit_code == 0, result.output
 
@@ -812,23 +812,23 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("errors")
     model = _toy(d)
     # equal layer counts: a 2+1 split whatever the timings, so the messages below never change
-    _make_plan(d, model, "plan.json", "--gpus", "2", "--schedule", "gpipe", "--method", "uniform")
-    _make_plan(d, model, "three.json", "--gpus", "3", "--schedule", "gpipe")
-    _make_plan(d, model, "one.json", "--gpus", "1")
+    _write_plan(d, model, "plan.json", "--gpus", "2", "--schedule", "gpipe", "--method", "uniform")
+    _write_plan(d, model, "three.json", "--gpus", "3", "--schedule", "gpipe")
+    _write_plan(d, model, "one.json", "--gpus", "1")
     result = CliRunner().invoke(main, ["run", str(d / "one.json"), "--steps", "2"])
     assert result.exit_code == 0, result.output
     gone = _toy(d, "gone.py")
-    _make_plan(d, gone, "gone.json", "--gpus", "1")
+    _write_plan(d, gone, "gone.json", "--gpus", "1")
     gone.unlink()
     ends = _toy(d, "ends.py", "    while True:\n", "    for _ in range(1):\n")
-    _make_plan(d, ends, "ends.json", "--gpus", "1")
+    _write_plan(d, ends, "ends.json", "--gpus", "1")
     nan = _toy(
         d,
         "nan.py",
         "        yield (x,), y\n",
         "        yield (x,), y\n        x = x * float('nan')\n        yield (x,), y\n",
     )
-    _make_plan(d, nan, "nan.json", "--gpus", "1")
+    _write_plan(d, nan, "nan.json", "--gpus", "1")
     return d
 
 

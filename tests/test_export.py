@@ -28,7 +28,7 @@ from planner.report.export import (
     torchtitan_fqns,
 )
 from planner.schema.plan import Plan
-from tests.run_factory import MODELS, REL, ROOT, make_plan
+from tests.run_factory import MODELS, REL, ROOT, plan_with_starts
 
 LLAMA = MODELS / "llama.py"
 EXAMPLE = ROOT / "examples" / "train_with_plan.py"
@@ -37,7 +37,9 @@ FIXTURE = ROOT / "tests" / "fixtures" / "interop_run.py"
 
 
 def _interleaved(starts: list[int]) -> Plan:
-    return make_plan(LLAMA, starts, schedule="interleaved-1f1b", stages_per_rank=2, batch_size=8, n_microbatches=4)
+    return plan_with_starts(
+        LLAMA, starts, schedule="interleaved-1f1b", stages_per_rank=2, batch_size=8, n_microbatches=4
+    )
 
 
 def test_torchtitan_gets_each_stages_modules_in_stage_order() -> None:
@@ -58,7 +60,7 @@ def test_torchtitan_gets_each_stages_modules_in_stage_order() -> None:
 
 
 def test_a_name_torchtitan_cannot_keep_is_named_with_the_rename_that_fixes_it() -> None:
-    plan = make_plan(EXAMPLE, [0, 4], schedule="1f1b", batch_size=8, n_microbatches=2)
+    plan = plan_with_starts(EXAMPLE, [0, 4], schedule="1f1b", batch_size=8, n_microbatches=2)
     with pytest.raises(ExportError, match=r"block 'model.embed' \(stage 0\).*--rename model.embed=embed$"):
         torchtitan_fqns(plan, {"embed": "model.embed"})
     with pytest.raises(ExportError, match=r"'model.layers.0'.*--rename model.layers=layers$"):
@@ -73,7 +75,7 @@ def test_megatron_layout_puts_embedding_layers_and_loss_in_vpp_by_pp_order() -> 
     plan = _interleaved([0, 2, 4, 5])
     assert megatron_layout(plan) == "Et|tt|t|L"
     assert megatron_layer_counts(plan) == [1, 2, 1, 0]
-    deep = make_plan(LLAMA, [0, 5], schedule="1f1b", batch_size=8, n_microbatches=2, size="tiny")
+    deep = plan_with_starts(LLAMA, [0, 5], schedule="1f1b", batch_size=8, n_microbatches=2, size="tiny")
     assert megatron_layout(deep) == "Et*4|L"
     text = export_plan(deep, "megatron")
     assert "--decoder-first-pipeline-num-layers 4 --decoder-last-pipeline-num-layers 0" in text
@@ -82,26 +84,26 @@ def test_megatron_layout_puts_embedding_layers_and_loss_in_vpp_by_pp_order() -> 
 def test_megatron_refuses_what_its_layout_cannot_say() -> None:
     with pytest.raises(ExportError, match=r"norm, output are Megatron's loss \(L\).*stages \[2, 3\]"):
         megatron_layout(_interleaved([0, 2, 4, 6]))
-    zbv = make_plan(LLAMA, [0, 2, 4, 6], schedule="zbv", stages_per_rank=2, batch_size=8, n_microbatches=4)
+    zbv = plan_with_starts(LLAMA, [0, 2, 4, 6], schedule="zbv", stages_per_rank=2, batch_size=8, n_microbatches=4)
     with pytest.raises(ExportError, match="V shape is not expressible"):
         megatron_layout(zbv)
 
 
 def test_deepspeed_parts_are_the_stage_starts_and_one_stage_per_rank() -> None:
-    plan = make_plan(LLAMA, [0, 3], schedule="1f1b", batch_size=8, n_microbatches=2)
+    plan = plan_with_starts(LLAMA, [0, 3], schedule="1f1b", batch_size=8, n_microbatches=2)
     assert deepspeed_parts(plan) == [0, 3, 7]
     with pytest.raises(ExportError, match="one stage per rank"):
         deepspeed_parts(_interleaved([0, 2, 4, 6]))
 
 
 def test_csv_is_torchs_action_order() -> None:
-    plan = make_plan(LLAMA, [0, 3], schedule="gpipe", batch_size=8, n_microbatches=2)
+    plan = plan_with_starts(LLAMA, [0, 3], schedule="gpipe", batch_size=8, n_microbatches=2)
     assert csv_rows(plan) == [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1F1", "1B0", "1B1"]]
     assert export_plan(plan, "csv") == "0F0,0F1,0B0,0B1\n1F0,1F1,1B0,1B1\n"
 
 
 def test_the_command_writes_replaces_and_refuses(tmp_path: Path) -> None:
-    plan = make_plan(LLAMA, [0, 3], schedule="1f1b", batch_size=8, n_microbatches=2)
+    plan = plan_with_starts(LLAMA, [0, 3], schedule="1f1b", batch_size=8, n_microbatches=2)
     plan.save(tmp_path / "plan.json")
     runner = CliRunner()
     out = tmp_path / "megatron.sh"
@@ -123,7 +125,7 @@ def test_the_command_writes_replaces_and_refuses(tmp_path: Path) -> None:
 
 def test_megatron_gets_the_plans_activation_checkpointing() -> None:
     # LLAMA tiny: embedding, 4 layers, norm + output; stages [0, 3) and [3, 7): 2 layers each
-    plan = make_plan(LLAMA, [0, 3], schedule="1f1b", batch_size=8, n_microbatches=2)
+    plan = plan_with_starts(LLAMA, [0, 3], schedule="1f1b", batch_size=8, n_microbatches=2)
     assert megatron_recompute(plan) == ([], [])
 
     def with_modes(*modes: str) -> Plan:
@@ -151,7 +153,10 @@ def test_megatron_cores_parser_reads_back_the_planned_layers() -> None:
     layout_mod = pytest.importorskip("megatron.core.transformer.pipeline_parallel_layer_layout")
     from megatron.core.transformer.enums import LayerType
 
-    for plan in (_interleaved([0, 2, 4, 5]), make_plan(LLAMA, [0, 3], schedule="1f1b", batch_size=8, n_microbatches=2)):
+    for plan in (
+        _interleaved([0, 2, 4, 5]),
+        plan_with_starts(LLAMA, [0, 3], schedule="1f1b", batch_size=8, n_microbatches=2),
+    ):
         layout = layout_mod.PipelineParallelLayerLayout(megatron_layout(plan), plan.n_ranks)
         layout.validate_layer_layout(num_layers=4, mtp_num_layers=None)
         v = layout.virtual_pipeline_model_parallel_size
@@ -187,7 +192,7 @@ def test_torchtitan_takes_the_exported_config() -> None:
 
     for plan in (
         _interleaved([0, 2, 4, 6]),
-        make_plan(LLAMA, [0, 2, 4, 6], schedule="zbv", stages_per_rank=2, batch_size=8, n_microbatches=4),
+        plan_with_starts(LLAMA, [0, 2, 4, 6], schedule="zbv", stages_per_rank=2, batch_size=8, n_microbatches=4),
     ):
         plan = plan.model_copy(update={"stages": [s.model_copy(update={"recompute": "full"}) for s in plan.stages]})
         namespace: dict = {}
@@ -237,7 +242,7 @@ def test_torchs_runtime_runs_the_exported_csv_to_the_unsplit_losses(tmp_path: Pa
     from tests.test_own_script import _unsplit
 
     # the zero-bubble split backward (I and W actions) over 4 stages on 2 ranks, a tied weight across them
-    plan = make_plan(
+    plan = plan_with_starts(
         EXAMPLE, [0, 2, 4, 6], schedule="interleaved-zb", stages_per_rank=2, batch_size=8, n_microbatches=4
     )
     ranks = _torchrun(tmp_path, "csv", plan, "csv")
@@ -253,7 +258,7 @@ def test_torchtitans_split_of_the_export_trains_as_unsplit(tmp_path: Path) -> No
 
     from planner.capture.load import load_model_file
 
-    plan = make_plan(LLAMA, [0, 3], schedule="1f1b", batch_size=8, n_microbatches=4)
+    plan = plan_with_starts(LLAMA, [0, 3], schedule="1f1b", batch_size=8, n_microbatches=4)
     ranks = _torchrun(tmp_path, "torchtitan", plan, "torchtitan")
     mf = load_model_file(LLAMA, "tiny")
     model = mf.build(plan.model.seed)
@@ -280,7 +285,7 @@ def test_torchtitans_split_of_the_export_trains_as_unsplit(tmp_path: Path) -> No
 @pytest.mark.slow
 def test_deepspeeds_pipeline_module_takes_the_exported_parts(tmp_path: Path) -> None:
     pytest.importorskip("deepspeed")
-    plan = make_plan(EXAMPLE, [0, 3], schedule="1f1b", batch_size=8, n_microbatches=2)
+    plan = plan_with_starts(EXAMPLE, [0, 3], schedule="1f1b", batch_size=8, n_microbatches=2)
     ranks = _torchrun(tmp_path, "deepspeed", plan, "deepspeed")
     assert [r["parts"] for r in ranks] == [[0, 3, 7], [0, 3, 7]]
     assert [r["local"] for r in ranks] == [[0, 3], [3, 7]]
@@ -290,7 +295,7 @@ def test_megatron_core_takes_the_exported_checkpointing() -> None:
     config_mod = pytest.importorskip("megatron.core.transformer.transformer_config")
     import torch
 
-    plan = make_plan(LLAMA, [0, 3], schedule="1f1b", batch_size=8, n_microbatches=2)
+    plan = plan_with_starts(LLAMA, [0, 3], schedule="1f1b", batch_size=8, n_microbatches=2)
     stages = [s.model_copy(update={"recompute": m}) for s, m in zip(plan.stages, ("full:2", "full"))]
     args, _ = megatron_recompute(plan.model_copy(update={"stages": stages}))
     fields = {a.split()[0][2:].replace("-", "_"): a.split()[1] for a in args}
@@ -308,7 +313,7 @@ def test_megatron_core_takes_the_exported_checkpointing() -> None:
 
 
 def test_sequence_parallelism_is_carried_to_megatron_and_its_absence_noted() -> None:
-    plan = make_plan(LLAMA, [0, 3], schedule="1f1b", n_microbatches=2, tp=2)
+    plan = plan_with_starts(LLAMA, [0, 3], schedule="1f1b", n_microbatches=2, tp=2)
     split = plan.model_copy(update={"sequence_parallel": True})
 
     def arguments(text: str) -> list[str]:

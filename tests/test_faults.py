@@ -175,10 +175,10 @@ def test_signal_names() -> None:
 
 @pytest.fixture
 def saved_plan(tmp_path: Path) -> Path:
-    from plan_factory import big_head_blocks, make_plan
+    from plan_factory import big_head_blocks, plan_of_blocks
 
     path = tmp_path / "plan.json"
-    make_plan(big_head_blocks()).save(path)
+    plan_of_blocks(big_head_blocks()).save(path)
     return path
 
 
@@ -228,12 +228,12 @@ def test_run_help_documents_the_timeout_and_the_node_rank() -> None:
 
 
 def test_the_rendezvous_is_torchruns() -> None:
-    from plan_factory import big_head_blocks, make_plan
+    from plan_factory import big_head_blocks, plan_of_blocks
 
     from planner.run.launch import _rendezvous_parameters
     from planner.schema.request import RunRequest
 
-    plan = make_plan(big_head_blocks())
+    plan = plan_of_blocks(big_head_blocks())
     # no endpoint: c10d on port 0, as torchrun --standalone (the store binds a free port itself)
     params, addr, port = _rendezvous_parameters(plan, RunRequest(plan_file=Path("p.json"), timeout_s=12.5))
     assert (params.backend, params.endpoint, addr, port) == ("c10d", "localhost:0", None, None)

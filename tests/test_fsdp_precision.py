@@ -229,12 +229,12 @@ def test_batch_norm_keeps_fp32_weights_beside_its_fp32_statistics() -> None:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("units", ["stage", "block"])
 def test_a_bf16_fsdp_resnet_trains_with_its_batch_norms_gathered_in_fp32(tmp_path: Path, units: str) -> None:
-    from run_factory import make_plan, saved
+    from run_factory import plan_with_starts, saved
 
     from planner.run import run_plan
     from planner.schema.request import RunRequest
 
-    plan = make_plan(MODELS / "resnet50.py", [0], dp=2, dp_mode="fsdp", fsdp_units=units, n_microbatches=2)
+    plan = plan_with_starts(MODELS / "resnet50.py", [0], dp=2, dp_mode="fsdp", fsdp_units=units, n_microbatches=2)
     plan = _with_autocast(plan, "bf16")
     got = run_plan(plan, RunRequest(plan_file=saved(plan, tmp_path), steps=2, echo=False, save_checkpoints=False))
     # batch norm computes its statistics per replica, so the unsplit model is no reference here: the

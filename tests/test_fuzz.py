@@ -28,7 +28,7 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from plan_factory import big_head_blocks, make_plan
+from plan_factory import big_head_blocks, plan_of_blocks
 from run_factory import plan_stage_reports, run_report
 
 from planner.core.step.calibrate import Calibration, StageCalibration
@@ -159,7 +159,7 @@ def check_parse(parse: Callable[[str], Any], kind: type, text: str) -> None:
     assert isinstance(result, kind)
 
 
-PLAN = make_plan(big_head_blocks())
+PLAN = plan_of_blocks(big_head_blocks())
 PLAN_DOC = json.loads(PLAN.to_json())
 
 

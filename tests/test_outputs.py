@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from plan_factory import big_head_blocks, make_plan
+from plan_factory import big_head_blocks, plan_of_blocks
 
 from planner.errors import PlanFileError
 from planner.schema.jsonfile import write_atomic
@@ -32,7 +32,7 @@ CALIBRATION_DOC = {"version": 1, "plan_fingerprint": "abc", "stages": [], "laten
 
 @pytest.fixture(scope="module")
 def plan_text() -> str:
-    return make_plan(big_head_blocks()).to_json()
+    return plan_of_blocks(big_head_blocks()).to_json()
 
 
 Entry = tuple[str, bytes]
@@ -141,7 +141,7 @@ def test_symlink_and_its_target_survive(tmp_path: Path, plan_text: str) -> None:
     assert f"-o {real.resolve()}" in message
     refuses_write(link, r"it is a symbolic link to real\.json")
     with pytest.raises(PlanFileError, match="symbolic link"):
-        make_plan(big_head_blocks()).save(link)
+        plan_of_blocks(big_head_blocks()).save(link)
     assert link.is_symlink() and snapshot(tmp_path) == before
     assert check_output(real.resolve(), "plan") == real.resolve()  # the suggested fix works
 
@@ -291,7 +291,7 @@ def test_missing_file_is_accepted_and_written(tmp_path: Path) -> None:
     target = tmp_path / "plan.json"
     assert check_output(target, "plan") == target
     assert check_output(str(target), "plan") == target
-    plan = make_plan(big_head_blocks())
+    plan = plan_of_blocks(big_head_blocks())
     plan.save(target)
     assert Plan.load(target) == plan
     umask = os.umask(0o022)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import planner
 from planner.errors import ModelFileError, PlannerError
-from tests.run_factory import REL, ROOT, make_plan
+from tests.run_factory import REL, ROOT, plan_with_starts
 
 EXAMPLE = ROOT / "examples" / "train_with_plan.py"
 STEPS, LR, SEED = 4, 3e-3, 0
@@ -70,7 +70,7 @@ def _torchrun(tmp_path: Path, plan: planner.Plan, *args: str) -> list[float]:
 def test_a_tied_model_trains_as_unsplit_under_torchrun(tmp_path: Path) -> None:
     # four stages over two ranks (interleaved): the embedding (stage 0, rank 0) and the tied output
     # layer (stage 3, rank 1) hold one weight
-    plan = make_plan(EXAMPLE, [0, 2, 4, 6], schedule="interleaved-1f1b", stages_per_rank=2, batch_size=8)
+    plan = plan_with_starts(EXAMPLE, [0, 2, 4, 6], schedule="interleaved-1f1b", stages_per_rank=2, batch_size=8)
     assert plan.ties, "the example's output layer is tied to its embedding"
     losses = _torchrun(tmp_path, plan, "--save", str(tmp_path / "ckpt"))
     expected, weights = _unsplit(plan)
@@ -89,7 +89,7 @@ def test_a_tied_model_trains_as_unsplit_under_torchrun(tmp_path: Path) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_replicas_train_as_unsplit_under_torchrun(tmp_path: Path) -> None:
-    plan = make_plan(EXAMPLE, [0, 4], schedule="1f1b", dp=2, batch_size=8, n_microbatches=2)
+    plan = plan_with_starts(EXAMPLE, [0, 4], schedule="1f1b", dp=2, batch_size=8, n_microbatches=2)
     assert plan.world_size == 4
     assert _torchrun(tmp_path, plan) == pytest.approx(_unsplit(plan)[0], rel=REL)
 
@@ -97,7 +97,7 @@ def test_two_replicas_train_as_unsplit_under_torchrun(tmp_path: Path) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_ranks_that_built_different_weights_are_named(tmp_path: Path) -> None:
-    plan = make_plan(EXAMPLE, [0, 4], schedule="gpipe", batch_size=8)
+    plan = plan_with_starts(EXAMPLE, [0, 4], schedule="gpipe", batch_size=8)
     plan.save(tmp_path / "plan.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     script = ROOT / "tests" / "fixtures" / "seed_per_rank.py"
@@ -119,7 +119,7 @@ def no_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def test_a_one_rank_plan_trains_in_this_process_as_unsplit(no_group: None) -> None:
     """No torchrun needed for one rank: the API joins a group of one; the batch is given by name."""
-    plan = make_plan(EXAMPLE, [0], schedule="gpipe", batch_size=8, n_microbatches=4)
+    plan = plan_with_starts(EXAMPLE, [0], schedule="gpipe", batch_size=8, n_microbatches=4)
     ex = _example()
     torch.manual_seed(SEED)
     model = ex.build_model(**plan.model.config)
@@ -157,14 +157,14 @@ def _model_of(pipe: planner.Pipeline, plan: planner.Plan) -> torch.nn.Module:
 
 
 def test_a_script_without_torchrun_is_told_how_to_start(no_group: None) -> None:
-    plan = make_plan(EXAMPLE, [0, 4], schedule="gpipe", batch_size=8)
+    plan = plan_with_starts(EXAMPLE, [0, 4], schedule="gpipe", batch_size=8)
     torch.manual_seed(SEED)
     with pytest.raises(PlannerError, match="torchrun --nproc-per-node 2"):
         planner.pipeline(plan, _example().build_model(**plan.model.config), torch.zeros(2, 32, dtype=torch.long))
 
 
 def test_too_few_processes_are_named(no_group: None) -> None:
-    plan = make_plan(EXAMPLE, [0, 4], schedule="gpipe", batch_size=8)
+    plan = plan_with_starts(EXAMPLE, [0, 4], schedule="gpipe", batch_size=8)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     torch.manual_seed(SEED)
     with pytest.raises(PlannerError, match="1 processes joined but the plan has 2 ranks"):
@@ -172,7 +172,7 @@ def test_too_few_processes_are_named(no_group: None) -> None:
 
 
 def test_an_example_smaller_than_a_microbatch_or_wrongly_named_is_refused(no_group: None) -> None:
-    plan = make_plan(EXAMPLE, [0], schedule="gpipe", batch_size=8, n_microbatches=2)  # microbatches of 4
+    plan = plan_with_starts(EXAMPLE, [0], schedule="gpipe", batch_size=8, n_microbatches=2)  # microbatches of 4
     torch.manual_seed(SEED)
     model = _example().build_model(**plan.model.config)
     with pytest.raises(PlannerError, match="has 2 row.*microbatch is 4 sample"):
@@ -182,6 +182,6 @@ def test_an_example_smaller_than_a_microbatch_or_wrongly_named_is_refused(no_gro
 
 
 def test_another_model_is_refused_by_its_fingerprint(no_group: None) -> None:
-    plan = make_plan(EXAMPLE, [0], schedule="gpipe", batch_size=8)
+    plan = plan_with_starts(EXAMPLE, [0], schedule="gpipe", batch_size=8)
     with pytest.raises(planner.errors.PlanFileError, match="different model structure"):
         planner.pipeline(plan, _example().build_model(layers=3), torch.zeros(8, 32, dtype=torch.long))

@@ -110,7 +110,7 @@ def test_the_stage_table_shows_what_each_stage_keeps_under_its_recompute_mode() 
     # Two stages of two 100 MiB blocks with 10 MiB cuts: stage 0 recomputes its first block (which keeps
     # its input: none, the model's input), stage 1 both of its blocks (10 MiB each); the plan's stages
     # and the stage table say so, where the blocks' saved activations say 200 MiB for each
-    from plan_factory import make_plan, predicted
+    from plan_factory import plan_of_blocks, predicted
 
     from planner.report.tables import stage_table
 
@@ -118,7 +118,7 @@ def test_the_stage_table_shows_what_each_stage_keeps_under_its_recompute_mode() 
     blocks = [blk(i, act=100 * mib, cut=10 * mib) for i in range(4)]
     stages, _ = predicted(blocks, [0, 2], FREE, "1f1b", 4, ADAMW, ["full:1", "full"])  # type: ignore[list-item]
     assert [(s.activation_bytes, s.kept_bytes) for s in stages] == [(200 * mib, 100 * mib), (200 * mib, 20 * mib)]
-    plan = make_plan(blocks).model_copy(update={"stages": stages})
+    plan = plan_of_blocks(blocks).model_copy(update={"stages": stages})
     rows = stage_table(plan).splitlines()
     assert rows[0].split()[10:13] == ["total", "ms", "act"]  # after "(2)": params, fwd, bwd, comm, total, act
     assert [r.split("(2)")[1].split()[5] for r in rows[2:]] == ["100.0", "20.0"]

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from plan_factory import big_head_blocks, make_plan
+from plan_factory import big_head_blocks, plan_of_blocks
 
 from planner.errors import PlanFileError
 from planner.schema.plan import PLAN_VERSION, Plan
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_round_trip_text_and_file(tmp_path: Path) -> None:
-    plan = make_plan(big_head_blocks())
+    plan = plan_of_blocks(big_head_blocks())
     assert Plan.from_json(plan.to_json()) == plan
     plan.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json") == plan
@@ -23,7 +23,7 @@ def test_round_trip_text_and_file(tmp_path: Path) -> None:
 
 
 def test_plan_records_what_the_issue_asks_for() -> None:
-    plan = make_plan(big_head_blocks())
+    plan = plan_of_blocks(big_head_blocks())
     raw = json.loads(plan.to_json())
     assert raw["version"] == PLAN_VERSION
     assert raw["model"]["fingerprint"] and raw["model"]["config"] == {"n_layers": 4}
@@ -49,7 +49,7 @@ def test_missing_file(tmp_path: Path) -> None:
 
 
 def test_other_version() -> None:
-    raw = json.loads(make_plan(big_head_blocks()).to_json())
+    raw = json.loads(plan_of_blocks(big_head_blocks()).to_json())
     raw["version"] = 99
     with pytest.raises(PlanFileError, match="version 99.*reads version 1"):
         Plan.from_json(json.dumps(raw))
@@ -67,14 +67,14 @@ def test_other_version() -> None:
     ],
 )
 def test_invalid_plans(edit, message: str) -> None:  # type: ignore[no-untyped-def]
-    raw = json.loads(make_plan(big_head_blocks()).to_json())
+    raw = json.loads(plan_of_blocks(big_head_blocks()).to_json())
     edit(raw)
     with pytest.raises(PlanFileError, match=message):
         Plan.from_json(json.dumps(raw))
 
 
 def test_plans_written_before_stages_could_share_a_rank_still_load() -> None:
-    plan = make_plan(big_head_blocks())
+    plan = plan_of_blocks(big_head_blocks())
     raw = json.loads(plan.to_json())
     for key in ("n_ranks", "memory_limit_bytes", "search", "choice"):
         del raw[key]
@@ -86,7 +86,7 @@ def test_plans_written_before_stages_could_share_a_rank_still_load() -> None:
 
 
 def test_stage_placement_is_checked() -> None:
-    raw = json.loads(make_plan(big_head_blocks()).to_json())
+    raw = json.loads(plan_of_blocks(big_head_blocks()).to_json())
     raw["stages"][1]["rank"] = 0  # both stages on rank 0 of 2: rank 1 would have nothing to run
     with pytest.raises(PlanFileError, match="every one of the 2 ranks must run 1 stage\\(s\\)"):
         Plan.from_json(json.dumps(raw))
@@ -107,6 +107,6 @@ def test_stage_placement_is_checked() -> None:
     ],
 )
 def test_the_run_computes_in_the_dtype_the_costs_are_for(profile: dict, expected: str | None) -> None:
-    plan = make_plan(big_head_blocks())
+    plan = plan_of_blocks(big_head_blocks())
     got = plan.model_copy(update={"profile": plan.profile.model_copy(update=profile)})
     assert got.profile.run_autocast == expected

@@ -211,9 +211,9 @@ def test_plans_written_before_selective_checkpointing_still_load() -> None:
     import json
 
     from planner.schema.plan import Plan
-    from tests.run_factory import MODELS, make_plan
+    from tests.run_factory import MODELS, plan_with_starts
 
-    plan = make_plan(MODELS / "gpt.py", [0, 3])
+    plan = plan_with_starts(MODELS / "gpt.py", [0, 3])
     data = json.loads(plan.model_dump_json())
     data["stages"][0]["recompute"], data["stages"][1]["recompute"] = True, False
     data["prediction"]["recompute"] = [True, False]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from plan_factory import MB, big_head_blocks, block, make_plan
+from plan_factory import MB, big_head_blocks, block, plan_of_blocks
 
 from planner.report.tables import render, stage_table, summary_table
 
@@ -26,19 +26,19 @@ def test_stage_table_exact() -> None:
     # Memory of stage 0: 16k fp32 params x (weights + grads + 2 AdamW moments) = 0.24 MB,
     # + 2 in-flight microbatches (1F1B, stage 0 of 2) x (4 MB saved + 1 MB cached output) + 1 MB
     # output gradient + 4 microbatches x 1 MB receive buffers (the gradient coming back) = 15.2 MB.
-    assert stage_table(make_plan(big_head_blocks())) == EXPECTED_STAGES
+    assert stage_table(plan_of_blocks(big_head_blocks())) == EXPECTED_STAGES
 
 
 def test_summary_table_exact() -> None:
     # The uniform split (3 layer-blocks each side) leaves the big head with a full half of the
     # layers: 45 + 90 + 2 = 137 ms on the slowest stage, against 107 ms for the exact plan.
-    assert summary_table(make_plan(big_head_blocks())) == EXPECTED_SUMMARY
+    assert summary_table(plan_of_blocks(big_head_blocks())) == EXPECTED_SUMMARY
 
 
 def test_baselines_over_the_memory_limit_are_marked_not_faster() -> None:
     # With a 12 MB limit the exact plan recomputes stage 0 (11.2 MB, 589 ms); the parameter-balanced
     # split is faster on paper (522 ms) but needs 15.2 MB: the report says so instead of "0.886x".
-    plan = make_plan(big_head_blocks(), memory_limit_bytes=12 * MB)
+    plan = plan_of_blocks(big_head_blocks(), memory_limit_bytes=12 * MB)
     text = summary_table(plan)
     rows = {line.split("  ")[0]: line for line in text.splitlines()}
     assert "fits 12.0 MB" in text.splitlines()[0]
@@ -49,7 +49,7 @@ def test_baselines_over_the_memory_limit_are_marked_not_faster() -> None:
 
 
 def test_render_names_chosen_method_and_figures() -> None:
-    text = render(make_plan(big_head_blocks(), method="uniform"))
+    text = render(plan_of_blocks(big_head_blocks(), method="uniform"))
     assert "uniform layers (torchtitan/Megatron) *" in text
     assert "predicted step 612.00 ms, bubble 34.3%, imbalance 1.363" in text
     assert "schedule 1f1b, batch 16 = 4 microbatches of 4; 6 blocks" in text
@@ -57,7 +57,7 @@ def test_render_names_chosen_method_and_figures() -> None:
 
 def test_render_says_when_ranks_share_cores() -> None:
     """Four CPU ranks on two cores, one thread each: the header says what takes turns on the cores."""
-    plan = make_plan(big_head_blocks())
+    plan = plan_of_blocks(big_head_blocks())
     assert "share" not in render(plan).splitlines()[1]  # the profile records no core count
     shared = plan.model_copy(update={"profile": plan.profile.model_copy(update={"cores": 1})})
     share = f"{plan.link.cpu_share:.0%}"
@@ -71,7 +71,7 @@ def test_render_cautions_when_stages_compute_less_than_a_message_costs() -> None
     tens of ms, a calibrated link or another link get no such line."""
     from planner.schema.costs import GLOO_CPU_LINK
 
-    tiny = make_plan([block(f"b{i}", 0.25, 0.5, 10) for i in range(4)])  # 0.5 + 1.0 ms per stage
+    tiny = plan_of_blocks([block(f"b{i}", 0.25, 0.5, 10) for i in range(4)])  # 0.5 + 1.0 ms per stage
     on_cpu = tiny.model_copy(update={"link": GLOO_CPU_LINK})
     assert (
         "note: the stages compute 0.75 ms per forward or backward on average, less than the 1.50 ms each "
@@ -81,16 +81,18 @@ def test_render_cautions_when_stages_compute_less_than_a_message_costs() -> None
     assert "note: the stages compute" not in render(tiny)  # the test link: not the CPU default
     calibrated = GLOO_CPU_LINK.model_copy(update={"name": "gloo-cpu+calibrated"})
     assert "note: the stages compute" not in render(tiny.model_copy(update={"link": calibrated}))
-    big = make_plan(big_head_blocks()).model_copy(update={"link": GLOO_CPU_LINK})
+    big = plan_of_blocks(big_head_blocks()).model_copy(update={"link": GLOO_CPU_LINK})
     assert "note: the stages compute" not in render(big)
 
 
 def test_with_method_switches_to_a_baseline_split() -> None:
     from planner.core.step.predict import with_method
 
-    plan = make_plan(big_head_blocks())
+    plan = plan_of_blocks(big_head_blocks())
     uniform = with_method(plan, "uniform")
     assert uniform.method == "uniform" and uniform.prediction == plan.baselines["uniform"]
     assert [s.end for s in uniform.stages] == [3, 6]
     assert uniform.baselines["optimal"] == plan.prediction
-    assert uniform == make_plan(big_head_blocks(), method="uniform").model_copy(update={"baselines": uniform.baselines})
+    assert uniform == plan_of_blocks(big_head_blocks(), method="uniform").model_copy(
+        update={"baselines": uniform.baselines}
+    )

@@ -18,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from run_factory import MODELS, REL, ROOT, assert_close, make_plan, run_report, saved, stage_report  # noqa: E402
+from run_factory import MODELS, REL, ROOT, assert_close, plan_with_starts, run_report, saved, stage_report  # noqa: E402
 
 from planner.capture.load import load_model_file  # noqa: E402
 from planner.capture.stage import build_stage_module  # noqa: E402
@@ -112,7 +112,7 @@ def test_pipeline_matches_unsplit_model(
 ) -> None:
     steps = 3
     lr = 0.5 if optimizer == "sgd" else 1e-3
-    plan = make_plan(
+    plan = plan_with_starts(
         model,
         starts,
         schedule=schedule,
@@ -165,7 +165,7 @@ def test_pipeline_matches_unsplit_model(
 
 
 def test_fingerprint_mismatch_raises_before_launch(tmp_path: Path, no_launch: None) -> None:
-    plan = make_plan(MODELS / "gpt.py", [0, 3])
+    plan = plan_with_starts(MODELS / "gpt.py", [0, 3])
     edited = plan.model_copy(update={"model": plan.model.model_copy(update={"fingerprint": "0123456789abcdef"})})
     with pytest.raises(
         PlanFileError,
@@ -176,7 +176,7 @@ def test_fingerprint_mismatch_raises_before_launch(tmp_path: Path, no_launch: No
 
 
 def test_a_fingerprint_mismatch_says_what_differs(tmp_path: Path, no_launch: None) -> None:
-    plan = make_plan(MODELS / "gpt.py", [0, 3])
+    plan = plan_with_starts(MODELS / "gpt.py", [0, 3])
     names = [b.name for b in plan.blocks]
     # the model file now builds one layer less than the plan was made for
     fewer = plan.model.model_copy(
@@ -197,7 +197,7 @@ def test_a_module_boundary_plan_whose_blocks_are_no_chain_is_refused_before_laun
     tmp_path: Path, no_launch: None
 ) -> None:
     # `planner plan` refuses such a model; a plan file made another way (or before) is refused here
-    plan = make_plan(FIXTURES / "hf_style.py", [0, 3], batch_size=4, n_microbatches=2)
+    plan = plan_with_starts(FIXTURES / "hf_style.py", [0, 3], batch_size=4, n_microbatches=2)
     assert plan.model.trace_method == "modules"
     with pytest.raises(TraceError, match="cannot run as a chain of stages: model.layers.0 takes 2 tensors"):
         run_plan(plan, RunRequest(plan_file=saved(plan, tmp_path), steps=2))
@@ -205,20 +205,20 @@ def test_a_module_boundary_plan_whose_blocks_are_no_chain_is_refused_before_laun
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has the GPUs nccl needs")
 def test_nccl_without_gpus_is_rejected(tmp_path: Path, no_launch: None) -> None:
-    plan = make_plan(MODELS / "gpt.py", [0, 3], backend="nccl")
+    plan = plan_with_starts(MODELS / "gpt.py", [0, 3], backend="nccl")
     with pytest.raises(PlannerError, match="nccl needs one GPU per rank"):
         run_plan(plan, RunRequest(plan_file=saved(plan, tmp_path), steps=2))
 
 
 def test_1f1b_with_too_few_microbatches_is_rejected(tmp_path: Path, no_launch: None) -> None:
-    plan = make_plan(MODELS / "gpt.py", [0, 2, 4, 5], schedule="1f1b", n_microbatches=2)
+    plan = plan_with_starts(MODELS / "gpt.py", [0, 2, 4, 5], schedule="1f1b", n_microbatches=2)
     with pytest.raises(PlannerError, match="--microbatches 2 is too small for --schedule 1f1b with 4 stages"):
         run_plan(plan, RunRequest(plan_file=saved(plan, tmp_path), steps=2))
 
 
 @pytest.mark.slow
 def test_one_stage_plan_trains_in_process(tmp_path: Path, no_launch: None, capsys: pytest.CaptureFixture) -> None:
-    plan = make_plan(MODELS / "shakespeare.py", [0], n_microbatches=2, grad_clip=0.5)
+    plan = plan_with_starts(MODELS / "shakespeare.py", [0], n_microbatches=2, grad_clip=0.5)
     path = saved(plan, tmp_path)
     got = run_plan(plan, RunRequest(plan_file=path, steps=3))
     want = train_reference(plan, path, 3)
@@ -238,7 +238,7 @@ def test_worker_error_comes_back_as_one_message(tmp_path: Path) -> None:
     )
     model = tmp_path / "broken.py"
     model.write_text(src)
-    plan = make_plan(model, [0, 2], n_microbatches=2, batch_size=4)
+    plan = plan_with_starts(model, [0, 2], n_microbatches=2, batch_size=4)
     with pytest.raises(
         PlannerError, match=r"^rank \d failed: broken.py: train_batches\(\) raised ValueError: no data today"
     ):
@@ -296,7 +296,7 @@ def test_pipeline_run_measures_every_stage(tmp_path: Path) -> None:
     from planner.report.compare import compare_table
 
     steps, m = 3, 4
-    plan = make_plan(MODELS / "gpt.py", [0, 3], schedule="1f1b", n_microbatches=m)
+    plan = plan_with_starts(MODELS / "gpt.py", [0, 3], schedule="1f1b", n_microbatches=m)
     path = saved(plan, tmp_path)
     got = run_plan(plan, RunRequest(plan_file=path, steps=steps, echo=False))
     # Step 1 pays for the schedule's set-up, step 3 ran under the memory tracker: medians use step 2.
@@ -343,7 +343,7 @@ def test_pipeline_run_measures_every_stage(tmp_path: Path) -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_nccl_pipeline_matches_unsplit_model(tmp_path: Path) -> None:
-    plan = make_plan(MODELS / "gpt.py", [0, 3], schedule="1f1b", backend="nccl", grad_clip=0.5)
+    plan = plan_with_starts(MODELS / "gpt.py", [0, 3], schedule="1f1b", backend="nccl", grad_clip=0.5)
     path = saved(plan, tmp_path)
     got = run_plan(plan, RunRequest(plan_file=path, steps=3))
     want = train_reference(plan, path, 3)  # on CPU: cuda and CPU kernels differ in the last bits
@@ -352,7 +352,7 @@ def test_nccl_pipeline_matches_unsplit_model(tmp_path: Path) -> None:
 
 
 def test_a_tie_the_plan_does_not_record_is_refused_naming_both_parameters(tmp_path: Path, no_launch: None) -> None:
-    plan = make_plan(FIXTURES / "tied.py", [0, 2], record_ties=False)  # as plans made before ties were served
+    plan = plan_with_starts(FIXTURES / "tied.py", [0, 2], record_ties=False)  # as plans made before ties were served
     with pytest.raises(
         PlanFileError,
         match=r"parameter emb.weight \(also named head.weight\) is read by emb on stage 0 and by head on stage 1 "
@@ -362,11 +362,11 @@ def test_a_tie_the_plan_does_not_record_is_refused_naming_both_parameters(tmp_pa
 
 
 def test_nodes_must_divide_stages(tmp_path: Path, no_launch: None) -> None:
-    plan = make_plan(MODELS / "gpt.py", [0, 2, 4])
+    plan = plan_with_starts(MODELS / "gpt.py", [0, 2, 4])
     path = saved(plan, tmp_path)
     with pytest.raises(PlannerError, match="3 ranks cannot be spread evenly over 2 node"):
         run_plan(plan, RunRequest(plan_file=path, steps=2, nnodes=2, rdzv_endpoint="localhost:29400"))
-    plan2 = make_plan(MODELS / "gpt.py", [0, 3])
+    plan2 = plan_with_starts(MODELS / "gpt.py", [0, 3])
     with pytest.raises(PlannerError, match="needs --rdzv-endpoint"):
         RunRequest.build(plan_file=saved(plan2, tmp_path), steps=2, nnodes=2)  # refused before any plan is read
 
@@ -376,7 +376,7 @@ def test_nodes_must_divide_stages(tmp_path: Path, no_launch: None) -> None:
 def test_recomputing_stage_matches_unsplit_model(tmp_path: Path, mode: str) -> None:
     # Activation checkpointing of a stage, block by block (the plan's recompute mode), changes
     # memory, not results; so does checkpointing only the stage's first blocks ("full:2").
-    plan = make_plan(
+    plan = plan_with_starts(
         MODELS / "gpt.py", [0, 3], schedule="1f1b", n_microbatches=4, optimizer="sgd", lr=0.5, grad_clip=0.5
     )
     stages = [plan.stages[0].model_copy(update={"recompute": mode}), plan.stages[1]]
@@ -406,7 +406,7 @@ def test_checkpointed_stages_train_like_the_unsplit_model_under_split_backward(t
     # tied output layer whose copies sit on the first and the last stage. (Selective checkpointing
     # cannot: torch allows it one backward per region; refused, see below.)
     example = ROOT / "examples" / "train_with_plan.py"
-    plan = make_plan(example, [0, 2, 4, 6], schedule=schedule, stages_per_rank=2, batch_size=8, n_microbatches=4)
+    plan = plan_with_starts(example, [0, 2, 4, 6], schedule=schedule, stages_per_rank=2, batch_size=8, n_microbatches=4)
     modes = ["full", "stage", "never", "full:1"]  # the last stage recomputes its first block only
     plan = plan.model_copy(update={"stages": [s.model_copy(update={"recompute": modes[s.index]}) for s in plan.stages]})
     path = saved(plan, tmp_path)
@@ -420,7 +420,7 @@ def test_selective_checkpointing_under_a_split_backward_is_refused_before_launch
     tmp_path: Path, no_launch: None
 ) -> None:
     # torch's selective checkpointing allows one backward per region; zero-bubble schedules run two
-    plan = make_plan(MODELS / "gpt.py", [0, 2, 4, 5], schedule="zbv", stages_per_rank=2, n_microbatches=2)
+    plan = plan_with_starts(MODELS / "gpt.py", [0, 2, 4, 5], schedule="zbv", stages_per_rank=2, n_microbatches=2)
     plan = plan.model_copy(update={"stages": [s.model_copy(update={"recompute": "selective"}) for s in plan.stages]})
     with pytest.raises(PlanFileError, match=r"stage\(s\) 0, 1, 2, 3 checkpoint selectively under --schedule zbv"):
         run_plan(plan, RunRequest(plan_file=saved(plan, tmp_path), steps=1, echo=False))
@@ -435,7 +435,7 @@ def test_selective_checkpointing_under_a_split_backward_is_refused_before_launch
 def test_a_model_file_edited_since_planning_is_named_in_a_warning(tmp_path: Path) -> None:
     model = tmp_path / "gpt.py"
     model.write_text((MODELS / "gpt.py").read_text())
-    plan = make_plan(model, [0])  # one stage: trains in this process, fast
+    plan = plan_with_starts(model, [0])  # one stage: trains in this process, fast
     path = saved(plan, tmp_path)
     lines: list[str] = []
     run_plan(plan, RunRequest(plan_file=path, steps=1, echo=False), print_fn=lines.append)
@@ -485,7 +485,7 @@ def _measure(stage: int, steps: int) -> StageMeasure:
 
 
 def test_run_result_is_assembled_from_rank_results(tmp_path: Path) -> None:
-    plan = make_plan(MODELS / "gpt.py", [0, 3])
+    plan = plan_with_starts(MODELS / "gpt.py", [0, 3])
     ranks = [_rank(1, (0.5, 0.2, 0.9), losses=(2.0, 1.5, 1.2)), _rank(0, (0.6, 0.1, 0.8))]
     # A worker's result travels back to the launcher pickled.
     assert pickle.loads(pickle.dumps(ranks[0])) == ranks[0]
@@ -507,7 +507,7 @@ def test_run_result_is_assembled_from_rank_results(tmp_path: Path) -> None:
 
 def test_run_result_of_a_v_placement_takes_losses_from_rank_0() -> None:
     # ZB-V on 2 ranks: rank 0 runs stages 0 and 3 (the last: it computes the loss), rank 1 stages 1 and 2.
-    plan = make_plan(MODELS / "gpt.py", [0, 2, 4, 5], schedule="zbv", stages_per_rank=2)
+    plan = plan_with_starts(MODELS / "gpt.py", [0, 2, 4, 5], schedule="zbv", stages_per_rank=2)
     assert [s.rank for s in plan.stages] == [0, 1, 1, 0] and plan.n_ranks == 2 and plan.stages_per_rank == 2
     ranks = [
         _rank(1, (0.5, 0.2, 0.9), stages=(1, 2)),

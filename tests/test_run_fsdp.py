@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from run_factory import MODELS, assert_close, assert_resumes_under, make_plan, saved  # noqa: E402
+from run_factory import MODELS, assert_close, assert_resumes_under, plan_with_starts, saved  # noqa: E402
 
 from planner.run import run_plan, train_reference  # noqa: E402
 from planner.schema.request import RunRequest  # noqa: E402
@@ -36,7 +36,9 @@ def test_every_unit_is_its_own_fsdp_unit_and_the_wrapper_stays_plain(tmp_path: P
     from planner.run.model import load_plan_model, planned_source
     from planner.run.stages import build_stages
 
-    plan = make_plan(MODELS / "gpt.py", [0], batch_size=8, n_microbatches=2, dp=2, dp_mode="fsdp", fsdp_units="block")
+    plan = plan_with_starts(
+        MODELS / "gpt.py", [0], batch_size=8, n_microbatches=2, dp=2, dp_mode="fsdp", fsdp_units="block"
+    )
     plan = _with_recompute(plan, "full")
     path = saved(plan, tmp_path)
     # the stages of one replica, sharded over a data-parallel mesh of this one process
@@ -74,7 +76,7 @@ def test_every_unit_is_its_own_fsdp_unit_and_the_wrapper_stays_plain(tmp_path: P
 def test_block_units_train_like_the_unsplit_model(
     tmp_path: Path, model: Path, starts: list[int], schedule: str, recompute: str
 ) -> None:
-    plan = make_plan(
+    plan = plan_with_starts(
         model,
         starts,
         schedule=schedule,
@@ -96,7 +98,7 @@ def test_block_units_train_like_the_unsplit_model(
 
 @pytest.mark.multiprocess
 def test_block_units_over_a_pipeline_train_like_the_unsplit_model(tmp_path: Path) -> None:
-    plan = make_plan(
+    plan = plan_with_starts(
         MODELS / "gpt.py",
         [0, 4],
         schedule="1f1b",
@@ -119,6 +121,6 @@ def test_a_block_sharded_checkpoint_resumes_under_stage_units(tmp_path: Path) ->
     # The units change what is gathered when, not the state: a checkpoint written block by block
     # resumes under one unit per stage to the losses of an uninterrupted run.
     kw = dict(schedule="gpipe", batch_size=8, n_microbatches=2, dp=2, dp_mode="fsdp", optimizer="sgd", lr=0.5)
-    stage = make_plan(MODELS / "gpt.py", [0], **kw)  # type: ignore[arg-type]
-    blocks = _with_recompute(make_plan(MODELS / "gpt.py", [0], fsdp_units="block", **kw), "full")  # type: ignore[arg-type]
+    stage = plan_with_starts(MODELS / "gpt.py", [0], **kw)  # type: ignore[arg-type]
+    blocks = _with_recompute(plan_with_starts(MODELS / "gpt.py", [0], fsdp_units="block", **kw), "full")  # type: ignore[arg-type]
     assert_resumes_under(blocks, stage, tmp_path)

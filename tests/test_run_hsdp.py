@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from run_factory import MODELS, assert_close, assert_resumes_under, make_plan, saved  # noqa: E402
+from run_factory import MODELS, assert_close, assert_resumes_under, plan_with_starts, saved  # noqa: E402
 
 from planner.run import run_plan, train_reference  # noqa: E402
 from planner.schema.request import RunRequest  # noqa: E402
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.multiprocess
 
 def _hsdp(**kw: object):  # type: ignore[no-untyped-def]
     base = dict(schedule="1f1b", batch_size=8, n_microbatches=2, dp=4, dp_mode="hsdp", dp_shard=2)
-    return make_plan(MODELS / "gpt.py", [0], **{**base, **kw})  # type: ignore[arg-type]
+    return plan_with_starts(MODELS / "gpt.py", [0], **{**base, **kw})  # type: ignore[arg-type]
 
 
 def test_two_groups_of_two_train_like_the_unsplit_model_holding_half_the_state(tmp_path: Path) -> None:
@@ -57,13 +57,13 @@ def test_block_units_with_full_recompute_train_like_the_unsplit_model(tmp_path: 
 
 def test_an_hsdp_checkpoint_resumes_under_fsdp(tmp_path: Path) -> None:
     kw = dict(schedule="gpipe", optimizer="sgd", lr=0.5)
-    fsdp = make_plan(MODELS / "gpt.py", [0], batch_size=8, n_microbatches=2, dp=4, dp_mode="fsdp", **kw)  # type: ignore[arg-type]
+    fsdp = plan_with_starts(MODELS / "gpt.py", [0], batch_size=8, n_microbatches=2, dp=4, dp_mode="fsdp", **kw)  # type: ignore[arg-type]
     assert_resumes_under(_hsdp(**kw), fsdp, tmp_path)
 
 
 def test_hsdp_over_tensor_parallel_ranks_trains_like_the_unsplit_model(tmp_path: Path) -> None:
     # 8 processes: 2 groups x 2 replicas x tp 2; fully_shard's 2-D mesh and the tp mesh share one root
-    plan = make_plan(
+    plan = plan_with_starts(
         MODELS / "llama.py",
         [0],
         schedule="1f1b",

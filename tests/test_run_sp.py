@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from run_factory import MODELS, make_plan  # noqa: E402
+from run_factory import MODELS, plan_with_starts  # noqa: E402
 from test_run_tp import _run_and_compare as compare_with_unsplit  # noqa: E402
 
 SP2: dict = dict(schedule="1f1b", n_microbatches=2, optimizer="sgd", lr=0.5, grad_clip=0.5, tp=2)
@@ -28,7 +28,7 @@ def _run_and_compare(plan, tmp_path: Path):  # type: ignore[no-untyped-def]
 @pytest.mark.multiprocess
 def test_llama_sp_tp2_pp2_matches_unsplit_model(tmp_path: Path) -> None:
     # the hidden state crossing the boundary after block 2 is a sequence shard on both sides
-    plan = _sequence(make_plan(MODELS / "llama.py", [0, 3], **SP2))
+    plan = _sequence(plan_with_starts(MODELS / "llama.py", [0, 3], **SP2))
     got, want = _run_and_compare(plan, tmp_path)
     print("llama sp tp2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
 
@@ -39,7 +39,7 @@ def test_hugging_face_llama_sp_tp2_pp2_matches_unsplit_model(tmp_path: Path, siz
     # a torch.export graph, its sizes baked in: DTensors keep the global shapes the graph was made for;
     # tied, the head is held whole and reads the final norm's shards (its weight's gradient all-reduced)
     pytest.importorskip("transformers")
-    plan = _sequence(make_plan(MODELS / "hf" / "llama.py", [0, 3], size=size, **SP2))
+    plan = _sequence(plan_with_starts(MODELS / "hf" / "llama.py", [0, 3], size=size, **SP2))
     assert plan.model.trace_method == "export"
     got, want = _run_and_compare(plan, tmp_path)
     print("hf llama sp tp2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
@@ -49,7 +49,7 @@ def test_hugging_face_llama_sp_tp2_pp2_matches_unsplit_model(tmp_path: Path, siz
 @pytest.mark.parametrize("recompute", ["full", "selective", "stage"])
 def test_recomputed_sp_stages_match_unsplit_model(tmp_path: Path, recompute: str) -> None:
     # a checkpoint region re-runs its forward in backward, outside the stage's forward: under the mode again
-    plan = _sequence(make_plan(MODELS / "llama.py", [0, 3], **SP2))
+    plan = _sequence(plan_with_starts(MODELS / "llama.py", [0, 3], **SP2))
     stages = [s.model_copy(update={"recompute": recompute}) for s in plan.stages]
     plan = plan.model_copy(update={"stages": stages})
     got, want = _run_and_compare(plan, tmp_path)
@@ -59,7 +59,7 @@ def test_recomputed_sp_stages_match_unsplit_model(tmp_path: Path, recompute: str
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("dp_mode", "fsdp_units"), [("ddp", "stage"), ("fsdp", "block")])
 def test_two_replicas_of_an_sp_tp2_stage_match_one_process(tmp_path: Path, dp_mode: str, fsdp_units: str) -> None:
-    plan = make_plan(
+    plan = plan_with_starts(
         MODELS / "llama.py",
         [0],
         schedule="gpipe",
@@ -78,7 +78,7 @@ def test_two_replicas_of_an_sp_tp2_stage_match_one_process(tmp_path: Path, dp_mo
 
 @pytest.mark.multiprocess
 def test_sp_tp2_zbv_splits_the_backward_and_matches(tmp_path: Path) -> None:
-    plan = make_plan(
+    plan = plan_with_starts(
         MODELS / "llama.py",
         [0, 2, 3, 5],
         schedule="zbv",
@@ -210,8 +210,8 @@ def test_an_sp_checkpoint_resumes_without_tensor_parallelism(tmp_path: Path) -> 
     from planner.schema.request import RunRequest
 
     common = dict(schedule="1f1b", n_microbatches=2, optimizer="adamw", grad_clip=0.5)
-    split = _sequence(make_plan(MODELS / "llama.py", [0, 3], tp=2, **common))  # type: ignore[arg-type]
-    whole = make_plan(MODELS / "llama.py", [0, 3], **common)  # type: ignore[arg-type]
+    split = _sequence(plan_with_starts(MODELS / "llama.py", [0, 3], tp=2, **common))  # type: ignore[arg-type]
+    whole = plan_with_starts(MODELS / "llama.py", [0, 3], **common)  # type: ignore[arg-type]
     ckpt, path = tmp_path / "ckpt", saved(split, tmp_path)
     want = run_plan(whole, RunRequest(plan_file=path, steps=4, save_checkpoints=False, echo=False))
     run_plan(split, RunRequest(plan_file=path, steps=2, checkpoint_dir=ckpt, echo=False))

@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from run_factory import MODELS, assert_close, make_plan, saved  # noqa: E402
+from run_factory import MODELS, assert_close, plan_with_starts, saved  # noqa: E402
 
 from planner.run import run_plan, train_reference  # noqa: E402
 from planner.schema.request import RunRequest  # noqa: E402
@@ -42,7 +42,7 @@ def _run_and_compare(plan, tmp_path: Path, steps: int = 3, **request: object):  
 def test_llama_tp2_pp2_matches_unsplit_model(tmp_path: Path, cut_share: int) -> None:
     # scattered: each tp rank sends half of the boundary and the receivers all-gather (run.boundary);
     # whole: a plan made before scattering, every tp rank sends all of it
-    plan = make_plan(MODELS / "llama.py", [0, 3], **TP2_1F1B, cut_share=cut_share)
+    plan = plan_with_starts(MODELS / "llama.py", [0, 3], **TP2_1F1B, cut_share=cut_share)
     assert plan.world_size == 4
     got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
     assert [s.stage for s in got.stages] == [0, 1]  # one tp rank per pipeline rank reports
@@ -53,7 +53,7 @@ def test_llama_tp2_pp2_matches_unsplit_model(tmp_path: Path, cut_share: int) -> 
 def test_llama_tp2_zbv_scatters_between_ranks_and_hands_over_inside_one(tmp_path: Path) -> None:
     # V placement on 2 pipeline ranks: stages 1 and 2 share rank 1 (handed over whole in memory), the
     # other boundaries cross ranks as 1/2 pieces; the split backward's input gradient passes the scatter
-    plan = make_plan(
+    plan = plan_with_starts(
         MODELS / "llama.py",
         [0, 2, 3, 5],
         schedule="zbv",
@@ -72,7 +72,9 @@ def test_llama_tp2_zbv_scatters_between_ranks_and_hands_over_inside_one(tmp_path
 def test_boundary_scatter_pieces_only_what_crosses_ranks_and_divides() -> None:
     from planner.run.boundary import boundary_scatter, sent_examples
 
-    plan = make_plan(MODELS / "llama.py", [0, 2, 3, 5], schedule="zbv", stages_per_rank=2, n_microbatches=4, tp=2)
+    plan = plan_with_starts(
+        MODELS / "llama.py", [0, 2, 3, 5], schedule="zbv", stages_per_rank=2, n_microbatches=4, tp=2
+    )
     hidden = torch.randn(2, 16, 64, requires_grad=True)
     odd = torch.zeros(3, dtype=torch.long)  # 3 elements: two ranks cannot split them
     first, second, third, last = plan.stages
@@ -89,9 +91,9 @@ def test_boundary_scatter_pieces_only_what_crosses_ranks_and_divides() -> None:
     four = boundary_scatter(plan, last, (hidden,), (torch.zeros(()),), "group", 0)
     assert four is not None and (four.gather_in, four.scatter_out) == ((hidden.shape,), (False,))
     # a plan made before scattering (cut_share 1), or without tensor parallelism, sends everything whole
-    old = make_plan(MODELS / "llama.py", [0, 3], schedule="1f1b", n_microbatches=2, tp=2, cut_share=1)
+    old = plan_with_starts(MODELS / "llama.py", [0, 3], schedule="1f1b", n_microbatches=2, tp=2, cut_share=1)
     assert boundary_scatter(old, old.stages[0], (odd,), (hidden,), "group", 0) is None
-    flat = make_plan(MODELS / "llama.py", [0, 3], schedule="1f1b", n_microbatches=2)
+    flat = plan_with_starts(MODELS / "llama.py", [0, 3], schedule="1f1b", n_microbatches=2)
     assert boundary_scatter(flat, flat.stages[1], (hidden,), (hidden,), None, 0) is None
 
 
@@ -258,7 +260,7 @@ def _embedding_rank(rank: int, port: int) -> None:
 def test_tied_embedding_and_head_across_pipeline_ranks_tp2(tmp_path: Path) -> None:
     # stage 0: the embedding; stage 1: both layers (split colwise then rowwise) and the head tied to it
     tp_plan = {"layers.0": "colwise", "layers.1": "rowwise"}
-    plan = make_plan(
+    plan = plan_with_starts(
         FIXTURES / "tied.py", [0, 1], schedule="gpipe", optimizer="sgd", lr=0.5, grad_clip=0.05, tp=2, tp_plan=tp_plan
     )
     assert len(plan.ties) == 1
@@ -268,7 +270,7 @@ def test_tied_embedding_and_head_across_pipeline_ranks_tp2(tmp_path: Path) -> No
 
 def _dp2_tp2(dp_mode: str, fsdp_units: str):  # type: ignore[no-untyped-def]
     """Llama tiny as one pipeline rank split over 2 tensor-parallel ranks, 2 replicas of it."""
-    return make_plan(
+    return plan_with_starts(
         MODELS / "llama.py",
         [0],
         schedule="gpipe",
@@ -313,8 +315,8 @@ def test_a_tp2_pp2_checkpoint_resumes_as_pp2_and_exports_full_weights(tmp_path: 
 
     # a vocabulary of 511: the head (colwise_rep) is split unevenly, 256 and 255 rows, as DTensor shards it
     common = dict(schedule="1f1b", n_microbatches=2, optimizer="adamw", grad_clip=0.5, overrides={"vocab_size": 511})
-    tp_plan = make_plan(MODELS / "llama.py", [0, 3], tp=2, **common)  # type: ignore[arg-type]
-    pp_plan = make_plan(MODELS / "llama.py", [0, 3], **common)  # type: ignore[arg-type]
+    tp_plan = plan_with_starts(MODELS / "llama.py", [0, 3], tp=2, **common)  # type: ignore[arg-type]
+    pp_plan = plan_with_starts(MODELS / "llama.py", [0, 3], **common)  # type: ignore[arg-type]
     ckpt = tmp_path / "ckpt"
     tp_path = saved(tp_plan, tmp_path)
     whole = run_plan(pp_plan, RunRequest(plan_file=tp_path, steps=4, save_checkpoints=False, echo=False))
@@ -339,7 +341,7 @@ def test_hugging_face_llama_tp2_pp2_matches_unsplit_model(tmp_path: Path) -> Non
     # modules for torch's styles; the config's own tensor-parallel plan (base_model_tp_plan); the input
     # embedding tied to the head across the two pipeline ranks
     pytest.importorskip("transformers")
-    plan = make_plan(MODELS / "hf" / "llama.py", [0, 3], size="tiny-tied", **TP2_1F1B)
+    plan = plan_with_starts(MODELS / "hf" / "llama.py", [0, 3], size="tiny-tied", **TP2_1F1B)
     assert plan.model.trace_method == "export" and plan.world_size == 4
     assert plan.tp_plan["model.layers.*.self_attn.k_proj"] == "colwise" and len(plan.ties) == 1
     got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
@@ -351,7 +353,7 @@ def test_hugging_face_llama_with_its_head_split_tp2_pp2_matches_unsplit_model(tm
     # untied: the model's own _tp_plan splits lm_head too (colwise_gather_output, read as colwise_rep):
     # in the export graph its call is made a module at full size (its logits are gathered whole)
     pytest.importorskip("transformers")
-    plan = make_plan(MODELS / "hf" / "llama.py", [0, 3], size="tiny", **TP2_1F1B)
+    plan = plan_with_starts(MODELS / "hf" / "llama.py", [0, 3], size="tiny", **TP2_1F1B)
     assert plan.tp_plan["lm_head"] == "colwise_rep" and not plan.ties
     got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
     print("hf llama head split tp2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
@@ -363,7 +365,7 @@ def test_an_export_graph_that_bakes_full_widths_is_refused_before_launch(tmp_pat
     from planner.errors import PlanFileError
 
     hf_plan = {"model.layers.*.mlp.gate_proj": "colwise"}  # gate split, up whole: silu(gate) * up cannot multiply
-    plan = make_plan(MODELS / "hf" / "llama.py", [0, 4], n_microbatches=2, tp=2, tp_plan=hf_plan)
+    plan = plan_with_starts(MODELS / "hf" / "llama.py", [0, 4], n_microbatches=2, tp=2, tp_plan=hf_plan)
     assert plan.model.trace_method == "export"
     with pytest.raises(PlanFileError, match="does not trace with its tp_plan layers split 2 ways"):
         run_plan(plan, RunRequest(plan_file=saved(plan, tmp_path), steps=1, echo=False))
@@ -474,11 +476,11 @@ def test_an_exported_graph_is_made_shardable_at_one_tp_ranks_sizes() -> None:
 def test_launch_line_names_the_tensor_parallel_split_only_when_there_is_one() -> None:
     from planner.run.launch import launch_line
 
-    split = make_plan(MODELS / "llama.py", [0, 2], tp=2)
+    split = plan_with_starts(MODELS / "llama.py", [0, 2], tp=2)
     assert launch_line(split, 4).startswith(
         "launching 4 ranks (4 per node, 2 stages, gpipe, 4 microbatches, each stage split over 2 tensor-parallel "
         "ranks, backend gloo, "
     )
-    whole = make_plan(MODELS / "llama.py", [0, 2])
+    whole = plan_with_starts(MODELS / "llama.py", [0, 2])
     assert "tensor-parallel" not in launch_line(whole, 2)
     assert launch_line(whole, 2).startswith("launching 2 ranks (2 per node, 2 stages, gpipe, 4 microbatches, backend")

@@ -8,7 +8,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from plan_factory import LINK, MB, big_head_blocks, block, make_plan, predicted, searched
+from plan_factory import LINK, MB, big_head_blocks, block, plan_of_blocks, predicted, searched
 
 from planner.core.layout.inputs import Cluster, Constraints, Layout
 from planner.core.layout.search import TIE, blocks_at, evaluate_choice, microbatch_options, refine
@@ -93,7 +93,7 @@ def test_search_with_everything_fixed_evaluates_one_candidate() -> None:
         chosen.layout.stages_per_rank,
     ) == ("1f1b", 4, 1)
     # the same split and figures as planning 1F1B at m = 4 directly
-    plan = make_plan(big_head_blocks())
+    plan = plan_of_blocks(big_head_blocks())
     assert chosen.prediction == plan.prediction
 
 

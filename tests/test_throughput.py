@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from plan_factory import big_head_blocks, make_plan
+from plan_factory import big_head_blocks, plan_of_blocks
 
 from planner.core.levers.hardware import get_hardware
 from planner.report.tables import render
@@ -23,7 +23,7 @@ def _counted(plan: Plan, *, hardware: str | None = "h100", tokens: int | None = 
 
 
 def test_throughput_figures_are_exact() -> None:
-    plan = _counted(make_plan(big_head_blocks(), n_stages=2, m=4))
+    plan = _counted(plan_of_blocks(big_head_blocks(), n_stages=2, m=4))
     t = throughput(plan)
     step = plan.prediction.step_time_s
     assert t.samples_per_s == pytest.approx(plan.batch_size / step)
@@ -40,7 +40,7 @@ def test_throughput_figures_are_exact() -> None:
 
 
 def test_measured_cpu_plans_show_samples_and_tokens_only() -> None:
-    plan = make_plan(big_head_blocks())
+    plan = plan_of_blocks(big_head_blocks())
     t = throughput(plan)
     assert t.tokens_per_s is None and t.mfu is None and t.peak_flops is None and t.model_flops is None
     assert throughput_line(plan) == f"throughput: {t.samples_per_s:.4g} samples/s"
@@ -51,12 +51,12 @@ def test_measured_cpu_plans_show_samples_and_tokens_only() -> None:
 
 
 def test_the_report_shows_the_throughput_line() -> None:
-    plan = _counted(make_plan(big_head_blocks()))
+    plan = _counted(plan_of_blocks(big_head_blocks()))
     text = render(plan)
     assert throughput_line(plan) in text and "MFU" in text and "without the bubble" in text
 
 
 def test_unknown_dtype_or_hardware_gives_no_peak() -> None:
-    plan = _counted(make_plan(big_head_blocks()), hardware="v100")
+    plan = _counted(plan_of_blocks(big_head_blocks()), hardware="v100")
     assert peak_flops(plan) is None  # the plan says bf16, which a V100 lacks
-    assert peak_flops(_counted(make_plan(big_head_blocks()), hardware="cpu-host-1t")) is None
+    assert peak_flops(_counted(plan_of_blocks(big_head_blocks()), hardware="cpu-host-1t")) is None

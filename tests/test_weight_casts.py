@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from run_factory import MODELS, assert_close, make_plan, saved
+from run_factory import MODELS, assert_close, plan_with_starts, saved
 from torch import nn
 
 from planner.core.levers.casts import shares_casts
@@ -31,7 +31,7 @@ def _with_autocast(plan: Plan, autocast: str | None) -> Plan:
 
 
 def _bf16_plan() -> Plan:
-    return _with_autocast(make_plan(MODELS / "gpt.py", [0, 3], schedule="1f1b", n_microbatches=4), "bf16")
+    return _with_autocast(plan_with_starts(MODELS / "gpt.py", [0, 3], schedule="1f1b", n_microbatches=4), "bf16")
 
 
 def _mlp() -> nn.Module:
@@ -146,7 +146,7 @@ def test_bf16_pipelines_train_like_the_unsplit_model_under_the_same_autocast(
     # storage), and a rank whose stage keeps its own copies beside one that shares
     own = extra.pop("own", None)
     starts, v = ([0, 3], 1) if schedule != "zbv" else ([0, 2, 4, 5], 2)
-    plan = make_plan(MODELS / "gpt.py", starts, schedule=schedule, n_microbatches=4, stages_per_rank=v, **extra)
+    plan = plan_with_starts(MODELS / "gpt.py", starts, schedule=schedule, n_microbatches=4, stages_per_rank=v, **extra)
     stages = list(plan.stages)
     if recompute is not None:
         stages = [s.model_copy(update={"recompute": recompute[i % len(recompute)]}) for i, s in enumerate(stages)]
