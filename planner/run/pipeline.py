@@ -2,8 +2,9 @@
 torch ``PipelineStage`` objects, torch's schedule for the plan, and what a step needs around the
 optimizer (tied gradients, replicas, the global norm), for a loop the script keeps.
 
-``planner run`` trains through the same ``Pipeline`` (``planner.run.worker``), so a script using it
-trains exactly as the planner's own runner does. ``docs/interop.md`` has a whole script.
+``planner run`` trains through the same ``Pipeline`` (``planner.run.worker``, by way of
+``runner_hooks``), so a script using it trains exactly as the planner's own runner does.
+``docs/interop.md`` has a whole script.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from planner.capture.stage import stage_inputs
 from planner.core.step.schedules import placement
 from planner.errors import PlannerError
 from planner.run.gradients import clip_to_global_norm
+from planner.run.loop import MicrobatchFn, ReduceFn
 from planner.run.mesh import RankMesh, rank_mesh
 from planner.run.model import StageSource, check_runnable
 from planner.run.stages import RankStages, build_stages, stage_unit_fsdp
@@ -80,7 +82,7 @@ class Pipeline:
         # all; under HSDP over one shard group's replicas (the other groups hold the same shards).
         # Under tensor parallelism every rank of the replica holds part of its stages' gradients
         # (``norm_counted`` leaves the replicated copies to tp rank 0).
-        self.norm_group = (
+        self._norm_group = (
             mesh.norm_group
             if mesh.norm_group is not None
             else dist.group.WORLD
@@ -117,7 +119,7 @@ class Pipeline:
             PlannerError: the inputs or target are missing on the rank that needs them, or their
                 rows are not the replica's batch.
         """
-        losses = self.microbatch_losses(self.first_stage_args(inputs), target)
+        losses = self._microbatch_losses(inputs, target)
         return None if losses is None else torch.stack([loss.detach() for loss in losses]).mean()
 
     def finish_grads(self) -> None:
@@ -136,15 +138,15 @@ class Pipeline:
         Returns:
             The global gradient norm before clipping.
         """
-        return clip_to_global_norm(self._built.params, max_norm, self.sum_for_norm, self._built.counted)
+        return clip_to_global_norm(self._built.params, max_norm, self._sum_for_norm, self._built.counted)
 
-    def sum_for_norm(self, t: torch.Tensor) -> torch.Tensor:
+    def _sum_for_norm(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the ranks whose gradients make up the global norm (an all-reduce)."""
         t = t.to(self.device)  # nccl reduces device tensors only
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.norm_group)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._norm_group)
         return t.cpu()
 
-    def replica_mean(self, losses: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _replica_mean(self, losses: list[torch.Tensor]) -> list[torch.Tensor]:
         """Microbatch losses averaged over the replicas: the global batch's."""
         if self.mesh.dp_group is None or not losses:
             return losses
@@ -152,7 +154,7 @@ class Pipeline:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.mesh.dp_group)
         return list(t / self.plan.dp)
 
-    def first_stage_args(self, inputs: Any) -> tuple:
+    def _first_stage_args(self, inputs: Any) -> tuple:
         """The first stage's positional tensor inputs on the device (nothing on other ranks)."""
         if not self.is_first:
             return ()
@@ -181,22 +183,23 @@ class Pipeline:
         train_mode(self.modules, False)
         try:
             with torch.no_grad():
-                losses = self.microbatch_losses(self.first_stage_args(inputs), target, training=False)
+                losses = self._microbatch_losses(inputs, target, training=False)
         finally:
             train_mode(self.modules, True)
         return None if losses is None else torch.stack([loss.detach() for loss in losses]).mean()
 
-    def microbatch_losses(
-        self, args: tuple, target: torch.Tensor | None, *, training: bool = True
+    def _microbatch_losses(
+        self, inputs: Any, target: torch.Tensor | None, *, training: bool = True
     ) -> list[torch.Tensor] | None:
-        """One step's microbatches: the first stage's rank feeds ``args``, the last stage's rank the
+        """One step's microbatches: the first stage's rank feeds ``inputs``, the last stage's rank the
         target (one rank may hold both: V placements); the others only relay.
 
         With ``plan.accumulation`` k > 1 the schedule runs k times, on consecutive slices of the
         replica's batch (torch's ``schedule.step`` adds to ``.grad``).
 
         Args:
-            args: the first stage's positional tensor inputs (``()`` on other ranks).
+            inputs: the replica's batch of inputs, as ``step`` takes them (read on the first stage's
+                rank only).
             target: the batch's target (read on the last stage's rank only).
             training: forward and backward (``schedule.step``), else forward only (``schedule.eval``).
 
@@ -205,8 +208,10 @@ class Pipeline:
             over the replicas; None on the others.
 
         Raises:
-            PlannerError: no target on the last stage's rank.
+            PlannerError: no inputs, or another number of rows than the replica's batch, on the first
+                stage's rank; no target on the last stage's rank.
         """
+        args = self._first_stage_args(inputs)
         k = self.plan.accumulation
         run = partial(self.schedule.step, return_outputs=False) if training else self.schedule.eval
         if self.is_last and target is None:
@@ -226,7 +231,24 @@ class Pipeline:
                 losses: list[torch.Tensor] = []
                 run(*(_pass_slice(x, i, k) for x in args), target=_pass_slice(target, i, k), losses=losses)
                 mb_losses += losses
-        return self.replica_mean(mb_losses) if self.is_last else None
+        return self._replica_mean(mb_losses) if self.is_last else None
+
+
+def runner_hooks(pipe: Pipeline) -> tuple[MicrobatchFn, ReduceFn]:
+    """What ``planner run``'s worker (``planner.run.worker``) trains ``pipe`` through, beyond the public
+    ``Pipeline`` a user's script steps: the one training loop (``run.loop.train_steps``) records every
+    microbatch's loss and times the global norm's all-reduce itself, so it takes those two pieces
+    rather than ``step`` and ``clip_grad_norm_``.
+
+    Args:
+        pipe: this rank's pipeline.
+
+    Returns:
+        ``(inputs, target) -> losses``: one step's microbatches, forward and backward (every
+        microbatch's loss averaged over the replicas on the last stage's rank, None on the others);
+        and the sum of a tensor over the ranks whose gradients make up the global norm.
+    """
+    return pipe._microbatch_losses, pipe._sum_for_norm
 
 
 def train_mode(modules: Sequence[nn.Module], training: bool) -> None:

@@ -35,7 +35,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ from planner.run.measure import StageProbe, probes_installed, recv_buffers
 from planner.run.mesh import RankMesh, group_of_one, joined_group
 from planner.run.model import load_plan_model, planned_source
 from planner.run.optim import make_scheduler
-from planner.run.pipeline import Pipeline
+from planner.run.pipeline import Pipeline, runner_hooks
 from planner.run.signals import SIGNAL_NAMES, ignore_stop_signals, raise_on_stop_signals
 from planner.run.stages import build_stages
 from planner.run.streams import model_stream, text_stream
@@ -96,6 +96,7 @@ class _RankRun:
         built = build_stages(plan, planned_source(plan, self.mf), mesh, device, want_vocab=request.data is not None)
         self.built = built
         self.pipe = Pipeline(plan, built, mesh, device)  # what a user's own script trains through too
+        self.run_microbatches, self.sum_for_norm = runner_hooks(self.pipe)
         self.mine = plan.stages_of(mesh.pp_rank)
         self.scores = self.pipe.is_last  # the target and the loss
         self.text = text_stream(plan, request, self.mf, mesh, built.vocab_size) if built.vocab_size else None
@@ -107,10 +108,6 @@ class _RankRun:
         ]
         self.evals: list[tuple[int, float, int]] = []
         self.written: list[str] = []
-
-    def run_microbatches(self, inputs: Sequence[Any], target: torch.Tensor) -> list[torch.Tensor] | None:
-        """One step's microbatches (``Pipeline.microbatch_losses``): the losses on the last stage's rank."""
-        return self.pipe.microbatch_losses(self.pipe.first_stage_args(inputs), target)
 
     def evaluate(self, step: int) -> None:
         """Loss and perplexity on the held-out part of ``--data`` (forward only, every rank)."""
@@ -178,7 +175,7 @@ class _RankRun:
             optimizer=built.optimizer,
             device=self.device,
             run_microbatches=self.run_microbatches,
-            reduce=self.pipe.sum_for_norm,
+            reduce=self.sum_for_norm,
             finish_grads=built.finish_grads,
             counted=built.counted,
             scheduler=self.scheduler,
