@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.common import DOCS, MODELS, host, pct_error, planned_peaks, table, write_page
-from planner.core.assemble import compiled_casts
+from planner.core.levers.casts import compiled_casts
 from planner.core.step.predict import refresh
 from planner.schema.request import PlanRequest
 
