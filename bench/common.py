@@ -208,6 +208,17 @@ def plan_on_costs(
     return with_links(plan, costs.link)
 
 
+def tiny_gpt_request(overrides: Mapping[str, int], output: Path, **options: Any) -> PlanRequest:
+    """`models/gpt.py` at its tiny size with ``overrides`` (each bench's own width, depth and
+    sequence), planned quietly into ``output``; ``options``: the rest of the request (gpus, batch,
+    schedule, recompute, ...), as ``PlanRequest.build`` takes them. The memory benches train it."""
+    from planner.schema.request import PlanRequest
+
+    return PlanRequest.build(
+        model_file=MODELS / "gpt.py", size="tiny", overrides=dict(overrides), output=output, progress=False, **options
+    )
+
+
 class StagePeak(NamedTuple):
     """One stage's predicted peak memory beside the peak MemTracker saw (``planned_peaks``)."""
 

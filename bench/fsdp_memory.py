@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import DOCS, MODELS, host, planned_peaks, table, write_page
+from bench.common import DOCS, MODELS, host, planned_peaks, table, tiny_gpt_request, write_page
 from planner.api import make_plan
 from planner.errors import InfeasibleError
 from planner.report.throughput import throughput
@@ -211,10 +211,9 @@ def _case(
 ) -> list[list[object]]:
     """Plan and train one case; its rows (one per tracked stage), its errors added to ``errors``."""
     path = tmp / f"{dtype}-{units}-{mode}-{m}-{schedule}.json"
-    request = PlanRequest.build(
-        model_file=MODELS / "gpt.py",
-        size="tiny",
-        overrides=GPT,
+    request = tiny_gpt_request(
+        GPT,
+        path,
         gpus=GPUS,
         dp=GPUS,
         dp_mode="fsdp",
@@ -224,8 +223,6 @@ def _case(
         schedule=schedule,
         recompute=mode,
         dtype=dtype,
-        output=path,
-        progress=False,
     )
     print(f"--dtype {dtype} --fsdp-units {units} --recompute {mode} -m {m} --schedule {schedule}", flush=True)
     plan, result, peaks = planned_peaks(request, path, steps)

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import DOCS, MODELS, host, planned_peaks, table, write_page
-from planner.schema.request import PlanRequest
+from bench.common import DOCS, host, planned_peaks, table, tiny_gpt_request, write_page
 
 # gpt.py at a size where a stage's activations are most of its memory (long sequences, wide MLP),
 # so what checkpointing saves is visible next to the weights and optimizer state
@@ -99,10 +98,9 @@ def main() -> None:
         for schedule in schedules:
             for mode in MODES:
                 path = Path(tmp) / f"{schedule}-{mode}.json"
-                request = PlanRequest.build(
-                    model_file=MODELS / "gpt.py",
-                    size="tiny",
-                    overrides=GPT,
+                request = tiny_gpt_request(
+                    GPT,
+                    path,
                     gpus=GPUS,
                     batch_size=BATCH,
                     microbatches=MICROBATCHES,
@@ -110,8 +108,6 @@ def main() -> None:
                     recompute=mode.partition(":")[0],
                     method="given",  # the same split under every mode: 4 layers a stage
                     compare=SPLIT,
-                    output=path,
-                    progress=False,
                 )
                 print(f"{schedule} --recompute {mode}", flush=True)
                 plan, result, peaks = planned_peaks(request, path, steps, mode if ":" in mode else None)

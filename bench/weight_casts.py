@@ -21,10 +21,9 @@ from pathlib import Path
 
 import torch
 
-from bench.common import DOCS, MODELS, host, pct_error, planned_peaks, table, write_page
+from bench.common import DOCS, host, pct_error, planned_peaks, table, tiny_gpt_request, write_page
 from planner.core.levers.casts import compiled_casts
 from planner.core.step.predict import refresh
-from planner.schema.request import PlanRequest
 
 # wide layers on short sequences: a stage's weights (and so their bf16 copies) outweigh what one
 # microbatch's activations add
@@ -90,10 +89,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for schedule in SCHEDULES:
             path = Path(tmp) / f"{schedule}.json"
-            request = PlanRequest.build(
-                model_file=MODELS / "gpt.py",
-                size="tiny",
-                overrides=GPT,
+            request = tiny_gpt_request(
+                GPT,
+                path,
                 gpus=GPUS,
                 batch_size=BATCH,
                 microbatches=MICROBATCHES,
@@ -102,8 +100,6 @@ def main() -> None:
                 method="given",
                 compare=SPLIT,
                 dtype="bf16",
-                output=path,
-                progress=False,
             )
             print(f"{schedule}", flush=True)
             plan, _, peaks = planned_peaks(request, path, args.steps)
