@@ -9,6 +9,7 @@ from planner.core.assemble import Origin, assemble_plan
 from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
 from planner.core.layout.search import Choice, search
 from planner.core.levers.links import Links
+from planner.core.split.cuts import Split
 from planner.core.split.solve import solve
 from planner.core.split.stage_model import Partition
 from planner.core.step.predict import predict
@@ -171,7 +172,7 @@ def predicted(
     """``predict`` for a split of ``len(starts)`` stages, its layout spelled as arguments."""
     # rounded down: predict refuses a split whose stages do not spread evenly over the ranks
     layout = Layout(schedule, len(starts) // stages_per_rank, n_microbatches, stages_per_rank, dp, dp_mode)
-    return predict(blocks, starts, link, layout, optimizer, recompute, slots)
+    return predict(blocks, Split(starts=tuple(starts), recompute=tuple(recompute)), link, layout, optimizer, slots)
 
 
 def searched(

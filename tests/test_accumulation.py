@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from planner.core.layout.bounds import floors
 from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
 from planner.core.layout.search import accumulation_options, describe, search
+from planner.core.split.cuts import Split
 from planner.core.step.predict import predict
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost
@@ -33,10 +34,10 @@ def test_k_passes_are_k_makespans_plus_the_once_per_step_parts(schedule: str, dp
     v = 2 if schedule == "interleaved-1f1b" else 1
     starts = [0, 1, 2, 4] if v == 2 else [0, 3]
     one = Layout(schedule, 2, 4, v, dp=2, dp_mode=dp_mode)
-    _, p1 = predict(BLOCKS, starts, LINK, one, ADAMW)
+    _, p1 = predict(BLOCKS, Split(starts=tuple(starts)), LINK, one, ADAMW)
     several = set()
     for k in (2, 3):
-        _, pk = predict(BLOCKS, starts, LINK, replace(one, accumulation=k), ADAMW)
+        _, pk = predict(BLOCKS, Split(starts=tuple(starts)), LINK, replace(one, accumulation=k), ADAMW)
         assert pk.pipeline_time_s == pytest.approx(k * p1.pipeline_time_s, rel=1e-12)
         # DDP reduces once per step; FSDP reshards and reduce-scatters after every pass (torch's PipelineStage)
         reduce_passes = k if dp_mode == "fsdp" else 1
@@ -175,7 +176,7 @@ def problems(draw: st.DrawFn) -> tuple[list[BlockCost], Layout, list[int]]:
 def test_floors_stay_lower_bounds(problem: tuple[list[BlockCost], Layout, list[int]]) -> None:
     blocks, layout, starts = problem
     try:
-        _, prediction = predict(blocks, starts, LINK, layout, ADAMW)
+        _, prediction = predict(blocks, Split(starts=tuple(starts)), LINK, layout, ADAMW)
     except InfeasibleError:
         return
     step, memory = floors(blocks, layout, ADAMW)

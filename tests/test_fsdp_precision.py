@@ -20,6 +20,7 @@ from test_fsdp_units import ADAMW, CPU, LINK, _plan
 from planner.core.layout.inputs import Layout
 from planner.core.levers.casts import without_casts
 from planner.core.levers.data_parallel import as_gathered, block_fsdp_s, grad_reduce_s, rank_reduce_s, wide_bytes
+from planner.core.split.cuts import Split
 from planner.core.split.stage_model import grad_bytes, stage_memory_parts, unsharded_bytes
 from planner.core.step.predict import predict
 from planner.schema.costs import BlockCost
@@ -93,7 +94,7 @@ def test_gradients_are_reduced_in_fp32_and_weights_gathered_in_bf16() -> None:
     blocks = _bf16_layers()
     assert wide_bytes(blocks) == 4 * MB
     assert wide_bytes([block("a", 1, 1, QUARTER)]) == MB  # fp32: its own bytes
-    stages, _ = predict(blocks, [0], LINK, Layout("gpipe", 1, 2, 1, dp=4, dp_mode="fsdp"), ADAMW)
+    stages, _ = predict(blocks, Split(starts=(0,)), LINK, Layout("gpipe", 1, 2, 1, dp=4, dp_mode="fsdp"), ADAMW)
     assert rank_reduce_s(blocks, stages, [LINK], 4, "fsdp") == pytest.approx([10.5e-3], rel=1e-12)
     # block by block, per microbatch and unit: two gathers of half a MiB, one reduce-scatter of 1 MiB
     per_unit = 2 * (3 + 0.75 / 2) * 1e-3 + (3 + 0.75) * 1e-3

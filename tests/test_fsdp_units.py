@@ -18,6 +18,7 @@ from planner.core.assemble import Origin, assemble_plan
 from planner.core.layout.inputs import Layout
 from planner.core.levers.data_parallel import block_fsdp_s
 from planner.core.levers.recompute import checkpoint_units
+from planner.core.split.cuts import Split
 from planner.core.split.solve import _MemoryModel
 from planner.core.split.stage_model import MemoryParts, stage_memory_bytes, stage_memory_parts
 from planner.core.split.stage_plans import rank_memory_bytes
@@ -171,7 +172,7 @@ def test_the_ranks_order_counts_the_share_as_the_closed_form(schedule: str, p: i
 def test_block_traffic_is_hidden_behind_compute_except_the_first_gathers() -> None:
     blocks = _layers()
     layout = Layout("gpipe", 1, 2, 1, dp=4, dp_mode="fsdp", fsdp_units="block")
-    stages, pred = predict(blocks, [0], LINK, layout, ADAMW)
+    stages, pred = predict(blocks, Split(starts=(0,)), LINK, layout, ADAMW)
     # one ring of a 1 MiB unit among 4 replicas: 3 steps of 1 ms + 3/4 MiB at 1 MiB/ms = 3.75 ms; per
     # microbatch 4 units x 3 rings = 45 ms, below the stage's 120 ms of compute: only the first
     # gather of each forward and of each backward waits, 2 x 3.75 ms per microbatch
@@ -179,10 +180,10 @@ def test_block_traffic_is_hidden_behind_compute_except_the_first_gathers() -> No
     assert block_fsdp_s(blocks, stages, [LINK], 4, 2, overlap=False) == pytest.approx([2 * 12 * 3.75e-3], rel=1e-12)
     # compute too short to hide it: 0.2 ms per block, 1.6 ms per step; the rest of 90 ms shows
     quick = _layers(fwd_ms=0.1, bwd_ms=0.1)
-    stages, pred = predict(quick, [0], LINK, layout, ADAMW)
+    stages, pred = predict(quick, Split(starts=(0,)), LINK, layout, ADAMW)
     assert pred.dp_reduce_s == pytest.approx(15e-3 + (90e-3 - 15e-3 - 1.6e-3), rel=1e-9)
     # per stage: one gather and one reduce-scatter of the 4 MiB stage per pass, 2 x (3 + 3) ms
-    _, whole = predict(blocks, [0], LINK, Layout("gpipe", 1, 2, 1, dp=4, dp_mode="fsdp"), ADAMW)
+    _, whole = predict(blocks, Split(starts=(0,)), LINK, Layout("gpipe", 1, 2, 1, dp=4, dp_mode="fsdp"), ADAMW)
     assert whole.dp_reduce_s == pytest.approx(12e-3, rel=1e-12)
 
 

@@ -29,6 +29,7 @@ from planner.core.levers.data_parallel import (
 )
 from planner.core.levers.hardware import get_hardware, link_cost, node_links
 from planner.core.levers.links import NodeLinks
+from planner.core.split.cuts import Split
 from planner.core.step.predict import predict, refresh, with_links
 from planner.errors import InfeasibleError
 from planner.report.export import export_plan
@@ -149,9 +150,9 @@ def test_group_links_match_a_brute_force_over_every_placement() -> None:
 def test_memory_is_fsdps_over_the_group_and_traffic_two_levels_by_hand() -> None:
     blocks = _layers()  # 4 MiB of parameters on the one pipeline rank
     hsdp = Layout("gpipe", 1, 2, 1, dp=4, dp_mode="hsdp", dp_shard=2)
-    _, got = predict(blocks, [0], LINK, hsdp, ADAMW)
-    _, fsdp2 = predict(blocks, [0], LINK, Layout("gpipe", 1, 2, 1, dp=2, dp_mode="fsdp"), ADAMW)
-    _, fsdp4 = predict(blocks, [0], LINK, Layout("gpipe", 1, 2, 1, dp=4, dp_mode="fsdp"), ADAMW)
+    _, got = predict(blocks, Split(starts=(0,)), LINK, hsdp, ADAMW)
+    _, fsdp2 = predict(blocks, Split(starts=(0,)), LINK, Layout("gpipe", 1, 2, 1, dp=2, dp_mode="fsdp"), ADAMW)
+    _, fsdp4 = predict(blocks, Split(starts=(0,)), LINK, Layout("gpipe", 1, 2, 1, dp=4, dp_mode="fsdp"), ADAMW)
     # the state is sharded over the group of 2, as FSDP over 2 replicas shards it
     assert got.max_memory_bytes == fsdp2.max_memory_bytes > fsdp4.max_memory_bytes
     # inside the group: gather + reduce-scatter of 1/2 x 4 MiB at 1 MiB/ms = 2 x 2 ms; then the
@@ -163,7 +164,9 @@ def test_memory_is_fsdps_over_the_group_and_traffic_two_levels_by_hand() -> None
 
 def test_block_units_all_reduce_each_units_shard_every_microbatch() -> None:
     blocks = _layers()
-    stages, _ = predict(blocks, [0], LINK, Layout("gpipe", 1, 2, 1, dp=4, dp_mode="hsdp", dp_shard=2), ADAMW)
+    stages, _ = predict(
+        blocks, Split(starts=(0,)), LINK, Layout("gpipe", 1, 2, 1, dp=4, dp_mode="hsdp", dp_shard=2), ADAMW
+    )
     # per microbatch (2) and unit (4 of 1 MiB): two gathers and a reduce-scatter of 1/2 MiB
     # (3 x 0.5 ms), then the unit's 1/2 MiB shard all-reduced over 2 groups (0.5 ms)
     got = block_fsdp_s(blocks, stages, [LINK], 2, 2, False, [LINK], 2)

@@ -239,7 +239,7 @@ def test_solver_respects_measured_temporaries(
         assert want is None
         return
     assert want is not None
-    mems = stage_memories(blocks, part.starts, schedule="1f1b", n_microbatches=m, optimizer=optimizer)
+    mems = stage_memories(blocks, part, schedule="1f1b", n_microbatches=m, optimizer=optimizer)
     assert max(mems) <= limit
     got = max(sum(b.fwd_s + b.bwd_s for b in blocks[s:e]) for s, e in zip(part.starts, (*part.starts[1:], len(blocks))))
     assert math.isclose(got, want)

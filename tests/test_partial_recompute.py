@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from planner.core.layout.inputs import Constraints
 from planner.core.levers.partial_recompute import fewest_recomputed
 from planner.core.levers.recompute import checkpoint_units, rerun_s
+from planner.core.split.cuts import Split
 from planner.core.split.stage_model import (
     Partition,
     prefix_memory_parts,
@@ -194,9 +195,7 @@ def test_auto_recomputes_only_the_blocks_that_must() -> None:
     infl = in_flight_per_stage("gpipe", 2, 4)
     narrowed = fewest_recomputed(blocks, split, FREE, layout, constraints, infl)
     assert narrowed.recompute == ("full:1", "full:1") and narrowed.bottleneck_s == 2 + 1 + 20
-    assert stage_memories(
-        blocks, narrowed.starts, schedule="gpipe", n_microbatches=4, recompute=narrowed.recompute
-    ) == [
+    assert stage_memories(blocks, narrowed, schedule="gpipe", n_microbatches=4) == [
         490,
         480,
     ]
@@ -220,7 +219,7 @@ def test_auto_may_trade_selective_everywhere_for_full_on_fewer_blocks() -> None:
     split = Partition(starts=(0,), bottleneck_s=0.0, recompute=("selective",))
     got = fewest_recomputed(blocks, split, FREE, layout, Constraints(ADAMW, 310, "auto"), [1])
     assert got.recompute == ("full:1",)
-    assert got.bottleneck_s == stage_costs(blocks, [0], FREE, ["full:1"], "gpipe")[0] == 4 + 1
+    assert got.bottleneck_s == stage_costs(blocks, Split(starts=(0,), recompute=("full:1",)), FREE, "gpipe")[0] == 4 + 1
     # zero-bubble schedules run no selective region: there a full stage only narrows its full count
     zb = layout_of("zbv", 2, 2)
     split = Partition(starts=(0, 2), bottleneck_s=0.0, recompute=("full", "full"))

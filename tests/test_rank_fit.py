@@ -13,6 +13,7 @@ from plan_factory import LINK, block
 from planner.core.layout.candidate import evaluate_choice
 from planner.core.layout.inputs import Cluster, Constraints, Layout
 from planner.core.layout.rank_fit import rank_split
+from planner.core.split.cuts import Split
 from planner.core.split.solve import solve
 from planner.core.step.predict import predict
 from planner.core.step.schedules import in_flight_per_stage
@@ -34,7 +35,7 @@ def test_a_rank_fits_where_the_per_stage_share_does_not() -> None:
     blocks = _embedding_and_layers()
     # the limit: what rank 0 needs with the embedding alone in stage 0, nothing recomputed
     starts = [0, 1, 3, 5]
-    _, given_split = predict(blocks, starts, LINK, LAYOUT, ADAMW)
+    _, given_split = predict(blocks, Split(starts=tuple(starts)), LINK, LAYOUT, ADAMW)
     limit = given_split.max_memory_bytes
     # the embedding's stage alone is over half of it: the share hides every split
     share = Constraints(ADAMW, limit // 2, "never")
@@ -48,8 +49,10 @@ def test_a_rank_fits_where_the_per_stage_share_does_not() -> None:
 
 def test_a_rank_over_the_limit_recomputes_on_its_own_stages() -> None:
     blocks = _embedding_and_layers()
-    _, plain = predict(blocks, [0, 1, 3, 5], LINK, LAYOUT, ADAMW)
-    _, recomputed = predict(blocks, [0, 1, 3, 5], LINK, LAYOUT, ADAMW, ["never", "full", "full", "full"])
+    _, plain = predict(blocks, Split(starts=(0, 1, 3, 5)), LINK, LAYOUT, ADAMW)
+    _, recomputed = predict(
+        blocks, Split(starts=(0, 1, 3, 5), recompute=("never", "full", "full", "full")), LINK, LAYOUT, ADAMW
+    )
     # between the two: only recomputing layers fits, and the share (half) fits no stage holding the embedding
     limit = (plain.max_memory_bytes + recomputed.max_memory_bytes) // 2
     assert recomputed.max_memory_bytes <= limit < plain.max_memory_bytes
@@ -58,7 +61,7 @@ def test_a_rank_over_the_limit_recomputes_on_its_own_stages() -> None:
     assert any(r != "never" for r in pred.recompute)
     assert pred.step_time_s <= recomputed.step_time_s
     # the prediction is the split's own: redoing it gives the same figures
-    _, again = predict(blocks, pred.starts, LINK, LAYOUT, ADAMW, pred.recompute)
+    _, again = predict(blocks, Split.of(pred), LINK, LAYOUT, ADAMW)
     assert again == pred
 
 
@@ -95,7 +98,7 @@ def test_never_worse_than_the_share_and_always_verified(raw: list, heavy: bool, 
     runs = []
     for cuts in itertools.combinations(range(1, len(blocks)), 3):
         for modes in itertools.product(["never", "full", "stage"], repeat=4):
-            _, pr = predict(blocks, [0, *cuts], LINK, layout, ADAMW, list(modes))
+            _, pr = predict(blocks, Split(starts=(0, *cuts), recompute=modes), LINK, layout, ADAMW)
             runs.append((pr.step_time_s, pr.max_memory_bytes, set(modes) == {"never"}))
     needs = sorted(mem for _, mem, _ in runs)
     limit = needs[int(pick * (len(needs) - 1))]
@@ -103,7 +106,7 @@ def test_never_worse_than_the_share_and_always_verified(raw: list, heavy: bool, 
     constraints = Constraints(ADAMW, limit, "auto")
     try:  # the per-stage share alone, as the search had it
         split = solve(blocks, LINK, layout, Constraints(ADAMW, limit // 2, "auto"), in_flight)
-        _, share = predict(blocks, split.starts, LINK, layout, ADAMW, split.recompute)
+        _, share = predict(blocks, split, LINK, layout, ADAMW)
     except InfeasibleError:
         share = None
     try:
@@ -114,7 +117,7 @@ def test_never_worse_than_the_share_and_always_verified(raw: list, heavy: bool, 
     if pred.max_memory_bytes > limit:
         assert share is None or share.max_memory_bytes > limit
         return
-    _, again = predict(blocks, pred.starts, LINK, layout, ADAMW, pred.recompute)
+    _, again = predict(blocks, Split.of(pred), LINK, layout, ADAMW)
     assert again.max_memory_bytes <= limit
     assert pred.step_time_s >= fastest * (1 - 1e-9)
     if share is not None:

@@ -12,6 +12,7 @@ from plan_factory import LINK, MB, big_head_blocks, block, plan_of_blocks, predi
 
 from planner.core.layout.inputs import Cluster, Constraints, Layout
 from planner.core.layout.search import TIE, blocks_at, evaluate_choice, microbatch_options, refine
+from planner.core.split.cuts import Split
 from planner.core.split.stage_model import stage_memories
 from planner.core.step.schedules import SCHEDULES, placement
 from planner.errors import InfeasibleError
@@ -180,7 +181,7 @@ def test_a_split_off_the_legal_cuts_is_refused_before_it_is_laid_out(starts: tup
     blocks[1] = blocks[1].model_copy(update={"cut_legal": False})  # no cut after b1
     layout = Layout("1f1b" if len(starts) == 2 else "gpipe", len(starts), 4, 1)
     with pytest.raises(InfeasibleError, match=message):
-        predict(blocks, starts, LINK, layout, ADAMW)
+        predict(blocks, Split(starts=tuple(starts)), LINK, layout, ADAMW)
 
 
 blocks_st = st.lists(
@@ -199,7 +200,9 @@ def test_rank_memory_equals_stage_memory_with_one_stage_per_rank(raw: list, m: i
         if schedule == "1f1b" and m < 2:
             continue
         stages, pred = predicted(blocks, starts, LINK, schedule, m, ADAMW)
-        per_stage = stage_memories(blocks, starts, schedule=schedule, n_microbatches=m, optimizer=ADAMW)
+        per_stage = stage_memories(
+            blocks, Split(starts=tuple(starts)), schedule=schedule, n_microbatches=m, optimizer=ADAMW
+        )
         assert [s.memory_bytes for s in stages] == per_stage
         assert pred.max_memory_bytes == max(per_stage)
 

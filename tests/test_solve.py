@@ -22,6 +22,7 @@ from planner.core.levers.links import NodeLinks, boundary_crosses, boundary_link
 from planner.core.levers.recompute import checkpoint_units, recompute_cost, selective_cost
 from planner.core.split import solve as solve_mod
 from planner.core.split.baselines import param_balanced, uniform_layers
+from planner.core.split.cuts import Split
 from planner.core.split.solve import policy_options
 from planner.core.split.stage_model import (
     Partition,
@@ -126,7 +127,7 @@ def brute(
             flags.append(fit[0] if fit else None)
         if None in flags:
             continue
-        costs = stage_costs(blocks, starts, link, flags, schedule)
+        costs = stage_costs(blocks, Split(starts=starts, recompute=tuple(flags)), link, schedule)
         out.append((starts, max(costs), sum(costs)))
     return out
 
@@ -229,24 +230,12 @@ def test_solve_matches_brute_force(
     optimal = [(s, b, c) for s, b, c in feasible if b <= opt + 1e-9 * max(1.0, opt)]
     assert part.starts in [s for s, _, _ in optimal]
     best_sum = min(c for _, _, c in optimal)
-    ours_sum = sum(stage_costs(blocks, part.starts, link, part.recompute))
+    ours_sum = sum(stage_costs(blocks, part, link))
     assert math.isclose(ours_sum, best_sum, rel_tol=1e-9, abs_tol=1e-12)
     tied = sorted(s for s, _, c in optimal if c <= best_sum + 1e-9 * max(1.0, best_sum))
     assert part.starts == tied[0]
     if limit is not None:
-        assert (
-            max(
-                stage_memories(
-                    blocks,
-                    part.starts,
-                    schedule=schedule,
-                    n_microbatches=m,
-                    optimizer=optimizer,
-                    recompute=part.recompute,
-                )
-            )
-            <= limit
-        )
+        assert max(stage_memories(blocks, part, schedule=schedule, n_microbatches=m, optimizer=optimizer)) <= limit
 
 
 # ---------------------------------------------------------------------------------------------
@@ -458,7 +447,7 @@ def _reference_solve(
         return None
     ends = [*starts[1:], n]
     flags = [choice(s, e, k) or "never" for k, (s, e) in enumerate(zip(starts, ends))]
-    return evaluate(blocks, starts, link, flags, schedule)
+    return evaluate(blocks, Split(starts=tuple(starts), recompute=tuple(flags)), link, schedule)
 
 
 def _too_few_cuts(blocks: Sequence[BlockCost], n_stages: int) -> bool:
@@ -511,7 +500,7 @@ def _reference_param_balanced(blocks: Sequence[BlockCost], n_stages: int, link: 
     cost: _StageCost = lambda s, e, k: params[s][e]  # noqa: E731
     starts = _reference_dp(n, n_stages, _legal_starts(blocks), cost, cost, lambda s, e, k: True, latest=True)
     assert starts is not None
-    return evaluate(blocks, starts, link)
+    return evaluate(blocks, Split(starts=tuple(starts)), link)
 
 
 def outcome(fn: Callable[..., Partition], *args: object, **kw: object) -> Partition | tuple[str, str]:
@@ -815,7 +804,7 @@ def test_2000_blocks_64_stages_complete() -> None:
     free = solved(blocks, 64, link, n_microbatches=64)
     assert len(free.starts) == 64
     limited = solved(blocks, 64, link, n_microbatches=64, memory_limit_bytes=2 * 10**8, recompute="never")
-    assert max(stage_memories(blocks, limited.starts, schedule="1f1b", n_microbatches=64)) <= 2 * 10**8
+    assert max(stage_memories(blocks, limited, schedule="1f1b", n_microbatches=64)) <= 2 * 10**8
     assert limited.bottleneck_s >= free.bottleneck_s
     with pytest.raises(InfeasibleError, match="smallest stage count that fits is"):
         solved(blocks, 64, link, n_microbatches=64, memory_limit_bytes=10**8, schedule="gpipe", recompute="never")
@@ -847,7 +836,7 @@ def test_equal_bottleneck_prefers_less_communication() -> None:
     part = solved(blocks, 3, link, n_microbatches=4)
     assert part.starts == (0, 1, 3)
     assert math.isclose(part.bottleneck_s, 4.2)
-    assert [round(c, 12) for c in stage_costs(blocks, (0, 1, 3), link)] == [4.2, 2.4, 1.2]
+    assert [round(c, 12) for c in stage_costs(blocks, Split(starts=(0, 1, 3)), link)] == [4.2, 2.4, 1.2]
     assert math.isclose(stage_time_parts(blocks, 1, 3, link)[2], 0.2)  # per direction; gradients pay the same
 
 
@@ -866,7 +855,7 @@ def test_illegal_cut_forces_other_split() -> None:
     blocks[1] = blk(1, 1.0, legal=False)  # no cut between b1 and b2
     assert solved(blocks, 2, FREE, n_microbatches=2) == Partition(starts=(0, 1), bottleneck_s=3.0)
     with pytest.raises(InfeasibleError, match="not legal"):
-        evaluate(blocks, (0, 2), FREE)
+        evaluate(blocks, Split(starts=(0, 2)), FREE)
 
 
 def test_too_few_legal_cuts_or_blocks() -> None:
@@ -896,7 +885,7 @@ def test_memory_uses_in_flight_of_each_stage() -> None:
     blocks = times([1, 1, 1, 1], act=100)
     part = solved(blocks, 2, FREE, n_microbatches=4, schedule="1f1b", memory_limit_bytes=350, recompute="never")
     assert part == Partition(starts=(0, 1), bottleneck_s=3.0)  # (0,2) would need 400 on stage 0
-    assert stage_memories(blocks, part.starts, schedule="1f1b", n_microbatches=4) == [200, 300]
+    assert stage_memories(blocks, part, schedule="1f1b", n_microbatches=4) == [200, 300]
     # GPipe keeps all 4 microbatches on every stage: even one block needs 400.
     with pytest.raises(InfeasibleError, match="alone needs 400 bytes"):
         solved(blocks, 2, FREE, n_microbatches=4, schedule="gpipe", memory_limit_bytes=350, recompute="never")
@@ -913,7 +902,7 @@ def test_recompute_auto_makes_a_plan_fit() -> None:
     assert part.starts == (0, 2) and part.recompute == ("full", "full")
     # 2 blocks x (forward 1 + forward again in backward 1) + the 10-byte boundary each way at 1 B/s.
     assert part.bottleneck_s == 4.0 + 20.0
-    assert stage_memories(blocks, part.starts, schedule="gpipe", n_microbatches=4, recompute=part.recompute) == [
+    assert stage_memories(blocks, part, schedule="gpipe", n_microbatches=4) == [
         230,
         220,
     ]
@@ -935,7 +924,7 @@ def test_auto_takes_selective_checkpointing_where_it_fits() -> None:
     part = solved(blocks, 2, FREE, n_microbatches=4, schedule="gpipe", memory_limit_bytes=450)
     assert part.starts == (0, 2) and part.recompute == ("selective", "selective")
     assert part.bottleneck_s == 2 * (1.0 + 0.25) + 20.0
-    assert stage_memories(blocks, part.starts, schedule="gpipe", n_microbatches=4, recompute=part.recompute) == [
+    assert stage_memories(blocks, part, schedule="gpipe", n_microbatches=4) == [
         440,
         430,
     ]
@@ -1212,7 +1201,7 @@ def test_solve_with_node_links_equals_solve_with_their_boundary_list() -> None:
         got = solved(blocks, 4 * v, links, schedule=schedule, in_flight=infl, n_microbatches=8)
         assert got == want
         # the inter-node boundaries are the slow ones: their stages pay more for the same bytes
-        costs = stage_costs(blocks, got.starts, links, schedule=schedule)
+        costs = stage_costs(blocks, got, links, schedule=schedule)
         assert max(costs) == got.bottleneck_s
 
 
@@ -1222,7 +1211,7 @@ def test_a_cold_start_is_charged_to_the_stage_that_waits_and_moves_the_split() -
     warm = times([3.0, 1.0, 1.0, 3.0])
     assert solved(warm, 2, FREE, schedule="gpipe", n_microbatches=2, optimizer=SGD).starts == (0, 2)
     cold = [blk(i, t, fc=1.5 if i == 2 else 0.0, bc=0.0) for i, t in enumerate([3.0, 1.0, 1.0, 3.0])]
-    assert stage_costs(cold, (0, 2), FREE) == [4.0, 5.5]
+    assert stage_costs(cold, Split(starts=(0, 2)), FREE) == [4.0, 5.5]
     part = solved(cold, 2, FREE, schedule="gpipe", n_microbatches=2, optimizer=SGD)
     assert part.starts == (0, 1) and part.bottleneck_s == 5.0
     # only the receiving end pays: the first stage's forward and the last stage's backward never wait
@@ -1242,14 +1231,14 @@ def test_the_turn_of_a_v_costs_the_solver_what_it_costs_the_prediction() -> None
     blocks = [blk(i, 1.0, 1.0, fc=0.25, bc=0.125) for i in range(4)]
     # stage = fwd (+ 0.25 cold if it receives activations) + bwd (+ 0.125 cold if it receives a
     # gradient) + 2 x 0.5 per boundary it sends or receives over
-    assert stage_costs(blocks, (0, 1, 2, 3), link, schedule="1f1b") == [3.125, 4.375, 4.375, 3.25]
-    assert stage_costs(blocks, (0, 1, 2, 3), link, schedule="zbv") == [3.125, 3.25, 3.125, 3.25]
+    assert stage_costs(blocks, Split(starts=(0, 1, 2, 3)), link, schedule="1f1b") == [3.125, 4.375, 4.375, 3.25]
+    assert stage_costs(blocks, Split(starts=(0, 1, 2, 3)), link, schedule="zbv") == [3.125, 3.25, 3.125, 3.25]
     assert boundary_crosses(4, "zbv") == [True, False, True]
     assert boundary_crosses(2, "interleaved-1f1b", stages_per_rank=2) == [False]  # one rank runs both
     for schedule, v in (("1f1b", 1), ("zbv", 2)):
         stages, _ = predicted(blocks, (0, 1, 2, 3), link, schedule, 4, SGD, stages_per_rank=v)
         planned = [s.time_s for s in stages]  # fwd + bwd + comm_s (both directions)
-        assert planned == stage_costs(blocks, (0, 1, 2, 3), link, schedule=schedule)
+        assert planned == stage_costs(blocks, Split(starts=(0, 1, 2, 3)), link, schedule=schedule)
         part = solved(blocks, 4, link, schedule=schedule, in_flight=[1] * 4, n_microbatches=4, optimizer=SGD)
         assert part.bottleneck_s == max(planned)
 

@@ -16,6 +16,7 @@ from planner.core.levers.data_parallel import gather_bytes_of, layout_links
 from planner.core.levers.links import NodeLinks
 from planner.core.levers.tensor_parallel import allowed_degrees, block_degree_limit
 from planner.core.split.baselines import param_balanced, uniform_layers
+from planner.core.split.cuts import Split
 from planner.core.split.given import given_starts
 from planner.core.split.solve import policy_options
 from planner.core.split.stage_model import Partition
@@ -126,14 +127,14 @@ def compare_methods(
             if name == request.method:
                 raise
             continue  # a baseline that cannot split this model is left out of the comparison
-        out[name] = predict(blocks, split.starts, link, layout, request.optimizer, split.recompute, slots)
+        out[name] = predict(blocks, split, link, layout, request.optimizer, slots)
     if given is not None:
         where, starts = given
         placed = layout_links(link, where.layout.pp, where.layout.dp, where.layout.tp)
         policy_options(request.recompute, where.layout.schedule)  # selective cannot run under a zero-bubble one
         forced = request.recompute if request.recompute in ("selective", "full", "stage") else "never"
-        recompute = [forced] * len(starts)
-        out["given"] = predict(where.blocks, starts, placed, where.layout, request.optimizer, recompute, slots)
+        theirs = Split(starts=tuple(starts), recompute=(forced,) * len(starts))
+        out["given"] = predict(where.blocks, theirs, placed, where.layout, request.optimizer, slots)
     return out
 
 

@@ -15,7 +15,7 @@ from planner.core.layout.inputs import Cluster, Constraints, Layout
 from planner.core.layout.rank_fit import rank_split
 from planner.core.levers.casts import compiled_casts, without_casts
 from planner.core.levers.data_parallel import as_gathered, layout_links
-from planner.core.split.stage_model import Partition
+from planner.core.split.cuts import Split
 from planner.core.split.stage_plans import StageMemo
 from planner.core.step.predict import predict
 from planner.core.step.schedules import SPLIT_BACKWARD, check_schedule
@@ -34,6 +34,11 @@ class Choice:
     stages: list[StagePlan]
     prediction: Prediction
     fits: bool
+
+    @property
+    def split(self) -> Split:
+        """The split its prediction carries."""
+        return Split.of(self.prediction)
 
     def row(self) -> Candidate:
         """The candidate as the plan records it."""
@@ -135,7 +140,7 @@ def evaluate_choice(
     cluster: Cluster,
     layout: Layout,
     constraints: Constraints,
-    split: Partition | None = None,
+    split: Split | None = None,
     memo: StageMemo | None = None,
 ) -> Choice:
     """Solve (unless ``split`` is given) and predict one layout.
@@ -180,9 +185,7 @@ def evaluate_choice(
     if split is None:
         stages, prediction = rank_split(blocks, link, layout, constraints, cluster.slots)
     else:
-        stages, prediction = predict(
-            blocks, split.starts, link, layout, constraints.optimizer, split.recompute, cluster.slots, memo
-        )
+        stages, prediction = predict(blocks, split, link, layout, constraints.optimizer, cluster.slots, memo)
     fits = limit is None or prediction.max_memory_bytes <= limit
     # one replica is recorded as ddp, whatever was asked
     mode = ("hsdp" if layout.dp_mode == "hsdp" else "fsdp") if layout.shard > 1 else "ddp"

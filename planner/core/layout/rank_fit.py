@@ -21,6 +21,7 @@ from dataclasses import replace
 from planner.core.layout.inputs import Constraints, Layout
 from planner.core.levers.links import Links
 from planner.core.levers.partial_recompute import fewest_recomputed
+from planner.core.split.cuts import Split
 from planner.core.split.solve import policy_options, solve
 from planner.core.split.stage_plans import LaidOut, laid_out
 from planner.core.step.predict import timed
@@ -72,7 +73,7 @@ def rank_split(
         pass
     # relaxed only where the share may cost speed: it fits nothing, or it made "auto" recompute (an
     # explicit mode recomputes as asked, whatever the cap)
-    if not tried or (constraints.recompute == "auto" and any(f != "never" for f in tried[0].flags)):
+    if not tried or (constraints.recompute == "auto" and tried[0].split.recompute):
         _relax(blocks, link, layout, constraints, tried)
     # only a split that fits can be chosen, and only its step decides: the rest are never timed
     fitting = [timed(t, blocks, layout, slots) for t in tried if t.max_memory_bytes <= limit]
@@ -140,7 +141,7 @@ def _escalate(
         return start
     ladder = [m for m in policy_options("auto", layout.schedule) if m in ("never", "selective", "full")]
     laid = start
-    flags = list(laid.flags)
+    flags = laid.split.flags
     while laid.max_memory_bytes > limit:
         over = {r for r, b in enumerate(laid.rank_memory) if b > limit}
         raised = False
@@ -153,7 +154,9 @@ def _escalate(
             raised = True
         if not raised:
             break
-        laid = laid_out(blocks, laid.starts, link, layout, constraints.optimizer, flags)
+        laid = laid_out(
+            blocks, Split(starts=laid.split.starts, recompute=tuple(flags)), link, layout, constraints.optimizer
+        )
     return laid
 
 
@@ -200,7 +203,7 @@ def _solved(
             )
         ) from None
     split = fewest_recomputed(blocks, split, link, layout, per_stage, in_flight)
-    return laid_out(blocks, split.starts, link, layout, constraints.optimizer, split.recompute)
+    return laid_out(blocks, split, link, layout, constraints.optimizer)
 
 
 __all__ = ["RELAX_STEPS", "rank_split"]

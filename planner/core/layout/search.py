@@ -39,7 +39,7 @@ from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, Se
 from planner.core.levers.data_parallel import hsdp_shard, tp_link
 from planner.core.levers.links import NodeLinks
 from planner.core.levers.tensor_parallel import at_degree
-from planner.core.split.stage_model import Partition
+from planner.core.split.cuts import Split
 from planner.core.split.stage_plans import StageMemo
 from planner.core.step.schedules import SPLIT_BACKWARD, stages_per_rank_options
 from planner.errors import InfeasibleError
@@ -616,20 +616,20 @@ def refine(choice: Choice, cluster: Cluster, constraints: Constraints, budget: i
     blocks = choice.blocks
     n = len(blocks)
     best = choice
-    flags = tuple(choice.prediction.recompute)
+    recompute = choice.split.recompute
     memo = StageMemo()  # a move changes two stages: the others are laid out once for the whole polish
     improved = True
     while improved and budget > 0:
         improved = False
-        for k in range(1, len(best.prediction.starts)):
+        for k in range(1, best.split.n_stages):
             for step in (-1, 1):
-                starts = list(best.prediction.starts)
+                starts = list(best.split.starts)
                 c = starts[k] + step
                 hi = starts[k + 1] if k + 1 < len(starts) else n
                 if not starts[k - 1] < c < hi or not blocks[c - 1].cut_legal or budget <= 0:
                     continue
                 budget -= 1
-                trial = Partition(starts=tuple(starts[:k] + [c] + starts[k + 1 :]), bottleneck_s=0.0, recompute=flags)
+                trial = Split(starts=(*starts[:k], c, *starts[k + 1 :]), recompute=recompute)
                 try:
                     cand = evaluate_choice(blocks, cluster, best.layout, constraints, trial, memo)
                 except InfeasibleError:

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from planner.core.layout.inputs import Constraints, Layout
 from planner.core.levers.links import Links
 from planner.core.levers.recompute import partial_mode, rerun_s
+from planner.core.split.cuts import Split
 from planner.core.split.solve import policy_options
 from planner.core.split.stage_model import Partition, evaluate, prefix_memory_parts, stage_bounds
 from planner.schema.costs import PARTIAL_MODES, BlockCost, RecomputeMode
@@ -83,7 +84,9 @@ def fewest_recomputed(
         flags[k] = narrowest(blocks[start:end], flags[k], peaks, limit)
     if flags == list(split.recompute):
         return split
-    return evaluate(blocks, split.starts, link, flags, layout.schedule, layout.stages_per_rank)
+    return evaluate(
+        blocks, Split(starts=split.starts, recompute=tuple(flags)), link, layout.schedule, layout.stages_per_rank
+    )
 
 
 def narrowest(part: Sequence[BlockCost], value: str, peaks: Mapping[RecomputeMode, Sequence[int]], limit: float) -> str:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from planner.core.split.cuts import Split
 from planner.core.split.solve_engine import (
     BoolArray,
     FloatArray,
@@ -80,7 +81,7 @@ def uniform_layers(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -
                 "boundary between the previous stage and the end; use fewer stages."
             )
         starts.append(chosen)
-    return evaluate(blocks, starts, link)
+    return evaluate(blocks, Split(starts=tuple(starts)), link)
 
 
 def param_balanced(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -> Partition:
@@ -134,4 +135,4 @@ def param_balanced(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -
     first_cap = pre[-1] / n_stages + max(b.params for b in blocks)
     starts = exact_partition(n, n_stages, [0] * n_stages, candidates, first_cap, latest=True)
     assert starts is not None  # check_counts guarantees a partition without memory limits
-    return evaluate(blocks, starts, link)
+    return evaluate(blocks, Split(starts=tuple(starts)), link)

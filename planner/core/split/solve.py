@@ -55,6 +55,7 @@ import numpy as np
 from planner.core.layout.inputs import NO_CONSTRAINTS, Constraints, Layout, check_in_flight
 from planner.core.levers.links import Links, boundary_crosses, boundary_links, default_link
 from planner.core.levers.recompute import with_loss
+from planner.core.split.cuts import Split
 from planner.core.split.solve_engine import (
     AnyIntArray,
     BoolArray,
@@ -658,4 +659,4 @@ def solve(
         raise _memory_error(blocks, n_stages, schedule, n_microbatches, mem, arrays, given)
     bounds = stage_bounds(starts, n)
     flags = [mem.choice(s, e, infl[k]) or "never" for k, (s, e) in enumerate(bounds)]
-    return evaluate(blocks, starts, link, flags, schedule, layout.stages_per_rank)
+    return evaluate(blocks, Split(starts=tuple(starts), recompute=tuple(flags)), link, schedule, layout.stages_per_rank)

@@ -14,22 +14,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from planner.core.levers.casts import shared_casts
 from planner.core.levers.links import Links, boundary_crosses, boundary_links, default_link, links_around
 from planner.core.levers.recompute import (
     RegionBytes,
-    compact_flags,
     loss_temps,
     prefix_bytes,
     rebuilt_bytes,
-    recompute_flags,
     recompute_mode,
     region_bytes,
     rerun_s,
     with_loss,
 )
+from planner.core.split.cuts import Split
 from planner.core.step.schedules import in_flight_per_stage
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec, RecomputeMode, split_recompute
@@ -37,28 +36,12 @@ from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec, RecomputeMo
 DEFAULT_OPTIMIZER = OptimizerSpec()  # frozen, so one shared default is safe
 
 
-class Partition(BaseModel):
-    """A split of the blocks into contiguous stages."""
+class Partition(Split):
+    """A split with its bottleneck: what the solver and ``evaluate`` return."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    starts: tuple[int, ...] = Field(
-        description="First block of each stage; starts[0] == 0, strictly increasing. Stage k is "
-        "blocks[starts[k]:starts[k+1]], the last stage runs to the end."
-    )
     bottleneck_s: float = Field(
         description="Max over stages of the stage cost (``stage_costs``), seconds per microbatch."
     )
-    recompute: tuple[str, ...] = Field(
-        default=(),
-        description="Per stage: how it checkpoints its activations, block by block: never, selective or full, "
-        "selective:k or full:k (only its first k checkpoint regions), or stage (empty = none does).",
-    )
-
-    @field_validator("recompute", mode="before")
-    @classmethod
-    def _modes(cls, v: Any) -> Any:
-        return tuple(recompute_mode(x) for x in v) if isinstance(v, (tuple, list)) else v
 
     @field_validator("starts")
     @classmethod
@@ -184,9 +167,8 @@ def check_starts(blocks: Sequence[BlockCost], starts: Sequence[int]) -> None:
 
 def stage_costs(
     blocks: Sequence[BlockCost],
-    starts: Sequence[int],
+    split: Split,
     link: Links,
-    recompute: Sequence[bool | str] = (),
     schedule: str | None = None,
     stages_per_rank: int | None = None,
 ) -> list[float]:
@@ -196,9 +178,8 @@ def stage_costs(
 
     Args:
         blocks: per-block costs in execution order.
-        starts: first block of each stage (see ``Partition.starts``).
+        split: each stage's first block and recompute mode.
         link: cost of one message between neighbouring ranks, or per boundary (``boundary_links``).
-        recompute: per stage, its recompute mode (True: "stage"); empty means no stage recomputes.
         schedule: places the stages on ranks: which boundaries cross ranks (``boundary_crosses``)
             and where a ``NodeLinks``' stages run (None: one rank per stage, looped placement).
         stages_per_rank: stages on each rank (None: ``boundary_crosses``' default).
@@ -207,10 +188,11 @@ def stage_costs(
         One cost per stage.
 
     Raises:
-        InfeasibleError: ``starts`` is not a valid partition on legal cuts.
+        InfeasibleError: ``split`` is not a valid partition on legal cuts.
     """
+    starts = split.starts
     check_starts(blocks, starts)
-    flags = recompute_flags(recompute, len(starts))
+    flags = split.flags
     links = boundary_links(link, len(starts), schedule)
     crosses = [True, *boundary_crosses(len(starts), schedule, stages_per_rank), True]  # padded: first and last
     costs = []
@@ -616,12 +598,11 @@ def parts_from_sums(
 
 def stage_memories(
     blocks: Sequence[BlockCost],
-    starts: Sequence[int],
+    split: Split,
     *,
     schedule: str,
     n_microbatches: int,
     optimizer: OptimizerSpec = DEFAULT_OPTIMIZER,
-    recompute: Sequence[bool | str] = (),
     fresh_grads: bool = True,
 ) -> list[int]:
     """Memory estimate of every stage of a partition (see ``stage_memory_bytes``) of one pipeline, whose
@@ -629,22 +610,22 @@ def stage_memories(
 
     Args:
         blocks: per-block costs in execution order.
-        starts: first block of each stage.
+        split: each stage's first block and recompute mode.
         schedule: one of ``planner.core.step.schedules.SCHEDULES`` with one stage per rank (its in-flight counts).
         n_microbatches: microbatches per step.
         optimizer: the optimizer.
-        recompute: per stage, its recompute mode (empty: none).
         fresh_grads: the gradients are freed between steps (False: kept, as DDP's buckets keep them).
 
     Returns:
         Bytes per stage.
 
     Raises:
-        InfeasibleError: invalid ``starts`` or schedule request.
+        InfeasibleError: an invalid split or schedule request.
     """
+    starts = split.starts
     check_starts(blocks, starts)
     infl = in_flight_per_stage(schedule, len(starts), n_microbatches)
-    flags = recompute_flags(recompute, len(starts))
+    flags = split.flags
     return [
         stage_memory_parts(blocks, s, e, optimizer, flags[k], n_microbatches).peak(infl[k], fresh_grads)
         for k, (s, e) in enumerate(stage_bounds(starts, len(blocks)))
@@ -653,9 +634,8 @@ def stage_memories(
 
 def evaluate(
     blocks: Sequence[BlockCost],
-    starts: Sequence[int],
+    split: Split,
     link: Links,
-    recompute: Sequence[bool | str] = (),
     schedule: str | None = None,
     stages_per_rank: int | None = None,
 ) -> Partition:
@@ -663,9 +643,8 @@ def evaluate(
 
     Args:
         blocks: per-block costs in execution order.
-        starts: first block of each stage.
+        split: each stage's first block and recompute mode.
         link: cost of one message between neighbouring ranks, or per boundary.
-        recompute: per stage, its recompute mode (True: "stage"; empty: none).
         schedule: places the stages on ranks (``stage_costs``; None: one rank per stage).
         stages_per_rank: stages on each rank (None: ``boundary_crosses``' default).
 
@@ -673,7 +652,7 @@ def evaluate(
         The partition with its ``bottleneck_s`` (max stage cost, communication included).
 
     Raises:
-        InfeasibleError: ``starts`` is not a valid partition on legal cuts.
+        InfeasibleError: ``split`` is not a valid partition on legal cuts.
     """
-    costs = stage_costs(blocks, starts, link, recompute, schedule, stages_per_rank)
-    return Partition(starts=tuple(starts), bottleneck_s=max(costs), recompute=compact_flags(recompute))
+    costs = stage_costs(blocks, split, link, schedule, stages_per_rank)
+    return Partition(starts=split.starts, bottleneck_s=max(costs), recompute=split.recompute)

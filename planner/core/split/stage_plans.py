@@ -18,7 +18,8 @@ from planner.core.layout.inputs import Layout
 from planner.core.levers.casts import shared_casts
 from planner.core.levers.data_parallel import layout_links
 from planner.core.levers.links import Links, boundary_links, default_link, links_around
-from planner.core.levers.recompute import recompute_flags, recompute_mode
+from planner.core.levers.recompute import recompute_mode
+from planner.core.split.cuts import Split
 from planner.core.split.stage_model import (
     MemoryParts,
     check_starts,
@@ -49,8 +50,7 @@ class LaidOut:
     time only those that fit.
     """
 
-    starts: tuple[int, ...]
-    flags: tuple[str, ...]  # each stage's recompute mode
+    split: Split
     stages: list[StagePlan]
     rank_memory: tuple[int, ...]  # each pipeline rank's peak bytes
     link: Links  # placed for the layout's replicas and tensor-parallel groups
@@ -85,22 +85,20 @@ class StageMemo:
 
 def laid_out(
     blocks: Sequence[BlockCost],
-    starts: Sequence[int],
+    split: Split,
     link: Links,
     layout: Layout,
     optimizer: OptimizerSpec,
-    recompute: Sequence[bool | str] = (),
     memo: StageMemo | None = None,
 ) -> LaidOut:
     """The stages of a split under a layout and each rank's peak memory (``predict``'s first half).
 
     Args:
         blocks: per-block costs, in execution order.
-        starts: first block of each stage; ``layout.n_stages`` of them.
+        split: each stage's first block (``layout.n_stages`` stages) and recompute mode.
         link: the link between neighbouring ranks, as ``predict`` takes it.
         layout: the schedule, ranks, microbatches, stages per rank and replicas.
         optimizer: decides the optimizer-state bytes per parameter byte.
-        recompute: per stage, its recompute mode (True: "stage"; empty: none).
         memo: stages laid out before from the same inputs, reused and added to (None: none).
 
     Returns:
@@ -109,7 +107,7 @@ def laid_out(
     Raises:
         InfeasibleError: an invalid split, or a schedule request torch would refuse.
     """
-    n = len(starts)
+    starts, n = split.starts, split.n_stages
     if n % layout.stages_per_rank:
         raise InfeasibleError(f"{n} stages do not spread evenly over ranks with {layout.stages_per_rank} stages each")
     if n != layout.n_stages:
@@ -121,7 +119,7 @@ def laid_out(
     # a valid split: legal cuts, non-empty stages (each stage's times are the stage plans' below)
     check_starts(blocks, starts)
     links = boundary_links(link, n, schedule)
-    flags = recompute_flags(recompute, n)
+    flags = split.flags
     states = rank_states(schedule, p, n_microbatches, layout.stages_per_rank)
     in_flight = in_flight_per_stage(schedule, p, n_microbatches, layout.stages_per_rank)
     ends = list(starts[1:]) + [len(blocks)]
@@ -141,7 +139,7 @@ def laid_out(
         parts.append(known[key][0])
         stages.append(known[key][1])
     rank_memory = tuple(rank_memory_bytes(blocks, stages, states[r], r, optimizer, layout, parts) for r in range(p))
-    return LaidOut(tuple(starts), tuple(flags), stages, rank_memory, link)
+    return LaidOut(split, stages, rank_memory, link)
 
 
 def rank_memory_bytes(

@@ -34,7 +34,7 @@ from typing import NamedTuple
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.core.levers.data_parallel import check_run_replicas
-from planner.core.step.predict import block_times_in_stages, predict_plan
+from planner.core.step.predict import block_times_in_stages, plan_split, predict_plan
 from planner.errors import PlanFileError
 from planner.schema.costs import BlockCost, LinkCost
 from planner.schema.jsonfile import parse_versioned, write_atomic
@@ -264,7 +264,8 @@ def calibrate(plan: Plan, run: RunResult) -> Calibration:
     measured = run.median_step_s
     if measured <= 0:
         raise PlanFileError("the run's median step time is 0; re-run `planner run` with more steps")
-    starts = tuple(s.start for s in plan.stages)
+    split = plan_split(plan)
+    starts = split.starts
     # The optimizer steps all of a rank's stages at once: its measured time is the rank's (on every
     # stage of the rank), so the factor compares it with the rank's predicted total.
     rank_opt = {r: sum(s.opt_s for s in plan.stages_of(r)) for r in range(plan.n_ranks)}
@@ -300,8 +301,7 @@ def calibrate(plan: Plan, run: RunResult) -> Calibration:
         # the run's stages are replica 0's (every replica runs the same ones); the measured step
         # includes the gradient reduction over the replicas, as the prediction does
         blocks, link = apply_calibration(plan.blocks, plan.link, make(latency, g))
-        recompute = [st.recompute for st in plan.stages]
-        return predict_plan(plan, starts, recompute, blocks=blocks, link=link)[1].step_time_s
+        return predict_plan(plan, split, blocks=blocks, link=link)[1].step_time_s
 
     latency, g = 0.0, 1.0
     floor = step(0.0, 1.0)

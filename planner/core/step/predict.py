@@ -24,7 +24,7 @@ from planner.core.levers.data_parallel import (
     stage_traffic,
 )
 from planner.core.levers.links import Links, NodeLinks, boundary_links
-from planner.core.levers.recompute import compact_flags
+from planner.core.split.cuts import Split
 from planner.core.split.stage_model import (
     cold_in,
     cold_out,
@@ -38,11 +38,10 @@ from planner.schema.plan import Plan, Prediction, ProfileInfo, StagePlan
 
 def predict(
     blocks: Sequence[BlockCost],
-    starts: Sequence[int],
+    split: Split,
     link: Links,
     layout: Layout,
     optimizer: OptimizerSpec,
-    recompute: Sequence[bool | str] = (),
     slots: float | None = None,
     memo: StageMemo | None = None,
 ) -> tuple[list[StagePlan], Prediction]:
@@ -57,14 +56,13 @@ def predict(
 
     Args:
         blocks: per-block costs, in execution order.
-        starts: first block of each stage (starts[0] == 0); ``layout.n_stages`` of them.
+        split: each stage's first block (``layout.n_stages`` stages) and recompute mode.
         link: cost of one message between neighbouring ranks, or per boundary (a ``NodeLinks`` is
             placed with the schedule: ``planner.core.levers.links.boundary_links``).
         layout: the schedule, pipeline ranks, microbatches per step, stages per rank (looped or V
             placement, as the schedule places them), replicas and their mode ("ddp", "fsdp" or
             "hsdp": sharded memory and optimizer step, each its own traffic).
         optimizer: decides the optimizer-state bytes per parameter byte.
-        recompute: per stage, its recompute mode (True: "stage"; empty: no stage recomputes).
         slots: ranks of all replicas that can compute at once (CPU ranks sharing cores: cores /
             threads per rank; each replica gets ``slots / dp``); None when each rank has its own
             device. See ``planner.core.step.simulate.simulate``.
@@ -76,7 +74,7 @@ def predict(
     Raises:
         InfeasibleError: an invalid split, or a schedule request torch would refuse.
     """
-    return timed(laid_out(blocks, starts, link, layout, optimizer, recompute, memo), blocks, layout, slots)
+    return timed(laid_out(blocks, split, link, layout, optimizer, memo), blocks, layout, slots)
 
 
 def timed(
@@ -95,7 +93,7 @@ def timed(
         The stages and the step-level prediction.
     """
     schedule, p, n_microbatches, dp = layout.schedule, layout.pp, layout.n_microbatches, layout.dp
-    stages, link, flags = laid.stages, laid.link, laid.flags
+    stages, link = laid.stages, laid.link
     links = boundary_links(link, len(stages), schedule)
     times = stage_times(stages, _cpu_share(link))
     # a pipeline rank is tp processes: CPU ranks sharing cores run fewer pipeline ranks at once
@@ -137,8 +135,8 @@ def timed(
     stage_time = tuple(s.time_s for s in stages)
     mean = sum(stage_time) / len(stage_time)
     prediction = Prediction(
-        starts=laid.starts,
-        recompute=compact_flags(flags),
+        starts=laid.split.starts,
+        recompute=laid.split.recompute,
         stage_time_s=stage_time,
         bottleneck_s=max(stage_time),
         pipeline_time_s=pipeline_s,
@@ -174,10 +172,21 @@ def plan_links(plan: Plan) -> LinkCost:
     )
 
 
+def plan_split(plan: Plan) -> Split:
+    """The split a plan's stages record (each its first block and recompute mode).
+
+    Args:
+        plan: a plan.
+
+    Returns:
+        The split.
+    """
+    return Split(starts=tuple(s.start for s in plan.stages), recompute=tuple(s.recompute for s in plan.stages))
+
+
 def predict_plan(
     plan: Plan,
-    starts: Sequence[int],
-    recompute: Sequence[bool | str] = (),
+    split: Split,
     *,
     blocks: Sequence[BlockCost] | None = None,
     link: LinkCost | None = None,
@@ -187,8 +196,7 @@ def predict_plan(
 
     Args:
         plan: the plan.
-        starts: first block of each stage.
-        recompute: per stage, activation checkpointing (empty: none).
+        split: each stage's first block and recompute mode.
         blocks: other costs for the same blocks (calibrated, say; None: the plan's).
         link: another link (None: ``plan_links(plan)``).
 
@@ -200,11 +208,10 @@ def predict_plan(
     """
     return predict(
         plan.blocks if blocks is None else blocks,
-        starts,
+        split,
         plan_links(plan) if link is None else link,
         plan_layout(plan),
         plan.optimizer,
-        recompute,
         slots_of(plan.profile),
     )
 
@@ -382,7 +389,7 @@ def with_method(plan: Plan, method: str) -> Plan:
             f"the plan has no '{method}' split to switch to; it compares {', '.join(plan.baselines) or 'nothing'}"
         )
     base = plan.baselines[method]
-    stages, prediction = predict_plan(plan, base.starts, base.recompute)
+    stages, prediction = predict_plan(plan, Split.of(base))
     baselines = {k: v for k, v in plan.baselines.items() if k != method}
     baselines[plan.method] = plan.prediction
     return plan.model_copy(
@@ -423,9 +430,7 @@ def refresh(plan: Plan) -> tuple[Plan, list[str]]:
         InfeasibleError: the edited split or schedule cannot be evaluated (an illegal cut, too few
             microbatches for 1F1B).
     """
-    starts = [s.start for s in plan.stages]
-    flags = [s.recompute for s in plan.stages]
-    stages, prediction = predict_plan(plan, starts, flags)
+    stages, prediction = predict_plan(plan, plan_split(plan))
     notes = []
     for old, new in zip(plan.stages, stages):
         changed = _differences(old, new)
@@ -441,7 +446,7 @@ def refresh(plan: Plan) -> tuple[Plan, list[str]]:
             # only its figures): kept as written
             baselines[name] = base
             continue
-        fresh = predict_plan(plan, base.starts, base.recompute)[1]
+        fresh = predict_plan(plan, Split.of(base))[1]
         if _differences(base, fresh):
             notes.append(f"baseline {name}: figures did not match its split")
         baselines[name] = fresh
