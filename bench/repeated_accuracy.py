@@ -45,6 +45,7 @@ from bench.cases import (
     shared_compute,
 )
 from bench.common import DOCS, background_cpu, machine, table, write_page
+from planner.core.split.cuts import Split
 from planner.core.step.predict import predict_plan
 from planner.schema.costs import BlockCost
 from planner.schema.plan import Plan
@@ -135,8 +136,7 @@ def step_with(plan: Plan, blocks: Sequence[BlockCost]) -> float:
     """``plan``'s split and everything else it fixes, re-predicted with ``blocks`` taken without
     cold starts (a run's own block times hold theirs already)."""
     warm = [b.model_copy(update={"fwd_cold_s": None, "bwd_cold_s": None}) for b in blocks]
-    starts = [s.start for s in plan.stages]
-    return predict_plan(plan, starts, plan.prediction.recompute, blocks=warm)[1].step_time_s
+    return predict_plan(plan, Split.of(plan.prediction), blocks=warm)[1].step_time_s
 
 
 def from_kept(folders: Sequence[Path], args: argparse.Namespace) -> list[Repeated]:

@@ -38,7 +38,8 @@ import torch
 
 from bench.common import DOCS, ROOT, machine, table, write_page
 from planner.core.layout.inputs import Layout
-from planner.core.step.predict import predict, predict_plan
+from planner.core.split.cuts import Split
+from planner.core.step.predict import plan_split, predict, predict_plan
 from planner.errors import PlannerError
 from planner.schema.costs import GLOO_CPU_LINK, BlockCost, LinkCost, OptimizerSpec
 from planner.schema.plan import Plan
@@ -239,7 +240,7 @@ def predicted_step_s(s: Sample, link: LinkCost) -> float:
     optimizer = OptimizerSpec(name="sgd", grad_clip=None)
     slots = (os.cpu_count() or 1) / 1.0
     layout = Layout(s.schedule, s.ranks, s.microbatches)
-    return predict(blocks, list(range(s.ranks)), link, layout, optimizer, (), slots)[1].step_time_s
+    return predict(blocks, Split(starts=tuple(range(s.ranks))), link, layout, optimizer, slots)[1].step_time_s
 
 
 def solve_for(f: Callable[[float], float], target: float, lo: float, hi: float) -> float:
@@ -300,10 +301,10 @@ def paired(dirs: Sequence[Path], links: dict[tuple[int, str], LinkCost]) -> list
             link = links.get((plan.n_ranks, plan.schedule))
             if link is None or plan.dp != 1 or plan.stages_per_rank != 1:
                 continue
-            starts, recompute = [s.start for s in plan.stages], [s.recompute for s in plan.stages]
+            split = plan_split(plan)
             # both with today's step model (a plan kept from an older planner stores older figures)
-            default = predict_plan(plan, starts, recompute, link=GLOO_CPU_LINK)[1].step_time_s
-            floor = predict_plan(plan, starts, recompute, link=link)[1].step_time_s
+            default = predict_plan(plan, split, link=GLOO_CPU_LINK)[1].step_time_s
+            floor = predict_plan(plan, split, link=link)[1].step_time_s
             name = plan.model.path.rsplit("/", 1)[-1].removesuffix(".py")
             out.append(Paired(name, plan.n_ranks, plan.schedule, run.median_step_s, default, floor))
     return out

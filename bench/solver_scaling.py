@@ -131,7 +131,7 @@ def timed(
 
 def binding_limit(blocks: list[BlockCost], p: int, free: Partition, scale: float) -> int:
     """``scale`` x the largest stage memory of the unconstrained optimum."""
-    return int(scale * max(stage_memories(blocks, free.starts, schedule="1f1b", n_microbatches=2 * p)))
+    return int(scale * max(stage_memories(blocks, free, schedule="1f1b", n_microbatches=2 * p)))
 
 
 def feasible_binding_limit(blocks: list[BlockCost], p: int, free: Partition) -> int:
