@@ -3,7 +3,8 @@ factory of run reports (``RunResult``) for every test that needs one.
 
 The runner only reads the stage ranges, the model reference and the run settings, so block costs
 and predictions are plausible made-up numbers. The fingerprint and block names come from tracing
-the model exactly as the planner does.
+the model exactly as the planner does. ``edited_copy`` makes the hand-edited plan files that the
+tests of the plan-file checks give the commands.
 
 The run reports need no torch (run.json is pure data), so torch is imported only by ``plan_with_starts``:
 the pure tests (compare, calibrate, fuzz) build their reports here without it.
@@ -11,6 +12,8 @@ the pure tests (compare, calibrate, fuzz) build their reports here without it.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +184,24 @@ def saved(plan: Plan, tmp_path: Path) -> Path:
     path = tmp_path / "plan.json"
     plan.save(path)
     return path
+
+
+def edited_copy(plan_file: Path, edit: Callable[[dict[str, Any]], None], out: Path) -> Path:
+    """A copy of a plan file with its JSON edited as a hand or another version might have: what the
+    tests of the plan-file checks give ``planner run`` and ``planner report``.
+
+    Args:
+        plan_file: the plan.json to copy (left as it is, so several tests can share one).
+        edit: changes the parsed JSON object in place.
+        out: where the edited copy goes.
+
+    Returns:
+        ``out``.
+    """
+    raw = json.loads(plan_file.read_text())
+    edit(raw)
+    out.write_text(json.dumps(raw))
+    return out
 
 
 def assert_trains_like_unsplit(plan: Plan, tmp_path: Path, what: str, steps: int = 2) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from run_factory import edited_copy
 
 from cli import main
 from planner.schema.plan import Plan
@@ -18,6 +19,16 @@ FAST = ["--repeats", "1", "--warmup", "0", "-q"]
 
 def invoke(*args: str) -> CliRunner.invoke:  # type: ignore[name-defined]
     return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def toy_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-rank plan of models/toy.py (batch 4), planned once for the tests that read it or give a
+    command an edited copy (``edited_copy``); none of them writes it."""
+    out = tmp_path_factory.mktemp("toy") / "plan.json"
+    result = invoke("plan", str(MODELS / "toy.py"), "--gpus", "2", "--size", "tiny", "-b", "4", "-o", str(out), *FAST)
+    assert result.exit_code == 0, result.output
+    return out
 
 
 @pytest.mark.slow
@@ -205,17 +216,8 @@ def test_count_or_auto_options_refuse_other_values(option: str, value: str) -> N
     assert "Traceback" not in result.output
 
 
-def test_report_rejects_a_damaged_plan(tmp_path: Path) -> None:
-    out = tmp_path / "plan.json"
-    assert (
-        invoke(
-            "plan", str(MODELS / "toy.py"), "--gpus", "2", "--size", "tiny", "-b", "4", "-o", str(out), *FAST
-        ).exit_code
-        == 0
-    )
-    raw = json.loads(out.read_text())
-    raw["stages"][0]["end"] = 0
-    out.write_text(json.dumps(raw))
+def test_report_rejects_a_damaged_plan(toy_plan: Path, tmp_path: Path) -> None:
+    out = edited_copy(toy_plan, lambda raw: raw["stages"][0].update(end=0), tmp_path / "plan.json")
     result = CliRunner().invoke(main, ["report", str(out)])
     assert result.exit_code == 2 and "is not a valid plan" in result.output
 
@@ -294,17 +296,10 @@ def test_hardware_mistakes_are_one_line_errors(args: list[str], message: str, tm
     assert message in result.output and "Traceback" not in result.output
 
 
-def test_report_measured_needs_a_run_file(tmp_path: Path) -> None:
-    out = tmp_path / "plan.json"
-    assert (
-        invoke(
-            "plan", str(MODELS / "toy.py"), "--gpus", "2", "--size", "tiny", "-b", "4", "-o", str(out), *FAST
-        ).exit_code
-        == 0
-    )
-    result = CliRunner().invoke(main, ["report", str(out), "--measured", str(tmp_path / "nope.run.json")])
+def test_report_measured_needs_a_run_file(toy_plan: Path, tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["report", str(toy_plan), "--measured", str(tmp_path / "nope.run.json")])
     assert result.exit_code == 2 and "cannot read run result" in result.output
-    blocks = CliRunner().invoke(main, ["report", str(out), "--blocks"])
+    blocks = CliRunner().invoke(main, ["report", str(toy_plan), "--blocks"])
     assert blocks.exit_code == 2 and "--blocks compares with a run" in blocks.output
 
 
@@ -411,7 +406,7 @@ def test_model_file_mistakes_found_before_profiling(body: str, message: str, tmp
     assert message in result.output and "Traceback" not in result.output
 
 
-def test_unwritable_output_is_one_line(tmp_path: Path) -> None:
+def test_unwritable_output_is_one_line(toy_plan: Path, tmp_path: Path) -> None:
     result = CliRunner().invoke(
         main,
         [
@@ -429,28 +424,12 @@ def test_unwritable_output_is_one_line(tmp_path: Path) -> None:
         ],
     )
     assert result.exit_code == 2 and "folder" in result.output and "does not exist" in result.output
-    plan = tmp_path / "plan.json"
-    assert (
-        invoke(
-            "plan", str(MODELS / "toy.py"), "--gpus", "2", "--size", "tiny", "-b", "4", "-o", str(plan), *FAST
-        ).exit_code
-        == 0
-    )
-    result = CliRunner().invoke(main, ["run", str(plan), "-o", str(tmp_path / "missing" / "r.json")])
+    result = CliRunner().invoke(main, ["run", str(toy_plan), "-o", str(tmp_path / "missing" / "r.json")])
     assert result.exit_code == 2 and "does not exist" in result.output  # refused before any training
 
 
-def test_plan_with_a_stage_past_the_last_block_is_rejected(tmp_path: Path) -> None:
-    out = tmp_path / "plan.json"
-    assert (
-        invoke(
-            "plan", str(MODELS / "toy.py"), "--gpus", "2", "--size", "tiny", "-b", "4", "-o", str(out), *FAST
-        ).exit_code
-        == 0
-    )
-    raw = json.loads(out.read_text())
-    raw["stages"][1]["end"] = 99
-    out.write_text(json.dumps(raw))
+def test_plan_with_a_stage_past_the_last_block_is_rejected(toy_plan: Path, tmp_path: Path) -> None:
+    out = edited_copy(toy_plan, lambda raw: raw["stages"][1].update(end=99), tmp_path / "plan.json")
     result = CliRunner().invoke(main, ["report", str(out)])
     assert result.exit_code == 2 and "within the 3 blocks" in result.output
 

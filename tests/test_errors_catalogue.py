@@ -9,7 +9,6 @@ contains the expected words, and no traceback. The whole catalogue is written to
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from run_factory import TOY_FULL_WIDTH
+from run_factory import TOY_FULL_WIDTH, edited_copy
 
 from cli import main
 
@@ -57,12 +56,7 @@ def _text(name: str, text: str) -> Callable[[Path], None]:
 
 
 def _edit_plan(edit: Callable[[dict], None], name: str = "edited.json") -> Callable[[Path], None]:
-    def setup(d: Path) -> None:
-        raw = json.loads((d / "plan.json").read_text())
-        edit(raw)
-        (d / name).write_text(json.dumps(raw))
-
-    return setup
+    return lambda d: None if edited_copy(d / "plan.json", edit, d / name) else None
 
 
 def _rename_block(raw: dict) -> None:
@@ -102,9 +96,7 @@ def _half_stream(d: Path) -> None:
         )
     )
     (d / "stream.py").write_text(text)
-    raw = json.loads((d / "plan.json").read_text())
-    raw["model"]["path"] = str(d / "stream.py")
-    (d / "stream.json").write_text(json.dumps(raw))
+    edited_copy(d / "plan.json", lambda raw: raw["model"].update(path=str(d / "stream.py")), d / "stream.json")
 
 
 NO_CHAIN = """
