@@ -14,10 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import click
-import tomllib
 
 from planner.errors import PlannerError
 from planner.run.signals import Terminated, raise_on_signal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 (pyproject: tomli there)
+    import tomli as tomllib
 
 
 class CountOrAuto(click.ParamType):

@@ -1,0 +1,287 @@
+"""``planner plan``'s options, one decorator per ``--help`` group, and the request they make.
+
+Each help text is a sentence or two; docs/options.md holds every option's full meaning. The groups
+(``PLAN_GROUPS``, in ``--help`` order) are also what docs/options.md and tests/test_cli_config.py
+read: change one here and there together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from cli_config import config_option, merge_file_overrides
+from cli_groups import option, option_group
+from cli_support import COUNT_OR_AUTO, REPLICAS_OR_AUTO, split_option
+from planner.core.levers.hardware import GPUS
+from planner.schema.costs import OPTIMIZERS
+from planner.schema.request import DP_MODES, DTYPES, METHODS, RECOMPUTE, SCHEDULES, PlanRequest
+
+PLAN_GROUPS = ("Model", "Cluster", "Training", "Layout", "Memory", "Costs", "Job file and output")
+"""The ``--help`` sections of ``planner plan``, in order (``--debug`` and ``--help`` join the last)."""
+
+model_options = option_group(
+    "Model",
+    option(
+        "--size",
+        "-s",
+        default=None,
+        metavar="NAME",
+        help="A named config from the model file's SIZES [default: its defaults].",
+    ),
+    option(
+        "--set",
+        "overrides",
+        multiple=True,
+        metavar="KEY=VALUE",
+        callback=merge_file_overrides,
+        help="Override one config entry (repeatable); VALUE is JSON or a string.",
+    ),
+    option(
+        "--seed", type=int, metavar="N", default=0, show_default=True, help="Seed of the weights and the example batch."
+    ),
+)
+
+cluster_options = option_group(
+    "Cluster",
+    option(
+        "--gpus",
+        "-g",
+        type=click.IntRange(min=1),
+        required=True,
+        help="Total number of ranks (processes, one device each) = dp x pp x tp.",
+    ),
+    option(
+        "--gpu-type",
+        default=None,
+        metavar="NAME",
+        help=f"Estimate the costs for this hardware instead of measuring them here ({', '.join(GPUS)}, cpu).",
+    ),
+    option("--gpus-per-node", type=int, default=None, metavar="N", help="With --gpu-type: GPUs per node [default: 8]."),
+    option("--multi-node", is_flag=True, help="With --gpu-type: every boundary crosses nodes (--gpus-per-node 1)."),
+    option(
+        "--threads",
+        type=click.IntRange(min=1),
+        metavar="N",
+        default=None,
+        help="CPU threads per rank, profiling and run [default: cores // gpus].",
+    ),
+)
+
+training_options = option_group(
+    "Training",
+    option(
+        "--batch-size",
+        "-b",
+        type=click.IntRange(min=1),
+        metavar="N",
+        default=32,
+        show_default=True,
+        help="Samples per training step, over all replicas.",
+    ),
+    option(
+        "--optimizer",
+        type=click.Choice(list(OPTIMIZERS)),
+        default="adamw",
+        show_default=True,
+        help="The run's optimizer (its state counts in memory).",
+    ),
+    option(
+        "--lr",
+        type=click.FloatRange(min=0, min_open=True),
+        metavar="RATE",
+        default=1e-3,
+        show_default=True,
+        help="The run's learning rate.",
+    ),
+    option(
+        "--grad-clip",
+        type=click.FloatRange(min=0),
+        metavar="NORM",
+        default=1.0,
+        show_default=True,
+        help="Max global gradient norm (0: none).",
+    ),
+)
+
+
+def _layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The "Layout" group: replicas, tensor parallelism, schedule, microbatches and the split."""
+    auto = {"default": "auto", "show_default": True}
+    return option_group(
+        "Layout",
+        option(
+            "--dp",
+            type=REPLICAS_OR_AUTO,
+            default="1",
+            show_default=True,
+            help="Data-parallel replicas of the pipeline, or auto.",
+        ),
+        option("--tp", type=REPLICAS_OR_AUTO, **auto, help="Tensor-parallel ranks per pipeline rank, or auto."),
+        option(
+            "--sequence-parallel/--no-sequence-parallel",
+            default=None,
+            help="With tp > 1, also split activations along the sequence [default: auto].",
+        ),
+        option("--schedule", metavar="NAME", **auto, help=f"{', '.join(SCHEDULES)}, or auto."),
+        option("--stages-per-rank", "-v", type=COUNT_OR_AUTO, **auto, help="Pipeline stages on every rank, or auto."),
+        option("--microbatches", "-m", type=COUNT_OR_AUTO, **auto, help="Microbatches per pass of a replica, or auto."),
+        option(
+            "--accumulation", type=REPLICAS_OR_AUTO, **auto, help="Pipeline passes per step (gradient accumulation)."
+        ),
+        option(
+            "--dp-mode",
+            type=click.Choice(["auto", *DP_MODES], case_sensitive=False),
+            **auto,
+            help="How the replicas reduce gradients: ddp, fsdp, hsdp (fully_shard on a 2-D mesh) or auto.",
+        ),
+        option(
+            "--dp-shard", type=REPLICAS_OR_AUTO, **auto, help="Under --dp-mode hsdp, the replicas of each shard group."
+        ),
+        option(
+            "--fsdp-units",
+            type=click.Choice(["auto", "stage", "block"], case_sensitive=False),
+            **auto,
+            help="Under fsdp/hsdp, what is gathered at a time.",
+        ),
+        option(
+            "--method",
+            type=click.Choice(list(METHODS)),
+            default="optimal",
+            show_default=True,
+            help="The split the plan uses (the others are compared).",
+        ),
+        option(
+            "--compare",
+            default=None,
+            metavar="SPLIT",
+            callback=lambda _ctx, _param, value: split_option(value),
+            help="A split you use now, costed beside the plan (3,4 or Et*3|t*4L or parts:0,3,7 or a file).",
+        ),
+    )(fn)
+
+
+memory_options = option_group(
+    "Memory",
+    option(
+        "--memory-limit",
+        type=click.FloatRange(min=0, min_open=True),
+        default=None,
+        metavar="GIB",
+        help="Per-rank memory limit [default: the GPU's memory, else none].",
+    ),
+    option(
+        "--recompute",
+        type=click.Choice(list(RECOMPUTE)),
+        default="auto",
+        show_default=True,
+        metavar="MODE",
+        help=f"Activation checkpointing: {', '.join(RECOMPUTE)}.",
+    ),
+)
+
+cost_options = option_group(
+    "Costs",
+    option(
+        "--dtype",
+        type=click.Choice(list(DTYPES)),
+        default=None,
+        help="Profile under autocast in this dtype (with --gpu-type: estimate in it).",
+    ),
+    option("--compile", "compile_", is_flag=True, help="Profile and train with torch.compile."),
+    option(
+        "--attention-kernel",
+        default=None,
+        metavar="BACKEND",
+        help="With --gpu-type: the attention backend to cost (flash, cudnn, efficient).",
+    ),
+    option(
+        "--calibrate",
+        "calibrate_run",
+        type=click.Path(dir_okay=False),
+        default=None,
+        metavar="RUN.json",
+        help="Correct the costs with an earlier run's measurements.",
+    ),
+    option(
+        "--repeats",
+        type=click.IntRange(min=1),
+        metavar="N",
+        default=5,
+        show_default=True,
+        help="Timed runs per block (20 or more on a busy machine).",
+    ),
+    option(
+        "--warmup",
+        type=click.IntRange(min=0),
+        metavar="N",
+        default=2,
+        show_default=True,
+        help="Untimed runs per block.",
+    ),
+)
+
+output_options = option_group(
+    "Job file and output",
+    config_option,
+    option(
+        "--output",
+        "-o",
+        type=click.Path(dir_okay=False),
+        default="plan.json",
+        show_default=True,
+        help="Where to write the plan.",
+    ),
+    option("--quiet", "-q", is_flag=True, help="No progress bars and no tables."),
+)
+
+
+def plan_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Every option of ``planner plan``, group by group in ``PLAN_GROUPS`` order.
+
+    Args:
+        fn: the command function.
+
+    Returns:
+        ``fn`` with the options added.
+    """
+    # click lists a command's options in the order their decorators are written, the last applied first
+    groups = [model_options, cluster_options, training_options, _layout_options, memory_options, cost_options]
+    for group in reversed([*groups, output_options]):
+        fn = group(fn)
+    return fn
+
+
+def plan_request(model_file: str, options: dict[str, Any]) -> PlanRequest:
+    """The request ``planner plan``'s options make (the library takes nothing else).
+
+    Args:
+        model_file: the MODEL_FILE argument.
+        options: every other parameter of ``planner plan``, by its click name.
+
+    Returns:
+        The validated request.
+
+    Raises:
+        PlannerError: a value out of range or of the wrong kind, naming its option.
+    """
+    from planner.capture.load import parse_overrides
+
+    o = dict(options)
+    sequence_parallel = o.pop("sequence_parallel")
+    return PlanRequest.build(
+        model_file=model_file,
+        fsdp_units=o.pop("fsdp_units").lower(),
+        sequence_parallel="auto" if sequence_parallel is None else sequence_parallel,
+        overrides=parse_overrides(o.pop("overrides")),
+        memory_limit_gib=o.pop("memory_limit"),
+        compile=o.pop("compile_"),
+        optimizer={"name": o.pop("optimizer"), "lr": o.pop("lr"), "grad_clip": o.pop("grad_clip") or None},
+        progress=not o.pop("quiet"),
+        **o,
+    )
+
+
+__all__ = ["PLAN_GROUPS", "plan_options", "plan_request"]
