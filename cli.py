@@ -2,12 +2,12 @@
 
 planner plan MODEL.py --gpus N     trace, profile, solve; write plan.json; print balance tables
 planner run PLAN.json              launch one process per rank and train with the planned schedule
-planner report PLAN.json           print the balance tables of a saved plan
+planner report PLAN.json           print the balance tables of a saved plan (--config: its job file)
 planner export PLAN.json --to T    the plan in torchtitan's, Megatron's, DeepSpeed's or torch's CSV terms
 
 The options live beside it, one decorator per --help group (cli_groups.py): cli_plan_options.py for
-plan, cli_options.py for run; cli_config.py reads plan's TOML job files; cli_support.py holds what
-every command shares.
+plan, cli_options.py for run; cli_config.py reads plan's TOML job files, cli_jobfile.py writes a
+plan's; cli_support.py holds what every command shares.
 """
 
 from __future__ import annotations
@@ -317,14 +317,29 @@ def export_cmd(plan_file: str, fmt: str, rename: tuple[str, ...], output: str | 
     help="With --measured: also compare every block's profiled forward and backward with its time inside the "
     "running stage (run.json's per-block times), and each stage's time outside its blocks.",
 )
+@click.option(
+    "--config",
+    "job",
+    is_flag=True,
+    help="Print the TOML job file that makes this plan again (planner plan --config FILE) instead of the tables.",
+)
 @user_errors
-def report_cmd(plan_file: str, run_file: str | None, timeline: str | None, trace: str | None, blocks: bool) -> None:
+def report_cmd(
+    plan_file: str, run_file: str | None, timeline: str | None, trace: str | None, blocks: bool, job: bool
+) -> None:
     """Print the balance tables of a saved plan (and, with --measured, how a run of it compared)."""
     from planner.report.tables import render
 
     if blocks and not run_file:
         raise PlannerError("--blocks compares with a run: give it one with --measured RUN.json")
+    if job and (run_file or timeline or trace):
+        raise PlannerError("--config prints the job file only: leave out --measured, --timeline and --trace")
     plan = _load_plan(plan_file)
+    if job:
+        from cli_jobfile import job_file
+
+        click.echo(job_file(plan, plan_file), nl=False)
+        return
     outputs = []
     if timeline:
         outputs.append(check_output(timeline, "timeline", "--timeline"))
