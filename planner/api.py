@@ -55,9 +55,10 @@ from planner.threads import torch_threads
 GPU_MEMORY_HEADROOM = 0.95
 
 
-def default_threads(n_stages: int) -> int:
-    """Intra-op threads per rank so that ``n_stages`` CPU ranks do not oversubscribe the cores."""
-    return max(1, (os.cpu_count() or 1) // n_stages)
+def default_threads(world_size: int) -> int:
+    """Intra-op threads per rank so that ``world_size`` CPU ranks (``--gpus``: every pipeline,
+    tensor-parallel and data-parallel rank on this machine) do not oversubscribe the cores."""
+    return max(1, (os.cpu_count() or 1) // world_size)
 
 
 @dataclass

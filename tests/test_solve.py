@@ -239,7 +239,7 @@ def test_solve_matches_brute_force(
 
 
 # ---------------------------------------------------------------------------------------------
-# The O(p n^2) reference: the solver as it was before the candidate-stage search, verbatim
+# The O(p n^2) reference: the solver as it was before the block-range search, verbatim
 # ---------------------------------------------------------------------------------------------
 
 _Allowed = Callable[[int, int, int], bool]  # (start, end, stage index) -> stage may be placed
@@ -512,7 +512,7 @@ def outcome(fn: Callable[..., Partition], *args: object, **kw: object) -> Partit
 
 
 # ---------------------------------------------------------------------------------------------
-# The candidate-stage search against the O(p n^2) reference
+# The block-range search against the O(p n^2) reference
 # ---------------------------------------------------------------------------------------------
 
 Request = tuple[list[BlockCost], int, LinkCost, dict[str, Any]]
@@ -1310,28 +1310,28 @@ def test_prediction_reads_stage_memory_off_prefix_sums_exactly(
 # ---------------------------------------------------------------------------------------------
 
 
-def _counting_candidates(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """Record the cap of every candidate pass ``solve`` makes."""
+def _counting_ranges(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Record the cap of every range pass ``solve`` makes."""
     caps: list[float] = []
-    original = solve_mod._Arrays.candidates
+    original = solve_mod._Arrays.ranges
 
     def counted(self: Any, cap: float) -> Any:
         caps.append(cap)
         return original(self, cap)
 
-    monkeypatch.setattr(solve_mod._Arrays, "candidates", counted)
+    monkeypatch.setattr(solve_mod._Arrays, "ranges", counted)
     return caps
 
 
 def test_a_limit_nothing_fits_is_refused_after_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     # 8 blocks of 1 MiB of activations each into 4 stages, none recomputing, GPipe keeping all 4
     # microbatches on every stage: some stage holds 2 blocks, 8 MiB, over the 7 MiB limit. Without
-    # the memory-only test the search doubles its cap from the first guess until the candidates are
+    # the memory-only test the search doubles its cap from the first guess until the ranges are
     # every stage that fits, a pass each; with it, the first pass that finds nothing ends it
     blocks = [blk(i, 1.0 + (i % 3), 1.0, act=2**20) for i in range(8)]
     limit = 7 * 2**20
     assert not brute(blocks, 4, FREE, "gpipe", 4, SGD, limit, "never")
-    caps = _counting_candidates(monkeypatch)
+    caps = _counting_ranges(monkeypatch)
     with pytest.raises(InfeasibleError, match="too small"):
         solved(
             blocks,
@@ -1353,7 +1353,7 @@ def test_a_limit_some_split_fits_still_doubles_to_the_optimum(monkeypatch: pytes
     ts = [8.0, 8.0, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01]
     blocks = [blk(i, t, 0.0, act=2**20) for i, t in enumerate(ts)]
     limit = 2 * 4 * 2**20
-    caps = _counting_candidates(monkeypatch)
+    caps = _counting_ranges(monkeypatch)
     part = solved(
         blocks, 4, FREE, schedule="gpipe", n_microbatches=4, optimizer=SGD, memory_limit_bytes=limit, recompute="never"
     )

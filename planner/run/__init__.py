@@ -1,7 +1,7 @@
 """The runner: train a plan on real processes with torch.distributed.pipelining (docs/architecture.md).
 
 - ``launch``: checks in the parent (the plan, the model file and its digest, the cuts, the
-  devices), then one process per stage via ``elastic_launch`` (or this process for a 1-stage plan).
+  devices), then one process per rank via ``elastic_launch`` (or this process for a one-rank plan).
 - ``preflight``: ``planner run``'s own options checked in the parent (resume, data, checkpoint folder).
 - ``faults``: what stopped a failed run, as one line.
 - ``signals``: SIGTERM / SIGINT as exceptions (the CLI's handler and every rank's).

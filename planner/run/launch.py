@@ -1,6 +1,6 @@
 """``planner run``: check a plan against its model, then train it.
 
-A 1-stage plan trains in this process (``planner.run.single``). Otherwise one process per stage
+A 1-stage plan trains in this process (``planner.run.single``). Otherwise one process per rank
 is started the way ``torchrun`` starts them: torch elastic's ``LocalElasticAgent`` (what
 ``elastic_launch`` runs) with ``max_restarts=0``, ``forkserver`` and torchrun's rendezvous: c10d on
 ``localhost:0`` by default (the store binds a free port itself, as ``torchrun --standalone``),
@@ -296,12 +296,12 @@ def changed_file_warning(plan: Plan, mf: ModelFile) -> str:
 
 
 def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None] = print_flushed) -> RunResult:
-    """Train ``plan`` for ``request.steps`` steps: in this process for one stage, else one process per stage.
+    """Train ``plan`` for ``request.steps`` steps: in this process for a one-rank plan, else one process per rank.
 
     Args:
         plan: the plan to run.
         request: ``planner run``'s options: the plan's file (relative model paths resolve against
-            its folder), steps, nodes (torchrun ``--nnodes``; each starts n_ranks / nnodes ranks),
+            its folder), steps, nodes (torchrun ``--nnodes``; each starts world_size / nnodes ranks),
             the rendezvous ``host:port`` (default: localhost, a port the store picks, single node
             only), id (default derived from the plan's fingerprint) and node rank (a static
             rendezvous, as torchrun's ``--node-rank``), ``--timeout`` (every wait on another rank
@@ -320,12 +320,14 @@ def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None]
     """
     plan_path, nnodes = request.plan_file, request.nnodes
     check_runnable(plan)
-    n = plan.world_size  # dp replicas x n_ranks pipeline ranks x tp tensor-parallel ranks
-    if n % nnodes:  # RunRequest keeps nnodes >= 1
-        raise PlannerError(f"{n} ranks cannot be spread evenly over {nnodes} node(s); use an --nnodes that divides {n}")
+    world_size = plan.world_size  # dp replicas x n_ranks pipeline ranks x tp tensor-parallel ranks
+    if world_size % nnodes:  # RunRequest keeps nnodes >= 1
+        raise PlannerError(
+            f"{world_size} ranks cannot be spread evenly over {nnodes} node(s); use an --nnodes that divides {world_size}"
+        )
     _check_endpoint(request)
-    nproc = n // nnodes
-    _check_devices(plan, nproc if n > 1 else 0)
+    nproc = world_size // nnodes
+    _check_devices(plan, nproc if world_size > 1 else 0)
     mf = load_plan_model(plan, plan_path)
     if mf.digest != plan.model.file_digest:
         print_fn(changed_file_warning(plan, mf))
@@ -338,7 +340,7 @@ def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None]
     check_data(plan, request, mf, traced, print_fn)
     preload = rank_preload({type(m) for m in source.model.modules()})
     del traced, source
-    if n == 1:
+    if world_size == 1:
         if request.echo:
             print_fn(
                 f"training 1 stage in this process ({plan.batch_size} samples/step, "

@@ -385,7 +385,7 @@ def run_result(
     Args:
         plan: the plan that was run.
         ranks: one result per rank that reported (on several nodes: this node's ranks only).
-        mode: "pipeline" (one process per stage) or "local" (the whole model in this process).
+        mode: "pipeline" (one process per rank) or "local" (the whole model in this process).
         plan_path: the plan file, recorded as an absolute path.
         n_microbatches: microbatches per step when they differ from the plan's (the unsplit
             reference trains on full batches).

@@ -321,7 +321,10 @@ class Plan(_Frozen):
     method: Method
     schedule: Schedule
     n_stages: int = Field(ge=1, description="Pipeline stages (n_ranks x stages per rank).")
-    n_ranks: int = Field(ge=1, description="Pipeline ranks of one replica (--gpus / dp); world_size in all.")
+    n_ranks: int = Field(
+        ge=1,
+        description="Pipeline ranks of one replica (pp: --gpus / (dp x tp)); world_size = dp x n_ranks x tp in all.",
+    )
     dp: int = Field(
         default=1,
         ge=1,

@@ -160,7 +160,7 @@ class RunResult(BaseModel):
     version: int = RUN_VERSION
     plan_fingerprint: str = Field(description="plan.model.fingerprint of the plan that was run.")
     plan_path: str | None = Field(default=None, description="The plan file that was run (absolute path when recorded).")
-    mode: str = Field(description="'pipeline' (one process per stage) or 'local' (this process, no pipeline).")
+    mode: str = Field(description="'pipeline' (one process per rank) or 'local' (this process, no pipeline).")
     schedule: str
     n_stages: int
     n_microbatches: int

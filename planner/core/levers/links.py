@@ -35,7 +35,7 @@ class NodeLinks(LinkCost):
 
     inter: LinkCost = Field(description="The link between ranks on different nodes.")
     gpus_per_node: int = Field(ge=1, description="Ranks per node.")
-    n_ranks: int = Field(ge=1, description="Ranks of one replica's pipeline (--gpus / dp).")
+    n_ranks: int = Field(ge=1, description="Pipeline ranks of one replica (pp: --gpus / (dp x tp)).")
     replicas: int = Field(default=1, ge=1, description="Data-parallel replicas of the pipeline (dp).")
     tp: int = Field(default=1, ge=1, description="Tensor-parallel ranks of every pipeline rank (inside one node).")
 

@@ -2,7 +2,7 @@
 
 - ``solve``: the exact partition solver (``solve``), its memory model and its errors.
 - ``solve_engine``: the vectorised dynamic programme ``solve`` runs over block ranges.
-- ``stage_sums``: prefix sums and range maxima giving any block range's memory terms in O(1).
+- ``range_sums``: prefix sums and range maxima giving any block range's memory terms in O(1).
 - ``stage_model``: what one stage of a split costs per microbatch and holds (``evaluate``), shared
   by the solver, the baselines, the prediction and the search.
 - ``stage_plans``: a split laid out on its ranks (``laid_out``, ``StageMemo``): each stage's

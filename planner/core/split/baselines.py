@@ -122,7 +122,7 @@ def param_balanced(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -
         out: FloatArray = np.asarray(counts[e] - counts[s]).astype(np.float64)
         return out
 
-    def candidates(cap: float) -> Stages:
+    def ranges(cap: float) -> Stages:
         last = np.full_like(first, n) if cap == math.inf else last_true(first, n, lambda s, e: params(s, e) <= cap)
         band = stage_bands(n, n_stages, first, last, lambda s, e: float(pre[e] - pre[s]) <= cap)
         s, e = banded_pairs(n, n_stages, first, last, end_ok, *band)
@@ -133,6 +133,6 @@ def param_balanced(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -
         return Stages(n, (s, e), (row, row), (ones, -ones), bool((last == n).all()), (0, 0), band)
 
     first_cap = pre[-1] / n_stages + max(b.params for b in blocks)
-    starts = exact_partition(n, n_stages, [0] * n_stages, candidates, first_cap, latest=True)
+    starts = exact_partition(n, n_stages, [0] * n_stages, ranges, first_cap, latest=True)
     assert starts is not None  # check_counts guarantees a partition without memory limits
     return evaluate(blocks, Split(starts=tuple(starts)), link)

@@ -8,7 +8,7 @@ True.
 steady-state throughput of GPipe and 1F1B alike, Narayanan et al. 2021 Eq. 1), as PipeDream and
 Alpa do, subject to a per-stage memory limit, and breaks ties deterministically (least total stage
 cost, then lexicographically smallest starts). It is the dynamic programme over (stage index, end
-block) of PipeDream, computed on candidate stages only (``planner.core.split.solve_engine.exact_partition``):
+block) of PipeDream, computed on block ranges only (``planner.core.split.solve_engine.exact_partition``):
 
 * A stage ``[s, e)`` costs ``(pre[e] - pre[s]) + send_in[s] + send_out[e]`` (+ its recomputation),
   where a boundary's terms hold its messages both ways and the cold start of the block that waits
@@ -18,19 +18,19 @@ block) of PipeDream, computed on candidate stages only (``planner.core.split.sol
   index takes one of a few cost rows (``_Arrays.variant``; at most four with an intra- and an
   inter-node link), and the bound above uses the cheapest link; a stage whose lower bound exceeds a
   cap on the bottleneck can never be part of a partition under that cap. The same holds for a lower
-  bound of its memory. Each start therefore has a window of candidate ends, found by binary search,
+  bound of its memory. Each start therefore has a window of possible ends, found by binary search,
   and the programme only looks at those pairs; each stage index only at the starts it can have
   (``stage_bands``). The cap starts near the average stage and rises to the best bottleneck found
   until that is within it.
-* Memory grows with the number of live microbatches ``t``, so each candidate's fit is one
+* Memory grows with the number of live microbatches ``t``, so each range's fit is one
   threshold on ``t`` (computed once, in integers), and the stage index enters only through
   ``in_flight[k]``.
-* Every candidate's cost is computed with the same floating-point operations, in the same order,
+* Every range's cost is computed with the same floating-point operations, in the same order,
   as a stage-by-stage evaluation, and the programme takes the same minima and applies the same
   1e-9 tie tolerance; the result is the same partition the O(p n^2) programme returns, not just
   one of equal cost (the tests check this against that programme and brute force).
 
-With ``w`` candidate ends per start (about the blocks of the widest stage under the optimum) it
+With ``w`` possible ends per start (about the blocks of the widest stage under the optimum) it
 runs in O(p n w) vectorised operations plus O(n log n) for the windows, instead of O(p n^2) calls:
 2,000 blocks on 64 stages take well under a second (docs/solver_scaling.md). The worst case, a
 bottleneck so large that most stages fit under it (one block dwarfing the rest, or all costs zero),
@@ -39,7 +39,7 @@ smallest stage count that would, found by one reachability sweep from the last s
 at once (``_FitSearch``).
 
 What a stage costs and holds is ``planner.core.split.stage_model``'s (shared with ``predict`` and the
-search); the vectorised programme over candidate stages is ``planner.core.split.solve_engine``'s (shared
+search); the vectorised programme over block ranges is ``planner.core.split.solve_engine``'s (shared
 with the parameter-balanced baseline, ``planner.core.split.baselines``); the links per boundary are
 ``planner.core.levers.links``'.
 """
@@ -56,17 +56,18 @@ from planner.core.layout.inputs import NO_CONSTRAINTS, Constraints, Layout, chec
 from planner.core.levers.links import Links, boundary_crosses, boundary_links, default_link
 from planner.core.levers.recompute import with_loss
 from planner.core.split.cuts import Split
+from planner.core.split.range_sums import StepTempArrays, block_sums, block_times, message_rows
 from planner.core.split.solve_engine import (
     AnyIntArray,
     BoolArray,
     IntArray,
     Stages,
     banded_pairs,
-    candidate_pairs,
     check_counts,
     exact_partition,
     last_true,
     legal_starts,
+    range_pairs,
     stage_bands,
 )
 from planner.core.split.stage_model import (
@@ -79,7 +80,6 @@ from planner.core.split.stage_model import (
     stage_bounds,
     unsharded_bytes,
 )
-from planner.core.split.stage_sums import StepTempArrays, block_sums, block_times, message_rows
 from planner.core.step.schedules import SPLIT_BACKWARD, in_flight_per_stage
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec, RecomputeMode
@@ -175,7 +175,7 @@ class _Arrays:
     vectorised search compares the same floats.
 
     With a link per boundary, ``send_in`` and ``send_out`` have one row per distinct link, and stage
-    index k costs ``variant[k]``'s row of the candidate costs: the pair (link into stage k, link out
+    index k costs ``variant[k]``'s row of the range costs: the pair (link into stage k, link out
     of it). One link gives one row, the arrays of the single-link search. A boundary inside one rank
     (``crosses`` False: a V's turn) has a row of its own, of zeros: no message, no cold start.
     """
@@ -345,7 +345,7 @@ class _Arrays:
         return out
 
     def last_fit(self, t_floor: int) -> IntArray:
-        """Per candidate start, the last end whose stage may fit memory at ``t_floor`` or more live microbatches."""
+        """Per possible start, the last end whose stage may fit memory at ``t_floor`` or more live microbatches."""
         if self.free:
             return np.full_like(self.starts, self.n)
         if t_floor not in self._last_fit:
@@ -419,7 +419,7 @@ class _Arrays:
             limits.append(np.asarray(t_max).astype(np.int64))
         return tuple(limits)
 
-    def candidates(self, cap: float) -> Stages:
+    def ranges(self, cap: float) -> Stages:
         """Every stage that fits memory at some asked-for in-flight count and may cost <= ``cap``."""
         n = self.n
         cap = cap if self.finite else math.inf
@@ -464,7 +464,7 @@ class _FitSearch:
     def __init__(self, arrays: _Arrays, t_floor: int) -> None:
         self.t_floor = t_floor
         self.n = arrays.n
-        s, e = candidate_pairs(arrays.starts, arrays.starts + 1, arrays.last_fit(t_floor), arrays.end_ok)
+        s, e = range_pairs(arrays.starts, arrays.starts + 1, arrays.last_fit(t_floor), arrays.end_ok)
         self.s, self.e, self.most = s, e, np.maximum.reduce(arrays.fit_limits(s, e))
         self.to_end = e == arrays.n
         self.rev: list[int] = []
@@ -598,9 +598,9 @@ def solve(
     ``constraints.memory_limit_bytes`` when given. Ties (within a relative 1e-9) go to the least
     total stage cost (less communication), then to the lexicographically smallest starts.
 
-    The search is the O(p n^2) dynamic programme restricted to candidate stages (those whose cost
+    The search is the O(p n^2) dynamic programme restricted to block ranges (those whose cost
     and memory lower bounds allow them under the optimum) and vectorised; see ``exact_partition``
-    for why that returns the very same partition. About O(p n w) for w candidate ends per start.
+    for why that returns the very same partition. About O(p n w) for w possible ends per start.
 
     Args:
         blocks: per-block costs in execution order.
@@ -653,7 +653,7 @@ def solve(
     # Where memory binds, a cheap test of memory alone (no costs) tells a limit nothing fits (the
     # searches of rank_fit try many) after one pass, instead of after the passes doubling the cap
     any_fit = None if arrays.free else (lambda: _FitSearch(arrays, min(infl)).fits(infl))
-    starts = exact_partition(n, n_stages, infl, arrays.candidates, first_cap, variant=arrays.variant, any_fit=any_fit)
+    starts = exact_partition(n, n_stages, infl, arrays.ranges, first_cap, variant=arrays.variant, any_fit=any_fit)
     if starts is None:
         given = None if in_flight is None else infl
         raise _memory_error(blocks, n_stages, schedule, n_microbatches, mem, arrays, given)

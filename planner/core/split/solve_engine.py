@@ -1,11 +1,11 @@
 """The vectorised engine of the exact partition search (``planner.core.split.solve`` describes the method).
 
-Pure module (numpy, no torch). Candidate stages ``[s, e)`` are held as arrays (``Stages``) with
+Pure module (numpy, no torch). Block ranges (possible stages) ``[s, e)`` are held as arrays (``Stages``) with
 their cost per link variant and their memory thresholds on the live-microbatch count; ``stage_bands``
 and ``banded_pairs`` list only the stages some stage index can hold under a cost cap, and
 ``exact_partition`` runs the dynamic programme over (stage index, end block) on them: the least
 bottleneck first, then the least total cost among the splits within ``REL_EPS`` of it, then the
-lexicographically first (or last) starts. ``planner.core.split.solve`` builds the candidates from block
+lexicographically first (or last) starts. ``planner.core.split.solve`` builds the ranges from block
 costs and memory; ``planner.core.split.baselines`` from parameter counts.
 """
 
@@ -81,7 +81,7 @@ def last_true(starts: IntArray, n: int, ok: Callable[[IntArray, IntArray], BoolA
         hi = np.where(active & ~good, mid - 1, hi)
 
 
-def candidate_pairs(starts: IntArray, first: IntArray, last: IntArray, end_ok: BoolArray) -> tuple[IntArray, IntArray]:
+def range_pairs(starts: IntArray, first: IntArray, last: IntArray, end_ok: BoolArray) -> tuple[IntArray, IntArray]:
     """All stages ``[s, e)`` with ``s`` in ``starts``, ``first[s] <= e <= last[s]`` and ``end_ok[e]``, sorted by (s, e)."""
     counts = np.maximum(last - first + 1, 0)
     total = int(counts.sum())
@@ -100,9 +100,9 @@ def stage_bands(
     ``reach[k]`` is the furthest block stage k can start at: stage k - 1 starts at most at
     ``reach[k - 1]`` and ends at most at the furthest window end (``last``) of such a start.
     ``back[j]`` is the earliest block from which j stages can cover the rest: ``short(s, e)`` must be
-    necessary for a stage ``[s, e)`` to be a candidate and stay true when the stage shrinks, so the
+    necessary for a stage ``[s, e)`` to be a block range and stay true when the stage shrinks, so the
     earliest start that can end at or after ``back[j - 1]`` is the earliest one that ends exactly
-    there. Both over-approximate (they ignore illegal cuts and some costs), so no candidate of a
+    there. Both over-approximate (they ignore illegal cuts and some costs), so no range of a
     complete partition falls outside; O(p log n).
     """
     reach = np.zeros(p + 1, dtype=np.int64)
@@ -138,11 +138,11 @@ def banded_pairs(
     starts, last, k_first, k_last = starts[ok], last[ok], k_first[ok], k_last[ok]
     first = np.maximum(starts + 1, back[p - 1 - k_first])
     last = np.minimum(last, n - (p - 1 - k_last))
-    return candidate_pairs(starts, first, last, end_ok)
+    return range_pairs(starts, first, last, end_ok)
 
 
 class Stages:
-    """Candidate stages ``[s, e)`` of a partition search, sorted by (s, e), with their costs.
+    """Block ranges (possible stages) ``[s, e)`` of a partition search, sorted by (s, e), with their costs.
 
     Every stage that can be part of a partition the search cares about is listed; a stage not listed
     is one the search may ignore (it costs more than the cap, or cannot fit memory). A stage placed
@@ -252,8 +252,8 @@ def _bottleneck(stages: Stages, n: int, p: int, in_flight: Sequence[int], varian
     """Pass 1: the least bottleneck over partitions made of ``stages`` (inf: none).
 
     ``best[e]`` is the least bottleneck covering blocks ``[0, e)`` with stages 0..k; stage k's row is
-    the minimum over its candidate stages ``[s, e)`` of ``max(best[s], cost)``, one vectorised pass
-    over the candidates grouped by end. Stage k must leave a block for each later stage and only the
+    the minimum over its block ranges ``[s, e)`` of ``max(best[s], cost)``, one vectorised pass
+    over the ranges grouped by end. Stage k must leave a block for each later stage and only the
     last one ends at n, exactly as in the O(p n^2) programme.
     """
     inf = math.inf
@@ -345,38 +345,38 @@ def exact_partition(
     n: int,
     p: int,
     in_flight: Sequence[int],
-    candidates: Callable[[float], Stages],
+    ranges: Callable[[float], Stages],
     first_cap: float,
     latest: bool = False,
     variant: Sequence[int] | None = None,
     any_fit: Callable[[], bool] | None = None,
 ) -> tuple[int, ...] | None:
-    """Exact partition of ``n`` items into ``p`` contiguous non-empty stages on candidate stages.
+    """Exact partition of ``n`` items into ``p`` contiguous non-empty stages on block ranges.
 
     Minimises the max stage cost; among partitions within ``REL_EPS`` of that optimum, minimises the
     sum of stage costs; among those, returns the lexicographically smallest starts (largest with
-    ``latest``): the O(p n^2) dynamic programme's answer, computed on candidates only.
+    ``latest``): the O(p n^2) dynamic programme's answer, computed on those ranges only.
 
-    ``candidates(cap)`` lists every stage whose cost can be <= ``cap`` and that fits memory (a
-    superset is fine). Pass 1 runs on the candidates under a guessed cap: if the best bottleneck it
-    finds is within the cap, every stage of every better partition was a candidate, so it is the
+    ``ranges(cap)`` lists every stage whose cost can be <= ``cap`` and that fits memory (a
+    superset is fine). Pass 1 runs on the ranges under a guessed cap: if the best bottleneck it
+    finds is within the cap, every stage of every better partition was a block range, so it is the
     optimum; otherwise that bottleneck (a real partition's, so an upper bound on the optimum)
-    becomes the cap, or the cap doubles when no partition was found, until the candidates are all
+    becomes the cap, or the cap doubles when no partition was found, until the ranges are all
     stages that fit (``complete``), where infeasibility is exact. Pass 2 then needs only the stages
-    within the optimum plus the tolerance. Each pass is O(p x candidates) vectorised work.
+    within the optimum plus the tolerance. Each pass is O(p x ranges) vectorised work.
 
     Args:
         n: number of items.
         p: number of stages.
         in_flight: live microbatches of each stage index (decides how a stage fits memory).
-        candidates: the candidate stages under a cap on the stage cost (``math.inf``: no cap).
+        ranges: the block ranges under a cap on the stage cost (``math.inf``: no cap).
         first_cap: the first cap to try (any value; a good guess saves a pass).
         latest: pick the lexicographically largest starts instead (earlier stages as full as possible).
         variant: the cost row of each stage index (None: row 0 for all).
         any_fit: whether some partition fits memory at all (None: not known). Asked once, when a
             pass under a finite cap finds no partition: where it says no, the answer is None at
-            once instead of after the passes that double the cap until the candidates are complete.
-            It must not say no where a partition of the candidates fits.
+            once instead of after the passes that double the cap until the ranges are complete.
+            It must not say no where a partition of the ranges fits.
 
     Returns:
         The starts, or None when no partition fits.
@@ -384,7 +384,7 @@ def exact_partition(
     rows = list(variant) if variant is not None else [0] * p
     cap = first_cap
     while True:
-        stages = candidates(cap)
+        stages = ranges(cap)
         opt = _bottleneck(stages, n, p, in_flight, rows)
         if opt <= cap or stages.complete:
             break
@@ -398,4 +398,4 @@ def exact_partition(
     if opt == math.inf:
         return None
     thr = opt + tol(opt)
-    return _tie_break(candidates(thr), n, p, in_flight, rows, thr, latest)
+    return _tie_break(ranges(thr), n, p, in_flight, rows, thr, latest)

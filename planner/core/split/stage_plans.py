@@ -20,6 +20,7 @@ from planner.core.levers.data_parallel import layout_links
 from planner.core.levers.links import Links, boundary_links, default_link, links_around
 from planner.core.levers.recompute import recompute_mode
 from planner.core.split.cuts import Split
+from planner.core.split.range_sums import block_sums
 from planner.core.split.stage_model import (
     MemoryParts,
     check_starts,
@@ -27,7 +28,6 @@ from planner.core.split.stage_model import (
     stage_memory_parts,
     stage_time_parts,
 )
-from planner.core.split.stage_sums import block_sums
 from planner.core.step.schedules import (
     Action,
     RankStates,

@@ -1,7 +1,7 @@
 """Block-range sums for the exact solver's memory model: any stage's terms in O(1).
 
 Pure module (numpy only). ``stage_memory_parts`` (``planner.core.split.stage_model``) sums a stage's
-blocks one by one; the solver asks the same of every candidate stage, so it precomputes prefix sums
+blocks one by one; the solver asks the same of every block range, so it precomputes prefix sums
 and range maxima (sparse tables) once per request: the measured optimizer-step temporaries
 (``StepTemps``; on arrays ``StepTempArrays``) and the checkpoint regions (``RegionSums``), each
 asked one stage at a time or, as arrays, for many stages at once.
