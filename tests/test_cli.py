@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 from run_factory import edited_copy
 
 from cli import main
@@ -17,7 +17,7 @@ MODELS = ROOT / "models"
 FAST = ["--repeats", "1", "--warmup", "0", "-q"]
 
 
-def invoke(*args: str) -> CliRunner.invoke:  # type: ignore[name-defined]
+def invoke(*args: str) -> Result:
     return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
 
