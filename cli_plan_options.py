@@ -1,8 +1,8 @@
 """``planner plan``'s options, one decorator per ``--help`` group, and the request they make.
 
-Each help text is a sentence or two; docs/options.md holds every option's full meaning. The groups
-(``PLAN_GROUPS``, in ``--help`` order) are also what docs/options.md and tests/test_cli_config.py
-read: change one here and there together.
+Each help text is a sentence or two; docs/options.md holds every option's full meaning, in the same
+groups (``PLAN_GROUPS``, in ``--help`` order, which tests/test_cli_config.py checks --help against):
+move an option here and there together.
 """
 
 from __future__ import annotations
@@ -107,60 +107,58 @@ training_options = option_group(
 )
 
 
-def _layout_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The "Layout" group: replicas, tensor parallelism, schedule, microbatches and the split."""
-    auto = {"default": "auto", "show_default": True}
-    return option_group(
-        "Layout",
-        option(
-            "--dp",
-            type=REPLICAS_OR_AUTO,
-            default="1",
-            show_default=True,
-            help="Data-parallel replicas of the pipeline, or auto.",
-        ),
-        option("--tp", type=REPLICAS_OR_AUTO, **auto, help="Tensor-parallel ranks per pipeline rank, or auto."),
-        option(
-            "--sequence-parallel/--no-sequence-parallel",
-            default=None,
-            help="With tp > 1, also split activations along the sequence [default: auto].",
-        ),
-        option("--schedule", metavar="NAME", **auto, help=f"{', '.join(SCHEDULES)}, or auto."),
-        option("--stages-per-rank", "-v", type=COUNT_OR_AUTO, **auto, help="Pipeline stages on every rank, or auto."),
-        option("--microbatches", "-m", type=COUNT_OR_AUTO, **auto, help="Microbatches per pass of a replica, or auto."),
-        option(
-            "--accumulation", type=REPLICAS_OR_AUTO, **auto, help="Pipeline passes per step (gradient accumulation)."
-        ),
-        option(
-            "--dp-mode",
-            type=click.Choice(["auto", *DP_MODES], case_sensitive=False),
-            **auto,
-            help="How the replicas reduce gradients: ddp, fsdp, hsdp (fully_shard on a 2-D mesh) or auto.",
-        ),
-        option(
-            "--dp-shard", type=REPLICAS_OR_AUTO, **auto, help="Under --dp-mode hsdp, the replicas of each shard group."
-        ),
-        option(
-            "--fsdp-units",
-            type=click.Choice(["auto", "stage", "block"], case_sensitive=False),
-            **auto,
-            help="Under fsdp/hsdp, what is gathered at a time.",
-        ),
-        option(
-            "--method",
-            type=click.Choice(list(METHODS)),
-            default="optimal",
-            show_default=True,
-            help="The split the plan uses (the others are compared).",
-        ),
-        option(
-            "--compare",
-            default=None,
-            metavar="SPLIT",
-            callback=lambda _ctx, _param, value: split_option(value),
-            help="A split you use now, costed beside the plan (3,4 or Et*3|t*4L or parts:0,3,7 or a file).",
-        ),
-    )(fn)
+# the searched options: "auto" unless given
+_AUTO: dict[str, Any] = {"default": "auto", "show_default": True}
+
+layout_options = option_group(
+    "Layout",
+    option(
+        "--dp",
+        type=REPLICAS_OR_AUTO,
+        default="1",
+        show_default=True,
+        help="Data-parallel replicas of the pipeline, or auto.",
+    ),
+    option("--tp", type=REPLICAS_OR_AUTO, **_AUTO, help="Tensor-parallel ranks per pipeline rank, or auto."),
+    option(
+        "--sequence-parallel/--no-sequence-parallel",
+        default=None,
+        help="With tp > 1, also split activations along the sequence [default: auto].",
+    ),
+    option("--schedule", metavar="NAME", **_AUTO, help=f"{', '.join(SCHEDULES)}, or auto."),
+    option("--stages-per-rank", "-v", type=COUNT_OR_AUTO, **_AUTO, help="Pipeline stages on every rank, or auto."),
+    option("--microbatches", "-m", type=COUNT_OR_AUTO, **_AUTO, help="Microbatches per pass of a replica, or auto."),
+    option("--accumulation", type=REPLICAS_OR_AUTO, **_AUTO, help="Pipeline passes per step (gradient accumulation)."),
+    option(
+        "--dp-mode",
+        type=click.Choice(["auto", *DP_MODES], case_sensitive=False),
+        **_AUTO,
+        help="How the replicas reduce gradients: ddp, fsdp, hsdp (fully_shard on a 2-D mesh) or auto.",
+    ),
+    option(
+        "--dp-shard", type=REPLICAS_OR_AUTO, **_AUTO, help="Under --dp-mode hsdp, the replicas of each shard group."
+    ),
+    option(
+        "--fsdp-units",
+        type=click.Choice(["auto", "stage", "block"], case_sensitive=False),
+        **_AUTO,
+        help="Under fsdp/hsdp, what is gathered at a time.",
+    ),
+    option(
+        "--method",
+        type=click.Choice(list(METHODS)),
+        default="optimal",
+        show_default=True,
+        help="The split the plan uses (the others are compared).",
+    ),
+    option(
+        "--compare",
+        default=None,
+        metavar="SPLIT",
+        callback=lambda _ctx, _param, value: split_option(value),
+        help="A split you use now, costed beside the plan (3,4 or Et*3|t*4L or parts:0,3,7 or a file).",
+    ),
+)
 
 
 memory_options = option_group(
@@ -248,7 +246,7 @@ def plan_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         ``fn`` with the options added.
     """
     # click lists a command's options in the order their decorators are written, the last applied first
-    groups = [model_options, cluster_options, training_options, _layout_options, memory_options, cost_options]
+    groups = [model_options, cluster_options, training_options, layout_options, memory_options, cost_options]
     for group in reversed([*groups, output_options]):
         fn = group(fn)
     return fn
