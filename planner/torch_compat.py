@@ -42,6 +42,16 @@ When torch changes one of these, this is the only file to mend; the tests that e
   values of a meta run, ``planner.capture.graph``; tests/test_meta_runs.py).
 - ``torch.fx.Node._update_args_kwargs``: a traced node's arguments set after it is made, which is
   what ``Node.__init__`` and the ``args`` setter do (``set_node_arguments``; tests/test_trace.py).
+- ``OpOverload._schema``: whether an operator writes or aliases its arguments, for the meta cache
+  (``op_schema``; tests/test_meta_runs.py). This and the four below: tests/test_torch_compat.py too.
+- ``Tensor._base``: the tensor a view's memory belongs to, for the saved-activation counts
+  (``view_base``; tests/test_tensor_parallel.py, tests/test_weight_casts.py).
+- ``DTensor._local_tensor``: a DTensor's local part itself, not ``to_local()``'s fresh alias
+  (``local_tensor``; tests/test_run_sp.py).
+- ``Module._parameters`` / ``_buffers``: a module's own tensors swapped in place for fake or meta ones
+  (``own_tensor_tables``; tests/test_shapes.py).
+- The loggers ``torch._dynamo`` and ``torch._export``, silenced while the planner tries an export
+  (``export_logger_names``; tests/test_trace.py).
 """
 
 from __future__ import annotations
@@ -64,12 +74,16 @@ __all__ = [
     "TorchDispatchMode",
     "ddp_ignore",
     "gather_each_stage_once",
+    "export_logger_names",
     "exported_out_spec",
     "flatten_dense",
     "is_view",
     "lazy_graph_module",
+    "local_tensor",
     "memory_tracker",
     "no_dispatch",
+    "op_schema",
+    "own_tensor_tables",
     "pipelining_backward",
     "pytree",
     "retain_graph_compile",
@@ -78,6 +92,7 @@ __all__ = [
     "swapped_sdpa",
     "timed_schedule",
     "unflatten_dense",
+    "view_base",
     "watched_elastic_agent",
 ]
 
@@ -117,6 +132,83 @@ def is_view(t: torch.Tensor) -> bool:
 def storage_id(t: torch.Tensor) -> int:
     """An id of ``t``'s storage that is the same for every view of it (works on meta tensors)."""
     return int(t.untyped_storage()._cdata)
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor whose memory ``t`` views (torch's private ``Tensor._base``), None if ``t`` is no view.
+
+    The planner counts a saved view as the memory it holds: its base's, once however many views of
+    it autograd saves. Torch has no public way to reach a view's base (``_is_view`` says only that
+    there is one).
+
+    Args:
+        t: any tensor (meta and fake ones too).
+
+    Returns:
+        The base tensor, or None.
+    """
+    return t._base
+
+
+def op_schema(func: Any) -> Any:
+    """An aten operator's ``torch._C.FunctionSchema`` (the ``OpOverload``'s private ``_schema``).
+
+    The meta cache answers an operator's repeated calls only if it neither writes nor aliases its
+    arguments, which its schema says (``is_mutable``, each argument's ``alias_info``); torch has no
+    public accessor for an overload's parsed schema.
+
+    Args:
+        func: an ``OpOverload`` (as a dispatch mode receives it).
+
+    Returns:
+        Its schema.
+    """
+    return func._schema
+
+
+def local_tensor(dt: Any) -> torch.Tensor:
+    """A DTensor's local part: the very tensor it holds (its private ``_local_tensor``).
+
+    ``DTensor.to_local()`` is not the same where autograd records: it returns a fresh alias made by an
+    autograd function (``_ToTorchTensor``, a ``view_as``), one per call, with its own node. The
+    sequence-parallel runner keys a gathered input by its storage inside autograd's pack hook and
+    watches the local part with a weak reference, which must die with the DTensor, not at once.
+
+    Args:
+        dt: a ``torch.distributed.tensor.DTensor``.
+
+    Returns:
+        Its local tensor (no copy, no alias).
+    """
+    return dt._local_tensor
+
+
+def own_tensor_tables(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A module's own parameter and buffer tables (``Module._parameters``, ``Module._buffers``),
+    the very dicts, name -> tensor or None.
+
+    Writing to them puts a tensor in a parameter's or buffer's place without ``register_parameter``'s
+    checks and hooks: the shape runs swap a module's weights for fake or meta tensors (not
+    ``nn.Parameter``) and put the originals back, each slot once however many paths reach it.
+
+    Args:
+        module: any module; only its own tensors, not its children's.
+
+    Returns:
+        (parameters, buffers), the module's own dicts: writes go through.
+    """
+    return module._parameters, module._buffers
+
+
+def export_logger_names() -> tuple[str, ...]:
+    """The loggers a failing ``torch.export.export`` warns on, torch's private ``torch._dynamo`` and
+    ``torch._export`` among them: the planner silences them while it tries an export and reports the
+    reason in one line.
+
+    Returns:
+        The logger names, public ones included.
+    """
+    return ("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export", "torch._export")
 
 
 def decomposes(func: Any) -> bool:

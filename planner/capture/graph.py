@@ -38,7 +38,7 @@ from planner.capture.meta_cache import meta_op_cache, on_meta
 from planner.capture.shapes import shapes_or_real
 from planner.capture.signature import block_structure, leaves_block, rebuild, signature, spec
 from planner.errors import TraceError
-from planner.torch_compat import fx_arg_bypass, lazy_graph_module, no_dispatch, set_node_arguments
+from planner.torch_compat import export_logger_names, fx_arg_bypass, lazy_graph_module, no_dispatch, set_node_arguments
 
 
 def trace_fx(model: nn.Module, inputs: tuple[Any, ...]) -> fx.GraphModule:
@@ -66,15 +66,15 @@ class _Tracer(fx.Tracer):
     """
 
     def trace(self, root: nn.Module | Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
-        self._params: dict[int, tuple[str, torch.Tensor]] = {}
-        self._buffers: dict[int, tuple[str, torch.Tensor]] = {}
+        self._params_by_id: dict[int, tuple[str, torch.Tensor]] = {}
+        self._buffers_by_id: dict[int, tuple[str, torch.Tensor]] = {}
         if isinstance(root, nn.Module):
-            self._params = {id(p): (n, p) for n, p in root.named_parameters()}
-            self._buffers = {id(b): (n, b) for n, b in root.named_buffers()}
+            self._params_by_id = {id(p): (n, p) for n, p in root.named_parameters()}
+            self._buffers_by_id = {id(b): (n, b) for n, b in root.named_buffers()}
         return super().trace(root, concrete_args)
 
     @staticmethod
-    def _name(table: dict[int, tuple[str, torch.Tensor]], value: torch.Tensor) -> str | None:
+    def _name_in(table: dict[int, tuple[str, torch.Tensor]], value: torch.Tensor) -> str | None:
         hit = table.get(id(value))
         return hit[0] if hit is not None and hit[1] is value else None
 
@@ -83,7 +83,7 @@ class _Tracer(fx.Tracer):
         if fast is not None:  # a proxy, number, tuple, list of exactly that type: fx.Tracer's checks all pass it on
             return fast(self, a)
         if isinstance(a, torch.Tensor):  # as fx.Tracer.create_arg: parameters, then buffers, by first name
-            name = self._name(self._params if isinstance(a, nn.Parameter) else self._buffers, a)
+            name = self._name_in(self._params_by_id if isinstance(a, nn.Parameter) else self._buffers_by_id, a)
             if name is not None:
                 return self.create_node("get_attr", name, (), {})
         return super().create_arg(a)
@@ -107,7 +107,7 @@ class _Tracer(fx.Tracer):
         return node
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
-        name = self._name(self._params, attr_val) if isinstance(attr_val, nn.Parameter) else None
+        name = self._name_in(self._params_by_id, attr_val) if isinstance(attr_val, nn.Parameter) else None
         if name is None:
             return super().getattr(attr, attr_val, parameter_proxy_cache)
         if name not in parameter_proxy_cache:  # as fx.Tracer.getattr
@@ -124,8 +124,7 @@ def trace_export(model: nn.Module, inputs: tuple[Any, ...]) -> fx.GraphModule:
     A failing export logs warnings and prints the partial graph; the planner reports the reason in
     one line instead, so that noise is kept off the user's terminal.
     """
-    names = ("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export", "torch._export")
-    loggers = [logging.getLogger(name) for name in names]
+    loggers = [logging.getLogger(name) for name in export_logger_names()]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)

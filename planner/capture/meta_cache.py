@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from planner.capture.signature import rebuild, spec
-from planner.torch_compat import TorchDispatchMode
+from planner.torch_compat import TorchDispatchMode, op_schema
 
 _META = torch.device("meta")
 _CONSTANTS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
@@ -63,7 +63,7 @@ def _functional(func: Any) -> bool:
     annotations and it is no view), and is worth a key (no bare allocation)."""
     if func in _ALLOCATIONS:
         return False
-    schema = func._schema
+    schema = op_schema(func)
     if schema.is_mutable or getattr(func, "is_view", False):
         return False
     return all(a.alias_info is None for a in (*schema.arguments, *schema.returns))

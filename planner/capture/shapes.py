@@ -24,7 +24,7 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import nn
 
-from planner.torch_compat import FakeTensorMode, pytree
+from planner.torch_compat import FakeTensorMode, own_tensor_tables, pytree
 
 T = TypeVar("T")
 
@@ -57,7 +57,8 @@ def _weights_replaced(
     for m in module.modules():  # each module object once
         # the dtype this module's own parameters run in (None: theirs); buffers always keep theirs
         own = None if keeps_fp32_weights(m) else param_dtype
-        for table, dtype in ((m._parameters, own), (m._buffers, None)):
+        parameters, buffers = own_tensor_tables(m)
+        for table, dtype in ((parameters, own), (buffers, None)):
             for name, t in table.items():
                 if t is not None:
                     saved.append((cast(dict[str, Any], table), name, t, dtype))

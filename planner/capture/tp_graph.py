@@ -119,7 +119,7 @@ def _planned_layers(gm: fx.GraphModule, tp_plan: dict[str, str]) -> dict[str, st
     return {
         name: style
         for name, (style, sub, _) in matched_modules(gm, tp_plan).items()
-        if isinstance(sub._parameters.get("weight"), nn.Parameter)
+        if isinstance(dict(sub.named_parameters(recurse=False, remove_duplicate=False)).get("weight"), nn.Parameter)
     }
 
 
@@ -138,7 +138,7 @@ def _layer_call(getters: list[fx.Node], name: str) -> fx.Node:
     the graph's ``getters`` of it."""
     users = [u for g in getters for u in g.users]
     op = users[0].target if len(users) == 1 else None
-    kind = getattr(getattr(op, "_overloadpacket", None), "__name__", "")
+    kind = getattr(getattr(op, "overloadpacket", None), "__name__", "")
     if kind not in _LAYER_OPS or users[0].args[_LAYER_OPS[kind]] is not getters[0]:
         uses = ", ".join(sorted({str(u.target) for u in users})) or "nothing"
         raise TraceError(
@@ -157,7 +157,7 @@ def _local_copy(model: nn.Module, layers: dict[str, tuple[Any, str]], tp: int) -
             sub = model.get_submodule(name)
         except AttributeError as e:  # the graph's module names are the model's; say so if not
             raise TraceError(f"tp_plan shards {name}, which the model (as built) does not have") from e
-        kind = op._overloadpacket.__name__
+        kind = op.overloadpacket.__name__
         if style == "colwise_rep":  # its output is gathered whole: the graph after it keeps the full sizes
             continue
         # the sharded dimension of the weight: linear weights are (out, in), embeddings (rows, width)

@@ -194,9 +194,8 @@ def _holders(model: nn.Module) -> dict[int, list[str]]:
     """Parameter id -> the names of the modules holding it (more than one: a tie)."""
     holders: dict[int, list[str]] = {}
     for name, module in model.named_modules():
-        for p in module._parameters.values():
-            if p is not None:
-                holders.setdefault(id(p), []).append(name)
+        for _, p in module.named_parameters(recurse=False, remove_duplicate=False):  # None slots skipped
+            holders.setdefault(id(p), []).append(name)
     return holders
 
 

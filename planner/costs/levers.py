@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from planner.errors import PlannerError
-from planner.torch_compat import pytree, retain_graph_compile
+from planner.torch_compat import pytree, retain_graph_compile, view_base
 
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 """``--dtype`` name -> the dtype ``torch.autocast`` computes in."""
@@ -71,7 +71,8 @@ def is_weight_cast(t: torch.Tensor, params: set[int]) -> bool:
     Returns:
         True for such a copy.
     """
-    base = t._base if t._base is not None else t
+    base = view_base(t)
+    base = t if base is None else base
     fn = base.grad_fn
     if fn is None or fn.name() != "ToCopyBackward0" or not fn.next_functions:
         return False

@@ -128,7 +128,7 @@ def token_wise(
         is_shard: whether a tensor is a sequence shard.
         is_state: whether a tensor is a parameter or buffer (or made of them alone).
     """
-    name = func._overloadpacket.__name__
+    name = func.overloadpacket.__name__
     if torch.Tag.pointwise in func.tags or func.is_view or name in _COPIES or name in _NORMS:
         return True
     if name in _LAST_DIM:

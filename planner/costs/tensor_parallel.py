@@ -84,7 +84,7 @@ from planner.costs.tp_gemms import MAX_DEGREE, Gemm, gemm_seconds, gemm_slowdown
 from planner.errors import ModelFileError
 from planner.schema.costs import BlockCost, TensorParallelShare
 from planner.schema.request import PlanRequest
-from planner.torch_compat import TorchDispatchMode, no_dispatch
+from planner.torch_compat import TorchDispatchMode, no_dispatch, view_base
 
 
 @dataclass
@@ -172,7 +172,7 @@ class _Watch(TorchDispatchMode):
         if self.block is None:
             return out
         reads_split = any(self.is_split(t) for t in read)
-        packet = func._overloadpacket
+        packet = func.overloadpacket
         if packet in flop_registry:
             work = float(flop_registry[packet](*args, **kwargs, out_val=out))
         elif func.is_view:
@@ -465,7 +465,8 @@ def tensor_parallel_shares(
         if watch.block is None or id(t) in watch.state:
             return t
         # a view holds its base's memory, split or whole as its base is (not as the view: a column-wise
-        base = t if t._base is None else t._base  # layer's x.view(-1, d) of its whole input is made inside it)
+        base = view_base(t)
+        base = t if base is None else base  # layer's x.view(-1, d) of its whole input is made inside it)
         saved = watch.block.saved_split if watch.is_split(base) else watch.block.saved_whole
         saved.setdefault(id(base), _nbytes(base, float_bytes))
         # whole without sequence parallelism, split with it (a column-wise layer's input too: the

@@ -42,7 +42,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from planner.capture.tp_sequence import SEQUENCE_DIM
-from planner.torch_compat import pytree
+from planner.torch_compat import local_tensor, pytree
 
 
 class Replicated(TorchFunctionMode):
@@ -166,7 +166,7 @@ class SequenceSplit:
             if x.is_floating_point() and torch.is_autocast_enabled(device):
                 x = x.to(torch.get_autocast_dtype(device))  # the layer's own cast, before the gather
             whole = x.redistribute(self.mesh, [Replicate()])
-            self.shard_of[_storage(whole)] = (weakref.ref(whole._local_tensor), x, {})
+            self.shard_of[_storage(whole)] = (weakref.ref(local_tensor(whole)), x, {})
         else:
             whole = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
         self.last = (weakref.ref(args[0]), whole)
@@ -232,7 +232,7 @@ def _storage(t: torch.Tensor) -> int:
     """The storage a tensor's data lives in (a DTensor's local part), 0 for a tensor without one."""
     from torch.distributed.tensor import DTensor
 
-    local = t._local_tensor if isinstance(t, DTensor) else t
+    local = local_tensor(t) if isinstance(t, DTensor) else t
     try:
         return int(local.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):
