@@ -369,3 +369,293 @@ class Agent(LocalElasticAgent):
         "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model",
         "Agent: super()._start_workers",
     }
+
+
+# --- private attributes of torch objects, private torch names in strings -------------------------
+# The check above follows names bound to torch. Two kinds of use escape it: a private attribute read
+# on a torch *object* (an operator's ``func._schema``, a tensor's ``t._base``, a DTensor's
+# ``_local_tensor``), which no import names, and a private torch module named in a string (the
+# logger "torch._dynamo"). A private attribute read outside torch_compat must be one the planner
+# defines itself; a string must not name a private torch module or attribute.
+SOURCES = [*sorted(PLANNER.rglob("*.py")), *sorted(ROOT.glob("cli*.py"))]
+# Private attributes of torch objects the planner has read: flagged even where a planner class calls
+# one of its own by the same name, so that the name cannot hide a read of torch's.
+TORCH_OBJECT_PRIVATES = frozenset(
+    {"_base", "_buffers", "_local_tensor", "_modules", "_name", "_overloadpacket", "_parameters", "_schema", "_spec"}
+)
+# Another library's private attribute, read on an object the check cannot tell from a torch one:
+# (file, name) -> whose it is. Not torch's, so not torch_compat's.
+NOT_TORCH_PRIVATES: dict[tuple[str, str], str] = {
+    ("planner/capture/tp_plan.py", "_tp_plan"): "Hugging Face transformers' PreTrainedModel._tp_plan",
+}
+_GETATTR_FAMILY = ("getattr", "setattr", "hasattr", "delattr")
+# Keyword arguments whose string is documentation, like a docstring (pydantic's Field, click's options).
+_DOC_KEYWORDS = ("description", "help")
+
+
+def _names_bound_in(body: list[ast.stmt]) -> set[str]:
+    """The names a module's or class's own statements bind (functions', classes' and their
+    variables', at any depth of if / try / with / for, never inside a function)."""
+    names: set[str] = set()
+    stack: list[ast.AST] = list(body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)  # its body is another scope (a class's: the caller walks it)
+            continue
+        if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.ImportFrom) and (node.level > 0 or (node.module or "").split(".")[0] == "planner"):
+            names.update(a.asname or a.name for a in node.names)
+        stack.extend(ast.iter_child_nodes(node))
+    return names
+
+
+def _is_self(node: ast.expr) -> bool:
+    return isinstance(node, ast.Name) and node.id in ("self", "cls")
+
+
+def _own_private_names(trees: list[ast.Module]) -> set[str]:
+    """Every private name the planner defines: its modules' functions, classes and variables, names
+    imported from its own modules, class members and fields, ``self._x`` / ``cls._x`` assignments
+    and ``setattr(self, "_x", ...)``; less the names of torch objects' private attributes."""
+    names: set[str] = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef)):
+                names |= _names_bound_in(node.body)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _is_self(node.value):
+                names.add(node.attr)
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "setattr"
+                and len(node.args) >= 2
+                and _is_self(node.args[0])
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+            ):
+                names.add(node.args[1].value)
+    return {n for n in names if _is_private(n)} - TORCH_OBJECT_PRIVATES
+
+
+def _imported_names(tree: ast.Module) -> set[str]:
+    """Names bound by an import anywhere in a module, and names given a chain into ``torch.ops``
+    (``aten = torch.ops.aten``): what is read through them is a module's attribute (the check above
+    covers torch's) or an operator's name, not an object's private attribute."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.asname or a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.update(a.asname or a.name for a in node.names)
+    torch_names = _torch_bound_names(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            chain = _attribute_chain(node.value)
+            if chain is not None and chain[0] in torch_names:
+                if [*torch_names[chain[0]].split("."), *chain[1:]][:2] == ["torch", "ops"]:
+                    names.add(node.targets[0].id)
+    return names
+
+
+def _chain_root(node: ast.expr) -> ast.expr:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node
+
+
+def _private_attribute_reads(tree: ast.Module, own: set[str]) -> set[tuple[str, str]]:
+    """Every private attribute a module reads, writes or calls on an object that is not one of the
+    planner's own names (``own``): ``x._y`` and ``getattr(x, "_y")`` alike, whatever ``x`` is (a
+    parameter, ``self`` of a subclass of a torch class, a call's result). Chains from an imported
+    name are left to the check above. Each as (the expression, the private name)."""
+    imported = _imported_names(tree)
+    hits: set[tuple[str, str]] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            target, name = node.value, node.attr
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in _GETATTR_FAMILY
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            target, name = node.args[0], node.args[1].value
+        else:
+            continue
+        root = _chain_root(target)
+        if not _is_private(name) or name in own or (isinstance(root, ast.Name) and root.id in imported):
+            continue
+        hits.add((ast.unparse(node), name))
+    return hits
+
+
+def _documentation_strings(tree: ast.Module) -> set[int]:
+    """``id`` of every string that documents rather than names: docstrings and the strings of a
+    ``description=`` / ``help=`` keyword argument."""
+    found: set[int] = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body:
+            first = body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+        elif isinstance(node, ast.keyword) and node.arg in _DOC_KEYWORDS:
+            found.update(id(inner) for inner in ast.walk(node.value) if isinstance(inner, ast.Constant))
+    return found
+
+
+def _dotted_names(text: str) -> list[str]:
+    """The dotted names in a text (``a.b_c.d``), a sentence's closing full stop dropped."""
+    spaced = "".join(c if c.isalnum() or c in "._" else " " for c in text)
+    return [word.strip(".") for word in spaced.split()]
+
+
+def _names_private_torch(name: str) -> bool:
+    parts = name.split(".")
+    return parts[0] == "torch" and parts[1:2] != ["ops"] and any(map(_is_private, parts[1:]))
+
+
+def _private_torch_strings(tree: ast.Module) -> set[str]:
+    """Every private torch module or attribute a string names (``"torch._dynamo"``,
+    ``f"torch.distributed._tools.{x}"``), documentation aside; operators (``torch.ops``) are not private."""
+    documentation = _documentation_strings(tree)
+    hits: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in documentation:
+            hits.update(name for name in _dotted_names(node.value) if _names_private_torch(name))
+    return hits
+
+
+def _relative(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def test_private_attributes_of_torch_objects_only_in_torch_compat() -> None:
+    trees = {path: ast.parse(path.read_text(), str(path)) for path in SOURCES if path != TORCH_COMPAT}
+    own = _own_private_names(list(trees.values()))
+    found = [
+        f"{_relative(path)}: {use}"
+        for path, tree in trees.items()
+        for use, name in sorted(_private_attribute_reads(tree, own))
+        if (_relative(path), name) not in NOT_TORCH_PRIVATES
+    ]
+    assert not found, f"read these through planner/torch_compat.py (or name the planner's own attribute): {found}"
+
+
+def test_private_torch_names_in_strings_only_in_torch_compat() -> None:
+    found = [
+        f"{_relative(path)}: {name!r}"
+        for path in SOURCES
+        if path != TORCH_COMPAT
+        for name in sorted(_private_torch_strings(ast.parse(path.read_text(), str(path))))
+    ]
+    assert not found, f"name these in planner/torch_compat.py: {found}"
+
+
+def test_private_torch_names_only_in_torch_compat_in_every_cli_module() -> None:
+    # the import-and-chain check above reads cli.py; its helpers cli_*.py are the same command
+    found = [
+        f"{_relative(path)}: {use}"
+        for path in sorted(ROOT.glob("cli*.py"))
+        for use in sorted(_private_torch_uses(ast.parse(path.read_text(), str(path))))
+    ]
+    assert not found, f"use these through planner/torch_compat.py: {found}"
+
+
+def test_the_private_attribute_check_sees_each_kind_of_read() -> None:
+    planner_module = """
+from dataclasses import dataclass
+from planner.capture.graph import _Tracer
+
+_CACHE = {}
+
+
+def _helper(x):
+    return x
+
+
+@dataclass
+class Record:
+    _hidden: int = 0
+
+    def _method(self):
+        self._made = 1
+        setattr(self, "_set", 2)
+        return self._hidden
+
+
+class Tracer(_Tracer):
+    def _base(self):  # one of torch's names: never the planner's own
+        return self._buffers
+"""
+    user = """
+import multiprocessing.forkserver
+import torch
+import torch.nn as nn
+from planner.capture import graph
+
+aten = torch.ops.aten
+
+
+def f(func, t, dt, module, record, tracer):
+    func._schema  # an operator's schema
+    t._base  # a view's base tensor
+    dt._local_tensor.shape  # a DTensor's local part
+    module._parameters["weight"] = None  # written, not read: the same dependence
+    getattr(func, "_overloadpacket", None)
+    hasattr(t, "_version")
+    nn.Linear(2, 2)._forward_hooks
+    super()._start_workers()
+    tracer._base()
+    tracer._buffers
+    # the planner's own names, imported modules' attributes, operators, dunders: not flagged
+    ok = (record._hidden, record._method(), record._made, record._set, _CACHE, _helper(t), graph._Tracer)
+    ok = (aten._softmax.default, torch.ops.aten._unsafe_view, multiprocessing.forkserver._forkserver)
+    ok = (t.__class__, func.__name__, getattr(t, "__dict__"), getattr(t, "shape"))
+"""
+    own = _own_private_names([ast.parse(planner_module), ast.parse(user)])
+    assert {"_CACHE", "_helper", "_Tracer", "_hidden", "_method", "_made", "_set"} <= own
+    assert not own & {"_base", "_buffers"}
+    assert {use for use, _ in _private_attribute_reads(ast.parse(user), own)} == {
+        "func._schema",
+        "t._base",
+        "dt._local_tensor",
+        "module._parameters",
+        "getattr(func, '_overloadpacket', None)",
+        "hasattr(t, '_version')",
+        "nn.Linear(2, 2)._forward_hooks",
+        "super()._start_workers",
+        "tracer._base",
+        "tracer._buffers",
+    }
+
+
+def test_the_private_string_check_sees_each_kind_of_name() -> None:
+    source = '''
+"""Module docstring: torch.distributed.pipelining._backward is documentation."""
+import logging
+from pydantic import Field
+
+LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export")
+logging.getLogger(f"torch._export.{__name__}")
+CONFIG = "torch._inductor.config.compile_threads"
+MESSAGE = "see torch.distributed._tools.mem_tracker."
+ok = ("torch.ops.aten._softmax", "torch.__version__", "mytorch._x", "a.torch._y", "torch.nn.functional")
+
+
+def f() -> None:
+    """Mentions torch._functorch.config: documentation."""
+    return Field(description="torch._functorch.config.donated_buffer=False", default=None)
+'''
+    assert _private_torch_strings(ast.parse(source)) == {
+        "torch._dynamo",
+        "torch._export",
+        "torch._inductor.config.compile_threads",
+        "torch.distributed._tools.mem_tracker",
+    }
