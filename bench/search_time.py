@@ -87,6 +87,7 @@ def child(case: str) -> dict[str, object]:
     from planner.api import default_threads, estimated_costs, model_ref
     from planner.capture.load import load_model_file
     from planner.core.assemble import Origin, assemble_plan
+    from planner.core.layout.inputs import asked_of
     from planner.costs.tensor_parallel import tensor_parallel_blocks
     from planner.errors import PlannerError
     from planner.report.throughput import throughput
@@ -135,13 +136,7 @@ def child(case: str) -> dict[str, object]:
     t0 = time.perf_counter()
     try:
         plan = assemble_plan(
-            request,
-            split.blocks,
-            costs.link,
-            origin,
-            memory_limit_bytes=costs.memory_bytes,
-            ties=costs.ties,
-            tp_plan=split.plan,
+            asked_of(request, costs.memory_bytes), split.blocks, costs.link, origin, ties=costs.ties, tp_plan=split.plan
         )
         lay = f"dp={plan.dp} ({plan.dp_mode}), " if plan.dp > 1 else ""
         lay += f"tp={plan.tp}, " if plan.tp > 1 else ""

@@ -30,6 +30,7 @@ from planner.capture.tp_graph import split_refusal
 from planner.capture.trace import retrace, trace_model
 from planner.core.assemble import Origin, assemble_plan
 from planner.core.heap import bulk_allocation
+from planner.core.layout.inputs import asked_of
 from planner.core.levers.hardware import HardwareSpec, dtype_bytes, get_hardware, node_links
 from planner.core.step.calibrate import (
     apply_calibration,
@@ -220,11 +221,10 @@ def plan_from_costs(
             model_ref(mf, costs.traced, request), costs.profile, created=created, calibration=tuple(calibration)
         )
         return assemble_plan(
-            with_step_temp_rule(request, costs.step_temp_rule),
+            asked_of(with_step_temp_rule(request, costs.step_temp_rule), memory_limit_bytes),
             split.blocks,
             link,
             origin,
-            memory_limit_bytes=memory_limit_bytes,
             ties=costs.ties,
             tp_plan=split.plan,
             progress=progress,

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from planner.core.assemble import Origin, assemble_plan
-from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
+from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace, asked_of
 from planner.core.layout.search import Choice, search
 from planner.core.levers.links import Links
 from planner.core.split.cuts import Split
@@ -71,7 +71,7 @@ def plan_of_blocks(
         microbatches=m,
     )
     return assemble_plan(
-        request,
+        asked_of(request, memory_limit_bytes),
         blocks,
         LINK,
         Origin(
@@ -90,7 +90,6 @@ def plan_of_blocks(
             ),
             "2026-11-21T00:00:00+00:00",
         ),
-        memory_limit_bytes=memory_limit_bytes,
     )
 
 

@@ -95,6 +95,7 @@ def test_search_takes_more_passes_where_one_pass_does_not_fit() -> None:
 
 def test_plan_records_the_passes_and_its_microbatch_size() -> None:
     from planner.core.assemble import Origin, assemble_plan
+    from planner.core.layout.inputs import asked_of
 
     blocks = big_cut_blocks()  # costs of microbatches of 2 samples
     base = plan_of_blocks(blocks, n_stages=2, m=4)
@@ -105,7 +106,7 @@ def test_plan_records_the_passes_and_its_microbatch_size() -> None:
             model_file="models/example.py", gpus=2, schedule="1f1b", batch_size=16, microbatches=m, accumulation=k
         )
         assert request.microbatch_size == 2 and request.passes == k
-        return assemble_plan(request, blocks, LINK, origin, memory_limit_bytes=None)
+        return assemble_plan(asked_of(request, None), blocks, LINK, origin)
 
     one, two = planned(8, 1), planned(4, 2)
     assert two.accumulation == 2 and two.n_microbatches == 4 and two.microbatch_size == 2

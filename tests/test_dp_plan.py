@@ -21,6 +21,7 @@ from run_factory import plan_stage_reports, run_report
 
 from cli import main
 from planner.core.assemble import Origin, assemble_plan
+from planner.core.layout.inputs import asked_of
 from planner.core.levers.data_parallel import dp_group_links, grad_reduce_s, layout_links, rank_reduce_s
 from planner.core.levers.hardware import HardwareSpec, get_hardware, link_cost, node_links
 from planner.core.levers.links import NodeLinks, boundary_links
@@ -74,9 +75,7 @@ def _plan(
     profile = profile.model_copy(
         update={"microbatch_size": request.microbatch_size, "min_microbatch_size": request.microbatch_size}
     )
-    plan = assemble_plan(
-        request, blocks, link, Origin(REF, profile, "2026-11-21T00:00:00+00:00"), memory_limit_bytes=limit
-    )
+    plan = assemble_plan(asked_of(request, limit), blocks, link, Origin(REF, profile, "2026-11-21T00:00:00+00:00"))
     return with_links(plan, link)
 
 
@@ -193,7 +192,7 @@ def test_tied_copies_are_sharded_like_other_parameters() -> None:
     tie = Tie(names=("a.w", "c.w"), blocks=("a", "c"), params=QUARTER, param_bytes=MB)
     request = PlanRequest.build(model_file="m.py", gpus=4, dp=2, dp_mode="fsdp", batch_size=16, microbatches=2)
     profile = CPU.model_copy(update={"microbatch_size": request.microbatch_size})
-    plan = assemble_plan(request, blocks, LINK, Origin(REF, profile, "t"), memory_limit_bytes=None, ties=[tie])
+    plan = assemble_plan(asked_of(request, None), blocks, LINK, Origin(REF, profile, "t"), ties=[tie])
     # stage [c] holds a copy: 2 MiB of parameters, reduced and sharded with the rest
     assert plan.blocks[2].param_bytes == 2 * MB
     last = plan.stages[1]
@@ -661,7 +660,7 @@ def test_one_replica_plans_as_before_data_parallelism(seed: int) -> None:
     request, blocks, link, profile, limit = regression_case(seed)
     expected = GOLDEN[seed]
     try:
-        plan = assemble_plan(request, blocks, link, Origin(REF, profile, "t"), memory_limit_bytes=limit)
+        plan = assemble_plan(asked_of(request, limit), blocks, link, Origin(REF, profile, "t"))
     except InfeasibleError as e:
         assert expected[0] == "error" and str(e).startswith(expected[1])
         return

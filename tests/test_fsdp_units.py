@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from plan_factory import MB, block, memory_layout
 
 from planner.core.assemble import Origin, assemble_plan
-from planner.core.layout.inputs import Layout
+from planner.core.layout.inputs import Layout, asked_of
 from planner.core.levers.data_parallel import block_fsdp_s
 from planner.core.levers.recompute import checkpoint_units
 from planner.core.split.cuts import Split
@@ -49,7 +49,7 @@ def _plan(blocks: list[BlockCost], *, limit: int | None = None, profile: Profile
     profile = profile.model_copy(
         update={"microbatch_size": req.microbatch_size, "min_microbatch_size": req.microbatch_size}
     )
-    return assemble_plan(req, blocks, LINK, Origin(REF, profile, "2026-11-26T00:00:00+00:00"), memory_limit_bytes=limit)
+    return assemble_plan(asked_of(req, limit), blocks, LINK, Origin(REF, profile, "2026-11-26T00:00:00+00:00"))
 
 
 def _blockwise(blocks: list[BlockCost], start: int, end: int, in_flight: int, *, shard: int) -> int:

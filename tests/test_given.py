@@ -143,6 +143,7 @@ def test_the_plan_is_never_slower_than_a_baseline_it_shows() -> None:
     """Over the 400 pinned random problems: where a baseline split fits and is faster by the simulated
     step than the solver's (one cut moved at a time cannot reach it), the plan keeps that split and says so."""
     from planner.core.assemble import Origin, assemble_plan
+    from planner.core.layout.inputs import asked_of
     from tests.test_plans_unchanged import N_PROBLEMS, REF, problem
 
     kept = 0
@@ -151,7 +152,7 @@ def test_the_plan_is_never_slower_than_a_baseline_it_shows() -> None:
         if request.method != "optimal" or request.recompute in ("full", "selective"):  # baselines never recompute
             continue
         try:
-            plan = assemble_plan(request, blocks, link, Origin(REF, profile, "t"), memory_limit_bytes=limit)
+            plan = assemble_plan(asked_of(request, limit), blocks, link, Origin(REF, profile, "t"))
         except InfeasibleError:
             continue
         for name, base in plan.baselines.items():

@@ -7,6 +7,7 @@ import pytest
 from plan_factory import block, predicted
 
 from planner.core.assemble import Origin, assemble_plan
+from planner.core.layout.inputs import asked_of
 from planner.core.levers.hardware import get_hardware, link_cost, node_links
 from planner.core.levers.links import NodeLinks
 from planner.core.step.predict import plan_links, refresh, with_links
@@ -31,7 +32,7 @@ def _plan(link: LinkCost, gpus: int = 4, schedule: str = "1f1b") -> Plan:
         model_file="m.py", gpus=gpus, schedule=schedule, batch_size=16, microbatches=8, gpu_type="h100"
     )
     plan = assemble_plan(
-        request,
+        asked_of(request, None),
         _blocks(),
         link,
         Origin(
@@ -43,7 +44,6 @@ def _plan(link: LinkCost, gpus: int = 4, schedule: str = "1f1b") -> Plan:
             ),
             "2026-11-21T00:00:00+00:00",
         ),
-        memory_limit_bytes=None,
     )
     return with_links(plan, link)
 

@@ -17,7 +17,7 @@ from plan_factory import LINK, MB, block
 
 from cli import main
 from planner.core.assemble import Origin, assemble_plan
-from planner.core.layout.inputs import Cluster, Layout, SearchSpace
+from planner.core.layout.inputs import Cluster, Layout, SearchSpace, asked_of
 from planner.core.layout.search import replica_mode
 from planner.core.levers.data_parallel import (
     block_fsdp_s,
@@ -69,7 +69,7 @@ def _plan(
         update={"microbatch_size": request.microbatch_size, "min_microbatch_size": request.microbatch_size}
     )
     plan = assemble_plan(
-        request, _layers(n_blocks), link, Origin(REF, profile, "2026-11-26T00:00:00+00:00"), memory_limit_bytes=limit
+        asked_of(request, limit), _layers(n_blocks), link, Origin(REF, profile, "2026-11-26T00:00:00+00:00")
     )
     return with_links(plan, link)
 

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from planner.core.assemble import Origin, assemble_plan
+from planner.core.layout.inputs import asked_of
 from planner.core.levers.hardware import GPUS, get_hardware, node_links
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
@@ -227,7 +228,7 @@ def problem_digest(seed: int) -> str:
     """The digest of problem ``seed``'s plan, or of its error's text."""
     request, blocks, link, profile, limit = problem(seed)
     try:
-        plan = assemble_plan(request, blocks, link, Origin(REF, profile, "t"), memory_limit_bytes=limit)
+        plan = assemble_plan(asked_of(request, limit), blocks, link, Origin(REF, profile, "t"))
     except InfeasibleError as e:
         return "error: " + hashlib.sha256(str(e).encode()).hexdigest()
     return digest(plan)

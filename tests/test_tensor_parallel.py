@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from plan_factory import ADAMW, LINK, MB, block
 
 from planner.core.assemble import Origin, assemble_plan
-from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
+from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace, asked_of
 from planner.core.layout.search import (
     TIE,
     _max_stages_per_rank,
@@ -191,7 +191,7 @@ def _model() -> list[BlockCost]:
 
 def test_a_forced_degree_gives_a_three_dimensional_plan_and_report() -> None:
     request = PlanRequest.build(model_file="m.py", gpus=8, tp=2, dp=2, batch_size=16, schedule="1f1b")
-    plan = assemble_plan(request, _model(), LINK, _origin(), memory_limit_bytes=None, tp_plan=TP_PLAN)
+    plan = assemble_plan(asked_of(request, None), _model(), LINK, _origin(), tp_plan=TP_PLAN)
     assert (plan.tp, plan.dp, plan.n_ranks, plan.world_size) == (2, 2, 2, 8)
     assert plan.tp_plan == TP_PLAN
     assert all(c.tp == 2 for c in plan.search)
@@ -212,14 +212,14 @@ def test_a_forced_degree_gives_a_three_dimensional_plan_and_report() -> None:
 def test_tp_auto_keeps_degree_one_for_a_model_without_a_plan_and_refuses_a_forced_one() -> None:
     plain = [b.model_copy(update={"tp": None}) for b in _model()]
     auto = PlanRequest.build(model_file="m.py", gpus=4, batch_size=16)
-    plan = assemble_plan(auto, plain, LINK, _origin(), memory_limit_bytes=None)
+    plan = assemble_plan(asked_of(auto, None), plain, LINK, _origin())
     assert plan.tp == 1 and plan.tp_plan == {}
     forced = PlanRequest.build(model_file="m.py", gpus=4, tp=2, batch_size=16)
     with pytest.raises(InfeasibleError, match="declares no tensor-parallel plan"):
-        assemble_plan(forced, plain, LINK, _origin(), memory_limit_bytes=None)
+        assemble_plan(asked_of(forced, None), plain, LINK, _origin())
     with pytest.raises(InfeasibleError, match="does not divide the model's split sizes"):
         odd = [b.model_copy(update={"tp": share(100, divisor=3)}) if b.tp else b for b in _model()]
-        assemble_plan(forced, odd, LINK, _origin(), memory_limit_bytes=None, tp_plan=TP_PLAN)
+        assemble_plan(asked_of(forced, None), odd, LINK, _origin(), tp_plan=TP_PLAN)
 
 
 def test_tensor_parallelism_wins_when_the_pipeline_would_mostly_wait() -> None:
@@ -228,7 +228,7 @@ def test_tensor_parallelism_wins_when_the_pipeline_would_mostly_wait() -> None:
     request = PlanRequest.build(
         model_file="m.py", gpus=4, batch_size=4, microbatches=4, schedule="1f1b", gpu_type="h100"
     )
-    plan = assemble_plan(request, _model(), LINK, _origin(), memory_limit_bytes=None, tp_plan=TP_PLAN)
+    plan = assemble_plan(asked_of(request, None), _model(), LINK, _origin(), tp_plan=TP_PLAN)
     tried = {c.tp for c in plan.search}
     assert plan.tp > 1 and tried >= {plan.tp}
     for candidate in plan.search:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
+from planner.core.layout.inputs import Asked, Cluster, Layout, Scaling, SearchSpace
 from planner.core.layout.search import Choice, Progress, search
 from planner.core.levers.data_parallel import gather_bytes_of, layout_links
 from planner.core.levers.links import NodeLinks
@@ -24,7 +24,6 @@ from planner.core.step.predict import predict, slots_of
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost
 from planner.schema.plan import ModelRef, Plan, Prediction, ProfileInfo, StagePlan, Tie
-from planner.schema.request import PlanRequest
 
 SEARCH_ROWS = 12
 """Candidates of the joint search the plan keeps (best first) for the report."""
@@ -86,7 +85,7 @@ def layers_or_all(blocks: Sequence[BlockCost]) -> list[BlockCost]:
 
 def compare_methods(
     chosen: Choice,
-    request: PlanRequest,
+    asked: Asked,
     link: LinkCost,
     slots: float | None,
     given: tuple[Choice, list[int]] | None = None,
@@ -97,7 +96,7 @@ def compare_methods(
     Args:
         chosen: the searched combination (schedule, microbatches, stages per rank, replicas, the
             optimal split).
-        request: the method the plan uses and the optimizer.
+        asked: the method the plan uses, the optimizer and the recompute policy.
         link: cost of one message between neighbouring ranks (or a ``NodeLinks``).
         slots: ranks that can compute at once (``slots_of``), None when each has its own device.
         given: the user's split (``--compare``): its stage starts and the search's choice for its
@@ -124,29 +123,30 @@ def compare_methods(
         try:
             split = solver()
         except InfeasibleError:
-            if name == request.method:
+            if name == asked.method:
                 raise
             continue  # a baseline that cannot split this model is left out of the comparison
-        out[name] = predict(blocks, split, link, layout, request.optimizer, slots)
+        out[name] = predict(blocks, split, link, layout, asked.constraints.optimizer, slots)
     if given is not None:
         where, starts = given
         placed = layout_links(link, where.layout.pp, where.layout.dp, where.layout.tp)
-        policy_options(request.recompute, where.layout.schedule)  # selective cannot run under a zero-bubble one
-        forced = request.recompute if request.recompute in ("selective", "full", "stage") else "never"
+        recompute = asked.constraints.recompute
+        policy_options(recompute, where.layout.schedule)  # selective cannot run under a zero-bubble one
+        forced = recompute if recompute in ("selective", "full", "stage") else "never"
         theirs = Split(starts=tuple(starts), recompute=(forced,) * len(starts))
-        out["given"] = predict(where.blocks, theirs, placed, where.layout, request.optimizer, slots)
+        out["given"] = predict(where.blocks, theirs, placed, where.layout, asked.constraints.optimizer, slots)
     return out
 
 
 def given_split(
-    request: PlanRequest, chosen: Choice, research: Callable[[SearchSpace], Choice], space: SearchSpace
+    compare: str | None, chosen: Choice, research: Callable[[SearchSpace], Choice], space: SearchSpace
 ) -> tuple[Choice, list[int]] | None:
     """The user's split (``--compare``) as stage starts, with the layout to cost it under: the
     chosen one when the stage counts agree, else the best the search finds for the split's stage
     count on the same pipeline ranks, replicas and tensor-parallel degree.
 
     Args:
-        request: the request (``compare``: the split; None: nothing to do).
+        compare: the split (``--compare``; None: nothing to do).
         chosen: the searched choice.
         research: runs the search over another space.
         space: the space ``chosen`` was searched in.
@@ -157,9 +157,9 @@ def given_split(
     Raises:
         InfeasibleError: the split does not fit the model, or no layout runs its stage count here.
     """
-    if request.compare is None:
+    if compare is None:
         return None
-    starts = given_starts(request.compare, chosen.blocks)
+    starts = given_starts(compare, chosen.blocks)
     k, layout = len(starts), chosen.layout
     if k == layout.n_stages:
         return chosen, starts
@@ -256,28 +256,26 @@ def _check_memory(method: str, prediction: Prediction, stages: list[StagePlan], 
     )
 
 
-def tensor_parallel_degrees(
-    request: PlanRequest, blocks: Sequence[BlockCost], tp_plan: dict[str, str] | None
-) -> list[int]:
-    """The tensor-parallel degrees the search tries: ``request.tp_options`` (divisors of a node's
-    ranks, or ``--tp``) that every split block allows (``TensorParallelShare.divisor``).
+def tensor_parallel_degrees(asked: Asked, blocks: Sequence[BlockCost], tp_plan: dict[str, str] | None) -> list[int]:
+    """The tensor-parallel degrees the search tries: those asked (divisors of a node's ranks, or
+    ``--tp``) that every split block allows (``TensorParallelShare.divisor``).
 
     Raises:
         InfeasibleError: ``--tp N`` over 1 for a model without a tensor-parallel plan, or one whose
             split sizes N does not divide.
     """
-    options = request.tp_options
+    options = list(asked.space.degrees)
     if not tp_plan or all(b.tp is None for b in blocks):
-        if options != [1] and isinstance(request.tp, int):
+        if options != [1] and asked.tp is not None:
             raise InfeasibleError(
-                f"--tp {request.tp}: the model declares no tensor-parallel plan (a `tp_plan` in the model file, or "
+                f"--tp {asked.tp}: the model declares no tensor-parallel plan (a `tp_plan` in the model file, or "
                 "a Hugging Face config's base_model_tp_plan); give --tp 1 or auto"
             )
         return [1]
     degrees = allowed_degrees(blocks, options)
     if not degrees:
         raise InfeasibleError(
-            f"--tp {request.tp} does not divide the model's split sizes (heads and widths: their greatest common "
+            f"--tp {asked.tp if asked.tp is not None else 'auto'} does not divide the model's split sizes (heads and widths: their greatest common "
             f"divisor is {block_degree_limit(blocks)}); give a divisor of it, or auto"
         )
     return degrees
@@ -303,44 +301,36 @@ class Origin:
 
 
 def _search_space(
-    request: PlanRequest, blocks: Sequence[BlockCost], tp_plan: dict[str, str] | None, profile: ProfileInfo
+    asked: Asked, blocks: Sequence[BlockCost], tp_plan: dict[str, str] | None, profile: ProfileInfo
 ) -> SearchSpace:
-    """What the request leaves the search to cover (``SearchSpace``), its tensor-parallel degrees
-    those the model's plan and the blocks allow; FSDP gathers in the dtype the run computes in
-    (``predict.plan_layout`` reads it off the plan alike)."""
-    return SearchSpace(
-        request.batch_size,
-        request.schedule,
-        request.microbatches,
-        request.stages_per_rank,
-        tuple(request.dp_options),
-        request.dp_mode,
-        tuple(tensor_parallel_degrees(request, blocks, tp_plan)),
-        None if request.accumulation == "auto" else request.accumulation,
-        request.fsdp_units,
-        None if request.dp_shard == "auto" else request.dp_shard,
-        gather_bytes_of(profile),
-        _sequence_options(request, blocks),
+    """The space the search covers: the one asked, its tensor-parallel degrees those the model's
+    plan and the blocks allow, its sequence options those the blocks can run; FSDP gathers in the
+    dtype the run computes in (``predict.plan_layout`` reads it off the plan alike)."""
+    return replace(
+        asked.space,
+        degrees=tuple(tensor_parallel_degrees(asked, blocks, tp_plan)),
+        gather_bytes=gather_bytes_of(profile),
+        sequence=_sequence_options(asked, blocks),
     )
 
 
-def _sequence_options(request: PlanRequest, blocks: Sequence[BlockCost]) -> tuple[bool, ...]:
+def _sequence_options(asked: Asked, blocks: Sequence[BlockCost]) -> tuple[bool, ...]:
     """Sequence parallelism's options for the search: none where no block carries a sequence share
     (the model's shards do not work token by token, ``planner.costs.tensor_parallel``, or none was
     counted) or the run is compiled; else as asked (``--sequence-parallel`` / ``--no-sequence-parallel``),
     both under auto. The chosen layout's flag is then the plan's."""
-    if request.compile or not any(b.tp is not None and b.tp.sequence is not None for b in blocks):
+    if asked.constraints.compiled or not any(b.tp is not None and b.tp.sequence is not None for b in blocks):
         return (False,)
-    return (False, True) if request.sequence_parallel == "auto" else (bool(request.sequence_parallel),)
+    return asked.space.sequence
 
 
-def _hsdp_note(request: PlanRequest, layout: Layout, link: LinkCost) -> str:
+def _hsdp_note(asked: SearchSpace, layout: Layout, link: LinkCost) -> str:
     """What became of ``--dp-mode hsdp`` when the chosen layout's one shard group holds every replica
     (recorded as FSDP); empty otherwise."""
-    if request.dp_mode != "hsdp" or layout.dp == 1 or layout.dp_mode == "hsdp":
+    if asked.dp_mode != "hsdp" or layout.dp == 1 or layout.dp_mode == "hsdp":
         return ""
-    if request.dp_shard != "auto":
-        why = f"--dp-shard {request.dp_shard} is"
+    if asked.dp_shard is not None:
+        why = f"--dp-shard {asked.dp_shard} is"
     elif isinstance(link, NodeLinks):
         why = "one node (--gpus-per-node) holds"
     else:
@@ -352,25 +342,26 @@ def _hsdp_note(request: PlanRequest, layout: Layout, link: LinkCost) -> str:
 
 
 def assemble_plan(
-    request: PlanRequest,
+    asked: Asked,
     blocks: Sequence[BlockCost],
     link: LinkCost,
     origin: Origin,
     *,
-    memory_limit_bytes: int | None,
     ties: Sequence[Tie] = (),
     tp_plan: dict[str, str] | None = None,
     progress: Progress | None = None,
 ) -> Plan:
-    """The plan for ``request`` on these costs: the searched schedule and split, with the others for comparison.
+    """The plan for ``asked`` on these costs: the searched schedule and split, with the others for comparison.
 
     Args:
-        request: what the user asked for (``gpus`` ranks in all, ``dp`` replicas or auto).
+        asked: what the user asked for, as core's records (``planner.core.layout.inputs.asked_of``
+            makes them from a ``PlanRequest``): the world size, the space to search, the
+            constraints (the per-rank memory limit: the request's, else the device's capacity),
+            the split method and a split to compare.
         blocks: per-block costs in execution order at ``profile.microbatch_size`` (else at
-            ``request.microbatch_size``; the last block's ``output_bytes`` filled in).
+            ``asked.microbatch_size``; the last block's ``output_bytes`` filled in).
         link: cost of one message between neighbouring ranks (or a ``NodeLinks``).
         origin: the model, the profile, the timestamp and the calibration the plan records.
-        memory_limit_bytes: per-rank limit (the request's, else the device's capacity; None: none).
         ties: parameters several blocks read; their later readers are charged a copy
             (``with_tied_copies``) and the plan records them for the runner.
         tp_plan: the model's tensor-parallel plan (module-name patterns to styles), which the
@@ -386,52 +377,47 @@ def assemble_plan(
     profile = origin.profile
     slots = slots_of(profile)
     blocks = with_tied_copies(blocks, ties)
-    cluster = Cluster(request.gpus, link, slots)
-    space = _search_space(request, blocks, tp_plan, profile)
+    cluster = Cluster(asked.world_size, link, slots)
+    space = _search_space(asked, blocks, tp_plan, profile)
     scaling = Scaling(
-        profile.microbatch_size or request.microbatch_size, profile.fixed_fraction, profile.min_microbatch_size
+        profile.microbatch_size or asked.microbatch_size, profile.fixed_fraction, profile.min_microbatch_size
     )
+    memory_limit_bytes, method = asked.constraints.memory_limit_bytes, asked.method
 
     def run_search(limit: int | None, within: SearchSpace = space) -> tuple[Choice, list[Choice], str]:
-        return search(
-            blocks,
-            cluster,
-            within,
-            Constraints(request.optimizer, limit, request.recompute, request.compile),
-            scaling,
-            progress,
-        )
+        constraints = replace(asked.constraints, memory_limit_bytes=limit)
+        return search(blocks, cluster, within, constraints, scaling, progress)
 
     try:
         chosen, ranked, note = run_search(memory_limit_bytes)
     except InfeasibleError:
-        if request.method == "optimal" or memory_limit_bytes is None:
+        if method == "optimal" or memory_limit_bytes is None:
             raise
         # A baseline split ignores memory anyway: pick the schedule without the limit, then say
         # (below) how far over the limit the requested split is.
         chosen, ranked, note = run_search(None)
-    given = given_split(request, chosen, lambda within: run_search(memory_limit_bytes, within)[0], space)
+    given = given_split(asked.compare, chosen, lambda within: run_search(memory_limit_bytes, within)[0], space)
     if given is not None and given[0] is not chosen:  # another stage count: say which layout costs it
         lay = given[0].layout
         note += (
             f"; your split (--compare) has {lay.n_stages} stages, costed under {lay.schedule}, m={lay.n_microbatches}, "
             f"{lay.stages_per_rank} stage(s) per rank (the best layout for {lay.n_stages} stages)"
         )
-    if request.method == "given" and given is not None:
+    if method == "given" and given is not None:
         chosen = given[0]  # the plan runs the split under the best layout for its stage count
-    note += _hsdp_note(request, chosen.layout, link)
-    predictions = compare_methods(chosen, request, link, slots, given)
-    if request.method == "optimal" and request.recompute in ("auto", "never"):  # (the baselines never recompute)
+    note += _hsdp_note(asked.space, chosen.layout, link)
+    predictions = compare_methods(chosen, asked, link, slots, given)
+    if method == "optimal" and asked.constraints.recompute in ("auto", "never"):  # (the baselines never recompute)
         note += _best_of_baselines(predictions, memory_limit_bytes)
-    stages, prediction = predictions[request.method]
-    _check_memory(request.method, prediction, stages, memory_limit_bytes)
+    stages, prediction = predictions[method]
+    _check_memory(method, prediction, stages, memory_limit_bytes)
     return Plan(
         created=origin.created,
         model=origin.model,
         profile=profile,
         link=link,
-        optimizer=request.optimizer,
-        method=request.method,
+        optimizer=asked.constraints.optimizer,
+        method=method,  # type: ignore[arg-type]  # a member of the Method choices
         schedule=chosen.layout.schedule,  # type: ignore[arg-type]  # a member of SCHEDULES
         n_stages=len(stages),
         n_ranks=chosen.layout.pp,
@@ -442,17 +428,17 @@ def assemble_plan(
         tp=chosen.layout.tp,
         tp_plan=dict(tp_plan or {}) if chosen.layout.tp > 1 else {},
         sequence_parallel=chosen.layout.sequence,  # only tried with tp > 1 and where it can run
-        batch_size=request.batch_size,
+        batch_size=asked.space.batch_size,
         n_microbatches=chosen.layout.n_microbatches,
         accumulation=chosen.layout.accumulation,
         blocks=chosen.blocks,
         stages=stages,
         prediction=prediction,
-        baselines={name: pred for name, (_, pred) in predictions.items() if name != request.method},
+        baselines={name: pred for name, (_, pred) in predictions.items() if name != method},
         memory_limit_bytes=memory_limit_bytes,
         search=[c.row() for c in search_rows(ranked)],
         choice=note,
         ties=list(ties),
-        compile=request.compile,  # the runner compiles as the plan says
+        compile=asked.constraints.compiled,  # the runner compiles as the plan says
         calibration=list(origin.calibration),
     )

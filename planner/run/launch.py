@@ -296,7 +296,7 @@ def changed_file_warning(plan: Plan, mf: ModelFile) -> str:
 
 
 def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None] = print_flushed) -> RunResult:
-    """Train ``plan`` for ``request.steps`` steps: in this process for a one-rank plan, else one process per rank.
+    """Train ``plan`` for ``request.steps`` steps: here for a one-rank plan, else one process per rank.
 
     Args:
         plan: the plan to run.
@@ -320,11 +320,9 @@ def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None]
     """
     plan_path, nnodes = request.plan_file, request.nnodes
     check_runnable(plan)
-    world_size = plan.world_size  # dp replicas x n_ranks pipeline ranks x tp tensor-parallel ranks
+    n = world_size = plan.world_size  # dp replicas x n_ranks pipeline ranks x tp tensor-parallel ranks
     if world_size % nnodes:  # RunRequest keeps nnodes >= 1
-        raise PlannerError(
-            f"{world_size} ranks cannot be spread evenly over {nnodes} node(s); use an --nnodes that divides {world_size}"
-        )
+        raise PlannerError(f"{n} ranks cannot be spread evenly over {nnodes} node(s); use an --nnodes that divides {n}")
     _check_endpoint(request)
     nproc = world_size // nnodes
     _check_devices(plan, nproc if world_size > 1 else 0)

@@ -191,10 +191,7 @@ class PlanRequest(_Request):
     }
 
     model_file: Path = Field(description="The model file (build_model, make_batch; see README).")
-    gpus: int = Field(
-        ge=1,
-        description="Ranks in all (processes, one device each): dp replicas x pp pipeline ranks x tp tensor-parallel ranks.",
-    )
+    gpus: int = Field(ge=1, description="Ranks in all (processes, one device each): world size = dp x pp x tp.")
     dp: int | Literal["auto"] = Field(
         default=1,
         description="Data-parallel replicas of the pipeline (--gpus / dp ranks each, pipeline x tensor-parallel, the global batch "

@@ -13,6 +13,9 @@ Pure module (no torch). Each is small and frozen, and names one thing a caller d
   and the activation-checkpointing policy.
 - ``Scaling``: how the profiled block costs carry over to other microbatch sizes.
 - ``SearchSpace``: what the joint search is asked to cover (None or "auto" where it is open).
+- ``Asked``: a whole request as core takes it (``asked_of`` turns ``planner plan``'s
+  ``PlanRequest`` into one): the world size, the search space and constraints as asked, the split
+  method and a split to compare.
 
 ``check_in_flight`` checks the live-microbatch counts a caller may give the solver instead of the schedule's.
 """
@@ -26,6 +29,7 @@ from planner.core.levers.data_parallel import shard_of
 from planner.core.levers.links import Links
 from planner.errors import InfeasibleError
 from planner.schema.costs import OptimizerSpec
+from planner.schema.request import PlanRequest
 
 
 @dataclass(frozen=True)
@@ -209,3 +213,62 @@ def check_in_flight(in_flight: Sequence[int], n_stages: int, n_microbatches: int
     if n_microbatches < 1:
         raise InfeasibleError(f"--microbatches {n_microbatches}: need at least one microbatch; use -m 1 or more")
     return counts
+
+
+@dataclass(frozen=True)
+class Asked:
+    """A request as core takes it: the records ``planner.core.assemble.assemble_plan`` plans from.
+
+    Attributes:
+        world_size: every rank, of all replicas (``--gpus``).
+        space: what the search covers, as asked: its tensor-parallel degrees and sequence options
+            before the model's blocks narrow them, its ``gather_bytes`` before the profile sets it.
+        constraints: the optimizer, the per-rank memory limit, the recompute policy, compilation.
+        microbatch_size: the microbatch size the costs were made at, where the profile does not say.
+        method: the split the plan uses: "optimal", "uniform", "params" or "given".
+        compare: a split the user runs (``--compare``), in any notation ``planner.core.split.given``
+            reads (None: none).
+        tp: an explicit ``--tp`` (None: auto), named when the model cannot split that way.
+    """
+
+    world_size: int
+    space: SearchSpace
+    constraints: Constraints
+    microbatch_size: int
+    method: str = "optimal"
+    compare: str | None = None
+    tp: int | None = None
+
+
+def asked_of(request: PlanRequest, memory_limit_bytes: int | None) -> Asked:
+    """``planner plan``'s options as the records core plans from (the one place core reads a request).
+
+    Args:
+        request: the validated request.
+        memory_limit_bytes: the per-rank limit: the request's, else the device's (None: none).
+
+    Returns:
+        The request as core's records.
+    """
+    space = SearchSpace(
+        request.batch_size,
+        request.schedule,
+        request.microbatches,
+        request.stages_per_rank,
+        tuple(request.dp_options),
+        request.dp_mode,
+        tuple(request.tp_options),
+        None if request.accumulation == "auto" else request.accumulation,
+        request.fsdp_units,
+        None if request.dp_shard == "auto" else request.dp_shard,
+        sequence=(False, True) if request.sequence_parallel == "auto" else (bool(request.sequence_parallel),),
+    )
+    return Asked(
+        world_size=request.gpus,
+        space=space,
+        constraints=Constraints(request.optimizer, memory_limit_bytes, request.recompute, request.compile),
+        microbatch_size=request.microbatch_size,
+        method=request.method,
+        compare=request.compare,
+        tp=request.tp if isinstance(request.tp, int) else None,
+    )
