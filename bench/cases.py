@@ -127,6 +127,11 @@ def run_case(case: Case, steps: int, timeout_s: float) -> Case:
     return case
 
 
+def ok_cases(cases: Sequence[Case]) -> list[Case]:
+    """The cases that planned and ran."""
+    return [c for c in cases if c.plan is not None and c.run is not None and not c.error]
+
+
 # --------------------------------------------------------------------------------------------------
 # figures
 # --------------------------------------------------------------------------------------------------
