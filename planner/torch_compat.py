@@ -25,7 +25,7 @@ When torch changes one of these, this is the only file to mend; the tests that e
   over the replicas (tests/test_checkpoint.py, the zero-bubble DDP runs).
 - ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``: a tied parameter that
   another DDP of the same rank already reduces (two stages of one rank reading one weight, under
-  DDP and a schedule without a split backward; no test runs that layout yet).
+  DDP and a schedule without a two-part backward; no test runs that layout yet).
 - ``LocalElasticAgent._start_workers`` / ``_shutdown``: the launcher learns its workers' pids and
   lets them write their failure records before elastic stops them (tests/test_faults.py).
 - ``torch.distributed.pipelining.stage.stage_backward_weight`` (the name ``PipelineStage`` calls):
@@ -259,7 +259,7 @@ def _retaining(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def split_weight_backward_retaining() -> None:
-    """Make the weight half of torch's split backward (zero-bubble schedules) keep the autograd graph
+    """Make the weight half of torch's two-part backward (zero-bubble schedules) keep the autograd graph
     between a stage's parameter groups; idempotent, for the process.
 
     ``stage_backward_weight`` runs one ``autograd.grad`` per parameter group with
@@ -399,7 +399,7 @@ def gather_each_stage_once(schedule: Any) -> None:
 def retain_graph_compile(*, compile_threads: int | None = None) -> Iterator[None]:
     """Inside the block, ``torch.compile`` builds code whose backward may retain its graph.
 
-    torch.distributed.pipelining's split backward (``stage_backward_input``, the zero-bubble
+    torch.distributed.pipelining's two-part backward (``stage_backward_input``, the zero-bubble
     schedules) retains the graph and runs a compiled backward twice, which a backward compiled with
     donated buffers refuses ("This backward function was compiled with non-empty donated
     buffers"): ``torch._functorch.config.donated_buffer`` is False inside. Compilation is lazy (the

@@ -15,7 +15,7 @@ from planner.core.layout.bounds import block_totals, floors, memory_floor, pipel
 from planner.core.layout.inputs import Cluster, Constraints, Layout
 from planner.core.layout.search import evaluate_choice, evaluate_modes
 from planner.core.split.stage_model import Partition
-from planner.core.step.schedules import SCHEDULES, SPLIT_BACKWARD, check_schedule, stages_per_rank_options
+from planner.core.step.schedules import SCHEDULES, ZERO_BUBBLE, check_schedule, stages_per_rank_options
 from planner.core.step.simulate import StageTimes, simulate_step
 from planner.errors import InfeasibleError
 from planner.schema.costs import LinkCost, OptimizerSpec
@@ -86,7 +86,7 @@ def test_floors_never_exceed_the_solved_and_simulated_layout(problem: tuple) -> 
     # and a random split (the floors hold over every split), under each mode the layout allows
     split = _random_split(blocks, layout.n_stages, rng)
     modes = ["ddp", "fsdp"] if layout.dp_mode == "auto" else [layout.dp_mode]
-    if layout.dp == 1 or layout.schedule in SPLIT_BACKWARD:
+    if layout.dp == 1 or layout.schedule in ZERO_BUBBLE:
         modes = ["ddp"]  # one replica is DDP; split-backward schedules are planned with DDP only
     for mode in modes if split is not None else []:
         try:
@@ -104,7 +104,7 @@ def test_floors_from_kept_totals_are_the_floors(problem: tuple) -> None:  # type
     """The search sums the blocks once per set of costs (``block_totals``) and hands the sums to
     ``floors`` for each layout: the same floors as summing them there, for either backward kind."""
     blocks, _, layout, constraints, _ = problem
-    split = layout.schedule in SPLIT_BACKWARD
+    split = layout.schedule in ZERO_BUBBLE
     kept = floors(blocks, layout, constraints.optimizer, block_totals(blocks, split))
     assert kept == floors(blocks, layout, constraints.optimizer)
 
@@ -115,7 +115,7 @@ def test_pipeline_floor_exact_values() -> None:
     assert pipeline_floor(3.0, 1, 8) == pytest.approx(3.0)
     assert pipeline_floor(3.0, 2, 2) == pytest.approx(4.0)
     assert pipeline_floor(1.0, 10_000, 4) == pytest.approx(10_000 / 4, rel=1e-3)
-    # a split backward whose chain carries half of each block: weaker, and nothing without a chain
+    # a two-part backward whose chain carries half of each block: weaker, and nothing without a chain
     assert pipeline_floor(3.0, 2, 2, lead=0.5) < pipeline_floor(3.0, 2, 2)
     assert pipeline_floor(3.0, 2, 2, lead=0.0) == 0.0
 
@@ -135,6 +135,6 @@ def test_pipeline_floor_under_the_simulated_makespan(
     the floor of their total: the floor holds over every split, so it cannot beat this one."""
     assume(v in stages_per_rank_options(schedule, 3) and _runnable(schedule, p, m, v))
     stages = [StageTimes(f=f, b=b, i=b * share, w=b * (1 - share)) for f, b, share in times[: p * v]]
-    lead = min(t.f / (t.f + t.b) for t in stages) if schedule in SPLIT_BACKWARD else 1.0
+    lead = min(t.f / (t.f + t.b) for t in stages) if schedule in ZERO_BUBBLE else 1.0
     makespan, _ = simulate_step(stages, schedule, m, stages_per_rank=v)
     assert pipeline_floor(sum(t.f + t.b for t in stages), m, p * v, lead) <= makespan * (1 + 1e-9)

@@ -185,7 +185,7 @@ def test_final_weights_load_into_the_unsplit_model(tmp_path: Path) -> None:
         (MODELS / "gpt.py", [0, 4], "1f1b", "fsdp"),
         # tied embedding and head on two ranks: the copies' shards are summed across the pipeline
         (FIXTURES / "dies_at.py", [0, 2], "gpipe", "fsdp"),
-        # ZB-V holds both tied readers on rank 0, and its split backward goes past DDP's hooks
+        # ZB-V holds both tied readers on rank 0, and its two-part backward goes past DDP's hooks
         (FIXTURES / "dies_at.py", [0, 1, 2, 4], "zbv", "ddp"),
         # four stage units on the one pipeline rank, all gathered at the step's start (torch's own
         # lowering would keep three: torch_compat.gather_each_stage_once)

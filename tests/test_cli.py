@@ -358,10 +358,13 @@ def test_plan_run_report_calibrate_loop(tmp_path: Path) -> None:
     # Re-planned on the costs the run was measured against, corrected by it, the measured split
     # now predicts the measured step time.
     assert new.link.name.endswith("+calibrated")
+    from planner.core.split.cuts import Split
     from planner.core.step.predict import plan_layout, predict, slots_of
 
     layout = plan_layout(old)
-    _, again = predict(new.blocks, old.prediction.starts, new.link, layout, old.optimizer, (), slots_of(new.profile))
+    _, again = predict(
+        new.blocks, Split(starts=old.prediction.starts), new.link, layout, old.optimizer, slots_of(new.profile)
+    )
     assert again.step_time_s == pytest.approx(run.median_step_s, rel=0.02)
 
 

@@ -74,7 +74,7 @@ def test_a_plan_estimated_for_this_cpu_trains_like_the_unsplit_model(path: str, 
     """Llama's rotary tables are one buffer shared by every layer (the estimate casts it). The
     transformers files' --gpu-type cpu plans (GPT-2 traced by torch.export, whose meta graph has a copy
     after attention that the CPU's has not; T5 under interleaved-zb) train in tests/test_hf_matrix.py."""
-    # T5 under a split backward: its relative position bias, made in a stage's first decoder layer and
+    # T5 under a two-part backward: its relative position bias, made in a stage's first decoder layer and
     # read by the others, joins the stage's parameter groups, and torch's weight backward freed the
     # graph after the first group ("backward through the graph a second time")
     request = PlanRequest.build(

@@ -241,7 +241,7 @@ def _torchrun(tmp_path: Path, mode: str, plan: Plan, fmt: str) -> list[dict]:
 def test_torchs_runtime_runs_the_exported_csv_to_the_unsplit_losses(tmp_path: Path) -> None:
     from tests.test_own_script import _unsplit
 
-    # the zero-bubble split backward (I and W actions) over 4 stages on 2 ranks, a tied weight across them
+    # the zero-bubble two-part backward (I and W actions) over 4 stages on 2 ranks, a tied weight across them
     plan = plan_with_starts(
         EXAMPLE, [0, 2, 4, 6], schedule="interleaved-zb", stages_per_rank=2, batch_size=8, n_microbatches=4
     )

@@ -185,7 +185,7 @@ def test_the_matrix_covers_ten_families_and_every_path() -> None:
 def test_a_family_split_over_2_ranks_trains_like_the_unsplit_model(family: str, tmp_path: Path) -> None:
     model, size = _model_file(family, tmp_path)
     # measured here, the schedule searched; estimated on the meta device for this CPU, under a zero-bubble
-    # schedule (its split backward takes each stage's input and weight gradients apart: shared layers,
+    # schedule (its two-part backward takes each stage's input and weight gradients apart: shared layers,
     # T5's position bias made once and read by every decoder layer)
     for gpu_type, schedule in ((None, "auto"), ("cpu", "interleaved-zb")):
         request = PlanRequest.build(

@@ -148,8 +148,8 @@ def _saved_bytes_rank(rank: int, port: int) -> None:
     from planner.capture.stage import stage_module
     from planner.capture.trace import trace_model
     from planner.costs.tensor_parallel import tensor_parallel_shares
-    from planner.run.sequence_split import install
-    from planner.run.tensor_split import shard_stage, tp_styles
+    from planner.run.sequence_shard import install
+    from planner.run.tensor_shard import shard_stage, tp_styles
 
     with gloo_pair(rank, port):
         mf = load_model_file(MODELS / "llama.py", "tiny")
@@ -230,8 +230,8 @@ def test_a_forward_whose_first_hook_fails_leaves_the_split_usable() -> None:
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
 
-    from planner.run.sequence_split import install
-    from planner.run.tensor_split import shard_stage
+    from planner.run.sequence_shard import install
+    from planner.run.tensor_shard import shard_stage
 
     torch.manual_seed(0)
     layer = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.LayerNorm(8), nn.Linear(8, 8))

@@ -52,7 +52,7 @@ def test_llama_tp2_pp2_matches_unsplit_model(tmp_path: Path, cut_share: int) -> 
 @pytest.mark.multiprocess
 def test_llama_tp2_zbv_scatters_between_ranks_and_hands_over_inside_one(tmp_path: Path) -> None:
     # V placement on 2 pipeline ranks: stages 1 and 2 share rank 1 (handed over whole in memory), the
-    # other boundaries cross ranks as 1/2 pieces; the split backward's input gradient passes the scatter
+    # other boundaries cross ranks as 1/2 pieces; the two-part backward's input gradient passes the scatter
     plan = plan_with_starts(
         MODELS / "llama.py",
         [0, 2, 3, 5],
@@ -173,7 +173,7 @@ def _gathered_head_rank(rank: int, port: int) -> None:
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
 
-    from planner.run.tensor_split import shard_stage, sharded_over_tp
+    from planner.run.tensor_shard import shard_stage, sharded_over_tp
 
     with gloo_pair(rank, port):
         torch.manual_seed(0)
@@ -201,7 +201,7 @@ def test_an_embedding_width_the_degree_does_not_divide_is_refused_before_launch(
     from torch import nn
 
     from planner.errors import PlanFileError
-    from planner.run.tensor_split import check_tp_split
+    from planner.run.tensor_shard import check_tp_split
 
     stage = nn.ModuleDict({"emb": nn.Embedding(10, 6)})  # 10 rows: uneven rows alone would not matter
     assert check_tp_split(stage, {"emb": "colwise_rep"}, 3) == {"emb": "colwise_rep"}
@@ -226,7 +226,7 @@ def _embedding_rank(rank: int, port: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
-    from planner.run.tensor_split import check_tp_split, shard_stage, sharded_over_tp
+    from planner.run.tensor_shard import check_tp_split, shard_stage, sharded_over_tp
 
     with gloo_pair(rank, port):
         torch.manual_seed(0)
@@ -376,7 +376,7 @@ def test_tp_plan_patterns_match_one_name_part_per_star() -> None:
 
     from planner.capture.tp_plan import match
     from planner.errors import PlanFileError
-    from planner.run.tensor_split import check_tp_split, tp_styles
+    from planner.run.tensor_shard import check_tp_split, tp_styles
 
     assert match("layers.*.attention.wq", "layers.0.attention.wq")
     assert not match("layers.*.attention.wq", "layers.0.1.attention.wq")
@@ -399,7 +399,7 @@ def test_sharding_on_a_one_rank_mesh_keeps_the_stage_exact(tmp_path: Path) -> No
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
 
-    from planner.run.tensor_split import norm_counted, shard_stage, sharded_over_tp
+    from planner.run.tensor_shard import norm_counted, shard_stage, sharded_over_tp
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4), nn.LayerNorm(4))
@@ -428,7 +428,7 @@ def test_an_exported_graph_is_made_shardable_at_one_tp_ranks_sizes() -> None:
     from planner.capture.load import load_model_file
     from planner.capture.tp_plan import resolve_tp_plan
     from planner.capture.trace import trace_model
-    from planner.run.tensor_split import check_tp_split, shardable_trace
+    from planner.run.tensor_shard import check_tp_split, shardable_trace
 
     mf = load_model_file(MODELS / "hf" / "llama.py", "tiny")
     model = mf.build()

@@ -1,5 +1,5 @@
 """Layers that share weights: one layer module applied to every block (ALBERT, Universal Transformers),
-and inputs shared under the split backward of zero-bubble schedules.
+and inputs shared under the two-part backward of zero-bubble schedules.
 
 Each call of a module the forward calls again is a block of its own (both tracers key the later calls
 ``layer@N`` in a node's module stack), and its parameters are a tie across the stages that apply it.
@@ -116,7 +116,7 @@ def test_each_application_of_a_shared_layer_is_a_block(method: str) -> None:
 @pytest.mark.multiprocess
 def test_a_shared_layer_split_over_stages_trains_like_the_unsplit_model(tmp_path: Path) -> None:
     """A Universal Transformer (torch.fx): the layer's applications on 2 stages, its weights a tie the
-    runner keeps equal; measured (1F1B) and estimated plans (interleaved zero-bubble: the split backward
+    runner keeps equal; measured (1F1B) and estimated plans (interleaved zero-bubble: the two-part backward
     of a layer whose weights other blocks also read). ALBERT (torch.export): tests/test_hf_matrix.py."""
     from planner.api import make_plan
     from planner.schema.request import PlanRequest

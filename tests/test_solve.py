@@ -937,7 +937,7 @@ def test_auto_takes_selective_checkpointing_where_it_fits() -> None:
 
 
 def test_zero_bubble_schedules_never_checkpoint_selectively() -> None:
-    # their split backward runs a stage's backward twice, which torch's selective checkpointing refuses
+    # their two-part backward runs a stage's backward twice, which torch's selective checkpointing refuses
     kept = {"recompute_s": 1.0, "selective_bytes": 30, "selective_recompute_s": 0.25}
     blocks = [b.model_copy(update=kept) for b in times([1, 1, 1, 1], act=100, cut=10)]
     with pytest.raises(InfeasibleError, match="--recompute selective cannot run under --schedule zbv"):

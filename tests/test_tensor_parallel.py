@@ -364,7 +364,7 @@ def test_sequence_parallelism_splits_the_sequence_bytes_and_swaps_all_reduces_fo
     assert split.cut_gather_s == pytest.approx(1.5e-3, rel=1e-12)
     # and a checkpoint region starting after it keeps the shards of its input: 1/4 of the 1 MB
     assert (plain.kept_cut_bytes, split.kept_cut_bytes) == (MB, MB // 4)
-    # a split backward (zero-bubble): the input pass holds the rings and the re-gather, the weight pass
+    # a two-part backward (zero-bubble): the input pass holds the rings and the re-gather, the weight pass
     # gathers again (it unpacks the same saved input) and all-reduces the norms' gradients; the kept
     # 1 MB of column-wise inputs is whole again (3/4 MB more) while a weight gradient runs
     parts = {"bwd_input_s": 12e-3, "bwd_weight_s": 8e-3, "bwd_temp_bytes": MB}

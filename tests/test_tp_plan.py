@@ -422,7 +422,7 @@ def test_end_to_end_toy_without_plan() -> None:
 
 def test_an_exported_hugging_face_model_is_split_by_its_config_plan() -> None:
     # torch.export inlines the linear layers; their shares are read off the graph's nodes, and the
-    # runner calls them as modules again (planner.run.tensor_split.shardable_trace)
+    # runner calls them as modules again (planner.run.tensor_shard.shardable_trace)
     base = dict(model_file=str(HF_LLAMA), size="tiny", gpus=4, gpu_type="h100", batch_size=8, progress=False)
     plan = make_plan(PlanRequest.build(**base, tp=2))
     assert plan.tp == 2 and plan.model.trace_method == "export"

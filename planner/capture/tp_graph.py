@@ -4,7 +4,7 @@ torch's ``ColwiseParallel`` / ``RowwiseParallel`` shard ``nn.Linear`` / ``nn.Emb
 stage calls as modules: a torch.fx trace keeps them. A torch.export trace calls the weights as
 functions (``aten.linear``) and bakes every size into the graph (Hugging Face Llama's grouped-query
 attention expands a constant number of key/value heads), so a rank holding 1/tp of the heads needs
-a graph of its own sizes. Used by the runner before it shards (``planner.run.tensor_split``) and by
+a graph of its own sizes. Used by the runner before it shards (``planner.run.tensor_shard``) and by
 ``planner plan``, which checks once that a plan's split can run (``shard_sized_graph``).
 """
 

@@ -6,7 +6,7 @@ reduce-scattered over the tensor-parallel ranks along the sequence (dimension 1 
 features]``) instead of all-reduced, and what the model computes from it before the next
 column-wise layer (residual adds, norms) runs on each rank's slice of the sequence: those
 activations, saved whole on every rank without it, are split ``tp`` ways. The column-wise layer
-all-gathers its input whole again. ``planner.run.tensor_split`` runs it with DTensors: a row-wise
+all-gathers its input whole again. ``planner.run.tensor_shard`` runs it with DTensors: a row-wise
 output is a DTensor sharded on dimension 1, and every operator that reads one gives one
 (``Replicated`` wraps the operator's other, plain tensors as replicated DTensors, which is exact: a
 plain tensor outside the split layers is the same on every tensor-parallel rank).

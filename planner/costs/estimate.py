@@ -142,7 +142,7 @@ class _BlockRun:
     # fp32 weights saves lower-precision copies of them instead, one set per microbatch in flight
     cast_bytes: int = 0
     # compiled (``Roofline.fuse``): the backward is one autograd node, which the zero-bubble schedules'
-    # split backward runs whole for I and again for W (planner.costs.levers), so I and W each cost B
+    # two-part backward runs whole for I and again for W (planner.costs.levers), so I and W each cost B
     whole_backward: bool = False
 
 
@@ -401,7 +401,7 @@ def estimate_blocks(
 
     Returns:
         One BlockCost per block, in block order: fwd_s, bwd_s (= bwd_input_s + bwd_weight_s; compiled,
-        each of those is bwd_s: the split backward runs the one compiled node twice),
+        each of those is bwd_s: the two-part backward runs the one compiled node twice),
         recompute_s (the forward up to its last saved tensor), flops_fwd/flops_bwd, opt_s, parameter, activation and cut bytes
         in ``dtype``.
 

@@ -1,7 +1,7 @@
 """What sequence parallelism changes in a block, counted during the tensor-parallel share run
 (``planner.costs.tensor_parallel``): its ``SequenceShare``.
 
-The run follows sequence shards as the runner makes them (``planner.run.sequence_split``): a
+The run follows sequence shards as the runner makes them (``planner.run.sequence_shard``): a
 row-wise layer's output is one, and so is every tensor an operator outside the split layers makes
 from one; a column-wise layer's input is gathered whole. Per block it counts the bytes autograd
 saves of sequence shards (split ``tp`` ways under sequence parallelism), the work of the operators
@@ -62,7 +62,7 @@ class SeqTally:
         """A column-wise layer's input (``key``: its id) as the runner takes it: gathered if a sequence
         shard (else wrapped whole) unless the layer before read the same value (the runner holds
         only the last one); a gathered shard is gathered again once in backward, for the weight
-        gradients of all the layers that read it (``planner.run.sequence_split``: q, k and v share one)."""
+        gradients of all the layers that read it (``planner.run.sequence_shard``: q, k and v share one)."""
         if key != self.last:
             (self.gathers if is_sequence else self.wholes).append(nbytes)
             if is_sequence:

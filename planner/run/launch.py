@@ -66,7 +66,7 @@ from planner.run.loop import RankResult, run_result
 from planner.run.mesh import threads_per_rank
 from planner.run.model import StageSource, check_runnable, check_ties, load_plan_model, planned_source, trace_for_plan
 from planner.run.preflight import check_checkpoint_dir, check_data, check_resume
-from planner.run.tensor_split import check_tp_split, shardable_trace
+from planner.run.tensor_shard import check_tp_split, shardable_trace
 from planner.schema.plan import Plan
 from planner.schema.request import RunRequest
 from planner.schema.result import RunResult

@@ -18,7 +18,7 @@ from planner.capture.blocks import TiedParameter, TracedModel
 from planner.capture.load import ModelFile, load_model_file
 from planner.capture.stage import trace_root
 from planner.capture.trace import trace_model
-from planner.core.step.schedules import SPLIT_BACKWARD, check_schedule, stage_ranks
+from planner.core.step.schedules import ZERO_BUBBLE, check_schedule, stage_ranks
 from planner.errors import PlanFileError, PlannerError
 from planner.schema.costs import split_recompute
 from planner.schema.plan import Plan
@@ -93,16 +93,16 @@ def check_runnable(plan: Plan) -> None:
             "machine has no GPU; run it where the GPUs are, or plan with --gpu-type cpu (or without --gpu-type) "
             "to train here"
         )
-    if plan.sharded and plan.schedule in SPLIT_BACKWARD:
+    if plan.sharded and plan.schedule in ZERO_BUBBLE:
         raise PlanFileError(
-            f"the plan shards {plan.dp} replicas with {plan.dp_mode.upper()} under --schedule {plan.schedule}, whose split backward "
+            f"the plan shards {plan.dp} replicas with {plan.dp_mode.upper()} under --schedule {plan.schedule}, whose two-part backward "
             "torch 2.13's FSDP2 does not follow; re-plan with --dp-mode ddp or another schedule"
         )
     selective = [s.index for s in plan.stages if split_recompute(s.recompute)[0] == "selective"]
-    if selective and plan.schedule in SPLIT_BACKWARD:
+    if selective and plan.schedule in ZERO_BUBBLE:
         raise PlanFileError(
             f"stage(s) {', '.join(map(str, selective))} checkpoint selectively under --schedule {plan.schedule}, whose "
-            "split backward runs each stage's backward twice, which torch's selective activation checkpointing "
+            "two-part backward runs each stage's backward twice, which torch's selective activation checkpointing "
             "refuses; re-plan with --recompute full (or auto) or another schedule"
         )
     if plan.n_ranks > 1:

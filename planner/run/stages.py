@@ -23,7 +23,7 @@ from planner.capture.stage import stage_inputs, stage_module, trace_root
 from planner.capture.tp_plan import COLUMN_STYLES
 from planner.capture.tp_sequence import sequence_values
 from planner.core.levers.recompute import checkpoint_units
-from planner.core.step.schedules import SPLIT_BACKWARD, placement
+from planner.core.step.schedules import ZERO_BUBBLE, placement
 from planner.errors import PlanFileError, PlannerError
 from planner.run.boundary import boundary_scatter, sent_examples
 from planner.run.checkpoint import model_names
@@ -31,9 +31,9 @@ from planner.run.gradients import grad_finisher
 from planner.run.mesh import RankMesh
 from planner.run.model import StageSource, check_ties, trace_for_plan
 from planner.run.optim import make_optimizer
-from planner.run.sequence_split import install as install_sequence
+from planner.run.sequence_shard import install as install_sequence
 from planner.run.streams import vocab_size_of
-from planner.run.tensor_split import norm_counted, shard_stage, shardable_trace, tp_styles
+from planner.run.tensor_shard import norm_counted, shard_stage, shardable_trace, tp_styles
 from planner.run.wrappers import (
     ContiguousBoundary,
     HooklessDDP,
@@ -149,9 +149,7 @@ def build_stages(
     # With several passes per step (gradient accumulation) torch's PipelineStage would all-reduce at
     # the end of every pass: averaged by ``finish`` too, once per step, after the last pass.
     manual = (
-        plan.dp > 1
-        and plan.dp_mode == "ddp"
-        and (plan.schedule in SPLIT_BACKWARD or plan.tp > 1 or plan.accumulation > 1)
+        plan.dp > 1 and plan.dp_mode == "ddp" and (plan.schedule in ZERO_BUBBLE or plan.tp > 1 or plan.accumulation > 1)
     )
     modules: list[torch.nn.Module] = []
     stages: list[Any] = []
@@ -257,7 +255,7 @@ def _split_sequence(
     plan: Plan,
     mesh: RankMesh,
 ) -> None:
-    """Sequence parallelism on one stage (``planner.run.sequence_split``): which of its inputs are
+    """Sequence parallelism on one stage (``planner.run.sequence_shard``): which of its inputs are
     sequence shards in the whole graph (``sequence``), and its column-wise layers.
 
     Raises:
@@ -381,7 +379,7 @@ def _schedule(
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     schedule_cls = get_schedule_class(TORCH_NAMES[plan.schedule])
-    if plan.schedule in SPLIT_BACKWARD:
+    if plan.schedule in ZERO_BUBBLE:
         split_weight_backward_retaining()  # parameter groups that share nodes (T5, ALBERT)
     # scale_grads=False: ``finish`` averages the gradients over microbatches, once per parameter.
     # GPipe and 1F1B take their one stage; the others (PipelineScheduleMulti) a list, even of one.

@@ -270,7 +270,7 @@ def apply_speed_levers(
 
     The compiled module compiles at its first call, which must happen inside
     ``planner.torch_compat.retain_graph_compile`` (the worker trains inside it): the zero-bubble
-    schedules' split backward runs the compiled backward twice, which donated buffers forbid.
+    schedules' two-part backward runs the compiled backward twice, which donated buffers forbid.
 
     Args:
         plan: the plan (``compile``, ``profile.autocast``).

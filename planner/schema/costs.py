@@ -61,7 +61,7 @@ def split_recompute(value: str) -> tuple[RecomputeMode, int | None]:
 
 class SequenceShare(BaseModel):
     """What sequence parallelism changes in one block (Korthikanti et al. 2022; the runner's
-    ``planner.run.sequence_split``): the values computed from a row-wise layer's output up to the
+    ``planner.run.sequence_shard``): the values computed from a row-wise layer's output up to the
     next column-wise layer are split along the sequence over the tp ranks."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

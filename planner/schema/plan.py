@@ -202,10 +202,10 @@ class StagePlan(_Frozen):
         ge=0, description="Predicted peak: params, grads, optimizer state, in-flight activations, buffers."
     )
     bwd_input_s: float | None = Field(
-        default=None, ge=0, allow_inf_nan=False, description="Input-gradient part of bwd_s (split backward)."
+        default=None, ge=0, allow_inf_nan=False, description="Input-gradient part of bwd_s (two-part backward)."
     )
     bwd_weight_s: float | None = Field(
-        default=None, ge=0, allow_inf_nan=False, description="Weight-gradient part of bwd_s (split backward)."
+        default=None, ge=0, allow_inf_nan=False, description="Weight-gradient part of bwd_s (two-part backward)."
     )
 
 
@@ -368,7 +368,7 @@ class Plan(_Frozen):
         description="Sequence parallelism with the tensor parallelism (tp > 1 only): row-wise outputs "
         "reduce-scattered along the sequence, the residual adds and norms between layers run on each tp rank's "
         "slice of the sequence and save 1/tp of their activations, column-wise inputs all-gathered "
-        "(planner.run.sequence_split).",
+        "(planner.run.sequence_shard).",
     )
     batch_size: int = Field(ge=1, description="Samples per step over all replicas (the global batch).")
     n_microbatches: int = Field(ge=1, description="Microbatches per pass of each replica's pipeline.")
@@ -397,7 +397,7 @@ class Plan(_Frozen):
     compile: bool = Field(
         default=False,
         description="Train with torch.compile (--compile): the runner compiles each stage module whole, with "
-        "torch._functorch.config.donated_buffer=False (pipelining's split backward retains the graph). Measured "
+        "torch._functorch.config.donated_buffer=False (pipelining's two-part backward retains the graph). Measured "
         "costs are the compiled blocks'; estimated costs charge each run of memory-bound operators between GEMMs "
         "and attention as one fused kernel, and save what AOTAutograd's partitioner keeps (planner/costs/fusion.py).",
     )

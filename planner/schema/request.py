@@ -33,10 +33,10 @@ forward to the last backward of a step, reduce-scattered once) or "block" (one u
 torchtitan shards each layer: gathered for each microbatch's forward and again for its backward,
 resharded after each, its gradients reduce-scattered every microbatch)."""
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
-SPLIT_BACKWARD: frozenset[str] = frozenset({"interleaved-zb", "zbv", "dualpipev"})
+"""The planner's schedule names (``--schedule``), in the order the search tries them."""
+ZERO_BUBBLE: frozenset[str] = frozenset({"interleaved-zb", "zbv", "dualpipev"})
 """The zero-bubble schedules: each stage's backward runs as an input-gradient pass and a separate
 weight-gradient pass (torch's ``_PipelineScheduleRuntime`` actions I and W)."""
-"""The planner's schedule names (``--schedule``), in the order the search tries them."""
 
 TORCH_NAMES: dict[str, str] = {
     "gpipe": "GPipe",
@@ -443,9 +443,9 @@ class PlanRequest(_Request):
             )
         if self.method == "given" and self.compare is None:
             raise ValueError("--method given trains the split given with --compare SPLIT; give one")
-        if self.recompute == "selective" and self.schedule in SPLIT_BACKWARD:
+        if self.recompute == "selective" and self.schedule in ZERO_BUBBLE:
             raise ValueError(
-                f"--recompute selective cannot run under --schedule {self.schedule}: its split backward runs each "
+                f"--recompute selective cannot run under --schedule {self.schedule}: its two-part backward runs each "
                 "stage's backward twice, which torch's selective activation checkpointing refuses; use --recompute "
                 "full (or auto), or another schedule"
             )

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.core.layout.inputs import Layout
-from planner.core.step.schedules import SPLIT_BACKWARD
+from planner.core.step.schedules import ZERO_BUBBLE
 from planner.schema.costs import BlockCost, OptimizerSpec
 
 
@@ -22,7 +22,7 @@ def step_floor(blocks: Sequence[BlockCost], layout: Layout, optimizer: Optimizer
     """A lower bound of the layout's predicted step over every split.
 
     The busiest pipeline rank computes at least the mean of every microbatch's forward and backward
-    over the ranks (a split backward: the least of the whole and its two halves), and steps its
+    over the ranks (a two-part backward: the least of the whole and its two halves), and steps its
     optimizer over at least the mean share of the parameters, a 1/dp share when FSDP may shard it
     (the pipeline's makespan and the optimizer step are parts of the step; messages, the bubble and
     the gradient reduction only add).
@@ -63,7 +63,7 @@ class BlockTotals:
     its backward only: the search computes it once per set of block costs, not once per layout.
 
     Attributes:
-        compute: every block's forward and backward for one microbatch (a split backward: the least
+        compute: every block's forward and backward for one microbatch (a two-part backward: the least
             of the whole and its halves), seconds.
         step: every block's optimizer step and gradient work, seconds.
         param_bytes: the blocks' parameter bytes.
@@ -97,7 +97,7 @@ def block_totals(blocks: Sequence[BlockCost], split: bool) -> BlockTotals:
     for b in blocks:
         bwd = b.bwd_s
         if split and b.bwd_input_s is not None and b.bwd_weight_s is not None:
-            # a split backward runs its input and weight halves, which need not add up to the whole
+            # a two-part backward runs its input and weight halves, which need not add up to the whole
             bwd = min(bwd, b.bwd_input_s + b.bwd_weight_s)
         compute += b.fwd_s + bwd
         if split and b.fwd_s + bwd > 0:
@@ -132,7 +132,7 @@ def floors(
         (the step floor in seconds, the memory floor in bytes).
     """
     pp, m, dp = layout.pp, layout.n_microbatches, layout.dp
-    split = layout.schedule in SPLIT_BACKWARD
+    split = layout.schedule in ZERO_BUBBLE
     t = totals if totals is not None else block_totals(blocks, split)
     # what FSDP may shard the optimizer step over: the search plans split-backward schedules with DDP
     most = layout.dp_shard if layout.dp_mode == "hsdp" else dp  # the most replicas a stage is sharded over
@@ -156,7 +156,7 @@ def pipeline_floor(compute: float, m: int, n_stages: int, lead: float = 1.0) -> 
 
     Each stage runs its ``m`` forwards and backwards one at a time on its rank, after its first
     microbatch's forwards through every earlier stage and before its last backward's way back
-    through them (a split backward's last action may be a weight half: its forward way only). With
+    through them (a two-part backward's last action may be a weight half: its forward way only). With
     ``t`` a stage's compute per microbatch and ``T`` that of the stages before it, the makespan is at
     least ``lead T + m t`` for every stage, ``lead`` the least share of a block's compute on that way
     (1 with whole backwards, its forward share with split ones). The split that makes the largest of

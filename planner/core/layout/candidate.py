@@ -18,7 +18,7 @@ from planner.core.levers.data_parallel import as_gathered, layout_links
 from planner.core.split.cuts import Split
 from planner.core.split.stage_plans import StageMemo
 from planner.core.step.predict import predict
-from planner.core.step.schedules import SPLIT_BACKWARD, check_schedule
+from planner.core.step.schedules import ZERO_BUBBLE, check_schedule
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, SequenceShare, TensorParallelShare
 from planner.schema.plan import Candidate, Prediction, StagePlan
@@ -223,8 +223,8 @@ def evaluate_modes(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout
         return evaluate_choice(blocks, cluster, replace(layout, dp_mode=mode, fsdp_units=units), constraints)
 
     dp, dp_mode, schedule = layout.dp, layout.dp_mode, layout.schedule
-    if dp > 1 and schedule in SPLIT_BACKWARD:
-        # torch 2.13's FSDP2 does not follow these schedules' split backward (weight gradients by
+    if dp > 1 and schedule in ZERO_BUBBLE:
+        # torch 2.13's FSDP2 does not follow these schedules' two-part backward (weight gradients by
         # autograd.grad, past its hooks): the runner cannot shard them, so they are planned with DDP.
         if dp_mode in ("fsdp", "hsdp"):
             raise InfeasibleError(

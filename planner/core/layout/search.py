@@ -41,7 +41,7 @@ from planner.core.levers.links import NodeLinks
 from planner.core.levers.tensor_parallel import at_degree
 from planner.core.split.cuts import Split
 from planner.core.split.stage_plans import StageMemo
-from planner.core.step.schedules import SPLIT_BACKWARD, stages_per_rank_options
+from planner.core.step.schedules import ZERO_BUBBLE, stages_per_rank_options
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost
 from planner.schema.request import SCHEDULES, divisors
@@ -235,7 +235,7 @@ def _pending(
         sized = blocks_at(blocks, scaling.size0, key[0], scaling.fixed_fraction)
         cache[key] = _Sized(at_degree(sized, layout.tp, tp_link(cluster.link), sequence=layout.sequence))
     entry = cache[key]
-    split = layout.schedule in SPLIT_BACKWARD
+    split = layout.schedule in ZERO_BUBBLE
     if split not in entry.totals:  # the floors' sums over 1,000 blocks: once per costs, not per layout
         entry.totals[split] = block_totals(entry.blocks, split)
     step, memory = floors(entry.blocks, layout, constraints.optimizer, entry.totals[split])

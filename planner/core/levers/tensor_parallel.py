@@ -146,7 +146,7 @@ def _sequence_comm(
 
     Returns:
         (forward, the input gradient's backward with the re-gathers, the re-gathers alone, the
-        parameters' gradient all-reduces): a split backward (zero-bubble) unpacks a layer's saved
+        parameters' gradient all-reduces): a two-part backward (zero-bubble) unpacks a layer's saved
         input in both passes, so its weight pass gathers again too, and reduces the parameters'.
     """
     fwd = (

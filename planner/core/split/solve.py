@@ -80,7 +80,7 @@ from planner.core.split.stage_model import (
     stage_bounds,
     unsharded_bytes,
 )
-from planner.core.step.schedules import SPLIT_BACKWARD, in_flight_per_stage
+from planner.core.step.schedules import ZERO_BUBBLE, in_flight_per_stage
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec, RecomputeMode
 
@@ -114,10 +114,10 @@ def policy_options(recompute: str, schedule: str | None = None) -> tuple[Recompu
     if recompute not in OPTIONS:
         raise InfeasibleError(f"recompute={recompute!r}; expected one of {', '.join(OPTIONS)}")
     options = OPTIONS[recompute]
-    if schedule in SPLIT_BACKWARD:
+    if schedule in ZERO_BUBBLE:
         if recompute == "selective":
             raise InfeasibleError(
-                f"--recompute selective cannot run under --schedule {schedule}: its split backward runs each "
+                f"--recompute selective cannot run under --schedule {schedule}: its two-part backward runs each "
                 "stage's backward twice, which torch's selective activation checkpointing refuses; use "
                 "--recompute full (or auto), or another schedule"
             )

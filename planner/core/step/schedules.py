@@ -31,11 +31,11 @@ from typing import Literal, NamedTuple
 
 from planner.core.heap import bulk_allocation
 from planner.errors import InfeasibleError
-from planner.schema.request import SCHEDULES, SPLIT_BACKWARD, TORCH_NAMES, schedule_name
+from planner.schema.request import SCHEDULES, TORCH_NAMES, ZERO_BUBBLE, schedule_name
 
 __all__ = [
     "SCHEDULES",
-    "SPLIT_BACKWARD",
+    "ZERO_BUBBLE",
     "TORCH_NAMES",
     "Action",
     "action_order",
@@ -425,7 +425,7 @@ def peak_in_flight(order_for_rank: Sequence[Action]) -> dict[int, int]:
     """Peak number of microbatches holding activations on each stage of a rank.
 
     A microbatch holds its activations on a stage from its forward until its backward has
-    finished with them: the full backward ``B``, or for a split backward the weight part ``W``
+    finished with them: the full backward ``B``, or for a two-part backward the weight part ``W``
     (torch keeps the tensors the weight gradient needs until then). This is how many
     microbatches' activations the stage holds at once (GPipe: m on every stage; 1F1B:
     min(m, p - i) on stage i, Narayanan et al. 2021).

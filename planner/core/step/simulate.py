@@ -9,7 +9,7 @@ Timing model, per stage ``s`` and microbatch ``mb`` (S stages in all):
 * ``F(s, mb)`` may start once ``F(s-1, mb)`` ended.
 * the input gradient, ``B(s, mb)`` or ``I(s, mb)``, may start once ``F(s, mb)`` ended and, unless
   ``s`` is the last stage, the input gradient of stage ``s+1`` for ``mb`` (its ``B`` or ``I``) ended.
-* ``W(s, mb)`` (the weight gradient of a split backward) may start once ``I(s, mb)`` ended.
+* ``W(s, mb)`` (the weight gradient of a two-part backward) may start once ``I(s, mb)`` ended.
 
 Communication time is folded into the action that performs it (a forward carries its activation
 messages, a backward their gradients), so a dependency is met the instant its producer ends. An
@@ -35,7 +35,7 @@ from planner.errors import InfeasibleError
 class StageTimes(NamedTuple):
     """Seconds one action of a stage occupies its rank, messages included.
 
-    ``i`` and ``w`` are the two halves of a split backward (zero-bubble schedules); None when
+    ``i`` and ``w`` are the two halves of a two-part backward (zero-bubble schedules); None when
     unknown, in which case each is half of ``b`` (the input and weight gradients of a linear
     layer cost the same FLOPs).
     """
@@ -63,7 +63,7 @@ class StageTimes(NamedTuple):
 
 
 Durations = tuple[float, float]
-"""(F, B) seconds of a stage: accepted wherever ``StageTimes`` is, for schedules without a split backward."""
+"""(F, B) seconds of a stage: accepted wherever ``StageTimes`` is, for schedules without a two-part backward."""
 
 
 class Traffic(NamedTuple):

@@ -198,7 +198,7 @@ class _Regather:
     (the layers that read the one gathered whole): backward gathers it for the first of them and
     hands the same whole to the others, then lets it go.
 
-    A split backward (zero-bubble) unpacks the saved tensors in its input pass and again in its
+    A two-part backward (zero-bubble) unpacks the saved tensors in its input pass and again in its
     weight pass: counting unpacks per ``keeps`` gathers once per pass. Should a pass unpack only some
     of them, the whole is held until the rest do (the same values: only memory is held longer).
     """

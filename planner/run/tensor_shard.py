@@ -24,7 +24,7 @@ from planner.capture.blocks import TracedModel
 from planner.capture.tp_graph import shardable_trace as _shardable
 from planner.capture.tp_plan import COLUMN_STYLES, matched_modules, style_error
 from planner.errors import PlanFileError, TraceError
-from planner.run.sequence_split import row_style
+from planner.run.sequence_shard import row_style
 
 
 def tp_styles(module: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
@@ -65,7 +65,7 @@ def shard_stage(module: nn.Module, tp_mesh: Any, tp_plan: dict[str, str], *, seq
         tp_mesh: the rank's 1-D tensor-parallel ``DeviceMesh``.
         tp_plan: the plan's patterns -> styles.
         sequence: sequence parallelism: row-wise outputs reduce-scattered along the sequence and
-            left DTensors (``planner.run.sequence_split``, which must be installed first).
+            left DTensors (``planner.run.sequence_shard``, which must be installed first).
 
     Returns:
         The sharded modules' names -> styles (``tp_styles``).
