@@ -8,6 +8,7 @@ run; api and cli on top).
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -659,3 +660,16 @@ def f() -> None:
         "torch._inductor.config.compile_threads",
         "torch.distributed._tools.mem_tracker",
     }
+
+
+def test_every_module_is_in_the_architecture_map() -> None:
+    """docs/architecture.md's module map has one line for every module of ``planner/`` and every
+    ``cli*.py``, and no line for a module that is gone."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^- `([\w/]+)`:", section, flags=re.M))
+    modules = {
+        str(p.relative_to(PLANNER).with_suffix("")) for p in PLANNER.rglob("*.py") if p.name != "__init__.py"
+    } | {p.stem for p in ROOT.glob("cli*.py")}
+    assert not modules - listed, f"add to docs/architecture.md's module map: {sorted(modules - listed)}"
+    assert not listed - modules, f"gone, remove from the module map: {sorted(listed - modules)}"
