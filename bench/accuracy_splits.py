@@ -33,6 +33,7 @@ from bench.common import (
     run_plan_file,
     table,
 )
+from planner.core.split.cuts import Split
 from planner.core.step.calibrate import apply_calibration, calibrate
 from planner.core.step.predict import predict_plan, refresh
 from planner.errors import PlannerError
@@ -80,11 +81,15 @@ def moved_splits(plan: Plan, shifts: Sequence[int] = (1, -1, 2, -2)) -> list[tup
     return out
 
 
+def split_at(plan: Plan, starts: Sequence[int]) -> Split:
+    """The plan's split moved to ``starts``, every stage recomputing as the plan's does."""
+    return Split(starts=tuple(starts), recompute=tuple(s.recompute for s in plan.stages))
+
+
 def predicted_step(plan: Plan, starts: Sequence[int]) -> float | None:
     """The plan's predicted step time at another split (None: that split cannot be evaluated)."""
-    recompute = [s.recompute for s in plan.stages]
     try:
-        return predict_plan(plan, starts, recompute)[1].step_time_s
+        return predict_plan(plan, split_at(plan, starts))[1].step_time_s
     except PlannerError:
         return None
 
@@ -199,8 +204,7 @@ def _cross_split(ctx: Context, model: ModelSpec, out: CrossSplit) -> CrossSplit:
     b_plan = with_starts(c_plan, starts)
     out.b_calibrated = b_plan.prediction.step_time_s
     blocks, link = apply_calibration(a.plan.blocks, a.plan.link, cal)
-    recompute = [s.recompute for s in a.plan.stages]
-    out.b_in_process = predict_plan(a.plan, starts, recompute, blocks=blocks, link=link)[1].step_time_s
+    out.b_in_process = predict_plan(a.plan, split_at(a.plan, starts), blocks=blocks, link=link)[1].step_time_s
     b_path = ctx.work / f"{model.name.replace('/', '_')}_split_b.json"
     b_plan.save(b_path)
     print(f"cross-split {model.name}: running split B {out.b_split} (A was {out.a_split})", flush=True)
@@ -231,7 +235,7 @@ def cross_pairs(ctx: Context, a: Case, starts: Sequence[int], b_path: Path, out:
     fourfold more pairs (docs/machine_noise.md).
     """
     assert a.plan is not None
-    recompute = [s.recompute for s in a.plan.stages]
+    split = split_at(a.plan, starts)
     for i in range(1, ctx.pairs + 1):
         runs, error = run_pair(ctx, (a.plan_path, b_path), f"cross{i}")
         if error:
@@ -239,7 +243,7 @@ def cross_pairs(ctx: Context, a: Case, starts: Sequence[int], b_path: Path, out:
             return
         run_a, run_b = runs
         blocks, link = apply_calibration(a.plan.blocks, a.plan.link, calibrate(a.plan, run_a))
-        predicted = predict_plan(a.plan, starts, recompute, blocks=blocks, link=link)[1].step_time_s
+        predicted = predict_plan(a.plan, split, blocks=blocks, link=link)[1].step_time_s
         out.pairs.append((predicted, run_b.median_step_s))
         print(
             f"cross-split {out.model}: pair {i}: B predicted {ms(predicted)} ms, measured {ms(run_b.median_step_s)} ms"
