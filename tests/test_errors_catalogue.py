@@ -224,6 +224,40 @@ CASES: list[Case] = [
         "train_batches(8) yields input 0 of shape [4, 10] float32 but the plan was made for shape [8, 10] float32",
         _half_stream,
     ),
+    # --- a job file (--config) ----------------------------------------------------------------------
+    Case("job file", "job file missing", "plan --config {d}/nope.toml {d}/model.py", 2, "no such file"),
+    Case(
+        "job file",
+        "not valid TOML",
+        "plan --config {d}/bad.toml {d}/model.py",
+        2,
+        "not valid TOML: Invalid value (at line 2, column 14)",
+        _text("bad.toml", "gpus = 2\nbatch-size = \n"),
+    ),
+    Case(
+        "job file",
+        "a key spelt as the Python name",
+        "plan --config {d}/key.toml {d}/model.py",
+        2,
+        "unknown key 'batch_size'; did you mean 'batch-size'?",
+        _text("key.toml", "gpus = 2\nbatch_size = 8\n"),
+    ),
+    Case(
+        "job file",
+        "a value of the wrong kind",
+        "plan --config {d}/kind.toml {d}/model.py",
+        2,
+        "gpus = 2.5: expected a whole number",
+        _text("kind.toml", "gpus = 2.5\n"),
+    ),
+    Case(
+        "job file",
+        "a value the option refuses",
+        "plan --config {d}/zero.toml {d}/model.py",
+        2,
+        "gpus = 0: 0 is not in the range x>=1.",
+        _text("zero.toml", "gpus = 0\n"),
+    ),
     # --- the model file ---------------------------------------------------------------------------
     Case("model file", "model file missing", "plan {d}/nope.py --gpus 2", 2, "does not exist"),
     Case(
