@@ -380,6 +380,16 @@ def between_markers(text: str, begin: str, end: str, body: str) -> str | None:
     return f"{head}{begin}\n{body}\n{end}{rest.split(end, 1)[1]}"
 
 
+def write_between_markers(doc: Path, begin: str, end: str, body: str) -> None:
+    """Write ``body`` between the two marker lines of the page ``doc`` (the rest of it as it is);
+    exit with an error naming the markers when the page lacks them."""
+    text = between_markers(doc.read_text(), begin, end, body)
+    if text is None:
+        sys.exit(f"error: {doc} lacks the markers {begin} ... {end}")
+    write_page(doc, text)
+    print(f"wrote {doc}", file=sys.stderr)
+
+
 def pct_error(predicted: float, measured: float) -> float:
     """(predicted - measured) / measured, in %."""
     return 100 * (predicted - measured) / measured

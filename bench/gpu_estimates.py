@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import DOCS, MODELS, between_markers, write_page
+from bench.common import DOCS, MODELS, write_between_markers
 from planner.api import make_plan
 from planner.errors import PlannerError
 from planner.report.throughput import throughput
@@ -115,11 +115,7 @@ def main() -> None:
     print(text)
     if args.only is not None:
         return
-    doc = between_markers(DOC.read_text(), BEGIN, END, text)
-    if doc is None:
-        sys.exit(f"error: {DOC} lacks the markers {BEGIN} ... {END}")
-    write_page(DOC, doc)
-    print(f"wrote {DOC}", file=sys.stderr)
+    write_between_markers(DOC, BEGIN, END, text)
 
 
 if __name__ == "__main__":

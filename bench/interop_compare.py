@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import DOCS, MODELS, alternate, between_markers, machine, table, write_page
+from bench.common import DOCS, MODELS, alternate, machine, table, write_between_markers
 from planner.api import make_plan
 from planner.schema.plan import Plan, Prediction
 from planner.schema.request import PlanRequest
@@ -125,11 +124,7 @@ def main() -> None:
         "`planner run`:\n\n"
         f"{ran}"
     )
-    text = between_markers(DOC.read_text(), BEGIN, END, body)
-    if text is None:
-        sys.exit(f"{DOC} lacks the markers {BEGIN} / {END}")
-    write_page(DOC, text)
-    print(f"wrote {DOC}")
+    write_between_markers(DOC, BEGIN, END, body)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import DOCS, MODELS, between_markers, table, write_page
+from bench.common import DOCS, MODELS, table, write_between_markers
 from planner.api import make_plan
 from planner.capture.load import load_model_file
 from planner.errors import PlannerError
@@ -93,11 +93,7 @@ def main() -> None:
     headers = ["setup", "parameters", "active", "plan (searched)", "step s", "tokens/s/GPU", "MFU (active)", "memory"]
     text = table(rows, headers)
     print(text)
-    doc = between_markers(DOC.read_text(), BEGIN, END, text)
-    if doc is None:
-        sys.exit(f"error: {DOC} lacks the markers {BEGIN} ... {END}")
-    write_page(DOC, doc)
-    print(f"wrote {DOC}", file=sys.stderr)
+    write_between_markers(DOC, BEGIN, END, text)
 
 
 if __name__ == "__main__":
