@@ -1,8 +1,8 @@
 """What the bench scripts share: the repository's paths, the commands they start, the pages they write.
 
 Every script in bench/ runs from the repository root as ``python -m bench.NAME``. A script imports
-from bench/ only this module and ``bench.cases`` (the planned-and-run cases of the accuracy
-benches), never another script.
+from bench/ this module, ``bench.cases`` (the planned-and-run cases of the accuracy benches) and the
+helper modules it was split into, never another script.
 """
 
 from __future__ import annotations
