@@ -219,6 +219,16 @@ def tiny_gpt_request(overrides: Mapping[str, int], output: Path, **options: Any)
     )
 
 
+def save_and_train(plan: Plan, path: Path, steps: int) -> RunResult:
+    """Save ``plan`` at ``path`` (the runner reads its plan file) and train it ``steps`` steps in this
+    process, without the step lines."""
+    from planner.run import run_plan
+    from planner.schema.request import RunRequest
+
+    plan.save(path)
+    return run_plan(plan, RunRequest(plan_file=path, steps=steps, echo=False))
+
+
 class StagePeak(NamedTuple):
     """One stage's predicted peak memory beside the peak MemTracker saw (``planned_peaks``)."""
 
@@ -236,15 +246,12 @@ def planned_peaks(
     predicted again."""
     from planner.api import make_plan
     from planner.core.step.predict import refresh
-    from planner.run import run_plan
-    from planner.schema.request import RunRequest
 
     plan = make_plan(request)
     if recompute is not None:
         stages = [s.model_copy(update={"recompute": recompute}) for s in plan.stages]
         plan = refresh(plan.model_copy(update={"stages": stages}))[0]
-    plan.save(path)
-    result = run_plan(plan, RunRequest(plan_file=path, steps=steps, echo=False))
+    result = save_and_train(plan, path, steps)
     peaks = [
         StagePeak(st, meas.memory, pct_error(st.memory_bytes, meas.memory.peak_bytes))
         for st, meas in zip(plan.stages, result.stages)

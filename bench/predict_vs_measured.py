@@ -19,12 +19,11 @@ from pathlib import Path
 
 import torch
 
-from bench.common import DOCS, MODELS, blocks_per_stage, host, pct_error, table, write_page
+from bench.common import DOCS, MODELS, blocks_per_stage, host, pct_error, save_and_train, table, write_page
 from planner.api import make_plan
 from planner.core.step.calibrate import calibrate
-from planner.run import run_plan
 from planner.schema.plan import Plan
-from planner.schema.request import PlanRequest, RunRequest
+from planner.schema.request import PlanRequest
 from planner.schema.result import RunResult
 
 GPT_MID = {"dim": 128, "n_layers": 8, "n_heads": 4, "ffn_dim": 512, "vocab_size": 8000, "seq_len": 64}
@@ -128,11 +127,11 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def plan_and_run(request: PlanRequest, path: Path, steps: int) -> tuple[Plan, RunResult]:
-    """Plan ``request`` (saved at ``path``) and train the plan for ``steps`` steps."""
+def plan_and_train(request: PlanRequest, path: Path, steps: int) -> tuple[Plan, RunResult]:
+    """Plan ``request`` in this process (saved at ``path``) and train the plan for ``steps`` steps
+    (``bench.common.plan_and_run`` does the same through the `planner` command)."""
     plan = make_plan(request)
-    plan.save(path)
-    return plan, run_plan(plan, RunRequest(plan_file=path, steps=steps, echo=False))
+    return plan, save_and_train(plan, path, steps)
 
 
 def one_case(tables: Tables, folder: Path, case: Case, schedule: str, steps: int) -> None:
@@ -150,14 +149,16 @@ def one_case(tables: Tables, folder: Path, case: Case, schedule: str, steps: int
         progress=False,
     )
     print(f"{model} {size} {overrides or ''} p={gpus} {schedule}", flush=True)
-    plan, result = plan_and_run(request, folder / "plan.json", steps)
+    plan, result = plan_and_train(request, folder / "plan.json", steps)
     err = pct_error(plan.prediction.step_time_s, result.median_step_s)
     tables.errors[schedule].append(abs(err))
     # The calibration loop: fit to this run, plan again, and check on a second, fresh run.
     run_path = folder / "plan.run.json"
     result.save(run_path)  # --calibrate reads the run and finds its plan next to it
     cal = calibrate(plan, result)  # the same fit make_plan applies, for the table
-    plan2, result2 = plan_and_run(request.model_copy(update={"calibrate_run": run_path}), folder / "plan2.json", steps)
+    plan2, result2 = plan_and_train(
+        request.model_copy(update={"calibrate_run": run_path}), folder / "plan2.json", steps
+    )
     err2 = pct_error(plan2.prediction.step_time_s, result2.median_step_s)
     tables.cal_errors[schedule].append(abs(err2))
     label = f"{model} {size}" + (" (custom)" if overrides else "")
