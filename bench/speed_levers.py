@@ -97,7 +97,7 @@ def _block_table(runs: dict[str, dict[str, object]]) -> str:
         "block",
         f"fwd ms ({order})",
         "bwd ms",
-        "I + W ms (split backward)",
+        "I + W ms (two-part backward)",
         "saved KiB",
         "cut KiB (last: output)",
     ]
@@ -175,7 +175,7 @@ def _reading(stats: dict[str, dict[str, dict[str, object]]]) -> str:
   `.float()`). Each is measured per block, never assumed.
 - **Compiled blocks**: forward {each("compiled", "fwd_s")}, backward {each("compiled", "bwd_s")} the
   eager time{": not faster here (not investigated further; each block is about a millisecond on one thread)" if min(compiled) > 0.9 else ""}.
-  Compiled, the split backward of the zero-bubble schedules (I, then W) runs the block's single
+  Compiled, the two-part backward of the zero-bubble schedules (I, then W) runs the block's single
   compiled backward node once per pass, so I + W is about twice B (the `layers' (I + W) / B` column;
   eager blocks split it for less); the search sees it.
 - **Compile time** dominates a compiled plan with an empty inductor cache: the first model of the
