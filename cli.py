@@ -4,6 +4,7 @@ planner plan MODEL.py --gpus N     trace, profile, solve; write plan.json; print
 planner run PLAN.json              launch one process per rank and train with the planned schedule
 planner report PLAN.json           print the balance tables of a saved plan (--config: its job file)
 planner export PLAN.json --to T    the plan in torchtitan's, Megatron's, DeepSpeed's or torch's CSV terms
+planner probe --gpus N -o HW.json  measure this machine or cluster into a hardware file (--gpu-type HW.json)
 
 The options live beside it, one decorator per --help group (cli_groups.py): cli_plan_options.py for
 plan, cli_options.py for run; cli_config.py reads plan's TOML job files, cli_jobfile.py writes a
@@ -16,14 +17,16 @@ import atexit
 import gc
 import sys
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import click
 
 from cli_groups import GroupedCommand
-from cli_options import run_options
+from cli_options import probe_options, run_options
 from cli_plan_options import plan_options, plan_request
 from cli_support import debug_option, user_errors
+from planner.core.levers.hardware import GPUS
 from planner.errors import PlannerError
 from planner.report.export import EXPORT_FORMATS
 from planner.schema.outputs import check_output
@@ -382,6 +385,134 @@ def _write_pictures(plan: Plan, run: Any, timeline: str | None, trace: str | Non
     if trace:
         write_trace(trace, chrome_trace(predicted, measured=measured, name=title))
         click.echo(f"wrote {trace}")
+
+
+@main.command("probe", cls=GroupedCommand)
+@debug_option
+@click.argument("model_file", required=False, type=click.Path())
+@probe_options
+@user_errors
+def probe_cmd(model_file: str | None, **o: Any) -> None:
+    """Measure this machine's (or cluster's) GEMMs, memory, attention and collectives into a hardware file.
+
+    Launched like `planner run` (one process per GPU: nccl on GPUs, gloo on a CPU). Rank 0 times
+    GEMMs (MODEL_FILE's linear layers when given, else square and skinny shapes), a large copy,
+    attention and a tiny model's operators; all ranks time all-reduce, all-gather, reduce-scatter,
+    all-to-all and send/recv over a sweep of sizes. The fitted constants and the raw points go to
+    FILE.json: `planner plan MODEL --gpus N --gpu-type FILE.json` then estimates for this hardware.
+    docs/probe.md says what each constant is fitted from.
+    """
+    if o["write_shipped"]:
+        _write_shipped(Path(o["write_shipped"]))
+        return
+    if o["gpus"] is None or o["output"] is None:
+        raise PlannerError("give --gpus N and -o FILE.json (or --write-shipped DIR to write the shipped GPUs)")
+    from planner.core.levers.hardware_file import write_hardware_file
+    from planner.core.levers.probe_fit import hardware_file_of
+    from planner.schema.outputs import check_output
+
+    out = check_output(o["output"], "hardware file")
+    measured = _measure(model_file, o)
+    if measured is None:  # another node's share of a multi-node probe: node 0 writes the file
+        click.echo(f"this node's ranks are done; the node of rank 0 writes {out}")
+        return
+    doc = hardware_file_of(measured, o["name"] or out.stem)
+    write_hardware_file(out, doc)
+    click.echo(_summary(doc.spec))
+    click.echo(f"wrote {out}; plan for it with `planner plan MODEL --gpus N --gpu-type {out}`")
+
+
+def _measure(model_file: str | None, o: dict[str, Any]) -> Any:
+    """Launch the ranks (or measure here, for one) and return rank 0's ``Measured`` (None on another node)."""
+    import torch
+
+    from planner.api import default_threads
+    from planner.core.levers.hardware_file import Measured
+    from planner.core.levers.probe_fit import default_task
+    from planner.costs.probe import probe_here, probe_rank
+    from planner.run.spawn import launch_function
+
+    gpus = o["gpus"]
+    per_node = o["gpus_per_node"] or gpus
+    if gpus % per_node:
+        raise PlannerError(f"--gpus-per-node {per_node} does not divide --gpus {gpus}; give a divisor of it")
+    cuda = o["device"] == "cuda" or (o["device"] == "auto" and torch.cuda.is_available())
+    if cuda and torch.cuda.device_count() < per_node:
+        raise PlannerError(
+            f"{per_node} ranks per node need {per_node} GPUs; this node shows {torch.cuda.device_count()} "
+            "(give fewer --gpus-per-node, or --device cpu)"
+        )
+    task = default_task(
+        "cuda" if cuda else "cpu",
+        o["dtype"] or ("bf16" if cuda else "fp32"),
+        o["quick"],
+        per_node,
+        o["threads"] or (1 if cuda else default_threads(per_node)),
+        _model_gemms(model_file, o),
+    ).model_copy(update={"progress": o["progress"], "timeout_s": o["timeout_s"]})
+    if gpus == 1:
+        return probe_here(task)
+    values = launch_function(
+        probe_rank,
+        (task.model_dump_json(),),
+        nproc=per_node,
+        nnodes=gpus // per_node,
+        threads=task.threads,
+        rdzv_endpoint=o["rdzv_endpoint"],
+        timeout_s=o["timeout_s"],
+        preload=("planner.costs.probe",),
+    )
+    return Measured.model_validate_json(values[0]) if values.get(0) else None
+
+
+def _model_gemms(model_file: str | None, o: dict[str, Any]) -> list[tuple[int, int, int]]:
+    """The GEMM shapes of MODEL_FILE's linear layers (none without a model file)."""
+    if model_file is None:
+        if o["size"] or o["overrides"]:
+            raise PlannerError("--size and --set describe a model: give its MODEL_FILE too")
+        return []
+    from planner.capture.load import load_model_file, parse_overrides
+    from planner.costs.probe import model_gemms
+
+    mf = load_model_file(model_file, o["size"], parse_overrides(o["overrides"]))
+    shapes = model_gemms(mf, o["microbatch_size"])
+    if not shapes:
+        raise PlannerError(f"{model_file} has no nn.Linear layer to take GEMM shapes from; probe without it")
+    return shapes
+
+
+def _summary(spec: Any) -> str:
+    """The fitted constants, one line each."""
+    peak = ", ".join(f"{d} {v / 1e12:.3f} TFLOP/s" for d, v in spec.peak_flops.items())
+    half = f" (half speed at {spec.gemm_half_dim:.0f}-wide GEMMs)" if spec.gemm_half_dim else ""
+    attn = (
+        f"; attention {spec.attention_fwd_efficiency:.0%} / {spec.attention_bwd_efficiency:.0%} of it fwd / bwd"
+        if spec.attention_fwd_efficiency is not None
+        else ""
+    )
+    return "\n".join(
+        [
+            f"{spec.name}: GEMMs {peak}{half}{attn}",
+            f"memory {spec.memory_Bps / 1e9:.1f} GB/s; {spec.op_overhead_s * 1e6:.1f} us per operator",
+            f"inside a node {spec.intra_node_latency_s * 1e6:.0f} us + {spec.intra_node_Bps / 1e9:.2f} GB/s; "
+            f"across nodes {spec.inter_node_latency_s * 1e6:.0f} us + {spec.inter_node_Bps / 1e9:.2f} GB/s",
+        ]
+    )
+
+
+def _write_shipped(folder: Path) -> None:
+    """Every shipped GPU as DIR/NAME.json."""
+    from planner.core.levers.hardware_file import shipped_file, write_hardware_file
+    from planner.schema.outputs import check_output
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PlannerError(f"--write-shipped {folder}: cannot make the folder ({e.strerror})") from None
+    for name in GPUS:
+        path = check_output(folder / f"{name}.json", "hardware file", "--write-shipped")
+        write_hardware_file(path, shipped_file(name))
+    click.echo(f"wrote {len(GPUS)} hardware files to {folder}: {', '.join(f'{n}.json' for n in GPUS)}")
 
 
 if __name__ == "__main__":

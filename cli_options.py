@@ -1,6 +1,7 @@
 """``planner run``'s options, one decorator per ``--help`` group (cli_groups.py): the run itself, its data
-and evaluation, the learning-rate schedule, checkpoints, and the nodes. cli.py holds the commands;
-cli_support.py what every command shares; cli_plan_options.py ``planner plan``'s groups.
+and evaluation, the learning-rate schedule, checkpoints, and the nodes; and ``planner probe``'s, which
+launches its ranks as run does (``probe_options``). cli.py holds the commands; cli_support.py what every
+command shares; cli_plan_options.py ``planner plan``'s groups.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 import click
 
 from cli_groups import option, option_group
+from planner.core.levers.hardware import DTYPES, GPUS
 
 run_settings = option_group(
     "Run",
@@ -178,4 +180,129 @@ def run_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-__all__ = ["run_options"]
+probe_cluster = option_group(
+    "Cluster",
+    option(
+        "--gpus",
+        "-g",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Ranks to launch, one per GPU (on a CPU machine: processes talking over gloo). With 2 or more the "
+        "collectives are measured too.",
+    ),
+    option(
+        "--gpus-per-node",
+        type=click.IntRange(min=1),
+        default=None,
+        metavar="N",
+        help="Ranks per node [default: --gpus, one node]. Several nodes: run the same command on each, with the "
+        "same --rdzv-endpoint; collectives are then measured inside a node and across nodes.",
+    ),
+    option(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="The rendezvous store every node reaches (several nodes only), as `planner run --rdzv-endpoint`.",
+    ),
+    option(
+        "--threads",
+        type=click.IntRange(min=1),
+        default=None,
+        metavar="N",
+        help="Intra-op threads per rank [default: cores // ranks per node, as `planner plan` profiles].",
+    ),
+    option(
+        "--device",
+        type=click.Choice(["auto", "cpu", "cuda"]),
+        default="auto",
+        show_default=True,
+        help="What to measure: the GPUs (nccl) when CUDA is available, else this CPU (gloo).",
+    ),
+    option(
+        "--timeout",
+        "timeout_s",
+        type=click.FloatRange(min=1),
+        default=300.0,
+        show_default=True,
+        metavar="SECONDS",
+        help="How long a rank or node may wait for the others.",
+    ),
+)
+
+probe_sweep = option_group(
+    "Sweep",
+    option(
+        "--quick",
+        is_flag=True,
+        help="A shorter sweep: collectives up to 4 MiB on a CPU (256 MiB on a GPU; else 64 MiB / 1 GiB), fewer "
+        "GEMMs, 1 warm-up and 3 timed repeats per point (else 2 and 5).",
+    ),
+    option(
+        "--dtype",
+        type=click.Choice(DTYPES),
+        default=None,
+        help="The dtype of the GEMMs and attention; the file has a peak for it only [default: bf16 on GPUs, fp32 "
+        "on a CPU].",
+    ),
+    option(
+        "--size",
+        "-s",
+        default=None,
+        metavar="NAME",
+        help="With MODEL_FILE: a named config from its SIZES.",
+    ),
+    option(
+        "--set",
+        "overrides",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="With MODEL_FILE: override one config entry (repeatable), as `planner plan --set`.",
+    ),
+    option(
+        "--microbatch-size",
+        type=click.IntRange(min=1),
+        default=1,
+        show_default=True,
+        metavar="N",
+        help="With MODEL_FILE: the samples per microbatch its linear layers' GEMMs are measured at.",
+    ),
+)
+
+probe_output = option_group(
+    "Output",
+    option(
+        "--output",
+        "-o",
+        type=click.Path(dir_okay=False),
+        default=None,
+        metavar="FILE.json",
+        help="The hardware file to write (plan with `planner plan --gpu-type FILE.json`).",
+    ),
+    option("--name", default=None, help="The hardware's name in the file and in plans [default: FILE's stem]."),
+    option(
+        "--write-shipped",
+        type=click.Path(file_okay=False),
+        default=None,
+        metavar="DIR",
+        help=f"Measure nothing: write the shipped GPUs ({', '.join(GPUS)}) as hardware files DIR/NAME.json, "
+        "in the format probe writes, to read or edit and give to --gpu-type.",
+    ),
+    option("--progress/--no-progress", default=True, show_default=True, help="A progress bar over the sweep."),
+)
+
+
+def probe_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Every option of ``planner probe``: the cluster, the sweep, the output.
+
+    Args:
+        fn: the command function.
+
+    Returns:
+        ``fn`` with the options added.
+    """
+    for group in reversed([probe_cluster, probe_sweep, probe_output]):
+        fn = group(fn)
+    return fn
+
+
+__all__ = ["probe_options", "run_options"]

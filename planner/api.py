@@ -31,7 +31,8 @@ from planner.capture.trace import retrace, trace_model
 from planner.core.assemble import Origin, assemble_plan
 from planner.core.heap import bulk_allocation
 from planner.core.layout.inputs import asked_of
-from planner.core.levers.hardware import HardwareSpec, dtype_bytes, get_hardware, node_links
+from planner.core.levers.hardware import HardwareSpec, dtype_bytes, node_links
+from planner.core.levers.hardware_file import hardware_named
 from planner.core.step.calibrate import (
     apply_calibration,
     calibrated_request,
@@ -578,7 +579,7 @@ def _hardware(gpu_type: str, threads: int, attention: str | None) -> HardwareSpe
         from planner.costs.cpu import calibrated_cpu
 
         return calibrated_cpu(threads)
-    hw = get_hardware(gpu_type)
+    hw = hardware_named(gpu_type)  # a table entry, or a hardware file (planner probe -o FILE.json)
     return hw if attention is None else hw.with_attention(attention)
 
 

@@ -79,14 +79,18 @@ def _memory_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 5) -> float:
     return 2 * nbytes / _median_time(lambda: dst.copy_(src), 1, repeats)
 
 
-def _op_overhead(repeats: int = 7) -> float:
-
+def _op_overhead(repeats: int = 7, device: str = "cpu") -> float:
+    """Seconds per operator of a tiny model's training step (``planner probe`` runs it on a GPU too)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 16), nn.LayerNorm(16))
-    x = torch.randn(4, 16, requires_grad=True)
+    model = model.to(device)
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    cuda = torch.device(device).type == "cuda"
 
     def step() -> None:
         model(x).sum().backward()
+        if cuda:  # the step's kernels finish inside the timed region
+            torch.cuda.synchronize()
 
     spec = HardwareSpec(
         name="count",

@@ -21,7 +21,7 @@ from typing import Literal
 
 from planner.errors import PlanFileError
 
-OutputKind = Literal["plan", "run result", "calibration", "trace", "timeline", "weights", "export"]
+OutputKind = Literal["plan", "run result", "calibration", "trace", "timeline", "weights", "export", "hardware file"]
 
 # The top-level keys that identify each document the planner writes (all must be present). They
 # are disjoint enough that no document matches two kinds: a plan has no plan_fingerprint, a run
@@ -31,6 +31,7 @@ SIGNATURES: dict[str, frozenset[str]] = {
     "run result": frozenset({"plan_fingerprint", "stages", "step_times_s"}),
     "calibration": frozenset({"plan_fingerprint", "latency_s", "global_factor"}),
     "trace": frozenset({"traceEvents"}),
+    "hardware file": frozenset({"format", "spec"}),  # planner probe -o (planner.core.levers.hardware_file)
 }
 EXAMPLE_NAMES: dict[OutputKind, str] = {
     "plan": "plan.json",
@@ -39,6 +40,7 @@ EXAMPLE_NAMES: dict[OutputKind, str] = {
     "trace": "trace.json",
     "timeline": "timeline.png",
     "export": "plan_export.txt",
+    "hardware file": "hardware.json",
 }
 
 # What ``planner export`` writes begins with this line (report/export.HEADER), except its CSV: a file
