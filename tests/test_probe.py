@@ -288,3 +288,14 @@ def test_probe_file_plans_like_a_measured_plan(tmp_path: Path) -> None:
     )
     assert AGREEMENT[0] < ratio < AGREEMENT[1], steps
     json.loads(hw.read_text())  # plain JSON a reader can open
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_failing_rank_comes_back_as_one_line() -> None:
+    from planner.costs.probe import probe_rank
+    from planner.run.spawn import launch_function
+
+    with pytest.raises(PlannerError, match=r"^rank [01] failed: ValidationError: ") as e:
+        launch_function(probe_rank, ("{}",), nproc=2, threads=1, timeout_s=60)
+    assert "\n" not in str(e.value)
