@@ -61,7 +61,12 @@ def test_link_cost() -> None:
     h100 = get_hardware("h100")
     intra, inter = link_cost(h100, intra_node=True), link_cost(h100, intra_node=False)
     assert isinstance(intra, LinkCost)
-    assert intra.bandwidth_Bps == pytest.approx(450e9 * h100.link_efficiency)
+    # an NCCL link: one send is the two-rank ring's Simple protocol, 12 channels x 30 GB/s on an
+    # H100's 18 NVLinks (NCCL's 20.6 GB/s a link), 8.4 + 3.4 us of latency (tuning.cc)
+    assert intra.nccl is not None and inter.nccl is not None and inter.nccl.network
+    assert intra.bandwidth_Bps == pytest.approx(360e9) and intra.latency_s == pytest.approx(11.8e-6)
+    mi300x = link_cost(get_hardware("mi300x"))  # RCCL's tables are not ported: alpha-beta as before
+    assert mi300x.nccl is None and mi300x.bandwidth_Bps == pytest.approx(64e9 * 0.7)
     assert inter.bandwidth_Bps < intra.bandwidth_Bps and inter.latency_s >= intra.latency_s
     assert intra.send_s(1 << 20) < inter.send_s(1 << 20)
 

@@ -128,19 +128,16 @@ def test_group_links_match_a_brute_force_over_every_placement() -> None:
                         copies = [range(j, dp, shard) for j in range(shard)]
 
                         def one_node(groups: list[range], r: int) -> LinkCost:
-                            # NVLink when every group is on one node; else the network over the
-                            # cards of the node with the fewest members, in the slowest group
+                            # NVLink when every group is on one node; else the network with the
+                            # ranks a node of the node with the fewest members, in the slowest group
                             nodes = [[placed.node_of(k, r) for k in g] for g in groups]  # noqa: B023
                             if all(len(set(n)) == 1 for n in nodes):
                                 return intra
-                            cards = min(min(n.count(x) for x in set(n)) for n in nodes if len(set(n)) > 1)
-                            if cards == 1:
+                            local = min(min(n.count(x) for x in set(n)) for n in nodes if len(set(n)) > 1)
+                            if local == 1:
                                 return inter
                             return inter.model_copy(
-                                update={
-                                    "name": f"h100-inter x{cards} cards",
-                                    "bandwidth_Bps": cards * inter.bandwidth_Bps,
-                                }
+                                update={"name": f"h100-inter x{local} ranks a node", "local_ranks": local}
                             )
 
                         want = ([one_node(shards, r) for r in range(pp)], [one_node(copies, r) for r in range(pp)])

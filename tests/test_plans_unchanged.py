@@ -133,6 +133,7 @@ def digest(plan: Plan) -> str:
     for key in ("link", "inter_node_link"):  # the links' card count: any figure it moves shows elsewhere
         if isinstance(data.get(key), dict):
             data[key].pop("ranks_per_nic", None)
+            _drop(data[key], {"nccl": None, "local_ranks": 0})  # NCCL's link record: None off NCCL
     data["created"] = ""
     data["profile"]["hostname"] = ""
     data["profile"]["torch_version"] = ""

@@ -399,12 +399,47 @@ class BlockCost(BaseModel):
         return -(-self.cut_bytes // self.cut_share)
 
 
+GpuArch = Literal["volta", "ampere", "hopper", "blackwell"]
+"""The NVIDIA GPU generations NCCL's tuning tables tell apart (src/graph/tuning.cc, ``compCapIndex``)."""
+
+
+class NcclFabric(BaseModel):
+    """What NCCL's cost model (``planner.core.levers.collectives``) needs to know about a node and its network.
+
+    The figures are NCCL's own terms: NVLink counted in links of NCCL's per-link bandwidth
+    (src/graph/topo.h ``SM80_NVLINK_BW`` ...), PCIe and network cards in bytes/s as NCCL reads them
+    from the system (a PCIe 4.0 x16 link is 24 GB/s to NCCL: src/graph/topo.cc, width x speed / 80).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    arch: GpuArch = Field(description="GPU generation: which of tuning.cc's per-architecture tables apply.")
+    nvlinks: int = Field(default=0, ge=0, description="NVLink links per GPU (0: the GPUs of a node talk over PCIe).")
+    nvswitch: bool = Field(
+        default=False, description="NVLinks go to NVSwitches (DGX / HGX): NVLink SHARP (NVLS) is possible on Hopper+."
+    )
+    pcie_Bps: float = Field(gt=0, allow_inf_nan=False, description="The GPU's PCIe link, bytes/s one direction.")
+    nic_Bps: float = Field(gt=0, allow_inf_nan=False, description="One network card, bytes/s one direction.")
+    gpus_per_nic: int = Field(default=1, ge=1, description="GPUs of a node sharing one network card.")
+    cpu: Literal["intel", "amd", "arm"] = Field(
+        default="intel", description="Host CPU vendor: NCCL's LL bandwidth cap and network overhead depend on it."
+    )
+    network: bool = Field(default=False, description="This link is the network between nodes (else inside one).")
+
+
 class LinkCost(BaseModel):
     """Cost of one point-to-point message between neighbouring pipeline ranks.
 
     A message costs ``latency_s + nbytes / bandwidth_Bps``. On this project's CPU machines the fixed
     part dominates: ~1-3 ms per (stage, microbatch) action inside a gloo pipelining schedule (see
     docs/predict_vs_measured.md, where calibration fits it), far above gloo's raw 0.2-0.4 ms round trip.
+
+    Two kinds of link: an NCCL link (``nccl`` set: a GPU of the hardware table) whose collectives
+    are costed by NCCL's own model (``planner.core.levers.collectives``: the algorithm and protocol
+    NCCL picks, its latencies and channel bandwidths) and whose ``latency_s`` / ``bandwidth_Bps``
+    are NCCL's figures for one send; and every other link (gloo on CPUs, a measured or calibrated
+    link, an accelerator NCCL does not drive), costed by the alpha-beta model of a ring with
+    ``latency_s`` and ``bandwidth_Bps``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -420,6 +455,18 @@ class LinkCost(BaseModel):
         "spans crosses nodes at max(1, k // ranks_per_nic) times this bandwidth, for NCCL spreads its channels "
         "over the node's cards, up to the intra-node link's (planner.core.levers.data_parallel.group_link). 0: every "
         "collective over this link gets this bandwidth.",
+    )
+    nccl: NcclFabric | None = Field(
+        default=None,
+        description="The node and network NCCL sees, for NCCL's cost model of collectives (None: not an NCCL link; "
+        "collectives are alpha-beta rings over latency_s and bandwidth_Bps).",
+    )
+    local_ranks: int = Field(
+        default=0,
+        ge=0,
+        description="For an NCCL link resolved for one collective group (planner.core.levers.data_parallel."
+        "group_link): the group's ranks on each node it spans. 0: the link's own shape, the whole group in one "
+        "node for an intra-node link, one rank per node for the network.",
     )
     cpu_share: float = Field(
         default=1.0,

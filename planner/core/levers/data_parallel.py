@@ -23,10 +23,14 @@ FSDP reduces in fp32 by its ``MixedPrecisionPolicy`` (``planner.run.wrappers.fsd
 torchtitan, Megatron and the Llama 3 run do, for the sum over microbatches and replicas keeps fp32's
 precision.
 
-Each collective is charged by the alpha-beta model of its algorithm: a ring all-gather or
-reduce-scatter over n ranks ``(n - 1)`` latencies plus ``(n - 1) / n`` of the bytes at the group's
-bandwidth, an all-reduce twice the bytes with a tree's ``2 ceil(log2 n)`` latencies (``_ring_s``,
-``_allreduce_s``), so a group of thousands pays for its ring's steps. It is added to
+On an NCCL link (a GPU of the hardware table: ``LinkCost.nccl``) each collective is charged as NCCL's
+own cost model predicts it (``planner.core.levers.collectives``: the algorithm and protocol NCCL
+picks for the size, group and nodes, its latencies and channel bandwidths). On any other link
+(gloo on CPUs, a measured or calibrated link) it is charged by the alpha-beta model of its
+algorithm: a ring all-gather or reduce-scatter over n ranks ``(n - 1)`` latencies plus ``(n - 1) /
+n`` of the bytes at the group's bandwidth, an all-reduce twice the bytes with a tree's ``2
+ceil(log2 n)`` latencies (``_ring_s``, ``_allreduce_s``), so a group of thousands pays for its
+ring's steps. It is added to
 the step after the pipeline: the runner's reduction does overlap the last backwards and FSDP's
 gather the first forwards, so this is conservative.
 
@@ -45,6 +49,7 @@ from collections import Counter
 from collections.abc import Sequence
 from functools import lru_cache
 
+from planner.core.levers.collectives import Collective, collective_time
 from planner.core.levers.links import Links, NodeLinks
 from planner.core.levers.recompute import checkpoint_units
 from planner.core.split.stage_model import fp32_bytes
@@ -159,13 +164,20 @@ def group_link(link: NodeLinks, pp_rank: int, members: range) -> LinkCost:
 
     Returns:
         The group's link: ``link.intra()``, ``link.inter``, or ``link.inter`` at a multiple of its
-        bandwidth, named ``<inter> x<k> cards``.
+        bandwidth, named ``<inter> x<k> cards``; for an NCCL link, ``link.inter`` with the group's
+        ranks on each node (``local_ranks``), from which NCCL's model finds its channels itself.
     """
     counts = Counter(link.node_of(k, pp_rank) for k in members)
     intra = link.intra()
     if len(counts) <= 1:
         return intra
     inter = link.inter
+    if inter.nccl is not None:
+        # NCCL's model takes the group's shape itself: its members on each node (the cards they use)
+        local = min(counts.values())
+        if local <= 1:
+            return inter
+        return inter.model_copy(update={"name": f"{inter.name} x{local} ranks a node", "local_ranks": local})
     cards = min(counts.values()) // inter.ranks_per_nic if inter.ranks_per_nic else 1
     if cards <= 1:
         return inter
@@ -173,9 +185,29 @@ def group_link(link: NodeLinks, pp_rank: int, members: range) -> LinkCost:
     return inter.model_copy(update={"name": f"{inter.name} x{cards} cards", "bandwidth_Bps": bandwidth})
 
 
+def _pace(one: LinkCost) -> tuple[float, float]:
+    """How fast a group's link reduces, for comparing groups: its bandwidth; for an NCCL link the
+    network below any node's NVLink, and over more cards faster."""
+    if one.nccl is None:
+        return (one.bandwidth_Bps, -one.latency_s)
+    if not one.nccl.network:
+        return (math.inf, -one.latency_s)
+    return (max(1, one.local_ranks // one.nccl.gpus_per_nic) * one.bandwidth_Bps, -one.latency_s)
+
+
 def _slowest(links: Sequence[LinkCost]) -> LinkCost:
     """The slowest of several groups' links (the replicas wait for each other at the reduction)."""
-    return min(links, key=lambda one: (one.bandwidth_Bps, -one.latency_s))
+    return min(links, key=_pace)
+
+
+def _nccl_s(op: Collective, nbytes: float, group: int, link: LinkCost) -> float | None:
+    """One collective over ``group`` ranks by NCCL's own model (``planner.core.levers.collectives``),
+    the group shaped by the link (``local_ranks``: its ranks on each node; else all in one node, or one
+    a node on the network); None on a link NCCL does not drive (gloo, a measured link)."""
+    if link.nccl is None:
+        return None
+    local = link.local_ranks or (1 if link.nccl.network else group)
+    return collective_time(op, nbytes, group, local, link.nccl).seconds
 
 
 def dp_group_links(link: Links, n_ranks: int, dp: int) -> list[LinkCost]:
@@ -238,14 +270,17 @@ def hsdp_links(link: Links, n_ranks: int, dp: int, shard: int) -> tuple[list[Lin
     return [over(shards, r) for r in range(n_ranks)], [over(copies, r) for r in range(n_ranks)]
 
 
-def _ring_s(nbytes: float, group: int, link: LinkCost) -> float:
-    """An all-gather or a reduce-scatter of ``nbytes`` (the whole, gathered size) over ``group``
-    ranks: a ring of ``group - 1`` steps, each sending ``1 / group`` of the bytes, so ``(group - 1)
-    latencies + (group - 1) / group x nbytes / bandwidth`` (the alpha-beta cost of the ring;
-    Thakur, Rabenseifner and Gropp, "Optimization of collective communication operations in
-    MPICH", 2005; NCCL runs these two collectives as rings). 0 alone."""
+def _ring_s(nbytes: float, group: int, link: LinkCost, op: Collective = "all_gather") -> float:
+    """An all-gather or a reduce-scatter (``op``) of ``nbytes`` (the whole, gathered size) over
+    ``group`` ranks. On an NCCL link, as NCCL's model predicts it (``_nccl_s``); elsewhere a ring of
+    ``group - 1`` steps, each sending ``1 / group`` of the bytes, so ``(group - 1) latencies + (group
+    - 1) / group x nbytes / bandwidth`` (the alpha-beta cost of the ring; Thakur, Rabenseifner and
+    Gropp, "Optimization of collective communication operations in MPICH", 2005). 0 alone."""
     if group <= 1:
         return 0.0
+    nccl = _nccl_s(op, nbytes, group, link)
+    if nccl is not None:
+        return nccl
     return (group - 1) * link.latency_s + (group - 1) / group * nbytes / link.bandwidth_Bps
 
 
@@ -278,7 +313,7 @@ def grad_reduce_s(nbytes: int, dp: int, dp_mode: str, link: LinkCost, reduce_byt
     grads = nbytes if reduce_bytes is None else reduce_bytes
     if dp_mode == "ddp":
         return _allreduce_s(grads, dp, link)
-    return _ring_s(nbytes, dp, link) + _ring_s(grads, dp, link)
+    return _ring_s(nbytes, dp, link) + _ring_s(grads, dp, link, "reduce_scatter")
 
 
 def gather_bytes_of(profile: ProfileInfo) -> int:
@@ -397,7 +432,7 @@ def stage_traffic(
         wide = wide_bytes(part)
         gather.append(_ring_s(sum(b.param_bytes for b in part), shard, link))
         spread = _allreduce_s(wide / shard, groups, copies[st.rank]) if groups > 1 else 0.0
-        reduce.append(_ring_s(wide, shard, link) + spread)
+        reduce.append(_ring_s(wide, shard, link, "reduce_scatter") + spread)
     return gather, reduce
 
 
@@ -408,10 +443,14 @@ def allreduce_steps(group: int) -> int:
 
 
 def _allreduce_s(nbytes: float, group: int, link: LinkCost) -> float:
-    """An all-reduce of ``nbytes`` over ``group`` ranks: the ring's ``2 (group - 1) / group x nbytes``
-    at the link's bandwidth, with a tree's latencies (``allreduce_steps``). 0 alone."""
+    """An all-reduce of ``nbytes`` over ``group`` ranks: on an NCCL link as NCCL's model predicts it
+    (``_nccl_s``), elsewhere the ring's ``2 (group - 1) / group x nbytes`` at the link's bandwidth,
+    with a tree's latencies (``allreduce_steps``). 0 alone."""
     if group <= 1:
         return 0.0
+    nccl = _nccl_s("all_reduce", nbytes, group, link)
+    if nccl is not None:
+        return nccl
     return allreduce_steps(group) * link.latency_s + 2 * (group - 1) / group * nbytes / link.bandwidth_Bps
 
 
@@ -460,7 +499,8 @@ def block_fsdp_s(
         unit_bytes = [sum(b.param_bytes for b in blocks[a:z]) for a, z in units]
         unit_wide = [wide_bytes(blocks[a:z]) for a, z in units]  # the gradients, reduced in fp32
         traffic = n_microbatches * sum(
-            2 * _ring_s(nbytes, dp, link) + _ring_s(w, dp, link) for nbytes, w in zip(unit_bytes, unit_wide)
+            2 * _ring_s(nbytes, dp, link) + _ring_s(w, dp, link, "reduce_scatter")
+            for nbytes, w in zip(unit_bytes, unit_wide)
         )
         if groups > 1:
             traffic += n_microbatches * sum(_allreduce_s(w / dp, groups, copies[rank]) for w in unit_wide)

@@ -15,6 +15,13 @@ number with its source.
 Numbers are the vendors' *dense* peaks (datasheets quote "with sparsity" figures, twice as large,
 which training never reaches). Link bandwidths are per direction, for one peer: a pipeline stage
 talks to one neighbour at a time.
+
+The links of an NVIDIA GPU (``arch`` set) are NCCL links: what they cost comes from NCCL's own model
+(``planner.core.levers.collectives``), which reads the node as NCCL does: its NVLinks per GPU
+(``nvlinks``, at NCCL's per-link bandwidth), NVSwitch or not, the GPU's PCIe link, the network cards
+(``inter_node_Bps``, ``gpus_per_nic``) and the host CPU. ``link_efficiency`` is then unused; it
+stays for the links NCCL does not drive (a device without ``arch``: AMD's RCCL has tables of its own,
+not ported; a probed or CPU spec), whose collectives are alpha-beta rings.
 """
 
 from __future__ import annotations
@@ -23,9 +30,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from planner.core.levers.collectives import p2p_link
 from planner.core.levers.links import NodeLinks
 from planner.errors import PlannerError
-from planner.schema.costs import LinkCost
+from planner.schema.costs import GpuArch, LinkCost, NcclFabric
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16")
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
@@ -103,7 +111,28 @@ class HardwareSpec(BaseModel):
     memory_efficiency: float = Field(
         default=0.8, gt=0, le=1, description="Fraction of peak bandwidth streaming kernels sustain (~0.8 on HBM)."
     )
-    link_efficiency: float = Field(default=0.7, gt=0, le=1, description="Fraction of link bandwidth p2p sends reach.")
+    link_efficiency: float = Field(
+        default=0.7,
+        gt=0,
+        le=1,
+        description="Fraction of link bandwidth p2p sends reach, on links NCCL's model does not cost (no arch).",
+    )
+    arch: GpuArch | None = Field(
+        default=None,
+        description="NVIDIA GPU generation for NCCL's tuning tables (None: not an NCCL device; its links are "
+        "alpha-beta at link_efficiency).",
+    )
+    nvlinks: int = Field(default=0, ge=0, description="NVLink links per GPU (0: PCIe only).")
+    nvswitch: bool = Field(default=False, description="The node's NVLinks meet in NVSwitches (DGX / HGX).")
+    pcie_Bps: float = Field(
+        default=24e9,
+        gt=0,
+        description="The GPU's PCIe link as NCCL counts it, bytes/s: lanes x GT/s / 8 x 128/130 rounded as "
+        "src/graph/topo.cc does (x16 Gen3 12, Gen4 24, Gen5 48 GB/s).",
+    )
+    host_cpu: Literal["intel", "amd", "arm"] = Field(
+        default="intel", description="The host CPU vendor of the reference platform (NCCL tunes by it)."
+    )
     op_overhead_s: float = Field(
         default=5e-6,
         ge=0,
@@ -232,6 +261,9 @@ _HDR_IB = 200e9 / 8  # ConnectX-6 HDR InfiniBand, 200 Gb/s per GPU (DGX A100 ref
 _EDR_IB = 100e9 / 8  # EDR InfiniBand, 100 Gb/s (DGX-1 / DGX-2 era)
 _CLOUD_100G = 100e9 / 8  # 100 Gb/s instance networking (AWS g5/g6/g6e, GCP g2 upper tiers), shared per node
 _PCIE4_X16 = 32e9  # PCIe 4.0 x16: 64 GB/s bidirectional = 32 GB/s per direction (no NVLink on these cards)
+# The GPU's PCIe link as NCCL counts it (src/graph/topo.cc: width x speed / 80 with speed in 100 Mb/s
+# a lane: kvDictPciGen 8 GT/s -> 60, 16 GT/s -> 120, 32 GT/s -> 240): x16 Gen3 12, Gen4 24, Gen5 48 GB/s.
+_NCCL_PCIE3, _NCCL_PCIE4, _NCCL_PCIE5 = 12e9, 24e9, 48e9
 
 # torch's FlashAttention-2 (the SDPA ``flash`` backend) measured on an H100 SXM with torch 2.11
 # (docs/gpu_check.md: causal, head dim 128, 8,192 tokens, 64 heads: 312-324 TFLOP/s forward,
@@ -250,6 +282,13 @@ _H100 = HardwareSpec(
     intra_node_latency_s=10e-6,
     inter_node_Bps=_NDR_IB,
     inter_node_latency_s=20e-6,
+    # H100 SXM5: 18 fourth-generation NVLinks (datasheet: 900 GB/s), four NVSwitch chips on DGX H100 /
+    # HGX H100 (NVIDIA DGX H100 User Guide); PCIe Gen5 x16; DGX H100 hosts two Intel Xeon Platinum 8480C.
+    arch="hopper",
+    nvlinks=18,
+    nvswitch=True,
+    pcie_Bps=_NCCL_PCIE5,
+    host_cpu="intel",
     matmul_efficiency=0.75,
     gemm_half_dim=_TILE,
     attention_kernel="FlashAttention-3 / cuDNN",
@@ -301,6 +340,13 @@ GPUS: dict[str, HardwareSpec] = {
         intra_node_latency_s=10e-6,
         inter_node_Bps=_HDR_IB,
         inter_node_latency_s=20e-6,
+        # A100 SXM4: 12 third-generation NVLinks (datasheet: 600 GB/s), six NVSwitches on DGX A100 /
+        # HGX A100 (DGX A100 User Guide); PCIe Gen4 x16; DGX A100 hosts two AMD EPYC 7742.
+        arch="ampere",
+        nvlinks=12,
+        nvswitch=True,
+        pcie_Bps=_NCCL_PCIE4,
+        host_cpu="amd",
         matmul_efficiency=0.80,
         gemm_half_dim=_TILE,
         attention_kernel="FlashAttention-2",
@@ -318,6 +364,13 @@ GPUS: dict[str, HardwareSpec] = {
         intra_node_latency_s=10e-6,
         inter_node_Bps=_HDR_IB,
         inter_node_latency_s=20e-6,
+        # A100 SXM4: 12 third-generation NVLinks (datasheet: 600 GB/s), six NVSwitches on DGX A100 /
+        # HGX A100 (DGX A100 User Guide); PCIe Gen4 x16; DGX A100 hosts two AMD EPYC 7742.
+        arch="ampere",
+        nvlinks=12,
+        nvswitch=True,
+        pcie_Bps=_NCCL_PCIE4,
+        host_cpu="amd",
         matmul_efficiency=0.80,
         gemm_half_dim=_TILE,
         attention_kernel="FlashAttention-2",
@@ -338,6 +391,11 @@ GPUS: dict[str, HardwareSpec] = {
         inter_node_Bps=_CLOUD_100G,
         inter_node_latency_s=50e-6,
         gpus_per_nic=8,  # the instance's one network, shared by all its GPUs
+        # Ada (sm_89) is in tuning.cc's Ampere row (compCapIndex: 80 <= cc < 90); PCIe Gen4 x16, no
+        # NVLink; AWS g6 / g6e hosts AMD EPYC (EC2 instance type pages).
+        arch="ampere",
+        pcie_Bps=_NCCL_PCIE4,
+        host_cpu="amd",
         matmul_efficiency=0.6,
         gemm_half_dim=_TILE,
         attention_kernel="FlashAttention-2",
@@ -358,6 +416,11 @@ GPUS: dict[str, HardwareSpec] = {
         inter_node_Bps=_CLOUD_100G,
         inter_node_latency_s=50e-6,
         gpus_per_nic=8,  # the instance's one network, shared by all its GPUs
+        # Ada (sm_89) is in tuning.cc's Ampere row (compCapIndex: 80 <= cc < 90); PCIe Gen4 x16, no
+        # NVLink; AWS g6 / g6e hosts AMD EPYC (EC2 instance type pages).
+        arch="ampere",
+        pcie_Bps=_NCCL_PCIE4,
+        host_cpu="amd",
         matmul_efficiency=0.6,
         gemm_half_dim=_TILE,
         attention_kernel="FlashAttention-2",
@@ -380,6 +443,10 @@ GPUS: dict[str, HardwareSpec] = {
         inter_node_Bps=_CLOUD_100G,
         inter_node_latency_s=50e-6,
         gpus_per_nic=8,  # the instance's one network, shared by all its GPUs
+        # sm_86: tuning.cc's Ampere row; PCIe Gen4 x16, no NVLink; AWS g5 hosts AMD EPYC (EC2 G5 page).
+        arch="ampere",
+        pcie_Bps=_NCCL_PCIE4,
+        host_cpu="amd",
         matmul_efficiency=0.5,
         gemm_half_dim=_TILE,
         attention_kernel="FlashAttention-2",
@@ -400,6 +467,12 @@ GPUS: dict[str, HardwareSpec] = {
         inter_node_Bps=_EDR_IB,
         inter_node_latency_s=20e-6,
         gpus_per_nic=2,  # DGX-1: four EDR cards for eight GPUs
+        # V100 SXM2: 6 second-generation NVLinks (datasheet: 300 GB/s) in DGX-1's hybrid cube-mesh (no
+        # NVSwitch); PCIe Gen3 x16; DGX-1 hosts two Intel Xeon E5-2698 v4.
+        arch="volta",
+        nvlinks=6,
+        pcie_Bps=_NCCL_PCIE3,
+        host_cpu="intel",
         matmul_efficiency=0.6,
         gemm_half_dim=_TILE,
         attention_kernel="memory-efficient attention (xFormers / PyTorch)",
@@ -453,11 +526,37 @@ def get_hardware(name: str) -> HardwareSpec:
     )
 
 
+def nccl_fabric(hw: HardwareSpec, intra_node: bool = True) -> NcclFabric | None:
+    """The node and network of ``hw`` as NCCL's cost model reads them (None: not an NCCL device).
+
+    Args:
+        hw: the device.
+        intra_node: the link inside a node, or the network between nodes.
+
+    Returns:
+        The ``NcclFabric`` of ``hw``'s links, or None when ``hw`` has no ``arch``.
+    """
+    if hw.arch is None:
+        return None
+    return NcclFabric(
+        arch=hw.arch,
+        nvlinks=hw.nvlinks,
+        nvswitch=hw.nvswitch,
+        pcie_Bps=hw.pcie_Bps,
+        nic_Bps=hw.inter_node_Bps,
+        gpus_per_nic=hw.gpus_per_nic,
+        cpu=hw.host_cpu,
+        network=not intra_node,
+    )
+
+
 def link_cost(hw: HardwareSpec, intra_node: bool = True) -> LinkCost:
     """The cost of one p2p message between neighbouring ranks on ``hw``.
 
-    Bandwidth is the link's per-direction peak times ``link_efficiency`` (NCCL p2p reaches ~70% of
-    NVLink's 450 GB/s per direction on H100, ~300 GB/s, as ``planner.schema.costs.NCCL_NVLINK_LINK``).
+    On an NCCL device (``arch`` set) the link carries its ``NcclFabric`` (collectives are costed by
+    NCCL's model) and a send costs what that model gives one large send (``collectives.p2p_link``:
+    the two-rank ring at the Simple protocol). Elsewhere the bandwidth is the link's per-direction
+    peak times ``link_efficiency``.
 
     Args:
         hw: the device.
@@ -466,6 +565,16 @@ def link_cost(hw: HardwareSpec, intra_node: bool = True) -> LinkCost:
     Returns:
         A ``LinkCost`` for the solver and simulator.
     """
+    fabric = nccl_fabric(hw, intra_node)
+    if fabric is not None:
+        latency, bandwidth = p2p_link(fabric)
+        return LinkCost(
+            name=f"{hw.name}-{'intra' if intra_node else 'inter'}",
+            latency_s=latency,
+            bandwidth_Bps=bandwidth,
+            ranks_per_nic=0 if intra_node else hw.gpus_per_nic,
+            nccl=fabric,
+        )
     if intra_node:
         return LinkCost(
             name=f"{hw.name}-intra",

@@ -14,7 +14,9 @@ the whole of the rest. ``at_degree`` turns a block's costs into one such rank's:
   (``TensorParallelShare.slowdown``, from ``planner.costs.tensor_parallel``);
 * collectives: every row-wise layer's output is all-reduced in forward, every column-wise layer's
   input gradient in backward (one all-reduce per layer, as torch runs them), over the node's link:
-  a ring, ``2 (tp - 1) / tp`` of the bytes each way plus ``ceil(log2 tp)`` latencies; a
+  on an NCCL link as NCCL's own model costs it (``planner.core.levers.collectives``: the algorithm
+  and protocol it picks for the size), elsewhere (gloo, a measured link) an alpha-beta ring,
+  ``2 (tp - 1) / tp`` of the bytes each way plus ``ceil(log2 tp)`` latencies; a
   ``colwise_rep`` layer's output (an output head's logits) is all-gathered in forward, ``(tp - 1) /
   tp`` of its bytes (its backward takes each rank's slice of the gradient: no traffic), and its input
   gradient all-reduced in backward as a column-wise layer's (an embedding's input is token ids: none);
@@ -40,7 +42,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from planner.core.levers.collectives import Collective, collective_time
 from planner.schema.costs import BlockCost, LinkCost, SequenceShare, TensorParallelShare
+
+
+def _nccl_s(op: Collective, nbytes: float, count: int, tp: int, link: LinkCost) -> float | None:
+    """``count`` equal collectives of ``nbytes`` in all over ``tp`` ranks of one node by NCCL's own
+    model (``planner.core.levers.collectives``: each pays its latency, at the algorithm and
+    protocol NCCL picks for its size); None on a link NCCL does not drive (the alpha-beta ring)."""
+    if link.nccl is None:
+        return None
+    local = link.local_ranks or (1 if link.nccl.network else tp)
+    return count * collective_time(op, nbytes / count, tp, local, link.nccl).seconds
 
 
 def allreduce_s(nbytes: float, count: int, tp: int, link: LinkCost) -> float:
@@ -57,6 +70,9 @@ def allreduce_s(nbytes: float, count: int, tp: int, link: LinkCost) -> float:
     """
     if tp <= 1 or count == 0:
         return 0.0
+    nccl = _nccl_s("all_reduce", nbytes, count, tp, link)
+    if nccl is not None:
+        return nccl
     return count * math.ceil(math.log2(tp)) * link.latency_s + 2 * (tp - 1) / tp * nbytes / link.bandwidth_Bps
 
 
@@ -74,6 +90,9 @@ def allgather_s(nbytes: float, tp: int, link: LinkCost) -> float:
     """
     if tp <= 1 or nbytes <= 0:
         return 0.0
+    nccl = _nccl_s("all_gather", nbytes, 1, tp, link)
+    if nccl is not None:
+        return nccl
     return math.ceil(math.log2(tp)) * link.latency_s + (tp - 1) / tp * nbytes / link.bandwidth_Bps
 
 
@@ -93,6 +112,9 @@ def ring_s(nbytes: float, count: int, tp: int, link: LinkCost) -> float:
     """
     if tp <= 1 or count == 0:
         return 0.0
+    nccl = _nccl_s("all_gather", nbytes, count, tp, link)  # NCCL's model costs the two alike
+    if nccl is not None:
+        return nccl
     return count * math.ceil(math.log2(tp)) * link.latency_s + (tp - 1) / tp * nbytes / link.bandwidth_Bps
 
 
