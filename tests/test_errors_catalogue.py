@@ -511,6 +511,22 @@ CASES: list[Case] = [
     Case("plan options", "unknown --gpu-type", "plan {d}/model.py --gpus 2 --gpu-type h1000", 2, "h1000"),
     Case(
         "plan options",
+        "a --gpu-type hardware file that is missing",
+        "plan {d}/model.py --gpus 2 --gpu-type {d}/nohw.json",
+        2,
+        "no such file; give a hardware file written by `planner probe",
+    ),
+    Case(
+        "plan options",
+        "a --gpu-type file that is not a hardware file",
+        "plan {d}/model.py --gpus 2 --gpu-type {d}/notes.json",
+        2,
+        "not a hardware file (spec: Field required)",
+        _text("notes.json", '{"format": 1, "gpus": 8}'),
+    ),
+    Case("probe", "probe without --gpus and -o", "probe --quick", 2, "give --gpus N and -o FILE.json"),
+    Case(
+        "plan options",
         "--attention-kernel without --gpu-type",
         "plan {d}/model.py --gpus 2 --attention-kernel flash",
         2,
