@@ -299,3 +299,37 @@ def test_a_failing_rank_comes_back_as_one_line() -> None:
     with pytest.raises(PlannerError, match=r"^rank [01] failed: ValidationError: ") as e:
         launch_function(probe_rank, ("{}",), nproc=2, threads=1, timeout_s=60)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_nodes_measure_the_links_across_nodes(tmp_path: Path) -> None:
+    """Two `planner probe` commands on this machine, one rank each, meeting at a c10d rendezvous:
+    the path of a multi-node probe, with localhost standing in for the network."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    args = ["--gpus", "2", "--gpus-per-node", "1", "--quick", "--no-progress", "--rdzv-endpoint", f"localhost:{port}"]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "cli.py"), "probe", *args, "-o", str(tmp_path / f"node{i}.json")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    written = [p for p in (tmp_path / "node0.json", tmp_path / "node1.json") if p.exists()]
+    assert len(written) == 1, outputs  # the node of rank 0 writes; the other says so
+    assert any("the node of rank 0 writes" in out for out in outputs)
+    doc = read_hardware_file(written[0])
+    assert doc.measured is not None and doc.measured.intra_node is None
+    assert doc.measured.inter_node is not None and doc.measured.inter_node.ranks == 2
+    assert doc.derived["inter_node_Bps"].startswith("alpha-beta least squares over send_recv")
+    assert "not measured (one rank)" in doc.derived["intra_node_Bps"]
