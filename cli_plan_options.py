@@ -56,8 +56,9 @@ cluster_options = option_group(
     option(
         "--gpu-type",
         default=None,
-        metavar="NAME",
-        help=f"Estimate the costs for this hardware instead of measuring them here ({', '.join(GPUS)}, cpu).",
+        metavar="NAME|FILE",
+        help=f"Estimate the costs for this hardware instead of measuring them here ({', '.join(GPUS)}, cpu), "
+        "or a hardware file written by planner probe.",
     ),
     option("--gpus-per-node", type=int, default=None, metavar="N", help="With --gpu-type: GPUs per node [default: 8]."),
     option("--multi-node", is_flag=True, help="With --gpu-type: every boundary crosses nodes (--gpus-per-node 1)."),
