@@ -277,10 +277,11 @@ How to read it:
   The planner predicts `planner run`, which reduces gradients in fp32 (DDP's are those of the fp32
   weights autocast trains; FSDP's by its `reduce_dtype`), as torchtitan and the Llama 3 run do; the
   Megatron-LM runs of 2021 trained in fp16 and all-reduced fp16 gradients, half the bytes. Every
-  collective is charged at the link's `link_efficiency` (0.7 of its bandwidth, measured for p2p
-  sends; a data-parallel group with k ranks on each node it spans at k network cards' bandwidth, as
-  NCCL spreads its channels over a node's cards: docs/gpu_costs.md) plus a latency per step of its
-  ring (all-gather, reduce-scatter) or tree (all-reduce). A stage unit's gathers run from the pass's
+  collective of an NVIDIA GPU is charged by NCCL's own cost model (`planner/core/levers/collectives.py`,
+  ported from NCCL 2.30.7's `src/graph/tuning.cc`: the algorithm and protocol NCCL picks for the
+  message size, ring, tree, NVLS or PAT with LL, LL128 or Simple, over NVLink inside a node and the
+  network cards of every node the group spans; checked against published nccl-tests figures in
+  docs/collectives.md). A stage unit's gathers run from the pass's
   start and its reduce-scatter after the stage's last backward, holding the rank's compute stream
   (torch's schedules reduce there, `PipelineStage.perform_reduce_grad`, and FSDP2 makes the stream
   wait for it): only what a rank's idle time or its other stages' compute does not hide counts.
