@@ -406,23 +406,7 @@ def _launch(
                     master_addr=master_addr,
                     master_port=master_port,
                 )
-                agent = watched_elastic_agent(
-                    watch.start,
-                    # A terminal's Ctrl-C (or a scheduler's SIGTERM to the process group) reaches the
-                    # workers as well as this process, which then sends them the signal again. A second
-                    # signal while a worker writes its failure record would lose the record (and its
-                    # completed steps): let the workers end on their own first, briefly.
-                    lambda: watch.settle(1.0),
-                    spec=spec,
-                    logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp) / "logs")),
-                    # Workers fork from a server process that has imported torch and the worker once,
-                    # instead of each importing them afresh (about 2 s of CPU per rank). The server is
-                    # started by this process, not forked from it, so no thread or CUDA state is
-                    # inherited. A server kept from an earlier launch is reused (planner.run.forkserver).
-                    start_method="forkserver",
-                    # after Ctrl-C / SIGTERM, how long the ranks may take to write their records
-                    shutdown_timeout=_GRACE_S,
-                )
+                agent = elastic_agent(spec, watch, Path(tmp) / "logs")
                 values, parent_signal = _run_agent(agent, spec, watch, request, params)
             finally:
                 exit_codes = watch.finish()
@@ -684,6 +668,22 @@ class _Watch:
             process.join(_GRACE_S)
             codes[rank] = process.exitcode
         return codes
+
+
+def elastic_agent(spec: WorkerSpec, watch: _Watch, log_dir: Path) -> Any:
+    """torch elastic's agent starting ``spec``'s workers for `planner run` and `planner probe` (``run()`` it)."""
+    return watched_elastic_agent(
+        watch.start,
+        # Ctrl-C (or a scheduler's SIGTERM to the process group) reaches the workers too, and this process
+        # signals them again: a second signal while a worker writes its failure record would lose it.
+        lambda: watch.settle(1.0),
+        spec=spec,
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
+        # Workers fork from a kept server that imported torch and the worker once (about 2 s of CPU a rank
+        # saved); started by this process, not forked from it, so no thread or CUDA state is inherited.
+        start_method="forkserver",
+        shutdown_timeout=_GRACE_S,  # after Ctrl-C / SIGTERM: how long ranks may take to write records
+    )
 
 
 def _process_state(pid: int) -> str | None:

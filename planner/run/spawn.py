@@ -26,15 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import WorkerSpec
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from planner.errors import PlannerError, RunFailed
 from planner.run.forkserver import RANK_MODULES, LaunchContext, prepare_forkserver
-from planner.run.launch import _GRACE_S, _env, _FixedNodes, _quiet_elastic, _signal_handlers_kept, _Watch
+from planner.run.launch import _env, _FixedNodes, _quiet_elastic, _signal_handlers_kept, _Watch, elastic_agent
 from planner.schema.jsonfile import write_atomic
-from planner.torch_compat import watched_elastic_agent
 
 
 def _entry(fn: Callable[..., Any], args: tuple[Any, ...], error_dir: str, context: LaunchContext) -> Any:
@@ -116,14 +115,7 @@ def launch_function(
                     max_restarts=0,
                     monitor_interval=0.1,
                 )
-                agent = watched_elastic_agent(
-                    watch.start,
-                    lambda: watch.settle(1.0),
-                    spec=spec,
-                    logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp) / "logs")),
-                    start_method="forkserver",
-                    shutdown_timeout=_GRACE_S,
-                )
+                agent = elastic_agent(spec, watch, Path(tmp) / "logs")
                 try:
                     result = agent.run()
                 except SignalException as e:
