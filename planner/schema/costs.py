@@ -425,6 +425,15 @@ class NcclFabric(BaseModel):
         default="intel", description="Host CPU vendor: NCCL's LL bandwidth cap and network overhead depend on it."
     )
     network: bool = Field(default=False, description="This link is the network between nodes (else inside one).")
+    time_scale: float = Field(
+        default=1.0,
+        ge=0,
+        allow_inf_nan=False,
+        exclude=True,
+        description="Every collective's predicted time times this: a what-if of planner.core.layout.robust (every "
+        "collective 1.3x slower: NCCL's latencies x 1.3 and bandwidths / 1.3 scale its time so, its choice of "
+        "algorithm unchanged). Never written to a file: a plan's links are the hardware's (1.0).",
+    )
 
 
 class LinkCost(BaseModel):

@@ -269,6 +269,13 @@ class Candidate(_Frozen):
     bubble_fraction: float = Field(ge=0, le=1)
     max_memory_bytes: int = Field(ge=0)
     fits: bool = Field(description="The most any rank needs is within the memory limit.")
+    slow_step_time_s: float | None = Field(
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
+        description="The same layout and split re-predicted with every collective and send 1.3x slower and compute "
+        "1.1x slower (planner.core.layout.robust); None: not re-priced (it does not fit, or an older plan).",
+    )
 
 
 class Tie(_Frozen):
