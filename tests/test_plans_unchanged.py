@@ -128,8 +128,14 @@ def digest(plan: Plan) -> str:
                 del block["tp"]  # a block held whole but for its sequence shards (a final norm)
     for candidate in data["search"]:
         _drop(candidate, CANDIDATE_LATER_DEFAULTS)
+        # the row re-priced on slower hardware (core/layout/robust): a what-if beside the search, whose own
+        # figures the digest pins; tests/test_robust.py pins the what-if
+        candidate.pop("slow_step_time_s", None)
     for stage in data["stages"]:  # what a stage keeps per microbatch: shown, its figures in memory_bytes already
         stage.pop("kept_bytes", None)
+        # its communication hidden and exposed per step: shown, its figures in the step time already
+        stage.pop("comm_hidden_s", None)
+        stage.pop("comm_exposed_s", None)
     for key in ("link", "inter_node_link"):  # the links' card count: any figure it moves shows elsewhere
         if isinstance(data.get(key), dict):
             data[key].pop("ranks_per_nic", None)
