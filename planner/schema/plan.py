@@ -207,6 +207,23 @@ class StagePlan(_Frozen):
     bwd_weight_s: float | None = Field(
         default=None, ge=0, allow_inf_nan=False, description="Weight-gradient part of bwd_s (two-part backward)."
     )
+    comm_hidden_s: float | None = Field(
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
+        description="Per training step: seconds of the stage's data-parallel collectives (FSDP's gathers and "
+        "reduce-scatters, DDP's or HSDP's all-reduces) that run beside its compute, hidden "
+        "(planner.core.levers.overlap; the compute beside them is charged its slowdown). None: a plan written "
+        "before this field.",
+    )
+    comm_exposed_s: float | None = Field(
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
+        description="Per training step: seconds of the stage's communication its rank waits for: its pipeline "
+        "messages (comm_s, every microbatch of every pass) and the data-parallel collectives its compute does not "
+        "hide. None: a plan written before this field.",
+    )
 
 
 class Prediction(_Frozen):
