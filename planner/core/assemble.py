@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from planner.core.layout.inputs import Asked, Cluster, Layout, Scaling, SearchSpace
+from planner.core.layout.robust import Problem, robust_rows
 from planner.core.layout.search import Choice, Progress, search
 from planner.core.levers.data_parallel import gather_bytes_of, layout_links
 from planner.core.levers.links import NodeLinks
@@ -388,6 +389,7 @@ def assemble_plan(
         constraints = replace(asked.constraints, memory_limit_bytes=limit)
         return search(blocks, cluster, within, constraints, scaling, progress)
 
+    searched_limit = memory_limit_bytes
     try:
         chosen, ranked, note = run_search(memory_limit_bytes)
     except InfeasibleError:
@@ -396,6 +398,10 @@ def assemble_plan(
         # A baseline split ignores memory anyway: pick the schedule without the limit, then say
         # (below) how far over the limit the requested split is.
         chosen, ranked, note = run_search(None)
+        searched_limit = None
+    # the kept rows re-priced on slower hardware (collectives 1.3x, compute 1.1x): the report's robustness column
+    constraints = replace(asked.constraints, memory_limit_bytes=searched_limit)
+    rows = robust_rows(search_rows(ranked), Problem(list(blocks), cluster, constraints, scaling, space.batch_size))
     given = given_split(asked.compare, chosen, lambda within: run_search(memory_limit_bytes, within)[0], space)
     if given is not None and given[0] is not chosen:  # another stage count: say which layout costs it
         lay = given[0].layout
@@ -436,7 +442,7 @@ def assemble_plan(
         prediction=prediction,
         baselines={name: pred for name, (_, pred) in predictions.items() if name != method},
         memory_limit_bytes=memory_limit_bytes,
-        search=[c.row() for c in search_rows(ranked)],
+        search=rows,
         choice=note,
         ties=list(ties),
         compile=asked.constraints.compiled,  # the runner compiles as the plan says

@@ -542,12 +542,16 @@ def collective_time(
     if ranks <= 1 or size == 0:
         return CollectiveTime(0.0, "none", "none")
     if op == "send_recv":
-        return _p2p(fabric, size, local >= 2)
-    if op == "all_to_all":
-        return _all_to_all(fabric, size, ranks, local)
-    if op not in _FUNCS:
+        found = _p2p(fabric, size, local >= 2)
+    elif op == "all_to_all":
+        found = _all_to_all(fabric, size, ranks, local)
+    elif op not in _FUNCS:
         raise InfeasibleError(f"unknown collective {op!r}; expected one of {', '.join(COLLECTIVES)}")
-    return _select(fabric, _FUNCS[op], size, (ranks, local), algorithm)
+    else:
+        found = _select(fabric, _FUNCS[op], size, (ranks, local), algorithm)
+    if fabric.time_scale != 1.0:  # a what-if (planner.core.layout.robust): NCCL's choice is made at 1.0
+        found = CollectiveTime(found.seconds * fabric.time_scale, found.algorithm, found.protocol)
+    return found
 
 
 def bus_factor(op: Collective, ranks: int) -> float:
