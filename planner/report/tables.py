@@ -12,6 +12,7 @@ from tabulate import tabulate
 from planner.core.levers.data_parallel import dp_group_links, hsdp_links
 from planner.core.levers.recompute import recomputed_prefix
 from planner.core.step.predict import plan_links, slots_of
+from planner.report.robustness import HEADER, has_column, robust_line, slowed_cell, what_if
 from planner.report.throughput import throughput_line
 from planner.schema.costs import GLOO_CPU_LINK
 from planner.schema.plan import Plan, Tie
@@ -48,7 +49,10 @@ def stage_table(plan: Plan) -> str:
     """One row per stage: its blocks, parameters, times, activations, memory, share of the bottleneck.
 
     "act MB/mb" is what the stage saves per microbatch under its recompute mode (``kept_bytes``; a plan
-    written before that field: all its blocks' saved activations).
+    written before that field: all its blocks' saved activations). "hidden ms/step" and "exposed
+    ms/step" are the stage's communication over a step: what ran beside its compute, and what its
+    rank waited for (its pipeline messages and the data-parallel collectives it does not hide;
+    ``planner.core.levers.overlap``); absent for a plan written before those fields.
 
     Args:
         plan: the plan.
@@ -59,6 +63,7 @@ def stage_table(plan: Plan) -> str:
     bottleneck = plan.prediction.bottleneck_s
     rows = []
     several = plan.stages_per_rank > 1
+    overlap = any(s.comm_hidden_s is not None for s in plan.stages)
     for s in plan.stages:
         blocks = s.first_block if s.end - s.start == 1 else f"{s.first_block} .. {s.last_block}"
         if s.recompute != "never":
@@ -79,6 +84,7 @@ def stage_table(plan: Plan) -> str:
                 _mb(s.memory_bytes),
                 f"{100 * s.time_s / bottleneck:.0f}%" if bottleneck > 0 else "-",
             ]
+            + ([_ms(s.comm_hidden_s or 0.0), _ms(s.comm_exposed_s or 0.0)] if overlap else [])
         )
     headers = [
         "stage",
@@ -92,7 +98,7 @@ def stage_table(plan: Plan) -> str:
         "in flight",
         "memory MB",
         "of slowest",
-    ]
+    ] + (["hidden ms/step", "exposed ms/step"] if overlap else [])
     return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True, colalign=("right", "left"))
 
 
@@ -155,6 +161,7 @@ def search_table(plan: Plan) -> str:
     with_dp = len({c.dp for c in plan.search}) > 1
     with_tp = len({c.tp for c in plan.search}) > 1 or plan.tp > 1
     with_k = any(c.accumulation > 1 for c in plan.search) or plan.accumulation > 1
+    slowed = has_column(plan)  # the step on slower hardware (planner.report.robustness)
     rows = []
     for c in plan.search:
         mine = (c.schedule, c.n_microbatches, c.stages_per_rank, c.dp, c.dp_mode, c.fsdp_units, c.tp, c.accumulation)
@@ -186,6 +193,7 @@ def search_table(plan: Plan) -> str:
             _mb(c.max_memory_bytes),
             "yes" if c.fits else "no",
         ]
+        row += [slowed_cell(c)] if slowed else []
         rows.append(row)
     headers = [
         "schedule",
@@ -197,7 +205,7 @@ def search_table(plan: Plan) -> str:
         "blocks per stage",
         "step ms",
     ]
-    headers += ["bubble", "max mem MB", "fits"]
+    headers += ["bubble", "max mem MB", "fits"] + ([HEADER] if slowed else [])
     return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
 
 
