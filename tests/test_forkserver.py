@@ -25,6 +25,7 @@ from planner.run.forkserver import (
     environment_changes,
     forkserver_pid,
     installed_modules,
+    lacking_packages,
     prepare_forkserver,
     rank_preload,
 )
@@ -181,6 +182,25 @@ def test_a_server_that_preloaded_more_is_kept_and_a_fresh_one_keeps_the_last_one
     assert both.server != first.server, "a module the server lacks did not start a fresh one"
     assert both.preloaded == ("tabnanny", "wave")
     assert _launch(prepare_forkserver(["tabnanny"])).server == both.server
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("bare_server")
+def test_a_further_module_of_a_package_the_server_holds_keeps_it() -> None:
+    first = _launch(prepare_forkserver(["email.mime.text"]))
+    # another module of the same package: the ranks import it on top of the loaded package
+    assert _launch(prepare_forkserver(["email.mime.image"])).server == first.server
+    fresh = _launch(prepare_forkserver(["email.mime.image", "wave"]))
+    assert fresh.server != first.server, "a module of a package the server never imported did not start a fresh one"
+    assert fresh.preloaded == ("wave",)
+
+
+def test_lacking_packages_are_those_of_packages_no_preloaded_module_belongs_to() -> None:
+    held = ["torch", "planner.run.worker", "transformers.models.llama.modeling_llama"]
+    wanted = ["torch", "transformers.models.gpt2.modeling_gpt2", "torchvision.models.resnet", "transformers"]
+    assert lacking_packages(wanted, held) == ["torchvision.models.resnet"]
+    assert lacking_packages(["wave"], []) == ["wave"]
+    assert lacking_packages([], ["wave"]) == []
 
 
 def test_installed_modules_are_the_site_packages_that_define_the_classes() -> None:

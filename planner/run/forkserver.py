@@ -15,9 +15,12 @@ started afresh (``IMPORT_TIME_PREFIXES``).
 Besides torch and the worker, the server imports the installed packages the model's own classes
 come from (``installed_modules``: a Hugging Face model's ``transformers`` modules take seconds to
 import, in every rank otherwise). A kept server that already imported what a launch needs serves
-it; one that lacks a module is started afresh, importing what it had and the new ones, so a
-process that launches several models in turn restarts its server once for each module it had not
-preloaded yet, not at every switch.
+it. One that lacks a module of a package it never imported is started afresh, importing what it
+had and the new ones. One that lacks only further modules of packages it holds (another
+``transformers`` family's modeling file, beside the one it preloaded) is kept: the package's own
+base (``transformers.modeling_utils``, seconds) is loaded already, and each rank imports the
+family's file on top of it in a fraction of a second, where a fresh server would import torch
+and the package again (about 10 s of CPU; the suite switches families dozens of times).
 """
 
 from __future__ import annotations
@@ -114,8 +117,8 @@ class LaunchContext:
 def prepare_forkserver(preload: Sequence[str]) -> LaunchContext:
     """Make sure a server the workers can fork from runs, and say what they must take from here.
 
-    A server this process started earlier is kept unless it died, it did not import every module of
-    ``preload``, or a variable read at import (``IMPORT_TIME_PREFIXES``, but not ``READ_WHEN_USED``)
+    A server this process started earlier is kept unless it died, it imported nothing of a package
+    a module of ``preload`` belongs to (``lacking_packages``), or a variable read at import (``IMPORT_TIME_PREFIXES``, but not ``READ_WHEN_USED``)
     changed since; otherwise a fresh one is started under the present environment, importing
     ``preload`` and what the last one had imported (so that launches alternating between two
     models' packages do not restart it each time).
@@ -129,7 +132,7 @@ def prepare_forkserver(preload: Sequence[str]) -> LaunchContext:
     environment, wanted = dict(os.environ), list(preload)
     changes = environment_changes(_server["environment"], environment)
     read_at_import = [name for name in changes if name.startswith(IMPORT_TIME_PREFIXES) and name not in READ_WHEN_USED]
-    stale = bool(read_at_import) or not set(wanted) <= set(_server["preload"])
+    stale = bool(read_at_import) or bool(lacking_packages(wanted, _server["preload"]))
     if forkserver_pid() != _server["pid"] or stale:
         stop_forkserver()  # not the one we started (none, or another caller's), or a stale one
         imports: list[str] = list(dict.fromkeys([*wanted, *_server["preload"]]))
@@ -141,6 +144,22 @@ def prepare_forkserver(preload: Sequence[str]) -> LaunchContext:
         _server.update(pid=forkserver_pid(), preload=imports, environment=environment)
         changes = {}
     return LaunchContext(changes)
+
+
+def lacking_packages(wanted: Iterable[str], preloaded: Iterable[str]) -> list[str]:
+    """The modules of ``wanted`` from packages none of ``preloaded`` belongs to: what only a fresh
+    server could give the ranks at no cost (a further module of a package the server holds costs
+    each rank little: its package's base is loaded already).
+
+    Args:
+        wanted: the modules a launch would have preloaded.
+        preloaded: the modules a kept server imported.
+
+    Returns:
+        Those of ``wanted`` whose top-level package is none of ``preloaded``'s, in order.
+    """
+    held = {name.partition(".")[0] for name in preloaded}
+    return [name for name in wanted if name.partition(".")[0] not in held]
 
 
 def rank_preload(classes: Iterable[type]) -> list[str]:
