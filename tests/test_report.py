@@ -7,10 +7,10 @@ from plan_factory import MB, big_head_blocks, block, plan_of_blocks
 from planner.report.tables import render, stage_table, summary_table
 
 EXPECTED_STAGES = """\
-  stage  blocks (n)              params    fwd ms    bwd ms    comm ms    total ms    act MB/mb    in flight    memory MB    of slowest
--------  ----------------------  --------  --------  --------  ---------  ----------  -----------  -----------  -----------  ------------
-      0  embed .. layers.2 (4)   16.00k    31.00     61.00     2.00       94.00       4.0          2            15.2         88%
-      1  layers.3 .. output (2)  13.00k    35.00     70.00     2.00       107.00      2.0          1            6.2          100%"""
+  stage  blocks (n)              params    fwd ms    bwd ms    comm ms    total ms    act MB/mb    in flight    memory MB    of slowest    hidden ms/step    exposed ms/step
+-------  ----------------------  --------  --------  --------  ---------  ----------  -----------  -----------  -----------  ------------  ----------------  -----------------
+      0  embed .. layers.2 (4)   16.00k    31.00     61.00     2.00       94.00       4.0          2            15.2         88%           0.00              8.00
+      1  layers.3 .. output (2)  13.00k    35.00     70.00     2.00       107.00      2.0          1            6.2          100%          0.00              8.00"""
 
 EXPECTED_SUMMARY = """\
 partition                             blocks per stage    slowest ms/mb    step ms    bubble    imbalance    max mem MB    fits    step vs plan
@@ -26,6 +26,8 @@ def test_stage_table_exact() -> None:
     # Memory of stage 0: 16k fp32 params x (weights + grads + 2 AdamW moments) = 0.24 MB,
     # + 2 in-flight microbatches (1F1B, stage 0 of 2) x (4 MB saved + 1 MB cached output) + 1 MB
     # output gradient + 4 microbatches x 1 MB receive buffers (the gradient coming back) = 15.2 MB.
+    # Communication per step: one replica, nothing to hide; each stage waits for its 2 ms of messages
+    # in each of the 4 microbatches: 8 ms exposed.
     assert stage_table(plan_of_blocks(big_head_blocks())) == EXPECTED_STAGES
 
 

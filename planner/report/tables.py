@@ -12,7 +12,7 @@ from tabulate import tabulate
 from planner.core.levers.data_parallel import dp_group_links, hsdp_links
 from planner.core.levers.recompute import recomputed_prefix
 from planner.core.step.predict import plan_links, slots_of
-from planner.report.robustness import HEADER, has_column, robust_line, slowed_cell, what_if
+from planner.report.robustness import HEADER, has_column, robust_line, slowed_cell
 from planner.report.throughput import throughput_line
 from planner.schema.costs import GLOO_CPU_LINK
 from planner.schema.plan import Plan, Tie
@@ -451,6 +451,9 @@ def render(plan: Plan) -> str:
     )
     if plan.choice:
         summary += f"\nchosen: {plan.choice}"
+        robust = robust_line(plan)  # where slower hardware changes the winner (planner.report.robustness)
+        if robust:
+            summary += "\n" + robust
     if plan.calibration:
         summary += "\ncalibrated: " + "\n  ".join(plan.calibration)
     small = small_stages_line(plan)
