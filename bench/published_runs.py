@@ -1,361 +1,130 @@
-"""The planner against published large runs: each published layout's prediction beside its figure,
-then the layout the search picks for the same GPUs and batch. Writes docs/published_runs.md.
+"""The planner against published large runs, each figure in its source's own convention. Writes
+docs/published_runs.md, whole.
 
-    python -m bench.published_runs                  # every row (a few minutes: costs estimated once per model)
-    python -m bench.published_runs --only llama3    # the rows whose source starts with "llama3"
+    python -m bench.published_runs                      # every row (many minutes: the searches)
+    python -m bench.published_runs --only megatron      # the rows whose key starts with "megatron"
+    python -m bench.published_runs --search-timeout 0   # no search column (the forced layouts only)
 
-Sources (the figures are copied from them, nothing here is fitted to them):
+For each run (``bench.published_rows``: figures, layouts, GPUs, conventions and sources), with costs
+estimated once for the GPUs that ran it (their shipped datasheet spec, ``--gpu-type``):
 
-* Llama 3 paper (Dubey et al., "The Llama 3 Herd of Models", 2024), Table 4: Llama 3 405B, bf16,
-  sequence 8,192, 16 M tokens per batch (2,048 sequences), on 8,192 and 16,384 H100 (8 per node),
-  TP 8 x PP 16 x DP 64 / 128: 430 and 400 TFLOP/s per GPU, 43 % and 41 % BF16 MFU (model FLOPs).
-  Its section 3.3.2 describes FSDP, an interleaved pipeline schedule and training "without
-  activation checkpointing", in 80 GB: the layout is predicted as it ran (``--sequence-parallel
-  --dp-mode fsdp --schedule interleaved-1f1b --recompute never``, memory not capped, since it
-  fitted), with the planner's predicted peak beside the 80 GB; and again within 80 GB by the
-  planner's memory model, which then has stages recompute.
-* Megatron-LM paper (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
-  Using Megatron-LM", SC 2021), Table 1: GPT models of 1.7 B to 1 T parameters on 32 to 3,072 A100-80GB
-  (8 per node), vocabulary 51,200, sequence 2,048, fp16, with their t, p, d = n / (t p) and batch. The
-  paper's TFLOP/s count the activation recomputation's extra forward (its formula has 96 B s l h^2 where
-  training without recomputation does 72): the table below converts them to model FLOPs (the factor is
-  in the "published" cell) so that they compare with the planner's model-FLOP utilisation.
-* torchtitan (benchmarks/llama3_h100_202412_torchtitan.md, Table 1): Llama 3.1 8B, FSDP over 8 H100
-  (96 GB HBM2e at 2.4 TB/s, 500 W power limit), local batch 2, sequence 8,192, selective
-  recomputation: 5,762 tokens/s per GPU (eager, bf16, torch of 23 Dec 2024), 82.4 GiB peak memory.
-  Planned for those GPUs (``--gpu-type h100-hbm2e``; at the power limit the peak is "between SXM and
-  NVL", so the layout is predicted again at the H100 NVL's datasheet peaks, ``LOW_PEAK``) with the
-  attention kernel that torch ran on them (``--attention-kernel flash``: torch's FlashAttention-2,
-  its default on H100 from 2.5.1 to 2.10, pytorch/pytorch#138522), ``--recompute selective``
-  (torchtitan's "op" policy, which ``planner run`` uses). Its "FSDP + torch.compile" row, 6,667
-  tokens/s per GPU and 77.0 GiB, is planned with ``--compile`` (torchtitan compiles each transformer
-  block; ``planner run`` compiles each stage; the estimate fuses each block's memory-bound operators,
-  ``planner/costs/fusion.py``). Its Float8 row is not modelled and is left out.
-* torchtitan (docs/performance.md of 2024, "Llama 3 performance numbers"): Llama 3 8B (selective "op"
-  recomputation) and 70B (full) with FSDP over 64 A100-80GB, local batch 1, sequence 8,192: 2,973 and
-  331 tokens/s per GPU. The GPUs' network is not given: the ``a100-80g`` spec's 200 Gb/s per GPU.
+* within memory (the headline): the published t, p, d and batch forced, under the GPU's memory, the
+  planner choosing what it must (recomputation, schedule, microbatches, DP mode where the source
+  does not fix it): the plan the planner would produce for that layout;
+* as run: the same layout with what the source says it ran with (recomputation, schedule, DP mode),
+  memory not capped, its predicted peak beside the GPU's memory;
+* the search's own choice for the same GPUs and batch (``--tp auto --dp auto --recompute auto``),
+  in a child process stopped after ``--search-timeout`` seconds.
 
-The models: `models/llama.py` at the published sizes (the 405B size by name; Megatron's GPT as the same
-decoder with multi-head attention and a SwiGLU of 8h/3 (rounded up to a multiple of 128, so that tensor
-parallelism divides it), which has GPT's 8 h^2 feed-forward parameters and FLOPs within 1.2 %; RMSNorm and rotary embeddings instead of LayerNorm and learned positions change neither).
-Costs are estimated for the published GPU (roofline on the meta device, no weights allocated).
+Errors are the published step over the predicted one, minus one: the same in the source's
+convention and in the planner's (its model FLOPs, causal attention at half), both shown.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib
+import multiprocessing
 import platform
+import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import DOCS, MODELS, host, plan_on_costs, table, write_page
+from bench.common import DOCS, MODELS, ROOT, host, plan_on_costs, table, write_page
+from bench.published_rows import CONVENTIONS, NOT_COMPARED, Published, figure_at, published_runs, published_step_s
 from planner.api import estimated_costs
 from planner.capture.load import load_model_file
+from planner.core.levers.hardware import GPUS
 from planner.errors import PlannerError
 from planner.report.throughput import throughput
 from planner.schema.plan import Plan
 from planner.schema.request import PlanRequest
 
+BAND = 0.15  # issue 62's goal: every published layout within +-15 %
+
 
 @dataclass(frozen=True)
-class Published:
-    """One published run: the model, the GPUs, the layout and the figure."""
+class Variant:
+    """One plan of a row: the plan (or why there is none) and the seconds planning it took."""
 
-    source: str
-    model: str  # a label
-    size: str | None
-    overrides: dict[str, Any]
-    gpu: str
-    gpus: int
-    tp: int
-    pp: int
-    batch: int  # sequences per step, global
-    tflops: float  # published TFLOP/s per GPU, model FLOPs (converted where the source counts recompute)
-    note: str = ""
-    request: dict[str, Any] = field(default_factory=dict)  # extra PlanRequest fields (recompute, dp mode)
-    memory_gib: float | None = None  # the published GPUs' memory when it is not the spec's (H100 96 GB)
-    peak_gib: float | None = None  # the published peak memory per GPU, where the source gives one
-    low_gpu: str | None = None  # the GPU at the low end of a published range of peaks (``LOW_PEAK``)
-    # what the run did that the planner's memory model would not choose within the GPUs' memory (no
-    # recomputation): the layout is predicted so, memory not capped since it fitted, and again within
-    # the GPUs' memory by the planner's memory model
-    as_run: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp)
+    plan: Plan | None
+    why: str
+    seconds: float
 
 
-def _megatron_factor(h: int, layers: int, s: int = 2048, vocab: int = 51200) -> float:
-    """Model FLOPs over the FLOPs Megatron's formula counts with recomputation (its eq. 3 vs. 72 B s l h^2)."""
-    base = 1 + s / (6 * h)
-    logits = 6 * vocab / (layers * h)
-    return (72 * base + logits) / (96 * base + logits)
+@dataclass(frozen=True)
+class Outcome:
+    """A row's three plans."""
+
+    row: Published
+    within: Variant
+    as_run: Variant
+    search: Variant
+    memory_gib: float  # the memory the planner plans within (the GPU's, less its headroom)
 
 
-def _gpt(h: int, heads: int, layers: int) -> dict[str, Any]:
-    return dict(
-        dim=h,
-        n_layers=layers,
-        n_heads=heads,
-        n_kv_heads=heads,
-        vocab_size=51200,
-        seq_len=2048,
-        ffn_dim_multiplier=1.0,
-        multiple_of=128,  # 8h/3 rounded up to 128 (at most +1.2 % FFN width): divisible by every tp degree
-        rope_theta=10000.0,
-    )
-
-
-# Megatron-LM 2021, Table 1: (params label, heads, hidden, layers, t, p, GPUs, batch, TFLOP/s per GPU)
-MEGATRON = [
-    ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137),
-    ("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138),
-    ("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142),
-    ("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135),
-    ("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138),
-    ("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    ("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    ("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    ("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    ("1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 163),
-]
-
-
-SP = {"sequence_parallel": True}
-# section 3.3.2 of the Llama 3 paper: FSDP, an interleaved schedule, "without activation checkpointing"
-LLAMA3_AS_RUN = {"dp_mode": "fsdp", "schedule": "interleaved-1f1b", "recompute": "never"}
-
-# torchtitan's H100s run at a 500 W power limit, and its benchmark says of their peak (footnote 2 of
-# benchmarks/llama3_h100_202412_torchtitan.md): "the actual peak TFLOPs number is between SXM and
-# NVL, and we don't know its exact value". Its rows are predicted at both ends: the h100-hbm2e spec
-# (the SXM's datasheet peaks) and this one, the same GPU at the H100 NVL's datasheet peaks (NVIDIA
-# H100 NVL datasheet: FP32 60 TFLOPS; TF32 835 / BF16 and FP16 1,671 TFLOPS with sparsity, half dense).
-LOW_PEAK = "h100-hbm2e-nvl-peak"
-
-
-def _register_low_peak() -> None:
-    """Make ``LOW_PEAK`` a GPU type of this process (the benchmark's own; users never see it)."""
-    from planner.core.levers.hardware import GPUS
-
-    sxm = GPUS["h100-hbm2e"]
-    GPUS[LOW_PEAK] = sxm.model_copy(
-        update={
-            "name": LOW_PEAK,
-            "peak_flops": {"fp32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12, "fp16": 835.5e12},
-            "source": f"{sxm.source}, at the H100 NVL datasheet's peaks (the low end torchtitan gives)",
-        }
-    )
-
-
-def published_runs() -> list[Published]:
-    """Every published row the page compares with."""
-    rows = [
-        # the Llama 3 run splits norms and residuals along the sequence too (sequence parallelism),
-        # and recomputes nothing
-        *(
-            Published(
-                "llama3 Table 4",
-                "Llama 3 405B",
-                "405b",
-                {},
-                "h100",
-                n,
-                8,
-                16,
-                2048,
-                tf,
-                request=SP,
-                as_run=LLAMA3_AS_RUN,
-            )
-            for n, tf in ((8192, 430.0), (16384, 400.0))
-        ),
-    ]
-    for label, heads, h, layers, t, p, n, batch, tf in MEGATRON:
-        factor = _megatron_factor(h, layers)
-        rows.append(
-            Published(
-                "megatron2021 Table 1",
-                f"GPT {label}",
-                None,
-                _gpt(h, heads, layers),
-                "a100-80g",
-                n,
-                t,
-                p,
-                batch,
-                tf * factor,
-                note=f"{tf} x {factor:.3f}",
-                request={"recompute": "always"},
-            )
-        )
-    # torchtitan's rows compare tokens/s per GPU directly (the tflops field holds tokens/s for them)
-    tokens = "tokens/s per GPU"
-    # torchtitan's defaults for these rows: selective checkpointing of every block ("op" policy); the
-    # attention kernel torch of December 2024 ran on an H100
-    titan = {"dp_mode": "fsdp", "recompute": "selective", "attention_kernel": "flash"}
-    for model, published, peak, compiled in (
-        ("Llama 3.1 8B", 5762.0, 82.4, False),
-        ("8B, compiled", 6667.0, 77.0, True),
-    ):
-        rows.append(
-            Published(
-                "torchtitan Table 1",
-                model,
-                "8b",
-                {},
-                "h100-hbm2e",  # the 96 GB HBM2e H100s of the run
-                8,
-                1,
-                1,
-                16,
-                published,
-                note=tokens,
-                request=titan | ({"compile": True} if compiled else {}),
-                peak_gib=peak,
-                low_gpu=LOW_PEAK,
-            )
-        )
-    for model, size, recompute, published in (
-        ("Llama 3 8B", "8b", "selective", 2973.0),
-        ("Llama 3 70B", "70b", "full", 331.0),
-    ):
-        request = {"dp_mode": "fsdp", "recompute": recompute}
-        rows.append(Published("torchtitan A100", model, size, {}, "a100-80g", 64, 1, 1, 64, published, tokens, request))
-    return rows
-
-
-PAGE = """# The planner against published runs
-
-Written by `bench/published_runs.py` on {today} ({host}, Python {python}). For each published run:
-the planner's prediction for **that exact layout** (its tensor-parallel degree t, pipeline ranks p and
-replicas d; the schedule, microbatches and split are the planner's best for that layout), beside the
-published figure; then the layout the search picks by itself for the same GPUs and batch (`--tp auto
---dp auto --recompute auto`, sequence parallelism auto: where the published run recomputes, the
-planner chooses which blocks of which stages do). Costs are estimated for the published GPU (bf16; the roofline model of
-`planner/core/levers/hardware.py`), never measured: no GPU was used. Figures are TFLOP/s per GPU of model
-FLOPs (forward and backward, no recomputation) unless the row says otherwise; error = predicted /
-published - 1.
-
-{rows}
-
-How to read it:
-
-- Sources: the Llama 3 paper (Dubey et al. 2024), Table 4; the Megatron-LM paper (Narayanan et al.,
-  SC 2021), Table 1 (its TFLOP/s include the recomputed forward; the "published" cell shows the
-  figure times the model-FLOP factor); torchtitan's `benchmarks/llama3_h100_202412_torchtitan.md`,
-  Table 1, and its 2024 `docs/performance.md` (A100 rows) (tokens/s per GPU). The docstring of
-  `bench/published_runs.py` gives the details.
-- torchtitan's H100 rows are planned for the GPUs they ran on (`--gpu-type h100-hbm2e`: 96 GB HBM2e
-  at 2.4 TB/s) and the attention kernel its torch of December 2024 ran there (`--attention-kernel
-  flash`). Their 500 W power limit lowers the clocks by an amount not published; torchtitan says
-  their peak "is between SXM and NVL", so these rows are predicted at both ends ("SXM .. NVL"): the
-  H100 SXM's datasheet peaks, then the H100 NVL's (835.5 dense bf16 TFLOP/s instead of 989.5), the
-  same layout, memory and links. The compiled row is planned with `--compile`: each run of memory-bound operators
-  between matrix products and attention charged as one fused kernel (`planner/costs/fusion.py`),
-  its element-wise outputs recomputed in backward rather than saved, as torch.compile's partitioner does.
-- The Llama 3 rows are planned with `--sequence-parallel`, as that run split its norms and
-  residuals along the sequence (Megatron-LM's 2021 runs predate it; torchtitan's rows use no tensor
-  parallelism). They are predicted as that run trained (section 3.3.2): FSDP, torch's interleaved
-  1F1B and `--recompute never` ("without activation checkpointing"), with memory not capped, since
-  it fitted in 80 GB. The "fits" cell gives the peak that the planner's memory model (torch's eager
-  kernels and schedules) predicts for it against the 80 GB. It also gives the planner's own fit of
-  the layout within 80 GB, which recomputes, with that fit's figure and error.
-- What the planner does not model (and so where errors come from): communication overlapped with
-  compute (Megatron and Llama 3 overlap the data-parallel reduction: Llama 3's FSDP is "asynchronously
-  prefetching sharded model weights and reducing gradients"; its paper says nothing of overlapping
-  the tensor-parallel traffic, which the planner charges whole, as torch's eager DTensors run it); the Llama 3 run's own pipeline schedule
-  (a tuned interleaving, "N" microbatches in a row), its first/last stages with one layer fewer, and
-  its memory savings (it frees each stage's input and output tensors and trained "without
-  activation checkpointing"; the planner's memory model, of torch's eager kernels and
-  `PipelineStage`, has most stages recompute their first layer); Megatron's fused kernels
-  (the roofline model's GEMM and attention efficiencies are fixed per GPU, `docs/gpu_costs.md`).
-  The planner predicts `planner run`, which reduces gradients in fp32 (DDP's are those of the fp32
-  weights autocast trains; FSDP's by its `reduce_dtype`), as torchtitan and the Llama 3 run do; the
-  Megatron-LM runs of 2021 trained in fp16 and all-reduced fp16 gradients, half the bytes. Every
-  collective of an NVIDIA GPU is charged by NCCL's own cost model (`planner/core/levers/collectives.py`,
-  ported from NCCL 2.30.7's `src/graph/tuning.cc`: the algorithm and protocol NCCL picks for the
-  message size, ring, tree, NVLS or PAT with LL, LL128 or Simple, over NVLink inside a node and the
-  network cards of every node the group spans; checked against published nccl-tests figures in
-  docs/collectives.md). A stage unit's gathers run from the pass's
-  start and its reduce-scatter after the stage's last backward, holding the rank's compute stream
-  (torch's schedules reduce there, `PipelineStage.perform_reduce_grad`, and FSDP2 makes the stream
-  wait for it): only what a rank's idle time or its other stages' compute does not hide counts.
-- "fits" is the planner's predicted per-rank peak against the GPU's memory; a published layout that
-  the planner says does not fit ran in reality, so its memory model is pessimistic there (per-layer
-  recomputation and sharding are issue 27's subject).
-
-Regenerate: `python -m bench.published_runs` (about {minutes:.0f} minutes on this machine).
-"""
-
-
-def _figure(plan: Plan, row: Published) -> float:
-    """The plan's predicted figure in the row's unit: model TFLOP/s per GPU, or tokens/s per GPU."""
-    t = throughput(plan)
-    if row.note == "tokens/s per GPU":
-        return t.tokens_per_s_per_gpu or 0.0
-    if t.mfu is None or t.peak_flops is None:
-        return 0.0
-    return t.mfu * t.peak_flops / 1e12
-
-
-def _layout(plan: Plan) -> str:
-    v = f", v {plan.stages_per_rank}" if plan.stages_per_rank > 1 else ""
-    k = f", k {plan.accumulation} passes" if plan.accumulation > 1 else ""
-    return (
-        f"t {plan.tp} x p {plan.n_ranks} x d {plan.dp} ({plan.dp_mode if plan.dp > 1 else '-'}), "
-        f"{plan.schedule}, m {plan.n_microbatches}{v}{k}, {_recompute(plan)}"
-    )
-
-
-def _recompute(plan: Plan) -> str:
-    """The stages' recompute values, each with how many stages have it ("full:20 x 2, never x 14")."""
-    counts: dict[str, int] = {}
-    for stage in plan.stages:
-        counts[stage.recompute] = counts.get(stage.recompute, 0) + 1
-    if set(counts) == {"never"}:
-        return "no recompute"
-    several = len(plan.stages) > 1
-    return "recompute " + ", ".join(f"{v} x {n}" if several else v for v, n in counts.items())
-
-
-def _memory(plan: Plan) -> str:
-    over = plan.memory_limit_bytes is not None and plan.prediction.max_memory_bytes > plan.memory_limit_bytes
-    return f"{plan.prediction.max_memory_bytes / 2**30:.1f} GiB{' (over)' if over else ''}"
-
-
-def _plan(base: PlanRequest, costs: Any, mf: Any, limit: int | None, **update: Any) -> tuple[Plan | None, str, float]:
+def _plan(base: PlanRequest, costs: Any, mf: Any, limit: int | None, **update: Any) -> Variant:
     request = base.model_copy(update=update)
     t0 = time.perf_counter()
     try:
         plan = plan_on_costs(request, costs, mf, created="bench", memory_limit_bytes=limit)
     except PlannerError as e:
-        return None, str(e).split(";")[0][:160], time.perf_counter() - t0
-    return plan, "", time.perf_counter() - t0
+        return Variant(None, str(e).split(";")[0][:160], time.perf_counter() - t0)
+    return Variant(plan, "", time.perf_counter() - t0)
 
 
-def _chosen(plan: Plan) -> dict[str, Any]:
-    """The request fields that pin ``plan``'s layout (schedule, microbatches, stages per rank,
-    replicas' mode, recomputation), so another GPU's costs predict the same run."""
-    fields: dict[str, Any] = {
-        "schedule": plan.schedule,
-        "microbatches": plan.n_microbatches,
-        "stages_per_rank": plan.stages_per_rank,
-    }
-    if plan.dp > 1:
-        fields |= {"dp_mode": plan.dp_mode, "fsdp_units": plan.fsdp_units}
-    recompute = {stage.recompute for stage in plan.stages}
-    if len(recompute) == 1 and ":" not in (mode := next(iter(recompute))):
-        fields["recompute"] = mode
-    return fields
+def _search(base: PlanRequest, costs: Any, mf: Any, limit: int | None, timeout_s: float) -> Variant:
+    """The search's own choice, in a forked child stopped after ``timeout_s`` (a slow search must not
+    hold the page): the child sends the plan back as JSON."""
+    if timeout_s <= 0:
+        return Variant(None, "not run", 0.0)
+    update = {"tp": "auto", "dp": "auto", "recompute": "auto", "sequence_parallel": "auto", "dp_mode": "auto"}
+    ctx = multiprocessing.get_context("fork")  # the costs are inherited, not pickled
+    receive, send = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        v = _plan(base, costs, mf, limit, **update)
+        send.send((v.plan.model_dump_json() if v.plan is not None else None, v.why, v.seconds))
+
+    t0 = time.perf_counter()
+    proc = ctx.Process(target=child, daemon=True)
+    proc.start()
+    if not receive.poll(timeout_s):
+        proc.kill()  # this bench's own child, by its handle
+        proc.join()
+        return Variant(None, f"not finished in {timeout_s:.0f} s (stopped)", time.perf_counter() - t0)
+    text, why, seconds = receive.recv()
+    proc.join()
+    return Variant(Plan.model_validate_json(text) if text is not None else None, why, seconds)
 
 
-def evaluate(row: Published, tmp: Path) -> list[str]:
-    """The page's row for one published run: published figure, the prediction of its layout, the search's."""
+def _within(base: PlanRequest, costs: Any, mf: Any, limit: int | None, row: Published, as_run: Variant) -> Variant:
+    """The published layout within the GPU's memory, changing only what it must: as run (microbatches and
+    split the planner's; where the source gives the schedule, its stages per rank as the as-run plan has
+    them, so that a fixed recomputation is not kept by falling back to one stage per rank); else with
+    the recomputation open (``auto``: the planner's per-stage choice); else with everything the
+    source adds to the degrees open."""
+    first = dict(row.as_run)
+    if "schedule" in row.as_run and as_run.plan is not None:
+        first["stages_per_rank"] = as_run.plan.stages_per_rank
+    tries = [(first, ""), (row.as_run | {"recompute": "auto"}, "recompute"), ({}, ", ".join(sorted(row.as_run)))]
+    seconds = 0.0
+    why = "no plan"
+    for update, opened in tries:
+        v = _plan(base, costs, mf, limit, **update)
+        seconds += v.seconds
+        if v.plan is not None:
+            return Variant(v.plan, f"opened: {opened}" if opened else "", seconds)
+        why = v.why
+    return Variant(None, why, seconds)
+
+
+def evaluate(row: Published, tmp: Path, search_timeout_s: float) -> Outcome:
+    """Plan one published run three ways: within the GPU's memory, as run, and the search's choice."""
     base = PlanRequest.build(
         model_file=MODELS / "llama.py",
         size=row.size,
@@ -369,108 +138,352 @@ def evaluate(row: Published, tmp: Path) -> list[str]:
         dp=row.dp,
         output=tmp / "plan.json",
         progress=False,
-        # the published runs' own choice: sequence parallelism only where the row says so (the Llama 3 run)
-        **({"sequence_parallel": False} | row.request),
+        recompute="auto",
+        **row.request,
     )
     mf = load_model_file(base.model_file, base.size, base.overrides)
     costs = estimated_costs(mf, base, 1)
-    limit = round(row.memory_gib * 2**30) if row.memory_gib is not None else costs.memory_bytes
-    given, why, t_given = _plan(base, costs, mf, limit)
-    fitted = None  # the planner's own fit of the layout within the GPUs' memory, for an ``as_run`` row
-    if row.as_run:  # as it trained: no recomputation, memory not capped (it fitted in reality)
-        fitted = given
-        given, _, t_as_run = _plan(base, costs, mf, None, **row.as_run)
-        t_given += t_as_run
-    elif given is None:  # the published layout does not fit the planner's memory model: predict it anyway
-        given, _, t_given = _plan(base, costs, mf, None)
-    # the planner's own choice: layout and activation checkpointing (which blocks of which stages)
-    searched, why_s, t_search = _plan(
-        base, costs, mf, limit, tp="auto", dp="auto", recompute="auto", sequence_parallel="auto"
+    limit = costs.memory_bytes
+    as_run = _plan(base, costs, mf, None, **row.as_run)
+    within = _within(base, costs, mf, limit, row, as_run)
+    search = _search(base, costs, mf, limit, search_timeout_s)
+    return Outcome(row, within, as_run, search, (limit or 0) / 2**30)
+
+
+# --------------------------------------------------------------------------------------------------
+# the page's cells
+# --------------------------------------------------------------------------------------------------
+def peak_of(row: Published) -> float:
+    """The datasheet's dense bf16 peak of the row's GPU spec (FLOP/s)."""
+    return GPUS[row.gpu].peak("bf16")
+
+
+def _fmt(row: Published, value: float) -> str:
+    if row.unit == "tokens/s" and value >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:,.1f}"
+
+
+def _error(predicted_s: float, published_s: float) -> float:
+    """Published step over predicted, minus one: the figure's error in any one convention."""
+    return published_s / predicted_s - 1
+
+
+def _recompute(plan: Plan) -> str:
+    """The stages' recompute values, each with how many stages have it ("full:20 x 2, never x 14")."""
+    counts: dict[str, int] = {}
+    for stage in plan.stages:
+        counts[stage.recompute] = counts.get(stage.recompute, 0) + 1
+    if set(counts) == {"never"}:
+        return "no recompute"
+    several = len(plan.stages) > 1
+    return "recompute " + ", ".join(f"{v} x {n}" if several else v for v, n in counts.items())
+
+
+def layout(plan: Plan) -> str:
+    """One line: degrees, DP mode, schedule, microbatches, recomputation."""
+    v = f", v {plan.stages_per_rank}" if plan.stages_per_rank > 1 else ""
+    k = f", k {plan.accumulation}" if plan.accumulation > 1 else ""
+    sp = ", sp" if plan.sequence_parallel else ""
+    return (
+        f"t {plan.tp} x p {plan.n_ranks} x d {plan.dp} ({plan.dp_mode if plan.dp > 1 else '-'}{sp}), "
+        f"{plan.schedule}, m {plan.n_microbatches}{v}{k}, {_recompute(plan)}"
     )
-    low = None
-    if row.low_gpu is not None and given is not None:  # the same layout at the low end of the peaks
-        _register_low_peak()
-        at_low = base.model_copy(update={"gpu_type": row.low_gpu})
-        low_costs = estimated_costs(mf, at_low, 1)
-        low, _, _ = _plan(at_low, low_costs, mf, None, **_chosen(given))
-    published = f"{row.tflops:,.0f}" + (f" ({row.note})" if row.note else "")
-    cells = [row.source, row.model, f"{row.gpus:,} {row.gpu}", f"t {row.tp} x p {row.pp} x d {row.dp}", str(row.batch)]
-    cells.append(published)
-    if given is None:
-        cells += ["—", "—", why or "no plan", "—"]
+
+
+def _peak_gib(plan: Plan) -> float:
+    return plan.prediction.max_memory_bytes / 2**30
+
+
+def _planner_tflops(plan: Plan, step_s: float) -> float | None:
+    """The planner's own count (model FLOPs, causal attention at half) per GPU at ``step_s``."""
+    flops = throughput(plan).model_flops
+    return flops / (step_s * plan.world_size) / 1e12 if flops is not None else None
+
+
+def headline_cells(o: Outcome) -> list[str]:
+    """The main table's row: the published figure, each variant's prediction and error in the source's
+    convention, the as-run peak against the memory, and the same figures in the planner's count."""
+    row, peak = o.row, peak_of(o.row)
+    pub_s = published_step_s(row, peak)
+    cells = [row.key, row.model, f"{row.gpus:,} {row.gpu}", f"{row.tp} x {row.pp} x {row.dp}", f"{row.batch:,}"]
+    cells += [f"{row.unit} ({row.convention})", _fmt(row, row.figure)]
+    planner_pub: str = "—"
+    for v in (o.within, o.as_run):
+        if v.plan is None:
+            cells += ["—", "—"]
+            continue
+        step = v.plan.prediction.step_time_s
+        cells += [_fmt(row, figure_at(row, step, peak)), f"{100 * _error(step, pub_s):+.1f}%"]
+    if o.as_run.plan is not None:
+        gib = _peak_gib(o.as_run.plan)
+        over = " **over**" if gib > o.memory_gib else ""
+        cells.append(f"{gib:.1f} / {o.memory_gib:.1f}{over}")
     else:
-        figure = _figure(given, row)
-        if not row.as_run:
-            fits = "yes" if not why else "no: " + _memory(given)
-        else:  # the peak it would need by the planner's count, and the planner's own fit
-            peak, cap = given.prediction.max_memory_bytes / 2**30, limit / 2**30
-            fits = f"peak {peak:.1f} GiB against {cap:.1f} ({peak / cap - 1:+.0%}, the memory model's excess)"
-            if fitted is not None:
-                fitted_figure = _figure(fitted, row)
-                fits += (
-                    f"; within {cap:.1f} GiB: {_layout(fitted)}, {fitted_figure:,.0f} "
-                    f"({fitted_figure / row.tflops - 1:+.0%})"
-                )
-            else:
-                fits += f"; within {cap:.1f} GiB: {why}"
-        if row.peak_gib is not None:  # the peak beside the published one
-            peak = given.prediction.max_memory_bytes / 2**30
-            fits += f", peak {peak:.1f} GiB against {row.peak_gib} published ({peak / row.peak_gib - 1:+.0%})"
-        predicted, error = f"{figure:,.0f}", f"{figure / row.tflops - 1:+.0%}"
-        if low is not None:  # "SXM peak .. NVL peak"
-            low_figure = _figure(low, row)
-            predicted += f" .. {low_figure:,.0f}"
-            error += f" .. {low_figure / row.tflops - 1:+.0%}"
-        cells += [
-            predicted,
-            error,
-            f"{_layout(given)}; fits {fits}",
-            f"{t_given:.0f}",
-        ]
-    if searched is None:
-        cells += [why_s or "no plan", "—", f"{t_search:.0f}"]
+        cells.append("—")
+    planner_cells = []
+    for v in (o.within, o.as_run):
+        value = _planner_tflops(v.plan, v.plan.prediction.step_time_s) if v.plan is not None else None
+        planner_cells.append(f"{value:,.1f}" if value is not None else "—")
+        if v.plan is not None and planner_pub == "—":
+            pub = _planner_tflops(v.plan, pub_s)
+            planner_pub = f"{pub:,.1f}" if pub is not None else "—"
+    return [*cells, planner_pub, *planner_cells]
+
+
+HEADLINE = [
+    "row",
+    "model",
+    "GPUs",
+    "t x p x d",
+    "batch",
+    "unit (convention)",
+    "published",
+    "within memory",
+    "error",
+    "as run",
+    "error (as run)",
+    "as-run peak / memory GiB",
+    "planner's count: published",
+    "within memory (planner)",
+    "as run (planner)",
+]
+
+
+def plan_cells(o: Outcome) -> list[str]:
+    """The plans behind the figures, and the search's choice with its figure in the source's convention."""
+    row = o.row
+    cells = [row.key]
+    for v in (o.within, o.as_run):
+        note = f" ({v.why})" if v.why else ""
+        cells.append(layout(v.plan) + note if v.plan is not None else f"no plan: {v.why}")
+    if o.search.plan is not None:
+        step = o.search.plan.prediction.step_time_s
+        cells += [layout(o.search.plan), _fmt(row, figure_at(row, step, peak_of(row))), robustness(o.search.plan)]
     else:
-        cells += [_layout(searched), f"{_figure(searched, row):,.0f}", f"{t_search:.0f}"]
+        cells += [o.search.why or "no plan", "—", "—"]
+    cells.append(" / ".join(f"{v.seconds:.0f}" for v in (o.within, o.as_run, o.search)))
     return cells
 
 
-HEADERS = [
-    "source",
-    "model",
-    "GPUs",
-    "published layout",
-    "batch",
-    "published",
-    "predicted",
-    "error",
-    "planner on that layout",
-    "s",
+PLANS = [
+    "row",
+    "within memory",
+    "as run",
     "search's choice",
     "its figure",
-    "s",
+    "robustness",
+    "s (within / as run / search)",
 ]
+
+
+def robustness(plan: Plan) -> str:
+    """The search's choice under slower hardware (issue 62 part 5, ``planner.report.robustness``): its
+    step's change with collectives 1.3x and compute 1.1x slower, and the robust runner-up where that
+    changes the winner; "—" where the planner has no such column (a commit before part 5)."""
+    try:
+        report = importlib.import_module("planner.report.robustness")
+        robust = importlib.import_module("planner.core.layout.robust")
+    except ImportError:
+        return "—"
+    if not report.has_column(plan):
+        return "—"
+    index = robust.chosen_row(plan)
+    chosen = plan.search[index] if index is not None else None
+    cell = report.slowed_cell(chosen) if chosen is not None else "—"
+    line = report.robust_line(plan)
+    return f"{cell}; {line}" if line else f"{cell}; the choice holds"
+
+
+def gpu_cells(row: Published) -> list[str]:
+    """The row's GPU spec, convention and source, and what it assumes."""
+    hw = GPUS[row.gpu]
+    spec = f"`{row.gpu}`: {hw.peak('bf16') / 1e12:.1f} TFLOP/s bf16, {hw.memory_bytes / 2**30:.1f} GiB"
+    return [row.key, row.source, spec, row.gpu_note, CONVENTIONS[row.convention], row.assumed or "—"]
+
+
+GPU_HEADERS = ["row", "source", "GPU spec (datasheet)", "the GPUs that ran", "convention", "assumed (not published)"]
+
+
+def errors(outcomes: list[Outcome], variant: str, only_published: bool = False) -> list[float]:
+    """The errors of one variant ("within" or "as_run") over the rows that have a plan."""
+    out = []
+    for o in outcomes:
+        v: Variant = getattr(o, variant)
+        if v.plan is None or (only_published and o.row.assumed):
+            continue
+        out.append(_error(v.plan.prediction.step_time_s, published_step_s(o.row, peak_of(o.row))))
+    return out
+
+
+def summary(outcomes: list[Outcome]) -> str:
+    """The headline figures: mean |error| and how many rows are within the band, per variant."""
+    lines = []
+    for variant, name in (("within", "Within memory (the headline)"), ("as_run", "As run")):
+        for only, scope in ((False, "every row"), (True, "the rows that assume nothing")):
+            errs = errors(outcomes, variant, only)
+            if not errs:
+                continue
+            inside = sum(abs(e) <= BAND for e in errs)
+            worst = max(errs, key=abs)
+            lines.append(
+                f"- {name}, {scope}: mean |error| **{100 * sum(abs(e) for e in errs) / len(errs):.1f} %** over "
+                f"{len(errs)} rows, **{inside} of {len(errs)}** within ±15 %, worst {100 * worst:+.1f} %."
+            )
+    return "\n".join(lines)
+
+
+def commit() -> str:
+    """HEAD's short hash, with the planner files the working tree changes beside it (they were planned with)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", "planner", "models", "bench"], cwd=ROOT, capture_output=True, text=True
+    )
+    changed = [line[3:] for line in dirty.stdout.splitlines() if line.strip()]
+    text = head.stdout.strip() or "unknown"
+    return text + (f" (working tree changing {', '.join(changed)})" if changed else "")
+
+
+PAGE = """# The planner against published runs
+
+Written whole by `python -m bench.published_runs` (`bench/published_runs.py`, the rows in
+`bench/published_rows.py`) on {today}, at commit {commit}, on {host} (Python {python}), in
+**{minutes:.1f} minutes**. No row is edited by hand; no GPU was used: every cost is the planner's
+estimate for the GPUs that ran the published run, at their datasheet figures.
+
+For each published run, three plans of the same model, GPUs and batch:
+
+- **within memory** (the headline): the published tensor-parallel degree t, pipeline ranks p,
+  replicas d and batch forced, within the GPU's memory as the planner counts it (its capacity less
+  5 % headroom), changing only what it must to fit: the run as published (its recomputation,
+  schedule with the as-run plan's stages per rank, and data-parallel mode where the source gives
+  them; microbatches and the split are the planner's); where that does not fit, with the
+  recomputation open (`--recompute auto`, the planner's choice per stage), then with all of those
+  open (the plans table says "opened: ..." where it had to). This is the plan `planner
+  plan` would produce for that layout on those GPUs;
+- **as run**: the same layout with what the source says the run did (its recomputation,
+  schedule, data-parallel mode; the rows below say which), memory not capped, its predicted peak
+  beside the GPU's memory (**over** where the planner says it would not fit: the run fitted, so
+  the planner's memory model is pessimistic there);
+- **the search's own choice** (`--tp auto --dp auto --recompute auto`, sequence parallelism and
+  data-parallel mode open) for the same GPUs and batch, with its figure; a search still running after
+  {timeout:.0f} s is stopped and said so.
+
+Every figure is in its **source's own convention** (its unit and its FLOP formula: the GPU
+table below gives it per row); **error** = predicted / published − 1 in that convention, which is
+the published step time over the predicted one, minus one. The planner's own count (its model
+FLOPs, causal attention at half, no recomputation) is beside it: the same step times, so the same
+errors, on a smaller FLOP count. The goal (issue 62): every published layout within ±15 %, mean
+|error| ≤ 8 %, at the datasheet peak of the GPUs that ran it.
+
+## Headline
+
+{summary}
+
+{outside}
+
+{headline}
+
+## The plans
+
+{plans}
+
+## GPUs, conventions, sources, assumptions
+
+One GPU spec per row: the shipped spec (`planner/core/levers/hardware.py`) of the GPUs that ran,
+at its datasheet peak. A clock the source does not publish is said, not fitted.
+
+{gpus}
+
+## Where the constants come from
+
+Nothing here is fitted to a published run.
+
+- Peaks, memory, NVLink and the network card per GPU: the shipped GPU specs in
+  `planner/core/levers/hardware.py`, each citing its datasheet (NVIDIA H100 SXM: 989.5 dense bf16
+  TFLOP/s, 80 GB HBM3 at 3.35 TB/s, 450 GB/s NVLink a direction, 400 Gb/s NDR per GPU; its 96 GB
+  HBM2e variant from torchtitan's benchmark page; NVIDIA A100 80GB SXM: 312, 2.04 TB/s, 300 GB/s,
+  200 Gb/s HDR per GPU, the DGX A100 reference design).
+- Collectives (tensor-parallel, DDP, FSDP, HSDP, pipeline sends): NCCL's own cost model, issue 62
+  part 1 (`planner/core/levers/collectives.py`, ported from NCCL 2.30.7's `src/graph/tuning.cc`;
+  checked against published nccl-tests figures in docs/collectives.md).
+- How communication overlaps compute: the planner's step model (`planner/core/step/`, FSDP's
+  prefetch and DDP's buckets: issue 62 part 2, as of the commit above).
+- GEMM and attention efficiencies: fixed per GPU in the specs (`matmul_efficiency`, the
+  attention kernels' forward / backward efficiencies), from microbenchmarks cited in
+  docs/gpu_costs.md (on an H100, the blocks measured at 0.97–1.0× their estimate, docs/gpu_check.md).
+- The shipped specs are hardware files of `planner probe`'s format (issue 62 part 3); no probe file
+  is used here (no GPU cluster was measured).
+
+## What the planner leaves out (where its errors come from)
+
+- Megatron's and MegaScale's overlap of the tensor-parallel collectives with GEMMs (MegaScale's
+  fused all-gather / reduce-scatter linears): the planner charges the tensor-parallel traffic as
+  torch's eager DTensors run it, on the critical path.
+- Megatron's fused kernels (softmax, bias-GeLU, fused Adam): the roofline's efficiencies are fixed
+  per GPU, those of torch's kernels.
+- The Llama 3 run's own pipeline schedule (a tuned interleaving with "N" microbatches in a row,
+  first and last stages one layer short) and memory savings: the planner's memory model is of
+  torch's eager kernels and `PipelineStage` (a receive buffer per microbatch), so it needs more
+  memory than that run did and recomputes to fit.
+- MegaScale's parallel transformer block and sliding-window attention; OPT's and MegaScale's
+  unpublished details (the GPU table's "assumed").
+- The H100s' clocks under torchtitan's 500 W limit (planned at the SXM datasheet peak).
+- Float8 (not compared below) and the Megatron runs' fp16 gradient all-reduce (the planner
+  reduces in fp32, as `planner run` does: twice the bytes).
+
+## Published runs not compared
+
+{not_compared}
+"""
+
+
+def outside(outcomes: list[Outcome]) -> str:
+    """A sentence naming the rows outside the band, per variant (empty when none)."""
+    parts = []
+    for variant, name in (("within", "within memory"), ("as_run", "as run")):
+        rows = []
+        for o in outcomes:
+            v: Variant = getattr(o, variant)
+            if v.plan is None:
+                rows.append(f"{o.row.key} (no plan)")
+                continue
+            e = _error(v.plan.prediction.step_time_s, published_step_s(o.row, peak_of(o.row)))
+            if abs(e) > BAND:
+                rows.append(f"{o.row.key} {100 * e:+.1f} %")
+        if rows:
+            parts.append(f"Outside ±15 % {name}: {', '.join(rows)}.")
+    return " ".join(parts)
 
 
 def main() -> None:
     """Plan every published row, write the page."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="", help="only the rows whose source starts with this")
+    parser.add_argument("--only", default="", help="only the rows whose key starts with this")
+    parser.add_argument("--search-timeout", type=float, default=150.0, help="seconds per search (0: no search)")
     parser.add_argument("--out", type=Path, default=DOCS / "published_runs.md")
     args = parser.parse_args()
     t0 = time.perf_counter()
-    rows = []
+    outcomes = []
     with tempfile.TemporaryDirectory() as tmp:
         for row in published_runs():
-            if not row.source.startswith(args.only):
+            if not row.key.startswith(args.only):
                 continue
-            rows.append(evaluate(row, Path(tmp)))
-            print(" | ".join(rows[-1]), flush=True)
+            outcomes.append(evaluate(row, Path(tmp), args.search_timeout))
+            print(" | ".join(headline_cells(outcomes[-1]) + plan_cells(outcomes[-1])[1:]), flush=True)
     text = PAGE.format(
-        today=dt.date.today().isoformat(),
+        today=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        commit=commit(),
         host=host(),
         python=platform.python_version(),
-        rows=table(rows, HEADERS),
         minutes=(time.perf_counter() - t0) / 60,
+        timeout=args.search_timeout,
+        summary=summary(outcomes),
+        outside=outside(outcomes),
+        headline=table([headline_cells(o) for o in outcomes], HEADLINE),
+        plans=table([plan_cells(o) for o in outcomes], PLANS),
+        gpus=table([gpu_cells(o.row) for o in outcomes], GPU_HEADERS),
+        not_compared=table(NOT_COMPARED, ["run", "source", "published", "why not compared"]),
     )
     write_page(args.out, text)
     print(f"wrote {args.out}")
