@@ -454,6 +454,8 @@ def _algo_time_us(
     return lat + nbytes / (1000 * bw)
 
 
+# a search asks the same few questions thousands of times (a bucket's all-reduce, a unit's gathers in every layout)
+@lru_cache(maxsize=1 << 16)
 def _select(fabric: NcclFabric, func: int, nbytes: int, group: tuple[int, int], only: str | None) -> CollectiveTime:
     """enqueue.cc topoGetAlgoInfo: the (algorithm, protocol) of least predicted time, first on a tie
     (``only``: that algorithm alone, as ``NCCL_ALGO`` restricts it)."""
