@@ -186,3 +186,24 @@ def test_the_report_line_names_the_robust_runner_up() -> None:
     )
     held = plan.model_copy(update={"search": [rows[0], rows[1].model_copy(update={"slow_step_time_s": 0.1399})]})
     assert robust_line(held) == ""  # 0.07 % faster: within the tie
+
+
+def test_a_plan_re_prices_to_its_own_step_and_its_rows_to_theirs() -> None:
+    from plan_factory import plan_of_blocks
+
+    from planner.core.assemble import search_problem
+    from planner.core.layout.inputs import asked_of
+    from planner.core.layout.robust import plan_layout
+    from planner.schema.request import PlanRequest
+
+    blocks = [block(f"l{i}", 10 + i, 20, 100_000 * i) for i in range(6)]
+    plan = plan_of_blocks(blocks, 2)
+    request = PlanRequest.build(model_file="models/example.py", gpus=2, schedule="1f1b", batch_size=16, microbatches=4)
+    problem = search_problem(asked_of(request, None), blocks, LINK, plan.profile)
+    layout, split = plan_layout(plan)
+    assert reprice(problem, layout, split, Hardware()).step_time_s == pytest.approx(plan.prediction.step_time_s)
+    mine = next(c for c in plan.search if c.starts == plan.prediction.starts)
+    assert mine.slow_step_time_s == pytest.approx(reprice(problem, layout, split, SLOW).step_time_s)
+    # the plan against itself: no difference, every part 0
+    gap = attribute_gap(problem, (layout, split), (layout, split))
+    assert gap.reference_s == gap.chosen_s and all(s == pytest.approx(0.0, abs=1e-15) for _, s in gap.parts)

@@ -342,6 +342,36 @@ def _hsdp_note(asked: SearchSpace, layout: Layout, link: LinkCost) -> str:
     )
 
 
+def search_problem(
+    asked: Asked, blocks: Sequence[BlockCost], link: LinkCost, profile: ProfileInfo, ties: Sequence[Tie] = ()
+) -> Problem:
+    """What ``assemble_plan`` searches on, as ``planner.core.layout.robust`` re-prices it: the blocks with
+    their tied copies, the cluster, the constraints asked (their memory limit), the scaling and the batch.
+
+    A bench compares the search's choice with a published layout so (``attribute_gap``)::
+
+        split = api.tensor_parallel_split(mf, request, costs, costs.blocks)  # the --tp auto request
+        asked = asked_of(api.with_step_temp_rule(request, costs.step_temp_rule), limit)
+        problem = search_problem(asked, split.blocks, costs.link, costs.profile, costs.ties)
+        gap = attribute_gap(problem, plan_layout(choice), plan_layout(published))
+
+    Args:
+        asked: what the user asked for, as core's records.
+        blocks: per-block costs at the profile's microbatch size, with their tensor-parallel shares.
+        link: the link between pipeline ranks (or a ``NodeLinks``).
+        profile: the costs' profile (its microbatch size and scaling, its ranks' processor slots).
+        ties: parameters several blocks read (``with_tied_copies``).
+
+    Returns:
+        The problem.
+    """
+    scaling = Scaling(
+        profile.microbatch_size or asked.microbatch_size, profile.fixed_fraction, profile.min_microbatch_size
+    )
+    cluster = Cluster(asked.world_size, link, slots_of(profile))
+    return Problem(with_tied_copies(blocks, ties), cluster, asked.constraints, scaling, asked.space.batch_size)
+
+
 def assemble_plan(
     asked: Asked,
     blocks: Sequence[BlockCost],
@@ -377,12 +407,9 @@ def assemble_plan(
     """
     profile = origin.profile
     slots = slots_of(profile)
-    blocks = with_tied_copies(blocks, ties)
-    cluster = Cluster(asked.world_size, link, slots)
+    problem = search_problem(asked, blocks, link, profile, ties)
+    blocks, cluster, scaling = problem.blocks, problem.cluster, problem.scaling
     space = _search_space(asked, blocks, tp_plan, profile)
-    scaling = Scaling(
-        profile.microbatch_size or asked.microbatch_size, profile.fixed_fraction, profile.min_microbatch_size
-    )
     memory_limit_bytes, method = asked.constraints.memory_limit_bytes, asked.method
 
     def run_search(limit: int | None, within: SearchSpace = space) -> tuple[Choice, list[Choice], str]:
@@ -400,8 +427,10 @@ def assemble_plan(
         chosen, ranked, note = run_search(None)
         searched_limit = None
     # the kept rows re-priced on slower hardware (collectives 1.3x, compute 1.1x): the report's robustness column
-    constraints = replace(asked.constraints, memory_limit_bytes=searched_limit)
-    rows = robust_rows(search_rows(ranked), Problem(list(blocks), cluster, constraints, scaling, space.batch_size))
+    rows = robust_rows(
+        search_rows(ranked),
+        replace(problem, constraints=replace(problem.constraints, memory_limit_bytes=searched_limit)),
+    )
     given = given_split(asked.compare, chosen, lambda within: run_search(memory_limit_bytes, within)[0], space)
     if given is not None and given[0] is not chosen:  # another stage count: say which layout costs it
         lay = given[0].layout

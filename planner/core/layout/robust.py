@@ -24,7 +24,9 @@ a time in a fixed order from both and re-predicting: exposed communication (ever
 send free), then recomputation (free), then the pipeline's idle share (the bubble of what is left),
 and the rest (compute at the layout's microbatch size and tensor-parallel degree, the optimizer).
 The parts add up to the difference exactly; the order matters where effects interact (a free
-collective shrinks the bubble it filled), and the function says so by naming it.
+collective shrinks the bubble it filled), and the line it writes names the order. A bench builds the
+``Problem`` with ``planner.core.assemble.search_problem`` (its docstring shows the call) and a plan's
+layout and split with ``plan_layout``.
 """
 
 from __future__ import annotations
