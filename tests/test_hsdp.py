@@ -29,6 +29,7 @@ from planner.core.levers.data_parallel import (
 )
 from planner.core.levers.hardware import get_hardware, link_cost, node_links
 from planner.core.levers.links import NodeLinks
+from planner.core.levers.overlap import COMPUTE_SLOWDOWN
 from planner.core.split.cuts import Split
 from planner.core.step.predict import predict, refresh, with_links
 from planner.errors import InfeasibleError
@@ -189,9 +190,10 @@ def test_auto_groups_fill_a_node_and_cross_nodes_only_to_all_reduce() -> None:
     assert (plan.dp_mode, plan.dp_shard, plan.n_ranks) == ("hsdp", 4, 2)
     held = [sum(b.param_bytes for b in plan.blocks[s.start : s.end]) for s in plan.stages]
     # on devices each stage's gather and reduction are placed inside the pass (simulate.Traffic):
-    # what they add is at most the whole of the busiest rank's, charged after the pipeline before
+    # what they add is at most the whole of the busiest rank's, charged after the pipeline before,
+    # plus the slowdown of the compute its hidden gathers ran beside (planner.core.levers.overlap)
     whole = max(hsdp_reduce_s(n, 4, 2, intra, inter) for n in held)
-    assert 0 < plan.prediction.dp_reduce_s <= whole
+    assert 0 < plan.prediction.dp_reduce_s <= whole * (1 + COMPUTE_SLOWDOWN)
     assert layout_line(plan).endswith(
         f"after its last backward: {plan.prediction.dp_reduce_s * 1e3:.2f} ms/step not hidden by the pipeline) "
         "over h100-inter, h100-intra"

@@ -30,15 +30,18 @@ picks for the size, group and nodes, its latencies and channel bandwidths). On a
 algorithm: a ring all-gather or reduce-scatter over n ranks ``(n - 1)`` latencies plus ``(n - 1) /
 n`` of the bytes at the group's bandwidth, an all-reduce twice the bytes with a tree's ``2
 ceil(log2 n)`` latencies (``_ring_s``, ``_allreduce_s``), so a group of thousands pays for its
-ring's steps. It is added to
-the step after the pipeline: the runner's reduction does overlap the last backwards and FSDP's
-gather the first forwards, so this is conservative.
+ring's steps. Where it runs is ``planner.core.step.predict``'s: on NCCL links beside the
+compute as torch runs it (below, ``planner.core.levers.overlap``), on CPU ranks sharing cores
+after the pipeline, nothing hidden.
 
 FSDP block by block (``fsdp_units`` "block", ``block_fsdp_s``) gathers every unit for each
 microbatch's forward, again for its backward, and reduce-scatters the unit's gradients then: three
 transfers of the rank's parameters per microbatch (the third in fp32, as above). FSDP2 issues the next unit's gather while the
-current unit computes, so only what the rank's compute cannot cover shows: the first gather of
-each forward and of each backward, and whatever the rest outlasts the compute by. The memory side (FSDP's shards) lives with the
+current unit computes (prefetch one unit ahead), so a gather hides only behind the compute of the
+unit before it, and the reduce-scatters behind the next units' backward: ``block_fsdp_stages`` lays
+each stage's units on that timeline (``planner.core.levers.overlap``). DDP's all-reduce, on GPUs
+where DDP itself reduces (``ddp_follows``), runs in buckets as the last backward produces the
+gradients (``ddp_stage_overlap``). The memory side (FSDP's shards) lives with the
 rest of the memory model, ``planner.core.split.stage_model.stage_memory_bytes`` (``shard``).
 """
 
@@ -47,15 +50,17 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from functools import lru_cache
+from functools import lru_cache, partial
 
 from planner.core.levers.collectives import Collective, collective_time
 from planner.core.levers.links import Links, NodeLinks
+from planner.core.levers.overlap import NONE, Overlap, bucketed, fsdp_unit_pass, spread
 from planner.core.levers.recompute import checkpoint_units
 from planner.core.split.stage_model import fp32_bytes
 from planner.errors import InfeasibleError, PlanFileError
 from planner.schema.costs import BlockCost, LinkCost
 from planner.schema.plan import Plan, ProfileInfo, StagePlan
+from planner.schema.request import ZERO_BUBBLE
 from planner.schema.result import RunResult
 
 
@@ -469,13 +474,15 @@ def block_fsdp_s(
     Per microbatch a rank gathers each of its units (``checkpoint_units`` of its stages) for the
     forward and again for the backward, and reduce-scatters the unit's gradients:
     ``m ((dp - 1) / dp (2 P + R) / bandwidth + 3 u (dp - 1) latency)`` in all for ``P`` parameter bytes in ``u``
-    units, their gradients ``R`` bytes as reduced (fp32 where the parameters are narrower, ``wide_bytes``). The first gather of every forward and of every backward waits (two transfers of the
-    largest unit per microbatch); the rest overlaps the rank's forward and backward compute, ``m``
-    times its stages' ``fwd_s + bwd_s``, and shows only where it outlasts it. Ranks that share CPU
-    cores (gloo) compute and communicate on the same cores: there nothing overlaps (``overlap``
-    False) and all of the traffic shows. Under HSDP (``groups`` shard groups of ``dp`` replicas each)
-    every unit's reduce-scatter is followed by the all-reduce of its shard over the groups, every
-    microbatch too, and overlapped alike.
+    units, their gradients ``R`` bytes as reduced (fp32 where the parameters are narrower, ``wide_bytes``).
+    Ranks that share CPU cores (gloo) compute and communicate on the same cores: there nothing
+    overlaps (``overlap`` False) and all of the traffic shows. With ``overlap`` this is the charge
+    links NCCL does not drive keep (a measured link): the first gather of every forward and
+    backward waits, the rest hides behind the rank's whole compute where it can; on NCCL links
+    ``planner.core.step.predict`` lays each stage's units on FSDP2's timeline instead
+    (``block_fsdp_stages``), where a gather hides only behind the unit before it. Under HSDP
+    (``groups`` shard groups of ``dp`` replicas each) every unit's reduce-scatter is followed by the
+    all-reduce of its shard over the groups, every microbatch too.
 
     Args:
         blocks: per-block costs (``param_bytes``).
@@ -507,6 +514,92 @@ def block_fsdp_s(
         waits = 2 * n_microbatches * _ring_s(max(unit_bytes, default=0), dp, link)
         busy = n_microbatches * sum(st.fwd_s + st.bwd_s for st in mine)
         out.append(waits + max(traffic - waits - busy, 0.0) if overlap else traffic)
+    return out
+
+
+def block_fsdp_stages(
+    blocks: Sequence[BlockCost],
+    stages: Sequence[StagePlan],
+    links: Sequence[LinkCost],
+    dp: int,
+    overlap: bool = True,
+    copies: Sequence[LinkCost] = (),
+    groups: int = 1,
+) -> list[Overlap]:
+    """One microbatch of every stage's FSDP traffic when it shards block by block, as FSDP2 runs it.
+
+    Each unit (``checkpoint_units``) is gathered for the forward and again for the backward and
+    reduce-scatters its gradients (under HSDP then all-reduces its shard over the ``groups``); the
+    stage's forward and backward seconds are shared over its units by their blocks' own times
+    (``spread``: recomputation and a cold start go with them) and the collectives laid beside them
+    with one unit of prefetch (``planner.core.levers.overlap.fsdp_unit_pass``). Without ``overlap``
+    (ranks sharing CPU cores) every collective is exposed.
+
+    Args:
+        blocks: per-block costs (``param_bytes`` as gathered, ``fwd_s``, ``bwd_s``).
+        stages: the pipeline's stages (``rank``, ``fwd_s``, ``bwd_s`` set).
+        links: each rank's group link (the shard groups' under HSDP).
+        dp: replicas the units are sharded over.
+        overlap: whether the collectives run beside the compute.
+        copies: under HSDP, each rank's replicate-group link.
+        groups: under HSDP, the shard groups (1: none).
+
+    Returns:
+        Per stage: its collectives' seconds and the part its compute waits for, per microbatch.
+    """
+    if dp <= 1:
+        return [NONE] * len(stages)
+    out = []
+    for st in stages:
+        link, units = links[st.rank], checkpoint_units(blocks, st.start, st.end)
+        gathers = [_ring_s(sum(b.param_bytes for b in blocks[a:z]), dp, link) for a, z in units]
+        reduces = []
+        for a, z in units:
+            w = wide_bytes(blocks[a:z])
+            spread_s = _allreduce_s(w / dp, groups, copies[st.rank]) if groups > 1 else 0.0
+            reduces.append(_ring_s(w, dp, link, "reduce_scatter") + spread_s)
+        if not overlap:
+            out.append(Overlap(2 * sum(gathers) + sum(reduces), 2 * sum(gathers) + sum(reduces)))
+            continue
+        fwd = spread(st.fwd_s, [sum(b.fwd_s for b in blocks[a:z]) for a, z in units])
+        bwd = spread(st.bwd_s, [sum(b.bwd_s for b in blocks[a:z]) for a, z in units])
+        out.append(fsdp_unit_pass(gathers, fwd, bwd, reduces))
+    return out
+
+
+def ddp_follows(schedule: str, tp: int, accumulation: int) -> bool:
+    """Whether torch's DDP reduces the replicas' gradients itself, in buckets during the last
+    backward of each stage (``planner.run.stages``): not under the zero-bubble schedules (their
+    weight gradients bypass DDP's hooks), tensor parallelism (DTensor parameters) or several passes
+    per step; there the runner all-reduces after the step's backward, nothing hidden."""
+    return schedule not in ZERO_BUBBLE and tp == 1 and accumulation == 1
+
+
+def ddp_stage_overlap(
+    blocks: Sequence[BlockCost], stages: Sequence[StagePlan], links: Sequence[LinkCost], dp: int
+) -> list[Overlap]:
+    """Every stage's DDP all-reduces in buckets during its last microbatch's backward
+    (``planner.core.levers.overlap.bucketed``): its blocks' gradients (fp32 where the parameters are
+    narrower, ``wide_bytes``) in backward order, each ready when its block's share of the stage's
+    backward (``spread``) is done, the buckets all-reduced one after another over the rank's group.
+
+    Args:
+        blocks: per-block costs.
+        stages: the pipeline's stages (``rank``, ``bwd_s`` set).
+        links: each rank's group link (``dp_group_links``).
+        dp: replicas.
+
+    Returns:
+        Per stage: the all-reduces' seconds and what its backward waits for after its compute.
+    """
+    if dp <= 1:
+        return [NONE] * len(stages)
+    out = []
+    for st in stages:
+        part, link = blocks[st.start : st.end][::-1], links[st.rank]
+        grads = [float(fp32_bytes(b.param_bytes, b.params)) for b in part]
+        compute = spread(st.bwd_s, [b.bwd_s for b in part])
+        out.append(bucketed(grads, compute, partial(_allreduce_s, group=dp, link=link)))
     return out
 
 
@@ -548,7 +641,10 @@ __all__ = [
     "allreduce_steps",
     "as_gathered",
     "block_fsdp_s",
+    "block_fsdp_stages",
     "check_run_replicas",
+    "ddp_follows",
+    "ddp_stage_overlap",
     "dp_group_links",
     "gather_bytes_of",
     "grad_reduce_s",

@@ -7,6 +7,7 @@ chosen plan and the baselines go through this one function, so the report compar
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from pydantic import BaseModel
 
@@ -14,6 +15,9 @@ from planner.core.layout.inputs import Layout
 from planner.core.levers.data_parallel import (
     allreduce_steps,
     block_fsdp_s,
+    block_fsdp_stages,
+    ddp_follows,
+    ddp_stage_overlap,
     dp_group_links,
     gather_bytes_of,
     hsdp_links,
@@ -22,15 +26,17 @@ from planner.core.levers.data_parallel import (
     rank_reduce_s,
     replica_slots,
     stage_traffic,
+    wide_bytes,
 )
 from planner.core.levers.links import Links, NodeLinks, boundary_links
+from planner.core.levers.overlap import COMPUTE_SLOWDOWN, NONE, Overlap, charged_s, exposed_only
 from planner.core.split.cuts import Split
 from planner.core.split.stage_model import (
     cold_in,
     cold_out,
 )
 from planner.core.split.stage_plans import LaidOut, StageMemo, laid_out
-from planner.core.step.simulate import SimResult, StageTimes, Traffic, simulate, simulate_step
+from planner.core.step.simulate import SimResult, StageTimes, Traffic, simulate, simulate_step, simulate_traffic
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 from planner.schema.plan import Plan, Prediction, ProfileInfo, StagePlan
@@ -100,15 +106,16 @@ def timed(
     shared = replica_slots(slots, dp * layout.tp)
     one_pass_s, bubble = simulate_step(times, schedule, n_microbatches, shared, layout.stages_per_rank)
     # Each rank reduces its gradients over its replicas (DDP's all-reduce, FSDP's all-gather +
-    # reduce-scatter: planner.core.levers.data_parallel). On devices, FSDP's stage units gather and
-    # reduce-scatter where torch runs them, inside the pass (simulate.Traffic): what they add is the
-    # makespan's growth. Otherwise the reduction is charged after the pipeline as if not overlapped
-    # with it (conservative: DDP's buckets do overlap the last backwards); the clipping norm needs
-    # the reduced gradients, so it waits for the slowest rank.
-    dp_links, dp_reduce_s, traffic = _replica_traffic(blocks, stages, link, layout, overlap=slots is None)
-    if traffic is not None:
-        with_traffic, _ = simulate_step(times, schedule, n_microbatches, shared, layout.stages_per_rank, traffic)
-        dp_reduce_s = with_traffic - one_pass_s
+    # reduce-scatter: planner.core.levers.data_parallel), overlapped as torch runs it on devices
+    # (planner.core.levers.overlap): FSDP's stage units and DDP's buckets on the pipeline's timeline
+    # (simulate.Traffic: what they add is the makespan's growth), FSDP's block units per action.
+    # Otherwise (ranks sharing CPU cores, the runner's own all-reduce) the reduction is charged
+    # after the pipeline, not overlapped; the clipping norm needs the reduced gradients, so it
+    # waits for the slowest rank.
+    replicas = _replica_traffic(blocks, stages, link, layout, overlap=slots is None)
+    dp_links, dp_reduce_s, per_stage = replicas.links, replicas.after_s, replicas.stages
+    if replicas.traffic is not None:
+        dp_reduce_s, per_stage = _on_timeline(times, layout, replicas, one_pass_s, stages)
     # Then each rank joins the gradient-norm all-reduce for clipping (one scalar: a reduce and a
     # broadcast, ~2 log2(group) messages) over the pipeline and tensor-parallel group, or over every
     # rank when FSDP shards the gradients; only then does every rank step its optimizer.
@@ -130,6 +137,7 @@ def timed(
     pipeline_s = passes * one_pass_s
     if shard > 1:
         dp_reduce_s *= passes
+    stages = _with_comm(stages, per_stage, passes if shard > 1 else 1, passes * n_microbatches)
     step_s = pipeline_s + dp_reduce_s + allreduce_s + max(rank_opt)
     rank_memory = laid.rank_memory
     stage_time = tuple(s.time_s for s in stages)
@@ -216,32 +224,119 @@ def predict_plan(
     )
 
 
+class _Replicas(NamedTuple):
+    """The data-parallel reduction of a layout (``_replica_traffic``): each pipeline rank's group
+    link, the seconds charged after the pipeline (per pass under FSDP, else per step), the
+    collectives to place on the pipeline's timeline instead (None: none), and each stage's
+    collectives and their exposed part over the same span (``_on_timeline`` fills those of the
+    timeline's)."""
+
+    links: list[LinkCost]
+    after_s: float
+    traffic: Traffic | None
+    stages: list[Overlap]
+    slowdown: float = 0.0  # of compute beside a collective (planner.core.levers.overlap), on NCCL links
+
+
 def _replica_traffic(
     blocks: Sequence[BlockCost], stages: Sequence[StagePlan], link: Links, layout: Layout, *, overlap: bool
-) -> tuple[list[LinkCost], float, Traffic | None]:
-    """The links of each pipeline rank's data-parallel (shard) group, the seconds the busiest rank's
-    reduction adds to a pass after the pipeline, and FSDP's stage-unit traffic to place inside it
-    instead (``overlap``: on devices; then the seconds are 0). DDP: an all-reduce once per step;
-    FSDP with stage units: a gather and a reduce-scatter per stage every pass; FSDP block by block:
-    every microbatch, mostly hidden; under HSDP inside each shard group, followed by the all-reduce of
-    the shards over the groups (``planner.core.levers.data_parallel``)."""
+) -> _Replicas:
+    """The data-parallel reduction of a layout (``_Replicas``). DDP: an all-reduce once per step,
+    in buckets during the last backward on devices where DDP itself reduces (``ddp_follows``);
+    FSDP with stage units: a gather and a reduce-scatter per stage every pass, on the timeline on
+    devices; FSDP block by block: every microbatch, prefetched unit by unit
+    (``block_fsdp_stages``); under HSDP inside each shard group, followed by the all-reduce of the
+    shards over the groups (``planner.core.levers.data_parallel``). Without ``overlap`` (ranks
+    sharing CPU cores) or where the runner all-reduces after the backward, nothing hides."""
     p, dp, m = layout.pp, layout.dp, layout.n_microbatches
-    if layout.dp_mode != "hsdp" or dp == 1:
-        dp_links = dp_group_links(link, p, dp)
-        if layout.per_block:
-            return dp_links, max(block_fsdp_s(blocks, stages, dp_links, dp, m, overlap=overlap)), None
-        if overlap and layout.shard > 1:
-            return dp_links, 0.0, Traffic(*stage_traffic(blocks, stages, dp_links, dp))
-        return dp_links, max(rank_reduce_s(blocks, stages, dp_links, dp, layout.dp_mode)) if dp > 1 else 0.0, None
-    shard, groups = layout.shard, dp // layout.shard
-    inner, copies = hsdp_links(link, p, dp, shard)
+    hsdp = layout.dp_mode == "hsdp" and dp > 1
+    size, groups = (layout.shard, dp // layout.shard) if hsdp else (dp, 1)
+    inner, copies = hsdp_links(link, p, dp, size) if hsdp else (dp_group_links(link, p, dp), [])
+    if dp == 1:
+        return _Replicas(inner, 0.0, None, [NONE] * len(stages))
+    # FSDP2's and DDP's own overlap on links NCCL drives (the GPUs of the hardware table); a link
+    # it does not (gloo, a measured link) keeps the charges made before (docs/overlap.md)
+    nccl = overlap and all(x.nccl is not None for x in inner)
     if layout.per_block:
-        return inner, max(block_fsdp_s(blocks, stages, inner, shard, m, overlap, copies, groups)), None
-    if overlap:
-        return inner, 0.0, Traffic(*stage_traffic(blocks, stages, inner, shard, copies, groups))
-    held = rank_param_bytes(blocks, stages, p)
-    wide = rank_param_bytes(blocks, stages, p, wide=True)
-    return inner, max(hsdp_reduce_s(n, shard, groups, a, b, w) for n, w, a, b in zip(held, wide, inner, copies)), None
+        per = block_fsdp_stages(blocks, stages, inner, size, nccl, copies, groups)
+        if nccl:
+            ranks = [0.0] * p
+            for st, one in zip(stages, per):
+                ranks[st.rank] += m * charged_s(one, COMPUTE_SLOWDOWN)
+        else:  # the charge as it always was: these plans' figures stay bit for bit
+            ranks = block_fsdp_s(blocks, stages, inner, size, m, overlap, copies, groups)
+            per = _shares(blocks, stages, ranks, [m * one.traffic_s for one in per])
+            return _Replicas(inner, max(ranks), None, per)
+        return _Replicas(inner, max(ranks), None, [one.times(m) for one in per])
+    if overlap and layout.shard > 1:
+        traffic = Traffic(*stage_traffic(blocks, stages, inner, size, copies, groups))
+        return _Replicas(inner, 0.0, traffic, [], COMPUTE_SLOWDOWN if nccl else 0.0)
+    if nccl and layout.dp_mode == "ddp" and ddp_follows(layout.schedule, layout.tp, layout.accumulation):
+        per = ddp_stage_overlap(blocks, stages, inner, dp)
+        held = [charged_s(one, COMPUTE_SLOWDOWN) for one in per]
+        return _Replicas(inner, 0.0, Traffic([0.0] * len(stages), held), per)
+    if hsdp:
+        held_bytes = rank_param_bytes(blocks, stages, p)
+        wide = rank_param_bytes(blocks, stages, p, wide=True)
+        ranks = [hsdp_reduce_s(n, size, groups, a, b, w) for n, w, a, b in zip(held_bytes, wide, inner, copies)]
+    else:
+        ranks = rank_reduce_s(blocks, stages, inner, dp, layout.dp_mode)
+    return _Replicas(inner, max(ranks), None, _shares(blocks, stages, ranks))
+
+
+def _shares(
+    blocks: Sequence[BlockCost], stages: Sequence[StagePlan], ranks: Sequence[float], traffic: Sequence[float] = ()
+) -> list[Overlap]:
+    """What each rank's reduction charges (``ranks``), shared over its stages by their gradients'
+    bytes (the runner reduces a rank's stages together); each stage's collectives ``traffic``
+    (empty: the charge, nothing hidden)."""
+    wide = [wide_bytes(blocks[st.start : st.end]) for st in stages]
+    total = [0] * len(ranks)
+    for st, w in zip(stages, wide):
+        total[st.rank] += w
+    shown = [ranks[st.rank] * w / total[st.rank] if total[st.rank] else 0.0 for st, w in zip(stages, wide)]
+    if not traffic:
+        return [exposed_only(x) for x in shown]
+    return [Overlap(t, min(x, t)) for x, t in zip(shown, traffic)]
+
+
+def _on_timeline(
+    times: Sequence[StageTimes], layout: Layout, replicas: _Replicas, one_pass_s: float, stages: Sequence[StagePlan]
+) -> tuple[float, list[Overlap]]:
+    """What the collectives placed on one pass's timeline (``replicas.traffic``) add to it, and each
+    stage's figures.
+
+    The makespan's growth (``simulate_traffic``) counts what ranks waited for: a stage's gather
+    where its first action waited for it, its reduction (the rank is held for it). The part of
+    the stage-unit gathers that ran beside the rank's work slows its compute (``replicas.slowdown``):
+    the most any rank loses so is added after the pass. DDP's held time has its slowdown already.
+    """
+    traffic = replicas.traffic
+    assert traffic is not None
+    makespan, waits = simulate_traffic(times, layout.schedule, layout.n_microbatches, layout.stages_per_rank, traffic)
+    per = [Overlap(g + r, min(w, g) + r) for g, r, w in zip(traffic.gather, traffic.reduce, waits)]
+    if not replicas.slowdown:
+        return makespan - one_pass_s, replicas.stages or per
+    hidden = [0.0] * layout.pp
+    for st, g, w in zip(stages, traffic.gather, waits):
+        hidden[st.rank] += max(0.0, g - w)
+    return makespan - one_pass_s + replicas.slowdown * max(hidden), replicas.stages or per
+
+
+def _with_comm(stages: list[StagePlan], per: Sequence[Overlap], times: int, messages: int) -> list[StagePlan]:
+    """The stages with their communication per step: ``per``'s data-parallel figures ``times`` over
+    (once per pass under FSDP) and their pipeline messages (``comm_s``, ``messages`` microbatches)."""
+    if not per:
+        per = [NONE] * len(stages)
+    return [
+        st.model_copy(
+            update={
+                "comm_hidden_s": times * one.hidden_s,
+                "comm_exposed_s": times * one.exposed_s + messages * st.comm_s,
+            }
+        )
+        for st, one in zip(stages, per)
+    ]
 
 
 def plan_layout(plan: Plan) -> Layout:

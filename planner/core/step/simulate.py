@@ -185,6 +185,37 @@ def simulate_step(
     return makespan, _bubble(busy, p, makespan)
 
 
+def simulate_traffic(
+    stages: Sequence[StageTimes | Durations],
+    schedule: str,
+    n_microbatches: int,
+    stages_per_rank: int,
+    traffic: Traffic,
+) -> tuple[float, list[float]]:
+    """``simulate_step``'s makespan with FSDP's stage-unit ``traffic`` on the timeline, and how long
+    each stage's actions waited for its gather beyond when they could otherwise have started (the
+    part of the gather its rank did not hide behind other work; ``Traffic``).
+
+    Args:
+        stages: per stage, the seconds its actions occupy its rank.
+        schedule: one of ``planner.core.step.schedules.SCHEDULES``.
+        n_microbatches: microbatches per step.
+        stages_per_rank: stages on every rank.
+        traffic: the stages' collectives.
+
+    Returns:
+        The makespan and the gather waits, seconds per stage.
+
+    Raises:
+        InfeasibleError: as ``simulate``.
+    """
+    times, p = _checked(stages, stages_per_rank, traffic)
+    program = _program(schedule, p, n_microbatches, stages_per_rank)
+    waits = [0.0] * len(times)
+    _, _, makespan = _run(times, program, p, n_microbatches, events=False, traffic=traffic, waits=waits)
+    return makespan, waits
+
+
 def _checked(
     stages: Sequence[StageTimes | Durations],
     stages_per_rank: int,
@@ -342,11 +373,13 @@ def _run(
     *,
     events: bool,
     traffic: Traffic | None = None,
+    waits: list[float] | None = None,
 ) -> tuple[list[Event], list[float], float]:
     """Every rank has its own processor: each action starts when its rank is free and its
     producers ended (the latest of those), and ends its duration later. With ``traffic`` a stage
     computes once its gather is done, and its rank is held for its reduce-scatter after its last
-    weight-gradient action (``Traffic``)."""
+    weight-gradient action (``Traffic``); ``waits`` (one per stage), if given, gains how long each
+    action waited for its stage's gather alone."""
     durations = [t.of(kind) for t in times for kind in KINDS]
     end = [0.0] * (2 * len(times) * n_microbatches)  # the slots of _program
     free_at = [0.0] * p
@@ -361,6 +394,8 @@ def _run(
         if dep2 >= 0 and end[dep2] > start:
             start = end[dep2]
         if ready is not None and ready[a.stage] > start:
+            if waits is not None:
+                waits[a.stage] += ready[a.stage] - start
             start = ready[a.stage]
         dur = durations[duration]
         finish = start + dur
