@@ -18,6 +18,17 @@ Writes docs/search_time.md.
 
     python -m bench.search_time                    # measure this checkout
     python -m bench.search_time --source DIR --out X.md  # measure another tree's planner (e.g. an older commit)
+
+With ``--published``: the search of every published row of docs/published_runs.md (``bench.published_rows``)
+as that page runs it (``--tp auto --dp auto --dp-mode auto --recompute auto``, sequence parallelism auto,
+memory capped at the GPU's), each in a fresh process, timed alone on costs estimated once; with the
+choice's step on slower hardware (``planner.core.layout.robust``: collectives 1.3x, compute 1.1x) and,
+where that changes the winner, the robust runner-up. ``--before DIR`` measures another tree's planner
+in the same run, row by row beside this one (so the machine's load falls alike on both), and the
+table is written between the page's published-rows markers:
+
+    python -m bench.search_time --published --before /tmp/old   # every row, old tree and this one
+    python -m bench.search_time --published --only megatron-5   # rows whose key starts so
 """
 
 from __future__ import annotations
@@ -78,6 +89,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=DOCS / "search_time.md")
     parser.add_argument("--source", type=Path, default=ROOT, help="the tree whose planner is measured")
     parser.add_argument("--child", choices=sorted(CASES), help=argparse.SUPPRESS)
+    parser.add_argument("--published", action="store_true", help="time the published rows' searches instead")
+    parser.add_argument(
+        "--only", default="", help="with --published: the rows whose key starts with one of these (comma-separated)"
+    )
+    parser.add_argument("--before", type=Path, help="with --published: also time this tree's planner, row by row")
+    parser.add_argument("--timeout", type=float, default=900.0, help="with --published: seconds a search may take")
+    parser.add_argument("--published-child", help=argparse.SUPPRESS)
     return parser.parse_args()
 
 
@@ -174,6 +192,16 @@ def main() -> None:
     args = parse_args()
     if args.child:
         print(json.dumps(child(args.child)))
+        return
+    if args.published_child:
+        from bench.search_time_rows import published_child
+
+        print(json.dumps(published_child(args.published_child)))
+        return
+    if args.published:
+        from bench.search_time_rows import time_published
+
+        time_published(args.only, args.before, args.timeout, Path(__file__).resolve())
         return
     rows = []
     for case in CASES:
