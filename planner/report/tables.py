@@ -12,7 +12,7 @@ from tabulate import tabulate
 from planner.core.levers.data_parallel import dp_group_links, hsdp_links
 from planner.core.levers.recompute import recomputed_prefix
 from planner.core.step.predict import plan_links, slots_of
-from planner.report.robustness import HEADER, has_column, robust_line, slowed_cell
+from planner.report.robustness import HEADER, has_column, robust_line, slowed_cell, what_if
 from planner.report.throughput import throughput_line
 from planner.schema.costs import GLOO_CPU_LINK
 from planner.schema.plan import Plan, Tie
@@ -462,5 +462,6 @@ def render(plan: Plan) -> str:
     parts = [head, stage_table(plan), summary_table(plan)]
     search = search_table(plan)
     if search:
-        parts.append("joint search (best candidates; * = the plan):\n" + search)
+        slowed = f"; {HEADER}: the step with {what_if()}" if has_column(plan) else ""
+        parts.append(f"joint search (best candidates; * = the plan{slowed}):\n" + search)
     return "\n\n".join([*parts, summary])
