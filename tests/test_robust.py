@@ -207,3 +207,19 @@ def test_a_plan_re_prices_to_its_own_step_and_its_rows_to_theirs() -> None:
     # the plan against itself: no difference, every part 0
     gap = attribute_gap(problem, (layout, split), (layout, split))
     assert gap.reference_s == gap.chosen_s and all(s == pytest.approx(0.0, abs=1e-15) for _, s in gap.parts)
+
+
+def test_the_report_shows_the_slowed_column_and_the_warning() -> None:
+    from plan_factory import plan_of_blocks
+
+    from planner.report.tables import render
+
+    plan = plan_of_blocks([block(f"l{i}", 10, 20, 1000) for i in range(4)], 2, schedule="auto")
+    text = render(plan)
+    assert "slowed: the step with collectives 1.3x, compute 1.1x slower" in text
+    assert all(slowed_cell(c) in text for c in plan.search if c.fits)
+    assert "not robust" not in text  # a tiny model's messages are cheap: the choice holds
+    flipped = [plan.search[0]] + [
+        c.model_copy(update={"slow_step_time_s": (plan.search[0].slow_step_time_s or 0) / 2}) for c in plan.search[1:2]
+    ]
+    assert "not robust: with collectives 1.3x" in render(plan.model_copy(update={"search": flipped}))
