@@ -316,7 +316,7 @@ def layout_line(plan: Plan) -> str:
         how = (
             f"{name} block by block (parameters, gradients and optimizer state sharded {ways} ways{groups}; each "
             f"block gathered for every microbatch's forward and backward, its gradients reduce-scattered then: "
-            f"{reduce_ms} not hidden by compute)"
+            f"{reduce_ms} not hidden by compute, or lost to the slowdown of the compute beside it)"
         )
     elif plan.sharded and slots_of(plan.profile) is None:
         how = (
