@@ -20,6 +20,8 @@ Sources:
   1 T parameters on 32 to 3,072 A100-80GB (8 per node, 200 Gb/s HDR InfiniBand per GPU), vocabulary
   51,200, sequence 2,048, fp16, full activation recomputation, data-parallel all-reduce. Its TFLOP/s
   count the recomputed forward and attention in full: its eq. (3), 96 B s l h^2 (1 + s/6h + V/16lh).
+  Table 1 does not name the pipeline schedule: the paper's interleaved 1F1B (section 2.2.2) is
+  assumed where p > 1 (the zero-bubble schedules the planner also knows came in 2023).
 * torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (pytorch/torchtitan; torch of 23 Dec 2024):
   Llama 3.1 8B, FSDP, sequence 8,192, local batch 2, selective ("op") recomputation, on Grand Teton
   H100s (96 GB HBM2e at 2.4 TB/s, 400 Gb/s per GPU, 500 W power limit): Table 1 on 8 GPUs, 5,762
@@ -28,9 +30,10 @@ Sources:
   linears, which the planner does not model: listed, not compared (``NOT_COMPARED``).
 * torchtitan, docs/performance.md as of commit 3faaa1a (Aug 2024): Llama 3.1 405B on 128 H100
   (footnote 1: "HBM2e based lower TDP SXM H100 (95GB)"), FSDP 16 x TP 8, local batch 2, full
-  recomputation, no Float8 or async TP: 109 tokens/s per GPU (29.0 % MFU at the SXM peak); the
-  preset of that commit (train_configs/llama3_405b.toml) compiles, so the row is planned compiled
-  (an assumption: the row names no optimisation). Its Llama 3 rows on 64 A100-80GB, FSDP, local
+  recomputation, no Float8 or async TP: 109 tokens/s per GPU (29.0 % MFU at the SXM peak). The row
+  names no optimisation; the preset of that commit (train_configs/llama3_405b.toml) compiles. It is
+  planned eager with sequence parallelism (torchtitan's TP shards the norms so; the planner's
+  sequence parallelism runs eagerly only): an assumption. Its Llama 3 rows on 64 A100-80GB, FSDP, local
   batch 1: 8B with selective op recomputation 2,973 tokens/s per GPU, 70B with full 331.
 * OPT (Zhang et al. 2022, arXiv 2205.01068), section 2.4: OPT-175B on 992 A100 80GB, FSDP with
   Megatron tensor parallelism, "up to 147 TFLOP/s per GPU"; Table 1: 96 layers, 96 heads, width
@@ -316,7 +319,10 @@ def _megatron() -> list[Published]:
                 "TFLOP/s",
                 "megatron96",
                 request={"sequence_parallel": False},
-                as_run={"recompute": "full", "dp_mode": "ddp"},
+                # the paper's interleaved schedule (section 2.2.2) where there is a pipeline; the zero-bubble
+                # schedules the planner also knows are of 2023
+                as_run={"recompute": "full", "dp_mode": "ddp"} | ({"schedule": "interleaved-1f1b"} if p > 1 else {}),
+                assumed="schedule (interleaved 1F1B: Table 1 does not name it)" if p > 1 else "",
             )
         )
     return rows
@@ -363,7 +369,7 @@ def _torchtitan_docs() -> list[Published]:
         Published(
             "titan-405b-128",
             f"{perf}, Llama 3.1 performance",
-            "Llama 3.1 405B, compiled",
+            "Llama 3.1 405B",
             "405b",
             {},
             LLAMA_405B,
@@ -376,10 +382,11 @@ def _torchtitan_docs() -> list[Published]:
             109.0,
             "tokens/s",
             "tokens",
-            # torchtitan's tensor parallelism shards the norms along the sequence (``SequenceParallel``)
-            request=SP | {"dp_mode": "fsdp", "attention_kernel": "flash", "compile": True},
+            # torchtitan's tensor parallelism shards the norms along the sequence (``SequenceParallel``), which
+            # the planner runs eagerly only: planned eager, with it (the row names no optimisation)
+            request=SP | {"dp_mode": "fsdp", "attention_kernel": "flash"},
             as_run={"recompute": "full"},
-            assumed="compiled (the preset of the commit)",
+            assumed="eager (the row names no optimisation; the preset of its commit compiles)",
         )
     )
     for model, size, shape, recompute, tps in (
