@@ -34,6 +34,7 @@ from planner.core.levers.overlap import (
     prefetched,
     spread,
 )
+from planner.core.step.simulate import StageTimes, Traffic, simulate_step, simulate_traffic
 from planner.report.tables import stage_table
 from planner.schema.costs import LinkCost
 from planner.schema.plan import ModelRef, Plan, ProfileInfo
@@ -261,3 +262,16 @@ def test_the_stage_table_shows_hidden_and_exposed_per_step() -> None:
     )
     assert "hidden ms/step" not in stage_table(old)
     assert Plan.from_json(old.to_json()).stages[0].comm_hidden_s is None
+
+
+def test_the_simulator_says_how_long_each_stage_waited_for_its_gather() -> None:
+    # two stages on two ranks, GPipe, 2 microbatches of F = 1, B = 2: rank 0 waits its whole 0.5 s
+    # gather; rank 1's gather (also 0.5 s from the start) is done long before its first forward (at 1)
+    stages = [StageTimes(1.0, 2.0), StageTimes(1.0, 2.0)]
+    traffic = Traffic(gather=[0.5, 0.5], reduce=[1.0, 1.0])
+    makespan, waits = simulate_traffic(stages, "gpipe", 2, 1, traffic)
+    assert waits == [0.5, 0.0]
+    assert makespan == simulate_step(stages, "gpipe", 2, traffic=traffic)[0]
+    # rank 0: F 0.5-1.5, 1.5-2.5; rank 1: F 1.5-2.5, 2.5-3.5, B 3.5-5.5, 5.5-7.5, its reduce-scatter
+    # to 8.5; rank 0: B 5.5-7.5, 7.5-9.5 (each after rank 1's), its reduce-scatter to 10.5
+    assert makespan == 10.5
