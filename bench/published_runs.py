@@ -442,8 +442,10 @@ Nothing here is fitted to a published run.
 - Collectives (tensor-parallel, DDP, FSDP, HSDP, pipeline sends): NCCL's own cost model, issue 62
   part 1 (`planner/core/levers/collectives.py`, ported from NCCL 2.30.7's `src/graph/tuning.cc`;
   checked against published nccl-tests figures in docs/collectives.md).
-- How communication overlaps compute: the planner's step model (`planner/core/step/`, FSDP's
-  prefetch and DDP's buckets: issue 62 part 2, as of the commit above).
+- How data-parallel communication overlaps compute: issue 62 part 2
+  (`planner/core/levers/overlap.py`, docs/overlap.md): FSDP2 prefetching one unit ahead, DDP's
+  25 MiB buckets (torch's defaults and docstrings), and compute beside a collective charged the
+  18.9 % mean slowdown Lee et al. measured (arXiv 2507.03114).
 - GEMM and attention efficiencies: fixed per GPU in the specs (`matmul_efficiency`, the
   attention kernels' forward / backward efficiencies), from microbenchmarks cited in
   docs/gpu_costs.md (on an H100, the blocks measured at 0.97–1.0× their estimate, docs/gpu_check.md).
@@ -516,6 +518,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DOCS / "published_runs.md")
     args = parser.parse_args()
     t0 = time.perf_counter()
+    at = commit()  # before planning: a commit landing meanwhile is not the one planned with
     outcomes = []
     with tempfile.TemporaryDirectory() as tmp:
         for row in published_runs():
@@ -525,7 +528,7 @@ def main() -> None:
             print(" | ".join(headline_cells(outcomes[-1]) + plan_cells(outcomes[-1])[1:]), flush=True)
     text = PAGE.format(
         today=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        commit=commit(),
+        commit=at,
         host=host(),
         python=platform.python_version(),
         minutes=(time.perf_counter() - t0) / 60,
