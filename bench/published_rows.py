@@ -460,7 +460,10 @@ def _opt_and_megascale() -> list[Published]:
             "megatron72",
             request=SP,
             as_run={"schedule": "interleaved-1f1b"},
-            assumed="model shape (GPT-3's), TP 8 x PP 8 x DP 192, A100 80GB, FLOP formula (Megatron's model FLOPs)",
+            assumed=(
+                "model shape (GPT-3's), TP 8 x PP 8 x DP 192, A100 80GB, FLOP formula (Megatron's model FLOPs); "
+                "its ZeRO-2 not modelled (the DP mode is the planner's)"
+            ),
         )
     )
     return rows

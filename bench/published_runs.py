@@ -468,6 +468,11 @@ the GPUs that ran):
   FlashAttention is of 2022), where the A100 spec's only attention figures are FlashAttention-2's.
   At h = 2,304 the attention scores are s/6h = 15 % of the FLOPs and most of the memory traffic; the
   share falls as h grows, as the errors do.
+- MegaScale, predicted too slow: it overlaps the tensor- and sequence-parallel collectives with the
+  GEMMs beside them (all-gather and reduce-scatter fused into the linears, its Figure 3) and runs a
+  parallel transformer block (attention and MLP side by side) with sliding-window attention; the
+  planner charges those collectives on the critical path of a sequential block. Its layout, shape
+  and GPU variant are assumed besides (the GPU table).
 
 And in every row:
 
