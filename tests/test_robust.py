@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from plan_factory import LINK, MB, block
@@ -223,3 +224,12 @@ def test_the_report_shows_the_slowed_column_and_the_warning() -> None:
         c.model_copy(update={"slow_step_time_s": (plan.search[0].slow_step_time_s or 0) / 2}) for c in plan.search[1:2]
     ]
     assert "not robust: with collectives 1.3x" in render(plan.model_copy(update={"search": flipped}))
+
+
+def test_a_reference_priced_on_its_own_problem_keeps_its_own_step() -> None:
+    problem = _flip_problem(100_000)
+    slower = replace(problem, blocks=[b.model_copy(update={"fwd_s": 2 * b.fwd_s}) for b in problem.blocks])
+    gap = attribute_gap(problem, REPLICAS, PIPELINE, slower)
+    assert gap.chosen_s == reprice(problem, *REPLICAS, Hardware()).step_time_s
+    assert gap.reference_s == reprice(slower, *PIPELINE, Hardware()).step_time_s
+    assert gap.reference_s - gap.chosen_s == pytest.approx(sum(s for _, s in gap.parts))

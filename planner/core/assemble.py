@@ -350,10 +350,12 @@ def search_problem(
 
     A bench compares the search's choice with a published layout so (``attribute_gap``)::
 
-        split = api.tensor_parallel_split(mf, request, costs, costs.blocks)  # the --tp auto request
-        asked = asked_of(api.with_step_temp_rule(request, costs.step_temp_rule), limit)
-        problem = search_problem(asked, split.blocks, costs.link, costs.profile, costs.ties)
-        gap = attribute_gap(problem, plan_layout(choice), plan_layout(published))
+        def problem_of(request):  # each plan's own request: the blocks' tensor-parallel shares are its
+            split = api.tensor_parallel_split(mf, request, costs, costs.blocks)
+            asked = asked_of(api.with_step_temp_rule(request, costs.step_temp_rule), limit)
+            return search_problem(asked, split.blocks, costs.link, costs.profile, costs.ties)
+
+        gap = attribute_gap(problem_of(auto), plan_layout(choice), plan_layout(published), problem_of(given))
 
     Args:
         asked: what the user asked for, as core's records.

@@ -320,13 +320,21 @@ def effects(problem: Problem, layout: Layout, split: Split) -> tuple[float, dict
     return step, parts
 
 
-def attribute_gap(problem: Problem, chosen: tuple[Layout, Split], reference: tuple[Layout, Split]) -> Gap:
+def attribute_gap(
+    problem: Problem,
+    chosen: tuple[Layout, Split],
+    reference: tuple[Layout, Split],
+    reference_problem: Problem | None = None,
+) -> Gap:
     """The predicted step difference between ``reference`` and ``chosen``, split into ``EFFECTS``.
 
     Args:
-        problem: what both are priced on (the same model, GPUs and batch).
+        problem: what the choice was priced on (the model, GPUs and batch).
         chosen: the search's choice (layout, split).
         reference: the layout compared with (a published one, at the planner's split for it).
+        reference_problem: what the reference was priced on, where its plan came from another
+            request (``--tp 8`` against ``--tp auto``: the blocks' tensor-parallel shares are the
+            request's); None: ``problem``. Each layout is re-priced on its own, to its plan's step.
 
     Returns:
         The difference and its parts (``reference``'s seconds of each effect minus ``chosen``'s).
@@ -335,7 +343,7 @@ def attribute_gap(problem: Problem, chosen: tuple[Layout, Split], reference: tup
         InfeasibleError: either layout cannot run these numbers.
     """
     mine, mine_parts = effects(problem, *chosen)
-    ref, ref_parts = effects(problem, *reference)
+    ref, ref_parts = effects(reference_problem or problem, *reference)
     parts = tuple((name, ref_parts[name] - mine_parts[name]) for name in EFFECTS)
     return Gap(mine, ref, parts)
 
