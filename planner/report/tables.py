@@ -322,7 +322,7 @@ def layout_line(plan: Plan) -> str:
         how = (
             f"{name} (parameters, gradients and optimizer state sharded {ways} ways{groups}; each stage gathered "
             f"when a pass starts and reduce-scattered{' + all-reduced' if groups else ''} after its last backward: "
-            f"{reduce_ms} not hidden by the pipeline)"
+            f"{reduce_ms} not hidden by the pipeline, or lost to the slowdown of the compute beside it)"
         )
     elif plan.sharded:
         how = (

@@ -258,7 +258,8 @@ class Prediction(_Frozen):
         ge=0,
         allow_inf_nan=False,
         description="What the gradient reduction over the data-parallel replicas adds to the step (DDP's "
-        "all-reduce after the pipeline, the slowest rank's; FSDP's all-gather + reduce-scatter: with stage units on "
+        "all-reduce, the slowest rank's: after the pipeline, or on GPUs where torch's DDP reduces in buckets during "
+        "the last backward, its exposed tail and the slowdown of the compute beside it (docs/overlap.md); FSDP's all-gather + reduce-scatter: with stage units on "
         "devices, each stage's placed where torch runs it, inside every pass, and this is how much longer the "
         "passes take); included in step_time_s (0: one replica).",
     )
