@@ -152,12 +152,14 @@ def _gap(base: PlanRequest, costs: Any, mf: Any, limit: int | None, choice: Plan
     from planner.core.layout.inputs import asked_of
     from planner.core.layout.robust import attribute_gap, plan_layout
 
-    request = base.model_copy(update={"tp": "auto", "dp": "auto", "recompute": "auto", "sequence_parallel": "auto"})
-    try:
+    def problem_of(request: PlanRequest) -> Any:
         split = api.tensor_parallel_split(mf, request, costs, costs.blocks)
         asked = asked_of(api.with_step_temp_rule(request, costs.step_temp_rule), limit)
-        problem = search_problem(asked, split.blocks, costs.link, costs.profile, costs.ties)
-        gap = attribute_gap(problem, plan_layout(choice), plan_layout(published))
+        return search_problem(asked, split.blocks, costs.link, costs.profile, costs.ties)
+
+    searched = base.model_copy(update={"tp": "auto", "dp": "auto", "recompute": "auto", "sequence_parallel": "auto"})
+    try:  # each layout priced on its own request's problem (the published one's tensor-parallel shares are --tp's)
+        gap = attribute_gap(problem_of(searched), plan_layout(choice), plan_layout(published), problem_of(base))
     except PlannerError as e:  # InfeasibleError is one: a layout these figures cannot run
         return f"not attributed: {str(e)[:100]}"
     return f"carried by {gap.carried_by()}: {gap.line()}"
