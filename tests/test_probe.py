@@ -333,3 +333,26 @@ def test_two_nodes_measure_the_links_across_nodes(tmp_path: Path) -> None:
     assert doc.measured.inter_node is not None and doc.measured.inter_node.ranks == 2
     assert doc.derived["inter_node_Bps"].startswith("alpha-beta least squares over send_recv")
     assert "not measured (one rank)" in doc.derived["intra_node_Bps"]
+
+
+@pytest.mark.multiprocess
+def test_a_node_alone_at_its_rendezvous_is_one_line_within_the_timeout(tmp_path: Path) -> None:
+    """One node of a two-node probe started, the other never: the line names the endpoint, the
+    timeout and what to start on every node (it was an internal error before)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "hw.json"
+    result = invoke(
+        "probe", "--gpus", "2", "--gpus-per-node", "1", "--quick", "--no-progress", "--timeout", "3",
+        "--rdzv-endpoint", f"localhost:{port}", "-o", str(out),
+    )  # fmt: skip
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert lines[0] == (
+        f"error: --rdzv-endpoint localhost:{port}: the 2 nodes did not all join within 3 s (--timeout 3); start the "
+        "same command, with the same --gpus, --gpus-per-node and --rdzv-endpoint, on every node"
+    )
+    assert not out.exists()

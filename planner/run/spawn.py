@@ -25,9 +25,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch.distributed
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing import SignalException
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from planner.errors import PlannerError, RunFailed
@@ -120,6 +121,10 @@ def launch_function(
                     result = agent.run()
                 except SignalException as e:
                     raise RunFailed(f"interrupted ({e.sigval.name})", exit_code=128 + int(e.sigval)) from None
+                except (RendezvousError, torch.distributed.DistError, TimeoutError) as e:
+                    if watch.pids:  # the nodes met and a worker started: not the rendezvous's doing
+                        raise
+                    raise _rendezvous_error(params, e, nnodes, seconds) from None
                 finally:
                     spec.rdzv_handler.shutdown()
             finally:
@@ -127,6 +132,18 @@ def launch_function(
         if result is not None and not result.is_failed():
             return dict(result.return_values)
         raise _failure(error_dir)
+
+
+def _rendezvous_error(params: RendezvousParameters, error: BaseException, nnodes: int, seconds: int) -> PlannerError:
+    """One line for nodes that never met (``error``: what torch raised before any worker started)."""
+    if isinstance(error, RendezvousTimeoutError):
+        return PlannerError(
+            f"--rdzv-endpoint {params.endpoint}: the {nnodes} nodes did not all join within {seconds} s "
+            f"(--timeout {seconds}); start the same command, with the same --gpus, --gpus-per-node and "
+            "--rdzv-endpoint, on every node"
+        )
+    reason = " ".join(str(error).split())[:200]
+    return PlannerError(f"--rdzv-endpoint {params.endpoint}: the rendezvous failed ({type(error).__name__}: {reason})")
 
 
 def _failure(error_dir: Path) -> PlannerError:
