@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
+from planner.core.layout.robust import chosen_row
 from planner.core.levers.data_parallel import dp_group_links, hsdp_links
 from planner.core.levers.recompute import recomputed_prefix
 from planner.core.step.predict import plan_links, slots_of
@@ -163,19 +164,9 @@ def search_table(plan: Plan) -> str:
     with_k = any(c.accumulation > 1 for c in plan.search) or plan.accumulation > 1
     slowed = has_column(plan)  # the step on slower hardware (planner.report.robustness)
     rows = []
-    for c in plan.search:
-        mine = (c.schedule, c.n_microbatches, c.stages_per_rank, c.dp, c.dp_mode, c.fsdp_units, c.tp, c.accumulation)
-        chosen = mine + (c.sequence_parallel,) == (
-            plan.schedule,
-            plan.n_microbatches,
-            plan.stages_per_rank,
-            plan.dp,
-            plan.dp_mode,
-            plan.fsdp_units,
-            plan.tp,
-            plan.accumulation,
-            plan.sequence_parallel,
-        )
+    chosen_index = chosen_row(plan)
+    for i, c in enumerate(plan.search):
+        chosen = i == chosen_index
         row: list[object] = [c.schedule + (" *" if chosen else "")]
         if with_tp:  # "8 sp": split over 8 ranks with sequence parallelism
             row += [f"{c.tp} sp" if c.sequence_parallel else c.tp, len(c.starts) // c.stages_per_rank]

@@ -36,10 +36,11 @@ from dataclasses import dataclass, replace
 
 from planner.core.layout.candidate import Choice, blocks_at, evaluate_choice
 from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling
-from planner.core.levers.data_parallel import gather_bytes_of, tp_link
+from planner.core.levers.data_parallel import tp_link
 from planner.core.levers.links import Links, NodeLinks
 from planner.core.levers.tensor_parallel import at_degree
 from planner.core.split.cuts import Split
+from planner.core.step import predict
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost
 from planner.schema.plan import Candidate, Plan, Prediction
@@ -357,21 +358,7 @@ def plan_layout(plan: Plan) -> tuple[Layout, Split]:
     Returns:
         (layout, split).
     """
-    layout = Layout(
-        plan.schedule,
-        plan.n_ranks,
-        plan.n_microbatches,
-        plan.stages_per_rank,
-        plan.dp,
-        plan.dp_mode,
-        plan.tp,
-        fsdp_units=plan.fsdp_units,
-        dp_shard=plan.dp_shard or 0,
-        gather_bytes=gather_bytes_of(plan.profile),
-        sequence=plan.sequence_parallel,
-        accumulation=plan.accumulation,
-    )
-    return layout, Split.of(plan.prediction)
+    return predict.plan_layout(plan), Split.of(plan.prediction)
 
 
 __all__ = [
