@@ -247,12 +247,15 @@ def test_model_gemms_are_the_linear_layers_forward_and_backward() -> None:
 
 # The agreement bound: a plan made from the probe's file against a plan measured here, same layout.
 # Measured on this 2-core machine (docs/probe.md): see the ratios there. Both sides are single draws
-# of a noisy machine (docs/machine_noise.md: about 23 % between two draws of one measurement).
+# of a noisy machine (docs/machine_noise.md: about 23 % between two draws of one measurement). The
+# two draws must see the same machine: beside the parallel pass's other worker the measured plan came
+# out 1.8x the probe's (0.55), so this runs in the serial timing pass.
 AGREEMENT = (0.6, 1.6)
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.timing
 def test_probe_file_plans_like_a_measured_plan(tmp_path: Path) -> None:
     hw = tmp_path / "cpu.json"
     probed = invoke("probe", "--gpus", "2", "--quick", "--no-progress", "-o", str(hw))
