@@ -35,6 +35,8 @@ from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
 
+from planner.torch_compat import EXPORT_TRACER_MODULE
+
 # Variables with these prefixes may be read when a library is loaded (libgomp and MKL read their
 # thread settings then, torch its logging and compile settings, the interpreter PYTHON*), which a
 # kept server did long ago: a change to one starts a fresh server.
@@ -61,8 +63,9 @@ READ_WHEN_USED = frozenset({"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"})
 
 _STDIO_FDS = (1, 2)
 
-# what every rank imports, once in the server it forks from
-RANK_MODULES = ("torch", "torch.distributed.pipelining", "planner.run.worker")
+# what every rank imports, once in the server it forks from (the export tracer: every transformers
+# model's rank traces with torch.export)
+RANK_MODULES = ("torch", "torch.distributed.pipelining", EXPORT_TRACER_MODULE, "planner.run.worker")
 
 # the running server as this process started it: its pid, preloaded modules and environment
 _server: dict[str, Any] = {"pid": None, "preload": [], "environment": {}}
