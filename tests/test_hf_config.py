@@ -98,24 +98,25 @@ def test_other_architectures_get_their_own_batches(tmp_path: Path, config: objec
 
 @pytest.mark.slow
 def test_llama_3_70b_config_plans_as_the_model_file_does(tmp_path: Path) -> None:
-    """The shipped config.json of Llama 3 70B, shortened to 4 layers, against models/hf/llama.py's 70b.
+    """The shipped config.json of Llama 3 70B, shortened to 2 layers, against models/hf/llama.py's 70b.
 
-    Four layers on 4 GPUs at tp 2 still split into two stages (tp auto would pick one stage of tp 4),
-    at half the tracing of 8 layers on 8 GPUs: this was the suite's slowest test (67 s).
+    Two layers on 4 GPUs at tp 2 still split over two pipeline ranks (tp auto would pick one stage of
+    tp 4), at a quarter of the tracing of 8 layers on 8 GPUs: this was the suite's slowest test (67 s
+    at 8 layers, 39 s at 4).
     """
     args = ["--gpus", "4", "--tp", "2", "--gpu-type", "h100", "-b", "8", "-q"]
     mine = tmp_path / "a.json"
     theirs = tmp_path / "b.json"
     r1 = CliRunner().invoke(
-        main, ["plan", str(LLAMA_70B), *args, "--set", "num_hidden_layers=4", "--set", "seq_len=8192", "-o", str(mine)]
+        main, ["plan", str(LLAMA_70B), *args, "--set", "num_hidden_layers=2", "--set", "seq_len=8192", "-o", str(mine)]
     )
     r2 = CliRunner().invoke(
         main,
-        ["plan", str(MODELS / "hf" / "llama.py"), "--size", "70b", "--set", "n_layers=4", *args, "-o", str(theirs)],
+        ["plan", str(MODELS / "hf" / "llama.py"), "--size", "70b", "--set", "n_layers=2", *args, "-o", str(theirs)],
     )
     assert r1.exit_code == 0 and r2.exit_code == 0, r1.output + r2.output
     a, b = Plan.load(mine), Plan.load(theirs)
-    assert len(a.stages) == 2 and a.tp == 2
+    assert a.n_ranks == 2 and len(a.stages) >= 2 and a.tp == 2
     assert [s.start for s in a.stages] == [s.start for s in b.stages]
     assert a.prediction.step_time_s == pytest.approx(b.prediction.step_time_s, rel=1e-3)
 
