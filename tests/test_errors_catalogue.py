@@ -55,6 +55,18 @@ def _text(name: str, text: str) -> Callable[[Path], None]:
     return lambda d: None if (d / name).write_text(text) else None
 
 
+def _folders(d: Path) -> None:
+    """A folder without config.json, a folder of two model folders, a folder of model files, a FIFO."""
+    (d / "empty").mkdir(exist_ok=True)
+    for name in ("a", "b"):
+        (d / "zoo" / name).mkdir(parents=True, exist_ok=True)
+        (d / "zoo" / name / "config.json").write_text("{}")
+    (d / "pys").mkdir(exist_ok=True)
+    _toy(d / "pys", "toy.py")
+    if not (d / "fifo").exists():
+        os.mkfifo(d / "fifo")
+
+
 def _edit_plan(edit: Callable[[dict], None], name: str = "edited.json") -> Callable[[Path], None]:
     return lambda d: None if edited_copy(d / "plan.json", edit, d / name) else None
 
@@ -260,6 +272,19 @@ CASES: list[Case] = [
     ),
     # --- the model file ---------------------------------------------------------------------------
     Case("model file", "model file missing", "plan {d}/nope.py --gpus 2", 2, "does not exist"),
+    Case(
+        "model file",
+        "a folder without config.json",
+        "plan {d}/empty --gpus 2",
+        2,
+        "is a folder without config.json",
+        _folders,
+    ),
+    Case(
+        "model file", "a folder of model folders", "plan {d}/zoo --gpus 2", 2, "is a folder of models (a, b)", _folders
+    ),
+    Case("model file", "a folder of model files", "plan {d}/pys --gpus 2", 2, "give one of its Python files", _folders),
+    Case("model file", "a FIFO", "plan {d}/fifo --gpus 2", 2, "is a FIFO, not a file the planner can read", _folders),
     Case(
         "model file", "syntax error", "plan {d}/bad.py --gpus 2", 2, "importing", _text("bad.py", "def build_model(:\n")
     ),

@@ -352,6 +352,61 @@ def shape_of(out: Any) -> str:
     return type(out).__name__
 
 
+_WANTED = "give the path of a .py file with build_model and make_batch, or of a Hugging Face model folder"
+_LISTED = 5  # names listed from a folder before "..."
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:_LISTED]) + (f" and {len(names) - _LISTED} more" if len(names) > _LISTED else "")
+
+
+def _not_a_model_file(path: str | Path, p: Path) -> ModelFileError:
+    """Why ``p`` (``path`` as the user typed it), which is not a regular file, cannot be a model.
+
+    A folder is the common mistake and each kind gets its own fix: a folder of Hugging Face model
+    folders names the models in it, a folder of Python files names the files, a folder without
+    config.json says that is what is missing. A FIFO or a device is named as such (reading one would
+    block or never end), and only a path that is not there "does not exist".
+
+    Args:
+        path: the path as given.
+        p: the path resolved.
+
+    Returns:
+        The error to raise.
+    """
+    if p.is_dir():
+        try:
+            entries = sorted(p.iterdir())
+        except OSError as e:
+            return ModelFileError(f"model folder {path} cannot be read ({e.strerror or e}); {_WANTED}")
+        models = [e.name for e in entries if (e / "config.json").is_file()]
+        if models:
+            return ModelFileError(
+                f"{path} is a folder of models ({_listed(models)}), not one model; give one of them, "
+                f"e.g. {Path(path) / models[0]}"
+            )
+        files = [e.name for e in entries if e.suffix == ".py" and e.is_file()]
+        if files:
+            return ModelFileError(
+                f"{path} is a folder, not a model file; give one of its Python files ({_listed(files)}), "
+                f"e.g. {Path(path) / files[0]}"
+            )
+        return ModelFileError(f"{path} is a folder without config.json, so not a Hugging Face model folder; {_WANTED}")
+    if p.exists():
+        kind = (
+            "a FIFO"
+            if p.is_fifo()
+            else "a socket"
+            if p.is_socket()
+            else "a device"
+            if p.is_block_device() or p.is_char_device()
+            else "not a regular file"
+        )
+        return ModelFileError(f"model file {path} is {kind}, not a file the planner can read; {_WANTED}")
+    return ModelFileError(f"model file {path} does not exist; {_WANTED}")
+
+
 def load_model_file(path: str | Path, size: str | None = None, overrides: dict[str, Any] | None = None) -> ModelFile:
     """Import a model file and resolve its configuration.
 
@@ -377,9 +432,7 @@ def load_model_file(path: str | Path, size: str | None = None, overrides: dict[s
     if p.is_dir() and (p / "config.json").is_file():  # a Hugging Face model folder
         p = p / "config.json"
     if not p.is_file():
-        raise ModelFileError(
-            f"model file {path} does not exist; give the path of a .py file with build_model and make_batch"
-        )
+        raise _not_a_model_file(path, p)
     if p.suffix == ".json":
         return _hf_config_file(p, size, overrides)
     name = "planner_model_" + hashlib.sha256(str(p).encode()).hexdigest()[:12]
