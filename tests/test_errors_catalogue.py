@@ -721,7 +721,16 @@ CASES: list[Case] = [
         "this planner reads version 1",
         _text("v9.json", '{"version": 9}'),
     ),
-    Case("plan files", "run a run report", "run {d}/one.run.json", 2, "format version 2"),
+    Case("plan files", "run a run report", "run {d}/one.run.json", 2, "is a run result, not a plan"),
+    Case("plan files", "run a model file", "run {d}/model.py", 2, "is a Python file (a model file?), not a plan"),
+    Case(
+        "plan files",
+        "report a Hugging Face config",
+        "report {d}/config.json",
+        2,
+        "is a Hugging Face model config, not a plan; plan it first",
+        _text("config.json", '{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}'),
+    ),
     Case(
         "plan files",
         "a negative stage time",

@@ -15,7 +15,7 @@ from typing import BinaryIO, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from planner.errors import PlanFileError
-from planner.schema.outputs import unsafe_target
+from planner.schema.outputs import document_kind, looks_like_python, unsafe_target
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -103,6 +103,18 @@ def write_atomic(path: str | Path, content: str | bytes | Callable[[BinaryIO], N
     _sync_folder(p.parent)
 
 
+def _other_document(raw: dict[str, object], source: str, what: str, fix: str) -> str:
+    """Why ``raw`` is recognisably not a ``what``, with the fix: another of the planner's documents (a
+    run result given to `planner run`), or a Hugging Face model config ("format version None" said
+    nothing of either). Empty when it may be a ``what`` of another version or a damaged one."""
+    kind = document_kind(raw)
+    if kind is not None and kind != what:
+        return f"{source} is a {kind}, not a {what}; {fix}"
+    if "version" not in raw and ("architectures" in raw or "model_type" in raw):
+        return f"{source} is a Hugging Face model config, not a {what}; plan it first: planner plan {source} --gpus N"
+    return ""
+
+
 def parse_versioned(text: str, model: type[M], version: int, source: str, what: str, fix: str) -> M:
     """Parse a versioned JSON document into a pydantic model, with one-line errors.
 
@@ -124,6 +136,11 @@ def parse_versioned(text: str, model: type[M], version: int, source: str, what: 
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
+        if looks_like_python(Path(source).name, text):  # `planner run model.py`: the file comes before its plan
+            raise PlanFileError(
+                f"{source} is a Python file (a model file?), not a {what}; a model file is planned first: "
+                f"planner plan {source} --gpus N -o plan.json"
+            ) from e
         raise PlanFileError(f"{source} is not JSON ({e}); {fix}") from e
     except RecursionError as e:  # json's decoder recurses once per nesting level
         raise PlanFileError(f"{source} is not a {what}: its JSON is nested too deeply to read; {fix}") from e
@@ -132,6 +149,9 @@ def parse_versioned(text: str, model: type[M], version: int, source: str, what: 
         raise PlanFileError(f"{source} is not a {what}: it holds an integer of more than {digits} digits; {fix}") from e
     if not isinstance(raw, dict):
         raise PlanFileError(f"{source} is not a {what} (expected a JSON object); {fix}")
+    other = _other_document(raw, source, what, fix)
+    if other:
+        raise PlanFileError(other)
     if raw.get("version") != version:
         raise PlanFileError(
             f"{source} is {what} format version {raw.get('version')!r}; this planner reads version {version}; {fix}"

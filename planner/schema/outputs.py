@@ -128,7 +128,8 @@ def document_kind(raw: object) -> OutputKind | None:
     return None
 
 
-def _looks_like_python(name: str, text: str) -> bool:
+def looks_like_python(name: str, text: str) -> bool:
+    """Whether a file named ``name`` holding ``text`` is Python source (by its suffix or first line)."""
     if name.endswith((".py", ".pyw", ".pyi")):
         return True
     first = text.lstrip().split("\n", 1)[0]
@@ -155,7 +156,7 @@ def _what_it_holds(path: Path, size: int) -> tuple[OutputKind | None, str]:
     try:
         raw = json.loads(text)
     except (ValueError, RecursionError):  # not JSON, an integer too long, nesting too deep
-        return None, "a Python file?" if _looks_like_python(path.name, text) else "text that is not JSON"
+        return None, "a Python file?" if looks_like_python(path.name, text) else "text that is not JSON"
     kind = document_kind(raw)
     if kind is not None:
         return kind, kind
