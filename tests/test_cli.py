@@ -303,6 +303,23 @@ def test_report_measured_needs_a_run_file(toy_plan: Path, tmp_path: Path) -> Non
     assert blocks.exit_code == 2 and "--blocks compares with a run" in blocks.output
 
 
+def test_a_picture_format_is_refused_before_the_report_prints(toy_plan: Path, tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["report", str(toy_plan), "--timeline", str(tmp_path / "step.jpg")])
+    assert result.exit_code == 2 and "cannot write a .jpg picture" in result.stderr
+    assert result.stdout == ""  # not the whole report first, then the refusal
+    assert not (tmp_path / "step.jpg").exists()
+
+
+def test_the_picture_title_says_what_follows_the_pipeline(toy_plan: Path) -> None:
+    from cli import picture_title
+
+    plan = Plan.load(toy_plan)
+    step_ms = plan.prediction.step_time_s * 1e3
+    title = picture_title(plan, plan.prediction.step_time_s * 0.9)
+    assert f"predicted step {step_ms:.1f} ms: the pipeline below, then {step_ms * 0.1:.1f} ms after it" in title
+    assert "after it" not in picture_title(plan, plan.prediction.step_time_s)
+
+
 @pytest.mark.multiprocess
 def test_plan_run_report_calibrate_loop(tmp_path: Path) -> None:
     plan_path, run_path = tmp_path / "plan.json", tmp_path / "plan.run.json"

@@ -85,8 +85,8 @@ def test_every_action_is_one_box_in_its_panel() -> None:
         assert box.get_y() + box.get_height() / 2 == pytest.approx(1 - e.rank)
     assert len({box.get_facecolor() for box in boxes[0]}) == 3  # F, I and W in three colours
     # the makespan is in the panel's title (F = I = W = 1 s: 4 mb x 2 stages x 3 s + 1 s of fill)
-    assert axes[0].get_title() == "predicted: 25 s"
-    assert axes[1].get_title().startswith("measured: ")
+    assert axes[0].get_title() == "predicted pipeline: 25 s"
+    assert axes[1].get_title().startswith("measured pipeline: ")
     # two stages per rank: the labels name the stage and the microbatch
     labels = {t.get_text() for t in axes[0].texts}
     assert {"s0·0", "s3·0", "s1·3"} <= labels
@@ -107,7 +107,7 @@ def test_time_unit_follows_the_magnitude() -> None:
     fig = build_figure(simulate([(1e-3, 2e-3)] * 2, "gpipe", 2).events, 2)
     ax = fig.get_axes()[0]
     assert ax.get_xlabel() == "time (ms)"
-    assert ax.get_title() == "predicted: 9 ms"  # (m + p - 1)(F + B) = 3 x 3 ms
+    assert ax.get_title() == "predicted pipeline: 9 ms"  # (m + p - 1)(F + B) = 3 x 3 ms
     assert max(b.get_x() + b.get_width() for b in _boxes(ax)) == pytest.approx(9.0)
     one_stage_labels = {t.get_text() for t in ax.texts}
     assert one_stage_labels == {"0", "1"}  # one stage per rank: just the microbatch

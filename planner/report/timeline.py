@@ -173,7 +173,9 @@ def build_figure(
     for ax, (name, events) in zip(axes, panels):
         _draw(ax, events, n_ranks, scale, span, several)
         step = max(e.end_s for e in events)
-        ax.set_title(f"{name}: {step * scale:.3g} {unit}", fontsize=9)
+        # the pipeline's actions only: a plan's step also holds what runs after them (the optimizer
+        # step, gradient reductions), which the caller's title states
+        ax.set_title(f"{name} pipeline: {step * scale:.3g} {unit}", fontsize=9)
     # shared axis: one limit for all panels, so the longer step is never cut off
     axes[-1].set_xlim(0, span * scale * 1.005 if span > 0 else 1.0)
     axes[-1].set_xlabel(f"time ({unit})")
@@ -201,6 +203,15 @@ def _image_format(path: Path) -> str:
             "e.g. --timeline step.png"
         )
     return fmt
+
+
+def check_timeline_path(path: str | Path) -> None:
+    """Refuse a ``--timeline`` name matplotlib cannot write as a picture, before anything is printed.
+
+    Raises:
+        PlannerError: the suffix names no picture format (``_image_format``).
+    """
+    _image_format(Path(path))
 
 
 def timeline_figure(
