@@ -45,6 +45,7 @@ from planner.core.step.predict import with_links
 from planner.core.step.schedules import check_placement, check_schedule, stages_per_rank_options
 from planner.costs.blocks import ties_of
 from planner.costs.scaling import fixed_fraction, measured_time_at
+from planner.costs.sequence import sequence_note
 from planner.costs.tensor_parallel import TensorParallelBlocks, tensor_parallel_blocks
 from planner.errors import InfeasibleError, ModelFileError, PlanFileError
 from planner.schema.costs import GLOO_CPU_LINK, NCCL_NVLINK_LINK, BlockCost, LinkCost, StepTempRule
@@ -241,8 +242,7 @@ def plan_from_costs(
         split = TensorParallelBlocks(list(blocks), {}, f"tensor parallelism: none, {why}")
         plan = assembled(split)
     # --tp auto on a model that cannot be split: why it stays whole; why not sequence parallelism where asked or split
-    notes = [split.note, split.sequence_note if plan.tp > 1 or request.sequence_parallel is True else ""]
-    for note in filter(None, notes):
+    for note in filter(None, [split.note, sequence_note(request, plan.tp, split.note, split.sequence_note)]):
         plan = plan.model_copy(update={"choice": f"{plan.choice}; {note}" if plan.choice else note})
     return plan
 
@@ -450,17 +450,28 @@ def _traced(
         stage_module(traced, 0, len(traced.blocks))  # every plan runs: refuse blocks that are no chain, saying why
     pp = request.min_pipeline_ranks  # the fewest pipeline ranks a replica count tried gives
     if pp > len(traced.blocks):
-        names = [b.name for b in traced.blocks]
-        shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
-        if request.dp == 1:
-            raise InfeasibleError(
-                f"--gpus {pp}: the model has only {len(names)} blocks ({shown}); use at most {len(names)}"
-            )
-        raise InfeasibleError(
-            f"--gpus {request.gpus} --dp {request.dp}: {pp} pipeline ranks per replica, but the model has only "
-            f"{len(names)} blocks ({shown}); use at most {len(names)} per replica (more replicas: a larger --dp)"
-        )
+        raise InfeasibleError(_too_few_blocks(request, pp, [b.name for b in traced.blocks]))
     return traced
+
+
+def _too_few_blocks(request: PlanRequest, pp: int, names: list[str]) -> str:
+    """Why a model of ``names`` blocks cannot fill ``pp`` pipeline ranks, in the user's own options.
+
+    The message names the ``--gpus`` the user typed (not the pipeline ranks left after tensor
+    parallelism and replicas, which it once called "--gpus 8" for --gpus 16 --tp 2), and the most
+    GPUs that fit: one block per pipeline rank times the ranks beside each (tp x replicas, the
+    replicas the batch allows where --dp is searched).
+    """
+    shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+    beside = request.gpus // pp  # tensor-parallel ranks x replicas on each pipeline rank
+    if beside == 1:
+        return f"--gpus {request.gpus}: the model has only {len(names)} blocks ({shown}); use at most {len(names)}"
+    given = f"--gpus {request.gpus}" + (f" --tp {request.tp}" if request.tp not in (1, "auto") else "")
+    given += f" --dp {request.dp}" if request.dp != 1 else ""
+    return (
+        f"{given}: {pp} pipeline ranks of {beside} GPUs each (tensor-parallel ranks x replicas), but the model has "
+        f"only {len(names)} blocks ({shown}); use at most --gpus {len(names) * beside}"
+    )
 
 
 def _with_output(blocks: list[BlockCost], traced: TracedModel) -> list[BlockCost]:

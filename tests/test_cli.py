@@ -134,6 +134,11 @@ def test_plan_options_reach_the_plan(tmp_path: Path) -> None:
             ["plan", str(MODELS / "toy.py"), "--gpus", "9", "--size", "tiny", "-b", "18"],
             "the model has only 3 blocks (net1, relu, net2); use at most 3",
         ),
+        (  # the --gpus typed, not the pipeline ranks left; at most one block per pipeline rank
+            ["plan", str(MODELS / "toy.py"), "--gpus", "16", "--dp", "4", "--size", "tiny", "-b", "16"],
+            "--gpus 16 --dp 4: 4 pipeline ranks of 4 GPUs each (tensor-parallel ranks x replicas), but the model has "
+            "only 3 blocks (net1, relu, net2); use at most --gpus 12",
+        ),
         (
             [
                 "plan",
