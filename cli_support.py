@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import functools
 import json
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -128,16 +129,31 @@ debug_option = click.option(
 )
 
 
+# names a --compare value takes only as a file (a split is never written with these endings)
+_SPLIT_FILE_SUFFIXES = (".json", ".toml", ".py", ".yaml", ".yml", ".txt")
+
+
 def split_option(value: str | None) -> str | None:
     """``--compare SPLIT``: a file holding torchtitan's module lists becomes ``fqns:`` and their JSON;
     anything else is passed on as written (``planner.core.split.given`` reads it).
 
     Raises:
-        click.BadParameter: a file without a module_fqns_per_model_part list.
+        click.BadParameter: a file without a module_fqns_per_model_part list, or a value named as a
+            file (a path, a .json/.toml/.py name) where there is no such file.
     """
-    if value is None or not Path(value).is_file():
+    if value is None:
         return value
     path = Path(value)
+    if not path.is_file():
+        if path.suffix.lower() in _SPLIT_FILE_SUFFIXES or os.sep in value:  # meant as a file: say it is not there
+            what = (
+                "is a folder" if path.is_dir() else "does not exist" if not path.exists() else "is not a regular file"
+            )
+            raise click.BadParameter(
+                f"{value} {what}; give a file holding torchtitan's module_fqns_per_model_part (JSON, TOML or "
+                "Python), or a split written out: layer counts (3,4), Megatron (Et*3|t*4L), DeepSpeed (parts:0,3,7)"
+            )
+        return value
     text = path.read_text(errors="replace")
     found: object = None
     try:

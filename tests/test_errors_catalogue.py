@@ -464,6 +464,20 @@ CASES: list[Case] = [
         2,
         "the model has only 3 blocks",
     ),
+    Case(
+        "plan options",
+        "a --compare file that is not there",
+        "plan {d}/model.py --gpus 2 --compare {d}/titan.toml",
+        2,
+        "titan.toml does not exist; give a file holding torchtitan's module_fqns_per_model_part",
+    ),
+    Case(
+        "plan options",
+        "more pipeline ranks than blocks once tp takes its share",
+        "plan {d}/model.py --gpus 8 --tp 2 --gpu-type h100 -b 8",
+        2,
+        "--gpus 8 --tp 2: 4 pipeline ranks of 2 GPUs each (tensor-parallel ranks x replicas), but the model has only 3",
+    ),
     Case("plan options", "--batch-size 0", "plan {d}/model.py --gpus 2 -b 0", 2, "--batch-size"),
     Case(
         "plan options",
