@@ -1,6 +1,7 @@
 """Outputs never destroy anything: check an output path before any work is done. Pure: no torch.
 
-``planner plan -o``, ``planner run -o`` and the calibration write JSON documents. Before profiling
+``planner plan -o``, ``planner run -o`` and the calibration write JSON documents, ``planner
+export-weights -o`` a state dict (``torch.save``'s zip archive, identified here without torch). Before profiling
 or training starts, ``check_output`` refuses a destination whose old content would be lost and is
 not an older copy of the same document: a model file, a plan given as a run report's target, a
 symbolic link, a folder, a device node, a fifo. It also refuses a destination that cannot be
@@ -13,11 +14,13 @@ from __future__ import annotations
 
 import json
 import os
+import pickletools
 import re
 import stat
 import tempfile
+import zipfile
 from pathlib import Path
-from typing import Literal
+from typing import IO, Literal
 
 from planner.errors import PlanFileError
 
@@ -41,6 +44,7 @@ EXAMPLE_NAMES: dict[OutputKind, str] = {
     "timeline": "timeline.png",
     "export": "plan_export.txt",
     "hardware file": "hardware.json",
+    "weights": "model.pt",
 }
 
 # What ``planner export`` writes begins with this line (report/export.HEADER), except its CSV: a file
@@ -51,6 +55,16 @@ _ACTIONS_CSV = re.compile(rb"^(\d+[A-Z_]+\d*(,\d+[A-Z_]+\d*)*)?$")
 # The first bytes of the pictures ``planner report --timeline`` writes (PNG, PDF, SVG): an earlier
 # picture may be replaced, any other file may not.
 IMAGE_MAGIC = (b"\x89PNG\r\n\x1a\n", b"%PDF", b"<?xml", b"<svg")
+
+# What ``planner export-weights`` writes: ``torch.save`` of a model's state dict, a zip archive whose
+# records lie in one folder, its pickle (FOLDER/data.pkl) an OrderedDict. An earlier state dict may be
+# replaced; any other file (a plan, a model file, a training checkpoint of several dicts) may not.
+ZIP_MAGIC = b"PK\x03\x04"
+_STATE_DICT_GLOBAL = "collections OrderedDict"
+# the opcodes a pickle may begin with before it names its first class (protocol 2: GLOBAL; 4 and
+# later: the two names as strings, then STACK_GLOBAL)
+_PICKLE_PREAMBLE = frozenset({"PROTO", "FRAME", "MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"})
+_PICKLE_STRINGS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "UNICODE"})
 
 # A destination larger than this is not read to identify it: no planner document comes near it.
 MAX_SNIFF_BYTES = 64 * 2**20
@@ -211,6 +225,9 @@ def _check_existing(path: str | Path, p: Path, st: os.stat_result, kind: OutputK
     if kind == "export":
         _check_export(path, p, fix_name, option)
         return
+    if kind == "weights":
+        _check_weights(path, p, st.st_size, fix_name, option)
+        return
     if kind == "timeline":
         try:
             with open(p, "rb") as f:
@@ -247,6 +264,61 @@ def _check_export(path: str | Path, p: Path, fix_name: str, option: str) -> None
     )
     if not ours:
         raise PlanFileError(f"{where} holds something that is not a `planner export` output; {fix_name}")
+    if not os.access(p, os.W_OK):
+        raise PlanFileError(f"{where} is read-only; make it writable (chmod u+w {path}) or {fix_name}")
+
+
+def _pickles_a_state_dict(stream: IO[bytes]) -> bool:
+    """Whether a pickle's first object is an OrderedDict (what ``state_dict()`` returns), read
+    opcode by opcode: nothing is unpickled, so no code in the file runs."""
+    strings: list[str] = []
+    for op, arg, _ in pickletools.genops(stream):
+        if op.name == "GLOBAL":
+            return arg == _STATE_DICT_GLOBAL
+        if op.name == "STACK_GLOBAL":
+            return " ".join(strings[-2:]) == _STATE_DICT_GLOBAL
+        if op.name in _PICKLE_STRINGS:
+            strings.append(str(arg))
+        elif op.name not in _PICKLE_PREAMBLE or len(strings) > 2:
+            return False  # a dict, a list, a tensor: not a state dict
+    return False
+
+
+def _not_a_state_dict(p: Path, size: int) -> str | None:
+    """None when ``p`` holds a state dict ``torch.save`` wrote, else what it holds (for the message).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    with open(p, "rb") as f:
+        zipped = f.read(len(ZIP_MAGIC)) == ZIP_MAGIC
+    if not zipped:
+        found, hint = _what_it_holds(p, size)
+        if found is None and not hint:
+            return None  # blank: nothing to lose, as for the other kinds
+        return f"a {found}" if found is not None else hint.rstrip("?")
+    try:
+        with zipfile.ZipFile(p) as archive:
+            pickles = [n for n in archive.namelist() if n.count("/") == 1 and n.endswith("/data.pkl")]
+            if len(pickles) != 1:
+                return "a zip archive that torch.save did not write"
+            with archive.open(pickles[0]) as stream:
+                if _pickles_a_state_dict(stream):
+                    return None
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, EOFError, ValueError):
+        return "a damaged zip archive"  # a truncated file, an unknown compression, a broken pickle
+    return "a PyTorch file of another object (a whole checkpoint or module?)"
+
+
+def _check_weights(path: str | Path, p: Path, size: int, fix_name: str, option: str) -> None:
+    """Refuse replacing a file that is not an earlier state dict (or empty), or is read-only."""
+    where = f"{option} {path}"
+    try:
+        held = _not_a_state_dict(p, size) if size else None
+    except OSError as e:
+        raise PlanFileError(f"{where} cannot be read to check it holds weights ({e.strerror}); {fix_name}") from e
+    if held is not None:
+        raise PlanFileError(f"{where} holds {held}, not a state dict; {fix_name}")
     if not os.access(p, os.W_OK):
         raise PlanFileError(f"{where} is read-only; make it writable (chmod u+w {path}) or {fix_name}")
 
