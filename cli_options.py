@@ -160,7 +160,7 @@ node_options = option_group(
         show_default=True,
         metavar="SECONDS",
         help="How long a rank may wait on another (a send, a receive, a collective, the rendezvous) before the run "
-        "stops: a hung or stopped rank is named and the run ends instead of waiting forever.",
+        "stops: a hung or stopped rank is named and the run ends instead of waiting forever. At least 5.",
     ),
 )
 

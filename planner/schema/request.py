@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal, TypeVar, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from planner.errors import PlannerError
+from planner.schema.bounds import MemoryLimitGiB, TimeoutSeconds
 from planner.schema.costs import OptimizerSpec
 
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev"]
@@ -248,8 +249,7 @@ class PlanRequest(_Request):
         description="A split to cost beside the plan (planner.core.split.given: layer counts, a Megatron layout, "
         "parts:..., or fqns: and torchtitan's module lists as JSON); --method given trains it.",
     )
-    memory_limit_gib: float | None = Field(
-        # 2**30 GiB (an exbibyte) is far past any device and keeps the limit a finite byte count
+    memory_limit_gib: MemoryLimitGiB | None = Field(  # bounds: under one byte, past an exbibyte refused
         default=None,
         gt=0,
         le=2**30,
@@ -631,7 +631,7 @@ class RunRequest(_Request):
     )
     output: Path | None = Field(default=None, description="Where run.json goes (None: PLAN's name with .run.json).")
     echo: bool = Field(default=True, description="Print one line per step.")
-    timeout_s: float = Field(
+    timeout_s: TimeoutSeconds = Field(  # bounds: under 5 s a healthy rank would be taken for a hung one
         default=300.0,
         gt=0,
         le=86400,
