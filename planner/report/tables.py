@@ -34,6 +34,12 @@ def _mb(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f}"
 
 
+def _over(need: int, limit: int) -> str:
+    """The fits column of a layout over the limit: how many times the limit it needs (a hand-edited
+    plan may hold a 0-byte limit, which has no multiple)."""
+    return f"NO: needs {need / limit:.2f}x the limit" if limit > 0 else "NO: the limit is 0 bytes"
+
+
 def _count(n: int) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= size:
@@ -128,7 +134,7 @@ def summary_table(plan: Plan) -> str:
                 f"{100 * pred.bubble_fraction:.1f}%",
                 f"{pred.imbalance:.3f}",
                 _mb(pred.max_memory_bytes),
-                "yes" if fits or limit is None else f"NO: needs {pred.max_memory_bytes / limit:.2f}x the limit",
+                "yes" if fits or limit is None else _over(pred.max_memory_bytes, limit),
                 f"{pred.step_time_s / chosen.step_time_s:.3f}x" if fits else "(cannot run)",
             ]
         )

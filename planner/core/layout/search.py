@@ -480,9 +480,11 @@ def _nothing_fits(outcome: _Outcome, cluster: Cluster, constraints: Constraints)
     need, layout = min(needs, key=lambda nl: (nl[0], describe(nl[1])))
     hints = ["raise --memory-limit", "use more --gpus"]
     hints += ["--recompute auto"] if constraints.recompute == "never" else []
+    # a 0-byte limit (plan_from_costs given one; PlanRequest refuses it) is no base for a "% over"
+    over = f" ({need / limit - 1:.0%} over)" if limit > 0 else ""
     return InfeasibleError(
         f"no layout fits the {_gib(limit)} GiB memory limit: the closest, {describe(layout)}, needs "
-        f"{_gib(need)} GiB per rank ({need / limit - 1:.0%} over); " + ", ".join(hints)
+        f"{_gib(need)} GiB per rank{over}; " + ", ".join(hints)
     )
 
 
