@@ -606,6 +606,20 @@ CASES: list[Case] = [
     ),
     Case(
         "export",
+        "--rename that matches no block",
+        "export {d}/plan.json --to torchtitan --rename layer=blocks",
+        2,
+        "no block is 'layer' or inside it",
+    ),
+    Case(
+        "export",
+        "--rename giving two blocks one name",
+        "export {d}/plan.json --to torchtitan --rename net1=net2",
+        2,
+        "one name, 'net2'; rename them apart",
+    ),
+    Case(
+        "export",
         "-o naming a model file",
         "export {d}/plan.json --to csv -o {d}/model.py",
         2,

@@ -71,6 +71,22 @@ def test_a_name_torchtitan_cannot_keep_is_named_with_the_rename_that_fixes_it() 
         parse_renames(["layers"])
 
 
+def test_a_rename_that_would_be_ignored_or_break_the_export_is_refused() -> None:
+    plan = plan_with_starts(LLAMA, [0, 3], schedule="1f1b", batch_size=8, n_microbatches=2)
+    assert torchtitan_fqns(plan, {"layers": "blocks"})[0] == ["tok_embeddings", "blocks.0", "blocks.1"]
+    export_plan(plan, "torchtitan", {"layers": "blocks"})  # accepted
+    for renames, fmt, message in (
+        ({"nothing": "x"}, "torchtitan", "no block is 'nothing' or inside it (the blocks: tok_embeddings, layers.0"),
+        (parse_renames(["layers=b=c"]), "torchtitan", "'b=c' is not a module path"),
+        ({"layers.0": "norm"}, "torchtitan", "gives blocks 'layers.0' and 'norm' one name, 'norm'"),
+        ({"layers": "blocks"}, "megatron", "--to megatron names no modules, so --rename would change nothing"),
+        ({"layers": "blocks"}, "csv", "--to csv names no modules"),
+    ):
+        with pytest.raises(ExportError) as caught:
+            export_plan(plan, fmt, renames)
+        assert message in str(caught.value), (renames, fmt)
+
+
 def test_megatron_layout_puts_embedding_layers_and_loss_in_vpp_by_pp_order() -> None:
     plan = _interleaved([0, 2, 4, 5])
     assert megatron_layout(plan) == "Et|tt|t|L"

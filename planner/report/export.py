@@ -88,7 +88,52 @@ def export_plan(plan: Plan, fmt: str, renames: Mapping[str, str] | None = None) 
     }
     if fmt not in writers:
         raise ExportError(f"--to {fmt!r}: choose one of {', '.join(EXPORT_FORMATS)}")
-    return writers[fmt](plan, dict(renames or {}))
+    renames = dict(renames or {})
+    check_renames(plan, renames, fmt)
+    return writers[fmt](plan, renames)
+
+
+# a module path: names (or ModuleList indices) joined by dots
+_MODULE_PATH = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
+_NAMES_MODULES = ("torchtitan", "torchtitan-toml", "deepspeed")  # the formats --rename applies to
+
+
+def check_renames(plan: Plan, renames: Mapping[str, str], fmt: str) -> None:
+    """Refuse a ``--rename`` that would be ignored or would break the export, each in one line.
+
+    A rename that matched nothing, or one given to a format that names no modules, was silently
+    dropped; ``a=b=c`` renamed ``a`` to ``b=c``; ``layers.0=norm`` exported "norm" in two stages.
+
+    Args:
+        plan: the plan exported.
+        renames: OLD -> NEW (``parse_renames``).
+        fmt: the export format.
+
+    Raises:
+        ExportError: renames for a format without module names, a side that is not a module path,
+            an OLD no block name starts with, or two blocks renamed to one name.
+    """
+    if not renames:
+        return
+    if fmt not in _NAMES_MODULES:
+        raise ExportError(
+            f"--to {fmt} names no modules, so --rename would change nothing; leave it out (it applies to "
+            f"{', '.join(_NAMES_MODULES)})"
+        )
+    names = [b.name for b in plan.blocks]
+    for old, new in renames.items():
+        for side in (old, new):
+            if not _MODULE_PATH.match(side):
+                raise ExportError(f"--rename {old}={new}: {side!r} is not a module path (names joined by dots)")
+        if not any(renamed(n, {old: new}) != n for n in names):
+            shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+            raise ExportError(f"--rename {old}={new}: no block is {old!r} or inside it (the blocks: {shown})")
+    seen: dict[str, str] = {}
+    for name in names:
+        out = renamed(name, renames)
+        if out in seen:
+            raise ExportError(f"--rename gives blocks {seen[out]!r} and {name!r} one name, {out!r}; rename them apart")
+        seen[out] = name
 
 
 def stage_blocks(plan: Plan) -> list[list[str]]:
