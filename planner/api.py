@@ -48,6 +48,7 @@ from planner.costs.scaling import fixed_fraction, measured_time_at
 from planner.costs.sequence import sequence_note
 from planner.costs.tensor_parallel import TensorParallelBlocks, tensor_parallel_blocks
 from planner.errors import InfeasibleError, ModelFileError, PlanFileError
+from planner.schema.bounds import too_few_blocks
 from planner.schema.costs import GLOO_CPU_LINK, NCCL_NVLINK_LINK, BlockCost, LinkCost, StepTempRule
 from planner.schema.plan import ModelRef, Plan, ProfileInfo, Tie
 from planner.schema.request import PlanRequest
@@ -450,28 +451,8 @@ def _traced(
         stage_module(traced, 0, len(traced.blocks))  # every plan runs: refuse blocks that are no chain, saying why
     pp = request.min_pipeline_ranks  # the fewest pipeline ranks a replica count tried gives
     if pp > len(traced.blocks):
-        raise InfeasibleError(_too_few_blocks(request, pp, [b.name for b in traced.blocks]))
+        raise InfeasibleError(too_few_blocks(request.gpus, request.tp, request.dp, pp, [b.name for b in traced.blocks]))
     return traced
-
-
-def _too_few_blocks(request: PlanRequest, pp: int, names: list[str]) -> str:
-    """Why a model of ``names`` blocks cannot fill ``pp`` pipeline ranks, in the user's own options.
-
-    The message names the ``--gpus`` the user typed (not the pipeline ranks left after tensor
-    parallelism and replicas, which it once called "--gpus 8" for --gpus 16 --tp 2), and the most
-    GPUs that fit: one block per pipeline rank times the ranks beside each (tp x replicas, the
-    replicas the batch allows where --dp is searched).
-    """
-    shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
-    beside = request.gpus // pp  # tensor-parallel ranks x replicas on each pipeline rank
-    if beside == 1:
-        return f"--gpus {request.gpus}: the model has only {len(names)} blocks ({shown}); use at most {len(names)}"
-    given = f"--gpus {request.gpus}" + (f" --tp {request.tp}" if request.tp not in (1, "auto") else "")
-    given += f" --dp {request.dp}" if request.dp != 1 else ""
-    return (
-        f"{given}: {pp} pipeline ranks of {beside} GPUs each (tensor-parallel ranks x replicas), but the model has "
-        f"only {len(names)} blocks ({shown}); use at most --gpus {len(names) * beside}"
-    )
 
 
 def _with_output(blocks: list[BlockCost], traced: TracedModel) -> list[BlockCost]:

@@ -1,5 +1,8 @@
 """Option values that pass a type check but cannot work: refused with the user's value in its units. Pure.
 
+(``too_few_blocks`` words the same kind of refusal where the model is needed to know it: more pipeline
+ranks than the model has blocks.)
+
 ``--memory-limit`` is in GiB: 1e-12 GiB is under one byte, so the search would divide by a zero-byte
 limit, and 1e30 GiB is no device's. ``--timeout`` bounds every wait on another rank: under a few
 seconds a healthy rank that joins the group late, saves a checkpoint or runs its memory-tracked step
@@ -90,3 +93,32 @@ MemoryLimitGiB = Annotated[float, AllowInfNan(False), BeforeValidator(check_memo
 """``PlanRequest.memory_limit_gib``'s type: a float in GiB, a value under one byte or past an exbibyte refused."""
 TimeoutSeconds = Annotated[float, AllowInfNan(False), BeforeValidator(check_timeout_s)]
 """``RunRequest.timeout_s``'s type: a float in seconds, one under ``MIN_TIMEOUT_S`` refused."""
+
+
+def too_few_blocks(gpus: int, tp: int | str, dp: int | str, pp: int, names: list[str]) -> str:
+    """Why a model of ``names`` blocks cannot fill ``pp`` pipeline ranks, in the user's own options.
+
+    The message names the ``--gpus`` the user typed (not the pipeline ranks left after tensor
+    parallelism and replicas, which it once called "--gpus 8" for --gpus 16 --tp 2), and the most
+    GPUs that fit: one block per pipeline rank times the ranks beside each (tp x replicas, the
+    replicas the batch allows where --dp is searched).
+
+    Args:
+        gpus: ``--gpus``.
+        tp: ``--tp`` (a degree or "auto").
+        dp: ``--dp`` (a count or "auto").
+        pp: the fewest pipeline ranks any mesh tried leaves.
+        names: the model's block names.
+
+    Returns:
+        The message.
+    """
+    shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+    beside = gpus // pp  # tensor-parallel ranks x replicas on each pipeline rank
+    if beside == 1:
+        return f"--gpus {gpus}: the model has only {len(names)} blocks ({shown}); use at most {len(names)}"
+    given = f"--gpus {gpus}" + (f" --tp {tp}" if tp not in (1, "auto") else "") + (f" --dp {dp}" if dp != 1 else "")
+    return (
+        f"{given}: {pp} pipeline ranks of {beside} GPUs each (tensor-parallel ranks x replicas), but the model has "
+        f"only {len(names)} blocks ({shown}); use at most --gpus {len(names) * beside}"
+    )
