@@ -481,6 +481,20 @@ CASES: list[Case] = [
     Case("plan options", "--batch-size 0", "plan {d}/model.py --gpus 2 -b 0", 2, "--batch-size"),
     Case(
         "plan options",
+        "--memory-limit under one byte",
+        "plan {d}/model.py --gpus 2 --memory-limit 1e-12",
+        2,
+        "1e-12 GiB is 0.0011 bytes, under one byte (the limit is in GiB)",
+    ),
+    Case(
+        "plan options",
+        "--memory-limit past an exbibyte",
+        "plan {d}/model.py --gpus 2 --memory-limit 1e30",
+        2,
+        "1e+30 GiB is past any device (at most 1073741824 GiB, an exbibyte)",
+    ),
+    Case(
+        "plan options",
         "batch not divisible by --microbatches",
         "plan {d}/model.py --gpus 2 -b 30 -m 4",
         2,
@@ -859,6 +873,27 @@ CASES: list[Case] = [
     ),
     Case("run options", "-o into a missing folder", "run {d}/plan.json -o {d}/missing/run.json", 2, "does not exist"),
     Case("run options", "--timeout 0", "run {d}/plan.json --timeout 0", 2, "--timeout"),
+    Case(
+        "run options",
+        "--timeout too short to work",
+        "run {d}/plan.json --timeout 0.01",
+        2,
+        "0.01 s is too short to tell a hung rank from a busy one",
+    ),
+    Case(
+        "run options",
+        "export-weights -o onto a model file",
+        "export-weights {d}/plan.json -o {d}/model.py",
+        2,
+        "holds a Python file, not a state dict; choose another file name, e.g. -o model.pt",
+    ),
+    Case(
+        "run options",
+        "export-weights -o onto a plan",
+        "export-weights {d}/plan.json -o {d}/plan.json",
+        2,
+        "holds a plan, not a state dict",
+    ),
     Case(
         "run options",
         "--node-rank outside --nnodes",
