@@ -139,13 +139,23 @@ def test_ctrl_c_and_sigterm_to_the_launcher() -> None:
 
 
 def test_a_failure_on_another_node_is_pointed_at() -> None:
-    lost = diagnose({0: record(0, 1.0, RESET)}, {0: 1}, timeout_s=300)
+    lost = diagnose({0: record(0, 1.0, RESET)}, {0: 1}, timeout_s=300, nnodes=2)
     assert lost.message == (
         "rank 0 lost its connection to another rank at step 5 (Read error [127.0.0.1]:4: Connection reset by "
         "peer): a rank on another node failed or stopped responding first; see that node's output"
     )
-    silent = diagnose({0: record(0, 1.0, TIMEOUT)}, {0: 1}, timeout_s=20)
+    silent = diagnose({0: record(0, 1.0, TIMEOUT)}, {0: 1}, timeout_s=20, nnodes=2)
     assert silent.message.startswith("rank 0 got no answer from another rank at step 5 (Timed out waiting 20000ms")
+
+
+def test_on_one_node_a_timeout_no_rank_caused_blames_no_other_node() -> None:
+    # every rank was here and none failed or was stopped: the step was slower than --timeout
+    got = diagnose({0: record(0, 1.0, TIMEOUT), 1: record(1, 1.5, TIMEOUT)}, {0: 1, 1: 1}, timeout_s=20)
+    assert got.message.startswith("rank 0 got no answer from another rank at step 5 (Timed out waiting 20000ms")
+    assert got.message.endswith(
+        "no rank failed, so a step or a save took longer than --timeout; give a larger --timeout"
+    )
+    assert "another node" not in got.message and got.exit_code == 1
 
 
 def test_any_other_failure_is_the_earliest_record() -> None:

@@ -182,8 +182,9 @@ def _reason(message: str, limit: int = 200) -> str:
 def diagnose(
     records: Mapping[int, RankRecord],
     exit_codes: Mapping[int, int | None],
-    *,
     timeout_s: float,
+    nnodes: int = 1,
+    *,
     hung: Collection[int] = (),
     parent_signal: str | None = None,
 ) -> Diagnosis:
@@ -201,12 +202,14 @@ def diagnose(
        signal), which it waited for: that one is the cause.
     5. Otherwise the earliest record: a rank that received a signal is the cause; when the
        earliest is a timeout, a rank the launcher had to stop afterwards is (it had hung); a
-       timeout or a lost connection with no such rank here points at another node.
+       timeout or a lost connection with no such rank here points at another node, or, when
+       the run has one node, at a step slower than ``--timeout`` (every rank was here).
 
     Args:
         records: the failure records, by rank.
         exit_codes: rank -> the exit code of its process, for this node's ranks (None: unknown).
         timeout_s: ``--timeout``: how long a rank waits on another before giving up.
+        nnodes: the run's nodes (``--nnodes``): with one, no rank elsewhere can be the cause.
         hung: the ranks the launcher killed because they stopped responding (one that had written
             a record was only slow to exit: its record speaks for it).
         parent_signal: the signal the launcher received ("SIGINT", "SIGTERM", ...), None when none.
@@ -244,10 +247,10 @@ def diagnose(
         return Diagnosis(f"rank {silent[0]} {stuck}", "failed", 1)
     if not records:
         return Diagnosis("the run stopped and no rank reported why", "failed", 1)
-    return _from_records(records, at, stuck)
+    return _from_records(records, at, stuck, nnodes)
 
 
-def _from_records(records: Mapping[int, RankRecord], at: str, stuck: str) -> Diagnosis:
+def _from_records(records: Mapping[int, RankRecord], at: str, stuck: str, nnodes: int) -> Diagnosis:
     """Rule 5 of ``diagnose``: every rank here wrote a record and none is a user error."""
     ordered = sorted(records.values(), key=lambda r: r.time)
     first = ordered[0]
@@ -261,8 +264,16 @@ def _from_records(records: Mapping[int, RankRecord], at: str, stuck: str) -> Dia
         if stopped:
             return Diagnosis(f"rank {stopped[0].rank} {stuck}", "failed", 1, stopped[0].traceback)
     if first.timed_out or first.lost_peer:
-        # Nothing on this node caused it: the rank it waited on or lost is on another node.
         what = "got no answer from" if first.timed_out else "lost its connection to"
+        if nnodes == 1:  # every rank ran here, and none failed or was stopped: a step slower than --timeout
+            return Diagnosis(
+                f"rank {first.rank} {what} another rank {first.where} ({_reason(first.message)}): no rank "
+                "failed, so a step or a save took longer than --timeout; give a larger --timeout",
+                "failed",
+                1,
+                first.traceback,
+            )
+        # Nothing on this node caused it: the rank it waited on or lost is on another node.
         return Diagnosis(
             f"rank {first.rank} {what} another rank {first.where} ({_reason(first.message)}): "
             "a rank on another node failed or stopped responding first; see that node's output",

@@ -522,7 +522,7 @@ def _failure(
         rank: dataclasses.replace(rec, done=max(rec.done, completed.get(rank, 0)))
         for rank, rec in read_records(error_dir).items()
     }
-    diagnosis = diagnose(records, exit_codes, timeout_s=request.timeout_s, hung=hung, parent_signal=parent_signal)
+    diagnosis = diagnose(records, exit_codes, request.timeout_s, request.nnodes, hung=hung, parent_signal=parent_signal)
     result = None
     if ranks:  # run_result cuts every rank to the fewest steps any completed
         result = run_result(plan, ranks, mode="pipeline", plan_path=request.plan_file).model_copy(
