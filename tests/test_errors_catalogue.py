@@ -79,6 +79,10 @@ def _rename_block(raw: dict) -> None:
         raw["stages"][0]["last_block"] = "renamed"
 
 
+def _recompute_99(raw: dict) -> None:
+    raw["stages"][0]["recompute"] = "full:99"
+
+
 def _move_boundary(raw: dict) -> None:
     cut = 2 if raw["stages"][0]["end"] == 1 else 1  # the other legal boundary of the 3-block toy model
     raw["stages"][0]["end"] = cut
@@ -804,6 +808,14 @@ CASES: list[Case] = [
         2,
         "block 0 of the plan is 'renamed'",
         _edit_plan(_rename_block, "renamed.json"),
+    ),
+    Case(
+        "plan files",
+        "a stage recomputing more checkpoint regions than it has",
+        "run {d}/rc99.json --steps 1",
+        2,
+        "recompute 'full:99' names 99 checkpoint regions, but the stage has",
+        _edit_plan(_recompute_99, "rc99.json"),
     ),
     Case(
         "plan files",

@@ -64,6 +64,10 @@ def test_other_version() -> None:
         (lambda r: r.update(schedule="zigzag"), "schedule"),
         (lambda r: r.update(extra_field=1), "extra_field"),
         (lambda r: r["stages"][0].update(first_block="layers.9"), "block names"),
+        (  # four blocks, each its own checkpoint region: at most full:4
+            lambda r: r["stages"][0].update(recompute="full:99"),
+            r"recompute 'full:99' names 99 checkpoint regions, but the stage has 4 \(embed to layers.2\); give full:K",
+        ),
     ],
 )
 def test_invalid_plans(edit, message: str) -> None:  # type: ignore[no-untyped-def]
@@ -71,6 +75,13 @@ def test_invalid_plans(edit, message: str) -> None:  # type: ignore[no-untyped-d
     edit(raw)
     with pytest.raises(PlanFileError, match=message):
         Plan.from_json(json.dumps(raw))
+
+
+def test_a_partial_recompute_up_to_the_stages_regions_loads() -> None:
+    raw = json.loads(plan_of_blocks(big_head_blocks()).to_json())
+    for value in ("full:4", "selective:1"):
+        raw["stages"][0]["recompute"] = value
+        assert Plan.from_json(json.dumps(raw)).stages[0].recompute == value
 
 
 def test_plans_written_before_stages_could_share_a_rank_still_load() -> None:

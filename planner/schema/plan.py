@@ -612,6 +612,7 @@ class Plan(_Frozen):
                 and self.blocks[stage.end - 1].name == stage.last_block
             ):
                 raise ValueError(f"stage {i}'s block names do not match the block list")
+            self._check_recompute_count(stage)
             expected = stage.end
         if expected != len(self.blocks):
             raise ValueError(f"stages cover {expected} of {len(self.blocks)} blocks")
@@ -621,6 +622,24 @@ class Plan(_Frozen):
             if unknown:
                 raise ValueError(f"tied parameter {tie.names[0]} names block(s) {unknown} that the plan does not have")
         return self
+
+    def _check_recompute_count(self, stage: StagePlan) -> None:
+        """A stage's "full:k" / "selective:k" names at most as many checkpoint regions as it has.
+
+        A region is one block, or blocks joined where no legal cut lies between them (as
+        ``planner.core.levers.recompute.checkpoint_units`` counts them); "full:99" on a stage of two
+        regions was run as "full" without a word.
+        """
+        mode, count = split_recompute(stage.recompute)
+        if count is None:
+            return
+        regions = 1 + sum(self.blocks[c - 1].cut_legal for c in range(stage.start + 1, stage.end))
+        if count > regions:
+            raise ValueError(
+                f"stage {stage.index}'s recompute {stage.recompute!r} names {count} checkpoint regions, but the stage "
+                f"has {regions} ({stage.first_block} to {stage.last_block}); give {mode}:K with K up to {regions}, "
+                f"or {mode} for all of them"
+            )
 
     def to_json(self) -> str:
         """The plan as indented JSON text."""
