@@ -573,3 +573,18 @@ def test_a_row_wise_output_not_laid_out_batch_seq_features_is_no_sequence_shard(
     shares = tensor_parallel_shares(traced, inputs, {"0": "colwise", "2": "rowwise"})
     mixed = [s.sequence.mixed for s in shares.values() if s.sequence is not None and s.sequence.mixed]
     assert mixed and "a row-wise output of shape (6, 8), not [batch, seq, features]" in mixed[0]
+
+
+def test_the_runner_checks_a_plans_tp_against_the_heads_too() -> None:
+    """A plan's tp edited by hand (2 to 4 on tiny Llama's 2 key-value heads) passed the runner's width
+    checks and failed at the first step, every rank started; refused before launch now."""
+    from planner.errors import PlanFileError
+    from planner.run.tensor_shard import check_tp_degree
+
+    mf = load_model_file(LLAMA, size="tiny")
+    model = mf.build(seed=0)
+    plan = dict(resolve_tp_plan(mf, model).plan)
+    check_tp_degree(model, plan, 2)
+    check_tp_degree(model, plan, 1)
+    with pytest.raises(PlanFileError, match="tp 4 cannot split this model: .* n_kv_heads is 2, not a multiple of 4; "):
+        check_tp_degree(model, plan, 4)

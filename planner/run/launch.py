@@ -66,7 +66,7 @@ from planner.run.loop import RankResult, run_result
 from planner.run.mesh import threads_per_rank
 from planner.run.model import StageSource, check_runnable, check_ties, load_plan_model, planned_source, trace_for_plan
 from planner.run.preflight import check_checkpoint_dir, check_data, check_resume
-from planner.run.tensor_shard import check_tp_split, shardable_trace
+from planner.run.tensor_shard import check_tp_degree, check_tp_split, shardable_trace
 from planner.schema.plan import Plan
 from planner.schema.request import RunRequest
 from planner.schema.result import RunResult
@@ -121,15 +121,15 @@ def _env(**values: str) -> Iterator[None]:
 
 
 def _check_stages(plan: Plan, traced: TracedModel, source: StageSource) -> None:
-    """Build every stage once (catches illegal cuts), check its tensor-parallel split (``check_tp_split``)
-    and that the plan records every parameter that several stages read (tied weights), before any
-    rank starts.
+    """Before any rank starts: the plan's tp against the model (``check_tp_degree``), every stage built
+    once (illegal cuts), its tensor-parallel split (``check_tp_split``), and tied weights recorded.
 
     Raises:
         TraceError: a stage cannot be cut out of the model.
         PlanFileError: a tie the plan does not record (``check_ties``), or a ``tp_plan`` the stages
             cannot be split by.
     """
+    check_tp_degree(source.model, plan.tp_plan, plan.tp)  # heads too, as `planner plan` checked its degree
     shardable = shardable_trace(traced, source.model, source.example, plan.tp_plan, plan.tp)
     for s in plan.stages:
         built = stage_module(shardable, s.start, s.end)
@@ -334,7 +334,7 @@ def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None]
     _check_stages(plan, traced, source)
     check_train_batch(mf, plan.batch_size, plan.model.seed)
     check_resume(plan, request)
-    check_checkpoint_dir(request)
+    check_checkpoint_dir(plan, request, print_fn)
     check_data(plan, request, mf, traced, print_fn)
     preload = rank_preload({type(m) for m in source.model.modules()})
     del traced, source

@@ -22,7 +22,7 @@ from torch import nn
 
 from planner.capture.blocks import TracedModel
 from planner.capture.tp_graph import shardable_trace as _shardable
-from planner.capture.tp_plan import COLUMN_STYLES, matched_modules, style_error
+from planner.capture.tp_plan import COLUMN_STYLES, matched_modules, plan_divisor, split_sizes, style_error
 from planner.errors import PlanFileError, TraceError
 from planner.run.sequence_shard import row_style
 
@@ -111,6 +111,31 @@ def norm_counted(params: list[nn.Parameter], tp_rank: int) -> list[nn.Parameter]
         tp_rank: the rank's tensor-parallel index.
     """
     return [p for p in params if tp_rank == 0 or sharded_over_tp(p)]
+
+
+def check_tp_degree(model: nn.Module, tp_plan: dict[str, str], tp: int) -> None:
+    """Check, before any rank starts, that ``tp`` divides every size the plan's tp_plan splits in the
+    whole model, heads included, as ``planner plan`` checked its own degree (``check_tp_plan``).
+
+    A plan's tp edited by hand (2 to 4 on a model of 2 key-value heads) passed the width checks of
+    ``check_tp_split`` and failed at the first step, after every rank had started.
+
+    Args:
+        model: the unsplit model.
+        tp_plan: the plan's patterns -> styles.
+        tp: the plan's tensor-parallel degree.
+
+    Raises:
+        PlanFileError: a split size (features, an embedding's width, a head count) ``tp`` does not divide.
+    """
+    if tp <= 1:
+        return
+    for where, what, n in split_sizes(model, tp_plan):
+        if n % tp:
+            raise PlanFileError(
+                f"the plan's tp {tp} cannot split this model: tp_plan splits {where}, whose {what} is {n}, not a "
+                f"multiple of {tp}; re-run `planner plan` with a --tp that divides {plan_divisor(model, tp_plan)}"
+            )
 
 
 def check_tp_split(module: nn.Module, tp_plan: dict[str, str], tp: int) -> dict[str, str]:
