@@ -342,6 +342,19 @@ def _hsdp_note(asked: SearchSpace, layout: Layout, link: LinkCost) -> str:
     )
 
 
+def _units_note(asked: SearchSpace, layout: Layout) -> str:
+    """What became of ``--fsdp-units`` when the chosen layout shards nothing: one replica (``--dp auto``
+    chose 1; ``--dp 1`` with it is refused by the request), or DDP replicas (``--dp-mode auto`` takes DDP
+    where it fits). Said rather than dropped without a word; empty otherwise."""
+    if asked.fsdp_units == "auto" or layout.shard > 1:
+        return ""
+    if layout.dp == 1:
+        why = "one replica (dp 1), so nothing is sharded"
+    else:
+        why = f"{layout.dp} DDP replicas (--dp-mode auto takes DDP where it fits; give --dp-mode fsdp to shard)"
+    return f"; --fsdp-units {asked.fsdp_units}: not used, the chosen layout has {why}"
+
+
 def search_problem(
     asked: Asked, blocks: Sequence[BlockCost], link: LinkCost, profile: ProfileInfo, ties: Sequence[Tie] = ()
 ) -> Problem:
@@ -443,6 +456,7 @@ def assemble_plan(
     if method == "given" and given is not None:
         chosen = given[0]  # the plan runs the split under the best layout for its stage count
     note += _hsdp_note(asked.space, chosen.layout, link)
+    note += _units_note(asked.space, chosen.layout)
     predictions = compare_methods(chosen, asked, link, slots, given)
     if method == "optimal" and asked.constraints.recompute in ("auto", "never"):  # (the baselines never recompute)
         note += _best_of_baselines(predictions, memory_limit_bytes)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from planner.schema.costs import SequenceShare, TensorParallelShare
+from planner.schema.request import PlanRequest
 
 
 @dataclass
@@ -157,6 +158,38 @@ def sequence_refusal(shares: Mapping[str, TensorParallelShare]) -> str | None:
     return None
 
 
+def sequence_note(request: PlanRequest, tp: int, tp_note: str, refused: str) -> str:
+    """The plan's note on sequence parallelism, where the plan is split or the option was asked for.
+
+    A split plan says why it runs without it (``refused``: ``sequence_refusal`` as a note). Asked for
+    with ``--tp auto`` (``--tp 1`` with it is refused by the request) and planned at tp 1, the option
+    is said to be unused, and why, rather than dropped without a word: it splits along the sequence
+    what tensor parallelism keeps whole, so at tp 1 it has nothing to split.
+
+    Args:
+        request: the plan request (``sequence_parallel``, and the degrees ``--tp auto`` tried).
+        tp: the plan's tensor-parallel degree.
+        tp_note: the plan's note on why the model stays whole ("" when there is none).
+        refused: the note on why the model's shards cannot run it ("" when they can).
+
+    Returns:
+        The note, or "".
+    """
+    if tp == 1 and request.sequence_parallel is not True:  # neither split nor asked for: nothing to say
+        return ""
+    if tp > 1 or refused:
+        return refused
+    if tp_note:  # the note before this one says why the model stays whole
+        return "sequence parallelism: none, it needs tensor parallelism"
+    if request.tp_options == [1] and request.gpu_type in (None, "cpu"):
+        why = "--tp auto keeps tp 1 on a plan measured here or for --gpu-type cpu (it searches degrees for GPUs)"
+    elif request.tp_options == [1]:
+        why = "no tensor-parallel degree over 1 divides both --gpus and a node's ranks (--gpus-per-node)"
+    else:
+        why = "the chosen layout has tp 1 (the fastest that fits, of the degrees the model's tp plan allows)"
+    return f"sequence parallelism: none, {why}; give --tp N (N > 1) to split the model with it"
+
+
 def cut_shares(cuts: Iterable[Iterable[str]], sequence_nodes: set[str], nbytes: Callable[[str], int]) -> list[float]:
     """For each cut (the names of the values crossing it), the share of its bytes that are sequence shards.
 
@@ -193,4 +226,4 @@ def sequence_only(seq: SequenceShare) -> TensorParallelShare:
     )
 
 
-__all__ = ["SeqTally", "cut_shares", "sequence_only", "sequence_refusal", "token_wise"]
+__all__ = ["SeqTally", "cut_shares", "sequence_only", "sequence_refusal", "sequence_note", "token_wise"]

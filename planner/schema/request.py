@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from planner.errors import PlannerError
 from planner.schema.bounds import MemoryLimitGiB, TimeoutSeconds
 from planner.schema.costs import OptimizerSpec
+from planner.schema.counts import default_microbatches, divisors
 
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev"]
 Method = Literal["optimal", "uniform", "params", "given"]
@@ -348,6 +349,11 @@ class PlanRequest(_Request):
         """Refuse a tensor-parallel degree that does not divide the ranks, a node, or the ranks left to replicas."""
         if self.sequence_parallel is True and self.compile:  # a stage compiled under its DTensor mode fails
             raise ValueError("--sequence-parallel runs eagerly only; leave out --compile")
+        if self.sequence_parallel is True and self.tp == 1:  # else the option would be dropped without a word
+            raise ValueError(
+                "--sequence-parallel splits along the sequence what tensor parallelism keeps whole, but --tp is 1; "
+                "give --tp 2 or more (or auto), or leave --sequence-parallel out"
+            )
         if self.tp == "auto":
             return
         if self.gpus % self.tp:
@@ -414,6 +420,11 @@ class PlanRequest(_Request):
             raise ValueError(
                 f"--fsdp-units {self.fsdp_units} shards with FSDP, but --dp-mode is ddp (every replica holds its "
                 "stages whole); use --dp-mode fsdp, hsdp or auto, or leave --fsdp-units out"
+            )
+        if self.fsdp_units != "auto" and self.dp == 1:  # else the option would be dropped without a word
+            raise ValueError(
+                f"--fsdp-units {self.fsdp_units} shards with FSDP over replicas, but --dp is 1 (one pipeline on every "
+                "rank, nothing to shard); give --dp 2 or more (or auto), or leave --fsdp-units out"
             )
         k = self.passes
         if k > 1 and self.batch_size % (self.profile_dp * k):
@@ -552,42 +563,6 @@ class PlanRequest(_Request):
     def memory_limit_bytes(self) -> int | None:
         """``--memory-limit`` in bytes (None: not given)."""
         return int(self.memory_limit_gib * 2**30) if self.memory_limit_gib is not None else None
-
-
-def divisors(n: int) -> list[int]:
-    """Every divisor of ``n`` (>= 1), ascending, in O(sqrt(n)).
-
-    Args:
-        n: a positive whole number.
-
-    Returns:
-        The divisors, 1 and ``n`` included.
-    """
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted({*small, *(n // d for d in small)})
-
-
-def default_microbatches(batch_size: int, gpus: int) -> int:
-    """The microbatch count when none is given: one that divides the batch and keeps the bubble small.
-
-    The smallest divisor of ``batch_size`` that is at least 2 x gpus (the bubble of GPipe and 1F1B
-    is (p - 1) / (m + p - 1), so m = 2p keeps it near a third); else the smallest divisor that is at
-    least ``gpus`` (what 1F1B needs); else the whole batch, one sample per microbatch.
-
-    Args:
-        batch_size: samples per step.
-        gpus: pipeline stages.
-
-    Returns:
-        The microbatch count.
-    """
-    small = [d for d in range(1, math.isqrt(batch_size) + 1) if batch_size % d == 0]  # O(sqrt(batch))
-    divisors = sorted({*small, *(batch_size // d for d in small)})
-    for floor in (2 * gpus, gpus):
-        fits = [d for d in divisors if d >= floor]
-        if fits:
-            return fits[0]
-    return batch_size
 
 
 class RunRequest(_Request):
