@@ -14,7 +14,9 @@ class labels for sequence classification.
 
 from __future__ import annotations
 
+import difflib
 import functools
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -51,8 +53,46 @@ def _config(hf_config: str, overrides: str = "{}") -> Any:
             'config.json (with "model_type" and "architectures")'
         ) from None
     for key, value in json.loads(overrides).items():  # (JSON: a hashable key for the cache)
+        _check_field(config, key, hf_config)
         setattr(config, key, value)
     return config
+
+
+def _fields(config: Any) -> set[str]:
+    """The names ``--set`` may replace on a Hugging Face config: its fields (as saved), its
+    constructor's parameters, its aliases (``attribute_map``: GPT-2's ``hidden_size`` is ``n_embd``)
+    and its settable properties (``num_labels``); never a private name or a method."""
+    cls = type(config)
+    names = set(config.to_dict()) | set(getattr(cls, "attribute_map", None) or {})
+    try:
+        params = list(inspect.signature(cls.__init__).parameters.values())
+    except (TypeError, ValueError):  # a constructor without a signature: the saved fields say enough
+        params = []
+    names |= {q.name for q in params if q.kind in (q.POSITIONAL_OR_KEYWORD, q.KEYWORD_ONLY)}
+    for name in dir(cls):
+        attr = inspect.getattr_static(cls, name, None)
+        if isinstance(attr, property) and attr.fset is not None:
+            names.add(name)
+    return {n for n in names if not n.startswith("_") and n != "self"}
+
+
+def _check_field(config: Any, key: str, hf_config: str) -> None:
+    """Refuse a ``--set`` key the config's class does not know: ``setattr`` would take any name and the
+    model, built from the known fields only, would be the unchanged one (a misspelt ``hidden_sise``).
+
+    Raises:
+        ModelFileError: the key is no field of the config, with the closest field names.
+    """
+    known = _fields(config)
+    if key in known:
+        return
+    shown = key if key.isprintable() else repr(key)  # one line, whatever the key holds
+    close = difflib.get_close_matches(key, sorted(known | {"seq_len"}), n=3)
+    hint = f"did you mean {' or '.join(close)}?" if close else "give one of its fields (as in its config.json)"
+    raise ModelFileError(
+        f"--set {shown}: {Path(hf_config).name} is a transformers {type(config).__name__}, which has no field "
+        f"{key!r}; {hint} (--set takes seq_len or a field of the config)"
+    )
 
 
 def _architecture(config: Any, hf_config: str) -> type[nn.Module]:
@@ -90,6 +130,21 @@ def _seq_len(hf: Any, seq: int | None) -> int:
         return seq
     limit = getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", None) or DEFAULT_SEQ_LEN
     return min(int(limit), DEFAULT_SEQ_LEN)
+
+
+def check_config(config: dict[str, Any]) -> None:
+    """Read the config file and apply its ``--set`` keys once, when the file is loaded: a key the
+    config does not know, or a file transformers cannot read, is then refused in its own line before
+    any work (at the first build it would read as an error of ``build_model``).
+
+    Args:
+        config: the model file's config (``hf_config`` and the ``--set`` keys).
+
+    Raises:
+        ModelFileError: as ``_config``.
+    """
+    path, _seq, overrides = _split(config)
+    _config(path, overrides)
 
 
 def build_model(**config: Any) -> nn.Module:

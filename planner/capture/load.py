@@ -478,7 +478,8 @@ def _hf_config_file(path: Path, size: str | None, overrides: dict[str, Any] | No
     """A Hugging Face ``config.json`` served as a model file (``planner.capture.hf_config``).
 
     Raises:
-        ModelFileError: ``--size`` given (a config has no sizes), or a file that is no JSON object.
+        ModelFileError: ``--size`` given (a config has no sizes), a file that is no JSON object, or one
+            transformers cannot read or a ``--set`` key its config does not know (``hf_config.check_config``).
     """
     if size is not None:
         raise ModelFileError(
@@ -493,7 +494,9 @@ def _hf_config_file(path: Path, size: str | None, overrides: dict[str, Any] | No
         raise ModelFileError(f"{path} holds no JSON object; give a model's config.json")
     from planner.capture import hf_config
 
-    return ModelFile(path, hf_config, None, {"hf_config": str(path), **(overrides or {})})
+    config = {"hf_config": str(path), **(overrides or {})}
+    hf_config.check_config(config)  # a misspelt --set key refused now, in its own words
+    return ModelFile(path, hf_config, None, config)
 
 
 def _sizes(module: ModuleType, path: Path) -> Mapping[str, Mapping[str, Any]]:
