@@ -184,10 +184,15 @@ def run_cmd(
         sys.exit(e.exit_code)
     result.save(out)
     loss = f"; final loss {result.losses[-1]:.4f}" if result.losses else ""  # only the last stage's node has losses
-    click.echo(
+    # a run of 1 or 2 steps times none (run.json's timed_steps): it says so rather than show their times
+    measured = (
         f"median step {result.median_step_s * 1e3:.1f} ms measured vs {plan.prediction.step_time_s * 1e3:.1f} ms "
-        f"predicted{loss}; wrote {out}"
+        "predicted"
+        if result.median_step_s is not None
+        else "no timed step: run --steps 3 or more to measure the step time (step 1 sets the schedule up, the last "
+        "runs under the memory tracker)"
     )
+    click.echo(f"{measured}{loss}; wrote {out}")
     click.echo(_run_figures(result))
 
 
@@ -401,7 +406,7 @@ def _write_pictures(plan: Plan, run: Any, timeline: str | None, trace: str | Non
     predicted = simulate_plan(plan).events
     measured = measured_events(plan, run) if run is not None else None
     if run is not None and not measured:
-        click.echo("note: the run recorded no per-action times (run 2 or more steps); only the prediction is drawn")
+        click.echo("note: the run recorded no per-action times (run 3 or more steps); only the prediction is drawn")
         measured = None
     title = picture_title(plan, max((e.end_s for e in predicted), default=0.0))
     if timeline:

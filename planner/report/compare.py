@@ -40,8 +40,10 @@ def compare_table(plan: Plan, run: RunResult) -> str:
     peak memory, with errors; then predicted vs measured step time.
 
     Measured memory is the tracked tensor peak (``StageMeasure.memory.peak_bytes``); "-" when the
-    run tracked none (a 1-step run). With data-parallel replicas the stages are replica 0's and the
-    predicted gradient reduction is shown under the step (the run times it inside its step).
+    run tracked none (a 1-step run). Measured times are "-" when the run timed no step (1 or 2 steps:
+    the set-up and the memory-tracked one, ``timed_steps``). With data-parallel replicas the stages are
+    replica 0's and the predicted gradient reduction is shown under the step (the run times it inside
+    its step).
 
     Args:
         plan: the plan that was run.
@@ -57,6 +59,11 @@ def compare_table(plan: Plan, run: RunResult) -> str:
     check_run_replicas(plan, run)
     rows = []
     several = plan.stages_per_rank > 1
+    timed = run.median_step_s is not None
+
+    def measured(planned: float, ran: float) -> list[str]:  # the run's figure and the error, or none
+        return [_ms(ran), _pct(_err(planned, ran))] if timed else ["-", "-"]
+
     for s, m in zip(plan.stages, run.stages):
         blocks = s.first_block if s.end - s.start == 1 else f"{s.first_block} .. {s.last_block}"
         mem = m.memory.peak_bytes if m.memory is not None else None
@@ -68,14 +75,11 @@ def compare_table(plan: Plan, run: RunResult) -> str:
                 f"{s.index} (rank {s.rank})" if several else s.index,
                 blocks,
                 _ms(s.fwd_s),
-                _ms(m.fwd_s),
-                _pct(_err(s.fwd_s, m.fwd_s)),
+                *measured(s.fwd_s, m.fwd_s),
                 _ms(s.bwd_s),
-                _ms(m.bwd_s),
-                _pct(_err(s.bwd_s, m.bwd_s)),
+                *measured(s.bwd_s, m.bwd_s),
                 _ms(opt_s),
-                _ms(m.optimizer_s),
-                _pct(_err(opt_s, m.optimizer_s)),
+                *measured(opt_s, m.optimizer_s),
                 _mb(mem_plan),
                 "-" if mem is None else _mb(mem),
                 "-" if mem is None else _pct(_err(mem_plan, mem)),
@@ -98,13 +102,11 @@ def compare_table(plan: Plan, run: RunResult) -> str:
         "err",
     ]
     stages = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True, colalign=("right", "left"))
-    predicted, measured = plan.prediction.step_time_s, run.median_step_s
-    steps = [["step", _ms(predicted), _ms(measured), _pct(_err(predicted, measured))]]
+    predicted = plan.prediction.step_time_s
+    steps = [["step", _ms(predicted), *measured(predicted, run.median_step_s or 0.0)]]
     loss_plan, loss_run = plan.blocks[-1].loss_s, run.stages[-1].loss_s
     if loss_plan is not None and plan.stages[-1].end == len(plan.blocks):
-        steps.append(
-            ["  loss per microbatch (last stage)", _ms(loss_plan), _ms(loss_run), _pct(_err(loss_plan, loss_run))]
-        )
+        steps.append(["  loss per microbatch (last stage)", _ms(loss_plan), *measured(loss_plan, loss_run)])
     if plan.dp > 1:
         steps.append([f"  of which {plan.dp_mode} reduction", _ms(plan.prediction.dp_reduce_s), "-", "-"])
     summary = tabulate(
@@ -192,7 +194,7 @@ def compare_blocks_table(plan: Plan, run: RunResult) -> str:
                 ]
             )
     if not rows:
-        return "(the run timed no blocks: a compiled plan, or a run.json written before per-block times)"
+        return "(the run timed no blocks: a compiled plan, a run of fewer than 3 steps, or a run.json written before per-block times)"
     headers = ["stage", "block", "fwd ms plan", "run", "err", "bwd ms plan", "run", "err"]
     table = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True, colalign=("right", "left"))
     over = [[m.stage, _ms(m.fwd_overhead_s), _ms(m.bwd_overhead_s)] for m in run.stages if m.blocks]

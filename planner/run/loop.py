@@ -415,9 +415,10 @@ def run_result(
     steps = min(len(r.times) for r in ranks)
     step_times = [max(r.times[i] for r in ranks) for i in range(steps)]
     memory_step = ranks[0].memory_step
-    timed = timed_steps(steps, memory_step) if steps else []
-    median = RunResult.median_of(step_times, timed) if timed else 0.0
-    samples_per_s = plan.batch_size / median if median > 0 else None
+    timed = timed_steps(steps, memory_step)
+    # no timed step (1 or 2 steps: set-up and memory-tracked): no median, rather than one of those
+    median = RunResult.median_of(step_times, timed) if timed else None
+    samples_per_s = plan.batch_size / median if median else None
     tokens = plan.profile.tokens_per_sample
     evals = last.evals if last is not None else ()
     devices = [r.peak_device_bytes for r in ranks if r.peak_device_bytes is not None]

@@ -358,7 +358,7 @@ def summarize(
         return statistics.median(vals) if vals else 0.0
 
     def per_step(vals: list[float]) -> float:
-        return statistics.median(vals[s - 1] for s in steps) if vals else 0.0
+        return statistics.median(vals[s - 1] for s in steps) if vals and steps else 0.0
 
     fwd, bwd = probe.fwd_times(), probe.bwd_times()
     loss_s = per_mb(probe.loss_times())

@@ -62,7 +62,8 @@ class BlockMeasure(BaseModel):
 
 
 class StageMeasure(BaseModel):
-    """What one stage (one rank) measured inside the real schedule, medians over the timed steps.
+    """What one stage (one rank) measured inside the real schedule, medians over the timed steps (0 when
+    the run timed none: ``RunResult.median_step_s`` is then None).
 
     ``fwd_s`` is ``PipelineStage.forward_one_chunk`` (the stage's forward on one microbatch, from
     already-received buffers; the receive wait and the send are outside it) plus, on the last
@@ -119,17 +120,13 @@ class StageMeasure(BaseModel):
 
 
 def timed_steps(steps: int, memory_step: int | None) -> list[int]:
-    """The (1-based) steps whose times count in medians.
+    """The (1-based) steps whose times count in medians: every step but the first and the memory-tracked one.
 
     The first step pays for the schedule's set-up (warm-up vote, receive buffers) and the
-    memory-tracked step runs every op through a Python dispatch mode (~25x slower), so both are
-    left out, as long as any step remains; otherwise the untracked steps, otherwise all.
+    memory-tracked step runs every op through a Python dispatch mode (~25x slower): neither is a
+    step time, so a run of 1 or 2 steps has none (empty), and no median is taken from them.
     """
-    every = list(range(1, steps + 1))
-    for keep in ([s for s in every if s != 1 and s != memory_step], [s for s in every if s != memory_step]):
-        if keep:
-            return keep
-    return every
+    return [s for s in range(2, steps + 1) if s != memory_step]
 
 
 class EvalMeasure(BaseModel):
@@ -173,7 +170,9 @@ class RunResult(BaseModel):
     grad_clip: float | None = Field(description="Max global norm the gradients were clipped to (None: no clipping).")
     step_times_s: list[float] = Field(description="Per step: the slowest rank's step wall time.")
     rank_step_times_s: list[list[float]] = Field(description="[rank][step] step wall time of each rank.")
-    median_step_s: float = Field(description="Median of step_times_s over timed_steps.")
+    median_step_s: float | None = Field(
+        default=None, description="Median of step_times_s over timed_steps (None: no timed step, a run of 1 or 2)."
+    )
     peak_rss_bytes: list[int] = Field(description="Per rank: peak resident memory of the process (ru_maxrss).")
     predicted_step_s: float | None = Field(default=None, description="The plan's predicted step time, for comparison.")
     memory_step: int | None = Field(default=None, description="The step run under the memory tracker (None: none).")
@@ -187,7 +186,9 @@ class RunResult(BaseModel):
     stopped: str | None = Field(default=None, description="Why the run stopped early (None: it completed).")
     first_step: int = Field(default=1, ge=1, description="The step the run started at (> 1: resumed).")
     replicas: int = Field(default=1, ge=1, description="Data-parallel replicas of the pipeline.")
-    samples_per_s: float | None = Field(default=None, description="Global batch / median step time.")
+    samples_per_s: float | None = Field(
+        default=None, description="Global batch / median step time (None: no timed step)."
+    )
     tokens_per_s: float | None = Field(default=None, description="Tokens per second (None: not a token model).")
     peak_device_bytes: list[int] = Field(
         default_factory=list, description="Per rank: peak allocated device memory (CUDA only; empty on CPU)."

@@ -262,8 +262,11 @@ def calibrate(plan: Plan, run: RunResult) -> Calibration:
     check_run_matches(plan, run)
     check_run_replicas(plan, run)
     measured = run.median_step_s
-    if measured <= 0:
-        raise PlanFileError("the run's median step time is 0; re-run `planner run` with more steps")
+    if measured is None or measured <= 0:  # None: steps 1 and 2 only, the set-up and the memory-tracked
+        raise PlanFileError(
+            "the run timed no step (step 1 sets the schedule up, the last runs under the memory tracker); "
+            "re-run `planner run` with --steps 3 or more"
+        )
     split = plan_split(plan)
     starts = split.starts
     # The optimizer steps all of a rank's stages at once: its measured time is the rank's (on every
