@@ -194,8 +194,13 @@ def test_missing_file(tmp_path):
 
 
 def test_directory_is_not_a_model_file(tmp_path):
-    with pytest.raises(ModelFileError, match="does not exist"):
+    with pytest.raises(ModelFileError, match="is a folder without config.json, so not a Hugging Face model folder"):
         load_model_file(tmp_path)
+    (tmp_path / "a.py").write_text("")
+    with pytest.raises(ModelFileError, match=r"is a folder, not a model file; give one of its Python files \(a.py\)"):
+        load_model_file(tmp_path)
+    with pytest.raises(ModelFileError, match="does not exist"):
+        load_model_file(tmp_path / "nope.py")
 
 
 def test_file_raising_on_import_names_file_and_line(tmp_path):

@@ -54,15 +54,15 @@ def check_memory_limit_gib(value: Any) -> Any:
     gib = _number(value)
     if gib is None or gib <= 0:  # zero, negative, nan or not a number: the field's own message
         return value
-    if int(gib * 2**30) < 1:
-        raise ValueError(
-            f"{gib:g} GiB is {gib * 2**30:.2g} bytes, under one byte (the limit is in GiB); "
-            "give the per-rank limit in GiB, e.g. --memory-limit 80 for 80 GiB"
-        )
-    if gib > MAX_MEMORY_LIMIT_GIB:
+    if gib > MAX_MEMORY_LIMIT_GIB:  # first: past 2**994 GiB the byte count is no float (int() overflows)
         raise ValueError(
             f"{gib:g} GiB is past any device (at most {MAX_MEMORY_LIMIT_GIB} GiB, an exbibyte); "
             "give the per-rank limit in GiB, e.g. --memory-limit 80, or leave it out for the GPU's memory"
+        )
+    if gib * 2**30 < 1:
+        raise ValueError(
+            f"{gib:g} GiB is {gib * 2**30:.2g} bytes, under one byte (the limit is in GiB); "
+            "give the per-rank limit in GiB, e.g. --memory-limit 80 for 80 GiB"
         )
     return value
 
