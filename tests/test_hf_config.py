@@ -133,8 +133,19 @@ def test_llama_3_70b_config_plans_as_the_model_file_does(tmp_path: Path) -> None
         ({"architectures": ["LlamaForCausalLM"]}, [], "cannot read it as a model config"),
         ([1, 2], [], "holds no JSON object"),
         ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, ["--size", "tiny"], "has no sizes"),
+        (
+            {"model_type": "llama", "architectures": "LlamaForCausalLM"},
+            [],
+            '"architectures" is the string \'LlamaForCausalLM\', not a list of class names; write "architectures": '
+            '["LlamaForCausalLM"]',
+        ),
+        (
+            {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": -5},
+            [],
+            "transformers cannot read it as a model config (Class validation error",
+        ),
     ],
-    ids=["unknown class", "no architectures", "no model type", "not an object", "size"],
+    ids=["unknown class", "no architectures", "no model type", "not an object", "size", "a string", "invalid"],
 )
 def test_a_config_that_cannot_be_built_is_one_line(
     tmp_path: Path, content: object, args: list[str], message: str
@@ -144,6 +155,7 @@ def test_a_config_that_cannot_be_built_is_one_line(
     result = CliRunner().invoke(main, ["plan", str(path), "--gpus", "2", "--gpu-type", "cpu", *args])
     assert result.exit_code == 2, result.output
     assert message in result.stderr and "Traceback" not in result.output
+    assert "build_model() raised" not in result.stderr  # the file's own fault, said directly
 
 
 def test_a_transformers_model_trains_through_the_library_api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -46,16 +46,29 @@ def _config(hf_config: str, overrides: str = "{}") -> Any:
         ) from None
     try:
         config = AutoConfig.from_pretrained(hf_config, local_files_only=True)
-    except (ValueError, OSError, KeyError) as e:
-        text = " ".join(str(e).split())[:200]
+    except Exception as e:  # noqa: BLE001 - any reader or validator failure (huggingface_hub's strict
+        # dataclass errors are no ValueError) means: not a config this transformers builds
         raise ModelFileError(
-            f"{Path(hf_config).name}: transformers cannot read it as a model config ({text}); give a model's "
+            f"{Path(hf_config).name}: transformers cannot read it as a model config ({_reason(e)}); give a model's "
             'config.json (with "model_type" and "architectures")'
         ) from None
     for key, value in json.loads(overrides).items():  # (JSON: a hashable key for the cache)
         _check_field(config, key, hf_config)
-        setattr(config, key, value)
+        try:
+            setattr(config, key, value)
+        except Exception as e:  # noqa: BLE001 - a config class validating its fields on assignment
+            raise ModelFileError(
+                f"--set {key}={value!r}: {type(config).__name__} refuses it ({_reason(e)}); give a value it takes"
+            ) from None
     return config
+
+
+def _reason(error: BaseException, limit: int = 200) -> str:
+    """An exception's text on one line, cut at a word (not mid-word) when longer than ``limit``."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def _fields(config: Any) -> set[str]:
@@ -103,7 +116,13 @@ def _architecture(config: Any, hf_config: str) -> type[nn.Module]:
     """
     import transformers
 
-    names = list(getattr(config, "architectures", None) or [])
+    named = getattr(config, "architectures", None)
+    if isinstance(named, str):  # list("LlamaForCausalLM")[0] was 'L'
+        raise ModelFileError(
+            f'{Path(hf_config).name}: "architectures" is the string {named!r}, not a list of class names; write '
+            f'"architectures": [{json.dumps(named)}]'
+        )
+    names = list(named or [])
     if not names:
         raise ModelFileError(
             f'{Path(hf_config).name} names no "architectures"; add the class to build, e.g. '
@@ -141,10 +160,10 @@ def check_config(config: dict[str, Any]) -> None:
         config: the model file's config (``hf_config`` and the ``--set`` keys).
 
     Raises:
-        ModelFileError: as ``_config``.
+        ModelFileError: as ``_config`` and ``_architecture``.
     """
     path, _seq, overrides = _split(config)
-    _config(path, overrides)
+    _architecture(_config(path, overrides), path)  # the class too: at the first build, an error of build_model
 
 
 def build_model(**config: Any) -> nn.Module:
