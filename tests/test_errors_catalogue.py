@@ -52,7 +52,11 @@ def _variant(old: str, new: str, name: str = "bad.py") -> Callable[[Path], None]
 
 
 def _text(name: str, text: str) -> Callable[[Path], None]:
-    return lambda d: None if (d / name).write_text(text) else None
+    def write(d: Path) -> None:
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).write_text(text)
+
+    return write
 
 
 def _folders(d: Path) -> None:
@@ -725,6 +729,43 @@ CASES: list[Case] = [
         "the calibration was measured on a model with fingerprint",
         _variant("        self.relu = nn.ReLU()", "        self.relu = nn.GELU()", "other.py"),
     ),
+    Case(
+        "plan options",
+        "--calibrate with a run that timed no step",
+        "plan {d}/model.py --gpus 1 -b 8 --calibrate {d}/two.run.json " + " ".join(FAST),
+        2,
+        "the run timed no step",
+    ),
+    Case(
+        "plan options",
+        "--sequence-parallel with --tp 1",
+        "plan {d}/model.py --gpus 2 --tp 1 --sequence-parallel",
+        2,
+        "--sequence-parallel splits along the sequence what tensor parallelism keeps whole, but --tp is 1",
+    ),
+    Case(
+        "plan options",
+        "--fsdp-units with one replica",
+        "plan {d}/model.py --gpus 2 --dp 1 --fsdp-units block",
+        2,
+        "--fsdp-units block shards with FSDP over replicas, but --dp is 1",
+    ),
+    Case(
+        "model file",
+        "--set of a field a Hugging Face config does not have",
+        "plan {d}/hf/config.json --gpus 2 --gpu-type cpu --set hidden_sise=128",
+        2,
+        "no field 'hidden_sise'; did you mean hidden_size",
+        _text("hf/config.json", '{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}'),
+    ),
+    Case(
+        "model file",
+        "a Hugging Face config with architectures as a string",
+        "plan {d}/hfs/config.json --gpus 2 --gpu-type cpu",
+        2,
+        "\"architectures\" is the string 'LlamaForCausalLM', not a list of class names",
+        _text("hfs/config.json", '{"model_type": "llama", "architectures": "LlamaForCausalLM"}'),
+    ),
     # --- outputs ----------------------------------------------------------------------------------
     Case(
         "outputs",
@@ -966,7 +1007,10 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _write_plan(d, model, "plan.json", "--gpus", "2", "--schedule", "gpipe", "--method", "uniform")
     _write_plan(d, model, "three.json", "--gpus", "3", "--schedule", "gpipe")
     _write_plan(d, model, "one.json", "--gpus", "1")
-    result = CliRunner().invoke(main, ["run", str(d / "one.json"), "--steps", "2"])
+    # 3 steps: one timed (step 1 sets up, the last runs under the memory tracker); 2 steps time none
+    result = CliRunner().invoke(main, ["run", str(d / "one.json"), "--steps", "3"])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(main, ["run", str(d / "one.json"), "--steps", "2", "-o", str(d / "two.run.json")])
     assert result.exit_code == 0, result.output
     gone = _toy(d, "gone.py")
     _write_plan(d, gone, "gone.json", "--gpus", "1")
