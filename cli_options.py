@@ -121,8 +121,9 @@ checkpoint_options = option_group(
     option(
         "--resume",
         is_flag=True,
-        help="Continue from the newest complete checkpoint in the checkpoint folder: weights, optimizer, "
-        "learning-rate schedule, data position and RNG; --steps is the run's last step, counted from the start.",
+        help="Continue from the checkpoint the checkpoint folder's `latest` names (the last step of the last run "
+        "that saved): weights, optimizer, learning-rate schedule, data position and RNG; --steps is the run's "
+        "last step, counted from the start.",
     ),
 )
 

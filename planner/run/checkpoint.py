@@ -25,6 +25,13 @@ Written so that a crash mid-save never damages the last good checkpoint: the ran
 rank 0 renames it to ``DIR/step_00000120`` (an atomic rename on one file system) and only then
 records it in ``DIR/latest``. A folder without DCP's ``.metadata`` or with the ``.partial``
 suffix is never resumed from. Several nodes must share DIR (one file system), as DCP requires.
+
+A folder belongs to one run of one plan. Each run has an id (rank 0's, kept by a resumed run),
+recorded in every step's ``planner.json`` (``run_id``, beside the plan's fingerprint) and in
+``DIR/latest`` (``step_00000120 <run id>``). ``--resume`` and ``export-weights`` take the step
+``latest`` names, not the highest step number, which may be an older run's. A fresh run's saves
+remove the step folders of this model's earlier runs and any ``.partial`` folder (never
+resumable); nothing else in DIR is removed or written over (``owned_by_planner``).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import torch
 from torch import nn
@@ -48,7 +55,13 @@ if TYPE_CHECKING:
     from planner.data.text import Vocab
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_PARTIAL_DIR = re.compile(r"^\.step_\d{8}\.partial$")
+# what save_checkpoint writes to DIR/latest: the step folder, then the run's id (older versions: no id)
+_RUN_ID = re.compile(r"[0-9a-f]{32}")
+_LATEST_LINE = re.compile(rf"(step_\d{{8}})(?: ({_RUN_ID.pattern}))?\n?")
+_LATEST_MAX = 128  # a longer DIR/latest is not a pointer planner wrote; never read a big file whole
 META_FILE = "planner.json"
+LATEST_FILE = "latest"
 VOCAB_FILE = "vocab.json"
 
 
@@ -104,10 +117,151 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
+def is_run_id(value: object) -> TypeGuard[str]:
+    """A run's id as ``planner run`` makes one (``uuid4().hex``), fit to be written to ``latest``."""
+    return isinstance(value, str) and _RUN_ID.fullmatch(value) is not None
+
+
+def parse_latest(text: str) -> tuple[str, str | None] | None:
+    """What a ``DIR/latest`` that ``planner run`` wrote says: (step folder name, run id or None).
+
+    Args:
+        text: the file's content.
+
+    Returns:
+        The pointer, or None when the text is not one ``planner run`` writes (a user's own file).
+    """
+    found = _LATEST_LINE.fullmatch(text)
+    return (found.group(1), found.group(2)) if found else None
+
+
+def read_latest(root: Path) -> tuple[str, str | None] | None:
+    """``root/latest`` parsed (``parse_latest``); None when missing, unreadable or not a pointer."""
+    path = root / LATEST_FILE
+    if path.is_symlink() or not path.is_file():
+        return None
+    try:
+        with path.open("rb") as f:
+            raw = f.read(_LATEST_MAX + 1)
+        return parse_latest(raw.decode()) if len(raw) <= _LATEST_MAX else None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def foreign_latest(root: Path) -> bool:
+    """``root/latest`` exists but is not a step pointer ``planner run`` wrote, so a save must not replace it."""
+    path = root / LATEST_FILE
+    return (path.exists() or path.is_symlink()) and read_latest(root) is None
+
+
+def read_meta(path: Path) -> dict[str, Any] | None:
+    """The ``planner.json`` of a step folder, or None when it has none readable (not planner's)."""
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and isinstance(meta.get("step"), int) else None
+
+
+def owned_by_planner(path: Path) -> bool:
+    """A folder ``planner run`` published: named ``step_NNNNNNNN``, holding its ``planner.json``.
+
+    Only such folders (and ``.step_NNNNNNNN.partial`` ones) are ever removed or replaced: a user's
+    own folder in DIR is left alone whatever its name.
+    """
+    return bool(_STEP_DIR.match(path.name)) and path.is_dir() and not path.is_symlink() and read_meta(path) is not None
+
+
+def choose_latest(done: list[Path], pointer: tuple[str, str | None] | None) -> Path | None:
+    """The checkpoint to continue from among complete ones: the one ``latest`` names, if it is there.
+
+    ``latest`` is written last, after the rename, so it names the last step of the last run that
+    saved; the highest step number may belong to an older run (a long run stopped early, then a
+    short fresh one). When ``latest`` is missing or stale (its folder is gone, or belongs to another
+    run than it says), the most recently published folder is taken (its ``planner.json`` is written
+    just before the rename), the step breaking ties.
+
+    Args:
+        done: the complete checkpoints (``complete_checkpoints``).
+        pointer: ``latest`` parsed (``read_latest``), or None.
+
+    Returns:
+        The checkpoint folder, or None when ``done`` is empty.
+    """
+    if pointer is not None:
+        name, run_id = pointer
+        for path in done:
+            if path.name == name and (run_id is None or (read_meta(path) or {}).get("run_id") in (None, run_id)):
+                return path
+    if not done:
+        return None
+    return max(done, key=lambda p: (_published_at(p), p.name))
+
+
+def _published_at(path: Path) -> float:
+    """When a step folder was published: its ``planner.json``'s time, else the folder's."""
+    for candidate in (path / META_FILE, path):
+        try:
+            return candidate.stat().st_mtime
+        except OSError:
+            continue
+    return 0.0
+
+
 def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint under ``root`` (None: there is none)."""
-    done = complete_checkpoints(root)
-    return done[-1] if done else None
+    """The checkpoint a run continues from under ``root``: the one ``latest`` names (None: there is none).
+
+    Args:
+        root: the checkpoint folder.
+
+    Returns:
+        A complete checkpoint folder (``choose_latest``), or None.
+    """
+    return choose_latest(complete_checkpoints(root), read_latest(root))
+
+
+def earlier_checkpoints(root: Path, run_id: str | None = None) -> list[tuple[Path, dict[str, Any]]]:
+    """The complete checkpoints ``planner run`` wrote under ``root`` and not in run ``run_id``, oldest first.
+
+    Args:
+        root: the checkpoint folder.
+        run_id: a run whose own folders are left out (None: none is).
+
+    Returns:
+        (folder, its ``planner.json``) of each.
+    """
+    found = [(p, read_meta(p)) for p in complete_checkpoints(root)]
+    return [(p, m) for p, m in found if m is not None and (run_id is None or m.get("run_id") != run_id)]
+
+
+def clear_stale(root: Path, run_id: str | None, fingerprint: str | None, keep_unnamed: bool) -> list[Path]:
+    """Remove what no run can continue from: ``.partial`` folders, and this model's earlier runs' steps.
+
+    Called by rank 0 after publishing a checkpoint, so the earlier run's checkpoints are replaced only
+    once this run has one. Only folders ``planner run`` wrote go: a step folder of another model
+    (refused before any rank started) or without ``planner.json`` (a user's own) stays.
+
+    Args:
+        root: the checkpoint folder.
+        run_id: the saving run's id (None: keep every step folder, remove only ``.partial`` ones).
+        fingerprint: the plan's model fingerprint (a folder of another model is kept).
+        keep_unnamed: keep folders written before runs had ids (a resumed run continued them).
+
+    Returns:
+        The folders removed.
+    """
+    removed: list[Path] = []
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        if _PARTIAL_DIR.match(path.name) and path.is_dir() and not path.is_symlink():
+            removed.append(path)
+        elif run_id is not None and owned_by_planner(path):
+            meta = read_meta(path) or {}
+            other = meta.get("run_id")
+            if other != run_id and not (other is None and keep_unnamed) and meta.get("plan_fingerprint") == fingerprint:
+                removed.append(path)
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
 
 
 def checkpoint_meta(path: Path) -> dict[str, Any]:
@@ -240,20 +394,27 @@ def _dist_ready() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def save_checkpoint(root: Path, step: int, state: RankState, meta: dict[str, Any]) -> Path:
+def save_checkpoint(
+    root: Path, step: int, state: RankState, meta: dict[str, Any], *, keep_unnamed: bool = False
+) -> Path:
     """Write the checkpoint of ``step`` (every rank calls this at the same step).
+
+    Rank 0 then records it in ``DIR/latest`` with the run's id and clears what no run can continue
+    from (``clear_stale``): the ``.partial`` folders, and the steps of this model's earlier runs.
 
     Args:
         root: the checkpoint folder (created if missing; shared by all nodes).
         step: the last completed step.
         state: this rank's state.
-        meta: what rank 0 records beside it (plan fingerprint, layout), as JSON.
+        meta: what rank 0 records beside it (plan fingerprint, layout, ``run_id``), as JSON.
+        keep_unnamed: keep step folders written before runs had ids (a resumed run continues them).
 
     Returns:
         The checkpoint's folder.
 
     Raises:
-        PlannerError: the folder cannot be written.
+        PlannerError: the folder cannot be written, or ``DIR/step_NNNNNNNN`` is a folder
+            ``planner run`` did not write.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -263,6 +424,7 @@ def save_checkpoint(root: Path, step: int, state: RankState, meta: dict[str, Any
     try:
         if lead:
             root.mkdir(parents=True, exist_ok=True)
+            _check_replaceable(root, final)
             shutil.rmtree(partial, ignore_errors=True)  # left by a save that crashed
         if _dist_ready():
             torch.distributed.barrier()
@@ -271,17 +433,35 @@ def save_checkpoint(root: Path, step: int, state: RankState, meta: dict[str, Any
             torch.distributed.barrier()  # every rank's files are written
         if lead:
             (partial / META_FILE).write_text(json.dumps({**meta, "step": step}, indent=2) + "\n")
-            if final.exists():  # a resumed run saving the same step again
+            if final.exists():  # a resumed run saving the same step again, or an earlier run's (planner's)
                 shutil.rmtree(final)
             os.replace(partial, final)
+            run_id = meta.get("run_id") if is_run_id(meta.get("run_id")) else None
             tmp = root / ".latest.tmp"
-            tmp.write_text(final.name + "\n")
-            os.replace(tmp, root / "latest")
+            tmp.write_text(f"{final.name} {run_id}\n" if run_id else f"{final.name}\n")
+            os.replace(tmp, root / LATEST_FILE)
+            clear_stale(root, run_id, meta.get("plan_fingerprint"), keep_unnamed)
     except OSError as e:
         raise PlannerError(
             f"cannot write checkpoint {final}: {e.strerror or e}; free space or pick another --checkpoint-dir"
         ) from None
     return final
+
+
+def _check_replaceable(root: Path, final: Path) -> None:
+    """A save replaces ``latest`` and an existing step folder only if ``planner run`` wrote them (a
+    resumed run saving the same step again, an earlier run of this model): never a user's own file.
+    ``planner run`` refuses both before any rank starts; this guards every other caller."""
+    if foreign_latest(root):
+        raise PlannerError(
+            f"{root / LATEST_FILE} is not a file `planner run` wrote (it names no step folder); move it away, "
+            "or give --checkpoint-dir another folder"
+        )
+    if (final.exists() or final.is_symlink()) and not owned_by_planner(final):
+        raise PlannerError(
+            f"{final} exists and is not a checkpoint `planner run` wrote (no {META_FILE}); move it away, or "
+            "give --checkpoint-dir another folder"
+        )
 
 
 def load_checkpoint(path: Path, state: RankState) -> int:
@@ -374,8 +554,9 @@ def save_weights(plan_file: Path, checkpoint: Path | None, out: Path) -> tuple[P
 
     Args:
         plan_file: the plan that was run (its model file builds the unsplit model).
-        checkpoint: a checkpoint folder, or the folder of a run's checkpoints (its newest is
-            taken); None: the plan's default, PLAN's name with .ckpt.
+        checkpoint: a checkpoint folder, or the folder of a run's checkpoints (the one its
+            ``latest`` names is taken: ``latest_checkpoint``); None: the plan's default, PLAN's
+            name with .ckpt.
         out: where the state dict goes (written through a temporary file).
 
     Returns:

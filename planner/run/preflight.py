@@ -5,7 +5,10 @@ them is one line now instead of a failure on every rank after a minute of set-up
   ``--steps``.
 - ``--data``: the text can be read and suits the model (``planner.data.TextBatches`` built once
   here: the same checks and the same vocabulary every rank will build).
-- the checkpoint folder can be written.
+- the checkpoint folder can be written, and belongs to this plan's model: another model's
+  checkpoints, or a ``latest`` or step folder ``planner run`` did not write, are refused (nothing
+  of theirs is replaced); an earlier run of this model's checkpoints are announced (this run's
+  first save replaces them).
 """
 
 from __future__ import annotations
@@ -14,11 +17,21 @@ import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from planner.capture.blocks import TracedModel
 from planner.capture.load import ModelFile
 from planner.errors import DataError, PlannerError
-from planner.run.checkpoint import checkpoint_step, kept_vocab, latest_checkpoint
+from planner.run.checkpoint import (
+    LATEST_FILE,
+    checkpoint_step,
+    earlier_checkpoints,
+    foreign_latest,
+    kept_vocab,
+    latest_checkpoint,
+    owned_by_planner,
+    step_dir,
+)
 from planner.run.streams import vocab_size_of
 from planner.schema.plan import Plan
 from planner.schema.request import RunRequest
@@ -49,23 +62,28 @@ def check_resume(plan: Plan, request: RunRequest) -> int:
     return step
 
 
-def check_checkpoint_dir(request: RunRequest) -> None:
-    """The checkpoint folder can be created and written (checked before training, so no run's weights are lost).
+def check_checkpoint_dir(plan: Plan, request: RunRequest, print_fn: Callable[[str], None]) -> None:
+    """The checkpoint folder can be created and written, and is this plan's (checked before training,
+    so no run's weights are lost and nothing the run did not write is replaced).
 
     The folders the check creates are removed again: a command that fails later leaves nothing
     behind, and the first save creates the folder for good.
 
     Args:
-        request: ``planner run``'s options (the checkpoint folder, whether to save).
+        plan: the plan (its model's fingerprint).
+        request: ``planner run``'s options (the checkpoint folder, whether to save, ``--resume``).
+        print_fn: where the note on an earlier run's checkpoints goes.
 
     Raises:
-        PlannerError: it is a file, or cannot be created or written.
+        PlannerError: it is a file, cannot be created or written, holds another model's checkpoints,
+            or a ``latest`` or step folder that ``planner run`` did not write.
     """
     if not request.save_checkpoints:
         return
     root = request.checkpoint_root
     if root.exists() and not root.is_dir():
         raise PlannerError(f"checkpoint folder {root} is a file; give --checkpoint-dir a folder")
+    check_checkpoint_owner(plan, request, print_fn)
     created = _missing_folders(root)
     try:
         try:
@@ -80,6 +98,59 @@ def check_checkpoint_dir(request: RunRequest) -> None:
         for folder in created:  # deepest first; a folder something else filled meanwhile stays
             with contextlib.suppress(OSError):
                 folder.rmdir()
+
+
+def check_checkpoint_owner(plan: Plan, request: RunRequest, print_fn: Callable[[str], None]) -> None:
+    """The checkpoint folder holds nothing this run would wrongly replace or mix with its own.
+
+    A fresh run (no ``--resume``) into a folder of an earlier run of the same model goes ahead (re-running
+    a plan must work) with one note: that run's checkpoints are replaced at this run's first save.
+
+    Args:
+        plan: the plan (its model's fingerprint).
+        request: ``planner run``'s options.
+        print_fn: where the note goes.
+
+    Raises:
+        PlannerError: another model's checkpoints are there, or a ``latest`` or a step folder this
+            run would save that ``planner run`` did not write.
+    """
+    root, fingerprint = request.checkpoint_root, plan.model.fingerprint
+    where = f"--checkpoint-dir {root}" if request.checkpoint_dir is not None else f"checkpoint folder {root}"
+    if foreign_latest(root):
+        raise PlannerError(
+            f"{where}: {root / LATEST_FILE} is not a file `planner run` wrote (it names no step folder), and a "
+            "save would replace it; move it away, or give --checkpoint-dir another folder"
+        )
+    earlier = earlier_checkpoints(root)
+    others = [(p, m) for p, m in earlier if m.get("plan_fingerprint") not in (None, fingerprint)]
+    if others:
+        theirs = others[-1][1]["plan_fingerprint"]
+        raise PlannerError(
+            f"{where} holds checkpoints of another model (fingerprint {theirs}, {_steps(others)}; this plan's is "
+            f"{fingerprint}); give --checkpoint-dir another folder, or remove {root} to start afresh"
+        )
+    every = request.checkpoint_every
+    # the folders already there, not the steps to save: --steps may be huge, the folder is small
+    for path in sorted(root.glob("step_*")) if root.is_dir() else []:
+        step = int(path.name[5:]) if path.name[5:].isdigit() else 0
+        saves = step == request.steps or (every > 0 and step < request.steps and step % every == 0)
+        if saves and path == step_dir(root, step) and not owned_by_planner(path):
+            raise PlannerError(
+                f"{where}: {path} is not a checkpoint `planner run` wrote, and this run would save step {step} "
+                "there; move it away, or give --checkpoint-dir another folder"
+            )
+    if earlier and not request.resume:
+        print_fn(
+            f"note: {root} holds the checkpoints of an earlier run of this model ({_steps(earlier)}); this run "
+            "replaces them at its first save (--resume would continue that run instead)"
+        )
+
+
+def _steps(found: list[tuple[Path, dict[str, Any]]]) -> str:
+    """``steps 2 to 27`` (or ``step 4``) of the checkpoints found."""
+    steps = sorted(int(m["step"]) for _, m in found)
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]} to {steps[-1]}"
 
 
 def _missing_folders(folder: Path) -> list[Path]:

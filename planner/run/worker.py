@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,7 +44,15 @@ import torch
 from tqdm import tqdm
 
 from planner.errors import PlannerError
-from planner.run.checkpoint import RankState, keep_vocab, latest_checkpoint, load_checkpoint, save_checkpoint
+from planner.run.checkpoint import (
+    RankState,
+    is_run_id,
+    keep_vocab,
+    latest_checkpoint,
+    load_checkpoint,
+    read_meta,
+    save_checkpoint,
+)
 from planner.run.console import print_flushed
 from planner.run.forkserver import LaunchContext
 from planner.run.loop import Progress, RankModel, RankResult, train_steps
@@ -108,6 +117,9 @@ class _RankRun:
         ]
         self.evals: list[tuple[int, float, int]] = []
         self.written: list[str] = []
+        # The run's id, recorded with each checkpoint: only rank 0's counts (it alone writes planner.json
+        # and latest), so the ranks need not agree on a fresh one; a resumed run takes its checkpoint's.
+        self.run_id = uuid.uuid4().hex
 
     def evaluate(self, step: int) -> None:
         """Loss and perplexity on the held-out part of ``--data`` (forward only, every rank)."""
@@ -137,11 +149,13 @@ class _RankRun:
             "dp": plan.dp,
             "world_size": plan.world_size,
             "tp": plan.tp,
+            "run_id": self.run_id,
         }
         if self.text is not None and self.mesh.rank == 0:
             # rank 0 publishes the checkpoint (a rename, after every rank wrote): never without its ids
             keep_vocab(self.request.checkpoint_root, self.text.vocab)
-        path = save_checkpoint(self.request.checkpoint_root, step, self.state, meta)
+        # a resumed run keeps the folders written before runs had ids: it may be continuing them
+        path = save_checkpoint(self.request.checkpoint_root, step, self.state, meta, keep_unnamed=self.request.resume)
         self.written.append(str(path))
         if self.request.echo and self.mesh.rank == 0:
             print_flushed(f"checkpoint after step {step}: {path}")
@@ -157,12 +171,15 @@ class _RankRun:
             self.save(step)
 
     def _resume(self) -> int:
-        """The first step to run: after the newest checkpoint when resuming, else 1."""
+        """The first step to run: after the checkpoint ``latest`` names when resuming, else 1."""
         if not self.request.resume:
             return 1
         found = latest_checkpoint(self.request.checkpoint_root)
         if found is None:
             raise PlannerError(f"--resume: no complete checkpoint in {self.request.checkpoint_root}")
+        run_id = (read_meta(found) or {}).get("run_id")
+        if is_run_id(run_id):  # else written before runs had ids: the fresh id names the run from now on
+            self.run_id = run_id
         return load_checkpoint(found, self.state) + 1
 
     def _rank_model(self) -> RankModel:
