@@ -87,6 +87,18 @@ def _recompute_99(raw: dict) -> None:
     raw["stages"][0]["recompute"] = "full:99"
 
 
+def _checkpoint_folders(d: Path) -> None:
+    """A folder with another model's checkpoint, one holding the user's own 'latest', one holding the
+    user's own step_00000002 folder."""
+    other = d / "other.ckpt" / "step_00000001"
+    other.mkdir(parents=True, exist_ok=True)
+    (other / ".metadata").write_bytes(b"")
+    (other / "planner.json").write_text('{"step": 1, "plan_fingerprint": "0123456789abcdef"}')
+    (d / "mine").mkdir(exist_ok=True)
+    (d / "mine" / "latest").write_text("my notes\n")
+    (d / "mine2" / "step_00000002").mkdir(parents=True, exist_ok=True)
+
+
 def _move_boundary(raw: dict) -> None:
     cut = 2 if raw["stages"][0]["end"] == 1 else 1  # the other legal boundary of the 3-block toy model
     raw["stages"][0]["end"] = cut
@@ -926,6 +938,28 @@ CASES: list[Case] = [
     ),
     Case("run options", "-o into a missing folder", "run {d}/plan.json -o {d}/missing/run.json", 2, "does not exist"),
     Case("run options", "--timeout 0", "run {d}/plan.json --timeout 0", 2, "--timeout"),
+    Case(
+        "run options",
+        "a checkpoint folder of another model",
+        "run {d}/plan.json --checkpoint-dir {d}/other.ckpt",
+        2,
+        "holds checkpoints of another model (fingerprint 0123456789abcdef",
+        _checkpoint_folders,
+    ),
+    Case(
+        "run options",
+        "a checkpoint folder holding the user's own 'latest'",
+        "run {d}/plan.json --checkpoint-dir {d}/mine",
+        2,
+        "latest is not a file `planner run` wrote",
+    ),
+    Case(
+        "run options",
+        "the user's own folder where a step would be saved",
+        "run {d}/plan.json --steps 2 --checkpoint-dir {d}/mine2",
+        2,
+        "is not a checkpoint `planner run` wrote, and this run would save step 2",
+    ),
     Case(
         "run options",
         "--timeout too short to work",
