@@ -44,7 +44,8 @@ from planner.core.split.stage_plans import StageMemo
 from planner.core.step.schedules import ZERO_BUBBLE, stages_per_rank_options
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost
-from planner.schema.request import SCHEDULES, divisors
+from planner.schema.counts import divisors
+from planner.schema.request import SCHEDULES
 
 MAX_AUTO_STAGES_PER_RANK = 4
 """``--stages-per-rank auto`` tries 1 .. this many (more stages per rank add messages for less bubble)."""
