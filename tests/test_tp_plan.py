@@ -15,7 +15,7 @@ from planner.capture.tp_plan import check_tp_plan, match, matched_modules, resol
 from planner.capture.trace import trace_model
 from planner.core.levers.hardware import get_hardware
 from planner.costs.tensor_parallel import tensor_parallel_shares
-from planner.errors import InfeasibleError, ModelFileError
+from planner.errors import InfeasibleError, ModelFileError, PlannerError
 from planner.schema.plan import Plan
 from planner.schema.request import PlanRequest
 
@@ -588,3 +588,25 @@ def test_the_runner_checks_a_plans_tp_against_the_heads_too() -> None:
     check_tp_degree(model, plan, 1)
     with pytest.raises(PlanFileError, match="tp 4 cannot split this model: .* n_kv_heads is 2, not a multiple of 4; "):
         check_tp_degree(model, plan, 4)
+
+
+def test_a_refused_degree_names_the_degrees_that_work_and_what_limits_them() -> None:
+    """It said "give a degree that divides 2" right after naming a width of 64 (issue 66): the limit,
+    tiny Llama's 2 key-value heads, is named now."""
+    mf = load_model_file(LLAMA, size="tiny")
+    model = mf.build(seed=0)
+    plan = dict(resolve_tp_plan(mf, model).plan)
+    with pytest.raises(ModelFileError) as caught:
+        check_tp_plan(model, plan, 3)
+    assert str(caught.value).endswith(
+        "the degrees that divide every split size: 2 (layers.0.attention's n_kv_heads is 2); give one of them, "
+        "or --tp auto"
+    )
+
+
+def test_fewer_gpus_than_a_node_holds_are_one_node_for_tp() -> None:
+    # 6 GPUs of an 8-GPU node: tp 3 stays inside it (was "does not divide the 8 ranks of a node")
+    request = PlanRequest.build(model_file="m.py", gpus=6, tp=3, gpu_type="h100", batch_size=6)
+    assert request.tp == 3
+    with pytest.raises(PlannerError, match="--tp 3 does not divide the 8 ranks of a node"):
+        PlanRequest.build(model_file="m.py", gpus=12, tp=3, gpu_type="h100", batch_size=12)

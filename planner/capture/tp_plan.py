@@ -308,12 +308,25 @@ def check_tp_plan(model: nn.Module, plan: Mapping[str, str], tp: int = 1) -> Non
     _check_ties(model, matched)
     if tp <= 1:
         return
-    for where, what, n in split_sizes(model, plan):
+    sizes = split_sizes(model, plan)
+    for where, what, n in sizes:
         if n % tp:
             raise ModelFileError(
-                f"--tp {tp}: tp_plan splits {where}, whose {what} is {n}, not a multiple of {tp}; give a degree "
-                f"that divides {plan_divisor(model, plan)}, or --tp auto"
+                f"--tp {tp}: tp_plan splits {where}, whose {what} is {n}, not a multiple of {tp}; {_degrees(sizes)}"
             )
+
+
+def _degrees(sizes: list[tuple[str, str, int]]) -> str:
+    """The degrees every split size allows, and which size limits them most (the smallest): "give a
+    degree that divides 2" once followed a width of 64, where 2 key-value heads were the limit."""
+    divisor = math.gcd(*(n for _, _, n in sizes))
+    where, what, n = min(sizes, key=lambda s: s[2])
+    limit = f"{where}'s {what} is {n}" if n == divisor else f"the gcd of every split size is {divisor}"
+    if divisor == 1:
+        return f"no degree above 1 divides every split size ({limit}): give --tp 1, or --tp auto"
+    degrees = [d for d in range(2, divisor + 1) if divisor % d == 0]
+    shown = ", ".join(map(str, degrees[:6])) + (", ..." if len(degrees) > 6 else "")
+    return f"the degrees that divide every split size: {shown} ({limit}); give one of them, or --tp auto"
 
 
 def _check_ties(model: nn.Module, matched: Mapping[str, tuple[str, nn.Module, str]]) -> None:

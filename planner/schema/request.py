@@ -358,7 +358,8 @@ class PlanRequest(_Request):
             return
         if self.gpus % self.tp:
             raise ValueError(f"--tp {self.tp} does not divide --gpus {self.gpus}; give a divisor of it, or auto")
-        node = self.ranks_per_node if self.gpu_type is not None else self.gpus
+        # fewer GPUs than a node holds are one node of that many (6 GPUs: tp 3 stays inside it)
+        node = min(self.ranks_per_node, self.gpus) if self.gpu_type is not None else self.gpus
         if self.tp > 1 and node % self.tp:
             raise ValueError(
                 f"--tp {self.tp} does not divide the {node} ranks of a node (--gpus-per-node): a tensor-parallel "
