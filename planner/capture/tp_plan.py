@@ -268,12 +268,6 @@ def split_sizes(
     return sizes
 
 
-def plan_divisor(model: nn.Module, plan: Mapping[str, str]) -> int | None:
-    """The greatest common divisor of every split size (None: the plan splits nothing)."""
-    sizes = [n for _, _, n in split_sizes(model, plan)]
-    return math.gcd(*sizes) if sizes else None
-
-
 def check_tp_plan(model: nn.Module, plan: Mapping[str, str], tp: int = 1) -> None:
     """Check a plan against a built model: every pattern matches a module, every matched module is an
     ``nn.Linear`` (or an ``nn.Embedding`` split ``colwise_rep``), and ``tp`` divides every split size
@@ -306,14 +300,31 @@ def check_tp_plan(model: nn.Module, plan: Mapping[str, str], tp: int = 1) -> Non
                 f"nn.Embedding, colwise_rep) can be split {style}"
             )
     _check_ties(model, matched)
+    reason = indivisible_split(model, plan, tp)
+    if reason:
+        raise ModelFileError(f"--tp {tp}: {reason}")
+
+
+def indivisible_split(model: nn.Module, plan: Mapping[str, str], tp: int) -> str | None:
+    """Why ``tp`` cannot split ``model`` by ``plan``: the first split size (features, an embedding's
+    width, a head count) it does not divide, and the degrees that would do (``_degrees``). ``planner
+    plan`` checks its degree with it, ``planner run`` a plan's (a hand edit included).
+
+    Args:
+        model: the unsplit model.
+        plan: pattern -> style.
+        tp: the degree.
+
+    Returns:
+        The reason, or None when ``tp`` divides every split size (or is 1).
+    """
     if tp <= 1:
-        return
+        return None
     sizes = split_sizes(model, plan)
     for where, what, n in sizes:
         if n % tp:
-            raise ModelFileError(
-                f"--tp {tp}: tp_plan splits {where}, whose {what} is {n}, not a multiple of {tp}; {_degrees(sizes)}"
-            )
+            return f"tp_plan splits {where}, whose {what} is {n}, not a multiple of {tp}; {_degrees(sizes)}"
+    return None
 
 
 def _degrees(sizes: list[tuple[str, str, int]]) -> str:
@@ -353,7 +364,7 @@ __all__ = [
     "config_heads",
     "match",
     "matched_modules",
-    "plan_divisor",
+    "indivisible_split",
     "resolve_tp_plan",
     "split_sizes",
 ]

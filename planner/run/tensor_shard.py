@@ -22,7 +22,7 @@ from torch import nn
 
 from planner.capture.blocks import TracedModel
 from planner.capture.tp_graph import shardable_trace as _shardable
-from planner.capture.tp_plan import COLUMN_STYLES, matched_modules, plan_divisor, split_sizes, style_error
+from planner.capture.tp_plan import COLUMN_STYLES, indivisible_split, matched_modules, style_error
 from planner.errors import PlanFileError, TraceError
 from planner.run.sequence_shard import row_style
 
@@ -128,14 +128,9 @@ def check_tp_degree(model: nn.Module, tp_plan: dict[str, str], tp: int) -> None:
     Raises:
         PlanFileError: a split size (features, an embedding's width, a head count) ``tp`` does not divide.
     """
-    if tp <= 1:
-        return
-    for where, what, n in split_sizes(model, tp_plan):
-        if n % tp:
-            raise PlanFileError(
-                f"the plan's tp {tp} cannot split this model: tp_plan splits {where}, whose {what} is {n}, not a "
-                f"multiple of {tp}; re-run `planner plan` with a --tp that divides {plan_divisor(model, tp_plan)}"
-            )
+    reason = indivisible_split(model, tp_plan, tp)
+    if reason:
+        raise PlanFileError(f"the plan's tp {tp} cannot split this model: {reason}, re-planning with `planner plan`")
 
 
 def check_tp_split(module: nn.Module, tp_plan: dict[str, str], tp: int) -> dict[str, str]:
