@@ -178,6 +178,20 @@ def _block(rng: random.Random, i: int, n: int) -> BlockCost:
     )
 
 
+def profile_of(gpu: bool, cores: int | None) -> ProfileInfo:
+    """The profile of a random problem: a GPU cluster's (NCCL, one device a rank) or a CPU's of ``cores``."""
+    return ProfileInfo(
+        device="cuda" if gpu else "cpu",
+        backend="nccl" if gpu else "gloo",
+        threads=1,
+        torch_version="2.13.0",
+        hostname="t",
+        warmup=0,
+        repeats=0,
+        cores=cores,
+    )
+
+
 def problem(seed: int) -> tuple[PlanRequest, list[BlockCost], LinkCost, ProfileInfo, int | None]:
     """A random planning problem: blocks, every option the search takes, a CPU or a GPU cluster."""
     rng = random.Random(seed)
@@ -204,16 +218,7 @@ def problem(seed: int) -> tuple[PlanRequest, list[BlockCost], LinkCost, ProfileI
         optimizer=OptimizerSpec(name=rng.choice(["adamw", "sgd"]), grad_clip=rng.choice([None, 1.0])),
     )
     gpu = rng.random() < 0.4
-    base = ProfileInfo(
-        device="cuda" if gpu else "cpu",
-        backend="nccl" if gpu else "gloo",
-        threads=1,
-        torch_version="2.13.0",
-        hostname="t",
-        warmup=0,
-        repeats=0,
-        cores=None if gpu else rng.choice([None, 2, 8]),
-    )
+    base = profile_of(gpu, None if gpu else rng.choice([None, 2, 8]))
     link: LinkCost
     if gpu:
         link = node_links(get_hardware(rng.choice(["h100", "a100-80g"])), gpus, rng.choice([1, 2, 8]))

@@ -15,7 +15,7 @@ import random
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_plans_unchanged import REF, _block
+from test_plans_unchanged import REF, _block, profile_of
 
 from planner.core.assemble import Origin, assemble_plan
 from planner.core.layout.inputs import asked_of
@@ -59,16 +59,7 @@ def _cluster(seed: int, gpus: int) -> tuple[LinkCost, ProfileInfo]:
     """A CPU link or a GPU node's links, and the profile of that kind."""
     rng = random.Random(seed)
     gpu = rng.random() < 0.5
-    profile = ProfileInfo(
-        device="cuda" if gpu else "cpu",
-        backend="nccl" if gpu else "gloo",
-        threads=1,
-        torch_version="2.13.0",
-        hostname="t",
-        warmup=0,
-        repeats=0,
-        cores=None if gpu else rng.choice([None, 2]),
-    )
+    profile = profile_of(gpu, None if gpu else rng.choice([None, 2]))
     if gpu:
         return node_links(get_hardware(rng.choice(["h100", "a100-80g"])), gpus, rng.choice([1, 8])), profile
     return LinkCost(name="l", latency_s=1e-4, bandwidth_Bps=1e9), profile
