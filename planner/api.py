@@ -33,6 +33,7 @@ from planner.core.heap import bulk_allocation
 from planner.core.layout.inputs import asked_of
 from planner.core.levers.hardware import HardwareSpec, dtype_bytes, node_links
 from planner.core.levers.hardware_file import hardware_named
+from planner.core.split.given import check_notation
 from planner.core.step.calibrate import (
     apply_calibration,
     calibrated_request,
@@ -358,11 +359,14 @@ def tokens_per_sample(inputs: object) -> int | None:
 def check_request(request: PlanRequest) -> None:
     """Refuse, before any model is built, a schedule / microbatch / stages-per-rank request that
     torch's schedule classes refuse whatever the split (only when all three are given, and the
-    replica count: otherwise the search tries what can run).
+    replica count: otherwise the search tries what can run), and a ``--compare`` split written in no
+    notation it reads.
 
     Raises:
-        InfeasibleError: the schedule cannot run with these numbers.
+        InfeasibleError: the schedule cannot run with these numbers, or the split cannot be read.
     """
+    if request.compare is not None:
+        check_notation(request.compare)
     if request.schedule == "auto" or request.dp == "auto":
         return
     pp = request.profile_pp  # the pipeline ranks of the one replica count asked for

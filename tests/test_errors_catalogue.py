@@ -83,6 +83,11 @@ def _rename_block(raw: dict) -> None:
         raw["stages"][0]["last_block"] = "renamed"
 
 
+def _cell(text: str) -> str:
+    """``text`` in a cell of docs/errors.md's table: a | escaped, as GitHub's tables read it (in `code` too)."""
+    return text.replace("|", "\\|")
+
+
 def _recompute_99(raw: dict) -> None:
     raw["stages"][0]["recompute"] = "full:99"
 
@@ -668,6 +673,13 @@ CASES: list[Case] = [
     ),
     Case(
         "plan options",
+        "--compare with a Megatron repeat that does not unroll",
+        "plan {d}/model.py --gpus 2 --compare Et**2|t*2L",
+        2,
+        "cannot read '**2'",
+    ),
+    Case(
+        "plan options",
         "--compare naming a file without module lists",
         "plan {d}/model.py --gpus 2 --compare {d}/model.py",
         2,
@@ -1093,7 +1105,7 @@ def test_every_mistake_gets_one_clear_line(scratch: Path) -> None:
             failures.append(f"{case.what}: exit {code}, stderr {stderr.strip()[-400:]!r}")
         shown = line.replace(str(scratch), "<dir>")
         rows.append(
-            f"| {case.group} | {case.what} | `{case.args.replace('{d}', '<dir>')}` | {code} | {shown.replace('|', '/')} |"
+            f"| {case.group} | {case.what} | `{_cell(case.args.replace('{d}', '<dir>'))}` | {code} | {_cell(shown)} |"
         )
     assert not failures, "\n".join(failures)
     text = (

@@ -40,6 +40,7 @@ def _blocks(cut_after_layer1: bool = True) -> list:
         ("Ett|ttL", [0, 3]),
         ("E|t*4|L", [0, 1, 5]),  # Megatron's x*n, and a stage of the loss alone
         ("E(t|)*2,ttL", [0, 2, 3]),  # (..)*n and cosmetic commas: Et|t|ttL
+        ("E((t)*1|)*2ttL", [0, 2, 3]),  # groups nest: the inner unrolls first
         ("parts:0,3,7", [0, 3]),
         ('fqns:[["embed", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "output"]]', [0, 3]),
     ],
@@ -65,6 +66,13 @@ def test_each_notation_gives_the_stage_starts(spec: str, starts: list[int]) -> N
         ),
         ('fqns:[["embed", "layers.0"]]', "2 of the model's 7 blocks"),
         ("three,four", "give layer counts per stage"),
+        # issue 66, item 14: was "multi-token prediction layers (m) and unbalanced groups are not supported"
+        ("Et**2|t*2L", "cannot read '\\*\\*2' \\(after unrolling: 'Et\\*\\*2\\|ttL'\\); a repeat is a symbol"),
+        ("Et3|t4L", "cannot read '3'"),
+        ("E(tt|t*2L", "cannot read '\\('"),
+        ("Etm|tL", "multi-token prediction layers \\(m\\) are not supported$"),
+        ("Et*99999999999|L", "unrolls to over 1,000,000 symbols"),  # was a MemoryError's wait
+        ("Et*" + "9" * 5000 + "|L", "unrolls to over 1,000,000 symbols"),  # was int()'s 4,300-digit limit
     ],
 )
 def test_a_split_that_does_not_fit_the_model_is_one_line(spec: str, message: str) -> None:

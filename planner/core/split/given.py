@@ -25,6 +25,7 @@ from planner.schema.costs import BlockCost
 
 _COUNTS = re.compile(r"^\s*\d+(\s*,\s*\d+)+\s*$")
 _MEGATRON = re.compile(r"^[EtLm|(),*\d\s]+$")
+_MAX_UNROLLED = 1_000_000  # symbols of an unrolled Megatron layout
 
 
 def split_kind(spec: str) -> str:
@@ -45,6 +46,21 @@ def split_kind(spec: str) -> str:
         f"--compare {spec!r}: give layer counts per stage (3,4), a Megatron layout (Et*3|t*4L), DeepSpeed parts "
         "(parts:0,3,7) or a file holding torchtitan's module_fqns_per_model_part (JSON, TOML or Python)"
     )
+
+
+def check_notation(spec: str) -> None:
+    """Refuse a split that is not written in any of the notations, before the model is profiled
+    (what depends on the model's blocks is checked by ``given_starts``).
+
+    Raises:
+        InfeasibleError: an unknown notation, a Megatron string that does not unroll, or parts that
+            are not block indices, named in one line.
+    """
+    kind = split_kind(spec)
+    if kind == "megatron":
+        _megatron_stages(spec)
+    elif kind == "parts" and not re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", spec.removeprefix("parts:")):
+        _parts(spec.removeprefix("parts:"), 0)  # raises, naming the form
 
 
 def given_starts(spec: str, blocks: Sequence[BlockCost]) -> list[int]:
@@ -114,11 +130,24 @@ def _count_starts(counts: list[int], blocks: Sequence[BlockCost]) -> list[int]:
 def _megatron_stages(spec: str) -> list[str]:
     """Megatron's layout string unrolled (its own rules: ``(..)*n``, ``x*n``, cosmetic commas) and split by stage."""
     text = spec.replace(",", "").replace(" ", "")
-    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
-        text = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), text)
-    if "m" in text or "(" in text or "*" in text:
+    if "m" in text:
+        raise InfeasibleError(f"--compare {spec!r}: multi-token prediction layers (m) are not supported")
+    for pattern in (r"\(([^()]+)\)\*(\d+)", r"([EtL|])\*(\d+)"):
+        while found := re.search(pattern, text):  # innermost groups first, so groups may nest
+            repeat, digits = found.group(1), found.group(2)
+            count = int(digits) if len(digits) < 8 else _MAX_UNROLLED + 1  # int() refuses 4,301 digits
+            if len(text) + len(repeat) * count > _MAX_UNROLLED:  # t*10**12 would fill the memory
+                raise InfeasibleError(
+                    f"--compare {spec[:60]!r}: unrolls to over {_MAX_UNROLLED:,} symbols; no model has that many layers"
+                )
+            text = text[: found.start()] + repeat * count + text[found.end() :]
+    left = re.search(r"[()*\d]+", text)
+    if left:
+        # what no rule unrolled: a repeat without a count or symbol (t**2, *3), a count without *
+        # (t3), or a bracket without its partner
         raise InfeasibleError(
-            f"--compare {spec!r}: multi-token prediction layers (m) and unbalanced groups are not supported"
+            f"--compare {spec!r}: cannot read {left.group()!r} (after unrolling: {text[:40]!r}); a repeat is a symbol "
+            "(E, t, L, |) or a (group) followed by *N, as in Et*3|t*4L or E(tt|)*2L"
         )
     return text.split("|")
 
