@@ -134,7 +134,8 @@ layout_options = option_group(
         "--dp-mode",
         type=click.Choice(["auto", *DP_MODES], case_sensitive=False),
         **_AUTO,
-        help="How the replicas reduce gradients: ddp, fsdp, hsdp (fully_shard on a 2-D mesh) or auto.",
+        help="How the replicas reduce gradients: ddp, fsdp, hsdp (fully_shard on a 2-D mesh) or auto. fsdp and hsdp "
+        "need --dp 2 or more (or auto).",
     ),
     option(
         "--dp-shard", type=REPLICAS_OR_AUTO, **_AUTO, help="Under --dp-mode hsdp, the replicas of each shard group."

@@ -721,7 +721,16 @@ def test_one_replica_changes_nothing(
             model_file="m.py", gpus=gpus, dp="auto", batch_size=batch, microbatches=m
         ).dp_options != [1]:
             continue
-        assert _plan(blocks, gpus=gpus, m=m, batch=batch, schedule=schedule, link=link, **kw) == default
+        if mode == "fsdp" and kw["dp"] == 1:  # refused, as nothing would be sharded (issue 66)
+            with pytest.raises(PlannerError, match="--dp-mode fsdp shards over replicas, but --dp is 1"):
+                _plan(blocks, gpus=gpus, m=m, batch=batch, schedule=schedule, link=link, **kw)
+            continue
+        got = _plan(blocks, gpus=gpus, m=m, batch=batch, schedule=schedule, link=link, **kw)
+        if mode == "fsdp":  # the same plan, whose choice line says the mode went unused
+            note = "; --dp-mode fsdp: not used, the chosen layout has one replica (dp 1), so nothing is sharded"
+            assert note in got.choice
+            got = got.model_copy(update={"choice": got.choice.replace(note, "")})
+        assert got == default
     pred = default.prediction
     assert (default.dp, default.dp_mode, default.world_size, pred.dp_reduce_s) == (1, "ddp", gpus, 0.0)
     assert default.microbatch_size == batch // default.n_microbatches

@@ -673,6 +673,13 @@ CASES: list[Case] = [
     ),
     Case(
         "plan options",
+        "--dp-mode fsdp with one replica",
+        "plan {d}/model.py --gpus 2 --dp-mode fsdp",
+        2,
+        "--dp-mode fsdp shards over replicas, but --dp is 1",
+    ),
+    Case(
+        "plan options",
         "--compare with a Megatron repeat that does not unroll",
         "plan {d}/model.py --gpus 2 --compare Et**2|t*2L",
         2,

@@ -122,6 +122,28 @@ def test_fsdp_units_a_searched_layout_leaves_out_are_said(tmp_path: Path, gpus: 
     assert said in plan.choice and said in output
 
 
+@pytest.mark.parametrize("mode", ["fsdp", "hsdp"])
+def test_a_sharding_dp_mode_with_one_replica_is_refused(mode: str) -> None:
+    # was: planned as one DDP replica, exit 0, not a word (as --fsdp-units was)
+    result = _invoke("plan", GPT, "--gpus", "2", "--size", "tiny", "--dp", "1", "--dp-mode", mode, "--gpu-type", "cpu")
+    _one_error_line(result, f"--dp-mode {mode} shards over replicas, but --dp is 1", "give --dp 2 or more (or auto)")
+    with pytest.raises(PlannerError, match=f"--dp-mode {mode} shards over replicas, but --dp is 1"):
+        PlanRequest.build(model_file="m.py", gpus=2, dp_mode=mode)  # --dp defaults to 1
+    PlanRequest.build(model_file="m.py", gpus=2, dp=2, dp_mode="fsdp")  # with replicas it stays a valid request
+    PlanRequest.build(model_file="m.py", gpus=2, dp="auto", dp_mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "hsdp"])
+def test_a_sharding_dp_mode_a_searched_layout_of_one_replica_leaves_out_is_said(tmp_path: Path, mode: str) -> None:
+    # --dp auto on one GPU can only choose one replica: the mode shards nothing, and the choice line says so
+    plan, output = _planned(
+        tmp_path, GPT, "--size", "tiny", "--gpus", "1", "--dp", "auto", "--dp-mode", mode, "--gpu-type", "cpu"
+    )
+    said = f"--dp-mode {mode}: not used, the chosen layout has one replica (dp 1), so nothing is sharded"
+    assert plan.dp == 1 and plan.dp_mode == "ddp"
+    assert said in plan.choice and said in output
+
+
 # ------------------------------------------------------------------------------------------------
 # 8: a --set key a Hugging Face config does not know
 # ------------------------------------------------------------------------------------------------

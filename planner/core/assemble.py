@@ -328,8 +328,10 @@ def _sequence_options(asked: Asked, blocks: Sequence[BlockCost]) -> tuple[bool, 
 def _hsdp_note(asked: SearchSpace, layout: Layout, link: LinkCost) -> str:
     """What became of ``--dp-mode hsdp`` when the chosen layout's one shard group holds every replica
     (recorded as FSDP); empty otherwise."""
-    if asked.dp_mode != "hsdp" or layout.dp == 1 or layout.dp_mode == "hsdp":
+    if asked.dp_mode != "hsdp" or layout.dp_mode == "hsdp":
         return ""
+    if layout.dp == 1:  # --dp auto chose one replica (--dp 1 with it is refused by the request)
+        return "; --dp-mode hsdp: not used, the chosen layout has one replica (dp 1), so nothing is sharded"
     if asked.dp_shard is not None:
         why = f"--dp-shard {asked.dp_shard} is"
     elif isinstance(link, NodeLinks):
@@ -340,6 +342,14 @@ def _hsdp_note(asked: SearchSpace, layout: Layout, link: LinkCost) -> str:
         f"; --dp-mode hsdp: {why} all {layout.dp} replicas of {layout.pp * layout.tp} rank(s) each, so the one "
         "shard group is fsdp (recorded so)"
     )
+
+
+def _fsdp_note(asked: SearchSpace, layout: Layout) -> str:
+    """What became of ``--dp-mode fsdp`` when ``--dp auto`` chose one replica (``--dp 1`` with it is
+    refused by the request): said rather than dropped; empty otherwise."""
+    if asked.dp_mode != "fsdp" or layout.dp > 1:
+        return ""
+    return "; --dp-mode fsdp: not used, the chosen layout has one replica (dp 1), so nothing is sharded"
 
 
 def _units_note(asked: SearchSpace, layout: Layout) -> str:
@@ -456,6 +466,7 @@ def assemble_plan(
     if method == "given" and given is not None:
         chosen = given[0]  # the plan runs the split under the best layout for its stage count
     note += _hsdp_note(asked.space, chosen.layout, link)
+    note += _fsdp_note(asked.space, chosen.layout)
     note += _units_note(asked.space, chosen.layout)
     predictions = compare_methods(chosen, asked, link, slots, given)
     if method == "optimal" and asked.constraints.recompute in ("auto", "never"):  # (the baselines never recompute)

@@ -427,6 +427,11 @@ class PlanRequest(_Request):
                 f"--fsdp-units {self.fsdp_units} shards with FSDP over replicas, but --dp is 1 (one pipeline on every "
                 "rank, nothing to shard); give --dp 2 or more (or auto), or leave --fsdp-units out"
             )
+        if self.dp_mode in ("fsdp", "hsdp") and self.dp == 1:  # as --fsdp-units: said, not dropped
+            raise ValueError(
+                f"--dp-mode {self.dp_mode} shards over replicas, but --dp is 1 (one pipeline on every rank, nothing "
+                "to shard); give --dp 2 or more (or auto), or leave --dp-mode out"
+            )
         k = self.passes
         if k > 1 and self.batch_size % (self.profile_dp * k):
             raise ValueError(
