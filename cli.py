@@ -25,7 +25,7 @@ import click
 from cli_groups import GroupedCommand
 from cli_options import probe_options, run_options
 from cli_plan_options import plan_options, plan_request
-from cli_support import debug_option, user_errors
+from cli_support import PlannerGroup, debug_option, user_errors
 from planner.core.levers.hardware import GPUS
 from planner.errors import PlannerError
 from planner.report.export import EXPORT_FORMATS
@@ -45,7 +45,7 @@ def console() -> None:
     main()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=PlannerGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--debug", is_flag=True, help="Show the full traceback of an error instead of one line.")
 @click.pass_context
 def main(ctx: click.Context, debug: bool) -> None:

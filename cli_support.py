@@ -64,6 +64,53 @@ class ReplicasOrAuto(click.ParamType):
 REPLICAS_OR_AUTO = ReplicasOrAuto()
 
 
+class OneLineUsageError(click.UsageError):
+    """A usage mistake (an unknown option or command, a missing or invalid value) said in one
+    ``error:`` line, as every other mistake is; click's own ``show`` prints the usage, a hint and the
+    error on four lines."""
+
+    def show(self, file: Any = None) -> None:
+        """Print the one line on stderr (``file`` as click's: where to write it)."""
+        message = " ".join(self.format_message().split())
+        # an invalid value's message names the option and what it takes; the others point at --help
+        if self.ctx is not None and not self.bad_value:
+            message = f"{message.rstrip('.')} (see '{self.ctx.command_path} --help')"
+        click.echo(f"error: {message}", file=file, err=file is None)
+
+    bad_value = False
+
+
+def one_line(error: click.UsageError) -> click.UsageError:
+    """``error`` as a ``OneLineUsageError`` with the same message and context (and exit code, 2);
+    ``planner`` alone (no command: its help) is left as it is."""
+    if isinstance(error, (OneLineUsageError, click.exceptions.NoArgsIsHelpError)):
+        return error
+    said = OneLineUsageError(error.format_message(), error.ctx)
+    said.bad_value = isinstance(error, click.BadParameter) and not isinstance(error, click.MissingParameter)
+    return said
+
+
+class PlannerGroup(click.Group):
+    """The ``planner`` group: every usage mistake, of the group's options or a command's, is one line
+    (``one_line``)."""
+
+    def make_context(
+        self, info_name: str | None, args: list[str], parent: click.Context | None = None, **extra: Any
+    ) -> click.Context:
+        """click's, with a usage mistake in the group's own options said in one line."""
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.UsageError as e:
+            raise one_line(e) from None
+
+    def invoke(self, ctx: click.Context) -> Any:
+        """click's, with a usage mistake of the command (its options, parsed here) said in one line."""
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as e:
+            raise one_line(e) from None
+
+
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """One line on stderr for every way a command can end badly, never a traceback (unless --debug).
 

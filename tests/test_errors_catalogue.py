@@ -311,6 +311,13 @@ CASES: list[Case] = [
     Case("model file", "a folder of model files", "plan {d}/pys --gpus 2", 2, "give one of its Python files", _folders),
     Case("model file", "a FIFO", "plan {d}/fifo --gpus 2", 2, "is a FIFO, not a file the planner can read", _folders),
     Case(
+        "model file",
+        "a plan given as the model file",
+        "plan {d}/plan.json --gpus 2",
+        2,
+        "is a plan written by the planner, not a model; train with it (planner run",
+    ),
+    Case(
         "model file", "syntax error", "plan {d}/bad.py --gpus 2", 2, "importing", _text("bad.py", "def build_model(:\n")
     ),
     Case(
@@ -1125,6 +1132,11 @@ def test_every_mistake_gets_one_clear_line(scratch: Path) -> None:
         "keeps the steps completed) or a bug in the planner (none below), 130 Ctrl-C, 143 SIGTERM, 0 accepted. "
         "`--debug` shows the full traceback instead of the one line. `<dir>` is the folder of the files each case "
         "made; `model.py` is a copy of `models/toy.py`.\n\n"
+        "Beyond these cases, `tests/test_cli_property.py` draws command lines of `plan`, `run`, `report`, "
+        "`export` and `export-weights` (every option, sound values, values past their bounds and junk, the "
+        "files of a workspace; 60 per command in `make test`, `PLANNER_CLI_EXAMPLES=N` for more) and checks "
+        "that each ends with exit 0, or 2 and one `error:` line, and leaves every file but the outputs it "
+        "names as it was (on exit 2, every file).\n\n"
         f"{len(CASES)} cases.\n\n"
         "| kind | mistake | command | exit | what the user reads |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
     )

@@ -1,19 +1,16 @@
 """Fuzzing the loaders and parsers (issue 10): any input gives a valid result or a PlannerError.
 
-Every reader of user input — plan.json, run.json, a calibration, ``--set`` pairs, model files, the
-request options and the ``planner`` command line — is fed arbitrary and mutated input by
-hypothesis. The outcome must be the result or the domain error (``PlannerError`` or a subclass)
+Every reader of user input — plan.json, run.json, a calibration, ``--set`` pairs, model files and the
+request options — is fed arbitrary and mutated input by hypothesis (the ``planner`` command line
+itself: tests/test_cli_property.py). The outcome must be the result or the domain error (``PlannerError`` or a subclass)
 with a one-line message; any other exception is a bug. Each bug the fuzzing found also has a
 deterministic regression test below (``test_regression_*``), so it stays fixed without luck.
 
-Examples are bounded (``max_examples``) so the file runs in seconds on two cores. The CLI part
-never profiles or trains: MODEL_FILE and PLAN_FILE are missing files, junk, or a model file whose
-``build_model`` raises before anything is measured.
+Examples are bounded (``max_examples``) so the file runs in seconds on two cores.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 import json
@@ -23,10 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import click
 import pytest
-from click.testing import CliRunner
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from plan_factory import big_head_blocks, plan_of_blocks
 from run_factory import plan_stage_reports, run_report
@@ -647,128 +642,3 @@ def test_regression_line_break_quoted_by_a_validator() -> None:
 
 def test_largest_seed_is_accepted() -> None:
     assert PlanRequest.build(model_file="m.py", gpus=1, seed=2**63 - 1).seed == 2**63 - 1
-
-
-# --- the command line -----------------------------------------------------------------------------
-
-RAISING_MODEL = "def build_model(**_):\n    raise RuntimeError('fuzz: never built')\n" + BATCH
-
-
-def options_of(command: str) -> list[click.Option]:
-    """The options of a ``planner`` subcommand, read from click (so new options are fuzzed too)."""
-    from cli import main
-
-    return [p for p in main.commands[command].params if isinstance(p, click.Option)]  # type: ignore[attr-defined]
-
-
-junk_values = st.one_of(
-    st.text(max_size=8).filter(lambda s: "\x00" not in s),
-    st.integers(min_value=-(2**70), max_value=10**6).map(str),
-    st.sampled_from(["nan", "inf", "-inf", "-1", "0", "1e308", "100000000000000000000000", "", "--gpus"]),
-)
-
-
-def values_for(option: click.Option, files: dict[str, str]) -> st.SearchStrategy[list[str]]:
-    """What may follow ``option`` on a command line: mostly a value of its type, sometimes junk."""
-    if option.is_flag:
-        return st.just([])
-    kind = option.type
-    if isinstance(kind, click.Choice):
-        good: st.SearchStrategy[str] = st.sampled_from([str(c) for c in kind.choices])
-    elif isinstance(kind, click.types.IntParamType):
-        good = st.integers(0, 64).map(str) | st.sampled_from(["-1", "100000000000000000000000", str(2**63)])
-    elif isinstance(kind, click.types.FloatParamType):
-        good = st.floats(0, 1e6).map(str) | st.sampled_from(["0", "0.5", "1e308", "nan", "inf", "-1"])
-    elif isinstance(kind, click.Path):
-        good = st.sampled_from([files["missing"], files["junk"], files["dir"], files["plan"]])
-    elif option.name == "overrides":
-        good = st.sampled_from(["d=3", "unknown=1", "=1", "d", "d=" + "[" * 5000, "d=" + "9" * 5000])
-    else:  # free text: --size, --gpu-type, --rdzv-endpoint, --rdzv-id
-        good = st.sampled_from(["tiny", "h100", "a100-80g", "no-such", "localhost:0", ""]) | st.text(max_size=6)
-    return st.one_of(*[good] * 7, junk_values).map(lambda v: [v])
-
-
-@st.composite
-def command_lines(draw: st.DrawFn, files: dict[str, str]) -> list[str]:
-    """``planner [--debug] plan|run|report FILE [--option value | --flag]...``, with files that never
-    profile or train: a missing file, junk, a folder, a model whose build_model raises, a plan (report only)."""
-    command = draw(st.sampled_from(["plan", "run", "report"]))
-    options = options_of(command)
-    if command == "plan":
-        target = draw(st.sampled_from([files["missing"], files["junk"], files["dir"], files["raising"]]))
-    else:
-        target = draw(
-            st.sampled_from([files["missing"], files["junk"], files["dir"]] + [files["plan"]] * (command == "report"))
-        )
-    args = draw(st.sampled_from([[], ["--debug"]])) + [command, target]
-    if command == "plan" and draw(st.integers(0, 3)):  # --gpus is required: usually give it
-        args += ["-g", draw(st.sampled_from(["1", "2", "3"]))]
-    for _ in range(draw(st.integers(0, 5))):
-        if draw(st.integers(0, 19)) == 0:
-            args += draw(st.sampled_from([["--help"], ["--no-such-option"], ["--set"], [draw(junk_values)]]))
-            continue
-        option = draw(st.sampled_from(options))
-        name = draw(st.sampled_from([*option.opts, *option.secondary_opts]))
-        value = draw(values_for(option, files))
-        if option.name == "gpu_type" and value and value[0].strip().lower() == "cpu":
-            value = ["h100"]  # `--gpu-type cpu` benchmarks this CPU for seconds (and caches it in ~/.cache)
-        args += [name, *value]
-    if command == "plan":  # last, so it wins: a plan could never land anywhere but this scratch folder
-        args += ["-o", files["out"]]
-    return args
-
-
-@pytest.fixture(scope="module")
-def cli_files(scratch: Path) -> dict[str, str]:
-    (scratch / "junk.json").write_bytes(b"\xff not json {")
-    (scratch / "raising.py").write_text(RAISING_MODEL)
-    PLAN.save(scratch / "plan.json")
-    (scratch / "out").mkdir()
-    return {
-        "missing": str(scratch / "missing.py"),
-        "junk": str(scratch / "junk.json"),
-        "dir": str(scratch),
-        "raising": str(scratch / "raising.py"),
-        "plan": str(scratch / "plan.json"),
-        "out": str(scratch / "out" / "plan.json"),
-    }
-
-
-@settings(max_examples=80, deadline=None)
-@given(st.data())
-def test_cli_arbitrary_options(cli_files: dict[str, str], data: st.DataObject) -> None:
-    from cli import main
-
-    args = data.draw(command_lines(cli_files), label="args")
-    # in the scratch folder: a drawn relative path (`report --trace -inf`) may be written, never in the repository
-    with contextlib.chdir(cli_files["dir"]):
-        result = CliRunner().invoke(main, args, catch_exceptions=True)
-    command = args[1] if args[0] == "--debug" else args[0]
-    event(f"{command} exit {result.exit_code}: {result.output.strip().partition(':')[0][:20]}")
-    if "--debug" in args and isinstance(result.exception, PlannerError):
-        return  # --debug re-raises the domain error for its traceback, by design
-    assert result.exception is None or isinstance(result.exception, SystemExit), (args, result.exception)
-    assert result.exit_code in (0, 2), (args, result.exit_code, result.output)
-    assert not Path(cli_files["out"]).exists()
-
-
-def test_regression_cli_seed_out_of_range(tmp_path: Path) -> None:
-    # Was: RuntimeError: Overflow when unpacking long (torch.manual_seed), an internal error, status 1.
-    from cli import main
-
-    model = write(tmp_path, RAISING_MODEL)
-    args = ["plan", str(model), "-g", "1", "--seed", "100000000000000000000000", "-o", str(tmp_path / "p.json")]
-    result = CliRunner().invoke(main, args, catch_exceptions=True)
-    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
-    assert result.output.strip().startswith("error: --seed 100000000000000000000000: Input should be less than")
-    assert len(result.output.strip().splitlines()) == 1
-
-
-def test_regression_cli_unknown_home_directory(tmp_path: Path) -> None:
-    # Was: RuntimeError: Could not determine home directory (Path.expanduser), an internal error, status 1.
-    from cli import main
-
-    args = ["plan", "~planner_no_such_user_xyz/model.py", "-g", "1", "-o", str(tmp_path / "p.json")]
-    result = CliRunner().invoke(main, args, catch_exceptions=True)
-    assert result.exit_code == 2, result.output
-    assert "error: model file ~planner_no_such_user_xyz/model.py cannot be found" in result.output

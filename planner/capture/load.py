@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from planner.errors import ModelFileError
+from planner.schema.outputs import document_kind
 
 Batch = tuple[tuple, torch.Tensor]
 
@@ -492,6 +493,19 @@ def _hf_config_file(path: Path, size: str | None, overrides: dict[str, Any] | No
         raise ModelFileError(f"{path} cannot be read as JSON ({e}); give a model's config.json") from None
     if not isinstance(data, dict):
         raise ModelFileError(f"{path} holds no JSON object; give a model's config.json")
+    kind = document_kind(data)
+    if kind is not None:  # `planner plan plan.json`: one of the planner's own files, not a model
+        use = {
+            "plan": f"train with it (planner run {path}) or re-plan the model file it names",
+            "run result": f"calibrate a plan with it (planner plan MODEL --calibrate {path})",
+            "calibration": f"calibrate a plan with it (planner plan MODEL --calibrate {path})",
+            "hardware file": f"plan for it (planner plan MODEL --gpu-type {path})",
+            "trace": "open it in Perfetto (ui.perfetto.dev) or chrome://tracing",
+        }[kind]
+        raise ModelFileError(
+            f"{path} is a {kind} written by the planner, not a model; {use}; give a model file (.py) or a Hugging "
+            "Face config.json"
+        )
     from planner.capture import hf_config
 
     config = {"hf_config": str(path), **(overrides or {})}
