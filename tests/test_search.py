@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from plan_factory import LINK, MB, big_head_blocks, block, plan_of_blocks, predicted, searched
 
 from planner.core.layout.inputs import Cluster, Constraints, Layout
-from planner.core.layout.search import TIE, blocks_at, evaluate_choice, microbatch_options, refine
+from planner.core.layout.search import TIE, evaluate_choice, microbatch_options, refine
+from planner.core.levers.microbatch import blocks_at
 from planner.core.split.cuts import Split
 from planner.core.split.stage_model import stage_memories
 from planner.core.step.schedules import SCHEDULES, placement

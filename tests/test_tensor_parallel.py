@@ -16,11 +16,11 @@ from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, Se
 from planner.core.layout.search import (
     TIE,
     _max_stages_per_rank,
-    blocks_at,
     evaluate_modes,
     replica_microbatches,
     search,
 )
+from planner.core.levers.microbatch import blocks_at
 from planner.core.levers.tensor_parallel import allowed_degrees, allreduce_s, at_degree, block_degree_limit
 from planner.core.split.stage_model import stage_memory_parts, stage_time_parts
 from planner.core.step.schedules import SCHEDULES, stages_per_rank_options

@@ -1,7 +1,7 @@
 """How a model's step time scales with the microbatch size: the fixed part, fitted from two sizes.
 
 The joint search tries microbatch counts other than the one the blocks were profiled at
-(``planner.core.layout.search.blocks_at``). Halving a microbatch rarely halves its time: kernel launches,
+(``planner.core.levers.microbatch.blocks_at``). Halving a microbatch rarely halves its time: kernel launches,
 per-operator dispatch and weight reads do not shrink with it. This module measures (or estimates)
 the whole model's forward + backward at the profiled microbatch size and at half of it (twice it
 for a microbatch of one sample), fits ``t(s) = a + b * s`` through the two points and returns

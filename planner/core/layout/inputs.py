@@ -143,7 +143,7 @@ class Constraints:
 @dataclass(frozen=True)
 class Scaling:
     """How block costs profiled at one microbatch size carry over to others
-    (``planner.core.layout.search.blocks_at``).
+    (``planner.core.levers.microbatch.blocks_at``).
 
     Attributes:
         size0: the microbatch size the costs were profiled at (samples).

@@ -34,10 +34,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from planner.core.layout.candidate import Choice, blocks_at, evaluate_choice
+from planner.core.layout.candidate import Choice, evaluate_choice
 from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling
 from planner.core.levers.data_parallel import tp_link
 from planner.core.levers.links import Links, NodeLinks
+from planner.core.levers.microbatch import blocks_at
 from planner.core.levers.tensor_parallel import at_degree
 from planner.core.split.cuts import Split
 from planner.core.step import predict

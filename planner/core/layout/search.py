@@ -34,10 +34,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from planner.core.layout.bounds import BlockTotals, block_totals, floors
-from planner.core.layout.candidate import Choice, blocks_at, evaluate_choice, evaluate_modes
+from planner.core.layout.candidate import Choice, evaluate_choice, evaluate_modes
 from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
 from planner.core.levers.data_parallel import hsdp_shard, tp_link
 from planner.core.levers.links import NodeLinks
+from planner.core.levers.microbatch import blocks_at
 from planner.core.levers.tensor_parallel import at_degree
 from planner.core.split.cuts import Split
 from planner.core.split.stage_plans import StageMemo
@@ -646,7 +647,6 @@ def refine(choice: Choice, cluster: Cluster, constraints: Constraints, budget: i
 
 __all__ = [
     "Choice",
-    "blocks_at",
     "evaluate_choice",
     "evaluate_modes",
     "microbatch_options",

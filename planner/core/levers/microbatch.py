@@ -1,0 +1,85 @@
+"""Block costs at another microbatch size (``blocks_at``): what the search prices each microbatch
+count with, and what a plan whose batch or microbatch count was edited by hand is re-predicted with.
+
+Pure module: never imports torch. The scaling law and its fixed share are fitted by
+``planner.costs.scaling`` from two profiled sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from planner.schema.costs import BlockCost, SequenceShare, TensorParallelShare
+
+
+def blocks_at(blocks: Sequence[BlockCost], size0: int, size: int, fixed_fraction: float) -> list[BlockCost]:
+    """The block costs profiled at microbatch size ``size0``, rescaled to microbatch size ``size``.
+
+    Times follow ``t(size) = t(size0) * (f + (1 - f) * size / size0)`` with ``f = fixed_fraction``;
+    activation, boundary and output bytes and FLOPs scale with ``size / size0``; parameters and the
+    optimizer step do not depend on the microbatch.
+
+    Args:
+        blocks: per-block costs at ``size0``.
+        size0: the microbatch size they were profiled at.
+        size: the microbatch size wanted.
+        fixed_fraction: the share of a microbatch's time that does not scale with its size (0..1).
+
+    Returns:
+        The rescaled blocks (the same objects when ``size == size0``).
+    """
+    if size == size0:
+        return list(blocks)
+    r = size / size0
+    t = fixed_fraction + (1.0 - fixed_fraction) * r
+
+    def scaled(x: float | None) -> float | None:
+        return None if x is None else x * t
+
+    out = []
+    for b in blocks:
+        out.append(
+            b.model_copy(
+                update={
+                    "fwd_s": b.fwd_s * t,
+                    "bwd_s": b.bwd_s * t,
+                    "bwd_input_s": scaled(b.bwd_input_s),
+                    "bwd_weight_s": scaled(b.bwd_weight_s),
+                    "recompute_s": scaled(b.recompute_s),
+                    "selective_recompute_s": scaled(b.selective_recompute_s),
+                    "selective_bytes": None if b.selective_bytes is None else round(b.selective_bytes * r),
+                    "loss_bytes": None if b.loss_bytes is None else round(b.loss_bytes * r),
+                    "bwd_temp_bytes": None if b.bwd_temp_bytes is None else round(b.bwd_temp_bytes * r),
+                    "loss_temp_bytes": None if b.loss_temp_bytes is None else round(b.loss_temp_bytes * r),
+                    "flops_fwd": None if b.flops_fwd is None else b.flops_fwd * r,
+                    "flops_bwd": None if b.flops_bwd is None else b.flops_bwd * r,
+                    # autocast's weight copies do not grow with the microbatch
+                    "activation_bytes": round((b.activation_bytes - b.weight_cast_bytes) * r) + b.weight_cast_bytes,
+                    "cut_bytes": round(b.cut_bytes * r),
+                    "cut_kept_bytes": None if b.cut_kept_bytes is None else round(b.cut_kept_bytes * r),
+                    "output_bytes": round(b.output_bytes * r),
+                    "tp": None if b.tp is None else _share_at(b.tp, r),
+                }
+            )
+        )
+    return out
+
+
+def _share_at(share: TensorParallelShare, r: float) -> TensorParallelShare:
+    """A block's tensor-parallel share at ``r`` times the microbatch: its activations and all-reduced bytes scale."""
+    return share.model_copy(
+        update={
+            "sharded_activation_bytes": round(share.sharded_activation_bytes * r),
+            "unsplit_activation_bytes": round(share.unsplit_activation_bytes * r),
+            "fwd_allreduce_bytes": round(share.fwd_allreduce_bytes * r),
+            "fwd_allgather_bytes": round(share.fwd_allgather_bytes * r),
+            "bwd_allreduce_bytes": round(share.bwd_allreduce_bytes * r),
+            "sequence": None if share.sequence is None else _sequence_at(share.sequence, r),
+        }
+    )
+
+
+def _sequence_at(seq: SequenceShare, r: float) -> SequenceShare:
+    """A block's sequence share at ``r`` times the microbatch: its bytes scale (the parameters' do not)."""
+    fields = ("activation_bytes", "gather_bytes", "regather_bytes", "whole_input_bytes")
+    return seq.model_copy(update={f: round(getattr(seq, f) * r) for f in fields})
