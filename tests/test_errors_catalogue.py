@@ -906,6 +906,14 @@ CASES: list[Case] = [
     ),
     Case(
         "plan files",
+        "batch_size doubled by hand (costs rescaled to the new microbatch)",
+        "report {d}/batch.json",
+        0,
+        "its blocks were costed at: their costs were rescaled to",
+        _edit_plan(lambda raw: raw.update(batch_size=raw["batch_size"] * 2), "batch.json"),
+    ),
+    Case(
+        "plan files",
         "an estimated GPU plan run on a machine without GPUs",
         "run {d}/gpu.json --steps 1",
         2,

@@ -112,6 +112,8 @@ def digest(plan: Plan) -> str:
     """SHA-256 of the plan's JSON, without the fields that change with the clock or the machine."""
     data = _flags(plan.model_dump(mode="json"))
     _drop(data, LATER_DEFAULTS)
+    # added after the digests: the plan's microbatch size when it was made, which its other fields fix
+    assert data.pop("costed_microbatch_size", None) in (None, plan.microbatch_size)
     profile = data["profile"]  # the attention kernel: the GPU's default is what plans without it costed
     if profile.get("attention_kernel") in (
         None,

@@ -494,6 +494,7 @@ def assemble_plan(
         n_microbatches=chosen.layout.n_microbatches,
         accumulation=chosen.layout.accumulation,
         blocks=chosen.blocks,
+        costed_microbatch_size=chosen.layout.microbatch_size(asked.space.batch_size),
         stages=stages,
         prediction=prediction,
         baselines={name: pred for name, (_, pred) in predictions.items() if name != method},

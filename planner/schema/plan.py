@@ -406,6 +406,14 @@ class Plan(_Frozen):
         "pipeline's warm-up and drain once per pass).",
     )
     blocks: list[BlockCost]
+    costed_microbatch_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="The microbatch size (samples) the blocks' costs are for: the plan's microbatch size when it "
+        "was made. A hand edit of batch_size, dp, accumulation or n_microbatches that changes the microbatch size "
+        "is re-predicted on the costs rescaled to the new size. None: a plan written before this field (its costs "
+        "are taken to be at its microbatch size).",
+    )
     stages: list[StagePlan]
     prediction: Prediction
     baselines: dict[str, Prediction] = Field(description="The same costs split by other methods, for comparison.")

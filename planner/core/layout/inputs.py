@@ -86,6 +86,10 @@ class Layout:
     gather_bytes: int = 0
     sequence: bool = False
 
+    def microbatch_size(self, batch_size: int) -> int:
+        """Samples per microbatch of ``batch_size`` under this layout (its replicas, passes and microbatches)."""
+        return batch_size // (self.dp * self.accumulation * self.n_microbatches)
+
     @property
     def n_stages(self) -> int:
         """Stages of one replica's pipeline: ``pp * stages_per_rank``."""

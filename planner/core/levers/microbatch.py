@@ -83,3 +83,30 @@ def _sequence_at(seq: SequenceShare, r: float) -> SequenceShare:
     """A block's sequence share at ``r`` times the microbatch: its bytes scale (the parameters' do not)."""
     fields = ("activation_bytes", "gather_bytes", "regather_bytes", "whole_input_bytes")
     return seq.model_copy(update={f: round(getattr(seq, f) * r) for f in fields})
+
+
+def blocks_resized(
+    blocks: Sequence[BlockCost], costed: int, size: int, profiled: int | None, fixed_fraction: float
+) -> list[BlockCost]:
+    """Block costs at microbatch size ``costed`` (themselves rescaled from ``profiled`` by ``blocks_at``)
+    rescaled to ``size`` under the same law: what ``blocks_at`` would give from the profiled costs.
+
+    The law is anchored at the profiled size: ``t(s) = t(profiled) * (f + (1 - f) * s / profiled)``,
+    so going from ``costed`` to ``size`` multiplies times by ``(f * profiled + (1 - f) * size) /
+    (f * profiled + (1 - f) * costed)``: ``blocks_at`` from ``costed`` with the fixed share
+    ``f * profiled / (f * profiled + (1 - f) * costed)``. Bytes scale with ``size / costed``.
+
+    Args:
+        blocks: per-block costs at ``costed``.
+        costed: the microbatch size they are for.
+        size: the microbatch size wanted.
+        profiled: the size the costs were profiled at (None: unknown, the law taken at ``costed``).
+        fixed_fraction: the fitted share of a microbatch's time at ``profiled`` that does not scale.
+
+    Returns:
+        The rescaled blocks (the same objects when ``size == costed``).
+    """
+    anchor = costed if profiled is None else profiled
+    fixed = fixed_fraction * anchor
+    share = fixed / (fixed + (1.0 - fixed_fraction) * costed) if fixed > 0 else 0.0
+    return blocks_at(blocks, costed, size, share)

@@ -29,6 +29,7 @@ from planner.core.levers.data_parallel import (
     wide_bytes,
 )
 from planner.core.levers.links import Links, NodeLinks, boundary_links
+from planner.core.levers.microbatch import blocks_resized
 from planner.core.levers.overlap import COMPUTE_SLOWDOWN, NONE, Overlap, charged_s, exposed_only
 from planner.core.split.cuts import Split
 from planner.core.split.stage_model import (
@@ -506,13 +507,34 @@ def _differences(stored: BaseModel, fresh: BaseModel) -> list[str]:
     return [name for name in type(stored).model_fields if not _same(getattr(stored, name), getattr(fresh, name))]
 
 
+def _at_its_microbatch(plan: Plan) -> tuple[Plan, str]:
+    """``plan`` with its blocks' costs at its microbatch size, and a line saying so when a hand edit
+    (batch_size, dp, accumulation, n_microbatches) had changed the size they were costed at; empty
+    when it did not (or the plan predates ``costed_microbatch_size``)."""
+    costed, size = plan.costed_microbatch_size, plan.microbatch_size
+    if costed is None or costed == size:
+        return plan, ""
+    profile = plan.profile
+    blocks = blocks_resized(plan.blocks, costed, size, profile.microbatch_size, profile.fixed_fraction)
+    split = f"{plan.dp} replica(s) x " if plan.dp > 1 else ""
+    split += f"{plan.accumulation} pass(es) x " if plan.accumulation > 1 else ""
+    note = (
+        f"the microbatch is {size} samples (batch_size {plan.batch_size} over {split}{plan.n_microbatches} "
+        f"microbatch{'es' if plan.n_microbatches > 1 else ''}), not the {costed} its blocks were costed at: their "
+        f"costs were rescaled to {size}"
+    )
+    return plan.model_copy(update={"blocks": blocks, "costed_microbatch_size": size}), note
+
+
 def refresh(plan: Plan) -> tuple[Plan, list[str]]:
     """The plan with every figure recomputed from its blocks, and what a hand edit had changed.
 
     ``plan.json`` is a text file users may edit: moving a stage boundary, changing a block's cost
     or the schedule. The stage and step figures are derived from the blocks, the link, the split
     and the schedule, so they are recomputed here; a figure that differs from the stored one means
-    the file was edited (or made by another version), and is named.
+    the file was edited (or made by another version), and is named. An edit that changes the
+    microbatch size (batch_size, dp, accumulation, n_microbatches) first rescales the blocks' costs
+    to the new size (``blocks_resized``), as the search would have costed it.
 
     Args:
         plan: a loaded plan.
@@ -525,8 +547,9 @@ def refresh(plan: Plan) -> tuple[Plan, list[str]]:
         InfeasibleError: the edited split or schedule cannot be evaluated (an illegal cut, too few
             microbatches for 1F1B).
     """
+    plan, resized = _at_its_microbatch(plan)
     stages, prediction = predict_plan(plan, plan_split(plan))
-    notes = []
+    notes = [resized] if resized else []
     for old, new in zip(plan.stages, stages):
         changed = _differences(old, new)
         if changed:
