@@ -245,6 +245,27 @@ def test_a_data_run_its_checks_refuse_leaves_nothing_behind(tmp_path: Path) -> N
     assert json.loads((folder / "vocab.json").read_text())["tokenizer"] == "word"
 
 
+def test_a_fresh_data_run_builds_its_own_vocabulary_over_an_earlier_runs(tmp_path: Path) -> None:
+    # was: a fresh run read the vocab.json an earlier run of another text kept in the folder, so its
+    # words got that text's ids (or none) without a word; only --resume continues the kept ids
+    plan = plan_with_starts(MODELS / "shakespeare.py", [0], batch_size=4, n_microbatches=2)
+    path = saved(plan, tmp_path)
+    first, second = tmp_path / "first.txt", tmp_path / "second.txt"
+    first.write_text("alpha beta gamma delta. " * 400)
+    second.write_text((MODELS / "data" / "shakespeare.txt").read_text()[:20_000])
+    request = dict(plan_file=path, steps=2, tokenizer="word", echo=False)
+    run_plan(plan, RunRequest(**request, data=first, checkpoint_dir=tmp_path / "shared"))
+    again = run_plan(plan, RunRequest(**request, data=second, checkpoint_dir=tmp_path / "shared"))
+    alone = run_plan(plan, RunRequest(**request, data=second, checkpoint_dir=tmp_path / "alone"))
+    assert again.losses == alone.losses
+    kept = json.loads((tmp_path / "shared" / "vocab.json").read_text())
+    assert kept == json.loads((tmp_path / "alone" / "vocab.json").read_text())
+    resumed = run_plan(
+        plan, RunRequest(**{**request, "steps": 3}, data=second, checkpoint_dir=tmp_path / "shared", resume=True)
+    )
+    assert resumed.first_step == 3 and json.loads((tmp_path / "shared" / "vocab.json").read_text()) == kept
+
+
 def test_fsdp_under_a_split_backward_schedule_is_refused_before_launch(tmp_path: Path) -> None:
     plan = plan_with_starts(
         MODELS / "gpt.py", [0, 2, 4, 5], schedule="zbv", n_microbatches=2, dp=2, dp_mode="fsdp", stages_per_rank=2

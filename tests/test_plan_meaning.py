@@ -77,7 +77,8 @@ def _edited(raw: dict[str, Any], path: tuple[Any, ...]) -> dict[str, Any]:
     for key in path[:-1]:
         holder = holder[key]
     value = holder[path[-1]]
-    holder[path[-1]] = value * 0.5 if isinstance(value, float) and 0 < value <= 1 else value * 2 + 1
+    # a change the file's readers cannot mistake for float noise, within any range the field has (0..1 too)
+    holder[path[-1]] = (value + 0.25 if value <= 0.5 else value - 0.25) if isinstance(value, float) else value * 2 + 1
     return copy
 
 

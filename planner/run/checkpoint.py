@@ -86,21 +86,23 @@ def kept_vocab(root: Path) -> Path | None:
     return path if path.exists() else None
 
 
-def keep_vocab(root: Path, vocab: Vocab) -> None:
+def keep_vocab(root: Path, vocab: Vocab, fresh: bool = False) -> None:
     """Keep a ``--data`` run's vocabulary beside its checkpoints, unless one is kept already.
 
     Written with the run's first checkpoint, not when the stream is made: a run that stops (or is
     refused) before it saves anything leaves no vocabulary behind to refuse the next run's
-    ``--tokenizer``, and no checkpoint is ever published without the ids it was trained on.
+    ``--tokenizer``, and no checkpoint is ever published without the ids it was trained on. A fresh
+    run replaces the one an earlier run kept (that run's steps go with the same save).
 
     Args:
         root: the checkpoint folder (created if missing).
         vocab: the stream's vocabulary.
+        fresh: the run started afresh (not ``--resume``): its own vocabulary replaces a kept one.
 
     Raises:
         DataError: the file cannot be written.
     """
-    if kept_vocab(root) is None:
+    if fresh or kept_vocab(root) is None:
         vocab.save(root / VOCAB_FILE)
 
 

@@ -188,7 +188,7 @@ def check_data(
 
     # Read a kept vocabulary, never write one: a check leaves nothing behind (the ranks keep the
     # vocabulary with their first checkpoint).
-    vocab_file = kept_vocab(request.checkpoint_root) if request.save_checkpoints else None
+    vocab_file = kept_vocab(request.checkpoint_root) if request.save_checkpoints and request.resume else None
     stream = TextBatches(
         request.data,
         example=mf.batch(plan.microbatch_size, seed=plan.model.seed),

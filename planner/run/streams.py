@@ -83,7 +83,9 @@ def text_stream(plan: Plan, request: RunRequest, mf: ModelFile, mesh: RankMesh, 
     from planner.data import TextBatches
 
     example = mf.batch(plan.microbatch_size, seed=plan.model.seed)
-    vocab_file = kept_vocab(request.checkpoint_root) if request.save_checkpoints else None
+    # only a resumed run continues the kept ids: a fresh one builds its own from its --data (an earlier
+    # run's vocabulary, of another text, would give other ids) and replaces it with its first checkpoint
+    vocab_file = kept_vocab(request.checkpoint_root) if request.save_checkpoints and request.resume else None
     return TextBatches(
         request.data,
         example=example,
