@@ -149,6 +149,14 @@ def test_a_sharding_dp_mode_a_searched_layout_of_one_replica_leaves_out_is_said(
 # ------------------------------------------------------------------------------------------------
 
 
+def test_set_hf_config_cannot_swap_the_config_planned(tmp_path: Path) -> None:
+    # was: --set hf_config=OTHER planned OTHER while the plan recorded the file given
+    other = tmp_path / "other.json"
+    other.write_text((LLAMA_70B / "config.json").read_text())
+    result = _invoke("plan", LLAMA_70B, "--gpus", "2", "--set", f"hf_config={other}", "--gpu-type", "h100")
+    _one_error_line(result, "--set hf_config: that key is the path of the config the planner reads")
+
+
 def test_a_set_key_a_hugging_face_config_does_not_know_is_refused(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     from planner.capture.load import load_model_file

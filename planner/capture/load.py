@@ -508,6 +508,11 @@ def _hf_config_file(path: Path, size: str | None, overrides: dict[str, Any] | No
         )
     from planner.capture import hf_config
 
+    if "hf_config" in (overrides or {}):  # the key that names the file itself: it would plan another one
+        raise ModelFileError(
+            f"--set hf_config: that key is the path of the config the planner reads ({path}); give another "
+            "config as the model file instead (planner plan OTHER/config.json ...)"
+        )
     config = {"hf_config": str(path), **(overrides or {})}
     hf_config.check_config(config)  # a misspelt --set key refused now, in its own words
     return ModelFile(path, hf_config, None, config)
