@@ -64,6 +64,12 @@ class ReplicasOrAuto(click.ParamType):
 REPLICAS_OR_AUTO = ReplicasOrAuto()
 
 
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable escaped (a line break, a tab, a record
+    separator in a path the user gave), so an error stays the one line it was written as."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class OneLineUsageError(click.UsageError):
     """A usage mistake (an unknown option or command, a missing or invalid value) said in one
     ``error:`` line, as every other mistake is; click's own ``show`` prints the usage, a hint and the
@@ -71,7 +77,7 @@ class OneLineUsageError(click.UsageError):
 
     def show(self, file: Any = None) -> None:
         """Print the one line on stderr (``file`` as click's: where to write it)."""
-        message = " ".join(self.format_message().split())
+        message = printable(" ".join(self.format_message().split()))
         # an invalid value's message names the option and what it takes; the others point at --help
         if self.ctx is not None and not self.bad_value:
             message = f"{message.rstrip('.')} (see '{self.ctx.command_path} --help')"
@@ -132,12 +138,12 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             if debug:
                 raise
             # Ctrl-C and SIGTERM are what the user asked for, not errors: "interrupted at step 6"
-            click.echo(f"{'error: ' if e.exit_code == 1 else ''}{e}", err=True)
+            click.echo(f"{'error: ' if e.exit_code == 1 else ''}{printable(str(e))}", err=True)
             sys.exit(e.exit_code)
         except PlannerError as e:
             if debug:
                 raise
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {printable(str(e))}", err=True)
             sys.exit(2)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)

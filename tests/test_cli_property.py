@@ -329,3 +329,12 @@ def test_debug_reraises_the_domain_error_for_its_traceback(tmp_path: Path) -> No
     # --debug is the one way to a traceback, by design: the error is the domain's, not an internal one
     result = CliRunner().invoke(main, ["--debug", "report", str(tmp_path / "missing.json")], catch_exceptions=True)
     assert isinstance(result.exception, PlannerError)
+
+
+def test_regression_a_control_character_in_a_path_stays_in_the_one_line(template: Path, tmp_path: Path) -> None:
+    # found by the property test: a record separator (\x1e) in --checkpoint broke the error in two
+    # lines (str.splitlines, like a terminal, breaks there); messages escape what is not printable
+    args = ["export-weights", str(template / "plan1.json"), "-o", str(tmp_path / "w.pt"), "--checkpoint", "\x1e"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert "\\x1e" in result.stderr

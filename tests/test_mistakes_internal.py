@@ -164,3 +164,22 @@ def test_the_timeout_minimum_holds_for_the_python_api_too() -> None:
     with pytest.raises(PlannerError, match=r"^--timeout 4.9: 4.9 s is too short"):
         RunRequest.build(plan_file="p.json", timeout_s=4.9)
     assert RunRequest.build(plan_file="p.json", timeout_s=5).timeout_s == 5
+
+
+@pytest.mark.parametrize(
+    ("cls", "values", "option"),
+    [
+        (PlanRequest, {"model_file": "m.py", "gpus": True}, "--gpus"),
+        (PlanRequest, {"model_file": "m.py", "gpus": 2, "memory_limit_gib": True}, "--memory-limit"),
+        (PlanRequest, {"model_file": "m.py", "gpus": 2, "batch_size": False}, "--batch-size"),
+        (PlanRequest, {"model_file": "m.py", "gpus": 2, "dp": True}, "--dp"),
+        (RunRequest, {"plan_file": "p.json", "timeout_s": True}, "--timeout"),
+    ],
+)
+def test_a_truth_value_for_a_number_is_refused_by_the_python_api(cls: type, values: dict, option: str) -> None:
+    # was: pydantic read True as 1 (one GPU, a 1 GiB limit, a 1 s timeout) without a word
+    with pytest.raises(PlannerError, match=f"^{option} (True|False): {option} takes a value, not True or False$"):
+        cls.build(**values)  # type: ignore[attr-defined]
+    # the flags still take one
+    PlanRequest.build(model_file="m.py", gpus=2, tp=2, sequence_parallel=True, compile=False)
+    RunRequest.build(plan_file="p.json", resume=True, save_checkpoints=False)

@@ -102,6 +102,11 @@ def _count_or_auto(value: Any, what: str, too_few: str) -> Any:
     return value
 
 
+def _takes_bool(annotation: Any) -> bool:
+    """Whether a field's type admits a bool (``bool`` itself, or inside a union or ``Annotated``)."""
+    return annotation is bool or any(_takes_bool(arg) for arg in get_args(annotation))
+
+
 class _Request(BaseModel):
     """Frozen, no unknown fields, and ``build`` turning validation errors into one line."""
 
@@ -124,6 +129,11 @@ class _Request(BaseModel):
             PlannerError: a value out of range or of the wrong kind, naming its option.
         """
         for name, value in values.items():
+            field = cls.model_fields.get(name)
+            if isinstance(value, bool) and field is not None and not _takes_bool(field.annotation):
+                # pydantic reads True as 1 (gpus=True planned one GPU, memory_limit_gib=True 1 GiB)
+                option = cls.OPTIONS.get(name, name.replace("_", "-"))
+                raise PlannerError(f"{option} {value}: {option} takes a value, not True or False")
             # str() refuses integers past sys.get_int_max_str_digits() (4300 digits), so no
             # message, ours or a validator's, could show one: refuse it here, by its option.
             if isinstance(value, int) and abs(value).bit_length() > 4096:
