@@ -129,8 +129,8 @@ class _Request(BaseModel):
             PlannerError: a value out of range or of the wrong kind, naming its option.
         """
         for name, value in values.items():
-            field = cls.model_fields.get(name)
-            if isinstance(value, bool) and field is not None and not _takes_bool(field.annotation):
+            spec = cls.model_fields.get(name)
+            if isinstance(value, bool) and spec is not None and not _takes_bool(spec.annotation):
                 # pydantic reads True as 1 (gpus=True planned one GPU, memory_limit_gib=True 1 GiB)
                 option = cls.OPTIONS.get(name, name.replace("_", "-"))
                 raise PlannerError(f"{option} {value}: {option} takes a value, not True or False")
