@@ -41,6 +41,7 @@ from torch import nn
 
 from planner.capture.load import ModelFile
 from planner.errors import ModelFileError
+from planner.schema.counts import divisors
 
 STYLES = ("colwise", "rowwise", "colwise_rep")
 COLUMN_STYLES = ("colwise", "colwise_rep")  # the styles that split a layer's output features
@@ -335,7 +336,7 @@ def _degrees(sizes: list[tuple[str, str, int]]) -> str:
     limit = f"{where}'s {what} is {n}" if n == divisor else f"the gcd of every split size is {divisor}"
     if divisor == 1:
         return f"no degree above 1 divides every split size ({limit}): give --tp 1, or --tp auto"
-    degrees = [d for d in range(2, divisor + 1) if divisor % d == 0]
+    degrees = divisors(divisor)[1:]  # above 1
     shown = ", ".join(map(str, degrees[:6])) + (", ..." if len(degrees) > 6 else "")
     return f"the degrees that divide every split size: {shown} ({limit}); give one of them, or --tp auto"
 

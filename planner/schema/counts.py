@@ -36,10 +36,9 @@ def default_microbatches(batch_size: int, gpus: int) -> int:
     Returns:
         The microbatch count.
     """
-    small = [d for d in range(1, math.isqrt(batch_size) + 1) if batch_size % d == 0]  # O(sqrt(batch))
-    divisors = sorted({*small, *(batch_size // d for d in small)})
+    found = divisors(batch_size)  # O(sqrt(batch))
     for floor in (2 * gpus, gpus):
-        fits = [d for d in divisors if d >= floor]
+        fits = [d for d in found if d >= floor]
         if fits:
             return fits[0]
     return batch_size
