@@ -25,9 +25,9 @@ import click
 from cli_groups import GroupedCommand
 from cli_options import probe_options, run_options
 from cli_plan_options import plan_options, plan_request
-from cli_support import PlannerGroup, debug_option, printable, user_errors
+from cli_support import PlannerGroup, debug_option, user_errors
 from planner.core.levers.hardware import GPUS
-from planner.errors import PlannerError
+from planner.errors import PlannerError, printable
 from planner.report.export import EXPORT_FORMATS
 from planner.schema.outputs import check_output
 from planner.schema.plan import Plan

@@ -19,6 +19,7 @@ import click
 
 from cli_groups import option
 from cli_support import CountOrAuto, ReplicasOrAuto
+from planner.errors import printable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -41,7 +42,7 @@ class ConfigError(click.ClickException):
             file: where to print instead of stderr.
         """
         # a path may hold a line break or a NUL: escaped, so the message stays one line
-        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in self.format_message())
+        text = printable(self.format_message())
         click.echo(f"error: {text}", err=file is None, file=file)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from planner.errors import PlannerError
+from planner.errors import PlannerError, printable
 from planner.run.signals import Terminated, raise_on_signal
 
 if sys.version_info >= (3, 11):
@@ -62,12 +62,6 @@ class ReplicasOrAuto(click.ParamType):
 
 
 REPLICAS_OR_AUTO = ReplicasOrAuto()
-
-
-def printable(text: str) -> str:
-    """``text`` with every character that is not printable escaped (a line break, a tab, a record
-    separator in a path the user gave), so an error stays the one line it was written as."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class OneLineUsageError(click.UsageError):

@@ -1,9 +1,23 @@
-"""The planner's domain errors: one small hierarchy the CLI turns into one-line messages.
+"""The planner's domain errors: one small hierarchy the CLI turns into one-line messages, and
+``printable``, which keeps a message one line whatever it quotes.
 
 Pure module: imports nothing from torch.
 """
 
 from __future__ import annotations
+
+
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable escaped (a line break, a tab, a record
+    separator in a path the user gave), so an error stays the one line it was written as.
+
+    Args:
+        text: a message, or a value quoted in one.
+
+    Returns:
+        The text, each unprintable character as its escape (``\\n``, ``\\x1e``).
+    """
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class PlannerError(ValueError):

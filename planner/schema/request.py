@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from planner.errors import PlannerError
+from planner.errors import PlannerError, printable
 from planner.schema.bounds import MemoryLimitGiB, TimeoutSeconds
 from planner.schema.costs import OptimizerSpec
 from planner.schema.counts import default_microbatches, divisors
@@ -158,7 +158,7 @@ class _Request(BaseModel):
                 where = f"{option} (a number too long to show): "
             # A value (ours or quoted by a validator) may hold a line break: escape such characters,
             # so the message stays the one line the CLI prints.
-            message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in f"{where}{msg}")
+            message = printable(f"{where}{msg}")
             raise PlannerError(message) from None
 
 
