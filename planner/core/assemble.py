@@ -328,10 +328,8 @@ def _sequence_options(asked: Asked, blocks: Sequence[BlockCost]) -> tuple[bool, 
 def _hsdp_note(asked: SearchSpace, layout: Layout, link: LinkCost) -> str:
     """What became of ``--dp-mode hsdp`` when the chosen layout's one shard group holds every replica
     (recorded as FSDP); empty otherwise."""
-    if asked.dp_mode != "hsdp" or layout.dp_mode == "hsdp":
+    if asked.dp_mode != "hsdp" or layout.dp == 1 or layout.dp_mode == "hsdp":  # one replica: _one_replica_note
         return ""
-    if layout.dp == 1:  # --dp auto chose one replica (--dp 1 with it is refused by the request)
-        return "; --dp-mode hsdp: not used, the chosen layout has one replica (dp 1), so nothing is sharded"
     if asked.dp_shard is not None:
         why = f"--dp-shard {asked.dp_shard} is"
     elif isinstance(link, NodeLinks):
@@ -344,12 +342,12 @@ def _hsdp_note(asked: SearchSpace, layout: Layout, link: LinkCost) -> str:
     )
 
 
-def _fsdp_note(asked: SearchSpace, layout: Layout) -> str:
-    """What became of ``--dp-mode fsdp`` when ``--dp auto`` chose one replica (``--dp 1`` with it is
-    refused by the request): said rather than dropped; empty otherwise."""
-    if asked.dp_mode != "fsdp" or layout.dp > 1:
+def _one_replica_note(asked: SearchSpace, layout: Layout) -> str:
+    """What became of ``--dp-mode fsdp`` or ``hsdp`` when ``--dp auto`` chose one replica (``--dp 1``
+    with either is refused by the request): said rather than dropped; empty otherwise."""
+    if asked.dp_mode not in ("fsdp", "hsdp") or layout.dp > 1:
         return ""
-    return "; --dp-mode fsdp: not used, the chosen layout has one replica (dp 1), so nothing is sharded"
+    return f"; --dp-mode {asked.dp_mode}: not used, the chosen layout has one replica (dp 1), so nothing is sharded"
 
 
 def _units_note(asked: SearchSpace, layout: Layout) -> str:
@@ -466,7 +464,7 @@ def assemble_plan(
     if method == "given" and given is not None:
         chosen = given[0]  # the plan runs the split under the best layout for its stage count
     note += _hsdp_note(asked.space, chosen.layout, link)
-    note += _fsdp_note(asked.space, chosen.layout)
+    note += _one_replica_note(asked.space, chosen.layout)
     note += _units_note(asked.space, chosen.layout)
     predictions = compare_methods(chosen, asked, link, slots, given)
     if method == "optimal" and asked.constraints.recompute in ("auto", "never"):  # (the baselines never recompute)
