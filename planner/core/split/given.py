@@ -59,8 +59,8 @@ def check_notation(spec: str) -> None:
     kind = split_kind(spec)
     if kind == "megatron":
         _megatron_stages(spec)
-    elif kind == "parts" and not re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", spec.removeprefix("parts:")):
-        _parts(spec.removeprefix("parts:"), 0)  # raises, naming the form
+    elif kind == "parts":
+        _parts(spec.removeprefix("parts:"), None)
 
 
 def given_starts(spec: str, blocks: Sequence[BlockCost]) -> list[int]:
@@ -90,14 +90,18 @@ def given_starts(spec: str, blocks: Sequence[BlockCost]) -> list[int]:
     return starts
 
 
-def _parts(text: str, n: int) -> list[int]:
+def _parts(text: str, n: int | None) -> list[int]:
+    """The stage starts of DeepSpeed's ``parts`` (``n``: the block count they end at; None: not known
+    yet, before profiling, so only their form is checked)."""
     try:
         parts = [int(x) for x in text.split(",")]
     except ValueError:
-        raise InfeasibleError(f"--compare parts:{text}: give block indices, e.g. parts:0,3,{n}") from None
-    if len(parts) < 2 or parts[0] != 0 or parts[-1] != n or any(b <= a for a, b in zip(parts, parts[1:])):
+        raise InfeasibleError(f"--compare parts:{text}: give block indices, e.g. parts:0,3,{n or 7}") from None
+    ends = n is None or parts[-1] == n
+    if len(parts) < 2 or parts[0] != 0 or not ends or any(b <= a for a, b in zip(parts, parts[1:])):
+        count = "" if n is None else f" ({n})"
         raise InfeasibleError(
-            f"--compare parts:{text}: DeepSpeed's parts start at 0, increase and end at the block count ({n})"
+            f"--compare parts:{text}: DeepSpeed's parts start at 0, increase and end at the block count{count}"
         )
     return parts[:-1]
 
