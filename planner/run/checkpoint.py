@@ -450,15 +450,29 @@ def save_checkpoint(
     return final
 
 
+def check_latest_replaceable(root: Path, where: str) -> None:
+    """Refuse a save into ``root`` whose ``latest`` is a user's own file (``foreign_latest``): the
+    save would replace it. ``planner run`` asks before any rank starts, every save again.
+
+    Args:
+        root: the checkpoint folder.
+        where: how the message names the folder (the option the user gave, or the folder).
+
+    Raises:
+        PlannerError: ``root/latest`` is there and names no step folder.
+    """
+    if foreign_latest(root):
+        raise PlannerError(
+            f"{where}: {root / LATEST_FILE} is not a file `planner run` wrote (it names no step folder), and a "
+            "save would replace it; move it away, or give --checkpoint-dir another folder"
+        )
+
+
 def _check_replaceable(root: Path, final: Path) -> None:
     """A save replaces ``latest`` and an existing step folder only if ``planner run`` wrote them (a
     resumed run saving the same step again, an earlier run of this model): never a user's own file.
     ``planner run`` refuses both before any rank starts; this guards every other caller."""
-    if foreign_latest(root):
-        raise PlannerError(
-            f"{root / LATEST_FILE} is not a file `planner run` wrote (it names no step folder); move it away, "
-            "or give --checkpoint-dir another folder"
-        )
+    check_latest_replaceable(root, f"checkpoint folder {root}")
     if (final.exists() or final.is_symlink()) and not owned_by_planner(final):
         raise PlannerError(
             f"{final} exists and is not a checkpoint `planner run` wrote (no {META_FILE}); move it away, or "

@@ -23,10 +23,9 @@ from planner.capture.blocks import TracedModel
 from planner.capture.load import ModelFile
 from planner.errors import DataError, PlannerError
 from planner.run.checkpoint import (
-    LATEST_FILE,
+    check_latest_replaceable,
     checkpoint_step,
     earlier_checkpoints,
-    foreign_latest,
     kept_vocab,
     latest_checkpoint,
     owned_by_planner,
@@ -117,11 +116,7 @@ def check_checkpoint_owner(plan: Plan, request: RunRequest, print_fn: Callable[[
     """
     root, fingerprint = request.checkpoint_root, plan.model.fingerprint
     where = f"--checkpoint-dir {root}" if request.checkpoint_dir is not None else f"checkpoint folder {root}"
-    if foreign_latest(root):
-        raise PlannerError(
-            f"{where}: {root / LATEST_FILE} is not a file `planner run` wrote (it names no step folder), and a "
-            "save would replace it; move it away, or give --checkpoint-dir another folder"
-        )
+    check_latest_replaceable(root, where)
     earlier = earlier_checkpoints(root)
     others = [(p, m) for p, m in earlier if m.get("plan_fingerprint") not in (None, fingerprint)]
     if others:
