@@ -25,9 +25,9 @@ import click
 from cli_groups import GroupedCommand
 from cli_options import probe_options, run_options
 from cli_plan_options import plan_options, plan_request
-from cli_support import PlannerGroup, debug_option, user_errors
+from cli_support import PlannerGroup, debug_option, stopped_line, user_errors
 from planner.core.levers.hardware import GPUS
-from planner.errors import PlannerError, printable
+from planner.errors import PlannerError
 from planner.report.export import EXPORT_FORMATS
 from planner.schema.outputs import check_output
 from planner.schema.plan import Plan
@@ -179,7 +179,7 @@ def run_cmd(
         e.result.save(out)
         if (click.get_current_context().find_root().obj or {}).get("debug"):
             raise
-        click.echo(f"{'error: ' if e.exit_code == 1 else ''}{printable(str(e))}", err=True)
+        click.echo(stopped_line(e), err=True)
         click.echo(f"wrote {out} ({e.result.steps} step(s) completed)", err=True)
         sys.exit(e.exit_code)
     result.save(out)

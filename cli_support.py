@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from planner.errors import PlannerError, printable
+from planner.errors import PlannerError, RunFailed, printable
 from planner.run.signals import Terminated, raise_on_signal
 
 if sys.version_info >= (3, 11):
@@ -111,6 +111,12 @@ class PlannerGroup(click.Group):
             raise one_line(e) from None
 
 
+def stopped_line(error: RunFailed) -> str:
+    """What a run that stopped early says: "error: ..." for a failure (exit 1), the plain message for
+    Ctrl-C or SIGTERM (what the user asked for: "interrupted at step 6")."""
+    return f"{'error: ' if error.exit_code == 1 else ''}{printable(str(error))}"
+
+
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """One line on stderr for every way a command can end badly, never a traceback (unless --debug).
 
@@ -120,7 +126,6 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     planner: one line naming it, exit 1. Outputs are written atomically, so none of these leaves a
     half-written file behind.
     """
-    from planner.errors import RunFailed
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -131,8 +136,7 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except RunFailed as e:
             if debug:
                 raise
-            # Ctrl-C and SIGTERM are what the user asked for, not errors: "interrupted at step 6"
-            click.echo(f"{'error: ' if e.exit_code == 1 else ''}{printable(str(e))}", err=True)
+            click.echo(stopped_line(e), err=True)
             sys.exit(e.exit_code)
         except PlannerError as e:
             if debug:

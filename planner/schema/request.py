@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal, TypeVar, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from planner.errors import PlannerError, printable
-from planner.schema.bounds import MemoryLimitGiB, TimeoutSeconds
+from planner.schema.bounds import MAX_MEMORY_LIMIT_GIB, MemoryLimitGiB, TimeoutSeconds
 from planner.schema.costs import OptimizerSpec
 from planner.schema.counts import default_microbatches, divisors
 
@@ -116,6 +116,11 @@ class _Request(BaseModel):
     OPTIONS: ClassVar[dict[str, str]] = {}
 
     @classmethod
+    def _option(cls, field: str) -> str:
+        """The option a user typed for ``field`` (``--gpus`` for gpus), for messages."""
+        return cls.OPTIONS.get(field, field.replace("_", "-"))
+
+    @classmethod
     def build(cls: type[R], **values: Any) -> R:
         """Validate ``values`` into a request.
 
@@ -132,12 +137,12 @@ class _Request(BaseModel):
             spec = cls.model_fields.get(name)
             if isinstance(value, bool) and spec is not None and not _takes_bool(spec.annotation):
                 # pydantic reads True as 1 (gpus=True planned one GPU, memory_limit_gib=True 1 GiB)
-                option = cls.OPTIONS.get(name, name.replace("_", "-"))
+                option = cls._option(name)
                 raise PlannerError(f"{option} {value}: {option} takes a value, not True or False")
             # str() refuses integers past sys.get_int_max_str_digits() (4300 digits), so no
             # message, ours or a validator's, could show one: refuse it here, by its option.
             if isinstance(value, int) and abs(value).bit_length() > 4096:
-                option = cls.OPTIONS.get(name, name.replace("_", "-"))
+                option = cls._option(name)
                 raise PlannerError(
                     f"{option}: a number of over 1000 digits is out of range; give one that fits in 64 bits"
                 )
@@ -147,7 +152,7 @@ class _Request(BaseModel):
             first = e.errors()[0]
             loc = [str(part) for part in first["loc"]]
             field = loc[-1] if len(loc) > 1 and loc[0] == "optimizer" else (loc[0] if loc else "")
-            option = cls.OPTIONS.get(field, field.replace("_", "-"))
+            option = cls._option(field)
             given = first.get("input") if len(loc) > 1 else values.get(field, first.get("input"))
             msg = str(first["msg"]).removeprefix("Value error, ")
             try:
@@ -263,7 +268,7 @@ class PlanRequest(_Request):
     memory_limit_gib: MemoryLimitGiB | None = Field(  # bounds: under one byte, past an exbibyte refused
         default=None,
         gt=0,
-        le=2**30,
+        le=MAX_MEMORY_LIMIT_GIB,
         allow_inf_nan=False,
         description="Per-rank limit in GiB (None: the GPU's capacity when known).",
     )
