@@ -106,6 +106,15 @@ def keep_vocab(root: Path, vocab: Vocab, fresh: bool = False) -> None:
         vocab.save(root / VOCAB_FILE)
 
 
+def step_of(path: Path) -> int | None:
+    """The step of a folder named as ``step_dir`` names it (``step_00000120``: 120); None for any other name."""
+    digits = path.name.removeprefix("step_")
+    if digits == path.name or not digits.isdigit():
+        return None
+    step = int(digits)
+    return step if step_dir(path.parent, step).name == path.name else None
+
+
 def step_dir(root: Path, step: int) -> Path:
     """Where the checkpoint of ``step`` lives under ``root``."""
     return root / f"step_{step:08d}"

@@ -29,7 +29,7 @@ from planner.run.checkpoint import (
     kept_vocab,
     latest_checkpoint,
     owned_by_planner,
-    step_dir,
+    step_of,
 )
 from planner.run.streams import vocab_size_of
 from planner.schema.plan import Plan
@@ -128,9 +128,11 @@ def check_checkpoint_owner(plan: Plan, request: RunRequest, print_fn: Callable[[
     every = request.checkpoint_every
     # the folders already there, not the steps to save: --steps may be huge, the folder is small
     for path in sorted(root.glob("step_*")) if root.is_dir() else []:
-        step = int(path.name[5:]) if path.name[5:].isdigit() else 0
+        step = step_of(path)
+        if step is None:
+            continue  # no step_dir name: no save writes there
         saves = step == request.steps or (every > 0 and step < request.steps and step % every == 0)
-        if saves and path == step_dir(root, step) and not owned_by_planner(path):
+        if saves and not owned_by_planner(path):
             raise PlannerError(
                 f"{where}: {path} is not a checkpoint `planner run` wrote, and this run would save step {step} "
                 "there; move it away, or give --checkpoint-dir another folder"
