@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -93,8 +94,8 @@ def test_a_crash_mid_save_leaves_the_last_good_checkpoint(tmp_path: Path, monkey
     save_checkpoint(tmp_path, 2, state, {})
     real_save = dcp.save
 
-    def crash(state_dict: dict, checkpoint_id: Path) -> None:
-        real_save(state_dict, checkpoint_id=checkpoint_id)  # every file written ...
+    def crash(state_dict: dict, **kwargs: Any) -> None:
+        real_save(state_dict, **kwargs)  # every file written ...
         raise OSError(28, "No space left on device")  # ... then the save dies before it is published
 
     monkeypatch.setattr(dcp, "save", crash)

@@ -64,8 +64,15 @@ READ_WHEN_USED = frozenset({"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"})
 _STDIO_FDS = (1, 2)
 
 # what every rank imports, once in the server it forks from (the export tracer: every transformers
-# model's rank traces with torch.export)
-RANK_MODULES = ("torch", "torch.distributed.pipelining", EXPORT_TRACER_MODULE, "planner.run.worker")
+# model's rank traces with torch.export; torch's distributed checkpoint, which every rank saves with
+# at the end of a run and which took a tenth of a second to import in each)
+RANK_MODULES = (
+    "torch",
+    "torch.distributed.pipelining",
+    "torch.distributed.checkpoint",
+    EXPORT_TRACER_MODULE,
+    "planner.run.worker",
+)
 
 # the running server as this process started it: its pid, preloaded modules and environment
 _server: dict[str, Any] = {"pid": None, "preload": [], "environment": {}}
