@@ -511,7 +511,8 @@ def load_checkpoint(path: Path, state: RankState) -> int:
     import torch.distributed.checkpoint as dcp
 
     state.init_optimizer_state()
-    have = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    reader = dcp.FileSystemReader(path)  # named, as save names its writer: no fsspec
+    have = set(reader.read_metadata().state_dict_metadata)
     full = state.state_dict(0)
     missing = [k for k in full if (k.startswith(("model.", "optim.")) or k in ("sched", "step")) and k not in have]
     if missing:
@@ -521,7 +522,7 @@ def load_checkpoint(path: Path, state: RankState) -> int:
         )
     wanted = {k: v for k, v in full.items() if k in have}
     try:
-        dcp.load(wanted, checkpoint_id=path, storage_reader=dcp.FileSystemReader(path))  # as save: no fsspec
+        dcp.load(wanted, checkpoint_id=path, storage_reader=reader)
     except Exception as e:  # DCP wraps shape and read errors in its own exception types
         raise PlannerError(f"cannot load checkpoint {path}: {' '.join(str(e).split())[:300]}") from None
     # Tensors were loaded in place (parameters, buffers, optimizer moments, RNG states); the
@@ -557,7 +558,8 @@ def export_weights(path: Path, model: nn.Module) -> dict[str, torch.Tensor]:
     """
     import torch.distributed.checkpoint as dcp
 
-    have = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    reader = dcp.FileSystemReader(path)  # named, as save names its writer: no fsspec
+    have = set(reader.read_metadata().state_dict_metadata)
     sd = model.state_dict()
     missing = [k for k in sd if f"model.{k}" not in have]
     if missing:
@@ -569,7 +571,7 @@ def export_weights(path: Path, model: nn.Module) -> dict[str, torch.Tensor]:
     try:
         with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is meant
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(wanted, checkpoint_id=path, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+            dcp.load(wanted, checkpoint_id=path, storage_reader=reader, no_dist=True)
     except Exception as e:  # shapes that differ, a damaged file
         raise PlannerError(f"cannot load checkpoint {path}: {' '.join(str(e).split())[:300]}") from None
     model.load_state_dict({k: wanted[f"model.{k}"] for k in sd})
