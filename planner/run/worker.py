@@ -152,8 +152,11 @@ class _RankRun:
             "run_id": self.run_id,
         }
         if self.text is not None and self.mesh.rank == 0:
-            # rank 0 publishes the checkpoint (a rename, after every rank wrote): never without its ids
-            keep_vocab(self.request.checkpoint_root, self.text.vocab, fresh=not self.request.resume)
+            # rank 0 publishes the checkpoint (a rename, after every rank wrote): never without its ids;
+            # a fresh run's first save replaces an earlier run's, its later saves find its own kept
+            keep_vocab(
+                self.request.checkpoint_root, self.text.vocab, fresh=not self.request.resume and not self.written
+            )
         # a resumed run keeps the folders written before runs had ids: it may be continuing them
         path = save_checkpoint(self.request.checkpoint_root, step, self.state, meta, keep_unnamed=self.request.resume)
         self.written.append(str(path))
