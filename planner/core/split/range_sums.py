@@ -43,22 +43,32 @@ class RangeMax:
 
 
 class RangeMaxArrays:
-    """``RangeMax`` on arrays of ranges."""
+    """``RangeMax`` on arrays of ranges: its levels as the rows of one 2-D array (each padded to the
+    first's length), so that a batch of ranges is answered by one gather per end, whatever their levels.
+    (The solver asks hundreds of thousands of small batches; one pass per distinct level, with
+    ``np.unique`` to find them, was most of the time it spent here.)"""
 
     def __init__(self, rows: list[Any], n: int) -> None:
-        self.rows = rows
+        self.n = n
+        self.width = len(rows[0]) if rows else 0
+        self.table = np.zeros((len(rows), max(self.width, 1)), dtype=rows[0].dtype if rows else np.int64)
+        for level, row in enumerate(rows):
+            self.table[level, : len(row)] = row
         self.log2 = np.array([0, 0] + [k.bit_length() - 1 for k in range(2, n + 1)], dtype=np.int64)
 
     def many(self, s: IntArray, e: IntArray) -> AnyIntArray:
-        """Per range ``[s, e)``, its max (0 where ``e <= s``)."""
-        length = np.maximum(e - s, 1)
-        j = self.log2[length]
-        most = 0 * self.rows[0][np.minimum(s, len(self.rows[0]) - 1)] if len(self.rows[0]) else 0 * s
-        for level in np.unique(j).tolist():  # at most log2(n) + 1 levels
-            row = self.rows[level]
-            at = j == level
-            lo, hi = s[at], np.maximum(e[at] - (1 << level), 0)
-            most[at] = np.maximum(row[np.minimum(lo, len(row) - 1)], row[np.minimum(hi, len(row) - 1)])
+        """Per range ``[s, e)``, its max (0 where ``e <= s``).
+
+        A range of length L reads level floor(log2 L) at ``s`` and ``e - 2**level``, both inside that
+        level's own row, so the padding is never read for a range that is not empty (an empty one
+        reads level 0 and is then zeroed).
+        """
+        if not self.width:
+            return 0 * s
+        j = self.log2[np.maximum(e - s, 1)]
+        last = self.width - 1
+        lo, hi = np.minimum(s, last), np.minimum(np.maximum(e - np.left_shift(1, j), 0), last)
+        most = np.maximum(self.table[j, lo], self.table[j, hi])
         out: AnyIntArray = np.where(e > s, most, 0 * most)
         return out
 
