@@ -12,7 +12,9 @@ When torch changes one of these, this is the only file to mend; the tests that e
   (tests/test_profile.py).
 - ``Tensor._is_view`` and ``UntypedStorage._cdata``: views and storage identity.
 - ``GraphModule.graph._codegen`` / ``torch.fx.graph._PyTreeCodeGen``: the output structure of an
-  exported graph (tests/test_trace.py).
+  exported graph (tests/test_trace.py), and a graph rebuilt with it (tests/test_graph_file.py).
+- ``torch._ops.OpOverload`` / ``HigherOrderOperator``: a graph's operators written by name, the
+  launcher's trace handed to the ranks (``operator_name``; tests/test_graph_file.py).
 - ``torch.distributed.pipelining.schedules._batch_p2p`` / ``_wait_batch_p2p`` and
   ``PipelineScheduleSingle._maybe_compute_loss``: timers around the schedule's point-to-point
   operations and the loss (tests/test_run.py).
@@ -234,6 +236,31 @@ def exported_out_spec(gm: fx.GraphModule) -> Any:
     codegen = gm.graph._codegen
     if isinstance(codegen, fx.graph._PyTreeCodeGen):
         return codegen.pytree_info.out_spec
+    return None
+
+
+def exported_pytree_info(gm: fx.GraphModule) -> Any:
+    """An exported graph's input and output structures (its code generator's pytree info), or None."""
+    codegen = gm.graph._codegen
+    return codegen.pytree_info if isinstance(codegen, fx.graph._PyTreeCodeGen) else None
+
+
+def with_pytree_codegen(graph: fx.Graph, info: Any) -> None:
+    """Give ``graph`` the code generator of an exported graph with these structures (None: leave it)."""
+    if info is not None:
+        graph._codegen = fx.graph._PyTreeCodeGen(info)
+
+
+def operator_name(target: Any) -> tuple[str, str] | None:
+    """An aten-style operator overload as (namespace, "packet.overload"), None for any other target.
+
+    Raises:
+        TypeError: a higher-order operator (its subgraphs are modules of their own).
+    """
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        raise TypeError(f"the higher-order operator {target.name()}")
+    if isinstance(target, torch._ops.OpOverload):
+        return target.namespace, target.__name__
     return None
 
 

@@ -20,6 +20,7 @@ from torch import fx, nn
 
 from planner.capture.blocks import GraphTrace, TracedModel, target_name
 from planner.capture.graph import trace_export
+from planner.capture.graph_file import GraphFileError, RankGraphs, load_graph
 from planner.capture.load import ModelFile
 from planner.capture.tp_plan import matched_modules, style_error
 from planner.capture.trace import short_reason
@@ -29,7 +30,12 @@ from planner.torch_compat import graph_copy
 
 
 def shardable_trace(
-    traced: TracedModel, model: nn.Module, inputs: tuple, tp_plan: dict[str, str], tp: int
+    traced: TracedModel,
+    model: nn.Module,
+    inputs: tuple,
+    tp_plan: dict[str, str],
+    tp: int,
+    graphs: RankGraphs | None = None,
 ) -> TracedModel:
     """A trace whose stages torch's tensor-parallel styles can shard: ``traced`` itself for a torch.fx
     trace (its layers are modules); for a torch.export trace, the same graph with the planned layers
@@ -61,7 +67,7 @@ def shardable_trace(
             embedding call, a width ``tp`` does not divide, or a model that does not trace (or traces
             into other nodes) with its layers split ``tp`` ways.
     """
-    sized = shard_sized_graph(traced, model, inputs, tp_plan, tp)
+    sized = shard_sized_graph(traced, model, inputs, tp_plan, tp, graphs)
     if sized is None:
         return traced
     assert isinstance(traced, GraphTrace)  # shard_sized_graph says None otherwise
@@ -72,7 +78,12 @@ def shardable_trace(
 
 
 def shard_sized_graph(
-    traced: TracedModel, model: nn.Module, inputs: tuple, tp_plan: dict[str, str], tp: int
+    traced: TracedModel,
+    model: nn.Module,
+    inputs: tuple,
+    tp_plan: dict[str, str],
+    tp: int,
+    graphs: RankGraphs | None = None,
 ) -> fx.GraphModule | None:
     """The model exported again with its planned layers' weights at one tensor-parallel rank's shard
     shapes, checked to have ``traced``'s nodes (``shardable_trace``); ``traced`` is not changed.
@@ -83,6 +94,8 @@ def shard_sized_graph(
         inputs: the example microbatch's positional inputs, on the model's device.
         tp_plan: the patterns -> "colwise" | "rowwise" | "colwise_rep".
         tp: the tensor-parallel ranks.
+        graphs: the launcher's graphs: its graph at these sizes is rebuilt instead of exporting
+            (checked like an export), or this export kept for the ranks where ``graphs`` collects.
 
     Returns:
         The graph module at the shards' sizes; None for a torch.fx trace, tp 1 or no planned layer.
@@ -97,15 +110,30 @@ def shard_sized_graph(
         return None
     calls = _layer_calls(traced.gm.graph, layers)
     local = _local_copy(model, {name: (calls[name].target, style) for name, style in layers.items()}, tp)
-    try:
-        gm = trace_export(local, inputs)
-    except Exception as e:  # any failure of the model's code at the shards' sizes: said in one line
-        raise TraceError(
-            f"the model does not trace with its tp_plan layers split {tp} ways ({short_reason(e)}): its code reads "
-            "the full number of heads or widths"
-        ) from e
+    gm = _rebuilt(graphs, local)
+    if gm is None:
+        try:
+            gm = trace_export(local, inputs)
+        except Exception as e:  # any failure of the model's code at the shards' sizes: said in one line
+            raise TraceError(
+                f"the model does not trace with its tp_plan layers split {tp} ways ({short_reason(e)}): its code "
+                "reads the full number of heads or widths"
+            ) from e
+        if graphs is not None:
+            graphs.keep_shard_sized(gm, local)
     _check_same_nodes(traced.gm.graph, gm.graph, tp)
     return gm
+
+
+def _rebuilt(graphs: RankGraphs | None, local: nn.Module) -> fx.GraphModule | None:
+    """The launcher's graph at the shards' sizes rebuilt on ``local`` (None: none to rebuild, or it
+    does not fit: the caller exports)."""
+    if graphs is None or graphs.collects or graphs.shard_sized is None:
+        return None
+    try:
+        return load_graph(graphs.shard_sized, local)
+    except GraphFileError:
+        return None
 
 
 _LAYER_OPS = {"linear": 1, "embedding": 0}  # an aten layer call -> the position of its weight argument

@@ -102,6 +102,7 @@ def trace_model(
     *,
     shapes_only: bool = False,
     copied: bool = True,
+    exported: Callable[[nn.Module], fx.GraphModule] | None = None,
 ) -> TracedModel:
     """Trace ``model`` on an example microbatch, group nodes into blocks and find legal cuts.
 
@@ -118,6 +119,9 @@ def trace_model(
             full width takes minutes on a CPU.
         copied: False: trace ``model`` itself, which the caller built for this trace and hands over
             (a model on the meta device, whose copy took seconds at 1,000 layers and held nothing).
+        exported: for "export", the graph made some other way from the model's private copy than by
+            exporting it (``planner run``'s ranks rebuild the launcher's, ``planner.capture.graph_file``);
+            grouped, recorded and fingerprinted as an export is. None: export.
 
     Returns:
         A ``GraphTrace`` (fx, export) or a ``ModuleTrace`` (module boundaries).
@@ -145,7 +149,7 @@ def trace_model(
                 failures.append(("modules", str(e)))
                 continue
         try:
-            gm = TRACERS[method](private, inputs)
+            gm = exported(private) if exported is not None and method == "export" else TRACERS[method](private, inputs)
             blocks = group_blocks(gm, private)  # first: twin layers' values are replayed, not run again
             values, output = recorded_run(gm, inputs, shapes_only=shapes_only, blocks=blocks)
         except Exception as e:  # any tracer failure means: try the next one

@@ -54,19 +54,17 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
-from planner.capture.blocks import TracedModel
 from planner.capture.contract import check_train_batch
+from planner.capture.graph_file import RankGraphs
 from planner.capture.load import ModelFile
-from planner.capture.stage import stage_module
 from planner.errors import PlannerError, RunFailed
 from planner.run.console import print_flushed
 from planner.run.faults import WorkerTraceback, diagnose, read_records
 from planner.run.forkserver import prepare_forkserver, rank_preload
 from planner.run.loop import RankResult, run_result
 from planner.run.mesh import threads_per_rank
-from planner.run.model import StageSource, check_runnable, check_ties, load_plan_model, planned_source, trace_for_plan
-from planner.run.preflight import check_checkpoint_dir, check_data, check_resume
-from planner.run.tensor_shard import check_tp_degree, check_tp_split, shardable_trace
+from planner.run.model import check_runnable, graphs_for_ranks, load_plan_model, planned_source, trace_for_plan
+from planner.run.preflight import check_checkpoint_dir, check_data, check_resume, check_stages
 from planner.schema.plan import Plan
 from planner.schema.request import RunRequest
 from planner.schema.result import RunResult
@@ -118,24 +116,6 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def _check_stages(plan: Plan, traced: TracedModel, source: StageSource) -> None:
-    """Before any rank starts: the plan's tp against the model (``check_tp_degree``), every stage built
-    once (illegal cuts), its tensor-parallel split (``check_tp_split``), and tied weights recorded.
-
-    Raises:
-        TraceError: a stage cannot be cut out of the model.
-        PlanFileError: a tie the plan does not record (``check_ties``), or a ``tp_plan`` the stages
-            cannot be split by.
-    """
-    check_tp_degree(source.model, plan.tp_plan, plan.tp)  # heads too, as `planner plan` checked its degree
-    shardable = shardable_trace(traced, source.model, source.example, plan.tp_plan, plan.tp)
-    for s in plan.stages:
-        built = stage_module(shardable, s.start, s.end)
-        if plan.tp > 1:
-            check_tp_split(built, plan.tp_plan, plan.tp)
-    check_ties(plan, traced)
 
 
 def _check_devices(plan: Plan, nproc_per_node: int) -> None:
@@ -331,7 +311,10 @@ def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None]
         print_fn(changed_file_warning(plan, mf))
     source = planned_source(plan, mf)
     traced = trace_for_plan(plan, source.model, source.example)
-    _check_stages(plan, traced, source)
+    # written before the checks below use the trace, so the ranks rebuild the graph as traced here;
+    # the checks add the graph at a tp rank's sizes
+    graphs = graphs_for_ranks(traced) if world_size > 1 else None
+    check_stages(plan, traced, source, graphs)
     check_train_batch(mf, plan.batch_size, plan.model.seed)
     check_resume(plan, request)
     check_checkpoint_dir(plan, request, print_fn)
@@ -348,7 +331,7 @@ def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None]
 
         rank = train_in_process(plan, request)
         return run_result(plan, [rank], mode="local", plan_path=plan_path)
-    return _launch(plan, request, nproc, print_fn, preload)
+    return _launch(plan, request, nproc, print_fn, preload, graphs)
 
 
 def launch_line(plan: Plan, nproc: int) -> str:
@@ -371,9 +354,15 @@ def launch_line(plan: Plan, nproc: int) -> str:
 
 
 def _launch(
-    plan: Plan, request: RunRequest, nproc: int, print_fn: Callable[[str], None], preload: list[str]
+    plan: Plan,
+    request: RunRequest,
+    nproc: int,
+    print_fn: Callable[[str], None],
+    preload: list[str],
+    graphs: RankGraphs | None = None,
 ) -> RunResult:
-    """Start ``nproc`` workers here (torchrun-style, forked from a server of ``preload``), wait, gather them.
+    """Start ``nproc`` workers here (torchrun-style, forked from a server of ``preload``), wait, gather them;
+    ``graphs``: this launcher's traces for the ranks to rebuild (``graphs_for_ranks``; None: they trace).
 
     Raises:
         PlannerError: the rendezvous could not be formed (before any rank started).
@@ -388,6 +377,7 @@ def _launch(
     with tempfile.TemporaryDirectory(prefix="planner-run-") as tmp:
         error_dir = Path(tmp) / "errors"
         error_dir.mkdir()
+        graph_file = graphs.written(Path(tmp)) if graphs is not None else ""
         watch = _Watch(error_dir)
         # OMP_NUM_THREADS reaches the workers through the agent; without it each rank's OpenMP
         # pool would size itself to every core and the ranks would oversubscribe the machine.
@@ -399,7 +389,7 @@ def _launch(
                     role="planner",
                     local_world_size=nproc,
                     entrypoint=run_worker,
-                    args=(plan.to_json(), request.model_dump_json(), str(error_dir), context),
+                    args=(plan.to_json(), request.model_dump_json(), str(error_dir), context, graph_file),
                     rdzv_handler=_FixedNodes(_rendezvous_handler(params, request)),
                     max_restarts=0,
                     monitor_interval=0.1,

@@ -14,12 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from planner.capture.blocks import TiedParameter, TracedModel
+from planner.capture.blocks import GraphTrace, TiedParameter, TracedModel
+from planner.capture.graph_file import GraphFileError, RankGraphs, dump_graph, load_graph
 from planner.capture.load import ModelFile, load_model_file
 from planner.capture.stage import trace_root
 from planner.capture.trace import trace_model
 from planner.core.step.schedules import ZERO_BUBBLE, check_schedule, stage_ranks
-from planner.errors import PlanFileError, PlannerError
+from planner.errors import PlanFileError, PlannerError, TraceError
 from planner.schema.costs import split_recompute
 from planner.schema.plan import Plan
 
@@ -50,11 +51,14 @@ class StageSource:
         model: the model with the weights to train (the trace takes its own copy).
         example: one example microbatch's positional inputs, of the plan's microbatch size.
         loss_fn: the loss of the model's output and the target (``ModelFile.loss_fn``'s form).
+        graphs: the launcher's torch.export graphs (``planner.capture.graph_file.RankGraphs``), rebuilt
+            instead of exporting the model again; None: trace.
     """
 
     model: nn.Module
     example: tuple
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+    graphs: RankGraphs | None = None
 
 
 def planned_source(plan: Plan, mf: ModelFile) -> StageSource:
@@ -155,7 +159,7 @@ def _what_differs(plan: Plan, traced: TracedModel) -> str:
     return f"{count}block {k} is {was} in the plan, {is_now} now"
 
 
-def trace_for_plan(plan: Plan, model: nn.Module, inputs: tuple) -> TracedModel:
+def trace_for_plan(plan: Plan, model: nn.Module, inputs: tuple, graph: bytes | None = None) -> TracedModel:
     """Trace ``model`` the way the planner did and check it is the structure the plan was made for.
 
     Args:
@@ -163,6 +167,9 @@ def trace_for_plan(plan: Plan, model: nn.Module, inputs: tuple) -> TracedModel:
         model: the model with the weights to train (built from the plan's model file with its seed,
             or the user's own, ``planner.pipeline``).
         inputs: one example microbatch's positional inputs (``planned_source``).
+        graph: the launcher's torch.export graph (``RankGraphs.traced``): rebuilt on the model's copy
+            instead of exporting it again; where it cannot be, or gives another structure, the model
+            is exported as without it.
 
     Returns:
         The trace (a graph, or module boundaries whose stages are chains of blocks), its buffers
@@ -172,8 +179,10 @@ def trace_for_plan(plan: Plan, model: nn.Module, inputs: tuple) -> TracedModel:
         PlanFileError: the traced fingerprint differs from the plan's.
         TraceError: the plan's tracer no longer works on the model.
     """
-    # shapes are all the run needs of the example: recorded on fake tensors, not by a forward on the CPU
-    traced = trace_model(model, inputs, methods=(plan.model.trace_method,), shapes_only=True)
+    traced = _rebuilt(plan, model, inputs, graph) if graph is not None else None
+    if traced is None:
+        # shapes are all the run needs of the example: recorded on fake tensors, not by a forward on the CPU
+        traced = trace_model(model, inputs, methods=(plan.model.trace_method,), shapes_only=True)
     if traced.fingerprint != plan.model.fingerprint:
         raise PlanFileError(
             f"plan was made for a different model structure (fingerprint {plan.model.fingerprint}, "
@@ -188,6 +197,34 @@ def trace_for_plan(plan: Plan, model: nn.Module, inputs: tuple) -> TracedModel:
             if name in fresh and fresh[name].shape == buf.shape:
                 buf.copy_(fresh[name])
     return traced
+
+
+def _rebuilt(plan: Plan, model: nn.Module, inputs: tuple, graph: bytes) -> TracedModel | None:
+    """The trace of ``model`` from the launcher's graph, or None where it cannot be rebuilt or does not
+    give the plan's structure (the caller then exports: any refusal names what a fresh trace finds)."""
+    if plan.model.trace_method != "export":
+        return None
+    try:
+        traced = trace_model(
+            model, inputs, methods=("export",), shapes_only=True, exported=lambda private: load_graph(graph, private)
+        )
+    except TraceError:
+        return None
+    return traced if traced.fingerprint == plan.model.fingerprint else None
+
+
+def graphs_for_ranks(traced: TracedModel) -> RankGraphs:
+    """The launcher's trace as its ranks rebuild it (``StageSource.graphs``), collecting the graph at a
+    tp rank's sizes as the launcher's checks make it: a torch.export graph only (an fx trace takes
+    hundredths of a second to make again); none where the graph holds what
+    ``planner.capture.graph_file`` does not cover (the ranks then export)."""
+    graphs = RankGraphs(collects=True)
+    if isinstance(traced, GraphTrace) and traced.method == "export":
+        try:
+            graphs.traced = dump_graph(traced.gm, traced.model)
+        except GraphFileError:
+            pass
+    return graphs
 
 
 def check_ties(plan: Plan, traced: TracedModel) -> list[TiedParameter]:

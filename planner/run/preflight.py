@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from planner.capture.blocks import TracedModel
+from planner.capture.graph_file import RankGraphs
 from planner.capture.load import ModelFile
+from planner.capture.stage import stage_module
 from planner.errors import DataError, PlannerError
 from planner.run.checkpoint import (
     check_latest_replaceable,
@@ -31,7 +33,9 @@ from planner.run.checkpoint import (
     owned_by_planner,
     step_of,
 )
+from planner.run.model import StageSource, check_ties
 from planner.run.streams import vocab_size_of
+from planner.run.tensor_shard import check_tp_degree, check_tp_split, shardable_trace
 from planner.schema.plan import Plan
 from planner.schema.request import RunRequest
 
@@ -198,3 +202,21 @@ def check_data(
     )
     if request.echo:
         print_fn(stream.describe())
+
+
+def check_stages(plan: Plan, traced: TracedModel, source: StageSource, graphs: RankGraphs | None) -> None:
+    """Before any rank starts: the plan's tp against the model (``check_tp_degree``), every stage built
+    once (illegal cuts), its tensor-parallel split (``check_tp_split``), and tied weights recorded.
+
+    Raises:
+        TraceError: a stage cannot be cut out of the model.
+        PlanFileError: a tie the plan does not record (``check_ties``), or a ``tp_plan`` the stages
+            cannot be split by.
+    """
+    check_tp_degree(source.model, plan.tp_plan, plan.tp)  # heads too, as `planner plan` checked its degree
+    shardable = shardable_trace(traced, source.model, source.example, plan.tp_plan, plan.tp, graphs)
+    for s in plan.stages:
+        built = stage_module(shardable, s.start, s.end)
+        if plan.tp > 1:
+            check_tp_split(built, plan.tp_plan, plan.tp)
+    check_ties(plan, traced)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from planner.capture.blocks import TracedModel
+from planner.capture.graph_file import RankGraphs
 from planner.capture.tp_graph import shardable_trace as _shardable
 from planner.capture.tp_plan import COLUMN_STYLES, indivisible_split, matched_modules, style_error
 from planner.errors import PlanFileError, TraceError
@@ -167,15 +168,21 @@ def check_tp_split(module: nn.Module, tp_plan: dict[str, str], tp: int) -> dict[
 
 
 def shardable_trace(
-    traced: TracedModel, model: nn.Module, inputs: tuple, tp_plan: dict[str, str], tp: int
+    traced: TracedModel,
+    model: nn.Module,
+    inputs: tuple,
+    tp_plan: dict[str, str],
+    tp: int,
+    graphs: RankGraphs | None = None,
 ) -> TracedModel:
     """``planner.capture.tp_graph.shardable_trace``: the trace the stages are cut from under tensor
-    parallelism (a torch.export graph at one tp rank's sizes, its planned layers modules).
+    parallelism (a torch.export graph at one tp rank's sizes, its planned layers modules); ``graphs``:
+    the launcher's graphs, rebuilt or collected (``planner.capture.graph_file.RankGraphs``).
 
     Raises:
         PlanFileError: the plan's split cannot run on this model (the reason, and what to do).
     """
     try:
-        return _shardable(traced, model, inputs, tp_plan, tp)
+        return _shardable(traced, model, inputs, tp_plan, tp, graphs)
     except TraceError as e:
         raise PlanFileError(f"{e}; re-plan with tp 1") from e

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from planner.capture.graph_file import RankGraphs
 from planner.errors import PlannerError
 from planner.run.checkpoint import (
     RankState,
@@ -76,20 +77,25 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", module=r"torch\.distributed\..*")
 
 
-def _train(plan: Plan, request: RunRequest, progress: Progress) -> RankResult:
+def _train(plan: Plan, request: RunRequest, progress: Progress, graphs: RankGraphs | None) -> RankResult:
     """Join the process group torchrun-style (from the environment), train this rank, leave the group."""
     with joined_group(plan, request) as (mesh, device):
-        return _train_rank(plan, request, mesh, device, progress)
+        return _train_rank(plan, request, mesh, device, progress, graphs)
 
 
 def _train_rank(
-    plan: Plan, request: RunRequest, mesh: RankMesh, device: torch.device, progress: Progress
+    plan: Plan,
+    request: RunRequest,
+    mesh: RankMesh,
+    device: torch.device,
+    progress: Progress,
+    graphs: RankGraphs | None = None,
 ) -> RankResult:
     """Build this rank's stages and schedule, resume if asked, and train them with the one training loop."""
     # A compiled stage compiles at its first call, in training: its backward must allow the split
     # backward's retained graph (planner.torch_compat.retain_graph_compile), as the profiler's did.
     with retain_graph_compile() if plan.compile else contextlib.nullcontext():
-        return _RankRun(plan, request, mesh, device).train(progress)
+        return _RankRun(plan, request, mesh, device, graphs).train(progress)
 
 
 class _RankRun:
@@ -99,10 +105,14 @@ class _RankRun:
     each checkpoint is collective), so no rank waits on another that skipped one.
     """
 
-    def __init__(self, plan: Plan, request: RunRequest, mesh: RankMesh, device: torch.device) -> None:
+    def __init__(
+        self, plan: Plan, request: RunRequest, mesh: RankMesh, device: torch.device, graphs: RankGraphs | None = None
+    ) -> None:
         self.plan, self.request, self.mesh, self.device = plan, request, mesh, device
         self.mf = load_plan_model(plan, str(request.plan_file))
-        built = build_stages(plan, planned_source(plan, self.mf), mesh, device, want_vocab=request.data is not None)
+        # the launcher's graphs (``graphs_for_ranks``), rebuilt instead of exporting the model again
+        source = dataclasses.replace(planned_source(plan, self.mf), graphs=graphs)
+        built = build_stages(plan, source, mesh, device, want_vocab=request.data is not None)
         self.built = built
         self.pipe = Pipeline(plan, built, mesh, device)  # what a user's own script trains through too
         self.run_microbatches, self.sum_for_norm = runner_hooks(self.pipe)
@@ -256,7 +266,19 @@ def train_in_process(plan: Plan, request: RunRequest) -> RankResult:
         return _train_rank(plan, request, mesh, device, Progress())
 
 
-def run_worker(plan_json: str, request_json: str, error_dir: str, context: LaunchContext) -> RankResult:
+def _read_graphs(path: str) -> RankGraphs | None:
+    """The launcher's graphs file, None where there is none or it cannot be read (the rank then traces)."""
+    if not path:
+        return None
+    try:
+        return RankGraphs.from_bytes(Path(path).read_bytes())
+    except OSError:
+        return None
+
+
+def run_worker(
+    plan_json: str, request_json: str, error_dir: str, context: LaunchContext, graph_file: str = ""
+) -> RankResult:
     """Entry point of one worker process (top level, so ``spawn`` can pickle it).
 
     Args:
@@ -264,6 +286,8 @@ def run_worker(plan_json: str, request_json: str, error_dir: str, context: Launc
         request_json: ``planner run``'s options (a ``RunRequest`` as JSON).
         error_dir: where to leave a failure record.
         context: the launcher's stdout, stderr and environment, which this rank takes first.
+        graph_file: the launcher's torch.export graphs of the model (``graphs_for_ranks``), which the
+            rank rebuilds instead of exporting the model again ("": none).
 
     Returns:
         This rank's measurements (losses only on the last rank).
@@ -285,7 +309,7 @@ def run_worker(plan_json: str, request_json: str, error_dir: str, context: Launc
     try:
         request = RunRequest.model_validate_json(request_json)
         plan = Plan.from_json(plan_json, str(request.plan_file))
-        return _train(plan, request, progress)
+        return _train(plan, request, progress, _read_graphs(graph_file))
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher as a record
         ignore_stop_signals()  # a second signal while the record is written must not leave half a record
         rank = int(os.environ.get("RANK", -1))
