@@ -201,7 +201,7 @@ def main() -> None:
     if args.published:
         from bench.search_time_rows import time_published
 
-        time_published(args.only, args.before, args.timeout, Path(__file__).resolve())
+        time_published(args.only, args.before, args.timeout, Path(__file__).resolve(), args.out)
         return
     rows = []
     for case in CASES:

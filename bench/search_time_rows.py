@@ -133,14 +133,18 @@ def _measure(key: str, source: Path, timeout_s: float, script: Path) -> dict[str
 HEADERS = ["row", "model", "GPUs", "search s", "before s", "layouts evaluated / in all", "choice", "slowed", "robust?"]
 
 
-def time_published(only: str, before: Path | None, timeout_s: float, script: Path) -> None:
-    """Time every published row's search (and ``before``'s, row by row beside it), write the table.
+def time_published(
+    only: str, before: Path | None, timeout_s: float, script: Path, out: Path = DOCS / "search_time.md"
+) -> None:
+    """Time every published row's search (and ``before``'s, row by row beside it), write the table
+    between the markers of ``out``.
 
     Args:
         only: the rows whose key starts with one of these, comma-separated ("": all).
         before: another tree whose planner is timed beside this one (None: this one only).
         timeout_s: seconds a search may take before it is stopped.
         script: ``bench/search_time.py``, run as each row's child.
+        out: the page (``--out``; docs/search_time.md by default).
     """
     from bench.published_rows import published_runs
 
@@ -172,7 +176,7 @@ def time_published(only: str, before: Path | None, timeout_s: float, script: Pat
         + '. "slowed": the choice\'s step with collectives 1.3x and compute 1.1x slower; "robust?": whether '
         "it still wins among the plan's search rows then, else the robust runner-up."
     )
-    write_between_markers(DOCS / "search_time.md", BEGIN, END, f"{when}\n\n{table(rows, HEADERS)}")
+    write_between_markers(out, BEGIN, END, f"{when}\n\n{table(rows, HEADERS)}")
 
 
 def _seconds(got: dict[str, Any]) -> str:
