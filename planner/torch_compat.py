@@ -233,10 +233,8 @@ def decomposes(func: Any) -> bool:
 
 def exported_out_spec(gm: fx.GraphModule) -> Any:
     """The pytree spec of an exported graph's output (torch.export flattens outputs), or None."""
-    codegen = gm.graph._codegen
-    if isinstance(codegen, fx.graph._PyTreeCodeGen):
-        return codegen.pytree_info.out_spec
-    return None
+    info = exported_pytree_info(gm)
+    return info.out_spec if info is not None else None
 
 
 def exported_pytree_info(gm: fx.GraphModule) -> Any:

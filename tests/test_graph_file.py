@@ -80,8 +80,8 @@ def test_a_graph_of_another_model_is_traced_afresh(tmp_path: Path) -> None:
     from planner.run.model import _rebuilt
 
     model, example = _built("gpt2", tmp_path)
-    other, _ = _built("llama", tmp_path)
-    other_graph = dump_graph(trace_export(copy.deepcopy(other), _built("llama", tmp_path)[1]), other)
+    other, other_example = _built("llama", tmp_path)
+    other_graph = dump_graph(trace_export(copy.deepcopy(other), other_example), other)
 
     class _Plan:  # the two fields _rebuilt reads
         class model:  # noqa: N801

@@ -159,7 +159,7 @@ def _what_differs(plan: Plan, traced: TracedModel) -> str:
     return f"{count}block {k} is {was} in the plan, {is_now} now"
 
 
-def trace_for_plan(plan: Plan, model: nn.Module, inputs: tuple, graph: bytes | None = None) -> TracedModel:
+def trace_for_plan(plan: Plan, model: nn.Module, inputs: tuple, graphs: RankGraphs | None = None) -> TracedModel:
     """Trace ``model`` the way the planner did and check it is the structure the plan was made for.
 
     Args:
@@ -167,9 +167,9 @@ def trace_for_plan(plan: Plan, model: nn.Module, inputs: tuple, graph: bytes | N
         model: the model with the weights to train (built from the plan's model file with its seed,
             or the user's own, ``planner.pipeline``).
         inputs: one example microbatch's positional inputs (``planned_source``).
-        graph: the launcher's torch.export graph (``RankGraphs.traced``): rebuilt on the model's copy
-            instead of exporting it again; where it cannot be, or gives another structure, the model
-            is exported as without it.
+        graphs: the launcher's torch.export graphs (``StageSource.graphs``): its graph of the model is
+            rebuilt on the model's copy instead of exporting it again; where there is none, it cannot
+            be rebuilt or it gives another structure, the model is exported as without it.
 
     Returns:
         The trace (a graph, or module boundaries whose stages are chains of blocks), its buffers
@@ -179,7 +179,7 @@ def trace_for_plan(plan: Plan, model: nn.Module, inputs: tuple, graph: bytes | N
         PlanFileError: the traced fingerprint differs from the plan's.
         TraceError: the plan's tracer no longer works on the model.
     """
-    traced = _rebuilt(plan, model, inputs, graph) if graph is not None else None
+    traced = _rebuilt(plan, model, inputs, graphs.traced) if graphs is not None and graphs.traced is not None else None
     if traced is None:
         # shapes are all the run needs of the example: recorded on fake tensors, not by a forward on the CPU
         traced = trace_model(model, inputs, methods=(plan.model.trace_method,), shapes_only=True)

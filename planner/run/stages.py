@@ -125,12 +125,10 @@ def build_stages(
         PlannerError: two stages of this rank share a tied parameter under FSDP.
     """
     aliases = _aliases(source.model)  # taken before tracing
-    # the trace holds its own copy of the model
-    graphs = source.graphs
-    traced = trace_for_plan(plan, source.model, source.example, graphs.traced if graphs is not None else None)
+    traced = trace_for_plan(plan, source.model, source.example, source.graphs)  # the trace holds its own model copy
     # the graph the stages are cut from: under tensor parallelism a torch.export graph's layers become
     # modules torch's styles shard, at one tp rank's sizes (the examples still come from ``traced``)
-    shardable = shardable_trace(traced, source.model, source.example, plan.tp_plan, plan.tp, graphs)
+    shardable = shardable_trace(traced, source.model, source.example, plan.tp_plan, plan.tp, source.graphs)
     if device.type != "cpu":
         for trace in {id(t): t for t in (traced, shardable)}.values():
             if isinstance(trace, GraphTrace):

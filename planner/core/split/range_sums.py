@@ -49,7 +49,6 @@ class RangeMaxArrays:
     ``np.unique`` to find them, was most of the time it spent here.)"""
 
     def __init__(self, rows: list[Any], n: int) -> None:
-        self.n = n
         self.width = len(rows[0]) if rows else 0
         self.table = np.zeros((len(rows), max(self.width, 1)), dtype=rows[0].dtype if rows else np.int64)
         for level, row in enumerate(rows):
