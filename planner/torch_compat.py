@@ -56,8 +56,9 @@ When torch changes one of these, this is the only file to mend; the tests that e
   (``own_tensor_tables``; tests/test_shapes.py).
 - The loggers ``torch._dynamo`` and ``torch._export``, silenced while the planner tries an export
   (``export_logger_names``; tests/test_trace.py).
-- The module ``torch.export._trace``, imported once by the server the ranks fork from
-  (``EXPORT_TRACER_MODULE``; tests/test_forkserver.py).
+- The modules ``torch.export._trace`` and ``torch.distributed._tools.mem_tracker``, imported once by
+  the server the ranks fork from (``EXPORT_TRACER_MODULE``, ``MEMORY_TRACKER_MODULE``;
+  tests/test_forkserver.py).
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ __all__ = [
     "ddp_ignore",
     "gather_each_stage_once",
     "EXPORT_TRACER_MODULE",
+    "MEMORY_TRACKER_MODULE",
     "export_logger_names",
     "exported_out_spec",
     "flatten_dense",
@@ -212,6 +214,11 @@ def own_tensor_tables(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str
 # and inductor's configuration behind it: 85 modules). The rank server imports it once, so that a
 # rank tracing a torch.export model does not (0.2 to 0.4 s of every such rank's start).
 EXPORT_TRACER_MODULE = "torch.export._trace"
+
+# The module of torch's memory tracker, which every rank's tracked step builds (``memory_tracker``):
+# its import registers fake collectives for every c10d operator, 0.25 s of each rank's start here
+# when a rank imported it itself. The rank server imports it once, as it does the export tracer.
+MEMORY_TRACKER_MODULE = "torch.distributed._tools.mem_tracker"
 
 
 def export_logger_names() -> tuple[str, ...]:

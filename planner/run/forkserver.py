@@ -35,7 +35,7 @@ from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
 
-from planner.torch_compat import EXPORT_TRACER_MODULE
+from planner.torch_compat import EXPORT_TRACER_MODULE, MEMORY_TRACKER_MODULE
 
 # Variables with these prefixes may be read when a library is loaded (libgomp and MKL read their
 # thread settings then, torch its logging and compile settings, the interpreter PYTHON*), which a
@@ -65,12 +65,14 @@ _STDIO_FDS = (1, 2)
 
 # what every rank imports, once in the server it forks from (the export tracer: every transformers
 # model's rank traces with torch.export; torch's distributed checkpoint, which every rank saves with
-# at the end of a run and which took a tenth of a second to import in each)
+# at the end of a run and which took a tenth of a second to import in each; the memory tracker of
+# the tracked step, a quarter of a second in each)
 RANK_MODULES = (
     "torch",
     "torch.distributed.pipelining",
     "torch.distributed.checkpoint",
     EXPORT_TRACER_MODULE,
+    MEMORY_TRACKER_MODULE,
     "planner.run.worker",
 )
 
