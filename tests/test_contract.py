@@ -272,10 +272,12 @@ def test_a_signal_during_planning_ends_with_one_line(tmp_path: Path, sig: str, c
     import sys
     import time
 
+    reached = tmp_path / "reached"  # make_batch leaves it as it starts to sleep
     model = _variant(
         tmp_path,
         "    x = torch.randn(batch_size, in_features)",
-        "    import time; time.sleep(60)\n    x = torch.randn(batch_size, in_features)",
+        f"    import pathlib, time; pathlib.Path({str(reached)!r}).touch(); time.sleep(60)\n"
+        "    x = torch.randn(batch_size, in_features)",
     )
     out = tmp_path / "plan.json"
     proc = subprocess.Popen(
@@ -285,9 +287,15 @@ def test_a_signal_during_planning_ends_with_one_line(tmp_path: Path, sig: str, c
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(4)  # imports torch, then sleeps in make_batch
+    # signalled once it plans, not after a fixed 4 s: on a loaded machine (the suite beside gloo ranks)
+    # a SIGINT at 4 s once left the command running past the 30 s wait, the signal most likely sent
+    # before it reached the sleep (the cause was not reproduced alone or under load)
+    deadline = time.monotonic() + 60
+    while not reached.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reached.exists(), proc.communicate()
     proc.send_signal(getattr(signal, sig))
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == code, err
     assert err.strip().splitlines()[-1] == word and "Traceback" not in err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.py"]  # nothing written, nothing left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.py", "reached"]  # nothing written, nothing left behind
