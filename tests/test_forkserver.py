@@ -20,13 +20,13 @@ import pytest
 
 from planner.run import forkserver
 from planner.run.forkserver import (
-    RANK_MODULES,
     LaunchContext,
     environment_changes,
     forkserver_pid,
     installed_modules,
     lacking_packages,
     prepare_forkserver,
+    rank_modules,
     rank_preload,
 )
 
@@ -228,8 +228,8 @@ def test_a_hugging_face_model_s_modules_are_preloaded_for_its_ranks() -> None:
     assert all(n.startswith(("transformers.", "torch.")) for n in names), names
     # torch's own layers are loaded with torch: naming them would change the preload per model
     preload = rank_preload({type(m) for m in model.modules()})
-    assert preload[: len(RANK_MODULES)] == list(RANK_MODULES)
-    extra = preload[len(RANK_MODULES) :]
+    assert preload[: len(rank_modules())] == list(rank_modules())
+    extra = preload[len(rank_modules()) :]
     assert "transformers.models.llama.modeling_llama" in extra
     assert all(n.startswith("transformers.") for n in extra), extra
 
@@ -240,4 +240,4 @@ def test_models_of_torch_layers_alone_share_one_preload() -> None:
     mlp = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
     conv = torch.nn.Sequential(torch.nn.Conv2d(1, 1, 1), torch.nn.BatchNorm2d(1))
     assert rank_preload({type(m) for m in mlp.modules()}) == rank_preload({type(m) for m in conv.modules()})
-    assert rank_preload(()) == list(RANK_MODULES)
+    assert rank_preload(()) == list(rank_modules())

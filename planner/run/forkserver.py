@@ -35,8 +35,6 @@ from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
 
-from planner.torch_compat import EXPORT_TRACER_MODULE, MEMORY_TRACKER_MODULE
-
 # Variables with these prefixes may be read when a library is loaded (libgomp and MKL read their
 # thread settings then, torch its logging and compile settings, the interpreter PYTHON*), which a
 # kept server did long ago: a change to one starts a fresh server.
@@ -63,18 +61,31 @@ READ_WHEN_USED = frozenset({"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"})
 
 _STDIO_FDS = (1, 2)
 
-# what every rank imports, once in the server it forks from (the export tracer: every transformers
-# model's rank traces with torch.export; torch's distributed checkpoint, which every rank saves with
-# at the end of a run and which took a tenth of a second to import in each; the memory tracker of
-# the tracked step, a quarter of a second in each)
-RANK_MODULES = (
-    "torch",
-    "torch.distributed.pipelining",
-    "torch.distributed.checkpoint",
-    EXPORT_TRACER_MODULE,
-    MEMORY_TRACKER_MODULE,
-    "planner.run.worker",
-)
+
+def rank_modules() -> tuple[str, ...]:
+    """What every rank imports, once in the server it forks from: torch, its pipelining, its
+    distributed checkpoint (every rank saves with it at the end of a run; a tenth of a second to
+    import in each), the export tracer (every transformers model's rank traces with torch.export),
+    the memory tracker of the tracked step (a quarter of a second in each) and the worker.
+
+    A function, not a constant, so that this module imports no torch: a process forked from a bare
+    server (tests/test_forkserver.py) unpickles its ``LaunchContext`` from here in milliseconds,
+    where ``import torch`` took 1.7 s.
+
+    Returns:
+        The modules' names, in import order.
+    """
+    from planner.torch_compat import EXPORT_TRACER_MODULE, MEMORY_TRACKER_MODULE
+
+    return (
+        "torch",
+        "torch.distributed.pipelining",
+        "torch.distributed.checkpoint",
+        EXPORT_TRACER_MODULE,
+        MEMORY_TRACKER_MODULE,
+        "planner.run.worker",
+    )
+
 
 # the running server as this process started it: its pid, preloaded modules and environment
 _server: dict[str, Any] = {"pid": None, "preload": [], "environment": {}}
@@ -184,10 +195,11 @@ def rank_preload(classes: Iterable[type]) -> list[str]:
         classes: the classes a rank will instantiate (a model's modules' types).
 
     Returns:
-        The modules' names, ``RANK_MODULES`` first.
+        The modules' names, ``rank_modules()`` first.
     """
-    loaded = {name.split(".")[0] for name in RANK_MODULES}
-    return [*RANK_MODULES, *(name for name in installed_modules(classes) if name.split(".")[0] not in loaded)]
+    first = rank_modules()
+    loaded = {name.split(".")[0] for name in first}
+    return [*first, *(name for name in installed_modules(classes) if name.split(".")[0] not in loaded)]
 
 
 def installed_modules(classes: Iterable[type]) -> list[str]:

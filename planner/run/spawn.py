@@ -32,7 +32,7 @@ from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousPara
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from planner.errors import PlannerError, RunFailed
-from planner.run.forkserver import RANK_MODULES, LaunchContext, prepare_forkserver
+from planner.run.forkserver import LaunchContext, prepare_forkserver, rank_modules
 from planner.run.launch import _env, _FixedNodes, _quiet_elastic, _signal_handlers_kept, _Watch, elastic_agent
 from planner.schema.jsonfile import write_atomic
 
@@ -106,7 +106,7 @@ def launch_function(
         watch = _Watch(error_dir)
         with _quiet_elastic(), _env(OMP_NUM_THREADS=str(threads)), _signal_handlers_kept():
             try:
-                context = prepare_forkserver([*RANK_MODULES, *preload])
+                context = prepare_forkserver([*rank_modules(), *preload])
                 spec = WorkerSpec(
                     role="planner",
                     local_world_size=nproc,
