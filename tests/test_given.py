@@ -146,25 +146,20 @@ def test_a_given_split_runs(tmp_path: Path) -> None:
     assert [s["first_block"] for s in result["stages"]] == ["tok_embeddings", "layers.1"]
 
 
-@pytest.mark.slow
-def test_the_plan_is_never_slower_than_a_baseline_it_shows() -> None:
-    """Over the 400 pinned random problems: where a baseline split fits and is faster by the simulated
-    step than the solver's (one cut moved at a time cannot reach it), the plan keeps that split and says so."""
-    from planner.core.assemble import Origin, assemble_plan
-    from planner.core.layout.inputs import asked_of
-    from tests.test_plans_unchanged import N_PROBLEMS, REF, problem
+# the pinned random problems (tests/test_plans_unchanged.py) whose plan keeps a baseline's split,
+# faster than the solver's; the digests pin these plans, so a change here shows there too
+KEEPS_A_BASELINE = (52, 214, 220, 221, 236, 240, 308)
 
-    kept = 0
-    for seed in range(N_PROBLEMS):
-        request, blocks, link, profile, limit = problem(seed)
-        if request.method != "optimal" or request.recompute in ("full", "selective"):  # baselines never recompute
-            continue
-        try:
-            plan = assemble_plan(asked_of(request, limit), blocks, link, Origin(REF, profile, "t"))
-        except InfeasibleError:
-            continue
-        for name, base in plan.baselines.items():
-            if limit is None or base.max_memory_bytes <= limit:
-                assert plan.prediction.step_time_s <= base.step_time_s * (1 + 1e-9), (seed, name)
-        kept += "so the plan uses it" in plan.choice
-    assert kept >= 5  # the pinned problems include such cases (7 when this was written)
+
+def test_a_plan_keeps_a_faster_baseline_it_shows() -> None:
+    """Where a baseline split fits and is faster by the simulated step than the solver's (one cut
+    moved at a time cannot reach it), the plan keeps that split and says so. That no plan of the 400
+    pinned problems is slower than a baseline it shows is checked as they are planned there
+    (``faster_baselines``)."""
+    from tests.test_plans_unchanged import faster_baselines, planned
+
+    for seed in KEEPS_A_BASELINE:
+        made = planned(seed)
+        assert made.plan is not None and "so the plan uses it" in made.plan.choice, seed
+        assert not faster_baselines(made), seed
+        assert any(base.step_time_s == made.plan.prediction.step_time_s for base in made.plan.baselines.values()), seed

@@ -19,7 +19,7 @@ import json
 import random
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -239,14 +239,45 @@ def problem(seed: int) -> tuple[PlanRequest, list[BlockCost], LinkCost, ProfileI
     return request, blocks, link, profile, limit
 
 
-def problem_digest(seed: int) -> str:
-    """The digest of problem ``seed``'s plan, or of its error's text."""
+class Planned(NamedTuple):
+    """Random problem ``seed``'s request, memory limit and plan (None: no layout fits it), and the
+    digest of the plan or of the error's text."""
+
+    request: PlanRequest
+    limit: int | None
+    plan: Plan | None
+    digest: str
+
+
+def planned(seed: int) -> Planned:
+    """Problem ``seed`` planned as ``planner plan`` plans it."""
     request, blocks, link, profile, limit = problem(seed)
     try:
         plan = assemble_plan(asked_of(request, limit), blocks, link, Origin(REF, profile, "t"))
     except InfeasibleError as e:
-        return "error: " + hashlib.sha256(str(e).encode()).hexdigest()
-    return digest(plan)
+        return Planned(request, limit, None, "error: " + hashlib.sha256(str(e).encode()).hexdigest())
+    return Planned(request, limit, plan, digest(plan))
+
+
+def problem_digest(seed: int) -> str:
+    """The digest of problem ``seed``'s plan, or of its error's text."""
+    return planned(seed).digest
+
+
+def faster_baselines(made: Planned) -> list[str]:
+    """The baselines a plan shows that fit and step faster than the plan (by the simulated step):
+    there must be none, since the plan keeps such a split when the solver's (one cut moved at a
+    time) cannot reach it (tests/test_given.py). Baselines never recompute, so only the optimal
+    method's plans without recomputation are held to them."""
+    request, limit, plan, _ = made
+    if plan is None or request.method != "optimal" or request.recompute in ("full", "selective"):
+        return []
+    return [
+        name
+        for name, base in plan.baselines.items()
+        if (limit is None or base.max_memory_bytes <= limit)
+        and plan.prediction.step_time_s > base.step_time_s * (1 + 1e-9)
+    ]
 
 
 def shipped_key(case: tuple[str, str | None, int, dict[str, Any]]) -> str:
@@ -271,7 +302,8 @@ def _expected() -> dict[str, dict[str, str]]:
 
 
 # The 400 problems in 4 tests of 100 (about 8 s each here): one test of 400 was 31 s in one xdist
-# worker, often the last to finish; quarters let worksteal spread them.
+# worker, often the last to finish; quarters let worksteal spread them. Each plan is also held to the
+# baselines it shows (``faster_baselines``), which tests/test_given.py's test made all 400 plans again for.
 QUARTERS = 4
 
 
@@ -280,8 +312,11 @@ def test_random_problems_plan_as_before(quarter: int) -> None:
     expected = _expected()["problems"]
     assert len(expected) == N_PROBLEMS
     seeds = range(quarter, N_PROBLEMS, QUARTERS)
-    changed = [seed for seed in seeds if problem_digest(seed) != expected[str(seed)]]
+    made = {seed: planned(seed) for seed in seeds}
+    changed = [seed for seed in seeds if made[seed].digest != expected[str(seed)]]
     assert not changed, f"{len(changed)} of {len(seeds)} plans changed, seeds {changed[:20]}"
+    slower = {seed: names for seed in seeds if (names := faster_baselines(made[seed]))}
+    assert not slower, f"plans slower than a baseline they show: {slower}"
 
 
 def test_random_problems_cover_the_search() -> None:
