@@ -7,8 +7,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 # pytest-xdist workers: one per core. Most tests are single-threaded Python (tracing, the search), so
-# two workers on two cores nearly halve the suite (20 min of tests, 1,202 s, and 88 s of timing tests, measured here on
-# 2026-12-03 in a clean-clone CI run); the multi-process tests pick free ports.
+# two workers on two cores nearly halve the suite (890 s with the lint beside it, then 86 s of timing
+# tests, measured here on 2026-12-03: make test 984 s); the multi-process tests pick free ports.
 WORKERS ?= auto
 
 .PHONY: demo test suite check lint clean
