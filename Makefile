@@ -7,8 +7,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 # pytest-xdist workers: one per core. Most tests are single-threaded Python (tracing, the search), so
-# two workers on two cores nearly halve the suite (890 s with the lint beside it, then 86 s of timing
-# tests, measured here on 2026-12-03: make test 984 s); the multi-process tests pick free ports.
+# two workers on two cores nearly halve the suite (610-644 s with the lint beside it, then 63-67 s of
+# timing tests, measured here on 2026-12-04: make test 678 and 716 s, and 846 s for a1d0fe3's tree
+# between them; 984 s on a busier day); the multi-process tests pick free ports.
 WORKERS ?= auto
 
 .PHONY: demo test suite check lint clean
