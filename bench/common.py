@@ -392,9 +392,15 @@ def between_markers(text: str, begin: str, end: str, body: str) -> str | None:
 
 
 def write_between_markers(doc: Path, begin: str, end: str, body: str) -> None:
-    """Write ``body`` between the two marker lines of the page ``doc`` (the rest of it as it is);
-    exit with an error naming the markers when the page lacks them."""
-    text = between_markers(doc.read_text(), begin, end, body)
+    """Write ``body`` between the two marker lines of the page ``doc`` (the rest of it as it is); a
+    page not there yet (a trial run's ``--out``) is written as the markers and ``body`` alone. Exits
+    with an error naming the markers when the page lacks them, or naming the page when it cannot be
+    read or written."""
+    try:
+        old = doc.read_text() if doc.exists() else f"{begin}\n{end}\n"
+    except OSError as e:
+        sys.exit(f"error: cannot read {doc}: {e.strerror or e}")
+    text = between_markers(old, begin, end, body)
     if text is None:
         sys.exit(f"error: {doc} lacks the markers {begin} ... {end}")
     write_page(doc, text)
