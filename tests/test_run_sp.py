@@ -97,10 +97,9 @@ def test_sp_tp2_zbv_splits_the_backward_and_matches(tmp_path: Path) -> None:
 def test_a_layer_saves_what_the_sequence_share_says_on_two_processes() -> None:
     # the model's claim, checked on the runner's own code: with sequence parallelism a llama layer
     # saves (1 - 1/2) of its sequence share's bytes less than without, on each of 2 tp ranks
-    import torch.multiprocessing as mp
-    from test_run_tp import _free_port
+    from test_run_tp import spawn_pair
 
-    mp.spawn(_saved_bytes_rank, args=(_free_port(),), nprocs=2, join=True)
+    spawn_pair(_saved_bytes_rank)
 
 
 def _saved_bytes(stage, x, split=None) -> tuple[int, torch.Tensor]:  # type: ignore[no-untyped-def]

@@ -6,7 +6,7 @@ Plans are built by the test factory with ``tp`` and ``tp_plan`` given, not chose
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -99,43 +99,45 @@ def test_boundary_scatter_pieces_only_what_crosses_ranks_and_divides() -> None:
 
 @pytest.mark.multiprocess
 def test_scatter_and_gather_are_exact_both_ways_on_two_processes() -> None:
+    spawn_pair(_scatter_gather_rank)
+
+
+def spawn_pair(fn: Callable[[int, int], None]) -> None:
+    """Run ``fn(rank, port)`` in two spawned processes over a TCPStore this process serves at ``port``.
+
+    The server lives here, as ``planner run``'s launcher holds its ranks' store, until both ranks
+    have exited: a rank that served the store took it down while its peer's store client and gloo
+    threads still ran, and that peer aborted at shutdown ("terminate called without an active
+    exception", met twice in CI). The server also picks its own free port, so no probe port can be
+    taken by another test between the probe and the bind.
+    """
+    import datetime
+
+    import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    mp.spawn(_scatter_gather_rank, args=(_free_port(),), nprocs=2, join=True)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    try:
+        mp.spawn(fn, args=(server.port,), nprocs=2, join=True)
+    finally:
+        del server
 
 
 @contextmanager
 def gloo_pair(rank: int, port: int) -> Iterator[None]:
-    """One of two gloo processes (``mp.spawn``): one thread, a process group over a TCPStore whose
-    server rank 0 holds. On the way out rank 0 waits (30 s at most) until rank 1 has left the group
-    too, so rank 1's store client never loses its server mid-call: a process killed with its store
-    threads still running aborts ("terminate called without an active exception"), which CI once
-    met at this point."""
+    """One of two gloo processes (``spawn_pair``): one thread, a process group over the parent's
+    TCPStore at ``port``, left before the process ends."""
     import datetime
-    import time
 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     try:
         yield
     finally:
         dist.destroy_process_group()
-        store.add("left", 1)
-        deadline = time.monotonic() + 30
-        while rank == 0 and store.add("left", 0) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        del store
 
 
 def _scatter_gather_rank(rank: int, port: int) -> None:
@@ -162,9 +164,7 @@ def _scatter_gather_rank(rank: int, port: int) -> None:
 
 @pytest.mark.multiprocess
 def test_a_gathered_head_of_uneven_rows_is_exact_on_two_processes() -> None:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_gathered_head_rank, args=(_free_port(),), nprocs=2, join=True)
+    spawn_pair(_gathered_head_rank)
 
 
 def _gathered_head_rank(rank: int, port: int) -> None:
@@ -211,9 +211,7 @@ def test_an_embedding_width_the_degree_does_not_divide_is_refused_before_launch(
 
 @pytest.mark.multiprocess
 def test_an_embedding_split_by_width_is_exact_on_two_processes() -> None:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_embedding_rank, args=(_free_port(),), nprocs=2, join=True)
+    spawn_pair(_embedding_rank)
 
 
 def _embedding_rank(rank: int, port: int) -> None:
