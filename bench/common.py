@@ -395,7 +395,7 @@ def write_between_markers(doc: Path, begin: str, end: str, body: str) -> None:
     """Write ``body`` between the two marker lines of the page ``doc`` (the rest of it as it is); a
     page not there yet (a trial run's ``--out``) is written as the markers and ``body`` alone. Exits
     with an error naming the markers when the page lacks them, or naming the page when it cannot be
-    read or written."""
+    read; a page that cannot be written raises ``write_atomic``'s ``PlanFileError``."""
     try:
         old = doc.read_text() if doc.exists() else f"{begin}\n{end}\n"
     except OSError as e:
