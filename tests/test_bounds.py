@@ -11,7 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from test_plans_unchanged import _block
 
-from planner.core.layout.bounds import block_totals, floors, memory_floor, pipeline_floor, step_floor
+from planner.core.layout.bounds import block_totals, chain_floor, floors, memory_floor, pipeline_floor, step_floor
 from planner.core.layout.inputs import Cluster, Constraints, Layout
 from planner.core.layout.search import evaluate_choice, evaluate_modes
 from planner.core.split.stage_model import Partition
@@ -138,3 +138,37 @@ def test_pipeline_floor_under_the_simulated_makespan(
     lead = min(t.f / (t.f + t.b) for t in stages) if schedule in ZERO_BUBBLE else 1.0
     makespan, _ = simulate_step(stages, schedule, m, stages_per_rank=v)
     assert pipeline_floor(sum(t.f + t.b for t in stages), m, p * v, lead) <= makespan * (1 + 1e-9)
+
+
+def test_chain_floor_exact_values() -> None:
+    """Four stages, each 1 s of forward and 2 s of backward, eight microbatches: the chain is 12 s and
+    each stage adds 7 more backwards of 2 s (26 s; 1F1B's balanced makespan is (8 + 3) x 3 = 33 s);
+    split backward: the forwards' chain and all eight backwards (4 + 16 = 20 s). One microbatch: the
+    whole chain."""
+    assert chain_floor(12.0, 8.0, 8, 4) == pytest.approx(26.0)
+    assert chain_floor(12.0, 8.0, 8, 4, split=True) == pytest.approx(20.0)
+    assert chain_floor(12.0, 8.0, 1, 4) == pytest.approx(12.0)
+    assert chain_floor(12.0, 8.0, 0, 4) == 0.0
+    # tighter than the busiest rank's mean where microbatches are few for the stages, looser where many
+    assert chain_floor(12.0, 8.0, 2, 4) > 12.0 * 2 / 4
+    assert chain_floor(12.0, 8.0, 64, 4) < 12.0 * 64 / 4
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(SCHEDULES),
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.integers(1, 8),
+    st.lists(st.tuples(st.floats(0.01, 10.0), st.floats(0.01, 10.0), st.floats(0.1, 0.9)), min_size=12, max_size=12),
+)
+def test_chain_floor_under_the_simulated_makespan(
+    schedule: str, p: int, v: int, m: int, times: list[tuple[float, float, float]]
+) -> None:
+    """For any stage times of any schedule, the simulator's makespan (no messages) is at least the
+    chain floor of their totals: it holds over every split, so it cannot beat this one."""
+    assume(v in stages_per_rank_options(schedule, 3) and _runnable(schedule, p, m, v))
+    stages = [StageTimes(f=f, b=b, i=b * share, w=b * (1 - share)) for f, b, share in times[: p * v]]
+    makespan, _ = simulate_step(stages, schedule, m, stages_per_rank=v)
+    total, backward = sum(t.f + t.b for t in stages), sum(t.b for t in stages)
+    assert chain_floor(total, backward, m, p * v, schedule in ZERO_BUBBLE) <= makespan * (1 + 1e-9)

@@ -21,11 +21,12 @@ from planner.schema.costs import BlockCost, OptimizerSpec
 def step_floor(blocks: Sequence[BlockCost], layout: Layout, optimizer: OptimizerSpec) -> float:
     """A lower bound of the layout's predicted step over every split.
 
-    The busiest pipeline rank computes at least the mean of every microbatch's forward and backward
-    over the ranks (a two-part backward: the least of the whole and its two halves), and steps its
-    optimizer over at least the mean share of the parameters, a 1/dp share when FSDP may shard it
-    (the pipeline's makespan and the optimizer step are parts of the step; messages, the bubble and
-    the gradient reduction only add).
+    Each pass's makespan is at least the busiest pipeline rank's compute, itself at least the mean
+    of every microbatch's forward and backward over the ranks (a two-part backward: the least of the
+    whole and its two halves), and at least the chains through the stages (``pipeline_floor``,
+    ``chain_floor``); after the passes the slowest rank steps its optimizer, at least the mean share
+    of the parameters, a 1/dp share when FSDP may shard it (the passes' makespans and the optimizer
+    step are parts of the step; messages, the rest of the bubble and the gradient reduction only add).
 
     Args:
         blocks: per-block costs at the layout's microbatch size.
@@ -65,6 +66,7 @@ class BlockTotals:
     Attributes:
         compute: every block's forward and backward for one microbatch (a two-part backward: the least
             of the whole and its halves), seconds.
+        backward: of ``compute``, the backwards.
         step: every block's optimizer step and gradient work, seconds.
         param_bytes: the blocks' parameter bytes.
         params: their parameter count.
@@ -73,6 +75,7 @@ class BlockTotals:
     """
 
     compute: float
+    backward: float
     step: float
     param_bytes: int
     params: int
@@ -91,6 +94,7 @@ def block_totals(blocks: Sequence[BlockCost], split: bool) -> BlockTotals:
         The totals.
     """
     compute = 0.0
+    backward = 0.0
     step = 0.0
     p_bytes = n_params = 0
     lead = 1.0  # the least share of a block's compute that lies on the chain before a stage (below)
@@ -100,13 +104,14 @@ def block_totals(blocks: Sequence[BlockCost], split: bool) -> BlockTotals:
             # a two-part backward runs its input and weight halves, which need not add up to the whole
             bwd = min(bwd, b.bwd_input_s + b.bwd_weight_s)
         compute += b.fwd_s + bwd
+        backward += bwd
         if split and b.fwd_s + bwd > 0:
             lead = min(lead, b.fwd_s / (b.fwd_s + bwd))
         step += (b.opt_s or 0.0) + (b.grad_s or 0.0)
         p_bytes += b.param_bytes
         n_params += b.params
     cuts = [b.sent_bytes for b in blocks[:-1] if b.cut_legal]
-    return BlockTotals(compute, step, p_bytes, n_params, lead, min(cuts) if cuts else None)
+    return BlockTotals(compute, backward, step, p_bytes, n_params, lead, min(cuts) if cuts else None)
 
 
 def floors(
@@ -147,8 +152,15 @@ def floors(
     fsdp = (static // max(1, most) + whole + buffers) // pp
     modes = {"ddp": ddp, "fsdp": fsdp, "hsdp": fsdp, "auto": min(ddp, fsdp)}
     memory = ddp if dp == 1 else modes.get(layout.dp_mode, ddp)
-    busiest = (t.compute * m * layout.accumulation + t.step / shard) / pp
-    return max(busiest, layout.accumulation * pipeline_floor(t.compute, m, layout.n_stages, t.lead)), memory
+    # one pass's makespan is at least each of: the busiest rank's compute, the chain of the
+    # stages (``pipeline_floor``), the chain around the stage with the most backward (``chain_floor``);
+    # the step adds the passes, then the slowest rank's optimizer (at least the mean)
+    one_pass = max(
+        t.compute * m / pp,
+        pipeline_floor(t.compute, m, layout.n_stages, t.lead),
+        chain_floor(t.compute, t.backward, m, layout.n_stages, split),
+    )
+    return layout.accumulation * one_pass + t.step / shard / pp, memory
 
 
 def pipeline_floor(compute: float, m: int, n_stages: int, lead: float = 1.0) -> float:
@@ -178,4 +190,46 @@ def pipeline_floor(compute: float, m: int, n_stages: int, lead: float = 1.0) -> 
     return lead * compute / (1 - (1 - lead / m) ** n_stages)
 
 
-__all__ = ["BlockTotals", "block_totals", "floors", "memory_floor", "pipeline_floor", "step_floor"]
+def chain_floor(compute: float, backward: float, m: int, n_stages: int, split: bool = False) -> float:
+    """A lower bound of one pass's makespan over every split into ``n_stages`` stages: the chain
+    around the stage with the most backward.
+
+    Take any stage s, its backward ``b`` per microbatch. Its first backward waits for that
+    microbatch's forward through every stage and its backward through the stages after s; from then
+    on s runs all ``m`` of its backwards, one at a time; after its last one, that microbatch's
+    backward still goes through the stages before s. So the makespan is at least ``F + B + (m - 1)
+    b`` with ``F`` and ``B`` every block's forward and backward of one microbatch (``compute = F +
+    B``), and the stage with the most backward has at least the mean, ``b >= B / n_stages``. With a
+    two-part backward (zero-bubble schedules) only the input halves are on the chain and a stage's
+    last action may be a weight half: at least ``F + m b``, with ``B`` the least of the whole and
+    its halves. Messages, recomputation and other ranks' work only add. Tightest where microbatches
+    are few for the stages: one microbatch is ``F + B``, the whole chain; with many, each stage's
+    mean share bounds better (``floors`` takes the largest of the bounds).
+
+    Args:
+        compute: every block's forward and backward time for one microbatch (seconds).
+        backward: of it, the backwards.
+        m: microbatches in the pass.
+        n_stages: the pipeline's stages (ranks x stages per rank).
+        split: whether the schedule runs the backward in two parts.
+
+    Returns:
+        Seconds (0 without stages or microbatches).
+    """
+    if m < 1 or n_stages < 1:
+        return 0.0
+    forward, per_stage = compute - backward, backward / n_stages
+    if split:
+        return forward + m * per_stage
+    return compute + (m - 1) * per_stage
+
+
+__all__ = [
+    "BlockTotals",
+    "block_totals",
+    "chain_floor",
+    "floors",
+    "memory_floor",
+    "pipeline_floor",
+    "step_floor",
+]
