@@ -8,9 +8,10 @@ them; this module evaluates one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from planner.core.layout.bounds import floors
 from planner.core.layout.inputs import Cluster, Constraints, Layout
 from planner.core.layout.rank_fit import rank_split
 from planner.core.levers.casts import compiled_casts, without_casts
@@ -161,16 +162,21 @@ def evaluate_modes(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout
         return attempt("ddp")
     if dp == 1 or dp_mode != "auto":
         return attempt("ddp" if dp_mode == "auto" else dp_mode)
+    # DDP is taken wherever it fits; where its memory floor alone is over the limit it cannot, and
+    # it is solved only if the answer needs it (FSDP fails or does not fit either: the same answer)
+    ddp_over = _over_limit(blocks, layout, "ddp", constraints)
     ddp: Choice | None = None
-    try:
-        ddp = attempt("ddp")
-        if ddp.fits:
-            return ddp
-    except InfeasibleError:
-        pass
+    if not ddp_over:
+        try:
+            ddp = attempt("ddp")
+            if ddp.fits:
+                return ddp
+        except InfeasibleError:
+            pass
     try:
         fsdp = attempt("fsdp")
     except InfeasibleError:
+        ddp = _attempted(attempt, "ddp") if ddp_over else ddp
         if ddp is None:
             raise
         return ddp
@@ -182,9 +188,30 @@ def evaluate_modes(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout
         except InfeasibleError:
             return fsdp
         return hsdp if hsdp.fits and hsdp.prediction.step_time_s < fsdp.prediction.step_time_s else fsdp
-    if fsdp.fits or ddp is None:
+    if fsdp.fits:
+        return fsdp
+    ddp = _attempted(attempt, "ddp") if ddp_over else ddp
+    if ddp is None:
         return fsdp
     return min((ddp, fsdp), key=lambda c: c.prediction.max_memory_bytes)
+
+
+def _over_limit(blocks: Sequence[BlockCost], layout: Layout, mode: str, constraints: Constraints) -> bool:
+    """Whether ``layout`` under ``mode`` ("ddp", or "fsdp" with a stage per unit) cannot fit the
+    memory limit whatever the split: its memory floor (``planner.core.layout.bounds.floors``,
+    checked against the solved and simulated layouts in tests/test_bounds.py) is over it."""
+    limit = constraints.memory_limit_bytes
+    if limit is None:
+        return False
+    return floors(blocks, replace(layout, dp_mode=mode, fsdp_units="stage"), constraints.optimizer)[1] > limit
+
+
+def _attempted(attempt: Callable[[str], Choice], mode: str) -> Choice | None:
+    """``attempt(mode)``, None where no split fits it."""
+    try:
+        return attempt(mode)
+    except InfeasibleError:
+        return None
 
 
 def _fsdp_units(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout, constraints: Constraints) -> Choice:
@@ -196,13 +223,23 @@ def _fsdp_units(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout, c
         InfeasibleError: neither splits the model within the limit (the block units' reason: they
             need the least memory).
     """
+    # a stage per unit holds the stage's weights whole: where even its memory floor is over the
+    # limit it cannot fit, and it is solved only if the block units do not fit either (the same answer)
+    stage_over = layout.dp_mode == "fsdp" and _over_limit(blocks, layout, "fsdp", constraints)
     tried: list[Choice] = []
     error: InfeasibleError | None = None
     for units in ("stage", "block"):  # on a tie, the stage: fewer, larger transfers
+        if units == "stage" and stage_over:
+            continue
         try:
             tried.append(evaluate_choice(blocks, cluster, replace(layout, fsdp_units=units), constraints))
         except InfeasibleError as e:
             error = e  # the block units' when both fail
+    if stage_over and not any(c.fits for c in tried):
+        try:  # tried first, as above, so that the same candidate wins a tie
+            tried.insert(0, evaluate_choice(blocks, cluster, replace(layout, fsdp_units="stage"), constraints))
+        except InfeasibleError:
+            pass  # the block units' error stands: it was raised after the stage units'
     if not tried:
         assert error is not None  # both raised
         raise error
