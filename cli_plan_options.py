@@ -160,6 +160,15 @@ layout_options = option_group(
         callback=lambda _ctx, _param, value: split_option(value),
         help="A split you use now, costed beside the plan (3,4 or Et*3|t*4L or parts:0,3,7 or a file).",
     ),
+    option(
+        "--jobs",
+        "-j",
+        type=click.IntRange(min=1, max=1024),
+        metavar="N",
+        default=None,
+        help="Processes the search evaluates layouts in, once it has run a second; the plan is the same "
+        "[default: this machine's cores].",
+    ),
 )
 
 

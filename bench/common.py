@@ -189,17 +189,26 @@ def plan_on_costs(
     *,
     created: str,
     memory_limit_bytes: int | None = None,
+    jobs: int | None = None,
 ) -> Plan:
     """``make_plan``'s search on costs measured or estimated once (many plans, one profile): the same
     ``plan_from_costs`` (the blocks' tensor-parallel shares in the planning dtype, the optimizer's
-    step rule), the links recorded as placed; not the runner's graph at the chosen size."""
+    step rule), the links recorded as placed; not the runner's graph at the chosen size. With
+    ``jobs``, the search's worker processes as ``planner plan --jobs`` starts them, where the
+    measured tree's planner has them (``planner.workers``); None: none, every layout here."""
+    import inspect
+    from contextlib import nullcontext
+
     from planner.api import plan_from_costs
     from planner.core.heap import bulk_allocation
     from planner.core.step.predict import with_links
 
+    pooled = jobs is not None and "pool" in inspect.signature(plan_from_costs).parameters
+    if pooled:
+        from planner.workers import SearchPool  # (a tree from before the worker processes has none)
     # with the cyclic collector paused, as make_plan runs its search: a bench timing the search
     # otherwise also times collections that planner plan never makes
-    with bulk_allocation():
+    with bulk_allocation(), SearchPool(jobs) if pooled and jobs is not None else nullcontext() as pool:
         plan = plan_from_costs(
             request,
             mf,
@@ -208,6 +217,7 @@ def plan_on_costs(
             costs.link,
             created=created,
             memory_limit_bytes=memory_limit_bytes,
+            **({"pool": pool} if pooled else {}),
         )
     return with_links(plan, costs.link)
 

@@ -70,10 +70,14 @@ def published_child(key: str) -> dict[str, Any]:
     t_costs = time.perf_counter() - t0
     counted = {"evaluated": 0, "layouts": 0}
     evaluate_all, evaluate_modes = search_module._evaluate_all, search_module.evaluate_modes
+    # the search counts what it evaluated where its worker processes may evaluate it (they do not
+    # see this process's functions); an older tree's count is taken by wrapping its evaluation
+    counts_itself = "evaluated" in getattr(search_module._Outcome, "__dataclass_fields__", {})
 
     def counting_all(*a: Any, **k: Any) -> Any:
         outcome = evaluate_all(*a, **k)
         counted["layouts"] = outcome.layouts
+        counted["evaluated"] += outcome.evaluated if counts_itself else 0
         return outcome
 
     def counting_modes(*a: Any, **k: Any) -> Any:
@@ -81,16 +85,32 @@ def published_child(key: str) -> dict[str, Any]:
         return evaluate_modes(*a, **k)
 
     search_module._evaluate_all = counting_all
-    search_module.evaluate_modes = counting_modes
+    if not counts_itself:
+        search_module.evaluate_modes = counting_modes
     t0 = time.perf_counter()
     try:
         plan = plan_on_costs(
-            base.model_copy(update=SEARCH), costs, mf, created="bench", memory_limit_bytes=costs.memory_bytes
+            base.model_copy(update=SEARCH),
+            costs,
+            mf,
+            created="bench",
+            memory_limit_bytes=costs.memory_bytes,
+            jobs=_jobs(),
         )
     except PlannerError as e:
         return {"costs_s": t_costs, "search_s": time.perf_counter() - t0, "result": f"error: {e}"[:160], **counted}
     t_search = time.perf_counter() - t0
     return {"costs_s": t_costs, "search_s": t_search, "result": _result(plan), **_robustness(plan), **counted}
+
+
+def _jobs() -> int | None:
+    """The worker processes ``planner plan`` starts by default on this machine (None where the measured
+    tree's planner has none)."""
+    try:
+        from planner.workers import default_jobs
+    except ImportError:
+        return None
+    return default_jobs()
 
 
 def _result(plan: Any) -> str:

@@ -31,6 +31,7 @@ from planner.capture.trace import retrace, trace_model
 from planner.core.assemble import Origin, assemble_plan
 from planner.core.heap import bulk_allocation
 from planner.core.layout.inputs import asked_of
+from planner.core.layout.search import Pool
 from planner.core.levers.hardware import HardwareSpec, dtype_bytes, node_links
 from planner.core.levers.hardware_file import hardware_named
 from planner.core.split.given import check_notation
@@ -54,6 +55,7 @@ from planner.schema.costs import GLOO_CPU_LINK, NCCL_NVLINK_LINK, BlockCost, Lin
 from planner.schema.plan import ModelRef, Plan, ProfileInfo, Tie
 from planner.schema.request import PlanRequest
 from planner.threads import torch_threads
+from planner.workers import SearchPool
 
 # Share of a GPU's memory the solver may plan for: the CUDA context, the caching allocator's
 # fragmentation and NCCL buffers take the rest (~1-2 GiB and a few percent on an 80 GB card).
@@ -132,7 +134,7 @@ def make_plan(request: PlanRequest) -> Plan:
         if source is not None:
             check_calibration(source.fit, costs.traced.fingerprint, request.microbatch_size)
             blocks, link = apply_calibration(blocks, link, source.fit)
-        with search_bar(request.progress) as progress, bulk_allocation():
+        with search_bar(request.progress) as progress, bulk_allocation(), SearchPool(request.jobs) as pool:
             plan = plan_from_costs(
                 request,
                 mf,
@@ -145,6 +147,7 @@ def make_plan(request: PlanRequest) -> Plan:
                 if request.memory_limit_bytes is not None
                 else costs.memory_bytes,
                 progress=progress,
+                pool=pool,
             )
         # Two facts only known once the search has chosen: the graph at the chosen microbatch size,
         # which the runner traces (torch needed, so not in the pure assembly), and the links as placed.
@@ -197,6 +200,7 @@ def plan_from_costs(
     calibration: Sequence[str] = (),
     memory_limit_bytes: int | None,
     progress: Callable[[int, int], None] | None = None,
+    pool: Pool | None = None,
 ) -> Plan:
     """The search on costs already made: the blocks' tensor-parallel shares, then ``assemble_plan``
     (``make_plan``'s second half; the benches plan many requests on one profile through it too).
@@ -211,6 +215,8 @@ def plan_from_costs(
         calibration: what a calibration changed (recorded in the plan).
         memory_limit_bytes: the per-rank limit (None: no limit).
         progress: called with (layouts done, layouts in all) as the search goes.
+        pool: evaluates the search's next layouts together (``planner.workers.SearchPool``; None:
+            one at a time, here); the plan is the same.
 
     Returns:
         The plan, without the runner's graph and the placed links (``make_plan`` adds them).
@@ -232,6 +238,7 @@ def plan_from_costs(
             ties=costs.ties,
             tp_plan=split.plan,
             progress=progress,
+            pool=pool,
         )
 
     plan = assembled(split)

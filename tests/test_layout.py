@@ -27,11 +27,12 @@ ALLOWED: dict[str, set[str]] = {
     "report": {"errors", "schema", "core"},
     "torch_compat": set(),
     "threads": set(),
+    "workers": set(),
     "capture": {"errors", "schema", "torch_compat", "threads"},
     "costs": {"errors", "schema", "core", "capture", "torch_compat", "threads"},
     "data": {"errors"},
     "run": {"errors", "schema", "core", "capture", "data", "torch_compat", "threads"},
-    "api": {"errors", "schema", "core", "capture", "costs", "torch_compat", "threads"},
+    "api": {"errors", "schema", "core", "capture", "costs", "torch_compat", "threads", "workers"},
 }
 PURE = ("errors", "schema", "core", "report")
 MAX_FUNCTION_LINES = 80

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from planner.core.layout.inputs import Asked, Cluster, Layout, Scaling, SearchSpace
 from planner.core.layout.robust import Problem, robust_rows
-from planner.core.layout.search import Choice, Progress, search
+from planner.core.layout.search import Choice, Pool, Progress, search
 from planner.core.levers.data_parallel import gather_bytes_of, layout_links
 from planner.core.levers.links import NodeLinks
 from planner.core.levers.tensor_parallel import allowed_degrees, block_degree_limit
@@ -404,6 +404,7 @@ def assemble_plan(
     ties: Sequence[Tie] = (),
     tp_plan: dict[str, str] | None = None,
     progress: Progress | None = None,
+    pool: Pool | None = None,
 ) -> Plan:
     """The plan for ``asked`` on these costs: the searched schedule and split, with the others for comparison.
 
@@ -421,6 +422,8 @@ def assemble_plan(
         tp_plan: the model's tensor-parallel plan (module-name patterns to styles), which the
             blocks' ``tp`` shares were computed from; recorded when the chosen degree is over 1.
         progress: told (layouts done, layouts in all) as the search goes, for a progress bar.
+        pool: evaluates the search's next layouts together, in other processes (None: here, one
+            at a time); the plan is the same.
 
     Returns:
         The plan.
@@ -428,8 +431,7 @@ def assemble_plan(
     Raises:
         InfeasibleError: the requested split is impossible or does not fit the memory limit.
     """
-    profile = origin.profile
-    slots = slots_of(profile)
+    profile, slots = origin.profile, slots_of(origin.profile)
     problem = search_problem(asked, blocks, link, profile, ties)
     blocks, cluster, scaling = problem.blocks, problem.cluster, problem.scaling
     space = _search_space(asked, blocks, tp_plan, profile)
@@ -437,7 +439,7 @@ def assemble_plan(
 
     def run_search(limit: int | None, within: SearchSpace = space) -> tuple[Choice, list[Choice], str]:
         constraints = replace(asked.constraints, memory_limit_bytes=limit)
-        return search(blocks, cluster, within, constraints, scaling, progress)
+        return search(blocks, cluster, within, constraints, scaling, progress, pool)
 
     searched_limit = memory_limit_bytes
     try:

@@ -198,6 +198,7 @@ class PlanRequest(_Request):
         "calibrate_run": "--calibrate",
         "optimizer": "--optimizer",
         "threads": "--threads",
+        "jobs": "--jobs",
         "repeats": "--repeats",
         "warmup": "--warmup",
         "seed": "--seed",
@@ -303,6 +304,7 @@ class PlanRequest(_Request):
     calibrate_run: Path | None = Field(default=None, description="A run.json whose measurements correct the costs.")
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     threads: int | None = Field(default=None, ge=1, description="CPU threads per rank (None: cores // gpus).")
+    jobs: int | None = Field(default=None, ge=1, le=1024, description="Search worker processes (None: the cores here).")
     repeats: int = Field(default=5, ge=1, description="Timed runs per block.")
     warmup: int = Field(default=2, ge=0, description="Untimed runs per block.")
     # torch.manual_seed takes a 64-bit seed and the run adds the step number to it: keep it below 2**63.

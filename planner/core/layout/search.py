@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from planner.core.layout.bounds import BlockTotals, block_totals, floors
 from planner.core.layout.candidate import Choice, evaluate_choice, evaluate_modes
 from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
+from planner.core.layout.pending import Pending, Pool, ahead, evaluated
 from planner.core.levers.data_parallel import hsdp_shard, tp_link
 from planner.core.levers.links import NodeLinks
 from planner.core.levers.microbatch import blocks_at
@@ -171,17 +172,6 @@ def replica_mode(cluster: Cluster, space: SearchSpace, dp: int, replica_ranks: i
     return "hsdp", shard
 
 
-@dataclass(frozen=True)
-class _Pending:
-    """A layout not yet solved, with what its costs alone say: a lower bound on its step and on the
-    memory its busiest rank needs, whatever the split."""
-
-    layout: Layout
-    blocks: list[BlockCost]
-    step_floor_s: float
-    memory_floor: int
-
-
 def _pending_layouts(
     blocks: Sequence[BlockCost],
     cluster: Cluster,
@@ -189,11 +179,11 @@ def _pending_layouts(
     constraints: Constraints,
     scaling: Scaling,
     cache: dict[tuple[int, int, bool], _Sized],
-) -> tuple[list[_Pending], list[InfeasibleError]]:
+) -> tuple[list[Pending], list[InfeasibleError]]:
     """Every layout of ``space`` with its costs and floors, tensor-parallel degrees outermost, then
     replica counts (ascending: the simpler first), in ``_layouts``' order within them; ``cache``
     holds the costs by microbatch size, degree and sequence split (``_pending``)."""
-    pending: list[_Pending] = []
+    pending: list[Pending] = []
     errors: list[InfeasibleError] = []
     floor = min(scaling.min_size, scaling.size0)
     fixed_k = space.accumulation if space.accumulation is not None else 1
@@ -230,7 +220,7 @@ def _pending(
     scaling: Scaling,
     constraints: Constraints,
     cache: dict[tuple[int, int, bool], _Sized],
-) -> _Pending:
+) -> Pending:
     """``layout`` with its costs at its microbatch size (kept in ``cache``) and its floors."""
     key = (space.batch_size // (layout.dp * layout.accumulation * layout.n_microbatches), layout.tp, layout.sequence)
     if key not in cache:
@@ -241,7 +231,7 @@ def _pending(
     if split not in entry.totals:  # the floors' sums over 1,000 blocks: once per costs, not per layout
         entry.totals[split] = block_totals(entry.blocks, split)
     step, memory = floors(entry.blocks, layout, constraints.optimizer, entry.totals[split])
-    return _Pending(layout, entry.blocks, step, memory)
+    return Pending(layout, entry.blocks, step, memory)
 
 
 @dataclass
@@ -289,8 +279,11 @@ class _Outcome:
     results: list[Choice]
     errors: list[InfeasibleError]
     layouts: int = 0  # layouts enumerated
+    evaluated: int = (
+        0  # layouts solved and simulated (those a pool evaluated ahead and the search then ruled out not counted)
+    )
     pruned: int = 0  # layouts whose step floor was already slower than a fitting candidate
-    unfit: list[_Pending] = field(default_factory=list)  # memory floor over the limit, or no split fits
+    unfit: list[Pending] = field(default_factory=list)  # memory floor over the limit, or no split fits
 
 
 def _evaluate_all(
@@ -300,10 +293,13 @@ def _evaluate_all(
     constraints: Constraints,
     scaling: Scaling,
     progress: Progress | None = None,
+    pool: Pool | None = None,
 ) -> _Outcome:
     """Evaluate the layouts of ``space`` that can win: in ascending order of their step floor,
     skipping those whose memory floor is over the limit, until the floor of the next is slower
-    than the fastest fitting candidate found (beyond ``TIE``: it could not even tie)."""
+    than the fastest fitting candidate found (beyond ``TIE``: it could not even tie). With a
+    ``pool``, the layouts next in that order are evaluated together (``ahead``) and their results
+    taken in the same order: the same outcome, sooner on several cores."""
     # costs by microbatch size, degree and sequence split, shared with the layouts retried in several
     # passes below: with the microbatch count open they run their one-pass layout's microbatches
     cache: dict[tuple[int, int, bool], _Sized] = {}
@@ -320,6 +316,7 @@ def _evaluate_all(
     heap = [(pending[k].step_floor_s, k) for k in order]
     min_size = min(scaling.min_size, scaling.size0)
     done = 0
+    ready: dict[int, Choice | InfeasibleError] = {}  # evaluated ahead by the pool, not yet reached
     while heap:
         if progress is not None:
             progress(done, len(pending))
@@ -333,10 +330,15 @@ def _evaluate_all(
         if limit is not None and item.memory_floor > limit:
             outcome.unfit.append(item)
         else:
-            try:
-                choice = evaluate_modes(item.blocks, cluster, item.layout, constraints)
-            except InfeasibleError as e:
-                outcome.errors.append(e)
+            if k not in ready:
+                bound = None if best is None else best * (1 + TIE)
+                batch = [k] + ahead(heap, pending, ready, limit, bound, pool.width() - 1 if pool else 0)
+                tasks = [(pending[j].blocks, cluster, pending[j].layout, constraints) for j in batch]
+                ready.update(zip(batch, pool.map(evaluated, tasks) if pool else [evaluated(tasks[0])]))
+            outcome.evaluated += 1
+            choice = ready.pop(k)
+            if isinstance(choice, InfeasibleError):
+                outcome.errors.append(choice)
                 outcome.unfit.append(item)
             else:
                 found.append((k, choice))
@@ -367,6 +369,7 @@ def search(
     constraints: Constraints,
     scaling: Scaling,
     progress: Progress | None = None,
+    pool: Pool | None = None,
 ) -> tuple[Choice, list[Choice], str]:
     """Every open combination, solved and simulated; the fastest that fits, polished.
 
@@ -383,6 +386,8 @@ def search(
             and every count with several replicas, stay at or above the smallest microbatch the
             model ran.
         progress: told (layouts done, layouts in all) as the search goes (None: nothing).
+        pool: evaluates the layouts next in line together (None: one at a time, here); the
+            result is the same.
 
     Returns:
         The chosen combination, every evaluated one (fastest first, those that fit before those
@@ -397,7 +402,7 @@ def search(
     if bad or not replicas:
         raise InfeasibleError(f"replica counts {list(replicas)} must be divisors of the {cluster.world_size} ranks")
     space = replace(space, replicas=tuple(sorted(set(replicas))))
-    outcome = _evaluate_all(blocks, cluster, space, constraints, scaling, progress)
+    outcome = _evaluate_all(blocks, cluster, space, constraints, scaling, progress, pool)
     if not any(c.fits for c in outcome.results) and constraints.memory_limit_bytes is not None:
         raise _nothing_fits(outcome, cluster, constraints)
     best, ranked = _rank(outcome.results, outcome.errors)
@@ -647,8 +652,10 @@ def refine(choice: Choice, cluster: Cluster, constraints: Constraints, budget: i
 
 __all__ = [
     "Choice",
+    "Pool",
     "evaluate_choice",
     "evaluate_modes",
+    "evaluated",
     "microbatch_options",
     "refine",
     "replica_microbatches",

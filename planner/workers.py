@@ -1,0 +1,233 @@
+"""Processes that evaluate the search's layouts side by side (``planner plan --jobs``).
+
+The search (``planner.core.layout.search``) is pure: a layout's evaluation depends on its arguments
+alone. Given a ``SearchPool`` it hands the layouts next in its order over together and takes their
+results in that order, so the plan is the same with any number of processes; only the time differs.
+
+A search that ends within ``START_AFTER_S`` never starts a process (most plans: a worker costs about
+half a second to start, more than they search). A longer one starts ``jobs`` workers, each
+``python -m planner.workers``: a loop that reads a pickled call on its standard input and writes the
+pickled result on its standard output. They import the pure core only (no torch), share nothing with
+the planner's process (which may hold torch's threads: a forked copy of a threaded process can
+deadlock) and never run the caller's script again (``multiprocessing``'s spawn re-imports the main
+module: a library user's unguarded script would run twice). Each worker has one call at a time, so
+neither side can block on a full pipe. A call's arguments and result are about a millisecond each
+way for a 100-layer model, against tens of milliseconds of solving. Where a worker dies (killed, out
+of memory) or processes cannot start, the rest of the search runs in the planner's own process.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, TypeVar
+
+A = TypeVar("A")
+R = TypeVar("R")
+
+START_AFTER_S = 1.0
+"""Seconds a search runs in the planner's own process before it starts its workers."""
+
+PER_JOB = 2
+"""Layouts handed over at once per worker (one at a time each, the next sent as its result comes)."""
+
+_HEADER = struct.Struct("<Q")  # a frame: its length, then that many bytes of pickle
+
+
+def default_jobs() -> int:
+    """The cores this process may run on (its CPU affinity where the system has one, else every core).
+
+    Returns:
+        At least 1.
+    """
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS and Windows have no affinity call
+        return max(1, os.cpu_count() or 1)
+
+
+def _send(stream: IO[bytes], obj: object) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+def _receive(stream: IO[bytes]) -> Any:
+    """The next frame's object; EOFError where the other side is gone."""
+    head = stream.read(_HEADER.size)
+    if len(head) < _HEADER.size:
+        raise EOFError("the other side closed")
+    (size,) = _HEADER.unpack(head)
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError("the other side closed mid-frame")
+    return pickle.loads(data)
+
+
+class _Died(Exception):
+    """A worker that stopped answering (it exited, was killed or ran out of memory)."""
+
+
+class SearchPool:
+    """The search's evaluations, in ``jobs`` worker processes once the search has run ``after_s``
+    seconds (``planner.core.layout.pending.Pool``); a context manager that stops them on exit.
+
+    Args:
+        jobs: worker processes (1: none, every evaluation here; None: ``default_jobs()``).
+        after_s: seconds from this pool's creation before the workers start.
+    """
+
+    def __init__(self, jobs: int | None, after_s: float = START_AFTER_S) -> None:
+        jobs = default_jobs() if jobs is None else jobs
+        self.jobs = jobs
+        self.after_s = after_s
+        self._since = time.monotonic()
+        self._workers: list[subprocess.Popen[bytes]] = []
+        self._gave_up = jobs <= 1  # one job, or workers that could not start or died: evaluate here
+
+    def width(self) -> int:
+        """How many evaluations to hand over at once: ``PER_JOB x jobs`` once the workers run
+        (started here when ``after_s`` has passed), else 1.
+
+        Returns:
+            The count.
+        """
+        if not self._workers and not self._gave_up and time.monotonic() - self._since >= self.after_s:
+            self._start()
+        return PER_JOB * len(self._workers) if self._workers else 1
+
+    def _start(self) -> None:
+        """Start the workers, with this planner first on their path and one thread each for numpy."""
+        root = str(Path(__file__).resolve().parents[1])
+        path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+        try:
+            for _ in range(self.jobs):
+                self._workers.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "planner.workers"],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.DEVNULL,
+                        env=env,
+                        start_new_session=True,  # Ctrl-C stops the planner, which stops them (``close``)
+                    )
+                )
+        except OSError:  # no processes to be had here (limits, a sandbox): run here
+            self.close()
+            self._gave_up = True
+
+    def map(self, fn: Callable[[A], R], items: Sequence[A]) -> list[R]:
+        """``[fn(x) for x in items]``, in the workers where they run (a lone item: here).
+
+        Args:
+            fn: a module-level function (the workers import it by name).
+            items: its arguments, one call each.
+
+        Returns:
+            The results, in the order of ``items``.
+
+        Raises:
+            Exception: what ``fn`` raised, as it would have here.
+        """
+        if not self._workers or len(items) <= 1:
+            return [fn(x) for x in items]
+        try:
+            return self._spread(fn, items)
+        except _Died:  # the rest of the search runs here
+            self.close()
+            self._gave_up = True
+            return [fn(x) for x in items]
+
+    def _spread(self, fn: Callable[[A], R], items: Sequence[A]) -> list[R]:
+        """Item i to worker i mod n, each sent once that worker's previous result is read."""
+        n = len(self._workers)
+        for worker, item in zip(self._workers, items):
+            self._ask(worker, fn, item)
+        out: list[R] = []
+        for i in range(len(items)):
+            worker = self._workers[i % n]
+            try:
+                kind, value = _receive(worker.stdout)  # type: ignore[arg-type]  # a pipe: set in _start
+            except (EOFError, OSError, pickle.UnpicklingError) as e:
+                raise _Died(str(e)) from e
+            if i + n < len(items):
+                self._ask(worker, fn, items[i + n])
+            if kind == "raised":  # the others' answers are left unread: these workers are done
+                self.close()
+                self._gave_up = True
+                raise value
+            out.append(value)
+        return out
+
+    @staticmethod
+    def _ask(worker: subprocess.Popen[bytes], fn: Callable[[A], R], item: A) -> None:
+        try:
+            _send(worker.stdin, (fn, item))  # type: ignore[arg-type]  # a pipe: set in _start
+        except OSError as e:  # BrokenPipeError: it has gone
+            raise _Died(str(e)) from e
+
+    def close(self) -> None:
+        """Stop the workers: their input closed, they exit; any still running after a few seconds is killed."""
+        for worker in self._workers:
+            for stream in (worker.stdin, worker.stdout):
+                try:
+                    if stream is not None:
+                        stream.close()
+                except OSError:
+                    pass
+        for worker in self._workers:
+            try:
+                worker.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+        self._workers = []
+
+    def __enter__(self) -> SearchPool:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def serve(source: IO[bytes], sink: IO[bytes]) -> None:
+    """A worker's loop: read a pickled ``(fn, item)``, write ``("done", fn(item))`` or ``("raised",
+    the exception)``, until its input closes.
+
+    Args:
+        source: where the calls come from (the worker's standard input).
+        sink: where the results go (its standard output).
+    """
+    while True:
+        try:
+            fn, item = _receive(source)
+        except EOFError:
+            return
+        try:
+            result: tuple[str, object] = ("done", fn(item))
+        except Exception as e:  # handed back and raised there, as it would have been
+            result = ("raised", e)
+        try:
+            _send(sink, result)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:  # an exception that cannot be pickled
+            _send(sink, ("raised", RuntimeError(f"a search worker's result could not be sent back: {e!r}")))
+
+
+if __name__ == "__main__":
+    # the answers go on a copy of the standard output; anything printed goes to the standard error
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    serve(sys.stdin.buffer, answers)
+
+
+__all__ = ["PER_JOB", "START_AFTER_S", "SearchPool", "default_jobs", "serve"]

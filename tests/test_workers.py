@@ -1,0 +1,91 @@
+"""The search's worker processes (planner.workers, ``planner plan --jobs``): the same plans with any
+number of them, results in order, a worker's error raised as it would be here, a dead worker's share
+done here, and no process started by a search that ends within a second."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from test_plans_unchanged import REF, _expected, digest, problem
+
+from planner.core.assemble import Origin, assemble_plan
+from planner.core.layout.inputs import asked_of
+from planner.errors import InfeasibleError
+from planner.workers import PER_JOB, SearchPool, default_jobs
+
+TESTS = Path(__file__).resolve().parent
+PARENT = "PLANNER_TEST_WORKERS_PARENT"
+
+
+def _dies_in_a_worker(x: int) -> int:
+    """Twice ``x`` in the test's own process; in a worker, the worker exits at once (as one killed)."""
+    if os.environ.get(PARENT) not in (None, str(os.getpid())):
+        os._exit(3)
+    return 2 * x
+
+
+@pytest.fixture
+def importable_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers find this module (its functions travel by name) and know the test's process."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(PARENT, str(os.getpid()))
+
+
+def test_random_problems_plan_the_same_with_two_workers() -> None:
+    """Forty of the pinned random problems, searched with two workers from the first layout on: every
+    plan (its choice, split, figures and every searched row) has the digest of the plan made without."""
+    expected = _expected()["problems"]
+    with SearchPool(2, after_s=0.0) as pool:
+        assert pool.width() == PER_JOB * 2  # started
+        for seed in range(0, 400, 10):
+            request, blocks, link, profile, limit = problem(seed)
+            try:
+                plan = assemble_plan(asked_of(request, limit), blocks, link, Origin(REF, profile, "t"), pool=pool)
+            except InfeasibleError:
+                assert expected[str(seed)].startswith("error: ")
+                continue
+            assert digest(plan) == expected[str(seed)], seed
+        assert pool.width() == PER_JOB * 2  # still running: no worker died or was given up
+
+
+def test_results_come_back_in_order() -> None:
+    with SearchPool(3, after_s=0.0) as pool:
+        pool.width()
+        assert pool.map(abs, list(range(-10, 0))) == list(range(10, 0, -1))
+        assert pool.map(abs, [-5]) == [5]  # a lone item is evaluated here
+
+
+def test_a_workers_error_is_raised_as_it_would_be_here() -> None:
+    with SearchPool(2, after_s=0.0) as pool:
+        pool.width()
+        with pytest.raises(ValueError, match="invalid literal"):
+            pool.map(int, ["1", "2", "x", "4"])
+        assert pool.width() == 1  # its answers left unread: the rest of the search runs here
+        assert pool.map(int, ["5", "6"]) == [5, 6]
+
+
+@pytest.mark.usefixtures("importable_here")
+def test_a_dead_workers_share_is_done_here() -> None:
+    with SearchPool(2, after_s=0.0) as pool:
+        assert pool.width() == PER_JOB * 2
+        assert pool.map(_dies_in_a_worker, [1, 2, 3, 4]) == [2, 4, 6, 8]
+        assert pool.width() == 1  # given up: nothing is started again
+
+
+def test_a_short_search_starts_no_process() -> None:
+    with SearchPool(4, after_s=3600.0) as pool:
+        assert pool.width() == 1
+        assert pool.map(abs, [-1, -2]) == [1, 2]
+        assert not pool._workers
+    with SearchPool(1, after_s=0.0) as pool:  # --jobs 1: never
+        assert pool.width() == 1
+        assert not pool._workers
+
+
+def test_the_default_is_the_cores_this_process_may_use() -> None:
+    jobs = default_jobs()
+    assert jobs >= 1
+    if hasattr(os, "sched_getaffinity"):
+        assert jobs == len(os.sched_getaffinity(0))
