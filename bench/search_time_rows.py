@@ -68,10 +68,37 @@ def published_child(key: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     costs = estimated_costs(mf, base, 1)
     t_costs = time.perf_counter() - t0
+    counted: dict[str, Any] = counting_search(search_module)
+    t0 = time.perf_counter()
+    try:
+        plan = plan_on_costs(
+            base.model_copy(update=SEARCH),
+            costs,
+            mf,
+            created="bench",
+            memory_limit_bytes=costs.memory_bytes,
+            jobs=_jobs(),
+        )
+    except PlannerError as e:
+        return {"costs_s": t_costs, "search_s": time.perf_counter() - t0, "result": f"error: {e}"[:160], **counted}
+    t_search = time.perf_counter() - t0
+    return {"costs_s": t_costs, "search_s": t_search, "result": _result(plan), **_robustness(plan), **counted}
+
+
+def counting_search(search_module: Any) -> dict[str, int]:
+    """Count what a tree's search does, from the next search on: {"layouts": enumerated (the last
+    search's), "evaluated": solved and simulated (all searches')}. A tree whose search counts its
+    evaluations itself (``_Outcome.evaluated``: its worker processes do not see this process's
+    functions) is read; an older tree's evaluation function is wrapped.
+
+    Args:
+        search_module: the tree's ``planner.core.layout.search``.
+
+    Returns:
+        The counts, updated as its searches run.
+    """
     counted = {"evaluated": 0, "layouts": 0}
     evaluate_all, evaluate_modes = search_module._evaluate_all, search_module.evaluate_modes
-    # the search counts what it evaluated where its worker processes may evaluate it (they do not
-    # see this process's functions); an older tree's count is taken by wrapping its evaluation
     counts_itself = "evaluated" in getattr(search_module._Outcome, "__dataclass_fields__", {})
 
     def counting_all(*a: Any, **k: Any) -> Any:
@@ -87,20 +114,7 @@ def published_child(key: str) -> dict[str, Any]:
     search_module._evaluate_all = counting_all
     if not counts_itself:
         search_module.evaluate_modes = counting_modes
-    t0 = time.perf_counter()
-    try:
-        plan = plan_on_costs(
-            base.model_copy(update=SEARCH),
-            costs,
-            mf,
-            created="bench",
-            memory_limit_bytes=costs.memory_bytes,
-            jobs=_jobs(),
-        )
-    except PlannerError as e:
-        return {"costs_s": t_costs, "search_s": time.perf_counter() - t0, "result": f"error: {e}"[:160], **counted}
-    t_search = time.perf_counter() - t0
-    return {"costs_s": t_costs, "search_s": t_search, "result": _result(plan), **_robustness(plan), **counted}
+    return counted
 
 
 def _jobs() -> int | None:

@@ -20,23 +20,24 @@ from __future__ import annotations
 
 import os
 import pickle
+import selectors
 import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, TypeVar
-
-A = TypeVar("A")
-R = TypeVar("R")
+from typing import IO, Any
 
 START_AFTER_S = 1.0
 """Seconds a search runs in the planner's own process before it starts its workers."""
 
-PER_JOB = 2
-"""Layouts handed over at once per worker (one at a time each, the next sent as its result comes)."""
+PER_JOB = 4
+"""Layouts kept submitted ahead of the search per worker: each worker evaluates one at a time and
+takes the next as it answers, so one slow layout (a second, beside many of ten milliseconds) does
+not leave the others idle."""
 
 _HEADER = struct.Struct("<Q")  # a frame: its length, then that many bytes of pickle
 
@@ -79,22 +80,31 @@ class SearchPool:
     """The search's evaluations, in ``jobs`` worker processes once the search has run ``after_s``
     seconds (``planner.core.layout.pending.Pool``); a context manager that stops them on exit.
 
+    Calls wait in the order they were submitted and go to whichever worker is free, one at a time
+    each; ``take`` reads the answers as they come until the one asked for is in. A call discarded
+    (the search ruled its layout out) is not started, or its answer not kept.
+
     Args:
         jobs: worker processes (1: none, every evaluation here; None: ``default_jobs()``).
         after_s: seconds from this pool's creation before the workers start.
     """
 
     def __init__(self, jobs: int | None, after_s: float = START_AFTER_S) -> None:
-        jobs = default_jobs() if jobs is None else jobs
-        self.jobs = jobs
+        self.jobs = default_jobs() if jobs is None else jobs
         self.after_s = after_s
         self._since = time.monotonic()
         self._workers: list[subprocess.Popen[bytes]] = []
-        self._gave_up = jobs <= 1  # one job, or workers that could not start or died: evaluate here
+        self._gave_up = self.jobs <= 1  # one job, or workers that could not start or died: evaluate here
+        self._calls: dict[int, tuple[Callable[[Any], Any], object]] = {}  # submitted, not yet answered
+        self._waiting: deque[int] = deque()  # submitted, not yet sent, in submission order
+        self._busy: dict[int, int] = {}  # worker index -> the key it is evaluating
+        self._answers: dict[int, tuple[str, Any]] = {}
+        self._unwanted: set[int] = set()  # discarded while a worker had them: their answers dropped
+        self._tickets = 0
 
     def width(self) -> int:
-        """How many evaluations to hand over at once: ``PER_JOB x jobs`` once the workers run
-        (started here when ``after_s`` has passed), else 1.
+        """How many calls to keep submitted ahead: ``PER_JOB x jobs`` once the workers run (started
+        here when ``after_s`` has passed), else 1.
 
         Returns:
             The count.
@@ -121,58 +131,104 @@ class SearchPool:
                     )
                 )
         except OSError:  # no processes to be had here (limits, a sandbox): run here
-            self.close()
-            self._gave_up = True
+            self._give_up()
 
-    def map(self, fn: Callable[[A], R], items: Sequence[A]) -> list[R]:
-        """``[fn(x) for x in items]``, in the workers where they run (a lone item: here).
+    def submit(self, fn: Callable[[Any], Any], arg: object) -> int:
+        """Queue ``fn(arg)``; it starts as soon as a worker is free.
 
         Args:
             fn: a module-level function (the workers import it by name).
-            items: its arguments, one call each.
+            arg: its argument.
 
         Returns:
-            The results, in the order of ``items``.
+            Its ticket (``take`` asks for it).
+        """
+        key = self._tickets = self._tickets + 1
+        self._calls[key] = (fn, arg)
+        self._waiting.append(key)
+        try:
+            self._dispatch()
+        except _Died:
+            self._give_up()
+        return key
+
+    def discard(self, tickets: Iterable[int]) -> None:
+        """Calls whose results will not be taken: dropped where they wait, their answers not kept
+        where a worker has them (it finishes them first: a few tens of milliseconds).
+
+        Args:
+            tickets: their tickets.
+        """
+        dropped = set(tickets)
+        self._waiting = deque(key for key in self._waiting if key not in dropped)
+        for key in dropped:
+            self._calls.pop(key, None)
+            self._answers.pop(key, None)
+        self._unwanted |= dropped & set(self._busy.values())
+
+    def take(self, key: int) -> Any:
+        """The result of the call of ticket ``key``, waiting for the workers' answers as they come
+        (here, where there are no workers).
+
+        Args:
+            key: a ticket of ``submit``'s.
+
+        Returns:
+            What the call returned.
 
         Raises:
-            Exception: what ``fn`` raised, as it would have here.
+            Exception: what the call raised, as it would have here.
         """
-        if not self._workers or len(items) <= 1:
-            return [fn(x) for x in items]
-        try:
-            return self._spread(fn, items)
-        except _Died:  # the rest of the search runs here
-            self.close()
-            self._gave_up = True
-            return [fn(x) for x in items]
-
-    def _spread(self, fn: Callable[[A], R], items: Sequence[A]) -> list[R]:
-        """Item i to worker i mod n, each sent once that worker's previous result is read."""
-        n = len(self._workers)
-        for worker, item in zip(self._workers, items):
-            self._ask(worker, fn, item)
-        out: list[R] = []
-        for i in range(len(items)):
-            worker = self._workers[i % n]
+        while key not in self._answers and self._workers and self._busy:
             try:
-                kind, value = _receive(worker.stdout)  # type: ignore[arg-type]  # a pipe: set in _start
-            except (EOFError, OSError, pickle.UnpicklingError) as e:
-                raise _Died(str(e)) from e
-            if i + n < len(items):
-                self._ask(worker, fn, items[i + n])
-            if kind == "raised":  # the others' answers are left unread: these workers are done
-                self.close()
-                self._gave_up = True
-                raise value
-            out.append(value)
-        return out
+                self._receive_one()
+                self._dispatch()
+            except _Died:  # the rest of the search runs here
+                self._give_up()
+        if key not in self._answers:  # no workers (any more): here
+            fn, arg = self._calls.pop(key)
+            return fn(arg)
+        self._calls.pop(key, None)
+        kind, value = self._answers.pop(key)
+        if kind == "raised":
+            raise value
+        return value
 
-    @staticmethod
-    def _ask(worker: subprocess.Popen[bytes], fn: Callable[[A], R], item: A) -> None:
+    def _dispatch(self) -> None:
+        """Send the oldest waiting calls to the free workers."""
+        free = [i for i in range(len(self._workers)) if i not in self._busy]
+        while free and self._waiting:
+            i, key = free.pop(0), self._waiting.popleft()
+            fn, arg = self._calls[key]
+            try:
+                _send(self._workers[i].stdin, (fn, arg))  # type: ignore[arg-type]  # a pipe: set in _start
+            except OSError as e:  # BrokenPipeError: it has gone
+                self._waiting.appendleft(key)
+                raise _Died(str(e)) from e
+            self._busy[i] = key
+
+    def _receive_one(self) -> None:
+        """Wait for the next answer of any busy worker and keep it."""
+        with selectors.DefaultSelector() as selector:
+            for i in self._busy:
+                selector.register(self._workers[i].stdout, selectors.EVENT_READ, i)  # type: ignore[arg-type]  # a pipe
+            i = selector.select()[0][0].data
+        key = self._busy.pop(i)
         try:
-            _send(worker.stdin, (fn, item))  # type: ignore[arg-type]  # a pipe: set in _start
-        except OSError as e:  # BrokenPipeError: it has gone
+            answer = _receive(self._workers[i].stdout)
+        except (EOFError, OSError, pickle.UnpicklingError) as e:
             raise _Died(str(e)) from e
+        if key in self._unwanted:
+            self._unwanted.discard(key)
+        else:
+            self._answers[key] = answer
+
+    def _give_up(self) -> None:
+        """Stop the workers; every call not answered yet is made here when it is taken."""
+        self.close()
+        self._gave_up = True
+        self._busy.clear()
+        self._waiting.clear()
 
     def close(self) -> None:
         """Stop the workers: their input closed, they exit; any still running after a few seconds is killed."""

@@ -5,7 +5,9 @@ done here, and no process started by a search that ends within a second."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_plans_unchanged import REF, _expected, digest, problem
@@ -50,34 +52,53 @@ def test_random_problems_plan_the_same_with_two_workers() -> None:
         assert pool.width() == PER_JOB * 2  # still running: no worker died or was given up
 
 
-def test_results_come_back_in_order() -> None:
+def _all(pool: SearchPool, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+    """Every item submitted, then every result taken, in order."""
+    tickets = [pool.submit(fn, item) for item in items]
+    return [pool.take(t) for t in tickets]
+
+
+def test_results_are_taken_by_ticket_whatever_order_they_come_in() -> None:
     with SearchPool(3, after_s=0.0) as pool:
         pool.width()
-        assert pool.map(abs, list(range(-10, 0))) == list(range(10, 0, -1))
-        assert pool.map(abs, [-5]) == [5]  # a lone item is evaluated here
+        assert _all(pool, abs, list(range(-10, 0))) == list(range(10, 0, -1))
+        a, b, c = (pool.submit(abs, x) for x in (-1, -2, -3))
+        assert [pool.take(c), pool.take(a), pool.take(b)] == [3, 1, 2]
+
+
+def test_discarded_calls_leave_nothing_behind() -> None:
+    """A search that ends with calls submitted ahead and ruled out discards them: the next search's
+    calls are answered, none of the old ones kept."""
+    with SearchPool(2, after_s=0.0) as pool:
+        pool.width()
+        pool.discard([pool.submit(abs, -x) for x in range(20)])
+        assert _all(pool, abs, [-7, -8]) == [7, 8]
+        assert not pool._answers and not pool._calls and not pool._waiting
 
 
 def test_a_workers_error_is_raised_as_it_would_be_here() -> None:
     with SearchPool(2, after_s=0.0) as pool:
         pool.width()
+        tickets = [pool.submit(int, x) for x in ["1", "2", "x", "4"]]
+        assert [pool.take(tickets[0]), pool.take(tickets[1])] == [1, 2]
         with pytest.raises(ValueError, match="invalid literal"):
-            pool.map(int, ["1", "2", "x", "4"])
-        assert pool.width() == 1  # its answers left unread: the rest of the search runs here
-        assert pool.map(int, ["5", "6"]) == [5, 6]
+            pool.take(tickets[2])
+        assert pool.take(tickets[3]) == 4  # the others' answers are still there
+        assert pool.width() == PER_JOB * 2
 
 
 @pytest.mark.usefixtures("importable_here")
 def test_a_dead_workers_share_is_done_here() -> None:
     with SearchPool(2, after_s=0.0) as pool:
         assert pool.width() == PER_JOB * 2
-        assert pool.map(_dies_in_a_worker, [1, 2, 3, 4]) == [2, 4, 6, 8]
+        assert _all(pool, _dies_in_a_worker, [1, 2, 3, 4]) == [2, 4, 6, 8]
         assert pool.width() == 1  # given up: nothing is started again
 
 
 def test_a_short_search_starts_no_process() -> None:
     with SearchPool(4, after_s=3600.0) as pool:
         assert pool.width() == 1
-        assert pool.map(abs, [-1, -2]) == [1, 2]
+        assert _all(pool, abs, [-1, -2]) == [1, 2]  # (the search runs these itself; here too)
         assert not pool._workers
     with SearchPool(1, after_s=0.0) as pool:  # --jobs 1: never
         assert pool.width() == 1

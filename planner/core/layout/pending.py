@@ -9,30 +9,36 @@ that order; a ``Pool`` only changes where the evaluations run.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol
 
 from planner.core.layout.candidate import Choice, evaluate_modes
 from planner.core.layout.inputs import Cluster, Constraints, Layout
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost
 
-A = TypeVar("A")
-R = TypeVar("R")
-
 
 class Pool(Protocol):
-    """Runs many calls of one pure function, maybe in other processes (``planner.workers.SearchPool``,
-    ``planner plan --jobs``). A layout's evaluation depends on its arguments alone, so where and in
-    which order the calls run changes nothing the search finds."""
+    """Runs calls of a pure function in other processes (``planner.workers.SearchPool``, ``planner
+    plan --jobs``): each submitted for a ticket, its result taken by that ticket. A layout's
+    evaluation depends on its arguments alone, so where and in which order the calls run changes
+    nothing the search finds."""
 
     def width(self) -> int:
-        """How many evaluations are worth handing over at once now (1: each is run here, when needed)."""
+        """How many calls are worth keeping submitted ahead now (1: none, each is run here when needed)."""
         ...
 
-    def map(self, fn: Callable[[A], R], items: Sequence[A]) -> list[R]:
-        """``[fn(x) for x in items]``, in order."""
+    def submit(self, fn: Callable[[Any], Any], arg: object) -> int:
+        """Start ``fn(arg)`` when a worker is free; its ticket."""
+        ...
+
+    def take(self, ticket: int) -> Any:
+        """The result of the call of ``ticket``, once it is done (what it raised, raised)."""
+        ...
+
+    def discard(self, tickets: Iterable[int]) -> None:
+        """Calls whose results will not be taken: not started where they wait, not kept where they run."""
         ...
 
 
@@ -66,39 +72,37 @@ def evaluated(task: tuple[Sequence[BlockCost], Cluster, Layout, Constraints]) ->
 def ahead(
     heap: list[tuple[float, int]],
     pending: Sequence[Pending],
-    ready: dict[int, Choice | InfeasibleError],
+    submitted: dict[int, int],
     limit: int | None,
     bound: float | None,
     width: int,
 ) -> list[int]:
-    """Up to ``width`` layouts the search would solve next, in its order: the heap's smallest step
-    floors (the ``i``-th smallest of a binary heap lies in its first ``2^i - 1`` entries), less those
-    evaluated already, with a memory floor over ``limit`` or a step floor over ``bound`` (the
-    slowest that could still tie the best found). A later fit may still rule some of them out: they
-    are then evaluated for nothing, never counted.
+    """The layouts among the next ``width`` the search will take (the heap's smallest step floors:
+    the ``i``-th smallest of a binary heap lies in its first ``2^i - 1`` entries) that it would solve
+    and that are not submitted yet: a memory floor within ``limit``, a step floor within ``bound``
+    (the slowest that could still tie the best found). A later fit may still rule some of them out:
+    they are then evaluated for nothing, never counted.
 
     Args:
         heap: the search's heap of (step floor, index into ``pending``).
         pending: the layouts.
-        ready: the results evaluated ahead so far, by index.
+        submitted: the indices handed to the pool already (their tickets).
         limit: the memory limit (None: none).
         bound: the step floor past which the search stops (None: nothing fits yet).
-        width: the most to return.
+        width: how far ahead to look.
 
     Returns:
         Indices into ``pending``, in the search's order.
     """
     if width <= 0:
         return []
-    top = heapq.nsmallest(2 * width, heap[: 2 ** (2 * width) - 1])
-    keep = [
+    return [
         j
-        for _, j in top
-        if j not in ready
+        for _, j in heapq.nsmallest(width, heap[: 2**width - 1])
+        if j not in submitted
         and (limit is None or pending[j].memory_floor <= limit)
         and (bound is None or pending[j].step_floor_s <= bound)
     ]
-    return keep[:width]
 
 
 __all__ = ["Pending", "Pool", "ahead", "evaluated"]

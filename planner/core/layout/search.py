@@ -279,9 +279,7 @@ class _Outcome:
     results: list[Choice]
     errors: list[InfeasibleError]
     layouts: int = 0  # layouts enumerated
-    evaluated: int = (
-        0  # layouts solved and simulated (those a pool evaluated ahead and the search then ruled out not counted)
-    )
+    evaluated: int = 0  # layouts solved and simulated (not those a pool evaluated ahead and the search then ruled out)
     pruned: int = 0  # layouts whose step floor was already slower than a fitting candidate
     unfit: list[Pending] = field(default_factory=list)  # memory floor over the limit, or no split fits
 
@@ -298,8 +296,8 @@ def _evaluate_all(
     """Evaluate the layouts of ``space`` that can win: in ascending order of their step floor,
     skipping those whose memory floor is over the limit, until the floor of the next is slower
     than the fastest fitting candidate found (beyond ``TIE``: it could not even tie). With a
-    ``pool``, the layouts next in that order are evaluated together (``ahead``) and their results
-    taken in the same order: the same outcome, sooner on several cores."""
+    ``pool``, the layouts next in that order are kept in its workers' hands (``ahead``) and their
+    results taken in the same order: the same outcome, sooner on several cores."""
     # costs by microbatch size, degree and sequence split, shared with the layouts retried in several
     # passes below: with the microbatch count open they run their one-pass layout's microbatches
     cache: dict[tuple[int, int, bool], _Sized] = {}
@@ -316,7 +314,7 @@ def _evaluate_all(
     heap = [(pending[k].step_floor_s, k) for k in order]
     min_size = min(scaling.min_size, scaling.size0)
     done = 0
-    ready: dict[int, Choice | InfeasibleError] = {}  # evaluated ahead by the pool, not yet reached
+    submitted: dict[int, int] = {}  # handed to the pool, not taken yet: their tickets
     while heap:
         if progress is not None:
             progress(done, len(pending))
@@ -330,13 +328,15 @@ def _evaluate_all(
         if limit is not None and item.memory_floor > limit:
             outcome.unfit.append(item)
         else:
-            if k not in ready:
+            width = pool.width() if pool is not None else 1
+            if pool is None or (width <= 1 and k not in submitted):
+                choice = evaluated((item.blocks, cluster, item.layout, constraints))
+            else:  # keep the next ``width`` layouts in the pool's hands, then wait for this one
                 bound = None if best is None else best * (1 + TIE)
-                batch = [k] + ahead(heap, pending, ready, limit, bound, pool.width() - 1 if pool else 0)
-                tasks = [(pending[j].blocks, cluster, pending[j].layout, constraints) for j in batch]
-                ready.update(zip(batch, pool.map(evaluated, tasks) if pool else [evaluated(tasks[0])]))
+                for j in [k] * (k not in submitted) + ahead(heap, pending, submitted, limit, bound, width - 1):
+                    submitted[j] = pool.submit(evaluated, (pending[j].blocks, cluster, pending[j].layout, constraints))
+                choice = pool.take(submitted.pop(k))
             outcome.evaluated += 1
-            choice = ready.pop(k)
             if isinstance(choice, InfeasibleError):
                 outcome.errors.append(choice)
                 outcome.unfit.append(item)
@@ -349,6 +349,8 @@ def _evaluate_all(
             for layout in accumulation_options(item.layout, space, min_size):
                 pending.append(_pending(blocks, cluster, layout, space, scaling, constraints, cache))
                 heapq.heappush(heap, (pending[-1].step_floor_s, len(pending) - 1))
+    if pool is not None:
+        pool.discard(submitted.values())  # evaluated ahead, then ruled out: their results are not wanted
     outcome.layouts = len(pending)
     if progress is not None:
         progress(len(pending), len(pending))
