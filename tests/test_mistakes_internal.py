@@ -183,3 +183,29 @@ def test_a_truth_value_for_a_number_is_refused_by_the_python_api(cls: type, valu
     # the flags still take one
     PlanRequest.build(model_file="m.py", gpus=2, tp=2, sequence_parallel=True, compile=False)
     RunRequest.build(plan_file="p.json", resume=True, save_checkpoints=False)
+
+
+@pytest.mark.parametrize(
+    ("cls", "values", "option"),
+    [
+        (RunRequest, {"plan_file": "p.json", "checkpoint_dir": ""}, "--checkpoint-dir"),
+        (RunRequest, {"plan_file": "p.json", "output": " "}, "--output"),
+        (RunRequest, {"plan_file": "p.json", "data": ""}, "--data"),
+        (PlanRequest, {"model_file": "m.py", "gpus": 2, "output": ""}, "--output"),
+    ],
+)
+def test_an_empty_path_is_refused(cls: type, values: dict, option: str) -> None:
+    """pathlib reads "" as the current folder: planner run --checkpoint-dir "" wrote its step
+    folders there (an unset "$CKPT" in a launch script); now one line names the option."""
+    with pytest.raises(PlannerError, match=f"^{option}: an empty path; give one, or leave it out for its default$"):
+        cls.build(**values)  # type: ignore[attr-defined]
+    assert RunRequest.build(plan_file="p.json", checkpoint_dir=".").checkpoint_dir is not None  # "." is asked for
+
+
+def test_an_empty_checkpoint_folder_on_the_command_line_is_one_line(tmp_path: Path) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    result = CliRunner().invoke(main, ["run", str(plan), "--checkpoint-dir", ""])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "error: --checkpoint-dir: an empty path; give one, or leave it out for its default"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]

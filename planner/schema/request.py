@@ -102,9 +102,9 @@ def _count_or_auto(value: Any, what: str, too_few: str) -> Any:
     return value
 
 
-def _takes_bool(annotation: Any) -> bool:
-    """Whether a field's type admits a bool (``bool`` itself, or inside a union or ``Annotated``)."""
-    return annotation is bool or any(_takes_bool(arg) for arg in get_args(annotation))
+def _admits(annotation: Any, kind: type) -> bool:
+    """Whether a field's type admits ``kind`` (``kind`` itself, or inside a union or ``Annotated``)."""
+    return annotation is kind or any(_admits(arg, kind) for arg in get_args(annotation))
 
 
 class _Request(BaseModel):
@@ -135,12 +135,14 @@ class _Request(BaseModel):
         """
         for name, value in values.items():
             spec = cls.model_fields.get(name)
-            if isinstance(value, bool) and spec is not None and not _takes_bool(spec.annotation):
+            if isinstance(value, str) and not value.strip() and spec is not None and _admits(spec.annotation, Path):
+                # an empty path is "." to pathlib: an unset "$CKPT" would fill the current folder
+                raise PlannerError(f"{cls._option(name)}: an empty path; give one, or leave it out for its default")
+            if isinstance(value, bool) and spec is not None and not _admits(spec.annotation, bool):
                 # pydantic reads True as 1 (gpus=True planned one GPU, memory_limit_gib=True 1 GiB)
                 option = cls._option(name)
                 raise PlannerError(f"{option} {value}: {option} takes a value, not True or False")
-            # str() refuses integers past sys.get_int_max_str_digits() (4300 digits), so no
-            # message, ours or a validator's, could show one: refuse it here, by its option.
+            # str() refuses integers past 4300 digits (sys.get_int_max_str_digits()): no message could show one
             if isinstance(value, int) and abs(value).bit_length() > 4096:
                 option = cls._option(name)
                 raise PlannerError(
