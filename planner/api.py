@@ -31,7 +31,7 @@ from planner.capture.trace import retrace, trace_model
 from planner.core.assemble import Origin, assemble_plan
 from planner.core.heap import bulk_allocation
 from planner.core.layout.inputs import asked_of
-from planner.core.layout.search import Pool
+from planner.core.layout.pending import Pool
 from planner.core.levers.hardware import HardwareSpec, dtype_bytes, node_links
 from planner.core.levers.hardware_file import hardware_named
 from planner.core.split.given import check_notation

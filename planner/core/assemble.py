@@ -11,8 +11,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from planner.core.layout.inputs import Asked, Cluster, Layout, Scaling, SearchSpace
+from planner.core.layout.pending import Pool
 from planner.core.layout.robust import Problem, robust_rows
-from planner.core.layout.search import Choice, Pool, Progress, search
+from planner.core.layout.search import Choice, Progress, search
 from planner.core.levers.data_parallel import gather_bytes_of, layout_links
 from planner.core.levers.links import NodeLinks
 from planner.core.levers.tensor_parallel import allowed_degrees, block_degree_limit

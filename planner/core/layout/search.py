@@ -654,10 +654,8 @@ def refine(choice: Choice, cluster: Cluster, constraints: Constraints, budget: i
 
 __all__ = [
     "Choice",
-    "Pool",
     "evaluate_choice",
     "evaluate_modes",
-    "evaluated",
     "microbatch_options",
     "refine",
     "replica_microbatches",
