@@ -209,6 +209,7 @@ def plan_on_costs(
     # with the cyclic collector paused, as make_plan runs its search: a bench timing the search
     # otherwise also times collections that planner plan never makes
     with bulk_allocation(), SearchPool(jobs) if pooled and jobs is not None else nullcontext() as pool:
+        extra: dict[str, Any] = {"pool": pool} if pooled else {}
         plan = plan_from_costs(
             request,
             mf,
@@ -217,7 +218,7 @@ def plan_on_costs(
             costs.link,
             created=created,
             memory_limit_bytes=memory_limit_bytes,
-            **({"pool": pool} if pooled else {}),
+            **extra,
         )
     return with_links(plan, costs.link)
 
