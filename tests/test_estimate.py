@@ -46,6 +46,7 @@ def _spec(kind: str = "gpu", **kw) -> HardwareSpec:
         matmul_efficiency=1.0,
         memory_efficiency=1.0,
         op_overhead_s=0.0,
+        dispatch_s=0.0,  # exact roofline times: no host between the kernels either
     )
     base.update(kw)
     return HardwareSpec(**base)
@@ -469,3 +470,56 @@ def test_block_keys_read_off_the_graph_group_blocks_as_their_cut_out_stages_do(
 
     assert classes(graph_keys) == classes(stage_keys)
     assert len(set(graph_keys)) < n  # the layers are twins
+
+
+# --- eager operators on a GPU: the host issues them, dispatch_s each (Roofline._gpu_seconds) --------
+D = 10e-6  # host time per operator in these tests
+
+
+def _phase_seconds(ops: list[int], memory_Bps: float) -> tuple[float, int]:
+    """One GPU phase of eager element-wise operators on tensors of ``ops[i]`` elements: its seconds and
+    the operators counted. Compute is free; a kernel takes its bytes over ``memory_Bps``."""
+    from planner.costs.roofline import Roofline, Tally
+
+    mode = Roofline(_spec(memory_Bps=memory_Bps, dispatch_s=D), "fp32")
+    tensors = [torch.empty(n, device="meta") for n in ops]
+    with mode.phase(Tally()) as tally:
+        for t in tensors:
+            t.neg()  # reads n floats, writes n: 8n bytes
+    return tally.seconds, tally.ops
+
+
+def test_short_eager_operators_on_a_gpu_run_at_the_hosts_pace() -> None:
+    # kernels of 8 bytes at 1 TB/s take picoseconds: the phase lasts as long as issuing its operators
+    seconds, ops = _phase_seconds([1] * 50, 1e12)
+    assert ops == 50
+    assert seconds == pytest.approx(50 * D + 8 / 1e12, rel=1e-9)
+
+
+def test_long_kernels_hide_the_host_but_the_first() -> None:
+    # 8 MB at 1 GB/s: 8 ms a kernel; only the first waits for the host, the rest are issued meanwhile
+    seconds, _ = _phase_seconds([2**20] * 5, 1e9)
+    assert seconds == pytest.approx(D + 5 * 8 * 2**20 / 1e9, rel=1e-9)
+
+
+def test_short_operators_cost_time_before_a_long_kernel_and_none_after_it() -> None:
+    long_kernel = 8 * 2**20 / 1e9
+    before, _ = _phase_seconds([1] * 20 + [2**20], 1e9)  # the GPU idles while the host issues 20 operators
+    after, _ = _phase_seconds([2**20] + [1] * 20, 1e9)  # issued while the long kernel runs
+    assert before == pytest.approx(21 * D + long_kernel, abs=1e-12)  # the short kernels ran in the gaps
+    assert after == pytest.approx(D + long_kernel + 20 * 8 / 1e9, rel=1e-6)
+
+
+def test_the_host_does_not_pace_a_cpu_or_compiled_code() -> None:
+    from planner.costs.roofline import Roofline, Tally
+
+    x = torch.empty(1, device="meta")
+    for hw, fuse in (
+        (_spec(kind="cpu", memory_Bps=1e12, dispatch_s=D), False),
+        (_spec(memory_Bps=1e12, dispatch_s=D), True),
+    ):
+        mode = Roofline(hw, "fp32", fuse=fuse)
+        with mode.phase(Tally()) as tally:
+            for _ in range(50):
+                x.neg()
+        assert tally.seconds < D  # a CPU charges op_overhead_s (0 here), compiled code its kernels

@@ -72,6 +72,8 @@ BLOCK_LATER_DEFAULTS = {
     "cut_gather_s": 0.0,
     "weight_cast_bytes": 0,
     "cut_kept_bytes": None,
+    "host_fwd_s": 0.0,
+    "host_bwd_s": 0.0,
 }
 SHARE_LATER_DEFAULTS = {
     "slowdown": {},

@@ -64,6 +64,29 @@ def test_allreduce_is_a_ring_with_log_latency() -> None:
     assert allreduce_s(0.0, 1, 3, link) == pytest.approx(2e-5, rel=1e-12)
 
 
+def test_a_split_never_takes_a_block_below_its_hosts_dispatch() -> None:
+    # 10 ms forward of which the host spends 8 ms issuing operators (an estimate for a GPU), 20 ms backward
+    # with 6 ms: at t = 2 the work halves to 5.5 / 11 ms, but each rank issues as many operators
+    b = layer("layers.0", 10, 20, 1000, compute=0.9).model_copy(
+        update={
+            "host_fwd_s": 0.008,
+            "host_bwd_s": 0.006,
+            "bwd_input_s": 0.012,
+            "bwd_weight_s": 0.008,
+            "recompute_s": 0.005,
+        }
+    )
+    (one,) = at_degree([b], 2, LINK)
+    compute = 0.1 + 0.9 / 2
+    assert one.fwd_s == pytest.approx(0.008 + 0.001, rel=1e-12)  # the host's 8 ms, then the all-reduce
+    assert one.bwd_s == pytest.approx(0.020 * compute + 0.001, rel=1e-12)  # 11 ms of work: above its 6
+    assert one.bwd_input_s == pytest.approx(0.012 * compute + 0.001, rel=1e-12)  # 6.6 ms over its 3.6
+    assert one.recompute_s == pytest.approx(0.004 + 0.5 * 0.001, rel=1e-12)  # half the forward: half its host
+    (host,) = at_degree([b.model_copy(update={"host_bwd_s": 0.018})], 2, LINK)
+    assert host.bwd_input_s == pytest.approx(0.018 * 0.6 + 0.001, rel=1e-12)  # its share of the host's time
+    assert host.bwd_weight_s == pytest.approx(0.018 * 0.4, rel=1e-12)
+
+
 def test_a_gathered_heads_logits_are_all_gathered_in_forward_only() -> None:
     # a colwise_rep head: 2 MB of logits gathered over 4 ranks, (4-1)/4 x 2 MB = 1.5 ms on LINK, in
     # forward only (its backward slices the gradient); its input gradient all-reduced as a colwise one's

@@ -596,12 +596,15 @@ def _block_cost(
         if isinstance(t, torch.Tensor)
     )
     bwd_input_s = run.bwd.seconds if run.whole_backward else min(run.bwd_input.seconds, run.bwd.seconds)
+    # an eager block's operators, each issued by the host on a GPU (Roofline._gpu_seconds); compiled code
+    # (whole_backward) launches its kernels from a wrapper
+    dispatch = hw.dispatch_s if hw.async_launch and not run.whole_backward else 0.0
     opt_s = grad_s = None
     if optimizer is not None:
         n_tensors = sum(1 for p in params if p.requires_grad)
         opt_s = optimizer_step_seconds(n_params, param_bytes, n_tensors, hw, optimizer)
         grad_s = grad_pass_seconds(n_params, param_bytes, n_tensors, hw, optimizer.grad_clip is not None)
-    return block_cost(
+    cost = block_cost(
         traced,
         k,
         params,
@@ -626,6 +629,11 @@ def _block_cost(
         cut_bytes=out_bytes,
         output_bytes=run.model_output_bytes,
     )
+    host = {
+        "host_fwd_s": min(run.fwd.ops * dispatch, run.fwd.seconds),
+        "host_bwd_s": min(run.bwd.ops * dispatch, run.bwd.seconds),
+    }
+    return cost.model_copy(update=host) if dispatch else cost
 
 
 def _meta_error(block: str, e: Exception) -> PlannerError:

@@ -163,6 +163,10 @@ class Roofline(TorchDispatchMode):
         # matrix product (transformers' MoE experts were such an op): said to the user, not hidden
         self.no_formula: set[str] = set()
         self.tally = Tally()
+        # Eager operators on a GPU: when the host has issued the phase's operators so far, and when the
+        # GPU finishes their kernels (``_issued``)
+        self._host = 0.0
+        self._device = 0.0
         # the kept outputs (Tally.kept), held so that no later tensor reuses their storage ids
         self.alive: list[torch.Tensor] = []
         self.keep = KeepRule()  # which outputs selective checkpointing keeps (the charged forward runs first)
@@ -200,6 +204,7 @@ class Roofline(TorchDispatchMode):
         if func.overloadpacket not in flop_registry and func is not torch.ops.prim.device.default:
             # the regions as they were, should the parts be charged as one operator after all
             before = self.fusion.snapshot() if self.fusion is not None and decomposes(func) else None
+            clocks = self._host, self._device
             outer, self.tally = self.tally, Tally()
             try:
                 with self:
@@ -212,8 +217,10 @@ class Roofline(TorchDispatchMode):
                 else:
                     if self.fusion is not None and before is not None:
                         self.fusion.restore(before)
+                    self._host, self._device = clocks  # the parts were not issued: the whole operator is
                     self._charge(func, args, kwargs, r)
                 return r
+            self._host, self._device = clocks
         out = func(*args, **kwargs)
         self._charge(func, args, kwargs, out)
         return out
@@ -233,7 +240,7 @@ class Roofline(TorchDispatchMode):
         nbytes = sum(tensor_bytes(t, self.float_bytes) for t in tensors)
         hw = self.hw
         roof = max(flops / (self._peak(dtype) * efficiency), nbytes / (hw.memory_Bps * hw.memory_efficiency))
-        seconds = max(roof, hw.op_overhead_s) if hw.async_launch else roof + hw.op_overhead_s
+        seconds = self._gpu_seconds(max(roof, hw.op_overhead_s)) if hw.async_launch else roof + hw.op_overhead_s
         held = {storage_id(t): tensor_bytes(t, self.float_bytes) for t in kept}
         self.alive.extend(kept)
         self._add(Tally(float(flops), nbytes, seconds, 1, seconds if kept else 0.0, held))
@@ -253,6 +260,7 @@ class Roofline(TorchDispatchMode):
         """
         self.tally = tally
         self.fusion = Fusion() if self.fuse else None
+        self._host = self._device = 0.0  # a phase starts with the GPU idle and nothing issued
         try:
             with fused_attention(self), self:
                 yield tally
@@ -260,6 +268,8 @@ class Roofline(TorchDispatchMode):
             if self.fusion is not None:
                 recomputed, kept = saves(self.fusion) if saves is not None else (set(), set())
                 self._settle(self.fusion.settle(recomputed, kept), tally)
+            elif self.hw.async_launch:  # the host still issuing (views) after the GPU's last kernel
+                tally.seconds += max(0.0, self._host - self._device)
             self.fusion = None
 
     @contextlib.contextmanager
@@ -283,6 +293,26 @@ class Roofline(TorchDispatchMode):
             )
             tally.seconds += after - before
             tally.bytes += moved - charged
+
+    def _gpu_seconds(self, kernel_s: float) -> float:
+        """Seconds one operator adds to a GPU phase whose kernel takes ``kernel_s`` (0: a view).
+
+        Compiled code (under ``fuse``) issues its kernels from a tight wrapper: the kernel alone. Eager
+        code issues operators one after another from the host, ``dispatch_s`` each; the GPU starts a
+        kernel once it is issued and the kernel before it is done. The operator is charged what it moves
+        the end of the GPU's work by: its kernel, plus any wait for the host. Long kernels let the host
+        run ahead and hide its dispatch; a run of short operators waits on the host (docs/gpu_costs.md:
+        a small GPT on an H200 ran at the host's pace, 4x its kernels' time).
+        """
+        if self.fusion is not None:
+            return kernel_s
+        self._host += self.hw.dispatch_s
+        if kernel_s <= 0.0:
+            return 0.0
+        start = max(self._device, self._host)
+        charged = start + kernel_s - self._device
+        self._device = start + kernel_s
+        return charged
 
     def _add(self, other: Tally) -> None:
         self.tally.flops += other.flops
@@ -330,7 +360,7 @@ class Roofline(TorchDispatchMode):
         memory = nbytes / (hw.memory_Bps * hw.memory_efficiency)
         roof = max(compute, memory)
         if hw.async_launch:
-            seconds = max(roof, hw.op_overhead_s) if moves or flops else 0.0
+            seconds = self._gpu_seconds(max(roof, hw.op_overhead_s) if moves or flops else 0.0)
         else:
             seconds = roof + hw.op_overhead_s
         if self.keep.keeps(func):

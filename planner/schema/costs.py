@@ -246,6 +246,18 @@ class BlockCost(BaseModel):
         "the step instead (planner.core.levers.casts.shared_casts); a compiled stage, which casts inside its graph, "
         "never does. 0 without autocast.",
     )
+    host_fwd_s: float = Field(
+        default=0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Of fwd_s, estimated for a GPU: the host's time issuing the forward's operators one by one "
+        "(eager dispatch, HardwareSpec.dispatch_s each). Splitting the block's work (tensor parallelism) leaves "
+        "every rank as many operators to issue, so its forward never drops below this. 0: not estimated "
+        "(measured costs, a CPU, compiled code).",
+    )
+    host_bwd_s: float = Field(
+        default=0.0, ge=0, allow_inf_nan=False, description="The same for the backward (of bwd_s)."
+    )
     bwd_input_s: float | None = Field(
         default=None,
         ge=0,

@@ -136,8 +136,16 @@ class HardwareSpec(BaseModel):
     op_overhead_s: float = Field(
         default=5e-6,
         ge=0,
-        description="Fixed cost per operator (eager dispatch + kernel launch). On a GPU (async launch) it hides "
-        "behind longer kernels: an op costs max(overhead, roofline). On a CPU it adds: overhead + roofline.",
+        description="Fixed cost per operator. On a CPU it adds: an operator costs overhead + roofline (eager "
+        "dispatch and the kernel run inline). On a GPU it is the least a kernel takes: max(overhead, roofline).",
+    )
+    dispatch_s: float = Field(
+        default=27e-6,
+        ge=0,
+        description="On a GPU: host time eager PyTorch spends issuing one operator (views included), s. A kernel "
+        "starts once it is issued and the one before it is done, so operators shorter than this leave the GPU "
+        "waiting on the host. Default: planner probe's tiny model on lent H200 machines, 20-30 us per operator "
+        "over six probes, median 27 (docs/gpu_costs.md, 'Measured on an H200'). Not used on a CPU.",
     )
     source: str = Field(default="", description="Where the numbers come from.")
 

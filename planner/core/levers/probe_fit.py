@@ -308,10 +308,13 @@ def hardware_file_of(measured: Measured, name: str) -> HardwareFile:
         attention_bwd_efficiency=bwd,
         memory_efficiency=1.0,
         link_efficiency=1.0,
-        op_overhead_s=measured.op_overhead_s,
+        # a CPU runs each operator inline after its dispatch; a GPU's host issues them ahead of its kernels
+        op_overhead_s=measured.op_overhead_s if cpu else HardwareSpec.model_fields["op_overhead_s"].default,
+        dispatch_s=measured.op_overhead_s,
         source=f"planner probe on {measured.host} ({measured.device_name}; {where}; "
         f"{measured.threads} thread(s); torch {measured.torch_version}; {measured.date})",
     )
+    tiny = "a tiny model's training step over the operators it dispatches (measured.op_overhead_s)"
     attention = "median over measured.attention of torch's FLOP count / time, over the GEMM ceiling (at most 1)"
     derived = {
         f"peak_flops.{measured.dtype}": gemm_how,
@@ -321,7 +324,8 @@ def hardware_file_of(measured: Measured, name: str) -> HardwareFile:
         "memory_efficiency": "1: the bandwidth is sustained",
         "attention_fwd_efficiency": attention,
         "attention_bwd_efficiency": attention,
-        "op_overhead_s": "a tiny model's training step over the operators it dispatches (measured.op_overhead_s)",
+        "op_overhead_s": tiny if cpu else "the spec's default: the least a GPU kernel takes, not measured",
+        "dispatch_s": tiny if not cpu else "as op_overhead_s (not used on a CPU)",
         "intra_node_latency_s": intra[2],
         "intra_node_Bps": intra[2],
         "inter_node_latency_s": inter[2],

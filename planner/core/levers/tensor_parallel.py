@@ -153,8 +153,15 @@ def _plus(x: int | None, extra: int) -> int | None:
     return x if not extra else (x or 0) + extra
 
 
-def _scaled(x: float | None, factor: float, extra: float = 0.0) -> float | None:
-    return None if x is None else x * factor + extra
+def _scaled(x: float | None, factor: float, extra: float = 0.0, host: float = 0.0) -> float | None:
+    """``x`` scaled by the rank's share of the work, never below ``host`` (the host's time issuing its
+    operators, which a split does not shorten), plus ``extra``."""
+    return None if x is None else max(x * factor, host) + extra
+
+
+def _host_share(part: float | None, whole: float, host: float) -> float:
+    """Of a phase's host time ``host``, the share a part of it (``part`` of ``whole`` seconds) holds."""
+    return host * part / whole if part is not None and whole > 0 else 0.0
 
 
 def _sequence_comm(
@@ -228,15 +235,26 @@ def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkC
 
     return block.model_copy(
         update={
-            "fwd_s": block.fwd_s * compute + fwd_comm,
-            "bwd_s": block.bwd_s * compute + bwd_comm,
-            "bwd_input_s": _scaled(block.bwd_input_s, compute, input_comm),
-            "bwd_weight_s": _scaled(block.bwd_weight_s, compute, weight_comm),
+            "fwd_s": max(block.fwd_s * compute, block.host_fwd_s) + fwd_comm,
+            "bwd_s": max(block.bwd_s * compute, block.host_bwd_s) + bwd_comm,
+            "bwd_input_s": _scaled(
+                block.bwd_input_s, compute, input_comm, _host_share(block.bwd_input_s, block.bwd_s, block.host_bwd_s)
+            ),
+            "bwd_weight_s": _scaled(
+                block.bwd_weight_s, compute, weight_comm, _host_share(block.bwd_weight_s, block.bwd_s, block.host_bwd_s)
+            ),
             # recomputing the forward runs its all-reduces again, those before the block's last saved
             # tensor only (torch's early stop: a layer's last all-reduce, after its last matmul, is not
             # re-run): charged the share of the forward the recomputation re-runs
-            "recompute_s": _scaled(block.recompute_s, compute, rerun_comm),
-            "selective_recompute_s": _scaled(block.selective_recompute_s, compute, rerun_comm),
+            "recompute_s": _scaled(
+                block.recompute_s, compute, rerun_comm, _host_share(block.recompute_s, block.fwd_s, block.host_fwd_s)
+            ),
+            "selective_recompute_s": _scaled(
+                block.selective_recompute_s,
+                compute,
+                rerun_comm,
+                _host_share(block.selective_recompute_s, block.fwd_s, block.host_fwd_s),
+            ),
             # what selective checkpointing keeps, and the backward's temporaries (gradients of the
             # activations), split as the block's activations are
             "selective_bytes": as_activations(block.selective_bytes),
