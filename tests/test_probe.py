@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from cli import main
-from planner.core.levers.hardware import GPUS, HardwareError
+from planner.core.levers.hardware import GPUS, HardwareError, HardwareSpec
 from planner.core.levers.hardware_file import (
     FORMAT_VERSION,
     CollectivePoint,
@@ -155,6 +155,23 @@ def test_a_probe_file_round_trips_with_its_measurements(tmp_path: Path) -> None:
     write_hardware_file(tmp_path / "cpu.json", doc)
     again = read_hardware_file(tmp_path / "cpu.json")
     assert again == doc and again.format == FORMAT_VERSION and again.measured is not None
+
+
+def test_a_format_1_gpu_probe_reads_its_overhead_as_the_hosts_dispatch(tmp_path: Path) -> None:
+    # `planner probe --gpus 1` on a lent H200 before format 2 (bench/gpu_probe.py, docs/probe_gpu.md): its
+    # tiny model's step per operator, in op_overhead_s then, is the host's time issuing an operator
+    path = ROOT / "tests" / "fixtures" / "h200_probe_format1.json"
+    raw = json.loads(path.read_text())
+    doc = read_hardware_file(path)
+    assert raw["format"] == 1 and doc.format == 2 and doc.measured is not None
+    assert doc.spec.dispatch_s == raw["spec"]["op_overhead_s"] == doc.measured.op_overhead_s
+    assert doc.spec.op_overhead_s == HardwareSpec.model_fields["op_overhead_s"].default
+    # a format-1 file without measurements (a shipped GPU, maybe edited) keeps what it says
+    shipped = shipped_file("h200").model_dump(mode="json")
+    shipped["format"] = 1
+    del shipped["spec"]["dispatch_s"]
+    (tmp_path / "h200.json").write_text(json.dumps(shipped))
+    assert read_hardware_file(tmp_path / "h200.json").spec == GPUS["h200"]
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from planner.core.levers.hardware import GPUS, HardwareError, HardwareSpec, get_hardware
 from planner.schema.jsonfile import write_atomic
 
-FORMAT_VERSION = 1
+# 2: a GPU's per-operator host time is ``spec.dispatch_s``; format 1 had none, and a GPU probe put that
+# measurement in ``op_overhead_s`` (read as format 2 by ``_upgraded``)
+FORMAT_VERSION = 2
 """The hardware file format this planner writes and reads (a newer one is refused by name)."""
 
 
@@ -164,7 +166,18 @@ def read_hardware_file(path: str | Path) -> HardwareFile:
         raise HardwareError(
             f"{where}: format {doc.format} is newer than this planner reads ({FORMAT_VERSION}); upgrade the planner"
         )
-    return doc
+    return _upgraded(doc)
+
+
+def _upgraded(doc: HardwareFile) -> HardwareFile:
+    """A format-1 file as format 2: a GPU probe's tiny-model measure moves from ``op_overhead_s`` (which on
+    a GPU is now the least a kernel takes) to ``dispatch_s``; a file without a probe's measurements (the
+    shipped GPUs, edited) keeps its figures, ``dispatch_s`` at its default."""
+    if doc.format >= 2 or doc.measured is None or doc.spec.kind != "gpu" or "dispatch_s" in doc.spec.model_fields_set:
+        return doc
+    default = HardwareSpec.model_fields["op_overhead_s"].default
+    spec = doc.spec.model_copy(update={"dispatch_s": doc.spec.op_overhead_s, "op_overhead_s": default})
+    return doc.model_copy(update={"format": 2, "spec": spec})
 
 
 def write_hardware_file(path: str | Path, doc: HardwareFile) -> None:
