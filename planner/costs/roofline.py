@@ -164,7 +164,7 @@ class Roofline(TorchDispatchMode):
         self.no_formula: set[str] = set()
         self.tally = Tally()
         # Eager operators on a GPU: when the host has issued the phase's operators so far, and when the
-        # GPU finishes their kernels (``_issued``)
+        # GPU finishes their kernels (``_gpu_seconds``)
         self._host = 0.0
         self._device = 0.0
         # the kept outputs (Tally.kept), held so that no later tensor reuses their storage ids
