@@ -389,9 +389,20 @@ def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], *, numparse: bo
 
 
 def write_page(path: Path | str, text: str, option: str = "--out") -> None:
-    """Write a page (or any text file) whole or not at all, creating its folder."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, text, option)
+    """Write a page (or any text file) whole or not at all, creating its folder.
+
+    A page that cannot be written there (a folder in the way, no permission) holds what a bench
+    measured, often minutes of it: it is kept in the temporary folder instead, and the bench ends with
+    one line naming both (``SystemExit``), not a traceback.
+    """
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, text, option)
+    except (PlannerError, OSError) as e:
+        fd, kept = tempfile.mkstemp(prefix=f"{Path(path).stem}.", suffix=Path(path).suffix or ".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        raise SystemExit(f"error: {last_line(str(e))}; the page is kept at {kept}") from None
 
 
 def between_markers(text: str, begin: str, end: str, body: str) -> str | None:
@@ -406,7 +417,7 @@ def write_between_markers(doc: Path, begin: str, end: str, body: str) -> None:
     """Write ``body`` between the two marker lines of the page ``doc`` (the rest of it as it is); a
     page not there yet (a trial run's ``--out``) is written as the markers and ``body`` alone. Exits
     with an error naming the markers when the page lacks them, or naming the page when it cannot be
-    read; a page that cannot be written raises ``write_atomic``'s ``PlanFileError``."""
+    read, or (``write_page``) naming where the page was kept when it cannot be written."""
     try:
         old = doc.read_text() if doc.exists() else f"{begin}\n{end}\n"
     except OSError as e:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import write_between_markers
+from bench.common import write_between_markers, write_page
 
 BEGIN, END = "<!-- rows: begin -->", "<!-- rows: end -->"
 
@@ -38,3 +38,20 @@ def test_a_page_without_the_markers_is_refused_and_kept(tmp_path: Path) -> None:
 def test_a_folder_given_as_the_page_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=f"cannot read {tmp_path}"):
         write_between_markers(tmp_path, BEGIN, END, "the table")
+
+
+def test_a_page_that_cannot_be_written_is_kept_and_named_in_one_line(tmp_path: Path) -> None:
+    # a bench's --out under a file: the folder cannot be made; its minutes of measurements are not lost
+    blocker = tmp_path / "results"
+    blocker.write_text("a file where the folder should be\n")
+    with pytest.raises(SystemExit) as ended:
+        write_page(blocker / "page.md", "| the | table |\n")
+    message = str(ended.value)
+    assert message.startswith("error: ") and "\n" not in message
+    kept = Path(message.rsplit("the page is kept at ", 1)[1])
+    assert kept.read_text() == "| the | table |\n" and kept.suffix == ".md"
+    kept.unlink()
+    # a folder given as the page: write_atomic's own refusal, the page kept the same way
+    with pytest.raises(SystemExit, match="cannot write .*; the page is kept at ") as refused:
+        write_page(tmp_path, "text")
+    Path(str(refused.value).rsplit("the page is kept at ", 1)[1]).unlink()
