@@ -13,6 +13,7 @@ the pure tests (compare, calibrate, fuzz) build their reports here without it.
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -337,7 +338,7 @@ def run_report(
         losses, grad_norms: per step (None: 1.0 each).
         rank_step_times_s: per rank and step (None: every rank at ``step_times_s``).
         timed_steps: the steps the medians are over (None: step 2, after the set-up step).
-        median_step_s: None: the median of ``step_times_s`` over ``timed_steps``.
+        median_step_s: None: the median of ``step_times_s`` over ``timed_steps`` (None without one).
         fields: any other ``RunResult`` field, as given (``mode``, ``status``, ``memory_step``...).
     """
     steps = len(step_times_s)
@@ -369,9 +370,19 @@ def run_report(
         "grad_clip": 1.0,
         "step_times_s": step_times_s,
         "rank_step_times_s": [list(step_times_s)] * n if rank_step_times_s is None else rank_step_times_s,
-        "median_step_s": RunResult.median_of(step_times_s, timed) if median_step_s is None else median_step_s,
+        # no timed step (a run of one or two, or cut short): no median, as the runner reports it
+        "median_step_s": median_step_s
+        if median_step_s is not None or not timed
+        else RunResult.median_of(step_times_s, timed),
         "peak_rss_bytes": [1] * n,
         "timed_steps": timed,
         "stages": stages or [],
     }
     return RunResult(**{**values, **fields})
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (bound once and released): a rendezvous endpoint for tests."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

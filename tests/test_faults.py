@@ -204,7 +204,6 @@ def test_a_failed_run_keeps_its_steps_and_exits_with_the_failures_code(
         step_times_s=[0.1] * 4,
         losses=[4.0, 3.0, 2.0, 1.0],
         timed_steps=[],
-        median_step_s=0.1,
         batch_size=16,
         status="interrupted",
         stopped="interrupted at step 5",
@@ -428,18 +427,14 @@ def single_node_losses(faulty_plan: Path) -> list[float]:
     return losses
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("rendezvous", ["c10d", "static"])
 def test_two_nodes_on_loopback_train_as_one(
     faulty_plan: Path, single_node_losses: list[float], tmp_path: Path, rendezvous: str
 ) -> None:
-    port = _free_port()
+    from run_factory import free_port
+
+    port = free_port()
     outs = [tmp_path / f"node{k}.run.json" for k in range(2)]
     nodes = [
         subprocess.Popen(

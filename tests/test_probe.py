@@ -326,13 +326,12 @@ def test_a_failing_rank_comes_back_as_one_line() -> None:
 def test_two_nodes_measure_the_links_across_nodes(tmp_path: Path) -> None:
     """Two `planner probe` commands on this machine, one rank each, meeting at a c10d rendezvous:
     the path of a multi-node probe, with localhost standing in for the network."""
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+    from run_factory import free_port
+
+    port = free_port("localhost")
     args = ["--gpus", "2", "--gpus-per-node", "1", "--quick", "--no-progress", "--rdzv-endpoint", f"localhost:{port}"]
     nodes = [
         subprocess.Popen(
@@ -359,11 +358,9 @@ def test_two_nodes_measure_the_links_across_nodes(tmp_path: Path) -> None:
 def test_a_node_alone_at_its_rendezvous_is_one_line_within_the_timeout(tmp_path: Path) -> None:
     """One node of a two-node probe started, the other never: the line names the endpoint, the
     timeout and what to start on every node (it was an internal error before)."""
-    import socket
+    from run_factory import free_port
 
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+    port = free_port("localhost")
     out = tmp_path / "hw.json"
     result = invoke(
         "probe", "--gpus", "2", "--gpus-per-node", "1", "--quick", "--no-progress", "--timeout", "3",
