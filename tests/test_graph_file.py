@@ -77,19 +77,19 @@ def test_a_rebuilt_graph_computes_what_the_export_does(tmp_path: Path) -> None:
 
 
 def test_a_graph_of_another_model_is_traced_afresh(tmp_path: Path) -> None:
-    from planner.run.model import _rebuilt
+    from planner.run.model import rebuilt_trace
 
     model, example = _built("gpt2", tmp_path)
     other, other_example = _built("llama", tmp_path)
     other_graph = dump_graph(trace_export(copy.deepcopy(other), other_example), other)
 
-    class _Plan:  # the two fields _rebuilt reads
+    class _Plan:  # the two fields rebuilt_trace reads
         class model:  # noqa: N801
             trace_method = "export"
             fingerprint = trace_model(model, example, methods=("export",), shapes_only=True).fingerprint
 
     # llama's graph does not fit gpt2's weights: no trace from it, so the rank exports its own
-    assert _rebuilt(_Plan, model, example, other_graph) is None  # type: ignore[arg-type]
+    assert rebuilt_trace(_Plan, model, example, other_graph) is None  # type: ignore[arg-type]
 
 
 def test_bytes_that_are_no_graph_are_refused_in_one_line(tmp_path: Path) -> None:

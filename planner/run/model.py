@@ -179,7 +179,9 @@ def trace_for_plan(plan: Plan, model: nn.Module, inputs: tuple, graphs: RankGrap
         PlanFileError: the traced fingerprint differs from the plan's.
         TraceError: the plan's tracer no longer works on the model.
     """
-    traced = _rebuilt(plan, model, inputs, graphs.traced) if graphs is not None and graphs.traced is not None else None
+    traced = (
+        rebuilt_trace(plan, model, inputs, graphs.traced) if graphs is not None and graphs.traced is not None else None
+    )
     if traced is None:
         # shapes are all the run needs of the example: recorded on fake tensors, not by a forward on the CPU
         traced = trace_model(model, inputs, methods=(plan.model.trace_method,), shapes_only=True)
@@ -199,9 +201,19 @@ def trace_for_plan(plan: Plan, model: nn.Module, inputs: tuple, graphs: RankGrap
     return traced
 
 
-def _rebuilt(plan: Plan, model: nn.Module, inputs: tuple, graph: bytes) -> TracedModel | None:
+def rebuilt_trace(plan: Plan, model: nn.Module, inputs: tuple, graph: bytes) -> TracedModel | None:
     """The trace of ``model`` from the launcher's graph, or None where it cannot be rebuilt or does not
-    give the plan's structure (the caller then exports: any refusal names what a fresh trace finds)."""
+    give the plan's structure (the caller then exports: any refusal names what a fresh trace finds).
+
+    Args:
+        plan: the plan (its trace method and model fingerprint).
+        model: this rank's model.
+        inputs: an example batch for it.
+        graph: the launcher's graph (``planner.capture.graph_file.dump_graph``).
+
+    Returns:
+        The trace, or None.
+    """
     if plan.model.trace_method != "export":
         return None
     try:
