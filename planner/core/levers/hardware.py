@@ -44,6 +44,11 @@ class HardwareError(PlannerError):
     """Unknown hardware name, or a dtype the hardware does not support."""
 
 
+# The least a GPU kernel is charged (``HardwareSpec.op_overhead_s``'s default; a GPU probe measures the
+# host's time per operator instead, ``dispatch_s``, and leaves this).
+KERNEL_FLOOR_S = 5e-6
+
+
 class HardwareSpec(BaseModel):
     """One device type: peak compute, memory, links and the efficiency a real kernel reaches."""
 
@@ -134,7 +139,7 @@ class HardwareSpec(BaseModel):
         default="intel", description="The host CPU vendor of the reference platform (NCCL tunes by it)."
     )
     op_overhead_s: float = Field(
-        default=5e-6,
+        default=KERNEL_FLOOR_S,
         ge=0,
         description="Fixed cost per operator. On a CPU it adds: an operator costs overhead + roofline (eager "
         "dispatch and the kernel run inline). On a GPU it is the least a kernel takes: max(overhead, roofline).",

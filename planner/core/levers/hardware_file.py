@@ -4,7 +4,7 @@
 --write-shipped DIR`` writes the shipped table (``GPUS``) in the same format, and ``planner plan
 --gpu-type FILE.json`` estimates for it. A file is::
 
-    {"format": 1, "spec": {...HardwareSpec...}, "derived": {field: how}, "measured": {...} | null}
+    {"format": 2, "spec": {...HardwareSpec...}, "derived": {field: how}, "measured": {...} | null}
 
 ``spec`` is all the planner reads. ``measured`` holds the raw sweep points (GEMM shapes and
 seconds, copies, attention, every collective's size and seconds inside a node and across nodes)
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from planner.core.levers.hardware import GPUS, HardwareError, HardwareSpec, get_hardware
+from planner.core.levers.hardware import GPUS, KERNEL_FLOOR_S, HardwareError, HardwareSpec, get_hardware
 from planner.schema.jsonfile import write_atomic
 
 # 2: a GPU's per-operator host time is ``spec.dispatch_s``; format 1 had none, and a GPU probe put that
@@ -175,8 +175,7 @@ def _upgraded(doc: HardwareFile) -> HardwareFile:
     shipped GPUs, edited) keeps its figures, ``dispatch_s`` at its default."""
     if doc.format >= 2 or doc.measured is None or doc.spec.kind != "gpu" or "dispatch_s" in doc.spec.model_fields_set:
         return doc
-    default = HardwareSpec.model_fields["op_overhead_s"].default
-    spec = doc.spec.model_copy(update={"dispatch_s": doc.spec.op_overhead_s, "op_overhead_s": default})
+    spec = doc.spec.model_copy(update={"dispatch_s": doc.spec.op_overhead_s, "op_overhead_s": KERNEL_FLOOR_S})
     return doc.model_copy(update={"format": 2, "spec": spec})
 
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.core.levers.hardware import DTYPES, HardwareSpec
+from planner.core.levers.hardware import DTYPES, KERNEL_FLOOR_S, HardwareSpec
 from planner.core.levers.hardware_file import CollectiveSweep, HardwareFile, Measured
 from planner.errors import PlannerError
 from planner.schema.costs import GLOO_CPU_LINK, NCCL_NVLINK_LINK
@@ -309,7 +309,7 @@ def hardware_file_of(measured: Measured, name: str) -> HardwareFile:
         memory_efficiency=1.0,
         link_efficiency=1.0,
         # a CPU runs each operator inline after its dispatch; a GPU's host issues them ahead of its kernels
-        op_overhead_s=measured.op_overhead_s if cpu else HardwareSpec.model_fields["op_overhead_s"].default,
+        op_overhead_s=measured.op_overhead_s if cpu else KERNEL_FLOOR_S,
         dispatch_s=measured.op_overhead_s,
         source=f"planner probe on {measured.host} ({measured.device_name}; {where}; "
         f"{measured.threads} thread(s); torch {measured.torch_version}; {measured.date})",
