@@ -12,7 +12,7 @@ on the GPU it finds:
    wall time, last line;
 2. the constants each file holds beside the shipped spec of that GPU (``--gpu-type h200``): the GEMM
    ceiling, the GEMM half-efficiency dimension, memory bandwidth, attention forward / backward and the
-   per-operator overhead;
+   host's time per operator (``dispatch_s``: a GPU probe's tiny-model measure);
 3. two models (``PLANNED``: the Llama above, compute-bound, and a small GPT whose step is set by
    launching its operators), each planned four ways in bf16 on one GPU: measured on this GPU (no
    ``--gpu-type``), the shipped spec, and each probe file; then ``planner run`` of the measured plan,
@@ -20,7 +20,7 @@ on the GPU it finds:
 4. each of those models' plain eager training step in this process (bf16 autocast, AdamW; no
    runtime around it): forward, backward and optimizer medians, the GPU's kernel time in one step
    (torch.profiler), the operators a plan's roofline counts (views included), and the forward and
-   backward time per operator beside each probe file's per-operator overhead times that count.
+   backward time per operator beside each probe file's ``dispatch_s`` times that count.
 
 One GPU has no collectives to measure (a probe of one rank has no one to talk to): the link figures of
 these files are the spec's defaults and play no part in a one-GPU plan.
@@ -54,13 +54,6 @@ TIMEOUT_S = 600.0
 MEASURED = "measured on this GPU"
 
 
-def _model(dry: bool) -> list[str]:
-    """The model every probe and plan of this script uses: its file, size and overrides."""
-    if dry:
-        return [str(MODELS / "llama.py"), "--size", "tiny"]
-    return [str(MODELS / "llama.py"), "--size", "8b", "--set", "n_layers=2"]
-
-
 def _command(argv: list[str], rows: list[list[Any]]) -> bool:
     """Run ``planner ARGV``; add its row (command, exit, seconds, last line); True when it succeeded."""
     done = execute([*CLI, *argv], ROOT, TIMEOUT_S)
@@ -78,7 +71,8 @@ def probes(tmp: Path, dry: bool) -> tuple[str, dict[str, Path]]:
     quick = ["--quick", "--device", "cpu"] if dry else []
     runs = {
         "default sweep": ["probe", "--gpus", "1", *quick, "--no-progress", "-o", str(tmp / "default.json")],
-        "model GEMMs": ["probe", *_model(dry), "--microbatch-size", "1", "--gpus", "1", *quick, "--no-progress"]
+        "model GEMMs": ["probe", *_model_args(*(DRY_PLANNED if dry else PLANNED)[0][1:4]), "--microbatch-size", "1"]
+        + ["--gpus", "1", *quick, "--no-progress"]
         + ["-o", str(tmp / "llama.json")],
     }
     rows: list[list[Any]] = []
@@ -87,7 +81,7 @@ def probes(tmp: Path, dry: bool) -> tuple[str, dict[str, Path]]:
 
 
 def _constants(hw: HardwareSpec, dtype: str) -> list[float]:
-    """What a plan reads from a spec: GEMM ceiling, half-efficiency dimension, bandwidth, attention, overhead."""
+    """What a plan reads from a spec: GEMM ceiling, half-efficiency dimension, bandwidth, attention, host time."""
     peak = hw.peak_flops.get(dtype, float("nan"))
     return [
         peak * hw.matmul_efficiency / 1e12,
@@ -95,7 +89,7 @@ def _constants(hw: HardwareSpec, dtype: str) -> list[float]:
         hw.memory_Bps * hw.memory_efficiency / 1e9,
         peak * hw.attention_efficiency(backward=False) / 1e12,
         peak * hw.attention_efficiency(backward=True) / 1e12,
-        hw.op_overhead_s * 1e6,
+        hw.dispatch_s * 1e6,
     ]
 
 
@@ -107,7 +101,7 @@ def constants(files: dict[str, Path], shipped: HardwareSpec, dtype: str) -> str:
         "memory GB/s",
         "attention fwd, TFLOP/s",
         "attention bwd, TFLOP/s",
-        "per-operator overhead, us",
+        "host time per operator (dispatch_s), us",
     ]
     ship = _constants(shipped, dtype)
     found = {name: _constants(read_hardware_file(path).spec, dtype) for name, path in files.items()}
@@ -124,17 +118,25 @@ def constants(files: dict[str, Path], shipped: HardwareSpec, dtype: str) -> str:
     return table(rows, [*headers, f"shipped `{shipped.name}`"])
 
 
-# The models planned and run (section 3): a name, the model file's arguments, samples a step. The first
-# is compute-bound (its GEMMs and attention set the step); the second is small enough that launching
-# its operators does, which is what a spec's per-operator overhead stands for.
-PLANNED = [
-    ("Llama 3 8B widths, 2 layers, 1 x 8,192 tokens", ["--size", "8b", "--set", "n_layers=2"], 1, "llama.py"),
-    ("GPT tutorial (512 wide, 8 layers), 8 x 500 tokens", ["--size", "tutorial"], 8, "gpt.py"),
+# The models planned and run (section 3): a name, the model file, its size and overrides, samples a
+# step. The first is compute-bound (its GEMMs and attention set the step), and the model-shaped probe
+# measures its GEMMs; the second is small enough that the host issuing its operators sets the step,
+# which is what a spec's dispatch_s stands for.
+Model = tuple[str, str, str, dict[str, Any], int]  # name, file, size, overrides, samples a step
+PLANNED: list[Model] = [
+    ("Llama 3 8B widths, 2 layers, 1 x 8,192 tokens", "llama.py", "8b", {"n_layers": 2}, 1),
+    ("GPT tutorial (512 wide, 8 layers), 8 x 500 tokens", "gpt.py", "tutorial", {}, 8),
 ]
-DRY_PLANNED = [
-    ("Llama tiny", ["--size", "tiny"], 1, "llama.py"),
-    ("GPT tiny", ["--size", "tiny"], 8, "gpt.py"),
+DRY_PLANNED: list[Model] = [
+    ("Llama tiny", "llama.py", "tiny", {}, 1),
+    ("GPT tiny", "gpt.py", "tiny", {}, 8),
 ]
+
+
+def _model_args(file: str, size: str, overrides: dict[str, Any]) -> list[str]:
+    """The command-line arguments naming a model: its file, size and overrides."""
+    sets = [a for k, v in overrides.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+    return [str(MODELS / file), "--size", size, *sets]
 
 
 def _planned(tmp: Path, model: list[str], batch: int, ways: dict[str, list[str]], dry: bool) -> tuple[list[Any], str]:
@@ -188,16 +190,18 @@ def plans(tmp: Path, files: dict[str, Path], shipped: str, dry: bool) -> str:
     ways.update({f"probe file ({name})": ["--gpu-type", str(path)] for name, path in files.items()})
     rows: list[list[Any]] = []
     parts = []
-    for i, (title, args, batch, file) in enumerate(DRY_PLANNED if dry else PLANNED):
+    for i, (title, file, size, overrides, batch) in enumerate(DRY_PLANNED if dry else PLANNED):
         folder = tmp / f"model{i}"
         folder.mkdir()
-        found, text = _planned(folder, [str(MODELS / file), *args], batch, ways, dry)
+        found, text = _planned(folder, _model_args(file, size, overrides), batch, ways, dry)
         rows += found
         parts.append(f"### {title}\n\n{text}\n")
     return table(rows, ["command", "exit", "s", "last line"]) + "\n\n" + "\n".join(parts)
 
 
-def _eager_step(file: str, args: list[str], batch: int, device: torch.device, dry: bool) -> dict[str, float]:
+def _eager_step(
+    file: str, size: str, overrides: dict[str, Any], batch: int, device: torch.device, dry: bool
+) -> dict[str, float]:
     """A model's plain eager step (bf16 autocast, AdamW) on ``device``: forward, backward and optimizer
     medians (s), the operators the roofline counts in forward and backward, and the GPU's kernel time
     in one step (torch.profiler; 0 on a CPU)."""
@@ -206,12 +210,6 @@ def _eager_step(file: str, args: list[str], batch: int, device: torch.device, dr
     from planner.capture.load import load_model_file
     from planner.costs.roofline import Roofline, Tally
 
-    size = args[args.index("--size") + 1]
-    overrides = (
-        {k: json.loads(v) for k, v in (a.split("=", 1) for a in args[args.index("--set") + 1 :: 2])}
-        if "--set" in args
-        else {}
-    )
     mf = load_model_file(MODELS / file, size, overrides)
     model = mf.build(seed=0).to(device)
     inputs, target = mf.batch(batch, seed=0)
@@ -266,11 +264,11 @@ def _eager_step(file: str, args: list[str], batch: int, device: torch.device, dr
 
 def eager_steps(device: torch.device, probe_files: dict[str, Path], dry: bool) -> str:
     """Section 4: each model's plain eager step split into its parts, beside what a probe file's
-    per-operator overhead would charge for the operators the roofline counts."""
-    overhead = {name: read_hardware_file(path).spec.op_overhead_s for name, path in probe_files.items()}
+    host time per operator (``dispatch_s``) would charge for the operators the roofline counts."""
+    overhead = {name: read_hardware_file(path).spec.dispatch_s for name, path in probe_files.items()}
     rows = []
-    for title, args, batch, file in DRY_PLANNED if dry else PLANNED:
-        got = _eager_step(file, args, batch, device, dry)
+    for title, file, size, overrides, batch in DRY_PLANNED if dry else PLANNED:
+        got = _eager_step(file, size, overrides, batch, device, dry)
         fwd_bwd = got["fwd"] + got["bwd"]
         row = [title, *(f"{got[k] * 1e3:.2f}" for k in ("fwd", "bwd", "opt", "kernels")), f"{got['ops']:.0f}"]
         row.append(f"{fwd_bwd / got['ops'] * 1e6:.1f}")
@@ -278,7 +276,7 @@ def eager_steps(device: torch.device, probe_files: dict[str, Path], dry: bool) -
         rows.append(row)
     head = ["model", "fwd ms", "bwd ms", "optimizer ms", "GPU kernels ms (one step)", "operators (fwd + bwd)"]
     head.append("fwd + bwd per operator, us")
-    head += [f"operators x overhead ({name}), ms" for name in overhead]
+    head += [f"operators x dispatch_s ({name}), ms" for name in overhead]
     return table(rows, head)
 
 
