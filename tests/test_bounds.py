@@ -3,22 +3,35 @@ solver and the simulator find, for the solver's split and for any other split.""
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 from dataclasses import replace
 
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from test_plans_unchanged import _block
+from test_plans_unchanged import MB, _block
 
-from planner.core.layout.bounds import block_totals, chain_floor, floors, memory_floor, pipeline_floor, step_floor
+from planner.core.layout.bounds import (
+    _cheapest_first,
+    block_totals,
+    busiest_load,
+    chain_floor,
+    floors,
+    least_rerun,
+    memory_floor,
+    pipeline_floor,
+    recompute_floor,
+    step_floor,
+)
 from planner.core.layout.inputs import Cluster, Constraints, Layout
 from planner.core.layout.search import evaluate_choice, evaluate_modes
 from planner.core.split.stage_model import Partition
 from planner.core.step.schedules import SCHEDULES, ZERO_BUBBLE, check_schedule, stages_per_rank_options
 from planner.core.step.simulate import StageTimes, simulate_step
 from planner.errors import InfeasibleError
-from planner.schema.costs import LinkCost, OptimizerSpec
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 
 LINKS = [
     LinkCost(name="free", latency_s=0.0, bandwidth_Bps=1e12),
@@ -156,3 +169,125 @@ def test_pass_floors_under_the_simulated_makespan(
     total, backward = sum(t.f + t.b for t in stages), sum(t.b for t in stages)
     assert pipeline_floor(total, m, p * v, lead) <= makespan * (1 + 1e-9)
     assert chain_floor(total, backward, m, p * v, split) <= makespan * (1 + 1e-9)
+
+
+def _rich_block(rng: random.Random, i: int, n: int) -> BlockCost:
+    """A random block with what recomputation and memory read: selective costs and bytes, autocast's
+    weight copies, its backward's temporaries and, on the last, the loss's saved bytes."""
+    b = _block(rng, i, n)
+    cast = rng.choice([0, b.activation_bytes // 4])
+    return b.model_copy(
+        update={
+            "weight_cast_bytes": cast,
+            "selective_bytes": rng.choice([None, rng.randint(0, max(1, b.activation_bytes))]),
+            "selective_recompute_s": rng.choice([None, rng.randint(0, 20) / 1e3]),
+            "bwd_temp_bytes": rng.choice([None, rng.randint(0, 2) * MB]),
+            "loss_bytes": rng.randint(0, 2) * MB if i == n - 1 else None,
+            "recompute_s": rng.choice([None, 0.0, rng.randint(1, 40) / 1e3]),
+        }
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(problems(), st.floats(0.05, 1.5), st.sampled_from(["auto", "full", "selective", "never"]))
+def test_floors_under_a_memory_limit_never_exceed_a_fitting_layout(
+    problem: tuple,  # type: ignore[type-arg]
+    share: float,
+    recompute: str,
+) -> None:
+    """Under a memory limit the step floor counts the recomputation fitting it forces
+    (``recompute_floor``): never more than the step of the solver's split, or of a random split
+    with random recomputation, wherever that fits the limit."""
+    _, cluster, layout, constraints, rng = problem
+    n = rng.randint(2, 10)
+    blocks = [_rich_block(rng, i, n) for i in range(n)]
+    legal = sum(b.cut_legal for b in blocks[:-1]) + 1
+    assume(layout.n_stages <= legal)
+    # a limit from a sliver of the model's bytes to more than all of them
+    whole = sum(b.param_bytes * 4 + b.activation_bytes * layout.n_microbatches for b in blocks)
+    limit = int(whole * share / layout.pp) + 1
+    limited = replace(constraints, memory_limit_bytes=limit, recompute=recompute)
+    step, _ = floors(blocks, layout, constraints.optimizer, limit=limit, recompute=recompute)
+    choices = []
+    try:
+        choices.append(evaluate_modes(blocks, cluster, layout, limited))
+    except InfeasibleError:
+        pass
+    split = _random_split(blocks, layout.n_stages, rng)
+    modes = ["ddp", "fsdp"] if layout.dp_mode == "auto" else [layout.dp_mode]
+    if layout.dp == 1 or layout.schedule in ZERO_BUBBLE:
+        modes = ["ddp"]
+    for mode in modes if split is not None else []:
+        try:
+            choices.append(evaluate_choice(blocks, cluster, replace(layout, dp_mode=mode), limited, split))
+        except InfeasibleError:
+            pass
+    for c in choices:
+        if c.fits:
+            assert step <= c.prediction.step_time_s * (1 + 1e-9), (step, c.prediction.step_time_s, c.layout)
+
+
+def test_busiest_load_against_every_deal() -> None:
+    """``busiest_load`` never exceeds the least largest load over every way of dealing the items
+    to the bins (brute force), and equals it for equal items: ceil(n / bins) of them."""
+    rng = random.Random(7)
+    for _ in range(300):
+        n, bins = rng.randint(1, 7), rng.randint(1, 4)
+        items = [rng.choice([1.0, 2.0, 3.0, rng.random() * 5]) for _ in range(n)]
+        best = min(
+            max(sum(x for x, b in zip(items, deal, strict=True) if b == k) for k in range(bins))
+            for deal in itertools.product(range(bins), repeat=n)
+        )
+        prefix = (0.0, *itertools.accumulate(sorted(items, reverse=True)))
+        assert busiest_load(prefix, bins) <= best + 1e-12
+    for n, bins in [(82, 16), (82, 24), (80, 8), (5, 2), (3, 4)]:
+        prefix = tuple(float(k) for k in range(n + 1))
+        assert busiest_load(prefix, bins) == math.ceil(n / bins)
+    assert busiest_load((0.0,), 4) == 0.0
+
+
+def test_least_rerun_takes_the_cheapest_bytes_first() -> None:
+    """Items of (bytes, cost): free the cheapest per byte first, part of the next, all of them at most."""
+    frees = _cheapest_first([(100.0, 50.0), (10.0, 1.0), (50.0, 5.0)])  # 0.5, 0.1, 0.1 per byte
+    assert least_rerun(frees, 0) == 0.0
+    assert least_rerun(frees, 10) == pytest.approx(1.0)
+    assert least_rerun(frees, 60) == pytest.approx(6.0)
+    assert least_rerun(frees, 80) == pytest.approx(6.0 + 20 * 0.5)
+    assert least_rerun(frees, 1e9) == pytest.approx(56.0)
+
+
+def test_recompute_floor_exact_values() -> None:
+    """Four equal blocks of 1 s forward, 2 s backward, 1 GiB kept per microbatch, 1 s to re-run;
+    GPipe on two ranks, four microbatches live at once, 3 GiB a rank: 16 GiB of activations in
+    6 GiB, so 2.5 GiB a microbatch freed at 1 s a GiB: 2.5 s of recomputation a microbatch, and the
+    step at least 4 x (12 + 2.5) / 2 = 29 s. 1F1B may hold one microbatch: nothing forced."""
+    gib = 2**30
+    blocks = [
+        BlockCost(
+            name=f"b{i}",
+            first_node="x",
+            last_node="y",
+            fwd_s=1.0,
+            bwd_s=2.0,
+            recompute_s=1.0,
+            params=0,
+            param_bytes=0,
+            activation_bytes=gib,
+            cut_bytes=1,
+            cut_tensors=1,
+            output_bytes=1,
+            cut_legal=True,
+            is_layer=True,
+        )
+        for i in range(4)
+    ]
+    optimizer = OptimizerSpec(name="sgd")
+    gpipe = Layout("gpipe", 2, 4, 1, 1, "ddp")
+    totals = block_totals(blocks, False)
+    held = 2 * 4 * 1 * 1  # receive buffers: 2 m (stages - 1) cuts of 1 byte
+    assert recompute_floor(totals, gpipe, held, 3 * gib, "full") == pytest.approx(2.5, rel=1e-6)
+    assert recompute_floor(totals, gpipe, held, 3 * gib, "never") == 0.0
+    assert recompute_floor(totals, gpipe, held, None, "full") == 0.0
+    step, _ = floors(blocks, gpipe, optimizer, limit=3 * gib, recompute="full")
+    assert step == pytest.approx(29.0, rel=1e-6)
+    assert recompute_floor(totals, Layout("1f1b", 2, 4, 1, 1, "ddp"), held, 3 * gib, "full") == 0.0

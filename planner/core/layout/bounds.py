@@ -10,11 +10,17 @@ and the simulator then find, for the solver's split and for random splits.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.core.layout.inputs import Layout
+from planner.core.levers.recompute import kept_bytes, loss_held, recompute_cost, selective_cost
+from planner.core.split.solve import policy_options
 from planner.core.step.schedules import ZERO_BUBBLE
+from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, OptimizerSpec
 
 
@@ -23,7 +29,8 @@ def step_floor(blocks: Sequence[BlockCost], layout: Layout, optimizer: Optimizer
 
     Each pass's makespan is at least the busiest pipeline rank's compute, itself at least the mean
     of every microbatch's forward and backward over the ranks (a two-part backward: the least of the
-    whole and its two halves), and at least the chains through the stages (``pipeline_floor``,
+    whole and its two halves) and at least what whole blocks force on some rank (``busiest_load``),
+    and at least the chains through the stages (``pipeline_floor``,
     ``chain_floor``); after the passes the slowest rank steps its optimizer, at least the mean share
     of the parameters, a 1/dp share when FSDP may shard it (the passes' makespans and the optimizer
     step are parts of the step; messages, the rest of the bubble and the gradient reduction only add).
@@ -58,6 +65,10 @@ def memory_floor(blocks: Sequence[BlockCost], layout: Layout, optimizer: Optimiz
     return floors(blocks, layout, optimizer)[1]
 
 
+Frees = tuple[tuple[float, ...], tuple[float, ...]]
+"""Prefix sums, from 0, of the bytes items free and of what freeing them costs, cheapest per byte first."""
+
+
 @dataclass(frozen=True)
 class BlockTotals:
     """What ``floors`` sums over the blocks, which depends on them and on whether the schedule splits
@@ -72,6 +83,12 @@ class BlockTotals:
         params: their parameter count.
         lead: the least share of a block's compute on the chain through the stages (``pipeline_floor``).
         least_cut: the smallest legal cut's bytes (None: no legal cut).
+        loads: prefix sums of the blocks' compute sorted largest first (``busiest_load``), from 0.
+        backwards: the same of their backwards.
+        acts: the least bytes per live microbatch the blocks keep without recomputing (their
+            activations less autocast's weight copies, which live microbatches may share).
+        frees: what recomputing frees at least cost (``least_rerun``), under full checkpointing.
+        frees_selective: the same where selective checkpointing is allowed too.
     """
 
     compute: float
@@ -81,6 +98,11 @@ class BlockTotals:
     params: int
     lead: float
     least_cut: int | None
+    loads: tuple[float, ...] = (0.0,)
+    backwards: tuple[float, ...] = (0.0,)
+    acts: int = 0
+    frees: Frees = ((0.0,), (0.0,))
+    frees_selective: Frees = ((0.0,), (0.0,))
 
 
 def block_totals(blocks: Sequence[BlockCost], split: bool) -> BlockTotals:
@@ -98,6 +120,11 @@ def block_totals(blocks: Sequence[BlockCost], split: bool) -> BlockTotals:
     step = 0.0
     p_bytes = n_params = 0
     lead = 1.0  # the least share of a block's compute that lies on the chain before a stage (below)
+    loads: list[float] = []
+    backwards: list[float] = []
+    acts = 0
+    full: list[tuple[float, float]] = []  # per block: the most bytes recomputing it frees, and at what least cost
+    either: list[tuple[float, float]] = []
     for b in blocks:
         bwd = b.bwd_s
         if split and b.bwd_input_s is not None and b.bwd_weight_s is not None:
@@ -105,17 +132,111 @@ def block_totals(blocks: Sequence[BlockCost], split: bool) -> BlockTotals:
             bwd = min(bwd, b.bwd_input_s + b.bwd_weight_s)
         compute += b.fwd_s + bwd
         backward += bwd
+        loads.append(b.fwd_s + bwd)
+        backwards.append(bwd)
+        # what a live microbatch keeps of the block without recomputing (``acts``); recomputing it
+        # frees at most that less what its loss saves; full checkpointing (by region or by stage)
+        # re-runs its forward, or up to its last save; selective re-runs its other ops and frees at
+        # most what the policy does not keep. A block's cost per byte is the least of its modes'.
+        own = b.activation_bytes - b.weight_cast_bytes
+        acts += own
+        most = own - loss_held(b)
+        if most > 0:
+            rerun = min(recompute_cost(b), b.fwd_s)
+            full.append((most, rerun))
+            loose = own - kept_bytes(b)
+            cheaper = selective_cost(b) / loose if loose > 0 else math.inf
+            either.append((most, min(rerun, cheaper * most)))
         if split and b.fwd_s + bwd > 0:
             lead = min(lead, b.fwd_s / (b.fwd_s + bwd))
         step += (b.opt_s or 0.0) + (b.grad_s or 0.0)
         p_bytes += b.param_bytes
         n_params += b.params
     cuts = [b.sent_bytes for b in blocks[:-1] if b.cut_legal]
-    return BlockTotals(compute, backward, step, p_bytes, n_params, lead, min(cuts) if cuts else None)
+    return BlockTotals(
+        compute,
+        backward,
+        step,
+        p_bytes,
+        n_params,
+        lead,
+        min(cuts) if cuts else None,
+        _largest_first(loads),
+        _largest_first(backwards),
+        acts,
+        _cheapest_first(full),
+        _cheapest_first(either),
+    )
+
+
+def _cheapest_first(items: Sequence[tuple[float, float]]) -> Frees:
+    """``Frees`` of (bytes, cost) items."""
+    ordered = sorted(items, key=lambda bc: bc[1] / bc[0])
+    return (0.0, *itertools.accumulate(b for b, _ in ordered)), (0.0, *itertools.accumulate(c for _, c in ordered))
+
+
+def least_rerun(frees: Frees, nbytes: float) -> float:
+    """The least cost of freeing ``nbytes`` from items that may each be freed in part, at their
+    cost per byte (the cheapest first); all of them where ``nbytes`` is more than they hold.
+
+    Args:
+        frees: the items (``Frees``).
+        nbytes: bytes to free.
+
+    Returns:
+        The cost (0 for nothing to free).
+    """
+    sizes, costs = frees
+    if nbytes <= 0:
+        return 0.0
+    k = bisect.bisect_left(sizes, nbytes)
+    if k >= len(sizes):
+        return costs[-1]
+    # the first k - 1 items whole, then the share of item k that makes up the rest
+    return costs[k - 1] + (costs[k] - costs[k - 1]) * (nbytes - sizes[k - 1]) / (sizes[k] - sizes[k - 1])
+
+
+def _largest_first(values: Sequence[float]) -> tuple[float, ...]:
+    """Prefix sums of ``values`` sorted largest first, from 0 (``busiest_load``'s input)."""
+    return (0.0, *itertools.accumulate(sorted(values, reverse=True)))
+
+
+def busiest_load(prefix: Sequence[float], bins: int) -> float:
+    """A lower bound of the largest load when whole items are dealt out to ``bins`` bins, any way.
+
+    The mean is one bound. For each j >= 0 with ``j x bins + 1`` items, some bin holds at least
+    ``j + 1`` of the ``j x bins + 1`` largest (there are more of them than ``j`` per bin), and those
+    weigh at least the ``j + 1`` smallest of them. Blocks dealt to pipeline ranks are such items,
+    whatever the split (contiguous stages, several per rank): one rank computes at least this per
+    microbatch. Exact where the items are equal: ``n`` equal blocks on ``p`` ranks, ``ceil(n / p)``.
+
+    Args:
+        prefix: prefix sums of the items sorted largest first, from 0 (``BlockTotals.loads``).
+        bins: how many bins (ranks, or stages).
+
+    Returns:
+        The bound (0 without items or bins).
+    """
+    n = len(prefix) - 1
+    if bins < 1 or n < 1:
+        return 0.0
+    best = prefix[n] / bins
+    j = 0  # (the largest item alone: j = 0)
+    while j * bins < n:
+        top = j * bins + 1  # the j x bins + 1 largest; of them, the j + 1 smallest
+        best = max(best, prefix[top] - prefix[top - j - 1])
+        j += 1
+    return best
 
 
 def floors(
-    blocks: Sequence[BlockCost], layout: Layout, optimizer: OptimizerSpec, totals: BlockTotals | None = None
+    blocks: Sequence[BlockCost],
+    layout: Layout,
+    optimizer: OptimizerSpec,
+    totals: BlockTotals | None = None,
+    *,
+    limit: int | None = None,
+    recompute: str = "auto",
 ) -> tuple[float, int]:
     """``step_floor`` and ``memory_floor`` in one pass over the blocks.
 
@@ -124,7 +245,8 @@ def floors(
     before it the gradients', the stage after it the activations'), at least the least legal cut's,
     so the ranks hold ``2 m (n_stages - 1)`` such cuts between them, the busiest at least the mean.
     With several passes (gradient accumulation) the step computes every pass's microbatches (``m x
-    accumulation``); the memory is one pass's.
+    accumulation``); the memory is one pass's. Under a memory ``limit`` the ranks' compute includes
+    the recomputation that fitting it forces (``recompute_floor``).
 
     Args:
         blocks: per-block costs at the layout's microbatch size.
@@ -132,6 +254,8 @@ def floors(
         optimizer: the optimizer (its state bytes).
         totals: ``block_totals(blocks, split)`` for the layout's schedule, where the caller keeps it
             (None: summed here).
+        limit: the per-rank memory limit in bytes (None: none, and no recomputation is forced).
+        recompute: the recompute policy (``--recompute``: which modes a stage may take).
 
     Returns:
         (the step floor in seconds, the memory floor in bytes).
@@ -152,15 +276,60 @@ def floors(
     fsdp = (static // max(1, most) + whole + buffers) // pp
     modes = {"ddp": ddp, "fsdp": fsdp, "hsdp": fsdp, "auto": min(ddp, fsdp)}
     memory = ddp if dp == 1 else modes.get(layout.dp_mode, ddp)
-    # one pass's makespan is at least each of: the busiest rank's compute, the chain of the
-    # stages (``pipeline_floor``), the chain around the stage with the most backward (``chain_floor``);
-    # the step adds the passes, then the slowest rank's optimizer (at least the mean)
+    # one pass's makespan is at least each of: the busiest rank's compute (with the recomputation
+    # the limit forces, at least the mean), the chain of the stages (``pipeline_floor``), the chain
+    # around the stage with the most backward (``chain_floor``); the step adds the passes, then the
+    # slowest rank's optimizer (at least the mean)
+    held = optimizer.state_bytes(t.params, t.param_bytes) // shard + buffers
+    rerun = recompute_floor(t, layout, held, limit, recompute)
     one_pass = max(
-        t.compute * m / pp,
+        busiest_load(t.loads, pp) * m,
+        (t.compute + rerun) * m / pp,
         pipeline_floor(t.compute, m, layout.n_stages, t.lead),
-        chain_floor(t.compute, t.backward, m, layout.n_stages, split),
+        chain_floor(t.compute, t.backward, m, layout.n_stages, split, busiest_load(t.backwards, layout.n_stages)),
     )
     return layout.accumulation * one_pass + t.step / shard / pp, memory
+
+
+EVERY_FORWARD_FIRST = ("gpipe", "looped-bfs")
+"""Schedules whose every rank runs all of a pass's forwards before its first backward."""
+
+
+def recompute_floor(t: BlockTotals, layout: Layout, held: int, limit: int | None, recompute: str) -> float:
+    """A lower bound of the recomputation seconds per microbatch, summed over the pipeline's ranks,
+    that fitting every rank within ``limit`` forces, over every split.
+
+    At its first backward a rank holds, besides what it keeps all step (at least ``held`` between
+    the ranks: the optimizer state, its share where FSDP may shard it, and the receive buffers), at
+    least one live microbatch of each of its stages (that backward's microbatch has gone through
+    them all), and every microbatch of the pass under the schedules that run every forward first
+    (``EVERY_FORWARD_FIRST``). Each live microbatch keeps ``acts`` bytes between the ranks less
+    what recomputation frees, which costs at least ``least_rerun`` of the modes the policy allows
+    (each block freeing at most its activations less its loss's, at the least cost per byte of its
+    modes; recomputing part of a stage frees part of its blocks'). The ranks together hold at most
+    ``pp x limit``.
+
+    Args:
+        t: the blocks' totals.
+        layout: the schedule, pipeline ranks and microbatches of one pass.
+        held: bytes the ranks hold all step between them, at least.
+        limit: the per-rank limit (None: nothing is forced).
+        recompute: the recompute policy.
+
+    Returns:
+        Seconds per microbatch (0 where nothing need recompute, or it cannot).
+    """
+    if limit is None:
+        return 0.0
+    try:
+        modes = policy_options(recompute, layout.schedule)
+    except InfeasibleError:
+        return 0.0  # a policy the schedule refuses: the solver says so
+    if modes == ("never",):
+        return 0.0  # nothing may recompute: the split fits or not, at no cost in time
+    live = layout.n_microbatches if layout.schedule in EVERY_FORWARD_FIRST else 1
+    over = t.acts - (layout.pp * limit - held) / live  # bytes per live microbatch to free, at least
+    return least_rerun(t.frees_selective if "selective" in modes else t.frees, over)
 
 
 def pipeline_floor(compute: float, m: int, n_stages: int, lead: float = 1.0) -> float:
@@ -190,7 +359,9 @@ def pipeline_floor(compute: float, m: int, n_stages: int, lead: float = 1.0) -> 
     return lead * compute / (1 - (1 - lead / m) ** n_stages)
 
 
-def chain_floor(compute: float, backward: float, m: int, n_stages: int, split: bool = False) -> float:
+def chain_floor(
+    compute: float, backward: float, m: int, n_stages: int, split: bool = False, most: float = 0.0
+) -> float:
     """A lower bound of one pass's makespan over every split into ``n_stages`` stages: the chain
     around the stage with the most backward.
 
@@ -199,7 +370,8 @@ def chain_floor(compute: float, backward: float, m: int, n_stages: int, split: b
     on s runs all ``m`` of its backwards, one at a time; after its last one, that microbatch's
     backward still goes through the stages before s. So the makespan is at least ``F + B + (m - 1)
     b`` with ``F`` and ``B`` every block's forward and backward of one microbatch (``compute = F +
-    B``), and the stage with the most backward has at least the mean, ``b >= B / n_stages``. With a
+    B``), and the stage with the most backward has at least the mean, ``b >= B / n_stages`` (and at
+    least ``most``, what whole blocks force on some stage). With a
     two-part backward (zero-bubble schedules) only the input halves are on the chain and a stage's
     last action may be a weight half: at least ``F + m b``, with ``B`` the least of the whole and
     its halves. Messages, recomputation and other ranks' work only add. Tightest where microbatches
@@ -212,13 +384,15 @@ def chain_floor(compute: float, backward: float, m: int, n_stages: int, split: b
         m: microbatches in the pass.
         n_stages: the pipeline's stages (ranks x stages per rank).
         split: whether the schedule runs the backward in two parts.
+        most: a known lower bound of the most backward a stage has (whole blocks dealt to the
+            stages, ``busiest_load``), where it is above the mean.
 
     Returns:
         Seconds (0 without stages or microbatches).
     """
     if m < 1 or n_stages < 1:
         return 0.0
-    forward, per_stage = compute - backward, backward / n_stages
+    forward, per_stage = compute - backward, max(backward / n_stages, most)
     if split:
         return forward + m * per_stage
     return compute + (m - 1) * per_stage
@@ -227,8 +401,11 @@ def chain_floor(compute: float, backward: float, m: int, n_stages: int, split: b
 __all__ = [
     "BlockTotals",
     "block_totals",
+    "busiest_load",
     "chain_floor",
+    "recompute_floor",
     "floors",
+    "least_rerun",
     "memory_floor",
     "pipeline_floor",
     "step_floor",

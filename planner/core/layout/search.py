@@ -230,7 +230,14 @@ def _pending(
     split = layout.schedule in ZERO_BUBBLE
     if split not in entry.totals:  # the floors' sums over 1,000 blocks: once per costs, not per layout
         entry.totals[split] = block_totals(entry.blocks, split)
-    step, memory = floors(entry.blocks, layout, constraints.optimizer, entry.totals[split])
+    step, memory = floors(
+        entry.blocks,
+        layout,
+        constraints.optimizer,
+        entry.totals[split],
+        limit=constraints.memory_limit_bytes,
+        recompute=constraints.recompute,
+    )
     return Pending(layout, entry.blocks, step, memory)
 
 
