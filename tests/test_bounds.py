@@ -260,7 +260,9 @@ def test_recompute_floor_exact_values() -> None:
     """Four equal blocks of 1 s forward, 2 s backward, 1 GiB kept per microbatch, 1 s to re-run;
     GPipe on two ranks, four microbatches live at once, 3 GiB a rank: 16 GiB of activations in
     6 GiB, so 2.5 GiB a microbatch freed at 1 s a GiB: 2.5 s of recomputation a microbatch, and the
-    step at least 4 x (12 + 2.5) / 2 = 29 s. 1F1B may hold one microbatch: nothing forced."""
+    step at least 4 x (12 + 2.5) / 2 = 29 s. 1F1B holds two microbatches on its first rank and one on
+    its second at their first backwards: room for 3 / 2 + 3 = 4.5 GiB of a microbatch, nothing
+    forced; in 2 GiB a rank, 1 + 2 = 3 GiB: 1 GiB freed, 1 s."""
     gib = 2**30
     blocks = [
         BlockCost(
@@ -290,4 +292,6 @@ def test_recompute_floor_exact_values() -> None:
     assert recompute_floor(totals, gpipe, held, None, "full") == 0.0
     step, _ = floors(blocks, gpipe, optimizer, limit=3 * gib, recompute="full")
     assert step == pytest.approx(29.0, rel=1e-6)
-    assert recompute_floor(totals, Layout("1f1b", 2, 4, 1, 1, "ddp"), held, 3 * gib, "full") == 0.0
+    one_f_one_b = Layout("1f1b", 2, 4, 1, 1, "ddp")
+    assert recompute_floor(totals, one_f_one_b, held, 3 * gib, "full") == 0.0
+    assert recompute_floor(totals, one_f_one_b, held, 2 * gib, "full") == pytest.approx(1.0, rel=1e-6)

@@ -14,6 +14,7 @@ from planner.core.step.schedules import (
     action_order,
     check_schedule,
     in_flight_per_stage,
+    live_at_first_backward,
     peak_in_flight,
     peak_live_bytes,
     prefix_states,
@@ -468,6 +469,26 @@ def test_in_flight_closed_forms_and_cache_match_the_orders(schedule: str) -> Non
                 got.append(-1)  # a caller's list is its own
                 assert in_flight_per_stage(schedule, p, m, v) == expected
                 assert [list(o) for o in rank_orders(schedule, p, m, v)] == action_order(schedule, p, m, v)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_live_at_first_backward_matches_the_orders(schedule: str) -> None:
+    """Per rank, the fewest microbatches any of its stages holds at the rank's first backward: the
+    closed forms (GPipe and looped breadth-first: m; 1F1B: its warm-up) and the counts read off the
+    orders agree with the orders walked afresh, and never exceed the stages' in-flight peaks."""
+    for p in range(1, 7):
+        for m in range(1, 13):
+            for v in stages_per_rank_options(schedule, 4):
+                if not _runnable(schedule, p, m, v):
+                    continue
+                got = live_at_first_backward(schedule, p, m, v)
+                peaks = in_flight_per_stage(schedule, p, m, v)
+                for rank, order in enumerate(action_order(schedule, p, m, v)):
+                    first = next(k for k, a in enumerate(order) if a.kind != "F")
+                    stages = {a.stage for a in order}
+                    done = [sum(1 for a in order[:first] if a.stage == s) for s in stages]
+                    assert got[rank] == min(done) >= 1, (schedule, p, m, v, rank)
+                    assert got[rank] <= min(peaks[s] for s in stages)
 
 
 def _reference_run(

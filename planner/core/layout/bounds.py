@@ -3,9 +3,12 @@
 Pure module: never imports torch. The joint search (``planner.core.layout.search``) evaluates layouts in
 ascending order of ``step_floor`` and stops once the next floor is slower than the fastest layout
 that fits; it skips, without solving, a layout whose ``memory_floor`` is over the limit. Both are
-computed from the blocks' costs alone, in one pass, so tens of thousands of layouts cost nothing next
-to one solve. ``tests/test_bounds.py`` checks on random problems that neither exceeds what the solver
-and the simulator then find, for the solver's split and for random splits.
+computed from the blocks' costs alone (the step's also from the memory limit and the recompute
+policy: the recomputation fitting it forces, ``recompute_floor``), from sums taken once per set of
+costs (``block_totals``), so tens of thousands of layouts cost nothing next to one solve.
+``tests/test_bounds.py`` checks on random problems that neither exceeds what the solver and the
+simulator then find, for the solver's split and for random splits (the step's under a limit: for
+those that fit it).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 from planner.core.layout.inputs import Layout
 from planner.core.levers.recompute import kept_bytes, loss_held, recompute_cost, selective_cost
 from planner.core.split.solve import policy_options
-from planner.core.step.schedules import ZERO_BUBBLE
+from planner.core.step.schedules import LIVE_CLOSED_FORMS, ZERO_BUBBLE, live_at_first_backward
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, OptimizerSpec
 
@@ -237,6 +240,7 @@ def floors(
     *,
     limit: int | None = None,
     recompute: str = "auto",
+    read_orders: bool = True,
 ) -> tuple[float, int]:
     """``step_floor`` and ``memory_floor`` in one pass over the blocks.
 
@@ -256,6 +260,8 @@ def floors(
             (None: summed here).
         limit: the per-rank memory limit in bytes (None: none, and no recomputation is forced).
         recompute: the recompute policy (``--recompute``: which modes a stage may take).
+        read_orders: read each rank's live microbatches off the schedule's action orders where they
+            have no closed form (``recompute_floor``); False: a quicker, lower step floor there.
 
     Returns:
         (the step floor in seconds, the memory floor in bytes).
@@ -281,7 +287,7 @@ def floors(
     # around the stage with the most backward (``chain_floor``); the step adds the passes, then the
     # slowest rank's optimizer (at least the mean)
     held = optimizer.state_bytes(t.params, t.param_bytes) // shard + buffers
-    rerun = recompute_floor(t, layout, held, limit, recompute)
+    rerun = recompute_floor(t, layout, held, limit, recompute, read_orders)
     one_pass = max(
         busiest_load(t.loads, pp) * m,
         (t.compute + rerun) * m / pp,
@@ -291,23 +297,23 @@ def floors(
     return layout.accumulation * one_pass + t.step / shard / pp, memory
 
 
-EVERY_FORWARD_FIRST = ("gpipe", "looped-bfs")
-"""Schedules whose every rank runs all of a pass's forwards before its first backward."""
-
-
-def recompute_floor(t: BlockTotals, layout: Layout, held: int, limit: int | None, recompute: str) -> float:
+def recompute_floor(
+    t: BlockTotals, layout: Layout, held: int, limit: int | None, recompute: str, read_orders: bool = True
+) -> float:
     """A lower bound of the recomputation seconds per microbatch, summed over the pipeline's ranks,
     that fitting every rank within ``limit`` forces, over every split.
 
-    At its first backward a rank holds, besides what it keeps all step (at least ``held`` between
-    the ranks: the optimizer state, its share where FSDP may shard it, and the receive buffers), at
-    least one live microbatch of each of its stages (that backward's microbatch has gone through
-    them all), and every microbatch of the pass under the schedules that run every forward first
-    (``EVERY_FORWARD_FIRST``). Each live microbatch keeps ``acts`` bytes between the ranks less
-    what recomputation frees, which costs at least ``least_rerun`` of the modes the policy allows
-    (each block freeing at most its activations less its loss's, at the least cost per byte of its
-    modes; recomputing part of a stage frees part of its blocks'). The ranks together hold at most
-    ``pp x limit``.
+    At its first backward rank r holds, besides what it keeps all step (``held_r``; at least
+    ``held`` between the ranks: the optimizer state, its share where FSDP may shard it, and the
+    receive buffers), at least ``live_r`` microbatches of each of its stages
+    (``planner.core.step.schedules.live_at_first_backward``: its warm-up), each keeping its blocks'
+    activations (``a_r``; ``acts`` between the ranks, whatever the split) less what recomputation
+    frees of them (``f_r``). Within the limit, ``f_r >= a_r - (limit - held_r) / live_r``, so the
+    ranks free at least ``acts - sum((limit - held_r) / live_r)`` bytes of a microbatch between them,
+    the sum at its largest where the held bytes fill the ranks holding the most microbatches first
+    (up to the limit each), which costs at least ``least_rerun`` of the modes the policy allows (each block
+    freeing at most its activations less its loss's, at the least cost per byte of its modes;
+    recomputing part of a stage frees part of its blocks').
 
     Args:
         t: the blocks' totals.
@@ -315,6 +321,8 @@ def recompute_floor(t: BlockTotals, layout: Layout, held: int, limit: int | None
         held: bytes the ranks hold all step between them, at least.
         limit: the per-rank limit (None: nothing is forced).
         recompute: the recompute policy.
+        read_orders: build the schedule's action orders where its live counts have no closed form
+            (``LIVE_CLOSED_FORMS``); False: one live microbatch a rank there (a lower, quicker bound).
 
     Returns:
         Seconds per microbatch (0 where nothing need recompute, or it cannot).
@@ -327,9 +335,25 @@ def recompute_floor(t: BlockTotals, layout: Layout, held: int, limit: int | None
         return 0.0  # a policy the schedule refuses: the solver says so
     if modes == ("never",):
         return 0.0  # nothing may recompute: the split fits or not, at no cost in time
-    live = layout.n_microbatches if layout.schedule in EVERY_FORWARD_FIRST else 1
-    over = t.acts - (layout.pp * limit - held) / live  # bytes per live microbatch to free, at least
-    return least_rerun(t.frees_selective if "selective" in modes else t.frees, over)
+    pp, m = layout.pp, layout.n_microbatches
+    if t.acts <= (pp * limit - held) / m:
+        return 0.0  # fits even were every microbatch live on every rank: nothing to read off the schedule
+    live: Sequence[int] = (1,) * pp  # at least one a rank; a shape the schedule refuses: the solver says so
+    if read_orders or layout.schedule in LIVE_CLOSED_FORMS:
+        try:
+            live = live_at_first_backward(layout.schedule, pp, m, layout.stages_per_rank)
+        except InfeasibleError:
+            pass
+    # rank r holds held_r + live_r (a_r - f_r) <= limit, freeing f_r bytes of each live microbatch;
+    # summed, with sum(a_r) = acts: sum(f_r) >= acts - sum((limit - held_r) / live_r), at least
+    # where the held bytes sit on the ranks holding the most microbatches, up to the limit each
+    room, left = 0.0, held
+    for n in sorted(live, reverse=True):
+        own = min(limit, left)
+        left -= own
+        room += (limit - own) / n
+    room -= left  # (held bytes over every rank's limit: no split fits, and the floor need not hold)
+    return least_rerun(t.frees_selective if "selective" in modes else t.frees, t.acts - room)
 
 
 def pipeline_floor(compute: float, m: int, n_stages: int, lead: float = 1.0) -> float:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from planner.core.layout.bounds import BlockTotals
 from planner.core.layout.candidate import Choice, evaluate_modes
 from planner.core.layout.inputs import Cluster, Constraints, Layout
 from planner.errors import InfeasibleError
@@ -45,12 +46,15 @@ class Pool(Protocol):
 @dataclass(frozen=True)
 class Pending:
     """A layout not yet solved, with what its costs alone say: a lower bound on its step and on the
-    memory its busiest rank needs, whatever the split."""
+    memory its busiest rank needs, whatever the split; with ``totals``, a quick step floor, raised
+    to the full one (``planner.core.layout.bounds.floors`` reading the schedule's orders) only when
+    the search comes to it."""
 
     layout: Layout
     blocks: list[BlockCost]
     step_floor_s: float
     memory_floor: int
+    totals: BlockTotals | None = None
 
 
 def evaluated(task: tuple[Sequence[BlockCost], Cluster, Layout, Constraints]) -> Choice | InfeasibleError:

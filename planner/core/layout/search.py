@@ -43,7 +43,7 @@ from planner.core.levers.microbatch import blocks_at
 from planner.core.levers.tensor_parallel import at_degree
 from planner.core.split.cuts import Split
 from planner.core.split.stage_plans import StageMemo
-from planner.core.step.schedules import ZERO_BUBBLE, stages_per_rank_options
+from planner.core.step.schedules import LIVE_CLOSED_FORMS, ZERO_BUBBLE, stages_per_rank_options
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost
 from planner.schema.counts import divisors
@@ -230,6 +230,8 @@ def _pending(
     split = layout.schedule in ZERO_BUBBLE
     if split not in entry.totals:  # the floors' sums over 1,000 blocks: once per costs, not per layout
         entry.totals[split] = block_totals(entry.blocks, split)
+    # the quick floor: where the schedule's live microbatches have no closed form, its orders are
+    # built only for the layouts the search comes to (``_full_floor``), a few of thousands
     step, memory = floors(
         entry.blocks,
         layout,
@@ -237,8 +239,24 @@ def _pending(
         entry.totals[split],
         limit=constraints.memory_limit_bytes,
         recompute=constraints.recompute,
+        read_orders=False,
     )
-    return Pending(layout, entry.blocks, step, memory)
+    quick = constraints.memory_limit_bytes is not None and layout.schedule not in LIVE_CLOSED_FORMS
+    return Pending(layout, entry.blocks, step, memory, entry.totals[split] if quick else None)
+
+
+def _full_floor(item: Pending, constraints: Constraints) -> Pending:
+    """``item`` with its full step floor (``floors`` reading the schedule's orders), no longer quick."""
+    assert item.totals is not None
+    step, _ = floors(
+        item.blocks,
+        item.layout,
+        constraints.optimizer,
+        item.totals,
+        limit=constraints.memory_limit_bytes,
+        recompute=constraints.recompute,
+    )
+    return replace(item, step_floor_s=max(step, item.step_floor_s), totals=None)
 
 
 @dataclass
@@ -323,11 +341,16 @@ def _evaluate_all(
     done = 0
     submitted: dict[int, int] = {}  # handed to the pool, not taken yet: their tickets
     while heap:
+        key, k = heapq.heappop(heap)
+        item = pending[k]
+        if item.totals is not None:  # a quick floor: the full one, and back in line if it is later
+            pending[k] = item = _full_floor(item, constraints)
+            if item.step_floor_s > key:
+                heapq.heappush(heap, (item.step_floor_s, k))
+                continue
         if progress is not None:
             progress(done, len(pending))
-        _, k = heapq.heappop(heap)
         done += 1
-        item = pending[k]
         if best is not None and item.step_floor_s > best * (1 + TIE):
             outcome.pruned = len(heap) + 1
             break

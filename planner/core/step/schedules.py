@@ -583,6 +583,44 @@ def _in_flight(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
     return tuple(in_flight_of(rank_orders(schedule, p, m, v), p * v))
 
 
+LIVE_CLOSED_FORMS = ("gpipe", "looped-bfs", "1f1b")
+"""The schedules whose ``live_at_first_backward`` is a closed form; the others' orders are built."""
+
+
+def live_at_first_backward(
+    schedule: str, n_ranks: int, n_microbatches: int, stages_per_rank: int = 1
+) -> tuple[int, ...]:
+    """Per rank, the fewest microbatches any of its stages holds when the rank starts its first
+    backward: the forwards each stage has run by then (none freed yet), at least one (that
+    backward's microbatch has gone through every stage of the rank before it). GPipe and looped
+    breadth-first hold all m; 1F1B its warm-up, ``min(m, p - r)``; the others are read off their
+    action orders. Computed once per shape (the last ``IN_FLIGHT_CACHED`` are kept).
+
+    Raises:
+        InfeasibleError: the schedule cannot run with these numbers (see ``check_schedule``).
+    """
+    return _live_at_first_backward(schedule, n_ranks, n_microbatches, stages_per_rank)
+
+
+@lru_cache(maxsize=IN_FLIGHT_CACHED)
+def _live_at_first_backward(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
+    check_schedule(schedule, p, m, v)
+    # closed forms, exact (tests/test_simulate.py checks them against the orders over small shapes)
+    if schedule in ("gpipe", "looped-bfs"):  # (LIVE_CLOSED_FORMS)
+        return (m,) * p
+    if schedule == "1f1b":
+        return tuple(min(m, p - r) for r in range(p))
+    out = []
+    for order in action_order(schedule, p, m, v):  # (not rank_orders: its few cached shapes are the solver's)
+        done = dict.fromkeys({a.stage for a in order}, 0)
+        for a in order:
+            if a.kind != "F":
+                break
+            done[a.stage] += 1
+        out.append(min(done.values()))
+    return tuple(out)
+
+
 def in_flight_of(orders: Sequence[Sequence[Action]], n_stages: int) -> list[int]:
     """Peak live microbatches of every stage from the ranks' action orders (``action_order``), for a
     caller that has the orders already (at least 1 each: a stage always holds the microbatch it runs)."""
