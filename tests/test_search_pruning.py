@@ -72,3 +72,32 @@ def test_pruning_keeps_the_winner_and_every_candidate_that_could_tie(problem: tu
     assert close <= {_key(c) for c in pruned.results}
     # and nothing the pruned search evaluated differs from the exhaustive search's evaluation
     assert {_key(c) for c in pruned.results} <= {_key(c) for c in every.results}
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(PROBLEM)
+def test_quick_floors_raised_when_reached_evaluate_what_full_floors_do(problem: tuple[Any, ...]) -> None:
+    """The search enumerates layouts with quick floors (no action orders read) and raises each to its
+    full floor when it comes to it: the same layouts evaluated in the same order, the same results,
+    as full floors computed for every layout up front."""
+    raw, ranks, batch, limit_mb, recompute, replicas = problem
+    blocks = _blocks(raw)
+    cluster = Cluster(ranks, LINK)
+    space = SearchSpace(batch, "auto", None, None, replicas, "auto")
+    constraints = Constraints(OptimizerSpec(), None if limit_mb is None else limit_mb * MB, recompute)
+    scaling = Scaling(1, 0.1, 1)
+    seen: list[list[Any]] = [[], []]
+    evaluated = search_module.evaluated
+    for run, full in enumerate((False, True)):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(search_module, "evaluated", lambda task, run=run: seen[run].append(task[2]) or evaluated(task))
+            if full:  # every floor read off the orders when the layout is enumerated
+                floors = search_module.floors
+                mp.setattr(search_module, "floors", lambda *a, **k: floors(*a, **{**k, "read_orders": True}))
+                mp.setattr(search_module, "LIVE_CLOSED_FORMS", tuple(search_module.SCHEDULES))
+            outcome = _evaluate_all(blocks, cluster, space, constraints, scaling)
+        if not full:
+            quick = outcome
+    assert seen[0] == seen[1]
+    assert [_key(c) for c in quick.results] == [_key(c) for c in outcome.results]
+    assert (quick.evaluated, quick.pruned, quick.layouts) == (outcome.evaluated, outcome.pruned, outcome.layouts)
