@@ -206,7 +206,8 @@ def time_published(
         f"Measured by `python -m bench.search_time --published` on {dt.date.today().isoformat()} ({host()}, "
         f"{cpu_model() or platform.processor() or 'unknown CPU'}, Python {platform.python_version()}; the machine "
         "shared with other jobs, so the times are noisy upper bounds)"
-        + (f', beside the planner of `{before}` ("before s"), row by row' if before is not None else "")
+        # the tree by its directory's name (a checkout named for its commit), not where it sat
+        + (f', beside the planner of `{before.name}` ("before s"), row by row' if before is not None else "")
         + '. "slowed": the choice\'s step with collectives 1.3x and compute 1.1x slower; "robust?": whether '
         "it still wins among the plan's search rows then, else the robust runner-up."
     )

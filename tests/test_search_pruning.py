@@ -87,13 +87,16 @@ def test_quick_floors_raised_when_reached_evaluate_what_full_floors_do(problem: 
     constraints = Constraints(OptimizerSpec(), None if limit_mb is None else limit_mb * MB, recompute)
     scaling = Scaling(1, 0.1, 1)
     seen: list[list[Any]] = [[], []]
-    evaluated = search_module.evaluated
+    evaluated, floors = search_module.evaluated, search_module.floors
+
+    def full_floors(*a: Any, **k: Any) -> Any:
+        return floors(*a, **{**k, "read_orders": True})
+
     for run, full in enumerate((False, True)):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(search_module, "evaluated", lambda task, run=run: seen[run].append(task[2]) or evaluated(task))
             if full:  # every floor read off the orders when the layout is enumerated
-                floors = search_module.floors
-                mp.setattr(search_module, "floors", lambda *a, **k: floors(*a, **{**k, "read_orders": True}))
+                mp.setattr(search_module, "floors", full_floors)
                 mp.setattr(search_module, "LIVE_CLOSED_FORMS", tuple(search_module.SCHEDULES))
             outcome = _evaluate_all(blocks, cluster, space, constraints, scaling)
         if not full:
