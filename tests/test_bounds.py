@@ -26,7 +26,7 @@ from planner.core.layout.bounds import (
     step_floor,
 )
 from planner.core.layout.inputs import Cluster, Constraints, Layout
-from planner.core.layout.search import evaluate_choice, evaluate_modes
+from planner.core.layout.search import Choice, evaluate_choice, evaluate_modes
 from planner.core.split.stage_model import Partition
 from planner.core.step.schedules import SCHEDULES, ZERO_BUBBLE, check_schedule, stages_per_rank_options
 from planner.core.step.simulate import StageTimes, simulate_step
@@ -83,20 +83,20 @@ def _random_split(blocks: list, n_stages: int, rng: random.Random) -> Partition 
     return Partition(starts=starts, bottleneck_s=0.0, recompute=tuple(rng.choice(modes) for _ in starts))
 
 
-@settings(max_examples=300, deadline=None)
-@given(problems())
-def test_floors_never_exceed_the_solved_and_simulated_layout(problem: tuple) -> None:  # type: ignore[type-arg]
-    blocks, cluster, layout, constraints, rng = problem
-    step, memory = floors(blocks, layout, constraints.optimizer)
-    assert (step, memory) == (
-        step_floor(blocks, layout, constraints.optimizer),
-        memory_floor(blocks, layout, constraints.optimizer),
-    )
+def _solved_and_random(
+    blocks: list,  # type: ignore[type-arg]
+    cluster: Cluster,
+    layout: Layout,
+    constraints: Constraints,
+    rng: random.Random,
+) -> list[Choice]:
+    """The layout as the search evaluates it and a random split of it (the floors hold over every
+    split) under each mode the layout allows, those that run."""
+    choices = []
     try:
-        choices = [evaluate_modes(blocks, cluster, layout, constraints)]
+        choices.append(evaluate_modes(blocks, cluster, layout, constraints))
     except InfeasibleError:
-        choices = []
-    # and a random split (the floors hold over every split), under each mode the layout allows
+        pass
     split = _random_split(blocks, layout.n_stages, rng)
     modes = ["ddp", "fsdp"] if layout.dp_mode == "auto" else [layout.dp_mode]
     if layout.dp == 1 or layout.schedule in ZERO_BUBBLE:
@@ -106,7 +106,19 @@ def test_floors_never_exceed_the_solved_and_simulated_layout(problem: tuple) -> 
             choices.append(evaluate_choice(blocks, cluster, replace(layout, dp_mode=mode), constraints, split))
         except InfeasibleError:
             pass
-    for c in choices:
+    return choices
+
+
+@settings(max_examples=300, deadline=None)
+@given(problems())
+def test_floors_never_exceed_the_solved_and_simulated_layout(problem: tuple) -> None:  # type: ignore[type-arg]
+    blocks, cluster, layout, constraints, rng = problem
+    step, memory = floors(blocks, layout, constraints.optimizer)
+    assert (step, memory) == (
+        step_floor(blocks, layout, constraints.optimizer),
+        memory_floor(blocks, layout, constraints.optimizer),
+    )
+    for c in _solved_and_random(blocks, cluster, layout, constraints, rng):
         assert step <= c.prediction.step_time_s * (1 + 1e-12), (step, c.prediction.step_time_s, c.layout)
         assert memory <= c.prediction.max_memory_bytes, (memory, c.prediction.max_memory_bytes, c.layout)
 
@@ -208,21 +220,7 @@ def test_floors_under_a_memory_limit_never_exceed_a_fitting_layout(
     limit = int(whole * share / layout.pp) + 1
     limited = replace(constraints, memory_limit_bytes=limit, recompute=recompute)
     step, _ = floors(blocks, layout, constraints.optimizer, limit=limit, recompute=recompute)
-    choices = []
-    try:
-        choices.append(evaluate_modes(blocks, cluster, layout, limited))
-    except InfeasibleError:
-        pass
-    split = _random_split(blocks, layout.n_stages, rng)
-    modes = ["ddp", "fsdp"] if layout.dp_mode == "auto" else [layout.dp_mode]
-    if layout.dp == 1 or layout.schedule in ZERO_BUBBLE:
-        modes = ["ddp"]
-    for mode in modes if split is not None else []:
-        try:
-            choices.append(evaluate_choice(blocks, cluster, replace(layout, dp_mode=mode), limited, split))
-        except InfeasibleError:
-            pass
-    for c in choices:
+    for c in _solved_and_random(blocks, cluster, layout, limited, rng):
         if c.fits:
             assert step <= c.prediction.step_time_s * (1 + 1e-9), (step, c.prediction.step_time_s, c.layout)
 

@@ -30,6 +30,14 @@ def _key(c: Any) -> tuple[Any, ...]:
     return (c.layout, p.starts, p.recompute, p.step_time_s, p.max_memory_bytes, c.fits)
 
 
+def _search_inputs(problem: tuple[Any, ...]) -> tuple[list[BlockCost], Cluster, SearchSpace, Constraints, Scaling]:
+    """A ``PROBLEM``'s blocks, cluster, search space, constraints and scaling."""
+    raw, ranks, batch, limit_mb, recompute, replicas = problem
+    space = SearchSpace(batch, "auto", None, None, replicas, "auto")
+    constraints = Constraints(OptimizerSpec(), None if limit_mb is None else limit_mb * MB, recompute)
+    return _blocks(raw), Cluster(ranks, LINK), space, constraints, Scaling(1, 0.1, 1)
+
+
 PROBLEM = st.tuples(
     st.lists(
         st.tuples(st.integers(1, 30), st.integers(1, 60), st.integers(0, 8), st.integers(1, 16), st.integers(1, 4)),
@@ -48,12 +56,7 @@ PROBLEM = st.tuples(
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(PROBLEM)
 def test_pruning_keeps_the_winner_and_every_candidate_that_could_tie(problem: tuple[Any, ...]) -> None:
-    raw, ranks, batch, limit_mb, recompute, replicas = problem
-    blocks = _blocks(raw)
-    cluster = Cluster(ranks, LINK)
-    space = SearchSpace(batch, "auto", None, None, replicas, "auto")
-    constraints = Constraints(OptimizerSpec(), None if limit_mb is None else limit_mb * MB, recompute)
-    scaling = Scaling(1, 0.1, 1)
+    blocks, cluster, space, constraints, scaling = _search_inputs(problem)
     pruned = _evaluate_all(blocks, cluster, space, constraints, scaling)
     with pytest.MonkeyPatch.context() as mp:  # floors of nothing: every layout is evaluated
         mp.setattr(search_module, "floors", lambda *a, **k: (0.0, 0))
@@ -80,12 +83,7 @@ def test_quick_floors_raised_when_reached_evaluate_what_full_floors_do(problem: 
     """The search enumerates layouts with quick floors (no action orders read) and raises each to its
     full floor when it comes to it: the same layouts evaluated in the same order, the same results,
     as full floors computed for every layout up front."""
-    raw, ranks, batch, limit_mb, recompute, replicas = problem
-    blocks = _blocks(raw)
-    cluster = Cluster(ranks, LINK)
-    space = SearchSpace(batch, "auto", None, None, replicas, "auto")
-    constraints = Constraints(OptimizerSpec(), None if limit_mb is None else limit_mb * MB, recompute)
-    scaling = Scaling(1, 0.1, 1)
+    blocks, cluster, space, constraints, scaling = _search_inputs(problem)
     seen: list[list[Any]] = [[], []]
     evaluated, floors = search_module.evaluated, search_module.floors
 
