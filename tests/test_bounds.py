@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from plan_factory import block
 from test_plans_unchanged import MB, _block
 
 from planner.core.layout.bounds import (
@@ -263,22 +264,7 @@ def test_recompute_floor_exact_values() -> None:
     forced; in 2 GiB a rank, 1 + 2 = 3 GiB: 1 GiB freed, 1 s."""
     gib = 2**30
     blocks = [
-        BlockCost(
-            name=f"b{i}",
-            first_node="x",
-            last_node="y",
-            fwd_s=1.0,
-            bwd_s=2.0,
-            recompute_s=1.0,
-            params=0,
-            param_bytes=0,
-            activation_bytes=gib,
-            cut_bytes=1,
-            cut_tensors=1,
-            output_bytes=1,
-            cut_legal=True,
-            is_layer=True,
-        )
+        block(f"b{i}", 1000, 2000, 0, act_mb=1024).model_copy(update={"recompute_s": 1.0, "cut_bytes": 1})
         for i in range(4)
     ]
     optimizer = OptimizerSpec(name="sgd")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import assume, given, settings
@@ -455,20 +456,26 @@ def _reference_in_flight(schedule: str, p: int, m: int, v: int) -> list[int]:
     return [max(1, x) for x in out]
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_in_flight_closed_forms_and_cache_match_the_orders(schedule: str) -> None:
-    # every small shape: GPipe's m and 1F1B's min(m, p - i) are exact, and cached answers are fresh copies
+def _small_shapes(schedule: str) -> Iterator[tuple[int, int, int]]:
+    """Every shape (ranks, microbatches, stages per rank) of ``schedule`` torch runs, up to 6 ranks,
+    12 microbatches and 4 stages per rank."""
     for p in range(1, 7):
         for m in range(1, 13):
             for v in stages_per_rank_options(schedule, 4):
-                if not _runnable(schedule, p, m, v):
-                    continue
-                expected = _reference_in_flight(schedule, p, m, v)
-                got = in_flight_per_stage(schedule, p, m, v)
-                assert got == expected, (schedule, p, m, v)
-                got.append(-1)  # a caller's list is its own
-                assert in_flight_per_stage(schedule, p, m, v) == expected
-                assert [list(o) for o in rank_orders(schedule, p, m, v)] == action_order(schedule, p, m, v)
+                if _runnable(schedule, p, m, v):
+                    yield p, m, v
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_in_flight_closed_forms_and_cache_match_the_orders(schedule: str) -> None:
+    # every small shape: GPipe's m and 1F1B's min(m, p - i) are exact, and cached answers are fresh copies
+    for p, m, v in _small_shapes(schedule):
+        expected = _reference_in_flight(schedule, p, m, v)
+        got = in_flight_per_stage(schedule, p, m, v)
+        assert got == expected, (schedule, p, m, v)
+        got.append(-1)  # a caller's list is its own
+        assert in_flight_per_stage(schedule, p, m, v) == expected
+        assert [list(o) for o in rank_orders(schedule, p, m, v)] == action_order(schedule, p, m, v)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -476,19 +483,15 @@ def test_live_at_first_backward_matches_the_orders(schedule: str) -> None:
     """Per rank, the fewest microbatches any of its stages holds at the rank's first backward: the
     closed forms (GPipe and looped breadth-first: m; 1F1B: its warm-up) and the counts read off the
     orders agree with the orders walked afresh, and never exceed the stages' in-flight peaks."""
-    for p in range(1, 7):
-        for m in range(1, 13):
-            for v in stages_per_rank_options(schedule, 4):
-                if not _runnable(schedule, p, m, v):
-                    continue
-                got = live_at_first_backward(schedule, p, m, v)
-                peaks = in_flight_per_stage(schedule, p, m, v)
-                for rank, order in enumerate(action_order(schedule, p, m, v)):
-                    first = next(k for k, a in enumerate(order) if a.kind != "F")
-                    stages = {a.stage for a in order}
-                    done = [sum(1 for a in order[:first] if a.stage == s) for s in stages]
-                    assert got[rank] == min(done) >= 1, (schedule, p, m, v, rank)
-                    assert got[rank] <= min(peaks[s] for s in stages)
+    for p, m, v in _small_shapes(schedule):
+        got = live_at_first_backward(schedule, p, m, v)
+        peaks = in_flight_per_stage(schedule, p, m, v)
+        for rank, order in enumerate(action_order(schedule, p, m, v)):
+            first = next(k for k, a in enumerate(order) if a.kind != "F")
+            stages = {a.stage for a in order}
+            done = [sum(1 for a in order[:first] if a.stage == s) for s in stages]
+            assert got[rank] == min(done) >= 1, (schedule, p, m, v, rank)
+            assert got[rank] <= min(peaks[s] for s in stages)
 
 
 def _reference_run(

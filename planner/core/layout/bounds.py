@@ -101,11 +101,11 @@ class BlockTotals:
     params: int
     lead: float
     least_cut: int | None
-    loads: tuple[float, ...] = (0.0,)
-    backwards: tuple[float, ...] = (0.0,)
-    acts: int = 0
-    frees: Frees = ((0.0,), (0.0,))
-    frees_selective: Frees = ((0.0,), (0.0,))
+    loads: tuple[float, ...]
+    backwards: tuple[float, ...]
+    acts: int
+    frees: Frees
+    frees_selective: Frees
 
 
 def block_totals(blocks: Sequence[BlockCost], split: bool) -> BlockTotals:

@@ -583,7 +583,12 @@ def _in_flight(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
     return tuple(in_flight_of(rank_orders(schedule, p, m, v), p * v))
 
 
-LIVE_CLOSED_FORMS = ("gpipe", "looped-bfs", "1f1b")
+_LIVE_CLOSED: dict[str, Callable[[int, int], tuple[int, ...]]] = {
+    "gpipe": lambda p, m: (m,) * p,  # every forward before the first backward
+    "looped-bfs": lambda p, m: (m,) * p,
+    "1f1b": lambda p, m: tuple(min(m, p - r) for r in range(p)),  # its warm-up
+}
+LIVE_CLOSED_FORMS = tuple(_LIVE_CLOSED)
 """The schedules whose ``live_at_first_backward`` is a closed form; the others' orders are built."""
 
 
@@ -606,10 +611,8 @@ def live_at_first_backward(
 def _live_at_first_backward(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
     check_schedule(schedule, p, m, v)
     # closed forms, exact (tests/test_simulate.py checks them against the orders over small shapes)
-    if schedule in ("gpipe", "looped-bfs"):  # (LIVE_CLOSED_FORMS)
-        return (m,) * p
-    if schedule == "1f1b":
-        return tuple(min(m, p - r) for r in range(p))
+    if schedule in _LIVE_CLOSED:
+        return _LIVE_CLOSED[schedule](p, m)
     out = []
     for order in action_order(schedule, p, m, v):  # (not rank_orders: its few cached shapes are the solver's)
         done = dict.fromkeys({a.stage for a in order}, 0)
