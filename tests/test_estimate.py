@@ -401,7 +401,7 @@ def test_gemm_efficiency_follows_the_smallest_dimension() -> None:
 
 
 def test_tokens_per_sample_is_the_sequence_length_of_token_ids() -> None:
-    from planner.api import tokens_per_sample
+    from planner.costs.model_costs import tokens_per_sample
 
     ids = torch.zeros(4, 512, dtype=torch.long, device="meta")
     assert tokens_per_sample((ids,)) == 512

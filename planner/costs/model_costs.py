@@ -1,0 +1,367 @@
+"""The cost step of planning: a loaded model file traced and costed, measured on this machine's device
+or estimated on the meta device for ``--gpu-type`` (``Costs``), with the facts the plan records of how.
+
+``planner.api.make_plan`` runs it between loading the model file and the search; the benches and
+tests call ``estimated_costs`` / ``measured_costs`` to plan many requests on one profile.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from planner.capture.blocks import ModuleTrace, TracedModel
+from planner.capture.contract import check_batch_contract, check_batch_size, check_forward, check_traced_forward
+from planner.capture.load import ModelFile, move_model
+from planner.capture.meta_cache import meta_build
+from planner.capture.stage import stage_module
+from planner.capture.trace import retrace, trace_model
+from planner.core.levers.hardware import HardwareSpec, dtype_bytes, node_links
+from planner.core.levers.hardware_file import hardware_named
+from planner.costs.blocks import ties_of
+from planner.costs.scaling import fixed_fraction, measured_time_at
+from planner.errors import InfeasibleError
+from planner.schema.bounds import too_few_blocks
+from planner.schema.costs import GLOO_CPU_LINK, NCCL_NVLINK_LINK, BlockCost, LinkCost, StepTempRule
+from planner.schema.plan import Plan, ProfileInfo, Tie
+from planner.schema.request import PlanRequest
+from planner.threads import torch_threads
+
+# Share of a GPU's memory the solver may plan for: the CUDA context, the caching allocator's
+# fragmentation and NCCL buffers take the rest (~1-2 GiB and a few percent on an 80 GB card).
+GPU_MEMORY_HEADROOM = 0.95
+
+
+@dataclass
+class Costs:
+    """What the cost step produced, with the facts the plan records about it.
+
+    Attributes:
+        traced: the captured model.
+        blocks: per-block costs, the last block's ``output_bytes`` filled in.
+        link: cost of one message between neighbouring ranks.
+        profile: where and how the costs were measured or estimated.
+        memory_bytes: the device capacity the solver plans for, when known.
+        ties: parameters several blocks read (tied weights).
+        hardware: the hardware of estimated costs (None: measured).
+    """
+
+    traced: TracedModel
+    blocks: list[BlockCost]
+    link: LinkCost
+    profile: ProfileInfo
+    memory_bytes: int | None
+    ties: list[Tie] = field(default_factory=list)
+    step_temp_rule: StepTempRule | None = None  # measured: how a stage's optimizer temporaries combine
+    hardware: HardwareSpec | None = None
+
+
+def tokens_per_sample(inputs: object) -> int | None:
+    """Tokens in one sample, for tokens/s: the sequence length when the first input (positional, or
+    keyword) is a batch of token ids (an integer tensor of shape (batch, seq)); None otherwise."""
+    values = list(inputs.values()) if isinstance(inputs, dict) else list(inputs) if isinstance(inputs, tuple) else []
+    first = values[0] if values else None
+    if isinstance(first, torch.Tensor) and first.dim() == 2 and not (first.is_floating_point() or first.is_complex()):
+        return int(first.shape[1])
+    return None
+
+
+def _scaling(request: PlanRequest, time_at: Callable[[int], float]) -> dict[str, float | int]:
+    """The ``ProfileInfo`` fields that scale costs to other microbatch counts: the profiled size, and
+    the fixed share fitted only when the search tries other sizes (``--microbatches auto``, or
+    ``--dp auto``: each replica count has its own microbatch size)."""
+    size = request.microbatch_size
+    if not _fits_sizes(request):
+        return {"fixed_fraction": 0.0, "min_microbatch_size": size, "microbatch_size": size}
+    fraction, smallest = fixed_fraction(time_at, size)
+    return {"fixed_fraction": fraction, "min_microbatch_size": smallest, "microbatch_size": size}
+
+
+def _fits_sizes(request: PlanRequest) -> bool:
+    """Whether the search tries other microbatch sizes (``--microbatches auto``, or ``--dp auto``: each
+    replica count has its own), so the costs are also fitted at a second size."""
+    return request.microbatches is None or request.dp == "auto"
+
+
+def _timed_check(
+    mf: ModelFile, model: torch.nn.Module, inputs: tuple, target: torch.Tensor, request: PlanRequest
+) -> float:
+    """``check_forward``, said and timed: its seconds predict how long the profile will take."""
+    device = target.device
+    say(request, f"checking the model file: one forward of a microbatch of {request.microbatch_size} on the {device}")
+    start = time.perf_counter()
+    check_forward(mf, model, inputs, target)
+    return time.perf_counter() - start
+
+
+def _measured_alike(reuse: Plan, request: PlanRequest, threads: int, device: torch.device) -> bool:
+    """Whether a calibrated plan's measured block costs were measured as this request would measure them."""
+    same = (request.microbatch_size, threads, str(device), request.optimizer, "measured", request.autocast)
+    return (
+        reuse.compile == request.compile
+        and (
+            reuse.microbatch_size,
+            reuse.profile.threads,
+            reuse.profile.device,
+            # the measured temporaries rule is the reused plan's, not something the user asked for
+            reuse.optimizer.model_copy(update={"step_temp_rule": request.optimizer.step_temp_rule}),
+            reuse.profile.source,
+            reuse.profile.autocast,
+        )
+        == same
+    )
+
+
+def say(request: PlanRequest, text: str, *, always: bool = False) -> None:
+    """A line on stderr about what planning does next, never under ``-q``: the phases on a terminal
+    only (as the progress bars), so the first line comes within a second of the command; ``always``
+    (a profile that will take minutes, said before it starts) in a log too."""
+    if text and request.progress and (always or sys.stderr.isatty()):
+        tqdm.write(text, file=sys.stderr)
+
+
+def _traced(
+    mf: ModelFile,
+    model: torch.nn.Module,
+    inputs: tuple[object, ...],
+    target: torch.Tensor,
+    request: PlanRequest,
+    *,
+    on_meta: bool = False,
+    checked: bool = False,
+) -> TracedModel:
+    """Check the model file's forward and loss once (unless ``checked``), trace the model, check it
+    has enough blocks. On the meta device the forward is checked on the trace (``check_traced_forward``)."""
+    if not on_meta and not checked:
+        check_forward(mf, model, inputs, target)
+    say(request, f"tracing {type(model).__name__}{' on the meta device' if on_meta else ''}")
+    traced = trace_model(model, inputs, copied=not on_meta)  # a meta model is built for this trace alone
+    if on_meta:
+        check_traced_forward(mf, traced, inputs, target)
+    if isinstance(traced, ModuleTrace):
+        stage_module(traced, 0, len(traced.blocks))  # every plan runs: refuse blocks that are no chain, saying why
+    pp = request.min_pipeline_ranks  # the fewest pipeline ranks a replica count tried gives
+    if pp > len(traced.blocks):
+        raise InfeasibleError(too_few_blocks(request.gpus, request.tp, request.dp, pp, [b.name for b in traced.blocks]))
+    return traced
+
+
+def _with_output(blocks: list[BlockCost], traced: TracedModel) -> list[BlockCost]:
+    """The last stage keeps the model's output per live microbatch until backward (memory model):
+    its bytes as the profile measured or the estimate computed them (under autocast, in the planning
+    dtype), else as traced."""
+    if blocks[-1].output_bytes:
+        return blocks
+    return blocks[:-1] + [blocks[-1].model_copy(update={"output_bytes": traced.output_bytes})]
+
+
+def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Plan | None) -> Costs:
+    """Trace and profile on this machine's device (a CUDA GPU when there is one, else the CPU).
+
+    Under ``--dtype bf16|fp16`` every block is profiled under ``torch.autocast`` (parameters stay
+    fp32; ``ProfileInfo.autocast`` records it), under ``--compile`` as ``torch.compile`` of it.
+
+    Args:
+        mf: the loaded model file.
+        request: the plan request (microbatch size, seed, optimizer, warmup, repeats, progress,
+            autocast, compile).
+        threads: CPU threads per rank.
+        reuse: the plan a calibration was fitted to: its block costs are reused when they were
+            measured under the same conditions (re-profiling would only add fresh noise).
+
+    Returns:
+        The costs.
+
+    Raises:
+        PlannerError: the device cannot autocast in the requested dtype.
+    """
+    from planner.costs.duration import duration_advice
+    from planner.costs.levers import check_autocast
+    from planner.costs.measure import profile_model
+    from planner.costs.settings import ProfileSettings, Sample
+
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+    if request.autocast is not None:
+        check_autocast(device, request.autocast)  # before the model is built
+    model = move_model(mf.build(seed=request.seed), device)
+    inputs, target = mf.batch(request.microbatch_size, seed=request.seed)
+    inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
+    target = target.to(device)
+    forward_s = _timed_check(mf, model, inputs, target, request)
+    traced = _traced(mf, model, inputs, target, request, checked=True)
+    check_batch_contract(mf, model, request.microbatch_size, request.seed, device)
+    info = ProfileInfo(
+        device=str(device),
+        backend="nccl" if use_cuda else "gloo",
+        threads=threads,
+        torch_version=torch.__version__,
+        hostname=socket.gethostname(),
+        warmup=request.warmup,
+        repeats=request.repeats,
+        cores=None if use_cuda else os.cpu_count(),
+        tokens_per_sample=tokens_per_sample(inputs),
+        autocast=request.autocast,
+    )
+    rule: StepTempRule | None = None
+    if reuse is not None and _measured_alike(reuse, request, threads, device):
+        blocks = list(reuse.blocks)
+        rule = reuse.optimizer.step_temp_rule
+        info = info.model_copy(
+            update={"compile_failures": reuse.profile.compile_failures, "compile_s": reuse.profile.compile_s}
+        )
+        scaling: dict[str, float | int] = {
+            "fixed_fraction": reuse.profile.fixed_fraction,
+            "min_microbatch_size": reuse.profile.min_microbatch_size,
+            "microbatch_size": request.microbatch_size,
+        }
+    else:
+        advice = duration_advice(
+            forward_s,
+            warmup=request.warmup,
+            repeats=request.repeats,
+            fits_sizes=_fits_sizes(request),
+            n_blocks=len(traced.blocks),
+            microbatch_size=request.microbatch_size,
+            device=str(device),
+        )
+        say(request, advice or "", always=advice is not None)
+        profile = profile_model(
+            traced,
+            Sample(inputs, target, mf.loss_fn),
+            ProfileSettings(
+                warmup=request.warmup,
+                repeats=request.repeats,
+                threads=None if use_cuda else threads,
+                progress=request.progress,
+                autocast=request.autocast,
+                compile=request.compile,
+            ),
+            optimizer=request.optimizer,
+        )
+        blocks = profile.costs
+        rule = profile.step_temp_rule
+        if request.compile:
+            info = info.model_copy(
+                update={"compile_failures": profile.compile_failures, "compile_s": round(profile.compile_s, 3)}
+            )
+        # timed at the rank's thread count, as the blocks were (more threads time erratically on shared cores)
+        with torch_threads(None if use_cuda else threads):
+            time_at = measured_time_at(
+                mf, model, request.seed, device, max(3, request.repeats), request.warmup, request.autocast
+            )
+            scaling = _scaling(request, time_at)
+    capacity = int(torch.cuda.get_device_properties(device).total_memory * GPU_MEMORY_HEADROOM) if use_cuda else None
+    link = NCCL_NVLINK_LINK if use_cuda else GLOO_CPU_LINK
+    info = info.model_copy(update=scaling)
+    return Costs(traced, _with_output(blocks, traced), link, info, capacity, ties_of(traced), rule)
+
+
+def _hardware(gpu_type: str, threads: int, attention: str | None) -> HardwareSpec:
+    if gpu_type == "cpu":
+        from planner.costs.cpu import calibrated_cpu
+
+        return calibrated_cpu(threads)
+    hw = hardware_named(gpu_type)  # a table entry, or a hardware file (planner probe -o FILE.json)
+    return hw if attention is None else hw.with_attention(attention)
+
+
+def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
+    """Build the model on the meta device (no weights allocated) and estimate its costs on ``--gpu-type``.
+
+    Args:
+        mf: the loaded model file.
+        request: the plan request (``gpu_type`` set; dtype, multi-node, microbatch size, seed).
+        threads: CPU threads per rank (for ``--gpu-type cpu``).
+
+    Returns:
+        The costs.
+    """
+    from planner.costs.estimate import costed_trace, estimate_blocks
+
+    assert request.gpu_type is not None
+    hw = _hardware(request.gpu_type, threads, request.attention_kernel)
+    on_cpu = hw.kind == "cpu"
+    dtype = request.dtype or ("fp32" if on_cpu else "bf16")
+    with meta_build():  # no weights, no initialisation
+        model = mf.build(seed=request.seed)
+    check_batch_size(mf, 2 * request.microbatch_size, request.seed)  # the rest of the contract needs real data
+    inputs, target = mf.batch(request.microbatch_size, seed=request.seed)
+    inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
+    target = target.to("meta")
+    traced = _traced(mf, model, inputs, target, request, on_meta=True)
+    costed, costed_model = costed_trace(traced, model, inputs, dtype)
+    # compiled: costed as torch.compile fuses each block (planner.costs.fusion)
+    on = (dtype, request.optimizer, request.progress, request.compile)  # dtype, optimizer, progress, compiled
+    blocks = estimate_blocks(costed, inputs, target, mf.loss_fn, hw, *on)
+    # the blocks as the run's trace names them
+    blocks = [
+        b.model_copy(update={"first_node": t.nodes[0], "last_node": t.nodes[-1]}) for b, t in zip(blocks, traced.blocks)
+    ]
+    info = ProfileInfo(
+        device="cpu" if on_cpu else "cuda",
+        backend="gloo" if on_cpu else "nccl",
+        threads=threads if on_cpu else 1,
+        torch_version=torch.__version__,
+        hostname=socket.gethostname(),
+        warmup=0,
+        repeats=0,
+        source="estimated",
+        hardware=hw.name,
+        attention_kernel=None if on_cpu else hw.attention_backend,
+        dtype=dtype,
+        cores=os.cpu_count() if on_cpu else None,
+        tokens_per_sample=tokens_per_sample(inputs),
+    )
+    # ranks fill nodes in order: only boundaries between nodes take the inter-node network (the
+    # search places the links for each replica count: planner.core.levers.data_parallel.layout_links)
+    link = GLOO_CPU_LINK if on_cpu else node_links(hw, request.profile_pp, request.ranks_per_node)
+    capacity = None if on_cpu else int(hw.memory_bytes * GPU_MEMORY_HEADROOM)
+
+    def estimated_time_at(size: int) -> float:
+        if size == request.microbatch_size:
+            return sum(b.fwd_s + b.bwd_s for b in blocks)
+        x, y = mf.batch(size, seed=request.seed)
+        x = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in x)
+        other = retrace(costed, costed_model, x)
+        est = estimate_blocks(other, x, y.to("meta"), mf.loss_fn, hw, *on)
+        return sum(b.fwd_s + b.bwd_s for b in est)
+
+    scaling = _scaling(request, estimated_time_at)
+    if scaling["min_microbatch_size"] > 1 and _runs_on_meta(mf, model, 1, request.seed):
+        # An estimate is not a measurement: the affine fit extrapolates to any size the model runs,
+        # and large runs use microbatches of one sample (one sequence). Only a model that cannot run
+        # one (batch norm in training) keeps the fitted floor.
+        scaling["min_microbatch_size"] = 1
+    info = info.model_copy(update=scaling)
+    return Costs(
+        traced,
+        _with_output(blocks, traced),
+        link,
+        info,
+        capacity,
+        ties_of(traced, dtype_bytes(dtype)),
+        hardware=hw,
+    )
+
+
+def _runs_on_meta(mf: ModelFile, model: torch.nn.Module, size: int, seed: int) -> bool:
+    """Whether the model's forward and loss run on a meta microbatch of ``size`` samples (shape checks
+    only: nothing is computed). Batch norm in training refuses one sample per channel, say."""
+    try:
+        x, y = mf.batch(size, seed=seed)
+        x = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in x)
+        mf.loss_fn(model(*x), y.to("meta"))
+    except Exception:  # noqa: BLE001 - any failure means "cannot run that small"
+        return False
+    return True
+
+
+__all__ = ["GPU_MEMORY_HEADROOM", "Costs", "estimated_costs", "measured_costs", "say", "tokens_per_sample"]
