@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from planner.capture.blocks import GraphTrace, TracedModel
+from planner.capture.ep_plan import resolve_experts
 from planner.capture.load import ModelFile, load_model_file
 from planner.capture.tp_graph import split_refusal
 from planner.capture.trace import retrace
@@ -185,6 +186,7 @@ def plan_from_costs(
     Raises:
         PlannerError: no layout fits, or the request cannot run on the model.
     """
+    experts = resolve_experts(mf, costs.traced.model)  # a model file's bad ep_plan: said before the search
     split = tensor_parallel_split(mf, request, costs, blocks)
 
     def assembled(split: TensorParallelBlocks) -> Plan:
@@ -214,7 +216,7 @@ def plan_from_costs(
     # --tp auto on a model that cannot be split: why it stays whole; why not sequence parallelism where asked or split
     for note in filter(None, [split.note, sequence_note(request, plan.tp, split.note, split.sequence_note)]):
         plan = plan.model_copy(update={"choice": f"{plan.choice}; {note}" if plan.choice else note})
-    return plan
+    return plan.model_copy(update={"experts": experts.counts}) if experts.layers else plan
 
 
 @contextmanager

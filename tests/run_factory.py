@@ -75,6 +75,7 @@ def plan_with_starts(
     whole, as plans made before scattering); ``overrides`` replace entries of the size's config (``--set``)."""
     import torch
 
+    from planner.capture.ep_plan import resolve_experts
     from planner.capture.load import load_model_file
     from planner.capture.tp_plan import resolve_tp_plan
     from planner.capture.trace import trace_model
@@ -178,6 +179,7 @@ def plan_with_starts(
         accumulation=accumulation,
         fsdp_units=fsdp_units,
         dp_shard=dp_shard,
+        experts=resolve_experts(mf, traced.model).counts,
     )
 
 

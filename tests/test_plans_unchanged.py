@@ -60,6 +60,7 @@ LATER_DEFAULTS = {
     "fsdp_units": "stage",
     "dp_shard": None,
     "sequence_parallel": False,
+    "experts": {},
 }
 BLOCK_LATER_DEFAULTS = {
     "tp": None,

@@ -357,6 +357,23 @@ def test_hugging_face_llama_with_its_head_split_tp2_pp2_matches_unsplit_model(tm
     print("hf llama head split tp2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("model", ["mixtral.py", "qwen_moe.py"])
+def test_a_mixture_of_experts_model_tp2_pp2_splits_attention_keeps_experts_whole_and_matches(
+    tmp_path: Path, model: str
+) -> None:
+    # transformers 5 styles the experts' grouped weights "packed_colwise" / "rowwise" and the module
+    # "moe_tp_experts", which torch's styles cannot split: those entries are dropped, the attention (and
+    # Qwen2-MoE's ... nothing else: its dense-MLP patterns match no layer of an all-experts config) splits
+    pytest.importorskip("transformers")
+    plan = plan_with_starts(MODELS / "hf" / model, [0, 2], size="tiny", **TP2_1F1B)
+    assert plan.tp_plan["model.layers.*.self_attn.o_proj"] == "rowwise"
+    assert not any("experts" in k or "mlp" in k for k in plan.tp_plan), plan.tp_plan
+    assert plan.experts == {f"model.layers.{i}.mlp.experts": 4 if model == "mixtral.py" else 8 for i in range(2)}
+    got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
+    print(model, "tp2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
 def test_an_export_graph_that_bakes_full_widths_is_refused_before_launch(tmp_path: Path) -> None:
     # a model whose forward reshapes with its full head count cannot run one tp rank's shards: one line
     pytest.importorskip("transformers")

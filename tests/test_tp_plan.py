@@ -137,7 +137,7 @@ def test_hugging_face_embedding_styles_split_the_width_and_a_tied_embedding_stay
     check_tp_plan(model, plan, 2)
 
 
-@pytest.mark.parametrize("style", ["packed_colwise", "rowwise_rep", "sequence_parallel", "moe_tp_experts"])
+@pytest.mark.parametrize("style", ["packed_colwise", "rowwise_rep", "sequence_parallel"])
 def test_unsupported_styles_give_a_reason(style: str) -> None:
     model = _hf_tiny()
     model.config.base_model_tp_plan = {"layers.*.self_attn.q_proj": style}

@@ -51,6 +51,8 @@ ALIASES = {
     "embedding_colwise": "colwise_rep",
     "embedding_rowwise": "colwise_rep",
 }
+TP_EXPERTS = "moe_tp_experts"  # transformers 5's style of a mixture-of-experts layer's experts module
+EP_EXPERTS = "ep_dispatch_experts"  # its expert-parallel style of the same module
 HEAD_ATTRS = ("n_heads", "n_kv_heads", "num_heads", "num_kv_heads", "num_attention_heads", "num_key_value_heads")
 CONFIG_HEAD_ATTRS = ("num_attention_heads", "num_key_value_heads")
 
@@ -64,11 +66,14 @@ class ResolvedPlan:
         source: where it came from ("model file", "Hugging Face config"), or "".
         reason: why the model is not shardable (an unsupported style, a plan that is no dict); ""
             when there is a plan or simply none declared.
+        whole: the patterns of the experts modules a Hugging Face plan styles "moe_tp_experts",
+            left whole on every tensor-parallel rank (``_without_experts``).
     """
 
     plan: dict[str, str]
     source: str = ""
     reason: str = ""
+    whole: tuple[str, ...] = ()
 
 
 def match(pattern: str, name: str) -> bool:
@@ -150,11 +155,36 @@ def resolve_tp_plan(mf: ModelFile, model: nn.Module) -> ResolvedPlan:
         return ResolvedPlan({})
     prefix, owner = found
     config: Any = owner.config
-    plan, reason = _checked(dict(config.base_model_tp_plan), f"{type(config).__name__}.base_model_tp_plan")
+    declared, whole = _without_experts(config)
+    plan, reason = _checked(declared, f"{type(config).__name__}.base_model_tp_plan")
     if reason:
         return ResolvedPlan({}, "", reason)
     out = {(f"{prefix}.{k}" if prefix else k): v for k, v in plan.items()}
-    return ResolvedPlan(_untied(model, out) | _head_entries(model, owner), "Hugging Face config")
+    # a family's plan names layers some of its configurations lack (Qwen2-MoE's dense MLPs, in
+    # models whose every layer routes to experts): those patterns are passed over, not refused
+    used = {pattern for _, _, pattern in matched_modules(model, out).values()}
+    out = {k: v for k, v in out.items() if k in used}
+    kept = tuple(f"{prefix}.{k}" if prefix else k for k in whole)
+    return ResolvedPlan(_untied(model, out) | _head_entries(model, owner), "Hugging Face config", whole=kept)
+
+
+def _without_experts(config: Any) -> tuple[dict[str, str], list[str]]:
+    """A Hugging Face config's ``base_model_tp_plan`` without its mixture-of-experts entries, and the
+    experts modules' patterns.
+
+    transformers 5 splits an experts module's grouped weights (``"packed_colwise"`` /
+    ``"rowwise"`` on 3-D parameters, the module ``"moe_tp_experts"``), which torch's
+    ``parallelize_module`` has no style for. The planner keeps those modules whole on every
+    tensor-parallel rank (the attention and any dense or shared-expert MLP still split), the layout
+    Megatron-Core runs with an expert tensor-parallel size of 1: the entries naming an experts module
+    (styled so in either plan) or anything inside it are dropped.
+    """
+    plan = dict(config.base_model_tp_plan)
+    ep_plan = getattr(config, "base_model_ep_plan", None) or {}
+    experts = [k for k, v in plan.items() if v == TP_EXPERTS]
+    experts += [k for k, v in dict(ep_plan).items() if v == EP_EXPERTS and k not in experts]
+    kept = {k: v for k, v in plan.items() if not any(k == e or k.startswith(f"{e}.") for e in experts)}
+    return kept, [e for e in experts if any(k == e or k.startswith(f"{e}.") for k in plan)]
 
 
 def _untied(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
@@ -356,7 +386,9 @@ def _check_ties(model: nn.Module, matched: Mapping[str, tuple[str, nn.Module, st
 
 
 __all__ = [
+    "EP_EXPERTS",
     "STYLES",
+    "TP_EXPERTS",
     "COLUMN_STYLES",
     "style_error",
     "ResolvedPlan",

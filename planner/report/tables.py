@@ -361,6 +361,30 @@ def tp_text(plan: Plan) -> str:
     )
 
 
+def experts_line(plan: Plan) -> str:
+    """One line on a mixture-of-experts model's experts, e.g. "experts: 32 mixture-of-experts layers of 8
+    experts (model.layers.0.mlp.experts ... model.layers.31.mlp.experts); every rank holds all the experts
+    of its stages' layers, tensor parallelism leaves them whole"; "" for a dense model.
+
+    Args:
+        plan: the plan (its ``experts``).
+
+    Returns:
+        The line.
+    """
+    if not plan.experts:
+        return ""
+    names = list(plan.experts)
+    counts = " / ".join(str(c) for c in sorted(set(plan.experts.values())))
+    where = names[0] if len(names) == 1 else f"{names[0]} ... {names[-1]}"
+    n = len(names)
+    whole = ", tensor parallelism leaves them whole" if plan.tp > 1 else ""
+    return (
+        f"experts: {n} mixture-of-experts layer{'s' if n > 1 else ''} of {counts} experts ({where}); every rank "
+        f"holds all the experts of its stages' layers{whole}"
+    )
+
+
 def small_stages_line(plan: Plan) -> str | None:
     """A caution for stages that compute less per action than one message's fixed cost on the
     uncalibrated CPU link, or None.
@@ -436,6 +460,8 @@ def render(plan: Plan) -> str:
         head += "\n" + "\n".join(f"  {method} could not trace it: {reason}" for method, reason in m.trace_failures)
     for line in tie_lines(plan):
         head += "\n" + line
+    if plan.experts:
+        head += "\n" + experts_line(plan)
     reduction = (
         f" ({_ms(plan.prediction.dp_reduce_s)} ms of it reducing gradients over {plan.dp} replicas)"
         if plan.dp > 1

@@ -388,6 +388,12 @@ class Plan(_Frozen):
         description="The tensor-parallel plan used: module-name patterns (fnmatch, '*' matches one name part) "
         "to styles: colwise, rowwise (torch's ColwiseParallel / RowwiseParallel). Empty when tp is 1.",
     )
+    experts: dict[str, int] = Field(
+        default_factory=dict,
+        description="The model's mixture-of-experts layers: each experts module's name -> its expert count, as the "
+        "model's expert plan names them (planner.capture.ep_plan; empty: a dense model). Every rank holding a "
+        "layer holds all its experts; tensor parallelism leaves them whole.",
+    )
     sequence_parallel: bool = Field(
         default=False,
         description="Sequence parallelism with the tensor parallelism (tp > 1 only): row-wise outputs "
