@@ -102,11 +102,12 @@ def test_scatter_and_gather_are_exact_both_ways_on_two_processes() -> None:
     spawn_pair(_scatter_gather_rank)
 
 
-def spawn_pair(fn: Callable[[int, int], None]) -> None:
-    """Run ``fn(rank, port)`` in two spawned processes over a TCPStore this process serves at ``port``.
+def spawn_pair(fn: Callable[[int, int], None], n: int = 2) -> None:
+    """Run ``fn(rank, port)`` in ``n`` spawned processes (two by default) over a TCPStore this process
+    serves at ``port``.
 
-    The server lives here, as ``planner run``'s launcher holds its ranks' store, until both ranks
-    have exited: a rank that served the store took it down while its peer's store client and gloo
+    The server lives here, as ``planner run``'s launcher holds its ranks' store, until every rank
+    has exited: a rank that served the store took it down while its peer's store client and gloo
     threads still ran, and that peer aborted at shutdown ("terminate called without an active
     exception", met twice in CI). The server also picks its own free port, so no probe port can be
     taken by another test between the probe and the bind.
@@ -118,22 +119,22 @@ def spawn_pair(fn: Callable[[int, int], None]) -> None:
 
     server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
     try:
-        mp.spawn(fn, args=(server.port,), nprocs=2, join=True)
+        mp.spawn(fn, args=(server.port,), nprocs=n, join=True)
     finally:
         del server
 
 
 @contextmanager
-def gloo_pair(rank: int, port: int) -> Iterator[None]:
-    """One of two gloo processes (``spawn_pair``): one thread, a process group over the parent's
+def gloo_pair(rank: int, port: int, n: int = 2) -> Iterator[None]:
+    """One of ``n`` gloo processes (``spawn_pair``): one thread, a process group over the parent's
     TCPStore at ``port``, left before the process ends."""
     import datetime
 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    store = dist.TCPStore("127.0.0.1", port, n, False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
     try:
         yield
     finally:

@@ -1,0 +1,125 @@
+"""Expert parallelism at run time: one mixture-of-experts layer's experts sharded over the ranks of an
+expert-parallel group, and the tokens routed to them dispatched and combined with all-to-alls.
+
+An experts module (``planner.capture.ep_plan``: its parameters lead with the expert index; it is
+called as ``experts(hidden [T, d], top_k_index [T, k], top_k_weights [T, k]) -> [T, d]``) holds, on
+rank ``r`` of a group of ``ep``, experts ``r E/ep .. (r + 1) E/ep - 1`` only (``shard_experts``).
+``ExpertDispatch`` runs in its place, on the tokens this rank holds:
+
+1. every (token, slot) pair goes to the rank holding its expert: the pairs are ordered by that
+   rank (stably, so each rank's rows keep the order of the unsplit layer's), the counts exchanged,
+   then the rows and their local expert ids sent with ``all_to_all_single``;
+2. the local experts run on the rows received, each row through its one expert at weight 1
+   (``experts(rows, ids [R, 1], ones [R, 1])``);
+3. the results go back with the reverse all-to-all and each pair's result is weighted by its
+   router weight and summed into its token here, so the router's gradient stays on this rank.
+
+Dropless: every pair is computed, so a run equals the unsplit model (to the order of the sums).
+The row exchanges are ``torch.distributed.nn.functional.all_to_all_single``, whose backward is the
+reverse exchange: every rank of the group must run the layer's forward and backward in the same
+order (the ranks of a group run the same pipeline rank of different replicas, the same schedule).
+A rank that receives no rows still runs its experts on one row of zeros taken from its (empty)
+input, as transformers' ``AllToAllEP`` does, so the backward exchange and the gradient hooks run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.nn.functional import all_to_all_single
+
+from planner.errors import PlanFileError
+
+
+def shard_experts(experts: nn.Module, name: str, rank: int, size: int) -> int:
+    """Keep only rank ``rank``'s share of ``experts``'s experts, in place: every parameter cut to its
+    rows ``rank E/size .. (rank + 1) E/size - 1`` (a new leaf parameter), and ``num_experts``, where
+    the module declares it, set to the local count (transformers' experts size their routing masks
+    by it).
+
+    Args:
+        experts: the experts module (parameters leading with the expert index).
+        name: its name in the model, for errors.
+        rank: this rank's index in the expert-parallel group.
+        size: the group's size.
+
+    Returns:
+        The index of this rank's first expert.
+
+    Raises:
+        PlanFileError: ``size`` does not divide the module's expert count (a plan for another model).
+    """
+    params = list(experts.named_parameters())
+    count = params[0][1].shape[0] if params else 0
+    if not params or count % size or any(p.dim() < 2 or p.shape[0] != count for _, p in params):
+        raise PlanFileError(
+            f"the plan shards the experts of {name} over {size} ranks, but the model's module there holds "
+            f"{count} experts (parameters {', '.join(f'{n} {tuple(p.shape)}' for n, p in params[:3])}); "
+            "re-plan the model"
+        )
+    local = count // size
+    first = rank * local
+    for full, p in params:
+        owner = experts.get_submodule(full.rpartition(".")[0]) if "." in full else experts
+        leaf = full.rpartition(".")[2]
+        owner.register_parameter(leaf, nn.Parameter(p.detach()[first : first + local].clone(), p.requires_grad))
+    if isinstance(getattr(experts, "num_experts", None), int):
+        experts.num_experts = local  # type: ignore[assignment]
+    return first
+
+
+class ExpertDispatch(nn.Module):
+    """An experts module run expert-parallel (see the module docstring).
+
+    Args:
+        experts: the experts module, already cut to this rank's share (``shard_experts``).
+        n_experts: the layer's experts in all.
+        group: the expert-parallel process group (None: the default group).
+    """
+
+    def __init__(self, experts: nn.Module, n_experts: int, group: Any = None) -> None:
+        super().__init__()
+        self.experts = experts
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.local = n_experts // self.size
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The layer's output for this rank's tokens: ``hidden`` [T, d], ``top_k_index`` [T, k]
+        (global expert ids), ``top_k_weights`` [T, k] -> [T, d]."""
+        k = top_k_index.shape[-1]
+        pairs = top_k_index.reshape(-1)
+        dest = torch.div(pairs, self.local, rounding_mode="floor")
+        order = torch.argsort(dest, stable=True)
+        send = torch.bincount(dest, minlength=self.size)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)  # how many rows each rank sends here
+        sends, recvs = send.tolist(), recv.tolist()
+        token = torch.div(order, k, rounding_mode="floor")  # each ordered pair's token
+        ids = (pairs[order] - dest[order] * self.local).contiguous()
+        got_ids = ids.new_empty(sum(recvs))
+        dist.all_to_all_single(got_ids, ids, recvs, sends, group=self.group)
+        rows = hidden.reshape(-1, hidden.shape[-1])[token]
+        got = all_to_all_single(rows.new_empty(sum(recvs), rows.shape[-1]), rows, recvs, sends, group=self.group)
+        done = self._run(got, got_ids)
+        back = all_to_all_single(done.new_empty(len(pairs), done.shape[-1]), done, sends, recvs, group=self.group)
+        weighted = (back * top_k_weights.reshape(-1)[order, None]).to(hidden.dtype)
+        out = torch.zeros(hidden.reshape(-1, hidden.shape[-1]).shape, dtype=hidden.dtype, device=hidden.device)
+        return out.index_add(0, token, weighted).reshape(hidden.shape)
+
+    def _run(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The local experts on ``rows``, row ``i`` through expert ``ids[i]`` at weight 1."""
+        if rows.shape[0] == 0:
+            # one row of zeros, connected to the (empty) rows: the backward exchange and the experts'
+            # gradient hooks still run on this rank
+            zero = rows.sum(dim=0, keepdim=True)
+            one = torch.ones(1, 1, dtype=rows.dtype, device=rows.device)
+            return self.experts(zero, ids.new_zeros(1, 1), one)[:0]
+        ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
+        return self.experts(rows, ids[:, None], ones)
+
+
+__all__ = ["ExpertDispatch", "shard_experts"]

@@ -1,0 +1,92 @@
+"""Tier 3: expert parallelism's dispatch (``planner.run.experts``) on real gloo processes: an experts
+module sharded over the ranks, each rank's tokens sent to the ranks holding their experts and back,
+equals the unsplit module on the whole batch (outputs, input and router-weight gradients, and each
+rank's experts' gradients), also where a rank receives no token."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_run_tp import gloo_pair, spawn_pair  # noqa: E402
+
+from planner.capture.load import load_model_file  # noqa: E402
+from planner.errors import PlanFileError  # noqa: E402
+from planner.run.experts import ExpertDispatch, shard_experts  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKENS, TOP_K = 6, 2
+
+
+def _experts(model: str) -> torch.nn.Module:
+    """A layer's experts module, the same on every rank: transformers' Mixtral's or the fixture file's."""
+    path = ROOT / ("models/hf/mixtral.py" if model == "mixtral" else "tests/fixtures/moe_file.py")
+    built = load_model_file(path, "tiny").build(seed=0)
+    return built.get_submodule("model.layers.0.mlp.experts" if model == "mixtral" else "layers.0.moe.experts")
+
+
+def _routed(n: int, n_experts: int, dim: int, lopsided: bool) -> tuple[torch.Tensor, ...]:
+    """Every rank's tokens, router choices (distinct experts per token) and weights; ``lopsided``: every
+    token routed to the first rank's experts only."""
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(n, TOKENS, dim, generator=g)
+    pool = n_experts // n if lopsided else n_experts
+    index = torch.stack([torch.randperm(pool, generator=g)[:TOP_K] for _ in range(n * TOKENS)]).reshape(
+        n, TOKENS, TOP_K
+    )
+    weights = torch.rand(n, TOKENS, TOP_K, generator=g).softmax(-1)
+    grad = torch.randn(n, TOKENS, dim, generator=g)
+    return hidden, index, weights, grad
+
+
+def _dispatch_rank(rank: int, port: int, model: str, n: int, lopsided: bool) -> None:
+    with gloo_pair(rank, port, n):
+        whole = _experts(model)
+        n_experts = next(whole.parameters()).shape[0]
+        dim = next(p for p in whole.parameters()).shape[-1]
+        hidden, index, weights, grad = _routed(n, n_experts, dim, lopsided)
+        # the reference: every rank's tokens through the unsplit module
+        ref_h = hidden.reshape(-1, dim).clone().requires_grad_()
+        ref_w = weights.reshape(-1, TOP_K).clone().requires_grad_()
+        ref = whole(ref_h, index.reshape(-1, TOP_K), ref_w)
+        (ref * grad.reshape(-1, dim)).sum().backward()
+        local = copy.deepcopy(whole)
+        first = shard_experts(local, "layers.0.experts", rank, n)
+        assert first == rank * n_experts // n and next(local.parameters()).shape[0] == n_experts // n
+        layer = ExpertDispatch(local, n_experts)
+        h = hidden[rank].clone().requires_grad_()
+        w = weights[rank].clone().requires_grad_()
+        out = layer(h, index[rank], w)
+        (out * grad[rank]).sum().backward()
+        mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
+        torch.testing.assert_close(out, ref[mine], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(h.grad, ref_h.grad[mine], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(w.grad, ref_w.grad[mine], rtol=1e-5, atol=1e-6)
+        for (name, p), q in zip(local.named_parameters(), whole.parameters()):
+            want = q.grad if q.grad is not None else torch.zeros_like(q)
+            got = p.grad if p.grad is not None else torch.zeros_like(p)
+            torch.testing.assert_close(got, want[first : first + p.shape[0]], rtol=1e-5, atol=1e-6, msg=name)
+        if lopsided and rank > 0:  # no token reached this rank's experts: their gradients are zero
+            assert all(p.grad is None or not p.grad.any() for p in local.parameters())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("model", "n", "lopsided"),
+    [("mixtral", 2, False), ("mixtral", 2, True), ("fixture", 4, False)],
+    ids=["mixtral-2", "mixtral-2-one-rank-gets-all", "model-file-4"],
+)
+def test_dispatched_experts_equal_the_unsplit_layer(model: str, n: int, lopsided: bool) -> None:
+    pytest.importorskip("transformers") if model == "mixtral" else None
+    spawn_pair(functools.partial(_dispatch_rank, model=model, n=n, lopsided=lopsided), n)
+
+
+def test_a_group_that_does_not_divide_the_experts_is_refused() -> None:
+    experts = _experts("fixture")  # 4 experts
+    with pytest.raises(PlanFileError, match=r"shards the experts of layers\.0 over 3 ranks, but .* holds 4 experts"):
+        shard_experts(experts, "layers.0", 0, 3)
