@@ -34,6 +34,7 @@ import torch.fx as fx
 from torch import nn
 
 from planner.capture.blocks import CONTAINERS, Block, Cut, GraphTrace, ValueInfo, describe, is_layer, layer_types
+from planner.capture.expert_calls import META_KEY, ExpertCall, exported_calls, recording
 from planner.capture.meta_cache import meta_op_cache, on_meta
 from planner.capture.shapes import shapes_or_real
 from planner.capture.signature import block_structure, leaves_block, rebuild, signature, spec
@@ -41,13 +42,26 @@ from planner.errors import TraceError
 from planner.torch_compat import export_logger_names, fx_arg_bypass, lazy_graph_module, no_dispatch, set_node_arguments
 
 
-def trace_fx(model: nn.Module, inputs: tuple[Any, ...]) -> fx.GraphModule:
-    """``torch.fx`` symbolic trace; torch.nn modules stay leaves (one ``call_module`` node each)."""
+def trace_fx(model: nn.Module, inputs: tuple[Any, ...], experts: Sequence[str] = ()) -> fx.GraphModule:
+    """``torch.fx`` symbolic trace; torch.nn modules stay leaves (one ``call_module`` node each). The
+    calls of the ``experts`` modules are recorded in the module's ``meta`` (``planner.capture.expert_calls``)."""
     tracer = _Tracer()
-    graph = tracer.trace(model)
+    with recording(model, experts) as calls:
+        graph = tracer.trace(model)
     # Planning runs the graph in interpreters and cuts stages out of it (each a module of its own):
     # the whole graph's Python code is generated only if something calls it.
-    return lazy_graph_module(tracer.root, graph, model.__class__.__name__)
+    gm = lazy_graph_module(tracer.root, graph, model.__class__.__name__)
+    if experts:
+        gm.meta[META_KEY] = _all_called(calls, experts)
+    return gm
+
+
+def _all_called(calls: dict[str, ExpertCall], experts: Sequence[str]) -> dict[str, ExpertCall]:
+    """``calls``, every one of ``experts`` in it (a module the forward never called: one line)."""
+    missing = [name for name in experts if name not in calls]
+    if missing:
+        raise TraceError(f"the forward never calls the experts module {missing[0]}")
+    return calls
 
 
 _ARG_BYPASS = fx_arg_bypass()
@@ -118,11 +132,13 @@ class _Tracer(fx.Tracer):
         return parameter_proxy_cache[name]
 
 
-def trace_export(model: nn.Module, inputs: tuple[Any, ...]) -> fx.GraphModule:
+def trace_export(model: nn.Module, inputs: tuple[Any, ...], experts: Sequence[str] = ()) -> fx.GraphModule:
     """``torch.export.export(strict=False)``, with its logging and partial-graph printing silenced.
 
     A failing export logs warnings and prints the partial graph; the planner reports the reason in
-    one line instead, so that noise is kept off the user's terminal.
+    one line instead, so that noise is kept off the user's terminal. The ``experts`` modules' call
+    signatures are preserved and their calls recorded in the module's ``meta``
+    (``planner.capture.expert_calls``).
     """
     loggers = [logging.getLogger(name) for name in export_logger_names()]
     levels = [lg.level for lg in loggers]
@@ -139,7 +155,7 @@ def trace_export(model: nn.Module, inputs: tuple[Any, ...]) -> fx.GraphModule:
             # symbolizing each node's Python stack was a tenth of an export's time
             emitted, torch.fx.config.do_not_emit_stack_traces = torch.fx.config.do_not_emit_stack_traces, True
             try:
-                ep = torch.export.export(model, inputs, strict=False)
+                ep = torch.export.export(model, inputs, strict=False, preserve_module_call_signature=tuple(experts))
             finally:
                 torch.fx.config.do_not_emit_stack_traces = emitted
     finally:
@@ -147,6 +163,8 @@ def trace_export(model: nn.Module, inputs: tuple[Any, ...]) -> fx.GraphModule:
             lg.setLevel(level)
     gm = ep.module()
     _drop_metadata_asserts(gm)  # type: ignore[arg-type]
+    if experts:
+        gm.meta[META_KEY] = _all_called(exported_calls(ep, experts), experts)
     return gm  # type: ignore[return-value]
 
 

@@ -8,9 +8,10 @@ trace, so a graph that came back different is refused as a model that changed wo
 
 What is written: every node (name, kind, target, arguments), each node's module stack (what blocks
 are grouped by), the graph's input and output structures (pytree specs), the tensors the graph reads
-that the model does not hold (torch.export's lifted constants) and which buffers stay out of the
-state dict. The weights are not written: the rebuilt graph reads the rank's model by name. Neither
-``torch.export.save`` (its save and load took as long as exporting again, for a tiny Llama here) nor
+that the model does not hold (torch.export's lifted constants), which buffers stay out of the
+state dict, and the experts modules' calls where expert parallelism recorded them
+(``planner.capture.expert_calls``). The weights are not written: the rebuilt graph reads the
+rank's model by name. Neither ``torch.export.save`` (its save and load took as long as exporting again, for a tiny Llama here) nor
 pickling the module (it re-traces the generated code and drops the nodes' metadata) does this.
 
 The one module torch.export adds, its input guards (``_guards_fn``, no users), is rebuilt as a module
@@ -33,6 +34,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from planner.capture.expert_calls import META_KEY, calls_of
 from planner.torch_compat import exported_pytree_info, operator_name, with_pytree_codegen
 
 FORMAT = 1
@@ -191,6 +193,7 @@ def dump_graph(gm: fx.GraphModule, model: nn.Module) -> bytes:
         "tree": tree,
         "pytree": exported_pytree_info(gm),
         "constants": constants,
+        "experts": calls_of(gm),  # the experts modules' calls, where expert parallelism recorded them
     }
     try:
         return pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
@@ -256,6 +259,8 @@ def load_graph(data: bytes, model: nn.Module) -> fx.GraphModule:
         raise GraphFileError(f"the graph does not fit the model ({type(e).__name__}: {e})") from e
     with_pytree_codegen(graph, record["pytree"])
     gm.graph = graph  # generates its code
+    if record.get("experts"):
+        gm.meta[META_KEY] = dict(record["experts"])
     return gm
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import sysconfig
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,9 @@ from planner.capture.graph import (
 from planner.capture.modules import trace_module_boundaries
 from planner.errors import TraceError
 
-TRACERS: dict[str, Callable[[nn.Module, tuple[Any, ...]], fx.GraphModule]] = {"fx": trace_fx, "export": trace_export}
+TRACERS: dict[str, Callable[..., fx.GraphModule]] = {"fx": trace_fx, "export": trace_export}
+"""Each tracer: ``(model, inputs, experts)`` -> the graph module (``experts``: the experts modules
+whose calls it records, ``planner.capture.expert_calls``)."""
 
 _NOT_USER_CODE = tuple(
     str(Path(p).resolve())
@@ -103,6 +105,7 @@ def trace_model(
     shapes_only: bool = False,
     copied: bool = True,
     exported: Callable[[nn.Module], fx.GraphModule] | None = None,
+    experts: Sequence[str] = (),
 ) -> TracedModel:
     """Trace ``model`` on an example microbatch, group nodes into blocks and find legal cuts.
 
@@ -122,6 +125,8 @@ def trace_model(
         exported: for "export", the graph made some other way from the model's private copy than by
             exporting it (``planner run``'s ranks rebuild the launcher's, ``planner.capture.graph_file``);
             grouped, recorded and fingerprinted as an export is. None: export.
+        experts: the experts modules whose calls a graph records (expert parallelism's stages
+            replace them: ``planner.capture.expert_calls``); empty for every other plan.
 
     Returns:
         A ``GraphTrace`` (fx, export) or a ``ModuleTrace`` (module boundaries).
@@ -149,7 +154,11 @@ def trace_model(
                 failures.append(("modules", str(e)))
                 continue
         try:
-            gm = exported(private) if exported is not None and method == "export" else TRACERS[method](private, inputs)
+            gm = (
+                exported(private)
+                if exported is not None and method == "export"
+                else TRACERS[method](private, inputs, experts)
+            )
             blocks = group_blocks(gm, private)  # first: twin layers' values are replayed, not run again
             values, output = recorded_run(gm, inputs, shapes_only=shapes_only, blocks=blocks)
         except Exception as e:  # any tracer failure means: try the next one
