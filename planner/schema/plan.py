@@ -109,7 +109,14 @@ class Plan(_Frozen):
         default_factory=dict,
         description="The model's mixture-of-experts layers: each experts module's name -> its expert count, as the "
         "model's expert plan names them (planner.capture.ep_plan; empty: a dense model). Every rank holding a "
-        "layer holds all its experts; tensor parallelism leaves them whole.",
+        "layer holds all its experts unless ep shards them; tensor parallelism leaves them whole.",
+    )
+    ep: int = Field(
+        default=1,
+        ge=1,
+        description="Expert-parallel ranks (1: none): each mixture-of-experts layer's experts sharded over ep "
+        "consecutive replicas of the same pipeline rank, the tokens routed to them dispatched and combined with "
+        "all-to-alls (planner.run.experts); dense layers keep their layout. Divides dp and every layer's expert count.",
     )
     sequence_parallel: bool = Field(
         default=False,
@@ -315,6 +322,8 @@ class Plan(_Frozen):
             raise ValueError(
                 f"dp_shard {self.dp_shard} must divide dp {self.dp} into several groups (all replicas in one group is fsdp)"
             )
+        if self.ep > 1:
+            self._check_experts()
         if (self.tp > 1) != bool(self.tp_plan):
             raise ValueError(f"tp is {self.tp} with {len(self.tp_plan)} tp_plan entries; a split needs its plan")
         if self.sequence_parallel and self.tp == 1:
@@ -353,6 +362,17 @@ class Plan(_Frozen):
             if unknown:
                 raise ValueError(f"tied parameter {tie.names[0]} names block(s) {unknown} that the plan does not have")
         return self
+
+    def _check_experts(self) -> None:
+        """An expert-parallel plan's experts and replicas: ``ep`` divides both."""
+        if not self.experts:
+            raise ValueError(f"ep is {self.ep} but the plan records no experts to shard")
+        if self.dp % self.ep:
+            raise ValueError(f"ep {self.ep} does not divide dp {self.dp} (the expert-parallel ranks are replicas)")
+        odd = {name: n for name, n in self.experts.items() if n % self.ep}
+        if odd:
+            name, n = next(iter(odd.items()))
+            raise ValueError(f"ep {self.ep} does not divide the {n} experts of {name}")
 
     def _check_recompute_count(self, stage: StagePlan) -> None:
         """A stage's "full:k" / "selective:k" names at most as many checkpoint regions as it has.
@@ -410,3 +430,7 @@ class Plan(_Frozen):
         """The model file, resolving a relative path against the plan file's folder."""
         p = Path(self.model.path)
         return p if p.is_absolute() else (Path(plan_path).resolve().parent / p)
+
+
+# the records live in planner.schema.plan_parts; importers keep reading them from here
+__all__ = ["PLAN_VERSION", "Candidate", "ModelRef", "Plan", "Prediction", "ProfileInfo", "StagePlan", "Tie"]
