@@ -66,13 +66,15 @@ def plan_with_starts(
     dp_shard: int | None = None,
     cut_share: int | None = None,
     overrides: dict[str, Any] | None = None,
+    ep: int = 1,
 ) -> Plan:
     """A valid Plan for ``model_path`` whose stages start at the blocks in ``starts`` (placed on ranks
     as ``schedule`` places ``stages_per_rank`` stages per rank), run as ``dp`` replicas, each pipeline
     rank split over ``tp`` tensor-parallel ranks by ``tp_plan`` (None: the model file's own), each step
     in ``accumulation`` passes (under hsdp, ``dp_shard`` replicas per shard group); the boundaries
     scattered over ``cut_share`` tensor-parallel ranks (None: ``tp``, as the planner plans them; 1: sent
-    whole, as plans made before scattering); ``overrides`` replace entries of the size's config (``--set``)."""
+    whole, as plans made before scattering); ``overrides`` replace entries of the size's config (``--set``);
+    each mixture-of-experts layer's experts sharded over ``ep`` replicas."""
     import torch
 
     from planner.capture.ep_plan import resolve_experts
@@ -83,7 +85,9 @@ def plan_with_starts(
 
     mf = load_model_file(model_path, size, overrides)
     inputs, _ = mf.batch(batch_size // (dp * accumulation * n_microbatches), seed=seed)
-    traced = trace_model(mf.build(seed), inputs)
+    model = mf.build(seed)
+    experts = resolve_experts(mf, model).counts
+    traced = trace_model(model, inputs, experts=tuple(experts) if ep > 1 else ())
     n = len(traced.blocks)
     blocks = [
         BlockCost(
@@ -179,7 +183,8 @@ def plan_with_starts(
         accumulation=accumulation,
         fsdp_units=fsdp_units,
         dp_shard=dp_shard,
-        experts=resolve_experts(mf, traced.model).counts,
+        experts=experts,
+        ep=ep,
     )
 
 

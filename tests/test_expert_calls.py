@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from planner.capture.ep_plan import resolve_experts
-from planner.capture.expert_calls import META_KEY, ExpertCall, calls_of, replace_calls
+from planner.capture.expert_calls import META_KEY, TAG, ExpertCall, calls_of, replace_calls
 from planner.capture.graph_file import dump_graph, load_graph
 from planner.capture.load import load_model_file
 from planner.capture.stage import build_stage_module
@@ -85,7 +85,7 @@ def test_a_stage_with_its_calls_replaced_computes_what_the_graph_did(path: Path,
         stage.add_module(path_, _Whole(originals[name]))
         return path_
 
-    assert replace_calls(stage, calls, target) == list(calls)
+    assert replace_calls(stage, list(calls), target) == list(calls)
     kinds = [n.op for n in stage.graph.nodes]
     assert kinds.count("call_module") - [n.op for n in graph_stage.graph.nodes].count("call_module") == len(calls)
     assert not any("experts" in str(n.target) for n in stage.graph.nodes if n.op == "get_attr")
@@ -111,10 +111,12 @@ def test_a_call_the_forward_never_makes_or_reads_beyond_its_inputs_is_one_line()
     _, _, _, traced = _traced(FIXTURE, True, "fx")
     stage = build_stage_module(traced, 0, len(traced.blocks))
     call = calls_of(traced.gm)["layers.0.moe.experts"]
-    # the experts' call said to take the router's logits instead of the hidden states: the operators
-    # between it and the output read the hidden states, made outside the module
-    logits = next(n.name for n in stage.graph.nodes if n.op == "call_module" and "router" in str(n.target))
-    wrong = ExpertCall(call.name, (logits, call.inputs[1], call.inputs[2]), call.output)
+    # the experts' call marked as taking the router's logits instead of the hidden states: the
+    # operators between it and the output read the hidden states, made outside the module
+    nodes = {n.name: n for n in stage.graph.nodes}
+    logits = next(n for n in stage.graph.nodes if n.op == "call_module" and "router" in str(n.target))
+    del nodes[call.inputs[0]].meta[TAG]
+    logits.meta[TAG] = (call.name, 0)
     with pytest.raises(TraceError, match=r"layers\.0\.moe\.experts reads .*, which is neither one of its three inputs"):
-        replace_calls(stage, {call.name: wrong}, lambda name: "x")
+        replace_calls(stage, [call.name], lambda name: "x")
     assert traced.gm.meta[META_KEY]["layers.0.moe.experts"] == call

@@ -61,6 +61,7 @@ LATER_DEFAULTS = {
     "dp_shard": None,
     "sequence_parallel": False,
     "experts": {},
+    "ep": 1,
 }
 BLOCK_LATER_DEFAULTS = {
     "tp": None,

@@ -12,7 +12,8 @@ and which it returns, without changing the graph's operators:
   (``preserve_module_call_signature``) and read back from the program's module call graph
   (``exported_calls``): the operators are the same, some ``getitem`` nodes are named otherwise.
 
-The calls travel with the graph module (``gm.meta``, also in ``planner.capture.graph_file``).
+The calls travel with the graph module (``gm.meta``, also in ``planner.capture.graph_file``) and are
+marked on their nodes (``tag_calls``), whose copies in a stage keep the mark whatever they are named.
 ``replace_calls`` then swaps, in a stage's graph, each call's operators for one ``call_module`` node.
 """
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,41 +131,64 @@ def calls_of(gm: fx.GraphModule) -> dict[str, ExpertCall]:
     return dict(gm.meta.get(META_KEY, {}))
 
 
-def replace_calls(gm: fx.GraphModule, calls: Mapping[str, ExpertCall], target: Callable[[str], str]) -> list[str]:
-    """In ``gm`` (a stage cut from a traced graph), replace each call whose output the stage computes
-    by one ``call_module`` node of ``target(name)`` (a module the caller registers on ``gm``) taking
-    the call's three inputs: the operators between them and the output are removed, with the
-    parameter reads only they used.
+TAG = "planner_expert_io"
+"""The node meta entry marking a call's inputs and output: (experts module name, position), the
+position 0-2 for the inputs and 3 for the output. Copies of a node (a stage's graph) keep it."""
+
+
+def tag_calls(gm: fx.GraphModule) -> None:
+    """Mark on their nodes the inputs and output of each call ``gm`` records (``TAG``), so that a
+    stage cut from it finds them whatever its nodes are named (a stage's marks rename copies).
 
     Args:
-        gm: the stage's graph module (its nodes named as the trace's).
-        calls: the trace's experts calls.
+        gm: a traced graph module (its calls in ``meta``; none: nothing is marked).
+    """
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for call in calls_of(gm).values():
+        for k, name in enumerate((*call.inputs, call.output)):
+            nodes[name].meta[TAG] = (call.name, k)
+
+
+def replace_calls(gm: fx.GraphModule, names: Sequence[str], target: Callable[[str], str]) -> list[str]:
+    """In ``gm`` (a stage cut from a traced graph whose calls were marked, ``tag_calls``), replace the
+    call of each experts module of ``names`` whose output the stage computes by one ``call_module``
+    node of ``target(name)`` (a module the caller registers on ``gm``) taking the call's three
+    inputs: the operators between them and the output are removed, with the parameter reads only
+    they used.
+
+    Args:
+        gm: the stage's graph module.
+        names: the experts modules to replace.
         target: the attribute path of the module replacing an experts module's call, by its name.
 
     Returns:
         The names of the experts modules replaced, in graph order.
 
     Raises:
-        TraceError: a call's inputs are not in the stage (a cut inside the experts' call).
+        TraceError: a call's inputs are not in the stage (a cut inside the experts' call), or the
+            call reads a value neither given to it nor made inside it.
     """
-    nodes = {n.name: n for n in gm.graph.nodes}
+    marked: dict[str, dict[int, fx.Node]] = {}
+    for node in gm.graph.nodes:
+        tag = node.meta.get(TAG)
+        if tag is not None and tag[0] in names:
+            marked.setdefault(tag[0], {})[tag[1]] = node
     done: list[str] = []
-    for call in sorted(calls.values(), key=lambda c: list(nodes).index(c.output) if c.output in nodes else -1):
-        out = nodes.get(call.output)
+    for name, io in marked.items():
+        out = io.get(3)
         if out is None:
             continue
-        missing = [name for name in call.inputs if name not in nodes]
-        if missing:
-            raise TraceError(f"the stage computes the experts of {call.name} without their inputs {missing}")
-        inputs = [nodes[name] for name in call.inputs]
-        inside = _between(call.name, inputs, out)
+        if any(k not in io for k in range(3)):
+            raise TraceError(f"the stage computes the experts of {name} without all three of their inputs")
+        inputs = [io[0], io[1], io[2]]
+        inside = _between(name, inputs, out)
         with gm.graph.inserting_after(out):
-            new = gm.graph.call_module(target(call.name), tuple(inputs))
-        new.meta = dict(out.meta)
+            new = gm.graph.call_module(target(name), tuple(inputs))
+        new.meta = {k: v for k, v in out.meta.items() if k != TAG}
         out.replace_all_uses_with(new)
         for node in reversed([n for n in gm.graph.nodes if n in inside]):
             gm.graph.erase_node(node)
-        done.append(call.name)
+        done.append(name)
     for node in [n for n in gm.graph.nodes if n.op == "get_attr" and not n.users]:
         gm.graph.erase_node(node)
     gm.graph.lint()
@@ -214,4 +238,4 @@ def _between(name: str, inputs: Sequence[fx.Node], out: fx.Node) -> set[fx.Node]
     return inside
 
 
-__all__ = ["META_KEY", "ExpertCall", "calls_of", "exported_calls", "recording", "replace_calls"]
+__all__ = ["META_KEY", "TAG", "ExpertCall", "calls_of", "exported_calls", "recording", "replace_calls", "tag_calls"]

@@ -20,6 +20,7 @@ import torch.fx as fx
 from torch import nn
 
 from planner.capture.blocks import GraphTrace, TracedModel
+from planner.capture.expert_calls import tag_calls
 from planner.capture.graph import (
     analyse_graph,
     group_blocks,
@@ -159,6 +160,7 @@ def trace_model(
                 if exported is not None and method == "export"
                 else TRACERS[method](private, inputs, experts)
             )
+            tag_calls(gm)  # the experts' calls, where recorded, marked on their nodes
             blocks = group_blocks(gm, private)  # first: twin layers' values are replayed, not run again
             values, output = recorded_run(gm, inputs, shapes_only=shapes_only, blocks=blocks)
         except Exception as e:  # any tracer failure means: try the next one

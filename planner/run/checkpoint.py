@@ -42,6 +42,7 @@ import pickle
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
@@ -338,6 +339,9 @@ class RankState:
         scheduler: the learning-rate schedule (None: a constant rate).
         data: the data stream, when it can say where it is (None: the step count replays it).
         device: where the RNG state of a GPU rank lives (CPU ranks: only torch's CPU generator).
+        shards: id of a parameter this rank holds a share of (an expert-parallel layer's experts)
+            -> what turns it, and its optimizer state of its shape, into the whole tensor's view
+            that is saved and loaded (``planner.run.stages.RankStages.shards``).
     """
 
     rank: int
@@ -346,6 +350,12 @@ class RankState:
     scheduler: Any | None = None
     data: Stateful | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    shards: dict[int, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+
+    def _whole(self, param: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (``param`` or a state of its shape) as saved: the whole tensor's view of a share."""
+        view = self.shards.get(id(param))
+        return view(t) if view is not None and t.shape == param.shape else t
 
     def _param_names(self) -> dict[int, str]:
         """The first name of each parameter (the optimizer's state is keyed by it)."""
@@ -363,7 +373,7 @@ class RankState:
         for p, st in self.optimizer.state.items():
             for key, value in st.items():
                 if isinstance(value, torch.Tensor):
-                    out[f"optim.{names[id(p)]}.{key}"] = value
+                    out[f"optim.{names[id(p)]}.{key}"] = self._whole(p, value)
         return out
 
     def init_optimizer_state(self) -> None:
@@ -386,7 +396,7 @@ class RankState:
 
     def state_dict(self, step: int) -> dict[str, Any]:
         """The DCP state of this rank at ``step`` (tensors are this rank's own, not copies)."""
-        state: dict[str, Any] = {f"model.{k}": v for k, v in self.tensors.items()}
+        state: dict[str, Any] = {f"model.{k}": self._whole(v, v) for k, v in self.tensors.items()}
         state.update(self.optimizer_state())
         state[f"rng.{self.rank}"] = torch.get_rng_state()
         if self.device.type == "cuda":

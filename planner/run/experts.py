@@ -24,14 +24,21 @@ input, as transformers' ``AllToAllEP`` does, so the backward exchange and the gr
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from torch import nn
 from torch.distributed.nn.functional import all_to_all_single
 
+from planner.capture.blocks import GraphTrace, TracedModel
+from planner.capture.checkpoint import stage_units
+from planner.capture.expert_calls import calls_of, replace_calls
 from planner.errors import PlanFileError
+from planner.run.mesh import RankMesh
+from planner.schema.plan import Plan, StagePlan
 
 
 def shard_experts(experts: nn.Module, name: str, rank: int, size: int) -> int:
@@ -80,9 +87,13 @@ class ExpertDispatch(nn.Module):
         group: the expert-parallel process group (None: the default group).
     """
 
+    experts: nn.Module
+
     def __init__(self, experts: nn.Module, n_experts: int, group: Any = None) -> None:
         super().__init__()
-        self.experts = experts
+        # held, not registered: the stage holds the experts module at its own name, so its parameters
+        # keep the unsplit model's names (checkpoints, the optimizer's state, DDP)
+        object.__setattr__(self, "experts", experts)
         self.group = group
         self.size = dist.get_world_size(group)
         self.local = n_experts // self.size
@@ -122,4 +133,98 @@ class ExpertDispatch(nn.Module):
         return self.experts(rows, ids[:, None], ones)
 
 
-__all__ = ["ExpertDispatch", "shard_experts"]
+def dispatch_experts(
+    plan: Plan, stage: StagePlan, built: nn.Module, traced: TracedModel, mesh: RankMesh
+) -> list[nn.Parameter]:
+    """Make a stage expert-parallel: in each of its graph modules (a chain's units, or the stage) every
+    call of an experts module (recorded by the trace, ``planner.capture.expert_calls``) becomes an
+    ``ExpertDispatch`` over the rank's expert-parallel group, and the experts module (the trace's
+    own, with its Python forward) is cut to the rank's share and held at its name in the stage.
+
+    Args:
+        plan: the plan (``ep``, each layer's expert count).
+        stage: the stage (its blocks: the experts modules it must dispatch).
+        built: the stage module, before it is wrapped (its examples made on the whole experts).
+        traced: the trace the stage was cut from.
+        mesh: this rank's place (``ep_rank``, ``ep_mesh``).
+
+    Returns:
+        The stage's expert parameters (their gradients are reduced over the expert groups, not the replicas).
+
+    Raises:
+        PlanFileError: the model was traced without the experts' calls, a layer of the stage whose
+            call was not found in its graph, or an expert count ``ep`` does not divide.
+    """
+    calls = calls_of(traced.gm) if isinstance(traced, GraphTrace) else {}
+    if set(calls) != set(plan.experts):
+        raise PlanFileError(
+            "the trace does not record where the model calls its experts (expert parallelism needs a torch.fx or "
+            "torch.export graph traced with them named); re-plan the model"
+        )
+    assert mesh.ep_mesh is not None
+    group = mesh.ep_mesh.get_group()
+    params: list[nn.Parameter] = []
+    done: list[str] = []
+    for part in stage_units(built):
+        if not isinstance(part, fx.GraphModule):
+            continue
+
+        def target(name: str, part: fx.GraphModule = part) -> str:
+            experts = traced.model.get_submodule(name)
+            shard_experts(experts, name, mesh.ep_rank, plan.ep)
+            owner, _, leaf = name.rpartition(".")
+            part.get_submodule(owner).add_module(leaf, experts)  # in place of the graph's copy of its weights
+            params.extend(experts.parameters())
+            path = "_ep_" + name.replace(".", "_")
+            part.add_module(path, ExpertDispatch(experts, plan.experts[name], group))
+            return path
+
+        done.extend(replace_calls(part, list(calls), target))
+    blocks = [b.name for b in plan.blocks[stage.start : stage.end]]
+    wanted = [name for name in plan.experts if any(name.startswith(f"{b}.") for b in blocks)]
+    if sorted(done) != sorted(wanted):
+        raise PlanFileError(
+            f"stage {stage.index} holds the experts of {', '.join(wanted) or 'no layer'} but its graph calls "
+            f"{', '.join(done) or 'none'} as one step; re-plan the model"
+        )
+    return params
+
+
+def expert_shards(params: Sequence[nn.Parameter], mesh: RankMesh) -> dict[int, Callable[[torch.Tensor], torch.Tensor]]:
+    """For each expert parameter this rank holds a share of, what turns it (or its optimizer state,
+    of its shape) into a ``DTensor`` of the whole layer's tensor, sharded by expert over the rank's
+    expert-parallel group: the view a checkpoint saves, so that ``torch.distributed.checkpoint``
+    writes each expert once and reads it back into any other ``ep`` (or none).
+
+    Args:
+        params: the rank's expert parameters (``dispatch_experts``).
+        mesh: this rank's place (``ep_mesh``).
+
+    Returns:
+        Parameter id -> the function (it shares the tensor's storage: a load writes into it).
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    ep_mesh = mesh.ep_mesh
+    assert ep_mesh is not None
+    size = ep_mesh.size()
+
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        shape = (t.shape[0] * size, *t.shape[1:])
+        return DTensor.from_local(
+            t, ep_mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=_contiguous(shape)
+        )
+
+    return {id(p): whole for p in params}
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+__all__ = ["ExpertDispatch", "dispatch_experts", "expert_shards", "shard_experts"]

@@ -43,6 +43,7 @@ def grad_finisher(
     tensors: dict[str, torch.Tensor],
     *,
     average: bool = False,
+    experts: list[torch.nn.Parameter] | None = None,
 ) -> tuple[Callable[[], None], set[int]]:
     """What turns the microbatches' accumulated gradients into the step's, and the tied copies this
     rank must leave out of the global norm.
@@ -61,6 +62,11 @@ def grad_finisher(
     FSDP replaces the traced parameter by a sharded one. With ``average`` the gradients are also
     averaged over the replicas here (DDP's all-reduce, for schedules DDP cannot follow).
 
+    3. Under expert parallelism this rank's experts (``experts``, which DDP leaves alone) hold the
+       gradient of every token routed to them from the ``ep`` replicas of its group: summed over
+       the groups (the ranks holding the same experts) and divided by the replica count, they are
+       the batch's mean gradient, as DDP's average is for the rest.
+
     Args:
         plan: the plan (microbatches, replicas, which rank holds which stage).
         ties: ``check_ties(plan, traced)``, the same list on every rank.
@@ -68,6 +74,7 @@ def grad_finisher(
         params: this rank's trainable parameters, each once.
         tensors: the unsplit model's name -> this rank's tensor (after wrapping).
         average: average over the replicas here too.
+        experts: this rank's share of the expert-parallel layers' experts (None: none).
 
     Returns:
         (the function to call after each step's backward, the ids of the tied copies to leave out
@@ -88,6 +95,7 @@ def grad_finisher(
                     not_counted.add(id(param))
     # every microbatch of every pass (gradient accumulation) added its mean-loss gradient
     scale = 1.0 / (plan.n_microbatches * plan.accumulation)
+    own = {id(p) for p in experts or ()}
 
     def finish() -> None:
         with torch.no_grad():
@@ -95,13 +103,27 @@ def grad_finisher(
                 if p.grad is not None:
                     p.grad.mul_(scale)
         if average and mesh.dp_group is not None:
-            average_over_replicas(params, mesh.dp_group, plan.dp)
+            average_over_replicas([p for p in params if id(p) not in own], mesh.dp_group, plan.dp)
+        if own:
+            _average_experts(list(experts or ()), mesh.edp_group, plan.dp)
         for param, group in mine:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(local_part(param.grad), op=dist.ReduceOp.SUM, group=group)
 
     return finish, not_counted
+
+
+def _average_experts(params: list[torch.nn.Parameter], group: Any | None, replicas: int) -> None:
+    """Expert gradients summed over the ranks holding the same experts (``group``; None: this rank's
+    group is all the replicas) and divided by ``replicas``: the batch's mean gradient."""
+    if group is not None:
+        average_over_replicas(params, group, replicas)
+        return
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(replicas)
 
 
 def average_over_replicas(params: list[torch.nn.Parameter], group: Any, replicas: int) -> None:

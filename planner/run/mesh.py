@@ -8,7 +8,7 @@ import contextlib
 import datetime
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -36,7 +36,13 @@ class RankMesh:
         replica_group: every rank of its replica, pipeline and tensor-parallel (the gradient norm
             under tp > 1; None: tp 1).
         norm_group: under HSDP, every rank of its shard group's replicas (each holds a shard of
-            every gradient once among them: the gradient norm's group; None otherwise).
+            every gradient once among them: the gradient norm's group); under expert parallelism,
+            every rank of its expert-parallel group's replicas; None otherwise.
+        ep_rank: its index in its expert-parallel group (0 when ep is 1).
+        ep_mesh: its expert-parallel group, the same pipeline rank of ``ep`` consecutive replicas,
+            as a 1-D ``DeviceMesh`` (experts are dispatched over it; None: ep 1).
+        edp_group: the ranks holding the same experts in the other expert-parallel groups (expert
+            gradients are summed over it; None: ep 1, or one group).
     """
 
     rank: int
@@ -49,6 +55,9 @@ class RankMesh:
     tp_mesh: Any | None = None
     replica_group: Any | None = None
     norm_group: Any | None = None
+    ep_rank: int = 0
+    ep_mesh: Any | None = None
+    edp_group: Any | None = None
 
 
 def rank_mesh(plan: Plan, rank: int, device: torch.device) -> RankMesh:
@@ -73,13 +82,36 @@ def rank_mesh(plan: Plan, rank: int, device: torch.device) -> RankMesh:
     if plan.tp > 1:
         return _mesh_3d(plan, rank, device)
     mesh = init_device_mesh(device.type, (plan.dp, plan.n_ranks), mesh_dim_names=("dp", "pp"))
-    return RankMesh(
+    placed = RankMesh(
         rank=rank,
         pp_rank=plan.pp_rank_of(rank),
         replica=plan.replica_of(rank),
         pp_group=mesh["pp"].get_group(),
         dp_group=mesh["dp"].get_group(),
         dp_mesh=mesh["dp"],
+    )
+    return _with_experts(plan, placed, device) if plan.ep > 1 else placed
+
+
+def _with_experts(plan: Plan, placed: RankMesh, device: torch.device) -> RankMesh:
+    """``placed`` with its expert-parallel groups: the replicas split into ``dp / ep`` groups of ``ep``
+    consecutive ones, ``(edp, ep, pp)`` laid out as ``rank_mesh``'s (replica = group x ep + index);
+    the gradient norm over each group's replicas (each expert is held once among them)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ep, pp = plan.ep, plan.n_ranks
+    mesh = init_device_mesh(device.type, (plan.dp // ep, ep, pp), mesh_dim_names=("edp", "ep", "pp"))
+    norm_group = None
+    for k in range(plan.dp // ep):  # every rank creates every group, in the same order
+        group = dist.new_group([plan.global_rank(k * ep + i, p) for i in range(ep) for p in range(pp)])
+        if placed.replica // ep == k:
+            norm_group = group
+    return replace(
+        placed,
+        ep_rank=placed.replica % ep,
+        ep_mesh=mesh["ep"],
+        edp_group=mesh["edp"].get_group() if plan.dp > ep else None,
+        norm_group=norm_group,
     )
 
 

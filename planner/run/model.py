@@ -19,6 +19,7 @@ from planner.capture.graph_file import GraphFileError, RankGraphs, dump_graph, l
 from planner.capture.load import ModelFile, load_model_file
 from planner.capture.stage import trace_root
 from planner.capture.trace import trace_model
+from planner.core.levers.experts import ep_refusal
 from planner.core.step.schedules import ZERO_BUBBLE, check_schedule, stage_ranks
 from planner.errors import PlanFileError, PlannerError, TraceError
 from planner.schema.costs import split_recompute
@@ -87,8 +88,8 @@ def check_runnable(plan: Plan) -> None:
         plan: the plan to check.
 
     Raises:
-        PlannerError: traced by module boundaries, or a 1F1B plan with fewer
-            microbatches than stages.
+        PlannerError: traced by module boundaries, a 1F1B plan with fewer microbatches than
+            stages, or expert parallelism with what it does not run with yet.
     """
     if plan.profile.source == "estimated" and plan.profile.device != "cpu" and not torch.cuda.is_available():
         # a plan made for GPUs on a laptop trains on the GPU machine (in its --dtype, by autocast)
@@ -102,6 +103,18 @@ def check_runnable(plan: Plan) -> None:
             f"the plan shards {plan.dp} replicas with {plan.dp_mode.upper()} under --schedule {plan.schedule}, whose two-part backward "
             "torch 2.13's FSDP2 does not follow; re-plan with --dp-mode ddp or another schedule"
         )
+    refused = ep_refusal(
+        plan.ep,
+        plan.experts,
+        dp=plan.dp,
+        tp=plan.tp,
+        dp_mode=plan.dp_mode,
+        schedule=plan.schedule,
+        compiled=plan.compile,
+        recompute=[s.recompute for s in plan.stages],
+    )
+    if refused:
+        raise PlanFileError(f"the plan cannot run: {refused}; re-plan")
     selective = [s.index for s in plan.stages if split_recompute(s.recompute)[0] == "selective"]
     if selective and plan.schedule in ZERO_BUBBLE:
         raise PlanFileError(
@@ -184,7 +197,9 @@ def trace_for_plan(plan: Plan, model: nn.Module, inputs: tuple, graphs: RankGrap
     )
     if traced is None:
         # shapes are all the run needs of the example: recorded on fake tensors, not by a forward on the CPU
-        traced = trace_model(model, inputs, methods=(plan.model.trace_method,), shapes_only=True)
+        traced = trace_model(
+            model, inputs, methods=(plan.model.trace_method,), shapes_only=True, experts=experts_of(plan)
+        )
     if traced.fingerprint != plan.model.fingerprint:
         raise PlanFileError(
             f"plan was made for a different model structure (fingerprint {plan.model.fingerprint}, "
@@ -199,6 +214,12 @@ def trace_for_plan(plan: Plan, model: nn.Module, inputs: tuple, graphs: RankGrap
             if name in fresh and fresh[name].shape == buf.shape:
                 buf.copy_(fresh[name])
     return traced
+
+
+def experts_of(plan: Plan) -> tuple[str, ...]:
+    """The experts modules whose calls a trace for ``plan`` records: all of them under expert
+    parallelism (its stages replace the calls; ``planner.capture.expert_calls``), none otherwise."""
+    return tuple(plan.experts) if plan.ep > 1 else ()
 
 
 def rebuilt_trace(plan: Plan, model: nn.Module, inputs: tuple, graph: bytes) -> TracedModel | None:

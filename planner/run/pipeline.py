@@ -97,10 +97,11 @@ class Pipeline:
         return list(self._built.params)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters and buffers by the unsplit model's names (DTensor shards under FSDP
-        or tensor parallelism): what ``torch.distributed.checkpoint.save`` takes, so that a checkpoint
-        written by every rank loads into the unsplit model or another plan."""
-        return dict(self._built.tensors)
+        """This rank's parameters and buffers by the unsplit model's names (DTensor shards under FSDP,
+        tensor or expert parallelism): what ``torch.distributed.checkpoint.save`` takes, so that a
+        checkpoint written by every rank loads into the unsplit model or another plan."""
+        shards = self._built.shards
+        return {k: shards[id(t)](t) if id(t) in shards else t for k, t in self._built.tensors.items()}
 
     def step(self, inputs: Any, target: torch.Tensor | None = None) -> torch.Tensor | None:
         """Forward and backward of one step's microbatches (every rank calls it).

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from planner.core.step.schedules import ZERO_BUBBLE, placement
 from planner.errors import PlanFileError, PlannerError
 from planner.run.boundary import boundary_scatter, sent_examples
 from planner.run.checkpoint import model_names
+from planner.run.experts import dispatch_experts, expert_shards
 from planner.run.gradients import grad_finisher
 from planner.run.mesh import RankMesh
 from planner.run.model import StageSource, check_ties, trace_for_plan
@@ -64,6 +65,9 @@ class RankStages:
         tensors: the unsplit model's name -> this rank's tensor (what a checkpoint holds).
         vocab_size: the model's output width (sizes ``--data``'s vocabulary; None: not asked).
         clocks: per stage, the marks that time its blocks (None: a compiled stage).
+        shards: id of a parameter this rank holds a share of (an expert-parallel layer's experts) ->
+            what turns it, or a tensor of its shape, into the whole tensor's view a checkpoint
+            saves (``planner.run.experts.expert_shards``); empty otherwise.
     """
 
     modules: list[torch.nn.Module]
@@ -76,6 +80,7 @@ class RankStages:
     tensors: dict[str, torch.Tensor]
     vocab_size: int | None
     clocks: list[BlockClock | None]
+    shards: dict[int, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -155,15 +160,18 @@ def build_stages(
     stages: list[Any] = []
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
+    experts: list[torch.nn.Parameter] = []  # expert-parallel: reduced over the expert groups, not the replicas
     for stage in cut:
         names = _state_names(stage.built, root, aliases)  # before wrapping: FSDP replaces the parameters
+        if plan.ep > 1:  # the examples were made above, on the whole experts
+            experts.extend(dispatch_experts(plan, stage.plan, stage.built, traced, mesh))
         if plan.tp > 1:  # every example was made above, on the unsharded trace
             units = stage_units(stage.built)  # a chain's units are named as the unsplit model names them
             if plan.sequence_parallel:  # its hooks first: before torch's styles and FSDP's
                 _split_sequence(stage, units, shardable, sequence, plan, mesh)
             for part in units:
                 shard_stage(part, mesh.tp_mesh, plan.tp_plan, sequence=plan.sequence_parallel)
-        submod = _replicated(plan, stage, mesh, device, seen, manual=manual)
+        submod = _replicated(plan, stage, mesh, device, seen, manual=manual, own={id(p) for p in experts})
         for local_name, t in [*stage.built.named_parameters(remove_duplicate=False), *stage.built.named_buffers()]:
             for alias in names.get(local_name, []):
                 tensors[alias] = t
@@ -171,11 +179,14 @@ def build_stages(
         stages.append(_pipeline_stage(plan, stage, submod, mesh, device))
     params = list({id(p): p for m in modules for p in m.parameters() if p.requires_grad}.values())
     optimizer = make_optimizer(params, plan)
-    finish, not_counted = grad_finisher(plan, ties, mesh, params, tensors, average=manual)
+    finish, not_counted = grad_finisher(plan, ties, mesh, params, tensors, average=manual, experts=experts)
     del ties
     counted = [p for p in params if id(p) not in not_counted] if not_counted else None
     if plan.tp > 1:
         counted = norm_counted(counted if counted is not None else params, mesh.tp_rank)
+    if plan.ep > 1:  # the norm sums over the expert group's replicas: each expert once, the rest from one
+        mine = {id(p) for p in experts}
+        counted = [p for p in (counted or params) if id(p) in mine or mesh.ep_rank == 0]
     return RankStages(
         modules=modules,
         params=params,
@@ -187,6 +198,7 @@ def build_stages(
         tensors=tensors,
         vocab_size=vocab,
         clocks=[stage.clock for stage in cut],
+        shards=expert_shards(experts, mesh) if experts else {},
     )
 
 
@@ -310,7 +322,14 @@ def _shard_blocks(plan: Plan, stage: _CutStage, mesh: RankMesh) -> None:
 
 
 def _replicated(
-    plan: Plan, stage: _CutStage, mesh: RankMesh, device: torch.device, seen: set[int], *, manual: bool
+    plan: Plan,
+    stage: _CutStage,
+    mesh: RankMesh,
+    device: torch.device,
+    seen: set[int],
+    *,
+    manual: bool,
+    own: set[int] | frozenset[int] = frozenset(),
 ) -> torch.nn.Module:
     """What the stage's ``PipelineStage`` runs: its boundary on the device, sharded over the replicas
     (FSDP) or wrapped in DDP, compiled and autocast as the plan says.
@@ -322,6 +341,8 @@ def _replicated(
         device: where it runs.
         seen: ids of the trainable parameters of the rank's earlier stages; this stage's are added.
         manual: the replicas' gradients are averaged by the gradient finisher, not by DDP.
+        own: ids of parameters the other replicas do not hold alike (this rank's share of the
+            experts, under expert parallelism): DDP leaves them to the gradient finisher.
 
     Raises:
         PlannerError: under FSDP, the stage shares a tied parameter with an earlier stage of the rank.
@@ -348,10 +369,11 @@ def _replicated(
         module.hooks = True
         shard_over_replicas(plan, module, mesh.dp_mesh, False)
     submod: torch.nn.Module = module
-    if plan.dp > 1 and plan.dp_mode == "ddp" and not manual and len(shared) < len(trainable):
-        if shared:  # a tied parameter another DDP of this rank already reduces
+    ignored = shared + [p for p in trainable if id(p) in own and id(p) not in seen]
+    if plan.dp > 1 and plan.dp_mode == "ddp" and not manual and len(ignored) < len(trainable):
+        if ignored:  # a tied parameter another DDP of this rank already reduces, or an expert
             local = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-            ddp_ignore(module, [local[id(p)] for p in shared])
+            ddp_ignore(module, [local[id(p)] for p in ignored])
         submod = HooklessDDP(module, process_group=mesh.dp_group, gradient_as_bucket_view=True)
     seen.update(id(p) for p in trainable)
     return submod

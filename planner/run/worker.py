@@ -120,7 +120,9 @@ class _RankRun:
         self.scores = self.pipe.is_last  # the target and the loss
         self.text = text_stream(plan, request, self.mf, mesh, built.vocab_size) if built.vocab_size else None
         self.scheduler = make_scheduler(built.optimizer, request.steps, request.warmup, request.lr_decay)
-        self.state = RankState(mesh.rank, built.tensors, built.optimizer, self.scheduler, self.text, device)
+        self.state = RankState(
+            mesh.rank, built.tensors, built.optimizer, self.scheduler, self.text, device, shards=built.shards
+        )
         self.probes = [
             StageProbe(s.index, clock, [b.name for b in plan.blocks[s.start : s.end]])
             for s, clock in zip(self.mine, built.clocks)
