@@ -155,7 +155,7 @@ def run_cmd(
     """
     from planner.errors import RunFailed
     from planner.run import RunResult, run_plan
-    from planner.schema.request import RunRequest
+    from planner.schema.run_request import RunRequest
 
     request = RunRequest.build(
         plan_file=plan_file,

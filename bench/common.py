@@ -238,7 +238,7 @@ def save_and_train(plan: Plan, path: Path, steps: int) -> RunResult:
     """Save ``plan`` at ``path`` (the runner reads its plan file) and train it ``steps`` steps in this
     process, without the step lines."""
     from planner.run import run_plan
-    from planner.schema.request import RunRequest
+    from planner.schema.run_request import RunRequest
 
     plan.save(path)
     return run_plan(plan, RunRequest(plan_file=path, steps=steps, echo=False))
@@ -292,7 +292,7 @@ def alternate(
     """Train every plan for ``steps`` steps once per round, the plans taking turns so that the machine's
     drift hits all alike: per plan, the timed step times of all rounds and the last round's losses."""
     from planner.run import run_plan
-    from planner.schema.request import RunRequest
+    from planner.schema.run_request import RunRequest
 
     paths: dict[str, Path] = {}
     for i, (name, plan) in enumerate(plans.items()):

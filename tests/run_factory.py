@@ -216,7 +216,7 @@ def assert_trains_like_unsplit(plan: Plan, tmp_path: Path, what: str, steps: int
     """Save ``plan``, train it ``steps`` steps with ``planner run`` and with the unsplit model: the
     losses and global gradient norms agree at rel ``REL``."""
     from planner.run import run_plan, train_reference
-    from planner.schema.request import RunRequest
+    from planner.schema.run_request import RunRequest
 
     path = saved(plan, tmp_path)
     got = run_plan(plan, RunRequest(plan_file=path, steps=steps))
@@ -235,7 +235,7 @@ def assert_resumes_under(writer: Plan, reader: Plan, tmp_path: Path) -> None:
     """A checkpoint ``writer`` saves after 2 steps resumes under ``reader`` (the same state, run another
     way) to the losses and gradient norms of an uninterrupted 4-step run of ``reader``."""
     from planner.run import run_plan
-    from planner.schema.request import RunRequest
+    from planner.schema.run_request import RunRequest
 
     (tmp_path / "reader").mkdir()
     (tmp_path / "writer").mkdir()

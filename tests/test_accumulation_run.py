@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from run_factory import MODELS, assert_close, plan_with_starts, saved  # noqa: E402
 
 from planner.run import run_plan, train_reference  # noqa: E402
-from planner.schema.request import RunRequest  # noqa: E402
+from planner.schema.run_request import RunRequest  # noqa: E402
 
 
 @pytest.mark.multiprocess

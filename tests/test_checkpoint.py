@@ -31,7 +31,7 @@ from planner.run.checkpoint import (  # noqa: E402
     step_dir,
 )
 from planner.run.optim import make_scheduler  # noqa: E402
-from planner.schema.request import RunRequest  # noqa: E402
+from planner.schema.run_request import RunRequest  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 

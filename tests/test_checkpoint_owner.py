@@ -33,7 +33,7 @@ from planner.run.checkpoint import (  # noqa: E402
     save_weights,
     step_dir,
 )
-from planner.schema.request import RunRequest  # noqa: E402
+from planner.schema.run_request import RunRequest  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 RUN_A, RUN_B = "a" * 32, "b" * 32

@@ -18,7 +18,8 @@ from planner.capture.load import load_model_file
 from planner.capture.trace import trace_model
 from planner.run import run_plan, train_reference
 from planner.run.model import planned_source, trace_for_plan
-from planner.schema.request import PlanRequest, RunRequest
+from planner.schema.request import PlanRequest
+from planner.schema.run_request import RunRequest
 
 pytest.importorskip("transformers")
 

@@ -240,7 +240,7 @@ def test_the_rendezvous_is_torchruns() -> None:
     from plan_factory import big_head_blocks, plan_of_blocks
 
     from planner.run.launch import _rendezvous_parameters
-    from planner.schema.request import RunRequest
+    from planner.schema.run_request import RunRequest
 
     plan = plan_of_blocks(big_head_blocks())
     # no endpoint: c10d on port 0, as torchrun --standalone (the store binds a free port itself)
@@ -261,7 +261,7 @@ def test_the_rendezvous_is_torchruns() -> None:
 
 def test_an_endpoint_port_held_on_this_machine_is_refused_at_once() -> None:
     from planner.run.launch import _check_endpoint
-    from planner.schema.request import RunRequest
+    from planner.schema.run_request import RunRequest
 
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

@@ -233,7 +233,7 @@ def test_a_bf16_fsdp_resnet_trains_with_its_batch_norms_gathered_in_fp32(tmp_pat
     from run_factory import plan_with_starts, saved
 
     from planner.run import run_plan
-    from planner.schema.request import RunRequest
+    from planner.schema.run_request import RunRequest
 
     plan = plan_with_starts(MODELS / "resnet50.py", [0], dp=2, dp_mode="fsdp", fsdp_units=units, n_microbatches=2)
     plan = _with_autocast(plan, "bf16")

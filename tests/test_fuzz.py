@@ -30,8 +30,9 @@ from planner.core.step.calibrate import Calibration, StageCalibration
 from planner.errors import ModelFileError, PlanFileError, PlannerError
 from planner.schema.jsonfile import parse_versioned, read_text
 from planner.schema.plan import Plan
-from planner.schema.request import PlanRequest, RunRequest
+from planner.schema.request import PlanRequest
 from planner.schema.result import RUN_VERSION, RunResult
+from planner.schema.run_request import RunRequest
 
 # Bounded runs: hypothesis explores, the regression tests pin what it found.
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

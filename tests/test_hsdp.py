@@ -17,8 +17,7 @@ from plan_factory import LINK, MB, block
 
 from cli import main
 from planner.core.assemble import Origin, assemble_plan
-from planner.core.layout.inputs import Cluster, Layout, SearchSpace, asked_of
-from planner.core.layout.search import replica_mode
+from planner.core.layout.inputs import Cluster, Layout, SearchSpace, asked_of, replica_mode
 from planner.core.levers.data_parallel import (
     block_fsdp_s,
     hsdp_links,

@@ -24,7 +24,8 @@ from planner.core.layout.inputs import Cluster, Constraints, Scaling, SearchSpac
 from planner.core.layout.search import search
 from planner.errors import InfeasibleError, PlannerError
 from planner.report.tables import summary_table
-from planner.schema.request import PlanRequest, RunRequest
+from planner.schema.request import PlanRequest
+from planner.schema.run_request import RunRequest
 from tests.plan_factory import ADAMW, LINK, block, plan_of_blocks
 
 ROOT = Path(__file__).resolve().parents[1]

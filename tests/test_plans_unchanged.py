@@ -65,6 +65,7 @@ LATER_DEFAULTS = {
 }
 BLOCK_LATER_DEFAULTS = {
     "tp": None,
+    "experts": None,
     "selective_bytes": None,
     "selective_recompute_s": None,
     "loss_bytes": None,

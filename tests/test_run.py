@@ -29,8 +29,8 @@ from planner.report.compare import measured_events  # noqa: E402
 from planner.run import RunResult, run_plan, train_reference  # noqa: E402
 from planner.run.loop import RankResult, run_result  # noqa: E402
 from planner.schema.costs import OptimizerSpec  # noqa: E402
-from planner.schema.request import RunRequest  # noqa: E402
 from planner.schema.result import MEMORY_CATEGORIES, MemoryMeasure, StageMeasure  # noqa: E402
+from planner.schema.run_request import RunRequest  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 HF = MODELS / "hf"

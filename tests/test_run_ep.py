@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 from run_factory import MODELS, ROOT, assert_close, assert_resumes_under, plan_with_starts, saved  # noqa: E402
 
 from planner.run import run_plan, train_reference  # noqa: E402
-from planner.schema.request import RunRequest  # noqa: E402
+from planner.schema.run_request import RunRequest  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "moe_file.py"
 EP2: dict = dict(schedule="1f1b", n_microbatches=2, optimizer="sgd", lr=0.5, grad_clip=0.5, dp=2, ep=2)

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 from run_factory import MODELS, assert_close, assert_resumes_under, plan_with_starts, saved  # noqa: E402
 
 from planner.run import run_plan, train_reference  # noqa: E402
-from planner.schema.request import RunRequest  # noqa: E402
+from planner.schema.run_request import RunRequest  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 

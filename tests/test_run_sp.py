@@ -206,7 +206,7 @@ def test_an_sp_checkpoint_resumes_without_tensor_parallelism(tmp_path: Path) -> 
     from run_factory import assert_close, saved
 
     from planner.run import run_plan
-    from planner.schema.request import RunRequest
+    from planner.schema.run_request import RunRequest
 
     common = dict(schedule="1f1b", n_microbatches=2, optimizer="adamw", grad_clip=0.5)
     split = _sequence(plan_with_starts(MODELS / "llama.py", [0, 3], tp=2, **common))  # type: ignore[arg-type]

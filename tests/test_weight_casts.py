@@ -23,7 +23,7 @@ from planner.costs.levers import is_weight_cast
 from planner.run import run_plan, train_reference
 from planner.run.wrappers import Autocast, weight_cast_cache
 from planner.schema.plan import Plan
-from planner.schema.request import RunRequest
+from planner.schema.run_request import RunRequest
 
 
 def _with_autocast(plan: Plan, autocast: str | None) -> Plan:

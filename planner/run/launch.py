@@ -66,8 +66,8 @@ from planner.run.mesh import threads_per_rank
 from planner.run.model import check_runnable, graphs_for_ranks, load_plan_model, planned_source, trace_for_plan
 from planner.run.preflight import check_checkpoint_dir, check_data, check_resume, check_stages
 from planner.schema.plan import Plan
-from planner.schema.request import RunRequest
 from planner.schema.result import RunResult
+from planner.schema.run_request import RunRequest
 from planner.torch_compat import watched_elastic_agent
 
 _NOISY_LOGGERS = (

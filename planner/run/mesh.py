@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from planner.errors import PlannerError
 from planner.schema.plan import Plan
-from planner.schema.request import RunRequest
+from planner.schema.run_request import RunRequest
 
 
 @dataclass(frozen=True)

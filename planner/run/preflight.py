@@ -37,7 +37,7 @@ from planner.run.model import StageSource, check_ties
 from planner.run.streams import vocab_size_of
 from planner.run.tensor_shard import check_tp_degree, check_tp_split, shardable_trace
 from planner.schema.plan import Plan
-from planner.schema.request import RunRequest
+from planner.schema.run_request import RunRequest
 
 
 def check_resume(plan: Plan, request: RunRequest) -> int:

@@ -17,7 +17,7 @@ from planner.capture.stage import stage_inputs, stage_module, trace_root
 from planner.run.checkpoint import kept_vocab
 from planner.run.mesh import RankMesh
 from planner.schema.plan import Plan
-from planner.schema.request import RunRequest
+from planner.schema.run_request import RunRequest
 
 
 def replica_rows(value: Any, replica: int, replicas: int) -> Any:

@@ -67,7 +67,7 @@ from planner.run.stages import build_stages
 from planner.run.streams import model_stream, text_stream
 from planner.schema.jsonfile import write_atomic
 from planner.schema.plan import Plan
-from planner.schema.request import RunRequest
+from planner.schema.run_request import RunRequest
 from planner.torch_compat import retain_graph_compile
 
 

@@ -35,10 +35,9 @@ from dataclasses import dataclass, field, replace
 
 from planner.core.layout.bounds import BlockTotals, block_totals, floors
 from planner.core.layout.candidate import Choice, evaluate_choice, evaluate_modes
-from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
+from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace, replica_mode
 from planner.core.layout.pending import Pending, Pool, ahead, evaluated
-from planner.core.levers.data_parallel import hsdp_shard, tp_link
-from planner.core.levers.links import NodeLinks
+from planner.core.levers.data_parallel import tp_link
 from planner.core.levers.microbatch import blocks_at
 from planner.core.levers.tensor_parallel import at_degree
 from planner.core.split.cuts import Split
@@ -132,44 +131,6 @@ def _layouts(
             for m in ms
         ]
     return out
-
-
-def replica_mode(cluster: Cluster, space: SearchSpace, dp: int, replica_ranks: int) -> tuple[str, int]:
-    """The data-parallel mode of ``space`` for ``dp`` replicas of ``replica_ranks`` ranks, with HSDP's
-    shard groups sized (``hsdp_shard``: ``--dp-shard``, else as many replicas as share a node; one
-    machine for plans without node links). HSDP whose one group holds every replica is FSDP: that is
-    what the layout is searched (and recorded) as. Where one replica fills a node, HSDP asked for
-    takes the smallest groups (they must cross nodes). Under
-    "auto" the size is that of the groups ``evaluate_modes`` may try (0: the replicas share a node,
-    or each fills one).
-
-    Args:
-        cluster: the ranks and their links.
-        space: the search's options (``dp_mode``, ``dp_shard``).
-        dp: replicas.
-        replica_ranks: ranks of one replica (``pp x tp``).
-
-    Returns:
-        (mode, shard group size): the size 0 outside HSDP, -1 when ``--dp-shard`` does not divide ``dp``.
-    """
-    node = cluster.link.gpus_per_node if isinstance(cluster.link, NodeLinks) else cluster.world_size
-    if space.dp_mode == "auto" and dp > 1:
-        # the groups "auto" may try, where the replicas span nodes (``evaluate_modes``)
-        shard = hsdp_shard(dp, replica_ranks, node)
-        return "auto", shard if 1 < shard < dp else 0
-    if space.dp_mode != "hsdp":
-        return space.dp_mode, 0
-    if dp == 1:
-        return "ddp", 0
-    shard = hsdp_shard(dp, replica_ranks, node, space.dp_shard)
-    if shard == 1:
-        # asked for HSDP where one replica fills a node: groups must cross nodes, the smallest do least
-        shard = min(d for d in range(2, dp + 1) if dp % d == 0)
-    if shard == 0:
-        return space.dp_mode, -1
-    if shard == dp:
-        return "fsdp", 0
-    return "hsdp", shard
 
 
 def _pending_layouts(
