@@ -121,6 +121,7 @@ layout_options = option_group(
         help="Data-parallel replicas of the pipeline, or auto.",
     ),
     option("--tp", type=REPLICAS_OR_AUTO, **_AUTO, help="Tensor-parallel ranks per pipeline rank, or auto."),
+    option("--ep", type=click.IntRange(min=1), default=1, metavar="N", help="MoE experts sharded over N replicas."),
     option(
         "--sequence-parallel/--no-sequence-parallel",
         default=None,
@@ -134,8 +135,7 @@ layout_options = option_group(
         "--dp-mode",
         type=click.Choice(["auto", *DP_MODES], case_sensitive=False),
         **_AUTO,
-        help="How the replicas reduce gradients: ddp, fsdp, hsdp (fully_shard on a 2-D mesh) or auto. fsdp and hsdp "
-        "need --dp 2 or more (or auto).",
+        help="How the replicas reduce gradients: ddp, fsdp, hsdp (fully_shard on a 2-D mesh) or auto.",
     ),
     option(
         "--dp-shard", type=REPLICAS_OR_AUTO, **_AUTO, help="Under --dp-mode hsdp, the replicas of each shard group."
@@ -166,8 +166,7 @@ layout_options = option_group(
         type=click.IntRange(min=1, max=1024),
         metavar="N",
         default=None,
-        help="Processes the search evaluates layouts in, once it has run a second; the plan is the same "
-        "[default: this machine's cores].",
+        help="Processes the search runs in after its first second (the same plan) [default: cores].",
     ),
 )
 

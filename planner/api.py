@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from planner.capture.blocks import GraphTrace, TracedModel
-from planner.capture.ep_plan import resolve_experts
+from planner.capture.ep_plan import Experts, resolve_experts
 from planner.capture.load import ModelFile, load_model_file
 from planner.capture.tp_graph import split_refusal
 from planner.capture.trace import retrace
@@ -26,6 +26,7 @@ from planner.core.assemble import Origin, assemble_plan
 from planner.core.heap import bulk_allocation
 from planner.core.layout.inputs import asked_of
 from planner.core.layout.pending import Pool
+from planner.core.levers.experts import ep_refusal
 from planner.core.levers.hardware import dtype_bytes
 from planner.core.split.given import check_notation
 from planner.core.step.calibrate import (
@@ -38,6 +39,7 @@ from planner.core.step.calibrate import (
 )
 from planner.core.step.predict import with_links
 from planner.core.step.schedules import check_placement, check_schedule, stages_per_rank_options
+from planner.costs.experts import routed_rows, traced_rows, with_expert_shares
 from planner.costs.model_costs import Costs, estimated_costs, measured_costs, say
 from planner.costs.sequence import sequence_note
 from planner.costs.tensor_parallel import TensorParallelBlocks, tensor_parallel_blocks
@@ -187,11 +189,17 @@ def plan_from_costs(
         PlannerError: no layout fits, or the request cannot run on the model.
     """
     experts = resolve_experts(mf, costs.traced.model)  # a model file's bad ep_plan: said before the search
+    if request.ep > 1:
+        blocks = expert_blocks(mf, request, costs, blocks, experts)
     split = tensor_parallel_split(mf, request, costs, blocks)
 
     def assembled(split: TensorParallelBlocks) -> Plan:
         origin = Origin(
-            model_ref(mf, costs.traced, request), costs.profile, created=created, calibration=tuple(calibration)
+            model_ref(mf, costs.traced, request),
+            costs.profile,
+            created=created,
+            calibration=tuple(calibration),
+            experts=experts.counts,
         )
         return assemble_plan(
             asked_of(with_step_temp_rule(request, costs.step_temp_rule), memory_limit_bytes),
@@ -216,7 +224,37 @@ def plan_from_costs(
     # --tp auto on a model that cannot be split: why it stays whole; why not sequence parallelism where asked or split
     for note in filter(None, [split.note, sequence_note(request, plan.tp, split.note, split.sequence_note)]):
         plan = plan.model_copy(update={"choice": f"{plan.choice}; {note}" if plan.choice else note})
-    return plan.model_copy(update={"experts": experts.counts}) if experts.layers else plan
+    return plan
+
+
+def expert_blocks(
+    mf: ModelFile, request: PlanRequest, costs: Costs, blocks: list[BlockCost], experts: Experts
+) -> list[BlockCost]:
+    """The blocks with their experts' shares (``planner.costs.experts``), for ``--ep`` above 1.
+
+    Args:
+        mf: the loaded model file.
+        request: the plan request (``--ep``, the profiled microbatch).
+        costs: the costs the blocks come from (their traced model and dtype).
+        blocks: ``costs.blocks``, or calibrated.
+        experts: the model's experts.
+
+    Returns:
+        The blocks, those holding experts with their ``ExpertShare``.
+
+    Raises:
+        InfeasibleError: the model has no experts, or ``--ep`` does not divide a layer's.
+    """
+    refused = ep_refusal(request.ep, experts.counts, dp=request.ep, tp=1, dp_mode="ddp", schedule="1f1b")
+    if refused:
+        raise InfeasibleError(refused)
+    model = costs.traced.model
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    inputs, _ = mf.batch(request.microbatch_size, seed=request.seed)
+    inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
+    width = costs.profile.dtype if costs.profile.source == "estimated" else request.autocast
+    rows = traced_rows(costs.traced) or routed_rows(model, inputs, list(experts.counts))
+    return with_expert_shares(blocks, experts, rows, dtype_bytes(width) if width else 4)
 
 
 @contextmanager

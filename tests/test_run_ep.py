@@ -72,3 +72,35 @@ def test_a_checkpoint_keyed_by_the_unsplit_names_resumes_across_a_change_of_ep(t
     last = max((tmp_path / "ckpt").glob("step_*"))  # the reader's, after its resumed steps
     name = "layers.0.moe.experts.w_in"
     assert _chunks(last, f"model.{name}") == _chunks(last, f"optim.{name}.exp_avg") == (2 if reader.ep == 2 else 1)
+
+
+def test_what_the_runner_does_not_run_with_ep_is_refused_before_any_process(tmp_path: Path) -> None:
+    from planner.errors import PlanFileError
+    from planner.run.model import check_runnable
+
+    plan = plan_with_starts(FIXTURE, [0, 2], **{**EP2, "dp_mode": "fsdp"})
+    with pytest.raises(PlanFileError, match=r"the plan cannot run: --ep 2: expert parallelism does not run with FSDP"):
+        check_runnable(plan)
+
+
+@pytest.mark.multiprocess
+def test_planner_plan_ep_then_run_trains_like_the_unsplit_model(tmp_path: Path) -> None:
+    # measured here: the plan's trace records the experts' calls as the run's does (the fingerprints agree)
+    pytest.importorskip("transformers")
+    from planner.api import make_plan
+    from planner.schema.request import PlanRequest
+
+    request = PlanRequest.build(
+        model_file=MODELS / "hf" / "qwen_moe.py",
+        size="tiny",
+        gpus=4,
+        dp=2,
+        ep=2,
+        batch_size=8,
+        optimizer={"name": "sgd", "lr": 0.5, "grad_clip": 0.5},
+        output=tmp_path / "plan.json",
+        progress=False,
+    )
+    plan = make_plan(request)
+    assert plan.ep == 2 and plan.n_ranks == 2
+    _run_and_compare(plan, tmp_path, steps=2, save_checkpoints=False)

@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch import nn
 
 from planner.capture.blocks import GraphTrace, TracedModel
-from planner.capture.expert_calls import tag_calls
+from planner.capture.expert_calls import calls_of, tag_calls
 from planner.capture.graph import (
     analyse_graph,
     group_blocks,
@@ -209,4 +209,6 @@ def retrace(
             pass
         else:
             return with_values(traced, values)
-    return trace_model(model, inputs, methods)
+    # the experts' calls recorded where the first trace recorded them (expert parallelism's plans)
+    experts = tuple(calls_of(traced.gm)) if isinstance(traced, GraphTrace) else ()
+    return trace_model(model, inputs, methods, experts=experts)

@@ -7,8 +7,9 @@ is assembled by exactly the code the command line uses.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from planner.core.layout.inputs import Asked, Cluster, Layout, Scaling, SearchSpace
 from planner.core.layout.pending import Pool
@@ -294,12 +295,14 @@ class Origin:
         created: timestamp recorded in the plan.
         calibration: what a calibration changed in the costs, one line each (``--calibrate``;
             ``planner.core.step.calibrate.changes``), recorded for the report.
+        experts: the model's experts modules and their counts (``Plan.experts``; empty: dense).
     """
 
     model: ModelRef
     profile: ProfileInfo
     created: str
     calibration: Sequence[str] = ()
+    experts: Mapping[str, int] = field(default_factory=dict)
 
 
 def _search_space(
@@ -396,6 +399,23 @@ def search_problem(
     return Problem(with_tied_copies(blocks, ties), cluster, asked.constraints, scaling, asked.space.batch_size)
 
 
+def _mesh_fields(layout: Layout, tp_plan: Mapping[str, str] | None, experts: Mapping[str, int]) -> dict[str, Any]:
+    """The plan's fields of the chosen layout's mesh: its pipeline ranks, replicas, tensor and
+    expert parallelism (``Plan``'s validation checks them together)."""
+    return {
+        "n_ranks": layout.pp,
+        "dp": layout.dp,
+        "dp_mode": layout.dp_mode,  # "ddp", "fsdp" or "hsdp"
+        "dp_shard": layout.dp_shard or None,
+        "fsdp_units": layout.fsdp_units,  # "stage" or "block"
+        "tp": layout.tp,
+        "tp_plan": dict(tp_plan or {}) if layout.tp > 1 else {},
+        "sequence_parallel": layout.sequence,  # only tried with tp > 1 and where it can run
+        "experts": dict(experts),
+        "ep": layout.ep,
+    }
+
+
 def assemble_plan(
     asked: Asked,
     blocks: Sequence[BlockCost],
@@ -483,14 +503,7 @@ def assemble_plan(
         method=method,  # type: ignore[arg-type]  # a member of the Method choices
         schedule=chosen.layout.schedule,  # type: ignore[arg-type]  # a member of SCHEDULES
         n_stages=len(stages),
-        n_ranks=chosen.layout.pp,
-        dp=chosen.layout.dp,
-        dp_mode=chosen.layout.dp_mode,  # type: ignore[arg-type]  # "ddp", "fsdp" or "hsdp"
-        dp_shard=chosen.layout.dp_shard or None,
-        fsdp_units=chosen.layout.fsdp_units,  # type: ignore[arg-type]  # "stage" or "block"
-        tp=chosen.layout.tp,
-        tp_plan=dict(tp_plan or {}) if chosen.layout.tp > 1 else {},
-        sequence_parallel=chosen.layout.sequence,  # only tried with tp > 1 and where it can run
+        **_mesh_fields(chosen.layout, tp_plan, origin.experts),
         batch_size=asked.space.batch_size,
         n_microbatches=chosen.layout.n_microbatches,
         accumulation=chosen.layout.accumulation,

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from planner.capture.blocks import ModuleTrace, TracedModel
 from planner.capture.contract import check_batch_contract, check_batch_size, check_forward, check_traced_forward
+from planner.capture.ep_plan import resolve_experts
 from planner.capture.load import ModelFile, move_model
 from planner.capture.meta_cache import meta_build
 from planner.capture.stage import stage_module
@@ -142,7 +143,9 @@ def _traced(
     if not on_meta and not checked:
         check_forward(mf, model, inputs, target)
     say(request, f"tracing {type(model).__name__}{' on the meta device' if on_meta else ''}")
-    traced = trace_model(model, inputs, copied=not on_meta)  # a meta model is built for this trace alone
+    # expert parallelism's stages replace the experts' calls: the trace records them as the run's will
+    experts = tuple(resolve_experts(mf, model).counts) if request.ep > 1 else ()
+    traced = trace_model(model, inputs, copied=not on_meta, experts=experts)  # a meta model: for this trace alone
     if on_meta:
         check_traced_forward(mf, traced, inputs, target)
     if isinstance(traced, ModuleTrace):

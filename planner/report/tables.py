@@ -364,7 +364,8 @@ def tp_text(plan: Plan) -> str:
 def experts_line(plan: Plan) -> str:
     """One line on a mixture-of-experts model's experts, e.g. "experts: 32 mixture-of-experts layers of 8
     experts (model.layers.0.mlp.experts ... model.layers.31.mlp.experts); every rank holds all the experts
-    of its stages' layers, tensor parallelism leaves them whole"; "" for a dense model.
+    of its stages' layers, tensor parallelism leaves them whole", or how ``ep`` shards them; "" for a
+    dense model.
 
     Args:
         plan: the plan (its ``experts``).
@@ -379,10 +380,13 @@ def experts_line(plan: Plan) -> str:
     where = names[0] if len(names) == 1 else f"{names[0]} ... {names[-1]}"
     n = len(names)
     whole = ", tensor parallelism leaves them whole" if plan.tp > 1 else ""
-    return (
-        f"experts: {n} mixture-of-experts layer{'s' if n > 1 else ''} of {counts} experts ({where}); every rank "
-        f"holds all the experts of its stages' layers{whole}"
+    held = (
+        f"each layer's experts sharded over {plan.ep} consecutive replicas (ep {plan.ep}), every token sent to its "
+        "experts' rank and back by all-to-all"
+        if plan.ep > 1
+        else "every rank holds all the experts of its stages' layers"
     )
+    return f"experts: {n} mixture-of-experts layer{'s' if n > 1 else ''} of {counts} experts ({where}); {held}{whole}"
 
 
 def small_stages_line(plan: Plan) -> str | None:

@@ -129,6 +129,25 @@ class SequenceShare(BaseModel):
     )
 
 
+class ExpertShare(BaseModel):
+    """What of a block its mixture-of-experts layers' experts hold and send (``BlockCost.experts``):
+    the part expert parallelism shards over ``ep`` replicas and the tokens it dispatches to them
+    (``planner.core.levers.experts.at_degree``).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    layers: int = Field(ge=1, description="The block's mixture-of-experts layers (an all-to-all pair each way).")
+    experts: int = Field(ge=1, description="Experts per layer (the least, where the block's layers differ).")
+    params: int = Field(ge=0, description="Of the block's params, its experts' (all layers, every expert).")
+    param_bytes: int = Field(ge=0, description="Their bytes, as the block counts its parameters.")
+    dispatch_bytes: int = Field(
+        ge=0,
+        description="Bytes of the rows the block's layers route to their experts per microbatch (every token "
+        "through top_k experts; all layers), in the activations' dtype: what dispatch sends and combine returns.",
+    )
+
+
 class TensorParallelShare(BaseModel):
     """How one block divides over ``tp`` tensor-parallel ranks, from its model's tensor-parallel plan.
 
@@ -403,6 +422,11 @@ class BlockCost(BaseModel):
         description="How the block divides under tensor parallelism (None: nothing in it is split; it runs whole "
         "on every tensor-parallel rank). In a plan whose tp > 1 the times and bytes above are already one "
         "tensor-parallel rank's; FLOPs stay the whole model's.",
+    )
+    experts: ExpertShare | None = Field(
+        default=None,
+        description="Its mixture-of-experts layers' experts (None: a dense block). In a plan whose ep > 1 the "
+        "times and bytes above are already one expert-parallel rank's.",
     )
 
     @property

@@ -181,6 +181,7 @@ class PlanRequest(_Request):
         "dp_shard": "--dp-shard",
         "fsdp_units": "--fsdp-units",
         "tp": "--tp",
+        "ep": "--ep",
         "size": "--size",
         "overrides": "--set",
         "batch_size": "--batch-size",
@@ -242,6 +243,12 @@ class PlanRequest(_Request):
         default="auto",
         description="Tensor-parallel ranks every pipeline rank is split over, inside one node (by the model's tp "
         "plan), or auto: every degree the node and the model allow (1 when the model declares no tp plan).",
+    )
+    ep: int = Field(
+        default=1,
+        ge=1,
+        description="Expert-parallel ranks: each mixture-of-experts layer's experts sharded over this many data-"
+        "parallel replicas, the tokens routed to them sent there and back (1: none).",
     )
     # on, off, or auto: the search tries both where the model's shards allow it, keeping the faster that fits
     sequence_parallel: bool | Literal["auto"] = Field(default="auto", description="Sequence parallelism, tp > 1.")
@@ -391,6 +398,31 @@ class PlanRequest(_Request):
                 "pp pipeline ranks x tp tensor-parallel ranks)"
             )
 
+    def _check_experts(self) -> None:
+        """Refuse an expert-parallel degree that no replica count takes, or with what it does not run
+        with yet (the model's experts are checked once it is loaded: ``planner.core.levers.experts``)."""
+        if self.ep == 1:
+            return
+        if isinstance(self.dp, int) and self.dp % self.ep:
+            raise ValueError(
+                f"--ep {self.ep} shards the experts over replicas, but --dp {self.dp} is no multiple of it; give "
+                f"--dp {self.ep} (or a multiple of it, or auto)"
+            )
+        if self.gpus % self.ep:
+            raise ValueError(f"--ep {self.ep} does not divide --gpus {self.gpus}")
+        given = [
+            (isinstance(self.tp, int) and self.tp > 1, f"--tp {self.tp}", "--tp 1"),
+            (self.dp_mode in ("fsdp", "hsdp"), f"--dp-mode {self.dp_mode}", "--dp-mode ddp"),
+            (self.schedule in ZERO_BUBBLE, f"--schedule {self.schedule} (a two-part backward)", "another schedule"),
+            (self.compile, "--compile", "no --compile"),
+            (self.recompute not in ("auto", "never"), f"--recompute {self.recompute}", "--recompute never"),
+        ]
+        for blocked, what, instead in given:
+            if blocked:
+                raise ValueError(
+                    f"--ep {self.ep}: expert parallelism does not run with {what} yet; give {instead} (or --ep 1)"
+                )
+
     def _check_shard_groups(self) -> None:
         """Refuse a shard group size without hsdp, or one that does not divide the replicas."""
         if self.dp_shard == "auto":
@@ -437,6 +469,7 @@ class PlanRequest(_Request):
     def _consistent(self) -> PlanRequest:
         self._check_replicas()
         self._check_shard_groups()
+        self._check_experts()
         if self.fsdp_units != "auto" and self.dp_mode == "ddp":
             raise ValueError(
                 f"--fsdp-units {self.fsdp_units} shards with FSDP, but --dp-mode is ddp (every replica holds its "

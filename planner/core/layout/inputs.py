@@ -71,6 +71,8 @@ class Layout:
         gather_bytes: bytes per parameter FSDP gathers the weights in (2: a bf16 or fp16 plan, whose
             measured profile counts the fp32 weights autocast trains; 0: the parameters' own bytes).
         sequence: with ``tp`` > 1, sequence parallelism (``planner.core.levers.tensor_parallel.at_degree``).
+        ep: expert-parallel ranks: each experts module sharded over this many replicas
+            (``planner.core.levers.experts.at_degree``).
     """
 
     schedule: str
@@ -85,6 +87,7 @@ class Layout:
     dp_shard: int = 0
     gather_bytes: int = 0
     sequence: bool = False
+    ep: int = 1
 
     def microbatch_size(self, batch_size: int) -> int:
         """Samples per microbatch of ``batch_size`` under this layout (its replicas, passes and microbatches)."""
@@ -178,6 +181,8 @@ class SearchSpace:
         gather_bytes: bytes per parameter FSDP gathers in (``Layout.gather_bytes``).
         sequence: whether the tensor-parallel degrees > 1 run with sequence parallelism, the options
             tried: (False,), (True,) or both (``planner.core.levers.tensor_parallel.at_degree``).
+        ep: expert-parallel ranks (``--ep``); above 1 the replica counts are its multiples, the
+            replicas DDP, the degree 1 and the schedules those with a whole backward (``asked_of``).
     """
 
     batch_size: int
@@ -192,6 +197,7 @@ class SearchSpace:
     dp_shard: int | None = None
     gather_bytes: int = 0
     sequence: tuple[bool, ...] = (False,)
+    ep: int = 1
 
 
 NO_CONSTRAINTS = Constraints()
@@ -254,23 +260,26 @@ def asked_of(request: PlanRequest, memory_limit_bytes: int | None) -> Asked:
     Returns:
         The request as core's records.
     """
+    ep = request.ep  # expert parallelism runs with DDP replicas, tp 1 and no recomputation (as validated)
     space = SearchSpace(
         request.batch_size,
         request.schedule,
         request.microbatches,
         request.stages_per_rank,
-        tuple(request.dp_options),
-        request.dp_mode,
-        tuple(request.tp_options),
+        tuple(d for d in request.dp_options if d % ep == 0),
+        "ddp" if ep > 1 else request.dp_mode,
+        (1,) if ep > 1 else tuple(request.tp_options),
         None if request.accumulation == "auto" else request.accumulation,
         request.fsdp_units,
         None if request.dp_shard == "auto" else request.dp_shard,
         sequence=(False, True) if request.sequence_parallel == "auto" else (bool(request.sequence_parallel),),
+        ep=ep,
     )
+    recompute = "never" if ep > 1 else request.recompute
     return Asked(
         world_size=request.gpus,
         space=space,
-        constraints=Constraints(request.optimizer, memory_limit_bytes, request.recompute, request.compile),
+        constraints=Constraints(request.optimizer, memory_limit_bytes, recompute, request.compile),
         microbatch_size=request.microbatch_size,
         method=request.method,
         compare=request.compare,

@@ -38,6 +38,8 @@ from planner.core.layout.candidate import Choice, evaluate_choice, evaluate_mode
 from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace, replica_mode
 from planner.core.layout.pending import Pending, Pool, ahead, evaluated
 from planner.core.levers.data_parallel import tp_link
+from planner.core.levers.experts import at_degree as experts_at
+from planner.core.levers.experts import group_link
 from planner.core.levers.microbatch import blocks_at
 from planner.core.levers.tensor_parallel import at_degree
 from planner.core.split.cuts import Split
@@ -113,6 +115,8 @@ def _layouts(
     """Every layout of ``space`` with ``dp`` replicas of ``pp`` ranks of ``tp`` tensor-parallel ranks
     each and these microbatch counts, schedules in ``SCHEDULES``' order."""
     schedules = list(SCHEDULES) if space.schedule == "auto" else [space.schedule]
+    if space.ep > 1:  # the runner dispatches experts under a whole backward only
+        schedules = [name for name in schedules if name not in ZERO_BUBBLE]
     if pp == 1 and space.schedule == "auto":
         # one rank runs its stage alone: every schedule is gradient accumulation, at one speed; GPipe
         # runs every forward before the first backward (m microbatches' activations held), 1F1B
@@ -126,7 +130,18 @@ def _layouts(
             else stages_per_rank_options(name, _max_stages_per_rank(blocks, pp))
         )
         out += [
-            Layout(name, pp, m, v, dp, space.dp_mode, tp, fsdp_units=space.fsdp_units, gather_bytes=space.gather_bytes)
+            Layout(
+                name,
+                pp,
+                m,
+                v,
+                dp,
+                space.dp_mode,
+                tp,
+                fsdp_units=space.fsdp_units,
+                gather_bytes=space.gather_bytes,
+                ep=space.ep,
+            )
             for v in vs
             for m in ms
         ]
@@ -139,7 +154,7 @@ def _pending_layouts(
     space: SearchSpace,
     constraints: Constraints,
     scaling: Scaling,
-    cache: dict[tuple[int, int, bool], _Sized],
+    cache: dict[tuple[int, int, bool, int], _Sized],
 ) -> tuple[list[Pending], list[InfeasibleError]]:
     """Every layout of ``space`` with its costs and floors, tensor-parallel degrees outermost, then
     replica counts (ascending: the simpler first), in ``_layouts``' order within them; ``cache``
@@ -180,13 +195,18 @@ def _pending(
     space: SearchSpace,
     scaling: Scaling,
     constraints: Constraints,
-    cache: dict[tuple[int, int, bool], _Sized],
+    cache: dict[tuple[int, int, bool, int], _Sized],
 ) -> Pending:
     """``layout`` with its costs at its microbatch size (kept in ``cache``) and its floors."""
-    key = (space.batch_size // (layout.dp * layout.accumulation * layout.n_microbatches), layout.tp, layout.sequence)
+    size = space.batch_size // (layout.dp * layout.accumulation * layout.n_microbatches)
+    # the all-to-alls' link depends on how far apart the replicas are: pp x tp ranks
+    key = (size, layout.tp, layout.sequence, layout.pp * layout.tp if layout.ep > 1 else 0)
     if key not in cache:
-        sized = blocks_at(blocks, scaling.size0, key[0], scaling.fixed_fraction)
-        cache[key] = _Sized(at_degree(sized, layout.tp, tp_link(cluster.link), sequence=layout.sequence))
+        sized = blocks_at(blocks, scaling.size0, size, scaling.fixed_fraction)
+        shares = at_degree(sized, layout.tp, tp_link(cluster.link), sequence=layout.sequence)
+        if layout.ep > 1:
+            shares = experts_at(shares, layout.ep, *group_link(cluster.link, layout.ep, key[3]))
+        cache[key] = _Sized(shares)
     entry = cache[key]
     split = layout.schedule in ZERO_BUBBLE
     if split not in entry.totals:  # the floors' sums over 1,000 blocks: once per costs, not per layout
@@ -286,7 +306,7 @@ def _evaluate_all(
     results taken in the same order: the same outcome, sooner on several cores."""
     # costs by microbatch size, degree and sequence split, shared with the layouts retried in several
     # passes below: with the microbatch count open they run their one-pass layout's microbatches
-    cache: dict[tuple[int, int, bool], _Sized] = {}
+    cache: dict[tuple[int, int, bool, int], _Sized] = {}
     pending, errors = _pending_layouts(blocks, cluster, space, constraints, scaling, cache)
     order = sorted(range(len(pending)), key=lambda k: (pending[k].step_floor_s, k))
     limit = constraints.memory_limit_bytes

@@ -1,17 +1,37 @@
-"""Expert parallelism: which layouts can shard a mixture-of-experts model's experts over replicas.
+"""Expert parallelism: which layouts can shard a mixture-of-experts model's experts over replicas,
+and what one expert-parallel rank of a block costs.
 
 Pure module (no torch). A plan of ``ep`` > 1 shards each experts module over ``ep`` consecutive
 replicas of the same pipeline rank (``planner.schema.plan.Plan.ep``); the runner dispatches the
 tokens routed to them with all-to-alls (``planner.run.experts``). ``ep_refusal`` says, in one line,
 what the runner does not run with it yet, so that ``planner plan`` never writes such a plan and
-``planner run`` refuses one before any process starts.
+``planner run`` refuses one before any process starts. ``at_degree`` turns a block's costs into one
+expert-parallel rank's (``BlockCost.experts``, from ``planner.costs.experts``):
+
+* memory: the experts' parameters, and with them their gradients and optimizer state, ``1 / ep``
+  each; the rest whole. The activations stay: with the tokens spread evenly over the experts
+  (dropless routing, no imbalance charged yet) each rank receives as many rows as its own tokens
+  route, and saves what the unsplit layer saves;
+* compute: the same expert rows per rank under an even spread, so the block's forward and backward
+  stay; its optimizer step and gradient work shrink with its parameters;
+* communication: each layer's dispatch and combine, one all-to-all each way in forward and again in
+  backward, ``dispatch_bytes`` of rows per rank, ``(ep - 1) / ep`` of them to other ranks: on an
+  NCCL link as NCCL's own model costs an all-to-all (``planner.core.levers.collectives``: the peers
+  on the node over NVLink, the rest over the node's cards), elsewhere (gloo, a measured link) an
+  alpha-beta, ``ep - 1`` latencies and the bytes to others. None overlaps compute (the runner
+  waits for each exchange). The replicas' gradient reduction is charged on the parameters the
+  rank holds, over all the replicas (the experts' are reduced over ``dp / ep`` of them: the same
+  bytes, a smaller group).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from planner.core.levers.collectives import collective_time
+from planner.core.levers.links import Links, NodeLinks, default_link
 from planner.core.step.schedules import ZERO_BUBBLE
+from planner.schema.costs import BlockCost, LinkCost
 
 
 def ep_refusal(
@@ -62,4 +82,83 @@ def ep_refusal(
     return None
 
 
-__all__ = ["ep_refusal"]
+def all_to_all_s(nbytes: float, ranks: int, local: int, link: LinkCost) -> float:
+    """Seconds of one all-to-all in which each of ``ranks`` ranks sends ``nbytes`` (``nbytes / ranks``
+    to each, itself included), ``local`` of them on each node.
+
+    Args:
+        nbytes: one rank's send buffer.
+        ranks: the group.
+        local: its ranks on each node (``ranks`` inside one node).
+        link: the link the group's messages cross (the inter-node link where ``local < ranks``).
+
+    Returns:
+        Seconds; 0 with one rank or nothing to send.
+    """
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    if link.nccl is not None:
+        return collective_time("all_to_all", nbytes, ranks, local, link.nccl).seconds
+    return (ranks - 1) * link.latency_s + (ranks - 1) / ranks * nbytes / link.bandwidth_Bps
+
+
+def group_link(link: Links, ep: int, stride: int) -> tuple[LinkCost, int]:
+    """The link an expert-parallel group crosses and its ranks per node: ``ep`` replicas of one
+    pipeline rank, ``stride`` (``pp x tp``) global ranks apart, ranks filling nodes in order.
+
+    Args:
+        link: the cluster's links (one link, or an intra- and an inter-node ``NodeLinks``).
+        ep: the group's ranks.
+        stride: global ranks between two of them.
+
+    Returns:
+        (the link, the group's ranks on each node).
+    """
+    if not isinstance(link, NodeLinks):
+        return default_link(link), ep
+    local = max(1, min(ep, link.gpus_per_node // stride)) if stride <= link.gpus_per_node else 1
+    return (default_link(link) if local >= ep else link.inter), local
+
+
+def at_degree(blocks: Sequence[BlockCost], ep: int, link: LinkCost, local: int) -> list[BlockCost]:
+    """The blocks as one of ``ep`` expert-parallel ranks runs them (see the module docstring).
+
+    Args:
+        blocks: per-block costs (one microbatch); blocks without ``experts`` are returned as they are.
+        ep: expert-parallel ranks (1: the blocks unchanged).
+        link: the link the group crosses (``group_link``).
+        local: the group's ranks on each node.
+
+    Returns:
+        The blocks.
+    """
+    if ep <= 1:
+        return list(blocks)
+    out: list[BlockCost] = []
+    for b in blocks:
+        share = b.experts
+        if share is None:
+            out.append(b)
+            continue
+        params = b.params - share.params + share.params // ep
+        param_bytes = b.param_bytes - share.param_bytes + share.param_bytes // ep
+        kept = param_bytes / b.param_bytes if b.param_bytes else 1.0
+        # dispatch and combine per layer, forward and again backward
+        pair = 2 * share.layers * all_to_all_s(share.dispatch_bytes / share.layers, ep, local, link)
+        out.append(
+            b.model_copy(
+                update={
+                    "params": params,
+                    "param_bytes": param_bytes,
+                    "fwd_s": b.fwd_s + pair,
+                    "bwd_s": b.bwd_s + pair,
+                    "bwd_input_s": None if b.bwd_input_s is None else b.bwd_input_s + pair,
+                    "opt_s": None if b.opt_s is None else b.opt_s * kept,
+                    "grad_s": None if b.grad_s is None else b.grad_s * kept,
+                }
+            )
+        )
+    return out
+
+
+__all__ = ["all_to_all_s", "at_degree", "ep_refusal", "group_link"]

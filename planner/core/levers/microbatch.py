@@ -59,6 +59,10 @@ def blocks_at(blocks: Sequence[BlockCost], size0: int, size: int, fixed_fraction
                     "cut_kept_bytes": None if b.cut_kept_bytes is None else round(b.cut_kept_bytes * r),
                     "output_bytes": round(b.output_bytes * r),
                     "tp": None if b.tp is None else _share_at(b.tp, r),
+                    # the rows routed to experts grow with the tokens; the experts' parameters do not
+                    "experts": None
+                    if b.experts is None
+                    else b.experts.model_copy(update={"dispatch_bytes": round(b.experts.dispatch_bytes * r)}),
                 }
             )
         )

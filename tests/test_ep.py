@@ -1,0 +1,152 @@
+"""Expert parallelism in planning: what the runner refuses (``ep_refusal``), one expert-parallel rank's
+block costs (``planner.core.levers.experts.at_degree``), the request's checks, and ``planner plan
+--ep`` end to end (CPU, meta device)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from planner.core.levers.experts import all_to_all_s, at_degree, ep_refusal, group_link
+from planner.core.levers.hardware import get_hardware, link_cost
+from planner.core.levers.links import NodeLinks
+from planner.core.levers.microbatch import blocks_at
+from planner.errors import PlannerError
+from planner.schema.costs import BlockCost, ExpertShare, LinkCost
+from planner.schema.request import PlanRequest
+
+ROOT = Path(__file__).resolve().parent.parent
+LINK = LinkCost(name="test", latency_s=1e-3, bandwidth_Bps=1e9)
+EXPERTS = {"layers.0.experts": 8, "layers.1.experts": 8}
+
+
+def _block(share: ExpertShare | None) -> BlockCost:
+    return BlockCost(
+        name="layers.0",
+        first_node="a",
+        last_node="b",
+        fwd_s=0.01,
+        bwd_s=0.02,
+        bwd_input_s=0.012,
+        bwd_weight_s=0.008,
+        params=1_000,
+        param_bytes=4_000,
+        activation_bytes=10_000,
+        cut_bytes=100,
+        cut_tensors=1,
+        cut_legal=True,
+        is_layer=True,
+        opt_s=0.004,
+        grad_s=0.002,
+        experts=share,
+    )
+
+
+@pytest.mark.parametrize(
+    ("ep", "experts", "kw", "want"),
+    [
+        (1, {}, {}, None),
+        (2, EXPERTS, {}, None),
+        (2, {}, {}, "--ep 2: the model has no experts to shard"),
+        (3, EXPERTS, {"dp": 6}, "--ep 3 does not divide the 8 experts of layers.0.experts"),
+        (4, EXPERTS, {"dp": 2}, "--ep 4 does not divide the 2 data-parallel replicas"),
+        (2, EXPERTS, {"tp": 2}, "does not run with tensor parallelism (tp 2) yet; give --tp 1"),
+        (2, EXPERTS, {"dp_mode": "fsdp"}, "does not run with FSDP replicas yet; give --dp-mode ddp"),
+        (2, EXPERTS, {"schedule": "zbv"}, "does not run under zbv (a two-part backward) yet"),
+        (2, EXPERTS, {"compiled": True}, "does not run compiled yet"),
+        (2, EXPERTS, {"recompute": ["never", "full"]}, "does not run with recomputation yet; give --recompute never"),
+    ],
+)
+def test_what_expert_parallelism_does_not_run_is_one_line(ep: int, experts: dict, kw: dict, want: str | None) -> None:
+    args = {"dp": 4, "tp": 1, "dp_mode": "ddp", "schedule": "1f1b", **kw}
+    got = ep_refusal(ep, experts, **args)
+    assert (got is None) if want is None else (got is not None and want in got and "\n" not in got), got
+
+
+def test_one_expert_parallel_ranks_block_exactly() -> None:
+    # 2 layers, 800 of the block's 1,000 parameters experts, 2 MB of rows routed per microbatch
+    share = ExpertShare(layers=2, experts=8, params=800, param_bytes=3_200, dispatch_bytes=2_000_000)
+    (got,) = at_degree([_block(share)], 4, LINK, 4)
+    # per layer: 1 MB, 3/4 of it to the 3 others, 3 latencies; dispatch + combine, both ways
+    a2a = 3 * 1e-3 + 0.75 * 1_000_000 / 1e9
+    assert all_to_all_s(1_000_000, 4, 4, LINK) == pytest.approx(a2a)
+    assert got.params == 200 + 200 and got.param_bytes == 800 + 800
+    assert got.fwd_s == pytest.approx(0.01 + 4 * a2a) and got.bwd_s == pytest.approx(0.02 + 4 * a2a)
+    assert got.bwd_input_s == pytest.approx(0.012 + 4 * a2a) and got.bwd_weight_s == 0.008
+    assert got.opt_s == pytest.approx(0.004 * 1_600 / 4_000) and got.grad_s == pytest.approx(0.002 * 0.4)
+    assert got.activation_bytes == 10_000  # an even spread: as many rows received as routed
+    dense = _block(None)
+    assert at_degree([dense], 4, LINK, 4) == [dense] and at_degree([_block(share)], 1, LINK, 1) == [_block(share)]
+
+
+def test_the_rows_routed_grow_with_the_microbatch() -> None:
+    share = ExpertShare(layers=1, experts=8, params=800, param_bytes=3_200, dispatch_bytes=1_000)
+    (twice,) = blocks_at([_block(share)], 2, 4, 0.0)
+    assert twice.experts is not None and twice.experts.dispatch_bytes == 2_000 and twice.experts.params == 800
+
+
+def test_an_expert_group_crosses_nodes_as_its_replicas_lie() -> None:
+    hw = get_hardware("h100")
+    intra, inter = link_cost(hw, intra_node=True), link_cost(hw, intra_node=False)
+    links = NodeLinks(**intra.model_dump(), inter=inter, gpus_per_node=8, n_ranks=4)
+    assert group_link(links, 8, 1)[1] == 8 and group_link(links, 8, 1)[0].name == intra.name  # consecutive ranks
+    assert group_link(links, 4, 2)[1] == 4 and group_link(links, 4, 2)[0].name == intra.name  # 4 x 2 ranks: one node
+    assert group_link(links, 8, 4) == (inter, 2)  # replicas 4 ranks apart: 2 of the 8 on each node
+    assert group_link(links, 2, 16) == (inter, 1)  # a replica fills 2 nodes
+    assert group_link(LINK, 4, 3) == (LINK, 4)  # one link: every rank on it
+    # NCCL's all-to-all: over the cards, slower than inside a node
+    assert all_to_all_s(2**26, 8, 2, inter) > all_to_all_s(2**26, 8, 8, intra) > 0
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"dp": 1}, r"--ep 2 shards the experts over replicas, but --dp 1 is no multiple of it; give --dp 2"),
+        ({"dp": 2, "tp": 2}, r"--ep 2: expert parallelism does not run with --tp 2 yet; give --tp 1"),
+        ({"dp": 2, "dp_mode": "fsdp"}, r"does not run with --dp-mode fsdp yet; give --dp-mode ddp"),
+        ({"dp": 2, "schedule": "zbv"}, r"does not run with --schedule zbv \(a two-part backward\) yet"),
+        ({"dp": 2, "recompute": "full"}, r"does not run with --recompute full yet; give --recompute never"),
+        ({"dp": "auto", "gpus": 3}, r"--ep 2 does not divide --gpus 3"),
+    ],
+)
+def test_the_request_refuses_what_ep_does_not_run_with(options: dict, message: str) -> None:
+    values = {"model_file": ROOT / "models" / "hf" / "mixtral.py", "gpus": 4, "ep": 2, **options}
+    with pytest.raises(PlannerError, match=message):
+        PlanRequest.build(**values)
+
+
+def _plan(tmp_path: Path, model: str, **options: object):  # type: ignore[no-untyped-def]
+    from planner.api import make_plan
+
+    values = {"model_file": ROOT / model, "size": "tiny", "gpus": 4, "batch_size": 8, "output": tmp_path / "p.json"}
+    return make_plan(PlanRequest.build(**{**values, "progress": False, **options}))
+
+
+def test_planner_plan_ep_shards_the_experts_and_searches_what_runs(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    whole = _plan(tmp_path, "models/hf/mixtral.py", gpu_type="h100", dp=2, dp_mode="ddp", tp=1, recompute="never")
+    plan = _plan(tmp_path, "models/hf/mixtral.py", gpu_type="h100", dp=2, ep=2)
+    assert plan.ep == 2 and plan.dp == 2 and plan.tp == 1 and plan.dp_mode == "ddp"
+    assert plan.experts == {f"model.layers.{i}.mlp.experts": 4 for i in range(2)}
+    assert all(s.recompute == "never" for s in plan.stages)
+    assert not any(c.schedule in ("interleaved-zb", "zbv", "dualpipev") for c in plan.search)
+    # one rank holds half of each layer's experts, and pays the all-to-alls (its share records the whole layer)
+    unsplit = {b.name: b for b in whole.blocks}
+    assert sum(b.experts is not None for b in plan.blocks) == 2
+    for b in plan.blocks:
+        w = unsplit[b.name]
+        if b.experts is None:
+            assert (b.params, b.fwd_s) == (w.params, w.fwd_s)
+            continue
+        assert b.params == w.params - b.experts.params // 2 and b.experts.params == 4 * 3 * 64 * 128
+        assert b.fwd_s > w.fwd_s and b.activation_bytes == w.activation_bytes
+    assert plan.model.fingerprint != whole.model.fingerprint  # traced with the experts' calls recorded
+
+
+def test_ep_on_a_dense_model_or_an_odd_count_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(PlannerError, match=r"--ep 2: the model has no experts to shard"):
+        _plan(tmp_path, "models/llama.py", gpu_type="h100", dp=2, ep=2)
+    pytest.importorskip("transformers")
+    with pytest.raises(PlannerError, match=r"^--ep 4 does not divide the 6 experts of model\.layers\.0\.mlp\.experts$"):
+        _plan(tmp_path, "models/hf/mixtral.py", gpu_type="h100", dp=4, ep=4, overrides={"n_experts": 6})
