@@ -1,5 +1,5 @@
 """Mixture-of-experts models planned for H100s: total and active parameters, predicted step and MFU,
-into docs/gpu_costs.md.
+and the same models with their experts sharded over replicas (``--ep``), into docs/gpu_costs.md.
 
     python -m bench.moe_estimates            # Mixtral 8x7B and Qwen1.5-MoE-A2.7B (a few minutes)
 
@@ -10,7 +10,10 @@ accumulation searched). The routed experts run as grouped GEMMs, charged the FLO
 routed to them (``planner/costs/roofline.py``), so the plan's FLOPs, and its MFU, are those of the
 active parameters: MFU over active parameters, the figure MoE runs publish. Active parameters are
 counted here as everything outside the routed experts plus top_k / n_experts of the experts. The
-section between the markers of docs/gpu_costs.md is replaced.
+second table plans each setup as expert parallelism runs it (DDP replicas, tp 1, no recomputation,
+no zero-bubble schedule: ``planner.core.levers.experts.ep_refusal``) at each ``--ep`` that divides
+its experts, ``--ep 1`` the same layout restrictions without sharding: the step each degree buys.
+The sections between the markers of docs/gpu_costs.md are replaced.
 """
 
 from __future__ import annotations
@@ -31,6 +34,15 @@ from planner.schema.request import PlanRequest
 DOC = DOCS / "gpu_costs.md"
 BEGIN = "<!-- BEGIN moe-estimates (written by bench/moe_estimates.py) -->"
 END = "<!-- END moe-estimates -->"
+EP_BEGIN = "<!-- BEGIN moe-ep (written by bench/moe_estimates.py) -->"
+EP_END = "<!-- END moe-ep -->"
+EP_DEGREES = (1, 2, 4, 8)
+# the same models on twice (four times) the GPUs: under DDP without recomputation nothing fits on the
+# first table's (a rank holds every weight of its stages and every activation)
+EP_SETUPS = [
+    ("Mixtral 8x7B", "mixtral.py", "8x7b", 64, 256),
+    ("Qwen1.5-MoE-A2.7B", "qwen_moe.py", "a2.7b", 32, 128),
+]
 # (label, file, size, GPUs, batch of sequences)
 SETUPS = [
     ("Mixtral 8x7B", "mixtral.py", "8x7b", 32, 256),
@@ -48,20 +60,54 @@ def parameters(file: str, size: str) -> tuple[int, int]:
     return total, total - experts + experts * mf.config["top_k"] // mf.config["n_experts"]
 
 
-def one(label: str, file: str, size: str, gpus: int, batch: int) -> list[str]:
-    """Plan one setup; its row of the table."""
-    total, active = parameters(file, size)
-    request = PlanRequest.build(
+def _request(file: str, size: str, gpus: int, batch: int, **options: object) -> PlanRequest:
+    """``planner plan models/hf/FILE --size SIZE --gpus N --gpu-type h100 -b B`` with ``options``."""
+    return PlanRequest.build(
         model_file=MODELS / "hf" / file,
         size=size,
         gpus=gpus,
         gpu_type="h100",
         batch_size=batch,
-        tp="auto",
         dp="auto",
         progress=False,
         output=Path("/tmp/moe_estimates_plan.json"),
+        **options,
     )
+
+
+def ep_rows(label: str, file: str, size: str, gpus: int, batch: int) -> list[list[str]]:
+    """The setup planned as expert parallelism runs it, one row per ``--ep`` dividing its experts."""
+    experts = load_model_file(MODELS / "hf" / file, size).config["n_experts"]
+    rows = []
+    for ep in [d for d in EP_DEGREES if experts % d == 0 and gpus % d == 0]:
+        t0 = time.perf_counter()
+        try:
+            plan = make_plan(_request(file, size, gpus, batch, tp=1, dp_mode="ddp", recompute="never", ep=ep))
+        except PlannerError as e:
+            rows.append([f"{label}, {gpus} H100", str(ep), f"no plan: {str(e).split(';')[0][:100]}", "-", "-", "-"])
+            continue
+        t = throughput(plan)
+        layout = f"{plan.schedule}, pp {plan.n_ranks}, dp {plan.dp}, m={plan.n_microbatches}" + (
+            f", k={plan.accumulation}" if plan.accumulation > 1 else ""
+        )
+        print(f"{label} ep {ep}: {layout}, {time.perf_counter() - t0:.0f} s to plan", file=sys.stderr)
+        rows.append(
+            [
+                f"{label}, {gpus} H100, batch {batch}",
+                str(ep),
+                layout,
+                f"{plan.prediction.step_time_s:.2f}",
+                f"{t.tokens_per_s_per_gpu:,.0f}" if t.tokens_per_s_per_gpu else "-",
+                f"{plan.prediction.max_memory_bytes / 2**30:.1f} GiB",
+            ]
+        )
+    return rows
+
+
+def one(label: str, file: str, size: str, gpus: int, batch: int) -> list[str]:
+    """Plan one setup; its row of the table."""
+    total, active = parameters(file, size)
+    request = _request(file, size, gpus, batch, tp="auto")
     t0 = time.perf_counter()
     try:
         plan = make_plan(request)
@@ -94,6 +140,12 @@ def main() -> None:
     text = table(rows, headers)
     print(text)
     write_between_markers(DOC, BEGIN, END, text)
+    ep = table(
+        [row for s in EP_SETUPS for row in ep_rows(*s)],
+        ["setup", "ep", "plan (DDP, tp 1, no recompute)", "step s", "tokens/s/GPU", "memory"],
+    )
+    print(ep)
+    write_between_markers(DOC, EP_BEGIN, EP_END, ep)
 
 
 if __name__ == "__main__":

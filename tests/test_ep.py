@@ -150,3 +150,37 @@ def test_ep_on_a_dense_model_or_an_odd_count_is_one_line(tmp_path: Path) -> None
     pytest.importorskip("transformers")
     with pytest.raises(PlannerError, match=r"^--ep 4 does not divide the 6 experts of model\.layers\.0\.mlp\.experts$"):
         _plan(tmp_path, "models/hf/mixtral.py", gpu_type="h100", dp=4, ep=4, overrides={"n_experts": 6})
+
+
+def test_the_rows_routed_are_read_off_the_trace_or_one_forward_alike() -> None:
+    import torch
+
+    from planner.capture.ep_plan import resolve_experts
+    from planner.capture.load import load_model_file
+    from planner.capture.trace import trace_model
+    from planner.costs.experts import routed_rows, traced_rows, with_expert_shares
+
+    pytest.importorskip("transformers")
+    mf = load_model_file(ROOT / "models" / "hf" / "mixtral.py", "tiny")
+    model = mf.build(seed=0)
+    inputs, _ = mf.batch(3, seed=0)
+    experts = resolve_experts(mf, model)
+    names = list(experts.counts)
+    rows = routed_rows(model, inputs, names)
+    assert rows == {name: (3 * 32 * 2, 64) for name in names}  # 3 sequences of 32 tokens, top 2, width 64
+    traced = trace_model(model, inputs, methods=("export",), experts=tuple(names))
+    assert traced_rows(traced) == rows
+    assert traced_rows(trace_model(model, inputs, methods=("export",))) == {}  # no calls recorded
+    fixture = load_model_file(ROOT / "tests" / "fixtures" / "moe_file.py", "tiny")
+    small = fixture.build(seed=0)
+    x, _ = fixture.batch(2, seed=0)
+    assert routed_rows(small, x, ["layers.0.moe.experts"]) == {"layers.0.moe.experts": (2 * 8 * 2, 16)}
+    with pytest.raises(PlannerError, match=r"the experts module layers\.0\.norm is not called as experts"):
+        routed_rows(small, x, ["layers.0.norm"])
+    # the shares: the experts' parameters, the rows in the activations' dtype (bf16: 2 bytes)
+    block = _block(None).model_copy(update={"name": "model.layers.0", "params": 200_000, "param_bytes": 400_000})
+    (shared,) = with_expert_shares([block], experts, rows, 2)
+    assert shared.experts == ExpertShare(
+        layers=1, experts=4, params=98_304, param_bytes=196_608, dispatch_bytes=3 * 32 * 2 * 64 * 2
+    )
+    assert torch.is_grad_enabled()  # the forward ran without autograd and left it on

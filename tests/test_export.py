@@ -339,3 +339,19 @@ def test_sequence_parallelism_is_carried_to_megatron_and_its_absence_noted() -> 
     plain = export_plan(plan, "megatron")
     assert "--sequence-parallel" not in arguments(plain) and "# planned without sequence parallelism" in plain
     assert "tensor parallel 2 with sequence parallelism" in export_plan(split, "torchtitan-toml")
+
+
+def test_expert_parallelism_is_carried_to_megatron_and_torchtitan_where_it_can_say_it() -> None:
+    # Megatron-Core carves its expert-parallel group out of the data-parallel ranks, as the plan does;
+    # torchtitan borrows it from FSDP's shard degree x tp, which DDP replicas do not give
+    fixture = ROOT / "tests" / "fixtures" / "moe_file.py"
+    plan = plan_with_starts(fixture, [0, 2], schedule="1f1b", n_microbatches=2, dp=2, ep=2)
+    text = export_plan(plan, "megatron")
+    assert "--expert-model-parallel-size 2" in text and "experts sharded over 2 replicas (expert parallel 2)" in text
+    with pytest.raises(ExportError, match=r"torchtitan takes its expert_parallel_degree out of .* \(1 x 1\)"):
+        export_plan(plan, "torchtitan")
+    sharded = plan.model_copy(update={"dp_mode": "fsdp"})  # what torchtitan could run: ep out of the shards
+    namespace: dict = {}
+    exec(export_plan(sharded, "torchtitan"), namespace)
+    assert namespace["parallelism"].expert_parallel_degree == 2
+    assert "--expert-model-parallel-size" not in export_plan(plan_with_starts(fixture, [0, 2], dp=2), "megatron")

@@ -14,24 +14,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from run_factory import MODELS, ROOT, assert_close, assert_resumes_under, plan_with_starts, saved  # noqa: E402
-
-from planner.run import run_plan, train_reference  # noqa: E402
-from planner.schema.run_request import RunRequest  # noqa: E402
+from run_factory import MODELS, ROOT, assert_resumes_under, plan_with_starts  # noqa: E402
+from test_run_tp import _run_and_compare  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "moe_file.py"
 EP2: dict = dict(schedule="1f1b", n_microbatches=2, optimizer="sgd", lr=0.5, grad_clip=0.5, dp=2, ep=2)
-
-
-def _run_and_compare(plan, tmp_path: Path, steps: int = 3, **request: object):  # type: ignore[no-untyped-def]
-    path = saved(plan, tmp_path)
-    got = run_plan(plan, RunRequest(plan_file=path, steps=steps, echo=False, **request))  # type: ignore[arg-type]
-    want = train_reference(plan, path, steps)
-    assert_close(got.losses, want.losses, "loss")
-    assert_close(got.grad_norms, want.grad_norms, "grad norm")
-    clip = plan.optimizer.grad_clip
-    assert clip is not None and all(g > clip for g in got.grad_norms), "clipping never happened"
-    return got, want
 
 
 @pytest.mark.multiprocess

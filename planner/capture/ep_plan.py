@@ -40,7 +40,7 @@ from typing import Any
 from torch import nn
 
 from planner.capture.load import ModelFile
-from planner.capture.tp_plan import EP_EXPERTS, TP_EXPERTS, base_model_prefix, match, matched_modules
+from planner.capture.tp_plan import EP_EXPERTS, TP_EXPERTS, base_model_prefix, file_plan, match, matched_modules
 from planner.errors import ModelFileError
 
 EXPERTS = "experts"
@@ -100,14 +100,9 @@ def resolve_experts(mf: ModelFile, model: nn.Module) -> Experts:
             "grouped_gemm", its function raises, a pattern matches no module, or an experts
             module's parameters have no common leading expert dimension.
     """
-    declared = getattr(mf.module, "ep_plan", None)
+    declared = file_plan(mf, "ep_plan")
     if declared is not None:
         where = f"{mf.path.name}: ep_plan"
-        if callable(declared):
-            try:
-                declared = declared(**mf.config)
-            except Exception as e:
-                raise ModelFileError(f"{where}(**config) raised {type(e).__name__}: {e}") from e
         return _experts(model, _checked(declared, where), where, strict=True, source="model file")
     found = base_model_prefix(model)
     config: Any = getattr(found[1], "config", None) if found else getattr(model, "config", None)

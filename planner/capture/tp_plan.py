@@ -126,6 +126,22 @@ def base_model_prefix(model: nn.Module) -> tuple[str, nn.Module] | None:
     return None
 
 
+def file_plan(mf: ModelFile, name: str) -> object | None:
+    """A model file's module-level plan ``name`` (``tp_plan``, ``ep_plan``): the dict, or what its
+    function returns for the file's config; None where the file declares none.
+
+    Raises:
+        ModelFileError: the function raises (named, with the error).
+    """
+    declared = getattr(mf.module, name, None)
+    if callable(declared):
+        try:
+            return declared(**mf.config)
+        except Exception as e:
+            raise ModelFileError(f"{mf.path.name}: {name}(**config) raised {type(e).__name__}: {e}") from e
+    return declared
+
+
 def resolve_tp_plan(mf: ModelFile, model: nn.Module) -> ResolvedPlan:
     """The model's tensor-parallel plan (see the module docstring for where it comes from).
 
@@ -140,15 +156,9 @@ def resolve_tp_plan(mf: ModelFile, model: nn.Module) -> ResolvedPlan:
     Raises:
         ModelFileError: the model file's ``tp_plan`` function raises.
     """
-    declared = getattr(mf.module, "tp_plan", None)
+    declared = file_plan(mf, "tp_plan")
     if declared is not None:
-        where = f"{mf.path.name}: tp_plan"
-        if callable(declared):
-            try:
-                declared = declared(**mf.config)
-            except Exception as e:
-                raise ModelFileError(f"{where}(**config) raised {type(e).__name__}: {e}") from e
-        plan, reason = _checked(declared, where)
+        plan, reason = _checked(declared, f"{mf.path.name}: tp_plan")
         return ResolvedPlan(plan, "model file" if plan else "", reason)
     found = base_model_prefix(model)
     if found is None:
@@ -395,6 +405,7 @@ __all__ = [
     "base_model_prefix",
     "check_tp_plan",
     "config_heads",
+    "file_plan",
     "match",
     "matched_modules",
     "indivisible_split",

@@ -182,7 +182,18 @@ def _batch_lines(plan: Plan) -> dict[str, int]:
 
 
 def _titan_fields(plan: Plan, renames: Mapping[str, str]) -> dict[str, object]:
-    """The ``ParallelismConfig`` fields that carry the plan."""
+    """The ``ParallelismConfig`` fields that carry the plan.
+
+    Raises:
+        ExportError: expert parallelism over DDP replicas, which torchtitan cannot say (it borrows
+            its expert-parallel ranks from FSDP's shard degree and tensor parallelism).
+    """
+    if plan.ep > 1 and plan.shard_size * plan.tp % plan.ep:
+        raise ExportError(
+            f"--to torchtitan: the plan shards its experts over {plan.ep} {plan.dp_mode} replicas, but torchtitan "
+            f"takes its expert_parallel_degree out of data_parallel_shard_degree x tensor_parallel_degree "
+            f"({plan.shard_size} x {plan.tp}), which ep must divide; export --to megatron, or plan with --ep 1"
+        )
     fields: dict[str, object] = {
         "pipeline_parallel_degree": plan.n_ranks,
         "pipeline_parallel_schedule": TORCH_NAMES[plan.schedule],
@@ -190,6 +201,8 @@ def _titan_fields(plan: Plan, renames: Mapping[str, str]) -> dict[str, object]:
         "module_fqns_per_model_part": torchtitan_fqns(plan, renames),
         "tensor_parallel_degree": plan.tp,
     }
+    if plan.ep > 1:
+        fields["expert_parallel_degree"] = plan.ep
     # ddp replicas replicate the weights; fsdp shards them (torchtitan shards per block, not per
     # stage); hsdp shards inside groups and replicates the groups, torchtitan's two degrees both > 1
     fields["data_parallel_shard_degree"] = plan.shard_size
@@ -243,7 +256,8 @@ def _notes(plan: Plan) -> list[str]:
         + (f" in shard groups of {plan.dp_shard}" if plan.dp_shard else "")
         + (" sharded block by block" if plan.fsdp_units == "block" else "")
         + f", tensor parallel {plan.tp}"
-        + (" with sequence parallelism" if plan.sequence_parallel else ""),
+        + (" with sequence parallelism" if plan.sequence_parallel else "")
+        + (f", experts sharded over {plan.ep} replicas (expert parallel {plan.ep})" if plan.ep > 1 else ""),
         f"predicted step {plan.prediction.step_time_s * 1e3:.2f} ms on {plan.profile.hardware or plan.profile.device}",
     ]
     if plan.accumulation > 1:
@@ -460,6 +474,7 @@ def _megatron(plan: Plan, _renames: Mapping[str, str]) -> str:
         f"--pipeline-model-parallel-size {plan.n_ranks}",
         f"--tensor-model-parallel-size {plan.tp}",
         *(["--sequence-parallel"] if plan.sequence_parallel else []),
+        *([f"--expert-model-parallel-size {plan.ep}"] if plan.ep > 1 else []),
         f"--num-layers {sum(counts)}",
         f"--micro-batch-size {plan.microbatch_size}",
         f"--global-batch-size {plan.batch_size}",
