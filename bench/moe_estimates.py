@@ -10,9 +10,9 @@ accumulation searched). The routed experts run as grouped GEMMs, charged the FLO
 routed to them (``planner/costs/roofline.py``), so the plan's FLOPs, and its MFU, are those of the
 active parameters: MFU over active parameters, the figure MoE runs publish. Active parameters are
 counted here as everything outside the routed experts plus top_k / n_experts of the experts. The
-second table plans each setup as expert parallelism runs it (DDP replicas, tp 1, no recomputation,
-no zero-bubble schedule: ``planner.core.levers.experts.ep_refusal``) at each ``--ep`` that divides
-its experts, ``--ep 1`` the same layout restrictions without sharding: the step each degree buys.
+second table plans each setup as expert parallelism runs it (DDP replicas, tp 1, no zero-bubble
+schedule: ``planner.core.levers.experts.ep_refusal``) at each ``--ep`` that divides its experts,
+``--ep 1`` the same layout restrictions without sharding: the step each degree buys.
 The sections between the markers of docs/gpu_costs.md are replaced.
 """
 
@@ -37,12 +37,6 @@ END = "<!-- END moe-estimates -->"
 EP_BEGIN = "<!-- BEGIN moe-ep (written by bench/moe_estimates.py) -->"
 EP_END = "<!-- END moe-ep -->"
 EP_DEGREES = (1, 2, 4, 8)
-# the same models on twice (four times) the GPUs: under DDP without recomputation nothing fits on the
-# first table's (a rank holds every weight of its stages and every activation)
-EP_SETUPS = [
-    ("Mixtral 8x7B", "mixtral.py", "8x7b", 64, 256),
-    ("Qwen1.5-MoE-A2.7B", "qwen_moe.py", "a2.7b", 32, 128),
-]
 # (label, file, size, GPUs, batch of sequences)
 SETUPS = [
     ("Mixtral 8x7B", "mixtral.py", "8x7b", 32, 256),
@@ -82,7 +76,7 @@ def ep_rows(label: str, file: str, size: str, gpus: int, batch: int) -> list[lis
     for ep in [d for d in EP_DEGREES if experts % d == 0 and gpus % d == 0]:
         t0 = time.perf_counter()
         try:
-            plan = make_plan(_request(file, size, gpus, batch, tp=1, dp_mode="ddp", recompute="never", ep=ep))
+            plan = make_plan(_request(file, size, gpus, batch, tp=1, dp_mode="ddp", ep=ep))
         except PlannerError as e:
             rows.append([f"{label}, {gpus} H100", str(ep), f"no plan: {str(e).split(';')[0][:100]}", "-", "-", "-"])
             continue
@@ -141,8 +135,8 @@ def main() -> None:
     print(text)
     write_between_markers(DOC, BEGIN, END, text)
     ep = table(
-        [row for s in EP_SETUPS for row in ep_rows(*s)],
-        ["setup", "ep", "plan (DDP, tp 1, no recompute)", "step s", "tokens/s/GPU", "memory"],
+        [row for s in SETUPS for row in ep_rows(*s)],
+        ["setup", "ep", "plan (DDP, tp 1)", "step s", "tokens/s/GPU", "memory"],
     )
     print(ep)
     write_between_markers(DOC, EP_BEGIN, EP_END, ep)

@@ -55,7 +55,6 @@ def _block(share: ExpertShare | None) -> BlockCost:
         (2, EXPERTS, {"dp_mode": "fsdp"}, "does not run with FSDP replicas yet; give --dp-mode ddp"),
         (2, EXPERTS, {"schedule": "zbv"}, "does not run under zbv (a two-part backward) yet"),
         (2, EXPERTS, {"compiled": True}, "does not run compiled yet"),
-        (2, EXPERTS, {"recompute": ["never", "full"]}, "does not run with recomputation yet; give --recompute never"),
     ],
 )
 def test_what_expert_parallelism_does_not_run_is_one_line(ep: int, experts: dict, kw: dict, want: str | None) -> None:
@@ -106,7 +105,6 @@ def test_an_expert_group_crosses_nodes_as_its_replicas_lie() -> None:
         ({"dp": 2, "tp": 2}, r"--ep 2: expert parallelism does not run with --tp 2 yet; give --tp 1"),
         ({"dp": 2, "dp_mode": "fsdp"}, r"does not run with --dp-mode fsdp yet; give --dp-mode ddp"),
         ({"dp": 2, "schedule": "zbv"}, r"does not run with --schedule zbv \(a two-part backward\) yet"),
-        ({"dp": 2, "recompute": "full"}, r"does not run with --recompute full yet; give --recompute never"),
         ({"dp": "auto", "gpus": 3}, r"--ep 2 does not divide --gpus 3"),
     ],
 )
@@ -129,7 +127,6 @@ def test_planner_plan_ep_shards_the_experts_and_searches_what_runs(tmp_path: Pat
     plan = _plan(tmp_path, "models/hf/mixtral.py", gpu_type="h100", dp=2, ep=2)
     assert plan.ep == 2 and plan.dp == 2 and plan.tp == 1 and plan.dp_mode == "ddp"
     assert plan.experts == {f"model.layers.{i}.mlp.experts": 4 for i in range(2)}
-    assert all(s.recompute == "never" for s in plan.stages)
     assert not any(c.schedule in ("interleaved-zb", "zbv", "dualpipev") for c in plan.search)
     # one rank holds half of each layer's experts, and pays the all-to-alls (its share records the whole layer)
     unsplit = {b.name: b for b in whole.blocks}

@@ -40,6 +40,17 @@ def test_ep2_pp2_matches_the_unsplit_model(tmp_path: Path, model: str) -> None:
     print(model, "ep2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
 
 
+@pytest.mark.multiprocess
+def test_ep2_with_stages_that_recompute_matches_the_unsplit_model(tmp_path: Path) -> None:
+    # a checkpointed block's forward runs its all-to-alls again in backward, on every rank of the group
+    # in the same order: full checkpointing on one pipeline rank, selective on the other
+    pytest.importorskip("transformers")
+    plan = plan_with_starts(MODELS / "hf" / "mixtral.py", [0, 3], **EP2)
+    stages = [s.model_copy(update={"recompute": m}) for s, m in zip(plan.stages, ("full", "selective"))]
+    got, want = _run_and_compare(plan.model_copy(update={"stages": stages}), tmp_path, save_checkpoints=False)
+    print("mixtral ep2 pp2 recomputing", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
 def _chunks(checkpoint: Path, key: str) -> int:
     """How many pieces a checkpoint stores a tensor in (torch.distributed.checkpoint's metadata)."""
     import torch.distributed.checkpoint as dcp

@@ -111,7 +111,6 @@ def check_runnable(plan: Plan) -> None:
         dp_mode=plan.dp_mode,
         schedule=plan.schedule,
         compiled=plan.compile,
-        recompute=[s.recompute for s in plan.stages],
     )
     if refused:
         raise PlanFileError(f"the plan cannot run: {refused}; re-plan")

@@ -415,7 +415,6 @@ class PlanRequest(_Request):
             (self.dp_mode in ("fsdp", "hsdp"), f"--dp-mode {self.dp_mode}", "--dp-mode ddp"),
             (self.schedule in ZERO_BUBBLE, f"--schedule {self.schedule} (a two-part backward)", "another schedule"),
             (self.compile, "--compile", "no --compile"),
-            (self.recompute not in ("auto", "never"), f"--recompute {self.recompute}", "--recompute never"),
         ]
         for blocked, what, instead in given:
             if blocked:

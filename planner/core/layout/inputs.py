@@ -182,7 +182,8 @@ class SearchSpace:
         sequence: whether the tensor-parallel degrees > 1 run with sequence parallelism, the options
             tried: (False,), (True,) or both (``planner.core.levers.tensor_parallel.at_degree``).
         ep: expert-parallel ranks (``--ep``); above 1 the replica counts are its multiples, the
-            replicas DDP, the degree 1 and the schedules those with a whole backward (``asked_of``).
+            replicas DDP, the degree 1 and the schedules those with a whole backward (``asked_of``,
+            ``planner.core.levers.experts.ep_refusal``).
     """
 
     batch_size: int
@@ -260,7 +261,7 @@ def asked_of(request: PlanRequest, memory_limit_bytes: int | None) -> Asked:
     Returns:
         The request as core's records.
     """
-    ep = request.ep  # expert parallelism runs with DDP replicas, tp 1 and no recomputation (as validated)
+    ep = request.ep  # expert parallelism runs with DDP replicas and tp 1 (as validated)
     space = SearchSpace(
         request.batch_size,
         request.schedule,
@@ -275,11 +276,10 @@ def asked_of(request: PlanRequest, memory_limit_bytes: int | None) -> Asked:
         sequence=(False, True) if request.sequence_parallel == "auto" else (bool(request.sequence_parallel),),
         ep=ep,
     )
-    recompute = "never" if ep > 1 else request.recompute
     return Asked(
         world_size=request.gpus,
         space=space,
-        constraints=Constraints(request.optimizer, memory_limit_bytes, recompute, request.compile),
+        constraints=Constraints(request.optimizer, memory_limit_bytes, request.recompute, request.compile),
         microbatch_size=request.microbatch_size,
         method=request.method,
         compare=request.compare,

@@ -15,7 +15,8 @@ expert-parallel rank's (``BlockCost.experts``, from ``planner.costs.experts``):
 * compute: the same expert rows per rank under an even spread, so the block's forward and backward
   stay; its optimizer step and gradient work shrink with its parameters;
 * communication: each layer's dispatch and combine, one all-to-all each way in forward and again in
-  backward, ``dispatch_bytes`` of rows per rank, ``(ep - 1) / ep`` of them to other ranks: on an
+  backward (and its forward's again where the block recomputes: neither checkpointing mode keeps what
+  an exchange returns), ``dispatch_bytes`` of rows per rank, ``(ep - 1) / ep`` of them to other ranks: on an
   NCCL link as NCCL's own model costs an all-to-all (``planner.core.levers.collectives``: the peers
   on the node over NVLink, the rest over the node's cards), elsewhere (gloo, a measured link) an
   alpha-beta, ``ep - 1`` latencies and the bytes to others. None overlaps compute (the runner
@@ -43,7 +44,6 @@ def ep_refusal(
     dp_mode: str,
     schedule: str,
     compiled: bool = False,
-    recompute: Sequence[str] = (),
 ) -> str | None:
     """Why a layout cannot shard its experts ``ep`` ways, or None when it can (or ``ep`` is 1).
 
@@ -55,7 +55,6 @@ def ep_refusal(
         dp_mode: how the replicas reduce gradients ("ddp", "fsdp", "hsdp").
         schedule: the pipeline schedule.
         compiled: whether the stages are compiled (``--compile``).
-        recompute: each stage's recompute value.
 
     Returns:
         One line naming what stands in the way and what to give instead.
@@ -74,7 +73,6 @@ def ep_refusal(
         (dp_mode != "ddp", f"with {dp_mode.upper()} replicas", "--dp-mode ddp"),
         (schedule in ZERO_BUBBLE, f"under {schedule} (a two-part backward)", "another schedule"),
         (compiled, "compiled", "no --compile"),
-        (any(r != "never" for r in recompute), "with recomputation", "--recompute never"),
     ]
     for blocked, what, instead in notyet:
         if blocked:
@@ -153,6 +151,12 @@ def at_degree(blocks: Sequence[BlockCost], ep: int, link: LinkCost, local: int) 
                     "fwd_s": b.fwd_s + pair,
                     "bwd_s": b.bwd_s + pair,
                     "bwd_input_s": None if b.bwd_input_s is None else b.bwd_input_s + pair,
+                    # recomputing the block's forward runs its exchanges again (neither checkpointing
+                    # mode keeps what an all-to-all returns); None: the whole forward, pair included
+                    "recompute_s": None if b.recompute_s is None else b.recompute_s + pair,
+                    "selective_recompute_s": None
+                    if b.selective_recompute_s is None
+                    else b.selective_recompute_s + pair,
                     "opt_s": None if b.opt_s is None else b.opt_s * kept,
                     "grad_s": None if b.grad_s is None else b.grad_s * kept,
                 }
