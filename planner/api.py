@@ -82,6 +82,11 @@ def make_plan(request: PlanRequest) -> Plan:
             "--calibrate with tensor parallelism is not supported yet: calibrate on a run of a plan with tp 1, "
             "and plan without --tp (or --tp 1)"
         )
+    if source is not None and (source.plan.ep > 1 or request.ep > 1):  # the same: one expert-parallel rank's
+        raise PlanFileError(
+            "--calibrate with expert parallelism is not supported yet: calibrate on a run of a plan with ep 1, "
+            "and plan without --ep (or --ep 1)"
+        )
     if source is not None:
         check_levers(source.plan, request)
         request = calibrated_request(request, source.plan, source.fit.microbatch_size)

@@ -211,3 +211,18 @@ def test_a_calibration_from_or_for_tensor_parallelism_is_refused(tmp_path: Path)
     )
     with pytest.raises(PlanFileError, match="--calibrate with tensor parallelism is not supported yet"):
         plan_model(request)
+
+
+def test_a_calibration_for_expert_parallelism_is_refused(tmp_path: Path) -> None:
+    # the same for ep: the blocks of an expert-parallel plan are one ep rank's, all-to-alls included
+    from planner.api import make_plan as plan_model
+    from planner.schema.request import PlanRequest
+
+    plan = plan_of_blocks(blocks_with_opt())
+    plan.save(tmp_path / "p.json")
+    synthetic_run(plan, 1.0, plan.prediction.step_time_s).save(tmp_path / "p.run.json")
+    request = PlanRequest.build(
+        model_file=str(ROOT / "models" / "toy.py"), gpus=2, dp=2, ep=2, calibrate_run=tmp_path / "p.run.json"
+    )
+    with pytest.raises(PlanFileError, match="--calibrate with expert parallelism is not supported yet"):
+        plan_model(request)
