@@ -121,7 +121,7 @@ layout_options = option_group(
         help="Data-parallel replicas of the pipeline, or auto.",
     ),
     option("--tp", type=REPLICAS_OR_AUTO, **_AUTO, help="Tensor-parallel ranks per pipeline rank, or auto."),
-    option("--ep", type=click.IntRange(min=1), default=1, metavar="N", help="MoE experts sharded over N replicas."),
+    option("--ep", type=REPLICAS_OR_AUTO, default=1, help="Replicas MoE experts shard over, or auto."),
     option(
         "--sequence-parallel/--no-sequence-parallel",
         default=None,

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from planner.capture.blocks import GraphTrace, TracedModel
 from planner.capture.ep_plan import Experts, resolve_experts
+from planner.capture.expert_calls import calls_of
 from planner.capture.load import ModelFile, load_model_file
 from planner.capture.tp_graph import split_refusal
 from planner.capture.trace import retrace
@@ -82,7 +83,7 @@ def make_plan(request: PlanRequest) -> Plan:
             "--calibrate with tensor parallelism is not supported yet: calibrate on a run of a plan with tp 1, "
             "and plan without --tp (or --tp 1)"
         )
-    if source is not None and (source.plan.ep > 1 or request.ep > 1):  # the same: one expert-parallel rank's
+    if source is not None and (source.plan.ep > 1 or request.ep != 1):  # the same: one expert-parallel rank's
         raise PlanFileError(
             "--calibrate with expert parallelism is not supported yet: calibrate on a run of a plan with ep 1, "
             "and plan without --ep (or --ep 1)"
@@ -194,7 +195,7 @@ def plan_from_costs(
         PlannerError: no layout fits, or the request cannot run on the model.
     """
     experts = resolve_experts(mf, costs.traced.model)  # a model file's bad ep_plan: said before the search
-    if request.ep > 1:
+    if request.ep != 1 and (experts.layers or request.ep != "auto"):  # auto on a dense model: ep 1
         blocks = expert_blocks(mf, request, costs, blocks, experts)
     split = tensor_parallel_split(mf, request, costs, blocks)
 
@@ -250,7 +251,8 @@ def expert_blocks(
     Raises:
         InfeasibleError: the model has no experts, or ``--ep`` does not divide a layer's.
     """
-    refused = ep_refusal(request.ep, experts.counts, dp=request.ep, tp=1, dp_mode="ddp", schedule="1f1b")
+    ep = request.ep if isinstance(request.ep, int) else 1  # auto: the search keeps to the degrees that divide
+    refused = ep_refusal(ep, experts.counts, dp=ep, tp=1, dp_mode="ddp", schedule="1f1b")
     if refused:
         raise InfeasibleError(refused)
     model = costs.traced.model
@@ -395,6 +397,7 @@ def model_ref(mf: ModelFile, traced: TracedModel, request: PlanRequest) -> Model
         trace_method=traced.method,  # type: ignore[arg-type]
         trace_failures=traced.failures,
         seed=request.seed,
+        expert_calls=bool(calls_of(traced.gm)) if isinstance(traced, GraphTrace) else False,
     )
 
 

@@ -153,6 +153,7 @@ def plan_with_starts(
             trace_method=traced.method,
             trace_failures=list(traced.failures),
             seed=seed,
+            expert_calls=ep > 1,
         ),
         profile=ProfileInfo(
             device="cpu",

@@ -181,3 +181,31 @@ def test_the_rows_routed_are_read_off_the_trace_or_one_forward_alike() -> None:
         layers=1, experts=4, params=98_304, param_bytes=196_608, dispatch_bytes=3 * 32 * 2 * 64 * 2
     )
     assert torch.is_grad_enabled()  # the forward ran without autograd and left it on
+
+
+def test_ep_auto_tries_the_divisors_of_the_experts_that_divide_the_ranks() -> None:
+    from planner.core.levers.experts import expert_degrees
+
+    def with_experts(n: int) -> BlockCost:
+        return _block(ExpertShare(layers=1, experts=n, params=8, param_bytes=32, dispatch_bytes=64))
+
+    assert expert_degrees([with_experts(8), _block(None)], 64) == (1, 2, 4, 8)
+    assert expert_degrees([with_experts(60), with_experts(60)], 32) == (1, 2, 4)  # 60's divisors dividing 32
+    assert expert_degrees([with_experts(8), with_experts(6)], 64) == (1, 2)  # the layers' common divisors
+    assert expert_degrees([_block(None)], 64) == (1,)
+
+
+def test_ep_auto_shards_the_experts_where_only_that_fits(tmp_path: Path) -> None:
+    # every replica holds its whole stage (DDP, pipeline of 1): 6.9 MB a rank with the experts whole,
+    # 4.5 MB with them over 4 replicas; under a 6 MB limit only sharding fits, and the search says so
+    pytest.importorskip("transformers")
+    options = dict(gpu_type="h100", gpus=4, batch_size=16, dp=4, dp_mode="ddp", tp=1, recompute="never")
+    plan = _plan(tmp_path, "models/hf/mixtral.py", ep="auto", memory_limit_gib=0.0056, **options)
+    assert plan.ep in (2, 4) and plan.prediction.max_memory_bytes <= 0.0056 * 2**30
+    assert plan.model.expert_calls and "expert-parallel degree" in plan.choice and f"ep={plan.ep}" in plan.choice
+    # without the limit the unsharded layout is as fast and kept; the trace still records the calls,
+    # so the run traces as the plan did whatever ep it chose
+    free = _plan(tmp_path, "models/hf/mixtral.py", ep="auto", **options)
+    assert free.model.expert_calls and {c.ep for c in free.search} >= {1}
+    dense = _plan(tmp_path, "models/llama.py", ep="auto", gpu_type="h100", gpus=4, batch_size=16, dp=4)
+    assert dense.ep == 1 and not dense.model.expert_calls and "expert-parallel" not in dense.choice

@@ -85,6 +85,7 @@ SHARE_LATER_DEFAULTS = {
 }  # inside a block's tp share (a nested object)
 CANDIDATE_LATER_DEFAULTS = {
     "tp": 1,
+    "ep": 1,
     "accumulation": 1,
     "fsdp_units": "stage",
     "dp_shard": None,
@@ -117,6 +118,7 @@ def digest(plan: Plan) -> str:
     """SHA-256 of the plan's JSON, without the fields that change with the clock or the machine."""
     data = _flags(plan.model_dump(mode="json"))
     _drop(data, LATER_DEFAULTS)
+    _drop(data["model"], {"expert_calls": False})
     # added after the digests: the plan's microbatch size when it was made, which its other fields fix
     assert data.pop("costed_microbatch_size", None) in (None, plan.microbatch_size)
     profile = data["profile"]  # the attention kernel: the GPU's default is what plans without it costed

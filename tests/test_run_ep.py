@@ -102,3 +102,25 @@ def test_planner_plan_ep_then_run_trains_like_the_unsplit_model(tmp_path: Path) 
     plan = make_plan(request)
     assert plan.ep == 2 and plan.n_ranks == 2
     _run_and_compare(plan, tmp_path, steps=2, save_checkpoints=False)
+
+
+@pytest.mark.multiprocess
+def test_a_plan_of_ep_auto_runs_whatever_ep_it_chose(tmp_path: Path) -> None:
+    # the planner's trace recorded the experts' calls (ModelRef.expert_calls), so the run's trace does
+    # too and the fingerprints agree, also where the search kept the experts whole
+    from planner.api import make_plan
+    from planner.schema.request import PlanRequest
+
+    request = PlanRequest.build(
+        model_file=FIXTURE,
+        gpus=2,
+        dp=2,
+        ep="auto",
+        batch_size=8,
+        optimizer={"name": "sgd", "lr": 0.5, "grad_clip": 0.1},
+        output=tmp_path / "plan.json",
+        progress=False,
+    )
+    plan = make_plan(request)
+    assert plan.model.expert_calls and "expert-parallel degree" in plan.choice
+    _run_and_compare(plan, tmp_path, steps=2, save_checkpoints=False)

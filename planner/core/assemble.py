@@ -16,6 +16,7 @@ from planner.core.layout.pending import Pool
 from planner.core.layout.robust import Problem, robust_rows
 from planner.core.layout.search import Choice, Progress, search
 from planner.core.levers.data_parallel import gather_bytes_of, layout_links
+from planner.core.levers.experts import expert_degrees
 from planner.core.levers.links import NodeLinks
 from planner.core.levers.tensor_parallel import allowed_degrees, block_degree_limit
 from planner.core.split.baselines import param_balanced, uniform_layers
@@ -316,6 +317,7 @@ def _search_space(
         degrees=tuple(tensor_parallel_degrees(asked, blocks, tp_plan)),
         gather_bytes=gather_bytes_of(profile),
         sequence=_sequence_options(asked, blocks),
+        eps=asked.space.eps or expert_degrees(blocks, asked.world_size),
     )
 
 

@@ -216,9 +216,10 @@ def trace_for_plan(plan: Plan, model: nn.Module, inputs: tuple, graphs: RankGrap
 
 
 def experts_of(plan: Plan) -> tuple[str, ...]:
-    """The experts modules whose calls a trace for ``plan`` records: all of them under expert
-    parallelism (its stages replace the calls; ``planner.capture.expert_calls``), none otherwise."""
-    return tuple(plan.experts) if plan.ep > 1 else ()
+    """The experts modules whose calls a trace for ``plan`` records: all of them where the planner's
+    trace recorded them (``ModelRef.expert_calls``: expert parallelism was asked for, and its stages
+    replace the calls; ``planner.capture.expert_calls``), none otherwise."""
+    return tuple(plan.experts) if plan.model.expert_calls else ()
 
 
 def rebuilt_trace(plan: Plan, model: nn.Module, inputs: tuple, graph: bytes) -> TracedModel | None:

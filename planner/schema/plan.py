@@ -367,6 +367,10 @@ class Plan(_Frozen):
         """An expert-parallel plan's experts and replicas: ``ep`` divides both."""
         if not self.experts:
             raise ValueError(f"ep is {self.ep} but the plan records no experts to shard")
+        if not self.model.expert_calls:
+            raise ValueError(
+                f"ep is {self.ep} but the model was traced without its experts' calls (model.expert_calls)"
+            )
         if self.dp % self.ep:
             raise ValueError(f"ep {self.ep} does not divide dp {self.dp} (the expert-parallel ranks are replicas)")
         odd = {name: n for name, n in self.experts.items() if n % self.ep}

@@ -54,6 +54,12 @@ class ModelRef(_Frozen):
         default_factory=list, description="Tracers tried first, and why they failed."
     )
     seed: int = 0
+    expert_calls: bool = Field(
+        default=False,
+        description="The trace recorded where the graph calls each experts module (planner.capture.expert_calls), "
+        "as expert parallelism needs: a run traces so too (under torch.export it names some nodes otherwise, "
+        "which the fingerprint sees).",
+    )
 
 
 class ProfileInfo(_Frozen):
@@ -270,6 +276,7 @@ class Candidate(_Frozen):
         default="stage", description="Under fsdp or hsdp, what is gathered at a time (stage or block)."
     )
     tp: int = Field(default=1, ge=1, description="Tensor-parallel ranks each stage is split over.")
+    ep: int = Field(default=1, ge=1, description="Expert-parallel ranks each MoE layer's experts are sharded over.")
     sequence_parallel: bool = Field(default=False, description="With tp > 1, sequence parallelism (Plan's field).")
     accumulation: int = Field(
         default=1, ge=1, description="Pipeline passes per step, each of n_microbatches (gradient accumulation)."

@@ -244,11 +244,11 @@ class PlanRequest(_Request):
         description="Tensor-parallel ranks every pipeline rank is split over, inside one node (by the model's tp "
         "plan), or auto: every degree the node and the model allow (1 when the model declares no tp plan).",
     )
-    ep: int = Field(
+    ep: int | Literal["auto"] = Field(
         default=1,
-        ge=1,
         description="Expert-parallel ranks: each mixture-of-experts layer's experts sharded over this many data-"
-        "parallel replicas, the tokens routed to them sent there and back (1: none).",
+        "parallel replicas, the tokens routed to them sent there and back (1: none), or auto: every degree that "
+        "divides the experts, searched with the other dimensions where expert parallelism runs.",
     )
     # on, off, or auto: the search tries both where the model's shards allow it, keeping the faster that fits
     sequence_parallel: bool | Literal["auto"] = Field(default="auto", description="Sequence parallelism, tp > 1.")
@@ -353,6 +353,10 @@ class PlanRequest(_Request):
             "tensor-parallel ranks",
             "need at least one rank per split: give 1 (no tensor parallelism) or more, or 'auto'",
         ),
+        "ep": (
+            "expert-parallel ranks",
+            "need at least one rank per expert: give 1 (no expert parallelism) or more, or 'auto'",
+        ),
     }
 
     @field_validator(*_COUNTS, mode="before")
@@ -401,7 +405,7 @@ class PlanRequest(_Request):
     def _check_experts(self) -> None:
         """Refuse an expert-parallel degree that no replica count takes, or with what it does not run
         with yet (the model's experts are checked once it is loaded: ``planner.core.levers.experts``)."""
-        if self.ep == 1:
+        if self.ep == 1 or self.ep == "auto":
             return
         if isinstance(self.dp, int) and self.dp % self.ep:
             raise ValueError(

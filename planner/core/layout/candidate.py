@@ -53,6 +53,7 @@ class Choice:
             dp_shard=layout.dp_shard or None,
             fsdp_units=layout.fsdp_units,  # type: ignore[arg-type]  # "stage" or "block"
             tp=layout.tp,
+            ep=layout.ep,
             sequence_parallel=layout.sequence,
             accumulation=layout.accumulation,
             starts=self.prediction.starts,

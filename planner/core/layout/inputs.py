@@ -181,8 +181,9 @@ class SearchSpace:
         gather_bytes: bytes per parameter FSDP gathers in (``Layout.gather_bytes``).
         sequence: whether the tensor-parallel degrees > 1 run with sequence parallelism, the options
             tried: (False,), (True,) or both (``planner.core.levers.tensor_parallel.at_degree``).
-        ep: expert-parallel ranks (``--ep``); above 1 the replica counts are its multiples, the
-            replicas DDP, the degree 1 and the schedules those with a whole backward (``asked_of``,
+        eps: the expert-parallel degrees to try (``--ep``; empty for auto until the blocks give the
+            experts' counts, ``planner.core.assemble``): above 1 only with replica counts they divide,
+            DDP replicas, tp 1 and the schedules with a whole backward (the search keeps to them,
             ``planner.core.levers.experts.ep_refusal``).
     """
 
@@ -198,7 +199,7 @@ class SearchSpace:
     dp_shard: int | None = None
     gather_bytes: int = 0
     sequence: tuple[bool, ...] = (False,)
-    ep: int = 1
+    eps: tuple[int, ...] = (1,)
 
 
 NO_CONSTRAINTS = Constraints()
@@ -261,7 +262,7 @@ def asked_of(request: PlanRequest, memory_limit_bytes: int | None) -> Asked:
     Returns:
         The request as core's records.
     """
-    ep = request.ep  # expert parallelism runs with DDP replicas and tp 1 (as validated)
+    ep = request.ep if isinstance(request.ep, int) else 1  # a given ep: DDP replicas and tp 1 (as validated)
     space = SearchSpace(
         request.batch_size,
         request.schedule,
@@ -274,7 +275,7 @@ def asked_of(request: PlanRequest, memory_limit_bytes: int | None) -> Asked:
         request.fsdp_units,
         None if request.dp_shard == "auto" else request.dp_shard,
         sequence=(False, True) if request.sequence_parallel == "auto" else (bool(request.sequence_parallel),),
-        ep=ep,
+        eps=(ep,) if isinstance(request.ep, int) else (),
     )
     return Asked(
         world_size=request.gpus,

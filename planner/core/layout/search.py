@@ -110,12 +110,13 @@ def replica_microbatches(batch_size: int, dp: int, fixed: int | None, min_size: 
 
 
 def _layouts(
-    blocks: Sequence[BlockCost], space: SearchSpace, pp: int, dp: int, ms: Sequence[int], tp: int = 1
+    blocks: Sequence[BlockCost], space: SearchSpace, pp: int, dp: int, ms: Sequence[int], tp: int = 1, ep: int = 1
 ) -> list[Layout]:
     """Every layout of ``space`` with ``dp`` replicas of ``pp`` ranks of ``tp`` tensor-parallel ranks
-    each and these microbatch counts, schedules in ``SCHEDULES``' order."""
+    each (their experts sharded over ``ep`` replicas) and these microbatch counts, schedules in
+    ``SCHEDULES``' order."""
     schedules = list(SCHEDULES) if space.schedule == "auto" else [space.schedule]
-    if space.ep > 1:  # the runner dispatches experts under a whole backward only
+    if ep > 1:  # the runner dispatches experts under a whole backward only
         schedules = [name for name in schedules if name not in ZERO_BUBBLE]
     if pp == 1 and space.schedule == "auto":
         # one rank runs its stage alone: every schedule is gradient accumulation, at one speed; GPipe
@@ -140,7 +141,7 @@ def _layouts(
                 tp,
                 fsdp_units=space.fsdp_units,
                 gather_bytes=space.gather_bytes,
-                ep=space.ep,
+                ep=ep,
             )
             for v in vs
             for m in ms
@@ -154,7 +155,7 @@ def _pending_layouts(
     space: SearchSpace,
     constraints: Constraints,
     scaling: Scaling,
-    cache: dict[tuple[int, int, bool, int], _Sized],
+    cache: dict[tuple[int, int, bool, int, int], _Sized],
 ) -> tuple[list[Pending], list[InfeasibleError]]:
     """Every layout of ``space`` with its costs and floors, tensor-parallel degrees outermost, then
     replica counts (ascending: the simpler first), in ``_layouts``' order within them; ``cache``
@@ -163,7 +164,7 @@ def _pending_layouts(
     errors: list[InfeasibleError] = []
     floor = min(scaling.min_size, scaling.size0)
     fixed_k = space.accumulation if space.accumulation is not None else 1
-    for tp, dp in _meshes(cluster, space):
+    for tp, dp, ep in _meshes(cluster, space):
         pp = cluster.world_size // (dp * tp)
         ms = replica_microbatches(space.batch_size // fixed_k, dp, space.n_microbatches, floor)
         if not ms:
@@ -177,12 +178,12 @@ def _pending_layouts(
         if pp > sum(1 for b in blocks[:-1] if b.cut_legal) + 1:
             errors.append(InfeasibleError(f"{pp} pipeline ranks (dp={dp}, tp={tp}) are more than the model's stages"))
             continue
-        mode, dp_shard = replica_mode(cluster, space, dp, pp * tp)
+        mode, dp_shard = replica_mode(cluster, space, dp, pp * tp) if ep == 1 else ("ddp", 0)
         if dp_shard < 0:
             errors.append(InfeasibleError(f"--dp-shard {space.dp_shard} does not divide {dp} replicas into groups"))
             continue
         for sequence in space.sequence if tp > 1 else (False,):
-            for layout in _layouts(blocks, replace(space, dp_mode=mode), pp, dp, ms, tp):
+            for layout in _layouts(blocks, replace(space, dp_mode=mode), pp, dp, ms, tp, ep):
                 layout = replace(layout, dp_shard=dp_shard, sequence=sequence, accumulation=fixed_k)
                 pending.append(_pending(blocks, cluster, layout, space, scaling, constraints, cache))
     return pending, errors
@@ -195,17 +196,17 @@ def _pending(
     space: SearchSpace,
     scaling: Scaling,
     constraints: Constraints,
-    cache: dict[tuple[int, int, bool, int], _Sized],
+    cache: dict[tuple[int, int, bool, int, int], _Sized],
 ) -> Pending:
     """``layout`` with its costs at its microbatch size (kept in ``cache``) and its floors."""
     size = space.batch_size // (layout.dp * layout.accumulation * layout.n_microbatches)
     # the all-to-alls' link depends on how far apart the replicas are: pp x tp ranks
-    key = (size, layout.tp, layout.sequence, layout.pp * layout.tp if layout.ep > 1 else 0)
+    key = (size, layout.tp, layout.sequence, layout.ep, layout.pp * layout.tp if layout.ep > 1 else 0)
     if key not in cache:
         sized = blocks_at(blocks, scaling.size0, size, scaling.fixed_fraction)
         shares = at_degree(sized, layout.tp, tp_link(cluster.link), sequence=layout.sequence)
         if layout.ep > 1:
-            shares = experts_at(shares, layout.ep, *group_link(cluster.link, layout.ep, key[3]))
+            shares = experts_at(shares, layout.ep, *group_link(cluster.link, layout.ep, key[4]))
         cache[key] = _Sized(shares)
     entry = cache[key]
     split = layout.schedule in ZERO_BUBBLE
@@ -306,7 +307,7 @@ def _evaluate_all(
     results taken in the same order: the same outcome, sooner on several cores."""
     # costs by microbatch size, degree and sequence split, shared with the layouts retried in several
     # passes below: with the microbatch count open they run their one-pass layout's microbatches
-    cache: dict[tuple[int, int, bool, int], _Sized] = {}
+    cache: dict[tuple[int, int, bool, int, int], _Sized] = {}
     pending, errors = _pending_layouts(blocks, cluster, space, constraints, scaling, cache)
     order = sorted(range(len(pending)), key=lambda k: (pending[k].step_floor_s, k))
     limit = constraints.memory_limit_bytes
@@ -370,9 +371,18 @@ def _evaluate_all(
     return outcome
 
 
-def _meshes(cluster: Cluster, space: SearchSpace) -> list[tuple[int, int]]:
-    """The (tensor-parallel degree, replica count) pairs that divide the world size."""
-    return [(tp, dp) for tp in space.degrees for dp in space.replicas if cluster.world_size % (tp * dp) == 0]
+def _meshes(cluster: Cluster, space: SearchSpace) -> list[tuple[int, int, int]]:
+    """The (tensor-parallel degree, replica count, expert-parallel degree) that divide the world size,
+    expert parallelism where it runs (``planner.core.levers.experts.ep_refusal``: replicas it divides,
+    no tensor parallelism, DDP replicas), ep 1 first."""
+    sharded = space.dp_mode in ("fsdp", "hsdp")  # asked for: expert parallelism does not run with them
+    return [
+        (tp, dp, ep)
+        for ep in space.eps
+        for tp in space.degrees
+        for dp in space.replicas
+        if cluster.world_size % (tp * dp) == 0 and (ep == 1 or (tp == 1 and dp % ep == 0 and not sharded))
+    ]
 
 
 def search(
@@ -428,6 +438,7 @@ def search(
             ("stages per rank", space.stages_per_rank is None),
             ("data-parallel replicas", len(space.replicas) > 1),
             ("tensor-parallel degree", len(space.degrees) > 1),
+            ("expert-parallel degree", len(space.eps) > 1),
             # named only where a layout needed more than one pass (else the search is the one-pass one)
             ("pipeline passes", any(c.layout.accumulation > 1 for c in outcome.results)),
         )
@@ -461,10 +472,12 @@ def describe(layout: Layout) -> str:
 
 
 def _tp_text(layout: Layout) -> str:
-    """ ", tp=8" or ", tp=8 with sequence parallelism": a layout's tensor parallelism, when over 1."""
+    """ ", tp=8" or ", tp=8 with sequence parallelism", or ", ep=8": a layout's tensor and expert
+    parallelism, where over 1."""
+    ep = f", ep={layout.ep}" if layout.ep > 1 else ""
     if layout.tp == 1:
-        return ""
-    return f", tp={layout.tp}" + (" with sequence parallelism" if layout.sequence else "")
+        return ep
+    return ep + f", tp={layout.tp}" + (" with sequence parallelism" if layout.sequence else "")
 
 
 def dp_label(layout: Layout) -> str:

@@ -27,6 +27,7 @@ expert-parallel rank's (``BlockCost.experts``, from ``planner.costs.experts``):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 from planner.core.levers.collectives import collective_time
@@ -165,4 +166,22 @@ def at_degree(blocks: Sequence[BlockCost], ep: int, link: LinkCost, local: int) 
     return out
 
 
-__all__ = ["all_to_all_s", "at_degree", "ep_refusal", "group_link"]
+def expert_degrees(blocks: Sequence[BlockCost], world_size: int) -> tuple[int, ...]:
+    """The expert-parallel degrees ``--ep auto`` tries: 1, and every divisor of the layers' expert
+    counts that divides the world size (1 alone for a dense model).
+
+    Args:
+        blocks: per-block costs (their ``experts`` shares).
+        world_size: every rank.
+
+    Returns:
+        The degrees, ascending.
+    """
+    counts = [b.experts.experts for b in blocks if b.experts is not None]
+    if not counts:
+        return (1,)
+    common = math.gcd(*counts)
+    return tuple(d for d in range(1, common + 1) if common % d == 0 and world_size % d == 0)
+
+
+__all__ = ["all_to_all_s", "at_degree", "ep_refusal", "expert_degrees", "group_link"]
