@@ -106,6 +106,7 @@ def test_an_expert_group_crosses_nodes_as_its_replicas_lie() -> None:
         ({"dp": 2, "dp_mode": "fsdp"}, r"does not run with --dp-mode fsdp yet; give --dp-mode ddp"),
         ({"dp": 2, "schedule": "zbv"}, r"does not run with --schedule zbv \(a two-part backward\) yet"),
         ({"dp": "auto", "gpus": 3}, r"--ep 2 does not divide --gpus 3"),
+        ({"dp": "auto", "ep": 4, "batch_size": 2}, r"no replica count tried \(1, 2: those that split the batch of 2"),
     ],
 )
 def test_the_request_refuses_what_ep_does_not_run_with(options: dict, message: str) -> None:

@@ -414,6 +414,13 @@ class PlanRequest(_Request):
             )
         if self.gpus % self.ep:
             raise ValueError(f"--ep {self.ep} does not divide --gpus {self.gpus}")
+        if not any(d % self.ep == 0 for d in self.dp_options):
+            tried = ", ".join(map(str, self.dp_options))
+            raise ValueError(
+                f"--ep {self.ep} shards the experts over replicas, but no replica count tried ({tried}: those that "
+                f"split the batch of {self.batch_size} evenly) is a multiple of it; give a larger --batch-size or a "
+                "smaller --ep"
+            )
         given = [
             (isinstance(self.tp, int) and self.tp > 1, f"--tp {self.tp}", "--tp 1"),
             (self.dp_mode in ("fsdp", "hsdp"), f"--dp-mode {self.dp_mode}", "--dp-mode ddp"),
