@@ -195,7 +195,8 @@ def plan_from_costs(
         PlannerError: no layout fits, or the request cannot run on the model.
     """
     experts = resolve_experts(mf, costs.traced.model)  # a model file's bad ep_plan: said before the search
-    if request.ep != 1 and (experts.layers or request.ep != "auto"):  # auto on a dense model: ep 1
+    traced_calls = calls_of(costs.traced.gm) if isinstance(costs.traced, GraphTrace) else {}
+    if request.ep != 1 and (traced_calls or request.ep != "auto"):  # auto on a dense model, or no graph: ep 1
         blocks = expert_blocks(mf, request, costs, blocks, experts)
     split = tensor_parallel_split(mf, request, costs, blocks)
 
@@ -250,11 +251,18 @@ def expert_blocks(
 
     Raises:
         InfeasibleError: the model has no experts, or ``--ep`` does not divide a layer's.
+        ModelFileError: the model was traced by module boundaries (no graph to dispatch in).
     """
     ep = request.ep if isinstance(request.ep, int) else 1  # auto: the search keeps to the degrees that divide
     refused = ep_refusal(ep, experts.counts, dp=ep, tp=1, dp_mode="ddp", schedule="1f1b")
     if refused:
         raise InfeasibleError(refused)
+    traced = costs.traced
+    if not isinstance(traced, GraphTrace) or set(calls_of(traced.gm)) != set(experts.counts):
+        raise ModelFileError(
+            f"--ep {request.ep}: the model was traced by {traced.method}, which does not show where it calls its "
+            "experts; expert parallelism needs a torch.fx or torch.export graph (--ep 1 plans it)"
+        )
     model = costs.traced.model
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     inputs, _ = mf.batch(request.microbatch_size, seed=request.seed)

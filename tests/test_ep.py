@@ -210,3 +210,19 @@ def test_ep_auto_shards_the_experts_where_only_that_fits(tmp_path: Path) -> None
     assert free.model.expert_calls and {c.ep for c in free.search} >= {1}
     dense = _plan(tmp_path, "models/llama.py", ep="auto", gpu_type="h100", gpus=4, batch_size=16, dp=4)
     assert dense.ep == 1 and not dense.model.expert_calls and "expert-parallel" not in dense.choice
+
+
+def test_a_model_traced_by_module_boundaries_cannot_shard_its_experts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # no graph, no place to dispatch in: --ep K is one line, --ep auto keeps the experts whole
+    import planner.capture.trace as trace
+
+    def refuse(*args: object) -> None:
+        raise RuntimeError("not traceable here")
+
+    monkeypatch.setattr(trace, "TRACERS", {"fx": refuse, "export": refuse})
+    with pytest.raises(PlannerError, match=r"^--ep 2: the model was traced by modules, which does not show"):
+        _plan(tmp_path, "tests/fixtures/moe_file.py", size=None, gpus=2, dp=2, ep=2)
+    plan = _plan(tmp_path, "tests/fixtures/moe_file.py", size=None, gpus=2, dp=2, ep="auto")
+    assert plan.ep == 1 and plan.model.trace_method == "modules" and not plan.model.expert_calls
