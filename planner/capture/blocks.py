@@ -348,3 +348,25 @@ _CONTIGUOUS = torch.ops.aten.contiguous.default
 
 # Python values that may cross a cut by being baked into the later stage as constants.
 _CONST_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def by_block(blocks: list[str], named: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The entries of ``named`` (keyed by module name) each block holds: a block named "layers.3"
+    holds "layers.3" and "layers.3.*", found by each name's prefixes, longest first (one pass, not
+    every block against every name). Names no block holds are left out.
+
+    Args:
+        blocks: the blocks' names (a module path each; "" is no block).
+        named: module name -> anything (a matched layer, an experts module).
+
+    Returns:
+        Block name -> its entries of ``named``, in ``named``'s order.
+    """
+    names = {b for b in blocks if b}
+    out: dict[str, dict[str, Any]] = {}
+    for name, value in named.items():
+        parts = name.split(".")
+        owner = next((p for i in range(len(parts), 0, -1) if (p := ".".join(parts[:i])) in names), None)
+        if owner is not None:
+            out.setdefault(owner, {})[name] = value
+    return out

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from planner.capture.blocks import GraphTrace, TracedModel
+from planner.capture.blocks import GraphTrace, TracedModel, by_block
 from planner.capture.ep_plan import Experts
 from planner.capture.expert_calls import calls_of
 from planner.errors import ModelFileError
@@ -110,9 +110,10 @@ def with_expert_shares(
     Returns:
         The blocks; a block that holds experts modules carries their share, the rest unchanged.
     """
+    held = by_block([b.name for b in blocks], {layer.name: layer for layer in experts.layers})
     out: list[BlockCost] = []
     for block in blocks:
-        mine = [layer for layer in experts.layers if layer.name.startswith(f"{block.name}.")]
+        mine = list(held.get(block.name, {}).values())
         if not mine:
             out.append(block)
             continue

@@ -64,7 +64,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.flop_counter import flop_registry
 
-from planner.capture.blocks import GraphTrace, TracedModel
+from planner.capture.blocks import GraphTrace, TracedModel, by_block
 from planner.capture.graph import _module_path
 from planner.capture.load import ModelFile
 from planner.capture.meta_cache import meta_op_cache, on_meta
@@ -488,7 +488,7 @@ def tensor_parallel_shares(
         run.run(*moved)
     watch.keep.clear()
     heads = config_heads(traced.model)
-    inside = _by_block([b.name for b in traced.blocks], matched)
+    inside = by_block([b.name for b in traced.blocks], matched)
     cuts = cut_shares([c.tensors for c in traced.cuts], run.seq_nodes, lambda n: _value_bytes(traced, n)) + [0.0]
     shares: dict[str, TensorParallelShare] = {}
     for block, tally, cut in zip(traced.blocks, run.tallies, cuts):
@@ -504,19 +504,6 @@ def tensor_parallel_shares(
 def _value_bytes(traced: GraphTrace, name: str) -> int:
     info = traced.values.get(name)
     return info.nbytes if info is not None and info.kind == "tensor" else 0
-
-
-def _by_block(blocks: list[str], matched: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The matched layers of each block (a block named "layers.3" holds "layers.3" and "layers.3.*"),
-    found by each layer's name prefixes: one pass, not every block against every layer."""
-    names = {b for b in blocks if b}
-    out: dict[str, dict[str, Any]] = {}
-    for name, value in matched.items():
-        parts = name.split(".")
-        owner = next((p for i in range(len(parts), 0, -1) if (p := ".".join(parts[:i])) in names), None)
-        if owner is not None:
-            out.setdefault(owner, {})[name] = value
-    return out
 
 
 def _share(

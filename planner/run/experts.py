@@ -33,7 +33,7 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.nn.functional import all_to_all_single
 
-from planner.capture.blocks import GraphTrace, TracedModel
+from planner.capture.blocks import GraphTrace, TracedModel, by_block
 from planner.capture.checkpoint import stage_units
 from planner.capture.expert_calls import calls_of, replace_calls
 from planner.errors import PlanFileError
@@ -180,8 +180,8 @@ def dispatch_experts(
             return path
 
         done.extend(replace_calls(part, list(calls), target))
-    blocks = [b.name for b in plan.blocks[stage.start : stage.end]]
-    wanted = [name for name in plan.experts if any(name.startswith(f"{b}.") for b in blocks)]
+    held = by_block([b.name for b in plan.blocks[stage.start : stage.end]], dict(plan.experts))
+    wanted = [name for names in held.values() for name in names]
     if sorted(done) != sorted(wanted):
         raise PlanFileError(
             f"stage {stage.index} holds the experts of {', '.join(wanted) or 'no layer'} but its graph calls "
