@@ -27,7 +27,7 @@ from planner.core.assemble import Origin, assemble_plan
 from planner.core.heap import bulk_allocation
 from planner.core.layout.inputs import asked_of
 from planner.core.layout.pending import Pool
-from planner.core.levers.experts import ep_refusal
+from planner.core.levers.experts import experts_refusal
 from planner.core.levers.hardware import dtype_bytes
 from planner.core.split.given import check_notation
 from planner.core.step.calibrate import (
@@ -254,7 +254,7 @@ def expert_blocks(
         ModelFileError: the model was traced by module boundaries (no graph to dispatch in).
     """
     ep = request.ep if isinstance(request.ep, int) else 1  # auto: the search keeps to the degrees that divide
-    refused = ep_refusal(ep, experts.counts, dp=ep, tp=1, dp_mode="ddp", schedule="1f1b")
+    refused = experts_refusal(ep, experts.counts)
     if refused:
         raise InfeasibleError(refused)
     traced = costs.traced

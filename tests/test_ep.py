@@ -204,6 +204,9 @@ def test_ep_auto_shards_the_experts_where_only_that_fits(tmp_path: Path) -> None
     plan = _plan(tmp_path, "models/hf/mixtral.py", ep="auto", memory_limit_gib=0.0056, **options)
     assert plan.ep in (2, 4) and plan.prediction.max_memory_bytes <= 0.0056 * 2**30
     assert plan.model.expert_calls and "expert-parallel degree" in plan.choice and f"ep={plan.ep}" in plan.choice
+    # compiled, the runner does not shard experts: the search keeps to what it runs, and nothing fits
+    with pytest.raises(PlannerError, match=r"^no layout fits the 0\.0056 GiB memory limit"):
+        _plan(tmp_path, "models/hf/mixtral.py", ep="auto", memory_limit_gib=0.0056, compile=True, **options)
     # without the limit the unsharded layout is as fast and kept; the trace still records the calls,
     # so the run traces as the plan did whatever ep it chose
     free = _plan(tmp_path, "models/hf/mixtral.py", ep="auto", **options)

@@ -39,7 +39,7 @@ from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, Se
 from planner.core.layout.pending import Pending, Pool, ahead, evaluated
 from planner.core.levers.data_parallel import tp_link
 from planner.core.levers.experts import at_degree as experts_at
-from planner.core.levers.experts import group_link
+from planner.core.levers.experts import group_link, layout_refusal
 from planner.core.levers.microbatch import blocks_at
 from planner.core.levers.tensor_parallel import at_degree
 from planner.core.split.cuts import Split
@@ -116,8 +116,8 @@ def _layouts(
     each (their experts sharded over ``ep`` replicas) and these microbatch counts, schedules in
     ``SCHEDULES``' order."""
     schedules = list(SCHEDULES) if space.schedule == "auto" else [space.schedule]
-    if ep > 1:  # the runner dispatches experts under a whole backward only
-        schedules = [name for name in schedules if name not in ZERO_BUBBLE]
+    if ep > 1:  # the schedules the runner dispatches experts under (a whole backward)
+        schedules = [n for n in schedules if not layout_refusal(ep, dp=dp, tp=tp, dp_mode=space.dp_mode, schedule=n)]
     if pp == 1 and space.schedule == "auto":
         # one rank runs its stage alone: every schedule is gradient accumulation, at one speed; GPipe
         # runs every forward before the first backward (m microbatches' activations held), 1F1B
@@ -165,6 +165,10 @@ def _pending_layouts(
     floor = min(scaling.min_size, scaling.size0)
     fixed_k = space.accumulation if space.accumulation is not None else 1
     for tp, dp, ep in _meshes(cluster, space):
+        # expert parallelism takes DDP replicas where the mode is open; a mesh it cannot run is no layout
+        ep_mode = "ddp" if space.dp_mode == "auto" else space.dp_mode
+        if layout_refusal(ep, dp=dp, tp=tp, dp_mode=ep_mode, schedule=None, compiled=constraints.compiled):
+            continue
         pp = cluster.world_size // (dp * tp)
         ms = replica_microbatches(space.batch_size // fixed_k, dp, space.n_microbatches, floor)
         if not ms:
@@ -178,7 +182,7 @@ def _pending_layouts(
         if pp > sum(1 for b in blocks[:-1] if b.cut_legal) + 1:
             errors.append(InfeasibleError(f"{pp} pipeline ranks (dp={dp}, tp={tp}) are more than the model's stages"))
             continue
-        mode, dp_shard = replica_mode(cluster, space, dp, pp * tp) if ep == 1 else ("ddp", 0)
+        mode, dp_shard = replica_mode(cluster, space, dp, pp * tp) if ep == 1 else (ep_mode, 0)
         if dp_shard < 0:
             errors.append(InfeasibleError(f"--dp-shard {space.dp_shard} does not divide {dp} replicas into groups"))
             continue
@@ -372,16 +376,14 @@ def _evaluate_all(
 
 
 def _meshes(cluster: Cluster, space: SearchSpace) -> list[tuple[int, int, int]]:
-    """The (tensor-parallel degree, replica count, expert-parallel degree) that divide the world size,
-    expert parallelism where it runs (``planner.core.levers.experts.ep_refusal``: replicas it divides,
-    no tensor parallelism, DDP replicas), ep 1 first."""
-    sharded = space.dp_mode in ("fsdp", "hsdp")  # asked for: expert parallelism does not run with them
+    """The (tensor-parallel degree, replica count, expert-parallel degree) whose ranks divide the
+    world size, ep 1 first (which of them expert parallelism runs on: ``_pending_layouts``)."""
     return [
         (tp, dp, ep)
         for ep in space.eps
         for tp in space.degrees
         for dp in space.replicas
-        if cluster.world_size % (tp * dp) == 0 and (ep == 1 or (tp == 1 and dp % ep == 0 and not sharded))
+        if cluster.world_size % (tp * dp) == 0
     ]
 
 

@@ -5,7 +5,8 @@ Pure module (no torch). A plan of ``ep`` > 1 shards each experts module over ``e
 replicas of the same pipeline rank (``planner.schema.plan.Plan.ep``); the runner dispatches the
 tokens routed to them with all-to-alls (``planner.run.experts``). ``ep_refusal`` says, in one line,
 what the runner does not run with it yet, so that ``planner plan`` never writes such a plan and
-``planner run`` refuses one before any process starts. ``at_degree`` turns a block's costs into one
+``planner run`` refuses one before any process starts (the search keeps to what ``layout_refusal``
+passes). ``at_degree`` turns a block's costs into one
 expert-parallel rank's (``BlockCost.experts``, from ``planner.costs.experts``):
 
 * memory: the experts' parameters, and with them their gradients and optimizer state, ``1 / ep``
@@ -43,10 +44,11 @@ def ep_refusal(
     dp: int,
     tp: int,
     dp_mode: str,
-    schedule: str,
+    schedule: str | None,
     compiled: bool = False,
 ) -> str | None:
-    """Why a layout cannot shard its experts ``ep`` ways, or None when it can (or ``ep`` is 1).
+    """Why a layout cannot shard its experts ``ep`` ways, or None when it can (or ``ep`` is 1): the
+    model's experts (``experts_refusal``), then the layout (``layout_refusal``).
 
     Args:
         ep: expert-parallel ranks.
@@ -54,11 +56,27 @@ def ep_refusal(
         dp: data-parallel replicas (the expert-parallel ranks are replicas).
         tp: tensor-parallel ranks per pipeline rank.
         dp_mode: how the replicas reduce gradients ("ddp", "fsdp", "hsdp").
-        schedule: the pipeline schedule.
+        schedule: the pipeline schedule (None: not yet known, not judged).
         compiled: whether the stages are compiled (``--compile``).
 
     Returns:
         One line naming what stands in the way and what to give instead.
+    """
+    return experts_refusal(ep, experts) or layout_refusal(
+        ep, dp=dp, tp=tp, dp_mode=dp_mode, schedule=schedule, compiled=compiled
+    )
+
+
+def experts_refusal(ep: int, experts: Mapping[str, int]) -> str | None:
+    """Why a model's experts cannot be sharded ``ep`` ways (none, or a layer's count ``ep`` does not
+    divide), or None.
+
+    Args:
+        ep: expert-parallel ranks.
+        experts: each experts module's name -> its expert count.
+
+    Returns:
+        One line, or None (also for ``ep`` 1).
     """
     if ep == 1:
         return None
@@ -67,6 +85,29 @@ def ep_refusal(
     odd = next(((name, n) for name, n in experts.items() if n % ep), None)
     if odd is not None:
         return f"--ep {ep} does not divide the {odd[1]} experts of {odd[0]}"
+    return None
+
+
+def layout_refusal(
+    ep: int, *, dp: int, tp: int, dp_mode: str, schedule: str | None, compiled: bool = False
+) -> str | None:
+    """Why a layout cannot shard experts ``ep`` ways: replicas ``ep`` does not divide, or what the
+    runner does not run expert parallelism with yet; None where it can (or ``ep`` is 1). The search
+    keeps to the layouts this passes, ``planner run`` refuses the rest.
+
+    Args:
+        ep: expert-parallel ranks.
+        dp: data-parallel replicas.
+        tp: tensor-parallel ranks per pipeline rank.
+        dp_mode: how the replicas reduce gradients ("ddp", "fsdp", "hsdp").
+        schedule: the pipeline schedule (None: not judged, for a mesh before its schedules).
+        compiled: whether the stages are compiled.
+
+    Returns:
+        One line, or None.
+    """
+    if ep == 1:
+        return None
     if dp % ep:
         return f"--ep {ep} does not divide the {dp} data-parallel replicas, over which the experts are sharded"
     notyet = [
@@ -184,4 +225,12 @@ def expert_degrees(blocks: Sequence[BlockCost], world_size: int) -> tuple[int, .
     return tuple(d for d in range(1, common + 1) if common % d == 0 and world_size % d == 0)
 
 
-__all__ = ["all_to_all_s", "at_degree", "ep_refusal", "expert_degrees", "group_link"]
+__all__ = [
+    "all_to_all_s",
+    "at_degree",
+    "ep_refusal",
+    "expert_degrees",
+    "experts_refusal",
+    "group_link",
+    "layout_refusal",
+]
