@@ -143,8 +143,11 @@ def tag_calls(gm: fx.GraphModule) -> None:
     Args:
         gm: a traced graph module (its calls in ``meta``; none: nothing is marked).
     """
+    calls = calls_of(gm)
+    if not calls:  # every trace passes here: a graph of 50,000 nodes is not walked for nothing
+        return
     nodes = {n.name: n for n in gm.graph.nodes}
-    for call in calls_of(gm).values():
+    for call in calls.values():
         for k, name in enumerate((*call.inputs, call.output)):
             nodes[name].meta[TAG] = (call.name, k)
 

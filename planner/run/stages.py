@@ -186,7 +186,7 @@ def build_stages(
         counted = norm_counted(counted if counted is not None else params, mesh.tp_rank)
     if plan.ep > 1:  # the norm sums over the expert group's replicas: each expert once, the rest from one
         mine = {id(p) for p in experts}
-        counted = [p for p in (counted or params) if id(p) in mine or mesh.ep_rank == 0]
+        counted = [p for p in (params if counted is None else counted) if id(p) in mine or mesh.ep_rank == 0]
     return RankStages(
         modules=modules,
         params=params,

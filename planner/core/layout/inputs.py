@@ -184,7 +184,7 @@ class SearchSpace:
         eps: the expert-parallel degrees to try (``--ep``; empty for auto until the blocks give the
             experts' counts, ``planner.core.assemble``): above 1 only with replica counts they divide,
             DDP replicas, tp 1 and the schedules with a whole backward (the search keeps to them,
-            ``planner.core.levers.experts.ep_refusal``).
+            ``planner.core.levers.experts.layout_refusal``).
     """
 
     batch_size: int
