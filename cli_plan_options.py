@@ -14,7 +14,7 @@ import click
 
 from cli_config import config_option, merge_file_overrides
 from cli_groups import option, option_group
-from cli_support import COUNT_OR_AUTO, REPLICAS_OR_AUTO, split_option
+from cli_support import COUNT_OR_AUTO, FACTOR_OR_AUTO, REPLICAS_OR_AUTO, split_option
 from planner.core.levers.hardware import GPUS
 from planner.schema.costs import OPTIMIZERS
 from planner.schema.request import DP_MODES, DTYPES, METHODS, RECOMPUTE, SCHEDULES, PlanRequest
@@ -29,7 +29,7 @@ model_options = option_group(
         "-s",
         default=None,
         metavar="NAME",
-        help="A named config from the model file's SIZES [default: its defaults].",
+        help="A config from the model file's SIZES [default: its defaults].",
     ),
     option(
         "--set",
@@ -211,7 +211,14 @@ cost_options = option_group(
         type=click.Path(dir_okay=False),
         default=None,
         metavar="RUN.json",
-        help="Correct the costs with an earlier run's measurements.",
+        help="Correct the costs with an earlier run's timings.",
+    ),
+    option(
+        "--moe-imbalance",
+        type=FACTOR_OR_AUTO,
+        default="auto",
+        show_default=True,
+        help="MoE: busiest expert's routed rows / mean.",
     ),
     option(
         "--repeats",

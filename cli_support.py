@@ -64,6 +64,26 @@ class ReplicasOrAuto(click.ParamType):
 REPLICAS_OR_AUTO = ReplicasOrAuto()
 
 
+class FactorOrAuto(click.ParamType):
+    """A number, or "auto", passed on as given (``PlanRequest`` checks its range, naming the option)."""
+
+    name = "X|auto"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float | str:
+        if isinstance(value, (int, float)):
+            return float(value)
+        text = str(value).strip()
+        if text.lower() == "auto":
+            return "auto"
+        try:
+            return float(text)
+        except ValueError:
+            self.fail(f"{value!r} is neither a number nor 'auto'", param, ctx)
+
+
+FACTOR_OR_AUTO = FactorOrAuto()
+
+
 class OneLineUsageError(click.UsageError):
     """A usage mistake (an unknown option or command, a missing or invalid value) said in one
     ``error:`` line, as every other mistake is; click's own ``show`` prints the usage, a hint and the

@@ -40,14 +40,14 @@ from planner.core.step.calibrate import (
 )
 from planner.core.step.predict import with_links
 from planner.core.step.schedules import check_placement, check_schedule, stages_per_rank_options
-from planner.costs.experts import routed_rows, traced_rows, with_expert_shares
+from planner.costs.experts import ExpertCosting, routed_rows, traced_rows, with_expert_shares
 from planner.costs.model_costs import Costs, estimated_costs, measured_costs, say
 from planner.costs.sequence import sequence_note
 from planner.costs.tensor_parallel import TensorParallelBlocks, tensor_parallel_blocks
 from planner.errors import InfeasibleError, ModelFileError, PlanFileError
 from planner.schema.costs import BlockCost, LinkCost, StepTempRule
 from planner.schema.plan import ModelRef, Plan
-from planner.schema.request import PlanRequest
+from planner.schema.request import MOE_IMBALANCE, PlanRequest
 from planner.workers import SearchPool
 
 
@@ -268,8 +268,21 @@ def expert_blocks(
     inputs, _ = mf.batch(request.microbatch_size, seed=request.seed)
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
     width = costs.profile.dtype if costs.profile.source == "estimated" else request.autocast
-    rows = traced_rows(costs.traced) or routed_rows(model, inputs, list(experts.counts))
-    return with_expert_shares(blocks, experts, rows, dtype_bytes(width) if width else 4)
+    # the router runs where the weights are real (its loads give the imbalance); a meta model only has shapes
+    if device.type == "meta":
+        routed = traced_rows(costs.traced) or routed_rows(model, inputs, list(experts.counts))
+    else:
+        routed = routed_rows(model, inputs, list(experts.counts))
+    measured = all(r.loads is not None for r in routed.values())
+    given = request.moe_imbalance
+    hw = costs.hardware
+    costing = ExpertCosting(
+        act_bytes=dtype_bytes(width) if width else 4,
+        hardware=hw,
+        peak=hw.peak(width or "bf16") if hw is not None else 0.0,
+        imbalance=None if given == "auto" and measured else MOE_IMBALANCE if given == "auto" else given,
+    )
+    return with_expert_shares(blocks, experts, routed, costing)
 
 
 @contextmanager

@@ -14,7 +14,7 @@ from planner.core.levers.links import NodeLinks
 from planner.core.levers.microbatch import blocks_at
 from planner.errors import PlannerError
 from planner.schema.costs import BlockCost, ExpertShare, LinkCost
-from planner.schema.request import PlanRequest
+from planner.schema.request import MOE_IMBALANCE, PlanRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 LINK = LinkCost(name="test", latency_s=1e-3, bandwidth_Bps=1e9)
@@ -79,10 +79,87 @@ def test_one_expert_parallel_ranks_block_exactly() -> None:
     assert at_degree([dense], 4, LINK, 4) == [dense] and at_degree([_block(share)], 1, LINK, 1) == [_block(share)]
 
 
+def test_the_busiest_rank_computes_its_experts_at_their_degree_and_waits_on_the_imbalance() -> None:
+    # estimated costs: the roofline's expert GEMM seconds per degree (the busiest rank's), and 1.2 x the rows
+    share = ExpertShare(
+        layers=2,
+        experts=8,
+        params=800,
+        param_bytes=3_200,
+        dispatch_bytes=2_000_000,
+        rows=1_000,
+        flops_fwd=4e5,
+        saved_bytes=3_000,
+        gemm_s={1: 0.004, 2: 0.003, 4: 0.0025, 8: 0.002},
+        imbalance={2: 1.1, 4: 1.2, 8: 1.3},
+    )
+    (got,) = at_degree([_block(share)], 4, LINK, 4)
+    a2a = all_to_all_s(1.2 * 1_000_000, 4, 4, LINK)  # each layer's exchange waits for the busiest rank
+    gemm = 0.0025 - 0.004  # its 2 experts on 4x the rows each: faster than 8 experts on few rows
+    assert got.fwd_s == pytest.approx(0.01 + 4 * a2a + gemm) and got.bwd_s == pytest.approx(0.02 + 4 * a2a + 2 * gemm)
+    assert got.bwd_input_s == pytest.approx(0.012 + 4 * a2a + gemm) and got.bwd_weight_s == pytest.approx(0.008 + gemm)
+    assert got.activation_bytes == 10_000 + round(0.2 * 3_000)
+    # measured costs (no roofline): the experts' FLOP share of the measured forward grows with the imbalance
+    measured = share.model_copy(update={"gemm_s": {}})
+    block = _block(measured).model_copy(update={"flops_fwd": 1e6})
+    (m,) = at_degree([block], 4, LINK, 4)
+    assert m.fwd_s == pytest.approx(0.01 + 4 * a2a + 0.2 * 0.01 * 0.4)
+    # a degree the table does not list takes the largest listed below it
+    sparse = share.model_copy(update={"gemm_s": {1: 0.004, 2: 0.003}})
+    (s4,) = at_degree([_block(sparse)], 4, LINK, 4)
+    assert s4.fwd_s == pytest.approx(0.01 + 4 * a2a - 0.001)
+
+
+def test_a_ranks_imbalance_follows_from_the_routers_loads_or_the_busiest_experts() -> None:
+    from planner.costs.experts import rank_imbalance, spread_imbalance
+
+    # layer 1: experts 4,0,2,2 rows; layer 2: even. Two ranks: 4 | 4 and 2 | 2; four: the busiest 4 of a mean 2
+    loads = [[4, 0, 2, 2], [1, 1, 1, 1]]
+    assert rank_imbalance(loads, 1) == 1.0 and rank_imbalance(loads, 2) == 1.0
+    assert rank_imbalance(loads, 4) == pytest.approx((4 + 1) / (2 + 1))
+    assert rank_imbalance([[0, 0]], 2) == 1.0  # no rows: nothing to wait on
+    # the busiest expert's excess over the square root of the experts a rank holds
+    assert spread_imbalance(1.52, 256, 64) == pytest.approx(1.26)  # 4 experts a rank: half the excess
+    assert spread_imbalance(1.52, 8, 8) == pytest.approx(1.52) and spread_imbalance(1.52, 8, 1) == 1.0
+
+
+def test_expert_gemms_read_their_weights_once_per_rank() -> None:
+    from planner.capture.ep_plan import ExpertLayer
+    from planner.costs.experts import expert_gemm_s
+
+    hw = get_hardware("h100")
+    peak = hw.peak("bf16")
+    bw = hw.memory_Bps * hw.memory_efficiency
+    # a DeepSeek-V3-shaped layer: 256 experts of (4096 x 7168) in and (7168 x 2048) out, 32,768 rows (4,096 x top 8)
+    layer = ExpertLayer("mlp.experts", 256, 0, 0, ((4096, 7168), (7168, 2048)))
+    rows = 4096 * 8
+
+    def expected(ep: int) -> float:
+        local, per = 256 // ep, rows * ep // 256
+        total = 0.0
+        for a, b in layer.matrices:
+            compute = 2.0 * rows * a * b / (peak * hw.gemm_efficiency(per, a, b))
+            memory = (rows * (a + b) + local * a * b) * 2 / bw
+            total += max(compute, memory, hw.op_overhead_s)
+        return total
+
+    for ep in (1, 8, 64):
+        assert expert_gemm_s(hw, peak, layer, rows, ep, 2) == pytest.approx(expected(ep))
+    # unsplit, 128 rows an expert: the weights' bytes bound it; at ep 64 a rank reads 1/64 of them
+    assert expected(1) > 2 * expected(64)
+    assert (rows * (4096 + 7168 + 7168 + 2048) + 256 * (4096 * 7168 + 7168 * 2048)) * 2 / bw == pytest.approx(
+        expected(1)
+    )
+
+
 def test_the_rows_routed_grow_with_the_microbatch() -> None:
     share = ExpertShare(layers=1, experts=8, params=800, param_bytes=3_200, dispatch_bytes=1_000)
     (twice,) = blocks_at([_block(share)], 2, 4, 0.0)
     assert twice.experts is not None and twice.experts.dispatch_bytes == 2_000 and twice.experts.params == 800
+    timed = share.model_copy(update={"rows": 10, "flops_fwd": 100.0, "saved_bytes": 30, "gemm_s": {1: 0.5, 2: 0.25}})
+    (grown,) = blocks_at([_block(timed)], 2, 4, 0.5)  # times: 0.5 + 0.5 x 2
+    assert grown.experts is not None and (grown.experts.rows, grown.experts.saved_bytes) == (20, 60)
+    assert grown.experts.flops_fwd == 200.0 and grown.experts.gemm_s == {1: 0.75, 2: 0.375}
 
 
 def test_an_expert_group_crosses_nodes_as_its_replicas_lie() -> None:
@@ -138,7 +215,15 @@ def test_planner_plan_ep_shards_the_experts_and_searches_what_runs(tmp_path: Pat
             assert (b.params, b.fwd_s) == (w.params, w.fwd_s)
             continue
         assert b.params == w.params - b.experts.params // 2 and b.experts.params == 4 * 3 * 64 * 128
-        assert b.fwd_s > w.fwd_s and b.activation_bytes == w.activation_bytes
+        # the busiest rank receives MOE_IMBALANCE x the mean rows (no router runs on meta) and saves as much more;
+        # each routed row is saved at each expert GEMM's input and output: gate_up (256 x 64), down (64 x 128), bf16
+        share = b.experts
+        two = round(1 + (MOE_IMBALANCE - 1) / 2**0.5, 4)  # 2 of the 4 experts on a rank (spread_imbalance)
+        assert share.imbalance == {2: two, 4: MOE_IMBALANCE} and set(share.gemm_s) == {1, 2, 4}
+        assert share.saved_bytes == share.rows * (256 + 64 + 64 + 128) * 2
+        assert share.flops_fwd == 2 * share.rows * (256 * 64 + 64 * 128)
+        assert b.activation_bytes == w.activation_bytes + round((two - 1) * share.saved_bytes)
+        assert b.fwd_s > w.fwd_s
     assert plan.model.fingerprint != whole.model.fingerprint  # traced with the experts' calls recorded
 
 
@@ -156,7 +241,7 @@ def test_the_rows_routed_are_read_off_the_trace_or_one_forward_alike() -> None:
     from planner.capture.ep_plan import resolve_experts
     from planner.capture.load import load_model_file
     from planner.capture.trace import trace_model
-    from planner.costs.experts import routed_rows, traced_rows, with_expert_shares
+    from planner.costs.experts import ExpertCosting, Routed, routed_rows, traced_rows, with_expert_shares
 
     pytest.importorskip("transformers")
     mf = load_model_file(ROOT / "models" / "hf" / "mixtral.py", "tiny")
@@ -164,23 +249,45 @@ def test_the_rows_routed_are_read_off_the_trace_or_one_forward_alike() -> None:
     inputs, _ = mf.batch(3, seed=0)
     experts = resolve_experts(mf, model)
     names = list(experts.counts)
-    rows = routed_rows(model, inputs, names)
-    assert rows == {name: (3 * 32 * 2, 64) for name in names}  # 3 sequences of 32 tokens, top 2, width 64
+    rows = routed_rows(model, inputs, names)  # real weights: the experts run, the router's choices counted
+    for name in names:  # 3 sequences of 32 tokens, top 2, width 64; every row counted at its expert
+        assert (rows[name].rows, rows[name].width) == (3 * 32 * 2, 64)
+        assert rows[name].loads is not None and len(rows[name].loads) == 4 and sum(rows[name].loads) == 3 * 32 * 2
+    shapes = {name: Routed(3 * 32 * 2, 64) for name in names}  # a trace carries the shapes, not the choices
     traced = trace_model(model, inputs, methods=("export",), experts=tuple(names))
-    assert traced_rows(traced) == rows
+    assert traced_rows(traced) == shapes
     assert traced_rows(trace_model(model, inputs, methods=("export",))) == {}  # no calls recorded
     fixture = load_model_file(ROOT / "tests" / "fixtures" / "moe_file.py", "tiny")
     small = fixture.build(seed=0)
     x, _ = fixture.batch(2, seed=0)
-    assert routed_rows(small, x, ["layers.0.moe.experts"]) == {"layers.0.moe.experts": (2 * 8 * 2, 16)}
+    assert routed_rows(small, x, ["layers.0.moe.experts"])["layers.0.moe.experts"].rows == 2 * 8 * 2
+    with torch.device("meta"):  # on meta the experts never run: the shapes alone
+        on_meta = fixture.build(seed=0)
+    every = list(resolve_experts(fixture, on_meta).counts)
+    meta_rows = routed_rows(on_meta, tuple(t.to("meta") for t in x), every)
+    assert len(every) > 1 and meta_rows == {name: Routed(2 * 8 * 2, 16) for name in every}
     with pytest.raises(PlannerError, match=r"the experts module layers\.0\.norm is not called as experts"):
         routed_rows(small, x, ["layers.0.norm"])
-    # the shares: the experts' parameters, the rows in the activations' dtype (bf16: 2 bytes)
+    # the shares: the experts' parameters, the rows in the activations' dtype (bf16: 2 bytes), the router's
+    # imbalance at each degree (ranks hold consecutive experts)
     block = _block(None).model_copy(update={"name": "model.layers.0", "params": 200_000, "param_bytes": 400_000})
-    (shared,) = with_expert_shares([block], experts, rows, 2)
+    (shared,) = with_expert_shares([block], experts, rows, ExpertCosting(act_bytes=2))
+    loads = rows["model.layers.0.mlp.experts"].loads
+    assert loads is not None
     assert shared.experts == ExpertShare(
-        layers=1, experts=4, params=98_304, param_bytes=196_608, dispatch_bytes=3 * 32 * 2 * 64 * 2
+        layers=1,
+        experts=4,
+        params=98_304,
+        param_bytes=196_608,
+        dispatch_bytes=3 * 32 * 2 * 64 * 2,
+        rows=192,
+        flops_fwd=2 * 192 * (256 * 64 + 64 * 128),
+        saved_bytes=192 * (256 + 64 + 64 + 128) * 2,
+        imbalance={2: round(max(sum(loads[:2]), sum(loads[2:])) / 96, 4), 4: round(max(loads) / 48, 4)},
     )
+    given = with_expert_shares([block], experts, rows, ExpertCosting(act_bytes=2, imbalance=1.5))[0].experts
+    # given: the busiest expert's; a rank of 2 experts' excess is 1 / sqrt(2) of it (measured costs: no roofline)
+    assert given is not None and given.imbalance == {2: round(1 + 0.5 / 2**0.5, 4), 4: 1.5} and given.gemm_s == {}
     assert torch.is_grad_enabled()  # the forward ran without autograd and left it on
 
 

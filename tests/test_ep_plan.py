@@ -37,7 +37,7 @@ def test_a_model_files_own_plan_names_its_experts_modules() -> None:
     # 4 experts of (24 x 16) in and (16 x 24) out, fp32, in each of the 2 layers
     per_layer = 4 * (24 * 16 + 16 * 24)
     assert experts.layers == tuple(
-        ExpertLayer(f"layers.{i}.moe.experts", 4, per_layer, 4 * per_layer) for i in range(2)
+        ExpertLayer(f"layers.{i}.moe.experts", 4, per_layer, 4 * per_layer, ((24, 16), (16, 24))) for i in range(2)
     )
     assert experts.source == "model file" and experts.patterns == ("layers.*.moe.experts",)
     assert experts.counts == {"layers.0.moe.experts": 4, "layers.1.moe.experts": 4}

@@ -52,7 +52,7 @@ def test_lookup_is_forgiving_and_unknown_names_list_the_known_ones() -> None:
     assert get_hardware("H100") is GPUS["h100"]
     assert get_hardware("a100_80g") is GPUS["a100-80g"]
     with pytest.raises(PlannerError) as e:
-        get_hardware("h800")
+        get_hardware("h900")
     for name in GPUS:
         assert name in str(e.value)
 
@@ -92,6 +92,7 @@ CUDA_GIB = {
     "h100": (79.19, 80),
     "h100-hbm2e": (95.0, 96),
     "h200": (139.8, 141),
+    "h800": (79.19, 80),  # the H100 SXM's HBM3 (no H800 printout published: the H100's, same chips)
     "a100-80g": (79.15, 80),
     "a100-40g": (39.59, 40),
     "l4": (22.49, 24),
@@ -108,6 +109,20 @@ def test_capacities_are_what_cuda_reports_so_the_default_limit_fits_the_card() -
         hw = GPUS[key]
         assert hw.memory_bytes / 2**30 == pytest.approx(gib, abs=0.005), key
         assert hw.memory_bytes % 2**20 == 0 and hw.memory_bytes < nominal * 2**30, key
+
+
+def test_the_h800_is_an_h100_with_its_nvlink_cut_to_400_gb_s() -> None:
+    from planner.core.levers.collectives import collective_time
+    from planner.core.levers.hardware import link_cost
+
+    h100, h800 = get_hardware("h100"), get_hardware("h800")
+    assert h800.peak("bf16") == h100.peak("bf16") and h800.memory_Bps == h100.memory_Bps
+    assert (h800.intra_node_Bps, h800.nvlinks) == (200e9, 8) and h800.inter_node_Bps == h100.inter_node_Bps
+    # NCCL's model: an all-to-all inside a node runs on 8 of the 18 links' bandwidth
+    fabric8, fabric18 = link_cost(h800, intra_node=True).nccl, link_cost(h100, intra_node=True).nccl
+    assert fabric8 is not None and fabric18 is not None
+    slow, fast = (collective_time("all_to_all", 2**28, 8, 8, f).seconds for f in (fabric8, fabric18))
+    assert slow > 2 * fast
 
 
 def test_gemm_efficiency_is_a_saturating_curve_in_the_smallest_dimension() -> None:

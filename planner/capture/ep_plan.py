@@ -57,12 +57,16 @@ class ExpertLayer:
         n_experts: its experts (the leading dimension of each of its parameters).
         params: the elements of its parameters, all experts together.
         param_bytes: their bytes, as built.
+        matrices: each expert's weight matrices, ``(rows, columns)`` of every parameter with two
+            dimensions besides the expert index (each routed row is multiplied by each once: the
+            grouped GEMMs ``planner.costs.experts`` costs); biases are not among them.
     """
 
     name: str
     n_experts: int
     params: int
     param_bytes: int
+    matrices: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -161,7 +165,8 @@ def _layer(name: str, module: nn.Module, where: str) -> ExpertLayer:
             f"{where}: the experts module {name!r} needs every parameter to lead with the expert index{count}, "
             f"then dimensions of each expert's own; it holds {shapes}"
         )
-    return ExpertLayer(name, lead.pop(), sum(p.numel() for _, p in params), sum(p.nbytes for _, p in params))
+    matrices = tuple((int(p.shape[-2]), int(p.shape[-1])) for _, p in params if p.dim() == 3)
+    return ExpertLayer(name, lead.pop(), sum(p.numel() for _, p in params), sum(p.nbytes for _, p in params), matrices)
 
 
 def _check_weights(

@@ -146,6 +146,45 @@ class ExpertShare(BaseModel):
         description="Bytes of the rows the block's layers route to their experts per microbatch (every token "
         "through top_k experts; all layers), in the activations' dtype: what dispatch sends and combine returns.",
     )
+    rows: int = Field(default=0, ge=0, description="The rows dispatch_bytes holds (all layers; 0: not counted).")
+    flops_fwd: float = Field(
+        default=0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Forward FLOPs of the experts' GEMMs per microbatch (2 x rows x each expert's weight elements).",
+    )
+    saved_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="Of activation_bytes, what the experts' GEMMs save per microbatch at an even spread (each "
+        "GEMM's input and output rows, all layers): the busiest rank saves imbalance x these.",
+    )
+    gemm_s: dict[int, Annotated[float, Field(ge=0, allow_inf_nan=False)]] = Field(
+        default_factory=dict,
+        description="Per expert-parallel degree, the forward seconds of the block's expert GEMMs on the busiest "
+        "rank: each layer's experts / degree of them, multiplying the rows routed to them (imbalance x the mean, "
+        "degree x as many per expert as unsplit); the backward's two GEMMs per weight take twice this. Estimated "
+        "costs only (the roofline at those shapes: few rows per expert leave a GEMM memory-bound on its "
+        "weights); listed for every divisor of experts. Empty (measured costs): the measured time stands, "
+        "its experts' FLOP share scaled by the imbalance.",
+    )
+    imbalance: dict[int, Annotated[float, Field(ge=1, allow_inf_nan=False)]] = Field(
+        default_factory=dict,
+        description="Per expert-parallel degree, the routed rows of the busiest rank over the mean (summed over "
+        "the block's layers, each layer's busiest rank): measured from the router on the example microbatch, "
+        "or from the --moe-imbalance setting (planner.costs.experts.spread_imbalance). Empty: 1 (an even spread).",
+    )
+
+    def imbalance_at(self, ep: int) -> float:
+        """The busiest rank's rows over the mean at degree ``ep`` (1 where nothing is listed).
+
+        Args:
+            ep: the expert-parallel degree.
+
+        Returns:
+            The factor.
+        """
+        return self.imbalance.get(ep, 1.0) if ep > 1 else 1.0
 
 
 class TensorParallelShare(BaseModel):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar, get_args
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -77,6 +77,13 @@ def schedule_name(name: str) -> str:
 
 DEFAULT_GPUS_PER_NODE = 8
 """Ranks per node of estimated GPU plans (an HGX/DGX node holds 8 GPUs)."""
+
+MOE_IMBALANCE = 1.52
+"""``--moe-imbalance auto`` where the router cannot be run (an estimate on the meta device): the busiest
+expert's routed rows over the mean, 1 + MaxVio_global of a 3B-parameter MoE (64 experts, top 6)
+balanced by an auxiliary loss (Wang et al., "Auxiliary-Loss-Free Load Balancing Strategy for
+Mixture-of-Experts", arXiv 2408.15664, Table 2: 0.52; 0.72 at 1B). The same paper's loss-free
+balancing, which DeepSeek-V3 trains with, measures 1.04; force-balanced benchmarks are 1."""
 
 METHODS: tuple[str, ...] = get_args(Method)
 RECOMPUTE: tuple[str, ...] = get_args(Recompute)
@@ -249,6 +256,12 @@ class PlanRequest(_Request):
         description="Expert-parallel ranks: each mixture-of-experts layer's experts sharded over this many data-"
         "parallel replicas, the tokens routed to them sent there and back (1: none), or auto: every degree that "
         "divides the experts, searched with the other dimensions where expert parallelism runs.",
+    )
+    moe_imbalance: Annotated[float, Field(ge=1, le=1000, allow_inf_nan=False)] | Literal["auto"] = Field(
+        default="auto",
+        description="Under expert parallelism, the busiest expert's routed rows over the mean (1: an even spread; "
+        "a rank's follows, planner.costs.experts.spread_imbalance), or auto: the router's, measured on the "
+        "example microbatch where the model runs, else MOE_IMBALANCE.",
     )
     # on, off, or auto: the search tries both where the model's shards allow it, keeping the faster that fits
     sequence_parallel: bool | Literal["auto"] = Field(default="auto", description="Sequence parallelism, tp > 1.")

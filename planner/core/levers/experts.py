@@ -10,14 +10,18 @@ passes). ``at_degree`` turns a block's costs into one
 expert-parallel rank's (``BlockCost.experts``, from ``planner.costs.experts``):
 
 * memory: the experts' parameters, and with them their gradients and optimizer state, ``1 / ep``
-  each; the rest whole. The activations stay: with the tokens spread evenly over the experts
-  (dropless routing, no imbalance charged yet) each rank receives as many rows as its own tokens
-  route, and saves what the unsplit layer saves;
-* compute: the same expert rows per rank under an even spread, so the block's forward and backward
-  stay; its optimizer step and gradient work shrink with its parameters;
+  each; the rest whole. The activations stay but for the imbalance: under dropless routing the
+  busiest rank receives ``imbalance`` times the mean rows (``ExpertShare.imbalance``: the router's,
+  measured, or ``--moe-imbalance``) and its experts save that much more (``saved_bytes``);
+* compute: the expert GEMMs at the local expert count, ``ep`` times as many rows per expert, on the
+  busiest rank (``ExpertShare.gemm_s``, the roofline's at each degree: few rows per expert leave a
+  grouped GEMM memory-bound on its weights, so sharding the experts speeds them per row); measured
+  costs keep their time, the experts' FLOP share of it scaled by the imbalance. The optimizer step
+  and gradient work shrink with the parameters;
 * communication: each layer's dispatch and combine, one all-to-all each way in forward and again in
   backward (and its forward's again where the block recomputes: neither checkpointing mode keeps what
-  an exchange returns), ``dispatch_bytes`` of rows per rank, ``(ep - 1) / ep`` of them to other ranks: on an
+  an exchange returns), ``imbalance x dispatch_bytes`` of rows for the busiest rank (every exchange
+  waits for it), ``(ep - 1) / ep`` of them to other ranks: on an
   NCCL link as NCCL's own model costs an all-to-all (``planner.core.levers.collectives``: the peers
   on the node over NVLink, the rest over the node's cards), elsewhere (gloo, a measured link) an
   alpha-beta, ``ep - 1`` latencies and the bytes to others. None overlaps compute (the runner
@@ -34,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from planner.core.levers.collectives import collective_time
 from planner.core.levers.links import Links, NodeLinks, default_link
 from planner.core.step.schedules import ZERO_BUBBLE
-from planner.schema.costs import BlockCost, LinkCost
+from planner.schema.costs import BlockCost, ExpertShare, LinkCost
 
 
 def ep_refusal(
@@ -177,34 +181,51 @@ def at_degree(blocks: Sequence[BlockCost], ep: int, link: LinkCost, local: int) 
     out: list[BlockCost] = []
     for b in blocks:
         share = b.experts
-        if share is None:
-            out.append(b)
-            continue
-        params = b.params - share.params + share.params // ep
-        param_bytes = b.param_bytes - share.param_bytes + share.param_bytes // ep
-        kept = param_bytes / b.param_bytes if b.param_bytes else 1.0
-        # dispatch and combine per layer, forward and again backward
-        pair = 2 * share.layers * all_to_all_s(share.dispatch_bytes / share.layers, ep, local, link)
-        out.append(
-            b.model_copy(
-                update={
-                    "params": params,
-                    "param_bytes": param_bytes,
-                    "fwd_s": b.fwd_s + pair,
-                    "bwd_s": b.bwd_s + pair,
-                    "bwd_input_s": None if b.bwd_input_s is None else b.bwd_input_s + pair,
-                    # recomputing the block's forward runs its exchanges again (neither checkpointing
-                    # mode keeps what an all-to-all returns); None: the whole forward, pair included
-                    "recompute_s": None if b.recompute_s is None else b.recompute_s + pair,
-                    "selective_recompute_s": None
-                    if b.selective_recompute_s is None
-                    else b.selective_recompute_s + pair,
-                    "opt_s": None if b.opt_s is None else b.opt_s * kept,
-                    "grad_s": None if b.grad_s is None else b.grad_s * kept,
-                }
-            )
-        )
+        out.append(b if share is None else _rank_of(b, share, ep, link, local))
     return out
+
+
+def _rank_of(b: BlockCost, share: ExpertShare, ep: int, link: LinkCost, local: int) -> BlockCost:
+    """One block as the busiest of ``ep`` expert-parallel ranks runs it (``at_degree``)."""
+    imbalance = share.imbalance_at(ep)
+    params = b.params - share.params + share.params // ep
+    param_bytes = b.param_bytes - share.param_bytes + share.param_bytes // ep
+    kept = param_bytes / b.param_bytes if b.param_bytes else 1.0
+    # dispatch and combine per layer, forward and again backward; the busiest rank receives (and every
+    # all-to-all waits for) imbalance x the mean rows
+    pair = 2 * share.layers * all_to_all_s(imbalance * share.dispatch_bytes / share.layers, ep, local, link)
+    gemm = _gemm_change(b, share, ep, imbalance)  # the forward's; the backward runs two GEMMs per weight
+    extra_saved = round((imbalance - 1.0) * share.saved_bytes)
+    return b.model_copy(
+        update={
+            "params": params,
+            "param_bytes": param_bytes,
+            "activation_bytes": b.activation_bytes + extra_saved,
+            "selective_bytes": None if b.selective_bytes is None else b.selective_bytes + extra_saved,
+            "fwd_s": max(0.0, b.fwd_s + pair + gemm),
+            "bwd_s": max(0.0, b.bwd_s + pair + 2 * gemm),
+            "bwd_input_s": None if b.bwd_input_s is None else max(0.0, b.bwd_input_s + pair + gemm),
+            "bwd_weight_s": None if b.bwd_weight_s is None else max(0.0, b.bwd_weight_s + gemm),
+            # recomputing the block's forward runs its exchanges and GEMMs again (neither checkpointing mode
+            # keeps what an all-to-all returns); selective keeps the GEMMs' outputs. None: the whole forward
+            "recompute_s": None if b.recompute_s is None else max(0.0, b.recompute_s + pair + gemm),
+            "selective_recompute_s": None if b.selective_recompute_s is None else b.selective_recompute_s + pair,
+            "opt_s": None if b.opt_s is None else b.opt_s * kept,
+            "grad_s": None if b.grad_s is None else b.grad_s * kept,
+        }
+    )
+
+
+def _gemm_change(b: BlockCost, share: ExpertShare, ep: int, imbalance: float) -> float:
+    """Seconds the expert GEMMs' forward gains (or loses) on the busiest of ``ep`` ranks: estimated
+    costs list the roofline's time at each degree, imbalance included (``ExpertShare.gemm_s``); for
+    measured ones the experts' share of the block's measured forward, by FLOPs, grows with the imbalance."""
+    if share.gemm_s:
+        below = [d for d in share.gemm_s if d <= ep]
+        return share.gemm_s[max(below)] - share.gemm_s.get(1, share.gemm_s[max(below)]) if below else 0.0
+    if share.flops_fwd <= 0 or not b.flops_fwd:
+        return 0.0
+    return (imbalance - 1.0) * b.fwd_s * min(1.0, share.flops_fwd / b.flops_fwd)
 
 
 def expert_degrees(blocks: Sequence[BlockCost], world_size: int) -> tuple[int, ...]:

@@ -342,6 +342,21 @@ GPUS: dict[str, HardwareSpec] = {
             "source": "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM",
         }
     ),
+    # The H800 SXM, the H100 made for export to China on which DeepSeek-V3 trained: the H100 SXM's SMs,
+    # clocks and 80 GB of HBM3 at 3.35 TB/s, its NVLink cut to 400 GB/s total (8 of the 18 links:
+    # 200 GB/s per direction); DeepSeek-V3 technical report (arXiv 2412.19437, section 3.2.2):
+    # "NVLink offers a bandwidth of 160 GB/s, roughly 3.2 times that of IB (50 GB/s)", each GPU with
+    # its own 400 Gb/s InfiniBand card, 8 GPUs a node on NVSwitch (section 3.1). NVIDIA publishes no
+    # H800 datasheet; the 400 GB/s is DeepSeek's ("Insights into DeepSeek-V3", arXiv 2505.09343).
+    "h800": _H100.model_copy(
+        update={
+            "name": "h800",
+            "intra_node_Bps": 200 * _GB,
+            "nvlinks": 8,
+            "source": "H100 SXM datasheet figures with NVLink 400 GB/s (DeepSeek-V3 report, arXiv 2412.19437 "
+            "and 2505.09343)",
+        }
+    ),
     # NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM): FP32 19.5 TFLOPS; TF32 156 (312
     # sparse); BF16/FP16 312 (624 sparse); 80 GB HBM2e at 2,039 GB/s; NVLink 600 GB/s total.
     "a100-80g": HardwareSpec(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from planner.schema.costs import BlockCost, SequenceShare, TensorParallelShare
+from planner.schema.costs import BlockCost, ExpertShare, SequenceShare, TensorParallelShare
 
 
 def blocks_at(blocks: Sequence[BlockCost], size0: int, size: int, fixed_fraction: float) -> list[BlockCost]:
@@ -59,14 +59,25 @@ def blocks_at(blocks: Sequence[BlockCost], size0: int, size: int, fixed_fraction
                     "cut_kept_bytes": None if b.cut_kept_bytes is None else round(b.cut_kept_bytes * r),
                     "output_bytes": round(b.output_bytes * r),
                     "tp": None if b.tp is None else _share_at(b.tp, r),
-                    # the rows routed to experts grow with the tokens; the experts' parameters do not
-                    "experts": None
-                    if b.experts is None
-                    else b.experts.model_copy(update={"dispatch_bytes": round(b.experts.dispatch_bytes * r)}),
+                    "experts": None if b.experts is None else _experts_at(b.experts, r, t),
                 }
             )
         )
     return out
+
+
+def _experts_at(share: ExpertShare, r: float, t: float) -> ExpertShare:
+    """An experts share at ``r`` times the microbatch: the rows routed (and what they send, compute and save)
+    grow with the tokens, the GEMMs' times as the block's do (factor ``t``), the parameters not at all."""
+    return share.model_copy(
+        update={
+            "dispatch_bytes": round(share.dispatch_bytes * r),
+            "rows": round(share.rows * r),
+            "flops_fwd": share.flops_fwd * r,
+            "saved_bytes": round(share.saved_bytes * r),
+            "gemm_s": {d: s * t for d, s in share.gemm_s.items()},
+        }
+    )
 
 
 def _share_at(share: TensorParallelShare, r: float) -> TensorParallelShare:
