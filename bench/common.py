@@ -405,6 +405,22 @@ def write_page(path: Path | str, text: str, option: str = "--out") -> None:
         raise SystemExit(f"error: {last_line(str(e))}; the page is kept at {kept}") from None
 
 
+# docs/published_runs.md's mixture-of-experts section: bench/moe_published.py writes it, and
+# bench/published_runs.py, which writes the rest of the page whole, keeps it as it is
+MOE_PUBLISHED = (
+    "<!-- BEGIN moe-published (written by bench/moe_published.py) -->",
+    "<!-- END moe-published -->",
+)
+
+
+def kept_between(doc: Path, begin: str, end: str) -> str:
+    """What lies between the two marker lines of the page ``doc`` ("" where it or they are missing)."""
+    text = doc.read_text() if doc.exists() else ""
+    if begin not in text or end not in text:
+        return ""
+    return text.split(begin, 1)[1].split(end, 1)[0].strip("\n")
+
+
 def between_markers(text: str, begin: str, end: str, body: str) -> str | None:
     """``text`` with what lies between the two marker lines replaced by ``body``; None without both."""
     if begin not in text or end not in text:

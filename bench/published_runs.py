@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import DOCS, MODELS, ROOT, host, plan_on_costs, table, write_page
+from bench.common import DOCS, MODELS, MOE_PUBLISHED, ROOT, host, kept_between, plan_on_costs, table, write_page
 from bench.published_rows import CONVENTIONS, NOT_COMPARED, Published, figure_at, published_runs, published_step_s
 from planner.api import estimated_costs
 from planner.capture.load import load_model_file
@@ -496,6 +496,17 @@ And in every row:
 ## Published runs not compared
 
 {not_compared}
+
+## Mixture-of-experts runs
+
+Each run's own layout planned as it ran (bf16, the schedule nearest its own that the planner runs
+expert parallelism under), with routing as the run balanced it and evenly, and the planner's search
+over the same GPUs and batch (`--dp auto --tp auto --ep auto`). Written by `python -m
+bench.moe_published`; `bench/published_runs.py` keeps this section as it is.
+
+{moe_begin}
+{moe}
+{moe_end}
 """
 
 
@@ -547,6 +558,9 @@ def main() -> None:
         plans=table([plan_cells(o) for o in outcomes], PLANS),
         gpus=table([gpu_cells(o.row) for o in outcomes], GPU_HEADERS),
         not_compared=table(NOT_COMPARED, ["run", "source", "published", "why not compared"]),
+        moe_begin=MOE_PUBLISHED[0],
+        moe=kept_between(args.out, *MOE_PUBLISHED),
+        moe_end=MOE_PUBLISHED[1],
     )
     write_page(args.out, text)
     print(f"wrote {args.out}")

@@ -225,6 +225,12 @@ def test_planner_plan_ep_shards_the_experts_and_searches_what_runs(tmp_path: Pat
         assert b.activation_bytes == w.activation_bytes + round((two - 1) * share.saved_bytes)
         assert b.fwd_s > w.fwd_s
     assert plan.model.fingerprint != whole.model.fingerprint  # traced with the experts' calls recorded
+    from planner.report.tables import experts_line
+
+    line = experts_line(plan)
+    assert line.startswith("experts: 2 mixture-of-experts layers of 4 experts (model.layers.0.mlp.experts ... ")
+    assert "sharded over 2 consecutive replicas (ep 2)" in line and f"the busiest rank {two:.2f}x the mean rows" in line
+    assert experts_line(whole).endswith("every rank holds all the experts of its stages' layers")
 
 
 def test_ep_on_a_dense_model_or_an_odd_count_is_one_line(tmp_path: Path) -> None:

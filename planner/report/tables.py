@@ -380,9 +380,12 @@ def experts_line(plan: Plan) -> str:
     where = names[0] if len(names) == 1 else f"{names[0]} ... {names[-1]}"
     n = len(names)
     whole = ", tensor parallelism leaves them whole" if plan.tp > 1 else ""
+    shares = [b.experts for b in plan.blocks if b.experts is not None]
+    busiest = max((s.imbalance_at(plan.ep) for s in shares), default=1.0)
+    uneven = f" (the busiest rank {busiest:.2f}x the mean rows, charged)" if busiest > 1.0 else ""
     held = (
         f"each layer's experts sharded over {plan.ep} consecutive replicas (ep {plan.ep}), every token sent to its "
-        "experts' rank and back by all-to-all"
+        f"experts' rank and back by all-to-all{uneven}"
         if plan.ep > 1
         else "every rank holds all the experts of its stages' layers"
     )
