@@ -10,8 +10,8 @@ accumulation searched). The routed experts run as grouped GEMMs, charged the FLO
 routed to them (``planner/costs/roofline.py``), so the plan's FLOPs, and its MFU, are those of the
 active parameters: MFU over active parameters, the figure MoE runs publish. Active parameters are
 counted here as everything outside the routed experts plus top_k / n_experts of the experts. The
-second table plans each setup as expert parallelism runs it (DDP replicas, tp 1, no zero-bubble
-schedule: ``planner.core.levers.experts.ep_refusal``) at each ``--ep`` that divides its experts,
+second table plans each setup as expert parallelism runs it (DDP replicas, tp 1:
+``planner.core.levers.experts.ep_refusal``) at each ``--ep`` that divides its experts,
 ``--ep 1`` the same layout restrictions without sharding: the step each degree buys.
 The sections between the markers of docs/gpu_costs.md are replaced.
 """

@@ -75,6 +75,7 @@ class MoeRun:
     gpus: int
     dp: int
     ep: int
+    schedule: str  # the planner's schedule nearest the run's
     stages_per_rank: int
     batch: int  # sequences a step
     seq: int
@@ -121,6 +122,7 @@ RUNS = [
         gpus=64,
         dp=16,
         ep=8,
+        schedule="interleaved-1f1b",
         stages_per_rank=8,
         batch=256,
         seq=4096,
@@ -144,6 +146,7 @@ RUNS = [
         gpus=2048,
         dp=128,
         ep=64,
+        schedule="dualpipev",
         stages_per_rank=2,
         batch=15360,
         seq=4096,
@@ -153,9 +156,9 @@ RUNS = [
         flops=None,
         imbalance=1.04,
         layout="PP 16, EP 64 over 8 nodes, ZeRO-1 DP 128, DualPipe, FP8",
-        leaves_out="FP8 GEMMs (the planner costs bf16); DualPipe, which hides the all-to-alls behind the other "
-        "microbatch's compute (the planner runs expert parallelism under the one-backward schedules and "
-        "exposes every exchange: interleaved 1F1B, 2 stages a rank, here); node-limited routing (each token "
+        leaves_out="FP8 GEMMs (the planner costs bf16); DualPipe's overlap of one microbatch's all-to-alls with "
+        "another's compute (torch's DualPipeV, planned here, runs the two in turn: every exchange exposed); "
+        "node-limited routing (each token "
         "sent to at most 4 nodes, once a node, then over NVLink: the planner sends every routed row); the "
         "EP group inside 8 nodes (the planner's replicas of a pipeline rank lie pp ranks apart); ZeRO-1",
     ),
@@ -198,7 +201,7 @@ def evaluate(run: MoeRun, tmp: Path) -> Outcome:
         tp=1,
         ep=run.ep,
         dp_mode="ddp",
-        schedule="interleaved-1f1b",
+        schedule=run.schedule,
         stages_per_rank=run.stages_per_rank,
         microbatches=run.microbatches,
     )

@@ -499,8 +499,8 @@ And in every row:
 
 ## Mixture-of-experts runs
 
-Each run's own layout planned as it ran (bf16, the schedule nearest its own that the planner runs
-expert parallelism under), with routing as the run balanced it and evenly, and the planner's search
+Each run's own layout planned as it ran (bf16; the planner's schedule nearest the run's, DualPipeV
+for DualPipe), with routing as the run balanced it and evenly, and the planner's search
 over the same GPUs and batch (`--dp auto --tp auto --ep auto`). Written by `python -m
 bench.moe_published`; `bench/published_runs.py` keeps this section as it is.
 

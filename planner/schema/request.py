@@ -437,7 +437,6 @@ class PlanRequest(_Request):
         given = [
             (isinstance(self.tp, int) and self.tp > 1, f"--tp {self.tp}", "--tp 1"),
             (self.dp_mode in ("fsdp", "hsdp"), f"--dp-mode {self.dp_mode}", "--dp-mode ddp"),
-            (self.schedule in ZERO_BUBBLE, f"--schedule {self.schedule} (a two-part backward)", "another schedule"),
             (self.compile, "--compile", "no --compile"),
         ]
         for blocked, what, instead in given:

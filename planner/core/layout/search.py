@@ -116,8 +116,6 @@ def _layouts(
     each (their experts sharded over ``ep`` replicas) and these microbatch counts, schedules in
     ``SCHEDULES``' order."""
     schedules = list(SCHEDULES) if space.schedule == "auto" else [space.schedule]
-    if ep > 1:  # the schedules the runner dispatches experts under (a whole backward)
-        schedules = [n for n in schedules if not layout_refusal(ep, dp=dp, tp=tp, dp_mode=space.dp_mode, schedule=n)]
     if pp == 1 and space.schedule == "auto":
         # one rank runs its stage alone: every schedule is gradient accumulation, at one speed; GPipe
         # runs every forward before the first backward (m microbatches' activations held), 1F1B
@@ -167,7 +165,7 @@ def _pending_layouts(
     for tp, dp, ep in _meshes(cluster, space):
         # expert parallelism takes DDP replicas where the mode is open; a mesh it cannot run is no layout
         ep_mode = "ddp" if space.dp_mode == "auto" else space.dp_mode
-        if layout_refusal(ep, dp=dp, tp=tp, dp_mode=ep_mode, schedule=None, compiled=constraints.compiled):
+        if layout_refusal(ep, dp=dp, tp=tp, dp_mode=ep_mode, compiled=constraints.compiled):
             continue
         pp = cluster.world_size // (dp * tp)
         ms = replica_microbatches(space.batch_size // fixed_k, dp, space.n_microbatches, floor)

@@ -12,7 +12,8 @@ expert-parallel rank's (``BlockCost.experts``, from ``planner.costs.experts``):
 * memory: the experts' parameters, and with them their gradients and optimizer state, ``1 / ep``
   each; the rest whole. The activations stay but for the imbalance: under dropless routing the
   busiest rank receives ``imbalance`` times the mean rows (``ExpertShare.imbalance``: the router's,
-  measured, or ``--moe-imbalance``) and its experts save that much more (``saved_bytes``);
+  measured, or ``--moe-imbalance``) and its experts save that much more (``saved_bytes``); one
+  layer's exchange at a time holds a send and a receive buffer of those rows (``bwd_temp_bytes``);
 * compute: the expert GEMMs at the local expert count, ``ep`` times as many rows per expert, on the
   busiest rank (``ExpertShare.gemm_s``, the roofline's at each degree: few rows per expert leave a
   grouped GEMM memory-bound on its weights, so sharding the experts speeds them per row); measured
@@ -37,7 +38,6 @@ from collections.abc import Mapping, Sequence
 
 from planner.core.levers.collectives import collective_time
 from planner.core.levers.links import Links, NodeLinks, default_link
-from planner.core.step.schedules import ZERO_BUBBLE
 from planner.schema.costs import BlockCost, ExpertShare, LinkCost
 
 
@@ -48,7 +48,6 @@ def ep_refusal(
     dp: int,
     tp: int,
     dp_mode: str,
-    schedule: str | None,
     compiled: bool = False,
 ) -> str | None:
     """Why a layout cannot shard its experts ``ep`` ways, or None when it can (or ``ep`` is 1): the
@@ -60,15 +59,12 @@ def ep_refusal(
         dp: data-parallel replicas (the expert-parallel ranks are replicas).
         tp: tensor-parallel ranks per pipeline rank.
         dp_mode: how the replicas reduce gradients ("ddp", "fsdp", "hsdp").
-        schedule: the pipeline schedule (None: not yet known, not judged).
         compiled: whether the stages are compiled (``--compile``).
 
     Returns:
         One line naming what stands in the way and what to give instead.
     """
-    return experts_refusal(ep, experts) or layout_refusal(
-        ep, dp=dp, tp=tp, dp_mode=dp_mode, schedule=schedule, compiled=compiled
-    )
+    return experts_refusal(ep, experts) or layout_refusal(ep, dp=dp, tp=tp, dp_mode=dp_mode, compiled=compiled)
 
 
 def experts_refusal(ep: int, experts: Mapping[str, int]) -> str | None:
@@ -92,9 +88,7 @@ def experts_refusal(ep: int, experts: Mapping[str, int]) -> str | None:
     return None
 
 
-def layout_refusal(
-    ep: int, *, dp: int, tp: int, dp_mode: str, schedule: str | None, compiled: bool = False
-) -> str | None:
+def layout_refusal(ep: int, *, dp: int, tp: int, dp_mode: str, compiled: bool = False) -> str | None:
     """Why a layout cannot shard experts ``ep`` ways: replicas ``ep`` does not divide, or what the
     runner does not run expert parallelism with yet; None where it can (or ``ep`` is 1). The search
     keeps to the layouts this passes, ``planner run`` refuses the rest.
@@ -104,7 +98,6 @@ def layout_refusal(
         dp: data-parallel replicas.
         tp: tensor-parallel ranks per pipeline rank.
         dp_mode: how the replicas reduce gradients ("ddp", "fsdp", "hsdp").
-        schedule: the pipeline schedule (None: not judged, for a mesh before its schedules).
         compiled: whether the stages are compiled.
 
     Returns:
@@ -117,7 +110,6 @@ def layout_refusal(
     notyet = [
         (tp > 1, f"with tensor parallelism (tp {tp})", "--tp 1"),
         (dp_mode != "ddp", f"with {dp_mode.upper()} replicas", "--dp-mode ddp"),
-        (schedule in ZERO_BUBBLE, f"under {schedule} (a two-part backward)", "another schedule"),
         (compiled, "compiled", "no --compile"),
     ]
     for blocked, what, instead in notyet:
@@ -196,12 +188,16 @@ def _rank_of(b: BlockCost, share: ExpertShare, ep: int, link: LinkCost, local: i
     pair = 2 * share.layers * all_to_all_s(imbalance * share.dispatch_bytes / share.layers, ep, local, link)
     gemm = _gemm_change(b, share, ep, imbalance)  # the forward's; the backward runs two GEMMs per weight
     extra_saved = round((imbalance - 1.0) * share.saved_bytes)
+    # one layer's exchange at a time holds a send and a receive buffer of the busiest rank's rows (the
+    # backward's reverse exchanges too): beside the backward's own temporaries
+    buffers = round(2 * imbalance * share.dispatch_bytes / share.layers)
     return b.model_copy(
         update={
             "params": params,
             "param_bytes": param_bytes,
             "activation_bytes": b.activation_bytes + extra_saved,
             "selective_bytes": None if b.selective_bytes is None else b.selective_bytes + extra_saved,
+            "bwd_temp_bytes": (b.bwd_temp_bytes or 0) + buffers,
             "fwd_s": max(0.0, b.fwd_s + pair + gemm),
             "bwd_s": max(0.0, b.bwd_s + pair + 2 * gemm),
             "bwd_input_s": None if b.bwd_input_s is None else max(0.0, b.bwd_input_s + pair + gemm),
