@@ -176,6 +176,34 @@ def test_an_expert_group_crosses_nodes_as_its_replicas_lie() -> None:
     assert all_to_all_s(2**26, 8, 2, inter) > all_to_all_s(2**26, 8, 8, intra) > 0
 
 
+def test_expert_parallel_layouts_lay_their_ranks_out_pipeline_outermost() -> None:
+    from planner.core.layout.inputs import Layout
+    from planner.core.levers.data_parallel import dp_group_links, layout_links
+
+    hw = get_hardware("h100")
+    intra, inter = link_cost(hw, intra_node=True), link_cost(hw, intra_node=False)
+    links = NodeLinks(**intra.model_dump(), inter=inter, gpus_per_node=8, n_ranks=4)
+    assert not Layout("1f1b", 4, 8, dp=8).pp_outer and Layout("1f1b", 4, 8, dp=8, ep=8).pp_outer
+    # 8 replicas of 4 pipeline ranks on 4 nodes: replicas outermost, a replica fills half a node and its
+    # boundaries stay inside; pipeline-outermost, a pipeline rank's 8 replicas fill a node
+    outer = layout_links(links, 4, 8, 1, pp_outer=True)
+    inner = layout_links(links, 4, 8, 1)
+    assert isinstance(outer, NodeLinks) and isinstance(inner, NodeLinks)
+    assert [outer.node_of(k, 1) for k in range(8)] == [1] * 8 and [inner.node_of(k, 1) for k in range(8)] == [
+        0,
+        0,
+        1,
+        1,
+        2,
+        2,
+        3,
+        3,
+    ]
+    assert not inner.crosses(0, 1) and outer.crosses(0, 1)  # the pipeline's boundaries cross nodes instead
+    assert {x.name for x in dp_group_links(outer, 4, 8)} == {intra.name}  # the replicas reduce inside a node
+    assert all(x.name != intra.name for x in dp_group_links(inner, 4, 8))
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -230,6 +258,18 @@ def test_planner_plan_ep_shards_the_experts_and_searches_what_runs(tmp_path: Pat
     assert line.startswith("experts: 2 mixture-of-experts layers of 4 experts (model.layers.0.mlp.experts ... ")
     assert "sharded over 2 consecutive replicas (ep 2)" in line and f"the busiest rank {two:.2f}x the mean rows" in line
     assert experts_line(whole).endswith("every rank holds all the experts of its stages' layers")
+    # pipeline-outermost: replicas of a pipeline rank (an expert group) on consecutive ranks
+    assert plan.pp_outer and not whole.pp_outer
+    for rank in range(plan.world_size):
+        assert plan.global_rank(plan.replica_of(rank), plan.pp_rank_of(rank)) == rank
+    p, dp = plan.n_ranks, plan.dp
+    assert [plan.global_rank(k, 0) for k in range(dp)] == list(range(dp))
+    assert [plan.global_rank(0, r) for r in range(p)] == [r * dp for r in range(p)]
+    from planner.report.tables import layout_line
+
+    assert p == 2 and "pipeline rank 0's replicas = ranks 0-1, pipeline rank 1's replicas = ranks 2-3" in layout_line(
+        plan
+    )
 
 
 def test_ep_on_a_dense_model_or_an_odd_count_is_one_line(tmp_path: Path) -> None:

@@ -115,7 +115,7 @@ def compare_methods(
     blocks, layout = chosen.blocks, chosen.layout
     n_stages = layout.n_stages
     # the links of this replica count's pipeline (a NodeLinks is placed for its ranks and replicas)
-    placed = layout_links(link, layout.pp, layout.dp, layout.tp)
+    placed = layout_links(link, layout.pp, layout.dp, layout.tp, layout.pp_outer)
     assert isinstance(placed, LinkCost)  # a link (or NodeLinks) in, the same kind out
     link = placed
     solvers: dict[str, Callable[[], Partition]] = {
@@ -133,7 +133,7 @@ def compare_methods(
         out[name] = predict(blocks, split, link, layout, asked.constraints.optimizer, slots)
     if given is not None:
         where, starts = given
-        placed = layout_links(link, where.layout.pp, where.layout.dp, where.layout.tp)
+        placed = layout_links(link, where.layout.pp, where.layout.dp, where.layout.tp, where.layout.pp_outer)
         recompute = asked.constraints.recompute
         policy_options(recompute, where.layout.schedule)  # selective cannot run under a zero-bubble one
         forced = recompute if recompute in ("selective", "full", "stage") else "never"

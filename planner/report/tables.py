@@ -269,6 +269,25 @@ def _ranks_text(first: int, last: int) -> str:
     return f"rank {first}" if first == last else f"ranks {first}-{last}"
 
 
+def _placement(plan: Plan) -> list[str]:
+    """Which global ranks each replica holds (replicas outermost), or each pipeline rank's replicas
+    (pipeline-outermost, ``Plan.pp_outer``), the first two and the last where there are more than 4."""
+    p = plan.n_ranks
+    if plan.pp_outer:
+        n = plan.dp * plan.tp
+        shown = list(range(p)) if p <= 4 else [0, 1, p - 1]
+        out = [f"pipeline rank {r}'s replicas = {_ranks_text(r * n, r * n + n - 1)}" for r in shown]
+    else:
+        shown = list(range(plan.dp)) if plan.dp <= 4 else [0, 1, plan.dp - 1]
+        out = [
+            f"replica {k} = {_ranks_text(plan.global_rank(k, 0), plan.global_rank(k, p - 1, plan.tp - 1))}"
+            for k in shown
+        ]
+    if len(shown) == 3 and shown[-1] > 2:
+        out.insert(2, "...")
+    return out
+
+
 def layout_line(plan: Plan) -> str:
     """One line on the (dp, pp, tp) mesh of a plan with data-parallel replicas or tensor parallelism:
     which global ranks each replica holds, how each pipeline rank is split and how gradients are reduced.
@@ -295,12 +314,7 @@ def layout_line(plan: Plan) -> str:
         pipeline = f"{p} stage{'s' if p > 1 else ''}"
     else:
         pipeline = f"{p} rank{'s' if p > 1 else ''} of {plan.stages_per_rank} stages"
-    shown = list(range(plan.dp)) if plan.dp <= 4 else [0, 1, plan.dp - 1]
-    replicas = [
-        f"replica {k} = {_ranks_text(plan.global_rank(k, 0), plan.global_rank(k, p - 1, plan.tp - 1))}" for k in shown
-    ]
-    if plan.dp > 4:
-        replicas.insert(2, "...")
+    replicas = _placement(plan)
     reduce_ms = f"{plan.prediction.dp_reduce_s * 1e3:.2f} ms/step"
     name, ways = plan.dp_mode.upper(), plan.shard_size
     groups = (
@@ -335,8 +349,11 @@ def layout_line(plan: Plan) -> str:
         links = sorted({x.name for x in dp_group_links(plan_links(plan), p, plan.dp)})
     over = f" over {', '.join(links)}" if links and links != [plan.link.name] else ""
     if plan.tp == 1:
+        order = (
+            "(dp x pp, pipeline-outermost as Megatron-LM and torchtitan order ranks)" if plan.pp_outer else "(dp x pp)"
+        )
         return (
-            f"layout: {plan.dp} replicas x {pipeline} (dp x pp) on {plan.world_size} ranks; {', '.join(replicas)}; "
+            f"layout: {plan.dp} replicas x {pipeline} {order} on {plan.world_size} ranks; {', '.join(replicas)}; "
             f"gradients reduced by {how}{over}"
         )
     return (

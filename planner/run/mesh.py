@@ -62,8 +62,9 @@ class RankMesh:
 
 def rank_mesh(plan: Plan, rank: int, device: torch.device) -> RankMesh:
     """The (dp, pp, tp) mesh of the plan, laid out as ``Plan`` documents and torch's ``DeviceMesh``
-    does (``torch.arange(world).view(dp, pp, tp)``: global = (replica x pp + pp rank) x tp + tp rank).
-    With tp 1 it is the (dp, pp) mesh; with one replica and tp 1 no ``DeviceMesh`` is made at all.
+    does (``torch.arange(world).view(dp, pp, tp)``: global = (replica x pp + pp rank) x tp + tp rank;
+    an expert-parallel plan's pipeline-outermost, ``view(pp, dp)``: ``Plan.pp_outer``). With tp 1 it is
+    the (dp, pp) mesh; with one replica and tp 1 no ``DeviceMesh`` is made at all.
 
     Args:
         plan: the plan (replicas, pipeline ranks).
@@ -81,7 +82,10 @@ def rank_mesh(plan: Plan, rank: int, device: torch.device) -> RankMesh:
         return _mesh_hsdp(plan, rank, device)
     if plan.tp > 1:
         return _mesh_3d(plan, rank, device)
-    mesh = init_device_mesh(device.type, (plan.dp, plan.n_ranks), mesh_dim_names=("dp", "pp"))
+    if plan.pp_outer:  # the mesh's dimensions in the order of the ranks (a DeviceMesh is indexed by name)
+        mesh = init_device_mesh(device.type, (plan.n_ranks, plan.dp), mesh_dim_names=("pp", "dp"))
+    else:
+        mesh = init_device_mesh(device.type, (plan.dp, plan.n_ranks), mesh_dim_names=("dp", "pp"))
     placed = RankMesh(
         rank=rank,
         pp_rank=plan.pp_rank_of(rank),
@@ -95,12 +99,13 @@ def rank_mesh(plan: Plan, rank: int, device: torch.device) -> RankMesh:
 
 def _with_experts(plan: Plan, placed: RankMesh, device: torch.device) -> RankMesh:
     """``placed`` with its expert-parallel groups: the replicas split into ``dp / ep`` groups of ``ep``
-    consecutive ones, ``(edp, ep, pp)`` laid out as ``rank_mesh``'s (replica = group x ep + index);
+    consecutive ones, ``(pp, edp, ep)`` laid out as ``rank_mesh``'s (replica = group x ep + index; an
+    expert-parallel plan is pipeline-outermost, ``Plan.pp_outer``, so a group's ranks are consecutive);
     the gradient norm over each group's replicas (each expert is held once among them)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     ep, pp = plan.ep, plan.n_ranks
-    mesh = init_device_mesh(device.type, (plan.dp // ep, ep, pp), mesh_dim_names=("edp", "ep", "pp"))
+    mesh = init_device_mesh(device.type, (pp, plan.dp // ep, ep), mesh_dim_names=("pp", "edp", "ep"))
     norm_group = None
     for k in range(plan.dp // ep):  # every rank creates every group, in the same order
         group = dist.new_group([plan.global_rank(k * ep + i, p) for i in range(ep) for p in range(pp)])

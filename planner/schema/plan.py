@@ -31,13 +31,17 @@ class _Frozen(BaseModel):
 class Plan(_Frozen):
     """A complete plan: one pipeline of ``n_ranks`` ranks, run as ``dp`` data-parallel replicas.
 
-    Ranks form a 3-D (dp, pp, tp) mesh of ``world_size = dp x n_ranks x tp`` processes, laid out as
-    torch's ``DeviceMesh`` and torchtitan lay it out: ``torch.arange(world_size).view(dp, n_ranks, tp)``
-    with ``mesh_dim_names=("dp", "pp", "tp")``, i.e. global rank = (replica x n_ranks + pipeline rank)
-    x tp + tensor-parallel rank. A pipeline rank's tp ranks are consecutive (on one node: their
-    all-reduces run every layer); a replica's pipeline ranks follow one another (its stage-to-stage
-    messages stay on one node where they can); the replicas of one pipeline rank are ``n_ranks x tp``
-    global ranks apart and reduce that rank's gradients (``dp_mode``). Everything per stage
+    Ranks form a 3-D (dp, pp, tp) mesh of ``world_size = dp x n_ranks x tp`` processes:
+    ``torch.arange(world_size).view(dp, n_ranks, tp)`` with ``mesh_dim_names=("dp", "pp", "tp")``, i.e.
+    global rank = (replica x n_ranks + pipeline rank) x tp + tensor-parallel rank. A pipeline rank's tp
+    ranks are consecutive (on one node: their all-reduces run every layer); a replica's pipeline ranks
+    follow one another (its stage-to-stage messages stay on one node where they can); the replicas of
+    one pipeline rank are ``n_ranks x tp`` global ranks apart and reduce that rank's gradients
+    (``dp_mode``). An expert-parallel plan (``ep`` > 1) lays the ranks out pipeline-outermost instead
+    (``pp_outer``), as Megatron-LM (its tp-cp-ep-dp-pp order) and torchtitan (its pp, dp, cp, tp mesh)
+    do: ``view(n_ranks, dp, tp)``, global rank = (pipeline rank x dp + replica) x tp + tensor-parallel
+    rank, so the replicas of a pipeline rank, and with them an expert-parallel group, fill a node
+    together and its all-to-alls stay on the node's links where they can. Everything per stage
     (``stages``, ``StagePlan.rank``, memory, block costs) is one tensor-parallel rank of one replica,
     the same on every replica; each replica reads its own ``replica_batch_size`` samples per step in
     ``accumulation`` passes of ``n_microbatches`` microbatches of ``microbatch_size``. With ``tp`` 1 this is
@@ -209,9 +213,16 @@ class Plan(_Frozen):
         """Processes in all: ``dp * n_ranks * tp``."""
         return self.n_ranks * self.dp * self.tp
 
+    @property
+    def pp_outer(self) -> bool:
+        """Whether the ranks are laid out pipeline-outermost, (pp, dp, tp): expert-parallel plans
+        (``ep`` > 1), whose expert groups are replicas of one pipeline rank (see the class docstring)."""
+        return self.ep > 1
+
     def global_rank(self, replica: int, pp_rank: int, tp_rank: int = 0) -> int:
         """The global rank of tensor-parallel rank ``tp_rank`` of pipeline rank ``pp_rank`` of replica
-        ``replica``: ``(replica * n_ranks + pp_rank) * tp + tp_rank``.
+        ``replica``: ``(replica * n_ranks + pp_rank) * tp + tp_rank``, or pipeline-outermost
+        (``pp_outer``) ``(pp_rank * dp + replica) * tp + tp_rank``.
 
         Args:
             replica: the data-parallel index, 0 .. dp - 1.
@@ -229,6 +240,8 @@ class Plan(_Frozen):
                 f"replica {replica}, pipeline rank {pp_rank}, tensor-parallel rank {tp_rank} is outside the plan's "
                 f"{self.dp} x {self.n_ranks} x {self.tp} mesh"
             )
+        if self.pp_outer:
+            return (pp_rank * self.dp + replica) * self.tp + tp_rank
         return (replica * self.n_ranks + pp_rank) * self.tp + tp_rank
 
     def replica_of(self, global_rank: int) -> int:
@@ -238,7 +251,7 @@ class Plan(_Frozen):
             global_rank: a rank in ``0 .. world_size - 1``.
 
         Returns:
-            ``global_rank // (n_ranks * tp)``.
+            ``global_rank // (n_ranks * tp)`` (pipeline-outermost: ``global_rank // tp % dp``).
 
         Raises:
             ValueError: the rank is outside ``0 .. world_size - 1``.
@@ -252,7 +265,7 @@ class Plan(_Frozen):
             global_rank: a rank in ``0 .. world_size - 1``.
 
         Returns:
-            ``global_rank // tp % n_ranks``.
+            ``global_rank // tp % n_ranks`` (pipeline-outermost: ``global_rank // (dp * tp)``).
 
         Raises:
             ValueError: the rank is outside ``0 .. world_size - 1``.
@@ -262,6 +275,9 @@ class Plan(_Frozen):
     def _split_rank(self, global_rank: int) -> tuple[int, int]:
         if not 0 <= global_rank < self.world_size:
             raise ValueError(f"rank {global_rank} is outside the plan's {self.world_size} ranks")
+        if self.pp_outer:
+            pp_rank, replica = divmod(global_rank // self.tp, self.dp)
+            return replica, pp_rank
         return divmod(global_rank // self.tp, self.n_ranks)
 
     def tp_rank_of(self, global_rank: int) -> int:

@@ -110,7 +110,7 @@ def evaluate_choice(
     if memo is not None:
         memo.derived = (given, how, blocks)
     limit = constraints.memory_limit_bytes
-    link = layout_links(cluster.link, pp, layout.dp, layout.tp)
+    link = layout_links(cluster.link, pp, layout.dp, layout.tp, layout.pp_outer)
     if split is None:
         stages, prediction = rank_split(blocks, link, layout, constraints, cluster.slots)
     else:

@@ -99,6 +99,12 @@ class Layout:
         return self.pp * self.stages_per_rank
 
     @property
+    def pp_outer(self) -> bool:
+        """Whether the ranks are laid out pipeline-outermost: expert-parallel layouts, whose expert groups
+        (replicas of one pipeline rank) then fill a node together (``planner.schema.plan.Plan.pp_outer``)."""
+        return self.ep > 1
+
+    @property
     def shard(self) -> int:
         """Replicas a stage's parameters, gradients and optimizer state are sharded over: ``dp``
         under FSDP, ``dp_shard`` under HSDP, 1 under DDP (every replica holds the whole stage).

@@ -202,8 +202,9 @@ def _pending(
 ) -> Pending:
     """``layout`` with its costs at its microbatch size (kept in ``cache``) and its floors."""
     size = space.batch_size // (layout.dp * layout.accumulation * layout.n_microbatches)
-    # the all-to-alls' link depends on how far apart the replicas are: pp x tp ranks
-    key = (size, layout.tp, layout.sequence, layout.ep, layout.pp * layout.tp if layout.ep > 1 else 0)
+    # the all-to-alls' link depends on how far apart the replicas are: tp ranks (an expert-parallel layout
+    # is pipeline-outermost, Layout.pp_outer)
+    key = (size, layout.tp, layout.sequence, layout.ep, layout.tp if layout.ep > 1 else 0)
     if key not in cache:
         sized = blocks_at(blocks, scaling.size0, size, scaling.fixed_fraction)
         shares = at_degree(sized, layout.tp, tp_link(cluster.link), sequence=layout.sequence)

@@ -2,8 +2,8 @@
 
 Pure module: never imports torch. A plan of ``dp`` replicas runs ``dp`` copies of one pipeline of
 ``n_ranks`` ranks on a (dp, pp) mesh, global rank = replica x n_ranks + pipeline rank
-(``torch.arange(world).view(dp, pp)``, as torch's ``DeviceMesh`` and torchtitan lay it out; see
-``planner.schema.plan.Plan``). Each replica runs the pipeline on its batch / dp samples; once per
+(``torch.arange(world).view(dp, pp)``), or pipeline-outermost for expert parallelism, global rank =
+pipeline rank x dp + replica (see ``planner.schema.plan.Plan``; ``NodeLinks.pp_outer``). Each replica runs the pipeline on its batch / dp samples; once per
 step the replicas of every pipeline rank reduce that rank's gradients over their own group:
 
 * DDP: an all-reduce, ``2 (dp - 1) / dp x bytes`` over the group's link;
@@ -118,9 +118,10 @@ def hsdp_shard(dp: int, group_ranks: int, node_ranks: int, asked: int | None = N
     return next((d for d in sizes if d > 1 and on_one_node(d)), sizes[0])
 
 
-def layout_links(link: Links, n_ranks: int, dp: int, tp: int = 1) -> Links:
+def layout_links(link: Links, n_ranks: int, dp: int, tp: int = 1, pp_outer: bool = False) -> Links:
     """The links of one replica's pipeline of ``n_ranks`` ranks among ``dp`` replicas, each pipeline
-    rank split over ``tp`` tensor-parallel ranks.
+    rank split over ``tp`` tensor-parallel ranks, the ranks laid out replicas-outermost or, with
+    ``pp_outer``, pipeline-outermost (``planner.schema.plan.Plan``).
 
     Args:
         link: one link, one per boundary, or a ``NodeLinks`` (its ``n_ranks``, ``replicas`` and
@@ -129,15 +130,16 @@ def layout_links(link: Links, n_ranks: int, dp: int, tp: int = 1) -> Links:
         n_ranks: pipeline ranks of a replica.
         dp: replicas.
         tp: tensor-parallel ranks per pipeline rank.
+        pp_outer: the ranks laid out pipeline-outermost (expert-parallel layouts).
 
     Returns:
         What ``predict`` and the solver take as ``link`` for this layout (``link`` itself unless a
         ``NodeLinks``).
     """
     if isinstance(link, NodeLinks):
-        if (link.n_ranks, link.replicas, link.tp) == (n_ranks, dp, tp):
+        if (link.n_ranks, link.replicas, link.tp, link.pp_outer) == (n_ranks, dp, tp, pp_outer):
             return link
-        return link.model_copy(update={"n_ranks": n_ranks, "replicas": dp, "tp": tp})
+        return link.model_copy(update={"n_ranks": n_ranks, "replicas": dp, "tp": tp, "pp_outer": pp_outer})
     return link
 
 
@@ -233,7 +235,7 @@ def dp_group_links(link: Links, n_ranks: int, dp: int) -> list[LinkCost]:
         One link per pipeline rank.
     """
     if isinstance(link, NodeLinks):
-        placed = layout_links(link, n_ranks, dp, link.tp)
+        placed = layout_links(link, n_ranks, dp, link.tp, link.pp_outer)
         assert isinstance(placed, NodeLinks)
         return [group_link(placed, r, range(dp)) for r in range(n_ranks)]
     one = link if isinstance(link, LinkCost) else next(iter(link), None)
@@ -262,7 +264,7 @@ def hsdp_links(link: Links, n_ranks: int, dp: int, shard: int) -> tuple[list[Lin
     if not isinstance(link, NodeLinks):
         one = dp_group_links(link, n_ranks, dp)
         return one, one
-    placed = layout_links(link, n_ranks, dp, link.tp)
+    placed = layout_links(link, n_ranks, dp, link.tp, link.pp_outer)
     assert isinstance(placed, NodeLinks)
     groups = dp // shard
     # the layout repeats every gpus_per_node replicas (they fill whole nodes): that many groups tell

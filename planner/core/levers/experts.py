@@ -140,7 +140,8 @@ def all_to_all_s(nbytes: float, ranks: int, local: int, link: LinkCost) -> float
 
 def group_link(link: Links, ep: int, stride: int) -> tuple[LinkCost, int]:
     """The link an expert-parallel group crosses and its ranks per node: ``ep`` replicas of one
-    pipeline rank, ``stride`` (``pp x tp``) global ranks apart, ranks filling nodes in order.
+    pipeline rank, ``stride`` global ranks apart (``tp``: an expert-parallel layout is
+    pipeline-outermost, ``planner.schema.plan.Plan.pp_outer``), ranks filling nodes in order.
 
     Args:
         link: the cluster's links (one link, or an intra- and an inter-node ``NodeLinks``).

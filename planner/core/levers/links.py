@@ -27,7 +27,8 @@ class NodeLinks(LinkCost):
     (``planner.core.step.schedules.stage_ranks``), and the boundary between stages i and i + 1 uses
     ``inter`` when their ranks are on different nodes (the looped wrap from the last rank back to
     rank 0 included). With ``replicas`` data-parallel copies of the pipeline, replica k's pipeline
-    rank r is global rank ``(k * n_ranks + r) * tp`` (``planner.schema.plan.Plan``): a boundary uses
+    rank r is global rank ``(k * n_ranks + r) * tp``, or ``(r * replicas + k) * tp`` pipeline-outermost
+    (``pp_outer``: expert-parallel plans, ``planner.schema.plan.Plan``): a boundary uses
     ``inter`` when it crosses nodes in any replica (the replicas wait for each other at the gradient
     reduction, so the slowest sets the step). Being a ``LinkCost``, it passes through code that knows
     one link only; the solver and ``predict`` resolve it per boundary (``boundary_links``).
@@ -38,15 +39,23 @@ class NodeLinks(LinkCost):
     n_ranks: int = Field(ge=1, description="Pipeline ranks of one replica (pp: --gpus / (dp x tp)).")
     replicas: int = Field(default=1, ge=1, description="Data-parallel replicas of the pipeline (dp).")
     tp: int = Field(default=1, ge=1, description="Tensor-parallel ranks of every pipeline rank (inside one node).")
+    pp_outer: bool = Field(
+        default=False,
+        description="Ranks laid out pipeline-outermost, (pp, dp, tp), as expert-parallel plans are: a pipeline "
+        "rank's replicas consecutive. False: replicas outermost, (dp, pp, tp).",
+    )
 
     def node_of(self, replica: int, pp_rank: int) -> int:
         """The node that pipeline rank ``pp_rank`` of replica ``replica`` runs on (its first
         tensor-parallel rank's: a pipeline rank's ``tp`` ranks share a node)."""
+        if self.pp_outer:
+            return (pp_rank * self.replicas + replica) * self.tp // self.gpus_per_node
         return (replica * self.n_ranks + pp_rank) * self.tp // self.gpus_per_node
 
     def crosses(self, a: int, b: int) -> bool:
         """Whether pipeline ranks ``a`` and ``b`` are on different nodes in any replica."""
-        # replica k + gpus_per_node is replica k shifted by n_ranks * tp whole nodes: the pattern repeats
+        # replica k + gpus_per_node is replica k shifted by whole nodes (n_ranks * tp of them, or tp
+        # pipeline-outermost): the pattern repeats
         return any(self.node_of(k, a) != self.node_of(k, b) for k in range(min(self.replicas, self.gpus_per_node)))
 
     def intra(self) -> LinkCost:

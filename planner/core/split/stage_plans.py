@@ -115,7 +115,7 @@ def laid_out(
     schedule, p, n_microbatches, dp = layout.schedule, layout.pp, layout.n_microbatches, layout.dp
     ranks = stage_ranks(schedule, p, layout.stages_per_rank)
     context = _StageContext(optimizer, layout, ranks)
-    link = layout_links(link, p, dp, layout.tp)
+    link = layout_links(link, p, dp, layout.tp, layout.pp_outer)
     # a valid split: legal cuts, non-empty stages (each stage's times are the stage plans' below)
     check_starts(blocks, starts)
     links = boundary_links(link, n, schedule)

@@ -178,6 +178,7 @@ def plan_links(plan: Plan) -> LinkCost:
         n_ranks=plan.n_ranks,
         replicas=plan.dp,
         tp=plan.tp,
+        pp_outer=plan.pp_outer,
     )
 
 
