@@ -176,6 +176,19 @@ def test_an_expert_group_crosses_nodes_as_its_replicas_lie() -> None:
     assert all_to_all_s(2**26, 8, 2, inter) > all_to_all_s(2**26, 8, 8, intra) > 0
 
 
+def test_an_all_to_all_across_nodes_sends_from_every_ranks_own_card() -> None:
+    # 64 ranks, 8 a node: each sends 56/64 of its rows to other nodes from its own 400 Gb/s card, whatever
+    # an H800's NVLink (8 links) holds its ring channels to; 8 a node is no slower than 1 a node
+    rows = 32768 * 7168 * 2
+    for name in ("h100", "h800"):
+        hw = get_hardware(name)
+        inter = link_cost(hw, intra_node=False)
+        assert inter.nccl is not None and inter.nccl.nic_Bps == 50e9
+        eight, one = all_to_all_s(rows, 64, 8, inter), all_to_all_s(rows, 64, 1, inter)
+        assert eight == pytest.approx(56 / 64 * rows / 50e9, rel=0.01) and eight < one
+        assert one == pytest.approx(63 / 64 * rows / 50e9, rel=0.01)
+
+
 def test_expert_parallel_layouts_lay_their_ranks_out_pipeline_outermost() -> None:
     from planner.core.layout.inputs import Layout
     from planner.core.levers.data_parallel import dp_group_links, layout_links

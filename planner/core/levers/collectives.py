@@ -500,8 +500,12 @@ def p2p_link(fabric: NcclFabric) -> tuple[float, float]:
 def _all_to_all(fabric: NcclFabric, nbytes: int, ranks: int, local: int) -> CollectiveTime:
     """An all-to-all of ``nbytes`` per rank (``nbytes / ranks`` to each peer), as NCCL runs it: grouped
     sends to every peer at once. The peers on the node share the GPU's NVLink (the p2p bandwidth
-    inside a node), the others the node's cards (the inter-node ring's channels of the node, a
-    ``1 / local`` share each); the slower share, with its send's latency, sets the time."""
+    inside a node), the others the node's cards: the inter-node ring's channels of the node, or the
+    cards the node's ``local`` ranks send from (``nic_Bps`` each, ``gpus_per_nic`` ranks to a card),
+    whichever carries more, a ``1 / local`` share each. A ring's channels also cross the node's NVLink
+    (an H800's 8 links hold its channels to 22 GB/s), which a send to another node does not: each rank
+    sends from its own card (DeepSeek-V3's report, section 3.2.2: 50 GB/s of InfiniBand per H800). The
+    slower share, with its send's latency, sets the time."""
     local = max(1, min(local, ranks))
     piece = nbytes / ranks
     proto = LL if piece <= _P2P_LL_THRESHOLD else SIMPLE
@@ -512,7 +516,8 @@ def _all_to_all(fabric: NcclFabric, nbytes: int, ranks: int, local: int) -> Coll
     if ranks > local:
         sys_ = _system(fabric, ranks, local)
         g = _graphs(sys_)[RING]
-        node_bw = g.channels * (g.bw_intra if sys_.nodes <= 2 else g.bw_inter) * _GB
+        ring_bw = g.channels * (g.bw_intra if sys_.nodes <= 2 else g.bw_inter) * _GB
+        node_bw = max(ring_bw, max(1, local // fabric.gpus_per_nic) * fabric.nic_Bps)
         lat, _ = tune(fabric, 2, 1)[(_BROADCAST, RING, proto)]
         seconds = max(seconds, lat * 1e-6 + (ranks - local) * piece / (node_bw / local))
     return CollectiveTime(seconds, "p2p", PROTOCOLS[proto])
