@@ -158,9 +158,37 @@ RUNS = [
         layout="PP 16, EP 64 over 8 nodes, ZeRO-1 DP 128, DualPipe, FP8",
         leaves_out="FP8 GEMMs (the planner costs bf16); DualPipe's overlap of one microbatch's all-to-alls with "
         "another's compute (torch's DualPipeV, planned here, runs the two in turn: every exchange exposed); "
-        "node-limited routing (each token "
-        "sent to at most 4 nodes, once a node, then over NVLink: the planner sends every routed row); the "
-        "EP group inside 8 nodes (the planner's replicas of a pipeline rank lie pp ranks apart); ZeRO-1",
+        "node-limited routing (each token sent to at most 4 nodes, once a node, then over NVLink: the planner "
+        "sends every routed row); ZeRO-1: DDP here",
+    ),
+]
+
+
+# Published MoE figures with a layout, not compared: (run, source, published, why not)
+NOT_COMPARED = [
+    (
+        "NeMo Megatron-Bridge 25.09, DeepSeek-V3 on 1,024 H100, TP 2, PP 8, VP 4, EP 64, GBS 8192, seq 4096",
+        "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md",
+        "1,297 tokens/s per GPU, 338 TFLOP/s (FP8)",
+        "FP8, and tensor parallelism with expert parallelism: neither is run here yet",
+    ),
+    (
+        "NeMo Megatron-Bridge, Qwen3-235B-A22B on 256 H100 (TP 2, PP 8, EP 32) and Qwen3-30B-A3B on 16 H100",
+        "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md",
+        "1,204-1,712 and 8,960-10,494 tokens/s per GPU (FP8)",
+        "FP8 (and TP 2 with EP); the NeMo rows force-balance the routing",
+    ),
+    (
+        "NeMo Megatron-Bridge 26.04, GPT-OSS-120B on 64 H100, TP 1, PP 4, EP 8, GBS 1280, seq 4096, BF16",
+        "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md",
+        "5,824 tokens/s per GPU, 158 TFLOP/s",
+        "not tried: the GPT-OSS family (attention sinks, alternating sliding windows) has not been planned here",
+    ),
+    (
+        "torchtitan, DeepSeek-V3 16B on 8 H100 (FSDP + EP)",
+        "pytorch/torchtitan issue 1789",
+        "about 20 % MFU",
+        "an issue thread's figures, not a benchmark: the local batch and EP degree are not given",
     ),
 ]
 
@@ -279,6 +307,8 @@ def main() -> None:
             print(json.dumps(cells(outcomes[-1])), file=sys.stderr, flush=True)
     body = (
         table([cells(o) for o in outcomes], HEADERS)
+        + "\n\nNot compared:\n\n"
+        + table(NOT_COMPARED, ["run", "source", "published", "why not compared"])
         + f"\n\nWritten by `python -m bench.moe_published` in {(time.perf_counter() - t0) / 60:.1f} minutes "
         "(sources and assumptions: the script's docstring)."
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.moe_published import RUNS, megatron_moe_flops
+from bench.moe_published import NOT_COMPARED, RUNS, megatron_moe_flops
 from planner.core.levers.hardware import GPUS
 
 
@@ -36,3 +36,5 @@ def test_every_run_names_its_source_and_a_layout_the_planner_can_take() -> None:
         assert r.gpu in GPUS and r.gpus % r.dp == 0 and r.dp % r.ep == 0, r.key
         assert r.batch % r.dp == 0 and (r.microbatches is None or (r.batch // r.dp) % r.microbatches == 0), r.key
         assert (r.unit == "tokens/s") == (r.flops is None), r.key
+    for run, source, figures, why in NOT_COMPARED:
+        assert run and source and figures and why
