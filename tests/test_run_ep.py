@@ -72,6 +72,30 @@ def test_ep2_under_the_zero_bubble_schedules_matches_the_unsplit_model(
     print(model, schedule, got.losses, want.losses, got.grad_norms, want.grad_norms)
 
 
+@pytest.mark.multiprocess
+def test_ep2_on_a_gpt_oss_config_matches_the_unsplit_model(tmp_path: Path) -> None:
+    # GPT-OSS as its config.json gives it: experts with biases (gate_up_proj_bias, down_proj_bias, sharded
+    # with their weights by expert), attention sinks, alternating sliding windows
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GptOssConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        architectures=["GptOssForCausalLM"],
+    )
+    config.to_json_file(tmp_path / "config.json")
+    plan = plan_with_starts(tmp_path / "config.json", [0, 3], size=None, overrides={"seq_len": 32}, **EP2)
+    assert plan.experts == {f"model.layers.{i}.mlp.experts": 4 for i in range(2)} and plan.pp_outer
+    got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
+    print("gpt-oss ep2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
 def _chunks(checkpoint: Path, key: str) -> int:
     """How many pieces a checkpoint stores a tensor in (torch.distributed.checkpoint's metadata)."""
     import torch.distributed.checkpoint as dcp
