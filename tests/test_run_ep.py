@@ -72,28 +72,59 @@ def test_ep2_under_the_zero_bubble_schedules_matches_the_unsplit_model(
     print(model, schedule, got.losses, want.losses, got.grad_norms, want.grad_norms)
 
 
+# mixture-of-experts families taken as their config.json gives them (tiny): GPT-OSS's experts carry biases
+# (gate_up_proj_bias, down_proj_bias: sharded with their weights by expert) beside attention sinks and
+# sliding windows; DeepSeek-V3's first layer is dense, the rest route over groups beside a shared expert,
+# under multi-head latent attention
+CONFIGS: dict = {
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(intermediate_size=64, num_local_experts=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+        2,
+        [0, 3],
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            first_k_dense_replace=1,
+            n_routed_experts=4,
+            n_group=1,
+            topk_group=1,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+        ),
+        3,
+        [0, 4],
+    ),
+}
+
+
 @pytest.mark.multiprocess
-def test_ep2_on_a_gpt_oss_config_matches_the_unsplit_model(tmp_path: Path) -> None:
-    # GPT-OSS as its config.json gives it: experts with biases (gate_up_proj_bias, down_proj_bias, sharded
-    # with their weights by expert), attention sinks, alternating sliding windows
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_ep2_on_a_config_json_family_matches_the_unsplit_model(tmp_path: Path, family: str) -> None:
     transformers = pytest.importorskip("transformers")
-    config = transformers.GptOssConfig(
-        num_hidden_layers=2,
+    cls, options, layers, starts = CONFIGS[family]
+    config = getattr(transformers, cls)(
+        num_hidden_layers=layers,
         hidden_size=64,
-        intermediate_size=64,
-        num_local_experts=4,
         num_experts_per_tok=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
         vocab_size=512,
-        architectures=["GptOssForCausalLM"],
+        architectures=[cls.replace("Config", "ForCausalLM")],
+        **options,
     )
     config.to_json_file(tmp_path / "config.json")
-    plan = plan_with_starts(tmp_path / "config.json", [0, 3], size=None, overrides={"seq_len": 32}, **EP2)
-    assert plan.experts == {f"model.layers.{i}.mlp.experts": 4 for i in range(2)} and plan.pp_outer
+    plan = plan_with_starts(tmp_path / "config.json", starts, size=None, overrides={"seq_len": 32}, **EP2)
+    experts = {f"model.layers.{i}.mlp.experts": 4 for i in range(layers - 2, layers)}
+    assert plan.experts == experts and plan.pp_outer  # a layer of experts on each pipeline rank
     got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
-    print("gpt-oss ep2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
+    print(family, "ep2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
 
 
 def _chunks(checkpoint: Path, key: str) -> int:
