@@ -18,7 +18,7 @@ from typing import IO, Any
 import click
 
 from cli_groups import option
-from cli_support import CountOrAuto, ReplicasOrAuto
+from cli_support import CountOrAuto, FactorOrAuto, ReplicasOrAuto
 from planner.errors import printable
 
 if sys.version_info >= (3, 11):
@@ -128,6 +128,8 @@ def _kind_error(param: click.Parameter, value: Any) -> str | None:
         return None if isinstance(value, (int, str)) else 'expected a whole number or "auto"'
     if isinstance(kind, click.types.IntParamType):
         return None if isinstance(value, int) else "expected a whole number"
+    if isinstance(kind, FactorOrAuto):
+        return None  # a number, "auto", or a mistake the option names
     if isinstance(kind, click.types.FloatParamType):
         return None if isinstance(value, (int, float)) else "expected a number"
     return None if isinstance(value, str) else "expected a string"

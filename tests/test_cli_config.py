@@ -134,6 +134,7 @@ def test_set_entries_add_to_the_job_file_and_win_per_key(tmp_path: Path) -> None
         ("set = 3\n", 'set = 3: expected a table (set = { n_layers = 4 }) or a list of "KEY=VALUE" strings'),
         ("size = [1, 2]\n", "size = [1, 2]: expected a single string or number"),
         ('microbatches = "many"\n', "microbatches = \"many\": 'many' is neither a whole number nor 'auto'"),
+        ('moe-imbalance = "lots"\n', "moe-imbalance = \"lots\": 'lots' is neither a number nor 'auto'"),
         ('config = "other.toml"\n', "config: a job file cannot name another"),
     ],
 )

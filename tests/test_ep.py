@@ -285,6 +285,21 @@ def test_planner_plan_ep_shards_the_experts_and_searches_what_runs(tmp_path: Pat
     )
 
 
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (0.5, r"^--moe-imbalance 0\.5: Input should be greater than or equal to 1$"),
+        (float("inf"), r"^--moe-imbalance inf: Input should be a finite number$"),
+    ],
+)
+def test_a_moe_imbalance_below_one_or_infinite_is_one_line(value: float, message: str) -> None:
+    values = {"model_file": ROOT / "models" / "hf" / "mixtral.py", "gpus": 4, "dp": 2, "ep": 2}
+    with pytest.raises(PlannerError, match=message):
+        PlanRequest.build(**values, moe_imbalance=value)
+    assert PlanRequest.build(**values, moe_imbalance=1.5).moe_imbalance == 1.5
+    assert PlanRequest.build(**values).moe_imbalance == "auto"
+
+
 def test_ep_on_a_dense_model_or_an_odd_count_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(PlannerError, match=r"--ep 2: the model has no experts to shard"):
         _plan(tmp_path, "models/llama.py", gpu_type="h100", dp=2, ep=2)

@@ -189,6 +189,7 @@ class PlanRequest(_Request):
         "fsdp_units": "--fsdp-units",
         "tp": "--tp",
         "ep": "--ep",
+        "moe_imbalance": "--moe-imbalance",
         "size": "--size",
         "overrides": "--set",
         "batch_size": "--batch-size",
