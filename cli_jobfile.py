@@ -105,13 +105,21 @@ def _cluster_and_costs(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
         cluster["threads"] = profile.threads
         if profile.autocast is not None:
             costs["dtype"] = profile.autocast
-    costs.update(compile=plan.compile, repeats=profile.repeats, warmup=profile.warmup)
+    costs["compile"] = plan.compile
+    if (
+        profile.source != "estimated"
+    ):  # an estimate times nothing (its profile records 0 repeats, which --repeats refuses)
+        costs.update(repeats=profile.repeats, warmup=profile.warmup)
+    if plan.moe_imbalance is not None:
+        costs["moe-imbalance"] = plan.moe_imbalance
     return {k: v for k, v in cluster.items() if v is not None}, costs
 
 
 def _layout(plan: Plan) -> dict[str, Any]:
     """The "Layout" group: everything the search chose, fixed, and the split as given block indices."""
     values: dict[str, Any] = {"dp": plan.dp, "tp": plan.tp}
+    if plan.experts:
+        values["ep"] = plan.ep
     if plan.tp > 1:
         values["sequence-parallel"] = plan.sequence_parallel
     values["schedule"] = plan.schedule

@@ -208,7 +208,7 @@ def plan_from_costs(
             calibration=tuple(calibration),
             experts=experts.counts,
         )
-        return assemble_plan(
+        plan = assemble_plan(
             asked_of(with_step_temp_rule(request, costs.step_temp_rule), memory_limit_bytes),
             split.blocks,
             link,
@@ -218,6 +218,8 @@ def plan_from_costs(
             progress=progress,
             pool=pool,
         )
+        given = request.moe_imbalance  # recorded so that `planner report --config` makes the plan again
+        return plan.model_copy(update={"moe_imbalance": given}) if isinstance(given, float) else plan
 
     plan = assembled(split)
     if plan.tp > 1 and costs.traced.method == "export":  # the runner's check, made once here (an export: seconds)

@@ -191,6 +191,24 @@ def _layout(plan: Plan) -> tuple[object, ...]:
 
 
 @pytest.mark.slow
+def test_report_config_makes_an_expert_parallel_plan_again(tmp_path: Path) -> None:
+    # the degree and the imbalance given are in the job file: the replay shards and charges the same
+    pytest.importorskip("transformers")
+    first = tmp_path / "first.json"
+    args = ["--size", "tiny", "--gpus", "4", "--dp", "2", "--ep", "2", "--moe-imbalance", "1.3", "--gpu-type", "h100"]
+    made = invoke("plan", str(MODELS / "hf" / "mixtral.py"), *args, "-b", "8", "-o", str(first), *FAST)
+    assert made.exit_code == 0, made.output
+    report = invoke("report", str(first), "--config")
+    table = tomllib.loads(report.output)
+    assert (table["ep"], table["moe-imbalance"]) == (2, 1.3)
+    remade = invoke("plan", "--config", str(_job(tmp_path, report.output)), "-o", str(tmp_path / "again.json"))
+    assert remade.exit_code == 0, remade.output
+    original, replayed = Plan.load(first), Plan.load(tmp_path / "again.json")
+    assert (replayed.ep, replayed.moe_imbalance) == (2, 1.3) and _layout(replayed) == _layout(original)
+    assert [b.experts for b in replayed.blocks] == [b.experts for b in original.blocks]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [

@@ -62,6 +62,7 @@ LATER_DEFAULTS = {
     "sequence_parallel": False,
     "experts": {},
     "ep": 1,
+    "moe_imbalance": None,
 }
 BLOCK_LATER_DEFAULTS = {
     "tp": None,

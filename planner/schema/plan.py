@@ -122,6 +122,13 @@ class Plan(_Frozen):
         "consecutive replicas of the same pipeline rank, the tokens routed to them dispatched and combined with "
         "all-to-alls (planner.run.experts); dense layers keep their layout. Divides dp and every layer's expert count.",
     )
+    moe_imbalance: float | None = Field(
+        default=None,
+        ge=1,
+        allow_inf_nan=False,
+        description="--moe-imbalance as given: the busiest expert's routed rows over the mean, which the blocks' "
+        "ExpertShare.imbalance follow; None: auto (the router's where the model ran, else MOE_IMBALANCE).",
+    )
     sequence_parallel: bool = Field(
         default=False,
         description="Sequence parallelism with the tensor parallelism (tp > 1 only): row-wise outputs "
