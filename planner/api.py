@@ -271,18 +271,16 @@ def expert_blocks(
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
     width = costs.profile.dtype if costs.profile.source == "estimated" else request.autocast
     # the router runs where the weights are real (its loads give the imbalance); a meta model only has shapes
-    if device.type == "meta":
-        routed = traced_rows(costs.traced) or routed_rows(model, inputs, list(experts.counts))
-    else:
-        routed = routed_rows(model, inputs, list(experts.counts))
-    measured = all(r.loads is not None for r in routed.values())
-    given = request.moe_imbalance
+    routed = (traced_rows(costs.traced) if device.type == "meta" else {}) or routed_rows(model, inputs, experts.counts)
+    given: float | None = request.moe_imbalance if isinstance(request.moe_imbalance, float) else None
+    if given is None and any(r.loads is None for r in routed.values()):  # auto where the router did not run
+        given = MOE_IMBALANCE
     hw = costs.hardware
     costing = ExpertCosting(
         act_bytes=dtype_bytes(width) if width else 4,
         hardware=hw,
         peak=hw.peak(width or "bf16") if hw is not None else 0.0,
-        imbalance=None if given == "auto" and measured else MOE_IMBALANCE if given == "auto" else given,
+        imbalance=given,
     )
     return with_expert_shares(blocks, experts, routed, costing)
 

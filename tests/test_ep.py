@@ -322,7 +322,7 @@ def test_the_rows_routed_are_read_off_the_trace_or_one_forward_alike() -> None:
     inputs, _ = mf.batch(3, seed=0)
     experts = resolve_experts(mf, model)
     names = list(experts.counts)
-    rows = routed_rows(model, inputs, names)  # real weights: the experts run, the router's choices counted
+    rows = routed_rows(model, inputs, experts.counts)  # real weights: the experts run, the router's choices counted
     for name in names:  # 3 sequences of 32 tokens, top 2, width 64; every row counted at its expert
         assert (rows[name].rows, rows[name].width) == (3 * 32 * 2, 64)
         assert rows[name].loads is not None and len(rows[name].loads) == 4 and sum(rows[name].loads) == 3 * 32 * 2
@@ -333,14 +333,14 @@ def test_the_rows_routed_are_read_off_the_trace_or_one_forward_alike() -> None:
     fixture = load_model_file(ROOT / "tests" / "fixtures" / "moe_file.py", "tiny")
     small = fixture.build(seed=0)
     x, _ = fixture.batch(2, seed=0)
-    assert routed_rows(small, x, ["layers.0.moe.experts"])["layers.0.moe.experts"].rows == 2 * 8 * 2
+    assert routed_rows(small, x, {"layers.0.moe.experts": 4})["layers.0.moe.experts"].rows == 2 * 8 * 2
     with torch.device("meta"):  # on meta the experts never run: the shapes alone
         on_meta = fixture.build(seed=0)
-    every = list(resolve_experts(fixture, on_meta).counts)
+    every = resolve_experts(fixture, on_meta).counts
     meta_rows = routed_rows(on_meta, tuple(t.to("meta") for t in x), every)
     assert len(every) > 1 and meta_rows == {name: Routed(2 * 8 * 2, 16) for name in every}
     with pytest.raises(PlannerError, match=r"the experts module layers\.0\.norm is not called as experts"):
-        routed_rows(small, x, ["layers.0.norm"])
+        routed_rows(small, x, {"layers.0.norm": 4})
     # the shares: the experts' parameters, the rows in the activations' dtype (bf16: 2 bytes), the router's
     # imbalance at each degree (ranks hold consecutive experts)
     block = _block(None).model_copy(update={"name": "model.layers.0", "params": 200_000, "param_bytes": 400_000})

@@ -57,7 +57,7 @@ class Routed:
     loads: tuple[int, ...] | None = None
 
 
-def routed_rows(model: nn.Module, inputs: tuple[Any, ...], names: Sequence[str]) -> dict[str, Routed]:
+def routed_rows(model: nn.Module, inputs: tuple[Any, ...], counts: Mapping[str, int]) -> dict[str, Routed]:
     """What each experts module receives per microbatch: ``T x k`` rows of ``d`` features of its call
     ``experts(hidden [T, d], top_k_index [T, k], ...)``, read off one forward of the model. On the meta
     device a stand-in for each experts module returns zeros of the hidden states' shape (the experts'
@@ -67,7 +67,7 @@ def routed_rows(model: nn.Module, inputs: tuple[Any, ...], names: Sequence[str])
     Args:
         model: the model.
         inputs: one microbatch's positional inputs, on the model's device.
-        names: the experts modules.
+        counts: the experts modules, each with its expert count (``Experts.counts``).
 
     Returns:
         Experts module name -> what it receives.
@@ -77,7 +77,7 @@ def routed_rows(model: nn.Module, inputs: tuple[Any, ...], names: Sequence[str])
     """
     seen: dict[str, Routed] = {}
 
-    def watched(name: str, module: nn.Module) -> Any:
+    def watched(name: str, module: nn.Module, n: int) -> Any:
         original = module.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -91,17 +91,16 @@ def routed_rows(model: nn.Module, inputs: tuple[Any, ...], names: Sequence[str])
             if hidden.is_meta:
                 seen[name] = Routed(index.numel(), int(hidden.shape[-1]))
                 return torch.zeros_like(hidden)  # the contract's output shape; the experts themselves never run
-            n = _count(module)
-            loads = torch.bincount(index.reshape(-1).long().clamp(0, n - 1), minlength=n) if n else None
-            kept = None if loads is None else tuple(int(x) for x in loads.tolist())
-            seen[name] = Routed(index.numel(), int(hidden.shape[-1]), kept)
+            loads = torch.bincount(index.reshape(-1).long().clamp(0, n - 1), minlength=n)
+            seen[name] = Routed(index.numel(), int(hidden.shape[-1]), tuple(int(x) for x in loads.tolist()))
             return original(*args, **kwargs)
 
         return forward
 
+    names = list(counts)
     modules = [model.get_submodule(n) for n in names]
     for name, module in zip(names, modules):
-        module.forward = watched(name, module)  # type: ignore[method-assign]
+        module.forward = watched(name, module, counts[name])  # type: ignore[method-assign]
     try:
         with torch.no_grad():
             model(*inputs)
@@ -112,12 +111,6 @@ def routed_rows(model: nn.Module, inputs: tuple[Any, ...], names: Sequence[str])
     if missing:
         raise ModelFileError(f"the forward never calls the experts module {missing[0]}")
     return seen
-
-
-def _count(module: nn.Module) -> int:
-    """An experts module's experts: the leading dimension its parameters share (0: none)."""
-    leads = {p.shape[0] for p in module.parameters() if p.dim() > 1}
-    return leads.pop() if len(leads) == 1 else 0
 
 
 def traced_rows(traced: TracedModel) -> dict[str, Routed]:

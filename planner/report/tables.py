@@ -272,18 +272,16 @@ def _ranks_text(first: int, last: int) -> str:
 def _placement(plan: Plan) -> list[str]:
     """Which global ranks each replica holds (replicas outermost), or each pipeline rank's replicas
     (pipeline-outermost, ``Plan.pp_outer``), the first two and the last where there are more than 4."""
-    p = plan.n_ranks
+    p, dp, tp = plan.n_ranks, plan.dp, plan.tp
+    count = p if plan.pp_outer else dp
+    shown = list(range(count)) if count <= 4 else [0, 1, count - 1]
     if plan.pp_outer:
-        n = plan.dp * plan.tp
-        shown = list(range(p)) if p <= 4 else [0, 1, p - 1]
-        out = [f"pipeline rank {r}'s replicas = {_ranks_text(r * n, r * n + n - 1)}" for r in shown]
+        out = [f"pipeline rank {r}'s replicas = {_ranks_text(r * dp * tp, (r + 1) * dp * tp - 1)}" for r in shown]
     else:
-        shown = list(range(plan.dp)) if plan.dp <= 4 else [0, 1, plan.dp - 1]
         out = [
-            f"replica {k} = {_ranks_text(plan.global_rank(k, 0), plan.global_rank(k, p - 1, plan.tp - 1))}"
-            for k in shown
+            f"replica {k} = {_ranks_text(plan.global_rank(k, 0), plan.global_rank(k, p - 1, tp - 1))}" for k in shown
         ]
-    if len(shown) == 3 and shown[-1] > 2:
+    if count > 4:
         out.insert(2, "...")
     return out
 

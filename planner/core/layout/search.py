@@ -153,7 +153,7 @@ def _pending_layouts(
     space: SearchSpace,
     constraints: Constraints,
     scaling: Scaling,
-    cache: dict[tuple[int, int, bool, int, int], _Sized],
+    cache: dict[tuple[int, int, bool, int], _Sized],
 ) -> tuple[list[Pending], list[InfeasibleError]]:
     """Every layout of ``space`` with its costs and floors, tensor-parallel degrees outermost, then
     replica counts (ascending: the simpler first), in ``_layouts``' order within them; ``cache``
@@ -198,18 +198,17 @@ def _pending(
     space: SearchSpace,
     scaling: Scaling,
     constraints: Constraints,
-    cache: dict[tuple[int, int, bool, int, int], _Sized],
+    cache: dict[tuple[int, int, bool, int], _Sized],
 ) -> Pending:
     """``layout`` with its costs at its microbatch size (kept in ``cache``) and its floors."""
     size = space.batch_size // (layout.dp * layout.accumulation * layout.n_microbatches)
-    # the all-to-alls' link depends on how far apart the replicas are: tp ranks (an expert-parallel layout
-    # is pipeline-outermost, Layout.pp_outer)
-    key = (size, layout.tp, layout.sequence, layout.ep, layout.tp if layout.ep > 1 else 0)
+    key = (size, layout.tp, layout.sequence, layout.ep)
     if key not in cache:
         sized = blocks_at(blocks, scaling.size0, size, scaling.fixed_fraction)
         shares = at_degree(sized, layout.tp, tp_link(cluster.link), sequence=layout.sequence)
         if layout.ep > 1:
-            shares = experts_at(shares, layout.ep, *group_link(cluster.link, layout.ep, key[4]))
+            # an expert group's replicas are tp ranks apart: an expert-parallel layout is pipeline-outermost
+            shares = experts_at(shares, layout.ep, *group_link(cluster.link, layout.ep, layout.tp))
         cache[key] = _Sized(shares)
     entry = cache[key]
     split = layout.schedule in ZERO_BUBBLE
@@ -310,7 +309,7 @@ def _evaluate_all(
     results taken in the same order: the same outcome, sooner on several cores."""
     # costs by microbatch size, degree and sequence split, shared with the layouts retried in several
     # passes below: with the microbatch count open they run their one-pass layout's microbatches
-    cache: dict[tuple[int, int, bool, int, int], _Sized] = {}
+    cache: dict[tuple[int, int, bool, int], _Sized] = {}
     pending, errors = _pending_layouts(blocks, cluster, space, constraints, scaling, cache)
     order = sorted(range(len(pending)), key=lambda k: (pending[k].step_floor_s, k))
     limit = constraints.memory_limit_bytes
