@@ -169,6 +169,26 @@ def test_fsdp_stage_memory_by_hand() -> None:
     assert stage_memory_bytes(odd, 0, 1, 1, ADAMW, n_microbatches=1, shard=5) == 10 + max(MB + 24, 5)
 
 
+def test_fsdp_shards_an_expert_parallel_ranks_experts_as_every_experts_share() -> None:
+    # Stage [a, b] as one of 4 expert-parallel ranks holds it: 1 MiB of its 2 MiB of parameters, its
+    # experts' quarter, but FSDP shards them over the dp / 4 replicas holding the same experts, a share
+    # of the whole 2 MiB over dp: the static bytes and step are those of the unsplit stage (6 + 1 MiB
+    # with its buffers), while what the pipeline holds unsharded is the rank's 1 MiB weights + 1 MiB
+    # gradients (15 - 2 MiB).
+    blocks = _three_blocks()
+    held = [b.model_copy(update={"params": b.params // 2, "param_bytes": b.param_bytes // 2}) for b in blocks]
+    ep = [
+        h.model_copy(update={"fsdp_params": b.params, "fsdp_param_bytes": b.param_bytes}) for h, b in zip(held, blocks)
+    ]
+    assert stage_memory_bytes(ep, 0, 2, 2, ADAMW, n_microbatches=4, shard=4) == (6 + 13) * MB
+    # what FSDP shards is what the rank holds where they are the same
+    assert stage_memory_bytes(held, 0, 2, 2, ADAMW, n_microbatches=4, shard=4) == (5 + 13) * MB
+    # under DDP (not sharded) the rank holds its own: weights, gradients and state of 1 MiB
+    assert stage_memory_bytes(ep, 0, 2, 2, ADAMW, n_microbatches=4) == stage_memory_bytes(
+        held, 0, 2, 2, ADAMW, n_microbatches=4
+    )
+
+
 def test_fsdp_plan_memory_and_optimizer_step_are_sharded() -> None:
     blocks = [b.model_copy(update={"opt_s": 4e-3}) for b in _three_blocks()]
     plan = _plan(blocks, gpus=8, dp=4, dp_mode="fsdp", m=4, batch=64)

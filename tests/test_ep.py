@@ -52,7 +52,8 @@ def _block(share: ExpertShare | None) -> BlockCost:
         (3, EXPERTS, {"dp": 6}, "--ep 3 does not divide the 8 experts of layers.0.experts"),
         (4, EXPERTS, {"dp": 2}, "--ep 4 does not divide the 2 data-parallel replicas"),
         (2, EXPERTS, {"tp": 2}, "does not run with tensor parallelism (tp 2) yet; give --tp 1"),
-        (2, EXPERTS, {"dp_mode": "fsdp"}, "does not run with FSDP replicas yet; give --dp-mode ddp"),
+        (2, EXPERTS, {"dp_mode": "fsdp"}, None),
+        (2, EXPERTS, {"dp_mode": "hsdp"}, "does not run with HSDP replicas yet; give --dp-mode fsdp or ddp"),
         (2, EXPERTS, {"compiled": True}, "does not run compiled yet"),
     ],
 )
@@ -70,6 +71,7 @@ def test_one_expert_parallel_ranks_block_exactly() -> None:
     a2a = 3 * 1e-3 + 0.75 * 1_000_000 / 1e9
     assert all_to_all_s(1_000_000, 4, 4, LINK) == pytest.approx(a2a)
     assert got.params == 200 + 200 and got.param_bytes == 800 + 800
+    assert got.fsdp_sharded() == (1_000, 4_000)  # FSDP shards the experts over dp / 4: every expert's 1 / dp
     assert got.fwd_s == pytest.approx(0.01 + 4 * a2a) and got.bwd_s == pytest.approx(0.02 + 4 * a2a)
     assert got.bwd_input_s == pytest.approx(0.012 + 4 * a2a) and got.bwd_weight_s == 0.008
     assert got.opt_s == pytest.approx(0.004 * 1_600 / 4_000) and got.grad_s == pytest.approx(0.002 * 0.4)
@@ -222,7 +224,7 @@ def test_expert_parallel_layouts_lay_their_ranks_out_pipeline_outermost() -> Non
     [
         ({"dp": 1}, r"--ep 2 shards the experts over replicas, but --dp 1 is no multiple of it; give --dp 2"),
         ({"dp": 2, "tp": 2}, r"--ep 2: expert parallelism does not run with --tp 2 yet; give --tp 1"),
-        ({"dp": 2, "dp_mode": "fsdp"}, r"does not run with --dp-mode fsdp yet; give --dp-mode ddp"),
+        ({"dp": 2, "dp_mode": "hsdp"}, r"does not run with --dp-mode hsdp yet; give --dp-mode fsdp or ddp"),
         ({"dp": "auto", "gpus": 3}, r"--ep 2 does not divide --gpus 3"),
         ({"dp": "auto", "ep": 4, "batch_size": 2}, r"no replica count tried \(1, 2: those that split the batch of 2"),
     ],

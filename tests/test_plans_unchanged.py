@@ -78,6 +78,8 @@ BLOCK_LATER_DEFAULTS = {
     "cut_kept_bytes": None,
     "host_fwd_s": 0.0,
     "host_bwd_s": 0.0,
+    "fsdp_params": None,
+    "fsdp_param_bytes": None,
 }
 SHARE_LATER_DEFAULTS = {
     "slowdown": {},

@@ -710,6 +710,11 @@ def memory_instances(draw: st.DrawFn) -> tuple[list[BlockCost], int, int, Optimi
     ]
     # of the activations, autocast's weight copies (or none)
     blocks = [b.model_copy(update={"weight_cast_bytes": min(b.activation_bytes, draw(bytes_st))}) for b in blocks]
+    if draw(st.booleans()):  # what FSDP shards beyond what a rank holds (expert parallelism's whole experts)
+        blocks = [
+            b.model_copy(update={"fsdp_params": b.params * k, "fsdp_param_bytes": b.param_bytes * k})
+            for b, k in zip(blocks, draw(st.lists(st.integers(1, 8), min_size=n, max_size=n)))
+        ]
     limit = draw(st.integers(-5, 6000)) * scale
     infl = draw(st.lists(st.integers(0, 9), min_size=1, max_size=4))
     return (

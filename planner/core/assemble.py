@@ -76,6 +76,10 @@ def with_tied_copies(blocks: Sequence[BlockCost], ties: Sequence[Tie]) -> list[B
         }
         if b.opt_s is not None:
             update["opt_s"] = b.opt_s + extra_opt[k]
+        if b.fsdp_params is not None:  # FSDP shards the copy too
+            sharded, sharded_bytes = b.fsdp_sharded()
+            update["fsdp_params"] = sharded + extra_params[k]
+            update["fsdp_param_bytes"] = sharded_bytes + extra_bytes[k]
         out.append(b.model_copy(update=update))
     return out
 

@@ -135,7 +135,7 @@ class ExpertDispatch(nn.Module):
 
 def dispatch_experts(
     plan: Plan, stage: StagePlan, built: nn.Module, traced: TracedModel, mesh: RankMesh
-) -> list[nn.Parameter]:
+) -> list[nn.Module]:
     """Make a stage expert-parallel: in each of its graph modules (a chain's units, or the stage) every
     call of an experts module (recorded by the trace, ``planner.capture.expert_calls``) becomes an
     ``ExpertDispatch`` over the rank's expert-parallel group, and the experts module (the trace's
@@ -149,7 +149,8 @@ def dispatch_experts(
         mesh: this rank's place (``ep_rank``, ``ep_mesh``).
 
     Returns:
-        The stage's expert parameters (their gradients are reduced over the expert groups, not the replicas).
+        The stage's experts modules (their gradients are reduced over the expert groups, not the
+        replicas; under FSDP each is sharded over ``edp_mesh``: ``shard_experts_over_groups``).
 
     Raises:
         PlanFileError: the model was traced without the experts' calls, a layer of the stage whose
@@ -163,7 +164,7 @@ def dispatch_experts(
         )
     assert mesh.ep_mesh is not None
     group = mesh.ep_mesh.get_group()
-    params: list[nn.Parameter] = []
+    modules: list[nn.Module] = []
     done: list[str] = []
     for part in stage_units(built):
         if not isinstance(part, fx.GraphModule):
@@ -174,7 +175,7 @@ def dispatch_experts(
             shard_experts(experts, name, mesh.ep_rank, plan.ep)
             owner, _, leaf = name.rpartition(".")
             part.get_submodule(owner).add_module(leaf, experts)  # in place of the graph's copy of its weights
-            params.extend(experts.parameters())
+            modules.append(experts)
             path = "_ep_" + name.replace(".", "_")
             part.add_module(path, ExpertDispatch(experts, plan.experts[name], group))
             return path
@@ -187,18 +188,50 @@ def dispatch_experts(
             f"stage {stage.index} holds the experts of {', '.join(wanted) or 'no layer'} but its graph calls "
             f"{', '.join(done) or 'none'} as one step; re-plan the model"
         )
-    return params
+    return modules
 
 
-def expert_shards(params: Sequence[nn.Parameter], mesh: RankMesh) -> dict[int, Callable[[torch.Tensor], torch.Tensor]]:
-    """For each expert parameter this rank holds a share of, what turns it (or its optimizer state,
-    of its shape) into a ``DTensor`` of the whole layer's tensor, sharded by expert over the rank's
-    expert-parallel group: the view a checkpoint saves, so that ``torch.distributed.checkpoint``
-    writes each expert once and reads it back into any other ``ep`` (or none).
+def shard_experts_over_groups(plan: Plan, experts: Sequence[nn.Module], mesh: RankMesh, reshard: bool) -> None:
+    """Under FSDP, each experts module its own ``fully_shard`` unit over the ranks holding the same
+    experts (``edp_mesh``: ``dp / ep`` replicas, one included), before the stage's units take the
+    rest over all the replicas, as torchtitan shards a mixture-of-experts model's experts.
+
+    A rank's expert gradients are the sums over the tokens its group's ``ep`` replicas routed to
+    them, so the reduce-scatter over the ``dp / ep`` groups sums every replica's in; it divides by
+    ``dp`` (not its own group's size, FSDP's default) to give the batch's mean gradient, as the
+    rest's average over the replicas is. Over gloo the division runs after a summing
+    reduce-scatter.
 
     Args:
-        params: the rank's expert parameters (``dispatch_experts``).
-        mesh: this rank's place (``ep_mesh``).
+        plan: the plan (replicas, its dtype: ``planner.run.wrappers.fsdp_policy``).
+        experts: the rank's experts modules (``dispatch_experts``), on their device.
+        mesh: this rank's place (``edp_mesh``).
+        reshard: FSDP's ``reshard_after_forward``, as the stage's units take it.
+    """
+    from planner.run.wrappers import shard_over_replicas
+
+    edp = mesh.edp_mesh
+    assert edp is not None
+    for module in experts:
+        shard_over_replicas(plan, module, edp, reshard)
+        module.set_gradient_divide_factor(float(plan.dp))  # type: ignore[operator]
+        # gloo has no pre-multiplied sum. Not for a group of one: torch 2.13's FSDP2 there divides
+        # by the factor on its copy and again after a summing "reduction" (twice in all)
+        if edp.device_type == "cpu" and edp.size() > 1:
+            module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+
+
+def expert_shards(experts: Sequence[nn.Module], mesh: RankMesh) -> dict[int, Callable[[torch.Tensor], torch.Tensor]]:
+    """For each expert parameter this rank holds a share of, what turns it (or its optimizer state,
+    of its shape) into a ``DTensor`` of the whole layer's tensor: sharded by expert over the rank's
+    expert-parallel group, and under FSDP each group's experts again over ``edp_mesh`` (``Shard(0)``
+    on both dimensions of ``experts_mesh``, as FSDP cut them). It is the view a checkpoint saves, so
+    that ``torch.distributed.checkpoint`` writes each expert once and reads it back into any other
+    ``ep`` (or none), sharded or not.
+
+    Args:
+        experts: the rank's experts modules (``dispatch_experts``), after any sharding.
+        mesh: this rank's place (``ep_mesh``, ``experts_mesh``).
 
     Returns:
         Parameter id -> the function (it shares the tensor's storage: a load writes into it).
@@ -210,12 +243,15 @@ def expert_shards(params: Sequence[nn.Parameter], mesh: RankMesh) -> dict[int, C
     size = ep_mesh.size()
 
     def whole(t: torch.Tensor) -> torch.Tensor:
-        shape = (t.shape[0] * size, *t.shape[1:])
+        shape = (t.shape[0] * size, *t.shape[1:])  # a DTensor's (FSDP's) shape is its group's experts'
+        on, placements = ep_mesh, [Shard(0)]
+        if isinstance(t, DTensor):  # FSDP's shard of the group's experts
+            on, placements, t = mesh.experts_mesh, [Shard(0), Shard(0)], t.to_local()
         return DTensor.from_local(
-            t, ep_mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=_contiguous(shape)
+            t, on, placements, run_check=False, shape=torch.Size(shape), stride=_contiguous(shape)
         )
 
-    return {id(p): whole for p in params}
+    return {id(p): whole for module in experts for p in module.parameters()}
 
 
 def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
@@ -227,4 +263,4 @@ def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-__all__ = ["ExpertDispatch", "dispatch_experts", "expert_shards", "shard_experts"]
+__all__ = ["ExpertDispatch", "dispatch_experts", "expert_shards", "shard_experts", "shard_experts_over_groups"]

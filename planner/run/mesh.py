@@ -43,6 +43,11 @@ class RankMesh:
             as a 1-D ``DeviceMesh`` (experts are dispatched over it; None: ep 1).
         edp_group: the ranks holding the same experts in the other expert-parallel groups (expert
             gradients are summed over it; None: ep 1, or one group).
+        edp_mesh: those ranks as a 1-D ``DeviceMesh``, one group included (under FSDP the experts are
+            sharded over it; None: ep 1).
+        experts_mesh: under FSDP, the expert-parallel group and ``edp_mesh`` as one 2-D ``DeviceMesh``
+            ordered (ep, edp): an expert parameter's shard is the ``(Shard(0), Shard(0))`` piece of
+            the whole layer's tensor on it, the view a checkpoint saves (None: not sharded, or ep 1).
     """
 
     rank: int
@@ -58,6 +63,8 @@ class RankMesh:
     ep_rank: int = 0
     ep_mesh: Any | None = None
     edp_group: Any | None = None
+    edp_mesh: Any | None = None
+    experts_mesh: Any | None = None
 
 
 def rank_mesh(plan: Plan, rank: int, device: torch.device) -> RankMesh:
@@ -100,22 +107,32 @@ def rank_mesh(plan: Plan, rank: int, device: torch.device) -> RankMesh:
 def _with_experts(plan: Plan, placed: RankMesh, device: torch.device) -> RankMesh:
     """``placed`` with its expert-parallel groups: the replicas split into ``dp / ep`` groups of ``ep``
     consecutive ones, ``(pp, edp, ep)`` laid out as ``rank_mesh``'s (replica = group x ep + index; an
-    expert-parallel plan is pipeline-outermost, ``Plan.pp_outer``, so a group's ranks are consecutive);
-    the gradient norm over each group's replicas (each expert is held once among them)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    expert-parallel plan is pipeline-outermost, ``Plan.pp_outer``, so a group's ranks are consecutive).
+    Under DDP the gradient norm sums over each group's replicas (each expert is held once among
+    them); under FSDP over every rank (each expert's shards are held once among a pipeline rank's
+    replicas, as the rest's are), and the ``(ep, edp)`` mesh places a shard in its layer's tensor."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    ep, pp = plan.ep, plan.n_ranks
-    mesh = init_device_mesh(device.type, (pp, plan.dp // ep, ep), mesh_dim_names=("pp", "edp", "ep"))
-    norm_group = None
-    for k in range(plan.dp // ep):  # every rank creates every group, in the same order
-        group = dist.new_group([plan.global_rank(k * ep + i, p) for i in range(ep) for p in range(pp)])
-        if placed.replica // ep == k:
-            norm_group = group
+    ep, pp, groups = plan.ep, plan.n_ranks, plan.dp // plan.ep
+    mesh = init_device_mesh(device.type, (pp, groups, ep), mesh_dim_names=("pp", "edp", "ep"))
+    norm_group = experts_mesh = None
+    if plan.sharded:
+        # the same ranks, the last two dimensions swapped: a DeviceMesh's dimensions nest in their
+        # order, and an expert's index runs over the group (ep) before its shards (edp)
+        ranks = torch.arange(plan.world_size).view(pp, groups, ep).transpose(1, 2)
+        experts_mesh = DeviceMesh(device.type, ranks, mesh_dim_names=("pp", "ep", "edp"))["ep", "edp"]
+    else:
+        for k in range(groups):  # every rank creates every group, in the same order
+            group = dist.new_group([plan.global_rank(k * ep + i, p) for i in range(ep) for p in range(pp)])
+            if placed.replica // ep == k:
+                norm_group = group
     return replace(
         placed,
         ep_rank=placed.replica % ep,
         ep_mesh=mesh["ep"],
         edp_group=mesh["edp"].get_group() if plan.dp > ep else None,
+        edp_mesh=mesh["edp"],
+        experts_mesh=experts_mesh,
         norm_group=norm_group,
     )
 

@@ -8,7 +8,7 @@ finishes a step's gradients (``planner.run.gradients``).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,7 @@ from planner.core.step.schedules import ZERO_BUBBLE, placement
 from planner.errors import PlanFileError, PlannerError
 from planner.run.boundary import boundary_scatter, sent_examples
 from planner.run.checkpoint import model_names
-from planner.run.experts import dispatch_experts, expert_shards
+from planner.run.experts import dispatch_experts, expert_shards, shard_experts_over_groups
 from planner.run.gradients import grad_finisher
 from planner.run.mesh import RankMesh
 from planner.run.model import StageSource, check_ties, trace_for_plan
@@ -160,18 +160,20 @@ def build_stages(
     stages: list[Any] = []
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
-    experts: list[torch.nn.Parameter] = []  # expert-parallel: reduced over the expert groups, not the replicas
+    experts: list[torch.nn.Module] = []  # expert-parallel: reduced over the expert groups, not the replicas
     for stage in cut:
         names = _state_names(stage.built, root, aliases)  # before wrapping: FSDP replaces the parameters
+        held: list[torch.nn.Module] = []
         if plan.ep > 1:  # the examples were made above, on the whole experts
-            experts.extend(dispatch_experts(plan, stage.plan, stage.built, traced, mesh))
+            held = dispatch_experts(plan, stage.plan, stage.built, traced, mesh)
+            experts.extend(held)
         if plan.tp > 1:  # every example was made above, on the unsharded trace
             units = stage_units(stage.built)  # a chain's units are named as the unsplit model names them
             if plan.sequence_parallel:  # its hooks first: before torch's styles and FSDP's
                 _split_sequence(stage, units, shardable, sequence, plan, mesh)
             for part in units:
                 shard_stage(part, mesh.tp_mesh, plan.tp_plan, sequence=plan.sequence_parallel)
-        submod = _replicated(plan, stage, mesh, device, seen, manual=manual, own={id(p) for p in experts})
+        submod = _replicated(plan, stage, mesh, device, seen, manual=manual, experts=held)
         for local_name, t in [*stage.built.named_parameters(remove_duplicate=False), *stage.built.named_buffers()]:
             for alias in names.get(local_name, []):
                 tensors[alias] = t
@@ -179,13 +181,18 @@ def build_stages(
         stages.append(_pipeline_stage(plan, stage, submod, mesh, device))
     params = list({id(p): p for m in modules for p in m.parameters() if p.requires_grad}.values())
     optimizer = make_optimizer(params, plan)
-    finish, not_counted = grad_finisher(plan, ties, mesh, params, tensors, average=manual, experts=experts)
+    # the experts' parameters as wrapped (FSDP replaces them); FSDP reduces them itself
+    own = [p for module in experts for p in module.parameters()]
+    finish, not_counted = grad_finisher(
+        plan, ties, mesh, params, tensors, average=manual, experts=None if plan.sharded else own
+    )
     del ties
     counted = [p for p in params if id(p) not in not_counted] if not_counted else None
     if plan.tp > 1:
         counted = norm_counted(counted if counted is not None else params, mesh.tp_rank)
-    if plan.ep > 1:  # the norm sums over the expert group's replicas: each expert once, the rest from one
-        mine = {id(p) for p in experts}
+    if plan.ep > 1 and not plan.sharded:  # the norm sums over the expert group's replicas: each expert
+        # once, the rest from one (under FSDP over every rank: each shard is held once, experts or not)
+        mine = {id(p) for p in own}
         counted = [p for p in (params if counted is None else counted) if id(p) in mine or mesh.ep_rank == 0]
     return RankStages(
         modules=modules,
@@ -329,7 +336,7 @@ def _replicated(
     seen: set[int],
     *,
     manual: bool,
-    own: set[int] | frozenset[int] = frozenset(),
+    experts: Sequence[torch.nn.Module] = (),
 ) -> torch.nn.Module:
     """What the stage's ``PipelineStage`` runs: its boundary on the device, sharded over the replicas
     (FSDP) or wrapped in DDP, compiled and autocast as the plan says.
@@ -341,8 +348,9 @@ def _replicated(
         device: where it runs.
         seen: ids of the trainable parameters of the rank's earlier stages; this stage's are added.
         manual: the replicas' gradients are averaged by the gradient finisher, not by DDP.
-        own: ids of parameters the other replicas do not hold alike (this rank's share of the
-            experts, under expert parallelism): DDP leaves them to the gradient finisher.
+        experts: the stage's experts modules under expert parallelism, this rank's share of them,
+            which the other replicas do not hold alike: DDP leaves them to the gradient finisher,
+            FSDP shards them over the replicas holding the same experts (``shard_experts_over_groups``).
 
     Raises:
         PlannerError: under FSDP, the stage shares a tied parameter with an earlier stage of the rank.
@@ -359,6 +367,8 @@ def _replicated(
         )
     # compiled before sharding, as torchtitan does
     apply_speed_levers(plan, module, stage.inner, device, stage.plan.in_flight, stage.plan.recompute)
+    if fsdp and experts:  # their own units first: the stage's units then leave their parameters alone
+        shard_experts_over_groups(plan, experts, mesh, reshard=per_block_fsdp(plan))
     if fsdp and per_block_fsdp(plan):
         _shard_blocks(plan, stage, mesh)
     elif fsdp:
@@ -369,6 +379,7 @@ def _replicated(
         module.hooks = True
         shard_over_replicas(plan, module, mesh.dp_mesh, False)
     submod: torch.nn.Module = module
+    own = {id(p) for module in experts for p in module.parameters()}
     ignored = shared + [p for p in trainable if id(p) in own and id(p) not in seen]
     if plan.dp > 1 and plan.dp_mode == "ddp" and not manual and len(ignored) < len(trainable):
         if ignored:  # a tied parameter another DDP of this rank already reduces, or an expert

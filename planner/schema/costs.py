@@ -467,6 +467,22 @@ class BlockCost(BaseModel):
         description="Its mixture-of-experts layers' experts (None: a dense block). In a plan whose ep > 1 the "
         "times and bytes above are already one expert-parallel rank's.",
     )
+    fsdp_params: int | None = Field(
+        default=None,
+        ge=0,
+        description="What FSDP shards over a pipeline rank's dp replicas, as if each held it (None: params). "
+        "Under expert parallelism a rank holds 1/ep of the experts and shards them over the dp/ep replicas holding "
+        "the same ones: the share of every expert over dp, so this counts the experts whole.",
+    )
+    fsdp_param_bytes: int | None = Field(
+        default=None, ge=0, description="The bytes of fsdp_params (None: param_bytes)."
+    )
+
+    def fsdp_sharded(self) -> tuple[int, int]:
+        """(parameters, bytes) that FSDP's shard over dp divides: ``fsdp_params`` and
+        ``fsdp_param_bytes``, else ``params`` and ``param_bytes``."""
+        params = self.params if self.fsdp_params is None else self.fsdp_params
+        return params, self.param_bytes if self.fsdp_param_bytes is None else self.fsdp_param_bytes
 
     @property
     def sent_bytes(self) -> int:

@@ -437,7 +437,7 @@ class PlanRequest(_Request):
             )
         given = [
             (isinstance(self.tp, int) and self.tp > 1, f"--tp {self.tp}", "--tp 1"),
-            (self.dp_mode in ("fsdp", "hsdp"), f"--dp-mode {self.dp_mode}", "--dp-mode ddp"),
+            (self.dp_mode == "hsdp", "--dp-mode hsdp", "--dp-mode fsdp or ddp"),
             (self.compile, "--compile", "no --compile"),
         ]
         for blocked, what, instead in given:

@@ -106,6 +106,7 @@ class BlockTotals:
     acts: int
     frees: Frees
     frees_selective: Frees
+    fsdp: tuple[int, int] | None = None
 
 
 def block_totals(blocks: Sequence[BlockCost], split: bool) -> BlockTotals:
@@ -121,7 +122,8 @@ def block_totals(blocks: Sequence[BlockCost], split: bool) -> BlockTotals:
     compute = 0.0
     backward = 0.0
     step = 0.0
-    p_bytes = n_params = 0
+    p_bytes = n_params = f_bytes = f_params = 0
+    differs = False
     lead = 1.0  # the least share of a block's compute that lies on the chain before a stage (below)
     loads: list[float] = []
     backwards: list[float] = []
@@ -155,6 +157,11 @@ def block_totals(blocks: Sequence[BlockCost], split: bool) -> BlockTotals:
         step += (b.opt_s or 0.0) + (b.grad_s or 0.0)
         p_bytes += b.param_bytes
         n_params += b.params
+        if b.fsdp_params is not None:
+            differs = True
+        fsdp_params, fsdp_bytes = b.fsdp_sharded()
+        f_bytes += fsdp_bytes
+        f_params += fsdp_params
     cuts = [b.sent_bytes for b in blocks[:-1] if b.cut_legal]
     return BlockTotals(
         compute,
@@ -169,6 +176,7 @@ def block_totals(blocks: Sequence[BlockCost], split: bool) -> BlockTotals:
         acts,
         _cheapest_first(full),
         _cheapest_first(either),
+        (f_bytes, f_params) if differs else None,
     )
 
 
@@ -273,20 +281,24 @@ def floors(
     most = layout.dp_shard if layout.dp_mode == "hsdp" else dp  # the most replicas a stage is sharded over
     shard = most if dp > 1 and layout.dp_mode in ("fsdp", "hsdp", "auto") and not split else 1
     static = 2 * t.param_bytes + optimizer.state_bytes(t.params, t.param_bytes)
+    # what FSDP shards: more than a rank holds under expert parallelism (every expert's share)
+    f_bytes, f_params = t.fsdp or (t.param_bytes, t.params)
+    sharded = 2 * f_bytes + optimizer.state_bytes(f_params, f_bytes)
     least = t.least_cut
     buffers = 2 * m * (layout.n_stages - 1) * least if least is not None and layout.n_stages > 1 else 0
     ddp = (static + buffers) // pp
     # FSDP holds its stages' weights and gradients whole while the pipeline runs, or block by block
     # only a few units at a time (counted as none here)
     whole = 0 if layout.fsdp_units in ("block", "auto") else 2 * t.param_bytes
-    fsdp = (static // max(1, most) + whole + buffers) // pp
+    fsdp = (sharded // max(1, most) + whole + buffers) // pp
     modes = {"ddp": ddp, "fsdp": fsdp, "hsdp": fsdp, "auto": min(ddp, fsdp)}
     memory = ddp if dp == 1 else modes.get(layout.dp_mode, ddp)
     # one pass's makespan is at least each of: the busiest rank's compute (with the recomputation
     # the limit forces, at least the mean), the chain of the stages (``pipeline_floor``), the chain
     # around the stage with the most backward (``chain_floor``); the step adds the passes, then the
     # slowest rank's optimizer (at least the mean)
-    held = optimizer.state_bytes(t.params, t.param_bytes) // shard + buffers
+    state = optimizer.state_bytes(f_params, f_bytes) if shard > 1 else optimizer.state_bytes(t.params, t.param_bytes)
+    held = state // shard + buffers
     rerun = recompute_floor(t, layout, held, limit, recompute, read_orders)
     one_pass = max(
         busiest_load(t.loads, pp) * m,

@@ -163,9 +163,8 @@ def _pending_layouts(
     floor = min(scaling.min_size, scaling.size0)
     fixed_k = space.accumulation if space.accumulation is not None else 1
     for tp, dp, ep in _meshes(cluster, space):
-        # expert parallelism takes DDP replicas where the mode is open; a mesh it cannot run is no layout
-        ep_mode = "ddp" if space.dp_mode == "auto" else space.dp_mode
-        if layout_refusal(ep, dp=dp, tp=tp, dp_mode=ep_mode, compiled=constraints.compiled):
+        # a mesh expert parallelism cannot run is no layout (where the mode is open, DDP or FSDP: no HSDP)
+        if layout_refusal(ep, dp=dp, tp=tp, dp_mode=space.dp_mode, compiled=constraints.compiled):
             continue
         pp = cluster.world_size // (dp * tp)
         ms = replica_microbatches(space.batch_size // fixed_k, dp, space.n_microbatches, floor)
@@ -180,7 +179,7 @@ def _pending_layouts(
         if pp > sum(1 for b in blocks[:-1] if b.cut_legal) + 1:
             errors.append(InfeasibleError(f"{pp} pipeline ranks (dp={dp}, tp={tp}) are more than the model's stages"))
             continue
-        mode, dp_shard = replica_mode(cluster, space, dp, pp * tp) if ep == 1 else (ep_mode, 0)
+        mode, dp_shard = replica_mode(cluster, space, dp, pp * tp) if ep == 1 else (space.dp_mode, 0)
         if dp_shard < 0:
             errors.append(InfeasibleError(f"--dp-shard {space.dp_shard} does not divide {dp} replicas into groups"))
             continue

@@ -337,10 +337,16 @@ def as_gathered(blocks: Sequence[BlockCost], gather_bytes: int) -> Sequence[Bloc
     bytes are then those it holds (``stage_model.unsharded_bytes``)."""
     if not gather_bytes:
         return blocks
-    return [
-        b.model_copy(update={"param_bytes": gather_bytes * b.params}) if b.param_bytes > gather_bytes * b.params else b
-        for b in blocks
-    ]
+    out = []
+    for b in blocks:
+        if b.param_bytes <= gather_bytes * b.params:
+            out.append(b)
+            continue
+        update = {"param_bytes": gather_bytes * b.params}
+        if b.fsdp_params is not None:  # what FSDP shards (expert parallelism's whole experts) alike
+            update["fsdp_param_bytes"] = gather_bytes * b.fsdp_params
+        out.append(b.model_copy(update=update))
+    return out
 
 
 def wide_bytes(blocks: Sequence[BlockCost]) -> int:

@@ -10,7 +10,10 @@ passes). ``at_degree`` turns a block's costs into one
 expert-parallel rank's (``BlockCost.experts``, from ``planner.costs.experts``):
 
 * memory: the experts' parameters, and with them their gradients and optimizer state, ``1 / ep``
-  each; the rest whole. The activations stay but for the imbalance: under dropless routing the
+  each; the rest whole. Under FSDP the rank's experts are sharded over the ``dp / ep`` replicas
+  holding the same ones (``planner.run.experts.shard_experts_over_groups``): a ``1 / dp`` share of
+  every expert, as the rest's, so what FSDP shards counts them whole (``BlockCost.fsdp_params``)
+  while what it gathers is the rank's ``1 / ep``. The activations stay but for the imbalance: under dropless routing the
   busiest rank receives ``imbalance`` times the mean rows (``ExpertShare.imbalance``: the router's,
   measured, or ``--moe-imbalance``) and its experts save that much more (``saved_bytes``); one
   layer's exchange at a time holds a send and a receive buffer of those rows (``bwd_temp_bytes``);
@@ -109,7 +112,7 @@ def layout_refusal(ep: int, *, dp: int, tp: int, dp_mode: str, compiled: bool = 
         return f"--ep {ep} does not divide the {dp} data-parallel replicas, over which the experts are sharded"
     notyet = [
         (tp > 1, f"with tensor parallelism (tp {tp})", "--tp 1"),
-        (dp_mode != "ddp", f"with {dp_mode.upper()} replicas", "--dp-mode ddp"),
+        (dp_mode == "hsdp", "with HSDP replicas", "--dp-mode fsdp or ddp"),
         (compiled, "compiled", "no --compile"),
     ]
     for blocked, what, instead in notyet:
@@ -192,10 +195,14 @@ def _rank_of(b: BlockCost, share: ExpertShare, ep: int, link: LinkCost, local: i
     # one layer's exchange at a time holds a send and a receive buffer of the busiest rank's rows (the
     # backward's reverse exchanges too): beside the backward's own temporaries
     buffers = round(2 * imbalance * share.dispatch_bytes / share.layers)
+    whole_params, whole_bytes = b.fsdp_sharded()
     return b.model_copy(
         update={
             "params": params,
             "param_bytes": param_bytes,
+            # FSDP shards a rank's experts over the dp / ep replicas holding them: every expert's share over dp
+            "fsdp_params": whole_params,
+            "fsdp_param_bytes": whole_bytes,
             "activation_bytes": b.activation_bytes + extra_saved,
             "selective_bytes": None if b.selective_bytes is None else b.selective_bytes + extra_saved,
             "bwd_temp_bytes": (b.bwd_temp_bytes or 0) + buffers,

@@ -196,6 +196,16 @@ class BlockSums:
     loss_temp: list[int]
     temps: StepTemps
     regions: RegionSums
+    # what FSDP shards, where it differs from what the rank holds (``BlockCost.fsdp_sharded``: expert
+    # parallelism's whole experts): its bytes' and parameters' prefix sums; None where it never does
+    pre_fsdp: tuple[list[int], list[int]] | None = None
+
+    def fsdp_of(self, s: int, e: int) -> tuple[int, int] | None:
+        """``StageSums.fsdp`` of the stage ``[s, e)``: None where FSDP shards what the rank holds."""
+        if self.pre_fsdp is None:
+            return None
+        pre_fp, pre_fn = self.pre_fsdp
+        return pre_fp[e] - pre_fp[s], pre_fn[e] - pre_fn[s]
 
     def stage(self, s: int, e: int) -> StageSums:
         """The ``StageSums`` of the stage ``[s, e)`` in O(1): what ``stage_memory_parts`` sums block by
@@ -212,6 +222,7 @@ class BlockSums:
             self.regions.of(s, e),
             None if self.loss_temp[e] < 0 else self.loss_temp[e],
             self.pre_c[e] - self.pre_c[s],
+            self.fsdp_of(s, e),
         )
 
 
@@ -281,8 +292,22 @@ def _block_sums(blocks: Sequence[BlockCost], optimizer: OptimizerSpec) -> BlockS
         loss_temp=[-1] * n + [-1 if last is None else last],
         temps=StepTemps(blocks, optimizer),
         regions=RegionSums(blocks),
+        pre_fsdp=_fsdp_prefix(blocks),
     )
     return sums
+
+
+def _fsdp_prefix(blocks: Sequence[BlockCost]) -> tuple[list[int], list[int]] | None:
+    """Prefix sums of what FSDP shards, (bytes, parameters), where some block's differs from what it
+    holds (``BlockCost.fsdp_params``), else None."""
+    if all(b.fsdp_params is None for b in blocks):
+        return None
+    pre_fp, pre_fn = [0], [0]
+    for b in blocks:
+        params, nbytes = b.fsdp_sharded()
+        pre_fp.append(pre_fp[-1] + nbytes)
+        pre_fn.append(pre_fn[-1] + params)
+    return pre_fp, pre_fn
 
 
 @dataclass(frozen=True)

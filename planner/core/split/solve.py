@@ -256,7 +256,9 @@ class _Arrays:
 
     def _memory_arrays(self, mem: _MemoryModel) -> None:
         n, sums = self.n, mem.sums
-        pre_p, pre_n, pre_a = sums.pre_p[n], sums.pre_n[n], sums.pre_a[n]
+        # what FSDP shards is at least what a rank holds (expert parallelism counts the experts whole)
+        pre_p, pre_n = (sums.pre_fsdp[0][n], sums.pre_fsdp[1][n]) if sums.pre_fsdp else (sums.pre_p[n], sums.pre_n[n])
+        pre_a = sums.pre_a[n]
         cmax = max([0, *sums.kept_in, *sums.cut_out, *sums.out])
         # Every byte count the fit test forms stays below this (generous) bound, in magnitude.
         temps, regions = sums.temps, sums.regions
@@ -268,6 +270,9 @@ class _Arrays:
         dtype: Any = np.int64 if bound < 2**62 else object
         self.pre_p = np.array(sums.pre_p, dtype=dtype)
         self.pre_n = np.array(sums.pre_n, dtype=dtype)
+        fsdp = sums.pre_fsdp
+        self.pre_fp = np.array(fsdp[0], dtype=dtype) if fsdp else self.pre_p
+        self.pre_fn = np.array(fsdp[1], dtype=dtype) if fsdp else self.pre_n
         self.pre_a = np.array(sums.pre_a, dtype=dtype)
         self.pre_c = np.array(sums.pre_c, dtype=dtype)
         self.cut_in = np.array(sums.cut_in, dtype=dtype)
@@ -335,10 +340,14 @@ class _Arrays:
         d = self.mem.shard
         if d > 1:  # the sharded state (rounded down: still a lower bound) and the unsharded copies; a
             # stage unit's gradient share left out where it comes after the activations are gone
-            # (MemoryParts.reduced): the rest of its state is still at least the share's floor
-            grads = 0 * p_b if self.mem.fresh and not self.mem.per_block else p_b
-            sharded: AnyIntArray = (p_b + grads + per_param) // d + self.mem.m * cin
+            # (MemoryParts.reduced): the rest of its state is still at least the share's floor.
+            # Of what FSDP shards (StageSums.fsdp): the experts whole under expert parallelism
+            fp_b, fn_p = self.pre_fp[e] - self.pre_fp[s], self.pre_fn[e] - self.pre_fn[s]
+            grads = 0 * fp_b if self.mem.fresh and not self.mem.per_block else fp_b
+            moments = 8 * fn_p if self.adamw else 0 * fn_p
+            sharded: AnyIntArray = (fp_b + grads + moments) // d + self.mem.m * cin
             unsharded = unsharded_bytes(p_b, n_p, self.region_params.many(s, e), self.mem.per_block)
+            step = self.step_temps.floor(s, e, fn_p)
             bound: AnyIntArray = sharded + np.maximum(pipeline + unsharded, step // d)
             return bound
         out: AnyIntArray = 2 * p_b + per_param + self.mem.m * cin + np.maximum(pipeline, step)
@@ -385,14 +394,20 @@ class _Arrays:
         step = self.step_temps.of(s, e, n_p)
         static = 2 * p_b + master + moments
         unsharded, most = 0 * p_b, 0 * p_b
+        fp_b, fn_p = p_b, n_p
         d = self.mem.shard
-        if d > 1:  # parts_from_sums with shard: a share of the static bytes and step, the whole stage while it runs
-            static, step = ceil_div(static, d), ceil_div(step, d)
+        if d > 1:  # parts_from_sums with shard: a share of the static bytes and step (of what FSDP shards:
+            # StageSums.fsdp), the whole stage while it runs
+            fp_b, fn_p = self.pre_fp[e] - self.pre_fp[s], self.pre_fn[e] - self.pre_fn[s]
+            master = np.where(fp_b < 4 * fn_p, 4 * fn_p, 0 * fn_p)
+            moments = 8 * fn_p if self.adamw else 0 * fn_p
+            static = ceil_div(2 * fp_b + master + moments, d)
+            step = ceil_div(self.step_temps.of(s, e, fn_p), d)
             most = self.region_params.many(s, e)
             unsharded = unsharded_bytes(p_b, n_p, most, self.mem.per_block)
-        grads = grad_bytes(p_b, n_p, most, d, self.mem.per_block) if self.mem.fresh else 0 * p_b
+        grads = grad_bytes(p_b, n_p, most, d, self.mem.per_block, (fp_b, fn_p)) if self.mem.fresh else 0 * p_b
         # a stage unit's gradient share, made after its last backward: not beside the activations
-        reduced = reduced_bytes(p_b, n_p, d, self.mem.per_block) if self.mem.fresh else 0 * p_b
+        reduced = reduced_bytes(fp_b, fn_p, d, self.mem.per_block) if self.mem.fresh else 0 * p_b
         head = self.limit - (static + self.mem.m * (cin + cout))
         saved = self._saved(s, e, a_b)
         limits = []

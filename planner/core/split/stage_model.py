@@ -265,9 +265,13 @@ def stage_memory_bytes(
     gradients unsharded while the pipeline runs (gathered at the first forward, reduce-scattered
     and freed after the last backward, before the optimizer step)::
 
-        static   = ceil((2 * P + optimizer.state_bytes(N, P)) / shard)
+        static   = ceil((2 * P' + optimizer.state_bytes(N', P')) / shard)
         pipeline = in_flight * (A + out) + out + B + 2 * P  # + the unsharded parameters and gradients
         step     = ceil(T / shard)
+
+    where ``P'`` and ``N'`` are what FSDP shards (``BlockCost.fsdp_sharded``): ``P`` and ``N``, but
+    under expert parallelism with the experts counted whole (a rank gathers its ``1 / ep`` of them,
+    sharded over the ``dp / ep`` replicas holding the same ones: a ``1 / dp`` share of every expert).
 
     In a bf16 (or fp16) plan FSDP gathers the parameters in that dtype and accumulates and reduces
     the gradients in fp32 (``planner.run.wrappers.fsdp_policy``): the unsharded bytes are ``2 P + 4 N``
@@ -438,8 +442,22 @@ def _stage_sums(
     )
     kept_in = blocks[start - 1].kept_cut_bytes if start > 0 else 0
     cast = sum(b.weight_cast_bytes for b in part)
+    fsdp = None
+    if any(b.fsdp_params is not None for b in part):
+        fsdp = (sum(b.fsdp_sharded()[1] for b in part), sum(b.fsdp_sharded()[0] for b in part))
     sums = StageSums(
-        p_bytes, n_params, a_bytes, cut_in, cut_out, kept_in, out, step_temp, summed, loss_temps(blocks, end), cast
+        p_bytes,
+        n_params,
+        a_bytes,
+        cut_in,
+        cut_out,
+        kept_in,
+        out,
+        step_temp,
+        summed,
+        loss_temps(blocks, end),
+        cast,
+        fsdp,
     )
     return sums, regions
 
@@ -464,6 +482,7 @@ class StageSums(NamedTuple):
     regions: Regions | None = None  # its checkpoint regions (None: one region, the whole stage)
     loss_temp: int | None = None  # the loss's backward temporaries (``loss_temps``: the last stage's), first
     cast: int = 0  # C: of A, autocast's copies of the weights (``weight_cast_bytes``)
+    fsdp: tuple[int, int] | None = None  # (P, N) of what FSDP shards where not P and N (``BlockCost.fsdp_sharded``)
 
 
 class Regions(NamedTuple):
@@ -516,27 +535,31 @@ def unsharded_bytes(p_bytes: Any, n_params: Any, most_params: Any, per_block: bo
     return 2 * p_bytes + wide * (p_bytes < wide)
 
 
-def grad_bytes(p_bytes: Any, n_params: Any, most_params: Any, shard: int, per_block: bool) -> Any:
+def grad_bytes(
+    p_bytes: Any, n_params: Any, most_params: Any, shard: int, per_block: bool, sharded: tuple[Any, Any] | None = None
+) -> Any:
     """Of a stage's bytes, its gradients (``MemoryParts.grads``): fp32 where the parameters are
     narrower (their fp32 master copy is what trains: the runner keeps fp32 weights and gradients
     under autocast, the same 16 bytes a parameter with AdamW), else the parameters' bytes; sharded, a
     share of those plus the unsharded ones held while the stage runs (``unsharded_bytes`` less the
-    parameters). Ints and integer arrays alike."""
-    full = fp32_bytes(p_bytes, n_params)
+    parameters). ``sharded``: the (bytes, parameters) whose share a rank keeps, where they differ
+    from those it gathers (expert parallelism: ``BlockCost.fsdp_sharded``). Ints and integer arrays alike."""
     if shard > 1:
         held = most_params if per_block else p_bytes
+        whole = fp32_bytes(*(sharded or (p_bytes, n_params)))
         return (
-            ceil_div(full, shard)
+            ceil_div(whole, shard)
             + unsharded_bytes(p_bytes, n_params, most_params, per_block)
             - held * (2 if per_block else 1)
         )
-    return full
+    return fp32_bytes(p_bytes, n_params)
 
 
 def reduced_bytes(p_bytes: Any, n_params: Any, shard: int, per_block: bool) -> Any:
     """Of a sharded stage's gradients (``grad_bytes``), the share a stage unit's reduce-scatter makes
-    after its last backward (``MemoryParts.reduced``): ``max(P, 4 N) / shard``; 0 block by block,
-    where each unit's share is made during the backward, or unsharded. Ints and integer arrays alike."""
+    after its last backward (``MemoryParts.reduced``): ``max(P, 4 N) / shard`` of what FSDP shards
+    (pass ``BlockCost.fsdp_sharded``'s sums); 0 block by block, where each unit's share is made
+    during the backward, or unsharded. Ints and integer arrays alike."""
     if shard <= 1 or per_block:
         return 0 * p_bytes
     return ceil_div(fp32_bytes(p_bytes, n_params), shard)
@@ -561,7 +584,7 @@ def parts_from_sums(
     Raises:
         InfeasibleError: "mode:k" without ``recomputed`` (the sums do not tell which regions).
     """
-    p_bytes, n_params, _, cut_in, cut_out, _, out, step_temp, regions, loss_temp, cast = sums
+    p_bytes, n_params, _, cut_in, cut_out, _, out, step_temp, regions, loss_temp, cast = sums[:11]
     step = optimizer.step_temp_bytes(n_params) if step_temp is None else step_temp
     if recomputed is None:
         mode, count = split_recompute(recompute_mode(recompute))
@@ -573,15 +596,18 @@ def parts_from_sums(
     backward = with_loss(-1 if loss_temp is None else loss_temp, regions.held if regions else 0, out + rebuilt)
     if shard > 1:
         most_params = regions.most_params if regions else p_bytes
+        # what FSDP shards may be more than what the rank gathers (expert parallelism: StageSums.fsdp)
+        sp, sn = sums.fsdp or (p_bytes, n_params)
+        if step_temp is None:
+            step = optimizer.step_temp_bytes(sn)
         return MemoryParts(
-            fixed=ceil_div(2 * p_bytes + optimizer.state_bytes(n_params, p_bytes), shard)
-            + n_microbatches * (cut_in + cut_out),
+            fixed=ceil_div(2 * sp + optimizer.state_bytes(sn, sp), shard) + n_microbatches * (cut_in + cut_out),
             per_microbatch=saved + out,
             once=backward + unsharded_bytes(p_bytes, n_params, most_params, per_block),
             step=ceil_div(step, shard),
-            grads=grad_bytes(p_bytes, n_params, most_params, shard, per_block),
+            grads=grad_bytes(p_bytes, n_params, most_params, shard, per_block, (sp, sn)),
             microbatches=n_microbatches,
-            reduced=reduced_bytes(p_bytes, n_params, shard, per_block),
+            reduced=reduced_bytes(sp, sn, shard, per_block),
             kept=saved,
         )  # FSDP holds no copies (casts.without_casts)
     return MemoryParts(

@@ -208,6 +208,15 @@ def optimizer_cost(block: BlockCost) -> float:
     return block.opt_s if block.opt_s is not None else 0.0
 
 
+def sharded_work(block: BlockCost, seconds: float, shard: int) -> float:
+    """``seconds`` of the block's optimizer step or gradient work, as over the parameters FSDP
+    shards when ``shard`` > 1 (``BlockCost.fsdp_sharded``: under expert parallelism the experts
+    whole, their work a rank holds ``1 / ep`` of), before the division by ``shard``."""
+    if shard <= 1 or block.fsdp_params is None or not block.params:
+        return seconds
+    return seconds * block.fsdp_params / block.params
+
+
 def _memory_parts(
     blocks: Sequence[BlockCost], start: int, end: int, optimizer: OptimizerSpec, recompute: bool | str, layout: Layout
 ) -> MemoryParts:
@@ -291,8 +300,8 @@ def _stage_plan(
         bwd_s=bwd,
         comm_s=2 * comm,
         time_s=fwd + bwd + comm + comm,
-        opt_s=sum(optimizer_cost(x) for x in part) / shard,
-        grad_s=sum(x.grad_s or 0.0 for x in part) / shard,
+        opt_s=sum(sharded_work(x, optimizer_cost(x), shard) for x in part) / shard,
+        grad_s=sum(sharded_work(x, x.grad_s or 0.0, shard) for x in part) / shard,
         recompute=recompute,
         activation_bytes=sum(x.activation_bytes for x in part),
         kept_bytes=int(memory.kept),
