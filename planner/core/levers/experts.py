@@ -29,9 +29,11 @@ expert-parallel rank's (``BlockCost.experts``, from ``planner.costs.experts``):
   NCCL link as NCCL's own model costs an all-to-all (``planner.core.levers.collectives``: the peers
   on the node over NVLink, the rest over the node's cards), elsewhere (gloo, a measured link) an
   alpha-beta, ``ep - 1`` latencies and the bytes to others. None overlaps compute (the runner
-  waits for each exchange). The replicas' gradient reduction is charged on the parameters the
-  rank holds, over all the replicas (the experts' are reduced over ``dp / ep`` of them: the same
-  bytes, a smaller group).
+  waits for each exchange). The replicas' reduction (and FSDP's gathers) of the experts run over
+  the ``dp / ep`` replicas holding the same ones, the rest's over all of them
+  (``planner.core.levers.data_parallel.by_group``), on the replicas' link; where DDP reduces in
+  buckets during the backward (NCCL), the experts' bytes are still charged in its buckets over all
+  the replicas (the runner reduces them after the backward: not modelled apart).
 """
 
 from __future__ import annotations
