@@ -10,9 +10,9 @@ accumulation searched). The routed experts run as grouped GEMMs, charged the FLO
 routed to them (``planner/costs/roofline.py``), so the plan's FLOPs, and its MFU, are those of the
 active parameters: MFU over active parameters, the figure MoE runs publish. Active parameters are
 counted here as everything outside the routed experts plus top_k / n_experts of the experts. The
-second table plans each setup as expert parallelism runs it (DDP replicas, tp 1:
-``planner.core.levers.experts.ep_refusal``) at each ``--ep`` that divides its experts,
-``--ep 1`` the same layout restrictions without sharding: the step each degree buys.
+second table plans each setup as expert parallelism runs it (tp 1, DDP or FSDP replicas as the
+search finds best: ``planner.core.levers.experts.ep_refusal``) at each ``--ep`` that divides its
+experts, ``--ep 1`` the same layout restrictions without sharding: the step each degree buys.
 The sections between the markers of docs/gpu_costs.md are replaced.
 """
 
@@ -76,12 +76,13 @@ def ep_rows(label: str, file: str, size: str, gpus: int, batch: int) -> list[lis
     for ep in [d for d in EP_DEGREES if experts % d == 0 and gpus % d == 0]:
         t0 = time.perf_counter()
         try:
-            plan = make_plan(_request(file, size, gpus, batch, tp=1, dp_mode="ddp", ep=ep))
+            plan = make_plan(_request(file, size, gpus, batch, tp=1, dp_mode="auto", ep=ep))
         except PlannerError as e:
             rows.append([f"{label}, {gpus} H100", str(ep), f"no plan: {str(e).split(';')[0][:100]}", "-", "-", "-"])
             continue
         t = throughput(plan)
-        layout = f"{plan.schedule}, pp {plan.n_ranks}, dp {plan.dp}, m={plan.n_microbatches}" + (
+        mode = plan.dp_mode + (" per block" if plan.sharded and plan.fsdp_units == "block" else "")
+        layout = f"{plan.schedule}, pp {plan.n_ranks}, dp {plan.dp} ({mode}), m={plan.n_microbatches}" + (
             f", k={plan.accumulation}" if plan.accumulation > 1 else ""
         )
         print(f"{label} ep {ep}: {layout}, {time.perf_counter() - t0:.0f} s to plan", file=sys.stderr)
@@ -136,7 +137,7 @@ def main() -> None:
     write_between_markers(DOC, BEGIN, END, text)
     ep = table(
         [row for s in SETUPS for row in ep_rows(*s)],
-        ["setup", "ep", "plan (DDP, tp 1)", "step s", "tokens/s/GPU", "memory"],
+        ["setup", "ep", "plan (tp 1)", "step s", "tokens/s/GPU", "memory"],
     )
     print(ep)
     write_between_markers(DOC, EP_BEGIN, EP_END, ep)

@@ -28,6 +28,14 @@ Sources:
   GPU, everything included (checkpoints, failures, the ramp of the batch). Its routing is balanced
   without an auxiliary loss, whose busiest expert carries 1.04 x the mean (arXiv 2408.15664,
   Table 2). Not published: the microbatch (searched here).
+* NVIDIA-NeMo/Megatron-Bridge ``docs/performance-summary-archive.md``, 26.02 NeMo container, model GPT OSS
+  120B on DGX-H100: 64 GPUs, BF16, GBS 1280, MBS 1, sequence 4096, FSDP 0 (DDP with Megatron's
+  distributed optimizer), TP 1, PP 4, CP 1, VP n/a, EP 8: 5,993 tokens/s per GPU (163 TFLOP/s). "In MoE
+  training benchmarks, we force-balance the token distribution among experts and all benchmarks are
+  token-dropless": an even spread here (``--moe-imbalance 1``). The model: transformers'
+  ``GptOssConfig`` defaults (36 layers of 128 experts, top 4: gpt-oss-120b). Under DDP a rank would hold
+  its stages' weights, gradients and AdamW state whole (61-70 GB), which the distributed optimizer
+  shards; the planner's nearest is FSDP with the experts sharded over the replicas holding them.
 """
 
 from __future__ import annotations
@@ -87,6 +95,7 @@ class MoeRun:
     layout: str  # as published
     leaves_out: str  # what the run had that the planner does not model
     extra: dict[str, Any] = field(default_factory=dict)
+    dp_mode: str = "ddp"  # the planner's nearest to the run's data parallelism
 
     def step_s(self) -> float:
         """The step the published figure implies."""
@@ -107,6 +116,16 @@ def _deepseek_config(tmp: Path) -> Path:
     folder = tmp / "deepseek-v3"
     folder.mkdir(exist_ok=True)
     DeepseekV3Config(architectures=["DeepseekV3ForCausalLM"]).to_json_file(folder / "config.json")
+    return folder / "config.json"
+
+
+def _gpt_oss_config(tmp: Path) -> Path:
+    """GPT-OSS as transformers configures it (its defaults are gpt-oss-120b), as a config.json."""
+    from transformers import GptOssConfig
+
+    folder = tmp / "gpt-oss"
+    folder.mkdir(exist_ok=True)
+    GptOssConfig(architectures=["GptOssForCausalLM"]).to_json_file(folder / "config.json")
     return folder / "config.json"
 
 
@@ -161,6 +180,33 @@ RUNS = [
         "node-limited routing (each token sent to at most 4 nodes, once a node, then over NVLink: the planner "
         "sends every routed row); ZeRO-1: DDP here",
     ),
+    MoeRun(
+        key="megatron-bridge-gpt-oss-120b",
+        source="NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md (26.02 container, DGX-H100)",
+        model="GPT-OSS-120B (117 B, 5.1 B active)",
+        model_file=_gpt_oss_config,
+        size=None,
+        overrides={"seq_len": 4096},
+        gpu="h100",
+        gpus=64,
+        dp=16,
+        ep=8,
+        schedule="1f1b",
+        stages_per_rank=1,
+        batch=1280,
+        seq=4096,
+        microbatches=80,
+        figure=5993.0,
+        unit="tokens/s",
+        flops=None,
+        imbalance=1.0,
+        layout="TP 1, PP 4, EP 8, MBS 1, GBS 1280, BF16, distributed optimizer, routing force-balanced",
+        leaves_out="transformers' GPT-OSS attention runs eagerly (it has no SDPA path for its sinks: every "
+        "head's 4,096 x 4,096 scores are materialised), where Megatron fuses it; Megatron's grouped GEMM and "
+        "permute kernels and its overlap; the distributed optimizer (ZeRO-1): FSDP here (the weights gathered "
+        "each microbatch where DDP does not fit)",
+        dp_mode="fsdp",
+    ),
 ]
 
 
@@ -177,15 +223,6 @@ NOT_COMPARED = [
         "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md",
         "1,204-1,712 and 8,960-10,494 tokens/s per GPU (FP8)",
         "FP8 (and TP 2 with EP); the NeMo rows force-balance the routing",
-    ),
-    (
-        "NeMo Megatron-Bridge 26.04, GPT-OSS-120B on 64 H100, TP 1, PP 4, EP 8, GBS 1280, seq 4096, BF16",
-        "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md",
-        "5,824 tokens/s per GPU, 158 TFLOP/s",
-        "does not fit as it ran: with DDP a rank holds its 3.8-4.4 B parameters' weights, gradients and AdamW "
-        "state whole (61-70 GB before any activation), which Megatron's distributed optimizer shards over the replicas; "
-        "FSDP with expert parallelism is not run here yet (the family plans and runs with --ep: checked on a "
-        "tiny config)",
     ),
     (
         "torchtitan, DeepSeek-V3 16B on 8 H100 (FSDP + EP)",
@@ -231,7 +268,7 @@ def evaluate(run: MoeRun, tmp: Path) -> Outcome:
         dp=run.dp,
         tp=1,
         ep=run.ep,
-        dp_mode="ddp",
+        dp_mode=run.dp_mode,
         schedule=run.schedule,
         stages_per_rank=run.stages_per_rank,
         microbatches=run.microbatches,

@@ -400,6 +400,21 @@ def test_the_rows_routed_are_read_off_the_trace_or_one_forward_alike() -> None:
     assert torch.is_grad_enabled()  # the forward ran without autograd and left it on
 
 
+def test_a_limit_ddp_replicas_miss_is_met_by_fsdp_with_the_experts_sharded(tmp_path: Path) -> None:
+    # dp 4, ep 2: DDP holds 5.5 MB a rank, FSDP 3.6 MB (each rank's experts over the 2 replicas holding
+    # them, the rest over all 4). Under a 4.8 MB limit --dp-mode auto takes FSDP with ep 2, as it runs
+    pytest.importorskip("transformers")
+    options = dict(gpu_type="h100", gpus=4, batch_size=16, dp=4, ep=2, tp=1, recompute="never")
+    ddp = _plan(tmp_path, "models/hf/mixtral.py", dp_mode="ddp", **options)
+    fsdp = _plan(tmp_path, "models/hf/mixtral.py", dp_mode="fsdp", **options)
+    assert fsdp.prediction.max_memory_bytes < 0.0045 * 2**30 < ddp.prediction.max_memory_bytes
+    auto = _plan(tmp_path, "models/hf/mixtral.py", dp_mode="auto", memory_limit_gib=0.0045, **options)
+    assert (auto.dp_mode, auto.ep) == ("fsdp", 2) and auto.prediction.max_memory_bytes <= 0.0045 * 2**30
+    held = [b for b in auto.blocks if b.experts is not None]
+    assert held and all(b.fsdp_sharded()[0] > b.params for b in held)  # FSDP shards every expert's share
+    assert auto.prediction.max_memory_bytes == fsdp.prediction.max_memory_bytes
+
+
 def test_ep_auto_tries_the_divisors_of_the_experts_that_divide_the_ranks() -> None:
     from planner.core.levers.experts import expert_degrees
 

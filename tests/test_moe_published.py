@@ -29,6 +29,13 @@ def test_deepseek_v3s_gpu_hours_are_a_step() -> None:
     assert run.step_s() == pytest.approx(19.907, rel=1e-4)
 
 
+def test_gpt_oss_120bs_tokens_are_a_step() -> None:
+    """1,280 sequences of 4,096 tokens at 5,993 tokens/s per GPU on 64 GPUs: a step of 13.670 s."""
+    run = next(r for r in RUNS if r.key == "megatron-bridge-gpt-oss-120b")
+    assert run.step_s() == pytest.approx(1280 * 4096 / (5993 * 64), rel=1e-12) == pytest.approx(13.670, rel=1e-4)
+    assert (run.dp_mode, run.imbalance, run.dp * (run.gpus // run.dp)) == ("fsdp", 1.0, 64)
+
+
 def test_every_run_names_its_source_and_a_layout_the_planner_can_take() -> None:
     assert len({r.key for r in RUNS}) == len(RUNS)
     for r in RUNS:
@@ -36,5 +43,6 @@ def test_every_run_names_its_source_and_a_layout_the_planner_can_take() -> None:
         assert r.gpu in GPUS and r.gpus % r.dp == 0 and r.dp % r.ep == 0, r.key
         assert r.batch % r.dp == 0 and (r.microbatches is None or (r.batch // r.dp) % r.microbatches == 0), r.key
         assert (r.unit == "tokens/s") == (r.flops is None), r.key
+        assert r.dp_mode in ("ddp", "fsdp"), r.key  # what the planner runs with expert parallelism
     for run, source, figures, why in NOT_COMPARED:
         assert run and source and figures and why

@@ -217,6 +217,27 @@ def test_planner_plan_ep_then_run_trains_like_the_unsplit_model(tmp_path: Path) 
 
 
 @pytest.mark.multiprocess
+def test_planner_plan_fsdp_with_ep_then_run_trains_like_the_unsplit_model(tmp_path: Path) -> None:
+    from planner.api import make_plan
+    from planner.schema.request import PlanRequest
+
+    request = PlanRequest.build(
+        model_file=FIXTURE,
+        gpus=4,
+        dp=4,
+        ep=2,
+        dp_mode="fsdp",
+        batch_size=8,
+        optimizer={"name": "adamw", "lr": 1e-2, "grad_clip": 0.05},
+        output=tmp_path / "plan.json",
+        progress=False,
+    )
+    plan = make_plan(request)
+    assert (plan.dp, plan.ep, plan.dp_mode, plan.n_ranks) == (4, 2, "fsdp", 1)
+    _run_and_compare(plan, tmp_path, steps=2, save_checkpoints=False)
+
+
+@pytest.mark.multiprocess
 def test_a_plan_of_ep_auto_runs_whatever_ep_it_chose(tmp_path: Path) -> None:
     # the planner's trace recorded the experts' calls (ModelRef.expert_calls), so the run's trace does
     # too and the fingerprints agree, also where the search kept the experts whole

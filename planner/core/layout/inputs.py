@@ -268,14 +268,14 @@ def asked_of(request: PlanRequest, memory_limit_bytes: int | None) -> Asked:
     Returns:
         The request as core's records.
     """
-    ep = request.ep if isinstance(request.ep, int) else 1  # a given ep: DDP replicas and tp 1 (as validated)
+    ep = request.ep if isinstance(request.ep, int) else 1  # a given ep: tp 1, no HSDP (as validated)
     space = SearchSpace(
         request.batch_size,
         request.schedule,
         request.microbatches,
         request.stages_per_rank,
         tuple(d for d in request.dp_options if d % ep == 0),
-        "ddp" if ep > 1 else request.dp_mode,
+        request.dp_mode,
         (1,) if ep > 1 else tuple(request.tp_options),
         None if request.accumulation == "auto" else request.accumulation,
         request.fsdp_units,
