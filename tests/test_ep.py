@@ -83,14 +83,16 @@ def test_one_expert_parallel_ranks_block_exactly() -> None:
 
 
 def test_the_experts_are_gathered_and_reduced_over_the_replicas_holding_the_same_ones() -> None:
-    from planner.core.levers.data_parallel import by_group, rank_reduce_s, stage_traffic
+    from planner.core.levers.data_parallel import rank_reduce_s, stage_traffic
+    from planner.core.levers.experts import by_group, held_experts
     from planner.schema.plan import StagePlan
 
     share = ExpertShare(layers=2, experts=8, params=800, param_bytes=3_200, dispatch_bytes=2_000_000)
     (got,) = at_degree([_block(share)], 4, LINK, 4)
     # the rank holds 200 dense + 200 expert parameters (800 + 800 B): its experts go over dp / 4
-    assert by_group([got], 4) == (800, 800) and by_group([got], 1) == (1_600, 0)
-    assert by_group([got], 4, wide=True) == (800, 800)  # fp32 already: the gradients are as wide
+    assert held_experts(got) == (200, 800, 4) and held_experts(_block(share)) == (0, 0, 1)
+    assert by_group([got]) == (800, 800, 4) and by_group([_block(share)]) == (4_000, 0, 1)
+    assert by_group([got], wide=True) == (800, 800, 4)  # fp32 already: the gradients are as wide
     stage = StagePlan(
         index=0, rank=0, start=0, end=1, first_block="b", last_block="b", split_node=None, params=400,
         fwd_s=0.0, bwd_s=0.0, comm_s=0.0, time_s=0.0, opt_s=0.0, recompute=False, activation_bytes=0,
@@ -103,15 +105,15 @@ def test_the_experts_are_gathered_and_reduced_over_the_replicas_holding_the_same
     def allreduce(nbytes: int, group: int) -> float:  # a tree's latencies, a ring's bytes
         return 2 * math.ceil(math.log2(group)) * 1e-3 + 2 * (group - 1) / group * nbytes / 1e9
 
-    gathers, reduces = stage_traffic([got], [stage], [LINK], 8, ep=4)
+    gathers, reduces = stage_traffic([got], [stage], [LINK], 8)
     assert gathers == [pytest.approx(ring(800, 8) + ring(800, 2))]
     assert reduces == [pytest.approx(ring(800, 8) + ring(800, 2))]
-    (fsdp,) = rank_reduce_s([got], [stage], [LINK], 8, "fsdp", ep=4)
+    (fsdp,) = rank_reduce_s([got], [stage], [LINK], 8, "fsdp")
     assert fsdp == pytest.approx(2 * (ring(800, 8) + ring(800, 2)))
-    (ddp,) = rank_reduce_s([got], [stage], [LINK], 8, "ddp", ep=4)
+    (ddp,) = rank_reduce_s([got], [stage], [LINK], 8, "ddp")
     assert ddp == pytest.approx(allreduce(800, 8) + allreduce(800, 2))
     # every replica its own expert group (dp = ep): the experts are reduced by no one
-    (alone,) = rank_reduce_s([got], [stage], [LINK], 4, "ddp", ep=4)
+    (alone,) = rank_reduce_s([got], [stage], [LINK], 4, "ddp")
     assert alone == pytest.approx(allreduce(800, 4))
 
 

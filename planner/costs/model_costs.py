@@ -338,7 +338,7 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
         return sum(b.fwd_s + b.bwd_s for b in est)
 
     scaling = _scaling(request, estimated_time_at)
-    if scaling["min_microbatch_size"] > 1 and _runs_on_meta(mf, model, 1, request.seed):
+    if scaling["min_microbatch_size"] > 1 and _runs_one(mf, model, costed, costed_model, request.seed):
         # An estimate is not a measurement: the affine fit extrapolates to any size the model runs,
         # and large runs use microbatches of one sample (one sequence). Only a model that cannot run
         # one (batch norm in training) keeps the fitted floor.
@@ -355,13 +355,24 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
     )
 
 
-def _runs_on_meta(mf: ModelFile, model: torch.nn.Module, size: int, seed: int) -> bool:
-    """Whether the model's forward and loss run on a meta microbatch of ``size`` samples (shape checks
-    only: nothing is computed). Batch norm in training refuses one sample per channel, say."""
+def _runs_one(
+    mf: ModelFile, model: torch.nn.Module, costed: TracedModel, costed_model: torch.nn.Module, seed: int
+) -> bool:
+    """Whether the model runs a microbatch of one sample on the meta device: its forward and loss
+    run (shape checks only: nothing is computed; batch norm in training refuses one sample per
+    channel, say), or, where they do not run eagerly on meta, the costs' trace retraces at that size.
+    transformers' MoE experts loop over the experts the router hit (``Tensor.item`` refused on meta)
+    or run grouped GEMMs that refuse fp32 operands, but trace as a whole (one more trace: the
+    plan's costs and the search's microbatches then reach one sample, as large MoE runs train)."""
+    x, y = mf.batch(1, seed=seed)
+    x = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in x)
     try:
-        x, y = mf.batch(size, seed=seed)
-        x = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in x)
         mf.loss_fn(model(*x), y.to("meta"))
+        return True
+    except Exception:  # noqa: BLE001, S110 - not eagerly on meta: the trace says
+        pass
+    try:
+        retrace(costed, costed_model, x)
     except Exception:  # noqa: BLE001 - any failure means "cannot run that small"
         return False
     return True

@@ -53,6 +53,7 @@ from collections.abc import Sequence
 from functools import lru_cache, partial
 
 from planner.core.levers.collectives import Collective, collective_time
+from planner.core.levers.experts import by_group
 from planner.core.levers.links import Links, NodeLinks
 from planner.core.levers.overlap import NONE, Overlap, bucketed, fsdp_unit_pass, spread
 from planner.core.levers.recompute import checkpoint_units
@@ -355,38 +356,12 @@ def wide_bytes(blocks: Sequence[BlockCost]) -> int:
     return sum(fp32_bytes(b.param_bytes, b.params) for b in blocks)
 
 
-def by_group(blocks: Sequence[BlockCost], ep: int = 1, wide: bool = False) -> tuple[int, int]:
-    """The blocks' parameter bytes (``wide``: their gradients as reduced, ``wide_bytes``) split by the
-    group that gathers or reduces them: (over all the replicas, over the ``dp / ep`` replicas holding
-    the same experts). A rank holds ``1 / ep`` of each expert-parallel block's experts, whose bytes
-    are what ``BlockCost.fsdp_sharded`` counts beyond what it holds, over ``ep - 1``; the rest, and
-    every block without experts, go over all the replicas.
-
-    Args:
-        blocks: per-block costs, as one expert-parallel rank holds them (``experts.at_degree``).
-        ep: expert-parallel ranks (1: everything over all the replicas).
-        wide: the gradients' bytes as reduced instead of the parameters'.
-
-    Returns:
-        (bytes over all the replicas, bytes over the expert groups' replicas).
-    """
-    whole = wide_bytes(blocks) if wide else sum(b.param_bytes for b in blocks)
-    if ep <= 1:
-        return whole, 0
-    experts = 0
-    for b in blocks:
-        if b.fsdp_params is not None:
-            params, nbytes = b.fsdp_sharded()
-            n_experts, e_bytes = (params - b.params) // (ep - 1), (nbytes - b.param_bytes) // (ep - 1)
-            experts += fp32_bytes(e_bytes, n_experts) if wide else e_bytes
-    return whole - experts, experts
-
-
-def _by_group_s(op: Collective, nbytes: tuple[int, int], dp: int, ep: int, link: LinkCost) -> float:
-    """One FSDP collective (``op``: "all_gather" or "reduce_scatter") of bytes split ``by_group``: the
-    first part over the ``dp`` replicas, the experts' over ``dp / ep`` of them, on the same link (an
-    expert group's replicas are spread over the nodes as the replicas are)."""
-    dense, experts = nbytes
+def _by_group_s(op: Collective, blocks: Sequence[BlockCost], dp: int, link: LinkCost) -> float:
+    """One FSDP collective of the blocks' parameters (``op`` "all_gather") or gradients
+    ("reduce_scatter", ``wide_bytes``) split ``by_group``: the experts a rank holds of an
+    expert-parallel block over the ``dp / ep`` replicas holding the same ones, the rest over all
+    ``dp``, on the same link (an expert group's replicas lie over the nodes as the replicas do)."""
+    dense, experts, ep = by_group(blocks, wide=op == "reduce_scatter")
     return _ring_s(dense, dp, link, op) + (_ring_s(experts, dp // ep, link, op) if experts else 0.0)
 
 
@@ -396,7 +371,6 @@ def rank_reduce_s(
     links: Sequence[LinkCost],
     dp: int,
     dp_mode: str,
-    ep: int = 1,
 ) -> list[float]:
     """The gradient reduction of every pipeline rank (over all of its stages' parameters); under
     expert parallelism the experts' over the ``dp / ep`` replicas holding the same ones (``by_group``).
@@ -407,7 +381,6 @@ def rank_reduce_s(
         links: each rank's group link (``dp_group_links``).
         dp: replicas.
         dp_mode: "ddp" or "fsdp".
-        ep: expert-parallel ranks.
 
     Returns:
         Seconds per rank.
@@ -415,7 +388,7 @@ def rank_reduce_s(
     out = []
     for rank, link in enumerate(links):
         part = [b for st in stages if st.rank == rank for b in blocks[st.start : st.end]]
-        (dense, experts), (dense_grads, expert_grads) = by_group(part, ep), by_group(part, ep, wide=True)
+        (dense, experts, ep), (dense_grads, expert_grads, _) = by_group(part), by_group(part, wide=True)
         seconds = grad_reduce_s(dense, dp, dp_mode, link, dense_grads)
         if experts or expert_grads:
             seconds += grad_reduce_s(experts, dp // ep, dp_mode, link, expert_grads)
@@ -465,7 +438,6 @@ def stage_traffic(
     shard: int,
     copies: Sequence[LinkCost] = (),
     groups: int = 1,
-    ep: int = 1,
 ) -> tuple[list[float], list[float]]:
     """FSDP's collectives of every stage with stage units, as ``planner.core.step.simulate.Traffic`` places
     them: the all-gather of its parameters, and the reduce-scatter of its gradients (fp32 where the
@@ -480,7 +452,6 @@ def stage_traffic(
         shard: replicas the stages are sharded over.
         copies: under HSDP, each rank's replicate-group link (``hsdp_links``' second).
         groups: under HSDP, the shard groups (1: plain FSDP).
-        ep: expert-parallel ranks: the experts' collectives run over ``shard / ep`` replicas (``by_group``).
 
     Returns:
         Seconds per stage: the gathers and the reductions.
@@ -489,9 +460,9 @@ def stage_traffic(
     for st in stages:
         part, link = blocks[st.start : st.end], links[st.rank]
         wide = wide_bytes(part)
-        gather.append(_by_group_s("all_gather", by_group(part, ep), shard, ep, link))
+        gather.append(_by_group_s("all_gather", part, shard, link))  # the experts' over their groups
         spread = _allreduce_s(wide / shard, groups, copies[st.rank]) if groups > 1 else 0.0
-        reduce.append(_by_group_s("reduce_scatter", by_group(part, ep, wide=True), shard, ep, link) + spread)
+        reduce.append(_by_group_s("reduce_scatter", part, shard, link) + spread)
     return gather, reduce
 
 
@@ -522,7 +493,6 @@ def block_fsdp_s(
     overlap: bool = True,
     copies: Sequence[LinkCost] = (),
     groups: int = 1,
-    ep: int = 1,
 ) -> list[float]:
     """Seconds each pipeline rank's FSDP traffic adds to one pass when it shards block by block.
 
@@ -548,7 +518,6 @@ def block_fsdp_s(
         overlap: whether the traffic runs beside the compute (a GPU's copy engines and NICs).
         copies: under HSDP, each rank's replicate-group link (``hsdp_links``).
         groups: under HSDP, the shard groups the gradients are all-reduced over (1: none).
-        ep: expert-parallel ranks: the experts' collectives run over ``dp / ep`` replicas (``by_group``).
 
     Returns:
         Seconds per pass, per rank (0 with one replica).
@@ -561,10 +530,13 @@ def block_fsdp_s(
         units = [u for st in mine for u in checkpoint_units(blocks, st.start, st.end)]
         unit_bytes = [sum(b.param_bytes for b in blocks[a:z]) for a, z in units]
         unit_wide = [wide_bytes(blocks[a:z]) for a, z in units]  # the gradients, reduced in fp32
-        traffic = n_microbatches * sum(
-            2 * _by_group_s("all_gather", by_group(blocks[a:z], ep), dp, ep, link)
-            + _by_group_s("reduce_scatter", by_group(blocks[a:z], ep, wide=True), dp, ep, link)
-            for a, z in units
+        traffic = (
+            n_microbatches
+            * sum(  # the experts' over their groups (``by_group``)
+                2 * _by_group_s("all_gather", blocks[a:z], dp, link)
+                + _by_group_s("reduce_scatter", blocks[a:z], dp, link)
+                for a, z in units
+            )
         )
         if groups > 1:
             traffic += n_microbatches * sum(_allreduce_s(w / dp, groups, copies[rank]) for w in unit_wide)
@@ -582,7 +554,6 @@ def block_fsdp_stages(
     overlap: bool = True,
     copies: Sequence[LinkCost] = (),
     groups: int = 1,
-    ep: int = 1,
 ) -> list[Overlap]:
     """One microbatch of every stage's FSDP traffic when it shards block by block, as FSDP2 runs it.
 
@@ -601,8 +572,6 @@ def block_fsdp_stages(
         overlap: whether the collectives run beside the compute.
         copies: under HSDP, each rank's replicate-group link.
         groups: under HSDP, the shard groups (1: none).
-        ep: expert-parallel ranks: a unit's experts are their own unit, gathered and reduced over
-            ``dp / ep`` replicas (``by_group``; charged with the unit that holds them).
 
     Returns:
         Per stage: its collectives' seconds and the part its compute waits for, per microbatch.
@@ -612,12 +581,13 @@ def block_fsdp_stages(
     out = []
     for st in stages:
         link, units = links[st.rank], checkpoint_units(blocks, st.start, st.end)
-        gathers = [_by_group_s("all_gather", by_group(blocks[a:z], ep), dp, ep, link) for a, z in units]
+        # a unit's experts are their own FSDP unit, gathered and reduced over their groups (``by_group``)
+        gathers = [_by_group_s("all_gather", blocks[a:z], dp, link) for a, z in units]
         reduces = []
         for a, z in units:
             w = wide_bytes(blocks[a:z])
             spread_s = _allreduce_s(w / dp, groups, copies[st.rank]) if groups > 1 else 0.0
-            reduces.append(_by_group_s("reduce_scatter", by_group(blocks[a:z], ep, wide=True), dp, ep, link) + spread_s)
+            reduces.append(_by_group_s("reduce_scatter", blocks[a:z], dp, link) + spread_s)
         if not overlap:
             out.append(Overlap(2 * sum(gathers) + sum(reduces), 2 * sum(gathers) + sum(reduces)))
             continue

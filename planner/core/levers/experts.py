@@ -43,6 +43,7 @@ from collections.abc import Mapping, Sequence
 
 from planner.core.levers.collectives import collective_time
 from planner.core.levers.links import Links, NodeLinks, default_link
+from planner.core.split.stage_model import fp32_bytes
 from planner.schema.costs import BlockCost, ExpertShare, LinkCost
 
 
@@ -234,6 +235,44 @@ def _gemm_change(b: BlockCost, share: ExpertShare, ep: int, imbalance: float) ->
     return (imbalance - 1.0) * b.fwd_s * min(1.0, share.flops_fwd / b.flops_fwd)
 
 
+def held_experts(b: BlockCost) -> tuple[int, int, int]:
+    """The experts one expert-parallel rank holds of block ``b`` (``at_degree``), as (parameters,
+    bytes, ep): read off what FSDP shards (every expert) less what the rank holds (its ``1 / ep``),
+    which differ by ``(ep - 1) / ep`` of the experts; (0, 0, 1) for a block not sharded so."""
+    if b.experts is None or b.fsdp_params is None or b.fsdp_params == b.params:
+        return 0, 0, 1
+    whole, whole_bytes = b.fsdp_sharded()
+    others = whole - b.params  # the experts the other ranks of the group hold
+    params = b.experts.params - others
+    if params <= 0:
+        return 0, 0, 1
+    return params, (whole_bytes - b.param_bytes) * params // others, b.experts.params // params
+
+
+def by_group(blocks: Sequence[BlockCost], wide: bool = False) -> tuple[int, int, int]:
+    """The blocks' parameter bytes (``wide``: their gradients as reduced, fp32 where the parameters
+    are narrower) split by the replicas that gather or reduce them: (over all the replicas, over the
+    ``dp / ep`` replicas holding the same experts, ep). The experts one rank holds of an
+    expert-parallel block (``held_experts``) take the second group, the rest and every block
+    without experts the first.
+
+    Args:
+        blocks: per-block costs, as one expert-parallel rank holds them (``at_degree``).
+        wide: the gradients' bytes as reduced instead of the parameters'.
+
+    Returns:
+        (bytes over all the replicas, bytes over the expert groups' replicas, ep; 1 without experts).
+    """
+
+    def size(nbytes: int, params: int) -> int:
+        return fp32_bytes(nbytes, params) if wide else nbytes
+
+    whole = sum(size(b.param_bytes, b.params) for b in blocks)
+    held = [held_experts(b) for b in blocks]
+    experts = sum(size(nbytes, params) for params, nbytes, _ in held)
+    return whole - experts, experts, max((ep for *_, ep in held), default=1)
+
+
 def expert_degrees(blocks: Sequence[BlockCost], world_size: int) -> tuple[int, ...]:
     """The expert-parallel degrees ``--ep auto`` tries: 1, and every divisor of the layers' expert
     counts that divides the world size (1 alone for a dense model).
@@ -255,9 +294,11 @@ def expert_degrees(blocks: Sequence[BlockCost], world_size: int) -> tuple[int, .
 __all__ = [
     "all_to_all_s",
     "at_degree",
+    "by_group",
     "ep_refusal",
     "expert_degrees",
     "experts_refusal",
+    "held_experts",
     "group_link",
     "layout_refusal",
 ]

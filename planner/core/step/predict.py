@@ -260,18 +260,18 @@ def _replica_traffic(
     # it does not (gloo, a measured link) keeps the charges made before (docs/overlap.md)
     nccl = overlap and all(x.nccl is not None for x in inner)
     if layout.per_block:
-        per = block_fsdp_stages(blocks, stages, inner, size, nccl, copies, groups, layout.ep)
+        per = block_fsdp_stages(blocks, stages, inner, size, nccl, copies, groups)
         if nccl:
             ranks = [0.0] * p
             for st, one in zip(stages, per):
                 ranks[st.rank] += m * charged_s(one, COMPUTE_SLOWDOWN)
         else:  # the charge as it always was: these plans' figures stay bit for bit
-            ranks = block_fsdp_s(blocks, stages, inner, size, m, overlap, copies, groups, layout.ep)
+            ranks = block_fsdp_s(blocks, stages, inner, size, m, overlap, copies, groups)
             per = _shares(blocks, stages, ranks, [m * one.traffic_s for one in per])
             return _Replicas(inner, max(ranks), None, per)
         return _Replicas(inner, max(ranks), None, [one.times(m) for one in per])
     if overlap and layout.shard > 1:
-        traffic = Traffic(*stage_traffic(blocks, stages, inner, size, copies, groups, layout.ep))
+        traffic = Traffic(*stage_traffic(blocks, stages, inner, size, copies, groups))
         return _Replicas(inner, 0.0, traffic, [], COMPUTE_SLOWDOWN if nccl else 0.0)
     if nccl and layout.dp_mode == "ddp" and ddp_follows(layout.schedule, layout.tp, layout.accumulation):
         per = ddp_stage_overlap(blocks, stages, inner, dp)
@@ -282,7 +282,7 @@ def _replica_traffic(
         wide = rank_param_bytes(blocks, stages, p, wide=True)
         ranks = [hsdp_reduce_s(n, size, groups, a, b, w) for n, w, a, b in zip(held_bytes, wide, inner, copies)]
     else:
-        ranks = rank_reduce_s(blocks, stages, inner, dp, layout.dp_mode, layout.ep)
+        ranks = rank_reduce_s(blocks, stages, inner, dp, layout.dp_mode)
     return _Replicas(inner, max(ranks), None, _shares(blocks, stages, ranks))
 
 
