@@ -462,3 +462,18 @@ def test_a_model_traced_by_module_boundaries_cannot_shard_its_experts(
         _plan(tmp_path, "tests/fixtures/moe_file.py", size=None, gpus=2, dp=2, ep=2)
     plan = _plan(tmp_path, "tests/fixtures/moe_file.py", size=None, gpus=2, dp=2, ep="auto")
     assert plan.ep == 1 and plan.model.trace_method == "modules" and not plan.model.expert_calls
+
+
+def test_an_expert_parallel_plan_refreshes_to_itself(tmp_path: Path) -> None:
+    # pipeline-outermost: pipeline rank 0's 4 replicas fill node 0, rank 1's node 1, so the boundary
+    # crosses nodes; the figures recomputed from the plan's blocks (planner report, export, run) must
+    # lay the ranks out so too (they once took the replicas-outermost order and found it "edited")
+    pytest.importorskip("transformers")
+    from planner.core.step.predict import plan_layout, refresh
+
+    options = dict(gpu_type="h100", gpus=8, gpus_per_node=4, batch_size=16, dp=4, ep=2, tp=1)
+    for mode in ("ddp", "fsdp"):
+        plan = _plan(tmp_path, "models/hf/mixtral.py", dp_mode=mode, **options)
+        assert plan.n_ranks == 2 and plan.pp_outer and plan_layout(plan).pp_outer
+        fresh, notes = refresh(plan)
+        assert notes == [] and fresh.prediction == plan.prediction, notes

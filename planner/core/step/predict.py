@@ -343,7 +343,8 @@ def _with_comm(stages: list[StagePlan], per: Sequence[Overlap], times: int, mess
 
 def plan_layout(plan: Plan) -> Layout:
     """The layout a plan runs: its schedule, pipeline ranks, microbatches, stages per rank, replicas,
-    tensor-parallel degree, passes per step and FSDP units."""
+    tensor-parallel degree, passes per step, FSDP units and expert-parallel degree (which lays the
+    ranks out pipeline-outermost: ``Layout.pp_outer``)."""
     return Layout(
         plan.schedule,
         plan.n_ranks,
@@ -357,6 +358,7 @@ def plan_layout(plan: Plan) -> Layout:
         plan.dp_shard or 0,
         gather_bytes_of(plan.profile),
         plan.sequence_parallel,
+        ep=plan.ep,
     )
 
 
