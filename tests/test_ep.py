@@ -54,7 +54,8 @@ def _block(share: ExpertShare | None) -> BlockCost:
         (4, EXPERTS, {"dp": 2}, "--ep 4 does not divide the 2 data-parallel replicas"),
         (2, EXPERTS, {"tp": 2}, "does not run with tensor parallelism (tp 2) yet; give --tp 1"),
         (2, EXPERTS, {"dp_mode": "fsdp"}, None),
-        (2, EXPERTS, {"dp_mode": "hsdp"}, "does not run with HSDP replicas yet; give --dp-mode fsdp or ddp"),
+        (2, EXPERTS, {"dp_mode": "hsdp", "dp_shard": 2}, None),
+        (2, EXPERTS, {"dp": 6, "dp_mode": "hsdp", "dp_shard": 3}, "--ep 2 does not divide the 3 replicas of each HSDP"),
         (2, EXPERTS, {"compiled": True}, "does not run compiled yet"),
     ],
 )
@@ -115,6 +116,48 @@ def test_the_experts_are_gathered_and_reduced_over_the_replicas_holding_the_same
     # every replica its own expert group (dp = ep): the experts are reduced by no one
     (alone,) = rank_reduce_s([got], [stage], [LINK], 4, "ddp")
     assert alone == pytest.approx(allreduce(800, 4))
+
+
+def test_under_hsdp_the_experts_reduce_inside_their_shard_group_then_over_the_groups() -> None:
+    from planner.core.levers.data_parallel import stage_traffic
+    from planner.core.levers.hsdp import rank_hsdp_s
+    from planner.schema.plan import StagePlan
+
+    share = ExpertShare(layers=2, experts=8, params=800, param_bytes=3_200, dispatch_bytes=2_000_000)
+    (got,) = at_degree([_block(share)], 2, LINK, 2)  # a rank holds 200 dense and 400 expert parameters, 4 B each
+    stage = StagePlan(
+        index=0, rank=0, start=0, end=1, first_block="b", last_block="b", split_node=None, params=500,
+        fwd_s=0.0, bwd_s=0.0, comm_s=0.0, time_s=0.0, opt_s=0.0, recompute=False, activation_bytes=0,
+        in_flight=1, memory_bytes=0,
+    )  # fmt: skip
+
+    def ring(nbytes: float, group: int) -> float:
+        return (group - 1) * 1e-3 + (group - 1) / group * nbytes / 1e9 if group > 1 else 0.0
+
+    def allreduce(nbytes: float, group: int) -> float:
+        return 2 * math.ceil(math.log2(group)) * 1e-3 + 2 * (group - 1) / group * nbytes / 1e9
+
+    # dp 16 in 4 groups of 4: the dense 800 B over the 4 of a group then 200 B over the groups; the
+    # rank's 1,600 B of experts over the 2 replicas of its group holding them, then 800 B over the groups
+    (seconds,) = rank_hsdp_s([got], [stage], [LINK], [LINK], 4, 4)
+    dense = 2 * ring(800, 4) + allreduce(800 / 4, 4)
+    experts = 2 * ring(1_600, 2) + allreduce(1_600 / 2, 4)
+    assert seconds == pytest.approx(dense + experts)
+    gathers, reduces = stage_traffic([got], [stage], [LINK], 4, [LINK], 4)
+    assert gathers == [pytest.approx(ring(800, 4) + ring(1_600, 2))]
+    assert reduces == [pytest.approx(ring(800, 4) + ring(1_600, 2) + allreduce(200, 4) + allreduce(800, 4))]
+
+
+def test_hsdp_with_ep_plans_shard_groups_that_hold_whole_expert_groups(tmp_path: Path) -> None:
+    # 16 GPUs, 4 a node, pipeline-outermost: a node holds 4 consecutive replicas, so HSDP's groups are
+    # 4 (node-local), each holding 2 expert groups of 2; --ep 4 of --dp-shard 2 is refused
+    pytest.importorskip("transformers")
+    options = dict(gpu_type="h100", gpus=16, gpus_per_node=4, batch_size=32, dp=16, tp=1)
+    plan = _plan(tmp_path, "models/hf/mixtral.py", ep=2, dp_mode="hsdp", **options)
+    assert (plan.dp_mode, plan.dp_shard, plan.ep, plan.pp_outer) == ("hsdp", 4, 2, True)
+    assert "hsdp in groups of 4" in plan.choice
+    with pytest.raises(PlannerError, match=r"--ep 4 does not divide --dp-shard 2"):
+        _plan(tmp_path, "models/hf/mixtral.py", ep=4, dp_mode="hsdp", dp_shard=2, **options)
 
 
 def test_the_busiest_rank_computes_its_experts_at_their_degree_and_waits_on_the_imbalance() -> None:
@@ -260,7 +303,8 @@ def test_expert_parallel_layouts_lay_their_ranks_out_pipeline_outermost() -> Non
     [
         ({"dp": 1}, r"--ep 2 shards the experts over replicas, but --dp 1 is no multiple of it; give --dp 2"),
         ({"dp": 2, "tp": 2}, r"--ep 2: expert parallelism does not run with --tp 2 yet; give --tp 1"),
-        ({"dp": 2, "dp_mode": "hsdp"}, r"does not run with --dp-mode hsdp yet; give --dp-mode fsdp or ddp"),
+        ({"gpus": 8, "dp": 8, "dp_mode": "hsdp", "dp_shard": 2, "ep": 4}, r"--ep 4 does not divide --dp-shard 2: each"),
+        ({"dp": 2, "compile": True}, r"--ep 2: expert parallelism does not run with --compile yet; give no --compile"),
         ({"dp": "auto", "gpus": 3}, r"--ep 2 does not divide --gpus 3"),
         ({"dp": "auto", "ep": 4, "batch_size": 2}, r"no replica count tried \(1, 2: those that split the batch of 2"),
     ],

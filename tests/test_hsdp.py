@@ -18,15 +18,9 @@ from plan_factory import LINK, MB, block
 from cli import main
 from planner.core.assemble import Origin, assemble_plan
 from planner.core.layout.inputs import Cluster, Layout, SearchSpace, asked_of, replica_mode
-from planner.core.levers.data_parallel import (
-    block_fsdp_s,
-    hsdp_links,
-    hsdp_reduce_s,
-    hsdp_shard,
-    layout_links,
-    shard_of,
-)
+from planner.core.levers.data_parallel import block_fsdp_s, layout_links, shard_of
 from planner.core.levers.hardware import get_hardware, link_cost, node_links
+from planner.core.levers.hsdp import hsdp_links, hsdp_reduce_s, hsdp_shard
 from planner.core.levers.links import NodeLinks
 from planner.core.levers.overlap import COMPUTE_SLOWDOWN
 from planner.core.split.cuts import Split

@@ -10,7 +10,8 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from planner.core.layout.robust import chosen_row
-from planner.core.levers.data_parallel import dp_group_links, hsdp_links
+from planner.core.levers.data_parallel import dp_group_links
+from planner.core.levers.hsdp import hsdp_links
 from planner.core.levers.recompute import recomputed_prefix
 from planner.core.step.predict import plan_links, slots_of
 from planner.report.robustness import HEADER, has_column, robust_line, slowed_cell, what_if

@@ -193,8 +193,9 @@ def dispatch_experts(
 
 def shard_experts_over_groups(plan: Plan, experts: Sequence[nn.Module], mesh: RankMesh, reshard: bool) -> None:
     """Under FSDP, each experts module its own ``fully_shard`` unit over the ranks holding the same
-    experts (``edp_mesh``: ``dp / ep`` replicas, one included), before the stage's units take the
-    rest over all the replicas, as torchtitan shards a mixture-of-experts model's experts.
+    experts (``edp_mesh``: ``dp / ep`` replicas, one included; under HSDP sharded over the
+    ``dp_shard / ep`` of them in its shard group and replicated over the groups), before the stage's
+    units take the rest over all the replicas, as torchtitan shards a mixture-of-experts model's experts.
 
     A rank's expert gradients are the sums over the tokens its group's ``ep`` replicas routed to
     them, so the reduce-scatter over the ``dp / ep`` groups sums every replica's in; it divides by
@@ -215,9 +216,9 @@ def shard_experts_over_groups(plan: Plan, experts: Sequence[nn.Module], mesh: Ra
     for module in experts:
         shard_over_replicas(plan, module, edp, reshard)
         module.set_gradient_divide_factor(float(plan.dp))  # type: ignore[operator]
-        # gloo has no pre-multiplied sum. Not for a group of one: torch 2.13's FSDP2 there divides
-        # by the factor on its copy and again after a summing "reduction" (twice in all)
-        if edp.device_type == "cpu" and edp.size() > 1:
+        # gloo has no pre-multiplied sum. Not for a reduce-scatter group of one: torch 2.13's FSDP2
+        # there divides by the factor on its copy and again after a summing "reduction" (twice in all)
+        if edp.device_type == "cpu" and edp.size(edp.ndim - 1) > 1:
             module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
 
 
@@ -245,8 +246,8 @@ def expert_shards(experts: Sequence[nn.Module], mesh: RankMesh) -> dict[int, Cal
     def whole(t: torch.Tensor) -> torch.Tensor:
         shape = (t.shape[0] * size, *t.shape[1:])  # a DTensor's (FSDP's) shape is its group's experts'
         on, placements = ep_mesh, [Shard(0)]
-        if isinstance(t, DTensor):  # FSDP's shard of the group's experts
-            on, placements, t = mesh.experts_mesh, [Shard(0), Shard(0)], t.to_local()
+        if isinstance(t, DTensor):  # FSDP's (HSDP's) shard of the group's experts, placed as FSDP placed it
+            on, placements, t = mesh.experts_mesh, [Shard(0), *t.placements], t.to_local()  # type: ignore[list-item]
         return DTensor.from_local(
             t, on, placements, run_check=False, shape=torch.Size(shape), stride=_contiguous(shape)
         )

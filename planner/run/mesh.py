@@ -43,11 +43,13 @@ class RankMesh:
             as a 1-D ``DeviceMesh`` (experts are dispatched over it; None: ep 1).
         edp_group: the ranks holding the same experts in the other expert-parallel groups (expert
             gradients are summed over it; None: ep 1, or one group).
-        edp_mesh: those ranks as a 1-D ``DeviceMesh``, one group included (under FSDP the experts are
-            sharded over it; None: ep 1).
-        experts_mesh: under FSDP, the expert-parallel group and ``edp_mesh`` as one 2-D ``DeviceMesh``
-            ordered (ep, edp): an expert parameter's shard is the ``(Shard(0), Shard(0))`` piece of
-            the whole layer's tensor on it, the view a checkpoint saves (None: not sharded, or ep 1).
+        edp_mesh: those ranks as a ``DeviceMesh``, one group included (under FSDP the experts are
+            sharded over it; under HSDP 2-D, (dp_replicate, edp_shard): sharded inside a shard
+            group, replicated over the groups; None: ep 1).
+        experts_mesh: under FSDP or HSDP, the expert-parallel group and ``edp_mesh`` as one
+            ``DeviceMesh`` ordered (ep, ...edp_mesh's): an expert parameter's shard is its piece of
+            the whole layer's tensor on it (``Shard(0)`` over ep, then FSDP's placements), the view a
+            checkpoint saves (None: not sharded, or ep 1).
     """
 
     rank: int
@@ -172,9 +174,12 @@ def _mesh_hsdp(plan: Plan, rank: int, device: torch.device) -> RankMesh:
 
     shard, pp, tp = plan.shard_size, plan.n_ranks, plan.tp
     groups = plan.dp // shard
-    mesh = init_device_mesh(
-        device.type, (groups, shard, pp, tp), mesh_dim_names=("dp_replicate", "dp_shard", "pp", "tp")
-    )
+    if plan.pp_outer:  # an expert-parallel plan: pipeline-outermost (tp is 1), the mesh in the ranks' order
+        names = ("pp", "dp_replicate", "dp_shard", "tp")
+        mesh = init_device_mesh(device.type, (pp, groups, shard, tp), mesh_dim_names=names)
+    else:
+        names = ("dp_replicate", "dp_shard", "pp", "tp")
+        mesh = init_device_mesh(device.type, (groups, shard, pp, tp), mesh_dim_names=names)
     replica = plan.replica_of(rank)
     # Every rank creates every group, in the same order (``new_group`` is collective over the world):
     # one per shard group for the gradient norm, one per (pipeline, tensor-parallel) position over
@@ -190,7 +195,7 @@ def _mesh_hsdp(plan: Plan, rank: int, device: torch.device) -> RankMesh:
         group = dist.new_group([plan.global_rank(d, p, t) for d in range(plan.dp)])
         if (p, t) == (plan.pp_rank_of(rank), plan.tp_rank_of(rank)):
             dp_group = group
-    return RankMesh(
+    placed = RankMesh(
         rank=rank,
         pp_rank=plan.pp_rank_of(rank),
         replica=replica,
@@ -200,6 +205,31 @@ def _mesh_hsdp(plan: Plan, rank: int, device: torch.device) -> RankMesh:
         tp_rank=plan.tp_rank_of(rank),
         tp_mesh=mesh["tp"] if tp > 1 else None,
         norm_group=norm_group,
+    )
+    return _hsdp_experts(plan, placed, device) if plan.ep > 1 else placed
+
+
+def _hsdp_experts(plan: Plan, placed: RankMesh, device: torch.device) -> RankMesh:
+    """``placed`` (an HSDP rank) with its expert-parallel groups: ``ep`` consecutive replicas inside a
+    shard group (``ep`` divides it), replica = group x dp_shard + (j x ep + ep rank). A rank's
+    experts are sharded over the ``dp_shard / ep`` replicas of its shard group holding the same ones
+    and replicated over the groups: a 2-D (dp_replicate, edp_shard) mesh, as torchtitan takes
+    ``dp_shard_mod_ep``. The norm keeps the shard group's ranks (every shard of every parameter, the
+    experts' included, is held once among them)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ep, pp, shard = plan.ep, plan.n_ranks, plan.shard_size
+    groups = plan.dp // shard
+    # the same ranks, ordered (pp, ep, dp_replicate, edp_shard): a DeviceMesh's dimensions nest in their
+    # order, and an expert's index runs over the group (ep) before its replicas and shards
+    ranks = torch.arange(plan.world_size).view(pp, groups, shard // ep, ep).permute(0, 3, 1, 2)
+    mesh = DeviceMesh(device.type, ranks, mesh_dim_names=("pp", "ep", "dp_replicate", "edp_shard"))
+    return replace(
+        placed,
+        ep_rank=placed.replica % ep,
+        ep_mesh=mesh["ep"],
+        edp_mesh=mesh["dp_replicate", "edp_shard"],
+        experts_mesh=mesh["ep", "dp_replicate", "edp_shard"],
     )
 
 

@@ -110,6 +110,7 @@ def check_runnable(plan: Plan) -> None:
         tp=plan.tp,
         dp_mode=plan.dp_mode,
         compiled=plan.compile,
+        dp_shard=plan.shard_size,
     )
     if refused:
         raise PlanFileError(f"the plan cannot run: {refused}; re-plan")

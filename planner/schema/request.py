@@ -435,9 +435,13 @@ class PlanRequest(_Request):
                 f"split the batch of {self.batch_size} evenly) is a multiple of it; give a larger --batch-size or a "
                 "smaller --ep"
             )
+        if self.dp_mode == "hsdp" and isinstance(self.dp_shard, int) and self.dp_shard % self.ep:
+            raise ValueError(
+                f"--ep {self.ep} does not divide --dp-shard {self.dp_shard}: each expert group lies inside an HSDP "
+                f"shard group; give a --dp-shard that is a multiple of {self.ep} (or auto)"
+            )
         given = [
             (isinstance(self.tp, int) and self.tp > 1, f"--tp {self.tp}", "--tp 1"),
-            (self.dp_mode == "hsdp", "--dp-mode hsdp", "--dp-mode fsdp or ddp"),
             (self.compile, "--compile", "no --compile"),
         ]
         for blocked, what, instead in given:

@@ -25,7 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.core.levers.data_parallel import hsdp_shard, shard_of
+from planner.core.levers.data_parallel import shard_of
+from planner.core.levers.hsdp import hsdp_shard
 from planner.core.levers.links import Links, NodeLinks
 from planner.errors import InfeasibleError
 from planner.schema.costs import OptimizerSpec
@@ -307,7 +308,8 @@ def replica_mode(cluster: Cluster, space: SearchSpace, dp: int, replica_ranks: i
         cluster: the ranks and their links.
         space: the search's options (``dp_mode``, ``dp_shard``).
         dp: replicas.
-        replica_ranks: ranks of one replica (``pp x tp``).
+        replica_ranks: global ranks from one replica to the next (``pp x tp``, or ``tp`` where the
+            ranks are pipeline-outermost: expert-parallel layouts, ``Layout.pp_outer``).
 
     Returns:
         (mode, shard group size): the size 0 outside HSDP, -1 when ``--dp-shard`` does not divide ``dp``.

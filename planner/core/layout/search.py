@@ -179,10 +179,18 @@ def _pending_layouts(
         if pp > sum(1 for b in blocks[:-1] if b.cut_legal) + 1:
             errors.append(InfeasibleError(f"{pp} pipeline ranks (dp={dp}, tp={tp}) are more than the model's stages"))
             continue
-        mode, dp_shard = replica_mode(cluster, space, dp, pp * tp) if ep == 1 else (space.dp_mode, 0)
+        # an expert-parallel layout is pipeline-outermost: a pipeline rank's replicas are tp ranks apart
+        mode, dp_shard = replica_mode(cluster, space, dp, pp * tp if ep == 1 else tp)
         if dp_shard < 0:
             errors.append(InfeasibleError(f"--dp-shard {space.dp_shard} does not divide {dp} replicas into groups"))
             continue
+        if dp_shard % ep:  # an expert group lies inside a shard group
+            if mode == "hsdp":
+                errors.append(
+                    InfeasibleError(f"--ep {ep} does not divide the {dp_shard} replicas of each HSDP shard group")
+                )
+                continue
+            dp_shard = 0  # "auto": FSDP or DDP only
         for sequence in space.sequence if tp > 1 else (False,):
             for layout in _layouts(blocks, replace(space, dp_mode=mode), pp, dp, ms, tp, ep):
                 layout = replace(layout, dp_shard=dp_shard, sequence=sequence, accumulation=fixed_k)

@@ -14,7 +14,9 @@ step the replicas of every pipeline rank reduce that rank's gradients over their
 HSDP (``dp_mode`` "hsdp", ``dp_shard`` s): FSDP inside each group of s consecutive replicas (its
 gathers and reduce-scatters over the group's link, ``(s - 1) / s`` of the bytes), then an all-reduce
 of each rank's 1/s shard of the gradients over the ``dp / s`` groups (the replicate group's link,
-``2 (dp / s - 1) / (dp / s) x bytes / s``), which FSDP2 runs right after every reduce-scatter.
+``2 (dp / s - 1) / (dp / s) x bytes / s``), which FSDP2 runs right after every reduce-scatter. The
+shard groups, their links and a rank's HSDP traffic with stage units: ``planner.core.levers.hsdp``;
+the per-unit traffic (``block_fsdp_stages``) and ``stage_traffic`` here take the groups as arguments.
 
 The bytes: FSDP gathers the parameters in the plan's dtype (``as_gathered``: a bf16 plan whose profile
 was measured counts the fp32 weights autocast trains, ``Layout.gather_bytes``); gradients are reduced in
@@ -29,7 +31,7 @@ picks for the size, group and nodes, its latencies and channel bandwidths). On a
 (gloo on CPUs, a measured or calibrated link) it is charged by the alpha-beta model of its
 algorithm: a ring all-gather or reduce-scatter over n ranks ``(n - 1)`` latencies plus ``(n - 1) /
 n`` of the bytes at the group's bandwidth, an all-reduce twice the bytes with a tree's ``2
-ceil(log2 n)`` latencies (``_ring_s``, ``_allreduce_s``), so a group of thousands pays for its
+ceil(log2 n)`` latencies (``_ring_s``, ``group_allreduce_s``), so a group of thousands pays for its
 ring's steps. Where it runs is ``planner.core.step.predict``'s: on NCCL links beside the
 compute as torch runs it (below, ``planner.core.levers.overlap``), on CPU ranks sharing cores
 after the pipeline, nothing hidden.
@@ -87,36 +89,6 @@ def shard_of(dp: int, dp_mode: str, dp_shard: int = 0) -> int:
             raise InfeasibleError(f"HSDP shard groups of {dp_shard} replica(s) do not divide {dp} replicas")
         return dp_shard
     return dp if dp_mode == "fsdp" else 1
-
-
-def hsdp_shard(dp: int, group_ranks: int, node_ranks: int, asked: int | None = None) -> int:
-    """The replicas of each HSDP shard group for ``dp`` replicas of ``group_ranks`` ranks each
-    (pipeline x tensor-parallel): ``asked`` when given, else the largest divisor of ``dp`` whose
-    groups each lie on one node (replica k's ranks are ``k x group_ranks`` on, nodes of
-    ``node_ranks``), so the groups' gathers stay inside a node; where no group of two or more does,
-    the largest that fits a node's rank count (1 when one replica fills a node).
-
-    Args:
-        dp: replicas.
-        group_ranks: ranks of one replica (``pp x tp``).
-        node_ranks: ranks per node.
-        asked: the size the user gave (``--dp-shard``), or None.
-
-    Returns:
-        The group size; 0 when ``asked`` does not divide ``dp`` (no such layout).
-    """
-    if asked is not None:
-        return asked if dp % asked == 0 else 0
-    width = max(1, group_ranks)
-    room = max(1, node_ranks // width)
-    sizes = [d for d in range(min(dp, room), 0, -1) if dp % d == 0]
-
-    def on_one_node(size: int) -> bool:
-        # the placement repeats every node_ranks groups: those tell
-        firsts = [k * size * width for k in range(min(dp // size, node_ranks))]
-        return all(a // node_ranks == (a + size * width - 1) // node_ranks for a in firsts)
-
-    return next((d for d in sizes if d > 1 and on_one_node(d)), sizes[0])
 
 
 def layout_links(link: Links, n_ranks: int, dp: int, tp: int = 1, pp_outer: bool = False) -> Links:
@@ -203,7 +175,7 @@ def _pace(one: LinkCost) -> tuple[float, float]:
     return (max(1, one.local_ranks // one.nccl.gpus_per_nic) * one.bandwidth_Bps, -one.latency_s)
 
 
-def _slowest(links: Sequence[LinkCost]) -> LinkCost:
+def slowest_link(links: Sequence[LinkCost]) -> LinkCost:
     """The slowest of several groups' links (the replicas wait for each other at the reduction)."""
     return min(links, key=_pace)
 
@@ -243,39 +215,6 @@ def dp_group_links(link: Links, n_ranks: int, dp: int) -> list[LinkCost]:
     if one is None:  # a lone stage's empty list of boundary links: nothing to time it by
         one = LinkCost(name="none", latency_s=0.0, bandwidth_Bps=1.0)
     return [one] * n_ranks
-
-
-def hsdp_links(link: Links, n_ranks: int, dp: int, shard: int) -> tuple[list[LinkCost], list[LinkCost]]:
-    """The links each pipeline rank's HSDP groups talk over: its shard groups (``shard`` consecutive
-    replicas) and its replicate groups (every ``shard``-th replica), one of each per pipeline rank.
-
-    Each group's link is ``group_link``'s (intra-node on one node, else the network over the cards
-    of its members on each node); a rank's groups of one kind wait for the slowest of them. Plans
-    with one link use it for both.
-
-    Args:
-        link: the plan's link(s).
-        n_ranks: pipeline ranks of a replica.
-        dp: replicas.
-        shard: replicas per shard group (divides ``dp``).
-
-    Returns:
-        (shard-group links, replicate-group links), one per pipeline rank each.
-    """
-    if not isinstance(link, NodeLinks):
-        one = dp_group_links(link, n_ranks, dp)
-        return one, one
-    placed = layout_links(link, n_ranks, dp, link.tp, link.pp_outer)
-    assert isinstance(placed, NodeLinks)
-    groups = dp // shard
-    # the layout repeats every gpus_per_node replicas (they fill whole nodes): that many groups tell
-    shards = [range(k * shard, (k + 1) * shard) for k in range(min(groups, link.gpus_per_node))]
-    copies = [range(j, dp, shard) for j in range(min(shard, link.gpus_per_node))]
-
-    def over(members: list[range], r: int) -> LinkCost:
-        return _slowest([group_link(placed, r, g) for g in members])
-
-    return [over(shards, r) for r in range(n_ranks)], [over(copies, r) for r in range(n_ranks)]
 
 
 def _ring_s(nbytes: float, group: int, link: LinkCost, op: Collective = "all_gather") -> float:
@@ -320,7 +259,7 @@ def grad_reduce_s(nbytes: int, dp: int, dp_mode: str, link: LinkCost, reduce_byt
         return 0.0
     grads = nbytes if reduce_bytes is None else reduce_bytes
     if dp_mode == "ddp":
-        return _allreduce_s(grads, dp, link)
+        return group_allreduce_s(grads, dp, link)
     return _ring_s(nbytes, dp, link) + _ring_s(grads, dp, link, "reduce_scatter")
 
 
@@ -396,41 +335,6 @@ def rank_reduce_s(
     return out
 
 
-def rank_param_bytes(
-    blocks: Sequence[BlockCost], stages: Sequence[StagePlan], n_ranks: int, wide: bool = False
-) -> list[int]:
-    """The parameter bytes each of ``n_ranks`` pipeline ranks holds over all of its stages (tied copies
-    charged as ``blocks`` charge them): what its replicas gather; with ``wide``, its gradients as
-    they are reduced (``wide_bytes``)."""
-    held = [0] * n_ranks
-    for st in stages:
-        part = blocks[st.start : st.end]
-        held[st.rank] += wide_bytes(part) if wide else sum(b.param_bytes for b in part)
-    return held
-
-
-def hsdp_reduce_s(
-    nbytes: int, shard: int, groups: int, link: LinkCost, copies: LinkCost, reduce_bytes: int | None = None
-) -> float:
-    """Seconds one pipeline rank spends on HSDP's once-a-pass traffic (stage units) for ``nbytes`` of parameters:
-    FSDP's gather and reduce-scatter inside its shard group of ``shard`` replicas (``link``), then the
-    all-reduce of its 1/shard of the gradients over the ``groups`` groups (``copies``' link).
-
-    Args:
-        nbytes: the rank's parameter bytes.
-        shard: replicas per shard group.
-        groups: shard groups (``dp / shard``).
-        link: the shard group's link.
-        copies: the replicate group's link.
-        reduce_bytes: its gradients' bytes as reduced (None: ``nbytes``; ``grad_reduce_s``).
-
-    Returns:
-        Seconds per step.
-    """
-    grads = nbytes if reduce_bytes is None else reduce_bytes
-    return grad_reduce_s(nbytes, shard, "fsdp", link, grads) + _allreduce_s(grads / shard, groups, copies)
-
-
 def stage_traffic(
     blocks: Sequence[BlockCost],
     stages: Sequence[StagePlan],
@@ -459,11 +363,20 @@ def stage_traffic(
     gather, reduce = [], []
     for st in stages:
         part, link = blocks[st.start : st.end], links[st.rank]
-        wide = wide_bytes(part)
         gather.append(_by_group_s("all_gather", part, shard, link))  # the experts' over their groups
-        spread = _allreduce_s(wide / shard, groups, copies[st.rank]) if groups > 1 else 0.0
+        spread = _spread_s(part, shard, groups, copies[st.rank]) if groups > 1 else 0.0
         reduce.append(_by_group_s("reduce_scatter", part, shard, link) + spread)
     return gather, reduce
+
+
+def _spread_s(blocks: Sequence[BlockCost], shard: int, groups: int, copies: LinkCost) -> float:
+    """HSDP's all-reduce of a rank's gradient shards of ``blocks`` over the ``groups`` shard groups:
+    its ``1 / shard`` of the rest, and of an expert-parallel block's experts (``by_group``, their own
+    FSDP unit) its ``1 / (shard / ep)``, each group's ranks holding them."""
+    dense, experts, ep = by_group(blocks, wide=True)
+    return group_allreduce_s(dense / shard, groups, copies) + (
+        group_allreduce_s(experts / (shard // ep), groups, copies) if experts else 0.0
+    )
 
 
 def allreduce_steps(group: int) -> int:
@@ -472,7 +385,7 @@ def allreduce_steps(group: int) -> int:
     return 2 * math.ceil(math.log2(group)) if group > 1 else 0
 
 
-def _allreduce_s(nbytes: float, group: int, link: LinkCost) -> float:
+def group_allreduce_s(nbytes: float, group: int, link: LinkCost) -> float:
     """An all-reduce of ``nbytes`` over ``group`` ranks: on an NCCL link as NCCL's model predicts it
     (``_nccl_s``), elsewhere the ring's ``2 (group - 1) / group x nbytes`` at the link's bandwidth,
     with a tree's latencies (``allreduce_steps``). 0 alone."""
@@ -529,7 +442,6 @@ def block_fsdp_s(
         mine = [st for st in stages if st.rank == rank]
         units = [u for st in mine for u in checkpoint_units(blocks, st.start, st.end)]
         unit_bytes = [sum(b.param_bytes for b in blocks[a:z]) for a, z in units]
-        unit_wide = [wide_bytes(blocks[a:z]) for a, z in units]  # the gradients, reduced in fp32
         traffic = (
             n_microbatches
             * sum(  # the experts' over their groups (``by_group``)
@@ -539,7 +451,7 @@ def block_fsdp_s(
             )
         )
         if groups > 1:
-            traffic += n_microbatches * sum(_allreduce_s(w / dp, groups, copies[rank]) for w in unit_wide)
+            traffic += n_microbatches * sum(_spread_s(blocks[a:z], dp, groups, copies[rank]) for a, z in units)
         waits = 2 * n_microbatches * _ring_s(max(unit_bytes, default=0), dp, link)
         busy = n_microbatches * sum(st.fwd_s + st.bwd_s for st in mine)
         out.append(waits + max(traffic - waits - busy, 0.0) if overlap else traffic)
@@ -585,8 +497,7 @@ def block_fsdp_stages(
         gathers = [_by_group_s("all_gather", blocks[a:z], dp, link) for a, z in units]
         reduces = []
         for a, z in units:
-            w = wide_bytes(blocks[a:z])
-            spread_s = _allreduce_s(w / dp, groups, copies[st.rank]) if groups > 1 else 0.0
+            spread_s = _spread_s(blocks[a:z], dp, groups, copies[st.rank]) if groups > 1 else 0.0
             reduces.append(_by_group_s("reduce_scatter", blocks[a:z], dp, link) + spread_s)
         if not overlap:
             out.append(Overlap(2 * sum(gathers) + sum(reduces), 2 * sum(gathers) + sum(reduces)))
@@ -629,7 +540,7 @@ def ddp_stage_overlap(
         part, link = blocks[st.start : st.end][::-1], links[st.rank]
         grads = [float(fp32_bytes(b.param_bytes, b.params)) for b in part]
         compute = spread(st.bwd_s, [b.bwd_s for b in part])
-        out.append(bucketed(grads, compute, partial(_allreduce_s, group=dp, link=link)))
+        out.append(bucketed(grads, compute, partial(group_allreduce_s, group=dp, link=link)))
     return out
 
 
@@ -678,15 +589,13 @@ __all__ = [
     "dp_group_links",
     "gather_bytes_of",
     "grad_reduce_s",
+    "group_allreduce_s",
     "group_link",
-    "hsdp_links",
-    "hsdp_reduce_s",
-    "hsdp_shard",
     "layout_links",
-    "rank_param_bytes",
     "rank_reduce_s",
     "replica_slots",
     "shard_of",
+    "slowest_link",
     "stage_traffic",
     "wide_bytes",
 ]

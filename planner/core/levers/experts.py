@@ -31,7 +31,7 @@ expert-parallel rank's (``BlockCost.experts``, from ``planner.costs.experts``):
   alpha-beta, ``ep - 1`` latencies and the bytes to others. None overlaps compute (the runner
   waits for each exchange). The replicas' reduction (and FSDP's gathers) of the experts run over
   the ``dp / ep`` replicas holding the same ones, the rest's over all of them
-  (``planner.core.levers.data_parallel.by_group``), on the replicas' link; where DDP reduces in
+  (``by_group``), on the replicas' link; where DDP reduces in
   buckets during the backward (NCCL), the experts' bytes are still charged in its buckets over all
   the replicas (the runner reduces them after the backward: not modelled apart).
 """
@@ -55,6 +55,7 @@ def ep_refusal(
     tp: int,
     dp_mode: str,
     compiled: bool = False,
+    dp_shard: int = 0,
 ) -> str | None:
     """Why a layout cannot shard its experts ``ep`` ways, or None when it can (or ``ep`` is 1): the
     model's experts (``experts_refusal``), then the layout (``layout_refusal``).
@@ -66,11 +67,14 @@ def ep_refusal(
         tp: tensor-parallel ranks per pipeline rank.
         dp_mode: how the replicas reduce gradients ("ddp", "fsdp", "hsdp").
         compiled: whether the stages are compiled (``--compile``).
+        dp_shard: under HSDP, the replicas of each shard group.
 
     Returns:
         One line naming what stands in the way and what to give instead.
     """
-    return experts_refusal(ep, experts) or layout_refusal(ep, dp=dp, tp=tp, dp_mode=dp_mode, compiled=compiled)
+    return experts_refusal(ep, experts) or layout_refusal(
+        ep, dp=dp, tp=tp, dp_mode=dp_mode, compiled=compiled, dp_shard=dp_shard
+    )
 
 
 def experts_refusal(ep: int, experts: Mapping[str, int]) -> str | None:
@@ -94,10 +98,10 @@ def experts_refusal(ep: int, experts: Mapping[str, int]) -> str | None:
     return None
 
 
-def layout_refusal(ep: int, *, dp: int, tp: int, dp_mode: str, compiled: bool = False) -> str | None:
-    """Why a layout cannot shard experts ``ep`` ways: replicas ``ep`` does not divide, or what the
-    runner does not run expert parallelism with yet; None where it can (or ``ep`` is 1). The search
-    keeps to the layouts this passes, ``planner run`` refuses the rest.
+def layout_refusal(ep: int, *, dp: int, tp: int, dp_mode: str, compiled: bool = False, dp_shard: int = 0) -> str | None:
+    """Why a layout cannot shard experts ``ep`` ways: replicas (or HSDP shard groups) ``ep`` does
+    not divide, or what the runner does not run expert parallelism with yet; None where it can (or
+    ``ep`` is 1). The search keeps to the layouts this passes, ``planner run`` refuses the rest.
 
     Args:
         ep: expert-parallel ranks.
@@ -105,6 +109,7 @@ def layout_refusal(ep: int, *, dp: int, tp: int, dp_mode: str, compiled: bool = 
         tp: tensor-parallel ranks per pipeline rank.
         dp_mode: how the replicas reduce gradients ("ddp", "fsdp", "hsdp").
         compiled: whether the stages are compiled.
+        dp_shard: under HSDP, the replicas of each shard group (an expert group lies inside one).
 
     Returns:
         One line, or None.
@@ -113,9 +118,13 @@ def layout_refusal(ep: int, *, dp: int, tp: int, dp_mode: str, compiled: bool = 
         return None
     if dp % ep:
         return f"--ep {ep} does not divide the {dp} data-parallel replicas, over which the experts are sharded"
+    if dp_mode == "hsdp" and dp_shard and dp_shard % ep:
+        return (
+            f"--ep {ep} does not divide the {dp_shard} replicas of each HSDP shard group (--dp-shard), inside which "
+            "an expert group lies"
+        )
     notyet = [
         (tp > 1, f"with tensor parallelism (tp {tp})", "--tp 1"),
-        (dp_mode == "hsdp", "with HSDP replicas", "--dp-mode fsdp or ddp"),
         (compiled, "compiled", "no --compile"),
     ]
     for blocked, what, instead in notyet:

@@ -20,14 +20,12 @@ from planner.core.levers.data_parallel import (
     ddp_stage_overlap,
     dp_group_links,
     gather_bytes_of,
-    hsdp_links,
-    hsdp_reduce_s,
-    rank_param_bytes,
     rank_reduce_s,
     replica_slots,
     stage_traffic,
     wide_bytes,
 )
+from planner.core.levers.hsdp import hsdp_links, rank_hsdp_s
 from planner.core.levers.links import Links, NodeLinks, boundary_links
 from planner.core.levers.microbatch import blocks_resized
 from planner.core.levers.overlap import COMPUTE_SLOWDOWN, NONE, Overlap, charged_s, exposed_only
@@ -278,9 +276,7 @@ def _replica_traffic(
         held = [charged_s(one, COMPUTE_SLOWDOWN) for one in per]
         return _Replicas(inner, 0.0, Traffic([0.0] * len(stages), held), per)
     if hsdp:
-        held_bytes = rank_param_bytes(blocks, stages, p)
-        wide = rank_param_bytes(blocks, stages, p, wide=True)
-        ranks = [hsdp_reduce_s(n, size, groups, a, b, w) for n, w, a, b in zip(held_bytes, wide, inner, copies)]
+        ranks = rank_hsdp_s(blocks, stages, inner, copies, size, groups)
     else:
         ranks = rank_reduce_s(blocks, stages, inner, dp, layout.dp_mode)
     return _Replicas(inner, max(ranks), None, _shares(blocks, stages, ranks))
