@@ -52,7 +52,8 @@ def _block(share: ExpertShare | None) -> BlockCost:
         (2, {}, {}, "--ep 2: the model has no experts to shard"),
         (3, EXPERTS, {"dp": 6}, "--ep 3 does not divide the 8 experts of layers.0.experts"),
         (4, EXPERTS, {"dp": 2}, "--ep 4 does not divide the 2 data-parallel replicas"),
-        (2, EXPERTS, {"tp": 2}, "does not run with tensor parallelism (tp 2) yet; give --tp 1"),
+        (2, EXPERTS, {"tp": 2}, None),
+        (2, EXPERTS, {"tp": 2, "sequence": True}, "does not run with sequence parallelism yet; give --no-sequence"),
         (2, EXPERTS, {"dp_mode": "fsdp"}, None),
         (2, EXPERTS, {"dp_mode": "hsdp", "dp_shard": 2}, None),
         (2, EXPERTS, {"dp": 6, "dp_mode": "hsdp", "dp_shard": 3}, "--ep 2 does not divide the 3 replicas of each HSDP"),
@@ -302,7 +303,10 @@ def test_expert_parallel_layouts_lay_their_ranks_out_pipeline_outermost() -> Non
     ("options", "message"),
     [
         ({"dp": 1}, r"--ep 2 shards the experts over replicas, but --dp 1 is no multiple of it; give --dp 2"),
-        ({"dp": 2, "tp": 2}, r"--ep 2: expert parallelism does not run with --tp 2 yet; give --tp 1"),
+        (
+            {"gpus": 8, "dp": 2, "tp": 2, "sequence_parallel": True},
+            r"--ep 2: expert parallelism does not run with --sequence-parallel yet; give --no-sequence-parallel",
+        ),
         ({"gpus": 8, "dp": 8, "dp_mode": "hsdp", "dp_shard": 2, "ep": 4}, r"--ep 4 does not divide --dp-shard 2: each"),
         ({"dp": 2, "compile": True}, r"--ep 2: expert parallelism does not run with --compile yet; give no --compile"),
         ({"dp": "auto", "gpus": 3}, r"--ep 2 does not divide --gpus 3"),
@@ -521,3 +525,15 @@ def test_an_expert_parallel_plan_refreshes_to_itself(tmp_path: Path) -> None:
         assert plan.n_ranks == 2 and plan.pp_outer and plan_layout(plan).pp_outer
         fresh, notes = refresh(plan)
         assert notes == [] and fresh.prediction == plan.prediction, notes
+
+
+def test_tensor_and_expert_parallelism_are_searched_together(tmp_path: Path) -> None:
+    # the attention split over tp ranks, the experts whole on each and sharded over ep replicas, without
+    # sequence parallelism (not run with ep yet): a given --tp 2 --ep 2 plans so, and auto tries both
+    pytest.importorskip("transformers")
+    options = dict(gpu_type="h100", gpus=8, gpus_per_node=8, batch_size=16)
+    given = _plan(tmp_path, "models/hf/mixtral.py", tp=2, ep=2, dp=2, **options)
+    assert (given.tp, given.ep, given.dp, given.sequence_parallel, given.pp_outer) == (2, 2, 2, False, True)
+    searched = _plan(tmp_path, "models/hf/mixtral.py", tp="auto", ep="auto", dp="auto", **options)
+    assert any(c.tp > 1 and c.ep > 1 for c in searched.search), [(c.tp, c.ep) for c in searched.search]
+    assert not any(c.ep > 1 and c.sequence_parallel for c in searched.search)

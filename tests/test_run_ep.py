@@ -167,6 +167,36 @@ def test_ep2_under_hsdp_matches_the_unsplit_model(
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("starts", "options"),
+    [
+        ([0], {"dp_mode": "ddp"}),
+        ([0], {"dp_mode": "fsdp"}),
+        ([0, 3], {"dp_mode": "ddp", "schedule": "1f1b"}),
+        ([0], {"dp": 4, "batch_size": 16, "dp_mode": "hsdp", "dp_shard": 2, "fsdp_units": "block"}),
+    ],
+    ids=["ddp", "fsdp", "ddp-pp2", "hsdp"],
+)
+def test_mixtral_ep2_with_tp2_matches_the_unsplit_model(tmp_path: Path, starts: list[int], options: dict) -> None:
+    # the attention split over 2 tensor-parallel ranks, the experts whole on each and sharded over 2
+    # replicas: every tensor-parallel index routes the same tokens in its own expert groups (4-8 ranks)
+    pytest.importorskip("transformers")
+    plan = plan_with_starts(MODELS / "hf" / "mixtral.py", starts, **{**EP2, "schedule": "gpipe", "tp": 2, **options})
+    assert plan.tp == 2 and plan.ep == 2 and plan.pp_outer
+    got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
+    print("mixtral tp2 ep2", options, got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_of_tp2_fsdp_ep2_resumes_on_a_pipeline_without_tp(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    common = {**EP2, "optimizer": "adamw", "lr": 1e-2, "dp_mode": "fsdp"}
+    writer = plan_with_starts(MODELS / "hf" / "mixtral.py", [0], **{**common, "schedule": "gpipe", "tp": 2})
+    reader = plan_with_starts(MODELS / "hf" / "mixtral.py", [0, 3], **common)
+    assert_resumes_under(writer, reader, tmp_path)
+
+
+@pytest.mark.multiprocess
 def test_mixtral_ep2_under_fsdp_block_units_matches_the_unsplit_model(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     plan = plan_with_starts(MODELS / "hf" / "mixtral.py", [0, 3], **{**EP2, "dp_mode": "fsdp", "fsdp_units": "block"})

@@ -19,6 +19,7 @@ import torch
 from torch import fx, nn
 
 from planner.capture.blocks import GraphTrace, TracedModel, target_name
+from planner.capture.expert_calls import calls_of, tag_calls
 from planner.capture.graph import trace_export
 from planner.capture.graph_file import GraphFileError, RankGraphs, load_graph
 from planner.capture.load import ModelFile
@@ -113,7 +114,9 @@ def shard_sized_graph(
     gm = _rebuilt(graphs, local)
     if gm is None:
         try:
-            gm = trace_export(local, inputs)
+            # traced as the plan's graph was: with its experts' calls recorded (their preserved call
+            # signatures name some nodes), so the two graphs' nodes agree (expert parallelism)
+            gm = trace_export(local, inputs, experts=tuple(calls_of(traced.gm)))
         except Exception as e:  # any failure of the model's code at the shards' sizes: said in one line
             raise TraceError(
                 f"the model does not trace with its tp_plan layers split {tp} ways ({short_reason(e)}): its code "
@@ -122,6 +125,7 @@ def shard_sized_graph(
         if graphs is not None:
             graphs.keep_shard_sized(gm, local)
     _check_same_nodes(traced.gm.graph, gm.graph, tp)
+    tag_calls(gm)  # the experts' calls marked on this graph's nodes too, where a stage cut from it finds them
     return gm
 
 

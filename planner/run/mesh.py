@@ -108,24 +108,27 @@ def rank_mesh(plan: Plan, rank: int, device: torch.device) -> RankMesh:
 
 def _with_experts(plan: Plan, placed: RankMesh, device: torch.device) -> RankMesh:
     """``placed`` with its expert-parallel groups: the replicas split into ``dp / ep`` groups of ``ep``
-    consecutive ones, ``(pp, edp, ep)`` laid out as ``rank_mesh``'s (replica = group x ep + index; an
-    expert-parallel plan is pipeline-outermost, ``Plan.pp_outer``, so a group's ranks are consecutive).
-    Under DDP the gradient norm sums over each group's replicas (each expert is held once among
-    them); under FSDP over every rank (each expert's shards are held once among a pipeline rank's
-    replicas, as the rest's are), and the ``(ep, edp)`` mesh places a shard in its layer's tensor."""
+    consecutive ones, ``(pp, edp, ep, tp)`` laid out as ``rank_mesh``'s (replica = group x ep + index; an
+    expert-parallel plan is pipeline-outermost, ``Plan.pp_outer``, so a group's ranks are ``tp``
+    apart). Each tensor-parallel index has its own groups: the experts are whole on every
+    tensor-parallel rank, which all route the same tokens. Under DDP the gradient norm sums over each
+    group's replicas (each expert is held once among them); under FSDP over every rank (each
+    expert's shards are held once among a pipeline rank's replicas, as the rest's are), and the
+    ``(ep, edp)`` mesh places a shard in its layer's tensor."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    ep, pp, groups = plan.ep, plan.n_ranks, plan.dp // plan.ep
-    mesh = init_device_mesh(device.type, (pp, groups, ep), mesh_dim_names=("pp", "edp", "ep"))
+    ep, pp, tp, groups = plan.ep, plan.n_ranks, plan.tp, plan.dp // plan.ep
+    mesh = init_device_mesh(device.type, (pp, groups, ep, tp), mesh_dim_names=("pp", "edp", "ep", "tp"))
     norm_group = experts_mesh = None
     if plan.sharded:
-        # the same ranks, the last two dimensions swapped: a DeviceMesh's dimensions nest in their
-        # order, and an expert's index runs over the group (ep) before its shards (edp)
-        ranks = torch.arange(plan.world_size).view(pp, groups, ep).transpose(1, 2)
-        experts_mesh = DeviceMesh(device.type, ranks, mesh_dim_names=("pp", "ep", "edp"))["ep", "edp"]
+        # the same ranks, ordered (pp, tp, ep, edp): a DeviceMesh's dimensions nest in their order, and
+        # an expert's index runs over the group (ep) before its shards (edp)
+        ranks = torch.arange(plan.world_size).view(pp, groups, ep, tp).permute(0, 3, 2, 1)
+        experts_mesh = DeviceMesh(device.type, ranks, mesh_dim_names=("pp", "tp", "ep", "edp"))["ep", "edp"]
     else:
         for k in range(groups):  # every rank creates every group, in the same order
-            group = dist.new_group([plan.global_rank(k * ep + i, p) for i in range(ep) for p in range(pp)])
+            members = [plan.global_rank(k * ep + i, p, t) for i in range(ep) for p in range(pp) for t in range(tp)]
+            group = dist.new_group(members)
             if placed.replica // ep == k:
                 norm_group = group
     return replace(
@@ -143,7 +146,10 @@ def _mesh_3d(plan: Plan, rank: int, device: torch.device) -> RankMesh:
     """The (dp, pp, tp) mesh of a tensor-parallel plan (``rank_mesh``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (plan.dp, plan.n_ranks, plan.tp), mesh_dim_names=("dp", "pp", "tp"))
+    if plan.pp_outer:  # an expert-parallel plan: the mesh's dimensions in the order of the ranks
+        mesh = init_device_mesh(device.type, (plan.n_ranks, plan.dp, plan.tp), mesh_dim_names=("pp", "dp", "tp"))
+    else:
+        mesh = init_device_mesh(device.type, (plan.dp, plan.n_ranks, plan.tp), mesh_dim_names=("dp", "pp", "tp"))
     # One group per replica for the gradient norm: every rank creates every group, in the same
     # order (``new_group`` is collective over the world).
     replica_group = None
@@ -152,7 +158,7 @@ def _mesh_3d(plan: Plan, rank: int, device: torch.device) -> RankMesh:
         group = dist.new_group(ranks) if plan.dp > 1 else dist.group.WORLD
         if replica == plan.replica_of(rank):
             replica_group = group
-    return RankMesh(
+    placed = RankMesh(
         rank=rank,
         pp_rank=plan.pp_rank_of(rank),
         replica=plan.replica_of(rank),
@@ -163,6 +169,7 @@ def _mesh_3d(plan: Plan, rank: int, device: torch.device) -> RankMesh:
         tp_mesh=mesh["tp"],
         replica_group=replica_group,
     )
+    return _with_experts(plan, placed, device) if plan.ep > 1 else placed
 
 
 def _mesh_hsdp(plan: Plan, rank: int, device: torch.device) -> RankMesh:
@@ -218,12 +225,13 @@ def _hsdp_experts(plan: Plan, placed: RankMesh, device: torch.device) -> RankMes
     experts' included, is held once among them)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    ep, pp, shard = plan.ep, plan.n_ranks, plan.shard_size
+    ep, pp, shard, tp = plan.ep, plan.n_ranks, plan.shard_size, plan.tp
     groups = plan.dp // shard
-    # the same ranks, ordered (pp, ep, dp_replicate, edp_shard): a DeviceMesh's dimensions nest in their
-    # order, and an expert's index runs over the group (ep) before its replicas and shards
-    ranks = torch.arange(plan.world_size).view(pp, groups, shard // ep, ep).permute(0, 3, 1, 2)
-    mesh = DeviceMesh(device.type, ranks, mesh_dim_names=("pp", "ep", "dp_replicate", "edp_shard"))
+    # the same ranks, ordered (pp, tp, ep, dp_replicate, edp_shard): a DeviceMesh's dimensions nest in
+    # their order, and an expert's index runs over the group (ep) before its replicas and shards; each
+    # tensor-parallel index has its own groups (the experts are whole on every tensor-parallel rank)
+    ranks = torch.arange(plan.world_size).view(pp, groups, shard // ep, ep, tp).permute(0, 4, 3, 1, 2)
+    mesh = DeviceMesh(device.type, ranks, mesh_dim_names=("pp", "tp", "ep", "dp_replicate", "edp_shard"))
     return replace(
         placed,
         ep_rank=placed.replica % ep,

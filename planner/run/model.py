@@ -111,6 +111,7 @@ def check_runnable(plan: Plan) -> None:
         dp_mode=plan.dp_mode,
         compiled=plan.compile,
         dp_shard=plan.shard_size,
+        sequence=plan.sequence_parallel,
     )
     if refused:
         raise PlanFileError(f"the plan cannot run: {refused}; re-plan")

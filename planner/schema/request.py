@@ -441,7 +441,7 @@ class PlanRequest(_Request):
                 f"shard group; give a --dp-shard that is a multiple of {self.ep} (or auto)"
             )
         given = [
-            (isinstance(self.tp, int) and self.tp > 1, f"--tp {self.tp}", "--tp 1"),
+            (self.sequence_parallel is True, "--sequence-parallel", "--no-sequence-parallel"),
             (self.compile, "--compile", "no --compile"),
         ]
         for blocked, what, instead in given:

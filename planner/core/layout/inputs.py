@@ -269,7 +269,7 @@ def asked_of(request: PlanRequest, memory_limit_bytes: int | None) -> Asked:
     Returns:
         The request as core's records.
     """
-    ep = request.ep if isinstance(request.ep, int) else 1  # a given ep: tp 1, no HSDP (as validated)
+    ep = request.ep if isinstance(request.ep, int) else 1
     space = SearchSpace(
         request.batch_size,
         request.schedule,
@@ -277,7 +277,7 @@ def asked_of(request: PlanRequest, memory_limit_bytes: int | None) -> Asked:
         request.stages_per_rank,
         tuple(d for d in request.dp_options if d % ep == 0),
         request.dp_mode,
-        (1,) if ep > 1 else tuple(request.tp_options),
+        tuple(request.tp_options),
         None if request.accumulation == "auto" else request.accumulation,
         request.fsdp_units,
         None if request.dp_shard == "auto" else request.dp_shard,

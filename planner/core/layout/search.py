@@ -191,7 +191,7 @@ def _pending_layouts(
                 )
                 continue
             dp_shard = 0  # "auto": FSDP or DDP only
-        for sequence in space.sequence if tp > 1 else (False,):
+        for sequence in space.sequence if tp > 1 and ep == 1 else (False,):  # not yet with ep
             for layout in _layouts(blocks, replace(space, dp_mode=mode), pp, dp, ms, tp, ep):
                 layout = replace(layout, dp_shard=dp_shard, sequence=sequence, accumulation=fixed_k)
                 pending.append(_pending(blocks, cluster, layout, space, scaling, constraints, cache))

@@ -56,6 +56,7 @@ def ep_refusal(
     dp_mode: str,
     compiled: bool = False,
     dp_shard: int = 0,
+    sequence: bool = False,
 ) -> str | None:
     """Why a layout cannot shard its experts ``ep`` ways, or None when it can (or ``ep`` is 1): the
     model's experts (``experts_refusal``), then the layout (``layout_refusal``).
@@ -68,12 +69,13 @@ def ep_refusal(
         dp_mode: how the replicas reduce gradients ("ddp", "fsdp", "hsdp").
         compiled: whether the stages are compiled (``--compile``).
         dp_shard: under HSDP, the replicas of each shard group.
+        sequence: with ``tp`` > 1, sequence parallelism.
 
     Returns:
         One line naming what stands in the way and what to give instead.
     """
     return experts_refusal(ep, experts) or layout_refusal(
-        ep, dp=dp, tp=tp, dp_mode=dp_mode, compiled=compiled, dp_shard=dp_shard
+        ep, dp=dp, tp=tp, dp_mode=dp_mode, compiled=compiled, dp_shard=dp_shard, sequence=sequence
     )
 
 
@@ -98,7 +100,9 @@ def experts_refusal(ep: int, experts: Mapping[str, int]) -> str | None:
     return None
 
 
-def layout_refusal(ep: int, *, dp: int, tp: int, dp_mode: str, compiled: bool = False, dp_shard: int = 0) -> str | None:
+def layout_refusal(
+    ep: int, *, dp: int, tp: int, dp_mode: str, compiled: bool = False, dp_shard: int = 0, sequence: bool = False
+) -> str | None:
     """Why a layout cannot shard experts ``ep`` ways: replicas (or HSDP shard groups) ``ep`` does
     not divide, or what the runner does not run expert parallelism with yet; None where it can (or
     ``ep`` is 1). The search keeps to the layouts this passes, ``planner run`` refuses the rest.
@@ -110,6 +114,7 @@ def layout_refusal(ep: int, *, dp: int, tp: int, dp_mode: str, compiled: bool = 
         dp_mode: how the replicas reduce gradients ("ddp", "fsdp", "hsdp").
         compiled: whether the stages are compiled.
         dp_shard: under HSDP, the replicas of each shard group (an expert group lies inside one).
+        sequence: with ``tp`` > 1, sequence parallelism.
 
     Returns:
         One line, or None.
@@ -124,7 +129,7 @@ def layout_refusal(ep: int, *, dp: int, tp: int, dp_mode: str, compiled: bool = 
             "an expert group lies"
         )
     notyet = [
-        (tp > 1, f"with tensor parallelism (tp {tp})", "--tp 1"),
+        (tp > 1 and sequence, "with sequence parallelism", "--no-sequence-parallel"),
         (compiled, "compiled", "no --compile"),
     ]
     for blocked, what, instead in notyet:
