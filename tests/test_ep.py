@@ -57,7 +57,6 @@ def _block(share: ExpertShare | None) -> BlockCost:
         (2, EXPERTS, {"dp_mode": "fsdp"}, None),
         (2, EXPERTS, {"dp_mode": "hsdp", "dp_shard": 2}, None),
         (2, EXPERTS, {"dp": 6, "dp_mode": "hsdp", "dp_shard": 3}, "--ep 2 does not divide the 3 replicas of each HSDP"),
-        (2, EXPERTS, {"compiled": True}, "does not run compiled yet"),
     ],
 )
 def test_what_expert_parallelism_does_not_run_is_one_line(ep: int, experts: dict, kw: dict, want: str | None) -> None:
@@ -308,7 +307,6 @@ def test_expert_parallel_layouts_lay_their_ranks_out_pipeline_outermost() -> Non
             r"--ep 2: expert parallelism does not run with --sequence-parallel yet; give --no-sequence-parallel",
         ),
         ({"gpus": 8, "dp": 8, "dp_mode": "hsdp", "dp_shard": 2, "ep": 4}, r"--ep 4 does not divide --dp-shard 2: each"),
-        ({"dp": 2, "compile": True}, r"--ep 2: expert parallelism does not run with --compile yet; give no --compile"),
         ({"dp": "auto", "gpus": 3}, r"--ep 2 does not divide --gpus 3"),
         ({"dp": "auto", "ep": 4, "batch_size": 2}, r"no replica count tried \(1, 2: those that split the batch of 2"),
     ],
@@ -485,9 +483,9 @@ def test_ep_auto_shards_the_experts_where_only_that_fits(tmp_path: Path) -> None
     plan = _plan(tmp_path, "models/hf/mixtral.py", ep="auto", memory_limit_gib=0.0056, **options)
     assert plan.ep in (2, 4) and plan.prediction.max_memory_bytes <= 0.0056 * 2**30
     assert plan.model.expert_calls and "expert-parallel degree" in plan.choice and f"ep={plan.ep}" in plan.choice
-    # compiled, the runner does not shard experts: the search keeps to what it runs, and nothing fits
-    with pytest.raises(PlannerError, match=r"^no layout fits the 0\.0056 GiB memory limit"):
-        _plan(tmp_path, "models/hf/mixtral.py", ep="auto", memory_limit_gib=0.0056, compile=True, **options)
+    # compiled too (the exchanges run eagerly inside the compiled stages)
+    compiled = _plan(tmp_path, "models/hf/mixtral.py", ep="auto", memory_limit_gib=0.0056, compile=True, **options)
+    assert compiled.compile and compiled.ep in (2, 4)
     # without the limit the unsharded layout is as fast and kept; the trace still records the calls,
     # so the run traces as the plan did whatever ep it chose
     free = _plan(tmp_path, "models/hf/mixtral.py", ep="auto", **options)

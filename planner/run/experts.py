@@ -98,6 +98,10 @@ class ExpertDispatch(nn.Module):
         self.size = dist.get_world_size(group)
         self.local = n_experts // self.size
 
+    # A compiled stage (``--compile``) runs this eagerly: the exchange sizes are data (the router's
+    # counts, read with ``tolist``), which torch.compile would split the graph on anyway; the rest of
+    # the stage compiles around it.
+    @torch.compiler.disable
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """The layer's output for this rank's tokens: ``hidden`` [T, d], ``top_k_index`` [T, k]
         (global expert ids), ``top_k_weights`` [T, k] -> [T, d]."""
@@ -225,8 +229,8 @@ def shard_experts_over_groups(plan: Plan, experts: Sequence[nn.Module], mesh: Ra
 def expert_shards(experts: Sequence[nn.Module], mesh: RankMesh) -> dict[int, Callable[[torch.Tensor], torch.Tensor]]:
     """For each expert parameter this rank holds a share of, what turns it (or its optimizer state,
     of its shape) into a ``DTensor`` of the whole layer's tensor: sharded by expert over the rank's
-    expert-parallel group, and under FSDP each group's experts again over ``edp_mesh`` (``Shard(0)``
-    on both dimensions of ``experts_mesh``, as FSDP cut them). It is the view a checkpoint saves, so
+    expert-parallel group, and under FSDP (HSDP) each group's experts again as FSDP placed them on
+    ``edp_mesh`` (on ``experts_mesh``: ``Shard(0)`` over ep, then FSDP's placements). It is the view a checkpoint saves, so
     that ``torch.distributed.checkpoint`` writes each expert once and reads it back into any other
     ``ep`` (or none), sharded or not.
 

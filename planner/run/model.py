@@ -109,7 +109,6 @@ def check_runnable(plan: Plan) -> None:
         dp=plan.dp,
         tp=plan.tp,
         dp_mode=plan.dp_mode,
-        compiled=plan.compile,
         dp_shard=plan.shard_size,
         sequence=plan.sequence_parallel,
     )

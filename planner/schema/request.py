@@ -440,15 +440,11 @@ class PlanRequest(_Request):
                 f"--ep {self.ep} does not divide --dp-shard {self.dp_shard}: each expert group lies inside an HSDP "
                 f"shard group; give a --dp-shard that is a multiple of {self.ep} (or auto)"
             )
-        given = [
-            (self.sequence_parallel is True, "--sequence-parallel", "--no-sequence-parallel"),
-            (self.compile, "--compile", "no --compile"),
-        ]
-        for blocked, what, instead in given:
-            if blocked:
-                raise ValueError(
-                    f"--ep {self.ep}: expert parallelism does not run with {what} yet; give {instead} (or --ep 1)"
-                )
+        if self.sequence_parallel is True:
+            raise ValueError(
+                f"--ep {self.ep}: expert parallelism does not run with --sequence-parallel yet; give "
+                "--no-sequence-parallel (or --ep 1)"
+            )
 
     def _check_shard_groups(self) -> None:
         """Refuse a shard group size without hsdp, or one that does not divide the replicas."""

@@ -164,7 +164,7 @@ def _pending_layouts(
     fixed_k = space.accumulation if space.accumulation is not None else 1
     for tp, dp, ep in _meshes(cluster, space):
         # a mesh expert parallelism cannot run is no layout (where the mode is open, DDP or FSDP: no HSDP)
-        if layout_refusal(ep, dp=dp, tp=tp, dp_mode=space.dp_mode, compiled=constraints.compiled):
+        if layout_refusal(ep, dp=dp, tp=tp, dp_mode=space.dp_mode):
             continue
         pp = cluster.world_size // (dp * tp)
         ms = replica_microbatches(space.batch_size // fixed_k, dp, space.n_microbatches, floor)

@@ -54,7 +54,6 @@ def ep_refusal(
     dp: int,
     tp: int,
     dp_mode: str,
-    compiled: bool = False,
     dp_shard: int = 0,
     sequence: bool = False,
 ) -> str | None:
@@ -67,7 +66,6 @@ def ep_refusal(
         dp: data-parallel replicas (the expert-parallel ranks are replicas).
         tp: tensor-parallel ranks per pipeline rank.
         dp_mode: how the replicas reduce gradients ("ddp", "fsdp", "hsdp").
-        compiled: whether the stages are compiled (``--compile``).
         dp_shard: under HSDP, the replicas of each shard group.
         sequence: with ``tp`` > 1, sequence parallelism.
 
@@ -75,7 +73,7 @@ def ep_refusal(
         One line naming what stands in the way and what to give instead.
     """
     return experts_refusal(ep, experts) or layout_refusal(
-        ep, dp=dp, tp=tp, dp_mode=dp_mode, compiled=compiled, dp_shard=dp_shard, sequence=sequence
+        ep, dp=dp, tp=tp, dp_mode=dp_mode, dp_shard=dp_shard, sequence=sequence
     )
 
 
@@ -100,9 +98,7 @@ def experts_refusal(ep: int, experts: Mapping[str, int]) -> str | None:
     return None
 
 
-def layout_refusal(
-    ep: int, *, dp: int, tp: int, dp_mode: str, compiled: bool = False, dp_shard: int = 0, sequence: bool = False
-) -> str | None:
+def layout_refusal(ep: int, *, dp: int, tp: int, dp_mode: str, dp_shard: int = 0, sequence: bool = False) -> str | None:
     """Why a layout cannot shard experts ``ep`` ways: replicas (or HSDP shard groups) ``ep`` does
     not divide, or what the runner does not run expert parallelism with yet; None where it can (or
     ``ep`` is 1). The search keeps to the layouts this passes, ``planner run`` refuses the rest.
@@ -112,7 +108,6 @@ def layout_refusal(
         dp: data-parallel replicas.
         tp: tensor-parallel ranks per pipeline rank.
         dp_mode: how the replicas reduce gradients ("ddp", "fsdp", "hsdp").
-        compiled: whether the stages are compiled.
         dp_shard: under HSDP, the replicas of each shard group (an expert group lies inside one).
         sequence: with ``tp`` > 1, sequence parallelism.
 
@@ -128,10 +123,7 @@ def layout_refusal(
             f"--ep {ep} does not divide the {dp_shard} replicas of each HSDP shard group (--dp-shard), inside which "
             "an expert group lies"
         )
-    notyet = [
-        (tp > 1 and sequence, "with sequence parallelism", "--no-sequence-parallel"),
-        (compiled, "compiled", "no --compile"),
-    ]
+    notyet = [(tp > 1 and sequence, "with sequence parallelism", "--no-sequence-parallel")]
     for blocked, what, instead in notyet:
         if blocked:
             return f"--ep {ep}: expert parallelism does not run {what} yet; give {instead} (or --ep 1)"
