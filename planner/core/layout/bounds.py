@@ -92,6 +92,8 @@ class BlockTotals:
             activations less autocast's weight copies, which live microbatches may share).
         frees: what recomputing frees at least cost (``least_rerun``), under full checkpointing.
         frees_selective: the same where selective checkpointing is allowed too.
+        fsdp: what FSDP shards, (bytes, parameters) (``BlockCost.fsdp_sharded``): ``param_bytes``
+            and ``params``, but under expert parallelism with the experts counted whole.
     """
 
     compute: float
@@ -106,7 +108,7 @@ class BlockTotals:
     acts: int
     frees: Frees
     frees_selective: Frees
-    fsdp: tuple[int, int] | None = None
+    fsdp: tuple[int, int]
 
 
 def block_totals(blocks: Sequence[BlockCost], split: bool) -> BlockTotals:
@@ -123,7 +125,6 @@ def block_totals(blocks: Sequence[BlockCost], split: bool) -> BlockTotals:
     backward = 0.0
     step = 0.0
     p_bytes = n_params = f_bytes = f_params = 0
-    differs = False
     lead = 1.0  # the least share of a block's compute that lies on the chain before a stage (below)
     loads: list[float] = []
     backwards: list[float] = []
@@ -157,8 +158,6 @@ def block_totals(blocks: Sequence[BlockCost], split: bool) -> BlockTotals:
         step += (b.opt_s or 0.0) + (b.grad_s or 0.0)
         p_bytes += b.param_bytes
         n_params += b.params
-        if b.fsdp_params is not None:
-            differs = True
         fsdp_params, fsdp_bytes = b.fsdp_sharded()
         f_bytes += fsdp_bytes
         f_params += fsdp_params
@@ -176,7 +175,7 @@ def block_totals(blocks: Sequence[BlockCost], split: bool) -> BlockTotals:
         acts,
         _cheapest_first(full),
         _cheapest_first(either),
-        (f_bytes, f_params) if differs else None,
+        (f_bytes, f_params),
     )
 
 
@@ -282,7 +281,7 @@ def floors(
     shard = most if dp > 1 and layout.dp_mode in ("fsdp", "hsdp", "auto") and not split else 1
     static = 2 * t.param_bytes + optimizer.state_bytes(t.params, t.param_bytes)
     # what FSDP shards: more than a rank holds under expert parallelism (every expert's share)
-    f_bytes, f_params = t.fsdp or (t.param_bytes, t.params)
+    f_bytes, f_params = t.fsdp
     sharded = 2 * f_bytes + optimizer.state_bytes(f_params, f_bytes)
     least = t.least_cut
     buffers = 2 * m * (layout.n_stages - 1) * least if least is not None and layout.n_stages > 1 else 0

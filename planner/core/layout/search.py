@@ -163,7 +163,7 @@ def _pending_layouts(
     floor = min(scaling.min_size, scaling.size0)
     fixed_k = space.accumulation if space.accumulation is not None else 1
     for tp, dp, ep in _meshes(cluster, space):
-        # a mesh expert parallelism cannot run is no layout (where the mode is open, DDP or FSDP: no HSDP)
+        # a mesh expert parallelism cannot run is no layout (HSDP's groups are checked below, once sized)
         if layout_refusal(ep, dp=dp, tp=tp, dp_mode=space.dp_mode):
             continue
         pp = cluster.world_size // (dp * tp)

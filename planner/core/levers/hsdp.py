@@ -30,15 +30,16 @@ from planner.schema.plan import StagePlan
 
 
 def hsdp_shard(dp: int, group_ranks: int, node_ranks: int, asked: int | None = None) -> int:
-    """The replicas of each HSDP shard group for ``dp`` replicas of ``group_ranks`` ranks each
-    (pipeline x tensor-parallel): ``asked`` when given, else the largest divisor of ``dp`` whose
+    """The replicas of each HSDP shard group for ``dp`` replicas ``group_ranks`` global ranks apart
+    (pipeline x tensor-parallel; tensor-parallel alone where the ranks are pipeline-outermost):
+    ``asked`` when given, else the largest divisor of ``dp`` whose
     groups each lie on one node (replica k's ranks are ``k x group_ranks`` on, nodes of
     ``node_ranks``), so the groups' gathers stay inside a node; where no group of two or more does,
     the largest that fits a node's rank count (1 when one replica fills a node).
 
     Args:
         dp: replicas.
-        group_ranks: ranks of one replica (``pp x tp``).
+        group_ranks: global ranks from one replica to the next (``pp x tp``, or ``tp``).
         node_ranks: ranks per node.
         asked: the size the user gave (``--dp-shard``), or None.
 

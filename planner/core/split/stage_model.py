@@ -444,7 +444,8 @@ def _stage_sums(
     cast = sum(b.weight_cast_bytes for b in part)
     fsdp = None
     if any(b.fsdp_params is not None for b in part):
-        fsdp = (sum(b.fsdp_sharded()[1] for b in part), sum(b.fsdp_sharded()[0] for b in part))
+        sharded = [b.fsdp_sharded() for b in part]
+        fsdp = (sum(nbytes for _, nbytes in sharded), sum(params for params, _ in sharded))
     sums = StageSums(
         p_bytes,
         n_params,
