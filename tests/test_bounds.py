@@ -20,6 +20,7 @@ from planner.core.layout.bounds import (
     busiest_load,
     chain_floor,
     floors,
+    fsdp_traffic,
     least_rerun,
     memory_floor,
     pipeline_floor,
@@ -28,11 +29,13 @@ from planner.core.layout.bounds import (
 )
 from planner.core.layout.inputs import Cluster, Constraints, Layout
 from planner.core.layout.search import Choice, evaluate_choice, evaluate_modes
+from planner.core.levers.experts import at_degree as experts_at
+from planner.core.levers.hardware import get_hardware, node_links
 from planner.core.split.stage_model import Partition
 from planner.core.step.schedules import SCHEDULES, ZERO_BUBBLE, check_schedule, stages_per_rank_options
 from planner.core.step.simulate import StageTimes, simulate_step
 from planner.errors import InfeasibleError
-from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
+from planner.schema.costs import BlockCost, ExpertShare, LinkCost, OptimizerSpec
 
 LINKS = [
     LinkCost(name="free", latency_s=0.0, bandwidth_Bps=1e12),
@@ -259,7 +262,8 @@ def test_recompute_floor_exact_values() -> None:
     """Four equal blocks of 1 s forward, 2 s backward, 1 GiB kept per microbatch, 1 s to re-run;
     GPipe on two ranks, four microbatches live at once, 3 GiB a rank: 16 GiB of activations in
     6 GiB, so 2.5 GiB a microbatch freed at 1 s a GiB: 2.5 s of recomputation a microbatch, and the
-    step at least 4 x (12 + 2.5) / 2 = 29 s. 1F1B holds two microbatches on its first rank and one on
+    step at least the mean 4 x (12 + 2.5) / 2 = 29 s and, the recomputation on the stages' chain too,
+    (12 + 2.5) / (1 - (3 / 4)^2) = 33.1 s (``pipeline_floor``; the balanced split takes 5 x 7.25 s). 1F1B holds two microbatches on its first rank and one on
     its second at their first backwards: room for 3 / 2 + 3 = 4.5 GiB of a microbatch, nothing
     forced; in 2 GiB a rank, 1 + 2 = 3 GiB: 1 GiB freed, 1 s."""
     gib = 2**30
@@ -275,7 +279,112 @@ def test_recompute_floor_exact_values() -> None:
     assert recompute_floor(totals, gpipe, held, 3 * gib, "never") == 0.0
     assert recompute_floor(totals, gpipe, held, None, "full") == 0.0
     step, _ = floors(blocks, gpipe, optimizer, limit=3 * gib, recompute="full")
-    assert step == pytest.approx(29.0, rel=1e-6)
+    assert step == pytest.approx(14.5 / (1 - 0.75**2), rel=1e-6)
     one_f_one_b = Layout("1f1b", 2, 4, 1, 1, "ddp")
     assert recompute_floor(totals, one_f_one_b, held, 3 * gib, "full") == 0.0
     assert recompute_floor(totals, one_f_one_b, held, 2 * gib, "full") == pytest.approx(1.0, rel=1e-6)
+
+
+@st.composite
+def fsdp_problems(draw: st.DrawFn) -> tuple:  # type: ignore[type-arg]
+    """Layouts FSDP may shard block by block on GPU nodes (NCCL's links), blocks of megabytes to
+    gigabytes of parameters (their collectives hidden behind the compute, or not), some with experts."""
+    rng = random.Random(draw(st.integers(0, 2**32)))
+    n = draw(st.integers(2, 8))
+    scale = draw(st.sampled_from([1, 1_000, 10_000, 100_000]))
+    blocks = [_rich_block(rng, i, n) for i in range(n)]
+    blocks = [b.model_copy(update={"params": b.params * scale, "param_bytes": b.param_bytes * scale}) for b in blocks]
+    ep = draw(st.sampled_from([1, 1, 2]))
+    schedule = draw(st.sampled_from([s for s in SCHEDULES if s not in ZERO_BUBBLE]))
+    legal = sum(b.cut_legal for b in blocks[:-1]) + 1
+    pp = draw(st.integers(1, min(4, legal)))
+    options = [v for v in stages_per_rank_options(schedule, 3) if pp * v <= legal]
+    assume(options)
+    v = draw(st.sampled_from(options))
+    m = draw(st.integers(1, 8))
+    assume(_runnable(schedule, pp, m, v))
+    dp = draw(st.sampled_from([2, 4, 8]))
+    mode = draw(st.sampled_from(["fsdp", "hsdp", "auto"]))
+    dp_shard = draw(st.sampled_from([2, 4])) if mode != "fsdp" else 0
+    assume(dp_shard < dp and dp % max(1, dp_shard) == 0 and (dp_shard % ep == 0 if dp_shard else True))
+    assume(dp % ep == 0)
+    link = node_links(get_hardware("h100"), pp, draw(st.sampled_from([2, 8])))
+    if ep > 1:
+        shares = [
+            ExpertShare(
+                layers=1, experts=4, params=b.params * 4 // 5, param_bytes=b.param_bytes * 4 // 5, dispatch_bytes=MB
+            )
+            if b.params and b.is_layer
+            else None
+            for b in blocks
+        ]
+        blocks = experts_at([b.model_copy(update={"experts": s}) for b, s in zip(blocks, shares)], ep, link, 2)
+    cluster = Cluster(world_size=pp * dp, link=link, slots=draw(st.sampled_from([None, None, 2.0])))
+    recompute = draw(st.sampled_from(["never", "auto", "full"]))
+    share = draw(st.sampled_from([None, 0.05, 0.3, 1.0]))  # a limit from a sliver of the model's bytes to all of them
+    whole = sum(b.param_bytes * 4 + b.activation_bytes * m for b in blocks)
+    limit = None if share is None else int(whole * share / pp) + 1
+    constraints = Constraints(optimizer=OptimizerSpec(name="adamw"), memory_limit_bytes=limit, recompute=recompute)
+    units = draw(st.sampled_from(["block", "auto"]))
+    layout = Layout(schedule, pp, m, v, dp, mode, fsdp_units=units, dp_shard=dp_shard, gather_bytes=2, ep=ep)
+    return blocks, cluster, layout, constraints, rng
+
+
+@settings(max_examples=250, deadline=None)
+@given(fsdp_problems())
+def test_floors_with_fsdp_traffic_never_exceed_the_layout(problem: tuple) -> None:  # type: ignore[type-arg]
+    """With FSDP's collectives counted (``fsdp_traffic``: the traffic the compute cannot hide and the
+    gathers every stage waits for cold) the floors still never exceed the solver's split or a random
+    split under any mode and units the layout may run (the step: where it fits the memory limit), on
+    NCCL's links, with experts or not, under a limit or none."""
+    blocks, cluster, layout, constraints, rng = problem
+    traffic = fsdp_traffic(blocks, cluster.link, layout, cluster.slots)
+    limit, recompute = constraints.memory_limit_bytes, constraints.recompute
+    step, memory = floors(blocks, layout, constraints.optimizer, traffic=traffic, limit=limit, recompute=recompute)
+    assert step >= floors(blocks, layout, constraints.optimizer, limit=limit, recompute=recompute)[0]  # it only adds
+    choices = []
+    try:
+        choices.append(evaluate_modes(blocks, cluster, layout, constraints))
+    except InfeasibleError:
+        pass
+    split = _random_split(blocks, layout.n_stages, rng)
+    modes = (
+        ["ddp", "fsdp"] + (["hsdp"] if layout.dp_shard > 1 else []) if layout.dp_mode == "auto" else [layout.dp_mode]
+    )
+    for mode in modes if split is not None else []:
+        for units in ["stage", "block"] if layout.fsdp_units == "auto" else [layout.fsdp_units]:
+            try:
+                one = replace(layout, dp_mode=mode, fsdp_units=units)
+                choices.append(evaluate_choice(blocks, cluster, one, constraints, split))
+            except InfeasibleError:
+                pass
+    for c in choices:
+        if c.fits:  # (under a limit, the step floor is that of the modes whose memory floor fits)
+            assert step <= c.prediction.step_time_s * (1 + 1e-9), (step, c.prediction.step_time_s, c.layout)
+        assert memory <= c.prediction.max_memory_bytes, (memory, c.prediction.max_memory_bytes, c.layout)
+
+
+def test_fsdp_traffic_exact_values() -> None:
+    """Two blocks of 500 M bf16 parameters (1 GB) over 4 replicas on a plain link of 1 GB/s: each
+    gathered twice (1 GB) and its fp32 gradients (2 GB) reduce-scattered, every collective moving
+    3/4 of its bytes: (2 x 1 + 2) x 0.75 = 3 s a block, 6 s a microbatch; a cold start waits for a
+    whole gather, 0.75 s. Two ranks of one block each (1 s of compute a microbatch between them),
+    1F1B with 4 microbatches: the pass's chain (``pipeline_floor``) plus the traffic the compute
+    cannot hide, (6 - 1) s a microbatch over the two ranks."""
+    link = LinkCost(name="plain", latency_s=0.0, bandwidth_Bps=1e9)
+    blocks = [
+        block(f"b{i}", 250, 250, 500_000_000, act_mb=0).model_copy(update={"param_bytes": 10**9}) for i in range(2)
+    ]
+    layout = Layout("1f1b", 2, 4, 1, 4, "fsdp", fsdp_units="block")
+    (got,) = fsdp_traffic(blocks, link, layout, None).values()
+    assert got.traffic == pytest.approx(6.0)
+    assert got.cold == pytest.approx((0.0, 0.75, 1.5)) and got.per_stage is False
+    assert got.exposed(layout) == pytest.approx(3.0)  # each rank waits for two gathers at least
+    step, _ = floors(blocks, layout, OptimizerSpec(name="sgd"), traffic={"fsdp": got})
+    assert step == pytest.approx(pipeline_floor(1.0, 4, 2) + (6.0 - 1.0) * 4 / 2)
+    assert step > floors(blocks, layout, OptimizerSpec(name="sgd"))[0]
+    # stage units gather once a pass: the floor counts none of it; one replica has no traffic
+    assert (
+        floors(blocks, replace(layout, fsdp_units="stage"), OptimizerSpec(name="sgd"), traffic={"fsdp": got})[0] < step
+    )
+    assert fsdp_traffic(blocks, link, replace(layout, dp=1), None) == {}

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from plan_factory import LINK, MB, block
 
+import planner.core.layout.pending as pending_module
 import planner.core.layout.search as search_module
 from planner.core.layout.inputs import Cluster, Constraints, Scaling, SearchSpace
 from planner.core.layout.search import TIE, _evaluate_all, _rank
@@ -59,7 +60,7 @@ def test_pruning_keeps_the_winner_and_every_candidate_that_could_tie(problem: tu
     blocks, cluster, space, constraints, scaling = _search_inputs(problem)
     pruned = _evaluate_all(blocks, cluster, space, constraints, scaling)
     with pytest.MonkeyPatch.context() as mp:  # floors of nothing: every layout is evaluated
-        mp.setattr(search_module, "floors", lambda *a, **k: (0.0, 0))
+        mp.setattr(pending_module, "floors", lambda *a, **k: (0.0, 0))
         every = _evaluate_all(blocks, cluster, space, constraints, scaling)
     assert every.pruned == 0
     fitting = [c for c in every.results if c.fits]
@@ -85,7 +86,7 @@ def test_quick_floors_raised_when_reached_evaluate_what_full_floors_do(problem: 
     as full floors computed for every layout up front."""
     blocks, cluster, space, constraints, scaling = _search_inputs(problem)
     seen: list[list[Any]] = [[], []]
-    evaluated, floors = search_module.evaluated, search_module.floors
+    evaluated, floors = search_module.evaluated, pending_module.floors
 
     def full_floors(*a: Any, **k: Any) -> Any:
         return floors(*a, **{**k, "read_orders": True})
@@ -94,8 +95,8 @@ def test_quick_floors_raised_when_reached_evaluate_what_full_floors_do(problem: 
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(search_module, "evaluated", lambda task, run=run: seen[run].append(task[2]) or evaluated(task))
             if full:  # every floor read off the orders when the layout is enumerated
-                mp.setattr(search_module, "floors", full_floors)
-                mp.setattr(search_module, "LIVE_CLOSED_FORMS", tuple(search_module.SCHEDULES))
+                mp.setattr(pending_module, "floors", full_floors)
+                mp.setattr(pending_module, "LIVE_CLOSED_FORMS", tuple(search_module.SCHEDULES))
             outcome = _evaluate_all(blocks, cluster, space, constraints, scaling)
         if not full:
             quick = outcome

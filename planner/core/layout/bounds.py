@@ -16,15 +16,22 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from planner.core.layout.inputs import Layout
+from planner.core.levers.casts import without_casts
+from planner.core.levers.collectives import Collective
+from planner.core.levers.data_parallel import as_gathered, dp_group_links, layout_links, ring_rate
+from planner.core.levers.experts import by_group
+from planner.core.levers.hsdp import hsdp_links
+from planner.core.levers.links import Links
 from planner.core.levers.recompute import kept_bytes, loss_held, recompute_cost, selective_cost
 from planner.core.split.solve import policy_options
 from planner.core.step.schedules import LIVE_CLOSED_FORMS, ZERO_BUBBLE, live_at_first_backward
 from planner.errors import InfeasibleError
-from planner.schema.costs import BlockCost, OptimizerSpec
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 
 
 def step_floor(blocks: Sequence[BlockCost], layout: Layout, optimizer: OptimizerSpec) -> float:
@@ -248,6 +255,7 @@ def floors(
     limit: int | None = None,
     recompute: str = "auto",
     read_orders: bool = True,
+    traffic: Mapping[str, FsdpFloor] | None = None,
 ) -> tuple[float, int]:
     """``step_floor`` and ``memory_floor`` in one pass over the blocks.
 
@@ -257,7 +265,9 @@ def floors(
     so the ranks hold ``2 m (n_stages - 1)`` such cuts between them, the busiest at least the mean.
     With several passes (gradient accumulation) the step computes every pass's microbatches (``m x
     accumulation``); the memory is one pass's. Under a memory ``limit`` the ranks' compute includes
-    the recomputation that fitting it forces (``recompute_floor``).
+    the recomputation that fitting it forces (``recompute_floor``). A layout whose data-parallel mode
+    or FSDP units are still open ("auto") has the least memory floor of the modes it may run, and the
+    least step floor of those whose memory floor fits the limit (only they can give a layout that fits).
 
     Args:
         blocks: per-block costs at the layout's microbatch size.
@@ -269,43 +279,177 @@ def floors(
         recompute: the recompute policy (``--recompute``: which modes a stage may take).
         read_orders: read each rank's live microbatches off the schedule's action orders where they
             have no closed form (``recompute_floor``); False: a quicker, lower step floor there.
+        traffic: by mode ("fsdp", "hsdp"), what one microbatch's FSDP collectives cost a pipeline's
+            ranks together at least when it shards block by block (``fsdp_traffic``); None: nothing counted.
 
     Returns:
         (the step floor in seconds, the memory floor in bytes).
     """
-    pp, m, dp = layout.pp, layout.n_microbatches, layout.dp
+    t = totals if totals is not None else block_totals(blocks, layout.schedule in ZERO_BUBBLE)
+    pairs = [_mode_floors(t, one, optimizer, limit, recompute, read_orders, traffic or {}) for one in _modes(layout)]
+    memory = min(mem for _, mem in pairs)
+    fitting = [step for step, mem in pairs if limit is None or mem <= limit]
+    return min(fitting or [step for step, _ in pairs]), memory
+
+
+def _modes(layout: Layout) -> list[Layout]:
+    """The layout under each data-parallel mode and FSDP units it may run (``evaluate_modes``): its
+    own where they are set; under "auto" DDP, FSDP and, with shard groups, HSDP (split-backward
+    schedules: DDP only, as the search plans them), each with stage and block units."""
+    if layout.dp == 1:
+        return [layout]
+    if layout.dp_mode != "auto":
+        modes = [layout.dp_mode]
+    elif layout.schedule in ZERO_BUBBLE:
+        modes = ["ddp"]
+    else:
+        modes = ["ddp", "fsdp"] + (["hsdp"] if layout.dp_shard > 1 else [])
+    out = []
+    for mode in modes:
+        units = (
+            ["stage"] if mode == "ddp" else ["stage", "block"] if layout.fsdp_units == "auto" else [layout.fsdp_units]
+        )
+        out += [replace(layout, dp_mode=mode, fsdp_units=u) for u in units]
+    return out
+
+
+def _mode_floors(
+    t: BlockTotals,
+    layout: Layout,
+    optimizer: OptimizerSpec,
+    limit: int | None,
+    recompute: str,
+    read_orders: bool,
+    traffic: Mapping[str, FsdpFloor],
+) -> tuple[float, int]:
+    """``floors`` of a layout whose mode and units are set (see there)."""
+    pp, m, dp, mode = layout.pp, layout.n_microbatches, layout.dp, layout.dp_mode
     split = layout.schedule in ZERO_BUBBLE
-    t = totals if totals is not None else block_totals(blocks, split)
     # what FSDP may shard the optimizer step over: the search plans split-backward schedules with DDP
-    most = layout.dp_shard if layout.dp_mode == "hsdp" else dp  # the most replicas a stage is sharded over
-    shard = most if dp > 1 and layout.dp_mode in ("fsdp", "hsdp", "auto") and not split else 1
-    static = 2 * t.param_bytes + optimizer.state_bytes(t.params, t.param_bytes)
+    most = layout.dp_shard if mode == "hsdp" else dp  # the replicas a stage is sharded over
+    shard = most if dp > 1 and mode in ("fsdp", "hsdp") and not split else 1
     # what FSDP shards: more than a rank holds under expert parallelism (every expert's share)
     f_bytes, f_params = t.fsdp
-    sharded = 2 * f_bytes + optimizer.state_bytes(f_params, f_bytes)
     least = t.least_cut
     buffers = 2 * m * (layout.n_stages - 1) * least if least is not None and layout.n_stages > 1 else 0
-    ddp = (static + buffers) // pp
-    # FSDP holds its stages' weights and gradients whole while the pipeline runs, or block by block
-    # only a few units at a time (counted as none here)
-    whole = 0 if layout.fsdp_units in ("block", "auto") else 2 * t.param_bytes
-    fsdp = (sharded // max(1, most) + whole + buffers) // pp
-    modes = {"ddp": ddp, "fsdp": fsdp, "hsdp": fsdp, "auto": min(ddp, fsdp)}
-    memory = ddp if dp == 1 else modes.get(layout.dp_mode, ddp)
+    if dp == 1 or mode not in ("fsdp", "hsdp"):
+        memory = (2 * t.param_bytes + optimizer.state_bytes(t.params, t.param_bytes) + buffers) // pp
+    else:
+        # FSDP holds its stages' weights and gradients whole while the pipeline runs, or block by
+        # block only a few units at a time (counted as none here)
+        whole = 0 if layout.fsdp_units == "block" else 2 * t.param_bytes
+        sharded = 2 * f_bytes + optimizer.state_bytes(f_params, f_bytes)
+        memory = (sharded // max(1, most) + whole + buffers) // pp
     # one pass's makespan is at least each of: the busiest rank's compute (with the recomputation
     # the limit forces, at least the mean), the chain of the stages (``pipeline_floor``), the chain
     # around the stage with the most backward (``chain_floor``); the step adds the passes, then the
     # slowest rank's optimizer (at least the mean)
     state = optimizer.state_bytes(f_params, f_bytes) if shard > 1 else optimizer.state_bytes(t.params, t.param_bytes)
-    held = state // shard + buffers
-    rerun = recompute_floor(t, layout, held, limit, recompute, read_orders)
+    rerun = recompute_floor(t, layout, state // shard + buffers, limit, recompute, read_orders)
+    busy = t.compute + rerun  # every stage's compute of a microbatch, recomputation included
+    # (a recomputing backward is on the chain: with whole backwards the chain carries all of it)
+    chain = pipeline_floor(busy if not split else t.compute, m, layout.n_stages, t.lead)
     one_pass = max(
         busiest_load(t.loads, pp) * m,
-        (t.compute + rerun) * m / pp,
-        pipeline_floor(t.compute, m, layout.n_stages, t.lead),
+        busy * m / pp,
+        chain,
         chain_floor(t.compute, t.backward, m, layout.n_stages, split, busiest_load(t.backwards, layout.n_stages)),
     )
+    fsdp = traffic.get(mode) if shard > 1 and layout.fsdp_units == "block" and not split else None
+    if fsdp is not None:
+        # FSDP block by block: every microbatch, what the stages' compute does not hide of their
+        # collectives (at least the traffic beyond it, and the cold starts' gathers) comes after
+        # the pass (``planner.core.step.predict``). For stage times x >= busy the pass and that
+        # are at least ``k x + max(cold, moved - x) m / pp``, the chain's bound ``k x`` linear in x:
+        # least at busy or where the traffic's term stops falling
+        moved, cold = fsdp.traffic, fsdp.exposed(layout)
+        k = chain / busy if busy > 0 else 0.0
+
+        def with_traffic(x: float) -> float:
+            return k * x + max(cold, moved - x) * m / pp
+
+        one_pass = max(
+            one_pass,
+            max(busy + cold, moved) * m / pp,
+            min(with_traffic(busy), with_traffic(max(busy, moved - cold))),
+        )
     return layout.accumulation * one_pass + t.step / shard / pp, memory
+
+
+class FsdpFloor(NamedTuple):
+    """What FSDP block by block costs one microbatch at least, over a pipeline's ranks (``fsdp_traffic``).
+
+    Attributes:
+        traffic: seconds of every block's two gathers and reduce-scatter, at the least seconds per byte.
+        cold: prefix sums, from 0, of the blocks' gathers at that rate, smallest first: each stage's
+            forward and backward wait for their first unit's gather (``prefetched``), and the stages'
+            first (and last) blocks are distinct, so ``2 x cold[n]`` is exposed on ``n`` stages.
+        per_stage: whether every stage starts cold (FSDP2's timeline on NCCL links, or nothing hidden);
+            else (a link NCCL does not drive, overlapped) each rank waits for twice its largest unit.
+    """
+
+    traffic: float
+    cold: tuple[float, ...]
+    per_stage: bool
+
+    def exposed(self, layout: Layout) -> float:
+        """The least exposed seconds a microbatch's gathers wait for, over the layout's ranks."""
+        n = layout.n_stages if self.per_stage else layout.pp
+        return 2 * self.cold[min(n, len(self.cold) - 1)]
+
+
+def fsdp_traffic(
+    blocks: Sequence[BlockCost], link: Links, layout: Layout, slots: float | None = None
+) -> dict[str, FsdpFloor]:
+    """A lower bound of what one microbatch's FSDP collectives cost a pipeline's ranks together when
+    FSDP shards block by block (``floors``' ``traffic``), by mode: "fsdp" over the replicas, and
+    "hsdp" over the shard groups where the layout has them.
+
+    Whatever the split, every block is gathered for the forward and again for the backward and its
+    gradients reduce-scattered, each rank's units over its own group link (``dp_group_links``, as
+    ``planner.core.step.predict`` places them), the experts a rank holds over the replicas holding
+    the same ones (``by_group``); no collective costs less than its bytes at the least seconds per
+    byte of the fastest of those links (``ring_rate``). HSDP's all-reduce over the groups only adds.
+
+    Args:
+        blocks: per-block costs as the layout's ranks hold them (degrees applied).
+        link: the cluster's link(s), not yet placed for the layout.
+        layout: the layout (pipeline ranks, replicas, their shard groups, the gathered dtype).
+        slots: ranks that compute at once (``Cluster.slots``; not None: ranks share cores and
+            nothing overlaps).
+
+    Returns:
+        The floors by mode (empty with one replica).
+    """
+    pp, dp = layout.pp, layout.dp
+    if dp <= 1:
+        return {}
+    gathered = as_gathered(without_casts(blocks), layout.gather_bytes)
+    split = [by_group([b]) for b in gathered]
+    _, _, ep = by_group(gathered)
+    dense_grads, expert_grads, _ = by_group(gathered, wide=True)
+    placed = layout_links(link, pp, dp, layout.tp, layout.pp_outer)
+    groups = [("fsdp", dp, dp_group_links(placed, pp, dp))]
+    if layout.dp_shard > 1 and layout.dp_mode in ("hsdp", "auto"):
+        groups.append(("hsdp", layout.dp_shard, hsdp_links(placed, pp, dp, layout.dp_shard)[0]))
+    out: dict[str, FsdpFloor] = {}
+    for mode, size, links in groups:
+        distinct = list(dict.fromkeys(links))
+        dense_rate, expert_rate = (
+            _least_rate(distinct, "all_gather", size),
+            _least_rate(distinct, "all_gather", size // ep),
+        )
+        gathers = sorted(dense_rate * d + expert_rate * e for d, e, _ in split)
+        traffic = 2 * sum(gathers) + _least_rate(distinct, "reduce_scatter", size) * dense_grads
+        traffic += _least_rate(distinct, "reduce_scatter", size // ep) * expert_grads
+        per_stage = slots is not None or all(one.nccl is not None for one in distinct)
+        out[mode] = FsdpFloor(traffic, (0.0, *itertools.accumulate(gathers)), per_stage)
+    return out
+
+
+def _least_rate(links: Sequence[LinkCost], op: Collective, group: int) -> float:
+    """The least seconds per byte ``op`` over ``group`` ranks takes on any of ``links`` (``ring_rate``)."""
+    return min(ring_rate(group, one, op) for one in links)
 
 
 def recompute_floor(
@@ -435,11 +579,13 @@ def chain_floor(
 
 __all__ = [
     "BlockTotals",
+    "FsdpFloor",
     "block_totals",
     "busiest_load",
     "chain_floor",
     "recompute_floor",
     "floors",
+    "fsdp_traffic",
     "least_rerun",
     "memory_floor",
     "pipeline_floor",

@@ -9,13 +9,19 @@ that order; a ``Pool`` only changes where the evaluations run.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from planner.core.layout.bounds import BlockTotals
+from planner.core.layout.bounds import BlockTotals, FsdpFloor, block_totals, floors, fsdp_traffic
 from planner.core.layout.candidate import Choice, evaluate_modes
-from planner.core.layout.inputs import Cluster, Constraints, Layout
+from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
+from planner.core.levers.data_parallel import tp_link
+from planner.core.levers.experts import at_degree as experts_at
+from planner.core.levers.experts import group_link
+from planner.core.levers.microbatch import blocks_at
+from planner.core.levers.tensor_parallel import at_degree
+from planner.core.step.schedules import LIVE_CLOSED_FORMS, ZERO_BUBBLE
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost
 
@@ -48,13 +54,104 @@ class Pending:
     """A layout not yet solved, with what its costs alone say: a lower bound on its step and on the
     memory its busiest rank needs, whatever the split; with ``totals``, a quick step floor, raised
     to the full one (``planner.core.layout.bounds.floors`` reading the schedule's orders) only when
-    the search comes to it."""
+    the search comes to it (with ``traffic``, the FSDP collectives' floor it took)."""
 
     layout: Layout
     blocks: list[BlockCost]
     step_floor_s: float
     memory_floor: int
     totals: BlockTotals | None = None
+    traffic: Mapping[str, FsdpFloor] | None = None
+
+
+def pending_layout(
+    blocks: Sequence[BlockCost],
+    cluster: Cluster,
+    layout: Layout,
+    space: SearchSpace,
+    scaling: Scaling,
+    constraints: Constraints,
+    cache: dict[tuple[int, int, bool, int], Sized],
+) -> Pending:
+    """``layout`` with its costs at its microbatch size (kept in ``cache``) and its floors.
+
+    Args:
+        blocks: per-block costs at microbatch size ``scaling.size0``.
+        cluster: the links and the ranks that compute at once.
+        layout: the layout.
+        space: the batch.
+        scaling: how the costs carry over to other microbatch sizes.
+        constraints: the optimizer, the memory limit and the recompute policy.
+        cache: the costs by microbatch size, degree, sequence split and expert degree, added to.
+
+    Returns:
+        The pending layout.
+    """
+    size = space.batch_size // (layout.dp * layout.accumulation * layout.n_microbatches)
+    key = (size, layout.tp, layout.sequence, layout.ep)
+    if key not in cache:
+        sized = blocks_at(blocks, scaling.size0, size, scaling.fixed_fraction)
+        shares = at_degree(sized, layout.tp, tp_link(cluster.link), sequence=layout.sequence)
+        if layout.ep > 1:
+            # an expert group's replicas are tp ranks apart: an expert-parallel layout is pipeline-outermost
+            shares = experts_at(shares, layout.ep, *group_link(cluster.link, layout.ep, layout.tp))
+        cache[key] = Sized(shares)
+    entry = cache[key]
+    split = layout.schedule in ZERO_BUBBLE
+    if split not in entry.totals:  # the floors' sums over 1,000 blocks: once per costs, not per layout
+        entry.totals[split] = block_totals(entry.blocks, split)
+    mesh = (layout.pp, layout.dp, layout.dp_shard, layout.dp_mode, layout.gather_bytes)
+    if mesh not in entry.traffic:  # FSDP's collectives on these ranks: once per replica layout
+        entry.traffic[mesh] = fsdp_traffic(entry.blocks, cluster.link, layout, cluster.slots)
+    traffic = entry.traffic[mesh]
+    # the quick floor: where the schedule's live microbatches have no closed form, its orders are
+    # built only for the layouts the search comes to (``full_floor``), a few of thousands
+    step, memory = floors(
+        entry.blocks,
+        layout,
+        constraints.optimizer,
+        entry.totals[split],
+        limit=constraints.memory_limit_bytes,
+        recompute=constraints.recompute,
+        read_orders=False,
+        traffic=traffic,
+    )
+    quick = constraints.memory_limit_bytes is not None and layout.schedule not in LIVE_CLOSED_FORMS
+    return Pending(layout, entry.blocks, step, memory, entry.totals[split] if quick else None, traffic)
+
+
+def full_floor(item: Pending, constraints: Constraints) -> Pending:
+    """``item`` with its full step floor (``floors`` reading the schedule's orders), no longer quick.
+
+    Args:
+        item: a layout with a quick floor (``totals`` kept).
+        constraints: the memory limit and the recompute policy it was floored under.
+
+    Returns:
+        The layout with its full floor.
+    """
+    assert item.totals is not None
+    step, _ = floors(
+        item.blocks,
+        item.layout,
+        constraints.optimizer,
+        item.totals,
+        limit=constraints.memory_limit_bytes,
+        recompute=constraints.recompute,
+        traffic=item.traffic,
+    )
+    return replace(item, step_floor_s=max(step, item.step_floor_s), totals=None)
+
+
+@dataclass
+class Sized:
+    """Block costs at one microbatch size, tensor-parallel degree, sequence split and expert degree,
+    the sums their floors take (by whether the schedule splits its backward) and FSDP's collectives'
+    floors (by pipeline ranks, replicas, shard groups, mode and gathered dtype)."""
+
+    blocks: list[BlockCost]
+    totals: dict[bool, BlockTotals] = field(default_factory=dict)
+    traffic: dict[tuple[int, int, int, str, int], dict[str, FsdpFloor]] = field(default_factory=dict)
 
 
 def evaluated(task: tuple[Sequence[BlockCost], Cluster, Layout, Constraints]) -> Choice | InfeasibleError:
@@ -109,4 +206,4 @@ def ahead(
     ]
 
 
-__all__ = ["Pending", "Pool", "ahead", "evaluated"]
+__all__ = ["Pending", "Pool", "Sized", "ahead", "evaluated", "full_floor", "pending_layout"]

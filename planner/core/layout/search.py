@@ -33,18 +33,13 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from planner.core.layout.bounds import BlockTotals, block_totals, floors
 from planner.core.layout.candidate import Choice, evaluate_choice, evaluate_modes
 from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace, replica_mode
-from planner.core.layout.pending import Pending, Pool, ahead, evaluated
-from planner.core.levers.data_parallel import tp_link
-from planner.core.levers.experts import at_degree as experts_at
-from planner.core.levers.experts import group_link, layout_refusal
-from planner.core.levers.microbatch import blocks_at
-from planner.core.levers.tensor_parallel import at_degree
+from planner.core.layout.pending import Pending, Pool, Sized, ahead, evaluated, full_floor, pending_layout
+from planner.core.levers.experts import layout_refusal
 from planner.core.split.cuts import Split
 from planner.core.split.stage_plans import StageMemo
-from planner.core.step.schedules import LIVE_CLOSED_FORMS, ZERO_BUBBLE, stages_per_rank_options
+from planner.core.step.schedules import stages_per_rank_options
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost
 from planner.schema.counts import divisors
@@ -153,7 +148,7 @@ def _pending_layouts(
     space: SearchSpace,
     constraints: Constraints,
     scaling: Scaling,
-    cache: dict[tuple[int, int, bool, int], _Sized],
+    cache: dict[tuple[int, int, bool, int], Sized],
 ) -> tuple[list[Pending], list[InfeasibleError]]:
     """Every layout of ``space`` with its costs and floors, tensor-parallel degrees outermost, then
     replica counts (ascending: the simpler first), in ``_layouts``' order within them; ``cache``
@@ -194,69 +189,8 @@ def _pending_layouts(
         for sequence in space.sequence if tp > 1 and ep == 1 else (False,):  # not yet with ep
             for layout in _layouts(blocks, replace(space, dp_mode=mode), pp, dp, ms, tp, ep):
                 layout = replace(layout, dp_shard=dp_shard, sequence=sequence, accumulation=fixed_k)
-                pending.append(_pending(blocks, cluster, layout, space, scaling, constraints, cache))
+                pending.append(pending_layout(blocks, cluster, layout, space, scaling, constraints, cache))
     return pending, errors
-
-
-def _pending(
-    blocks: Sequence[BlockCost],
-    cluster: Cluster,
-    layout: Layout,
-    space: SearchSpace,
-    scaling: Scaling,
-    constraints: Constraints,
-    cache: dict[tuple[int, int, bool, int], _Sized],
-) -> Pending:
-    """``layout`` with its costs at its microbatch size (kept in ``cache``) and its floors."""
-    size = space.batch_size // (layout.dp * layout.accumulation * layout.n_microbatches)
-    key = (size, layout.tp, layout.sequence, layout.ep)
-    if key not in cache:
-        sized = blocks_at(blocks, scaling.size0, size, scaling.fixed_fraction)
-        shares = at_degree(sized, layout.tp, tp_link(cluster.link), sequence=layout.sequence)
-        if layout.ep > 1:
-            # an expert group's replicas are tp ranks apart: an expert-parallel layout is pipeline-outermost
-            shares = experts_at(shares, layout.ep, *group_link(cluster.link, layout.ep, layout.tp))
-        cache[key] = _Sized(shares)
-    entry = cache[key]
-    split = layout.schedule in ZERO_BUBBLE
-    if split not in entry.totals:  # the floors' sums over 1,000 blocks: once per costs, not per layout
-        entry.totals[split] = block_totals(entry.blocks, split)
-    # the quick floor: where the schedule's live microbatches have no closed form, its orders are
-    # built only for the layouts the search comes to (``_full_floor``), a few of thousands
-    step, memory = floors(
-        entry.blocks,
-        layout,
-        constraints.optimizer,
-        entry.totals[split],
-        limit=constraints.memory_limit_bytes,
-        recompute=constraints.recompute,
-        read_orders=False,
-    )
-    quick = constraints.memory_limit_bytes is not None and layout.schedule not in LIVE_CLOSED_FORMS
-    return Pending(layout, entry.blocks, step, memory, entry.totals[split] if quick else None)
-
-
-def _full_floor(item: Pending, constraints: Constraints) -> Pending:
-    """``item`` with its full step floor (``floors`` reading the schedule's orders), no longer quick."""
-    assert item.totals is not None
-    step, _ = floors(
-        item.blocks,
-        item.layout,
-        constraints.optimizer,
-        item.totals,
-        limit=constraints.memory_limit_bytes,
-        recompute=constraints.recompute,
-    )
-    return replace(item, step_floor_s=max(step, item.step_floor_s), totals=None)
-
-
-@dataclass
-class _Sized:
-    """Block costs at one microbatch size, tensor-parallel degree and sequence split, and the sums
-    their floors take, by whether the schedule splits its backward."""
-
-    blocks: list[BlockCost]
-    totals: dict[bool, BlockTotals] = field(default_factory=dict)
 
 
 def accumulation_options(layout: Layout, space: SearchSpace, min_size: int) -> list[Layout]:
@@ -316,7 +250,7 @@ def _evaluate_all(
     results taken in the same order: the same outcome, sooner on several cores."""
     # costs by microbatch size, degree and sequence split, shared with the layouts retried in several
     # passes below: with the microbatch count open they run their one-pass layout's microbatches
-    cache: dict[tuple[int, int, bool, int], _Sized] = {}
+    cache: dict[tuple[int, int, bool, int], Sized] = {}
     pending, errors = _pending_layouts(blocks, cluster, space, constraints, scaling, cache)
     order = sorted(range(len(pending)), key=lambda k: (pending[k].step_floor_s, k))
     limit = constraints.memory_limit_bytes
@@ -335,7 +269,7 @@ def _evaluate_all(
         key, k = heapq.heappop(heap)
         item = pending[k]
         if item.totals is not None:  # a quick floor: the full one, and back in line if it is later
-            pending[k] = item = _full_floor(item, constraints)
+            pending[k] = item = full_floor(item, constraints)
             if item.step_floor_s > key:
                 heapq.heappush(heap, (item.step_floor_s, k))
                 continue
@@ -368,7 +302,7 @@ def _evaluate_all(
                     best = choice.prediction.step_time_s
         if not fits:
             for layout in accumulation_options(item.layout, space, min_size):
-                pending.append(_pending(blocks, cluster, layout, space, scaling, constraints, cache))
+                pending.append(pending_layout(blocks, cluster, layout, space, scaling, constraints, cache))
                 heapq.heappush(heap, (pending[-1].step_floor_s, len(pending) - 1))
     if pool is not None:
         pool.discard(submitted.values())  # evaluated ahead, then ruled out: their results are not wanted

@@ -561,6 +561,37 @@ def collective_time(
     return found
 
 
+@lru_cache(maxsize=1 << 12)
+def least_seconds_per_byte(op: Collective, ranks: int, local: int, fabric: NcclFabric) -> float:
+    """The least seconds per byte NCCL's model charges an all-gather or a reduce-scatter over this
+    group, at any size: each of its algorithm and protocol options costs its latency plus the bytes
+    over its bandwidth (``_algo_time_us``: no size correction for these two), so no size runs faster
+    than the bytes over the largest bandwidth. ``collective_time(op, n, ...) >= n x this`` for every
+    ``n``: the search's floors take it (``planner.core.layout.bounds``).
+
+    Args:
+        op: "all_gather" or "reduce_scatter".
+        ranks: ranks of the group.
+        local: of them on each node.
+        fabric: the node and network.
+
+    Returns:
+        Seconds per byte (0 for a group of one).
+
+    Raises:
+        ValueError: another collective (an all-reduce's time has size-dependent corrections).
+    """
+    if op not in ("all_gather", "reduce_scatter"):
+        raise ValueError(f"least_seconds_per_byte covers all_gather and reduce_scatter, not {op!r}")
+    if ranks <= 1:
+        return 0.0
+    func = _FUNCS[op]
+    widest = max((bw for (f, _, _), (_, bw) in tune(fabric, ranks, local).items() if f == func), default=0.0)
+    if widest <= 0:
+        return 0.0  # (nothing runs it: collective_time refuses, and a floor of 0 holds)
+    return 1e-9 / widest * fabric.time_scale  # us = bytes / (1000 x GB/s)
+
+
 def bus_factor(op: Collective, ranks: int) -> float:
     """nccl-tests' bus bandwidth factor (doc/PERFORMANCE.md): busbw = algbw x this.
 
@@ -588,6 +619,7 @@ __all__ = [
     "CollectiveTime",
     "bus_factor",
     "collective_time",
+    "least_seconds_per_byte",
     "p2p_link",
     "tune",
 ]

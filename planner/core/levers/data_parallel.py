@@ -54,7 +54,7 @@ from collections import Counter
 from collections.abc import Sequence
 from functools import lru_cache, partial
 
-from planner.core.levers.collectives import Collective, collective_time
+from planner.core.levers.collectives import Collective, collective_time, least_seconds_per_byte
 from planner.core.levers.experts import by_group
 from planner.core.levers.links import Links, NodeLinks
 from planner.core.levers.overlap import NONE, Overlap, bucketed, fsdp_unit_pass, spread
@@ -229,6 +229,27 @@ def _ring_s(nbytes: float, group: int, link: LinkCost, op: Collective = "all_gat
     if nccl is not None:
         return nccl
     return (group - 1) * link.latency_s + (group - 1) / group * nbytes / link.bandwidth_Bps
+
+
+def ring_rate(group: int, link: LinkCost, op: Collective = "all_gather") -> float:
+    """The least seconds per byte ``_ring_s`` charges an all-gather or a reduce-scatter over
+    ``group`` ranks on ``link``, at any size: ``_ring_s(n, group, link, op) >= n x this`` (NCCL's
+    model: ``least_seconds_per_byte``; elsewhere the ring's bandwidth term). The search's floors take it.
+
+    Args:
+        group: ranks of the group.
+        link: its link.
+        op: "all_gather" or "reduce_scatter".
+
+    Returns:
+        Seconds per byte (0 for a group of one).
+    """
+    if group <= 1:
+        return 0.0
+    if link.nccl is not None:
+        local = link.local_ranks or (1 if link.nccl.network else group)
+        return least_seconds_per_byte(op, group, local, link.nccl)
+    return (group - 1) / group / link.bandwidth_Bps
 
 
 def grad_reduce_s(nbytes: int, dp: int, dp_mode: str, link: LinkCost, reduce_bytes: int | None = None) -> float:
@@ -594,6 +615,7 @@ __all__ = [
     "layout_links",
     "rank_reduce_s",
     "replica_slots",
+    "ring_rate",
     "shard_of",
     "slowest_link",
     "stage_traffic",
