@@ -114,22 +114,10 @@ class SearchPool:
         return PER_JOB * len(self._workers) if self._workers else 1
 
     def _start(self) -> None:
-        """Start the workers, with this planner first on their path and one thread each for numpy."""
-        root = str(Path(__file__).resolve().parents[1])
-        path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+        """Start the workers (``_spawn``)."""
         try:
             for _ in range(self.jobs):
-                self._workers.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "planner.workers"],
-                        stdin=subprocess.PIPE,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.DEVNULL,
-                        env=env,
-                        start_new_session=True,  # Ctrl-C stops the planner, which stops them (``close``)
-                    )
-                )
+                self._workers.append(_spawn())
         except OSError:  # no processes to be had here (limits, a sandbox): run here
             self._give_up()
 
@@ -232,19 +220,7 @@ class SearchPool:
 
     def close(self) -> None:
         """Stop the workers: their input closed, they exit; any still running after a few seconds is killed."""
-        for worker in self._workers:
-            for stream in (worker.stdin, worker.stdout):
-                try:
-                    if stream is not None:
-                        stream.close()
-                except OSError:
-                    pass
-        for worker in self._workers:
-            try:
-                worker.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait()
+        _stop(self._workers)
         self._workers = []
 
     def __enter__(self) -> SearchPool:
@@ -254,6 +230,103 @@ class SearchPool:
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
         self.close()
+
+
+class Background:
+    """One call made in a worker process (``python -m planner.workers``, as the search's) while this
+    process goes on; ``result`` waits for it. Where no process can start or the worker dies, the
+    call is made here when its result is asked for: the same result, later. A context manager that
+    stops the worker on exit, its result taken or not.
+
+    Args:
+        fn: a module-level function (the worker imports it by name).
+        arg: its argument (pickled to the worker).
+    """
+
+    def __init__(self, fn: Callable[[Any], Any], arg: object) -> None:
+        self._call = (fn, arg)
+        self._worker: subprocess.Popen[bytes] | None = None
+        try:
+            self._worker = _spawn()
+            _send(self._worker.stdin, self._call)  # type: ignore[arg-type]  # a pipe
+        except (OSError, pickle.PicklingError, TypeError, AttributeError):  # no process, or nothing to send it
+            self.close()
+
+    def result(self) -> Any:
+        """What the call returned, made here where the worker could not.
+
+        Returns:
+            The result.
+
+        Raises:
+            Exception: what the call raised, as it would have here.
+        """
+        answer: tuple[str, Any] | None = None
+        if self._worker is not None:
+            try:
+                answer = _receive(self._worker.stdout)  # type: ignore[arg-type]  # a pipe
+            except (EOFError, OSError, pickle.UnpicklingError):
+                answer = None  # it died: made here
+            self.close()
+        if answer is None:
+            fn, arg = self._call
+            return fn(arg)
+        kind, value = answer
+        if kind == "raised":
+            raise value
+        return value
+
+    def close(self) -> None:
+        """Stop the worker at once: it has answered, or its answer is no longer wanted."""
+        if self._worker is not None:
+            self._worker.kill()
+            _stop([self._worker])
+            self._worker = None
+
+    def __enter__(self) -> Background:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _spawn() -> subprocess.Popen[bytes]:
+    """A worker process, with this planner first on its path and one thread for numpy.
+
+    Raises:
+        OSError: no process can start here (limits, a sandbox).
+    """
+    root = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "planner.workers"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,  # Ctrl-C stops the planner, which stops them (``close``)
+    )
+
+
+def _stop(workers: Iterable[subprocess.Popen[bytes]]) -> None:
+    """Stop workers: their input closed, they exit; any still running after a few seconds is killed."""
+    workers = list(workers)
+    for worker in workers:
+        for stream in (worker.stdin, worker.stdout):
+            try:
+                if stream is not None:
+                    stream.close()
+            except OSError:
+                pass
+    for worker in workers:
+        try:
+            worker.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
 
 
 def serve(source: IO[bytes], sink: IO[bytes]) -> None:
@@ -286,4 +359,4 @@ if __name__ == "__main__":
     serve(sys.stdin.buffer, answers)
 
 
-__all__ = ["PER_JOB", "START_AFTER_S", "SearchPool", "default_jobs", "serve"]
+__all__ = ["PER_JOB", "START_AFTER_S", "Background", "SearchPool", "default_jobs", "serve"]

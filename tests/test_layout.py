@@ -29,7 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "threads": set(),
     "workers": set(),
     "capture": {"errors", "schema", "torch_compat", "threads"},
-    "costs": {"errors", "schema", "core", "capture", "torch_compat", "threads"},
+    "costs": {"errors", "schema", "core", "capture", "torch_compat", "threads", "workers"},
     "data": {"errors"},
     "run": {"errors", "schema", "core", "capture", "data", "torch_compat", "threads"},
     "api": {"errors", "schema", "core", "capture", "costs", "torch_compat", "threads", "workers"},

@@ -1,10 +1,13 @@
 """The search's worker processes (planner.workers, ``planner plan --jobs``): the same plans with any
 number of them, results in order, a worker's error raised as it would be here, a dead worker's share
-done here, and no process started by a search that ends within a second."""
+done here, and no process started by a search that ends within a second. A call in the background
+(``Background``: an estimate's second microbatch size, costed while the planner traces) alike, and
+the plan it helps make the same as without it."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,10 +15,13 @@ from typing import Any
 import pytest
 from test_plans_unchanged import REF, _expected, digest, problem
 
+import planner.costs.model_costs as model_costs
+from planner.api import make_plan
 from planner.core.assemble import Origin, assemble_plan
 from planner.core.layout.inputs import asked_of
 from planner.errors import InfeasibleError
-from planner.workers import PER_JOB, SearchPool, default_jobs
+from planner.schema.request import PlanRequest
+from planner.workers import PER_JOB, Background, SearchPool, default_jobs
 
 TESTS = Path(__file__).resolve().parent
 PARENT = "PLANNER_TEST_WORKERS_PARENT"
@@ -110,3 +116,60 @@ def test_the_default_is_the_cores_this_process_may_use() -> None:
     assert jobs >= 1
     if hasattr(os, "sched_getaffinity"):
         assert jobs == len(os.sched_getaffinity(0))
+
+
+def test_a_call_in_the_background_returns_or_raises_as_it_would_here() -> None:
+    with Background(int, "3") as call:
+        assert call.result() == 3
+    with Background(int, "x") as call, pytest.raises(ValueError, match="invalid literal"):
+        call.result()
+
+
+@pytest.mark.usefixtures("importable_here")
+def test_a_background_call_whose_worker_dies_is_made_here() -> None:
+    with Background(_dies_in_a_worker, 21) as call:
+        assert call.result() == 42
+
+
+def test_a_background_call_not_wanted_is_stopped_at_once() -> None:
+    call = Background(time.sleep, 60)
+    start = time.monotonic()
+    call.close()
+    assert time.monotonic() - start < 5
+    assert call._worker is None
+
+
+@pytest.mark.slow
+def test_an_estimate_costed_at_its_second_size_in_the_background_is_the_same_plan(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A model traced by torch.export and planned in bf16 is costed at the scaling fit's second size
+    in a worker while it is traced (``model_costs.SIZE_AHEAD_MODULES``): the plan is the one made
+    without the worker, and the worker's result is the one used."""
+    pytest.importorskip("transformers")
+    request = PlanRequest.build(
+        model_file=TESTS.parent / "models" / "hf" / "llama.py",
+        size="tiny",
+        gpus=4,
+        batch_size=16,
+        gpu_type="h100",
+        dp="auto",
+        output=tmp_path / "plan.json",
+        progress=False,
+    )
+    taken: list[object] = []
+
+    class Spied(Background):
+        def result(self) -> Any:
+            taken.append(value := super().result())
+            return value
+
+    monkeypatch.setattr(model_costs, "Background", Spied)
+    monkeypatch.setattr(model_costs, "SIZE_AHEAD_MODULES", 10**9)
+    alone = make_plan(request)
+    assert not taken
+    monkeypatch.setattr(model_costs, "SIZE_AHEAD_MODULES", 0)
+    ahead = make_plan(request)
+    assert len(taken) == 1 and isinstance(taken[0], float)
+    assert ahead.profile.fixed_fraction == alone.profile.fixed_fraction
+    assert ahead.model_dump(exclude={"created"}) == alone.model_dump(exclude={"created"})

@@ -20,20 +20,27 @@ from tqdm import tqdm
 from planner.capture.blocks import ModuleTrace, TracedModel
 from planner.capture.contract import check_batch_contract, check_batch_size, check_forward, check_traced_forward
 from planner.capture.ep_plan import resolve_experts
-from planner.capture.load import ModelFile, move_model
+from planner.capture.load import ModelFile, load_model_file, move_model
 from planner.capture.meta_cache import meta_build
 from planner.capture.stage import stage_module
 from planner.capture.trace import retrace, trace_model
 from planner.core.levers.hardware import HardwareSpec, dtype_bytes, node_links
 from planner.core.levers.hardware_file import hardware_named
 from planner.costs.blocks import ties_of
-from planner.costs.scaling import fixed_fraction, measured_time_at
+from planner.costs.scaling import fixed_fraction, measured_time_at, second_size
 from planner.errors import InfeasibleError
 from planner.schema.bounds import too_few_blocks
 from planner.schema.costs import GLOO_CPU_LINK, NCCL_NVLINK_LINK, BlockCost, LinkCost, StepTempRule
 from planner.schema.plan import Plan, ProfileInfo, Tie
 from planner.schema.request import PlanRequest
 from planner.threads import torch_threads
+from planner.workers import Background
+
+SIZE_AHEAD_MODULES = 500
+"""An estimated model of at least this many modules (tens of transformer layers: Llama 3 70B has
+1,047, DeepSeek-V3 1,215; GPT-2 small 164) is costed at its scaling fit's second microbatch size in
+a worker process while this one traces it (``cost_at_size``): each trace of such a model takes
+seconds (DeepSeek-V3's, 11 s on this project's 2-core CI machine)."""
 
 # Share of a GPU's memory the solver may plan for: the CUDA context, the caching allocator's
 # fragmentation and NCCL buffers take the rest (~1-2 GiB and a few percent on an 80 GB card).
@@ -287,18 +294,102 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
     Returns:
         The costs.
     """
-    from planner.costs.estimate import costed_trace, estimate_blocks
-
     assert request.gpu_type is not None
     hw = _hardware(request.gpu_type, threads, request.attention_kernel)
-    on_cpu = hw.kind == "cpu"
-    dtype = request.dtype or ("fp32" if on_cpu else "bf16")
+    dtype = request.dtype or ("fp32" if hw.kind == "cpu" else "bf16")
     with meta_build():  # no weights, no initialisation
         model = mf.build(seed=request.seed)
     check_batch_size(mf, 2 * request.microbatch_size, request.seed)  # the rest of the contract needs real data
-    inputs, target = mf.batch(request.microbatch_size, seed=request.seed)
-    inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
-    target = target.to("meta")
+    inputs, target = _meta_batch(mf, request.microbatch_size, request.seed)
+    ahead = _size_ahead(request, model, threads, dtype)
+    try:
+        return _estimated(mf, request, threads, model, (inputs, target), hw, dtype, ahead)
+    finally:
+        if ahead is not None:
+            ahead[1].close()
+
+
+def _meta_batch(mf: ModelFile, size: int, seed: int) -> tuple[tuple[object, ...], torch.Tensor]:
+    """The model file's batch of ``size`` samples, its tensors on the meta device."""
+    inputs, target = mf.batch(size, seed=seed)
+    return tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs), target.to("meta")
+
+
+@dataclass(frozen=True)
+class SizeJob:
+    """What a worker needs to cost the model at another microbatch size (``cost_at_size``).
+
+    Attributes:
+        request: the plan request (the model file, its size and settings, the hardware, the seed).
+        threads: CPU threads per rank (for ``--gpu-type cpu``).
+        size: the microbatch size.
+        dtype: the planning dtype, 16-bit: the model is costed cast to it.
+    """
+
+    request: PlanRequest
+    threads: int
+    size: int
+    dtype: str
+
+
+def cost_at_size(job: SizeJob) -> float:
+    """Seconds of one forward and backward of a microbatch of ``job.size``, as ``estimated_costs``
+    costs them for a model it traces with torch.export in a 16-bit dtype (``costed_trace``): the
+    model built on the meta device, cast to the dtype, traced at that size and estimated. Made in a
+    worker process (``planner.workers.Background``) while the planner traces the model.
+
+    Args:
+        job: the model, the size and the dtype.
+
+    Returns:
+        Seconds.
+
+    Raises:
+        Exception: what the trace or the estimate raises at that size (the model cannot run it).
+    """
+    from planner.costs.estimate import TORCH_DTYPES, estimate_blocks
+
+    request = job.request
+    assert request.gpu_type is not None
+    mf = load_model_file(request.model_file, request.size, request.overrides)
+    hw = _hardware(request.gpu_type, job.threads, request.attention_kernel)
+    with meta_build():
+        model = mf.build(seed=request.seed)
+    cast = move_model(model, dtype=TORCH_DTYPES[job.dtype])
+    x, y = _meta_batch(mf, job.size, request.seed)
+    costed = trace_model(cast, x)  # the tracers ``retrace`` tries
+    blocks = estimate_blocks(costed, x, y, mf.loss_fn, hw, job.dtype, request.optimizer, False, request.compile)
+    return sum(b.fwd_s + b.bwd_s for b in blocks)
+
+
+def _size_ahead(
+    request: PlanRequest, model: torch.nn.Module, threads: int, dtype: str
+) -> tuple[int, Background] | None:
+    """For a large model planned in a 16-bit dtype whose costs are fitted at a second size, that
+    size costed in a worker from now on (``SIZE_AHEAD_MODULES``); None otherwise."""
+    if not _fits_sizes(request) or dtype in ("fp32", "tf32"):
+        return None
+    if sum(1 for _ in model.modules()) < SIZE_AHEAD_MODULES:
+        return None
+    size = second_size(request.microbatch_size)
+    return size, Background(cost_at_size, SizeJob(request, threads, size, dtype))
+
+
+def _estimated(
+    mf: ModelFile,
+    request: PlanRequest,
+    threads: int,
+    model: torch.nn.Module,
+    batch: tuple[tuple[object, ...], torch.Tensor],
+    hw: HardwareSpec,
+    dtype: str,
+    ahead: tuple[int, Background] | None,
+) -> Costs:
+    """``estimated_costs`` once the model is built (``ahead``: a second size costed in a worker)."""
+    from planner.costs.estimate import costed_trace, estimate_blocks
+
+    inputs, target = batch
+    on_cpu = hw.kind == "cpu"
     traced = _traced(mf, model, inputs, target, request, on_meta=True)
     costed, costed_model = costed_trace(traced, model, inputs, dtype)
     # compiled: costed as torch.compile fuses each block (planner.costs.fusion)
@@ -331,10 +422,11 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
     def estimated_time_at(size: int) -> float:
         if size == request.microbatch_size:
             return sum(b.fwd_s + b.bwd_s for b in blocks)
-        x, y = mf.batch(size, seed=request.seed)
-        x = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in x)
+        if ahead is not None and size == ahead[0] and costed is not traced:  # the cast export graph's: the worker's
+            return float(ahead[1].result())
+        x, y = _meta_batch(mf, size, request.seed)
         other = retrace(costed, costed_model, x)
-        est = estimate_blocks(other, x, y.to("meta"), mf.loss_fn, hw, *on)
+        est = estimate_blocks(other, x, y, mf.loss_fn, hw, *on)
         return sum(b.fwd_s + b.bwd_s for b in est)
 
     scaling = _scaling(request, estimated_time_at)

@@ -21,6 +21,19 @@ from planner.capture.load import ModelFile
 from planner.costs.levers import autocast_context
 
 
+def second_size(size0: int) -> int:
+    """The microbatch size ``fixed_fraction`` times first beside ``size0``: half of it, or twice
+    one sample.
+
+    Args:
+        size0: the profiled microbatch size.
+
+    Returns:
+        The size.
+    """
+    return size0 // 2 if size0 >= 2 else 2 * size0
+
+
 def fixed_fraction(time_at: Callable[[int], float], size0: int) -> tuple[float, int]:
     """Fit ``t(s) = a + b * s`` through ``time_at(size0)`` and a second size.
 
@@ -41,8 +54,8 @@ def fixed_fraction(time_at: Callable[[int], float], size0: int) -> tuple[float, 
     size1 = size0 * 2
     if size0 >= 2:
         try:
-            t1 = time_at(size0 // 2)
-            size1 = size0 // 2
+            t1 = time_at(second_size(size0))
+            size1 = second_size(size0)
             smallest = size1
         except Exception:  # noqa: BLE001 - any failure at the smaller size means "cannot run that small"
             t1 = time_at(size1)

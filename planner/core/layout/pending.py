@@ -95,13 +95,16 @@ def pending_layout(
         if layout.ep > 1:
             # an expert group's replicas are tp ranks apart: an expert-parallel layout is pipeline-outermost
             shares = experts_at(shares, layout.ep, *group_link(cluster.link, layout.ep, layout.tp))
-        cache[key] = Sized(shares)
+        # FSDP's collectives read the parameters alone, the same at every microbatch size: their
+        # floors are shared by the costs of one degree, sequence split and expert degree
+        alike = next((entry for k, entry in cache.items() if k[1:] == key[1:]), None)
+        cache[key] = Sized(shares, traffic=alike.traffic if alike is not None else {})
     entry = cache[key]
     split = layout.schedule in ZERO_BUBBLE
     if split not in entry.totals:  # the floors' sums over 1,000 blocks: once per costs, not per layout
         entry.totals[split] = block_totals(entry.blocks, split)
     mesh = (layout.pp, layout.dp, layout.dp_shard, layout.dp_mode, layout.gather_bytes)
-    if mesh not in entry.traffic:  # FSDP's collectives on these ranks: once per replica layout
+    if mesh not in entry.traffic:  # FSDP's collectives on these ranks: once per replica layout and degrees
         entry.traffic[mesh] = fsdp_traffic(entry.blocks, cluster.link, layout, cluster.slots)
     traffic = entry.traffic[mesh]
     # the quick floor: where the schedule's live microbatches have no closed form, its orders are
