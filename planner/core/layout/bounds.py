@@ -4,8 +4,10 @@ Pure module: never imports torch. The joint search (``planner.core.layout.search
 ascending order of ``step_floor`` and stops once the next floor is slower than the fastest layout
 that fits; it skips, without solving, a layout whose ``memory_floor`` is over the limit. Both are
 computed from the blocks' costs alone (the step's also from the memory limit and the recompute
-policy: the recomputation fitting it forces, ``recompute_floor``), from sums taken once per set of
-costs (``block_totals``), so tens of thousands of layouts cost nothing next to one solve.
+policy: the recomputation fitting it forces, ``recompute_floor``; and under FSDP block by block from
+the replicas' links: the collectives the compute cannot hide, ``fsdp_traffic``), from sums taken
+once per set of costs (``block_totals``, and the traffic once per replica layout), so tens of
+thousands of layouts cost nothing next to one solve.
 ``tests/test_bounds.py`` checks on random problems that neither exceeds what the solver and the
 simulator then find, for the solver's split and for random splits (the step's under a limit: for
 those that fit it).
