@@ -5,6 +5,7 @@ block costs (``planner.core.levers.experts.at_degree``), the request's checks, a
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from planner.core.levers.hardware import get_hardware, link_cost
 from planner.core.levers.links import NodeLinks
 from planner.core.levers.microbatch import blocks_at
 from planner.errors import PlannerError
-from planner.schema.costs import BlockCost, ExpertShare, LinkCost
+from planner.schema.costs import BlockCost, ExpertShare, LinkCost, OptimizerSpec
 from planner.schema.request import MOE_IMBALANCE, PlanRequest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -535,3 +536,42 @@ def test_tensor_and_expert_parallelism_are_searched_together(tmp_path: Path) -> 
     searched = _plan(tmp_path, "models/hf/mixtral.py", tp="auto", ep="auto", dp="auto", **options)
     assert any(c.tp > 1 and c.ep > 1 for c in searched.search), [(c.tp, c.ep) for c in searched.search]
     assert not any(c.ep > 1 and c.sequence_parallel for c in searched.search)
+
+
+def test_ddp_buckets_leave_the_experts_to_an_all_reduce_after_the_backward() -> None:
+    """Under DDP the runner leaves a rank's experts out of DDP's buckets and all-reduces their
+    gradients over the dp / ep replicas holding them once the backward is done
+    (``planner.run.gradients``): the buckets carry the dense gradients only, and the step pays the
+    experts' all-reduce after the pass, over their group, nothing hidden."""
+    from planner.core.layout.inputs import Layout
+    from planner.core.levers.data_parallel import ddp_stage_overlap, dp_group_links, experts_after_s, group_allreduce_s
+    from planner.core.levers.overlap import buckets
+    from planner.core.split.cuts import Split
+    from planner.core.step.predict import predict
+    from planner.schema.plan import StagePlan
+
+    hw = get_hardware("h100")
+    intra = link_cost(hw, intra_node=True)
+    share = ExpertShare(layers=1, experts=8, params=800_000_000, param_bytes=3_200_000_000, dispatch_bytes=2**20)
+    big = _block(share).model_copy(update={"params": 1_000_000_000, "param_bytes": 4_000_000_000})
+    (held,) = at_degree([big], 4, intra, 4)  # 200 M dense and 200 M expert parameters a rank, fp32
+    stage = StagePlan(
+        index=0, rank=0, start=0, end=1, first_block="b", last_block="b", split_node=None, params=400_000_000,
+        fwd_s=0.0, bwd_s=1.0, comm_s=0.0, time_s=0.0, opt_s=0.0, recompute=False, activation_bytes=0,
+        in_flight=1, memory_bytes=0,
+    )  # fmt: skip
+    (one,) = ddp_stage_overlap([held], [stage], [intra], 8)
+    dense = sum(group_allreduce_s(nbytes, 8, intra) for nbytes, _ in buckets([800_000_000]))
+    assert one.traffic_s == pytest.approx(dense)  # the dense 200 M only, in DDP's buckets
+    # the experts' 200 M over the 8 / 4 = 2 replicas holding them
+    assert experts_after_s([held], [stage], [intra], 8) == [pytest.approx(group_allreduce_s(800_000_000, 2, intra))]
+    assert experts_after_s([big], [stage], [intra], 8) == [0.0]  # no expert parallelism: DDP's own
+    links = NodeLinks(**intra.model_dump(), inter=link_cost(hw, intra_node=False), gpus_per_node=8, n_ranks=1)
+    layout = Layout("1f1b", 1, 2, dp=8, ep=4)
+    _, with_experts = predict([held], Split(starts=(0,)), links, layout, OptimizerSpec(name="sgd"))
+    # the same block with its dense part alone: the same buckets and compute, no experts to reduce
+    alone = held.model_copy(update={"experts": None, "params": 200_000_000, "param_bytes": 800_000_000})
+    _, dense_only = predict([alone], Split(starts=(0,)), links, replace(layout, ep=1), OptimizerSpec(name="sgd"))
+    (group,) = dp_group_links(links, 1, 8)
+    after = group_allreduce_s(800_000_000, 2, group)
+    assert after > 0 and with_experts.dp_reduce_s == pytest.approx(dense_only.dp_reduce_s + after, rel=1e-9)

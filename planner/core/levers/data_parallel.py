@@ -544,6 +544,8 @@ def ddp_stage_overlap(
     (``planner.core.levers.overlap.bucketed``): its blocks' gradients (fp32 where the parameters are
     narrower, ``wide_bytes``) in backward order, each ready when its block's share of the stage's
     backward (``spread``) is done, the buckets all-reduced one after another over the rank's group.
+    The experts a rank holds of an expert-parallel block are not DDP's (the runner leaves them out
+    and all-reduces them over their groups after the backward: ``experts_after_s``).
 
     Args:
         blocks: per-block costs.
@@ -559,9 +561,33 @@ def ddp_stage_overlap(
     out = []
     for st in stages:
         part, link = blocks[st.start : st.end][::-1], links[st.rank]
-        grads = [float(fp32_bytes(b.param_bytes, b.params)) for b in part]
+        grads = [float(by_group([b], wide=True)[0]) for b in part]
         compute = spread(st.bwd_s, [b.bwd_s for b in part])
         out.append(bucketed(grads, compute, partial(group_allreduce_s, group=dp, link=link)))
+    return out
+
+
+def experts_after_s(
+    blocks: Sequence[BlockCost], stages: Sequence[StagePlan], links: Sequence[LinkCost], dp: int
+) -> list[float]:
+    """Seconds each pipeline rank all-reduces its experts' gradients after the step's backward under
+    DDP (``planner.run.gradients``: left out of DDP's buckets, one all-reduce over the ``dp / ep``
+    replicas holding the same experts, nothing hidden).
+
+    Args:
+        blocks: per-block costs, as one expert-parallel rank holds them.
+        stages: the pipeline's stages (``rank`` set).
+        links: each rank's group link (``dp_group_links``).
+        dp: replicas.
+
+    Returns:
+        Seconds per rank (0 without experts, or with one replica per expert group).
+    """
+    out = []
+    for rank, link in enumerate(links):
+        part = [b for st in stages if st.rank == rank for b in blocks[st.start : st.end]]
+        _, expert_grads, ep = by_group(part, wide=True)
+        out.append(group_allreduce_s(expert_grads, dp // ep, link) if expert_grads else 0.0)
     return out
 
 
@@ -608,6 +634,7 @@ __all__ = [
     "ddp_follows",
     "ddp_stage_overlap",
     "dp_group_links",
+    "experts_after_s",
     "gather_bytes_of",
     "grad_reduce_s",
     "group_allreduce_s",

@@ -19,6 +19,7 @@ from planner.core.levers.data_parallel import (
     ddp_follows,
     ddp_stage_overlap,
     dp_group_links,
+    experts_after_s,
     gather_bytes_of,
     rank_reduce_s,
     replica_slots,
@@ -113,8 +114,9 @@ def timed(
     # waits for the slowest rank.
     replicas = _replica_traffic(blocks, stages, link, layout, overlap=slots is None)
     dp_links, dp_reduce_s, per_stage = replicas.links, replicas.after_s, replicas.stages
-    if replicas.traffic is not None:
-        dp_reduce_s, per_stage = _on_timeline(times, layout, replicas, one_pass_s, stages)
+    if replicas.traffic is not None:  # (and what comes after the pass besides: DDP's experts)
+        on_timeline_s, per_stage = _on_timeline(times, layout, replicas, one_pass_s, stages)
+        dp_reduce_s = on_timeline_s + replicas.after_s
     # Then each rank joins the gradient-norm all-reduce for clipping (one scalar: a reduce and a
     # broadcast, ~2 log2(group) messages) over the pipeline and tensor-parallel group, or over every
     # rank when FSDP shards the gradients; only then does every rank step its optimizer.
@@ -227,9 +229,9 @@ def predict_plan(
 class _Replicas(NamedTuple):
     """The data-parallel reduction of a layout (``_replica_traffic``): each pipeline rank's group
     link, the seconds charged after the pipeline (per pass under FSDP, else per step), the
-    collectives to place on the pipeline's timeline instead (None: none), and each stage's
-    collectives and their exposed part over the same span (``_on_timeline`` fills those of the
-    timeline's)."""
+    collectives to place on the pipeline's timeline (None: none; then what comes after the pass
+    is only what they add to it, and DDP's experts' all-reduce), and each stage's collectives and
+    their exposed part over the same span (``_on_timeline`` fills those of the timeline's)."""
 
     links: list[LinkCost]
     after_s: float
@@ -274,7 +276,8 @@ def _replica_traffic(
     if nccl and layout.dp_mode == "ddp" and ddp_follows(layout.schedule, layout.tp, layout.accumulation):
         per = ddp_stage_overlap(blocks, stages, inner, dp)
         held = [charged_s(one, COMPUTE_SLOWDOWN) for one in per]
-        return _Replicas(inner, 0.0, Traffic([0.0] * len(stages), held), per)
+        after = max(experts_after_s(blocks, stages, inner, dp), default=0.0)  # the experts', after the backward
+        return _Replicas(inner, after, Traffic([0.0] * len(stages), held), per)
     if hsdp:
         ranks = rank_hsdp_s(blocks, stages, inner, copies, size, groups)
     else:
