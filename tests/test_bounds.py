@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
@@ -51,19 +52,25 @@ def _runnable(schedule: str, p: int, m: int, v: int) -> bool:
     return True
 
 
-@st.composite
-def problems(draw: st.DrawFn) -> tuple[list, Cluster, Layout, Constraints, random.Random]:  # type: ignore[type-arg]
-    rng = random.Random(draw(st.integers(0, 2**32)))
-    n = draw(st.integers(2, 10))
-    blocks = [_block(rng, i, n) for i in range(n)]
+def _pipeline(draw: st.DrawFn, blocks: list[BlockCost], schedules: Sequence[str]) -> tuple[str, int, int, int]:
+    """A schedule of ``schedules``, pipeline ranks, stages per rank and microbatches the blocks can run."""
     legal = sum(b.cut_legal for b in blocks[:-1]) + 1
-    schedule = draw(st.sampled_from(SCHEDULES))
+    schedule = draw(st.sampled_from(schedules))
     pp = draw(st.integers(1, min(4, legal)))
     options = [v for v in stages_per_rank_options(schedule, 3) if pp * v <= legal]
     assume(options)
     v = draw(st.sampled_from(options))
     m = draw(st.integers(1, 8))
     assume(_runnable(schedule, pp, m, v))
+    return schedule, pp, v, m
+
+
+@st.composite
+def problems(draw: st.DrawFn) -> tuple[list, Cluster, Layout, Constraints, random.Random]:  # type: ignore[type-arg]
+    rng = random.Random(draw(st.integers(0, 2**32)))
+    n = draw(st.integers(2, 10))
+    blocks = [_block(rng, i, n) for i in range(n)]
+    schedule, pp, v, m = _pipeline(draw, blocks, SCHEDULES)
     dp = draw(st.sampled_from([1, 2, 4]))
     mode = draw(st.sampled_from(["ddp", "fsdp", "auto"]))
     cluster = Cluster(world_size=pp * dp, link=draw(st.sampled_from(LINKS)), slots=draw(st.sampled_from([None, 2.0])))
@@ -295,14 +302,7 @@ def fsdp_problems(draw: st.DrawFn) -> tuple:  # type: ignore[type-arg]
     blocks = [_rich_block(rng, i, n) for i in range(n)]
     blocks = [b.model_copy(update={"params": b.params * scale, "param_bytes": b.param_bytes * scale}) for b in blocks]
     ep = draw(st.sampled_from([1, 1, 2]))
-    schedule = draw(st.sampled_from([s for s in SCHEDULES if s not in ZERO_BUBBLE]))
-    legal = sum(b.cut_legal for b in blocks[:-1]) + 1
-    pp = draw(st.integers(1, min(4, legal)))
-    options = [v for v in stages_per_rank_options(schedule, 3) if pp * v <= legal]
-    assume(options)
-    v = draw(st.sampled_from(options))
-    m = draw(st.integers(1, 8))
-    assume(_runnable(schedule, pp, m, v))
+    schedule, pp, v, m = _pipeline(draw, blocks, [s for s in SCHEDULES if s not in ZERO_BUBBLE])
     dp = draw(st.sampled_from([2, 4, 8]))
     mode = draw(st.sampled_from(["fsdp", "hsdp", "auto"]))
     dp_shard = draw(st.sampled_from([2, 4])) if mode != "fsdp" else 0

@@ -325,6 +325,26 @@ def _by_group_s(op: Collective, blocks: Sequence[BlockCost], dp: int, link: Link
     return _ring_s(dense, dp, link, op) + (_ring_s(experts, dp // ep, link, op) if experts else 0.0)
 
 
+def rank_groups(
+    blocks: Sequence[BlockCost], stages: Sequence[StagePlan], n_ranks: int
+) -> list[tuple[tuple[int, int, int], tuple[int, int, int]]]:
+    """What each of ``n_ranks`` pipeline ranks reduces, over all of its stages: ``by_group`` of its
+    blocks' parameters and of their gradients as reduced (``wide``).
+
+    Args:
+        blocks: per-block costs, as one rank holds them.
+        stages: the pipeline's stages (``rank`` set).
+        n_ranks: pipeline ranks.
+
+    Returns:
+        Per rank: ((dense, experts, ep) bytes of the parameters, the same of the gradients).
+    """
+    held: list[list[BlockCost]] = [[] for _ in range(n_ranks)]
+    for st in stages:
+        held[st.rank].extend(blocks[st.start : st.end])
+    return [(by_group(part), by_group(part, wide=True)) for part in held]
+
+
 def rank_reduce_s(
     blocks: Sequence[BlockCost],
     stages: Sequence[StagePlan],
@@ -346,9 +366,9 @@ def rank_reduce_s(
         Seconds per rank.
     """
     out = []
-    for rank, link in enumerate(links):
-        part = [b for st in stages if st.rank == rank for b in blocks[st.start : st.end]]
-        (dense, experts, ep), (dense_grads, expert_grads, _) = by_group(part), by_group(part, wide=True)
+    for link, ((dense, experts, ep), (dense_grads, expert_grads, _)) in zip(
+        links, rank_groups(blocks, stages, len(links))
+    ):
         seconds = grad_reduce_s(dense, dp, dp_mode, link, dense_grads)
         if experts or expert_grads:
             seconds += grad_reduce_s(experts, dp // ep, dp_mode, link, expert_grads)
@@ -583,12 +603,10 @@ def experts_after_s(
     Returns:
         Seconds per rank (0 without experts, or with one replica per expert group).
     """
-    out = []
-    for rank, link in enumerate(links):
-        part = [b for st in stages if st.rank == rank for b in blocks[st.start : st.end]]
-        _, expert_grads, ep = by_group(part, wide=True)
-        out.append(group_allreduce_s(expert_grads, dp // ep, link) if expert_grads else 0.0)
-    return out
+    return [
+        group_allreduce_s(expert_grads, dp // ep, link) if expert_grads else 0.0
+        for link, (_, (_, expert_grads, ep)) in zip(links, rank_groups(blocks, stages, len(links)))
+    ]
 
 
 def replica_slots(slots: float | None, dp: int) -> float | None:
@@ -640,6 +658,7 @@ __all__ = [
     "group_allreduce_s",
     "group_link",
     "layout_links",
+    "rank_groups",
     "rank_reduce_s",
     "replica_slots",
     "ring_rate",

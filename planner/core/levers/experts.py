@@ -32,8 +32,8 @@ expert-parallel rank's (``BlockCost.experts``, from ``planner.costs.experts``):
   waits for each exchange). The replicas' reduction (and FSDP's gathers) of the experts run over
   the ``dp / ep`` replicas holding the same ones, the rest's over all of them
   (``by_group``), on the replicas' link; where DDP reduces in
-  buckets during the backward (NCCL), the experts' bytes are still charged in its buckets over all
-  the replicas (the runner reduces them after the backward: not modelled apart).
+  buckets during the backward (NCCL), the buckets carry the rest and the experts' all-reduce comes
+  after the backward, as the runner does it (``planner.core.levers.data_parallel.experts_after_s``).
 """
 
 from __future__ import annotations

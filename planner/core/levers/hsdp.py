@@ -20,10 +20,10 @@ from planner.core.levers.data_parallel import (
     grad_reduce_s,
     group_allreduce_s,
     layout_links,
+    rank_groups,
     slowest_link,
 )
 from planner.core.levers.data_parallel import group_link as replicas_link
-from planner.core.levers.experts import by_group
 from planner.core.levers.links import Links, NodeLinks
 from planner.schema.costs import BlockCost, LinkCost
 from planner.schema.plan import StagePlan
@@ -139,9 +139,8 @@ def rank_hsdp_s(
         Seconds per rank.
     """
     out = []
-    for rank, (link, copy) in enumerate(zip(links, copies)):
-        part = [b for st in stages if st.rank == rank for b in blocks[st.start : st.end]]
-        (dense, experts, ep), (dense_grads, expert_grads, _) = by_group(part), by_group(part, wide=True)
+    held = rank_groups(blocks, stages, len(links))
+    for link, copy, ((dense, experts, ep), (dense_grads, expert_grads, _)) in zip(links, copies, held):
         seconds = hsdp_reduce_s(dense, shard, groups, link, copy, dense_grads)
         if experts or expert_grads:
             seconds += hsdp_reduce_s(experts, shard // ep, groups, link, copy, expert_grads)
