@@ -54,6 +54,11 @@ def _block(share: ExpertShare | None) -> BlockCost:
         (3, EXPERTS, {"dp": 6}, "--ep 3 does not divide the 8 experts of layers.0.experts"),
         (4, EXPERTS, {"dp": 2}, "--ep 4 does not divide the 2 data-parallel replicas"),
         (2, EXPERTS, {"tp": 2}, None),
+        (2, EXPERTS, {"tp": 2, "dp": 1}, None),  # one replica's two tensor-parallel ranks
+        (4, EXPERTS, {"tp": 2, "dp": 1}, "--ep 4 covers 2 replica(s) (2 x 2 tensor-parallel ranks), which do not"),
+        (2, EXPERTS, {"tp": 4}, "--ep 2 is no multiple of --tp 4: an expert-parallel group spans the"),
+        (8, EXPERTS, {"tp": 2, "dp": 2}, "--ep 8 covers 4 replica(s) (4 x 2 tensor-parallel ranks), which do not"),
+        (4, EXPERTS, {"tp": 2, "dp": 6, "dp_mode": "hsdp", "dp_shard": 3}, "--ep 4 covers 2 replicas, which do not"),
         (2, EXPERTS, {"tp": 2, "sequence": True}, "does not run with sequence parallelism yet; give --no-sequence"),
         (2, EXPERTS, {"dp_mode": "fsdp"}, None),
         (2, EXPERTS, {"dp_mode": "hsdp", "dp_shard": 2}, None),
@@ -157,7 +162,7 @@ def test_hsdp_with_ep_plans_shard_groups_that_hold_whole_expert_groups(tmp_path:
     plan = _plan(tmp_path, "models/hf/mixtral.py", ep=2, dp_mode="hsdp", **options)
     assert (plan.dp_mode, plan.dp_shard, plan.ep, plan.pp_outer) == ("hsdp", 4, 2, True)
     assert "hsdp in groups of 4" in plan.choice
-    with pytest.raises(PlannerError, match=r"--ep 4 does not divide --dp-shard 2"):
+    with pytest.raises(PlannerError, match=r"--ep 4 covers 4 replicas, which do not divide --dp-shard 2"):
         _plan(tmp_path, "models/hf/mixtral.py", ep=4, dp_mode="hsdp", dp_shard=2, **options)
 
 
@@ -187,10 +192,10 @@ def test_the_busiest_rank_computes_its_experts_at_their_degree_and_waits_on_the_
     block = _block(measured).model_copy(update={"flops_fwd": 1e6})
     (m,) = at_degree([block], 4, LINK, 4)
     assert m.fwd_s == pytest.approx(0.01 + 4 * a2a + 0.2 * 0.01 * 0.4)
-    # a degree the table does not list takes the largest listed below it
+    # a degree the table does not list takes the largest listed below it, at its own imbalance
     sparse = share.model_copy(update={"gemm_s": {1: 0.004, 2: 0.003}})
     (s4,) = at_degree([_block(sparse)], 4, LINK, 4)
-    assert s4.fwd_s == pytest.approx(0.01 + 4 * a2a - 0.001)
+    assert s4.fwd_s == pytest.approx(0.01 + 4 * a2a + 0.003 * 1.2 / 1.1 - 0.004)  # at degree 4's imbalance
 
 
 def test_a_ranks_imbalance_follows_from_the_routers_loads_or_the_busiest_experts() -> None:
@@ -245,15 +250,59 @@ def test_the_rows_routed_grow_with_the_microbatch() -> None:
     assert grown.experts.flops_fwd == 200.0 and grown.experts.gemm_s == {1: 0.75, 2: 0.375}
 
 
-def test_an_expert_group_crosses_nodes_as_its_replicas_lie() -> None:
+def test_a_group_over_the_tensor_parallel_ranks_routes_a_slice_each_and_gathers_the_rest() -> None:
+    from planner.core.levers.experts import by_group, held_experts
+    from planner.core.levers.tensor_parallel import allgather_s
+
+    share = ExpertShare(
+        layers=2,
+        experts=8,
+        params=800,
+        param_bytes=3_200,
+        dispatch_bytes=2_000_000,
+        token_bytes=1_000_000,  # top 2
+        rows=1_000,
+        flops_fwd=4e5,
+        saved_bytes=3_000,
+        gemm_s={1: 0.004, 2: 0.003, 4: 0.0025, 8: 0.002},
+        imbalance={2: 1.1, 4: 1.2, 8: 1.3},
+    )
+    tp_link = LINK.model_copy(update={"name": "nvlink", "bandwidth_Bps": 4 * LINK.bandwidth_Bps})
+    # ep 4 over 2 replicas x 2 tensor-parallel ranks: each rank holds 2 of 8 experts and routes half its
+    # replica's tokens, as many rows per expert as ep 2 on half its experts, at ep 4's imbalance
+    (got,) = at_degree([_block(share)], 4, LINK, 4, tp=2, tp_link=tp_link)
+    a2a = all_to_all_s(1.2 * 1_000_000 / 2, 4, 4, LINK)
+    gather = allgather_s(500_000, 2, tp_link)  # one layer's tokens, each way
+    gemm = 0.003 * 1.2 / 1.1 / 2 - 0.004
+    assert got.fwd_s == pytest.approx(0.01 + 4 * a2a + 2 * gather + gemm)
+    assert got.bwd_s == pytest.approx(0.02 + 4 * a2a + 2 * gather + 2 * gemm)
+    assert got.bwd_weight_s == pytest.approx(0.008 + gemm)  # the weight gradients exchange nothing
+    assert got.activation_bytes == 10_000 + round((1.2 / 2 - 1) * 3_000)  # the slice's rows only
+    assert got.bwd_temp_bytes == round(2 * 1.2 * 1_000_000 / 2)
+    assert (got.params, got.param_bytes) == (200 + 200, 800 + 800)  # 1/4 of the experts, the rest whole
+    # FSDP shards the rest over dp and the experts over dp x 2 (every rank holds its own): of the whole
+    assert (got.fsdp_params, got.fsdp_param_bytes) == (200 + 400, 800 + 1_600)
+    assert held_experts(got) == (200, 800, 2)  # its experts; their group covers 2 replicas
+    assert by_group([got]) == (800, 800, 2)
+    # the same degree without tensor parallelism: every token, 4 replicas, no gather
+    (alone,) = at_degree([_block(share)], 4, LINK, 4)
+    assert held_experts(alone) == (200, 800, 4) and alone.fwd_s > got.fwd_s - 2 * gather
+    # measured costs: the experts' FLOP share of the forward at 1.2 / 2 of the rows
+    block = _block(share.model_copy(update={"gemm_s": {}})).model_copy(update={"flops_fwd": 1e6})
+    (m,) = at_degree([block], 4, LINK, 4, tp=2, tp_link=tp_link)
+    assert m.fwd_s == pytest.approx(0.01 + 4 * a2a + 2 * gather + (1.2 / 2 - 1) * 0.01 * 0.4)
+
+
+def test_an_expert_group_of_consecutive_ranks_crosses_nodes_once_it_outgrows_one() -> None:
+    # pipeline-outermost: a group's ranks are consecutive (its replicas' tensor-parallel ranks with them)
     hw = get_hardware("h100")
     intra, inter = link_cost(hw, intra_node=True), link_cost(hw, intra_node=False)
     links = NodeLinks(**intra.model_dump(), inter=inter, gpus_per_node=8, n_ranks=4)
-    assert group_link(links, 8, 1)[1] == 8 and group_link(links, 8, 1)[0].name == intra.name  # consecutive ranks
-    assert group_link(links, 4, 2)[1] == 4 and group_link(links, 4, 2)[0].name == intra.name  # 4 x 2 ranks: one node
-    assert group_link(links, 8, 4) == (inter, 2)  # replicas 4 ranks apart: 2 of the 8 on each node
-    assert group_link(links, 2, 16) == (inter, 1)  # a replica fills 2 nodes
-    assert group_link(LINK, 4, 3) == (LINK, 4)  # one link: every rank on it
+    assert group_link(links, 8)[1] == 8 and group_link(links, 8)[0].name == intra.name  # one node
+    assert group_link(links, 4)[1] == 4 and group_link(links, 4)[0].name == intra.name
+    assert group_link(links, 16) == (inter, 8)  # two nodes, 8 ranks on each
+    assert group_link(links, 64) == (inter, 8)
+    assert group_link(LINK, 4) == (LINK, 4)  # one link: every rank on it
     # NCCL's all-to-all: over the cards, slower than inside a node
     assert all_to_all_s(2**26, 8, 2, inter) > all_to_all_s(2**26, 8, 8, intra) > 0
 
@@ -302,12 +351,17 @@ def test_expert_parallel_layouts_lay_their_ranks_out_pipeline_outermost() -> Non
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"dp": 1}, r"--ep 2 shards the experts over replicas, but --dp 1 is no multiple of it; give --dp 2"),
+        ({"dp": 1}, r"--ep 2 shards the experts over 2 replicas, but --dp 1 is no multiple of 2; give --dp 2"),
+        ({"gpus": 8, "dp": 1, "tp": 2, "ep": 4}, r"over 2 replicas \(x 2 tensor-parallel ranks\), but --dp 1 is no"),
+        ({"gpus": 8, "tp": 4}, r"--ep 2 is no multiple of --tp 4: an expert-parallel group spans the tensor-parallel"),
         (
             {"gpus": 8, "dp": 2, "tp": 2, "sequence_parallel": True},
             r"--ep 2: expert parallelism does not run with --sequence-parallel yet; give --no-sequence-parallel",
         ),
-        ({"gpus": 8, "dp": 8, "dp_mode": "hsdp", "dp_shard": 2, "ep": 4}, r"--ep 4 does not divide --dp-shard 2: each"),
+        (
+            {"gpus": 8, "dp": 8, "dp_mode": "hsdp", "dp_shard": 2, "ep": 4},
+            r"--ep 4 covers 4 replicas, which do not divide --dp-shard 2: each",
+        ),
         ({"dp": "auto", "gpus": 3}, r"--ep 2 does not divide --gpus 3"),
         ({"dp": "auto", "ep": 4, "batch_size": 2}, r"no replica count tried \(1, 2: those that split the batch of 2"),
     ],
@@ -409,9 +463,11 @@ def test_the_rows_routed_are_read_off_the_trace_or_one_forward_alike() -> None:
     names = list(experts.counts)
     rows = routed_rows(model, inputs, experts.counts)  # real weights: the experts run, the router's choices counted
     for name in names:  # 3 sequences of 32 tokens, top 2, width 64; every row counted at its expert
-        assert (rows[name].rows, rows[name].width) == (3 * 32 * 2, 64)
+        assert (rows[name].rows, rows[name].width, rows[name].tokens) == (3 * 32 * 2, 64, 3 * 32)
         assert rows[name].loads is not None and len(rows[name].loads) == 4 and sum(rows[name].loads) == 3 * 32 * 2
-    shapes = {name: Routed(3 * 32 * 2, 64) for name in names}  # a trace carries the shapes, not the choices
+    shapes = {
+        name: Routed(3 * 32 * 2, 64, tokens=3 * 32) for name in names
+    }  # a trace carries the shapes, not the choices
     traced = trace_model(model, inputs, methods=("export",), experts=tuple(names))
     assert traced_rows(traced) == shapes
     assert traced_rows(trace_model(model, inputs, methods=("export",))) == {}  # no calls recorded
@@ -423,7 +479,7 @@ def test_the_rows_routed_are_read_off_the_trace_or_one_forward_alike() -> None:
         on_meta = fixture.build(seed=0)
     every = resolve_experts(fixture, on_meta).counts
     meta_rows = routed_rows(on_meta, tuple(t.to("meta") for t in x), every)
-    assert len(every) > 1 and meta_rows == {name: Routed(2 * 8 * 2, 16) for name in every}
+    assert len(every) > 1 and meta_rows == {name: Routed(2 * 8 * 2, 16, tokens=2 * 8) for name in every}
     with pytest.raises(PlannerError, match=r"the experts module layers\.0\.norm is not called as experts"):
         routed_rows(small, x, {"layers.0.norm": 4})
     # the shares: the experts' parameters, the rows in the activations' dtype (bf16: 2 bytes), the router's
@@ -432,16 +488,20 @@ def test_the_rows_routed_are_read_off_the_trace_or_one_forward_alike() -> None:
     (shared,) = with_expert_shares([block], experts, rows, ExpertCosting(act_bytes=2))
     loads = rows["model.layers.0.mlp.experts"].loads
     assert loads is not None
-    assert shared.experts == ExpertShare(
-        layers=1,
-        experts=4,
-        params=98_304,
-        param_bytes=196_608,
-        dispatch_bytes=3 * 32 * 2 * 64 * 2,
-        rows=192,
-        flops_fwd=2 * 192 * (256 * 64 + 64 * 128),
-        saved_bytes=192 * (256 + 64 + 64 + 128) * 2,
-        imbalance={2: round(max(sum(loads[:2]), sum(loads[2:])) / 96, 4), 4: round(max(loads) / 48, 4)},
+    assert (
+        shared.experts
+        == ExpertShare(
+            layers=1,
+            experts=4,
+            params=98_304,
+            param_bytes=196_608,
+            dispatch_bytes=3 * 32 * 2 * 64 * 2,
+            rows=192,
+            token_bytes=3 * 32 * 64 * 2,  # each token once, whatever its top 2
+            flops_fwd=2 * 192 * (256 * 64 + 64 * 128),
+            saved_bytes=192 * (256 + 64 + 64 + 128) * 2,
+            imbalance={2: round(max(sum(loads[:2]), sum(loads[2:])) / 96, 4), 4: round(max(loads) / 48, 4)},
+        )
     )
     given = with_expert_shares([block], experts, rows, ExpertCosting(act_bytes=2, imbalance=1.5))[0].experts
     # given: the busiest expert's; a rank of 2 experts' excess is 1 / sqrt(2) of it (measured costs: no roofline)
@@ -527,15 +587,27 @@ def test_an_expert_parallel_plan_refreshes_to_itself(tmp_path: Path) -> None:
 
 
 def test_tensor_and_expert_parallelism_are_searched_together(tmp_path: Path) -> None:
-    # the attention split over tp ranks, the experts whole on each and sharded over ep replicas, without
-    # sequence parallelism (not run with ep yet): a given --tp 2 --ep 2 plans so, and auto tries both
+    # the attention split over tp ranks, each expert group spanning them (the experts whole, each rank
+    # routing its slice of the tokens), without sequence parallelism (not run with ep yet): a given
+    # --tp 2 --ep 2 / --ep 4 plans so, with one replica too, and auto tries them
+    from planner.report.tables import experts_line
+
     pytest.importorskip("transformers")
     options = dict(gpu_type="h100", gpus=8, gpus_per_node=8, batch_size=16)
     given = _plan(tmp_path, "models/hf/mixtral.py", tp=2, ep=2, dp=2, **options)
     assert (given.tp, given.ep, given.dp, given.sequence_parallel, given.pp_outer) == (2, 2, 2, False, True)
+    assert "sharded over 2 consecutive ranks (ep 2: 1 replica(s) x 2 tensor-parallel ranks" in experts_line(given)
+    wide = _plan(tmp_path, "models/hf/mixtral.py", tp=2, ep=4, dp=2, **options)
+    assert (wide.ep, wide.ep_replicas) == (4, 2)
+    alone = _plan(tmp_path, "models/hf/mixtral.py", tp=2, ep=2, dp=1, **options)  # pipeline only, experts split
+    assert (alone.dp, alone.n_ranks, alone.ep) == (1, 4, 2)
+    # a rank routes half the tokens: the experts' rows (and their GEMMs) halve against the group over replicas
+    over = {b.name: b for b in given.blocks}
+    assert all(b.experts is None or b.experts.token_bytes * 2 == b.experts.dispatch_bytes for b in over.values())
     searched = _plan(tmp_path, "models/hf/mixtral.py", tp="auto", ep="auto", dp="auto", **options)
     assert any(c.tp > 1 and c.ep > 1 for c in searched.search), [(c.tp, c.ep) for c in searched.search]
     assert not any(c.ep > 1 and c.sequence_parallel for c in searched.search)
+    assert all(c.ep % c.tp == 0 for c in searched.search if c.ep > 1)
 
 
 def test_ddp_buckets_leave_the_experts_to_an_all_reduce_after_the_backward() -> None:

@@ -355,3 +355,24 @@ def test_expert_parallelism_is_carried_to_megatron_and_torchtitan_where_it_can_s
     exec(export_plan(sharded, "torchtitan"), namespace)
     assert namespace["parallelism"].expert_parallel_degree == 2
     assert "--expert-model-parallel-size" not in export_plan(plan_with_starts(fixture, [0, 2], dp=2), "megatron")
+    assert "--expert-tensor-parallel-size" not in text  # tp 1
+
+
+def test_an_expert_group_over_tensor_parallel_ranks_exports_each_expert_whole() -> None:
+    # the plan's group spans the tensor-parallel ranks, each expert whole: Megatron's expert tensor-parallel
+    # size 1 (its default is tp), torchtitan's ep out of dp_shard x tp
+    pytest.importorskip("transformers")
+    plan = plan_with_starts(ROOT / "models" / "hf" / "mixtral.py", [0], dp=2, dp_mode="fsdp", tp=2, ep=4)
+    text = export_plan(plan, "megatron")
+    assert "--expert-model-parallel-size 4" in text and "--expert-tensor-parallel-size 1" in text
+    assert "experts sharded over 4 ranks (2 replica(s) x 2 tensor-parallel ranks, each expert whole)" in text
+    namespace: dict = {}
+    renames = {
+        "model.embed_tokens": "tok_embeddings",
+        "model.layers": "layers",
+        "model.norm": "norm",
+        "lm_head": "output",
+    }
+    renames["model.rotary_emb"] = "rotary_emb"
+    exec(export_plan(plan, "torchtitan", renames), namespace)
+    assert namespace["parallelism"].expert_parallel_degree == 4 and namespace["parallelism"].tensor_parallel_degree == 2

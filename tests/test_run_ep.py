@@ -174,24 +174,31 @@ def test_ep2_under_hsdp_matches_the_unsplit_model(
         ([0], {"dp_mode": "fsdp"}),
         ([0, 3], {"dp_mode": "ddp", "schedule": "1f1b"}),
         ([0], {"dp": 4, "batch_size": 16, "dp_mode": "hsdp", "dp_shard": 2, "fsdp_units": "block"}),
+        ([0], {"dp_mode": "ddp", "ep": 4}),
+        ([0], {"dp_mode": "fsdp", "ep": 4, "fsdp_units": "block"}),
+        ([0], {"dp": 4, "batch_size": 16, "dp_mode": "hsdp", "dp_shard": 2, "ep": 4}),
+        ([0, 3], {"dp": 1, "schedule": "1f1b"}),
     ],
-    ids=["ddp", "fsdp", "ddp-pp2", "hsdp"],
+    ids=["ddp", "fsdp", "ddp-pp2", "hsdp", "ddp-ep4", "fsdp-ep4", "hsdp-ep4", "one-replica-pp2"],
 )
-def test_mixtral_ep2_with_tp2_matches_the_unsplit_model(tmp_path: Path, starts: list[int], options: dict) -> None:
-    # the attention split over 2 tensor-parallel ranks, the experts whole on each and sharded over 2
-    # replicas: every tensor-parallel index routes the same tokens in its own expert groups (4-8 ranks)
+def test_mixtral_ep_over_tp2_matches_the_unsplit_model(tmp_path: Path, starts: list[int], options: dict) -> None:
+    # the attention split over 2 tensor-parallel ranks, each expert group spanning them (ep 2: one
+    # replica's two; ep 4: two replicas'; with one replica, the pipeline's): each tensor-parallel rank
+    # routes its half of its replica's tokens and gathers the other's results (4-8 ranks)
     pytest.importorskip("transformers")
     plan = plan_with_starts(MODELS / "hf" / "mixtral.py", starts, **{**EP2, "schedule": "gpipe", "tp": 2, **options})
-    assert plan.tp == 2 and plan.ep == 2 and plan.pp_outer
+    assert plan.tp == 2 and plan.ep == options.get("ep", 2) and plan.pp_outer
+    assert plan.ep_replicas == plan.ep // 2
     got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
-    print("mixtral tp2 ep2", options, got.losses, want.losses, got.grad_norms, want.grad_norms)
+    print("mixtral tp2 ep", options, got.losses, want.losses, got.grad_norms, want.grad_norms)
 
 
 @pytest.mark.multiprocess
-def test_a_checkpoint_of_tp2_fsdp_ep2_resumes_on_a_pipeline_without_tp(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ep", [2, 4])
+def test_a_checkpoint_of_tp2_fsdp_ep_resumes_on_a_pipeline_without_tp(tmp_path: Path, ep: int) -> None:
     pytest.importorskip("transformers")
     common = {**EP2, "optimizer": "adamw", "lr": 1e-2, "dp_mode": "fsdp"}
-    writer = plan_with_starts(MODELS / "hf" / "mixtral.py", [0], **{**common, "schedule": "gpipe", "tp": 2})
+    writer = plan_with_starts(MODELS / "hf" / "mixtral.py", [0], **{**common, "schedule": "gpipe", "tp": 2, "ep": ep})
     reader = plan_with_starts(MODELS / "hf" / "mixtral.py", [0, 3], **common)
     assert_resumes_under(writer, reader, tmp_path)
 

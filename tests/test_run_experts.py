@@ -90,3 +90,59 @@ def test_a_group_that_does_not_divide_the_experts_is_refused() -> None:
     experts = _experts("fixture")  # 4 experts
     with pytest.raises(PlanFileError, match=r"shards the experts of layers\.0 over 3 ranks, but .* holds 4 experts"):
         shard_experts(experts, "layers.0", 0, 3)
+
+
+def _sliced_rank(rank: int, port: int, tokens: int) -> None:
+    # 4 ranks: 2 replicas x 2 tensor-parallel ranks, one expert group over all 4; the two ranks of a
+    # replica hold the same ``tokens`` tokens and each routes its slice (3 and 2 of 5; 1 and none of 1)
+    import torch.distributed as dist
+
+    with gloo_pair(rank, port, 4):
+        whole = _experts("fixture")  # 4 experts: one per rank
+        n_experts = next(whole.parameters()).shape[0]
+        dim = next(whole.parameters()).shape[-1]
+        g = torch.Generator().manual_seed(11)
+        hidden = torch.randn(2, tokens, dim, generator=g)
+        index = torch.stack([torch.randperm(n_experts, generator=g)[:TOP_K] for _ in range(2 * tokens)])
+        index = index.reshape(2, tokens, TOP_K)
+        weights = torch.rand(2, tokens, TOP_K, generator=g).softmax(-1)
+        grad = torch.randn(2, tokens, dim, generator=g)
+        ref_h = hidden.reshape(-1, dim).clone().requires_grad_()
+        ref_w = weights.reshape(-1, TOP_K).clone().requires_grad_()
+        ref = whole(ref_h, index.reshape(-1, TOP_K), ref_w)
+        (ref * grad.reshape(-1, dim)).sum().backward()
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both, in order
+        replica = rank // 2
+        local = copy.deepcopy(whole)
+        first = shard_experts(local, "layers.0.experts", rank, 4)
+        layer = ExpertDispatch(local, n_experts, tokens=pairs[replica])
+        h = hidden[replica].clone().requires_grad_()
+        w = weights[replica].clone().requires_grad_()
+        out = layer(h, index[replica], w)
+        (out * grad[replica]).sum().backward()
+        mine = slice(replica * tokens, (replica + 1) * tokens)
+        # each tensor-parallel rank ends with the whole replica's output and gradients, as unsplit
+        torch.testing.assert_close(out, ref[mine], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(h.grad, ref_h.grad[mine], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(w.grad, ref_w.grad[mine], rtol=1e-5, atol=1e-6)
+        for (name, p), q in zip(local.named_parameters(), whole.parameters()):
+            want = q.grad if q.grad is not None else torch.zeros_like(q)
+            got = p.grad if p.grad is not None else torch.zeros_like(p)
+            torch.testing.assert_close(got, want[first : first + p.shape[0]], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("tokens", [5, 1], ids=["uneven-slices", "a-rank-with-no-token"])
+def test_tensor_parallel_ranks_route_their_slices_and_equal_the_unsplit_layer(tokens: int) -> None:
+    spawn_pair(functools.partial(_sliced_rank, tokens=tokens), 4)
+
+
+def test_token_slices_cover_every_row_once() -> None:
+    from planner.run.experts import _slice
+
+    for total in range(0, 12):
+        for parts in range(1, 5):
+            rows = [i for k in range(parts) for i in range(total)[_slice(total, parts, k)]]
+            assert rows == list(range(total)), (total, parts)
+            sizes = [len(range(total)[_slice(total, parts, k)]) for k in range(parts)]
+            assert max(sizes) - min(sizes) <= 1

@@ -50,11 +50,13 @@ class Routed:
         rows: routed rows (``T x k``: every token once per expert it is routed to).
         width: features of a row (``d``).
         loads: rows per expert, as the router chose them (None: not run, e.g. on the meta device).
+        tokens: the tokens they come from (``T``; 0: not counted, taken as ``rows``).
     """
 
     rows: int
     width: int
     loads: tuple[int, ...] | None = None
+    tokens: int = 0
 
 
 def routed_rows(model: nn.Module, inputs: tuple[Any, ...], counts: Mapping[str, int]) -> dict[str, Routed]:
@@ -89,10 +91,12 @@ def routed_rows(model: nn.Module, inputs: tuple[Any, ...], counts: Mapping[str, 
                 )
             hidden, index = tensors[0], tensors[1]
             if hidden.is_meta:
-                seen[name] = Routed(index.numel(), int(hidden.shape[-1]))
+                seen[name] = Routed(index.numel(), int(hidden.shape[-1]), tokens=_tokens(index))
                 return torch.zeros_like(hidden)  # the contract's output shape; the experts themselves never run
             loads = torch.bincount(index.reshape(-1).long().clamp(0, n - 1), minlength=n)
-            seen[name] = Routed(index.numel(), int(hidden.shape[-1]), tuple(int(x) for x in loads.tolist()))
+            seen[name] = Routed(
+                index.numel(), int(hidden.shape[-1]), tuple(int(x) for x in loads.tolist()), tokens=_tokens(index)
+            )
             return original(*args, **kwargs)
 
         return forward
@@ -133,8 +137,13 @@ def traced_rows(traced: TracedModel) -> dict[str, Routed]:
         hidden, index = (nodes[n].meta.get("val") for n in call.inputs[:2])
         if not isinstance(hidden, torch.Tensor) or not isinstance(index, torch.Tensor):
             return {}
-        out[name] = Routed(index.numel(), int(hidden.shape[-1]))
+        out[name] = Routed(index.numel(), int(hidden.shape[-1]), tokens=_tokens(index))
     return out
+
+
+def _tokens(index: torch.Tensor) -> int:
+    """The tokens of an experts call's expert ids ``[..., k]``: one per row of ``k`` ids."""
+    return index.numel() // max(1, int(index.shape[-1])) if index.dim() else index.numel()
 
 
 def rank_imbalance(loads: Sequence[Sequence[int]], ep: int) -> float:
@@ -261,6 +270,10 @@ def with_expert_shares(
                 routed[layer.name].rows * routed[layer.name].width * costing.act_bytes for layer in mine
             ),
             rows=sum(routed[layer.name].rows for layer in mine),
+            token_bytes=sum(
+                (routed[layer.name].tokens or routed[layer.name].rows) * routed[layer.name].width * costing.act_bytes
+                for layer in mine
+            ),
             flops_fwd=sum(2.0 * routed[layer.name].rows * sum(a * b for a, b in layer.matrices) for layer in mine),
             saved_bytes=sum(
                 routed[layer.name].rows * sum(a + b for a, b in layer.matrices) * costing.act_bytes for layer in mine

@@ -248,6 +248,13 @@ def _checkpointing_note(plan: Plan) -> list[str]:
     return notes
 
 
+def _expert_ranks(plan: Plan) -> str:
+    """The ranks an expert-parallel group spans, in words."""
+    if plan.tp == 1:
+        return f"{plan.ep} replicas"
+    return f"{plan.ep} ranks ({plan.ep_replicas} replica(s) x {plan.tp} tensor-parallel ranks, each expert whole)"
+
+
 def _notes(plan: Plan) -> list[str]:
     """What the target does differently from ``planner run``, as comment lines."""
     notes = [
@@ -257,7 +264,7 @@ def _notes(plan: Plan) -> list[str]:
         + (" sharded block by block" if plan.fsdp_units == "block" else "")
         + f", tensor parallel {plan.tp}"
         + (" with sequence parallelism" if plan.sequence_parallel else "")
-        + (f", experts sharded over {plan.ep} replicas (expert parallel {plan.ep})" if plan.ep > 1 else ""),
+        + (f", experts sharded over {_expert_ranks(plan)} (expert parallel {plan.ep})" if plan.ep > 1 else ""),
         f"predicted step {plan.prediction.step_time_s * 1e3:.2f} ms on {plan.profile.hardware or plan.profile.device}",
     ]
     if plan.accumulation > 1:
@@ -475,6 +482,8 @@ def _megatron(plan: Plan, _renames: Mapping[str, str]) -> str:
         f"--tensor-model-parallel-size {plan.tp}",
         *(["--sequence-parallel"] if plan.sequence_parallel else []),
         *([f"--expert-model-parallel-size {plan.ep}"] if plan.ep > 1 else []),
+        # the expert group spans the tensor-parallel ranks, each expert whole (Megatron's default is tp)
+        *(["--expert-tensor-parallel-size 1"] if plan.ep > 1 and plan.tp > 1 else []),
         f"--num-layers {sum(counts)}",
         f"--micro-batch-size {plan.microbatch_size}",
         f"--global-batch-size {plan.batch_size}",

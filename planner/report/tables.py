@@ -395,16 +395,23 @@ def experts_line(plan: Plan) -> str:
     counts = " / ".join(str(c) for c in sorted(set(plan.experts.values())))
     where = names[0] if len(names) == 1 else f"{names[0]} ... {names[-1]}"
     n = len(names)
-    whole = ", tensor parallelism leaves them whole" if plan.tp > 1 else ""
+    whole = ", tensor parallelism leaves them whole" if plan.tp > 1 and plan.ep == 1 else ""
     shares = [b.experts for b in plan.blocks if b.experts is not None]
     busiest = max((s.imbalance_at(plan.ep) for s in shares), default=1.0)
     uneven = f" (the busiest rank {busiest:.2f}x the mean rows, charged)" if busiest > 1.0 else ""
-    held = (
-        f"each layer's experts sharded over {plan.ep} consecutive replicas (ep {plan.ep}), every token sent to its "
-        f"experts' rank and back by all-to-all{uneven}"
-        if plan.ep > 1
-        else "every rank holds all the experts of its stages' layers"
-    )
+    if plan.ep == 1:
+        held = "every rank holds all the experts of its stages' layers"
+    elif plan.tp == 1:
+        held = (
+            f"each layer's experts sharded over {plan.ep} consecutive replicas (ep {plan.ep}), every token sent to "
+            f"its experts' rank and back by all-to-all{uneven}"
+        )
+    else:
+        held = (
+            f"each layer's experts sharded over {plan.ep} consecutive ranks (ep {plan.ep}: {plan.ep_replicas} "
+            f"replica(s) x {plan.tp} tensor-parallel ranks, each expert whole), each rank sending its 1/{plan.tp} of "
+            f"its replica's tokens to their experts' ranks and back by all-to-all{uneven}, then gathering the rest"
+        )
     return f"experts: {n} mixture-of-experts layer{'s' if n > 1 else ''} of {counts} experts ({where}); {held}{whole}"
 
 

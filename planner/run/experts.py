@@ -14,6 +14,12 @@ rank ``r`` of a group of ``ep``, experts ``r E/ep .. (r + 1) E/ep - 1`` only (``
 3. the results go back with the reverse all-to-all and each pair's result is weighted by its
    router weight and summed into its token here, so the router's gradient stays on this rank.
 
+Where the group spans a replica's tensor-parallel ranks (``planner.schema.plan.Plan.ep_replicas``),
+which all hold the same tokens, each routes only its near-equal slice of them (``_Slice``: its
+backward gathers every slice's input and router-weight gradients, so each rank ends with the whole
+gradient, as unsplit) and gathers the others' results (``_Gather``: its backward keeps the slice):
+no token runs its experts twice.
+
 Dropless: every pair is computed, so a run equals the unsplit model (to the order of the sums).
 The row exchanges are ``torch.distributed.nn.functional.all_to_all_single``, whose backward is the
 reverse exchange: every rank of the group must run the layer's forward and backward in the same
@@ -89,7 +95,7 @@ class ExpertDispatch(nn.Module):
 
     experts: nn.Module
 
-    def __init__(self, experts: nn.Module, n_experts: int, group: Any = None) -> None:
+    def __init__(self, experts: nn.Module, n_experts: int, group: Any = None, tokens: Any = None) -> None:
         super().__init__()
         # held, not registered: the stage holds the experts module at its own name, so its parameters
         # keep the unsplit model's names (checkpoints, the optimizer's state, DDP)
@@ -97,6 +103,8 @@ class ExpertDispatch(nn.Module):
         self.group = group
         self.size = dist.get_world_size(group)
         self.local = n_experts // self.size
+        self.tokens = tokens
+        self.slices = dist.get_world_size(tokens) if tokens is not None else 1
 
     # A compiled stage (``--compile``) runs this eagerly: the exchange sizes are data (the router's
     # counts, read with ``tolist``), which torch.compile would split the graph on anyway; the rest of
@@ -104,7 +112,21 @@ class ExpertDispatch(nn.Module):
     @torch.compiler.disable
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """The layer's output for this rank's tokens: ``hidden`` [T, d], ``top_k_index`` [T, k]
-        (global expert ids), ``top_k_weights`` [T, k] -> [T, d]."""
+        (global expert ids), ``top_k_weights`` [T, k] -> [T, d]. With a token group (the
+        tensor-parallel ranks, which all hold the same tokens) this rank routes its slice of them
+        only and gathers the others' results (``_slice``, ``_Gather``)."""
+        if self.slices == 1:
+            return self._routed(hidden, top_k_index, top_k_weights)
+        width, k = hidden.shape[-1], top_k_index.shape[-1]
+        flat = hidden.reshape(-1, width)
+        part = _slice(flat.shape[0], self.slices, dist.get_rank(self.tokens))
+        mine = _Slice.apply(flat, part, self.tokens)
+        weights = _Slice.apply(top_k_weights.reshape(-1, k), part, self.tokens)
+        done = self._routed(mine, top_k_index.reshape(-1, k)[part], weights)
+        return _Gather.apply(done, flat.shape[0], self.tokens).reshape(hidden.shape)
+
+    def _routed(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """``hidden``'s rows through their experts over the expert-parallel group (see the module docstring)."""
         k = top_k_index.shape[-1]
         pairs = top_k_index.reshape(-1)
         dest = torch.div(pairs, self.local, rounding_mode="floor")
@@ -135,6 +157,53 @@ class ExpertDispatch(nn.Module):
             return self.experts(zero, ids.new_zeros(1, 1), one)[:0]
         ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
         return self.experts(rows, ids[:, None], ones)
+
+
+def _slice(total: int, parts: int, index: int) -> slice:
+    """Part ``index`` of ``parts`` near-equal slices of ``total`` rows (the first ones a row longer)."""
+    size, extra = divmod(total, parts)
+    start = index * size + min(index, extra)
+    return slice(start, start + size + (index < extra))
+
+
+def _gather_rows(rows: torch.Tensor, total: int, group: Any) -> torch.Tensor:
+    """Every rank's ``rows`` (its ``_slice`` of ``total``) in order, on every rank of ``group``: each
+    padded to the longest slice for one ``all_gather`` (gloo gathers equal sizes), then trimmed."""
+    parts = dist.get_world_size(group)
+    longest = -(-total // parts)
+    padded = rows.new_zeros(longest, *rows.shape[1:])
+    padded[: rows.shape[0]] = rows
+    every = [torch.empty_like(padded) for _ in range(parts)]
+    dist.all_gather(every, padded.contiguous(), group=group)
+    return torch.cat([t[: _slice(total, parts, i).stop - _slice(total, parts, i).start] for i, t in enumerate(every)])
+
+
+class _Slice(torch.autograd.Function):
+    """A rank's slice of rows every rank of ``group`` holds alike; backward: the whole gradient,
+    every rank's slice gathered (each row's gradient comes from the one rank that took it)."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, part: slice, group: Any) -> torch.Tensor:
+        ctx.total, ctx.group = rows.shape[0], group
+        return rows[part].clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _gather_rows(grad.contiguous(), ctx.total, ctx.group), None, None
+
+
+class _Gather(torch.autograd.Function):
+    """Every rank's slice of ``total`` rows gathered whole on each; backward: this rank's slice of the
+    gradient (every rank holds the same whole gradient of what is alike on all of them)."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, total: int, group: Any) -> torch.Tensor:
+        ctx.part = _slice(total, dist.get_world_size(group), dist.get_rank(group))
+        return _gather_rows(rows.contiguous(), total, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad[ctx.part].contiguous(), None, None
 
 
 def dispatch_experts(
@@ -168,6 +237,8 @@ def dispatch_experts(
         )
     assert mesh.ep_mesh is not None
     group = mesh.ep_mesh.get_group()
+    # the group spans the tensor-parallel ranks, which hold the same tokens: each routes its own slice
+    tokens = mesh.tp_mesh.get_group() if plan.tp > 1 and mesh.tp_mesh is not None else None
     modules: list[nn.Module] = []
     done: list[str] = []
     for part in stage_units(built):
@@ -181,7 +252,7 @@ def dispatch_experts(
             part.get_submodule(owner).add_module(leaf, experts)  # in place of the graph's copy of its weights
             modules.append(experts)
             path = "_ep_" + name.replace(".", "_")
-            part.add_module(path, ExpertDispatch(experts, plan.experts[name], group))
+            part.add_module(path, ExpertDispatch(experts, plan.experts[name], group, tokens))
             return path
 
         done.extend(replace_calls(part, list(calls), target))

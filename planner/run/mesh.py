@@ -39,8 +39,9 @@ class RankMesh:
             every gradient once among them: the gradient norm's group); under expert parallelism,
             every rank of its expert-parallel group's replicas; None otherwise.
         ep_rank: its index in its expert-parallel group (0 when ep is 1).
-        ep_mesh: its expert-parallel group, the same pipeline rank of ``ep`` consecutive replicas,
-            as a 1-D ``DeviceMesh`` (experts are dispatched over it; None: ep 1).
+        ep_mesh: its expert-parallel group, ``ep`` consecutive ranks of the same pipeline rank (the
+            tensor-parallel ranks of ``Plan.ep_replicas`` replicas), as a 1-D ``DeviceMesh`` (experts
+            are dispatched over it; None: ep 1).
         edp_group: the ranks holding the same experts in the other expert-parallel groups (expert
             gradients are summed over it; None: ep 1, or one group).
         edp_mesh: those ranks as a ``DeviceMesh``, one group included (under FSDP the experts are
@@ -107,39 +108,49 @@ def rank_mesh(plan: Plan, rank: int, device: torch.device) -> RankMesh:
 
 
 def _with_experts(plan: Plan, placed: RankMesh, device: torch.device) -> RankMesh:
-    """``placed`` with its expert-parallel groups: the replicas split into ``dp / ep`` groups of ``ep``
-    consecutive ones, ``(pp, edp, ep, tp)`` laid out as ``rank_mesh``'s (replica = group x ep + index; an
-    expert-parallel plan is pipeline-outermost, ``Plan.pp_outer``, so a group's ranks are ``tp``
-    apart). Each tensor-parallel index has its own groups: the experts are whole on every
-    tensor-parallel rank, which all route the same tokens. Under DDP the gradient norm sums over each
-    group's replicas (each expert is held once among them); under FSDP over every rank (each
-    expert's shards are held once among a pipeline rank's replicas, as the rest's are), and the
-    ``(ep, edp)`` mesh places a shard in its layer's tensor."""
+    """``placed`` with its expert-parallel groups: each pipeline rank's ranks split into ``dp / r``
+    groups of ``ep`` consecutive ones (an expert-parallel plan is pipeline-outermost,
+    ``Plan.pp_outer``), ``r = Plan.ep_replicas`` replicas with all their tensor-parallel ranks, as
+    Megatron-Core (an expert tensor-parallel size of 1) and torchtitan (``etp`` 1) carve them:
+    ``(pp, edp, ep)``, ep rank = (replica mod r) x tp + tensor-parallel rank (``_ep_rank``). Each
+    tensor-parallel rank routes its own slice of the replica's tokens (``ExpertDispatch``). Under DDP
+    the gradient norm sums over each group's replicas (each expert is held once among them); under
+    FSDP over every rank (each expert's shards are held once among a pipeline rank's ranks, as the
+    rest's are), and the ``(ep, edp)`` mesh places a shard in its layer's tensor."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    ep, pp, tp, groups = plan.ep, plan.n_ranks, plan.tp, plan.dp // plan.ep
-    mesh = init_device_mesh(device.type, (pp, groups, ep, tp), mesh_dim_names=("pp", "edp", "ep", "tp"))
+    ep, pp, tp, covered = plan.ep, plan.n_ranks, plan.tp, plan.ep_replicas
+    groups = plan.dp // covered
+    mesh = init_device_mesh(device.type, (pp, groups, ep), mesh_dim_names=("pp", "edp", "ep"))
     norm_group = experts_mesh = None
     if plan.sharded:
-        # the same ranks, ordered (pp, tp, ep, edp): a DeviceMesh's dimensions nest in their order, and
-        # an expert's index runs over the group (ep) before its shards (edp)
-        ranks = torch.arange(plan.world_size).view(pp, groups, ep, tp).permute(0, 3, 2, 1)
-        experts_mesh = DeviceMesh(device.type, ranks, mesh_dim_names=("pp", "tp", "ep", "edp"))["ep", "edp"]
+        # the same ranks, ordered (pp, ep, edp): a DeviceMesh's dimensions nest in their order, and an
+        # expert's index runs over the group (ep) before its shards (edp)
+        ranks = torch.arange(plan.world_size).view(pp, groups, ep).permute(0, 2, 1)
+        experts_mesh = DeviceMesh(device.type, ranks, mesh_dim_names=("pp", "ep", "edp"))["ep", "edp"]
     else:
         for k in range(groups):  # every rank creates every group, in the same order
-            members = [plan.global_rank(k * ep + i, p, t) for i in range(ep) for p in range(pp) for t in range(tp)]
+            members = [
+                plan.global_rank(k * covered + i, p, t) for i in range(covered) for p in range(pp) for t in range(tp)
+            ]
             group = dist.new_group(members)
-            if placed.replica // ep == k:
+            if placed.replica // covered == k:
                 norm_group = group
     return replace(
         placed,
-        ep_rank=placed.replica % ep,
+        ep_rank=_ep_rank(plan, placed),
         ep_mesh=mesh["ep"],
-        edp_group=mesh["edp"].get_group() if plan.dp > ep else None,
+        edp_group=mesh["edp"].get_group() if groups > 1 else None,
         edp_mesh=mesh["edp"],
         experts_mesh=experts_mesh,
         norm_group=norm_group,
     )
+
+
+def _ep_rank(plan: Plan, placed: RankMesh) -> int:
+    """A rank's index in its expert-parallel group: its replica's place among the group's
+    ``Plan.ep_replicas``, then its tensor-parallel rank (the group's ranks in global order)."""
+    return (placed.replica % plan.ep_replicas) * plan.tp + placed.tp_rank
 
 
 def _mesh_3d(plan: Plan, rank: int, device: torch.device) -> RankMesh:
@@ -181,7 +192,7 @@ def _mesh_hsdp(plan: Plan, rank: int, device: torch.device) -> RankMesh:
 
     shard, pp, tp = plan.shard_size, plan.n_ranks, plan.tp
     groups = plan.dp // shard
-    if plan.pp_outer:  # an expert-parallel plan: pipeline-outermost (tp is 1), the mesh in the ranks' order
+    if plan.pp_outer:  # an expert-parallel plan: pipeline-outermost, the mesh in the ranks' order
         names = ("pp", "dp_replicate", "dp_shard", "tp")
         mesh = init_device_mesh(device.type, (pp, groups, shard, tp), mesh_dim_names=names)
     else:
@@ -217,24 +228,24 @@ def _mesh_hsdp(plan: Plan, rank: int, device: torch.device) -> RankMesh:
 
 
 def _hsdp_experts(plan: Plan, placed: RankMesh, device: torch.device) -> RankMesh:
-    """``placed`` (an HSDP rank) with its expert-parallel groups: ``ep`` consecutive replicas inside a
-    shard group (``ep`` divides it), replica = group x dp_shard + (j x ep + ep rank). A rank's
-    experts are sharded over the ``dp_shard / ep`` replicas of its shard group holding the same ones
-    and replicated over the groups: a 2-D (dp_replicate, edp_shard) mesh, as torchtitan takes
+    """``placed`` (an HSDP rank) with its expert-parallel groups: ``ep`` consecutive ranks of one
+    pipeline rank, ``r = Plan.ep_replicas`` replicas inside a shard group (``r`` divides it) with their
+    tensor-parallel ranks, replica = group x dp_shard + (j x r + the replica's place in its group). A
+    rank's experts are sharded over the ``dp_shard / r`` ranks of its shard group holding the same
+    ones and replicated over the groups: a 2-D (dp_replicate, edp_shard) mesh, as torchtitan takes
     ``dp_shard_mod_ep``. The norm keeps the shard group's ranks (every shard of every parameter, the
     experts' included, is held once among them)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    ep, pp, shard, tp = plan.ep, plan.n_ranks, plan.shard_size, plan.tp
+    ep, pp, shard, covered = plan.ep, plan.n_ranks, plan.shard_size, plan.ep_replicas
     groups = plan.dp // shard
-    # the same ranks, ordered (pp, tp, ep, dp_replicate, edp_shard): a DeviceMesh's dimensions nest in
-    # their order, and an expert's index runs over the group (ep) before its replicas and shards; each
-    # tensor-parallel index has its own groups (the experts are whole on every tensor-parallel rank)
-    ranks = torch.arange(plan.world_size).view(pp, groups, shard // ep, ep, tp).permute(0, 4, 3, 1, 2)
-    mesh = DeviceMesh(device.type, ranks, mesh_dim_names=("pp", "tp", "ep", "dp_replicate", "edp_shard"))
+    # the same ranks, ordered (pp, ep, dp_replicate, edp_shard): a DeviceMesh's dimensions nest in their
+    # order, and an expert's index runs over the group (ep) before its replicas and shards
+    ranks = torch.arange(plan.world_size).view(pp, groups, shard // covered, ep).permute(0, 3, 1, 2)
+    mesh = DeviceMesh(device.type, ranks, mesh_dim_names=("pp", "ep", "dp_replicate", "edp_shard"))
     return replace(
         placed,
-        ep_rank=placed.replica % ep,
+        ep_rank=_ep_rank(plan, placed),
         ep_mesh=mesh["ep"],
         edp_mesh=mesh["dp_replicate", "edp_shard"],
         experts_mesh=mesh["ep", "dp_replicate", "edp_shard"],

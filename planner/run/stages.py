@@ -188,12 +188,13 @@ def build_stages(
     )
     del ties
     counted = [p for p in params if id(p) not in not_counted] if not_counted else None
-    if plan.tp > 1:
-        counted = norm_counted(counted if counted is not None else params, mesh.tp_rank)
+    mine = {id(p) for p in own}
+    if plan.tp > 1:  # an expert group spans the tensor-parallel ranks: each holds its own experts
+        counted = norm_counted(counted if counted is not None else params, mesh.tp_rank, own=mine)
     if plan.ep > 1 and not plan.sharded:  # the norm sums over the expert group's replicas: each expert
         # once, the rest from one (under FSDP over every rank: each shard is held once, experts or not)
-        mine = {id(p) for p in own}
-        counted = [p for p in (params if counted is None else counted) if id(p) in mine or mesh.ep_rank == 0]
+        first = mesh.replica % plan.ep_replicas == 0
+        counted = [p for p in (params if counted is None else counted) if id(p) in mine or first]
     return RankStages(
         modules=modules,
         params=params,

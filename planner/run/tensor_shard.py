@@ -14,7 +14,7 @@ stages a graph of the same nodes at one tensor-parallel rank's sizes, its planne
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -102,7 +102,7 @@ def sharded_over_tp(t: torch.Tensor) -> bool:
     return any(n == "tp" and isinstance(p, Shard) for n, p in zip(names, t.placements))
 
 
-def norm_counted(params: list[nn.Parameter], tp_rank: int) -> list[nn.Parameter]:
+def norm_counted(params: list[nn.Parameter], tp_rank: int, own: Collection[int] = ()) -> list[nn.Parameter]:
     """The parameters whose gradients this rank adds to the global norm under tensor parallelism:
     every tp-sharded one (each rank holds its own part), the replicated ones on tp rank 0 only (each
     tp rank holds the same full gradient; counted once).
@@ -110,8 +110,13 @@ def norm_counted(params: list[nn.Parameter], tp_rank: int) -> list[nn.Parameter]
     Args:
         params: the rank's trainable parameters.
         tp_rank: the rank's tensor-parallel index.
+        own: ids of parameters every tensor-parallel rank holds its own of (the experts of an
+            expert-parallel group spanning them), counted on each.
+
+    Returns:
+        The parameters, in their order.
     """
-    return [p for p in params if tp_rank == 0 or sharded_over_tp(p)]
+    return [p for p in params if tp_rank == 0 or id(p) in own or sharded_over_tp(p)]
 
 
 def check_tp_degree(model: nn.Module, tp_plan: dict[str, str], tp: int) -> None:

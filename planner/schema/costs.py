@@ -147,6 +147,14 @@ class ExpertShare(BaseModel):
         "through top_k experts; all layers), in the activations' dtype: what dispatch sends and combine returns.",
     )
     rows: int = Field(default=0, ge=0, description="The rows dispatch_bytes holds (all layers; 0: not counted).")
+    token_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="Bytes of the tokens the block's layers hand their experts per microbatch (T x d each, all "
+        "layers, the activations' dtype; dispatch_bytes over top_k): what one tensor-parallel rank gathers from "
+        "the others where an expert group spans them (planner.core.levers.experts). 0: not counted (taken as "
+        "dispatch_bytes).",
+    )
     flops_fwd: float = Field(
         default=0.0,
         ge=0,
@@ -173,6 +181,19 @@ class ExpertShare(BaseModel):
         description="Per expert-parallel degree, the routed rows of the busiest rank over the mean (summed over "
         "the block's layers, each layer's busiest rank): measured from the router on the example microbatch, "
         "or from the --moe-imbalance setting (planner.costs.experts.spread_imbalance). Empty: 1 (an even spread).",
+    )
+
+    ranks: int = Field(
+        default=1,
+        ge=1,
+        description="In one rank's costs (planner.core.levers.experts.at_degree): the expert-parallel group of "
+        "whose ranks it holds 1 / ranks of every layer's experts; 1 in a model's own costs (every expert).",
+    )
+    span: int = Field(
+        default=1,
+        ge=1,
+        description="Of those ranks, the tensor-parallel ranks of one replica the group spans (each routes its "
+        "1 / span of the replica's tokens): the group covers ranks / span replicas.",
     )
 
     def imbalance_at(self, ep: int) -> float:

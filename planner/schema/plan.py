@@ -40,8 +40,9 @@ class Plan(_Frozen):
     (``dp_mode``). An expert-parallel plan (``ep`` > 1) lays the ranks out pipeline-outermost instead
     (``pp_outer``), as Megatron-LM (its tp-cp-ep-dp-pp order) and torchtitan (its pp, dp, cp, tp mesh)
     do: ``view(n_ranks, dp, tp)``, global rank = (pipeline rank x dp + replica) x tp + tensor-parallel
-    rank, so the replicas of a pipeline rank, and with them an expert-parallel group, fill a node
-    together and its all-to-alls stay on the node's links where they can. Everything per stage
+    rank, so the replicas of a pipeline rank, and with them an expert-parallel group (``ep``
+    consecutive ranks: ``ep_replicas`` replicas' tensor-parallel ranks), fill a node together and its
+    all-to-alls stay on the node's links where they can. Everything per stage
     (``stages``, ``StagePlan.rank``, memory, block costs) is one tensor-parallel rank of one replica,
     the same on every replica; each replica reads its own ``replica_batch_size`` samples per step in
     ``accumulation`` passes of ``n_microbatches`` microbatches of ``microbatch_size``. With ``tp`` 1 this is
@@ -113,14 +114,19 @@ class Plan(_Frozen):
         default_factory=dict,
         description="The model's mixture-of-experts layers: each experts module's name -> its expert count, as the "
         "model's expert plan names them (planner.capture.ep_plan; empty: a dense model). Every rank holding a "
-        "layer holds all its experts unless ep shards them; tensor parallelism leaves them whole.",
+        "layer holds all its experts unless ep shards them; tensor parallelism leaves them whole (with ep > 1 an "
+        "expert group spans the tensor-parallel ranks instead).",
     )
     ep: int = Field(
         default=1,
         ge=1,
         description="Expert-parallel ranks (1: none): each mixture-of-experts layer's experts sharded over ep "
-        "consecutive replicas of the same pipeline rank, the tokens routed to them dispatched and combined with "
-        "all-to-alls (planner.run.experts); dense layers keep their layout. Divides dp and every layer's expert count.",
+        "consecutive ranks of the same pipeline rank, the tokens routed to them dispatched and combined with "
+        "all-to-alls (planner.run.experts); dense layers keep their layout. With tp 1 the ranks are ep replicas; "
+        "with tp > 1 a group spans the tensor-parallel ranks of ep / tp replicas (ep a multiple of tp), each "
+        "routing its 1 / tp of the replica's tokens and gathering the others' results, as Megatron-Core with an "
+        "expert tensor-parallel size of 1 and torchtitan with etp 1 do. Its replicas (ep_replicas) divide dp; ep "
+        "divides every layer's expert count.",
     )
     moe_imbalance: float | None = Field(
         default=None,
@@ -219,6 +225,12 @@ class Plan(_Frozen):
     def world_size(self) -> int:
         """Processes in all: ``dp * n_ranks * tp``."""
         return self.n_ranks * self.dp * self.tp
+
+    @property
+    def ep_replicas(self) -> int:
+        """The replicas an expert-parallel group covers: ``ep / tp`` (a group spans their tensor-parallel
+        ranks; ``ep`` with tp 1)."""
+        return max(1, self.ep // self.tp)
 
     @property
     def pp_outer(self) -> bool:
@@ -387,15 +399,23 @@ class Plan(_Frozen):
         return self
 
     def _check_experts(self) -> None:
-        """An expert-parallel plan's experts and replicas: ``ep`` divides both."""
+        """An expert-parallel plan's experts, tensor-parallel ranks and replicas: ``ep`` divides the
+        experts, ``tp`` divides ``ep``, and the replicas a group covers divide ``dp``."""
         if not self.experts:
             raise ValueError(f"ep is {self.ep} but the plan records no experts to shard")
         if not self.model.expert_calls:
             raise ValueError(
                 f"ep is {self.ep} but the model was traced without its experts' calls (model.expert_calls)"
             )
-        if self.dp % self.ep:
-            raise ValueError(f"ep {self.ep} does not divide dp {self.dp} (the expert-parallel ranks are replicas)")
+        if self.ep % self.tp:
+            raise ValueError(
+                f"ep {self.ep} is no multiple of tp {self.tp} (an expert-parallel group spans the tensor-parallel ranks)"
+            )
+        if self.dp % self.ep_replicas:
+            raise ValueError(
+                f"ep {self.ep} covers {self.ep_replicas} replicas, which do not divide dp {self.dp} (the "
+                "expert-parallel ranks are replicas' tensor-parallel ranks)"
+            )
         odd = {name: n for name, n in self.experts.items() if n % self.ep}
         if odd:
             name, n = next(iter(odd.items()))

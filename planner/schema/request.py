@@ -421,24 +421,38 @@ class PlanRequest(_Request):
         with yet (the model's experts are checked once it is loaded: ``planner.core.levers.experts``)."""
         if self.ep == 1 or self.ep == "auto":
             return
-        if isinstance(self.dp, int) and self.dp % self.ep:
+        tp = self.tp if isinstance(self.tp, int) else 1
+        if tp > 1 and self.ep % tp:
             raise ValueError(
-                f"--ep {self.ep} shards the experts over replicas, but --dp {self.dp} is no multiple of it; give "
-                f"--dp {self.ep} (or a multiple of it, or auto)"
+                f"--ep {self.ep} is no multiple of --tp {tp}: an expert-parallel group spans the tensor-parallel ranks "
+                f"of the replicas it covers; give an --ep that {tp} divides (or auto)"
+            )
+        covered = self.ep // tp
+        if isinstance(self.dp, int) and self.dp % covered:
+            over = f" (x {tp} tensor-parallel ranks)" if tp > 1 else ""
+            raise ValueError(
+                f"--ep {self.ep} shards the experts over {covered} replicas{over}, but --dp {self.dp} is no multiple "
+                f"of {covered}; give --dp {covered} (or a multiple of it, or auto)"
             )
         if self.gpus % self.ep:
             raise ValueError(f"--ep {self.ep} does not divide --gpus {self.gpus}")
-        if not any(d % self.ep == 0 for d in self.dp_options):
+        if not any(d % (self.ep // t) == 0 for t in self.tp_options if self.ep % t == 0 for d in self.dp_options):
             tried = ", ".join(map(str, self.dp_options))
             raise ValueError(
-                f"--ep {self.ep} shards the experts over replicas, but no replica count tried ({tried}: those that "
-                f"split the batch of {self.batch_size} evenly) is a multiple of it; give a larger --batch-size or a "
-                "smaller --ep"
+                f"--ep {self.ep} shards the experts over replicas (ep / tp of them), but no replica count tried "
+                f"({tried}: those that split the batch of {self.batch_size} evenly) is a multiple of that; give a "
+                "larger --batch-size or a smaller --ep"
             )
-        if self.dp_mode == "hsdp" and isinstance(self.dp_shard, int) and self.dp_shard % self.ep:
+        shard = self.dp_shard
+        if (
+            self.dp_mode == "hsdp"
+            and isinstance(shard, int)
+            and not any(self.ep % t == 0 and shard % (self.ep // t) == 0 for t in self.tp_options)
+        ):
             raise ValueError(
-                f"--ep {self.ep} does not divide --dp-shard {self.dp_shard}: each expert group lies inside an HSDP "
-                f"shard group; give a --dp-shard that is a multiple of {self.ep} (or auto)"
+                f"--ep {self.ep} covers {covered} replicas, which do not divide --dp-shard {self.dp_shard}: each "
+                f"expert group lies inside an HSDP shard group; give a --dp-shard that is a multiple of {covered} "
+                "(or auto)"
             )
         if self.sequence_parallel is True:
             raise ValueError(

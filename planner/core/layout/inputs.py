@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.core.levers.data_parallel import shard_of
+from planner.core.levers.experts import group_replicas
 from planner.core.levers.hsdp import hsdp_shard
 from planner.core.levers.links import Links, NodeLinks
 from planner.errors import InfeasibleError
@@ -275,7 +276,8 @@ def asked_of(request: PlanRequest, memory_limit_bytes: int | None) -> Asked:
         request.schedule,
         request.microbatches,
         request.stages_per_rank,
-        tuple(d for d in request.dp_options if d % ep == 0),
+        # the replica counts some degree's expert groups divide (``layout_refusal`` sorts out the rest)
+        tuple(d for d in request.dp_options if any(d % group_replicas(ep, t) == 0 for t in request.tp_options)),
         request.dp_mode,
         tuple(request.tp_options),
         None if request.accumulation == "auto" else request.accumulation,

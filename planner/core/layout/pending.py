@@ -92,9 +92,10 @@ def pending_layout(
     if key not in cache:
         sized = blocks_at(blocks, scaling.size0, size, scaling.fixed_fraction)
         shares = at_degree(sized, layout.tp, tp_link(cluster.link), sequence=layout.sequence)
-        if layout.ep > 1:
-            # an expert group's replicas are tp ranks apart: an expert-parallel layout is pipeline-outermost
-            shares = experts_at(shares, layout.ep, *group_link(cluster.link, layout.ep, layout.tp))
+        if layout.ep > 1:  # an expert group's ranks are consecutive: an expert-parallel layout is pipeline-outermost
+            shares = experts_at(
+                shares, layout.ep, *group_link(cluster.link, layout.ep), tp=layout.tp, tp_link=tp_link(cluster.link)
+            )
         # FSDP's collectives read the parameters alone, the same at every microbatch size: their
         # floors are shared by the costs of one degree, sequence split and expert degree
         alike = next((entry for k, entry in cache.items() if k[1:] == key[1:]), None)

@@ -73,6 +73,7 @@ def _experts_at(share: ExpertShare, r: float, t: float) -> ExpertShare:
         update={
             "dispatch_bytes": round(share.dispatch_bytes * r),
             "rows": round(share.rows * r),
+            "token_bytes": round(share.token_bytes * r),
             "flops_fwd": share.flops_fwd * r,
             "saved_bytes": round(share.saved_bytes * r),
             "gemm_s": {d: s * t for d, s in share.gemm_s.items()},
