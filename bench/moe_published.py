@@ -216,13 +216,13 @@ NOT_COMPARED = [
         "NeMo Megatron-Bridge 25.09, DeepSeek-V3 on 1,024 H100, TP 2, PP 8, VP 4, EP 64, GBS 8192, seq 4096",
         "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md",
         "1,297 tokens/s per GPU, 338 TFLOP/s (FP8)",
-        "FP8, and tensor parallelism with expert parallelism: neither is run here yet",
+        "FP8, not run here yet (its TP 2 x EP 64 is: each expert group spans the tensor-parallel ranks)",
     ),
     (
         "NeMo Megatron-Bridge, Qwen3-235B-A22B on 256 H100 (TP 2, PP 8, EP 32) and Qwen3-30B-A3B on 16 H100",
         "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md",
         "1,204-1,712 and 8,960-10,494 tokens/s per GPU (FP8)",
-        "FP8 (and TP 2 with EP); the NeMo rows force-balance the routing",
+        "FP8, not run here yet (TP 2 with EP is); the NeMo rows force-balance the routing",
     ),
     (
         "torchtitan, DeepSeek-V3 16B on 8 H100 (FSDP + EP)",

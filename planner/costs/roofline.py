@@ -330,7 +330,7 @@ class Roofline(TorchDispatchMode):
         if packet in flop_registry:
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
         else:
-            grouped = _grouped_gemm(func, args)
+            grouped = grouped_gemm(func, args)
             flops = grouped[0] if grouped is not None else 0.0
             if grouped is None and getattr(func, "namespace", "aten") not in _CORE_NAMESPACES:
                 self.no_formula.add(func.name())
@@ -413,7 +413,7 @@ _GROUPED_GEMMS = {
 }
 
 
-def _grouped_gemm(func: Any, args: tuple) -> tuple[float, tuple[int, int, int]] | None:
+def grouped_gemm(func: Any, args: tuple) -> tuple[float, tuple[int, int, int]] | None:
     """FLOPs of a grouped GEMM and one group's average ``(m, n, k)``; None for any other operator.
 
     ``_grouped_mm(a, b, offs)``: a (T, K) x b (G, K, N) → (T, N), the T rows split into G groups by

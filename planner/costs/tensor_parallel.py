@@ -78,7 +78,7 @@ from planner.capture.tp_plan import (
     split_sizes,
 )
 from planner.core.levers.hardware import HardwareSpec
-from planner.costs.roofline import _GEMMS, _gemm_dims
+from planner.costs.roofline import _GEMMS, _gemm_dims, grouped_gemm
 from planner.costs.sequence import SeqTally, cut_shares, sequence_only, sequence_refusal, token_wise
 from planner.costs.tp_gemms import MAX_DEGREE, Gemm, gemm_seconds, gemm_slowdown
 from planner.errors import ModelFileError
@@ -173,8 +173,11 @@ class _Watch(TorchDispatchMode):
             return out
         reads_split = any(self.is_split(t) for t in read)
         packet = func.overloadpacket
+        grouped = grouped_gemm(func, args)  # experts' grouped GEMMs: flop_counter has no formula for them
         if packet in flop_registry:
             work = float(flop_registry[packet](*args, **kwargs, out_val=out))
+        elif grouped is not None:
+            work = grouped[0]
         elif func.is_view:
             work = 0.0
         else:

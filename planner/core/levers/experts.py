@@ -268,8 +268,8 @@ def _rank_of(b: BlockCost, share: ExpertShare, ep: int, group: tuple[LinkCost, i
             # over dp x tp (over dp where the group spans no tensor-parallel ranks), the rest's over dp
             "fsdp_params": whole_params - share.params + share.params // tp,
             "fsdp_param_bytes": whole_bytes - share.param_bytes + share.param_bytes // tp,
-            "activation_bytes": b.activation_bytes + extra_saved,
-            "selective_bytes": None if b.selective_bytes is None else b.selective_bytes + extra_saved,
+            "activation_bytes": max(b.weight_cast_bytes, b.activation_bytes + extra_saved),
+            "selective_bytes": None if b.selective_bytes is None else _kept(b.selective_bytes, b, extra_saved),
             "bwd_temp_bytes": (b.bwd_temp_bytes or 0) + buffers,
             "fwd_s": max(0.0, b.fwd_s + pair + gather + gemm),
             "bwd_s": max(0.0, b.bwd_s + pair + gather + 2 * gemm),
@@ -286,6 +286,17 @@ def _rank_of(b: BlockCost, share: ExpertShare, ep: int, group: tuple[LinkCost, i
             "experts": share.model_copy(update={"ranks": ep, "span": tp}),
         }
     )
+
+
+def _kept(selective: int, b: BlockCost, extra: int) -> int:
+    """What selective checkpointing keeps of block ``b`` with its experts saving ``extra`` bytes more:
+    all of them where they grow (it keeps the GEMMs' inputs and outputs); where they shrink (a slice
+    of the tokens each), by the share of the block's activations it keeps, as tensor parallelism
+    split it (``planner.core.levers.tensor_parallel``)."""
+    if extra >= 0:
+        return selective + extra
+    share = min(1.0, selective / b.activation_bytes) if b.activation_bytes else 1.0
+    return max(0, selective + round(extra * share))
 
 
 def _gemm_change(b: BlockCost, share: ExpertShare, ep: int, imbalance: float, tp: int) -> float:
