@@ -166,20 +166,25 @@ def test_hsdp_with_ep_plans_shard_groups_that_hold_whole_expert_groups(tmp_path:
         _plan(tmp_path, "models/hf/mixtral.py", ep=4, dp_mode="hsdp", dp_shard=2, **options)
 
 
+# Two layers of 8 experts, estimated: the roofline's expert GEMM seconds per degree (the busiest rank's)
+SHARE = ExpertShare(
+    layers=2,
+    experts=8,
+    params=800,
+    param_bytes=3_200,
+    dispatch_bytes=2_000_000,
+    token_bytes=1_000_000,  # top 2
+    rows=1_000,
+    flops_fwd=4e5,
+    saved_bytes=3_000,
+    gemm_s={1: 0.004, 2: 0.003, 4: 0.0025, 8: 0.002},
+    imbalance={2: 1.1, 4: 1.2, 8: 1.3},
+)
+
+
 def test_the_busiest_rank_computes_its_experts_at_their_degree_and_waits_on_the_imbalance() -> None:
-    # estimated costs: the roofline's expert GEMM seconds per degree (the busiest rank's), and 1.2 x the rows
-    share = ExpertShare(
-        layers=2,
-        experts=8,
-        params=800,
-        param_bytes=3_200,
-        dispatch_bytes=2_000_000,
-        rows=1_000,
-        flops_fwd=4e5,
-        saved_bytes=3_000,
-        gemm_s={1: 0.004, 2: 0.003, 4: 0.0025, 8: 0.002},
-        imbalance={2: 1.1, 4: 1.2, 8: 1.3},
-    )
+    # the busiest rank's GEMM seconds at degree 4, and 1.2 x the rows
+    share = SHARE
     (got,) = at_degree([_block(share)], 4, LINK, 4)
     a2a = all_to_all_s(1.2 * 1_000_000, 4, 4, LINK)  # each layer's exchange waits for the busiest rank
     gemm = 0.0025 - 0.004  # its 2 experts on 4x the rows each: faster than 8 experts on few rows
@@ -254,19 +259,7 @@ def test_a_group_over_the_tensor_parallel_ranks_routes_a_slice_each_and_gathers_
     from planner.core.levers.experts import by_group, held_experts
     from planner.core.levers.tensor_parallel import allgather_s
 
-    share = ExpertShare(
-        layers=2,
-        experts=8,
-        params=800,
-        param_bytes=3_200,
-        dispatch_bytes=2_000_000,
-        token_bytes=1_000_000,  # top 2
-        rows=1_000,
-        flops_fwd=4e5,
-        saved_bytes=3_000,
-        gemm_s={1: 0.004, 2: 0.003, 4: 0.0025, 8: 0.002},
-        imbalance={2: 1.1, 4: 1.2, 8: 1.3},
-    )
+    share = SHARE
     tp_link = LINK.model_copy(update={"name": "nvlink", "bandwidth_Bps": 4 * LINK.bandwidth_Bps})
     # ep 4 over 2 replicas x 2 tensor-parallel ranks: each rank holds 2 of 8 experts and routes half its
     # replica's tokens, as many rows per expert as ep 2 on half its experts, at ep 4's imbalance

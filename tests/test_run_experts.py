@@ -44,6 +44,26 @@ def _routed(n: int, n_experts: int, dim: int, lopsided: bool) -> tuple[torch.Ten
     return hidden, index, weights, grad
 
 
+def _assert_unsplit(
+    got: tuple[torch.Tensor, ...],
+    want: tuple[torch.Tensor, ...],
+    local: torch.nn.Module,
+    whole: torch.nn.Module,
+    first: int,
+) -> None:
+    """The dispatched layer's output and its input and router-weight gradients (``got``: the output, and
+    the two inputs whose ``grad`` is compared) equal the unsplit module's (``want``), and each local
+    expert's gradient equals its expert's in the unsplit module (from expert ``first`` on)."""
+    out, h, w = got
+    torch.testing.assert_close(out, want[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h.grad, want[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w.grad, want[2], rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(local.named_parameters(), whole.parameters()):
+        full = q.grad if q.grad is not None else torch.zeros_like(q)
+        mine = p.grad if p.grad is not None else torch.zeros_like(p)
+        torch.testing.assert_close(mine, full[first : first + p.shape[0]], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def _dispatch_rank(rank: int, port: int, model: str, n: int, lopsided: bool) -> None:
     with gloo_pair(rank, port, n):
         whole = _experts(model)
@@ -64,13 +84,7 @@ def _dispatch_rank(rank: int, port: int, model: str, n: int, lopsided: bool) -> 
         out = layer(h, index[rank], w)
         (out * grad[rank]).sum().backward()
         mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
-        torch.testing.assert_close(out, ref[mine], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(h.grad, ref_h.grad[mine], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(w.grad, ref_w.grad[mine], rtol=1e-5, atol=1e-6)
-        for (name, p), q in zip(local.named_parameters(), whole.parameters()):
-            want = q.grad if q.grad is not None else torch.zeros_like(q)
-            got = p.grad if p.grad is not None else torch.zeros_like(p)
-            torch.testing.assert_close(got, want[first : first + p.shape[0]], rtol=1e-5, atol=1e-6, msg=name)
+        _assert_unsplit((out, h, w), (ref[mine], ref_h.grad[mine], ref_w.grad[mine]), local, whole, first)
         if lopsided and rank > 0:  # no token reached this rank's experts: their gradients are zero
             assert all(p.grad is None or not p.grad.any() for p in local.parameters())
 
@@ -122,13 +136,7 @@ def _sliced_rank(rank: int, port: int, tokens: int) -> None:
         (out * grad[replica]).sum().backward()
         mine = slice(replica * tokens, (replica + 1) * tokens)
         # each tensor-parallel rank ends with the whole replica's output and gradients, as unsplit
-        torch.testing.assert_close(out, ref[mine], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(h.grad, ref_h.grad[mine], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(w.grad, ref_w.grad[mine], rtol=1e-5, atol=1e-6)
-        for (name, p), q in zip(local.named_parameters(), whole.parameters()):
-            want = q.grad if q.grad is not None else torch.zeros_like(q)
-            got = p.grad if p.grad is not None else torch.zeros_like(p)
-            torch.testing.assert_close(got, want[first : first + p.shape[0]], rtol=1e-5, atol=1e-6, msg=name)
+        _assert_unsplit((out, h, w), (ref[mine], ref_h.grad[mine], ref_w.grad[mine]), local, whole, first)
 
 
 @pytest.mark.multiprocess
