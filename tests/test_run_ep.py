@@ -332,3 +332,11 @@ def test_a_plan_of_ep_auto_runs_whatever_ep_it_chose(tmp_path: Path) -> None:
     plan = make_plan(request)
     assert plan.model.expert_calls and "expert-parallel degree" in plan.choice
     _run_and_compare(plan, tmp_path, steps=2, save_checkpoints=False)
+
+
+def test_the_launch_line_names_the_expert_groups() -> None:
+    from planner.run.launch import launch_line
+
+    plan = plan_with_starts(FIXTURE, [0, 2], **EP2)
+    assert "2 microbatches, experts sharded over 2 ranks, backend gloo" in launch_line(plan, 4)
+    assert "experts" not in launch_line(plan_with_starts(FIXTURE, [0, 2], **{**EP2, "ep": 1}), 4)

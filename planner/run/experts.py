@@ -30,6 +30,7 @@ input, as transformers' ``AllToAllEP`` does, so the backward exchange and the gr
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -140,9 +141,9 @@ class ExpertDispatch(nn.Module):
         got_ids = ids.new_empty(sum(recvs))
         dist.all_to_all_single(got_ids, ids, recvs, sends, group=self.group)
         rows = hidden.reshape(-1, hidden.shape[-1])[token]
-        got = all_to_all_single(rows.new_empty(sum(recvs), rows.shape[-1]), rows, recvs, sends, group=self.group)
+        got = _exchange(rows.new_empty(sum(recvs), rows.shape[-1]), rows, recvs, sends, self.group)
         done = self._run(got, got_ids)
-        back = all_to_all_single(done.new_empty(len(pairs), done.shape[-1]), done, sends, recvs, group=self.group)
+        back = _exchange(done.new_empty(len(pairs), done.shape[-1]), done, sends, recvs, self.group)
         weighted = (back * top_k_weights.reshape(-1)[order, None]).to(hidden.dtype)
         out = torch.zeros(hidden.reshape(-1, hidden.shape[-1]).shape, dtype=hidden.dtype, device=hidden.device)
         return out.index_add(0, token, weighted).reshape(hidden.shape)
@@ -157,6 +158,16 @@ class ExpertDispatch(nn.Module):
             return self.experts(zero, ids.new_zeros(1, 1), one)[:0]
         ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
         return self.experts(rows, ids[:, None], ones)
+
+
+def _exchange(out: torch.Tensor, rows: torch.Tensor, recvs: list[int], sends: list[int], group: Any) -> torch.Tensor:
+    """``rows`` sent and ``out`` received with torch.distributed.nn's ``all_to_all_single``, whose
+    backward is the reverse exchange. torch 2.13 marks it deprecated for the functional collectives'
+    (a FutureWarning on every call, on every rank); it is kept for its backward over gloo, and the
+    warning left out of the run's output."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*all_to_all_single is deprecated", category=FutureWarning)
+        return all_to_all_single(out, rows, recvs, sends, group=group)
 
 
 def _slice(total: int, parts: int, index: int) -> slice:
