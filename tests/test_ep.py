@@ -619,8 +619,9 @@ def test_tensor_and_expert_parallelism_are_searched_together(tmp_path: Path) -> 
 def test_ddp_buckets_leave_the_experts_to_an_all_reduce_after_the_backward() -> None:
     """Under DDP the runner leaves a rank's experts out of DDP's buckets and all-reduces their
     gradients over the dp / ep replicas holding them once the backward is done
-    (``planner.run.gradients``): the buckets carry the dense gradients only, and the step pays the
-    experts' all-reduce after the pass, over their group, nothing hidden."""
+    (``planner.run.gradients``): the buckets carry the dense gradients only, and the step (and the
+    stage's exposed communication) pays the experts' all-reduce after the pass, over their group,
+    nothing hidden."""
     from planner.core.layout.inputs import Layout
     from planner.core.levers.data_parallel import ddp_stage_overlap, dp_group_links, experts_after_s, group_allreduce_s
     from planner.core.levers.overlap import buckets
@@ -646,10 +647,15 @@ def test_ddp_buckets_leave_the_experts_to_an_all_reduce_after_the_backward() -> 
     assert experts_after_s([big], [stage], [intra], 8) == [0.0]  # no expert parallelism: DDP's own
     links = NodeLinks(**intra.model_dump(), inter=link_cost(hw, intra_node=False), gpus_per_node=8, n_ranks=1)
     layout = Layout("1f1b", 1, 2, dp=8, ep=4)
-    _, with_experts = predict([held], Split(starts=(0,)), links, layout, OptimizerSpec(name="sgd"))
+    (expert_stage,), with_experts = predict([held], Split(starts=(0,)), links, layout, OptimizerSpec(name="sgd"))
     # the same block with its dense part alone: the same buckets and compute, no experts to reduce
     alone = held.model_copy(update={"experts": None, "params": 200_000_000, "param_bytes": 800_000_000})
-    _, dense_only = predict([alone], Split(starts=(0,)), links, replace(layout, ep=1), OptimizerSpec(name="sgd"))
+    (dense_stage,), dense_only = predict(
+        [alone], Split(starts=(0,)), links, replace(layout, ep=1), OptimizerSpec(name="sgd")
+    )
     (group,) = dp_group_links(links, 1, 8)
     after = group_allreduce_s(800_000_000, 2, group)
     assert after > 0 and with_experts.dp_reduce_s == pytest.approx(dense_only.dp_reduce_s + after, rel=1e-9)
+    # the stage's own figures show it too: exposed, nothing hidden
+    assert expert_stage.comm_exposed_s == pytest.approx(dense_stage.comm_exposed_s + after, rel=1e-9)
+    assert expert_stage.comm_hidden_s == pytest.approx(dense_stage.comm_hidden_s, rel=1e-9)

@@ -190,7 +190,7 @@ def _titan_fields(plan: Plan, renames: Mapping[str, str]) -> dict[str, object]:
     """
     if plan.ep > 1 and plan.shard_size * plan.tp % plan.ep:
         raise ExportError(
-            f"--to torchtitan: the plan shards its experts over {plan.ep} {plan.dp_mode} replicas, but torchtitan "
+            f"--to torchtitan: the plan shards its experts over {_expert_ranks(plan)} under {plan.dp_mode}, but torchtitan "
             f"takes its expert_parallel_degree out of data_parallel_shard_degree x tensor_parallel_degree "
             f"({plan.shard_size} x {plan.tp}), which ep must divide; export --to megatron, or plan with --ep 1"
         )

@@ -591,8 +591,9 @@ def experts_after_s(
     blocks: Sequence[BlockCost], stages: Sequence[StagePlan], links: Sequence[LinkCost], dp: int
 ) -> list[float]:
     """Seconds each pipeline rank all-reduces its experts' gradients after the step's backward under
-    DDP (``planner.run.gradients``: left out of DDP's buckets, one all-reduce over the ``dp / ep``
-    replicas holding the same experts, nothing hidden).
+    DDP (``planner.run.gradients``: left out of DDP's buckets, one all-reduce over the ``dp / r``
+    replicas holding the same experts, ``r`` the replicas an expert group covers
+    (``planner.core.levers.experts.by_group``), nothing hidden).
 
     Args:
         blocks: per-block costs, as one expert-parallel rank holds them.

@@ -6,7 +6,7 @@ chosen plan and the baselines go through this one function, so the report compar
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from pydantic import BaseModel
@@ -26,6 +26,7 @@ from planner.core.levers.data_parallel import (
     stage_traffic,
     wide_bytes,
 )
+from planner.core.levers.experts import by_group
 from planner.core.levers.hsdp import hsdp_links, rank_hsdp_s
 from planner.core.levers.links import Links, NodeLinks, boundary_links
 from planner.core.levers.microbatch import blocks_resized
@@ -276,8 +277,10 @@ def _replica_traffic(
     if nccl and layout.dp_mode == "ddp" and ddp_follows(layout.schedule, layout.tp, layout.accumulation):
         per = ddp_stage_overlap(blocks, stages, inner, dp)
         held = [charged_s(one, COMPUTE_SLOWDOWN) for one in per]
-        after = max(experts_after_s(blocks, stages, inner, dp), default=0.0)  # the experts', after the backward
-        return _Replicas(inner, after, Traffic([0.0] * len(stages), held), per)
+        after = experts_after_s(blocks, stages, inner, dp)  # the experts', after the backward: nothing hidden
+        experts = _shares(blocks, stages, after, weight=lambda part: by_group(part, wide=True)[1])
+        per = [one.plus(x) for one, x in zip(per, experts)]
+        return _Replicas(inner, max(after, default=0.0), Traffic([0.0] * len(stages), held), per)
     if hsdp:
         ranks = rank_hsdp_s(blocks, stages, inner, copies, size, groups)
     else:
@@ -286,12 +289,16 @@ def _replica_traffic(
 
 
 def _shares(
-    blocks: Sequence[BlockCost], stages: Sequence[StagePlan], ranks: Sequence[float], traffic: Sequence[float] = ()
+    blocks: Sequence[BlockCost],
+    stages: Sequence[StagePlan],
+    ranks: Sequence[float],
+    traffic: Sequence[float] = (),
+    weight: Callable[[Sequence[BlockCost]], int] = wide_bytes,
 ) -> list[Overlap]:
     """What each rank's reduction charges (``ranks``), shared over its stages by their gradients'
-    bytes (the runner reduces a rank's stages together); each stage's collectives ``traffic``
-    (empty: the charge, nothing hidden)."""
-    wide = [wide_bytes(blocks[st.start : st.end]) for st in stages]
+    bytes (``weight``: of what the reduction carries; the runner reduces a rank's stages together);
+    each stage's collectives ``traffic`` (empty: the charge, nothing hidden)."""
+    wide = [weight(blocks[st.start : st.end]) for st in stages]
     total = [0] * len(ranks)
     for st, w in zip(stages, wide):
         total[st.rank] += w
