@@ -121,12 +121,7 @@ layout_options = option_group(
         help="Data-parallel replicas of the pipeline, or auto.",
     ),
     option("--tp", type=REPLICAS_OR_AUTO, **_AUTO, help="Tensor-parallel ranks per pipeline rank, or auto."),
-    option(
-        "--ep",
-        type=REPLICAS_OR_AUTO,
-        default=1,
-        help="Ranks MoE experts shard over (replicas; with --tp T, the T ranks of ep/T replicas), or auto.",
-    ),
+    option("--ep", type=REPLICAS_OR_AUTO, default=1, help="Ranks MoE experts shard over, or auto."),
     option(
         "--sequence-parallel/--no-sequence-parallel",
         default=None,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from planner.core.levers.hardware import get_hardware
-from planner.costs.roofline import Roofline, Tally, _grouped_gemm
+from planner.costs.roofline import Roofline, Tally, grouped_gemm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,10 +35,10 @@ def _meta(*shape: int) -> torch.Tensor:
         ((4, 8, 32), (4, 32, 16), None, 2 * 4 * 8 * 32 * 16, (8, 16, 32)),  # batched
     ],
 )
-def test_grouped_gemm_flops_are_the_ungrouped_products(a, b, offs, flops, dims) -> None:
+def testgrouped_gemm_flops_are_the_ungrouped_products(a, b, offs, flops, dims) -> None:
     args = (_meta(*a), _meta(*b), torch.empty(offs, dtype=torch.int32, device="meta") if offs else None)
-    assert _grouped_gemm(aten._grouped_mm.default, args) == (flops, dims)
-    assert _grouped_gemm(aten.mm.default, args[:2]) is None  # flop_counter's own formula applies there
+    assert grouped_gemm(aten._grouped_mm.default, args) == (flops, dims)
+    assert grouped_gemm(aten.mm.default, args[:2]) is None  # flop_counter's own formula applies there
 
 
 def _tallies(module: torch.nn.Module, hidden: int) -> tuple[Tally, Tally]:
@@ -176,7 +176,7 @@ def test_a_mixtral_layer_is_estimated_as_a_dense_layer_is(monkeypatch: pytest.Mo
     # only the estimate changes, so the measured times are reused
     import planner.costs.roofline as roofline
 
-    monkeypatch.setattr(roofline, "_grouped_gemm", lambda func, args: None)
+    monkeypatch.setattr(roofline, "grouped_gemm", lambda func, args: None)
     blind = ratio("models/hf/mixtral.py")
     assert blind < 0.55 * dense_ratio, (blind, dense_ratio)
 
