@@ -10,9 +10,10 @@ accumulation searched). The routed experts run as grouped GEMMs, charged the FLO
 routed to them (``planner/costs/roofline.py``), so the plan's FLOPs, and its MFU, are those of the
 active parameters: MFU over active parameters, the figure MoE runs publish. Active parameters are
 counted here as everything outside the routed experts plus top_k / n_experts of the experts. The
-second table plans each setup as expert parallelism runs it (tp 1, DDP or FSDP replicas as the
-search finds best: ``planner.core.levers.experts.ep_refusal``) at each ``--ep`` that divides its
-experts, ``--ep 1`` the same layout restrictions without sharding: the step each degree buys.
+second table plans each setup at ``--tp`` 1 and 2 (DDP or FSDP replicas as the search finds best)
+and each ``--ep`` that divides its experts (with tp 2 a multiple of 2: an expert group spans the
+tensor-parallel ranks, each routing half its replica's tokens), ``--ep 1`` the same layout without
+sharding: the step each degree buys.
 The sections between the markers of docs/gpu_costs.md are replaced.
 """
 
@@ -37,6 +38,7 @@ END = "<!-- END moe-estimates -->"
 EP_BEGIN = "<!-- BEGIN moe-ep (written by bench/moe_estimates.py) -->"
 EP_END = "<!-- END moe-ep -->"
 EP_DEGREES = (1, 2, 4, 8)
+TP_DEGREES = (1, 2)  # with tp 2 an expert group spans the two tensor-parallel ranks
 # (label, file, size, GPUs, batch of sequences)
 SETUPS = [
     ("Mixtral 8x7B", "mixtral.py", "8x7b", 32, 256),
@@ -70,25 +72,29 @@ def _request(file: str, size: str, gpus: int, batch: int, **options: object) -> 
 
 
 def ep_rows(label: str, file: str, size: str, gpus: int, batch: int) -> list[list[str]]:
-    """The setup planned as expert parallelism runs it, one row per ``--ep`` dividing its experts."""
+    """The setup planned as expert parallelism runs it, one row per ``--tp`` of ``TP_DEGREES`` and
+    ``--ep`` dividing its experts (a multiple of tp: the group spans the tensor-parallel ranks)."""
     experts = load_model_file(MODELS / "hf" / file, size).config["n_experts"]
     rows = []
-    for ep in [d for d in EP_DEGREES if experts % d == 0 and gpus % d == 0]:
+    degrees = [d for d in EP_DEGREES if experts % d == 0 and gpus % d == 0]
+    for tp, ep in [(tp, ep) for tp in TP_DEGREES for ep in degrees if ep % tp == 0 or ep == 1]:
         t0 = time.perf_counter()
         try:
-            plan = make_plan(_request(file, size, gpus, batch, tp=1, dp_mode="auto", ep=ep))
+            plan = make_plan(_request(file, size, gpus, batch, tp=tp, dp_mode="auto", ep=ep))
         except PlannerError as e:
-            rows.append([f"{label}, {gpus} H100", str(ep), f"no plan: {str(e).split(';')[0][:100]}", "-", "-", "-"])
+            why = f"no plan: {str(e).split(';')[0][:100]}"
+            rows.append([f"{label}, {gpus} H100, batch {batch}", str(tp), str(ep), why, "-", "-", "-"])
             continue
         t = throughput(plan)
         mode = plan.dp_mode + (" per block" if plan.sharded and plan.fsdp_units == "block" else "")
         layout = f"{plan.schedule}, pp {plan.n_ranks}, dp {plan.dp} ({mode}), m={plan.n_microbatches}" + (
             f", k={plan.accumulation}" if plan.accumulation > 1 else ""
         )
-        print(f"{label} ep {ep}: {layout}, {time.perf_counter() - t0:.0f} s to plan", file=sys.stderr)
+        print(f"{label} tp {tp} ep {ep}: {layout}, {time.perf_counter() - t0:.0f} s to plan", file=sys.stderr)
         rows.append(
             [
                 f"{label}, {gpus} H100, batch {batch}",
+                str(tp),
                 str(ep),
                 layout,
                 f"{plan.prediction.step_time_s:.2f}",
@@ -137,7 +143,7 @@ def main() -> None:
     write_between_markers(DOC, BEGIN, END, text)
     ep = table(
         [row for s in SETUPS for row in ep_rows(*s)],
-        ["setup", "ep", "plan (tp 1)", "step s", "tokens/s/GPU", "memory"],
+        ["setup", "tp", "ep", "plan", "step s", "tokens/s/GPU", "memory"],
     )
     print(ep)
     write_between_markers(DOC, EP_BEGIN, EP_END, ep)

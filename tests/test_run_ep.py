@@ -194,11 +194,11 @@ def test_mixtral_ep_over_tp2_matches_the_unsplit_model(tmp_path: Path, starts: l
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("ep", [2, 4])
-def test_a_checkpoint_of_tp2_fsdp_ep_resumes_on_a_pipeline_without_tp(tmp_path: Path, ep: int) -> None:
+def test_a_checkpoint_of_tp2_fsdp_ep4_resumes_on_a_pipeline_without_tp(tmp_path: Path) -> None:
+    # written by expert groups over 2 replicas x 2 tensor-parallel ranks, read by groups of 2 replicas
     pytest.importorskip("transformers")
     common = {**EP2, "optimizer": "adamw", "lr": 1e-2, "dp_mode": "fsdp"}
-    writer = plan_with_starts(MODELS / "hf" / "mixtral.py", [0], **{**common, "schedule": "gpipe", "tp": 2, "ep": ep})
+    writer = plan_with_starts(MODELS / "hf" / "mixtral.py", [0], **{**common, "schedule": "gpipe", "tp": 2, "ep": 4})
     reader = plan_with_starts(MODELS / "hf" / "mixtral.py", [0, 3], **common)
     assert_resumes_under(writer, reader, tmp_path)
 

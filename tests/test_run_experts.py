@@ -106,43 +106,49 @@ def test_a_group_that_does_not_divide_the_experts_is_refused() -> None:
         shard_experts(experts, "layers.0", 0, 3)
 
 
-def _sliced_rank(rank: int, port: int, tokens: int) -> None:
+def _sliced_rank(rank: int, port: int) -> None:
     # 4 ranks: 2 replicas x 2 tensor-parallel ranks, one expert group over all 4; the two ranks of a
-    # replica hold the same ``tokens`` tokens and each routes its slice (3 and 2 of 5; 1 and none of 1)
+    # replica hold the same tokens and each routes its slice (3 and 2 of 5; 1 and none of 1)
+    with gloo_pair(rank, port, 4):
+        for tokens in (5, 1):
+            _sliced(rank, tokens)
+
+
+def _sliced(rank: int, tokens: int) -> None:
+    """One layer over the 4 ranks of ``_sliced_rank``, each replica's ``tokens`` split over its pair."""
     import torch.distributed as dist
 
-    with gloo_pair(rank, port, 4):
-        whole = _experts("fixture")  # 4 experts: one per rank
-        n_experts = next(whole.parameters()).shape[0]
-        dim = next(whole.parameters()).shape[-1]
-        g = torch.Generator().manual_seed(11)
-        hidden = torch.randn(2, tokens, dim, generator=g)
-        index = torch.stack([torch.randperm(n_experts, generator=g)[:TOP_K] for _ in range(2 * tokens)])
-        index = index.reshape(2, tokens, TOP_K)
-        weights = torch.rand(2, tokens, TOP_K, generator=g).softmax(-1)
-        grad = torch.randn(2, tokens, dim, generator=g)
-        ref_h = hidden.reshape(-1, dim).clone().requires_grad_()
-        ref_w = weights.reshape(-1, TOP_K).clone().requires_grad_()
-        ref = whole(ref_h, index.reshape(-1, TOP_K), ref_w)
-        (ref * grad.reshape(-1, dim)).sum().backward()
-        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both, in order
-        replica = rank // 2
-        local = copy.deepcopy(whole)
-        first = shard_experts(local, "layers.0.experts", rank, 4)
-        layer = ExpertDispatch(local, n_experts, tokens=pairs[replica])
-        h = hidden[replica].clone().requires_grad_()
-        w = weights[replica].clone().requires_grad_()
-        out = layer(h, index[replica], w)
-        (out * grad[replica]).sum().backward()
-        mine = slice(replica * tokens, (replica + 1) * tokens)
-        # each tensor-parallel rank ends with the whole replica's output and gradients, as unsplit
-        _assert_unsplit((out, h, w), (ref[mine], ref_h.grad[mine], ref_w.grad[mine]), local, whole, first)
+    whole = _experts("fixture")  # 4 experts: one per rank
+    n_experts = next(whole.parameters()).shape[0]
+    dim = next(whole.parameters()).shape[-1]
+    g = torch.Generator().manual_seed(11)
+    hidden = torch.randn(2, tokens, dim, generator=g)
+    index = torch.stack([torch.randperm(n_experts, generator=g)[:TOP_K] for _ in range(2 * tokens)])
+    index = index.reshape(2, tokens, TOP_K)
+    weights = torch.rand(2, tokens, TOP_K, generator=g).softmax(-1)
+    grad = torch.randn(2, tokens, dim, generator=g)
+    ref_h = hidden.reshape(-1, dim).clone().requires_grad_()
+    ref_w = weights.reshape(-1, TOP_K).clone().requires_grad_()
+    ref = whole(ref_h, index.reshape(-1, TOP_K), ref_w)
+    (ref * grad.reshape(-1, dim)).sum().backward()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both, in order
+    replica = rank // 2
+    local = copy.deepcopy(whole)
+    first = shard_experts(local, "layers.0.experts", rank, 4)
+    layer = ExpertDispatch(local, n_experts, tokens=pairs[replica])
+    h = hidden[replica].clone().requires_grad_()
+    w = weights[replica].clone().requires_grad_()
+    out = layer(h, index[replica], w)
+    (out * grad[replica]).sum().backward()
+    mine = slice(replica * tokens, (replica + 1) * tokens)
+    # each tensor-parallel rank ends with the whole replica's output and gradients, as unsplit
+    _assert_unsplit((out, h, w), (ref[mine], ref_h.grad[mine], ref_w.grad[mine]), local, whole, first)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("tokens", [5, 1], ids=["uneven-slices", "a-rank-with-no-token"])
-def test_tensor_parallel_ranks_route_their_slices_and_equal_the_unsplit_layer(tokens: int) -> None:
-    spawn_pair(functools.partial(_sliced_rank, tokens=tokens), 4)
+def test_tensor_parallel_ranks_route_their_slices_and_equal_the_unsplit_layer() -> None:
+    # uneven slices (5 tokens), then a rank with no token (1)
+    spawn_pair(_sliced_rank, 4)
 
 
 def test_token_slices_cover_every_row_once() -> None:
