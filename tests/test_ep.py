@@ -659,3 +659,13 @@ def test_ddp_buckets_leave_the_experts_to_an_all_reduce_after_the_backward() -> 
     # the stage's own figures show it too: exposed, nothing hidden
     assert expert_stage.comm_exposed_s == pytest.approx(dense_stage.comm_exposed_s + after, rel=1e-9)
     assert expert_stage.comm_hidden_s == pytest.approx(dense_stage.comm_hidden_s, rel=1e-9)
+
+
+def test_expert_groups_cover_ep_over_tp_replicas_and_must_tile_them() -> None:
+    from planner.schema.counts import expert_groups_fit, group_replicas
+
+    assert [group_replicas(ep, 1) for ep in (1, 2, 8)] == [1, 2, 8]  # tp 1: ep replicas
+    assert [group_replicas(ep, 2) for ep in (2, 4, 8)] == [1, 2, 4]  # a group spans both tp ranks
+    assert expert_groups_fit(4, 2, 2) and expert_groups_fit(2, 2, 1) and expert_groups_fit(8, 1, 16)
+    assert not expert_groups_fit(2, 4, 8)  # tp 4 does not divide ep 2
+    assert not expert_groups_fit(8, 2, 6)  # 4 replicas a group do not tile 6

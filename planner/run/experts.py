@@ -186,7 +186,8 @@ def _gather_rows(rows: torch.Tensor, total: int, group: Any) -> torch.Tensor:
     padded[: rows.shape[0]] = rows
     every = [torch.empty_like(padded) for _ in range(parts)]
     dist.all_gather(every, padded.contiguous(), group=group)
-    return torch.cat([t[: _slice(total, parts, i).stop - _slice(total, parts, i).start] for i, t in enumerate(every)])
+    sizes = [len(range(total)[_slice(total, parts, i)]) for i in range(parts)]
+    return torch.cat([t[:n] for t, n in zip(every, sizes)])
 
 
 class _Slice(torch.autograd.Function):

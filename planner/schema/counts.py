@@ -22,6 +22,38 @@ def divisors(n: int) -> list[int]:
     return sorted({*small, *(n // d for d in small)})
 
 
+def group_replicas(ep: int, tp: int) -> int:
+    """The replicas an expert-parallel group of ``ep`` ranks covers where each pipeline rank is
+    split over ``tp`` tensor-parallel ranks: ``ep / tp`` (the group spans them all, as Megatron-Core
+    with an expert tensor-parallel size of 1 and torchtitan with ``etp`` 1 carve it; ``ep`` with
+    ``tp`` 1).
+
+    Args:
+        ep: expert-parallel ranks (a multiple of ``tp``: ``expert_groups_fit``).
+        tp: tensor-parallel ranks per pipeline rank.
+
+    Returns:
+        Replicas, at least 1.
+    """
+    return max(1, ep // tp)
+
+
+def expert_groups_fit(ep: int, tp: int, replicas: int) -> bool:
+    """Whether expert-parallel groups of ``ep`` ranks tile ``replicas`` replicas of ``tp``
+    tensor-parallel ranks each: ``tp`` divides ``ep`` and the replicas a group covers
+    (``group_replicas``) divide ``replicas``.
+
+    Args:
+        ep: expert-parallel ranks.
+        tp: tensor-parallel ranks per pipeline rank.
+        replicas: the replicas (or an HSDP shard group's) the groups must tile.
+
+    Returns:
+        True where they do.
+    """
+    return ep % tp == 0 and replicas % group_replicas(ep, tp) == 0
+
+
 def default_microbatches(batch_size: int, gpus: int) -> int:
     """The microbatch count when none is given: one that divides the batch and keeps the bubble small.
 

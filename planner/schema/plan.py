@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec, split_recompute
+from planner.schema.counts import group_replicas
 from planner.schema.jsonfile import parse_versioned, read_text, write_atomic
 from planner.schema.plan_parts import Candidate, ModelRef, Prediction, ProfileInfo, StagePlan, Tie
 from planner.schema.request import DpMode, FsdpUnits, Method, Schedule
@@ -230,7 +231,7 @@ class Plan(_Frozen):
     def ep_replicas(self) -> int:
         """The replicas an expert-parallel group covers: ``ep / tp`` (a group spans their tensor-parallel
         ranks; ``ep`` with tp 1)."""
-        return max(1, self.ep // self.tp)
+        return group_replicas(self.ep, self.tp)
 
     @property
     def pp_outer(self) -> bool:

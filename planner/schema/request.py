@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from planner.errors import PlannerError, printable
 from planner.schema.bounds import MAX_MEMORY_LIMIT_GIB, MemoryLimitGiB
 from planner.schema.costs import OptimizerSpec
-from planner.schema.counts import default_microbatches, divisors
+from planner.schema.counts import default_microbatches, divisors, expert_groups_fit, group_replicas
 
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev"]
 Method = Literal["optimal", "uniform", "params", "given"]
@@ -427,7 +427,7 @@ class PlanRequest(_Request):
                 f"--ep {self.ep} is no multiple of --tp {tp}: an expert-parallel group spans the tensor-parallel ranks "
                 f"of the replicas it covers; give an --ep that {tp} divides (or auto)"
             )
-        covered = self.ep // tp
+        covered = group_replicas(self.ep, tp)
         if isinstance(self.dp, int) and self.dp % covered:
             over = f" (x {tp} tensor-parallel ranks)" if tp > 1 else ""
             raise ValueError(
@@ -436,7 +436,7 @@ class PlanRequest(_Request):
             )
         if self.gpus % self.ep:
             raise ValueError(f"--ep {self.ep} does not divide --gpus {self.gpus}")
-        if not any(d % (self.ep // t) == 0 for t in self.tp_options if self.ep % t == 0 for d in self.dp_options):
+        if not any(expert_groups_fit(self.ep, t, d) for t in self.tp_options for d in self.dp_options):
             tried = ", ".join(map(str, self.dp_options))
             raise ValueError(
                 f"--ep {self.ep} shards the experts over replicas (ep / tp of them), but no replica count tried "
@@ -447,7 +447,7 @@ class PlanRequest(_Request):
         if (
             self.dp_mode == "hsdp"
             and isinstance(shard, int)
-            and not any(self.ep % t == 0 and shard % (self.ep // t) == 0 for t in self.tp_options)
+            and not any(expert_groups_fit(self.ep, t, shard) for t in self.tp_options)
         ):
             raise ValueError(
                 f"--ep {self.ep} covers {covered} replicas, which do not divide --dp-shard {self.dp_shard}: each "

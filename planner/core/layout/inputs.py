@@ -26,11 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.core.levers.data_parallel import shard_of
-from planner.core.levers.experts import group_replicas
 from planner.core.levers.hsdp import hsdp_shard
 from planner.core.levers.links import Links, NodeLinks
 from planner.errors import InfeasibleError
 from planner.schema.costs import OptimizerSpec
+from planner.schema.counts import group_replicas
 from planner.schema.request import PlanRequest
 
 

@@ -4,7 +4,7 @@ and what one expert-parallel rank of a block costs.
 Pure module (no torch). A plan of ``ep`` > 1 shards each experts module over ``ep`` consecutive
 ranks of the same pipeline rank (``planner.schema.plan.Plan.ep``): ``ep`` replicas, or where the
 pipeline rank is split over ``tp`` tensor-parallel ranks, those of ``ep / tp`` replicas
-(``group_replicas``), each routing its ``1 / tp`` of its replica's tokens and gathering the others'
+(``planner.schema.counts.group_replicas``), each routing its ``1 / tp`` of its replica's tokens and gathering the others'
 results (one all-gather of the layer's tokens each way over the tensor-parallel link). The runner
 dispatches the tokens routed to them with all-to-alls (``planner.run.experts``). ``ep_refusal`` says, in one line,
 what the runner does not run with it yet, so that ``planner plan`` never writes such a plan and
@@ -44,13 +44,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from planner.core.levers.collectives import collective_time
 from planner.core.levers.links import Links, NodeLinks, default_link
 from planner.core.levers.tensor_parallel import allgather_s
 from planner.core.split.stage_model import fp32_bytes
 from planner.schema.costs import BlockCost, ExpertShare, LinkCost
+from planner.schema.counts import group_replicas
 
 
 def ep_refusal(
@@ -149,21 +149,6 @@ def layout_refusal(ep: int, *, dp: int, tp: int, dp_mode: str, dp_shard: int = 0
     return None
 
 
-def group_replicas(ep: int, tp: int) -> int:
-    """The replicas an expert-parallel group of ``ep`` ranks covers: ``ep / tp`` where the pipeline
-    rank is split over ``tp`` > 1 tensor-parallel ranks (the group spans them all, as Megatron-Core
-    with an expert tensor-parallel size of 1 and torchtitan with ``etp`` 1 carve it), else ``ep``.
-
-    Args:
-        ep: expert-parallel ranks (a multiple of ``tp``: ``layout_refusal``).
-        tp: tensor-parallel ranks per pipeline rank.
-
-    Returns:
-        Replicas, at least 1.
-    """
-    return max(1, ep // tp) if tp > 1 else ep
-
-
 def all_to_all_s(nbytes: float, ranks: int, local: int, link: LinkCost) -> float:
     """Seconds of one all-to-all in which each of ``ranks`` ranks sends ``nbytes`` (``nbytes / ranks``
     to each, itself included), ``local`` of them on each node.
@@ -224,26 +209,20 @@ def at_degree(
     """
     if ep <= 1:
         return list(blocks)
-    span = _Span(tp, tp_link or link)
     out: list[BlockCost] = []
     for b in blocks:
         share = b.experts
-        out.append(b if share is None else _rank_of(b, share, ep, (link, local), span))
+        out.append(b if share is None else _rank_of(b, share, ep, (link, local), (tp, tp_link or link)))
     return out
 
 
-@dataclass(frozen=True)
-class _Span:
-    """The tensor-parallel ranks an expert-parallel group spans (1: none) and their link."""
-
-    tp: int
-    link: LinkCost
-
-
-def _rank_of(b: BlockCost, share: ExpertShare, ep: int, group: tuple[LinkCost, int], span: _Span) -> BlockCost:
-    """One block as the busiest of ``ep`` expert-parallel ranks runs them (``at_degree``)."""
+def _rank_of(
+    b: BlockCost, share: ExpertShare, ep: int, group: tuple[LinkCost, int], span: tuple[int, LinkCost]
+) -> BlockCost:
+    """One block as the busiest of ``ep`` expert-parallel ranks runs them (``at_degree``): ``group``
+    the group's (link, ranks per node), ``span`` the tensor-parallel ranks it spans and their link."""
     imbalance = share.imbalance_at(ep)
-    tp = span.tp
+    tp, tp_link = span
     params = b.params - share.params + share.params // ep
     param_bytes = b.param_bytes - share.param_bytes + share.param_bytes // ep
     kept = param_bytes / b.param_bytes if b.param_bytes else 1.0
@@ -253,7 +232,7 @@ def _rank_of(b: BlockCost, share: ExpertShare, ep: int, group: tuple[LinkCost, i
     pair = 2 * share.layers * all_to_all_s(sent, ep, group[1], group[0])
     # over tp ranks each gathers the others' results (forward) and input gradients (backward): one
     # all-gather of the layer's tokens each way
-    gather = share.layers * allgather_s((share.token_bytes or share.dispatch_bytes) / share.layers, tp, span.link)
+    gather = share.layers * allgather_s((share.token_bytes or share.dispatch_bytes) / share.layers, tp, tp_link)
     gemm = _gemm_change(b, share, ep, imbalance, tp)  # the forward's; the backward runs two GEMMs per weight
     extra_saved = round((imbalance / tp - 1.0) * share.saved_bytes)
     # one layer's exchange at a time holds a send and a receive buffer of the busiest rank's rows (the
@@ -379,7 +358,6 @@ __all__ = [
     "expert_degrees",
     "experts_refusal",
     "group_link",
-    "group_replicas",
     "held_experts",
     "layout_refusal",
 ]
