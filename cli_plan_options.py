@@ -51,7 +51,7 @@ cluster_options = option_group(
         "-g",
         type=click.IntRange(min=1),
         required=True,
-        help="Total number of ranks (processes, one device each) = dp x pp x tp.",
+        help="Total number of ranks (processes, one device each) = dp x cp x pp x tp.",
     ),
     option(
         "--gpu-type",
@@ -113,15 +113,10 @@ _AUTO: dict[str, Any] = {"default": "auto", "show_default": True}
 
 layout_options = option_group(
     "Layout",
-    option(
-        "--dp",
-        type=REPLICAS_OR_AUTO,
-        default="1",
-        show_default=True,
-        help="Data-parallel replicas of the pipeline, or auto.",
-    ),
+    option("--dp", type=REPLICAS_OR_AUTO, default="1", help="Data-parallel replicas, or auto."),
     option("--tp", type=REPLICAS_OR_AUTO, **_AUTO, help="Tensor-parallel ranks per pipeline rank, or auto."),
     option("--ep", type=REPLICAS_OR_AUTO, default=1, help="Ranks MoE experts shard over, or auto."),
+    option("--cp", type=click.IntRange(min=1), metavar="K", default=1, help="Ranks each sequence is split over."),
     option(
         "--sequence-parallel/--no-sequence-parallel",
         default=None,
@@ -166,7 +161,7 @@ layout_options = option_group(
         type=click.IntRange(min=1, max=1024),
         metavar="N",
         default=None,
-        help="Processes the search runs in after its first second (the same plan) [default: cores].",
+        help="Processes the search runs in (same plan) [default: cores].",
     ),
 )
 

@@ -63,6 +63,7 @@ LATER_DEFAULTS = {
     "experts": {},
     "ep": 1,
     "moe_imbalance": None,
+    "cp": 1,
 }
 BLOCK_LATER_DEFAULTS = {
     "tp": None,
@@ -80,6 +81,7 @@ BLOCK_LATER_DEFAULTS = {
     "host_bwd_s": 0.0,
     "fsdp_params": None,
     "fsdp_param_bytes": None,
+    "kv_bytes": 0,
 }
 SHARE_LATER_DEFAULTS = {
     "slowdown": {},

@@ -79,6 +79,40 @@ def check_traced_forward(mf: ModelFile, traced: TracedModel, inputs: tuple, targ
         check_forward(mf, trace_root(traced), inputs, target)
 
 
+SEQUENCE_DIM = 1  # [batch, seq, ...]: the dimension context parallelism splits, in every input and target
+
+
+def sequence_length(inputs: tuple | list, cp: int) -> int:
+    """The sequence context parallelism splits: dimension 1 of the model's inputs of two or more
+    dimensions, one length for all, divisible by ``cp``.
+
+    Args:
+        inputs: one microbatch's positional inputs.
+        cp: the context-parallel ranks it splits over.
+
+    Returns:
+        The length.
+
+    Raises:
+        ModelFileError: no input has a sequence dimension, two disagree, or it does not split into
+            ``cp`` equal chunks.
+    """
+    lengths = {int(x.shape[SEQUENCE_DIM]) for x in inputs if isinstance(x, torch.Tensor) and x.dim() >= 2}
+    if len(lengths) != 1:
+        found = f"sequences of {sorted(lengths)} positions" if lengths else "no such dimension"
+        raise ModelFileError(
+            "context parallelism (--cp) splits dimension 1 of the model's inputs (the sequence); this model's "
+            f"inputs have {found}; plan without --cp"
+        )
+    length = lengths.pop()
+    if length % cp:
+        raise ModelFileError(
+            f"--cp {cp}: the sequence has {length} positions, which do not split into {cp} equal chunks; use a "
+            f"sequence length divisible by {cp} (--set seq_len=...)"
+        )
+    return length
+
+
 def check_loss(mf: ModelFile, out: object, target: torch.Tensor) -> None:
     """Run ``loss_fn`` on the model's output for the example batch (no grad): the second half of
     ``check_forward``, for an output already at hand (a meta trace's, ``GraphTrace.example_output``).

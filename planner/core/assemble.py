@@ -179,7 +179,7 @@ def given_split(
     narrowed = replace(
         space,
         stages_per_rank=k // layout.pp,
-        replicas=(layout.dp,),
+        replicas=(layout.data_replicas,),
         dp_mode=layout.dp_mode,
         dp_shard=layout.dp_shard or space.dp_shard,
         degrees=(layout.tp,),
@@ -410,7 +410,8 @@ def _mesh_fields(layout: Layout, tp_plan: Mapping[str, str] | None, experts: Map
     expert parallelism (``Plan``'s validation checks them together)."""
     return {
         "n_ranks": layout.pp,
-        "dp": layout.dp,
+        "dp": layout.data_replicas,
+        "cp": layout.cp,
         "dp_mode": layout.dp_mode,  # "ddp", "fsdp" or "hsdp"
         "dp_shard": layout.dp_shard or None,
         "fsdp_units": layout.fsdp_units,  # "stage" or "block"

@@ -7,11 +7,15 @@ repeated layer) comes from the trace, and is filled in here, once.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
-from planner.capture.blocks import TracedModel
+from planner.capture.blocks import GraphTrace, TracedModel
 from planner.schema.costs import BlockCost, StepTempRule
 from planner.schema.plan import Tie
 
@@ -63,6 +67,7 @@ def block_cost(
     float_bytes: int | None = None,
     cut_bytes: int | None = None,
     output_bytes: int = 0,
+    kv_bytes: int | None = None,
 ) -> BlockCost:
     """The cost record of block ``k`` of ``traced``.
 
@@ -94,6 +99,8 @@ def block_cost(
             (estimates in another dtype, measurements under autocast); None takes the trace's.
         output_bytes: the last block: bytes of the model's output (0: not known here; the caller
             fills it in from the trace).
+        kv_bytes: bytes of the keys and values its attention reads (estimates count them in the
+            planning dtype); None takes the trace's (``attention_kv_bytes``).
 
     Returns:
         The block's costs.
@@ -131,7 +138,41 @@ def block_cost(
         cut_legal=cut.legal if cut else False,
         is_layer=block.is_layer,
         output_bytes=output_bytes,
+        kv_bytes=attention_kv_bytes(traced, k) if kv_bytes is None else kv_bytes,
     )
+
+
+_ATTENTION = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
+_NODES: weakref.WeakKeyDictionary[Any, dict[str, torch.fx.Node]] = weakref.WeakKeyDictionary()
+
+
+def attention_kv_bytes(traced: TracedModel, k: int) -> int:
+    """Bytes of the keys and values block ``k``'s scaled-dot-product attention reads per microbatch, as
+    traced (0 for a module trace, or a block without such a call): what a context-parallel rank
+    gathers from the others (``planner.core.levers.context_parallel``).
+
+    Args:
+        traced: the captured model.
+        k: the block's index.
+
+    Returns:
+        Bytes.
+    """
+    if not isinstance(traced, GraphTrace):
+        return 0
+    nodes = _NODES.get(traced.gm)
+    if nodes is None:
+        nodes = _NODES[traced.gm] = {n.name: n for n in traced.gm.graph.nodes}
+    total = 0
+    for name in traced.blocks[k].nodes:
+        node = nodes.get(name)
+        if node is None or node.op != "call_function" or node.target not in _ATTENTION:
+            continue
+        for i, key in ((1, "key"), (2, "value")):
+            arg = node.args[i] if len(node.args) > i else node.kwargs.get(key)
+            info = traced.values.get(arg.name) if isinstance(arg, torch.fx.Node) else None
+            total += info.nbytes if info is not None else 0
+    return total
 
 
 def ties_of(traced: TracedModel, float_bytes: int | None = None) -> list[Tie]:

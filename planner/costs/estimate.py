@@ -628,6 +628,7 @@ def _block_cost(
         float_bytes=width,
         cut_bytes=out_bytes,
         output_bytes=run.model_output_bytes,
+        kv_bytes=run.fwd.kv_bytes,
     )
     host = {
         "host_fwd_s": min(run.fwd.ops * dispatch, run.fwd.seconds),

@@ -18,17 +18,23 @@ import torch
 from tqdm import tqdm
 
 from planner.capture.blocks import ModuleTrace, TracedModel
-from planner.capture.contract import check_batch_contract, check_batch_size, check_forward, check_traced_forward
+from planner.capture.contract import (
+    check_batch_contract,
+    check_batch_size,
+    check_forward,
+    check_traced_forward,
+    sequence_length,
+)
 from planner.capture.ep_plan import resolve_experts
 from planner.capture.load import ModelFile, load_model_file, move_model
 from planner.capture.meta_cache import meta_build
-from planner.capture.stage import stage_module
+from planner.capture.stage import stage_inputs, stage_module
 from planner.capture.trace import retrace, trace_model
 from planner.core.levers.hardware import HardwareSpec, dtype_bytes, node_links
 from planner.core.levers.hardware_file import hardware_named
 from planner.costs.blocks import ties_of
 from planner.costs.scaling import fixed_fraction, measured_time_at, second_size
-from planner.errors import InfeasibleError
+from planner.errors import InfeasibleError, ModelFileError
 from planner.schema.bounds import too_few_blocks
 from planner.schema.costs import GLOO_CPU_LINK, NCCL_NVLINK_LINK, BlockCost, LinkCost, StepTempRule
 from planner.schema.plan import Plan, ProfileInfo, Tie
@@ -157,6 +163,13 @@ def _traced(
         check_traced_forward(mf, traced, inputs, target)
     if isinstance(traced, ModuleTrace):
         stage_module(traced, 0, len(traced.blocks))  # every plan runs: refuse blocks that are no chain, saying why
+    if request.cp > 1:  # the runner follows the sequence's chunks through a graph
+        sequence_length(stage_inputs(inputs), request.cp)
+        if isinstance(traced, ModuleTrace):
+            raise ModelFileError(
+                f"--cp {request.cp}: context parallelism follows the sequence's chunks through a traced graph, but "
+                "this model traces by module boundaries only; plan without --cp"
+            )
     pp = request.min_pipeline_ranks  # the fewest pipeline ranks a replica count tried gives
     if pp > len(traced.blocks):
         raise InfeasibleError(too_few_blocks(request.gpus, request.tp, request.dp, pp, [b.name for b in traced.blocks]))

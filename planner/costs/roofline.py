@@ -112,6 +112,7 @@ class Tally:
     ops: int = 0
     kept_seconds: float = 0.0
     kept: dict[int, int] = field(default_factory=dict)
+    kv_bytes: int = 0  # keys and values read by fused attention (what context parallelism gathers)
 
     def kept_bytes(self, besides: Sequence[torch.Tensor] = ()) -> int:
         """Bytes of the kept outputs, those sharing storage with ``besides`` left out (a block's own
@@ -321,6 +322,7 @@ class Roofline(TorchDispatchMode):
         self.tally.ops += other.ops
         self.tally.kept_seconds += other.kept_seconds
         self.tally.kept.update(other.kept)
+        self.tally.kv_bytes += other.kv_bytes
 
     def _charge(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         packet = func.overloadpacket
@@ -516,6 +518,7 @@ class _FusedAttention(torch.autograd.Function):
             roof.hw.attention_efficiency(backward=False),
             kept=[o, lse],
         )
+        roof.tally.kv_bytes += tensor_bytes(k, roof.float_bytes) + tensor_bytes(v, roof.float_bytes)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.roof = roof
         ctx.share = share

@@ -273,7 +273,7 @@ def _ranks_text(first: int, last: int) -> str:
 def _placement(plan: Plan) -> list[str]:
     """Which global ranks each replica holds (replicas outermost), or each pipeline rank's replicas
     (pipeline-outermost, ``Plan.pp_outer``), the first two and the last where there are more than 4."""
-    p, dp, tp = plan.n_ranks, plan.dp, plan.tp
+    p, dp, tp = plan.n_ranks, plan.replicas, plan.tp
     count = p if plan.pp_outer else dp
     shown = list(range(count)) if count <= 4 else [0, 1, count - 1]
     if plan.pp_outer:
@@ -301,9 +301,9 @@ def layout_line(plan: Plan) -> str:
         over 2 consecutive ranks of one node by the model's tp plan (4 colwise, 3 rowwise patterns); ...``;
         empty with one replica and tp 1.
     """
-    if plan.dp == 1 and plan.tp == 1:
+    if plan.replicas == 1 and plan.tp == 1:
         return ""
-    if plan.dp == 1:
+    if plan.replicas == 1:
         return (
             f"layout: {plan.n_ranks} pipeline rank{'s' if plan.n_ranks > 1 else ''} x tp {plan.tp} (pp x tp) on "
             f"{plan.world_size} ranks; {tp_text(plan)}"
@@ -345,18 +345,18 @@ def layout_line(plan: Plan) -> str:
         inner, copies = hsdp_links(plan_links(plan), p, plan.dp, ways)
         links = sorted({x.name for x in inner + copies})
     else:
-        links = sorted({x.name for x in dp_group_links(plan_links(plan), p, plan.dp)})
+        links = sorted({x.name for x in dp_group_links(plan_links(plan), p, plan.replicas)})
     over = f" over {', '.join(links)}" if links and links != [plan.link.name] else ""
     if plan.tp == 1:
         order = (
             "(dp x pp, pipeline-outermost as Megatron-LM and torchtitan order ranks)" if plan.pp_outer else "(dp x pp)"
         )
         return (
-            f"layout: {plan.dp} replicas x {pipeline} {order} on {plan.world_size} ranks; {', '.join(replicas)}; "
+            f"layout: {plan.replicas} replicas x {pipeline} {order} on {plan.world_size} ranks; {', '.join(replicas)}; "
             f"gradients reduced by {how}{over}"
         )
     return (
-        f"layout: {plan.dp} replicas x {pipeline} x tp {plan.tp} (dp x pp x tp) on {plan.world_size} ranks; "
+        f"layout: {plan.replicas} replicas x {pipeline} x tp {plan.tp} (dp x pp x tp) on {plan.world_size} ranks; "
         f"{', '.join(replicas)}; {tp_text(plan)}; gradients reduced by {how}{over}"
     )
 
@@ -374,6 +374,27 @@ def tp_text(plan: Plan) -> str:
             if plan.sequence_parallel
             else ""
         )
+    )
+
+
+def context_line(plan: Plan) -> str:
+    """One line on a context-parallel plan's sequences: how they split, what attention exchanges.
+
+    Args:
+        plan: the plan.
+
+    Returns:
+        e.g. ``context parallelism: each sequence split into 2 chunks over 2 consecutive replicas (dp 1 x
+        cp 2), each rank's queries attending to every position's keys and values, all-gathered over the
+        group (reduce-scattered in backward)``; empty with cp 1.
+    """
+    if plan.cp == 1:
+        return ""
+    return (
+        f"context parallelism: each sequence split into {plan.cp} chunks over {plan.cp} consecutive replicas "
+        f"(dp {plan.dp} x cp {plan.cp}: every rank holds its stages whole and reads its replica's rows), each rank's "
+        "queries attending to every position's keys and values, all-gathered over the group (reduce-scattered in "
+        "backward)"
     )
 
 
@@ -484,8 +505,10 @@ def render(plan: Plan) -> str:
             f"; {plan.gpus_per_node} GPUs per node: boundaries between nodes use {inter.name} "
             f"({inter.latency_s * 1e3:.3f} ms + bytes / {inter.bandwidth_Bps / 1e9:.1f} GB/s)"
         )
-    if plan.dp > 1 or plan.tp > 1:
+    if plan.replicas > 1 or plan.tp > 1:
         head += "\n" + layout_line(plan)
+    if plan.cp > 1:
+        head += "\n" + context_line(plan)
     if m.trace_failures:
         head += "\n" + "\n".join(f"  {method} could not trace it: {reason}" for method, reason in m.trace_failures)
     for line in tie_lines(plan):
@@ -493,8 +516,8 @@ def render(plan: Plan) -> str:
     if plan.experts:
         head += "\n" + experts_line(plan)
     reduction = (
-        f" ({_ms(plan.prediction.dp_reduce_s)} ms of it reducing gradients over {plan.dp} replicas)"
-        if plan.dp > 1
+        f" ({_ms(plan.prediction.dp_reduce_s)} ms of it reducing gradients over {plan.replicas} replicas)"
+        if plan.replicas > 1
         else ""
     )
     summary = (

@@ -86,7 +86,7 @@ def grad_finisher(
         if len(ranks) < 2:
             continue  # one rank holds every reader: its stages share the one parameter
         # one group per replica and tensor-parallel index: a pipeline rank's tp ranks each hold a copy
-        for replica, tp_rank in [(d, t) for d in range(plan.dp) for t in range(plan.tp)]:
+        for replica, tp_rank in [(d, t) for d in range(plan.replicas) for t in range(plan.tp)]:
             group = dist.new_group([plan.global_rank(replica, r, tp_rank) for r in ranks])
             if replica == mesh.replica and tp_rank == mesh.tp_rank and mesh.pp_rank in ranks:
                 param = next((tensors[n] for n in tie.names if n in tensors), tie.param)
@@ -103,9 +103,9 @@ def grad_finisher(
                 if p.grad is not None:
                     p.grad.mul_(scale)
         if average and mesh.dp_group is not None:
-            average_over_replicas([p for p in params if id(p) not in own], mesh.dp_group, plan.dp)
+            average_over_replicas([p for p in params if id(p) not in own], mesh.dp_group, plan.replicas)
         if own:
-            _average_experts(list(experts or ()), mesh.edp_group, plan.dp)
+            _average_experts(list(experts or ()), mesh.edp_group, plan.replicas)
         for param, group in mine:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)

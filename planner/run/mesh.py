@@ -1,5 +1,5 @@
 """Where a rank sits: its process group (joined torchrun-style, or a group of one in this process)
-and its place on the plan's (dp, pp, tp) mesh, with the groups it talks in.
+and its place on the plan's (dp, pp, tp) mesh (dp x cp replicas under context parallelism), with the groups it talks in.
 """
 
 from __future__ import annotations
@@ -51,6 +51,11 @@ class RankMesh:
             ``DeviceMesh`` ordered (ep, ...edp_mesh's): an expert parameter's shard is its piece of
             the whole layer's tensor on it (``Shard(0)`` over ep, then FSDP's placements), the view a
             checkpoint saves (None: not sharded, or ep 1).
+        cp_rank: its index in its context-parallel group, the chunk of the sequence it runs (0 when
+            cp is 1).
+        cp_mesh: that group, the ``cp`` consecutive replicas of its data-parallel replica at its
+            pipeline and tensor-parallel position, as a 1-D ``DeviceMesh`` (attention gathers keys and
+            values over it; None: cp 1).
     """
 
     rank: int
@@ -68,6 +73,12 @@ class RankMesh:
     edp_group: Any | None = None
     edp_mesh: Any | None = None
     experts_mesh: Any | None = None
+    cp_rank: int = 0
+    cp_mesh: Any | None = None
+
+    def data_replica(self, plan: Plan) -> int:
+        """The data-parallel replica whose rows this rank reads: ``replica // cp``."""
+        return self.replica // plan.cp
 
 
 def rank_mesh(plan: Plan, rank: int, device: torch.device) -> RankMesh:
@@ -84,7 +95,7 @@ def rank_mesh(plan: Plan, rank: int, device: torch.device) -> RankMesh:
     Returns:
         This rank's place and groups (the world group as its pipeline under one replica).
     """
-    if plan.dp == 1 and plan.tp == 1:
+    if plan.replicas == 1 and plan.tp == 1:
         return RankMesh(rank, rank, 0, dist.group.WORLD, None, None)
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -93,9 +104,9 @@ def rank_mesh(plan: Plan, rank: int, device: torch.device) -> RankMesh:
     if plan.tp > 1:
         return _mesh_3d(plan, rank, device)
     if plan.pp_outer:  # the mesh's dimensions in the order of the ranks (a DeviceMesh is indexed by name)
-        mesh = init_device_mesh(device.type, (plan.n_ranks, plan.dp), mesh_dim_names=("pp", "dp"))
+        mesh = init_device_mesh(device.type, (plan.n_ranks, plan.replicas), mesh_dim_names=("pp", "dp"))
     else:
-        mesh = init_device_mesh(device.type, (plan.dp, plan.n_ranks), mesh_dim_names=("dp", "pp"))
+        mesh = init_device_mesh(device.type, (plan.replicas, plan.n_ranks), mesh_dim_names=("dp", "pp"))
     placed = RankMesh(
         rank=rank,
         pp_rank=plan.pp_rank_of(rank),
@@ -104,7 +115,20 @@ def rank_mesh(plan: Plan, rank: int, device: torch.device) -> RankMesh:
         dp_group=mesh["dp"].get_group(),
         dp_mesh=mesh["dp"],
     )
-    return _with_experts(plan, placed, device) if plan.ep > 1 else placed
+    return _with_experts(plan, placed, device) if plan.ep > 1 else _with_context(plan, placed, device)
+
+
+def _with_context(plan: Plan, placed: RankMesh, device: torch.device) -> RankMesh:
+    """``placed`` with its context-parallel group (``cp`` > 1; else as it is): replica ``r`` runs chunk
+    ``r % cp`` of data-parallel replica ``r // cp``'s sequences, so a group is ``cp`` consecutive
+    replicas at one pipeline and tensor-parallel position (``view(dp, cp, pp, tp)`` of the ranks)."""
+    if plan.cp == 1:
+        return placed
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = torch.arange(plan.world_size).view(plan.dp, plan.cp, plan.n_ranks, plan.tp)
+    mesh = DeviceMesh(device.type, ranks, mesh_dim_names=("data", "cp", "pp", "tp"))
+    return replace(placed, cp_rank=placed.replica % plan.cp, cp_mesh=mesh["cp"])
 
 
 def _with_experts(plan: Plan, placed: RankMesh, device: torch.device) -> RankMesh:
@@ -158,15 +182,15 @@ def _mesh_3d(plan: Plan, rank: int, device: torch.device) -> RankMesh:
     from torch.distributed.device_mesh import init_device_mesh
 
     if plan.pp_outer:  # an expert-parallel plan: the mesh's dimensions in the order of the ranks
-        mesh = init_device_mesh(device.type, (plan.n_ranks, plan.dp, plan.tp), mesh_dim_names=("pp", "dp", "tp"))
+        mesh = init_device_mesh(device.type, (plan.n_ranks, plan.replicas, plan.tp), mesh_dim_names=("pp", "dp", "tp"))
     else:
-        mesh = init_device_mesh(device.type, (plan.dp, plan.n_ranks, plan.tp), mesh_dim_names=("dp", "pp", "tp"))
+        mesh = init_device_mesh(device.type, (plan.replicas, plan.n_ranks, plan.tp), mesh_dim_names=("dp", "pp", "tp"))
     # One group per replica for the gradient norm: every rank creates every group, in the same
     # order (``new_group`` is collective over the world).
     replica_group = None
-    for replica in range(plan.dp):
+    for replica in range(plan.replicas):
         ranks = [plan.global_rank(replica, p, t) for p in range(plan.n_ranks) for t in range(plan.tp)]
-        group = dist.new_group(ranks) if plan.dp > 1 else dist.group.WORLD
+        group = dist.new_group(ranks) if plan.replicas > 1 else dist.group.WORLD
         if replica == plan.replica_of(rank):
             replica_group = group
     placed = RankMesh(
@@ -174,13 +198,13 @@ def _mesh_3d(plan: Plan, rank: int, device: torch.device) -> RankMesh:
         pp_rank=plan.pp_rank_of(rank),
         replica=plan.replica_of(rank),
         pp_group=mesh["pp"].get_group(),
-        dp_group=mesh["dp"].get_group() if plan.dp > 1 else None,
-        dp_mesh=mesh["dp"] if plan.dp > 1 else None,
+        dp_group=mesh["dp"].get_group() if plan.replicas > 1 else None,
+        dp_mesh=mesh["dp"] if plan.replicas > 1 else None,
         tp_rank=plan.tp_rank_of(rank),
         tp_mesh=mesh["tp"],
         replica_group=replica_group,
     )
-    return _with_experts(plan, placed, device) if plan.ep > 1 else placed
+    return _with_experts(plan, placed, device) if plan.ep > 1 else _with_context(plan, placed, device)
 
 
 def _mesh_hsdp(plan: Plan, rank: int, device: torch.device) -> RankMesh:
@@ -286,7 +310,7 @@ def joined_group(plan: Plan, request: RunRequest) -> Iterator[tuple[RankMesh, to
     if world != plan.world_size:
         raise PlannerError(
             f"{world} processes joined the run but the plan has {plan.world_size} ranks "
-            f"({plan.dp} replica(s) x {plan.n_ranks} x {plan.tp} tensor-parallel); start world_size / nnodes processes on every node"
+            f"({plan.replicas} replica(s) x {plan.n_ranks} x {plan.tp} tensor-parallel); start world_size / nnodes processes on every node"
         )
     torch.set_num_threads(threads_per_rank(plan))
     backend = plan.profile.backend

@@ -26,6 +26,7 @@ from planner.capture.load import bind_inputs, default_loss, forward_parameters, 
 from planner.capture.stage import stage_inputs
 from planner.core.step.schedules import placement
 from planner.errors import PlannerError
+from planner.run.context_shard import sequence_chunk
 from planner.run.gradients import clip_to_global_norm
 from planner.run.loop import MicrobatchFn, ReduceFn
 from planner.run.mesh import RankMesh, rank_mesh
@@ -86,7 +87,7 @@ class Pipeline:
             mesh.norm_group
             if mesh.norm_group is not None
             else dist.group.WORLD
-            if plan.dp_mode == "fsdp" and plan.dp > 1
+            if plan.dp_mode == "fsdp" and plan.replicas > 1
             else mesh.replica_group
             if plan.tp > 1
             else mesh.pp_group
@@ -153,7 +154,7 @@ class Pipeline:
             return losses
         t = torch.stack([loss.detach() for loss in losses])
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.mesh.dp_group)
-        return list(t / self.plan.dp)
+        return list(t / self.plan.replicas)
 
     def _first_stage_args(self, inputs: Any) -> tuple:
         """The first stage's positional tensor inputs on the device (nothing on other ranks)."""
@@ -168,7 +169,7 @@ class Pipeline:
                     f"step() was given {x.shape[0]} rows; each of the plan's {self.replicas} replica(s) reads "
                     f"{self.batch_size} per step (--batch-size {self.plan.batch_size}): give each replica its rows"
                 )
-        return tuple(x.to(self.device) for x in args)
+        return tuple(x.to(self.device) for x in sequence_chunk(args, self.mesh.cp_rank, self.plan.cp))
 
     def evaluate(self, inputs: Any, target: torch.Tensor | None = None) -> torch.Tensor | None:
         """The loss of one batch, forward only (every rank calls it), the stages in eval mode meanwhile
@@ -217,7 +218,10 @@ class Pipeline:
         run = partial(self.schedule.step, return_outputs=False) if training else self.schedule.eval
         if self.is_last and target is None:
             raise PlannerError(f"rank {self.mesh.rank} holds the last stage: give it the batch's target")
-        target = target.to(self.device) if self.is_last and target is not None else None
+        if self.is_last and target is not None:  # under context parallelism, the rank's chunk of the sequence
+            target = sequence_chunk(target, self.mesh.cp_rank, self.plan.cp, "target").to(self.device)
+        else:
+            target = None
         mb_losses: list[torch.Tensor] = []
         # one copy of each weight in the plan's autocast dtype for the step's every microbatch and pass
         # (training only: autocast caches a cast made under no_grad too, without its autograd link)
@@ -356,7 +360,7 @@ def _joined(plan: Plan, device: torch.device, timeout_s: float) -> int:
     world = dist.get_world_size()
     if world != plan.world_size:
         raise PlannerError(
-            f"{world} processes joined but the plan has {plan.world_size} ranks ({plan.dp} replica(s) x "
+            f"{world} processes joined but the plan has {plan.world_size} ranks ({plan.replicas} replica(s) x "
             f"{plan.n_ranks} pipeline rank(s) x {plan.tp} tensor-parallel); start the script with "
             f"`torchrun --nproc-per-node {plan.world_size}` (or re-plan with --gpus {world})"
         )

@@ -17,6 +17,7 @@ import torch
 from planner.capture.blocks import GraphTrace, TracedModel
 from planner.capture.checkpoint import CheckpointedStage, checkpointed_stage, stage_units
 from planner.capture.clock import BlockClock
+from planner.capture.contract import sequence_length
 from planner.capture.graph import buffers_restored, retarget_devices
 from planner.capture.shapes import shapes_or_real
 from planner.capture.stage import stage_inputs, stage_module, trace_root
@@ -27,6 +28,13 @@ from planner.core.step.schedules import ZERO_BUBBLE, placement
 from planner.errors import PlanFileError, PlannerError
 from planner.run.boundary import boundary_scatter, sent_examples
 from planner.run.checkpoint import model_names
+from planner.run.context_shard import (
+    around_sharded,
+    boundary_chunks,
+    chunk_flagged,
+    chunk_weighted_loss,
+)
+from planner.run.context_shard import install as install_context
 from planner.run.experts import dispatch_experts, expert_shards, shard_experts_over_groups
 from planner.run.gradients import grad_finisher
 from planner.run.mesh import RankMesh
@@ -105,6 +113,7 @@ class _CutStage:
     example_in: tuple
     example_out: tuple
     clock: BlockClock | None
+    chunks: tuple[list[bool], list[bool]] = ([], [])
 
 
 def build_stages(
@@ -154,7 +163,9 @@ def build_stages(
     # With several passes per step (gradient accumulation) torch's PipelineStage would all-reduce at
     # the end of every pass: averaged by ``finish`` too, once per step, after the last pass.
     manual = (
-        plan.dp > 1 and plan.dp_mode == "ddp" and (plan.schedule in ZERO_BUBBLE or plan.tp > 1 or plan.accumulation > 1)
+        plan.replicas > 1
+        and plan.dp_mode == "ddp"
+        and (plan.schedule in ZERO_BUBBLE or plan.tp > 1 or plan.accumulation > 1)
     )
     modules: list[torch.nn.Module] = []
     stages: list[Any] = []
@@ -167,12 +178,7 @@ def build_stages(
         if plan.ep > 1:  # the examples were made above, on the whole experts
             held = dispatch_experts(plan, stage.plan, stage.built, traced, mesh)
             experts.extend(held)
-        if plan.tp > 1:  # every example was made above, on the unsharded trace
-            units = stage_units(stage.built)  # a chain's units are named as the unsplit model names them
-            if plan.sequence_parallel:  # its hooks first: before torch's styles and FSDP's
-                _split_sequence(stage, units, shardable, sequence, plan, mesh)
-            for part in units:
-                shard_stage(part, mesh.tp_mesh, plan.tp_plan, sequence=plan.sequence_parallel)
+        _split_inside(plan, stage, mesh, shardable, sequence)
         submod = _replicated(plan, stage, mesh, device, seen, manual=manual, experts=held)
         for local_name, t in [*stage.built.named_parameters(remove_duplicate=False), *stage.built.named_buffers()]:
             for alias in names.get(local_name, []):
@@ -200,7 +206,9 @@ def build_stages(
         params=params,
         optimizer=optimizer,
         stages=stages,
-        schedule=_schedule(plan, source.loss_fn, stages, device),
+        schedule=_schedule(
+            plan, chunk_weighted_loss(source.loss_fn, mesh.cp_mesh) if plan.cp > 1 else source.loss_fn, stages, device
+        ),
         finish_grads=finish,
         counted=counted,
         tensors=tensors,
@@ -239,11 +247,14 @@ def _cut_stages(
             example_in, example_out = _example_io(
                 traced, stage_plan.start, shown, example, device, sharded_param_dtype(plan)
             )
+        chunks: tuple[list[bool], list[bool]] = ([], [])
+        if plan.cp > 1:  # a rank's chunk of the sequence crosses (its first, for the shapes)
+            example_in, example_out, chunks = _context_examples(plan, shardable, example, example_in, example_out)
         # under tensor parallelism, what crosses to another pipeline rank crosses as 1/tp pieces
         group = mesh.tp_mesh.get_group() if mesh.tp_mesh is not None else None
         module.scatter = boundary_scatter(plan, stage_plan, example_in, example_out, group, mesh.tp_rank)
         example_in, example_out = sent_examples(module.scatter, example_in, example_out)
-        cut.append(_CutStage(stage_plan, built, inner, module, example_in, example_out, clock))
+        cut.append(_CutStage(stage_plan, built, inner, module, example_in, example_out, clock, chunks))
     return cut
 
 
@@ -295,6 +306,45 @@ def _split_sequence(
         if style in COLUMN_STYLES
     ]
     install_sequence(stage.built, units, columns, mesh.tp_mesh, [name in sequence for name in names])
+
+
+def _split_inside(
+    plan: Plan, stage: _CutStage, mesh: RankMesh, shardable: TracedModel, sequence: frozenset[str]
+) -> None:
+    """What splits a stage inside its pipeline rank, before FSDP or DDP wrap it: context parallelism's
+    hooks (``planner.run.context_shard``), sequence parallelism's, then torch's tensor-parallel
+    styles (every example was made before, on the unsharded trace), and context parallelism's
+    unwrapping around the layers they sharded."""
+    units = stage_units(stage.built)  # a chain's units are named as the unsplit model names them
+    context = install_context(stage.built, units, mesh.cp_mesh, stage.chunks) if plan.cp > 1 else None
+    if plan.tp == 1:
+        return
+    if plan.sequence_parallel:  # its hooks first: before torch's styles and FSDP's
+        _split_sequence(stage, units, shardable, sequence, plan, mesh)
+    for part in units:
+        shard_stage(part, mesh.tp_mesh, plan.tp_plan, sequence=plan.sequence_parallel)
+    if context is not None:
+        around_sharded(context, [unit.get_submodule(name) for unit in units for name in tp_styles(unit, plan.tp_plan)])
+
+
+def _context_examples(
+    plan: Plan, traced: TracedModel, example: tuple, example_in: tuple, example_out: tuple
+) -> tuple[tuple, tuple, tuple[list[bool], list[bool]]]:
+    """A stage's examples as one context-parallel rank receives and sends them (its sequence chunks
+    cut), and which of them are chunks (``boundary_chunks``).
+
+    Raises:
+        PlanFileError: the model was traced by module boundaries (context parallelism follows a graph).
+        ModelFileError: the inputs have no sequence that splits into ``cp`` chunks.
+    """
+    if not isinstance(traced, GraphTrace):
+        raise PlanFileError(
+            "the plan splits sequences over context-parallel ranks, but this model traces by module boundaries "
+            "only; re-plan without --cp"
+        )
+    length = sequence_length(example, plan.cp)
+    ins, outs = boundary_chunks(example_in, length), boundary_chunks(example_out, length)
+    return chunk_flagged(example_in, ins, plan.cp), chunk_flagged(example_out, outs, plan.cp), (ins, outs)
 
 
 def stage_unit_fsdp(plan: Plan) -> bool:
@@ -382,7 +432,7 @@ def _replicated(
     submod: torch.nn.Module = module
     own = {id(p) for module in experts for p in module.parameters()}
     ignored = shared + [p for p in trainable if id(p) in own and id(p) not in seen]
-    if plan.dp > 1 and plan.dp_mode == "ddp" and not manual and len(ignored) < len(trainable):
+    if plan.replicas > 1 and plan.dp_mode == "ddp" and not manual and len(ignored) < len(trainable):
         if ignored:  # a tied parameter another DDP of this rank already reduces, or an expert
             local = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
             ddp_ignore(module, [local[id(p)] for p in ignored])

@@ -59,7 +59,8 @@ def model_stream(mf: ModelFile, plan: Plan, mesh: RankMesh, skip: int) -> Iterat
     """
     for k, (inputs, target) in enumerate(mf.train_batches(plan.batch_size, seed=plan.model.seed)):
         if k >= skip:
-            yield replica_rows(inputs, mesh.replica, plan.dp), replica_rows(target, mesh.replica, plan.dp)
+            rows = mesh.data_replica(plan)  # a context-parallel rank reads its replica's rows whole
+            yield replica_rows(inputs, rows, plan.dp), replica_rows(target, rows, plan.dp)
 
 
 def text_stream(plan: Plan, request: RunRequest, mf: ModelFile, mesh: RankMesh, vocab_size: int) -> Any:
@@ -91,7 +92,7 @@ def text_stream(plan: Plan, request: RunRequest, mf: ModelFile, mesh: RankMesh, 
         example=example,
         vocab_size=vocab_size,
         global_rows=plan.batch_size,
-        replica=mesh.replica,
+        replica=mesh.data_replica(plan),
         replicas=plan.dp,
         tokenizer=request.tokenizer,
         eval_fraction=request.eval_fraction,

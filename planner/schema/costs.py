@@ -477,6 +477,11 @@ class BlockCost(BaseModel):
     is_layer: bool = Field(
         description="One of the model's repeated layers (child of a ModuleList/Sequential/ModuleDict)."
     )
+    kv_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="Bytes of the keys and values its attention reads per microbatch (context parallelism gathers them).",
+    )
     tp: TensorParallelShare | None = Field(
         default=None,
         description="How the block divides under tensor parallelism (None: nothing in it is split; it runs whole "

@@ -47,7 +47,9 @@ class Plan(_Frozen):
     (``stages``, ``StagePlan.rank``, memory, block costs) is one tensor-parallel rank of one replica,
     the same on every replica; each replica reads its own ``replica_batch_size`` samples per step in
     ``accumulation`` passes of ``n_microbatches`` microbatches of ``microbatch_size``. With ``tp`` 1 this is
-    the 2-D (dp, pp) mesh.
+    the 2-D (dp, pp) mesh. Context parallelism (``cp`` > 1) makes each data-parallel replica ``cp``
+    consecutive mesh replicas (``replicas = dp x cp`` take the place of ``dp`` above), each holding
+    the replica's rows and its own chunk of their sequences; its figures per stage are one such rank's.
     """
 
     version: int = PLAN_VERSION
@@ -105,6 +107,15 @@ class Plan(_Frozen):
         ge=1,
         description="Tensor-parallel ranks every pipeline rank is split over (1: none). Each stage module is "
         "sharded by tp_plan with torch's parallelize_module on its tp ranks, which sit on one node.",
+    )
+    cp: int = Field(
+        default=1,
+        ge=1,
+        description="Context-parallel ranks (1: none): every sequence split along dimension 1 of the model's "
+        "inputs and target into cp chunks, one per rank, which hold the same stages and attend over the whole "
+        "sequence by gathering its keys and values (planner.run.context_shard). The cp ranks of a replica are "
+        "cp consecutive replicas of the mesh (replicas = dp x cp): their gradients are averaged with the "
+        "replicas' (under fsdp the stages are sharded over all dp x cp ranks, as torchtitan's dp_shard_cp).",
     )
     tp_plan: dict[str, str] = Field(
         default_factory=dict,
@@ -210,22 +221,29 @@ class Plan(_Frozen):
         return self.batch_size // self.dp
 
     @property
+    def replicas(self) -> int:
+        """The mesh's replicas, the ranks holding the same stages: ``dp x cp`` (a context-parallel
+        replica's ``cp`` ranks each run its rows' own chunk of the sequence). Replica ``r`` reads the rows
+        of data-parallel replica ``r // cp`` and chunk ``r % cp`` of their sequences."""
+        return self.dp * self.cp
+
+    @property
     def shard_size(self) -> int:
         """Replicas a stage's parameters, gradients and optimizer state are sharded over: 1 under ddp,
-        ``dp`` under fsdp, ``dp_shard`` under hsdp."""
+        ``replicas`` under fsdp, ``dp_shard`` under hsdp."""
         if self.dp_mode == "hsdp" and self.dp_shard is not None:
             return self.dp_shard
-        return self.dp if self.dp_mode == "fsdp" else 1
+        return self.replicas if self.dp_mode == "fsdp" else 1
 
     @property
     def sharded(self) -> bool:
         """Whether the replicas shard their stages with FSDP2's ``fully_shard`` (fsdp or hsdp)."""
-        return self.dp > 1 and self.dp_mode in ("fsdp", "hsdp")
+        return self.replicas > 1 and self.dp_mode in ("fsdp", "hsdp")
 
     @property
     def world_size(self) -> int:
-        """Processes in all: ``dp * n_ranks * tp``."""
-        return self.n_ranks * self.dp * self.tp
+        """Processes in all: ``dp * cp * n_ranks * tp``."""
+        return self.n_ranks * self.replicas * self.tp
 
     @property
     def ep_replicas(self) -> int:
@@ -245,7 +263,7 @@ class Plan(_Frozen):
         (``pp_outer``) ``(pp_rank * dp + replica) * tp + tp_rank``.
 
         Args:
-            replica: the data-parallel index, 0 .. dp - 1.
+            replica: the mesh replica, 0 .. replicas - 1 (``dp x cp``).
             pp_rank: the pipeline rank, 0 .. n_ranks - 1.
             tp_rank: the tensor-parallel index, 0 .. tp - 1.
 
@@ -255,17 +273,17 @@ class Plan(_Frozen):
         Raises:
             ValueError: any index is out of range.
         """
-        if not 0 <= replica < self.dp or not 0 <= pp_rank < self.n_ranks or not 0 <= tp_rank < self.tp:
+        if not 0 <= replica < self.replicas or not 0 <= pp_rank < self.n_ranks or not 0 <= tp_rank < self.tp:
             raise ValueError(
                 f"replica {replica}, pipeline rank {pp_rank}, tensor-parallel rank {tp_rank} is outside the plan's "
-                f"{self.dp} x {self.n_ranks} x {self.tp} mesh"
+                f"{self.replicas} x {self.n_ranks} x {self.tp} mesh"
             )
         if self.pp_outer:
-            return (pp_rank * self.dp + replica) * self.tp + tp_rank
+            return (pp_rank * self.replicas + replica) * self.tp + tp_rank
         return (replica * self.n_ranks + pp_rank) * self.tp + tp_rank
 
     def replica_of(self, global_rank: int) -> int:
-        """The replica (data-parallel index) a global rank belongs to.
+        """The mesh replica (``0 .. dp x cp - 1``) a global rank belongs to.
 
         Args:
             global_rank: a rank in ``0 .. world_size - 1``.
@@ -296,7 +314,7 @@ class Plan(_Frozen):
         if not 0 <= global_rank < self.world_size:
             raise ValueError(f"rank {global_rank} is outside the plan's {self.world_size} ranks")
         if self.pp_outer:
-            pp_rank, replica = divmod(global_rank // self.tp, self.dp)
+            pp_rank, replica = divmod(global_rank // self.tp, self.replicas)
             return replica, pp_rank
         return divmod(global_rank // self.tp, self.n_ranks)
 
@@ -345,8 +363,10 @@ class Plan(_Frozen):
             raise ValueError(
                 f"batch_size {self.batch_size} is not divisible by {split}n_microbatches {self.n_microbatches}"
             )
-        if self.dp == 1 and self.dp_mode != "ddp":
+        if self.replicas == 1 and self.dp_mode != "ddp":
             raise ValueError(f"dp_mode is {self.dp_mode} with one replica; a plan of one replica records ddp")
+        if self.cp > 1:
+            self._check_context()
         if self.fsdp_units != "stage" and self.dp_mode == "ddp":
             raise ValueError(f"fsdp_units is {self.fsdp_units} under ddp; only fsdp and hsdp shard per block")
         if (self.dp_mode == "hsdp") != (self.dp_shard is not None):
@@ -398,6 +418,18 @@ class Plan(_Frozen):
             if unknown:
                 raise ValueError(f"tied parameter {tie.names[0]} names block(s) {unknown} that the plan does not have")
         return self
+
+    def _check_context(self) -> None:
+        """What context parallelism does not combine with yet: expert parallelism, HSDP, sequence
+        parallelism and ``compile`` (``planner.run.context_shard`` runs eagerly on DTensors)."""
+        for flag, what in (
+            (self.ep > 1, f"ep {self.ep}"),
+            (self.dp_mode == "hsdp", "dp_mode hsdp"),
+            (self.sequence_parallel, "sequence_parallel"),
+            (self.compile, "compile"),
+        ):
+            if flag:
+                raise ValueError(f"cp {self.cp} with {what}: context parallelism does not combine with it yet")
 
     def _check_experts(self) -> None:
         """An expert-parallel plan's experts, tensor-parallel ranks and replicas: ``ep`` divides the

@@ -189,6 +189,7 @@ class PlanRequest(_Request):
         "fsdp_units": "--fsdp-units",
         "tp": "--tp",
         "ep": "--ep",
+        "cp": "--cp",
         "moe_imbalance": "--moe-imbalance",
         "size": "--size",
         "overrides": "--set",
@@ -257,6 +258,13 @@ class PlanRequest(_Request):
         description="Expert-parallel ranks: each mixture-of-experts layer's experts sharded over this many data-"
         "parallel replicas, the tokens routed to them sent there and back (1: none), or auto: every degree that "
         "divides the experts, searched with the other dimensions where expert parallelism runs.",
+    )
+    cp: int = Field(
+        default=1,
+        ge=1,
+        le=2**20,
+        description="Context-parallel ranks: every sequence split into this many chunks along the model inputs' "
+        "dimension 1, one per rank, attention gathering the others' keys and values (1: none).",
     )
     moe_imbalance: Annotated[float, Field(ge=1, le=1000, allow_inf_nan=False)] | Literal["auto"] = Field(
         default="auto",
@@ -484,9 +492,32 @@ class PlanRequest(_Request):
                 "every replica are --dp-mode fsdp)"
             )
 
+    def _check_context(self) -> None:
+        """Refuse a context-parallel degree that does not divide the ranks, or with what it does not run
+        with yet (the sequence's length is checked once the model is loaded)."""
+        if self.cp == 1:
+            return
+        if self.gpus % self.cp:
+            raise ValueError(f"--cp {self.cp} does not divide --gpus {self.gpus}")
+        tp = self.tp if isinstance(self.tp, int) else 1
+        if isinstance(self.dp, int) and self.gpus % (self.dp * tp * self.cp):
+            raise ValueError(
+                f"--dp {self.dp} x --tp {tp} x --cp {self.cp} does not divide --gpus {self.gpus} (the ranks form dp "
+                "replicas x cp context-parallel ranks x pp pipeline ranks x tp tensor-parallel ranks)"
+            )
+        for blocked, what, instead in (
+            (self.ep not in (1, "auto"), f"--ep {self.ep}", "--ep 1"),
+            (self.dp_mode == "hsdp", "--dp-mode hsdp", "--dp-mode fsdp or ddp"),
+            (self.sequence_parallel is True, "--sequence-parallel", "--no-sequence-parallel"),
+            (self.compile, "--compile", "no --compile"),
+        ):
+            if blocked:
+                raise ValueError(f"--cp {self.cp}: context parallelism does not run with {what} yet; give {instead}")
+
     def _check_replicas(self) -> None:
         """Refuse a replica count that does not divide the ranks or the batch (before any model is built)."""
         self._check_tensor_parallel()
+        self._check_context()
         if self.dp == "auto":
             return
         if self.gpus % self.dp:
@@ -512,12 +543,12 @@ class PlanRequest(_Request):
                 f"--fsdp-units {self.fsdp_units} shards with FSDP, but --dp-mode is ddp (every replica holds its "
                 "stages whole); use --dp-mode fsdp, hsdp or auto, or leave --fsdp-units out"
             )
-        if self.fsdp_units != "auto" and self.dp == 1:  # else the option would be dropped without a word
+        if self.fsdp_units != "auto" and self.dp == 1 and self.cp == 1:  # else it would be dropped without a word
             raise ValueError(
                 f"--fsdp-units {self.fsdp_units} shards with FSDP over replicas, but --dp is 1 (one pipeline on every "
                 "rank, nothing to shard); give --dp 2 or more (or auto), or leave --fsdp-units out"
             )
-        if self.dp_mode in ("fsdp", "hsdp") and self.dp == 1:  # as --fsdp-units: said, not dropped
+        if self.dp_mode in ("fsdp", "hsdp") and self.dp == 1 and self.cp == 1:  # as --fsdp-units: said, not dropped
             raise ValueError(
                 f"--dp-mode {self.dp_mode} shards over replicas, but --dp is 1 (one pipeline on every rank, nothing "
                 "to shard); give --dp 2 or more (or auto), or leave --dp-mode out"
@@ -617,7 +648,7 @@ class PlanRequest(_Request):
     @property
     def profile_pp(self) -> int:
         """Pipeline ranks of one replica at ``profile_dp`` replicas: ``--gpus / (profile_dp x profile_tp)``."""
-        return max(1, self.gpus // (self.profile_dp * self.profile_tp))
+        return max(1, self.gpus // (self.profile_dp * self.profile_tp * self.cp))
 
     @property
     def tp_options(self) -> list[int]:
@@ -640,13 +671,14 @@ class PlanRequest(_Request):
         if isinstance(self.dp, int):
             return [self.dp]
         # k must divide both the ranks and batch / m: the divisors of their gcd (batch <= 1e9: fast)
-        return divisors(math.gcd(self.gpus, self.batch_size // ((self.microbatches or 1) * self.passes)))
+        ranks = self.gpus // self.cp  # every replica is cp context-parallel ranks
+        return divisors(math.gcd(ranks, self.batch_size // ((self.microbatches or 1) * self.passes)))
 
     @property
     def min_pipeline_ranks(self) -> int:
         """The fewest pipeline ranks any mesh tried has: ``--gpus`` / (the largest of ``dp_options`` x a given
         ``--tp``); with ``--tp auto`` the model may have no tensor-parallel plan, so degree 1 counts."""
-        return max(1, self.gpus // (max(self.dp_options) * self.profile_tp))
+        return max(1, self.gpus // (max(self.dp_options) * self.profile_tp * self.cp))
 
     @property
     def ranks_per_node(self) -> int:

@@ -48,7 +48,7 @@ class Choice:
             schedule=layout.schedule,  # type: ignore[arg-type]  # a member of SCHEDULES
             n_microbatches=layout.n_microbatches,
             stages_per_rank=layout.stages_per_rank,
-            dp=layout.dp,
+            dp=layout.data_replicas,
             dp_mode=layout.dp_mode,  # type: ignore[arg-type]  # "ddp", "fsdp" or "hsdp"
             dp_shard=layout.dp_shard or None,
             fsdp_units=layout.fsdp_units,  # type: ignore[arg-type]  # "stage" or "block"

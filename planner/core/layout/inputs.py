@@ -75,6 +75,10 @@ class Layout:
         sequence: with ``tp`` > 1, sequence parallelism (``planner.core.levers.tensor_parallel.at_degree``).
         ep: expert-parallel ranks: each experts module sharded over this many replicas
             (``planner.core.levers.experts.at_degree``).
+        cp: context-parallel ranks: each data-parallel replica's sequences split over ``cp`` of the
+            ``dp`` replicas above, which then count ``dp / cp`` data-parallel replicas (``dp`` is every
+            rank holding a stage's weights, what reduces and shards them;
+            ``planner.core.levers.context_parallel``).
     """
 
     schedule: str
@@ -90,10 +94,21 @@ class Layout:
     gather_bytes: int = 0
     sequence: bool = False
     ep: int = 1
+    cp: int = 1
+
+    @property
+    def data_replicas(self) -> int:
+        """Data-parallel replicas, each reading its own rows: ``dp / cp``."""
+        return self.dp // self.cp
 
     def microbatch_size(self, batch_size: int) -> int:
         """Samples per microbatch of ``batch_size`` under this layout (its replicas, passes and microbatches)."""
-        return batch_size // (self.dp * self.accumulation * self.n_microbatches)
+        return batch_size // (self.data_replicas * self.accumulation * self.n_microbatches)
+
+    def rank_share(self, batch_size: int) -> float:
+        """What one rank computes per microbatch, in whole sequences: the microbatch's samples, each
+        1 / ``cp`` of its sequence under context parallelism (what the block costs are scaled to)."""
+        return batch_size / (self.dp * self.accumulation * self.n_microbatches)
 
     @property
     def n_stages(self) -> int:
@@ -193,6 +208,7 @@ class SearchSpace:
             experts' counts, ``planner.core.assemble``): above 1 only with replica counts they divide,
             DDP replicas, tp 1 and the schedules with a whole backward (the search keeps to them,
             ``planner.core.levers.experts.layout_refusal``).
+        cp: context-parallel ranks each data-parallel replica's sequences split over (``--cp``).
     """
 
     batch_size: int
@@ -208,6 +224,7 @@ class SearchSpace:
     gather_bytes: int = 0
     sequence: tuple[bool, ...] = (False,)
     eps: tuple[int, ...] = (1,)
+    cp: int = 1
 
 
 NO_CONSTRAINTS = Constraints()
@@ -283,8 +300,12 @@ def asked_of(request: PlanRequest, memory_limit_bytes: int | None) -> Asked:
         None if request.accumulation == "auto" else request.accumulation,
         request.fsdp_units,
         None if request.dp_shard == "auto" else request.dp_shard,
-        sequence=(False, True) if request.sequence_parallel == "auto" else (bool(request.sequence_parallel),),
+        # sequence parallelism does not run with context parallelism yet (auto leaves it out)
+        sequence=(False, True)
+        if request.sequence_parallel == "auto" and request.cp == 1
+        else (request.sequence_parallel is True,),
         eps=(ep,) if isinstance(request.ep, int) else (),
+        cp=request.cp,
     )
     return Asked(
         world_size=request.gpus,

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from planner.core.layout.bounds import BlockTotals, FsdpFloor, block_totals, floors, fsdp_traffic
 from planner.core.layout.candidate import Choice, evaluate_modes
 from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
+from planner.core.levers.context_parallel import at_context, context_link
 from planner.core.levers.data_parallel import tp_link
 from planner.core.levers.experts import at_degree as experts_at
 from planner.core.levers.experts import group_link
@@ -71,7 +72,7 @@ def pending_layout(
     space: SearchSpace,
     scaling: Scaling,
     constraints: Constraints,
-    cache: dict[tuple[int, int, bool, int], Sized],
+    cache: dict[tuple[float, int, bool, int, int], Sized],
 ) -> Pending:
     """``layout`` with its costs at its microbatch size (kept in ``cache``) and its floors.
 
@@ -82,16 +83,20 @@ def pending_layout(
         space: the batch.
         scaling: how the costs carry over to other microbatch sizes.
         constraints: the optimizer, the memory limit and the recompute policy.
-        cache: the costs by microbatch size, degree, sequence split and expert degree, added to.
+        cache: the costs by a rank's share of a microbatch, degree, sequence split, expert and
+            context-parallel degree, added to.
 
     Returns:
         The pending layout.
     """
-    size = space.batch_size // (layout.dp * layout.accumulation * layout.n_microbatches)
-    key = (size, layout.tp, layout.sequence, layout.ep)
+    size = layout.rank_share(space.batch_size)
+    key = (size, layout.tp, layout.sequence, layout.ep, layout.cp)
     if key not in cache:
         sized = blocks_at(blocks, scaling.size0, size, scaling.fixed_fraction)
         shares = at_degree(sized, layout.tp, tp_link(cluster.link), sequence=layout.sequence)
+        if layout.cp > 1:  # a context-parallel group: consecutive replicas
+            link = context_link(cluster.link, layout.pp, layout.dp, layout.tp, layout.cp)
+            shares = at_context(shares, layout.cp, layout.tp, link)
         if layout.ep > 1:  # an expert group's ranks are consecutive: an expert-parallel layout is pipeline-outermost
             shares = experts_at(
                 shares, layout.ep, *group_link(cluster.link, layout.ep), tp=layout.tp, tp_link=tp_link(cluster.link)

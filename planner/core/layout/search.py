@@ -148,7 +148,7 @@ def _pending_layouts(
     space: SearchSpace,
     constraints: Constraints,
     scaling: Scaling,
-    cache: dict[tuple[int, int, bool, int], Sized],
+    cache: dict[tuple[float, int, bool, int, int], Sized],
 ) -> tuple[list[Pending], list[InfeasibleError]]:
     """Every layout of ``space`` with its costs and floors, tensor-parallel degrees outermost, then
     replica counts (ascending: the simpler first), in ``_layouts``' order within them; ``cache``
@@ -157,16 +157,17 @@ def _pending_layouts(
     errors: list[InfeasibleError] = []
     floor = min(scaling.min_size, scaling.size0)
     fixed_k = space.accumulation if space.accumulation is not None else 1
-    for tp, dp, ep in _meshes(cluster, space):
+    for tp, rows, ep in _meshes(cluster, space):
         # a mesh expert parallelism cannot run is no layout (HSDP's groups are checked below, once sized)
-        if layout_refusal(ep, dp=dp, tp=tp, dp_mode=space.dp_mode):
+        if layout_refusal(ep, dp=rows, tp=tp, dp_mode=space.dp_mode):
             continue
+        dp = rows * space.cp  # the mesh's replicas: each data-parallel replica's context-parallel ranks
         pp = cluster.world_size // (dp * tp)
-        ms = replica_microbatches(space.batch_size // fixed_k, dp, space.n_microbatches, floor)
+        ms = replica_microbatches(space.batch_size // fixed_k, rows, space.n_microbatches, floor)
         if not ms:
             errors.append(
                 InfeasibleError(
-                    f"--dp {dp}: the batch of {space.batch_size} does not split into {dp} replicas of microbatches "
+                    f"--dp {rows}: the batch of {space.batch_size} does not split into {rows} replicas of microbatches "
                     f"of at least {floor} sample(s) (the smallest the model ran when profiled)"
                 )
             )
@@ -188,7 +189,7 @@ def _pending_layouts(
             dp_shard = 0  # "auto": FSDP or DDP only
         for sequence in space.sequence if tp > 1 and ep == 1 else (False,):  # not yet with ep
             for layout in _layouts(blocks, replace(space, dp_mode=mode), pp, dp, ms, tp, ep):
-                layout = replace(layout, dp_shard=dp_shard, sequence=sequence, accumulation=fixed_k)
+                layout = replace(layout, dp_shard=dp_shard, sequence=sequence, accumulation=fixed_k, cp=space.cp)
                 pending.append(pending_layout(blocks, cluster, layout, space, scaling, constraints, cache))
     return pending, errors
 
@@ -212,7 +213,7 @@ def accumulation_options(layout: Layout, space: SearchSpace, min_size: int) -> l
     """
     if space.accumulation is not None or layout.pp == 1 or layout.accumulation != 1:
         return []
-    m, replica = layout.n_microbatches, space.batch_size // layout.dp
+    m, replica = layout.n_microbatches, space.batch_size // layout.data_replicas
     if space.n_microbatches is None:
         return [replace(layout, n_microbatches=m // k, accumulation=k) for k in divisors(m)[1:] if m // k >= layout.pp]
     return [
@@ -250,7 +251,7 @@ def _evaluate_all(
     results taken in the same order: the same outcome, sooner on several cores."""
     # costs by microbatch size, degree and sequence split, shared with the layouts retried in several
     # passes below: with the microbatch count open they run their one-pass layout's microbatches
-    cache: dict[tuple[int, int, bool, int], Sized] = {}
+    cache: dict[tuple[float, int, bool, int, int], Sized] = {}
     pending, errors = _pending_layouts(blocks, cluster, space, constraints, scaling, cache)
     order = sorted(range(len(pending)), key=lambda k: (pending[k].step_floor_s, k))
     limit = constraints.memory_limit_bytes
@@ -315,14 +316,15 @@ def _evaluate_all(
 
 
 def _meshes(cluster: Cluster, space: SearchSpace) -> list[tuple[int, int, int]]:
-    """The (tensor-parallel degree, replica count, expert-parallel degree) whose ranks divide the
-    world size, ep 1 first (which of them expert parallelism runs on: ``_pending_layouts``)."""
+    """The (tensor-parallel degree, data-parallel replica count, expert-parallel degree) whose ranks
+    (with ``space.cp`` context-parallel ranks per replica) divide the world size, ep 1 first (which of
+    them expert parallelism runs on: ``_pending_layouts``)."""
     return [
         (tp, dp, ep)
         for ep in space.eps
         for tp in space.degrees
         for dp in space.replicas
-        if cluster.world_size % (tp * dp) == 0
+        if cluster.world_size % (tp * dp * space.cp) == 0
     ]
 
 
@@ -408,7 +410,7 @@ def describe(layout: Layout) -> str:
     """A layout in one phrase: "1f1b, pp=8, m=64, k=2 passes, dp=8 (fsdp), tp=8" (what is 1 left out)."""
     text = f"{layout.schedule}, pp={layout.pp}, m={layout.n_microbatches}" + _passes(layout)
     text += f", {layout.stages_per_rank} stages per rank" if layout.stages_per_rank > 1 else ""
-    text += f", dp={layout.dp} ({dp_label(layout)})" if layout.dp > 1 else ""
+    text += f", dp={layout.data_replicas} ({dp_label(layout)})" if layout.dp > 1 else ""
     return text + _tp_text(layout)
 
 
@@ -416,6 +418,7 @@ def _tp_text(layout: Layout) -> str:
     """ ", tp=8" or ", tp=8 with sequence parallelism", or ", ep=8": a layout's tensor and expert
     parallelism, where over 1."""
     ep = f", ep={layout.ep}" if layout.ep > 1 else ""
+    ep += f", cp={layout.cp}" if layout.cp > 1 else ""
     if layout.tp == 1:
         return ep
     return ep + f", tp={layout.tp}" + (" with sequence parallelism" if layout.sequence else "")
@@ -479,7 +482,7 @@ def _rank(results: Sequence[Choice], errors: Sequence[InfeasibleError]) -> tuple
         if results:
             least = min(results, key=lambda c: c.prediction.max_memory_bytes)
             lay = least.layout
-            replicas = f", dp={lay.dp} ({dp_label(lay)})" if lay.dp > 1 else ""
+            replicas = f", dp={lay.data_replicas} ({dp_label(lay)})" if lay.dp > 1 else ""
             raise InfeasibleError(
                 f"no schedule, microbatch count and split fits the memory limit: the least needs "
                 f"{least.prediction.max_memory_bytes / 2**30:.2f} GiB per rank ({lay.schedule}, "
@@ -507,7 +510,7 @@ def _passes(layout: Layout) -> str:
 def _replicas_text(c: Choice) -> str:
     """ ", dp=2 (ddp)": a candidate's replicas (and its tensor-parallel degree, when over 1), for the
     line on why the choice won."""
-    return f", dp={c.layout.dp} ({dp_label(c.layout)})" + _tp_text(c.layout)
+    return f", dp={c.layout.data_replicas} ({dp_label(c.layout)})" + _tp_text(c.layout)
 
 
 def _why(

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from planner.schema.costs import BlockCost, ExpertShare, SequenceShare, TensorParallelShare
 
 
-def blocks_at(blocks: Sequence[BlockCost], size0: int, size: int, fixed_fraction: float) -> list[BlockCost]:
+def blocks_at(blocks: Sequence[BlockCost], size0: int, size: float, fixed_fraction: float) -> list[BlockCost]:
     """The block costs profiled at microbatch size ``size0``, rescaled to microbatch size ``size``.
 
     Times follow ``t(size) = t(size0) * (f + (1 - f) * size / size0)`` with ``f = fixed_fraction``;
@@ -22,7 +22,8 @@ def blocks_at(blocks: Sequence[BlockCost], size0: int, size: int, fixed_fraction
     Args:
         blocks: per-block costs at ``size0``.
         size0: the microbatch size they were profiled at.
-        size: the microbatch size wanted.
+        size: the microbatch size wanted (a fraction of samples: a context-parallel rank's share,
+            ``planner.core.layout.inputs.Layout.rank_share``).
         fixed_fraction: the share of a microbatch's time that does not scale with its size (0..1).
 
     Returns:
@@ -58,6 +59,7 @@ def blocks_at(blocks: Sequence[BlockCost], size0: int, size: int, fixed_fraction
                     "cut_bytes": round(b.cut_bytes * r),
                     "cut_kept_bytes": None if b.cut_kept_bytes is None else round(b.cut_kept_bytes * r),
                     "output_bytes": round(b.output_bytes * r),
+                    "kv_bytes": round(b.kv_bytes * r),
                     "tp": None if b.tp is None else _share_at(b.tp, r),
                     "experts": None if b.experts is None else _experts_at(b.experts, r, t),
                 }

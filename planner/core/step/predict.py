@@ -177,7 +177,7 @@ def plan_links(plan: Plan) -> LinkCost:
         inter=plan.inter_node_link,
         gpus_per_node=plan.gpus_per_node,
         n_ranks=plan.n_ranks,
-        replicas=plan.dp,
+        replicas=plan.replicas,
         tp=plan.tp,
         pp_outer=plan.pp_outer,
     )
@@ -356,7 +356,7 @@ def plan_layout(plan: Plan) -> Layout:
         plan.n_ranks,
         plan.n_microbatches,
         plan.stages_per_rank,
-        plan.dp,
+        plan.replicas,
         plan.dp_mode,
         plan.tp,
         plan.accumulation,
@@ -365,6 +365,7 @@ def plan_layout(plan: Plan) -> Layout:
         gather_bytes_of(plan.profile),
         plan.sequence_parallel,
         ep=plan.ep,
+        cp=plan.cp,
     )
 
 
@@ -427,7 +428,7 @@ def simulate_plan(plan: Plan) -> SimResult:
     Raises:
         InfeasibleError: the plan's schedule cannot run its numbers (a hand-edited file).
     """
-    slots = replica_slots(slots_of(plan.profile), plan.dp * plan.tp)
+    slots = replica_slots(slots_of(plan.profile), plan.replicas * plan.tp)
     times = stage_times(plan.stages, plan.link.cpu_share)
     return simulate(times, plan.schedule, plan.n_microbatches, slots, plan.stages_per_rank)
 

@@ -1,0 +1,403 @@
+"""Context parallelism inside a stage: each sequence split along dimension 1 over the context-parallel
+ranks, attention over the whole sequence by gathering its keys and values.
+
+Long-context training splits every sequence over ``cp`` ranks (Megatron-Core's
+``--context-parallel-size``, torch's ``context_parallel`` in torchtitan; the Llama 3 run's long-context
+stage with cp 16). Each rank holds the same stages (weights whole) and runs its own chunk of every
+sequence through them: everything that acts token by token (embeddings, linear layers, norms,
+residual adds, the loss) runs on the chunk alone; attention, the one operator that mixes positions,
+needs every position's keys and values. Here they are all-gathered (the Llama 3 run's choice, cheap
+with grouped-query attention's few key/value heads), and each rank's queries attend to them under the
+causal mask of their own positions; in backward the keys' and values' gradients are
+reduce-scattered back to the ranks that made them.
+
+It runs on any traced stage without knowing its code, with torch's DTensors over the rank's
+context-parallel mesh:
+
+* the stage's inputs (the sequence chunks it receives) enter as DTensors sharded along dimension 1
+  (``Shard(1)``): a view or transpose of one keeps its sequence sharding, and a position table the
+  model slices by the sequence's length (rotary embeddings) is sliced at the global length and cut to
+  this rank's positions when it meets the chunk, so positions follow the chunks without the model
+  being told;
+* ``Context`` wraps every plain tensor of a call that also reads such a DTensor (a weight, a buffer)
+  as a replicated DTensor whose gradient is this rank's own part (``grad_placements=[Partial()]``):
+  the chunks' weight gradients are not summed here; the replicas' averaging (DDP or FSDP over the
+  ``dp x cp`` replicas, ``planner.schema.plan.Plan.replicas``) adds them, which with every rank's
+  loss the mean over its equal chunk gives the gradient of the mean over the whole sequence;
+* ``scaled_dot_product_attention`` on sequence-sharded queries is replaced by the gathered
+  attention above, exact for ``is_causal`` and for a mask the model passes (its rows cut to the
+  rank's queries);
+* the stage's outputs leave as this rank's chunk (a plain tensor again), what the next stage, or
+  the loss with the target's chunk, reads; the loss is weighted by the positions the chunk counts
+  (``chunk_weighted_loss``: a padded sequence's chunks count different numbers).
+
+Where tensor parallelism splits the stage too, its sharded layers see plain tensors (their own
+DTensors are on the tensor-parallel mesh): ``around_sharded`` unwraps a layer's input and wraps its
+output again around torch's own hooks. Which values crossing a pipeline boundary are chunks is a rule on
+their shapes (``boundary_chunks``), the sender's and the receiver's alike. ``planner.core.levers.context_parallel`` charges the same gathers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from planner.capture.contract import SEQUENCE_DIM
+from planner.errors import PlannerError
+from planner.torch_compat import pytree
+
+_HEAD_SEQUENCE_DIM = 2  # [batch, heads, seq, head_dim]: attention's queries, keys and values
+_SDPA = inspect.signature(
+    lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False: None
+)
+
+
+def sequence_chunk(value: Any, rank: int, cp: int, what: str = "input") -> Any:
+    """This context-parallel rank's chunk of a batch's sequences: every tensor of two or more
+    dimensions cut along dimension 1 into ``cp`` equal chunks, the ``rank``-th kept (tuples, lists
+    and dicts of them followed; a tensor of one dimension, a per-sample value, kept whole).
+
+    Args:
+        value: a batch's inputs or target (this replica's rows).
+        rank: the chunk, 0 .. cp - 1.
+        cp: the plan's context-parallel ranks.
+        what: what ``value`` is, for the error.
+
+    Returns:
+        The same structure holding the chunks.
+
+    Raises:
+        PlannerError: a sequence does not split into ``cp`` equal chunks.
+    """
+    if cp == 1:
+        return value
+    if isinstance(value, torch.Tensor):
+        if value.dim() < 2:
+            return value
+        length = value.shape[SEQUENCE_DIM]
+        if length % cp:
+            raise PlannerError(
+                f"the {what}'s sequence has {length} positions, which do not split into cp {cp} equal chunks; "
+                f"use a sequence length divisible by {cp}"
+            )
+        n = length // cp
+        return value.narrow(SEQUENCE_DIM, rank * n, n).contiguous()
+    if isinstance(value, (tuple, list)):
+        return type(value)(sequence_chunk(v, rank, cp, what) for v in value)
+    if isinstance(value, dict):
+        return {k: sequence_chunk(v, rank, cp, what) for k, v in value.items()}
+    return value
+
+
+def boundary_chunks(values: Sequence[Any], length: int) -> list[bool]:
+    """Which values crossing a pipeline boundary (or entering the first stage) cross as sequence
+    chunks: the tensors of two or more dimensions whose dimension 1 is the sequence's ``length``.
+    The others cross whole: a causal mask ``[batch, 1, seq, seq]``, a per-sample value.
+
+    Either way each rank receives the same global tensor (DTensor semantics): a chunk is wrapped as
+    ``Shard(1)`` of it, a whole value is used as it is; the rule only has to be the sender's and the
+    receiver's alike, which a rule on the example's shapes is.
+
+    Args:
+        values: the boundary's example values, whole.
+        length: the sequence's length (the model inputs' dimension 1).
+
+    Returns:
+        One flag per value.
+    """
+    return [isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[SEQUENCE_DIM] == length for v in values]
+
+
+def chunk_flagged(values: tuple, flags: Sequence[bool], cp: int) -> tuple:
+    """``values`` with the flagged ones cut to the first of ``cp`` chunks of their sequence (the
+    shapes a stage's ``PipelineStage`` sizes its buffers by)."""
+    return tuple(sequence_chunk(v, 0, cp) if f else v for v, f in zip(values, flags, strict=True))
+
+
+IGNORE_INDEX = -100  # the target value torch's cross_entropy and transformers' losses leave out
+
+
+def chunk_weighted_loss(loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], mesh: Any) -> Callable[..., torch.Tensor]:
+    """The model's loss on a rank's chunk, weighted so that the context-parallel ranks' mean is the
+    whole sequence's loss.
+
+    A loss is a mean over the positions it counts; the chunks of a padded sequence count different
+    numbers of them (padding sits at the end), and the mean of their means is not the sequence's. So
+    each chunk's loss is scaled by its counted positions (targets other than ``IGNORE_INDEX``) over
+    the group's mean count, one all-reduce of a count per microbatch (a chunk that counts none
+    contributes 0). Unpadded sequences count alike: every weight is 1.
+
+    Args:
+        loss_fn: the model's ``loss_fn(output, target)``.
+        mesh: the rank's context-parallel mesh.
+
+    Returns:
+        ``loss_fn`` weighted.
+    """
+    import torch.distributed as dist
+
+    def weighted(output: Any, target: torch.Tensor) -> torch.Tensor:
+        counted = (target != IGNORE_INDEX).sum().to(torch.float64) if not target.is_floating_point() else None
+        if counted is None:  # a regression target counts every position
+            return loss_fn(output, target)
+        total = counted.clone()
+        dist.all_reduce(total, group=mesh.get_group())
+        if counted.item() == 0:  # its mean would be 0 / 0
+            first = next(t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor))
+            return first.sum() * 0.0
+        return loss_fn(output, target) * float(counted.item() * mesh.size() / total.item())
+
+    return weighted
+
+
+def _is_chunked(x: Any, mesh: Any) -> bool:
+    """Whether ``x`` is a DTensor on the context-parallel mesh."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor) and x.device_mesh is mesh
+
+
+class Context(TorchFunctionMode):
+    """A stage's forward on sequence chunks: plain tensors meeting a chunked DTensor become replicated
+    ones, attention on chunked queries gathers the keys and values (see the module docstring).
+
+    Args:
+        mesh: the rank's 1-D context-parallel mesh.
+    """
+
+    def __init__(self, mesh: Any) -> None:
+        super().__init__()
+        self.mesh = mesh
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        kwargs = kwargs or {}
+        if func in _ATTENTION and args and _is_chunked(args[0], self.mesh):
+            return self._attention(*args, **kwargs)
+        leaves = pytree.tree_leaves((args, kwargs))
+        if any(_is_chunked(a, self.mesh) for a in leaves) and any(
+            isinstance(a, torch.Tensor) and not isinstance(a, DTensor) for a in leaves
+        ):
+
+            def wrap(a: Any) -> Any:
+                if isinstance(a, torch.Tensor) and not isinstance(a, DTensor):
+                    return DTensor.from_local(a, self.mesh, [Replicate()], run_check=False, grad_placements=[Partial()])
+                return a
+
+            args, kwargs = pytree.tree_map(wrap, (args, kwargs))
+        return func(*args, **kwargs)
+
+    def _attention(self, *args: Any, **kwargs: Any) -> Any:
+        """Scaled dot-product attention of this rank's queries over every position's keys and values."""
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+        bound = _SDPA.bind(*args, **kwargs)
+        bound.apply_defaults()
+        q, k, v = bound.arguments["query"], bound.arguments["key"], bound.arguments["value"]
+        if any(not _is_chunked(t, self.mesh) or t.placements != (Shard(_HEAD_SEQUENCE_DIM),) for t in (q, k, v)):
+            raise PlannerError(
+                "context parallelism needs attention's queries, keys and values split along the sequence "
+                f"([batch, heads, seq, head_dim]); this model's are placed {[getattr(t, 'placements', None) for t in (q, k, v)]}"
+            )
+
+        def whole(t: Any) -> torch.Tensor:
+            # every position's keys (or values), their gradient reduce-scattered back in backward
+            return _DenseGrad.apply(
+                t.contiguous().redistribute(self.mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+            )
+
+        local_q = _DenseGrad.apply(q.contiguous().to_local())
+        n, length = local_q.shape[_HEAD_SEQUENCE_DIM], q.shape[_HEAD_SEQUENCE_DIM]
+        first = self.mesh.get_local_rank() * n
+        mask = bound.arguments["attn_mask"]
+        if isinstance(mask, DTensor):
+            mask = mask.redistribute(self.mesh, [Replicate()]).to_local()
+        if mask is not None and mask.shape[-2] != 1:
+            mask = mask.narrow(-2, first, n)  # the rows of this rank's queries
+        if bound.arguments["is_causal"]:
+            if mask is not None:
+                raise PlannerError("scaled_dot_product_attention was given both a mask and is_causal")
+            seen = torch.arange(length, device=local_q.device)
+            mask = seen[None, :] <= (first + torch.arange(n, device=local_q.device))[:, None]
+        out = F.scaled_dot_product_attention(
+            local_q,
+            whole(k),
+            whole(v),
+            attn_mask=mask,
+            dropout_p=bound.arguments["dropout_p"],
+            is_causal=False,
+            scale=bound.arguments["scale"],
+            enable_gqa=bound.arguments["enable_gqa"],
+        )
+        return DTensor.from_local(out, self.mesh, [Shard(_HEAD_SEQUENCE_DIM)], run_check=False)
+
+
+class _DenseGrad(torch.autograd.Function):
+    """The identity, whose gradient leaves contiguous: a DTensor made from a local gradient takes the
+    global strides of a contiguous tensor, and attention's backward may return its gradients in another
+    layout, which a later ``view`` of the DTensor's local part then cannot follow."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+_ATTENTION = frozenset({F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default})
+
+
+class ContextSplit:
+    """One stage's context parallelism: installed by ``install``, the hooks share this state.
+
+    Args:
+        mesh: the rank's 1-D context-parallel mesh.
+        chunks_in: for each positional input of the stage, whether it is a sequence chunk
+            (``boundary_chunks``); the others arrive whole.
+        chunks_out: the same for each of its outputs (leaving as this rank's chunk, or whole).
+    """
+
+    def __init__(self, mesh: Any, chunks_in: Sequence[bool], chunks_out: Sequence[bool]) -> None:
+        self.mesh = mesh
+        self.chunks_in = list(chunks_in)
+        self.chunks_out = list(chunks_out)
+        self.depth = 0  # units nest (a chain of units, a checkpoint region): one mode at a time
+        self.mode: Context | None = None
+        self.layer_chunked: dict[int, bool] = {}  # a tensor-parallel layer running: was its input a chunk
+
+    def enter(self, *_: Any) -> None:
+        if self.depth == 0:
+            self.mode = Context(self.mesh)
+            self.mode.__enter__()
+        self.depth += 1
+
+    def leave(self, *_: Any) -> None:
+        if self.depth == 0:  # a hook before ``enter`` raised: nothing was entered
+            return
+        self.depth -= 1
+        if self.depth == 0 and self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.mode = None
+
+    def stage_in(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The stage's inputs, its sequence chunks as DTensors (the mode entered)."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        while self.depth:  # whatever an earlier failed forward left
+            self.leave()
+        self.enter()
+
+        def chunk(x: Any, flag: bool) -> Any:
+            if flag and isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+                return DTensor.from_local(x, self.mesh, [Shard(SEQUENCE_DIM)], run_check=False)
+            return x
+
+        flags = self.chunks_in + [False] * (len(args) - len(self.chunks_in))
+        return tuple(chunk(x, f) for x, f in zip(args, flags, strict=False))
+
+    def stage_out(self, module: nn.Module, args: Any, output: Any) -> Any:
+        """The stage's outputs as plain tensors: its sequence chunks as this rank's chunk, the rest whole."""
+        self.leave()
+        if isinstance(output, tuple):
+            flags = self.chunks_out + [False] * (len(output) - len(self.chunks_out))
+            return tuple(self._leaving(t, f) for t, f in zip(output, flags, strict=False))
+        return self._leaving(output, bool(self.chunks_out and self.chunks_out[0]))
+
+    def _leaving(self, t: Any, chunk: bool) -> Any:
+        from torch.distributed.tensor import Replicate
+
+        if _is_chunked(t, self.mesh):
+            return self.local_chunk(t) if chunk else t.redistribute(self.mesh, [Replicate()]).to_local()
+        if chunk and isinstance(t, torch.Tensor):  # made from positions alone: this rank's positions
+            return sequence_chunk(t, self.mesh.get_local_rank(), self.mesh.size(), "stage boundary")
+        return t
+
+    def local_chunk(self, t: Any) -> Any:
+        """A DTensor of the mesh as this rank's chunk of its dimension 1 (a plain tensor)."""
+        from torch.distributed.tensor import Shard
+
+        return t.contiguous().redistribute(self.mesh, [Shard(SEQUENCE_DIM)]).to_local()
+
+    def layer_in(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """A tensor-parallel layer's input as this rank's plain chunk (torch's hooks wrap it on their own mesh)."""
+        chunked = bool(args) and _is_chunked(args[0], self.mesh)
+        self.layer_chunked[id(module)] = chunked
+        return (self.local_chunk(args[0]), *args[1:]) if chunked else args
+
+    def layer_out(self, module: nn.Module, args: Any, output: Any) -> Any:
+        """A tensor-parallel layer's output as a chunk of the sequence again, where its input was one."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        if not self.layer_chunked.pop(id(module), False):
+            return output
+
+        def chunk(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.dim() >= 2:
+                return DTensor.from_local(x, self.mesh, [Shard(SEQUENCE_DIM)], run_check=False)
+            return x
+
+        return pytree.tree_map(chunk, output)
+
+
+def install(
+    stage: nn.Module, units: Sequence[nn.Module], mesh: Any, chunks: tuple[Sequence[bool], Sequence[bool]]
+) -> ContextSplit:
+    """Install context parallelism on a stage.
+
+    Call before FSDP or DDP wrap anything: FSDP's hooks (registered later, its pre-forward hooks
+    prepended) then run outside the mode. Where tensor parallelism shards layers of the stage, call
+    ``around_sharded`` after it has.
+
+    Args:
+        stage: the stage module (its inputs and outputs cross pipeline boundaries).
+        units: the modules it runs one after another (``stage_units``): each runs under the mode,
+            also when a recomputation re-runs it in backward.
+        mesh: the rank's context-parallel mesh.
+        chunks: which of the stage's positional inputs, and which of its outputs, are sequence
+            chunks (``boundary_chunks``).
+
+    Returns:
+        The shared state (held by the hooks).
+    """
+    split = ContextSplit(mesh, *chunks)
+    stage.register_forward_pre_hook(split.stage_in)
+    stage.register_forward_hook(split.stage_out, always_call=True)
+    for unit in units:
+        if unit is not stage:
+            unit.register_forward_pre_hook(split.enter)
+            unit.register_forward_hook(split.leave, always_call=True)
+    return split
+
+
+def around_sharded(split: ContextSplit, layers: Sequence[nn.Module]) -> None:
+    """Let tensor-parallel layers (already sharded by torch's styles) see plain chunks: the input
+    unwrapped before torch's input hook, the output wrapped again after its output hook.
+
+    Args:
+        split: the stage's context parallelism (``install``).
+        layers: its tensor-parallel layers.
+    """
+    for layer in layers:
+        layer.register_forward_pre_hook(split.layer_in, prepend=True)
+        layer.register_forward_hook(split.layer_out)
+
+
+__all__ = [
+    "Context",
+    "ContextSplit",
+    "around_sharded",
+    "boundary_chunks",
+    "chunk_flagged",
+    "chunk_weighted_loss",
+    "install",
+    "sequence_chunk",
+]

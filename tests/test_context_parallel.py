@@ -1,0 +1,141 @@
+"""Tiers 1 and 2: context parallelism (``--cp``) as the planner costs and plans it: the exchange of keys
+and values charged per attention block, the mesh's replicas, what the request refuses in one line.
+The runner's equality with the unsplit model: tests/test_run_cp.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from planner.core.levers.context_parallel import at_context, context_link
+from planner.core.levers.links import NodeLinks
+from planner.core.levers.microbatch import blocks_at
+from planner.core.levers.tensor_parallel import allgather_s
+from planner.errors import PlannerError
+from planner.schema.costs import BlockCost, LinkCost
+from planner.schema.request import PlanRequest
+
+ROOT = Path(__file__).resolve().parents[1]
+LINK = LinkCost(name="test", latency_s=1e-3, bandwidth_Bps=1e9)
+
+
+def _block(kv_bytes: int) -> BlockCost:
+    return BlockCost(
+        name="attn",
+        first_node="a",
+        last_node="b",
+        fwd_s=0.010,
+        bwd_s=0.020,
+        bwd_input_s=0.012,
+        bwd_weight_s=0.008,
+        recompute_s=0.010,
+        selective_bytes=1000,
+        params=10,
+        param_bytes=40,
+        activation_bytes=5000,
+        cut_bytes=100,
+        cut_tensors=1,
+        cut_legal=True,
+        is_layer=True,
+        kv_bytes=kv_bytes,
+    )
+
+
+def test_a_context_parallel_rank_pays_the_gather_and_holds_the_gathered_keys_and_values() -> None:
+    # 2,000 bytes of keys and values at the rank's share; tp 2: its heads' 1,000; cp 4 gathers 4,000:
+    # a ring of 3 / 4 of them and ceil(log2 4) = 2 latencies, forward (and again when recomputed); the
+    # reduce-scatter of their gradients in the input gradient's pass; 3 other ranks' chunks saved
+    block = _block(2000)
+    (got,) = at_context([block], cp=4, tp=2, link=LINK)
+    move = 2 * 1e-3 + 0.75 * 4000 / 1e9
+    assert got.fwd_s == pytest.approx(0.010 + move, rel=1e-12)
+    assert got.bwd_s == pytest.approx(0.020 + move, rel=1e-12)
+    assert got.bwd_input_s == pytest.approx(0.012 + move, rel=1e-12)
+    assert got.bwd_weight_s == block.bwd_weight_s
+    assert got.recompute_s == pytest.approx(0.010 + move, rel=1e-12)
+    assert got.activation_bytes == 5000 + 3000 and got.selective_bytes == 1000 + 3000
+    assert allgather_s(4000, 4, LINK) == pytest.approx(move, rel=1e-12)
+
+
+def test_blocks_without_attention_or_cp_1_are_left_alone() -> None:
+    dense = _block(0)
+    assert at_context([dense], cp=8, tp=1, link=LINK)[0] is dense
+    attn = _block(2000)
+    assert at_context([attn], cp=1, tp=1, link=LINK)[0] is attn
+
+
+def test_the_keys_and_values_follow_a_ranks_share_of_the_microbatch() -> None:
+    # cp 4: a rank computes a quarter of every sequence, a quarter of its keys and values
+    (got,) = blocks_at([_block(4000)], 8, 8 / 4, 0.0)
+    assert got.kv_bytes == 1000 and got.fwd_s == pytest.approx(0.0025)
+
+
+def test_a_context_parallel_group_crosses_nodes_once_its_replicas_do() -> None:
+    intra = LinkCost(name="nvlink", latency_s=1e-6, bandwidth_Bps=300e9)
+    inter = LinkCost(name="ib", latency_s=1e-5, bandwidth_Bps=25e9)
+    node = NodeLinks(**intra.model_dump(), inter=inter, gpus_per_node=8, n_ranks=1, replicas=1, tp=1)
+    # tp 8 fills a node: the group's replicas sit on different nodes (the Llama 3 long-context layout)
+    assert context_link(node, 16, 128, 8, 16).name != intra.name
+    # pp 1, tp 2: 4 replicas of one pipeline rank on one node
+    assert context_link(node, 1, 4, 2, 4).name == intra.name
+    assert context_link(LINK, 2, 4, 1, 2) is LINK
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"cp": 3}, r"^--cp 3 does not divide --gpus 4$"),
+        ({"dp": 2, "tp": 1, "gpus": 4, "cp": 4}, r"--dp 2 x --tp 1 x --cp 4 does not divide --gpus 4"),
+        ({"ep": 2, "dp": 2, "gpus": 8}, r"--cp 2: context parallelism does not run with --ep 2 yet; give --ep 1"),
+        (
+            {"gpus": 8, "dp": 4, "dp_mode": "hsdp", "dp_shard": 2},
+            r"--cp 2: context parallelism does not run with --dp-mode hsdp yet",
+        ),
+        ({"tp": 2, "sequence_parallel": True}, r"does not run with --sequence-parallel yet; give --no-sequence"),
+        ({"compile": True}, r"--cp 2: context parallelism does not run with --compile yet"),
+    ],
+)
+def test_the_request_refuses_what_cp_does_not_run_with(options: dict, message: str) -> None:
+    values = {"model_file": ROOT / "models" / "llama.py", "gpus": 4, "cp": 2, **options}
+    with pytest.raises(PlannerError, match=message):
+        PlanRequest.build(**values)
+
+
+def _plan(tmp_path: Path, **options: object):  # type: ignore[no-untyped-def]
+    from planner.api import make_plan
+
+    values = {"model_file": ROOT / "models" / "llama.py", "size": "tiny", "gpus": 4, "batch_size": 8}
+    return make_plan(PlanRequest.build(**{**values, "output": tmp_path / "p.json", "progress": False, **options}))
+
+
+def test_planner_plan_cp_splits_the_sequence_over_replicas(tmp_path: Path) -> None:
+    # estimated for H100s: the costs are deterministic, the attention blocks' keys and values known;
+    # beside it the same pipeline of 2 ranks without context parallelism, its microbatches of 4 whole rows
+    options = {"gpu_type": "h100", "dp": 1, "tp": 1, "schedule": "1f1b", "recompute": "never", "microbatches": 2}
+    whole = _plan(tmp_path, **{**options, "gpus": 2})
+    plan = _plan(tmp_path, **options, cp=2)
+    assert (plan.dp, plan.cp, plan.replicas, plan.n_ranks, plan.world_size) == (1, 2, 2, 2, 4)
+    assert plan.microbatch_size == whole.microbatch_size == 4  # a replica's rows, whole sequences
+    # the tiny Llama: 4 layers, each attention reading keys and values of 2 kv heads x 16 dims x 32 positions
+    assert sorted(b.kv_bytes for b in whole.blocks if b.kv_bytes) == [4 * 2 * 16 * 32 * 2 * 2] * 4  # 4 rows, bf16
+    for b, w in zip(plan.blocks, whole.blocks, strict=True):
+        # a rank's share: 4 rows of half the sequence, what 2 whole rows cost (the estimate's law is linear
+        # here), and the exchange of keys and values where there is attention
+        assert b.kv_bytes == w.kv_bytes // 2 and b.cut_bytes == w.cut_bytes // 2
+        if w.kv_bytes:
+            assert b.fwd_s > w.fwd_s / 2 and b.activation_bytes > w.activation_bytes / 2
+        else:
+            own, was = b.activation_bytes - b.weight_cast_bytes, w.activation_bytes - w.weight_cast_bytes
+            assert b.fwd_s == pytest.approx(w.fwd_s / 2) and own == pytest.approx(was / 2, abs=1)  # casts: whole
+    assert "cp=2" in plan.choice and "dp=1" in plan.choice
+    from planner.report.tables import context_line, layout_line
+
+    assert "each sequence split into 2 chunks over 2 consecutive replicas (dp 1 x cp 2" in context_line(plan)
+    assert layout_line(plan).startswith("layout: 2 replicas x 2 stages (dp x pp) on 4 ranks")
+    assert context_line(whole) == ""
+
+
+def test_a_sequence_that_does_not_split_into_cp_chunks_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(PlannerError, match=r"^--cp 2: the sequence has 33 positions, which do not split into 2 equal"):
+        _plan(tmp_path, gpu_type="h100", cp=2, overrides={"seq_len": 33})

@@ -1,0 +1,65 @@
+"""Tier 3: context parallelism (``Plan.cp``), real gloo processes on CPU against the unsplit model:
+losses and global gradient norms (clipping on) equal within 1e-4, as tests/test_run_tp.py checks
+tensor parallelism."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from run_factory import MODELS, plan_with_starts  # noqa: E402
+from test_run_tp import _run_and_compare as compare_with_unsplit  # noqa: E402
+
+CP2: dict = dict(schedule="1f1b", n_microbatches=2, optimizer="sgd", lr=0.5, grad_clip=0.5)
+
+
+def _context(plan, cp: int = 2):  # type: ignore[no-untyped-def]
+    return plan.model_copy(update={"cp": cp})
+
+
+def _run_and_compare(plan, tmp_path: Path):  # type: ignore[no-untyped-def]
+    return compare_with_unsplit(plan, tmp_path, save_checkpoints=False)
+
+
+@pytest.mark.multiprocess
+def test_llama_cp2_pp2_matches_unsplit_model(tmp_path: Path) -> None:
+    # rotary positions follow the chunks: the cos / sin tables are sliced at the whole length
+    plan = _context(plan_with_starts(MODELS / "llama.py", [0, 3], **CP2))
+    assert plan.world_size == 4
+    got, want = _run_and_compare(plan, tmp_path)
+    print("llama cp2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+def test_hugging_face_llama_cp2_pp2_matches_unsplit_model(tmp_path: Path) -> None:
+    # a torch.export graph, its sizes baked in: DTensors keep the global shapes the graph was made for,
+    # and the positions transformers makes with arange (cache_position) are the whole sequence's
+    pytest.importorskip("transformers")
+    plan = _context(plan_with_starts(MODELS / "hf" / "llama.py", [0, 3], **CP2))
+    assert plan.model.trace_method == "export"
+    got, want = _run_and_compare(plan, tmp_path)
+    print("hf llama cp2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+def test_cp2_with_tp2_matches_unsplit_model(tmp_path: Path) -> None:
+    # each tensor-parallel rank gathers its own heads' keys and values over its context-parallel group
+    plan = _context(plan_with_starts(MODELS / "llama.py", [0], tp=2, **CP2))
+    assert plan.world_size == 4
+    got, want = _run_and_compare(plan, tmp_path)
+    print("llama cp2 tp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("dp_mode", "recompute"), [("fsdp", "full"), ("ddp", "stage")])
+def test_cp2_under_fsdp_and_recomputation_matches_unsplit_model(tmp_path: Path, dp_mode: str, recompute: str) -> None:
+    # FSDP shards over the two context-parallel ranks (torchtitan's dp_shard_cp); a checkpoint region
+    # re-runs its forward in backward, under the mode again
+    plan = plan_with_starts(MODELS / "llama.py", [0, 3], **CP2)
+    stages = [s.model_copy(update={"recompute": recompute}) for s in plan.stages]
+    plan = _context(plan.model_copy(update={"stages": stages, "dp_mode": dp_mode}))
+    got, want = _run_and_compare(plan, tmp_path)
+    print("llama cp2", dp_mode, recompute, got.losses, want.losses, got.grad_norms, want.grad_norms)
