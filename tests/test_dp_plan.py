@@ -846,5 +846,5 @@ def test_plan_command_dp_mistakes_are_one_line(args: list[str], message: str, tm
 def test_plan_help_explains_the_replicas() -> None:
     text = " ".join(CliRunner().invoke(main, ["plan", "--help"]).output.split())
     assert "--gpus INTEGER RANGE Total number of ranks (processes, one device each) = dp x cp x pp" in text
-    assert "--dp K|AUTO Data-parallel replicas of the pipeline" in text
+    assert "--dp K|AUTO Data-parallel replicas, or auto" in text
     assert "--dp-mode [auto|ddp|fsdp|hsdp] How the replicas reduce gradients" in text
