@@ -52,7 +52,7 @@ Sources:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 Convention = Literal["megatron96", "megatron72", "palm", "tokens"]
@@ -159,11 +159,17 @@ class Published:
     as_run: dict[str, Any] = field(default_factory=dict)  # what it ran with beyond ``request`` (recompute...)
     peak_gib: float | None = None  # the published peak memory per GPU
     assumed: str = ""  # what the source does not publish and the row assumes ("" : nothing)
+    cp: int = 1  # context-parallel ranks each sequence is split over
 
     @property
     def dp(self) -> int:
         """Data-parallel replicas."""
-        return self.gpus // (self.tp * self.pp)
+        return self.gpus // (self.tp * self.pp * self.cp)
+
+    @property
+    def degrees(self) -> str:
+        """The layout as the page's column shows it: "t x p x d", with "x cp c" where there is one."""
+        return f"{self.tp} x {self.pp} x {self.dp}" + (f" x cp {self.cp}" if self.cp > 1 else "")
 
     @property
     def tokens(self) -> int:
@@ -254,6 +260,7 @@ MEGATRON = [
 LLAMA_8B = Shape(32, 4096, 32, 8, 14336, 128256, 8192)
 LLAMA_70B = Shape(80, 8192, 64, 8, 28672, 128256, 8192)
 LLAMA_405B = Shape(126, 16384, 128, 8, 53248, 128256, 8192)
+LONG = 131072  # the Llama 3 long-context stage's sequence (Table 4: TP 8 x CP 16 x PP 16 x DP 8)
 
 H100_SXM = "H100 SXM 80 GB HBM3 at up to 700 W (Llama 3 paper 3.3.1): the shipped `h100`, its datasheet"
 GRAND_TETON = (
@@ -295,6 +302,31 @@ def _llama3() -> list[Published]:
             assumed="FLOP formula (PaLM's)",
         )
         for n, tf in ((8192, 430.0), (16384, 400.0))
+    ] + [
+        Published(
+            "llama3-long",
+            "Llama 3 paper, Table 4 (arXiv 2407.21783): the long-context stage",
+            "Llama 3 405B, 131,072 tokens",
+            "405b",
+            {"seq_len": LONG},
+            replace(LLAMA_405B, seq=LONG),
+            "h100",
+            H100_SXM,
+            16384,
+            8,
+            16,
+            128,  # 16 M tokens a batch
+            380.0,
+            "TFLOP/s",
+            "palm",
+            request={"dp_mode": "fsdp", "sequence_parallel": False},
+            as_run={"schedule": "interleaved-1f1b", "recompute": "never"},
+            assumed=(
+                "FLOP formula (PaLM's); no recomputation and the interleaved schedule, as section 3.3.2 gives "
+                "for pre-training; without sequence parallelism (the planner does not run it with cp yet)"
+            ),
+            cp=16,
+        )
     ]
 
 
@@ -488,7 +520,8 @@ NOT_COMPARED: list[tuple[str, str, str, str]] = [
         "torchtitan Tables 2 and 6, 8B / 405B with context parallelism",
         "benchmarks/llama3_h100_202412_torchtitan.md",
         "8B: 3,890 to 548 tokens/s per GPU at 32k to 262k tokens; 405B: 76 to 16",
-        "context parallelism and Float8: not modelled",
+        "Float8 linears: the planner models bf16 only (context parallelism it models: the Llama 3 long-context "
+        "row above)",
     ),
     (
         "Fernandez et al. 2024, FSDP against TP / PP on up to 2,048 H100",

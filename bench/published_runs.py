@@ -178,6 +178,7 @@ def _base(row: Published, tmp: Path) -> PlanRequest:
         batch_size=row.batch,
         tp=row.tp,
         dp=row.dp,
+        cp=row.cp,
         output=tmp / "plan.json",
         progress=False,
         recompute="auto",
@@ -220,8 +221,9 @@ def layout(plan: Plan) -> str:
     v = f", v {plan.stages_per_rank}" if plan.stages_per_rank > 1 else ""
     k = f", k {plan.accumulation}" if plan.accumulation > 1 else ""
     sp = ", sp" if plan.sequence_parallel else ""
+    cp = f" x cp {plan.cp}" if plan.cp > 1 else ""
     return (
-        f"t {plan.tp} x p {plan.n_ranks} x d {plan.dp} ({plan.dp_mode if plan.dp > 1 else '-'}{sp}), "
+        f"t {plan.tp} x p {plan.n_ranks} x d {plan.dp}{cp} ({plan.dp_mode if plan.replicas > 1 else '-'}{sp}), "
         f"{plan.schedule}, m {plan.n_microbatches}{v}{k}, {_recompute(plan)}"
     )
 
@@ -241,7 +243,7 @@ def headline_cells(o: Outcome) -> list[str]:
     convention, the as-run peak against the memory, and the same figures in the planner's count."""
     row, peak = o.row, peak_of(o.row)
     pub_s = published_step_s(row, peak)
-    cells = [row.key, row.model, f"{row.gpus:,} {row.gpu}", f"{row.tp} x {row.pp} x {row.dp}", f"{row.batch:,}"]
+    cells = [row.key, row.model, f"{row.gpus:,} {row.gpu}", row.degrees, f"{row.batch:,}"]
     cells += [f"{row.unit} ({row.convention})", _fmt(row, row.figure)]
     planner_pub: str = "—"
     for v in (o.within, o.as_run):

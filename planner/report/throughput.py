@@ -79,10 +79,12 @@ def throughput(plan: Plan, peak: float | None = None) -> Throughput:
     tokens_s = samples * tokens if tokens is not None else None
     per_gpu = tokens_s / plan.world_size if tokens_s is not None else None
     counted = [b.flops_fwd + b.flops_bwd for b in plan.blocks if b.flops_fwd is not None and b.flops_bwd is not None]
-    # the blocks are one microbatch of one replica: every replica runs accumulation passes of
-    # n_microbatches of them
+    # the blocks are one microbatch of one replica of the mesh (a context-parallel rank's share of the
+    # sequence): every replica runs accumulation passes of n_microbatches of them
     flops = (
-        sum(counted) * plan.n_microbatches * plan.accumulation * plan.dp if len(counted) == len(plan.blocks) else None
+        sum(counted) * plan.n_microbatches * plan.accumulation * plan.replicas
+        if len(counted) == len(plan.blocks)
+        else None
     )
     peak = peak if peak is not None else peak_flops(plan)
     mfu = busy = None
