@@ -116,7 +116,7 @@ layout_options = option_group(
     option("--dp", type=REPLICAS_OR_AUTO, default="1", help="Data-parallel replicas, or auto."),
     option("--tp", type=REPLICAS_OR_AUTO, **_AUTO, help="Tensor-parallel ranks per pipeline rank, or auto."),
     option("--ep", type=REPLICAS_OR_AUTO, default=1, help="Ranks MoE experts shard over, or auto."),
-    option("--cp", type=click.IntRange(min=1), metavar="K", default=1, help="Ranks each sequence is split over."),
+    option("--cp", type=REPLICAS_OR_AUTO, default=1, help="Ranks each sequence is split over, or auto."),
     option(
         "--sequence-parallel/--no-sequence-parallel",
         default=None,

@@ -84,6 +84,8 @@ def _search(base: PlanRequest, costs: Any, mf: Any, limit: int | None, timeout_s
     if timeout_s <= 0:
         return Variant(None, "not run", 0.0)
     update = {"tp": "auto", "dp": "auto", "recompute": "auto", "sequence_parallel": "auto", "dp_mode": "auto"}
+    if base.cp != 1:  # a long-context run: its context-parallel degree searched too (the others keep cp 1)
+        update["cp"] = "auto"
     ctx = multiprocessing.get_context("fork")  # the costs are inherited, not pickled
     receive, send = ctx.Pipe(duplex=False)
 
@@ -157,7 +159,8 @@ def _gap(base: PlanRequest, costs: Any, mf: Any, limit: int | None, choice: Plan
         asked = asked_of(api.with_step_temp_rule(request, costs.step_temp_rule), limit)
         return search_problem(asked, split.blocks, costs.link, costs.profile, costs.ties)
 
-    searched = base.model_copy(update={"tp": "auto", "dp": "auto", "recompute": "auto", "sequence_parallel": "auto"})
+    opened = {"tp": "auto", "dp": "auto", "recompute": "auto", "sequence_parallel": "auto"}
+    searched = base.model_copy(update=opened | ({"cp": "auto"} if base.cp != 1 else {}))
     try:  # each layout priced on its own request's problem (the published one's tensor-parallel shares are --tp's)
         gap = attribute_gap(problem_of(searched), plan_layout(choice), plan_layout(published), problem_of(base))
     except PlannerError as e:  # InfeasibleError is one: a layout these figures cannot run

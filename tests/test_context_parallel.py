@@ -139,3 +139,18 @@ def test_planner_plan_cp_splits_the_sequence_over_replicas(tmp_path: Path) -> No
 def test_a_sequence_that_does_not_split_into_cp_chunks_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(PlannerError, match=r"^--cp 2: the sequence has 33 positions, which do not split into 2 equal"):
         _plan(tmp_path, gpu_type="h100", cp=2, overrides={"seq_len": 33})
+
+
+def test_cp_auto_tries_the_degrees_that_divide_the_ranks_and_the_sequence(tmp_path: Path) -> None:
+    from planner.core.assemble import AUTO_CP_LIMIT, context_degrees
+    from planner.core.layout.inputs import asked_of
+
+    asked = asked_of(PlanRequest.build(model_file=ROOT / "models" / "llama.py", gpus=48, cp="auto"), None)
+    attention, dense = [_block(100)], [_block(0)]
+    assert context_degrees(attention, 48, 96, asked) == (1, 2, 3, 4, 6, 8, 12, 16, 24)  # divisors of 48 and 96
+    assert context_degrees(attention, 64, 8192, asked)[-1] == AUTO_CP_LIMIT == 32
+    assert context_degrees(dense, 48, 96, asked) == (1,)  # no attention a graph trace saw
+    assert context_degrees(attention, 48, None, asked) == (1,)  # no token ids: no sequence known
+    plan = _plan(tmp_path, gpu_type="h100", cp="auto", dp="auto")
+    assert "context-parallel degree" in plan.choice and plan.world_size == 4
+    assert PlanRequest.build(model_file=ROOT / "models" / "llama.py", gpus=6, cp="auto").cp == "auto"

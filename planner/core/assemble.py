@@ -322,7 +322,23 @@ def _search_space(
         gather_bytes=gather_bytes_of(profile),
         sequence=_sequence_options(asked, blocks),
         eps=asked.space.eps or expert_degrees(blocks, asked.world_size),
+        cps=asked.space.cps or context_degrees(blocks, asked.world_size, profile.tokens_per_sample, asked),
     )
+
+
+AUTO_CP_LIMIT = 32  # --cp auto's largest degree (Megatron-Core's and torchtitan's published runs use up to 32)
+
+
+def context_degrees(blocks: Sequence[BlockCost], world_size: int, tokens: int | None, asked: Asked) -> tuple[int, ...]:
+    """``--cp auto``'s degrees: 1, and where the model's attention reads keys and values a graph trace
+    saw (``BlockCost.kv_bytes``) and its samples are sequences of token ids, every degree up to
+    ``AUTO_CP_LIMIT`` that divides the ranks and the sequence; none above 1 compiled, with expert
+    parallelism or under HSDP (what context parallelism does not run with yet)."""
+    space = asked.space
+    blocked = asked.constraints.compiled or space.dp_mode == "hsdp" or any(e > 1 for e in space.eps)
+    if blocked or tokens is None or not any(b.kv_bytes for b in blocks):
+        return (1,)
+    return tuple(c for c in range(1, min(AUTO_CP_LIMIT, world_size) + 1) if world_size % c == 0 and tokens % c == 0)
 
 
 def _sequence_options(asked: Asked, blocks: Sequence[BlockCost]) -> tuple[bool, ...]:

@@ -163,7 +163,7 @@ def _traced(
         check_traced_forward(mf, traced, inputs, target)
     if isinstance(traced, ModuleTrace):
         stage_module(traced, 0, len(traced.blocks))  # every plan runs: refuse blocks that are no chain, saying why
-    if request.cp > 1:  # the runner follows the sequence's chunks through a graph
+    if isinstance(request.cp, int) and request.cp > 1:  # the runner follows the sequence's chunks through a graph
         sequence_length(stage_inputs(inputs), request.cp)
         if isinstance(traced, ModuleTrace):
             raise ModelFileError(

@@ -259,12 +259,11 @@ class PlanRequest(_Request):
         "parallel replicas, the tokens routed to them sent there and back (1: none), or auto: every degree that "
         "divides the experts, searched with the other dimensions where expert parallelism runs.",
     )
-    cp: int = Field(
+    cp: Annotated[int, Field(ge=1, le=2**20)] | Literal["auto"] = Field(
         default=1,
-        ge=1,
-        le=2**20,
         description="Context-parallel ranks: every sequence split into this many chunks along the model inputs' "
-        "dimension 1, one per rank, attention gathering the others' keys and values (1: none).",
+        "dimension 1, one per rank, attention gathering the others' keys and values (1: none), or auto: 1 and "
+        "every degree up to 32 that divides the ranks and the sequence, searched with the other dimensions.",
     )
     moe_imbalance: Annotated[float, Field(ge=1, le=1000, allow_inf_nan=False)] | Literal["auto"] = Field(
         default="auto",
@@ -495,7 +494,7 @@ class PlanRequest(_Request):
     def _check_context(self) -> None:
         """Refuse a context-parallel degree that does not divide the ranks, or with what it does not run
         with yet (the sequence's length is checked once the model is loaded)."""
-        if self.cp == 1:
+        if self.cp == 1 or self.cp == "auto":
             return
         if self.gpus % self.cp:
             raise ValueError(f"--cp {self.cp} does not divide --gpus {self.gpus}")
@@ -543,12 +542,12 @@ class PlanRequest(_Request):
                 f"--fsdp-units {self.fsdp_units} shards with FSDP, but --dp-mode is ddp (every replica holds its "
                 "stages whole); use --dp-mode fsdp, hsdp or auto, or leave --fsdp-units out"
             )
-        if self.fsdp_units != "auto" and self.dp == 1 and self.cp == 1:  # else it would be dropped without a word
+        if self.fsdp_units != "auto" and self.dp == 1 and self.profile_cp == 1:  # else it would be dropped unsaid
             raise ValueError(
                 f"--fsdp-units {self.fsdp_units} shards with FSDP over replicas, but --dp is 1 (one pipeline on every "
                 "rank, nothing to shard); give --dp 2 or more (or auto), or leave --fsdp-units out"
             )
-        if self.dp_mode in ("fsdp", "hsdp") and self.dp == 1 and self.cp == 1:  # as --fsdp-units: said, not dropped
+        if self.dp_mode in ("fsdp", "hsdp") and self.dp == 1 and self.profile_cp == 1:  # said, not dropped
             raise ValueError(
                 f"--dp-mode {self.dp_mode} shards over replicas, but --dp is 1 (one pipeline on every rank, nothing "
                 "to shard); give --dp 2 or more (or auto), or leave --dp-mode out"
@@ -648,7 +647,13 @@ class PlanRequest(_Request):
     @property
     def profile_pp(self) -> int:
         """Pipeline ranks of one replica at ``profile_dp`` replicas: ``--gpus / (profile_dp x profile_tp)``."""
-        return max(1, self.gpus // (self.profile_dp * self.profile_tp * self.cp))
+        return max(1, self.gpus // (self.profile_dp * self.profile_tp * self.profile_cp))
+
+    @property
+    def profile_cp(self) -> int:
+        """The context-parallel degree the replicas are counted with before the search: ``--cp`` when
+        given, 1 with ``--cp auto``."""
+        return self.cp if isinstance(self.cp, int) else 1
 
     @property
     def tp_options(self) -> list[int]:
@@ -671,14 +676,14 @@ class PlanRequest(_Request):
         if isinstance(self.dp, int):
             return [self.dp]
         # k must divide both the ranks and batch / m: the divisors of their gcd (batch <= 1e9: fast)
-        ranks = self.gpus // self.cp  # every replica is cp context-parallel ranks
+        ranks = self.gpus // self.profile_cp  # every replica is cp context-parallel ranks
         return divisors(math.gcd(ranks, self.batch_size // ((self.microbatches or 1) * self.passes)))
 
     @property
     def min_pipeline_ranks(self) -> int:
         """The fewest pipeline ranks any mesh tried has: ``--gpus`` / (the largest of ``dp_options`` x a given
         ``--tp``); with ``--tp auto`` the model may have no tensor-parallel plan, so degree 1 counts."""
-        return max(1, self.gpus // (max(self.dp_options) * self.profile_tp * self.cp))
+        return max(1, self.gpus // (max(self.dp_options) * self.profile_tp * self.profile_cp))
 
     @property
     def ranks_per_node(self) -> int:

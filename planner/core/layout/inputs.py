@@ -208,7 +208,9 @@ class SearchSpace:
             experts' counts, ``planner.core.assemble``): above 1 only with replica counts they divide,
             DDP replicas, tp 1 and the schedules with a whole backward (the search keeps to them,
             ``planner.core.levers.experts.layout_refusal``).
-        cp: context-parallel ranks each data-parallel replica's sequences split over (``--cp``).
+        cps: the context-parallel degrees to try (``--cp``; empty for auto until the blocks say which
+            attention there is to split, ``planner.core.assemble``): above 1 only with ep 1, without
+            sequence parallelism or HSDP.
     """
 
     batch_size: int
@@ -224,7 +226,7 @@ class SearchSpace:
     gather_bytes: int = 0
     sequence: tuple[bool, ...] = (False,)
     eps: tuple[int, ...] = (1,)
-    cp: int = 1
+    cps: tuple[int, ...] = (1,)
 
 
 NO_CONSTRAINTS = Constraints()
@@ -302,10 +304,10 @@ def asked_of(request: PlanRequest, memory_limit_bytes: int | None) -> Asked:
         None if request.dp_shard == "auto" else request.dp_shard,
         # sequence parallelism does not run with context parallelism yet (auto leaves it out)
         sequence=(False, True)
-        if request.sequence_parallel == "auto" and request.cp == 1
+        if request.sequence_parallel == "auto" and request.cp in (1, "auto")
         else (request.sequence_parallel is True,),
         eps=(ep,) if isinstance(request.ep, int) else (),
-        cp=request.cp,
+        cps=(request.cp,) if isinstance(request.cp, int) else (),
     )
     return Asked(
         world_size=request.gpus,

@@ -157,11 +157,11 @@ def _pending_layouts(
     errors: list[InfeasibleError] = []
     floor = min(scaling.min_size, scaling.size0)
     fixed_k = space.accumulation if space.accumulation is not None else 1
-    for tp, rows, ep in _meshes(cluster, space):
+    for tp, rows, ep, cp in _meshes(cluster, space):
         # a mesh expert parallelism cannot run is no layout (HSDP's groups are checked below, once sized)
         if layout_refusal(ep, dp=rows, tp=tp, dp_mode=space.dp_mode):
             continue
-        dp = rows * space.cp  # the mesh's replicas: each data-parallel replica's context-parallel ranks
+        dp = rows * cp  # the mesh's replicas: each data-parallel replica's context-parallel ranks
         pp = cluster.world_size // (dp * tp)
         ms = replica_microbatches(space.batch_size // fixed_k, rows, space.n_microbatches, floor)
         if not ms:
@@ -187,9 +187,11 @@ def _pending_layouts(
                 )
                 continue
             dp_shard = 0  # "auto": FSDP or DDP only
-        for sequence in space.sequence if tp > 1 and ep == 1 else (False,):  # not yet with ep
+        if cp > 1 and mode == "hsdp":  # context parallelism does not run under HSDP yet
+            continue
+        for sequence in space.sequence if tp > 1 and ep == 1 and cp == 1 else (False,):  # not yet with ep, cp
             for layout in _layouts(blocks, replace(space, dp_mode=mode), pp, dp, ms, tp, ep):
-                layout = replace(layout, dp_shard=dp_shard, sequence=sequence, accumulation=fixed_k, cp=space.cp)
+                layout = replace(layout, dp_shard=dp_shard, sequence=sequence, accumulation=fixed_k, cp=cp)
                 pending.append(pending_layout(blocks, cluster, layout, space, scaling, constraints, cache))
     return pending, errors
 
@@ -315,16 +317,17 @@ def _evaluate_all(
     return outcome
 
 
-def _meshes(cluster: Cluster, space: SearchSpace) -> list[tuple[int, int, int]]:
-    """The (tensor-parallel degree, data-parallel replica count, expert-parallel degree) whose ranks
-    (with ``space.cp`` context-parallel ranks per replica) divide the world size, ep 1 first (which of
-    them expert parallelism runs on: ``_pending_layouts``)."""
+def _meshes(cluster: Cluster, space: SearchSpace) -> list[tuple[int, int, int, int]]:
+    """The (tensor-parallel degree, data-parallel replica count, expert-parallel degree, context-parallel
+    degree) whose ranks divide the world size, ep 1 and cp 1 first (which of them expert parallelism
+    runs on: ``_pending_layouts``; context parallelism not yet with expert parallelism)."""
     return [
-        (tp, dp, ep)
+        (tp, dp, ep, cp)
+        for cp in space.cps
         for ep in space.eps
         for tp in space.degrees
         for dp in space.replicas
-        if cluster.world_size % (tp * dp * space.cp) == 0
+        if cluster.world_size % (tp * dp * cp) == 0 and (cp == 1 or ep == 1)
     ]
 
 
@@ -382,6 +385,7 @@ def search(
             ("data-parallel replicas", len(space.replicas) > 1),
             ("tensor-parallel degree", len(space.degrees) > 1),
             ("expert-parallel degree", len(space.eps) > 1),
+            ("context-parallel degree", len(space.cps) > 1),
             # named only where a layout needed more than one pass (else the search is the one-pass one)
             ("pipeline passes", any(c.layout.accumulation > 1 for c in outcome.results)),
         )
