@@ -58,6 +58,18 @@ def test_a_context_parallel_rank_pays_the_gather_and_holds_the_gathered_keys_and
     assert allgather_s(4000, 4, LINK) == pytest.approx(move, rel=1e-12)
 
 
+def test_masked_attention_also_swaps_its_queries_and_output_between_mirrored_blocks() -> None:
+    # 1,600 bytes of queries, tp 2: 800 a rank, sent to the ranks computing their blocks and the output
+    # back (2 all-to-alls of 3 / 4 of them, 3 latencies each, over 4 ranks on the link), forward and backward
+    block = _block(2000).model_copy(update={"q_bytes": 1600})
+    (got,) = at_context([block], cp=4, tp=2, link=LINK)
+    (plain,) = at_context([_block(2000)], cp=4, tp=2, link=LINK)
+    swaps = 2 * (3 * 1e-3 + 0.75 * 800 / 1e9)
+    assert got.fwd_s == pytest.approx(plain.fwd_s + swaps, rel=1e-12)
+    assert got.bwd_input_s == pytest.approx(plain.bwd_input_s + swaps, rel=1e-12)
+    assert got.activation_bytes == plain.activation_bytes
+
+
 def test_blocks_without_attention_or_cp_1_are_left_alone() -> None:
     dense = _block(0)
     assert at_context([dense], cp=8, tp=1, link=LINK)[0] is dense
@@ -119,10 +131,11 @@ def test_planner_plan_cp_splits_the_sequence_over_replicas(tmp_path: Path) -> No
     assert plan.microbatch_size == whole.microbatch_size == 4  # a replica's rows, whole sequences
     # the tiny Llama: 4 layers, each attention reading keys and values of 2 kv heads x 16 dims x 32 positions
     assert sorted(b.kv_bytes for b in whole.blocks if b.kv_bytes) == [4 * 2 * 16 * 32 * 2 * 2] * 4  # 4 rows, bf16
+    assert sorted(b.q_bytes for b in whole.blocks if b.q_bytes) == [4 * 4 * 16 * 32 * 2] * 4  # 4 query heads, causal
     for b, w in zip(plan.blocks, whole.blocks, strict=True):
         # a rank's share: 4 rows of half the sequence, what 2 whole rows cost (the estimate's law is linear
         # here), and the exchange of keys and values where there is attention
-        assert b.kv_bytes == w.kv_bytes // 2 and b.cut_bytes == w.cut_bytes // 2
+        assert b.kv_bytes == w.kv_bytes // 2 and b.q_bytes == w.q_bytes // 2 and b.cut_bytes == w.cut_bytes // 2
         if w.kv_bytes:
             assert b.fwd_s > w.fwd_s / 2 and b.activation_bytes > w.activation_bytes / 2
         else:
@@ -137,8 +150,8 @@ def test_planner_plan_cp_splits_the_sequence_over_replicas(tmp_path: Path) -> No
 
 
 def test_a_sequence_that_does_not_split_into_cp_chunks_is_one_line(tmp_path: Path) -> None:
-    with pytest.raises(PlannerError, match=r"^--cp 2: the sequence has 33 positions, which do not split into 2 equal"):
-        _plan(tmp_path, gpu_type="h100", cp=2, overrides={"seq_len": 33})
+    with pytest.raises(PlannerError, match=r"^--cp 2: the sequence has 34 positions, which do not split into 4 equal"):
+        _plan(tmp_path, gpu_type="h100", cp=2, overrides={"seq_len": 34})
 
 
 def test_cp_auto_tries_the_degrees_that_divide_the_ranks_and_the_sequence(tmp_path: Path) -> None:
@@ -154,3 +167,12 @@ def test_cp_auto_tries_the_degrees_that_divide_the_ranks_and_the_sequence(tmp_pa
     plan = _plan(tmp_path, gpu_type="h100", cp="auto", dp="auto")
     assert "context-parallel degree" in plan.choice and plan.world_size == 4
     assert PlanRequest.build(model_file=ROOT / "models" / "llama.py", gpus=6, cp="auto").cp == "auto"
+
+
+def test_a_measured_plan_counts_attention_from_the_traced_graph(tmp_path: Path) -> None:
+    # measured here (no --gpu-type): the graph's attention calls give the bytes; the tiny Llama's 4 query
+    # heads read as many bytes as its 2 key and 2 value heads, and its calls are causal
+    plan = _plan(tmp_path, cp=2, dp=1, tp=1, schedule="gpipe", microbatches=1, repeats=1, warmup=0)
+    attention = [b for b in plan.blocks if b.kv_bytes]
+    assert len(attention) == 4 and all(b.q_bytes == b.kv_bytes for b in attention)
+    assert plan.cp == 2 and plan.profile.device == "cpu"

@@ -82,6 +82,7 @@ BLOCK_LATER_DEFAULTS = {
     "fsdp_params": None,
     "fsdp_param_bytes": None,
     "kv_bytes": 0,
+    "q_bytes": 0,
 }
 SHARE_LATER_DEFAULTS = {
     "slowdown": {},

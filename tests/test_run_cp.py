@@ -63,3 +63,28 @@ def test_cp2_under_fsdp_and_recomputation_matches_unsplit_model(tmp_path: Path, 
     plan = _context(plan.model_copy(update={"stages": stages, "dp_mode": dp_mode}))
     got, want = _run_and_compare(plan, tmp_path)
     print("llama cp2", dp_mode, recompute, got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("cp", "seq_len"), [(4, 32), (3, 48)])
+def test_mirrored_blocks_over_more_ranks_match_unsplit_model(tmp_path: Path, cp: int, seq_len: int) -> None:
+    # 4 ranks: every rank computes blocks held by two others; 3 ranks: rank 2 computes both of rank 1's blocks
+    plan = _context(plan_with_starts(MODELS / "llama.py", [0], overrides={"seq_len": seq_len}, **CP2), cp=cp)
+    assert plan.world_size == cp
+    got, want = _run_and_compare(plan, tmp_path)
+    print("llama cp", cp, got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+def test_mirrored_blocks_give_every_rank_the_same_causal_work() -> None:
+    from planner.run.context_shard import Mirrored
+
+    for size in range(1, 9):
+        ranks = [Mirrored(r, size) for r in range(size)]
+        computed = sorted(b for m in ranks for b in m.computed)
+        assert computed == list(range(2 * size))  # every block's queries once
+        assert all(m.owner(b) == m.rank for m in ranks for b in m.computed)
+        # block g's queries see (g + 1/2) blocks of keys under a causal mask: each rank's two sum to 2 x size
+        assert {sum(b + 0.5 for b in m.computed) for m in ranks} == {float(2 * size)}
+        assert Mirrored(0, size).positions(3, torch.device("cpu")).tolist() == [0, 1, 2] + [
+            3 * (2 * size - 1) + i for i in range(3)
+        ]

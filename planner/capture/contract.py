@@ -84,7 +84,8 @@ SEQUENCE_DIM = 1  # [batch, seq, ...]: the dimension context parallelism splits,
 
 def sequence_length(inputs: tuple | list, cp: int) -> int:
     """The sequence context parallelism splits: dimension 1 of the model's inputs of two or more
-    dimensions, one length for all, divisible by ``cp``.
+    dimensions, one length for all, divisible by ``2 x cp`` (each rank holds a chunk of two blocks,
+    and computes the queries of two mirrored ones: ``planner.run.context_shard.Mirrored``).
 
     Args:
         inputs: one microbatch's positional inputs.
@@ -95,7 +96,7 @@ def sequence_length(inputs: tuple | list, cp: int) -> int:
 
     Raises:
         ModelFileError: no input has a sequence dimension, two disagree, or it does not split into
-            ``cp`` equal chunks.
+            ``2 x cp`` equal blocks.
     """
     lengths = {int(x.shape[SEQUENCE_DIM]) for x in inputs if isinstance(x, torch.Tensor) and x.dim() >= 2}
     if len(lengths) != 1:
@@ -105,10 +106,11 @@ def sequence_length(inputs: tuple | list, cp: int) -> int:
             f"inputs have {found}; plan without --cp"
         )
     length = lengths.pop()
-    if length % cp:
+    if cp > 1 and length % (2 * cp):
         raise ModelFileError(
-            f"--cp {cp}: the sequence has {length} positions, which do not split into {cp} equal chunks; use a "
-            f"sequence length divisible by {cp} (--set seq_len=...)"
+            f"--cp {cp}: the sequence has {length} positions, which do not split into {2 * cp} equal blocks (each "
+            f"rank holds two, for the causal load balance); use a sequence length divisible by {2 * cp} (--set "
+            "seq_len=...)"
         )
     return length
 

@@ -332,13 +332,15 @@ AUTO_CP_LIMIT = 32  # --cp auto's largest degree (Megatron-Core's and torchtitan
 def context_degrees(blocks: Sequence[BlockCost], world_size: int, tokens: int | None, asked: Asked) -> tuple[int, ...]:
     """``--cp auto``'s degrees: 1, and where the model's attention reads keys and values a graph trace
     saw (``BlockCost.kv_bytes``) and its samples are sequences of token ids, every degree up to
-    ``AUTO_CP_LIMIT`` that divides the ranks and the sequence; none above 1 compiled, with expert
+    ``AUTO_CP_LIMIT`` that divides the ranks, twice of which divides the sequence (two blocks a rank:
+    ``planner.capture.contract.sequence_length``); none above 1 compiled, with expert
     parallelism or under HSDP (what context parallelism does not run with yet)."""
     space = asked.space
     blocked = asked.constraints.compiled or space.dp_mode == "hsdp" or any(e > 1 for e in space.eps)
     if blocked or tokens is None or not any(b.kv_bytes for b in blocks):
         return (1,)
-    return tuple(c for c in range(1, min(AUTO_CP_LIMIT, world_size) + 1) if world_size % c == 0 and tokens % c == 0)
+    fits = range(1, min(AUTO_CP_LIMIT, world_size) + 1)
+    return tuple(c for c in fits if world_size % c == 0 and (c == 1 or tokens % (2 * c) == 0))
 
 
 def _sequence_options(asked: Asked, blocks: Sequence[BlockCost]) -> tuple[bool, ...]:

@@ -68,6 +68,7 @@ def block_cost(
     cut_bytes: int | None = None,
     output_bytes: int = 0,
     kv_bytes: int | None = None,
+    q_bytes: int | None = None,
 ) -> BlockCost:
     """The cost record of block ``k`` of ``traced``.
 
@@ -100,7 +101,8 @@ def block_cost(
         output_bytes: the last block: bytes of the model's output (0: not known here; the caller
             fills it in from the trace).
         kv_bytes: bytes of the keys and values its attention reads (estimates count them in the
-            planning dtype); None takes the trace's (``attention_kv_bytes``).
+            planning dtype); None takes the trace's (``attention_bytes``).
+        q_bytes: the same of its queries.
 
     Returns:
         The block's costs.
@@ -138,7 +140,8 @@ def block_cost(
         cut_legal=cut.legal if cut else False,
         is_layer=block.is_layer,
         output_bytes=output_bytes,
-        kv_bytes=attention_kv_bytes(traced, k) if kv_bytes is None else kv_bytes,
+        kv_bytes=attention_bytes(traced, k)[1] if kv_bytes is None else kv_bytes,
+        q_bytes=attention_bytes(traced, k)[0] if q_bytes is None else q_bytes,
     )
 
 
@@ -146,33 +149,40 @@ _ATTENTION = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_
 _NODES: weakref.WeakKeyDictionary[Any, dict[str, torch.fx.Node]] = weakref.WeakKeyDictionary()
 
 
-def attention_kv_bytes(traced: TracedModel, k: int) -> int:
-    """Bytes of the keys and values block ``k``'s scaled-dot-product attention reads per microbatch, as
-    traced (0 for a module trace, or a block without such a call): what a context-parallel rank
-    gathers from the others (``planner.core.levers.context_parallel``).
+def attention_bytes(traced: TracedModel, k: int) -> tuple[int, int]:
+    """What block ``k``'s scaled-dot-product attention reads per microbatch, as traced (0 for a module
+    trace, or a block without such a call): the queries of its masked (causal) calls, which context
+    parallelism's mirrored blocks swap between ranks, and every call's keys and values, which it
+    gathers (``planner.core.levers.context_parallel``).
 
     Args:
         traced: the captured model.
         k: the block's index.
 
     Returns:
-        Bytes.
+        (query bytes, key and value bytes).
     """
     if not isinstance(traced, GraphTrace):
-        return 0
+        return 0, 0
     nodes = _NODES.get(traced.gm)
     if nodes is None:
         nodes = _NODES[traced.gm] = {n.name: n for n in traced.gm.graph.nodes}
-    total = 0
+
+    def nbytes(node: torch.fx.Node, i: int, key: str) -> int:
+        arg = node.args[i] if len(node.args) > i else node.kwargs.get(key)
+        info = traced.values.get(arg.name) if isinstance(arg, torch.fx.Node) else None
+        return info.nbytes if info is not None else 0
+
+    q = kv = 0
     for name in traced.blocks[k].nodes:
         node = nodes.get(name)
         if node is None or node.op != "call_function" or node.target not in _ATTENTION:
             continue
-        for i, key in ((1, "key"), (2, "value")):
-            arg = node.args[i] if len(node.args) > i else node.kwargs.get(key)
-            info = traced.values.get(arg.name) if isinstance(arg, torch.fx.Node) else None
-            total += info.nbytes if info is not None else 0
-    return total
+        masked = node.kwargs.get("is_causal") or (len(node.args) > 5 and node.args[5])
+        masked = masked or node.kwargs.get("attn_mask") is not None or (len(node.args) > 3 and node.args[3] is not None)
+        q += nbytes(node, 0, "query") if masked else 0
+        kv += nbytes(node, 1, "key") + nbytes(node, 2, "value")
+    return q, kv
 
 
 def ties_of(traced: TracedModel, float_bytes: int | None = None) -> list[Tie]:

@@ -629,6 +629,7 @@ def _block_cost(
         cut_bytes=out_bytes,
         output_bytes=run.model_output_bytes,
         kv_bytes=run.fwd.kv_bytes,
+        q_bytes=run.fwd.q_bytes,
     )
     host = {
         "host_fwd_s": min(run.fwd.ops * dispatch, run.fwd.seconds),

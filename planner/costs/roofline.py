@@ -113,6 +113,7 @@ class Tally:
     kept_seconds: float = 0.0
     kept: dict[int, int] = field(default_factory=dict)
     kv_bytes: int = 0  # keys and values read by fused attention (what context parallelism gathers)
+    q_bytes: int = 0  # the queries of masked (causal) attention: what context parallelism's mirrored blocks swap
 
     def kept_bytes(self, besides: Sequence[torch.Tensor] = ()) -> int:
         """Bytes of the kept outputs, those sharing storage with ``besides`` left out (a block's own
@@ -323,6 +324,7 @@ class Roofline(TorchDispatchMode):
         self.tally.kept_seconds += other.kept_seconds
         self.tally.kept.update(other.kept)
         self.tally.kv_bytes += other.kv_bytes
+        self.tally.q_bytes += other.q_bytes
 
     def _charge(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         packet = func.overloadpacket
@@ -519,6 +521,7 @@ class _FusedAttention(torch.autograd.Function):
             kept=[o, lse],
         )
         roof.tally.kv_bytes += tensor_bytes(k, roof.float_bytes) + tensor_bytes(v, roof.float_bytes)
+        roof.tally.q_bytes += tensor_bytes(q, roof.float_bytes) if causal or mask is not None else 0
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.roof = roof
         ctx.share = share

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ from torch.overrides import TorchFunctionMode
 
 from planner.capture.contract import SEQUENCE_DIM
 from planner.errors import PlannerError
+from planner.run.experts import exchange_rows
 from planner.torch_compat import pytree
 
 _HEAD_SEQUENCE_DIM = 2  # [batch, heads, seq, head_dim]: attention's queries, keys and values
@@ -215,17 +217,23 @@ class Context(TorchFunctionMode):
 
         local_q = _DenseGrad.apply(q.contiguous().to_local())
         n, length = local_q.shape[_HEAD_SEQUENCE_DIM], q.shape[_HEAD_SEQUENCE_DIM]
-        first = self.mesh.get_local_rank() * n
-        mask = bound.arguments["attn_mask"]
+        mask, causal = bound.arguments["attn_mask"], bound.arguments["is_causal"]
+        if causal and mask is not None:
+            raise PlannerError("scaled_dot_product_attention was given both a mask and is_causal")
         if isinstance(mask, DTensor):
             mask = mask.redistribute(self.mesh, [Replicate()]).to_local()
+        # under a mask (causal, as a decoder's is) each rank computes two mirrored blocks of queries
+        mirrored = Mirrored(self.mesh.get_local_rank(), self.mesh.size()) if (causal or mask is not None) else None
+        if mirrored is not None and n % 2 == 0:
+            local_q = mirrored.swap(local_q, self.mesh.get_group())
+            rows = mirrored.positions(n // 2, local_q.device)
+        else:
+            rows = self.mesh.get_local_rank() * n + torch.arange(n, device=local_q.device)
+            mirrored = None
         if mask is not None and mask.shape[-2] != 1:
-            mask = mask.narrow(-2, first, n)  # the rows of this rank's queries
-        if bound.arguments["is_causal"]:
-            if mask is not None:
-                raise PlannerError("scaled_dot_product_attention was given both a mask and is_causal")
-            seen = torch.arange(length, device=local_q.device)
-            mask = seen[None, :] <= (first + torch.arange(n, device=local_q.device))[:, None]
+            mask = mask.index_select(-2, rows)  # the rows of this rank's queries
+        if causal:
+            mask = torch.arange(length, device=local_q.device)[None, :] <= rows[:, None]
         out = F.scaled_dot_product_attention(
             local_q,
             whole(k),
@@ -236,7 +244,81 @@ class Context(TorchFunctionMode):
             scale=bound.arguments["scale"],
             enable_gqa=bound.arguments["enable_gqa"],
         )
+        if mirrored is not None:  # each block's output back to the rank holding its positions
+            out = mirrored.swap_back(out, self.mesh.get_group())
         return DTensor.from_local(out, self.mesh, [Shard(_HEAD_SEQUENCE_DIM)], run_check=False)
+
+
+@dataclass(frozen=True)
+class Mirrored:
+    """The causal load balance of context parallelism: of a sequence cut into ``2 x size`` blocks,
+    rank ``rank`` holds the contiguous blocks ``2 rank`` and ``2 rank + 1`` (its chunk) but computes
+    attention for the queries of blocks ``rank`` and ``2 size - 1 - rank``, one early and one late,
+    so every rank's causal work is the same (Megatron-Core and torch's ``context_parallel`` cut the
+    sequence so from the start; here the chunks stay contiguous for everything else, and only the
+    queries and attention's output move, by one all-to-all each way).
+
+    Args:
+        rank: this rank's index in its context-parallel group.
+        size: the group's ranks.
+    """
+
+    rank: int
+    size: int
+
+    def owner(self, block: int) -> int:
+        """The rank that computes block ``block``'s queries."""
+        return block if block < self.size else 2 * self.size - 1 - block
+
+    @property
+    def held(self) -> tuple[int, int]:
+        """The blocks of this rank's chunk."""
+        return 2 * self.rank, 2 * self.rank + 1
+
+    @property
+    def computed(self) -> tuple[int, int]:
+        """The blocks whose queries this rank computes, in the order it computes them."""
+        return self.rank, 2 * self.size - 1 - self.rank
+
+    def positions(self, block: int, device: torch.device) -> torch.Tensor:
+        """The sequence positions of the computed queries (``block`` positions a block)."""
+        return torch.cat([torch.arange(b * block, (b + 1) * block, device=device) for b in self.computed])
+
+    def _sent(self) -> list[int]:
+        """The held blocks in the order they are sent: by the rank computing them, then by block."""
+        return sorted(self.held, key=lambda b: (self.owner(b), b))
+
+    def _received(self) -> list[int]:
+        """The computed blocks in the order they arrive: by the rank holding them, then by block."""
+        return sorted(self.computed, key=lambda b: (b // 2, b))
+
+    def _counts(self, blocks: list[int], rank_of: Callable[[int], int], block: int) -> list[int]:
+        return [block * sum(1 for b in blocks if rank_of(b) == r) for r in range(self.size)]
+
+    def swap(self, x: torch.Tensor, group: Any) -> torch.Tensor:
+        """``x`` ([batch, heads, seq chunk, dim], this rank's held blocks) as the computed blocks."""
+        return self._move(x, self._sent(), self._received(), self.computed, group, back=False)
+
+    def swap_back(self, x: torch.Tensor, group: Any) -> torch.Tensor:
+        """The computed blocks' ``x`` (attention's output) as this rank's held blocks again."""
+        return self._move(x, self._received(), self._sent(), self.held, group, back=True)
+
+    def _move(
+        self, x: torch.Tensor, send: list[int], receive: list[int], order: tuple[int, int], group: Any, back: bool
+    ) -> torch.Tensor:
+        block = x.shape[_HEAD_SEQUENCE_DIM] // 2
+        rows = x.permute(2, 0, 1, 3)  # the sequence first: all_to_all splits dimension 0
+        have = dict(zip(self.computed if back else self.held, (rows[:block], rows[block:]), strict=True))
+        payload = torch.cat([have[b] for b in send]).contiguous()
+
+        def holder(b: int) -> int:
+            return b // 2
+
+        sends = self._counts(send, holder if back else self.owner, block)
+        recvs = self._counts(receive, self.owner if back else holder, block)
+        got = exchange_rows(payload.new_empty(payload.shape), payload, recvs, sends, group)
+        parts = dict(zip(receive, got.split(block), strict=True))
+        return torch.cat([parts[b] for b in order]).permute(1, 2, 0, 3).contiguous()
 
 
 class _DenseGrad(torch.autograd.Function):
@@ -394,6 +476,7 @@ def around_sharded(split: ContextSplit, layers: Sequence[nn.Module]) -> None:
 __all__ = [
     "Context",
     "ContextSplit",
+    "Mirrored",
     "around_sharded",
     "boundary_chunks",
     "chunk_flagged",

@@ -141,9 +141,9 @@ class ExpertDispatch(nn.Module):
         got_ids = ids.new_empty(sum(recvs))
         dist.all_to_all_single(got_ids, ids, recvs, sends, group=self.group)
         rows = hidden.reshape(-1, hidden.shape[-1])[token]
-        got = _exchange(rows.new_empty(sum(recvs), rows.shape[-1]), rows, recvs, sends, self.group)
+        got = exchange_rows(rows.new_empty(sum(recvs), rows.shape[-1]), rows, recvs, sends, self.group)
         done = self._run(got, got_ids)
-        back = _exchange(done.new_empty(len(pairs), done.shape[-1]), done, sends, recvs, self.group)
+        back = exchange_rows(done.new_empty(len(pairs), done.shape[-1]), done, sends, recvs, self.group)
         weighted = (back * top_k_weights.reshape(-1)[order, None]).to(hidden.dtype)
         out = torch.zeros(hidden.reshape(-1, hidden.shape[-1]).shape, dtype=hidden.dtype, device=hidden.device)
         return out.index_add(0, token, weighted).reshape(hidden.shape)
@@ -160,7 +160,9 @@ class ExpertDispatch(nn.Module):
         return self.experts(rows, ids[:, None], ones)
 
 
-def _exchange(out: torch.Tensor, rows: torch.Tensor, recvs: list[int], sends: list[int], group: Any) -> torch.Tensor:
+def exchange_rows(
+    out: torch.Tensor, rows: torch.Tensor, recvs: list[int], sends: list[int], group: Any
+) -> torch.Tensor:
     """``rows`` sent and ``out`` received with torch.distributed.nn's ``all_to_all_single``, whose
     backward is the reverse exchange. torch 2.13 marks it deprecated for the functional collectives'
     (a FutureWarning on every call, on every rank); it is kept for its backward over gloo, and the
@@ -351,4 +353,11 @@ def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-__all__ = ["ExpertDispatch", "dispatch_experts", "expert_shards", "shard_experts", "shard_experts_over_groups"]
+__all__ = [
+    "ExpertDispatch",
+    "dispatch_experts",
+    "exchange_rows",
+    "expert_shards",
+    "shard_experts",
+    "shard_experts_over_groups",
+]

@@ -477,11 +477,9 @@ class BlockCost(BaseModel):
     is_layer: bool = Field(
         description="One of the model's repeated layers (child of a ModuleList/Sequential/ModuleDict)."
     )
-    kv_bytes: int = Field(
-        default=0,
-        ge=0,
-        description="Bytes of the keys and values its attention reads per microbatch (context parallelism gathers them).",
-    )
+    # what its attention reads per microbatch: context parallelism gathers the keys and values, swaps the queries
+    kv_bytes: int = Field(default=0, ge=0, description="Bytes of the keys and values its attention reads.")
+    q_bytes: int = Field(default=0, ge=0, description="Bytes of the queries its attention reads.")
     tp: TensorParallelShare | None = Field(
         default=None,
         description="How the block divides under tensor parallelism (None: nothing in it is split; it runs whole "

@@ -3,16 +3,18 @@
 Each rank holds the stage's weights whole and runs 1 / cp of every sequence: everything that acts
 token by token costs 1 / cp of the whole (``planner.core.levers.microbatch.blocks_at`` at the rank's
 share of a microbatch, ``Layout.rank_share``), and so does attention with the causal load balanced
-over the ranks (Megatron-Core and torch's ``context_parallel`` give each rank two mirrored chunks; a
-rank's queries against every position's keys are 1 / cp of the whole sequence's attention, causal or
-not). What context parallelism adds, charged here per attention block, is the exchange of keys and
-values, as ``planner.run.context_shard`` runs it (the Llama 3 run's all-gather):
+over the ranks (each rank computes the queries of two mirrored blocks, ``run.context_shard.Mirrored``,
+as Megatron-Core and torch's ``context_parallel`` balance it: a rank's queries against every
+position's keys are then 1 / cp of the whole sequence's attention, causal or not). What context
+parallelism adds, charged here per attention block, is the exchange, as ``planner.run.context_shard``
+runs it (the Llama 3 run's all-gather):
 
 * forward: an all-gather of every position's keys and values over the group (``kv_bytes``, this
   rank's heads under tensor parallelism), before the attention that reads them, which it does not
-  overlap; a recomputation gathers them again;
-* backward: a reduce-scatter of their gradients back to the ranks that made them, in the input
-  gradient's pass;
+  overlap; under a mask (causal), an all-to-all of the queries to the ranks computing their blocks
+  and one of the output back (``q_bytes``: only masked attention's); a recomputation runs them again;
+* backward: a reduce-scatter of the keys' and values' gradients back to the ranks that made them, and
+  the two all-to-alls of the output's and the queries' gradients, in the input gradient's pass;
 * memory: the gathered keys and values stay saved for backward, ``cp - 1`` times the rank's own.
 
 Pure module: never imports torch.
@@ -23,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from planner.core.levers.data_parallel import group_link, layout_links
+from planner.core.levers.experts import all_to_all_s
 from planner.core.levers.links import Links, NodeLinks, default_link
 from planner.core.levers.tensor_parallel import allgather_s, ring_s
 from planner.schema.costs import BlockCost, LinkCost
@@ -49,6 +52,14 @@ def context_link(link: Links, pp: int, replicas: int, tp: int, cp: int) -> LinkC
     return group_link(placed, 0, range(cp))
 
 
+def _local(link: LinkCost, ranks: int) -> int:
+    """A group's ranks on each node, as NCCL's model takes them (``group_link`` records them for a
+    group across nodes; a group on one node has them all)."""
+    if link.local_ranks:
+        return link.local_ranks
+    return 1 if link.nccl is not None and link.nccl.network else ranks
+
+
 def at_context(blocks: Sequence[BlockCost], cp: int, tp: int, link: LinkCost) -> list[BlockCost]:
     """The blocks as one of ``cp`` context-parallel ranks runs them, their costs already at its share
     of the microbatch (see the module docstring).
@@ -67,12 +78,15 @@ def at_context(blocks: Sequence[BlockCost], cp: int, tp: int, link: LinkCost) ->
         return list(blocks)
     out = []
     for b in blocks:
-        if b.kv_bytes <= 0:
+        if b.kv_bytes <= 0 and b.q_bytes <= 0:
             out.append(b)
             continue
         own = b.kv_bytes / tp  # this rank's chunk of its heads' keys and values
         gather = allgather_s(own * cp, cp, link)
         scatter = ring_s(own * cp, 1, cp, link)
+        # the mirrored blocks: queries there and output back, their gradients the other way
+        swaps = 2 * all_to_all_s(b.q_bytes / tp, cp, _local(link, cp), link)
+        gather, scatter = gather + swaps, scatter + swaps
         held = round(own * (cp - 1))
         out.append(
             b.model_copy(

@@ -60,6 +60,7 @@ def blocks_at(blocks: Sequence[BlockCost], size0: int, size: float, fixed_fracti
                     "cut_kept_bytes": None if b.cut_kept_bytes is None else round(b.cut_kept_bytes * r),
                     "output_bytes": round(b.output_bytes * r),
                     "kv_bytes": round(b.kv_bytes * r),
+                    "q_bytes": round(b.q_bytes * r),
                     "tp": None if b.tp is None else _share_at(b.tp, r),
                     "experts": None if b.experts is None else _experts_at(b.experts, r, t),
                 }
