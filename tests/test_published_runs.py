@@ -52,7 +52,7 @@ def test_every_row_names_its_source_gpu_and_convention() -> None:
         assert r.source and r.gpu_note and r.model, r.key
         assert r.gpu in GPUS, r.key
         assert r.convention in CONVENTIONS, r.key
-        assert r.tp * r.pp * r.dp == r.gpus, r.key
+        assert r.tp * r.pp * r.dp * r.cp == r.gpus, r.key
         assert (r.unit == "tokens/s") == (r.convention == "tokens"), r.key
     for run, source, figures, why in NOT_COMPARED:
         assert run and source and figures and why
