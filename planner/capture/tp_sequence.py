@@ -22,9 +22,8 @@ from collections.abc import Mapping
 from torch import fx
 
 from planner.capture.blocks import GraphTrace
+from planner.capture.contract import SEQUENCE_DIM  # a row-wise output is scattered along it
 from planner.capture.tp_plan import COLUMN_STYLES, matched_modules
-
-SEQUENCE_DIM = 1  # [batch, seq, features]: the dimension a row-wise output is scattered along
 
 
 def layer_styles(gm: fx.GraphModule, tp_plan: Mapping[str, str]) -> dict[str, str]:

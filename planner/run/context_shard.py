@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -52,6 +53,8 @@ from torch.overrides import TorchFunctionMode
 from planner.capture.contract import SEQUENCE_DIM
 from planner.errors import PlannerError
 from planner.run.experts import exchange_rows
+from planner.run.sequence_shard import hook_units
+from planner.run.wrappers import ContiguousGrad
 from planner.torch_compat import pytree
 
 _HEAD_SEQUENCE_DIM = 2  # [batch, heads, seq, head_dim]: attention's queries, keys and values
@@ -142,7 +145,6 @@ def chunk_weighted_loss(loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], me
     Returns:
         ``loss_fn`` weighted.
     """
-    import torch.distributed as dist
 
     def weighted(output: Any, target: torch.Tensor) -> torch.Tensor:
         counted = (target != IGNORE_INDEX).sum().to(torch.float64) if not target.is_floating_point() else None
@@ -209,13 +211,16 @@ class Context(TorchFunctionMode):
                 f"([batch, heads, seq, head_dim]); this model's are placed {[getattr(t, 'placements', None) for t in (q, k, v)]}"
             )
 
+        # a DTensor made from a local gradient takes the global strides of a contiguous tensor, and
+        # attention's backward may return its gradients in another layout, which a later ``view`` of the
+        # DTensor's local part then cannot follow: the gradients leave attention contiguous
         def whole(t: Any) -> torch.Tensor:
             # every position's keys (or values), their gradient reduce-scattered back in backward
-            return _DenseGrad.apply(
+            return ContiguousGrad.apply(
                 t.contiguous().redistribute(self.mesh, [Replicate()]).to_local(grad_placements=[Partial()])
             )
 
-        local_q = _DenseGrad.apply(q.contiguous().to_local())
+        local_q = ContiguousGrad.apply(q.contiguous().to_local())
         n, length = local_q.shape[_HEAD_SEQUENCE_DIM], q.shape[_HEAD_SEQUENCE_DIM]
         mask, causal = bound.arguments["attn_mask"], bound.arguments["is_causal"]
         if causal and mask is not None:
@@ -319,20 +324,6 @@ class Mirrored:
         got = exchange_rows(payload.new_empty(payload.shape), payload, recvs, sends, group)
         parts = dict(zip(receive, got.split(block), strict=True))
         return torch.cat([parts[b] for b in order]).permute(1, 2, 0, 3).contiguous()
-
-
-class _DenseGrad(torch.autograd.Function):
-    """The identity, whose gradient leaves contiguous: a DTensor made from a local gradient takes the
-    global strides of a contiguous tensor, and attention's backward may return its gradients in another
-    layout, which a later ``view`` of the DTensor's local part then cannot follow."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
 
 
 _ATTENTION = frozenset({F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default})
@@ -451,12 +442,7 @@ def install(
         The shared state (held by the hooks).
     """
     split = ContextSplit(mesh, *chunks)
-    stage.register_forward_pre_hook(split.stage_in)
-    stage.register_forward_hook(split.stage_out, always_call=True)
-    for unit in units:
-        if unit is not stage:
-            unit.register_forward_pre_hook(split.enter)
-            unit.register_forward_hook(split.leave, always_call=True)
+    hook_units(stage, units, split)
     return split
 
 

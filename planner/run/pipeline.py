@@ -56,8 +56,10 @@ class Pipeline:
             ``step`` below calls it with the right arguments for this rank).
         is_first: this rank holds the first stage (it is fed the inputs).
         is_last: this rank holds the last stage (it is given the target and computes the loss).
-        replica: this rank's data-parallel replica (which rows of the global batch it reads).
-        replicas: the plan's replicas (``plan.dp``).
+        replica: this rank's data-parallel replica (which rows of the global batch it reads; under
+            context parallelism every rank of the replica reads them whole and cuts its own chunk of
+            their sequences).
+        replicas: the plan's data-parallel replicas (``plan.dp``).
         batch_size: the samples one replica reads per step (``plan.batch_size / plan.dp``).
     """
 
@@ -77,7 +79,8 @@ class Pipeline:
         mine = plan.stages_of(mesh.pp_rank)
         self.is_first = any(s.index == 0 for s in mine)
         self.is_last = any(s.index == plan.n_stages - 1 for s in mine)
-        self.replica, self.replicas = mesh.replica, plan.dp
+        # which rows: the context-parallel ranks of a replica read the same ones (each cuts its own chunk)
+        self.replica, self.replicas = mesh.data_replica(plan), plan.dp
         self.batch_size = plan.batch_size // plan.dp
         # Under FSDP every rank holds a shard of every parameter of its stages: the norm sums over
         # all; under HSDP over one shard group's replicas (the other groups hold the same shards).

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from planner.capture.tp_sequence import SEQUENCE_DIM
+from planner.capture.contract import SEQUENCE_DIM
 from planner.torch_compat import local_tensor, pytree
 
 
@@ -239,6 +239,24 @@ def _storage(t: torch.Tensor) -> int:
         return 0
 
 
+def hook_units(stage: nn.Module, units: Sequence[nn.Module], split: Any) -> None:
+    """Hook a stage's split (``SequenceSplit``, ``planner.run.context_shard.ContextSplit``) on the
+    stage and its units: ``stage_in`` / ``stage_out`` around the stage's forward, ``enter`` / ``leave``
+    around each unit's (a recomputation re-runs a unit's forward in backward, outside the stage's).
+
+    Args:
+        stage: the stage module.
+        units: the modules it runs one after another (``stage_units``).
+        split: the shared state, with those four methods.
+    """
+    stage.register_forward_pre_hook(split.stage_in)
+    stage.register_forward_hook(split.stage_out, always_call=True)
+    for unit in units:
+        if unit is not stage:
+            unit.register_forward_pre_hook(split.enter)
+            unit.register_forward_hook(split.leave, always_call=True)
+
+
 def row_style() -> Any:
     """torch's style of a row-wise layer under sequence parallelism: its output reduce-scattered
     along the sequence, left a DTensor."""
@@ -273,15 +291,10 @@ def install(
         The shared state (held by the hooks).
     """
     split = SequenceSplit(tp_mesh, seq_inputs)
-    stage.register_forward_pre_hook(split.stage_in)
-    stage.register_forward_hook(split.stage_out, always_call=True)
-    for unit in units:
-        if unit is not stage:
-            unit.register_forward_pre_hook(split.enter)
-            unit.register_forward_hook(split.leave, always_call=True)
+    hook_units(stage, units, split)
     for layer in column_layers:
         layer.register_forward_pre_hook(split.column_input)
     return split
 
 
-__all__ = ["Replicated", "SequenceSplit", "install", "row_style"]
+__all__ = ["Replicated", "SequenceSplit", "hook_units", "install", "row_style"]

@@ -153,7 +153,7 @@ def weight_cast_cache(plan: Plan, device_type: str) -> contextlib.AbstractContex
     return torch.autocast(device_type, dtype=AUTOCAST_DTYPES[plan.profile.run_autocast], enabled=False)
 
 
-class _ContiguousGrad(torch.autograd.Function):
+class ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the gradient contiguous."""
 
     @staticmethod
@@ -187,7 +187,7 @@ class ContiguousBoundary(torch.nn.Module):
         # zero-bubble schedules' input-only backward uses ("A leaf node was passed to
         # _will_engine_execute_node"); MemTracker installs such hooks on every module it sees called.
         # This wrapper has no hooks of its own; the stage module inside is called normally and
-        # receives non-leaf tensors (``_ContiguousGrad``'s outputs).
+        # receives non-leaf tensors (``ContiguousGrad``'s outputs).
         # Under FSDP (never with those schedules) the wrapper is the sharded module, whose hooks
         # gather the parameters: there it is called with them.
         if self.hooks:
@@ -195,7 +195,7 @@ class ContiguousBoundary(torch.nn.Module):
         return self.forward(*args)
 
     def forward(self, *args: object) -> object:
-        args = tuple(_ContiguousGrad.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
+        args = tuple(ContiguousGrad.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
         if self.scatter is not None:
             args = self.scatter.gather(args)
         out = self.module(*args)
