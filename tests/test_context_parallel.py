@@ -176,3 +176,16 @@ def test_a_measured_plan_counts_attention_from_the_traced_graph(tmp_path: Path) 
     attention = [b for b in plan.blocks if b.kv_bytes]
     assert len(attention) == 4 and all(b.q_bytes == b.kv_bytes for b in attention)
     assert plan.cp == 2 and plan.profile.device == "cpu"
+
+
+def test_a_context_parallel_plan_exports_its_degree(tmp_path: Path) -> None:
+    from planner.report.export import ExportError, export_plan
+
+    plan = _plan(tmp_path, gpu_type="h100", dp=1, tp=1, cp=2, dp_mode="fsdp", schedule="1f1b", microbatches=2)
+    megatron = export_plan(plan, "megatron")
+    assert "--context-parallel-size 2" in megatron and "--cp-comm-type allgather" in megatron
+    titan = export_plan(plan, "torchtitan")
+    # FSDP over the 2 context-parallel ranks: torchtitan's dp_shard 1 x cp 2
+    assert "context_parallel_degree=2" in titan and "data_parallel_shard_degree=1" in titan
+    with pytest.raises(ExportError, match=r"^DeepSpeed's PipelineModule splits no sequence over ranks"):
+        export_plan(plan, "deepspeed")

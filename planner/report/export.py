@@ -203,10 +203,13 @@ def _titan_fields(plan: Plan, renames: Mapping[str, str]) -> dict[str, object]:
     }
     if plan.ep > 1:
         fields["expert_parallel_degree"] = plan.ep
+    if plan.cp > 1:  # torchtitan shards over its dp_shard x cp ranks, as the plan's fsdp over dp x cp replicas
+        fields["context_parallel_degree"] = plan.cp
     # ddp replicas replicate the weights; fsdp shards them (torchtitan shards per block, not per
     # stage); hsdp shards inside groups and replicates the groups, torchtitan's two degrees both > 1
-    fields["data_parallel_shard_degree"] = plan.shard_size
-    fields["data_parallel_replicate_degree"] = plan.dp // plan.shard_size
+    shard = plan.shard_size // plan.cp if plan.dp_mode == "fsdp" else plan.shard_size
+    fields["data_parallel_shard_degree"] = shard
+    fields["data_parallel_replicate_degree"] = plan.dp // shard
     if plan.sharded:
         # block units reshard after every forward ("always"); a stage kept gathered through the
         # pipeline is torchtitan's "never" (its "default" under pipelining)
@@ -264,7 +267,8 @@ def _notes(plan: Plan) -> list[str]:
         + (" sharded block by block" if plan.fsdp_units == "block" else "")
         + f", tensor parallel {plan.tp}"
         + (" with sequence parallelism" if plan.sequence_parallel else "")
-        + (f", experts sharded over {_expert_ranks(plan)} (expert parallel {plan.ep})" if plan.ep > 1 else ""),
+        + (f", experts sharded over {_expert_ranks(plan)} (expert parallel {plan.ep})" if plan.ep > 1 else "")
+        + (f", each sequence split over {plan.cp} context-parallel ranks" if plan.cp > 1 else ""),
         f"predicted step {plan.prediction.step_time_s * 1e3:.2f} ms on {plan.profile.hardware or plan.profile.device}",
     ]
     if plan.accumulation > 1:
@@ -277,6 +281,11 @@ def _notes(plan: Plan) -> list[str]:
         )
     if plan.ties:
         notes.append("tied weights: " + "; ".join(" = ".join(t.names) for t in plan.ties))
+    if plan.cp > 1 and plan.dp_mode == "ddp":
+        notes.append(
+            "the plan keeps the weights whole on its context-parallel ranks (DDP); torchtitan shards them over "
+            "data_parallel_shard_degree x context_parallel_degree ranks (FSDP), Megatron as its optimizer says"
+        )
     if plan.tp > 1 and not plan.sequence_parallel:
         notes.append(
             "planned without sequence parallelism, which torchtitan always runs with tensor parallelism "
@@ -484,6 +493,8 @@ def _megatron(plan: Plan, _renames: Mapping[str, str]) -> str:
         *([f"--expert-model-parallel-size {plan.ep}"] if plan.ep > 1 else []),
         # the expert group spans the tensor-parallel ranks, each expert whole (Megatron's default is tp)
         *(["--expert-tensor-parallel-size 1"] if plan.ep > 1 and plan.tp > 1 else []),
+        # the planner's runner gathers the keys and values (Megatron-Core's default is p2p, a ring)
+        *([f"--context-parallel-size {plan.cp}", "--cp-comm-type allgather"] if plan.cp > 1 else []),
         f"--num-layers {sum(counts)}",
         f"--micro-batch-size {plan.microbatch_size}",
         f"--global-batch-size {plan.batch_size}",
@@ -525,6 +536,11 @@ def deepspeed_parts(plan: Plan) -> list[int]:
 
 
 def _deepspeed(plan: Plan, renames: Mapping[str, str]) -> str:
+    if plan.cp > 1:
+        raise ExportError(
+            f"DeepSpeed's PipelineModule splits no sequence over ranks; this plan splits each over {plan.cp} "
+            "context-parallel ranks: export --to torchtitan or --to megatron, or re-plan with --cp 1"
+        )
     parts = deepspeed_parts(plan)
     names = [renamed(b.name, renames) for b in plan.blocks]
     micro_per_step = plan.n_microbatches * plan.accumulation
