@@ -173,12 +173,15 @@ def test_a_mixtral_layer_is_estimated_as_a_dense_layer_is(monkeypatch: pytest.Mo
     moe = ratio("models/hf/mixtral.py")
     assert moe > 0.55 * dense_ratio, (moe, dense_ratio)  # measured here: 0.73-0.79 against 0.95-0.99
     # the check catches experts charged nothing (as before grouped GEMMs had a formula): 0.32-0.34;
-    # only the estimate changes, so the measured times are reused
+    # only the estimate changes, so the measured times are reused and the comparison is with the
+    # full estimate's ratio over the same measurements (a noisy measurement of the dense layer, 0.41
+    # instead of 0.95 once in CI, moves both sides of the check above, not this one)
     import planner.costs.roofline as roofline
 
     monkeypatch.setattr(roofline, "grouped_gemm", lambda func, args: None)
     blind = ratio("models/hf/mixtral.py")
-    assert blind < 0.55 * dense_ratio, (blind, dense_ratio)
+    # the two estimates over the same measured times of the same layers: 0.53 here, whatever the noise
+    assert blind < 0.7 * moe, (blind, moe, dense_ratio)
 
 
 def test_an_estimated_moe_plan_searches_microbatches_down_to_one_sample(tmp_path: Path) -> None:
