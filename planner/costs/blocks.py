@@ -7,14 +7,13 @@ repeated layer) comes from the trace, and is filled in here, once.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from planner.capture.attention import SDPA_CALLS, sdpa_arguments
 from planner.capture.blocks import GraphTrace, TracedModel
 from planner.schema.costs import BlockCost, StepTempRule
 from planner.schema.plan import Tie
@@ -113,6 +112,10 @@ def block_cost(
     def width(p: nn.Parameter) -> int:
         return float_bytes if float_bytes is not None and p.is_floating_point() else p.element_size()
 
+    if q_bytes is None or kv_bytes is None:  # the trace's, read once
+        traced_q, traced_kv = attention_bytes(traced, k)
+        q_bytes = traced_q if q_bytes is None else q_bytes
+        kv_bytes = traced_kv if kv_bytes is None else kv_bytes
     return BlockCost(
         name=block.name,
         first_node=block.nodes[0],
@@ -140,13 +143,9 @@ def block_cost(
         cut_legal=cut.legal if cut else False,
         is_layer=block.is_layer,
         output_bytes=output_bytes,
-        kv_bytes=attention_bytes(traced, k)[1] if kv_bytes is None else kv_bytes,
-        q_bytes=attention_bytes(traced, k)[0] if q_bytes is None else q_bytes,
+        kv_bytes=kv_bytes,
+        q_bytes=q_bytes,
     )
-
-
-_ATTENTION = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
-_NODES: weakref.WeakKeyDictionary[Any, dict[str, torch.fx.Node]] = weakref.WeakKeyDictionary()
 
 
 def attention_bytes(traced: TracedModel, k: int) -> tuple[int, int]:
@@ -164,24 +163,20 @@ def attention_bytes(traced: TracedModel, k: int) -> tuple[int, int]:
     """
     if not isinstance(traced, GraphTrace):
         return 0, 0
-    nodes = _NODES.get(traced.gm)
-    if nodes is None:
-        nodes = _NODES[traced.gm] = {n.name: n for n in traced.gm.graph.nodes}
+    nodes = traced.nodes_by_name()
 
-    def nbytes(node: torch.fx.Node, i: int, key: str) -> int:
-        arg = node.args[i] if len(node.args) > i else node.kwargs.get(key)
+    def nbytes(arg: Any) -> int:
         info = traced.values.get(arg.name) if isinstance(arg, torch.fx.Node) else None
         return info.nbytes if info is not None else 0
 
     q = kv = 0
     for name in traced.blocks[k].nodes:
         node = nodes.get(name)
-        if node is None or node.op != "call_function" or node.target not in _ATTENTION:
+        if node is None or node.op != "call_function" or node.target not in SDPA_CALLS:
             continue
-        masked = node.kwargs.get("is_causal") or (len(node.args) > 5 and node.args[5])
-        masked = masked or node.kwargs.get("attn_mask") is not None or (len(node.args) > 3 and node.args[3] is not None)
-        q += nbytes(node, 0, "query") if masked else 0
-        kv += nbytes(node, 1, "key") + nbytes(node, 2, "value")
+        a = sdpa_arguments(node.args, dict(node.kwargs))
+        q += nbytes(a["query"]) if a["is_causal"] or a["attn_mask"] is not None else 0
+        kv += nbytes(a["key"]) + nbytes(a["value"])
     return q, kv
 
 

@@ -22,15 +22,14 @@ this machine's CPU.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from planner.capture.attention import SDPA_CALLS, sdpa_arguments
 from planner.capture.checkpoint import KeepRule
 from planner.core.levers.hardware import HardwareSpec
 from planner.costs.backward_temps import storage_bytes
@@ -459,23 +458,6 @@ def _gemm_dims(packet: Any, args: tuple) -> tuple[int, int, int]:
     return batch * int(a.shape[-2]), int(b.shape[-1]), int(a.shape[-1])
 
 
-_SDPA_SIGNATURE = inspect.Signature(
-    [
-        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
-        for name, default in (
-            ("query", inspect.Parameter.empty),
-            ("key", inspect.Parameter.empty),
-            ("value", inspect.Parameter.empty),
-            ("attn_mask", None),
-            ("dropout_p", 0.0),
-            ("is_causal", False),
-            ("scale", None),
-            ("enable_gqa", False),
-        )
-    ]
-)
-
-
 class _FusedAttention(torch.autograd.Function):
     """Scaled-dot-product attention charged as the fused kernel that really runs.
 
@@ -556,7 +538,7 @@ def attention_output(q: torch.Tensor, dim_v: int) -> torch.Tensor:
     return q.new_empty((b, a, s, dim_v))
 
 
-_ORIGINAL_SDPA = F.scaled_dot_product_attention
+_ORIGINAL_SDPA = SDPA_CALLS[0]
 _ACTIVE: list[Roofline] = []  # the Roofline whose phase is running (innermost last)
 
 
@@ -564,7 +546,7 @@ def _sdpa(*args: Any, **kwargs: Any) -> Any:
     """``F.scaled_dot_product_attention`` as charged: fused where a fused kernel runs (see below)."""
     if _ACTIVE:
         roof = _ACTIVE[-1]
-        a = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
+        a = sdpa_arguments(args, kwargs)
         q, k, v = a["query"], a["key"], a["value"]
         fused = roof.hw.async_launch or not a.get("dropout_p", 0.0)
         if fused and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.shape[1] % k.shape[1] == 0:
@@ -599,10 +581,7 @@ def fuse_attention_nodes(stage: torch.fx.GraphModule) -> None:
     (same parameters), which would otherwise decompose into the unfused math on the meta device."""
     changed = False
     for node in stage.graph.nodes:
-        if node.op == "call_function" and node.target in (
-            _ORIGINAL_SDPA,
-            torch.ops.aten.scaled_dot_product_attention.default,
-        ):
+        if node.op == "call_function" and node.target in SDPA_CALLS:
             node.target = _sdpa
             changed = True
     if changed:

@@ -39,7 +39,6 @@ their shapes (``boundary_chunks``), the sender's and the receiver's alike. ``pla
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from planner.capture.attention import SDPA_CALLS, sdpa_arguments
 from planner.capture.contract import SEQUENCE_DIM
 from planner.errors import PlannerError
 from planner.run.experts import exchange_rows
@@ -58,9 +58,6 @@ from planner.run.wrappers import ContiguousGrad
 from planner.torch_compat import pytree
 
 _HEAD_SEQUENCE_DIM = 2  # [batch, heads, seq, head_dim]: attention's queries, keys and values
-_SDPA = inspect.signature(
-    lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False: None
-)
 
 
 def sequence_chunk(value: Any, rank: int, cp: int, what: str = "input") -> Any:
@@ -183,7 +180,7 @@ class Context(TorchFunctionMode):
         from torch.distributed.tensor import DTensor, Partial, Replicate
 
         kwargs = kwargs or {}
-        if func in _ATTENTION and args and _is_chunked(args[0], self.mesh):
+        if func in SDPA_CALLS and args and _is_chunked(args[0], self.mesh):
             return self._attention(*args, **kwargs)
         leaves = pytree.tree_leaves((args, kwargs))
         if any(_is_chunked(a, self.mesh) for a in leaves) and any(
@@ -202,9 +199,8 @@ class Context(TorchFunctionMode):
         """Scaled dot-product attention of this rank's queries over every position's keys and values."""
         from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-        bound = _SDPA.bind(*args, **kwargs)
-        bound.apply_defaults()
-        q, k, v = bound.arguments["query"], bound.arguments["key"], bound.arguments["value"]
+        a = sdpa_arguments(args, kwargs)
+        q, k, v = a["query"], a["key"], a["value"]
         if any(not _is_chunked(t, self.mesh) or t.placements != (Shard(_HEAD_SEQUENCE_DIM),) for t in (q, k, v)):
             raise PlannerError(
                 "context parallelism needs attention's queries, keys and values split along the sequence "
@@ -222,7 +218,7 @@ class Context(TorchFunctionMode):
 
         local_q = ContiguousGrad.apply(q.contiguous().to_local())
         n, length = local_q.shape[_HEAD_SEQUENCE_DIM], q.shape[_HEAD_SEQUENCE_DIM]
-        mask, causal = bound.arguments["attn_mask"], bound.arguments["is_causal"]
+        mask, causal = a["attn_mask"], a["is_causal"]
         if causal and mask is not None:
             raise PlannerError("scaled_dot_product_attention was given both a mask and is_causal")
         if isinstance(mask, DTensor):
@@ -244,10 +240,10 @@ class Context(TorchFunctionMode):
             whole(k),
             whole(v),
             attn_mask=mask,
-            dropout_p=bound.arguments["dropout_p"],
+            dropout_p=a["dropout_p"],
             is_causal=False,
-            scale=bound.arguments["scale"],
-            enable_gqa=bound.arguments["enable_gqa"],
+            scale=a["scale"],
+            enable_gqa=a["enable_gqa"],
         )
         if mirrored is not None:  # each block's output back to the rank holding its positions
             out = mirrored.swap_back(out, self.mesh.get_group())
@@ -324,9 +320,6 @@ class Mirrored:
         got = exchange_rows(payload.new_empty(payload.shape), payload, recvs, sends, group)
         parts = dict(zip(receive, got.split(block), strict=True))
         return torch.cat([parts[b] for b in order]).permute(1, 2, 0, 3).contiguous()
-
-
-_ATTENTION = frozenset({F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default})
 
 
 class ContextSplit:

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from planner.core.levers.data_parallel import group_link, layout_links
 from planner.core.levers.experts import all_to_all_s
 from planner.core.levers.links import Links, NodeLinks, default_link
-from planner.core.levers.tensor_parallel import allgather_s, ring_s
+from planner.core.levers.tensor_parallel import allgather_s, group_local, ring_s
 from planner.schema.costs import BlockCost, LinkCost
 
 
@@ -50,14 +50,6 @@ def context_link(link: Links, pp: int, replicas: int, tp: int, cp: int) -> LinkC
     placed = layout_links(link, pp, replicas, tp, False)
     assert isinstance(placed, NodeLinks)
     return group_link(placed, 0, range(cp))
-
-
-def _local(link: LinkCost, ranks: int) -> int:
-    """A group's ranks on each node, as NCCL's model takes them (``group_link`` records them for a
-    group across nodes; a group on one node has them all)."""
-    if link.local_ranks:
-        return link.local_ranks
-    return 1 if link.nccl is not None and link.nccl.network else ranks
 
 
 def at_context(blocks: Sequence[BlockCost], cp: int, tp: int, link: LinkCost) -> list[BlockCost]:
@@ -85,7 +77,7 @@ def at_context(blocks: Sequence[BlockCost], cp: int, tp: int, link: LinkCost) ->
         gather = allgather_s(own * cp, cp, link)
         scatter = ring_s(own * cp, 1, cp, link)
         # the mirrored blocks: queries there and output back, their gradients the other way
-        swaps = 2 * all_to_all_s(b.q_bytes / tp, cp, _local(link, cp), link)
+        swaps = 2 * all_to_all_s(b.q_bytes / tp, cp, group_local(link, cp), link)
         gather, scatter = gather + swaps, scatter + swaps
         held = round(own * (cp - 1))
         out.append(

@@ -46,14 +46,21 @@ from planner.core.levers.collectives import Collective, collective_time
 from planner.schema.costs import BlockCost, LinkCost, SequenceShare, TensorParallelShare
 
 
+def group_local(link: LinkCost, ranks: int) -> int:
+    """A group's ranks on each node, as NCCL's model takes them: what ``group_link`` recorded for a
+    group across nodes, one on a network link, else all ``ranks`` (a group inside one node)."""
+    if link.local_ranks:
+        return link.local_ranks
+    return 1 if link.nccl is not None and link.nccl.network else ranks
+
+
 def _nccl_s(op: Collective, nbytes: float, count: int, tp: int, link: LinkCost) -> float | None:
     """``count`` equal collectives of ``nbytes`` in all over ``tp`` ranks of one node by NCCL's own
     model (``planner.core.levers.collectives``: each pays its latency, at the algorithm and
     protocol NCCL picks for its size); None on a link NCCL does not drive (the alpha-beta ring)."""
     if link.nccl is None:
         return None
-    local = link.local_ranks or (1 if link.nccl.network else tp)
-    return count * collective_time(op, nbytes / count, tp, local, link.nccl).seconds
+    return count * collective_time(op, nbytes / count, tp, group_local(link, tp), link.nccl).seconds
 
 
 def allreduce_s(nbytes: float, count: int, tp: int, link: LinkCost) -> float:
@@ -307,4 +314,4 @@ def _scattered(block: BlockCost, tp: int, link: LinkCost, sequence: bool) -> Blo
     return block.model_copy(update={"cut_share": tp, "cut_gather_s": gather, "cut_kept_bytes": kept})
 
 
-__all__ = ["allgather_s", "allowed_degrees", "allreduce_s", "at_degree", "block_degree_limit", "ring_s"]
+__all__ = ["allgather_s", "allowed_degrees", "allreduce_s", "at_degree", "block_degree_limit", "group_local", "ring_s"]

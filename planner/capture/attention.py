@@ -1,0 +1,51 @@
+"""Scaled-dot-product attention as traced graphs call it: the two callables and their parameters."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SDPA_CALLS: tuple[Any, ...] = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
+"""What a graph's attention node calls: fx graphs the function, torch.export graphs the aten operator
+(the same parameters). Taken at import, before the roofline swaps the function for its estimate
+(``planner.costs.roofline.fused_attention``)."""
+
+SDPA_SIGNATURE = inspect.Signature(
+    [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
+        for name, default in (
+            ("query", inspect.Parameter.empty),
+            ("key", inspect.Parameter.empty),
+            ("value", inspect.Parameter.empty),
+            ("attn_mask", None),
+            ("dropout_p", 0.0),
+            ("is_causal", False),
+            ("scale", None),
+            ("enable_gqa", False),
+        )
+    ]
+)
+
+
+def sdpa_arguments(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A scaled-dot-product attention call's arguments by name, defaults filled in.
+
+    Args:
+        args: its positional arguments (tensors, or a graph node's arguments).
+        kwargs: its keyword arguments.
+
+    Returns:
+        query, key, value, attn_mask, dropout_p, is_causal, scale and enable_gqa.
+
+    Raises:
+        TypeError: arguments no such call takes.
+    """
+    bound = SDPA_SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+__all__ = ["SDPA_CALLS", "SDPA_SIGNATURE", "sdpa_arguments"]
