@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from plan_factory import block
 
 from planner.core.levers.context_parallel import at_context, context_link
 from planner.core.levers.links import NodeLinks
@@ -21,24 +22,17 @@ LINK = LinkCost(name="test", latency_s=1e-3, bandwidth_Bps=1e9)
 
 
 def _block(kv_bytes: int) -> BlockCost:
-    return BlockCost(
-        name="attn",
-        first_node="a",
-        last_node="b",
-        fwd_s=0.010,
-        bwd_s=0.020,
-        bwd_input_s=0.012,
-        bwd_weight_s=0.008,
-        recompute_s=0.010,
-        selective_bytes=1000,
-        params=10,
-        param_bytes=40,
-        activation_bytes=5000,
-        cut_bytes=100,
-        cut_tensors=1,
-        cut_legal=True,
-        is_layer=True,
-        kv_bytes=kv_bytes,
+    """An attention block: 10 ms forward, 20 ms backward (12 input, 8 weight), 5,000 bytes saved."""
+    return block("attn", 10, 20, 10).model_copy(
+        update={
+            "bwd_input_s": 0.012,
+            "bwd_weight_s": 0.008,
+            "recompute_s": 0.010,
+            "selective_bytes": 1000,
+            "activation_bytes": 5000,
+            "cut_bytes": 100,
+            "kv_bytes": kv_bytes,
+        }
     )
 
 
