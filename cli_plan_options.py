@@ -191,7 +191,8 @@ cost_options = option_group(
         "--dtype",
         type=click.Choice(list(DTYPES)),
         default=None,
-        help="Profile under autocast in this dtype (with --gpu-type: estimate in it).",
+        metavar="DTYPE",
+        help="bf16, fp16, fp32: autocast (--gpu-type: estimate in it); fp8, fp8-rowwise: linears in float8.",
     ),
     option("--compile", "compile_", is_flag=True, help="Profile and train with torch.compile."),
     option(

@@ -54,6 +54,11 @@ When torch changes one of these, this is the only file to mend; the tests that e
   (``local_tensor``; tests/test_run_sp.py).
 - ``Module._parameters`` / ``_buffers``: a module's own tensors swapped in place for fake or meta ones
   (``own_tensor_tables``; tests/test_shapes.py).
+- torchao's ``Float8TrainingTensor._data`` (torchao 0.18): the float8 payload of a tensor torchao's float8
+  linear layers cast, which the roofline charges a byte an element (``float8_payload``;
+  tests/test_float8.py).
+- The logger ``torch.utils._pytree``, silenced while torchao is imported (it warns of a deprecated
+  registration of torchao's; ``float8_import_logger_names``; tests/test_float8.py).
 - The loggers ``torch._dynamo`` and ``torch._export``, silenced while the planner tries an export
   (``export_logger_names``; tests/test_trace.py).
 - The modules ``torch.export._trace`` and ``torch.distributed._tools.mem_tracker``, imported once by
@@ -87,6 +92,8 @@ __all__ = [
     "export_logger_names",
     "exported_out_spec",
     "flatten_dense",
+    "float8_import_logger_names",
+    "float8_payload",
     "is_view",
     "lazy_graph_module",
     "local_tensor",
@@ -142,6 +149,19 @@ def is_view(t: torch.Tensor) -> bool:
 def storage_id(t: torch.Tensor) -> int:
     """An id of ``t``'s storage that is the same for every view of it (works on meta tensors)."""
     return int(t.untyped_storage()._cdata)
+
+
+def float8_payload(t: object) -> torch.Tensor | None:
+    """The float8 payload of torchao's float8 training tensor ``t`` (its private ``_data``, what a float8
+    GEMM reads; the wrapper reports its high-precision dtype), else None."""
+    data = getattr(t, "_data", None)
+    return data if isinstance(data, torch.Tensor) and data.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else None
+
+
+def float8_import_logger_names() -> tuple[str, ...]:
+    """The loggers that warn while torchao is imported: its own (the CUDA extensions a machine without them
+    cannot load) and torch's pytree (a registration torch 2.13 deprecates)."""
+    return ("torchao", "torch.utils._pytree")
 
 
 def view_base(t: torch.Tensor) -> torch.Tensor | None:

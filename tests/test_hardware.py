@@ -22,7 +22,7 @@ def test_table_has_the_required_devices_with_sane_numbers() -> None:
     assert len({hw.name for hw in GPUS.values()}) == len(GPUS)
     for key, hw in GPUS.items():
         assert hw.name == key and hw.kind == "gpu" and hw.source
-        assert set(hw.peak_flops) <= set(DTYPES)
+        assert set(hw.peak_flops) <= {*DTYPES, "fp8"}  # fp8: the FP8 tensor cores of --dtype fp8's GEMMs
         assert {"fp32", "fp16"} <= set(hw.peak_flops), key
         assert all(v > 0 for v in hw.peak_flops.values())
         # tensor-core dtypes are never slower than plain fp32
@@ -30,6 +30,14 @@ def test_table_has_the_required_devices_with_sane_numbers() -> None:
         assert hw.memory_Bps > 0 and hw.memory_bytes >= 16 * 2**30
         assert hw.intra_node_Bps >= hw.inter_node_Bps > 0
         assert 0 < hw.matmul_efficiency <= 1 and 0 < hw.memory_efficiency <= 1
+
+
+def test_fp8_tensor_cores_are_the_datasheets_twice_bf16() -> None:
+    # Ada, Hopper and CDNA3 have FP8 tensor cores at twice their bf16 rate; Ampere, Volta and the A10G none
+    for key in ("h100", "h100-hbm2e", "h200", "h800", "l4", "l40s", "mi300x"):
+        assert GPUS[key].peak_flops["fp8"] == pytest.approx(2 * GPUS[key].peak_flops["bf16"], rel=0.02), key
+    for key in ("a100-80g", "a100-40g", "a10g", "v100"):
+        assert "fp8" not in GPUS[key].peak_flops, key
 
 
 def test_dtypes_every_device_supports() -> None:

@@ -133,6 +133,7 @@ def digest(plan: Plan) -> str:
         getattr(GPUS.get(profile["hardware"] or ""), "attention_backend", None),
     ):
         profile.pop("attention_kernel", None)
+    _drop(profile, {"float8": None})  # added after the digests: no float8 layers
     for block in data["blocks"]:
         _drop(block, BLOCK_LATER_DEFAULTS)
         if isinstance(block.get("tp"), dict):

@@ -40,6 +40,7 @@ from torch.func import functional_call
 from tqdm import tqdm
 
 from planner.capture.blocks import GraphTrace, TracedModel
+from planner.capture.float8 import convert_stage
 from planner.capture.load import move_model
 from planner.capture.signature import block_structure, node_target, show
 from planner.capture.stage import stage_graph, stage_inputs
@@ -52,6 +53,7 @@ from planner.costs.roofline import Roofline, Tally, fuse_attention_nodes
 from planner.costs.timing import backward_roots, grad_inputs, leaf_safe
 from planner.errors import PlannerError, TraceError
 from planner.schema.costs import BlockCost, OptimizerSpec
+from planner.schema.plan_parts import Float8Linears
 from planner.torch_compat import pytree, storage_id
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -375,6 +377,7 @@ def estimate_blocks(
     optimizer: OptimizerSpec | None = None,
     progress: bool = True,
     compiled: bool = False,
+    float8: Float8Linears | None = None,
 ) -> list[BlockCost]:
     """Estimate every block's costs on ``hw`` from FLOPs and bytes, without running real kernels.
 
@@ -398,6 +401,9 @@ def estimate_blocks(
             memory-bound operators between GEMMs and attention one kernel, saving what AOTAutograd's
             partitioner keeps (``planner.costs.fusion``); the last block's loss stays eager, as the
             pipeline runs it outside the compiled stage.
+        float8: ``--dtype fp8``: the linear layers that train in float8; each block's are converted to
+            torchao's ``Float8Linear`` before the roofline runs it, which then charges torchao's own casts
+            and scales as the memory-bound operators they are and its GEMMs at the FP8 peak.
 
     Returns:
         One BlockCost per block, in block order: fwd_s, bwd_s (= bwd_input_s + bwd_weight_s; compiled,
@@ -441,6 +447,8 @@ def estimate_blocks(
             continue
         stage = torch.fx.GraphModule(traced.gm, stage_graph(traced, k, k + 1, check_cuts=False), f"stage_{k}_{k + 1}")
         fuse_attention_nodes(stage)
+        if float8 is not None:  # (emulated: the roofline sees torchao's float8 GEMM whole and charges it)
+            convert_stage(stage, float8.recipe, float8.kept, emulate=True)
         mode = Roofline(hw, dtype, fuse=compiled)
         try:
             run = _run_block(stage, current, last, target, loss_fn, mode, tdtype)

@@ -71,6 +71,7 @@ from tqdm import tqdm
 
 from planner.capture.blocks import GraphTrace, ModuleTrace, TracedModel
 from planner.capture.checkpoint import kept_bytes
+from planner.capture.float8 import convert_stage, emulated
 from planner.capture.stage import build_stage_module, stage_inputs
 from planner.costs.backward_temps import forward_backward_temps
 from planner.costs.blocks import Profile, block_cost
@@ -415,6 +416,9 @@ def _profile_graph(traced: GraphTrace, sample: Sample, settings: ProfileSettings
     timer = _BlockTimer(traced, sample, settings, device_type, bar)
     for k in range(n):
         module = build_stage_module(traced, k, k + 1, check_cuts=False)
+        if settings.float8 is not None and isinstance(module, torch.fx.GraphModule):
+            f8 = settings.float8
+            convert_stage(module, f8.recipe, f8.kept, emulated(torch.device(device_type)))
         last = k == n - 1
         # the first block gets the user's data, which needs no gradient
         t = timer.time(traced.blocks[k].name, module, current, last, grad=k > 0)

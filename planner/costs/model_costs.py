@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,18 +27,21 @@ from planner.capture.contract import (
     sequence_length,
 )
 from planner.capture.ep_plan import resolve_experts
+from planner.capture.float8 import check_float8, linear_layers, require_torchao
 from planner.capture.load import ModelFile, load_model_file, move_model
 from planner.capture.meta_cache import meta_build
 from planner.capture.stage import stage_inputs, stage_module
 from planner.capture.trace import retrace, trace_model
-from planner.core.levers.hardware import HardwareSpec, dtype_bytes, node_links
+from planner.core.levers.float8 import compute_dtype, float8_recipe, kept_layers
+from planner.core.levers.hardware import HardwareError, HardwareSpec, dtype_bytes, node_links
 from planner.core.levers.hardware_file import hardware_named
 from planner.costs.blocks import ties_of
 from planner.costs.scaling import fixed_fraction, measured_time_at, second_size
-from planner.errors import InfeasibleError, ModelFileError
+from planner.errors import InfeasibleError, ModelFileError, PlannerError
 from planner.schema.bounds import too_few_blocks
 from planner.schema.costs import GLOO_CPU_LINK, NCCL_NVLINK_LINK, BlockCost, LinkCost, StepTempRule
 from planner.schema.plan import Plan, ProfileInfo, Tie
+from planner.schema.plan_parts import Float8Linears
 from planner.schema.request import PlanRequest
 from planner.threads import torch_threads
 from planner.workers import Background
@@ -120,6 +124,7 @@ def _measured_alike(reuse: Plan, request: PlanRequest, threads: int, device: tor
     same = (request.microbatch_size, threads, str(device), request.optimizer, "measured", request.autocast)
     return (
         reuse.compile == request.compile
+        and (reuse.profile.float8 is None) == (float8_recipe(request.dtype) is None)
         and (
             reuse.microbatch_size,
             reuse.profile.threads,
@@ -206,14 +211,12 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
         PlannerError: the device cannot autocast in the requested dtype.
     """
     from planner.costs.duration import duration_advice
-    from planner.costs.levers import check_autocast
     from planner.costs.measure import profile_model
     from planner.costs.settings import ProfileSettings, Sample
 
     use_cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
-    if request.autocast is not None:
-        check_autocast(device, request.autocast)  # before the model is built
+    _check_levers(device, request)  # before the model is built
     model = move_model(mf.build(seed=request.seed), device)
     inputs, target = mf.batch(request.microbatch_size, seed=request.seed)
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
@@ -232,6 +235,7 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
         cores=None if use_cuda else os.cpu_count(),
         tokens_per_sample=tokens_per_sample(inputs),
         autocast=request.autocast,
+        float8=float8_linears(request.dtype, traced, use_cuda),
     )
     rule: StepTempRule | None = None
     if reuse is not None and _measured_alike(reuse, request, threads, device):
@@ -266,6 +270,7 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
                 progress=request.progress,
                 autocast=request.autocast,
                 compile=request.compile,
+                float8=info.float8,
             ),
             optimizer=request.optimizer,
         )
@@ -285,6 +290,16 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
     link = NCCL_NVLINK_LINK if use_cuda else GLOO_CPU_LINK
     info = info.model_copy(update=scaling)
     return Costs(traced, _with_output(blocks, traced), link, info, capacity, ties_of(traced), rule)
+
+
+def _check_levers(device: torch.device, request: PlanRequest) -> None:
+    """Refuse, in one line, an autocast dtype or float8 training the device cannot run."""
+    from planner.costs.levers import check_autocast
+
+    if request.autocast is not None:
+        check_autocast(device, request.autocast)
+    if float8_recipe(request.dtype) is not None:
+        check_float8(device, request.compile)
 
 
 def _hardware(gpu_type: str, threads: int, attention: str | None) -> HardwareSpec:
@@ -309,7 +324,13 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
     """
     assert request.gpu_type is not None
     hw = _hardware(request.gpu_type, threads, request.attention_kernel)
-    dtype = request.dtype or ("fp32" if hw.kind == "cpu" else "bf16")
+    dtype: str = request.dtype or ("fp32" if hw.kind == "cpu" else "bf16")
+    if float8_recipe(dtype) is not None and "fp8" not in hw.peak_flops:
+        raise HardwareError(
+            f"--dtype {dtype}: {hw.name} has no FP8 tensor cores (its table lists {', '.join(hw.peak_flops)}); "
+            "plan it with --dtype bf16, or for an FP8 GPU (h100, h200, l40s, l4, mi300x)"
+        )
+    dtype = compute_dtype(dtype)  # fp8: bf16 around the float8 GEMMs
     with meta_build():  # no weights, no initialisation
         model = mf.build(seed=request.seed)
     check_batch_size(mf, 2 * request.microbatch_size, request.seed)  # the rest of the contract needs real data
@@ -371,7 +392,9 @@ def cost_at_size(job: SizeJob) -> float:
     cast = move_model(model, dtype=TORCH_DTYPES[job.dtype])
     x, y = _meta_batch(mf, job.size, request.seed)
     costed = trace_model(cast, x)  # the tracers ``retrace`` tries
-    blocks = estimate_blocks(costed, x, y, mf.loss_fn, hw, job.dtype, request.optimizer, False, request.compile)
+    float8 = float8_linears(request.dtype, costed, hw.kind == "gpu")
+    on = (job.dtype, request.optimizer, False, request.compile)
+    blocks = estimate_blocks(costed, x, y, mf.loss_fn, hw, *on, float8=float8)
     return sum(b.fwd_s + b.bwd_s for b in blocks)
 
 
@@ -405,9 +428,10 @@ def _estimated(
     on_cpu = hw.kind == "cpu"
     traced = _traced(mf, model, inputs, target, request, on_meta=True)
     costed, costed_model = costed_trace(traced, model, inputs, dtype)
+    float8 = float8_linears(request.dtype, traced, not on_cpu)
     # compiled: costed as torch.compile fuses each block (planner.costs.fusion)
     on = (dtype, request.optimizer, request.progress, request.compile)  # dtype, optimizer, progress, compiled
-    blocks = estimate_blocks(costed, inputs, target, mf.loss_fn, hw, *on)
+    blocks = estimate_blocks(costed, inputs, target, mf.loss_fn, hw, *on, float8=float8)
     # the blocks as the run's trace names them
     blocks = [
         b.model_copy(update={"first_node": t.nodes[0], "last_node": t.nodes[-1]}) for b, t in zip(blocks, traced.blocks)
@@ -424,6 +448,7 @@ def _estimated(
         hardware=hw.name,
         attention_kernel=None if on_cpu else hw.attention_backend,
         dtype=dtype,
+        float8=float8,
         cores=os.cpu_count() if on_cpu else None,
         tokens_per_sample=tokens_per_sample(inputs),
     )
@@ -442,7 +467,7 @@ def _estimated(
                 pass
         x, y = _meta_batch(mf, size, request.seed)
         other = retrace(costed, costed_model, x)
-        est = estimate_blocks(other, x, y, mf.loss_fn, hw, *on)
+        est = estimate_blocks(other, x, y, mf.loss_fn, hw, *on, float8=float8)
         return sum(b.fwd_s + b.bwd_s for b in est)
 
     scaling = _scaling(request, estimated_time_at)
@@ -484,6 +509,38 @@ def _runs_one(
     except Exception:  # noqa: BLE001 - any failure means "cannot run that small"
         return False
     return True
+
+
+def float8_linears(dtype: str | None, traced: TracedModel, small_filter: bool) -> Float8Linears | None:
+    """The plan's float8 layers for ``--dtype``: which of the traced model's linear layers convert.
+
+    Args:
+        dtype: the request's ``--dtype``.
+        traced: the model's trace.
+        small_filter: apply torchao's size thresholds (a GPU plan: ``planner.core.levers.float8.too_small``).
+
+    Returns:
+        The record (None: not an FP8 dtype).
+
+    Raises:
+        PlannerError: torchao is missing, or no linear layer of the model converts.
+        TraceError: the model was traced by module boundaries.
+    """
+    recipe = float8_recipe(dtype)
+    if recipe is None:
+        return None
+    require_torchao()
+    layers = linear_layers(traced)
+    kept = kept_layers(layers, recipe, small_filter)
+    if len(kept) == len(layers):
+        why = Counter(kept.values()).most_common(1)[0][0] if kept else "the model has none"
+        raise PlannerError(
+            f"--dtype {dtype}: none of the model's {len(layers)} linear layers would train in float8 ({why}); "
+            "plan it with --dtype bf16"
+        )
+    return Float8Linears(
+        recipe="rowwise" if recipe == "rowwise" else "tensorwise", converted=len(layers) - len(kept), kept=kept
+    )
 
 
 __all__ = ["GPU_MEMORY_HEADROOM", "Costs", "estimated_costs", "measured_costs", "say", "tokens_per_sample"]

@@ -31,10 +31,11 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from planner.capture.attention import SDPA_CALLS, sdpa_arguments
 from planner.capture.checkpoint import KeepRule
+from planner.capture.float8 import FLOAT8_DTYPES
 from planner.core.levers.hardware import HardwareSpec
 from planner.costs.backward_temps import storage_bytes
 from planner.costs.fusion import Fusion
-from planner.torch_compat import TorchDispatchMode, decomposes, pytree, storage_id, swapped_sdpa
+from planner.torch_compat import TorchDispatchMode, decomposes, float8_payload, pytree, storage_id, swapped_sdpa
 
 aten = torch.ops.aten
 
@@ -131,12 +132,15 @@ def tensor_bytes(t: torch.Tensor, float_bytes: int | None = None) -> int:
     Returns:
         Bytes.
     """
+    data = float8_payload(t)  # torchao's float8 tensor: its payload, a byte an element (its dtype says bf16)
+    if data is not None:
+        t, float_bytes = data, None
     n = 1
     for size, stride in zip(t.shape, t.stride()):
         if stride != 0:
             n *= int(size)
-    size = float_bytes if float_bytes is not None and t.is_floating_point() else t.element_size()
-    return n * size
+    wide = float_bytes is not None and t.is_floating_point() and t.dtype not in FLOAT8_DTYPES
+    return n * (float_bytes if wide and float_bytes is not None else t.element_size())
 
 
 class Roofline(TorchDispatchMode):
@@ -349,17 +353,28 @@ class Roofline(TorchDispatchMode):
                 float_dtype = t.dtype
                 break
         if packet in _AUTOCAST_LOWER:
-            self.cast_inputs.update(storage_id(t) for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor))
+            self.cast_inputs.update(
+                storage_id(_payload(t)) for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)
+            )
         if self.fusion is not None and self._fused(func, flops, moves, args, kwargs, out):
             return
         hw = self.hw
+        peak = self._peak(float_dtype)
+        relaid = 0
         if flops and packet in _GEMMS:
             efficiency = hw.gemm_efficiency(*_gemm_dims(packet, args))
+            relaid = _float8_relayout_bytes(args)
+            if relaid >= 0:  # float8 operands (torchao): the FP8 tensor cores' peak
+                peak = hw.peak("fp8")
         elif flops and grouped is not None:
             efficiency = hw.gemm_efficiency(*grouped[1])
         else:
             efficiency = hw.matmul_efficiency
-        compute = flops / (self._peak(float_dtype) * efficiency) if flops else 0.0
+        compute = flops / (peak * efficiency) if flops else 0.0
+        # the FP8 GEMM takes its first operand row-major and its second column-major: torchao copies an operand
+        # laid out otherwise first (eager: read and write a byte an element; compiled, the cast writes the
+        # second layout itself, a byte an element more: torchao's roofline, testing/training/roofline_utils.py)
+        nbytes += max(relaid, 0) // (2 if self.fuse else 1)
         memory = nbytes / (hw.memory_Bps * hw.memory_efficiency)
         roof = max(compute, memory)
         if hw.async_launch:
@@ -378,8 +393,8 @@ class Roofline(TorchDispatchMode):
         """Under ``fuse``: charge a memory-bound operator into its region (True), or end the region
         at a barrier, which is then charged as ever (False). Views are free in a compiled graph."""
         assert self.fusion is not None
-        read = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        made = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        read = [_payload(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        made = [_payload(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         if flops or getattr(func, "namespace", "aten") not in _FUSED_NAMESPACES:
             self.fusion.barrier(read, made)
             return False
@@ -414,6 +429,24 @@ _GROUPED_GEMMS = {
     "transformers::grouped_mm_fallback": 1,
     "transformers::grouped_mm_fallback_backward": 2,
 }
+
+
+def _payload(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory an operator reads: a float8 training tensor's payload (which the cast before
+    it wrote), else ``t``."""
+    data = float8_payload(t)
+    return t if data is None else data
+
+
+def _float8_relayout_bytes(args: tuple) -> int:
+    """-1 for a GEMM of plain tensors; for one of torchao's float8 GEMMs (``aten.mm`` on float8 training
+    tensors), the bytes copying its operands into the layout ``torch._scaled_mm`` takes costs: the first
+    row-major, the second column-major (torchao's ``preprocess_addmm``), read and written once each."""
+    a, b = (float8_payload(x) for x in args[-2:])
+    if a is None or b is None:
+        return -1
+    copied = 0 if a.stride()[-1] == 1 else 2 * a.numel()
+    return copied + (0 if b.stride()[0] == 1 and b.dim() == 2 else 2 * b.numel())
 
 
 def grouped_gemm(func: Any, args: tuple) -> tuple[float, tuple[int, int, int]] | None:

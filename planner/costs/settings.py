@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from planner.schema.plan_parts import Float8Linears
+
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 """``loss_fn(output, target) -> scalar``: the model file's loss (a mean over the microbatch)."""
 
@@ -50,6 +52,8 @@ class ProfileSettings:
             ``planner.costs.levers.check_autocast`` first); None: no autocast, as the model is.
         compile: time each block as ``torch.compile`` of it (the block module in a graph trace,
             the block module's forward in a module-boundary trace).
+        float8: ``--dtype fp8``: each block's linear layers converted to torchao's float8 ones first
+            (``planner.capture.float8.convert_stage``; emulated on a CPU), as the run converts its stages.
     """
 
     warmup: int = 2
@@ -58,3 +62,4 @@ class ProfileSettings:
     progress: bool = True
     autocast: str | None = None
     compile: bool = False
+    float8: Float8Linears | None = None

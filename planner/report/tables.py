@@ -398,6 +398,33 @@ def context_line(plan: Plan) -> str:
     )
 
 
+def float8_line(plan: Plan) -> str:
+    """One line on an FP8 plan's linear layers: how many train in float8, which stay in bf16 and why.
+
+    Args:
+        plan: the plan (``profile.float8``).
+
+    Returns:
+        e.g. ``float8 (torchao, tensorwise scaling): 224 of 225 linear layers compute their GEMMs in float8;
+        in bf16: output (outside the repeated layers ...)``; empty without float8.
+    """
+    f8 = plan.profile.float8
+    if f8 is None:
+        return ""
+    line = (
+        f"float8 (torchao, {f8.recipe} scaling): {f8.converted} of {f8.converted + len(f8.kept)} linear layers compute "
+        "their GEMMs in float8, everything else in bf16"
+    )
+    by_reason: dict[str, list[str]] = {}
+    for name, why in f8.kept.items():
+        by_reason.setdefault(why, []).append(name)
+    kept = [
+        (", ".join(names) if len(names) <= 3 else f"{len(names)} layers: {names[0]} ... {names[-1]}") + f" ({why})"
+        for why, names in by_reason.items()
+    ]
+    return line + ("; in bf16: " + "; ".join(kept) if kept else "")
+
+
 def experts_line(plan: Plan) -> str:
     """One line on a mixture-of-experts model's experts, e.g. "experts: 32 mixture-of-experts layers of 8
     experts (model.layers.0.mlp.experts ... model.layers.31.mlp.experts); every rank holds all the experts
@@ -515,6 +542,8 @@ def render(plan: Plan) -> str:
         head += "\n" + line
     if plan.experts:
         head += "\n" + experts_line(plan)
+    if plan.profile.float8 is not None:
+        head += "\n" + float8_line(plan)
     reduction = (
         f" ({_ms(plan.prediction.dp_reduce_s)} ms of it reducing gradients over {plan.replicas} replicas)"
         if plan.replicas > 1

@@ -103,5 +103,6 @@ def throughput_line(plan: Plan) -> str:
     if t.tokens_per_s is not None and t.tokens_per_s_per_gpu is not None:
         parts.append(f"{t.tokens_per_s:.5g} tokens/s ({t.tokens_per_s_per_gpu:.5g} per GPU)")
     if t.mfu is not None and t.busy_mfu is not None:
-        parts.append(f"MFU {100 * t.mfu:.1f}% ({100 * t.busy_mfu:.1f}% without the bubble)")
+        of = " of the bf16 peak, which float8 GEMMs double" if plan.profile.float8 is not None else ""
+        parts.append(f"MFU {100 * t.mfu:.1f}% ({100 * t.busy_mfu:.1f}% without the bubble){of}")
     return "throughput: " + ", ".join(parts)

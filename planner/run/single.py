@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from planner.capture.float8 import convert_model
 from planner.capture.load import ModelFile
 from planner.capture.shapes import keeps_fp32_weights
 from planner.run.loop import RankModel, RankResult, run_result, train_steps
@@ -168,6 +169,8 @@ def train_local(
     """
     with torch_threads(plan.profile.threads):
         model = mf.build(plan.model.seed)
+        if plan.profile.float8 is not None:  # the layers the stages convert, emulated here on the CPU
+            convert_model(model, plan.profile.float8, emulate=True)
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = make_optimizer(params, plan)
@@ -223,13 +226,17 @@ def train_reference(plan: Plan, plan_path: str | Path, steps: int, *, echo: bool
         echo: print one progress line per step.
 
     Returns:
-        The measured run (mode "local", ``n_microbatches`` 1).
+        The measured run (mode "local", ``n_microbatches`` 1; under float8's tensorwise scaling, each
+        replica's microbatches: a cast's scale is its tensor's largest magnitude, which a full batch
+        takes over more rows than any rank's microbatch holds).
     """
+    f8 = plan.profile.float8
+    n = plan.dp * plan.n_microbatches * plan.accumulation if f8 is not None and f8.recipe == "tensorwise" else 1
     return train_model_file(
         plan,
         load_plan_model(plan, plan_path),
         steps,
-        n_microbatches=1,
+        n_microbatches=n,
         echo=echo,
         track_memory=False,
         plan_path=plan_path,

@@ -18,6 +18,7 @@ from planner.capture.blocks import GraphTrace, TracedModel
 from planner.capture.checkpoint import CheckpointedStage, checkpointed_stage, stage_units
 from planner.capture.clock import BlockClock
 from planner.capture.contract import sequence_length
+from planner.capture.float8 import convert_stage, emulated
 from planner.capture.graph import buffers_restored, retarget_devices
 from planner.capture.shapes import shapes_or_real
 from planner.capture.stage import stage_inputs, stage_module, trace_root
@@ -241,6 +242,9 @@ def _cut_stages(
             if shardable is traced
             else ContiguousBoundary(stage_module(traced, stage_plan.start, stage_plan.end))
         )
+        # float8 layers before the examples (they send what the stage computes in) and any sharding
+        for stage in {id(m): m for m in (built, shown.module)}.values():
+            _to_float8(plan, stage, device)
         # under the plan's autocast, so the examples (and the receive buffers made from them) have
         # the dtypes that will cross the cut
         with autocast_region(plan, device.type):
@@ -256,6 +260,17 @@ def _cut_stages(
         example_in, example_out = sent_examples(module.scatter, example_in, example_out)
         cut.append(_CutStage(stage_plan, built, inner, module, example_in, example_out, clock, chunks))
     return cut
+
+
+def _to_float8(plan: Plan, stage: torch.nn.Module, device: torch.device) -> None:
+    """A float8 plan's stage with its linear layers converted to torchao's (``planner.capture.float8``),
+    unit by unit: before tensor parallelism and FSDP wrap them, as torchtitan converts."""
+    f8 = plan.profile.float8
+    if f8 is None:
+        return
+    for unit in stage_units(stage):
+        if isinstance(unit, torch.fx.GraphModule):
+            convert_stage(unit, f8.recipe, f8.kept, emulated(device))
 
 
 def _stage_chain(plan: Plan, traced: TracedModel, stage_plan: StagePlan, clock: BlockClock | None) -> torch.nn.Module:

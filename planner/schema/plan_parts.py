@@ -7,6 +7,7 @@ Pure module: pydantic only, never torch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
@@ -62,6 +63,37 @@ class ModelRef(_Frozen):
     )
 
 
+@dataclass(frozen=True)
+class LinearLayer:
+    """One linear layer of a traced model, as the float8 filters read it.
+
+    Attributes:
+        name: its module's qualified name in the model (``layers.0.attention.wq``).
+        in_features: the width it reads (K of its forward GEMM).
+        out_features: the width it writes (N).
+        in_layer: it is inside one of the model's repeated layers (a block that is a layer).
+        router: its output picks experts (a top-k reads it).
+    """
+
+    name: str
+    in_features: int
+    out_features: int
+    in_layer: bool
+    router: bool = False
+
+
+class Float8Linears(_Frozen):
+    """A plan's FP8 training (``--dtype fp8|fp8-rowwise``): torchao's float8 linear layers."""
+
+    recipe: Literal["tensorwise", "rowwise"] = Field(description="torchao's scaling recipe.")
+    converted: int = Field(ge=0, description="Linear layers whose GEMMs run in float8.")
+    kept: dict[str, str] = Field(
+        default_factory=dict,
+        description="Linear layers that stay in bf16 -> why (planner.core.levers.float8.kept_reason); the runner "
+        "converts every other nn.Linear the trace calls.",
+    )
+
+
 class ProfileInfo(_Frozen):
     """Where and how the costs were measured."""
 
@@ -94,6 +126,11 @@ class ProfileInfo(_Frozen):
         "gradients and optimizer state in dtype (autocast's master weights), activations and the bytes crossing a cut "
         "as autocast made them. The runner runs each stage's forward (and the last stage's loss) under "
         "torch.autocast(device.type, dtype=...). None: no autocast (estimates never set it).",
+    )
+    float8: Float8Linears | None = Field(
+        default=None,
+        description="--dtype fp8: the linear layers trained in float8 (torchao), over the bf16 of dtype/autocast; "
+        "None: no float8.",
     )
     compile_failures: list[tuple[str, str]] = Field(
         default_factory=list,

@@ -23,7 +23,8 @@ Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleav
 Method = Literal["optimal", "uniform", "params", "given"]
 Recompute = Literal["auto", "never", "selective", "full", "stage", "always"]
 """``--recompute``: activation checkpointing per stage ("always": the old name of "full")."""
-Dtype = Literal["bf16", "fp16", "fp32"]
+Dtype = Literal["bf16", "fp16", "fp32", "fp8", "fp8-rowwise"]
+"""``--dtype``; fp8 and fp8-rowwise: bf16 with the linear layers' GEMMs in float8 (``core/levers/float8``)."""
 DpMode = Literal["ddp", "fsdp", "hsdp"]
 """How data-parallel replicas reduce their gradients: DDP (all-reduce; every replica holds the whole
 stage), FSDP2 ``fully_shard`` (parameters, gradients and optimizer state sharded over every replica;
@@ -605,10 +606,10 @@ class PlanRequest(_Request):
 
     @property
     def autocast(self) -> Literal["bf16", "fp16"] | None:
-        """The autocast dtype measured costs are profiled under: ``--dtype`` bf16 or fp16 without
-        ``--gpu-type``; None otherwise (fp32, or an estimate, whose ``--dtype`` is its own dtype)."""
-        if self.gpu_type is None and self.dtype in ("bf16", "fp16"):
-            return "bf16" if self.dtype == "bf16" else "fp16"
+        """The autocast dtype measured costs are profiled under: ``--dtype`` bf16, fp16 or an FP8 dtype
+        (bf16) without ``--gpu-type``; None otherwise (fp32, or an estimate, whose ``--dtype`` is its own)."""
+        if self.gpu_type is None and self.dtype is not None and self.dtype != "fp32":
+            return "fp16" if self.dtype == "fp16" else "bf16"  # (fp8: bf16 around the float8 GEMMs)
         return None
 
     @property

@@ -57,7 +57,8 @@ class HardwareSpec(BaseModel):
     name: str = Field(description="Short name, e.g. 'h100' or 'cpu-myhost-1t'.")
     kind: Literal["gpu", "cpu"] = Field(default="gpu", description="Accelerator or this machine's CPU.")
     peak_flops: dict[str, float] = Field(
-        description="Peak dense FLOP/s per dtype ('fp32', 'tf32', 'bf16', 'fp16'); a missing key means unsupported."
+        description="Peak dense FLOP/s per dtype ('fp32', 'tf32', 'bf16', 'fp16', 'fp8': the FP8 tensor cores of "
+        "--dtype fp8's GEMMs); a missing key means unsupported."
     )
     memory_Bps: float = Field(gt=0, description="Peak memory (HBM/GDDR/DRAM) bandwidth, bytes/s.")
     memory_bytes: int = Field(gt=0, description="Memory capacity, bytes.")
@@ -285,10 +286,13 @@ _H100_FLASH2 = (0.32, 0.30)
 
 # NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column): FP32 67 TFLOPS; TF32 Tensor Core
 # 989 TFLOPS with sparsity (494.5 dense); BF16/FP16 Tensor Core 1,979 with sparsity (989.5
-# dense); 80 GB HBM3 at 3.35 TB/s; NVLink 900 GB/s total (450 GB/s per direction).
+# dense); FP8 Tensor Core 3,958 with sparsity (1,979 dense); 80 GB HBM3 at 3.35 TB/s; NVLink 900 GB/s
+# total (450 GB/s per direction). FP8 GEMMs are charged matmul_efficiency of the FP8 peak, as torchao's
+# own float8 roofline charges both peaks one achievable fraction (testing/training/roofline_utils.py:
+# pct_achievable_gemm_tops 0.78 on H100, "based on experimental observation").
 _H100 = HardwareSpec(
     name="h100",
-    peak_flops={"fp32": 67 * _T, "tf32": 494.5 * _T, "bf16": 989.5 * _T, "fp16": 989.5 * _T},
+    peak_flops={"fp32": 67 * _T, "tf32": 494.5 * _T, "bf16": 989.5 * _T, "fp16": 989.5 * _T, "fp8": 1979 * _T},
     memory_Bps=3.35e12,
     memory_bytes=81_089 * _MiB,  # 79.2 GiB as CUDA reports it (torch 2.7, CUDA 12.8)
     intra_node_Bps=450 * _GB,
@@ -332,7 +336,7 @@ GPUS: dict[str, HardwareSpec] = {
     "h100": _H100,
     "h100-hbm2e": _H100_HBM2E,
     # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): same compute as H100 SXM (FP32 67 TFLOPS,
-    # TF32 989 / BF16 1,979 / FP16 1,979 TFLOPS with sparsity); 141 GB HBM3e at 4.8 TB/s;
+    # TF32 989 / BF16 1,979 / FP16 1,979 / FP8 3,958 TFLOPS with sparsity); 141 GB HBM3e at 4.8 TB/s;
     # NVLink 900 GB/s: the H100's figures otherwise.
     "h200": _H100.model_copy(
         update={
@@ -407,11 +411,11 @@ GPUS: dict[str, HardwareSpec] = {
         source="NVIDIA A100 Tensor Core GPU datasheet, A100 40GB SXM",
     ),
     # NVIDIA L4 Tensor Core GPU datasheet: FP32 30.3 TFLOPS; TF32 120 (sparse; 60 dense);
-    # BF16/FP16 242 (sparse; 121 dense); 24 GB GDDR6 at 300 GB/s; PCIe Gen4 x16 64 GB/s, no NVLink.
+    # BF16/FP16 242 (sparse; 121 dense); FP8 485 (sparse; 242.5 dense); 24 GB GDDR6 at 300 GB/s; PCIe Gen4 x16 64 GB/s, no NVLink.
     # Inter-node: AWS g6 / GCP g2 instance networking (up to 100 Gb/s).
     "l4": HardwareSpec(
         name="l4",
-        peak_flops={"fp32": 30.3 * _T, "tf32": 60 * _T, "bf16": 121 * _T, "fp16": 121 * _T},
+        peak_flops={"fp32": 30.3 * _T, "tf32": 60 * _T, "bf16": 121 * _T, "fp16": 121 * _T, "fp8": 242.5 * _T},
         memory_Bps=300 * _GB,
         memory_bytes=23_034 * _MiB,  # 22.5 GiB as CUDA reports it
         intra_node_Bps=_PCIE4_X16,
@@ -432,11 +436,11 @@ GPUS: dict[str, HardwareSpec] = {
         source="NVIDIA L4 Tensor Core GPU datasheet",
     ),
     # NVIDIA L40S GPU datasheet: FP32 91.6 TFLOPS; TF32 183 (366 sparse); BF16/FP16 362.05
-    # (733 sparse); 48 GB GDDR6 at 864 GB/s; PCIe Gen4 x16 64 GB/s, no NVLink.
+    # (733 sparse); FP8 733 (1,466 sparse); 48 GB GDDR6 at 864 GB/s; PCIe Gen4 x16 64 GB/s, no NVLink.
     # Inter-node: AWS g6e instance networking (up to 100 Gb/s on the mid sizes).
     "l40s": HardwareSpec(
         name="l40s",
-        peak_flops={"fp32": 91.6 * _T, "tf32": 183 * _T, "bf16": 362.05 * _T, "fp16": 362.05 * _T},
+        peak_flops={"fp32": 91.6 * _T, "tf32": 183 * _T, "bf16": 362.05 * _T, "fp16": 362.05 * _T, "fp8": 733 * _T},
         memory_Bps=864 * _GB,
         memory_bytes=45_589 * _MiB,  # 44.5 GiB as CUDA reports it
         intra_node_Bps=_PCIE4_X16,
@@ -510,13 +514,19 @@ GPUS: dict[str, HardwareSpec] = {
         source="NVIDIA V100 Tensor Core GPU datasheet, V100 SXM2 32GB",
     ),
     # AMD Instinct MI300X accelerator data sheet: FP32 (matrix) 163.4 TFLOPS; TF32 653.7 TFLOPS;
-    # BF16/FP16 1,307.4 TFLOPS dense (2,614.9 with sparsity); 192 GB HBM3 at 5.3 TB/s; 7 AMD
+    # BF16/FP16 1,307.4 TFLOPS dense (2,614.9 with sparsity); FP8 2,614.9 dense; 192 GB HBM3 at 5.3 TB/s; 7 AMD
     # Infinity Fabric links, 896 GB/s aggregate = 128 GB/s per link, i.e. 64 GB/s per direction
     # to one peer in the fully connected 8-GPU platform. Inter-node: 400 Gb/s NIC per GPU.
     # ROCm GEMMs reach a smaller fraction of peak than cuBLAS (MAMF 60 %): matmul_efficiency 0.55.
     "mi300x": HardwareSpec(
         name="mi300x",
-        peak_flops={"fp32": 163.4 * _T, "tf32": 653.7 * _T, "bf16": 1307.4 * _T, "fp16": 1307.4 * _T},
+        peak_flops={
+            "fp32": 163.4 * _T,
+            "tf32": 653.7 * _T,
+            "bf16": 1307.4 * _T,
+            "fp16": 1307.4 * _T,
+            "fp8": 2614.9 * _T,
+        },
         memory_Bps=5.3e12,
         memory_bytes=196_592 * _MiB,  # 192.0 GiB as ROCm reports it (less 16 MiB)
         intra_node_Bps=64 * _GB,

@@ -1,0 +1,247 @@
+"""Float8 linear layers in a traced model (``--dtype fp8``): the layers the model has, and a stage's
+layers converted to torchao's ``Float8Linear``.
+
+The planner traces the model as written (torch.export cannot trace torchao's float8 tensors) and
+converts each stage after cutting it: the estimate's blocks (``planner.costs.estimate``), the measured
+profile's and the runner's stages, before tensor parallelism and FSDP wrap them (torchtitan's order).
+A torch.fx stage calls its linear layers as modules, which ``convert_to_float8_training`` swaps; a
+torch.export stage calls ``aten.linear`` on the weights, so each such call becomes a call of an
+``nn.Linear`` holding the stage's own parameters first, and is then swapped alike.
+
+torchao is imported here only, when a plan trains in float8 (``pip install 'planner[fp8]'``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Collection, Iterator
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from planner.capture.blocks import GraphTrace, TracedModel
+from planner.errors import PlannerError, TraceError
+from planner.schema.plan_parts import Float8Linears, LinearLayer
+from planner.torch_compat import float8_import_logger_names
+
+_LINEAR = torch.ops.aten.linear.default
+# how far from a linear layer's output a top-k may read it for the layer to be a router (softmax,
+# a cast, a view in between)
+_ROUTER_HOPS = 4
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@contextlib.contextmanager
+def _quiet_import() -> Iterator[None]:
+    """torchao's import warns of the CUDA extensions it cannot load on a machine without them, and torch of
+    a deprecated registration: neither concerns float8 training, which needs neither."""
+    loggers = [logging.getLogger(name) for name in float8_import_logger_names()]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def require_torchao() -> Any:
+    """torchao's float8 training module.
+
+    Returns:
+        ``torchao.float8``.
+
+    Raises:
+        PlannerError: torchao is not installed.
+    """
+    try:
+        with _quiet_import():
+            import torchao.float8 as float8
+    except ImportError as e:
+        raise PlannerError(
+            f"--dtype fp8 trains the linear layers with torchao's float8, which is not installed ({e}); "
+            "install it with: pip install 'planner[fp8]'"
+        ) from e
+    return float8
+
+
+def linear_layers(traced: TracedModel) -> list[LinearLayer]:
+    """Every linear layer the traced model calls, once each, in graph order.
+
+    Args:
+        traced: the trace (a graph: module-boundary traces are refused).
+
+    Returns:
+        The layers with their widths, whether a repeated layer holds them and whether they route.
+
+    Raises:
+        TraceError: the model was traced by module boundaries.
+    """
+    if not isinstance(traced, GraphTrace):
+        raise TraceError(
+            "--dtype fp8 converts the linear layers of a traced graph, but this model was traced by module "
+            f"boundaries ({'; '.join(r for _, r in traced.failures)}); make it traceable by torch.fx or torch.export"
+        )
+    found: dict[str, LinearLayer] = {}
+    for node in traced.gm.graph.nodes:
+        name = linear_name(traced.gm, node)
+        if name is None or name in found:
+            continue
+        weight = traced.gm.get_parameter(f"{name}.weight")
+        block = traced.blocks[traced.block_of[node.name]]
+        found[name] = LinearLayer(
+            name, int(weight.shape[1]), int(weight.shape[0]), block.is_layer, router=_feeds_topk(node)
+        )
+    return list(found.values())
+
+
+def linear_name(gm: fx.GraphModule, node: fx.Node) -> str | None:
+    """The qualified name of the linear layer ``node`` calls, or None when it calls none: an ``nn.Linear``
+    module (torch.fx), or ``aten.linear`` on a module's own weight and bias (torch.export)."""
+    if node.op == "call_module":
+        return str(node.target) if type(gm.get_submodule(str(node.target))) is nn.Linear else None
+    if node.op != "call_function" or node.target is not _LINEAR or len(node.args) < 2:
+        return None
+    weight = node.args[1]
+    if not (isinstance(weight, fx.Node) and weight.op == "get_attr" and str(weight.target).endswith(".weight")):
+        return None
+    name = str(weight.target)[: -len(".weight")]
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    if bias is not None and not (isinstance(bias, fx.Node) and bias.op == "get_attr" and bias.target == f"{name}.bias"):
+        return None
+    held = gm.get_submodule(name) if name else None
+    return name if isinstance(held, nn.Module) and isinstance(getattr(held, "weight", None), nn.Parameter) else None
+
+
+def _feeds_topk(node: fx.Node) -> bool:
+    """Whether a top-k reads ``node``'s output within a few operators (a router's scores)."""
+    frontier, seen = [node], {node}
+    for _ in range(_ROUTER_HOPS):
+        nxt = []
+        for n in frontier:
+            for user in n.users:
+                if "topk" in str(getattr(user.target, "__name__", user.target)):
+                    return True
+                if user not in seen:
+                    seen.add(user)
+                    nxt.append(user)
+        frontier = nxt
+    return False
+
+
+def convert_stage(stage: fx.GraphModule, recipe: str, kept: Collection[str], emulate: bool) -> int:
+    """Convert the stage's linear layers, but those in ``kept``, to torchao's ``Float8Linear`` in place.
+
+    Args:
+        stage: a stage (or block) module cut from a graph trace; its parameters are shared, not copied.
+        recipe: torchao's recipe, "tensorwise" or "rowwise".
+        kept: names of the layers that stay in bf16 (``Float8Linears.kept``).
+        emulate: torchao's emulation (the float8 casts and scales, the GEMM in high precision): for a
+            device without FP8 tensor cores (the CPU) and for the meta device, whose roofline charges
+            the GEMMs itself.
+
+    Returns:
+        How many layers were converted.
+    """
+    require_torchao()  # before the graph changes
+    graph = stage.graph
+    calls = [(n, name) for n in graph.nodes if n.op == "call_function" for name in [linear_name(stage, n)] if name]
+    for node, name in calls:
+        if name not in kept:
+            _call_as_linear(stage, graph, name, node)
+    if calls:
+        graph.lint()
+        stage.recompile()
+    return convert_stage_modules(stage, recipe, kept, emulate)
+
+
+def convert_stage_modules(module: nn.Module, recipe: str, kept: Collection[str], emulate: bool) -> int:
+    """Swap ``module``'s ``nn.Linear`` modules, but those named in ``kept``, for torchao's ``Float8Linear``
+    (sharing their parameters); returns how many."""
+    float8 = require_torchao()
+    config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+    converted: list[str] = []
+
+    def chosen(module: nn.Module, fqn: str) -> bool:
+        take = type(module) is nn.Linear and fqn not in kept
+        if take:
+            converted.append(fqn)
+        return take
+
+    with _quiet_import():
+        float8.convert_to_float8_training(module, module_filter_fn=chosen, config=config)
+    return len(converted)
+
+
+def _call_as_linear(root: fx.GraphModule, graph: fx.Graph, name: str, call: fx.Node) -> None:
+    """Replace ``call`` (``aten.linear`` on the layer ``name``'s own weight and bias) by a call of an
+    ``nn.Linear`` holding those parameters, installed in ``root`` under ``name``."""
+    holder = root.get_submodule(name)
+    weight = holder.get_parameter("weight")
+    bias = getattr(holder, "bias", None) if (len(call.args) > 2 and call.args[2] is not None) else None
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = weight
+    if bias is not None:
+        layer.bias = bias
+    parent, _, leaf = name.rpartition(".")
+    root.get_submodule(parent).register_module(leaf, layer)
+    with graph.inserting_before(call):
+        module_call = graph.call_module(name, (call.args[0],))
+    module_call.meta = dict(call.meta)
+    call.replace_all_uses_with(module_call)
+    old = call.name
+    graph.erase_node(call)
+    module_call.name = old
+
+
+def emulated(device: torch.device) -> bool:
+    """Whether float8 runs emulated on ``device``: a CPU, or the meta device.
+
+    Raises:
+        PlannerError: a CUDA GPU without FP8 tensor cores (compute capability below 8.9).
+    """
+    if device.type != "cuda":
+        return True
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise PlannerError(
+            f"--dtype fp8 needs FP8 tensor cores (compute capability 8.9 or later: Ada, Hopper, Blackwell); "
+            f"{torch.cuda.get_device_name(device)} is {major}.{minor}; re-plan with --dtype bf16"
+        )
+    return False
+
+
+def check_float8(device: torch.device, compiled: bool) -> None:
+    """Refuse, in one line, what float8 training cannot do on ``device``: a GPU without FP8 tensor cores
+    (``emulated``), and ``--compile`` where float8 runs emulated (torchao's emulation does not compile,
+    as torchtitan's float8 converter says).
+
+    Raises:
+        PlannerError: either.
+    """
+    if emulated(device) and compiled:
+        raise PlannerError(
+            f"--dtype fp8 with --compile: on {device.type} float8 runs in torchao's emulation, which does not "
+            "compile; plan it without --compile here, or estimate the GPU run with --gpu-type"
+        )
+
+
+def convert_model(model: nn.Module, float8: Float8Linears, emulate: bool) -> int:
+    """Convert an eager model's linear layers, but those the plan keeps in bf16, to ``Float8Linear`` in
+    place: the model a float8 plan's stages are cut from, trained whole (the unsplit reference, a
+    one-stage plan). Every ``nn.Linear`` converts that the plan does not keep: the layers a traced
+    graph calls (``linear_name``) are the model's ``nn.Linear`` modules, under the same names.
+
+    Args:
+        model: the model.
+        float8: the plan's float8 record.
+        emulate: torchao's emulation (``emulated``).
+
+    Returns:
+        How many layers were converted.
+    """
+    return convert_stage_modules(model, float8.recipe, float8.kept, emulate)

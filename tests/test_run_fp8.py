@@ -1,0 +1,76 @@
+"""Tier 3: FP8 training (``--dtype fp8``: torchao's float8 linear layers, emulated on the CPU), real gloo
+processes against the same converted model trained unsplit: losses and global gradient norms
+(clipping on) equal within 1e-4, as tests/test_run_tp.py checks tensor parallelism."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torchao")
+
+from run_factory import MODELS, plan_with_starts  # noqa: E402
+from test_run_tp import _run_and_compare as compare_with_unsplit  # noqa: E402
+
+FP8: dict = dict(schedule="1f1b", n_microbatches=2, optimizer="sgd", lr=0.5, grad_clip=0.5)
+
+
+def _float8(plan, recipe: str = "tensorwise", autocast: str | None = None):  # type: ignore[no-untyped-def]
+    """The plan trained in float8: its layers as the planner chooses them for a CPU plan."""
+    from planner.capture.load import load_model_file
+    from planner.capture.trace import trace_model
+    from planner.costs.model_costs import float8_linears
+
+    mf = load_model_file(Path(plan.model.path), plan.model.size)
+    inputs, _ = mf.batch(2, seed=0)
+    traced = trace_model(mf.build(0), inputs)
+    f8 = float8_linears("fp8" if recipe == "tensorwise" else "fp8-rowwise", traced, small_filter=False)
+    assert f8 is not None and f8.converted > 0
+    profile = plan.profile.model_copy(update={"float8": f8, "autocast": autocast})
+    return plan.model_copy(update={"profile": profile})
+
+
+def _run_and_compare(plan, tmp_path: Path):  # type: ignore[no-untyped-def]
+    return compare_with_unsplit(plan, tmp_path, save_checkpoints=False)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_llama_fp8_pp2_matches_the_converted_model_unsplit(tmp_path: Path, recipe: str) -> None:
+    plan = _float8(plan_with_starts(MODELS / "llama.py", [0, 3], **FP8), recipe)
+    assert plan.profile.float8 is not None
+    assert plan.profile.float8.converted == 28 and list(plan.profile.float8.kept) == ["output"]
+    got, want = _run_and_compare(plan, tmp_path)
+    print("llama fp8 pp2", recipe, got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+def test_hugging_face_llama_fp8_pp2_under_autocast_matches_unsplit(tmp_path: Path) -> None:
+    # a torch.export graph: its aten.linear calls become modules before they convert; the rest in bf16
+    pytest.importorskip("transformers")
+    plan = _float8(plan_with_starts(MODELS / "hf" / "llama.py", [0, 3], **FP8), autocast="bf16")
+    assert plan.model.trace_method == "export"
+    got, want = _run_and_compare(plan, tmp_path)
+    print("hf llama fp8 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("dp_mode", ["fsdp", "ddp"])
+def test_fp8_with_replicas_matches_unsplit(tmp_path: Path, dp_mode: str) -> None:
+    # FSDP shards the float8 layers' weights (torchtitan's order: convert, then fully_shard)
+    plan = _float8(plan_with_starts(MODELS / "llama.py", [0, 3], dp=2, dp_mode=dp_mode, **FP8))
+    assert plan.world_size == 4
+    got, want = _run_and_compare(plan, tmp_path)
+    print("llama fp8 dp2", dp_mode, got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+def test_fp8_with_tp2_matches_unsplit(tmp_path: Path) -> None:
+    # torch's column- and row-wise styles shard the float8 layers' weights; the casts' scales are the whole
+    # tensor's (torchao reduces a DTensor's largest magnitude over its shards)
+    plan = _float8(plan_with_starts(MODELS / "llama.py", [0, 3], tp=2, **FP8))
+    assert plan.world_size == 4
+    got, want = _run_and_compare(plan, tmp_path)
+    print("llama fp8 tp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
