@@ -88,7 +88,7 @@ def linear_layers(traced: TracedModel) -> list[LinearLayer]:
         )
     found: dict[str, LinearLayer] = {}
     for node in traced.gm.graph.nodes:
-        name = linear_name(traced.gm, node)
+        name = linear_name(traced.gm, node, traced.model)
         if name is None or name in found:
             continue
         weight = traced.gm.get_parameter(f"{name}.weight")
@@ -99,9 +99,10 @@ def linear_layers(traced: TracedModel) -> list[LinearLayer]:
     return list(found.values())
 
 
-def linear_name(gm: fx.GraphModule, node: fx.Node) -> str | None:
+def linear_name(gm: fx.GraphModule, node: fx.Node, model: nn.Module) -> str | None:
     """The qualified name of the linear layer ``node`` calls, or None when it calls none: an ``nn.Linear``
-    module (torch.fx), or ``aten.linear`` on a module's own weight and bias (torch.export)."""
+    module (torch.fx), or ``aten.linear`` on the weight and bias of a module that is an ``nn.Linear`` in
+    ``model`` (torch.export, whose graph holds the weights in plain modules)."""
     if node.op == "call_module":
         return str(node.target) if type(gm.get_submodule(str(node.target))) is nn.Linear else None
     if node.op != "call_function" or node.target is not _LINEAR or len(node.args) < 2:
@@ -113,8 +114,12 @@ def linear_name(gm: fx.GraphModule, node: fx.Node) -> str | None:
     bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
     if bias is not None and not (isinstance(bias, fx.Node) and bias.op == "get_attr" and bias.target == f"{name}.bias"):
         return None
-    held = gm.get_submodule(name) if name else None
-    return name if isinstance(held, nn.Module) and isinstance(getattr(held, "weight", None), nn.Parameter) else None
+    # an nn.Linear's call, as torchao swaps only those (a router module of its own calling F.linear stays)
+    try:
+        held = model.get_submodule(name)
+    except AttributeError:
+        return None
+    return name if type(held) is nn.Linear else None
 
 
 def _feeds_topk(node: fx.Node) -> bool:
@@ -133,13 +138,14 @@ def _feeds_topk(node: fx.Node) -> bool:
     return False
 
 
-def convert_stage(stage: fx.GraphModule, recipe: str, kept: Collection[str], emulate: bool) -> int:
-    """Convert the stage's linear layers, but those in ``kept``, to torchao's ``Float8Linear`` in place.
+def convert_stage(stage: fx.GraphModule, float8: Float8Linears, model: nn.Module, emulate: bool) -> int:
+    """Convert the stage's linear layers, but those the plan keeps in bf16, to torchao's ``Float8Linear``
+    in place.
 
     Args:
         stage: a stage (or block) module cut from a graph trace; its parameters are shared, not copied.
-        recipe: torchao's recipe, "tensorwise" or "rowwise".
-        kept: names of the layers that stay in bf16 (``Float8Linears.kept``).
+        float8: the plan's float8 record (the recipe, the layers kept in bf16).
+        model: the traced model, whose modules say which of a torch.export graph's calls are linear layers.
         emulate: torchao's emulation (the float8 casts and scales, the GEMM in high precision): for a
             device without FP8 tensor cores (the CPU) and for the meta device, whose roofline charges
             the GEMMs itself.
@@ -149,14 +155,12 @@ def convert_stage(stage: fx.GraphModule, recipe: str, kept: Collection[str], emu
     """
     require_torchao()  # before the graph changes
     graph = stage.graph
-    calls = [(n, name) for n in graph.nodes if n.op == "call_function" for name in [linear_name(stage, n)] if name]
-    for node, name in calls:
-        if name not in kept:
-            _call_as_linear(stage, graph, name, node)
-    if calls:
+    calls = [(n, linear_name(stage, n, model)) for n in graph.nodes if n.op == "call_function"]
+    made = [_call_as_linear(stage, graph, name, n) for n, name in calls if name and name not in float8.kept]
+    if made:
         graph.lint()
         stage.recompile()
-    return convert_stage_modules(stage, recipe, kept, emulate)
+    return convert_stage_modules(stage, float8.recipe, float8.kept, emulate)
 
 
 def convert_stage_modules(module: nn.Module, recipe: str, kept: Collection[str], emulate: bool) -> int:
@@ -177,9 +181,9 @@ def convert_stage_modules(module: nn.Module, recipe: str, kept: Collection[str],
     return len(converted)
 
 
-def _call_as_linear(root: fx.GraphModule, graph: fx.Graph, name: str, call: fx.Node) -> None:
+def _call_as_linear(root: fx.GraphModule, graph: fx.Graph, name: str, call: fx.Node) -> fx.Node:
     """Replace ``call`` (``aten.linear`` on the layer ``name``'s own weight and bias) by a call of an
-    ``nn.Linear`` holding those parameters, installed in ``root`` under ``name``."""
+    ``nn.Linear`` holding those parameters, installed in ``root`` under ``name``; returns the new call."""
     holder = root.get_submodule(name)
     weight = holder.get_parameter("weight")
     bias = getattr(holder, "bias", None) if (len(call.args) > 2 and call.args[2] is not None) else None
@@ -196,6 +200,7 @@ def _call_as_linear(root: fx.GraphModule, graph: fx.Graph, name: str, call: fx.N
     old = call.name
     graph.erase_node(call)
     module_call.name = old
+    return module_call
 
 
 def emulated(device: torch.device) -> bool:

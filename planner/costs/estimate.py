@@ -448,7 +448,7 @@ def estimate_blocks(
         stage = torch.fx.GraphModule(traced.gm, stage_graph(traced, k, k + 1, check_cuts=False), f"stage_{k}_{k + 1}")
         fuse_attention_nodes(stage)
         if float8 is not None:  # (emulated: the roofline sees torchao's float8 GEMM whole and charges it)
-            convert_stage(stage, float8.recipe, float8.kept, emulate=True)
+            convert_stage(stage, float8, traced.model, emulate=True)
         mode = Roofline(hw, dtype, fuse=compiled)
         try:
             run = _run_block(stage, current, last, target, loss_fn, mode, tdtype)

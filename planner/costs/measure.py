@@ -417,8 +417,7 @@ def _profile_graph(traced: GraphTrace, sample: Sample, settings: ProfileSettings
     for k in range(n):
         module = build_stage_module(traced, k, k + 1, check_cuts=False)
         if settings.float8 is not None and isinstance(module, torch.fx.GraphModule):
-            f8 = settings.float8
-            convert_stage(module, f8.recipe, f8.kept, emulated(torch.device(device_type)))
+            convert_stage(module, settings.float8, traced.model, emulated(torch.device(device_type)))
         last = k == n - 1
         # the first block gets the user's data, which needs no gradient
         t = timer.time(traced.blocks[k].name, module, current, last, grad=k > 0)

@@ -362,8 +362,8 @@ class Roofline(TorchDispatchMode):
         peak = self._peak(float_dtype)
         relaid = 0
         if flops and packet in _GEMMS:
-            efficiency = hw.gemm_efficiency(*_gemm_dims(packet, args))
             relaid = _float8_relayout_bytes(args)
+            efficiency = hw.gemm_efficiency(*_gemm_dims(packet, args), fp8=relaid >= 0)
             if relaid >= 0:  # float8 operands (torchao): the FP8 tensor cores' peak
                 peak = hw.peak("fp8")
         elif flops and grouped is not None:

@@ -244,7 +244,7 @@ def _cut_stages(
         )
         # float8 layers before the examples (they send what the stage computes in) and any sharding
         for stage in {id(m): m for m in (built, shown.module)}.values():
-            _to_float8(plan, stage, device)
+            _to_float8(plan, stage, traced.model, device)
         # under the plan's autocast, so the examples (and the receive buffers made from them) have
         # the dtypes that will cross the cut
         with autocast_region(plan, device.type):
@@ -262,7 +262,7 @@ def _cut_stages(
     return cut
 
 
-def _to_float8(plan: Plan, stage: torch.nn.Module, device: torch.device) -> None:
+def _to_float8(plan: Plan, stage: torch.nn.Module, model: torch.nn.Module, device: torch.device) -> None:
     """A float8 plan's stage with its linear layers converted to torchao's (``planner.capture.float8``),
     unit by unit: before tensor parallelism and FSDP wrap them, as torchtitan converts."""
     f8 = plan.profile.float8
@@ -270,7 +270,7 @@ def _to_float8(plan: Plan, stage: torch.nn.Module, device: torch.device) -> None
         return
     for unit in stage_units(stage):
         if isinstance(unit, torch.fx.GraphModule):
-            convert_stage(unit, f8.recipe, f8.kept, emulated(device))
+            convert_stage(unit, f8, model, emulated(device))
 
 
 def _stage_chain(plan: Plan, traced: TracedModel, stage_plan: StagePlan, clock: BlockClock | None) -> torch.nn.Module:
