@@ -66,6 +66,7 @@ class Outcome:
     search: Variant
     memory_gib: float  # the memory the planner plans within (the GPU's, less its headroom)
     gap: str = ""  # where the search beats the within-memory layout by more than BAND: which effect carries it
+    bf16: Variant | None = None  # an fp8 row: the within-memory layout planned in bf16 ("does FP8 pay here")
 
 
 def _plan(base: PlanRequest, costs: Any, mf: Any, limit: int | None, **update: Any) -> Variant:
@@ -143,7 +144,18 @@ def evaluate(row: Published, tmp: Path, search_timeout_s: float) -> Outcome:
     if search.plan is not None and within.plan is not None:
         gain = within.plan.prediction.step_time_s / search.plan.prediction.step_time_s - 1
         gap = _gap(base, costs, mf, limit, search.plan, within.plan) if gain > BAND else ""
-    return Outcome(row, within, as_run, search, (limit or 0) / 2**30, gap)
+    return Outcome(row, within, as_run, search, (limit or 0) / 2**30, gap, _bf16(row, base, mf))
+
+
+def _bf16(row: Published, base: PlanRequest, mf: Any) -> Variant | None:
+    """An fp8 row's within-memory layout planned in bf16, on bf16 costs: what FP8 gains there (None: a
+    bf16 row)."""
+    if row.dtype == "bf16":
+        return None
+    bf16 = base.model_copy(update={"dtype": "bf16"})
+    costs = estimated_costs(mf, bf16, 1)
+    as_run = _plan(bf16, costs, mf, None, **row.as_run)
+    return _within(bf16, costs, mf, costs.memory_bytes, row, as_run)
 
 
 def _gap(base: PlanRequest, costs: Any, mf: Any, limit: int | None, choice: Plan, published: Plan) -> str:
@@ -177,7 +189,7 @@ def _base(row: Published, tmp: Path) -> PlanRequest:
         gpus=row.gpus,
         gpu_type=row.gpu,
         gpus_per_node=8,
-        dtype="bf16",
+        dtype=row.dtype,
         batch_size=row.batch,
         tp=row.tp,
         dp=row.dp,
@@ -337,6 +349,34 @@ def robustness(plan: Plan) -> str:
     return f"{cell}; {line}" if line else f"{cell}; the choice holds"
 
 
+def fp8_cells(o: Outcome) -> list[str]:
+    """An fp8 row's "does FP8 pay here": its within-memory prediction in fp8 and in bf16, the gain the
+    planner predicts, and the published one where the source ran the same layout in bf16 too."""
+    row, peak = o.row, peak_of(o.row)
+    cells = [row.key, _fmt(row, row.figure), _fmt(row, row.bf16_figure) if row.bf16_figure else "—"]
+    for v in (o.within, o.bf16):
+        cells.append(_fmt(row, figure_at(row, v.plan.prediction.step_time_s, peak)) if v and v.plan else "—")
+    f8, b16 = o.within.plan, o.bf16.plan if o.bf16 is not None else None
+    gain = b16.prediction.step_time_s / f8.prediction.step_time_s if f8 is not None and b16 is not None else None
+    cells.append(f"{gain:.2f}x" if gain is not None else "—")
+    cells.append(f"{row.figure / row.bf16_figure:.2f}x" if row.bf16_figure else "—")
+    f8_layers = f8.profile.float8 if f8 is not None else None
+    cells.append(f"{f8_layers.converted} of {f8_layers.converted + len(f8_layers.kept)}" if f8_layers else "—")
+    return cells
+
+
+FP8_HEADERS = [
+    "row",
+    "published (fp8)",
+    "published (bf16, same run)",
+    "planner: fp8",
+    "planner: bf16, same layout",
+    "FP8's gain, predicted",
+    "FP8's gain, published",
+    "float8 layers",
+]
+
+
 def gpu_cells(row: Published) -> list[str]:
     """The row's GPU spec, convention and source, and what it assumes."""
     hw = GPUS[row.gpu]
@@ -430,6 +470,14 @@ errors, on a smaller FLOP count. The goal (issue 62): every published layout wit
 
 {plans}
 
+## Does FP8 pay here?
+
+The rows that train their linear layers in float8 (`--dtype fp8`: torchao's `Float8Linear`,
+docs/fp8.md), beside the same layout planned in bf16 on bf16 costs (its within-memory plan), and
+the gain published where the source ran that layout in bf16 too.
+
+{fp8}
+
 ## GPUs, conventions, sources, assumptions
 
 One GPU spec per row: the shipped spec (`planner/core/levers/hardware.py`) of the GPUs that ran,
@@ -456,6 +504,9 @@ Nothing here is fitted to a published run.
 - GEMM and attention efficiencies: fixed per GPU in the specs (`matmul_efficiency`, the
   attention kernels' forward / backward efficiencies), from microbenchmarks cited in
   docs/gpu_costs.md (on an H100, the blocks measured at 0.97–1.0× their estimate, docs/gpu_check.md).
+- FP8: the datasheet's FP8 peak (1,979 dense TFLOP/s on an H100), large FP8 GEMMs at 1.75× bf16's
+  speed (NVIDIA's cuBLAS 12.9 figure for Hopper), and torchao's own casts and scales run under the
+  roofline as the memory-bound operators they are (docs/fp8.md).
 - The shipped specs are hardware files of `planner probe`'s format (issue 62 part 3); no probe file
   is used here (no GPU cluster was measured).
 
@@ -495,8 +546,11 @@ And in every row:
 - MegaScale's parallel transformer block and sliding-window attention; OPT's and MegaScale's
   unpublished details (the GPU table's "assumed").
 - The H100s' clocks under torchtitan's 500 W limit (planned at the SXM datasheet peak).
-- Float8 (not compared below) and the Megatron runs' fp16 gradient all-reduce (the planner
-  reduces in fp32, as `planner run` does: twice the bytes).
+- The Megatron runs' fp16 gradient all-reduce (the planner reduces in fp32, as `planner run` does:
+  twice the bytes).
+- torchtitan's float8 rows: the float8 layers the planner keeps in bf16 by torchao's size filter
+  (Llama's key and value projections on an H100, docs/fp8.md), which torchtitan of December 2024
+  converted; its asynchronous tensor parallelism (Table 5); sequence parallelism with compile.
 
 ## Published runs not compared
 
@@ -562,6 +616,7 @@ def main() -> None:
         headline=table([headline_cells(o) for o in outcomes], HEADLINE),
         plans=table([plan_cells(o) for o in outcomes], PLANS),
         gpus=table([gpu_cells(o.row) for o in outcomes], GPU_HEADERS),
+        fp8=table([fp8_cells(o) for o in outcomes if o.bf16 is not None], FP8_HEADERS),
         not_compared=table(NOT_COMPARED, ["run", "source", "published", "why not compared"]),
         moe_begin=MOE_PUBLISHED[0],
         moe=kept_between(args.out, *MOE_PUBLISHED),

@@ -376,3 +376,53 @@ def test_an_expert_group_over_tensor_parallel_ranks_exports_each_expert_whole() 
     renames["model.rotary_emb"] = "rotary_emb"
     exec(export_plan(plan, "torchtitan", renames), namespace)
     assert namespace["parallelism"].expert_parallel_degree == 4 and namespace["parallelism"].tensor_parallel_degree == 2
+
+
+def _float8(plan: Plan, recipe: str) -> Plan:
+    from planner.schema.plan_parts import Float8Linears
+
+    kept = {"output": "outside the repeated layers", "layers.0.attention.wk": "too small"}
+    f8 = Float8Linears(recipe=recipe, converted=27, kept=kept)  # type: ignore[arg-type]
+    return plan.model_copy(update={"profile": plan.profile.model_copy(update={"float8": f8})})
+
+
+def test_a_float8_plan_exports_its_recipe_and_the_layers_it_keeps_in_bf16() -> None:
+    base = plan_with_starts(LLAMA, [0, 3], schedule="1f1b", batch_size=8, n_microbatches=2, dp=2, dp_mode="fsdp")
+    tensorwise, rowwise = _float8(base, "tensorwise"), _float8(base, "rowwise")
+    table = tomllib.loads(export_plan(tensorwise, "torchtitan-toml"))
+    assert table["model"] == {"converters": ["float8"]}
+    assert table["float8"] == {
+        "recipe_name": "tensorwise",
+        "filter_fqns": ["output", "layers.0.attention.wk"],
+        "enable_fsdp_float8_all_gather": True,  # tensorwise under FSDP: the weights gathered in float8
+        "precompute_float8_dynamic_scale_for_fsdp": True,
+    }
+    assert tomllib.loads(export_plan(rowwise, "torchtitan-toml"))["float8"]["enable_fsdp_float8_all_gather"] is False
+    # torchtitan 0.3's converter runs rowwise only: a tensorwise plan is refused in one line, naming the ways out
+    with pytest.raises(ExportError, match=r"rowwise recipes only.*--dtype fp8-rowwise.*--to torchtitan-toml"):
+        export_plan(tensorwise, "torchtitan")
+    megatron = export_plan(tensorwise, "megatron")
+    assert "--fp8-format hybrid" in megatron and "--fp8-recipe tensorwise" in megatron
+    assert "--fp8-recipe blockwise" in export_plan(rowwise, "megatron")  # TE's nearest to rowwise
+    assert "kept in bf16: output, layers.0.attention.wk" in export_plan(rowwise, "deepspeed")
+    python = export_plan(rowwise, "torchtitan")
+    assert (
+        'Float8LinearConverter.Config(recipe_name="rowwise", filter_fqns=["output", "layers.0.attention.wk"])' in python
+    )
+
+    # torchtitan's converter module imports triton (absent from torch's CPU wheel): its source says what its
+    # config takes, the fields the export writes and the recipe names it accepts
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("torchtitan")
+    if spec is None or spec.origin is None:
+        pytest.skip("torchtitan is not installed (the interop extra)")
+    source = Path(spec.origin).parent / "components" / "quantization" / "float8.py"
+    tree = ast.parse(source.read_text())
+    converter = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Float8LinearConverter")
+    config = next(n for n in converter.body if isinstance(n, ast.ClassDef) and n.name == "Config")
+    fields = {n.target.id: ast.unparse(n.annotation) for n in config.body if isinstance(n, ast.AnnAssign)}
+    assert (
+        "filter_fqns" in fields and "'rowwise'" in fields["recipe_name"] and "tensorwise" not in fields["recipe_name"]
+    )

@@ -83,6 +83,7 @@ BLOCK_LATER_DEFAULTS = {
     "fsdp_param_bytes": None,
     "kv_bytes": 0,
     "q_bytes": 0,
+    "float8_share": 0.0,
 }
 SHARE_LATER_DEFAULTS = {
     "slowdown": {},

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Collection, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx, nn
@@ -138,7 +138,9 @@ def _feeds_topk(node: fx.Node) -> bool:
     return False
 
 
-def convert_stage(stage: fx.GraphModule, float8: Float8Linears, model: nn.Module, emulate: bool) -> int:
+def convert_stage(
+    stage: fx.GraphModule, float8: Float8Linears, model: nn.Module, emulate: bool, fsdp_gather: bool = False
+) -> int:
     """Convert the stage's linear layers, but those the plan keeps in bf16, to torchao's ``Float8Linear``
     in place.
 
@@ -149,6 +151,7 @@ def convert_stage(stage: fx.GraphModule, float8: Float8Linears, model: nn.Module
         emulate: torchao's emulation (the float8 casts and scales, the GEMM in high precision): for a
             device without FP8 tensor cores (the CPU) and for the meta device, whose roofline charges
             the GEMMs itself.
+        fsdp_gather: FSDP gathers the layers' weights in float8 (``fsdp_float8_gather``).
 
     Returns:
         How many layers were converted.
@@ -160,14 +163,19 @@ def convert_stage(stage: fx.GraphModule, float8: Float8Linears, model: nn.Module
     if made:
         graph.lint()
         stage.recompile()
-    return convert_stage_modules(stage, float8.recipe, float8.kept, emulate)
+    return convert_stage_modules(stage, float8.recipe, float8.kept, emulate, fsdp_gather)
 
 
-def convert_stage_modules(module: nn.Module, recipe: str, kept: Collection[str], emulate: bool) -> int:
+def convert_stage_modules(
+    module: nn.Module, recipe: str, kept: Collection[str], emulate: bool, fsdp_gather: bool = False
+) -> int:
     """Swap ``module``'s ``nn.Linear`` modules, but those named in ``kept``, for torchao's ``Float8Linear``
-    (sharing their parameters); returns how many."""
+    (sharing their parameters); ``fsdp_gather``: FSDP gathers their weights in float8 (torchao's
+    ``enable_fsdp_float8_all_gather``, tensorwise only). Returns how many."""
     float8 = require_torchao()
-    config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+    config = dataclasses.replace(
+        float8.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate, enable_fsdp_float8_all_gather=fsdp_gather
+    )
     converted: list[str] = []
 
     def chosen(module: nn.Module, fqn: str) -> bool:
@@ -250,3 +258,24 @@ def convert_model(model: nn.Module, float8: Float8Linears, emulate: bool) -> int
         How many layers were converted.
     """
     return convert_stage_modules(model, float8.recipe, float8.kept, emulate)
+
+
+def float8_shares(traced: TracedModel, float8: Float8Linears) -> list[float]:
+    """Per block, the share of the parameters it owns that are weights of layers that train in float8
+    (``BlockCost.float8_share``: what FSDP gathers in float8 under the tensorwise recipe).
+
+    Args:
+        traced: the trace the blocks were costed on.
+        float8: the plan's float8 record.
+
+    Returns:
+        One share in [0, 1] per block.
+    """
+    converted = {x.name for x in linear_layers(traced) if x.name not in float8.kept}  # (a graph trace)
+    gm = cast(GraphTrace, traced).gm
+    weights = {id(gm.get_parameter(f"{name}.weight")) for name in converted}
+    shares = []
+    for params in traced.owned_parameters():
+        total = sum(p.numel() for p in params)
+        shares.append(sum(p.numel() for p in params if id(p) in weights) / total if total else 0.0)
+    return shares

@@ -43,6 +43,7 @@ import torch
 
 from planner.capture.blocks import GraphTrace
 from planner.capture.clock import BlockClock
+from planner.capture.float8 import convert_stage, emulated
 from planner.capture.stage import build_stage_module, stage_inputs
 from planner.costs.levers import autocast_context
 from planner.costs.settings import ProfileSettings, Sample
@@ -93,6 +94,10 @@ def time_in_context(traced: GraphTrace, sample: Sample, settings: ProfileSetting
     cold = BlockClock(0, n, loss_in_last=True, cuda=cuda, pause_s=_WAIT_S)
     # two stage modules over the same blocks: the same parameters, gradients accumulating in both
     modules = [(build_stage_module(traced, 0, n, check_cuts=False, clock=c), c) for c in (warm, cold)]
+    if settings.float8 is not None:  # the layers converted as each block alone was (``_profile_graph``)
+        for module, _ in modules:
+            assert isinstance(module, torch.fx.GraphModule)
+            convert_stage(module, settings.float8, traced.model, emulated(torch.device(device_type)))
     args = stage_inputs(sample.inputs)  # a first stage's inputs: the user's data, no gradient
     warmup, repeats = settings.warmup, settings.repeats
     loss_f: list[float] = []

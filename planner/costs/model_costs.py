@@ -7,6 +7,7 @@ tests call ``estimated_costs`` / ``measured_costs`` to plan many requests on one
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import sys
@@ -27,12 +28,12 @@ from planner.capture.contract import (
     sequence_length,
 )
 from planner.capture.ep_plan import resolve_experts
-from planner.capture.float8 import check_float8, linear_layers, require_torchao
+from planner.capture.float8 import check_float8, convert_model, emulated, float8_shares, linear_layers, require_torchao
 from planner.capture.load import ModelFile, load_model_file, move_model
 from planner.capture.meta_cache import meta_build
 from planner.capture.stage import stage_inputs, stage_module
 from planner.capture.trace import retrace, trace_model
-from planner.core.levers.float8 import compute_dtype, float8_recipe, kept_layers
+from planner.core.levers.float8 import compute_dtype, float8_recipe, fsdp_float8_gather, kept_layers
 from planner.core.levers.hardware import HardwareError, HardwareSpec, dtype_bytes, node_links
 from planner.core.levers.hardware_file import hardware_named
 from planner.costs.blocks import ties_of
@@ -282,14 +283,33 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
             )
         # timed at the rank's thread count, as the blocks were (more threads time erratically on shared cores)
         with torch_threads(None if use_cuda else threads):
-            time_at = measured_time_at(
-                mf, model, request.seed, device, max(3, request.repeats), request.warmup, request.autocast
-            )
+            timed, repeats = _float8_copy(model, info.float8, device), max(3, request.repeats)
+            time_at = measured_time_at(mf, timed, request.seed, device, repeats, request.warmup, request.autocast)
             scaling = _scaling(request, time_at)
     capacity = int(torch.cuda.get_device_properties(device).total_memory * GPU_MEMORY_HEADROOM) if use_cuda else None
     link = NCCL_NVLINK_LINK if use_cuda else GLOO_CPU_LINK
     info = info.model_copy(update=scaling)
+    blocks = _with_float8_shares(blocks, traced, info.float8)
     return Costs(traced, _with_output(blocks, traced), link, info, capacity, ties_of(traced), rule)
+
+
+def _with_float8_shares(blocks: list[BlockCost], traced: TracedModel, float8: Float8Linears | None) -> list[BlockCost]:
+    """The blocks with the share of their parameters FSDP gathers in float8 (``fsdp_float8_gather``:
+    a tensorwise float8 plan's layers), as the run's FSDP would if the search shards them."""
+    if float8 is None or not fsdp_float8_gather(float8.recipe, "fsdp"):
+        return blocks
+    shares = float8_shares(traced, float8)
+    return [b.model_copy(update={"float8_share": share}) for b, share in zip(blocks, shares)]
+
+
+def _float8_copy(model: torch.nn.Module, float8: Float8Linears | None, device: torch.device) -> torch.nn.Module:
+    """The model as a float8 plan trains it (a converted copy: its size scaling is timed so, the many small
+    operators of torchao's casts included), or the model itself without float8."""
+    if float8 is None:
+        return model
+    converted = copy.deepcopy(model)
+    convert_model(converted, float8, emulated(device))
+    return converted
 
 
 def _check_levers(device: torch.device, request: PlanRequest) -> None:
@@ -436,6 +456,7 @@ def _estimated(
     blocks = [
         b.model_copy(update={"first_node": t.nodes[0], "last_node": t.nodes[-1]}) for b, t in zip(blocks, traced.blocks)
     ]
+    blocks = _with_float8_shares(blocks, costed, float8)
     info = ProfileInfo(
         device="cpu" if on_cpu else "cuda",
         backend="gloo" if on_cpu else "nccl",

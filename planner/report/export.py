@@ -12,6 +12,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 
+from planner.core.levers.float8 import fsdp_float8_gather
 from planner.core.levers.recompute import recomputed_prefix
 from planner.core.step.schedules import action_order, placement
 from planner.errors import PlannerError
@@ -286,6 +287,12 @@ def _notes(plan: Plan) -> list[str]:
             "the plan keeps the weights whole on its context-parallel ranks (DDP); torchtitan shards them over "
             "data_parallel_shard_degree x context_parallel_degree ranks (FSDP), Megatron as its optimizer says"
         )
+    f8 = plan.profile.float8
+    if f8 is not None:
+        notes.append(
+            f"float8 linear layers ({f8.recipe} scaling, torchao): {f8.converted} of {f8.converted + len(f8.kept)}; "
+            f"kept in bf16: {_names(list(f8.kept))}"
+        )
     if plan.tp > 1 and not plan.sequence_parallel:
         notes.append(
             "planned without sequence parallelism, which torchtitan always runs with tensor parallelism "
@@ -294,12 +301,20 @@ def _notes(plan: Plan) -> list[str]:
     return notes
 
 
+def _names(names: list[str], most: int = 4) -> str:
+    """Names for a comment line: all of a few, else the first ones and how many in all."""
+    if not names:
+        return "none"
+    return ", ".join(names) if len(names) <= most else f"{', '.join(names[:most])}, ... ({len(names)} in all)"
+
+
 def _torchtitan_python(plan: Plan, renames: Mapping[str, str]) -> str:
     fields = _titan_fields(plan, renames)
     body = ",\n".join(f"    {k}={_py(v)}" for k, v in fields.items())
     batch = _batch_lines(plan)
     mode = titan_checkpointing(plan)
     checkpointing = {"never": "None", "selective": "SelectiveAC.Config()", "full": "FullAC.Config()"}[mode]
+    float8 = _titan_float8(plan, renames)
     lines = [
         f"{HEADER} --to torchtitan (torchtitan >= 0.3, whose configs are Python)",
         *(f"# {n}" for n in _notes(plan) + _checkpointing_note(plan)),
@@ -313,8 +328,33 @@ def _torchtitan_python(plan: Plan, renames: Mapping[str, str]) -> str:
         f"local_batch_size = {batch['local_batch_size']}  # TrainingConfig.local_batch_size",
         f"global_batch_size = {batch['global_batch_size']}  # TrainingConfig.global_batch_size",
         f"activation_checkpoint = {checkpointing}  # Trainer.Config.activation_checkpoint",
+        *float8,
     ]
     return "\n".join(lines) + "\n"
+
+
+def _titan_float8(plan: Plan, renames: Mapping[str, str]) -> list[str]:
+    """A float8 plan's converter for torchtitan >= 0.3 (Python lines; none without float8).
+
+    Raises:
+        ExportError: a tensorwise plan: torchtitan 0.3's float8 converter has the rowwise recipes only.
+    """
+    f8 = plan.profile.float8
+    if f8 is None:
+        return []
+    if f8.recipe != "rowwise":
+        raise ExportError(
+            "--to torchtitan: torchtitan 0.3's Float8LinearConverter runs the rowwise recipes only, and this plan "
+            "is tensorwise (--dtype fp8); re-plan with --dtype fp8-rowwise, or export --to torchtitan-toml "
+            "(torchtitan <= 0.2.2, whose [float8] section runs tensorwise)"
+        )
+    kept = [renamed(name, renames) for name in f8.kept]
+    return [
+        "# the linear layers in float8 (torchao's Float8Linear), those the plan keeps in bf16 filtered out:",
+        "# give this converter to your model spec's converters",
+        "from torchtitan.components.quantization.float8 import Float8LinearConverter",
+        f'float8 = Float8LinearConverter.Config(recipe_name="rowwise", filter_fqns={json.dumps(kept)})',
+    ]
 
 
 def _torchtitan_toml(plan: Plan, renames: Mapping[str, str]) -> str:
@@ -334,8 +374,29 @@ def _torchtitan_toml(plan: Plan, renames: Mapping[str, str]) -> str:
         "[activation_checkpoint]",
         f'mode = "{mode}"',
         *(['selective_ac_option = "op"  # the policy planner run uses'] if mode == "selective" else []),
+        *_titan_toml_float8(plan, renames),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _titan_toml_float8(plan: Plan, renames: Mapping[str, str]) -> list[str]:
+    """A float8 plan's sections for torchtitan <= 0.2.2 (none without float8): its float8 converter with the
+    plan's recipe, the layers it keeps in bf16 and, under FSDP with tensorwise scaling, the float8 all-gather."""
+    f8 = plan.profile.float8
+    if f8 is None:
+        return []
+    gather = json.dumps(fsdp_float8_gather(f8.recipe, plan.dp_mode) and plan.sharded)
+    return [
+        "",
+        "[model]",
+        'converters = ["float8"]',
+        "",
+        "[float8]",
+        f'recipe_name = "{f8.recipe}"',
+        f"filter_fqns = {json.dumps([renamed(name, renames) for name in f8.kept])}",
+        f"enable_fsdp_float8_all_gather = {gather}",
+        f"precompute_float8_dynamic_scale_for_fsdp = {gather}",
+    ]
 
 
 def _py(value: object) -> str:
@@ -482,6 +543,16 @@ def megatron_recompute(plan: Plan) -> tuple[list[str], list[str]]:
     return args, notes
 
 
+def _megatron_fp8(plan: Plan) -> list[str]:
+    """A float8 plan's Transformer Engine arguments: e4m3 forward, e5m2 gradients ("hybrid", as torchao's
+    recipes cast them); tensorwise is TE's "tensorwise" (current scaling); TE has no per-row recipe, and
+    its 1 x 128 blocks ("blockwise") are the nearest to rowwise."""
+    f8 = plan.profile.float8
+    if f8 is None:
+        return []
+    return ["--fp8-format hybrid", f"--fp8-recipe {'tensorwise' if f8.recipe == 'tensorwise' else 'blockwise'}"]
+
+
 def _megatron(plan: Plan, _renames: Mapping[str, str]) -> str:
     layout = megatron_layout(plan)
     counts = megatron_layer_counts(plan)
@@ -495,6 +566,7 @@ def _megatron(plan: Plan, _renames: Mapping[str, str]) -> str:
         *(["--expert-tensor-parallel-size 1"] if plan.ep > 1 and plan.tp > 1 else []),
         # the planner's runner gathers the keys and values (Megatron-Core's default is p2p, a ring)
         *([f"--context-parallel-size {plan.cp}", "--cp-comm-type allgather"] if plan.cp > 1 else []),
+        *_megatron_fp8(plan),
         f"--num-layers {sum(counts)}",
         f"--micro-batch-size {plan.microbatch_size}",
         f"--global-batch-size {plan.batch_size}",
@@ -556,6 +628,14 @@ def _deepspeed(plan: Plan, renames: Mapping[str, str]) -> str:
         "# the plan, in this order (DeepSpeed has no field for explicit parts, so the subclass sets them):",
         *(f"#   {k:3d}  {n}" for k, n in enumerate(names)),
         f"# DeepSpeed runs its own 1F1B-like schedule; the planned one is {plan.schedule}.",
+        *(
+            [
+                "# float8: convert the layers with torchao's convert_to_float8_training before building the module,",
+                "# its module_filter_fn leaving out the layers the plan keeps in bf16 (above)",
+            ]
+            if plan.profile.float8 is not None
+            else []
+        ),
         "from deepspeed.pipe import PipelineModule",
         "",
         f"PARTS = {parts}",

@@ -24,6 +24,7 @@ from planner.capture.shapes import shapes_or_real
 from planner.capture.stage import stage_inputs, stage_module, trace_root
 from planner.capture.tp_plan import COLUMN_STYLES
 from planner.capture.tp_sequence import sequence_values
+from planner.core.levers.float8 import fsdp_float8_gather
 from planner.core.levers.recompute import checkpoint_units
 from planner.core.step.schedules import ZERO_BUBBLE, placement
 from planner.errors import PlanFileError, PlannerError
@@ -268,9 +269,10 @@ def _to_float8(plan: Plan, stage: torch.nn.Module, model: torch.nn.Module, devic
     f8 = plan.profile.float8
     if f8 is None:
         return
+    gather = fsdp_float8_gather(f8.recipe, plan.dp_mode)
     for unit in stage_units(stage):
         if isinstance(unit, torch.fx.GraphModule):
-            convert_stage(unit, f8, model, emulated(device))
+            convert_stage(unit, f8, model, emulated(device), gather and plan.sharded)
 
 
 def _stage_chain(plan: Plan, traced: TracedModel, stage_plan: StagePlan, clock: BlockClock | None) -> torch.nn.Module:

@@ -501,6 +501,9 @@ class BlockCost(BaseModel):
     fsdp_param_bytes: int | None = Field(
         default=None, ge=0, description="The bytes of fsdp_params (None: param_bytes)."
     )
+    float8_share: float = Field(
+        default=0.0, ge=0, le=1, description="Share of params FSDP gathers in float8 (--dtype fp8, tensorwise)."
+    )
 
     def fsdp_sharded(self) -> tuple[int, int]:
         """(parameters, bytes) that FSDP's shard over dp divides: ``fsdp_params`` and

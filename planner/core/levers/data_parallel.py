@@ -292,7 +292,8 @@ def gather_bytes_of(profile: ProfileInfo) -> int:
 
 def as_gathered(blocks: Sequence[BlockCost], gather_bytes: int) -> Sequence[BlockCost]:
     """The blocks with ``param_bytes`` as FSDP gathers them: ``gather_bytes`` a parameter where that
-    is narrower (a bf16 plan measured with the fp32 weights autocast trains), their own otherwise; 0:
+    is narrower (a bf16 plan measured with the fp32 weights autocast trains), one for the share in
+    float8 layers FSDP gathers in float8 (``BlockCost.float8_share``), their own otherwise; 0:
     unchanged. Their gradients, reduced in fp32 (``wide_bytes``), and their sharded state (the fp32
     master weights, ``OptimizerSpec.state_bytes``) come to what they were; the stage's unsharded
     bytes are then those it holds (``stage_model.unsharded_bytes``)."""
@@ -300,12 +301,14 @@ def as_gathered(blocks: Sequence[BlockCost], gather_bytes: int) -> Sequence[Bloc
         return blocks
     out = []
     for b in blocks:
-        if b.param_bytes <= gather_bytes * b.params:
+        # torchao's float8 all-gather (``float8_share``): a float8 layer's weight a byte a parameter
+        width = gather_bytes - (gather_bytes - 1) * b.float8_share
+        if b.param_bytes <= width * b.params:
             out.append(b)
             continue
-        update = {"param_bytes": gather_bytes * b.params}
+        update = {"param_bytes": round(width * b.params)}
         if b.fsdp_params is not None:  # what FSDP shards (expert parallelism's whole experts) alike
-            update["fsdp_param_bytes"] = gather_bytes * b.fsdp_params
+            update["fsdp_param_bytes"] = round(width * b.fsdp_params)
         out.append(b.model_copy(update=update))
     return out
 

@@ -106,3 +106,19 @@ def kept_layers(layers: list[LinearLayer], recipe: str, small_filter: bool) -> d
         if why is not None:
             kept[layer.name] = why
     return kept
+
+
+def fsdp_float8_gather(recipe: str, dp_mode: str) -> bool:
+    """Whether FSDP gathers the float8 layers' weights in float8 (a byte a parameter instead of bf16's two):
+    torchao's ``enable_fsdp_float8_all_gather``, which torchtitan's float8 configuration turns on, for the
+    tensorwise recipe only (its scale is one number the shards agree on by an all-reduce of their largest
+    magnitudes); under FSDP and HSDP. The weights' gradients are reduce-scattered as ever (fp32).
+
+    Args:
+        recipe: "tensorwise" or "rowwise".
+        dp_mode: the plan's ``--dp-mode``.
+
+    Returns:
+        True when the weights are gathered in float8.
+    """
+    return recipe == "tensorwise" and dp_mode in ("fsdp", "hsdp")
