@@ -12,10 +12,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from planner.core.layout.bounds import floors
-from planner.core.layout.inputs import Cluster, Constraints, Layout
+from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling
 from planner.core.layout.rank_fit import rank_split
 from planner.core.levers.casts import compiled_casts, without_casts
-from planner.core.levers.data_parallel import as_gathered, layout_links
+from planner.core.levers.context_parallel import at_context, context_link
+from planner.core.levers.data_parallel import as_gathered, layout_links, tp_link
+from planner.core.levers.experts import at_degree as experts_at
+from planner.core.levers.experts import group_link
+from planner.core.levers.links import Links
+from planner.core.levers.microbatch import blocks_at
+from planner.core.levers.tensor_parallel import at_degree
 from planner.core.split.cuts import Split
 from planner.core.split.stage_plans import StageMemo
 from planner.core.step.predict import predict
@@ -62,6 +68,35 @@ class Choice:
             max_memory_bytes=self.prediction.max_memory_bytes,
             fits=self.fits,
         )
+
+
+def rank_blocks(
+    blocks: Sequence[BlockCost], layout: Layout, link: Links, scaling: Scaling, batch_size: int
+) -> list[BlockCost]:
+    """The blocks as one rank of ``layout`` runs them: at its share of a microbatch, split over its
+    tensor-parallel ranks, its share of each sequence (context parallelism, consecutive replicas) and
+    its experts (expert parallelism, an expert group's ranks consecutive): what the search prices
+    every layout with, and its what-if repricing (``planner.core.layout.robust``) alike.
+
+    Args:
+        blocks: per-block costs at microbatch size ``scaling.size0``.
+        layout: the layout.
+        link: the cluster's links.
+        scaling: how the costs carry over to other microbatch sizes.
+        batch_size: samples per step.
+
+    Returns:
+        The rank's block costs.
+    """
+    sized = blocks_at(blocks, scaling.size0, layout.rank_share(batch_size), scaling.fixed_fraction)
+    shares = at_degree(sized, layout.tp, tp_link(link), sequence=layout.sequence)
+    if layout.cp > 1:  # a context-parallel group: consecutive replicas
+        shares = at_context(
+            shares, layout.cp, layout.tp, context_link(link, layout.pp, layout.dp, layout.tp, layout.cp)
+        )
+    if layout.ep > 1:  # an expert group's ranks are consecutive: an expert-parallel layout is pipeline-outermost
+        shares = experts_at(shares, layout.ep, *group_link(link, layout.ep), tp=layout.tp, tp_link=tp_link(link))
+    return list(shares)
 
 
 def evaluate_choice(

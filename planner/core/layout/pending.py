@@ -14,14 +14,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from planner.core.layout.bounds import BlockTotals, FsdpFloor, block_totals, floors, fsdp_traffic
-from planner.core.layout.candidate import Choice, evaluate_modes
+from planner.core.layout.candidate import Choice, evaluate_modes, rank_blocks
 from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
-from planner.core.levers.context_parallel import at_context, context_link
-from planner.core.levers.data_parallel import tp_link
-from planner.core.levers.experts import at_degree as experts_at
-from planner.core.levers.experts import group_link
-from planner.core.levers.microbatch import blocks_at
-from planner.core.levers.tensor_parallel import at_degree
 from planner.core.step.schedules import LIVE_CLOSED_FORMS, ZERO_BUBBLE
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost
@@ -92,15 +86,7 @@ def pending_layout(
     size = layout.rank_share(space.batch_size)
     key = (size, layout.tp, layout.sequence, layout.ep, layout.cp)
     if key not in cache:
-        sized = blocks_at(blocks, scaling.size0, size, scaling.fixed_fraction)
-        shares = at_degree(sized, layout.tp, tp_link(cluster.link), sequence=layout.sequence)
-        if layout.cp > 1:  # a context-parallel group: consecutive replicas
-            link = context_link(cluster.link, layout.pp, layout.dp, layout.tp, layout.cp)
-            shares = at_context(shares, layout.cp, layout.tp, link)
-        if layout.ep > 1:  # an expert group's ranks are consecutive: an expert-parallel layout is pipeline-outermost
-            shares = experts_at(
-                shares, layout.ep, *group_link(cluster.link, layout.ep), tp=layout.tp, tp_link=tp_link(cluster.link)
-            )
+        shares = rank_blocks(blocks, layout, cluster.link, scaling, space.batch_size)
         # FSDP's collectives read the parameters alone, the same at every microbatch size: their
         # floors are shared by the costs of one degree, sequence split and expert degree
         alike = next((entry for k, entry in cache.items() if k[1:] == key[1:]), None)

@@ -34,13 +34,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from planner.core.layout.candidate import Choice, evaluate_choice
+from planner.core.layout.candidate import Choice, evaluate_choice, rank_blocks
 from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling
-from planner.core.levers.context_parallel import at_context, context_link
-from planner.core.levers.data_parallel import tp_link
 from planner.core.levers.links import Links, NodeLinks
-from planner.core.levers.microbatch import blocks_at
-from planner.core.levers.tensor_parallel import at_degree
 from planner.core.split.cuts import Split
 from planner.core.step import predict
 from planner.errors import InfeasibleError
@@ -160,15 +156,8 @@ def reprice(problem: Problem, layout: Layout, split: Split, hardware: Hardware) 
     Raises:
         InfeasibleError: the layout cannot run these numbers (the schedule refuses them).
     """
-    scaling = problem.scaling
-    size = layout.rank_share(problem.batch_size)
     link = slowed_link(problem.cluster.link, hardware.collectives)
-    sized = blocks_at(slowed_blocks(problem.blocks, hardware), scaling.size0, size, scaling.fixed_fraction)
-    blocks = at_degree(sized, layout.tp, tp_link(link), sequence=layout.sequence)
-    if layout.cp > 1:
-        blocks = at_context(
-            blocks, layout.cp, layout.tp, context_link(link, layout.pp, layout.dp, layout.tp, layout.cp)
-        )
+    blocks = rank_blocks(slowed_blocks(problem.blocks, hardware), layout, link, problem.scaling, problem.batch_size)
     cluster = replace(problem.cluster, link=link)
     return evaluate_choice(blocks, cluster, layout, problem.constraints, split).prediction
 
