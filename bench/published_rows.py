@@ -368,20 +368,29 @@ def _megatron() -> list[Published]:
     return rows
 
 
+# torchtitan's float8 settings as of its December 2024 benchmarks (not named on the page): tensorwise
+# scaling, the only recipe its float8 converter had then, with FSDP gathering the float8 weights in float8
+FLOAT8_ASSUMED = "tensorwise scaling with FSDP's float8 all-gather (torchtitan's float8 settings of Dec 2024)"
+
+
 def _torchtitan() -> list[Published]:
     rows = []
     titan = {"dp_mode": "fsdp", "attention_kernel": "flash"}  # FlashAttention-2: torch's SDPA on H100 in Dec 2024
     bench = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
     for table, n, figures in (
-        ("Table 1", 8, ((5762.0, 82.4), (6667.0, 77.0))),
-        ("Table 3", 128, ((5605.0, 67.0), (6514.0, 62.0))),
+        ("Table 1", 8, ((5762.0, 82.4), (6667.0, 77.0), (8532.0, 76.8))),
+        ("Table 3", 128, ((5605.0, 67.0), (6514.0, 62.0), (8380.0, 61.8))),
     ):
-        for compiled, (tps, peak) in zip((False, True), figures):
+        # FSDP; + torch.compile; + torch.compile + Float8 (--dtype fp8, beside the compiled bf16 figure)
+        for (suffix, what), (tps, peak) in zip(
+            (("", ""), ("-compiled", ", compiled"), ("-fp8", ", compiled, Float8")), figures
+        ):
+            fp8 = suffix == "-fp8"
             rows.append(
                 Published(
-                    f"titan-8b-{n}{'-compiled' if compiled else ''}",
+                    f"titan-8b-{n}{suffix}",
                     f"{bench}, {table}",
-                    "Llama 3.1 8B" + (", compiled" if compiled else ""),
+                    "Llama 3.1 8B" + what,
                     "8b",
                     {},
                     LLAMA_8B,
@@ -394,50 +403,24 @@ def _torchtitan() -> list[Published]:
                     tps,
                     "tokens/s",
                     "tokens",
-                    request=titan | ({"compile": True} if compiled else {}),
+                    request=titan | ({"compile": True} if suffix else {}),
                     as_run={"recompute": "selective"},
                     peak_gib=peak,
+                    assumed=FLOAT8_ASSUMED if fp8 else "",
+                    dtype="fp8" if fp8 else "bf16",
+                    bf16_figure=figures[1][0] if fp8 else None,
                 )
             )
     return rows
 
 
-# torchtitan's float8 settings as of its December 2024 benchmarks (not named on the page): tensorwise
-# scaling, the only recipe its float8 converter had then, with FSDP gathering the float8 weights in float8
-FLOAT8_ASSUMED = "tensorwise scaling with FSDP's float8 all-gather (torchtitan's float8 settings of Dec 2024)"
-
-
 def _torchtitan_fp8() -> list[Published]:
-    """torchtitan's Float8 rows (benchmarks/llama3_h100_202412_torchtitan.md, Tables 1, 3, 4 and 5), all
-    compiled: the planner's ``--dtype fp8`` (torchao's float8 linear layers) with ``--compile``."""
+    """torchtitan's Float8 rows of 70B and 405B (benchmarks/llama3_h100_202412_torchtitan.md, Tables 4 and
+    5; its 8B ones are ``_torchtitan``'s), all compiled: the planner's ``--dtype fp8`` (torchao's float8
+    linear layers) with ``--compile``."""
     bench = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
     titan = {"dp_mode": "fsdp", "attention_kernel": "flash", "compile": True}
-    rows = [
-        Published(
-            f"titan-8b-{n}-fp8",
-            f"{bench}, {table}",
-            "Llama 3.1 8B, compiled, Float8",
-            "8b",
-            {},
-            LLAMA_8B,
-            "h100-hbm2e",
-            GRAND_TETON,
-            n,
-            1,
-            1,
-            2 * n,
-            tps,
-            "tokens/s",
-            "tokens",
-            request=titan,
-            as_run={"recompute": "selective"},
-            peak_gib=peak,
-            assumed=FLOAT8_ASSUMED,
-            dtype="fp8",
-            bf16_figure=bf16,
-        )
-        for table, n, tps, peak, bf16 in (("Table 1", 8, 8532.0, 76.8, 6667.0), ("Table 3", 128, 8380.0, 61.8, 6514.0))
-    ]
+    rows = []
     # torchtitan's tensor parallelism shards the norms along the sequence, which the planner runs eagerly
     # only: the compiled rows are planned without it
     no_sp = "; sequence parallelism not planned (the planner's runs eagerly only, these rows compile)"

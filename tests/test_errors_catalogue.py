@@ -728,6 +728,27 @@ CASES: list[Case] = [
         2,
         "not supported on v100",
     ),
+    Case(
+        "plan options",
+        "--dtype fp8 for a GPU without FP8 tensor cores",
+        "plan {d}/model.py --gpus 2 --gpu-type a100-80g --dtype fp8",
+        2,
+        "--dtype fp8: a100-80g has no FP8 tensor cores",
+    ),
+    Case(
+        "plan options",
+        "--dtype fp8 with --compile where float8 runs emulated",
+        "plan {d}/model.py --gpus 2 --dtype fp8 --compile",
+        2,
+        "--dtype fp8 with --compile: on cpu float8 runs in torchao's emulation",
+    ),
+    Case(
+        "plan options",
+        "--dtype fp8 for a model none of whose linear layers would convert",
+        "plan {d}/model.py --gpus 2 --dtype fp8",
+        2,
+        "none of the model's 2 linear layers would train in float8",
+    ),
     Case("plan options", "--lr 0", "plan {d}/model.py --gpus 2 --lr 0", 2, "--lr"),
     Case(
         "plan options",

@@ -154,23 +154,10 @@ def test_a_converted_stage_computes_what_the_converted_model_computes() -> None:
 
 
 def _linear_seconds(m: int, k: int, n: int, fp8: bool) -> float:
-    """A compiled linear layer's forward and backward on an H100, as the roofline charges it."""
-    from planner.capture.float8 import convert_stage_modules
-    from planner.core.levers.hardware import GPUS
-    from planner.costs.roofline import Roofline, Tally
+    """A compiled linear layer's forward and backward on an H100, as the roofline charges it (the bench's)."""
+    from bench.fp8_linear import linear_seconds
 
-    with torch.device("meta"):
-        layer = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False)).to(torch.bfloat16)
-    if fp8:
-        assert convert_stage_modules(layer, "tensorwise", (), emulate=True) == 1
-    x = torch.empty(m, k, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    mode = Roofline(GPUS["h100"], "bf16", fuse=True)
-    fwd, bwd = Tally(), Tally()
-    with mode.phase(fwd):
-        y = layer(x)
-    with mode.phase(bwd):
-        y.backward(torch.empty_like(y))
-    return fwd.seconds + bwd.seconds
+    return linear_seconds(m, k, n, "tensorwise" if fp8 else None, compiled=True)
 
 
 @pytest.mark.parametrize(

@@ -74,3 +74,37 @@ def test_fp8_with_tp2_matches_unsplit(tmp_path: Path) -> None:
     assert plan.world_size == 4
     got, want = _run_and_compare(plan, tmp_path)
     print("llama fp8 tp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+def _fp8_capable() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= (8, 9)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _fp8_capable(), reason="needs a GPU with FP8 tensor cores (compute capability 8.9+)")
+def test_real_float8_gemms_on_a_gpu_train_close_to_the_emulation(tmp_path: Path) -> None:
+    # the runner's non-emulated path: torch._scaled_mm on the FP8 tensor cores, one GPU (nccl, one rank);
+    # its losses near the unsplit emulation on the CPU (the GEMMs accumulate otherwise: not the 1e-4 of the CPU)
+    from run_factory import saved
+
+    from planner.capture.float8 import emulated
+    from planner.run import run_plan, train_reference
+    from planner.schema.run_request import RunRequest
+
+    assert not emulated(torch.device("cuda", 0))
+    plan = _float8(plan_with_starts(MODELS / "llama.py", [0], backend="nccl", **FP8), autocast="bf16")
+    path = saved(plan, tmp_path)
+    got = run_plan(plan, RunRequest(plan_file=path, steps=3, save_checkpoints=False))
+    want = train_reference(plan, path, 3)
+    for g, w in zip(got.losses, want.losses):
+        assert g == pytest.approx(w, rel=2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.is_available() and _fp8_capable(), reason="checks a GPU without FP8 tensor cores")
+def test_a_gpu_without_fp8_tensor_cores_is_refused_in_one_line() -> None:
+    from planner.capture.float8 import emulated
+    from planner.errors import PlannerError
+
+    with pytest.raises(PlannerError, match=r"--dtype fp8 needs FP8 tensor cores \(compute capability 8.9"):
+        emulated(torch.device("cuda", 0))

@@ -347,8 +347,9 @@ def estimated_costs(mf: ModelFile, request: PlanRequest, threads: int) -> Costs:
     dtype: str = request.dtype or ("fp32" if hw.kind == "cpu" else "bf16")
     if float8_recipe(dtype) is not None and "fp8" not in hw.peak_flops:
         raise HardwareError(
-            f"--dtype {dtype}: {hw.name} has no FP8 tensor cores (its table lists {', '.join(hw.peak_flops)}); "
-            "plan it with --dtype bf16, or for an FP8 GPU (h100, h200, l40s, l4, mi300x)"
+            f"--dtype {dtype}: {hw.name} has no FP8 tensor cores (its spec has peaks for {', '.join(hw.peak_flops)}, "
+            "none for fp8); plan it with --dtype bf16, or for an FP8 GPU (h100, h200, l40s, l4, mi300x), or give "
+            "a hardware file an fp8 peak"
         )
     dtype = compute_dtype(dtype)  # fp8: bf16 around the float8 GEMMs
     with meta_build():  # no weights, no initialisation
