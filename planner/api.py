@@ -23,10 +23,11 @@ from planner.capture.expert_calls import calls_of
 from planner.capture.load import ModelFile, load_model_file
 from planner.capture.tp_graph import split_refusal
 from planner.capture.trace import retrace
-from planner.core.assemble import Origin, assemble_plan
+from planner.core.assemble import Origin, assemble_plan, search_problem
 from planner.core.heap import bulk_allocation
-from planner.core.layout.inputs import asked_of
+from planner.core.layout.inputs import Asked, asked_of
 from planner.core.layout.pending import Pool
+from planner.core.layout.robust import Hardware, plan_layout, reprice
 from planner.core.levers.experts import experts_refusal
 from planner.core.levers.hardware import dtype_bytes
 from planner.core.split.given import check_notation
@@ -44,7 +45,7 @@ from planner.costs.experts import ExpertCosting, routed_rows, traced_rows, with_
 from planner.costs.model_costs import Costs, estimated_costs, measured_costs, say
 from planner.costs.sequence import sequence_note
 from planner.costs.tensor_parallel import TensorParallelBlocks, tensor_parallel_blocks
-from planner.errors import InfeasibleError, ModelFileError, PlanFileError
+from planner.errors import InfeasibleError, ModelFileError, PlanFileError, PlannerError
 from planner.schema.costs import BlockCost, LinkCost, StepTempRule
 from planner.schema.plan import ModelRef, Plan
 from planner.schema.request import MOE_IMBALANCE, PlanRequest
@@ -233,7 +234,32 @@ def plan_from_costs(
     # --tp auto on a model that cannot be split: why it stays whole; why not sequence parallelism where asked or split
     for note in filter(None, [split.note, sequence_note(request, plan.tp, split.note, split.sequence_note)]):
         plan = plan.model_copy(update={"choice": f"{plan.choice}; {note}" if plan.choice else note})
+    if costs.bf16_blocks is not None and plan.profile.float8 is not None:
+        asked = asked_of(with_step_temp_rule(request, costs.step_temp_rule), memory_limit_bytes)
+        plan = _with_bf16_step(plan, request, mf, costs, (asked, link), experts)
     return plan
+
+
+def _with_bf16_step(
+    plan: Plan, request: PlanRequest, mf: ModelFile, costs: Costs, on: tuple[Asked, LinkCost], experts: Experts
+) -> Plan:
+    """An FP8 plan with its layout and split predicted in bf16 beside it (``Float8Linears.bf16_step_s``):
+    the same blocks estimated without float8, priced as the search prices the chosen layout on ``on``
+    (what was asked, the link between pipeline ranks)."""
+    asked, link = on
+    assert costs.bf16_blocks is not None and plan.profile.float8 is not None
+    chosen = request.model_copy(update={"tp": plan.tp, "ep": plan.ep})  # the chosen degrees' shares only
+    blocks = costs.bf16_blocks
+    if plan.ep > 1:
+        blocks = expert_blocks(mf, chosen, costs, blocks, experts)
+    split = tensor_parallel_split(mf, chosen, costs, blocks)
+    problem = search_problem(asked, split.blocks, link, costs.profile, costs.ties)
+    try:
+        step = reprice(problem, *plan_layout(plan), Hardware()).step_time_s
+    except PlannerError:  # (a schedule the bf16 blocks' numbers refuse: no figure)
+        return plan
+    float8 = plan.profile.float8.model_copy(update={"bf16_step_s": step})
+    return plan.model_copy(update={"profile": plan.profile.model_copy(update={"float8": float8})})
 
 
 def expert_blocks(

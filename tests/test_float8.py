@@ -214,6 +214,9 @@ def test_an_fp8_gpu_plan_reports_its_layers_and_beats_bf16_when_compiled(tmp_pat
     assert "float8 (torchao, tensorwise scaling): 160 of 225 linear layers" in report
     assert "of the bf16 peak, which float8 GEMMs double" in report
     assert 1.15 < steps["bf16"] / steps["fp8"] < 1.6  # torchtitan's 8B on 8 H100: 6,667 -> 8,532 tokens/s (1.28)
+    # the plan's own answer: its layout and split priced with every layer in bf16 (the bf16 plan's here)
+    assert f8.bf16_step_s == pytest.approx(steps["bf16"], rel=0.02)
+    assert f"float8 pays here: {f8.bf16_step_s / steps['fp8']:.2f}x as fast as the same layout" in report
 
 
 @pytest.mark.parametrize(

@@ -70,6 +70,8 @@ class Costs:
         memory_bytes: the device capacity the solver plans for, when known.
         ties: parameters several blocks read (tied weights).
         hardware: the hardware of estimated costs (None: measured).
+        bf16_blocks: an estimate in float8 (``--dtype fp8``): the same blocks with every layer in bf16,
+            to price the chosen layout without float8 (None otherwise).
     """
 
     traced: TracedModel
@@ -80,6 +82,7 @@ class Costs:
     ties: list[Tie] = field(default_factory=list)
     step_temp_rule: StepTempRule | None = None  # measured: how a stage's optimizer temporaries combine
     hardware: HardwareSpec | None = None
+    bf16_blocks: list[BlockCost] | None = None
 
 
 def tokens_per_sample(inputs: object) -> int | None:
@@ -293,6 +296,13 @@ def measured_costs(mf: ModelFile, request: PlanRequest, threads: int, reuse: Pla
     return Costs(traced, _with_output(blocks, traced), link, info, capacity, ties_of(traced), rule)
 
 
+def _renamed(blocks: list[BlockCost], traced: TracedModel) -> list[BlockCost]:
+    """The blocks as the run's trace names them (an estimate may cost a second trace of the model)."""
+    return [
+        b.model_copy(update={"first_node": t.nodes[0], "last_node": t.nodes[-1]}) for b, t in zip(blocks, traced.blocks)
+    ]
+
+
 def _with_float8_shares(blocks: list[BlockCost], traced: TracedModel, float8: Float8Linears | None) -> list[BlockCost]:
     """The blocks with the share of their parameters FSDP gathers in float8 (``fsdp_float8_gather``:
     a tensorwise float8 plan's layers), as the run's FSDP would if the search shards them."""
@@ -453,11 +463,10 @@ def _estimated(
     # compiled: costed as torch.compile fuses each block (planner.costs.fusion)
     on = (dtype, request.optimizer, request.progress, request.compile)  # dtype, optimizer, progress, compiled
     blocks = estimate_blocks(costed, inputs, target, mf.loss_fn, hw, *on, float8=float8)
-    # the blocks as the run's trace names them
-    blocks = [
-        b.model_copy(update={"first_node": t.nodes[0], "last_node": t.nodes[-1]}) for b, t in zip(blocks, traced.blocks)
-    ]
+    blocks = _renamed(blocks, traced)
     blocks = _with_float8_shares(blocks, costed, float8)
+    # does float8 pay: the same blocks in bf16 (the layers' own casts and GEMMs), for the chosen layout
+    bf16 = None if float8 is None else estimate_blocks(costed, inputs, target, mf.loss_fn, hw, *on)
     info = ProfileInfo(
         device="cpu" if on_cpu else "cuda",
         backend="gloo" if on_cpu else "nccl",
@@ -507,6 +516,7 @@ def _estimated(
         capacity,
         ties_of(traced, dtype_bytes(dtype)),
         hardware=hw,
+        bf16_blocks=None if bf16 is None else _with_output(_renamed(bf16, traced), traced),
     )
 
 

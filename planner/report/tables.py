@@ -422,7 +422,16 @@ def float8_line(plan: Plan) -> str:
         (", ".join(names) if len(names) <= 3 else f"{len(names)} layers: {names[0]} ... {names[-1]}") + f" ({why})"
         for why, names in by_reason.items()
     ]
-    return line + ("; in bf16: " + "; ".join(kept) if kept else "")
+    line += "; in bf16: " + "; ".join(kept) if kept else ""
+    if f8.bf16_step_s is not None:
+        gain = f8.bf16_step_s / plan.prediction.step_time_s
+        bf16 = f"the same layout with every layer in bf16 ({_ms(f8.bf16_step_s)} ms a step)"
+        if gain > 1:
+            line += f"\nfloat8 pays here: {gain:.2f}x as fast as {bf16}"
+        else:
+            line += f"\nfloat8 does not pay here: {1 / gain:.2f}x as slow as {bf16}"
+            line += "" if plan.compile else "; eager, torchao's casts run unfused: plan with --compile"
+    return line
 
 
 def experts_line(plan: Plan) -> str:

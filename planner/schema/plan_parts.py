@@ -92,6 +92,13 @@ class Float8Linears(_Frozen):
         description="Linear layers that stay in bf16 -> why (planner.core.levers.float8.kept_reason); the runner "
         "converts every other nn.Linear the trace calls.",
     )
+    bf16_step_s: float | None = Field(
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
+        description="The plan's layout and split predicted with every layer in bf16 (an estimate's: does FP8 pay "
+        "here); None: not estimated, or the layout cannot run in bf16.",
+    )
 
 
 class ProfileInfo(_Frozen):
