@@ -108,3 +108,16 @@ def test_a_gpu_without_fp8_tensor_cores_is_refused_in_one_line() -> None:
 
     with pytest.raises(PlannerError, match=r"--dtype fp8 needs FP8 tensor cores \(compute capability 8.9"):
         emulated(torch.device("cuda", 0))
+
+
+@pytest.mark.multiprocess
+def test_hugging_face_llama_fp8_with_tp2_matches_unsplit(tmp_path: Path) -> None:
+    # a torch.export graph under tensor parallelism: its planned layers become nn.Linear modules at one rank's
+    # sizes (the shardable trace), the others' aten.linear calls modules too, then all convert and shard.
+    # Rowwise: its power-of-two scales do not move with the last bits that a row-wise layer's partial sums
+    # reduced in another order change; a tensorwise scale does, and amplifies them (1.5e-4 at step 2 here)
+    pytest.importorskip("transformers")
+    plan = _float8(plan_with_starts(MODELS / "hf" / "llama.py", [0, 3], tp=2, **FP8), "rowwise")
+    assert plan.model.trace_method == "export" and plan.world_size == 4
+    got, want = _run_and_compare(plan, tmp_path)
+    print("hf llama fp8 tp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
