@@ -8,7 +8,7 @@ A torch.fx stage calls its linear layers as modules, which ``convert_to_float8_t
 torch.export stage calls ``aten.linear`` on the weights, so each such call becomes a call of an
 ``nn.Linear`` holding the stage's own parameters first, and is then swapped alike.
 
-torchao is imported here only, when a plan trains in float8 (``pip install 'planner[fp8]'``).
+torchao is imported here only, when a plan trains in float8 (the fp8 extra: ``pip install -e '.[fp8]'``).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def require_torchao() -> Any:
     except ImportError as e:
         raise PlannerError(
             f"--dtype fp8 trains the linear layers with torchao's float8, which is not installed ({e}); "
-            "install it with: pip install 'planner[fp8]'"
+            "install it with pip install 'torchao>=0.18,<0.19' (the planner's fp8 extra)"
         ) from e
     return float8
 
