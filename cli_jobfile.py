@@ -105,6 +105,8 @@ def _cluster_and_costs(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
         cluster["threads"] = profile.threads
         if profile.autocast is not None:
             costs["dtype"] = profile.autocast
+    if profile.float8 is not None:  # bf16 around the float8 layers: the dtype that asked for them
+        costs["dtype"] = "fp8" if profile.float8.recipe == "tensorwise" else "fp8-rowwise"
     costs["compile"] = plan.compile
     if (
         profile.source != "estimated"

@@ -235,3 +235,24 @@ def test_report_config_makes_the_same_plan_again(args: list[str], tmp_path: Path
     assert replayed.optimizer == original.optimizer
     both = invoke("report", str(first), "--config", "--timeline", str(tmp_path / "t.png"))
     assert both.exit_code == 2 and "--config prints the job file only" in both.stderr
+
+
+@pytest.mark.slow
+def test_report_config_makes_an_fp8_plan_again(tmp_path: Path) -> None:
+    # the plan records bf16 as its dtype (what computes around the float8 layers): the job file asks for fp8
+    pytest.importorskip("torchao")
+    first = tmp_path / "first.json"
+    args = ["--gpus", "2", "--gpu-type", "h100", "--dtype", "fp8-rowwise", "-b", "8", "--set", "dim=4096"]
+    made = invoke("plan", str(MODELS / "llama.py"), "--size", "tiny", *args, "-o", str(first), "-q")
+    assert made.exit_code == 0, made.output
+    report = invoke("report", str(first), "--config")
+    assert tomllib.loads(report.output)["dtype"] == "fp8-rowwise"
+    again = tmp_path / "again.json"
+    remade = invoke("plan", "--config", str(_job(tmp_path, report.output)), "-o", str(again))
+    assert remade.exit_code == 0, remade.output
+    original, replayed = Plan.load(first), Plan.load(again)
+    f8, again8 = original.profile.float8, replayed.profile.float8
+    assert f8 is not None and again8 is not None and _layout(replayed) == _layout(original)
+    assert (again8.recipe, again8.converted, again8.kept) == (f8.recipe, f8.converted, f8.kept)
+    # (the given layout's costs and prediction come within 0.1 % of the searched plan's, its bf16 figure alike)
+    assert again8.bf16_step_s == pytest.approx(f8.bf16_step_s, rel=1e-2)
