@@ -251,3 +251,20 @@ def test_every_recipe_and_filter_combination_keeps_the_same_layers_on_cpu_and_gp
     layers = [_layer(k, n) for k, n in itertools.product((8192, 16384), (8192, 28672))]
     for recipe in ("tensorwise", "rowwise"):
         assert kept_layers(layers, recipe, True) == kept_layers(layers, recipe, False) == {}
+
+
+def test_a_compiled_float8_plan_is_refused_before_any_rank_starts_where_float8_is_emulated(tmp_path: Path) -> None:
+    # a plan made for GPUs (--gpu-type h100 --compile --dtype fp8) run on this CPU: torchao's emulation does not
+    # compile, said in the parent in one line
+    from run_factory import plan_with_starts, saved
+
+    from planner.errors import PlannerError
+    from planner.run import run_plan
+    from planner.schema.plan_parts import Float8Linears
+    from planner.schema.run_request import RunRequest
+
+    plan = plan_with_starts(MODELS / "llama.py", [0, 3], schedule="1f1b", n_microbatches=2)
+    f8 = Float8Linears(recipe="tensorwise", converted=28, kept={"output": "outside the repeated layers"})
+    plan = plan.model_copy(update={"compile": True, "profile": plan.profile.model_copy(update={"float8": f8})})
+    with pytest.raises(PlannerError, match=r"^--dtype fp8 with --compile: on cpu float8 runs in torchao's emulation"):
+        run_plan(plan, RunRequest(plan_file=saved(plan, tmp_path), steps=1))

@@ -55,6 +55,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from planner.capture.contract import check_train_batch
+from planner.capture.float8 import check_float8, require_torchao
 from planner.capture.graph_file import RankGraphs
 from planner.capture.load import ModelFile
 from planner.errors import PlannerError, RunFailed
@@ -119,7 +120,12 @@ def _env(**values: str) -> Iterator[None]:
 
 
 def _check_devices(plan: Plan, nproc_per_node: int) -> None:
-    """nccl needs one visible GPU per rank on this node (gloo runs anywhere)."""
+    """nccl needs one visible GPU per rank on this node (gloo runs anywhere); float8 layers need torchao,
+    and FP8 tensor cores on a GPU (``check_float8``: refused before any rank starts)."""
+    if plan.profile.float8 is not None:
+        require_torchao()
+        gpu = plan.profile.backend == "nccl" and torch.cuda.is_available()
+        check_float8(torch.device("cuda", 0) if gpu else torch.device("cpu"), plan.compile)
     if plan.profile.backend != "nccl":
         return
     have = torch.cuda.device_count()
