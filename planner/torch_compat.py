@@ -82,6 +82,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
+    "FLOAT8_DTYPES",
     "FakeTensorMode",
     "split_weight_backward_retaining",
     "TorchDispatchMode",
@@ -151,11 +152,15 @@ def storage_id(t: torch.Tensor) -> int:
     return int(t.untyped_storage()._cdata)
 
 
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""The float8 dtypes torchao's training recipes cast to (e4m3 forward, e5m2 for gradients)."""
+
+
 def float8_payload(t: object) -> torch.Tensor | None:
     """The float8 payload of torchao's float8 training tensor ``t`` (its private ``_data``, what a float8
     GEMM reads; the wrapper reports its high-precision dtype), else None."""
     data = getattr(t, "_data", None)
-    return data if isinstance(data, torch.Tensor) and data.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else None
+    return data if isinstance(data, torch.Tensor) and data.dtype in FLOAT8_DTYPES else None
 
 
 def float8_import_logger_names() -> tuple[str, ...]:

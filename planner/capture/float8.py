@@ -31,7 +31,6 @@ _LINEAR = torch.ops.aten.linear.default
 # how far from a linear layer's output a top-k may read it for the layer to be a router (softmax,
 # a cast, a view in between)
 _ROUTER_HOPS = 4
-FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @contextlib.contextmanager

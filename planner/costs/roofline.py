@@ -31,11 +31,18 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from planner.capture.attention import SDPA_CALLS, sdpa_arguments
 from planner.capture.checkpoint import KeepRule
-from planner.capture.float8 import FLOAT8_DTYPES
 from planner.core.levers.hardware import HardwareSpec
 from planner.costs.backward_temps import storage_bytes
 from planner.costs.fusion import Fusion
-from planner.torch_compat import TorchDispatchMode, decomposes, float8_payload, pytree, storage_id, swapped_sdpa
+from planner.torch_compat import (
+    FLOAT8_DTYPES,
+    TorchDispatchMode,
+    decomposes,
+    float8_payload,
+    pytree,
+    storage_id,
+    swapped_sdpa,
+)
 
 aten = torch.ops.aten
 
