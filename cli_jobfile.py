@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from planner.core.levers.float8 import float8_dtype
 from planner.schema.plan import Plan
 
 PLAIN_RECOMPUTE = ("never", "selective", "full", "stage")
@@ -106,7 +107,7 @@ def _cluster_and_costs(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
         if profile.autocast is not None:
             costs["dtype"] = profile.autocast
     if profile.float8 is not None:  # bf16 around the float8 layers: the dtype that asked for them
-        costs["dtype"] = "fp8" if profile.float8.recipe == "tensorwise" else "fp8-rowwise"
+        costs["dtype"] = float8_dtype(profile.float8.recipe)
     costs["compile"] = plan.compile
     if (
         profile.source != "estimated"

@@ -363,7 +363,7 @@ def fp8_cells(o: Outcome) -> list[str]:
     cells.append(f"{gain:.2f}x" if gain is not None else "—")
     cells.append(f"{row.figure / row.bf16_figure:.2f}x" if row.bf16_figure else "—")
     f8_layers = f8.profile.float8 if f8 is not None else None
-    cells.append(f"{f8_layers.converted} of {f8_layers.converted + len(f8_layers.kept)}" if f8_layers else "—")
+    cells.append(f"{f8_layers.converted} of {f8_layers.layers}" if f8_layers else "—")
     return cells
 
 

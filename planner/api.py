@@ -200,6 +200,7 @@ def plan_from_costs(
     if request.ep != 1 and (traced_calls or request.ep != "auto"):  # auto on a dense model, or no graph: ep 1
         blocks = expert_blocks(mf, request, costs, blocks, experts)
     split = tensor_parallel_split(mf, request, costs, blocks)
+    asked = asked_of(with_step_temp_rule(request, costs.step_temp_rule), memory_limit_bytes)
 
     def assembled(split: TensorParallelBlocks) -> Plan:
         origin = Origin(
@@ -210,7 +211,7 @@ def plan_from_costs(
             experts=experts.counts,
         )
         plan = assemble_plan(
-            asked_of(with_step_temp_rule(request, costs.step_temp_rule), memory_limit_bytes),
+            asked,
             split.blocks,
             link,
             origin,
@@ -235,7 +236,6 @@ def plan_from_costs(
     for note in filter(None, [split.note, sequence_note(request, plan.tp, split.note, split.sequence_note)]):
         plan = plan.model_copy(update={"choice": f"{plan.choice}; {note}" if plan.choice else note})
     if costs.bf16_blocks is not None and plan.profile.float8 is not None:
-        asked = asked_of(with_step_temp_rule(request, costs.step_temp_rule), memory_limit_bytes)
         plan = _with_bf16_step(plan, request, mf, costs, (asked, link), experts)
     return plan
 

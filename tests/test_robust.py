@@ -238,21 +238,8 @@ def test_a_reference_priced_on_its_own_problem_keeps_its_own_step() -> None:
 def test_an_expert_parallel_layout_reprices_with_its_experts_sharded() -> None:
     # repricing runs the search's own pricing of a rank's blocks (``rank_blocks``): under expert parallelism
     # each rank's share of the experts and the all-to-alls, which the what-if once left out
-    from planner.schema.costs import ExpertShare
+    from test_ep import SHARE as share  # two layers of 8 experts, their GEMM seconds per degree
 
-    share = ExpertShare(
-        layers=1,
-        experts=8,
-        params=800_000,
-        param_bytes=3_200_000,
-        dispatch_bytes=2_000_000,
-        token_bytes=1_000_000,
-        rows=1_000,
-        flops_fwd=4e5,
-        saved_bytes=3_000,
-        gemm_s={1: 0.004, 2: 0.003, 4: 0.0025},
-        imbalance={2: 1.1, 4: 1.2},
-    )
     blocks = [block(f"l{i}", 10, 20, 1_000_000).model_copy(update={"experts": share}) for i in range(4)]
     problem = Problem(blocks, Cluster(4, LINK), NEVER, Scaling(2, 0.0, 1), 8)
     space = SearchSpace(8, "gpipe", None, 1, (4,), "ddp", eps=(1, 2, 4))

@@ -23,6 +23,7 @@ import torch
 from torch import fx, nn
 
 from planner.capture.blocks import GraphTrace, TracedModel
+from planner.capture.tp_graph import call_as_module
 from planner.errors import PlannerError, TraceError
 from planner.schema.plan_parts import Float8Linears, LinearLayer
 from planner.torch_compat import float8_import_logger_names
@@ -104,13 +105,13 @@ def linear_name(gm: fx.GraphModule, node: fx.Node, model: nn.Module) -> str | No
     ``model`` (torch.export, whose graph holds the weights in plain modules)."""
     if node.op == "call_module":
         return str(node.target) if type(gm.get_submodule(str(node.target))) is nn.Linear else None
-    if node.op != "call_function" or node.target is not _LINEAR or len(node.args) < 2:
+    if node.op != "call_function" or node.target is not _LINEAR or len(node.args) < 2 or node.kwargs:
         return None
     weight = node.args[1]
     if not (isinstance(weight, fx.Node) and weight.op == "get_attr" and str(weight.target).endswith(".weight")):
         return None
     name = str(weight.target)[: -len(".weight")]
-    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    bias = node.args[2] if len(node.args) > 2 else None
     if bias is not None and not (isinstance(bias, fx.Node) and bias.op == "get_attr" and bias.target == f"{name}.bias"):
         return None
     # an nn.Linear's call, as torchao swaps only those (a router module of its own calling F.linear stays)
@@ -158,7 +159,7 @@ def convert_stage(
     require_torchao()  # before the graph changes
     graph = stage.graph
     calls = [(n, linear_name(stage, n, model)) for n in graph.nodes if n.op == "call_function"]
-    made = [_call_as_linear(stage, graph, name, n) for n, name in calls if name and name not in float8.kept]
+    made = [call_as_module(stage, graph, name, n) for n, name in calls if name and name not in float8.kept]
     if made:
         graph.lint()
         stage.recompile()
@@ -186,28 +187,6 @@ def convert_stage_modules(
     with _quiet_import():
         float8.convert_to_float8_training(module, module_filter_fn=chosen, config=config)
     return len(converted)
-
-
-def _call_as_linear(root: fx.GraphModule, graph: fx.Graph, name: str, call: fx.Node) -> fx.Node:
-    """Replace ``call`` (``aten.linear`` on the layer ``name``'s own weight and bias) by a call of an
-    ``nn.Linear`` holding those parameters, installed in ``root`` under ``name``; returns the new call."""
-    holder = root.get_submodule(name)
-    weight = holder.get_parameter("weight")
-    bias = getattr(holder, "bias", None) if (len(call.args) > 2 and call.args[2] is not None) else None
-    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-    layer.weight = weight
-    if bias is not None:
-        layer.bias = bias
-    parent, _, leaf = name.rpartition(".")
-    root.get_submodule(parent).register_module(leaf, layer)
-    with graph.inserting_before(call):
-        module_call = graph.call_module(name, (call.args[0],))
-    module_call.meta = dict(call.meta)
-    call.replace_all_uses_with(module_call)
-    old = call.name
-    graph.erase_node(call)
-    module_call.name = old
-    return module_call
 
 
 def emulated(device: torch.device) -> bool:

@@ -74,7 +74,7 @@ def shardable_trace(
     assert isinstance(traced, GraphTrace)  # shard_sized_graph says None otherwise
     graph = graph_copy(sized.graph)
     for name, call in _layer_calls(graph, _planned_layers(traced.gm, tp_plan)).items():
-        _call_as_module(traced.gm, graph, name, call)
+        call_as_module(traced.gm, graph, name, call)
     return replace(traced, gm=fx.GraphModule(traced.gm, graph, traced.gm.__class__.__name__))
 
 
@@ -228,10 +228,12 @@ def _check_same_nodes(full: fx.Graph, local: fx.Graph, tp: int) -> None:
         )
 
 
-def _call_as_module(root: fx.GraphModule, graph: fx.Graph, name: str, call: fx.Node) -> None:
+def call_as_module(root: fx.GraphModule, graph: fx.Graph, name: str, call: fx.Node) -> fx.Node:
     """Replace the graph's ``call`` of the layer ``name`` (``aten.linear`` / ``aten.embedding`` on its
     weight) by a call of an ``nn.Linear`` / ``nn.Embedding`` module holding ``root``'s own parameters,
-    installed in ``root`` under ``name``; the node keeps its name and metadata."""
+    installed in ``root`` under ``name``; the node keeps its name and metadata. Tensor parallelism's
+    planned layers become modules so (``shardable_trace``), and so do float8's linear layers
+    (``planner.capture.float8.convert_stage``). Returns the new call."""
     holder = root.get_submodule(name)
     weight = holder.get_parameter("weight")
     args = list(call.args)
@@ -264,6 +266,7 @@ def _call_as_module(root: fx.GraphModule, graph: fx.Graph, name: str, call: fx.N
     old = call.name
     graph.erase_node(call)
     module_call.name = old
+    return module_call
 
 
 def split_refusal(

@@ -290,7 +290,7 @@ def _notes(plan: Plan) -> list[str]:
     f8 = plan.profile.float8
     if f8 is not None:
         notes.append(
-            f"float8 linear layers ({f8.recipe} scaling, torchao): {f8.converted} of {f8.converted + len(f8.kept)}; "
+            f"float8 linear layers ({f8.recipe} scaling, torchao): {f8.converted} of {f8.layers}; "
             f"kept in bf16: {_names(list(f8.kept))}"
         )
     if plan.tp > 1 and not plan.sequence_parallel:

@@ -412,7 +412,7 @@ def float8_line(plan: Plan) -> str:
     if f8 is None:
         return ""
     line = (
-        f"float8 (torchao, {f8.recipe} scaling): {f8.converted} of {f8.converted + len(f8.kept)} linear layers compute "
+        f"float8 (torchao, {f8.recipe} scaling): {f8.converted} of {f8.layers} linear layers compute "
         "their GEMMs in float8, everything else in bf16"
     )
     by_reason: dict[str, list[str]] = {}

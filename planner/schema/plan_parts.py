@@ -100,6 +100,11 @@ class Float8Linears(_Frozen):
         "here); None: not estimated, or the layout cannot run in bf16.",
     )
 
+    @property
+    def layers(self) -> int:
+        """Every linear layer the trace calls: those converted and those kept in bf16."""
+        return self.converted + len(self.kept)
+
 
 class ProfileInfo(_Frozen):
     """Where and how the costs were measured."""

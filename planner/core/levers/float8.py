@@ -41,6 +41,11 @@ def float8_recipe(dtype: str | None) -> str | None:
     return RECIPES.get(dtype or "")
 
 
+def float8_dtype(recipe: str) -> str:
+    """The ``--dtype`` that trains with torchao's ``recipe`` (``RECIPES`` read backwards)."""
+    return next(dtype for dtype, named in RECIPES.items() if named == recipe)
+
+
 def compute_dtype(dtype: str) -> str:
     """The dtype everything but the converted GEMMs computes in: bf16 for an FP8 dtype, else ``dtype``."""
     return "bf16" if dtype in RECIPES else dtype
