@@ -123,6 +123,8 @@ def _layout(plan: Plan) -> dict[str, Any]:
     values: dict[str, Any] = {"dp": plan.dp, "tp": plan.tp}
     if plan.experts:
         values["ep"] = plan.ep
+    if plan.cp > 1:
+        values.update({"cp": plan.cp, "cp-attention": plan.cp_attention})
     if plan.tp > 1:
         values["sequence-parallel"] = plan.sequence_parallel
     values["schedule"] = plan.schedule

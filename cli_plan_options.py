@@ -17,7 +17,8 @@ from cli_groups import option, option_group
 from cli_support import COUNT_OR_AUTO, FACTOR_OR_AUTO, REPLICAS_OR_AUTO, split_option
 from planner.core.levers.hardware import GPUS
 from planner.schema.costs import OPTIMIZERS
-from planner.schema.request import DP_MODES, DTYPES, METHODS, RECOMPUTE, SCHEDULES, PlanRequest
+from planner.schema.names import CP_ATTENTION, DP_MODES, DTYPES, METHODS, RECOMPUTE, SCHEDULES
+from planner.schema.request import PlanRequest
 
 PLAN_GROUPS = ("Model", "Cluster", "Training", "Layout", "Memory", "Costs", "Job file and output")
 """The ``--help`` sections of ``planner plan``, in order (``--debug`` and ``--help`` join the last)."""
@@ -117,6 +118,13 @@ layout_options = option_group(
     option("--tp", type=REPLICAS_OR_AUTO, **_AUTO, help="Tensor-parallel ranks per pipeline rank, or auto."),
     option("--ep", type=REPLICAS_OR_AUTO, default=1, help="Ranks MoE experts shard over, or auto."),
     option("--cp", type=REPLICAS_OR_AUTO, default=1, help="Ranks each sequence is split over, or auto."),
+    option(
+        "--cp-attention",
+        type=click.Choice(["auto", *CP_ATTENTION], case_sensitive=False),
+        metavar="NAME",
+        default="auto",
+        help="With --cp: all-gather, ring, auto (default).",
+    ),
     option(
         "--sequence-parallel/--no-sequence-parallel",
         default=None,

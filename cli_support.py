@@ -196,7 +196,7 @@ debug_option = click.option(
     is_flag=True,
     expose_value=False,
     callback=set_debug,
-    help="Show the full traceback of an error instead of one line (also accepted before the subcommand).",
+    help="A full traceback instead of a one-line error.",
 )
 
 

@@ -107,7 +107,7 @@ def pipeline_steps(rank: int, ranks: int, schedule_name: str, microbatches: int,
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
 
-    from planner.schema.request import TORCH_NAMES
+    from planner.schema.names import TORCH_NAMES
 
     # a received activation needs a gradient (the runtime allocates its buffers like the example's)
     example_in = torch.zeros(ROWS, cols, requires_grad=rank > 0)

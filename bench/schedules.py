@@ -47,8 +47,9 @@ from planner.api import Costs, default_threads, measured_costs
 from planner.capture.load import ModelFile, load_model_file
 from planner.core.step.schedules import placement
 from planner.run.single import train_model_file
+from planner.schema.names import SCHEDULES
 from planner.schema.plan import Plan
-from planner.schema.request import SCHEDULES, PlanRequest
+from planner.schema.request import PlanRequest
 
 CREATED = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 SEARCHED, FIXED = "(c) joint search", "(c) 1f1b m=2p"

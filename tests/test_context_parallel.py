@@ -52,6 +52,38 @@ def test_a_context_parallel_rank_pays_the_gather_and_holds_the_gathered_keys_and
     assert allgather_s(4000, 4, LINK) == pytest.approx(move, rel=1e-12)
 
 
+def test_a_ring_hides_each_steps_send_behind_that_steps_attention() -> None:
+    # tp 2, cp 4: the rank's own chunk of its heads is 1,000 bytes, a send 1 ms + 1 us; its attention
+    # 2.4 ms forward and 4.8 ms backward for its heads (of 4.8 / 9.6 ms for every head), a quarter a step:
+    # forward 3 steps of (1.001 - 0.6) ms exposed; backward 3 steps of 2 sends beside 1.2 ms, and the
+    # gradients' last step home, unhidden; nothing saved beyond the rank's own chunk
+    block = _block(2000).model_copy(update={"attention_s": (0.0048, 0.0096)})
+    (got,) = at_context([block], cp=4, tp=2, link=LINK, ring=True)
+    send = 1e-3 + 1000 / 1e9
+    assert got.fwd_s == pytest.approx(0.010 + 3 * (send - 0.0006), rel=1e-12)
+    assert got.bwd_s == pytest.approx(0.020 + 3 * (2 * send - 0.0012) + send, rel=1e-12)
+    assert got.bwd_input_s == pytest.approx(0.012 + 3 * (2 * send - 0.0012) + send, rel=1e-12)
+    assert got.recompute_s == pytest.approx(got.fwd_s, rel=1e-12)
+    assert got.activation_bytes == block.activation_bytes and got.selective_bytes == block.selective_bytes
+    # attention long enough to hide every send: only the last step home shows; unknown attention hides nothing
+    (hidden,) = at_context([block.model_copy(update={"attention_s": (1.0, 2.0)})], cp=4, tp=2, link=LINK, ring=True)
+    assert hidden.fwd_s == block.fwd_s and hidden.bwd_s == pytest.approx(0.020 + send, rel=1e-12)
+    (blind,) = at_context([_block(2000)], cp=4, tp=2, link=LINK, ring=True)
+    assert blind.fwd_s == pytest.approx(0.010 + 3 * send, rel=1e-12)
+
+
+def test_the_search_leaves_out_the_gather_where_a_ring_is_as_fast_in_every_block() -> None:
+    from planner.core.layout.inputs import Layout
+    from planner.core.layout.pending import Pending, ring_dominates
+
+    def pending(*blocks: BlockCost) -> Pending:
+        return Pending(Layout("1f1b", 1, 1), list(blocks), 0.0, 0)
+
+    slow, fast = _block(2000), _block(2000).model_copy(update={"fwd_s": 0.009})
+    assert ring_dominates(pending(slow, slow), pending(fast, slow))
+    assert not ring_dominates(pending(fast, slow), pending(slow, slow))  # the gather faster somewhere: both kept
+
+
 def test_masked_attention_also_swaps_its_queries_and_output_between_mirrored_blocks() -> None:
     # 1,600 bytes of queries, tp 2: 800 a rank, sent to the ranks computing their blocks and the output
     # back (2 all-to-alls of 3 / 4 of them, 3 latencies each, over 4 ranks on the link), forward and backward
@@ -143,6 +175,26 @@ def test_planner_plan_cp_splits_the_sequence_over_replicas(tmp_path: Path) -> No
     assert context_line(whole) == ""
 
 
+def test_long_sequences_choose_ring_attention_and_the_plan_says_so(tmp_path: Path) -> None:
+    # 8,192 positions: each step's attention outlasts its send, so the ring hides its traffic and holds
+    # less; with the method given, the plan takes it; a plan of cp 1 records the gather
+    options = {"gpu_type": "h100", "dp": 1, "tp": 1, "cp": 2, "schedule": "1f1b", "microbatches": 2}
+    long = {"overrides": {"seq_len": 8192}}
+    plan = _plan(tmp_path, **options, **long)
+    assert plan.cp_attention == "ring" and "cp=2 (ring attention)" in plan.choice
+    assert all(b.attention_s[0] > 0 and b.attention_s[1] > b.attention_s[0] for b in plan.blocks if b.kv_bytes)
+    gathered = _plan(tmp_path, **options, **long, cp_attention="all-gather")
+    assert gathered.cp_attention == "all-gather"
+    assert plan.prediction.step_time_s < gathered.prediction.step_time_s
+    assert plan.prediction.max_memory_bytes < gathered.prediction.max_memory_bytes
+    from planner.report.tables import context_line
+
+    assert "passed around the group's ring a chunk at a time" in context_line(plan)
+    assert "all-gathered over the group" in context_line(gathered)
+    with pytest.raises(ValueError, match="cp_attention ring with cp 1"):
+        type(plan).model_validate({**plan.model_dump(), "cp": 1})
+
+
 def test_a_sequence_that_does_not_split_into_cp_chunks_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(PlannerError, match=r"^--cp 2: the sequence has 34 positions, which do not split into 4 equal"):
         _plan(tmp_path, gpu_type="h100", cp=2, overrides={"seq_len": 34})
@@ -181,5 +233,9 @@ def test_a_context_parallel_plan_exports_its_degree(tmp_path: Path) -> None:
     titan = export_plan(plan, "torchtitan")
     # FSDP over the 2 context-parallel ranks: torchtitan's dp_shard 1 x cp 2
     assert "context_parallel_degree=2" in titan and "data_parallel_shard_degree=1" in titan
+    assert 'context_parallel_rotate_method = "allgather"' in export_plan(plan, "torchtitan-toml")
+    ring = plan.model_copy(update={"cp_attention": "ring"})
+    assert "--cp-comm-type p2p" in export_plan(ring, "megatron")
+    assert 'context_parallel_rotate_method = "alltoall"' in export_plan(ring, "torchtitan-toml")
     with pytest.raises(ExportError, match=r"^DeepSpeed's PipelineModule splits no sequence over ranks"):
         export_plan(plan, "deepspeed")

@@ -16,8 +16,8 @@ from test_run_tp import _run_and_compare as compare_with_unsplit  # noqa: E402
 CP2: dict = dict(schedule="1f1b", n_microbatches=2, optimizer="sgd", lr=0.5, grad_clip=0.5)
 
 
-def _context(plan, cp: int = 2):  # type: ignore[no-untyped-def]
-    return plan.model_copy(update={"cp": cp})
+def _context(plan, cp: int = 2, attention: str = "all-gather"):  # type: ignore[no-untyped-def]
+    return plan.model_copy(update={"cp": cp, "cp_attention": attention})
 
 
 def _run_and_compare(plan, tmp_path: Path):  # type: ignore[no-untyped-def]
@@ -34,35 +34,50 @@ def test_llama_cp2_pp2_matches_unsplit_model(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_hugging_face_llama_cp2_pp2_matches_unsplit_model(tmp_path: Path) -> None:
+def test_llama_cp2_pp2_by_ring_attention_matches_unsplit_model(tmp_path: Path) -> None:
+    # the keys and values passed around the ring, their gradients summed on the way home
+    plan = _context(plan_with_starts(MODELS / "llama.py", [0, 3], **CP2), attention="ring")
+    got, want = _run_and_compare(plan, tmp_path)
+    print("llama cp2 pp2 ring", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("attention", ["all-gather", "ring"])
+def test_hugging_face_llama_cp2_pp2_matches_unsplit_model(tmp_path: Path, attention: str) -> None:
     # a torch.export graph, its sizes baked in: DTensors keep the global shapes the graph was made for,
     # and the positions transformers makes with arange (cache_position) are the whole sequence's
     pytest.importorskip("transformers")
-    plan = _context(plan_with_starts(MODELS / "hf" / "llama.py", [0, 3], **CP2))
+    plan = _context(plan_with_starts(MODELS / "hf" / "llama.py", [0, 3], **CP2), attention=attention)
     assert plan.model.trace_method == "export"
     got, want = _run_and_compare(plan, tmp_path)
     print("hf llama cp2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
 
 
 @pytest.mark.multiprocess
-def test_cp2_with_tp2_matches_unsplit_model(tmp_path: Path) -> None:
-    # each tensor-parallel rank gathers its own heads' keys and values over its context-parallel group
-    plan = _context(plan_with_starts(MODELS / "llama.py", [0], tp=2, **CP2))
+@pytest.mark.parametrize("attention", ["all-gather", "ring"])
+def test_cp2_with_tp2_matches_unsplit_model(tmp_path: Path, attention: str) -> None:
+    # each tensor-parallel rank gathers (or rings) its own heads' keys and values over its context-parallel group
+    plan = _context(plan_with_starts(MODELS / "llama.py", [0], tp=2, **CP2), attention=attention)
     assert plan.world_size == 4
     got, want = _run_and_compare(plan, tmp_path)
     print("llama cp2 tp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("dp_mode", "recompute"), [("fsdp", "full"), ("ddp", "stage")])
-def test_cp2_under_fsdp_and_recomputation_matches_unsplit_model(tmp_path: Path, dp_mode: str, recompute: str) -> None:
+@pytest.mark.parametrize(
+    ("dp_mode", "recompute", "attention"),
+    [("fsdp", "full", "all-gather"), ("ddp", "stage", "all-gather"), ("fsdp", "full", "ring")],
+)
+def test_cp2_under_fsdp_and_recomputation_matches_unsplit_model(
+    tmp_path: Path, dp_mode: str, recompute: str, attention: str
+) -> None:
     # FSDP shards over the two context-parallel ranks (torchtitan's dp_shard_cp); a checkpoint region
-    # re-runs its forward in backward, under the mode again
+    # re-runs its forward in backward, under the mode again (a ring passes its chunks around again)
     plan = plan_with_starts(MODELS / "llama.py", [0, 3], **CP2)
     stages = [s.model_copy(update={"recompute": recompute}) for s in plan.stages]
-    plan = _context(plan.model_copy(update={"stages": stages, "dp_mode": dp_mode}))
+    plan = _context(plan.model_copy(update={"stages": stages, "dp_mode": dp_mode}), attention=attention)
     got, want = _run_and_compare(plan, tmp_path)
-    print("llama cp2", dp_mode, recompute, got.losses, want.losses, got.grad_norms, want.grad_norms)
+    print("llama cp2", dp_mode, recompute, attention, got.losses, want.losses, got.grad_norms, want.grad_norms)
 
 
 @pytest.mark.multiprocess

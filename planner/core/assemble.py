@@ -430,6 +430,7 @@ def _mesh_fields(layout: Layout, tp_plan: Mapping[str, str] | None, experts: Map
         "n_ranks": layout.pp,
         "dp": layout.data_replicas,
         "cp": layout.cp,
+        "cp_attention": layout.cp_attention if layout.cp > 1 else "all-gather",
         "dp_mode": layout.dp_mode,  # "ddp", "fsdp" or "hsdp"
         "dp_shard": layout.dp_shard or None,
         "fsdp_units": layout.fsdp_units,  # "stage" or "block"

@@ -639,6 +639,8 @@ def _block_cost(
         kv_bytes=run.fwd.kv_bytes,
         q_bytes=run.fwd.q_bytes,
     )
+    if run.fwd.attention_s:  # what a ring's sends hide behind (planner.core.levers.context_parallel)
+        cost = cost.model_copy(update={"attention_s": (run.fwd.attention_s, run.bwd.attention_s)})
     host = {
         "host_fwd_s": min(run.fwd.ops * dispatch, run.fwd.seconds),
         "host_bwd_s": min(run.bwd.ops * dispatch, run.bwd.seconds),

@@ -121,6 +121,7 @@ class Tally:
     kept: dict[int, int] = field(default_factory=dict)
     kv_bytes: int = 0  # keys and values read by fused attention (what context parallelism gathers)
     q_bytes: int = 0  # the queries of masked (causal) attention: what context parallelism's mirrored blocks swap
+    attention_s: float = 0.0  # the fused attention kernels' own seconds: what a ring's sends hide behind
 
     def kept_bytes(self, besides: Sequence[torch.Tensor] = ()) -> int:
         """Bytes of the kept outputs, those sharing storage with ``besides`` left out (a block's own
@@ -255,7 +256,7 @@ class Roofline(TorchDispatchMode):
         seconds = self._gpu_seconds(max(roof, hw.op_overhead_s)) if hw.async_launch else roof + hw.op_overhead_s
         held = {storage_id(t): tensor_bytes(t, self.float_bytes) for t in kept}
         self.alive.extend(kept)
-        self._add(Tally(float(flops), nbytes, seconds, 1, seconds if kept else 0.0, held))
+        self._add(Tally(float(flops), nbytes, seconds, 1, seconds if kept else 0.0, held, attention_s=roof))
 
     @contextlib.contextmanager
     def phase(
@@ -335,6 +336,7 @@ class Roofline(TorchDispatchMode):
         self.tally.kept.update(other.kept)
         self.tally.kv_bytes += other.kv_bytes
         self.tally.q_bytes += other.q_bytes
+        self.tally.attention_s += other.attention_s
 
     def _charge(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         packet = func.overloadpacket

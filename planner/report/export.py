@@ -17,9 +17,9 @@ from planner.core.levers.recompute import recomputed_prefix
 from planner.core.step.schedules import action_order, placement
 from planner.errors import PlannerError
 from planner.schema.costs import split_recompute
+from planner.schema.names import TORCH_NAMES
 from planner.schema.outputs import EXPORT_HEADER
 from planner.schema.plan import Plan
-from planner.schema.request import TORCH_NAMES
 
 EXPORT_FORMATS = ("torchtitan", "torchtitan-toml", "megatron", "deepspeed", "csv")
 """What ``planner export --to`` writes."""
@@ -269,7 +269,7 @@ def _notes(plan: Plan) -> list[str]:
         + f", tensor parallel {plan.tp}"
         + (" with sequence parallelism" if plan.sequence_parallel else "")
         + (f", experts sharded over {_expert_ranks(plan)} (expert parallel {plan.ep})" if plan.ep > 1 else "")
-        + (f", each sequence split over {plan.cp} context-parallel ranks" if plan.cp > 1 else ""),
+        + (f", each sequence split over {plan.cp} context-parallel ranks ({_cp_how(plan)})" if plan.cp > 1 else ""),
         f"predicted step {plan.prediction.step_time_s * 1e3:.2f} ms on {plan.profile.hardware or plan.profile.device}",
     ]
     if plan.accumulation > 1:
@@ -299,6 +299,13 @@ def _notes(plan: Plan) -> list[str]:
             "(Megatron with --sequence-parallel): plan with --sequence-parallel to predict it"
         )
     return notes
+
+
+def _cp_how(plan: Plan) -> str:
+    """How the plan's context-parallel ranks attend, in a note."""
+    if plan.cp_attention == "ring":
+        return "ring attention: the keys and values passed around the group, torch's alltoall rotation"
+    return "keys and values all-gathered"
 
 
 def _names(names: list[str], most: int = 4) -> str:
@@ -359,6 +366,8 @@ def _titan_float8(plan: Plan, renames: Mapping[str, str]) -> list[str]:
 
 def _torchtitan_toml(plan: Plan, renames: Mapping[str, str]) -> str:
     fields = _titan_fields(plan, renames)
+    if plan.cp > 1:  # torch's context_parallel: "alltoall" passes the key and value shards around, a ring
+        fields["context_parallel_rotate_method"] = "alltoall" if plan.cp_attention == "ring" else "allgather"
     batch = _batch_lines(plan)
     mode = titan_checkpointing(plan)
     mode = "none" if mode == "never" else mode  # torchtitan's name
@@ -404,6 +413,11 @@ def _py(value: object) -> str:
     if isinstance(value, list) and value and isinstance(value[0], list):
         return "[\n" + "".join(f"        {json.dumps(v)},\n" for v in value) + "    ]"
     return json.dumps(value)
+
+
+def _megatron_cp(plan: Plan) -> str:
+    """Megatron-Core's ``--cp-comm-type`` for the plan's context-parallel attention."""
+    return "p2p" if plan.cp_attention == "ring" else "allgather"
 
 
 def megatron_layout(plan: Plan) -> str:
@@ -564,8 +578,8 @@ def _megatron(plan: Plan, _renames: Mapping[str, str]) -> str:
         *([f"--expert-model-parallel-size {plan.ep}"] if plan.ep > 1 else []),
         # the expert group spans the tensor-parallel ranks, each expert whole (Megatron's default is tp)
         *(["--expert-tensor-parallel-size 1"] if plan.ep > 1 and plan.tp > 1 else []),
-        # the planner's runner gathers the keys and values (Megatron-Core's default is p2p, a ring)
-        *([f"--context-parallel-size {plan.cp}", "--cp-comm-type allgather"] if plan.cp > 1 else []),
+        # the ring is Megatron-Core's p2p (its default), the gather its allgather
+        *([f"--context-parallel-size {plan.cp}", f"--cp-comm-type {_megatron_cp(plan)}"] if plan.cp > 1 else []),
         *_megatron_fp8(plan),
         f"--num-layers {sum(counts)}",
         f"--micro-batch-size {plan.microbatch_size}",

@@ -378,23 +378,29 @@ def tp_text(plan: Plan) -> str:
 
 
 def context_line(plan: Plan) -> str:
-    """One line on a context-parallel plan's sequences: how they split, what attention exchanges.
+    """One line on a context-parallel plan's sequences: how they split, how attention reaches the keys
+    and values (``Plan.cp_attention``).
 
     Args:
         plan: the plan.
 
     Returns:
         e.g. ``context parallelism: each sequence split into 2 chunks over 2 consecutive replicas (dp 1 x
-        cp 2), each rank's queries attending to every position's keys and values, all-gathered over the
+        cp 2: ...), each rank's queries attending to every position's keys and values, all-gathered over the
         group (reduce-scattered in backward)``; empty with cp 1.
     """
     if plan.cp == 1:
         return ""
+    how = (
+        "passed around the group's ring a chunk at a time, each step's send overlapped with the attention on the "
+        "chunk held (ring attention; in backward the chunks go round again with their gradients)"
+        if plan.cp_attention == "ring"
+        else "all-gathered over the group (reduce-scattered in backward)"
+    )
     return (
         f"context parallelism: each sequence split into {plan.cp} chunks over {plan.cp} consecutive replicas "
         f"(dp {plan.dp} x cp {plan.cp}: every rank holds its stages whole and reads its replica's rows), each rank's "
-        "queries attending to every position's keys and values, all-gathered over the group (reduce-scattered in "
-        "backward)"
+        f"queries attending to every position's keys and values, {how}"
     )
 
 

@@ -53,6 +53,7 @@ from planner.capture.attention import SDPA_CALLS, sdpa_arguments
 from planner.capture.contract import SEQUENCE_DIM
 from planner.errors import PlannerError
 from planner.run.experts import exchange_rows
+from planner.run.ring_attention import Ring, ring_attention
 from planner.run.sequence_shard import hook_units
 from planner.run.wrappers import ContiguousGrad
 from planner.torch_compat import pytree
@@ -170,11 +171,13 @@ class Context(TorchFunctionMode):
 
     Args:
         mesh: the rank's 1-D context-parallel mesh.
+        ring: attention by ring attention (``planner.run.ring_attention``) instead of the gather.
     """
 
-    def __init__(self, mesh: Any) -> None:
+    def __init__(self, mesh: Any, ring: bool = False) -> None:
         super().__init__()
         self.mesh = mesh
+        self.ring = Ring(mesh.get_group(), mesh.get_local_rank(), mesh.size()) if ring else None
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -217,7 +220,7 @@ class Context(TorchFunctionMode):
             )
 
         local_q = ContiguousGrad.apply(q.contiguous().to_local())
-        n, length = local_q.shape[_HEAD_SEQUENCE_DIM], q.shape[_HEAD_SEQUENCE_DIM]
+        n = local_q.shape[_HEAD_SEQUENCE_DIM]
         mask, causal = a["attn_mask"], a["is_causal"]
         if causal and mask is not None:
             raise PlannerError("scaled_dot_product_attention was given both a mask and is_causal")
@@ -233,21 +236,47 @@ class Context(TorchFunctionMode):
             mirrored = None
         if mask is not None and mask.shape[-2] != 1:
             mask = mask.index_select(-2, rows)  # the rows of this rank's queries
-        if causal:
-            mask = torch.arange(length, device=local_q.device)[None, :] <= rows[:, None]
-        out = F.scaled_dot_product_attention(
-            local_q,
-            whole(k),
-            whole(v),
+        if self.ring is not None:
+            out = self._ring(local_q, k, v, rows, mask, a)
+        else:
+            out = self._gathered(local_q, whole(k), whole(v), rows, mask, a)
+        if mirrored is not None:  # each block's output back to the rank holding its positions
+            out = mirrored.swap_back(out, self.mesh.get_group())
+        return DTensor.from_local(out, self.mesh, [Shard(_HEAD_SEQUENCE_DIM)], run_check=False)
+
+    def _gathered(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, mask: Any, a: dict[str, Any]
+    ) -> torch.Tensor:
+        """The rank's queries against every position's keys and values, gathered."""
+        length = k.shape[_HEAD_SEQUENCE_DIM]
+        if a["is_causal"]:
+            mask = torch.arange(length, device=q.device)[None, :] <= rows[:, None]
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
             attn_mask=mask,
             dropout_p=a["dropout_p"],
             is_causal=False,
             scale=a["scale"],
             enable_gqa=a["enable_gqa"],
         )
-        if mirrored is not None:  # each block's output back to the rank holding its positions
-            out = mirrored.swap_back(out, self.mesh.get_group())
-        return DTensor.from_local(out, self.mesh, [Shard(_HEAD_SEQUENCE_DIM)], run_check=False)
+
+    def _ring(self, q: torch.Tensor, k: Any, v: Any, rows: torch.Tensor, mask: Any, a: dict[str, Any]) -> torch.Tensor:
+        """The rank's queries against every position's keys and values, passed around the ring."""
+        assert self.ring is not None
+        if a["dropout_p"]:
+            raise PlannerError(
+                f"ring attention runs attention without dropout, and this model's drops out p={a['dropout_p']}; "
+                "plan with --cp-attention all-gather, or set the model's attention dropout to 0"
+            )
+
+        def own(t: Any) -> torch.Tensor:  # this rank's chunk: its gradient is its own
+            return ContiguousGrad.apply(t.contiguous().to_local())
+
+        return ring_attention(
+            q, own(k), own(v), rows, mask=mask, causal=bool(a["is_causal"]), scale=a["scale"], ring=self.ring
+        )
 
 
 @dataclass(frozen=True)
@@ -330,10 +359,12 @@ class ContextSplit:
         chunks_in: for each positional input of the stage, whether it is a sequence chunk
             (``boundary_chunks``); the others arrive whole.
         chunks_out: the same for each of its outputs (leaving as this rank's chunk, or whole).
+        ring: attention by ring attention instead of the gather (``Plan.cp_attention``).
     """
 
-    def __init__(self, mesh: Any, chunks_in: Sequence[bool], chunks_out: Sequence[bool]) -> None:
+    def __init__(self, mesh: Any, chunks_in: Sequence[bool], chunks_out: Sequence[bool], ring: bool = False) -> None:
         self.mesh = mesh
+        self.ring = ring
         self.chunks_in = list(chunks_in)
         self.chunks_out = list(chunks_out)
         self.depth = 0  # units nest (a chain of units, a checkpoint region): one mode at a time
@@ -342,7 +373,7 @@ class ContextSplit:
 
     def enter(self, *_: Any) -> None:
         if self.depth == 0:
-            self.mode = Context(self.mesh)
+            self.mode = Context(self.mesh, self.ring)
             self.mode.__enter__()
         self.depth += 1
 
@@ -415,7 +446,11 @@ class ContextSplit:
 
 
 def install(
-    stage: nn.Module, units: Sequence[nn.Module], mesh: Any, chunks: tuple[Sequence[bool], Sequence[bool]]
+    stage: nn.Module,
+    units: Sequence[nn.Module],
+    mesh: Any,
+    chunks: tuple[Sequence[bool], Sequence[bool]],
+    ring: bool = False,
 ) -> ContextSplit:
     """Install context parallelism on a stage.
 
@@ -430,11 +465,12 @@ def install(
         mesh: the rank's context-parallel mesh.
         chunks: which of the stage's positional inputs, and which of its outputs, are sequence
             chunks (``boundary_chunks``).
+        ring: attention by ring attention (``planner.run.ring_attention``) instead of the gather.
 
     Returns:
         The shared state (held by the hooks).
     """
-    split = ContextSplit(mesh, *chunks)
+    split = ContextSplit(mesh, *chunks, ring=ring)
     hook_units(stage, units, split)
     return split
 

@@ -55,8 +55,8 @@ from planner.run.wrappers import (
     sharded_param_dtype,
 )
 from planner.schema.costs import split_recompute
+from planner.schema.names import TORCH_NAMES
 from planner.schema.plan import Plan, StagePlan
-from planner.schema.request import TORCH_NAMES
 from planner.torch_compat import ddp_ignore, gather_each_stage_once, split_weight_backward_retaining
 
 
@@ -333,7 +333,8 @@ def _split_inside(
     styles (every example was made before, on the unsharded trace), and context parallelism's
     unwrapping around the layers they sharded."""
     units = stage_units(stage.built)  # a chain's units are named as the unsplit model names them
-    context = install_context(stage.built, units, mesh.cp_mesh, stage.chunks) if plan.cp > 1 else None
+    ring = plan.cp_attention == "ring"
+    context = install_context(stage.built, units, mesh.cp_mesh, stage.chunks, ring) if plan.cp > 1 else None
     if plan.tp == 1:
         return
     if plan.sequence_parallel:  # its hooks first: before torch's styles and FSDP's

@@ -480,6 +480,9 @@ class BlockCost(BaseModel):
     # what its attention reads per microbatch: context parallelism gathers the keys and values, swaps the queries
     kv_bytes: int = Field(default=0, ge=0, description="Bytes of the keys and values its attention reads.")
     q_bytes: int = Field(default=0, ge=0, description="Bytes of the queries its attention reads.")
+    attention_s: tuple[float, float] = Field(
+        default=(0.0, 0.0), description="Its attention kernels' seconds, fwd/bwd (0: unknown)."
+    )
     tp: TensorParallelShare | None = Field(
         default=None,
         description="How the block divides under tensor parallelism (None: nothing in it is split; it runs whole "

@@ -15,8 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec, split_recompute
 from planner.schema.counts import group_replicas
 from planner.schema.jsonfile import parse_versioned, read_text, write_atomic
+from planner.schema.names import CpAttention, DpMode, FsdpUnits, Method, Schedule
 from planner.schema.plan_parts import Candidate, ModelRef, Prediction, ProfileInfo, StagePlan, Tie
-from planner.schema.request import DpMode, FsdpUnits, Method, Schedule
 
 # Still 1: the data-parallel fields (``dp``, ``dp_mode``, ``Prediction.dp_reduce_s``, ``Candidate.dp``)
 # have defaults that mean what a plan without them meant (one pipeline on every rank), so plans
@@ -113,9 +113,15 @@ class Plan(_Frozen):
         ge=1,
         description="Context-parallel ranks (1: none): every sequence split along dimension 1 of the model's "
         "inputs and target into cp chunks, one per rank, which hold the same stages and attend over the whole "
-        "sequence by gathering its keys and values (planner.run.context_shard). The cp ranks of a replica are "
+        "sequence as cp_attention says (planner.run.context_shard). The cp ranks of a replica are "
         "cp consecutive replicas of the mesh (replicas = dp x cp): their gradients are averaged with the "
         "replicas' (under fsdp the stages are sharded over all dp x cp ranks, as torchtitan's dp_shard_cp).",
+    )
+    cp_attention: CpAttention = Field(
+        default="all-gather",
+        description="With cp > 1, how attention reaches every position's keys and values: all-gather (gathered "
+        "before attention) or ring (passed around the group a chunk at a time, overlapped with attention: "
+        "planner.run.ring_attention). A plan of cp 1 records all-gather.",
     )
     tp_plan: dict[str, str] = Field(
         default_factory=dict,
@@ -367,6 +373,8 @@ class Plan(_Frozen):
             raise ValueError(f"dp_mode is {self.dp_mode} with one replica; a plan of one replica records ddp")
         if self.cp > 1:
             self._check_context()
+        elif self.cp_attention != "all-gather":
+            raise ValueError(f"cp_attention {self.cp_attention} with cp 1; a plan of cp 1 records all-gather")
         if self.fsdp_units != "stage" and self.dp_mode == "ddp":
             raise ValueError(f"fsdp_units is {self.fsdp_units} under ddp; only fsdp and hsdp shard per block")
         if (self.dp_mode == "hsdp") != (self.dp_shard is not None):

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from planner.schema.costs import split_recompute
-from planner.schema.request import DpMode, FsdpUnits, Schedule
+from planner.schema.names import DpMode, FsdpUnits, Schedule
 
 
 def _mode(value: Any) -> Any:

@@ -18,63 +18,17 @@ from planner.errors import PlannerError, printable
 from planner.schema.bounds import MAX_MEMORY_LIMIT_GIB, MemoryLimitGiB
 from planner.schema.costs import OptimizerSpec
 from planner.schema.counts import default_microbatches, divisors, expert_groups_fit, group_replicas
-
-Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev"]
-Method = Literal["optimal", "uniform", "params", "given"]
-Recompute = Literal["auto", "never", "selective", "full", "stage", "always"]
-"""``--recompute``: activation checkpointing per stage ("always": the old name of "full")."""
-Dtype = Literal["bf16", "fp16", "fp32", "fp8", "fp8-rowwise"]
-"""``--dtype``; fp8 and fp8-rowwise: bf16 with the linear layers' GEMMs in float8 (``core/levers/float8``)."""
-DpMode = Literal["ddp", "fsdp", "hsdp"]
-"""How data-parallel replicas reduce their gradients: DDP (all-reduce; every replica holds the whole
-stage), FSDP2 ``fully_shard`` (parameters, gradients and optimizer state sharded over every replica;
-per stage or block by block: ``FsdpUnits``) or HSDP (``fully_shard`` on a 2-D mesh: sharded inside
-groups of ``dp_shard`` replicas, the groups replicas of each other, their gradients all-reduced)."""
-DP_MODES: tuple[str, ...] = get_args(DpMode)
-FsdpUnits = Literal["stage", "block"]
-"""What FSDP gathers at a time: "stage" (one ``fully_shard`` unit per stage, gathered from the first
-forward to the last backward of a step, reduce-scattered once) or "block" (one unit per block, as
-torchtitan shards each layer: gathered for each microbatch's forward and again for its backward,
-resharded after each, its gradients reduce-scattered every microbatch)."""
-SCHEDULES: tuple[str, ...] = get_args(Schedule)
-"""The planner's schedule names (``--schedule``), in the order the search tries them."""
-ZERO_BUBBLE: frozenset[str] = frozenset({"interleaved-zb", "zbv", "dualpipev"})
-"""The zero-bubble schedules: each stage's backward runs as an input-gradient pass and a separate
-weight-gradient pass (torch's ``_PipelineScheduleRuntime`` actions I and W)."""
-
-TORCH_NAMES: dict[str, str] = {
-    "gpipe": "GPipe",
-    "1f1b": "1F1B",
-    "interleaved-1f1b": "Interleaved1F1B",
-    "looped-bfs": "LoopedBFS",
-    "interleaved-zb": "InterleavedZeroBubble",
-    "zbv": "ZBVZeroBubble",
-    "dualpipev": "DualPipeV",
-}
-"""Our name -> the name ``torch.distributed.pipelining.get_schedule_class`` takes."""
-
-
-def schedule_name(name: str) -> str:
-    """Our name for a schedule given by our name or torch's class name (case-insensitive).
-
-    Args:
-        name: e.g. ``interleaved-1f1b``, ``Interleaved1F1B`` or ``ScheduleInterleaved1F1B``.
-
-    Returns:
-        The planner's name (a member of ``SCHEDULES``).
-
-    Raises:
-        ValueError: not a schedule torch 2.13 provides.
-    """
-    key = name.strip().lower().removeprefix("schedule")
-    for ours, theirs in TORCH_NAMES.items():
-        if key in (ours, theirs.lower()):
-            return ours
-    raise ValueError(
-        f"not a pipeline schedule; expected one of {', '.join(SCHEDULES)}, auto "
-        f"(or torch's names: {', '.join(TORCH_NAMES.values())})"
-    )
-
+from planner.schema.names import (
+    ZERO_BUBBLE,
+    CpAttention,
+    DpMode,
+    Dtype,
+    FsdpUnits,
+    Method,
+    Recompute,
+    Schedule,
+    schedule_name,
+)
 
 DEFAULT_GPUS_PER_NODE = 8
 """Ranks per node of estimated GPU plans (an HGX/DGX node holds 8 GPUs)."""
@@ -85,10 +39,6 @@ expert's routed rows over the mean, 1 + MaxVio_global of a 3B-parameter MoE (64 
 balanced by an auxiliary loss (Wang et al., "Auxiliary-Loss-Free Load Balancing Strategy for
 Mixture-of-Experts", arXiv 2408.15664, Table 2: 0.52; 0.72 at 1B). The same paper's loss-free
 balancing, which DeepSeek-V3 trains with, measures 1.04; force-balanced benchmarks are 1."""
-
-METHODS: tuple[str, ...] = get_args(Method)
-RECOMPUTE: tuple[str, ...] = get_args(Recompute)
-DTYPES: tuple[str, ...] = get_args(Dtype)
 
 R = TypeVar("R", bound="_Request")
 
@@ -191,6 +141,7 @@ class PlanRequest(_Request):
         "tp": "--tp",
         "ep": "--ep",
         "cp": "--cp",
+        "cp_attention": "--cp-attention",
         "moe_imbalance": "--moe-imbalance",
         "size": "--size",
         "overrides": "--set",
@@ -263,8 +214,13 @@ class PlanRequest(_Request):
     cp: Annotated[int, Field(ge=1, le=2**20)] | Literal["auto"] = Field(
         default=1,
         description="Context-parallel ranks: every sequence split into this many chunks along the model inputs' "
-        "dimension 1, one per rank, attention gathering the others' keys and values (1: none), or auto: 1 and "
+        "dimension 1, one per rank, attention reaching the others' keys and values (1: none), or auto: 1 and "
         "every degree up to 32 that divides the ranks and the sequence, searched with the other dimensions.",
+    )
+    cp_attention: CpAttention | Literal["auto"] = Field(
+        default="auto",
+        description="With cp > 1, how attention reaches every position's keys and values: all-gather, ring "
+        "(passed around the group, overlapped with attention), or auto: the faster that fits, per layout.",
     )
     moe_imbalance: Annotated[float, Field(ge=1, le=1000, allow_inf_nan=False)] | Literal["auto"] = Field(
         default="auto",

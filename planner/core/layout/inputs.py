@@ -31,6 +31,7 @@ from planner.core.levers.links import Links, NodeLinks
 from planner.errors import InfeasibleError
 from planner.schema.costs import OptimizerSpec
 from planner.schema.counts import group_replicas
+from planner.schema.names import CP_ATTENTION
 from planner.schema.request import PlanRequest
 
 
@@ -79,6 +80,8 @@ class Layout:
             ``dp`` replicas above, which then count ``dp / cp`` data-parallel replicas (``dp`` is every
             rank holding a stage's weights, what reduces and shards them;
             ``planner.core.levers.context_parallel``).
+        cp_attention: with cp > 1, how attention reaches every position's keys and values
+            ("all-gather" or "ring", ``planner.schema.plan.Plan.cp_attention``).
     """
 
     schedule: str
@@ -95,6 +98,7 @@ class Layout:
     sequence: bool = False
     ep: int = 1
     cp: int = 1
+    cp_attention: str = "all-gather"
 
     @property
     def data_replicas(self) -> int:
@@ -211,6 +215,8 @@ class SearchSpace:
         cps: the context-parallel degrees to try (``--cp``; empty for auto until the blocks say which
             attention there is to split, ``planner.core.assemble``): above 1 only with ep 1, without
             sequence parallelism or HSDP.
+        cp_attention: how context-parallel layouts attend, the methods tried ("all-gather", "ring";
+            ``planner.core.levers.context_parallel``).
     """
 
     batch_size: int
@@ -227,6 +233,7 @@ class SearchSpace:
     sequence: tuple[bool, ...] = (False,)
     eps: tuple[int, ...] = (1,)
     cps: tuple[int, ...] = (1,)
+    cp_attention: tuple[str, ...] = ("all-gather",)
 
 
 NO_CONSTRAINTS = Constraints()
@@ -308,6 +315,7 @@ def asked_of(request: PlanRequest, memory_limit_bytes: int | None) -> Asked:
         else (request.sequence_parallel is True,),
         eps=(ep,) if isinstance(request.ep, int) else (),
         cps=(request.cp,) if isinstance(request.cp, int) else (),
+        cp_attention=CP_ATTENTION if request.cp_attention == "auto" else (request.cp_attention,),
     )
     return Asked(
         world_size=request.gpus,

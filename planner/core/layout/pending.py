@@ -66,7 +66,7 @@ def pending_layout(
     space: SearchSpace,
     scaling: Scaling,
     constraints: Constraints,
-    cache: dict[tuple[float, int, bool, int, int], Sized],
+    cache: dict[tuple[float, int, bool, int, int, str], Sized],
 ) -> Pending:
     """``layout`` with its costs at its microbatch size (kept in ``cache``) and its floors.
 
@@ -84,7 +84,7 @@ def pending_layout(
         The pending layout.
     """
     size = layout.rank_share(space.batch_size)
-    key = (size, layout.tp, layout.sequence, layout.ep, layout.cp)
+    key = (size, layout.tp, layout.sequence, layout.ep, layout.cp, layout.cp_attention)
     if key not in cache:
         shares = rank_blocks(blocks, layout, cluster.link, scaling, space.batch_size)
         # FSDP's collectives read the parameters alone, the same at every microbatch size: their
@@ -113,6 +113,24 @@ def pending_layout(
     )
     quick = constraints.memory_limit_bytes is not None and layout.schedule not in LIVE_CLOSED_FORMS
     return Pending(layout, entry.blocks, step, memory, entry.totals[split] if quick else None, traffic)
+
+
+def ring_dominates(gathered: Pending, ring: Pending) -> bool:
+    """Whether a context-parallel layout by ring attention costs no more time than by the all-gather in
+    any block (its sends all hidden behind attention, say): it keeps less for backward, so the
+    all-gather's layout cannot be the faster that fits, and the search leaves it out.
+
+    Args:
+        gathered: the layout by the all-gather.
+        ring: the same layout by ring attention.
+
+    Returns:
+        Whether ring attention is at least as fast in every block's forward, backward and recomputation.
+    """
+    return all(
+        r.fwd_s <= g.fwd_s and r.bwd_s <= g.bwd_s and (r.recompute_s or 0.0) <= (g.recompute_s or 0.0)
+        for r, g in zip(ring.blocks, gathered.blocks, strict=True)
+    )
 
 
 def full_floor(item: Pending, constraints: Constraints) -> Pending:

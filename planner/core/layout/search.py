@@ -35,7 +35,16 @@ from dataclasses import dataclass, field, replace
 
 from planner.core.layout.candidate import Choice, evaluate_choice, evaluate_modes
 from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace, replica_mode
-from planner.core.layout.pending import Pending, Pool, Sized, ahead, evaluated, full_floor, pending_layout
+from planner.core.layout.pending import (
+    Pending,
+    Pool,
+    Sized,
+    ahead,
+    evaluated,
+    full_floor,
+    pending_layout,
+    ring_dominates,
+)
 from planner.core.levers.experts import layout_refusal
 from planner.core.split.cuts import Split
 from planner.core.split.stage_plans import StageMemo
@@ -43,7 +52,7 @@ from planner.core.step.schedules import stages_per_rank_options
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost
 from planner.schema.counts import divisors
-from planner.schema.request import SCHEDULES
+from planner.schema.names import SCHEDULES
 
 MAX_AUTO_STAGES_PER_RANK = 4
 """``--stages-per-rank auto`` tries 1 .. this many (more stages per rank add messages for less bubble)."""
@@ -148,7 +157,7 @@ def _pending_layouts(
     space: SearchSpace,
     constraints: Constraints,
     scaling: Scaling,
-    cache: dict[tuple[float, int, bool, int, int], Sized],
+    cache: dict[tuple[float, int, bool, int, int, str], Sized],
 ) -> tuple[list[Pending], list[InfeasibleError]]:
     """Every layout of ``space`` with its costs and floors, tensor-parallel degrees outermost, then
     replica counts (ascending: the simpler first), in ``_layouts``' order within them; ``cache``
@@ -192,7 +201,11 @@ def _pending_layouts(
         for sequence in space.sequence if tp > 1 and ep == 1 and cp == 1 else (False,):  # not yet with ep, cp
             for layout in _layouts(blocks, replace(space, dp_mode=mode), pp, dp, ms, tp, ep):
                 layout = replace(layout, dp_shard=dp_shard, sequence=sequence, accumulation=fixed_k, cp=cp)
-                pending.append(pending_layout(blocks, cluster, layout, space, scaling, constraints, cache))
+                items = [
+                    pending_layout(blocks, cluster, replace(layout, cp_attention=a), space, scaling, constraints, cache)
+                    for a in (space.cp_attention if cp > 1 else ("all-gather",))
+                ]
+                pending.extend(items[1:] if len(items) == 2 and ring_dominates(*items) else items)
     return pending, errors
 
 
@@ -253,7 +266,7 @@ def _evaluate_all(
     results taken in the same order: the same outcome, sooner on several cores."""
     # costs by microbatch size, degree and sequence split, shared with the layouts retried in several
     # passes below: with the microbatch count open they run their one-pass layout's microbatches
-    cache: dict[tuple[float, int, bool, int, int], Sized] = {}
+    cache: dict[tuple[float, int, bool, int, int, str], Sized] = {}
     pending, errors = _pending_layouts(blocks, cluster, space, constraints, scaling, cache)
     order = sorted(range(len(pending)), key=lambda k: (pending[k].step_floor_s, k))
     limit = constraints.memory_limit_bytes
@@ -422,7 +435,7 @@ def _tp_text(layout: Layout) -> str:
     """ ", tp=8" or ", tp=8 with sequence parallelism", or ", ep=8": a layout's tensor and expert
     parallelism, where over 1."""
     ep = f", ep={layout.ep}" if layout.ep > 1 else ""
-    ep += f", cp={layout.cp}" if layout.cp > 1 else ""
+    ep += f", cp={layout.cp}" + (" (ring attention)" if layout.cp_attention == "ring" else "") if layout.cp > 1 else ""
     if layout.tp == 1:
         return ep
     return ep + f", tp={layout.tp}" + (" with sequence parallelism" if layout.sequence else "")

@@ -62,8 +62,8 @@ from planner.core.levers.recompute import checkpoint_units
 from planner.core.split.stage_model import fp32_bytes
 from planner.errors import InfeasibleError, PlanFileError
 from planner.schema.costs import BlockCost, LinkCost
+from planner.schema.names import ZERO_BUBBLE
 from planner.schema.plan import Plan, ProfileInfo, StagePlan
-from planner.schema.request import ZERO_BUBBLE
 from planner.schema.result import RunResult
 
 

@@ -61,6 +61,7 @@ def blocks_at(blocks: Sequence[BlockCost], size0: int, size: float, fixed_fracti
                     "output_bytes": round(b.output_bytes * r),
                     "kv_bytes": round(b.kv_bytes * r),
                     "q_bytes": round(b.q_bytes * r),
+                    "attention_s": (b.attention_s[0] * t, b.attention_s[1] * t),
                     "tp": None if b.tp is None else _share_at(b.tp, r),
                     "experts": None if b.experts is None else _experts_at(b.experts, r, t),
                 }

@@ -366,6 +366,7 @@ def plan_layout(plan: Plan) -> Layout:
         plan.sequence_parallel,
         ep=plan.ep,
         cp=plan.cp,
+        cp_attention=plan.cp_attention,
     )
 
 

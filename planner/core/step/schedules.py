@@ -31,7 +31,7 @@ from typing import Literal, NamedTuple
 
 from planner.core.heap import bulk_allocation
 from planner.errors import InfeasibleError
-from planner.schema.request import SCHEDULES, TORCH_NAMES, ZERO_BUBBLE, schedule_name
+from planner.schema.names import SCHEDULES, TORCH_NAMES, ZERO_BUBBLE, schedule_name
 
 __all__ = [
     "SCHEDULES",
