@@ -327,7 +327,8 @@ def _llama3() -> list[Published]:
             380.0,
             "TFLOP/s",
             "palm",
-            request={"dp_mode": "fsdp", "sequence_parallel": False},
+            # "all-gather based context parallelism" (section 3.3.2)
+            request={"dp_mode": "fsdp", "sequence_parallel": False, "cp_attention": "all-gather"},
             as_run={"schedule": "interleaved-1f1b", "recompute": "never"},
             assumed=(
                 "FLOP formula (PaLM's); no recomputation and the interleaved schedule, as section 3.3.2 gives "

@@ -85,8 +85,8 @@ def _search(base: PlanRequest, costs: Any, mf: Any, limit: int | None, timeout_s
     if timeout_s <= 0:
         return Variant(None, "not run", 0.0)
     update = {"tp": "auto", "dp": "auto", "recompute": "auto", "sequence_parallel": "auto", "dp_mode": "auto"}
-    if base.cp != 1:  # a long-context run: its context-parallel degree searched too (the others keep cp 1)
-        update["cp"] = "auto"
+    if base.cp != 1:  # a long-context run: its degree and attention searched too (the others keep cp 1)
+        update.update(cp="auto", cp_attention="auto")
     ctx = multiprocessing.get_context("fork")  # the costs are inherited, not pickled
     receive, send = ctx.Pipe(duplex=False)
 
@@ -172,7 +172,7 @@ def _gap(base: PlanRequest, costs: Any, mf: Any, limit: int | None, choice: Plan
         return search_problem(asked, split.blocks, costs.link, costs.profile, costs.ties)
 
     opened = {"tp": "auto", "dp": "auto", "recompute": "auto", "sequence_parallel": "auto"}
-    searched = base.model_copy(update=opened | ({"cp": "auto"} if base.cp != 1 else {}))
+    searched = base.model_copy(update=opened | ({"cp": "auto", "cp_attention": "auto"} if base.cp != 1 else {}))
     try:  # each layout priced on its own request's problem (the published one's tensor-parallel shares are --tp's)
         gap = attribute_gap(problem_of(searched), plan_layout(choice), plan_layout(published), problem_of(base))
     except PlannerError as e:  # InfeasibleError is one: a layout these figures cannot run
@@ -236,7 +236,7 @@ def layout(plan: Plan) -> str:
     v = f", v {plan.stages_per_rank}" if plan.stages_per_rank > 1 else ""
     k = f", k {plan.accumulation}" if plan.accumulation > 1 else ""
     sp = ", sp" if plan.sequence_parallel else ""
-    cp = f" x cp {plan.cp}" if plan.cp > 1 else ""
+    cp = f" x cp {plan.cp}" + (" (ring)" if plan.cp_attention == "ring" else "") if plan.cp > 1 else ""
     return (
         f"t {plan.tp} x p {plan.n_ranks} x d {plan.dp}{cp} ({plan.dp_mode if plan.replicas > 1 else '-'}{sp}), "
         f"{plan.schedule}, m {plan.n_microbatches}{v}{k}, {_recompute(plan)}"

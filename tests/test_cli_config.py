@@ -256,3 +256,21 @@ def test_report_config_makes_an_fp8_plan_again(tmp_path: Path) -> None:
     assert (again8.recipe, again8.converted, again8.kept) == (f8.recipe, f8.converted, f8.kept)
     # (the given layout's costs and prediction come within 0.1 % of the searched plan's, its bf16 figure alike)
     assert again8.bf16_step_s == pytest.approx(f8.bf16_step_s, rel=1e-2)
+
+
+def test_report_config_makes_a_context_parallel_plan_again(tmp_path: Path) -> None:
+    # the degree and the attention's method travel in the job file (the degree used to be dropped)
+    first = tmp_path / "first.json"
+    args = ["--gpus", "4", "--gpu-type", "h100", "--cp", "2", "--dp", "1", "-b", "8", "--set", "seq_len=4096"]
+    made = invoke("plan", str(MODELS / "llama.py"), "--size", "tiny", *args, "-o", str(first), "-q")
+    assert made.exit_code == 0, made.output
+    report = invoke("report", str(first), "--config")
+    job = tomllib.loads(report.output)
+    original = Plan.load(first)
+    assert (job["cp"], job["cp-attention"]) == (2, original.cp_attention)
+    again = tmp_path / "again.json"
+    remade = invoke("plan", "--config", str(_job(tmp_path, report.output)), "-o", str(again))
+    assert remade.exit_code == 0, remade.output
+    replayed = Plan.load(again)
+    assert (replayed.cp, replayed.cp_attention) == (2, original.cp_attention)
+    assert _layout(replayed) == _layout(original)

@@ -737,6 +737,13 @@ CASES: list[Case] = [
     ),
     Case(
         "plan options",
+        "--cp-attention ring without context parallelism",
+        "plan {d}/model.py --gpus 2 --cp-attention ring",
+        2,
+        "--cp-attention ring needs --cp above 1 (or --cp auto)",
+    ),
+    Case(
+        "plan options",
         "--dtype fp8 with --compile where float8 runs emulated",
         "plan {d}/model.py --gpus 2 --dtype fp8 --compile",
         2,

@@ -64,6 +64,7 @@ LATER_DEFAULTS = {
     "ep": 1,
     "moe_imbalance": None,
     "cp": 1,
+    "cp_attention": "all-gather",
 }
 BLOCK_LATER_DEFAULTS = {
     "tp": None,
@@ -137,6 +138,7 @@ def digest(plan: Plan) -> str:
     _drop(profile, {"float8": None})  # added after the digests: no float8 layers
     for block in data["blocks"]:
         _drop(block, BLOCK_LATER_DEFAULTS)
+        block.pop("attention_s", None)  # added after the digests: a figure only context-parallel layouts read
         if isinstance(block.get("tp"), dict):
             _drop(block["tp"], SHARE_LATER_DEFAULTS)
             # what sequence parallelism would change: figures only where a plan runs with it

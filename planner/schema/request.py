@@ -451,6 +451,8 @@ class PlanRequest(_Request):
     def _check_context(self) -> None:
         """Refuse a context-parallel degree that does not divide the ranks, or with what it does not run
         with yet (the sequence's length is checked once the model is loaded)."""
+        if self.cp == 1 and self.cp_attention == "ring":
+            raise ValueError(f"--cp-attention {self.cp_attention} needs --cp above 1 (or --cp auto)")
         if self.cp == 1 or self.cp == "auto":
             return
         if self.gpus % self.cp:
