@@ -102,13 +102,14 @@ class _Masks:
 
     def __init__(self, rows: torch.Tensor, chunk: int, causal: bool, mask: torch.Tensor | None) -> None:
         self.rows, self.chunk, self.causal, self.mask = rows, chunk, causal, mask
+        self.last = int(rows.max()) if causal else 0  # read once: on a GPU each read waits for the device
 
     def columns(self, holder: int) -> torch.Tensor:
         return holder * self.chunk + torch.arange(self.chunk, device=self.rows.device)
 
     def empty(self, holder: int) -> bool:
         """Whether causality masks every key of ``holder``'s chunk from every query."""
-        return self.causal and holder * self.chunk > int(self.rows.max())
+        return self.causal and holder * self.chunk > self.last
 
     def scores(self, s: torch.Tensor, holder: int) -> torch.Tensor:
         """The scores ``s`` of ``holder``'s chunk, masked (-inf where a query may not attend)."""
