@@ -131,7 +131,6 @@ def test_a_context_parallel_group_crosses_nodes_once_its_replicas_do() -> None:
             r"--cp 2: context parallelism does not run with --dp-mode hsdp yet",
         ),
         ({"tp": 2, "sequence_parallel": True}, r"does not run with --sequence-parallel yet; give --no-sequence"),
-        ({"compile": True}, r"--cp 2: context parallelism does not run with --compile yet"),
     ],
 )
 def test_the_request_refuses_what_cp_does_not_run_with(options: dict, message: str) -> None:
@@ -193,6 +192,16 @@ def test_long_sequences_choose_ring_attention_and_the_plan_says_so(tmp_path: Pat
     assert "all-gathered over the group" in context_line(gathered)
     with pytest.raises(ValueError, match="cp_attention ring with cp 1"):
         type(plan).model_validate({**plan.model_dump(), "cp": 1})
+
+
+def test_cp_compiles_graphs_torch_fx_traces_and_refuses_torch_export_ones(tmp_path: Path) -> None:
+    options = {"gpu_type": "h100", "dp": 1, "tp": 1, "cp": 2, "compile": True}
+    assert _plan(tmp_path, **options).compile
+    pytest.importorskip("transformers")
+    with pytest.raises(
+        PlannerError, match=r"^--cp 2 with --compile: context parallelism runs compiled on graphs torch.fx"
+    ):
+        _plan(tmp_path, **options, model_file=ROOT / "models" / "hf" / "llama.py", size=None)
 
 
 def test_a_sequence_that_does_not_split_into_cp_chunks_is_one_line(tmp_path: Path) -> None:

@@ -47,6 +47,33 @@ def test_llama_fp8_pp2_matches_the_converted_model_unsplit(tmp_path: Path, recip
 
 
 @pytest.mark.multiprocess
+def test_llama_fp8_rowwise_cp2_matches_the_converted_model_unsplit(tmp_path: Path) -> None:
+    # rowwise scales are per token (and per output channel): a rank's chunk of the sequence scales as the
+    # whole sequence does, so context parallelism trains the same model; the float8 layers see plain chunks
+    plan = _float8(plan_with_starts(MODELS / "llama.py", [0, 3], **FP8), "rowwise").model_copy(update={"cp": 2})
+    got, want = _run_and_compare(plan, tmp_path)
+    print("llama fp8 rowwise cp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+def test_fp8_tensorwise_cp2_scales_each_chunk_on_its_own(tmp_path: Path) -> None:
+    # tensorwise scales a whole tensor by its largest magnitude: each context-parallel rank takes its own
+    # chunk's (as torchtitan's context parallelism with Float8 does), so the run is the unsplit model's
+    # within float8's rounding of those scales, not to 1e-4
+    from run_factory import saved
+
+    from planner.run import run_plan, train_reference
+    from planner.schema.run_request import RunRequest
+
+    plan = _float8(plan_with_starts(MODELS / "llama.py", [0, 3], **FP8)).model_copy(update={"cp": 2})
+    path = saved(plan, tmp_path)
+    got = run_plan(plan, RunRequest(plan_file=path, steps=3, echo=False, save_checkpoints=False))
+    want = train_reference(plan, path, 3)
+    assert got.losses == pytest.approx(want.losses, rel=2e-3)
+    assert got.grad_norms == pytest.approx(want.grad_norms, rel=2e-3)
+
+
+@pytest.mark.multiprocess
 def test_hugging_face_llama_fp8_pp2_under_autocast_matches_unsplit(tmp_path: Path) -> None:
     # a torch.export graph: its aten.linear calls become modules before they convert; the rest in bf16
     pytest.importorskip("transformers")

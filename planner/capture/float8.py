@@ -189,6 +189,23 @@ def convert_stage_modules(
     return len(converted)
 
 
+def float8_modules(module: nn.Module) -> list[nn.Module]:
+    """The float8 linear layers (torchao's ``Float8Linear``) inside ``module``, in module order.
+
+    Args:
+        module: a converted stage or unit.
+
+    Returns:
+        Its converted layers (none where torchao is not installed: nothing can have converted).
+    """
+    try:
+        with _quiet_import():
+            from torchao.float8.float8_linear import Float8Linear
+    except ImportError:
+        return []
+    return [m for m in module.modules() if isinstance(m, Float8Linear)]
+
+
 def emulated(device: torch.device) -> bool:
     """Whether float8 runs emulated on ``device``: a CPU, or the meta device.
 

@@ -311,7 +311,7 @@ class Origin:
 
 
 def _search_space(
-    asked: Asked, blocks: Sequence[BlockCost], tp_plan: dict[str, str] | None, profile: ProfileInfo
+    asked: Asked, blocks: Sequence[BlockCost], tp_plan: dict[str, str] | None, profile: ProfileInfo, trace: str
 ) -> SearchSpace:
     """The space the search covers: the one asked, its tensor-parallel degrees those the model's
     plan and the blocks allow, its sequence options those the blocks can run; FSDP gathers in the
@@ -322,21 +322,25 @@ def _search_space(
         gather_bytes=gather_bytes_of(profile),
         sequence=_sequence_options(asked, blocks),
         eps=asked.space.eps or expert_degrees(blocks, asked.world_size),
-        cps=asked.space.cps or context_degrees(blocks, asked.world_size, profile.tokens_per_sample, asked),
+        cps=asked.space.cps or context_degrees(blocks, asked.world_size, profile.tokens_per_sample, asked, trace),
     )
 
 
 AUTO_CP_LIMIT = 32  # --cp auto's largest degree (Megatron-Core's and torchtitan's published runs use up to 32)
 
 
-def context_degrees(blocks: Sequence[BlockCost], world_size: int, tokens: int | None, asked: Asked) -> tuple[int, ...]:
+def context_degrees(
+    blocks: Sequence[BlockCost], world_size: int, tokens: int | None, asked: Asked, trace: str = "fx"
+) -> tuple[int, ...]:
     """``--cp auto``'s degrees: 1, and where the model's attention reads keys and values a graph trace
     saw (``BlockCost.kv_bytes``) and its samples are sequences of token ids, every degree up to
     ``AUTO_CP_LIMIT`` that divides the ranks, twice of which divides the sequence (two blocks a rank:
-    ``planner.capture.contract.sequence_length``); none above 1 compiled, with expert
-    parallelism or under HSDP (what context parallelism does not run with yet)."""
+    ``planner.capture.contract.sequence_length``); none above 1 with expert parallelism, under HSDP,
+    or compiled where the model traces by ``torch.export`` (``trace``: what context parallelism does
+    not run with yet)."""
     space = asked.space
-    blocked = asked.constraints.compiled or space.dp_mode == "hsdp" or any(e > 1 for e in space.eps)
+    compiled = asked.constraints.compiled and trace != "fx"
+    blocked = compiled or space.dp_mode == "hsdp" or any(e > 1 for e in space.eps)
     if blocked or tokens is None or not any(b.kv_bytes for b in blocks):
         return (1,)
     fits = range(1, min(AUTO_CP_LIMIT, world_size) + 1)
@@ -481,7 +485,7 @@ def assemble_plan(
     profile, slots = origin.profile, slots_of(origin.profile)
     problem = search_problem(asked, blocks, link, profile, ties)
     blocks, cluster, scaling = problem.blocks, problem.cluster, problem.scaling
-    space = _search_space(asked, blocks, tp_plan, profile)
+    space = _search_space(asked, blocks, tp_plan, profile, origin.model.trace_method)
     memory_limit_bytes, method = asked.constraints.memory_limit_bytes, asked.method
 
     def run_search(limit: int | None, within: SearchSpace = space) -> tuple[Choice, list[Choice], str]:

@@ -179,6 +179,11 @@ def _traced(
                 f"--cp {request.cp}: context parallelism follows the sequence's chunks through a traced graph, but "
                 "this model traces by module boundaries only; plan without --cp"
             )
+        if request.compile and traced.method == "export":
+            raise ModelFileError(
+                f"--cp {request.cp} with --compile: context parallelism runs compiled on graphs torch.fx traces, and "
+                "this model traces by torch.export; plan without --compile"
+            )
     pp = request.min_pipeline_ranks  # the fewest pipeline ranks a replica count tried gives
     if pp > len(traced.blocks):
         raise InfeasibleError(too_few_blocks(request.gpus, request.tp, request.dp, pp, [b.name for b in traced.blocks]))

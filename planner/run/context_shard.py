@@ -162,7 +162,8 @@ def _is_chunked(x: Any, mesh: Any) -> bool:
     """Whether ``x`` is a DTensor on the context-parallel mesh."""
     from torch.distributed.tensor import DTensor
 
-    return isinstance(x, DTensor) and x.device_mesh is mesh
+    # (equality, not identity: torch.compile's trace of the mode sees another object for the same mesh)
+    return isinstance(x, DTensor) and x.device_mesh == mesh
 
 
 class Context(TorchFunctionMode):

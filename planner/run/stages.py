@@ -18,7 +18,7 @@ from planner.capture.blocks import GraphTrace, TracedModel
 from planner.capture.checkpoint import CheckpointedStage, checkpointed_stage, stage_units
 from planner.capture.clock import BlockClock
 from planner.capture.contract import sequence_length
-from planner.capture.float8 import convert_stage, emulated
+from planner.capture.float8 import convert_stage, emulated, float8_modules
 from planner.capture.graph import buffers_restored, retarget_devices
 from planner.capture.shapes import shapes_or_real
 from planner.capture.stage import stage_inputs, stage_module, trace_root
@@ -335,6 +335,10 @@ def _split_inside(
     units = stage_units(stage.built)  # a chain's units are named as the unsplit model names them
     ring = plan.cp_attention == "ring"
     context = install_context(stage.built, units, mesh.cp_mesh, stage.chunks, ring) if plan.cp > 1 else None
+    if context is not None and plan.profile.float8 is not None and plan.tp == 1:
+        # torchao's float8 layers cast and multiply in autograd functions whose backward runs outside the
+        # mode: they see plain chunks, as tensor-parallel layers do (a linear layer works token by token)
+        around_sharded(context, [layer for unit in units for layer in float8_modules(unit)])
     if plan.tp == 1:
         return
     if plan.sequence_parallel:  # its hooks first: before torch's styles and FSDP's

@@ -429,12 +429,13 @@ class Plan(_Frozen):
 
     def _check_context(self) -> None:
         """What context parallelism does not combine with yet: expert parallelism, HSDP, sequence
-        parallelism and ``compile`` (``planner.run.context_shard`` runs eagerly on DTensors)."""
+        parallelism, and ``compile`` of a model traced by ``torch.export`` (torch.compile of its
+        graph's masks on DTensors gives them another dtype than eager)."""
         for flag, what in (
             (self.ep > 1, f"ep {self.ep}"),
             (self.dp_mode == "hsdp", "dp_mode hsdp"),
             (self.sequence_parallel, "sequence_parallel"),
-            (self.compile, "compile"),
+            (self.compile and self.model.trace_method == "export", "compile of a torch.export graph"),
         ):
             if flag:
                 raise ValueError(f"cp {self.cp} with {what}: context parallelism does not combine with it yet")
