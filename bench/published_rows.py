@@ -283,7 +283,15 @@ SP = {"sequence_parallel": True}
 
 def published_runs() -> list[Published]:
     """Every published row the page compares with, in the page's order."""
-    return [*_llama3(), *_megatron(), *_torchtitan(), *_torchtitan_fp8(), *_torchtitan_docs(), *_opt_and_megascale()]
+    return [
+        *_llama3(),
+        *_megatron(),
+        *_torchtitan(),
+        *_torchtitan_fp8(),
+        *_torchtitan_cp(),
+        *_torchtitan_docs(),
+        *_opt_and_megascale(),
+    ]
 
 
 def _llama3() -> list[Published]:
@@ -474,6 +482,56 @@ def _torchtitan_fp8() -> list[Published]:
                 dtype="fp8",
             )
         )
+    return rows
+
+
+def _torchtitan_cp() -> list[Published]:
+    """torchtitan's context-parallel rows (benchmarks/llama3_h100_202412_torchtitan.md, Tables 2 and 6):
+    FSDP x CP on 8 GPUs (8B) and FSDP x CP x TP 8 x PP 8 on 512 (405B), the sequence doubling as CP does,
+    compiled, Float8, full recomputation; a local batch of 1 (8B) and 8 (405B) sequences per FSDP rank
+    (the CP ranks of one share it). torch's ``context_parallel`` of the time all-gathered the keys and
+    values (torchtitan's ``context_parallel_rotate_method`` default)."""
+    bench = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+    titan = {"dp_mode": "fsdp", "attention_kernel": "flash", "compile": True, "cp_attention": "all-gather"}
+    assumed = FLOAT8_ASSUMED + "; torch's context_parallel all-gathering the keys and values (its default then)"
+    rows = []
+    for table, size, shape, gpus, tp, pp, local, figures in (
+        ("Table 2", "8b", LLAMA_8B, 8, 1, 1, 1, ((3890.0, 83.9), (2540.0, 84.2), (1071.0, 84.0), (548.0, 84.5))),
+        ("Table 6", "405b", LLAMA_405B, 512, 8, 8, 8, ((76.0, 75.3), (47.0, 75.9), (31.0, 77.1), (16.0, 84.9))),
+    ):
+        for k, (tps, peak) in enumerate(figures):
+            cp, seq = 2**k, 32768 * 2**k
+            fsdp = gpus // (tp * pp * cp)
+            extra = (
+                ""
+                if tp == 1
+                else "; sequence parallelism not planned (not with cp yet); its asynchronous TP not modelled"
+            )
+            rows.append(
+                Published(
+                    f"titan-{size}-{gpus}-cp{cp}",
+                    f"{bench}, {table}",
+                    f"Llama 3.1 {size.upper()}, {seq // 1024}k tokens, compiled, Float8" + (", 1f1b" if pp > 1 else ""),
+                    size,
+                    {"seq_len": seq},
+                    replace(shape, seq=seq),
+                    "h100-hbm2e",
+                    GRAND_TETON,
+                    gpus,
+                    tp,
+                    pp,
+                    local * fsdp,
+                    tps,
+                    "tokens/s",
+                    "tokens",
+                    request=titan,
+                    as_run={"recompute": "full"} | ({"schedule": "1f1b"} if pp > 1 else {}),
+                    peak_gib=peak,
+                    assumed=assumed + extra,
+                    cp=cp,
+                    dtype="fp8",
+                )
+            )
     return rows
 
 

@@ -415,6 +415,12 @@ def summary(outcomes: list[Outcome]) -> str:
                 f"- {name}, {scope}: mean |error| **{100 * sum(abs(e) for e in errs) / len(errs):.1f} %** over "
                 f"{len(errs)} rows, **{inside} of {len(errs)}** within ±15 %, worst {100 * worst:+.1f} %."
             )
+    unplanned = [o.row.key for o in outcomes if o.within.plan is None]
+    if unplanned:  # counted nowhere above: a layout the planner cannot fit is no error of its step
+        lines.append(
+            f"- No plan within memory (not in the figures above): {len(unplanned)} of {len(outcomes)} rows, "
+            f"{', '.join(unplanned)} (the plans table says why)."
+        )
     return "\n".join(lines)
 
 
