@@ -41,6 +41,7 @@ from planner.core.step.calibrate import (
 )
 from planner.core.step.predict import with_links
 from planner.core.step.schedules import check_placement, check_schedule, stages_per_rank_options
+from planner.costs.blocks import attention_dropout
 from planner.costs.experts import ExpertCosting, routed_rows, traced_rows, with_expert_shares
 from planner.costs.model_costs import Costs, estimated_costs, measured_costs, say
 from planner.costs.sequence import sequence_note
@@ -160,6 +161,34 @@ def tensor_parallel_split(
     )
 
 
+def attention_method(request: PlanRequest, traced: TracedModel) -> PlanRequest:
+    """``request`` with the context-parallel attention methods this model can run: ring attention runs
+    attention without dropout, so for a model whose attention drops out ``--cp-attention auto`` plans the
+    all-gather alone.
+
+    Args:
+        request: the plan request.
+        traced: the captured model.
+
+    Returns:
+        The request, ``cp_attention`` narrowed where it must be.
+
+    Raises:
+        ModelFileError: ``--cp-attention ring`` for a model whose attention drops out.
+    """
+    if request.cp == 1 or request.cp_attention == "all-gather":
+        return request
+    p = attention_dropout(traced)
+    if p == 0:
+        return request
+    if request.cp_attention == "ring":
+        raise ModelFileError(
+            f"--cp-attention ring: ring attention runs attention without dropout, and this model's attention drops "
+            f"out (p={p:g}); plan with --cp-attention all-gather (or auto), or set its attention dropout to 0"
+        )
+    return request.model_copy(update={"cp_attention": "all-gather"})
+
+
 def plan_from_costs(
     request: PlanRequest,
     mf: ModelFile,
@@ -195,6 +224,7 @@ def plan_from_costs(
     Raises:
         PlannerError: no layout fits, or the request cannot run on the model.
     """
+    request = attention_method(request, costs.traced)
     experts = resolve_experts(mf, costs.traced.model)  # a model file's bad ep_plan: said before the search
     traced_calls = calls_of(costs.traced.gm) if isinstance(costs.traced, GraphTrace) else {}
     if request.ep != 1 and (traced_calls or request.ep != "auto"):  # auto on a dense model, or no graph: ep 1

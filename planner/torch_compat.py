@@ -169,6 +169,24 @@ def float8_import_logger_names() -> tuple[str, ...]:
     return ("torchao", "torch.utils._pytree")
 
 
+@contextlib.contextmanager
+def quiet_torchao_import() -> Iterator[None]:
+    """torchao's first import, wherever it happens inside (float8 training, or transformers importing it
+    when a model is built), without the warnings of ``float8_import_logger_names``: neither the CUDA
+    extensions a machine lacks nor torch's deprecation concerns the planner's user."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in float8_import_logger_names()]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
 def view_base(t: torch.Tensor) -> torch.Tensor | None:
     """The tensor whose memory ``t`` views (torch's private ``Tensor._base``), None if ``t`` is no view.
 

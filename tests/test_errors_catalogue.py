@@ -833,6 +833,19 @@ CASES: list[Case] = [
         _text("hf/config.json", '{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}'),
     ),
     Case(
+        "plan options",
+        "--cp-attention ring for a model whose attention drops out",
+        "plan {d}/hfd/config.json --gpus 2 --gpu-type cpu --cp 2 --dp 1 --set seq_len=16 --cp-attention ring",
+        2,
+        "--cp-attention ring: ring attention runs attention without dropout, and this model's attention drops out",
+        _text(
+            "hfd/config.json",
+            '{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": '
+            '128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, '
+            '"attention_dropout": 0.1}',
+        ),
+    ),
+    Case(
         "model file",
         "a Hugging Face config with architectures as a string",
         "plan {d}/hfs/config.json --gpus 2 --gpu-type cpu",

@@ -192,3 +192,48 @@ def test_a_transformers_model_trains_through_the_library_api(tmp_path: Path, mon
     want_norm = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters() if p.grad is not None))
     assert float(loss) == pytest.approx(float(want), rel=1e-4)
     assert norm == pytest.approx(float(want_norm), rel=1e-4)
+
+
+def test_a_model_whose_attention_drops_out_plans_the_gather_not_the_ring(tmp_path: Path) -> None:
+    # ring attention runs attention without dropout: auto leaves it out, asking for it is one line
+    folder = _llama(tmp_path / "m", attention_dropout=0.1)
+    args = ["--gpu-type", "cpu", "--cp", "2", "--dp", "1", "--set", "seq_len=16"]
+    plan, _ = _plan(tmp_path, folder, *args)
+    assert (plan.cp, plan.cp_attention) == (2, "all-gather")
+    result = CliRunner().invoke(
+        main, ["plan", str(folder), "--gpus", "2", "-o", str(tmp_path / "r.json"), *args, "--cp-attention", "ring"]
+    )
+    assert result.exit_code == 2 and "this model's attention drops out (p=0.1)" in result.output, result.output
+    assert not (tmp_path / "r.json").exists()
+    # without dropout the same model may take the ring
+    plain, _ = _plan(tmp_path, _llama(tmp_path / "p"), *args, "--cp-attention", "ring")
+    assert plain.cp_attention == "ring"
+
+
+def test_planning_a_transformers_model_prints_nothing_of_torchao(tmp_path: Path) -> None:
+    # transformers imports torchao where it is installed, whose import warns of CUDA extensions this
+    # machine lacks and of a registration torch deprecates: none of it is the user's concern
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    args = [
+        "plan",
+        str(_llama(tmp_path / "m")),
+        "--gpus",
+        "2",
+        "--gpu-type",
+        "cpu",
+        "-q",
+        "-o",
+        str(tmp_path / "q.json"),
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", "import cli; cli.console()", *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "torchao" not in done.stderr and "register_constant" not in done.stderr, done.stderr

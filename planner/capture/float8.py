@@ -13,10 +13,8 @@ torchao is imported here only, when a plan trains in float8 (the fp8 extra: ``pi
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from typing import Any, cast
 
 import torch
@@ -26,27 +24,12 @@ from planner.capture.blocks import GraphTrace, TracedModel
 from planner.capture.tp_graph import call_as_module
 from planner.errors import PlannerError, TraceError
 from planner.schema.plan_parts import Float8Linears, LinearLayer
-from planner.torch_compat import float8_import_logger_names
+from planner.torch_compat import quiet_torchao_import
 
 _LINEAR = torch.ops.aten.linear.default
 # how far from a linear layer's output a top-k may read it for the layer to be a router (softmax,
 # a cast, a view in between)
 _ROUTER_HOPS = 4
-
-
-@contextlib.contextmanager
-def _quiet_import() -> Iterator[None]:
-    """torchao's import warns of the CUDA extensions it cannot load on a machine without them, and torch of
-    a deprecated registration: neither concerns float8 training, which needs neither."""
-    loggers = [logging.getLogger(name) for name in float8_import_logger_names()]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
 
 
 def require_torchao() -> Any:
@@ -59,7 +42,7 @@ def require_torchao() -> Any:
         PlannerError: torchao is not installed.
     """
     try:
-        with _quiet_import():
+        with quiet_torchao_import():
             import torchao.float8 as float8
     except ImportError as e:
         raise PlannerError(
@@ -184,7 +167,7 @@ def convert_stage_modules(
             converted.append(fqn)
         return take
 
-    with _quiet_import():
+    with quiet_torchao_import():
         float8.convert_to_float8_training(module, module_filter_fn=chosen, config=config)
     return len(converted)
 
@@ -199,7 +182,7 @@ def float8_modules(module: nn.Module) -> list[nn.Module]:
         Its converted layers (none where torchao is not installed: nothing can have converted).
     """
     try:
-        with _quiet_import():
+        with quiet_torchao_import():
             from torchao.float8.float8_linear import Float8Linear
     except ImportError:
         return []

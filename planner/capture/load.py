@@ -31,6 +31,7 @@ from torch import nn
 
 from planner.errors import ModelFileError
 from planner.schema.outputs import document_kind
+from planner.torch_compat import quiet_torchao_import
 
 Batch = tuple[tuple, torch.Tensor]
 
@@ -194,7 +195,8 @@ class ModelFile:
             ModelFileError: when ``build_model`` raises.
         """
         torch.manual_seed(seed)
-        model = self._call("build_model", self.module.build_model, **self.config)
+        with quiet_torchao_import():  # a transformers model imports torchao where it is installed
+            model = self._call("build_model", self.module.build_model, **self.config)
         if not isinstance(model, nn.Module):
             raise ModelFileError(
                 f"{self.path.name}: build_model() returned {type(model).__name__}; expected a torch.nn.Module"
@@ -443,7 +445,8 @@ def load_model_file(path: str | Path, size: str | None = None, overrides: dict[s
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling look the module up by name
     try:
-        spec.loader.exec_module(module)
+        with quiet_torchao_import():  # a model file importing transformers imports torchao where it is installed
+            spec.loader.exec_module(module)
     except SystemExit as e:  # a script's sys.exit() must not end the planner (KeyboardInterrupt still does)
         sys.modules.pop(name, None)
         raise ModelFileError(
@@ -514,7 +517,8 @@ def _hf_config_file(path: Path, size: str | None, overrides: dict[str, Any] | No
             "config as the model file instead (planner plan OTHER/config.json ...)"
         )
     config = {"hf_config": str(path), **(overrides or {})}
-    hf_config.check_config(config)  # a misspelt --set key refused now, in its own words
+    with quiet_torchao_import():  # transformers imports torchao where it is installed
+        hf_config.check_config(config)  # a misspelt --set key refused now, in its own words
     return ModelFile(path, hf_config, None, config)
 
 

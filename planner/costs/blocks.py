@@ -148,6 +148,26 @@ def block_cost(
     )
 
 
+def attention_dropout(traced: TracedModel) -> float:
+    """The largest dropout probability the traced graph's scaled-dot-product attention calls pass (0 for a
+    module trace, or where none drops out; a probability the graph computes counts as dropping out).
+
+    Args:
+        traced: the captured model (traced in training mode, as it trains).
+
+    Returns:
+        The probability (1.0 where the graph computes it).
+    """
+    if not isinstance(traced, GraphTrace):
+        return 0.0
+    most = 0.0
+    for node in traced.gm.graph.nodes:
+        if node.op == "call_function" and node.target in SDPA_CALLS:
+            p = sdpa_arguments(node.args, dict(node.kwargs))["dropout_p"]
+            most = max(most, float(p) if isinstance(p, (int, float)) else 1.0)
+    return most
+
+
 def attention_bytes(traced: TracedModel, k: int) -> tuple[int, int]:
     """What block ``k``'s scaled-dot-product attention reads per microbatch, as traced (0 for a module
     trace, or a block without such a call): the queries of its masked (causal) calls, which context
