@@ -94,6 +94,7 @@ __all__ = [
     "exported_out_spec",
     "flatten_dense",
     "float8_import_logger_names",
+    "quiet_loggers",
     "float8_payload",
     "is_view",
     "lazy_graph_module",
@@ -170,13 +171,16 @@ def float8_import_logger_names() -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def quiet_torchao_import() -> Iterator[None]:
-    """torchao's first import, wherever it happens inside (float8 training, or transformers importing it
-    when a model is built), without the warnings of ``float8_import_logger_names``: neither the CUDA
-    extensions a machine lacks nor torch's deprecation concerns the planner's user."""
+def quiet_loggers(names: Sequence[str]) -> Iterator[None]:
+    """The loggers ``names`` at ERROR inside the block, their levels restored after it (they set their own:
+    each is set explicitly).
+
+    Args:
+        names: logger names (``float8_import_logger_names``, ``export_logger_names``).
+    """
     import logging
 
-    loggers = [logging.getLogger(name) for name in float8_import_logger_names()]
+    loggers = [logging.getLogger(name) for name in names]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)
@@ -185,6 +189,13 @@ def quiet_torchao_import() -> Iterator[None]:
     finally:
         for lg, level in zip(loggers, levels, strict=True):
             lg.setLevel(level)
+
+
+def quiet_torchao_import() -> contextlib.AbstractContextManager[None]:
+    """torchao's first import, wherever it happens inside (float8 training, or transformers importing it
+    when a model is built), without the warnings of ``float8_import_logger_names``: neither the CUDA
+    extensions a machine lacks nor torch's deprecation concerns the planner's user."""
+    return quiet_loggers(float8_import_logger_names())
 
 
 def view_base(t: torch.Tensor) -> torch.Tensor | None:

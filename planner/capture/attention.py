@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -48,4 +49,19 @@ def sdpa_arguments(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
     return dict(bound.arguments)
 
 
-__all__ = ["SDPA_CALLS", "SDPA_SIGNATURE", "sdpa_arguments"]
+def attention_calls(nodes: Iterable[Any]) -> Iterator[dict[str, Any]]:
+    """The arguments, by name (``sdpa_arguments``), of every scaled-dot-product attention call among a
+    graph's ``nodes`` (None entries skipped).
+
+    Args:
+        nodes: fx nodes, in any order.
+
+    Yields:
+        Each call's query, key, value, attn_mask, dropout_p, is_causal, scale and enable_gqa.
+    """
+    for node in nodes:
+        if node is not None and node.op == "call_function" and node.target in SDPA_CALLS:
+            yield sdpa_arguments(node.args, dict(node.kwargs))
+
+
+__all__ = ["SDPA_CALLS", "SDPA_SIGNATURE", "attention_calls", "sdpa_arguments"]

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import logging
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -39,7 +38,14 @@ from planner.capture.meta_cache import meta_op_cache, on_meta
 from planner.capture.shapes import shapes_or_real
 from planner.capture.signature import block_structure, leaves_block, rebuild, signature, spec
 from planner.errors import TraceError
-from planner.torch_compat import export_logger_names, fx_arg_bypass, lazy_graph_module, no_dispatch, set_node_arguments
+from planner.torch_compat import (
+    export_logger_names,
+    fx_arg_bypass,
+    lazy_graph_module,
+    no_dispatch,
+    quiet_loggers,
+    set_node_arguments,
+)
 
 
 def trace_fx(model: nn.Module, inputs: tuple[Any, ...], experts: Sequence[str] = ()) -> fx.GraphModule:
@@ -140,27 +146,20 @@ def trace_export(model: nn.Module, inputs: tuple[Any, ...], experts: Sequence[st
     signatures are preserved and their calls recorded in the module's ``meta``
     (``planner.capture.expert_calls``).
     """
-    loggers = [logging.getLogger(name) for name in export_logger_names()]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        with (
-            contextlib.redirect_stdout(io.StringIO()),
-            contextlib.redirect_stderr(io.StringIO()),
-            warnings.catch_warnings(),
-        ):
-            warnings.simplefilter("ignore")
-            # no source line recorded on every node: nothing here reads them, and collecting and
-            # symbolizing each node's Python stack was a tenth of an export's time
-            emitted, torch.fx.config.do_not_emit_stack_traces = torch.fx.config.do_not_emit_stack_traces, True
-            try:
-                ep = torch.export.export(model, inputs, strict=False, preserve_module_call_signature=tuple(experts))
-            finally:
-                torch.fx.config.do_not_emit_stack_traces = emitted
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+    with (
+        quiet_loggers(export_logger_names()),
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(io.StringIO()),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("ignore")
+        # no source line recorded on every node: nothing here reads them, and collecting and
+        # symbolizing each node's Python stack was a tenth of an export's time
+        emitted, torch.fx.config.do_not_emit_stack_traces = torch.fx.config.do_not_emit_stack_traces, True
+        try:
+            ep = torch.export.export(model, inputs, strict=False, preserve_module_call_signature=tuple(experts))
+        finally:
+            torch.fx.config.do_not_emit_stack_traces = emitted
     gm = ep.module()
     _drop_metadata_asserts(gm)  # type: ignore[arg-type]
     if experts:

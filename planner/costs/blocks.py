@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from planner.capture.attention import SDPA_CALLS, sdpa_arguments
+from planner.capture.attention import attention_calls
 from planner.capture.blocks import GraphTrace, TracedModel
 from planner.schema.costs import BlockCost, StepTempRule
 from planner.schema.plan import Tie
@@ -161,10 +161,9 @@ def attention_dropout(traced: TracedModel) -> float:
     if not isinstance(traced, GraphTrace):
         return 0.0
     most = 0.0
-    for node in traced.gm.graph.nodes:
-        if node.op == "call_function" and node.target in SDPA_CALLS:
-            p = sdpa_arguments(node.args, dict(node.kwargs))["dropout_p"]
-            most = max(most, float(p) if isinstance(p, (int, float)) else 1.0)
+    for a in attention_calls(traced.gm.graph.nodes):
+        p = a["dropout_p"]
+        most = max(most, float(p) if isinstance(p, (int, float)) else 1.0)
     return most
 
 
@@ -190,11 +189,7 @@ def attention_bytes(traced: TracedModel, k: int) -> tuple[int, int]:
         return info.nbytes if info is not None else 0
 
     q = kv = 0
-    for name in traced.blocks[k].nodes:
-        node = nodes.get(name)
-        if node is None or node.op != "call_function" or node.target not in SDPA_CALLS:
-            continue
-        a = sdpa_arguments(node.args, dict(node.kwargs))
+    for a in attention_calls(nodes.get(name) for name in traced.blocks[k].nodes):
         q += nbytes(a["query"]) if a["is_causal"] or a["attn_mask"] is not None else 0
         kv += nbytes(a["key"]) + nbytes(a["value"])
     return q, kv

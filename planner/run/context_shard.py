@@ -172,13 +172,14 @@ class Context(TorchFunctionMode):
 
     Args:
         mesh: the rank's 1-D context-parallel mesh.
-        ring: attention by ring attention (``planner.run.ring_attention``) instead of the gather.
+        ring: the group's ring where attention is ring attention (``planner.run.ring_attention``); None:
+            the gather.
     """
 
-    def __init__(self, mesh: Any, ring: bool = False) -> None:
+    def __init__(self, mesh: Any, ring: Ring | None = None) -> None:
         super().__init__()
         self.mesh = mesh
-        self.ring = Ring(mesh.get_group(), mesh.get_local_rank(), mesh.size()) if ring else None
+        self.ring = ring
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -365,7 +366,8 @@ class ContextSplit:
 
     def __init__(self, mesh: Any, chunks_in: Sequence[bool], chunks_out: Sequence[bool], ring: bool = False) -> None:
         self.mesh = mesh
-        self.ring = ring
+        # one ring for every forward of the stage (its peers are the group's, whatever the step)
+        self.ring = Ring(mesh.get_group(), mesh.get_local_rank(), mesh.size()) if ring else None
         self.chunks_in = list(chunks_in)
         self.chunks_out = list(chunks_out)
         self.depth = 0  # units nest (a chain of units, a checkpoint region): one mode at a time
