@@ -130,7 +130,6 @@ def test_a_context_parallel_group_crosses_nodes_once_its_replicas_do() -> None:
             {"gpus": 8, "dp": 4, "dp_mode": "hsdp", "dp_shard": 2},
             r"--cp 2: context parallelism does not run with --dp-mode hsdp yet",
         ),
-        ({"tp": 2, "sequence_parallel": True}, r"does not run with --sequence-parallel yet; give --no-sequence"),
     ],
 )
 def test_the_request_refuses_what_cp_does_not_run_with(options: dict, message: str) -> None:
@@ -172,6 +171,27 @@ def test_planner_plan_cp_splits_the_sequence_over_replicas(tmp_path: Path) -> No
     assert "each sequence split into 2 chunks over 2 consecutive replicas (dp 1 x cp 2" in context_line(plan)
     assert layout_line(plan).startswith("layout: 2 replicas x 2 stages (dp x pp) on 4 ranks")
     assert context_line(whole) == ""
+
+
+def test_cp_with_sequence_parallelism_plans_each_chunk_split_again_over_the_tp_ranks(tmp_path: Path) -> None:
+    # cp 2 x tp 2: with sequence parallelism the norms' and residuals' activations are a tp rank's slice of
+    # its chunk; "auto" searches both and the job file names it
+    options = {"gpu_type": "h100", "dp": 1, "tp": 2, "cp": 2, "schedule": "1f1b", "recompute": "never"}
+    split = _plan(tmp_path, **options, sequence_parallel=True)
+    whole = _plan(tmp_path, **options, sequence_parallel=False)
+    assert (split.cp, split.tp, split.sequence_parallel, whole.sequence_parallel) == (2, 2, True, False)
+    assert "cp=2, tp=2 with sequence parallelism" in split.choice
+    assert split.prediction.max_memory_bytes < whole.prediction.max_memory_bytes
+    assert sum(b.activation_bytes for b in split.blocks) < sum(b.activation_bytes for b in whole.blocks)
+    # the search's rows say the degree and method; the plan's own row is found among them by it
+    from planner.core.layout.robust import chosen_row
+    from planner.report.tables import search_table
+
+    searched = _plan(tmp_path, **{**options, "cp": "auto", "tp": 2, "gpus": 8}, sequence_parallel=True)
+    assert searched.cp > 1 and all(c.sequence_parallel and c.cp > 1 for c in searched.search)
+    row = searched.search[chosen_row(searched)]
+    assert (row.cp, row.cp_attention) == (searched.cp, searched.cp_attention)
+    assert search_table(searched).splitlines()[0].split()[:4] == ["schedule", "tp", "pp", "cp"]
 
 
 def test_long_sequences_choose_ring_attention_and_the_plan_says_so(tmp_path: Path) -> None:

@@ -98,6 +98,8 @@ CANDIDATE_LATER_DEFAULTS = {
     "fsdp_units": "stage",
     "dp_shard": None,
     "sequence_parallel": False,
+    "cp": 1,
+    "cp_attention": "all-gather",
 }
 
 

@@ -112,3 +112,42 @@ def test_mirrored_blocks_give_every_rank_the_same_causal_work() -> None:
         assert Mirrored(0, size).positions(3, torch.device("cpu")).tolist() == [0, 1, 2] + [
             3 * (2 * size - 1) + i for i in range(3)
         ]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("attention", ["all-gather", "ring"])
+def test_cp2_with_tp2_and_sequence_parallelism_matches_unsplit_model(tmp_path: Path, attention: str) -> None:
+    # each context-parallel chunk split again over the tensor-parallel ranks between a row-wise and the
+    # next column-wise layer: the chunks' DTensors on the (cp, tp) mesh
+    plan = _context(plan_with_starts(MODELS / "llama.py", [0], tp=2, **CP2), attention=attention)
+    plan = plan.model_copy(update={"sequence_parallel": True})
+    got, want = _run_and_compare(plan, tmp_path)
+    print("llama cp2 tp2 sp", attention, got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("dp_mode", "recompute", "attention"), [("ddp", "never", "all-gather"), ("fsdp", "full", "ring")]
+)
+def test_pp2_cp2_tp2_with_sequence_parallelism_matches_unsplit_model(
+    tmp_path: Path, dp_mode: str, recompute: str, attention: str
+) -> None:
+    # 8 ranks: the sequence shards cross the pipeline's cut gathered over the tp ranks and are cut again
+    # on arrival; a checkpoint region re-gathers in backward; FSDP shards over the two chunks' ranks
+    plan = plan_with_starts(MODELS / "llama.py", [0, 3], tp=2, **CP2)
+    stages = [s.model_copy(update={"recompute": recompute}) for s in plan.stages]
+    plan = plan.model_copy(update={"stages": stages, "dp_mode": dp_mode, "sequence_parallel": True})
+    plan = _context(plan, attention=attention)
+    assert plan.world_size == 8
+    got, want = _run_and_compare(plan, tmp_path)
+    print("llama pp2 cp2 tp2 sp", dp_mode, recompute, got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+def test_hugging_face_llama_cp2_tp2_with_sequence_parallelism_matches_unsplit_model(tmp_path: Path) -> None:
+    # a torch.export graph: transformers' own tensor-parallel plan, its sizes baked in
+    pytest.importorskip("transformers")
+    plan = _context(plan_with_starts(MODELS / "hf" / "llama.py", [0], tp=2, **CP2))
+    plan = plan.model_copy(update={"sequence_parallel": True})
+    got, want = _run_and_compare(plan, tmp_path)
+    print("hf llama cp2 tp2 sp", got.losses, want.losses, got.grad_norms, want.grad_norms)

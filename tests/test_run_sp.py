@@ -251,11 +251,11 @@ def test_a_forward_whose_first_hook_fails_leaves_the_split_usable() -> None:
         layer.register_forward_pre_hook(gather, prepend=True)
         with pytest.raises(RuntimeError, match="out of memory"):
             layer(x)
-        assert split.depth == 0 and split.mode is None and split.saving is None
+        assert split.depth == 0 and split.mode is None and split.saved.saving is None
         got = layer(x)
         assert type(got) is torch.Tensor and torch.allclose(got, want, atol=1e-6)
         got.sum().backward()  # the kept shards gathered again
-        assert split.depth == 0 and split.last is None
+        assert split.depth == 0 and split.saved.last is None
     finally:
         dist.destroy_process_group()
 

@@ -500,3 +500,8 @@ def test_launch_line_names_the_tensor_parallel_split_only_when_there_is_one() ->
     whole = plan_with_starts(MODELS / "llama.py", [0, 2])
     assert "tensor-parallel" not in launch_line(whole, 2)
     assert launch_line(whole, 2).startswith("launching 2 ranks (2 per node, 2 stages, gpipe, 4 microbatches, backend")
+    both = split.model_copy(update={"cp": 2, "cp_attention": "ring", "sequence_parallel": True})
+    assert launch_line(both, 8).startswith(
+        "launching 8 ranks (8 per node, 2 stages, gpipe, 4 microbatches, each stage split over 2 tensor-parallel "
+        "ranks with sequence parallelism, each sequence split over 2 context-parallel ranks (ring), backend gloo, "
+    )

@@ -48,6 +48,8 @@ def describe_row(c: Candidate) -> str:
         text += f", dp={c.dp} ({mode}{' per block' if c.fsdp_units == 'block' else ''})"
     if c.tp > 1:
         text += f", tp={c.tp}" + (" with sequence parallelism" if c.sequence_parallel else "")
+    if c.cp > 1:
+        text += f", cp={c.cp}" + (" (ring attention)" if c.cp_attention == "ring" else "")
     return text
 
 

@@ -155,8 +155,9 @@ def summary_table(plan: Plan) -> str:
 
 def search_table(plan: Plan) -> str:
     """The best candidates of the joint search (schedule, microbatches, stages per rank, split),
-    with a column of data-parallel replicas when the search tried several counts, and of the
-    tensor-parallel degree ("8 sp": with sequence parallelism) when it tried several or chose one.
+    with a column of data-parallel replicas when the search tried several counts, of the
+    tensor-parallel degree ("8 sp": with sequence parallelism) when it tried several or chose one, and
+    of the context-parallel degree ("4 ring": by ring attention) when any row splits the sequence.
 
     Args:
         plan: the plan.
@@ -169,6 +170,7 @@ def search_table(plan: Plan) -> str:
     with_dp = len({c.dp for c in plan.search}) > 1
     with_tp = len({c.tp for c in plan.search}) > 1 or plan.tp > 1
     with_k = any(c.accumulation > 1 for c in plan.search) or plan.accumulation > 1
+    with_cp = any(c.cp > 1 for c in plan.search) or plan.cp > 1
     slowed = has_column(plan)  # the step on slower hardware (planner.report.robustness)
     rows = []
     chosen_index = chosen_row(plan)
@@ -181,6 +183,8 @@ def search_table(plan: Plan) -> str:
             units = " per block" if c.fsdp_units == "block" else ""
             mode = f"hsdp in groups of {c.dp_shard}" if c.dp_mode == "hsdp" else c.dp_mode
             row.append(f"{c.dp} ({mode}{units})" if c.dp > 1 else "1")
+        if with_cp:  # "4 ring": each sequence over 4 ranks, by ring attention
+            row.append(f"{c.cp} ring" if c.cp > 1 and c.cp_attention == "ring" else c.cp)
         row += [c.accumulation] if with_k else []
         row += [
             c.n_microbatches,
@@ -197,6 +201,7 @@ def search_table(plan: Plan) -> str:
         "schedule",
         *(["tp", "pp"] if with_tp else []),
         *(["dp"] if with_dp else []),
+        *(["cp"] if with_cp else []),
         *(["passes"] if with_k else []),
         "m",
         "stages/rank",

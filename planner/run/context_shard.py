@@ -54,7 +54,7 @@ from planner.capture.contract import SEQUENCE_DIM
 from planner.errors import PlannerError
 from planner.run.experts import exchange_rows
 from planner.run.ring_attention import Ring, ring_attention
-from planner.run.sequence_shard import hook_units
+from planner.run.sequence_shard import SavedShards, autocast_cast, hook_units
 from planner.run.wrappers import ContiguousGrad
 from planner.torch_compat import pytree
 
@@ -166,12 +166,21 @@ def _is_chunked(x: Any, mesh: Any) -> bool:
     return isinstance(x, DTensor) and x.device_mesh == mesh
 
 
+def placed(mesh: Any, first: Any) -> tuple[Any, ...]:
+    """Placements on the context mesh: ``first`` over the context-parallel ranks, replicated over the
+    tensor-parallel ranks where the mesh has them (``(cp, tp)``, sequence parallelism)."""
+    from torch.distributed.tensor import Replicate
+
+    return (first,) + (Replicate(),) * (mesh.ndim - 1)
+
+
 class Context(TorchFunctionMode):
     """A stage's forward on sequence chunks: plain tensors meeting a chunked DTensor become replicated
     ones, attention on chunked queries gathers the keys and values (see the module docstring).
 
     Args:
-        mesh: the rank's 1-D context-parallel mesh.
+        mesh: the mesh the chunks' DTensors live on: the rank's 1-D context-parallel mesh, or under
+            sequence parallelism its 2-D ``(cp, tp)`` mesh (``RankMesh.cp_tp_mesh``).
         ring: the group's ring where attention is ring attention (``planner.run.ring_attention``); None:
             the gather.
     """
@@ -179,6 +188,8 @@ class Context(TorchFunctionMode):
     def __init__(self, mesh: Any, ring: Ring | None = None) -> None:
         super().__init__()
         self.mesh = mesh
+        # the context-parallel group alone: where keys, values and queries are exchanged
+        self.group_mesh = mesh if mesh.ndim == 1 else mesh["cp"]
         self.ring = ring
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -191,10 +202,13 @@ class Context(TorchFunctionMode):
         if any(_is_chunked(a, self.mesh) for a in leaves) and any(
             isinstance(a, torch.Tensor) and not isinstance(a, DTensor) for a in leaves
         ):
+            # the gradient is this rank's own over the cp ranks (the replicas' averaging adds the chunks'),
+            # summed over the tp ranks (each computed it from its slice of the chunk: sequence parallelism)
+            everywhere, own = placed(self.mesh, Replicate()), placed(self.mesh, Partial())
 
             def wrap(a: Any) -> Any:
                 if isinstance(a, torch.Tensor) and not isinstance(a, DTensor):
-                    return DTensor.from_local(a, self.mesh, [Replicate()], run_check=False, grad_placements=[Partial()])
+                    return DTensor.from_local(a, self.mesh, everywhere, run_check=False, grad_placements=own)
                 return a
 
             args, kwargs = pytree.tree_map(wrap, (args, kwargs))
@@ -206,7 +220,8 @@ class Context(TorchFunctionMode):
 
         a = sdpa_arguments(args, kwargs)
         q, k, v = a["query"], a["key"], a["value"]
-        if any(not _is_chunked(t, self.mesh) or t.placements != (Shard(_HEAD_SEQUENCE_DIM),) for t in (q, k, v)):
+        chunked = placed(self.mesh, Shard(_HEAD_SEQUENCE_DIM))
+        if any(not _is_chunked(t, self.mesh) or t.placements != chunked for t in (q, k, v)):
             raise PlannerError(
                 "context parallelism needs attention's queries, keys and values split along the sequence "
                 f"([batch, heads, seq, head_dim]); this model's are placed {[getattr(t, 'placements', None) for t in (q, k, v)]}"
@@ -218,7 +233,9 @@ class Context(TorchFunctionMode):
         def whole(t: Any) -> torch.Tensor:
             # every position's keys (or values), their gradient reduce-scattered back in backward
             return ContiguousGrad.apply(
-                t.contiguous().redistribute(self.mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+                t.contiguous()
+                .redistribute(self.mesh, placed(self.mesh, Replicate()))
+                .to_local(grad_placements=placed(self.mesh, Partial()))
             )
 
         local_q = ContiguousGrad.apply(q.contiguous().to_local())
@@ -227,14 +244,15 @@ class Context(TorchFunctionMode):
         if causal and mask is not None:
             raise PlannerError("scaled_dot_product_attention was given both a mask and is_causal")
         if isinstance(mask, DTensor):
-            mask = mask.redistribute(self.mesh, [Replicate()]).to_local()
+            mask = mask.redistribute(self.mesh, placed(self.mesh, Replicate())).to_local()
         # under a mask (causal, as a decoder's is) each rank computes two mirrored blocks of queries
-        mirrored = Mirrored(self.mesh.get_local_rank(), self.mesh.size()) if (causal or mask is not None) else None
+        group = self.group_mesh
+        mirrored = Mirrored(group.get_local_rank(), group.size()) if (causal or mask is not None) else None
         if mirrored is not None and n % 2 == 0:
-            local_q = mirrored.swap(local_q, self.mesh.get_group())
+            local_q = mirrored.swap(local_q, group.get_group())
             rows = mirrored.positions(n // 2, local_q.device)
         else:
-            rows = self.mesh.get_local_rank() * n + torch.arange(n, device=local_q.device)
+            rows = group.get_local_rank() * n + torch.arange(n, device=local_q.device)
             mirrored = None
         if mask is not None and mask.shape[-2] != 1:
             mask = mask.index_select(-2, rows)  # the rows of this rank's queries
@@ -243,8 +261,8 @@ class Context(TorchFunctionMode):
         else:
             out = self._gathered(local_q, whole(k), whole(v), rows, mask, a)
         if mirrored is not None:  # each block's output back to the rank holding its positions
-            out = mirrored.swap_back(out, self.mesh.get_group())
-        return DTensor.from_local(out, self.mesh, [Shard(_HEAD_SEQUENCE_DIM)], run_check=False)
+            out = mirrored.swap_back(out, group.get_group())
+        return DTensor.from_local(out, self.mesh, chunked, run_check=False)
 
     def _gathered(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, mask: Any, a: dict[str, Any]
@@ -353,6 +371,23 @@ class Mirrored:
         return torch.cat([parts[b] for b in order]).permute(1, 2, 0, 3).contiguous()
 
 
+@dataclass(frozen=True)
+class SequenceShards:
+    """Sequence parallelism inside context parallelism: each context-parallel rank's chunk split again
+    along the sequence over its tensor-parallel ranks between a row-wise and the next column-wise layer.
+
+    Args:
+        mesh: the rank's 2-D ``(cp, tp)`` mesh (``RankMesh.cp_tp_mesh``): the chunks' DTensors live on it.
+        tp_mesh: the rank's tensor-parallel mesh (torch's styles shard the layers over it).
+        inputs: for each positional input of the stage, whether it is a sequence shard in the whole
+            graph (``planner.capture.tp_sequence``): it arrives as the chunk and is cut to this rank's slice.
+    """
+
+    mesh: Any
+    tp_mesh: Any
+    inputs: Sequence[bool]
+
+
 class ContextSplit:
     """One stage's context parallelism: installed by ``install``, the hooks share this state.
 
@@ -362,10 +397,26 @@ class ContextSplit:
             (``boundary_chunks``); the others arrive whole.
         chunks_out: the same for each of its outputs (leaving as this rank's chunk, or whole).
         ring: attention by ring attention instead of the gather (``Plan.cp_attention``).
+        sequence: sequence parallelism inside the chunks (None: none). Its chunks' DTensors are then
+            on the ``(cp, tp)`` mesh: ``(Shard(1), Shard(1))`` between a row-wise and the next
+            column-wise layer, ``(Shard(1), Replicate())`` where the tensor-parallel layers split the
+            features (each tensor-parallel rank's own, as without it); a column-wise layer's input is
+            gathered over the tensor-parallel ranks once per value and kept for its backward as the
+            shard (``planner.run.sequence_shard.SavedShards``), a row-wise layer's output
+            reduce-scattered along the sequence by torch's style.
     """
 
-    def __init__(self, mesh: Any, chunks_in: Sequence[bool], chunks_out: Sequence[bool], ring: bool = False) -> None:
-        self.mesh = mesh
+    def __init__(
+        self,
+        mesh: Any,
+        chunks_in: Sequence[bool],
+        chunks_out: Sequence[bool],
+        ring: bool = False,
+        sequence: SequenceShards | None = None,
+    ) -> None:
+        self.group_mesh = mesh
+        self.sequence = sequence
+        self.mesh = mesh if sequence is None else sequence.mesh  # the chunks' DTensors' mesh
         # one ring for every forward of the stage (its peers are the group's, whatever the step)
         self.ring = Ring(mesh.get_group(), mesh.get_local_rank(), mesh.size()) if ring else None
         self.chunks_in = list(chunks_in)
@@ -373,6 +424,7 @@ class ContextSplit:
         self.depth = 0  # units nest (a chain of units, a checkpoint region): one mode at a time
         self.mode: Context | None = None
         self.layer_chunked: dict[int, bool] = {}  # a tensor-parallel layer running: was its input a chunk
+        self.saved = SavedShards()
 
     def enter(self, *_: Any) -> None:
         if self.depth == 0:
@@ -387,6 +439,7 @@ class ContextSplit:
         if self.depth == 0 and self.mode is not None:
             self.mode.__exit__(None, None, None)
             self.mode = None
+            self.saved.forget()  # a recomputation (in backward) gathers its own
 
     def stage_in(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """The stage's inputs, its sequence chunks as DTensors (the mode entered)."""
@@ -395,18 +448,26 @@ class ContextSplit:
         while self.depth:  # whatever an earlier failed forward left
             self.leave()
         self.enter()
+        chunked = placed(self.mesh, Shard(SEQUENCE_DIM))
+        shards = [False] * len(args)
+        if self.sequence is not None:
+            self.saved.start()
+            shards = list(self.sequence.inputs) + [False] * (len(args) - len(self.sequence.inputs))
 
-        def chunk(x: Any, flag: bool) -> Any:
+        def chunk(x: Any, flag: bool, shard: bool) -> Any:
             if flag and isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
-                return DTensor.from_local(x, self.mesh, [Shard(SEQUENCE_DIM)], run_check=False)
+                x = DTensor.from_local(x, self.mesh, chunked, run_check=False)
+                # this tensor-parallel rank's slice of the chunk (no traffic; its gradient gathered)
+                return x.redistribute(self.mesh, (Shard(SEQUENCE_DIM), Shard(SEQUENCE_DIM))) if shard else x
             return x
 
         flags = self.chunks_in + [False] * (len(args) - len(self.chunks_in))
-        return tuple(chunk(x, f) for x, f in zip(args, flags, strict=False))
+        return tuple(chunk(x, f, sh) for x, f, sh in zip(args, flags, shards, strict=False))
 
     def stage_out(self, module: nn.Module, args: Any, output: Any) -> Any:
         """The stage's outputs as plain tensors: its sequence chunks as this rank's chunk, the rest whole."""
         self.leave()
+        self.saved.stop()
         if isinstance(output, tuple):
             flags = self.chunks_out + [False] * (len(output) - len(self.chunks_out))
             return tuple(self._leaving(t, f) for t, f in zip(output, flags, strict=False))
@@ -416,33 +477,72 @@ class ContextSplit:
         from torch.distributed.tensor import Replicate
 
         if _is_chunked(t, self.mesh):
-            return self.local_chunk(t) if chunk else t.redistribute(self.mesh, [Replicate()]).to_local()
+            return (
+                self.local_chunk(t) if chunk else t.redistribute(self.mesh, placed(self.mesh, Replicate())).to_local()
+            )
         if chunk and isinstance(t, torch.Tensor):  # made from positions alone: this rank's positions
-            return sequence_chunk(t, self.mesh.get_local_rank(), self.mesh.size(), "stage boundary")
+            group = self.group_mesh
+            return sequence_chunk(t, group.get_local_rank(), group.size(), "stage boundary")
         return t
 
     def local_chunk(self, t: Any) -> Any:
-        """A DTensor of the mesh as this rank's chunk of its dimension 1 (a plain tensor)."""
+        """A DTensor of the mesh as this rank's chunk of its dimension 1 (a plain tensor; a sequence
+        shard gathered over the tensor-parallel ranks)."""
         from torch.distributed.tensor import Shard
 
-        return t.contiguous().redistribute(self.mesh, [Shard(SEQUENCE_DIM)]).to_local()
+        return t.contiguous().redistribute(self.mesh, placed(self.mesh, Shard(SEQUENCE_DIM))).to_local()
 
     def layer_in(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        """A tensor-parallel layer's input as this rank's plain chunk (torch's hooks wrap it on their own mesh)."""
+        """A tensor-parallel layer's input as this rank's plain chunk (torch's hooks wrap it on their own
+        mesh); under sequence parallelism a sequence shard as the chunk gathered over the tensor-parallel
+        ranks (``_gathered_chunk``)."""
         chunked = bool(args) and _is_chunked(args[0], self.mesh)
         self.layer_chunked[id(module)] = chunked
-        return (self.local_chunk(args[0]), *args[1:]) if chunked else args
+        if not chunked:
+            return args
+        if self.sequence is not None and args[0].placements[-1].is_shard():
+            return (self._gathered_chunk(args[0]), *args[1:])
+        return (self.local_chunk(args[0]), *args[1:])
+
+    def _gathered_chunk(self, x: Any) -> Any:
+        """A sequence shard (``(Shard(1), Shard(1))``) as this rank's chunk gathered over the
+        tensor-parallel ranks: a DTensor replicated on the tensor-parallel mesh, which torch's
+        column-wise style takes as it is, whose partial input gradients (q, k and v reading one value
+        add theirs first) are reduce-scattered back in one collective. Kept for backward as the shard."""
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+        assert self.sequence is not None
+        whole = self.saved.recent(x)
+        if whole is not None:
+            return whole
+        shard = autocast_cast(x)
+        local = shard.redistribute(self.mesh, (Shard(SEQUENCE_DIM), Replicate())).to_local(
+            grad_placements=(Shard(SEQUENCE_DIM), Partial())
+        )
+        tp_mesh = self.sequence.tp_mesh
+        whole = DTensor.from_local(local, tp_mesh, [Replicate()], run_check=False, grad_placements=[Partial()])
+        # gathered again for backward from the shard, on the tensor-parallel mesh alone
+        self.saved.gathered(
+            whole, DTensor.from_local(shard.to_local().detach(), tp_mesh, [Shard(SEQUENCE_DIM)], run_check=False)
+        )
+        self.saved.remember(x, whole)
+        return whole
 
     def layer_out(self, module: nn.Module, args: Any, output: Any) -> Any:
-        """A tensor-parallel layer's output as a chunk of the sequence again, where its input was one."""
+        """A tensor-parallel layer's output as a chunk of the sequence again, where its input was one
+        (a row-wise layer's reduce-scattered output under sequence parallelism as the sequence shard)."""
         from torch.distributed.tensor import DTensor, Shard
 
         if not self.layer_chunked.pop(id(module), False):
             return output
+        chunked = placed(self.mesh, Shard(SEQUENCE_DIM))
 
         def chunk(x: Any) -> Any:
+            if isinstance(x, DTensor) and self.sequence is not None and x.device_mesh == self.sequence.tp_mesh:
+                shards = (Shard(SEQUENCE_DIM), Shard(SEQUENCE_DIM))
+                return DTensor.from_local(x.to_local(), self.mesh, shards, run_check=False)
             if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.dim() >= 2:
-                return DTensor.from_local(x, self.mesh, [Shard(SEQUENCE_DIM)], run_check=False)
+                return DTensor.from_local(x, self.mesh, chunked, run_check=False)
             return x
 
         return pytree.tree_map(chunk, output)
@@ -454,6 +554,7 @@ def install(
     mesh: Any,
     chunks: tuple[Sequence[bool], Sequence[bool]],
     ring: bool = False,
+    sequence: SequenceShards | None = None,
 ) -> ContextSplit:
     """Install context parallelism on a stage.
 
@@ -469,11 +570,14 @@ def install(
         chunks: which of the stage's positional inputs, and which of its outputs, are sequence
             chunks (``boundary_chunks``).
         ring: attention by ring attention (``planner.run.ring_attention``) instead of the gather.
+        sequence: sequence parallelism inside the chunks (``ContextSplit``; None: none). Its layers
+            are sharded with torch's sequence-parallel styles (``shard_stage(sequence=True)``) and
+            hooked by ``around_sharded``; ``planner.run.sequence_shard`` is not installed.
 
     Returns:
         The shared state (held by the hooks).
     """
-    split = ContextSplit(mesh, *chunks, ring=ring)
+    split = ContextSplit(mesh, *chunks, ring=ring, sequence=sequence)
     hook_units(stage, units, split)
     return split
 
@@ -495,6 +599,7 @@ __all__ = [
     "Context",
     "ContextSplit",
     "Mirrored",
+    "SequenceShards",
     "around_sharded",
     "boundary_chunks",
     "chunk_flagged",

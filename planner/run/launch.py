@@ -353,9 +353,12 @@ def launch_line(plan: Plan, nproc: int) -> str:
     sequence = " with sequence parallelism" if plan.sequence_parallel else ""
     split = f"each stage split over {plan.tp} tensor-parallel ranks{sequence}, " if plan.tp > 1 else ""
     experts = f"experts sharded over {plan.ep} ranks, " if plan.ep > 1 else ""
+    context = (
+        f"each sequence split over {plan.cp} context-parallel ranks ({plan.cp_attention}), " if plan.cp > 1 else ""
+    )
     return (
         f"launching {plan.world_size} ranks ({nproc} per node, {plan.n_stages} stages, {plan.schedule}, "
-        f"{plan.n_microbatches} microbatches, {split}{experts}backend {plan.profile.backend}, "
+        f"{plan.n_microbatches} microbatches, {split}{experts}{context}backend {plan.profile.backend}, "
         f"{threads_per_rank(plan)} thread(s) each)"
     )
 

@@ -56,6 +56,8 @@ class RankMesh:
         cp_mesh: that group, the ``cp`` consecutive replicas of its data-parallel replica at its
             pipeline and tensor-parallel position, as a 1-D ``DeviceMesh`` (attention gathers keys and
             values over it; None: cp 1).
+        cp_tp_mesh: that group and its tensor-parallel ranks as one 2-D ``(cp, tp)`` ``DeviceMesh``
+            (under sequence parallelism a chunk is split again over the tp ranks; None: cp or tp 1).
     """
 
     rank: int
@@ -75,6 +77,7 @@ class RankMesh:
     experts_mesh: Any | None = None
     cp_rank: int = 0
     cp_mesh: Any | None = None
+    cp_tp_mesh: Any | None = None
 
     def data_replica(self, plan: Plan) -> int:
         """The data-parallel replica whose rows this rank reads: ``replica // cp``."""
@@ -128,7 +131,8 @@ def _with_context(plan: Plan, placed: RankMesh, device: torch.device) -> RankMes
 
     ranks = torch.arange(plan.world_size).view(plan.dp, plan.cp, plan.n_ranks, plan.tp)
     mesh = DeviceMesh(device.type, ranks, mesh_dim_names=("data", "cp", "pp", "tp"))
-    return replace(placed, cp_rank=placed.replica % plan.cp, cp_mesh=mesh["cp"])
+    both = mesh["cp", "tp"] if plan.tp > 1 else None
+    return replace(placed, cp_rank=placed.replica % plan.cp, cp_mesh=mesh["cp"], cp_tp_mesh=both)
 
 
 def _with_experts(plan: Plan, placed: RankMesh, device: torch.device) -> RankMesh:

@@ -82,15 +82,7 @@ class SequenceSplit:
         self.seq_inputs = list(seq_inputs)
         self.depth = 0  # units nest (a chain of units, a checkpoint region): one mode at a time
         self.mode: Replicated | None = None
-        # the last input gathered and its whole, held until the next one: consecutive layers reading
-        # one value (q, k, v) share one gather even though their saved copies are shards
-        self.last: tuple[Any, Any] | None = None
-        # storage of a gathered whole -> (weakref to the whole's local tensor, its shard, shape -> the
-        # one packed value every layer saving the whole in that shape keeps: q, k and v read one
-        # gathered input, so backward gathers it once for the three, as Megatron's fused QKV): an
-        # entry counts only while that whole lives (a freed storage's address is reused)
-        self.shard_of: dict[int, tuple[Any, Any, dict[tuple[int, ...], _Regather]]] = {}
-        self.saving: Any = None  # the saved-tensor hooks during the stage's forward
+        self.saved = SavedShards()
 
     def enter(self, *_: Any) -> None:
         if self.depth == 0:
@@ -107,20 +99,15 @@ class SequenceSplit:
                 self.mode.__exit__(None, None, None)
                 self.mode = None
             # a recomputation (in backward) gathers too: hold nothing past it
-            self.last = None
-            self.shard_of.clear()
+            self.saved.forget()
 
     def close(self) -> None:
         """Leave the mode and the saved-tensor hooks, hold nothing: the stage's forward is over."""
-        if self.saving is not None:
-            self.saving.__exit__(None, None, None)
-            self.saving = None
+        self.saved.stop()
         if self.mode is not None:
             self.mode.__exit__(None, None, None)
             self.mode = None
         self.depth = 0
-        self.last = None
-        self.shard_of.clear()
 
     def stage_in(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """The stage's inputs, the sequence shards cut to this rank's slice (the mode entered)."""
@@ -128,10 +115,7 @@ class SequenceSplit:
 
         self.close()  # whatever an earlier failed forward left
         self.enter()
-        # innermost while no checkpoint region runs: a region's own hooks keep nothing, and a
-        # recomputation (in backward, outside this forward) saves the whole for its region's backward
-        self.saving = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-        self.saving.__enter__()
+        self.saved.start()
         out = list(args)
         for i, flag in enumerate(self.seq_inputs[: len(out)]):
             x = out[i]
@@ -159,18 +143,77 @@ class SequenceSplit:
         x = args[0]
         if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or isinstance(x, DTensor)):
             return None  # an embedding's token ids: torch's style wraps them, no gradient to reduce
-        if self.last is not None and self.last[0]() is x:
-            return (self.last[1], *args[1:])
-        if isinstance(x, DTensor):
-            device = x.device.type
-            if x.is_floating_point() and torch.is_autocast_enabled(device):
-                x = x.to(torch.get_autocast_dtype(device))  # the layer's own cast, before the gather
-            whole = x.redistribute(self.mesh, [Replicate()])
-            self.shard_of[_storage(whole)] = (weakref.ref(local_tensor(whole)), x, {})
-        else:
-            whole = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
-        self.last = (weakref.ref(args[0]), whole)
+        whole = self.saved.recent(x)
+        if whole is None:
+            if isinstance(x, DTensor):
+                shard = autocast_cast(x)
+                whole = shard.redistribute(self.mesh, [Replicate()])
+                self.saved.gathered(whole, shard)
+            else:
+                whole = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+            self.saved.remember(x, whole)
         return (whole, *args[1:])
+
+
+def autocast_cast(x: Any) -> Any:
+    """``x`` cast to autocast's dtype where autocast is on (what a linear layer would cast its input
+    to): a layer's input gathered after the cast moves half the bytes of a float32 one."""
+    device = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device):
+        return x.to(torch.get_autocast_dtype(device))
+    return x
+
+
+class SavedShards:
+    """What a split that gathers sequence shards for column-wise layers keeps for their backward: a
+    gathered input saved by the layers is kept as its shard and gathered again when the backward needs
+    it (``pack`` / ``unpack``, saved-tensor hooks entered by ``start``), and the last input gathered is
+    remembered (``recent``), so that consecutive layers reading one value (q, k, v) share one gather
+    even though their saved copies are shards.
+    """
+
+    def __init__(self) -> None:
+        # the last input gathered and its whole, held until the next one
+        self.last: tuple[Any, Any] | None = None
+        # storage of a gathered whole -> (weakref to the whole's local tensor, its shard, shape -> the
+        # one packed value every layer saving the whole in that shape keeps: q, k and v read one
+        # gathered input, so backward gathers it once for the three, as Megatron's fused QKV): an
+        # entry counts only while that whole lives (a freed storage's address is reused)
+        self.shard_of: dict[int, tuple[Any, Any, dict[tuple[int, ...], _Regather]]] = {}
+        self.saving: Any = None  # the saved-tensor hooks during the stage's forward
+
+    def start(self) -> None:
+        """Enter the saved-tensor hooks for a stage's forward: innermost while no checkpoint region
+        runs (a region's own hooks keep nothing, and a recomputation, in backward, outside this
+        forward, saves the whole for its region's backward)."""
+        self.stop()
+        self.saving = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self.saving.__enter__()
+
+    def stop(self) -> None:
+        """Leave the hooks and hold nothing: the stage's forward is over."""
+        if self.saving is not None:
+            self.saving.__exit__(None, None, None)
+            self.saving = None
+        self.forget()
+
+    def forget(self) -> None:
+        """Hold no gathered input (a recomputation, in backward, gathers its own)."""
+        self.last = None
+        self.shard_of.clear()
+
+    def recent(self, x: Any) -> Any:
+        """The whole gathered for ``x`` by the last gather, if ``x`` is what it gathered (else None)."""
+        return self.last[1] if self.last is not None and self.last[0]() is x else None
+
+    def remember(self, x: Any, whole: Any) -> None:
+        """``whole`` is what layers reading ``x`` get, until another input is gathered."""
+        self.last = (weakref.ref(x), whole)
+
+    def gathered(self, whole: Any, shard: Any) -> None:
+        """``whole`` (a DTensor, or a tensor sharing its local part's storage) was gathered from
+        ``shard``, a DTensor whose ``redistribute`` to ``Replicate()`` on its mesh gathers it again."""
+        self.shard_of[_storage(whole)] = (weakref.ref(local_tensor(whole) if _is_dtensor(whole) else whole), shard, {})
 
     def pack(self, t: torch.Tensor) -> Any:
         """What autograd keeps of a saved tensor: for a gathered whole (or a view of it) its shard."""
@@ -226,6 +269,12 @@ class _Regather:
         else:
             self.whole = whole
         return whole
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -297,4 +346,4 @@ def install(
     return split
 
 
-__all__ = ["Replicated", "SequenceSplit", "hook_units", "install", "row_style"]
+__all__ = ["Replicated", "SavedShards", "SequenceSplit", "autocast_cast", "hook_units", "install", "row_style"]

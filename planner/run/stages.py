@@ -31,6 +31,7 @@ from planner.errors import PlanFileError, PlannerError
 from planner.run.boundary import boundary_scatter, sent_examples
 from planner.run.checkpoint import model_names
 from planner.run.context_shard import (
+    SequenceShards,
     around_sharded,
     boundary_chunks,
     chunk_flagged,
@@ -295,16 +296,9 @@ def _stage_chain(plan: Plan, traced: TracedModel, stage_plan: StagePlan, clock: 
     return checkpointed_stage(traced, units, modes, stage_module, clock)
 
 
-def _split_sequence(
-    stage: _CutStage,
-    units: list[torch.nn.Module],
-    shardable: TracedModel,
-    sequence: frozenset[str],
-    plan: Plan,
-    mesh: RankMesh,
-) -> None:
-    """Sequence parallelism on one stage (``planner.run.sequence_shard``): which of its inputs are
-    sequence shards in the whole graph (``sequence``), and its column-wise layers.
+def _sequence_inputs(stage: _CutStage, shardable: TracedModel, sequence: frozenset[str]) -> list[bool]:
+    """Under sequence parallelism, which of a stage's inputs are sequence shards in the whole graph
+    (``sequence``: ``planner.capture.tp_sequence``'s names).
 
     Raises:
         PlanFileError: the model was traced by module boundaries (no graph to follow the shards in).
@@ -316,33 +310,37 @@ def _split_sequence(
         )
     start = stage.plan.start
     names = list(shardable.cuts[start - 1].tensors) if start > 0 else []
-    columns = [
-        unit.get_submodule(name)
-        for unit in units
-        for name, style in tp_styles(unit, plan.tp_plan).items()
-        if style in COLUMN_STYLES
-    ]
-    install_sequence(stage.built, units, columns, mesh.tp_mesh, [name in sequence for name in names])
+    return [name in sequence for name in names]
 
 
 def _split_inside(
     plan: Plan, stage: _CutStage, mesh: RankMesh, shardable: TracedModel, sequence: frozenset[str]
 ) -> None:
     """What splits a stage inside its pipeline rank, before FSDP or DDP wrap it: context parallelism's
-    hooks (``planner.run.context_shard``), sequence parallelism's, then torch's tensor-parallel
-    styles (every example was made before, on the unsharded trace), and context parallelism's
-    unwrapping around the layers they sharded."""
+    hooks (``planner.run.context_shard``, sequence parallelism inside them where both split the
+    sequence), else sequence parallelism's (``planner.run.sequence_shard``), then torch's
+    tensor-parallel styles (every example was made before, on the unsharded trace), and context
+    parallelism's unwrapping around the layers they sharded."""
     units = stage_units(stage.built)  # a chain's units are named as the unsplit model names them
     ring = plan.cp_attention == "ring"
-    context = install_context(stage.built, units, mesh.cp_mesh, stage.chunks, ring) if plan.cp > 1 else None
+    shards = None
+    if plan.cp > 1 and plan.tp > 1 and plan.sequence_parallel:
+        shards = SequenceShards(mesh.cp_tp_mesh, mesh.tp_mesh, _sequence_inputs(stage, shardable, sequence))
+    context = install_context(stage.built, units, mesh.cp_mesh, stage.chunks, ring, shards) if plan.cp > 1 else None
     if context is not None and plan.profile.float8 is not None and plan.tp == 1:
         # torchao's float8 layers cast and multiply in autograd functions whose backward runs outside the
         # mode: they see plain chunks, as tensor-parallel layers do (a linear layer works token by token)
         around_sharded(context, [layer for unit in units for layer in float8_modules(unit)])
     if plan.tp == 1:
         return
-    if plan.sequence_parallel:  # its hooks first: before torch's styles and FSDP's
-        _split_sequence(stage, units, shardable, sequence, plan, mesh)
+    if plan.sequence_parallel and context is None:  # its hooks first: before torch's styles and FSDP's
+        columns = [
+            unit.get_submodule(name)
+            for unit in units
+            for name, style in tp_styles(unit, plan.tp_plan).items()
+            if style in COLUMN_STYLES
+        ]
+        install_sequence(stage.built, units, columns, mesh.tp_mesh, _sequence_inputs(stage, shardable, sequence))
     for part in units:
         shard_stage(part, mesh.tp_mesh, plan.tp_plan, sequence=plan.sequence_parallel)
     if context is not None:

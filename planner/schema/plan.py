@@ -428,13 +428,12 @@ class Plan(_Frozen):
         return self
 
     def _check_context(self) -> None:
-        """What context parallelism does not combine with yet: expert parallelism, HSDP, sequence
-        parallelism, and ``compile`` of a model traced by ``torch.export`` (torch.compile of its
-        graph's masks on DTensors gives them another dtype than eager)."""
+        """What context parallelism does not combine with yet: expert parallelism, HSDP, and
+        ``compile`` of a model traced by ``torch.export`` (torch.compile of its graph's masks on
+        DTensors gives them another dtype than eager)."""
         for flag, what in (
             (self.ep > 1, f"ep {self.ep}"),
             (self.dp_mode == "hsdp", "dp_mode hsdp"),
-            (self.sequence_parallel, "sequence_parallel"),
             (self.compile and self.model.trace_method == "export", "compile of a torch.export graph"),
         ):
             if flag:

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from planner.schema.costs import split_recompute
-from planner.schema.names import DpMode, FsdpUnits, Schedule
+from planner.schema.names import CpAttention, DpMode, FsdpUnits, Schedule
 
 
 def _mode(value: Any) -> Any:
@@ -327,6 +327,10 @@ class Candidate(_Frozen):
     tp: int = Field(default=1, ge=1, description="Tensor-parallel ranks each stage is split over.")
     ep: int = Field(default=1, ge=1, description="Expert-parallel ranks each MoE layer's experts are sharded over.")
     sequence_parallel: bool = Field(default=False, description="With tp > 1, sequence parallelism (Plan's field).")
+    cp: int = Field(default=1, ge=1, description="Context-parallel ranks each sequence is split over (Plan's field).")
+    cp_attention: CpAttention = Field(
+        default="all-gather", description="With cp > 1, how attention reaches the other chunks (Plan's field)."
+    )
     accumulation: int = Field(
         default=1, ge=1, description="Pipeline passes per step, each of n_microbatches (gradient accumulation)."
     )

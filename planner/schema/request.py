@@ -466,7 +466,6 @@ class PlanRequest(_Request):
         for blocked, what, instead in (
             (self.ep not in (1, "auto"), f"--ep {self.ep}", "--ep 1"),
             (self.dp_mode == "hsdp", "--dp-mode hsdp", "--dp-mode fsdp or ddp"),
-            (self.sequence_parallel is True, "--sequence-parallel", "--no-sequence-parallel"),
         ):
             if blocked:
                 raise ValueError(f"--cp {self.cp}: context parallelism does not run with {what} yet; give {instead}")

@@ -61,6 +61,8 @@ class Choice:
             tp=layout.tp,
             ep=layout.ep,
             sequence_parallel=layout.sequence,
+            cp=layout.cp,
+            cp_attention=layout.cp_attention,  # type: ignore[arg-type]  # a member of CP_ATTENTION
             accumulation=layout.accumulation,
             starts=self.prediction.starts,
             step_time_s=self.prediction.step_time_s,

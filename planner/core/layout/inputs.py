@@ -309,10 +309,7 @@ def asked_of(request: PlanRequest, memory_limit_bytes: int | None) -> Asked:
         None if request.accumulation == "auto" else request.accumulation,
         request.fsdp_units,
         None if request.dp_shard == "auto" else request.dp_shard,
-        # sequence parallelism does not run with context parallelism yet (auto leaves it out)
-        sequence=(False, True)
-        if request.sequence_parallel == "auto" and request.cp in (1, "auto")
-        else (request.sequence_parallel is True,),
+        sequence=(False, True) if request.sequence_parallel == "auto" else (request.sequence_parallel is True,),
         eps=(ep,) if isinstance(request.ep, int) else (),
         cps=(request.cp,) if isinstance(request.cp, int) else (),
         cp_attention=CP_ATTENTION if request.cp_attention == "auto" else (request.cp_attention,),

@@ -199,6 +199,9 @@ def chosen_row(plan: Plan) -> int | None:
             c.tp,
             c.accumulation,
             c.sequence_parallel,
+            c.ep,
+            c.cp,
+            c.cp_attention,
         ) == (
             plan.schedule,
             plan.n_microbatches,
@@ -209,6 +212,9 @@ def chosen_row(plan: Plan) -> int | None:
             plan.tp,
             plan.accumulation,
             plan.sequence_parallel,
+            plan.ep,
+            plan.cp,
+            plan.cp_attention,
         ):
             return i
     return None
