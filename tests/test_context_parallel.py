@@ -127,9 +127,10 @@ def test_a_context_parallel_group_crosses_nodes_once_its_replicas_do() -> None:
         ({"dp": 2, "tp": 1, "gpus": 4, "cp": 4}, r"--dp 2 x --tp 1 x --cp 4 does not divide --gpus 4"),
         ({"ep": 2, "dp": 2, "gpus": 8}, r"--cp 2: context parallelism does not run with --ep 2 yet; give --ep 1"),
         (
-            {"gpus": 8, "dp": 4, "dp_mode": "hsdp", "dp_shard": 2},
-            r"--cp 2: context parallelism does not run with --dp-mode hsdp yet",
+            {"gpus": 8, "dp": 2, "dp_mode": "hsdp", "dp_shard": 3},
+            r"^--dp-shard 3 must divide --dp 2 x --cp 2 into at least two groups",
         ),
+        ({"gpus": 8, "dp": 2, "dp_mode": "hsdp", "dp_shard": 4}, r"^--dp-shard 4 must divide --dp 2 x --cp 2"),
     ],
 )
 def test_the_request_refuses_what_cp_does_not_run_with(options: dict, message: str) -> None:
@@ -192,6 +193,24 @@ def test_cp_with_sequence_parallelism_plans_each_chunk_split_again_over_the_tp_r
     row = searched.search[chosen_row(searched)]
     assert (row.cp, row.cp_attention) == (searched.cp, searched.cp_attention)
     assert search_table(searched).splitlines()[0].split()[:4] == ["schedule", "tp", "pp", "cp"]
+
+
+def test_cp_under_hsdp_shards_inside_groups_of_the_dp_x_cp_replicas(tmp_path: Path) -> None:
+    # --dp 1 --cp 4 --dp-shard 2: the replicas are the 4 chunks' ranks, sharded in 2 groups of 2
+    from planner.report.export import ExportError, export_plan
+    from planner.report.tables import layout_line
+
+    options = {"dp": 1, "tp": 1, "gpus": 8, "dp_mode": "hsdp", "dp_shard": 2, "schedule": "1f1b"}
+    plan = _plan(tmp_path, **options, cp=4)
+    assert (plan.dp, plan.cp, plan.replicas, plan.dp_mode, plan.shard_size, plan.n_ranks) == (1, 4, 4, "hsdp", 2, 2)
+    assert "inside 2 groups of 2 consecutive replicas" in layout_line(plan)
+    # torchtitan shards over whole context-parallel groups: groups of 2 split the 4 chunks' ranks
+    with pytest.raises(ExportError, match="shard groups of 2 replicas split context-parallel groups of 4"):
+        export_plan(plan, "torchtitan")
+    whole = _plan(tmp_path, **{**options, "dp": 4, "dp_shard": 4}, cp=2)  # 8 replicas: 2 groups of 2 x cp 2
+    text = export_plan(whole, "torchtitan")
+    for field in ("data_parallel_shard_degree=2", "context_parallel_degree=2", "data_parallel_replicate_degree=2"):
+        assert field in text
 
 
 def test_long_sequences_choose_ring_attention_and_the_plan_says_so(tmp_path: Path) -> None:

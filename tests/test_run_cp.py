@@ -151,3 +151,16 @@ def test_hugging_face_llama_cp2_tp2_with_sequence_parallelism_matches_unsplit_mo
     plan = plan.model_copy(update={"sequence_parallel": True})
     got, want = _run_and_compare(plan, tmp_path)
     print("hf llama cp2 tp2 sp", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("dp", "cp", "fsdp_units"), [(2, 2, "stage"), (1, 4, "block")])
+def test_cp_under_hsdp_matches_unsplit_model(tmp_path: Path, dp: int, cp: int, fsdp_units: str) -> None:
+    # HSDP over the dp x cp replicas in shard groups of 2: a whole context-parallel group per shard group
+    # (torchtitan's dp_shard x cp), or a group of 4 chunks split over two shard groups (replicated across)
+    plan = plan_with_starts(MODELS / "llama.py", [0], dp=dp, **CP2)
+    hsdp = {"dp_mode": "hsdp", "dp_shard": 2, "fsdp_units": fsdp_units, "cp": cp}
+    plan = type(plan).model_validate({**plan.model_dump(), **hsdp})  # validated: dp_shard divides dp x cp
+    assert (plan.world_size, plan.replicas, plan.shard_size) == (4, 4, 2)
+    got, want = _run_and_compare(plan, tmp_path)
+    print("llama hsdp dp", dp, "cp", cp, got.losses, want.losses, got.grad_norms, want.grad_norms)

@@ -207,8 +207,15 @@ def _titan_fields(plan: Plan, renames: Mapping[str, str]) -> dict[str, object]:
     if plan.cp > 1:  # torchtitan shards over its dp_shard x cp ranks, as the plan's fsdp over dp x cp replicas
         fields["context_parallel_degree"] = plan.cp
     # ddp replicas replicate the weights; fsdp shards them (torchtitan shards per block, not per
-    # stage); hsdp shards inside groups and replicates the groups, torchtitan's two degrees both > 1
-    shard = plan.shard_size // plan.cp if plan.dp_mode == "fsdp" else plan.shard_size
+    # stage); hsdp shards inside groups and replicates the groups, torchtitan's two degrees both > 1;
+    # torchtitan's shard degree leaves out the cp ranks it shards over besides (its dp_shard x cp)
+    if plan.cp > 1 and plan.dp_mode == "hsdp" and plan.shard_size % plan.cp:
+        raise ExportError(
+            f"--to torchtitan: the plan's HSDP shard groups of {plan.shard_size} replicas split context-parallel "
+            f"groups of {plan.cp}, but torchtitan shards over whole ones (data_parallel_shard_degree x "
+            f"context_parallel_degree); plan with a --dp-shard that {plan.cp} divides"
+        )
+    shard = plan.shard_size // plan.cp if plan.sharded else plan.shard_size
     fields["data_parallel_shard_degree"] = shard
     fields["data_parallel_replicate_degree"] = plan.dp // shard
     if plan.sharded:
@@ -265,6 +272,7 @@ def _notes(plan: Plan) -> list[str]:
         f"{plan.n_stages} stage(s) on {plan.n_ranks} pipeline rank(s), {plan.n_microbatches} microbatch(es) of "
         f"{plan.microbatch_size} sample(s), {plan.dp} {plan.dp_mode} replica(s)"
         + (f" in shard groups of {plan.dp_shard}" if plan.dp_shard else "")
+        + (" (of their dp x cp ranks)" if plan.dp_shard and plan.cp > 1 else "")
         + (" sharded block by block" if plan.fsdp_units == "block" else "")
         + f", tensor parallel {plan.tp}"
         + (" with sequence parallelism" if plan.sequence_parallel else "")

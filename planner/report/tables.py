@@ -322,7 +322,7 @@ def layout_line(plan: Plan) -> str:
     reduce_ms = f"{plan.prediction.dp_reduce_s * 1e3:.2f} ms/step"
     name, ways = plan.dp_mode.upper(), plan.shard_size
     groups = (
-        f" inside {plan.dp // ways} groups of {ways} consecutive replicas, each shard's gradients then all-reduced "
+        f" inside {plan.replicas // ways} groups of {ways} consecutive replicas, each shard's gradients then all-reduced "
         "over the groups"
         if plan.dp_mode == "hsdp"
         else ""

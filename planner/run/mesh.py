@@ -219,7 +219,7 @@ def _mesh_hsdp(plan: Plan, rank: int, device: torch.device) -> RankMesh:
     from torch.distributed.device_mesh import init_device_mesh
 
     shard, pp, tp = plan.shard_size, plan.n_ranks, plan.tp
-    groups = plan.dp // shard
+    groups = plan.replicas // shard  # under context parallelism every replica's cp ranks are replicas
     if plan.pp_outer:  # an expert-parallel plan: pipeline-outermost, the mesh in the ranks' order
         names = ("pp", "dp_replicate", "dp_shard", "tp")
         mesh = init_device_mesh(device.type, (pp, groups, shard, tp), mesh_dim_names=names)
@@ -238,7 +238,7 @@ def _mesh_hsdp(plan: Plan, rank: int, device: torch.device) -> RankMesh:
         if replica // shard == k:
             norm_group = group
     for p, t in [(p, t) for p in range(pp) for t in range(tp)]:
-        group = dist.new_group([plan.global_rank(d, p, t) for d in range(plan.dp)])
+        group = dist.new_group([plan.global_rank(d, p, t) for d in range(plan.replicas)])
         if (p, t) == (plan.pp_rank_of(rank), plan.tp_rank_of(rank)):
             dp_group = group
     placed = RankMesh(
@@ -252,7 +252,7 @@ def _mesh_hsdp(plan: Plan, rank: int, device: torch.device) -> RankMesh:
         tp_mesh=mesh["tp"] if tp > 1 else None,
         norm_group=norm_group,
     )
-    return _hsdp_experts(plan, placed, device) if plan.ep > 1 else placed
+    return _hsdp_experts(plan, placed, device) if plan.ep > 1 else _with_context(plan, placed, device)
 
 
 def _hsdp_experts(plan: Plan, placed: RankMesh, device: torch.device) -> RankMesh:

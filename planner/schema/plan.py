@@ -93,7 +93,8 @@ class Plan(_Frozen):
         ge=2,
         description="Under hsdp, the replicas of each shard group: replicas k x dp_shard .. (k + 1) x dp_shard - 1 "
         "shard their stages' state among them (mesh dimension dp_shard), replica i of every group holds the "
-        "same shard (dp_replicate). None under ddp and fsdp (fsdp shards over all dp replicas).",
+        "same shard (dp_replicate); under context parallelism the replicas are dp x cp, as everywhere the "
+        "stages are reduced or sharded. None under ddp and fsdp (fsdp shards over all the replicas).",
     )
     fsdp_units: FsdpUnits = Field(
         default="stage",
@@ -382,9 +383,10 @@ class Plan(_Frozen):
                 f"dp_mode {self.dp_mode} with dp_shard {self.dp_shard}: hsdp needs dp_shard (replicas per shard "
                 "group), and only hsdp has one"
             )
-        if self.dp_shard is not None and (self.dp % self.dp_shard or self.dp_shard == self.dp):
+        if self.dp_shard is not None and (self.replicas % self.dp_shard or self.dp_shard == self.replicas):
+            of = f"dp {self.dp}" if self.cp == 1 else f"the {self.replicas} replicas (dp {self.dp} x cp {self.cp})"
             raise ValueError(
-                f"dp_shard {self.dp_shard} must divide dp {self.dp} into several groups (all replicas in one group is fsdp)"
+                f"dp_shard {self.dp_shard} must divide {of} into several groups (all replicas in one group is fsdp)"
             )
         if self.ep > 1:
             self._check_experts()
@@ -428,12 +430,11 @@ class Plan(_Frozen):
         return self
 
     def _check_context(self) -> None:
-        """What context parallelism does not combine with yet: expert parallelism, HSDP, and
-        ``compile`` of a model traced by ``torch.export`` (torch.compile of its graph's masks on
-        DTensors gives them another dtype than eager)."""
+        """What context parallelism does not combine with yet: expert parallelism, and ``compile`` of
+        a model traced by ``torch.export`` (torch.compile of its graph's masks on DTensors gives them
+        another dtype than eager)."""
         for flag, what in (
             (self.ep > 1, f"ep {self.ep}"),
-            (self.dp_mode == "hsdp", "dp_mode hsdp"),
             (self.compile and self.model.trace_method == "export", "compile of a torch.export graph"),
         ):
             if flag:

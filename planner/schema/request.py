@@ -189,7 +189,7 @@ class PlanRequest(_Request):
     )
     dp_shard: int | Literal["auto"] = Field(
         default="auto",
-        description="Under --dp-mode hsdp, the replicas of each shard group (a divisor of the replicas), or auto: the "
+        description="Under --dp-mode hsdp, the replicas of each shard group (a divisor of the replicas: dp x cp), or auto: the "
         "largest groups whose replicas (with their pipeline and tensor-parallel ranks) each lie on one node "
         "(--gpus-per-node), so the gathers stay inside a node and only the groups' all-reduce crosses nodes.",
     )
@@ -437,14 +437,18 @@ class PlanRequest(_Request):
             raise ValueError(
                 f"--dp-shard {self.dp_shard}: a shard group needs at least 2 replicas (1 is --dp-mode ddp)"
             )
-        if self.dp == 1:
+        if self.dp == 1 and self.cp == 1:
             raise ValueError(
                 f"--dp-shard {self.dp_shard} groups replicas, but --dp is 1 (one pipeline on every rank); give --dp K "
                 "(a multiple of it, at least twice it) or --dp auto"
             )
-        if isinstance(self.dp, int) and (self.dp % self.dp_shard or self.dp == self.dp_shard):
+        if not isinstance(self.dp, int) or not isinstance(self.cp, int):
+            return  # each layout's replicas are checked in the search
+        # under context parallelism every replica's cp ranks are replicas too (the stages are sharded over dp x cp)
+        replicas, what = self.dp * self.cp, f"--dp {self.dp}" + (f" x --cp {self.cp}" if self.cp > 1 else "")
+        if replicas % self.dp_shard or replicas == self.dp_shard:
             raise ValueError(
-                f"--dp-shard {self.dp_shard} must divide --dp {self.dp} into at least two groups (shard groups of "
+                f"--dp-shard {self.dp_shard} must divide {what} into at least two groups (shard groups of "
                 "every replica are --dp-mode fsdp)"
             )
 
@@ -463,10 +467,7 @@ class PlanRequest(_Request):
                 f"--dp {self.dp} x --tp {tp} x --cp {self.cp} does not divide --gpus {self.gpus} (the ranks form dp "
                 "replicas x cp context-parallel ranks x pp pipeline ranks x tp tensor-parallel ranks)"
             )
-        for blocked, what, instead in (
-            (self.ep not in (1, "auto"), f"--ep {self.ep}", "--ep 1"),
-            (self.dp_mode == "hsdp", "--dp-mode hsdp", "--dp-mode fsdp or ddp"),
-        ):
+        for blocked, what, instead in ((self.ep not in (1, "auto"), f"--ep {self.ep}", "--ep 1"),):
             if blocked:
                 raise ValueError(f"--cp {self.cp}: context parallelism does not run with {what} yet; give {instead}")
 

@@ -196,8 +196,6 @@ def _pending_layouts(
                 )
                 continue
             dp_shard = 0  # "auto": FSDP or DDP only
-        if cp > 1 and mode == "hsdp":  # context parallelism does not run under HSDP yet
-            continue
         for sequence in space.sequence if tp > 1 and ep == 1 else (False,):  # not yet with ep
             for layout in _layouts(blocks, replace(space, dp_mode=mode), pp, dp, ms, tp, ep):
                 layout = replace(layout, dp_shard=dp_shard, sequence=sequence, accumulation=fixed_k, cp=cp)
