@@ -67,6 +67,7 @@ def plan_with_starts(
     cut_share: int | None = None,
     overrides: dict[str, Any] | None = None,
     ep: int = 1,
+    expert_calls: bool = False,
 ) -> Plan:
     """A valid Plan for ``model_path`` whose stages start at the blocks in ``starts`` (placed on ranks
     as ``schedule`` places ``stages_per_rank`` stages per rank), run as ``dp`` replicas, each pipeline
@@ -74,7 +75,8 @@ def plan_with_starts(
     in ``accumulation`` passes (under hsdp, ``dp_shard`` replicas per shard group); the boundaries
     scattered over ``cut_share`` tensor-parallel ranks (None: ``tp``, as the planner plans them; 1: sent
     whole, as plans made before scattering); ``overrides`` replace entries of the size's config (``--set``);
-    each mixture-of-experts layer's experts sharded over ``ep`` replicas."""
+    each mixture-of-experts layer's experts sharded over ``ep`` replicas; ``expert_calls``: the trace
+    records the experts' calls without ``ep`` (context parallelism runs them as modules)."""
     import torch
 
     from planner.capture.ep_plan import resolve_experts
@@ -87,7 +89,7 @@ def plan_with_starts(
     inputs, _ = mf.batch(batch_size // (dp * accumulation * n_microbatches), seed=seed)
     model = mf.build(seed)
     experts = resolve_experts(mf, model).counts
-    traced = trace_model(model, inputs, experts=tuple(experts) if ep > 1 else ())
+    traced = trace_model(model, inputs, experts=tuple(experts) if ep > 1 or expert_calls else ())
     n = len(traced.blocks)
     blocks = [
         BlockCost(
@@ -153,7 +155,7 @@ def plan_with_starts(
             trace_method=traced.method,
             trace_failures=list(traced.failures),
             seed=seed,
-            expert_calls=ep > 1,
+            expert_calls=ep > 1 or expert_calls,
         ),
         profile=ProfileInfo(
             device="cpu",

@@ -237,3 +237,13 @@ def test_planning_a_transformers_model_prints_nothing_of_torchao(tmp_path: Path)
     )
     assert done.returncode == 0, done.stderr
     assert "torchao" not in done.stderr and "register_constant" not in done.stderr, done.stderr
+    # nor training it: the ranks' server imports transformers with those loggers quiet (planner.run.quiet_imports)
+    ran = subprocess.run(
+        [sys.executable, "-c", "import cli; cli.console()", "run", str(tmp_path / "q.json"), "--steps", "1"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert "torchao" not in ran.stderr + ran.stdout and "register_constant" not in ran.stderr, ran.stderr

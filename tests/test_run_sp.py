@@ -121,14 +121,14 @@ def _saved_bytes(stage, x, split=None) -> tuple[int, torch.Tensor]:  # type: ign
             seen.setdefault(storage.data_ptr(), storage.nbytes())
 
     if split is not None:
-        pack = split.pack
+        pack = split.saved.pack
 
         def counting(t):  # type: ignore[no-untyped-def]
             packed = pack(t)
             note(packed)
             return packed
 
-        split.pack = counting
+        split.saved.pack = counting
         out = stage(x)
     else:
         with torch.autograd.graph.saved_tensors_hooks(lambda t: (note(t), t)[1], lambda t: t):

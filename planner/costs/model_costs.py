@@ -165,8 +165,8 @@ def _traced(
     if not on_meta and not checked:
         check_forward(mf, model, inputs, target)
     say(request, f"tracing {type(model).__name__}{' on the meta device' if on_meta else ''}")
-    # expert parallelism's stages replace the experts' calls: the trace records them as the run's will
-    experts = tuple(resolve_experts(mf, model).counts) if request.ep != 1 else ()
+    # expert (and context) parallelism's stages replace the experts' calls: the trace records them as the run's will
+    experts = tuple(resolve_experts(mf, model).counts) if request.ep != 1 or request.cp != 1 else ()
     traced = trace_model(model, inputs, copied=not on_meta, experts=experts)  # a meta model: for this trace alone
     if on_meta:
         check_traced_forward(mf, traced, inputs, target)

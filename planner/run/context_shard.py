@@ -595,12 +595,69 @@ def around_sharded(split: ContextSplit, layers: Sequence[nn.Module]) -> None:
         layer.register_forward_hook(split.layer_out)
 
 
+def around_tokens(split: ContextSplit, modules: Sequence[nn.Module]) -> None:
+    """Let modules that work token by token on flattened tokens (an experts call: ``[T, d]`` rows
+    routed by ``[T, k]`` indices) see this rank's plain rows: the chunked DTensors among their inputs
+    unwrapped as they are placed (a chunk's rows flattened are ``_StridedShard`` of the global rows:
+    its local part is exactly this rank's tokens), the output wrapped again as the first input was,
+    its width the output's own. Exact for any module that computes each row on its own.
+
+    Args:
+        split: the stage's context parallelism (``install``).
+        modules: the modules.
+    """
+    placed_as: dict[int, tuple[Any, torch.Size]] = {}
+
+    def unwrap(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        from torch.distributed.tensor import DTensor
+
+        first = args[0] if args else None
+        if first is None or not _is_chunked(first, split.mesh):
+            return args
+        placed_as[id(module)] = (first.placements, first.shape)
+
+        def local(x: Any) -> Any:
+            if not isinstance(x, DTensor):
+                return x
+            if x.placements != first.placements:  # the rows as the first input's (a router's output gathered)
+                x = x.redistribute(split.mesh, first.placements)
+            return x.to_local(grad_placements=x.placements)
+
+        return tuple(local(x) for x in args)
+
+    def wrap(module: nn.Module, args: Any, output: Any) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        found = placed_as.pop(id(module), None)
+        if found is None or not isinstance(output, torch.Tensor) or isinstance(output, DTensor):
+            return output
+        placements, shape = found
+        whole = torch.Size((*shape[:-1], output.shape[-1]))
+        return DTensor.from_local(
+            output, split.mesh, placements, run_check=False, shape=whole, stride=_contiguous(whole)
+        )
+
+    for module in modules:
+        module.register_forward_pre_hook(unwrap, prepend=True)
+        module.register_forward_hook(wrap)
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
 __all__ = [
     "Context",
     "ContextSplit",
     "Mirrored",
     "SequenceShards",
     "around_sharded",
+    "around_tokens",
     "boundary_chunks",
     "chunk_flagged",
     "chunk_weighted_loss",

@@ -243,17 +243,80 @@ def dispatch_experts(
         PlanFileError: the model was traced without the experts' calls, a layer of the stage whose
             call was not found in its graph, or an expert count ``ep`` does not divide.
     """
-    calls = calls_of(traced.gm) if isinstance(traced, GraphTrace) else {}
-    if set(calls) != set(plan.experts):
-        raise PlanFileError(
-            "the trace does not record where the model calls its experts (expert parallelism needs a torch.fx or "
-            "torch.export graph traced with them named); re-plan the model"
-        )
     assert mesh.ep_mesh is not None
     group = mesh.ep_mesh.get_group()
     # the group spans the tensor-parallel ranks, which hold the same tokens: each routes its own slice
     tokens = mesh.tp_mesh.get_group() if plan.tp > 1 and mesh.tp_mesh is not None else None
-    modules: list[nn.Module] = []
+
+    def dispatched(experts: nn.Module, name: str) -> nn.Module:
+        shard_experts(experts, name, mesh.ep_rank, plan.ep)
+        return ExpertDispatch(experts, plan.experts[name], group, tokens)
+
+    return [call.experts for call in _replace_experts_calls(plan, stage, built, traced, dispatched, "_ep_")]
+
+
+class ExpertsCall(nn.Module):
+    """An experts module's call as one module of a stage's graph, the experts whole (no expert
+    parallelism): what context parallelism runs on a rank's plain tokens (``planner.run.context_shard.
+    around_tokens``), since a graph's inlined experts (transformers' grouped matrix products) have no
+    DTensor rules.
+
+    Args:
+        experts: the experts module (held, not registered: the stage holds it at its own name).
+    """
+
+    experts: nn.Module
+
+    def __init__(self, experts: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "experts", experts)
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The experts module's output for ``hidden`` [T, d] routed by ``top_k_index`` / ``top_k_weights`` [T, k]."""
+        return self.experts(hidden, top_k_index, top_k_weights)  # type: ignore[no-any-return]
+
+
+def experts_calls(plan: Plan, stage: StagePlan, built: nn.Module, traced: TracedModel) -> list[nn.Module]:
+    """A stage's experts calls each made one ``ExpertsCall`` module of its graph (the experts whole).
+
+    Args:
+        plan: the plan (each layer's expert count).
+        stage: the stage (its blocks: the experts modules it runs).
+        built: the stage module, before it is wrapped.
+        traced: the trace the stage was cut from (recorded with the experts' calls).
+
+    Returns:
+        The calls' modules.
+
+    Raises:
+        PlanFileError: as ``dispatch_experts``.
+    """
+    return _replace_experts_calls(plan, stage, built, traced, lambda experts, name: ExpertsCall(experts), "_experts_")
+
+
+def _replace_experts_calls(
+    plan: Plan,
+    stage: StagePlan,
+    built: nn.Module,
+    traced: TracedModel,
+    make: Callable[[nn.Module, str], nn.Module],
+    prefix: str,
+) -> list[Any]:
+    """Replace every experts call of the stage's graph modules by the module ``make(experts, name)``
+    (registered at ``prefix`` + the name), the experts module (the trace's own, with its Python
+    forward) held at its name in the stage; the modules made, in graph order.
+
+    Raises:
+        PlanFileError: the model was traced without the experts' calls, or a layer of the stage whose
+            call was not found in its graph.
+    """
+    calls = calls_of(traced.gm) if isinstance(traced, GraphTrace) else {}
+    if set(calls) != set(plan.experts):
+        raise PlanFileError(
+            "the trace does not record where the model calls its experts (expert and context parallelism need a "
+            "torch.fx or torch.export graph traced with them named); re-plan the model"
+        )
+    made: list[Any] = []
     done: list[str] = []
     for part in stage_units(built):
         if not isinstance(part, fx.GraphModule):
@@ -261,12 +324,12 @@ def dispatch_experts(
 
         def target(name: str, part: fx.GraphModule = part) -> str:
             experts = traced.model.get_submodule(name)
-            shard_experts(experts, name, mesh.ep_rank, plan.ep)
+            module = make(experts, name)
             owner, _, leaf = name.rpartition(".")
             part.get_submodule(owner).add_module(leaf, experts)  # in place of the graph's copy of its weights
-            modules.append(experts)
-            path = "_ep_" + name.replace(".", "_")
-            part.add_module(path, ExpertDispatch(experts, plan.experts[name], group, tokens))
+            made.append(module)
+            path = prefix + name.replace(".", "_")
+            part.add_module(path, module)
             return path
 
         done.extend(replace_calls(part, list(calls), target))
@@ -277,7 +340,7 @@ def dispatch_experts(
             f"stage {stage.index} holds the experts of {', '.join(wanted) or 'no layer'} but its graph calls "
             f"{', '.join(done) or 'none'} as one step; re-plan the model"
         )
-    return modules
+    return made
 
 
 def shard_experts_over_groups(plan: Plan, experts: Sequence[nn.Module], mesh: RankMesh, reshard: bool) -> None:
@@ -355,7 +418,9 @@ def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
 
 __all__ = [
     "ExpertDispatch",
+    "ExpertsCall",
     "dispatch_experts",
+    "experts_calls",
     "exchange_rows",
     "expert_shards",
     "shard_experts",

@@ -79,6 +79,7 @@ def rank_modules() -> tuple[str, ...]:
 
     return (
         "torch",
+        "planner.run.quiet_imports",  # before anything imports torchao
         "torch.distributed.pipelining",
         "torch.distributed.checkpoint",
         EXPORT_TRACER_MODULE,

@@ -33,12 +33,13 @@ from planner.run.checkpoint import model_names
 from planner.run.context_shard import (
     SequenceShards,
     around_sharded,
+    around_tokens,
     boundary_chunks,
     chunk_flagged,
     chunk_weighted_loss,
 )
 from planner.run.context_shard import install as install_context
-from planner.run.experts import dispatch_experts, expert_shards, shard_experts_over_groups
+from planner.run.experts import dispatch_experts, expert_shards, experts_calls, shard_experts_over_groups
 from planner.run.gradients import grad_finisher
 from planner.run.mesh import RankMesh
 from planner.run.model import StageSource, check_ties, trace_for_plan
@@ -178,10 +179,13 @@ def build_stages(
     for stage in cut:
         names = _state_names(stage.built, root, aliases)  # before wrapping: FSDP replaces the parameters
         held: list[torch.nn.Module] = []
+        calls: list[torch.nn.Module] = []
         if plan.ep > 1:  # the examples were made above, on the whole experts
             held = dispatch_experts(plan, stage.plan, stage.built, traced, mesh)
             experts.extend(held)
-        _split_inside(plan, stage, mesh, shardable, sequence)
+        elif plan.cp > 1 and plan.model.expert_calls:  # the experts on a rank's plain tokens
+            calls = experts_calls(plan, stage.plan, stage.built, traced)
+        _split_inside(plan, stage, mesh, shardable, sequence, calls)
         submod = _replicated(plan, stage, mesh, device, seen, manual=manual, experts=held)
         for local_name, t in [*stage.built.named_parameters(remove_duplicate=False), *stage.built.named_buffers()]:
             for alias in names.get(local_name, []):
@@ -314,13 +318,19 @@ def _sequence_inputs(stage: _CutStage, shardable: TracedModel, sequence: frozens
 
 
 def _split_inside(
-    plan: Plan, stage: _CutStage, mesh: RankMesh, shardable: TracedModel, sequence: frozenset[str]
+    plan: Plan,
+    stage: _CutStage,
+    mesh: RankMesh,
+    shardable: TracedModel,
+    sequence: frozenset[str],
+    experts: Sequence[torch.nn.Module] = (),
 ) -> None:
     """What splits a stage inside its pipeline rank, before FSDP or DDP wrap it: context parallelism's
     hooks (``planner.run.context_shard``, sequence parallelism inside them where both split the
     sequence), else sequence parallelism's (``planner.run.sequence_shard``), then torch's
     tensor-parallel styles (every example was made before, on the unsharded trace), and context
-    parallelism's unwrapping around the layers they sharded."""
+    parallelism's unwrapping around the layers they sharded and around the stage's ``experts`` calls
+    (``planner.run.experts.experts_calls``: they see the rank's plain tokens)."""
     units = stage_units(stage.built)  # a chain's units are named as the unsplit model names them
     ring = plan.cp_attention == "ring"
     shards = None
@@ -331,6 +341,8 @@ def _split_inside(
         # torchao's float8 layers cast and multiply in autograd functions whose backward runs outside the
         # mode: they see plain chunks, as tensor-parallel layers do (a linear layer works token by token)
         around_sharded(context, [layer for unit in units for layer in float8_modules(unit)])
+    if context is not None and experts:
+        around_tokens(context, experts)
     if plan.tp == 1:
         return
     if plan.sequence_parallel and context is None:  # its hooks first: before torch's styles and FSDP's
