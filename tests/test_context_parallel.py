@@ -125,7 +125,10 @@ def test_a_context_parallel_group_crosses_nodes_once_its_replicas_do() -> None:
     [
         ({"cp": 3}, r"^--cp 3 does not divide --gpus 4$"),
         ({"dp": 2, "tp": 1, "gpus": 4, "cp": 4}, r"--dp 2 x --tp 1 x --cp 4 does not divide --gpus 4"),
-        ({"ep": 2, "dp": 2, "gpus": 8}, r"--cp 2: context parallelism does not run with --ep 2 yet; give --ep 1"),
+        (
+            {"ep": 4, "dp": 1, "gpus": 8},
+            r"^--ep 4 shards the experts over 4 replicas, but --dp 1 x --cp 2 is no multiple",
+        ),
         (
             {"gpus": 8, "dp": 2, "dp_mode": "hsdp", "dp_shard": 3},
             r"^--dp-shard 3 must divide --dp 2 x --cp 2 into at least two groups",
@@ -211,6 +214,16 @@ def test_cp_under_hsdp_shards_inside_groups_of_the_dp_x_cp_replicas(tmp_path: Pa
     text = export_plan(whole, "torchtitan")
     for field in ("data_parallel_shard_degree=2", "context_parallel_degree=2", "data_parallel_replicate_degree=2"):
         assert field in text
+
+
+def test_cp_with_expert_parallelism_groups_a_replicas_chunks(tmp_path: Path) -> None:
+    # --dp 1 --cp 2 --ep 2: the expert group is the two chunks' ranks of each pipeline rank; the trace
+    # records the experts' calls, which the runner dispatches from each rank's own tokens
+    options = {"model_file": ROOT / "tests" / "fixtures" / "moe_file.py", "size": None, "repeats": 1, "warmup": 0}
+    plan = _plan(tmp_path, **options, gpus=4, dp=1, tp=1, cp=2, ep=2, schedule="1f1b")
+    assert (plan.dp, plan.cp, plan.ep, plan.replicas, plan.n_ranks) == (1, 2, 2, 2, 2)
+    assert plan.pp_outer and plan.model.expert_calls and plan.experts
+    assert "ep=2, cp=2" in plan.choice
 
 
 def test_long_sequences_choose_ring_attention_and_the_plan_says_so(tmp_path: Path) -> None:

@@ -179,3 +179,24 @@ def test_moe_cp2_pp2_matches_unsplit_model(tmp_path: Path, model: str) -> None:
     assert plan.world_size == 4 and plan.model.expert_calls and plan.experts
     got, want = _run_and_compare(plan, tmp_path)
     print(model, "cp2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("model", "dp", "ep", "dp_mode", "starts"),
+    [("mixtral", 1, 2, "ddp", [0, 3]), ("qwen_moe", 2, 4, "fsdp", [0]), ("file", 2, 2, "ddp", [0])],
+)
+def test_cp2_with_expert_parallelism_matches_unsplit_model(
+    tmp_path: Path, model: str, dp: int, ep: int, dp_mode: str, starts: list[int]
+) -> None:
+    # the expert groups are consecutive replicas of the dp x cp: a data-parallel replica's two chunks
+    # (ep 2), or every chunk of both replicas (ep 4, FSDP over the ranks holding the same experts); each
+    # rank dispatches its own chunk's tokens
+    if model != "file":
+        pytest.importorskip("transformers")
+    path = MODELS.parent / "tests" / "fixtures" / "moe_file.py" if model == "file" else MODELS / "hf" / f"{model}.py"
+    plan = plan_with_starts(path, starts, dp=dp * 2, ep=ep, dp_mode=dp_mode, **CP2)
+    plan = type(plan).model_validate({**plan.model_dump(), "dp": dp, "cp": 2})
+    assert plan.world_size == 4 and plan.replicas == 2 * dp and plan.pp_outer
+    got, want = _run_and_compare(plan, tmp_path)
+    print(model, "cp2 ep", ep, "dp", dp, got.losses, want.losses, got.grad_norms, want.grad_norms)

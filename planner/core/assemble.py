@@ -335,13 +335,10 @@ def context_degrees(
     """``--cp auto``'s degrees: 1, and where the model's attention reads keys and values a graph trace
     saw (``BlockCost.kv_bytes``) and its samples are sequences of token ids, every degree up to
     ``AUTO_CP_LIMIT`` that divides the ranks, twice of which divides the sequence (two blocks a rank:
-    ``planner.capture.contract.sequence_length``); none above 1 with expert parallelism or compiled
-    where the model traces by ``torch.export`` (``trace``: what context parallelism does not run with
-    yet)."""
-    space = asked.space
+    ``planner.capture.contract.sequence_length``); none above 1 compiled where the model traces by
+    ``torch.export`` (``trace``: what context parallelism does not run with yet)."""
     compiled = asked.constraints.compiled and trace != "fx"
-    blocked = compiled or any(e > 1 for e in space.eps)
-    if blocked or tokens is None or not any(b.kv_bytes for b in blocks):
+    if compiled or tokens is None or not any(b.kv_bytes for b in blocks):
         return (1,)
     fits = range(1, min(AUTO_CP_LIMIT, world_size) + 1)
     return tuple(c for c in fits if world_size % c == 0 and (c == 1 or tokens % (2 * c) == 0))

@@ -351,8 +351,8 @@ def shard_experts_over_groups(plan: Plan, experts: Sequence[nn.Module], mesh: Ra
 
     A rank's expert gradients are the sums over the tokens its group's ``ep`` replicas routed to
     them, so the reduce-scatter over the ``dp / ep`` groups sums every replica's in; it divides by
-    ``dp`` (not its own group's size, FSDP's default) to give the batch's mean gradient, as the
-    rest's average over the replicas is. Over gloo the division runs after a summing
+    the replicas (``dp``, times ``cp`` under context parallelism; not its own group's size, FSDP's
+    default) to give the batch's mean gradient, as the rest's average over the replicas is. Over gloo the division runs after a summing
     reduce-scatter.
 
     Args:
@@ -367,7 +367,7 @@ def shard_experts_over_groups(plan: Plan, experts: Sequence[nn.Module], mesh: Ra
     assert edp is not None
     for module in experts:
         shard_over_replicas(plan, module, edp, reshard)
-        module.set_gradient_divide_factor(float(plan.dp))  # type: ignore[operator]
+        module.set_gradient_divide_factor(float(plan.replicas))  # type: ignore[operator]
         # gloo has no pre-multiplied sum. Not for a reduce-scatter group of one: torch 2.13's FSDP2
         # there divides by the factor on its copy and again after a summing "reduction" (twice in all)
         if edp.device_type == "cpu" and edp.size(edp.ndim - 1) > 1:

@@ -124,13 +124,18 @@ def rank_mesh(plan: Plan, rank: int, device: torch.device) -> RankMesh:
 def _with_context(plan: Plan, placed: RankMesh, device: torch.device) -> RankMesh:
     """``placed`` with its context-parallel group (``cp`` > 1; else as it is): replica ``r`` runs chunk
     ``r % cp`` of data-parallel replica ``r // cp``'s sequences, so a group is ``cp`` consecutive
-    replicas at one pipeline and tensor-parallel position (``view(dp, cp, pp, tp)`` of the ranks)."""
+    replicas at one pipeline and tensor-parallel position (``view(dp, cp, pp, tp)`` of the ranks;
+    ``view(pp, dp, cp, tp)`` where they are pipeline-outermost, ``Plan.pp_outer``)."""
     if plan.cp == 1:
         return placed
     from torch.distributed.device_mesh import DeviceMesh
 
-    ranks = torch.arange(plan.world_size).view(plan.dp, plan.cp, plan.n_ranks, plan.tp)
-    mesh = DeviceMesh(device.type, ranks, mesh_dim_names=("data", "cp", "pp", "tp"))
+    if plan.pp_outer:
+        ranks = torch.arange(plan.world_size).view(plan.n_ranks, plan.dp, plan.cp, plan.tp)
+        mesh = DeviceMesh(device.type, ranks, mesh_dim_names=("pp", "data", "cp", "tp"))
+    else:
+        ranks = torch.arange(plan.world_size).view(plan.dp, plan.cp, plan.n_ranks, plan.tp)
+        mesh = DeviceMesh(device.type, ranks, mesh_dim_names=("data", "cp", "pp", "tp"))
     both = mesh["cp", "tp"] if plan.tp > 1 else None
     return replace(placed, cp_rank=placed.replica % plan.cp, cp_mesh=mesh["cp"], cp_tp_mesh=both)
 
@@ -148,7 +153,7 @@ def _with_experts(plan: Plan, placed: RankMesh, device: torch.device) -> RankMes
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     ep, pp, tp, covered = plan.ep, plan.n_ranks, plan.tp, plan.ep_replicas
-    groups = plan.dp // covered
+    groups = plan.replicas // covered  # under context parallelism a replica's cp ranks are replicas too
     mesh = init_device_mesh(device.type, (pp, groups, ep), mesh_dim_names=("pp", "edp", "ep"))
     norm_group = experts_mesh = None
     if plan.sharded:
@@ -164,7 +169,7 @@ def _with_experts(plan: Plan, placed: RankMesh, device: torch.device) -> RankMes
             group = dist.new_group(members)
             if placed.replica // covered == k:
                 norm_group = group
-    return replace(
+    placed = replace(
         placed,
         ep_rank=_ep_rank(plan, placed),
         ep_mesh=mesh["ep"],
@@ -173,6 +178,7 @@ def _with_experts(plan: Plan, placed: RankMesh, device: torch.device) -> RankMes
         experts_mesh=experts_mesh,
         norm_group=norm_group,
     )
+    return _with_context(plan, placed, device)
 
 
 def _ep_rank(plan: Plan, placed: RankMesh) -> int:
@@ -266,18 +272,19 @@ def _hsdp_experts(plan: Plan, placed: RankMesh, device: torch.device) -> RankMes
     from torch.distributed.device_mesh import DeviceMesh
 
     ep, pp, shard, covered = plan.ep, plan.n_ranks, plan.shard_size, plan.ep_replicas
-    groups = plan.dp // shard
+    groups = plan.replicas // shard
     # the same ranks, ordered (pp, ep, dp_replicate, edp_shard): a DeviceMesh's dimensions nest in their
     # order, and an expert's index runs over the group (ep) before its replicas and shards
     ranks = torch.arange(plan.world_size).view(pp, groups, shard // covered, ep).permute(0, 3, 1, 2)
     mesh = DeviceMesh(device.type, ranks, mesh_dim_names=("pp", "ep", "dp_replicate", "edp_shard"))
-    return replace(
+    placed = replace(
         placed,
         ep_rank=_ep_rank(plan, placed),
         ep_mesh=mesh["ep"],
         edp_mesh=mesh["dp_replicate", "edp_shard"],
         experts_mesh=mesh["ep", "dp_replicate", "edp_shard"],
     )
+    return _with_context(plan, placed, device)
 
 
 def threads_per_rank(plan: Plan, cores: int | None = None) -> int:

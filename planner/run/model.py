@@ -106,11 +106,12 @@ def check_runnable(plan: Plan) -> None:
     refused = ep_refusal(
         plan.ep,
         plan.experts,
-        dp=plan.dp,
+        dp=plan.replicas,
         tp=plan.tp,
         dp_mode=plan.dp_mode,
         dp_shard=plan.shard_size,
         sequence=plan.sequence_parallel,
+        cp=plan.cp,
     )
     if refused:
         raise PlanFileError(f"the plan cannot run: {refused}; re-plan")

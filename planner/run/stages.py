@@ -39,7 +39,13 @@ from planner.run.context_shard import (
     chunk_weighted_loss,
 )
 from planner.run.context_shard import install as install_context
-from planner.run.experts import dispatch_experts, expert_shards, experts_calls, shard_experts_over_groups
+from planner.run.experts import (
+    ExpertDispatch,
+    dispatch_experts,
+    expert_shards,
+    experts_calls,
+    shard_experts_over_groups,
+)
 from planner.run.gradients import grad_finisher
 from planner.run.mesh import RankMesh
 from planner.run.model import StageSource, check_ties, trace_for_plan
@@ -183,6 +189,7 @@ def build_stages(
         if plan.ep > 1:  # the examples were made above, on the whole experts
             held = dispatch_experts(plan, stage.plan, stage.built, traced, mesh)
             experts.extend(held)
+            calls = [m for m in stage.built.modules() if isinstance(m, ExpertDispatch)]
         elif plan.cp > 1 and plan.model.expert_calls:  # the experts on a rank's plain tokens
             calls = experts_calls(plan, stage.plan, stage.built, traced)
         _split_inside(plan, stage, mesh, shardable, sequence, calls)

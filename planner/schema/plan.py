@@ -430,13 +430,10 @@ class Plan(_Frozen):
         return self
 
     def _check_context(self) -> None:
-        """What context parallelism does not combine with yet: expert parallelism, and ``compile`` of
-        a model traced by ``torch.export`` (torch.compile of its graph's masks on DTensors gives them
-        another dtype than eager)."""
-        for flag, what in (
-            (self.ep > 1, f"ep {self.ep}"),
-            (self.compile and self.model.trace_method == "export", "compile of a torch.export graph"),
-        ):
+        """What context parallelism does not combine with yet: ``compile`` of a model traced by
+        ``torch.export`` (torch.compile of its graph's masks on DTensors gives them another dtype than
+        eager)."""
+        for flag, what in ((self.compile and self.model.trace_method == "export", "compile of a torch.export graph"),):
             if flag:
                 raise ValueError(f"cp {self.cp} with {what}: context parallelism does not combine with it yet")
 
@@ -453,9 +450,10 @@ class Plan(_Frozen):
             raise ValueError(
                 f"ep {self.ep} is no multiple of tp {self.tp} (an expert-parallel group spans the tensor-parallel ranks)"
             )
-        if self.dp % self.ep_replicas:
+        if self.replicas % self.ep_replicas:
+            of = f"dp {self.dp}" if self.cp == 1 else f"the {self.replicas} replicas (dp {self.dp} x cp {self.cp})"
             raise ValueError(
-                f"ep {self.ep} covers {self.ep_replicas} replicas, which do not divide dp {self.dp} (the "
+                f"ep {self.ep} covers {self.ep_replicas} replicas, which do not divide {of} (the "
                 "expert-parallel ranks are replicas' tensor-parallel ranks)"
             )
         odd = {name: n for name, n in self.experts.items() if n % self.ep}

@@ -392,15 +392,19 @@ class PlanRequest(_Request):
                 f"of the replicas it covers; give an --ep that {tp} divides (or auto)"
             )
         covered = group_replicas(self.ep, tp)
-        if isinstance(self.dp, int) and self.dp % covered:
-            over = f" (x {tp} tensor-parallel ranks)" if tp > 1 else ""
-            raise ValueError(
-                f"--ep {self.ep} shards the experts over {covered} replicas{over}, but --dp {self.dp} is no multiple "
-                f"of {covered}; give --dp {covered} (or a multiple of it, or auto)"
-            )
         if self.gpus % self.ep:
             raise ValueError(f"--ep {self.ep} does not divide --gpus {self.gpus}")
-        if not any(expert_groups_fit(self.ep, t, d) for t in self.tp_options for d in self.dp_options):
+        if self.cp == "auto":
+            return  # each layout's replicas (dp x cp) are checked in the search
+        # a group covers consecutive replicas of the mesh: under context parallelism a replica's cp ranks too
+        if isinstance(self.dp, int) and self.dp * self.cp % covered:
+            over = f" (x {tp} tensor-parallel ranks)" if tp > 1 else ""
+            replicas = f"--dp {self.dp}" if self.cp == 1 else f"--dp {self.dp} x --cp {self.cp}"
+            raise ValueError(
+                f"--ep {self.ep} shards the experts over {covered} replicas{over}, but {replicas} is no multiple "
+                f"of {covered}; give --dp {covered} (or a multiple of it, or auto)"
+            )
+        if not any(expert_groups_fit(self.ep, t, d * self.cp) for t in self.tp_options for d in self.dp_options):
             tried = ", ".join(map(str, self.dp_options))
             raise ValueError(
                 f"--ep {self.ep} shards the experts over replicas (ep / tp of them), but no replica count tried "
@@ -453,8 +457,8 @@ class PlanRequest(_Request):
             )
 
     def _check_context(self) -> None:
-        """Refuse a context-parallel degree that does not divide the ranks, or with what it does not run
-        with yet (the sequence's length is checked once the model is loaded)."""
+        """Refuse a context-parallel degree that does not divide the ranks, or ring attention without one
+        (the sequence's length is checked once the model is loaded)."""
         if self.cp == 1 and self.cp_attention == "ring":
             raise ValueError(f"--cp-attention {self.cp_attention} needs --cp above 1 (or --cp auto)")
         if self.cp == 1 or self.cp == "auto":
@@ -467,9 +471,6 @@ class PlanRequest(_Request):
                 f"--dp {self.dp} x --tp {tp} x --cp {self.cp} does not divide --gpus {self.gpus} (the ranks form dp "
                 "replicas x cp context-parallel ranks x pp pipeline ranks x tp tensor-parallel ranks)"
             )
-        for blocked, what, instead in ((self.ep not in (1, "auto"), f"--ep {self.ep}", "--ep 1"),):
-            if blocked:
-                raise ValueError(f"--cp {self.cp}: context parallelism does not run with {what} yet; give {instead}")
 
     def _check_replicas(self) -> None:
         """Refuse a replica count that does not divide the ranks or the batch (before any model is built)."""

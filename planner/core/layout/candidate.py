@@ -93,7 +93,7 @@ def rank_blocks(
     sized = blocks_at(blocks, scaling.size0, layout.rank_share(batch_size), scaling.fixed_fraction)
     shares = at_degree(sized, layout.tp, tp_link(link), sequence=layout.sequence)
     if layout.cp > 1:  # a context-parallel group: consecutive replicas
-        group = context_link(link, layout.pp, layout.dp, layout.tp, layout.cp)
+        group = context_link(link, layout.pp, layout.dp, layout.tp, layout.cp, layout.pp_outer)
         shares = at_context(shares, layout.cp, layout.tp, group, ring=layout.cp_attention == "ring")
     if layout.ep > 1:  # an expert group's ranks are consecutive: an expert-parallel layout is pipeline-outermost
         shares = experts_at(shares, layout.ep, *group_link(link, layout.ep), tp=layout.tp, tp_link=tp_link(link))

@@ -302,8 +302,13 @@ def asked_of(request: PlanRequest, memory_limit_bytes: int | None) -> Asked:
         request.schedule,
         request.microbatches,
         request.stages_per_rank,
-        # the replica counts some degree's expert groups divide (``layout_refusal`` sorts out the rest)
-        tuple(d for d in request.dp_options if any(d % group_replicas(ep, t) == 0 for t in request.tp_options)),
+        # the replica counts some degree's expert groups divide (``layout_refusal`` sorts out the rest): a
+        # group covers consecutive replicas of the dp x cp (any count where cp is searched)
+        tuple(
+            d
+            for d in request.dp_options
+            if request.cp == "auto" or any(d * request.cp % group_replicas(ep, t) == 0 for t in request.tp_options)
+        ),
         request.dp_mode,
         tuple(request.tp_options),
         None if request.accumulation == "auto" else request.accumulation,

@@ -168,7 +168,7 @@ def _pending_layouts(
     fixed_k = space.accumulation if space.accumulation is not None else 1
     for tp, rows, ep, cp in _meshes(cluster, space):
         # a mesh expert parallelism cannot run is no layout (HSDP's groups are checked below, once sized)
-        if layout_refusal(ep, dp=rows, tp=tp, dp_mode=space.dp_mode):
+        if layout_refusal(ep, dp=rows * cp, tp=tp, dp_mode=space.dp_mode, cp=cp):
             continue
         dp = rows * cp  # the mesh's replicas: each data-parallel replica's context-parallel ranks
         pp = cluster.world_size // (dp * tp)
@@ -331,14 +331,14 @@ def _evaluate_all(
 def _meshes(cluster: Cluster, space: SearchSpace) -> list[tuple[int, int, int, int]]:
     """The (tensor-parallel degree, data-parallel replica count, expert-parallel degree, context-parallel
     degree) whose ranks divide the world size, ep 1 and cp 1 first (which of them expert parallelism
-    runs on: ``_pending_layouts``; context parallelism not yet with expert parallelism)."""
+    runs on: ``_pending_layouts``; an expert group covers consecutive replicas of the dp x cp)."""
     return [
         (tp, dp, ep, cp)
         for cp in space.cps
         for ep in space.eps
         for tp in space.degrees
         for dp in space.replicas
-        if cluster.world_size % (tp * dp * cp) == 0 and (cp == 1 or ep == 1)
+        if cluster.world_size % (tp * dp * cp) == 0
     ]
 
 

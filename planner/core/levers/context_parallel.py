@@ -39,9 +39,10 @@ from planner.core.levers.tensor_parallel import allgather_s, group_local, ring_s
 from planner.schema.costs import BlockCost, LinkCost
 
 
-def context_link(link: Links, pp: int, replicas: int, tp: int, cp: int) -> LinkCost:
+def context_link(link: Links, pp: int, replicas: int, tp: int, cp: int, pp_outer: bool = False) -> LinkCost:
     """The link a context-parallel group crosses: ``cp`` consecutive replicas of one pipeline and
-    tensor-parallel position (``pp x tp`` global ranks apart, ``planner.run.mesh``).
+    tensor-parallel position (``pp x tp`` global ranks apart, ``planner.run.mesh``; ``tp`` apart where
+    the ranks are pipeline-outermost: expert-parallel layouts).
 
     Args:
         link: the cluster's links.
@@ -49,13 +50,14 @@ def context_link(link: Links, pp: int, replicas: int, tp: int, cp: int) -> LinkC
         replicas: the mesh's replicas (data-parallel x context-parallel).
         tp: tensor-parallel ranks of a pipeline rank.
         cp: the group's ranks.
+        pp_outer: the ranks laid out pipeline-outermost (``Layout.pp_outer``).
 
     Returns:
         The group's link (for NCCL, with its ranks per node).
     """
     if not isinstance(link, NodeLinks):
         return default_link(link)
-    placed = layout_links(link, pp, replicas, tp, False)
+    placed = layout_links(link, pp, replicas, tp, pp_outer)
     assert isinstance(placed, NodeLinks)
     return group_link(placed, 0, range(cp))
 

@@ -62,6 +62,7 @@ def ep_refusal(
     dp_mode: str,
     dp_shard: int = 0,
     sequence: bool = False,
+    cp: int = 1,
 ) -> str | None:
     """Why a layout cannot shard its experts ``ep`` ways, or None when it can (or ``ep`` is 1): the
     model's experts (``experts_refusal``), then the layout (``layout_refusal``).
@@ -69,17 +70,18 @@ def ep_refusal(
     Args:
         ep: expert-parallel ranks.
         experts: each experts module's name -> its expert count (``Plan.experts``).
-        dp: data-parallel replicas (the expert-parallel ranks are replicas).
+        dp: the mesh's replicas (data-parallel x context-parallel; the expert-parallel ranks are replicas).
         tp: tensor-parallel ranks per pipeline rank.
         dp_mode: how the replicas reduce gradients ("ddp", "fsdp", "hsdp").
         dp_shard: under HSDP, the replicas of each shard group.
         sequence: with ``tp`` > 1, sequence parallelism.
+        cp: context-parallel ranks (for the message).
 
     Returns:
         One line naming what stands in the way and what to give instead.
     """
     return experts_refusal(ep, experts) or layout_refusal(
-        ep, dp=dp, tp=tp, dp_mode=dp_mode, dp_shard=dp_shard, sequence=sequence
+        ep, dp=dp, tp=tp, dp_mode=dp_mode, dp_shard=dp_shard, sequence=sequence, cp=cp
     )
 
 
@@ -104,7 +106,9 @@ def experts_refusal(ep: int, experts: Mapping[str, int]) -> str | None:
     return None
 
 
-def layout_refusal(ep: int, *, dp: int, tp: int, dp_mode: str, dp_shard: int = 0, sequence: bool = False) -> str | None:
+def layout_refusal(
+    ep: int, *, dp: int, tp: int, dp_mode: str, dp_shard: int = 0, sequence: bool = False, cp: int = 1
+) -> str | None:
     """Why a layout cannot shard experts ``ep`` ways: an ``ep`` that does not span whole
     tensor-parallel groups, replicas (or HSDP shard groups) its groups do not divide, or what the
     runner does not run expert parallelism with yet; None where it can (or ``ep`` is 1). The search
@@ -112,17 +116,24 @@ def layout_refusal(ep: int, *, dp: int, tp: int, dp_mode: str, dp_shard: int = 0
 
     Args:
         ep: expert-parallel ranks.
-        dp: data-parallel replicas.
+        dp: the mesh's replicas (data-parallel replicas, times ``cp``: a replica's context-parallel
+            ranks are consecutive replicas, which an expert group may cover).
         tp: tensor-parallel ranks per pipeline rank (an expert group spans them: ``group_replicas``).
         dp_mode: how the replicas reduce gradients ("ddp", "fsdp", "hsdp").
         dp_shard: under HSDP, the replicas of each shard group (an expert group lies inside one).
         sequence: with ``tp`` > 1, sequence parallelism.
+        cp: context-parallel ranks (for the message).
 
     Returns:
         One line, or None.
     """
     if ep == 1:
         return None
+    what = (
+        f"{dp} data-parallel replicas"
+        if cp == 1
+        else f"{dp} replicas ({dp // cp} data-parallel x {cp} context-parallel)"
+    )
     if tp > 1 and ep % tp:
         return (
             f"--ep {ep} is no multiple of --tp {tp}: an expert-parallel group spans the {tp} tensor-parallel ranks "
@@ -132,9 +143,9 @@ def layout_refusal(ep: int, *, dp: int, tp: int, dp_mode: str, dp_shard: int = 0
     if dp % replicas:
         return (
             f"--ep {ep} covers {replicas} replica(s) ({replicas} x {tp} tensor-parallel ranks), which do not divide "
-            f"the {dp} data-parallel replicas"
+            f"the {what}"
             if tp > 1
-            else f"--ep {ep} does not divide the {dp} data-parallel replicas, over which the experts are sharded"
+            else f"--ep {ep} does not divide the {what}, over which the experts are sharded"
         )
     if dp_mode == "hsdp" and dp_shard and dp_shard % replicas:
         what = f"covers {replicas} replicas, which do not divide" if tp > 1 else "does not divide"
