@@ -200,3 +200,53 @@ def test_cp2_with_expert_parallelism_matches_unsplit_model(
     assert plan.world_size == 4 and plan.replicas == 2 * dp and plan.pp_outer
     got, want = _run_and_compare(plan, tmp_path)
     print(model, "cp2 ep", ep, "dp", dp, got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+def test_a_layer_under_cp_saves_what_the_sequence_share_says_on_four_processes() -> None:
+    # the model's claim on the runner's own code: under cp 2 x tp 2, sequence parallelism saves a quarter
+    # of the layer's sequence share (the chunk is half the sequence, and the tp ranks hold half of it)
+    from test_run_tp import spawn_pair
+
+    spawn_pair(_cp_saved_bytes_rank, 4)
+
+
+def _cp_saved_bytes_rank(rank: int, port: int) -> None:
+    from test_run_sp import _saved_bytes
+    from test_run_tp import gloo_pair
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from planner.capture.load import load_model_file
+    from planner.capture.stage import stage_module
+    from planner.capture.trace import trace_model
+    from planner.costs.tensor_parallel import tensor_parallel_shares
+    from planner.run.context_shard import SequenceShards, around_sharded, install
+    from planner.run.tensor_shard import shard_stage, tp_styles
+
+    with gloo_pair(rank, port, 4):
+        mf = load_model_file(MODELS / "llama.py", "tiny")
+        tp_plan = mf.module.tp_plan
+        inputs, _ = mf.batch(2)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+        seq = tensor_parallel_shares(trace_model(mf.build(), inputs), inputs, tp_plan)["layers.1"].sequence
+        assert seq is not None and seq.activation_bytes > 0
+        torch.manual_seed(0)
+        whole = torch.randn(2, 32, 64)
+        x = whole[:, 16 * mesh["cp"].get_local_rank() :][:, :16].clone().requires_grad_()  # this rank's chunk
+
+        def layer(sequence: bool):  # type: ignore[no-untyped-def]
+            torch.manual_seed(0)
+            traced = trace_model(mf.build(), inputs)
+            k = [b.name for b in traced.blocks].index("layers.1")
+            stage = stage_module(traced, k, k + 1)
+            shards = SequenceShards(mesh, mesh["tp"], [True]) if sequence else None
+            state = install(stage, [stage], mesh["cp"], ([True], [True]), sequence=shards)
+            shard_stage(stage, mesh["tp"], tp_plan, sequence=sequence)
+            around_sharded(state, [stage.get_submodule(n) for n in tp_styles(stage, tp_plan)])
+            return stage, state
+
+        plain, want = _saved_bytes(layer(False)[0], x)
+        stage, state = layer(True)
+        sequence, got = _saved_bytes(stage, x, state)
+        assert plain - sequence == seq.activation_bytes // 4, (plain, sequence, seq.activation_bytes)
+        torch.testing.assert_close(got, want)
