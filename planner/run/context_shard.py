@@ -52,7 +52,7 @@ from torch.overrides import TorchFunctionMode
 from planner.capture.attention import SDPA_CALLS, sdpa_arguments
 from planner.capture.contract import SEQUENCE_DIM
 from planner.errors import PlannerError
-from planner.run.experts import exchange_rows
+from planner.run.experts import contiguous_strides, exchange_rows
 from planner.run.ring_attention import Ring, ring_attention
 from planner.run.sequence_shard import SavedShards, autocast_cast, hook_units
 from planner.run.wrappers import ContiguousGrad
@@ -634,21 +634,12 @@ def around_tokens(split: ContextSplit, modules: Sequence[nn.Module]) -> None:
         placements, shape = found
         whole = torch.Size((*shape[:-1], output.shape[-1]))
         return DTensor.from_local(
-            output, split.mesh, placements, run_check=False, shape=whole, stride=_contiguous(whole)
+            output, split.mesh, placements, run_check=False, shape=whole, stride=contiguous_strides(whole)
         )
 
     for module in modules:
         module.register_forward_pre_hook(unwrap, prepend=True)
         module.register_forward_hook(wrap)
-
-
-def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape``."""
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))
 
 
 __all__ = [

@@ -401,13 +401,13 @@ def expert_shards(experts: Sequence[nn.Module], mesh: RankMesh) -> dict[int, Cal
         if isinstance(t, DTensor):  # FSDP's (HSDP's) shard of the group's experts, placed as FSDP placed it
             on, placements, t = mesh.experts_mesh, [Shard(0), *t.placements], t.to_local()  # type: ignore[list-item]
         return DTensor.from_local(
-            t, on, placements, run_check=False, shape=torch.Size(shape), stride=_contiguous(shape)
+            t, on, placements, run_check=False, shape=torch.Size(shape), stride=contiguous_strides(shape)
         )
 
     return {id(p): whole for module in experts for p in module.parameters()}
 
 
-def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     """The strides of a contiguous tensor of ``shape``."""
     strides, step = [], 1
     for n in reversed(shape):
@@ -419,6 +419,7 @@ def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
 __all__ = [
     "ExpertDispatch",
     "ExpertsCall",
+    "contiguous_strides",
     "dispatch_experts",
     "experts_calls",
     "exchange_rows",
