@@ -166,12 +166,36 @@ def _is_chunked(x: Any, mesh: Any) -> bool:
     return isinstance(x, DTensor) and x.device_mesh == mesh
 
 
-def placed(mesh: Any, first: Any) -> tuple[Any, ...]:
-    """Placements on the context mesh: ``first`` over the context-parallel ranks, replicated over the
-    tensor-parallel ranks where the mesh has them (``(cp, tp)``, sequence parallelism)."""
-    from torch.distributed.tensor import Replicate
+@dataclass(frozen=True)
+class Placements:
+    """The placements of a stage's chunks on their mesh, over the context-parallel ranks and, on a
+    ``(cp, tp)`` mesh (sequence parallelism), replicated over the tensor-parallel ranks. Made once
+    when the split is installed: read inside a compiled stage, a mesh's own attributes would be traced.
 
-    return (first,) + (Replicate(),) * (mesh.ndim - 1)
+    Attributes:
+        chunk: a chunk of the sequence (``Shard(1)``).
+        heads: a chunk of attention's ``[batch, heads, seq, head_dim]`` (``Shard(2)``).
+        whole: every position (``Replicate()``).
+        own: a gradient left as this rank's own over the cp ranks (``Partial()``), replicated over tp.
+    """
+
+    chunk: tuple[Any, ...]
+    heads: tuple[Any, ...]
+    whole: tuple[Any, ...]
+    own: tuple[Any, ...]
+
+
+def placements_on(mesh: Any) -> Placements:
+    """The ``Placements`` of chunks on ``mesh`` (1-D: cp; 2-D: (cp, tp))."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    rest = (Replicate(),) * (mesh.ndim - 1)
+    return Placements(
+        chunk=(Shard(SEQUENCE_DIM), *rest),
+        heads=(Shard(_HEAD_SEQUENCE_DIM), *rest),
+        whole=(Replicate(), *rest),
+        own=(Partial(), *rest),
+    )
 
 
 class Context(TorchFunctionMode):
@@ -183,17 +207,20 @@ class Context(TorchFunctionMode):
             sequence parallelism its 2-D ``(cp, tp)`` mesh (``RankMesh.cp_tp_mesh``).
         ring: the group's ring where attention is ring attention (``planner.run.ring_attention``); None:
             the gather.
+        group: the context-parallel group's 1-D mesh, where keys, values and queries are exchanged
+            (``mesh`` itself without sequence parallelism).
+        placements: the chunks' placements on ``mesh`` (``placements_on``).
     """
 
-    def __init__(self, mesh: Any, ring: Ring | None = None) -> None:
+    def __init__(self, mesh: Any, ring: Ring | None, group: Any, placements: Placements) -> None:
         super().__init__()
         self.mesh = mesh
-        # the context-parallel group alone: where keys, values and queries are exchanged
-        self.group_mesh = mesh if mesh.ndim == 1 else mesh["cp"]
+        self.group_mesh = group
         self.ring = ring
+        self.placements = placements
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        from torch.distributed.tensor import DTensor, Partial, Replicate
+        from torch.distributed.tensor import DTensor
 
         kwargs = kwargs or {}
         if func in SDPA_CALLS and args and _is_chunked(args[0], self.mesh):
@@ -204,7 +231,7 @@ class Context(TorchFunctionMode):
         ):
             # the gradient is this rank's own over the cp ranks (the replicas' averaging adds the chunks'),
             # summed over the tp ranks (each computed it from its slice of the chunk: sequence parallelism)
-            everywhere, own = placed(self.mesh, Replicate()), placed(self.mesh, Partial())
+            everywhere, own = self.placements.whole, self.placements.own
 
             def wrap(a: Any) -> Any:
                 if isinstance(a, torch.Tensor) and not isinstance(a, DTensor):
@@ -216,11 +243,11 @@ class Context(TorchFunctionMode):
 
     def _attention(self, *args: Any, **kwargs: Any) -> Any:
         """Scaled dot-product attention of this rank's queries over every position's keys and values."""
-        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+        from torch.distributed.tensor import DTensor
 
         a = sdpa_arguments(args, kwargs)
         q, k, v = a["query"], a["key"], a["value"]
-        chunked = placed(self.mesh, Shard(_HEAD_SEQUENCE_DIM))
+        chunked = self.placements.heads
         if any(not _is_chunked(t, self.mesh) or t.placements != chunked for t in (q, k, v)):
             raise PlannerError(
                 "context parallelism needs attention's queries, keys and values split along the sequence "
@@ -234,8 +261,8 @@ class Context(TorchFunctionMode):
             # every position's keys (or values), their gradient reduce-scattered back in backward
             return ContiguousGrad.apply(
                 t.contiguous()
-                .redistribute(self.mesh, placed(self.mesh, Replicate()))
-                .to_local(grad_placements=placed(self.mesh, Partial()))
+                .redistribute(self.mesh, self.placements.whole)
+                .to_local(grad_placements=self.placements.own)
             )
 
         local_q = ContiguousGrad.apply(q.contiguous().to_local())
@@ -244,7 +271,7 @@ class Context(TorchFunctionMode):
         if causal and mask is not None:
             raise PlannerError("scaled_dot_product_attention was given both a mask and is_causal")
         if isinstance(mask, DTensor):
-            mask = mask.redistribute(self.mesh, placed(self.mesh, Replicate())).to_local()
+            mask = mask.redistribute(self.mesh, self.placements.whole).to_local()
         # under a mask (causal, as a decoder's is) each rank computes two mirrored blocks of queries
         group = self.group_mesh
         mirrored = Mirrored(group.get_local_rank(), group.size()) if (causal or mask is not None) else None
@@ -417,6 +444,7 @@ class ContextSplit:
         self.group_mesh = mesh
         self.sequence = sequence
         self.mesh = mesh if sequence is None else sequence.mesh  # the chunks' DTensors' mesh
+        self.placements = placements_on(self.mesh)
         # one ring for every forward of the stage (its peers are the group's, whatever the step)
         self.ring = Ring(mesh.get_group(), mesh.get_local_rank(), mesh.size()) if ring else None
         self.chunks_in = list(chunks_in)
@@ -428,7 +456,7 @@ class ContextSplit:
 
     def enter(self, *_: Any) -> None:
         if self.depth == 0:
-            self.mode = Context(self.mesh, self.ring)
+            self.mode = Context(self.mesh, self.ring, self.group_mesh, self.placements)
             self.mode.__enter__()
         self.depth += 1
 
@@ -448,7 +476,7 @@ class ContextSplit:
         while self.depth:  # whatever an earlier failed forward left
             self.leave()
         self.enter()
-        chunked = placed(self.mesh, Shard(SEQUENCE_DIM))
+        chunked = self.placements.chunk
         shards = [False] * len(args)
         if self.sequence is not None:
             self.saved.start()
@@ -474,12 +502,9 @@ class ContextSplit:
         return self._leaving(output, bool(self.chunks_out and self.chunks_out[0]))
 
     def _leaving(self, t: Any, chunk: bool) -> Any:
-        from torch.distributed.tensor import Replicate
 
         if _is_chunked(t, self.mesh):
-            return (
-                self.local_chunk(t) if chunk else t.redistribute(self.mesh, placed(self.mesh, Replicate())).to_local()
-            )
+            return self.local_chunk(t) if chunk else t.redistribute(self.mesh, self.placements.whole).to_local()
         if chunk and isinstance(t, torch.Tensor):  # made from positions alone: this rank's positions
             group = self.group_mesh
             return sequence_chunk(t, group.get_local_rank(), group.size(), "stage boundary")
@@ -488,9 +513,8 @@ class ContextSplit:
     def local_chunk(self, t: Any) -> Any:
         """A DTensor of the mesh as this rank's chunk of its dimension 1 (a plain tensor; a sequence
         shard gathered over the tensor-parallel ranks)."""
-        from torch.distributed.tensor import Shard
 
-        return t.contiguous().redistribute(self.mesh, placed(self.mesh, Shard(SEQUENCE_DIM))).to_local()
+        return t.contiguous().redistribute(self.mesh, self.placements.chunk).to_local()
 
     def layer_in(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """A tensor-parallel layer's input as this rank's plain chunk (torch's hooks wrap it on their own
@@ -535,7 +559,7 @@ class ContextSplit:
 
         if not self.layer_chunked.pop(id(module), False):
             return output
-        chunked = placed(self.mesh, Shard(SEQUENCE_DIM))
+        chunked = self.placements.chunk
 
         def chunk(x: Any) -> Any:
             if isinstance(x, DTensor) and self.sequence is not None and x.device_mesh == self.sequence.tp_mesh:
@@ -646,6 +670,7 @@ __all__ = [
     "Context",
     "ContextSplit",
     "Mirrored",
+    "Placements",
     "SequenceShards",
     "around_sharded",
     "around_tokens",
@@ -653,5 +678,6 @@ __all__ = [
     "chunk_flagged",
     "chunk_weighted_loss",
     "install",
+    "placements_on",
     "sequence_chunk",
 ]
