@@ -129,6 +129,11 @@ def test_a_context_parallel_group_crosses_nodes_once_its_replicas_do() -> None:
             {"ep": 4, "dp": 1, "gpus": 8},
             r"^--ep 4 shards the experts over 4 replicas, but --dp 1 x --cp 2 is no multiple",
         ),
+        # with --cp auto the replica counts wait for the search, but what ep does not run with is still said
+        (
+            {"cp": "auto", "ep": 2, "tp": 2, "dp": 2, "gpus": 8, "sequence_parallel": True},
+            r"^--ep 2: expert parallelism does not run with --sequence-parallel yet",
+        ),
         (
             {"gpus": 8, "dp": 2, "dp_mode": "hsdp", "dp_shard": 3},
             r"^--dp-shard 3 must divide --dp 2 x --cp 2 into at least two groups",

@@ -394,23 +394,7 @@ class PlanRequest(_Request):
         covered = group_replicas(self.ep, tp)
         if self.gpus % self.ep:
             raise ValueError(f"--ep {self.ep} does not divide --gpus {self.gpus}")
-        if self.cp == "auto":
-            return  # each layout's replicas (dp x cp) are checked in the search
-        # a group covers consecutive replicas of the mesh: under context parallelism a replica's cp ranks too
-        if isinstance(self.dp, int) and self.dp * self.cp % covered:
-            over = f" (x {tp} tensor-parallel ranks)" if tp > 1 else ""
-            replicas = f"--dp {self.dp}" if self.cp == 1 else f"--dp {self.dp} x --cp {self.cp}"
-            raise ValueError(
-                f"--ep {self.ep} shards the experts over {covered} replicas{over}, but {replicas} is no multiple "
-                f"of {covered}; give --dp {covered} (or a multiple of it, or auto)"
-            )
-        if not any(expert_groups_fit(self.ep, t, d * self.cp) for t in self.tp_options for d in self.dp_options):
-            tried = ", ".join(map(str, self.dp_options))
-            raise ValueError(
-                f"--ep {self.ep} shards the experts over replicas (ep / tp of them), but no replica count tried "
-                f"({tried}: those that split the batch of {self.batch_size} evenly) is a multiple of that; give a "
-                "larger --batch-size or a smaller --ep"
-            )
+        self._check_expert_replicas(self.ep, tp, covered)
         shard = self.dp_shard
         if (
             self.dp_mode == "hsdp"
@@ -426,6 +410,27 @@ class PlanRequest(_Request):
             raise ValueError(
                 f"--ep {self.ep}: expert parallelism does not run with --sequence-parallel yet; give "
                 "--no-sequence-parallel (or --ep 1)"
+            )
+
+    def _check_expert_replicas(self, ep: int, tp: int, covered: int) -> None:
+        """Refuse replica counts ``--ep``'s groups of ``covered`` replicas (with their ``tp`` ranks) do not
+        divide. A group covers consecutive replicas of the mesh: under context parallelism a replica's
+        cp ranks too, so with ``--cp auto`` each layout's dp x cp is checked in the search instead."""
+        if self.cp == "auto":
+            return
+        if isinstance(self.dp, int) and self.dp * self.cp % covered:
+            over = f" (x {tp} tensor-parallel ranks)" if tp > 1 else ""
+            replicas = f"--dp {self.dp}" if self.cp == 1 else f"--dp {self.dp} x --cp {self.cp}"
+            raise ValueError(
+                f"--ep {ep} shards the experts over {covered} replicas{over}, but {replicas} is no multiple "
+                f"of {covered}; give --dp {covered} (or a multiple of it, or auto)"
+            )
+        if not any(expert_groups_fit(ep, t, d * self.cp) for t in self.tp_options for d in self.dp_options):
+            tried = ", ".join(map(str, self.dp_options))
+            raise ValueError(
+                f"--ep {ep} shards the experts over replicas (ep / tp of them), but no replica count tried "
+                f"({tried}: those that split the batch of {self.batch_size} evenly) is a multiple of that; give a "
+                "larger --batch-size or a smaller --ep"
             )
 
     def _check_shard_groups(self) -> None:
