@@ -177,12 +177,16 @@ class Placements:
         heads: a chunk of attention's ``[batch, heads, seq, head_dim]`` (``Shard(2)``).
         whole: every position (``Replicate()``).
         own: a gradient left as this rank's own over the cp ranks (``Partial()``), replicated over tp.
+        shard: on a ``(cp, tp)`` mesh, a tensor-parallel rank's slice of the chunk (``Shard(1)`` on both).
+        partial: on a ``(cp, tp)`` mesh, the chunk's gradient as each tp rank's partial sum.
     """
 
     chunk: tuple[Any, ...]
     heads: tuple[Any, ...]
     whole: tuple[Any, ...]
     own: tuple[Any, ...]
+    shard: tuple[Any, ...]
+    partial: tuple[Any, ...]
 
 
 def placements_on(mesh: Any) -> Placements:
@@ -195,6 +199,8 @@ def placements_on(mesh: Any) -> Placements:
         heads=(Shard(_HEAD_SEQUENCE_DIM), *rest),
         whole=(Replicate(), *rest),
         own=(Partial(), *rest),
+        shard=(Shard(SEQUENCE_DIM),) * mesh.ndim,
+        partial=(Shard(SEQUENCE_DIM), *(Partial(),) * (mesh.ndim - 1)),
     )
 
 
@@ -471,7 +477,7 @@ class ContextSplit:
 
     def stage_in(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """The stage's inputs, its sequence chunks as DTensors (the mode entered)."""
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import DTensor
 
         while self.depth:  # whatever an earlier failed forward left
             self.leave()
@@ -486,7 +492,7 @@ class ContextSplit:
             if flag and isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
                 x = DTensor.from_local(x, self.mesh, chunked, run_check=False)
                 # this tensor-parallel rank's slice of the chunk (no traffic; its gradient gathered)
-                return x.redistribute(self.mesh, (Shard(SEQUENCE_DIM), Shard(SEQUENCE_DIM))) if shard else x
+                return x.redistribute(self.mesh, self.placements.shard) if shard else x
             return x
 
         flags = self.chunks_in + [False] * (len(args) - len(self.chunks_in))
@@ -540,9 +546,7 @@ class ContextSplit:
         if whole is not None:
             return whole
         shard = autocast_cast(x)
-        local = shard.redistribute(self.mesh, (Shard(SEQUENCE_DIM), Replicate())).to_local(
-            grad_placements=(Shard(SEQUENCE_DIM), Partial())
-        )
+        local = shard.redistribute(self.mesh, self.placements.chunk).to_local(grad_placements=self.placements.partial)
         tp_mesh = self.sequence.tp_mesh
         whole = DTensor.from_local(local, tp_mesh, [Replicate()], run_check=False, grad_placements=[Partial()])
         # gathered again for backward from the shard, on the tensor-parallel mesh alone
@@ -555,7 +559,7 @@ class ContextSplit:
     def layer_out(self, module: nn.Module, args: Any, output: Any) -> Any:
         """A tensor-parallel layer's output as a chunk of the sequence again, where its input was one
         (a row-wise layer's reduce-scattered output under sequence parallelism as the sequence shard)."""
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import DTensor
 
         if not self.layer_chunked.pop(id(module), False):
             return output
@@ -563,8 +567,7 @@ class ContextSplit:
 
         def chunk(x: Any) -> Any:
             if isinstance(x, DTensor) and self.sequence is not None and x.device_mesh == self.sequence.tp_mesh:
-                shards = (Shard(SEQUENCE_DIM), Shard(SEQUENCE_DIM))
-                return DTensor.from_local(x.to_local(), self.mesh, shards, run_check=False)
+                return DTensor.from_local(x.to_local(), self.mesh, self.placements.shard, run_check=False)
             if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.dim() >= 2:
                 return DTensor.from_local(x, self.mesh, chunked, run_check=False)
             return x

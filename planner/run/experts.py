@@ -222,7 +222,7 @@ class _Gather(torch.autograd.Function):
 
 def dispatch_experts(
     plan: Plan, stage: StagePlan, built: nn.Module, traced: TracedModel, mesh: RankMesh
-) -> list[nn.Module]:
+) -> list[ExpertDispatch]:
     """Make a stage expert-parallel: in each of its graph modules (a chain's units, or the stage) every
     call of an experts module (recorded by the trace, ``planner.capture.expert_calls``) becomes an
     ``ExpertDispatch`` over the rank's expert-parallel group, and the experts module (the trace's
@@ -236,8 +236,9 @@ def dispatch_experts(
         mesh: this rank's place (``ep_rank``, ``ep_mesh``).
 
     Returns:
-        The stage's experts modules (their gradients are reduced over the expert groups, not the
-        replicas; under FSDP each is sharded over ``edp_mesh``: ``shard_experts_over_groups``).
+        The stage's dispatches, in graph order; each one's ``experts`` is the rank's share of its
+        layer's experts (their gradients are reduced over the expert groups, not the replicas; under
+        FSDP each is sharded over ``edp_mesh``: ``shard_experts_over_groups``).
 
     Raises:
         PlanFileError: the model was traced without the experts' calls, a layer of the stage whose
@@ -252,7 +253,7 @@ def dispatch_experts(
         shard_experts(experts, name, mesh.ep_rank, plan.ep)
         return ExpertDispatch(experts, plan.experts[name], group, tokens)
 
-    return [call.experts for call in _replace_experts_calls(plan, stage, built, traced, dispatched, "_ep_")]
+    return _replace_experts_calls(plan, stage, built, traced, dispatched, "_ep_")
 
 
 class ExpertsCall(nn.Module):

@@ -211,9 +211,9 @@ class SavedShards:
         self.last = (weakref.ref(x), whole)
 
     def gathered(self, whole: Any, shard: Any) -> None:
-        """``whole`` (a DTensor, or a tensor sharing its local part's storage) was gathered from
-        ``shard``, a DTensor whose ``redistribute`` to ``Replicate()`` on its mesh gathers it again."""
-        self.shard_of[_storage(whole)] = (weakref.ref(local_tensor(whole) if _is_dtensor(whole) else whole), shard, {})
+        """``whole`` (a DTensor) was gathered from ``shard``, a DTensor whose ``redistribute`` to
+        ``Replicate()`` on its mesh gathers it again."""
+        self.shard_of[_storage(whole)] = (weakref.ref(local_tensor(whole)), shard, {})
 
     def pack(self, t: torch.Tensor) -> Any:
         """What autograd keeps of a saved tensor: for a gathered whole (or a view of it) its shard."""
@@ -269,12 +269,6 @@ class _Regather:
         else:
             self.whole = whole
         return whole
-
-
-def _is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 def _storage(t: torch.Tensor) -> int:

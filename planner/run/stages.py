@@ -40,7 +40,6 @@ from planner.run.context_shard import (
 )
 from planner.run.context_shard import install as install_context
 from planner.run.experts import (
-    ExpertDispatch,
     dispatch_experts,
     expert_shards,
     experts_calls,
@@ -187,9 +186,10 @@ def build_stages(
         held: list[torch.nn.Module] = []
         calls: list[torch.nn.Module] = []
         if plan.ep > 1:  # the examples were made above, on the whole experts
-            held = dispatch_experts(plan, stage.plan, stage.built, traced, mesh)
+            dispatches = dispatch_experts(plan, stage.plan, stage.built, traced, mesh)
+            held = [d.experts for d in dispatches]
             experts.extend(held)
-            calls = [m for m in stage.built.modules() if isinstance(m, ExpertDispatch)]
+            calls = list(dispatches)
         elif plan.cp > 1 and plan.model.expert_calls:  # the experts on a rank's plain tokens
             calls = experts_calls(plan, stage.plan, stage.built, traced)
         _split_inside(plan, stage, mesh, shardable, sequence, calls)

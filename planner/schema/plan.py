@@ -433,9 +433,10 @@ class Plan(_Frozen):
         """What context parallelism does not combine with yet: ``compile`` of a model traced by
         ``torch.export`` (torch.compile of its graph's masks on DTensors gives them another dtype than
         eager)."""
-        for flag, what in ((self.compile and self.model.trace_method == "export", "compile of a torch.export graph"),):
-            if flag:
-                raise ValueError(f"cp {self.cp} with {what}: context parallelism does not combine with it yet")
+        if self.compile and self.model.trace_method == "export":
+            raise ValueError(
+                f"cp {self.cp} with compile of a torch.export graph: context parallelism does not combine with it yet"
+            )
 
     def _check_experts(self) -> None:
         """An expert-parallel plan's experts, tensor-parallel ranks and replicas: ``ep`` divides the
