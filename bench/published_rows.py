@@ -423,6 +423,17 @@ def _torchtitan() -> list[Published]:
     return rows
 
 
+TITAN_PIPELINE = {"1f1b": {"microbatches": 8}, "interleaved-1f1b": {"microbatches": 8, "stages_per_rank": 2}}
+"""What torchtitan's pipeline ran with where its benchmark names no microbatch count or split: its
+defaults at the benchmark's commit (9dec370, ``torchtitan/parallelisms/pipelining_utils.py``):
+``pipeline_parallel_microbatches`` unset is the pipeline degree (8), and a looped schedule without
+split points gets 2 stages per rank (``generate_split_points``)."""
+TITAN_PIPELINE_ASSUMED = (
+    "8 microbatches (and 2 stages per rank interleaved): torchtitan's defaults at the benchmark's commit "
+    "9dec370, the pipeline degree and generate_split_points' 2 stages per looped rank"
+)
+
+
 def _torchtitan_fp8() -> list[Published]:
     """torchtitan's Float8 rows of 70B and 405B (benchmarks/llama3_h100_202412_torchtitan.md, Tables 4 and
     5; its 8B ones are ``_torchtitan``'s), all compiled: the planner's ``--dtype fp8`` (torchao's float8
@@ -476,9 +487,9 @@ def _torchtitan_fp8() -> list[Published]:
                 "tokens/s",
                 "tokens",
                 request=titan,
-                as_run={"recompute": "full", "schedule": schedule},
+                as_run={"recompute": "full", "schedule": schedule} | TITAN_PIPELINE[schedule],
                 peak_gib=peak,
-                assumed=FLOAT8_ASSUMED + no_sp + "; its asynchronous TP not modelled",
+                assumed=FLOAT8_ASSUMED + no_sp + "; its asynchronous TP not modelled; " + TITAN_PIPELINE_ASSUMED,
                 dtype="fp8",
             )
         )
@@ -526,9 +537,9 @@ def _torchtitan_cp() -> list[Published]:
                     "tokens/s",
                     "tokens",
                     request=titan,
-                    as_run={"recompute": "full"} | ({"schedule": "1f1b"} if pp > 1 else {}),
+                    as_run={"recompute": "full"} | ({"schedule": "1f1b"} | TITAN_PIPELINE["1f1b"] if pp > 1 else {}),
                     peak_gib=peak,
-                    assumed=assumed + extra,
+                    assumed=assumed + extra + (f"; {TITAN_PIPELINE_ASSUMED}" if pp > 1 else ""),
                     cp=cp,
                     dtype="fp8",
                 )
