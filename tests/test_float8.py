@@ -268,3 +268,24 @@ def test_a_compiled_float8_plan_is_refused_before_any_rank_starts_where_float8_i
     plan = plan.model_copy(update={"compile": True, "profile": plan.profile.model_copy(update={"float8": f8})})
     with pytest.raises(PlannerError, match=r"^--dtype fp8 with --compile: on cpu float8 runs in torchao's emulation"):
         run_plan(plan, RunRequest(plan_file=saved(plan, tmp_path), steps=1))
+
+
+def test_fsdp_float8_gathers_add_one_scale_all_reduce_a_step() -> None:
+    # torchao's precompute_float8_dynamic_scale_for_fsdp after the optimizer: the scales of every float8
+    # weight in one all-reduce over the ranks sharding them (4 here: 2 x ceil(log2 4) = 4 latencies of
+    # 1 ms), charged only where FSDP gathers float8 weights, not under DDP
+    from plan_factory import block
+    from test_fsdp_units import ADAMW, LINK
+
+    from planner.core.layout.inputs import Layout
+    from planner.core.split.cuts import Split
+    from planner.core.step.predict import predict
+
+    plain = [block(f"layers.{i}", 10, 20, 1000) for i in range(4)]
+    float8 = [b.model_copy(update={"float8_share": 0.75}) for b in plain]
+    for mode, extra in (("fsdp", 4 * LINK.latency_s), ("ddp", 0.0)):
+        layout = Layout("gpipe", 1, 2, 1, dp=4, dp_mode=mode)
+        _, without = predict(plain, Split(starts=(0,)), LINK, layout, ADAMW)
+        _, with_scales = predict(float8, Split(starts=(0,)), LINK, layout, ADAMW)
+        gathered = with_scales.dp_reduce_s - without.dp_reduce_s  # FSDP's gathers of float8 bytes: less traffic
+        assert with_scales.step_time_s - gathered == pytest.approx(without.step_time_s + extra, rel=1e-12)

@@ -148,3 +148,46 @@ def test_hugging_face_llama_fp8_with_tp2_matches_unsplit(tmp_path: Path) -> None
     assert plan.model.trace_method == "export" and plan.world_size == 4
     got, want = _run_and_compare(plan, tmp_path)
     print("hf llama fp8 tp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+def _precompute_rank(rank: int, port: int) -> None:
+    """One of two FSDP replicas of a float8 plan (``planner.pipeline``): after the optimizer step every
+    float8 weight holds its scale for the next gather, the whole weight's, set in one all-reduce."""
+    from test_run_tp import gloo_pair
+
+    import planner
+    from planner.capture.float8 import float8_modules
+    from planner.capture.load import load_model_file
+
+    with gloo_pair(rank, port):
+        plan = _float8(plan_with_starts(MODELS / "llama.py", [0], dp=2, dp_mode="fsdp", **FP8))
+        mf = load_model_file(Path(plan.model.path), plan.model.size)
+        inputs, target = mf.batch(plan.batch_size, seed=0)
+        pipe = planner.pipeline(plan, mf.build(0), inputs)
+        layers = [m for module in pipe.modules for m in float8_modules(module)]
+        assert len(layers) == plan.profile.float8.converted
+
+        def scales() -> list[float | None]:
+            got = [getattr(m.weight._local_tensor, "_precomputed_scale", None) for m in layers]
+            return [None if s is None else float(s) for s in got]
+
+        assert set(scales()) == {None}  # before any step each gather reduces its own scale
+        rows = slice(pipe.replica * pipe.batch_size, (pipe.replica + 1) * pipe.batch_size)
+        mine = tuple(x[rows] for x in inputs) if isinstance(inputs, tuple) else inputs[rows]
+        pipe.step(mine, target[rows])
+        pipe.finish_grads()
+        pipe._built.optimizer.step()  # the runner's optimizer: its hook precomputes
+        e4m3 = torch.finfo(torch.float8_e4m3fn).max
+        want = [e4m3 / float(m.weight.full_tensor().abs().max()) for m in layers]
+        assert scales() == pytest.approx(want, rel=1e-6)
+        for m in layers:  # a script's own optimizer: the pipeline's method does the same
+            m.weight._local_tensor._precomputed_scale = None
+        pipe.precompute_float8_scales()
+        assert scales() == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_fsdp_float8_scales_are_precomputed_after_the_optimizer_step() -> None:
+    from test_run_tp import spawn_pair
+
+    spawn_pair(_precompute_rank)

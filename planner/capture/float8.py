@@ -14,7 +14,7 @@ torchao is imported here only, when a plan trains in float8 (the fp8 extra: ``pi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any, cast
 
 import torch
@@ -187,6 +187,22 @@ def float8_modules(module: nn.Module) -> list[nn.Module]:
     except ImportError:
         return []
     return [m for m in module.modules() if isinstance(m, Float8Linear)]
+
+
+def precompute_scales(modules: Sequence[nn.Module]) -> None:
+    """Every float8 weight's scale for the next FSDP gather, in one all-reduce: torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp`` over a rank's stage modules, as torchtitan calls it
+    after each optimizer step (its float8 setting ``precompute_float8_dynamic_scale_for_fsdp``).
+    Without it each weight's gather all-reduces that weight's largest magnitude on its own; the scale
+    is the same either way (the largest magnitude of the whole weight). A rank whose stages gather no
+    weight in float8 does nothing (torchao returns before any collective: every rank holding the
+    same stages agrees).
+
+    Args:
+        modules: the rank's stage modules, wrapped by FSDP (every rank of their shard groups calls this).
+    """
+    float8 = require_torchao()
+    float8.precompute_float8_dynamic_scale_for_fsdp(nn.ModuleList(modules))
 
 
 def emulated(device: torch.device) -> bool:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from planner.capture.float8 import precompute_scales
 from planner.capture.load import bind_inputs, default_loss, forward_parameters, model_output, prepare_model
 from planner.capture.stage import stage_inputs
 from planner.core.step.schedules import placement
@@ -31,7 +32,7 @@ from planner.run.gradients import clip_to_global_norm
 from planner.run.loop import MicrobatchFn, ReduceFn
 from planner.run.mesh import RankMesh, rank_mesh
 from planner.run.model import StageSource, check_runnable
-from planner.run.stages import RankStages, build_stages, stage_unit_fsdp
+from planner.run.stages import RankStages, build_stages, gathers_float8, stage_unit_fsdp
 from planner.run.wrappers import prefetch_gathers, weight_cast_cache
 from planner.schema.plan import Plan
 
@@ -45,6 +46,7 @@ class Pipeline:
         pipe.finish_grads()                # microbatch mean, tied copies summed, replicas averaged
         pipe.clip_grad_norm_(1.0)          # the whole model's norm, as clip_grad_norm_ unsplit
         optimizer.step(); optimizer.zero_grad()
+        pipe.precompute_float8_scales()    # float8 weights gathered by FSDP: their scales at once
 
     Attributes:
         plan: the plan.
@@ -144,6 +146,15 @@ class Pipeline:
             The global gradient norm before clipping.
         """
         return clip_to_global_norm(self._built.params, max_norm, self._sum_for_norm, self._built.counted)
+
+    def precompute_float8_scales(self) -> None:
+        """Call after ``optimizer.step()``: under a float8 plan whose FSDP gathers the weights in float8
+        (tensorwise, sharded replicas), every float8 weight's scale for the next gathers in one
+        all-reduce (torchao's ``precompute_float8_dynamic_scale_for_fsdp``, as torchtitan calls it);
+        otherwise nothing. Optional: without it each gather reduces its weight's scale itself, to the
+        same value (every rank calls it or none)."""
+        if gathers_float8(self.plan):
+            precompute_scales(self.modules)
 
     def _sum_for_norm(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the ranks whose gradients make up the global norm (an all-reduce)."""

@@ -18,7 +18,7 @@ from planner.capture.blocks import GraphTrace, TracedModel
 from planner.capture.checkpoint import CheckpointedStage, checkpointed_stage, stage_units
 from planner.capture.clock import BlockClock
 from planner.capture.contract import sequence_length
-from planner.capture.float8 import convert_stage, emulated, float8_modules
+from planner.capture.float8 import convert_stage, emulated, float8_modules, precompute_scales
 from planner.capture.graph import buffers_restored, retarget_devices
 from planner.capture.shapes import shapes_or_real
 from planner.capture.stage import stage_inputs, stage_module, trace_root
@@ -201,6 +201,9 @@ def build_stages(
         stages.append(_pipeline_stage(plan, stage, submod, mesh, device))
     params = list({id(p): p for m in modules for p in m.parameters() if p.requires_grad}.values())
     optimizer = make_optimizer(params, plan)
+    if optimizer is not None and gathers_float8(plan):
+        # as torchtitan does: every float8 weight's scale for the next gathers in one all-reduce
+        optimizer.register_step_post_hook(lambda *_: precompute_scales(modules))
     # the experts' parameters as wrapped (FSDP replaces them); FSDP reduces them itself
     own = [p for module in experts for p in module.parameters()]
     finish, not_counted = grad_finisher(
@@ -275,16 +278,23 @@ def _cut_stages(
     return cut
 
 
+def gathers_float8(plan: Plan) -> bool:
+    """Whether the plan's FSDP gathers float8 weights in float8 (``fsdp_float8_gather``, sharded
+    replicas): then every optimizer step is followed by ``precompute_scales``."""
+    f8 = plan.profile.float8
+    return f8 is not None and fsdp_float8_gather(f8.recipe, plan.dp_mode) and plan.sharded
+
+
 def _to_float8(plan: Plan, stage: torch.nn.Module, model: torch.nn.Module, device: torch.device) -> None:
     """A float8 plan's stage with its linear layers converted to torchao's (``planner.capture.float8``),
     unit by unit: before tensor parallelism and FSDP wrap them, as torchtitan converts."""
     f8 = plan.profile.float8
     if f8 is None:
         return
-    gather = fsdp_float8_gather(f8.recipe, plan.dp_mode)
+    gather = gathers_float8(plan)
     for unit in stage_units(stage):
         if isinstance(unit, torch.fx.GraphModule):
-            convert_stage(unit, f8, model, emulated(device), gather and plan.sharded)
+            convert_stage(unit, f8, model, emulated(device), gather)
 
 
 def _stage_chain(plan: Plan, traced: TracedModel, stage_plan: StagePlan, clock: BlockClock | None) -> torch.nn.Module:

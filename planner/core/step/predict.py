@@ -127,6 +127,12 @@ def timed(
     group = p * shard * layout.tp  # under HSDP, one group's replicas hold every gradient once
     latency = max([x.latency_s for x in links] + ([x.latency_s for x in dp_links] if shard > 1 else []), default=0.0)
     allreduce_s = allreduce_steps(group) * latency
+    if shard > 1 and any(b.float8_share for b in blocks):
+        # after the optimizer, every float8 weight's scale for the next gathers in one all-reduce over
+        # the ranks sharding the weights (planner.capture.float8.precompute_scales): a few numbers,
+        # its messages' latency (the pass over the weights' shards it reads is not charged: a
+        # millisecond for the 405B rows of docs/published_runs.md)
+        allreduce_s += allreduce_steps(shard * layout.tp) * latency
     # before the optimizer each rank averages and clips its gradients: passes over all of them
     rank_opt = [sum(s.opt_s + s.grad_s for s in stages if s.rank == r) for r in range(p)]
     # With several passes (gradient accumulation) the schedule runs that many times back to back,
