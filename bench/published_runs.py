@@ -448,7 +448,9 @@ For each published run, three plans of the same model, GPUs and batch:
   replicas d and batch forced, within the GPU's memory as the planner counts it (its capacity less
   5 % headroom), changing only what it must to fit: the run as published (its recomputation,
   schedule with the as-run plan's stages per rank, and data-parallel mode where the source gives
-  them; microbatches and the split are the planner's); where that does not fit, with the
+  them; microbatches and the split are the planner's, but where the row gives what the run's software
+  did by default: torchtitan's 405B pipelines, 8 microbatches and 2 stages per looped rank); where
+  that does not fit, with the
   recomputation open (`--recompute auto`, the planner's choice per stage), then with all of those
   open (the plans table says "opened: ..." where it had to). This is the plan `planner
   plan` would produce for that layout on those GPUs;

@@ -94,6 +94,16 @@ def test_fp8_with_replicas_matches_unsplit(tmp_path: Path, dp_mode: str) -> None
 
 
 @pytest.mark.multiprocess
+def test_fp8_under_hsdp_matches_unsplit(tmp_path: Path) -> None:
+    # shard groups of 2 of 4 replicas: the weights gathered in float8 inside a group, their precomputed
+    # scales reduced over the shard group alone (a replicate group holds the same shards)
+    plan = _float8(plan_with_starts(MODELS / "llama.py", [0], dp=4, dp_mode="hsdp", dp_shard=2, **FP8))
+    assert plan.world_size == 4
+    got, want = _run_and_compare(plan, tmp_path)
+    print("llama fp8 hsdp", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
 def test_fp8_with_tp2_matches_unsplit(tmp_path: Path) -> None:
     # torch's column- and row-wise styles shard the float8 layers' weights; the casts' scales are the whole
     # tensor's (torchao reduces a DTensor's largest magnitude over its shards)
