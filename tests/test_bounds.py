@@ -325,7 +325,7 @@ def fsdp_problems(draw: st.DrawFn) -> tuple:  # type: ignore[type-arg]
     whole = sum(b.param_bytes * 4 + b.activation_bytes * m for b in blocks)
     limit = None if share is None else int(whole * share / pp) + 1
     constraints = Constraints(optimizer=OptimizerSpec(name="adamw"), memory_limit_bytes=limit, recompute=recompute)
-    units = draw(st.sampled_from(["block", "auto"]))
+    units = draw(st.sampled_from(["block", "stage", "auto"]))
     layout = Layout(schedule, pp, m, v, dp, mode, fsdp_units=units, dp_shard=dp_shard, gather_bytes=2, ep=ep)
     return blocks, cluster, layout, constraints, rng
 
@@ -370,7 +370,8 @@ def test_fsdp_traffic_exact_values() -> None:
     3/4 of its bytes: (2 x 1 + 2) x 0.75 = 3 s a block, 6 s a microbatch; a cold start waits for a
     whole gather, 0.75 s. Two ranks of one block each (1 s of compute a microbatch between them),
     1F1B with 4 microbatches: the pass's chain (``pipeline_floor``) plus the traffic the compute
-    cannot hide, (6 - 1) s a microbatch over the two ranks."""
+    cannot hide, (6 - 1) s a microbatch over the two ranks. A stage per unit: the reduce-scatters
+    once a pass."""
     link = LinkCost(name="plain", latency_s=0.0, bandwidth_Bps=1e9)
     blocks = [
         block(f"b{i}", 250, 250, 500_000_000, act_mb=0).model_copy(update={"param_bytes": 10**9}) for i in range(2)
@@ -383,8 +384,10 @@ def test_fsdp_traffic_exact_values() -> None:
     step, _ = floors(blocks, layout, OptimizerSpec(name="sgd"), traffic={"fsdp": got})
     assert step == pytest.approx(pipeline_floor(1.0, 4, 2) + (6.0 - 1.0) * 4 / 2)
     assert step > floors(blocks, layout, OptimizerSpec(name="sgd"))[0]
-    # stage units gather once a pass: the floor counts none of it; one replica has no traffic
-    assert (
-        floors(blocks, replace(layout, fsdp_units="stage"), OptimizerSpec(name="sgd"), traffic={"fsdp": got})[0] < step
-    )
+    # stage units gather once a pass and reduce-scatter once (3 s of the 6, each stage's holding its
+    # rank after its last backward): the ranks' 4 x 1 s of compute and those 3 s over 2 ranks
+    assert got.reduced == pytest.approx(3.0)
+    stage_units = replace(layout, fsdp_units="stage")
+    assert floors(blocks, stage_units, OptimizerSpec(name="sgd"), traffic={"fsdp": got})[0] == pytest.approx(3.5)
+    assert floors(blocks, stage_units, OptimizerSpec(name="sgd"))[0] == pytest.approx(pipeline_floor(1.0, 4, 2))
     assert fsdp_traffic(blocks, link, replace(layout, dp=1), None) == {}

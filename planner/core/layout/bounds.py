@@ -4,8 +4,9 @@ Pure module: never imports torch. The joint search (``planner.core.layout.search
 ascending order of ``step_floor`` and stops once the next floor is slower than the fastest layout
 that fits; it skips, without solving, a layout whose ``memory_floor`` is over the limit. Both are
 computed from the blocks' costs alone (the step's also from the memory limit and the recompute
-policy: the recomputation fitting it forces, ``recompute_floor``; and under FSDP block by block from
-the replicas' links: the collectives the compute cannot hide, ``fsdp_traffic``), from sums taken
+policy: the recomputation fitting it forces, ``recompute_floor``; and under FSDP from the replicas'
+links: block by block, the collectives the compute cannot hide; a stage per unit, the reduce-scatters
+that hold the ranks once a pass, ``fsdp_traffic``), from sums taken
 once per set of costs (``block_totals``, and the traffic once per replica layout), so tens of
 thousands of layouts cost nothing next to one solve.
 ``tests/test_bounds.py`` checks on random problems that neither exceeds what the solver and the
@@ -282,7 +283,8 @@ def floors(
         read_orders: read each rank's live microbatches off the schedule's action orders where they
             have no closed form (``recompute_floor``); False: a quicker, lower step floor there.
         traffic: by mode ("fsdp", "hsdp"), what one microbatch's FSDP collectives cost a pipeline's
-            ranks together at least when it shards block by block (``fsdp_traffic``); None: nothing counted.
+            ranks together at least when it shards block by block, and of them the reduce-scatters a
+            stage per unit runs once a pass (``fsdp_traffic``); None: nothing counted.
 
     Returns:
         (the step floor in seconds, the memory floor in bytes).
@@ -357,8 +359,13 @@ def _mode_floors(
         chain,
         chain_floor(t.compute, t.backward, m, layout.n_stages, split, busiest_load(t.backwards, layout.n_stages)),
     )
-    fsdp = traffic.get(mode) if shard > 1 and layout.fsdp_units == "block" and not split else None
-    if fsdp is not None:
+    fsdp = traffic.get(mode) if shard > 1 and not split else None
+    if fsdp is not None and layout.fsdp_units == "stage":
+        # FSDP a stage per unit: each pass, every stage's reduce-scatter holds its rank after the
+        # stage's last backward (on the timeline, or after the pass where nothing overlaps), so the
+        # ranks' compute and those reductions add up, the busiest at least their mean
+        one_pass = max(one_pass, (busy * m + fsdp.reduced) / pp)
+    elif fsdp is not None:
         # FSDP block by block: every microbatch, what the stages' compute does not hide of their
         # collectives (at least the traffic beyond it, and the cold starts' gathers) comes after
         # the pass (``planner.core.step.predict``). For stage times x >= busy the pass and that
@@ -379,10 +386,14 @@ def _mode_floors(
 
 
 class FsdpFloor(NamedTuple):
-    """What FSDP block by block costs one microbatch at least, over a pipeline's ranks (``fsdp_traffic``).
+    """What FSDP costs at least, over a pipeline's ranks (``fsdp_traffic``): block by block, one
+    microbatch's collectives; a stage per unit, one pass's reduce-scatters.
 
     Attributes:
         traffic: seconds of every block's two gathers and reduce-scatter, at the least seconds per byte.
+        reduced: of it, the reduce-scatters: what FSDP with a stage per unit holds its ranks for once a
+            pass, whatever the split (``planner.core.step.simulate.Traffic``: a stage's reduce-scatter
+            after its last backward, its rank computing nothing meanwhile).
         cold: prefix sums, from 0, of the blocks' gathers at that rate, smallest first: each stage's
             forward and backward wait for their first unit's gather (``prefetched``), and the stages'
             first (and last) blocks are distinct, so ``2 x cold[n]`` is exposed on ``n`` stages.
@@ -391,6 +402,7 @@ class FsdpFloor(NamedTuple):
     """
 
     traffic: float
+    reduced: float
     cold: tuple[float, ...]
     per_stage: bool
 
@@ -412,6 +424,8 @@ def fsdp_traffic(
     ``planner.core.step.predict`` places them), the experts a rank holds over the replicas holding
     the same ones (``by_group``); no collective costs less than its bytes at the least seconds per
     byte of the fastest of those links (``ring_rate``). HSDP's all-reduce over the groups only adds.
+    With a stage per unit every block's gradients are reduce-scattered once a pass the same way
+    (``FsdpFloor.reduced``).
 
     Args:
         blocks: per-block costs as the layout's ranks hold them (degrees applied).
@@ -442,10 +456,10 @@ def fsdp_traffic(
             _least_rate(distinct, "all_gather", size // ep),
         )
         gathers = sorted(dense_rate * d + expert_rate * e for d, e, _ in split)
-        traffic = 2 * sum(gathers) + _least_rate(distinct, "reduce_scatter", size) * dense_grads
-        traffic += _least_rate(distinct, "reduce_scatter", size // ep) * expert_grads
+        reduced = _least_rate(distinct, "reduce_scatter", size) * dense_grads
+        reduced += _least_rate(distinct, "reduce_scatter", size // ep) * expert_grads
         per_stage = slots is not None or all(one.nccl is not None for one in distinct)
-        out[mode] = FsdpFloor(traffic, (0.0, *itertools.accumulate(gathers)), per_stage)
+        out[mode] = FsdpFloor(2 * sum(gathers) + reduced, reduced, (0.0, *itertools.accumulate(gathers)), per_stage)
     return out
 
 
