@@ -293,7 +293,10 @@ class Background:
 
 
 def _spawn() -> subprocess.Popen[bytes]:
-    """A worker process, with this planner first on its path and one thread for numpy.
+    """A worker process, with this planner first on its path and one thread for numpy. It starts in
+    the planner's own directory: ``python -m`` puts the working directory before every other path,
+    and the caller's (a project of its own with a ``planner`` package, or another checkout of this
+    one) would give the worker a planner other than the caller's.
 
     Raises:
         OSError: no process can start here (limits, a sandbox).
@@ -307,6 +310,7 @@ def _spawn() -> subprocess.Popen[bytes]:
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         env=env,
+        cwd=root,
         start_new_session=True,  # Ctrl-C stops the planner, which stops them (``close``)
     )
 

@@ -58,6 +58,27 @@ def test_random_problems_plan_the_same_with_two_workers() -> None:
         assert pool.width() == PER_JOB * 2  # still running: no worker died or was given up
 
 
+def test_workers_import_this_planner_wherever_it_is_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, importable_here: None
+) -> None:
+    """A planner started in a directory holding another ``planner`` package (a project of that name,
+    another checkout) still gets workers running its own: they answer, and none gives up."""
+    decoy = tmp_path / "planner"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text('raise ImportError("another planner")\n')
+    monkeypatch.chdir(tmp_path)
+    with SearchPool(2, after_s=0.0) as pool:
+        assert pool.width() == PER_JOB * 2
+        pids = _all(pool, _pid, [None] * 4)
+        assert os.getpid() not in pids  # answered by the workers, not here after they died
+        assert pool.width() == PER_JOB * 2
+
+
+def _pid(_: object) -> int:
+    """The process that runs the call."""
+    return os.getpid()
+
+
 def _all(pool: SearchPool, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
     """Every item submitted, then every result taken, in order."""
     tickets = [pool.submit(fn, item) for item in items]
