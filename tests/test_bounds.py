@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from plan_factory import block
 from test_plans_unchanged import MB, _block
 
+import planner.core.layout.candidate as candidate_module
 from planner.core.layout.bounds import (
     _cheapest_first,
     block_totals,
@@ -362,6 +363,54 @@ def test_floors_with_fsdp_traffic_never_exceed_the_layout(problem: tuple) -> Non
         if c.fits:  # (under a limit, the step floor is that of the modes whose memory floor fits)
             assert step <= c.prediction.step_time_s * (1 + 1e-9), (step, c.prediction.step_time_s, c.layout)
         assert memory <= c.prediction.max_memory_bytes, (memory, c.prediction.max_memory_bytes, c.layout)
+
+
+@settings(max_examples=200, deadline=None)
+@given(fsdp_problems())
+def test_units_and_hsdp_skipped_by_their_floor_give_the_same_choice(problem: tuple) -> None:  # type: ignore[type-arg]
+    """``evaluate_modes`` leaves FSDP's block units (HSDP) unsolved where stage units (FSDP) already
+    fit faster than their step floor: the very choice, split and figures as solving every one."""
+    blocks, cluster, layout, constraints, _ = problem
+
+    def outcome() -> object:
+        try:
+            c = evaluate_modes(blocks, cluster, layout, constraints)
+        except InfeasibleError as e:
+            return str(e)
+        return c.layout, c.prediction, c.fits
+
+    skipping = outcome()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(candidate_module, "_outpaced", lambda *a: False)
+        assert outcome() == skipping
+
+
+def test_block_units_slower_than_their_floor_are_not_solved() -> None:
+    """Two ranks of 1F1B, 4 replicas over a slow link: stage units gather once a pass; block units
+    would gather every block twice a microbatch, over their floor. They are never solved, and the
+    answer is the stage units' as when both are (HSDP likewise beside FSDP)."""
+    link = LinkCost(name="plain", latency_s=0.0, bandwidth_Bps=1e9)
+    blocks = [
+        block(f"b{i}", 250, 250, 50_000_000, act_mb=0).model_copy(update={"param_bytes": 10**8}) for i in range(2)
+    ]
+    constraints = Constraints(optimizer=OptimizerSpec(name="sgd"))
+    cluster = Cluster(world_size=8, link=link)
+    layout = Layout("1f1b", 2, 16, 1, 4, "fsdp", fsdp_units="auto")
+    solved: list[str] = []
+    real = candidate_module.evaluate_choice
+
+    def counted(blocks: list, cluster: Cluster, layout: Layout, *rest: object) -> Choice:  # type: ignore[type-arg]
+        solved.append(layout.fsdp_units)
+        return real(blocks, cluster, layout, *rest)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(candidate_module, "evaluate_choice", counted)
+        got = evaluate_modes(blocks, cluster, layout, constraints)
+        assert solved == ["stage"] and got.layout.fsdp_units == "stage"
+        patch.setattr(candidate_module, "_outpaced", lambda *a: False)
+        both = evaluate_modes(blocks, cluster, layout, constraints)
+        assert solved == ["stage", "stage", "block"]
+    assert both.prediction == got.prediction and both.layout == got.layout
 
 
 def test_fsdp_traffic_exact_values() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from planner.core.layout.bounds import floors
+from planner.core.layout.bounds import floors, fsdp_traffic
 from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling
 from planner.core.layout.rank_fit import rank_split
 from planner.core.levers.casts import compiled_casts, without_casts
@@ -220,6 +220,8 @@ def evaluate_modes(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout
     if fsdp.fits and layout.dp_shard > 1:
         # replicas on several nodes: shard groups of one node's replicas (HSDP) gather over the
         # node's link and cross nodes only to all-reduce a shard; taken where they fit and are faster
+        if _outpaced(blocks, cluster, replace(layout, dp_mode="hsdp"), constraints, [fsdp]):
+            return fsdp
         try:
             hsdp = attempt("hsdp")
         except InfeasibleError:
@@ -268,6 +270,8 @@ def _fsdp_units(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout, c
     for units in ("stage", "block"):  # on a tie, the stage: fewer, larger transfers
         if units == "stage" and stage_over:
             continue
+        if units == "block" and _outpaced(blocks, cluster, replace(layout, fsdp_units="block"), constraints, tried):
+            continue
         try:
             tried.append(evaluate_choice(blocks, cluster, replace(layout, fsdp_units=units), constraints))
         except InfeasibleError as e:
@@ -284,6 +288,28 @@ def _fsdp_units(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout, c
     if fitting:
         return min(fitting, key=lambda c: c.prediction.step_time_s)
     return min(tried, key=lambda c: c.prediction.max_memory_bytes)
+
+
+def _outpaced(
+    blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout, constraints: Constraints, tried: Sequence[Choice]
+) -> bool:
+    """Whether a candidate of ``tried`` already fits faster than ``layout`` could run whatever its
+    split (FSDP's block units beside its stage units, HSDP beside FSDP): its step floor
+    (``planner.core.layout.bounds.floors``, with FSDP's collectives) is over that step, so solving it
+    cannot change the answer (the same answer, sooner)."""
+    fitting = [c.prediction.step_time_s for c in tried if c.fits]
+    if not fitting:
+        return False
+    traffic = fsdp_traffic(blocks, cluster.link, layout, cluster.slots)
+    step, _ = floors(
+        blocks,
+        layout,
+        constraints.optimizer,
+        limit=constraints.memory_limit_bytes,
+        recompute=constraints.recompute,
+        traffic=traffic,
+    )
+    return step > min(fitting)
 
 
 __all__ = ["Choice", "evaluate_choice", "evaluate_modes"]

@@ -16,14 +16,14 @@ Pure module: never imports torch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from planner.core.layout.inputs import Constraints, Layout
 from planner.core.levers.links import Links
-from planner.core.levers.partial_recompute import fewest_recomputed
+from planner.core.levers.partial_recompute import Peaks, fewest_recomputed
 from planner.core.split.cuts import Split
 from planner.core.split.solve import policy_options, solve
-from planner.core.split.stage_plans import LaidOut, laid_out
+from planner.core.split.stage_plans import LaidOut, StageMemo, laid_out
 from planner.core.step.predict import timed
 from planner.core.step.schedules import in_flight_per_stage
 from planner.errors import InfeasibleError
@@ -66,17 +66,22 @@ def rank_split(
     limit, v = constraints.memory_limit_bytes, layout.stages_per_rank
     if limit is None or v == 1:
         return timed(_solved(blocks, link, layout, constraints, limit), blocks, layout, slots)
+    # the splits under the caps below share most of their stages: each stage is laid out, and each
+    # recomputing stage's peaks counted, once for all of them (the same figures, computed once)
+    memo = _Memo()
     tried: list[LaidOut] = []
     try:
-        tried.append(_solved(blocks, link, layout, constraints, limit // v))
+        tried.append(_solved(blocks, link, layout, constraints, limit // v, memo))
     except InfeasibleError:
         pass
     # relaxed only where the share may cost speed: it fits nothing, or it made "auto" recompute (an
     # explicit mode recomputes as asked, whatever the cap)
     if not tried or (constraints.recompute == "auto" and tried[0].split.recompute):
-        _relax(blocks, link, layout, constraints, tried)
-    # only a split that fits can be chosen, and only its step decides: the rest are never timed
-    fitting = [timed(t, blocks, layout, slots) for t in tried if t.max_memory_bytes <= limit]
+        _relax(blocks, link, layout, constraints, tried, memo)
+    # only a split that fits can be chosen, and only its step decides: the rest are never timed, nor
+    # is a split a smaller cap found again (the same figures: the first is kept on a tie anyway)
+    distinct = {(t.split.starts, t.split.recompute): t for t in reversed(tried) if t.max_memory_bytes <= limit}
+    fitting = [timed(t, blocks, layout, slots) for t in tried if distinct.get((t.split.starts, t.split.recompute)) is t]
     if fitting:
         return min(fitting, key=lambda t: t[1].step_time_s)
     return timed(min(tried, key=lambda t: t.max_memory_bytes), blocks, layout, slots)
@@ -88,6 +93,7 @@ def _relax(
     layout: Layout,
     constraints: Constraints,
     tried: list[LaidOut],
+    memo: _Memo,
 ) -> None:
     """Add to ``tried`` the split under the whole limit as a stage's cap and, where its rank peak is
     over, the splits under caps bisected down towards ``limit / v``; where none of them fits, the
@@ -99,7 +105,7 @@ def _relax(
     limit = constraints.memory_limit_bytes
     assert limit is not None
     try:
-        whole = _solved(blocks, link, layout, constraints, limit)
+        whole = _solved(blocks, link, layout, constraints, limit, memo)
     except InfeasibleError:
         if tried:
             return
@@ -111,7 +117,7 @@ def _relax(
     for _ in range(RELAX_STEPS):
         cap = (lo + hi) // 2
         try:
-            got = _solved(blocks, link, layout, constraints, cap)
+            got = _solved(blocks, link, layout, constraints, cap, memo)
         except InfeasibleError:
             lo = cap  # the stages need a larger cap
             continue
@@ -122,11 +128,16 @@ def _relax(
             hi = cap
     if not any(t.max_memory_bytes <= limit for t in tried):
         # no cap fits a rank: recompute more where the whole limit's split is over
-        tried.append(_escalate(blocks, link, layout, constraints, whole))
+        tried.append(_escalate(blocks, link, layout, constraints, whole, memo.stages))
 
 
 def _escalate(
-    blocks: Sequence[BlockCost], link: Links, layout: Layout, constraints: Constraints, start: LaidOut
+    blocks: Sequence[BlockCost],
+    link: Links,
+    layout: Layout,
+    constraints: Constraints,
+    start: LaidOut,
+    memo: StageMemo | None = None,
 ) -> LaidOut:
     """Under ``--recompute auto``, ``start`` (a split over the limit) with more recomputed: on every
     rank over the limit, the stage holding the most live activations moves one mode up (never, then
@@ -155,7 +166,7 @@ def _escalate(
         if not raised:
             break
         laid = laid_out(
-            blocks, Split(starts=laid.split.starts, recompute=tuple(flags)), link, layout, constraints.optimizer
+            blocks, Split(starts=laid.split.starts, recompute=tuple(flags)), link, layout, constraints.optimizer, memo
         )
     return laid
 
@@ -178,9 +189,11 @@ def _solved(
     layout: Layout,
     constraints: Constraints,
     cap: int | None,
+    memo: _Memo | None = None,
 ) -> LaidOut:
     """The solver's split with every stage's memory under ``cap`` (None: no cap), its recomputing
-    stages narrowed to their fewest regions, laid out on the ranks (not yet timed).
+    stages narrowed to their fewest regions, laid out on the ranks (not yet timed); ``memo`` keeps
+    the stages and peaks of the other caps' splits of the layout.
 
     Raises:
         InfeasibleError: no split fits ``cap``; with several stages per rank the message names the
@@ -202,8 +215,17 @@ def _solved(
                 f"--gpus {pp * v}", f"{pp * v} stages"
             )
         ) from None
-    split = fewest_recomputed(blocks, split, link, layout, per_stage, in_flight)
-    return laid_out(blocks, split, link, layout, constraints.optimizer)
+    split = fewest_recomputed(blocks, split, link, layout, per_stage, in_flight, memo.peaks if memo else None)
+    return laid_out(blocks, split, link, layout, constraints.optimizer, memo.stages if memo else None)
+
+
+@dataclass
+class _Memo:
+    """What the splits of one layout under several caps share (``rank_split``): the stages laid out
+    (``StageMemo``) and each recomputing stage's peaks by region count (``fewest_recomputed``)."""
+
+    stages: StageMemo = field(default_factory=StageMemo)
+    peaks: Peaks = field(default_factory=dict)
 
 
 __all__ = ["RELAX_STEPS", "rank_split"]

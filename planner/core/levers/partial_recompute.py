@@ -31,6 +31,10 @@ from planner.core.split.solve import policy_options
 from planner.core.split.stage_model import Partition, evaluate, prefix_memory_parts, stage_bounds
 from planner.schema.costs import PARTIAL_MODES, BlockCost, RecomputeMode
 
+Peaks = dict[tuple[int, int, str, int], list[int]]
+"""A stage's peaks by count of recomputed regions (``fewest_recomputed``), by (start, end, mode, live
+microbatches): the same for every split of one layout's blocks."""
+
 
 def fewest_recomputed(
     blocks: Sequence[BlockCost],
@@ -39,6 +43,7 @@ def fewest_recomputed(
     layout: Layout,
     constraints: Constraints,
     in_flight: Sequence[int],
+    known: Peaks | None = None,
 ) -> Partition:
     """The solver's split with each recomputing stage's mode narrowed to its fewest regions that fit.
 
@@ -52,6 +57,8 @@ def fewest_recomputed(
         layout: the schedule (which modes may run), microbatches, replicas and their sharding.
         constraints: the optimizer, the memory limit of one stage and the recompute policy.
         in_flight: each stage's peak live microbatches, as the solver had them.
+        known: peaks counted for other splits of the same blocks and layout, by (start, end, mode,
+            live microbatches), read and added to (None: none kept); they depend on nothing else.
 
     Returns:
         The partition with the narrowed modes and its bottleneck re-evaluated (``split`` itself when
@@ -65,28 +72,37 @@ def fewest_recomputed(
     for k, (start, end) in enumerate(stage_bounds(split.starts, len(blocks))):
         if flags[k] not in PARTIAL_MODES:  # never, stage: nothing to narrow
             continue
-        peaks = {
-            mode: [
-                parts.peak(in_flight[k], layout.fresh_grads)
-                for parts in prefix_memory_parts(
-                    blocks,
-                    start,
-                    end,
-                    constraints.optimizer,
-                    mode,
-                    layout.n_microbatches,
-                    layout.shard,
-                    layout.per_block,
-                )
-            ]
-            for mode in modes
-        }
+        peaks = {mode: _peaks(blocks, start, end, mode, in_flight[k], layout, constraints, known) for mode in modes}
         flags[k] = narrowest(blocks[start:end], flags[k], peaks, limit)
     if flags == list(split.recompute):
         return split
     return evaluate(
         blocks, Split(starts=split.starts, recompute=tuple(flags)), link, layout.schedule, layout.stages_per_rank
     )
+
+
+def _peaks(
+    blocks: Sequence[BlockCost],
+    start: int,
+    end: int,
+    mode: RecomputeMode,
+    live: int,
+    layout: Layout,
+    constraints: Constraints,
+    known: Peaks | None,
+) -> list[int]:
+    """The stage ``blocks[start:end]``'s peak bytes with ``live`` microbatches and its first k regions
+    recomputed in ``mode``, for k = 0 .. all (``prefix_memory_parts``), from ``known`` where counted."""
+    key = (start, end, mode, live)
+    if known is not None and key in known:
+        return known[key]
+    parts = prefix_memory_parts(
+        blocks, start, end, constraints.optimizer, mode, layout.n_microbatches, layout.shard, layout.per_block
+    )
+    peaks = [one.peak(live, layout.fresh_grads) for one in parts]
+    if known is not None:
+        known[key] = peaks
+    return peaks
 
 
 def narrowest(part: Sequence[BlockCost], value: str, peaks: Mapping[RecomputeMode, Sequence[int]], limit: float) -> str:
