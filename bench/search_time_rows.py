@@ -55,10 +55,11 @@ def published_child(key: str) -> dict[str, Any]:
         gpus=row.gpus,
         gpu_type=row.gpu,
         gpus_per_node=8,
-        dtype="bf16",
+        dtype=row.dtype,
         batch_size=row.batch,
         tp=row.tp,
         dp=row.dp,
+        cp=row.cp,
         output=Path(tempfile.gettempdir()) / "search_time_published.json",
         progress=False,
         recompute="auto",
@@ -72,7 +73,8 @@ def published_child(key: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         plan = plan_on_costs(
-            base.model_copy(update=SEARCH),
+            # a long-context row's degree and attention searched too, as the published page does
+            base.model_copy(update=SEARCH | ({"cp": "auto", "cp_attention": "auto"} if row.cp != 1 else {})),
             costs,
             mf,
             created="bench",
