@@ -133,6 +133,7 @@ def _result(plan: Any) -> str:
     """The plan's layout and step in one phrase."""
     lay = f"dp {plan.dp} ({plan.dp_mode}{' per block' if plan.fsdp_units == 'block' else ''}), " if plan.dp > 1 else ""
     lay += f"tp {plan.tp}{' sp' if plan.sequence_parallel else ''}, " if plan.tp > 1 else ""
+    lay += f"cp {plan.cp}{' (ring)' if plan.cp_attention == 'ring' else ''}, " if plan.cp > 1 else ""
     passes = f", k {plan.accumulation}" if plan.accumulation > 1 else ""
     return (
         f"{lay}pp {plan.n_ranks}, {plan.schedule}, m {plan.n_microbatches}, v {plan.stages_per_rank}{passes}: "
