@@ -30,6 +30,7 @@ from planner.schema.plan import Plan, StagePlan
 from planner.schema.result import MemoryMeasure, RunResult
 
 if TYPE_CHECKING:
+    from bench.published_rows import Published
     from planner.api import Costs
     from planner.capture.load import ModelFile
     from planner.schema.request import PlanRequest
@@ -221,6 +222,62 @@ def plan_on_costs(
             **extra,
         )
     return with_links(plan, costs.link)
+
+
+def base_request(row: Published, tmp: Path) -> PlanRequest:
+    """A published row's request (``bench.published_rows``): its model, GPUs, batch and degrees, and
+    what it ran with in every variant of docs/published_runs.md.
+
+    Args:
+        row: the published row.
+        tmp: where the request's plan would be written.
+
+    Returns:
+        The request.
+    """
+    from planner.schema.request import PlanRequest
+
+    return PlanRequest.build(
+        model_file=MODELS / "llama.py",
+        size=row.size,
+        overrides=row.overrides,
+        gpus=row.gpus,
+        gpu_type=row.gpu,
+        gpus_per_node=8,
+        dtype=row.dtype,
+        batch_size=row.batch,
+        tp=row.tp,
+        dp=row.dp,
+        cp=row.cp,
+        output=tmp / "plan.json",
+        progress=False,
+        recompute="auto",
+        **row.request,
+    )
+
+
+def search_update(base: PlanRequest) -> dict[str, Any]:
+    """What docs/published_runs.md's search of a row leaves open (``bench.search_time --published``
+    times the same search).
+
+    Args:
+        base: the row's request (``base_request``).
+
+    Returns:
+        The fields to update ``base`` with: the degrees, recomputation, sequence parallelism and
+        data-parallel mode; a long-context run's context-parallel degree and attention too (the
+        others keep cp 1).
+    """
+    update: dict[str, Any] = {
+        "tp": "auto",
+        "dp": "auto",
+        "recompute": "auto",
+        "sequence_parallel": "auto",
+        "dp_mode": "auto",
+    }
+    if base.cp != 1:
+        update.update(cp="auto", cp_attention="auto")
+    return update
 
 
 def tiny_gpt_request(overrides: Mapping[str, int], output: Path, **options: Any) -> PlanRequest:

@@ -34,7 +34,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import DOCS, MODELS, MOE_PUBLISHED, ROOT, host, kept_between, plan_on_costs, table, write_page
+from bench.common import (
+    DOCS,
+    MOE_PUBLISHED,
+    ROOT,
+    base_request,
+    host,
+    kept_between,
+    plan_on_costs,
+    search_update,
+    table,
+    write_page,
+)
 from bench.published_rows import CONVENTIONS, NOT_COMPARED, Published, figure_at, published_runs, published_step_s
 from planner.api import estimated_costs
 from planner.capture.load import load_model_file
@@ -84,9 +95,7 @@ def _search(base: PlanRequest, costs: Any, mf: Any, limit: int | None, timeout_s
     hold the page): the child sends the plan back as JSON."""
     if timeout_s <= 0:
         return Variant(None, "not run", 0.0)
-    update = {"tp": "auto", "dp": "auto", "recompute": "auto", "sequence_parallel": "auto", "dp_mode": "auto"}
-    if base.cp != 1:  # a long-context run: its degree and attention searched too (the others keep cp 1)
-        update.update(cp="auto", cp_attention="auto")
+    update = search_update(base)
     ctx = multiprocessing.get_context("fork")  # the costs are inherited, not pickled
     receive, send = ctx.Pipe(duplex=False)
 
@@ -130,7 +139,7 @@ def _within(base: PlanRequest, costs: Any, mf: Any, limit: int | None, row: Publ
 def evaluate(row: Published, tmp: Path, search_timeout_s: float) -> Outcome:
     """Plan one published run three ways: within the GPU's memory, as run, and the search's choice."""
     try:
-        base = _base(row, tmp)
+        base = base_request(row, tmp)
     except PlannerError as e:  # a combination the planner refuses: the row says why
         none = Variant(None, str(e).split(";")[0][:160], 0.0)
         return Outcome(row, none, none, none, 0.0)
@@ -178,27 +187,6 @@ def _gap(base: PlanRequest, costs: Any, mf: Any, limit: int | None, choice: Plan
     except PlannerError as e:  # InfeasibleError is one: a layout these figures cannot run
         return f"not attributed: {str(e)[:100]}"
     return f"carried by {gap.carried_by()}: {gap.line()}"
-
-
-def _base(row: Published, tmp: Path) -> PlanRequest:
-    """The row's request: its model, GPUs, batch and degrees, and what it ran with in every variant."""
-    return PlanRequest.build(
-        model_file=MODELS / "llama.py",
-        size=row.size,
-        overrides=row.overrides,
-        gpus=row.gpus,
-        gpu_type=row.gpu,
-        gpus_per_node=8,
-        dtype=row.dtype,
-        batch_size=row.batch,
-        tp=row.tp,
-        dp=row.dp,
-        cp=row.cp,
-        output=tmp / "plan.json",
-        progress=False,
-        recompute="auto",
-        **row.request,
-    )
 
 
 # --------------------------------------------------------------------------------------------------

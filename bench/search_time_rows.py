@@ -21,12 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import DOCS, MODELS, ROOT, cpu_model, host, table, write_between_markers
+from bench.common import DOCS, ROOT, cpu_model, host, table, write_between_markers
 
 BEGIN = "<!-- published searches: begin (bench.search_time --published) -->"
 END = "<!-- published searches: end -->"
-SEARCH = {"tp": "auto", "dp": "auto", "recompute": "auto", "sequence_parallel": "auto", "dp_mode": "auto"}
-"""What the published page's search leaves open (``bench.published_runs``)."""
 
 
 def published_child(key: str) -> dict[str, Any]:
@@ -40,31 +38,14 @@ def published_child(key: str) -> dict[str, Any]:
         choice's step change on slower hardware and the robustness warning (empty where it holds).
     """
     import planner.core.layout.search as search_module
-    from bench.common import plan_on_costs
+    from bench.common import base_request, plan_on_costs, search_update
     from bench.published_rows import published_runs
     from planner.api import estimated_costs
     from planner.capture.load import load_model_file
     from planner.errors import PlannerError
-    from planner.schema.request import PlanRequest
 
     row = next(r for r in published_runs() if r.key == key)
-    base = PlanRequest.build(
-        model_file=MODELS / "llama.py",
-        size=row.size,
-        overrides=row.overrides,
-        gpus=row.gpus,
-        gpu_type=row.gpu,
-        gpus_per_node=8,
-        dtype=row.dtype,
-        batch_size=row.batch,
-        tp=row.tp,
-        dp=row.dp,
-        cp=row.cp,
-        output=Path(tempfile.gettempdir()) / "search_time_published.json",
-        progress=False,
-        recompute="auto",
-        **row.request,
-    )
+    base = base_request(row, Path(tempfile.gettempdir()))  # the plan is never written
     mf = load_model_file(base.model_file, base.size, base.overrides)
     t0 = time.perf_counter()
     costs = estimated_costs(mf, base, 1)
@@ -73,8 +54,7 @@ def published_child(key: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         plan = plan_on_costs(
-            # a long-context row's degree and attention searched too, as the published page does
-            base.model_copy(update=SEARCH | ({"cp": "auto", "cp_attention": "auto"} if row.cp != 1 else {})),
+            base.model_copy(update=search_update(base)),
             costs,
             mf,
             created="bench",
