@@ -388,7 +388,7 @@ def test_units_and_hsdp_skipped_by_their_floor_give_the_same_choice(problem: tup
 def test_block_units_slower_than_their_floor_are_not_solved() -> None:
     """Two ranks of 1F1B, 4 replicas over a slow link: stage units gather once a pass; block units
     would gather every block twice a microbatch, over their floor. They are never solved, and the
-    answer is the stage units' as when both are (HSDP likewise beside FSDP)."""
+    answer is the stage units' as when both are."""
     link = LinkCost(name="plain", latency_s=0.0, bandwidth_Bps=1e9)
     blocks = [
         block(f"b{i}", 250, 250, 50_000_000, act_mb=0).model_copy(update={"param_bytes": 10**8}) for i in range(2)

@@ -80,8 +80,13 @@ def rank_split(
         _relax(blocks, link, layout, constraints, tried, memo)
     # only a split that fits can be chosen, and only its step decides: the rest are never timed, nor
     # is a split a smaller cap found again (the same figures: the first is kept on a tie anyway)
-    distinct = {(t.split.starts, t.split.recompute): t for t in reversed(tried) if t.max_memory_bytes <= limit}
-    fitting = [timed(t, blocks, layout, slots) for t in tried if distinct.get((t.split.starts, t.split.recompute)) is t]
+    fitting: list[Predicted] = []
+    seen: set[tuple[tuple[int, ...], tuple[str, ...]]] = set()
+    for t in tried:
+        key = (t.split.starts, t.split.recompute)
+        if t.max_memory_bytes <= limit and key not in seen:
+            seen.add(key)
+            fitting.append(timed(t, blocks, layout, slots))
     if fitting:
         return min(fitting, key=lambda t: t[1].step_time_s)
     return timed(min(tried, key=lambda t: t.max_memory_bytes), blocks, layout, slots)
