@@ -33,7 +33,8 @@ Sources:
   interleaved 1F1B 128 (72.7 GiB). The page names neither the float8 recipe nor its FSDP option:
   tensorwise scaling (the only recipe torchtitan's float8 converter had in December 2024) with
   FSDP's float8 all-gather (its documented float8 setting) are assumed. Tables 2 and 6 add context
-  parallelism under torch.compile, which the planner refuses yet (``NOT_COMPARED``).
+  parallelism (FSDP x CP, compiled, Float8, full recomputation, the sequence doubling as cp does):
+  the ``titan-*-cp*`` rows, planned with the all-gather attention torch's ``context_parallel`` ran.
 * torchtitan, docs/performance.md as of commit 3faaa1a (Aug 2024): Llama 3.1 405B on 128 H100
   (footnote 1: "HBM2e based lower TDP SXM H100 (95GB)"), FSDP 16 x TP 8, local batch 2, full
   recomputation, no Float8 or async TP: 109 tokens/s per GPU (29.0 % MFU at the SXM peak). The row
@@ -656,13 +657,6 @@ def _opt_and_megascale() -> list[Published]:
 
 # Published runs the page lists without comparing: what the planner cannot model, or figures not here.
 NOT_COMPARED: list[tuple[str, str, str, str]] = [
-    (
-        "torchtitan Tables 2 and 6, 8B / 405B with context parallelism, compiled, Float8",
-        "benchmarks/llama3_h100_202412_torchtitan.md",
-        "8B: 3,890 to 548 tokens/s per GPU at 32k to 262k tokens; 405B: 76 to 16",
-        "context parallelism with torch.compile: the planner refuses that combination yet (context parallelism it "
-        "models: the Llama 3 long-context row above; Float8: the torchtitan fp8 rows)",
-    ),
     (
         "Fernandez et al. 2024, FSDP against TP / PP on up to 2,048 H100",
         "arXiv 2411.13055",

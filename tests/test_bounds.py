@@ -21,6 +21,7 @@ from planner.core.layout.bounds import (
     block_totals,
     busiest_load,
     chain_floor,
+    ends_floor,
     floors,
     fsdp_traffic,
     least_rerun,
@@ -171,6 +172,24 @@ def test_chain_floor_exact_values() -> None:
     assert chain_floor(12.0, 8.0, 64, 4) < 12.0 * 64 / 4
 
 
+def test_ends_floor_exact_values() -> None:
+    """Four ranks of single-block stages, each block 1 s forward and 2 s backward: the chains around
+    ranks 0-3 hold 0, 3, 6 and 9 s of compute, so the ranks' 8 x 12 s of work and those 18 s give
+    (96 + 18) / 4 = 28.5 s, half a block's compute per rank after the first above the mean (24 s);
+    1F1B's balanced makespan is (8 + 3) x 3 = 33 s. A two-part backward chains forwards only (6 s);
+    a block that cannot be cut after joins the next unit."""
+    blocks = [block(f"layers.{i}", 1000, 2000, 10) for i in range(4)]
+    totals = block_totals(blocks, False)
+    assert totals.ends == pytest.approx((0.0, 0.0, 3.0, 9.0, 18.0))
+    assert ends_floor(totals.ends, 8 * totals.compute, 4) == pytest.approx(28.5)
+    assert block_totals(blocks, True).ends == pytest.approx((0.0, 0.0, 1.0, 3.0, 6.0))
+    fused = [blocks[0].model_copy(update={"cut_legal": False}), *blocks[1:]]
+    assert block_totals(fused, False).ends == pytest.approx((0.0, 0.0, 6.0, 15.0))
+    # more ranks than units: the units there are; no ranks: nothing
+    assert ends_floor(totals.ends, 0.0, 8) == pytest.approx(18.0 / 8)
+    assert ends_floor(totals.ends, 5.0, 0) == 0.0
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     st.sampled_from(SCHEDULES),
@@ -193,6 +212,10 @@ def test_pass_floors_under_the_simulated_makespan(
     total, backward = sum(t.f + t.b for t in stages), sum(t.b for t in stages)
     assert pipeline_floor(total, m, p * v, lead) <= makespan * (1 + 1e-9)
     assert chain_floor(total, backward, m, p * v, split) <= makespan * (1 + 1e-9)
+    # each stage one unit of blocks: the chains before (and with whole backwards after) each rank's work
+    chains = list(itertools.accumulate((t.f + (0.0 if split else t.b) for t in stages[: p - 1]), initial=0.0))
+    ends = tuple(itertools.accumulate(chains, initial=0.0))
+    assert ends_floor(ends, total * m, p) <= makespan * (1 + 1e-9)
 
 
 def _rich_block(rng: random.Random, i: int, n: int) -> BlockCost:

@@ -42,7 +42,8 @@ def step_floor(blocks: Sequence[BlockCost], layout: Layout, optimizer: Optimizer
 
     Each pass's makespan is at least the busiest pipeline rank's compute, itself at least the mean
     of every microbatch's forward and backward over the ranks (a two-part backward: the least of the
-    whole and its two halves) and at least what whole blocks force on some rank (``busiest_load``),
+    whole and its two halves) with the chains before and after each rank's own work (``ends_floor``)
+    and at least what whole blocks force on some rank (``busiest_load``),
     and at least the chains through the stages (``pipeline_floor``,
     ``chain_floor``); after the passes the slowest rank steps its optimizer, at least the mean share
     of the parameters, a 1/dp share when FSDP may shard it (the passes' makespans and the optimizer
@@ -104,6 +105,8 @@ class BlockTotals:
         frees_selective: the same where selective checkpointing is allowed too.
         fsdp: what FSDP shards, (bytes, parameters) (``BlockCost.fsdp_sharded``): ``param_bytes``
             and ``params``, but under expert parallelism with the experts counted whole.
+        ends: by pipeline ranks k, from 0, the least sum over ranks 0 .. k - 1 of the compute on the
+            chain before and after each rank's own work (``ends_floor``).
     """
 
     compute: float
@@ -119,6 +122,7 @@ class BlockTotals:
     frees: Frees
     frees_selective: Frees
     fsdp: tuple[int, int]
+    ends: tuple[float, ...]
 
 
 def block_totals(blocks: Sequence[BlockCost], split: bool) -> BlockTotals:
@@ -172,6 +176,14 @@ def block_totals(blocks: Sequence[BlockCost], split: bool) -> BlockTotals:
         f_bytes += fsdp_bytes
         f_params += fsdp_params
     cuts = [b.sent_bytes for b in blocks[:-1] if b.cut_legal]
+    # the compute on each rank's chain (``ends_floor``), by unit: the blocks from one legal cut to the
+    # next, which no stage splits (a two-part backward's last action may be a weight half: forwards only)
+    units = [0.0]
+    for k, b in enumerate(blocks):
+        units[-1] += b.fwd_s + (0.0 if split else b.bwd_s)
+        if b.cut_legal and k < len(blocks) - 1:
+            units.append(0.0)
+    before = itertools.accumulate(units[:-1], initial=0.0)  # before rank r: the first r units at least
     return BlockTotals(
         compute,
         backward,
@@ -186,6 +198,7 @@ def block_totals(blocks: Sequence[BlockCost], split: bool) -> BlockTotals:
         _cheapest_first(full),
         _cheapest_first(either),
         (f_bytes, f_params),
+        tuple(itertools.accumulate(before, initial=0.0)),
     )
 
 
@@ -355,7 +368,7 @@ def _mode_floors(
     chain = pipeline_floor(busy if not split else t.compute, m, layout.n_stages, t.lead)
     one_pass = max(
         busiest_load(t.loads, pp) * m,
-        busy * m / pp,
+        ends_floor(t.ends, busy * m, pp),
         chain,
         chain_floor(t.compute, t.backward, m, layout.n_stages, split, busiest_load(t.backwards, layout.n_stages)),
     )
@@ -527,6 +540,31 @@ def recompute_floor(
     return least_rerun(t.frees_selective if "selective" in modes else t.frees, t.acts - room)
 
 
+def ends_floor(ends: Sequence[float], work: float, pp: int) -> float:
+    """A lower bound of one pass's makespan: the ranks' work, and the chains around each rank's own.
+
+    Rank r holds stage r first (looped and V placements alike), so its first action waits for a
+    microbatch's forward through stages 0 .. r - 1; with whole backwards its last action (a backward)
+    is followed by that microbatch's backward back through them. Those stages hold at least the first
+    r units of blocks (a stage is never empty and cuts only at legal cuts): with ``E_r`` their compute
+    (forwards only with a two-part backward), rank r finishes no sooner than ``E_r + W_r``, ``W_r`` its
+    own compute, and the busiest of these is at least their mean, ``(sum(E_r) + sum(W_r)) / pp``.
+    Messages, recomputation and waits only add. On ``pp`` equal single-block units this adds half a
+    unit's compute per rank after the first: ``(pp - 1) / 2`` units.
+
+    Args:
+        ends: ``BlockTotals.ends``: ``ends[k]`` is the sum of ``E_r`` over ranks ``r < k``.
+        work: every rank's compute of the pass together (every microbatch's, recomputation included).
+        pp: pipeline ranks.
+
+    Returns:
+        Seconds (0 without ranks).
+    """
+    if pp < 1:
+        return 0.0
+    return (work + ends[min(pp, len(ends) - 1)]) / pp
+
+
 def pipeline_floor(compute: float, m: int, n_stages: int, lead: float = 1.0) -> float:
     """A lower bound of one pass's makespan over every split into ``n_stages`` stages, bubble included.
 
@@ -599,6 +637,7 @@ __all__ = [
     "block_totals",
     "busiest_load",
     "chain_floor",
+    "ends_floor",
     "recompute_floor",
     "floors",
     "fsdp_traffic",
