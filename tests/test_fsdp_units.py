@@ -169,6 +169,24 @@ def test_the_ranks_order_counts_the_share_as_the_closed_form(schedule: str, p: i
         assert got == closed if v == 1 else got <= closed, (schedule, p, m, rank)
 
 
+def test_a_rank_holds_one_backward_transients_at_a_time() -> None:
+    """Two stages on a rank (interleaved 1F1B, 2 ranks, 2 stages each), nothing kept per microbatch:
+    the rank holds both stages' weights and their unsharded copies, but only one backward's output
+    gradient, rebuilt region and temporaries at a time (``MemoryParts.transient``), the larger."""
+    parts = [
+        MemoryParts(fixed=10, per_microbatch=0, once=70, step=0, microbatches=2, transient=50),
+        MemoryParts(fixed=1, per_microbatch=0, once=1, step=0, microbatches=2, transient=1),
+        MemoryParts(fixed=20, per_microbatch=0, once=40, step=0, microbatches=2, transient=30),
+        MemoryParts(fixed=1, per_microbatch=0, once=1, step=0, microbatches=2, transient=1),
+    ]
+    ranks, in_flight = stage_ranks("interleaved-1f1b", 2, 2), in_flight_per_stage("interleaved-1f1b", 2, 2, 2)
+    stages = [SimpleNamespace(index=k, rank=ranks[k], in_flight=in_flight[k]) for k in range(4)]
+    layout = Layout("interleaved-1f1b", 2, 2, 2)
+    order = rank_orders("interleaved-1f1b", 2, 2, 2)[0]
+    # weights 10 + 20, what stays of once 20 + 10, one backward's 50 (the sum would be 140)
+    assert rank_memory_bytes([], stages, order, 0, ADAMW, layout, parts) == 110  # type: ignore[arg-type]
+
+
 def test_block_traffic_is_hidden_behind_compute_except_the_first_gathers() -> None:
     blocks = _layers()
     layout = Layout("gpipe", 1, 2, 1, dp=4, dp_mode="fsdp", fsdp_units="block")

@@ -334,6 +334,9 @@ class MemoryParts(NamedTuple):
     cast: int = 0  # of per_microbatch, autocast's weight copies a stage may share (``shared_casts``); 0: it may not
     reduced: int = 0  # of grads, a stage unit's sharded gradients: made by the reduce-scatter after its last backward
     kept: int = 0  # of per_microbatch, the activations the stage keeps under its recompute mode (less its output)
+    # of once, what exists only while the stage runs a backward (its output's gradient, the region it
+    # rebuilds, the backward's temporaries, the loss's): a rank runs one backward at a time
+    transient: int = 0
 
     def peak(self, in_flight: int, fresh_grads: bool = False) -> int:
         """The stage's peak bytes with ``in_flight`` live microbatches.
@@ -610,6 +613,7 @@ def parts_from_sums(
             microbatches=n_microbatches,
             reduced=reduced_bytes(sp, sn, shard, per_block),
             kept=saved,
+            transient=backward,
         )  # FSDP holds no copies (casts.without_casts)
     return MemoryParts(
         fixed=2 * p_bytes + optimizer.state_bytes(n_params, p_bytes) + n_microbatches * (cut_in + cut_out),
@@ -620,6 +624,7 @@ def parts_from_sums(
         microbatches=n_microbatches,
         cast=cast if keeps_all else 0,
         kept=saved,
+        transient=backward,
     )
 
 

@@ -156,7 +156,9 @@ def rank_memory_bytes(
     The terms of ``planner.core.split.stage_model.stage_memory_parts`` summed over the rank's stages, except
     that the activations are the peak of their sum over the rank's action order
     (``peak_live_bytes``): with several stages per rank, each stage's own peak comes at a different
-    time. Where the gradients are freed between steps (``layout.fresh_grads``) a stage's count only
+    time; and what a backward holds only while it runs (``MemoryParts.transient``: the output's
+    gradient, the rebuilt region, the backward's temporaries) is the largest stage's, not their sum:
+    the rank runs one backward at a time. Where the gradients are freed between steps (``layout.fresh_grads``) a stage's count only
     from its first backward on, an FSDP stage unit's sharded share only from its last (as
     ``MemoryParts.peak``'s). With one stage per rank it equals ``MemoryParts.peak`` under GPipe and 1F1B, and is at most that elsewhere (the closed form assumes a
     stage with fewer microbatches live than a step has reaches its peak again after a backward).
@@ -177,7 +179,7 @@ def rank_memory_bytes(
     Returns:
         Bytes.
     """
-    fixed = once = step = 0
+    fixed = once = step = transient = 0
     live_per_mb: dict[int, int] = {}
     grads: dict[int, int] = {}
     reduced: dict[int, int] = {}  # of the gradients, what comes only after the stage's last backward
@@ -195,11 +197,13 @@ def rank_memory_bytes(
         # autocast's weight copies: a set per live microbatch, or shared (casts.shared_casts)
         per_microbatch, own_once = shared_casts(own.per_microbatch, own.once, own.cast, st.in_flight)
         live_per_mb[st.index] = per_microbatch
-        once += own_once
+        once += own_once - own.transient
+        transient = max(transient, own.transient)
         step += own.step
         grads[st.index] = own.grads - own.reduced if layout.fresh_grads else 0
         reduced[st.index] = own.reduced if layout.fresh_grads else 0
     late = sum(grads.values()) + sum(reduced.values())  # in fixed and once, but only from a backward on
+    once += transient
     return fixed - late + max(peak_live_bytes(order, live_per_mb, grads, reduced) + once, step + late)
 
 
