@@ -85,6 +85,7 @@ BLOCK_LATER_DEFAULTS = {
     "kv_bytes": 0,
     "q_bytes": 0,
     "float8_share": 0.0,
+    "eager_activation_bytes": None,
 }
 SHARE_LATER_DEFAULTS = {
     "slowdown": {},

@@ -384,6 +384,37 @@ def test_sequence_parallelism_auto_is_the_faster_of_on_and_off(batch: int) -> No
     assert ("with sequence parallelism" in auto.choice.split(":")[0]) == auto.sequence_parallel  # the chosen one
 
 
+def test_a_compiled_block_splits_what_it_saves_as_its_eager_forward_does() -> None:
+    """The share counts the eager forward's tensors; a compiled block saves less (here half): both
+    parts scale to it in the eager proportion, where capping the whole part at the compiled count
+    would leave nothing split (every tp rank charged the whole block)."""
+    from plan_factory import block as plan_block
+    from test_tensor_parallel import share as layer_share
+
+    from planner.costs.tensor_parallel import _fitted
+
+    share = layer_share(10, act=5_000).model_copy(update={"unsplit_activation_bytes": 600})
+    eager = plan_block("b", 1.0, 2.0, 10).model_copy(update={"activation_bytes": 1_000})
+    compiled = eager.model_copy(update={"activation_bytes": 500, "eager_activation_bytes": 1_000})
+    split = _fitted(eager, share).tp
+    assert split is not None and (split.sharded_activation_bytes, split.unsplit_activation_bytes) == (400, 600)
+    split = _fitted(compiled, share).tp
+    assert split is not None and (split.sharded_activation_bytes, split.unsplit_activation_bytes) == (200, 300)
+    # a compiled estimate records its eager count, and each layer's tp share is what it saves, split
+    from planner.api import estimated_costs, tensor_parallel_split
+
+    request = PlanRequest.build(model_file=LLAMA, size="tiny", gpus=2, gpu_type="h100", tp=2, compile=True)
+    mf = load_model_file(LLAMA, "tiny")
+    costs = estimated_costs(mf, request, 1)
+    layers = [b for b in tensor_parallel_split(mf, request, costs, costs.blocks).blocks if b.name.startswith("layers.")]
+    assert layers
+    for b in layers:
+        assert b.tp is not None and b.eager_activation_bytes is not None
+        assert b.activation_bytes < b.eager_activation_bytes
+        held = b.tp.sharded_activation_bytes + b.tp.unsplit_activation_bytes
+        assert b.tp.sharded_activation_bytes > 0 and held <= b.activation_bytes - b.weight_cast_bytes
+
+
 def test_sequence_parallelism_auto_stays_off_when_compiled_and_at_tp_1() -> None:
     base = dict(model_file=LLAMA, size="tiny", gpus=4, gpu_type="h100", batch_size=8, progress=False)
     compiled = make_plan(PlanRequest.build(**base, tp=2, compile=True))  # type: ignore[arg-type]

@@ -146,6 +146,9 @@ class _BlockRun:
     # compiled (``Roofline.fuse``): the backward is one autograd node, which the zero-bubble schedules'
     # two-part backward runs whole for I and again for W (planner.costs.levers), so I and W each cost B
     whole_backward: bool = False
+    # what the block saves run eagerly (compiled, ``saved_bytes`` is the partitioner's): the forward
+    # whose whole and split tensors the tensor-parallel share counts
+    eager_saved_bytes: int = 0
 
 
 def _run_block(
@@ -227,7 +230,8 @@ def _run_block(
     saves = functools.partial(_compiled_saves, saved, first_out, loss_saves | param_storages, compiled)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode.phase(fwd, saves):
         out = forward(inputs)
-    saved_total = compiled[0] if compiled else sum(saved.values())
+    eager = sum(saved.values())  # compiled: what the eager forward saves (tensor parallelism's counts)
+    saved_total = compiled[0] if compiled else eager
     roots, grads = backward_roots(out)
     temps = BackwardTemps(float_bytes)
     if roots:
@@ -238,12 +242,11 @@ def _run_block(
     keep.clear()  # release the saved tensors held for their storage ids
     if not mode.fuse:  # (compiled, I runs the whole backward: _BlockRun.whole_backward)
         _input_backward(forward, args, mode, bwd_input)
-    own = _own_temps(stage, state, args, mode) if last else temps.peak()
-    loss_temps = temps.peak() if last else 0
+    own, loss_temps = (_own_temps(stage, state, args, mode), temps.peak()) if last else (temps.peak(), 0)
     found = (saved_total, outputs, model_output[0], sum(by_loss.values()), own, loss_temps, tuple(first_out))
     # the weights its GEMMs saved: under autocast over fp32 weights, lower-precision copies of them
     cast = sum(nbytes for sid, nbytes in saved_params.items() if sid in mode.cast_inputs)
-    return _BlockRun(fwd, bwd, bwd_input, *found, rerun[0], cast, whole_backward=mode.fuse)
+    return _BlockRun(fwd, bwd, bwd_input, *found, rerun[0], cast, whole_backward=mode.fuse, eager_saved_bytes=eager)
 
 
 def _backward(roots: list[torch.Tensor], grads: list[Any], mode: Roofline, model_out: Sequence[torch.Tensor]) -> None:
@@ -639,6 +642,9 @@ def _block_cost(
         kv_bytes=run.fwd.kv_bytes,
         q_bytes=run.fwd.q_bytes,
     )
+    if run.whole_backward:  # compiled: what the eager forward saves (tensor parallelism's counts)
+        eager = run.eager_saved_bytes + (run.cast_bytes if autocast else 0)
+        cost = cost.model_copy(update={"eager_activation_bytes": eager})
     if run.fwd.attention_s:  # what a ring's sends hide behind (planner.core.levers.context_parallel)
         cost = cost.model_copy(update={"attention_s": (run.fwd.attention_s, run.bwd.attention_s)})
     host = {

@@ -582,15 +582,25 @@ class TensorParallelBlocks:
 def _fitted(block: BlockCost, share: TensorParallelShare) -> BlockCost:
     """The block with its share, the split bytes and counts at most the block's own (the share is
     counted on one forward, the block's figures may be measured or estimated); the split activations
-    at most what the block saves less what every tp rank saves whole and autocast's weight copies."""
+    at most what the block saves less what every tp rank saves whole and autocast's weight copies.
+
+    A compiled block saves less than its eager forward (``BlockCost.eager_activation_bytes``: the
+    partitioner recomputes element-wise operators, whole and split alike), while the share counts the
+    eager forward's tensors: the share is fitted to the eager count, then both parts scaled to what the
+    compiled block saves, in the eager proportion. (Capped at the compiled count instead, the whole
+    part alone could exceed it, leaving nothing split: every tp rank charged the whole layer.)"""
     own = block.activation_bytes - block.weight_cast_bytes
-    unsplit = min(share.unsplit_activation_bytes, own)
+    eager = own if block.eager_activation_bytes is None else block.eager_activation_bytes - block.weight_cast_bytes
+    unsplit = min(share.unsplit_activation_bytes, eager)
+    sharded = min(share.sharded_activation_bytes, eager - unsplit)
+    if eager > own:  # compiled: the same proportion of less
+        unsplit, sharded = round(unsplit * own / eager), round(sharded * own / eager)
     share = share.model_copy(
         update={
             "sharded_params": min(share.sharded_params, block.params),
             "sharded_param_bytes": min(share.sharded_param_bytes, block.param_bytes),
-            "sharded_activation_bytes": min(share.sharded_activation_bytes, own - unsplit),
-            "unsplit_activation_bytes": unsplit,
+            "sharded_activation_bytes": min(sharded, own - min(unsplit, own)),
+            "unsplit_activation_bytes": min(unsplit, own),
         }
     )
     return block.model_copy(update={"tp": share})

@@ -289,10 +289,8 @@ class TensorParallelShare(BaseModel):
 
 
 class BlockCost(BaseModel):
-    """What one block (a group of graph nodes, usually one module) costs per microbatch.
-
-    Blocks are in execution (topological) order; a stage is a contiguous range of blocks.
-    """
+    """What one block (a group of graph nodes, usually one module) costs per microbatch. Blocks are in
+    execution (topological) order; a stage is a contiguous range of blocks."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -316,6 +314,12 @@ class BlockCost(BaseModel):
         default=0, ge=0, description="Of params, the copies of tied parameters that an earlier block owns."
     )
     activation_bytes: int = Field(ge=0, description="Bytes saved for backward by one microbatch.")
+    eager_activation_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="Compiled estimates: what the block saves run eagerly, the forward the tp "
+        "share counts (planner.costs.tensor_parallel scales it to activation_bytes). None: eager or measured.",
+    )
     weight_cast_bytes: int = Field(
         default=0,
         ge=0,
@@ -501,9 +505,7 @@ class BlockCost(BaseModel):
         "Under expert parallelism a rank holds 1/ep of the experts and shards them over the dp/ep replicas holding "
         "the same ones: the share of every expert over dp, so this counts the experts whole.",
     )
-    fsdp_param_bytes: int | None = Field(
-        default=None, ge=0, description="The bytes of fsdp_params (None: param_bytes)."
-    )
+    fsdp_param_bytes: int | None = Field(default=None, ge=0, description="Bytes of fsdp_params (None: param_bytes).")
     float8_share: float = Field(
         default=0.0, ge=0, le=1, description="Share of params FSDP gathers in float8 (--dtype fp8, tensorwise)."
     )
@@ -684,11 +686,10 @@ class OptimizerSpec(BaseModel):
     def step_temp_bytes(self, params: int) -> int:
         """Temporary bytes one optimizer step allocates on top of its state.
 
-        The fallback when the blocks' temporaries were not measured (``BlockCost.opt_temp_bytes``):
-        AdamW builds the denominator ``sqrt(exp_avg_sq) / bc + eps`` as a new fp32 tensor and one
-        more intermediate of the same size: 2 x 4 B per parameter, all of them at once under a
-        foreach implementation (CUDA); torch's per-tensor AdamW on CPU holds them for one tensor at
-        a time (then this over-estimates). Plain SGD updates in place.
+        The fallback when the blocks' temporaries were not measured (``BlockCost.opt_temp_bytes``): AdamW builds
+        the denominator ``sqrt(exp_avg_sq) / bc + eps`` as a new fp32 tensor and one more intermediate of the same
+        size: 2 x 4 B per parameter, all at once under a foreach implementation (CUDA); torch's per-tensor AdamW
+        on CPU holds them for one tensor at a time (then this over-estimates). Plain SGD updates in place.
 
         Args:
             params: number of parameters stepped.

@@ -56,6 +56,11 @@ def blocks_at(blocks: Sequence[BlockCost], size0: int, size: float, fixed_fracti
                     "flops_bwd": None if b.flops_bwd is None else b.flops_bwd * r,
                     # autocast's weight copies do not grow with the microbatch
                     "activation_bytes": round((b.activation_bytes - b.weight_cast_bytes) * r) + b.weight_cast_bytes,
+                    "eager_activation_bytes": (
+                        None
+                        if b.eager_activation_bytes is None
+                        else round((b.eager_activation_bytes - b.weight_cast_bytes) * r) + b.weight_cast_bytes
+                    ),
                     "cut_bytes": round(b.cut_bytes * r),
                     "cut_kept_bytes": None if b.cut_kept_bytes is None else round(b.cut_kept_bytes * r),
                     "output_bytes": round(b.output_bytes * r),
