@@ -594,13 +594,14 @@ def _fitted(block: BlockCost, share: TensorParallelShare) -> BlockCost:
     unsplit = min(share.unsplit_activation_bytes, eager)
     sharded = min(share.sharded_activation_bytes, eager - unsplit)
     if eager > own:  # compiled: the same proportion of less
-        unsplit, sharded = round(unsplit * own / eager), round(sharded * own / eager)
+        unsplit = round(unsplit * own / eager)  # (at most own: unsplit is at most eager)
+        sharded = min(round(sharded * own / eager), own - unsplit)  # (rounding may not add a byte)
     share = share.model_copy(
         update={
             "sharded_params": min(share.sharded_params, block.params),
             "sharded_param_bytes": min(share.sharded_param_bytes, block.param_bytes),
-            "sharded_activation_bytes": min(sharded, own - min(unsplit, own)),
-            "unsplit_activation_bytes": min(unsplit, own),
+            "sharded_activation_bytes": sharded,
+            "unsplit_activation_bytes": unsplit,
         }
     )
     return block.model_copy(update={"tp": share})

@@ -158,8 +158,8 @@ def rank_memory_bytes(
     (``peak_live_bytes``): with several stages per rank, each stage's own peak comes at a different
     time; and what a backward holds only while it runs (``MemoryParts.transient``: the output's
     gradient, the rebuilt region, the backward's temporaries) is the largest stage's, not their sum:
-    the rank runs one backward at a time. Where the gradients are freed between steps (``layout.fresh_grads``) a stage's count only
-    from its first backward on, an FSDP stage unit's sharded share only from its last (as
+    the rank runs one backward at a time. Where the gradients are freed between steps
+    (``layout.fresh_grads``) a stage's count only from its first backward on, an FSDP stage unit's sharded share only from its last (as
     ``MemoryParts.peak``'s). With one stage per rank it equals ``MemoryParts.peak`` under GPipe and 1F1B, and is at most that elsewhere (the closed form assumes a
     stage with fewer microbatches live than a step has reaches its peak again after a backward).
 
