@@ -20,6 +20,7 @@ from test_fsdp_units import ADAMW, CPU, LINK, _plan
 from planner.core.layout.inputs import Layout
 from planner.core.levers.casts import without_casts
 from planner.core.levers.data_parallel import as_gathered, block_fsdp_s, grad_reduce_s, rank_reduce_s, wide_bytes
+from planner.core.levers.recompute import unit_grad_bytes
 from planner.core.split.cuts import Split
 from planner.core.split.stage_model import grad_bytes, stage_memory_parts, unsharded_bytes
 from planner.core.step.predict import predict
@@ -47,17 +48,52 @@ def test_a_sharded_stage_holds_bf16_weights_and_fp32_gradients_unsharded() -> No
     # a bf16 stage of 1 Mi parameters (P = 2 MiB): the weights gathered in bf16 (2 MiB), the
     # gradients accumulated in fp32 (4 MiB) and one backward's bf16 gradients before FSDP adds
     # them in (2 MiB): 8 MiB, as the same stage in fp32 holds (weights and gradients, 2 x 4 MiB)
-    assert unsharded_bytes(2 * MB, MB, 0, per_block=False) == 8 * MB
-    assert unsharded_bytes(4 * MB, MB, 0, per_block=False) == 8 * MB
-    # block by block: two units gathered and one unit's gradients, whatever the dtype
-    assert unsharded_bytes(2 * MB, MB, MB // 2, per_block=True) == 3 * MB // 2
+    assert unsharded_bytes(2 * MB, MB, 0, 0, per_block=False) == 8 * MB
+    assert unsharded_bytes(4 * MB, MB, 0, 0, per_block=False) == 8 * MB
+    # block by block: two units gathered and one unit's gradients, in the parameters' dtype
+    assert unsharded_bytes(2 * MB, MB, MB // 2, MB // 2, per_block=True) == 3 * MB // 2
     # the gradients of it: a quarter of the fp32 4 MiB sharded over 4, and the 6 MiB unsharded (fp32
     # sums and one backward's bf16); in fp32 the share and the 4 MiB unsharded
-    assert grad_bytes(2 * MB, MB, 0, 4, per_block=False) == MB + 6 * MB
-    assert grad_bytes(4 * MB, MB, 0, 4, per_block=False) == MB + 4 * MB
-    assert grad_bytes(2 * MB, MB, MB // 2, 4, per_block=True) == MB + MB // 2
+    assert grad_bytes(2 * MB, MB, (0, 0), 4, per_block=False) == MB + 6 * MB
+    assert grad_bytes(4 * MB, MB, (0, 0), 4, per_block=False) == MB + 4 * MB
+    assert grad_bytes(2 * MB, MB, (MB // 2, MB // 2), 4, per_block=True) == MB + MB // 2
     # not sharded: the fp32 gradients of the master weights
-    assert grad_bytes(2 * MB, MB, 0, 1, per_block=False) == 4 * MB
+    assert grad_bytes(2 * MB, MB, (0, 0), 1, per_block=False) == 4 * MB
+
+
+def test_float8_weights_gathered_in_a_byte_have_bf16_gradients() -> None:
+    # torchao's float8 all-gather: a float8 layer's weight gathered a byte a parameter, its gradient
+    # made in the bf16 parameters' dtype. A stage of 1 Mi parameters, all in float8 layers (P = 1 MiB):
+    # the weights (1 MiB), one backward's bf16 gradients (2 MiB), their fp32 sums (4 MiB)
+    assert unit_grad_bytes(MB, MB) == 2 * MB
+    assert unit_grad_bytes(4 * MB, MB) == 4 * MB  # fp32: its own bytes
+    assert unsharded_bytes(MB, MB, 0, 0, per_block=False) == 7 * MB
+    assert grad_bytes(MB, MB, (0, 0), 4, per_block=False) == MB + 6 * MB
+    # block by block over four units of a quarter Mi parameters: two gathered (2 x 1/4 MiB), the
+    # unit's gradients in bf16 (1/2 MiB), where counting them at the gathered width said 3/4 MiB
+    layers = [block(f"layers.{i}", 10, 20, QUARTER).model_copy(update={"float8_share": 1.0}) for i in range(4)]
+    gathered = as_gathered(layers, 2)
+    assert [b.param_bytes for b in gathered] == [QUARTER] * 4
+    parts = stage_memory_parts(gathered, 0, 4, ADAMW, "never", 2, 4, per_block=True)
+    bf16 = stage_memory_parts(
+        as_gathered([b.model_copy(update={"float8_share": 0.0}) for b in layers], 2),
+        0,
+        4,
+        ADAMW,
+        "never",
+        2,
+        4,
+        per_block=True,
+    )
+    assert parts.grads == bf16.grads == MB + MB // 2  # the fp32 share (4 MiB / 4) and the unit's bf16
+    assert bf16.once - parts.once == 2 * (MB // 2 - QUARTER)  # two units gathered in a byte, not two
+    # the solver's fast memory model agrees with the formula on the float8 stage
+    request = dict(gpus=4, dp=4, dp_mode="fsdp", fsdp_units="block", batch_size=8, microbatches=2, schedule="gpipe")
+    plan = _plan(layers, profile=CPU.model_copy(update={"autocast": "bf16"}), **request)
+    assert [b.param_bytes for b in plan.blocks] == [QUARTER] * 4
+    assert plan.prediction.max_memory_bytes == stage_memory_parts(
+        plan.blocks, 0, 4, ADAMW, "never", 2, 4, per_block=True
+    ).peak(2, fresh_grads=True)
 
 
 def test_sharded_blocks_save_no_weight_copies() -> None:

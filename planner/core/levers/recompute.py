@@ -166,6 +166,15 @@ class RegionBytes(NamedTuple):
     temps: list[int]  # its largest backward temporaries (``temp_bytes``)
     params: list[int]  # its parameter bytes (FSDP's unit, block by block)
     held: int  # what the stage's loss saves: outside every region, kept per microbatch in every mode
+    grads: list[int]  # its gradients in the parameters' dtype (``unit_grad_bytes``: FSDP's unit, block by block)
+
+
+def unit_grad_bytes(p_bytes: Any, n_params: Any) -> Any:
+    """``max(P, 2 N)``: the bytes of one backward's gradients of parameters gathered in ``P`` bytes, in
+    the parameters' compute dtype, never narrower than 16 bits: a float8 layer's weight gathered in a
+    byte (torchao's float8 all-gather, ``levers.data_parallel.as_gathered``) gets bf16 gradients.
+    Ints and integer arrays alike."""
+    return p_bytes + (2 * n_params - p_bytes) * (p_bytes < 2 * n_params)
 
 
 def region_bytes(blocks: Sequence[BlockCost], start: int, end: int) -> RegionBytes:
@@ -178,6 +187,10 @@ def region_bytes(blocks: Sequence[BlockCost], start: int, end: int) -> RegionByt
         [max(temp_bytes(b) for b in blocks[a:z]) for a, z in units],
         [sum(b.param_bytes for b in blocks[a:z]) for a, z in units],
         sum(loss_held(b) for b in blocks[start:end]),
+        [
+            unit_grad_bytes(sum(b.param_bytes for b in blocks[a:z]), sum(b.params for b in blocks[a:z]))
+            for a, z in units
+        ],
     )
 
 

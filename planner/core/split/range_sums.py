@@ -15,7 +15,15 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from planner.core.levers.recompute import full_rerun_cost, kept_bytes, loss_held, loss_temps, selective_cost, temp_bytes
+from planner.core.levers.recompute import (
+    full_rerun_cost,
+    kept_bytes,
+    loss_held,
+    loss_temps,
+    selective_cost,
+    temp_bytes,
+    unit_grad_bytes,
+)
 from planner.core.split.solve_engine import AnyIntArray, IntArray
 from planner.core.split.stage_model import Regions, StageSums, boundary_message_s, cold_in, cold_out
 from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
@@ -151,7 +159,7 @@ class RegionSums:
     def __init__(self, blocks: Sequence[BlockCost]) -> None:
         n = len(blocks)
         heads = [0] + [c for c in range(1, n) if blocks[c - 1].cut_legal]
-        inputs, acts, rebuilt, params = [0] * n, [0] * n, [0] * n, [0] * n
+        inputs, acts, rebuilt, params, grads = [0] * n, [0] * n, [0] * n, [0] * n, [0] * n
         for a, z in zip(heads, [*heads[1:], n]):
             held = sum(loss_held(b) for b in blocks[a:z])  # the loss's, kept outside the regions
             temp = max(temp_bytes(b) for b in blocks[a:z])  # its backward's temporaries, while rebuilt
@@ -160,12 +168,14 @@ class RegionSums:
             rebuilt[a] = max(acts[a] - sum(kept_bytes(b) for b in blocks[a:z]), 0) + temp
             acts[a] += temp
             params[a] = sum(b.param_bytes for b in blocks[a:z])
+            grads[a] = unit_grad_bytes(params[a], sum(b.params for b in blocks[a:z]))
         self.pre_in, self.pre_kept, self.pre_held = [0], [0], [0]
         for b, x in zip(blocks, inputs):
             self.pre_in.append(self.pre_in[-1] + x)
             self.pre_kept.append(self.pre_kept[-1] + kept_bytes(b))
             self.pre_held.append(self.pre_held[-1] + loss_held(b))
         self.acts, self.rebuilt, self.params = RangeMax(acts), RangeMax(rebuilt), RangeMax(params)
+        self.grads = RangeMax(grads)
         self.temps = RangeMax([temp_bytes(b) for b in blocks])
 
     def of(self, s: int, e: int) -> Regions:
@@ -176,6 +186,7 @@ class RegionSums:
             self.rebuilt.of(s, e),
             self.pre_held[e] - self.pre_held[s],
             self.params.of(s, e),
+            self.grads.of(s, e),
             self.temps.of(s, e),
         )
 

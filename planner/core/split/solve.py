@@ -289,6 +289,7 @@ class _Arrays:
         self.region_acts = regions.acts.arrays(dtype)
         self.region_rebuilt = regions.rebuilt.arrays(dtype)
         self.region_params = regions.params.arrays(dtype)
+        self.region_grads = regions.grads.arrays(dtype)
         self.block_temps = regions.temps.arrays(dtype)
         # A limit above every possible byte count fits the same as that bound; one below zero fits
         # nothing, like -1. Clamping keeps the arithmetic in range.
@@ -346,7 +347,8 @@ class _Arrays:
             grads = 0 * fp_b if self.mem.fresh and not self.mem.per_block else fp_b
             moments = 8 * fn_p if self.adamw else 0 * fn_p
             sharded: AnyIntArray = (fp_b + grads + moments) // d + self.mem.m * cin
-            unsharded = unsharded_bytes(p_b, n_p, self.region_params.many(s, e), self.mem.per_block)
+            most = (self.region_params.many(s, e), self.region_grads.many(s, e))
+            unsharded = unsharded_bytes(p_b, n_p, *most, self.mem.per_block)
             step = self.step_temps.floor(s, e, fn_p)
             bound: AnyIntArray = sharded + np.maximum(pipeline + unsharded, step // d)
             return bound
@@ -393,7 +395,7 @@ class _Arrays:
         moments = 8 * n_p if self.adamw else 0 * n_p
         step = self.step_temps.of(s, e, n_p)
         static = 2 * p_b + master + moments
-        unsharded, most = 0 * p_b, 0 * p_b
+        unsharded, most = 0 * p_b, (0 * p_b, 0 * p_b)
         fp_b, fn_p = p_b, n_p
         d = self.mem.shard
         if d > 1:  # parts_from_sums with shard: a share of the static bytes and step (of what FSDP shards:
@@ -403,8 +405,8 @@ class _Arrays:
             moments = 8 * fn_p if self.adamw else 0 * fn_p
             static = ceil_div(2 * fp_b + master + moments, d)
             step = ceil_div(self.step_temps.of(s, e, fn_p), d)
-            most = self.region_params.many(s, e)
-            unsharded = unsharded_bytes(p_b, n_p, most, self.mem.per_block)
+            most = (self.region_params.many(s, e), self.region_grads.many(s, e))
+            unsharded = unsharded_bytes(p_b, n_p, *most, self.mem.per_block)
         grads = grad_bytes(p_b, n_p, most, d, self.mem.per_block, (fp_b, fn_p)) if self.mem.fresh else 0 * p_b
         # a stage unit's gradient share, made after its last backward: not beside the activations
         reduced = reduced_bytes(fp_b, fn_p, d, self.mem.per_block) if self.mem.fresh else 0 * p_b

@@ -26,6 +26,7 @@ from planner.core.levers.recompute import (
     recompute_mode,
     region_bytes,
     rerun_s,
+    unit_grad_bytes,
     with_loss,
 )
 from planner.core.split.cuts import Split
@@ -440,9 +441,8 @@ def _stage_sums(
     held = regions.held
     most = max(rebuilt_bytes(regions, "full"))
     most_rebuilt = max(rebuilt_bytes(regions, "selective"))
-    summed = Regions(
-        sum(regions.inputs) + held, most, sum(regions.kept), most_rebuilt, held, max(regions.params), max(regions.temps)
-    )
+    tops = max(regions.params), max(regions.grads), max(regions.temps)  # FSDP's largest unit, the largest temporaries
+    summed = Regions(sum(regions.inputs) + held, most, sum(regions.kept), most_rebuilt, held, *tops)
     kept_in = blocks[start - 1].kept_cut_bytes if start > 0 else 0
     cast = sum(b.weight_cast_bytes for b in part)
     fsdp = None
@@ -498,6 +498,7 @@ class Regions(NamedTuple):
     most_rebuilt: int  # max over regions of activations minus kept, at least 0 (selective), + their temporaries
     held: int = 0  # what the last stage's loss saves (outside every region; in ``inputs`` too)
     most_params: int = 0  # max over regions of their parameter bytes (FSDP's units, per block)
+    most_grads: int = 0  # max over regions of their gradients' bytes (``unit_grad_bytes``)
     temp: int = 0  # max over the stage's blocks of their backward's temporaries (``temp_bytes``)
 
 
@@ -520,7 +521,7 @@ def fp32_bytes(p_bytes: Any, n_params: Any) -> Any:
     return p_bytes + (4 * n_params - p_bytes) * (p_bytes < 4 * n_params)
 
 
-def unsharded_bytes(p_bytes: Any, n_params: Any, most_params: Any, per_block: bool) -> Any:
+def unsharded_bytes(p_bytes: Any, n_params: Any, most_params: Any, most_grads: Any, per_block: bool) -> Any:
     """What an FSDP rank holds unsharded while its stage runs (``stage_memory_bytes``; ints and
     integer arrays alike).
 
@@ -529,33 +530,36 @@ def unsharded_bytes(p_bytes: Any, n_params: Any, most_params: Any, per_block: bo
     ``planner.run.wrappers.fsdp_policy``). Per stage: its parameters ``P``, its gradients accumulated
     over the microbatches in fp32 (``max(P, 4 N)``) and, while a backward runs, that microbatch's
     gradients in the parameters' dtype before FSDP adds them in (none in fp32, where autograd
-    accumulates in place): ``2 P + 4 N`` narrower, ``2 P`` in fp32. Block by block: the unit
-    computing and the next one prefetched, and the unit's gradients, ``3 P_u`` (the fp32 copy FSDP
+    accumulates in place; ``unit_grad_bytes``: bf16 for float8 layers' weights gathered in a byte):
+    ``2 P + 4 N`` narrower, ``2 P`` in fp32. Block by block: the unit computing and the next one
+    prefetched, and the largest unit's gradients (``most_grads``), ``3 P_u`` (the fp32 copy FSDP
     reduce-scatters them from is made after the unit's backward has freed its activations: measured
     on CPU, counting it over-predicted every block-unit case, docs/fsdp_units.md)."""
     if per_block:
-        return 3 * most_params
+        return 2 * most_params + most_grads
     wide = fp32_bytes(p_bytes, n_params)
-    return 2 * p_bytes + wide * (p_bytes < wide)
+    return p_bytes + unit_grad_bytes(p_bytes, n_params) + wide * (p_bytes < wide)
 
 
 def grad_bytes(
-    p_bytes: Any, n_params: Any, most_params: Any, shard: int, per_block: bool, sharded: tuple[Any, Any] | None = None
+    p_bytes: Any,
+    n_params: Any,
+    most: tuple[Any, Any],
+    shard: int,
+    per_block: bool,
+    sharded: tuple[Any, Any] | None = None,
 ) -> Any:
     """Of a stage's bytes, its gradients (``MemoryParts.grads``): fp32 where the parameters are
     narrower (their fp32 master copy is what trains: the runner keeps fp32 weights and gradients
     under autocast, the same 16 bytes a parameter with AdamW), else the parameters' bytes; sharded, a
     share of those plus the unsharded ones held while the stage runs (``unsharded_bytes`` less the
-    parameters). ``sharded``: the (bytes, parameters) whose share a rank keeps, where they differ
+    parameters). ``most``: the largest unit's parameter and gradient bytes (``Regions.most_params``,
+    ``most_grads``). ``sharded``: the (bytes, parameters) whose share a rank keeps, where they differ
     from those it gathers (expert parallelism: ``BlockCost.fsdp_sharded``). Ints and integer arrays alike."""
     if shard > 1:
-        held = most_params if per_block else p_bytes
+        held = 2 * most[0] if per_block else p_bytes
         whole = fp32_bytes(*(sharded or (p_bytes, n_params)))
-        return (
-            ceil_div(whole, shard)
-            + unsharded_bytes(p_bytes, n_params, most_params, per_block)
-            - held * (2 if per_block else 1)
-        )
+        return ceil_div(whole, shard) + unsharded_bytes(p_bytes, n_params, *most, per_block) - held
     return fp32_bytes(p_bytes, n_params)
 
 
@@ -599,7 +603,9 @@ def parts_from_sums(
     saved, rebuilt = recomputed
     backward = with_loss(-1 if loss_temp is None else loss_temp, regions.held if regions else 0, out + rebuilt)
     if shard > 1:
-        most_params = regions.most_params if regions else p_bytes
+        most: tuple[int, int] = (
+            (regions.most_params, regions.most_grads) if regions else (p_bytes, unit_grad_bytes(p_bytes, n_params))
+        )
         # what FSDP shards may be more than what the rank gathers (expert parallelism: StageSums.fsdp)
         sp, sn = sums.fsdp or (p_bytes, n_params)
         if step_temp is None:
@@ -607,9 +613,9 @@ def parts_from_sums(
         return MemoryParts(
             fixed=ceil_div(2 * sp + optimizer.state_bytes(sn, sp), shard) + n_microbatches * (cut_in + cut_out),
             per_microbatch=saved + out,
-            once=backward + unsharded_bytes(p_bytes, n_params, most_params, per_block),
+            once=backward + unsharded_bytes(p_bytes, n_params, most[0], most[1], per_block),
             step=ceil_div(step, shard),
-            grads=grad_bytes(p_bytes, n_params, most_params, shard, per_block, (sp, sn)),
+            grads=grad_bytes(p_bytes, n_params, most, shard, per_block, (sp, sn)),
             microbatches=n_microbatches,
             reduced=reduced_bytes(sp, sn, shard, per_block),
             kept=saved,
@@ -620,7 +626,7 @@ def parts_from_sums(
         per_microbatch=saved + out,
         once=backward,
         step=step,
-        grads=grad_bytes(p_bytes, n_params, 0, 1, False),
+        grads=grad_bytes(p_bytes, n_params, (0, 0), 1, False),
         microbatches=n_microbatches,
         cast=cast if keeps_all else 0,
         kept=saved,
