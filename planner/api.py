@@ -158,6 +158,7 @@ def tensor_parallel_split(
         param_bytes=dtype_bytes(width) if estimated and width else None,
         hardware=costs.hardware,  # estimated: the sharded GEMMs' lower efficiency
         dtype=costs.profile.dtype,
+        size=costs.profile.microbatch_size,
     )
 
 

@@ -415,6 +415,35 @@ def test_a_compiled_block_splits_what_it_saves_as_its_eager_forward_does() -> No
         assert b.tp.sharded_activation_bytes > 0 and held <= b.activation_bytes - b.weight_cast_bytes
 
 
+def test_costs_reused_for_other_microbatches_split_as_costs_made_for_them() -> None:
+    """The shares are counted at the size the blocks were costed at (``ProfileInfo.microbatch_size``),
+    so costs reused for a request of smaller microbatches (bench/common.plan_on_costs: one estimate,
+    many layouts) split their blocks as costs made at that size do. Counted at the request's size
+    they were fitted to blocks of another size and then rescaled with them (torchtitan's 405B Float8
+    row, costed at 2 samples a microbatch: a layer's whole part at 1 and at 4 samples a microbatch
+    half and twice its bytes, 0.34 and 5.5 GiB where it holds 0.69 and 2.8)."""
+    from planner.api import estimated_costs, tensor_parallel_split
+    from planner.core.levers.microbatch import blocks_at
+
+    mf = load_model_file(LLAMA, "tiny")
+    common = dict(model_file=LLAMA, size="tiny", gpus=2, gpu_type="h100", tp=2, batch_size=8, dp=1)
+    big = PlanRequest.build(**common, microbatches=2)  # microbatches of 4 samples
+    small = PlanRequest.build(**common, microbatches=8)  # of 1
+    assert (big.microbatch_size, small.microbatch_size) == (4, 1)
+    costs = estimated_costs(mf, big, 1)
+    assert costs.profile.microbatch_size == 4
+    reused = blocks_at(tensor_parallel_split(mf, small, costs, costs.blocks).blocks, 4, 1, 0.0)
+    fresh = estimated_costs(mf, small, 1)
+    made = tensor_parallel_split(mf, small, fresh, fresh.blocks).blocks
+    split = [(a.tp, b.tp) for a, b in zip(reused, made, strict=True) if b.tp is not None]
+    assert split
+    for got, want in split:
+        assert got is not None
+        # the same bytes, to the rounding of a rescale
+        assert abs(got.unsplit_activation_bytes - want.unsplit_activation_bytes) <= 1
+        assert abs(got.sharded_activation_bytes - want.sharded_activation_bytes) <= 1
+
+
 def test_sequence_parallelism_auto_stays_off_when_compiled_and_at_tp_1() -> None:
     base = dict(model_file=LLAMA, size="tiny", gpus=4, gpu_type="h100", batch_size=8, progress=False)
     compiled = make_plan(PlanRequest.build(**base, tp=2, compile=True))  # type: ignore[arg-type]

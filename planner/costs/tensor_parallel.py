@@ -617,6 +617,7 @@ def tensor_parallel_blocks(
     param_bytes: int | None = None,
     hardware: HardwareSpec | None = None,
     dtype: str | None = None,
+    size: int | None = None,
 ) -> TensorParallelBlocks:
     """Resolve the model's tensor-parallel plan, check it and give every split block its share.
 
@@ -631,6 +632,8 @@ def tensor_parallel_blocks(
             dtype's, the model being traced in fp32), None: as traced.
         hardware: the hardware of estimated costs (the shares' GEMM ``slowdown``); None: measured.
         dtype: the planning dtype (with ``hardware``).
+        size: the samples per microbatch the blocks were costed at (``ProfileInfo.microbatch_size``),
+            where the shares are counted, so that they scale with the blocks; None: the request's.
 
     Returns:
         The blocks with their shares, the plan and the note.
@@ -656,7 +659,9 @@ def tensor_parallel_blocks(
         if forced or resolved.source == "model file":
             raise
         return TensorParallelBlocks(list(blocks), {}, f"tensor parallelism: none, the {resolved.source}'s {e}")
-    inputs, _ = mf.batch(request.microbatch_size, seed=request.seed)
+    # counted at the blocks' own size: a share counted at another is fitted to blocks of that size,
+    # then rescaled with them (costs reused for a request of other microbatches: bench/common.plan_on_costs)
+    inputs, _ = mf.batch(size or request.microbatch_size, seed=request.seed)
     shares = tensor_parallel_shares(
         traced,
         inputs,
