@@ -7,9 +7,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 # pytest-xdist workers: one per core. Most tests are single-threaded Python (tracing, the search), so
-# two workers on two cores nearly halve the suite (610-644 s with the lint beside it, then 63-67 s of
-# timing tests, measured here on 2026-12-04: make test 678 and 716 s, and 846 s for a1d0fe3's tree
-# between them; 984 s on a busier day); the multi-process tests pick free ports.
+# two workers on two cores nearly halve the suite; the multi-process tests pick free ports. Measured on
+# clean clones here: 610-644 s of suite on 2026-12-04 (one VM), 1,164-1,267 s on 2026-12-06 (an AMD
+# EPYC VM: 2,470 tests). Where the time goes (durations of one full run, 3,194 s of test time over
+# the two workers): the gloo runs, every test starting 2-4 rank processes (expert parallelism 372 s,
+# context parallelism 358 s, the shipped models 199 s, the transformers families 190 s, tensor
+# parallelism 156 s); four workers instead of two ran three such files in the same 142 s, as the ranks
+# already keep both cores busy.
 WORKERS ?= auto
 
 .PHONY: demo test suite check lint clean
