@@ -324,7 +324,8 @@ def expert_blocks(
         )
     model = costs.traced.model
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    inputs, _ = mf.batch(request.microbatch_size, seed=request.seed)
+    # routed at the blocks' own size (``tensor_parallel_split``: costs reused for other microbatches)
+    inputs, _ = mf.batch(costs.profile.microbatch_size or request.microbatch_size, seed=request.seed)
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
     width = costs.profile.dtype if costs.profile.source == "estimated" else request.autocast
     # the router runs where the weights are real (its loads give the imbalance); a meta model only has shapes

@@ -669,3 +669,33 @@ def test_expert_groups_cover_ep_over_tp_replicas_and_must_tile_them() -> None:
     assert expert_groups_fit(4, 2, 2) and expert_groups_fit(2, 2, 1) and expert_groups_fit(8, 1, 16)
     assert not expert_groups_fit(2, 4, 8)  # tp 4 does not divide ep 2
     assert not expert_groups_fit(8, 2, 6)  # 4 replicas a group do not tile 6
+
+
+def test_measured_costs_reused_for_other_microbatches_route_as_costs_made_for_them() -> None:
+    # the routed rows are counted at the size the blocks were measured at (ProfileInfo.microbatch_size):
+    # costs reused for a request of smaller microbatches (bench/common.plan_on_costs) then share out their
+    # experts' rows as costs measured at that size do; counted at the request's size they were put on
+    # blocks 4x its size and scaled down with them (a quarter of the rows, of the dispatched bytes)
+    from planner.api import expert_blocks, measured_costs
+    from planner.capture.ep_plan import resolve_experts
+    from planner.capture.load import load_model_file
+
+    model_file = ROOT / "models" / "hf" / "mixtral.py"
+    pytest.importorskip("transformers")
+    mf = load_model_file(model_file, "tiny")
+    common = dict(model_file=model_file, size="tiny", gpus=2, dp=2, ep=2, batch_size=16, repeats=1, warmup=0)
+    big = PlanRequest.build(**common, microbatches=2, progress=False)  # 4 samples a microbatch
+    small = PlanRequest.build(**common, microbatches=8, progress=False)  # 1
+    assert (big.microbatch_size, small.microbatch_size) == (4, 1)
+    shares = []
+    for request, measured in ((small, big), (small, small)):
+        costs = measured_costs(mf, measured, 1, None)
+        experts = resolve_experts(mf, costs.traced.model)
+        blocks = expert_blocks(mf, request, costs, costs.blocks, experts)
+        blocks = blocks_at(blocks, costs.profile.microbatch_size or 1, 1, 0.0)
+        shares.append([b.experts for b in blocks if b.experts is not None])
+    reused, made = shares
+    assert made and len(reused) == len(made)
+    for got, want in zip(reused, made, strict=True):
+        assert got is not None and want is not None
+        assert abs(got.rows - want.rows) <= 1 and abs(got.dispatch_bytes - want.dispatch_bytes) <= 1
