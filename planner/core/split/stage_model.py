@@ -284,9 +284,10 @@ def stage_memory_bytes(
     resharded after its forward and after its backward, its gradients reduce-scattered as soon as they
     are computed, as torchtitan shards a model's layers), a rank holds only a few units unsharded at a
     time instead of ``2 * P``: the unit being computed and the next one, prefetched (parameters), and
-    the unit's gradients until they are reduce-scattered::
+    the unit's gradients until they are reduce-scattered (``G_u``, ``unit_grad_bytes``: ``P_u`` but for
+    float8 weights gathered in a byte, whose gradients are bf16)::
 
-        pipeline = in_flight * (A + out) + out + B + 3 * max_u P_u
+        pipeline = in_flight * (A + out) + out + B + 2 * max_u P_u + max_u G_u
 
     DDP replicas (``shard`` 1) hold the whole stage, as one pipeline does: its gradient buckets are
     views of the gradients (``gradient_as_bucket_view=True``), no second copy.
@@ -532,7 +533,7 @@ def unsharded_bytes(p_bytes: Any, n_params: Any, most_params: Any, most_grads: A
     gradients in the parameters' dtype before FSDP adds them in (none in fp32, where autograd
     accumulates in place; ``unit_grad_bytes``: bf16 for float8 layers' weights gathered in a byte):
     ``2 P + 4 N`` narrower, ``2 P`` in fp32. Block by block: the unit computing and the next one
-    prefetched, and the largest unit's gradients (``most_grads``), ``3 P_u`` (the fp32 copy FSDP
+    prefetched, and the largest unit's gradients (``most_grads``), ``3 P_u`` in bf16 (the fp32 copy FSDP
     reduce-scatters them from is made after the unit's backward has freed its activations: measured
     on CPU, counting it over-predicted every block-unit case, docs/fsdp_units.md)."""
     if per_block:
