@@ -180,17 +180,15 @@ def unit_grad_bytes(p_bytes: Any, n_params: Any) -> Any:
 def region_bytes(blocks: Sequence[BlockCost], start: int, end: int) -> RegionBytes:
     """The ``RegionBytes`` of the stage ``blocks[start:end]``."""
     units = checkpoint_units(blocks, start, end)
+    params = [sum(b.param_bytes for b in blocks[a:z]) for a, z in units]
     return RegionBytes(
         [blocks[a - 1].kept_cut_bytes if a > 0 else 0 for a, _ in units],
         [sum(b.activation_bytes - loss_held(b) for b in blocks[a:z]) for a, z in units],
         [sum(kept_bytes(b) for b in blocks[a:z]) for a, z in units],
         [max(temp_bytes(b) for b in blocks[a:z]) for a, z in units],
-        [sum(b.param_bytes for b in blocks[a:z]) for a, z in units],
+        params,
         sum(loss_held(b) for b in blocks[start:end]),
-        [
-            unit_grad_bytes(sum(b.param_bytes for b in blocks[a:z]), sum(b.params for b in blocks[a:z]))
-            for a, z in units
-        ],
+        [unit_grad_bytes(p, sum(b.params for b in blocks[a:z])) for p, (a, z) in zip(params, units, strict=True)],
     )
 
 
