@@ -260,29 +260,28 @@ def test_peak_from_the_distinct_states_is_the_walked_peak(schedule, p, m, v, siz
     for order, states in zip(rank_orders(schedule, p, m, v), rank_states(schedule, p, m, v)):
         want = _walked_peak(order, per_mb, grads, reduced)
         assert peak_live_bytes(states, per_mb, grads, reduced) == want == peak_live_bytes(order, per_mb, grads, reduced)
-        assert len(states.states) <= len(order) + 1
+        assert len(states.counts) <= len(order) + 1
 
 
 def test_a_long_order_has_few_distinct_states() -> None:
     # 1F1B at m 512 on 16 ranks: 1,024 actions a rank, at most 4 (p + 1) distinct states
     for order, states in zip(rank_orders("1f1b", 16, 512), rank_states("1f1b", 16, 512)):
-        assert len(order) == 1024 and len(states.states) <= 4 * 17
-    assert prefix_states(rank_orders("gpipe", 2, 3)[0]).states == (
-        ((0,), (0,), (0,)),
-        ((1,), (0,), (0,)),
-        ((2,), (0,), (0,)),
-        ((3,), (0,), (0,)),
-        ((2,), (1,), (0,)),
-        ((1,), (1,), (0,)),
-        ((0,), (1,), (1,)),
-    )
-    # of those, the ones no other reaches or exceeds in every count: the peak is always at one of them
-    assert prefix_states(rank_orders("gpipe", 2, 3)[0]).front == (
-        ((3,), (0,), (0,)),
-        ((2,), (1,), (0,)),
-        ((0,), (1,), (1,)),
-    )
-    assert all(len(states.front) <= 3 for states in rank_states("1f1b", 16, 512))
+        assert len(order) == 1024 and len(states.counts) <= 4 * 17
+    # one row per distinct state, in the order the walk meets them: live microbatches, whether the
+    # first backward ran, whether the last did
+    assert prefix_states(rank_orders("gpipe", 2, 3)[0]).counts.tolist() == [
+        [0, 0, 0],
+        [1, 0, 0],
+        [2, 0, 0],
+        [3, 0, 0],
+        [2, 1, 0],
+        [1, 1, 0],
+        [0, 1, 1],
+    ]
+    # a rank with two stages (interleaved 1F1B, 2 ranks x 2 stages, 4 microbatches): six columns
+    two = prefix_states(rank_orders("interleaved-1f1b", 2, 4, 2)[0])
+    assert two.stages == (0, 2) and two.counts.shape[1] == 6 and two.counts[0].tolist() == [0] * 6
+    assert two.counts[-1].tolist() == [0, 0, 1, 1, 1, 1]
 
 
 @settings(max_examples=100)

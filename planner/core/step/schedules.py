@@ -29,6 +29,9 @@ from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Literal, NamedTuple
 
+import numpy as np
+import numpy.typing as npt
+
 from planner.core.heap import bulk_allocation
 from planner.errors import InfeasibleError
 from planner.schema.names import SCHEDULES, TORCH_NAMES, ZERO_BUBBLE, schedule_name
@@ -482,35 +485,27 @@ def peak_live_bytes(
     grads, reduced = grads or {}, reduced or {}
     ranked = order_for_rank if isinstance(order_for_rank, RankStates) else prefix_states(order_for_rank)
     stages = ranked.stages
-    per_mb = [bytes_per_microbatch.get(s, 0) for s in stages]
-    grad = [grads.get(s, 0) for s in stages]
-    red = [reduced.get(s, 0) for s in stages]
-    # with no negative byte count a state below another in every count never holds more than it
-    states = ranked.front if min(per_mb + grad + red, default=0) >= 0 else ranked.states
-    peak = 0
-    for live, seen, done in states:
-        total = 0
-        for k, n in enumerate(live):
-            total += n * per_mb[k] + seen[k] * grad[k] + done[k] * red[k]
-        peak = max(peak, total)
+    if not stages:
+        return 0
+    weights = np.array(
+        [bytes_per_microbatch.get(s, 0) for s in stages]
+        + [grads.get(s, 0) for s in stages]
+        + [reduced.get(s, 0) for s in stages]
+    )
+    # one product over the rank's distinct states (a few hundred at most): the sum at each, in integers
+    peak: int = (ranked.counts @ weights).max().item()
     return peak
-
-
-PrefixState = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
-"""After a prefix of a rank's order, per stage of the rank: live microbatches, whether its first
-backward has run (0 / 1), whether its last has."""
 
 
 class RankStates(NamedTuple):
     """The distinct states a rank's order passes through (``prefix_states``): its stages, ascending,
-    the states, the empty prefix's first, and of them the front: those that no other state reaches or
-    exceeds in every count (live microbatches, first backward run, last run). The peak of a sum with
-    non-negative weights is always at a state of the front, which is a few states where the order
-    passes through dozens."""
+    and one row per state, the empty prefix's first, of per-stage counts: live microbatches, then
+    whether its first backward has run (0 / 1), then whether its last has (``3 x len(stages)``
+    columns, int64). A peak of a sum linear in the state is one product over the rows, where the
+    order passes through up to thousands of actions."""
 
     stages: tuple[int, ...]
-    states: tuple[PrefixState, ...]
-    front: tuple[PrefixState, ...]
+    counts: npt.NDArray[np.int64]
 
 
 def prefix_states(order: Sequence[Action]) -> RankStates:
@@ -523,29 +518,31 @@ def prefix_states(order: Sequence[Action]) -> RankStates:
     """
     stages = tuple(sorted({a.stage for a in order}))
     index = {s: k for k, s in enumerate(stages)}
-    last = {a.stage: i for i, a in enumerate(order) if a.kind in ("B", "W")}
-    live, seen, done = [0] * len(stages), [0] * len(stages), [0] * len(stages)
-    states: dict[PrefixState, None] = {((0,) * len(stages), (0,) * len(stages), (0,) * len(stages)): None}
-    for i, a in enumerate(order):
-        k = index[a.stage]
-        if a.kind == "F":
-            live[k] += 1
-        elif a.kind in ("B", "W"):
-            live[k] -= 1
-            seen[k] = 1
-            if last[a.stage] == i:
-                done[k] = 1
-        elif a.kind != "I":
-            raise ValueError(f"action kind {a.kind!r} is invalid; expected 'F', 'B', 'I' or 'W'.")
-        states[(tuple(live), tuple(seen), tuple(done))] = None
-    # largest count first: a state another reaches or exceeds in every count has a smaller sum than
-    # it, so it comes after it, or after the front state that is above both
-    flat = sorted(((state[0] + state[1] + state[2], state) for state in states), key=lambda cs: -sum(cs[0]))
-    front: list[tuple[tuple[int, ...], PrefixState]] = []
-    for counts, state in flat:
-        if not any(all(a <= b for a, b in zip(counts, above)) for above, _ in front):
-            front.append((counts, state))
-    return RankStates(stages, tuple(states), tuple(state for _, state in front))
+    kinds = [a.kind for a in order]
+    for kind in kinds:
+        if kind not in ("F", "B", "I", "W"):
+            raise ValueError(f"action kind {kind!r} is invalid; expected 'F', 'B', 'I' or 'W'.")
+    n, k = len(order), len(stages)
+    column = np.fromiter((index[a.stage] for a in order), dtype=np.intp, count=n)
+    row = np.arange(1, n + 1)  # after action i: row i + 1 (row 0: the empty prefix)
+    backward = np.fromiter((kind in ("B", "W") for kind in kinds), dtype=bool, count=n)
+    live = np.zeros((n + 1, k), dtype=np.int64)
+    live[row, column] = np.fromiter((kind == "F" for kind in kinds), dtype=np.int64, count=n) - backward
+    seen = np.zeros((n + 1, k), dtype=np.int64)
+    done = np.zeros((n + 1, k), dtype=np.int64)
+    rows, cols = row[backward], column[backward]
+    # each stage's first backward and its last: from those rows on, the stage has seen one, has done all
+    first = np.full(k, n + 1)
+    np.minimum.at(first, cols, rows)
+    last = np.zeros(k, dtype=np.intp)
+    np.maximum.at(last, cols, rows)
+    ran = first <= n
+    seen[first[ran], np.flatnonzero(ran)] = 1
+    done[last[ran], np.flatnonzero(ran)] = 1
+    counts = np.cumsum(np.concatenate([live, seen, done], axis=1), axis=0)
+    # distinct rows, kept in the order the walk first meets them
+    _, at = np.unique(counts, axis=0, return_index=True)
+    return RankStates(stages, counts[np.sort(at)])
 
 
 @lru_cache(maxsize=STATES_CACHED)
