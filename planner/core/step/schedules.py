@@ -57,7 +57,7 @@ IN_FLIGHT_CACHED = 4096
 """The in-flight counts of this many shapes are kept (``in_flight_per_stage``): one int per stage each."""
 
 STATES_CACHED = 256
-"""Shapes whose ranks' distinct prefix states are kept (``rank_states``): a few dozen states a rank."""
+"""Shapes whose ranks' distinct prefix states are kept (``rank_states``): a few to a few hundred rows a rank."""
 
 
 Placement = Literal["single", "loop", "v"]
@@ -526,20 +526,19 @@ def prefix_states(order: Sequence[Action]) -> RankStates:
     column = np.fromiter((index[a.stage] for a in order), dtype=np.intp, count=n)
     row = np.arange(1, n + 1)  # after action i: row i + 1 (row 0: the empty prefix)
     backward = np.fromiter((kind in ("B", "W") for kind in kinds), dtype=bool, count=n)
-    live = np.zeros((n + 1, k), dtype=np.int64)
-    live[row, column] = np.fromiter((kind == "F" for kind in kinds), dtype=np.int64, count=n) - backward
-    seen = np.zeros((n + 1, k), dtype=np.int64)
-    done = np.zeros((n + 1, k), dtype=np.int64)
+    # each row's change: live microbatches per stage, then from which row on a stage has run its
+    # first backward, then its last; the counts are their running sums
+    change = np.zeros((n + 1, 3 * k), dtype=np.int64)
+    change[row, column] = np.fromiter((kind == "F" for kind in kinds), dtype=np.int64, count=n) - backward
     rows, cols = row[backward], column[backward]
-    # each stage's first backward and its last: from those rows on, the stage has seen one, has done all
     first = np.full(k, n + 1)
     np.minimum.at(first, cols, rows)
     last = np.zeros(k, dtype=np.intp)
     np.maximum.at(last, cols, rows)
-    ran = first <= n
-    seen[first[ran], np.flatnonzero(ran)] = 1
-    done[last[ran], np.flatnonzero(ran)] = 1
-    counts = np.cumsum(np.concatenate([live, seen, done], axis=1), axis=0)
+    ran = np.flatnonzero(first <= n)
+    change[first[ran], k + ran] = 1
+    change[last[ran], 2 * k + ran] = 1
+    counts = np.cumsum(change, axis=0)
     # distinct rows, kept in the order the walk first meets them
     _, at = np.unique(counts, axis=0, return_index=True)
     return RankStates(stages, counts[np.sort(at)])
