@@ -207,7 +207,8 @@ cost_options = option_group(
         "--attention-kernel",
         default=None,
         metavar="BACKEND",
-        help="With --gpu-type: the attention backend to cost (flash, cudnn, efficient).",
+        help="With --gpu-type: the attention kernel to cost (flash, cudnn, efficient; unfused: code before "
+        "FlashAttention, the S x S scores through memory).",
     ),
     option(
         "--calibrate",

@@ -372,6 +372,9 @@ def gpu_cells(row: Published) -> list[str]:
     """The row's GPU spec, convention and source, and what it assumes."""
     hw = GPUS[row.gpu]
     spec = f"`{row.gpu}`: {hw.peak('bf16') / 1e12:.1f} TFLOP/s bf16, {hw.memory_bytes / 2**30:.1f} GiB"
+    kernel = row.request.get("attention_kernel")
+    if kernel:  # another attention kernel than the GPU's default, as the run's software had it
+        spec += f", `{kernel}` attention"
     return [row.key, row.source, spec, row.gpu_note, CONVENTIONS[row.convention], row.assumed or "—"]
 
 
@@ -522,11 +525,6 @@ the GPUs that ran):
   rows miss by more than the eager ones: the planner's fusion model (each block's memory-bound
   operators as one kernel, `planner/costs/fusion.py`) credits torch.compile with more than it
   delivered there.
-- Megatron-LM's small models (1.7B, 3.6B), predicted too fast: that 2021 code ran attention
-  unfused (two batched GEMMs around a fused scale-mask-softmax, the s × s scores written to memory;
-  FlashAttention is of 2022), where the A100 spec's only attention figures are FlashAttention-2's.
-  At h = 2,304 the attention scores are s/6h = 15 % of the FLOPs and most of the memory traffic; the
-  share falls as h grows, as the errors do.
 - MegaScale, predicted too slow: it overlaps the tensor- and sequence-parallel collectives with the
   GEMMs beside them (all-gather and reduce-scatter fused into the linears, its Figure 3) and runs a
   parallel transformer block (attention and MLP side by side) with sliding-window attention; the

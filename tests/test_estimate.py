@@ -371,6 +371,30 @@ def test_attention_kernel_option_costs_the_named_backend() -> None:
     assert flash.bwd_s == pytest.approx(1.25 * own.bwd_s, rel=1e-9)  # 0.25 / 0.2
 
 
+def test_unfused_attention_runs_every_score_through_two_gemms_and_saves_the_probabilities() -> None:
+    """--attention-kernel unfused: attention as code before FlashAttention ran it (Megatron-LM 2021):
+    the scores' GEMM, one scale-mask-softmax kernel, the values' GEMM; every score computed (causal
+    or not), the S x S probabilities saved for backward, four GEMMs and the softmax's backward."""
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    shape = (B, HEADS, T, HEAD_DIM)
+    full = sdpa_flop_count(shape, shape, shape)  # the two GEMMs' FLOPs: 4 b a s^2 d
+    scores = B * HEADS * T * T * 4  # fp32 bytes of one S x S tensor per head
+    qkv = B * T * HID * 4  # the test block reads one tensor as q, k and v
+    hw = _spec(attention_fwd_efficiency=0.5, attention_bwd_efficiency=0.25).with_attention("unfused")
+    for causal in (False, True):
+        c = _attention_costs(hw, causal)[1]
+        assert (c.flops_fwd, c.flops_bwd) == (full, 2 * full)  # no causal half; backward: four GEMMs
+        assert c.fwd_s == pytest.approx(full / 1e9, rel=1e-9)  # the GEMM figures (1.0 here), not attention's
+        assert c.bwd_s == pytest.approx(2 * full / 1e9, rel=1e-9)
+        assert c.activation_bytes == qkv + scores  # q (= k = v) and the probabilities
+    # memory-bound: forward reads q and k, writes the scores; the softmax reads them and writes the
+    # probabilities; the values' GEMM reads those and v and writes o (b, a, s, d), which the
+    # transpose + reshape after it then copies
+    slow = _spec(peak_flops={"fp32": 1e30, "bf16": 1e30}, memory_Bps=1.0).with_attention("unfused")
+    assert _attention_costs(slow, True)[1].fwd_s == pytest.approx(4 * scores + 6 * qkv, rel=1e-9)
+
+
 def test_attention_output_layout_makes_the_transpose_reshape_a_view(monkeypatch: pytest.MonkeyPatch) -> None:
     from planner.costs import roofline
     from planner.costs.roofline import attention_output

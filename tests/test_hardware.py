@@ -169,8 +169,17 @@ def test_another_attention_backend_replaces_only_the_attention_figures() -> None
     assert {k: v for k, v in flash.model_dump().items() if k not in rest} == {
         k: v for k, v in h100.model_dump().items() if k not in rest
     }
-    with pytest.raises(HardwareError, match=r"'cudnn': the table has no figures for it on a100-80g \(it has: flash\)"):
+    with pytest.raises(
+        HardwareError, match=r"'cudnn': the table has no figures for it on a100-80g \(it has: flash, unfused\)"
+    ):
         get_hardware("a100-80g").with_attention("cudnn")
+    # attention before fused kernels needs no figures of its own: every device has it
+    for hw in GPUS.values():
+        unfused = hw.with_attention("Unfused")
+        assert unfused.attention_backend == "unfused" and unfused.attention_kernel.startswith("unfused")
+        assert {k: v for k, v in unfused.model_dump().items() if k not in rest} == {
+            k: v for k, v in hw.model_dump().items() if k not in rest
+        }
     for hw in GPUS.values():
         assert (
             hw.attention_backend in ("flash", "cudnn", "efficient") and hw.attention_backend not in hw.other_attention

@@ -31,7 +31,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from planner.capture.attention import SDPA_CALLS, sdpa_arguments
 from planner.capture.checkpoint import KeepRule
-from planner.core.levers.hardware import HardwareSpec
+from planner.core.levers.hardware import UNFUSED_ATTENTION, HardwareSpec
 from planner.costs.backward_temps import storage_bytes
 from planner.costs.fusion import Fusion
 from planner.torch_compat import (
@@ -592,8 +592,55 @@ def _sdpa(*args: Any, **kwargs: Any) -> Any:
         q, k, v = a["query"], a["key"], a["value"]
         fused = roof.hw.async_launch or not a.get("dropout_p", 0.0)
         if fused and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.shape[1] % k.shape[1] == 0:
+            if roof.hw.attention_backend == UNFUSED_ATTENTION:
+                mask = a.get("attn_mask")
+                roof.tally.kv_bytes += tensor_bytes(k, roof.float_bytes) + tensor_bytes(v, roof.float_bytes)
+                roof.tally.q_bytes += tensor_bytes(q, roof.float_bytes) if a.get("is_causal") or mask is not None else 0
+                return _UnfusedAttention.apply(roof, q, k, v, mask)
             return _FusedAttention.apply(roof, q, k, v, a.get("attn_mask"), bool(a.get("is_causal", False)))
     return _ORIGINAL_SDPA(*args, **kwargs)
+
+
+class _UnfusedAttention(torch.autograd.Function):
+    """Attention as code before fused kernels ran it (``--attention-kernel unfused``; Megatron-LM
+    2021's ``ParallelAttention``): a batched GEMM for the scores, one kernel that scales, masks and
+    softmaxes them (``FusedScaleMaskSoftmax``: the scale folded into the GEMM, a causal mask computed
+    in the kernel, no mask tensor made), and a batched GEMM with the values; backward, the two GEMMs'
+    four and the softmax's own kernel. The GEMMs run every score, the masked ones too (no causal
+    half), charged as any batched GEMM (strided: no copies of the heads); the scores and
+    probabilities, S x S per head, pass through memory, and the probabilities stay saved for
+    backward beside the queries, keys and values. Grouped keys and values are charged at the query's
+    heads, as torch's math path repeats them. Attention dropout is left out (the fused kernels above
+    charge none either).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, roof: Roofline, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        b, a, s, d = q.shape
+        n, t, dv = b * a, k.shape[-2], v.shape[-1]
+        scores = torch.bmm(q.new_empty((n, s, d)), k.new_empty((n, d, t)))
+        probs = torch.empty_like(scores)
+        roof.charge_fused(0.0, [scores, probs] + ([mask] if mask is not None else []), scores.dtype, 1.0)
+        out = torch.bmm(probs, v.new_empty((n, t, dv)))
+        ctx.save_for_backward(q, k, v, probs)
+        ctx.roof = roof
+        return out.view(b, a, s, dv)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+        q, k, v, probs = ctx.saved_tensors
+        n, s, t = probs.shape
+        d, dv = q.shape[-1], v.shape[-1]
+        g = grad.new_empty((n, s, dv))
+        torch.bmm(g, v.new_empty((n, dv, t)))  # the probabilities' gradient
+        torch.bmm(probs.transpose(1, 2), g)  # the values'
+        grad_scores = torch.empty_like(probs)
+        ctx.roof.charge_fused(0.0, [probs, probs, grad_scores], probs.dtype, 1.0)  # (probs and their gradient read)
+        torch.bmm(grad_scores, k.new_empty((n, t, d)))  # the queries'
+        torch.bmm(grad_scores.transpose(1, 2), q.new_empty((n, s, d)))  # the keys'
+        return None, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
 
 
 @contextlib.contextmanager

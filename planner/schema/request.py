@@ -271,7 +271,8 @@ class PlanRequest(_Request):
     attention_kernel: str | None = Field(
         default=None,
         description="--gpu-type estimates: the scaled_dot_product_attention backend to cost ('flash', 'cudnn', "
-        "'efficient'; None: the one current torch picks on that GPU).",
+        "'efficient'; 'unfused': two GEMMs around a softmax, as code before FlashAttention ran it; None: the one "
+        "current torch picks on that GPU).",
     )
     dtype: Dtype | None = Field(
         default=None,

@@ -40,6 +40,10 @@ DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 """Bytes per element a parameter/activation takes in each planning dtype (tf32 stores fp32)."""
 
 
+UNFUSED_ATTENTION = "unfused"
+"""``--attention-kernel``'s name for attention before fused kernels (``HardwareSpec.with_attention``)."""
+
+
 class HardwareError(PlannerError):
     """Unknown hardware name, or a dtype the hardware does not support."""
 
@@ -213,8 +217,14 @@ class HardwareSpec(BaseModel):
         forward and backward reach half the speed (docs/gpu_costs.md). A plan for an older stack,
         or for a model that forces a backend, names it.
 
+        ``unfused`` is attention as code before FlashAttention (2022) ran it, on any device: two
+        batched GEMMs around one scale-mask-softmax kernel, the scores written to memory and the
+        probabilities saved for backward (Megatron-LM's ``baddbmm``, ``FusedScaleMaskSoftmax`` and
+        ``bmm``); its GEMMs take the GEMM figures, its softmax the memory bandwidth
+        (``planner.costs.roofline``), so it needs no figures of its own.
+
         Args:
-            backend: 'flash', 'cudnn' or 'efficient' (the default backend returns this spec).
+            backend: 'flash', 'cudnn', 'efficient' or 'unfused' (the default backend returns this spec).
 
         Returns:
             The spec with ``attention_*`` set for that backend.
@@ -225,8 +235,15 @@ class HardwareSpec(BaseModel):
         key = backend.strip().lower()
         if key == self.attention_backend:
             return self
+        if key == UNFUSED_ATTENTION:
+            return self.model_copy(
+                update={
+                    "attention_kernel": "unfused: two batched GEMMs around a scale-mask-softmax kernel",
+                    "attention_backend": key,
+                }
+            )
         if key not in self.other_attention:
-            known = ", ".join([self.attention_backend, *self.other_attention])
+            known = ", ".join([self.attention_backend, *self.other_attention, UNFUSED_ATTENTION])
             raise HardwareError(
                 f"--attention-kernel {backend!r}: the table has no figures for it on {self.name} "
                 f"(it has: {known}); measure them with python -m bench.gpu_check on the device, "
