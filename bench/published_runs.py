@@ -508,6 +508,11 @@ Nothing here is fitted to a published run.
 - GEMM and attention efficiencies: fixed per GPU in the specs (`matmul_efficiency`, the
   attention kernels' forward / backward efficiencies), from microbenchmarks cited in
   docs/gpu_costs.md (on an H100, the blocks measured at 0.97–1.0× their estimate, docs/gpu_check.md).
+- The attention kernel: the one the run's software had, named in the GPU table below where it is
+  not the GPU's default (`--attention-kernel`): FlashAttention-2 (`flash`) for torchtitan's runs on
+  the torch of December 2024; for the Megatron-LM runs of 2021 and OPT (trained before FlashAttention,
+  2022) two batched GEMMs around a fused softmax (`unfused`: the GEMM figures and the memory
+  bandwidth, every score computed and the probabilities saved; docs/gpu_costs.md).
 - FP8: the datasheet's FP8 peak (1,979 dense TFLOP/s on an H100), large FP8 GEMMs at 1.75× bf16's
   speed (NVIDIA's cuBLAS 12.9 figure for Hopper), and torchao's own casts and scales run under the
   roofline as the memory-bound operators they are (docs/fp8.md).
