@@ -393,6 +393,42 @@ def test_unfused_attention_runs_every_score_through_two_gemms_and_saves_the_prob
     # transpose + reshape after it then copies
     slow = _spec(peak_flops={"fp32": 1e30, "bf16": 1e30}, memory_Bps=1.0).with_attention("unfused")
     assert _attention_costs(slow, True)[1].fwd_s == pytest.approx(4 * scores + 6 * qkv, rel=1e-9)
+    # compiled: the GEMMs and the softmax kernel stay as they are (barriers to inductor's regions)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(HID, HID), _Attention(True), nn.Linear(HID, HID))
+    x = torch.empty(B, T, HID, device="meta")
+    traced = trace_model(model, (x,), methods=("fx",))
+    compiled = estimate_blocks(
+        traced, (x,), torch.empty(B, T, HID, device="meta"), _mse, hw, "fp32", progress=False, compiled=True
+    )
+    assert (compiled[1].flops_fwd, compiled[1].flops_bwd) == (full, 2 * full)
+    assert compiled[1].activation_bytes >= scores  # the probabilities, which the GEMMs' backwards read
+
+
+class _GroupedAttention(nn.Module):
+    """Grouped-query attention: two query heads per key and value head."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q = x.view(b, s, HEADS, HEAD_DIM).transpose(1, 2)
+        kv = x[..., : h // 2].reshape(b, s, HEADS // 2, HEAD_DIM).transpose(1, 2)
+        o = torch.nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+        return o.transpose(1, 2).reshape(b, s, h)
+
+
+def test_unfused_grouped_attention_computes_every_query_head() -> None:
+    """Grouped keys and values cost, unfused, what attention with as many key heads as query heads
+    costs (torch's math path repeats them): the FLOPs of the whole-head attention."""
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    shape = (B, HEADS, T, HEAD_DIM)
+    hw = _spec().with_attention("unfused")
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(HID, HID), _GroupedAttention(), nn.Linear(HID, HID))
+    x = torch.empty(B, T, HID, device="meta")
+    traced = trace_model(model, (x,), methods=("fx",))
+    costs = estimate_blocks(traced, (x,), torch.empty(B, T, HID, device="meta"), _mse, hw, "fp32", progress=False)
+    assert costs[1].flops_fwd == sdpa_flop_count(shape, shape, shape)
 
 
 def test_attention_output_layout_makes_the_transpose_reshape_a_view(monkeypatch: pytest.MonkeyPatch) -> None:
