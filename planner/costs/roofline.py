@@ -634,10 +634,10 @@ class _UnfusedAttention(torch.autograd.Function):
         n, s, t = probs.shape
         d, dv = q.shape[-1], v.shape[-1]
         g = grad.new_empty((n, s, dv))
-        torch.bmm(g, v.new_empty((n, dv, t)))  # the probabilities' gradient
-        torch.bmm(probs.transpose(1, 2), g)  # the values'
+        grad_probs = torch.bmm(g, v.new_empty((n, dv, t)))
+        torch.bmm(probs.transpose(1, 2), g)  # the values' gradient
         grad_scores = torch.empty_like(probs)
-        ctx.roof.charge_fused(0.0, [probs, probs, grad_scores], probs.dtype, 1.0)  # (probs and their gradient read)
+        ctx.roof.charge_fused(0.0, [probs, grad_probs, grad_scores], probs.dtype, 1.0)
         torch.bmm(grad_scores, k.new_empty((n, t, d)))  # the queries'
         torch.bmm(grad_scores.transpose(1, 2), q.new_empty((n, s, d)))  # the keys'
         return None, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
