@@ -623,7 +623,8 @@ def _opt_and_megascale() -> list[Published]:
             147.0,
             "TFLOP/s",
             "megatron72",
-            # trained Oct 2021 - Jan 2022 with Megatron's fused softmax between two GEMMs (before FlashAttention)
+            # trained Oct 2021 - Jan 2022 with Megatron's fused softmax between two GEMMs, before FlashAttention
+            # (metaseq carries Megatron's kernels: metaseq/modules/megatron/fused_kernels, model/fused_softmax.py)
             request={"dp_mode": "fsdp", "sequence_parallel": False, "attention_kernel": "unfused"},
             as_run={"recompute": "full"},
             assumed="TP 8, batch 992 sequences, full recomputation, FLOP formula (Megatron's model FLOPs)",
