@@ -269,6 +269,7 @@ def test_calibration_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 
 
 @pytest.mark.slow
+@pytest.mark.timing  # a calibration and a profile measured minutes apart: run alone on the cores (Makefile)
 def test_calibrated_cpu_estimate_roughly_matches_measurement(tmp_path: Path) -> None:
     hw = calibrated_cpu(1, path=tmp_path / "cpu.json")
     mf = load_model_file(ROOT / "models" / "gpt.py", "tiny")
