@@ -309,12 +309,15 @@ class _Attention(nn.Module):
         return o.transpose(1, 2).reshape(b, s, h)
 
 
-def _attention_costs(hw: HardwareSpec, causal: bool, tracer: str = "fx"):
+def _attention_costs(
+    hw: HardwareSpec, causal: bool, tracer: str = "fx", compiled: bool = False, attention: nn.Module | None = None
+):
     with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(HID, HID), _Attention(causal), nn.Linear(HID, HID))
+        model = nn.Sequential(nn.Linear(HID, HID), attention or _Attention(causal), nn.Linear(HID, HID))
     x = torch.empty(B, T, HID, device="meta")
     traced = trace_model(model, (x,), methods=(tracer,))
-    return estimate_blocks(traced, (x,), torch.empty(B, T, HID, device="meta"), _mse, hw, "fp32", progress=False)
+    target = torch.empty(B, T, HID, device="meta")
+    return estimate_blocks(traced, (x,), target, _mse, hw, "fp32", progress=False, compiled=compiled)
 
 
 def test_attention_in_an_exported_graph_is_charged_as_the_fused_kernel() -> None:
@@ -395,13 +398,7 @@ def test_unfused_attention_runs_every_score_through_two_gemms_and_saves_the_prob
     slow = _spec(peak_flops={"fp32": 1e30, "bf16": 1e30}, memory_Bps=1.0).with_attention("unfused")
     assert _attention_costs(slow, True)[1].fwd_s == pytest.approx(4 * scores + 6 * qkv, rel=1e-9)
     # compiled: the GEMMs and the softmax kernel stay as they are (barriers to inductor's regions)
-    with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(HID, HID), _Attention(True), nn.Linear(HID, HID))
-    x = torch.empty(B, T, HID, device="meta")
-    traced = trace_model(model, (x,), methods=("fx",))
-    compiled = estimate_blocks(
-        traced, (x,), torch.empty(B, T, HID, device="meta"), _mse, hw, "fp32", progress=False, compiled=True
-    )
+    compiled = _attention_costs(hw, True, compiled=True)
     assert (compiled[1].flops_fwd, compiled[1].flops_bwd) == (full, 2 * full)
     assert compiled[1].activation_bytes >= scores  # the probabilities, which the GEMMs' backwards read
 
@@ -423,12 +420,7 @@ def test_unfused_grouped_attention_computes_every_query_head() -> None:
     from torch.utils.flop_counter import sdpa_flop_count
 
     shape = (B, HEADS, T, HEAD_DIM)
-    hw = _spec().with_attention("unfused")
-    with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(HID, HID), _GroupedAttention(), nn.Linear(HID, HID))
-    x = torch.empty(B, T, HID, device="meta")
-    traced = trace_model(model, (x,), methods=("fx",))
-    costs = estimate_blocks(traced, (x,), torch.empty(B, T, HID, device="meta"), _mse, hw, "fp32", progress=False)
+    costs = _attention_costs(_spec().with_attention("unfused"), True, attention=_GroupedAttention())
     assert costs[1].flops_fwd == sdpa_flop_count(shape, shape, shape)
 
 

@@ -544,8 +544,6 @@ class _FusedAttention(torch.autograd.Function):
             roof.hw.attention_efficiency(backward=False),
             kept=[o, lse],
         )
-        roof.tally.kv_bytes += tensor_bytes(k, roof.float_bytes) + tensor_bytes(v, roof.float_bytes)
-        roof.tally.q_bytes += tensor_bytes(q, roof.float_bytes) if causal or mask is not None else 0
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.roof = roof
         ctx.share = share
@@ -592,12 +590,13 @@ def _sdpa(*args: Any, **kwargs: Any) -> Any:
         q, k, v = a["query"], a["key"], a["value"]
         fused = roof.hw.async_launch or not a.get("dropout_p", 0.0)
         if fused and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.shape[1] % k.shape[1] == 0:
+            mask, causal = a.get("attn_mask"), bool(a.get("is_causal", False))
+            # what context parallelism exchanges, whichever kernel runs (planner.core.levers.context_parallel)
+            roof.tally.kv_bytes += tensor_bytes(k, roof.float_bytes) + tensor_bytes(v, roof.float_bytes)
+            roof.tally.q_bytes += tensor_bytes(q, roof.float_bytes) if causal or mask is not None else 0
             if roof.hw.attention_backend == UNFUSED_ATTENTION:
-                mask = a.get("attn_mask")
-                roof.tally.kv_bytes += tensor_bytes(k, roof.float_bytes) + tensor_bytes(v, roof.float_bytes)
-                roof.tally.q_bytes += tensor_bytes(q, roof.float_bytes) if a.get("is_causal") or mask is not None else 0
                 return _UnfusedAttention.apply(roof, q, k, v, mask)
-            return _FusedAttention.apply(roof, q, k, v, a.get("attn_mask"), bool(a.get("is_causal", False)))
+            return _FusedAttention.apply(roof, q, k, v, mask, causal)
     return _ORIGINAL_SDPA(*args, **kwargs)
 
 
