@@ -38,7 +38,8 @@ from planner.core.split.stage_model import Partition
 from planner.core.step.schedules import SCHEDULES, ZERO_BUBBLE, check_schedule, stages_per_rank_options
 from planner.core.step.simulate import StageTimes, simulate_step
 from planner.errors import InfeasibleError
-from planner.schema.costs import BlockCost, ExpertShare, LinkCost, OptimizerSpec
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
+from planner.schema.shares import ExpertShare
 
 LINKS = [
     LinkCost(name="free", latency_s=0.0, bandwidth_Bps=1e12),

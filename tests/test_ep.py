@@ -15,8 +15,9 @@ from planner.core.levers.hardware import get_hardware, link_cost
 from planner.core.levers.links import NodeLinks
 from planner.core.levers.microbatch import blocks_at
 from planner.errors import PlannerError
-from planner.schema.costs import BlockCost, ExpertShare, LinkCost, OptimizerSpec
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
 from planner.schema.request import MOE_IMBALANCE, PlanRequest
+from planner.schema.shares import ExpertShare
 
 ROOT = Path(__file__).resolve().parent.parent
 LINK = LinkCost(name="test", latency_s=1e-3, bandwidth_Bps=1e9)

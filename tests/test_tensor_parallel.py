@@ -26,9 +26,10 @@ from planner.core.split.stage_model import stage_memory_parts, stage_time_parts
 from planner.core.step.schedules import SCHEDULES, stages_per_rank_options
 from planner.errors import InfeasibleError
 from planner.report.tables import layout_line, render, search_table
-from planner.schema.costs import BlockCost, LinkCost, TensorParallelShare
+from planner.schema.costs import BlockCost, LinkCost
 from planner.schema.plan import ModelRef, ProfileInfo
 from planner.schema.request import PlanRequest
+from planner.schema.shares import TensorParallelShare
 
 TP_PLAN = {"layers.*.w1": "colwise", "layers.*.w2": "rowwise"}
 
@@ -352,7 +353,7 @@ def test_tp_auto_is_searched_for_gpu_estimates_and_given_for_measured_plans() ->
 
 
 def test_sequence_parallelism_splits_the_sequence_bytes_and_swaps_all_reduces_for_rings() -> None:
-    from planner.schema.costs import SequenceShare
+    from planner.schema.shares import SequenceShare
 
     seq = SequenceShare(
         activation_bytes=MB,  # of the 2 MB saved whole (norms' inputs)

@@ -39,7 +39,8 @@ from planner.capture.ep_plan import ExpertLayer, Experts
 from planner.capture.expert_calls import calls_of
 from planner.core.levers.hardware import HardwareSpec
 from planner.errors import ModelFileError
-from planner.schema.costs import BlockCost, ExpertShare
+from planner.schema.costs import BlockCost
+from planner.schema.shares import ExpertShare
 
 
 @dataclass(frozen=True)

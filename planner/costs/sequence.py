@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from planner.schema.costs import SequenceShare, TensorParallelShare
 from planner.schema.request import PlanRequest
+from planner.schema.shares import SequenceShare, TensorParallelShare
 
 
 @dataclass

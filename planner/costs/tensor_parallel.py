@@ -82,8 +82,9 @@ from planner.costs.roofline import _GEMMS, _gemm_dims, grouped_gemm
 from planner.costs.sequence import SeqTally, cut_shares, sequence_only, sequence_refusal, token_wise
 from planner.costs.tp_gemms import MAX_DEGREE, Gemm, gemm_seconds, gemm_slowdown
 from planner.errors import ModelFileError
-from planner.schema.costs import BlockCost, TensorParallelShare
+from planner.schema.costs import BlockCost
 from planner.schema.request import PlanRequest
+from planner.schema.shares import TensorParallelShare
 from planner.torch_compat import TorchDispatchMode, no_dispatch, view_base
 
 

@@ -49,8 +49,9 @@ from planner.core.levers.collectives import collective_time
 from planner.core.levers.links import Links, NodeLinks, default_link
 from planner.core.levers.tensor_parallel import allgather_s
 from planner.core.split.stage_model import fp32_bytes
-from planner.schema.costs import BlockCost, ExpertShare, LinkCost
+from planner.schema.costs import BlockCost, LinkCost
 from planner.schema.counts import group_replicas
+from planner.schema.shares import ExpertShare
 
 
 def ep_refusal(

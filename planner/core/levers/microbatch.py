@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from planner.schema.costs import BlockCost, ExpertShare, SequenceShare, TensorParallelShare
+from planner.schema.costs import BlockCost
+from planner.schema.shares import ExpertShare, SequenceShare, TensorParallelShare
 
 
 def blocks_at(blocks: Sequence[BlockCost], size0: int, size: float, fixed_fraction: float) -> list[BlockCost]:

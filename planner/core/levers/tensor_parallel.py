@@ -43,7 +43,8 @@ import math
 from collections.abc import Sequence
 
 from planner.core.levers.collectives import Collective, collective_time
-from planner.schema.costs import BlockCost, LinkCost, SequenceShare, TensorParallelShare
+from planner.schema.costs import BlockCost, LinkCost
+from planner.schema.shares import SequenceShare, TensorParallelShare
 
 
 def group_local(link: LinkCost, ranks: int) -> int:
