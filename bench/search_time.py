@@ -106,7 +106,7 @@ def child(case: str) -> dict[str, object]:
     from planner.capture.load import load_model_file
     from planner.core.assemble import Origin, assemble_plan
     from planner.core.layout.inputs import asked_of
-    from planner.costs.tensor_parallel import tensor_parallel_blocks
+    from planner.costs.tp_blocks import tensor_parallel_blocks
     from planner.errors import PlannerError
     from planner.report.throughput import throughput
     from planner.schema.request import PlanRequest

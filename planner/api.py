@@ -45,7 +45,7 @@ from planner.costs.blocks import attention_dropout
 from planner.costs.experts import ExpertCosting, routed_rows, traced_rows, with_expert_shares
 from planner.costs.model_costs import Costs, estimated_costs, measured_costs, say
 from planner.costs.sequence import sequence_note
-from planner.costs.tensor_parallel import TensorParallelBlocks, tensor_parallel_blocks
+from planner.costs.tp_blocks import TensorParallelBlocks, tensor_parallel_blocks
 from planner.errors import InfeasibleError, ModelFileError, PlanFileError, PlannerError
 from planner.schema.costs import BlockCost, LinkCost, StepTempRule
 from planner.schema.plan import ModelRef, Plan

@@ -217,7 +217,7 @@ def test_split_activations_are_at_most_what_the_block_saves_less_the_whole_ones(
     from plan_factory import block as plan_block
     from test_tensor_parallel import share as layer_share
 
-    from planner.costs.tensor_parallel import _fitted
+    from planner.costs.tp_blocks import _fitted
 
     share = layer_share(10, act=5_000).model_copy(update={"unsplit_activation_bytes": 300})
     block = plan_block("b", 1.0, 2.0, 10).model_copy(update={"activation_bytes": 1_000})
@@ -391,7 +391,7 @@ def test_a_compiled_block_splits_what_it_saves_as_its_eager_forward_does() -> No
     from plan_factory import block as plan_block
     from test_tensor_parallel import share as layer_share
 
-    from planner.costs.tensor_parallel import _fitted
+    from planner.costs.tp_blocks import _fitted
 
     share = layer_share(10, act=5_000).model_copy(update={"unsplit_activation_bytes": 600})
     eager = plan_block("b", 1.0, 2.0, 10).model_copy(update={"activation_bytes": 1_000})

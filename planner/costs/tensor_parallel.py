@@ -66,24 +66,18 @@ from torch.utils.flop_counter import flop_registry
 
 from planner.capture.blocks import GraphTrace, TracedModel, by_block
 from planner.capture.graph import _module_path
-from planner.capture.load import ModelFile
 from planner.capture.meta_cache import meta_op_cache, on_meta
 from planner.capture.signature import block_structure, leaves_block, rebuild, signature, spec
 from planner.capture.tp_plan import (
     COLUMN_STYLES,
-    check_tp_plan,
     config_heads,
     matched_modules,
-    resolve_tp_plan,
     split_sizes,
 )
 from planner.core.levers.hardware import HardwareSpec
 from planner.costs.roofline import _GEMMS, _gemm_dims, grouped_gemm
-from planner.costs.sequence import SeqTally, cut_shares, sequence_only, sequence_refusal, token_wise
+from planner.costs.sequence import SeqTally, cut_shares, sequence_only, token_wise
 from planner.costs.tp_gemms import MAX_DEGREE, Gemm, gemm_seconds, gemm_slowdown
-from planner.errors import ModelFileError
-from planner.schema.costs import BlockCost
-from planner.schema.request import PlanRequest
 from planner.schema.shares import TensorParallelShare
 from planner.torch_compat import TorchDispatchMode, no_dispatch, view_base
 
@@ -99,6 +93,7 @@ class _Tally:
     fwd_bytes: int = 0
     fwd_count: int = 0
     gather_bytes: int = 0
+    head: tuple[int, int] = (0, 0)  # of gather_bytes, an output head's (a colwise_rep nn.Linear): bytes, rows
     bwd_bytes: int = 0
     bwd_count: int = 0
     gemm_work: float = 0.0  # of split_work, the GEMMs run inside matched layers
@@ -277,6 +272,16 @@ class _ShareRun(fx.Interpreter):
         else:
             block.gather_bytes += nbytes
 
+    def _gather(self, tensors: list[torch.Tensor], head: bool) -> None:
+        """A colwise_rep layer's output, all-gathered whole; an output head's (``head``: an nn.Linear's,
+        not an embedding's) noted apart, with its rows, for loss parallelism to leave split."""
+        self._add("gather", tensors, False)
+        block = self.watch.block
+        if head and block is not None:
+            rows = sum(t.numel() // max(1, t.shape[-1]) for t in tensors if t.dim())
+            nbytes = sum(_nbytes(t, self.float_bytes) for t in tensors)
+            block.head = (block.head[0] + nbytes, block.head[1] + rows)
+
     def pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         self.layer_stack.append(self.watch.style)
         self.watch.style = self.matched[self.module_names[id(module)]][0]
@@ -295,7 +300,7 @@ class _ShareRun(fx.Interpreter):
             if style == "rowwise":  # its output is all-reduced in forward
                 self._add("fwd", _tensors(out), True)
             if style == "colwise_rep":  # its output is all-gathered whole in forward
-                self._add("gather", _tensors(out), False)
+                self._gather(_tensors(out), isinstance(module, nn.Linear))
 
     def _row_output(self, tensors: list[torch.Tensor]) -> None:
         """A row-wise layer's output: a sequence shard, if it is laid out [batch, seq, features] (the
@@ -424,7 +429,7 @@ class _ShareRun(fx.Interpreter):
             self._row_output(_tensors(out))
             self._add("fwd", _tensors(out), self._count(name, "count"))
         if style == "colwise_rep" and any(layer_of(u) != name for u in n.users):
-            self._add("gather", _tensors(out), False)
+            self._gather(_tensors(out), isinstance(self.matched[name][1], nn.Linear))
 
 
 def tensor_parallel_shares(
@@ -543,6 +548,8 @@ def _share(
         unsplit_activation_bytes=sum(tally.saved_whole.values()) + tally.replayed_whole,
         fwd_allreduce_bytes=tally.fwd_bytes,
         fwd_allgather_bytes=tally.gather_bytes,
+        head_allgather_bytes=tally.head[0],
+        head_rows=tally.head[1],
         bwd_allreduce_bytes=tally.bwd_bytes,
         fwd_allreduces=tally.fwd_count,
         bwd_allreduces=tally.bwd_count,
@@ -561,137 +568,4 @@ def _split_params(module: nn.Module, style: str) -> list[torch.Tensor]:
     return out
 
 
-@dataclass(frozen=True)
-class TensorParallelBlocks:
-    """The blocks with their ``tp`` shares, the plan they came from, and a note for the plan.
-
-    Attributes:
-        blocks: the blocks, ``tp`` set where the plan splits them.
-        plan: pattern -> style (empty: the model is not split).
-        note: one line on why the model is not split, for the plan's ``choice`` ("" when it is, or
-            when ``--tp 1`` asked for no split).
-        sequence_note: one line on why the split runs without sequence parallelism ("" when it can
-            run with it, or was not asked about).
-    """
-
-    blocks: list[BlockCost]
-    plan: dict[str, str]
-    note: str = ""
-    sequence_note: str = ""
-
-
-def _fitted(block: BlockCost, share: TensorParallelShare) -> BlockCost:
-    """The block with its share, the split bytes and counts at most the block's own (the share is
-    counted on one forward, the block's figures may be measured or estimated); the split activations
-    at most what the block saves less what every tp rank saves whole and autocast's weight copies.
-
-    A compiled block saves less than its eager forward (``BlockCost.eager_activation_bytes``: the
-    partitioner recomputes element-wise operators, whole and split alike), while the share counts the
-    eager forward's tensors: the share is fitted to the eager count, then both parts scaled to what the
-    compiled block saves, in the eager proportion. (Capped at the compiled count instead, the whole
-    part alone could exceed it, leaving nothing split: every tp rank charged the whole layer.)"""
-    own = block.activation_bytes - block.weight_cast_bytes
-    eager = own if block.eager_activation_bytes is None else block.eager_activation_bytes - block.weight_cast_bytes
-    unsplit = min(share.unsplit_activation_bytes, eager)
-    sharded = min(share.sharded_activation_bytes, eager - unsplit)
-    if eager > own:  # compiled: the same proportion of less
-        unsplit = round(unsplit * own / eager)  # (at most own: unsplit is at most eager)
-        sharded = min(round(sharded * own / eager), own - unsplit)  # (rounding may not add a byte)
-    share = share.model_copy(
-        update={
-            "sharded_params": min(share.sharded_params, block.params),
-            "sharded_param_bytes": min(share.sharded_param_bytes, block.param_bytes),
-            "sharded_activation_bytes": sharded,
-            "unsplit_activation_bytes": unsplit,
-        }
-    )
-    return block.model_copy(update={"tp": share})
-
-
-def tensor_parallel_blocks(
-    mf: ModelFile,
-    request: PlanRequest,
-    traced: TracedModel,
-    blocks: list[BlockCost],
-    *,
-    float_bytes: int | None = None,
-    param_bytes: int | None = None,
-    hardware: HardwareSpec | None = None,
-    dtype: str | None = None,
-    size: int | None = None,
-) -> TensorParallelBlocks:
-    """Resolve the model's tensor-parallel plan, check it and give every split block its share.
-
-    Args:
-        mf: the model file (its ``tp_plan``).
-        request: ``tp`` (1: nothing is done; auto: an unusable plan leaves the model whole, with a note;
-            N > 1: an unusable plan is an error) and the profiled microbatch.
-        traced: the traced model the blocks are of.
-        blocks: the blocks' costs.
-        float_bytes: bytes of a floating activation in the planning dtype (autocast), None: as traced.
-        param_bytes: bytes of a parameter element as the blocks count them (an estimate: the planning
-            dtype's, the model being traced in fp32), None: as traced.
-        hardware: the hardware of estimated costs (the shares' GEMM ``slowdown``); None: measured.
-        dtype: the planning dtype (with ``hardware``).
-        size: the samples per microbatch the blocks were costed at (``ProfileInfo.microbatch_size``),
-            where the shares are counted, so that they scale with the blocks; None: the request's.
-
-    Returns:
-        The blocks with their shares, the plan and the note.
-
-    Raises:
-        ModelFileError: ``--tp N`` with a plan that uses other styles, does not fit the model, or a
-            degree that does not divide its split sizes (or with ``--sequence-parallel`` where the
-            shards would meet an operator that does not work token by token); or a model file's plan
-            that does not fit.
-    """
-    if request.tp == 1 or request.tp_options == [1]:
-        return TensorParallelBlocks(list(blocks), {})
-    forced = isinstance(request.tp, int)
-    resolved = resolve_tp_plan(mf, traced.model)
-    if not resolved.plan:
-        if forced and resolved.reason:
-            raise ModelFileError(f"--tp {request.tp}: {resolved.reason}; give --tp 1 or auto")
-        why = resolved.reason or "the model declares no tp_plan (nor a Hugging Face base_model_tp_plan)"
-        return TensorParallelBlocks(list(blocks), {}, "" if forced else f"tensor parallelism: none, {why}")
-    try:
-        check_tp_plan(traced.model, resolved.plan, request.tp if isinstance(request.tp, int) else 1)
-    except ModelFileError as e:
-        if forced or resolved.source == "model file":
-            raise
-        return TensorParallelBlocks(list(blocks), {}, f"tensor parallelism: none, the {resolved.source}'s {e}")
-    # counted at the blocks' own size: a share counted at another is fitted to blocks of that size,
-    # then rescaled with them (costs reused for a request of other microbatches: bench/common.plan_on_costs)
-    inputs, _ = mf.batch(size or request.microbatch_size, seed=request.seed)
-    shares = tensor_parallel_shares(
-        traced,
-        inputs,
-        resolved.plan,
-        float_bytes=float_bytes,
-        param_bytes=param_bytes,
-        hardware=hardware,
-        dtype=dtype,
-    )
-    if not shares:
-        why = "the model was traced by module boundaries (tensor-parallel shares need a torch.fx or torch.export graph)"
-        if forced:
-            raise ModelFileError(f"--tp {request.tp}: {why}; give --tp 1")
-        return TensorParallelBlocks(list(blocks), {}, f"tensor parallelism: none, {why}")
-    refused = sequence_refusal(shares) if request.sequence_parallel else None
-    if refused is not None and forced and request.sequence_parallel is True:
-        raise ModelFileError(f"--sequence-parallel: {refused}; split that part in the tp_plan, or leave it out")
-    if refused is not None:  # --tp auto: tensor parallelism without it, said in one line
-        shares = {k: v.model_copy(update={"sequence": None}) for k, v in shares.items()}
-    out = [_fitted(b, shares[b.name]) if b.name in shares else b for b in blocks]
-    return TensorParallelBlocks(
-        out, resolved.plan, sequence_note=f"sequence parallelism: none, {refused}" if refused else ""
-    )
-
-
-__all__ = [
-    "TensorParallelBlocks",
-    "gemm_seconds",
-    "gemm_slowdown",
-    "tensor_parallel_blocks",
-    "tensor_parallel_shares",
-]
+__all__ = ["gemm_seconds", "gemm_slowdown", "tensor_parallel_shares"]

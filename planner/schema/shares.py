@@ -207,6 +207,15 @@ class TensorParallelShare(BaseModel):
         description="Bytes all-gathered over the tp ranks in forward per microbatch (the whole outputs of "
         "colwise_rep layers, e.g. an output head's logits); their backward takes each rank's slice, no traffic.",
     )
+    head_allgather_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="Of fwd_allgather_bytes, an output head's: a colwise_rep nn.Linear's whole output (the logits), "
+        "which loss parallelism leaves split (the loss then runs on each rank's columns, torch's loss_parallel).",
+    )
+    head_rows: int = Field(
+        default=0, ge=0, description="Rows of that output (its elements over its last dimension: the tokens)."
+    )
     fwd_allreduces: int = Field(ge=0, description="All-reduces in forward per microbatch.")
     bwd_allreduces: int = Field(ge=0, description="All-reduces in backward per microbatch.")
     sequence: SequenceShare | None = Field(
