@@ -127,6 +127,7 @@ def _layout(plan: Plan) -> dict[str, Any]:
         values.update({"cp": plan.cp, "cp-attention": plan.cp_attention})
     if plan.tp > 1:
         values["sequence-parallel"] = plan.sequence_parallel
+        values["loss-parallel"] = plan.loss_parallel
     values["schedule"] = plan.schedule
     values["stages-per-rank"] = plan.n_stages // plan.n_ranks
     values["microbatches"] = plan.n_microbatches

@@ -130,6 +130,12 @@ layout_options = option_group(
         default=None,
         help="With tp > 1, also split activations along the sequence [default: auto].",
     ),
+    option(
+        "--loss-parallel/--no-loss-parallel",
+        default=False,
+        help="With tp > 1, compute the loss on the output head's logits split over the tensor-parallel ranks "
+        "(torch's loss_parallel, torchtitan's default) instead of gathering them whole [default: off].",
+    ),
     option("--schedule", metavar="NAME", **_AUTO, help=f"{', '.join(SCHEDULES)}, or auto."),
     option("--stages-per-rank", "-v", type=COUNT_OR_AUTO, **_AUTO, help="Pipeline stages on every rank, or auto."),
     option("--microbatches", "-m", type=COUNT_OR_AUTO, **_AUTO, help="Microbatches per pass of a replica, or auto."),

@@ -505,3 +505,108 @@ def test_launch_line_names_the_tensor_parallel_split_only_when_there_is_one() ->
         "launching 8 ranks (8 per node, 2 stages, gpipe, 4 microbatches, each stage split over 2 tensor-parallel "
         "ranks with sequence parallelism, each sequence split over 2 context-parallel ranks (ring), backend gloo, "
     )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("vocab", [512, 511], ids=["even", "uneven"])
+def test_loss_parallel_tp2_pp2_matches_unsplit_model(tmp_path: Path, vocab: int) -> None:
+    # the head's logits stay split over the two tp ranks (511: 256 and 255 columns, as DTensor shards
+    # them) and the model file's cross-entropy runs on them under torch's loss_parallel, its backward too
+    plan = plan_with_starts(MODELS / "llama.py", [0, 3], **TP2_1F1B, overrides={"vocab_size": vocab})
+    plan = plan.model_copy(update={"loss_parallel": True})
+    got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
+    print("llama tp2 pp2 loss parallel", vocab, got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+def test_loss_parallel_on_a_hugging_face_head_and_fsdp_replicas_matches_unsplit_model(tmp_path: Path) -> None:
+    # one pipeline rank (the head in the only stage), 2 FSDP replicas of 2 tp ranks; transformers'
+    # lm_head split colwise_gather_output by the config's own plan, its logits left split
+    pytest.importorskip("transformers")
+    plan = plan_with_starts(
+        MODELS / "hf" / "llama.py",
+        [0],
+        schedule="gpipe",
+        n_microbatches=2,
+        optimizer="adamw",
+        grad_clip=0.5,
+        dp=2,
+        tp=2,
+        dp_mode="fsdp",
+    )
+    plan = plan.model_copy(update={"loss_parallel": True})
+    got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
+    print("hf llama fsdp2 tp2 loss parallel", got.losses, want.losses, got.grad_norms, want.grad_norms)
+
+
+@pytest.mark.multiprocess
+def test_a_split_head_and_its_loss_are_exact_on_two_processes() -> None:
+    spawn_pair(_split_head_rank)
+
+
+def _split_head_rank(rank: int, port: int) -> None:
+    """Loss parallelism over 2 ranks of a head with 5 output columns (3 and 2): the logits stay a
+    DTensor split along the last dimension, each rank holding its columns only; the cross-entropy on
+    them (torch's loss_parallel) equals the unsplit one, and so do the gradients. A loss that
+    loss_parallel refuses (label smoothing) is one line naming the option, not a traceback."""
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from planner.errors import PlanFileError
+    from planner.run.tensor_shard import parallel_loss, shard_stage
+
+    def ce(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.flatten(0, 1), target.flatten())
+
+    with gloo_pair(rank, port):
+        torch.manual_seed(0)
+        stage = nn.ModuleDict({"head": nn.Linear(8, 5, bias=False)})
+        whole = nn.ModuleDict({"head": nn.Linear(8, 5, bias=False)})
+        whole.load_state_dict(stage.state_dict())
+        x = torch.randn(3, 4, 8)
+        target = torch.randint(0, 5, (3, 4))
+        x_whole = x.clone().requires_grad_()
+        x.requires_grad_()
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        shard_stage(stage, mesh, {"head": "colwise_rep"}, loss=True)
+        logits = stage["head"](x)
+        assert isinstance(logits, DTensor) and logits.placements == (Shard(2),)  # the last of 3 dimensions
+        assert logits.shape == (3, 4, 5) and logits.to_local().shape == ((3, 4, 3) if rank == 0 else (3, 4, 2))
+        with loss_parallel():
+            got = parallel_loss(ce)(logits, target)
+            assert type(got) is torch.Tensor and got.dim() == 0
+            got.backward()
+        want = ce(whole["head"](x_whole), target)
+        want.backward()
+        assert torch.allclose(got, want, atol=1e-6)
+        assert x.grad is not None and x_whole.grad is not None and torch.allclose(x.grad, x_whole.grad, atol=1e-6)
+        grad = stage["head"].weight.grad
+        assert grad is not None and whole["head"].weight.grad is not None
+        assert torch.allclose(grad.full_tensor(), whole["head"].weight.grad, atol=1e-6)
+
+        def smoothed(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(out.flatten(0, 1), target.flatten(), label_smoothing=0.1)
+
+        with loss_parallel(), pytest.raises(PlanFileError, match="re-plan without --loss-parallel") as caught:
+            parallel_loss(smoothed)(stage["head"](x), target)
+        assert "\n" not in str(caught.value)
+
+
+@pytest.mark.multiprocess
+def test_a_loss_that_loss_parallel_cannot_run_stops_the_run_in_one_line(tmp_path: Path) -> None:
+    # the same plan trains without loss parallelism; with it, the head's split logits reach the loss
+    # (a DTensor: label smoothing is refused) and the run stops with the option to leave out
+    from planner.errors import PlannerError
+
+    plan = plan_with_starts(FIXTURES / "smoothed_llama.py", [0, 3], **TP2_1F1B)
+    path = saved(plan, tmp_path)
+    plain = run_plan(plan, RunRequest(plan_file=path, steps=1, echo=False, save_checkpoints=False))
+    assert len(plain.losses) == 1
+    split = plan.model_copy(update={"loss_parallel": True})
+    path = saved(split, tmp_path)
+    with pytest.raises(PlannerError, match="re-plan without --loss-parallel") as caught:
+        run_plan(split, RunRequest(plan_file=path, steps=1, echo=False, save_checkpoints=False))
+    print(caught.value)

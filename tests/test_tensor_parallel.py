@@ -105,6 +105,48 @@ def test_a_gathered_heads_logits_are_all_gathered_in_forward_only() -> None:
     assert block_degree_limit([head, layer("layers.0", 1, 1, 100, divisor=8)]) == 8
 
 
+def test_loss_parallelism_leaves_the_heads_logits_split_and_divides_its_loss() -> None:
+    # the last block: a colwise_rep head with 2 MB of logits over 1,024 rows and the loss (4 of its 10 ms
+    # forward, saving 1 MB of its 3 MB, 4 MB of backward temporaries); half its work split
+    head = block("output", 10, 20, 1000, act_mb=3).model_copy(
+        update={
+            "output_bytes": 2 * MB,
+            "loss_s": 0.004,
+            "loss_bytes": MB,
+            "loss_temp_bytes": 4 * MB,
+            "tp": share(1000, compute=0.5, reduce_bytes=MB, divisor=0).model_copy(
+                update={
+                    "fwd_allreduce_bytes": 0,
+                    "fwd_allreduces": 0,
+                    "fwd_allgather_bytes": 2 * MB,
+                    "head_allgather_bytes": 2 * MB,
+                    "head_rows": 1024,
+                }
+            ),
+        }
+    )
+    compute = 0.5 + 0.5 / 4
+    (gathered,) = at_degree([head], 4, LINK)
+    assert gathered.fwd_s == pytest.approx(0.010 * compute + 0.0015, rel=1e-12)  # the 2 MB gathered: 1.5 ms
+    assert (gathered.output_bytes, gathered.loss_bytes, gathered.loss_temp_bytes) == (2 * MB, MB, 4 * MB)
+    (split,) = at_degree([head], 4, LINK, loss=True)
+    # no gather; three all-reduces of one fp32 value a row (max, sum of exponentials, target logit);
+    # the loss's 4 ms at 1/4 instead of the block's share, in forward and as long again in backward
+    reduces = allreduce_s(3 * 4 * 1024, 3, 4, LINK)
+    assert reduces == pytest.approx(1.5 * 12 * 1024 / MB * 1e-3, rel=1e-12)
+    cut = 0.004 * (compute - 0.25)
+    assert split.fwd_s == pytest.approx(0.010 * compute - cut + reduces, rel=1e-12)
+    assert split.bwd_s == pytest.approx(0.020 * compute - cut + 0.0015, rel=1e-12)  # its input's all-reduce
+    assert split.loss_s == pytest.approx(0.001, rel=1e-12)
+    assert (split.output_bytes, split.loss_bytes, split.loss_temp_bytes) == (MB // 2, MB // 4, MB)
+    # the split activations (half a MB at 1/4) and 3/4 of the loss's MB less
+    assert gathered.activation_bytes - split.activation_bytes == MB - MB // 4
+    assert split.activation_bytes == 3 * MB - MB // 2 + MB // 8 - (MB - MB // 4)
+    # a head whose block does not make the model's output (no output bytes) stays gathered
+    (inner,) = at_degree([head.model_copy(update={"output_bytes": 0})], 4, LINK, loss=True)
+    assert inner.fwd_s == pytest.approx(gathered.fwd_s, rel=1e-12) and inner.loss_bytes == MB
+
+
 def test_at_degree_splits_compute_memory_and_adds_the_all_reduces() -> None:
     b = layer("layers.0", 10, 20, 1000, compute=0.9).model_copy(
         update={"bwd_input_s": 0.012, "bwd_weight_s": 0.008, "recompute_s": 0.010, "opt_s": 0.004, "grad_s": 0.002}

@@ -16,6 +16,7 @@ from planner.capture.trace import trace_model
 from planner.core.levers.hardware import get_hardware
 from planner.costs.tensor_parallel import tensor_parallel_shares
 from planner.errors import InfeasibleError, ModelFileError, PlannerError
+from planner.report.tables import layout_line
 from planner.schema.plan import Plan
 from planner.schema.request import PlanRequest
 
@@ -253,6 +254,7 @@ def test_llama_output_head_share_exact() -> None:
     head = shares["output"]
     assert head.sharded_params == dim * vocab and head.sharded_param_bytes == dim * vocab * fp32
     assert head.fwd_allgather_bytes == tokens * vocab * fp32
+    assert (head.head_allgather_bytes, head.head_rows) == (tokens * vocab * fp32, tokens)  # loss parallelism's
     assert (head.fwd_allreduces, head.fwd_allreduce_bytes) == (0, 0)
     assert (head.bwd_allreduces, head.bwd_allreduce_bytes) == (1, tokens * dim * fp32)
     assert head.divisor == 0 and head.sharded_compute == 1.0
@@ -268,6 +270,7 @@ def test_llama_input_embedding_share_exact() -> None:
     emb = shares["tok_embeddings"]
     assert emb.sharded_params == vocab * dim and emb.sharded_param_bytes == vocab * dim * fp32
     assert emb.fwd_allgather_bytes == tokens * dim * fp32
+    assert (emb.head_allgather_bytes, emb.head_rows) == (0, 0)  # no head: its vectors stay gathered
     assert (emb.fwd_allreduces, emb.fwd_allreduce_bytes, emb.bwd_allreduces, emb.bwd_allreduce_bytes) == (0, 0, 0, 0)
     assert emb.sharded_compute == 1.0 and emb.divisor % 64 == 0 or 64 % emb.divisor == 0
 
@@ -468,6 +471,30 @@ def test_end_to_end_llama_auto_and_forced() -> None:
         _plan(LLAMA, 4)
 
 
+def test_loss_parallelism_splits_the_heads_output_and_loss_where_a_head_is_split() -> None:
+    """--loss-parallel: llama 8B on 8 H100 at tp 4, the vocabulary's logits (128,256 wide) left split:
+    the last block's output and loss at a quarter, less memory and no slower than gathering them; a
+    model whose plan splits no head, or --tp 1, is refused in one line."""
+    request = dict(model_file=LLAMA, size="8b", gpus=8, gpu_type="h100", tp=4, batch_size=8, progress=False)
+    whole = make_plan(PlanRequest.build(**request))  # type: ignore[arg-type]
+    split = make_plan(PlanRequest.build(**request, loss_parallel=True))  # type: ignore[arg-type]
+    assert split.loss_parallel and not whole.loss_parallel
+    a, b = whole.blocks[-1], split.blocks[-1]
+    assert a.name == b.name == "output" and b.output_bytes * 4 == a.output_bytes > 0
+    assert (
+        a.loss_bytes is not None and b.loss_bytes is not None and b.loss_bytes * 4 == pytest.approx(a.loss_bytes, abs=4)
+    )
+    assert b.loss_s is not None and a.loss_s is not None and b.loss_s * 4 == pytest.approx(a.loss_s, rel=1e-9)
+    assert b.fwd_s < a.fwd_s and b.activation_bytes < a.activation_bytes
+    assert split.prediction.max_memory_bytes < whole.prediction.max_memory_bytes
+    assert split.prediction.step_time_s <= whole.prediction.step_time_s
+    assert "(loss parallelism)" in layout_line(split)
+    with pytest.raises(ModelFileError, match="--loss-parallel: the tp_plan splits no output head"):
+        make_plan(PlanRequest.build(model_file=GPT, size="tiny", gpus=4, tp=2, batch_size=8, loss_parallel=True))
+    with pytest.raises(PlannerError, match="--loss-parallel computes the loss .* but --tp is 1"):
+        PlanRequest.build(model_file=LLAMA, gpus=4, tp=1, loss_parallel=True)
+
+
 def test_end_to_end_gpt_mlp_plan() -> None:
     plan = _plan(GPT, 2)
     assert plan.tp == 2 and plan.tp_plan == {"layers.*.linear1": "colwise", "layers.*.linear2": "rowwise"}
@@ -500,6 +527,8 @@ def test_an_exported_hugging_face_model_is_split_by_its_config_plan() -> None:
     # read off the export graph's nodes: the logits (vocabulary 512) gathered, the input (dim 64)'s gradient reduced
     assert (head.fwd_allreduces, head.bwd_allreduces, head.divisor) == (0, 1, 0)
     assert head.fwd_allgather_bytes == head.bwd_allreduce_bytes * 512 // 64 > 0
+    # loss parallelism's: all of it, over its rows (a microbatch's tokens; bf16 logits 512 wide)
+    assert head.head_allgather_bytes == head.fwd_allgather_bytes == head.head_rows * 512 * 2
     emb = plan.blocks[0].tp
     assert emb is not None and plan.blocks[0].name == "model.embed_tokens"
     # an aten.embedding on the token ids: its weight split (vocabulary 512 x dim 64), the lookups gathered,

@@ -438,6 +438,7 @@ def _mesh_fields(layout: Layout, tp_plan: Mapping[str, str] | None, experts: Map
         "tp": layout.tp,
         "tp_plan": dict(tp_plan or {}) if layout.tp > 1 else {},
         "sequence_parallel": layout.sequence,  # only tried with tp > 1 and where it can run
+        "loss_parallel": layout.loss_parallel,  # only with tp > 1
         "experts": dict(experts),
         "ep": layout.ep,
     }

@@ -149,6 +149,7 @@ class _BlockRun:
     # what the block saves run eagerly (compiled, ``saved_bytes`` is the partitioner's): the forward
     # whose whole and split tensors the tensor-parallel share counts
     eager_saved_bytes: int = 0
+    loss_s: float = 0.0  # the last block: its loss's forward, seconds (of fwd's)
 
 
 def _run_block(
@@ -167,6 +168,7 @@ def _run_block(
     param_storages = {storage_id(t) for t in state.values()}
 
     model_output = [0]
+    loss_fwd = [0.0]  # the last pass's loss forward, seconds (the charged forward's is read after it)
     in_loss: set[int] = set()  # while the loss runs: the storages of the block's own output
 
     first_out: list[torch.Tensor] = []  # the block's output of the charged forward, held alive
@@ -188,10 +190,12 @@ def _run_block(
             if isinstance(t, torch.Tensor)
         )
         # a compiled stage's loss runs eagerly: the pipeline computes it outside the stage module
+        before = mode.tally.seconds
         try:
             with mode.unfused():
                 return loss_fn(out, target)
         finally:
+            loss_fwd[0] = mode.tally.seconds - before
             in_loss.clear()
 
     forward = leaf_safe(run, grad_inputs(args))  # a block starting with an in-place op
@@ -230,6 +234,7 @@ def _run_block(
     saves = functools.partial(_compiled_saves, saved, first_out, loss_saves | param_storages, compiled)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode.phase(fwd, saves):
         out = forward(inputs)
+    loss_s = loss_fwd[0]
     eager = sum(saved.values())  # compiled: what the eager forward saves (tensor parallelism's counts)
     saved_total = compiled[0] if compiled else eager
     roots, grads = backward_roots(out)
@@ -246,7 +251,9 @@ def _run_block(
     found = (saved_total, outputs, model_output[0], sum(by_loss.values()), own, loss_temps, tuple(first_out))
     # the weights its GEMMs saved: under autocast over fp32 weights, lower-precision copies of them
     cast = sum(nbytes for sid, nbytes in saved_params.items() if sid in mode.cast_inputs)
-    return _BlockRun(fwd, bwd, bwd_input, *found, rerun[0], cast, whole_backward=mode.fuse, eager_saved_bytes=eager)
+    return _BlockRun(
+        fwd, bwd, bwd_input, *found, rerun[0], cast, whole_backward=mode.fuse, eager_saved_bytes=eager, loss_s=loss_s
+    )
 
 
 def _backward(roots: list[torch.Tensor], grads: list[Any], mode: Roofline, model_out: Sequence[torch.Tensor]) -> None:
@@ -642,6 +649,8 @@ def _block_cost(
         kv_bytes=run.fwd.kv_bytes,
         q_bytes=run.fwd.q_bytes,
     )
+    if k == len(traced.blocks) - 1:  # its loss's forward apart (loss parallelism divides it)
+        cost = cost.model_copy(update={"loss_s": min(run.loss_s, run.fwd.seconds)})
     if run.whole_backward:  # compiled: what the eager forward saves (tensor parallelism's counts)
         eager = run.eager_saved_bytes + (run.cast_bytes if autocast else 0)
         cost = cost.model_copy(update={"eager_activation_bytes": eager})

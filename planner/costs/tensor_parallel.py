@@ -24,7 +24,8 @@ no data) at the profiled microbatch, watched at the aten level. What is counted,
   (torch's ``RowwiseParallel`` turns its Partial output into Replicate).
 * ``fwd_allgather_bytes``: each ``colwise_rep`` layer's output (an output head's logits), gathered
   whole in forward (``ColwiseParallel(output_layouts=Replicate())``); its backward slices the
-  gradient, no traffic.
+  gradient, no traffic. An ``nn.Linear``'s (an output head's) also as ``head_allgather_bytes``, with
+  its rows: loss parallelism leaves them split.
 * ``bwd_allreduce_bytes`` / ``bwd_allreduces``: each column-wise (or ``colwise_rep``) layer's input gradient, one
   all-reduce per column-wise layer (none for an embedding: its input is token ids, no gradient): torch's ``ColwiseParallel`` wraps each layer's input with
   ``DTensor.from_local(..., Replicate())`` (torch 2.13 ``distributed/tensor/parallel/style.py``),

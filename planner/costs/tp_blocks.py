@@ -100,8 +100,8 @@ def tensor_parallel_blocks(
     Raises:
         ModelFileError: ``--tp N`` with a plan that uses other styles, does not fit the model, or a
             degree that does not divide its split sizes (or with ``--sequence-parallel`` where the
-            shards would meet an operator that does not work token by token); or a model file's plan
-            that does not fit.
+            shards would meet an operator that does not work token by token; or with ``--loss-parallel``
+            where the plan splits no output head); or a model file's plan that does not fit.
     """
     if request.tp == 1 or request.tp_options == [1]:
         return TensorParallelBlocks(list(blocks), {})
@@ -140,6 +140,13 @@ def tensor_parallel_blocks(
         raise ModelFileError(f"--sequence-parallel: {refused}; split that part in the tp_plan, or leave it out")
     if refused is not None:  # --tp auto: tensor parallelism without it, said in one line
         shares = {k: v.model_copy(update={"sequence": None}) for k, v in shares.items()}
+    last = shares.get(blocks[-1].name) if blocks else None
+    if request.loss_parallel and (last is None or not last.head_allgather_bytes):
+        raise ModelFileError(
+            "--loss-parallel: the tp_plan splits no output head in the model's last block (a 'colwise_rep' "
+            "nn.Linear making the model's output, as torchtitan's 'output' or Hugging Face's 'lm_head'); add "
+            "one to the tp_plan, or leave --loss-parallel out"
+        )
     out = [_fitted(b, shares[b.name]) if b.name in shares else b for b in blocks]
     return TensorParallelBlocks(
         out, resolved.plan, sequence_note=f"sequence parallelism: none, {refused}" if refused else ""

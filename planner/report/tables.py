@@ -379,6 +379,7 @@ def tp_text(plan: Plan) -> str:
             if plan.sequence_parallel
             else ""
         )
+        + (", the loss on the output head's split logits (loss parallelism)" if plan.loss_parallel else "")
     )
 
 

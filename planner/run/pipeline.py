@@ -239,7 +239,13 @@ class Pipeline:
         mb_losses: list[torch.Tensor] = []
         # one copy of each weight in the plan's autocast dtype for the step's every microbatch and pass
         # (training only: autocast caches a cast made under no_grad too, without its autograd link)
-        with weight_cast_cache(self.plan, self.device.type) if training else contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            if training:
+                stack.enter_context(weight_cast_cache(self.plan, self.device.type))
+            if self.plan.loss_parallel:  # the loss and its backward on the split logits (parallel_loss)
+                from torch.distributed.tensor.parallel import loss_parallel
+
+                stack.enter_context(loss_parallel())
             for i in range(k):
                 if training and self._prefetch:
                     prefetch_gathers(self.modules)

@@ -51,7 +51,7 @@ from planner.run.model import StageSource, check_ties, trace_for_plan
 from planner.run.optim import make_optimizer
 from planner.run.sequence_shard import install as install_sequence
 from planner.run.streams import vocab_size_of
-from planner.run.tensor_shard import norm_counted, shard_stage, shardable_trace, tp_styles
+from planner.run.tensor_shard import norm_counted, parallel_loss, shard_stage, shardable_trace, tp_styles
 from planner.run.wrappers import (
     ContiguousBoundary,
     HooklessDDP,
@@ -370,8 +370,10 @@ def _split_inside(
             if style in COLUMN_STYLES
         ]
         install_sequence(stage.built, units, columns, mesh.tp_mesh, _sequence_inputs(stage, shardable, sequence))
+    # loss parallelism: the last stage's head leaves its logits split, for the loss (``parallel_loss``)
+    loss = plan.loss_parallel and stage.plan.index == plan.n_stages - 1
     for part in units:
-        shard_stage(part, mesh.tp_mesh, plan.tp_plan, sequence=plan.sequence_parallel)
+        shard_stage(part, mesh.tp_mesh, plan.tp_plan, sequence=plan.sequence_parallel, loss=loss)
     if context is not None:
         around_sharded(context, [unit.get_submodule(name) for unit in units for name in tp_styles(unit, plan.tp_plan)])
 
@@ -517,7 +519,7 @@ def _schedule(
     # scale_grads=False: ``finish`` averages the gradients over microbatches, once per parameter.
     # GPipe and 1F1B take their one stage; the others (PipelineScheduleMulti) a list, even of one.
     target = stages[0] if placement(plan.schedule) == "single" else stages
-    loss = autocast_loss(loss_fn, plan, device)
+    loss = autocast_loss(parallel_loss(loss_fn) if plan.loss_parallel else loss_fn, plan, device)
     schedule = schedule_cls(target, n_microbatches=plan.n_microbatches, loss_fn=loss, scale_grads=False)
     if stage_unit_fsdp(plan) and placement(plan.schedule) != "single":
         gather_each_stage_once(schedule)  # as the plan predicts; GPipe and 1F1B: prefetch_gathers

@@ -24,7 +24,7 @@ from planner.capture.blocks import TracedModel
 from planner.capture.graph_file import RankGraphs
 from planner.capture.tp_graph import shardable_trace as _shardable
 from planner.capture.tp_plan import COLUMN_STYLES, indivisible_split, matched_modules, style_error
-from planner.errors import PlanFileError, TraceError
+from planner.errors import PlanFileError, PlannerError, TraceError
 from planner.run.sequence_shard import row_style
 
 
@@ -58,7 +58,9 @@ def tp_styles(module: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def shard_stage(module: nn.Module, tp_mesh: Any, tp_plan: dict[str, str], *, sequence: bool = False) -> dict[str, str]:
+def shard_stage(
+    module: nn.Module, tp_mesh: Any, tp_plan: dict[str, str], *, sequence: bool = False, loss: bool = False
+) -> dict[str, str]:
     """Shard a stage module's matched layers over the tensor-parallel mesh, in place.
 
     Args:
@@ -67,11 +69,14 @@ def shard_stage(module: nn.Module, tp_mesh: Any, tp_plan: dict[str, str], *, seq
         tp_plan: the plan's patterns -> styles.
         sequence: sequence parallelism: row-wise outputs reduce-scattered along the sequence and
             left DTensors (``planner.run.sequence_shard``, which must be installed first).
+        loss: loss parallelism, on the last stage: its output head (a ``colwise_rep`` ``nn.Linear``)
+            returns its logits as a DTensor split along the last dimension, which the loss reads
+            under torch's ``loss_parallel`` (``parallel_loss``), never gathered whole.
 
     Returns:
         The sharded modules' names -> styles (``tp_styles``).
     """
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = tp_styles(module, tp_plan)
@@ -83,8 +88,57 @@ def shard_stage(module: nn.Module, tp_mesh: Any, tp_plan: dict[str, str], *, seq
             # embedding: each rank's slice of every vector, gathered whole (capture.tp_plan says why not rows)
             "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
         }
-        parallelize_module(module, tp_mesh, {name: make[style]() for name, style in styles.items()})
+        head = lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)  # noqa: E731
+        parallelize_module(
+            module,
+            tp_mesh,
+            {
+                name: head()
+                if loss and style == "colwise_rep" and isinstance(module.get_submodule(name), nn.Linear)
+                # (an embedding's colwise_rep stays gathered: the layers after it read whole vectors)
+                else make[style]()
+                for name, style in styles.items()
+            },
+        )
     return styles
+
+
+def parallel_loss(loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """The model's loss on the last stage's logits split over the tensor-parallel ranks (loss
+    parallelism, ``shard_stage(loss=True)``), its value a plain tensor: the schedule and the step's
+    loss records read plain tensors. It runs, with the backward, under torch's ``loss_parallel``
+    (``Pipeline`` enters it around the step), which computes ``cross_entropy`` (or ``log_softmax`` then
+    ``nll_loss``) on the class dimension's shards; other operators on the split logits run as
+    DTensors do (gathered where an operator needs them whole).
+
+    Args:
+        loss_fn: ``loss_fn(output, target)``, the model file's loss (as the schedule calls it).
+
+    Returns:
+        The loss for the schedule.
+
+    Raises:
+        PlanFileError: the loss fails on the split logits (one line: what failed, and to re-plan
+            without ``--loss-parallel``).
+    """
+    from torch.distributed.tensor import DTensor
+
+    def loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+        try:
+            value = loss_fn(output, target)
+        except PlannerError:
+            raise
+        except Exception as e:  # a user's loss meeting DTensors: said in one line, not a traceback
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            raise PlanFileError(
+                f"loss parallelism: loss_fn() fails on the output head's logits split over the tensor-parallel "
+                f"ranks ({type(e).__name__}: {first}); torch's loss_parallel computes cross_entropy, or "
+                "log_softmax then nll_loss, on the class dimension: re-plan without --loss-parallel"
+            ) from e
+        # (a replicated scalar, the cross-entropy's: no traffic; a partial one is summed here)
+        return value.full_tensor() if isinstance(value, DTensor) else value
+
+    return loss
 
 
 def sharded_over_tp(t: torch.Tensor) -> bool:

@@ -161,6 +161,12 @@ class Plan(_Frozen):
         "slice of the sequence and save 1/tp of their activations, column-wise inputs all-gathered "
         "(planner.run.sequence_shard).",
     )
+    loss_parallel: bool = Field(
+        default=False,
+        description="Loss parallelism with the tensor parallelism (tp > 1 only): the output head's logits stay "
+        "split over the tp ranks and the loss runs on each rank's columns under torch's loss_parallel "
+        "(planner.run.tensor_shard), never gathered whole.",
+    )
     batch_size: int = Field(ge=1, description="Samples per step over all replicas (the global batch).")
     n_microbatches: int = Field(ge=1, description="Microbatches per pass of each replica's pipeline.")
     accumulation: int = Field(
@@ -396,6 +402,8 @@ class Plan(_Frozen):
             raise ValueError("sequence_parallel needs tp > 1 (it splits what tensor parallelism keeps whole)")
         if self.sequence_parallel and self.compile:
             raise ValueError("sequence_parallel runs eagerly only: compile must be false")
+        if self.loss_parallel and self.tp == 1:
+            raise ValueError("loss_parallel needs tp > 1 (it leaves the output head's tp split in place)")
         if len(self.stages) != self.n_stages:
             raise ValueError(f"n_stages is {self.n_stages} but {len(self.stages)} stages are listed")
         if self.n_stages % self.n_ranks:

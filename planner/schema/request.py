@@ -230,6 +230,9 @@ class PlanRequest(_Request):
     )
     # on, off, or auto: the search tries both where the model's shards allow it, keeping the faster that fits
     sequence_parallel: bool | Literal["auto"] = Field(default="auto", description="Sequence parallelism, tp > 1.")
+    loss_parallel: bool = Field(
+        default=False, description="Loss parallelism where tp > 1: the loss on the output head's split logits."
+    )
     size: str | None = Field(default=None, description="A key of the file's SIZES (None: its defaults).")
     overrides: dict[str, Any] = Field(default_factory=dict, description="Config entries to replace (--set).")
     # bounded so the default microbatch count (a divisor search up to sqrt(batch)) stays instant
@@ -363,6 +366,11 @@ class PlanRequest(_Request):
             raise ValueError(
                 "--sequence-parallel splits along the sequence what tensor parallelism keeps whole, but --tp is 1; "
                 "give --tp 2 or more (or auto), or leave --sequence-parallel out"
+            )
+        if self.loss_parallel and self.tp == 1:
+            raise ValueError(
+                "--loss-parallel computes the loss on the output head's logits split over the tensor-parallel "
+                "ranks, but --tp is 1; give --tp 2 or more (or auto), or leave --loss-parallel out"
             )
         if self.tp == "auto":
             return

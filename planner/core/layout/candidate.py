@@ -91,7 +91,7 @@ def rank_blocks(
         The rank's block costs.
     """
     sized = blocks_at(blocks, scaling.size0, layout.rank_share(batch_size), scaling.fixed_fraction)
-    shares = at_degree(sized, layout.tp, tp_link(link), sequence=layout.sequence)
+    shares = at_degree(sized, layout.tp, tp_link(link), sequence=layout.sequence, loss=layout.loss_parallel)
     if layout.cp > 1:  # a context-parallel group: consecutive replicas
         group = context_link(link, layout.pp, layout.dp, layout.tp, layout.cp, layout.pp_outer)
         shares = at_context(shares, layout.cp, layout.tp, group, ring=layout.cp_attention == "ring")

@@ -82,6 +82,8 @@ class Layout:
             ``planner.core.levers.context_parallel``).
         cp_attention: with cp > 1, how attention reaches every position's keys and values
             ("all-gather" or "ring", ``planner.schema.plan.Plan.cp_attention``).
+        loss_parallel: with ``tp`` > 1, the output head's logits left split and the loss computed on
+            them (``planner.core.levers.tensor_parallel.at_degree``).
     """
 
     schedule: str
@@ -99,6 +101,7 @@ class Layout:
     ep: int = 1
     cp: int = 1
     cp_attention: str = "all-gather"
+    loss_parallel: bool = False
 
     @property
     def data_replicas(self) -> int:
@@ -217,6 +220,7 @@ class SearchSpace:
             sequence parallelism or HSDP.
         cp_attention: how context-parallel layouts attend, the methods tried ("all-gather", "ring";
             ``planner.core.levers.context_parallel``).
+        loss_parallel: whether the layouts with ``tp`` > 1 run loss parallelism (``Layout.loss_parallel``).
     """
 
     batch_size: int
@@ -234,6 +238,7 @@ class SearchSpace:
     eps: tuple[int, ...] = (1,)
     cps: tuple[int, ...] = (1,)
     cp_attention: tuple[str, ...] = ("all-gather",)
+    loss_parallel: bool = False
 
 
 NO_CONSTRAINTS = Constraints()
@@ -318,6 +323,7 @@ def asked_of(request: PlanRequest, memory_limit_bytes: int | None) -> Asked:
         eps=(ep,) if isinstance(request.ep, int) else (),
         cps=(request.cp,) if isinstance(request.cp, int) else (),
         cp_attention=CP_ATTENTION if request.cp_attention == "auto" else (request.cp_attention,),
+        loss_parallel=request.loss_parallel,
     )
     return Asked(
         world_size=request.gpus,

@@ -144,6 +144,7 @@ def _layouts(
                 fsdp_units=space.fsdp_units,
                 gather_bytes=space.gather_bytes,
                 ep=ep,
+                loss_parallel=space.loss_parallel and tp > 1,
             )
             for v in vs
             for m in ms

@@ -99,6 +99,8 @@ def _share_at(share: TensorParallelShare, r: float) -> TensorParallelShare:
             "unsplit_activation_bytes": round(share.unsplit_activation_bytes * r),
             "fwd_allreduce_bytes": round(share.fwd_allreduce_bytes * r),
             "fwd_allgather_bytes": round(share.fwd_allgather_bytes * r),
+            "head_allgather_bytes": round(share.head_allgather_bytes * r),
+            "head_rows": round(share.head_rows * r),
             "bwd_allreduce_bytes": round(share.bwd_allreduce_bytes * r),
             "sequence": None if share.sequence is None else _sequence_at(share.sequence, r),
         }

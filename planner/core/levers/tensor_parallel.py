@@ -22,6 +22,13 @@ the whole of the rest. ``at_degree`` turns a block's costs into one such rank's:
   gradient all-reduced in backward as a column-wise layer's (an embedding's input is token ids: none);
   none is overlapped with compute
   (torch's eager tensor parallelism does not overlap them);
+* loss parallelism (``Plan.loss_parallel``, torchtitan's default with tensor parallelism): the output
+  head (``TensorParallelShare.head_allgather_bytes``, in the model's last block) keeps its logits
+  split, no all-gather; torch's ``loss_parallel`` computes the cross-entropy on each rank's columns
+  with three all-reduces of one fp32 value per row in forward (each row's max, sum of exponentials
+  and target logit; its backward is local), so the model's output, what the loss saves, its
+  backward's temporaries and its time (``BlockCost.loss_s``, the backward taken as long as the
+  forward) are 1/tp of the whole;
 * memory: split parameters (with their gradients and optimizer state) and the activations saved
   inside split layers are divided by tp; the rest is held whole;
 * messages between pipeline stages: the hidden state at a boundary is the same on every
@@ -201,12 +208,37 @@ def _sequence_comm(
     return fwd, bwd_input, regather, allreduce_s(seq.param_grad_bytes, seq.param_grads, tp, link)
 
 
-def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkCost, sequence: bool) -> BlockCost:
-    """One tensor-parallel rank's costs of ``block`` (see the module docstring)."""
+def _loss_split(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkCost) -> tuple[float, dict]:
+    """Under loss parallelism, the output block's head left split (its gather gone, the ``share`` passed
+    in has it no more): the forward seconds of torch's ``loss_parallel`` all-reduces (each row's max,
+    sum of exponentials and target logit, in fp32; its backward is local), and the block's figures
+    of the model's output and its loss at 1/tp (they are as wide as the logits)."""
+    comm = allreduce_s(3 * 4 * share.head_rows, 3, tp, link)
+    out = {
+        "output_bytes": math.ceil(block.output_bytes / tp),
+        "loss_bytes": None if block.loss_bytes is None else math.ceil(block.loss_bytes / tp),
+        "loss_temp_bytes": None if block.loss_temp_bytes is None else math.ceil(block.loss_temp_bytes / tp),
+        "loss_s": None if block.loss_s is None else block.loss_s / tp,
+    }
+    return comm, out
+
+
+def _block_at(
+    block: BlockCost, share: TensorParallelShare, tp: int, link: LinkCost, sequence: bool, loss: bool = False
+) -> BlockCost:
+    """One tensor-parallel rank's costs of ``block`` (see the module docstring); ``loss``: loss
+    parallelism, which leaves the model's output split where this block's head makes it."""
+    loss = loss and share.head_allgather_bytes > 0 and block.output_bytes > 0
+    if loss:
+        share = share.model_copy(update={"fwd_allgather_bytes": share.fwd_allgather_bytes - share.head_allgather_bytes})
+    loss_comm, loss_update = _loss_split(block, share, tp, link) if loss else (0.0, {})
     seq = share.sequence if sequence else None
     seq_compute = seq.compute if seq is not None else 0.0
     compute = (1.0 - share.sharded_compute - seq_compute) + share.sharded_compute / tp * share.slowdown_at(tp)
     compute += seq_compute / tp
+    # the loss runs on 1/tp of the logits: its forward, and a backward taken as long (the same tensors
+    # read and written), at 1/tp instead of the block's factor
+    loss_cut = (block.loss_s or 0.0) * (compute - 1.0 / tp) if loss else 0.0
     if seq is not None:
         fwd_comm, input_comm, regather, param_reduce = _sequence_comm(share, seq, tp, link)
         # a whole backward runs the input gradient's collectives and the parameters' all-reduces; a
@@ -220,6 +252,7 @@ def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkC
         )
         bwd_comm = input_comm = allreduce_s(share.bwd_allreduce_bytes, share.bwd_allreduces, tp, link)
         weight_comm = 0.0
+    fwd_comm += loss_comm
     param_bytes = block.param_bytes - share.sharded_param_bytes + math.ceil(share.sharded_param_bytes / tp)
     params = block.params - share.sharded_params + math.ceil(share.sharded_params / tp)
     # the optimizer step, the gradient passes and their temporaries follow the bytes each rank holds
@@ -235,6 +268,8 @@ def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkC
     along = min(seq.activation_bytes, unsplit) if seq is not None else 0
     activation = own - sharded + sharded // tp - along + along // tp + cast
     split = activation / block.activation_bytes if block.activation_bytes else 1.0
+    if loss_update.get("loss_bytes") is not None:  # what the loss saves: 1/tp of it
+        activation -= (block.loss_bytes or 0) - loss_update["loss_bytes"]
     # a kept shard is whole again while its layer's weight gradient runs (and in a rebuilt region)
     regathered = seq.column_bytes - seq.column_bytes // tp if seq is not None else 0
 
@@ -243,10 +278,13 @@ def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkC
 
     return block.model_copy(
         update={
-            "fwd_s": max(block.fwd_s * compute, block.host_fwd_s) + fwd_comm,
-            "bwd_s": max(block.bwd_s * compute, block.host_bwd_s) + bwd_comm,
+            "fwd_s": max(block.fwd_s * compute - loss_cut, block.host_fwd_s) + fwd_comm,
+            "bwd_s": max(block.bwd_s * compute - loss_cut, block.host_bwd_s) + bwd_comm,
             "bwd_input_s": _scaled(
-                block.bwd_input_s, compute, input_comm, _host_share(block.bwd_input_s, block.bwd_s, block.host_bwd_s)
+                block.bwd_input_s,
+                compute,
+                input_comm - loss_cut,
+                _host_share(block.bwd_input_s, block.bwd_s, block.host_bwd_s),
             ),
             "bwd_weight_s": _scaled(
                 block.bwd_weight_s, compute, weight_comm, _host_share(block.bwd_weight_s, block.bwd_s, block.host_bwd_s)
@@ -274,11 +312,14 @@ def _block_at(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkC
             "opt_s": _scaled(block.opt_s, held),
             "grad_s": _scaled(block.grad_s, held),
             "opt_temp_bytes": None if block.opt_temp_bytes is None else math.ceil(block.opt_temp_bytes * held),
+            **loss_update,
         }
     )
 
 
-def at_degree(blocks: Sequence[BlockCost], tp: int, link: LinkCost, *, sequence: bool = False) -> list[BlockCost]:
+def at_degree(
+    blocks: Sequence[BlockCost], tp: int, link: LinkCost, *, sequence: bool = False, loss: bool = False
+) -> list[BlockCost]:
     """Every block's costs on one of ``tp`` tensor-parallel ranks.
 
     Args:
@@ -288,6 +329,8 @@ def at_degree(blocks: Sequence[BlockCost], tp: int, link: LinkCost, *, sequence:
         link: the link inside a node, which the all-reduces cross.
         sequence: sequence parallelism (the blocks' ``TensorParallelShare.sequence``; see the module
             docstring).
+        loss: loss parallelism: the output head's logits stay split and the loss runs on each rank's
+            columns (see the module docstring).
 
     Returns:
         The blocks as one tensor-parallel rank runs and holds them (the same objects at degree 1).
@@ -295,7 +338,9 @@ def at_degree(blocks: Sequence[BlockCost], tp: int, link: LinkCost, *, sequence:
     if tp == 1:
         return list(blocks)
     return [
-        _scattered(block if block.tp is None else _block_at(block, block.tp, tp, link, sequence), tp, link, sequence)
+        _scattered(
+            block if block.tp is None else _block_at(block, block.tp, tp, link, sequence, loss), tp, link, sequence
+        )
         for block in blocks
     ]
 

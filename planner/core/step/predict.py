@@ -373,6 +373,7 @@ def plan_layout(plan: Plan) -> Layout:
         ep=plan.ep,
         cp=plan.cp,
         cp_attention=plan.cp_attention,
+        loss_parallel=plan.loss_parallel,
     )
 
 
