@@ -421,6 +421,14 @@ CASES: list[Case] = [
     ),
     Case(
         "model file",
+        "loss parallelism where the tp_plan splits no output head",
+        "plan {d}/gpt.py --size tiny --gpus 4 --tp 2 --loss-parallel -b 8 --repeats 1 --warmup 0 -q",
+        2,
+        "--loss-parallel: the tp_plan splits no output head in the model's last block",
+        _text("gpt.py", (ROOT / "models" / "gpt.py").read_text()),
+    ),
+    Case(
+        "model file",
         "a tp_plan that splits a tied weight",
         "plan {d}/tied.py --gpus 2 --tp 2 -b 8 --repeats 1 --warmup 0 -q",
         2,
@@ -816,6 +824,14 @@ CASES: list[Case] = [
         "plan {d}/model.py --gpus 2 --tp 1 --sequence-parallel",
         2,
         "--sequence-parallel splits along the sequence what tensor parallelism keeps whole, but --tp is 1",
+    ),
+    Case(
+        "plan options",
+        "--loss-parallel with --tp 1",
+        "plan {d}/model.py --gpus 2 --tp 1 --loss-parallel",
+        2,
+        "--loss-parallel computes the loss on the output head's logits split over the tensor-parallel ranks, but "
+        "--tp is 1",
     ),
     Case(
         "plan options",

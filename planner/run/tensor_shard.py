@@ -135,8 +135,9 @@ def parallel_loss(loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> Calla
                 f"ranks ({type(e).__name__}: {first}); torch's loss_parallel computes cross_entropy, or "
                 "log_softmax then nll_loss, on the class dimension: re-plan without --loss-parallel"
             ) from e
-        # (a replicated scalar, the cross-entropy's: no traffic; a partial one is summed here)
-        return value.full_tensor() if isinstance(value, DTensor) else value
+        # (a replicated scalar, the cross-entropy's: no traffic; a partial one is summed here), copied:
+        # the local value is a view, which a zero-bubble schedule's input backward cannot detach in place
+        return value.full_tensor().clone() if isinstance(value, DTensor) else value
 
     return loss
 

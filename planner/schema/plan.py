@@ -404,6 +404,8 @@ class Plan(_Frozen):
             raise ValueError("sequence_parallel runs eagerly only: compile must be false")
         if self.loss_parallel and self.tp == 1:
             raise ValueError("loss_parallel needs tp > 1 (it leaves the output head's tp split in place)")
+        if self.loss_parallel and self.cp > 1:
+            raise ValueError("loss_parallel does not run with cp > 1 yet (the logits are gathered there)")
         if len(self.stages) != self.n_stages:
             raise ValueError(f"n_stages is {self.n_stages} but {len(self.stages)} stages are listed")
         if self.n_stages % self.n_ranks:

@@ -477,6 +477,11 @@ class PlanRequest(_Request):
             raise ValueError(f"--cp-attention {self.cp_attention} needs --cp above 1 (or --cp auto)")
         if self.cp == 1 or self.cp == "auto":
             return
+        if self.loss_parallel:  # the runner's context-parallel hooks meet the split logits: not run yet
+            raise ValueError(
+                f"--loss-parallel does not run with --cp {self.cp} yet; leave one of them out (with --cp auto the "
+                "context-parallel layouts gather the logits whole)"
+            )
         if self.gpus % self.cp:
             raise ValueError(f"--cp {self.cp} does not divide --gpus {self.gpus}")
         tp = self.tp if isinstance(self.tp, int) else 1

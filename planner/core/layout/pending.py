@@ -84,6 +84,7 @@ def pending_layout(
         The pending layout.
     """
     size = layout.rank_share(space.batch_size)
+    # (loss parallelism needs no place in it: one search runs it at every tp > 1 with cp 1)
     key = (size, layout.tp, layout.sequence, layout.ep, layout.cp, layout.cp_attention)
     if key not in cache:
         shares = rank_blocks(blocks, layout, cluster.link, scaling, space.batch_size)

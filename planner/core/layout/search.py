@@ -199,7 +199,11 @@ def _pending_layouts(
             dp_shard = 0  # "auto": FSDP or DDP only
         for sequence in space.sequence if tp > 1 and ep == 1 else (False,):  # not yet with ep
             for layout in _layouts(blocks, replace(space, dp_mode=mode), pp, dp, ms, tp, ep):
-                layout = replace(layout, dp_shard=dp_shard, sequence=sequence, accumulation=fixed_k, cp=cp)
+                # (loss parallelism does not run with context parallelism yet: gathered there)
+                split_loss = layout.loss_parallel and cp == 1
+                layout = replace(
+                    layout, dp_shard=dp_shard, sequence=sequence, accumulation=fixed_k, cp=cp, loss_parallel=split_loss
+                )
                 items = [
                     pending_layout(blocks, cluster, replace(layout, cp_attention=a), space, scaling, constraints, cache)
                     for a in (space.cp_attention if cp > 1 else ("all-gather",))
