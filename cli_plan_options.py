@@ -58,8 +58,7 @@ cluster_options = option_group(
         "--gpu-type",
         default=None,
         metavar="NAME|FILE",
-        help=f"Estimate the costs for this hardware instead of measuring them here ({', '.join(GPUS)}, cpu), "
-        "or a hardware file written by planner probe.",
+        help=f"Estimate costs for this GPU ({', '.join(GPUS)}, cpu) or a planner probe file.",
     ),
     option("--gpus-per-node", type=int, default=None, metavar="N", help="With --gpu-type: GPUs per node [default: 8]."),
     option("--multi-node", is_flag=True, help="With --gpu-type: every boundary crosses nodes (--gpus-per-node 1)."),
@@ -133,8 +132,7 @@ layout_options = option_group(
     option(
         "--loss-parallel/--no-loss-parallel",
         default=False,
-        help="With tp > 1, compute the loss on the output head's logits split over the tensor-parallel ranks "
-        "(torch's loss_parallel, torchtitan's default) instead of gathering them whole [default: off].",
+        help="With tp > 1, the loss on the split logits [default: off].",
     ),
     option("--schedule", metavar="NAME", **_AUTO, help=f"{', '.join(SCHEDULES)}, or auto."),
     option("--stages-per-rank", "-v", type=COUNT_OR_AUTO, **_AUTO, help="Pipeline stages on every rank, or auto."),
@@ -144,7 +142,7 @@ layout_options = option_group(
         "--dp-mode",
         type=click.Choice(["auto", *DP_MODES], case_sensitive=False),
         **_AUTO,
-        help="How the replicas reduce gradients: ddp, fsdp, hsdp (fully_shard on a 2-D mesh) or auto.",
+        help="How the replicas reduce gradients (hsdp: fully_shard on a 2-D mesh).",
     ),
     option(
         "--dp-shard", type=REPLICAS_OR_AUTO, **_AUTO, help="Under --dp-mode hsdp, the replicas of each shard group."
@@ -213,8 +211,7 @@ cost_options = option_group(
         "--attention-kernel",
         default=None,
         metavar="BACKEND",
-        help="With --gpu-type: the attention kernel to cost (flash, cudnn, efficient; unfused: code before "
-        "FlashAttention, the S x S scores through memory).",
+        help="With --gpu-type: the attention kernel to cost (flash, cudnn, efficient, unfused).",
     ),
     option(
         "--calibrate",

@@ -280,6 +280,11 @@ GRAND_TETON = (
 A100 = "A100 SXM 80 GB: the shipped `a100-80g`, its datasheet (312 bf16 TFLOP/s, 200 Gb/s HDR per GPU)"
 
 SP = {"sequence_parallel": True}
+# The loss on the output head's split logits (``--loss-parallel``), where the code that ran does so with
+# tensor parallelism: Megatron-LM since its first paper (Shoeybi et al. 2019, section 3: the parallel
+# GEMM's output fused with the cross-entropy, "communicating scalar losses instead of logits"), and
+# torchtitan by default (enable_loss_parallel at 3faaa1a, disable_loss_parallel off at 9dec370).
+LOSS = {"loss_parallel": True}
 
 
 def published_runs() -> list[Published]:
@@ -369,7 +374,7 @@ def _megatron() -> list[Published]:
                 "TFLOP/s",
                 "megatron96",
                 # attention as that code ran it: two GEMMs around its fused softmax (FlashAttention is of 2022)
-                request={"sequence_parallel": False, "attention_kernel": "unfused"},
+                request={"sequence_parallel": False, "attention_kernel": "unfused"} | (LOSS if t > 1 else {}),
                 # the paper's interleaved schedule (section 2.2.2) where there is a pipeline; the zero-bubble
                 # schedules the planner also knows are of 2023
                 as_run={"recompute": "full", "dp_mode": "ddp"} | ({"schedule": "interleaved-1f1b"} if p > 1 else {}),
@@ -441,7 +446,7 @@ def _torchtitan_fp8() -> list[Published]:
     5; its 8B ones are ``_torchtitan``'s), all compiled: the planner's ``--dtype fp8`` (torchao's float8
     linear layers) with ``--compile``."""
     bench = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
-    titan = {"dp_mode": "fsdp", "attention_kernel": "flash", "compile": True}
+    titan = {"dp_mode": "fsdp", "attention_kernel": "flash", "compile": True} | LOSS
     rows = []
     # torchtitan's tensor parallelism shards the norms along the sequence, which the planner runs eagerly
     # only: the compiled rows are planned without it
@@ -520,6 +525,7 @@ def _torchtitan_cp() -> list[Published]:
                 if tp == 1
                 else "; sequence parallelism not planned (the planner's runs eagerly only, these rows compile); "
                 "its asynchronous TP not modelled"
+                + ("; its loss parallelism not planned (the planner's runs without cp only)" if cp > 1 else "")
             )
             rows.append(
                 Published(
@@ -538,7 +544,8 @@ def _torchtitan_cp() -> list[Published]:
                     tps,
                     "tokens/s",
                     "tokens",
-                    request=titan,
+                    # torchtitan's loss parallelism: not with context parallelism in the planner's runner yet
+                    request=titan | (LOSS if tp > 1 and cp == 1 else {}),
                     as_run={"recompute": "full"} | ({"schedule": "1f1b"} | TITAN_PIPELINE["1f1b"] if pp > 1 else {}),
                     peak_gib=peak,
                     assumed=assumed + extra + (f"; {TITAN_PIPELINE_ASSUMED}" if pp > 1 else ""),
@@ -571,7 +578,7 @@ def _torchtitan_docs() -> list[Published]:
             "tokens",
             # torchtitan's tensor parallelism shards the norms along the sequence (``SequenceParallel``), which
             # the planner runs eagerly only: planned eager, with it (the row names no optimisation)
-            request=SP | {"dp_mode": "fsdp", "attention_kernel": "flash"},
+            request=SP | LOSS | {"dp_mode": "fsdp", "attention_kernel": "flash"},
             as_run={"recompute": "full"},
             assumed="eager (the row names no optimisation; the preset of its commit compiles)",
         )
@@ -625,9 +632,11 @@ def _opt_and_megascale() -> list[Published]:
             "megatron72",
             # trained Oct 2021 - Jan 2022 with Megatron's fused softmax between two GEMMs, before FlashAttention
             # (metaseq carries Megatron's kernels: metaseq/modules/megatron/fused_kernels, model/fused_softmax.py)
-            request={"dp_mode": "fsdp", "sequence_parallel": False, "attention_kernel": "unfused"},
+            # metaseq's loss on the split logits: its vocab_parallel_cross_entropy criterion
+            request={"dp_mode": "fsdp", "sequence_parallel": False, "attention_kernel": "unfused"} | LOSS,
             as_run={"recompute": "full"},
-            assumed="TP 8, batch 992 sequences, full recomputation, FLOP formula (Megatron's model FLOPs)",
+            assumed="TP 8, batch 992 sequences, full recomputation, FLOP formula (Megatron's model FLOPs), "
+            "the loss on the split logits (metaseq's vocab_parallel_cross_entropy)",
         )
     )
     rows.append(
@@ -647,7 +656,7 @@ def _opt_and_megascale() -> list[Published]:
             55.2,
             "MFU %",
             "megatron72",
-            request=SP,
+            request=SP | LOSS,
             as_run={"schedule": "interleaved-1f1b"},
             assumed=(
                 "model shape (GPT-3's), TP 8 x PP 8 x DP 192, A100 80GB, FLOP formula (Megatron's model FLOPs); "

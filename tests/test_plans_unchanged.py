@@ -65,6 +65,7 @@ LATER_DEFAULTS = {
     "moe_imbalance": None,
     "cp": 1,
     "cp_attention": "all-gather",
+    "loss_parallel": False,
 }
 BLOCK_LATER_DEFAULTS = {
     "tp": None,
@@ -139,11 +140,18 @@ def digest(plan: Plan) -> str:
     ):
         profile.pop("attention_kernel", None)
     _drop(profile, {"float8": None})  # added after the digests: no float8 layers
+    estimated = profile.get("source") == "estimated"
     for block in data["blocks"]:
         _drop(block, BLOCK_LATER_DEFAULTS)
+        if estimated:  # added after the digests: the estimate's loss forward apart, a part of fwd_s
+            block["loss_s"] = None
         block.pop("attention_s", None)  # added after the digests: a figure only context-parallel layouts read
         if isinstance(block.get("tp"), dict):
             _drop(block["tp"], SHARE_LATER_DEFAULTS)
+            # added after the digests: of the gathered bytes, an output head's (what loss parallelism,
+            # off in these plans, leaves split): a record, no figure of the plan's
+            for key in ("head_allgather_bytes", "head_rows"):
+                block["tp"].pop(key, None)
             # what sequence parallelism would change: figures only where a plan runs with it
             sequence = block["tp"].pop("sequence", None)
             if sequence is not None and not block["tp"]["sharded_params"] and not block["tp"]["fwd_allreduces"]:

@@ -32,7 +32,7 @@ import copy
 import functools
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -179,16 +179,9 @@ def _run_block(
             first_out.extend(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
         if not last:
             return out
-        in_loss.clear()
-        in_loss.update(storage_id(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
-        in_loss.add(-1)  # (marks "in the loss" even for an output without tensors)
-        # in the dtype the block computed it in: a model that returns `logits.float()` keeps fp32
-        # logits under autocast too (the fallback's fp32 run counts floating elements at float_bytes)
-        model_output[0] = sum(
-            t.numel() * (float_bytes if float_bytes is not None and t.is_floating_point() else t.element_size())
-            for t in pytree.tree_leaves(out)
-            if isinstance(t, torch.Tensor)
-        )
+        in_loss.clear()  # (-1 marks "in the loss" even for an output without tensors)
+        in_loss.update([-1, *(storage_id(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))])
+        model_output[0] = _output_bytes(out, float_bytes)
         # a compiled stage's loss runs eagerly: the pipeline computes it outside the stage module
         before = mode.tally.seconds
         try:
@@ -251,8 +244,18 @@ def _run_block(
     found = (saved_total, outputs, model_output[0], sum(by_loss.values()), own, loss_temps, tuple(first_out))
     # the weights its GEMMs saved: under autocast over fp32 weights, lower-precision copies of them
     cast = sum(nbytes for sid, nbytes in saved_params.items() if sid in mode.cast_inputs)
-    return _BlockRun(
-        fwd, bwd, bwd_input, *found, rerun[0], cast, whole_backward=mode.fuse, eager_saved_bytes=eager, loss_s=loss_s
+    made = _BlockRun(fwd, bwd, bwd_input, *found, rerun[0], cast, whole_backward=mode.fuse, eager_saved_bytes=eager)
+    return replace(made, loss_s=loss_s)
+
+
+def _output_bytes(out: Any, float_bytes: int | None) -> int:
+    """Bytes of the model's output, in the dtype the block computed it in: a model that returns
+    ``logits.float()`` keeps fp32 logits under autocast too (the fallback's fp32 run counts floating
+    elements at ``float_bytes``)."""
+    return sum(
+        t.numel() * (float_bytes if float_bytes is not None and t.is_floating_point() else t.element_size())
+        for t in pytree.tree_leaves(out)
+        if isinstance(t, torch.Tensor)
     )
 
 

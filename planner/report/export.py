@@ -306,11 +306,8 @@ def _notes(plan: Plan) -> list[str]:
             "planned without sequence parallelism, which torchtitan always runs with tensor parallelism "
             "(Megatron with --sequence-parallel): plan with --sequence-parallel to predict it"
         )
-    if plan.tp > 1 and not plan.loss_parallel:
-        notes.append(
-            "planned with the output head's logits gathered whole for the loss, where torchtitan and Megatron "
-            "compute it on each rank's split logits: plan with --loss-parallel to predict that"
-        )
+    if plan.tp > 1 and not plan.loss_parallel:  # (torchtitan and Megatron compute it on the split logits)
+        notes.append("planned with the logits gathered whole for the loss: plan with --loss-parallel to predict theirs")
     return notes
 
 

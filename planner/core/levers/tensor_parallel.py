@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from planner.core.levers.collectives import Collective, collective_time
 from planner.schema.costs import BlockCost, LinkCost
@@ -208,7 +209,7 @@ def _sequence_comm(
     return fwd, bwd_input, regather, allreduce_s(seq.param_grad_bytes, seq.param_grads, tp, link)
 
 
-def _loss_split(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkCost) -> tuple[float, dict]:
+def _loss_split(block: BlockCost, share: TensorParallelShare, tp: int, link: LinkCost) -> tuple[float, dict[str, Any]]:
     """Under loss parallelism, the output block's head left split (its gather gone, the ``share`` passed
     in has it no more): the forward seconds of torch's ``loss_parallel`` all-reduces (each row's max,
     sum of exponentials and target logit, in fp32; its backward is local), and the block's figures
