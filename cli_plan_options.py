@@ -142,7 +142,7 @@ layout_options = option_group(
         "--dp-mode",
         type=click.Choice(["auto", *DP_MODES], case_sensitive=False),
         **_AUTO,
-        help="How the replicas reduce gradients (hsdp: fully_shard on a 2-D mesh).",
+        help="Gradients reduced by ddp, fsdp, hsdp (fully_shard on a 2-D mesh).",
     ),
     option(
         "--dp-shard", type=REPLICAS_OR_AUTO, **_AUTO, help="Under --dp-mode hsdp, the replicas of each shard group."
