@@ -9,7 +9,8 @@ the whole of the rest. ``at_degree`` turns a block's costs into one such rank's:
 
 * compute: the split share of the forward and backward (``sharded_compute``) runs on 1/tp of the
   features, the rest (norms, residual adds, an embedding the plan leaves whole) whole on every rank:
-  ``(1 - sharded_compute) + sharded_compute / tp * slowdown(tp)``. ``slowdown`` is 1 for measured
+  ``(1 - sharded_compute) + sharded_compute / tp * slowdown(tp)``; the loss (``BlockCost.loss_s``,
+  its backward taken as long) runs whole on every rank, the logits gathered; ``slowdown`` is 1 for measured
   costs; estimated costs carry the smaller matrices' lower GEMM efficiency at the sharded shapes
   (``TensorParallelShare.slowdown``, from ``planner.costs.tensor_parallel``);
 * collectives: every row-wise layer's output is all-reduced in forward, every column-wise layer's
@@ -237,9 +238,10 @@ def _block_at(
     seq_compute = seq.compute if seq is not None else 0.0
     compute = (1.0 - share.sharded_compute - seq_compute) + share.sharded_compute / tp * share.slowdown_at(tp)
     compute += seq_compute / tp
-    # the loss runs on 1/tp of the logits: its forward, and a backward taken as long (the same tensors
-    # read and written), at 1/tp instead of the block's factor
-    loss_cut = (block.loss_s or 0.0) * (compute - 1.0 / tp) if loss else 0.0
+    # the loss (the last block's) runs outside the split layers: whole on every rank where the logits are
+    # gathered, on 1/tp of them under loss parallelism; its forward, and a backward taken as long (the
+    # same tensors read and written), at that share instead of the block's factor
+    loss_fix = (block.loss_s or 0.0) * ((1.0 / tp if loss else 1.0) - compute)
     if seq is not None:
         fwd_comm, input_comm, regather, param_reduce = _sequence_comm(share, seq, tp, link)
         # a whole backward runs the input gradient's collectives and the parameters' all-reduces; a
@@ -279,12 +281,12 @@ def _block_at(
 
     return block.model_copy(
         update={
-            "fwd_s": max(block.fwd_s * compute - loss_cut, block.host_fwd_s) + fwd_comm,
-            "bwd_s": max(block.bwd_s * compute - loss_cut, block.host_bwd_s) + bwd_comm,
+            "fwd_s": max(block.fwd_s * compute + loss_fix, block.host_fwd_s) + fwd_comm,
+            "bwd_s": max(block.bwd_s * compute + loss_fix, block.host_bwd_s) + bwd_comm,
             "bwd_input_s": _scaled(
                 block.bwd_input_s,
                 compute,
-                input_comm - loss_cut,
+                input_comm + loss_fix,
                 _host_share(block.bwd_input_s, block.bwd_s, block.host_bwd_s),
             ),
             "bwd_weight_s": _scaled(
