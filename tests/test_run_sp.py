@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 
 from run_factory import MODELS, plan_with_starts  # noqa: E402
 from test_run_tp import _run_and_compare as compare_with_unsplit  # noqa: E402
+from test_run_tp import llama_zbv_tp2  # noqa: E402
 
 SP2: dict = dict(schedule="1f1b", n_microbatches=2, optimizer="sgd", lr=0.5, grad_clip=0.5, tp=2)
 
@@ -78,17 +79,7 @@ def test_two_replicas_of_an_sp_tp2_stage_match_one_process(tmp_path: Path, dp_mo
 
 @pytest.mark.multiprocess
 def test_sp_tp2_zbv_splits_the_backward_and_matches(tmp_path: Path) -> None:
-    plan = plan_with_starts(
-        MODELS / "llama.py",
-        [0, 2, 3, 5],
-        schedule="zbv",
-        stages_per_rank=2,
-        n_microbatches=4,
-        optimizer="sgd",
-        lr=0.5,
-        grad_clip=0.5,
-        tp=2,
-    )
+    plan = llama_zbv_tp2()
     got, want = _run_and_compare(_sequence(plan), tmp_path)
     print("llama sp zbv", got.losses, want.losses, got.grad_norms, want.grad_norms)
 

@@ -49,11 +49,9 @@ def test_llama_tp2_pp2_matches_unsplit_model(tmp_path: Path, cut_share: int) -> 
     print("llama tp2 pp2", cut_share, got.losses, want.losses, got.grad_norms, want.grad_norms)
 
 
-@pytest.mark.multiprocess
-def test_llama_tp2_zbv_scatters_between_ranks_and_hands_over_inside_one(tmp_path: Path) -> None:
-    # V placement on 2 pipeline ranks: stages 1 and 2 share rank 1 (handed over whole in memory), the
-    # other boundaries cross ranks as 1/2 pieces; the two-part backward's input gradient passes the scatter
-    plan = plan_with_starts(
+def llama_zbv_tp2():  # type: ignore[no-untyped-def]
+    """Llama tiny on 2 pipeline ranks in a V (zbv, 4 stages), each split over 2 tensor-parallel ranks."""
+    return plan_with_starts(
         MODELS / "llama.py",
         [0, 2, 3, 5],
         schedule="zbv",
@@ -64,6 +62,13 @@ def test_llama_tp2_zbv_scatters_between_ranks_and_hands_over_inside_one(tmp_path
         grad_clip=0.5,
         tp=2,
     )
+
+
+@pytest.mark.multiprocess
+def test_llama_tp2_zbv_scatters_between_ranks_and_hands_over_inside_one(tmp_path: Path) -> None:
+    # V placement on 2 pipeline ranks: stages 1 and 2 share rank 1 (handed over whole in memory), the
+    # other boundaries cross ranks as 1/2 pieces; the two-part backward's input gradient passes the scatter
+    plan = llama_zbv_tp2()
     assert plan.world_size == 4
     got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
     print("llama tp2 zbv", got.losses, want.losses, got.grad_norms, want.grad_norms)
@@ -616,17 +621,7 @@ def test_a_loss_that_loss_parallel_cannot_run_stops_the_run_in_one_line(tmp_path
 def test_loss_parallel_with_zbv_sequence_parallelism_and_recomputation_matches_unsplit_model(tmp_path: Path) -> None:
     # the zero-bubble schedule's input backward detaches the loss it gets (a copy, not the DTensor's
     # local view); sequence parallelism gathers the head's input; the last stage recomputes its blocks
-    plan = plan_with_starts(
-        MODELS / "llama.py",
-        [0, 2, 3, 5],
-        schedule="zbv",
-        stages_per_rank=2,
-        n_microbatches=4,
-        optimizer="sgd",
-        lr=0.5,
-        grad_clip=0.5,
-        tp=2,
-    )
+    plan = llama_zbv_tp2()
     stages = [s.model_copy(update={"recompute": "full" if s.index == 3 else "never"}) for s in plan.stages]
     plan = plan.model_copy(update={"loss_parallel": True, "sequence_parallel": True, "stages": stages})
     got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
