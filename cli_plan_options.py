@@ -103,7 +103,7 @@ training_options = option_group(
         metavar="NORM",
         default=1.0,
         show_default=True,
-        help="Max global gradient norm (0: none).",
+        help="Max gradient norm (0: none).",
     ),
 )
 
@@ -142,7 +142,7 @@ layout_options = option_group(
         "--dp-mode",
         type=click.Choice(["auto", *DP_MODES], case_sensitive=False),
         **_AUTO,
-        help="Gradients reduced by ddp, fsdp, hsdp (fully_shard on a 2-D mesh).",
+        help="How the replicas reduce gradients: ddp, fsdp, hsdp (fully_shard on a 2-D mesh) or auto.",
     ),
     option(
         "--dp-shard", type=REPLICAS_OR_AUTO, **_AUTO, help="Under --dp-mode hsdp, the replicas of each shard group."
