@@ -272,10 +272,10 @@ def test_tied_embedding_and_head_across_pipeline_ranks_tp2(tmp_path: Path) -> No
     print("tied tp2 pp2", got.losses, want.losses, got.grad_norms, want.grad_norms)
 
 
-def _dp2_tp2(dp_mode: str, fsdp_units: str):  # type: ignore[no-untyped-def]
-    """Llama tiny as one pipeline rank split over 2 tensor-parallel ranks, 2 replicas of it."""
+def _dp2_tp2(dp_mode: str, fsdp_units: str, model: Path = MODELS / "llama.py"):  # type: ignore[no-untyped-def]
+    """``model`` (Llama tiny) as one pipeline rank split over 2 tensor-parallel ranks, 2 replicas of it."""
     return plan_with_starts(
-        MODELS / "llama.py",
+        model,
         [0],
         schedule="gpipe",
         n_microbatches=2,
@@ -528,18 +528,7 @@ def test_loss_parallel_on_a_hugging_face_head_and_fsdp_replicas_matches_unsplit_
     # one pipeline rank (the head in the only stage), 2 FSDP replicas of 2 tp ranks; transformers'
     # lm_head split colwise_gather_output by the config's own plan, its logits left split
     pytest.importorskip("transformers")
-    plan = plan_with_starts(
-        MODELS / "hf" / "llama.py",
-        [0],
-        schedule="gpipe",
-        n_microbatches=2,
-        optimizer="adamw",
-        grad_clip=0.5,
-        dp=2,
-        tp=2,
-        dp_mode="fsdp",
-    )
-    plan = plan.model_copy(update={"loss_parallel": True})
+    plan = _dp2_tp2("fsdp", "stage", MODELS / "hf" / "llama.py").model_copy(update={"loss_parallel": True})
     got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
     print("hf llama fsdp2 tp2 loss parallel", got.losses, want.losses, got.grad_norms, want.grad_norms)
 
