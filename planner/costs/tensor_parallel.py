@@ -259,28 +259,26 @@ class _ShareRun(fx.Interpreter):
         return True
 
     def _add(self, what: str, tensors: list[torch.Tensor], count: bool) -> None:
-        """Count a layer's collective: "bwd" a column-wise input's gradient all-reduce, "fwd" a row-wise
-        output's all-reduce, "gather" a colwise_rep output's all-gather."""
+        """Count a layer's all-reduce: "bwd" a column-wise input's gradient, "fwd" a row-wise output."""
         block = self.watch.block
         assert block is not None
         nbytes = sum(_nbytes(t, self.float_bytes) for t in tensors)
         if what == "bwd":
             block.bwd_bytes += nbytes
             block.bwd_count += int(count)
-        elif what == "fwd":
+        else:
             block.fwd_bytes += nbytes
             block.fwd_count += int(count)
-        else:
-            block.gather_bytes += nbytes
 
     def _gather(self, tensors: list[torch.Tensor], head: bool) -> None:
         """A colwise_rep layer's output, all-gathered whole; an output head's (``head``: an nn.Linear's,
         not an embedding's) noted apart, with its rows, for loss parallelism to leave split."""
-        self._add("gather", tensors, False)
         block = self.watch.block
-        if head and block is not None:
+        assert block is not None
+        nbytes = sum(_nbytes(t, self.float_bytes) for t in tensors)
+        block.gather_bytes += nbytes
+        if head:
             rows = sum(t.numel() // max(1, t.shape[-1]) for t in tensors if t.dim())
-            nbytes = sum(_nbytes(t, self.float_bytes) for t in tensors)
             block.head = (block.head[0] + nbytes, block.head[1] + rows)
 
     def pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:

@@ -144,7 +144,6 @@ def _layouts(
                 fsdp_units=space.fsdp_units,
                 gather_bytes=space.gather_bytes,
                 ep=ep,
-                loss_parallel=space.loss_parallel and tp > 1,
             )
             for v in vs
             for m in ms
@@ -200,7 +199,7 @@ def _pending_layouts(
         for sequence in space.sequence if tp > 1 and ep == 1 else (False,):  # not yet with ep
             for layout in _layouts(blocks, replace(space, dp_mode=mode), pp, dp, ms, tp, ep):
                 # (loss parallelism does not run with context parallelism yet: gathered there)
-                split_loss = layout.loss_parallel and cp == 1
+                split_loss = space.loss_parallel and tp > 1 and cp == 1
                 layout = replace(
                     layout, dp_shard=dp_shard, sequence=sequence, accumulation=fixed_k, cp=cp, loss_parallel=split_loss
                 )
