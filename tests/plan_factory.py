@@ -60,6 +60,7 @@ def plan_of_blocks(
     m: int = 4,
     method: str = "optimal",
     memory_limit_bytes: int | None = None,
+    accumulation: int | str = "auto",
 ) -> Plan:
     """Assemble a Plan from given block costs with the same code ``planner plan`` uses."""
     request = PlanRequest.build(
@@ -69,6 +70,7 @@ def plan_of_blocks(
         method=method,
         batch_size=4 * m,
         microbatches=m,
+        accumulation=accumulation,
     )
     return assemble_plan(
         asked_of(request, memory_limit_bytes),

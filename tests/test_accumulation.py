@@ -9,21 +9,24 @@ stay lower bounds of what it then predicts.
 from __future__ import annotations
 
 from dataclasses import replace
+from unittest.mock import patch
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.core.layout.bounds import floors
+from planner.core.layout.candidate import Choice, unlimited_step
 from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
-from planner.core.layout.search import accumulation_options, describe, search
+from planner.core.layout.passes import accumulation_options
+from planner.core.layout.search import describe, search
 from planner.core.split.cuts import Split
 from planner.core.step.predict import predict
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost
 from planner.schema.plan import Plan
 from planner.schema.request import PlanRequest
-from tests.plan_factory import ADAMW, LINK, block, plan_of_blocks
+from tests.plan_factory import ADAMW, LINK, MB, block, plan_of_blocks
 
 BLOCKS = [block("embed", 1, 2, 1000, layer=False)] + [block(f"layers.{i}", 10, 20, 5000) for i in range(4)]
 
@@ -91,6 +94,80 @@ def test_search_takes_more_passes_where_one_pass_does_not_fit() -> None:
     free, ranked_free, note_free = _search(blocks, None, None)
     assert free.layout.accumulation == 1 and all(c.layout.accumulation == 1 for c in ranked_free)
     assert "passes" not in note_free
+
+
+def unbalanced_blocks() -> list[BlockCost]:
+    """Six equal layers, the first two with ten times the activations: in one pass of 1F1B the first
+    stage holds two microbatches of them, so a tight limit pushes a cut forward and unbalances the split."""
+    return [block(f"layers.{i}", 10, 20, 1000, act_mb=40 if i < 2 else 4) for i in range(6)]
+
+
+def _fixed_m(limit: float | None, accumulation: int | None) -> tuple[Choice, list[Choice], str]:
+    """Two ranks, 1F1B, four microbatches per pass (fixed) of a 16-sample batch profiled at 4 samples."""
+    limit_bytes = None if limit is None else int(limit * MB)
+    space = SearchSpace(16, "1f1b", 4, 1, accumulation=accumulation)
+    return search(unbalanced_blocks(), Cluster(2, LINK), space, Constraints(ADAMW, limit_bytes), Scaling(4, 0.1))
+
+
+def test_search_takes_more_passes_where_the_limit_unbalances_one_pass() -> None:
+    cluster, free = Cluster(2, LINK), _fixed_m(None, 1)[0]
+    assert free.split.starts == (0, 3) and free.prediction.step_time_s == pytest.approx(0.46)
+    # 170 MB: one pass fits only with its cut moved to 2 (0.55 s, the memory limit shapes it) ...
+    one = _fixed_m(170, 1)[0]
+    assert one.fits and one.split.starts == (0, 2) and one.prediction.step_time_s == pytest.approx(0.55)
+    assert unlimited_step(one.blocks, cluster, one, Constraints(ADAMW, int(170 * MB))) == pytest.approx(0.46)
+    assert unlimited_step(free.blocks, cluster, free, Constraints(ADAMW, int(190 * MB))) == pytest.approx(0.46)
+    assert unlimited_step(one.blocks, cluster, one, Constraints(ADAMW, None)) is None
+    # ... while two passes of microbatches half as large fit balanced, slower than one free pass
+    two = _fixed_m(170, 2)[0]
+    assert two.split.starts == (0, 3) and two.prediction.step_time_s == pytest.approx(0.505)
+    chosen, ranked, note = _fixed_m(170, None)
+    assert chosen.layout.accumulation == 2 and chosen.prediction.step_time_s == pytest.approx(0.505)
+    assert "pipeline passes" in note and ranked[0] is chosen
+    # 150 MB: one pass is shaped too, but its polished split (0.49 s) beats two passes: polished against them
+    one, chosen = _fixed_m(150, 1)[0], _fixed_m(150, None)[0]
+    assert one.prediction.step_time_s == pytest.approx(0.49) and chosen.layout.accumulation == 1
+    assert chosen.prediction.step_time_s == pytest.approx(0.49)
+    # 190 MB: one pass fits as it would without a limit, and more passes are not tried
+    chosen, ranked, _ = _fixed_m(190, None)
+    assert chosen.prediction.step_time_s == pytest.approx(0.46) and all(c.layout.accumulation == 1 for c in ranked)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 20), st.integers(1, 30), st.integers(1, 8)), min_size=3, max_size=6),
+    st.floats(0.3, 1.2),
+    st.sampled_from([None, 2, 4]),
+)
+def test_auto_passes_are_never_slower_than_any_fixed_count(
+    layers: list[tuple[int, int, int]], tightness: float, m: int | None
+) -> None:
+    """Brute force: ``--accumulation auto`` predicts a step no slower than the best fixed pass count.
+
+    With the solver's splits as they are: polishing (``refine``) moves only the winner's split and its
+    near rivals', and on blocks this coarse it can gain 15 % for a layout the search ranked lower."""
+    blocks = [block(f"layers.{i}", f, 2 * f, 1000, act_mb=a, cut_mb=c) for i, (f, a, c) in enumerate(layers)]
+
+    def step(limit: int | None, accumulation: int | None) -> float:
+        space = SearchSpace(16, "1f1b", m, 1, accumulation=accumulation)
+        try:
+            chosen = search(blocks, Cluster(2, LINK), space, Constraints(ADAMW, limit), Scaling(4, 0.1))[0]
+        except InfeasibleError:
+            return float("inf")
+        return chosen.prediction.step_time_s
+
+    free = search(
+        blocks,
+        Cluster(2, LINK),
+        SearchSpace(16, "1f1b", m, 1, accumulation=1),
+        Constraints(ADAMW, None),
+        Scaling(4, 0.1),
+    )[0]
+    limit = int(free.prediction.max_memory_bytes * tightness)
+    with patch("planner.core.layout.search.refine", lambda choice, *_: choice):
+        fixed = min(step(limit, k) for k in (1, 2, 4))
+        auto = step(limit, None)
+    assert auto <= fixed * (1 + 1e-3) or fixed == float("inf") == auto
 
 
 def test_plan_records_the_passes_and_its_microbatch_size() -> None:
@@ -183,3 +260,21 @@ def test_floors_stay_lower_bounds(problem: tuple[list[BlockCost], Layout, list[i
     step, memory = floors(blocks, layout, ADAMW)
     assert step <= prediction.step_time_s * (1 + 1e-9)
     assert memory <= prediction.max_memory_bytes
+
+
+def test_more_passes_instead_of_the_recomputation_the_limit_forces() -> None:
+    """An output layer as costly as 2.5 layers under a 12 MB limit: in one pass the exact split must
+    recompute its first stage (589 ms); four passes of one-sample microbatches fit with none (522 ms)."""
+    from tests.plan_factory import big_head_blocks
+
+    one = plan_of_blocks(big_head_blocks(), memory_limit_bytes=12 * MB, accumulation=1)
+    auto = plan_of_blocks(big_head_blocks(), memory_limit_bytes=12 * MB)
+    assert one.accumulation == 1 and one.prediction.recompute == ("stage", "never")
+    assert one.prediction.step_time_s == pytest.approx(0.589)
+    assert (
+        auto.accumulation == 4
+        and auto.microbatch_size == 1
+        and not any(r != "never" for r in auto.prediction.recompute)
+    )
+    assert auto.prediction.step_time_s == pytest.approx(0.522)
+    assert auto.prediction.max_memory_bytes <= 12 * MB

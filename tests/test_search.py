@@ -249,7 +249,7 @@ def test_a_runner_up_that_polishes_faster_than_the_polished_winner_wins(monkeypa
     from planner.core.layout import search as search_module
 
     def choice(step: float, fits: bool = True) -> SimpleNamespace:
-        return SimpleNamespace(prediction=SimpleNamespace(step_time_s=step), fits=fits)
+        return SimpleNamespace(prediction=SimpleNamespace(step_time_s=step), fits=fits, layout=Layout("1f1b", 2, 4))
 
     winner, close, unfit, far = choice(1.00), choice(1.01), choice(1.01, fits=False), choice(1.20)
     polished = {id(winner): choice(0.99), id(close): choice(0.95), id(unfit): choice(0.5), id(far): choice(0.5)}

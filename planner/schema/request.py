@@ -245,7 +245,8 @@ class PlanRequest(_Request):
         description="Pipeline passes per step (gradient accumulation): each replica runs the schedule this many "
         "times on batch / (dp x passes) samples, --microbatches microbatches each, then reduces, clips and steps "
         "once. Memory is one pass's (torch allocates receive buffers for every microbatch of a pass), time the "
-        "passes' together. auto: one pass, and more only for the layouts whose one pass does not fit.",
+        "passes' together. auto: one pass, and more only for the layouts whose one pass does not fit, or fits only "
+        "as the memory limit shapes it (an unbalanced split, recomputation).",
     )
     schedule: Schedule | Literal["auto"] = Field(default="auto", description="Pipeline schedule (auto: searched).")
     stages_per_rank: int | None = Field(

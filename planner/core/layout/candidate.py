@@ -312,4 +312,31 @@ def _outpaced(
     return step > min(fitting)
 
 
-__all__ = ["Choice", "evaluate_choice", "evaluate_modes"]
+def unlimited_step(
+    blocks: Sequence[BlockCost], cluster: Cluster, choice: Choice, constraints: Constraints
+) -> float | None:
+    """The step of ``choice``'s layout (its data-parallel mode as chosen) solved without the memory
+    limit: where it is faster than the choice, the limit shaped it (unbalanced its split or made it
+    recompute), and such a one-pass layout may lose to more passes of lighter microbatches
+    (``--accumulation auto``: ``planner.core.layout.search``), none of which is faster than it.
+
+    Args:
+        blocks: per-block costs at the layout's microbatch size (as ``evaluate_choice`` takes them).
+        cluster: the links and the ranks that compute at once.
+        choice: the layout as evaluated under ``constraints``.
+        constraints: the optimizer, the per-rank memory limit and the recompute policy.
+
+    Returns:
+        The step in seconds; None without a limit, for a choice that does not fit, or where the
+        layout has no split without the limit either.
+    """
+    if constraints.memory_limit_bytes is None or not choice.fits:
+        return None
+    try:
+        free = evaluate_choice(blocks, cluster, choice.layout, replace(constraints, memory_limit_bytes=None))
+    except InfeasibleError:
+        return None
+    return free.prediction.step_time_s
+
+
+__all__ = ["Choice", "evaluate_choice", "evaluate_modes", "unlimited_step"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from planner.core.layout.bounds import BlockTotals, FsdpFloor, block_totals, floors, fsdp_traffic
-from planner.core.layout.candidate import Choice, evaluate_modes, rank_blocks
+from planner.core.layout.candidate import Choice, evaluate_modes, rank_blocks, unlimited_step
 from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
 from planner.core.step.schedules import LIVE_CLOSED_FORMS, ZERO_BUBBLE
 from planner.errors import InfeasibleError
@@ -168,20 +168,27 @@ class Sized:
     traffic: dict[tuple[int, int, int, str, int], dict[str, FsdpFloor]] = field(default_factory=dict)
 
 
-def evaluated(task: tuple[Sequence[BlockCost], Cluster, Layout, Constraints]) -> Choice | InfeasibleError:
+def evaluated(
+    task: tuple[Sequence[BlockCost], Cluster, Layout, Constraints, bool],
+) -> tuple[Choice | InfeasibleError, float | None]:
     """``evaluate_modes`` of one layout (blocks, cluster, layout, constraints), its refusal returned
-    rather than raised, so that a pool hands it back like a result.
+    rather than raised, so that a pool hands it back like a result; and where asked (the task's last
+    item) and it fits, its step without the memory limit (``unlimited_step``: whether its runs in several
+    passes are worth searching), computed here so that a pool's workers do it beside the rest.
 
     Args:
-        task: ``evaluate_modes``' arguments.
+        task: ``evaluate_modes``' arguments, and whether to time the layout without the limit too.
 
     Returns:
-        The evaluated candidate, or why no split of the layout runs.
+        The evaluated candidate, or why no split of the layout runs; and its unlimited step (None
+        where not asked, or as ``unlimited_step`` says).
     """
+    blocks, cluster, layout, constraints, unlimited = task
     try:
-        return evaluate_modes(*task)
+        choice = evaluate_modes(blocks, cluster, layout, constraints)
     except InfeasibleError as e:
-        return e
+        return e, None
+    return choice, unlimited_step(blocks, cluster, choice, constraints) if unlimited else None
 
 
 def ahead(

@@ -23,8 +23,10 @@ else FSDP.
 Gradient accumulation (``--accumulation``): a layout may run its step as k passes of the schedule,
 each of m microbatches (``Layout.accumulation``): k times one pass's makespan, but one pass's memory
 (torch's ``PipelineStage`` allocates receive buffers for every microbatch of a pass, up front). With
-``--accumulation auto`` a layout is retried in k > 1 passes only where its one pass does not fit
-(``accumulation_options``): one pass of the same microbatches is never slower.
+``--accumulation auto`` a layout is retried in k > 1 passes only where its one pass does not fit,
+or fits only as the memory limit shapes it (``planner.core.layout.passes``, ``unlimited_step``: a split
+the limit unbalances, or recomputation the limit forces, may lose to more passes of lighter
+microbatches); elsewhere one pass of the same microbatches is never slower.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field, replace
 
 from planner.core.layout.candidate import Choice, evaluate_choice, evaluate_modes
 from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace, replica_mode
+from planner.core.layout.passes import accumulation_options, retried_passes
 from planner.core.layout.pending import (
     Pending,
     Pool,
@@ -211,35 +214,6 @@ def _pending_layouts(
     return pending, errors
 
 
-def accumulation_options(layout: Layout, space: SearchSpace, min_size: int) -> list[Layout]:
-    """The layouts that run the step of one-pass ``layout`` in several passes (``--accumulation auto``).
-
-    With the microbatch count open, the same microbatches (the same size, so the same costs and
-    step floor) in k > 1 passes of ``m / k``, each at least one microbatch per pipeline rank; with
-    ``--microbatches`` fixed, k passes of that many microbatches, k times smaller (down to
-    ``min_size``). None with one pipeline rank (its microbatches already are gradient accumulation:
-    more passes only cost time) or a fixed pass count.
-
-    Args:
-        layout: a one-pass layout of the search.
-        space: what the search covers (the batch, what is fixed).
-        min_size: the smallest microbatch allowed.
-
-    Returns:
-        The layouts, fewest passes first.
-    """
-    if space.accumulation is not None or layout.pp == 1 or layout.accumulation != 1:
-        return []
-    m, replica = layout.n_microbatches, space.batch_size // layout.data_replicas
-    if space.n_microbatches is None:
-        return [replace(layout, n_microbatches=m // k, accumulation=k) for k in divisors(m)[1:] if m // k >= layout.pp]
-    return [
-        replace(layout, accumulation=k)
-        for k in divisors(replica // m)[1:]
-        if replica // (m * k) >= min_size and m * k <= replica
-    ]
-
-
 @dataclass
 class _Outcome:
     """What the search evaluated, and what it could rule out without solving."""
@@ -275,12 +249,19 @@ def _evaluate_all(
     outcome = _Outcome([], errors, layouts=len(pending))
     found: list[tuple[int, Choice]] = []
     best: float | None = None
-    # a layout whose one pass does not fit is retried in several passes (gradient accumulation):
-    # those are queued beside it (their step floor is its), after every first-pass layout in
-    # the enumeration's order; where one pass fits it is never slower than more passes of the
-    # same microbatches (each pass pays the pipeline's warm-up and drain), so they are not tried
+    # a layout whose one pass does not fit, or fits only as the memory limit shapes it, is retried
+    # in several passes (gradient accumulation): those are queued beside it (their step floor is
+    # its), after every first-pass layout in the enumeration's order; where one pass fits as it
+    # would without a limit it is never slower than more passes of the same microbatches (each
+    # pass pays the pipeline's warm-up and drain), so they are not tried (``retried_passes``)
     heap = [(pending[k].step_floor_s, k) for k in order]
     min_size = min(scaling.min_size, scaling.size0)
+
+    def task(item: Pending) -> tuple[Sequence[BlockCost], Cluster, Layout, Constraints, bool]:
+        # timed without the limit too where its runs in several passes may be searched (``_retries``)
+        retry = limit is not None and bool(accumulation_options(item.layout, space, min_size))
+        return item.blocks, cluster, item.layout, constraints, retry
+
     done = 0
     submitted: dict[int, int] = {}  # handed to the pool, not taken yet: their tickets
     while heap:
@@ -297,18 +278,18 @@ def _evaluate_all(
         if best is not None and item.step_floor_s > best * (1 + TIE):
             outcome.pruned = len(heap) + 1
             break
-        fits = False
+        fits, choice, free = False, None, None  # type: bool, Choice | InfeasibleError | None, float | None
         if limit is not None and item.memory_floor > limit:
             outcome.unfit.append(item)
         else:
             width = pool.width() if pool is not None else 1
             if pool is None or (width <= 1 and k not in submitted):
-                choice = evaluated((item.blocks, cluster, item.layout, constraints))
+                choice, free = evaluated(task(item))
             else:  # keep the next ``width`` layouts in the pool's hands, then wait for this one
                 bound = None if best is None else best * (1 + TIE)
                 for j in [k] * (k not in submitted) + ahead(heap, pending, submitted, limit, bound, width - 1):
-                    submitted[j] = pool.submit(evaluated, (pending[j].blocks, cluster, pending[j].layout, constraints))
-                choice = pool.take(submitted.pop(k))
+                    submitted[j] = pool.submit(evaluated, task(pending[j]))
+                choice, free = pool.take(submitted.pop(k))
             outcome.evaluated += 1
             if isinstance(choice, InfeasibleError):
                 outcome.errors.append(choice)
@@ -318,10 +299,14 @@ def _evaluate_all(
                 fits = choice.fits and (choice.layout.dp_mode == "ddp" or item.layout.dp_mode != "auto")
                 if choice.fits and (best is None or choice.prediction.step_time_s < best):
                     best = choice.prediction.step_time_s
-        if not fits:
-            for layout in accumulation_options(item.layout, space, min_size):
-                pending.append(pending_layout(blocks, cluster, layout, space, scaling, constraints, cache))
-                heapq.heappush(heap, (pending[-1].step_floor_s, len(pending) - 1))
+        fitting = choice if fits and isinstance(choice, Choice) else None
+        layouts, floor = retried_passes(item.layout, space, min_size, fitting, free, TIE)
+        for layout in layouts:
+            retried = pending_layout(blocks, cluster, layout, space, scaling, constraints, cache)
+            pending.append(
+                retried if floor is None else replace(retried, step_floor_s=max(retried.step_floor_s, floor))
+            )
+            heapq.heappush(heap, (pending[-1].step_floor_s, len(pending) - 1))
     if pool is not None:
         pool.discard(submitted.values())  # evaluated ahead, then ruled out: their results are not wanted
     outcome.layouts = len(pending)
@@ -410,8 +395,8 @@ def search(
     note = _why(polished, best, ranked, open_parts, show_dp=show, beaten=beaten)
     if outcome.pruned:
         note += f"; {outcome.pruned} more layouts ruled out unsolved (their lower bound on the step was slower)"
-    # the list shows the winner as it will run: with its polished split
-    return polished, [polished if c is best else c for c in ranked], note
+    # the list shows the winner first, as it will run: with its polished split (a runner-up may have won)
+    return polished, [polished] + [c for c in ranked if c is not best], note
 
 
 CLOSEST_TRIED = 6
@@ -581,6 +566,9 @@ def _polished_best(
     """The winner after polishing (``refine``): the ranked winner's polished split, unless a runner-up
     within ``REFINE_MARGIN`` of it (at most ``REFINE_RIVALS`` of them) polishes to a step faster beyond
     ``TIE``; polishing may move a layout by a few percent, so the winner is chosen after it, not before.
+    A winner in several passes is also polished against the one-pass layout it was retried from
+    (``unlimited_step``): that one's split is the one the memory limit unbalanced, which is what
+    polishing moves, so it may gain more than the margin.
 
     Returns:
         (the winner as the solver split it, the winner polished, and where a runner-up won so the
@@ -589,12 +577,22 @@ def _polished_best(
     polished = refine(best, cluster, constraints)
     first = (best, polished)
     rivals = [c for c in ranked if c.fits and c is not best]
-    rivals = [c for c in rivals if c.prediction.step_time_s < polished.prediction.step_time_s * (1 + REFINE_MARGIN)]
-    for rival in rivals[:REFINE_RIVALS]:
+    near = [c for c in rivals if c.prediction.step_time_s < polished.prediction.step_time_s * (1 + REFINE_MARGIN)]
+    near = near[:REFINE_RIVALS]
+    parents = [c for c in rivals if _one_pass_of(best.layout, c.layout) and all(c is not r for r in near)]
+    for rival in near + parents:
         tried = refine(rival, cluster, constraints)
         if tried.prediction.step_time_s < polished.prediction.step_time_s * (1 - TIE):
             best, polished = rival, tried
     return best, polished, None if best is first[0] else first
+
+
+def _one_pass_of(layout: Layout, other: Layout) -> bool:
+    """Whether ``other`` is the one-pass layout that ``layout``, in several passes, was retried from
+    (``accumulation_options``: the same layout but for its passes and microbatch count)."""
+    if layout.accumulation == 1 or other.accumulation != 1:
+        return False
+    return replace(other, n_microbatches=layout.n_microbatches, accumulation=layout.accumulation) == layout
 
 
 def refine(choice: Choice, cluster: Cluster, constraints: Constraints, budget: int = REFINE_EVALUATIONS) -> Choice:
