@@ -318,7 +318,7 @@ def unlimited_step(
     """The step of ``choice``'s layout (its data-parallel mode as chosen) solved without the memory
     limit: where it is faster than the choice, the limit shaped it (unbalanced its split or made it
     recompute), and such a one-pass layout may lose to more passes of lighter microbatches
-    (``--accumulation auto``: ``planner.core.layout.search``), none of which is faster than it.
+    (``--accumulation auto``: ``planner.core.layout.passes``), none of which is faster than it.
 
     Args:
         blocks: per-block costs at the layout's microbatch size (as ``evaluate_choice`` takes them).

@@ -258,7 +258,7 @@ def _evaluate_all(
     min_size = min(scaling.min_size, scaling.size0)
 
     def task(item: Pending) -> tuple[Sequence[BlockCost], Cluster, Layout, Constraints, bool]:
-        # timed without the limit too where its runs in several passes may be searched (``_retries``)
+        # timed without the limit too where its runs in several passes may be searched (``retried_passes``)
         retry = limit is not None and bool(accumulation_options(item.layout, space, min_size))
         return item.blocks, cluster, item.layout, constraints, retry
 
