@@ -36,15 +36,13 @@ from dataclasses import dataclass, replace
 
 from planner.core.layout.candidate import Choice, evaluate_choice, rank_blocks
 from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling
+from planner.core.layout.search import TIE  # slowed steps within it count as equal, as the search's do
 from planner.core.levers.links import Links, NodeLinks
 from planner.core.split.cuts import Split
 from planner.core.step import predict
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost
 from planner.schema.plan import Candidate, Plan, Prediction
-
-TIE = 1e-3
-"""Slowed steps within this relative difference count as equal (``planner.core.layout.search.TIE``)."""
 
 FREE_BANDWIDTH = 1e30
 """Bytes/s of a link whose messages cost nothing (``Hardware(collectives=0)``): a finite stand-in for infinity."""
