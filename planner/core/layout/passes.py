@@ -42,6 +42,22 @@ def accumulation_options(layout: Layout, space: SearchSpace, min_size: int) -> l
     ]
 
 
+def one_pass_settles(choice: Choice, asked: Layout) -> bool:
+    """Whether the search keeps ``choice``, evaluated for one-pass layout ``asked``, as a one pass that
+    fits: it fits in the data-parallel mode asked for, or in DDP where the mode was left open. One that
+    fits only under FSDP where DDP was open does not settle: its runs in several passes, in which DDP may
+    fit, are searched as for a one pass that does not fit (``retried_passes`` gets no ``choice``).
+
+    Args:
+        choice: the one-pass layout as evaluated (its data-parallel mode the one chosen).
+        asked: the layout as the search enumerated it (its data-parallel mode possibly "auto").
+
+    Returns:
+        True where the one pass settles the question of more passes by itself.
+    """
+    return choice.fits and (choice.layout.dp_mode == "ddp" or asked.dp_mode != "auto")
+
+
 def retried_passes(
     layout: Layout, space: SearchSpace, min_size: int, choice: Choice | None, free: float | None, tie: float
 ) -> tuple[list[Layout], float | None]:
@@ -75,4 +91,4 @@ def retried_passes(
     return options, free
 
 
-__all__ = ["accumulation_options", "retried_passes"]
+__all__ = ["accumulation_options", "one_pass_settles", "retried_passes"]

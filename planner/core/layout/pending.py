@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from planner.core.layout.bounds import BlockTotals, FsdpFloor, block_totals, floors, fsdp_traffic
 from planner.core.layout.candidate import Choice, evaluate_modes, rank_blocks, unlimited_step
 from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
+from planner.core.layout.passes import one_pass_settles
 from planner.core.step.schedules import LIVE_CLOSED_FORMS, ZERO_BUBBLE
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost
@@ -173,8 +174,9 @@ def evaluated(
 ) -> tuple[Choice | InfeasibleError, float | None]:
     """``evaluate_modes`` of one layout (blocks, cluster, layout, constraints), its refusal returned
     rather than raised, so that a pool hands it back like a result; and where asked (the task's last
-    item) and it fits, its step without the memory limit (``unlimited_step``: whether its runs in several
-    passes are worth searching), computed here so that a pool's workers do it beside the rest.
+    item) and it settles as a one pass that fits (``one_pass_settles``: where the search reads it), its
+    step without the memory limit (``unlimited_step``: whether its runs in several passes are worth
+    searching), computed here so that a pool's workers do it beside the rest.
 
     Args:
         task: ``evaluate_modes``' arguments, and whether to time the layout without the limit too.
@@ -188,7 +190,8 @@ def evaluated(
         choice = evaluate_modes(blocks, cluster, layout, constraints)
     except InfeasibleError as e:
         return e, None
-    return choice, unlimited_step(blocks, cluster, choice, constraints) if unlimited else None
+    settled = unlimited and one_pass_settles(choice, layout)
+    return choice, unlimited_step(blocks, cluster, choice, constraints) if settled else None
 
 
 def ahead(

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 
 from planner.core.layout.candidate import Choice, evaluate_choice, evaluate_modes
 from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace, replica_mode
-from planner.core.layout.passes import accumulation_options, retried_passes
+from planner.core.layout.passes import accumulation_options, one_pass_settles, retried_passes
 from planner.core.layout.pending import (
     Pending,
     Pool,
@@ -296,7 +296,7 @@ def _evaluate_all(
                 outcome.unfit.append(item)
             else:
                 found.append((k, choice))
-                fits = choice.fits and (choice.layout.dp_mode == "ddp" or item.layout.dp_mode != "auto")
+                fits = one_pass_settles(choice, item.layout)
                 if choice.fits and (best is None or choice.prediction.step_time_s < best):
                     best = choice.prediction.step_time_s
         fitting = choice if fits and isinstance(choice, Choice) else None
