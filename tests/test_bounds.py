@@ -23,13 +23,13 @@ from planner.core.layout.bounds import (
     chain_floor,
     ends_floor,
     floors,
-    fsdp_traffic,
     least_rerun,
     memory_floor,
     pipeline_floor,
     recompute_floor,
     step_floor,
 )
+from planner.core.layout.fsdp_bounds import fsdp_traffic
 from planner.core.layout.inputs import Cluster, Constraints, Layout
 from planner.core.layout.search import Choice, evaluate_choice, evaluate_modes
 from planner.core.levers.experts import at_degree as experts_at
@@ -325,7 +325,19 @@ def fsdp_problems(draw: st.DrawFn) -> tuple:  # type: ignore[type-arg]
     n = draw(st.integers(2, 8))
     scale = draw(st.sampled_from([1, 1_000, 10_000, 100_000]))
     blocks = [_rich_block(rng, i, n) for i in range(n)]
-    blocks = [b.model_copy(update={"params": b.params * scale, "param_bytes": b.param_bytes * scale}) for b in blocks]
+    # weights profiled in fp32 (a measured bf16 run's), or estimated in bf16 (gathered as they are:
+    # their fp32 gradient accumulators the wider), some of them in float8 layers
+    width = draw(st.sampled_from([4, 2]))
+    blocks = [
+        b.model_copy(
+            update={
+                "params": b.params * scale,
+                "param_bytes": b.param_bytes * scale * width // 4,
+                "float8_share": rng.choice([0.0, 0.0, 0.5, 1.0]),
+            }
+        )
+        for b in blocks
+    ]
     ep = draw(st.sampled_from([1, 1, 2]))
     schedule, pp, v, m = _pipeline(draw, blocks, [s for s in SCHEDULES if s not in ZERO_BUBBLE])
     dp = draw(st.sampled_from([2, 4, 8]))

@@ -21,20 +21,15 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import NamedTuple
 
+from planner.core.layout.fsdp_bounds import FsdpFloor, master_floor, unsharded_floor
 from planner.core.layout.inputs import Layout
-from planner.core.levers.casts import without_casts
-from planner.core.levers.collectives import Collective
-from planner.core.levers.data_parallel import as_gathered, dp_group_links, layout_links, ring_rate
-from planner.core.levers.experts import by_group
-from planner.core.levers.hsdp import hsdp_links
-from planner.core.levers.links import Links
+from planner.core.levers.data_parallel import as_gathered
 from planner.core.levers.recompute import kept_bytes, loss_held, recompute_cost, selective_cost
 from planner.core.split.solve import policy_options
 from planner.core.step.schedules import LIVE_CLOSED_FORMS, ZERO_BUBBLE, live_at_first_backward
 from planner.errors import InfeasibleError
-from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
+from planner.schema.costs import BlockCost, OptimizerSpec
 
 
 def step_floor(blocks: Sequence[BlockCost], layout: Layout, optimizer: OptimizerSpec) -> float:
@@ -104,9 +99,17 @@ class BlockTotals:
         frees: what recomputing frees at least cost (``least_rerun``), under full checkpointing.
         frees_selective: the same where selective checkpointing is allowed too.
         fsdp: what FSDP shards, (bytes, parameters) (``BlockCost.fsdp_sharded``): ``param_bytes``
-            and ``params``, but under expert parallelism with the experts counted whole.
+            and ``params``, but under expert parallelism with the experts counted whole; the bytes as
+            FSDP gathers them (``gather_bytes`` a parameter: ``as_gathered``).
         ends: by pipeline ranks k, from 0, the least sum over ranks 0 .. k - 1 of the compute on the
             chain before and after each rank's own work (``ends_floor``).
+        unsharded: what FSDP with a stage per unit holds unsharded while the pipeline runs, at least,
+            summed over the stages of any split (``unsharded_floor``), the weights as gathered.
+        master: the fp32 master copies the optimizer keeps of parameters narrower than fp32, at least,
+            summed over the stages of any split (``master_floor``).
+        fsdp_master: the same of what FSDP shards, as gathered.
+        gather_bytes: the gathered width ``fsdp``, ``unsharded`` and ``fsdp_master`` are for
+            (``Layout.gather_bytes``).
     """
 
     compute: float
@@ -123,14 +126,19 @@ class BlockTotals:
     frees_selective: Frees
     fsdp: tuple[int, int]
     ends: tuple[float, ...]
+    unsharded: int = 0
+    master: int = 0
+    fsdp_master: int = 0
+    gather_bytes: int = 0
 
 
-def block_totals(blocks: Sequence[BlockCost], split: bool) -> BlockTotals:
+def block_totals(blocks: Sequence[BlockCost], split: bool, gather_bytes: int = 0) -> BlockTotals:
     """``BlockTotals`` of ``blocks`` for a schedule that splits its backward (``split``) or not.
 
     Args:
         blocks: per-block costs.
         split: whether the schedule runs the input and weight halves of the backward apart.
+        gather_bytes: bytes per parameter FSDP gathers the weights in (``Layout.gather_bytes``).
 
     Returns:
         The totals.
@@ -138,7 +146,7 @@ def block_totals(blocks: Sequence[BlockCost], split: bool) -> BlockTotals:
     compute = 0.0
     backward = 0.0
     step = 0.0
-    p_bytes = n_params = f_bytes = f_params = 0
+    p_bytes = n_params = 0
     lead = 1.0  # the least share of a block's compute that lies on the chain before a stage (below)
     loads: list[float] = []
     backwards: list[float] = []
@@ -172,10 +180,8 @@ def block_totals(blocks: Sequence[BlockCost], split: bool) -> BlockTotals:
         step += (b.opt_s or 0.0) + (b.grad_s or 0.0)
         p_bytes += b.param_bytes
         n_params += b.params
-        fsdp_params, fsdp_bytes = b.fsdp_sharded()
-        f_bytes += fsdp_bytes
-        f_params += fsdp_params
     cuts = [b.sent_bytes for b in blocks[:-1] if b.cut_legal]
+    gathered = as_gathered(blocks, gather_bytes)  # FSDP's weights as it gathers them
     # the compute on each rank's chain (``ends_floor``), by unit: the blocks from one legal cut to the
     # next, which no stage splits (a two-part backward's last action may be a weight half: forwards only)
     units = [0.0]
@@ -197,8 +203,12 @@ def block_totals(blocks: Sequence[BlockCost], split: bool) -> BlockTotals:
         acts,
         _cheapest_first(full),
         _cheapest_first(either),
-        (f_bytes, f_params),
+        (sum(b.fsdp_sharded()[1] for b in gathered), sum(b.fsdp_sharded()[0] for b in gathered)),
         tuple(itertools.accumulate(before, initial=0.0)),
+        unsharded_floor(gathered),
+        master_floor([(b.param_bytes, b.params) for b in blocks]),
+        master_floor([b.fsdp_sharded()[::-1] for b in gathered]),
+        gather_bytes,
     )
 
 
@@ -289,8 +299,8 @@ def floors(
         blocks: per-block costs at the layout's microbatch size.
         layout: the layout.
         optimizer: the optimizer (its state bytes).
-        totals: ``block_totals(blocks, split)`` for the layout's schedule, where the caller keeps it
-            (None: summed here).
+        totals: ``block_totals(blocks, split, layout.gather_bytes)`` for the layout's schedule, where
+            the caller keeps it (None, or for another gathered width: summed here).
         limit: the per-rank memory limit in bytes (None: none, and no recomputation is forced).
         recompute: the recompute policy (``--recompute``: which modes a stage may take).
         read_orders: read each rank's live microbatches off the schedule's action orders where they
@@ -302,7 +312,9 @@ def floors(
     Returns:
         (the step floor in seconds, the memory floor in bytes).
     """
-    t = totals if totals is not None else block_totals(blocks, layout.schedule in ZERO_BUBBLE)
+    t = totals
+    if t is None or t.gather_bytes != layout.gather_bytes:  # (the unsharded floor is for one gathered width)
+        t = block_totals(blocks, layout.schedule in ZERO_BUBBLE, layout.gather_bytes)
     pairs = [_mode_floors(t, one, optimizer, limit, recompute, read_orders, traffic or {}) for one in _modes(layout)]
     memory = min(mem for _, mem in pairs)
     fitting = [step for step, mem in pairs if limit is None or mem <= limit]
@@ -349,19 +361,24 @@ def _mode_floors(
     f_bytes, f_params = t.fsdp
     least = t.least_cut
     buffers = 2 * m * (layout.n_stages - 1) * least if least is not None and layout.n_stages > 1 else 0
+    # the optimizer's state: its moments (state_bytes of fp32 parameters) and the fp32 master copies
+    # of narrower ones, at least (``master_floor``: a stage's state comes from its sums)
+    ddp_state = optimizer.state_bytes(t.params, 4 * t.params) + t.master
+    fsdp_state = optimizer.state_bytes(f_params, 4 * f_params) + t.fsdp_master
     if dp == 1 or mode not in ("fsdp", "hsdp"):
-        memory = (2 * t.param_bytes + optimizer.state_bytes(t.params, t.param_bytes) + buffers) // pp
+        memory = (2 * t.param_bytes + ddp_state + buffers) // pp
     else:
-        # FSDP holds its stages' weights and gradients whole while the pipeline runs, or block by
-        # block only a few units at a time (counted as none here)
-        whole = 0 if layout.fsdp_units == "block" else 2 * t.param_bytes
-        sharded = 2 * f_bytes + optimizer.state_bytes(f_params, f_bytes)
+        # FSDP holds its stages' weights and gradients whole while the pipeline runs (gathered, and
+        # the gradients in fp32 too: ``unsharded_floor``), or block by block only a few units at a
+        # time (counted as none here)
+        whole = 0 if layout.fsdp_units == "block" else t.unsharded
+        sharded = 2 * f_bytes + fsdp_state
         memory = (sharded // max(1, most) + whole + buffers) // pp
     # one pass's makespan is at least each of: the busiest rank's compute (with the recomputation
     # the limit forces, at least the mean), the chain of the stages (``pipeline_floor``), the chain
     # around the stage with the most backward (``chain_floor``); the step adds the passes, then the
     # slowest rank's optimizer (at least the mean)
-    state = optimizer.state_bytes(f_params, f_bytes) if shard > 1 else optimizer.state_bytes(t.params, t.param_bytes)
+    state = fsdp_state if shard > 1 else ddp_state
     rerun = recompute_floor(t, layout, state // shard + buffers, limit, recompute, read_orders)
     busy = t.compute + rerun  # every stage's compute of a microbatch, recomputation included
     # (a recomputing backward is on the chain: with whole backwards the chain carries all of it)
@@ -396,89 +413,6 @@ def _mode_floors(
             min(with_traffic(busy), with_traffic(max(busy, moved - cold))),
         )
     return layout.accumulation * one_pass + t.step / shard / pp, memory
-
-
-class FsdpFloor(NamedTuple):
-    """What FSDP costs at least, over a pipeline's ranks (``fsdp_traffic``): block by block, one
-    microbatch's collectives; a stage per unit, one pass's reduce-scatters.
-
-    Attributes:
-        traffic: seconds of every block's two gathers and reduce-scatter, at the least seconds per byte.
-        reduced: of it, the reduce-scatters: what FSDP with a stage per unit holds its ranks for once a
-            pass, whatever the split (``planner.core.step.simulate.Traffic``: a stage's reduce-scatter
-            after its last backward, its rank computing nothing meanwhile).
-        cold: prefix sums, from 0, of the blocks' gathers at that rate, smallest first: each stage's
-            forward and backward wait for their first unit's gather (``prefetched``), and the stages'
-            first (and last) blocks are distinct, so ``2 x cold[n]`` is exposed on ``n`` stages.
-        per_stage: whether every stage starts cold (FSDP2's timeline on NCCL links, or nothing hidden);
-            else (a link NCCL does not drive, overlapped) each rank waits for twice its largest unit.
-    """
-
-    traffic: float
-    reduced: float
-    cold: tuple[float, ...]
-    per_stage: bool
-
-    def exposed(self, layout: Layout) -> float:
-        """The least exposed seconds a microbatch's gathers wait for, over the layout's ranks."""
-        n = layout.n_stages if self.per_stage else layout.pp
-        return 2 * self.cold[min(n, len(self.cold) - 1)]
-
-
-def fsdp_traffic(
-    blocks: Sequence[BlockCost], link: Links, layout: Layout, slots: float | None = None
-) -> dict[str, FsdpFloor]:
-    """A lower bound of what one microbatch's FSDP collectives cost a pipeline's ranks together when
-    FSDP shards block by block (``floors``' ``traffic``), by mode: "fsdp" over the replicas, and
-    "hsdp" over the shard groups where the layout has them.
-
-    Whatever the split, every block is gathered for the forward and again for the backward and its
-    gradients reduce-scattered, each rank's units over its own group link (``dp_group_links``, as
-    ``planner.core.step.predict`` places them), the experts a rank holds over the replicas holding
-    the same ones (``by_group``); no collective costs less than its bytes at the least seconds per
-    byte of the fastest of those links (``ring_rate``). HSDP's all-reduce over the groups only adds.
-    With a stage per unit every block's gradients are reduce-scattered once a pass the same way
-    (``FsdpFloor.reduced``).
-
-    Args:
-        blocks: per-block costs as the layout's ranks hold them (degrees applied).
-        link: the cluster's link(s), not yet placed for the layout.
-        layout: the layout (pipeline ranks, replicas, their shard groups, the gathered dtype).
-        slots: ranks that compute at once (``Cluster.slots``; not None: ranks share cores and
-            nothing overlaps).
-
-    Returns:
-        The floors by mode (empty with one replica).
-    """
-    pp, dp = layout.pp, layout.dp
-    if dp <= 1:
-        return {}
-    gathered = as_gathered(without_casts(blocks), layout.gather_bytes)
-    split = [by_group([b]) for b in gathered]
-    _, _, ep = by_group(gathered)
-    dense_grads, expert_grads, _ = by_group(gathered, wide=True)
-    placed = layout_links(link, pp, dp, layout.tp, layout.pp_outer)
-    groups = [("fsdp", dp, dp_group_links(placed, pp, dp))]
-    if layout.dp_shard > 1 and layout.dp_mode in ("hsdp", "auto"):
-        groups.append(("hsdp", layout.dp_shard, hsdp_links(placed, pp, dp, layout.dp_shard)[0]))
-    out: dict[str, FsdpFloor] = {}
-    for mode, size, links in groups:
-        distinct = list(dict.fromkeys(links))
-        dense_rate, expert_rate = (
-            _least_rate(distinct, "all_gather", size),
-            _least_rate(distinct, "all_gather", size // ep),
-        )
-        gathers = sorted(dense_rate * d + expert_rate * e for d, e, _ in split)
-        reduced = _least_rate(distinct, "reduce_scatter", size) * dense_grads
-        reduced += _least_rate(distinct, "reduce_scatter", size // ep) * expert_grads
-        per_stage = slots is not None or all(one.nccl is not None for one in distinct)
-        out[mode] = FsdpFloor(2 * sum(gathers) + reduced, reduced, (0.0, *itertools.accumulate(gathers)), per_stage)
-    return out
-
-
-def _least_rate(links: Sequence[LinkCost], op: Collective, group: int) -> float:
-    """The least seconds per byte ``op`` over ``group`` ranks takes on any of ``links`` (``ring_rate``)."""
-    return min(ring_rate(group, one, op) for one in links)
 
 
 def recompute_floor(
@@ -633,14 +567,12 @@ def chain_floor(
 
 __all__ = [
     "BlockTotals",
-    "FsdpFloor",
     "block_totals",
     "busiest_load",
     "chain_floor",
     "ends_floor",
     "recompute_floor",
     "floors",
-    "fsdp_traffic",
     "least_rerun",
     "memory_floor",
     "pipeline_floor",

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from planner.core.layout.bounds import floors, fsdp_traffic
+from planner.core.layout.bounds import floors
+from planner.core.layout.fsdp_bounds import fsdp_traffic
 from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling
 from planner.core.layout.rank_fit import rank_split
 from planner.core.levers.casts import compiled_casts, without_casts

@@ -13,8 +13,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from planner.core.layout.bounds import BlockTotals, FsdpFloor, block_totals, floors, fsdp_traffic
+from planner.core.layout.bounds import BlockTotals, block_totals, floors
 from planner.core.layout.candidate import Choice, evaluate_modes, rank_blocks, unlimited_step
+from planner.core.layout.fsdp_bounds import FsdpFloor, fsdp_traffic
 from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
 from planner.core.layout.passes import one_pass_settles
 from planner.core.step.schedules import LIVE_CLOSED_FORMS, ZERO_BUBBLE
@@ -94,9 +95,9 @@ def pending_layout(
         alike = next((entry for k, entry in cache.items() if k[1:] == key[1:]), None)
         cache[key] = Sized(shares, traffic=alike.traffic if alike is not None else {})
     entry = cache[key]
-    split = layout.schedule in ZERO_BUBBLE
+    split = layout.schedule in ZERO_BUBBLE, layout.gather_bytes
     if split not in entry.totals:  # the floors' sums over 1,000 blocks: once per costs, not per layout
-        entry.totals[split] = block_totals(entry.blocks, split)
+        entry.totals[split] = block_totals(entry.blocks, *split)
     mesh = (layout.pp, layout.dp, layout.dp_shard, layout.dp_mode, layout.gather_bytes)
     if mesh not in entry.traffic:  # FSDP's collectives on these ranks: once per replica layout and degrees
         entry.traffic[mesh] = fsdp_traffic(entry.blocks, cluster.link, layout, cluster.slots)
@@ -161,11 +162,11 @@ def full_floor(item: Pending, constraints: Constraints) -> Pending:
 @dataclass
 class Sized:
     """Block costs at one microbatch size, tensor-parallel degree, sequence split and expert degree,
-    the sums their floors take (by whether the schedule splits its backward) and FSDP's collectives'
-    floors (by pipeline ranks, replicas, shard groups, mode and gathered dtype)."""
+    the sums their floors take (by whether the schedule splits its backward, and the gathered width)
+    and FSDP's collectives' floors (by pipeline ranks, replicas, shard groups, mode and gathered dtype)."""
 
     blocks: list[BlockCost]
-    totals: dict[bool, BlockTotals] = field(default_factory=dict)
+    totals: dict[tuple[bool, int], BlockTotals] = field(default_factory=dict)
     traffic: dict[tuple[int, int, int, str, int], dict[str, FsdpFloor]] = field(default_factory=dict)
 
 
