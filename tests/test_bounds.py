@@ -28,10 +28,12 @@ from planner.core.layout.bounds import (
     pipeline_floor,
     recompute_floor,
     step_floor,
+    step_temp_floor,
 )
-from planner.core.layout.fsdp_bounds import fsdp_traffic
+from planner.core.layout.fsdp_bounds import fsdp_traffic, master_floor, unsharded_floor
 from planner.core.layout.inputs import Cluster, Constraints, Layout
 from planner.core.layout.search import Choice, evaluate_choice, evaluate_modes
+from planner.core.levers.data_parallel import as_gathered
 from planner.core.levers.experts import at_degree as experts_at
 from planner.core.levers.hardware import get_hardware, node_links
 from planner.core.split.stage_model import Partition
@@ -476,3 +478,43 @@ def test_fsdp_traffic_exact_values() -> None:
     assert floors(blocks, stage_units, OptimizerSpec(name="sgd"), traffic={"fsdp": got})[0] == pytest.approx(3.5)
     assert floors(blocks, stage_units, OptimizerSpec(name="sgd"))[0] == pytest.approx(pipeline_floor(1.0, 4, 2))
     assert fsdp_traffic(blocks, link, replace(layout, dp=1), None) == {}
+
+
+def _weights(params: int, width: int, float8: float = 0.0, temps: int | None = None) -> BlockCost:
+    return block("w", 1, 2, params).model_copy(
+        update={"param_bytes": width * params, "float8_share": float8, "opt_temp_bytes": temps}
+    )
+
+
+def test_unsharded_and_master_floors_exact_values() -> None:
+    """What FSDP's stage units hold unsharded (``unsharded_bytes``: P + max(P, 2 N) + 4 N where P is
+    narrower than fp32): 8 bytes a parameter of bf16 weights, gathered as they are, and of fp32 ones
+    gathered in bf16; 7 of a float8 layer's weights gathered in a byte; 8 of fp32 weights gathered
+    whole (no fp32 copy). Blocks of both widths: the fp32 copies only as far as the totals show them."""
+    n = 1000
+    assert unsharded_floor(as_gathered([_weights(n, 2)], 2)) == 8 * n
+    assert unsharded_floor(as_gathered([_weights(n, 4)], 2)) == 8 * n
+    assert unsharded_floor(as_gathered([_weights(n, 4, float8=1.0)], 2)) == 7 * n
+    assert unsharded_floor([_weights(n, 4)]) == 8 * n
+    assert master_floor([(2 * n, n), (4 * n, n)]) == 4 * 2 * n - 6 * n  # mixed: max(0, 4 N - P)
+    assert master_floor([(2 * n, n), (2 * n, n), (0, 0)]) == 8 * n  # every block narrower: 4 N
+    # the memory floor of FSDP stage units on 2 replicas, 1 rank: state (12 bytes a bf16 parameter
+    # with AdamW) and 2 P sharded, and the 8 N unsharded
+    layout = Layout("gpipe", 1, 1, 1, 2, "fsdp", fsdp_units="stage", gather_bytes=2)
+    _, memory = floors([_weights(n, 2)], layout, OptimizerSpec(name="adamw"))
+    assert memory == (4 * n + 12 * n) // 2 + 8 * n
+
+
+def test_step_temp_floor_exact_values() -> None:
+    """The optimizer step's temporaries over any split: AdamW's 8 bytes a parameter where not measured,
+    the less of that and the measure under the "sum" rule, nothing measured under "max"; SGD none.
+    DDP's memory floor holds them beside the weights, gradients and state."""
+    adamw, sgd = OptimizerSpec(name="adamw"), OptimizerSpec(name="sgd")
+    blocks = [_weights(1000, 2), _weights(1000, 2, temps=3000), _weights(1000, 2, temps=20_000)]
+    assert step_temp_floor(blocks, adamw, False) == 8000 + 3000 + 8000
+    assert step_temp_floor(blocks, adamw.model_copy(update={"step_temp_rule": "max"}), False) == 8000
+    assert step_temp_floor(blocks, sgd, False) == 0
+    assert step_temp_floor(blocks, None, False) == 0
+    layout = Layout("gpipe", 1, 1, 1, 1, "ddp")
+    _, memory = floors(blocks[:1], layout, adamw)
+    assert memory == 2 * 2000 + 12 * 1000 + 8000

@@ -108,8 +108,11 @@ class BlockTotals:
         master: the fp32 master copies the optimizer keeps of parameters narrower than fp32, at least,
             summed over the stages of any split (``master_floor``).
         fsdp_master: the same of what FSDP shards, as gathered.
+        step_temps: the optimizer step's temporaries, at least, summed over the stages of any split
+            (``step_temp_floor``): of every parameter a rank holds, and of what FSDP shards.
         gather_bytes: the gathered width ``fsdp``, ``unsharded`` and ``fsdp_master`` are for
             (``Layout.gather_bytes``).
+        optimizer: the optimizer ``step_temps`` are for (None: not counted, 0).
     """
 
     compute: float
@@ -129,16 +132,21 @@ class BlockTotals:
     unsharded: int = 0
     master: int = 0
     fsdp_master: int = 0
+    step_temps: tuple[int, int] = (0, 0)
     gather_bytes: int = 0
+    optimizer: OptimizerSpec | None = None
 
 
-def block_totals(blocks: Sequence[BlockCost], split: bool, gather_bytes: int = 0) -> BlockTotals:
+def block_totals(
+    blocks: Sequence[BlockCost], split: bool, gather_bytes: int = 0, optimizer: OptimizerSpec | None = None
+) -> BlockTotals:
     """``BlockTotals`` of ``blocks`` for a schedule that splits its backward (``split``) or not.
 
     Args:
         blocks: per-block costs.
         split: whether the schedule runs the input and weight halves of the backward apart.
         gather_bytes: bytes per parameter FSDP gathers the weights in (``Layout.gather_bytes``).
+        optimizer: the optimizer whose step temporaries the memory floor counts (None: none).
 
     Returns:
         The totals.
@@ -208,8 +216,40 @@ def block_totals(blocks: Sequence[BlockCost], split: bool, gather_bytes: int = 0
         unsharded_floor(gathered),
         master_floor([(b.param_bytes, b.params) for b in blocks]),
         master_floor([b.fsdp_sharded()[::-1] for b in gathered]),
+        (step_temp_floor(blocks, optimizer, False), step_temp_floor(blocks, optimizer, True)),
         gather_bytes,
+        optimizer,
     )
+
+
+def step_temp_floor(blocks: Sequence[BlockCost], optimizer: OptimizerSpec | None, fsdp: bool) -> int:
+    """A lower bound, over every split, of the sum over the stages of the optimizer step's temporaries
+    (``planner.core.split.stage_model.parts_from_sums``' ``step``: the blocks' measured ones combined
+    by ``OptimizerSpec.step_temp_rule`` where all of a stage's were measured, else
+    ``OptimizerSpec.step_temp_bytes`` of its parameters, which grows linearly with them).
+
+    A block not measured adds its formula's bytes to any stage that holds it; a measured one, under
+    the "sum" rule, the less of its measure and its formula's; under "max", nothing (the stage's
+    maximum is its own, not a sum).
+
+    Args:
+        blocks: per-block costs.
+        optimizer: the optimizer (None: 0).
+        fsdp: of what FSDP shards (``BlockCost.fsdp_sharded``), else of the parameters a rank holds.
+
+    Returns:
+        Bytes.
+    """
+    if optimizer is None:
+        return 0
+    total = 0
+    for b in blocks:
+        formula = optimizer.step_temp_bytes(b.fsdp_sharded()[0] if fsdp else b.params)
+        if b.opt_temp_bytes is None:
+            total += formula
+        elif optimizer.step_temp_rule == "sum":
+            total += min(b.opt_temp_bytes, formula)
+    return total
 
 
 def _cheapest_first(items: Sequence[tuple[float, float]]) -> Frees:
@@ -313,8 +353,8 @@ def floors(
         (the step floor in seconds, the memory floor in bytes).
     """
     t = totals
-    if t is None or t.gather_bytes != layout.gather_bytes:  # (the unsharded floor is for one gathered width)
-        t = block_totals(blocks, layout.schedule in ZERO_BUBBLE, layout.gather_bytes)
+    if t is None or t.gather_bytes != layout.gather_bytes or t.optimizer != optimizer:  # (kept for other ones)
+        t = block_totals(blocks, layout.schedule in ZERO_BUBBLE, layout.gather_bytes, optimizer)
     pairs = [_mode_floors(t, one, optimizer, limit, recompute, read_orders, traffic or {}) for one in _modes(layout)]
     memory = min(mem for _, mem in pairs)
     fitting = [step for step, mem in pairs if limit is None or mem <= limit]
@@ -366,14 +406,17 @@ def _mode_floors(
     ddp_state = optimizer.state_bytes(t.params, 4 * t.params) + t.master
     fsdp_state = optimizer.state_bytes(f_params, 4 * f_params) + t.fsdp_master
     if dp == 1 or mode not in ("fsdp", "hsdp"):
-        memory = (2 * t.param_bytes + ddp_state + buffers) // pp
+        # a rank holds its weights, gradients, state and buffers through its optimizer's step too
+        # (``MemoryParts.peak``: the fixed bytes and the larger of the live ones and the step's)
+        memory = (2 * t.param_bytes + ddp_state + buffers + t.step_temps[0]) // pp
     else:
         # FSDP holds its stages' weights and gradients whole while the pipeline runs (gathered, and
         # the gradients in fp32 too: ``unsharded_floor``), or block by block only a few units at a
         # time (counted as none here)
         whole = 0 if layout.fsdp_units == "block" else t.unsharded
         sharded = 2 * f_bytes + fsdp_state
-        memory = (sharded // max(1, most) + whole + buffers) // pp
+        # the optimizer's step temporaries (a shard's) come instead of, not beside, what the pass holds
+        memory = (sharded // max(1, most) + max(whole, t.step_temps[1] // max(1, most)) + buffers) // pp
     # one pass's makespan is at least each of: the busiest rank's compute (with the recomputation
     # the limit forces, at least the mean), the chain of the stages (``pipeline_floor``), the chain
     # around the stage with the most backward (``chain_floor``); the step adds the passes, then the
@@ -577,4 +620,5 @@ __all__ = [
     "memory_floor",
     "pipeline_floor",
     "step_floor",
+    "step_temp_floor",
 ]

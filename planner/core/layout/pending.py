@@ -97,7 +97,7 @@ def pending_layout(
     entry = cache[key]
     split = layout.schedule in ZERO_BUBBLE, layout.gather_bytes
     if split not in entry.totals:  # the floors' sums over 1,000 blocks: once per costs, not per layout
-        entry.totals[split] = block_totals(entry.blocks, *split)
+        entry.totals[split] = block_totals(entry.blocks, *split, constraints.optimizer)
     mesh = (layout.pp, layout.dp, layout.dp_shard, layout.dp_mode, layout.gather_bytes)
     if mesh not in entry.traffic:  # FSDP's collectives on these ranks: once per replica layout and degrees
         entry.traffic[mesh] = fsdp_traffic(entry.blocks, cluster.link, layout, cluster.slots)

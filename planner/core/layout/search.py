@@ -436,8 +436,9 @@ def dp_label(layout: Layout) -> str:
 
 def _nothing_fits(outcome: _Outcome, cluster: Cluster, constraints: Constraints) -> InfeasibleError:
     """The error for a search in which nothing fits the memory limit: the closest layout (the least
-    memory any evaluated candidate needs, or any of the ``CLOSEST_TRIED`` most promising unsplittable
-    ones needs without the limit) and how far over the limit it is."""
+    memory any evaluated candidate needs, or any of the ``CLOSEST_TRIED`` most promising ones left
+    unsolved or unsplittable needs: solved as the search would have, else without the limit) and how
+    far over the limit it is."""
     limit = constraints.memory_limit_bytes
     assert limit is not None
     if outcome.layouts == 1 and outcome.errors:
@@ -447,11 +448,15 @@ def _nothing_fits(outcome: _Outcome, cluster: Cluster, constraints: Constraints)
     recompute = "full" if constraints.recompute == "auto" else constraints.recompute
     free = replace(constraints, memory_limit_bytes=None, recompute=recompute)
     for item in sorted(outcome.unfit, key=lambda p: (p.memory_floor, p.layout.n_microbatches))[:CLOSEST_TRIED]:
-        try:
-            c = evaluate_modes(item.blocks, cluster, item.layout, free)
-        except InfeasibleError:
-            continue
-        needs.append((c.prediction.max_memory_bytes, c.layout))
+        # under the limit the least memory a split needs (a layout its memory floor left unsolved may
+        # have one), else the solver's split without it
+        for asked in (constraints, free):
+            try:
+                c = evaluate_modes(item.blocks, cluster, item.layout, asked)
+            except InfeasibleError:
+                continue
+            needs.append((c.prediction.max_memory_bytes, c.layout))
+            break
     if not needs:
         if outcome.errors:
             return outcome.errors[0]
