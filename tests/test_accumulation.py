@@ -144,8 +144,9 @@ def test_auto_passes_are_never_slower_than_any_fixed_count(
 ) -> None:
     """Brute force: ``--accumulation auto`` predicts a step no slower than the best fixed pass count.
 
-    With the solver's splits as they are: polishing (``refine``) moves only the winner's split and its
-    near rivals', and on blocks this coarse it can gain 15 % for a layout the search ranked lower."""
+    With the solver's splits as they are: polishing (``_polish``: ``refine``, from the baselines' splits
+    too) moves only the winner's split and its near rivals', and on blocks this coarse it can gain 15 %
+    for a layout the search ranked lower."""
     blocks = [block(f"layers.{i}", f, 2 * f, 1000, act_mb=a, cut_mb=c) for i, (f, a, c) in enumerate(layers)]
 
     def step(limit: int | None, accumulation: int | None) -> float:
@@ -164,7 +165,7 @@ def test_auto_passes_are_never_slower_than_any_fixed_count(
         Scaling(4, 0.1),
     )[0]
     limit = int(free.prediction.max_memory_bytes * tightness)
-    with patch("planner.core.layout.search.refine", lambda choice, *_: choice):
+    with patch("planner.core.layout.search._polish", lambda choice, *_: (choice, "")):
         fixed = min(step(limit, k) for k in (1, 2, 4))
         auto = step(limit, None)
     assert auto <= fixed * (1 + 1e-3) or fixed == float("inf") == auto

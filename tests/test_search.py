@@ -253,11 +253,11 @@ def test_a_runner_up_that_polishes_faster_than_the_polished_winner_wins(monkeypa
 
     winner, close, unfit, far = choice(1.00), choice(1.01), choice(1.01, fits=False), choice(1.20)
     polished = {id(winner): choice(0.99), id(close): choice(0.95), id(unfit): choice(0.5), id(far): choice(0.5)}
-    monkeypatch.setattr(search_module, "refine", lambda c, cluster, constraints: polished[id(c)])
-    best, shown, beaten = search_module._polished_best(winner, [winner, close, unfit, far], None, None)  # type: ignore[arg-type]
+    monkeypatch.setattr(search_module, "_polish", lambda c, cluster, constraints: (polished[id(c)], ""))
+    best, shown, beaten, _ = search_module._polished_best(winner, [winner, close, unfit, far], None, None)  # type: ignore[arg-type]
     assert best is close and shown is polished[id(close)]  # far is beyond the margin, unfit never runs
     assert beaten == (winner, polished[id(winner)])  # the line compares both polished
     # within TIE the ranked winner stays (it has the least memory, the fewer replicas, the simpler schedule)
     polished[id(close)] = choice(0.99 * (1 - search_module.TIE / 2))
-    best, shown, beaten = search_module._polished_best(winner, [winner, close, unfit, far], None, None)  # type: ignore[arg-type]
+    best, shown, beaten, _ = search_module._polished_best(winner, [winner, close, unfit, far], None, None)  # type: ignore[arg-type]
     assert best is winner and shown is polished[id(winner)] and beaten is None

@@ -19,7 +19,7 @@ from planner.core.levers.data_parallel import gather_bytes_of, layout_links
 from planner.core.levers.experts import expert_degrees
 from planner.core.levers.links import NodeLinks
 from planner.core.levers.tensor_parallel import allowed_degrees, block_degree_limit
-from planner.core.split.baselines import param_balanced, uniform_layers
+from planner.core.split.baselines import BASELINE_NAMES, layers_or_all, param_balanced, uniform_layers
 from planner.core.split.cuts import Split
 from planner.core.split.given import given_starts
 from planner.core.split.solve import policy_options
@@ -82,13 +82,6 @@ def with_tied_copies(blocks: Sequence[BlockCost], ties: Sequence[Tie]) -> list[B
             update["fsdp_param_bytes"] = sharded_bytes + extra_bytes[k]
         out.append(b.model_copy(update=update))
     return out
-
-
-def layers_or_all(blocks: Sequence[BlockCost]) -> list[BlockCost]:
-    """Blocks for the uniform-layer baseline: a model without repeated layers counts every block."""
-    if any(b.is_layer for b in blocks):
-        return list(blocks)
-    return [b.model_copy(update={"is_layer": True}) for b in blocks]
 
 
 def compare_methods(
@@ -242,12 +235,9 @@ def _best_of_baselines(predictions: dict[str, tuple[list[StagePlan], Prediction]
     step, name = min(faster)
     predictions["optimal"] = predictions[name]
     return (
-        f"; the {METHOD_NAMES[name]} split is {100 * (1 - step / solver):.1f}% faster by the simulated step than the "
+        f"; the {BASELINE_NAMES[name]} split is {100 * (1 - step / solver):.1f}% faster by the simulated step than the "
         "solver's least-bottleneck split, so the plan uses it"
     )
-
-
-METHOD_NAMES = {"uniform": "equal-layer", "params": "parameter-balanced"}
 
 
 def _check_memory(method: str, prediction: Prediction, stages: list[StagePlan], limit: int | None) -> None:

@@ -48,7 +48,9 @@ from planner.core.layout.pending import (
     pending_layout,
     ring_dominates,
 )
+from planner.core.levers.data_parallel import layout_links
 from planner.core.levers.experts import layout_refusal
+from planner.core.split.baselines import BASELINE_NAMES, baseline_splits
 from planner.core.split.cuts import Split
 from planner.core.split.stage_plans import StageMemo
 from planner.core.step.schedules import stages_per_rank_options
@@ -375,7 +377,7 @@ def search(
     if not any(c.fits for c in outcome.results) and constraints.memory_limit_bytes is not None:
         raise _nothing_fits(outcome, cluster, constraints)
     best, ranked = _rank(outcome.results, outcome.errors)
-    best, polished, beaten = _polished_best(best, ranked, cluster, constraints)
+    best, polished, beaten, start = _polished_best(best, ranked, cluster, constraints)
     open_parts = [
         label
         for label, is_open in (
@@ -392,7 +394,7 @@ def search(
         if is_open
     ]
     show = len(space.replicas) > 1 or len(space.degrees) > 1 or best.layout.dp > 1 or best.layout.tp > 1
-    note = _why(polished, best, ranked, open_parts, show_dp=show, beaten=beaten)
+    note = _why(polished, best, ranked, open_parts, show_dp=show, beaten=beaten, start=start)
     if outcome.pruned:
         note += f"; {outcome.pruned} more layouts ruled out unsolved (their lower bound on the step was slower)"
     # the list shows the winner first, as it will run: with its polished split (a runner-up may have won)
@@ -530,9 +532,11 @@ def _why(
     *,
     show_dp: bool = False,
     beaten: tuple[Choice, Choice] | None = None,
+    start: str = "",
 ) -> str:
     """One line: what won, by how much over the runner-up (``beaten``: the ranked winner, split and
-    polished, where a runner-up polished faster), and what polishing the split gained."""
+    polished, where a runner-up polished faster), and what polishing the split gained (from a
+    baseline's split where it started there: ``start``, that split in words)."""
     lay = chosen.layout
     what = f"{lay.schedule}, m={lay.n_microbatches}{_passes(lay)}" + (
         f", {lay.stages_per_rank} stages per rank" if lay.stages_per_rank > 1 else ""
@@ -561,13 +565,17 @@ def _why(
         line += f"; {len(ranked)} candidates searched over {', '.join(open_parts)}"
     if chosen.prediction.starts != unpolished.prediction.starts:
         gain = 1 - chosen.prediction.step_time_s / unpolished.prediction.step_time_s
-        line += f"; moving cuts against the simulated step saved {gain:.1%} over the least-bottleneck split"
+        if start:  # (as ``planner.core.assemble`` says where the winner's own baseline split was kept)
+            line += f"; {start} is {gain:.1%} faster by the simulated step than the solver's least-bottleneck "
+            line += "split, so the plan uses it"
+        else:
+            line += f"; moving cuts against the simulated step saved {gain:.1%} over the least-bottleneck split"
     return line
 
 
 def _polished_best(
     best: Choice, ranked: Sequence[Choice], cluster: Cluster, constraints: Constraints
-) -> tuple[Choice, Choice, tuple[Choice, Choice] | None]:
+) -> tuple[Choice, Choice, tuple[Choice, Choice] | None, str]:
     """The winner after polishing (``refine``): the ranked winner's polished split, unless a runner-up
     within ``REFINE_MARGIN`` of it (at most ``REFINE_RIVALS`` of them) polishes to a step faster beyond
     ``TIE``; polishing may move a layout by a few percent, so the winner is chosen after it, not before.
@@ -575,21 +583,54 @@ def _polished_best(
     (``unlimited_step``): that one's split is the one the memory limit unbalanced, which is what
     polishing moves, so it may gain more than the margin.
 
+    Each layout is polished from the solver's split and from any baseline's that steps faster (``_polish``).
+
     Returns:
-        (the winner as the solver split it, the winner polished, and where a runner-up won so the
-        ranked winner as split and polished, else None).
+        (the winner as the solver split it, the winner polished, where a runner-up won so the ranked
+        winner as split and polished, else None, and the baseline's split the winner's polish
+        started from, in words, else "").
     """
-    polished = refine(best, cluster, constraints)
+    polished, start = _polish(best, cluster, constraints)
     first = (best, polished)
     rivals = [c for c in ranked if c.fits and c is not best]
     near = [c for c in rivals if c.prediction.step_time_s < polished.prediction.step_time_s * (1 + REFINE_MARGIN)]
     near = near[:REFINE_RIVALS]
     parents = [c for c in rivals if _one_pass_of(best.layout, c.layout) and all(c is not r for r in near)]
     for rival in near + parents:
-        tried = refine(rival, cluster, constraints)
+        tried, name = _polish(rival, cluster, constraints)
         if tried.prediction.step_time_s < polished.prediction.step_time_s * (1 - TIE):
-            best, polished = rival, tried
-    return best, polished, None if best is first[0] else first
+            best, polished, start = rival, tried, name
+    return best, polished, None if best is first[0] else first, start
+
+
+def _polish(choice: Choice, cluster: Cluster, constraints: Constraints) -> tuple[Choice, str]:
+    """``refine`` of the solver's split and of every baseline's (equal layer counts, balanced
+    parameters: ``planner.core.split.baselines``) that fits and steps faster than it, the fastest.
+    The solver minimises the slowest stage and polishing moves one cut at a time, which can miss a
+    split that shifts several cuts at once; ``planner.core.assemble`` keeps such a baseline split for
+    the winner, and polishing every compared layout from it too lets it win where its layout was a
+    runner-up. Baselines never recompute: only under ``--recompute auto`` or ``never``.
+
+    Returns:
+        The polished choice, and the baseline's split it was polished from, in words (else "").
+    """
+    best, start = refine(choice, cluster, constraints), ""
+    if constraints.recompute not in ("auto", "never"):
+        return best, start
+    layout = choice.layout
+    link = layout_links(cluster.link, layout.pp, layout.dp, layout.tp, layout.pp_outer)
+    for name, split in baseline_splits(choice.blocks, layout.n_stages, link).items():
+        try:
+            begun = evaluate_choice(choice.blocks, cluster, layout, constraints, split)
+        except InfeasibleError:
+            continue
+        if not begun.fits or begun.prediction.step_time_s >= choice.prediction.step_time_s * (1 - 1e-9):
+            continue
+        polished = refine(begun, cluster, constraints)
+        if polished.prediction.step_time_s < best.prediction.step_time_s * (1 - 1e-9):
+            moved = polished.prediction.starts != begun.prediction.starts
+            best, start = polished, f"the {BASELINE_NAMES[name]} split" + (" with cuts moved" if moved else "")
+    return best, start
 
 
 def _one_pass_of(layout: Layout, other: Layout) -> bool:

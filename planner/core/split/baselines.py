@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from planner.core.levers.links import Links
 from planner.core.split.cuts import Split
 from planner.core.split.solve_engine import (
     BoolArray,
@@ -27,10 +28,10 @@ from planner.core.split.solve_engine import (
 )
 from planner.core.split.stage_model import Partition, evaluate
 from planner.errors import InfeasibleError
-from planner.schema.costs import BlockCost, LinkCost
+from planner.schema.costs import BlockCost
 
 
-def uniform_layers(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -> Partition:
+def uniform_layers(blocks: Sequence[BlockCost], n_stages: int, link: Links) -> Partition:
     """Equal numbers of layers per stage: the torchtitan / Megatron default split.
 
     The ``is_layer`` blocks are dealt out in order, ``L // p`` per stage and one extra to each of the
@@ -43,7 +44,7 @@ def uniform_layers(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -
     Args:
         blocks: per-block costs in execution order.
         n_stages: number of stages p.
-        link: cost of one message between neighbouring ranks.
+        link: cost of one message between neighbouring ranks (or one per boundary).
 
     Returns:
         The split with its bottleneck evaluated on the real stage costs (communication included).
@@ -84,7 +85,7 @@ def uniform_layers(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -
     return evaluate(blocks, Split(starts=tuple(starts)), link)
 
 
-def param_balanced(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -> Partition:
+def param_balanced(blocks: Sequence[BlockCost], n_stages: int, link: Links) -> Partition:
     """Minimise the largest per-stage parameter count: DeepSpeed ``partition_method="parameters"``.
 
     DeepSpeed's ``partition_balanced`` minimised the max part weight over per-layer parameter
@@ -99,7 +100,7 @@ def param_balanced(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -
     Args:
         blocks: per-block costs in execution order.
         n_stages: number of stages p.
-        link: cost of one message between neighbouring ranks.
+        link: cost of one message between neighbouring ranks (or one per boundary).
 
     Returns:
         The split with its bottleneck evaluated on the real stage costs (communication included).
@@ -136,3 +137,39 @@ def param_balanced(blocks: Sequence[BlockCost], n_stages: int, link: LinkCost) -
     starts = exact_partition(n, n_stages, [0] * n_stages, ranges, first_cap, latest=True)
     assert starts is not None  # check_counts guarantees a partition without memory limits
     return evaluate(blocks, Split(starts=tuple(starts)), link)
+
+
+BASELINE_NAMES = {"uniform": "equal-layer", "params": "parameter-balanced"}
+"""The baselines' splits by name, as the plan's notes name them."""
+
+
+def layers_or_all(blocks: Sequence[BlockCost]) -> list[BlockCost]:
+    """Blocks for the uniform-layer baseline: a model without repeated layers counts every block."""
+    if any(b.is_layer for b in blocks):
+        return list(blocks)
+    return [b.model_copy(update={"is_layer": True}) for b in blocks]
+
+
+def baseline_splits(blocks: Sequence[BlockCost], n_stages: int, link: Links) -> dict[str, Partition]:
+    """The baselines' splits of ``blocks`` into ``n_stages`` stages, by name ("uniform": equal layer
+    counts, ``uniform_layers`` of ``layers_or_all``; "params": ``param_balanced``), those that can
+    split the model.
+
+    Args:
+        blocks: per-block costs.
+        n_stages: the stages to cut.
+        link: the links the splits' messages are costed on.
+
+    Returns:
+        The splits, by name (a baseline that cannot split the model left out).
+    """
+    out: dict[str, Partition] = {}
+    for name in BASELINE_NAMES:
+        try:
+            if name == "uniform":
+                out[name] = uniform_layers(layers_or_all(blocks), n_stages, link)
+            else:
+                out[name] = param_balanced(blocks, n_stages, link)
+        except InfeasibleError:
+            continue
+    return out
