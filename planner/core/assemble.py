@@ -19,11 +19,10 @@ from planner.core.levers.data_parallel import gather_bytes_of, layout_links
 from planner.core.levers.experts import expert_degrees
 from planner.core.levers.links import NodeLinks
 from planner.core.levers.tensor_parallel import allowed_degrees, block_degree_limit
-from planner.core.split.baselines import BASELINE_NAMES, layers_or_all, param_balanced, uniform_layers
+from planner.core.split.baselines import BASELINE_NAMES, baseline_splits
 from planner.core.split.cuts import Split
 from planner.core.split.given import given_starts
 from planner.core.split.solve import policy_options
-from planner.core.split.stage_model import Partition
 from planner.core.step.predict import predict, slots_of
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, LinkCost
@@ -115,18 +114,9 @@ def compare_methods(
     placed = layout_links(link, layout.pp, layout.dp, layout.tp, layout.pp_outer)
     assert isinstance(placed, LinkCost)  # a link (or NodeLinks) in, the same kind out
     link = placed
-    solvers: dict[str, Callable[[], Partition]] = {
-        "uniform": lambda: uniform_layers(layers_or_all(blocks), n_stages, link),
-        "params": lambda: param_balanced(blocks, n_stages, link),
-    }
     out: dict[str, tuple[list[StagePlan], Prediction]] = {"optimal": (chosen.stages, chosen.prediction)}
-    for name, solver in solvers.items():
-        try:
-            split = solver()
-        except InfeasibleError:
-            if name == asked.method:
-                raise
-            continue  # a baseline that cannot split this model is left out of the comparison
+    # a baseline that cannot split this model is left out of the comparison, unless it is the method asked
+    for name, split in baseline_splits(blocks, n_stages, link, required=asked.method).items():
         out[name] = predict(blocks, split, link, layout, asked.constraints.optimizer, slots)
     if given is not None:
         where, starts = given

@@ -190,6 +190,7 @@ def block_totals(
         n_params += b.params
     cuts = [b.sent_bytes for b in blocks[:-1] if b.cut_legal]
     gathered = as_gathered(blocks, gather_bytes)  # FSDP's weights as it gathers them
+    sharded = [b.fsdp_sharded()[::-1] for b in gathered]  # what FSDP shards of each: (bytes, parameters)
     # the compute on each rank's chain (``ends_floor``), by unit: the blocks from one legal cut to the
     # next, which no stage splits (a two-part backward's last action may be a weight half: forwards only)
     units = [0.0]
@@ -211,11 +212,11 @@ def block_totals(
         acts,
         _cheapest_first(full),
         _cheapest_first(either),
-        (sum(b.fsdp_sharded()[1] for b in gathered), sum(b.fsdp_sharded()[0] for b in gathered)),
+        (sum(p for p, _ in sharded), sum(n for _, n in sharded)),
         tuple(itertools.accumulate(before, initial=0.0)),
         unsharded_floor(gathered),
         master_floor([(b.param_bytes, b.params) for b in blocks]),
-        master_floor([b.fsdp_sharded()[::-1] for b in gathered]),
+        master_floor(sharded),
         (step_temp_floor(blocks, optimizer, False), step_temp_floor(blocks, optimizer, True)),
         gather_bytes,
         optimizer,

@@ -95,9 +95,9 @@ def pending_layout(
         alike = next((entry for k, entry in cache.items() if k[1:] == key[1:]), None)
         cache[key] = Sized(shares, traffic=alike.traffic if alike is not None else {})
     entry = cache[key]
-    split = layout.schedule in ZERO_BUBBLE, layout.gather_bytes
-    if split not in entry.totals:  # the floors' sums over 1,000 blocks: once per costs, not per layout
-        entry.totals[split] = block_totals(entry.blocks, *split, constraints.optimizer)
+    sums = layout.schedule in ZERO_BUBBLE, layout.gather_bytes  # (whether the backward is split, width)
+    if sums not in entry.totals:  # the floors' sums over 1,000 blocks: once per costs, not per layout
+        entry.totals[sums] = block_totals(entry.blocks, *sums, constraints.optimizer)
     mesh = (layout.pp, layout.dp, layout.dp_shard, layout.dp_mode, layout.gather_bytes)
     if mesh not in entry.traffic:  # FSDP's collectives on these ranks: once per replica layout and degrees
         entry.traffic[mesh] = fsdp_traffic(entry.blocks, cluster.link, layout, cluster.slots)
@@ -108,14 +108,14 @@ def pending_layout(
         entry.blocks,
         layout,
         constraints.optimizer,
-        entry.totals[split],
+        entry.totals[sums],
         limit=constraints.memory_limit_bytes,
         recompute=constraints.recompute,
         read_orders=False,
         traffic=traffic,
     )
     quick = constraints.memory_limit_bytes is not None and layout.schedule not in LIVE_CLOSED_FORMS
-    return Pending(layout, entry.blocks, step, memory, entry.totals[split] if quick else None, traffic)
+    return Pending(layout, entry.blocks, step, memory, entry.totals[sums] if quick else None, traffic)
 
 
 def ring_dominates(gathered: Pending, ring: Pending) -> bool:

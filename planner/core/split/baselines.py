@@ -150,7 +150,9 @@ def layers_or_all(blocks: Sequence[BlockCost]) -> list[BlockCost]:
     return [b.model_copy(update={"is_layer": True}) for b in blocks]
 
 
-def baseline_splits(blocks: Sequence[BlockCost], n_stages: int, link: Links) -> dict[str, Partition]:
+def baseline_splits(
+    blocks: Sequence[BlockCost], n_stages: int, link: Links, required: str = ""
+) -> dict[str, Partition]:
     """The baselines' splits of ``blocks`` into ``n_stages`` stages, by name ("uniform": equal layer
     counts, ``uniform_layers`` of ``layers_or_all``; "params": ``param_balanced``), those that can
     split the model.
@@ -159,9 +161,13 @@ def baseline_splits(blocks: Sequence[BlockCost], n_stages: int, link: Links) -> 
         blocks: per-block costs.
         n_stages: the stages to cut.
         link: the links the splits' messages are costed on.
+        required: a baseline whose failure is raised rather than left out (the plan's ``--method``).
 
     Returns:
         The splits, by name (a baseline that cannot split the model left out).
+
+    Raises:
+        InfeasibleError: ``required`` cannot split the model.
     """
     out: dict[str, Partition] = {}
     for name in BASELINE_NAMES:
@@ -171,5 +177,7 @@ def baseline_splits(blocks: Sequence[BlockCost], n_stages: int, link: Links) -> 
             else:
                 out[name] = param_balanced(blocks, n_stages, link)
         except InfeasibleError:
+            if name == required:
+                raise
             continue
     return out
