@@ -33,6 +33,7 @@ from planner.core.layout.bounds import (
 from planner.core.layout.fsdp_bounds import fsdp_traffic, master_floor, unsharded_floor
 from planner.core.layout.inputs import Cluster, Constraints, Layout
 from planner.core.layout.search import Choice, evaluate_choice, evaluate_modes
+from planner.core.layout.stage_chain import StageChain
 from planner.core.levers.data_parallel import as_gathered
 from planner.core.levers.experts import at_degree as experts_at
 from planner.core.levers.hardware import get_hardware, node_links
@@ -321,8 +322,9 @@ def test_recompute_floor_exact_values() -> None:
 
 @st.composite
 def fsdp_problems(draw: st.DrawFn) -> tuple:  # type: ignore[type-arg]
-    """Layouts FSDP may shard block by block on GPU nodes (NCCL's links), blocks of megabytes to
-    gigabytes of parameters (their collectives hidden behind the compute, or not), some with experts."""
+    """Layouts FSDP may shard block by block on GPU nodes (NCCL's links), or DDP all-reduce, blocks of
+    megabytes to gigabytes of parameters (their collectives hidden behind the compute, or not), some
+    with experts, in one pass a step or two."""
     rng = random.Random(draw(st.integers(0, 2**32)))
     n = draw(st.integers(2, 8))
     scale = draw(st.sampled_from([1, 1_000, 10_000, 100_000]))
@@ -343,8 +345,8 @@ def fsdp_problems(draw: st.DrawFn) -> tuple:  # type: ignore[type-arg]
     ep = draw(st.sampled_from([1, 1, 2]))
     schedule, pp, v, m = _pipeline(draw, blocks, [s for s in SCHEDULES if s not in ZERO_BUBBLE])
     dp = draw(st.sampled_from([2, 4, 8]))
-    mode = draw(st.sampled_from(["fsdp", "hsdp", "auto"]))
-    dp_shard = draw(st.sampled_from([2, 4])) if mode != "fsdp" else 0
+    mode = draw(st.sampled_from(["fsdp", "hsdp", "auto", "ddp"]))
+    dp_shard = draw(st.sampled_from([2, 4])) if mode not in ("fsdp", "ddp") else 0
     assume(dp_shard < dp and dp % max(1, dp_shard) == 0 and (dp_shard % ep == 0 if dp_shard else True))
     assume(dp % ep == 0)
     link = node_links(get_hardware("h100"), pp, draw(st.sampled_from([2, 8])))
@@ -366,6 +368,8 @@ def fsdp_problems(draw: st.DrawFn) -> tuple:  # type: ignore[type-arg]
     constraints = Constraints(optimizer=OptimizerSpec(name="adamw"), memory_limit_bytes=limit, recompute=recompute)
     units = draw(st.sampled_from(["block", "stage", "auto"]))
     layout = Layout(schedule, pp, m, v, dp, mode, fsdp_units=units, dp_shard=dp_shard, gather_bytes=2, ep=ep)
+    # several passes a step: DDP all-reduces after the last, not in buckets during it
+    layout = replace(layout, accumulation=draw(st.sampled_from([1, 1, 2])))
     return blocks, cluster, layout, constraints, rng
 
 
@@ -464,7 +468,9 @@ def test_fsdp_traffic_exact_values() -> None:
         block(f"b{i}", 250, 250, 500_000_000, act_mb=0).model_copy(update={"param_bytes": 10**9}) for i in range(2)
     ]
     layout = Layout("1f1b", 2, 4, 1, 4, "fsdp", fsdp_units="block")
-    (got,) = fsdp_traffic(blocks, link, layout, None).values()
+    floors_by_mode = fsdp_traffic(blocks, link, layout, None)
+    assert set(floors_by_mode) == {"ddp", "fsdp"}
+    got = floors_by_mode["fsdp"]
     assert got.traffic == pytest.approx(6.0)
     assert got.cold == pytest.approx((0.0, 0.75, 1.5)) and got.per_stage is False
     assert got.exposed(layout) == pytest.approx(3.0)  # each rank waits for two gathers at least
@@ -476,8 +482,27 @@ def test_fsdp_traffic_exact_values() -> None:
     assert got.reduced == pytest.approx(3.0)
     stage_units = replace(layout, fsdp_units="stage")
     assert floors(blocks, stage_units, OptimizerSpec(name="sgd"), traffic={"fsdp": got})[0] == pytest.approx(3.5)
-    assert floors(blocks, stage_units, OptimizerSpec(name="sgd"))[0] == pytest.approx(pipeline_floor(1.0, 4, 2))
+    # without them, the chain of whole blocks: the second stage waits for the first block's 0.5 s a
+    # microbatch, then runs its 4 x 0.5 s (the continuous share, ``pipeline_floor``, is less)
+    assert floors(blocks, stage_units, OptimizerSpec(name="sgd"))[0] == pytest.approx(2.5)
+    assert pipeline_floor(1.0, 4, 2) < 2.5
+    # on GPUs a hidden collective slows the compute beside it (here 20 %): block by block the 5 s a
+    # microbatch exposes and 0.2 x the 1 s hidden; a stage per unit 0.2 x its once-a-pass gathers (1.5 s)
+    slowed = {"fsdp": got._replace(slowdown=0.2)}
+    assert got._replace(slowdown=0.2).charged(5.0) == pytest.approx(5.2)
+    step, _ = floors(blocks, layout, OptimizerSpec(name="sgd"), traffic=slowed)
+    assert step == pytest.approx(pipeline_floor(1.0, 4, 2) + 5.2 * 4 / 2)
+    assert floors(blocks, stage_units, OptimizerSpec(name="sgd"), traffic=slowed)[0] == pytest.approx(
+        3.5 + 0.2 * 1.5 / 2
+    )
     assert fsdp_traffic(blocks, link, replace(layout, dp=1), None) == {}
+    # DDP all-reduces the 4 GB of fp32 gradients once a step, 2 x 3/4 of them at 1 GB/s: 6 s over the
+    # two ranks, after the step on a link NCCL does not drive (3 s a rank, beside the pass's floor)
+    ddp = floors_by_mode["ddp"]
+    assert ddp.traffic == pytest.approx(6.0) and ddp.slowdown == 0.0
+    ddp_layout = replace(layout, dp_mode="ddp", fsdp_units="stage")
+    with_ddp, _ = floors(blocks, ddp_layout, OptimizerSpec(name="sgd"), traffic=floors_by_mode)
+    assert with_ddp == pytest.approx(floors(blocks, ddp_layout, OptimizerSpec(name="sgd"))[0] + 3.0)
 
 
 def _weights(params: int, width: int, float8: float = 0.0, temps: int | None = None) -> BlockCost:
@@ -518,3 +543,44 @@ def test_step_temp_floor_exact_values() -> None:
     layout = Layout("gpipe", 1, 1, 1, 1, "ddp")
     _, memory = floors(blocks[:1], layout, adamw)
     assert memory == 2 * 2000 + 12 * 1000 + 8000
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    works=st.lists(st.floats(0.0, 5.0), min_size=1, max_size=7),
+    forward=st.floats(0.0, 1.0),
+    n_stages=st.integers(1, 7),
+    m=st.integers(1, 6),
+)
+def test_stage_chain_is_the_least_over_every_split(works: list[float], forward: float, n_stages: int, m: int) -> None:
+    """``StageChain.floor`` against every split of the units into the stages: the least over them of the
+    largest ``H_s + m W_s`` (the units before the stage on the chain, the stage's own per microbatch),
+    to bisection precision; 0 where the stages are more than the units."""
+    heads = [forward * w for w in works]
+    chain = StageChain.of(heads, works)
+    n = len(works)
+    if n_stages > n:
+        assert chain.floor(n_stages, m) == 0.0
+        return
+    best = math.inf
+    for cuts in itertools.combinations(range(1, n), n_stages - 1):
+        edges = (0, *cuts, n)
+        worst = max(sum(heads[: edges[k]]) + m * sum(works[edges[k] : edges[k + 1]]) for k in range(n_stages))
+        best = min(best, worst)
+    got = chain.floor(n_stages, m)
+    assert got <= best * (1 + 1e-9) + 1e-12
+    assert got >= best * (1 - 1e-9) - 1e-9
+    assert chain.floor(n_stages, m) == got  # (kept)
+
+
+def test_stage_chain_exact_values() -> None:
+    """Four equal units of 1 s, 2 microbatches: on 2 stages, 2 units each, the second waiting for the
+    first's 2 s: 2 + 2 x 2 = 6 s (an uneven deal, 3 + 1, is 2 x 3 = 6 too); on 4 stages the last
+    waits for 3 s and runs 2: 5 s, where the continuous share (``pipeline_floor``) says 4.27."""
+    chain = StageChain.of([1.0] * 4, [1.0] * 4)
+    assert chain.floor(2, 2) == pytest.approx(6.0)
+    assert chain.floor(4, 2) == pytest.approx(5.0)
+    assert pipeline_floor(4.0, 2, 4) == pytest.approx(4 / (1 - 0.5**4))  # 4.27
+    assert chain.floor(5, 2) == 0.0
+    with pytest.raises(ValueError, match="heads"):
+        StageChain.of([1.0], [])

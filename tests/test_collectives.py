@@ -11,7 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.core.levers.collectives import bus_factor, collective_time, p2p_link, tune
+from planner.core.levers.collectives import (
+    _TREE_CORRECTION,
+    bus_factor,
+    collective_time,
+    least_seconds_per_byte,
+    p2p_link,
+    tune,
+)
 from planner.core.levers.data_parallel import grad_reduce_s
 from planner.core.levers.hardware import get_hardware, link_cost, nccl_fabric
 from planner.core.levers.tensor_parallel import allreduce_s
@@ -110,6 +117,34 @@ def test_time_grows_with_bytes_and_bus_bandwidth_stays_under_the_links(
         last = t.seconds
         busbw = (1 << k) / t.seconds * bus_factor(op, ranks)  # type: ignore[arg-type]
         assert busbw <= _peak_GBps(fabric, nodes) * 1e9 * (1 + 1e-9)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    fabric=FABRICS,
+    op=st.sampled_from(["all_reduce", "all_gather", "reduce_scatter"]),
+    nodes=st.sampled_from([1, 2, 4, 16]),
+    local=st.sampled_from([1, 2, 4, 8]),
+    bits=st.integers(3, 35),
+    scale=st.sampled_from([1.0, 1.3]),
+)
+def test_no_size_runs_faster_than_the_least_seconds_per_byte(
+    fabric: NcclFabric, op: str, nodes: int, local: int, bits: int, scale: float
+) -> None:
+    """The search's floors charge a collective its bytes at ``least_seconds_per_byte``: never more than
+    NCCL's model charges it at any size, an all-reduce's size corrections included (they only lower a
+    bandwidth: every tree correction factor is at most 1), on a what-if's slower links too."""
+    ranks = nodes * local
+    if ranks < 2:
+        return
+    assert max(max(row) for row in _TREE_CORRECTION) <= 1.0
+    scaled = fabric.model_copy(update={"time_scale": scale})
+    rate = least_seconds_per_byte(op, ranks, local, scaled)  # type: ignore[arg-type]
+    assert rate > 0
+    for n in (1 << bits, (1 << bits) + 12_345, 3 << bits):
+        assert collective_time(op, n, ranks, local, scaled).seconds >= n * rate * (1 - 1e-12)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="covers"):
+        least_seconds_per_byte("all_to_all", ranks, local, scaled)
 
 
 def test_nccl_links_cost_collectives_by_nccls_model_gloo_keeps_alpha_beta() -> None:

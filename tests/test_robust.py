@@ -235,7 +235,7 @@ def test_a_reference_priced_on_its_own_problem_keeps_its_own_step() -> None:
     assert gap.reference_s - gap.chosen_s == pytest.approx(sum(s for _, s in gap.parts))
 
 
-def test_an_expert_parallel_layout_reprices_with_its_experts_sharded() -> None:
+def test_an_expert_parallel_layout_reprices_with_its_experts_sharded(every_layout_solved: None) -> None:
     # repricing runs the search's own pricing of a rank's blocks (``rank_blocks``): under expert parallelism
     # each rank's share of the experts and the all-to-alls, which the what-if once left out
     from test_ep import SHARE as share  # two layers of 8 experts, their GEMM seconds per degree

@@ -58,7 +58,7 @@ def test_microbatch_options() -> None:
     assert microbatch_options(16, 4) == [4]
 
 
-def test_search_returns_the_fastest_candidate_that_fits() -> None:
+def test_search_returns_the_fastest_candidate_that_fits(every_layout_solved: None) -> None:
     blocks = big_head_blocks() + [block(f"extra.{i}", 10, 20, 5000) for i in range(4)]
     chosen, ranked, note = _search(blocks)
     fitting = [c for c in ranked if c.fits]

@@ -20,11 +20,12 @@ import bisect
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from planner.core.layout.fsdp_bounds import FsdpFloor, master_floor, unsharded_floor
 from planner.core.layout.inputs import Layout
-from planner.core.levers.data_parallel import as_gathered
+from planner.core.layout.stage_chain import StageChain
+from planner.core.levers.data_parallel import as_gathered, ddp_follows
 from planner.core.levers.recompute import kept_bytes, loss_held, recompute_cost, selective_cost
 from planner.core.split.solve import policy_options
 from planner.core.step.schedules import LIVE_CLOSED_FORMS, ZERO_BUBBLE, live_at_first_backward
@@ -113,6 +114,8 @@ class BlockTotals:
         gather_bytes: the gathered width ``fsdp``, ``unsharded`` and ``fsdp_master`` are for
             (``Layout.gather_bytes``).
         optimizer: the optimizer ``step_temps`` are for (None: not counted, 0).
+        chain: the units (blocks between legal cuts) in order, for the chain through stages of
+            whole units (``StageChain.floor``).
     """
 
     compute: float
@@ -135,6 +138,7 @@ class BlockTotals:
     step_temps: tuple[int, int] = (0, 0)
     gather_bytes: int = 0
     optimizer: OptimizerSpec | None = None
+    chain: StageChain = field(default_factory=lambda: StageChain.of([], []))
 
 
 def block_totals(
@@ -193,11 +197,13 @@ def block_totals(
     sharded = [b.fsdp_sharded()[::-1] for b in gathered]  # what FSDP shards of each: (bytes, parameters)
     # the compute on each rank's chain (``ends_floor``), by unit: the blocks from one legal cut to the
     # next, which no stage splits (a two-part backward's last action may be a weight half: forwards only)
-    units = [0.0]
+    units, works = [0.0], [0.0]  # and each unit's compute per microbatch (``StageChain``)
     for k, b in enumerate(blocks):
         units[-1] += b.fwd_s + (0.0 if split else b.bwd_s)
+        works[-1] += loads[k]
         if b.cut_legal and k < len(blocks) - 1:
             units.append(0.0)
+            works.append(0.0)
     before = itertools.accumulate(units[:-1], initial=0.0)  # before rank r: the first r units at least
     return BlockTotals(
         compute,
@@ -220,6 +226,7 @@ def block_totals(
         (step_temp_floor(blocks, optimizer, False), step_temp_floor(blocks, optimizer, True)),
         gather_bytes,
         optimizer,
+        StageChain.of(units, works),
     )
 
 
@@ -431,32 +438,43 @@ def _mode_floors(
         busiest_load(t.loads, pp) * m,
         ends_floor(t.ends, busy * m, pp),
         chain,
+        t.chain.floor(layout.n_stages, m),
         chain_floor(t.compute, t.backward, m, layout.n_stages, split, busiest_load(t.backwards, layout.n_stages)),
     )
     fsdp = traffic.get(mode) if shard > 1 and not split else None
     if fsdp is not None and layout.fsdp_units == "stage":
         # FSDP a stage per unit: each pass, every stage's reduce-scatter holds its rank after the
         # stage's last backward (on the timeline, or after the pass where nothing overlaps), so the
-        # ranks' compute and those reductions add up, the busiest at least their mean
-        one_pass = max(one_pass, (busy * m + fsdp.reduced) / pp)
+        # ranks' compute and those reductions add up, the busiest at least their mean; a stage's
+        # gather is waited for or slows the compute beside it (its ``slowdown``), at least the latter
+        one_pass = max(one_pass, (busy * m + fsdp.reduced + fsdp.slowdown * fsdp.gathered) / pp)
     elif fsdp is not None:
         # FSDP block by block: every microbatch, what the stages' compute does not hide of their
-        # collectives (at least the traffic beyond it, and the cold starts' gathers) comes after
-        # the pass (``planner.core.step.predict``). For stage times x >= busy the pass and that
-        # are at least ``k x + max(cold, moved - x) m / pp``, the chain's bound ``k x`` linear in x:
+        # collectives (at least the traffic beyond it, and the cold starts' gathers) and the slowdown
+        # of the compute beside the rest (``FsdpFloor.charged``) come after the pass
+        # (``planner.core.step.predict``). For stage times x >= busy the pass and that are at least
+        # ``k x + charged(max(cold, moved - x)) m / pp``, the chain's bound ``k x`` linear in x:
         # least at busy or where the traffic's term stops falling
         moved, cold = fsdp.traffic, fsdp.exposed(layout)
         k = chain / busy if busy > 0 else 0.0
 
         def with_traffic(x: float) -> float:
-            return k * x + max(cold, moved - x) * m / pp
+            return k * x + fsdp.charged(max(cold, moved - x)) * m / pp
 
         one_pass = max(
             one_pass,
-            max(busy + cold, moved) * m / pp,
+            (busy + fsdp.charged(max(cold, moved - busy))) * m / pp,
             min(with_traffic(busy), with_traffic(max(busy, moved - cold))),
         )
-    return layout.accumulation * one_pass + t.step / shard / pp, memory
+    ddp = traffic.get("ddp") if mode == "ddp" and dp > 1 else None
+    after = 0.0
+    if ddp is not None and ddp.slowdown and ddp_follows(layout.schedule, layout.tp, layout.accumulation):
+        # DDP's buckets during each stage's last backward (``planner.core.step.predict``): each holds
+        # its rank for what it exposes and the slowdown of the compute beside the rest, at least the latter
+        one_pass = max(one_pass, (busy * m + ddp.slowdown * ddp.traffic) / pp)
+    elif ddp is not None:
+        after = ddp.traffic / pp  # all-reduced after the step's backward, nothing hidden: the busiest at least the mean
+    return layout.accumulation * one_pass + t.step / shard / pp + after, memory
 
 
 def recompute_floor(

@@ -1,5 +1,6 @@
-"""What FSDP costs a layout at least, over every split: the time of its collectives (``fsdp_traffic``)
-and the bytes it holds unsharded or keeps in fp32 (``unsharded_floor``, ``master_floor``).
+"""What FSDP costs a layout at least, over every split: the time of its collectives (``fsdp_traffic``,
+with DDP's all-reduce beside them) and the bytes it holds unsharded or keeps in fp32
+(``unsharded_floor``, ``master_floor``).
 
 Pure module: never imports torch. ``planner.core.layout.bounds.floors`` adds these to a layout's step
 and memory floors; like them, they are computed once per set of block costs (and replica layout), not
@@ -21,6 +22,7 @@ from planner.core.levers.data_parallel import as_gathered, dp_group_links, layou
 from planner.core.levers.experts import by_group
 from planner.core.levers.hsdp import hsdp_links
 from planner.core.levers.links import Links
+from planner.core.levers.overlap import COMPUTE_SLOWDOWN
 from planner.schema.costs import BlockCost, LinkCost
 
 
@@ -38,12 +40,27 @@ class FsdpFloor(NamedTuple):
             first (and last) blocks are distinct, so ``2 x cold[n]`` is exposed on ``n`` stages.
         per_stage: whether every stage starts cold (FSDP2's timeline on NCCL links, or nothing hidden);
             else (a link NCCL does not drive, overlapped) each rank waits for twice its largest unit.
+        slowdown: how much slower the compute runs beside the collectives it hides
+            (``planner.core.levers.overlap.COMPUTE_SLOWDOWN`` where NCCL drives every link and the
+            ranks have devices of their own; else 0): what a hidden second of them still costs.
     """
 
     traffic: float
     reduced: float
     cold: tuple[float, ...]
     per_stage: bool
+    slowdown: float = 0.0
+
+    @property
+    def gathered(self) -> float:
+        """Of ``traffic``, one gather of every block: what a stage per unit gathers once a pass."""
+        return (self.traffic - self.reduced) / 2
+
+    def charged(self, exposed: float) -> float:
+        """The least a microbatch's block-by-block collectives add to the ranks together where at least
+        ``exposed`` of their ``traffic`` seconds are exposed: the exposed seconds, and the slowdown of
+        the compute beside the rest (``planner.core.levers.overlap.charged_s``)."""
+        return exposed + self.slowdown * max(0.0, self.traffic - exposed)
 
     def exposed(self, layout: Layout) -> float:
         """The least exposed seconds a microbatch's gathers wait for, over the layout's ranks."""
@@ -64,7 +81,8 @@ def fsdp_traffic(
     the same ones (``by_group``); no collective costs less than its bytes at the least seconds per
     byte of the fastest of those links (``ring_rate``). HSDP's all-reduce over the groups only adds.
     With a stage per unit every block's gradients are reduce-scattered once a pass the same way
-    (``FsdpFloor.reduced``).
+    (``FsdpFloor.reduced``). Under "ddp", the replicas' all-reduce of every block's gradients once a
+    step (``_ddp_floor``), at the least seconds per byte as well.
 
     Args:
         blocks: per-block costs as the layout's ranks hold them (degrees applied).
@@ -85,9 +103,9 @@ def fsdp_traffic(
     dense_grads, expert_grads, _ = by_group(gathered, wide=True)
     placed = layout_links(link, pp, dp, layout.tp, layout.pp_outer)
     groups = [("fsdp", dp, dp_group_links(placed, pp, dp))]
+    out: dict[str, FsdpFloor] = {"ddp": _ddp_floor(blocks, groups[0][2], dp, slots)}
     if layout.dp_shard > 1 and layout.dp_mode in ("hsdp", "auto"):
         groups.append(("hsdp", layout.dp_shard, hsdp_links(placed, pp, dp, layout.dp_shard)[0]))
-    out: dict[str, FsdpFloor] = {}
     for mode, size, links in groups:
         distinct = list(dict.fromkeys(links))
         dense_rate, expert_rate = (
@@ -97,9 +115,31 @@ def fsdp_traffic(
         gathers = sorted(dense_rate * d + expert_rate * e for d, e, _ in split)
         reduced = _least_rate(distinct, "reduce_scatter", size) * dense_grads
         reduced += _least_rate(distinct, "reduce_scatter", size // ep) * expert_grads
-        per_stage = slots is not None or all(one.nccl is not None for one in distinct)
-        out[mode] = FsdpFloor(2 * sum(gathers) + reduced, reduced, (0.0, *itertools.accumulate(gathers)), per_stage)
+        nccl = all(one.nccl is not None for one in distinct)
+        # (as ``planner.core.step.predict`` charges it: a hidden collective slows the compute beside it
+        # where NCCL drives the links of ranks with devices of their own)
+        slowdown = COMPUTE_SLOWDOWN if nccl and slots is None else 0.0
+        out[mode] = FsdpFloor(
+            2 * sum(gathers) + reduced,
+            reduced,
+            (0.0, *itertools.accumulate(gathers)),
+            slots is not None or nccl,
+            slowdown,
+        )
     return out
+
+
+def _ddp_floor(blocks: Sequence[BlockCost], links: Sequence[LinkCost], dp: int, slots: float | None) -> FsdpFloor:
+    """DDP's all-reduce of every block's gradients as reduced (fp32 where the parameters are narrower;
+    the experts' go over their own groups, after), at the least seconds per byte of the fastest
+    rank's group link: its ``traffic`` (and ``reduced``), over the pipeline's ranks together, once a
+    step; ``slowdown`` where its buckets may run beside the last backward (``floors`` says where)."""
+    distinct = list(dict.fromkeys(links))
+    seconds = _least_rate(distinct, "all_reduce", dp) * by_group(blocks, wide=True)[0]
+    nccl = all(one.nccl is not None for one in distinct)
+    return FsdpFloor(
+        seconds, seconds, (0.0,), slots is not None or nccl, COMPUTE_SLOWDOWN if nccl and slots is None else 0.0
+    )
 
 
 def _least_rate(links: Sequence[LinkCost], op: Collective, group: int) -> float:

@@ -563,14 +563,15 @@ def collective_time(
 
 @lru_cache(maxsize=1 << 12)
 def least_seconds_per_byte(op: Collective, ranks: int, local: int, fabric: NcclFabric) -> float:
-    """The least seconds per byte NCCL's model charges an all-gather or a reduce-scatter over this
-    group, at any size: each of its algorithm and protocol options costs its latency plus the bytes
-    over its bandwidth (``_algo_time_us``: no size correction for these two), so no size runs faster
-    than the bytes over the largest bandwidth. ``collective_time(op, n, ...) >= n x this`` for every
-    ``n``: the search's floors take it (``planner.core.layout.bounds``).
+    """The least seconds per byte NCCL's model charges an all-gather, a reduce-scatter or an
+    all-reduce over this group, at any size: each of its algorithm and protocol options costs its
+    latency plus the bytes over its bandwidth (``_algo_time_us``: no size correction for the first
+    two; an all-reduce's only lower a bandwidth, ``_TREE_CORRECTION`` being at most 1, or raise a
+    latency), so no size runs faster than the bytes over the largest bandwidth. ``collective_time(op,
+    n, ...) >= n x this`` for every ``n``: the search's floors take it (``planner.core.layout.bounds``).
 
     Args:
-        op: "all_gather" or "reduce_scatter".
+        op: "all_gather", "reduce_scatter" or "all_reduce".
         ranks: ranks of the group.
         local: of them on each node.
         fabric: the node and network.
@@ -579,10 +580,10 @@ def least_seconds_per_byte(op: Collective, ranks: int, local: int, fabric: NcclF
         Seconds per byte (0 for a group of one).
 
     Raises:
-        ValueError: another collective (an all-reduce's time has size-dependent corrections).
+        ValueError: another collective (sends and all-to-all are not NCCL's tuned algorithms).
     """
-    if op not in ("all_gather", "reduce_scatter"):
-        raise ValueError(f"least_seconds_per_byte covers all_gather and reduce_scatter, not {op!r}")
+    if op not in ("all_gather", "reduce_scatter", "all_reduce"):
+        raise ValueError(f"least_seconds_per_byte covers all_gather, reduce_scatter and all_reduce, not {op!r}")
     if ranks <= 1:
         return 0.0
     func = _FUNCS[op]

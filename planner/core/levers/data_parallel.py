@@ -233,13 +233,14 @@ def _ring_s(nbytes: float, group: int, link: LinkCost, op: Collective = "all_gat
 
 def ring_rate(group: int, link: LinkCost, op: Collective = "all_gather") -> float:
     """The least seconds per byte ``_ring_s`` charges an all-gather or a reduce-scatter over
-    ``group`` ranks on ``link``, at any size: ``_ring_s(n, group, link, op) >= n x this`` (NCCL's
-    model: ``least_seconds_per_byte``; elsewhere the ring's bandwidth term). The search's floors take it.
+    ``group`` ranks on ``link``, or ``group_allreduce_s`` an all-reduce, at any size: ``_ring_s(n,
+    group, link, op) >= n x this`` (NCCL's model: ``least_seconds_per_byte``; elsewhere the ring's
+    bandwidth term, twice for an all-reduce). The search's floors take it.
 
     Args:
         group: ranks of the group.
         link: its link.
-        op: "all_gather" or "reduce_scatter".
+        op: "all_gather", "reduce_scatter" or "all_reduce".
 
     Returns:
         Seconds per byte (0 for a group of one).
@@ -249,7 +250,7 @@ def ring_rate(group: int, link: LinkCost, op: Collective = "all_gather") -> floa
     if link.nccl is not None:
         local = link.local_ranks or (1 if link.nccl.network else group)
         return least_seconds_per_byte(op, group, local, link.nccl)
-    return (group - 1) / group / link.bandwidth_Bps
+    return (2 if op == "all_reduce" else 1) * (group - 1) / group / link.bandwidth_Bps
 
 
 def grad_reduce_s(nbytes: int, dp: int, dp_mode: str, link: LinkCost, reduce_bytes: int | None = None) -> float:
