@@ -115,18 +115,18 @@ def fsdp_traffic(
         gathers = sorted(dense_rate * d + expert_rate * e for d, e, _ in split)
         reduced = _least_rate(distinct, "reduce_scatter", size) * dense_grads
         reduced += _least_rate(distinct, "reduce_scatter", size // ep) * expert_grads
-        nccl = all(one.nccl is not None for one in distinct)
-        # (as ``planner.core.step.predict`` charges it: a hidden collective slows the compute beside it
-        # where NCCL drives the links of ranks with devices of their own)
-        slowdown = COMPUTE_SLOWDOWN if nccl and slots is None else 0.0
-        out[mode] = FsdpFloor(
-            2 * sum(gathers) + reduced,
-            reduced,
-            (0.0, *itertools.accumulate(gathers)),
-            slots is not None or nccl,
-            slowdown,
-        )
+        nccl, slowdown = _overlap(distinct, slots)
+        cold = (0.0, *itertools.accumulate(gathers))
+        out[mode] = FsdpFloor(2 * sum(gathers) + reduced, reduced, cold, slots is not None or nccl, slowdown)
     return out
+
+
+def _overlap(links: Sequence[LinkCost], slots: float | None) -> tuple[bool, float]:
+    """Whether NCCL drives every one of ``links``, and how much slower the compute runs beside the
+    collectives it hides there: ``COMPUTE_SLOWDOWN`` where it does and the ranks have devices of their
+    own (``slots`` None), else 0, as ``planner.core.step.predict`` charges it."""
+    nccl = all(one.nccl is not None for one in links)
+    return nccl, COMPUTE_SLOWDOWN if nccl and slots is None else 0.0
 
 
 def _ddp_floor(blocks: Sequence[BlockCost], links: Sequence[LinkCost], dp: int, slots: float | None) -> FsdpFloor:
@@ -136,10 +136,8 @@ def _ddp_floor(blocks: Sequence[BlockCost], links: Sequence[LinkCost], dp: int, 
     step; ``slowdown`` where its buckets may run beside the last backward (``floors`` says where)."""
     distinct = list(dict.fromkeys(links))
     seconds = _least_rate(distinct, "all_reduce", dp) * by_group(blocks, wide=True)[0]
-    nccl = all(one.nccl is not None for one in distinct)
-    return FsdpFloor(
-        seconds, seconds, (0.0,), slots is not None or nccl, COMPUTE_SLOWDOWN if nccl and slots is None else 0.0
-    )
+    nccl, slowdown = _overlap(distinct, slots)
+    return FsdpFloor(seconds, seconds, (0.0,), slots is not None or nccl, slowdown)
 
 
 def _least_rate(links: Sequence[LinkCost], op: Collective, group: int) -> float:
