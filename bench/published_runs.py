@@ -100,6 +100,12 @@ def _search(base: PlanRequest, costs: Any, mf: Any, limit: int | None, timeout_s
     receive, send = ctx.Pipe(duplex=False)
 
     def child() -> None:
+        # a forked child inherits the parent's OpenMP team (the costs ran torch ops) but not its
+        # threads: its first parallel op would wait on them for ever (it did: the search column read
+        # "not finished" for rows whose search takes seconds). One thread runs every op inline.
+        import torch
+
+        torch.set_num_threads(1)
         v = _plan(base, costs, mf, limit, **update)
         send.send((v.plan.model_dump_json() if v.plan is not None else None, v.why, v.seconds))
 
