@@ -28,13 +28,18 @@ def fixture_path():
     return lambda stem: FIXTURES_DIR / f"{stem}.py"
 
 
-@pytest.fixture
-def every_layout_solved(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The search with its floors at 0: every layout is solved and ranked, none ruled out unsolved (for
-    tests of what the ranking says of layouts the floors would rule out)."""
+def solve_every_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From here on, the search with its floors at 0: every layout is solved and ranked, none ruled
+    out unsolved (for tests of what the ranking says of layouts the floors would rule out)."""
     import planner.core.layout.pending as pending
 
     monkeypatch.setattr(pending, "floors", lambda *args, **kwargs: (0.0, 0))
+
+
+@pytest.fixture
+def every_layout_solved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``solve_every_layout`` for the whole test."""
+    solve_every_layout(monkeypatch)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

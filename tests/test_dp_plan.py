@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from conftest import solve_every_layout
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from plan_factory import LINK, MB, block, predicted, searched
@@ -405,9 +406,7 @@ def test_auto_replicas_lose_when_the_gradients_are_large(monkeypatch: pytest.Mon
     chosen, ranked, note = _search(blocks)
     assert chosen.layout.dp == 1 and chosen.prediction.dp_reduce_s == 0.0
     assert "dp=1 (ddp)" in note and {c.layout.dp for c in ranked} == {1, 2}
-    import planner.core.layout.pending as pending
-
-    monkeypatch.setattr(pending, "floors", lambda *args, **kwargs: (0.0, 0))  # every layout solved
+    solve_every_layout(monkeypatch)
     same, ranked, _ = _search(blocks)
     assert same.prediction == chosen.prediction
     assert chosen.prediction.step_time_s < _best_of(ranked, 2) < _best_of(ranked, 4)
