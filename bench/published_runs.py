@@ -14,7 +14,8 @@ estimated once for the GPUs that ran it (their shipped datasheet spec, ``--gpu-t
 * as run: the same layout with what the source says it ran with (recomputation, schedule, DP mode),
   memory not capped, its predicted peak beside the GPU's memory;
 * the search's own choice for the same GPUs and batch (``--tp auto --dp auto --recompute auto``),
-  in a child process stopped after ``--search-timeout`` seconds.
+  in a child process stopped after ``--search-timeout`` seconds, with the worker processes ``planner
+  plan`` starts by default (one per core).
 
 Errors are the published step over the predicted one, minus one: the same in the source's
 convention and in the planner's (its model FLOPs, causal attention at half), both shown.
@@ -54,6 +55,7 @@ from planner.errors import PlannerError
 from planner.report.throughput import throughput
 from planner.schema.plan import Plan
 from planner.schema.request import PlanRequest
+from planner.workers import default_jobs
 
 BAND = 0.15  # issue 62's goal: every published layout within +-15 %
 
@@ -80,11 +82,11 @@ class Outcome:
     bf16: Variant | None = None  # an fp8 row: the within-memory layout planned in bf16 ("does FP8 pay here")
 
 
-def _plan(base: PlanRequest, costs: Any, mf: Any, limit: int | None, **update: Any) -> Variant:
+def _plan(base: PlanRequest, costs: Any, mf: Any, limit: int | None, jobs: int | None = None, **update: Any) -> Variant:
     request = base.model_copy(update=update)
     t0 = time.perf_counter()
     try:
-        plan = plan_on_costs(request, costs, mf, created="bench", memory_limit_bytes=limit)
+        plan = plan_on_costs(request, costs, mf, created="bench", memory_limit_bytes=limit, jobs=jobs)
     except PlannerError as e:
         return Variant(None, str(e).split(";")[0][:160], time.perf_counter() - t0)
     return Variant(plan, "", time.perf_counter() - t0)
@@ -92,7 +94,8 @@ def _plan(base: PlanRequest, costs: Any, mf: Any, limit: int | None, **update: A
 
 def _search(base: PlanRequest, costs: Any, mf: Any, limit: int | None, timeout_s: float) -> Variant:
     """The search's own choice, in a forked child stopped after ``timeout_s`` (a slow search must not
-    hold the page): the child sends the plan back as JSON."""
+    hold the page), with the worker processes ``planner plan`` starts by default on this machine
+    (``planner.workers.default_jobs``: the time a user waits): the child sends the plan back as JSON."""
     if timeout_s <= 0:
         return Variant(None, "not run", 0.0)
     update = search_update(base)
@@ -106,7 +109,7 @@ def _search(base: PlanRequest, costs: Any, mf: Any, limit: int | None, timeout_s
         import torch
 
         torch.set_num_threads(1)
-        v = _plan(base, costs, mf, limit, **update)
+        v = _plan(base, costs, mf, limit, default_jobs(), **update)
         send.send((v.plan.model_dump_json() if v.plan is not None else None, v.why, v.seconds))
 
     t0 = time.perf_counter()
@@ -456,8 +459,9 @@ For each published run, three plans of the same model, GPUs and batch:
   beside the GPU's memory (**over** where the planner says it would not fit: the run fitted, so
   the planner's memory model is pessimistic there);
 - **the search's own choice** (`--tp auto --dp auto --recompute auto`, sequence parallelism and
-  data-parallel mode open) for the same GPUs and batch, with its figure; a search still running after
-  {timeout:.0f} s is stopped and said so.
+  data-parallel mode open) for the same GPUs and batch, with its figure, searched as `planner plan`
+  searches here ({jobs} worker processes, one per core); a search still running after {timeout:.0f} s
+  is stopped and said so.
 
 Every figure is in its **source's own convention** (its unit and its FLOP formula: the GPU
 table below gives it per row); **error** = predicted / published − 1 in that convention, which is
@@ -621,6 +625,7 @@ def main() -> None:
         python=platform.python_version(),
         minutes=(time.perf_counter() - t0) / 60,
         timeout=args.search_timeout,
+        jobs=default_jobs(),
         summary=summary(outcomes),
         outside=outside(outcomes),
         headline=table([headline_cells(o) for o in outcomes], HEADLINE),
