@@ -29,11 +29,14 @@ def fixture_path():
 
 
 def solve_every_layout(monkeypatch: pytest.MonkeyPatch) -> None:
-    """From here on, the search with its floors at 0: every layout is solved and ranked, none ruled
-    out unsolved (for tests of what the ranking says of layouts the floors would rule out)."""
+    """From here on, the search with its floors at 0 and no layout put back in line as ``Outpaced``:
+    every layout is solved and ranked, none ruled out unsolved (for tests of what the ranking says of
+    layouts the floors would rule out)."""
     import planner.core.layout.pending as pending
 
+    evaluate_modes = pending.evaluate_modes
     monkeypatch.setattr(pending, "floors", lambda *args, **kwargs: (0.0, 0))
+    monkeypatch.setattr(pending, "evaluate_modes", lambda *args, bound=None: evaluate_modes(*args[:4]))
 
 
 @pytest.fixture

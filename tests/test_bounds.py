@@ -30,6 +30,7 @@ from planner.core.layout.bounds import (
     step_floor,
     step_temp_floor,
 )
+from planner.core.layout.candidate import Outpaced
 from planner.core.layout.fsdp_bounds import fsdp_traffic, master_floor, unsharded_floor
 from planner.core.layout.inputs import Cluster, Constraints, Layout
 from planner.core.layout.search import Choice, evaluate_choice, evaluate_modes
@@ -453,6 +454,70 @@ def test_block_units_slower_than_their_floor_are_not_solved() -> None:
         both = evaluate_modes(blocks, cluster, layout, constraints)
         assert solved == ["stage", "stage", "block"]
     assert both.prediction == got.prediction and both.layout == got.layout
+
+
+@settings(max_examples=250, deadline=None)
+@given(fsdp_problems(), st.floats(0.2, 1.5))
+def test_a_layout_is_outpaced_only_where_it_could_not_beat_the_bound(problem: tuple, share: float) -> None:  # type: ignore[type-arg]
+    """``evaluate_modes`` with a bound gives the very choice it gives without one, or says the layout
+    is ``Outpaced``: then the floor it names is over the bound, and the layout without the bound either
+    does not fit or steps no faster than that floor (the search loses nothing by not solving it)."""
+    blocks, cluster, layout, constraints, _ = problem
+
+    def outcome(bound: float | None) -> object:
+        try:
+            c = evaluate_modes(blocks, cluster, layout, constraints, bound)
+        except InfeasibleError as e:
+            return str(e)
+        return c.layout, c.prediction, c.fits
+
+    whole = outcome(None)
+    reference = whole[1].step_time_s if isinstance(whole, tuple) else 1.0
+    bound = reference * share
+    try:
+        got = outcome(bound)
+    except Outpaced as e:
+        assert e.floor_s > bound
+        if isinstance(whole, tuple) and whole[2]:
+            assert whole[1].step_time_s >= e.floor_s * (1 - 1e-9), (whole[1].step_time_s, e.floor_s)
+        return
+    assert got == whole
+
+
+def test_stage_units_that_do_not_fit_and_slow_block_units_are_outpaced() -> None:
+    """One pipeline rank of 8 blocks over 4 replicas on a slow link, its memory limit between what
+    block units and stage units need: stage units do not fit; block units would, gathering every
+    block twice a microbatch. Below their step floor, the layout is ``Outpaced`` at that floor with
+    the block units never solved (the stage units' memory floor is over the limit already: they are
+    not solved either); at the floor, it is evaluated whole, the block units' choice."""
+    link = LinkCost(name="plain", latency_s=0.0, bandwidth_Bps=1e9)
+    blocks = [block(f"b{i}", 250, 250, 25_000_000, act_mb=0) for i in range(8)]
+    layout = Layout("gpipe", 1, 4, 1, 4, "fsdp", fsdp_units="auto")
+    cluster = Cluster(world_size=4, link=link)
+    free = Constraints(optimizer=OptimizerSpec(name="sgd"))
+    need = {
+        units: evaluate_choice(blocks, cluster, replace(layout, fsdp_units=units), free).prediction.max_memory_bytes
+        for units in ("stage", "block")
+    }
+    assert need["block"] < need["stage"]
+    constraints = replace(free, memory_limit_bytes=(need["block"] + need["stage"]) // 2)
+    floor = candidate_module._step_floor(blocks, cluster, replace(layout, fsdp_units="block"), constraints)
+    solved: list[str] = []
+    real = candidate_module.evaluate_choice
+
+    def counted(blocks: list, cluster: Cluster, layout: Layout, *rest: object) -> Choice:  # type: ignore[type-arg]
+        solved.append(layout.fsdp_units)
+        return real(blocks, cluster, layout, *rest)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(candidate_module, "evaluate_choice", counted)
+        with pytest.raises(Outpaced) as raised:
+            evaluate_modes(blocks, cluster, layout, constraints, floor * 0.99)
+        assert raised.value.floor_s == floor and "block" not in solved
+        got = evaluate_modes(blocks, cluster, layout, constraints, floor)
+        assert solved.count("block") == 1
+    assert got.fits and got.layout.fsdp_units == "block" and got.prediction.step_time_s >= floor
+    assert got == evaluate_modes(blocks, cluster, layout, constraints)
 
 
 def test_fsdp_traffic_exact_values() -> None:

@@ -7,15 +7,19 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from conftest import solve_every_layout
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from plan_factory import LINK, MB, block
 
 import planner.core.layout.pending as pending_module
 import planner.core.layout.search as search_module
+from planner.core.layout.candidate import Outpaced
 from planner.core.layout.inputs import Cluster, Constraints, Scaling, SearchSpace
 from planner.core.layout.search import TIE, _evaluate_all, _rank
-from planner.schema.costs import BlockCost, OptimizerSpec
+from planner.schema.costs import BlockCost, LinkCost, OptimizerSpec
+
+SLOW = LinkCost(name="slow", latency_s=1e-5, bandwidth_Bps=1e8)  # 100 MB/s: FSDP's gathers dominate
 
 
 def _blocks(raw: list[tuple[int, int, int, int, int]]) -> list[BlockCost]:
@@ -59,8 +63,8 @@ PROBLEM = st.tuples(
 def test_pruning_keeps_the_winner_and_every_candidate_that_could_tie(problem: tuple[Any, ...]) -> None:
     blocks, cluster, space, constraints, scaling = _search_inputs(problem)
     pruned = _evaluate_all(blocks, cluster, space, constraints, scaling)
-    with pytest.MonkeyPatch.context() as mp:  # floors of nothing: every layout is evaluated
-        mp.setattr(pending_module, "floors", lambda *a, **k: (0.0, 0))
+    with pytest.MonkeyPatch.context() as mp:  # floors of nothing, nothing outpaced: every layout is evaluated
+        solve_every_layout(mp)
         every = _evaluate_all(blocks, cluster, space, constraints, scaling)
     assert every.pruned == 0
     fitting = [c for c in every.results if c.fits]
@@ -86,14 +90,14 @@ def test_quick_floors_raised_when_reached_evaluate_what_full_floors_do(problem: 
     as full floors computed for every layout up front."""
     blocks, cluster, space, constraints, scaling = _search_inputs(problem)
     seen: list[list[Any]] = [[], []]
-    evaluated, floors = search_module.evaluated, pending_module.floors
+    evaluated, floors = pending_module.evaluated, pending_module.floors
 
     def full_floors(*a: Any, **k: Any) -> Any:
         return floors(*a, **{**k, "read_orders": True})
 
     for run, full in enumerate((False, True)):
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(search_module, "evaluated", lambda task, run=run: seen[run].append(task[2]) or evaluated(task))
+            mp.setattr(pending_module, "evaluated", lambda task, run=run: seen[run].append(task[2]) or evaluated(task))
             if full:  # every floor read off the orders when the layout is enumerated
                 mp.setattr(pending_module, "floors", full_floors)
                 mp.setattr(pending_module, "LIVE_CLOSED_FORMS", tuple(search_module.SCHEDULES))
@@ -103,3 +107,71 @@ def test_quick_floors_raised_when_reached_evaluate_what_full_floors_do(problem: 
     assert seen[0] == seen[1]
     assert [_key(c) for c in quick.results] == [_key(c) for c in outcome.results]
     assert (quick.evaluated, quick.pruned, quick.layouts) == (outcome.evaluated, outcome.pruned, outcome.layouts)
+
+
+# Larger weights over a slower link, FSDP's units and the passes open: layouts whose stage units do not
+# fit fall back to block units, whose gathers every microbatch make them slow (``Outpaced``).
+FSDP_PROBLEM = st.tuples(
+    st.lists(
+        st.tuples(st.integers(1, 30), st.integers(1, 60), st.integers(10, 400), st.integers(1, 64), st.integers(1, 4)),
+        min_size=4,
+        max_size=9,
+    ),
+    st.sampled_from([4, 8]),  # ranks
+    st.sampled_from([16, 32]),  # batch
+    st.sampled_from([1.0, 2.0, 4.0]),  # memory limit, in shares of the weights' fp32 bytes a rank
+    st.sampled_from([(2,), (2, 4), (1, 2, 4)]),  # replica counts
+)
+
+
+@pytest.mark.slow
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(FSDP_PROBLEM)
+def test_layouts_put_back_as_outpaced_leave_the_winner(problem: tuple[Any, ...]) -> None:
+    """A layout that cannot beat the best step found (``Outpaced``: FSDP's stage units do not fit and its
+    block units' floor is slower) is put back in line unsolved, its runs in several passes queued:
+    the same winner as the search that solves every layout, and nothing evaluated differently."""
+    raw, ranks, batch, share, replicas = problem
+    blocks = _blocks(raw)
+    limit = int(sum(b.param_bytes for b in blocks) * share * 4 / ranks)
+    space = SearchSpace(batch, "auto", None, None, replicas, "auto", fsdp_units="auto", accumulation=None)
+    constraints = Constraints(OptimizerSpec(), limit, "auto")
+    cluster, scaling = Cluster(ranks, SLOW), Scaling(1, 0.1, 1)
+    pruned = _evaluate_all(blocks, cluster, space, constraints, scaling)
+    with pytest.MonkeyPatch.context() as mp:
+        solve_every_layout(mp)
+        every = _evaluate_all(blocks, cluster, space, constraints, scaling)
+    if not any(c.fits for c in every.results):
+        assert not any(c.fits for c in pruned.results)
+        return
+    assert _key(_rank(pruned.results, pruned.errors)[0]) == _key(_rank(every.results, every.errors)[0])
+    assert {_key(c) for c in pruned.results} <= {_key(c) for c in every.results}
+
+
+def test_a_slow_fsdp_fallback_is_put_back_unsolved() -> None:
+    """Four ranks, two replicas or four, four blocks of 28 to 150 MB over a 100 MB/s link, the limit
+    four times a rank's share of the weights: some layout of the search is ``Outpaced`` (its stage
+    units do not fit, its block units could not beat the best step), and the search still picks what
+    solving every layout picks."""
+    blocks = _blocks([(18, 55, 78, 38, 4), (5, 35, 70, 40, 2), (4, 38, 302, 25, 3), (4, 36, 374, 9, 1)])
+    limit = int(sum(b.param_bytes for b in blocks) * 4.0 * 4 / 4)
+    space = SearchSpace(32, "auto", None, None, (2, 4), "auto", fsdp_units="auto", accumulation=None)
+    constraints = Constraints(OptimizerSpec(), limit, "auto")
+    cluster, scaling = Cluster(4, SLOW), Scaling(1, 0.1, 1)
+    outpaced: list[float] = []
+    real = pending_module.evaluated
+
+    def watched(task: Any) -> Any:
+        got = real(task)
+        if isinstance(got[0], Outpaced):
+            outpaced.append(got[0].floor_s)
+        return got
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pending_module, "evaluated", watched)
+        pruned = _evaluate_all(blocks, cluster, space, constraints, scaling)
+    with pytest.MonkeyPatch.context() as mp:
+        solve_every_layout(mp)
+        every = _evaluate_all(blocks, cluster, space, constraints, scaling)
+    assert outpaced, "no layout of this problem was outpaced: it no longer tests what it says"
+    assert _key(_rank(pruned.results, pruned.errors)[0]) == _key(_rank(every.results, every.errors)[0])

@@ -32,6 +32,18 @@ from planner.schema.costs import BlockCost
 from planner.schema.plan import Candidate, Prediction, StagePlan
 
 
+class Outpaced(Exception):
+    """A layout that cannot beat the search's best step: whatever it would give is either slower than
+    ``bound`` (``evaluate_modes``) or does not fit. ``floor_s``: the least step it could still take,
+    so that the search puts it back in line there (``planner.core.layout.search``) instead of solving
+    the modes that could give it (FSDP's block units after stage units that do not fit, the slowest
+    of them all)."""
+
+    def __init__(self, floor_s: float) -> None:
+        super().__init__(floor_s)
+        self.floor_s = floor_s
+
+
 @dataclass(frozen=True)
 class Choice:
     """One evaluated combination: its layout, its blocks at the layout's microbatch size, its split's
@@ -162,7 +174,13 @@ def evaluate_choice(
     )
 
 
-def evaluate_modes(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout, constraints: Constraints) -> Choice:
+def evaluate_modes(
+    blocks: Sequence[BlockCost],
+    cluster: Cluster,
+    layout: Layout,
+    constraints: Constraints,
+    bound: float | None = None,
+) -> Choice:
     """``evaluate_choice`` under a data-parallel mode that may be "auto": DDP when that fits the
     memory limit, else FSDP when that does (when neither fits, the one needing less memory), or
     HSDP in groups of ``layout.dp_shard`` replicas (when over 1: the replicas span nodes) where
@@ -173,6 +191,7 @@ def evaluate_modes(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout
         cluster: the links and the ranks that compute at once.
         layout: the layout; its ``dp_mode`` "ddp", "fsdp", "hsdp" or "auto" (with one replica, always ddp).
         constraints: the optimizer, the per-rank memory limit and the recompute policy.
+        bound: the step a fitting layout must beat to matter to the caller (None: any); see Raises.
 
     Returns:
         The evaluated combination, its ``dp_mode`` the one chosen.
@@ -180,11 +199,17 @@ def evaluate_modes(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout
     Raises:
         InfeasibleError: no mode can split the model within the limit (FSDP's reason, the mode
             needing less memory for optimizer state).
+        Outpaced: with ``bound``, FSDP's units are open, neither DDP nor FSDP's stage units gave a
+            layout that fits faster than ``bound``, and the step floor of FSDP's block units is over
+            it too: the layout cannot give a step within ``bound``, and the block units, which
+            gather every microbatch again, are not solved for nothing.
     """
 
     def attempt(mode: str) -> Choice:
         if mode != "ddp" and layout.fsdp_units == "auto":
-            return _fsdp_units(blocks, cluster, replace(layout, dp_mode=mode), constraints)
+            # (HSDP is tried only beside FSDP that fits: it is taken where faster, never deferred)
+            outpaced = bound if mode == "fsdp" else None
+            return _fsdp_units(blocks, cluster, replace(layout, dp_mode=mode), constraints, outpaced)
         units = layout.fsdp_units if mode != "ddp" else "stage"
         return evaluate_choice(blocks, cluster, replace(layout, dp_mode=mode, fsdp_units=units), constraints)
 
@@ -254,7 +279,13 @@ def _attempted(attempt: Callable[[str], Choice], mode: str) -> Choice | None:
         return None
 
 
-def _fsdp_units(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout, constraints: Constraints) -> Choice:
+def _fsdp_units(
+    blocks: Sequence[BlockCost],
+    cluster: Cluster,
+    layout: Layout,
+    constraints: Constraints,
+    bound: float | None = None,
+) -> Choice:
     """``evaluate_choice`` under FSDP with its units open: the faster of a stage per unit and a block
     per unit that fits (a stage gathers once per step; blocks hold far less but gather again every
     microbatch); when neither fits, the one needing less memory.
@@ -262,6 +293,8 @@ def _fsdp_units(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout, c
     Raises:
         InfeasibleError: neither splits the model within the limit (the block units' reason: they
             need the least memory).
+        Outpaced: no stage units fit faster than ``bound`` (None: never raised) and the block units'
+            step floor is over it: ``floor_s`` the least of that floor and the stage units' step.
     """
     # a stage per unit holds the stage's weights whole: where even its memory floor is over the
     # limit it cannot fit, and it is solved only if the block units do not fit either (the same answer)
@@ -273,6 +306,14 @@ def _fsdp_units(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout, c
             continue
         if units == "block" and _outpaced(blocks, cluster, replace(layout, fsdp_units="block"), constraints, tried):
             continue
+        if units == "block" and bound is not None:
+            # what the layout could still give: the block units' floor, or stage units that fit
+            least = min(
+                [_step_floor(blocks, cluster, replace(layout, fsdp_units="block"), constraints)]
+                + [c.prediction.step_time_s for c in tried if c.fits]
+            )
+            if least > bound:
+                raise Outpaced(least)
         try:
             tried.append(evaluate_choice(blocks, cluster, replace(layout, fsdp_units=units), constraints))
         except InfeasibleError as e:
@@ -295,12 +336,18 @@ def _outpaced(
     blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout, constraints: Constraints, tried: Sequence[Choice]
 ) -> bool:
     """Whether a candidate of ``tried`` already fits faster than ``layout`` could run whatever its
-    split (FSDP's block units beside its stage units, HSDP beside FSDP): its step floor
-    (``planner.core.layout.bounds.floors``, with FSDP's collectives) is over that step, so solving it
+    split (FSDP's block units beside its stage units, HSDP beside FSDP): its step floor (``_step_floor``) is over that step, so solving it
     cannot change the answer (the same answer, sooner)."""
     fitting = [c.prediction.step_time_s for c in tried if c.fits]
     if not fitting:
         return False
+    return _step_floor(blocks, cluster, layout, constraints) > min(fitting)
+
+
+def _step_floor(blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout, constraints: Constraints) -> float:
+    """The least step ``layout`` (its mode and FSDP units set) can take whatever its split
+    (``planner.core.layout.bounds.floors``, with FSDP's collectives, checked against the solved and
+    simulated layouts in tests/test_bounds.py)."""
     traffic = fsdp_traffic(blocks, cluster.link, layout, cluster.slots)
     step, _ = floors(
         blocks,
@@ -310,7 +357,7 @@ def _outpaced(
         recompute=constraints.recompute,
         traffic=traffic,
     )
-    return step > min(fitting)
+    return step
 
 
 def unlimited_step(
@@ -340,4 +387,4 @@ def unlimited_step(
     return free.prediction.step_time_s
 
 
-__all__ = ["Choice", "evaluate_choice", "evaluate_modes", "unlimited_step"]
+__all__ = ["Choice", "Outpaced", "evaluate_choice", "evaluate_modes", "unlimited_step"]

@@ -91,4 +91,12 @@ def retried_passes(
     return options, free
 
 
-__all__ = ["accumulation_options", "one_pass_settles", "retried_passes"]
+def one_pass_of(layout: Layout, other: Layout) -> bool:
+    """Whether ``other`` is the one-pass layout that ``layout``, in several passes, was retried from
+    (``accumulation_options``: the same layout but for its passes and microbatch count)."""
+    if layout.accumulation == 1 or other.accumulation != 1:
+        return False
+    return replace(other, n_microbatches=layout.n_microbatches, accumulation=layout.accumulation) == layout
+
+
+__all__ = ["accumulation_options", "one_pass_of", "one_pass_settles", "retried_passes"]

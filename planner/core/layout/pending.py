@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from planner.core.layout.bounds import BlockTotals, block_totals, floors
-from planner.core.layout.candidate import Choice, evaluate_modes, rank_blocks, unlimited_step
+from planner.core.layout.candidate import Choice, Outpaced, evaluate_modes, rank_blocks, unlimited_step
 from planner.core.layout.fsdp_bounds import FsdpFloor, fsdp_traffic
 from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace
 from planner.core.layout.passes import one_pass_settles
@@ -170,29 +170,71 @@ class Sized:
     traffic: dict[tuple[int, int, int, str, int], dict[str, FsdpFloor]] = field(default_factory=dict)
 
 
-def evaluated(
-    task: tuple[Sequence[BlockCost], Cluster, Layout, Constraints, bool],
-) -> tuple[Choice | InfeasibleError, float | None]:
-    """``evaluate_modes`` of one layout (blocks, cluster, layout, constraints), its refusal returned
-    rather than raised, so that a pool hands it back like a result; and where asked (the task's last
-    item) and it settles as a one pass that fits (``one_pass_settles``: where the search reads it), its
-    step without the memory limit (``unlimited_step``: whether its runs in several passes are worth
+Task = tuple[Sequence[BlockCost], Cluster, Layout, Constraints, bool, float | None]
+"""``evaluated``'s task: ``evaluate_modes``' arguments, whether to time the layout without the limit
+too, and ``evaluate_modes``' bound."""
+
+
+def evaluated(task: Task) -> tuple[Choice | InfeasibleError | Outpaced, float | None]:
+    """``evaluate_modes`` of one layout (blocks, cluster, layout, constraints, and the step it must
+    beat to matter, the task's last item), its refusal or its deferral returned rather than raised,
+    so that a pool hands it back like a result; and where asked (the task's fifth item) and it
+    settles as a one pass that fits (``one_pass_settles``: where the search reads it), its step
+    without the memory limit (``unlimited_step``: whether its runs in several passes are worth
     searching), computed here so that a pool's workers do it beside the rest.
 
     Args:
-        task: ``evaluate_modes``' arguments, and whether to time the layout without the limit too.
+        task: ``evaluate_modes``' arguments, whether to time the layout without the limit too, and
+            ``evaluate_modes``' ``bound`` (None: none).
 
     Returns:
-        The evaluated candidate, or why no split of the layout runs; and its unlimited step (None
-        where not asked, or as ``unlimited_step`` says).
+        The evaluated candidate, why no split of the layout runs, or that it cannot beat the bound
+        (``Outpaced``: the least step it could still take); and its unlimited step (None where not
+        asked, or as ``unlimited_step`` says).
     """
-    blocks, cluster, layout, constraints, unlimited = task
+    blocks, cluster, layout, constraints, unlimited, bound = task
     try:
-        choice = evaluate_modes(blocks, cluster, layout, constraints)
-    except InfeasibleError as e:
+        choice = evaluate_modes(blocks, cluster, layout, constraints, bound)
+    except (InfeasibleError, Outpaced) as e:
         return e, None
     settled = unlimited and one_pass_settles(choice, layout)
     return choice, unlimited_step(blocks, cluster, choice, constraints) if settled else None
+
+
+def taken(
+    k: int,
+    pending: Sequence[Pending],
+    heap: list[tuple[float, int]],
+    submitted: dict[int, int],
+    task: Callable[[Pending, float | None], Task],
+    pool: Pool | None,
+    limit: int | None,
+    bound: float | None,
+) -> tuple[Choice | InfeasibleError | Outpaced, float | None]:
+    """Layout ``k``'s ``evaluated``: here, without a pool (or one of one worker that has not been
+    handed it); else by the pool, which is first handed it (unless it has it already) and the
+    layouts next in line that the search would solve (``ahead``), so that its workers stay busy.
+
+    Args:
+        k: the layout's index into ``pending``.
+        pending: the layouts.
+        heap: the search's heap of (step floor, index into ``pending``).
+        submitted: the indices handed to the pool already (their tickets), ``k``'s taken out.
+        task: ``evaluated``'s task of a layout under a bound.
+        pool: the worker processes (None: none).
+        limit: the memory limit (None: none).
+        bound: the step floor past which the search stops (None: nothing fits yet), each task's.
+
+    Returns:
+        What ``evaluated`` returns for layout ``k``.
+    """
+    width = pool.width() if pool is not None else 1
+    if pool is None or (width <= 1 and k not in submitted):
+        return evaluated(task(pending[k], bound))
+    for j in [k] * (k not in submitted) + ahead(heap, pending, submitted, limit, bound, width - 1):
+        submitted[j] = pool.submit(evaluated, task(pending[j], bound))
+    got: tuple[Choice | InfeasibleError | Outpaced, float | None] = pool.take(submitted.pop(k))
+    return got
 
 
 def ahead(
@@ -231,4 +273,4 @@ def ahead(
     ]
 
 
-__all__ = ["Pending", "Pool", "Sized", "ahead", "evaluated", "full_floor", "pending_layout"]
+__all__ = ["Pending", "Pool", "Sized", "Task", "ahead", "evaluated", "full_floor", "pending_layout", "taken"]

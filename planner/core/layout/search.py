@@ -35,18 +35,18 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from planner.core.layout.candidate import Choice, evaluate_choice, evaluate_modes
+from planner.core.layout.candidate import Choice, Outpaced, evaluate_choice, evaluate_modes
 from planner.core.layout.inputs import Cluster, Constraints, Layout, Scaling, SearchSpace, replica_mode
-from planner.core.layout.passes import accumulation_options, one_pass_settles, retried_passes
+from planner.core.layout.passes import accumulation_options, one_pass_of, one_pass_settles, retried_passes
 from planner.core.layout.pending import (
     Pending,
     Pool,
     Sized,
-    ahead,
-    evaluated,
+    Task,
     full_floor,
     pending_layout,
     ring_dominates,
+    taken,
 )
 from planner.core.levers.data_parallel import layout_links
 from planner.core.levers.experts import layout_refusal
@@ -259,13 +259,14 @@ def _evaluate_all(
     heap = [(pending[k].step_floor_s, k) for k in order]
     min_size = min(scaling.min_size, scaling.size0)
 
-    def task(item: Pending) -> tuple[Sequence[BlockCost], Cluster, Layout, Constraints, bool]:
+    def task(item: Pending, bound: float | None) -> Task:
         # timed without the limit too where its runs in several passes may be searched (``retried_passes``)
         retry = limit is not None and bool(accumulation_options(item.layout, space, min_size))
-        return item.blocks, cluster, item.layout, constraints, retry
+        return item.blocks, cluster, item.layout, constraints, retry, bound
 
     done = 0
     submitted: dict[int, int] = {}  # handed to the pool, not taken yet: their tickets
+    passes_queued: set[int] = set()  # the layouts whose runs in several passes are queued already
     while heap:
         key, k = heapq.heappop(heap)
         item = pending[k]
@@ -280,27 +281,34 @@ def _evaluate_all(
         if best is not None and item.step_floor_s > best * (1 + TIE):
             outcome.pruned = len(heap) + 1
             break
-        fits, choice, free = False, None, None  # type: bool, Choice | InfeasibleError | None, float | None
+        fits, choice, free = False, None, None  # type: bool, Choice | None, float | None
         if limit is not None and item.memory_floor > limit:
             outcome.unfit.append(item)
         else:
-            width = pool.width() if pool is not None else 1
-            if pool is None or (width <= 1 and k not in submitted):
-                choice, free = evaluated(task(item))
-            else:  # keep the next ``width`` layouts in the pool's hands, then wait for this one
-                bound = None if best is None else best * (1 + TIE)
-                for j in [k] * (k not in submitted) + ahead(heap, pending, submitted, limit, bound, width - 1):
-                    submitted[j] = pool.submit(evaluated, task(pending[j]))
-                choice, free = pool.take(submitted.pop(k))
-            outcome.evaluated += 1
-            if isinstance(choice, InfeasibleError):
-                outcome.errors.append(choice)
+            bound = None if best is None else best * (1 + TIE)
+            got, free = taken(k, pending, heap, submitted, task, pool, limit, bound)
+            if isinstance(got, Outpaced):
+                # no mode solved so far gives it within the bound, and the rest (FSDP's block units)
+                # could not either: back in line at the least step it could still take, evaluated
+                # whole if the search comes to it again; its runs in several passes are queued now,
+                # as those of a one pass that does not fit (none of its modes that could win fits)
+                pending[k] = item = replace(item, step_floor_s=max(item.step_floor_s, got.floor_s))
+                heapq.heappush(heap, (item.step_floor_s, k))
+                done -= 1
+            elif isinstance(got, InfeasibleError):
+                outcome.evaluated += 1
+                outcome.errors.append(got)
                 outcome.unfit.append(item)
             else:
+                outcome.evaluated += 1
+                choice = got
                 found.append((k, choice))
                 fits = one_pass_settles(choice, item.layout)
                 if choice.fits and (best is None or choice.prediction.step_time_s < best):
                     best = choice.prediction.step_time_s
+        if k in passes_queued:
+            continue  # queued when it was put back in line (``Outpaced``), as many as it could ever need
+        passes_queued.add(k)
         fitting = choice if fits and isinstance(choice, Choice) else None
         layouts, floor = retried_passes(item.layout, space, min_size, fitting, free, TIE)
         for layout in layouts:
@@ -595,7 +603,7 @@ def _polished_best(
     rivals = [c for c in ranked if c.fits and c is not best]
     near = [c for c in rivals if c.prediction.step_time_s < polished.prediction.step_time_s * (1 + REFINE_MARGIN)]
     near = near[:REFINE_RIVALS]
-    parents = [c for c in rivals if _one_pass_of(best.layout, c.layout) and all(c is not r for r in near)]
+    parents = [c for c in rivals if one_pass_of(best.layout, c.layout) and all(c is not r for r in near)]
     for rival in near + parents:
         tried, name = _polish(rival, cluster, constraints)
         if tried.prediction.step_time_s < polished.prediction.step_time_s * (1 - TIE):
@@ -631,14 +639,6 @@ def _polish(choice: Choice, cluster: Cluster, constraints: Constraints) -> tuple
             moved = polished.prediction.starts != begun.prediction.starts
             best, start = polished, f"the {BASELINE_NAMES[name]} split" + (" with cuts moved" if moved else "")
     return best, start
-
-
-def _one_pass_of(layout: Layout, other: Layout) -> bool:
-    """Whether ``other`` is the one-pass layout that ``layout``, in several passes, was retried from
-    (``accumulation_options``: the same layout but for its passes and microbatch count)."""
-    if layout.accumulation == 1 or other.accumulation != 1:
-        return False
-    return replace(other, n_microbatches=layout.n_microbatches, accumulation=layout.accumulation) == layout
 
 
 def refine(choice: Choice, cluster: Cluster, constraints: Constraints, budget: int = REFINE_EVALUATIONS) -> Choice:
