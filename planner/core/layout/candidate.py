@@ -336,8 +336,9 @@ def _outpaced(
     blocks: Sequence[BlockCost], cluster: Cluster, layout: Layout, constraints: Constraints, tried: Sequence[Choice]
 ) -> bool:
     """Whether a candidate of ``tried`` already fits faster than ``layout`` could run whatever its
-    split (FSDP's block units beside its stage units, HSDP beside FSDP): its step floor (``_step_floor``) is over that step, so solving it
-    cannot change the answer (the same answer, sooner)."""
+    split (FSDP's block units beside its stage units, HSDP beside FSDP): its step floor
+    (``_step_floor``) is over that step, so solving it cannot change the answer (the same answer,
+    sooner)."""
     fitting = [c.prediction.step_time_s for c in tried if c.fits]
     if not fitting:
         return False
