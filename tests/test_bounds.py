@@ -428,6 +428,19 @@ def test_units_and_hsdp_skipped_by_their_floor_give_the_same_choice(problem: tup
         assert outcome() == skipping
 
 
+def _units_solved(patch: pytest.MonkeyPatch) -> list[str]:
+    """From here on (under ``patch``), the FSDP units of every layout ``evaluate_choice`` solves, in order."""
+    solved: list[str] = []
+    real = candidate_module.evaluate_choice
+
+    def counted(blocks: list, cluster: Cluster, layout: Layout, *rest: object) -> Choice:  # type: ignore[type-arg]
+        solved.append(layout.fsdp_units)
+        return real(blocks, cluster, layout, *rest)  # type: ignore[arg-type]
+
+    patch.setattr(candidate_module, "evaluate_choice", counted)
+    return solved
+
+
 def test_block_units_slower_than_their_floor_are_not_solved() -> None:
     """Two ranks of 1F1B, 4 replicas over a slow link: stage units gather once a pass; block units
     would gather every block twice a microbatch, over their floor. They are never solved, and the
@@ -439,15 +452,8 @@ def test_block_units_slower_than_their_floor_are_not_solved() -> None:
     constraints = Constraints(optimizer=OptimizerSpec(name="sgd"))
     cluster = Cluster(world_size=8, link=link)
     layout = Layout("1f1b", 2, 16, 1, 4, "fsdp", fsdp_units="auto")
-    solved: list[str] = []
-    real = candidate_module.evaluate_choice
-
-    def counted(blocks: list, cluster: Cluster, layout: Layout, *rest: object) -> Choice:  # type: ignore[type-arg]
-        solved.append(layout.fsdp_units)
-        return real(blocks, cluster, layout, *rest)  # type: ignore[arg-type]
-
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(candidate_module, "evaluate_choice", counted)
+        solved = _units_solved(patch)
         got = evaluate_modes(blocks, cluster, layout, constraints)
         assert solved == ["stage"] and got.layout.fsdp_units == "stage"
         patch.setattr(candidate_module, "_outpaced", lambda *a: False)
@@ -502,15 +508,8 @@ def test_stage_units_that_do_not_fit_and_slow_block_units_are_outpaced() -> None
     assert need["block"] < need["stage"]
     constraints = replace(free, memory_limit_bytes=(need["block"] + need["stage"]) // 2)
     floor = candidate_module._step_floor(blocks, cluster, replace(layout, fsdp_units="block"), constraints)
-    solved: list[str] = []
-    real = candidate_module.evaluate_choice
-
-    def counted(blocks: list, cluster: Cluster, layout: Layout, *rest: object) -> Choice:  # type: ignore[type-arg]
-        solved.append(layout.fsdp_units)
-        return real(blocks, cluster, layout, *rest)  # type: ignore[arg-type]
-
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(candidate_module, "evaluate_choice", counted)
+        solved = _units_solved(patch)
         with pytest.raises(Outpaced) as raised:
             evaluate_modes(blocks, cluster, layout, constraints, floor * 0.99)
         assert raised.value.floor_s == floor and "block" not in solved
