@@ -199,10 +199,11 @@ def evaluate_modes(
     Raises:
         InfeasibleError: no mode can split the model within the limit (FSDP's reason, the mode
             needing less memory for optimizer state).
-        Outpaced: with ``bound``, FSDP's units are open, neither DDP nor FSDP's stage units gave a
-            layout that fits faster than ``bound``, and the step floor of FSDP's block units is over
-            it too: the layout cannot give a step within ``bound``, and the block units, which
-            gather every microbatch again, are not solved for nothing.
+        Outpaced: with ``bound``, FSDP's units are open, DDP does not fit (where it does, it is the
+            answer, however slow), FSDP's stage units fit no faster than ``bound`` or not at all,
+            and the step floor of FSDP's block units is over it too: the layout cannot give a step
+            within ``bound``, and the block units, which gather every microbatch again, are not
+            solved for nothing.
     """
 
     def attempt(mode: str) -> Choice:
