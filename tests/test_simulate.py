@@ -480,8 +480,9 @@ def test_in_flight_closed_forms_and_cache_match_the_orders(schedule: str) -> Non
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_live_at_first_backward_matches_the_orders(schedule: str) -> None:
     """Per rank, the fewest microbatches any of its stages holds at the rank's first backward: the
-    closed forms (GPipe and looped breadth-first: m; 1F1B: its warm-up) and the counts read off the
-    orders agree with the orders walked afresh, and never exceed the stages' in-flight peaks."""
+    closed forms (GPipe and looped breadth-first: m; 1F1B: its warm-up; the interleaved schedules: their
+    warm-up dealt to the chunks) and the counts read off the orders agree with the orders walked
+    afresh, and never exceed the stages' in-flight peaks."""
     for p, m, v in _small_shapes(schedule):
         got = live_at_first_backward(schedule, p, m, v)
         peaks = in_flight_per_stage(schedule, p, m, v)

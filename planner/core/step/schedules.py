@@ -579,10 +579,28 @@ def _in_flight(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
     return tuple(in_flight_of(rank_orders(schedule, p, m, v), p * v))
 
 
-_LIVE_CLOSED: dict[str, Callable[[int, int], tuple[int, ...]]] = {
-    "gpipe": lambda p, m: (m,) * p,  # every forward before the first backward
-    "looped-bfs": lambda p, m: (m,) * p,
-    "1f1b": lambda p, m: tuple(min(m, p - r) for r in range(p)),  # its warm-up
+def _interleaved_live(p: int, m: int, v: int, factor: int) -> tuple[int, ...]:
+    """``live_at_first_backward`` of ``_interleaved`` (``factor`` 2: 1F1B, 1: zero bubble): a rank's
+    forwards before its first backward are its warm-up and, where a steady state follows, that
+    state's first forward; forward step ``s`` runs stage chunk ``(s // per_round) % v``, so a chunk
+    has run ``per_round`` forwards a whole cycle of ``v`` chunks and what the last partial cycle
+    deals it; the fewest over the rank's ``v`` chunks."""
+    per_round = m // max(1, m // p)
+    out = []
+    for r in range(p):
+        warmup = min((v - 1) * per_round + factor * (p - 1 - r), m * v)
+        forwards = warmup + (1 if warmup < m * v else 0)
+        cycles, rest = divmod(forwards, per_round * v)
+        out.append(min(cycles * per_round + min(per_round, max(0, rest - j * per_round)) for j in range(v)))
+    return tuple(out)
+
+
+_LIVE_CLOSED: dict[str, Callable[[int, int, int], tuple[int, ...]]] = {
+    "gpipe": lambda p, m, v: (m,) * p,  # every forward before the first backward
+    "looped-bfs": lambda p, m, v: (m,) * p,
+    "1f1b": lambda p, m, v: tuple(min(m, p - r) for r in range(p)),  # its warm-up
+    "interleaved-1f1b": lambda p, m, v: _interleaved_live(p, m, v, 2),
+    "interleaved-zb": lambda p, m, v: _interleaved_live(p, m, v, 1),
 }
 LIVE_CLOSED_FORMS = tuple(_LIVE_CLOSED)
 """The schedules whose ``live_at_first_backward`` is a closed form; the others' orders are built."""
@@ -594,8 +612,9 @@ def live_at_first_backward(
     """Per rank, the fewest microbatches any of its stages holds when the rank starts its first
     backward: the forwards each stage has run by then (none freed yet), at least one (that
     backward's microbatch has gone through every stage of the rank before it). GPipe and looped
-    breadth-first hold all m; 1F1B its warm-up, ``min(m, p - r)``; the others are read off their
-    action orders. Computed once per shape (the last ``IN_FLIGHT_CACHED`` are kept).
+    breadth-first hold all m; 1F1B its warm-up, ``min(m, p - r)``; the interleaved schedules their
+    warm-up and first steady forward dealt to the chunks (``_interleaved_live``); ZB-V and DualPipeV
+    are read off their action orders. Computed once per shape (the last ``IN_FLIGHT_CACHED`` are kept).
 
     Raises:
         InfeasibleError: the schedule cannot run with these numbers (see ``check_schedule``).
@@ -608,7 +627,7 @@ def _live_at_first_backward(schedule: str, p: int, m: int, v: int) -> tuple[int,
     check_schedule(schedule, p, m, v)
     # closed forms, exact (tests/test_simulate.py checks them against the orders over small shapes)
     if schedule in _LIVE_CLOSED:
-        return _LIVE_CLOSED[schedule](p, m)
+        return _LIVE_CLOSED[schedule](p, m, v)
     out = []
     for order in action_order(schedule, p, m, v):  # (not rank_orders: its few cached shapes are the solver's)
         done = dict.fromkeys({a.stage for a in order}, 0)
