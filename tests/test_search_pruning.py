@@ -4,6 +4,7 @@ layout, and every candidate within the pruning threshold with the same figures."
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import pytest
@@ -175,3 +176,58 @@ def test_a_slow_fsdp_fallback_is_put_back_unsolved() -> None:
         every = _evaluate_all(blocks, cluster, space, constraints, scaling)
     assert outpaced, "no layout of this problem was outpaced: it no longer tests what it says"
     assert _key(_rank(pruned.results, pruned.errors)[0]) == _key(_rank(every.results, every.errors)[0])
+
+
+class _PicklingPool:
+    """A pool that runs each call here, but as a worker process would see it: the call and its
+    result each through pickle (``planner.workers`` sends both so)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, bytes] = {}
+        self.tickets = 0
+        self.answers: list[Any] = []  # every result as it came back, before the search read it
+
+    def width(self) -> int:
+        return 3
+
+    def submit(self, fn: Any, arg: object) -> int:
+        self.tickets += 1
+        self.calls[self.tickets] = pickle.dumps((fn, arg))
+        return self.tickets
+
+    def take(self, ticket: int) -> Any:
+        fn, arg = pickle.loads(self.calls.pop(ticket))
+        self.answers.append(pickle.loads(pickle.dumps(fn(arg))))
+        return self.answers[-1]
+
+    def discard(self, tickets: Any) -> None:
+        for t in tickets:
+            self.calls.pop(t, None)
+
+
+def test_blocks_travel_to_workers_once_and_come_back_only_where_derived() -> None:
+    """A task carries its blocks as a ``Parcel``, pickled once for every task that carries the same
+    list; a choice whose blocks are the task's own (DDP's) comes back without them, one whose mode
+    derived others (FSDP's gathered weights) with them; the search puts the former back and finds
+    exactly what it finds without a pool."""
+    raw = _blocks([(18, 55, 78, 38, 4), (5, 35, 70, 40, 2), (4, 38, 302, 25, 3), (4, 36, 374, 9, 1)])
+    # autocast's weight copies among the activations: FSDP's stages hold none, so its blocks are derived anew
+    blocks = [b.model_copy(update={"weight_cast_bytes": b.activation_bytes // 4}) for b in raw]
+    limit = int(sum(b.param_bytes for b in blocks) * 4.0 * 4 / 4)  # FSDP fits some layouts DDP does not
+    space = SearchSpace(32, "auto", None, None, (1, 2, 4), "auto", fsdp_units="auto", accumulation=None)
+    constraints = Constraints(OptimizerSpec(), limit, "auto")
+    cluster, scaling = Cluster(4, LINK), Scaling(1, 0.1, 1)
+    parcel = pending_module.Parcel(blocks)
+    assert pickle.loads(pickle.dumps(parcel)) == blocks
+    data = parcel._data
+    pickle.dumps((parcel, parcel))
+    assert parcel._data is data  # pickled once
+    alone = _evaluate_all(blocks, cluster, space, constraints, scaling)
+    pool = _PicklingPool()
+    pooled = _evaluate_all(blocks, cluster, space, constraints, scaling, pool=pool)
+    assert [_key(c) for c in pooled.results] == [_key(c) for c in alone.results]
+    assert [c.blocks for c in pooled.results] == [c.blocks for c in alone.results]
+    choices = [a for a, _ in pool.answers if hasattr(a, "blocks")]
+    assert any(not c.blocks and c.layout.dp_mode == "ddp" for c in choices)
+    assert any(c.blocks and c.layout.dp_mode == "fsdp" for c in choices)
+    assert all(c.blocks or c.layout.dp_mode == "ddp" for c in choices)

@@ -9,6 +9,7 @@ that order; a ``Pool`` only changes where the evaluations run.
 from __future__ import annotations
 
 import heapq
+import pickle
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -46,6 +47,25 @@ class Pool(Protocol):
         ...
 
 
+class Parcel:
+    """A list of block costs as a task carries it to a worker process: pickled once, however many
+    tasks carry it (a search hands out thousands of layouts over a few dozen lists of ~100 KB each,
+    and pickling them was a tenth of the search process's own time); the worker unpickles the list.
+
+    Args:
+        blocks: the list.
+    """
+
+    def __init__(self, blocks: list[BlockCost]) -> None:
+        self.blocks = blocks
+        self._data: bytes | None = None
+
+    def __reduce__(self) -> tuple[Callable[[bytes], Any], tuple[bytes]]:
+        if self._data is None:
+            self._data = pickle.dumps(self.blocks, protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.loads, (self._data,)
+
+
 @dataclass(frozen=True)
 class Pending:
     """A layout not yet solved, with what its costs alone say: a lower bound on its step and on the
@@ -59,6 +79,7 @@ class Pending:
     memory_floor: int
     totals: BlockTotals | None = None
     traffic: Mapping[str, FsdpFloor] | None = None
+    parcel: Parcel | None = None  # ``blocks`` as a worker's task carries them (None: as they are)
 
 
 def pending_layout(
@@ -93,7 +114,7 @@ def pending_layout(
         # FSDP's collectives read the parameters alone, the same at every microbatch size: their
         # floors are shared by the costs of one degree, sequence split and expert degree
         alike = next((entry for k, entry in cache.items() if k[1:] == key[1:]), None)
-        cache[key] = Sized(shares, traffic=alike.traffic if alike is not None else {})
+        cache[key] = Sized(shares, traffic=alike.traffic if alike is not None else {}, parcel=Parcel(shares))
     entry = cache[key]
     sums = layout.schedule in ZERO_BUBBLE, layout.gather_bytes  # (whether the backward is split, width)
     if sums not in entry.totals:  # the floors' sums over 1,000 blocks: once per costs, not per layout
@@ -115,7 +136,7 @@ def pending_layout(
         traffic=traffic,
     )
     quick = constraints.memory_limit_bytes is not None and layout.schedule not in LIVE_CLOSED_FORMS
-    return Pending(layout, entry.blocks, step, memory, entry.totals[sums] if quick else None, traffic)
+    return Pending(layout, entry.blocks, step, memory, entry.totals[sums] if quick else None, traffic, entry.parcel)
 
 
 def ring_dominates(gathered: Pending, ring: Pending) -> bool:
@@ -168,6 +189,7 @@ class Sized:
     blocks: list[BlockCost]
     totals: dict[tuple[bool, int], BlockTotals] = field(default_factory=dict)
     traffic: dict[tuple[int, int, int, str, int], dict[str, FsdpFloor]] = field(default_factory=dict)
+    parcel: Parcel | None = None  # ``blocks`` as the workers' tasks carry them
 
 
 Task = tuple[Sequence[BlockCost], Cluster, Layout, Constraints, bool, float | None]
@@ -201,6 +223,18 @@ def evaluated(task: Task) -> tuple[Choice | InfeasibleError | Outpaced, float | 
     return choice, unlimited_step(blocks, cluster, choice, constraints) if settled else None
 
 
+def evaluated_apart(task: Task) -> tuple[Choice | InfeasibleError | Outpaced, float | None]:
+    """``evaluated`` in a worker process: a choice whose blocks are the task's own (no data-parallel
+    mode or compilation derived others from them, as DDP's are) comes back without them, which the
+    search then puts back (``taken``): they are most of its bytes, and the search's own process
+    unpickles every answer."""
+    got, free = evaluated(task)
+    given = task[0]
+    if isinstance(got, Choice) and len(got.blocks) == len(given) and all(a is b for a, b in zip(got.blocks, given)):
+        got = replace(got, blocks=[])
+    return got, free
+
+
 def taken(
     k: int,
     pending: Sequence[Pending],
@@ -232,8 +266,13 @@ def taken(
     if pool is None or (width <= 1 and k not in submitted):
         return evaluated(task(pending[k], bound))
     for j in [k] * (k not in submitted) + ahead(heap, pending, submitted, limit, bound, width - 1):
-        submitted[j] = pool.submit(evaluated, task(pending[j], bound))
+        blocks, *rest = task(pending[j], bound)
+        parcel = pending[j].parcel  # the blocks, pickled once for every task that carries them
+        submitted[j] = pool.submit(evaluated_apart, (parcel if parcel is not None else blocks, *rest))
     got: tuple[Choice | InfeasibleError | Outpaced, float | None] = pool.take(submitted.pop(k))
+    choice, free = got
+    if isinstance(choice, Choice) and not choice.blocks:  # sent back without the task's blocks
+        return replace(choice, blocks=list(pending[k].blocks)), free
     return got
 
 
@@ -273,4 +312,16 @@ def ahead(
     ]
 
 
-__all__ = ["Pending", "Pool", "Sized", "Task", "ahead", "evaluated", "full_floor", "pending_layout", "taken"]
+__all__ = [
+    "Parcel",
+    "Pending",
+    "Pool",
+    "Sized",
+    "Task",
+    "ahead",
+    "evaluated",
+    "evaluated_apart",
+    "full_floor",
+    "pending_layout",
+    "taken",
+]
