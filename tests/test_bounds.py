@@ -637,6 +637,25 @@ def test_stage_chain_is_the_least_over_every_split(works: list[float], forward: 
     assert chain.floor(n_stages, m) == got  # (kept)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    works=st.lists(st.floats(0.0, 5.0), min_size=1, max_size=9),
+    forward=st.floats(0.0, 1.0),
+    n_stages=st.integers(1, 9),
+    m=st.integers(1, 6),
+    other=st.floats(-1.0, 60.0),
+)
+def test_stage_chain_floor_over_another_bound_is_their_larger(
+    works: list[float], forward: float, n_stages: int, m: int, other: float
+) -> None:
+    """``StageChain.floor_over`` (no bisection where one greedy deal covers the units within the other
+    bound) is exactly the larger of that bound and ``floor``, first asked or after ``floor`` is kept."""
+    heads = [forward * w for w in works]
+    fresh, kept = StageChain.of(heads, works), StageChain.of(heads, works)
+    assert fresh.floor_over(n_stages, m, other) == max(other, kept.floor(n_stages, m))
+    assert kept.floor_over(n_stages, m, other) == max(other, kept.floor(n_stages, m))
+
+
 def test_stage_chain_exact_values() -> None:
     """Four equal units of 1 s, 2 microbatches: on 2 stages, 2 units each, the second waiting for the
     first's 2 s: 2 + 2 x 2 = 6 s (an uneven deal, 3 + 1, is 2 x 3 = 6 too); on 4 stages the last

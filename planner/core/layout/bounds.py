@@ -438,9 +438,9 @@ def _mode_floors(
         busiest_load(t.loads, pp) * m,
         ends_floor(t.ends, busy * m, pp),
         chain,
-        t.chain.floor(layout.n_stages, m),
         chain_floor(t.compute, t.backward, m, layout.n_stages, split, busiest_load(t.backwards, layout.n_stages)),
     )
+    one_pass = t.chain.floor_over(layout.n_stages, m, one_pass)  # (the whole units' chain: often under the rest)
     fsdp = traffic.get(mode) if shard > 1 and not split else None
     if fsdp is not None and layout.fsdp_units == "stage":
         # FSDP a stage per unit: each pass, every stage's reduce-scatter holds its rank after the

@@ -78,6 +78,23 @@ class StageChain:
             self._floors[key] = self._least(n_stages, m)
         return self._floors[key]
 
+    def floor_over(self, n_stages: int, m: int, other: float) -> float:
+        """``max(other, floor(n_stages, m))``, with no bisection where the greedy deal covers the units
+        within ``other`` (the floor is then at most ``other``): a caller that takes the larger of this
+        floor and its other bounds often needs only that one deal.
+
+        Args:
+            n_stages: the pipeline's stages.
+            m: microbatches in the pass.
+            other: the caller's other bound, seconds.
+
+        Returns:
+            Seconds.
+        """
+        if (n_stages, m) not in self._floors and other > 0 and self._covers(other, n_stages, m):
+            return other
+        return max(other, self.floor(n_stages, m))
+
     def _least(self, n_stages: int, m: int) -> float:
         n_units = len(self.works) - 1
         if n_units < 1 or n_stages < 1 or m < 1 or n_stages > n_units:
