@@ -258,13 +258,18 @@ def _looped_bfs(rank: int, p: int, m: int, v: int) -> list[Action]:
     return order
 
 
+def _interleaved_warmup(rank: int, p: int, m: int, v: int, zero_bubble: bool) -> tuple[int, int]:
+    """The interleaved schedules' microbatches per round of a stage chunk and rank ``rank``'s warm-up
+    forwards (torch's ``_get_warmup_ops``: one fewer factor of the ranks after it under zero bubble)."""
+    per_round = m // max(1, m // p)
+    factor = 1 if zero_bubble else 2
+    return per_round, min((v - 1) * per_round + factor * (p - 1 - rank), m * v)
+
+
 def _interleaved(rank: int, p: int, m: int, v: int, *, zero_bubble: bool) -> list[Action]:
     """``ScheduleInterleaved1F1B`` (``zero_bubble=False``) and ``ScheduleInterleavedZeroBubble``: the
     warm-up count of ``_get_warmup_ops`` and the phases of ``_get_1f1b_rank_ops``."""
-    rounds = max(1, m // p)
-    per_round = m // rounds
-    factor = 1 if zero_bubble else 2
-    warmup = min((v - 1) * per_round + factor * (p - 1 - rank), m * v)
+    per_round, warmup = _interleaved_warmup(rank, p, m, v, zero_bubble)
     total = m * v  # forwards of this rank = backwards of this rank
     fwd_bwd = total - warmup
 
@@ -579,16 +584,15 @@ def _in_flight(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
     return tuple(in_flight_of(rank_orders(schedule, p, m, v), p * v))
 
 
-def _interleaved_live(p: int, m: int, v: int, factor: int) -> tuple[int, ...]:
-    """``live_at_first_backward`` of ``_interleaved`` (``factor`` 2: 1F1B, 1: zero bubble): a rank's
-    forwards before its first backward are its warm-up and, where a steady state follows, that
-    state's first forward; forward step ``s`` runs stage chunk ``(s // per_round) % v``, so a chunk
-    has run ``per_round`` forwards a whole cycle of ``v`` chunks and what the last partial cycle
-    deals it; the fewest over the rank's ``v`` chunks."""
-    per_round = m // max(1, m // p)
+def _interleaved_live(p: int, m: int, v: int, zero_bubble: bool) -> tuple[int, ...]:
+    """``live_at_first_backward`` of ``_interleaved``: a rank's forwards before its first backward are
+    its warm-up (``_interleaved_warmup``) and, where a steady state follows, that state's first
+    forward; forward step ``s`` runs stage chunk ``(s // per_round) % v``, so a chunk has run
+    ``per_round`` forwards a whole cycle of ``v`` chunks and what the last partial cycle deals it;
+    the fewest over the rank's ``v`` chunks."""
     out = []
     for r in range(p):
-        warmup = min((v - 1) * per_round + factor * (p - 1 - r), m * v)
+        per_round, warmup = _interleaved_warmup(r, p, m, v, zero_bubble)
         forwards = warmup + (1 if warmup < m * v else 0)
         cycles, rest = divmod(forwards, per_round * v)
         out.append(min(cycles * per_round + min(per_round, max(0, rest - j * per_round)) for j in range(v)))
@@ -599,8 +603,8 @@ _LIVE_CLOSED: dict[str, Callable[[int, int, int], tuple[int, ...]]] = {
     "gpipe": lambda p, m, v: (m,) * p,  # every forward before the first backward
     "looped-bfs": lambda p, m, v: (m,) * p,
     "1f1b": lambda p, m, v: tuple(min(m, p - r) for r in range(p)),  # its warm-up
-    "interleaved-1f1b": lambda p, m, v: _interleaved_live(p, m, v, 2),
-    "interleaved-zb": lambda p, m, v: _interleaved_live(p, m, v, 1),
+    "interleaved-1f1b": lambda p, m, v: _interleaved_live(p, m, v, zero_bubble=False),
+    "interleaved-zb": lambda p, m, v: _interleaved_live(p, m, v, zero_bubble=True),
 }
 LIVE_CLOSED_FORMS = tuple(_LIVE_CLOSED)
 """The schedules whose ``live_at_first_backward`` is a closed form; the others' orders are built."""
