@@ -14,8 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from test_run_tp import spawned  # noqa: E402
 
 from planner.run.context_shard import Mirrored  # noqa: E402
 from planner.run.ring_attention import Ring, ring_attention  # noqa: E402
@@ -78,7 +78,7 @@ def _rank(rank: int, size: int, store_path: str, heads_kv: int, mask: str, mirro
 def test_ring_attention_equals_attention_over_the_whole_sequence(
     tmp_path: Path, size: int, heads_kv: int, mask: str, mirrored: bool
 ) -> None:
-    mp.spawn(_rank, args=(size, str(tmp_path / "store"), heads_kv, mask, mirrored, str(tmp_path)), nprocs=size)
+    spawned(_rank, (size, str(tmp_path / "store"), heads_kv, mask, mirrored, str(tmp_path)), size)
     q, k, v, dout, m = _inputs(heads_kv, mask)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=mask == "causal", enable_gqa=heads_kv != HQ)

@@ -113,20 +113,45 @@ def spawn_pair(fn: Callable[[int, int], None], n: int = 2) -> None:
 
     The server lives here, as ``planner run``'s launcher holds its ranks' store, until every rank
     has exited: a rank that served the store took it down while its peer's store client and gloo
-    threads still ran, and that peer aborted at shutdown ("terminate called without an active
-    exception", met twice in CI). The server also picks its own free port, so no probe port can be
-    taken by another test between the probe and the bind.
+    threads still ran. The server also picks its own free port, so no probe port can be taken by
+    another test between the probe and the bind. Each rank ends as ``spawned`` ends it.
     """
     import datetime
 
     import torch.distributed as dist
-    import torch.multiprocessing as mp
 
     server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
     try:
-        mp.spawn(fn, args=(server.port,), nprocs=n, join=True)
+        spawned(fn, (server.port,), n)
     finally:
         del server
+
+
+def spawned(fn: Callable[..., None], args: tuple, n: int) -> None:
+    """``torch.multiprocessing.spawn(fn, args, n)``, each process leaving by ``os._exit(0)`` once
+    ``fn`` has returned (a failure still raises here with its traceback).
+
+    Why not the interpreter's own exit: a gloo worker thread that has just finished a collective
+    drops its tensors after the caller has its result; where the rank's last collective is its last
+    step, a loaded machine can reach interpreter finalization first, and a thread taking the GIL
+    then is ended by ``pthread_exit``, which C++ turns into ``terminate called without an active
+    exception`` (SIGABRT) although every check passed. CI met it three times in these tests;
+    ``_exit`` after a flush leaves nothing to finalize. (torch's attempt at an exit-time destroy,
+    pytorch/pytorch#179291, was abandoned.)
+    """
+    import torch.multiprocessing as mp
+
+    mp.spawn(_then_exit, args=(fn, args), nprocs=n, join=True)
+
+
+def _then_exit(rank: int, fn: Callable[..., None], args: tuple) -> None:
+    import os
+    import sys
+
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @contextmanager
