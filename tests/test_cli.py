@@ -402,10 +402,10 @@ def _write_model(tmp_path: Path, body: str) -> Path:
 @pytest.mark.parametrize(
     "body, message",
     [
-        # a target the default cross-entropy cannot use: named, with the file's line
+        # a target the default cross-entropy cannot use: the default named, and how to give another
         (
             "def make_batch(batch_size, **config):\n    return (torch.randn(batch_size, 4),), torch.randn(batch_size, 7)\n",
-            "user_model.py: loss_fn() raised",
+            "user_model.py defines no loss_fn, and the default (cross-entropy",
         ),
         (
             "def make_batch(batch_size, **config):\n    return (torch.randn(batch_size, 4),), [1, 2]\n",

@@ -445,6 +445,18 @@ CASES: list[Case] = [
     ),
     Case(
         "model file",
+        "no loss_fn, and targets the default cross-entropy cannot take",
+        "plan {d}/bad.py --gpus 2",
+        2,
+        "bad.py defines no loss_fn, and the default (cross-entropy",
+        _variant(
+            "def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:\n"
+            "    return F.mse_loss(output, target)  # mean reduction\n",
+            "",
+        ),
+    ),
+    Case(
+        "model file",
         "loss_fn returns no scalar",
         "plan {d}/bad.py --gpus 2",
         2,

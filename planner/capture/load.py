@@ -297,7 +297,17 @@ class ModelFile:
             raise self._raised(name, e) from e
 
     def _raised(self, name: str, e: Exception) -> ModelFileError:
-        """The one-line error for an exception the model file's ``name`` raised, with its line."""
+        """The one-line error for an exception the model file's ``name`` raised, with its line.
+
+        Where the file defines no ``loss_fn``, the loss that raised is the contract's default, which
+        the user never wrote: the line says so and how to give another.
+        """
+        if name == "loss_fn" and getattr(self.module, "loss_fn", None) is None:
+            return ModelFileError(
+                f"{self.path.name} defines no loss_fn, and the default (cross-entropy of the output's last "
+                f"dimension against integer class targets) raised {type(e).__name__}: {str(e).rstrip('.')}; define "
+                "loss_fn(output, target) returning a scalar, e.g. F.mse_loss(output, target)"
+            )
         return ModelFileError(f"{self.path.name}: {name}() raised {type(e).__name__}: {e}{_user_frame(e, self.path)}")
 
     def part_digests(self) -> dict[str, str]:
