@@ -242,8 +242,14 @@ def export_weights_cmd(plan_file: str, checkpoint: str | None, output: str) -> N
     from planner.run.checkpoint import save_weights
 
     out = check_output(output, "weights")
-    path, step = save_weights(Path(plan_file), Path(checkpoint) if checkpoint else None, Path(out))
+    path, step, untrained = save_weights(Path(plan_file), Path(checkpoint) if checkpoint else None, Path(out))
     click.echo(f"wrote {out}: the weights after step {step} ({path})")
+    if untrained:
+        shown = ", ".join(untrained[:6]) + (f" and {len(untrained) - 6} more" if len(untrained) > 6 else "")
+        click.echo(
+            f"{len(untrained)} tensor(s) no stage of the plan uses (forward never reaches them) were never trained "
+            f"and keep their initial values (the plan's seed): {shown}"
+        )
 
 
 @main.command("export")

@@ -164,7 +164,8 @@ def test_final_weights_load_into_the_unsplit_model(tmp_path: Path) -> None:
     path = saved(plan, tmp_path)
     run = run_plan(plan, RunRequest(plan_file=path, steps=4, checkpoint_every=3, echo=False))
     out = tmp_path / "model.pt"
-    used, step = save_weights(path, step_dir(path.with_suffix(".ckpt"), 3), out)
+    used, step, untrained = save_weights(path, step_dir(path.with_suffix(".ckpt"), 3), out)
+    assert untrained == []
     assert step == 3 and used.name == "step_00000003"
 
     mf = load_model_file(FIXTURES / "dies_at.py", "tiny")
@@ -176,6 +177,61 @@ def test_final_weights_load_into_the_unsplit_model(tmp_path: Path) -> None:
     inputs, target = [next(batches) for _ in range(4)][-1]
     loss = float(mf.loss_fn(model(*inputs), target).detach())
     assert loss == pytest.approx(run.losses[3], rel=1e-4)  # the unsplit model takes step 4 from there
+
+
+UNUSED_MODULE = """
+import torch
+import torch.nn.functional as F
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.spare = torch.nn.Linear(8, 8)  # forward never calls it: no stage holds it
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+
+def build_model(**config):
+    return Net()
+
+
+def make_batch(batch_size, **config):
+    return (torch.randn(batch_size, 8),), torch.randn(batch_size, 2)
+
+
+def loss_fn(output, target):
+    return F.mse_loss(output, target)
+"""
+
+
+@pytest.mark.multiprocess
+def test_weights_of_a_module_forward_never_calls_are_exported_at_their_initial_values(tmp_path: Path) -> None:
+    model_file = tmp_path / "unused.py"
+    model_file.write_text(UNUSED_MODULE)
+    plan = plan_with_starts(model_file, [0, 2], size=None, n_microbatches=2)
+    path = saved(plan, tmp_path)
+    run = run_plan(plan, RunRequest(plan_file=path, steps=3, checkpoint_every=2, echo=False))
+    used, step, untrained = save_weights(path, step_dir(path.with_suffix(".ckpt"), 2), tmp_path / "model.pt")
+    assert step == 2 and untrained == ["spare.weight", "spare.bias"]
+
+    mf = load_model_file(model_file, None)
+    model = mf.build(plan.model.seed)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    state = torch.load(tmp_path / "model.pt")
+    assert set(state) == set(initial)
+    assert all(torch.equal(state[k], initial[k]) for k in untrained)
+    assert not torch.equal(state["head.weight"], initial["head.weight"])  # trained, loaded from the checkpoint
+    model.load_state_dict(state)
+    batches = mf.train_batches(plan.batch_size, seed=plan.model.seed)
+    inputs, target = [next(batches) for _ in range(3)][-1]
+    loss = float(mf.loss_fn(model(*inputs), target).detach())
+    assert loss == pytest.approx(run.losses[2], rel=1e-4)  # the unsplit model takes step 3 from there
 
 
 @pytest.mark.multiprocess

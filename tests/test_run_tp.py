@@ -351,7 +351,7 @@ def test_a_tp2_pp2_checkpoint_resumes_as_pp2_and_exports_full_weights(tmp_path: 
     whole = run_plan(pp_plan, RunRequest(plan_file=tp_path, steps=4, save_checkpoints=False, echo=False))
     run_plan(tp_plan, RunRequest(plan_file=tp_path, steps=2, checkpoint_dir=ckpt, echo=False))
     # the checkpoint holds full tensors under the unsplit names: they load into the unsplit model
-    used, step = save_weights(tp_path, step_dir(ckpt, 2), tmp_path / "model.pt")
+    used, step, _ = save_weights(tp_path, step_dir(ckpt, 2), tmp_path / "model.pt")
     state = torch.load(tmp_path / "model.pt")
     assert step == 2 and state["layers.0.attention.wq.weight"].shape == (64, 64)
     assert state["output.weight"].shape == (511, 64)

@@ -553,42 +553,49 @@ def load_checkpoint(path: Path, state: RankState) -> int:
     return int(wanted["step"])
 
 
-def export_weights(path: Path, model: nn.Module) -> dict[str, torch.Tensor]:
+def export_weights(path: Path, model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Load a checkpoint's weights into the unsplit model, in this process.
+
+    A tensor the checkpoint lacks, where it holds the model's other tensors, is one no stage of the
+    plan uses (a module ``forward`` never calls): no rank held it, no gradient reached it, and it
+    keeps the value ``model`` was built with (the plan's seed), as in unsplit training, where the
+    optimizer skips a parameter without a gradient. The caller has checked that the checkpoint is of
+    this model (``checkpoint_step``).
 
     Args:
         path: a checkpoint folder.
         model: the unsplit model, built as the plan builds it.
 
     Returns:
-        The model's state dict after loading (every parameter and persistent buffer).
+        The model's state dict after loading (every parameter and persistent buffer), and the names
+        of the tensors that kept their initial values.
 
     Raises:
-        PlannerError: the checkpoint lacks one of the model's tensors or has another shape.
+        PlannerError: the checkpoint holds none of the model's tensors, or one of another shape.
     """
     import torch.distributed.checkpoint as dcp
 
     reader = dcp.FileSystemReader(path)  # named, as save names its writer: no fsspec
     have = set(reader.read_metadata().state_dict_metadata)
     sd = model.state_dict()
-    missing = [k for k in sd if f"model.{k}" not in have]
-    if missing:
+    untrained = [k for k in sd if f"model.{k}" not in have]
+    if sd and len(untrained) == len(sd):
         raise PlannerError(
-            f"checkpoint {path} has no weights for {missing[0]!r} ({len(missing)} of {len(sd)} missing); "
+            f"checkpoint {path} has no weights of this model (none of its {len(sd)} tensors, e.g. {untrained[0]!r}); "
             "it was written for another model"
         )
-    wanted = {f"model.{k}": v for k, v in sd.items()}
+    wanted = {f"model.{k}": v for k, v in sd.items() if f"model.{k}" in have}
     try:
         with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is meant
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(wanted, checkpoint_id=path, storage_reader=reader, no_dist=True)
     except Exception as e:  # shapes that differ, a damaged file
         raise PlannerError(f"cannot load checkpoint {path}: {' '.join(str(e).split())[:300]}") from None
-    model.load_state_dict({k: wanted[f"model.{k}"] for k in sd})
-    return model.state_dict()
+    model.load_state_dict({k: wanted.get(f"model.{k}", v) for k, v in sd.items()})
+    return model.state_dict(), untrained
 
 
-def save_weights(plan_file: Path, checkpoint: Path | None, out: Path) -> tuple[Path, int]:
+def save_weights(plan_file: Path, checkpoint: Path | None, out: Path) -> tuple[Path, int, list[str]]:
     """Write the unsplit model's state dict from a checkpoint of a plan's run, as ``torch.save`` does.
 
     Args:
@@ -599,7 +606,8 @@ def save_weights(plan_file: Path, checkpoint: Path | None, out: Path) -> tuple[P
         out: where the state dict goes (written through a temporary file).
 
     Returns:
-        (the checkpoint used, its step).
+        (the checkpoint used, its step, the tensors no stage uses, written at their initial values:
+        ``export_weights``).
 
     Raises:
         PlannerError: no checkpoint there, one of another model, or ``out`` cannot be written.
@@ -617,7 +625,7 @@ def save_weights(plan_file: Path, checkpoint: Path | None, out: Path) -> tuple[P
         )
     step = checkpoint_step(path, plan.model.fingerprint, "give the plan that run used")
     model = load_plan_model(plan, plan_file).build(plan.model.seed)
-    state = export_weights(path, model)
+    state, untrained = export_weights(path, model)
     tmp = out.with_name(f".{out.name}.tmp")
     try:
         torch.save(state, tmp)
@@ -625,4 +633,4 @@ def save_weights(plan_file: Path, checkpoint: Path | None, out: Path) -> tuple[P
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise PlannerError(f"cannot write {out}: {e.strerror or e}") from None
-    return path, step
+    return path, step, untrained
