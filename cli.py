@@ -84,7 +84,7 @@ def plan_cmd(model_file: str, quiet: bool, **options: Any) -> None:
     """
     from planner.api import make_plan
     from planner.core.heap import kept_until_exit
-    from planner.report.tables import render
+    from planner.report.tables import batch_norm_line, render
 
     request = plan_request(model_file, {**options, "quiet": quiet})
     check_output(request.output, "plan")  # before profiling: a model file or a link is never overwritten
@@ -99,9 +99,10 @@ def plan_cmd(model_file: str, quiet: bool, **options: Any) -> None:
         if not quiet:
             first, _, rest = render(plan).partition("\n")
             click.echo("\n".join([first + header, *notes, rest]))
-        else:
-            for note in notes:
-                click.echo(note)
+        else:  # the cautions about what the run computes, without the tables
+            for note in [*notes, batch_norm_line(plan)]:
+                if note:
+                    click.echo(note)
         click.echo(f"\nwrote {request.output}")
     if not keep:  # kept_until_exit has frozen the estimate already
         # The plan is written: the collection CPython makes as the process ends would walk the

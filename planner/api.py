@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from planner.capture.blocks import GraphTrace, TracedModel
+from planner.capture.contract import batch_norms
 from planner.capture.ep_plan import Experts, resolve_experts
 from planner.capture.expert_calls import calls_of
 from planner.capture.load import ModelFile, load_model_file
@@ -477,6 +478,7 @@ def model_ref(mf: ModelFile, traced: TracedModel, request: PlanRequest) -> Model
         trace_failures=traced.failures,
         seed=request.seed,
         expert_calls=bool(calls_of(traced.gm)) if isinstance(traced, GraphTrace) else False,
+        batch_norms=batch_norms(traced.model),
     )
 
 

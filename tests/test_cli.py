@@ -532,3 +532,27 @@ def test_an_estimated_plan_is_left_to_the_exit_only_by_the_console_script(tmp_pa
     assert Plan.load(tmp_path / "b.json").model_dump(exclude={"created"}) == Plan.load(tmp_path / "a.json").model_dump(
         exclude={"created"}
     )
+
+
+def test_a_batch_norm_model_split_into_microbatches_is_told_it_does_not_train_as_unsplit(tmp_path: Path) -> None:
+    path = tmp_path / "bn_model.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "def build_model(**config):\n"
+        "    return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.GroupNorm(2, 4), nn.Linear(4, 3))\n\n"
+        "def make_batch(batch_size, **config):\n"
+        "    return (torch.randn(batch_size, 4),), torch.randint(0, 3, (batch_size,))\n"
+    )
+    out = tmp_path / "p.json"
+    result = invoke(
+        "plan", str(path), "--gpus", "2", "-b", "8", "-m", "2", "--schedule", "gpipe", "-o", str(out), *FAST
+    )
+    assert result.exit_code == 0, result.output
+    # the one batch norm named (GroupNorm normalizes each sample alone: not counted)
+    assert Plan.load(out).model.batch_norms == ["1"]
+    assert (
+        "note: 1 batch-norm layer (1) normalizes each microbatch by its own statistics: with 2 microbatches of 4"
+        in result.output
+    )
+    whole = invoke("plan", str(path), "--gpus", "2", "-b", "8", "-m", "1", "--schedule", "gpipe", "-o", str(out), *FAST)
+    assert whole.exit_code == 0 and "batch-norm" not in whole.output

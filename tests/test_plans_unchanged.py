@@ -131,6 +131,9 @@ def digest(plan: Plan) -> str:
     data = _flags(plan.model_dump(mode="json"))
     _drop(data, LATER_DEFAULTS)
     _drop(data["model"], {"expert_calls": False})
+    # added after the digests: which modules are batch norm, a fact of the model file (tests/test_cli.py
+    # checks it), no figure or choice of the plan
+    assert isinstance(data["model"].pop("batch_norms", []), list)
     # added after the digests: the plan's microbatch size when it was made, which its other fields fix
     assert data.pop("costed_microbatch_size", None) in (None, plan.microbatch_size)
     profile = data["profile"]  # the attention kernel: the GPU's default is what plans without it costed

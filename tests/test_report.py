@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from plan_factory import MB, big_head_blocks, block, plan_of_blocks
 
-from planner.report.tables import render, stage_table, summary_table
+from planner.report.tables import batch_norm_line, render, stage_table, summary_table
 
 EXPECTED_STAGES = """\
   stage  blocks (n)              params    fwd ms    bwd ms    comm ms    total ms    act MB/mb    in flight    memory MB    of slowest    hidden ms/step    exposed ms/step
@@ -99,3 +99,22 @@ def test_with_method_switches_to_a_baseline_split() -> None:
     assert uniform == plan_of_blocks(big_head_blocks(), method="uniform").model_copy(
         update={"baselines": uniform.baselines}
     )
+
+
+def test_a_batch_norm_model_is_cautioned_only_where_the_plan_splits_its_batch() -> None:
+    plan = plan_of_blocks(big_head_blocks(), m=4)  # batch 16 in 4 microbatches of 4, one replica
+    norms = plan.model_copy(
+        update={"model": plan.model.model_copy(update={"batch_norms": ["layers.0.bn", "layers.1.bn"]})}
+    )
+    assert batch_norm_line(norms) == (
+        "note: 2 batch-norm layers (layers.0.bn, ...) normalize each microbatch by its own statistics: with 4 "
+        "microbatches of 4 this does not train as the unsplit model on the batch of 16 (as in GPipe); GroupNorm or "
+        "LayerNorm normalize each sample alone, and -m 1 with no replicas keeps the whole batch"
+    )
+    assert batch_norm_line(norms) in render(norms)
+    assert batch_norm_line(plan) is None  # no batch norm
+    whole = plan_of_blocks(big_head_blocks(), schedule="gpipe", m=1)
+    one = whole.model_copy(update={"model": whole.model.model_copy(update={"batch_norms": ["bn"]})})
+    assert batch_norm_line(one) is None  # one microbatch, one replica: the whole batch normalized at once
+    replicas = one.model_copy(update={"dp": 2})
+    assert batch_norm_line(replicas) is not None and "with 2 replicas this" in batch_norm_line(replicas)  # type: ignore[operator]

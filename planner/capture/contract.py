@@ -36,6 +36,22 @@ def evaluating(model: nn.Module) -> Iterator[None]:
             m.training = mode
 
 
+def batch_norms(model: nn.Module) -> list[str]:
+    """The modules of ``model`` that normalize by the statistics of the batch they are given (batch
+    norm, which the planner runs in training mode): under a pipeline each microbatch, and under data
+    parallelism each replica's share, is normalized by its own, so such a model trains as the unsplit
+    one only with one microbatch and one replica (GPipe's caveat; torchgpipe's deferred batch norm
+    shares only the running statistics).
+
+    Args:
+        model: the model as ``build_model`` gave it.
+
+    Returns:
+        Their names, in ``named_modules`` order.
+    """
+    return [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
 def check_forward(mf: ModelFile, model: nn.Module, inputs: tuple, target: torch.Tensor) -> None:
     """Run the model and ``loss_fn`` once on the example batch, so a mistake in the model file shows
     as one clear error here instead of deep inside profiling.

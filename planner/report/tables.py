@@ -514,6 +514,33 @@ def small_stages_line(plan: Plan) -> str | None:
     )
 
 
+def batch_norm_line(plan: Plan) -> str | None:
+    """A caution for a model with batch norm whose batch the plan splits, or None.
+
+    Batch norm normalizes by the statistics of the batch it is given: each microbatch (and each
+    replica's share) on its own, so the run trains as the unsplit model on the whole batch only with
+    one microbatch and one replica (``planner.capture.contract.batch_norms``; GPipe's caveat).
+
+    Args:
+        plan: the plan.
+
+    Returns:
+        The line, or None when the model has no batch norm or the plan normalizes the whole batch.
+    """
+    norms = plan.model.batch_norms
+    passes = plan.n_microbatches * plan.accumulation
+    split = [f"{passes} microbatches of {plan.microbatch_size}"] if passes > 1 else []
+    split += [f"{plan.replicas} replicas"] if plan.replicas > 1 else []
+    if not norms or not split:
+        return None
+    return (
+        f"note: {_count_of(len(norms), 'batch-norm layer')} ({norms[0]}{', ...' if len(norms) > 1 else ''}) "
+        f"normalize{'s' if len(norms) == 1 else ''} each microbatch by its own statistics: with {' and '.join(split)} this does not train as the "
+        f"unsplit model on the batch of {plan.batch_size} (as in GPipe); GroupNorm or LayerNorm normalize each "
+        "sample alone, and -m 1 with no replicas keeps the whole batch"
+    )
+
+
 def render(plan: Plan) -> str:
     """The full report: a header, the stage table and the summary table.
 
@@ -582,9 +609,9 @@ def render(plan: Plan) -> str:
             summary += "\n" + robust
     if plan.calibration:
         summary += "\ncalibrated: " + "\n  ".join(plan.calibration)
-    small = small_stages_line(plan)
-    if small:
-        summary += "\n" + small
+    for caution in (small_stages_line(plan), batch_norm_line(plan)):
+        if caution:
+            summary += "\n" + caution
     parts = [head, stage_table(plan), summary_table(plan)]
     search = search_table(plan)
     if search:

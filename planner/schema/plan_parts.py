@@ -55,6 +55,11 @@ class ModelRef(_Frozen):
         default_factory=list, description="Tracers tried first, and why they failed."
     )
     seed: int = 0
+    batch_norms: list[str] = Field(
+        default_factory=list,
+        description="Modules that normalize by the statistics of the batch they are given (batch norm): each "
+        "microbatch and each replica's share is normalized on its own (planner.capture.contract.batch_norms).",
+    )
     expert_calls: bool = Field(
         default=False,
         description="The trace recorded where the graph calls each experts module (planner.capture.expert_calls), "
