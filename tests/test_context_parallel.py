@@ -266,6 +266,13 @@ def test_a_sequence_that_does_not_split_into_cp_chunks_is_one_line(tmp_path: Pat
         _plan(tmp_path, gpu_type="h100", cp=2, overrides={"seq_len": 34})
 
 
+def test_features_are_no_sequence_to_split(tmp_path: Path) -> None:
+    # the toy MLP's [batch, 16] float input would have passed for 16 positions: each rank's first layer
+    # was given half the features it contracts, and the run failed deep in a backward
+    with pytest.raises(PlannerError, match=r"^context parallelism \(--cp\) splits dimension 1 .* no such dimension"):
+        _plan(tmp_path, model_file=ROOT / "models" / "toy.py", gpu_type="h100", cp=2, overrides={"in_features": 16})
+
+
 def test_cp_auto_tries_the_degrees_that_divide_the_ranks_and_the_sequence(tmp_path: Path) -> None:
     from planner.core.assemble import AUTO_CP_LIMIT, context_degrees
     from planner.core.layout.inputs import asked_of

@@ -764,6 +764,13 @@ CASES: list[Case] = [
     ),
     Case(
         "plan options",
+        "--cp for a model whose inputs are features, no sequence",
+        "plan {d}/model.py --gpus 2 --cp 2 --dp 1",
+        2,
+        "context parallelism (--cp) splits dimension 1 of the model's inputs (the sequence); this model's inputs have no",
+    ),
+    Case(
+        "plan options",
         "--dtype fp8 with --compile where float8 runs emulated",
         "plan {d}/model.py --gpus 2 --dtype fp8 --compile",
         2,

@@ -98,10 +98,18 @@ def check_traced_forward(mf: ModelFile, traced: TracedModel, inputs: tuple, targ
 SEQUENCE_DIM = 1  # [batch, seq, ...]: the dimension context parallelism splits, in every input and target
 
 
+def _has_sequence(x: torch.Tensor) -> bool:
+    """Whether dimension 1 of an input can be a sequence: token ids ``[batch, seq]`` (or more), or
+    ``[batch, seq, ...]`` of three or more dimensions, where layers act on the last."""
+    return x.dim() >= 3 or (x.dim() == 2 and not (x.is_floating_point() or x.is_complex()))
+
+
 def sequence_length(inputs: tuple | list, cp: int) -> int:
-    """The sequence context parallelism splits: dimension 1 of the model's inputs of two or more
-    dimensions, one length for all, divisible by ``2 x cp`` (each rank holds a chunk of two blocks,
-    and computes the queries of two mirrored ones: ``planner.run.context_shard.Mirrored``).
+    """The sequence context parallelism splits: dimension 1 of the model's inputs that have one (token
+    ids of two or more dimensions, other tensors of three or more: in a float ``[batch, features]``
+    dimension 1 is what the first layer contracts, no sequence), one length for all, divisible by
+    ``2 x cp`` (each rank holds a chunk of two blocks, and computes the queries of two mirrored ones:
+    ``planner.run.context_shard.Mirrored``).
 
     Args:
         inputs: one microbatch's positional inputs.
@@ -114,9 +122,13 @@ def sequence_length(inputs: tuple | list, cp: int) -> int:
         ModelFileError: no input has a sequence dimension, two disagree, or it does not split into
             ``2 x cp`` equal blocks.
     """
-    lengths = {int(x.shape[SEQUENCE_DIM]) for x in inputs if isinstance(x, torch.Tensor) and x.dim() >= 2}
+    lengths = {int(x.shape[SEQUENCE_DIM]) for x in inputs if isinstance(x, torch.Tensor) and _has_sequence(x)}
     if len(lengths) != 1:
-        found = f"sequences of {sorted(lengths)} positions" if lengths else "no such dimension"
+        found = (
+            f"sequences of {sorted(lengths)} positions"
+            if lengths
+            else "no such dimension (token ids [batch, seq], or a [batch, seq, ...] tensor of three or more)"
+        )
         raise ModelFileError(
             "context parallelism (--cp) splits dimension 1 of the model's inputs (the sequence); this model's "
             f"inputs have {found}; plan without --cp"
