@@ -49,7 +49,11 @@ def batch_norms(model: nn.Module) -> list[str]:
     Returns:
         Their names, in ``named_modules`` order.
     """
-    return [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    return [name for name, m in model.named_modules() if isinstance(m, BATCH_NORMS)]
+
+
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+"""torch's batch norms (their lazy forms become these at their first forward, which the trace runs)."""
 
 
 def check_forward(mf: ModelFile, model: nn.Module, inputs: tuple, target: torch.Tensor) -> None:
