@@ -273,6 +273,14 @@ def test_features_are_no_sequence_to_split(tmp_path: Path) -> None:
         _plan(tmp_path, model_file=ROOT / "models" / "toy.py", gpu_type="h100", cp=2, overrides={"in_features": 16})
 
 
+def test_attention_inside_a_module_torch_fx_keeps_whole_is_refused_cp(tmp_path: Path) -> None:
+    # the encoder LM's nn.TransformerEncoderLayer is one call_module node under torch.fx: no
+    # scaled_dot_product_attention call for the ring to replace, so each rank would attend over its
+    # own chunk only (it planned, and would have trained wrongly)
+    with pytest.raises(PlannerError, match=r"^--cp 2: .* but module '1' \(TransformerEncoderLayer; 4 such\) runs nn"):
+        _plan(tmp_path, model_file=ROOT / "models" / "encoder_lm.py", gpu_type="h100", cp=2)
+
+
 def test_cp_auto_tries_the_degrees_that_divide_the_ranks_and_the_sequence(tmp_path: Path) -> None:
     from planner.core.assemble import AUTO_CP_LIMIT, context_degrees
     from planner.core.layout.inputs import asked_of

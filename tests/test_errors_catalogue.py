@@ -771,6 +771,14 @@ CASES: list[Case] = [
     ),
     Case(
         "plan options",
+        "--cp for a model whose attention runs inside a module torch.fx keeps whole",
+        "plan {d}/encoder_lm.py --size tiny --gpus 2 --cp 2 --dp 1 --gpu-type h100",
+        2,
+        "runs nn.MultiheadAttention inside, which torch.fx keeps whole",
+        _text("encoder_lm.py", (ROOT / "models" / "encoder_lm.py").read_text()),
+    ),
+    Case(
+        "plan options",
         "--dtype fp8 with --compile where float8 runs emulated",
         "plan {d}/model.py --gpus 2 --dtype fp8 --compile",
         2,

@@ -64,4 +64,24 @@ def attention_calls(nodes: Iterable[Any]) -> Iterator[dict[str, Any]]:
             yield sdpa_arguments(node.args, dict(node.kwargs))
 
 
-__all__ = ["SDPA_CALLS", "SDPA_SIGNATURE", "attention_calls", "sdpa_arguments"]
+def attention_kept_whole(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
+    """The modules a graph calls whole (``call_module`` nodes: torch.fx keeps ``torch.nn`` modules as
+    leaves) that run ``nn.MultiheadAttention`` inside, where no ``attention_calls`` entry sees it
+    (``nn.TransformerEncoderLayer``, say); a torch.export graph inlines them and has none.
+
+    Args:
+        gm: a traced graph module.
+
+    Returns:
+        Their targets and class names, in graph order.
+    """
+    out: list[tuple[str, str]] = []
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            module = gm.get_submodule(str(node.target))
+            if any(isinstance(m, torch.nn.MultiheadAttention) for m in module.modules()):
+                out.append((str(node.target), type(module).__name__))
+    return out
+
+
+__all__ = ["SDPA_CALLS", "SDPA_SIGNATURE", "attention_calls", "attention_kept_whole", "sdpa_arguments"]

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from planner.capture.blocks import ModuleTrace, TracedModel
+from planner.capture.attention import attention_kept_whole
+from planner.capture.blocks import GraphTrace, ModuleTrace, TracedModel
 from planner.capture.contract import (
     check_batch_contract,
     check_batch_size,
@@ -183,6 +184,15 @@ def _traced(
             raise ModelFileError(
                 f"--cp {request.cp} with --compile: context parallelism runs compiled on graphs torch.fx traces, and "
                 "this model traces by torch.export; plan without --compile"
+            )
+        whole = attention_kept_whole(traced.gm) if isinstance(traced, GraphTrace) else []
+        if whole:  # ring attention replaces the graph's attention calls: one inside a module is not seen
+            raise ModelFileError(
+                f"--cp {request.cp}: context parallelism runs each scaled_dot_product_attention call of the traced "
+                f"graph over the ring, but module {whole[0][0]!r} ({whole[0][1]}; "
+                f"{len(whole)} such) runs nn.MultiheadAttention inside, which torch.fx keeps whole: its attention "
+                "would see only its rank's chunk; plan without --cp, or "
+                "write the attention with torch.nn.functional.scaled_dot_product_attention"
             )
     pp = request.min_pipeline_ranks  # the fewest pipeline ranks a replica count tried gives
     if pp > len(traced.blocks):
