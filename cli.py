@@ -27,7 +27,7 @@ from cli_options import probe_options, run_options
 from cli_plan_options import plan_options, plan_request
 from cli_support import PlannerGroup, debug_option, stopped_line, user_errors
 from planner.core.levers.hardware import GPUS
-from planner.errors import PlannerError
+from planner.errors import PlannerError, listed
 from planner.report.export import EXPORT_FORMATS
 from planner.schema.outputs import check_output
 from planner.schema.plan import Plan
@@ -246,10 +246,9 @@ def export_weights_cmd(plan_file: str, checkpoint: str | None, output: str) -> N
     path, step, untrained = save_weights(Path(plan_file), Path(checkpoint) if checkpoint else None, Path(out))
     click.echo(f"wrote {out}: the weights after step {step} ({path})")
     if untrained:
-        shown = ", ".join(untrained[:6]) + (f" and {len(untrained) - 6} more" if len(untrained) > 6 else "")
         click.echo(
             f"{len(untrained)} tensor(s) no stage of the plan uses (forward never reaches them) were never trained "
-            f"and keep their initial values (the plan's seed): {shown}"
+            f"and keep their initial values (the plan's seed): {listed(untrained, 6)}"
         )
 
 

@@ -1,5 +1,6 @@
-"""The planner's domain errors: one small hierarchy the CLI turns into one-line messages, and
-``printable``, which keeps a message one line whatever it quotes.
+"""The planner's domain errors: one small hierarchy the CLI turns into one-line messages,
+``printable``, which keeps a message one line whatever it quotes, and ``listed``, which keeps a
+list of names in one short.
 
 Pure module: imports nothing from torch.
 """
@@ -18,6 +19,19 @@ def printable(text: str) -> str:
         The text, each unprintable character as its escape (``\\n``, ``\\x1e``).
     """
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def listed(names: list[str], most: int) -> str:
+    """The first ``most`` of ``names``, comma-separated, and how many more there are.
+
+    Args:
+        names: names for a message.
+        most: how many to write out.
+
+    Returns:
+        "a, b, c" or "a, b and 3 more".
+    """
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 class PlannerError(ValueError):

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from planner.errors import ModelFileError
+from planner.errors import ModelFileError, listed
 from planner.schema.outputs import document_kind
 from planner.torch_compat import quiet_torchao_import
 
@@ -366,11 +366,7 @@ def shape_of(out: Any) -> str:
 
 
 _WANTED = "give the path of a .py file with build_model and make_batch, or of a Hugging Face model folder"
-_LISTED = 5  # names listed from a folder before "..."
-
-
-def _listed(names: list[str]) -> str:
-    return ", ".join(names[:_LISTED]) + (f" and {len(names) - _LISTED} more" if len(names) > _LISTED else "")
+_LISTED = 5  # names listed from a folder before "... and N more"
 
 
 def _not_a_model_file(path: str | Path, p: Path) -> ModelFileError:
@@ -396,13 +392,13 @@ def _not_a_model_file(path: str | Path, p: Path) -> ModelFileError:
         models = [e.name for e in entries if (e / "config.json").is_file()]
         if models:
             return ModelFileError(
-                f"{path} is a folder of models ({_listed(models)}), not one model; give one of them, "
+                f"{path} is a folder of models ({listed(models, _LISTED)}), not one model; give one of them, "
                 f"e.g. {Path(path) / models[0]}"
             )
         files = [e.name for e in entries if e.suffix == ".py" and e.is_file()]
         if files:
             return ModelFileError(
-                f"{path} is a folder, not a model file; give one of its Python files ({_listed(files)}), "
+                f"{path} is a folder, not a model file; give one of its Python files ({listed(files, _LISTED)}), "
                 f"e.g. {Path(path) / files[0]}"
             )
         return ModelFileError(f"{path} is a folder without config.json, so not a Hugging Face model folder; {_WANTED}")
