@@ -36,6 +36,10 @@ def evaluating(model: nn.Module) -> Iterator[None]:
             m.training = mode
 
 
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+"""torch's batch norms (their lazy forms become these at their first forward, which the trace runs)."""
+
+
 def batch_norms(model: nn.Module) -> list[str]:
     """The modules of ``model`` that normalize by the statistics of the batch they are given (batch
     norm, which the planner runs in training mode): under a pipeline each microbatch, and under data
@@ -50,10 +54,6 @@ def batch_norms(model: nn.Module) -> list[str]:
         Their names, in ``named_modules`` order.
     """
     return [name for name, m in model.named_modules() if isinstance(m, BATCH_NORMS)]
-
-
-BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-"""torch's batch norms (their lazy forms become these at their first forward, which the trace runs)."""
 
 
 def check_forward(mf: ModelFile, model: nn.Module, inputs: tuple, target: torch.Tensor) -> None:
