@@ -29,8 +29,18 @@ Deviations from the reference (deliberate, none changes a parameter or the maths
   what it reads and only the hidden state crosses a cut.
 * GQA uses SDPA's ``enable_gqa=True`` instead of ``repeat_kv`` (no materialised copies of k, v).
 
+``attention_code="reference"`` (``--set attention_code=reference``) takes back the last two: the
+rotation as the reference's complex product (``view_as_complex(x.float()) * freqs_cis``) and k, v
+copied to every query head (``repeat_kv``) before SDPA, as Meta's reference and torchtitan's Llama
+(pytorch/torchtitan ``torchtitan/models/llama/model.py`` at 9dec370, Dec 2024) run them. The same
+maths and parameters (tests/test_llama.py checks the two codes agree); its kernels differ: the complex
+product is one elementwise kernel where the real rotation is eight, the copies of k and v are more
+memory traffic, and context parallelism gathers the repeated keys and values. It is there so that a
+plan of a run of that code charges what that code does (docs/published_runs.md's torchtitan rows).
+
 Config keys: dim, n_layers, n_heads, n_kv_heads, vocab_size, ffn_dim_multiplier, multiple_of,
-rope_theta, seq_len, seed (norm_eps is accepted too, default 1e-5).
+rope_theta, seq_len, seed, attention_code ("planner", the default, or "reference") (norm_eps is
+accepted too, default 1e-5).
 
 Sizes:
 
@@ -78,6 +88,10 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     seq_len: int = 8192
+    attention_code: str = "planner"  # or "reference": Meta's / torchtitan's complex RoPE and repeat_kv
+
+
+ATTENTION_CODES = ("planner", "reference")
 
 
 def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
@@ -111,6 +125,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.flatten(3).type_as(x)
 
 
+def apply_rope_complex(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rope`` as the reference writes it: the (even, odd) pairs of x as complex numbers times
+    ``cos + i sin`` (its ``freqs_cis``), one complex product (``attention_code="reference"``)."""
+    b, s, h, d = x.size(0), x.size(1), x.size(2), x.size(3)
+    pairs = torch.view_as_complex(x.float().reshape(b, s, h, d // 2, 2))
+    # the tables may have been cast with the model (bf16), which torch.complex does not take
+    freqs_cis = torch.complex(cos.float(), sin.float()).reshape(1, s, 1, d // 2)
+    return torch.view_as_real(pairs * freqs_cis).flatten(3).type_as(x)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """x (b, s, kv heads, head_dim) with each head copied ``n_rep`` times in a row (the reference's
+    ``repeat_kv``: the copies are materialised)."""
+    b, s, h, d = x.size(0), x.size(1), x.size(2), x.size(3)
+    return x[:, :, :, None, :].expand(b, s, h, n_rep, d).reshape(b, s, h * n_rep, d)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm in fp32 with a learned scale (reference ``RMSNorm``)."""
 
@@ -131,6 +162,12 @@ class Attention(nn.Module):
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads or args.n_heads
         self.head_dim = args.dim // args.n_heads
+        if args.attention_code not in ATTENTION_CODES:
+            raise ValueError(
+                f"attention_code={args.attention_code!r}: expected 'planner' (real RoPE, SDPA's enable_gqa) "
+                "or 'reference' (complex RoPE and repeat_kv, as Meta's reference and torchtitan)"
+            )
+        self.reference = args.attention_code == "reference"
         self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
@@ -148,8 +185,15 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         cos = torch.narrow(self.rope_cos, 0, 0, s)
         sin = torch.narrow(self.rope_sin, 0, 0, s)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        if self.reference:
+            q = apply_rope_complex(q, cos, sin)
+            k = apply_rope_complex(k, cos, sin)
+            # n_heads / n_kv_heads query heads per kv head, the same on every tensor-parallel rank
+            k = repeat_kv(k, self.n_heads // self.n_kv_heads)
+            v = repeat_kv(v, self.n_heads // self.n_kv_heads)
+        else:
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
         # SDPA wants (b, heads, s, head_dim); enable_gqa shares each kv head among
         # n_heads / n_kv_heads query heads without copying k and v.
         out = F.scaled_dot_product_attention(
@@ -157,7 +201,7 @@ class Attention(nn.Module):
             k.transpose(1, 2),
             v.transpose(1, 2),
             is_causal=True,
-            enable_gqa=self.n_kv_heads != self.n_heads,
+            enable_gqa=not self.reference and self.n_kv_heads != self.n_heads,
         )
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -265,6 +309,7 @@ def build_model(
     rope_theta: float = 10000.0,
     seq_len: int = 32,
     norm_eps: float = 1e-5,
+    attention_code: str = "planner",
     **_ignored,
 ) -> nn.Module:
     return Transformer(
@@ -279,6 +324,7 @@ def build_model(
             norm_eps=norm_eps,
             rope_theta=rope_theta,
             seq_len=seq_len,
+            attention_code=attention_code,
         )
     )
 

@@ -203,3 +203,44 @@ def test_trace_model_70b_on_meta_allocates_no_weights():
     assert r["meta"]
     assert r["seconds"] < 60
     assert r["rss_growth_bytes"] < 2 * 2**30
+
+
+def test_reference_attention_code_equals_the_planners(llama):
+    """attention_code="reference" (complex RoPE, repeat_kv copies, as Meta's reference and torchtitan)
+    computes what the default code does, forward and every gradient, from the same weights; and fx
+    traces it (the planner cuts and costs the model from that graph)."""
+    cfg = llama.SIZES["tiny"]
+    torch.manual_seed(0)
+    planner_code = llama.build_model(**cfg)
+    torch.manual_seed(0)
+    reference = llama.build_model(**cfg, attention_code="reference")
+    assert reference.layers[0].attention.reference and not planner_code.layers[0].attention.reference
+    torch.manual_seed(1)
+    (x,), y = llama.make_batch(3, **cfg)
+    losses = []
+    for model in (planner_code, reference):
+        out = torch.fx.symbolic_trace(model)(x)
+        loss = F.cross_entropy(out.flatten(0, 1), y.flatten())
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
+    for (name, a), b in zip(planner_code.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+    targets = {n.target for n in torch.fx.symbolic_trace(reference).graph.nodes}
+    assert torch.view_as_complex in targets and llama.F.scaled_dot_product_attention in targets
+
+
+def test_reference_attention_code_in_bf16_tables(llama):
+    """The tables cast with the model to bf16 (torch.complex takes no bf16): the complex rotation
+    still runs, and equals the real one on the same tables."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 3, 8, dtype=torch.bfloat16)
+    cos, sin = (t.to(torch.bfloat16) for t in llama.rope_tables(8, 6, 10000.0))
+    got = llama.apply_rope_complex(x, cos, sin)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, llama.apply_rope(x, cos, sin))
+
+
+def test_unknown_attention_code_is_refused(llama):
+    with pytest.raises(ValueError, match="attention_code='fused': expected 'planner'"):
+        llama.build_model(**llama.SIZES["tiny"], attention_code="fused")
