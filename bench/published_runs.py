@@ -536,10 +536,16 @@ the GPUs that ran):
 
 - torchtitan's H100 rows, all predicted too fast: their GPUs ran at a 500 W power limit (torchtitan:
   "the actual peak TFLOPs number is between SXM and NVL, and we don't know its exact value"), and
-  are planned at the SXM datasheet's 989.5 TFLOP/s; the NVL's 835.5 is 16 % lower. The compiled
-  rows miss by more than the eager ones: the planner's fusion model (each block's memory-bound
-  operators as one kernel, `planner/costs/fusion.py`) credits torch.compile with more than it
-  delivered there.
+  are planned at the SXM datasheet's 989.5 TFLOP/s; the NVL's 835.5 is 16 % lower. They are planned
+  on torchtitan's own attention code (`models/llama.py` with `attention_code=reference`: RoPE as one
+  complex product, k and v copied to every query head before SDPA, and those copies what context
+  parallelism gathers). On the planner's code (RoPE as eight real elementwise kernels, SDPA's
+  grouped-query attention) the 8B rows credited torch.compile with a 1.26x gain against the
+  published 1.157x; on torchtitan's 1.20x: its eager rows now miss by nearly as much as its
+  compiled ones (+19 / +23 % on 8 GPUs, +24 / +28 % on 128), what a clock slower than the
+  datasheet's gives every row alike. The 405B context-parallel rows gather 16 copies of each
+  key-value head: their misses fell by 7 to 24 points, and the 256k-token row no longer fits the
+  planner's memory model (which already counted 2x what the run held, without sequence parallelism).
 - MegaScale, predicted too slow: it overlaps the tensor- and sequence-parallel collectives with the
   GEMMs beside them (all-gather and reduce-scatter fused into the linears, its Figure 3) and runs a
   parallel transformer block (attention and MLP side by side) with sliding-window attention; the
