@@ -539,7 +539,7 @@ the GPUs that ran):
   are planned at the SXM datasheet's 989.5 TFLOP/s; the NVL's 835.5 is 16 % lower. They are planned
   on torchtitan's own attention code (`models/llama.py` with `attention_code=reference`: RoPE as one
   complex product, k and v copied to every query head before SDPA, and those copies what context
-  parallelism gathers). On the planner's code (RoPE as eight real elementwise kernels, SDPA's
+  parallelism gathers). On the planner's code (RoPE as nine elementwise kernels, torchtitan's three; SDPA's
   grouped-query attention) the 8B rows credited torch.compile with a 1.26x gain against the
   published 1.157x; on torchtitan's 1.20x: its eager rows now miss by nearly as much as its
   compiled ones (+19 / +23 % on 8 GPUs, +24 / +28 % on 128), what a clock slower than the

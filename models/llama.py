@@ -34,7 +34,7 @@ rotation as the reference's complex product (``view_as_complex(x.float()) * freq
 copied to every query head (``repeat_kv``) before SDPA, as Meta's reference and torchtitan's Llama
 (pytorch/torchtitan ``torchtitan/models/llama/model.py`` at 9dec370, Dec 2024) run them. The same
 maths and parameters (tests/test_llama.py checks the two codes agree); its kernels differ: the complex
-product is one elementwise kernel where the real rotation is eight, the copies of k and v are more
+product runs three elementwise kernels where the real rotation runs nine, the copies of k and v are more
 memory traffic, and context parallelism gathers the repeated keys and values. It is there so that a
 plan of a run of that code charges what that code does (docs/published_runs.md's torchtitan rows).
 
