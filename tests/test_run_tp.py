@@ -49,6 +49,16 @@ def test_llama_tp2_pp2_matches_unsplit_model(tmp_path: Path, cut_share: int) -> 
     print("llama tp2 pp2", cut_share, got.losses, want.losses, got.grad_norms, want.grad_norms)
 
 
+@pytest.mark.multiprocess
+def test_llama_reference_attention_code_tp2_pp2_matches_unsplit_model(tmp_path: Path) -> None:
+    # attention_code="reference": the complex RoPE and repeat_kv on each rank's local heads (1 kv head
+    # of tiny's 2 per tensor-parallel rank, copied to its 2 query heads)
+    plan = plan_with_starts(MODELS / "llama.py", [0, 3], **TP2_1F1B, overrides={"attention_code": "reference"})
+    assert plan.model.config["attention_code"] == "reference"
+    got, want = _run_and_compare(plan, tmp_path, save_checkpoints=False)
+    print("llama reference code tp2 pp2", got.losses, want.losses)
+
+
 def llama_zbv_tp2():  # type: ignore[no-untyped-def]
     """Llama tiny on 2 pipeline ranks in a V (zbv, 4 stages), each split over 2 tensor-parallel ranks."""
     return plan_with_starts(
