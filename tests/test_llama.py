@@ -217,16 +217,17 @@ def test_reference_attention_code_equals_the_planners(llama):
     assert reference.layers[0].attention.reference and not planner_code.layers[0].attention.reference
     torch.manual_seed(1)
     (x,), y = llama.make_batch(3, **cfg)
+    graphs = [torch.fx.symbolic_trace(model) for model in (planner_code, reference)]
     losses = []
-    for model in (planner_code, reference):
-        out = torch.fx.symbolic_trace(model)(x)
-        loss = F.cross_entropy(out.flatten(0, 1), y.flatten())
+    for gm in graphs:
+        loss = F.cross_entropy(gm(x).flatten(0, 1), y.flatten())
         loss.backward()
         losses.append(loss)
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
     for (name, a), b in zip(planner_code.named_parameters(), reference.parameters(), strict=True):
+        assert a.grad is not None, name  # (assert_close takes None for None)
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
-    targets = {n.target for n in torch.fx.symbolic_trace(reference).graph.nodes}
+    targets = {n.target for n in graphs[1].graph.nodes}
     assert torch.view_as_complex in targets and llama.F.scaled_dot_product_attention in targets
 
 
