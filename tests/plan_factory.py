@@ -112,6 +112,8 @@ def assert_fit_limits_agree(mem: Any, arrays: Any, pairs: list[tuple[int, int]],
     scalar memory check (``solve._MemoryModel.choice``) for every stage ``pairs`` and in-flight count."""
     import numpy as np
 
+    from planner.core.split import solve as solve_mod
+
     s_arr = np.array([s for s, _ in pairs], dtype=np.int64)
     e_arr = np.array([e for _, e in pairs], dtype=np.int64)
     fits = arrays.fit_limits(s_arr, e_arr)  # per mode: never, selective, full, stage
@@ -123,6 +125,8 @@ def assert_fit_limits_agree(mem: Any, arrays: Any, pairs: list[tuple[int, int]],
             want = mem.choice(s, e, t)
             got = next((mode for mode in order if t <= fits[modes.index(mode)][i]), None)
             assert got == want, (s, e, t)
+            # what solve() records as the stage's mode reads the same rows
+            assert solve_mod._stage_modes(arrays, [(s, e)], [t]) == [want or "never"], (s, e, t)
             for mode in modes:  # a mode the policy rules out fits nothing
                 assert mode in order or fits[modes.index(mode)][i] == -1
             if want is not None:

@@ -595,6 +595,19 @@ def _memory_error(
     )
 
 
+def _stage_modes(arrays: _Arrays, bounds: Sequence[tuple[int, int]], in_flight: Sequence[int]) -> list[str]:
+    """Each stage's recompute mode: the first of the policy's options it fits at its live
+    microbatches, read off the solver's own fit rows (``_Arrays.fit_limits``, the limit's most live
+    microbatches per mode) for the stages at once, so that the modes are those its costs took
+    (``_MemoryModel.choice`` says the same one stage at a time; tests/test_solve.py checks the two
+    agree); "never" where none fits."""
+    s = np.array([a for a, _ in bounds], dtype=np.int64)
+    e = np.array([b for _, b in bounds], dtype=np.int64)
+    limits = arrays.fit_limits(s, e)
+    rows = [(option, limits[MODES.index(option)]) for option in arrays.mem.options]
+    return [next((option for option, row in rows if t <= row[k]), "never") for k, t in enumerate(in_flight)]
+
+
 def _gib(nbytes: float) -> str:
     """Bytes as the GiB figure ``--memory-limit`` takes."""
     return f"{nbytes / 2**30:.3g} GiB"
@@ -674,6 +687,5 @@ def solve(
     if starts is None:
         given = None if in_flight is None else infl
         raise _memory_error(blocks, n_stages, schedule, n_microbatches, mem, arrays, given)
-    bounds = stage_bounds(starts, n)
-    flags = [mem.choice(s, e, infl[k]) or "never" for k, (s, e) in enumerate(bounds)]
+    flags = _stage_modes(arrays, stage_bounds(starts, n), infl)
     return evaluate(blocks, Split(starts=tuple(starts), recompute=tuple(flags)), link, schedule, layout.stages_per_rank)
