@@ -389,7 +389,9 @@ def exact_partition(
         if opt <= cap or stages.complete:
             break
         if opt < math.inf:
-            cap = opt  # a real partition's bottleneck: the next pass is exact
+            # a real partition's bottleneck (with the tolerance pass 2 reads within): the next pass
+            # is exact, and its ranges hold every stage pass 2 needs
+            cap = opt + tol(opt)
         else:
             if any_fit is not None and not any_fit():
                 return None  # memory rules out every partition: no larger cap can find one
@@ -398,4 +400,6 @@ def exact_partition(
     if opt == math.inf:
         return None
     thr = opt + tol(opt)
-    return _tie_break(ranges(thr), n, p, in_flight, rows, thr, latest)
+    # pass 2 on the last pass's ranges where they hold every stage within thr (a superset is fine):
+    # after a pass under a real partition's bottleneck they are those of thr's own
+    return _tie_break(stages if thr <= cap else ranges(thr), n, p, in_flight, rows, thr, latest)
