@@ -543,7 +543,10 @@ the GPUs that ran):
   grouped-query attention) the 8B rows credited torch.compile with a 1.26x gain against the
   published 1.157x; on torchtitan's 1.20x: its eager rows now miss by nearly as much as its
   compiled ones (+19 / +23 % on 8 GPUs, +24 / +28 % on 128), what a clock slower than the
-  datasheet's gives every row alike. The 405B context-parallel rows gather 16 copies of each
+  datasheet's gives every row alike. The miss comes with those GPUs, not with the model, its code
+  or its layout: the same model planned on the same code as torchtitan's FSDP ran it, eager and with
+  the same selective recomputation, on 64 A100s at their full power (titan-a100-8b, torchtitan's
+  docs/performance.md) is predicted within 5 %. The 405B context-parallel rows gather 16 copies of each
   key-value head: their misses fell by 7 to 24 points, and the 256k-token row no longer fits the
   planner's memory model (which already counted 2x what the run held, without sequence parallelism).
 - MegaScale, predicted too slow: it overlaps the tensor- and sequence-parallel collectives with the
