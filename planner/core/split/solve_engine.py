@@ -360,10 +360,11 @@ def exact_partition(
     ``ranges(cap)`` lists every stage whose cost can be <= ``cap`` and that fits memory (a
     superset is fine). Pass 1 runs on the ranges under a guessed cap: if the best bottleneck it
     finds is within the cap, every stage of every better partition was a block range, so it is the
-    optimum; otherwise that bottleneck (a real partition's, so an upper bound on the optimum)
-    becomes the cap, or the cap doubles when no partition was found, until the ranges are all
-    stages that fit (``complete``), where infeasibility is exact. Pass 2 then needs only the stages
-    within the optimum plus the tolerance. Each pass is O(p x ranges) vectorised work.
+    optimum; otherwise that bottleneck (a real partition's, so an upper bound on the optimum) plus
+    the tolerance becomes the cap, or the cap doubles when no partition was found, until the ranges
+    are all stages that fit (``complete``), where infeasibility is exact. Pass 2 then needs only the
+    stages within the optimum plus the tolerance: the last pass's ranges where its cap covers that
+    (a superset is fine), else those listed anew. Each pass is O(p x ranges) vectorised work.
 
     Args:
         n: number of items.
