@@ -109,7 +109,7 @@ def memory_layout(m: int, shard: int = 1, per_block: bool = False, fresh: bool =
 
 def assert_fit_limits_agree(mem: Any, arrays: Any, pairs: list[tuple[int, int]], infl: list[int]) -> None:
     """The solver's vectorised fit thresholds and fitting-end bounds (``solve._Arrays``) agree with its
-    scalar memory check (``solve._MemoryModel.choice``) for every stage ``pairs`` and in-flight count."""
+    scalar memory check (``solve._MemoryModel.bytes`` against its limit) for every stage ``pairs`` and in-flight count."""
     import numpy as np
 
     from planner.core.split import solve as solve_mod
@@ -122,7 +122,8 @@ def assert_fit_limits_agree(mem: Any, arrays: Any, pairs: list[tuple[int, int]],
     last = dict(zip(arrays.starts.tolist(), arrays.last_fit(min(infl)).tolist()))
     for i, (s, e) in enumerate(pairs):
         for t in set(infl):
-            want = mem.choice(s, e, t)
+            # the scalar model: the first of the policy's modes whose bytes fit the limit
+            want = next((mode for mode in order if mem.bytes(s, e, t, mode) <= mem.limit), None)
             got = next((mode for mode in order if t <= fits[modes.index(mode)][i]), None)
             assert got == want, (s, e, t)
             # what solve() records as the stage's mode reads the same rows

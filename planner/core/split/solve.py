@@ -153,17 +153,6 @@ class _MemoryModel:
         parts = parts_from_sums(self.sums.stage(s, e), self.optimizer, recompute, self.m, self.shard, self.per_block)
         return parts.peak(in_flight, self.fresh)
 
-    def choice(self, s: int, e: int, in_flight: int) -> RecomputeMode | None:
-        """How the stage recomputes: the first of the policy's options that fits (``OPTIONS``), or
-        None when none does."""
-        for option in self.options:
-            if self.bytes(s, e, in_flight, option) <= self.limit:
-                return option
-        return None
-
-    def fits(self, s: int, e: int, in_flight: int) -> bool:
-        return self.choice(s, e, in_flight) is not None
-
 
 class _Arrays:
     """The stage costs and memory of one ``solve`` request as arrays over block boundaries.
@@ -598,9 +587,9 @@ def _memory_error(
 def _stage_modes(arrays: _Arrays, bounds: Sequence[tuple[int, int]], in_flight: Sequence[int]) -> list[str]:
     """Each stage's recompute mode: the first of the policy's options it fits at its live
     microbatches, read off the solver's own fit rows (``_Arrays.fit_limits``, the limit's most live
-    microbatches per mode) for the stages at once, so that the modes are those its costs took
-    (``_MemoryModel.choice`` says the same one stage at a time; tests/test_solve.py checks the two
-    agree); "never" where none fits."""
+    microbatches per mode) for the stages at once, so that the modes are those its costs took (the
+    first option whose ``_MemoryModel.bytes`` is within the limit, one stage at a time, says the same:
+    tests/test_solve.py checks the two agree); "never" where none fits."""
     s = np.array([a for a, _ in bounds], dtype=np.int64)
     e = np.array([b for _, b in bounds], dtype=np.int64)
     limits = arrays.fit_limits(s, e)

@@ -148,8 +148,9 @@ class Stages:
     is one the search may ignore (it costs more than the cap, or cannot fit memory). A stage placed
     at stage index k holds ``t = in_flight[k]`` live microbatches and costs ``costs[i]`` for the
     first option i (a way to run it: without recomputation, with some) that fits, ``t <= fits[i]``,
-    else inf: ``_MemoryModel.choice`` on arrays. Memory only grows with ``t``, so a stage's fit is one
-    threshold on ``t`` per option, computed once per stage rather than once per stage index.
+    else inf: the first option whose ``_MemoryModel.bytes`` fit, on arrays. Memory only grows with
+    ``t``, so a stage's fit is one threshold on ``t`` per option, computed once per stage rather than
+    once per stage index.
 
     ``complete`` says the cost cap did not remove any stage that fits memory, so a search on this
     table is exact whatever the optimum is. Only stages that some stage index can hold are listed
