@@ -33,8 +33,9 @@ When torch changes one of these, this is the only file to mend; the tests that e
 - ``LocalElasticAgent._start_workers`` / ``_shutdown``: the launcher learns its workers' pids and
   lets them write their failure records before elastic stops them (tests/test_faults.py).
 - ``torch.distributed.pipelining.stage.stage_backward_weight`` (the name ``PipelineStage`` calls):
-  wrapped to retain the graph between a stage's parameter groups (``split_weight_backward_retaining``;
-  tests/test_estimated_runs.py runs T5 under interleaved-zb).
+  wrapped to retain the graph between a stage's parameter groups, and ``stage_backward_input`` to run
+  the whole backward of a stage whose inputs need no gradient (``split_backward_patched``;
+  tests/test_estimated_runs.py runs T5 under interleaved-zb, tests/test_run.py a frozen embedding).
 - ``torch._subclasses.fake_tensor.FakeTensorMode``: the runner's shapes (trace values, stage
   examples, output width) computed without data (tests/test_shapes.py).
 - ``torch.fx._lazy_graph_module._LazyGraphModule``: a traced graph whose Python code is generated only
@@ -84,7 +85,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = [
     "FLOAT8_DTYPES",
     "FakeTensorMode",
-    "split_weight_backward_retaining",
+    "split_backward_patched",
     "TorchDispatchMode",
     "ddp_ignore",
     "gather_each_stage_once",
@@ -340,12 +341,29 @@ def pipelining_backward() -> tuple[Callable[..., Any], Callable[..., Any], Calla
     """
     from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
 
-    return stage_backward, stage_backward_input, _retaining(stage_backward_weight)
+    return stage_backward, _whole_without_input_grads(stage_backward_input), _retaining(stage_backward_weight)
+
+
+def _whole_without_input_grads(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``stage_backward_input`` running the whole backward where no input of the stage needs a gradient
+    (``split_backward_patched`` says why); the profiler and the runner share it."""
+    if getattr(original, "_planner_whole", False):
+        return original
+    from torch.distributed.pipelining._backward import stage_backward
+
+    def input_half(outputs: Any, output_grads: Any, input_values: list[Any], weights: Any) -> Any:
+        if any(isinstance(v, torch.Tensor) and v.requires_grad for v in input_values):
+            return original(outputs, output_grads, input_values, weights)
+        # no parameter group left for the weight half: it computes nothing
+        return stage_backward(outputs, output_grads, input_values), []
+
+    input_half._planner_whole = True  # type: ignore[attr-defined]
+    return input_half
 
 
 def _retaining(original: Callable[..., Any]) -> Callable[..., Any]:
     """``stage_backward_weight`` keeping the graph between parameter groups when there are several
-    (``split_weight_backward_retaining`` says why); the profiler and the runner share it."""
+    (``split_backward_patched`` says why); the profiler and the runner share it."""
     if getattr(original, "_planner_retaining", False):
         return original
 
@@ -356,20 +374,27 @@ def _retaining(original: Callable[..., Any]) -> Callable[..., Any]:
     return retaining
 
 
-def split_weight_backward_retaining() -> None:
-    """Make the weight half of torch's two-part backward (zero-bubble schedules) keep the autograd graph
-    between a stage's parameter groups; idempotent, for the process.
+def split_backward_patched() -> None:
+    """Mend two gaps of torch's two-part backward (zero-bubble schedules); idempotent, for the process.
 
-    ``stage_backward_weight`` runs one ``autograd.grad`` per parameter group with
-    ``retain_graph=False``, so where two groups reach shared nodes (T5's relative position bias,
-    computed in a stage's first layer and read by every other, ALBERT's one layer applied N times) the
-    first group frees what the second needs: "Trying to backward through the graph a second time".
-    Retaining it is what the groups' overlap needs; the graph is freed as soon as the step's
-    intermediates are dropped, after the last group.
+    - The weight half keeps the autograd graph between a stage's parameter groups.
+      ``stage_backward_weight`` runs one ``autograd.grad`` per parameter group with
+      ``retain_graph=False``, so where two groups reach shared nodes (T5's relative position bias,
+      computed in a stage's first layer and read by every other, ALBERT's one layer applied N times)
+      the first group frees what the second needs: "Trying to backward through the graph a second
+      time". Retaining it is what the groups' overlap needs; the graph is freed as soon as the step's
+      intermediates are dropped, after the last group.
+    - The input half of a stage none of whose inputs needs a gradient runs the whole backward.
+      ``stage_backward_input`` finds the parameter groups the weight half computes through the
+      inputs' gradient functions; where every input is without one (all before the stage frozen: a
+      fine-tuned model's embedding) it finds none, and the stage's weights silently got no gradient.
+      torch spares its first stage the same way (``PipelineStage.backward_weight_one_chunk`` runs a
+      full backward there); a later stage after a frozen prefix is this case.
     """
     import torch.distributed.pipelining.stage as stage_module
 
     stage_module.stage_backward_weight = _retaining(stage_module.stage_backward_weight)
+    stage_module.stage_backward_input = _whole_without_input_grads(stage_module.stage_backward_input)
 
 
 @functools.cache
@@ -394,7 +419,28 @@ def _global_peak_tracker() -> type:
                     self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = deepcopy(dev_snap)
 
+        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
+            # torch registers a gradient hook on every parameter of a module it sees called, and a
+            # frozen one (requires_grad False: a fine-tuned model's embedding) refuses it ("cannot
+            # register a hook on a tensor that doesn't require gradient"). A frozen parameter never
+            # gets a gradient, so it needs none: entered as hooked already, with handles that remove
+            # nothing, it is still counted as a parameter.
+            for param in module.parameters():
+                if not param.requires_grad and param not in self._param_to_grad_hook_handles:
+                    self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
     return GlobalPeakTracker
+
+
+class _NoHook:
+    """A hook handle with nothing to remove (``_global_peak_tracker``'s frozen parameters)."""
+
+    def remove(self) -> None:
+        """Nothing was registered."""
+
+
+_NO_HOOK = _NoHook()
 
 
 def memory_tracker() -> Any:

@@ -84,6 +84,10 @@ CASES = [
     ),
     # V placement: embedding (stage 0) and head (stage 3) on rank 0 share the one parameter
     pytest.param(FIXTURES / "tied.py", [0, 1, 2, 3], "zbv", 4, "sgd", 0.05, 2, id="tied-2x2-zbv-one-rank"),
+    # frozen parameters (a fine-tuned model's embedding, one bias): no gradient, and no hook of the
+    # memory-tracked last step on them; under the split backward too
+    pytest.param(FIXTURES / "frozen.py", [0, 2], "1f1b", 4, "adamw", 0.05, 1, id="frozen-2stages-1f1b"),
+    pytest.param(FIXTURES / "frozen.py", [0, 1, 2, 4], "zbv", 4, "adamw", 0.05, 2, id="frozen-2x2-zbv"),
     # a stage with no parameters (the toy's ReLU) only relays activations: no optimizer on its rank
     pytest.param(MODELS / "toy.py", [0, 1, 2], "1f1b", 4, "sgd", 0.05, 1, id="toy-3stages-parameterless-middle"),
     # no tracer follows its data-dependent layers: stages are chains of its block modules

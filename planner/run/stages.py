@@ -64,7 +64,7 @@ from planner.run.wrappers import (
 from planner.schema.costs import split_recompute
 from planner.schema.names import TORCH_NAMES
 from planner.schema.plan import Plan, StagePlan
-from planner.torch_compat import ddp_ignore, gather_each_stage_once, split_weight_backward_retaining
+from planner.torch_compat import ddp_ignore, gather_each_stage_once, split_backward_patched
 
 
 @dataclass(frozen=True)
@@ -515,7 +515,7 @@ def _schedule(
 
     schedule_cls = get_schedule_class(TORCH_NAMES[plan.schedule])
     if plan.schedule in ZERO_BUBBLE:
-        split_weight_backward_retaining()  # parameter groups that share nodes (T5, ALBERT)
+        split_backward_patched()  # parameter groups that share nodes (T5, ALBERT); a frozen prefix
     # scale_grads=False: ``finish`` averages the gradients over microbatches, once per parameter.
     # GPipe and 1F1B take their one stage; the others (PipelineScheduleMulti) a list, even of one.
     target = stages[0] if placement(plan.schedule) == "single" else stages
