@@ -113,6 +113,29 @@ def test_search_on_one_rank_is_plain_gradient_accumulation() -> None:
         assert one_f.prediction.max_memory_bytes <= gpipe.prediction.max_memory_bytes
 
 
+@pytest.mark.parametrize(
+    ("schedule", "v", "ranks", "message"),
+    [
+        # a V schedule's two stages a rank on 3 blocks: said, not "no schedule was given"
+        ("zbv", None, 2, r"zbv with 2 stages per rank needs 4 stages, more than the 3 .*; use 1 pipeline rank, or"),
+        ("dualpipev", None, 2, r"needs 4 stages, more than the 3 .*; use 1 pipeline rank, or split"),
+        # a stage count per rank given: fewer of them is the first remedy, with the ranks as given
+        (
+            "interleaved-1f1b",
+            2,
+            2,
+            r"interleaved-1f1b with 2 stages per rank needs 4 stages, .*; use --stages-per-rank 1, 1 pipeline rank, or",
+        ),
+        ("looped-bfs", 3, 1, r"needs 3 stages, more than the 2 .*; use --stages-per-rank 2 or fewer, or split"),
+        ("zbv", None, 1, r"needs 2 stages, more than the 1 .*; use a schedule of one stage per rank, or split"),
+    ],
+)
+def test_more_stages_than_blocks_names_the_remedies(schedule: str, v: int | None, ranks: int, message: str) -> None:
+    blocks = big_head_blocks()[: {"looped-bfs": 2}.get(schedule, 3 if ranks > 1 else 1)]
+    with pytest.raises(InfeasibleError, match=message):
+        _search(blocks, n_ranks=ranks, schedule=schedule, stages_per_rank=v, n_microbatches=4)
+
+
 def test_search_respects_the_memory_limit_and_says_when_nothing_fits() -> None:
     blocks = big_head_blocks()
     free, _, _ = _search(blocks)

@@ -23,9 +23,10 @@ from planner.core.levers.links import Links
 from planner.core.levers.partial_recompute import Peaks, fewest_recomputed
 from planner.core.split.cuts import Split
 from planner.core.split.solve import policy_options, solve
+from planner.core.split.solve_engine import legal_starts
 from planner.core.split.stage_plans import LaidOut, StageMemo, laid_out
 from planner.core.step.predict import timed
-from planner.core.step.schedules import in_flight_per_stage
+from planner.core.step.schedules import in_flight_per_stage, placement
 from planner.errors import InfeasibleError
 from planner.schema.costs import BlockCost, split_recompute
 from planner.schema.plan import Prediction, StagePlan
@@ -215,6 +216,9 @@ def _solved(
         if v == 1:
             raise
         # the solver counts stages, which the user asked for as --gpus x --stages-per-rank
+        most = min(len(blocks), sum(legal_starts(blocks)) + 1)
+        if pp * v > most:
+            raise InfeasibleError(_too_many_stages(layout.schedule, pp, v, most)) from None
         raise InfeasibleError(
             f"{layout.schedule} with {v} stages per rank needs {pp * v} stages: {e}".replace(
                 f"--gpus {pp * v}", f"{pp * v} stages"
@@ -222,6 +226,25 @@ def _solved(
         ) from None
     split = fewest_recomputed(blocks, split, link, layout, per_stage, in_flight, memo.peaks if memo else None)
     return laid_out(blocks, split, link, layout, constraints.optimizer, memo.stages if memo else None)
+
+
+def _too_many_stages(schedule: str, pp: int, v: int, most: int) -> str:
+    """The error of a layout with more stages than the model's blocks allow, and what to change: the
+    stages per rank (a V schedule has two, always), or the pipeline ranks."""
+    per_rank, ranks = most // pp, most // v
+    hints = [f"--stages-per-rank {per_rank}" + _or_fewer(per_rank)] if placement(schedule) != "v" and per_rank else []
+    hints += [f"{ranks} pipeline rank{'s' if ranks > 1 else ''}" + _or_fewer(ranks)] if ranks else []
+    hints = hints or ["a schedule of one stage per rank"]
+    return (
+        f"{schedule} with {v} stages per rank needs {pp * v} stages, more than the {most} the model's blocks "
+        f"allow (one stage per block at most, cut where a cut is legal); use "
+        + ", ".join(hints)
+        + ", or split the model into finer blocks"
+    )
+
+
+def _or_fewer(n: int) -> str:
+    return " or fewer" if n > 1 else ""
 
 
 @dataclass

@@ -137,6 +137,10 @@ def _layouts(
             if space.stages_per_rank is not None
             else stages_per_rank_options(name, _max_stages_per_rank(blocks, pp))
         )
+        if not vs and space.schedule != "auto":
+            # a V schedule asked for, on fewer blocks than its two stages a rank need: solved anyway,
+            # so that the solver's error says so (under auto it is simply not a candidate)
+            vs = stages_per_rank_options(name, 2)
         out += [
             Layout(
                 name,
