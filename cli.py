@@ -439,6 +439,14 @@ def probe_cmd(model_file: str | None, **o: Any) -> None:
     docs/probe.md says what each constant is fitted from.
     """
     if o["write_shipped"]:
+        given = [
+            name for name, value in (("MODEL_FILE", model_file), ("-o", o["output"]), ("--gpus", o["gpus"])) if value
+        ]
+        if given:
+            raise PlannerError(
+                f"--write-shipped measures nothing (it writes the shipped GPUs' files): give it without {', '.join(given)}, "
+                "or measure without it"
+            )
         _write_shipped(Path(o["write_shipped"]))
         return
     if o["gpus"] is None or o["output"] is None:
@@ -474,9 +482,13 @@ def _measure(model_file: str | None, o: dict[str, Any]) -> Any:
         raise PlannerError(f"--gpus-per-node {per_node} does not divide --gpus {gpus}; give a divisor of it")
     cuda = o["device"] == "cuda" or (o["device"] == "auto" and torch.cuda.is_available())
     if cuda and torch.cuda.device_count() < per_node:
+        have = torch.cuda.device_count()
+        if not have:
+            raise PlannerError("--device cuda: this node shows no CUDA GPU; use --device cpu (or auto)")
+        asked = f"--gpus-per-node {per_node}" if o["gpus_per_node"] else f"--gpus {gpus} (on one node)"
         raise PlannerError(
-            f"{per_node} ranks per node need {per_node} GPUs; this node shows {torch.cuda.device_count()} "
-            "(give fewer --gpus-per-node, or --device cpu)"
+            f"{asked} needs {per_node} GPUs a node; this node shows {have} (give --gpus-per-node {have} to spread "
+            "the ranks over nodes, or --device cpu)"
         )
     task = default_task(
         "cuda" if cuda else "cpu",
@@ -541,13 +553,23 @@ def _write_shipped(folder: Path) -> None:
     from planner.core.levers.hardware_file import shipped_file, write_hardware_file
     from planner.schema.outputs import check_output
 
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise PlannerError(f"--write-shipped {folder}: cannot make the folder ({e.strerror})") from None
+    # every file checked before any is written (a refused command changes no file); a missing folder
+    # is made, under a parent that exists, as `mkdir` would
+    if folder.is_dir():
+        for name in GPUS:
+            try:
+                check_output(folder / f"{name}.json", "hardware file", "--write-shipped")
+            except PlannerError as e:
+                reason = str(e).split("; ", 1)[0]
+                raise PlannerError(f"{reason}; move that file away, or choose another folder") from None
+    else:
+        check_output(folder, "hardware file", "--write-shipped")  # a folder to make it in, writable
+        try:
+            folder.mkdir()
+        except OSError as e:
+            raise PlannerError(f"--write-shipped {folder}: cannot make the folder ({e.strerror})") from None
     for name in GPUS:
-        path = check_output(folder / f"{name}.json", "hardware file", "--write-shipped")
-        write_hardware_file(path, shipped_file(name))
+        write_hardware_file(folder / f"{name}.json", shipped_file(name))
     click.echo(f"wrote {len(GPUS)} hardware files to {folder}: {', '.join(f'{n}.json' for n in GPUS)}")
 
 

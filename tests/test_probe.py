@@ -206,6 +206,29 @@ def test_write_shipped_writes_every_gpu(tmp_path: Path) -> None:
     assert HardwareFile.model_validate_json((tmp_path / "gpus" / "h100.json").read_text()).spec == GPUS["h100"]
 
 
+def test_a_refused_write_shipped_writes_no_file(tmp_path: Path) -> None:
+    """A file in the folder that is no hardware file refuses the whole command before any is written."""
+    folder = tmp_path / "gpus"
+    folder.mkdir()
+    (folder / "l4.json").write_text("precious")
+    result = invoke("probe", "--write-shipped", str(folder))
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "l4.json holds something that is not a hardware file" in result.output
+    assert "move that file away, or choose another folder" in result.output
+    assert [p.name for p in folder.iterdir()] == ["l4.json"] and (folder / "l4.json").read_text() == "precious"
+    # a missing folder is made under a parent that exists, as mkdir makes it; not a missing tree
+    result = invoke("probe", "--write-shipped", str(tmp_path / "no" / "gpus"))
+    assert result.exit_code == 2 and "does not exist; create it" in result.output
+    assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("given", [("-o", "h.json"), ("--gpus", "2")])
+def test_write_shipped_with_a_measurement_option_is_refused(tmp_path: Path, given: tuple[str, str]) -> None:
+    result = invoke("probe", "--write-shipped", str(tmp_path / "gpus"), *given)
+    assert result.exit_code == 2 and f"give it without {given[0]}" in result.output
+    assert not (tmp_path / "gpus").exists()
+
+
 def test_probe_needs_gpus_and_an_output() -> None:
     result = invoke("probe", "--gpus", "2")
     assert result.exit_code == 2 and "give --gpus N and -o FILE.json" in result.output
