@@ -25,12 +25,15 @@ and the package again (about 10 s of CPU; the suite switches families dozens of 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 import sys
 import sysconfig
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
@@ -163,7 +166,8 @@ def prepare_forkserver(preload: Sequence[str]) -> LaunchContext:
     else:
         imports = _server["preload"]
     multiprocessing.set_forkserver_preload(imports)
-    multiprocessing.forkserver.ensure_running()  # starts one if none runs, or the last one died
+    with _interrupt_ignored():
+        multiprocessing.forkserver.ensure_running()  # starts one if none runs, or the last one died
     if forkserver_pid() != _server["pid"]:  # started just now, under the present environment
         _server.update(pid=forkserver_pid(), preload=imports, environment=environment)
         changes = {}
@@ -231,6 +235,36 @@ def stop_forkserver() -> None:
     stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
     if callable(stop):
         stop()
+
+
+def kill_forkserver() -> None:
+    """Kill multiprocessing's forkserver at once, as a stopped launch leaves (``stop_forkserver``
+    would wait for it to finish importing torch: seconds of a core, after the command has ended)."""
+    pid = forkserver_pid()
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    stop_forkserver()
+
+
+@contextlib.contextmanager
+def _interrupt_ignored() -> Iterator[None]:
+    """SIGINT ignored in this process meanwhile (in its main thread; elsewhere nothing changes).
+
+    A server started meanwhile keeps it ignored through its exec (Python installs its Ctrl-C handler
+    only where SIGINT was not ignored), so a Ctrl-C while it imports torch (sent to the whole process
+    group by a terminal, or by ``timeout``) does not print its ``KeyboardInterrupt`` traceback: the
+    launcher alone handles it, and stops the ranks. Python's server ignores SIGINT itself once it
+    has imported its modules; the ranks install their own handlers (``planner.run.signals``).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def forkserver_pid() -> int | None:

@@ -61,7 +61,7 @@ from planner.capture.load import ModelFile
 from planner.errors import PlannerError, RunFailed
 from planner.run.console import print_flushed
 from planner.run.faults import WorkerTraceback, diagnose, read_records
-from planner.run.forkserver import prepare_forkserver, rank_preload
+from planner.run.forkserver import kill_forkserver, prepare_forkserver, rank_preload
 from planner.run.loop import RankResult, run_result
 from planner.run.mesh import threads_per_rank
 from planner.run.model import check_runnable, graphs_for_ranks, load_plan_model, planned_source, trace_for_plan
@@ -412,6 +412,8 @@ def _launch(
                 exit_codes = watch.finish()
         if values is not None:
             return run_result(plan, list(values.values()), mode="pipeline", plan_path=request.plan_file)
+        if parent_signal is not None:  # stopped: a server still importing would outlive the command by seconds
+            kill_forkserver()
         error, cause = _failure(plan, request, error_dir, exit_codes, watch.hung, parent_signal)
     raise error from cause
 
