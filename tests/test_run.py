@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import subprocess
 import sys
 import time
@@ -458,6 +459,40 @@ def test_a_model_file_edited_since_planning_is_named_in_a_warning(tmp_path: Path
     run_plan(plan, RunRequest(plan_file=path, steps=1, echo=False), print_fn=lines.append)
     warnings = [line for line in lines if "changed since it was planned" in line]
     assert len(warnings) == 1 and "(loss_fn changed;" in warnings[0], warnings
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        # make_batch returning a row more than asked: planning refuses it; so does run, before any rank starts
+        (
+            (
+                "    x = torch.randint(0, vocab_size, (batch_size, seq_len))\n    y = torch.randint(0, vocab_size, (batch_size, seq_len))",
+                "    x = torch.randint(0, vocab_size, (batch_size + 1, seq_len))\n    y = torch.randint(0, vocab_size, (batch_size + 1, seq_len))",
+            ),
+            "make_batch(2) returned tensors whose first dimension is [3], not 2",
+        ),
+        # a loss edited to sum over the batch: the pipeline's mean of microbatch losses would train on sums
+        (
+            ("target.reshape(-1))\n", "target.reshape(-1), reduction='sum')\n"),
+            "loss_fn() sums over the batch instead of averaging",
+        ),
+    ],
+)
+def test_a_contract_broken_since_planning_is_refused_before_training(
+    tmp_path: Path, edit: tuple[str, str], message: str
+) -> None:
+    model = tmp_path / "gpt.py"
+    text = (MODELS / "gpt.py").read_text()
+    model.write_text(text)
+    plan = plan_with_starts(model, [0])
+    path = saved(plan, tmp_path)
+    assert edit[0] in text
+    model.write_text(text.replace(edit[0], edit[1], 1))
+    lines: list[str] = []
+    with pytest.raises(PlannerError, match=re.escape(message)):
+        run_plan(plan, RunRequest(plan_file=path, steps=1, echo=False), print_fn=lines.append)
+    assert len(lines) == 1 and "changed since it was planned" in lines[0]  # the warning, and no step
 
 
 def _rank(

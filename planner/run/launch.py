@@ -54,7 +54,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
-from planner.capture.contract import check_train_batch
+from planner.capture.contract import check_batch_contract, check_train_batch
 from planner.capture.float8 import check_float8, require_torchao
 from planner.capture.graph_file import RankGraphs
 from planner.capture.load import ModelFile
@@ -270,11 +270,19 @@ def _stderr_muted() -> Iterator[None]:
         os.close(saved)
 
 
+def edited_parts(plan: Plan, mf: ModelFile) -> list[str] | None:
+    """The contract parts of a model file edited since planning (None: which is not known, the plan
+    recording no part digests; [] where only other text changed)."""
+    old, new = plan.model.part_digests, mf.part_digests()
+    if not old:
+        return None
+    return sorted(name for name in set(old) | set(new) if old.get(name) != new.get(name))
+
+
 def changed_file_warning(plan: Plan, mf: ModelFile) -> str:
     """One line naming a model file edited since planning, and which of its contract parts changed."""
-    old, new = plan.model.part_digests, mf.part_digests()
-    parts = sorted(name for name in set(old) | set(new) if old.get(name) != new.get(name))
-    what = f"{', '.join(parts)} changed" if parts and old else "its text changed"
+    parts = edited_parts(plan, mf)
+    what = f"{', '.join(parts)} changed" if parts else "its text changed"
     return (
         f"warning: {mf.path} changed since it was planned ({what}; digest {plan.model.file_digest} -> {mf.digest}); "
         "the run uses the file as it is now (re-run `planner plan` if the change matters)"
@@ -313,9 +321,16 @@ def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None]
     nproc = world_size // nnodes
     _check_devices(plan, nproc if world_size > 1 else 0)
     mf = load_plan_model(plan, plan_path)
+    edited: list[str] | None = []
     if mf.digest != plan.model.file_digest:
         print_fn(changed_file_warning(plan, mf))
+        edited = edited_parts(plan, mf)
     source = planned_source(plan, mf)
+    if edited is None or {"make_batch", "loss_fn"} & set(edited):
+        # what planning checked of these, checked again on the file as it is now (a batch of the wrong
+        # size, a loss that sums): here, not on the rank that happens to notice, or not at all; on
+        # microbatches of one sample, the least work (the promises hold at any size or not at all)
+        check_batch_contract(mf, source.model, 1, plan.model.seed, torch.device("cpu"))
     traced = trace_for_plan(plan, source.model, source.example)
     # written before the checks below use the trace, so the ranks rebuild the graph as traced here;
     # the checks add the graph at a tp rank's sizes
