@@ -216,9 +216,9 @@ def _solved(
         if v == 1:
             raise
         # the solver counts stages, which the user asked for as --gpus x --stages-per-rank
-        most = min(len(blocks), sum(legal_starts(blocks)) + 1)
+        most = most_stages(blocks)
         if pp * v > most:
-            raise InfeasibleError(_too_many_stages(layout.schedule, pp, v, most)) from None
+            raise InfeasibleError(too_many_stages(layout.schedule, pp, v, most)) from None
         raise InfeasibleError(
             f"{layout.schedule} with {v} stages per rank needs {pp * v} stages: {e}".replace(
                 f"--gpus {pp * v}", f"{pp * v} stages"
@@ -228,9 +228,24 @@ def _solved(
     return laid_out(blocks, split, link, layout, constraints.optimizer, memo.stages if memo else None)
 
 
-def _too_many_stages(schedule: str, pp: int, v: int, most: int) -> str:
+def most_stages(blocks: Sequence[BlockCost]) -> int:
+    """The most stages the blocks can be split into: one block each at most, cut where cuts are legal."""
+    return min(len(blocks), sum(legal_starts(blocks)) + 1)
+
+
+def too_many_stages(schedule: str, pp: int, v: int, most: int) -> str:
     """The error of a layout with more stages than the model's blocks allow, and what to change: the
-    stages per rank (a V schedule has two, always), or the pipeline ranks."""
+    stages per rank (a V schedule has two, always), or the pipeline ranks.
+
+    Args:
+        schedule: the layout's schedule.
+        pp: its pipeline ranks.
+        v: its stages per rank.
+        most: the most stages the blocks allow (``most_stages``).
+
+    Returns:
+        The message.
+    """
     per_rank, ranks = most // pp, most // v
     hints = [f"--stages-per-rank {per_rank}" + _or_fewer(per_rank)] if placement(schedule) != "v" and per_rank else []
     hints += [f"{ranks} pipeline rank{'s' if ranks > 1 else ''}" + _or_fewer(ranks)] if ranks else []
@@ -256,4 +271,4 @@ class _Memo:
     peaks: Peaks = field(default_factory=dict)
 
 
-__all__ = ["RELAX_STEPS", "rank_split"]
+__all__ = ["RELAX_STEPS", "most_stages", "rank_split", "too_many_stages"]

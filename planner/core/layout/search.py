@@ -48,6 +48,7 @@ from planner.core.layout.pending import (
     ring_dominates,
     taken,
 )
+from planner.core.layout.rank_fit import most_stages, too_many_stages
 from planner.core.levers.data_parallel import layout_links
 from planner.core.levers.experts import layout_refusal
 from planner.core.split.baselines import BASELINE_NAMES, baseline_splits
@@ -137,10 +138,6 @@ def _layouts(
             if space.stages_per_rank is not None
             else stages_per_rank_options(name, _max_stages_per_rank(blocks, pp))
         )
-        if not vs and space.schedule != "auto":
-            # a V schedule asked for, on fewer blocks than its two stages a rank need: solved anyway,
-            # so that the solver's error says so (under auto it is simply not a candidate)
-            vs = stages_per_rank_options(name, 2)
         out += [
             Layout(
                 name,
@@ -205,6 +202,11 @@ def _pending_layouts(
                 )
                 continue
             dp_shard = 0  # "auto": FSDP or DDP only
+        if space.schedule != "auto" and not _layouts(blocks, space, pp, dp, ms):
+            # a V schedule asked for, on fewer blocks than its two stages a rank need (under auto it
+            # is simply not a candidate): said, as the solver says it of an explicit stage count
+            errors.append(InfeasibleError(too_many_stages(space.schedule, pp, 2, most_stages(blocks))))
+            continue
         for sequence in space.sequence if tp > 1 and ep == 1 else (False,):  # not yet with ep
             for layout in _layouts(blocks, replace(space, dp_mode=mode), pp, dp, ms, tp, ep):
                 # (loss parallelism does not run with context parallelism yet: gathered there)
