@@ -54,17 +54,24 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
-from planner.capture.contract import check_batch_contract, check_train_batch
+from planner.capture.contract import check_train_batch
 from planner.capture.float8 import check_float8, require_torchao
 from planner.capture.graph_file import RankGraphs
-from planner.capture.load import ModelFile
 from planner.errors import PlannerError, RunFailed
 from planner.run.console import print_flushed
 from planner.run.faults import WorkerTraceback, diagnose, read_records
 from planner.run.forkserver import kill_forkserver, prepare_forkserver, rank_preload
 from planner.run.loop import RankResult, run_result
 from planner.run.mesh import threads_per_rank
-from planner.run.model import check_runnable, graphs_for_ranks, load_plan_model, planned_source, trace_for_plan
+from planner.run.model import (
+    changed_file_warning,
+    check_edited_contract,
+    check_runnable,
+    graphs_for_ranks,
+    load_plan_model,
+    planned_source,
+    trace_for_plan,
+)
 from planner.run.preflight import check_checkpoint_dir, check_data, check_resume, check_stages
 from planner.schema.plan import Plan
 from planner.schema.result import RunResult
@@ -270,25 +277,6 @@ def _stderr_muted() -> Iterator[None]:
         os.close(saved)
 
 
-def edited_parts(plan: Plan, mf: ModelFile) -> list[str] | None:
-    """The contract parts of a model file edited since planning (None: which is not known, the plan
-    recording no part digests; [] where only other text changed)."""
-    old, new = plan.model.part_digests, mf.part_digests()
-    if not old:
-        return None
-    return sorted(name for name in set(old) | set(new) if old.get(name) != new.get(name))
-
-
-def changed_file_warning(plan: Plan, mf: ModelFile) -> str:
-    """One line naming a model file edited since planning, and which of its contract parts changed."""
-    parts = edited_parts(plan, mf)
-    what = f"{', '.join(parts)} changed" if parts else "its text changed"
-    return (
-        f"warning: {mf.path} changed since it was planned ({what}; digest {plan.model.file_digest} -> {mf.digest}); "
-        "the run uses the file as it is now (re-run `planner plan` if the change matters)"
-    )
-
-
 def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None] = print_flushed) -> RunResult:
     """Train ``plan`` for ``request.steps`` steps: here for a one-rank plan, else one process per rank.
 
@@ -321,16 +309,10 @@ def run_plan(plan: Plan, request: RunRequest, *, print_fn: Callable[[str], None]
     nproc = world_size // nnodes
     _check_devices(plan, nproc if world_size > 1 else 0)
     mf = load_plan_model(plan, plan_path)
-    edited: list[str] | None = []
     if mf.digest != plan.model.file_digest:
         print_fn(changed_file_warning(plan, mf))
-        edited = edited_parts(plan, mf)
     source = planned_source(plan, mf)
-    if edited is None or {"make_batch", "loss_fn"} & set(edited):
-        # what planning checked of these, checked again on the file as it is now (a batch of the wrong
-        # size, a loss that sums): here, not on the rank that happens to notice, or not at all; on
-        # microbatches of one sample, the least work (the promises hold at any size or not at all)
-        check_batch_contract(mf, source.model, 1, plan.model.seed, torch.device("cpu"))
+    check_edited_contract(plan, mf, source.model)
     traced = trace_for_plan(plan, source.model, source.example)
     # written before the checks below use the trace, so the ranks rebuild the graph as traced here;
     # the checks add the graph at a tp rank's sizes

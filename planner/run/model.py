@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from planner.capture.blocks import GraphTrace, TiedParameter, TracedModel
+from planner.capture.contract import check_batch_contract
 from planner.capture.graph_file import GraphFileError, RankGraphs, dump_graph, load_graph
 from planner.capture.load import ModelFile, load_model_file
 from planner.capture.stage import trace_root
@@ -79,6 +80,46 @@ def planned_source(plan: Plan, mf: ModelFile) -> StageSource:
     model = mf.build(plan.model.seed)
     example = mf.batch(plan.microbatch_size, seed=plan.model.seed)[0]
     return StageSource(model, example, mf.loss_fn)
+
+
+def edited_parts(plan: Plan, mf: ModelFile) -> list[str] | None:
+    """The contract parts of a model file edited since planning (None: which is not known, the plan
+    recording no part digests; [] where only other text changed)."""
+    old, new = plan.model.part_digests, mf.part_digests()
+    if not old:
+        return None
+    return sorted(name for name in set(old) | set(new) if old.get(name) != new.get(name))
+
+
+def changed_file_warning(plan: Plan, mf: ModelFile) -> str:
+    """One line naming a model file edited since planning, and which of its contract parts changed."""
+    parts = edited_parts(plan, mf)
+    what = f"{', '.join(parts)} changed" if parts else "its text changed"
+    return (
+        f"warning: {mf.path} changed since it was planned ({what}; digest {plan.model.file_digest} -> {mf.digest}); "
+        "the run uses the file as it is now (re-run `planner plan` if the change matters)"
+    )
+
+
+def check_edited_contract(plan: Plan, mf: ModelFile, model: nn.Module) -> None:
+    """Planning's check of ``make_batch`` and ``loss_fn`` made again where either was edited since
+    planning (or which parts were is not recorded): a batch of the wrong size, a loss that sums,
+    refused before any rank starts, not on the rank that happens to notice, or not at all. On
+    microbatches of one sample, the least work: the promises hold at any size or at none.
+
+    Args:
+        plan: the plan (its part digests, seed).
+        mf: the model file as it is now.
+        model: a model built from it (run in eval mode and restored).
+
+    Raises:
+        ModelFileError: the first broken promise (``check_batch_contract``).
+    """
+    if mf.digest == plan.model.file_digest:
+        return
+    edited = edited_parts(plan, mf)
+    if edited is None or {"make_batch", "loss_fn"} & set(edited):
+        check_batch_contract(mf, model, 1, plan.model.seed, torch.device("cpu"))
 
 
 def check_runnable(plan: Plan) -> None:
