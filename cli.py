@@ -190,8 +190,8 @@ def run_cmd(
         f"median step {result.median_step_s * 1e3:.1f} ms measured vs {plan.prediction.step_time_s * 1e3:.1f} ms "
         "predicted"
         if result.median_step_s is not None
-        else "no timed step: run --steps 3 or more to measure the step time (step 1 sets the schedule up, the last "
-        "runs under the memory tracker)"
+        else f"no timed step: run --steps {result.first_step + 2} or more to measure the step time (step "
+        f"{result.first_step} sets the schedule up, the last runs under the memory tracker)"
     )
     click.echo(f"{measured}{loss}; wrote {out}")
     click.echo(_run_figures(result))
@@ -367,6 +367,11 @@ def report_cmd(
         from planner.schema.result import RunResult
 
         run = RunResult.load(run_file)
+        from planner.core.levers.data_parallel import check_run_replicas
+        from planner.schema.result import check_run_matches
+
+        check_run_matches(plan, run)  # before anything prints: a run of another plan is one line
+        check_run_replicas(plan, run)
     click.echo(render(plan))
     if run is not None:
         from planner.report.compare import compare_table

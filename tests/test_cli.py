@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
-from run_factory import edited_copy
+from run_factory import edited_copy, run_report
 
 from cli import main
 from planner.schema.plan import Plan
@@ -306,6 +306,18 @@ def test_report_measured_needs_a_run_file(toy_plan: Path, tmp_path: Path) -> Non
     assert result.exit_code == 2 and "cannot read run result" in result.output
     blocks = CliRunner().invoke(main, ["report", str(toy_plan), "--blocks"])
     assert blocks.exit_code == 2 and "--blocks compares with a run" in blocks.output
+
+
+def test_a_run_of_another_plan_is_refused_before_the_report_prints(toy_plan: Path, tmp_path: Path) -> None:
+    run = run_report(Plan.load(toy_plan), step_times_s=[0.1, 0.1, 0.1], plan_fingerprint="0123456789abcdef")
+    run.save(tmp_path / "other.run.json")
+    result = CliRunner().invoke(main, ["report", str(toy_plan), "--measured", str(tmp_path / "other.run.json")])
+    assert result.exit_code == 2
+    # one line, and no table of the plan before it (the tables used to print, then the error)
+    assert result.output.splitlines() == [
+        f"error: the run was of a model with fingerprint 0123456789abcdef, the plan is for "
+        f"{Plan.load(toy_plan).model.fingerprint}; compare a plan with the run.json `planner run` wrote for it"
+    ]
 
 
 def test_a_picture_format_is_refused_before_the_report_prints(toy_plan: Path, tmp_path: Path) -> None:

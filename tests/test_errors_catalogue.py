@@ -657,7 +657,14 @@ CASES: list[Case] = [
         "--eval-every without --data",
         "run {d}/plan.json --eval-every 2",
         2,
-        "--eval-every evaluates the held-out split of --data",
+        "--eval-every acts on the text of --data: give --data PATH too",
+    ),
+    Case(
+        "run options",
+        "--tokenizer and --eval-fraction without --data",
+        "run {d}/plan.json --tokenizer word --eval-fraction 0.5",
+        2,
+        "--eval-fraction, --tokenizer act on the text of --data: give --data PATH too, or leave them out",
     ),
     Case("run options", "--resume with nothing to resume", "run {d}/plan.json --resume", 2, "no complete checkpoint"),
     Case(

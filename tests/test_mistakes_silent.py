@@ -239,3 +239,8 @@ def test_a_run_of_two_steps_says_it_timed_none(tmp_path: Path) -> None:
     assert step.split()[2:] == ["-", "-"], step
     with pytest.raises(PlanFileError, match="the run timed no step.*--steps 3 or more"):
         calibrate(plan, run)
+    # resumed at step 3 (the checkpoint of step 2) for two more steps: those two are set-up and tracked too
+    result = _invoke("run", path, "--steps", "2")
+    resumed = _invoke("run", path, "--steps", "4", "--resume", "--no-checkpoint")
+    assert result.exit_code == 0 and resumed.exit_code == 0, resumed.output
+    assert "no timed step: run --steps 5 or more to measure the step time (step 3 sets" in resumed.output

@@ -105,8 +105,24 @@ class RunRequest(_Request):
             )
         if not self.save_checkpoints and (self.checkpoint_every or self.checkpoint_dir is not None):
             raise ValueError("--no-checkpoint writes no checkpoints: drop --checkpoint-every / --checkpoint-dir")
-        if self.eval_every and self.data is None:
-            raise ValueError("--eval-every evaluates the held-out split of --data: give --data PATH too")
+        if self.data is None:
+            # each of these acts on --data's text only: without it, given, it would be ignored
+            given = [
+                option
+                for option, value, default in (
+                    ("--eval-every", self.eval_every, 0),
+                    ("--eval-batches", self.eval_batches, 0),
+                    ("--eval-fraction", self.eval_fraction, 0.1),
+                    ("--tokenizer", self.tokenizer, "char"),
+                )
+                if value != default
+            ]
+            if given:
+                one = len(given) == 1
+                raise ValueError(
+                    f"{', '.join(given)} {'acts' if one else 'act'} on the text of --data: give --data PATH too, "
+                    f"or leave {'it' if one else 'them'} out"
+                )
         return self
 
     @property
