@@ -553,7 +553,9 @@ the GPUs that ran):
   GEMMs beside them (all-gather and reduce-scatter fused into the linears, its Figure 3) and runs a
   parallel transformer block (attention and MLP side by side) with sliding-window attention; the
   planner charges those collectives on the critical path of a sequential block. Its layout, shape
-  and GPU variant are assumed besides (the GPU table).
+  and GPU variant are assumed besides (the GPU table). The same abstract puts Megatron-LM, whose
+  sequential block and collectives the planner does model, 1.34x below MegaScale on that run: the
+  megascale-175b-megatron row, planned alike.
 
 And in every row:
 

@@ -45,6 +45,16 @@ def test_palm_formula_gives_torchtitans_published_mfu() -> None:
     assert 109 * per_token / 989e12 == pytest.approx(0.290, abs=0.0015)
 
 
+def test_megascale_megatron_row_is_the_abstracts_ratio() -> None:
+    """MegaScale's abstract: 55.2 % MFU, "improving the MFU by 1.34x compared to Megatron-LM": the
+    Megatron-LM row is 55.2 / 1.34 = 41.19 -> 41.2 % on the same run (layout, batch, GPUs, convention)."""
+    rows = {r.key: r for r in published_runs()}
+    own, megatron = rows["megascale-175b"], rows["megascale-175b-megatron"]
+    assert megatron.figure == 41.2
+    for name in ("gpus", "tp", "pp", "batch", "shape", "unit", "convention", "request", "as_run"):
+        assert getattr(megatron, name) == getattr(own, name), name
+
+
 def test_every_row_names_its_source_gpu_and_convention() -> None:
     rows = published_runs()
     assert len({r.key for r in rows}) == len(rows)
