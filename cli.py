@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -88,6 +89,14 @@ def plan_cmd(model_file: str, quiet: bool, **options: Any) -> None:
 
     request = plan_request(model_file, {**options, "quiet": quiet})
     check_output(request.output, "plan")  # before profiling: a model file or a link is never overwritten
+    cores = os.cpu_count() or 1
+    if request.gpu_type is None and request.threads is not None and request.threads * request.gpus > cores:
+        # the profile would time kernels fighting over the cores, slower than a run that fits them
+        click.echo(
+            f"warning: --threads {request.threads} x --gpus {request.gpus} ranks is more than this machine's "
+            f"{cores} cores: the profile and the run oversubscribe them (default: {max(1, cores // request.gpus)})",
+            err=True,
+        )
     # an estimate holds meta tensors, graphs and numbers only: in the console script nothing of it is
     # collected before the process ends (planner.core.heap.kept_until_exit); a measured profile, or a
     # process that goes on after the command, collects as usual

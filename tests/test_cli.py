@@ -239,6 +239,19 @@ def test_help_explains_every_option() -> None:
                 assert param.opts[0] in result.output
 
 
+def test_more_threads_than_cores_is_warned_before_profiling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    toy = str(MODELS / "toy.py")
+    over = invoke("plan", toy, "--gpus", "2", "--threads", "3", *FAST, "-o", str(tmp_path / "a.json"))
+    assert over.exit_code == 0, over.output
+    assert over.output.startswith(
+        "warning: --threads 3 x --gpus 2 ranks is more than this machine's 4 cores: the profile and the run "
+        "oversubscribe them (default: 2)"
+    )
+    fits = invoke("plan", toy, "--gpus", "2", "--threads", "2", *FAST, "-o", str(tmp_path / "b.json"))
+    assert fits.exit_code == 0 and "warning" not in fits.output, fits.output
+
+
 def test_plan_for_a_gpu_that_is_not_here(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
     result = invoke(
