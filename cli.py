@@ -574,8 +574,11 @@ def _write_shipped(folder: Path) -> None:
             try:
                 check_output(folder / f"{name}.json", "hardware file", "--write-shipped")
             except PlannerError as e:
-                reason = str(e).split("; ", 1)[0]
-                raise PlannerError(f"{reason}; move that file away, or choose another folder") from None
+                reason = str(e).split("; ", 1)[0]  # its remedy names a file: this option takes a folder
+                there = (folder / f"{name}.json").exists() or (folder / f"{name}.json").is_symlink()
+                raise PlannerError(
+                    f"{reason}; {'move that file away, or ' if there else ''}choose another folder"
+                ) from None
     else:
         check_output(folder, "hardware file", "--write-shipped")  # a folder to make it in, writable
         try:
