@@ -241,3 +241,17 @@ def test_models_of_torch_layers_alone_share_one_preload() -> None:
     conv = torch.nn.Sequential(torch.nn.Conv2d(1, 1, 1), torch.nn.BatchNorm2d(1))
     assert rank_preload({type(m) for m in mlp.modules()}) == rank_preload({type(m) for m in conv.modules()})
     assert rank_preload(()) == list(rank_modules())
+
+
+def test_a_server_still_importing_is_killed_at_once() -> None:
+    """A stopped launch kills its server (``kill_forkserver``): one still importing torch used to run on
+    at a full core for seconds after the command ended (``stop_forkserver`` waits for its imports)."""
+    forkserver.stop_forkserver()
+    prepare_forkserver(["torch", "torch.distributed.pipelining"])  # returns while the server imports them
+    pid = forkserver_pid()
+    assert pid is not None and Path(f"/proc/{pid}").exists()
+    start = time.perf_counter()
+    forkserver.kill_forkserver()
+    took = time.perf_counter() - start
+    assert not Path(f"/proc/{pid}").exists() and forkserver_pid() is None
+    assert took < 0.5, took  # importing torch alone takes seconds

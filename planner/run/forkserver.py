@@ -32,8 +32,7 @@ import os
 import signal
 import sys
 import sysconfig
-import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
@@ -166,8 +165,7 @@ def prepare_forkserver(preload: Sequence[str]) -> LaunchContext:
     else:
         imports = _server["preload"]
     multiprocessing.set_forkserver_preload(imports)
-    with _interrupt_ignored():
-        multiprocessing.forkserver.ensure_running()  # starts one if none runs, or the last one died
+    multiprocessing.forkserver.ensure_running()  # starts one if none runs, or the last one died
     if forkserver_pid() != _server["pid"]:  # started just now, under the present environment
         _server.update(pid=forkserver_pid(), preload=imports, environment=environment)
         changes = {}
@@ -245,26 +243,6 @@ def kill_forkserver() -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
     stop_forkserver()
-
-
-@contextlib.contextmanager
-def _interrupt_ignored() -> Iterator[None]:
-    """SIGINT ignored in this process meanwhile (in its main thread; elsewhere nothing changes).
-
-    A server started meanwhile keeps it ignored through its exec (Python installs its Ctrl-C handler
-    only where SIGINT was not ignored), so a Ctrl-C while it imports torch (sent to the whole process
-    group by a terminal, or by ``timeout``) does not print its ``KeyboardInterrupt`` traceback: the
-    launcher alone handles it, and stops the ranks. Python's server ignores SIGINT itself once it
-    has imported its modules; the ranks install their own handlers (``planner.run.signals``).
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, before)
 
 
 def forkserver_pid() -> int | None:
