@@ -376,20 +376,17 @@ def report_cmd(
         from planner.schema.result import RunResult
 
         run = RunResult.load(run_file)
-        from planner.core.levers.data_parallel import check_run_replicas
-        from planner.schema.result import check_run_matches
-
-        check_run_matches(plan, run)  # before anything prints: a run of another plan is one line
-        check_run_replicas(plan, run)
-    click.echo(render(plan))
+    # the comparisons made before anything prints: a run of another plan is one line (compare_table checks)
+    compared = []
     if run is not None:
-        from planner.report.compare import compare_table
+        from planner.report.compare import compare_blocks_table, compare_table
 
-        click.echo("\npredicted vs measured (err = (plan - run) / run)\n" + compare_table(plan, run))
+        compared.append("\npredicted vs measured (err = (plan - run) / run)\n" + compare_table(plan, run))
         if blocks:
-            from planner.report.compare import compare_blocks_table
-
-            click.echo("\nevery block, profiled vs inside the pipeline\n" + compare_blocks_table(plan, run))
+            compared.append("\nevery block, profiled vs inside the pipeline\n" + compare_blocks_table(plan, run))
+    click.echo(render(plan))
+    for table in compared:
+        click.echo(table)
     if outputs:
         _write_pictures(plan, run, timeline, trace)
 

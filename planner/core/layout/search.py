@@ -202,13 +202,13 @@ def _pending_layouts(
                 )
                 continue
             dp_shard = 0  # "auto": FSDP or DDP only
-        if space.schedule != "auto" and not _layouts(blocks, space, pp, dp, ms):
-            # a V schedule asked for, on fewer blocks than its two stages a rank need (under auto it
-            # is simply not a candidate): said, as the solver says it of an explicit stage count
+        layouts = _layouts(blocks, replace(space, dp_mode=mode), pp, dp, ms, tp, ep)
+        if space.schedule != "auto" and not layouts:
+            # a V schedule asked for on fewer blocks than two stages a rank need (under auto: no candidate)
             errors.append(InfeasibleError(too_many_stages(space.schedule, pp, 2, most_stages(blocks))))
             continue
         for sequence in space.sequence if tp > 1 and ep == 1 else (False,):  # not yet with ep
-            for layout in _layouts(blocks, replace(space, dp_mode=mode), pp, dp, ms, tp, ep):
+            for layout in layouts:
                 # (loss parallelism does not run with context parallelism yet: gathered there)
                 split_loss = space.loss_parallel and tp > 1 and cp == 1
                 layout = replace(
