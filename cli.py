@@ -527,14 +527,21 @@ def _measure(model_file: str | None, o: dict[str, Any]) -> Any:
 def _model_gemms(model_file: str | None, o: dict[str, Any]) -> list[tuple[int, int, int]]:
     """The GEMM shapes of MODEL_FILE's linear layers (none without a model file)."""
     if model_file is None:
-        if o["size"] or o["overrides"]:
-            raise PlannerError("--size and --set describe a model: give its MODEL_FILE too")
+        given = [
+            name
+            for name, key in (("--size", "size"), ("--set", "overrides"), ("--microbatch-size", "microbatch_size"))
+            if o[key]
+        ]
+        if given:
+            raise PlannerError(
+                f"{' and '.join(given)} describe{'s' if len(given) == 1 else ''} the model's GEMMs: give its MODEL_FILE too"
+            )
         return []
     from planner.capture.load import load_model_file, parse_overrides
     from planner.costs.probe import model_gemms
 
     mf = load_model_file(model_file, o["size"], parse_overrides(o["overrides"]))
-    shapes = model_gemms(mf, o["microbatch_size"])
+    shapes = model_gemms(mf, o["microbatch_size"] or 1)
     if not shapes:
         raise PlannerError(f"{model_file} has no nn.Linear layer to take GEMM shapes from; probe without it")
     return shapes

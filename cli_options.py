@@ -262,10 +262,9 @@ probe_sweep = option_group(
     option(
         "--microbatch-size",
         type=click.IntRange(min=1),
-        default=1,
-        show_default=True,
+        default=None,
         metavar="N",
-        help="With MODEL_FILE: the samples per microbatch its linear layers' GEMMs are measured at.",
+        help="With MODEL_FILE: the samples per microbatch its linear layers' GEMMs are measured at [default: 1].",
     ),
 )
 

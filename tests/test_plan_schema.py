@@ -63,6 +63,7 @@ def test_other_version() -> None:
         (lambda r: r["stages"][1].update(start=5), "contiguous"),
         (lambda r: r.update(schedule="zigzag"), "schedule"),
         (lambda r: r.update(extra_field=1), "extra_field"),
+        (lambda r: r["model"].update(seed=-1), "seed: Input should be greater than or equal to 0"),
         (lambda r: r["stages"][0].update(first_block="layers.9"), "block names"),
         (  # four blocks, each its own checkpoint region: at most full:4
             lambda r: r["stages"][0].update(recompute="full:99"),

@@ -235,6 +235,19 @@ def test_probe_needs_gpus_and_an_output() -> None:
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        (("--microbatch-size", "4"), "--microbatch-size describes"),
+        (("-s", "tiny", "--set", "d=8"), "--size and --set describe"),
+    ],
+)
+def test_model_options_without_a_model_file_are_refused(tmp_path: Path, given: tuple[str, ...], named: str) -> None:
+    result = invoke("probe", "--gpus", "2", "-o", str(tmp_path / "hw.json"), *given)
+    assert result.exit_code == 2 and f"{named} the model's GEMMs: give its MODEL_FILE too" in result.output
+    assert not (tmp_path / "hw.json").exists() and "Traceback" not in result.output
+
+
 def test_plan_with_a_bad_hardware_file_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "hw.json").write_text("{}")
     result = invoke("plan", str(ROOT / "models" / "toy.py"), "--gpus", "2", "--gpu-type", str(tmp_path / "hw.json"))

@@ -54,7 +54,8 @@ class ModelRef(_Frozen):
     trace_failures: list[tuple[str, str]] = Field(
         default_factory=list, description="Tracers tried first, and why they failed."
     )
-    seed: int = 0
+    # as --seed: torch.manual_seed takes a 64-bit seed, and the run adds the step number to it
+    seed: int = Field(default=0, ge=0, le=2**63 - 1, description="Seed for the weights and the example batch.")
     batch_norms: list[str] = Field(
         default_factory=list,
         description="Modules that normalize by the statistics of the batch they are given (batch norm): each "
