@@ -24,7 +24,7 @@ from click.testing import CliRunner
 
 from cli import main
 from planner.errors import PlannerError, RunFailed
-from planner.run.faults import RankRecord, diagnose, read_records, signal_name
+from planner.run.faults import RankRecord, diagnose, fault_site, read_faults, read_records, signal_name
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULTY = Path(__file__).resolve().parent / "fixtures" / "faulty.py"
@@ -164,6 +164,47 @@ def test_any_other_failure_is_the_earliest_record() -> None:
     assert got.message == "rank 1 failed before the first step: RuntimeError: CUDA error: an illegal memory access"
     assert diagnose({}, {0: 1}, timeout_s=300).message == "rank 0 exited with code 1"
     assert diagnose({}, {}, timeout_s=300).message == "the run stopped and no rank reported why"
+
+
+DUMP = """Fatal Python error: Segmentation fault
+
+Thread 0x00007f0000000001 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 320 in wait
+  File "/home/u/model.py", line 12 in helper
+
+Current thread 0x00007f9a8d1fcb80 (most recent call first):
+  File "/venv/lib/python3.11/site-packages/torch/nn/functional.py", line 2410 in layer_norm
+  File "/home/u/my model.py", line 39 in forward
+  File "/venv/lib/python3.11/site-packages/torch/nn/modules/module.py", line 1775 in _call_impl
+  File "<string>", line 1 in <module>
+
+Extension modules: numpy._core._multiarray_umath, torch._C (total: 2)
+"""
+
+
+def test_a_crashed_rank_is_named_with_its_frame_and_its_dump_is_the_traceback() -> None:
+    # the crashing thread's innermost frame outside installed packages: the user's, not torch's
+    assert fault_site(DUMP) == "in forward (/home/u/my model.py:39)"
+    installed_only = DUMP.replace("/home/u/my model.py", "/venv/lib/python3.11/site-packages/x.py")
+    assert fault_site(installed_only) == (
+        "in layer_norm (/venv/lib/python3.11/site-packages/torch/nn/functional.py:2410)"
+    )
+    assert fault_site("Fatal Python error: Aborted\n\nCurrent thread 0x1 (most recent call first):\n") is None
+    assert fault_site("garbage") is None
+    records = {0: record(0, 1.0, RESET)}
+    got = diagnose(records, {0: 1, 1: -int(signal.SIGSEGV)}, timeout_s=300, faults={1: DUMP})
+    assert got.message == "rank 1 was killed by SIGSEGV at step 5 in forward (/home/u/my model.py:39)"
+    assert got.traceback == DUMP
+    # another rank's dump does not speak for the dead one
+    assert diagnose(records, {0: 1, 1: -9}, timeout_s=300, faults={0: DUMP}).message == (
+        "rank 1 was killed by SIGKILL at step 5"
+    )
+
+
+def test_fault_files_are_read_and_empty_ones_skipped(tmp_path: Path) -> None:
+    (tmp_path / "rank0.fault").write_text("")
+    (tmp_path / "rank1.fault").write_text(DUMP)
+    assert read_faults(tmp_path) == {1: DUMP}
 
 
 def test_records_are_read_and_a_broken_one_is_skipped(tmp_path: Path) -> None:
@@ -360,6 +401,18 @@ def test_a_killed_rank_is_named_and_the_completed_steps_are_kept(faulty_plan: Pa
     run = _run_json(out)
     assert (run["status"], run["stopped"], run["steps"]) == ("failed", "rank 0 was killed by SIGKILL at step 5", 4)
     assert len(run["losses"]) == 4  # rank 1, the last stage, reported its steps
+
+
+@pytest.mark.multiprocess
+def test_a_crashed_rank_is_one_line_naming_its_frame(faulty_plan: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    ended = run_cli(str(faulty_plan), "--steps", "5", "-o", str(out), "--no-checkpoint", fault="SIGSEGV:1:3")
+    assert ended.code == 1, ended.stderr
+    # the fault handler's page of every thread's frames stays off the console
+    assert "Fatal Python error" not in ended.stderr and "most recent call first" not in ended.stderr
+    site = f"in _strike ({FAULTY}:"
+    assert ended.lines[0].startswith(f"error: rank 1 was killed by SIGSEGV at step 3 {site}"), ended.stderr
+    assert ended.lines[1:] == [f"wrote {out} (2 step(s) completed)"]
 
 
 @pytest.mark.multiprocess

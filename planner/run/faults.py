@@ -10,21 +10,26 @@ stopped by the launcher. Their errors are echoes; the user needs the one failure
   is all a rank killed from outside (SIGKILL, the out-of-memory killer, a crash) leaves behind;
 - the ranks the launcher itself killed because they stopped responding (a stopped process, or
   one still running well after the others had failed);
-- the signal the launcher received, if the user interrupted the run (Ctrl-C, SIGTERM).
+- the signal the launcher received, if the user interrupted the run (Ctrl-C, SIGTERM);
+- where a rank that crashed (a segmentation fault, an abort) was: Python's fault handler writes its
+  stack to ``rank<R>.fault`` (``send_faults_to``) instead of the console, and the line names the
+  frame (``fault_site``).
 
-Pure: no torch, no processes; ``diagnose`` is tested on synthetic records.
+No torch, no processes; ``diagnose`` is tested on synthetic records.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import re
 import signal
+import sysconfig
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 # What the launcher receiving a signal means for the run (it exits with 128 + the signal's number).
 _INTERRUPTED = {"SIGINT": "interrupted", "SIGTERM": "terminated"}
@@ -32,6 +37,13 @@ _INTERRUPTED = {"SIGINT": "interrupted", "SIGTERM": "terminated"}
 # Words of the errors a rank raises when a peer is silent or gone: it is a victim, not the cause.
 _TIMEOUT_WORDS = ("timed out", "timeout")
 _LOST_PEER_WORDS = ("connection reset", "connection closed", "broken pipe", "connection refused")
+
+# Python's fault handler: "Current thread 0x... (most recent call first):", then a frame per line.
+_CURRENT_THREAD = re.compile(r"^Current thread 0x[0-9a-f]+ \(most recent call first\):$")
+_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<name>\S+)$')
+
+# The fault files this process writes to (faulthandler keeps only the descriptor: the file must stay open).
+_FAULT_FILES: list[IO[str]] = []
 
 # The C++ source location gloo puts before its messages: "[/path/to/pair.cc:537] ".
 _SOURCE_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
@@ -133,6 +145,77 @@ class Diagnosis:
     traceback: str | None = None
 
 
+def send_faults_to(error_dir: Path, rank: int) -> None:
+    """Have Python's fault handler write this process's stacks to ``error_dir/rank<R>.fault``
+    (``fault_site`` reads it) instead of the console: a crash (SIGSEGV, SIGABRT, SIGBUS, SIGFPE,
+    SIGILL) then costs the user one line naming where, not a page of every thread's frames (torch
+    elastic's worker wrapper enables the handler on stderr).
+
+    Args:
+        error_dir: the launch's folder of failure records.
+        rank: this worker's global rank.
+    """
+    file = (error_dir / f"rank{rank}.fault").open("w")
+    _FAULT_FILES.append(file)
+    faulthandler.enable(file=file, all_threads=True)
+
+
+def read_faults(error_dir: Path) -> dict[int, str]:
+    """The fault handler's dumps the ranks left (``send_faults_to``), by rank; empty ones left out.
+
+    Args:
+        error_dir: the launch's folder of failure records.
+
+    Returns:
+        rank -> the dump's text.
+    """
+    dumps: dict[int, str] = {}
+    for path in sorted(error_dir.glob("rank*.fault")):
+        with contextlib.suppress(OSError, ValueError):
+            text = path.read_text(errors="replace")
+            if text.strip():
+                dumps[int(path.stem.removeprefix("rank"))] = text
+    return dumps
+
+
+def fault_site(dump: str) -> str | None:
+    """Where a fault handler's dump says the crashing thread was, as "in NAME (FILE:LINE)": its
+    innermost frame outside Python's library and installed packages (the user's model file, or a
+    checkout's), else its innermost frame; None when the dump names no frame.
+
+    Args:
+        dump: the text ``faulthandler`` wrote.
+
+    Returns:
+        The site, or None.
+    """
+    lines = dump.splitlines()
+    start = next((i + 1 for i, line in enumerate(lines) if _CURRENT_THREAD.match(line)), None)
+    if start is None:
+        return None
+    frames = []
+    for line in lines[start:]:
+        frame = _FRAME.match(line)
+        if frame is None:
+            break
+        frames.append(frame)
+    if not frames:
+        return None
+    own = next((f for f in frames if not _installed(f["file"])), frames[0])
+    return f"in {own['name']} ({own['file']}:{own['line']})"
+
+
+def _installed(file: str) -> bool:
+    """Whether a frame's file is Python's or an installed package's (not the user's, nor a checkout's)."""
+    if file.startswith("<"):  # "<string>", "<frozen runpy>": no file of anyone's
+        return True
+    parts = Path(file).parts
+    if "site-packages" in parts or "dist-packages" in parts:
+        return True
+    library = {sysconfig.get_path(name) for name in ("stdlib", "platstdlib")}
+    return any(Path(file).is_relative_to(folder) for folder in library if folder)
+
+
 def signal_name(exit_code: int) -> str:
     """The name of the signal a negative exit code stands for (``-9`` -> "SIGKILL").
 
@@ -160,13 +243,15 @@ def _position(records: Mapping[int, RankRecord]) -> str:
     return " " + min(records.values(), key=lambda r: (r.step or 0, r.done)).where
 
 
-def _death(rank: int, code: int | None, at: str) -> str:
-    """One line for a rank that ended without writing a record."""
+def _death(rank: int, code: int | None, at: str, dump: str | None) -> str:
+    """One line for a rank that ended without writing a record (``dump``: its fault handler's, if any)."""
+    site = fault_site(dump) if dump else None
+    where = f" {site}" if site else ""
     if code is None:
-        return f"rank {rank} ended without reporting an error{at}"
+        return f"rank {rank} ended without reporting an error{at}{where}"
     if code < 0:
-        return f"rank {rank} was killed by {signal_name(code)}{at}"
-    return f"rank {rank} exited with code {code}{at}"
+        return f"rank {rank} was killed by {signal_name(code)}{at}{where}"
+    return f"rank {rank} exited with code {code}{at}{where}"
 
 
 def _reason(message: str, limit: int = 200) -> str:
@@ -187,6 +272,7 @@ def diagnose(
     *,
     hung: Collection[int] = (),
     parent_signal: str | None = None,
+    faults: Mapping[int, str] | None = None,
 ) -> Diagnosis:
     """The cause of a run that stopped early, from what its ranks left behind.
 
@@ -213,6 +299,8 @@ def diagnose(
         hung: the ranks the launcher killed because they stopped responding (one that had written
             a record was only slow to exit: its record speaks for it).
         parent_signal: the signal the launcher received ("SIGINT", "SIGTERM", ...), None when none.
+        faults: rank -> the fault handler's dump it left (``read_faults``): a crashed rank's line
+            names its frame, and the dump is the traceback ``--debug`` shows.
 
     Returns:
         The one line, the run's status and the exit code.
@@ -225,7 +313,8 @@ def diagnose(
         return Diagnosis(f"{what}{at or ' before the first step'}", "interrupted", 128 + number)
     dead = sorted(r for r, code in exit_codes.items() if r not in records and r not in silent and code != 0)
     if dead:
-        return Diagnosis(_death(dead[0], exit_codes[dead[0]], at), "failed", 1)
+        dump = (faults or {}).get(dead[0])
+        return Diagnosis(_death(dead[0], exit_codes[dead[0]], at, dump), "failed", 1, dump)
     user = sorted((r for r in records.values() if r.planner_error), key=lambda r: (r.step or 0, r.time))
     if user:
         first = user[0]

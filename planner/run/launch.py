@@ -10,7 +10,7 @@ rank's ``RankResult``; they come back as ``{rank: result}`` and ``planner.run.lo
 makes the run's record of them.
 
 A run that stops early (a rank killed, hung or failing, Ctrl-C, SIGTERM) ends within seconds of
-the fault, or ``--timeout`` for a hung rank: ``_Watch`` kills a worker that cannot stop by itself.
+the fault, or ``--timeout`` for a hung rank: ``planner.run.watch.Watch`` kills a worker that cannot stop by itself.
 It raises ``RunFailed`` with one line naming the cause (``planner.run.faults``) and the run's
 record of the steps every rank completed.
 
@@ -26,7 +26,6 @@ import dataclasses
 import datetime
 import logging
 import math
-import multiprocessing
 import os
 import pickle
 import signal
@@ -35,7 +34,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +57,7 @@ from planner.capture.float8 import check_float8, require_torchao
 from planner.capture.graph_file import RankGraphs
 from planner.errors import PlannerError, RunFailed
 from planner.run.console import print_flushed
-from planner.run.faults import WorkerTraceback, diagnose, read_records
+from planner.run.faults import WorkerTraceback, diagnose, read_faults, read_records
 from planner.run.forkserver import kill_forkserver, prepare_forkserver, rank_preload
 from planner.run.loop import RankResult, run_result
 from planner.run.mesh import threads_per_rank
@@ -73,6 +71,7 @@ from planner.run.model import (
     trace_for_plan,
 )
 from planner.run.preflight import check_checkpoint_dir, check_data, check_resume, check_stages
+from planner.run.watch import GRACE_S, Watch
 from planner.schema.plan import Plan
 from planner.schema.result import RunResult
 from planner.schema.run_request import RunRequest
@@ -84,10 +83,6 @@ _NOISY_LOGGERS = (
     "torch.distributed.run",
     "torch.multiprocessing",
 )
-
-# How long the ranks may take to stop once the run has failed (write their records, leave the
-# process group) before they are killed; also the agent's wait after SIGINT / SIGTERM.
-_GRACE_S = 10
 
 
 @contextlib.contextmanager
@@ -385,7 +380,7 @@ def _launch(
         error_dir = Path(tmp) / "errors"
         error_dir.mkdir()
         graph_file = graphs.written(Path(tmp)) if graphs is not None else ""
-        watch = _Watch(error_dir)
+        watch = Watch(error_dir)
         # OMP_NUM_THREADS reaches the workers through the agent; without it each rank's OpenMP
         # pool would size itself to every core and the ranks would oversubscribe the machine.
         with _quiet_elastic(), _env(OMP_NUM_THREADS=str(threads_per_rank(plan))), _signal_handlers_kept():
@@ -471,7 +466,7 @@ def _rendezvous_error(request: RunRequest, params: RendezvousParameters, error: 
 
 
 def _run_agent(
-    agent: LocalElasticAgent, spec: WorkerSpec, watch: _Watch, request: RunRequest, params: RendezvousParameters
+    agent: LocalElasticAgent, spec: WorkerSpec, watch: Watch, request: RunRequest, params: RendezvousParameters
 ) -> tuple[dict[int, Any] | None, str | None]:
     """Run the agent until its workers end.
 
@@ -521,7 +516,10 @@ def _failure(
         rank: dataclasses.replace(rec, done=max(rec.done, completed.get(rank, 0)))
         for rank, rec in read_records(error_dir).items()
     }
-    diagnosis = diagnose(records, exit_codes, request.timeout_s, request.nnodes, hung=hung, parent_signal=parent_signal)
+    faults = read_faults(error_dir)  # a crashed rank's stack: its line names the frame
+    diagnosis = diagnose(
+        records, exit_codes, request.timeout_s, request.nnodes, hung=hung, parent_signal=parent_signal, faults=faults
+    )
     result = None
     if ranks:  # run_result cuts every rank to the fewest steps any completed
         result = run_result(plan, ranks, mode="pipeline", plan_path=request.plan_file).model_copy(
@@ -590,86 +588,7 @@ class _FixedNodes(RendezvousHandler):
         return self._inner.shutdown()
 
 
-class _Watch:
-    """This node's worker processes, watched from a thread while they run (Linux: ``/proc``).
-
-    When a worker fails, elastic stops the others with SIGTERM and waits up to 30 s for each before
-    SIGKILL. A stopped process (SIGSTOP, a debugger) cannot act on SIGTERM, and one blocked in a
-    C++ call (a hung collective) only when the call returns: either would hold the run for those
-    30 s. So once the run is failing (a worker wrote its failure record, or a worker is gone), the
-    watch kills a stopped worker at once, and any worker still running ``_GRACE_S`` after the
-    first record. Both are remembered as ranks that stopped responding (``hung``).
-
-    It also keeps each worker's ``multiprocessing`` process object: the workers are children of
-    the forkserver, so that object is the only place their exit codes reach this process.
-
-    Attributes:
-        error_dir: where the workers write their failure records.
-        pids: global rank -> pid of this node's workers.
-        processes: global rank -> the worker's process object.
-        hung: the ranks the watch killed.
-    """
-
-    def __init__(self, error_dir: Path) -> None:
-        self.error_dir = error_dir
-        self.pids: dict[int, int] = {}
-        self.processes: dict[int, BaseProcess] = {}
-        self.hung: set[int] = set()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="planner-watch", daemon=True)
-
-    def start(self, pids: dict[int, int]) -> None:
-        """Watch these workers (global rank -> pid); called by the agent right after starting them."""
-        # active_children() polls only children that are not running (none of these yet): called
-        # here, in the agent's thread, it cannot race the agent reading their exit statuses.
-        children = {p.pid: p for p in multiprocessing.active_children()}
-        self.pids = dict(pids)
-        self.processes = {rank: children[pid] for rank, pid in pids.items() if pid in children}
-        if not self._thread.is_alive():
-            self._thread.start()
-
-    def _watch(self) -> None:
-        failed_at: float | None = None
-        while not self._done.wait(0.1):
-            states = {rank: _process_state(pid) for rank, pid in self.pids.items()}
-            if failed_at is None and any(self.error_dir.glob("rank*.json")):
-                failed_at = time.monotonic()
-            gone = any(state in (None, "Z") for state in states.values())
-            late = failed_at is not None and time.monotonic() - failed_at > _GRACE_S
-            for rank, state in states.items():
-                stopped = state in ("T", "t") and (failed_at is not None or gone)
-                if stopped or (late and state not in (None, "Z")):
-                    _kill(self.pids[rank])
-                    self.hung.add(rank)
-
-    def settle(self, seconds: float) -> None:
-        """Wait up to ``seconds`` until every worker has written its record or is gone."""
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            if all(
-                (self.error_dir / f"rank{rank}.json").exists() or _process_state(pid) in (None, "Z")
-                for rank, pid in self.pids.items()
-            ):
-                return
-            time.sleep(0.05)
-
-    def finish(self) -> dict[int, int | None]:
-        """Stop watching, kill any worker still running (the agent itself was interrupted), and
-        return every worker's exit code (negative: the signal that ended it; None: unknown)."""
-        self._done.set()
-        if self._thread.is_alive():
-            self._thread.join()
-        for pid in self.pids.values():
-            if _process_state(pid) not in (None, "Z"):
-                _kill(pid)
-        codes: dict[int, int | None] = dict.fromkeys(self.pids)
-        for rank, process in self.processes.items():
-            process.join(_GRACE_S)
-            codes[rank] = process.exitcode
-        return codes
-
-
-def elastic_agent(spec: WorkerSpec, watch: _Watch, log_dir: Path) -> Any:
+def elastic_agent(spec: WorkerSpec, watch: Watch, log_dir: Path) -> Any:
     """torch elastic's agent starting ``spec``'s workers for `planner run` and `planner probe` (``run()`` it)."""
     return watched_elastic_agent(
         watch.start,
@@ -681,19 +600,5 @@ def elastic_agent(spec: WorkerSpec, watch: _Watch, log_dir: Path) -> Any:
         # Workers fork from a kept server that imported torch and the worker once (about 2 s of CPU a rank
         # saved); started by this process, not forked from it, so no thread or CUDA state is inherited.
         start_method="forkserver",
-        shutdown_timeout=_GRACE_S,  # after Ctrl-C / SIGTERM: how long ranks may take to write records
+        shutdown_timeout=GRACE_S,  # after Ctrl-C / SIGTERM: how long ranks may take to write records
     )
-
-
-def _process_state(pid: int) -> str | None:
-    """The state letter of a process (R, S, D, T, Z, ...) from /proc; None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0]  # after the name, which may hold spaces
-    except (OSError, IndexError):
-        return None
-
-
-def _kill(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)

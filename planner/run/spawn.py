@@ -33,7 +33,8 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from planner.errors import PlannerError, RunFailed
 from planner.run.forkserver import LaunchContext, prepare_forkserver, rank_modules
-from planner.run.launch import _env, _FixedNodes, _quiet_elastic, _signal_handlers_kept, _Watch, elastic_agent
+from planner.run.launch import _env, _FixedNodes, _quiet_elastic, _signal_handlers_kept, elastic_agent
+from planner.run.watch import Watch
 from planner.schema.jsonfile import write_atomic
 
 
@@ -103,7 +104,7 @@ def launch_function(
     with tempfile.TemporaryDirectory(prefix="planner-spawn-") as tmp:
         error_dir = Path(tmp) / "errors"
         error_dir.mkdir()
-        watch = _Watch(error_dir)
+        watch = Watch(error_dir)
         with _quiet_elastic(), _env(OMP_NUM_THREADS=str(threads)), _signal_handlers_kept():
             try:
                 context = prepare_forkserver([*rank_modules(), *preload])

@@ -55,6 +55,7 @@ from planner.run.checkpoint import (
     save_checkpoint,
 )
 from planner.run.console import print_flushed
+from planner.run.faults import send_faults_to
 from planner.run.forkserver import LaunchContext
 from planner.run.loop import Progress, RankModel, RankResult, train_steps
 from planner.run.measure import StageProbe, probes_installed, recv_buffers
@@ -302,6 +303,7 @@ def run_worker(
             ``rank<R>.partial.pkl`` (the pickled ``RankResult`` of the completed steps).
     """
     context.attach()
+    send_faults_to(Path(error_dir), int(os.environ.get("RANK", -1)))  # a crash: one line, not every thread's stack
     _quiet()
     raise_on_stop_signals()
     # torch.fx's interpreter makes a tqdm bar, whose default lock is a multiprocessing semaphore: a
