@@ -621,6 +621,10 @@ def watched_elastic_agent(
 ) -> Any:
     """torch elastic's ``LocalElasticAgent`` that reports the workers it starts and lets the caller
     act before it stops them (it overrides the agent's private ``_start_workers`` and ``_shutdown``).
+    When it stops them, it keeps what those that had already returned gave back (its ``returned``,
+    global rank -> value): a Ctrl-C between the last worker's return and the agent noticing it would
+    otherwise lose a finished run's results (elastic reads them only after every worker has returned,
+    and stops the waiting workers with the signal).
 
     Args:
         on_start: called with {global rank: pid} of this node's workers, right after they start
@@ -641,8 +645,23 @@ def watched_elastic_agent(
             on_start({w.global_rank: pids[w.local_rank] for w in worker_group.workers})
             return pids
 
+        returned: dict[int, Any] = {}
+
         def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
             before_shutdown()
+            self.returned = _returned(self._pcontext, self._worker_group.workers)
             super()._shutdown(death_sig, timeout)
 
     return WatchedAgent(**kwargs)
+
+
+def _returned(context: Any, workers: Sequence[Any]) -> dict[int, Any]:
+    """What the workers of an elastic ``MultiprocessContext`` have returned so far, by global rank:
+    the values it read, and those still in its return queues (each worker puts its value there, then
+    waits for the agent to read them all)."""
+    values = dict(getattr(context, "_return_values", None) or {})
+    for local_rank, queue in (getattr(context, "_ret_vals", None) or {}).items():
+        with contextlib.suppress(OSError, EOFError, ValueError):
+            if local_rank not in values and not queue.empty():
+                values[local_rank] = queue.get()
+    return {w.global_rank: values[w.local_rank] for w in workers if w.local_rank in values}

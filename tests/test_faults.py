@@ -271,6 +271,40 @@ def test_a_failed_run_keeps_its_steps_and_exits_with_the_failures_code(
     assert "Traceback" not in result.output
 
 
+def test_a_signal_after_every_worker_returned_keeps_the_finished_run() -> None:
+    """Ctrl-C between the last worker's return and the agent reading the values: elastic stops the
+    waiting workers with the signal, but what they returned is kept and the run stands."""
+    import multiprocessing
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    from planner.run.launch import _run_agent
+    from planner.torch_compat import _returned
+
+    queues = {
+        0: multiprocessing.get_context("spawn").SimpleQueue(),
+        1: multiprocessing.get_context("spawn").SimpleQueue(),
+    }
+    queues[1].put("rank 3's result")  # put, not yet read by the agent
+    context = SimpleNamespace(_return_values={0: "rank 2's result"}, _ret_vals=queues)
+    workers = [SimpleNamespace(local_rank=0, global_rank=2), SimpleNamespace(local_rank=1, global_rank=3)]
+    assert _returned(context, workers) == {2: "rank 2's result", 3: "rank 3's result"}
+    assert _returned(None, workers) == {}  # stopped before any worker started
+
+    class Agent:
+        def __init__(self, returned: dict) -> None:
+            self.returned = returned
+
+        def run(self) -> None:
+            raise SignalException("got SIGINT", sigval=signal.SIGINT)
+
+    watch = SimpleNamespace(pids={2: 100, 3: 101})
+    done = _run_agent(Agent({2: "a", 3: "b"}), None, watch, None, None)  # type: ignore[arg-type]
+    assert done == ({2: "a", 3: "b"}, "SIGINT")
+    assert _run_agent(Agent({2: "a"}), None, watch, None, None) == (None, "SIGINT")  # type: ignore[arg-type]
+
+
 def test_run_help_documents_the_timeout_and_the_node_rank() -> None:
     text = " ".join(CliRunner().invoke(main, ["run", "--help"]).output.split())
     assert "--timeout SECONDS" in text and "[default: 300" in text

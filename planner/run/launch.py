@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 from torch.distributed.elastic.agent.server.api import WorkerSpec
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
@@ -403,10 +402,12 @@ def _launch(
             finally:
                 exit_codes = watch.finish()
         if values is not None:
+            if parent_signal is not None:  # it came as the ranks finished: nothing was cut short
+                print_fn(f"note: {parent_signal} came after every rank had finished; the run is complete")
             return run_result(plan, list(values.values()), mode="pipeline", plan_path=request.plan_file)
         if parent_signal is not None:  # stopped: a server still importing would outlive the command by seconds
             kill_forkserver()
-        error, cause = _failure(plan, request, error_dir, exit_codes, watch.hung, parent_signal)
+        error, cause = _failure(plan, request, error_dir, exit_codes, watch.hung, parent_signal, agent.returned)
     raise error from cause
 
 
@@ -466,13 +467,13 @@ def _rendezvous_error(request: RunRequest, params: RendezvousParameters, error: 
 
 
 def _run_agent(
-    agent: LocalElasticAgent, spec: WorkerSpec, watch: Watch, request: RunRequest, params: RendezvousParameters
+    agent: Any, spec: WorkerSpec, watch: Watch, request: RunRequest, params: RendezvousParameters
 ) -> tuple[dict[int, Any] | None, str | None]:
-    """Run the agent until its workers end.
+    """Run the agent (``elastic_agent``'s) until its workers end.
 
     Returns:
-        The workers' results by global rank (None: the run failed), and the signal that
-        interrupted this process (None: none).
+        The workers' results by global rank (None: the run failed, or was stopped before every
+        worker had returned), and the signal that interrupted this process (None: none).
 
     Raises:
         PlannerError: the rendezvous could not be formed.
@@ -481,8 +482,10 @@ def _run_agent(
         result = agent.run()
     except SignalException as e:
         # The agent has stopped the workers with the same signal. As elastic_launch, leave the
-        # rendezvous open: a node that was interrupted may join it again.
-        return None, e.sigval.name
+        # rendezvous open: a node that was interrupted may join it again. Where every worker had
+        # returned already, the run was done: its results stand.
+        done = bool(watch.pids) and set(agent.returned) >= set(watch.pids)
+        return (dict(agent.returned) if done else None), e.sigval.name
     except (RendezvousError, torch.distributed.DistError, TimeoutError) as e:
         spec.rdzv_handler.shutdown()
         if not watch.pids:  # no worker started: the nodes never met (or their store failed)
@@ -501,10 +504,12 @@ def _failure(
     exit_codes: dict[int, int | None],
     hung: set[int],
     parent_signal: str | None,
+    returned: dict[int, Any],
 ) -> tuple[RunFailed, WorkerTraceback | None]:
     """The error a failed run raises: one line naming the cause, the run's record of the steps
-    completed, and the failing worker's traceback to chain under it (``--debug`` shows it)."""
-    ranks: list[RankResult] = []
+    completed (``returned``: the results of the ranks that had finished), and the failing worker's
+    traceback to chain under it (``--debug`` shows it)."""
+    ranks: list[RankResult] = list(returned.values())
     for path in sorted(error_dir.glob("rank*.partial.pkl")):
         with contextlib.suppress(OSError, pickle.UnpicklingError, EOFError, AttributeError):
             ranks.append(pickle.loads(path.read_bytes()))  # written by our own workers, in our temp folder
