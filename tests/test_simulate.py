@@ -584,6 +584,23 @@ def test_program_simulation_is_bit_identical_to_the_event_loop(
     )
 
 
+def test_programs_are_kept_while_their_actions_fit_the_budget() -> None:
+    """The programs of the shapes used last are kept by their actions (a search meets hundreds of
+    shapes, some of 100,000 actions): the least recently used go first; one too large is still
+    built and kept alone; a kept program is the one built, column for column."""
+    from planner.core.step.simulate import _build_program, _Programs
+
+    kept = _Programs(budget=2 * 4 * 8 + 2 * 2 * 8)  # a 1f1b of 4 x 8 and one of 2 x 8 (2 actions each)
+    a, b = kept.get("1f1b", 4, 8, 1), kept.get("1f1b", 2, 8, 1)
+    assert a == _build_program("1f1b", 4, 8, 1) and len(a.kind) == 64 and kept.actions == 96
+    assert kept.get("1f1b", 4, 8, 1) is a  # used again: now the most recent
+    c = kept.get("gpipe", 2, 4, 1)  # 16 more actions: the least recently used (b) goes
+    assert list(kept.kept) == [("1f1b", 4, 8, 1), ("gpipe", 2, 4, 1)] and kept.actions == 80
+    assert kept.get("1f1b", 2, 8, 1) is not b and kept.get("gpipe", 2, 4, 1) is c
+    big = kept.get("zbv", 8, 16, 2)  # over the budget alone: kept alone
+    assert list(kept.kept) == [("zbv", 8, 16, 2)] and kept.actions == len(big.kind) == 3 * 8 * 16 * 2
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_program_slots_state_the_dependency_rules(schedule: str) -> None:
     """``_coded`` (the slots a simulator program runs on) says what ``_deps`` / ``_produces`` say, for

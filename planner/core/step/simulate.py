@@ -21,13 +21,13 @@ reproduces Megatron's step time ``(m + p - 1)(t_f + t_b)`` for GPipe and 1F1B (N
 
 from __future__ import annotations
 
+from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
-from functools import lru_cache
 from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.core.heap import bulk_allocation
 from planner.core.step.schedules import Action, in_flight_per_stage, rank_orders
 from planner.errors import InfeasibleError
 
@@ -280,29 +280,74 @@ def _stuck(orders: Sequence[Sequence[Action]], next_idx: list[int]) -> RuntimeEr
 KINDS = "FBIW"
 """Action kinds by their code in a ``_program`` (an index into a stage's four durations)."""
 
-PROGRAMS_CACHED = 16
-"""The programs of this many shapes are kept (``_program``); one holds a tuple per action."""
+PROGRAM_ACTIONS_CACHED = 4_000_000
+"""The programs of the last shapes used are kept (``_program``) while their actions number at most
+this many together (about 30 bytes each: some 120 MB; a search meets hundreds of shapes, and one
+of 48 ranks x 432 microbatches x 2 stages each holds 124,416 actions, 1.6 s to build)."""
 
 
-class _Step(NamedTuple):
-    """One action of a ``_program``: its rank, where its duration is (stage x 4 + kind code), the end
-    times it waits for and the one it sets (slots of the simulation's end-time list; -1: none), and
-    whether it is its stage's last weight-gradient action (the m-th ``B`` or ``W``: torch's
-    ``REDUCE_GRAD`` follows it)."""
+class _Program(NamedTuple):
+    """The actions of a shape in an order the step can be timed in (``_program``), column by column
+    (compact arrays rather than a tuple per action: a search keeps hundreds of thousands of them).
 
-    rank: int
-    duration: int
-    dep1: int
-    dep2: int
-    sets: int
-    action: Action
-    last: bool
+    Attributes:
+        rank: each action's rank.
+        duration: where its duration is: stage x 4 + kind code (``KINDS``).
+        dep1: the end-time slot it waits for (-1: none).
+        dep2: the second one (-1: none).
+        sets: the slot it sets (-1: none).
+        stage: its stage.
+        microbatch: its microbatch.
+        kind: its kind, one letter each.
+        last: 1 where it is its stage's last weight-gradient action (the m-th ``B`` or ``W``: torch's
+            ``REDUCE_GRAD`` follows it).
+    """
+
+    rank: array[int]
+    duration: array[int]
+    dep1: array[int]
+    dep2: array[int]
+    sets: array[int]
+    stage: array[int]
+    microbatch: array[int]
+    kind: str
+    last: bytes
 
 
-@lru_cache(maxsize=PROGRAMS_CACHED)
-def _program(schedule: str, p: int, m: int, v: int) -> tuple[_Step, ...]:
+class _Programs:
+    """The programs of the shapes used last, kept while their actions number at most ``budget``."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.kept: OrderedDict[tuple[str, int, int, int], _Program] = OrderedDict()
+        self.actions = 0
+
+    def get(self, schedule: str, p: int, m: int, v: int) -> _Program:
+        key = (schedule, p, m, v)
+        program = self.kept.get(key)
+        if program is not None:
+            self.kept.move_to_end(key)
+            return program
+        program = _build_program(schedule, p, m, v)
+        self.kept[key] = program
+        self.actions += len(program.kind)
+        while self.actions > self.budget and len(self.kept) > 1:
+            _, old = self.kept.popitem(last=False)
+            self.actions -= len(old.kind)
+        return program
+
+    def clear(self) -> None:
+        self.kept.clear()
+        self.actions = 0
+
+
+_PROGRAMS = _Programs(PROGRAM_ACTIONS_CACHED)
+
+
+def _program(schedule: str, p: int, m: int, v: int) -> _Program:
     """Every action of a shape in an order the step can be timed in: each after the actions it
-    depends on and after the one before it on its rank, as integer slots.
+    depends on and after the one before it on its rank, as integer slots (kept for the shapes used
+    last: ``PROGRAM_ACTIONS_CACHED``).
 
     The order is the one in which the sweep over the ranks (each rank advanced as far as its
     dependencies allow, rank 0 first, until every action ran) meets them; it depends on the shape
@@ -313,18 +358,24 @@ def _program(schedule: str, p: int, m: int, v: int) -> tuple[_Step, ...]:
         InfeasibleError: a request torch would refuse.
         RuntimeError: the action orders deadlock (a bug in the schedule orders, never user input).
     """
-    orders = rank_orders(schedule, p, m, v)
-    with bulk_allocation():
-        return _sweep(orders, p * v, m)
+    return _PROGRAMS.get(schedule, p, m, v)
 
 
-def _sweep(orders: tuple[tuple[Action, ...], ...], n_stages: int, m: int) -> tuple[_Step, ...]:
+def _build_program(schedule: str, p: int, m: int, v: int) -> _Program:
+    """``_program`` built afresh."""
+    return _sweep(rank_orders(schedule, p, m, v), p * v, m)
+
+
+def _sweep(orders: tuple[tuple[Action, ...], ...], n_stages: int, m: int) -> _Program:
     """``_program``'s sweep over the ranks (each action's slots worked out once, before it)."""
     coded = [[_coded(a, n_stages, m) for a in order] for order in orders]
     done = bytearray(2 * n_stages * m)  # the slots: "F" ends, then "G" (input gradient) ends
     next_idx = [0] * len(orders)
     grads_left = [m] * n_stages  # B or W actions to come per stage
-    out: list[_Step] = []
+    columns: tuple[array[int], ...] = tuple(array("i") for _ in range(7))
+    ranks, durations, deps1, deps2, sets_, stages, microbatches = columns
+    kinds: list[str] = []
+    last = bytearray()
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
@@ -339,7 +390,15 @@ def _sweep(orders: tuple[tuple[Action, ...], ...], n_stages: int, m: int) -> tup
                 a = order[i]
                 if a.kind in "BW":
                     grads_left[a.stage] -= 1
-                out.append(_Step(rank, duration, dep1, dep2, sets, a, a.kind in "BW" and not grads_left[a.stage]))
+                ranks.append(rank)
+                durations.append(duration)
+                deps1.append(dep1)
+                deps2.append(dep2)
+                sets_.append(sets)
+                stages.append(a.stage)
+                microbatches.append(a.microbatch)
+                kinds.append(a.kind)
+                last.append(a.kind in "BW" and not grads_left[a.stage])
                 i += 1
             if i > next_idx[rank]:
                 remaining -= i - next_idx[rank]
@@ -347,7 +406,7 @@ def _sweep(orders: tuple[tuple[Action, ...], ...], n_stages: int, m: int) -> tup
                 progressed = True
         if not progressed:
             raise _stuck([list(o) for o in orders], next_idx)
-    return tuple(out)
+    return _Program(ranks, durations, deps1, deps2, sets_, stages, microbatches, "".join(kinds), bytes(last))
 
 
 def _coded(a: Action, n_stages: int, m: int) -> tuple[int, int, int, int]:
@@ -367,7 +426,7 @@ def _coded(a: Action, n_stages: int, m: int) -> tuple[int, int, int, int]:
 
 def _run(
     times: list[StageTimes],
-    program: Sequence[_Step],
+    program: _Program,
     p: int,
     n_microbatches: int,
     *,
@@ -386,42 +445,41 @@ def _run(
     busy = [0.0] * p
     out: list[Event] = []
     ready = _gathered(program, traffic.gather, p) if traffic is not None else None
-    for rank, duration, dep1, dep2, sets, a, last in program:
+    columns = (program.rank, program.duration, program.dep1, program.dep2, program.sets, program.stage, program.last)
+    for k, (rank, duration, dep1, dep2, sets, stage, last) in enumerate(zip(*columns, strict=True)):
         # max(free, *deps): the first of equal values, as the builtin max keeps
         start = free_at[rank]
         if dep1 >= 0 and end[dep1] > start:
             start = end[dep1]
         if dep2 >= 0 and end[dep2] > start:
             start = end[dep2]
-        if ready is not None and ready[a.stage] > start:
+        if ready is not None and ready[stage] > start:
             if waits is not None:
-                waits[a.stage] += ready[a.stage] - start
-            start = ready[a.stage]
+                waits[stage] += ready[stage] - start
+            start = ready[stage]
         dur = durations[duration]
         finish = start + dur
         if sets >= 0:
             end[sets] = finish
         free_at[rank] = finish
         if last and traffic is not None:
-            free_at[rank] = finish + traffic.reduce[a.stage]
+            free_at[rank] = finish + traffic.reduce[stage]
         busy[rank] += dur
         if events:
-            out.append(
-                Event(rank=rank, stage=a.stage, kind=a.kind, microbatch=a.microbatch, start_s=start, end_s=finish)
-            )
+            kind, microbatch = program.kind[k], program.microbatch[k]
+            out.append(Event(rank=rank, stage=stage, kind=kind, microbatch=microbatch, start_s=start, end_s=finish))
     return out, busy, max(free_at)
 
 
-def _gathered(program: Sequence[_Step], gather: Sequence[float], p: int) -> list[float]:
+def _gathered(program: _Program, gather: Sequence[float], p: int) -> list[float]:
     """When each stage's gather is done: every rank's gathers back to back from the pass's start, in
     the order the rank first computes its stages (``Traffic``)."""
     ready = [-1.0] * len(gather)
     clock = [0.0] * p
-    for step in program:
-        s = step.action.stage
+    for rank, s in zip(program.rank, program.stage, strict=True):
         if ready[s] < 0:
-            clock[step.rank] += gather[s]
-            ready[s] = clock[step.rank]
+            clock[rank] += gather[s]
+            ready[s] = clock[rank]
     return ready
 
 
