@@ -295,7 +295,8 @@ def export_cmd(plan_file: str, fmt: str, rename: tuple[str, ...], output: str | 
 
     docs/interop.md shows where each goes and how it was verified against the trainer's own code.
     """
-    from planner.report.export import export_plan, parse_renames
+    from planner.report.export import export_plan
+    from planner.report.renames import parse_renames
     from planner.schema.jsonfile import write_atomic
 
     out = check_output(output, "export") if output else None
@@ -371,6 +372,10 @@ def report_cmd(
         check_timeline_path(timeline)  # a .jpg is refused before the report prints, not after
     if trace:
         outputs.append(check_output(trace, "trace", "--trace"))
+    if len(outputs) == 2 and outputs[0].resolve() == outputs[1].resolve():
+        raise PlannerError(
+            f"--timeline and --trace both name {trace}: the trace would replace the picture; give two files"
+        )
     run = None
     if run_file:
         from planner.schema.result import RunResult
@@ -387,6 +392,13 @@ def report_cmd(
     click.echo(render(plan))
     for table in compared:
         click.echo(table)
+    if run is not None and (run.status != "completed" or run.median_step_s is None):
+        why = (
+            f"{run.status}: {run.stopped}"
+            if run.status != "completed"
+            else "timed no step (--steps 3 or more times some)"
+        )
+        click.echo(f"note: the run {why}; its columns show what it measured before, '-' where nothing")
     if outputs:
         _write_pictures(plan, run, timeline, trace)
 

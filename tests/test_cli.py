@@ -340,6 +340,18 @@ def test_a_picture_format_is_refused_before_the_report_prints(toy_plan: Path, tm
     assert not (tmp_path / "step.jpg").exists()
 
 
+def test_one_file_for_both_the_picture_and_the_trace_is_refused(toy_plan: Path, tmp_path: Path) -> None:
+    same = tmp_path / "step.png"
+    result = CliRunner().invoke(
+        main, ["report", str(toy_plan), "--timeline", str(same), "--trace", f"{tmp_path}/./step.png"]
+    )
+    assert result.exit_code == 2 and result.stdout == "" and not same.exists()
+    assert (
+        result.stderr.strip().startswith("error: --timeline and --trace both name")
+        and "give two files" in result.stderr
+    )
+
+
 def test_the_picture_title_says_what_follows_the_pipeline(toy_plan: Path) -> None:
     from cli import picture_title
 
@@ -434,7 +446,11 @@ def _write_model(tmp_path: Path, body: str) -> Path:
         ),
         (
             "def make_batch(batch_size, **config):\n    return (torch.randn(batch_size, 4),), [1, 2]\n",
-            "must return (inputs, target_tensor) with the inputs a tuple or a dict of keyword inputs, got (tuple, list)",
+            "must return a pair (inputs, target_tensor), the inputs a tuple or a dict of keyword inputs; got (tuple, list)",
+        ),
+        (
+            "def make_batch(batch_size, **config):\n    return {'x': torch.randn(batch_size, 4), 'y': torch.randn(batch_size, 2)}\n",
+            "got dict (the whole batch as one dict: give the target apart)",
         ),
         (
             "def make_batch(batch_size, **config):\n    return (torch.randn(batch_size, 5),), torch.zeros(batch_size, dtype=torch.long)\n",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from plan_factory import MB, big_head_blocks, plan_of_blocks
 from run_factory import run_report, stage_report
@@ -67,6 +69,17 @@ def test_run_of_another_split_is_refused() -> None:
         compare_table(plan, other)
     with pytest.raises(PlanFileError, match="measurements for 0 stage"):
         compare_table(plan, make_run(plan, [], 580))
+    # the same split run under another schedule, microbatch count or batch: another step
+    same = make_run(plan, [stage_measure(plan, i, 1, 1, 1, 1) for i in range(2)], 580)
+    compare_table(plan, same)
+    said = f"{plan.schedule}, {plan.n_microbatches} microbatch(es) of a batch of {plan.batch_size}"
+    for edit, ran in [
+        ({"schedule": "zbv"}, f"zbv, {plan.n_microbatches} microbatch(es) of a batch of {plan.batch_size}"),
+        ({"n_microbatches": 7}, f"{plan.schedule}, 7 microbatch(es) of a batch of {plan.batch_size}"),
+        ({"batch_size": 3}, f"{plan.schedule}, {plan.n_microbatches} microbatch(es) of a batch of 3"),
+    ]:
+        with pytest.raises(PlanFileError, match=re.escape(f"the run ran {ran}, the plan is {said}; compare")):
+            compare_table(plan, same.model_copy(update=edit))
 
 
 def test_compare_blocks_table_exact() -> None:

@@ -205,7 +205,8 @@ def test_cp_with_sequence_parallelism_plans_each_chunk_split_again_over_the_tp_r
 
 def test_cp_under_hsdp_shards_inside_groups_of_the_dp_x_cp_replicas(tmp_path: Path) -> None:
     # --dp 1 --cp 4 --dp-shard 2: the replicas are the 4 chunks' ranks, sharded in 2 groups of 2
-    from planner.report.export import ExportError, export_plan
+    from planner.report.export import export_plan
+    from planner.report.renames import ExportError
     from planner.report.tables import layout_line
 
     options = {"dp": 1, "tp": 1, "gpus": 8, "dp_mode": "hsdp", "dp_shard": 2, "schedule": "1f1b"}
@@ -306,7 +307,8 @@ def test_a_measured_plan_counts_attention_from_the_traced_graph(tmp_path: Path) 
 
 
 def test_a_context_parallel_plan_exports_its_degree(tmp_path: Path) -> None:
-    from planner.report.export import ExportError, export_plan
+    from planner.report.export import export_plan
+    from planner.report.renames import ExportError
 
     plan = _plan(tmp_path, gpu_type="h100", dp=1, tp=1, cp=2, dp_mode="fsdp", schedule="1f1b", microbatches=2)
     megatron = export_plan(plan, "megatron")

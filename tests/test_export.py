@@ -16,17 +16,15 @@ from click.testing import CliRunner
 
 from cli import main
 from planner.report.export import (
-    ExportError,
     csv_rows,
     deepspeed_parts,
     export_plan,
     megatron_layer_counts,
     megatron_layout,
     megatron_recompute,
-    parse_renames,
-    renamed,
     torchtitan_fqns,
 )
+from planner.report.renames import ExportError, parse_renames, renamed
 from planner.schema.plan import Plan
 from tests.run_factory import MODELS, REL, ROOT, plan_with_starts
 
@@ -79,12 +77,15 @@ def test_a_rename_that_would_be_ignored_or_break_the_export_is_refused() -> None
         ({"nothing": "x"}, "torchtitan", "no block is 'nothing' or inside it (the blocks: tok_embeddings, layers.0"),
         (parse_renames(["layers=b=c"]), "torchtitan", "'b=c' is not a module path"),
         ({"layers.0": "norm"}, "torchtitan", "gives blocks 'layers.0' and 'norm' one name, 'norm'"),
+        ({"layers": "norm"}, "torchtitan", "makes 'norm' (block 'norm') the parent of 'norm.0' (block 'layers.0')"),
         ({"layers": "blocks"}, "megatron", "--to megatron names no modules, so --rename would change nothing"),
         ({"layers": "blocks"}, "csv", "--to csv names no modules"),
     ):
         with pytest.raises(ExportError) as caught:
             export_plan(plan, fmt, renames)
         assert message in str(caught.value), (renames, fmt)
+    with pytest.raises(ExportError, match="--rename layers is given twice"):
+        parse_renames(["layers=a", "layers=b"])
 
 
 def test_megatron_layout_puts_embedding_layers_and_loss_in_vpp_by_pp_order() -> None:

@@ -237,8 +237,21 @@ def test_a_run_of_two_steps_says_it_timed_none(tmp_path: Path) -> None:
     assert report.exit_code == 0, report.output
     step = next(line for line in report.output.splitlines() if line.startswith("step "))
     assert step.split()[2:] == ["-", "-"], step
+    assert report.output.splitlines()[-1] == (
+        "note: the run timed no step (--steps 3 or more times some); its columns show what it measured before, "
+        "'-' where nothing"
+    )
     with pytest.raises(PlanFileError, match="the run timed no step.*--steps 3 or more"):
         calibrate(plan, run)
+    # one that stopped: more steps would not have helped, and the report says why it has no time
+    failed = run.model_copy(update={"status": "failed", "stopped": "rank 0 failed: step 2: the loss is nan"})
+    with pytest.raises(PlanFileError, match=r"the run failed before it timed a step \(rank 0 failed: step 2: the loss"):
+        calibrate(plan, failed)
+    (tmp_path / "failed.run.json").write_text(failed.model_dump_json())
+    report = _invoke("report", path, "--measured", tmp_path / "failed.run.json")
+    assert report.exit_code == 0 and report.output.splitlines()[-1].startswith(
+        "note: the run failed: rank 0 failed: step 2: the loss is nan; its columns"
+    )
     # resumed at step 3 (the checkpoint of step 2) for two more steps: those two are set-up and tracked too
     result = _invoke("run", path, "--steps", "2")
     resumed = _invoke("run", path, "--steps", "4", "--resume", "--no-checkpoint")

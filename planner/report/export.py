@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 from planner.core.levers.float8 import fsdp_float8_gather
 from planner.core.levers.recompute import recomputed_prefix
 from planner.core.step.schedules import action_order, placement
-from planner.errors import PlannerError
+from planner.report.renames import ExportError, check_renames, renamed
 from planner.schema.costs import split_recompute
 from planner.schema.names import TORCH_NAMES
 from planner.schema.outputs import EXPORT_HEADER
@@ -30,40 +30,6 @@ HEADER = EXPORT_HEADER.decode()
 # torchtitan's _split_module keeps top-level children by name and entries of a top-level
 # ModuleList / ModuleDict as "<list>.<index>"; nothing deeper.
 _TITAN_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[0-9]+)?$")
-
-
-class ExportError(PlannerError):
-    """The plan's split cannot be written in the target's terms (one line: why, and what to do)."""
-
-
-def parse_renames(pairs: Iterable[str]) -> dict[str, str]:
-    """``--rename OLD=NEW`` pairs as a mapping.
-
-    Args:
-        pairs: the option's values.
-
-    Returns:
-        OLD -> NEW, in the order given.
-
-    Raises:
-        ExportError: a pair without ``=`` or with an empty side.
-    """
-    out: dict[str, str] = {}
-    for pair in pairs:
-        old, sep, new = pair.partition("=")
-        if not sep or not old.strip() or not new.strip():
-            raise ExportError(f"--rename {pair!r}: give OLD=NEW, e.g. --rename model.layers=layers")
-        out[old.strip()] = new.strip()
-    return out
-
-
-def renamed(name: str, renames: Mapping[str, str]) -> str:
-    """A block name with the longest matching ``--rename`` prefix replaced (a whole dotted prefix:
-    ``model.layers=layers`` turns ``model.layers.3`` into ``layers.3``, not ``model.layers_x``)."""
-    for old in sorted(renames, key=len, reverse=True):
-        if name == old or name.startswith(old + "."):
-            return renames[old] + name[len(old) :]
-    return name
 
 
 def export_plan(plan: Plan, fmt: str, renames: Mapping[str, str] | None = None) -> str:
@@ -92,49 +58,6 @@ def export_plan(plan: Plan, fmt: str, renames: Mapping[str, str] | None = None) 
     renames = dict(renames or {})
     check_renames(plan, renames, fmt)
     return writers[fmt](plan, renames)
-
-
-# a module path: names (or ModuleList indices) joined by dots
-_MODULE_PATH = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
-_NAMES_MODULES = ("torchtitan", "torchtitan-toml", "deepspeed")  # the formats --rename applies to
-
-
-def check_renames(plan: Plan, renames: Mapping[str, str], fmt: str) -> None:
-    """Refuse a ``--rename`` that would be ignored or would break the export, each in one line.
-
-    A rename that matched nothing, or one given to a format that names no modules, was silently
-    dropped; ``a=b=c`` renamed ``a`` to ``b=c``; ``layers.0=norm`` exported "norm" in two stages.
-
-    Args:
-        plan: the plan exported.
-        renames: OLD -> NEW (``parse_renames``).
-        fmt: the export format.
-
-    Raises:
-        ExportError: renames for a format without module names, a side that is not a module path,
-            an OLD no block name starts with, or two blocks renamed to one name.
-    """
-    if not renames:
-        return
-    if fmt not in _NAMES_MODULES:
-        raise ExportError(
-            f"--to {fmt} names no modules, so --rename would change nothing; leave it out (it applies to "
-            f"{', '.join(_NAMES_MODULES)})"
-        )
-    names = [b.name for b in plan.blocks]
-    for old, new in renames.items():
-        for side in (old, new):
-            if not _MODULE_PATH.match(side):
-                raise ExportError(f"--rename {old}={new}: {side!r} is not a module path (names joined by dots)")
-        if not any(renamed(n, {old: new}) != n for n in names):
-            shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
-            raise ExportError(f"--rename {old}={new}: no block is {old!r} or inside it (the blocks: {shown})")
-    seen: dict[str, str] = {}
-    for name in names:
-        out = renamed(name, renames)
-        if out in seen:
-            raise ExportError(f"--rename gives blocks {seen[out]!r} and {name!r} one name, {out!r}; rename them apart")
-        seen[out] = name
 
 
 def stage_blocks(plan: Plan) -> list[list[str]]:

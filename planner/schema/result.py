@@ -237,11 +237,13 @@ def _looks_like_plan(text: str) -> bool:
 
 
 def check_run_matches(plan: Plan, run: RunResult) -> None:
-    """Raise unless ``run`` is a run of ``plan``'s model and split, with per-stage measurements.
+    """Raise unless ``run`` is a run of ``plan``'s model, schedule, batch and split, with per-stage
+    measurements.
 
     Raises:
-        PlanFileError: another model, another number of stages, stages that start at other
-            blocks, or a run.json without per-stage measurements.
+        PlanFileError: another model, another schedule, microbatch count or batch size, another
+            number of stages, stages that start at other blocks, or a run.json without per-stage
+            measurements.
     """
     if run.plan_fingerprint != plan.model.fingerprint:
         raise PlanFileError(
@@ -259,3 +261,13 @@ def check_run_matches(plan: Plan, run: RunResult) -> None:
                 f"stage {s.index} of the run covers {m.first_block} .. {m.last_block}, the plan's covers "
                 f"{s.first_block} .. {s.last_block}; compare a plan with a run of that same plan"
             )
+    ran, planned = (
+        (run.schedule, run.n_microbatches, run.batch_size),
+        (plan.schedule, plan.n_microbatches, plan.batch_size),
+    )
+    if ran != planned:  # (same split, another step: its figures are not the plan's to compare)
+        said = "{}, {} microbatch(es) of a batch of {}"
+        raise PlanFileError(
+            f"the run ran {said.format(*ran)}, the plan is {said.format(*planned)}; compare a plan with a run "
+            "of that same plan"
+        )

@@ -263,6 +263,11 @@ def calibrate(plan: Plan, run: RunResult) -> Calibration:
     check_run_replicas(plan, run)
     measured = run.median_step_s
     if measured is None or measured <= 0:  # None: steps 1 and 2 only, the set-up and the memory-tracked
+        if run.status != "completed":  # (more steps would not have helped: it stopped)
+            raise PlanFileError(
+                f"the run {run.status} before it timed a step ({run.stopped}); calibrate with a run that "
+                "completed 3 steps or more"
+            )
         raise PlanFileError(
             "the run timed no step (step 1 sets the schedule up, the last runs under the memory tracker); "
             "re-run `planner run` with --steps 3 or more"
