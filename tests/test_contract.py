@@ -190,7 +190,9 @@ def test_keyword_batches_are_bound_to_forward_by_name(tmp_path: Path) -> None:
     )
     inputs, _ = load_model_file(model, "ok").batch(2)
     assert [type(x).__name__ for x in inputs] == ["Tensor", "NoneType", "Tensor"]  # scale took its default
-    with pytest.raises(Exception, match=r"keyword input\(s\) 'masks' that the model's forward\(\) cannot take"):
+    with pytest.raises(
+        Exception, match=r"keyword input\(s\) 'masks' that the model's forward\(\) has no parameter of that name for"
+    ):
         load_model_file(model, "bad").batch(2)
 
 

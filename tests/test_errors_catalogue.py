@@ -381,7 +381,7 @@ CASES: list[Case] = [
         "make_batch returns the wrong shape",
         "plan {d}/bad.py --gpus 2",
         2,
-        "must return (inputs, target_tensor) with the inputs a tuple or a dict",
+        "must return a pair (inputs, target_tensor), the inputs a tuple or a dict",
         _variant("    return (x,), y", "    return x, y"),
     ),
     Case(
@@ -478,6 +478,25 @@ CASES: list[Case] = [
         2,
         "is not a mean over the batch",
         _variant("    return F.mse_loss(output, target)", "    return F.mse_loss(output[:1], target[:1])"),
+    ),
+    Case(
+        "model file",
+        "loss_fn detaches the output",
+        "plan {d}/bad.py --gpus 2 -b 8",
+        2,
+        "loss_fn() returned a loss with no gradient",
+        _variant("    return F.mse_loss(output, target)", "    return F.mse_loss(output.detach(), target)"),
+    ),
+    Case(
+        "model file",
+        "a model with no trainable parameter",
+        "plan {d}/bad.py --gpus 2 -b 8",
+        2,
+        "a model with no trainable parameter",
+        _variant(
+            "    return ToyModel(in_features, hidden, out_features)",
+            "    return ToyModel(in_features, hidden, out_features).requires_grad_(False)",
+        ),
     ),
     Case(
         "model file",

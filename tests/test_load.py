@@ -240,6 +240,31 @@ def test_failed_import_leaves_no_module_behind(tmp_path):
     assert not [m for m in set(sys.modules) - before if m.startswith("planner_model_")]
 
 
+def test_a_model_file_imports_the_modules_beside_it(tmp_path, monkeypatch):
+    """As `python model.py` would: its folder first on the path (a helper module beside it)."""
+    import sys
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (the folder is kept on the path: not for later tests)
+    write(tmp_path, "planner_test_helper_layers.py", "from torch import nn\n\nWIDTH = 3\n")
+    path = write(
+        tmp_path,
+        "uses_helper.py",
+        """
+        import torch
+        from planner_test_helper_layers import WIDTH, nn
+
+        def build_model(**_):
+            return nn.Linear(WIDTH, WIDTH)
+
+        def make_batch(batch_size, **_):
+            return (torch.randn(batch_size, WIDTH),), torch.randn(batch_size, WIDTH)
+        """,
+    )
+    mf = load_model_file(path)
+    assert mf.build(seed=0).in_features == 3
+    sys.modules.pop("planner_test_helper_layers", None)
+
+
 def test_file_missing_make_batch(tmp_path):
     path = write(tmp_path, "nobatch.py", "from torch import nn\n\ndef build_model(**_):\n    return nn.Linear(2, 2)\n")
     with pytest.raises(ModelFileError) as e:
@@ -283,7 +308,9 @@ def test_make_batch_returning_wrong_shape(tmp_path, ret, kind):
         mf.batch(2)
     msg = str(e.value)
     assert "badbatch.py" in msg and "make_batch()" in msg
-    assert "(inputs, target_tensor) with the inputs a tuple or a dict of keyword inputs" in msg and f"got {kind}" in msg
+    assert (
+        "a pair (inputs, target_tensor), the inputs a tuple or a dict of keyword inputs" in msg and f"got {kind}" in msg
+    )
 
 
 def test_build_model_type_error_on_bad_config(tmp_path):

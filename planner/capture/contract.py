@@ -20,6 +20,7 @@ from planner.capture.load import Batch, ModelFile, shape_of
 from planner.capture.meta_cache import meta_op_cache, on_meta
 from planner.capture.stage import trace_root
 from planner.errors import ModelFileError
+from planner.torch_compat import pytree
 
 
 @contextlib.contextmanager
@@ -67,11 +68,13 @@ def check_forward(mf: ModelFile, model: nn.Module, inputs: tuple, target: torch.
         target: its target.
 
     Raises:
-        ModelFileError: the forward or the loss fails, or the loss is not a scalar tensor.
+        ModelFileError: no trainable parameter, the forward or the loss fails, or the loss is not a
+            scalar tensor or has no gradient.
     """
+    check_trainable(mf, model)
     with evaluating(model), torch.no_grad(), meta_op_cache(on_meta(model, inputs)):
         out = mf._call("forward", model, *inputs)
-        check_loss(mf, out, target)
+    check_loss(mf, out, target)
 
 
 def check_traced_forward(mf: ModelFile, traced: TracedModel, inputs: tuple, target: torch.Tensor) -> None:
@@ -156,14 +159,48 @@ def check_loss(mf: ModelFile, out: object, target: torch.Tensor) -> None:
         out: the model's output on the example microbatch.
         target: its target.
 
+    The output's floating-point tensors are given to ``loss_fn`` as leaves that need a gradient (as
+    training's would): a loss that then needs none was cut from them (``.detach()``, ``.item()``, a
+    new tensor), and training would have nothing to step.
+
     Raises:
-        ModelFileError: the loss fails, or is not a scalar tensor.
+        ModelFileError: the loss fails, is not a scalar tensor, or has no gradient.
     """
-    with torch.no_grad():
-        loss = mf._call("loss_fn", mf.loss_fn, out, target)
+    leaves = pytree.tree_map_only(torch.Tensor, _needing_grad, out)
+    with torch.enable_grad():
+        loss = mf._call("loss_fn", mf.loss_fn, leaves, target)
     if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
         raise ModelFileError(
             f"{mf.path.name}: loss_fn() returned {shape_of(loss) if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}; expected a scalar tensor (a mean over the batch)"
+        )
+    if not loss.requires_grad and any(
+        x.requires_grad for x in pytree.tree_leaves(leaves) if isinstance(x, torch.Tensor)
+    ):
+        raise ModelFileError(
+            f"{mf.path.name}: loss_fn() returned a loss with no gradient: it does not depend on the model's output "
+            "(.detach(), .item() or a new tensor cut it off); compute the loss from the output's tensors"
+        )
+
+
+def _needing_grad(x: torch.Tensor) -> torch.Tensor:
+    """A floating-point tensor as a leaf that needs a gradient (another as it is)."""
+    return x.detach().requires_grad_() if x.is_floating_point() or x.is_complex() else x
+
+
+def check_trainable(mf: ModelFile, model: nn.Module) -> None:
+    """The model has a parameter to train.
+
+    Args:
+        mf: the model file.
+        model: a model built from it.
+
+    Raises:
+        ModelFileError: no parameter needs a gradient.
+    """
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ModelFileError(
+            f"{mf.path.name}: build_model() returned a model with no trainable parameter (none, or every one "
+            "with requires_grad=False): a pipeline has nothing to train"
         )
 
 

@@ -113,7 +113,7 @@ def bind_inputs(inputs: Mapping[str, Any], params: list[inspect.Parameter], what
     if unknown:
         raise ModelFileError(
             f"{what} gives keyword input(s) {', '.join(map(repr, unknown))} that the model's "
-            f"forward() cannot take by position (its parameters: {', '.join(names) or 'none'})"
+            f"forward() has no parameter of that name for (its parameters: {', '.join(names) or 'none'})"
         )
     last = max(names.index(k) for k in inputs)
     missing = [p.name for p in params[:last] if p.name not in inputs and p.default is inspect.Parameter.empty]
@@ -352,9 +352,10 @@ def _check_batch(out: Any, name: str, path: Path) -> tuple[Any, torch.Tensor]:
         and (isinstance(out[0], tuple) or keyword)
         and isinstance(out[1], torch.Tensor)
     ):
+        whole = " (the whole batch as one dict: give the target apart)" if isinstance(out, Mapping) else ""
         raise ModelFileError(
-            f"{path.name}: {name}() must return (inputs, target_tensor) with the inputs a tuple or a dict of keyword "
-            f"inputs, got {shape_of(out)}; e.g. return (tokens,), targets"
+            f"{path.name}: {name}() must return a pair (inputs, target_tensor), the inputs a tuple or a dict of "
+            f"keyword inputs; got {shape_of(out)}{whole}; e.g. return (tokens,), targets"
         )
     return (dict(out[0]) if keyword else out[0]), out[1]
 
@@ -450,6 +451,10 @@ def load_model_file(path: str | Path, size: str | None = None, overrides: dict[s
         raise ModelFileError(f"{path} is not an importable Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling look the module up by name
+    # as `python model.py` does: the file's folder first on the path, so that it imports the modules
+    # beside it (kept: its functions may import them when called)
+    if str(p.parent) not in sys.path:
+        sys.path.insert(0, str(p.parent))
     try:
         with quiet_torchao_import():  # a model file importing transformers imports torchao where it is installed
             spec.loader.exec_module(module)

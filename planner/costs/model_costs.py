@@ -26,6 +26,7 @@ from planner.capture.contract import (
     check_batch_size,
     check_forward,
     check_traced_forward,
+    check_trainable,
     sequence_length,
 )
 from planner.capture.ep_plan import resolve_experts
@@ -165,6 +166,8 @@ def _traced(
     has enough blocks. On the meta device the forward is checked on the trace (``check_traced_forward``)."""
     if not on_meta and not checked:
         check_forward(mf, model, inputs, target)
+    elif on_meta:  # (the trace's own check runs its loss only)
+        check_trainable(mf, model)
     say(request, f"tracing {type(model).__name__}{' on the meta device' if on_meta else ''}")
     # expert (and context) parallelism's stages replace the experts' calls: the trace records them as the run's will
     experts = tuple(resolve_experts(mf, model).counts) if request.ep != 1 or request.cp != 1 else ()
