@@ -132,9 +132,10 @@ class PlannerGroup(click.Group):
 
 
 def stopped_line(error: RunFailed) -> str:
-    """What a run that stopped early says: "error: ..." for a failure (exit 1), the plain message for
-    Ctrl-C or SIGTERM (what the user asked for: "interrupted at step 6")."""
-    return f"{'error: ' if error.exit_code == 1 else ''}{printable(str(error))}"
+    """What a run that stopped early says: "error: ..." for a failure (exit 1, or 2: a user error on a
+    rank, as one in the launcher), the plain message for Ctrl-C or SIGTERM (what the user asked for:
+    "interrupted at step 6")."""
+    return f"{'error: ' if error.exit_code in (1, 2) else ''}{printable(str(error))}"
 
 
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -321,6 +321,13 @@ def test_a_fresh_data_run_builds_its_own_vocabulary_over_an_earlier_runs(tmp_pat
         plan, RunRequest(**{**request, "steps": 3}, data=second, checkpoint_dir=tmp_path / "shared", resume=True)
     )
     assert resumed.first_step == 3 and json.loads((tmp_path / "shared" / "vocab.json").read_text()) == kept
+    # resumed on another stream: refused before anything runs, rather than trained on silently
+    without = RunRequest(plan_file=path, steps=4, checkpoint_dir=tmp_path / "shared", resume=True, echo=False)
+    with pytest.raises(PlannerError, match=r"run on --data \(its vocab.json is there\); give the same --data and"):
+        run_plan(plan, without)
+    run_plan(plan, RunRequest(plan_file=path, steps=1, checkpoint_dir=tmp_path / "own", echo=False))
+    with pytest.raises(PlannerError, match="a run on the model file's own data; leave out --data to continue it"):
+        run_plan(plan, RunRequest(**{**request, "steps": 2}, data=second, checkpoint_dir=tmp_path / "own", resume=True))
 
 
 def test_fsdp_under_a_split_backward_schedule_is_refused_before_launch(tmp_path: Path) -> None:

@@ -44,8 +44,9 @@ def check_resume(plan: Plan, request: RunRequest) -> int:
     """The step a ``--resume`` run continues after (0: not resuming).
 
     Raises:
-        PlannerError: no complete checkpoint, one written for another model, or one at or past
-            ``--steps``.
+        PlannerError: no complete checkpoint, one written for another model, one at or past
+            ``--steps``, or one of a run on another data stream (the model file's where ``--data``
+            is given, a ``--data`` run's, which keeps its vocabulary beside it, where it is not).
     """
     if not request.resume:
         return 0
@@ -57,6 +58,14 @@ def check_resume(plan: Plan, request: RunRequest) -> int:
             "(a save that crashed leaves only a .partial folder, which is never resumed from)"
         )
     step = checkpoint_step(found, plan.model.fingerprint, "resume with the plan of that run")
+    was_text = kept_vocab(root) is not None  # a --data run keeps its vocabulary with its first checkpoint
+    if was_text != (request.data is not None):
+        ran = "--data (its vocab.json is there)" if was_text else "the model file's own data"
+        fix = "give the same --data and --tokenizer" if was_text else "leave out --data"
+        raise PlannerError(
+            f"--resume: {root} holds the checkpoints of a run on {ran}; {fix} to continue it (or start afresh "
+            "with another --checkpoint-dir)"
+        )
     if step >= request.steps:
         raise PlannerError(
             f"--resume: {found} is already at step {step}, and --steps {request.steps} is the run's last step "

@@ -70,7 +70,11 @@ class RunRequest(_Request):
         default=0, ge=0, description="Evaluate on the held-out split of --data every N steps (0: only at the end)."
     )
     eval_fraction: float = Field(
-        default=0.1, gt=0, lt=1, description="The share of --data's tokens held out for evaluation (the end of it)."
+        default=0.1,
+        gt=0,
+        lt=1,
+        allow_inf_nan=False,
+        description="The share of --data's tokens held out for evaluation (the end of it).",
     )
     eval_batches: int = Field(
         default=0, ge=0, description="Held-out batches per evaluation (0: the whole held-out split)."
