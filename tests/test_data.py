@@ -312,9 +312,9 @@ def test_state_of_another_stream_is_refused(counting: Path, tmp_path: Path) -> N
     state = counting_batches(counting).state_dict()
     other = tmp_path / "other.txt"
     other.write_text(counting.read_text()[::-1])
-    with pytest.raises(DataError, match="saved for another training stream"):
+    with pytest.raises(DataError, match=r"data stream is not this one: the text's training tokens \(--data, --tok"):
         counting_batches(other).load_state_dict(state)
-    with pytest.raises(DataError, match="saved for another training stream"):
+    with pytest.raises(DataError, match="data stream is not this one: the global batch changed since it was saved"):
         counting_batches(counting, global_rows=2).load_state_dict(state)
     with pytest.raises(DataError, match="not a planner-text-batches version 1 state"):
         counting_batches(counting).load_state_dict({"epoch": 0})

@@ -423,10 +423,17 @@ class TextBatches:
                 "that a --data run wrote"
             )
         if state.get("stream") != self._stream_id:
+            saved, now = state.get("stream"), self._stream_id
+            changed = [k for k in now if not isinstance(saved, Mapping) or saved.get(k) != now[k]]
+            what = {
+                "tokens": "the text's training tokens (--data, --tokenizer or --eval-fraction)",
+                "global_rows": "the global batch",
+                "seq_len": "the sequence length",
+            }
             raise DataError(
-                f"the data state was saved for another training stream ({state.get('stream')} against "
-                f"{self._stream_id} now): the corpus, tokenizer, vocabulary, global batch or seq_len changed; "
-                "resume with the same --data, --tokenizer and batch size, and the run's vocab.json"
+                f"the checkpoint's data stream is not this one: {', '.join(what.get(k, k) for k in changed)} "
+                "changed since it was saved; resume with the same --data, --tokenizer, --eval-fraction and batch "
+                "size (and the run's vocab.json)"
             )
         self._epoch = int(state["epoch"])
         self._loader.load_state_dict(dict(state["loader"]))
